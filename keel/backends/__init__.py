@@ -1,0 +1,1 @@
+"""Who executes: one package per backend, the same file names in each."""

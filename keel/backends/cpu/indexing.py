@@ -1,0 +1,3 @@
+"""cpu kernels of the indexing family."""
+
+from __future__ import annotations

@@ -1,0 +1,3 @@
+"""cpu kernels of the quantization family."""
+
+from __future__ import annotations

@@ -1,0 +1,3 @@
+"""reference kernels of the indexing family."""
+
+from __future__ import annotations

@@ -1,0 +1,3 @@
+"""reference kernels of the pooling family."""
+
+from __future__ import annotations

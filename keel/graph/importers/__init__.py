@@ -1,0 +1,1 @@
+"""keel.graph.importers."""

@@ -1,0 +1,3 @@
+"""Schemas of the conv family."""
+
+from __future__ import annotations

@@ -1,0 +1,3 @@
+"""Schemas of the elementwise family."""
+
+from __future__ import annotations

@@ -1,0 +1,3 @@
+"""Schemas of the indexing family."""
+
+from __future__ import annotations

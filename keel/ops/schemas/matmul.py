@@ -1,0 +1,3 @@
+"""Schemas of the matmul family."""
+
+from __future__ import annotations

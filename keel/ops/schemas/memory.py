@@ -1,0 +1,3 @@
+"""Schemas of the memory family."""
+
+from __future__ import annotations

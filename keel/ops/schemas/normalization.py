@@ -1,0 +1,3 @@
+"""Schemas of the normalization family."""
+
+from __future__ import annotations

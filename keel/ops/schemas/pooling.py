@@ -1,0 +1,3 @@
+"""Schemas of the pooling family."""
+
+from __future__ import annotations

@@ -1,0 +1,3 @@
+"""Schemas of the quantization family."""
+
+from __future__ import annotations

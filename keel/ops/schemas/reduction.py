@@ -1,0 +1,3 @@
+"""Schemas of the reduction family."""
+
+from __future__ import annotations

@@ -1,0 +1,3 @@
+"""Schemas of the resize family."""
+
+from __future__ import annotations

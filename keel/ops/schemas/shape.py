@@ -1,0 +1,3 @@
+"""Schemas of the shape family."""
+
+from __future__ import annotations

@@ -1,0 +1,114 @@
+"""Tensor types and checked shape arithmetic.
+
+A dimension is an ``int`` when known, a ``str`` when symbolic (``"batch"``)
+and ``None`` when unknown. Products of user-controlled dimensions are
+checked: an overflow is an :class:`InvalidArgumentError`, never a wrap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from keel.dtypes import DType
+from keel.errors import InvalidArgumentError
+
+__all__ = [
+    "MAX_ELEMENTS",
+    "Dim",
+    "Shape",
+    "TensorType",
+    "broadcast_shapes",
+    "checked_numel",
+    "normalize_axis",
+]
+
+Dim = int | str | None
+Shape = tuple[Dim, ...]
+
+# Largest element count keel accepts for one tensor (2**62: far past any real
+# memory, well inside int64 so byte counts cannot wrap either).
+MAX_ELEMENTS = 2**62
+
+
+@dataclass(frozen=True)
+class TensorType:
+    """A tensor's dtype and (possibly symbolic) shape."""
+
+    dtype: DType
+    shape: Shape | None          # None: rank unknown
+
+    @property
+    def rank(self) -> int | None:
+        return None if self.shape is None else len(self.shape)
+
+    @property
+    def is_static(self) -> bool:
+        return self.shape is not None and all(isinstance(d, int) for d in self.shape)
+
+    def numel(self) -> int | None:
+        if not self.is_static:
+            return None
+        return checked_numel(self.shape)  # type: ignore[arg-type]
+
+    def nbytes(self) -> int | None:
+        n = self.numel()
+        return None if n is None else n * self.dtype.itemsize
+
+    def __str__(self) -> str:
+        dims = "?" if self.shape is None else ", ".join("?" if d is None else str(d)
+                                                       for d in self.shape)
+        return f"{self.dtype.value}[{dims}]"
+
+
+def checked_numel(shape: Iterable[int], *, what: str = "shape") -> int:
+    """The element count of ``shape``, checked for negatives and overflow."""
+    total = 1
+    dims = tuple(shape)
+    for d in dims:
+        if not isinstance(d, int) or isinstance(d, bool):
+            raise InvalidArgumentError(f"{what} {dims} has a non-integer dimension {d!r}")
+        if d < 0:
+            raise InvalidArgumentError(f"{what} {dims} has a negative dimension {d}")
+        total *= d
+        if total > MAX_ELEMENTS:
+            raise InvalidArgumentError(
+                f"{what} {dims} has more than {MAX_ELEMENTS} elements (overflow)"
+            )
+    return total
+
+
+def normalize_axis(axis: int, rank: int, *, what: str = "axis") -> int:
+    """Map a possibly negative axis into ``[0, rank)``; out of range is an error."""
+    if not isinstance(axis, int) or isinstance(axis, bool):
+        raise InvalidArgumentError(f"{what} must be an int, got {axis!r}")
+    if not -rank <= axis < max(rank, 1):
+        raise InvalidArgumentError(
+            f"{what} {axis} is out of range for rank {rank}; allowed: {-rank}..{rank - 1}"
+        )
+    return axis + rank if axis < 0 else axis
+
+
+def broadcast_shapes(*shapes: Sequence[Dim]) -> Shape:
+    """NumPy broadcasting over possibly symbolic shapes."""
+    rank = max((len(s) for s in shapes), default=0)
+    out: list[Dim] = []
+    for i in range(-rank, 0):
+        dims = [s[i] for s in shapes if len(s) >= -i]
+        out.append(_broadcast_dim(dims, shapes))
+    return tuple(out)
+
+
+def _broadcast_dim(dims: list[Dim], shapes: Sequence[Sequence[Dim]]) -> Dim:
+    known = {d for d in dims if isinstance(d, int) and d != 1}
+    if len(known) > 1:
+        raise InvalidArgumentError(
+            f"shapes {', '.join(str(tuple(s)) for s in shapes)} cannot be broadcast together"
+        )
+    if known:
+        return known.pop()
+    symbolic = [d for d in dims if not isinstance(d, int)]
+    if not symbolic:
+        return 1
+    names = set(symbolic)
+    return names.pop() if len(names) == 1 and None not in names else None

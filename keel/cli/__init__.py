@@ -15,7 +15,7 @@ from keel.errors import KeelError
 
 __all__ = ["app", "main"]
 
-SUBCOMMANDS = ("probe", "plan", "backends")
+SUBCOMMANDS = ("probe", "plan", "backends", "bench")
 
 app = typer.Typer(
     name="keel",

@@ -1,0 +1,1 @@
+"""keel's benchmark suite: keel and onnxruntime side by side on the same models."""

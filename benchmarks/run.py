@@ -1,0 +1,152 @@
+"""Run keel's benchmark suite: keel's cpu backend against onnxruntime, side by side.
+
+    python -m benchmarks.run                       # every model, batches 1 and 32, 1 and 2 threads
+    python -m benchmarks.run --models lenet,mlp --passes 3
+
+Writes ``benchmarks/results/<stamp>.json`` (with the machine's probe) and
+``benchmarks/results/latest.md`` (the ratio table). Ratios are keel time over
+onnxruntime time, the median over alternating passes in one process: below
+1.0 keel is faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from benchmarks.zoo import MODELS, build
+from keel.bench import BenchConfig, ModelReport, bench_model, peak_rss_delta
+
+RESULTS = Path(__file__).resolve().parent / "results"
+RSS_MODELS = ("lenet", "resnet20", "mlp")
+# Targets of the suite, as keel/onnxruntime time ratios (lower is better).
+TARGETS = {
+    "b32": {"mlp": 1.0, "resnet18": 1.0, "bert_mini": 1.0,
+            "lenet": 1.25, "resnet20": 1.25, "mobilenetv2": 1.25},
+    "b1_t1": 1.5,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    config = BenchConfig(batches=args.batches, threads=args.threads, passes=args.passes,
+                         min_pass_seconds=args.pass_seconds)
+    reports: list[ModelReport] = []
+    for name in args.models:
+        spec = MODELS[name]
+        model = build(name)
+        report = bench_model(name, model, config,
+                             feeds_for=lambda b, s=spec: {s.input_name: s.make_input(b)},
+                             progress=lambda msg: print(f"  {msg}", flush=True))
+        if name in RSS_MODELS and not args.no_rss:
+            _add_rss(report, model)
+        reports.append(report)
+        print(_row(report, args), flush=True)
+    _write(reports, args)
+    return 0
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--batches", default="1,32")
+    p.add_argument("--threads", default="1,2")
+    p.add_argument("--passes", type=int, default=5)
+    p.add_argument("--pass-seconds", type=float, default=0.3)
+    p.add_argument("--no-rss", action="store_true")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    a = p.parse_args(argv)
+    a.models = [m.strip() for m in a.models.split(",") if m.strip()]
+    unknown = [m for m in a.models if m not in MODELS]
+    if unknown:
+        p.error(f"unknown model {unknown[0]!r}; choose from {', '.join(MODELS)}")
+    a.batches = tuple(int(b) for b in a.batches.split(","))
+    a.threads = tuple(int(t) for t in a.threads.split(","))
+    return a
+
+
+def _add_rss(report: ModelReport, model: bytes) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / f"{report.model}.onnx"
+        path.write_bytes(model)
+        for runtime in ("keel:cpu", "onnxruntime"):
+            report.peak_rss_mb[runtime] = round(peak_rss_delta(str(path), runtime), 1)
+
+
+def _row(r: ModelReport, args: argparse.Namespace) -> str:
+    cells = [f"{k}={v:.2f}" for k, v in sorted(r.ratios.items())]
+    return f"{r.model}: " + "  ".join(cells)
+
+
+def _write(reports: list[ModelReport], args: argparse.Namespace) -> None:
+    import keel
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    payload: dict[str, Any] = {
+        "stamp": stamp,
+        "python": platform.python_version(),
+        "keel": keel.__version__,
+        "onnxruntime": _ort_version(),
+        "config": {"batches": args.batches, "threads": args.threads, "passes": args.passes},
+        "machine": keel.probe().to_dict(),
+        "models": [r.to_dict() for r in reports],
+    }
+    (args.out / f"{stamp}.json").write_text(json.dumps(payload, indent=2))
+    (args.out / "latest.md").write_text(render_markdown(payload))
+    print(f"wrote {args.out / (stamp + '.json')} and {args.out / 'latest.md'}")
+
+
+def _ort_version() -> str:
+    import onnxruntime
+
+    return str(onnxruntime.__version__)
+
+
+def render_markdown(payload: dict[str, Any]) -> str:
+    """The ratio table: keel time / onnxruntime time per model and setting."""
+    cfg = payload["config"]
+    keys = [f"b{b}_t{t}" for b in cfg["batches"] for t in cfg["threads"]]
+    cpu = payload["machine"]["cpu"]
+    lines = [
+        f"# keel vs onnxruntime {payload['onnxruntime']} — {payload['stamp']}",
+        "",
+        f"Machine: {cpu.get('brand')}, {cpu.get('usable_cores')} usable cores, "
+        f"SIMD {cpu.get('simd_level')}; Python {payload['python']}.",
+        "Cells: keel time / onnxruntime time (median over alternating passes in one "
+        "process; < 1.0 means keel is faster). bN_tM = batch N with M threads.",
+        "",
+        "| model | " + " | ".join(keys) + " | load ms keel / ort | peak RSS MB keel / ort |",
+        "|---" * (len(keys) + 3) + "|",
+    ]
+    for m in payload["models"]:
+        ratios = [f"{m['ratios'][k]:.2f}" if k in m["ratios"] else "—" for k in keys]
+        load = m["load_ms"]
+        rss = m["peak_rss_mb"]
+        lines.append(
+            f"| {m['model']} | " + " | ".join(ratios)
+            + f" | {load.get('keel:cpu', float('nan')):.1f} / {load.get('onnxruntime', 0):.1f}"
+            + (f" | {rss['keel:cpu']} / {rss['onnxruntime']} |" if rss else " | — |")
+        )
+    lines += ["", "Medians (ms) per runtime:", "",
+              "| model | setting | keel median | keel p90 | ort median | ort p90 |",
+              "|---|---|---|---|---|---|"]
+    for m in payload["models"]:
+        by = {(x["runtime"].split(":")[0], x["batch"], x["threads"]): x
+              for x in m["measurements"]}
+        for b in cfg["batches"]:
+            for t in cfg["threads"]:
+                k, o = by.get(("keel", b, t)), by.get(("onnxruntime", b, t))
+                if k and o:
+                    lines.append(f"| {m['model']} | b{b}_t{t} | {k['median_ms']:.3f} | "
+                                 f"{k['p90_ms']:.3f} | {o['median_ms']:.3f} | {o['p90_ms']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,237 @@
+"""Side-by-side timing of keel and onnxruntime on one model, in one process.
+
+Shared machines flip between fast and slow states from one moment to the
+next, so nothing here trusts a single time: runs alternate between the
+runtimes pass by pass, each pass gives a ratio of medians, and the reported
+ratio is the median over passes. Speed is reported, never asserted.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from keel.errors import BackendSelectionError, InvalidArgumentError
+
+__all__ = [
+    "BenchConfig",
+    "Measurement",
+    "ModelReport",
+    "bench_model",
+    "peak_rss_delta",
+    "random_feeds",
+]
+
+Runner = Callable[[], Any]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    batches: tuple[int, ...] = (1, 32)
+    threads: tuple[int, ...] = (1,)
+    passes: int = 5
+    min_pass_seconds: float = 0.2      # per runtime, per pass
+    min_iters: int = 3
+    backend: str = "cpu"
+    vs: str | None = "onnxruntime"
+
+
+@dataclass(frozen=True)
+class Measurement:
+    runtime: str                       # "keel:cpu" or "onnxruntime"
+    batch: int
+    threads: int
+    median_ms: float
+    p90_ms: float
+    throughput: float                  # samples per second, from the median
+    samples: int
+
+
+@dataclass
+class ModelReport:
+    model: str
+    measurements: list[Measurement] = field(default_factory=list)
+    # (batch, threads) -> median over passes of keel_median / other_median
+    ratios: dict[str, float] = field(default_factory=dict)
+    load_ms: dict[str, float] = field(default_factory=dict)
+    peak_rss_mb: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+
+def random_feeds(inputs: Sequence[Any], batch: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random feeds for keel ``TensorInfo`` inputs; symbolic dims take ``batch`` (first) or 1."""
+    rng = np.random.default_rng(seed)
+    feeds: dict[str, np.ndarray] = {}
+    for info in inputs:
+        shape = tuple(
+            d if isinstance(d, int) else (batch if i == 0 else 1)
+            for i, d in enumerate(info.shape)
+        )
+        dtype = np.dtype(info.dtype.numpy if hasattr(info.dtype, "numpy") else info.dtype)
+        if dtype.kind in "iu":
+            feeds[info.name] = rng.integers(0, 100, size=shape).astype(dtype)
+        elif dtype.kind == "b":
+            feeds[info.name] = rng.random(shape) > 0.5
+        else:
+            feeds[info.name] = rng.standard_normal(shape).astype(dtype)
+    return feeds
+
+
+def _time_block(run: Runner, min_seconds: float, min_iters: int) -> list[float]:
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < min_iters or time.perf_counter() - start < min_seconds:
+        t0 = time.perf_counter()
+        run()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def _ort_session(model: bytes, threads: int) -> Any:
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        raise BackendSelectionError(
+            "onnxruntime", "the onnxruntime package is not installed (pip install onnxruntime)"
+        ) from None
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    return ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
+
+
+def _load_keel(model: bytes, backend: str, threads: int) -> Any:
+    from keel.execution.model import load_model
+
+    return load_model(model, backend=backend, threads=threads)
+
+
+def bench_model(
+    name: str,
+    model: bytes,
+    config: BenchConfig,
+    feeds_for: Callable[[int], Mapping[str, np.ndarray]] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> ModelReport:
+    """Measure keel (and ``config.vs``) on ``model`` for every batch × threads."""
+    if config.vs not in (None, "onnxruntime"):
+        raise InvalidArgumentError(f"--vs {config.vs!r} is not supported; allowed: onnxruntime")
+    report = ModelReport(name)
+    for threads in config.threads:
+        keel_model, keel_load = _timed_load(lambda t=threads: _load_keel(model, config.backend, t))
+        report.load_ms.setdefault(f"keel:{config.backend}", keel_load)
+        ort_sess = None
+        if config.vs:
+            ort_sess, ort_load = _timed_load(lambda t=threads: _ort_session(model, t))
+            report.load_ms.setdefault("onnxruntime", ort_load)
+        for batch in config.batches:
+            feeds = dict(feeds_for(batch) if feeds_for else random_feeds(keel_model.inputs, batch))
+            if progress:
+                progress(f"{name}: batch {batch}, {threads} thread(s)")
+            _bench_pair(report, keel_model, ort_sess, feeds, batch, threads, config)
+    return report
+
+
+def _timed_load(load: Callable[[], Any], repeats: int = 3) -> tuple[Any, float]:
+    times, obj = [], None
+    for _ in range(repeats):
+        gc.collect()
+        t0 = time.perf_counter()
+        obj = load()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return obj, statistics.median(times)
+
+
+def _bench_pair(report: ModelReport, keel_model: Any, ort_sess: Any,
+                feeds: dict[str, np.ndarray], batch: int, threads: int,
+                config: BenchConfig) -> None:
+    runners: dict[str, Runner] = {f"keel:{config.backend}": lambda: keel_model.predict(feeds)}
+    if ort_sess is not None:
+        runners["onnxruntime"] = lambda: ort_sess.run(None, feeds)
+    for run in runners.values():       # warm up: first-run planning, caches, thread pools
+        run()
+        run()
+    samples: dict[str, list[float]] = {k: [] for k in runners}
+    pass_ratios: list[float] = []
+    for _ in range(config.passes):
+        medians = {}
+        for key, run in runners.items():
+            block = _time_block(run, config.min_pass_seconds, config.min_iters)
+            samples[key].extend(block)
+            medians[key] = statistics.median(block)
+        if len(medians) == 2:
+            keel_key = f"keel:{config.backend}"
+            pass_ratios.append(medians[keel_key] / medians["onnxruntime"])
+    for key, times in samples.items():
+        med = statistics.median(times)
+        report.measurements.append(Measurement(
+            key, batch, threads, med, float(np.percentile(times, 90)),
+            batch * 1e3 / med, len(times),
+        ))
+    if pass_ratios:
+        report.ratios[f"b{batch}_t{threads}"] = statistics.median(pass_ratios)
+
+
+_RSS_SCRIPT = """
+import resource, sys
+import numpy as np
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+runtime, path, batch = sys.argv[1], sys.argv[2], int(sys.argv[3])
+if runtime == "baseline":
+    peak = base
+else:
+    if runtime == "onnxruntime":
+        import onnxruntime as ort
+        opts = ort.SessionOptions(); opts.intra_op_num_threads = 1
+        sess = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+        inputs = [(i.name, i.shape, i.type) for i in sess.get_inputs()]
+        run = lambda f: sess.run(None, f)
+    else:
+        import keel
+        m = keel.load_model(path, backend=runtime.split(":")[1], threads=1)
+        inputs = [(i.name, list(i.shape), "tensor(" + ("int64" if i.dtype.value == "int64"
+                   else "float") + ")") for i in m.inputs]
+        run = m.predict
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for name, shape, typ in inputs:
+        shp = [d if isinstance(d, int) else (batch if k == 0 else 1) for k, d in enumerate(shape)]
+        feeds[name] = (rng.integers(0, 100, size=shp) if "int64" in typ
+                       else rng.standard_normal(shp).astype(np.float32))
+    for _ in range(3):
+        run(feeds)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(peak * (1 if sys.platform == "darwin" else 1024))
+"""
+
+
+def peak_rss_delta(model_path: str, runtime: str, batch: int = 1) -> float:
+    """Peak RSS (MB) of a fresh process that runs the model, minus one that imports numpy."""
+    def measure(kind: str) -> int:
+        out = subprocess.run(
+            [sys.executable, "-c", _RSS_SCRIPT, kind, model_path, str(batch)],
+            capture_output=True, text=True, timeout=600,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        if out.returncode != 0:
+            raise RuntimeError(f"peak-RSS child for {kind} failed: {out.stderr.strip()[-400:]}")
+        return int(out.stdout.strip().splitlines()[-1])
+
+    return (measure(runtime) - measure("baseline")) / 1e6

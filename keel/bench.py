@@ -8,6 +8,7 @@ ratio is the median over passes. Speed is reported, never asserted.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -135,11 +136,12 @@ def bench_model(
         raise InvalidArgumentError(f"--vs {config.vs!r} is not supported; allowed: onnxruntime")
     report = ModelReport(name)
     for threads in config.threads:
-        keel_model, keel_load = _timed_load(lambda t=threads: _load_keel(model, config.backend, t))
+        keel_model, keel_load = _timed_load(
+            functools.partial(_load_keel, model, config.backend, threads))
         report.load_ms.setdefault(f"keel:{config.backend}", keel_load)
         ort_sess = None
         if config.vs:
-            ort_sess, ort_load = _timed_load(lambda t=threads: _ort_session(model, t))
+            ort_sess, ort_load = _timed_load(functools.partial(_ort_session, model, threads))
             report.load_ms.setdefault("onnxruntime", ort_load)
         for batch in config.batches:
             feeds = dict(feeds_for(batch) if feeds_for else random_feeds(keel_model.inputs, batch))

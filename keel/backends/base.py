@@ -11,14 +11,29 @@ private hooks:
 * ``_check_available() -> Availability`` — called once; never raises.
 * ``_kernels() -> KernelTable`` — the kernels this backend runs.
 * ``xp`` — the array namespace (``numpy``, ``cupy``) kernels receive.
-* ``_to_device(host_array)`` / ``_to_host(array)`` — copies in and out.
+* ``_to_device(host_array)`` / ``_to_host(array)`` — copies in and out
+  (defaults: ``xp.array(host)`` and ``np.array(array)``; both copy).
 * ``_synchronize()`` — wait for queued work (no-op on the CPU).
 
-The public methods (``run``, ``allocate``, ``write``, ``read``) are final:
-they validate arguments, check the op against the schema and wrap kernel
-failures in typed errors. ``run`` computes into fresh arrays and copies into
-the caller's outputs only once the kernel succeeded, so a failing op leaves
-its outputs untouched.
+Optional hooks, with defaults that suit a NumPy backend:
+
+* ``_is_native(array) -> bool`` — whether ``run`` may take the array as is.
+* ``_validate_tensor(shape, dtype)`` — reject tensors this backend cannot hold
+  (raise ``InvalidArgumentError``); called by ``allocate`` and ``to_device``.
+* ``_execution_scope(op)`` — a context manager around kernel calls (thread
+  limits, the current device); ``op`` is ``None`` around a whole program.
+* ``_free(array)`` — give memory back early (a memory pool, a device buffer).
+* ``_capability_details()`` — extra ``Capabilities`` fields (simd_level,
+  threads, memory_bytes, notes).
+
+The public methods (``run``, ``allocate``, ``free``, ``write``, ``read``,
+``to_device``) are final: they validate arguments, check the op against the
+schema and wrap kernel failures in typed errors. ``run`` computes into fresh
+arrays and copies into the caller's outputs only once the kernel succeeded
+and every result matches its output's shape and dtype, so a failing op leaves
+its outputs untouched. An op the backend lacks raises
+``UnsupportedOperationError`` naming the backends that have it (known once a
+registry has set ``peers``).
 
 Kernels
 -------
@@ -28,13 +43,21 @@ schema-normalized attributes, ``out`` either ``None`` or preallocated output
 arrays the kernel should write into (it returns them). Kernels register in a
 :class:`KernelTable` with ``@table.kernel(Op.ADD)``; several *variants* of one
 op may register with metadata, and a ``default`` variant is always present.
+``dtypes`` on a variant lists the dtypes of its first input it accepts; ``run``
+turns any other into ``UnsupportedOperationError``. A ``cpu`` kernel that only
+works with NumPy (not with CuPy through ``ctx.xp``) registers with
+``host_only=True`` in its metadata; the ``gpu`` backend leaves it out.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import enum
+import operator
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, final
 
@@ -61,6 +84,7 @@ __all__ = [
     "KernelContext",
     "KernelTable",
     "KernelVariant",
+    "dtype_of",
 ]
 
 
@@ -158,12 +182,19 @@ class KernelTable:
 
 @dataclass(frozen=True)
 class Availability:
+    """Whether a backend can run here, and why (not)."""
+
     available: bool
     reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"available": self.available, "reason": self.reason}
 
 
 @dataclass(frozen=True)
 class Capabilities:
+    """What a backend offers: plain data that prints as JSON."""
+
     name: str
     device: DeviceKind
     available: bool
@@ -174,6 +205,17 @@ class Capabilities:
     threads: int | None = None
     memory_bytes: int | None = None
     notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["device"] = self.device.value
+        data["dtypes"], data["ops"], data["notes"] = (
+            list(self.dtypes), list(self.ops), list(self.notes))
+        return data
+
+
+# (op) -> names of the backends that have a kernel for it; set by a registry.
+PeerLookup = Callable[[Op], Sequence[str]]
 
 
 class Backend(ABC):
@@ -187,6 +229,7 @@ class Backend(ABC):
         self._availability: Availability | None = None
         self._table: KernelTable | None = None
         self.threads: int | None = None
+        self.peers: PeerLookup | None = None
 
     # ---- hooks ---------------------------------------------------------
     @abstractmethod
@@ -200,10 +243,22 @@ class Backend(ABC):
     def xp(self) -> Any: ...
 
     def _to_device(self, host: np.ndarray) -> Any:
-        return self.xp.asarray(host)
+        return self.xp.array(host, copy=True)
 
     def _to_host(self, array: Any) -> np.ndarray:
-        return np.asarray(array)
+        return np.array(array, copy=True)
+
+    def _is_native(self, array: Any) -> bool:
+        return isinstance(array, np.ndarray)
+
+    def _validate_tensor(self, shape: tuple[int, ...], dtype: DType) -> None:
+        return None
+
+    def _execution_scope(self, op: Op | None) -> AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def _free(self, array: Any) -> None:
+        return None
 
     def _synchronize(self) -> None:
         return None
@@ -211,14 +266,16 @@ class Backend(ABC):
     def _capability_details(self) -> dict[str, Any]:
         return {}
 
-    # ---- public, final ------------------------------------------------
+    # ---- availability and capabilities ---------------------------------
     @final
     def availability(self) -> Availability:
+        """Whether this backend can run here; checked once, never raises."""
         if self._availability is None:
             try:
                 self._availability = self._check_available()
             except Exception as exc:  # an availability check never raises
-                self._availability = Availability(False, f"availability check failed: {exc}")
+                self._availability = Availability(
+                    False, f"availability check failed: {type(exc).__name__}: {exc}")
         return self._availability
 
     @final
@@ -227,6 +284,7 @@ class Backend(ABC):
 
     @final
     def require_available(self) -> None:
+        """Raise ``BackendSelectionError`` naming this backend when it cannot run here."""
         avail = self.availability()
         if not avail.available:
             raise BackendSelectionError(self.name, avail.reason)
@@ -238,14 +296,16 @@ class Backend(ABC):
         return self._table
 
     @final
-    def supports(self, op: Op | str, dtype: DType | None = None) -> bool:
+    def supports(self, op: Op | str, dtype: DType | str | None = None) -> bool:
+        """Whether a default kernel for ``op`` exists here (for ``dtype``, when given)."""
         op = to_op(op)
         if op not in self.kernels:
             return False
         if dtype is None:
             return True
+        dt = as_dtype(dtype)
         v = self.kernels.get(op)
-        return (dtype in self.dtypes) and (v.dtypes is None or dtype in v.dtypes)
+        return (dt in self.dtypes) and (v.dtypes is None or dt in v.dtypes)
 
     @final
     def capabilities(self) -> Capabilities:
@@ -265,42 +325,85 @@ class Backend(ABC):
         return KernelContext(self.xp, self.name, self.device, self.threads)
 
     @final
+    def execution_scope(self, op: Op | None = None) -> AbstractContextManager[Any]:
+        """The context kernels of this backend run in (thread limits, current device).
+
+        ``run`` enters it around every kernel with its op (a backend may skip
+        what that op does not need); an executor calling kernels directly
+        enters it once, without an op, around a whole program.
+        """
+        return self._execution_scope(op)
+
+    # ---- memory --------------------------------------------------------
+    @final
     def allocate(self, shape: Sequence[int], dtype: DType | str) -> Any:
+        """A zero-filled array of this backend."""
         self.require_available()
-        dt = as_dtype(dtype)
-        if dt not in self.dtypes:
-            raise InvalidArgumentError(
-                f"backend {self.name!r} cannot hold {dt.value}; allowed: "
-                f"{', '.join(sorted(d.value for d in self.dtypes))}"
-            )
-        checked_numel(tuple(shape))
+        dims, dt = self._checked_tensor(shape, dtype)
         try:
-            return self.xp.zeros(tuple(int(d) for d in shape), dtype=dt.numpy)
+            with self.execution_scope():
+                return self.xp.zeros(dims, dtype=dt.numpy)
         except MemoryError as exc:
-            raise ExecutionError(f"cannot allocate {tuple(shape)} {dt.value}: {exc}") from None
+            raise ExecutionError(f"cannot allocate {dims} {dt.value}: {exc}") from None
+
+    @final
+    def free(self, array: Any) -> None:
+        """Give ``array``'s memory back early; the array must not be used afterwards."""
+        self._free(array)
 
     @final
     def write(self, array: Any, data: Any) -> None:
+        """Copy host ``data`` (same shape, or same element count) into ``array``."""
         host = np.asarray(data)
         if tuple(host.shape) != tuple(array.shape) and host.size != array.size:
             raise InvalidArgumentError(
                 f"cannot write data of shape {host.shape} into a tensor of shape {array.shape}"
             )
+        if not np.can_cast(host.dtype, array.dtype, casting="same_kind"):
+            raise InvalidArgumentError(
+                f"cannot write {host.dtype} data into a tensor of dtype {array.dtype} without "
+                "changing its kind; convert it first"
+            )
         array[...] = self._to_device(host.reshape(array.shape).astype(array.dtype, copy=False))
 
     @final
     def to_device(self, host: Any) -> Any:
+        """A copy of host data as an array of this backend (``None`` stays ``None``)."""
+        if host is None:
+            return None
         self.require_available()
-        return self._to_device(np.asarray(host))
+        data = np.asarray(host)
+        self._checked_tensor(data.shape, DType.from_numpy(data.dtype))
+        with self.execution_scope():
+            return self._to_device(data)
 
     @final
     def read(self, array: Any) -> np.ndarray:
+        """A host (NumPy) copy of ``array``."""
         return self._to_host(array)
 
     @final
     def synchronize(self) -> None:
         self._synchronize()
 
+    def _checked_tensor(self, shape: Sequence[int], dtype: DType | str) -> tuple[
+            tuple[int, ...], DType]:
+        dt = as_dtype(dtype)
+        if dt not in self.dtypes:
+            raise InvalidArgumentError(
+                f"backend {self.name!r} cannot hold {dt.value}; allowed: "
+                f"{', '.join(sorted(d.value for d in self.dtypes))}"
+            )
+        try:
+            dims = tuple(operator.index(d) for d in shape)
+        except TypeError:
+            raise InvalidArgumentError(
+                f"shape {tuple(shape)!r} must hold integers only") from None
+        checked_numel(dims)
+        self._validate_tensor(dims, dt)
+        return dims, dt
+
+    # ---- running ops ---------------------------------------------------
     @final
     def run(
         self,
@@ -314,28 +417,87 @@ class Backend(ABC):
         self.require_available()
         op = to_op(op)
         if op not in self.kernels:
-            raise UnsupportedOperationError(op.value, self.name)
+            raise UnsupportedOperationError(op.value, self.name, supported_on=self._peers(op))
         schema = get_schema(op)
         schema.check_arity(len(inputs), None if outputs is None else len(outputs))
         norm = schema.normalize_attrs(attrs or {})
         kernel = self.kernels.get(op, variant)
+        self._check_inputs(op, kernel, inputs)
+        for i, o in enumerate(outputs or ()):
+            if not self._is_native(o):
+                raise InvalidArgumentError(
+                    f"{op.value}: output {i} is a {type(o).__module__}.{type(o).__name__}; "
+                    f"backend {self.name!r} writes into its own arrays only")
         try:
-            results = list(kernel.fn(self.context(), list(inputs), norm, None))
+            with self.execution_scope(op):
+                # A kernel that writes into buffers gets scratch ones shaped like the
+                # outputs (``fill`` learns its shape from them); the caller's
+                # outputs are written only once everything succeeded.
+                scratch = None if outputs is None or not kernel.supports_out else [
+                    self.xp.empty(tuple(o.shape), dtype=o.dtype) for o in outputs]
+                results = list(kernel.fn(self.context(), list(inputs), norm, scratch))
         except KeelError:
             raise
         except Exception as exc:
             raise ExecutionError(f"{type(exc).__name__}: {exc}", node=op.value) from exc
         if outputs is None:
             return results
-        for dst, src in zip(outputs, results, strict=True):
-            if tuple(dst.shape) != tuple(src.shape):
-                raise InvalidArgumentError(
-                    f"{op.value}: output has shape {tuple(dst.shape)}, result has "
-                    f"{tuple(src.shape)}"
-                )
+        _check_results(op, outputs, results)
         for dst, src in zip(outputs, results, strict=True):
             dst[...] = src
         return list(outputs)
 
+    def _peers(self, op: Op) -> tuple[str, ...]:
+        if self.peers is None:
+            return ()
+        return tuple(name for name in self.peers(op) if name != self.name)
+
+    def _check_inputs(self, op: Op, kernel: KernelVariant, inputs: Sequence[Any]) -> None:
+        for i, x in enumerate(inputs):
+            if x is None:
+                continue
+            if not self._is_native(x):
+                raise InvalidArgumentError(
+                    f"{op.value}: input {i} is a {type(x).__module__}.{type(x).__name__}; "
+                    f"backend {self.name!r} takes its own arrays (use to_device first)"
+                )
+            self._validate_tensor(tuple(x.shape), dtype_of(x))
+        first = next((x for x in inputs if x is not None), None)
+        if first is None:
+            return
+        dt = dtype_of(first)
+        if dt not in self.dtypes or (kernel.dtypes is not None and dt not in kernel.dtypes):
+            allowed = kernel.dtypes if kernel.dtypes is not None else self.dtypes
+            raise UnsupportedOperationError(
+                op.value, self.name, supported_on=self._peers(op),
+                detail=f"dtype {dt.value}; this backend takes "
+                       f"{', '.join(sorted(d.value for d in allowed & self.dtypes))}",
+            )
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
+
+
+_DTYPES: dict[Any, DType] = {}
+
+
+def dtype_of(array: Any) -> DType:
+    """The keel dtype of a NumPy or CuPy array (memoized: this runs for every input)."""
+    dt = _DTYPES.get(array.dtype)
+    if dt is None:
+        dt = _DTYPES[array.dtype] = DType.from_numpy(array.dtype)
+    return dt
+
+
+def _check_results(op: Op, outputs: Sequence[Any], results: Sequence[Any]) -> None:
+    """Every result must match its output buffer before any buffer is written."""
+    if len(outputs) != len(results):
+        raise InvalidArgumentError(
+            f"{op.value}: {len(outputs)} outputs given, the op produced {len(results)}"
+        )
+    for i, (dst, src) in enumerate(zip(outputs, results, strict=True)):
+        if tuple(dst.shape) != tuple(src.shape) or dst.dtype != src.dtype:
+            raise InvalidArgumentError(
+                f"{op.value}: output {i} is {dst.dtype}{list(dst.shape)}, the result is "
+                f"{src.dtype}{list(src.shape)}"
+            )

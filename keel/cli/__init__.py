@@ -15,7 +15,7 @@ from keel.errors import KeelError
 
 __all__ = ["app", "main"]
 
-SUBCOMMANDS = ("probe", "plan", "backends", "bench")
+SUBCOMMANDS = ("probe", "plan", "backends", "bench", "drop", "demo", "convert", "run", "validate")
 
 app = typer.Typer(
     name="keel",

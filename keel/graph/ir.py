@@ -8,6 +8,7 @@ of ``""`` is an absent optional input. Initializers are constant NumPy arrays.
 from __future__ import annotations
 
 import copy
+import heapq
 import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -20,7 +21,40 @@ from keel.errors import VerificationError
 from keel.ops.registry import Op
 from keel.ops.types import TensorType
 
-__all__ = ["Graph", "Node", "Value"]
+__all__ = ["Graph", "Node", "Value", "match_attr_name"]
+
+
+def _canon(name: str) -> str:
+    return name.replace("_", "").lower()
+
+
+# Spellings that differ between ONNX and keel schemas beyond case and underscores.
+_SYNONYMS: dict[str, tuple[str, ...]] = {
+    "group": ("groups",),
+    "groups": ("group",),
+    "epsilon": ("eps",),
+    "eps": ("epsilon",),
+    "to": ("dtype",),
+    "dtype": ("to",),
+    "keepdims": ("keep_dims",),
+}
+
+
+def match_attr_name(wanted: str, names: Iterable[str]) -> str | None:
+    """The name among ``names`` that spells attribute ``wanted``, or None.
+
+    ONNX spells attributes ``transA``/``keepdims``; keel schemas use snake_case
+    (``trans_a``). Matching ignores case and underscores and knows a few synonyms,
+    so the importer, the passes and the exporter agree on one spelling: the schema's.
+    """
+    pool = list(names)
+    if wanted in pool:
+        return wanted
+    for cand in (wanted, *_SYNONYMS.get(wanted, ())):
+        for name in pool:
+            if _canon(name) == _canon(cand):
+                return name
+    return None
 
 
 @dataclass(frozen=True)
@@ -45,6 +79,17 @@ class Node:
 
     def present_inputs(self) -> list[str]:
         return [i for i in self.inputs if i]
+
+    def input(self, index: int) -> str:
+        """Input ``index``, or ``""`` when it is absent or past the end."""
+        return self.inputs[index] if index < len(self.inputs) else ""
+
+    def attr(self, name: str, default: Any = None) -> Any:
+        """Attribute ``name`` in ONNX or keel spelling (see :func:`match_attr_name`)."""
+        key = match_attr_name(name, self.attrs)
+        if key is None or self.attrs[key] is None:
+            return default
+        return self.attrs[key]
 
 
 @dataclass
@@ -84,14 +129,27 @@ class Graph:
         return [v.name for v in self.inputs]
 
     @property
+    def optional_input_names(self) -> list[str]:
+        """Graph inputs that have an initializer: the caller may feed them or not."""
+        return [v.name for v in self.inputs if v.name in self.initializers]
+
+    def is_constant(self, name: str) -> bool:
+        """True for an initializer the caller cannot override (not also a graph input)."""
+        return name in self.initializers and name not in self.input_names
+
+    def constant(self, name: str) -> np.ndarray | None:
+        """The value of a non-overridable initializer, else None."""
+        return self.initializers[name] if self.is_constant(name) else None
+
+    @property
     def output_names(self) -> list[str]:
         return [v.name for v in self.outputs]
 
     def copy(self) -> Graph:
-        """A copy whose nodes and dicts may be changed freely (arrays are shared)."""
+        """A copy whose nodes, their lists and dicts may be changed freely (arrays are shared)."""
         return Graph(
             name=self.name,
-            nodes=[copy.copy(n) for n in self.nodes],
+            nodes=[_copy_node(n) for n in self.nodes],
             inputs=list(self.inputs),
             outputs=list(self.outputs),
             initializers=dict(self.initializers),
@@ -100,13 +158,23 @@ class Graph:
             metadata=dict(self.metadata),
         )
 
-    def fresh_name(self, base: str) -> str:
-        taken = self._all_names()
+    def fresh_name(self, base: str, taken: set[str] | None = None) -> str:
+        """A name used nowhere in the graph.
+
+        ``taken`` (from :meth:`names`, kept by the caller across many calls) saves
+        scanning the graph each time; the new name is added to it.
+        """
+        used = self._all_names() if taken is None else taken
         for i in itertools.count():
             cand = f"{base}_{i}"
-            if cand not in taken:
+            if cand not in used:
+                used.add(cand)
                 return cand
         raise AssertionError("unreachable")
+
+    def names(self) -> set[str]:
+        """Every value and node name in the graph."""
+        return self._all_names()
 
     def _all_names(self) -> set[str]:
         names = set(self.initializers) | set(self.input_names) | set(self.output_names)
@@ -153,21 +221,41 @@ class Graph:
                 defined.add(o)
 
     def toposort(self) -> None:
-        """Reorder nodes topologically (stable); a cycle raises ``VerificationError``."""
+        """Reorder nodes topologically, keeping the given order where it is free.
+
+        A cycle or a value that no node, input or initializer defines raises
+        ``VerificationError``.
+        """
         available = set(self.initializers) | set(self.input_names) | {""}
-        pending = list(self.nodes)
-        ordered: list[Node] = []
-        while pending:
-            ready = [n for n in pending if all(i in available for i in n.inputs)]
-            if not ready:
-                names = ", ".join(n.name for n in pending[:5])
-                raise VerificationError(f"graph has a cycle or dangling inputs at: {names}")
-            ready_ids = {id(n) for n in ready}
-            pending = [n for n in pending if id(n) not in ready_ids]
-            for n in ready:
-                ordered.append(n)
-                available.update(n.outputs)
-        self.nodes = ordered
+        producer: dict[str, int] = {}
+        for idx, n in enumerate(self.nodes):
+            for o in n.outputs:
+                if o:
+                    producer.setdefault(o, idx)
+        waiting: list[int] = [0] * len(self.nodes)
+        dependents: dict[int, list[int]] = {}
+        for idx, n in enumerate(self.nodes):
+            for i in set(n.inputs) - available:
+                if i not in producer:
+                    raise VerificationError(
+                        f"node {n.name!r} ({n.op.value}) reads {i!r}, which nothing defines"
+                    )
+                waiting[idx] += 1
+                dependents.setdefault(producer[i], []).append(idx)
+        ready = [idx for idx, w in enumerate(waiting) if w == 0]
+        heapq.heapify(ready)
+        order: list[int] = []
+        while ready:
+            idx = heapq.heappop(ready)
+            order.append(idx)
+            for d in dependents.get(idx, ()):
+                waiting[d] -= 1
+                if waiting[d] == 0:
+                    heapq.heappush(ready, d)
+        if len(order) < len(self.nodes):
+            stuck = [self.nodes[i].name for i, w in enumerate(waiting) if w > 0][:5]
+            raise VerificationError(f"graph has a cycle through: {', '.join(stuck)}")
+        self.nodes = [self.nodes[i] for i in order]
 
     def remove_unused_initializers(self) -> None:
         used = {i for n in self.nodes for i in n.inputs} | set(self.output_names)
@@ -181,3 +269,11 @@ class Graph:
         """
         for n in self.nodes if nodes is None else nodes:
             n.inputs = [new if i == old else i for i in n.inputs]
+
+
+def _copy_node(n: Node) -> Node:
+    clone = copy.copy(n)
+    clone.inputs = list(n.inputs)
+    clone.outputs = list(n.outputs)
+    clone.attrs = dict(n.attrs)
+    return clone

@@ -22,6 +22,7 @@ __all__ = [
     "GpuInfo",
     "HardwareProfile",
     "MemoryInfo",
+    "unexplained_fields",
 ]
 
 GIB = 1024**3
@@ -40,8 +41,10 @@ class CpuInfo:
     base_frequency_mhz: float | None = None
     max_frequency_mhz: float | None = None
     simd: tuple[str, ...] = ()                # normalised lower-case feature names
-    simd_level: str = "scalar"                # scalar|sse4.2|avx|avx2|avx512|neon|sve|...
+    simd_level: str = "scalar"                # scalar|sse2|sse4.2|avx|avx2|avx512|neon|sve|sve2
     source: str = "none"
+    current_frequency_mhz: float | None = None
+    simd_source: str = "none"                 # where simd was read: /proc/cpuinfo flags, ...
     notes: tuple[str, ...] = ()
 
     def has(self, feature: str) -> bool:
@@ -254,3 +257,27 @@ def _mapping(value: Any, where: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise InvalidArgumentError(f"{where} must be a mapping, got {type(value).__name__}")
     return value
+
+
+def unexplained_fields(profile: HardwareProfile) -> list[str]:
+    """Dotted names of ``None`` fields that carry no ``field: why`` note.
+
+    A complete probe returns an empty list: every field is a reading or says
+    why it is not.
+    """
+    records: list[tuple[str, Any, tuple[str, ...]]] = [
+        ("", profile, profile.notes),
+        ("cpu.", profile.cpu, profile.cpu.notes),
+        ("memory.", profile.memory, profile.memory.notes),
+    ]
+    records += [(f"gpus[{i}].", g, g.notes) for i, g in enumerate(profile.gpus)]
+    missing = []
+    for prefix, record, notes in records:
+        for f in dataclasses.fields(record):
+            value = getattr(record, f.name)
+            if value is None and not any(n.startswith(f"{f.name}:") for n in notes):
+                missing.append(prefix + f.name)
+    missing += [
+        f"accelerators[{i}].detail" for i, a in enumerate(profile.accelerators) if a.detail is None
+    ]
+    return missing

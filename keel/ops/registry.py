@@ -177,6 +177,37 @@ class Op(str, enum.Enum):
     DYNAMIC_QUANTIZE_LINEAR = "dynamic_quantize_linear"
     QLINEAR_MATMUL = "qlinear_matmul"
     QLINEAR_CONV = "qlinear_conv"
+    # losses
+    NEGATIVE_LOG_LIKELIHOOD_LOSS = "negative_log_likelihood_loss"
+    SOFTMAX_CROSS_ENTROPY_LOSS = "softmax_cross_entropy_loss"
+    # attention and the transformer-block ops around it
+    ONNX_ATTENTION = "onnx_attention"
+    ROTARY_EMBEDDING = "rotary_embedding"
+    SWIGLU = "swiglu"
+    TENSOR_SCATTER = "tensor_scatter"
+    # vision
+    GRID_SAMPLE = "grid_sample"
+    AFFINE_GRID = "affine_grid"
+    ROI_ALIGN = "roi_align"
+    NON_MAX_SUPPRESSION = "non_max_suppression"
+    COL2IM = "col2im"
+    CENTER_CROP_PAD = "center_crop_pad"
+    MAX_UNPOOL = "max_unpool"
+    DEFORM_CONV = "deform_conv"
+    # signal processing
+    DFT = "dft"
+    STFT = "stft"
+    HANN_WINDOW = "hann_window"
+    HAMMING_WINDOW = "hamming_window"
+    BLACKMAN_WINDOW = "blackman_window"
+    MEL_WEIGHT_MATRIX = "mel_weight_matrix"
+    # recurrent
+    RNN = "rnn"
+    GRU = "gru"
+    LSTM = "lstm"
+    # numeric utilities
+    BITCAST = "bitcast"
+    DET = "det"
 
 
 class OpGroup(frozenset[Op], enum.Enum):
@@ -196,22 +227,26 @@ class OpGroup(frozenset[Op], enum.Enum):
         Op.HARD_SIGMOID, Op.HARD_SWISH, Op.GELU, Op.ELU, Op.SELU, Op.CELU,
         Op.SOFTPLUS, Op.SOFTSIGN, Op.THRESHOLDED_RELU, Op.SHRINK, Op.MISH, Op.SWISH,
     })
-    ELEMENTWISE = ELEMENTWISE_BINARY | ELEMENTWISE_UNARY | frozenset({Op.WHERE})
+    ELEMENTWISE = ELEMENTWISE_BINARY | ELEMENTWISE_UNARY | frozenset({
+        Op.WHERE, Op.ROTARY_EMBEDDING, Op.SWIGLU,
+    })
     REDUCTION = frozenset({
         Op.SUM_ALL, Op.MEAN_ALL, Op.SUM, Op.MEAN, Op.REDUCE_MAX, Op.REDUCE_MIN,
         Op.REDUCE_PROD, Op.REDUCE_L1, Op.REDUCE_L2, Op.REDUCE_LOG_SUM,
         Op.REDUCE_LOG_SUM_EXP, Op.REDUCE_SUM_SQUARE, Op.ARGMAX, Op.ARGMIN,
-        Op.CUMSUM, Op.CUMPROD,
+        Op.CUMSUM, Op.CUMPROD, Op.NEGATIVE_LOG_LIKELIHOOD_LOSS, Op.SOFTMAX_CROSS_ENTROPY_LOSS,
     })
     MATMUL_LIKE = frozenset({
         Op.MATMUL, Op.DOT, Op.GEMM, Op.EINSUM, Op.MATMUL_INTEGER, Op.ATTENTION,
-        Op.QLINEAR_MATMUL,
+        Op.QLINEAR_MATMUL, Op.ONNX_ATTENTION, Op.DET, Op.RNN, Op.GRU, Op.LSTM, Op.DFT, Op.STFT,
     })
     CONVOLUTION = frozenset({
         Op.CONV2D, Op.CONV, Op.CONV_TRANSPOSE, Op.CONV_INTEGER, Op.QLINEAR_CONV,
+        Op.DEFORM_CONV, Op.COL2IM,
     })
     POOLING = frozenset({
         Op.MAX_POOL, Op.AVG_POOL, Op.LP_POOL, Op.GLOBAL_AVG_POOL, Op.GLOBAL_MAX_POOL,
+        Op.ROI_ALIGN, Op.MAX_UNPOOL,
     })
     NORMALIZATION = frozenset({
         Op.BATCH_NORM, Op.LAYER_NORM, Op.INSTANCE_NORM, Op.GROUP_NORM, Op.RMS_NORM,
@@ -222,20 +257,22 @@ class OpGroup(frozenset[Op], enum.Enum):
         Op.RESHAPE, Op.EXPAND_DIMS, Op.SQUEEZE, Op.TRANSPOSE, Op.FLATTEN, Op.EXPAND,
         Op.SHAPE, Op.SIZE, Op.CONCAT, Op.SPLIT, Op.TILE, Op.PAD, Op.RESIZE,
         Op.DEPTH_TO_SPACE, Op.SPACE_TO_DEPTH, Op.CONSTANT_OF_SHAPE, Op.RANGE,
-        Op.EYE_LIKE, Op.TRILU,
+        Op.EYE_LIKE, Op.TRILU, Op.GRID_SAMPLE, Op.AFFINE_GRID, Op.CENTER_CROP_PAD,
+        Op.HANN_WINDOW, Op.HAMMING_WINDOW, Op.BLACKMAN_WINDOW, Op.MEL_WEIGHT_MATRIX,
     })
     INDEXING = frozenset({
         Op.INDEX, Op.SLICE, Op.GATHER, Op.GATHER_ELEMENTS, Op.GATHER_ND,
         Op.SCATTER_ELEMENTS, Op.SCATTER_ND, Op.TOPK, Op.NONZERO, Op.ONE_HOT,
-        Op.COMPRESS, Op.REVERSE_SEQUENCE, Op.UNIQUE, Op.WHERE,
+        Op.COMPRESS, Op.REVERSE_SEQUENCE, Op.UNIQUE, Op.WHERE, Op.TENSOR_SCATTER,
+        Op.NON_MAX_SUPPRESSION,
     })
-    MEMORY = frozenset({Op.COPY, Op.FILL, Op.CAST, Op.IDENTITY})
+    MEMORY = frozenset({Op.COPY, Op.FILL, Op.CAST, Op.IDENTITY, Op.BITCAST})
     QUANTIZATION = frozenset({
         Op.QUANTIZE_LINEAR, Op.DEQUANTIZE_LINEAR, Op.DYNAMIC_QUANTIZE_LINEAR,
         Op.QLINEAR_MATMUL, Op.QLINEAR_CONV, Op.MATMUL_INTEGER, Op.CONV_INTEGER,
     })
     # Ops whose output shape depends on input *values*, not only input shapes.
-    DATA_DEPENDENT = frozenset({Op.NONZERO, Op.UNIQUE, Op.COMPRESS})
+    DATA_DEPENDENT = frozenset({Op.NONZERO, Op.UNIQUE, Op.COMPRESS, Op.NON_MAX_SUPPRESSION})
     # The 19 ops of the GPU profile of seed 001.
     SEED_GPU_PROFILE = frozenset({
         Op.SUM_ALL, Op.MEAN_ALL, Op.SUM, Op.MEAN, Op.ADD, Op.MUL, Op.RELU, Op.MATMUL,

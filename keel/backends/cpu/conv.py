@@ -1,3 +1,435 @@
-"""cpu kernels of the conv family."""
+"""cpu kernels of the conv family, written once against ``ctx.xp``.
+
+``conv`` has several variants, each registered with a :class:`ConvRule` (its
+typed metadata, see :mod:`keel.backends.cpu.conv_rules`):
+
+* ``im2col`` — any conv: the windows are copied (one strided copy) into a
+  reused column matrix laid out (C*K, out pixels) per image, and one BLAS
+  GEMM per group writes the NCHW output directly.
+* ``pointwise`` — 1x1 without padding: a plain GEMM on the input, no copy.
+* ``depthwise`` — one input channel per group: a multiply-add per kernel tap
+  over contiguous "wide" rows (:mod:`keel.backends.cpu.window`), no GEMM.
+* ``winograd`` — 3x3 stride 1: F(2x2, 3x3) (:mod:`keel.backends.cpu.winograd`),
+  chosen only where it measured faster than ``im2col``.
+* ``default`` — picks one of the above with :func:`conv_rules.pick`.
+
+Every variant writes into ``out`` when given and applies the epilogue (bias,
+residual Z, activation) in place, image by image while the output is still
+in cache. float16 is computed in float32.
+"""
 
 from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from keel.backends.base import KernelContext
+from keel.backends.cpu import window as wnd
+from keel.backends.cpu import winograd, workspace
+from keel.backends.cpu.conv_rules import ConvCase, ConvRule, pick
+from keel.backends.cpu.kernels import TABLE
+from keel.dtypes import DType
+from keel.errors import InvalidArgumentError, UnsupportedOperationError
+from keel.ops.epilogue import apply_activation
+from keel.ops.registry import Op
+from keel.ops.schemas.conv import (
+    DTYPES,
+    ConvGeometry,
+    check_conv_extras,
+    check_zero_point,
+    conv2d_attrs,
+    conv_geometry,
+    conv_transpose_geometry,
+)
+
+__all__ = ["RULES"]
+
+Inputs = Sequence[Any]
+Attrs = Mapping[str, Any]
+Out = Sequence[Any] | None
+# Applies the epilogue to images [n0, n1) of the output.
+Post = Callable[[int, int], None]
+
+# Largest im2col matrix per chunk of images (bytes).
+_IM2COL_BYTES = 16 * 2**20
+
+# winograd time / im2col time for C->C 3x3 convs (channels, output side, ratio),
+# measured as stated in the rule below (interleaved runs, median of 15).
+_WINOGRAD_EVIDENCE = (
+    (16, 14, 1.75), (16, 56, 1.27), (16, 112, 1.26), (32, 14, 1.26), (32, 28, 1.04),
+    (32, 56, 0.94), (32, 112, 1.10), (64, 7, 1.20), (64, 14, 0.99), (64, 28, 0.79),
+    (64, 56, 0.73), (64, 112, 0.83), (128, 7, 1.27), (128, 14, 0.81), (128, 28, 0.65),
+    (128, 56, 0.64), (256, 7, 1.26), (256, 14, 0.73), (256, 28, 0.59), (512, 7, 1.33),
+    (512, 14, 0.82),
+)
+
+RULES: dict[str, ConvRule] = {
+    "winograd": ConvRule(
+        "winograd", 30, "Winograd F(2x2,3x3): 2.25x fewer multiplies than im2col",
+        ranks=(2,), kernel=(3, 3), strides=(1, 1), dilations=(1, 1), groups="one",
+        dtypes=frozenset({"float32", "float64"}), min_channels=64, min_out_pixels=196,
+        measured="2-core AMD EPYC (AVX-512), OpenBLAS, 1 thread, batch 1, constant "
+                 "weights: winograd/im2col time 0.59-0.83 from 64 channels and 14x14 "
+                 "outputs up, 0.94-1.81 below 64 channels or at 7x7",
+        baseline="im2col", evidence=_WINOGRAD_EVIDENCE),
+    "pointwise": ConvRule(
+        "pointwise", 20, "1x1 conv as one GEMM on the input, no im2col copy",
+        unit_kernel=True, unpadded=True),
+    "depthwise": ConvRule(
+        "depthwise", 20, "per-tap multiply-add on contiguous rows, no GEMM",
+        groups="depthwise"),
+    "im2col": ConvRule("im2col", 10, "im2col + one BLAS GEMM per group"),
+}
+
+
+def _opt(inputs: Inputs, i: int) -> Any:
+    return inputs[i] if i < len(inputs) else None
+
+
+def _case(geo: ConvGeometry, dtype: str) -> ConvCase:
+    win = geo.window
+    return ConvCase(win.rank, win.kernel, win.strides, win.dilations, win.padded, geo.group,
+                    geo.in_channels, geo.out_channels, win.out_spatial, geo.batch, dtype)
+
+
+def _check_dtypes(op: Op, arrays: Sequence[Any]) -> DType:
+    return _check_dtype_set(op, tuple(a.dtype for a in arrays if a is not None))
+
+
+@functools.lru_cache(maxsize=256)
+def _check_dtype_set(op: Op, dtypes: tuple[Any, ...]) -> DType:
+    kinds = {DType.from_numpy(d) for d in dtypes}
+    if len(kinds) != 1:
+        raise InvalidArgumentError(
+            f"{op.value} needs inputs of one dtype, got "
+            f"{', '.join(sorted(d.value for d in kinds))}"
+        )
+    dtype = kinds.pop()
+    if dtype not in DTYPES[op]:
+        allowed = ", ".join(sorted(d.value for d in DTYPES[op]))
+        raise InvalidArgumentError(f"{op.value} does not take {dtype.value}; allowed: {allowed}")
+    return dtype
+
+
+# ---- the variants --------------------------------------------------------------------
+def _im2col(xp: Any, x: Any, w: Any, geo: ConvGeometry, y: Any, post: Post,
+            bias: Any = None) -> None:
+    """Column matrix (C, *kernel, *out) per image, then W (G, Mg, Cg*K) @ cols per group.
+
+    A ``bias`` (given when :func:`_folds_bias` says so) rides in the GEMM: the
+    column matrix has a row of ones and W gets a bias column.
+    """
+    win, g = geo.window, geo.group
+    n, c = x.shape[:2]
+    k, p = math.prod(win.kernel), math.prod(win.out_spatial)
+    cgk, mg = (c // g) * k, geo.out_channels // g
+    fold = bias is not None
+    w3 = w.reshape(g, mg, cgk)
+    if fold:
+        w3 = xp.concatenate([w3, bias.reshape(g, mg, 1).astype(w.dtype)], axis=2)
+    y4 = y.reshape(n, g, mg, p)
+    chunk = max(1, min(n, _IM2COL_BYTES // max(c * k * p * x.itemsize, 1)))
+    # A trailing row of ones per group (used when folding the bias); the copies
+    # below never touch it, so it is set once, when the buffer is made.
+    cols = workspace.filled(xp, "im2col", (chunk, g, cgk + 1, p), x.dtype, 1.0)
+    for n0 in range(0, n, chunk):
+        n1 = min(n, n0 + chunk)
+        src = _padded(xp, x[n0:n1], geo, chunk)
+        step = src.strides[2:]
+        view = xp.lib.stride_tricks.as_strided(
+            src, (n1 - n0, c, *win.kernel, *win.out_spatial),
+            (*src.strides[:2], *(s * d for s, d in zip(step, win.dilations, strict=True)),
+             *(s * t for s, t in zip(step, win.strides, strict=True))))
+        block = cols[: n1 - n0]
+        # Only split axes here: a reshape that merged axes of a slice would copy.
+        dst = block[:, :, :cgk].reshape(n1 - n0, g, c // g, *win.kernel, *win.out_spatial)
+        dst[...] = view.reshape(dst.shape)
+        xp.matmul(w3, block if fold else block[:, :, :cgk], out=y4[n0:n1])
+        post(n0, n1)
+
+
+def _padded(xp: Any, x: Any, geo: ConvGeometry, chunk: int) -> Any:
+    """``x`` with zero padding around its spatial dims (a reused buffer), or ``x`` itself."""
+    win = geo.window
+    if not win.padded:
+        return x
+    shape = tuple(i + b + e for i, b, e in
+                  zip(win.in_spatial, win.pads_begin, win.pads_end, strict=True))
+    key = ("conv_pad", win.pads_begin, win.in_spatial)
+    buf = workspace.filled(xp, key, (chunk, x.shape[1], *shape), x.dtype, 0.0)[: x.shape[0]]
+    inner = tuple(slice(b, b + i) for b, i in zip(win.pads_begin, win.in_spatial, strict=True))
+    index: tuple[slice, ...] = (slice(None), slice(None), *inner)
+    buf[index] = x
+    return buf
+
+
+def _pointwise(xp: Any, x: Any, w: Any, geo: ConvGeometry, y: Any, post: Post,
+               bias: Any = None) -> None:
+    """1x1: W (G, Mg, Cg) @ X (N, G, Cg, pixels), strided inputs subsampled first.
+
+    A ``bias`` (given when :func:`_folds_bias` says so) rides in the GEMM: X is
+    copied above a row of ones and W gets a bias column.
+    """
+    win, g = geo.window, geo.group
+    n, c = x.shape[:2]
+    p, mg = math.prod(win.out_spatial), geo.out_channels // g
+    strided = any(s != 1 for s in win.strides)
+    fold = bias is not None
+    if strided or fold:
+        sub = tuple(slice(0, (o - 1) * s + 1, s) for o, s in
+                    zip(win.out_spatial, win.strides, strict=True))
+        xs = workspace.filled(xp, "pointwise", (n, c + 1, p), x.dtype, 1.0)
+        index: tuple[slice, ...] = (slice(None), slice(None), *sub)
+        xs[:, :c].reshape(n, c, *win.out_spatial)[...] = x[index]
+        x = xs if fold else xs[:, :c]
+    w3 = w.reshape(g, mg, c // g)
+    if fold:
+        w3 = xp.concatenate([w3, bias.reshape(1, mg, 1).astype(w.dtype)], axis=2)
+        xp.matmul(w3[0], x, out=y.reshape(n, mg, p))
+    else:
+        xp.matmul(w3, x.reshape(n, g, c // g, p), out=y.reshape(n, g, mg, p))
+    post(0, n)
+
+
+def _depthwise(xp: Any, x: Any, w: Any, geo: ConvGeometry, y: Any, post: Post,
+               bias: Any = None) -> None:
+    """Sum over taps of tap * weight, on (N, C, mult, wide) rows."""
+    n, c = x.shape[:2]
+    mult = geo.out_channels // c
+    plan = wnd.wide_plan(x.shape, geo.window)
+    tap_views = wnd.taps(wnd.phase_image(xp, x, plan, 0.0, "depthwise"), plan)
+    weights = w.reshape(c, mult, len(tap_views))
+    acc = workspace.empty(xp, "depthwise_acc", (n, c, mult, plan.wide), x.dtype)
+    tmp = workspace.empty(xp, "depthwise_tmp", (n, c, mult, plan.wide), x.dtype)
+    for t, tap in enumerate(tap_views):
+        wt = weights[:, :, t:t + 1]                       # (C, mult, 1)
+        xp.multiply(tap[:, :, None, :], wt, out=acc if t == 0 else tmp)
+        if t > 0:
+            xp.add(acc, tmp, out=acc)
+    # One strided copy out of the wide rows (cheaper than a strided final add).
+    y.reshape(n, c, mult, *geo.window.out_spatial)[...] = wnd.valid(xp, acc, plan)
+    post(0, n)
+
+
+def _winograd(xp: Any, x: Any, w: Any, geo: ConvGeometry, y: Any, post: Post,
+              bias: Any = None) -> None:
+    """F(2x2, 3x3); a bias rides in the transform."""
+    win = geo.window
+    winograd.conv3x3(xp, x, w, (win.pads_begin[0], win.pads_begin[1]),
+                     (win.out_spatial[0], win.out_spatial[1]), y, bias)
+    post(0, geo.batch)
+
+
+def _folds_bias(variant: str, geo: ConvGeometry) -> bool:
+    """Whether ``variant`` adds the bias inside its GEMM (cheaper than a pass over Y)."""
+    win = geo.window
+    if variant == "winograd":
+        return True
+    if variant == "im2col":     # a bias column in W costs less than a pass over Y
+        return (geo.in_channels // geo.group) * math.prod(win.kernel) < math.prod(
+            win.out_spatial)
+    if variant == "pointwise":  # copying X below a ones row costs less than a pass over Y
+        return geo.group == 1 and geo.out_channels > geo.in_channels
+    return False
+
+
+_IMPLS: dict[str, Callable[..., None]] = {
+    "im2col": _im2col, "pointwise": _pointwise, "depthwise": _depthwise, "winograd": _winograd,
+}
+
+
+# ---- the kernels --------------------------------------------------------------------
+def _epilogue(xp: Any, y: Any, b: Any, z: Any, attrs: Attrs, rank: int) -> Post:
+    bias = None if b is None else b.reshape(1, -1, *([1] * rank))
+    act = attrs.get("activation", "")
+    params = attrs.get("activation_params", ())
+
+    def post(n0: int, n1: int) -> None:
+        part = y[n0:n1]
+        if bias is not None:
+            xp.add(part, bias, out=part)
+        if z is not None:
+            xp.add(part, z[n0:n1], out=part)
+        if act:
+            apply_activation(xp, part, act, params, out=part)
+    return post
+
+
+def _target(xp: Any, out: Out, shape: tuple[int, ...], dtype: Any) -> Any:
+    if out is not None and out[0] is not None:
+        buf = out[0]
+        if buf.dtype == dtype and buf.flags.c_contiguous and tuple(buf.shape) == shape:
+            return buf
+    return xp.empty(shape, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Everything about a conv call that follows from shapes, dtypes and attributes."""
+
+    geo: ConvGeometry
+    variant: str
+    fold: bool
+    dtype: DType
+    out_dtype: Any          # the NumPy dtype of the output
+    compute: Any            # the NumPy dtype computed in (float32 for float16)
+
+
+@functools.lru_cache(maxsize=512)
+def _plan(op: Op, variant: str, backend: str, shapes: tuple[tuple[int, ...] | None, ...],
+          dtypes: tuple[Any, ...], attrs_key: tuple[tuple[str, Any], ...]) -> _Plan:
+    """Check and resolve one conv signature (cached: a steady state pays a lookup)."""
+    attrs = dict(attrs_key)
+    dtype = _check_dtype_set(op, dtypes)
+    x, w, b, z = shapes
+    assert x is not None and w is not None   # always given
+    geo = conv_geometry(op, x, w, attrs)
+    check_conv_extras(op, geo.out_shape, b, z)
+    case = _case(geo, dtype.value)
+    if variant == "default":
+        variant, _ = pick(case, RULES.values())
+    else:
+        why_not = RULES[variant].rejects(case)
+        if why_not is not None:
+            raise UnsupportedOperationError(op.value, backend,
+                                            detail=f"variant {variant!r}: {why_not}")
+    compute = np.dtype(np.float32) if dtype is DType.FLOAT16 else dtype.numpy
+    return _Plan(geo, variant, b is not None and _folds_bias(variant, geo), dtype,
+                 dtype.numpy, compute)
+
+
+def _run(ctx: KernelContext, op: Op, variant: str, x: Any, w: Any, b: Any, z: Any,
+         attrs: Attrs, out: Out) -> list[Any]:
+    """Check, choose the variant, compute in float32/64, apply the epilogue."""
+    xp = ctx.xp
+    arrays = (x, w, b, z)
+    plan = _plan(op, variant, ctx.backend,
+                 tuple(None if a is None else tuple(a.shape) for a in arrays),
+                 tuple(a.dtype for a in arrays if a is not None), tuple(attrs.items()))
+    geo, compute = plan.geo, plan.compute
+    x, w, b, z = (None if a is None else a.astype(compute, copy=False) for a in arrays)
+    y = _target(xp, out, geo.out_shape, compute)
+    post = _epilogue(xp, y, None if plan.fold else b, z, attrs, geo.rank)
+    _IMPLS[plan.variant](xp, x, w, geo, y, post, b if plan.fold else None)
+    if out is not None and out[0] is not None and out[0] is not y:
+        out[0][...] = y
+        return [out[0]]
+    return [y.astype(plan.out_dtype, copy=False)]
+
+
+def _conv_variant(variant: str) -> Callable[[KernelContext, Inputs, Attrs, Out], list[Any]]:
+    def kernel(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+        return _run(ctx, Op.CONV, variant, inputs[0], inputs[1], _opt(inputs, 2),
+                    _opt(inputs, 3), attrs, out)
+    kernel.__doc__ = RULES[variant].summary if variant in RULES else "dispatching conv"
+    return kernel
+
+
+for _name, _rule in RULES.items():
+    TABLE.kernel(Op.CONV, variant=_name, dtypes=DTYPES[Op.CONV], supports_out=True,
+                 description=_rule.summary, rule=_rule, priority=_rule.priority, simd=(),
+                 measured=_rule.measured)(_conv_variant(_name))
+
+TABLE.kernel(Op.CONV, dtypes=DTYPES[Op.CONV], supports_out=True,
+             description="picks winograd, pointwise, depthwise or im2col by the conv rules",
+             dispatcher=True)(_conv_variant("default"))
+
+
+@TABLE.kernel(Op.CONV2D, dtypes=DTYPES[Op.CONV2D], supports_out=True, dispatcher=True)
+def conv2d(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """Seed-001 conv2d (NCHW, OIHW, no bias) through the conv variants."""
+    x, w = inputs
+    if x.ndim != 4:
+        raise InvalidArgumentError(f"conv2d: X must be (N, C, H, W), got shape {x.shape}")
+    return _run(ctx, Op.CONV2D, "default", x, w, None, None, _conv2d_attrs(attrs), out)
+
+
+def _conv2d_attrs(attrs: Attrs) -> dict[str, Any]:
+    return dict(_conv2d_attrs_cached(tuple(attrs.items())))
+
+
+@functools.lru_cache(maxsize=256)
+def _conv2d_attrs_cached(key: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, Any], ...]:
+    return tuple(conv2d_attrs(dict(key)).items())
+
+
+# ---- conv_integer -----------------------------------------------------------------
+@TABLE.kernel(Op.CONV_INTEGER, dtypes=DTYPES[Op.CONV_INTEGER], supports_out=True)
+def conv_integer(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """Exact integer conv through the float variants (float32 while sums stay < 2^24)."""
+    xp = ctx.xp
+    x, w, xzp, wzp = inputs[0], inputs[1], _opt(inputs, 2), _opt(inputs, 3)
+    for a in inputs:
+        if a is not None:
+            _check_dtypes(Op.CONV_INTEGER, [a])
+    geo = conv_geometry(Op.CONV_INTEGER, x.shape, w.shape, attrs)
+    terms = (geo.in_channels // geo.group) * math.prod(geo.window.kernel)
+    # |x - zp| and |w - zp| are at most 255: every partial sum is exact in float32
+    # while terms * 255 * 255 < 2**24.
+    ft = xp.float32 if terms * 255 * 255 < 2**24 else xp.float64
+    xf = x.astype(ft)
+    wf = w.astype(ft)
+    if xzp is not None:
+        check_zero_point(Op.CONV_INTEGER, "x_zero_point", xzp.shape, 1)
+        xf -= xzp.reshape(-1)[:1].astype(ft)
+    if wzp is not None:
+        check_zero_point(Op.CONV_INTEGER, "w_zero_point", wzp.shape, w.shape[0])
+        xp.subtract(wf, wzp.astype(ft).reshape(-1, *([1] * (w.ndim - 1))), out=wf)
+    case = _case(geo, str(np.dtype(ft)))
+    exact = {k: r for k, r in RULES.items() if k != "winograd"}   # transforms round
+    variant, _ = pick(case, exact.values())
+    yf = xp.empty(geo.out_shape, dtype=ft)
+    _IMPLS[variant](xp, xf, wf, geo, yf, lambda n0, n1: None)
+    result = xp.rint(yf).astype(xp.int64).astype(xp.int32)
+    if out is not None and out[0] is not None:
+        out[0][...] = result
+        return [out[0]]
+    return [result]
+
+
+# ---- conv_transpose ------------------------------------------------------------------
+@TABLE.kernel(Op.CONV_TRANSPOSE, dtypes=DTYPES[Op.CONV_TRANSPOSE], supports_out=True)
+def conv_transpose(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """GEMM W^T @ X per group into columns, then col2im: one strided add per kernel tap."""
+    xp = ctx.xp
+    x, w, b = inputs[0], inputs[1], _opt(inputs, 2)
+    dtype = _check_dtypes(Op.CONV_TRANSPOSE, [x, w, b])
+    geo = conv_transpose_geometry(x.shape, w.shape, attrs)
+    if b is not None and tuple(b.shape) != (geo.out_channels,):
+        raise InvalidArgumentError(
+            f"conv_transpose: B must have shape ({geo.out_channels},), got {tuple(b.shape)}"
+        )
+    compute = xp.float32 if dtype is DType.FLOAT16 else dtype.numpy
+    x, w = x.astype(compute, copy=False), w.astype(compute, copy=False)
+    n, c, g = geo.batch, geo.in_channels, geo.group
+    mg, k = geo.out_channels // g, math.prod(geo.kernel)
+    p = math.prod(geo.in_spatial)
+    wt = w.reshape(g, c // g, mg * k).transpose(0, 2, 1)           # (G, Mg*K, Cg)
+    cols = xp.matmul(wt, x.reshape(n, g, c // g, p))              # (N, G, Mg*K, P)
+    cols = cols.reshape(n, g * mg, *geo.kernel, *geo.in_spatial)
+    full = tuple(b0 + o + e for b0, o, e in
+                 zip(geo.pads_begin, geo.out_spatial, geo.pads_end, strict=True))
+    y = xp.zeros((n, geo.out_channels, *full), dtype=compute)
+    for offs in itertools.product(*(range(kk) for kk in geo.kernel)):
+        taps = tuple(slice(o * d, o * d + (i - 1) * s + 1, s) for o, d, s, i in
+                     zip(offs, geo.dilations, geo.strides, geo.in_spatial, strict=True))
+        dst_index: tuple[slice, ...] = (slice(None), slice(None), *taps)
+        src_index: tuple[Any, ...] = (slice(None), slice(None), *offs)
+        dst = y[dst_index]
+        xp.add(dst, cols[src_index], out=dst)
+    crop = tuple(slice(pb, pb + o) for pb, o in zip(geo.pads_begin, geo.out_spatial,
+                                                     strict=True))
+    crop_index: tuple[slice, ...] = (slice(None), slice(None), *crop)
+    result = y[crop_index]
+    target = out[0] if out is not None and out[0] is not None else xp.empty(
+        geo.out_shape, dtype=dtype.numpy)
+    target[...] = result
+    if b is not None:
+        xp.add(target, b.astype(target.dtype).reshape(1, -1, *([1] * len(full))), out=target)
+    return [target]

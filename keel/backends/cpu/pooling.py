@@ -1,3 +1,227 @@
-"""cpu kernels of the pooling family."""
+"""cpu kernels of the pooling family, written once against ``ctx.xp``.
+
+Windowed pools run one elementwise op per kernel tap over contiguous "wide"
+rows (see :mod:`keel.backends.cpu.window`), never a Python loop over pixels.
+float16 is pooled in float16 for max (exact) and in float32 for sums.
+"""
 
 from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from keel.backends.base import KernelContext
+from keel.backends.cpu import window as wnd
+from keel.backends.cpu.kernels import TABLE
+from keel.dtypes import DType
+from keel.ops.registry import Op
+from keel.ops.schemas.conv import Window
+from keel.ops.schemas.pooling import DTYPES, check_pool_input, pool_window
+
+__all__: list[str] = []
+
+Inputs = Sequence[Any]
+Attrs = Mapping[str, Any]
+Out = Sequence[Any] | None
+
+
+def _target(xp: Any, out: Out, i: int, shape: tuple[int, ...], dtype: Any) -> Any:
+    if out is not None and len(out) > i and out[i] is not None:
+        return out[i]
+    return xp.empty(shape, dtype=dtype)
+
+
+def _lowest(dtype: Any) -> float:
+    dt = np.dtype(dtype)
+    return float(np.iinfo(dt).min) if dt.kind in "iu" else -np.inf
+
+
+def _prepare(op: Op, x: Any, attrs: Attrs) -> tuple[Window, wnd.WidePlan]:
+    return _prepared(op, tuple(x.shape), x.dtype, tuple(attrs.items()))
+
+
+@functools.lru_cache(maxsize=512)
+def _prepared(op: Op, shape: tuple[int, ...], dtype: Any,
+              attrs_key: tuple[tuple[str, Any], ...]) -> tuple[Window, wnd.WidePlan]:
+    """Check and resolve one pool signature (cached: a steady state pays a lookup)."""
+    check_pool_input(op, shape, DType.from_numpy(dtype))
+    win = pool_window(op, shape, dict(attrs_key))
+    return win, wnd.wide_plan(shape, win)
+
+
+@TABLE.kernel(Op.MAX_POOL, dtypes=DTYPES[Op.MAX_POOL], supports_out=True,
+              simd=(), shapes="any rank, any window")
+def max_pool(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """Running max over the window taps; Indices only when asked for (or ``out`` is None)."""
+    xp, x = ctx.xp, inputs[0]
+    win, plan = _prepare(Op.MAX_POOL, x, attrs)
+    img = wnd.phase_image(xp, x, plan, _lowest(x.dtype), "max_pool")
+    tap_views = wnd.taps(img, plan)
+    shape = (plan.batch, plan.channels, *plan.out)
+    y = _target(xp, out, 0, shape, x.dtype)
+    want_indices = out is None or len(out) > 1
+    best = xp.empty((plan.batch, plan.channels, plan.wide), dtype=x.dtype)
+    best[...] = tap_views[0]
+    if not want_indices:
+        for tap in tap_views[1:]:
+            xp.maximum(best, tap, out=best)
+        y[...] = wnd.valid(xp, best, plan)
+        return [y]
+    winner = xp.zeros(best.shape, dtype=xp.int16 if len(tap_views) < 2**15 else xp.int32)
+    for t, tap in enumerate(tap_views[1:], start=1):
+        better = tap > best       # strict: ties keep the first tap
+        xp.maximum(best, tap, out=best)
+        xp.copyto(winner, t, where=better)
+    y[...] = wnd.valid(xp, best, plan)
+    indices = _target(xp, out, 1, shape, xp.int64)
+    indices[...] = _flat_indices(xp, wnd.valid(xp, winner, plan), x.shape, win,
+                                 attrs["storage_order"])
+    return [y, indices]
+
+
+def _flat_indices(xp: Any, winner: Any, x_shape: Sequence[int], win: Window,
+                  storage_order: int) -> Any:
+    """Flat indices into X of each output's winning tap."""
+    n, c = x_shape[:2]
+    spatial = list(x_shape[2:])
+    rank = win.rank
+    kernel_coords = _kernel_coords(tuple(win.kernel))           # (taps, rank)
+    order = list(range(rank)) if storage_order == 0 else list(reversed(range(rank)))
+    mult = [1] * rank
+    for pos, d in enumerate(reversed(order)):
+        mult[d] = int(np.prod([spatial[e] for e in list(reversed(order))[:pos]], dtype=np.int64))
+    index = xp.zeros(winner.shape, dtype=xp.int64)
+    coords_k = xp.asarray(kernel_coords)
+    for d in range(rank):
+        grid_shape = [1] * (2 + rank)
+        grid_shape[2 + d] = win.out_spatial[d]
+        base = (xp.arange(win.out_spatial[d], dtype=xp.int64) * win.strides[d]
+                - win.pads_begin[d]).reshape(grid_shape)
+        coord = base + coords_k[:, d][winner] * win.dilations[d]
+        index += coord * mult[d]
+    plane = int(np.prod(spatial, dtype=np.int64))
+    nc = (xp.arange(n * c, dtype=xp.int64) * plane).reshape(n, c, *([1] * rank))
+    return index + nc
+
+
+@functools.lru_cache(maxsize=64)
+def _kernel_coords(kernel: tuple[int, ...]) -> np.ndarray:
+    return np.array(list(np.ndindex(*kernel)), dtype=np.int64).reshape(-1, len(kernel))
+
+
+def _window_sum(xp: Any, x: Any, plan: wnd.WidePlan, tag: str) -> Any:
+    """Sum of every window (zero padding), as a (N, C, wide) array."""
+    img = wnd.phase_image(xp, x, plan, 0.0, tag)
+    tap_views = wnd.taps(img, plan)
+    acc = xp.empty((plan.batch, plan.channels, plan.wide), dtype=x.dtype)
+    if len(tap_views) == 1:
+        acc[...] = tap_views[0]
+        return acc
+    xp.add(tap_views[0], tap_views[1], out=acc)
+    for tap in tap_views[2:]:
+        xp.add(acc, tap, out=acc)
+    return acc
+
+
+def _sum_dtype(xp: Any, dtype: Any) -> Any:
+    return xp.float32 if np.dtype(dtype) == np.float16 else dtype
+
+
+@TABLE.kernel(Op.AVG_POOL, dtypes=DTYPES[Op.AVG_POOL], supports_out=True,
+              simd=(), shapes="any rank, any window")
+def avg_pool(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """Window sums times 1 / (the number of counted positions)."""
+    xp, x = ctx.xp, inputs[0]
+    win, plan = _prepare(Op.AVG_POOL, x, attrs)
+    xs = x.astype(_sum_dtype(xp, x.dtype), copy=False)
+    acc = _window_sum(xp, xs, plan, "avg_pool")
+    inv = _inverse_counts(xp, win, plan, bool(attrs["count_include_pad"]), acc.dtype)
+    xp.multiply(acc, inv, out=acc)
+    y = _target(xp, out, 0, (plan.batch, plan.channels, *plan.out), x.dtype)
+    y[...] = wnd.valid(xp, acc, plan)
+    return [y]
+
+
+def _inverse_counts(xp: Any, win: Window, plan: wnd.WidePlan, include_pad: bool,
+                    dtype: Any) -> Any:
+    """1 / count per output (a scalar when every window counts the full kernel)."""
+    extra = any((o - 1) * s + e > i + pb + pe for o, s, e, i, pb, pe in
+                zip(win.out_spatial, win.strides, win.effective_kernel, win.in_spatial,
+                    win.pads_begin, win.pads_end, strict=True))
+    full = int(np.prod(win.kernel))
+    if not extra and (include_pad or not win.padded):
+        return 1.0 / full
+    # Count with a one-channel image of ones: input (and explicit pads when they
+    # count) hold 1, everything else 0.
+    ones = xp.ones((1, 1, *win.in_spatial), dtype=dtype)
+    one_plan = wnd.wide_plan(ones.shape, win)
+    if include_pad:
+        padded = tuple(i + pb + pe for i, pb, pe in
+                       zip(win.in_spatial, win.pads_begin, win.pads_end, strict=True))
+        ones = xp.ones((1, 1, *padded), dtype=dtype)
+        bare = Window(padded, win.kernel, win.strides, win.dilations,
+                      (0,) * win.rank, tuple(max(0, (o - 1) * s + e - p) for o, s, e, p in
+                                             zip(win.out_spatial, win.strides,
+                                                 win.effective_kernel, padded, strict=True)),
+                      win.out_spatial)
+        one_plan = wnd.wide_plan(ones.shape, bare)
+    counts = _window_sum(xp, ones, one_plan, "avg_pool_counts")
+    result = xp.ones((1, 1, plan.wide), dtype=dtype)
+    wnd.valid(xp, result, plan)[...] = wnd.valid(xp, counts, one_plan)
+    return 1.0 / xp.maximum(result, 1.0)
+
+
+@TABLE.kernel(Op.LP_POOL, dtypes=DTYPES[Op.LP_POOL], supports_out=True,
+              simd=(), shapes="any rank, any window")
+def lp_pool(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """(window sum of |x|^p)^(1/p)."""
+    xp, x = ctx.xp, inputs[0]
+    p = attrs["p"]
+    _, plan = _prepare(Op.LP_POOL, x, attrs)
+    xs = xp.abs(x).astype(_sum_dtype(xp, x.dtype), copy=False)
+    if p == 2:
+        xp.multiply(xs, xs, out=xs)
+    elif p != 1:
+        xp.power(xs, p, out=xs)
+    acc = _window_sum(xp, xs, plan, "lp_pool")
+    if p == 2:
+        xp.sqrt(acc, out=acc)
+    elif p != 1:
+        xp.power(acc, 1.0 / p, out=acc)
+    y = _target(xp, out, 0, (plan.batch, plan.channels, *plan.out), x.dtype)
+    y[...] = wnd.valid(xp, acc, plan)
+    return [y]
+
+
+def _global(op: Op, xp: Any, x: Any, out: Out) -> tuple[Any, Any]:
+    check_pool_input(op, x.shape, DType.from_numpy(x.dtype))
+    n, c = x.shape[:2]
+    flat = x.reshape(n, c, math.prod(x.shape[2:]))
+    y = _target(xp, out, 0, (n, c, *([1] * (x.ndim - 2))), x.dtype)
+    return flat, y
+
+
+@TABLE.kernel(Op.GLOBAL_AVG_POOL, dtypes=DTYPES[Op.GLOBAL_AVG_POOL], supports_out=True,
+              simd=(), shapes="any rank")
+def global_avg_pool(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """Mean over the flattened spatial dims."""
+    xp = ctx.xp
+    flat, y = _global(Op.GLOBAL_AVG_POOL, xp, inputs[0], out)
+    total = flat.sum(axis=-1, dtype=_sum_dtype(xp, flat.dtype))
+    count = flat.shape[-1]
+    y.reshape(total.shape)[...] = total * (1.0 / count) if count else total * np.nan
+    return [y]
+
+
+@TABLE.kernel(Op.GLOBAL_MAX_POOL, dtypes=DTYPES[Op.GLOBAL_MAX_POOL], supports_out=True,
+              simd=(), shapes="any rank")
+def global_max_pool(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """Max over the flattened spatial dims."""
+    xp = ctx.xp
+    flat, y = _global(Op.GLOBAL_MAX_POOL, xp, inputs[0], out)
+    y.reshape(flat.shape[:2])[...] = flat.max(axis=-1)
+    return [y]

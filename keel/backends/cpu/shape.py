@@ -1,3 +1,332 @@
-"""cpu kernels of the shape family."""
+"""cpu kernels of the shape family, written once against ``ctx.xp``.
+
+The same code runs on NumPy and on CuPy: only the subset of the array API the
+two share is used. Reshape-like ops (reshape, expand_dims, squeeze, flatten)
+return views when called without ``out`` (the schemas mark them in-place, so
+a planner aliases their buffers); the others return fresh arrays, or write
+into ``out`` without temporaries where the op allows it.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from keel.backends.base import KernelContext
+from keel.backends.cpu.kernels import TABLE
+from keel.dtypes import DType
+from keel.errors import InvalidArgumentError
+from keel.ops.registry import Op
+from keel.ops.schemas.shape import (
+    check_block_mode,
+    check_dims,
+    check_pad_mode,
+    check_same_dtype,
+    concat_dims,
+    depth_to_space_dims,
+    expand_dims_axes,
+    expand_dims_dims,
+    expand_shape,
+    fill_value,
+    flatten_dims,
+    host_scalar,
+    ints_param,
+    pad_constant,
+    pad_widths,
+    range_count,
+    require,
+    reshape_dims,
+    shape_interval,
+    space_to_depth_dims,
+    split_sizes,
+    squeeze_dims,
+    static_dims,
+    tile_dims,
+    transpose_perm,
+    trilu_k,
+)
+from keel.ops.types import normalize_axis
+
+Inputs = Sequence[Any]
+Attrs = Mapping[str, Any]
+Out = Sequence[Any] | None
+
+
+def destination(xp: Any, shape: Sequence[int], dtype: Any, out: Out, i: int = 0) -> Any:
+    """``out[i]`` checked against the result's shape, or a fresh uninitialized array."""
+    if out is None:
+        return xp.empty(tuple(shape), dtype=dtype)
+    dst = out[i]
+    if tuple(dst.shape) != tuple(shape):
+        raise InvalidArgumentError(
+            f"output {i} has shape {tuple(dst.shape)}; the result has {tuple(shape)}"
+        )
+    return dst
+
+
+def emit(xp: Any, result: Any, out: Out) -> list[Any]:
+    """Return ``result`` as is, or copy it into ``out[0]`` (a view copies without a temporary)."""
+    if out is None:
+        return [result]
+    dst = destination(xp, result.shape, result.dtype, out)
+    dst[...] = result
+    return [dst]
+
+
+def _view(xp: Any, x: Any, shape: Sequence[int], out: Out) -> list[Any]:
+    # reshape is a view when the layout allows it (always for contiguous input).
+    return emit(xp, x.reshape(tuple(shape)), out)
+
+
+@TABLE.kernel(Op.RESHAPE, supports_out=True)
+def reshape(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """A view in the target shape (0 copies a dim unless allowzero, one -1 inferred)."""
+    x = inputs[0]
+    target = require(ints_param("reshape", inputs, 1, attrs, "shape"), "reshape", "a shape")
+    shape = static_dims(reshape_dims("reshape", x.shape, target, attrs["allowzero"]))
+    return _view(ctx.xp, x, shape, out)
+
+
+@TABLE.kernel(Op.EXPAND_DIMS, supports_out=True)
+def expand_dims(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """A view with size-1 dims inserted."""
+    x = inputs[0]
+    axes = require(expand_dims_axes("expand_dims", ints_param("expand_dims", inputs, 1, attrs,
+                                                              "axes"), attrs["axis"]),
+                   "expand_dims", "'axis' or axes")
+    return _view(ctx.xp, x, static_dims(expand_dims_dims("expand_dims", x.shape, axes)), out)
+
+
+@TABLE.kernel(Op.SQUEEZE, supports_out=True)
+def squeeze(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """A view without the given (or all) size-1 dims."""
+    x = inputs[0]
+    shape = squeeze_dims("squeeze", x.shape, ints_param("squeeze", inputs, 1, attrs, "axes"))
+    return _view(ctx.xp, x, static_dims(shape or ()), out)
+
+
+@TABLE.kernel(Op.FLATTEN, supports_out=True)
+def flatten(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """A 2-D view."""
+    x = inputs[0]
+    return _view(ctx.xp, x, static_dims(flatten_dims("flatten", x.shape, attrs["axis"])), out)
+
+
+@TABLE.kernel(Op.TRANSPOSE, supports_out=True)
+def transpose(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """Permuted axes, materialized in C order (one strided copy)."""
+    xp, x = ctx.xp, inputs[0]
+    view = x.transpose(transpose_perm("transpose", attrs["perm"], x.ndim))
+    dst = destination(xp, view.shape, x.dtype, out)
+    dst[...] = view
+    return [dst]
+
+
+@TABLE.kernel(Op.EXPAND, supports_out=True)
+def expand(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """Broadcast into a materialized array (a broadcast view would be read-only)."""
+    xp, x = ctx.xp, inputs[0]
+    target = require(ints_param("expand", inputs, 1, attrs, "shape"), "expand", "a shape")
+    dst = destination(xp, static_dims(expand_shape("expand", x.shape, target)), x.dtype, out)
+    dst[...] = x
+    return [dst]
+
+
+@TABLE.kernel(Op.SHAPE)
+def shape(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """The dims [start, end) as int64."""
+    dims = tuple(inputs[0].shape)
+    lo, hi = shape_interval(len(dims), attrs["start"], attrs["end"])
+    return emit(ctx.xp, ctx.xp.asarray(list(dims[lo:hi]), dtype="int64"), out)
+
+
+@TABLE.kernel(Op.SIZE)
+def size(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """The element count as an int64 scalar."""
+    return emit(ctx.xp, ctx.xp.asarray(int(inputs[0].size), dtype="int64"), out)
+
+
+@TABLE.kernel(Op.CONCAT, supports_out=True)
+def concat(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """Join along ``axis`` (straight into ``out`` when given)."""
+    xp = ctx.xp
+    check_same_dtype("concat", [x.dtype for x in inputs])
+    dims = static_dims(concat_dims("concat", [x.shape for x in inputs], attrs["axis"]))
+    axis = normalize_axis(attrs["axis"], len(dims))
+    if out is None:     # NumPy's own allocation here is faster than empty() + out=
+        return [xp.concatenate(list(inputs), axis=axis)]
+    dst = destination(xp, dims, inputs[0].dtype, out)
+    xp.concatenate(list(inputs), axis=axis, out=dst)
+    return [dst]
+
+
+@TABLE.kernel(Op.SPLIT, supports_out=True)
+def split(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """Copy each piece into its own array (or ``out[i]``)."""
+    xp, x = ctx.xp, inputs[0]
+    axis = normalize_axis(attrs["axis"], x.ndim, what="split axis")
+    given, num = ints_param("split", inputs, 1, attrs, "split"), attrs["num_outputs"]
+    if given is None and num is None and out is not None:
+        num = len(out)
+    results, start = [], 0
+    for i, n in enumerate(split_sizes("split", x.shape[axis], given, num)):
+        index = (slice(None),) * axis + (slice(start, start + n),)
+        piece = x[index]
+        dst = destination(xp, piece.shape, x.dtype, out, i)
+        dst[...] = piece
+        results.append(dst)
+        start += n
+    return results
+
+
+@TABLE.kernel(Op.TILE, supports_out=True)
+def tile(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """One broadcast write into the output seen as (r0, d0, r1, d1, …)."""
+    xp, x = ctx.xp, inputs[0]
+    repeats = require(ints_param("tile", inputs, 1, attrs, "repeats"), "tile", "repeats")
+    dst = destination(xp, static_dims(tile_dims("tile", x.shape, repeats)), x.dtype, out)
+    if not dst.flags.c_contiguous:      # the interleaved view needs a C-order buffer
+        dst[...] = xp.tile(x, repeats)
+        return [dst]
+    interleaved = tuple(v for r, d in zip(repeats, x.shape, strict=True) for v in (r, d))
+    source = tuple(v for d in x.shape for v in (1, d))
+    dst.reshape(interleaved)[...] = x.reshape(source)
+    return [dst]
+
+
+@TABLE.kernel(Op.PAD, supports_out=True)
+def pad(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """Write the (cropped) input once, then fill the borders axis by axis."""
+    xp, x, mode = ctx.xp, inputs[0], attrs["mode"]
+    pads = require(ints_param("pad", inputs, 1, attrs, "pads"), "pad", "pads")
+    widths = pad_widths("pad", x.shape, pads, ints_param("pad", inputs, 3, attrs, "axes"))
+    check_pad_mode("pad", mode, x.shape, widths)
+    value = pad_constant(inputs, attrs) if mode == "constant" else None
+    crop = tuple(slice(max(-b, 0), d - max(-e, 0))
+                 for d, (b, e) in zip(x.shape, widths, strict=True))
+    src = x[crop]
+    grow = [(max(b, 0), max(e, 0)) for b, e in widths]
+    dst = destination(xp, [d + b + e for d, (b, e) in zip(src.shape, grow, strict=True)],
+                      x.dtype, out)
+    dst[tuple(slice(b, b + d) for d, (b, _) in zip(src.shape, grow, strict=True))] = src
+    for axis, (b, e) in enumerate(grow):
+        if b or e:
+            _fill_border(dst, axis, b, src.shape[axis], e, mode, value)
+    return [dst]
+
+
+def _fill_border(dst: Any, axis: int, before: int, n: int, after: int, mode: str,
+                 value: Any) -> None:
+    """Fill ``before``/``after`` entries of ``axis`` from the n entries between them."""
+    def at(lo: int, hi: int, step: int = 1) -> tuple[slice, ...]:
+        return (slice(None),) * axis + (slice(lo, hi if hi >= 0 else None, step),)
+
+    end = before + n
+    if mode == "constant":
+        dst[at(0, before)] = value
+        dst[at(end, end + after)] = value
+    elif mode == "edge":
+        dst[at(0, before)] = dst[at(before, before + 1)]
+        dst[at(end, end + after)] = dst[at(end - 1, end)]
+    elif mode == "reflect":
+        dst[at(0, before)] = dst[at(2 * before, before, -1)]
+        dst[at(end, end + after)] = dst[at(end - 2, end - 2 - after, -1)]
+    else:
+        _wrap(dst, at, before, n, after)
+
+
+def _wrap(dst: Any, at: Any, before: int, n: int, after: int) -> None:
+    # Pads longer than the axis repeat it, so copy in chunks of at most n.
+    pos, end = before, before + n
+    while pos > 0:
+        m = min(n, pos)
+        dst[at(pos - m, pos)] = dst[at(end - m, end)]
+        pos -= m
+    pos = end
+    while pos < end + after:
+        m = min(n, end + after - pos)
+        dst[at(pos, pos + m)] = dst[at(before, before + m)]
+        pos += m
+
+
+@TABLE.kernel(Op.DEPTH_TO_SPACE, supports_out=True)
+def depth_to_space(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """One strided copy through a 6-D view of the input."""
+    xp, x, b, mode = ctx.xp, inputs[0], attrs["blocksize"], attrs["mode"]
+    check_block_mode("depth_to_space", mode)
+    final = static_dims(depth_to_space_dims("depth_to_space", x.shape, b))
+    n, c, h, w = x.shape
+    if mode == "DCR":
+        blocks = x.reshape(n, b, b, c // (b * b), h, w).transpose(0, 3, 4, 1, 5, 2)
+    else:
+        blocks = x.reshape(n, c // (b * b), b, b, h, w).transpose(0, 1, 4, 2, 5, 3)
+    return _blocks_into(xp, blocks, final, out)
+
+
+@TABLE.kernel(Op.SPACE_TO_DEPTH, supports_out=True)
+def space_to_depth(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """One strided copy through a 6-D view of the input."""
+    xp, x, b = ctx.xp, inputs[0], attrs["blocksize"]
+    final = static_dims(space_to_depth_dims("space_to_depth", x.shape, b))
+    n, c, h, w = x.shape
+    perm = (0, 3, 5, 1, 2, 4) if check_block_mode("space_to_depth", attrs["mode"]) == "DCR" \
+        else (0, 1, 3, 5, 2, 4)
+    blocks = x.reshape(n, c, h // b, b, w // b, b).transpose(perm)
+    return _blocks_into(xp, blocks, final, out)
+
+
+def _blocks_into(xp: Any, blocks: Any, final: Sequence[int], out: Out) -> list[Any]:
+    dst = destination(xp, final, blocks.dtype, out)
+    if dst.flags.c_contiguous:
+        dst.reshape(blocks.shape)[...] = blocks
+    else:
+        dst[...] = blocks.reshape(tuple(final))
+    return [dst]
+
+
+@TABLE.kernel(Op.CONSTANT_OF_SHAPE, supports_out=True)
+def constant_of_shape(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """Fill a new (or the given) array with ``value``."""
+    value = fill_value("constant_of_shape", attrs["value"])
+    dims = check_dims("constant_of_shape", require(
+        ints_param("constant_of_shape", inputs, 0, attrs, "shape"), "constant_of_shape",
+        "a shape"), "shape")
+    dst = destination(ctx.xp, dims, value.dtype, out)
+    dst.fill(value.item())
+    return [dst]
+
+
+@TABLE.kernel(Op.RANGE, supports_out=True)
+def range_(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """start + i * delta, computed in int64 or float64 and cast once."""
+    xp = ctx.xp
+    check_same_dtype("range", [x.dtype for x in inputs])
+    start, limit, delta = (host_scalar(x, op="range", what=name)
+                           for x, name in zip(inputs, ("start", "limit", "delta"), strict=True))
+    count = range_count("range", start, limit, delta)
+    dtype = inputs[0].dtype
+    wide = "int64" if dtype.kind in "iu" else "float64"
+    steps = xp.arange(count, dtype=wide)
+    steps *= delta
+    steps += start
+    return emit(xp, steps if dtype == steps.dtype else steps.astype(dtype), out)
+
+
+@TABLE.kernel(Op.EYE_LIKE, supports_out=True)
+def eye_like(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """Ones on diagonal ``k``."""
+    x = inputs[0]
+    if x.ndim != 2:
+        raise InvalidArgumentError(f"eye_like needs a rank-2 input, got shape {tuple(x.shape)}")
+    dtype = (attrs["dtype"] or DType.from_numpy(x.dtype)).numpy
+    return emit(ctx.xp, ctx.xp.eye(x.shape[0], x.shape[1], k=attrs["k"], dtype=dtype), out)
+
+
+@TABLE.kernel(Op.TRILU, supports_out=True)
+def trilu(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """Upper (or lower) triangle from diagonal k of the last two dims."""
+    xp, x = ctx.xp, inputs[0]
+    if x.ndim < 2:
+        raise InvalidArgumentError(f"trilu needs rank >= 2, got shape {tuple(x.shape)}")
+    k = trilu_k(inputs, attrs)
+    return emit(xp, xp.triu(x, k) if attrs["upper"] else xp.tril(x, k), out)

@@ -1,3 +1,234 @@
-"""reference kernels of the quantization family."""
+"""Reference kernels of the quantization family: readable NumPy.
+
+Integer arithmetic (zero-point shifts, matmul and convolution accumulators) is
+exact (int64, or float64 holding integers). Two steps deliberately keep the
+precision ONNX and onnxruntime use, because rounding to integers makes any
+other precision visible: the division ``x / y_scale`` of quantize_linear runs
+in the type of ``x / y_scale`` (or ``precision``), and requantization
+multipliers (``a_scale * b_scale / y_scale``) are formed in the scales' type.
+Rounding is half to even, and results saturate to the output type.
+"""
 
 from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from keel.backends.base import KernelContext
+from keel.backends.reference.kernels import TABLE
+from keel.dtypes import DType
+from keel.errors import InvalidArgumentError
+from keel.ops.registry import Op
+from keel.ops.schemas.quantization import (
+    QUANT_RANGES,
+    QUANTIZE_INPUTS,
+    ConvGeometry,
+    ParamLayout,
+    conv_geometry,
+    dequantize_output_dtype,
+    matmul_param_shape,
+    matmul_shape,
+    param_layout,
+    quantize_output_dtype,
+)
+
+__all__ = ["conv_float64"]
+
+Inputs = Sequence[Any]
+Attrs = Mapping[str, Any]
+Out = Sequence[Any] | None
+
+_QLINEAR = frozenset({DType.UINT8, DType.INT8})
+
+
+def _dtype(a: np.ndarray) -> DType:
+    return DType.from_numpy(a.dtype)
+
+
+def _opt(inputs: Inputs, i: int) -> np.ndarray | None:
+    return inputs[i] if i < len(inputs) else None
+
+
+def _broadcast_param(op: Op, p: np.ndarray, x_shape: tuple[int, ...], attrs: Attrs,
+                     what: str) -> np.ndarray:
+    """A scale or zero point expanded to broadcast against x (per tensor/axis/block)."""
+    layout, axis = param_layout(op, x_shape, p.shape, attrs["axis"], attrs["block_size"], what)
+    if layout is ParamLayout.TENSOR:
+        return p.reshape(())
+    if layout is ParamLayout.AXIS:
+        return p.reshape([-1 if i == axis else 1 for i in range(len(x_shape))])
+    repeated = np.repeat(p, attrs["block_size"], axis=axis)
+    return repeated.take(np.arange(x_shape[axis]), axis=axis)
+
+
+def _saturate(q: np.ndarray, dtype: DType) -> np.ndarray:
+    """Round half to even, saturate to ``dtype``'s range; NaN maps to the zero point."""
+    lo, hi = QUANT_RANGES[dtype]
+    q = np.where(np.isnan(q), 0.0, np.rint(q))
+    return np.clip(q, lo, hi).astype(dtype.numpy)
+
+
+@TABLE.kernel(Op.QUANTIZE_LINEAR, dtypes=QUANTIZE_INPUTS)
+def quantize_linear(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """saturate(round_half_even(x / y_scale) + y_zero_point)."""
+    x, scale, zp = inputs[0], inputs[1], _opt(inputs, 2)
+    out_dtype = quantize_output_dtype(None if zp is None else _dtype(zp), attrs["output_dtype"])
+    _require(Op.QUANTIZE_LINEAR, "x", _dtype(x), QUANTIZE_INPUTS)
+    div = _division_dtype(x, scale, attrs["precision"])
+    s = _broadcast_param(Op.QUANTIZE_LINEAR, scale, x.shape, attrs, "y_scale")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.rint(x.astype(div) / s.astype(div)).astype(np.float64)
+    if zp is not None:
+        q = q + _broadcast_param(Op.QUANTIZE_LINEAR, zp, x.shape, attrs, "y_zero_point")
+    return [_saturate(q, out_dtype)]
+
+
+def _division_dtype(x: np.ndarray, scale: np.ndarray, precision: DType | None) -> Any:
+    if precision is None:
+        return np.result_type(x.dtype, scale.dtype)
+    if not precision.is_float:
+        raise InvalidArgumentError(
+            f"quantize_linear: precision must be a float type, got {precision.value}"
+        )
+    return precision.numpy
+
+
+def _require(op: Op, what: str, dtype: DType, allowed: frozenset[DType]) -> None:
+    if dtype not in allowed:
+        names = ", ".join(sorted(d.value for d in allowed))
+        raise InvalidArgumentError(f"{op.value}: {what} must be one of {names}, got {dtype.value}")
+
+
+@TABLE.kernel(Op.DEQUANTIZE_LINEAR)
+def dequantize_linear(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """(x - x_zero_point) * x_scale, computed in float64."""
+    x, scale, zp = inputs[0], inputs[1], _opt(inputs, 2)
+    out_dtype = dequantize_output_dtype(_dtype(x), _dtype(scale),
+                                        None if zp is None else _dtype(zp),
+                                        attrs["output_dtype"])
+    y = x.astype(np.float64)
+    if zp is not None:
+        y = y - _broadcast_param(Op.DEQUANTIZE_LINEAR, zp, x.shape, attrs, "x_zero_point")
+    y = y * _broadcast_param(Op.DEQUANTIZE_LINEAR, scale, x.shape, attrs, "x_scale")
+    return [y.astype(out_dtype.numpy)]
+
+
+@TABLE.kernel(Op.DYNAMIC_QUANTIZE_LINEAR, dtypes=("float32",))
+def dynamic_quantize_linear(ctx: KernelContext, inputs: Inputs, attrs: Attrs,
+                            out: Out) -> list[Any]:
+    """uint8 quantization over [min(0, min x), max(0, max x)], in float32 like ONNX."""
+    x = inputs[0]
+    _require(Op.DYNAMIC_QUANTIZE_LINEAR, "x", _dtype(x), frozenset({DType.FLOAT32}))
+    f32 = np.float32
+    hi = f32(max(0.0, float(x.max()))) if x.size else f32(0)
+    lo = f32(min(0.0, float(x.min()))) if x.size else f32(0)
+    scale = (hi - lo if hi != lo else f32(1)) / f32(255)
+    zero_point = np.rint(np.clip(f32(0) - lo / scale, 0, 255))
+    y = np.rint(x / scale) + zero_point
+    return [_saturate(y.astype(np.float64), DType.UINT8), np.array(scale, dtype=np.float32),
+            np.array(zero_point, dtype=np.uint8)]
+
+
+def _check_pair(op: Op, value: np.ndarray, zero_point: np.ndarray, what: str) -> None:
+    _require(op, what, _dtype(value), _QLINEAR)
+    if zero_point.dtype != value.dtype:
+        raise InvalidArgumentError(
+            f"{op.value}: the zero point of {what} must have its type {value.dtype}, "
+            f"got {zero_point.dtype}"
+        )
+
+
+def _multiplier(*scales: np.ndarray) -> np.ndarray:
+    """a_scale * b_scale / y_scale in the scales' own type, as ONNX forms it."""
+    a, b, y = scales
+    return np.asarray(a * b / y).astype(np.float64)
+
+
+@TABLE.kernel(Op.QLINEAR_MATMUL, dtypes=_QLINEAR)
+def qlinear_matmul(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """Integer matmul of the zero-point-shifted inputs, requantized to y's type."""
+    a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp = inputs
+    op = Op.QLINEAR_MATMUL
+    _check_pair(op, a, a_zp, "a")
+    _check_pair(op, b, b_zp, "b")
+    _require(op, "y_zero_point", _dtype(y_zp), _QLINEAR)
+    y_shape = matmul_shape(op, a.shape, b.shape)
+
+    def shaped(p: np.ndarray, operand: Sequence[Any], what: str, per: str) -> np.ndarray:
+        return p.reshape(matmul_param_shape(what, operand, p.shape, per))
+
+    a_int = a.astype(np.int64) - shaped(a_zp, a.shape, "a_zero_point", "row")
+    b_int = b.astype(np.int64) - shaped(b_zp, b.shape, "b_zero_point", "col")
+    acc = np.matmul(a_int, b_int).astype(np.float64)
+    mult = _multiplier(shaped(a_s, a.shape, "a_scale", "row"),
+                       shaped(b_s, b.shape, "b_scale", "col"),
+                       shaped(y_s, y_shape or (1,), "y_scale", "row"))
+    y = acc * mult + shaped(y_zp, y_shape or (1,), "y_zero_point", "row")
+    return [_saturate(np.asarray(y), _dtype(y_zp))]
+
+
+def conv_float64(x: np.ndarray, w: np.ndarray, geo: ConvGeometry) -> np.ndarray:
+    """Direct N-D convolution in float64: a sum over kernel offsets of strided slices."""
+    n, c = x.shape[:2]
+    m, groups = w.shape[0], geo.group
+    cg, mg = c // groups, m // groups
+    padded = np.pad(x.astype(np.float64),
+                    [(0, 0), (0, 0), *zip(geo.pads_begin, geo.pads_end, strict=True)])
+    y = np.zeros((n, m, *geo.out_spatial))
+    for offset in itertools.product(*(range(k) for k in geo.kernel)):
+        window = tuple(slice(o * d, o * d + (size - 1) * s + 1, s) for o, d, s, size
+                       in zip(offset, geo.dilations, geo.strides, geo.out_spatial, strict=True))
+        index = (slice(None), slice(None), *window)
+        patch = padded[index]
+        for g in range(groups):
+            w_index: tuple[Any, ...] = (slice(g * mg, (g + 1) * mg), slice(None), *offset)
+            taps = w[w_index]   # (mg, cg)
+            y[:, g * mg:(g + 1) * mg] += np.einsum(
+                "nc...,mc->nm...", patch[:, g * cg:(g + 1) * cg], taps.astype(np.float64))
+    return y
+
+
+def _scalar(op: Op, p: np.ndarray, what: str) -> np.ndarray:
+    if p.size != 1:
+        raise InvalidArgumentError(f"{op.value}: {what} must be a scalar, got shape {p.shape}")
+    return p.reshape(())
+
+
+def _per_channel(op: Op, p: np.ndarray, m: int, rank: int, what: str,
+                 channel_axis: int = 1) -> np.ndarray:
+    if p.size == 1:
+        return p.reshape(())
+    if p.shape != (m,):
+        raise InvalidArgumentError(
+            f"{op.value}: {what} must be a scalar or have shape ({m},), got {p.shape}"
+        )
+    return p.reshape([m if i == channel_axis else 1 for i in range(rank)])
+
+
+@TABLE.kernel(Op.QLINEAR_CONV, dtypes=_QLINEAR)
+def qlinear_conv(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """Convolution of the zero-point-shifted inputs (+ int32 bias), requantized."""
+    x, x_s, x_zp, w, w_s, w_zp, y_s, y_zp = inputs[:8]
+    bias = _opt(inputs, 8)
+    op = Op.QLINEAR_CONV
+    _check_pair(op, x, x_zp, "x")
+    _check_pair(op, w, w_zp, "w")
+    _require(op, "y_zero_point", _dtype(y_zp), _QLINEAR)
+    geo = conv_geometry(x.shape, w.shape, attrs)
+    m = w.shape[0]
+    w_int = w.astype(np.float64) - _per_channel(op, w_zp, m, w.ndim, "w_zero_point", channel_axis=0)
+    acc = conv_float64(x.astype(np.float64) - _scalar(op, x_zp, "x_zero_point"), w_int, geo)
+    if bias is not None:
+        if bias.shape != (m,) or bias.dtype != np.int32:
+            raise InvalidArgumentError(
+                f"{op.value}: B must be int32 of shape ({m},), got {bias.dtype} {bias.shape}"
+            )
+        acc += bias.reshape((1, m) + (1,) * (x.ndim - 2))
+    mult = _multiplier(_scalar(op, x_s, "x_scale"),
+                       _per_channel(op, w_s, m, x.ndim, "w_scale"),
+                       _scalar(op, y_s, "y_scale"))
+    y = acc * mult + _scalar(op, y_zp, "y_zero_point")
+    return [_saturate(y, _dtype(y_zp))]

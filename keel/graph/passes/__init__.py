@@ -1,1 +1,147 @@
-"""keel.graph.passes."""
+"""Graph optimization passes, in levels like onnxruntime's.
+
+Each pass is ``fn(graph) -> Graph``: it returns a changed copy and leaves its
+input alone, and it keeps the names of graph inputs and outputs. The levels:
+
+* ``none`` — the graph as imported;
+* ``basic`` — constant folding, shape-subgraph folding, Identity/Dropout
+  removal, dead-code elimination (repeated while they change something);
+* ``extended`` — basic, then fusions: Conv+BatchNorm, LayerNorm, GELU,
+  attention, MatMul+Add, Conv+residual Add, activations into Conv/Gemm/MatMul
+  epilogues;
+* ``all`` (default) — extended with layout work first (composing Transpose
+  chains).
+
+Adding a pass is adding a module that defines it and naming it in the
+pipeline below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from keel.errors import InvalidArgumentError
+from keel.graph.ir import Graph
+from keel.graph.passes.cancel_transposes import cancel_transposes
+from keel.graph.passes.eliminate_dead import eliminate_dead
+from keel.graph.passes.fold_constants import fold_constants
+from keel.graph.passes.fold_shapes import fold_shapes
+from keel.graph.passes.fuse_activation import fuse_activation
+from keel.graph.passes.fuse_attention import fuse_attention
+from keel.graph.passes.fuse_conv_bn import fuse_conv_bn
+from keel.graph.passes.fuse_gelu import fuse_gelu
+from keel.graph.passes.fuse_layer_norm import fuse_layer_norm
+from keel.graph.passes.fuse_matmul_add import fuse_matmul_add
+from keel.graph.passes.fuse_residual import fuse_residual
+from keel.graph.passes.remove_identity import remove_identity
+
+__all__ = [
+    "LEVELS",
+    "GraphPass",
+    "OptimizeReport",
+    "PassRecord",
+    "optimize",
+    "optimize_with_report",
+    "passes_for",
+]
+
+LEVELS = ("none", "basic", "extended", "all")
+
+Pass = Callable[[Graph], Graph]
+
+
+@dataclass(frozen=True)
+class GraphPass:
+    name: str
+    fn: Pass
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    """One pass run: node counts before and after (a pass may change a graph and keep its count)."""
+
+    name: str
+    nodes_before: int
+    nodes_after: int
+    changed: bool
+
+
+@dataclass
+class OptimizeReport:
+    graph: Graph
+    level: str
+    records: list[PassRecord] = field(default_factory=list)
+
+    @property
+    def applied(self) -> list[str]:
+        """Names of the passes that changed the graph, in order, without repeats."""
+        seen: list[str] = []
+        for r in self.records:
+            if r.changed and r.name not in seen:
+                seen.append(r.name)
+        return seen
+
+
+def _p(fn: Pass) -> GraphPass:
+    return GraphPass(fn.__name__, fn)
+
+
+BASIC = (_p(fold_constants), _p(fold_shapes), _p(remove_identity), _p(eliminate_dead))
+LAYOUT = (_p(cancel_transposes), _p(remove_identity))
+# Order matters: attention before MatMul+Add (its mask Add is no bias); the
+# residual Add before activations (act(conv + z), not act(conv) + z).
+FUSIONS = (_p(fuse_conv_bn), _p(fuse_layer_norm), _p(fuse_gelu), _p(fuse_attention),
+           _p(fuse_matmul_add), _p(fuse_residual), _p(fuse_activation), _p(eliminate_dead))
+_ROUNDS = 3
+
+
+def passes_for(level: str) -> tuple[tuple[GraphPass, ...], ...]:
+    """The stages of ``level``; each stage repeats until it changes nothing (a few rounds)."""
+    if level not in LEVELS:
+        raise InvalidArgumentError(
+            f"unknown optimization level {level!r}; allowed: {', '.join(LEVELS)}"
+        )
+    stages: dict[str, tuple[tuple[GraphPass, ...], ...]] = {
+        "none": (),
+        "basic": (BASIC,),
+        "extended": (BASIC, FUSIONS),
+        "all": (BASIC, LAYOUT, FUSIONS),
+    }
+    return stages[level]
+
+
+def optimize(graph: Graph, level: str = "all") -> Graph:
+    """``graph`` optimized at ``level`` (a new graph; the argument is not changed)."""
+    return optimize_with_report(graph, level).graph
+
+
+def optimize_with_report(graph: Graph, level: str = "all") -> OptimizeReport:
+    """Like :func:`optimize`, also recording what each pass did."""
+    report = OptimizeReport(graph, level)
+    current = graph
+    for stage in passes_for(level):
+        for _ in range(_ROUNDS):
+            changed = False
+            for p in stage:
+                after = p.fn(current)
+                diff = _differs(current, after)
+                report.records.append(PassRecord(p.name, len(current.nodes),
+                                                 len(after.nodes), diff))
+                changed |= diff
+                current = after
+            if not changed:
+                break
+    if level != "none":
+        current.verify()
+    report.graph = current
+    return report
+
+
+def _differs(before: Graph, after: Graph) -> bool:
+    if len(before.nodes) != len(after.nodes) or set(before.initializers) != set(
+            after.initializers):
+        return True
+    return any(a.op != b.op or a.inputs != b.inputs or a.outputs != b.outputs
+               or a.attrs.keys() != b.attrs.keys() for a, b in zip(before.nodes, after.nodes,
+                                                                    strict=True))

@@ -1,0 +1,129 @@
+"""The ``cpu`` backend: optimized NumPy kernels, BLAS threads set through threadpoolctl."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from contextlib import AbstractContextManager
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from keel.backends.base import Availability, Backend, DeviceKind, KernelTable
+from keel.errors import InvalidArgumentError
+from keel.ops.registry import Op, OpGroup
+
+__all__ = ["CpuBackend", "default_threads"]
+
+
+# Ops whose cpu kernels run on BLAS / OpenMP thread pools (matmul, im2col convolution).
+_POOLED = OpGroup.MATMUL_LIKE | OpGroup.CONVOLUTION | OpGroup.QUANTIZATION
+
+
+class CpuBackend(Backend):
+    """NumPy with preallocated outputs and BLAS for the heavy ops.
+
+    ``threads`` caps the BLAS / OpenMP thread pools while a matmul-like,
+    convolution or quantized kernel runs, or a whole program (and is passed
+    to kernels in their context). ``None`` means ``KEEL_THREADS`` when set,
+    else the cores this process may use (affinity mask and cgroup quota, from
+    the hardware probe). The cap holds only inside keel: the process-wide
+    settings are restored afterwards.
+    """
+
+    name = "cpu"
+    device = DeviceKind.CPU
+
+    def __init__(self, threads: int | None = None) -> None:
+        super().__init__()
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                    or threads < 1):
+            raise InvalidArgumentError(f"threads must be a positive int or None, got {threads!r}")
+        self._requested_threads = threads
+
+    @property
+    def threads(self) -> int:
+        """The thread cap kernels run under (resolved on first use)."""
+        if self._requested_threads is None:
+            self._requested_threads = _configured_threads()
+        return self._requested_threads
+
+    @threads.setter
+    def threads(self, value: int | None) -> None:
+        # None (also what Backend.__init__ assigns) means: resolve on first use.
+        self._requested_threads = value
+
+    def _check_available(self) -> Availability:
+        return Availability(True, f"NumPy {np.__version__} is always available")
+
+    def _kernels(self) -> KernelTable:
+        from keel.backends.cpu import kernels
+
+        return kernels.load()
+
+    @property
+    def xp(self) -> ModuleType:
+        return np
+
+    def _execution_scope(self, op: Op | None) -> AbstractContextManager[Any]:
+        # Only BLAS-backed kernels use the thread pools; for the rest, setting
+        # and restoring the limits would cost more than the kernel itself.
+        if op is not None and op not in _POOLED:
+            return contextlib.nullcontext()
+        return _controller().limit(limits=self.threads)
+
+    def _capability_details(self) -> dict[str, Any]:
+        blas = [f"{lib.get('internal_api')} ({lib.get('num_threads')} threads)"
+                for lib in _controller().info()]
+        return {
+            "threads": self.threads,
+            "simd_level": _simd_level(),
+            "notes": tuple(f"thread pool: {b}" for b in blas),
+        }
+
+
+@functools.lru_cache(maxsize=1)
+def _controller() -> Any:
+    # Scanning the loaded libraries takes about a millisecond: do it once.
+    from threadpoolctl import ThreadpoolController
+
+    return ThreadpoolController()
+
+
+def _configured_threads() -> int:
+    from keel.config import settings
+
+    return settings().threads or default_threads()
+
+
+@functools.lru_cache(maxsize=1)
+def default_threads() -> int:
+    """The cores this process may use: the probe's ``usable_cores``, else the affinity mask."""
+    cpu = _probed_cpu()
+    cores = getattr(cpu, "usable_cores", None)
+    if isinstance(cores, int) and cores > 0:
+        return cores
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+@functools.lru_cache(maxsize=1)
+def _probed_cpu() -> Any:
+    # The hardware probe's CPU reading honours cgroup quotas as well as the
+    # affinity mask. Only the CPU source is read: a full probe() would also
+    # query GPUs, which the cpu backend has no use for.
+    try:
+        from keel.hardware.cpu import probe_cpu
+        from keel.hardware.sources import ProbeSources
+
+        return probe_cpu(ProbeSources.real())
+    except Exception:  # no probe, or a failing one: callers fall back to os
+        return None
+
+
+def _simd_level() -> str | None:
+    level = getattr(_probed_cpu(), "simd_level", None)
+    return level if isinstance(level, str) else None

@@ -1,0 +1,207 @@
+"""Which convolutions each conv variant serves, and which one to prefer.
+
+A :class:`ConvCase` is the part of a convolution a variant choice depends on
+(geometry, channels, dtype), built from shapes and attributes alone. A
+:class:`ConvRule` is a variant's typed metadata: the cases it can run
+(kernel size, strides, dilations, padding, grouping, dtypes, rank) and, for a
+variant that is only *sometimes* faster, the measured region where it wins.
+:func:`pick` walks the rules by priority and returns the first that serves
+the case with a reason a person can read. The ``default`` conv kernel and the
+planner (:func:`keel.planning.variants.choose_variant`) both use it, so a plan
+and a plain ``run`` make the same choice.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from keel.ops.registry import Op
+from keel.ops.schemas.conv import conv2d_attrs, conv_geometry
+from keel.ops.types import Dim
+
+__all__ = ["ConvCase", "ConvRule", "conv_case", "pick"]
+
+
+@dataclass(frozen=True)
+class ConvCase:
+    """The facts about one convolution that decide its kernel variant."""
+
+    rank: int
+    kernel: tuple[int, ...]
+    strides: tuple[int, ...]
+    dilations: tuple[int, ...]
+    padded: bool
+    group: int
+    in_channels: int
+    out_channels: int
+    out_spatial: tuple[int, ...]
+    batch: int
+    dtype: str
+
+    @property
+    def depthwise(self) -> bool:
+        return self.group > 1 and self.group == self.in_channels
+
+    @property
+    def out_pixels(self) -> int:
+        return math.prod(self.out_spatial)
+
+    def describe(self) -> str:
+        k = "x".join(str(d) for d in self.kernel)
+        s = "x".join(str(d) for d in self.strides)
+        grouping = ("depthwise" if self.depthwise
+                    else f"{self.group} groups" if self.group > 1 else "dense")
+        size = "x".join(str(d) for d in self.out_spatial)
+        return (f"{k} stride {s}, {self.in_channels}->{self.out_channels} channels "
+                f"({grouping}), output {size}")
+
+
+def conv_case(op: Op, x_shape: Sequence[Dim], w_shape: Sequence[Dim],
+              attrs: Mapping[str, Any], dtype: str) -> ConvCase | None:
+    """The case of a CONV / CONV2D / CONV_INTEGER node; None when shapes are not known.
+
+    A symbolic batch dimension does not matter to the choice and counts as 1.
+    """
+    if len(x_shape) and not isinstance(x_shape[0], int):
+        x_shape = (1, *x_shape[1:])
+    if not all(isinstance(d, int) for d in (*x_shape, *w_shape)):
+        return None
+    norm = conv2d_attrs(attrs) if op is Op.CONV2D else attrs
+    geo = conv_geometry(op, [int(d) for d in x_shape if isinstance(d, int)],
+                        [int(d) for d in w_shape if isinstance(d, int)], norm)
+    win = geo.window
+    return ConvCase(win.rank, win.kernel, win.strides, win.dilations, win.padded, geo.group,
+                    geo.in_channels, geo.out_channels, win.out_spatial, geo.batch, dtype)
+
+
+@dataclass(frozen=True)
+class ConvRule:
+    """A conv variant's metadata: what it serves and when it is preferred.
+
+    ``None`` means "any". ``priority`` orders the variants that serve a case
+    (higher first). ``measured`` records the measurement behind a
+    performance-based limit (``min_channels``, ``min_out_pixels``, ...).
+    """
+
+    variant: str
+    priority: int
+    summary: str
+    ranks: tuple[int, ...] | None = None
+    kernel: tuple[int, ...] | None = None
+    unit_kernel: bool = False
+    strides: tuple[int, ...] | None = None
+    dilations: tuple[int, ...] | None = None
+    unpadded: bool = False
+    groups: str = "any"                # "one", "depthwise" or "any"
+    dtypes: frozenset[str] | None = None
+    min_channels: int = 0              # min(in, out) channels per group
+    min_out_pixels: int = 0
+    max_out_pixels: int | None = None
+    measured: str = ""
+    # Measured points behind the limits: (channels, output side, this variant's time
+    # divided by the baseline's), quoted in reasons for the nearest case.
+    evidence: tuple[tuple[int, int, float], ...] = ()
+    baseline: str = ""
+
+    def rejects(self, case: ConvCase) -> str | None:
+        """Why this variant does not serve ``case`` (None when it does)."""
+        checks: Iterable[tuple[bool, str]] = (
+            (self.ranks is not None and case.rank not in self.ranks,
+             f"{case.rank}-D input; serves {self._ranks()}"),
+            (self.kernel is not None and case.kernel != self.kernel,
+             f"kernel {case.kernel}; serves {self.kernel}"),
+            (self.unit_kernel and any(k != 1 for k in case.kernel),
+             f"kernel {case.kernel}; serves 1x1 only"),
+            (self.strides is not None and case.strides != self.strides,
+             f"strides {case.strides}; serves {self.strides}"),
+            (self.dilations is not None and case.dilations != self.dilations,
+             f"dilations {case.dilations}; serves {self.dilations}"),
+            (self.unpadded and case.padded, "padded input; serves unpadded only"),
+            (self.groups == "one" and case.group != 1, f"{case.group} groups; serves 1"),
+            (self.groups == "depthwise" and not case.depthwise,
+             "not depthwise (group != in channels)"),
+            (self.dtypes is not None and case.dtype not in self.dtypes,
+             f"dtype {case.dtype}; serves {', '.join(sorted(self.dtypes or ()))}"),
+        )
+        for failed, why in checks:
+            if failed:
+                return why
+        return self._rejects_size(case)
+
+    def _rejects_size(self, case: ConvCase) -> str | None:
+        per_group = min(case.in_channels, case.out_channels) // max(case.group, 1)
+        evidence = self.nearest_evidence(case)
+        note = f" ({evidence})" if evidence else ""
+        if per_group < self.min_channels:
+            return f"{per_group} channels per group < {self.min_channels}{note}"
+        if case.out_pixels < self.min_out_pixels:
+            return f"{case.out_pixels} output pixels < {self.min_out_pixels}{note}"
+        if self.max_out_pixels is not None and case.out_pixels > self.max_out_pixels:
+            return f"{case.out_pixels} output pixels > {self.max_out_pixels}{note}"
+        return None
+
+    def scope(self) -> str:
+        """The cases this variant serves, in words."""
+        parts = []
+        if self.ranks is not None:
+            parts.append(self._ranks())
+        if self.kernel is not None:
+            parts.append("kernel " + "x".join(str(k) for k in self.kernel))
+        if self.unit_kernel:
+            parts.append("1x1 kernel")
+        if self.strides is not None:
+            parts.append("stride " + "x".join(str(s) for s in self.strides))
+        if self.dilations is not None:
+            parts.append("dilation " + "x".join(str(d) for d in self.dilations))
+        if self.unpadded:
+            parts.append("no padding")
+        if self.groups != "any":
+            parts.append({"one": "1 group", "depthwise": "depthwise"}[self.groups])
+        if self.dtypes is not None:
+            parts.append("/".join(sorted(self.dtypes)))
+        if self.min_channels:
+            parts.append(f">= {self.min_channels} channels per group")
+        if self.min_out_pixels:
+            parts.append(f">= {self.min_out_pixels} output pixels")
+        return ", ".join(parts) or "any convolution"
+
+    def nearest_evidence(self, case: ConvCase) -> str:
+        """The measurement closest to ``case`` (log distance in channels and size)."""
+        if not self.evidence:
+            return ""
+        channels = max(1, min(case.in_channels, case.out_channels))
+        side = max(1.0, case.out_pixels ** (1.0 / max(case.rank, 1)))
+
+        def dist(point: tuple[int, int, float]) -> float:
+            return abs(math.log(point[0] / channels)) + abs(math.log(point[1] / side))
+
+        ch, sd, ratio = min(self.evidence, key=dist)
+        verdict = (f"{1 / ratio:.2f}x faster" if ratio < 1 else f"{ratio:.2f}x slower")
+        return f"measured {verdict} than {self.baseline} at {ch} channels, {sd}x{sd} output"
+
+    def _ranks(self) -> str:
+        return "/".join(f"{r}-D" for r in self.ranks or ())
+
+
+def pick(case: ConvCase, rules: Iterable[ConvRule],
+         available: Iterable[str] | None = None) -> tuple[str, str]:
+    """The highest-priority rule serving ``case`` and the reason, naming rejected ones."""
+    names = None if available is None else set(available)
+    skipped: list[str] = []
+    for rule in sorted(rules, key=lambda r: -r.priority):
+        if names is not None and rule.variant not in names:
+            continue
+        why_not = rule.rejects(case)
+        if why_not is None:
+            reason = f"{case.describe()}: {rule.variant} ({rule.summary})"
+            evidence = rule.nearest_evidence(case)
+            if evidence:
+                reason += f"; {evidence}"
+            if skipped:
+                reason += f"; not {', '.join(skipped)}"
+            return rule.variant, reason
+        skipped.append(f"{rule.variant}: {why_not}")
+    raise LookupError(f"no conv variant serves {case.describe()}: {'; '.join(skipped)}")

@@ -1,0 +1,39 @@
+"""The kernel table of the ``gpu`` backend.
+
+The ``cpu`` kernels are written once against ``ctx.xp``; here the same
+:class:`KernelVariant` entries are bound to CuPy (the ``gpu`` backend passes
+``cupy`` as ``ctx.xp``). Variants marked ``host_only`` (NumPy-only code) are
+left out. GPU-only variants register on :data:`TABLE` from modules listed in
+:data:`FAMILIES` and win over a ``cpu`` variant of the same name.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+from keel.backends.base import KernelTable
+from keel.ops.registry import Op
+
+__all__ = ["FAMILIES", "TABLE", "load"]
+
+TABLE = KernelTable("gpu")
+
+# Modules of keel.backends.gpu with GPU-only kernels (raw CUDA, cuDNN); none yet.
+FAMILIES: tuple[str, ...] = ()
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> KernelTable:
+    """GPU-only kernels, then every ``cpu`` kernel that runs through ``ctx.xp``."""
+    from keel.backends.cpu import kernels as cpu
+
+    for family in FAMILIES:
+        importlib.import_module(f"keel.backends.gpu.{family}")
+    shared = cpu.load()
+    for op in Op:
+        for name, variant in shared.variants(op).items():
+            if variant.meta.get("host_only") or name in TABLE.variants(op):
+                continue
+            TABLE.register(variant)
+    return TABLE

@@ -1,0 +1,53 @@
+"""``keel drop MODEL --profile edge|server [--out DIR] [--json]``: a deterministic drop manifest."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from keel.planning.drops import DEFAULT_ARTIFACTS_DIR, Drop, make_drop
+
+__all__ = ["drop_command", "register"]
+
+
+def register(app: typer.Typer) -> None:
+    app.command("drop")(drop_command)
+
+
+def drop_command(
+    model: Path = typer.Argument(..., help="The model file the drop is for."),
+    profile: str = typer.Option(..., "--profile", help="Target profile: edge or server."),
+    out: Path = typer.Option(Path(DEFAULT_ARTIFACTS_DIR), "--out",
+                             help="Artifacts root; the drop goes to OUT/PROFILE/DROP-ID/."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Write flags.txt and manifest.yaml for MODEL on a target profile (same inputs, same bytes)."""
+    drop = make_drop(model, profile, out)
+    if as_json:
+        typer.echo(json.dumps(drop.to_dict(), indent=2))
+        return
+    Console().print(_table(drop))
+
+
+def _table(drop: Drop) -> Table:
+    state = "written" if drop.created else "already present, identical"
+    table = Table(title=f"keel drop {drop.drop_id} ({state})", show_header=False,
+                  title_justify="left")
+    table.add_column("what", style="bold", no_wrap=True)
+    table.add_column("value", overflow="fold")
+    m = drop.manifest
+    for label, value in (
+        ("profile", f"{drop.profile}: {m['description']}"),
+        ("path", drop.path),
+        ("files", ", ".join(drop.files)),
+        ("flags", " ".join(m["flags"])),
+        ("feature gates", ", ".join(m["feature_gates"])),
+        ("model", f"{m['model']['file']} ({m['model']['size_bytes']} bytes, "
+                  f"sha256 {m['model']['sha256'][:16]}…)"),
+    ):
+        table.add_row(label, value)
+    return table

@@ -1,0 +1,96 @@
+"""``keel plan [MODEL] [--policy FILE] [--hardware FILE] [--json]``: where things run, and why.
+
+Without MODEL: the runtime plan (seed 000's selections, keel's engine, the
+target class) for this machine, or for a profile saved with ``keel probe
+--json`` on another one. With MODEL: also the model's per-node plan.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from keel.errors import KeelError
+from keel.hardware import probe
+from keel.hardware.profile import HardwareProfile
+from keel.planning.policy import RuntimePolicy
+from keel.planning.runtime_plan import RuntimePlan, is_this_machine, plan_runtime
+
+__all__ = ["plan_command", "plan_table", "print_plan", "register"]
+
+
+def register(app: typer.Typer) -> None:
+    app.command("plan")(plan_command)
+
+
+def plan_command(
+    model: str | None = typer.Argument(None, help="An ONNX or .keel model to plan."),
+    policy: Path | None = typer.Option(None, "--policy", help="A RuntimePolicy YAML file."),
+    hardware: Path | None = typer.Option(
+        None, "--hardware", help="Plan for a profile saved by `keel probe --json`."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Plan engines and runtimes for this machine (or a saved profile), with reasons."""
+    runtime_policy = RuntimePolicy.resolve(policy)
+    profile = probe() if hardware is None else HardwareProfile.load(str(hardware))
+    local = hardware is None or is_this_machine(profile)
+    runtime_plan = plan_runtime(profile, runtime_policy, local=local)
+    loaded = None if model is None else _load(model, runtime_policy, profile)
+    if as_json:
+        data: dict[str, Any] = runtime_plan.to_dict()
+        if loaded is not None:
+            data = {"runtime": data, "model": loaded.plan.to_dict()}
+        typer.echo(json.dumps(data, indent=2))
+        return
+    console = Console()
+    print_plan(console, runtime_plan)
+    if loaded is not None:
+        typer.echo(loaded.explain())
+
+
+def _load(model: str, policy: RuntimePolicy, profile: HardwareProfile) -> Any:
+    """Load and plan ``model`` through keel.execution (imported only when asked)."""
+    try:
+        load_model = importlib.import_module("keel.execution.model").load_model
+    except (ImportError, AttributeError) as exc:
+        raise KeelError(
+            f"planning a model needs keel.execution.model.load_model, which this "
+            f"installation lacks ({exc})"
+        ) from None
+    kwargs: dict[str, Any] = {"backend": policy.backend, "precision": policy.precision}
+    accepted = inspect.signature(load_model).parameters
+    kwargs.update({k: v for k, v in (("hardware", profile), ("policy", policy))
+                   if k in accepted})
+    return load_model(model, **kwargs)
+
+
+def print_plan(console: Console, runtime_plan: RuntimePlan) -> None:
+    """The readable form of a runtime plan: the table, then rejected alternatives."""
+    console.print(plan_table(runtime_plan))
+    console.print(f"target {runtime_plan.target}: {runtime_plan.target_reason}",
+                  markup=False, highlight=False, soft_wrap=True)
+    for s in runtime_plan.selections:
+        for name, why in s.rejected:
+            console.print(f"{s.component}: rejected {name}: {why}",
+                          markup=False, highlight=False, soft_wrap=True)
+
+
+def plan_table(runtime_plan: RuntimePlan) -> Table:
+    """One row per selection: choice, fallbacks, reason."""
+    table = Table(title=f"keel plan: {runtime_plan.host or 'unknown host'} "
+                        f"(target: {runtime_plan.target})", title_justify="left")
+    table.add_column("component", style="bold", no_wrap=True)
+    table.add_column("choice", no_wrap=True)
+    table.add_column("fallbacks", no_wrap=True)
+    table.add_column("why", overflow="fold")
+    for s in runtime_plan.selections:
+        choice = s.choice if not s.detail else f"{s.choice} ({s.detail})"
+        table.add_row(s.component, choice, ", ".join(s.fallbacks) or "-", s.reason)
+    return table

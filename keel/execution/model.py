@@ -1,0 +1,641 @@
+"""The Model API: load a model, then predict, run (onnxruntime style), plan, explain.
+
+``load_model`` reads an ONNX file, bytes, an ``onnx.ModelProto`` or a
+``.keel`` file, optimizes the graph and plans it for a first input signature
+(symbolic dimensions taken as 1) so that ``model.plan`` and
+``model.explain()`` answer before anything runs. Each new input signature is
+planned and compiled once and cached.
+
+A memory limit is checked before running: when the whole batch does not fit,
+the batch is split into chunks along its first axis (the planner may shrink
+chunks at chunk boundaries, never in the middle of one); when not even one
+item fits, ``MemoryLimitError`` states the peak the plan needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from keel.backends.base import Backend, DeviceKind
+from keel.backends.registry import BackendRegistry, default_registry
+from keel.config import BACKEND_NAMES, PRECISIONS, format_bytes, parse_bytes, settings
+from keel.dtypes import DType
+from keel.errors import BackendSelectionError, InvalidArgumentError, MemoryLimitError
+from keel.execution.program import ArenaPool, Profiler, Program, compile_program
+from keel.graph.ir import Graph, Value
+from keel.ops.registry import OpGroup
+from keel.ops.types import Dim, TensorType
+from keel.planning.adaptive import AdaptivePlan, AdaptivePlanner, PlanRequest
+from keel.planning.placement import ExecutionPlan, place, precision_name
+
+__all__ = ["OPTIMIZATION_LEVELS", "Model", "TensorInfo", "load_model"]
+
+OPTIMIZATION_LEVELS = ("none", "basic", "extended", "all")
+_CACHE_SIZE = 8
+_FLOATS = {"fp16": DType.FLOAT16, "fp32": DType.FLOAT32, "fp64": DType.FLOAT64}
+
+Shapes = dict[str, tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A model input or output: name, shape (ints, symbolic names, None) and dtype."""
+
+    name: str
+    shape: tuple[Dim, ...] | None
+    dtype: DType
+
+    def to_dict(self) -> dict[str, Any]:
+        shape = None if self.shape is None else list(self.shape)
+        return {"name": self.name, "shape": shape, "dtype": self.dtype.value}
+
+
+@dataclass
+class _Planned:
+    types: dict[str, TensorType | None]
+    plan: ExecutionPlan
+    program: Program | None = None
+    symbolic: bool = False          # planned without sizes (no peak known)
+
+
+def load_model(
+    src: str | os.PathLike[str] | bytes | Any,
+    backend: str = "auto",
+    precision: str = "auto",
+    memory_limit: int | str | None = None,
+    optimization_level: str = "all",
+    threads: int | None = None,
+    *,
+    registry: BackendRegistry | None = None,
+    hardware: Any = None,
+    policy: Any = None,
+    enable_profiling: bool = False,
+) -> Model:
+    """Load and plan a model from a path (``.onnx``/``.keel``), bytes or ``onnx.ModelProto``.
+
+    ``backend`` and ``precision`` given here (else ``KEEL_BACKEND`` /
+    ``KEEL_PRECISION``) are authoritative: a pinned backend that cannot run
+    every node raises before anything runs. ``memory_limit`` is a byte count
+    or a size such as ``"512MB"`` (else ``KEEL_MEMORY_LIMIT``).
+    """
+    if optimization_level not in OPTIMIZATION_LEVELS:
+        raise InvalidArgumentError(
+            f"optimization_level {optimization_level!r} is not allowed; use one of "
+            f"{', '.join(OPTIMIZATION_LEVELS)}")
+    graph, name = _read_graph(src)
+    env = settings()
+    return Model(
+        graph,
+        name=name,
+        backend=backend if backend != "auto" else (env.backend or "auto"),
+        precision=precision if precision != "auto" else (env.precision or "auto"),
+        memory_limit=memory_limit if memory_limit is not None else env.memory_limit,
+        optimization_level=optimization_level,
+        threads=threads if threads is not None else env.threads,
+        registry=registry,
+        hardware=hardware,
+        policy=policy,
+        enable_profiling=enable_profiling,
+    )
+
+
+def _read_graph(src: Any) -> tuple[Graph, str]:
+    if isinstance(src, Graph):
+        return src.copy(), src.name
+    from keel.formats.keel_format import is_keel_file, load_keel
+    from keel.graph.importers.onnx import import_onnx
+
+    if isinstance(src, (str, os.PathLike)):
+        path = os.fspath(src)
+        stem = os.path.splitext(os.path.basename(path))[0]
+        keel_file = path.endswith(".keel") or (os.path.isfile(path) and is_keel_file(path))
+        graph = load_keel(path) if keel_file else import_onnx(path)
+        return graph, graph.name or stem
+    if isinstance(src, (bytes, bytearray, memoryview)):
+        data = bytes(src)
+        graph = load_keel(data) if is_keel_file(data) else import_onnx(data)
+        return graph, graph.name or "model"
+    if type(src).__name__ == "ModelProto":
+        graph = import_onnx(src)
+        return graph, graph.name or "model"
+    raise InvalidArgumentError(
+        f"a model is a path (.onnx or .keel), bytes or onnx.ModelProto; got "
+        f"{type(src).__name__}")
+
+
+class Model:
+    """A loaded, optimized model; plans and programs per input signature."""
+
+    def __init__(self, graph: Graph, *, name: str = "", backend: str = "auto",
+                 precision: str = "auto", memory_limit: int | str | None = None,
+                 optimization_level: str = "all", threads: int | None = None,
+                 registry: BackendRegistry | None = None, hardware: Any = None,
+                 policy: Any = None, enable_profiling: bool = False) -> None:
+        from keel.graph.passes import optimize
+
+        self.input_names = list(graph.input_names)     # graph order, optional ones included
+        self._declared_inputs = [v for v in graph.inputs if v.name not in graph.initializers]
+        self._declared_outputs = list(graph.outputs)
+        self.name = name or graph.name or "model"
+        self.optimization_level = optimization_level
+        self._registry = _with_threads(registry or default_registry(), threads)
+        self._hardware = hardware if hardware is not None else _probe_if_gpu(self._registry)
+        self._policy = policy
+        self._backend = _check_backend(backend)
+        self._precision = _check_precision(precision)
+        self._graph = _convert_precision(optimize(graph, optimization_level), self._precision)
+        self._memory_limit = None if memory_limit is None else parse_bytes(memory_limit)
+        self._cache: collections.OrderedDict[tuple[Any, ...], _Planned] = \
+            collections.OrderedDict()
+        self._pool = ArenaPool()
+        self._lock = threading.RLock()
+        self._planner = AdaptivePlanner()
+        self._telemetry: Callable[[], Any] | None = None
+        self._profiler: Profiler | None = Profiler() if enable_profiling else None
+        self._last: tuple[ExecutionPlan, AdaptivePlan | None] | None = None
+        self._check_default_plan()
+
+    # ---- description -----------------------------------------------------
+    @property
+    def inputs(self) -> list[TensorInfo]:
+        """The inputs a caller must feed (inputs with a default initializer are left out)."""
+        return [TensorInfo(v.name, v.type.shape, v.type.dtype) for v in self._declared_inputs]
+
+    @property
+    def outputs(self) -> list[TensorInfo]:
+        return [TensorInfo(v.name, v.type.shape, v.type.dtype) for v in self._declared_outputs]
+
+    @property
+    def graph(self) -> Graph:
+        """The optimized graph this model runs (do not modify)."""
+        return self._graph
+
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    @property
+    def precision(self) -> str:
+        return self._precision
+
+    @property
+    def memory_limit(self) -> int | None:
+        return self._memory_limit
+
+    @property
+    def plan(self) -> ExecutionPlan:
+        """The plan of the last run, or of the first signature (symbolic dims as 1)."""
+        with self._lock:
+            if self._last is None:
+                self._last = (self._default_planned().plan, None)
+            return self._last[0]
+
+    def explain(self) -> str:
+        """Per-node backend, variant, precision and reason; copies; peak memory."""
+        plan = self.plan
+        limit = "none" if self._memory_limit is None else format_bytes(self._memory_limit)
+        shapes = ", ".join(f"{k}={v}" for k, v in plan.input_shapes.items()) or "none"
+        head = [
+            f"model {self.name!r}: backend {self._backend}, precision {self._precision}, "
+            f"optimization {self.optimization_level}, memory limit {limit}",
+            f"planned for input shapes {shapes}",
+        ]
+        if self._last is not None and self._last[1] is not None:
+            head.append(f"chunked: {self._last[1].n_chunks} chunks of up to "
+                        f"{self._last[1].chunk_size}")
+        memory = plan.memory_plan.report() if plan.memory_plan is not None else ""
+        return "\n".join([*head, "", plan.table(), "", memory]).rstrip() + "\n"
+
+    # ---- settings --------------------------------------------------------
+    def set_memory_limit(self, limit: int | str | None) -> None:
+        """Set the memory budget (bytes or ``"512MB"``; None removes it)."""
+        new = None if limit is None else parse_bytes(limit)
+        with self._lock:
+            old = self._memory_limit
+            self._memory_limit = new
+            try:
+                self._check_default_plan()
+            except MemoryLimitError:
+                self._memory_limit = old
+                raise
+            self._pool.clear()
+            self._last = None
+
+    def set_backend(self, backend: str) -> None:
+        """Pin a backend (or ``"auto"``); raises before any run if it cannot run every node."""
+        name = _check_backend(backend)
+        with self._lock:
+            old, cache = self._backend, self._cache
+            self._backend, self._cache = name, collections.OrderedDict()
+            try:
+                self._default_planned()
+            except Exception:
+                self._backend, self._cache = old, cache
+                raise
+            self._pool.clear()
+            self._last = None
+
+    def set_telemetry(self, source: Callable[[], Any] | None) -> None:
+        """A callable returning a telemetry snapshot, read at chunk boundaries."""
+        self._telemetry = source
+
+    # ---- profiling -------------------------------------------------------
+    def enable_profiling(self) -> None:
+        """Time every node of every run from now on."""
+        self._profiler = Profiler()
+
+    @property
+    def profiler(self) -> Profiler | None:
+        return self._profiler
+
+    def end_profiling(self, path: str | os.PathLike[str] | None = None) -> str:
+        """Stop profiling and write the Chrome trace JSON; returns its path."""
+        if self._profiler is None:
+            raise InvalidArgumentError("profiling is not enabled; call enable_profiling() first")
+        target = path if path is not None else f"keel_profile_{self.name}.json"
+        written = self._profiler.export(target)
+        self._profiler = None
+        return written
+
+    # ---- running ---------------------------------------------------------
+    def predict(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """Run the model: ``{input name: array}`` → ``{output name: array}``."""
+        arrays, shapes = self._validate(feeds)
+        with self._lock:
+            planned = self._planned(shapes)
+            limit = self._memory_limit
+            if limit is None or planned.plan.peak_bytes <= limit:
+                self._last = (self._with_hint(planned.plan, None), None)
+                result = self._program(planned).run(arrays, profiler=self._profiler)
+            else:
+                result = self._run_chunked(arrays, shapes, planned, limit)
+        return self._to_declared(result)
+
+    def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
+            run_options: Any = None) -> list[np.ndarray]:
+        """onnxruntime's ``InferenceSession.run``: outputs in the order asked for."""
+        names = [v.name for v in self._declared_outputs]
+        wanted = names if output_names is None else list(output_names)
+        unknown = [n for n in wanted if n not in names]
+        if unknown:
+            raise InvalidArgumentError(
+                f"unknown output {unknown[0]!r}; the model's outputs are: {', '.join(names)}")
+        result = self.predict(input_feed)
+        return [result[n] for n in wanted]
+
+    async def predict_async(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """``predict`` in a worker thread, so an event loop keeps serving."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self.predict, feeds)
+
+    def intermediates(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """Every value the graph computes (host copies), by name; for debugging and validation."""
+        arrays, shapes = self._validate(feeds)
+        with self._lock:
+            planned = self._planned(shapes)
+            values = self._program(planned).run(arrays, keep_all=True)
+        return {k: np.asarray(v) for k, v in values.items()}
+
+    # ---- planning --------------------------------------------------------
+    def _planned(self, shapes: Shapes) -> _Planned:
+        key = tuple(sorted(shapes.items()))
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            return hit
+        from keel.graph.shape_inference import infer_graph_types
+
+        internal = {k: v for k, v in shapes.items() if k in self._graph.input_names}
+        types = infer_graph_types(self._graph, internal)
+        plan = place(self._graph, types, self._registry, self._hardware, self._policy,
+                     backend=self._backend, precision=self._precision)
+        planned = _Planned(types, plan)
+        self._cache[key] = planned
+        while len(self._cache) > _CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return planned
+
+    def _program(self, planned: _Planned) -> Program:
+        if planned.program is None:
+            backends = {name: self._registry.get(name) for name in planned.plan.backends}
+            planned.program = compile_program(self._graph, planned.plan, planned.types,
+                                              backends, self._pool)
+        return planned.program
+
+    def _default_shapes(self) -> Shapes:
+        return {v.name: tuple(d if isinstance(d, int) else 1 for d in v.type.shape or ())
+                for v in self._declared_inputs}
+
+    def _default_planned(self) -> _Planned:
+        """The plan of the first signature: symbolic dimensions as 1.
+
+        When 1 is not a valid size for some symbolic dimension (shape inference
+        rejects it), the dimensions stay symbolic: placement still answers,
+        sizes and peak wait for real inputs.
+        """
+        try:
+            return self._planned(self._default_shapes())
+        except InvalidArgumentError:
+            key: tuple[Any, ...] = ("symbolic",)
+            if key not in self._cache:
+                from keel.graph.shape_inference import infer_graph_types
+
+                types = infer_graph_types(self._graph, {})
+                plan = place(self._graph, types, self._registry, self._hardware,
+                             self._policy, backend=self._backend, precision=self._precision)
+                reason = "symbolic dimensions cannot all be 1: planned without sizes"
+                self._cache[key] = _Planned(
+                    types, replace(plan, reasons=(*plan.reasons, reason)), symbolic=True)
+            return self._cache[key]
+
+    def _check_default_plan(self) -> None:
+        """Plan the first signature now: pins and impossible limits fail at load."""
+        planned = self._default_planned()
+        limit = self._memory_limit
+        if limit is not None and not planned.symbolic and planned.plan.peak_bytes > limit:
+            self._chunk_plan(self._default_shapes(), planned.plan, limit)
+
+    def _with_hint(self, plan: ExecutionPlan, chunk: AdaptivePlan | None) -> ExecutionPlan:
+        if chunk is None:
+            return plan
+        return replace(plan, chunk_size_hint=chunk.chunk_size,
+                       reasons=(*plan.reasons, *chunk.reasons))
+
+    # ---- chunking --------------------------------------------------------
+    def _run_chunked(self, arrays: dict[str, np.ndarray], shapes: Shapes,
+                     planned: _Planned, limit: int) -> dict[str, np.ndarray]:
+        chunk_plan = self._chunk_plan(shapes, planned.plan, limit)
+        batch = chunk_plan.size
+        outputs = {name: np.empty(_static(planned.types[name], name), t.dtype.numpy)
+                   for name, t in self._output_types(planned).items()}
+        peak_of = self._peak_fn(shapes, planned)
+        pos = 0
+        while pos < batch:
+            end = min(pos + chunk_plan.chunk_size, batch)
+            sub = {k: (v[pos:end] if k in self._batched else v) for k, v in arrays.items()}
+            part = self._planned(self._with_batch(shapes, end - pos))
+            self._last = (self._with_hint(part.plan, chunk_plan), chunk_plan)
+            self._program(part).run(sub, outputs={k: o[pos:end] for k, o in outputs.items()},
+                                    profiler=self._profiler)
+            pos = end
+            snapshot = self._telemetry() if self._telemetry is not None else None
+            chunk_plan = self._planner.replan(chunk_plan, pos, peak_of, snapshot)
+        return outputs
+
+    def _chunk_plan(self, shapes: Shapes, plan: ExecutionPlan, limit: int) -> AdaptivePlan:
+        batch = _batch_size(shapes, self._declared_inputs)
+        if batch is None:
+            raise MemoryLimitError(
+                f"memory limit {format_bytes(limit)} ({limit} bytes) cannot be met: the plan "
+                f"needs a peak of {format_bytes(plan.peak_bytes)} ({plan.peak_bytes} bytes) and "
+                "the inputs share no batch dimension to split into chunks",
+                required_bytes=plan.peak_bytes, limit_bytes=limit)
+        request = PlanRequest(
+            "graph", batch, backend=self._backend, precision=self._precision,
+            memory_limit=limit, native_precision=_native_precision(self._graph),
+            telemetry=self._telemetry() if self._telemetry is not None else None)
+        return self._planner.plan(request, self._peak_fn(shapes, self._planned(shapes)))
+
+    def _peak_fn(self, shapes: Shapes, whole: _Planned) -> Callable[[int], int]:
+        full_outputs = int(whole.plan.memory.get("output_bytes", 0))
+
+        def peak(n: int) -> int:
+            sub = self._with_batch(shapes, n)
+            plan = self._planned(sub).plan
+            self._check_chunkable(sub, n)
+            # Chunks write into slices of the whole batch's outputs.
+            return plan.peak_bytes - int(plan.memory.get("output_bytes", 0)) + full_outputs
+
+        return peak
+
+    @property
+    def _batched(self) -> set[str]:
+        """Inputs whose first dimension is not fixed: the ones chunking splits."""
+        return {v.name for v in self._declared_inputs
+                if v.type.shape and not isinstance(v.type.shape[0], int)}
+
+    def _with_batch(self, shapes: Shapes, n: int) -> Shapes:
+        return {k: ((n, *s[1:]) if k in self._batched else s) for k, s in shapes.items()}
+
+    def _check_chunkable(self, shapes: Shapes, n: int) -> None:
+        types = self._planned(shapes).types
+        for v in self._graph.outputs:
+            t = types.get(v.name)
+            if t is None or not t.is_static or not t.shape or t.shape[0] != n:
+                raise MemoryLimitError(
+                    f"cannot split the batch into chunks: output {v.name!r} is {t} for "
+                    f"{n} items, not {n} rows; raise the memory limit")
+
+    def _output_types(self, planned: _Planned) -> dict[str, TensorType]:
+        result = {}
+        for v in self._graph.outputs:
+            t = planned.types.get(v.name)
+            if t is None:
+                raise MemoryLimitError(f"cannot chunk: output {v.name!r} has no known shape")
+            result[v.name] = t
+        return result
+
+    # ---- input validation ------------------------------------------------
+    def _validate(self, feeds: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], Shapes]:
+        if not isinstance(feeds, Mapping):
+            raise InvalidArgumentError(
+                f"feeds must be a dict of input name -> array, got {type(feeds).__name__}")
+        known = {v.name: v for v in self._declared_inputs}
+        optional = set(self._graph.optional_input_names)
+        for name in feeds:
+            if name not in known and name not in optional:
+                raise InvalidArgumentError(
+                    f"unknown input {name!r}; the model's inputs are: {', '.join(known)}")
+        arrays: dict[str, np.ndarray] = {}
+        symbols: dict[str, tuple[int, str]] = {}
+        for name, v in known.items():
+            if name not in feeds:
+                raise InvalidArgumentError(
+                    f"input {name!r} is missing; expected {_describe(v.type)}")
+            arrays[name] = _check_input(name, feeds[name], v.type, symbols)
+        for name in optional & set(feeds):
+            v = next(x for x in self._graph.inputs if x.name == name)
+            arrays[name] = _check_input(name, feeds[name], v.type, symbols)
+        return self._to_internal(arrays), {k: tuple(a.shape) for k, a in arrays.items()}
+
+    def _to_internal(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        types = {v.name: v.type.dtype for v in self._graph.inputs}
+        return {k: (a if a.dtype == types[k].numpy else a.astype(types[k].numpy))
+                for k, a in arrays.items()}
+
+    def _to_declared(self, result: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        out = {}
+        for v in self._declared_outputs:
+            a = result[v.name]
+            out[v.name] = a if a.dtype == v.type.dtype.numpy else a.astype(v.type.dtype.numpy)
+        return out
+
+    def __repr__(self) -> str:
+        ins = ", ".join(f"{i.name}: {_describe(TensorType(i.dtype, i.shape))}"
+                        for i in self.inputs)
+        return f"<keel.Model {self.name!r} ({ins}) backend={self._backend}>"
+
+
+# ---- helpers ---------------------------------------------------------------
+def _check_backend(name: Any) -> str:
+    if not isinstance(name, str) or not name.strip():
+        raise InvalidArgumentError(
+            f"backend must be a name such as {', '.join(BACKEND_NAMES)}; got {name!r}")
+    return name.strip().lower()
+
+
+def _check_precision(name: Any) -> str:
+    if not isinstance(name, str) or name.strip().lower() not in PRECISIONS:
+        raise InvalidArgumentError(
+            f"precision {name!r} is not allowed; use one of {', '.join(PRECISIONS)}")
+    return name.strip().lower()
+
+
+def _with_threads(registry: BackendRegistry, threads: int | None) -> BackendRegistry:
+    """A registry whose cpu backend runs with ``threads`` (others shared with ``registry``)."""
+    if threads is None:
+        return registry
+    from keel.backends.cpu.backend import CpuBackend
+
+    own = BackendRegistry()
+    cpu = CpuBackend(threads=threads)
+    for i, name in enumerate(registry.names()):
+        def factory(n: str = name) -> Backend:
+            return cpu if n == "cpu" else registry.instance(n)
+
+        own.register(name, factory, priority=-i)
+    own.set_priority(registry.priority)
+    return own
+
+
+def _probe_if_gpu(registry: BackendRegistry) -> Any:
+    """The hardware profile when a GPU backend could run (selection reads its free memory)."""
+    if not any(b.device is DeviceKind.GPU for b in registry.available()):
+        return None
+    from keel.hardware import probe
+
+    return probe()
+
+
+def _native_precision(graph: Graph) -> str:
+    dtypes = [v.type.dtype for v in graph.inputs if v.type.dtype.is_float]
+    dtypes += [DType.from_numpy(a.dtype) for a in graph.initializers.values()
+               if a.dtype.kind == "f"]
+    return precision_name(max(set(dtypes), key=dtypes.count)) if dtypes else "fp32"
+
+
+def _convert_precision(graph: Graph, precision: str) -> Graph:
+    """Run float math in a pinned float precision; quantized precisions need a quantized model."""
+    if precision == "auto":
+        return graph
+    native = _native_precision(graph)
+    if precision == native:
+        return graph
+    if precision not in _FLOATS:
+        quantized = any(n.op in OpGroup.QUANTIZATION for n in graph.nodes)
+        if quantized:
+            return graph
+        raise BackendSelectionError(
+            f"precision {precision}",
+            f"the model computes in {native} and is not quantized; quantize it first "
+            "(keel.graph.quantize) or ask for fp16/fp32/fp64")
+    if native not in _FLOATS:
+        return graph
+    return _retype_floats(graph, _FLOATS[native], _FLOATS[precision])
+
+
+def _retype_floats(graph: Graph, src: DType, dst: DType) -> Graph:
+    g = graph.copy()
+
+    def retype(t: TensorType) -> TensorType:
+        return TensorType(dst, t.shape) if t.dtype is src else t
+
+    g.initializers = {k: (a.astype(dst.numpy) if a.dtype == src.numpy else a)
+                      for k, a in g.initializers.items()}
+    g.inputs = [Value(v.name, retype(v.type)) for v in g.inputs]
+    g.outputs = [Value(v.name, retype(v.type)) for v in g.outputs]
+    g.value_types = {k: retype(t) for k, t in g.value_types.items()}
+    for node in g.nodes:
+        node.attrs = {k: _retype_attr(v, src, dst) for k, v in node.attrs.items()}
+    return g
+
+
+def _retype_attr(value: Any, src: DType, dst: DType) -> Any:
+    if isinstance(value, DType) and value is src:
+        return dst
+    if isinstance(value, np.ndarray) and value.dtype == src.numpy:
+        return value.astype(dst.numpy)
+    return value
+
+
+def _describe(t: TensorType) -> str:
+    dims = "?" if t.shape is None else ", ".join("?" if d is None else str(d) for d in t.shape)
+    return f"{t.dtype.value}[{dims}]"
+
+
+def _check_input(name: str, value: Any, t: TensorType, symbols: dict[str, tuple[int, str]],
+                 ) -> np.ndarray:
+    array = _as_array(name, value, t.dtype)
+    if t.shape is None:
+        return _contiguous(array)
+    if array.ndim != len(t.shape):
+        raise InvalidArgumentError(
+            f"input {name!r} has rank {array.ndim} (shape {tuple(array.shape)}); expected "
+            f"rank {len(t.shape)}: {_describe(t)}")
+    for axis, (want, got) in enumerate(zip(t.shape, array.shape, strict=True)):
+        if isinstance(want, int) and want != got:
+            raise InvalidArgumentError(
+                f"input {name!r} has shape {tuple(array.shape)}; expected {_describe(t)} "
+                f"(dimension {axis} must be {want})")
+        if isinstance(want, str):
+            seen = symbols.setdefault(want, (got, name))
+            if seen[0] != got:
+                raise InvalidArgumentError(
+                    f"dimension {want!r} is {seen[0]} in input {seen[1]!r} but {got} in "
+                    f"input {name!r}; inputs must agree on it")
+    return _contiguous(array)
+
+
+def _contiguous(array: np.ndarray) -> np.ndarray:
+    # np.ascontiguousarray would turn a 0-d array into a 1-d one.
+    return array if array.flags.c_contiguous else np.ascontiguousarray(array)
+
+
+def _as_array(name: str, value: Any, dtype: DType) -> np.ndarray:
+    if isinstance(value, np.ndarray):
+        if value.dtype != dtype.numpy:
+            raise InvalidArgumentError(
+                f"input {name!r} has dtype {value.dtype}; expected {dtype.value}")
+        return value
+    if hasattr(value, "__array__") or isinstance(value, (list, tuple, int, float, bool)):
+        try:
+            return np.asarray(value, dtype=dtype.numpy)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise InvalidArgumentError(
+                f"input {name!r} cannot be read as {dtype.value}: {exc}") from None
+    raise InvalidArgumentError(
+        f"input {name!r} must be an array, got {type(value).__name__}; expected {dtype.value}")
+
+
+def _batch_size(shapes: Shapes, inputs: Iterable[Value]) -> int | None:
+    """The shared first dimension of inputs declared with a non-fixed first dimension."""
+    sizes = set()
+    for v in inputs:
+        shape = v.type.shape
+        if shape and not isinstance(shape[0], int) and shapes.get(v.name):
+            sizes.add(shapes[v.name][0])
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def _static(t: TensorType | None, name: str) -> tuple[int, ...]:
+    if t is None or not t.is_static or t.shape is None:
+        raise MemoryLimitError(f"cannot chunk: output {name!r} has no static shape ({t})")
+    return tuple(int(d) for d in t.shape if isinstance(d, int))

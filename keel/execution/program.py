@@ -1,0 +1,542 @@
+"""Compile an ``ExecutionPlan`` into a flat list of steps over one arena per device.
+
+A :class:`Program` is made for one input signature. Compiling resolves every
+kernel, binds every planned intermediate to a view of its device's arena and
+loads the weights each device reads. Running is then a loop over steps:
+fetch the input arrays by slot, call the kernel with its preallocated output
+views, store the results by slot. In steady state nothing is allocated per
+step except the graph outputs (fresh arrays the caller keeps), values whose
+size depends on data, and outputs of kernels that cannot write into a given
+buffer (the plan lists both).
+
+Reshape-like nodes (reshape, flatten, squeeze, unsqueeze, identity) whose
+output reuses their input's bytes run as nothing at all: the output view
+already reads those bytes in the new shape.
+
+Per-node timings are taken on request (:class:`Profiler`) and export as a
+Chrome trace, the JSON onnxruntime's profiler writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from keel.backends.base import Backend, KernelContext
+from keel.errors import ExecutionError, InvalidArgumentError, KeelError
+from keel.graph.ir import Graph
+from keel.graph.memory_plan import ALIGNMENT, MemoryPlan
+from keel.ops.registry import Op
+from keel.ops.types import TensorType
+from keel.planning.placement import HOST, ExecutionPlan, NodePlacement
+
+__all__ = ["ArenaPool", "Profiler", "Program", "compile_program"]
+
+# Ops whose output is their input read in another shape (C order): zero-copy in place.
+VIEW_OPS = frozenset({Op.RESHAPE, Op.FLATTEN, Op.SQUEEZE, Op.EXPAND_DIMS, Op.IDENTITY})
+
+_ABSENT = -1
+
+
+class ArenaPool:
+    """One byte buffer per device, shared by the programs of one model.
+
+    Programs run one at a time, so every signature's program can use the same
+    arena; it grows when a program needs more and is never shrunk.
+    """
+
+    def __init__(self) -> None:
+        self._arenas: dict[str, Any] = {}
+
+    def get(self, device: str, nbytes: int, backend: Backend) -> Any:
+        arena = self._arenas.get(device)
+        if arena is None or arena.nbytes < nbytes:
+            arena = _aligned_bytes(backend, nbytes)
+            self._arenas[device] = arena
+        return arena
+
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in self._arenas.values())
+
+    def clear(self) -> None:
+        self._arenas.clear()
+
+
+def _aligned_bytes(backend: Backend, nbytes: int) -> Any:
+    raw = backend.allocate((nbytes + ALIGNMENT,), "uint8")
+    skip = (-_address(raw)) % ALIGNMENT
+    return raw[skip: skip + nbytes]
+
+
+def _address(array: Any) -> int:
+    iface = getattr(array, "__array_interface__", None)
+    if iface is not None:
+        return int(iface["data"][0])
+    return int(array.data.ptr)     # CuPy
+
+
+@dataclass
+class _Step:
+    name: str
+    op: str
+    backend: str
+    kind: str                                   # "kernel" | "copy"
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    fn: Callable[..., Sequence[Any]] | None = None
+    ctx: KernelContext | None = None
+    attrs: Mapping[str, Any] = field(default_factory=dict)
+    out: list[Any] | None = None               # preallocated views (None: kernel allocates)
+    fresh: tuple[tuple[int, tuple[int, ...], Any], ...] = ()   # graph outputs: (pos, shape, dt)
+    src: Backend | None = None                 # copies
+    dst: Backend | None = None
+
+
+@dataclass
+class ProfileEvent:
+    name: str
+    op: str
+    backend: str
+    start_ns: int
+    duration_ns: int
+
+
+class Profiler:
+    """Collects per-node timings; exports a Chrome trace (onnxruntime's profile format)."""
+
+    def __init__(self) -> None:
+        self.events: list[ProfileEvent] = []
+        self.runs: list[ProfileEvent] = []
+        self._origin = time.perf_counter_ns()
+
+    def node_totals(self) -> dict[str, float]:
+        """Total microseconds per node over every profiled run."""
+        totals: dict[str, float] = {}
+        for e in self.events:
+            totals[e.name] = totals.get(e.name, 0.0) + e.duration_ns / 1000
+        return totals
+
+    def chrome_trace(self) -> list[dict[str, Any]]:
+        pid = os.getpid()
+
+        def event(e: ProfileEvent, cat: str, suffix: str) -> dict[str, Any]:
+            return {
+                "cat": cat, "pid": pid, "tid": pid, "ph": "X",
+                "name": f"{e.name}{suffix}",
+                "ts": (e.start_ns - self._origin) / 1000, "dur": e.duration_ns / 1000,
+                "args": {"op_name": e.op, "provider": e.backend},
+            }
+
+        return ([event(r, "Session", "") for r in self.runs]
+                + [event(e, "Node", "_kernel_time") for e in self.events])
+
+    def export(self, path: str | os.PathLike[str]) -> str:
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(self.chrome_trace(), fh)
+        return os.fspath(path)
+
+
+class Program:
+    """Flat steps bound to kernels and arena views; one input signature."""
+
+    def __init__(self, *, graph: Graph, plan: ExecutionPlan, steps: list[_Step],
+                 slots: dict[str, int], constants: dict[int, Any],
+                 backends: dict[str, Backend], pool: ArenaPool,
+                 views: dict[int, tuple[str, int, tuple[int, ...], Any]],
+                 input_types: dict[str, TensorType],
+                 outputs: list[tuple[str, int, str]],
+                 optional: dict[str, tuple[int, Any]] | None = None) -> None:
+        self.graph_name = graph.name
+        self.plan = plan
+        self._steps = steps
+        self._slots = slots
+        self._constants = constants
+        self._backends = backends
+        self._pool = pool
+        self._views = views                       # slot -> (device, offset, shape, dtype)
+        self._input_types = input_types
+        self._outputs = outputs                   # (graph output name, slot, device)
+        self._optional = optional or {}           # input with a default: (slot, default)
+        self._values: list[Any] = [None] * len(slots)
+        for slot, value in constants.items():
+            self._values[slot] = value
+        self._bound: dict[str, int] = {}          # device -> id of the arena bound
+
+    @property
+    def memory(self) -> MemoryPlan | None:
+        return self.plan.memory_plan
+
+    @property
+    def steps(self) -> list[tuple[str, str, str]]:
+        """(name, op, backend) of each step that runs, in order."""
+        return [(s.name, s.op, s.backend) for s in self._steps]
+
+    def arena(self, device: str = HOST) -> Any:
+        """The arena this program's views point into (after the first run)."""
+        memory = self.memory
+        need = 0 if memory is None else memory.arena_bytes.get(device, 0)
+        return self._pool.get(device, need, self._backend_on(device))
+
+    def planned_values(self) -> dict[str, Any]:
+        """The arena view bound to each planned intermediate (binds the arenas first)."""
+        self._bind()
+        names = {slot: name for name, slot in self._slots.items()}
+        return {names[s]: self._values[s] for s in self._views}
+
+    # ---- running -------------------------------------------------------
+    def run(self, feeds: Mapping[str, Any], *, outputs: Mapping[str, Any] | None = None,
+            profiler: Profiler | None = None, keep_all: bool = False) -> dict[str, Any]:
+        """Run once; returns ``{output name: host array}`` (or every value if ``keep_all``).
+
+        Arrays in ``outputs`` (host, right shape and dtype) receive the results
+        instead of fresh ones.
+        """
+        self._bind()
+        self._load_feeds(feeds)
+        kept: dict[str, Any] = {}
+        names = {slot: name for name, slot in self._slots.items()} if keep_all else {}
+        start = time.perf_counter_ns()
+        with contextlib.ExitStack() as stack:
+            for backend in self._backends.values():
+                stack.enter_context(backend.execution_scope())
+            for step in self._steps:
+                self._run_step(step, outputs, profiler)
+                if keep_all:
+                    kept.update(self._snapshot(step, names))
+        if profiler is not None:
+            profiler.runs.append(ProfileEvent("model_run", self.graph_name, "", start,
+                                              time.perf_counter_ns() - start))
+        result = self._collect(outputs)
+        self._release()
+        return {**kept, **result} if keep_all else result
+
+    def _run_step(self, step: _Step, outputs: Mapping[str, Any] | None,
+                  profiler: Profiler | None) -> None:
+        t0 = time.perf_counter_ns() if profiler is not None else 0
+        if step.kind == "copy":
+            self._copy(step)
+        else:
+            self._call(step, outputs)
+        if profiler is not None:
+            backend = self._backends.get(step.backend)
+            if backend is not None and backend.device.value != HOST:
+                backend.synchronize()
+            profiler.events.append(ProfileEvent(step.name, step.op, step.backend, t0,
+                                                time.perf_counter_ns() - t0))
+
+    def _call(self, step: _Step, outputs: Mapping[str, Any] | None) -> None:
+        values = self._values
+        ins = [values[i] if i >= 0 else None for i in step.inputs]
+        out = step.out
+        if out is not None and step.fresh:
+            out = list(out)
+            for pos, shape, dtype in step.fresh:
+                out[pos] = self._fresh_output(step, pos, shape, dtype, outputs)
+        try:
+            results = step.fn(step.ctx, ins, step.attrs, out)  # type: ignore[misc]
+        except KeelError as exc:
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"in node {step.name!r} ({step.op}) on {step.backend}")
+            raise
+        except Exception as exc:
+            raise ExecutionError(f"{step.op} on {step.backend} failed: "
+                                 f"{type(exc).__name__}: {exc}", node=step.name) from exc
+        for j, (slot, value) in enumerate(zip(step.outputs, results, strict=False)):
+            if out is not None and out[j] is not None and value is not out[j]:
+                # A kernel that ignored its buffer: later steps (and free views)
+                # read the planned bytes, so the result must land there.
+                out[j][...] = value
+                value = out[j]
+            if slot >= 0:
+                values[slot] = value
+
+    def _fresh_output(self, step: _Step, pos: int, shape: tuple[int, ...], dtype: Any,
+                      outputs: Mapping[str, Any] | None) -> Any:
+        name = self._output_name(step.outputs[pos])
+        given = None if outputs is None else outputs.get(name)
+        backend = self._backends[step.backend]
+        if given is not None and backend.device.value == HOST:
+            return given
+        return backend.xp.empty(shape, dtype=dtype)
+
+    def _copy(self, step: _Step) -> None:
+        src = self._values[step.inputs[0]]
+        host = src if step.src is None else step.src.read(src)
+        self._values[step.outputs[0]] = host if step.dst is None else step.dst.to_device(host)
+
+    def _collect(self, outputs: Mapping[str, Any] | None) -> dict[str, Any]:
+        result: dict[str, Any] = {}
+        for name, slot, device in self._outputs:
+            value = self._values[slot]
+            given = None if outputs is None else outputs.get(name)
+            if given is not None and value is given:
+                result[name] = given
+                continue
+            host = self._backend_on(device).read(value) if device != HOST else value
+            if given is not None:
+                given[...] = host
+                host = given
+            elif name in result or not _owns(host) or slot in self._views:
+                # Never hand out weights, feeds, arena bytes or a view of them.
+                host = np.array(host, copy=True)
+            result[name] = host
+        return result
+
+    def _output_name(self, slot: int) -> str:
+        for name, s, _ in self._outputs:
+            if s == slot:
+                return name
+        return ""
+
+    def _snapshot(self, step: _Step, names: Mapping[int, str]) -> dict[str, Any]:
+        snap = {}
+        for slot in step.outputs:
+            if slot >= 0 and self._values[slot] is not None:
+                value = self._values[slot]
+                backend = self._backends.get(step.backend)
+                host = backend.read(value) if backend is not None else np.asarray(value)
+                snap[names[slot]] = np.array(host, copy=True)
+        return snap
+
+    def _load_feeds(self, feeds: Mapping[str, Any]) -> None:
+        for name, t in self._input_types.items():
+            if name not in feeds:
+                raise InvalidArgumentError(f"input {name!r} is missing")
+            value = feeds[name]
+            shape = tuple(getattr(value, "shape", ()))
+            if shape != t.shape or _dtype_of(value) != t.dtype.numpy:
+                raise InvalidArgumentError(
+                    f"input {name!r} is {_dtype_of(value)}{list(shape)}; this program was "
+                    f"compiled for {t}")
+            self._values[self._slots[name]] = value
+        for name, (slot, default) in self._optional.items():
+            value = feeds.get(name)
+            self._values[slot] = default if value is None else value
+
+    def _release(self) -> None:
+        # Drop references to feeds, outputs and kernel-allocated values; keep views.
+        for slot in range(len(self._values)):
+            if slot not in self._views and slot not in self._constants:
+                self._values[slot] = None
+
+    # ---- binding ---------------------------------------------------------
+    def _bind(self) -> None:
+        memory = self.memory
+        if memory is None:
+            return
+        changed = False
+        for device, need in memory.arena_bytes.items():
+            arena = self._pool.get(device, need, self._backend_on(device))
+            if self._bound.get(device) != id(arena):
+                self._bound[device] = id(arena)
+                changed = True
+        if changed:
+            self._bind_views()
+
+    def _bind_views(self) -> None:
+        for slot, (device, offset, shape, dtype) in self._views.items():
+            arena = self._pool.get(device, 0, self._backend_on(device))
+            nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            view = arena[offset: offset + nbytes].view(dtype).reshape(shape)
+            self._values[slot] = view
+        for step in self._steps:
+            if step.out is not None:
+                step.out = [self._values[s] if s >= 0 else None for s in step.outputs]
+
+    def _backend_on(self, device: str) -> Backend:
+        for backend in self._backends.values():
+            if backend.device.value == device:
+                return backend
+        raise ExecutionError(f"no backend of this program runs on device {device!r}")
+
+    def __repr__(self) -> str:
+        return f"<Program {self.graph_name!r}: {len(self._steps)} steps>"
+
+
+def _owns(array: Any) -> bool:
+    """True for an array that owns its memory (a kernel's fresh result)."""
+    flags = getattr(array, "flags", None)
+    return getattr(array, "base", None) is None and bool(getattr(flags, "owndata", False))
+
+
+def _dtype_of(value: Any) -> Any:
+    return getattr(value, "dtype", None)
+
+
+# ---- compiling -------------------------------------------------------------
+def compile_program(
+    graph: Graph,
+    plan: ExecutionPlan,
+    types: Mapping[str, TensorType | None],
+    backends: Mapping[str, Backend],
+    pool: ArenaPool | None = None,
+) -> Program:
+    """Bind ``plan`` (made by ``place`` for ``types``) to kernels and arena views."""
+    b = _Builder(graph, plan, types, backends)
+    b.build()
+    return Program(
+        graph=graph, plan=plan, steps=b.steps, slots=b.slots, constants=b.constants,
+        backends=b.used, pool=pool or ArenaPool(), views=b.views,
+        input_types=b.input_types, outputs=b.outputs, optional=b.optional,
+    )
+
+
+class _Builder:
+    def __init__(self, graph: Graph, plan: ExecutionPlan,
+                 types: Mapping[str, TensorType | None], backends: Mapping[str, Backend]) -> None:
+        self.graph, self.plan, self.types, self.backends = graph, plan, types, backends
+        self.memory = plan.memory_plan
+        self.slots: dict[str, int] = {}
+        self.constants: dict[int, Any] = {}
+        self.views: dict[int, tuple[str, int, tuple[int, ...], Any]] = {}
+        self.steps: list[_Step] = []
+        self.used: dict[str, Backend] = {}
+        self.input_types: dict[str, TensorType] = {}
+        self.optional: dict[str, tuple[int, Any]] = {}
+        self.outputs: list[tuple[str, int, str]] = []
+        self.where: dict[str, str] = {}            # value -> device it lives on
+        self.graph_outputs = set(graph.output_names)
+
+    def slot(self, name: str) -> int:
+        if not name:
+            return _ABSENT
+        return self.slots.setdefault(name, len(self.slots))
+
+    def build(self) -> None:
+        self._inputs()
+        placements = {p.name: p for p in self.plan.nodes}
+        for node in self.graph.nodes:
+            placed = placements.get(node.name)
+            if placed is None:
+                raise ExecutionError(f"node {node.name!r} has no placement in the plan")
+            self._copies_before(node.name)
+            self._node(node, placed)
+        self._copies_before("")
+        for name in self.graph.output_names:
+            device = self.where.get(name, HOST)
+            if any(c.before == "" and c.value == name for c in self.plan.copies):
+                device = HOST
+            self.outputs.append((name, self.slot(name), device))
+
+    def _inputs(self) -> None:
+        for v in self.graph.inputs:
+            t = self.types.get(v.name) or v.type
+            if not t.is_static:
+                raise InvalidArgumentError(
+                    f"input {v.name!r} has no static shape ({t}); compile needs one signature")
+            self.input_types[v.name] = t
+            self.slot(v.name)
+            self.where[v.name] = HOST
+        for name, value in self.graph.initializers.items():
+            if name in self.input_types:          # a graph input with a default value
+                del self.input_types[name]
+                self.optional[name] = (self.slot(name), value)
+            else:
+                self.constants[self.slot(name)] = value
+            self.where[name] = HOST
+
+    def backend(self, name: str) -> Backend:
+        backend = self.backends.get(name)
+        if backend is None:
+            raise ExecutionError(f"backend {name!r} of the plan was not given to compile")
+        self.used[name] = backend
+        return backend
+
+    def _copies_before(self, before: str) -> None:
+        for c in self.plan.copies:
+            if c.before != before or c.dst == c.src:
+                continue
+            src = None if c.src == HOST else self._device_backend(c.src)
+            dst = None if c.dst == HOST else self._device_backend(c.dst)
+            self.steps.append(_Step(f"copy:{c.target}", "copy", c.dst, "copy",
+                                    (self.slot(c.value),), (self.slot(c.target),),
+                                    src=src, dst=dst))
+            self.where[c.target] = c.dst
+
+    def _device_backend(self, device: str) -> Backend:
+        for p in self.plan.nodes:
+            if p.device == device:
+                return self.backend(p.backend)
+        raise ExecutionError(f"no backend of the plan runs on device {device!r}")
+
+    def _input_slot(self, name: str, device: str) -> int:
+        if not name:
+            return _ABSENT
+        copied = f"{name}@{device}"
+        if copied in self.slots:
+            return self.slots[copied]
+        if self.graph.is_constant(name) and device != HOST:
+            # Weights are loaded once onto every device that reads them.
+            slot = self.slot(copied)
+            self.constants[slot] = self._device_backend(device).to_device(
+                self.graph.initializers[name])
+            return slot
+        return self.slot(name)
+
+    def _node(self, node: Any, placed: NodePlacement) -> None:
+        backend = self.backend(placed.backend)
+        inputs = tuple(self._input_slot(i, placed.device) for i in node.inputs)
+        outputs = tuple(self.slot(o) for o in node.outputs)
+        for o in node.outputs:
+            if o:
+                self.where[o] = placed.device
+        if self._is_free_view(node):
+            return
+        kernel = backend.kernels.get(node.op, placed.variant)
+        step = _Step(node.name, node.op.value, backend.name, "kernel", inputs, outputs,
+                     fn=kernel.fn, ctx=backend.context(), attrs=node.attrs)
+        if placed.writes_out:
+            self._bind_outputs(step, node, placed)
+        self.steps.append(step)
+
+    def _bind_outputs(self, step: _Step, node: Any, placed: NodePlacement) -> None:
+        """Give the kernel arena views (and fresh graph outputs) to write into, or nothing."""
+        fresh = []
+        views = {}
+        for pos, name in enumerate(node.outputs):
+            t = self.types.get(name)
+            if t is None or not t.is_static:
+                return                                       # kernel allocates
+            shape = _static_shape(t)
+            if name in self.graph_outputs:
+                fresh.append((pos, shape, t.dtype.numpy))
+                continue
+            if self.memory is None or name not in self.memory:
+                return
+            alloc = self.memory.allocation(name)
+            if alloc.pool != "arena":
+                return
+            views[step.outputs[pos]] = (alloc.device, alloc.offset, shape, t.dtype.numpy)
+        self.views.update(views)
+        step.out = [None] * len(node.outputs)
+        step.fresh = tuple(fresh)
+
+    def _is_free_view(self, node: Any) -> bool:
+        """A reshape-like node whose output already shares its input's arena bytes."""
+        if node.op not in VIEW_OPS or self.memory is None or len(node.outputs) != 1:
+            return False
+        out = node.outputs[0]
+        src = node.inputs[0] if node.inputs else ""
+        if out not in self.memory or src not in self.memory:
+            return False
+        a = self.memory.allocation(out)
+        if a.shares != src or a.pool != "arena" or self.slots.get(src) not in self.views:
+            return False            # the input's bytes must really be in the arena
+        t = self.types.get(out)
+        if t is None or not t.is_static:
+            return False
+        self.views[self.slot(out)] = (a.device, a.offset,
+                                      _static_shape(t),
+                                      t.dtype.numpy)
+        return True
+
+
+def _static_shape(t: TensorType) -> tuple[int, ...]:
+    return tuple(int(d) for d in t.shape or () if isinstance(d, int))

@@ -1,0 +1,367 @@
+"""keel :class:`~keel.graph.ir.Graph` → ONNX ``ModelProto``.
+
+Every op with an ONNX counterpart is written as that op (at opset
+:data:`EXPORT_OPSET`, or newer where an op needs it). keel's fused forms have
+two spellings:
+
+* ``custom_domain=False`` (default): their standard ONNX decomposition
+  (Conv → Add(Z) → activation, MatMul → Add(bias), attention as
+  Transpose/MatMul/Mul/Add/Softmax/MatMul), so onnxruntime and any ONNX tool
+  run the exported model;
+* ``custom_domain=True``: single nodes in keel's domain ``ai.keel``, which
+  keel re-imports as they are, fused; onnxruntime cannot run those nodes.
+
+Nodes ONNX cannot say at all (keel's seed ops such as ``sum_all``, or an
+attribute with no ONNX spelling) are always written in ``ai.keel``. A model
+using that domain carries the metadata entry ``keel.custom_domain``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from keel.dtypes import DType
+from keel.graph.importers.onnx import KEEL_DOMAIN
+from keel.graph.importers.onnx_ops import DIRECT, REDUCTIONS, SOFTMAXES
+from keel.graph.ir import Graph, Node, match_attr_name
+from keel.ops.registry import Op
+from keel.ops.types import TensorType
+
+__all__ = ["EXPORT_IR_VERSION", "EXPORT_OPSET", "to_onnx"]
+
+EXPORT_OPSET = 21
+# IR version 10 (onnx 1.16): new enough for every op used, old enough for
+# the onnxruntime releases people run.
+EXPORT_IR_VERSION = 10
+
+_PREFERRED = {Op.SCATTER_ELEMENTS: "ScatterElements", Op.IDENTITY: "Identity"}
+_SPECIAL = {
+    Op.CLIP: "Clip", Op.SQUEEZE: "Squeeze", Op.EXPAND_DIMS: "Unsqueeze", Op.SPLIT: "Split",
+    Op.SLICE: "Slice", Op.PAD: "Pad", Op.TOPK: "TopK", Op.RESIZE: "Resize", Op.CAST: "Cast",
+    Op.BATCH_NORM: "BatchNormalization", Op.GROUP_NORM: "GroupNormalization",
+    Op.MAXIMUM: "Max", Op.MINIMUM: "Min",
+}
+
+
+def _onnx_names() -> dict[Op, str]:
+    names: dict[Op, str] = {}
+    for op_type, (op, _) in DIRECT.items():
+        names.setdefault(op, op_type)
+    for op_type, (op, _) in REDUCTIONS.items():
+        names[op] = op_type
+    for op_type, op in SOFTMAXES.items():
+        names[op] = op_type
+    names.update(_SPECIAL)
+    names.update(_PREFERRED)
+    return names
+
+
+ONNX_NAME = _onnx_names()
+
+
+def to_onnx(graph: Graph, *, custom_domain: bool = False) -> Any:
+    """An ONNX ``ModelProto`` equivalent to ``graph`` (see the module docstring)."""
+    import onnx.helper
+
+    w = _Writer(graph, custom_domain)
+    for node in graph.nodes:
+        w.node(node)
+    w.outputs_from_initializers()
+    opsets = [onnx.helper.make_opsetid("", w.opset)]
+    if w.used_keel_domain:
+        opsets.append(onnx.helper.make_opsetid(KEEL_DOMAIN, 1))
+    g = onnx.helper.make_graph(
+        w.nodes, graph.name or "keel", [_value_info(v.name, v.type) for v in graph.inputs],
+        [_value_info(v.name, v.type) for v in graph.outputs], w.initializers(),
+        value_info=w.value_infos())
+    model = onnx.helper.make_model(g, opset_imports=opsets, producer_name="keel",
+                                   ir_version=EXPORT_IR_VERSION)
+    meta = {k: v for k, v in graph.metadata.items() if not k.startswith("onnx.")}
+    if w.used_keel_domain:
+        meta["keel.custom_domain"] = KEEL_DOMAIN
+    onnx.helper.set_model_props(model, meta)
+    return model
+
+
+class _Writer:
+    def __init__(self, graph: Graph, custom_domain: bool) -> None:
+        self.graph = graph
+        self.custom_domain = custom_domain
+        self.nodes: list[Any] = []
+        self.extra_init: dict[str, np.ndarray] = {}
+        self.renamed_init: dict[str, str] = {}
+        self.opset = _needed_opset(graph)
+        self.used_keel_domain = False
+        self._taken = graph.names()
+
+    # ---- nodes ---------------------------------------------------------
+    def node(self, n: Node) -> None:
+        fused = _is_fused(n)
+        if fused and self.custom_domain:
+            self.keel_node(n)
+        elif n.op is Op.ATTENTION and not n.attr("is_causal", False):
+            self.attention(n)
+        elif n.op is Op.ATTENTION:
+            self.keel_node(n)  # a causal mask has no compact ONNX spelling below opset 23
+        elif fused:
+            self.epilogue(n)
+        elif n.op in ONNX_NAME and self.standard(n, ONNX_NAME[n.op], n.inputs, n.outputs,
+                                                 n.name, n.attrs):
+            return
+        else:
+            self.keel_node(n)
+
+    def standard(self, n: Node, op_type: str, inputs: Sequence[str], outputs: Sequence[str],
+                 name: str, attrs: dict[str, Any]) -> bool:
+        """Write ``op_type``; False (writing nothing) when an attribute has no ONNX spelling."""
+        import onnx.defs
+        import onnx.helper
+
+        schema = onnx.defs.get_schema(op_type, self.opset)
+        converted = _onnx_attrs(n.op, attrs, schema)
+        if converted is None:
+            return False
+        self.nodes.append(onnx.helper.make_node(op_type, list(inputs), list(outputs),
+                                                name=name, **converted))
+        return True
+
+    def keel_node(self, n: Node) -> None:
+        import onnx.helper
+
+        attrs = {k: _keel_attr(v) for k, v in n.attrs.items() if _keel_attr(v) is not None}
+        self.nodes.append(onnx.helper.make_node(n.op.value, n.inputs, n.outputs, name=n.name,
+                                                domain=KEEL_DOMAIN, **attrs))
+        self.used_keel_domain = True
+
+    def emit(self, op_type: str, inputs: Sequence[str], outputs: Sequence[str], name: str,
+             **attrs: Any) -> None:
+        import onnx.helper
+
+        self.nodes.append(onnx.helper.make_node(op_type, list(inputs), list(outputs),
+                                                name=self.fresh(name), **attrs))
+
+    def fresh(self, base: str) -> str:
+        return self.graph.fresh_name(base, self._taken)
+
+    def const(self, value: Any, like: str, hint: str) -> str:
+        name = self.fresh(hint)
+        dtype = self.dtype(like)
+        self.extra_init[name] = np.asarray(value, dtype=dtype.numpy)
+        return name
+
+    def dtype(self, value: str) -> DType:
+        t = self.graph.type_of(value)
+        return t.dtype if t is not None and t.dtype.is_float else DType.FLOAT32
+
+    # ---- fused forms, decomposed ----------------------------------------
+    def epilogue(self, n: Node) -> None:
+        """CONV/GEMM/MATMUL with Z, bias or activation as base op → Add → activation."""
+        base_inputs = n.inputs[:3] if n.op is Op.CONV else n.inputs[:2 if n.op is Op.MATMUL
+                                                                    else 3]
+        extra = n.input(3) if n.op is Op.CONV else (n.input(2) if n.op is Op.MATMUL else "")
+        act = str(n.attr("activation", "") or "")
+        out = n.outputs[0]
+        plain = {k: v for k, v in n.attrs.items() if k not in ("activation",
+                                                                "activation_params")}
+        cur = self.fresh(f"{out}/base") if (extra or act) else out
+        self.standard(n, ONNX_NAME[n.op], base_inputs, [cur], n.name, plain)
+        if extra:
+            nxt = self.fresh(f"{out}/sum") if act else out
+            self.emit("Add", [cur, extra], [nxt], f"{n.name}/add")
+            cur = nxt
+        if act:
+            self.activation(act, tuple(n.attr("activation_params", ()) or ()), cur, out,
+                            n.name)
+
+    def activation(self, act: str, params: tuple[float, ...], x: str, y: str,
+                   name: str) -> None:
+        from keel.ops.epilogue import resolve_activation
+
+        _, p = resolve_activation(act, params)
+        simple = {"relu": "Relu", "sigmoid": "Sigmoid", "tanh": "Tanh",
+                  "hard_swish": "HardSwish"}
+        if act in simple:
+            self.emit(simple[act], [x], [y], f"{name}/{act}")
+        elif act == "leaky_relu":
+            self.emit("LeakyRelu", [x], [y], f"{name}/{act}", alpha=float(p[0]))
+        elif act == "hard_sigmoid":
+            self.emit("HardSigmoid", [x], [y], f"{name}/{act}", alpha=float(p[0]),
+                      beta=float(p[1]))
+        elif act in ("gelu", "gelu_tanh"):
+            self.emit("Gelu", [x], [y], f"{name}/{act}",
+                      approximate="tanh" if act == "gelu_tanh" else "none")
+        elif act == "clip":
+            lo = "" if np.isneginf(p[0]) else self.const(p[0], y, f"{name}/min")
+            hi = "" if np.isposinf(p[1]) else self.const(p[1], y, f"{name}/max")
+            self.emit("Clip", [x, lo, hi], [y], f"{name}/{act}")
+        elif act == "silu":
+            sig = self.fresh(f"{y}/sigmoid")
+            self.emit("Sigmoid", [x], [sig], f"{name}/sigmoid")
+            self.emit("Mul", [x, sig], [y], f"{name}/silu")
+
+    def attention(self, n: Node) -> None:
+        """softmax(Q·Kᵀ·scale + mask)·V in plain ONNX ops."""
+        q, k, v, mask = n.input(0), n.input(1), n.input(2), n.input(3)
+        out, name = n.outputs[0], n.name
+        kt, s, scaled, p = (self.fresh(f"{out}/{x}") for x in ("kt", "scores", "scaled", "p"))
+        self.emit("Transpose", [k], [kt], f"{name}/kt", perm=[0, 1, 3, 2])
+        self.emit("MatMul", [q, kt], [s], f"{name}/qk")
+        self.emit("Mul", [s, self.scale(n, q)], [scaled], f"{name}/scale")
+        if mask:
+            masked = self.fresh(f"{out}/masked")
+            self.emit("Add", [scaled, mask], [masked], f"{name}/mask")
+            scaled = masked
+        self.emit("Softmax", [scaled], [p], f"{name}/softmax", axis=-1)
+        self.emit("MatMul", [p, v], [out], f"{name}/pv")
+
+    def scale(self, n: Node, q: str) -> str:
+        scale = n.attr("scale", None)
+        if scale is not None:
+            return self.const(float(scale), q, f"{n.name}/scale_value")
+        t = self.graph.type_of(q)
+        if t is not None and t.shape is not None and len(t.shape) == 4 and \
+                isinstance(t.shape[3], int) and t.shape[3] > 0:
+            return self.const(1.0 / np.sqrt(t.shape[3]), q, f"{n.name}/scale_value")
+        d, df, root, inv = (self.fresh(f"{n.outputs[0]}/{x}") for x in ("d", "df", "root",
+                                                                         "inv"))
+        self.emit("Shape", [q], [d], f"{n.name}/d", start=-1)
+        self.emit("CastLike", [d, q], [df], f"{n.name}/df")
+        self.emit("Sqrt", [df], [root], f"{n.name}/root")
+        self.emit("Reciprocal", [root], [inv], f"{n.name}/inv")
+        return inv
+
+    # ---- graph parts ---------------------------------------------------
+    def outputs_from_initializers(self) -> None:
+        """ONNX wants outputs made by nodes: a folded output gets an Identity."""
+        for name in self.graph.output_names:
+            if name in self.graph.initializers and name not in self.graph.input_names:
+                src = self.fresh(f"{name}/value")
+                self.renamed_init[name] = src
+                self.emit("Identity", [src], [name], f"{name}/identity")
+
+    def initializers(self) -> list[Any]:
+        from onnx import numpy_helper
+
+        out = []
+        for name, arr in {**self.graph.initializers, **self.extra_init}.items():
+            out.append(numpy_helper.from_array(np.asarray(arr), self.renamed_init.get(name,
+                                                                                      name)))
+        return out
+
+    def value_infos(self) -> list[Any]:
+        io = set(self.graph.input_names) | set(self.graph.output_names)
+        return [_value_info(k, t) for k, t in self.graph.value_types.items()
+                if k not in io and k not in self.graph.initializers]
+
+
+def _needed_opset(graph: Graph) -> int:
+    """EXPORT_OPSET, or newer when the graph uses an ONNX op introduced later."""
+    first = _first_versions()
+    used = [first.get(ONNX_NAME[n.op], 1) for n in graph.nodes if n.op in ONNX_NAME]
+    return max([EXPORT_OPSET, *used])
+
+
+@functools.lru_cache(maxsize=1)
+def _first_versions() -> dict[str, int]:
+    import onnx.defs
+
+    first: dict[str, int] = {}
+    for s in onnx.defs.get_all_schemas_with_history():
+        if s.domain == "":
+            first[s.name] = min(first.get(s.name, s.since_version), s.since_version)
+    return first
+
+
+def _is_fused(n: Node) -> bool:
+    if n.op is Op.ATTENTION:
+        return True
+    if n.op not in (Op.CONV, Op.GEMM, Op.MATMUL):
+        return False
+    extra = n.input(3) if n.op is Op.CONV else (n.input(2) if n.op is Op.MATMUL else "")
+    return bool(extra or n.attr("activation", ""))
+
+
+def _onnx_attrs(op: Op, attrs: dict[str, Any], schema: Any) -> dict[str, Any] | None:
+    """keel attributes in ONNX spelling; None when one of them has no ONNX equivalent."""
+    import onnx.helper
+
+    names = list(schema.attributes)
+    out: dict[str, Any] = {}
+    for key, value in attrs.items():
+        if value is None or (key in ("activation", "activation_params") and not value):
+            continue
+        target = match_attr_name(key, names)
+        if target is None:
+            if _is_keel_default(op, key, value):
+                continue
+            return None
+        spec = schema.attributes[target]
+        if spec.default_value.type:
+            if _equal(value, onnx.helper.get_attribute_value(spec.default_value)):
+                continue
+        elif isinstance(value, (tuple, list)) and not value:
+            continue
+        out[target] = _onnx_value(value)
+    return out
+
+
+def _is_keel_default(op: Op, key: str, value: Any) -> bool:
+    from keel.ops.schema import get_schema
+
+    try:
+        spec = next(a for a in get_schema(op).attrs if a.name == key)
+    except (StopIteration, Exception):
+        return False
+    return _equal(value, spec.default)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return False
+    a, b = _onnx_value(a), _onnx_value(b)
+    if isinstance(a, bytes):
+        a = a.decode()
+    if isinstance(b, bytes):
+        b = b.decode()
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return list(a) == list(b)
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+def _onnx_value(value: Any) -> Any:
+    from onnx import numpy_helper
+
+    if isinstance(value, DType):
+        return value.onnx
+    if isinstance(value, (bool, np.bool_)):
+        return int(value)
+    if isinstance(value, np.ndarray):
+        return numpy_helper.from_array(value)
+    if isinstance(value, tuple):
+        return [_onnx_value(v) for v in value]
+    if isinstance(value, (np.integer, np.floating)):
+        return value.item()
+    return value
+
+
+def _keel_attr(value: Any) -> Any:
+    """An ``ai.keel`` attribute value: keel spelling, dtypes as their names."""
+    if value is None or (isinstance(value, (tuple, list)) and not value):
+        return None
+    if isinstance(value, DType):
+        return value.value
+    return _onnx_value(value)
+
+
+def _value_info(name: str, t: TensorType) -> Any:
+    import onnx.helper
+
+    shape = None if t.shape is None else [d for d in t.shape]
+    return onnx.helper.make_tensor_value_info(name, t.dtype.onnx, shape)

@@ -1,0 +1,474 @@
+"""ONNX model → keel :class:`~keel.graph.ir.Graph`.
+
+The importer reads a path, bytes or a ``ModelProto``; checks everything a
+hostile file could get wrong (undecodable bytes, impossible sizes, dangling or
+twice-defined values, cycles, external data outside the model's directory);
+sorts the nodes topologically; and converts each node with the converter for
+its op picked by the rule *newest implementation whose since_version is not
+newer than the model's opset* (see :mod:`keel.graph.importers.onnx_ops`).
+
+Errors: a model keel cannot read is a :class:`ModelFormatError`; a well-formed
+model using an op (or custom domain) keel lacks is an
+:class:`UnsupportedOperationError` naming the node and op. No protobuf,
+``IndexError`` or ``KeyError`` escapes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from keel.errors import (
+    InvalidArgumentError,
+    KeelError,
+    ModelFormatError,
+    UnsupportedOperationError,
+    VerificationError,
+)
+from keel.graph.importers.onnx_context import ImportContext, OnnxNode, onnx_schema
+from keel.graph.importers.onnx_ops import TABLE
+from keel.graph.importers.onnx_tensors import element_dtype, tensor_to_array
+from keel.graph.ir import Graph, Value
+from keel.ops.registry import Op
+from keel.ops.types import MAX_ELEMENTS, Dim, TensorType
+
+__all__ = [
+    "KEEL_DOMAIN",
+    "MAX_MODEL_BYTES",
+    "MIN_OPSET",
+    "import_onnx",
+    "load_model_proto",
+    "max_opset",
+    "supported_op_types",
+]
+
+MIN_OPSET = 7
+# keel's own ops (fused forms, seed-001 ops) in exported models.
+KEEL_DOMAIN = "ai.keel"
+# Protobuf cannot hold more than 2 GiB; bigger weights live in external files.
+MAX_MODEL_BYTES = 2**31 - 1
+_DEFAULT_DOMAINS = ("", "ai.onnx")
+
+
+def max_opset() -> int:
+    """The newest default-domain opset keel imports: the newest the onnx package knows."""
+    import onnx.defs
+
+    return int(onnx.defs.onnx_opset_version())
+
+
+def import_onnx(src: str | os.PathLike[str] | bytes | Any, *,
+                base_dir: str | os.PathLike[str] | None = None) -> Graph:
+    """Import an ONNX model from a path, bytes or ``onnx.ModelProto``.
+
+    External-data files are read relative to the model's directory (or
+    ``base_dir`` for bytes and protos). Raises ``ModelFormatError`` for files
+    keel cannot read and ``UnsupportedOperationError`` for ops keel lacks.
+    """
+    model, base = load_model_proto(src, base_dir)
+    try:
+        return _Importer(model, base).run()
+    except (ModelFormatError, UnsupportedOperationError):
+        raise
+    except (InvalidArgumentError, VerificationError) as exc:
+        raise ModelFormatError(f"invalid model: {exc.message}") from None
+    except KeelError:
+        raise
+    except (ValueError, TypeError, IndexError, KeyError, AttributeError, OverflowError,
+            UnicodeError, RecursionError, MemoryError) as exc:
+        # The file parsed but holds something the checks above did not anticipate.
+        raise ModelFormatError(f"invalid model: {type(exc).__name__}: {exc}") from None
+
+
+def load_model_proto(src: str | os.PathLike[str] | bytes | Any,
+                     base_dir: str | os.PathLike[str] | None = None) -> tuple[Any, Path | None]:
+    """Parse ``src`` into a ``ModelProto``; returns it with the directory for external data."""
+    import onnx
+
+    if isinstance(src, onnx.ModelProto):
+        return src, None if base_dir is None else Path(base_dir)
+    if isinstance(src, (bytes, bytearray, memoryview)):
+        return _parse(bytes(src), "bytes"), None if base_dir is None else Path(base_dir)
+    if isinstance(src, (str, os.PathLike)):
+        path = Path(src)
+        data = _read(path)
+        return _parse(data, str(path)), Path(base_dir) if base_dir else path.parent
+    raise InvalidArgumentError(
+        f"a model is a path, bytes or onnx.ModelProto, got {type(src).__name__}"
+    )
+
+
+def _read(path: Path) -> bytes:
+    try:
+        size = path.stat().st_size
+        if size > MAX_MODEL_BYTES:
+            raise ModelFormatError(f"{str(path)!r} is {size} bytes; an ONNX protobuf holds at "
+                                   f"most {MAX_MODEL_BYTES} (larger weights go in external data)")
+        return path.read_bytes()
+    except OSError as exc:
+        raise ModelFormatError(f"cannot read model file {str(path)!r}: {exc.strerror}") from None
+
+
+def _parse(data: bytes, where: str) -> Any:
+    import onnx
+
+    if not data:
+        raise ModelFormatError(f"model {where} is empty")
+    model = onnx.ModelProto()
+    try:
+        model.ParseFromString(data)
+    except Exception as exc:  # protobuf's DecodeError and friends: any failure is "corrupt"
+        raise ModelFormatError(
+            f"model {where} is not a valid ONNX protobuf ({type(exc).__name__}: {exc})"
+        ) from None
+    if not model.HasField("graph"):
+        raise ModelFormatError(f"model {where} has no graph (not an ONNX model?)")
+    return model
+
+
+# ---- the importer ---------------------------------------------------------------------
+class _Importer:
+    def __init__(self, model: Any, base_dir: Path | None) -> None:
+        self.model = model
+        self.g = model.graph
+        self.base_dir = base_dir
+        self.opset = _default_opset(model)
+
+    def run(self) -> Graph:
+        initializers = self._initializers()
+        inputs = self._inputs(initializers)
+        declared = self._declared()
+        nodes = self._nodes()
+        self._check_definitions(nodes, inputs, initializers)
+        nodes = _toposort(nodes, {v.name for v in inputs} | set(initializers))
+        overridable = {v.name for v in inputs if v.name in initializers}
+        ctx = ImportContext(self.opset, declared, overridable)
+        self._seed(ctx, inputs, initializers, nodes)
+        for node in nodes:
+            _convert(ctx, node)
+        return self._graph(ctx, inputs, declared)
+
+    # ---- pieces --------------------------------------------------------
+    def _initializers(self) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {}
+        for t in self.g.initializer:
+            _check_name(t.name, "initializer")
+            if t.name in out:
+                raise ModelFormatError(f"initializer {t.name!r} is defined twice")
+            out[t.name] = tensor_to_array(t, self.base_dir, f"initializer {t.name!r}")
+        for sp in self.g.sparse_initializer:
+            name = sp.values.name
+            _check_name(name, "sparse initializer")
+            if name in out:
+                raise ModelFormatError(f"initializer {name!r} is defined twice")
+            out[name] = _sparse_to_dense(sp, self.base_dir, f"sparse initializer {name!r}")
+        return out
+
+    def _inputs(self, initializers: dict[str, np.ndarray]) -> list[Value]:
+        values: list[Value] = []
+        seen: set[str] = set()
+        for vi in self.g.input:
+            _check_name(vi.name, "graph input")
+            if vi.name in seen:
+                raise ModelFormatError(f"graph input {vi.name!r} is declared twice")
+            seen.add(vi.name)
+            # Before IR version 4 every initializer had to be listed as an input;
+            # those are constants, not inputs a caller may feed (as in onnxruntime).
+            if vi.name in initializers and self.model.ir_version < 4:
+                continue
+            t = _value_type(vi, f"graph input {vi.name!r}")
+            if t is None:
+                raise ModelFormatError(f"graph input {vi.name!r} has no tensor type; keel "
+                                       "reads tensor inputs only")
+            values.append(Value(vi.name, t))
+        return values
+
+    def _declared(self) -> dict[str, TensorType]:
+        out: dict[str, TensorType] = {}
+        for vi in list(self.g.value_info) + list(self.g.output):
+            try:
+                t = _value_type(vi, f"value {vi.name!r}")
+            except ModelFormatError:
+                if vi.name in {o.name for o in self.g.output}:
+                    raise
+                t = None  # a bad type on an intermediate is only a hint lost
+            if t is not None and vi.name:
+                out[vi.name] = t
+        return out
+
+    def _nodes(self) -> list[OnnxNode]:
+        nodes: list[OnnxNode] = []
+        names: set[str] = set()
+        for idx, proto in enumerate(self.g.node):
+            if not proto.op_type:
+                raise ModelFormatError(f"node #{idx} ({proto.name!r}) has no op_type")
+            name = proto.name or f"{proto.op_type}_{idx}"
+            while name in names:
+                name = f"{name}_{idx}"
+            names.add(name)
+            attrs = _decode_attrs(proto, name, self.base_dir)
+            nodes.append(OnnxNode(name, proto.op_type, proto.domain, list(proto.input),
+                                  list(proto.output), attrs))
+        return nodes
+
+    def _check_definitions(self, nodes: list[OnnxNode], inputs: list[Value],
+                           initializers: dict[str, np.ndarray]) -> None:
+        defined = {v.name for v in inputs} | set(initializers)
+        for n in nodes:
+            for o in n.outputs:
+                if o and o in defined:
+                    raise ModelFormatError(f"value {o!r} is defined twice (again by node "
+                                           f"{n.name!r})")
+                defined.add(o)
+        for n in nodes:
+            for i in n.inputs:
+                if i and i not in defined:
+                    raise ModelFormatError(f"node {n.name!r} ({n.op_type}) reads {i!r}, "
+                                           "which no node, input or initializer defines")
+        for o in self.g.output:
+            _check_name(o.name, "graph output")
+            if o.name not in defined:
+                raise ModelFormatError(f"graph output {o.name!r} is not defined by any node, "
+                                       "input or initializer")
+
+    def _seed(self, ctx: ImportContext, inputs: list[Value],
+              initializers: dict[str, np.ndarray], nodes: list[OnnxNode]) -> None:
+        ctx.taken.update(v.name for v in inputs)
+        ctx.taken.update(o for n in nodes for o in (*n.inputs, *n.outputs))
+        ctx.taken.update(o.name for o in self.g.output)
+        ctx.node_names.update(n.name for n in nodes)
+        for name, arr in initializers.items():
+            ctx.add_initializer(name, arr)
+        for v in inputs:
+            ctx.state.types[v.name] = v.type
+            ctx.state.values.pop(v.name, None)
+
+    def _graph(self, ctx: ImportContext, inputs: list[Value],
+               declared: dict[str, TensorType]) -> Graph:
+        outputs = [Value(o.name, self._output_type(ctx, o.name, declared))
+                   for o in self.g.output]
+        io = {v.name for v in inputs} | {o.name for o in outputs}
+        types = {k: t for k, t in ctx.state.types.items()
+                 if t is not None and k not in ctx.initializers and k not in io}
+        graph = Graph(self.g.name or "model", ctx.nodes, inputs, outputs, ctx.initializers,
+                      types, self.opset, self._metadata())
+        graph.verify()
+        return graph
+
+    def _output_type(self, ctx: ImportContext, name: str,
+                     declared: dict[str, TensorType]) -> TensorType:
+        inferred = ctx.state.types.get(name)
+        given = declared.get(name)
+        if given is None and inferred is None:
+            raise ModelFormatError(f"graph output {name!r} has no declared type and keel "
+                                   "cannot infer it")
+        if given is None or given.shape is None:
+            return inferred if inferred is not None else given  # type: ignore[return-value]
+        if inferred is None or inferred.shape is None or len(inferred.shape) != len(given.shape):
+            return given
+        dims = tuple(g if g is not None else i for g, i in zip(given.shape, inferred.shape,
+                                                              strict=True))
+        return TensorType(given.dtype, dims)
+
+    def _metadata(self) -> dict[str, str]:
+        m = self.model
+        meta = {"source": "onnx", "onnx.ir_version": str(m.ir_version),
+                "onnx.opset": str(self.opset)}
+        for key in ("producer_name", "producer_version", "domain", "doc_string"):
+            value = getattr(m, key)
+            if value:
+                meta[f"onnx.{key}"] = str(value)
+        if m.model_version:
+            meta["onnx.model_version"] = str(m.model_version)
+        for prop in m.metadata_props:
+            meta[str(prop.key)] = str(prop.value)
+        return meta
+
+
+def _default_opset(model: Any) -> int:
+    versions = [int(o.version) for o in model.opset_import if o.domain in _DEFAULT_DOMAINS]
+    if not versions:
+        raise ModelFormatError("model imports no default-domain (ai.onnx) opset")
+    opset, newest = max(versions), max_opset()
+    if not MIN_OPSET <= opset <= newest:
+        raise ModelFormatError(
+            f"model uses opset {opset}; keel imports opsets {MIN_OPSET} to {newest}"
+        )
+    return opset
+
+
+def _check_name(name: str, what: str) -> None:
+    if not name:
+        raise ModelFormatError(f"a {what} has an empty name")
+
+
+# ---- types and attributes ---------------------------------------------------------------
+def _value_type(vi: Any, what: str) -> TensorType | None:
+    if vi.type.WhichOneof("value") != "tensor_type":
+        return None
+    tt = vi.type.tensor_type
+    if not tt.elem_type:
+        return None
+    dtype = element_dtype(tt.elem_type, what)
+    if not tt.HasField("shape"):
+        return TensorType(dtype, None)
+    dims: list[Dim] = []
+    for d in tt.shape.dim:
+        kind = d.WhichOneof("value")
+        if kind == "dim_value":
+            if d.dim_value < 0 or d.dim_value > MAX_ELEMENTS:
+                raise ModelFormatError(f"{what} has an impossible dimension {d.dim_value}")
+            dims.append(int(d.dim_value))
+        else:
+            dims.append(str(d.dim_param) if kind == "dim_param" and d.dim_param else None)
+    return TensorType(dtype, tuple(dims))
+
+
+def _decode_attrs(proto: Any, node: str, base_dir: Path | None) -> dict[str, Any]:
+    attrs: dict[str, Any] = {}
+    for a in proto.attribute:
+        if not a.name or a.name in attrs:
+            raise ModelFormatError(f"node {node!r} has an unnamed or repeated attribute "
+                                   f"{a.name!r}")
+        if a.ref_attr_name:
+            raise ModelFormatError(f"node {node!r}: attribute {a.name!r} refers to a function "
+                                   "attribute outside a function")
+        attrs[a.name] = _attr_value(a, f"attribute {a.name!r} of node {node!r}", base_dir)
+    return attrs
+
+
+def _attr_value(a: Any, what: str, base_dir: Path | None) -> Any:
+    kind = int(a.type)
+    if kind == 1:
+        return float(a.f)
+    if kind == 2:
+        return int(a.i)
+    if kind == 3:
+        return bytes(a.s).decode("utf-8", "replace")
+    if kind == 4:
+        return tensor_to_array(a.t, base_dir, what)
+    if kind in (5, 10, 13):  # GRAPH, GRAPHS, TYPE_PROTO: only ops keel rejects use them
+        return None
+    if kind == 6:
+        return tuple(float(x) for x in a.floats)
+    if kind == 7:
+        return tuple(int(x) for x in a.ints)
+    if kind == 8:
+        return tuple(bytes(s).decode("utf-8", "replace") for s in a.strings)
+    if kind == 9:
+        return tuple(tensor_to_array(t, base_dir, what) for t in a.tensors)
+    if kind == 11:
+        return _sparse_to_dense(a.sparse_tensor, base_dir, what)
+    raise ModelFormatError(f"{what} has no valid type ({kind})")
+
+
+def _sparse_to_dense(sp: Any, base_dir: Path | None, what: str) -> np.ndarray:
+    from keel.graph.importers.onnx_tensors import dims_of
+
+    shape = dims_of(sp.dims, what)
+    values = tensor_to_array(sp.values, base_dir, what).reshape(-1)
+    indices = tensor_to_array(sp.indices, base_dir, what).astype(np.int64)
+    numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if numel > (1 << 28):
+        raise ModelFormatError(f"{what} densifies to {numel} elements; keel's limit is 2**28")
+    if indices.ndim == 2 and indices.shape[1] == len(shape) and len(shape):
+        indices = np.ravel_multi_index(tuple(indices.T), shape)  # raises on out of range
+    indices = indices.reshape(-1)
+    if len(indices) != len(values) or (indices.size and (indices.min() < 0
+                                                         or indices.max() >= numel)):
+        raise ModelFormatError(f"{what} has indices that do not match its values or shape")
+    dense = np.zeros(numel, dtype=values.dtype)
+    dense[indices] = values
+    return dense.reshape(shape)
+
+
+# ---- ordering and conversion ------------------------------------------------------------
+def _toposort(nodes: list[OnnxNode], available: set[str]) -> list[OnnxNode]:
+    """Stable topological order; a cycle is a ModelFormatError."""
+    producer = {o: k for k, n in enumerate(nodes) for o in n.outputs if o}
+    waiting = [0] * len(nodes)
+    dependents: dict[int, list[int]] = {}
+    for k, n in enumerate(nodes):
+        for i in {i for i in n.inputs if i and i not in available}:
+            waiting[k] += 1
+            dependents.setdefault(producer[i], []).append(k)
+    ready = [k for k, w in enumerate(waiting) if w == 0]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        k = heapq.heappop(ready)
+        order.append(k)
+        for d in dependents.get(k, ()):
+            waiting[d] -= 1
+            if not waiting[d]:
+                heapq.heappush(ready, d)
+    if len(order) != len(nodes):
+        stuck = [nodes[k].name for k, w in enumerate(waiting) if w][:5]
+        raise ModelFormatError(f"the graph has a cycle through nodes {', '.join(stuck)}")
+    return [nodes[k] for k in order]
+
+
+def _convert(ctx: ImportContext, n: OnnxNode) -> None:
+    ctx.begin(n)
+    if n.domain == KEEL_DOMAIN:
+        _convert_keel(ctx, n)
+        return
+    if n.domain not in _DEFAULT_DOMAINS:
+        raise ctx.unsupported(f"custom domain {n.domain!r} (keel reads the default ONNX "
+                              f"domain and {KEEL_DOMAIN!r})")
+    converter = TABLE.lookup(n.op_type, ctx.opset)
+    if converter is None:
+        raise _no_converter(ctx, n)
+    _check_onnx_arity(ctx, n)
+    converter(ctx, n)
+
+
+def _check_onnx_arity(ctx: ImportContext, n: OnnxNode) -> None:
+    """The node's input and output counts fit the ONNX op (converters rely on it)."""
+    schema = onnx_schema(n, ctx.opset)
+    if schema is None:
+        return
+    for what, count, lo, hi in (("inputs", len(n.inputs), schema.min_input, schema.max_input),
+                                ("outputs", len(n.outputs), schema.min_output,
+                                 schema.max_output)):
+        if not lo <= count <= hi:
+            raise ctx.invalid(f"has {count} {what}; {n.op_type}-{schema.since_version} takes "
+                              f"{lo}..{hi}")
+    if any(not o for o in n.outputs[:schema.min_output]):
+        raise ctx.invalid("a required output has no name")
+
+
+def _no_converter(ctx: ImportContext, n: OnnxNode) -> KeelError:
+    import onnx.defs
+
+    if not onnx.defs.has(n.op_type):
+        return ModelFormatError(f"node {n.name!r}: {n.op_type!r} is not an ONNX operator")
+    try:
+        onnx.defs.get_schema(n.op_type, ctx.opset)
+    except Exception:  # onnx's SchemaError: the op does not exist yet at this opset
+        return ModelFormatError(f"node {n.name!r}: {n.op_type} does not exist in opset "
+                                f"{ctx.opset}, which the model declares")
+    versions = TABLE.versions(n.op_type)
+    if versions:
+        return ctx.unsupported(f"keel implements versions {versions}; the model's opset is "
+                               f"{ctx.opset}")
+    return ctx.unsupported("keel has no implementation of this ONNX operator")
+
+
+def _convert_keel(ctx: ImportContext, n: OnnxNode) -> None:
+    """Nodes of keel's own domain carry keel op names and attribute names."""
+    try:
+        op = Op(n.op_type)
+    except ValueError:
+        raise ctx.invalid(f"{n.op_type!r} is not a keel op") from None
+    ctx.emit(op, n.inputs, n.outputs, n.attrs)
+
+
+def supported_op_types() -> list[str]:
+    """Every ONNX op_type the importer converts (default domain)."""
+    return TABLE.op_types()
+

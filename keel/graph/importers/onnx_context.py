@@ -1,0 +1,317 @@
+"""The machinery ONNX op converters use: the converter table and the import context.
+
+A converter turns one ONNX node into keel nodes (and maybe initializers)
+through :meth:`ImportContext.emit`. Converters are registered per
+``(op_type, since_version)``; the importer picks the newest one whose
+``since_version`` is not newer than the model's opset, like an ONNX runtime
+picks an op version.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from keel.dtypes import DType
+from keel.errors import (
+    InvalidArgumentError,
+    KeelError,
+    ModelFormatError,
+    UnsupportedOperationError,
+)
+from keel.graph.ir import Node, match_attr_name
+from keel.graph.shape_inference import Propagation, propagate_node
+from keel.ops.registry import Op
+from keel.ops.schema import REQUIRED, AttrKind, OpSchema, get_schema
+from keel.ops.types import TensorType
+
+__all__ = [
+    "Converter",
+    "ConverterTable",
+    "ImportContext",
+    "OnnxNode",
+    "onnx_default",
+    "onnx_schema",
+]
+
+
+@dataclass
+class OnnxNode:
+    """One ONNX node with its attributes decoded to Python values."""
+
+    name: str
+    op_type: str
+    domain: str
+    inputs: list[str]
+    outputs: list[str]
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+    def input(self, index: int) -> str:
+        return self.inputs[index] if index < len(self.inputs) else ""
+
+    def output(self, index: int) -> str:
+        return self.outputs[index] if index < len(self.outputs) else ""
+
+
+Converter = Callable[["ImportContext", OnnxNode], None]
+
+
+class ConverterTable:
+    """Converters by ONNX op_type and the opset version they implement."""
+
+    def __init__(self) -> None:
+        self._impls: dict[str, dict[int, Converter]] = {}
+
+    def register(self, op_type: str, since: int, fn: Converter) -> None:
+        versions = self._impls.setdefault(op_type, {})
+        if since in versions:
+            raise ValueError(f"converter {op_type}-{since} registered twice")
+        versions[since] = fn
+
+    def converts(self, *op_types: str, since: int) -> Callable[[Converter], Converter]:
+        """Decorator: ``@TABLE.converts("Squeeze", since=13)``."""
+        def wrap(fn: Converter) -> Converter:
+            for op_type in op_types:
+                self.register(op_type, since, fn)
+            return fn
+        return wrap
+
+    def op_types(self) -> list[str]:
+        return sorted(self._impls)
+
+    def versions(self, op_type: str) -> list[int]:
+        return sorted(self._impls.get(op_type, {}))
+
+    def lookup(self, op_type: str, opset: int) -> Converter | None:
+        """The newest converter with ``since <= opset``; None when there is none."""
+        versions = self._impls.get(op_type, {})
+        usable = [v for v in versions if v <= opset]
+        return versions[max(usable)] if usable else None
+
+
+class ImportContext:
+    """What a converter may read and write while one ONNX graph is imported."""
+
+    def __init__(self, opset: int, declared: Mapping[str, TensorType],
+                 overridable: Iterable[str]) -> None:
+        self.opset = opset
+        self.nodes: list[Node] = []
+        self.initializers: dict[str, np.ndarray] = {}
+        self.state = Propagation()
+        self.declared = dict(declared)
+        self.overridable = set(overridable)
+        # Value names in use, and node names: ONNX's own (made unique beforehand) and new ones.
+        self.taken: set[str] = set()
+        self.node_names: set[str] = set()
+        self.current = OnnxNode("", "", "", [], [])
+        self._emitted = 0
+
+    # ---- reading -------------------------------------------------------
+    def type_of(self, name: str) -> TensorType | None:
+        return self.state.types.get(name) if name else None
+
+    def dtype_of(self, name: str) -> DType | None:
+        t = self.type_of(name)
+        return None if t is None else t.dtype
+
+    def rank_of(self, name: str) -> int | None:
+        t = self.type_of(name)
+        return None if t is None else t.rank
+
+    def const(self, name: str) -> np.ndarray | None:
+        """The value of ``name`` when it is known at import time (and not overridable)."""
+        if not name or name in self.overridable:
+            return None
+        return self.state.values.get(name, self.initializers.get(name))
+
+    # ---- writing -------------------------------------------------------
+    def fresh(self, base: str) -> str:
+        stem = base or "v"
+        for i in range(len(self.taken) + 2):
+            cand = f"{stem}_{i}" if i else stem
+            if cand not in self.taken:
+                self.taken.add(cand)
+                return cand
+        raise AssertionError("unreachable")
+
+    def add_initializer(self, name: str, array: np.ndarray) -> str:
+        """Store a constant under ``name`` (which must be new)."""
+        arr = np.asarray(array)
+        self.initializers[name] = arr
+        self.taken.add(name)
+        self.state.values[name] = arr
+        self.state.types[name] = _array_type(arr)
+        return name
+
+    def constant(self, array: Any, hint: str = "const") -> str:
+        """A new initializer holding ``array``; returns its name."""
+        base = f"{self.current.name}/{hint}" if self.current.name else hint
+        return self.add_initializer(self.fresh(base), np.asarray(array))
+
+    def emit(self, op: Op, inputs: Sequence[str], outputs: Sequence[str],
+             attrs: Mapping[str, Any] | None = None, *,
+             implied: Iterable[str] = ()) -> Node:
+        """Add a keel node; ``attrs`` may use ONNX spellings and are checked by the schema.
+
+        ONNX attributes the keel schema does not know are accepted only when
+        they hold ONNX's default (or are listed in ``implied``: facts the node
+        carries otherwise, like Split's ``num_outputs``); any other value means
+        keel cannot honour the model, an ``UnsupportedOperationError``.
+        """
+        schema = self._schema(op)
+        ins = _trim(list(inputs))
+        outs = _trim(list(outputs))
+        try:
+            schema.check_arity(len(ins), len(outs))
+        except InvalidArgumentError as exc:
+            raise self.invalid(exc.message) from None
+        norm = self._attrs(schema, dict(attrs or {}), set(implied))
+        node = Node(self._node_name(), op, ins, outs, norm, origin=self.current.op_type)
+        self.nodes.append(node)
+        self.taken.update(o for o in outs if o)
+        self._infer(node)
+        return node
+
+    # ---- errors --------------------------------------------------------
+    def unsupported(self, detail: str) -> UnsupportedOperationError:
+        n = self.current
+        return UnsupportedOperationError(n.op_type, detail=f"node {n.name!r}: {detail}")
+
+    def invalid(self, detail: str) -> ModelFormatError:
+        n = self.current
+        return ModelFormatError(f"node {n.name!r} ({n.op_type}): {detail}")
+
+    # ---- internals -----------------------------------------------------
+    def begin(self, node: OnnxNode) -> None:
+        self.current = node
+        self._emitted = 0
+
+    def _node_name(self) -> str:
+        base = self.current.name
+        self._emitted += 1
+        name = base if self._emitted == 1 else f"{base}/{self._emitted - 1}"
+        k = self._emitted
+        while self._emitted > 1 and name in self.node_names:
+            name = f"{base}/{k}"
+            k += 1
+        self.node_names.add(name)
+        return name
+
+    def _schema(self, op: Op) -> OpSchema:
+        try:
+            return get_schema(op)
+        except UnsupportedOperationError:
+            raise self.unsupported(f"keel's op {op.value!r} has no schema yet") from None
+
+    def _attrs(self, schema: OpSchema, given: dict[str, Any],
+               implied: set[str]) -> dict[str, Any]:
+        names = [a.name for a in schema.attrs]
+        kinds = {a.name: a.kind for a in schema.attrs}
+        mapped: dict[str, Any] = {}
+        for key, value in given.items():
+            target = match_attr_name(key, names)
+            if target is not None:
+                mapped[target] = self._dtype_code(value) if kinds[target] is AttrKind.DTYPE \
+                    else value
+            elif key in implied:
+                continue
+            elif not self._onnx_knows(key):
+                raise self.invalid(f"{key!r} is not an attribute of {self.current.op_type} "
+                                   f"at opset {self.opset}")
+            elif not self._is_default(key, value):
+                raise self.unsupported(
+                    f"attribute {key}={value!r} has no equivalent in keel's {schema.name}; "
+                    f"keel's attributes: {', '.join(names) or 'none'}"
+                )
+        for spec in schema.attrs:
+            if spec.default is REQUIRED and spec.name not in mapped:
+                raise self.invalid(f"missing required attribute {spec.name!r}")
+        try:
+            return schema.normalize_attrs(mapped)
+        except InvalidArgumentError as exc:
+            raise self.invalid(exc.message) from None
+
+    def _dtype_code(self, value: Any) -> Any:
+        """ONNX gives element types as TensorProto codes (``to=1``); keel as DType."""
+        if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+            from keel.graph.importers.onnx_tensors import element_dtype
+
+            return element_dtype(int(value), f"node {self.current.name!r}")
+        return value
+
+    def _onnx_knows(self, key: str) -> bool:
+        schema = onnx_schema(self.current, self.opset)
+        return schema is not None and key in schema.attributes
+
+    def _is_default(self, key: str, value: Any) -> bool:
+        default = onnx_default(self.current, self.opset, key)
+        return default is not _NO_DEFAULT and _same(value, default)
+
+    def _infer(self, node: Node) -> None:
+        try:
+            propagate_node(node, self.state, self.declared)
+        except InvalidArgumentError as exc:  # its message names the node already
+            raise ModelFormatError(f"{exc.message} (from ONNX {self.current.op_type})") \
+                from None
+
+
+def _trim(names: list[str]) -> list[str]:
+    while names and not names[-1]:
+        names.pop()
+    return names
+
+
+def _array_type(arr: np.ndarray) -> TensorType | None:
+    try:
+        return TensorType(DType.from_numpy(arr.dtype), tuple(int(d) for d in arr.shape))
+    except KeelError:
+        return None
+
+
+_NO_DEFAULT: Any = object()
+
+
+def onnx_schema(node: OnnxNode, opset: int) -> Any:
+    """ONNX's schema of ``node``'s op at ``opset``, or None (custom domain, unknown op)."""
+    import onnx.defs
+
+    try:
+        return onnx.defs.get_schema(node.op_type, opset, node.domain or "")
+    except Exception:  # onnx raises its own SchemaError type; any failure means "none"
+        return None
+
+
+def onnx_default(node: OnnxNode, opset: int, key: str) -> Any:
+    """ONNX's default for attribute ``key`` of ``node`` at ``opset`` (``_NO_DEFAULT`` if none)."""
+    import onnx.helper
+
+    schema = onnx_schema(node, opset)
+    if schema is None:
+        return _NO_DEFAULT
+    spec = schema.attributes.get(key)
+    if spec is None or not spec.default_value.type:
+        return _NO_DEFAULT
+    return onnx.helper.get_attribute_value(spec.default_value)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, bytes):
+        a = a.decode("utf-8", "replace")
+    if isinstance(b, bytes):
+        b = b.decode("utf-8", "replace")
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        if not isinstance(a, (list, tuple)) or not isinstance(b, (list, tuple)):
+            return False
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, float) or isinstance(b, float):
+        try:
+            return math.isclose(float(a), float(b), rel_tol=1e-7, abs_tol=0.0)
+        except (TypeError, ValueError):
+            return False
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return False
+    return bool(a == b)

@@ -1,0 +1,426 @@
+"""Placement: a graph and the types of one input signature → an ``ExecutionPlan``.
+
+For every node the plan says which backend runs it, which kernel variant,
+in which precision, and why. A pinned backend runs every node or placement
+fails before anything runs (``BackendSelectionError`` when the backend
+cannot run here, ``UnsupportedOperationError`` naming the first node it
+lacks). In auto mode each node goes where the op-level selection sends it;
+a node the chosen backend cannot run moves down the priority chain with the
+reason recorded. Where a value crosses devices a copy is planned and
+counted, and the memory plan covers every device's arena.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from keel.backends.base import Backend, KernelTable
+from keel.backends.registry import BackendRegistry
+from keel.config import format_bytes
+from keel.dtypes import DType
+from keel.errors import BackendSelectionError, KeelError, UnsupportedOperationError
+from keel.graph.ir import Graph, Node
+from keel.graph.memory_plan import MemoryPlan, PlanStep, plan_steps_for_graph
+from keel.ops.schema import get_schema
+from keel.ops.types import TensorType
+
+__all__ = [
+    "HOST",
+    "DeviceCopy",
+    "ExecutionPlan",
+    "NodePlacement",
+    "lower_steps",
+    "place",
+    "precision_name",
+]
+
+HOST = "cpu"      # graph inputs arrive, and outputs leave, as host (NumPy) arrays
+
+_PRECISIONS = {
+    DType.FLOAT16: "fp16", DType.FLOAT32: "fp32", DType.FLOAT64: "fp64",
+    DType.INT8: "int8", DType.UINT8: "int8", DType.INT16: "int16", DType.UINT16: "int16",
+}
+
+
+def precision_name(dtype: DType | None) -> str:
+    """The precision a node computes in: fp16/fp32/fp64/int8/int16, else the dtype name."""
+    if dtype is None:
+        return "unknown"
+    return _PRECISIONS.get(dtype, dtype.value)
+
+
+@dataclass(frozen=True)
+class NodePlacement:
+    """Where and how one node runs, and why."""
+
+    name: str
+    op: str
+    backend: str
+    variant: str
+    precision: str
+    reasons: tuple[str, ...]
+    device: str = HOST
+    writes_out: bool = True        # the kernel writes into planned buffers
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "op": self.op, "backend": self.backend,
+                "variant": self.variant, "precision": self.precision, "device": self.device,
+                "reasons": list(self.reasons)}
+
+
+@dataclass(frozen=True)
+class DeviceCopy:
+    """A value copied between devices before ``before`` runs (``""``: after the last node)."""
+
+    value: str
+    target: str            # the name the copy has on the destination device
+    src: str
+    dst: str
+    before: str
+    nbytes: int | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"value": self.value, "from": self.src, "to": self.dst, "before": self.before,
+                "nbytes": self.nbytes}
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    """Per-node placement, device copies and the memory plan of one input signature."""
+
+    model: str
+    backend: str                        # what the caller asked for
+    precision: str
+    nodes: tuple[NodePlacement, ...]
+    copies: tuple[DeviceCopy, ...]
+    memory: Mapping[str, Any]           # the memory plan's summary
+    peak_bytes: int
+    chunk_size_hint: int | None = None
+    reasons: tuple[str, ...] = ()
+    input_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    memory_plan: MemoryPlan | None = field(default=None, compare=False, repr=False)
+
+    def node(self, name: str) -> NodePlacement:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeelError(f"no node named {name!r} in the plan of {self.model!r}")
+
+    @property
+    def backends(self) -> dict[str, int]:
+        """Node count per backend."""
+        counts: dict[str, int] = {}
+        for n in self.nodes:
+            counts[n.backend] = counts.get(n.backend, 0) + 1
+        return counts
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "backend": self.backend,
+            "precision": self.precision,
+            "input_shapes": {k: list(v) for k, v in self.input_shapes.items()},
+            "backends": self.backends,
+            "nodes": [n.to_dict() for n in self.nodes],
+            "copies": [c.to_dict() for c in self.copies],
+            "copy_count": len(self.copies),
+            "memory": _plain(dict(self.memory)),
+            "peak_bytes": self.peak_bytes,
+            "chunk_size_hint": self.chunk_size_hint,
+            "reasons": list(self.reasons),
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def table(self) -> str:
+        """A fixed-width text table: one row per node, then copies, memory and reasons."""
+        header = ("node", "op", "backend", "variant", "precision", "reason")
+        rows = [(n.name, n.op, n.backend, n.variant, n.precision, n.reasons[0] if n.reasons
+                 else "") for n in self.nodes]
+        widths = [min(max([len(h)] + [len(r[i]) for r in rows]), 40 if i < 5 else 200)
+                  for i, h in enumerate(header)]
+        lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip(),
+                 "  ".join("-" * w for w in widths)]
+        lines += ["  ".join(c[:w].ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+                  for r in rows]
+        lines.append("")
+        lines.append(f"device copies: {len(self.copies)}")
+        lines += [f"  {c.value}: {c.src} -> {c.dst} before {c.before or 'output'}"
+                  for c in self.copies]
+        lines.append(f"peak memory: {format_bytes(self.peak_bytes)} ({self.peak_bytes} bytes)")
+        if self.chunk_size_hint is not None:
+            lines.append(f"chunk size hint: {self.chunk_size_hint}")
+        lines += [f"- {r}" for r in self.reasons]
+        return "\n".join(lines)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+# ---- placing ---------------------------------------------------------------
+@dataclass
+class _Context:
+    graph: Graph
+    types: Mapping[str, TensorType | None]
+    registry: BackendRegistry
+    profile: Any
+    policy: Any
+    precision: str
+    chain: list[Backend]
+    device_of_value: dict[str, str] = field(default_factory=dict)
+
+
+def place(
+    graph: Graph,
+    types: Mapping[str, TensorType | None],
+    registry: BackendRegistry,
+    profile: Any = None,
+    policy: Any = None,
+    backend: str = "auto",
+    precision: str = "auto",
+) -> ExecutionPlan:
+    """Place every node of ``graph`` for the static ``types`` of one input signature."""
+    ctx = _Context(graph, types, registry, profile, policy, precision, [])
+    reasons: list[str] = []
+    if backend == "auto":
+        ctx.chain = _auto_chain(registry, reasons)
+        placements = [_place_auto(ctx, n) for n in graph.nodes]
+    else:
+        pinned = registry.get(backend)
+        reasons.append(f"backend {backend} pinned by the caller: every node runs there")
+        placements = [_place_pinned(ctx, pinned, n) for n in graph.nodes]
+    copies = _plan_copies(graph, types, placements)
+    steps = lower_steps(graph, placements, copies)
+    memory = plan_steps_for_graph(graph, types, steps)
+    reasons += _summary_reasons(placements, copies, memory)
+    return ExecutionPlan(
+        model=graph.name,
+        backend=backend,
+        precision=precision,
+        nodes=tuple(placements),
+        copies=tuple(copies),
+        memory=memory.summary(),
+        peak_bytes=memory.peak_bytes,
+        reasons=tuple(reasons),
+        input_shapes=_input_shapes(graph, types),
+        memory_plan=memory,
+    )
+
+
+def _auto_chain(registry: BackendRegistry, reasons: list[str]) -> list[Backend]:
+    report = registry.report()
+    chain = registry.available()
+    if not chain:
+        why = "; ".join(f"{n}: {a.reason}" for n, a in report.items())
+        raise BackendSelectionError("auto", f"no backend can run here ({why})")
+    reasons.append("auto mode: priority chain " + " -> ".join(b.name for b in chain))
+    for name, avail in report.items():
+        if not avail.available and name in registry.priority:
+            reasons.append(f"{name} skipped: {avail.reason}")
+    return chain
+
+
+def _node_dtype(ctx: _Context, node: Node) -> DType | None:
+    for name in node.present_inputs():
+        t = ctx.types.get(name)
+        if t is not None:
+            return t.dtype
+    return None
+
+
+def _place_pinned(ctx: _Context, backend: Backend, node: Node) -> NodePlacement:
+    dtype = _node_dtype(ctx, node)
+    if not backend.supports(node.op, dtype):
+        what = node.op.value if dtype is None else f"{node.op.value} on {dtype.value}"
+        raise UnsupportedOperationError(
+            node.op.value, backend.name,
+            supported_on=ctx.registry.supported_on(node.op),
+            detail=f"node {node.name!r} needs {what}; a pinned backend never falls back",
+        )
+    return _finish(ctx, node, backend, [f"pinned to {backend.name}"])
+
+
+def _place_auto(ctx: _Context, node: Node) -> NodePlacement:
+    dtype = _node_dtype(ctx, node)
+    preferred, reasons = _select(ctx, node, dtype)
+    names = [b.name for b in ctx.chain]
+    start = names.index(preferred) if preferred in names else 0
+    for candidate in ctx.chain[start:] + ctx.chain[:start]:
+        if candidate.supports(node.op, dtype):
+            return _finish(ctx, node, candidate, reasons)
+        what = node.op.value if dtype is None else f"{node.op.value} on {dtype.value}"
+        reasons.append(f"{candidate.name} has no kernel for {what}: next in the chain")
+    raise UnsupportedOperationError(
+        node.op.value, supported_on=(),
+        detail=f"node {node.name!r}: no available backend ({', '.join(names)}) runs "
+               f"{node.op.value}" + ("" if dtype is None else f" on {dtype.value}"),
+    )
+
+
+def _select(ctx: _Context, node: Node, dtype: DType | None) -> tuple[str, list[str]]:
+    """The op-level selection's choice for this node, with its reasons."""
+    from keel.planning.selection import OperationProperties, select_backend
+
+    numel, nbytes = _node_size(ctx, node)
+    residency = _residency(ctx, node)
+    props = OperationProperties(node.op, numel, nbytes, dtype or DType.FLOAT32, residency)
+    try:
+        sel = select_backend(props, ctx.profile, ctx.policy, ctx.registry)
+    except (BackendSelectionError, UnsupportedOperationError) as exc:
+        return ctx.chain[0].name, [f"op-level selection declined ({exc.message}); "
+                                   "walking the chain"]
+    reasons = [sel.reason] + [f"{name} rejected: {why}" for name, why in sel.rejected]
+    return sel.backend, reasons
+
+
+def _node_size(ctx: _Context, node: Node) -> tuple[int, int]:
+    numel = nbytes = 0
+    for name in [*node.present_inputs(), *(o for o in node.outputs if o)]:
+        t = ctx.types.get(name)
+        n = None if t is None else t.numel()
+        if t is not None and n is not None:
+            numel = max(numel, n)
+            nbytes += n * t.dtype.itemsize
+    return numel, nbytes
+
+
+def _residency(ctx: _Context, node: Node) -> str:
+    for name in node.present_inputs():
+        if name in ctx.device_of_value:
+            return ctx.device_of_value[name]
+    return HOST
+
+
+def _finish(ctx: _Context, node: Node, backend: Backend, reasons: list[str]) -> NodePlacement:
+    device = backend.device.value
+    for out in node.outputs:
+        if out:
+            ctx.device_of_value[out] = device
+    variant, why = _variant(ctx, node, backend.kernels)
+    precision, why_p = _node_precision(ctx, node)
+    writes_out = backend.kernels.get(node.op, variant).supports_out and _static_outputs(ctx, node)
+    return NodePlacement(node.name, node.op.value, backend.name, variant, precision,
+                         (*reasons, f"variant {variant}: {why}", why_p), device, writes_out)
+
+
+def _static_outputs(ctx: _Context, node: Node) -> bool:
+    outs = node.outputs
+    if not outs or any(not o for o in outs):
+        return False
+    types = [ctx.types.get(o) for o in outs]
+    return all(t is not None and t.is_static for t in types)
+
+
+def _variant(ctx: _Context, node: Node, table: KernelTable) -> tuple[str, str]:
+    try:
+        variants = importlib.import_module("keel.planning.variants")
+    except ImportError:
+        return "default", "no variant chooser installed"
+    input_types = [ctx.types.get(i) if i else None for i in node.inputs]
+    name, reason = variants.choose_variant(node.op, input_types, node.attrs, table)
+    if name not in table.variants(node.op):
+        return "default", f"chooser picked unknown variant {name!r}; using default"
+    return str(name), str(reason)
+
+
+def _node_precision(ctx: _Context, node: Node) -> tuple[str, str]:
+    out = next((o for o in node.outputs if o), "")
+    t = ctx.types.get(out)
+    native = precision_name(None if t is None else t.dtype)
+    if ctx.precision == "auto":
+        return native, f"precision {native}: the model's own"
+    return native, f"precision {native}: requested {ctx.precision}"
+
+
+# ---- copies and lowering ---------------------------------------------------
+def _plan_copies(graph: Graph, types: Mapping[str, TensorType | None],
+                 placements: Sequence[NodePlacement]) -> list[DeviceCopy]:
+    where: dict[str, str] = {name: HOST for name in graph.input_names}
+    copies: list[DeviceCopy] = []
+    made: set[tuple[str, str]] = set()
+    for node, placed in zip(graph.nodes, placements, strict=True):
+        for name in node.present_inputs():
+            src = where.get(name)
+            # Weights are loaded once on every device that reads them: no run-time copy.
+            if src is None or src == placed.device or (name, placed.device) in made:
+                continue
+            made.add((name, placed.device))
+            copies.append(DeviceCopy(name, f"{name}@{placed.device}", src, placed.device,
+                                     node.name, _nbytes(types.get(name))))
+        for out in node.outputs:
+            if out:
+                where[out] = placed.device
+    for name in dict.fromkeys(graph.output_names):
+        src = where.get(name, HOST)
+        if src != HOST:
+            copies.append(DeviceCopy(name, name, src, HOST, "", _nbytes(types.get(name))))
+    return copies
+
+
+def _nbytes(t: TensorType | None) -> int | None:
+    return None if t is None else t.nbytes()
+
+
+def lower_steps(graph: Graph, placements: Sequence[NodePlacement],
+                copies: Sequence[DeviceCopy]) -> list[PlanStep]:
+    """The program's steps in order: copies before the node that needs them, then nodes."""
+    steps: list[PlanStep] = []
+    renamed: dict[tuple[str, str], str] = {}
+    for node, placed in zip(graph.nodes, placements, strict=True):
+        for c in copies:
+            if c.before == node.name:
+                steps.append(PlanStep(f"copy:{c.target}", (c.value,), (c.target,), c.dst,
+                                      writes_out=False, may_alias=False))
+                renamed[(c.value, c.dst)] = c.target
+        inputs = tuple(renamed.get((i, placed.device), i) if i else "" for i in node.inputs)
+        steps.append(PlanStep(node.name, inputs, tuple(node.outputs), placed.device,
+                              _inplace(node), placed.writes_out))
+    return steps
+
+
+def _inplace(node: Node) -> tuple[tuple[int, int], ...]:
+    try:
+        return tuple(get_schema(node.op).inplace)
+    except KeelError:
+        return ()
+
+
+def _input_shapes(graph: Graph, types: Mapping[str, TensorType | None],
+                  ) -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {}
+    for v in graph.inputs:
+        t = types.get(v.name)
+        if t is not None and t.is_static:
+            shapes[v.name] = tuple(int(d) for d in t.shape or ())  # type: ignore[arg-type]
+    return shapes
+
+
+def _summary_reasons(placements: Sequence[NodePlacement], copies: Sequence[DeviceCopy],
+                     memory: MemoryPlan) -> list[str]:
+    counts: dict[str, int] = {}
+    for p in placements:
+        counts[p.backend] = counts.get(p.backend, 0) + 1
+    moved = [p for p in placements if any("next in the chain" in r for r in p.reasons)]
+    lines = [", ".join(f"{n} node{'s' if n != 1 else ''} on {b}" for b, n in counts.items())
+             or "empty graph: nothing to place"]
+    if moved:
+        lines.append(f"{len(moved)} node(s) moved down the chain: "
+                     + ", ".join(f"{p.name} ({p.op}) -> {p.backend}" for p in moved[:8]))
+    lines.append(f"{len(copies)} device cop{'y' if len(copies) == 1 else 'ies'} planned")
+    lines.append(memory.report().splitlines()[0])
+    return lines

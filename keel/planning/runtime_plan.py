@@ -1,0 +1,319 @@
+"""RuntimePlan: what runs where on a machine, with reasons and fallbacks.
+
+``plan_runtime(profile, policy)`` makes four selections:
+
+1. **llama.cpp build** (seed 000): the GPU build when ``prefer_gpu`` holds and a
+   GPU has at least ``min_gpu_memory_gb``; the CPU build otherwise. The CPU
+   build is always listed as a fallback.
+2. **Python runtime** (seed 000): the lightweight runtime when
+   ``prefer_lightweight_python_on_low_memory`` holds and total or available
+   memory (cgroup aware) is below ``lightweight_memory_threshold_gb``; full
+   CPython otherwise, with the lightweight runtime as its fallback.
+3. **Accelerator orchestration** (seed 000): an experimental offload entry when
+   ``allow_accelerator_experiments`` holds and a TPU/NPU is detected; the
+   standard GPU/CPU options stay as fallbacks either way.
+4. **keel engine**: the first available of gpu → cpu → reference, each rejected
+   candidate with its reason. A pinned engine (``policy.backend`` /
+   ``KEEL_BACKEND``) is authoritative: if it is unavailable the plan raises
+   :class:`~keel.errors.BackendSelectionError` naming it.
+
+It also classifies the host as an ``edge`` or ``server`` target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import platform
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from keel.config import format_bytes
+from keel.errors import BackendSelectionError, InvalidArgumentError
+from keel.hardware.profile import GIB, GpuInfo, HardwareProfile
+from keel.planning.policy import RuntimePolicy
+from keel.planning.targets import classify_host
+
+__all__ = [
+    "ENGINE_PRIORITY",
+    "RuntimePlan",
+    "Selection",
+    "engine_availability",
+    "is_this_machine",
+    "plan_runtime",
+]
+
+#: keel's engines in priority order (auto mode takes the first available)
+ENGINE_PRIORITY = ("gpu", "cpu", "reference")
+
+# llama.cpp build flavour per GPU vendor
+_LLAMA_BUILDS = {"nvidia": "CUDA", "amd": "ROCm/HIP", "apple": "Metal", "intel": "SYCL/Vulkan"}
+
+
+@dataclass(frozen=True)
+class Selection:
+    """One decision of a plan: the choice, why, what stays as fallback, what was rejected."""
+
+    component: str                  # llama.cpp | python_runtime | accelerators | engine
+    choice: str
+    reason: str
+    fallbacks: tuple[str, ...] = ()
+    detail: str = ""
+    rejected: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class RuntimePlan:
+    """The runtime plan of one machine under one policy. Frozen, serialisable."""
+
+    target: str                     # edge | server
+    target_reason: str
+    llama_cpp: Selection
+    python_runtime: Selection
+    accelerators: Selection
+    engine: Selection
+    policy: RuntimePolicy
+    host: str | None
+    reasons: tuple[str, ...]
+
+    @property
+    def selections(self) -> tuple[Selection, ...]:
+        return (self.llama_cpp, self.python_runtime, self.accelerators, self.engine)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(dataclasses.asdict(self))
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def explain(self) -> str:
+        """A readable multi-line account of every selection."""
+        lines = [f"target: {self.target} ({self.target_reason})"]
+        for s in self.selections:
+            lines.append(f"{s.component}: {s.choice}" + (f" [{s.detail}]" if s.detail else ""))
+            lines.append(f"  why: {s.reason}")
+            lines.append(f"  fallbacks: {', '.join(s.fallbacks) or 'none'}")
+            lines += [f"  rejected {name}: {why}" for name, why in s.rejected]
+        return "\n".join(lines)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def plan_runtime(profile: HardwareProfile, policy: RuntimePolicy | None = None,
+                 available_backends: Mapping[str, tuple[bool, str]] | None = None,
+                 *, local: bool | None = None) -> RuntimePlan:
+    """Plan ``profile`` under ``policy`` (default: defaults plus ``KEEL_*`` env).
+
+    ``available_backends`` maps engine name -> ``(available, reason)``; when
+    None it is derived from the profile (:func:`engine_availability`), checking
+    for CuPy only when the profile describes this machine (``local``, by
+    default decided by :func:`is_this_machine`).
+    """
+    if not isinstance(profile, HardwareProfile):
+        raise InvalidArgumentError(
+            f"plan_runtime needs a HardwareProfile, got {type(profile).__name__}"
+        )
+    policy = RuntimePolicy.resolve() if policy is None else policy
+    if available_backends is None:
+        local = is_this_machine(profile) if local is None else local
+        available_backends = engine_availability(profile, local=local)
+    engine = select_engine(_checked(available_backends), policy)
+    llama = select_llama_cpp(profile, policy)
+    python_runtime = select_python_runtime(profile, policy)
+    standard = (llama.choice, *[f for f in llama.fallbacks if f != llama.choice])
+    accelerators = select_accelerators(profile, policy, standard)
+    target = classify_host(profile, policy)
+    selections = (llama, python_runtime, accelerators, engine)
+    reasons = (f"target: {target.target}: {target.reason}",
+               *(f"{s.component}: {s.choice}: {s.reason}" for s in selections))
+    return RuntimePlan(
+        target=target.target, target_reason=target.reason, llama_cpp=llama,
+        python_runtime=python_runtime, accelerators=accelerators, engine=engine,
+        policy=policy, host=profile.hostname, reasons=reasons,
+    )
+
+
+def is_this_machine(profile: HardwareProfile) -> bool:
+    """Whether ``profile`` was probed on this machine (same host name and OS)."""
+    return bool(profile.hostname) and profile.hostname == platform.node() \
+        and profile.platform_system == platform.system()
+
+
+# --- engine -------------------------------------------------------------------
+
+
+def _checked(available: Mapping[str, tuple[bool, str]]) -> dict[str, tuple[bool, str]]:
+    out = {}
+    for name, entry in available.items():
+        if (not isinstance(name, str) or not isinstance(entry, tuple) or len(entry) != 2
+                or not isinstance(entry[0], bool) or not isinstance(entry[1], str)):
+            raise InvalidArgumentError(
+                "available_backends must map a backend name to (available: bool, reason: str); "
+                f"got {name!r}: {entry!r}"
+            )
+        out[name] = entry
+    return out
+
+
+def _cupy_installed() -> bool:
+    try:
+        return importlib.util.find_spec("cupy") is not None
+    except (ImportError, ValueError):   # a broken or half-installed package
+        return False
+
+
+def engine_availability(profile: HardwareProfile,
+                        local: bool = True) -> dict[str, tuple[bool, str]]:
+    """Which of keel's engines can run on the machine ``profile`` describes, and why."""
+    return {
+        "gpu": _gpu_engine(profile, local),
+        "cpu": (True, "the NumPy CPU engine runs on every machine"),
+        "reference": (True, "the reference engine runs on every machine (exact, slow)"),
+    }
+
+
+def _gpu_engine(profile: HardwareProfile, local: bool) -> tuple[bool, str]:
+    nvidia = [g for g in profile.gpus if g.vendor == "nvidia"]
+    if not nvidia:
+        others = sorted({g.vendor for g in profile.gpus})
+        extra = f" ({', '.join(others)} GPUs are not supported: keel's GPU engine is CUDA " \
+                "through CuPy)" if others else ""
+        return False, f"no NVIDIA GPU in the profile{extra}"
+    driven = [g for g in nvidia if g.source != "sysfs"]
+    if not driven:
+        return False, (f"NVIDIA GPU {_gpu_label(nvidia[0])} is visible only on the PCI bus: "
+                       "no NVIDIA driver answered (NVML/nvidia-smi)")
+    label = _gpu_label(driven[0])
+    if not local:
+        return True, (f"NVIDIA GPU {label} in the profile; CuPy on that machine is not "
+                      "checked (it needs keel-runtime[cuda12])")
+    if not _cupy_installed():
+        return False, (f"NVIDIA GPU {label} present but CuPy is not installed "
+                       "(pip install keel-runtime[cuda12])")
+    return True, f"NVIDIA GPU {label} present and CuPy installed"
+
+
+def _gpu_label(gpu: GpuInfo) -> str:
+    return f"{gpu.index} ({gpu.name or 'unnamed'})"
+
+
+def select_engine(available: Mapping[str, tuple[bool, str]], policy: RuntimePolicy) -> Selection:
+    """keel's engine: the pin if any (or raise), else the first available by priority."""
+    order = [n for n in ENGINE_PRIORITY if n in available]
+    order += [n for n in available if n not in ENGINE_PRIORITY]
+    pinned = policy.pinned_backend
+    if pinned is not None:
+        if pinned not in available:
+            raise BackendSelectionError(pinned, "it is not among the known backends "
+                                        f"({', '.join(order) or 'none'})")
+        ok, why = available[pinned]
+        if not ok:
+            raise BackendSelectionError(pinned, why)
+        return Selection("engine", pinned, f"pinned by policy/KEEL_BACKEND ({why}); "
+                         "a pin never falls back", fallbacks=())
+    rejected: list[tuple[str, str]] = []
+    usable = []
+    for name in order:
+        ok, why = available[name]
+        if name == "gpu" and ok and not policy.prefer_gpu:
+            ok, why = False, "policy prefer_gpu is false"
+        if ok:
+            usable.append((name, why))
+        else:
+            rejected.append((name, why))
+    if not usable:
+        raise BackendSelectionError("auto", "no engine is available: " + "; ".join(
+            f"{n}: {w}" for n, w in rejected))
+    (name, why), rest = usable[0], usable[1:]
+    return Selection("engine", name, f"first available in priority {' > '.join(order)}: {why}",
+                     fallbacks=tuple(n for n, _ in rest), rejected=tuple(rejected))
+
+
+# --- the seed's three selections -------------------------------------------------
+
+
+def select_llama_cpp(profile: HardwareProfile, policy: RuntimePolicy) -> Selection:
+    """Seed rule 1: GPU build if a GPU has ``min_gpu_memory_gb``; CPU build always a fallback."""
+    threshold = policy.min_gpu_memory_gb
+    if not policy.prefer_gpu:
+        return Selection("llama.cpp", "cpu", "policy prefer_gpu is false", ("cpu",))
+    if not profile.gpus:
+        return Selection("llama.cpp", "cpu", "no GPU detected", ("cpu",))
+    eligible, rejected = [], []
+    for gpu in profile.gpus:
+        label = f"{gpu.vendor} GPU {_gpu_label(gpu)}"
+        total = gpu.total_memory_bytes
+        if total is None:
+            rejected.append((label, "its memory size is unknown"))
+        elif total < threshold * GIB:
+            rejected.append((label, f"{format_bytes(total)} < min_gpu_memory_gb={threshold:g}"))
+        else:
+            eligible.append(gpu)
+    if not eligible:
+        return Selection("llama.cpp", "cpu",
+                         f"no GPU has at least min_gpu_memory_gb={threshold:g} GiB",
+                         ("cpu",), rejected=tuple(rejected))
+    best = max(eligible, key=lambda g: g.total_memory_bytes or 0)
+    build = _LLAMA_BUILDS.get(best.vendor, "GPU")
+    return Selection(
+        "llama.cpp", "gpu",
+        f"GPU {_gpu_label(best)} has {format_bytes(best.total_memory_bytes)} >= "
+        f"min_gpu_memory_gb={threshold:g}",
+        ("cpu",), detail=f"{build} build on {best.vendor} GPU {best.index}",
+        rejected=tuple(rejected),
+    )
+
+
+def select_python_runtime(profile: HardwareProfile, policy: RuntimePolicy) -> Selection:
+    """Seed rule 2: lightweight runtime below the memory threshold, full CPython otherwise."""
+    threshold = policy.lightweight_memory_threshold_gb
+    memory = profile.memory
+    readings = (("total", memory.effective_limit_bytes),
+                ("available", memory.effective_available_bytes))
+    if not policy.prefer_lightweight_python_on_low_memory:
+        return Selection("python_runtime", "cpython",
+                         "policy prefer_lightweight_python_on_low_memory is false",
+                         ("lightweight",))
+    low = [(label, v) for label, v in readings if v is not None and v < threshold * GIB]
+    if low:
+        label, value = low[0]
+        return Selection("python_runtime", "lightweight",
+                         f"{label} memory {format_bytes(value)} < "
+                         f"lightweight_memory_threshold_gb={threshold:g}")
+    known = [f"{label} {format_bytes(v)}" for label, v in readings if v is not None]
+    if not known:
+        return Selection("python_runtime", "cpython",
+                         "memory is unknown, so the low-memory rule cannot apply",
+                         ("lightweight",))
+    return Selection("python_runtime", "cpython",
+                     f"{' and '.join(known)} memory >= "
+                     f"lightweight_memory_threshold_gb={threshold:g}", ("lightweight",))
+
+
+def select_accelerators(profile: HardwareProfile, policy: RuntimePolicy,
+                        standard: tuple[str, ...]) -> Selection:
+    """Seed rule 3: experimental offload to TPU/NPU when allowed; GPU/CPU stay as fallbacks."""
+    if not profile.accelerators:
+        return Selection("accelerators", "none", "no TPU/NPU detected", standard)
+    found = ", ".join(f"{a.kind} {a.name} ({a.source})" for a in profile.accelerators)
+    if not policy.allow_accelerator_experiments:
+        return Selection("accelerators", "none",
+                         f"policy allow_accelerator_experiments is false (detected: {found})",
+                         standard)
+    kinds = sorted({a.kind for a in profile.accelerators})
+    return Selection("accelerators", "experimental-offload",
+                     f"allow_accelerator_experiments and detected {found}", standard,
+                     detail=f"experimental offload to {', '.join(kinds)}")

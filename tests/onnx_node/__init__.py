@@ -1,0 +1,1 @@
+"""onnx node-suite conformance of keel.onnx_backend."""

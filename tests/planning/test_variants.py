@@ -1,0 +1,151 @@
+"""The variant registry's typed metadata and choose_variant's decisions and reasons."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+from keel.backends.base import DeviceKind, KernelContext, KernelTable
+from keel.backends.cpu.conv_rules import ConvRule
+from keel.backends.cpu.kernels import load
+from keel.dtypes import DType
+from keel.errors import UnsupportedOperationError
+from keel.ops.registry import Op
+from keel.ops.schema import get_schema
+from keel.ops.types import Dim, TensorType
+from keel.planning.variants import VariantInfo, VariantRegistry, choose_variant
+
+CPU = load()
+F32 = DType.FLOAT32
+
+
+def _types(*shapes: Sequence[Dim] | None, dtype: DType = F32) -> list[TensorType | None]:
+    return [None if s is None else TensorType(dtype, tuple(s)) for s in shapes]
+
+
+def _choose(op: Op, x: Sequence[Dim], w: Sequence[Dim], table: KernelTable = CPU,
+            dtype: DType = F32, **attrs: Any) -> tuple[str, str]:
+    return choose_variant(op, _types(x, w, dtype=dtype),
+                          get_schema(op).normalize_attrs(attrs), table)
+
+
+def test_registry_describes_every_cpu_conv_variant() -> None:
+    registry = VariantRegistry([CPU])
+    infos = {v.name: v for v in registry.variants(Op.CONV, "cpu")}
+    assert set(infos) == {"default", "im2col", "pointwise", "depthwise", "winograd"}
+    win = infos["winograd"]
+    assert win.backend == "cpu" and win.supports_out and win.priority == 30
+    assert "kernel 3x3" in win.shapes and ">= 64 channels" in win.shapes
+    assert "1 thread, batch 1" in win.measured
+    assert win.simd == () and win.serves_simd(None) and win.serves_simd("avx2")
+    assert infos["default"].dispatcher and not infos["im2col"].dispatcher
+    assert infos["pointwise"].shapes == "1x1 kernel, no padding"
+    assert registry.callable(Op.CONV, "im2col", "cpu") is CPU.get(Op.CONV, "im2col").fn
+    json.dumps(registry.to_dict())            # plain data
+
+
+@pytest.mark.parametrize(("x", "w", "attrs", "variant"), [
+    ((1, 64, 56, 56), (64, 64, 3, 3), {"pads": (1, 1, 1, 1)}, "winograd"),
+    ((1, 128, 28, 28), (128, 128, 3, 3), {"pads": (1, 1, 1, 1)}, "winograd"),
+    ((1, 512, 7, 7), (512, 512, 3, 3), {"pads": (1, 1, 1, 1)}, "im2col"),
+    ((1, 16, 56, 56), (16, 16, 3, 3), {"pads": (1, 1, 1, 1)}, "im2col"),
+    ((1, 64, 56, 56), (128, 64, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}, "im2col"),
+    ((1, 3, 224, 224), (64, 3, 7, 7), {"pads": (3, 3, 3, 3), "strides": (2, 2)}, "im2col"),
+    ((1, 64, 56, 56), (256, 64, 1, 1), {}, "pointwise"),
+    ((1, 64, 56, 56), (128, 64, 1, 1), {"strides": (2, 2)}, "pointwise"),
+    ((1, 64, 56, 56), (64, 1, 3, 3), {"pads": (1, 1, 1, 1), "group": 64}, "depthwise"),
+    (("batch", 64, 56, 56), (64, 64, 3, 3), {"pads": (1, 1, 1, 1)}, "winograd"),
+])
+def test_choose_variant_for_conv(x: Sequence[Dim], w: Sequence[int], attrs: dict[str, Any],
+                                 variant: str) -> None:
+    name, reason = _choose(Op.CONV, x, w, **attrs)
+    assert name == variant, reason
+    assert variant in reason
+
+
+def test_reasons_quote_the_measurement() -> None:
+    _, reason = _choose(Op.CONV, (1, 64, 56, 56), (64, 64, 3, 3), pads=(1, 1, 1, 1))
+    assert reason.startswith("3x3 stride 1x1, 64->64 channels (dense), output 56x56: winograd")
+    assert "faster than im2col at 64 channels, 56x56 output" in reason
+    _, reason = _choose(Op.CONV, (1, 512, 7, 7), (512, 512, 3, 3), pads=(1, 1, 1, 1))
+    assert "not winograd: 49 output pixels < 196" in reason
+
+
+def test_choice_is_pure_and_matches_the_runtime_dispatch() -> None:
+    args = ((1, 64, 14, 14), (64, 64, 3, 3))
+    first = _choose(Op.CONV, *args, pads=(1, 1, 1, 1))
+    assert _choose(Op.CONV, *args, pads=(1, 1, 1, 1)) == first
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(args[0]).astype(np.float32)
+    w = rng.standard_normal(args[1]).astype(np.float32)
+    attrs = get_schema(Op.CONV).normalize_attrs({"pads": (1, 1, 1, 1)})
+    ctx = KernelContext(np, "cpu", DeviceKind.CPU)
+    by_default = CPU.get(Op.CONV).fn(ctx, [x, w], attrs, None)[0]
+    by_choice = CPU.get(Op.CONV, first[0]).fn(ctx, [x, w], attrs, None)[0]
+    assert by_default.tobytes() == by_choice.tobytes()
+
+
+def test_unknown_shapes_and_single_kernels_fall_back_to_default() -> None:
+    name, reason = _choose(Op.CONV, (1, 64, "h", "w"), (64, 64, 3, 3), pads=(1, 1, 1, 1))
+    assert name == "default" and "not known before running" in reason
+    name, reason = choose_variant(Op.MATMUL, _types((3, 4), (4, 5)),
+                                  get_schema(Op.MATMUL).normalize_attrs({}), CPU)
+    assert (name, reason) == ("default", "matmul: the only cpu kernel")
+    name, reason = _choose(Op.CONV2D, (1, 64, 56, 56), (64, 64, 3, 3), padding=1)
+    assert name == "default" and "dispatches through the conv variants" in reason
+    assert "winograd" in reason
+
+
+def test_float16_convs_skip_winograd() -> None:
+    name, reason = _choose(Op.CONV, (1, 64, 56, 56), (64, 64, 3, 3), dtype=DType.FLOAT16,
+                           pads=(1, 1, 1, 1))
+    assert name == "im2col"
+    assert "dtype float16" in reason
+
+
+# ---- a fresh table with variants of its own ---------------------------------------------
+def _kernel(ctx: KernelContext, inputs: Sequence[Any], attrs: Mapping[str, Any],
+            out: Sequence[Any] | None) -> list[Any]:
+    return list(inputs)
+
+
+def _table() -> KernelTable:
+    table = KernelTable("test")
+    table.kernel(Op.CONV, dispatcher=True)(_kernel)
+    table.kernel(Op.CONV, variant="general", rule=ConvRule("general", 1, "anything"))(_kernel)
+    table.kernel(Op.CONV, variant="fast-1x1", dtypes=("float32",),
+                 rule=ConvRule("fast-1x1", 5, "1x1 only", unit_kernel=True))(_kernel)
+    table.kernel(Op.RELU)(_kernel)
+    table.kernel(Op.RELU, variant="vector", priority=3, simd=("avx2",))(_kernel)
+    return table
+
+
+def test_choice_follows_rule_priorities_in_any_table() -> None:
+    table = _table()
+    assert _choose(Op.CONV, (1, 4, 5, 5), (8, 4, 1, 1), table)[0] == "fast-1x1"
+    name, reason = _choose(Op.CONV, (1, 4, 5, 5), (8, 4, 3, 3), table)
+    assert name == "general" and "not fast-1x1: kernel (3, 3)" in reason
+    # fast-1x1 takes float32 only: float64 goes to the general variant.
+    assert _choose(Op.CONV, (1, 4, 5, 5), (8, 4, 1, 1), table, DType.FLOAT64)[0] == "general"
+
+
+def test_choice_by_priority_for_ops_without_rules() -> None:
+    name, reason = choose_variant(Op.RELU, _types((4,)), {}, _table())
+    assert name == "vector" and "highest priority (3)" in reason
+    info = VariantRegistry([_table()]).get(Op.RELU, "vector", "test")
+    assert isinstance(info, VariantInfo)
+    assert info.simd == ("avx2",) and not info.serves_simd("sse4") and info.serves_simd("avx2")
+
+
+def test_registry_errors_name_what_exists() -> None:
+    registry = VariantRegistry([_table()])
+    with pytest.raises(UnsupportedOperationError, match="no kernel table for backend 'gpu'"):
+        registry.get(Op.CONV, "general", "gpu")
+    with pytest.raises(UnsupportedOperationError, match="variants here: default, general"):
+        registry.get(Op.CONV, "winograd", "test")
+    with pytest.raises(UnsupportedOperationError, match="no default kernel"):
+        choose_variant(Op.ADD, _types((3,), (3,)), {}, _table())

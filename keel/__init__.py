@@ -44,10 +44,10 @@ _LAZY = {
     "select_backend": "keel.planning.selection",
     "OperationProperties": "keel.planning.selection",
     "Runtime": "keel.runtime",
-    "TensorDesc": "keel.tensor",
-    "Tensor": "keel.tensor",
-    "tensor": "keel.tensor",
-    "explain_last_dispatch": "keel.tensor",
+    "TensorDesc": "keel.tensors",
+    "Tensor": "keel.tensors",
+    "tensor": "keel.tensors",
+    "explain_last_dispatch": "keel.tensors",
     "load_model": "keel.execution.model",
     "Model": "keel.execution.model",
     "TensorInfo": "keel.execution.model",
@@ -98,4 +98,4 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers only
     from keel.planning.runtime_plan import RuntimePlan, plan_runtime
     from keel.planning.selection import OperationProperties, select_backend
     from keel.runtime import Runtime
-    from keel.tensor import Tensor, TensorDesc, explain_last_dispatch, tensor
+    from keel.tensors import Tensor, TensorDesc, explain_last_dispatch, tensor

@@ -40,7 +40,7 @@ from keel.planning.selection import (
     resolve_pin,
     select_backend,
 )
-from keel.tensor import TensorDesc
+from keel.tensors import TensorDesc
 
 __all__ = ["Runtime", "RuntimeTensor"]
 

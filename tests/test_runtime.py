@@ -21,7 +21,7 @@ from keel.errors import (
 )
 from keel.ops.registry import Op, OpGroup
 from keel.runtime import Runtime, RuntimeTensor
-from keel.tensor import TensorDesc
+from keel.tensors import TensorDesc
 from tests.backends.fakes import SpyBackend, spy_registry
 
 BACKENDS = [pytest.param(n, id=n, marks=[pytest.mark.gpu] if n == "gpu" else [])

@@ -17,7 +17,7 @@ from keel.backends.registry import builtin_registry
 from keel.dtypes import DType
 from keel.errors import BackendSelectionError, InvalidArgumentError
 from keel.ops.registry import Op
-from keel.tensor import Tensor, TensorDesc, explain_last_dispatch, tensor, use_registry
+from keel.tensors import Tensor, TensorDesc, explain_last_dispatch, tensor, use_registry
 from tests.backends.fakes import spy_registry
 
 
@@ -69,12 +69,12 @@ def test_tensor_holds_a_copy() -> None:
 
 
 def test_keel_tensor_is_callable_in_every_import_order() -> None:
-    code = ("import keel, keel.runtime; t = keel.tensor([1.0, 2.0]); "
-            "import keel.tensor as m; u = m.tensor([3.0]); "
-            "print(type(t).__name__, type(u).__name__, keel.tensor.Tensor.__name__)")
+    code = ("import keel, keel.runtime, keel.tensors; t = keel.tensor([1.0, 2.0]); "
+            "import keel.tensors as m; u = m.tensor([3.0]); "
+            "print(type(t).__name__, type(u).__name__, keel.tensor.__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
-    assert out.stdout.split() == ["Tensor", "Tensor", "Tensor"]
+    assert out.stdout.split() == ["Tensor", "Tensor", "tensor"]
 
 
 def test_to_gpu_without_a_gpu_names_the_target() -> None:

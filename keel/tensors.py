@@ -15,9 +15,7 @@ of integers gives float64 and ``mean`` of integers is a float64 mean.
 from __future__ import annotations
 
 import operator
-import sys
 import threading
-import types
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -427,20 +425,3 @@ def _on(t: Tensor, backend: Backend) -> Any:
     if t._backend is backend or t._backend.xp is backend.xp:
         return t._array
     return backend.to_device(t.numpy())
-
-
-class _CallableModule(types.ModuleType):
-    """``keel.tensor`` is both this module and the function :func:`tensor`.
-
-    Importing ``keel.tensor`` (which ``keel.runtime`` does) makes the package
-    attribute ``keel.tensor`` this module, hiding the function of the same
-    name that ``keel/__init__.py`` re-exports; calling the module calls the
-    function, so ``keel.tensor([1, 2])`` works in every import order.
-    """
-
-    def __call__(self, data: Any, device: str = "cpu",
-                 dtype: DType | str | None = None) -> Tensor:
-        return tensor(data, device=device, dtype=dtype)
-
-
-sys.modules[__name__].__class__ = _CallableModule

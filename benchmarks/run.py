@@ -25,7 +25,8 @@ from keel.bench import BenchConfig, ModelReport, bench_model, peak_rss_delta
 RESULTS = Path(__file__).resolve().parent / "results"
 RSS_MODELS = ("lenet", "resnet20", "mlp")
 # Targets of the suite, as keel/onnxruntime time ratios (lower is better).
-TARGETS = {
+# Throughput ≥ 1.0x (0.8x) onnxruntime is a time ratio ≤ 1.0 (1.25).
+TARGETS: dict[str, Any] = {
     "b32": {"mlp": 1.0, "resnet18": 1.0, "bert_mini": 1.0,
             "lenet": 1.25, "resnet20": 1.25, "mobilenetv2": 1.25},
     "b1_t1": 1.5,
@@ -108,6 +109,25 @@ def _ort_version() -> str:
     return str(onnxruntime.__version__)
 
 
+def target(model: str, key: str) -> float | None:
+    """The ratio a setting must stay under, or None where the suite sets no target."""
+    if key == "b1_t1":
+        return float(TARGETS["b1_t1"])
+    if key.startswith("b32_"):
+        goal = TARGETS["b32"].get(model)
+        return None if goal is None else float(goal)
+    return None
+
+
+def _cell(m: dict[str, Any], key: str) -> str:
+    if key not in m["ratios"]:
+        return "—"
+    ratio = m["ratios"][key]
+    goal = target(m["model"], key)
+    mark = "" if goal is None else (" ✓" if ratio <= goal else " ✗")
+    return f"{ratio:.2f}{mark}"
+
+
 def render_markdown(payload: dict[str, Any]) -> str:
     """The ratio table: keel time / onnxruntime time per model and setting."""
     cfg = payload["config"]
@@ -119,13 +139,15 @@ def render_markdown(payload: dict[str, Any]) -> str:
         f"Machine: {cpu.get('brand')}, {cpu.get('usable_cores')} usable cores, "
         f"SIMD {cpu.get('simd_level')}; Python {payload['python']}.",
         "Cells: keel time / onnxruntime time (median over alternating passes in one "
-        "process; < 1.0 means keel is faster). bN_tM = batch N with M threads.",
+        "process; < 1.0 means keel is faster). bN_tM = batch N with M threads. "
+        "A cell with a target shows ✓ when it is met, ✗ when not (batch 1: ≤ 1.5 with "
+        "1 thread; batch 32: ≤ 1.0 for mlp, resnet18, bert_mini, ≤ 1.25 for the others).",
         "",
         "| model | " + " | ".join(keys) + " | load ms keel / ort | peak RSS MB keel / ort |",
         "|---" * (len(keys) + 3) + "|",
     ]
     for m in payload["models"]:
-        ratios = [f"{m['ratios'][k]:.2f}" if k in m["ratios"] else "—" for k in keys]
+        ratios = [_cell(m, k) for k in keys]
         load = m["load_ms"]
         rss = m["peak_rss_mb"]
         lines.append(

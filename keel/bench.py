@@ -191,10 +191,24 @@ def _bench_pair(report: ModelReport, keel_model: Any, ort_sess: Any,
         report.ratios[f"b{batch}_t{threads}"] = statistics.median(pass_ratios)
 
 
+# The child reads its peak from /proc/self/status (VmHWM): ``ru_maxrss`` would
+# start at the parent's size, since Linux carries it across fork and exec.
 _RSS_SCRIPT = """
 import resource, sys
 import numpy as np
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+def peak_bytes():
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    scale = 1 if sys.platform == "darwin" else 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+base = peak_bytes()
 runtime, path, batch = sys.argv[1], sys.argv[2], int(sys.argv[3])
 if runtime == "baseline":
     peak = base
@@ -219,8 +233,8 @@ else:
                        else rng.standard_normal(shp).astype(np.float32))
     for _ in range(3):
         run(feeds)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(peak * (1 if sys.platform == "darwin" else 1024))
+    peak = peak_bytes()
+print(peak)
 """
 
 

@@ -25,7 +25,7 @@ def test_import_keel_imports_no_optional_package() -> None:
 
 def test_importing_the_gpu_backend_does_not_import_cupy() -> None:
     code = ("import keel.backends.gpu.backend, keel.backends.gpu.kernels, "
-            "keel.backends.registry, keel.runtime, keel.tensor, keel.planning.selection")
+            "keel.backends.registry, keel.runtime, keel.tensors, keel.planning.selection")
     assert _imported_after(code) == []
 
 

@@ -47,6 +47,39 @@ op may register with metadata, and a ``default`` variant is always present.
 turns any other into ``UnsupportedOperationError``. A ``cpu`` kernel that only
 works with NumPy (not with CuPy through ``ctx.xp``) registers with
 ``host_only=True`` in its metadata; the ``gpu`` backend leaves it out.
+
+Prepacking constant inputs
+--------------------------
+A variant may transform its constant inputs (weights) once per model instead
+of on every call: register it with ``prepack=fn``, where
+``fn(ctx, const_inputs, attrs) -> state`` receives the node's inputs that are
+graph constants (arrays of this backend, read-only) and ``None`` in place of
+every input that is not, plus the node's attributes. It returns any object
+the kernel can use, or ``None`` when it has nothing to prepack. The executor
+calls it when it compiles a program, for every node of that variant with at
+least one constant input, inside the backend's ``execution_scope()``; the
+state is computed once per model and node (programs for other input shapes
+share it) and reaches the kernel as ``ctx.prepacked``. The kernel still gets
+every input as usual, so it must give the same result whether ``ctx.prepacked``
+is its state or ``None`` (``Backend.run`` and the op-level runtime never
+prepack)::
+
+    def _pack(ctx, const_inputs, attrs):
+        w = const_inputs[1]
+        if w is None or not attrs["trans_b"]:
+            return None
+        return ctx.xp.ascontiguousarray(w.T)          # (K, N), contiguous
+
+    @TABLE.kernel(Op.GEMM, supports_out=True, prepack=_pack)
+    def gemm(ctx, inputs, attrs, out):
+        wt = ctx.prepacked                            # None: not prepacked
+        b = inputs[1].T if wt is None else wt
+        ...
+
+A prepack may raise ``KeelError`` for constants it rejects; any other
+exception becomes an ``ExecutionError`` naming the node. Its state lives as
+long as the model: a transformed copy of a weight adds its size to the
+model's memory.
 """
 
 from __future__ import annotations
@@ -84,6 +117,7 @@ __all__ = [
     "KernelContext",
     "KernelTable",
     "KernelVariant",
+    "Prepack",
     "dtype_of",
 ]
 
@@ -101,10 +135,13 @@ class KernelContext:
     backend: str
     device: DeviceKind
     threads: int | None = None
+    prepacked: Any = None        # the variant's prepack state for this node, if any
 
 
 Kernel = Callable[[KernelContext, Sequence[Any], Mapping[str, Any], Sequence[Any] | None],
                   Sequence[Any]]
+# (ctx, constant inputs (None where not constant), attrs) -> state for ctx.prepacked, or None
+Prepack = Callable[[KernelContext, Sequence[Any], Mapping[str, Any]], Any]
 
 
 @dataclass(frozen=True)
@@ -119,6 +156,7 @@ class KernelVariant:
     description: str = ""
     # Free-form, typed-by-convention facts: "kernel_size": (3, 3), "stride": 1, ...
     meta: Mapping[str, Any] = field(default_factory=dict)
+    prepack: Prepack | None = None               # once per model: see the module docstring
 
 
 class KernelTable:
@@ -142,15 +180,21 @@ class KernelTable:
         dtypes: Iterable[DType | str] | None = None,
         supports_out: bool = False,
         description: str = "",
+        prepack: Prepack | None = None,
         **meta: Any,
     ) -> Callable[[Kernel], Kernel]:
-        """Decorator: ``@table.kernel(Op.ADD, Op.SUB)`` registers ``fn`` for each op."""
+        """Decorator: ``@table.kernel(Op.ADD, Op.SUB)`` registers ``fn`` for each op.
+
+        ``prepack`` transforms constant inputs once per model (see the module
+        docstring); the kernel finds its result in ``ctx.prepacked``.
+        """
         dts = None if dtypes is None else frozenset(as_dtype(d) for d in dtypes)
 
         def wrap(fn: Kernel) -> Kernel:
             for op in ops:
                 self.register(KernelVariant(op, variant, fn, dts, supports_out,
-                                            description or (fn.__doc__ or "").strip(), meta))
+                                            description or (fn.__doc__ or "").strip(), meta,
+                                            prepack))
             return fn
 
         return wrap

@@ -13,23 +13,32 @@ Reshape-like nodes (reshape, flatten, squeeze, unsqueeze, identity) whose
 output reuses their input's bytes run as nothing at all: the output view
 already reads those bytes in the new shape.
 
+The run loop is built for per-step cost: each step is precompiled into a
+tuple (kernel, context, attributes, an ``itemgetter`` over the value slots,
+the bound output views), so a step costs a tuple unpack, one getter call and
+the kernel call, with no dictionary lookups, attribute normalization or
+validation. Thread limits are entered once per run, not per step. Kernel
+variants that prepack constant inputs (``KernelVariant.prepack``) do so here,
+once per model and node.
+
 Per-node timings are taken on request (:class:`Profiler`) and export as a
 Chrome trace, the JSON onnxruntime's profiler writes.
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import json
+import operator
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from keel.backends.base import Backend, KernelContext
+from keel.backends.base import Backend, KernelContext, KernelVariant
 from keel.errors import ExecutionError, InvalidArgumentError, KeelError
 from keel.graph.ir import Graph
 from keel.graph.memory_plan import ALIGNMENT, MemoryPlan
@@ -44,22 +53,37 @@ VIEW_OPS = frozenset({Op.RESHAPE, Op.FLATTEN, Op.SQUEEZE, Op.EXPAND_DIMS, Op.IDE
 
 _ABSENT = -1
 
+# How a precompiled step runs (the first field of its tuple).
+_VIEW1 = 0       # one output, written into its arena view
+_VIEWS = 1       # several outputs, each written into its arena view
+_ALLOC = 2       # the kernel allocates its outputs
+_FRESH = 3       # writes graph outputs: fresh arrays (unless the caller gives buffers)
+_OTHER = 4       # device copies, unbound buffers: the general path
+
+# (kind, kernel, context, attrs, input getter, output slots (or fresh specs), output views)
+_HotStep = tuple[int, Any, Any, Any, Callable[[list[Any]], Sequence[Any]], tuple[Any, ...], Any]
+
 
 class ArenaPool:
     """One byte buffer per device, shared by the programs of one model.
 
     Programs run one at a time, so every signature's program can use the same
-    arena; it grows when a program needs more and is never shrunk.
+    arena; it grows when a program needs more and is never shrunk. The pool
+    also keeps the prepacked constants of the model's nodes, which do not
+    depend on the input signature.
     """
 
     def __init__(self) -> None:
         self._arenas: dict[str, Any] = {}
+        self.version = 0                   # bumped whenever an arena is replaced
+        self.prepacked: dict[Hashable, Any] = {}
 
     def get(self, device: str, nbytes: int, backend: Backend) -> Any:
         arena = self._arenas.get(device)
         if arena is None or arena.nbytes < nbytes:
             arena = _aligned_bytes(backend, nbytes)
             self._arenas[device] = arena
+            self.version += 1
         return arena
 
     def nbytes(self) -> int:
@@ -67,6 +91,7 @@ class ArenaPool:
 
     def clear(self) -> None:
         self._arenas.clear()
+        self.version += 1
 
 
 def _aligned_bytes(backend: Backend, nbytes: int) -> Any:
@@ -159,19 +184,34 @@ class Program:
         self._slots = slots
         self._constants = constants
         self._backends = backends
+        self._scoped = tuple(backends.values())
         self._pool = pool
         self._views = views                       # slot -> (device, offset, shape, dtype)
         self._input_types = input_types
+        self._input_slots = tuple(slots[name] for name in input_types)
         self._outputs = outputs                   # (graph output name, slot, device)
         self._optional = optional or {}           # input with a default: (slot, default)
-        self._values: list[Any] = [None] * len(slots)
+        # Two slots past the named ones: one always None (absent inputs), one
+        # that takes absent outputs of kernels that allocate.
+        self._none_slot = len(slots)
+        self._trash_slot = len(slots) + 1
+        self._values: list[Any] = [None] * (len(slots) + 2)
         for slot, value in constants.items():
             self._values[slot] = value
+        self._transient = tuple(s for s in range(len(self._values))
+                                if s not in views and s not in constants)
         self._bound: dict[str, int] = {}          # device -> id of the arena bound
+        self._bound_version = -1
+        self._hot: list[_HotStep] = self._compile_hot()
 
     @property
     def memory(self) -> MemoryPlan | None:
         return self.plan.memory_plan
+
+    @property
+    def input_names(self) -> list[str]:
+        """The inputs ``execute`` takes, in order (inputs with a default left out)."""
+        return list(self._input_types)
 
     @property
     def steps(self) -> list[tuple[str, str, str]]:
@@ -200,16 +240,19 @@ class Program:
         """
         self._bind()
         self._load_feeds(feeds)
+        if profiler is None and not keep_all:
+            return self._run_hot(outputs)
         kept: dict[str, Any] = {}
         names = {slot: name for name, slot in self._slots.items()} if keep_all else {}
         start = time.perf_counter_ns()
-        with contextlib.ExitStack() as stack:
-            for backend in self._backends.values():
-                stack.enter_context(backend.execution_scope())
+        scopes = self._enter_scopes()
+        try:
             for step in self._steps:
                 self._run_step(step, outputs, profiler)
                 if keep_all:
                     kept.update(self._snapshot(step, names))
+        finally:
+            _exit_scopes(scopes)
         if profiler is not None:
             profiler.runs.append(ProfileEvent("model_run", self.graph_name, "", start,
                                               time.perf_counter_ns() - start))
@@ -217,13 +260,89 @@ class Program:
         self._release()
         return {**kept, **result} if keep_all else result
 
+    def execute(self, arrays: Sequence[Any]) -> dict[str, Any]:
+        """Run with feeds already checked against this signature, in ``input_names`` order.
+
+        The caller guarantees each array's type, dtype and shape (``Model.predict``
+        does so once per call); nothing is validated here.
+        """
+        self._bind()
+        values = self._values
+        for slot, value in zip(self._input_slots, arrays, strict=True):
+            values[slot] = value
+        for slot, default in self._optional.values():
+            values[slot] = default
+        return self._run_hot(None)
+
+    def _run_hot(self, outputs: Mapping[str, Any] | None) -> dict[str, Any]:
+        scopes = self._enter_scopes()
+        try:
+            self._loop(outputs)
+        finally:
+            _exit_scopes(scopes)
+        result = self._collect(outputs)
+        self._release()
+        return result
+
+    def _loop(self, outputs: Mapping[str, Any] | None) -> None:
+        """Every step, precompiled: the loop that per-step overhead is measured on."""
+        values = self._values
+        i = 0
+        try:
+            for i, (kind, fn, ctx, attrs, get, slots, out) in enumerate(self._hot):
+                if kind == _VIEW1:
+                    result = fn(ctx, get(values), attrs, out)[0]
+                    if result is not out[0]:
+                        # A kernel that ignored its buffer: later steps (and free
+                        # views) read the planned bytes, so the result must land there.
+                        out[0][...] = result
+                elif kind == _ALLOC:
+                    for slot, result in zip(slots, fn(ctx, get(values), attrs, None),
+                                            strict=False):
+                        values[slot] = result
+                elif kind == _FRESH and outputs is None:
+                    out = list(out)
+                    for pos, slot, shape, dtype, empty in slots:
+                        out[pos] = values[slot] = empty(shape, dtype=dtype)
+                    for buf, result in zip(out, fn(ctx, get(values), attrs, out),
+                                           strict=False):
+                        if result is not buf:
+                            buf[...] = result
+                elif kind == _VIEWS:
+                    for buf, result in zip(out, fn(ctx, get(values), attrs, out),
+                                           strict=False):
+                        if result is not buf:
+                            buf[...] = result
+                else:
+                    self._general(self._steps[i], outputs)
+        except KeelError as exc:
+            _note(exc, self._steps[i])
+            raise
+        except Exception as exc:
+            raise _failure(exc, self._steps[i]) from exc
+
+    def _enter_scopes(self) -> list[Any]:
+        entered = []
+        try:
+            for backend in self._scoped:
+                scope = backend.execution_scope()
+                scope.__enter__()
+                entered.append(scope)
+        except BaseException:
+            _exit_scopes(entered)
+            raise
+        return entered
+
     def _run_step(self, step: _Step, outputs: Mapping[str, Any] | None,
                   profiler: Profiler | None) -> None:
         t0 = time.perf_counter_ns() if profiler is not None else 0
-        if step.kind == "copy":
-            self._copy(step)
-        else:
-            self._call(step, outputs)
+        try:
+            self._general(step, outputs)
+        except KeelError as exc:
+            _note(exc, step)
+            raise
+        except Exception as exc:
+            raise _failure(exc, step) from exc
         if profiler is not None:
             backend = self._backends.get(step.backend)
             if backend is not None and backend.device.value != HOST:
@@ -231,7 +350,11 @@ class Program:
             profiler.events.append(ProfileEvent(step.name, step.op, step.backend, t0,
                                                 time.perf_counter_ns() - t0))
 
-    def _call(self, step: _Step, outputs: Mapping[str, Any] | None) -> None:
+    def _general(self, step: _Step, outputs: Mapping[str, Any] | None) -> None:
+        """One step by the general path: copies, fresh graph outputs, any kernel."""
+        if step.kind == "copy":
+            self._copy(step)
+            return
         values = self._values
         ins = [values[i] if i >= 0 else None for i in step.inputs]
         out = step.out
@@ -239,19 +362,9 @@ class Program:
             out = list(out)
             for pos, shape, dtype in step.fresh:
                 out[pos] = self._fresh_output(step, pos, shape, dtype, outputs)
-        try:
-            results = step.fn(step.ctx, ins, step.attrs, out)  # type: ignore[misc]
-        except KeelError as exc:
-            if hasattr(exc, "add_note"):
-                exc.add_note(f"in node {step.name!r} ({step.op}) on {step.backend}")
-            raise
-        except Exception as exc:
-            raise ExecutionError(f"{step.op} on {step.backend} failed: "
-                                 f"{type(exc).__name__}: {exc}", node=step.name) from exc
+        results = step.fn(step.ctx, ins, step.attrs, out)  # type: ignore[misc]
         for j, (slot, value) in enumerate(zip(step.outputs, results, strict=False)):
             if out is not None and out[j] is not None and value is not out[j]:
-                # A kernel that ignored its buffer: later steps (and free views)
-                # read the planned bytes, so the result must land there.
                 out[j][...] = value
                 value = out[j]
             if slot >= 0:
@@ -259,11 +372,11 @@ class Program:
 
     def _fresh_output(self, step: _Step, pos: int, shape: tuple[int, ...], dtype: Any,
                       outputs: Mapping[str, Any] | None) -> Any:
-        name = self._output_name(step.outputs[pos])
-        given = None if outputs is None else outputs.get(name)
         backend = self._backends[step.backend]
-        if given is not None and backend.device.value == HOST:
-            return given
+        if outputs is not None and backend.device.value == HOST:
+            given = outputs.get(self._output_name(step.outputs[pos]))
+            if given is not None:
+                return given
         return backend.xp.empty(shape, dtype=dtype)
 
     def _copy(self, step: _Step) -> None:
@@ -273,8 +386,9 @@ class Program:
 
     def _collect(self, outputs: Mapping[str, Any] | None) -> dict[str, Any]:
         result: dict[str, Any] = {}
+        values, views = self._values, self._views
         for name, slot, device in self._outputs:
-            value = self._values[slot]
+            value = values[slot]
             given = None if outputs is None else outputs.get(name)
             if given is not None and value is given:
                 result[name] = given
@@ -283,7 +397,7 @@ class Program:
             if given is not None:
                 given[...] = host
                 host = given
-            elif name in result or not _owns(host) or slot in self._views:
+            elif name in result or not _owns(host) or slot in views:
                 # Never hand out weights, feeds, arena bytes or a view of them.
                 host = np.array(host, copy=True)
             result[name] = host
@@ -322,14 +436,14 @@ class Program:
 
     def _release(self) -> None:
         # Drop references to feeds, outputs and kernel-allocated values; keep views.
-        for slot in range(len(self._values)):
-            if slot not in self._views and slot not in self._constants:
-                self._values[slot] = None
+        values = self._values
+        for slot in self._transient:
+            values[slot] = None
 
     # ---- binding ---------------------------------------------------------
     def _bind(self) -> None:
         memory = self.memory
-        if memory is None:
+        if memory is None or self._bound_version == self._pool.version:
             return
         changed = False
         for device, need in memory.arena_bytes.items():
@@ -339,6 +453,7 @@ class Program:
                 changed = True
         if changed:
             self._bind_views()
+        self._bound_version = self._pool.version
 
     def _bind_views(self) -> None:
         for slot, (device, offset, shape, dtype) in self._views.items():
@@ -349,6 +464,36 @@ class Program:
         for step in self._steps:
             if step.out is not None:
                 step.out = [self._values[s] if s >= 0 else None for s in step.outputs]
+        self._hot = self._compile_hot()
+
+    def _compile_hot(self) -> list[_HotStep]:
+        """Each step as the tuple ``_loop`` unpacks (rebuilt when the views move)."""
+        return [self._hot_step(step) for step in self._steps]
+
+    def _hot_step(self, step: _Step) -> _HotStep:
+        if step.kind != "kernel":
+            return (_OTHER, None, None, None, _nothing, (), None)
+        ins = tuple(self._none_slot if i < 0 else i for i in step.inputs)
+        get: Callable[[list[Any]], Sequence[Any]]
+        if len(ins) == 1:
+            get = operator.itemgetter(slice(ins[0], ins[0] + 1))     # a one-item list
+        elif ins:
+            get = operator.itemgetter(*ins)                          # a tuple
+        else:
+            get = _nothing
+        if step.out is None:
+            slots = tuple(self._trash_slot if o < 0 else o for o in step.outputs)
+            return (_ALLOC, step.fn, step.ctx, step.attrs, get, slots, None)
+        fresh = {pos for pos, _, _ in step.fresh}
+        if any(b is None for i, b in enumerate(step.out) if i not in fresh):
+            return (_OTHER, None, None, None, _nothing, (), None)   # not bound yet
+        if step.fresh:
+            empty = self._backends[step.backend].xp.empty
+            spec = tuple((pos, step.outputs[pos], shape, dtype, empty)
+                         for pos, shape, dtype in step.fresh)
+            return (_FRESH, step.fn, step.ctx, step.attrs, get, spec, step.out)
+        kind = _VIEW1 if len(step.out) == 1 else _VIEWS
+        return (kind, step.fn, step.ctx, step.attrs, get, step.outputs, step.out)
 
     def _backend_on(self, device: str) -> Backend:
         for backend in self._backends.values():
@@ -358,6 +503,25 @@ class Program:
 
     def __repr__(self) -> str:
         return f"<Program {self.graph_name!r}: {len(self._steps)} steps>"
+
+
+def _nothing(values: list[Any]) -> Sequence[Any]:
+    return ()
+
+
+def _exit_scopes(scopes: list[Any]) -> None:
+    for scope in reversed(scopes):
+        scope.__exit__(None, None, None)
+
+
+def _note(exc: KeelError, step: _Step) -> None:
+    if hasattr(exc, "add_note"):
+        exc.add_note(f"in node {step.name!r} ({step.op}) on {step.backend}")
+
+
+def _failure(exc: Exception, step: _Step) -> ExecutionError:
+    return ExecutionError(f"{step.op} on {step.backend} failed: {type(exc).__name__}: {exc}",
+                          node=step.name)
 
 
 def _owns(array: Any) -> bool:
@@ -379,19 +543,22 @@ def compile_program(
     pool: ArenaPool | None = None,
 ) -> Program:
     """Bind ``plan`` (made by ``place`` for ``types``) to kernels and arena views."""
-    b = _Builder(graph, plan, types, backends)
+    pool = pool or ArenaPool()
+    b = _Builder(graph, plan, types, backends, pool)
     b.build()
     return Program(
         graph=graph, plan=plan, steps=b.steps, slots=b.slots, constants=b.constants,
-        backends=b.used, pool=pool or ArenaPool(), views=b.views,
+        backends=b.used, pool=pool, views=b.views,
         input_types=b.input_types, outputs=b.outputs, optional=b.optional,
     )
 
 
 class _Builder:
     def __init__(self, graph: Graph, plan: ExecutionPlan,
-                 types: Mapping[str, TensorType | None], backends: Mapping[str, Backend]) -> None:
+                 types: Mapping[str, TensorType | None], backends: Mapping[str, Backend],
+                 pool: ArenaPool) -> None:
         self.graph, self.plan, self.types, self.backends = graph, plan, types, backends
+        self.pool = pool
         self.memory = plan.memory_plan
         self.slots: dict[str, int] = {}
         self.constants: dict[int, Any] = {}
@@ -490,11 +657,36 @@ class _Builder:
         if self._is_free_view(node):
             return
         kernel = backend.kernels.get(node.op, placed.variant)
+        ctx = backend.context()
+        if kernel.prepack is not None:
+            ctx = self._prepacked(node, kernel, backend, ctx, inputs)
         step = _Step(node.name, node.op.value, backend.name, "kernel", inputs, outputs,
-                     fn=kernel.fn, ctx=backend.context(), attrs=node.attrs)
+                     fn=kernel.fn, ctx=ctx, attrs=node.attrs)
         if placed.writes_out:
             self._bind_outputs(step, node, placed)
         self.steps.append(step)
+
+    def _prepacked(self, node: Any, kernel: KernelVariant, backend: Backend,
+                   ctx: KernelContext, inputs: tuple[int, ...]) -> KernelContext:
+        """``ctx`` carrying the variant's prepack state for this node's constant inputs."""
+        consts = [self.constants.get(slot) if slot >= 0 else None for slot in inputs]
+        if all(c is None for c in consts) or kernel.prepack is None:
+            return ctx
+        key = (backend.name, node.name, kernel.name)
+        if key not in self.pool.prepacked:
+            try:
+                with backend.execution_scope():
+                    self.pool.prepacked[key] = kernel.prepack(ctx, consts, node.attrs)
+            except KeelError as exc:
+                if hasattr(exc, "add_note"):
+                    exc.add_note(f"prepacking node {node.name!r} ({node.op.value})")
+                raise
+            except Exception as exc:
+                raise ExecutionError(
+                    f"prepacking {node.op.value} ({kernel.name}) on {backend.name} failed: "
+                    f"{type(exc).__name__}: {exc}", node=node.name) from exc
+        state = self.pool.prepacked[key]
+        return ctx if state is None else dataclasses.replace(ctx, prepacked=state)
 
     def _bind_outputs(self, step: _Step, node: Any, placed: NodePlacement) -> None:
         """Give the kernel arena views (and fresh graph outputs) to write into, or nothing."""

@@ -29,7 +29,6 @@ array namespace ``xp``, in place, for the optimized backends).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import threading
@@ -43,6 +42,7 @@ from keel.errors import InvalidArgumentError
 __all__ = [
     "ACTIVATIONS",
     "apply_activation",
+    "in_place",
     "reference_activation",
     "resolve_activation",
 ]
@@ -111,8 +111,10 @@ def reference_activation(y: np.ndarray, name: str, params: Sequence[float] = ())
     if name == "hard_swish":
         return x * np.clip(x / 6.0 + 0.5, 0.0, 1.0)
     if name == "gelu":
-        erf = np.vectorize(math.erf, otypes=[np.float64])
-        return 0.5 * x * (1.0 + erf(x / math.sqrt(2.0)))
+        # x * Phi(x) with Phi(x) = erfc(-x / sqrt 2) / 2: the same function as
+        # x/2 * (1 + erf(x / sqrt 2)), without the cancellation in 1 + erf for x < 0.
+        erfc = np.vectorize(math.erfc, otypes=[np.float64])
+        return 0.5 * x * erfc(-x / math.sqrt(2.0))
     if name == "gelu_tanh":
         return 0.5 * x * (1.0 + np.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x**3)))
     return x * _ref_sigmoid(x)  # silu
@@ -130,8 +132,15 @@ def _ref_sigmoid(x: np.ndarray) -> np.ndarray:
 _CHUNK = 65536
 # Below this size the constant-buffer trick costs more than it saves.
 _CONST_MIN = 4096
-# exp(-x) overflows to inf for very negative x; the result is still right (0).
-_OVERFLOWING = frozenset({"sigmoid", "silu"})
+# Floating-point events that are part of the algorithm, not errors: exp(-x)
+# overflows to inf for very negative x in sigmoid (the result is still right: 0);
+# gelu squares |x| (inf past 1.8e19 in float32, harmless) and gives
+# gelu(-inf) = -inf * 0 = nan as its definition does.
+_EXPECTED_FP_EVENTS: dict[str, dict[str, str]] = {
+    "sigmoid": {"over": "ignore"},
+    "silu": {"over": "ignore"},
+    "gelu": {"over": "ignore", "invalid": "ignore"},
+}
 _local = threading.local()
 
 
@@ -150,24 +159,57 @@ def apply_activation(xp: Any, y: Any, name: str, params: Sequence[float] = (),
         return out
     if out is None:
         out = xp.empty_like(y)
-    impl = _IMPLS[name]
-    guard = np.errstate(over="ignore") if name in _OVERFLOWING else contextlib.nullcontext()
-    if xp is np and out.flags.c_contiguous and out.size > _CHUNK:
-        if out is not y and not (y.flags.c_contiguous and y.shape == out.shape):
-            out[...] = y
-            y = out
-        src, dst = y.reshape(-1), out.reshape(-1)
-        with guard:
-            for start in range(0, dst.size, _CHUNK):
-                stop = min(start + _CHUNK, dst.size)
-                impl(np, src[start:stop], p, dst[start:stop], _numpy_scratch)
-        return out
-    with guard:
-        impl(xp, y, p, out, _alloc_scratch(xp))
+    _activation(name, p)(xp, y, out)
     return out
 
 
+def in_place(name: str, params: Sequence[float] = ()) -> Callable[[Any, Any], None] | None:
+    """``f(xp, y)`` applying the activation to ``y`` in place, or None for ``""``.
+
+    Resolved once per (name, params): a kernel calling it per step skips the
+    name checks and dispatch that :func:`apply_activation` does on every call.
+    """
+    name, p = resolve_activation(name, params)
+    if name == "":
+        return None
+    run = _activation(name, p)
+    return lambda xp, y: run(xp, y, y)
+
+
+@functools.lru_cache(maxsize=256)
+def _activation(name: str, p: tuple[float, ...]) -> Callable[[Any, Any, Any], None]:
+    """``f(xp, y, out)`` for a resolved, non-empty activation."""
+    impl = _IMPLS[name]
+    events = _EXPECTED_FP_EVENTS.get(name)
+    if events is None:
+        return lambda xp, y, out: _apply(xp, impl, y, p, out)
+
+    def guarded(xp: Any, y: Any, out: Any) -> None:
+        with np.errstate(**events):  # type: ignore[arg-type]
+            _apply(xp, impl, y, p, out)
+
+    return guarded
+
+
+def _apply(xp: Any, impl: Impl, y: Any, p: tuple[float, ...], out: Any) -> None:
+    if xp is not np or not out.flags.c_contiguous:
+        impl(xp, y, p, out, _alloc_scratch(xp))
+        return
+    if out is not y and not (y.flags.c_contiguous and y.shape == out.shape):
+        out[...] = y
+        y = out
+    if out.size <= _CHUNK:
+        impl(np, y, p, out, _numpy_scratch)
+        return
+    src, dst = y.reshape(-1), out.reshape(-1)
+    for start in range(0, dst.size, _CHUNK):
+        stop = min(start + _CHUNK, dst.size)
+        impl(np, src[start:stop], p, dst[start:stop], _numpy_scratch)
+
+
 Scratch = Callable[[Any, int], Any]   # (like_array, slot) -> array of the same shape/dtype
+# (xp, x, params, out, scratch): writes act(x) into out
+Impl = Callable[[Any, Any, tuple[float, ...], Any, Scratch], None]
 
 
 def _numpy_scratch(like: np.ndarray, slot: int) -> np.ndarray:
@@ -199,6 +241,7 @@ def _numpy_constant(value: float, like: np.ndarray) -> np.ndarray:
     return buf[: like.size].reshape(like.shape)
 
 
+@functools.lru_cache(maxsize=8)
 def _alloc_scratch(xp: Any) -> Scratch:
     return lambda like, slot: xp.empty_like(like)
 
@@ -281,38 +324,64 @@ def _gelu_tanh(xp: Any, x: Any, p: tuple[float, ...], out: Any, scratch: Scratch
     xp.multiply(x, t, out=out)
 
 
-# erfc(z) for z >= 0 as t * exp(-z^2 + P(t)), t = 1 / (1 + z/2): the Chebyshev
-# fit of Numerical Recipes (erfcc), fractional error below 1.2e-7 for every z.
-_ERFC_COEFFS = (
-    0.17087277, -0.82215223, 1.48851587, -1.13520398, 0.27886807,
-    -0.18628806, 0.09678418, 0.37409196, 1.00002368, -1.26551223,
-)
+# GELU without cancellation: gelu(x) = max(x, 0) - a * q(a), a = |x|, q(a) = Phi(-a)
+# = erfc(a / sqrt 2) / 2. For x < 0 that is -a * q(a) with q accurate relative to
+# itself, so the negative tail keeps its relative accuracy (the textbook
+# x/2 * (1 + erf(x / sqrt 2)) loses it in 1 + erf). q comes from the Chebyshev
+# fit of Numerical Recipes (erfcc): erfc(z) = t * exp(-z^2 + P(t)), t = 1 / (1 + z/2),
+# fractional error below 1.2e-7 for every z >= 0. With z = a / sqrt 2 and
+# u = C / (k + a), k = 2 sqrt 2, C = k/2 * e^c0 (t = k u / C) it becomes
+#     q(a) = u * 2^(H(u) - a^2 log2(e) / 2),   H(u) = log2(e) sum_{i>=1} c_i (k / C)^i u^i,
+# which saves the passes that scale t and fold in the constant terms; exp2 runs at
+# twice the speed of NumPy's float32 exp (14 us against 30 us per 64 Ki elements)
+# and is more accurate (1.0e-7 against 2.0e-7 relative).
+#
+# Accuracy, float32 against float64 (measured on a dense grid): relative error below
+# 1e-6 for x >= -3.5 and below 2.5e-6 down to x = -8 (where |gelu| < 1e-14), where
+# the float32 rounding of the exponent (about 18 at x = -5) dominates. float64
+# inputs are computed in float64 with the fit's 1.2e-7.
+_ERFC_NR = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806,
+            0.27886807, -1.13520398, 1.48851587, -0.82215223, 0.17087277)   # c0 .. c9
+_GELU_K = 2.0 * math.sqrt(2.0)
+_GELU_C = _GELU_K / 2.0 * math.exp(_ERFC_NR[0])
+_LOG2E = 1.0 / math.log(2.0)
+_GELU_H = tuple(_LOG2E * c * (_GELU_K / _GELU_C) ** i
+                for i, c in enumerate(_ERFC_NR))[:0:-1]                      # h9 .. h1
+# Above this, q(a) * a underflows to 0 in float32 and is below 1e-55 in float64:
+# clamping +inf there gives gelu(+inf) = inf instead of inf - 0 * inf = nan.
+_GELU_CLAMP = 16.0
+
+
+@functools.lru_cache(maxsize=16)
+def _gelu_constants(dtype: np.dtype[Any]) -> tuple[Any, ...]:
+    """(k, C, log2(e) / 2, h9, ..., h1) as scalars of ``dtype`` (no per-call conversion)."""
+    cast = dtype.type
+    return (cast(_GELU_K), cast(_GELU_C), cast(_LOG2E / 2), *(cast(h) for h in _GELU_H))
 
 
 def _gelu(xp: Any, x: Any, p: tuple[float, ...], out: Any, scratch: Scratch) -> None:
-    z, t, q = scratch(x, 0), scratch(x, 1), scratch(x, 2)
-    xp.abs(x, out=z)
-    xp.multiply(z, 1.0 / math.sqrt(2.0), out=z)   # |x| / sqrt(2)
-    xp.multiply(z, 0.5, out=t)
-    xp.add(t, 1.0, out=t)
-    xp.reciprocal(t, out=t)
-    xp.multiply(t, _ERFC_COEFFS[0], out=q)
-    for c in _ERFC_COEFFS[1:-1]:
-        xp.add(q, c, out=q)
-        xp.multiply(q, t, out=q)
-    xp.add(q, _ERFC_COEFFS[-1], out=q)
-    xp.multiply(z, z, out=z)
-    xp.subtract(q, z, out=q)
-    xp.exp(q, out=q)
-    xp.multiply(q, t, out=q)                  # erfc(|x| / sqrt(2))
-    xp.subtract(1.0, q, out=q)                # erf(|x| / sqrt(2))
-    xp.copysign(q, x, out=q)                  # erf(x / sqrt(2))
-    xp.add(q, 1.0, out=q)
-    xp.multiply(q, 0.5, out=q)
-    xp.multiply(x, q, out=out)
+    k, c, half_log2e, *h = _gelu_constants(x.dtype)
+    a, u, q, w = scratch(x, 0), scratch(x, 1), scratch(x, 2), scratch(x, 3)
+    xp.abs(x, out=a)
+    if float(a.max(initial=0.0)) > _GELU_CLAMP:   # one reduction; rarely true
+        xp.minimum(a, _GELU_CLAMP, out=a)
+    xp.add(a, k, out=u)
+    xp.divide(c, u, out=u)                    # u = C / (k + a)
+    xp.multiply(u, h[0], out=q)
+    for coef in h[1:]:                        # Horner: q = H(u)
+        xp.add(q, coef, out=q)
+        xp.multiply(q, u, out=q)
+    xp.multiply(a, a, out=w)
+    xp.multiply(w, half_log2e, out=w)         # a^2 log2(e) / 2
+    xp.subtract(q, w, out=q)
+    xp.exp2(q, out=q)
+    xp.multiply(q, u, out=q)                  # q(a)
+    xp.multiply(q, a, out=q)
+    xp.maximum(x, _const(xp, 0.0, x), out=out)
+    xp.subtract(out, q, out=out)
 
 
-_IMPLS: dict[str, Callable[[Any, Any, tuple[float, ...], Any, Scratch], None]] = {
+_IMPLS: dict[str, Impl] = {
     "relu": _relu,
     "leaky_relu": _leaky_relu,
     "sigmoid": _sigmoid,

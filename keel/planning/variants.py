@@ -34,7 +34,13 @@ _CONV_OPS = frozenset({Op.CONV, Op.CONV2D, Op.CONV_INTEGER})
 
 @dataclass(frozen=True)
 class VariantInfo:
-    """One kernel variant and the facts a planner needs about it."""
+    """One kernel variant and the facts a planner needs about it.
+
+    Read from a :class:`KernelVariant` and these keys of its ``meta``:
+    ``priority`` (int), ``simd`` (tuple of SIMD level names), ``shapes`` (str),
+    ``measured`` (str), ``rule`` (a :class:`ConvRule`) and ``dispatcher``
+    (bool: the entry that picks among the others at run time).
+    """
 
     op: Op
     name: str

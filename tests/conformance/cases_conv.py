@@ -149,6 +149,8 @@ CASES: list[OpCase] = [
           op=Op.CONV_TRANSPOSE, dilations=(2, 2), strides=(2, 1)),
     _conv("conv-transpose-output-shape", (1, 3, 4, 5), (3, 2, 3, 3), op=Op.CONV_TRANSPOSE,
           strides=(2, 2), output_shape=(9, 10)),
+    _conv("conv-transpose-output-shape-past-full", (1, 1, 3, 3), (1, 2, 3, 3),
+          op=Op.CONV_TRANSPOSE, strides=(3, 2), output_shape=(10, 8)),
     _conv("conv-transpose-same-upper", (1, 3, 4, 5), (3, 2, 3, 3), op=Op.CONV_TRANSPOSE,
           strides=(2, 2), auto_pad="SAME_UPPER"),
     _conv("conv-transpose-same-lower", (1, 3, 4, 5), (3, 2, 4, 4), op=Op.CONV_TRANSPOSE,

@@ -138,12 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     failures, seconds = run_all(args.backend)
     total = len(node_cases())
+    if not args.report and args.backend == BACKEND:
+        write_known_failures(failures, total, args.backend)
     print(f"{total - len(failures)} / {total} pass on {args.backend} "
           f"in {time.perf_counter() - start:.1f} s")
     slow = sorted(seconds.items(), key=lambda kv: -kv[1])[:5]
     print("slowest:", ", ".join(f"{n} {s:.2f}s" for n, s in slow))
-    if not args.report and args.backend == BACKEND:
-        write_known_failures(failures, total, args.backend)
     return 0
 
 

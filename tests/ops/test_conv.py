@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from keel.backends.cpu import conv as cpu_conv
-from keel.backends.cpu import winograd, workspace
+from keel.backends.cpu import conv_gemm, winograd, workspace
 from keel.backends.cpu.conv_rules import ConvCase, conv_case, pick
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError, UnsupportedOperationError
@@ -131,12 +131,15 @@ def test_reference_conv_transpose_matches_onnx(x: tuple[int, ...], w: tuple[int,
                                rtol=1e-5, atol=1e-5)
 
 
-def test_conv_transpose_groups_and_output_shape_match_onnxruntime() -> None:
+def test_conv_transpose_groups_and_output_shapes_match_onnxruntime() -> None:
     pytest.importorskip("onnxruntime", reason="onnxruntime is the oracle for these two "
                         "cases (onnx's reference evaluator does not implement them)")
     for x, w, attrs in (((1, 4, 5, 5), (4, 3, 3, 3), {"group": 2, "strides": [2, 2]}),
                         ((1, 3, 4, 5), (3, 2, 3, 3), {"strides": [2, 2],
-                                                      "output_shape": [9, 10]})):
+                                                      "output_shape": [9, 10]}),
+                        # past the full result: the output extends with zeros
+                        ((1, 1, 3, 3), (1, 2, 3, 3), {"strides": [3, 2],
+                                                      "output_shape": [10, 8]})):
         xs, ws = _f(*x), _f(*w)
         want = onnxruntime_node("ConvTranspose", [xs, ws], **attrs)[0]
         for kernel in (ref, cpu):
@@ -184,7 +187,7 @@ def test_cpu_variant_matches_reference(variant: str, name: str, x: tuple[int, ..
                      np.dtype(dtype).name)
     assert case is not None
     rule = cpu_conv.RULES.get(variant)
-    if rule is not None and rule.rejects(case) is not None:
+    if rule is not None and rule.cannot_serve(case) is not None:
         with pytest.raises(UnsupportedOperationError, match=f"variant '{variant}'"):
             cpu(Op.CONV, [xs, ws, b], variant, **attrs)
         return
@@ -223,13 +226,20 @@ def test_float16_is_computed_in_float32() -> None:
 
 def test_im2col_and_winograd_process_big_batches_in_chunks(monkeypatch: pytest.MonkeyPatch
                                                            ) -> None:
-    monkeypatch.setattr(cpu_conv, "_IM2COL_BYTES", 1)        # one image per chunk
+    monkeypatch.setattr(conv_gemm, "IM2COL_BYTES", 1)        # one image per chunk
+    monkeypatch.setattr(conv_gemm, "STACKED_BYTES", 2 * 577 * 222 * 4)   # two images
     monkeypatch.setattr(winograd, "_CHUNK_BYTES", 1)
-    xs, ws, b = _f(3, 64, 14, 14), _f(64, 64, 3, 3), _f(64)
-    want = ref(Op.CONV, [xs, ws, b], pads=P1, activation="relu")[0]
-    for variant in ("im2col", "winograd"):
-        (got,) = cpu(Op.CONV, [xs, ws, b], variant, pads=P1, activation="relu")
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    cpu_conv._plan.cache_clear()                             # layouts are cached per shape
+    try:
+        # 14x14 outputs take the stacked im2col path, 20x20 ones the per-image path.
+        for n, side in ((3, 14), (3, 20)):
+            xs, ws, b = _f(n, 64, side, side), _f(64, 64, 3, 3), _f(64)
+            want = ref(Op.CONV, [xs, ws, b], pads=P1, activation="relu")[0]
+            for variant in ("im2col", "winograd"):
+                (got,) = cpu(Op.CONV, [xs, ws, b], variant, pads=P1, activation="relu")
+                np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    finally:
+        cpu_conv._plan.cache_clear()
 
 
 def test_default_runs_the_variant_the_rules_pick() -> None:

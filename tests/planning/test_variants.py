@@ -57,7 +57,11 @@ def test_registry_describes_every_cpu_conv_variant() -> None:
     ((1, 3, 224, 224), (64, 3, 7, 7), {"pads": (3, 3, 3, 3), "strides": (2, 2)}, "im2col"),
     ((1, 64, 56, 56), (256, 64, 1, 1), {}, "pointwise"),
     ((1, 64, 56, 56), (128, 64, 1, 1), {"strides": (2, 2)}, "pointwise"),
-    ((1, 64, 56, 56), (64, 1, 3, 3), {"pads": (1, 1, 1, 1), "group": 64}, "depthwise"),
+    ((1, 32, 112, 112), (32, 1, 3, 3), {"pads": (1, 1, 1, 1), "group": 32}, "depthwise"),
+    ((1, 960, 7, 7), (960, 1, 3, 3), {"pads": (1, 1, 1, 1), "group": 960}, "depthwise"),
+    ((1, 96, 112, 112), (96, 1, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2),
+                                        "group": 96}, "depthwise"),
+    ((1, 64, 56, 56), (64, 1, 3, 3), {"pads": (1, 1, 1, 1), "group": 64}, "im2col"),
     (("batch", 64, 56, 56), (64, 64, 3, 3), {"pads": (1, 1, 1, 1)}, "winograd"),
 ])
 def test_choose_variant_for_conv(x: Sequence[Dim], w: Sequence[int], attrs: dict[str, Any],
@@ -73,6 +77,13 @@ def test_reasons_quote_the_measurement() -> None:
     assert "faster than im2col at 64 channels, 56x56 output" in reason
     _, reason = _choose(Op.CONV, (1, 512, 7, 7), (512, 512, 3, 3), pads=(1, 1, 1, 1))
     assert "not winograd: 49 output pixels < 196" in reason
+
+
+def test_depthwise_gives_way_where_it_measured_slower() -> None:
+    _, reason = _choose(Op.CONV, (1, 144, 56, 56), (144, 1, 3, 3), pads=(1, 1, 1, 1),
+                        group=144)
+    assert "not winograd" in reason
+    assert "depthwise: measured slower than im2col here (3x3 stride 1" in reason
 
 
 def test_choice_is_pure_and_matches_the_runtime_dispatch() -> None:

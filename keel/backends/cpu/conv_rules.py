@@ -49,6 +49,11 @@ class ConvCase:
     def out_pixels(self) -> int:
         return math.prod(self.out_spatial)
 
+    @property
+    def batch_pixels(self) -> int:
+        """Output pixels of the whole batch (what a batched GEMM sees)."""
+        return self.batch * self.out_pixels
+
     def describe(self) -> str:
         k = "x".join(str(d) for d in self.kernel)
         s = "x".join(str(d) for d in self.strides)
@@ -101,13 +106,24 @@ class ConvRule:
     min_out_pixels: int = 0
     max_out_pixels: int | None = None
     measured: str = ""
-    # Measured points behind the limits: (channels, output side, this variant's time
-    # divided by the baseline's), quoted in reasons for the nearest case.
-    evidence: tuple[tuple[int, int, float], ...] = ()
+    # Where the variant is preferred, as (min channels per group, min output pixels of
+    # the whole batch) pairs: a case qualifies when it meets any one pair.
+    wins_where: tuple[tuple[int, int], ...] = ()
+    # Measured points behind the limits: (channels, output side, batch, this variant's
+    # time divided by the baseline's), quoted in reasons for the nearest case.
+    evidence: tuple[tuple[int, int, int, float], ...] = ()
     baseline: str = ""
+    # Regions where the variant serves but measured slower than ``baseline``:
+    # (strides or None for any, min output pixels, max output pixels, what was measured).
+    slower_in: tuple[tuple[tuple[int, ...] | None, int, int, str], ...] = ()
 
     def rejects(self, case: ConvCase) -> str | None:
-        """Why this variant does not serve ``case`` (None when it does)."""
+        """Why this variant is not the choice for ``case``: it cannot run it, or it
+        measured slower there (None when it is a candidate)."""
+        return self.cannot_serve(case) or self._rejects_size(case)
+
+    def cannot_serve(self, case: ConvCase) -> str | None:
+        """Why this variant cannot compute ``case`` at all (None when it can)."""
         checks: Iterable[tuple[bool, str]] = (
             (self.ranks is not None and case.rank not in self.ranks,
              f"{case.rank}-D input; serves {self._ranks()}"),
@@ -129,7 +145,7 @@ class ConvRule:
         for failed, why in checks:
             if failed:
                 return why
-        return self._rejects_size(case)
+        return None
 
     def _rejects_size(self, case: ConvCase) -> str | None:
         per_group = min(case.in_channels, case.out_channels) // max(case.group, 1)
@@ -141,6 +157,15 @@ class ConvRule:
             return f"{case.out_pixels} output pixels < {self.min_out_pixels}{note}"
         if self.max_out_pixels is not None and case.out_pixels > self.max_out_pixels:
             return f"{case.out_pixels} output pixels > {self.max_out_pixels}{note}"
+        if self.wins_where and not any(per_group >= c and case.batch_pixels >= p
+                                       for c, p in self.wins_where):
+            need = " or ".join(f">= {c} channels and >= {p} output pixels over the batch"
+                               for c, p in self.wins_where)
+            return (f"{per_group} channels, {case.batch_pixels} output pixels over the batch; "
+                    f"wins with {need}{note}")
+        for strides, low, high, measured in self.slower_in:
+            if (strides is None or case.strides == strides) and low <= case.out_pixels <= high:
+                return f"measured slower than {self.baseline} here ({measured})"
         return None
 
     def scope(self) -> str:
@@ -166,21 +191,27 @@ class ConvRule:
             parts.append(f">= {self.min_channels} channels per group")
         if self.min_out_pixels:
             parts.append(f">= {self.min_out_pixels} output pixels")
+        if self.wins_where:
+            parts.append(" or ".join(f">= {c} channels and >= {p} batch output pixels"
+                                     for c, p in self.wins_where))
         return ", ".join(parts) or "any convolution"
 
     def nearest_evidence(self, case: ConvCase) -> str:
-        """The measurement closest to ``case`` (log distance in channels and size)."""
+        """The measurement closest to ``case`` (log distance in channels, size and batch)."""
         if not self.evidence:
             return ""
         channels = max(1, min(case.in_channels, case.out_channels))
         side = max(1.0, case.out_pixels ** (1.0 / max(case.rank, 1)))
+        batch = max(1, case.batch)
 
-        def dist(point: tuple[int, int, float]) -> float:
-            return abs(math.log(point[0] / channels)) + abs(math.log(point[1] / side))
+        def dist(point: tuple[int, int, int, float]) -> float:
+            return (abs(math.log(point[0] / channels)) + abs(math.log(point[1] / side))
+                    + 0.5 * abs(math.log(point[2] / batch)))
 
-        ch, sd, ratio = min(self.evidence, key=dist)
+        ch, sd, n, ratio = min(self.evidence, key=dist)
         verdict = (f"{1 / ratio:.2f}x faster" if ratio < 1 else f"{ratio:.2f}x slower")
-        return f"measured {verdict} than {self.baseline} at {ch} channels, {sd}x{sd} output"
+        return (f"measured {verdict} than {self.baseline} at {ch} channels, {sd}x{sd} "
+                f"output, batch {n}")
 
     def _ranks(self) -> str:
         return "/".join(f"{r}-D" for r in self.ranks or ())

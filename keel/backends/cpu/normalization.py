@@ -10,10 +10,13 @@ of allocating a temporary per step. Row statistics use a batched dot product
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from keel.backends.base import KernelContext
+from keel.backends.cpu import workspace
 from keel.backends.cpu.kernels import TABLE
 from keel.dtypes import DType
 from keel.errors import UnsupportedOperationError
@@ -72,20 +75,58 @@ def _sum_squares_rows(xp: Any, y2: Any) -> Any:
     return xp.matmul(y2[:, None, :], y2[:, :, None]).reshape(-1, 1)
 
 
-def _standardize_rows(xp: Any, x2: Any, y2: Any, eps: float) -> tuple[Any, Any]:
-    """y2 = (x2 - mean) / sqrt(var + eps) per row; returns mean and inv_std, (R, 1) each."""
+# Rows are processed in blocks of about this many elements: every pass over a block
+# (center, square, scale, shift) then runs in cache instead of streaming the tensor.
+_BLOCK = 65536
+
+RowHook = Callable[[Any], None]      # in-place work on a block of finished rows
+
+
+def _row_blocks(rows: int, k: int) -> Iterator[tuple[int, int]]:
+    step = max(1, _BLOCK // max(k, 1))
+    for r0 in range(0, rows, step):
+        yield r0, min(r0 + step, rows)
+
+
+def _ones(xp: Any, k: int, dtype: Any) -> Any:
+    """A ones vector: row sums as a matrix-vector product (BLAS), ~4x a row-wise reduce."""
+    return workspace.filled(xp, "normalization.ones", (k,), dtype, 1.0)
+
+
+def _standardize_rows(xp: Any, x2: Any, y2: Any, eps: float,
+                      then: RowHook | None = None) -> tuple[Any, Any]:
+    """y2 = (x2 - mean) / sqrt(var + eps) per row; returns mean and inv_std, (R, 1) each.
+
+    Block by block of rows: the mean and the variance of the centered rows are
+    matrix-vector products with a ones vector, and ``then`` (an affine step)
+    runs on each block while it is still in cache.
+    """
     rows, k = y2.shape
+    dt = y2.dtype
     if k == 0:
-        nan = xp.full((rows, 1), math.nan, dtype=y2.dtype)
+        nan = xp.full((rows, 1), math.nan, dtype=dt)
         return nan, nan.copy()
-    mean = x2.mean(axis=1, keepdims=True, dtype=y2.dtype)
-    xp.subtract(x2, mean, out=y2)
-    inv_std = _sum_squares_rows(xp, y2)
-    inv_std /= k
-    inv_std += eps
-    xp.sqrt(inv_std, out=inv_std)
-    xp.reciprocal(inv_std, out=inv_std)
-    y2 *= inv_std
+    mean = xp.empty((rows, 1), dtype=dt)
+    inv_std = xp.empty((rows, 1), dtype=dt)
+    ones = _ones(xp, k, dt)
+    step = max(1, _BLOCK // k)
+    square = workspace.empty(xp, "normalization.square", (min(step, rows), k), dt)
+    for r0, r1 in _row_blocks(rows, k):
+        xb, yb = x2[r0:r1].astype(dt, copy=False), y2[r0:r1]
+        m, v = mean[r0:r1, 0], inv_std[r0:r1, 0]
+        xp.dot(xb, ones, out=m)
+        m *= 1.0 / k
+        xp.subtract(xb, m[:, None], out=yb)
+        sq = square[:r1 - r0]
+        xp.multiply(yb, yb, out=sq)
+        xp.dot(sq, ones, out=v)
+        v *= 1.0 / k
+        v += eps
+        xp.sqrt(v, out=v)
+        xp.reciprocal(v, out=v)
+        yb *= v[:, None]
+        if then is not None:
+            then(yb)
     return mean, inv_std
 
 
@@ -141,12 +182,17 @@ def layer_norm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> li
         "Scale": scale.shape, "B": None if bias is None else bias.shape})
     rows, k = _trailing_rows(x, axis)
     y = _target(xp, out, 0, x.shape, ct, contiguous=True)
-    y2 = y.reshape(rows, k)
-    mean, inv_std = _standardize_rows(xp, x.reshape(rows, k), y2, attrs["epsilon"])
     norm_shape = tuple(x.shape[axis:])
-    y2 *= _flat_param(xp, scale, norm_shape, ct)
-    if bias is not None:
-        y2 += _flat_param(xp, bias, norm_shape, ct)
+    gamma = _flat_param(xp, scale, norm_shape, ct)
+    beta = None if bias is None else _flat_param(xp, bias, norm_shape, ct)
+
+    def affine(block: Any) -> None:
+        block *= gamma
+        if beta is not None:
+            block += beta
+
+    mean, inv_std = _standardize_rows(xp, x.reshape(rows, k), y.reshape(rows, k),
+                                      attrs["epsilon"], affine)
     stat_shape = tuple(x.shape[:axis]) + (1,) * (x.ndim - axis)
     results = [_finish(out, 0, y, x.dtype),
                _finish(out, 1, mean.reshape(stat_shape), ct),
@@ -273,41 +319,65 @@ def mean_variance_norm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Ou
     return [_finish(out, 0, y, x.dtype)]
 
 
-# When the whole tensor spans at most this much, exp(x - global max) lies in
-# [e**-80, 1]: no overflow, no underflow out of the normal float32 range.
-_SOFTMAX_SPREAD = 80.0
+# When a block of rows spans at most twice this much, exp(x - midpoint) lies in
+# [e**-64, e**64]: no overflow, no underflow out of the normal float32 range, and
+# a row sum stays finite for rows of up to 2**30 elements.
+_EXP_SAFE = 64.0
 
 
-def _softmax_shift(x: Any, axis: int) -> Any:
-    """What to subtract before exp: the max along ``axis`` — or the global max when the
-    tensor's spread allows it, which is two contiguous reductions instead of a much
-    slower reduction along rows (NaN and inf always take the row-wise path)."""
-    hi, lo = x.max(), x.min()
-    if float(hi) - float(lo) <= _SOFTMAX_SPREAD:
-        return hi
-    return x.max(axis=axis, keepdims=True)
+def _shift(xp: Any, xb: Any, axis: int) -> Any:
+    """What to subtract from a block before exp: nothing when exp cannot overflow or
+    underflow there, a scalar when the block's spread allows it (two contiguous
+    reductions, ~7x cheaper than a row-wise max and its broadcast), else the max
+    along ``axis`` (NaN and inf take that path too)."""
+    hi, lo = float(xb.max()), float(xb.min())
+    if lo >= -_EXP_SAFE and hi <= _EXP_SAFE:
+        return None
+    if hi - lo <= 2 * _EXP_SAFE:
+        return xb.dtype.type((hi + lo) / 2)
+    return xb.max(axis=axis, keepdims=True)
+
+
+def _shifted(xp: Any, x: Any, shift: Any, y: Any) -> Any:
+    """``x - shift`` into ``y`` (``x`` itself when there is no shift)."""
+    if shift is None:
+        return x
+    xp.subtract(x, shift, out=y)
+    return y
 
 
 def _softmax_setup(ctx: KernelContext, op: Op, inputs: Inputs,
                    attrs: Attrs, out: Out) -> tuple[Any, int, Any]:
-    """(x, axis, y) with y = x - max(x), computed into the output buffer."""
     xp = ctx.xp
     x = inputs[0]
     ct = _ct(xp, op, x)
     axis = normalize_axis(attrs["axis"], x.ndim, what=f"{op.value}: axis")
     y = _target(xp, out, 0, x.shape, ct)
-    if x.size:
-        xp.subtract(x, _softmax_shift(x, axis), out=y)
     return x, axis, y
+
+
+def _last_axis_rows(x: Any, axis: int, y: Any) -> tuple[Any, Any] | None:
+    """(x2, y2): x and y as (rows, n) matrices when ``axis`` is the last one and
+    both reshape without a copy; else None."""
+    if axis != x.ndim - 1 or not (x.flags.c_contiguous and y.flags.c_contiguous):
+        return None
+    n = x.shape[-1] if x.ndim else 1
+    return x.reshape(-1, n), y.reshape(-1, n)
 
 
 @TABLE.kernel(Op.SOFTMAX, dtypes=FLOAT_DTYPES, supports_out=True)
 def softmax(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """exp(X - max) / sum(exp(X - max)) along axis, in the output buffer."""
+    xp = ctx.xp
     x, axis, y = _softmax_setup(ctx, Op.SOFTMAX, inputs, attrs, out)
     if x.size:
-        ctx.xp.exp(y, out=y)
-        y /= y.sum(axis=axis, keepdims=True)
+        with np.errstate(invalid="ignore", over="ignore"):
+            rows = _last_axis_rows(x, axis, y)
+            if rows is not None:
+                _softmax_rows(xp, *rows, log=False)
+            else:
+                xp.exp(_shifted(xp, x, _shift(xp, x, axis), y), out=y)
+                y /= y.sum(axis=axis, keepdims=True)
     return [_finish(out, 0, y, x.dtype)]
 
 
@@ -317,10 +387,40 @@ def log_softmax(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> l
     xp = ctx.xp
     x, axis, y = _softmax_setup(ctx, Op.LOG_SOFTMAX, inputs, attrs, out)
     if x.size:
-        log_sum = xp.exp(y).sum(axis=axis, keepdims=True)
-        xp.log(log_sum, out=log_sum)
-        y -= log_sum
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+            rows = _last_axis_rows(x, axis, y)
+            if rows is not None:
+                _softmax_rows(xp, *rows, log=True)
+            else:
+                shifted = _shifted(xp, x, _shift(xp, x, axis), y)
+                log_sum = xp.exp(shifted).sum(axis=axis, keepdims=True)
+                xp.log(log_sum, out=log_sum)
+                xp.subtract(shifted, log_sum, out=y)
     return [_finish(out, 0, y, x.dtype)]
+
+
+def _softmax_rows(xp: Any, x2: Any, y2: Any, log: bool) -> None:
+    """Softmax (or log-softmax) of each row, block by block of rows in cache:
+    shift, exp, row sums as a matrix-vector product with a ones vector, scale."""
+    rows, n = y2.shape
+    dt = y2.dtype
+    ones = _ones(xp, n, dt)
+    step = min(max(1, _BLOCK // max(n, 1)), rows)
+    sums = workspace.empty(xp, "softmax.sums", (step,), dt)
+    for r0, r1 in _row_blocks(rows, n):
+        xb, yb, total = x2[r0:r1].astype(dt, copy=False), y2[r0:r1], sums[:r1 - r0]
+        shifted = _shifted(xp, xb, _shift(xp, xb, 1), yb)
+        if log:
+            e = workspace.empty(xp, "softmax.exp", (step, n), dt)[:r1 - r0]
+            xp.exp(shifted, out=e)
+            xp.dot(e, ones, out=total)
+            xp.log(total, out=total)
+            xp.subtract(shifted, total[:, None], out=yb)
+        else:
+            xp.exp(shifted, out=yb)
+            xp.dot(yb, ones, out=total)
+            xp.reciprocal(total, out=total)
+            yb *= total[:, None]
 
 
 @TABLE.kernel(Op.HARDMAX, dtypes=FLOAT_DTYPES, supports_out=True)

@@ -16,6 +16,7 @@ import numpy as np
 
 from keel.backends.base import KernelContext
 from keel.backends.cpu import window as wnd
+from keel.backends.cpu import workspace
 from keel.backends.cpu.kernels import TABLE
 from keel.dtypes import DType
 from keel.ops.registry import Op
@@ -59,18 +60,28 @@ def max_pool(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list
     """Running max over the window taps; Indices only when asked for (or ``out`` is None)."""
     xp, x = ctx.xp, inputs[0]
     win, plan = _prepare(Op.MAX_POOL, x, attrs)
-    img = wnd.phase_image(xp, x, plan, _lowest(x.dtype), "max_pool")
-    tap_views = wnd.taps(img, plan)
     shape = (plan.batch, plan.channels, *plan.out)
     y = _target(xp, out, 0, shape, x.dtype)
     want_indices = out is None or len(out) > 1
-    best = xp.empty((plan.batch, plan.channels, plan.wide), dtype=x.dtype)
-    best[...] = tap_views[0]
+    if not want_indices and win.rank == 2 and not win.padded and _fits(win):
+        # Measured (1 thread): LeNet's 2x2 stride-2 pools 10 us against 21 us through the
+        # phase split; a padded 3x3 stride-2 pool on 112x112 runs faster split (520 us
+        # against 600 us for a padded copy, then rows, then columns).
+        _max_rows_then_columns(xp, x, win, y)
+        return [y]
+    img = wnd.phase_image(xp, x, plan, _lowest(x.dtype), "max_pool")
+    tap_views = wnd.taps(img, plan)
+    best = workspace.empty(xp, "max_pool_best", (plan.batch, plan.channels, plan.wide), x.dtype)
     if not want_indices:
-        for tap in tap_views[1:]:
+        if len(tap_views) == 1:
+            best[...] = tap_views[0]
+        else:
+            xp.maximum(tap_views[0], tap_views[1], out=best)
+        for tap in tap_views[2:]:
             xp.maximum(best, tap, out=best)
         y[...] = wnd.valid(xp, best, plan)
         return [y]
+    best[...] = tap_views[0]
     winner = xp.zeros(best.shape, dtype=xp.int16 if len(tap_views) < 2**15 else xp.int32)
     for t, tap in enumerate(tap_views[1:], start=1):
         better = tap > best       # strict: ties keep the first tap
@@ -81,6 +92,46 @@ def max_pool(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list
     indices[...] = _flat_indices(xp, wnd.valid(xp, winner, plan), x.shape, win,
                                  attrs["storage_order"])
     return [y, indices]
+
+
+def _fits(win: Window) -> bool:
+    """No window reaches past the (padded) input (``ceil_mode`` can make one)."""
+    return all((o - 1) * s + e <= i + pb + pe for o, s, e, i, pb, pe in
+               zip(win.out_spatial, win.strides, win.effective_kernel, win.in_spatial,
+                   win.pads_begin, win.pads_end, strict=True))
+
+
+def _max_rows_then_columns(xp: Any, x: Any, win: Window, y: Any) -> None:
+    """A window max taken as the max over kernel rows, then over kernel columns.
+
+    Straight from strided views of X: the row pass reads whole contiguous rows,
+    and the column pass (the only one with strided inner reads) runs on the
+    already shrunk array. A 2x2 stride-2 pool is two ufunc calls and no copy.
+    """
+    (kh, kw), (sh, sw), (dh, dw) = win.kernel, win.strides, win.dilations
+    ho, wo = win.out_spatial
+    n, c, _, width = x.shape
+
+    def rows(k: int) -> Any:
+        return x[:, :, k * dh: k * dh + (ho - 1) * sh + 1: sh]
+
+    if kh == 1:
+        t = rows(0)
+    else:
+        t = workspace.empty(xp, "max_pool_rows", (n, c, ho, width), x.dtype)
+        xp.maximum(rows(0), rows(1), out=t)
+        for k in range(2, kh):
+            xp.maximum(t, rows(k), out=t)
+
+    def cols(k: int) -> Any:
+        return t[..., k * dw: k * dw + (wo - 1) * sw + 1: sw]
+
+    if kw == 1:
+        y[...] = cols(0)
+        return
+    xp.maximum(cols(0), cols(1), out=y)
+    for k in range(2, kw):
+        xp.maximum(y, cols(k), out=y)
 
 
 def _flat_indices(xp: Any, winner: Any, x_shape: Sequence[int], win: Window,
@@ -208,12 +259,25 @@ def _global(op: Op, xp: Any, x: Any, out: Out) -> tuple[Any, Any]:
 @TABLE.kernel(Op.GLOBAL_AVG_POOL, dtypes=DTYPES[Op.GLOBAL_AVG_POOL], supports_out=True,
               simd=(), shapes="any rank")
 def global_avg_pool(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
-    """Mean over the flattened spatial dims."""
+    """Mean over the flattened spatial dims, as one matrix-vector product.
+
+    ``X (N*C, P) @ (1/P, ..., 1/P)`` runs in BLAS: measured 4 us against 15 us
+    for ``sum(axis=-1)`` on a (1, 512, 7, 7) input (NumPy's pairwise sum pays per
+    short row).
+    """
     xp = ctx.xp
     flat, y = _global(Op.GLOBAL_AVG_POOL, xp, inputs[0], out)
-    total = flat.sum(axis=-1, dtype=_sum_dtype(xp, flat.dtype))
-    count = flat.shape[-1]
-    y.reshape(total.shape)[...] = total * (1.0 / count) if count else total * np.nan
+    n, c, count = flat.shape
+    if count == 0:
+        y[...] = np.nan
+        return [y]
+    compute = _sum_dtype(xp, flat.dtype)
+    weights = workspace.filled(xp, "global_avg_pool_weights", (count,), compute, 1.0 / count)
+    src = flat.astype(compute, copy=False)
+    if y.dtype == compute and y.flags.c_contiguous:
+        xp.matmul(src, weights, out=y.reshape(n, c))
+    else:
+        y.reshape(n, c)[...] = xp.matmul(src, weights)
     return [y]
 
 

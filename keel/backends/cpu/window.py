@@ -1,21 +1,23 @@
 """Sliding windows as flat slices: the engine of pooling and depthwise convolution.
 
-NumPy pays a fixed cost per innermost loop, so an op over a strided 2-D window
-view (rows of a few dozen elements) runs several times slower than the same op
-over one long contiguous run. This module lays the (padded) input out so that
-*every* kernel tap of *every* output position is one contiguous slice:
+NumPy pays a fixed cost per innermost loop, so an op over a strided window
+view (rows of a few dozen elements) runs several times slower than the same
+op over one long contiguous run. This module lays the (padded) input out so
+that a kernel tap of *every* output position of *every* image and channel is
+one contiguous slice:
 
 * the padded input is split into ``stride`` phases per spatial dim
   (``phase[φ][q] = padded[q * stride + φ]``), so a strided window becomes a
-  unit-stride one inside a phase;
-* each phase image is flattened; output position ``o`` lives at the "wide"
-  index ``sum(o_d * qs_d)`` (``qs_d`` the phase image's row strides), and the
-  tap at kernel offset ``k`` reads the phase ``(k_d * d_d) % s_d`` shifted by
-  ``sum((k_d * d_d) // s_d * qs_d)``.
+  unit-stride one inside a phase; phases are the outermost axis;
+* within a phase the (N, C, *q) image is flat. Output position ``o`` of
+  plane ``(n, c)`` lives at flat index ``(n * C + c) * plane + sum(o_d *
+  qs_d)`` (``qs_d`` the phase image's row strides), and the tap at kernel
+  offset ``k`` is the same index shifted by ``sum((k_d * d_d) // s_d * qs_d)``
+  in phase ``(k_d * d_d) % s_d``: one slice of length ``N * C * plane``.
 
-A window op then runs one elementwise op per tap over ``(N, C, wide)`` arrays
-and extracts the valid positions once at the end (the wide layout carries a
-few garbage columns per row, like a padded image).
+A window op then runs one elementwise op per tap over ``(N, C, plane)``
+arrays (positions past an output row read neighbouring data: garbage that is
+never extracted) and takes the valid positions once at the end.
 """
 
 from __future__ import annotations
@@ -42,10 +44,8 @@ class WidePlan:
     strides: tuple[int, ...]
     q: tuple[int, ...]                    # phase image dims
     out: tuple[int, ...]
-    wide: int                             # length of a flat output plane with garbage
     tap_phase: tuple[int, ...]            # per tap (row-major kernel offsets)
     tap_offset: tuple[int, ...]
-    in_place: bool                        # the input itself is the (single) phase image
     pads_begin: tuple[int, ...]
     in_spatial: tuple[int, ...]
     # Per phase: (destination slices in the phase image, source slices of X).
@@ -57,7 +57,17 @@ class WidePlan:
 
     @property
     def plane(self) -> int:
+        """Elements per (n, c) plane of a phase: the last axis of every tap."""
         return math.prod(self.q)
+
+    @property
+    def wide(self) -> int:
+        return self.plane
+
+    @property
+    def slack(self) -> int:
+        """Room after the last plane so that the most shifted tap stays in bounds."""
+        return max(self.tap_offset, default=0)
 
     @property
     def row_strides(self) -> tuple[int, ...]:
@@ -86,11 +96,8 @@ def _wide_plan(nc: tuple[int, ...], win: Window) -> WidePlan:
         tap_phase.append(sum((a % s) * ps for a, s, ps in
                              zip(at, win.strides, phase_strides, strict=True)))
         tap_offset.append(sum((a // s) * r for a, s, r in zip(at, win.strides, qs, strict=True)))
-    wide = sum((o - 1) * r for o, r in zip(win.out_spatial, qs, strict=True)) + 1
-    in_place = (all(s == 1 for s in win.strides) and not win.padded
-                and q == tuple(win.in_spatial))
-    return WidePlan(nc[0], nc[1], tuple(win.strides), q, tuple(win.out_spatial), wide,
-                    tuple(tap_phase), tuple(tap_offset), in_place, tuple(win.pads_begin),
+    return WidePlan(nc[0], nc[1], tuple(win.strides), q, tuple(win.out_spatial),
+                    tuple(tap_phase), tuple(tap_offset), tuple(win.pads_begin),
                     tuple(win.in_spatial), _fills(win))
 
 
@@ -112,32 +119,33 @@ def _fills(win: Window) -> tuple[tuple[tuple[slice, ...], tuple[slice, ...]], ..
 
 
 def phase_image(xp: Any, x: Any, plan: WidePlan, fill: float, tag: str = "window") -> Any:
-    """X laid out as (N, C, phases, plane); padding holds ``fill``."""
+    """X laid out as (phases, N * C * plane + slack); padding holds ``fill``."""
     n, c = plan.batch, plan.channels
-    if plan.in_place and x.flags.c_contiguous:
-        return x.reshape(n, c, 1, plan.plane)
+    size = n * c * plan.plane
     key = (tag, plan.strides, plan.q, plan.pads_begin, plan.in_spatial)
-    img = workspace.filled(xp, key, (n, c, plan.phases, plan.plane), x.dtype, fill)
+    img = workspace.filled(xp, key, (plan.phases, size + plan.slack), x.dtype, fill)
     every = (slice(None), slice(None))
     for p, (dst, src) in enumerate(plan.fills):
         dst_index: tuple[slice, ...] = every + dst
         src_index: tuple[slice, ...] = every + src
-        img[:, :, p].reshape(n, c, *plan.q)[dst_index] = x[src_index]
+        img[p, :size].reshape(n, c, *plan.q)[dst_index] = x[src_index]
     return img
 
 
 def taps(img: Any, plan: WidePlan) -> list[Any]:
-    """One (N, C, wide) view per kernel tap, in row-major kernel order."""
-    return [img[:, :, p, off:off + plan.wide] for p, off in
+    """One contiguous (N, C, plane) view per kernel tap, in row-major kernel order."""
+    n, c, plane = plan.batch, plan.channels, plan.plane
+    size = n * c * plane
+    return [img[p, off:off + size].reshape(n, c, plane) for p, off in
             zip(plan.tap_phase, plan.tap_offset, strict=True)]
 
 
 def valid(xp: Any, wide: Any, plan: WidePlan) -> Any:
-    """The (..., *out) view of the valid positions of a (..., wide) array."""
+    """The (..., *out) view of the valid positions of a (..., plane) array."""
     item = wide.itemsize
     lead = wide.shape[:-1]
     lead_strides = wide.strides[:-1]
     if wide.size and wide.strides[-1] != item:
-        raise ValueError("the wide axis must be contiguous")
+        raise ValueError("the plane axis must be contiguous")
     strides = (*lead_strides, *(r * item for r in plan.row_strides))
     return xp.lib.stride_tricks.as_strided(wide, (*lead, *plan.out), strides)

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from keel.backends.cpu import workspace
+from keel.backends.cpu.conv_epilogue import Activation, finish
 
 __all__ = ["TRANSFORM_G", "conv3x3"]
 
@@ -26,8 +27,10 @@ __all__ = ["TRANSFORM_G", "conv3x3"]
 TRANSFORM_G = np.array([[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0.0, 0.0, 1.0]])
 _GG = np.kron(TRANSFORM_G, TRANSFORM_G)            # (16, 9): vec(G g G^T) = GG @ vec(g)
 
-# Largest transformed-input slab per chunk of images (bytes); bigger batches run in chunks.
-_CHUNK_BYTES = 24 * 2**20
+# Largest transformed-input slab per chunk of images (bytes); bigger batches run in
+# chunks that stay in cache (measured: batch-8 64-channel 56x56 runs 16 ms in 4 MB
+# chunks against 22.6 ms in 24 MB ones).
+_CHUNK_BYTES = 4 * 2**20
 
 
 def filter_transform(xp: Any, w: Any) -> Any:
@@ -43,20 +46,23 @@ def filter_transform(xp: Any, w: Any) -> Any:
 
 
 def conv3x3(xp: Any, x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[int, int],
-            y: Any, bias: Any = None) -> None:
-    """y (N, M, Ho, Wo) = conv(x, w) for a 3x3, stride 1, dilation 1, group 1 conv (+ bias)."""
+            y: Any, bias: Any = None, z: Any = None, act: Activation = ("", ()),
+            packed: Any = None) -> None:
+    """y (N, M, Ho, Wo) = act(conv(x, w) + bias + z) for a 3x3, stride 1, dilation 1,
+    group 1 conv."""
     n = x.shape[0]
     th, tw = -(-out_hw[0] // 2), -(-out_hw[1] // 2)
     per_image = 16 * th * tw * max(x.shape[1], w.shape[0]) * x.itemsize
     chunk = max(1, min(n, _CHUNK_BYTES // max(per_image, 1)))
-    u = workspace.derived(xp, "winograd_u", w, filter_transform)
+    u = workspace.form(xp, packed, "winograd_u", (w,), lambda xp_, a: filter_transform(xp_, a[0]))
     for n0 in range(0, n, chunk):
         n1 = min(n, n0 + chunk)
-        _conv_chunk(xp, x[n0:n1], u, pads_begin, out_hw, y[n0:n1], bias)
+        _conv_chunk(xp, x[n0:n1], u, pads_begin, out_hw, y[n0:n1], bias,
+                    None if z is None else z[n0:n1], act)
 
 
 def _conv_chunk(xp: Any, x: Any, u: Any, pads_begin: tuple[int, int],
-                out_hw: tuple[int, int], y: Any, bias: Any) -> None:
+                out_hw: tuple[int, int], y: Any, bias: Any, z: Any, act: Activation) -> None:
     n, c = x.shape[:2]
     m = u.shape[3]
     th, tw = -(-out_hw[0] // 2), -(-out_hw[1] // 2)
@@ -69,7 +75,7 @@ def _conv_chunk(xp: Any, x: Any, u: Any, pads_begin: tuple[int, int],
         # A^T has ones in column 1, so M[1, 1] reaches every output of a tile once.
         xp.add(prod[1, 1], bias, out=prod[1, 1])
     image = _output_transform(xp, prod, n, th, tw, m)
-    y[...] = image[:, : out_hw[0], : out_hw[1]].transpose(0, 3, 1, 2)
+    finish(xp, image[:, : out_hw[0], : out_hw[1]].transpose(0, 3, 1, 2), y, z, act)
 
 
 def _split_input(xp: Any, x: Any, pads_begin: tuple[int, int], th: int, tw: int) -> Any:

@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["LIMIT_BYTES", "clear", "derived", "empty", "filled", "held_bytes", "is_frozen"]
+__all__ = ["LIMIT_BYTES", "Packed", "bound", "clear", "derived", "derived_from", "empty",
+           "filled", "form", "held_bytes", "is_frozen"]
 
 LIMIT_BYTES = 256 * 2**20
 
@@ -67,6 +68,25 @@ def filled(xp: Any, key: Hashable, shape: Sequence[int], dtype: Any, value: floa
     return _get(xp, key, shape, dtype, float(value))
 
 
+def bound(xp: Any, key: Hashable, make: Callable[[], Any]) -> Any:
+    """A per-thread object built by ``make()`` once for ``key`` (then reused).
+
+    For kernels that keep buffers *and views of them* ready between calls: the
+    object's ``nbytes`` counts against :data:`LIMIT_BYTES` like a buffer's.
+    ``key`` should hash fast (an identity-hashed layout object, not a shape tuple).
+    """
+    full_key = (xp.__name__, "bound", key)
+    cache = _cache()
+    obj = cache.get(full_key)
+    if obj is not None:
+        cache.move_to_end(full_key)
+        return obj
+    obj = make()
+    cache[full_key] = obj
+    _evict(cache)
+    return obj
+
+
 def held_bytes() -> int:
     """Bytes held by this thread's workspace cache."""
     return sum(int(b.nbytes) for b in _cache().values())
@@ -79,7 +99,7 @@ def clear() -> None:
 
 
 # ---- values derived from constant arrays (prepacked weights) -----------------------------
-_derived: dict[tuple[str, int], tuple[weakref.ref[Any], Any]] = {}
+_derived: dict[tuple[Hashable, tuple[int, ...]], tuple[tuple[weakref.ref[Any], ...], Any]] = {}
 _derived_lock = threading.Lock()
 
 
@@ -97,21 +117,65 @@ def is_frozen(array: Any) -> bool:
     return a is None or isinstance(a, bytes)
 
 
-def derived(xp: Any, tag: str, array: Any, fn: Callable[[Any, Any], Any]) -> Any:
-    """``fn(xp, array)``, cached while ``array`` lives if ``array`` is frozen."""
-    if not is_frozen(array):
-        return fn(xp, array)
-    key = (tag, id(array))
+def derived(xp: Any, tag: Hashable, array: Any, fn: Callable[[Any, Any], Any]) -> Any:
+    """``fn(xp, array)``, cached while ``array`` lives if ``array`` is frozen.
+
+    ``tag`` names what is derived and everything besides ``array`` it depends on
+    (a layout, a permutation), so one weight used by two layouts caches both.
+    """
+    return derived_from(xp, tag, (array,), lambda xp_, arrays: fn(xp_, arrays[0]))
+
+
+def derived_from(xp: Any, tag: Hashable, arrays: tuple[Any, ...],
+                 fn: Callable[[Any, tuple[Any, ...]], Any]) -> Any:
+    """``fn(xp, arrays)``, cached while the arrays live if every one (but None) is frozen."""
+    present = tuple(a for a in arrays if a is not None)
+    if not all(is_frozen(a) for a in present):
+        return fn(xp, arrays)
+    key = (tag, tuple(id(a) if a is not None else 0 for a in arrays))
     with _derived_lock:
         hit = _derived.get(key)
-    if hit is not None and hit[0]() is array:
+    if hit is not None and all(ref() is a for ref, a in zip(hit[0], present, strict=True)):
         return hit[1]
-    value = fn(xp, array)
+    value = fn(xp, arrays)
 
     def forget(_: weakref.ref[Any]) -> None:
         _derived.pop(key, None)
 
-    ref = weakref.ref(array, forget)
+    refs = tuple(weakref.ref(a, forget) for a in present)
     with _derived_lock:
-        _derived[key] = (ref, value)
+        _derived[key] = (refs, value)
     return value
+
+
+class Packed:
+    """Prepack state of a node: its constant inputs and forms derived from them.
+
+    A conv variant's ``prepack`` returns one of these; the kernel asks it for
+    the form it needs (packed weights for one layout) with :func:`form`, which
+    makes each form once, on first use (the variant that runs, and so the
+    layout, may depend on the input shape).
+    """
+
+    def __init__(self, arrays: tuple[Any, ...]) -> None:
+        self.arrays = arrays
+        self._forms: dict[Hashable, Any] = {}
+
+    def get(self, tag: Hashable, arrays: tuple[Any, ...], make: Callable[[], Any]) -> Any:
+        """The form ``tag`` of ``arrays``; made by ``make()`` and kept if they are ours."""
+        if len(arrays) > len(self.arrays) or any(
+                a is not b for a, b in zip(arrays, self.arrays, strict=False)):
+            return make()
+        form = self._forms.get(tag)
+        if form is None:
+            form = self._forms[tag] = make()
+        return form
+
+
+def form(xp: Any, packed: Any, tag: Hashable, arrays: tuple[Any, ...],
+         make: Callable[[Any, tuple[Any, ...]], Any]) -> Any:
+    """``make(xp, arrays)``, kept in the prepack state ``packed`` when there is one,
+    else cached while the arrays live if they are frozen (see :func:`derived_from)."""
+    if isinstance(packed, Packed):
+        return packed.get(tag, arrays, lambda: make(xp, arrays))
+    return derived_from(xp, tag, arrays, make)

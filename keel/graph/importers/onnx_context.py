@@ -66,9 +66,11 @@ class ConverterTable:
     def __init__(self) -> None:
         self._impls: dict[str, dict[int, Converter]] = {}
 
-    def register(self, op_type: str, since: int, fn: Converter) -> None:
+    def register(self, op_type: str, since: int, fn: Converter, *,
+                 replace: bool = False) -> None:
+        """Add ``fn`` for ``op_type`` from opset ``since``; ``replace`` overrides one there."""
         versions = self._impls.setdefault(op_type, {})
-        if since in versions:
+        if since in versions and not replace:
             raise ValueError(f"converter {op_type}-{since} registered twice")
         versions[since] = fn
 

@@ -512,3 +512,6 @@ def _global_lp_pool(ctx: ImportContext, n: OnnxNode) -> None:
     ctx.emit(Op.POW, [absolute, _like(ctx, n.inputs[0], float(p), "p")], [powered])
     ctx.emit(Op.SUM, [powered, axes], [total])
     ctx.emit(Op.POW, [total, _like(ctx, n.inputs[0], 1.0 / p, "inv_p")], n.outputs)
+
+
+from keel.graph.importers import onnx_ops_extra  # noqa: E402,F401

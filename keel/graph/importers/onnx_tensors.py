@@ -97,7 +97,10 @@ def _from_raw(raw: bytes, dtype: DType, numel: int, label: str) -> np.ndarray:
         )
     if dtype is DType.BOOL:
         return np.frombuffer(raw, dtype=np.uint8) != 0
-    return np.frombuffer(raw, dtype=dtype.numpy.newbyteorder("<")).astype(dtype.numpy)
+    # On a little-endian host the bytes are the array: a read-only view, no copy
+    # (the graph's weights are frozen anyway, and loading skips a memcpy).
+    data = np.frombuffer(raw, dtype=dtype.numpy.newbyteorder("<"))
+    return data if data.dtype.isnative else data.astype(dtype.numpy)
 
 
 def _from_field(t: Any, dtype: DType, numel: int, label: str) -> np.ndarray:

@@ -13,13 +13,19 @@ input alone, and it keeps the names of graph inputs and outputs. The levels:
   chains).
 
 Adding a pass is adding a module that defines it and naming it in the
-pipeline below.
+pipeline below, with the ops it rewrites (``needs``): a pass whose ops the
+graph lacks is not run, and neither is a pass that already ran on the very
+same graph without changing it. Both keep loading fast: most passes infer
+every value's type before they look for their pattern.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
 
 from keel.errors import InvalidArgumentError
 from keel.graph.ir import Graph
@@ -35,6 +41,7 @@ from keel.graph.passes.fuse_layer_norm import fuse_layer_norm
 from keel.graph.passes.fuse_matmul_add import fuse_matmul_add
 from keel.graph.passes.fuse_residual import fuse_residual
 from keel.graph.passes.remove_identity import remove_identity
+from keel.ops.registry import Op
 
 __all__ = [
     "LEVELS",
@@ -53,8 +60,15 @@ Pass = Callable[[Graph], Graph]
 
 @dataclass(frozen=True)
 class GraphPass:
+    """A pass and the ops it needs: it can change a graph only if, for each set in
+    ``needs``, the graph has a node with one of its ops (no sets: always runs)."""
+
     name: str
     fn: Pass
+    needs: tuple[frozenset[Op], ...] = ()
+
+    def applies_to(self, ops: frozenset[Op]) -> bool:
+        return all(ops & need for need in self.needs)
 
 
 @dataclass(frozen=True)
@@ -83,16 +97,25 @@ class OptimizeReport:
         return seen
 
 
-def _p(fn: Pass) -> GraphPass:
-    return GraphPass(fn.__name__, fn)
+def _p(fn: Pass, *needs: set[Op]) -> GraphPass:
+    return GraphPass(fn.__name__, fn, tuple(frozenset(n) for n in needs))
 
 
-BASIC = (_p(fold_constants), _p(fold_shapes), _p(remove_identity), _p(eliminate_dead))
-LAYOUT = (_p(cancel_transposes), _p(remove_identity))
+# fold_shapes ends with fold_constants, which has just run: without Shape or
+# Size it has nothing left to fold.
+BASIC = (_p(fold_constants), _p(fold_shapes, {Op.SHAPE, Op.SIZE}),
+         _p(remove_identity, {Op.IDENTITY, Op.CAST}), _p(eliminate_dead))
+LAYOUT = (_p(cancel_transposes, {Op.TRANSPOSE}), _p(remove_identity, {Op.IDENTITY, Op.CAST}))
 # Order matters: attention before MatMul+Add (its mask Add is no bias); the
 # residual Add before activations (act(conv + z), not act(conv) + z).
-FUSIONS = (_p(fuse_conv_bn), _p(fuse_layer_norm), _p(fuse_gelu), _p(fuse_attention),
-           _p(fuse_matmul_add), _p(fuse_residual), _p(fuse_activation), _p(eliminate_dead))
+FUSIONS = (_p(fuse_conv_bn, {Op.CONV}, {Op.BATCH_NORM}),
+           _p(fuse_layer_norm, {Op.SUB}, {Op.MEAN}),
+           _p(fuse_gelu, {Op.ERF, Op.TANH}),
+           _p(fuse_attention, {Op.SOFTMAX}, {Op.MATMUL}),
+           _p(fuse_matmul_add, {Op.MATMUL}, {Op.ADD}),
+           _p(fuse_residual, {Op.CONV}, {Op.ADD}),
+           _p(fuse_activation, {Op.CONV, Op.GEMM, Op.MATMUL}),
+           _p(eliminate_dead))
 _ROUNDS = 3
 
 
@@ -120,16 +143,25 @@ def optimize_with_report(graph: Graph, level: str = "all") -> OptimizeReport:
     """Like :func:`optimize`, also recording what each pass did."""
     report = OptimizeReport(graph, level)
     current = graph
+    version = 0                         # bumped by every change to the graph
+    clean: dict[str, int] = {}          # pass -> version it last ran on and left alone
     for stage in passes_for(level):
         for _ in range(_ROUNDS):
             changed = False
             for p in stage:
+                ops = frozenset(n.op for n in current.nodes)
+                if clean.get(p.name) == version or not p.applies_to(ops):
+                    continue
                 after = p.fn(current)
                 diff = _differs(current, after)
                 report.records.append(PassRecord(p.name, len(current.nodes),
                                                  len(after.nodes), diff))
                 changed |= diff
                 current = after
+                if diff:
+                    version += 1
+                else:
+                    clean[p.name] = version
             if not changed:
                 break
     if level != "none":
@@ -143,5 +175,27 @@ def _differs(before: Graph, after: Graph) -> bool:
             after.initializers):
         return True
     return any(a.op != b.op or a.inputs != b.inputs or a.outputs != b.outputs
-               or a.attrs.keys() != b.attrs.keys() for a, b in zip(before.nodes, after.nodes,
-                                                                    strict=True))
+               or not _same_attrs(a.attrs, b.attrs)
+               for a, b in zip(before.nodes, after.nodes, strict=True))
+
+
+def _same_attrs(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for k, x in a.items():
+        y = b[k]
+        if x is y:
+            continue
+        if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
+            if not np.array_equal(x, y):
+                return False
+        elif type(x) is not type(y) or not _equal(x, y):
+            return False
+    return True
+
+
+def _equal(x: Any, y: Any) -> bool:
+    try:
+        return bool(x == y)
+    except (TypeError, ValueError):      # e.g. tuples holding arrays: call them different
+        return False

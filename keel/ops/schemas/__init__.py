@@ -1,15 +1,21 @@
 """One module per op family; importing this package registers every schema."""
 
 from keel.ops.schemas import (  # noqa: F401
+    attention,
     conv,
     elementwise,
     indexing,
+    loss,
     matmul,
     memory,
     normalization,
+    numeric,
     pooling,
     quantization,
+    recurrent,
     reduction,
     resize,
     shape,
+    signal,
+    vision,
 )

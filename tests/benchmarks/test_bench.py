@@ -1,0 +1,95 @@
+"""The benchmark machinery runs end to end on a tiny model (speed is never asserted)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from benchmarks import dispatch
+from benchmarks import run as suite
+from keel.bench import BenchConfig, bench_model, peak_rss_delta, random_feeds
+from keel.errors import InvalidArgumentError
+from keel.execution.model import load_model
+from keel.testing.models import mlp
+
+pytest.importorskip("onnxruntime", reason="the side-by-side bench compares with onnxruntime")
+
+TINY = BenchConfig(batches=(1, 3), threads=(1,), passes=2, min_pass_seconds=0.0, min_iters=2)
+
+
+def tiny_model() -> bytes:
+    return mlp(in_features=8, hidden=(16,), classes=3).SerializeToString()
+
+
+def test_bench_model_measures_keel_and_onnxruntime_side_by_side() -> None:
+    messages: list[str] = []
+    report = bench_model("tiny", tiny_model(), TINY, progress=messages.append)
+    runtimes = {(m.runtime, m.batch, m.threads) for m in report.measurements}
+    assert runtimes == {(r, b, 1) for r in ("keel:cpu", "onnxruntime") for b in (1, 3)}
+    for m in report.measurements:
+        assert m.samples >= 2 * TINY.passes and m.median_ms > 0 and m.p90_ms >= m.median_ms
+        assert m.throughput == pytest.approx(m.batch * 1e3 / m.median_ms)
+    assert set(report.ratios) == {"b1_t1", "b3_t1"} and all(r > 0 for r in
+                                                           report.ratios.values())
+    assert set(report.load_ms) == {"keel:cpu", "onnxruntime"}
+    assert messages == ["tiny: batch 1, 1 thread(s)", "tiny: batch 3, 1 thread(s)"]
+    assert json.loads(report.to_json())["model"] == "tiny"
+
+
+def test_bench_without_a_comparison_times_keel_alone() -> None:
+    config = BenchConfig(batches=(2,), passes=1, min_pass_seconds=0.0, min_iters=2, vs=None)
+    report = bench_model("tiny", tiny_model(), config)
+    assert [m.runtime for m in report.measurements] == ["keel:cpu"] and report.ratios == {}
+
+
+def test_an_unknown_comparison_is_rejected() -> None:
+    with pytest.raises(InvalidArgumentError, match="--vs 'tvm' is not supported"):
+        bench_model("tiny", tiny_model(), BenchConfig(vs="tvm"))
+
+
+def test_random_feeds_follow_the_model_inputs() -> None:
+    feeds = random_feeds(load_model(tiny_model()).inputs, batch=4)
+    assert feeds["x"].shape == (4, 8) and feeds["x"].dtype == np.float32
+
+
+def test_the_suite_writes_json_and_a_ratio_table(tmp_path: Path) -> None:
+    code = suite.main(["--models", "mlp", "--batches", "1", "--threads", "1", "--passes", "1",
+                       "--pass-seconds", "0", "--no-rss", "--out", str(tmp_path)])
+    assert code == 0
+    [result] = tmp_path.glob("*.json")
+    payload = json.loads(result.read_text())
+    assert payload["machine"]["cpu"]["usable_cores"] >= 1
+    assert [m["model"] for m in payload["models"]] == ["mlp"]
+    table = (tmp_path / "latest.md").read_text()
+    assert "| mlp |" in table and "b1_t1" in table
+
+
+def test_peak_rss_is_measured_in_fresh_processes(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.onnx"
+    path.write_bytes(tiny_model())
+    delta = peak_rss_delta(str(path), "keel:cpu")
+    # keel, onnx and the model take memory beyond a process with numpy alone.
+    assert delta > 0
+
+
+def test_dispatch_overhead_is_measured() -> None:
+    result = dispatch.measure(nodes=4, ops=("Relu",))
+    assert set(result["Relu"]) == {"predict_1_node_us", "per_node_us", "kernel_us",
+                                   "dispatch_us"}
+    assert result["Relu"]["kernel_us"] > 0
+
+
+def test_keel_bench_cli_prints_json(tmp_path: Path) -> None:
+    from keel.cli import app
+
+    path = tmp_path / "tiny.onnx"
+    path.write_bytes(tiny_model())
+    out = CliRunner().invoke(app, ["bench", str(path), "--vs", "onnxruntime", "--batch", "1",
+                                   "--passes", "1", "--json"])
+    assert out.exit_code == 0, out.output
+    report = json.loads(out.output)
+    assert {m["runtime"] for m in report["measurements"]} == {"keel:cpu", "onnxruntime"}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import platform
 import tempfile
 from pathlib import Path
@@ -41,15 +42,25 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.models:
         spec = MODELS[name]
         model = build(name)
+        before = _load_average()
         report = bench_model(name, model, config,
                              feeds_for=lambda b, s=spec: {s.input_name: s.make_input(b)},
                              progress=lambda msg: print(f"  {msg}", flush=True))
+        # Other work on a shared machine slows 2-thread runs most: record how busy it was.
+        report.notes.append(f"load average (1 min) {before} before, {_load_average()} after")
         if name in RSS_MODELS and not args.no_rss:
             _add_rss(report, model)
         reports.append(report)
         print(_row(report, args), flush=True)
     _write(reports, args)
     return 0
+
+
+def _load_average() -> str:
+    try:
+        return f"{os.getloadavg()[0]:.2f}"
+    except OSError:                     # not every platform reports one
+        return "unknown"
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -155,6 +166,10 @@ def render_markdown(payload: dict[str, Any]) -> str:
             + f" | {load.get('keel:cpu', float('nan')):.1f} / {load.get('onnxruntime', 0):.1f}"
             + (f" | {rss['keel:cpu']} / {rss['onnxruntime']} |" if rss else " | — |")
         )
+    notes = [f"- {m['model']}: {n}" for m in payload["models"] for n in m.get("notes", [])]
+    if notes:
+        lines += ["", "Machine load while each model ran (2 usable cores: above ~1, other "
+                  "work competes with a 2-thread run):", "", *notes]
     lines += ["", "Medians (ms) per runtime:", "",
               "| model | setting | keel median | keel p90 | ort median | ort p90 |",
               "|---|---|---|---|---|---|"]

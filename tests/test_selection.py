@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -15,6 +16,8 @@ from keel.dtypes import DType
 from keel.errors import BackendSelectionError, InvalidArgumentError, UnsupportedOperationError
 from keel.hardware.profile import GpuInfo, HardwareProfile
 from keel.ops.registry import Op, OpGroup
+from keel.planning import selection
+from keel.planning.calibration import Measurement, reset_default_calibration
 from keel.planning.selection import (
     MB,
     Calibration,
@@ -31,10 +34,15 @@ ALL = (Op.ADD, Op.RELU, Op.MATMUL, Op.CONV2D, Op.SUM)
 
 
 @pytest.fixture(autouse=True)
-def _no_env_pin(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def _no_env_pin(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
     monkeypatch.delenv("KEEL_BACKEND", raising=False)
+    # No calibration cached on the machine running the tests may change the static rules.
+    monkeypatch.delenv("KEEL_CALIBRATION", raising=False)
+    monkeypatch.setenv("KEEL_CACHE_DIR", str(tmp_path / "cache"))
     config.settings.cache_clear()
+    reset_default_calibration()
     yield
+    reset_default_calibration()
     config.settings.cache_clear()
 
 
@@ -186,6 +194,74 @@ def test_calibration_overrides_static_thresholds_per_group() -> None:
     # a group the calibration does not cover keeps the static rule
     assert select_backend(_props(Op.CONV2D, 11 * MB), registry=reg,
                           calibration=cal).backend == "gpu"
+
+
+def _measured(group: OpGroup, op: Op, dtype: DType, points: list[tuple[int, float, float]],
+              ) -> list[Measurement]:
+    return [Measurement(group, dtype, op, "", n // dtype.itemsize, n, cpu, gpu, gpu / 4, 5)
+            for n, cpu, gpu in points]
+
+
+def test_a_measured_calibration_decides_per_dtype_and_quotes_the_measurement() -> None:
+    points = _measured(OpGroup.MATMUL_LIKE, Op.MATMUL, DType.FLOAT32,
+                       [(1_000_000, 0.5e-3, 0.9e-3), (4_194_304, 1.9e-3, 0.21e-3)])
+    cal = Calibration({"matmul_like/float32": 4_194_304, "matmul_like/float16": None},
+                      source="measured today", measurements=tuple(points))
+    reg = _registry()
+    sel = select_backend(_props(Op.MATMUL, 5 * MB), registry=reg, calibration=cal)
+    assert sel == Selection("gpu", "5.0 MB of float32 matmul_like input is at or over the "
+                                   "measured GPU crossover 4.2 MB (measured today: at 4.2 MB "
+                                   "float32 matmul, gpu 210 µs incl. copies vs cpu 1.9 ms)",
+                            (("cpu", f"gpu chosen instead: {sel.reason}"),
+                             ("reference", f"gpu chosen instead: {sel.reason}")))
+    # under the crossover, even above the static 10 MB: the measurement wins over seed 004
+    small = select_backend(_props(Op.MATMUL, 2 * MB), registry=reg, calibration=cal)
+    assert small.backend == "cpu" and "is under the measured GPU crossover 4.2 MB" in small.reason
+    # float16 never won; float64 was not measured, so the static rule decides
+    half = select_backend(_props(Op.MATMUL, 500 * MB, dtype=DType.FLOAT16), registry=reg,
+                          calibration=cal)
+    assert half.backend == "cpu"
+    assert half.reason == "calibration (measured today): the GPU never beat the CPU for " \
+                          "float16 matmul_like ops"
+    wide = select_backend(_props(Op.MATMUL, 11 * MB, dtype=DType.FLOAT64), registry=reg,
+                          calibration=cal)
+    assert wide.backend == "gpu" and wide.reason.endswith(
+        "over the 10 MB where the GPU pays back the transfer (the calibration has no float64 "
+        "measurement for matmul_like ops)")
+
+
+def test_pins_and_residency_beat_a_calibration() -> None:
+    cal = Calibration({"elementwise": 0})          # the GPU always wins, by measurement
+    reg = _registry()
+    assert select_backend(_props(Op.ADD, 8), registry=reg, calibration=cal).backend == "gpu"
+    assert select_backend(_props(Op.ADD, 8), registry=reg, calibration=cal,
+                          pinned="cpu") == Selection("cpu", "pinned by the caller")
+    never = Calibration({"elementwise": None})
+    sel = select_backend(_props(Op.ADD, 8, residency="gpu"), registry=reg, calibration=never)
+    assert sel.backend == "gpu" and "already live on the GPU" in sel.reason
+
+
+def test_the_default_calibration_is_read_only_when_it_can_matter(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+
+    def default() -> Calibration:
+        calls.append(1)
+        return Calibration({"elementwise": 0}, source="cached")
+
+    monkeypatch.setattr(selection, "default_calibration", default)
+    # no usable GPU, a pin, data already on the GPU: nothing to decide by cost
+    select_backend(_props(Op.ADD, 8), registry=_registry(gpu_available=False))
+    select_backend(_props(Op.ADD, 8), registry=_registry(), pinned="cpu")
+    select_backend(_props(Op.ADD, 8, residency="gpu"), registry=_registry())
+    assert calls == []
+    sel = select_backend(_props(Op.ADD, 8), registry=_registry())
+    assert calls == [1] and sel.backend == "gpu" and sel.reason.endswith(
+        "the measured GPU crossover 0 B (cached)")
+    # an explicit calibration is used instead; an empty one keeps the static rules
+    assert select_backend(_props(Op.ADD, 8), registry=_registry(),
+                          calibration=Calibration()).backend == "cpu"
+    assert calls == [1]
 
 
 def test_calibration_round_trips_and_validates() -> None:

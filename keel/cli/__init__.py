@@ -15,7 +15,8 @@ from keel.errors import KeelError
 
 __all__ = ["app", "main"]
 
-SUBCOMMANDS = ("probe", "plan", "backends", "bench", "drop", "demo", "convert", "run", "validate")
+SUBCOMMANDS = ("probe", "plan", "backends", "bench", "drop", "demo", "convert", "run", "validate",
+               "calibrate")
 
 app = typer.Typer(
     name="keel",

@@ -175,8 +175,10 @@ class Model:
         # Signatures already checked: shapes (in _fast_names order) -> program.
         self._fast: dict[tuple[tuple[int, ...], ...], tuple[_Planned, Program, list[int]]] = {}
         self._fast_names = [v.name for v in self._declared_inputs]
-        self._fast_dtypes = [_internal_dtype(self._graph, v) for v in self._declared_inputs]
-        self._same_outputs = _outputs_keep_dtype(self._graph, self._declared_outputs)
+        self._fast_dtypes = [v.type.dtype.numpy for v in self._declared_inputs]
+        # Only where no dtype conversion happens at the edges (precision="auto").
+        self._fast_ok = _keeps_dtypes(self._graph, self._declared_inputs,
+                                      self._declared_outputs)
         self._check_default_plan()
 
     # ---- description -----------------------------------------------------
@@ -326,7 +328,7 @@ class Model:
 
     def _remember(self, shapes: Shapes, planned: _Planned, program: Program) -> None:
         """Let later calls with these shapes skip validation and planning."""
-        if not self._same_outputs or set(shapes) != set(self._fast_names) or \
+        if not self._fast_ok or set(shapes) != set(self._fast_names) or \
                 set(program.input_names) != set(self._fast_names):
             return
         if len(self._fast) >= _CACHE_SIZE:
@@ -580,18 +582,10 @@ def _probe_if_gpu(registry: BackendRegistry) -> Any:
     return probe()
 
 
-def _internal_dtype(graph: Graph, declared: Value) -> Any:
-    """The NumPy dtype the optimized graph takes for a declared input."""
-    for v in graph.inputs:
-        if v.name == declared.name:
-            return v.type.dtype.numpy
-    return declared.type.dtype.numpy
-
-
-def _outputs_keep_dtype(graph: Graph, declared: Sequence[Value]) -> bool:
-    """Whether every output leaves the graph in its declared dtype (no conversion)."""
-    internal = {v.name: v.type.dtype for v in graph.outputs}
-    return all(internal.get(v.name) is v.type.dtype for v in declared)
+def _keeps_dtypes(graph: Graph, inputs: Sequence[Value], outputs: Sequence[Value]) -> bool:
+    """Whether the graph takes and gives every value in its declared dtype (no conversion)."""
+    internal = {v.name: v.type.dtype for v in (*graph.inputs, *graph.outputs)}
+    return all(internal.get(v.name) is v.type.dtype for v in (*inputs, *outputs))
 
 
 def _freeze_constants(graph: Graph) -> Graph:

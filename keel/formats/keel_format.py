@@ -129,6 +129,12 @@ def _chunks(head: bytes, data_offset: int, entries: list[dict[str, Any]],
         pos = start + len(blob)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _atomic_write(target: Path, chunks: Iterator[bytes]) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
@@ -138,6 +144,7 @@ def _atomic_write(target: Path, chunks: Iterator[bytes]) -> None:
                 f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual file mode
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -16,7 +16,10 @@ optional hardware profile and policy, and an optional :class:`Calibration`.
    paid back — from seed 004, under 1 MB always the CPU, matmul-like and
    convolution ops over 10 MB and elementwise ops over 100 MB on the GPU,
    everything else on the CPU. A :class:`Calibration` with measured crossover
-   sizes replaces these static thresholds for the op groups it covers.
+   sizes (:mod:`keel.planning.calibration`, ``keel calibrate``) replaces these
+   static thresholds for the op groups and dtypes it covers, and the reason
+   quotes the measurement. Without one given, the calibration cached for this
+   machine is used when there is one.
 4. The first viable backend on that device, in chain order, runs the op.
    Every other candidate is listed in ``Selection.rejected`` with its reason.
 """
@@ -24,7 +27,7 @@ optional hardware profile and policy, and an optional :class:`Calibration`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from keel.backends.base import Backend, DeviceKind
@@ -34,6 +37,7 @@ from keel.dtypes import DType, as_dtype
 from keel.errors import InvalidArgumentError, UnsupportedOperationError
 from keel.hardware.profile import HardwareProfile
 from keel.ops.registry import Op, OpGroup, op_group, to_op
+from keel.planning.calibration import Calibration, default_calibration, format_size, group_name
 
 __all__ = [
     "MB",
@@ -102,70 +106,6 @@ class Selection:
         return "\n".join(lines)
 
 
-@dataclass(frozen=True)
-class Calibration:
-    """Measured GPU-versus-CPU crossover sizes, per cost group.
-
-    ``crossover_bytes[group]`` is the input size from which the GPU (transfer
-    included) beat the CPU on the measured machine; ``None`` means the GPU
-    never won in the measured range. Keys are ``OpGroup`` members or their
-    lower-case names (``"matmul_like"``, ``"convolution"``, ``"elementwise"``,
-    ``"reduction"``...). :func:`select_backend` consults a calibration first;
-    groups it does not cover keep the static thresholds. A calibration step
-    fills this in; ``source`` says where the numbers came from.
-    """
-
-    crossover_bytes: Mapping[OpGroup | str, int | None] = field(default_factory=dict)
-    source: str = "measured"
-
-    def __post_init__(self) -> None:
-        table: dict[OpGroup, int | None] = {}
-        for key, value in dict(self.crossover_bytes).items():
-            group = _group(key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 0):
-                raise InvalidArgumentError(
-                    f"crossover for {group.name.lower()} must be a non-negative int of bytes "
-                    f"or None, got {value!r}")
-            table[group] = value
-        object.__setattr__(self, "crossover_bytes", table)
-
-    def covers(self, group: OpGroup) -> bool:
-        return group in self.crossover_bytes
-
-    def crossover(self, group: OpGroup) -> int | None:
-        return self.crossover_bytes.get(group)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"source": self.source,
-                "crossover_bytes": {_group_name(_group(g)): v
-                                    for g, v in self.crossover_bytes.items()}}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Calibration:
-        if not isinstance(data, Mapping) or not isinstance(data.get("crossover_bytes", {}),
-                                                           Mapping):
-            raise InvalidArgumentError(
-                "a calibration must be a mapping with a 'crossover_bytes' mapping, "
-                f"got {data!r}")
-        return cls(dict(data.get("crossover_bytes", {})), str(data.get("source", "measured")))
-
-
-def _group(key: OpGroup | str) -> OpGroup:
-    if isinstance(key, OpGroup):
-        return key
-    try:
-        return OpGroup[str(key).strip().upper()]
-    except KeyError:
-        raise InvalidArgumentError(
-            f"unknown op group {key!r}; allowed: "
-            f"{', '.join(_group_name(g) for g in OpGroup)}") from None
-
-
-def _group_name(group: OpGroup) -> str:
-    return group.name.lower()
-
-
 def cost_group(op: Op) -> OpGroup:
     """The group whose crossover applies to ``op`` (compute-heavy groups first)."""
     for group in (OpGroup.CONVOLUTION, OpGroup.MATMUL_LIKE, OpGroup.ELEMENTWISE):
@@ -184,7 +124,12 @@ def select_backend(
     pinned: str | None = None,
     calibration: Calibration | None = None,
 ) -> Selection:
-    """Choose the backend for one operation; see the module docstring for the rules."""
+    """Choose the backend for one operation; see the module docstring for the rules.
+
+    ``calibration=None`` consults :func:`~keel.planning.calibration.default_calibration`
+    (the file ``KEEL_CALIBRATION`` names, else the cached one for this machine);
+    an empty ``Calibration()`` keeps the static thresholds only.
+    """
     reg = registry if registry is not None else default_registry()
     pin, source = resolve_pin(pinned, policy)
     if pin is not None:
@@ -295,7 +240,9 @@ def _choose_device(viable: list[Backend], props: OperationProperties,
         return resident, "its inputs already live on the GPU: running there avoids a transfer"
     if DeviceKind.GPU not in devices:
         return DeviceKind.CPU, "the CPU is the only device available for it"
-    worth, why = gpu_pays_back(props, calibration)
+    # Looked up only here, where it matters: a machine without a usable GPU never reads it.
+    worth, why = gpu_pays_back(props, calibration if calibration is not None
+                               else default_calibration())
     if worth:
         return DeviceKind.GPU, why
     if DeviceKind.CPU in devices:
@@ -305,18 +252,46 @@ def _choose_device(viable: list[Backend], props: OperationProperties,
 
 def gpu_pays_back(props: OperationProperties,
                   calibration: Calibration | None = None) -> tuple[bool, str]:
-    """Whether moving this op's inputs to the GPU is paid back, and why (not)."""
+    """Whether moving this op's inputs to the GPU is paid back, and why (not).
+
+    A calibration that covers the op's group on its dtype decides, and the
+    reason quotes the measurement behind it; otherwise the static rules do.
+    """
     group = cost_group(props.op)
-    name, size = _group_name(group), _size(props.nbytes)
-    if calibration is not None and calibration.covers(group):
-        cross = calibration.crossover(group)
-        if cross is None:
-            return False, f"calibration ({calibration.source}): the GPU never beat the CPU " \
-                          f"for {name} ops"
-        verdict = props.nbytes >= cross
-        return verdict, (f"{size} of {name} input is {'at or over' if verdict else 'under'} "
-                         f"the measured GPU crossover {_size(cross)} "
-                         f"({calibration.source})")
+    entry = None if calibration is None else calibration.lookup(group, props.dtype)
+    if calibration is not None and entry is not None:
+        return _calibrated(props, group, calibration, entry)
+    verdict, why = _static(props, group)
+    if calibration is not None and not calibration.has_gpu:
+        why += " (the calibration found no usable GPU; run `keel calibrate` again)"
+    elif calibration is not None and calibration.covers(group):
+        why += (f" (the calibration has no {props.dtype.value} measurement for "
+                f"{group_name(group)} ops)")
+    return verdict, why
+
+
+def _calibrated(props: OperationProperties, group: OpGroup, calibration: Calibration,
+                entry: tuple[tuple[OpGroup, DType | None], int | None]) -> tuple[bool, str]:
+    (_, dtype), cross = entry
+    what = group_name(group) if dtype is None else f"{dtype.value} {group_name(group)}"
+    evidence = calibration.evidence(group, props.dtype)
+    quote = calibration.source if evidence is None \
+        else f"{calibration.source}: {evidence.describe()}"
+    if cross is None:
+        if evidence is None:
+            return False, (f"calibration ({calibration.source}): the GPU never beat the CPU "
+                           f"for {what} ops")
+        return False, (f"the GPU was not ahead of the CPU for {what} ops at the largest size "
+                       f"measured ({quote})")
+    verdict = props.nbytes >= cross
+    return verdict, (f"{_size(props.nbytes)} of {what} input is "
+                     f"{'at or over' if verdict else 'under'} the measured GPU crossover "
+                     f"{_size(cross)} ({quote})")
+
+
+def _static(props: OperationProperties, group: OpGroup) -> tuple[bool, str]:
+    """Seed 004's fixed thresholds."""
+    name, size = group_name(group), _size(props.nbytes)
     if props.nbytes < SMALL_BYTES:
         return False, f"{size} of input is under 1 MB: launch and transfer overhead dominate"
     static = STATIC_CROSSOVER_BYTES.get(group)
@@ -327,12 +302,7 @@ def gpu_pays_back(props: OperationProperties,
                      f"{static // MB} MB where the GPU pays back the transfer")
 
 
-def _size(n: int) -> str:
-    """Decimal units, like the thresholds (seed 004 counts megabytes)."""
-    for unit, scale in (("GB", 1000**3), ("MB", MB), ("kB", 1000)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
+_size = format_size      # decimal units, like the thresholds (seed 004 counts megabytes)
 
 
 def _why_not_chosen(backend: Backend, chosen: Backend, why: str) -> str:

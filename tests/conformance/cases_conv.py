@@ -5,8 +5,9 @@
 depthwise convs (with a channel multiplier), 1x1 convs, 3x3 convs large
 enough for the cpu backend's Winograd variant, every fused activation, the
 residual input Z, batch > 1, zero-size batches, non-contiguous inputs and
-float16/32/64. Tolerances grow with the dtype's precision and the number of
-terms per output.
+float16/32/64, and shapes that take each layout of the cpu variants (compact
+and wide im2col columns, the depthwise formulations). Tolerances grow with
+the dtype's precision and the number of terms per output.
 """
 
 from __future__ import annotations
@@ -85,6 +86,14 @@ CASES: list[OpCase] = [
           pads=(1, 0, 1, 2)),
     _conv("conv-winograd-residual", (1, 64, 14, 14), (64, 64, 3, 3), z=(1, 64, 14, 14),
           pads=_P1, activation="relu"),
+    # A batch of 7x7 outputs: Winograd at batch 8 (enough tiles), im2col at batch 1.
+    _conv("conv-winograd-batched-7x7", (8, 64, 7, 7), (64, 64, 3, 3), pads=_P1,
+          activation="relu"),
+    # >= 64 output channels: compact im2col columns (the GEMM writes Y itself).
+    _conv("conv-im2col-compact-stride2", (2, 16, 15, 15), (64, 16, 3, 3), pads=_P1,
+          strides=(2, 2), z=(2, 64, 8, 8), activation="relu"),
+    # 32x32 outputs: 1024-float rows, padded so that BLAS panels do not collide.
+    _conv("conv-im2col-4kib-rows", (2, 4, 32, 32), (8, 4, 3, 3), pads=_P1),
     # ---- 1x1 ----
     _conv("conv-1x1", (2, 8, 7, 6), (16, 8, 1, 1)),
     _conv("conv-1x1-fewer-out", (2, 16, 5, 5), (4, 16, 1, 1)),
@@ -103,6 +112,14 @@ CASES: list[OpCase] = [
           dilations=(2, 2), group=4),
     _conv("conv-depthwise-f64", (1, 6, 7, 8), (6, 1, 3, 3), dtype=F64, pads=_P1, group=6),
     _conv("conv-depthwise-f16", (1, 4, 6, 6), (4, 1, 3, 3), dtype=F16, pads=_P1, group=4),
+    # Many channels on small planes: the channels-last einsum (stride 1 and 2).
+    _conv("conv-depthwise-channels-last", (2, 192, 7, 7), (192, 1, 3, 3), pads=_P1,
+          group=192, z=(2, 192, 7, 7)),
+    _conv("conv-depthwise-channels-last-stride2", (1, 256, 9, 9), (256, 1, 3, 3),
+          pads=_P1, strides=(2, 2), group=256, activation="clip",
+          activation_params=(0.0, 6.0)),
+    # A batch of large planes: one multiply-add per tap.
+    _conv("conv-depthwise-planes-batched", (2, 3, 56, 56), (3, 1, 3, 3), pads=_P1, group=3),
     # ---- auto_pad ----
     _conv("conv-same-upper-stride2", (1, 3, 8, 7), (4, 3, 4, 4), auto_pad="SAME_UPPER",
           strides=(2, 2)),

@@ -5,8 +5,9 @@ They cover NumPy matmul broadcasting and the 1-D promotions, every fused
 activation on matmul and gemm, gemm's transposes, alpha/beta and the shapes C
 may take, einsum equations that are and are not one batched GEMM (traces,
 diagonals, ellipses, three operands), integer matmuls with per-tensor, per-row
-and per-column zero points, attention with additive, boolean and causal masks,
-zero-size and non-contiguous inputs, and float16/32/64 plus integer dtypes.
+and per-column zero points, attention with additive (per head, or BERT's per-batch
+padding), boolean and causal masks, more heads than one block of the cpu kernel,
+broadcast K/V, zero-size and non-contiguous inputs, and float16/32/64 plus integer dtypes.
 """
 
 from __future__ import annotations
@@ -97,6 +98,8 @@ CASES: list[OpCase] = [
     _case("matmul-empty-inner", Op.MATMUL, (3, 0), (0, 2)),
     _case("matmul-nc-transposed", Op.MATMUL, (5, 7), (7, 3), views=(_t, _t)),
     _case("matmul-nc-strided", Op.MATMUL, (4, 5), (5, 3), views=(_strided,)),
+    _case("matmul-3d-2d-bias-gelu", Op.MATMUL, (3, 20, 16), (16, 12), (12,), activation="gelu"),
+    _case("matmul-4d-2d-nc", Op.MATMUL, (2, 3, 4, 16), (16, 5), views=(_t,)),
     # ---- dot ----
     _case("dot-1d-1d", Op.DOT, (7,), (7,)),
     _case("dot-2d-2d", Op.DOT, (3, 4), (4, 5)),
@@ -122,6 +125,8 @@ CASES: list[OpCase] = [
             activation_params=params) for name, params in _ACTIVATIONS[:4]],
     _case("gemm-empty", Op.GEMM, (0, 3), (3, 5), (5,)),
     _case("gemm-nc", Op.GEMM, (4, 6), (6, 5), views=(_t, _strided)),
+    _case("gemm-one-row-trans-b", Op.GEMM, (1, 30), (20, 30), (20,), trans_b=1,
+          activation="relu"),
 ]
 
 _EINSUM: tuple[tuple[str, str, tuple[tuple[int, ...], ...]], ...] = (
@@ -195,6 +200,9 @@ def _attention(id: str, q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ..
         if mask == "additive":
             arrays.append(np.where(rng.random((1, *scores[1:])) < 0.3, -1e4, 0.0)
                           .astype(dtype))
+        elif mask == "padding":            # (B, 1, 1, T): one row per batch, every head
+            arrays.append(np.where(rng.random((scores[0], 1, 1, scores[-1])) < 0.3, -1e4, 0.0)
+                          .astype(dtype))
         elif mask == "bool":
             keep = rng.random(scores[-2:]) < 0.7
             keep[:, 0] = True                     # every query sees at least one key
@@ -216,4 +224,8 @@ CASES += [
                scale=50.0),
     _attention("attention-f64", (1, 2, 5, 8), (1, 2, 7, 8), (1, 2, 7, 8), dtype=F64),
     _attention("attention-f16", (1, 1, 4, 8), (1, 1, 5, 8), (1, 1, 5, 8), dtype=F16),
+    # More heads than one block of the cpu kernel, with BERT's padding mask.
+    _attention("attention-many-heads-padding", (2, 6, 40, 8), (2, 6, 48, 8), (2, 6, 48, 8),
+               mask="padding"),
+    _attention("attention-broadcast-kv", (2, 3, 5, 8), (1, 3, 7, 8), (3, 7, 8)),
 ]

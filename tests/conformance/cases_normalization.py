@@ -3,8 +3,9 @@
 Each op runs in float32, float64 and float16 (the cpu kernels compute float16
 in float32), over several ranks and axes, with zero-size inputs where the op
 allows them (``*-empty``) and non-contiguous views (``*-nc``). Softmax cases
-include large magnitudes (``*-large``: the max is subtracted first) and
-Hardmax ties (``*-ties``: the first maximum wins).
+include large magnitudes (``*-large``: the max is subtracted first), more rows
+than one block of the cpu kernels (``*-many-rows``) and Hardmax ties
+(``*-ties``: the first maximum wins).
 """
 
 from __future__ import annotations
@@ -95,6 +96,9 @@ def _layer_norm() -> list[OpCase]:
         OpCase("layer_norm-empty", op, _x((0, 5), F32, (5,), (5,)), **_tol(F32)),
         OpCase("layer_norm-nc", op, _x((6, 3, 4), F32, (6,), (6,),
                                        view=lambda x: x.transpose(2, 1, 0)), **_tol(F32)),
+        # More rows than one block of the cpu kernel (it works on ~64 Ki elements at a time).
+        OpCase("layer_norm-many-rows", op, _x((4, 300, 96), F32, (96,), (96,), scale=2.0),
+               **_tol(F32)),
     ]
     return cases
 
@@ -191,6 +195,9 @@ def _softmax_family() -> list[OpCase]:
             OpCase(f"{name}-empty-axis", op, _x((3, 0), F32), {"axis": 1}),
             OpCase(f"{name}-nc", op, _x((6, 4, 3), F32, view=lambda x: x.transpose(2, 0, 1)),
                    {"axis": 1}, **_tol(F32)),
+            # Several blocks of rows, in scaled-attention style (wide spread per block).
+            OpCase(f"{name}-many-rows", op, _x((2, 4, 128, 130), F32, scale=30.0),
+                   **_tol(F32)),
         ]
     cases.append(OpCase("hardmax-ties", Op.HARDMAX,
                         lambda rng: [rng.integers(0, 3, (5, 6)).astype(F32)], {"axis": 1}))

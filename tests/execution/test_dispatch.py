@@ -240,6 +240,15 @@ def test_repeated_predicts_skip_validation_but_never_wrong_inputs() -> None:
     assert m.plan.input_shapes == {"x": (5, 4)}
 
 
+def test_a_converted_precision_still_checks_declared_dtypes() -> None:
+    m = load_model(model_proto(), backend="cpu", precision="fp64")
+    x = np.ones((2, 4), np.float32)
+    for _ in range(2):
+        assert m.predict({"x": x})["y"].dtype == np.float32   # declared, not computed
+    with pytest.raises(InvalidArgumentError, match="dtype float64; expected float32"):
+        m.predict({"x": x.astype(np.float64)})
+
+
 def test_a_new_memory_limit_forgets_the_remembered_signatures() -> None:
     proto = mlp(in_features=16, hidden=(32, 16), classes=4)
     feeds = make_inputs(proto, 64, seed=7)
@@ -298,3 +307,30 @@ def test_a_cpu_program_runs_under_its_thread_cap(monkeypatch: pytest.MonkeyPatch
     m.predict({"x": x})
     m.predict({"x": x})
     assert seen == [1, 1] and pool.threads == 4           # once per run, then restored
+
+
+class FakeOpenBLAS:
+    internal_api = "openblas"
+
+    def __init__(self, layer: str = "pthreads", symbols: bool = True) -> None:
+        self.threading_layer = layer
+        self.value = 2
+        self.symbols = symbols
+
+    def _get_symbol(self, name: str) -> Any:
+        if not self.symbols:
+            raise AttributeError(name)
+        if name == "openblas_get_num_threads":
+            return lambda: self.value
+        return lambda n: setattr(self, "value", n)
+
+
+def test_openblas_pthreads_pools_are_set_through_their_c_entry_points() -> None:
+    lib = FakeOpenBLAS()
+    pool = cpu_backend._direct(lib)
+    assert pool is not lib
+    pool.set_num_threads(1)
+    assert pool.get_num_threads() == 1 == lib.value
+    # OpenMP builds keep per-thread limits, and other controllers keep their methods.
+    openmp, bare = FakeOpenBLAS("openmp"), FakeOpenBLAS(symbols=False)
+    assert cpu_backend._direct(openmp) is openmp and cpu_backend._direct(bare) is bare

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from keel.backends.cpu import conv as cpu_conv
-from keel.backends.cpu import conv_gemm, winograd, workspace
+from keel.backends.cpu import conv_gemm, depthwise, winograd, workspace
 from keel.backends.cpu.conv_rules import ConvCase, conv_case, pick
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError, UnsupportedOperationError
@@ -17,7 +17,7 @@ from keel.ops.registry import Op
 from keel.ops.schema import get_schema
 from keel.ops.schemas.conv import conv_geometry, window, window_out_dim
 from keel.ops.types import TensorType
-from tests.ops._matconv_support import cpu, onnx_reference, onnxruntime_node, ref
+from tests.ops._matconv_support import CPU_CTX, cpu, onnx_reference, onnxruntime_node, ref
 
 RNG = np.random.default_rng(11)
 P1 = (1, 1, 1, 1)
@@ -265,8 +265,12 @@ def test_conv_rules_explain_their_choice() -> None:
     small = ConvCase(2, (3, 3), (1, 1), (1, 1), True, 1, 64, 64, (7, 7), 1, "float32")
     name, reason = pick(small, cpu_conv.RULES.values())
     assert name == "im2col"
-    assert "not winograd: 49 output pixels < 196" in reason
-    assert "slower than im2col" in reason
+    assert "not winograd: 64 channels, 49 output pixels over the batch" in reason
+    assert "slower than im2col" in reason and "batch 1" in reason
+    batched = ConvCase(2, (3, 3), (1, 1), (1, 1), True, 1, 64, 64, (7, 7), 32, "float32")
+    name, reason = pick(batched, cpu_conv.RULES.values())
+    assert name == "winograd"                # 32 images: enough tiles for the GEMMs
+    assert "batch 32" in reason
     with pytest.raises(LookupError, match="no conv variant serves"):
         pick(small, [cpu_conv.RULES["winograd"]])
 
@@ -307,3 +311,163 @@ def test_workspace_reuses_buffers_and_caches_only_frozen_constants() -> None:
 def test_unknown_variant_lists_the_ones_there() -> None:
     with pytest.raises(UnsupportedOperationError, match=r"variants here: .*winograd"):
         cpu(Op.CONV, [_f(1, 3, 5, 5), _f(4, 3, 3, 3)], "fft")
+
+
+# ---- the layouts inside the variants ---------------------------------------------------------
+def _geometry(x: tuple[int, ...], w: tuple[int, ...], attrs: dict[str, Any]) -> Any:
+    return conv_geometry(Op.CONV, x, w, get_schema(Op.CONV).normalize_attrs(attrs))
+
+
+def _want(xs: np.ndarray, ws: np.ndarray, b: np.ndarray | None, z: np.ndarray | None,
+          attrs: dict[str, Any]) -> np.ndarray:
+    plain = ref(Op.CONV, [xs, ws] + ([] if b is None else [b]), **attrs)[0]
+    return np.clip(plain + (0 if z is None else z), 0, 6)
+
+
+_IM2COL_CASES = [
+    ("3x3", (3, 5, 9, 8), (6, 5, 3, 3), {"pads": P1}),
+    ("strided-dilated", (2, 4, 13, 12), (6, 4, 3, 3),
+     {"pads": P1, "strides": (2, 2), "dilations": (2, 1)}),
+    ("stem-like", (2, 3, 20, 18), (8, 3, 7, 7), {"pads": (3, 3, 3, 3), "strides": (2, 2)}),
+    ("grouped", (2, 6, 8, 8), (6, 2, 3, 3), {"pads": P1, "group": 3}),
+    ("kernel-below-stride", (1, 3, 9, 9), (4, 3, 2, 2), {"strides": (3, 3)}),
+    ("1-D", (3, 3, 17), (4, 3, 3), {"pads": (1, 1), "strides": (2,)}),
+    ("3-D", (2, 2, 5, 6, 7), (3, 2, 3, 3, 3), {"pads": (1,) * 6}),
+    ("4KiB rows", (1, 4, 32, 32), (5, 4, 3, 3), {"pads": P1}),    # 1024 float32 columns
+]
+
+
+@pytest.mark.parametrize(("name", "x", "w", "attrs"), _IM2COL_CASES,
+                         ids=[c[0] for c in _IM2COL_CASES])
+@pytest.mark.parametrize("compact", [True, False])
+@pytest.mark.parametrize("stacked", [True, False])
+def test_im2col_layouts_agree_with_the_reference(monkeypatch: pytest.MonkeyPatch, name: str,
+                                                 x: tuple[int, ...], w: tuple[int, ...],
+                                                 attrs: dict[str, Any], compact: bool,
+                                                 stacked: bool) -> None:
+    monkeypatch.setattr(conv_gemm, "STACK_BELOW", 10**9 if stacked else 0)
+    monkeypatch.setattr(conv_gemm, "IM2COL_BYTES", 1)            # chunks of one image
+    monkeypatch.setattr(conv_gemm, "STACKED_BYTES", 1 << 30)
+    geo = _geometry(x, w, attrs)
+    layout = conv_gemm.im2col_layout(geo, 4, compact=compact)
+    assert layout.compact is compact and layout.stacked is (stacked and x[0] > 1)
+    xs, ws, b = _f(*x), _f(*w), _f(w[0])
+    z = _f(*geo.out_shape)
+    y = np.empty(geo.out_shape, np.float32)
+    conv_gemm.im2col(np, layout, xs, ws, b, z, y, ("clip", (0.0, 6.0)))
+    np.testing.assert_allclose(y, _want(xs, ws, b, z, attrs), rtol=1e-4, atol=1e-4)
+
+
+def test_column_rows_avoid_4kib_strides() -> None:
+    assert conv_gemm.row_length(1024, np.float32) == 1040
+    assert conv_gemm.row_length(512, np.float64) == 528
+    assert conv_gemm.row_length(1086, np.float32) == 1086
+
+
+@pytest.mark.parametrize(("x", "w", "attrs"), [
+    ((3, 8, 6, 7), (16, 8, 1, 1), {}),                               # folds the bias
+    ((3, 16, 6, 7), (8, 16, 1, 1), {}),                              # adds it after
+    ((2, 8, 7, 7), (6, 4, 1, 1), {"strides": (2, 2), "group": 2}),
+])
+@pytest.mark.parametrize("stacked", [True, False])
+def test_pointwise_layouts_agree_with_the_reference(monkeypatch: pytest.MonkeyPatch,
+                                                    x: tuple[int, ...], w: tuple[int, ...],
+                                                    attrs: dict[str, Any],
+                                                    stacked: bool) -> None:
+    monkeypatch.setattr(conv_gemm, "STACK_BELOW", 10**9 if stacked else 0)
+    geo = _geometry(x, w, attrs)
+    layout = conv_gemm.pointwise_layout(geo, has_bias=True)
+    assert layout.stacked is stacked
+    xs, ws, b = _f(*x), _f(*w), _f(w[0])
+    z = _f(*geo.out_shape)
+    y = np.empty(geo.out_shape, np.float32)
+    conv_gemm.pointwise(np, layout, xs, ws, b, z, y, ("clip", (0.0, 6.0)))
+    np.testing.assert_allclose(y, _want(xs, ws, b, z, attrs), rtol=1e-4, atol=1e-4)
+
+
+_DEPTHWISE_CASES = [
+    ("3x3", (2, 6, 9, 8), (6, 1, 3, 3), {"pads": P1, "group": 6}),
+    ("strided", (2, 5, 10, 11), (5, 1, 3, 3), {"pads": (1, 0, 1, 2), "strides": (2, 2),
+                                                "group": 5}),
+    ("dilated-5x5", (1, 4, 12, 12), (4, 1, 5, 5), {"pads": (2, 2, 2, 2), "dilations": (2, 1),
+                                                    "group": 4}),
+    ("multiplier", (1, 3, 8, 8), (6, 1, 3, 3), {"pads": P1, "strides": (1, 2), "group": 3}),
+    ("3-D", (1, 3, 5, 6, 7), (3, 1, 3, 3, 3), {"pads": (1,) * 6, "group": 3}),
+]
+
+
+@pytest.mark.parametrize(("name", "x", "w", "attrs"), _DEPTHWISE_CASES,
+                         ids=[c[0] for c in _DEPTHWISE_CASES])
+@pytest.mark.parametrize("form", depthwise.FORMS)
+@pytest.mark.parametrize("block", [1 << 20, 1])                 # 1 byte: one channel a block
+def test_depthwise_forms_agree_with_the_reference(monkeypatch: pytest.MonkeyPatch, name: str,
+                                                  x: tuple[int, ...], w: tuple[int, ...],
+                                                  attrs: dict[str, Any], form: str,
+                                                  block: int) -> None:
+    monkeypatch.setattr(depthwise, "BLOCK_BYTES", block)
+    monkeypatch.setattr(depthwise, "STREAM_BYTES", block)
+    geo = _geometry(x, w, attrs)
+    if form != "planes" and (len(x) != 4 or w[0] != x[1]) and not (
+            form == "rows" and len(x) == 4):
+        with pytest.raises(ValueError, match=f"form '{form}' cannot run"):
+            depthwise.depthwise_layout(geo, form)
+        return
+    layout = depthwise.depthwise_layout(geo, form)
+    xs, ws, b = _f(*x), _f(*w), _f(w[0])
+    z = _f(*geo.out_shape)
+    y = np.empty(geo.out_shape, np.float32)
+    depthwise.depthwise(np, layout, xs, ws, b, z, y, ("clip", (0.0, 6.0)))
+    np.testing.assert_allclose(y, _want(xs, ws, b, z, attrs), rtol=1e-4, atol=1e-4)
+
+
+def test_depthwise_picks_its_form_by_shape() -> None:
+    def form(x: tuple[int, ...], strides: tuple[int, int] = (1, 1)) -> str:
+        c = x[1]
+        geo = _geometry(x, (c, 1, 3, 3), {"pads": P1, "group": c, "strides": strides})
+        return depthwise.depthwise_layout(geo).form
+
+    assert form((1, 960, 7, 7)) == "channels_last"          # many channels, small planes
+    assert form((1, 576, 14, 14), (2, 2)) == "channels_last"
+    assert form((1, 32, 112, 112)) == "rows"
+    assert form((8, 32, 112, 112)) == "planes"               # batches of big planes
+    geo = _geometry((1, 3, 5, 6, 7), (3, 1, 3, 3, 3), {"pads": (1,) * 6, "group": 3})
+    assert depthwise.depthwise_layout(geo).form == "planes"   # 3-D
+
+
+def test_prepacked_and_plain_runs_agree_bitwise() -> None:
+    """A kernel gives the same bytes whether or not its weights were prepacked."""
+    import dataclasses
+
+    for x, w, attrs in (((2, 8, 9, 9), (8, 8, 3, 3), {"pads": P1}),
+                        ((2, 64, 8, 8), (64, 64, 3, 3), {"pads": P1}),
+                        ((2, 8, 6, 6), (16, 8, 1, 1), {}),
+                        ((2, 8, 9, 9), (8, 1, 3, 3), {"pads": P1, "group": 8})):
+        xs, ws, b = _f(*x), _f(*w), _f(w[0])
+        norm = get_schema(Op.CONV).normalize_attrs({**attrs, "activation": "relu"})
+        kernel = cpu_conv.TABLE.get(Op.CONV)
+        assert kernel.prepack is not None
+        ctx = dataclasses.replace(CPU_CTX, prepacked=kernel.prepack(CPU_CTX, [None, ws, b],
+                                                                    norm))
+        assert isinstance(ctx.prepacked, workspace.Packed)
+        plain = kernel.fn(CPU_CTX, [xs, ws, b], norm, None)[0]
+        for _ in range(2):                                   # made, then reused
+            packed = kernel.fn(ctx, [xs, ws, b], norm, None)[0]
+            assert packed.tobytes() == plain.tobytes()
+        other = _f(*w)                                       # not the prepacked weights
+        np.testing.assert_allclose(kernel.fn(ctx, [xs, other, b], norm, None)[0],
+                                   kernel.fn(CPU_CTX, [xs, other, b], norm, None)[0])
+
+
+def test_workspace_binds_objects_per_key() -> None:
+    made: list[int] = []
+
+    class Held:
+        nbytes = 8
+
+    def make() -> Held:
+        made.append(1)
+        return Held()
+
+    first = workspace.bound(np, ("test-bound", 1), make)
+    assert workspace.bound(np, ("test-bound", 1), make) is first and len(made) == 1
+    assert workspace.bound(np, ("test-bound", 2), make) is not first

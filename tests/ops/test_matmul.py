@@ -3,12 +3,14 @@ and the fused-epilogue module."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 import numpy as np
 import pytest
 
+from keel.backends.base import KernelContext
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError
 from keel.ops import epilogue
@@ -16,7 +18,7 @@ from keel.ops.registry import Op
 from keel.ops.schema import get_schema
 from keel.ops.schemas.matmul import dot_shape, einsum_shape, matmul_shape, parse_einsum
 from keel.ops.types import TensorType
-from tests.ops._matconv_support import cpu, onnx_reference, ref
+from tests.ops._matconv_support import CPU, CPU_CTX, cpu, onnx_reference, ref
 
 RNG = np.random.default_rng(7)
 
@@ -304,3 +306,212 @@ def test_gelu_approximation_error_is_small_in_float64() -> None:
     got = epilogue.apply_activation(np, x, "gelu")
     err = np.abs(got - epilogue.reference_activation(x, "gelu"))
     assert err.max() < 2e-7
+
+
+# ---- prepacked constant operands -------------------------------------------------------
+def _frozen(x: np.ndarray) -> np.ndarray:
+    x.flags.writeable = False
+    return x
+
+
+def _prepacked(op: Op, inputs: list[np.ndarray | None], **attrs: Any) -> KernelContext:
+    """The cpu context the executor builds: the variant's prepack of the frozen inputs."""
+    variant = CPU.get(op)
+    norm = get_schema(op).normalize_attrs(attrs)
+    consts = [x if x is not None and not x.flags.writeable else None for x in inputs]
+    assert variant.prepack is not None
+    return dataclasses.replace(CPU_CTX, prepacked=variant.prepack(CPU_CTX, consts, norm))
+
+
+def _run(op: Op, ctx: KernelContext, inputs: list[np.ndarray | None],
+         out: list[np.ndarray] | None = None, **attrs: Any) -> list[np.ndarray]:
+    norm = get_schema(op).normalize_attrs(attrs)
+    return list(CPU.get(op).fn(ctx, list(inputs), norm, out))
+
+
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 784, 512), (32, 784, 512), (33, 100, 17),
+                                           (5, 7, 3), (0, 4, 3)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64, np.int32])
+def test_gemm_prepacked_and_unpacked_agree_bitwise(m: int, k: int, n: int, dtype: Any) -> None:
+    a = (RNG.standard_normal((m, k)) * 3).astype(dtype)
+    w = _frozen((RNG.standard_normal((n, k)) * 3).astype(dtype))
+    c = _frozen((RNG.standard_normal(n) * 3).astype(dtype))
+    attrs: dict[str, Any] = {"trans_b": 1, "alpha": 2.0, "beta": 0.5, "activation": "relu"}
+    packed = _run(Op.GEMM, _prepacked(Op.GEMM, [None, w, c], **attrs), [a, w, c], **attrs)[0]
+    plain = cpu(Op.GEMM, [a, w, c], **attrs)[0]
+    np.testing.assert_array_equal(packed, plain)
+    want = ref(Op.GEMM, [a, w, c], **attrs)[0]
+    # Sums of k products of size ~9: absolute error relative to the largest output.
+    tol = {np.float16: 2e-2, np.float32: 1e-5, np.float64: 1e-12}.get(dtype, 0)
+    scale = float(np.abs(want).max(initial=1.0))
+    np.testing.assert_allclose(packed, want, rtol=tol, atol=tol * scale)
+
+
+def test_gemm_prepack_is_read_only_and_leaves_the_weights_alone() -> None:
+    w, c = _frozen(_f(6, 5)), _frozen(_f(6))
+    ctx = _prepacked(Op.GEMM, [None, w, c], trans_b=1, beta=2.0)
+    state = ctx.prepacked
+    assert state.rhs.shape == (5, 6) and state.rhs.flags.c_contiguous
+    assert not state.rhs.flags.writeable and not state.addend.flags.writeable
+    np.testing.assert_array_equal(state.rhs, w.T)
+    np.testing.assert_array_equal(state.addend, 2.0 * c)
+    assert not w.flags.writeable and not c.flags.writeable
+    # A constant already in the BLAS layout is shared, not copied (nor frozen by us).
+    b = _frozen(_f(5, 6))
+    assert _prepacked(Op.MATMUL, [None, b]).prepacked.rhs is b
+    live = _f(5, 6)
+    pack = CPU.get(Op.MATMUL).prepack
+    assert pack is not None and pack(CPU_CTX, [None, None], {}) is None
+    assert live.flags.writeable
+
+
+def test_prepacked_state_is_ignored_for_other_arrays() -> None:
+    # The state belongs to the arrays it was made from: other operands recompute.
+    w, other = _frozen(_f(6, 5)), _f(6, 5)
+    a = _f(3, 5)
+    ctx = _prepacked(Op.GEMM, [None, w, None], trans_b=1)
+    got = _run(Op.GEMM, ctx, [a, other], trans_b=1)[0]
+    np.testing.assert_allclose(got, a @ other.T, rtol=1e-5, atol=1e-5)
+    b, bias, other_bias = _frozen(_f(5, 4)), _frozen(_f(4)), _f(4)
+    ctx = _prepacked(Op.MATMUL, [None, b, bias])
+    got = _run(Op.MATMUL, ctx, [a, b, other_bias])[0]
+    np.testing.assert_allclose(got, a @ b + other_bias, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("sa", "sb"), [((4, 8, 16), (16, 5)), ((2, 3, 4, 16), (16, 5)),
+                                        ((16,), (16, 5)), ((3, 16), (16, 5)),
+                                        ((2, 4, 16), (2, 16, 5))])
+def test_matmul_folds_leading_dimensions_into_one_gemm(sa: tuple[int, ...],
+                                                       sb: tuple[int, ...]) -> None:
+    a, b, bias = _f(*sa), _frozen(_f(*sb)), _f(sb[-1])
+    out = np.empty(np.matmul(a, b).shape, np.float32)
+    want = ref(Op.MATMUL, [a, b, bias], activation="gelu")[0]
+    for ctx in (CPU_CTX, _prepacked(Op.MATMUL, [None, b, None])):
+        (y,) = _run(Op.MATMUL, ctx, [a, b, bias], out=[out], activation="gelu")
+        assert y is out
+        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    # A non-contiguous A (a transposed view) gives the same values.
+    at = np.ascontiguousarray(np.swapaxes(a, 0, -1)).swapaxes(0, -1) if a.ndim > 1 else a
+    np.testing.assert_allclose(cpu(Op.MATMUL, [at, b, bias])[0], a @ b + bias,
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("bias_shape", "act"), [((1000,), "gelu"), ((1, 1000), "silu"),
+                                                 ((300, 1000), "relu"), ((), "tanh")])
+def test_epilogue_in_row_blocks_matches_the_reference(bias_shape: tuple[int, ...],
+                                                      act: str) -> None:
+    # Outputs past two epilogue blocks: a row bias and the activation go block by block.
+    a, b, c = _f(300, 16), _f(16, 1000), _f(*bias_shape)
+    cases: tuple[tuple[Op, dict[str, Any]], ...] = ((Op.MATMUL, {}),
+                                                (Op.GEMM, {"alpha": 0.5, "beta": 2.0}))
+    for op, attrs in cases:
+        inputs = [a, b, c] if op is Op.GEMM or len(bias_shape) else [a, b]
+        got = cpu(op, inputs, activation=act, **attrs)[0]
+        want = ref(op, inputs, activation=act, **attrs)[0]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ---- fused attention ---------------------------------------------------------------------
+def _attention_inputs(q: tuple[int, ...], t: int, dv: int | None = None,
+                      dtype: Any = np.float32) -> list[np.ndarray]:
+    k = (*q[:-2], t, q[-1])
+    v = (*q[:-2], t, q[-1] if dv is None else dv)
+    return [_f(*q, dtype=dtype), _f(*k, dtype=dtype), _f(*v, dtype=dtype)]
+
+
+@pytest.mark.parametrize("mask", ["", "additive-batch", "additive-full", "bool", "causal"])
+def test_attention_blocks_of_heads_match_the_reference(mask: str) -> None:
+    # 2 x 12 heads of 40 x 50 scores: several blocks of heads, one ragged.
+    q, k, v = _attention_inputs((2, 12, 40, 16), 50, dv=24)
+    inputs: list[np.ndarray | None] = [q, k, v]
+    attrs: dict[str, Any] = {"is_causal": mask == "causal"} if mask == "causal" else {}
+    if mask == "additive-batch":      # BERT's padding mask: (B, 1, 1, T)
+        inputs.append(np.where(RNG.random((2, 1, 1, 50)) < 0.3, -1e4, 0).astype(np.float32))
+    elif mask == "additive-full":
+        inputs.append(_f(1, 12, 40, 50))
+    elif mask == "bool":
+        keep = RNG.random((2, 12, 40, 50)) < 0.6
+        keep[..., 0] = True
+        inputs.append(keep)
+    if mask == "causal":
+        q, k, v = _attention_inputs((2, 12, 50, 16), 50, dv=24)
+        inputs = [q, k, v]
+    out = np.empty((*q.shape[:-1], 24), np.float32)
+    (y,) = cpu(Op.ATTENTION, inputs, out=[out], **attrs)
+    assert y is out
+    np.testing.assert_allclose(y, ref(Op.ATTENTION, inputs, **attrs)[0], rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("spread", [10.0, 100.0, 300.0])
+def test_attention_softmax_shift_keeps_every_row_finite(spread: float) -> None:
+    # Scores within +-64 need no shift, a spread up to 128 one per block, wider the row max.
+    q, k, v = _attention_inputs((1, 2, 6, 4), 8)
+    q *= spread / np.abs(q @ k.swapaxes(-1, -2)).max()
+    (y,) = cpu(Op.ATTENTION, [q, k, v], scale=1.0)
+    assert np.isfinite(y).all()
+    np.testing.assert_allclose(y, ref(Op.ATTENTION, [q, k, v], scale=1.0)[0],
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_attention_fully_masked_rows_and_other_shapes() -> None:
+    q, k, v = _attention_inputs((1, 2, 3, 4), 5)
+    keep = np.ones((3, 5), bool)
+    keep[1] = False                       # query 1 sees nothing: nan, as the reference
+    (y,) = cpu(Op.ATTENTION, [q, k, v, keep])
+    with np.errstate(invalid="ignore"):           # the reference's -inf - -inf
+        want = ref(Op.ATTENTION, [q, k, v, keep])[0]
+    np.testing.assert_array_equal(np.isnan(y), np.isnan(want))
+    assert np.isnan(y[:, :, 1]).all()
+    np.testing.assert_allclose(y[:, :, [0, 2]], want[:, :, [0, 2]], rtol=1e-5, atol=1e-6)
+    # 3-D (no head axis), batched 5-D, non-contiguous and broadcast batch dimensions.
+    for inputs in (_attention_inputs((3, 7, 8), 9), _attention_inputs((2, 2, 2, 5, 4), 6),
+                   [x.swapaxes(0, 1).copy().swapaxes(0, 1)
+                    for x in _attention_inputs((3, 2, 5, 4), 6)],
+                   [_f(2, 3, 5, 4), _f(1, 3, 6, 4), _f(3, 6, 4)]):
+        np.testing.assert_allclose(cpu(Op.ATTENTION, inputs)[0],
+                                   ref(Op.ATTENTION, inputs)[0], rtol=1e-5, atol=1e-6)
+
+
+# ---- the GELU epilogue ---------------------------------------------------------------------
+def test_gelu_float32_is_within_1e_6_relative_where_it_matters() -> None:
+    x = np.concatenate([np.linspace(-8, 8, 400_001), RNG.standard_normal(100_000) * 3,
+                        np.geomspace(1e-30, 8, 2001), -np.geomspace(1e-30, 8, 2001)])
+    x32 = x.astype(np.float32)
+    got = epilogue.apply_activation(np, x32, "gelu").astype(np.float64)
+    want = epilogue.reference_activation(x32.astype(np.float64), "gelu")
+    rel = np.abs(got - want) / np.maximum(np.abs(want), 1e-300)
+    assert rel[x32 >= -4].max() < 1e-6          # |gelu| > 1.2e-4
+    assert rel[x32 >= -8].max() < 2.5e-6        # the tail keeps its relative accuracy
+
+
+def test_gelu_reference_has_no_cancellation_in_the_tail() -> None:
+    # x * Phi(x) with Phi(-10) = 7.6e-24: the erfc form keeps it, 1 + erf(x) would give 0.
+    got = epilogue.reference_activation(np.array([-10.0]), "gelu")[0]
+    assert got == pytest.approx(-10 * 0.5 * math.erfc(10 / math.sqrt(2)), rel=1e-12)
+
+
+def test_gelu_special_values_and_dtypes() -> None:
+    x = np.array([np.inf, -np.inf, np.nan, 0.0, 1e-30, 40.0, -40.0])
+    for dtype in (np.float32, np.float64):
+        got = epilogue.apply_activation(np, x.astype(dtype), "gelu")
+        want = epilogue.reference_activation(x, "gelu")
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        np.testing.assert_allclose(got[~np.isnan(want)], want[~np.isnan(want)], rtol=1e-6)
+    h = np.linspace(-6, 6, 1001).astype(np.float16)
+    got16 = epilogue.apply_activation(np, h, "gelu")
+    assert got16.dtype == np.float16
+    np.testing.assert_allclose(got16, epilogue.reference_activation(h, "gelu"),
+                               rtol=2 ** -10, atol=2 ** -14)
+    empty = np.empty((0, 3), np.float32)
+    assert epilogue.apply_activation(np, empty, "gelu", out=empty) is empty
+
+
+def test_in_place_resolves_once_and_applies() -> None:
+    assert epilogue.in_place("") is None
+    run = epilogue.in_place("leaky_relu", (0.5,))
+    assert run is not None
+    y = np.array([-2.0, 3.0], np.float32)
+    run(np, y)
+    np.testing.assert_array_equal(y, [-1.0, 3.0])
+    with pytest.raises(InvalidArgumentError, match="unknown activation 'swish'"):
+        epilogue.in_place("swish")

@@ -105,13 +105,59 @@ def test_softmax_is_stable_for_large_inputs() -> None:
     assert np.isfinite(z).all()
 
 
-@pytest.mark.parametrize("spread", [79.0, 81.0])
-def test_softmax_shift_by_global_or_row_max(spread: float) -> None:
-    # Within a spread of 80 the cpu kernel subtracts the global max, beyond it each row's.
-    x = np.array([[spread / 2, 0.0, -spread / 2], [-spread / 2, -spread / 2 + 1, 0.0]],
-                 dtype=np.float32)
+@pytest.mark.parametrize("spread", [10.0, 100.0, 200.0, 2000.0])
+@pytest.mark.parametrize("offset", [0.0, 1e3, -1e3])
+def test_softmax_shift_keeps_exp_in_range(spread: float, offset: float) -> None:
+    # Within +-64 no shift, within a spread of 128 the block's midpoint, beyond it each
+    # row's max: a wrong choice overflows or underflows a whole row (inf, nan or 0).
+    x = (np.linspace(-spread / 2, spread / 2, 24).reshape(4, 6) + offset).astype(np.float32)
+    x[3] = offset - spread / 2 + np.arange(6)          # one row far below the others
     for op in (Op.SOFTMAX, Op.LOG_SOFTMAX):
-        assert_close(run_cpu(op, [x]), run_ref(op, [x]), rtol=1e-5, atol=0)
+        (got,) = run_cpu(op, [x])
+        assert np.isfinite(got).all()
+        assert_close([got], run_ref(op, [x]), rtol=1e-5, atol=1e-6)
+
+
+def test_softmax_rows_in_blocks_match_the_reference() -> None:
+    # Many short rows (several blocks of rows), rows longer than a block, other axes,
+    # non-contiguous input, -inf entries and a row of nan.
+    cases: list[tuple[np.ndarray, int]] = [
+        (_n(700, 130, scale=5.0), -1), (_n(2, 70000), -1), (_n(30, 7, 40), 1),
+        (_n(40, 30, scale=3.0).T, -1)]
+    masked = _n(300, 260, scale=4.0)
+    masked[::7, ::3] = -np.inf
+    masked[5] = np.nan
+    cases.append((masked, -1))
+    for x, axis in cases:
+        for op in (Op.SOFTMAX, Op.LOG_SOFTMAX):
+            with np.errstate(invalid="ignore"):
+                want = run_ref(op, [x], axis=axis)
+            assert_close(run_cpu(op, [x], axis=axis), want, rtol=2e-5, atol=1e-6)
+
+
+def test_layer_norm_rows_in_blocks_match_the_reference() -> None:
+    # Several blocks of short rows, rows longer than one block, a large mean offset,
+    # float16 input and a non-contiguous input; Mean and InvStdDev too.
+    cases = [(_n(3000, 50, scale=2.0) + 100.0, -1), (_n(2, 70000), -1), (_n(6, 5, 7), 1),
+             (_n(64, 40, dtype=np.float16, scale=3.0), -1), (_n(40, 24).T, -1)]
+    for x, axis in cases:
+        scale, bias = _n(*x.shape[axis:]), _n(*x.shape[axis:])
+        want = run_ref(Op.LAYER_NORM, [x, scale, bias], axis=axis, epsilon=1e-5)
+        got = run_cpu(Op.LAYER_NORM, [x, scale, bias], axis=axis, epsilon=1e-5)
+        # float32 statistics (stash_type 1): the mean of values near 100 carries ~2e-5.
+        tol = 5e-3 if x.dtype == np.float16 else 1e-4 if x.mean() > 50 else 2e-5
+        assert_close(got, want, rtol=tol, atol=tol)
+
+
+def test_instance_and_group_norm_with_long_rows() -> None:
+    # Spatial sizes past one block of rows (one row per block).
+    x = _n(2, 3, 300, 250)
+    args = [x, _n(3), _n(3)]
+    assert_close(run_cpu(Op.INSTANCE_NORM, args), run_ref(Op.INSTANCE_NORM, args),
+                 rtol=2e-5, atol=2e-5)
+    args = [_n(2, 4, 90, 100), _n(4), _n(4)]
+    assert_close(run_cpu(Op.GROUP_NORM, args, num_groups=2),
+                 run_ref(Op.GROUP_NORM, args, num_groups=2), rtol=2e-5, atol=2e-5)
 
 
 def test_hardmax_picks_the_first_maximum() -> None:

@@ -119,6 +119,37 @@ def test_cpu_pools_match_reference(op: Op, attrs: dict[str, Any]) -> None:
         np.testing.assert_allclose(g, w, rtol=1e-12)
 
 
+@pytest.mark.parametrize("attrs", [
+    {"kernel_shape": (2, 2), "strides": (2, 2)},                     # LeNet's pools
+    {"kernel_shape": (3, 2), "strides": (1, 2), "dilations": (2, 1)},
+    {"kernel_shape": (1, 3), "strides": (2, 1)},
+    {"kernel_shape": (3, 1), "strides": (2, 2)},
+    {"kernel_shape": (2, 2), "strides": (2, 2), "ceil_mode": 1},     # reaches past X
+])
+def test_cpu_max_pool_rows_then_columns_matches_reference(attrs: dict[str, Any]) -> None:
+    """Unpadded 2-D max pools without indices take rows, then columns, from X itself."""
+    x = _f(2, 3, 9, 8)
+    want = ref(Op.MAX_POOL, [x], **attrs)[0]
+    y = np.empty(want.shape, np.float32)
+    assert cpu(Op.MAX_POOL, [x], out=[y], **attrs) == [y]
+    np.testing.assert_array_equal(y, want)
+    x[0, 0, 0, 0] = np.nan                                           # NaN wins, as in max
+    cpu(Op.MAX_POOL, [x], out=[y], **attrs)
+    assert np.isnan(y[0, 0, 0, 0])
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")   # the reference's mean of nothing
+@pytest.mark.parametrize("shape", [(1, 64, 8, 8), (3, 5, 7, 7), (2, 4, 6), (1, 2, 0, 3)])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_cpu_global_average_pool_matches_reference(shape: tuple[int, ...], dtype: Any) -> None:
+    x = _f(*shape, dtype=dtype)
+    want = ref(Op.GLOBAL_AVG_POOL, [x])[0]
+    (got,) = cpu(Op.GLOBAL_AVG_POOL, [x])
+    assert got.dtype == dtype and got.shape == want.shape
+    tol = 2e-3 if dtype == np.float16 else 1e-5
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
 def test_cpu_max_pool_computes_indices_only_when_asked() -> None:
     x = _f(1, 2, 7, 7)
     attrs: dict[str, Any] = {"kernel_shape": (3, 3), "pads": (1, 1, 1, 1)}

@@ -40,7 +40,7 @@ def test_registry_describes_every_cpu_conv_variant() -> None:
     win = infos["winograd"]
     assert win.backend == "cpu" and win.supports_out and win.priority == 30
     assert "kernel 3x3" in win.shapes and ">= 64 channels" in win.shapes
-    assert "1 thread, batch 1" in win.measured
+    assert "1 thread" in win.measured and "over the batch" in win.measured
     assert win.simd == () and win.serves_simd(None) and win.serves_simd("avx2")
     assert infos["default"].dispatcher and not infos["im2col"].dispatcher
     assert infos["pointwise"].shapes == "1x1 kernel, no padding"
@@ -61,8 +61,12 @@ def test_registry_describes_every_cpu_conv_variant() -> None:
     ((1, 960, 7, 7), (960, 1, 3, 3), {"pads": (1, 1, 1, 1), "group": 960}, "depthwise"),
     ((1, 96, 112, 112), (96, 1, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2),
                                         "group": 96}, "depthwise"),
-    ((1, 64, 56, 56), (64, 1, 3, 3), {"pads": (1, 1, 1, 1), "group": 64}, "im2col"),
+    ((1, 64, 56, 56), (64, 1, 3, 3), {"pads": (1, 1, 1, 1), "group": 64}, "depthwise"),
+    ((1, 4, 56, 56), (4, 2, 3, 3), {"pads": (1, 1, 1, 1), "group": 2}, "im2col"),
     (("batch", 64, 56, 56), (64, 64, 3, 3), {"pads": (1, 1, 1, 1)}, "winograd"),
+    ((32, 512, 7, 7), (512, 512, 3, 3), {"pads": (1, 1, 1, 1)}, "winograd"),
+    ((32, 32, 16, 16), (32, 32, 3, 3), {"pads": (1, 1, 1, 1)}, "winograd"),
+    ((4, 32, 16, 16), (32, 32, 3, 3), {"pads": (1, 1, 1, 1)}, "im2col"),
 ])
 def test_choose_variant_for_conv(x: Sequence[Dim], w: Sequence[int], attrs: dict[str, Any],
                                  variant: str) -> None:
@@ -74,16 +78,17 @@ def test_choose_variant_for_conv(x: Sequence[Dim], w: Sequence[int], attrs: dict
 def test_reasons_quote_the_measurement() -> None:
     _, reason = _choose(Op.CONV, (1, 64, 56, 56), (64, 64, 3, 3), pads=(1, 1, 1, 1))
     assert reason.startswith("3x3 stride 1x1, 64->64 channels (dense), output 56x56: winograd")
-    assert "faster than im2col at 64 channels, 56x56 output" in reason
+    assert "faster than im2col at 64 channels, 56x56 output, batch 1" in reason
     _, reason = _choose(Op.CONV, (1, 512, 7, 7), (512, 512, 3, 3), pads=(1, 1, 1, 1))
-    assert "not winograd: 49 output pixels < 196" in reason
+    assert "not winograd: 512 channels, 49 output pixels over the batch" in reason
+    assert "slower than im2col at 512 channels, 7x7 output, batch 1" in reason
 
 
-def test_depthwise_gives_way_where_it_measured_slower() -> None:
-    _, reason = _choose(Op.CONV, (1, 144, 56, 56), (144, 1, 3, 3), pads=(1, 1, 1, 1),
-                        group=144)
-    assert "not winograd" in reason
-    assert "depthwise: measured slower than im2col here (3x3 stride 1" in reason
+def test_depthwise_takes_every_depthwise_conv() -> None:
+    name, reason = _choose(Op.CONV, (1, 144, 56, 56), (144, 1, 3, 3), pads=(1, 1, 1, 1),
+                           group=144)
+    assert name == "depthwise"
+    assert "not winograd: 144 groups" in reason and "pointwise: kernel (3, 3)" in reason
 
 
 def test_choice_is_pure_and_matches_the_runtime_dispatch() -> None:

@@ -122,10 +122,45 @@ class ThreadCap:
                 clear()
 
 
+class _DirectPool:
+    """OpenBLAS's pthreads pool through its own C entry points.
+
+    threadpoolctl's ``set_num_threads`` for this pool adds a Python-level
+    check of which thread may set it, about 3 µs per cap and restore, which
+    a batch-1 run of a small model pays on every call. keel caps the pool
+    only while one of its programs runs (one at a time per model), and
+    restores it on exit, so it sets the C value directly.
+    """
+
+    __slots__ = ("_get", "_set")
+
+    def __init__(self, get: Any, set_: Any) -> None:
+        self._get, self._set = get, set_
+
+    def get_num_threads(self) -> int | None:
+        return int(self._get())
+
+    def set_num_threads(self, threads: int) -> None:
+        self._set(threads)
+
+
+def _direct(lib: Any) -> Any:
+    """``lib``, or a direct handle on its C entry points where threadpoolctl has them."""
+    symbol = getattr(lib, "_get_symbol", None)
+    if (getattr(lib, "internal_api", "") != "openblas" or symbol is None
+            or getattr(lib, "threading_layer", "") == "openmp"):
+        return lib
+    try:
+        get, set_ = symbol("openblas_get_num_threads"), symbol("openblas_set_num_threads")
+    except Exception:               # another threadpoolctl: keep its public methods
+        return lib
+    return lib if get is None or set_ is None else _DirectPool(get, set_)
+
+
 @functools.lru_cache(maxsize=1)
 def _pools() -> tuple[Any, ...]:
-    """threadpoolctl's controllers of the BLAS / OpenMP libraries (found once)."""
-    return tuple(_controller().lib_controllers)
+    """Handles on the BLAS / OpenMP thread pools loaded (found once)."""
+    return tuple(_direct(lib) for lib in _controller().lib_controllers)
 
 
 @functools.lru_cache(maxsize=1)

@@ -3,20 +3,26 @@
 ``conv`` has several variants, each registered with a :class:`ConvRule` (its
 typed metadata, see :mod:`keel.backends.cpu.conv_rules`):
 
-* ``im2col`` — any conv: the windows are copied (one strided copy) into a
-  reused column matrix laid out (C*K, out pixels) per image, and one BLAS
-  GEMM per group writes the NCHW output directly (small outputs stack several
-  images into one wider GEMM).
+* ``im2col`` — any conv: the input is split into stride phases and flattened,
+  so the column matrix fills with long contiguous copies, and one BLAS GEMM
+  per chunk of images (per group) computes the output; small outputs in a
+  batch stack their images into one wider GEMM (:mod:`~keel.backends.cpu.conv_gemm`).
 * ``pointwise`` — 1x1 without padding: a plain GEMM on the input, no copy.
-* ``depthwise`` — one input channel per group: a multiply-add per kernel tap
-  over contiguous "wide" rows (:mod:`keel.backends.cpu.window`), no GEMM.
-* ``winograd`` — 3x3 stride 1: F(2x2, 3x3) (:mod:`keel.backends.cpu.winograd`),
-  chosen only where it measured faster than ``im2col``.
+* ``depthwise`` — one input channel per group: per-channel gemv over shifted
+  rows, or one channels-last ``einsum`` (:mod:`~keel.backends.cpu.depthwise`).
+* ``winograd`` — 3x3 stride 1: F(2x2, 3x3) (:mod:`~keel.backends.cpu.winograd`),
+  chosen where it measured faster than ``im2col`` (enough channels and tiles).
 * ``default`` — picks one of the above with :func:`conv_rules.pick`.
 
-Every variant writes into ``out`` when given and applies the epilogue (bias,
-residual Z, activation) in place, image by image while the output is still
-in cache. float16 is computed in float32.
+Every variant writes into ``out`` when given, folds the bias into its GEMM or
+transform where it can, and moves its result into NCHW in one pass that also
+adds the residual Z and applies the activation
+(:func:`~keel.backends.cpu.conv_epilogue.finish`). Everything that follows
+from the shapes is planned once per signature (:func:`_plan`); buffers and the
+views of them are kept per thread (:func:`workspace.bound`); weights are
+packed for their layout once per model through the ``prepack`` hook (or, for
+frozen arrays outside a model, cached while they live). float16 is computed
+in float32.
 """
 
 from __future__ import annotations
@@ -53,35 +59,38 @@ __all__ = ["RULES"]
 Inputs = Sequence[Any]
 Attrs = Mapping[str, Any]
 Out = Sequence[Any] | None
-# winograd time / im2col time for C->C 3x3 convs (channels, output side, ratio),
-# measured as stated in the rule below (interleaved runs, median of 15).
+# winograd time / im2col time for C->C 3x3 pad-1 convs with bias and ReLU
+# (channels, output side, batch, ratio): 2-core AMD EPYC, OpenBLAS, 1 thread,
+# prepacked weights, interleaved runs, median of 5 passes.
 _WINOGRAD_EVIDENCE = (
-    (16, 14, 1.75), (16, 56, 1.27), (16, 112, 1.26), (32, 14, 1.26), (32, 28, 1.04),
-    (32, 56, 0.94), (32, 112, 1.10), (64, 7, 1.20), (64, 14, 0.99), (64, 28, 0.79),
-    (64, 56, 0.73), (64, 112, 0.83), (128, 7, 1.27), (128, 14, 0.81), (128, 28, 0.65),
-    (128, 56, 0.64), (256, 7, 1.26), (256, 14, 0.73), (256, 28, 0.59), (512, 7, 1.33),
-    (512, 14, 0.82),
+    (16, 32, 1, 1.88), (32, 16, 1, 1.40), (64, 8, 1, 1.12), (64, 14, 1, 1.01),
+    (64, 28, 1, 0.81), (64, 56, 1, 0.72), (128, 14, 1, 0.81), (128, 28, 1, 0.66),
+    (128, 56, 1, 0.70), (256, 7, 1, 1.31), (256, 14, 1, 0.74), (512, 7, 1, 1.32),
+    (16, 32, 4, 1.50), (32, 16, 4, 1.06), (64, 8, 4, 0.83), (64, 14, 4, 0.70),
+    (64, 56, 4, 0.76), (128, 14, 4, 0.60), (256, 7, 4, 0.80), (512, 7, 4, 0.85),
+    (16, 32, 32, 1.41), (32, 16, 32, 0.86), (64, 8, 32, 0.57), (64, 56, 32, 0.74),
+    (128, 28, 32, 0.63), (256, 14, 32, 0.63), (256, 7, 32, 0.82), (512, 7, 32, 0.79),
 )
 
 RULES: dict[str, ConvRule] = {
     "winograd": ConvRule(
         "winograd", 30, "Winograd F(2x2,3x3): 2.25x fewer multiplies than im2col",
         ranks=(2,), kernel=(3, 3), strides=(1, 1), dilations=(1, 1), groups="one",
-        dtypes=frozenset({"float32", "float64"}), min_channels=64, min_out_pixels=196,
-        measured="2-core AMD EPYC (AVX-512), OpenBLAS, 1 thread, batch 1, constant "
-                 "weights: winograd/im2col time 0.59-0.83 from 64 channels and 14x14 "
-                 "outputs up, 0.94-1.81 below 64 channels or at 7x7",
+        dtypes=frozenset({"float32", "float64"}), wins_where=((64, 196), (32, 4096)),
+        measured="2-core AMD EPYC (AVX-512), OpenBLAS, 1 thread, prepacked weights: "
+                 "winograd/im2col time 0.57-0.86 from 64 channels and 196 output pixels "
+                 "over the batch (49 tiles) up, and for 32 channels from 8192 pixels; "
+                 "1.01-1.88 below (16 channels; 7x7 outputs at batch 1)",
         baseline="im2col", evidence=_WINOGRAD_EVIDENCE),
     "pointwise": ConvRule(
         "pointwise", 20, "1x1 conv as one GEMM on the input, no im2col copy",
         unit_kernel=True, unpadded=True),
     "depthwise": ConvRule(
-        "depthwise", 20, "per-tap multiply-add on contiguous rows, no GEMM",
-        groups="depthwise", baseline="im2col",
-        measured="2-core AMD EPYC (AVX-512), 1 thread, batch 1, 3x3: depthwise/im2col "
-                 "time 0.81-0.94 at 7x7 and at 112x112 inputs, 1.07-1.58 in between",
-        slower_in=(((1, 1), 196, 3136, "3x3 stride 1, 14x14-56x56 outputs: 1.09-1.58x"),
-                   ((2, 2), 196, 784, "3x3 stride 2, 14x14-28x28 outputs: 1.07-1.16x"))),
+        "depthwise", 20, "per-channel gemv over shifted rows, or one channels-last einsum",
+        groups="depthwise",
+        measured="2-core AMD EPYC (AVX-512), 1 thread, batch 1, MobileNetV2's 3x3 layers: "
+                 "depthwise/im2col time 0.70-0.99 at 32-144 channels on 56x56-112x112 and "
+                 "at 576-960 channels on 7x7, 1.05-1.11 at 144-384 channels on 14x14-28x28"),
     "im2col": ConvRule("im2col", 10, "im2col + one BLAS GEMM per group"),
 }
 

@@ -27,6 +27,7 @@ at speed.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -163,7 +164,7 @@ def im2col(xp: Any, layout: Im2colLayout, x: Any, w: Any, b: Any, z: Any, y: Any
     for n0 in range(0, n, step):
         n1 = min(n, n0 + step)
         ready = workspace.bound(xp, (layout, n1 - n0, x.dtype),
-                                lambda: _Im2colBuffers(xp, layout, n1 - n0, x.dtype))
+                                functools.partial(_Im2colBuffers, xp, layout, n1 - n0, x.dtype))
         if n1 - n0 == n:
             ready.run(xp, x, w3, z, y, act)
         else:
@@ -300,6 +301,7 @@ class PointwiseLayout:
     fold: bool                         # the bias rides in the GEMM (X copied above ones)
     stacked: bool                      # the images side by side in one GEMM
     copy: bool                         # X is copied (strided, folded or stacked)
+    sub: tuple[slice, ...]             # the X pixels the kernel reads (strides)
 
 
 def pointwise_layout(geo: ConvGeometry, has_bias: bool) -> PointwiseLayout:
@@ -310,7 +312,9 @@ def pointwise_layout(geo: ConvGeometry, has_bias: bool) -> PointwiseLayout:
     strided_ = any(s != 1 for s in win.strides)
     # Copying X under a row of ones costs C * P; adding the bias after costs M * P.
     fold = has_bias and (stacked or strided_ or geo.out_channels > geo.in_channels)
-    return PointwiseLayout(geo, fold, stacked, stacked or strided_ or fold)
+    sub = (slice(None), slice(None), *(slice(None, (o - 1) * s + 1, s) for o, s in
+                                       zip(win.out_spatial, win.strides, strict=True)))
+    return PointwiseLayout(geo, fold, stacked, stacked or strided_ or fold, sub)
 
 
 def _pack_pointwise(xp: Any, geo: ConvGeometry, w: Any, b: Any) -> Any:
@@ -327,28 +331,26 @@ def pointwise(xp: Any, layout: PointwiseLayout, x: Any, w: Any, b: Any, z: Any, 
               act: Activation, packed: Any = None) -> None:
     """y = act(W @ X + b + z) for a 1x1 conv."""
     geo = layout.geo
-    win = geo.window
+    out = geo.window.out_spatial
     n, c, g, m = geo.batch, geo.in_channels, geo.group, geo.out_channels
-    cg, mg, p = c // g, m // g, math.prod(win.out_spatial)
-    sub = x[(slice(None), slice(None), *(slice(None, (o - 1) * s + 1, s) for o, s in
-                                         zip(win.out_spatial, win.strides, strict=True)))]
+    cg, mg, p = c // g, m // g, math.prod(out)
     if layout.stacked:
         w3 = _packed_pointwise(xp, geo, w, b if layout.fold else None, packed)
-        xs = workspace.filled(xp, "pointwise_stacked", (g, cg + 1, n, p), x.dtype, 1.0)
-        xs[:, :cg].reshape(g, cg, n, *win.out_spatial)[...] = xp.moveaxis(
-            sub.reshape(n, g, cg, *win.out_spatial), 0, 2)
-        wide = workspace.empty(xp, "pointwise_wide", (g, mg, n * p), x.dtype)
-        xp.matmul(w3, xs.reshape(g, cg + 1, n * p), out=wide)
-        finish(xp, valid(xp, wide, (n, m, p), (p, n * p), (1,)), y.reshape(n, m, p),
+        row = row_length(n * p, x.dtype)
+        xs = workspace.filled(xp, "pointwise_stacked", (g, cg + 1, row), x.dtype, 1.0)
+        xs[:, :cg, : n * p].reshape(g, cg, n, *out)[...] = xp.moveaxis(
+            x[layout.sub].reshape(n, g, cg, *out), 0, 2)
+        wide = workspace.empty(xp, "pointwise_wide", (g, mg, row), x.dtype)
+        xp.matmul(w3, xs[:, :, : n * p], out=wide[:, :, : n * p])
+        finish(xp, valid(xp, wide, (n, m, p), (p, row), (1,)), y.reshape(n, m, p),
                None if z is None else z.reshape(n, m, p), act)
         return
     y4 = y.reshape(n, g, mg, p)
     if layout.copy:
-        w3 = _packed_pointwise(xp, geo, w, b if layout.fold else None, packed)
-        xs = workspace.filled(xp, "pointwise_copy", (n, g, cg + 1, p), x.dtype, 1.0)
-        xs[:, :, :cg].reshape(n, g, cg, *win.out_spatial)[...] = sub.reshape(
-            n, g, cg, *win.out_spatial)
-        operand, weights = xs, w3
+        weights = _packed_pointwise(xp, geo, w, b if layout.fold else None, packed)
+        operand = workspace.filled(xp, "pointwise_copy", (n, g, cg + 1, p), x.dtype, 1.0)
+        operand[:, :, :cg].reshape(n, g, cg, *out)[...] = x[layout.sub].reshape(
+            n, g, cg, *out)
     else:
         operand, weights = x.reshape(n, g, cg, p), w.reshape(g, mg, cg)
     if n == 1 and g == 1:
@@ -356,7 +358,7 @@ def pointwise(xp: Any, layout: PointwiseLayout, x: Any, w: Any, b: Any, z: Any, 
     else:
         xp.matmul(weights, operand, out=y4)
     if b is not None and not layout.fold:
-        xp.add(y, b.reshape(1, m, *([1] * win.rank)), out=y)
+        xp.add(y, b.reshape(1, m, *([1] * len(out))), out=y)
     finish(xp, y, y, z, act)
 
 

@@ -68,7 +68,9 @@ def conv_case(op: Op, x_shape: Sequence[Dim], w_shape: Sequence[Dim],
               attrs: Mapping[str, Any], dtype: str) -> ConvCase | None:
     """The case of a CONV / CONV2D / CONV_INTEGER node; None when shapes are not known.
 
-    A symbolic batch dimension does not matter to the choice and counts as 1.
+    A symbolic batch dimension counts as 1 (the batch matters only where a rule's
+    ``wins_where`` asks for output pixels over the batch; a plan made for the
+    real input shape sees the real batch).
     """
     if len(x_shape) and not isinstance(x_shape[0], int):
         x_shape = (1, *x_shape[1:])
@@ -113,9 +115,6 @@ class ConvRule:
     # time divided by the baseline's), quoted in reasons for the nearest case.
     evidence: tuple[tuple[int, int, int, float], ...] = ()
     baseline: str = ""
-    # Regions where the variant serves but measured slower than ``baseline``:
-    # (strides or None for any, min output pixels, max output pixels, what was measured).
-    slower_in: tuple[tuple[tuple[int, ...] | None, int, int, str], ...] = ()
 
     def rejects(self, case: ConvCase) -> str | None:
         """Why this variant is not the choice for ``case``: it cannot run it, or it
@@ -163,9 +162,6 @@ class ConvRule:
                                for c, p in self.wins_where)
             return (f"{per_group} channels, {case.batch_pixels} output pixels over the batch; "
                     f"wins with {need}{note}")
-        for strides, low, high, measured in self.slower_in:
-            if (strides is None or case.strides == strides) and low <= case.out_pixels <= high:
-                return f"measured slower than {self.baseline} here ({measured})"
         return None
 
     def scope(self) -> str:

@@ -1,85 +1,256 @@
 """Depthwise convolution (one input channel per group), written against ``xp``.
 
-A depthwise conv has no reduction over channels, so there is no GEMM to hand
-to BLAS: it is a sum over kernel taps of a shifted input times a per-channel
-weight. Two formulations, chosen by shape (:func:`layout`):
+A depthwise conv has no reduction over channels, so there is no big GEMM to
+hand to BLAS. Three formulations, chosen by shape (:func:`depthwise_layout`):
 
-* ``planes`` (NCHW): the padded input is split into stride phases and
-  flattened (:mod:`keel.backends.cpu.window`), so every tap of every channel
-  is one (N*C, L) view with long contiguous rows; one multiply and one add per
-  tap over it. Best for large planes, and the only one for strides or
-  channel multipliers.
-* ``channels_last`` (stride 1, multiplier 1): the input is copied channels-last
-  into a padded wide buffer; the taps are then one strided view (kh, kw, N,
-  L, C) and a single ``einsum`` multiplies and sums them in one pass with the
-  channels as its contiguous inner loop. Best for small planes with many
-  channels (the late layers of a MobileNet), where ``planes`` runs short rows.
+* ``rows`` (2-D): for each kernel column ``kw`` a copy of the (stride-phase
+  split, padded, flattened) input shifted by that column's offset is stacked,
+  so that for a fixed kernel row ``kh`` the ``KW`` taps of a channel form a
+  (KW, L) matrix with one row stride. The conv is then ``KH`` batched
+  matrix-vector products (one BLAS ``gemv`` per channel and kernel row, which
+  multiplies and adds in one pass) and ``KH - 1`` adds; the bias rides in the
+  first product as a row of ones. ``KW`` copies instead of the ``KH * KW`` of
+  an im2col, and no ``2 * KH * KW`` separate multiply and add passes.
+* ``channels_last`` (2-D, stride 1, multiplier 1, small planes): the input is
+  copied channels-last into a padded wide buffer; the taps are then one
+  strided view (kh, kw, N, L, C) and a single ``einsum`` multiplies and sums
+  them in one pass with the channels as its contiguous inner loop. Wins where
+  planes are small and channels many (the late layers of a MobileNet): there
+  ``rows`` would make thousands of tiny BLAS calls.
+* ``planes`` (any rank): one multiply and one add per tap over (N*C, L) views
+  of the phase-split input (:mod:`keel.backends.cpu.window`).
 
-Measured on the 2-core AMD EPYC (1 thread, batch 1, 3x3, stride 1, float32),
-``channels_last`` (transposes in and out included) against ``planes``:
-960 ch 7x7 148 vs 276 us, 576 ch 14x14 318 vs 466 us, 192 ch 28x28 477 vs
-523 us, 144 ch 56x56 1741 vs 1365 us, 32 ch 112x112 2834 vs 695 us.
+Measured on the 2-core AMD EPYC (1 thread, 3x3, float32, interleaved), time
+in us of rows / channels_last / planes at batch 1, then batch 8:
+32 ch 112x112: 704 / 3310 / 964, 16284 / 28874 / 10952; 144 ch 56x56:
+895 / 1933 / 1168, 13426 / 14952 / 9853; 144 ch 56x56 stride 2: 460 / 598 /
+764, 4080 / 4901 / 6004; 192 ch 28x28: 340 / 521 / 802, 4875 / 4282 / 6102;
+192 ch 28x28 stride 2: 203 / 198 / 329, 1893 / 1473 / 2116; 384 ch 14x14:
+247 / 232 / 480, 2270 / 1732 / 3229; 576 ch 14x14 stride 2: 255 / 149 / 332,
+1934 / 1026 / 2107; 960 ch 7x7: 295 / 145 / 407, 2187 / 1004 / 2802.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from keel.backends.cpu import window as wnd
 from keel.backends.cpu import workspace
 from keel.backends.cpu.conv_epilogue import Activation, finish
-from keel.backends.cpu.conv_gemm import strided, valid
+from keel.backends.cpu.conv_gemm import PhaseFill, strided, valid
 from keel.ops.schemas.conv import ConvGeometry
 
-__all__ = ["DepthwiseLayout", "depthwise", "depthwise_layout"]
+__all__ = ["FORMS", "DepthwiseLayout", "depthwise", "depthwise_layout"]
 
-# channels_last serves stride-1 2-D depthwise convs with at most this many
-# output pixels per plane (measured crossover between 28x28 and 56x56).
-CHANNELS_LAST_MAX_PIXELS = 1024
+FORMS = ("rows", "channels_last", "planes")
+
+# channels_last serves 2-D depthwise convs with at least this many channels and at
+# most this many output pixels per plane (4x as many in a batch).
+CHANNELS_LAST_MAX_PIXELS = 196
+CHANNELS_LAST_MIN_CHANNELS = 192
+# Batches of stride-1 convs with at least this many output pixels per plane run
+# as planes (long unit-stride passes stream better than the per-channel gemvs).
+PLANES_MIN_PIXELS = 3136
+# Bytes of buffers per block of images and channels. ``rows`` keeps its shifted
+# copies in the L2 cache (inside a model, where other layers evict them, 1 MiB
+# blocks ran MobileNetV2's depthwise layers in 7.8 ms against 9.9 ms with 4 MiB);
+# the other forms stream, and only need blocks of images that bound their buffers.
+BLOCK_BYTES = 1 << 20
+STREAM_BYTES = 16 << 20
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)     # identity-hashed: a fast workspace key
 class DepthwiseLayout:
     """Shape-derived facts of one depthwise conv."""
 
     geo: ConvGeometry
-    channels_last: bool
+    form: str                    # "rows", "channels_last" or "planes"
     columns: int                 # L: wide positions per plane that cover every output
+    block: tuple[int, int]       # images, channels computed at a time
 
 
-def depthwise_layout(geo: ConvGeometry) -> DepthwiseLayout:
+def depthwise_layout(geo: ConvGeometry, form: str | None = None) -> DepthwiseLayout:
     """Pick the formulation for ``geo`` (see the module docstring)."""
     win = geo.window
     plan = wnd.wide_plan((1, geo.in_channels), win)
     columns = sum((o - 1) * r for o, r in zip(win.out_spatial, plan.row_strides,
                                               strict=True)) + 1
-    channels_last = (win.rank == 2 and all(s == 1 for s in win.strides)
-                     and geo.out_channels == geo.in_channels
-                     and math.prod(win.out_spatial) <= CHANNELS_LAST_MAX_PIXELS)
-    return DepthwiseLayout(geo, channels_last, columns)
+    if form is None:
+        form = _choose(geo)
+    elif form not in FORMS or (form != "planes" and win.rank != 2) or (
+            form == "channels_last" and geo.out_channels != geo.in_channels):
+        raise ValueError(f"depthwise form {form!r} cannot run {win.rank}-D, "
+                         f"{geo.in_channels}->{geo.out_channels} channels; forms: {FORMS}")
+    return DepthwiseLayout(geo, form, columns, _block(geo, form, plan.plane * plan.phases))
+
+
+def _choose(geo: ConvGeometry) -> str:
+    """The measured best formulation (module docstring; batch 8 shown there too)."""
+    win = geo.window
+    if win.rank != 2:
+        return "planes"
+    pixels = math.prod(win.out_spatial)
+    many = geo.in_channels >= CHANNELS_LAST_MIN_CHANNELS and geo.out_channels == geo.in_channels
+    if many and (pixels <= CHANNELS_LAST_MAX_PIXELS
+                 or (geo.batch > 1 and pixels <= 4 * CHANNELS_LAST_MAX_PIXELS)):
+        return "channels_last"
+    if geo.batch > 1 and pixels >= PLANES_MIN_PIXELS and all(s == 1 for s in win.strides):
+        return "planes"
+    return "rows"
+
+
+def _block(geo: ConvGeometry, form: str, plane: int) -> tuple[int, int]:
+    """Images and channels per block, so that a block's buffers stay in cache."""
+    n, c = geo.batch, geo.in_channels
+    kw = geo.window.kernel[-1]
+    per_channel = plane * (kw + 1 if form == "rows" else 3) * 4
+    budget = BLOCK_BYTES if form == "rows" else STREAM_BYTES
+    channels = max(1, budget // per_channel)
+    if channels < c and form != "channels_last":
+        return 1, channels
+    return max(1, min(n, budget // (per_channel * c))), c
 
 
 def depthwise(xp: Any, layout: DepthwiseLayout, x: Any, w: Any, b: Any, z: Any, y: Any,
               act: Activation, packed: Any = None) -> None:
-    """y = act(depthwise_conv(x, w) + b + z)."""
-    if layout.channels_last:
-        _channels_last(xp, layout, x, w, b, z, y, act, packed)
+    """y = act(depthwise_conv(x, w) + b + z), in blocks of images and channels."""
+    if layout.form == "rows":
+        geo = layout.geo
+        w4 = workspace.form(xp, packed, "depthwise_rows", (w, b),
+                            lambda xp_, a: _pack_rows(xp_, geo, a[0], a[1]))
+        run = functools.partial(_rows, xp, layout, w4)
+    elif layout.form == "channels_last":
+        w3 = workspace.form(xp, packed, "depthwise_nhwc", (w,), _pack_channels_last)
+        run = functools.partial(_channels_last, xp, layout, w3, b)
     else:
-        _planes(xp, layout, x, w, b, z, y, act)
+        run = functools.partial(_planes, xp, layout, w, b)
+    n, c = x.shape[:2]
+    mult = layout.geo.out_channels // c
+    nb, cb = layout.block
+    for n0 in range(0, n, nb):
+        for c0 in range(0, c, cb):
+            n1, c1 = min(n, n0 + nb), min(c, c0 + cb)
+            whole = n1 - n0 == n and c1 - c0 == c
+            out = (slice(n0, n1), slice(c0 * mult, c1 * mult))
+            run(x if whole else x[n0:n1, c0:c1], c0, c1,
+                None if z is None else (z if whole else z[out]), y if whole else y[out], act)
 
 
-def _planes(xp: Any, layout: DepthwiseLayout, x: Any, w: Any, b: Any, z: Any, y: Any,
-            act: Activation) -> None:
+# ---- rows -----------------------------------------------------------------------------------
+def _pack_rows(xp: Any, geo: ConvGeometry, w: Any, b: Any) -> Any:
+    """W as (KH, C, mult, KW + 1): per kernel row, each channel's KW weights; the bias
+    (or 0) in the last column of kernel row 0."""
+    c, m = geo.in_channels, geo.out_channels
+    kh, kw = geo.window.kernel
+    packed = xp.zeros((kh, c, m // c, kw + 1), dtype=w.dtype)
+    packed[..., :kw] = w.reshape(c, m // c, kh, kw).transpose(2, 0, 1, 3)
+    if b is not None:
+        packed[0, :, :, kw] = b.reshape(c, m // c)
+    return packed
+
+
+class _RowsBuffers:
+    """Shifted copies of the input and every view the ``rows`` formulation reads."""
+
+    def __init__(self, xp: Any, layout: DepthwiseLayout, n: int, c: int, dtype: Any) -> None:
+        geo = layout.geo
+        win = geo.window
+        mult = geo.out_channels // geo.in_channels
+        kh, kw = win.kernel
+        (sh, sw), (dh, dw) = win.strides, win.dilations
+        plan = wnd.wide_plan((n, c), win)
+        self.fill = PhaseFill(xp, plan, dtype)
+        img, pl, wq = self.fill.image, plan.plane, plan.q[1]
+        ncol = layout.columns
+        # shifted[r, (n, c), j, :]: for row phase r, kernel column j's phase plane
+        # shifted by its column offset; the last row (j == kw) holds ones for the bias.
+        self.shifted = xp.ones((sh, n * c, kw + 1, pl), dtype=dtype)
+        self.copies = []
+        for r in range(sh):
+            for j in range(kw):
+                phase = r * sw + (j * dw) % sw
+                src = strided(xp, img[phase], (j * dw) // sw, (n * c, pl), (pl, 1))
+                self.copies.append((self.shifted[r, :, j], src))
+        self.taps = []
+        for i in range(kh):
+            r, shift = (i * dh) % sh, (i * dh) // sh * wq
+            rows = kw + 1 if i == 0 else kw
+            self.taps.append(self.shifted[r, :, :rows, shift: shift + ncol].reshape(
+                n, c, rows, ncol))
+        self.acc = xp.empty((n, c, mult, ncol), dtype=dtype)
+        self.tmp = xp.empty((n, c, mult, ncol), dtype=dtype) if kh > 1 else None
+        self.valid = valid(xp, self.acc, (n, c * mult, *plan.out), (c * mult * ncol, ncol),
+                           plan.row_strides)
+        self.nbytes = int(img.nbytes + self.shifted.nbytes + 2 * self.acc.nbytes)
+
+
+def _rows(xp: Any, layout: DepthwiseLayout, w4: Any, x: Any, c0: int, c1: int, z: Any,
+          y: Any, act: Activation) -> None:
+    n, c = x.shape[:2]
+    ready = workspace.bound(xp, (layout, n, c, x.dtype),
+                            lambda: _RowsBuffers(xp, layout, n, c, x.dtype))
+    kw = layout.geo.window.kernel[1]
+    ready.fill(x)
+    for dst, src in ready.copies:
+        dst[...] = src
+    w4 = w4[:, c0:c1]
+    xp.matmul(w4[0], ready.taps[0], out=ready.acc)
+    for i in range(1, len(ready.taps)):
+        xp.matmul(w4[i, :, :, :kw], ready.taps[i], out=ready.tmp)
+        xp.add(ready.acc, ready.tmp, out=ready.acc)
+    finish(xp, ready.valid, y, z, act)
+
+
+# ---- channels_last --------------------------------------------------------------------------
+def _pack_channels_last(xp: Any, arrays: tuple[Any, ...]) -> Any:
+    w = arrays[0]
+    return xp.ascontiguousarray(w.reshape(w.shape[0], -1).T)      # (KH*KW, C)
+
+
+def _channels_last(xp: Any, layout: DepthwiseLayout, w3: Any, b: Any, x: Any, c0: int,
+                   c1: int, z: Any, y: Any, act: Activation) -> None:
+    geo = layout.geo
+    win = geo.window
+    n, c, h, wd = x.shape
+    kh, kw = win.kernel
+    (sh, sw), (dh, dw) = win.strides, win.dilations
+    ho, wo = win.out_spatial
+    hp = max(h + win.pads_begin[0] + win.pads_end[0], (ho - 1) * sh + (kh - 1) * dh + 1)
+    wp = max(wd + win.pads_begin[1] + win.pads_end[1], (wo - 1) * sw + (kw - 1) * dw + 1)
+    key = ("depthwise_nhwc", win.pads_begin, hp, wp)
+    buf = workspace.filled(xp, key, (n, hp, wp, c), x.dtype, 0.0)
+    pt, pl = win.pads_begin
+    buf[:, pt:pt + h, pl:pl + wd] = x.transpose(0, 2, 3, 1)
+    # Strides never spoil the inner loop here: it runs over the contiguous channels.
+    taps = strided(xp, buf.reshape(-1), 0, (kh, kw, n, ho, wo, c),
+                   (dh * wp * c, dw * c, hp * wp * c, sh * wp * c, sw * c, 1))
+    acc = workspace.empty(xp, "depthwise_nhwc_acc", (n, ho, wo, c), x.dtype)
+    weights = w3[:, c0:c1].reshape(kh, kw, c)
+    if xp is np:
+        xp.einsum("ijnhwc,ijc->nhwc", taps, weights, out=acc)
+    else:                                  # CuPy's einsum takes no ``out``
+        acc[...] = xp.einsum("ijnhwc,ijc->nhwc", taps, weights)
+    if b is not None:
+        xp.add(acc, b[c0:c1], out=acc)
+    finish(xp, acc.transpose(0, 3, 1, 2), y, z, act)
+
+
+# ---- planes ---------------------------------------------------------------------------------
+def _planes(xp: Any, layout: DepthwiseLayout, w: Any, b: Any, x: Any, c0: int, c1: int,
+            z: Any, y: Any, act: Activation) -> None:
     geo = layout.geo
     n, c = x.shape[:2]
-    mult = geo.out_channels // c
+    mult = geo.out_channels // geo.in_channels
     plan = wnd.wide_plan(x.shape, geo.window)
     img = wnd.phase_image(xp, x, plan, 0.0, "depthwise")
     ncol, pl = layout.columns, plan.plane
     taps = len(plan.tap_offset)
-    weights = w.reshape(c, mult, taps)
+    weights = w.reshape(geo.in_channels, mult, taps)[c0:c1]
     acc = workspace.empty(xp, "depthwise_acc", (n, c, mult, ncol), x.dtype)
     tmp = workspace.empty(xp, "depthwise_tmp", (n, c, mult, ncol), x.dtype)
     for t, (phase, off) in enumerate(zip(plan.tap_phase, plan.tap_offset, strict=True)):
@@ -88,37 +259,7 @@ def _planes(xp: Any, layout: DepthwiseLayout, x: Any, w: Any, b: Any, z: Any, y:
         if t:
             xp.add(acc, tmp, out=acc)
     if b is not None:
-        xp.add(acc, b.reshape(c, mult, 1), out=acc)
-    m = geo.out_channels
+        xp.add(acc, b.reshape(geo.in_channels, mult, 1)[c0:c1], out=acc)
+    m = c * mult
     finish(xp, valid(xp, acc, (n, m, *plan.out), (m * ncol, ncol), plan.row_strides),
            y, z, act)
-
-
-def _channels_last(xp: Any, layout: DepthwiseLayout, x: Any, w: Any, b: Any, z: Any,
-                   y: Any, act: Activation, packed: Any) -> None:
-    geo = layout.geo
-    win = geo.window
-    n, c, h, wd = x.shape
-    kh, kw = win.kernel
-    dh, dw = win.dilations
-    hp = h + win.pads_begin[0] + win.pads_end[0]
-    wp = wd + win.pads_begin[1] + win.pads_end[1]
-    plane = hp * wp
-    slack = (kh - 1) * dh * wp + (kw - 1) * dw
-    key = ("depthwise_nhwc", win.pads_begin, win.pads_end)
-    buf = workspace.filled(xp, key, (n, plane + slack, c), x.dtype, 0.0)
-    inner = buf[:, :plane].reshape(n, hp, wp, c)
-    pt, pl = win.pads_begin
-    inner[:, pt:pt + h, pl:pl + wd] = x.transpose(0, 2, 3, 1)
-    ncol = layout.columns
-    taps = strided(xp, buf.reshape(-1), 0, (kh, kw, n, ncol, c),
-                   (dh * wp * c, dw * c, (plane + slack) * c, c, 1))
-    w3 = workspace.form(xp, packed, "depthwise_nhwc", (w,),
-                        lambda xp_, a: xp_.ascontiguousarray(
-                            a[0].reshape(c, kh, kw).transpose(1, 2, 0)))
-    acc = workspace.empty(xp, "depthwise_nhwc_acc", (n, ncol, c), x.dtype)
-    xp.einsum("ijnlc,ijc->nlc", taps, w3, out=acc)
-    if b is not None:
-        xp.add(acc, b, out=acc)
-    ho, wo = win.out_spatial
-    finish(xp, valid(xp, acc, (n, c, ho, wo), (ncol * c, 1), (wp * c, c)), y, z, act)

@@ -3,12 +3,18 @@
 float16 inputs are computed in float32 (float64 stays float64). Each kernel
 computes into its output buffer where it can: a given ``out`` of the compute
 dtype, or one fresh array, so the passes over the data run in place instead
-of allocating a temporary per step. Row statistics use a batched dot product
-(BLAS) for the sum of squares.
+of allocating a temporary per step.
+
+Layer/instance/group normalization and softmax work on blocks of rows of about
+64 Ki elements, so each pass over a block (center, square, scale, shift; shift,
+exp, scale) runs in cache; row sums are matrix-vector products with a ones
+vector (BLAS, ~4x NumPy's row-wise reduce), and the softmax shift is a scalar
+per block when the block's spread allows it (see ``_shift``).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -46,9 +52,15 @@ _MVN_EPSILON = 1e-9
 
 def _ct(xp: Any, op: Op, x: Any, stash_type: int = 1) -> Any:
     """The compute dtype (an xp dtype) after checking that ``x`` is floating point."""
-    dt = DType.from_numpy(x.dtype)
+    return xp.float64 if _wide(op, x.dtype, stash_type) else xp.float32
+
+
+@functools.lru_cache(maxsize=256)
+def _wide(op: Op, dtype: Any, stash_type: int) -> bool:
+    """Whether ``op`` computes in float64 for inputs of ``dtype`` (checked once)."""
+    dt = DType.from_numpy(dtype)
     check_float(op, dt)
-    return xp.float64 if compute_dtype(op, dt, stash_type) is DType.FLOAT64 else xp.float32
+    return compute_dtype(op, dt, stash_type) is DType.FLOAT64
 
 
 def _target(xp: Any, out: Out, i: int, shape: tuple[int, ...], dtype: Any,
@@ -136,6 +148,8 @@ def _vector(xp: Any, v: Any, dtype: Any) -> Any:
 
 def _flat_param(xp: Any, p: Any, norm_shape: tuple[int, ...], dtype: Any) -> Any:
     """A layer-norm parameter broadcast to the normalized shape and flattened."""
+    if p.shape == norm_shape and p.flags.c_contiguous:
+        return p.reshape(-1).astype(dtype, copy=False)
     extra = p.ndim - len(norm_shape)
     if extra > 0:
         p = p.reshape(p.shape[extra:])
@@ -167,6 +181,13 @@ def batch_norm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> li
     return [_finish(out, 0, y, x.dtype)]
 
 
+@functools.lru_cache(maxsize=256)
+def _trailing_axis(op: Op, x: tuple[int, ...], axis: int, scale: tuple[int, ...],
+                   bias: tuple[int, ...] | None) -> int:
+    names = ("Scale", "B") if op is Op.LAYER_NORM else ("scale", "B")
+    return check_trailing_norm(op, x, axis, {names[0]: scale, names[1]: bias})
+
+
 def _trailing_rows(x: Any, axis: int) -> tuple[int, int]:
     return math.prod(x.shape[:axis]), math.prod(x.shape[axis:])
 
@@ -178,8 +199,8 @@ def layer_norm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> li
     x, scale = inputs[0], inputs[1]
     bias = inputs[2] if len(inputs) > 2 else None
     ct = _ct(xp, Op.LAYER_NORM, x, attrs["stash_type"])
-    axis = check_trailing_norm(Op.LAYER_NORM, x.shape, attrs["axis"], {
-        "Scale": scale.shape, "B": None if bias is None else bias.shape})
+    axis = _trailing_axis(Op.LAYER_NORM, x.shape, attrs["axis"], scale.shape,
+                          None if bias is None else bias.shape)
     rows, k = _trailing_rows(x, axis)
     y = _target(xp, out, 0, x.shape, ct, contiguous=True)
     norm_shape = tuple(x.shape[axis:])
@@ -246,7 +267,7 @@ def rms_norm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list
     xp = ctx.xp
     x, scale = inputs
     ct = _ct(xp, Op.RMS_NORM, x, attrs["stash_type"])
-    axis = check_trailing_norm(Op.RMS_NORM, x.shape, attrs["axis"], {"scale": scale.shape})
+    axis = _trailing_axis(Op.RMS_NORM, x.shape, attrs["axis"], scale.shape, None)
     rows, k = _trailing_rows(x, axis)
     y = _target(xp, out, 0, x.shape, ct, contiguous=True)
     if y.size:

@@ -33,7 +33,7 @@ from keel.backends.base import Backend, DeviceKind
 from keel.backends.registry import BackendRegistry, default_registry
 from keel.config import BACKEND_NAMES, PRECISIONS, format_bytes, parse_bytes, settings
 from keel.dtypes import DType
-from keel.errors import BackendSelectionError, InvalidArgumentError, MemoryLimitError
+from keel.errors import InvalidArgumentError, MemoryLimitError
 from keel.execution.program import ArenaPool, Profiler, Program, compile_program
 from keel.graph.ir import Graph, Value
 from keel.ops.registry import OpGroup
@@ -623,20 +623,20 @@ def _native_precision(graph: Graph) -> str:
 
 
 def _convert_precision(graph: Graph, precision: str) -> Graph:
-    """Run float math in a pinned float precision; quantized precisions need a quantized model."""
+    """Run float math in a pinned float precision; int8/int16 quantize a float model's weights."""
     if precision == "auto":
         return graph
     native = _native_precision(graph)
     if precision == native:
         return graph
     if precision not in _FLOATS:
-        quantized = any(n.op in OpGroup.QUANTIZATION for n in graph.nodes)
-        if quantized:
+        if any(n.op in OpGroup.QUANTIZATION for n in graph.nodes):
             return graph
-        raise BackendSelectionError(
-            f"precision {precision}",
-            f"the model computes in {native} and is not quantized; quantize it first "
-            "(keel.graph.quantize) or ask for fp16/fp32/fp64")
+        # A float model asked to run in int8/int16: quantize its weights on load
+        # (weight-only, per output channel), so they stay small in memory.
+        from keel.graph.quantize import quantize_graph
+
+        return quantize_graph(graph, precision, "weight-only")
     if native not in _FLOATS:
         return graph
     return _retype_floats(graph, _FLOATS[native], _FLOATS[precision])

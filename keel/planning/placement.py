@@ -183,6 +183,7 @@ class _Context:
     precision: str
     chain: list[Backend]
     device_of_value: dict[str, str] = field(default_factory=dict)
+    strict: bool = False
 
 
 def place(
@@ -193,9 +194,18 @@ def place(
     policy: Any = None,
     backend: str = "auto",
     precision: str = "auto",
+    strict: bool | None = None,
 ) -> ExecutionPlan:
-    """Place every node of ``graph`` for the static ``types`` of one input signature."""
-    ctx = _Context(graph, types, registry, profile, policy, precision, [])
+    """Place every node of ``graph`` for the static ``types`` of one input signature.
+
+    ``strict`` (default: ``KEEL_STRICT``) turns a fallback down the priority
+    chain into an ``UnsupportedOperationError`` naming the node.
+    """
+    if strict is None:
+        from keel.config import settings
+
+        strict = settings().strict
+    ctx = _Context(graph, types, registry, profile, policy, precision, [], strict=strict)
     reasons: list[str] = []
     if backend == "auto":
         ctx.chain = _auto_chain(registry, reasons)
@@ -257,6 +267,14 @@ def _place_pinned(ctx: _Context, backend: Backend, node: Node) -> NodePlacement:
 
 def _place_auto(ctx: _Context, node: Node) -> NodePlacement:
     dtype = _node_dtype(ctx, node)
+    head = ctx.chain[0]
+    if ctx.strict and not head.supports(node.op, dtype):
+        raise UnsupportedOperationError(
+            node.op.value, head.name,
+            supported_on=[b.name for b in ctx.chain if b.supports(node.op, dtype)],
+            detail=f"node {node.name!r} would fall back from {head.name}, the first "
+                   "backend of the priority chain; KEEL_STRICT forbids fallbacks",
+        )
     preferred, reasons = _select(ctx, node, dtype)
     names = [b.name for b in ctx.chain]
     start = names.index(preferred) if preferred in names else 0
@@ -290,7 +308,8 @@ def _select(ctx: _Context, node: Node, dtype: DType | None) -> tuple[str, list[s
 
 def _node_size(ctx: _Context, node: Node) -> tuple[int, int]:
     numel = nbytes = 0
-    for name in [*node.present_inputs(), *(o for o in node.outputs if o)]:
+    # Inputs only: OperationProperties (and measured crossovers) are about the data moved in.
+    for name in node.present_inputs():
         t = ctx.types.get(name)
         n = None if t is None else t.numel()
         if t is not None and n is not None:

@@ -189,9 +189,15 @@ def test_precision_fp64_computes_in_float64_and_returns_declared_dtype(mlp_proto
     np.testing.assert_allclose(out, base, rtol=1e-5, atol=1e-6)
 
 
-def test_quantized_precision_needs_a_quantized_model(mlp_proto: Any) -> None:
-    with pytest.raises(BackendSelectionError, match=r"precision int8.*not quantized"):
-        load_model(mlp_proto, precision="int8")
+def test_int8_precision_quantizes_a_float_model_on_load(mlp_proto: Any) -> None:
+    x = np.random.default_rng(0).standard_normal((4, 16)).astype(np.float32)
+    ref = load_model(mlp_proto).run(None, {"x": x})[0]
+    m = load_model(mlp_proto, precision="int8")
+    ints = [a for a in m.graph.initializers.values() if a.dtype == np.int8]
+    assert ints, "int8 precision must keep int8 weights in memory"
+    out = m.run(None, {"x": x})[0]
+    rel = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    assert rel < 2e-2
 
 
 # ---- plans, explain, memory -------------------------------------------------------

@@ -86,6 +86,15 @@ def test_auto_moves_an_unsupported_node_down_the_chain_with_a_reason() -> None:
     assert plan.copies == ()
 
 
+def test_strict_mode_turns_a_fallback_into_an_error() -> None:
+    reg = registry_of(FakeBackend("fast", ops={Op.MATMUL, Op.ADD}), FakeBackend("reference"))
+    graph = small_graph()
+    types = infer_graph_types(graph, {"x": (4, 8)})
+    with pytest.raises(UnsupportedOperationError,
+                       match=r"'relu'.*'fast'.*reference.*node 'act'.*KEEL_STRICT"):
+        place(graph, types, reg, strict=True)
+
+
 def test_auto_with_nothing_available_says_why() -> None:
     reg = registry_of(FakeBackend("gpu", DeviceKind.GPU, available=False, reason="no GPU"))
     with pytest.raises(BackendSelectionError, match=r"no backend can run here.*gpu: no GPU"):

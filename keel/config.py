@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -33,6 +34,8 @@ def parse_bytes(value: int | float | str, *, name: str = "memory limit") -> int:
         raise InvalidArgumentError(f"{name} must be a byte count, got {value!r}")
     if isinstance(value, (int, float)):
         number, unit = float(value), ""
+        if not math.isfinite(number):
+            raise InvalidArgumentError(f"{name} must be a finite byte count, got {value!r}")
     elif isinstance(value, str):
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
         if not match or match.group(2).lower() not in _UNITS:

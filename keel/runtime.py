@@ -144,6 +144,10 @@ class Runtime:
         Attributes are keyword arguments (``axes=(0,)``, ``perm=(1, 0)``).
         """
         op = to_op(name)
+        for label, given in (("inputs", inputs), ("outputs", () if outputs is None else outputs)):
+            if isinstance(given, str) or not isinstance(given, Sequence):
+                raise InvalidArgumentError(
+                    f"run_op {label} must be a list of tensors, got {type(given).__name__}")
         ins = [None if t is None else self._own(t, "use") for t in inputs]
         outs = None if outputs is None else [self._own(t, "write to") for t in outputs]
         selection = select_backend(self._properties(op, ins, outs), self._profile,

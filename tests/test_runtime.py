@@ -293,3 +293,13 @@ def test_synchronize_waits_on_every_backend_used() -> None:
     rt.run_op("relu", inputs=[_put(rt, [1.0])])
     rt.synchronize()
     assert sorted(synced) == ["fast", "slow"]
+
+
+@pytest.mark.parametrize(("inputs", "outputs", "message"), [
+    (None, None, "run_op inputs must be a list of tensors, got NoneType"),
+    ((), 5, "run_op outputs must be a list of tensors, got int"),
+])
+def test_run_op_rejects_non_sequence_tensors(inputs: Any, outputs: Any, message: str) -> None:
+    rt = Runtime(backend="cpu")
+    with pytest.raises(InvalidArgumentError, match=message):
+        rt.run_op("add", inputs=inputs, outputs=outputs)

@@ -310,3 +310,8 @@ def test_real_registry_selects_an_available_backend() -> None:
     reg = builtin_registry()
     sel = select_backend(_props(Op.ADD, 64), registry=reg)
     assert reg.availability(sel.backend).available
+
+
+def test_select_backend_rejects_what_is_not_operation_properties() -> None:
+    with pytest.raises(InvalidArgumentError, match="needs OperationProperties, got str"):
+        select_backend("add")  # type: ignore[arg-type]

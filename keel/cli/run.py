@@ -71,6 +71,10 @@ def load_inputs(specs: Sequence[str]) -> dict[str, np.ndarray]:
 def random_feeds(infos: Sequence[TensorInfo], batch: int = 1, seed: int = 0,
                  vocab: int | None = None) -> dict[str, np.ndarray]:
     """Seeded random inputs: symbolic first dimensions are ``batch``, other unknowns 1."""
+    if batch < 0:
+        raise InvalidArgumentError(f"--batch must be 0 or more, got {batch}")
+    if seed < 0:
+        raise InvalidArgumentError(f"--seed must be 0 or more, got {seed}")
     rng = np.random.default_rng(seed)
     feeds: dict[str, np.ndarray] = {}
     for info in infos:
@@ -112,12 +116,16 @@ def output_summary(value: np.ndarray) -> dict[str, Any]:
 
 
 def _save(outputs: Mapping[str, np.ndarray], directory: Path) -> dict[str, str]:
-    directory.mkdir(parents=True, exist_ok=True)
     saved = {}
-    for name, value in outputs.items():
-        path = directory / f"{_safe(name)}.npy"
-        np.save(path, value, allow_pickle=False)
-        saved[name] = os.fspath(path)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        for name, value in outputs.items():
+            path = directory / f"{_safe(name)}.npy"
+            np.save(path, value, allow_pickle=False)
+            saved[name] = os.fspath(path)
+    except OSError as exc:
+        raise InvalidArgumentError(
+            f"cannot save outputs to --output-dir {os.fspath(directory)!r}: {exc}") from None
     return saved
 
 

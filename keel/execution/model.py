@@ -281,7 +281,11 @@ class Model:
         if self._profiler is None:
             raise InvalidArgumentError("profiling is not enabled; call enable_profiling() first")
         target = path if path is not None else f"keel_profile_{self.name}.json"
-        written = self._profiler.export(target)
+        try:
+            written = self._profiler.export(target)
+        except OSError as exc:
+            raise InvalidArgumentError(f"cannot write the profile to {str(target)!r}: {exc}") \
+                from None
         self._profiler = None
         return written
 
@@ -340,6 +344,11 @@ class Model:
             run_options: Any = None) -> list[np.ndarray]:
         """onnxruntime's ``InferenceSession.run``: outputs in the order asked for."""
         names = [v.name for v in self._declared_outputs]
+        if output_names is not None and (isinstance(output_names, str)
+                                         or not isinstance(output_names, Iterable)):
+            raise InvalidArgumentError(
+                f"output_names must be a list of output names or None, got "
+                f"{type(output_names).__name__}; the model's outputs are: {', '.join(names)}")
         wanted = names if output_names is None else list(output_names)
         unknown = [n for n in wanted if n not in names]
         if unknown:

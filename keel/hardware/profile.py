@@ -190,7 +190,7 @@ class HardwareProfile:
         try:
             with open(path, encoding="utf-8") as fh:
                 text = fh.read()
-        except OSError as exc:
+        except (OSError, UnicodeDecodeError, TypeError) as exc:
             raise InvalidArgumentError(f"cannot read hardware profile {path!r}: {exc}") from None
         return cls.from_yaml(text)  # YAML is a superset of JSON
 

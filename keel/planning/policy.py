@@ -103,7 +103,7 @@ class RuntimePolicy:
         try:
             with open(path, encoding="utf-8") as fh:
                 text = fh.read()
-        except OSError as exc:
+        except (OSError, UnicodeDecodeError, TypeError) as exc:
             raise InvalidArgumentError(f"cannot read policy file {str(path)!r}: {exc}") from None
         return cls.from_yaml(text, where=f"policy file {str(path)!r}")
 

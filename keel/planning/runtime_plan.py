@@ -126,6 +126,9 @@ def plan_runtime(profile: HardwareProfile, policy: RuntimePolicy | None = None,
         raise InvalidArgumentError(
             f"plan_runtime needs a HardwareProfile, got {type(profile).__name__}"
         )
+    if policy is not None and not isinstance(policy, RuntimePolicy):
+        raise InvalidArgumentError(
+            f"plan_runtime needs a RuntimePolicy or None as policy, got {type(policy).__name__}")
     policy = RuntimePolicy.resolve() if policy is None else policy
     if available_backends is None:
         local = is_this_machine(profile) if local is None else local

@@ -130,6 +130,9 @@ def select_backend(
     (the file ``KEEL_CALIBRATION`` names, else the cached one for this machine);
     an empty ``Calibration()`` keeps the static thresholds only.
     """
+    if not isinstance(props, OperationProperties):
+        raise InvalidArgumentError(
+            f"select_backend needs OperationProperties, got {type(props).__name__}")
     reg = registry if registry is not None else default_registry()
     pin, source = resolve_pin(pinned, policy)
     if pin is not None:

@@ -127,3 +127,25 @@ def test_compare_reports_errors() -> None:
     assert c.max_rel_error == pytest.approx(5e-4, rel=1e-3)
     assert compare("y", want, want, 1e-4, 1e-6).ok
     assert not compare("y", want[:2], want, 1e-4, 1e-6).ok
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--random", "--batch", "-1"), "--batch must be 0 or more, got -1"),
+    (("--random", "--seed", "-1"), "--seed must be 0 or more, got -1"),
+])
+def test_run_rejects_negative_batch_and_seed(capsys: pytest.CaptureFixture[str],
+                                             model_path: Path, args: tuple[str, ...],
+                                             message: str) -> None:
+    code, _, err = cli(capsys, "run", str(model_path), *args)
+    assert code == 2
+    assert err.strip().splitlines() == [err.strip()]
+    assert err.startswith("keel: error:") and message in err
+
+
+def test_run_output_dir_that_is_a_file_is_one_line_error(capsys: pytest.CaptureFixture[str],
+                                                         model_path: Path) -> None:
+    code, _, err = cli(capsys, "run", str(model_path), "--random", "--output-dir",
+                       str(model_path))
+    assert code == 2
+    assert err.strip().splitlines() == [err.strip()]
+    assert err.startswith("keel: error:") and "cannot save outputs to --output-dir" in err

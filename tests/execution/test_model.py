@@ -338,3 +338,26 @@ def test_steady_state_predict_allocates_little_beyond_outputs() -> None:
     finally:
         tracemalloc.stop()
     assert peak < m.plan.memory["output_bytes"] + 64 * 1024, (peak, intermediates)
+
+
+@pytest.mark.parametrize("limit", [float("nan"), float("inf")])
+def test_memory_limit_must_be_finite(mlp_proto: Any, limit: float) -> None:
+    model = load_model(mlp_proto)
+    with pytest.raises(InvalidArgumentError, match="must be a finite byte count"):
+        model.set_memory_limit(limit)
+    with pytest.raises(InvalidArgumentError, match="must be a finite byte count"):
+        load_model(mlp_proto, memory_limit=limit)
+
+
+def test_run_rejects_output_names_that_are_not_a_list(mlp_proto: Any) -> None:
+    model = load_model(mlp_proto)
+    feeds = make_inputs(mlp_proto, 2)
+    with pytest.raises(InvalidArgumentError, match=r"output_names must be a list .* got int"):
+        model.run(5, feeds)  # type: ignore[arg-type]
+
+
+def test_end_profiling_to_an_unwritable_path(mlp_proto: Any, tmp_path: Path) -> None:
+    model = load_model(mlp_proto, enable_profiling=True)
+    model.predict(make_inputs(mlp_proto, 2))
+    with pytest.raises(InvalidArgumentError, match="cannot write the profile to"):
+        model.end_profiling(tmp_path)

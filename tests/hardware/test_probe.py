@@ -130,3 +130,10 @@ def test_detect_devices_on_this_machine() -> None:
     assert info.has_avx2 == profile.cpu.has("avx2")
     assert info.gpu_count == len(profile.gpus)
     assert dataclasses.is_dataclass(info)
+
+
+def test_load_rejects_a_file_that_is_not_text(tmp_path: Path) -> None:
+    path = tmp_path / "profile.json"
+    path.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(InvalidArgumentError, match=r"cannot read hardware profile .*utf-8"):
+        HardwareProfile.load(str(path))

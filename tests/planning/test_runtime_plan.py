@@ -304,3 +304,8 @@ def test_planning_never_imports_cupy() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env=env, cwd=root)
     assert out.stdout.strip() == "[]"
+
+
+def test_plan_runtime_rejects_a_policy_of_the_wrong_type() -> None:
+    with pytest.raises(InvalidArgumentError, match=r"needs a RuntimePolicy or None .* got str"):
+        plan_runtime(fake_profile("edge-arm-board"), "policy.yaml")  # type: ignore[arg-type]

@@ -118,3 +118,10 @@ def test_policy_serialises() -> None:
     policy = RuntimePolicy(prefer_gpu=False)
     assert RuntimePolicy.from_yaml(policy.to_yaml()) == policy
     assert RuntimePolicy.from_yaml(policy.to_json()) == policy     # YAML reads JSON
+
+
+def test_load_rejects_a_file_that_is_not_text(tmp_path: Path) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_bytes(b"\xff\xfe\x00\x01")
+    with pytest.raises(InvalidArgumentError, match=r"cannot read policy file .*utf-8"):
+        RuntimePolicy.load(path)

@@ -26,11 +26,25 @@ def drop_command(
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Write flags.txt and manifest.yaml for MODEL on a target profile (same inputs, same bytes)."""
+    _check_model(model)
     drop = make_drop(model, profile, out)
     if as_json:
         typer.echo(json.dumps(drop.to_dict(), indent=2))
         return
     Console().print(_table(drop))
+
+
+def _check_model(model: Path) -> None:
+    """Refuse to package a file keel cannot load (ModelFormatError names what is wrong)."""
+    from keel.formats.keel_format import is_keel_file, load_keel
+    from keel.graph.importers.onnx import import_onnx
+
+    if not model.is_file():
+        return  # make_drop reports a missing file with its own message
+    if is_keel_file(model):
+        load_keel(model)
+    else:
+        import_onnx(model)
 
 
 def _table(drop: Drop) -> Table:

@@ -60,6 +60,8 @@ def load_inputs(specs: Sequence[str]) -> dict[str, np.ndarray]:
         name, sep, path = spec.partition("=")
         if not sep or not name or not path:
             raise InvalidArgumentError(f"--input {spec!r} must look like NAME=FILE.npy")
+        if name in feeds:
+            raise InvalidArgumentError(f"--input {name!r} is given twice; give each input once")
         try:
             feeds[name] = np.load(path, allow_pickle=False)
         except (OSError, ValueError) as exc:

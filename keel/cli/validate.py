@@ -84,6 +84,9 @@ def validate(
     if against not in ORACLES:
         raise InvalidArgumentError(f"--against {against!r} is not allowed; use one of "
                                    f"{', '.join(ORACLES)}")
+    for flag, value in (("--rtol", rtol), ("--atol", atol)):
+        if not value >= 0:  # also rejects NaN
+            raise InvalidArgumentError(f"{flag} must be a non-negative number, got {value}")
     keel_model = load_model(model, backend=backend, optimization_level=level)
     feeds = _complete(keel_model.inputs, load_inputs(inputs), True, batch, seed,
                       _vocab(keel_model))

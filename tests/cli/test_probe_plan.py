@@ -157,9 +157,16 @@ def test_plan_table_names_the_target_and_rejections(h100: HardwareProfile) -> No
     assert "target server:" in result.output and "CUDA build on nvidia GPU 0" in result.output
 
 
-def test_drop_writes_a_deterministic_manifest(tmp_path: Path) -> None:
+def _real_model(tmp_path: Path) -> Path:
+    from importlib import resources
+
     model = tmp_path / "m.onnx"
-    model.write_bytes(b"model-bytes")
+    model.write_bytes((resources.files("keel") / "data" / "digits_mlp.onnx").read_bytes())
+    return model
+
+
+def test_drop_writes_a_deterministic_manifest(tmp_path: Path) -> None:
+    model = _real_model(tmp_path)
     args = ["drop", str(model), "--profile", "edge", "--out", str(tmp_path / "art"), "--json"]
     first = json.loads(runner.invoke(app, args).output)
     second = json.loads(runner.invoke(app, args).output)
@@ -173,12 +180,22 @@ def test_drop_writes_a_deterministic_manifest(tmp_path: Path) -> None:
 
 def test_drop_with_an_unknown_profile_fails(tmp_path: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
-    model = tmp_path / "m.onnx"
-    model.write_bytes(b"x")
+    model = _real_model(tmp_path)
     with pytest.raises(SystemExit) as exit_info:
         main(["drop", str(model), "--profile", "laptop", "--out", str(tmp_path)])
     assert exit_info.value.code == 2
     assert "unknown target profile 'laptop'" in capsys.readouterr().err
+
+
+def test_drop_refuses_a_file_that_is_not_a_model(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    model = tmp_path / "m.onnx"
+    model.write_bytes(b"model-bytes")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["drop", str(model), "--profile", "edge", "--out", str(tmp_path / "art")])
+    assert exit_info.value.code == 2
+    assert "keel: error: [MODEL_FORMAT]" in capsys.readouterr().err
+    assert not (tmp_path / "art").exists()
 
 
 def test_demo_prints_the_probe_summary_and_the_plan(h100: HardwareProfile) -> None:

@@ -149,3 +149,22 @@ def test_run_output_dir_that_is_a_file_is_one_line_error(capsys: pytest.CaptureF
     assert code == 2
     assert err.strip().splitlines() == [err.strip()]
     assert err.startswith("keel: error:") and "cannot save outputs to --output-dir" in err
+
+
+def test_run_rejects_an_input_given_twice(capsys: pytest.CaptureFixture[str],
+                                          model_path: Path, tmp_path: Path) -> None:
+    arr = tmp_path / "x.npy"
+    np.save(arr, np.zeros((1, 4), np.float32))
+    code, _, err = cli(capsys, "run", str(model_path), "--input", f"x={arr}",
+                       "--input", f"x={arr}")
+    assert code == 2
+    assert err.startswith("keel: error:") and "'x' is given twice" in err
+
+
+@pytest.mark.parametrize("flag", ["--rtol", "--atol"])
+def test_validate_rejects_negative_tolerances(capsys: pytest.CaptureFixture[str],
+                                              model_path: Path, flag: str) -> None:
+    code, _, err = cli(capsys, "validate", str(model_path), "--against", "reference",
+                       flag, "-1")
+    assert code == 2
+    assert err.startswith("keel: error:") and f"{flag} must be a non-negative number" in err

@@ -160,6 +160,10 @@ def tensor(data: Any, device: str = "cpu", dtype: DType | str | None = None) -> 
         except (TypeError, ValueError) as exc:
             raise InvalidArgumentError(f"cannot make a tensor from {type(data).__name__}: "
                                        f"{exc}") from None
+        if host.dtype.kind in "OUSV":
+            raise InvalidArgumentError(
+                f"cannot make a tensor from {type(data).__name__} {data!r:.60}: it is not "
+                "numeric data (a number, a nested list of numbers or an array)")
     if dtype is not None:
         host = host.astype(as_dtype(dtype).numpy)
     backend = _backend_for_device(device)

@@ -245,3 +245,9 @@ def test_environment_pin_is_authoritative(monkeypatch: pytest.MonkeyPatch) -> No
     record = explain_last_dispatch()
     assert record is not None and record.backend == "reference"
     assert record.reason == "pinned by KEEL_BACKEND"
+
+
+@pytest.mark.parametrize("data", [None, {}, [10**400], "abc", [[1], [1, 2]]])
+def test_tensor_of_non_numeric_data_says_so(data: object) -> None:
+    with pytest.raises(InvalidArgumentError, match="cannot make a tensor from"):
+        tensor(data)

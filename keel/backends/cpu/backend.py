@@ -80,6 +80,7 @@ class CpuBackend(Backend):
         return {
             "threads": self.threads,
             "simd_level": _simd_level(),
+            "memory_bytes": _memory_limit(),
             "notes": tuple(f"thread pool: {b}" for b in blas),
         }
 
@@ -200,6 +201,17 @@ def _probed_cpu() -> Any:
 
         return probe_cpu(ProbeSources.real())
     except Exception:  # no probe, or a failing one: callers fall back to os
+        return None
+
+
+def _memory_limit() -> int | None:
+    """The memory this process may use (cgroup aware), as the probe reads it."""
+    from keel.hardware.memory import probe_memory
+    from keel.hardware.sources import ProbeSources
+
+    try:
+        return probe_memory(ProbeSources.real()).effective_limit_bytes
+    except Exception:  # a capability report never fails; None reads as unknown
         return None
 
 

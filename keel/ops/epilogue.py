@@ -255,7 +255,12 @@ def _const(xp: Any, value: float, like: Any) -> Any:
 
 
 def _relu(xp: Any, x: Any, p: tuple[float, ...], out: Any, scratch: Scratch) -> None:
-    xp.maximum(x, _const(xp, 0.0, x), out=out)
+    if x.dtype.kind == "f":
+        # clip has a SIMD loop that maximum with a scalar lacks (3x faster on
+        # float32 with NumPy 2); NaN propagates the same way.
+        xp.clip(x, 0, xp.inf, out=out)
+    else:
+        xp.maximum(x, _const(xp, 0.0, x), out=out)
 
 
 def _leaky_relu(xp: Any, x: Any, p: tuple[float, ...], out: Any, scratch: Scratch) -> None:

@@ -307,7 +307,8 @@ def _shrink(xp: Any, x: Any, d: Any, a: Attrs) -> None:
 
 
 _UNARY: dict[Op, Impl] = {
-    Op.RELU: lambda xp, x, d, a: xp.maximum(x, 0, out=d),
+    Op.RELU: lambda xp, x, d, a: (xp.clip(x, 0, xp.inf, out=d) if x.dtype.kind == "f"
+                                  else xp.maximum(x, 0, out=d)),
     Op.NEG: _ufunc("negative"),
     Op.ABS: _ufunc("abs"),
     Op.SIGN: _ufunc("sign"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any
 
 import numpy as np
@@ -117,6 +118,22 @@ def test_align_corners_uses_the_integer_output_length() -> None:
     (y,) = _resize_both(x, None, np.array([0.6], np.float32), None, mode="nearest",
                         coordinate_transformation_mode="align_corners", nearest_mode="floor")
     np.testing.assert_array_equal(y, [0, 2, 4])
+
+
+@pytest.mark.parametrize(("mode", "shape", "scale", "expected"), [
+    ("linear", (2, 4), 0.6, [[1, 4]]),
+    ("cubic", (4, 4), 0.8, [[1, 2.5, 4], [7, 8.5, 10], [13, 14.5, 16]]),
+])
+def test_align_corners_downsampling_matches_onnxruntime(mode: str, shape: tuple[int, int],
+                                                        scale: float,
+                                                        expected: list[list[float]]) -> None:
+    # onnx's node cases test_resize_downsample_scales_{linear,cubic}_align_corners expect
+    # the reference evaluator's numbers, which divide by the fractional scale * in (2.4,
+    # 3.2); onnxruntime 1.31 and keel divide by the output length minus one (1, 2).
+    x = np.arange(1, math.prod(shape) + 1, dtype=np.float32).reshape(shape)
+    (y,) = _resize_both(x, None, np.array([scale, scale], np.float32), None, mode=mode,
+                        coordinate_transformation_mode="align_corners")
+    np.testing.assert_allclose(y, np.array(expected, np.float32), rtol=1e-6)
 
 
 def test_pytorch_half_pixel_to_one_samples_the_first_element() -> None:

@@ -5,9 +5,11 @@ source coordinate (``coordinate_transformation_mode``), picks the taps around
 it and their weights (``mode``), and takes the weighted sum of the taps in
 float64. The formulas are those of the ONNX Resize-19 specification; where it
 speaks of ``length_resized`` the integer output length is used, as onnxruntime
-does. Taps outside the input are clamped to the edge (or dropped with
-``exclude_outside``); ``tf_crop_and_resize`` positions outside the input take
-``extrapolation_value``.
+does. (onnx's own reference evaluator uses the fractional ``scale * length`` in
+``align_corners``, so its node cases downsampling by scales with align_corners
+expect other numbers: see tests/onnx_node/known_failures.txt.) Taps outside the
+input are clamped to the edge (or dropped with ``exclude_outside``);
+``tf_crop_and_resize`` positions outside the input take ``extrapolation_value``.
 """
 
 from __future__ import annotations

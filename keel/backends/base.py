@@ -545,3 +545,14 @@ def _check_results(op: Op, outputs: Sequence[Any], results: Sequence[Any]) -> No
                 f"{op.value}: output {i} is {dst.dtype}{list(dst.shape)}, the result is "
                 f"{src.dtype}{list(src.shape)}"
             )
+
+
+# Shorthands for kernel signatures, shared by every backend's family modules.
+Inputs = Sequence[Any]
+Attrs = Mapping[str, Any]
+Out = Sequence[Any] | None
+
+
+def optional_input(inputs: Inputs, i: int) -> Any:
+    """Input ``i``, or None when the caller gave fewer inputs (an absent optional one)."""
+    return inputs[i] if i < len(inputs) else None

@@ -10,10 +10,9 @@ buffer; the additive bias is built once at (S, T) (or per batch) and broadcast.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
 from typing import Any
 
-from keel.backends.base import KernelContext
+from keel.backends.base import Attrs, Inputs, KernelContext, Out, optional_input
 from keel.backends.cpu.kernels import TABLE
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError
@@ -30,13 +29,7 @@ from keel.ops.schemas.attention import (
 
 __all__: list[str] = []
 
-Inputs = Sequence[Any]
-Attrs = Mapping[str, Any]
-Out = Sequence[Any] | None
 
-
-def _opt(inputs: Inputs, i: int) -> Any:
-    return inputs[i] if i < len(inputs) else None
 
 
 def _shape(x: Any) -> tuple[int, ...] | None:
@@ -144,7 +137,7 @@ def onnx_attention(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -
     """ONNX Attention: Y, present_key, present_value, qk_matmul_output."""
     xp = ctx.xp
     q, k, v = inputs[0], inputs[1], inputs[2]
-    mask, past_k, past_v, nonpad = (_opt(inputs, i) for i in range(3, 7))
+    mask, past_k, past_v, nonpad = (optional_input(inputs, i) for i in range(3, 7))
     dims = check_attention(q.shape, k.shape, v.shape, attrs, _shape(mask), _shape(past_k),
                            _shape(past_v), _shape(nonpad))
     ct = _ct(xp, Op.ONNX_ATTENTION, q, "Q")
@@ -221,7 +214,7 @@ def _as_heads(q: Any, k: Any, v: Any, dims: AttentionShapes,
 def rotary_embedding(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """Rotate feature pairs by the cached angles of each position."""
     xp = ctx.xp
-    x, cos, sin, pos = inputs[0], inputs[1], inputs[2], _opt(inputs, 3)
+    x, cos, sin, pos = inputs[0], inputs[1], inputs[2], optional_input(inputs, 3)
     ct = _ct(xp, Op.ROTARY_EMBEDDING, x, "X")
     rot = check_rotary(x.shape, cos.shape, sin.shape, _shape(pos), attrs)
     y = x.astype(ct)                                   # a fresh copy: rotated in place below
@@ -268,7 +261,7 @@ def swiglu(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[A
 def tensor_scatter(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """past_cache with update written along axis from write_indices[b] on."""
     xp = ctx.xp
-    cache, update, indices = inputs[0], inputs[1], _opt(inputs, 2)
+    cache, update, indices = inputs[0], inputs[1], optional_input(inputs, 2)
     axis = check_tensor_scatter(cache.shape, update.shape, _shape(indices), attrs)
     if update.dtype != cache.dtype:
         raise InvalidArgumentError(

@@ -30,13 +30,13 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from keel.backends.base import KernelContext
+from keel.backends.base import Attrs, Inputs, KernelContext, Out, optional_input
 from keel.backends.cpu import conv_gemm, depthwise, winograd, workspace
 from keel.backends.cpu.conv_epilogue import Activation, activation
 from keel.backends.cpu.conv_rules import ConvCase, ConvRule, pick
@@ -56,9 +56,6 @@ from keel.ops.schemas.conv import (
 
 __all__ = ["RULES"]
 
-Inputs = Sequence[Any]
-Attrs = Mapping[str, Any]
-Out = Sequence[Any] | None
 # winograd time / im2col time for C->C 3x3 pad-1 convs with bias and ReLU
 # (channels, output side, batch, ratio): 2-core AMD EPYC, OpenBLAS, 1 thread,
 # prepacked weights, interleaved runs, median of 5 passes.
@@ -94,9 +91,6 @@ RULES: dict[str, ConvRule] = {
     "im2col": ConvRule("im2col", 10, "im2col + one BLAS GEMM per group"),
 }
 
-
-def _opt(inputs: Inputs, i: int) -> Any:
-    return inputs[i] if i < len(inputs) else None
 
 
 def _case(geo: ConvGeometry, dtype: str) -> ConvCase:
@@ -246,8 +240,8 @@ def _prepack(ctx: KernelContext, consts: Sequence[Any], attrs: Attrs) -> Any:
 
 def _conv_variant(variant: str) -> Callable[[KernelContext, Inputs, Attrs, Out], list[Any]]:
     def kernel(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
-        return _run(ctx, Op.CONV, variant, inputs[0], inputs[1], _opt(inputs, 2),
-                    _opt(inputs, 3), attrs, out)
+        return _run(ctx, Op.CONV, variant, inputs[0], inputs[1], optional_input(inputs, 2),
+                    optional_input(inputs, 3), attrs, out)
     kernel.__doc__ = RULES[variant].summary if variant in RULES else "dispatching conv"
     return kernel
 
@@ -285,7 +279,7 @@ def _conv2d_attrs_cached(key: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, A
 def conv_integer(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """Exact integer conv through the float variants (float32 while sums stay < 2^24)."""
     xp = ctx.xp
-    x, w, xzp, wzp = inputs[0], inputs[1], _opt(inputs, 2), _opt(inputs, 3)
+    x, w, xzp, wzp = inputs[0], inputs[1], optional_input(inputs, 2), optional_input(inputs, 3)
     for a in inputs:
         if a is not None:
             _check_dtypes(Op.CONV_INTEGER, [a])
@@ -320,7 +314,7 @@ def conv_integer(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> 
 def conv_transpose(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """GEMM W^T @ X per group into columns, then col2im: one strided add per kernel tap."""
     xp = ctx.xp
-    x, w, b = inputs[0], inputs[1], _opt(inputs, 2)
+    x, w, b = inputs[0], inputs[1], optional_input(inputs, 2)
     dtype = _check_dtypes(Op.CONV_TRANSPOSE, [x, w, b])
     geo = conv_transpose_geometry(x.shape, w.shape, attrs)
     if b is not None and tuple(b.shape) != (geo.out_channels,):

@@ -8,12 +8,11 @@ is passed only to NumPy.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from keel.backends.base import KernelContext
+from keel.backends.base import Attrs, Inputs, KernelContext, Out
 from keel.backends.cpu.kernels import TABLE
 from keel.backends.cpu.shape import destination, emit
 from keel.errors import InvalidArgumentError, UnsupportedOperationError
@@ -39,10 +38,6 @@ from keel.ops.schemas.indexing import (
 )
 from keel.ops.schemas.shape import ints_param, require, static_dims
 from keel.ops.types import normalize_axis
-
-Inputs = Sequence[Any]
-Attrs = Mapping[str, Any]
-Out = Sequence[Any] | None
 
 
 def _is_numpy(xp: Any) -> bool:

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from keel.backends.base import KernelContext
+from keel.backends.base import Attrs, Inputs, KernelContext, Out, optional_input
 from keel.backends.cpu import workspace
 from keel.backends.cpu.kernels import TABLE
 from keel.dtypes import DType
@@ -40,13 +40,7 @@ from keel.ops.schemas.matmul import (
 
 __all__: list[str] = []
 
-Inputs = Sequence[Any]
-Attrs = Mapping[str, Any]
-Out = Sequence[Any] | None
 
-
-def _opt(inputs: Inputs, i: int) -> Any:
-    return inputs[i] if i < len(inputs) else None
 
 
 def _common(op: Op, arrays: Sequence[Any]) -> DType:
@@ -214,7 +208,7 @@ def _frozen(xp: Any, made: Any, src: Any) -> Any:
 
 
 def _pack_matmul(ctx: KernelContext, consts: Inputs, attrs: Attrs) -> _Operands | None:
-    b, bias = consts[1], _opt(consts, 2)
+    b, bias = consts[1], optional_input(consts, 2)
     if b is None and bias is None:
         return None
     ct = _compute(ctx.xp, DType.from_numpy((b if b is not None else bias).dtype))
@@ -225,7 +219,7 @@ def _pack_matmul(ctx: KernelContext, consts: Inputs, attrs: Attrs) -> _Operands 
 
 
 def _pack_gemm(ctx: KernelContext, consts: Inputs, attrs: Attrs) -> _Operands | None:
-    b, c = consts[1], _opt(consts, 2)
+    b, c = consts[1], optional_input(consts, 2)
     if b is None and c is None:
         return None
     dtype = DType.from_numpy((b if b is not None else c).dtype)
@@ -385,7 +379,7 @@ def _sum_private(a: Any, la: list[str], other: list[str], lo: list[str]) -> tupl
 def matmul_integer(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """(A - a_zero_point) @ (B - b_zero_point) exactly, through float BLAS."""
     xp = ctx.xp
-    a, b, azp, bzp = inputs[0], inputs[1], _opt(inputs, 2), _opt(inputs, 3)
+    a, b, azp, bzp = inputs[0], inputs[1], optional_input(inputs, 2), optional_input(inputs, 3)
     for i, x in enumerate(inputs):
         if x is not None:
             check_dtype(Op.MATMUL_INTEGER, DType.from_numpy(x.dtype), what=f"input {i}")
@@ -421,7 +415,7 @@ def attention(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> lis
     """softmax(Q K^T * scale + mask) V: per block of heads, two GEMMs and a softmax
     that stays in cache."""
     xp = ctx.xp
-    q, k, v, mask = inputs[0], inputs[1], inputs[2], _opt(inputs, 3)
+    q, k, v, mask = inputs[0], inputs[1], inputs[2], optional_input(inputs, 3)
     dtype = _common(Op.ATTENTION, [q, k, v])
     shape = _attention_plan(q.shape, k.shape, v.shape, None if mask is None else mask.shape)
     ct = _compute(xp, dtype)

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
-from keel.backends.base import KernelContext
+from keel.backends.base import Attrs, Inputs, KernelContext, Out
 from keel.backends.cpu import workspace
 from keel.backends.cpu.kernels import TABLE
 from keel.dtypes import DType
@@ -43,9 +43,6 @@ from keel.ops.types import normalize_axis
 
 __all__: list[str] = []
 
-Inputs = Sequence[Any]
-Attrs = Mapping[str, Any]
-Out = Sequence[Any] | None
 
 _MVN_EPSILON = 1e-9
 

@@ -6,10 +6,9 @@ inputs are widened, float64 stays float64).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from typing import Any
 
-from keel.backends.base import KernelContext
+from keel.backends.base import Attrs, Inputs, KernelContext, Out
 from keel.backends.cpu.kernels import TABLE
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError
@@ -18,9 +17,6 @@ from keel.ops.schemas.numeric import BITCAST_DTYPES, FLOAT_DTYPES, check_bitcast
 
 __all__: list[str] = []
 
-Inputs = Sequence[Any]
-Attrs = Mapping[str, Any]
-Out = Sequence[Any] | None
 
 
 @TABLE.kernel(Op.BITCAST, dtypes=BITCAST_DTYPES, supports_out=True)

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from keel.backends.base import KernelContext
+from keel.backends.base import Attrs, Inputs, KernelContext, Out
 from keel.backends.cpu import window as wnd
 from keel.backends.cpu import workspace
 from keel.backends.cpu.kernels import TABLE
@@ -26,9 +26,6 @@ from keel.ops.schemas.pooling import DTYPES, check_pool_input, pool_window
 
 __all__: list[str] = []
 
-Inputs = Sequence[Any]
-Attrs = Mapping[str, Any]
-Out = Sequence[Any] | None
 
 
 def _target(xp: Any, out: Out, i: int, shape: tuple[int, ...], dtype: Any) -> Any:

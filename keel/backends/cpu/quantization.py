@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from keel.backends.base import KernelContext
+from keel.backends.base import Attrs, Inputs, KernelContext, Out, optional_input
 from keel.backends.cpu.kernels import TABLE
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError
@@ -37,9 +37,6 @@ from keel.ops.schemas.quantization import (
 
 __all__: list[str] = []
 
-Inputs = Sequence[Any]
-Attrs = Mapping[str, Any]
-Out = Sequence[Any] | None
 
 _QLINEAR = frozenset({DType.UINT8, DType.INT8})
 
@@ -47,9 +44,6 @@ _QLINEAR = frozenset({DType.UINT8, DType.INT8})
 def _dtype(a: Any) -> DType:
     return DType.from_numpy(a.dtype)
 
-
-def _opt(inputs: Inputs, i: int) -> Any:
-    return inputs[i] if i < len(inputs) else None
 
 
 def _require(op: Op, what: str, dtype: DType, allowed: frozenset[DType]) -> None:
@@ -86,7 +80,7 @@ def _deliver(xp: Any, q: Any, dtype: DType, out: Out, i: int = 0) -> Any:
 def quantize_linear(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """saturate(round_half_even(x / y_scale) + y_zero_point)."""
     xp = ctx.xp
-    x, scale, zp = inputs[0], inputs[1], _opt(inputs, 2)
+    x, scale, zp = inputs[0], inputs[1], optional_input(inputs, 2)
     op = Op.QUANTIZE_LINEAR
     out_dtype = quantize_output_dtype(None if zp is None else _dtype(zp), attrs["output_dtype"])
     _require(op, "x", _dtype(x), QUANTIZE_INPUTS)
@@ -117,7 +111,7 @@ def _division_dtype(x: Any, scale: Any, precision: DType | None) -> Any:
 def dequantize_linear(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """(x - x_zero_point) * x_scale, in float32 (float64 for float64 or int32 data)."""
     xp = ctx.xp
-    x, scale, zp = inputs[0], inputs[1], _opt(inputs, 2)
+    x, scale, zp = inputs[0], inputs[1], optional_input(inputs, 2)
     op = Op.DEQUANTIZE_LINEAR
     out_dtype = dequantize_output_dtype(_dtype(x), _dtype(scale),
                                         None if zp is None else _dtype(zp),
@@ -249,7 +243,7 @@ def qlinear_conv(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> 
     """im2col convolution of the zero-point-shifted inputs (+ int32 bias), requantized."""
     xp = ctx.xp
     x, x_s, x_zp, w, w_s, w_zp, y_s, y_zp = inputs[:8]
-    bias = _opt(inputs, 8)
+    bias = optional_input(inputs, 8)
     op = Op.QLINEAR_CONV
     _check_pair(op, x, x_zp, "x")
     _check_pair(op, w, w_zp, "w")

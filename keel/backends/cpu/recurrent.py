@@ -9,10 +9,10 @@ every row runs the full length.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from typing import Any
 
-from keel.backends.base import KernelContext
+from keel.backends.base import Attrs, Inputs, KernelContext, Out
 from keel.backends.cpu.kernels import TABLE
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError
@@ -28,9 +28,6 @@ from keel.ops.schemas.recurrent import (
 
 __all__: list[str] = []
 
-Inputs = Sequence[Any]
-Attrs = Mapping[str, Any]
-Out = Sequence[Any] | None
 Fn = Callable[[Any], Any]
 
 

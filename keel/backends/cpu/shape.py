@@ -9,10 +9,10 @@ into ``out`` without temporaries where the op allows it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from keel.backends.base import KernelContext
+from keel.backends.base import Attrs, Inputs, KernelContext, Out
 from keel.backends.cpu.kernels import TABLE
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError
@@ -46,10 +46,6 @@ from keel.ops.schemas.shape import (
     trilu_k,
 )
 from keel.ops.types import normalize_axis
-
-Inputs = Sequence[Any]
-Attrs = Mapping[str, Any]
-Out = Sequence[Any] | None
 
 
 def destination(xp: Any, shape: Sequence[int], dtype: Any, out: Out, i: int = 0) -> Any:

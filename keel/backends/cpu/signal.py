@@ -8,10 +8,9 @@ real, which halve the work. STFT frames are one gather of all frames at once.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
 from typing import Any
 
-from keel.backends.base import KernelContext
+from keel.backends.base import Attrs, Inputs, KernelContext, Out, optional_input
 from keel.backends.cpu.kernels import TABLE
 from keel.dtypes import DType
 from keel.ops.registry import Op
@@ -30,13 +29,7 @@ from keel.ops.schemas.signal import (
 
 __all__: list[str] = []
 
-Inputs = Sequence[Any]
-Attrs = Mapping[str, Any]
-Out = Sequence[Any] | None
 
-
-def _opt(inputs: Inputs, i: int) -> Any:
-    return inputs[i] if i < len(inputs) else None
 
 
 def _deliver(out: Out, i: int, value: Any) -> Any:
@@ -66,7 +59,7 @@ def _pairs(xp: Any, z: Any) -> Any:
 def dft(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """xp.fft along the signal axis (rfft for real input, irfft for one-sided inverse)."""
     xp = ctx.xp
-    x, length, axis = inputs[0], _opt(inputs, 1), _opt(inputs, 2)
+    x, length, axis = inputs[0], optional_input(inputs, 1), optional_input(inputs, 2)
     check_float(Op.DFT, DType.from_numpy(x.dtype))
     n_given = None if length is None else int(scalar(Op.DFT, "dft_length", length))
     a, shape = check_dft(x.shape, n_given, -2 if axis is None else
@@ -94,7 +87,8 @@ def dft(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]
 def stft(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """All frames gathered at once (B, frames, length), windowed, then one batched FFT."""
     xp = ctx.xp
-    x, step, window, frame = inputs[0], inputs[1], _opt(inputs, 2), _opt(inputs, 3)
+    x, step = inputs[0], inputs[1]
+    window, frame = optional_input(inputs, 2), optional_input(inputs, 3)
     check_float(Op.STFT, DType.from_numpy(x.dtype), "signal")
     hop = int(scalar(Op.STFT, "frame_step", step))
     size, shape = check_stft(x.shape, hop, None if window is None else window.shape,

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from keel.backends.base import KernelContext
+from keel.backends.base import Attrs, Inputs, KernelContext, Out, optional_input
 from keel.backends.cpu.kernels import TABLE
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError
@@ -39,16 +39,10 @@ from keel.ops.schemas.vision import (
 
 __all__: list[str] = []
 
-Inputs = Sequence[Any]
-Attrs = Mapping[str, Any]
-Out = Sequence[Any] | None
 
 _CUBIC_A = -0.75
 _ALL2: tuple[slice, ...] = (slice(None), slice(None))    # the batch and channel axes
 
-
-def _opt(inputs: Inputs, i: int) -> Any:
-    return inputs[i] if i < len(inputs) else None
 
 
 def _ints(x: Any) -> tuple[int, ...]:
@@ -287,7 +281,7 @@ def non_max_suppression(ctx: KernelContext, inputs: Inputs, attrs: Attrs,
     xp = ctx.xp
     boxes, scores = inputs[0], inputs[1]
     check_nms(boxes.shape, scores.shape, attrs)
-    max_out, iou_t, score_t = nms_limits(*(_opt(inputs, i) for i in (2, 3, 4)))
+    max_out, iou_t, score_t = nms_limits(*(optional_input(inputs, i) for i in (2, 3, 4)))
     rows: list[tuple[int, int, int]] = []
     host_scores = np.asarray(scores.tolist(), dtype=np.float64).reshape(scores.shape)
     for b in range(boxes.shape[0] if max_out else 0):
@@ -361,7 +355,7 @@ def center_crop_pad(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) 
 def max_unpool(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """One scatter of X into the flat unpooled tensor (the last write wins on repeats)."""
     xp = ctx.xp
-    x, indices, given = inputs[0], inputs[1], _opt(inputs, 2)
+    x, indices, given = inputs[0], inputs[1], optional_input(inputs, 2)
     inferred, shape = check_max_unpool(x.shape, indices.shape, attrs,
                                        None if given is None else _ints(given))
     total = math.prod(inferred)
@@ -385,8 +379,8 @@ def max_unpool(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> li
 def deform_conv(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """Bilinear taps gathered into columns (N, C * kH * kW, L), then one batched matmul."""
     xp = ctx.xp
-    x, wt, offset, bias, mask = inputs[0], inputs[1], inputs[2], _opt(inputs, 3), \
-        _opt(inputs, 4)
+    x, wt, offset, bias, mask = inputs[0], inputs[1], inputs[2], optional_input(inputs, 3), \
+        optional_input(inputs, 4)
     ct = _ct(xp, Op.DEFORM_CONV, x)
     geo = check_deform_conv(x.shape, wt.shape, offset.shape,
                             None if bias is None else bias.shape,

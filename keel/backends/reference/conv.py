@@ -8,12 +8,11 @@ output dtype. Shape rules come from :mod:`keel.ops.schemas.conv`.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from keel.backends.base import KernelContext
+from keel.backends.base import Attrs, Inputs, KernelContext, Out, optional_input
 from keel.backends.reference.kernels import TABLE
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError
@@ -31,13 +30,7 @@ from keel.ops.schemas.conv import (
 
 __all__: list[str] = []
 
-Inputs = Sequence[Any]
-Attrs = Mapping[str, Any]
-Out = Sequence[Any] | None
 
-
-def _opt(inputs: Inputs, i: int) -> Any:
-    return inputs[i] if i < len(inputs) else None
 
 
 def _check(op: Op, *arrays: np.ndarray) -> np.dtype[Any]:
@@ -75,7 +68,7 @@ def direct_conv(x: np.ndarray, w: np.ndarray, geo: ConvGeometry) -> np.ndarray:
 @TABLE.kernel(Op.CONV, dtypes=DTYPES[Op.CONV])
 def conv(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """act(conv(X, W) + B + Z) (ONNX Conv with keel's residual and activation)."""
-    x, w, b, z = inputs[0], inputs[1], _opt(inputs, 2), _opt(inputs, 3)
+    x, w, b, z = inputs[0], inputs[1], optional_input(inputs, 2), optional_input(inputs, 3)
     dtype = _check(Op.CONV, x, w, b, z)
     geo = conv_geometry(Op.CONV, x.shape, w.shape, attrs)
     check_conv_extras(Op.CONV, geo.out_shape, None if b is None else b.shape,
@@ -104,7 +97,7 @@ def conv2d(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[A
 @TABLE.kernel(Op.CONV_TRANSPOSE, dtypes=DTYPES[Op.CONV_TRANSPOSE])
 def conv_transpose(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """Scatter each input pixel times the kernel into the output (the adjoint of conv)."""
-    x, w, b = inputs[0], inputs[1], _opt(inputs, 2)
+    x, w, b = inputs[0], inputs[1], optional_input(inputs, 2)
     dtype = _check(Op.CONV_TRANSPOSE, x, w, b)
     geo = conv_transpose_geometry(x.shape, w.shape, attrs)
     n, c, g = geo.batch, geo.in_channels, geo.group
@@ -134,7 +127,7 @@ def conv_transpose(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -
 @TABLE.kernel(Op.CONV_INTEGER, dtypes=DTYPES[Op.CONV_INTEGER])
 def conv_integer(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """conv(X - x_zero_point, W - w_zero_point) in int64, returned as int32."""
-    x, w, xzp, wzp = inputs[0], inputs[1], _opt(inputs, 2), _opt(inputs, 3)
+    x, w, xzp, wzp = inputs[0], inputs[1], optional_input(inputs, 2), optional_input(inputs, 3)
     for a in inputs:
         if a is not None:
             _check(Op.CONV_INTEGER, a)      # X and W may differ (uint8 and int8)

@@ -7,12 +7,12 @@ float64 and cast once at the end; every kernel returns fresh arrays.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from keel.backends.base import KernelContext
+from keel.backends.base import Attrs, Inputs, KernelContext, Out
 from keel.backends.reference.kernels import TABLE
 from keel.errors import InvalidArgumentError
 from keel.ops.registry import Op
@@ -36,10 +36,6 @@ from keel.ops.schemas.indexing import (
 )
 from keel.ops.schemas.shape import ints_param, require, static_dims
 from keel.ops.types import normalize_axis
-
-Inputs = Sequence[Any]
-Attrs = Mapping[str, Any]
-Out = Sequence[Any] | None
 
 
 def _non_negative(indices: np.ndarray, size: int) -> np.ndarray:

@@ -7,12 +7,11 @@ by the sum of those weights.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from keel.backends.base import KernelContext
+from keel.backends.base import Attrs, Inputs, KernelContext, Out
 from keel.backends.reference.kernels import TABLE
 from keel.ops.registry import Op
 from keel.ops.schemas.loss import (
@@ -24,9 +23,6 @@ from keel.ops.schemas.loss import (
 
 __all__: list[str] = []
 
-Inputs = Sequence[Any]
-Attrs = Mapping[str, Any]
-Out = Sequence[Any] | None
 
 
 def _nll(op: Op, logp: np.ndarray, target: np.ndarray, weight: np.ndarray | None,

@@ -8,12 +8,11 @@ ONNX integer matmul does). Shape rules come from :mod:`keel.ops.schemas.matmul`.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from keel.backends.base import KernelContext
+from keel.backends.base import Attrs, Inputs, KernelContext, Out, optional_input
 from keel.backends.reference.kernels import TABLE
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError
@@ -33,13 +32,7 @@ from keel.ops.schemas.matmul import (
 
 __all__: list[str] = []
 
-Inputs = Sequence[Any]
-Attrs = Mapping[str, Any]
-Out = Sequence[Any] | None
 
-
-def _opt(inputs: Inputs, i: int) -> Any:
-    return inputs[i] if i < len(inputs) else None
 
 
 def _wide(op: Op, *arrays: np.ndarray) -> tuple[np.dtype[Any], list[np.ndarray]]:
@@ -71,7 +64,7 @@ def _epilogue(y: np.ndarray, attrs: Attrs, dtype: np.dtype[Any]) -> np.ndarray:
 @TABLE.kernel(Op.MATMUL, dtypes=DTYPES[Op.MATMUL])
 def matmul(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """act(A @ B + bias) with NumPy matmul semantics."""
-    a, b, bias = inputs[0], inputs[1], _opt(inputs, 2)
+    a, b, bias = inputs[0], inputs[1], optional_input(inputs, 2)
     arrays = [a, b] if bias is None else [a, b, bias]
     dtype, wide = _wide(Op.MATMUL, *arrays)
     shape = matmul_shape(a.shape, b.shape)
@@ -94,7 +87,7 @@ def dot(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]
 @TABLE.kernel(Op.GEMM, dtypes=DTYPES[Op.GEMM])
 def gemm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """act(alpha * A' @ B' + beta * C)."""
-    a, b, c = inputs[0], inputs[1], _opt(inputs, 2)
+    a, b, c = inputs[0], inputs[1], optional_input(inputs, 2)
     dtype, wide = _wide(Op.GEMM, *([a, b] if c is None else [a, b, c]))
     shape = gemm_shape(a.shape, b.shape, attrs["trans_a"], attrs["trans_b"])
     wa = wide[0].T if attrs["trans_a"] else wide[0]
@@ -126,7 +119,7 @@ def matmul_integer(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -
     matmul_shape(a.shape, b.shape, Op.MATMUL_INTEGER)
     a64 = a.astype(np.int64)
     b64 = b.astype(np.int64)
-    azp, bzp = _opt(inputs, 2), _opt(inputs, 3)
+    azp, bzp = optional_input(inputs, 2), optional_input(inputs, 3)
     rows = a.shape[-2] if a.ndim > 1 else 1
     cols = b.shape[-1] if b.ndim > 1 else 1
     if azp is not None:
@@ -143,7 +136,7 @@ def matmul_integer(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -
 @TABLE.kernel(Op.ATTENTION, dtypes=DTYPES[Op.ATTENTION])
 def attention(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """softmax(Q @ K^T * scale + mask) @ V with a max-subtracted softmax, in float64."""
-    q, k, v, mask = inputs[0], inputs[1], inputs[2], _opt(inputs, 3)
+    q, k, v, mask = inputs[0], inputs[1], inputs[2], optional_input(inputs, 3)
     dtype, (q64, k64, v64) = _wide(Op.ATTENTION, q, k, v)
     attention_shape(q.shape, k.shape, v.shape, None if mask is None else mask.shape)
     scale = attrs["scale"] if attrs["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])

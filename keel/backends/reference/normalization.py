@@ -7,12 +7,11 @@ the result to the input's dtype. Shape rules come from the op schemas.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from keel.backends.base import KernelContext
+from keel.backends.base import Attrs, Inputs, KernelContext, Out
 from keel.backends.reference.kernels import TABLE
 from keel.dtypes import DType
 from keel.errors import UnsupportedOperationError
@@ -33,9 +32,6 @@ from keel.ops.types import normalize_axis
 
 __all__: list[str] = []
 
-Inputs = Sequence[Any]
-Attrs = Mapping[str, Any]
-Out = Sequence[Any] | None
 
 # Added to the standard deviation by ONNX MeanVarianceNormalization's function body.
 _MVN_EPSILON = 1e-9

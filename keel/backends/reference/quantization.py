@@ -12,12 +12,12 @@ Rounding is half to even, and results saturate to the output type.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from keel.backends.base import KernelContext
+from keel.backends.base import Attrs, Inputs, KernelContext, Out
 from keel.backends.reference.kernels import TABLE
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError
@@ -37,9 +37,6 @@ from keel.ops.schemas.quantization import (
 
 __all__ = ["conv_float64"]
 
-Inputs = Sequence[Any]
-Attrs = Mapping[str, Any]
-Out = Sequence[Any] | None
 
 _QLINEAR = frozenset({DType.UINT8, DType.INT8})
 

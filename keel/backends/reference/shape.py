@@ -6,12 +6,11 @@ the schemas and the other backends use); every kernel returns fresh arrays.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from keel.backends.base import KernelContext
+from keel.backends.base import Attrs, Inputs, KernelContext, Out
 from keel.backends.reference.kernels import TABLE
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError
@@ -45,10 +44,6 @@ from keel.ops.schemas.shape import (
     trilu_k,
 )
 from keel.ops.types import normalize_axis
-
-Inputs = Sequence[Any]
-Attrs = Mapping[str, Any]
-Out = Sequence[Any] | None
 
 
 @TABLE.kernel(Op.RESHAPE)

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from keel.backends.base import KernelContext
+from keel.backends.base import Attrs, Inputs, KernelContext, Out
 from keel.backends.reference.kernels import TABLE
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError
@@ -37,9 +36,6 @@ from keel.ops.schemas.vision import (
 
 __all__: list[str] = []
 
-Inputs = Sequence[Any]
-Attrs = Mapping[str, Any]
-Out = Sequence[Any] | None
 
 _CUBIC_A = -0.75
 _ALL2: tuple[slice, ...] = (slice(None), slice(None))    # the batch and channel axes

@@ -9,13 +9,18 @@ from __future__ import annotations
 import functools
 import math
 import os
+import platform
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from keel.errors import InvalidArgumentError
 
-__all__ = ["BACKEND_NAMES", "PRECISIONS", "Settings", "format_bytes", "parse_bytes", "settings"]
+__all__ = [
+    "BACKEND_NAMES", "PRECISIONS", "Settings", "cache_dir", "format_bytes", "parse_bytes",
+    "settings",
+]
 
 BACKEND_NAMES = ("auto", "gpu", "cpu", "reference")
 PRECISIONS = ("auto", "fp32", "fp16", "int8", "int16", "fp64")
@@ -122,3 +127,19 @@ def _flag(env: Mapping[str, str], key: str) -> bool:
 def settings() -> Settings:
     """The process-wide settings, read from the environment once."""
     return Settings.from_env()
+
+
+def cache_dir(env: Mapping[str, str] | None = None, system: str | None = None) -> Path:
+    """``KEEL_CACHE_DIR``, else the platform's user cache directory under ``keel``."""
+    env = os.environ if env is None else env
+    if env.get("KEEL_CACHE_DIR", "").strip():
+        return Path(env["KEEL_CACHE_DIR"].strip()).expanduser()
+    system = platform.system() if system is None else system
+    home = Path(env.get("HOME") or Path.home())
+    if system == "Windows":
+        local = env.get("LOCALAPPDATA")
+        return (Path(local) if local else home / "AppData" / "Local") / "keel" / "Cache"
+    if system == "Darwin":
+        return home / "Library" / "Caches" / "keel"
+    xdg = env.get("XDG_CACHE_HOME", "").strip()
+    return (Path(xdg) if xdg else home / ".cache") / "keel"

@@ -44,7 +44,6 @@ import json
 import logging
 import math
 import os
-import platform
 import secrets
 import statistics
 import threading
@@ -59,6 +58,7 @@ import numpy as np
 
 from keel.backends.base import Backend, DeviceKind
 from keel.backends.registry import BackendRegistry, default_registry
+from keel.config import cache_dir
 from keel.dtypes import DType, as_dtype
 from keel.errors import BackendSelectionError, InvalidArgumentError, KeelError
 from keel.hardware.profile import HardwareProfile
@@ -763,22 +763,6 @@ def fingerprint_id(fingerprint: Mapping[str, Any]) -> str:
     """A short stable hash of a fingerprint (names the cache file)."""
     text = json.dumps(fingerprint, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def cache_dir(env: Mapping[str, str] | None = None, system: str | None = None) -> Path:
-    """``KEEL_CACHE_DIR``, else the platform's user cache directory under ``keel``."""
-    env = os.environ if env is None else env
-    if env.get("KEEL_CACHE_DIR", "").strip():
-        return Path(env["KEEL_CACHE_DIR"].strip()).expanduser()
-    system = platform.system() if system is None else system
-    home = Path(env.get("HOME") or Path.home())
-    if system == "Windows":
-        local = env.get("LOCALAPPDATA")
-        return (Path(local) if local else home / "AppData" / "Local") / "keel" / "Cache"
-    if system == "Darwin":
-        return home / "Library" / "Caches" / "keel"
-    xdg = env.get("XDG_CACHE_HOME", "").strip()
-    return (Path(xdg) if xdg else home / ".cache") / "keel"
 
 
 def calibration_path(fingerprint: Mapping[str, Any], directory: Path | None = None) -> Path:

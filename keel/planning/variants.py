@@ -27,7 +27,7 @@ from keel.errors import InvalidArgumentError, KeelError, UnsupportedOperationErr
 from keel.ops.registry import Op
 from keel.ops.types import TensorType
 
-__all__ = ["VariantInfo", "VariantRegistry", "choose_variant"]
+__all__ = ["VariantInfo", "VariantRegistry", "choose_variant", "tier_unavailable"]
 
 _CONV_OPS = frozenset({Op.CONV, Op.CONV2D, Op.CONV_INTEGER})
 
@@ -38,8 +38,11 @@ class VariantInfo:
 
     Read from a :class:`KernelVariant` and these keys of its ``meta``:
     ``priority`` (int), ``simd`` (tuple of SIMD level names), ``shapes`` (str),
-    ``measured`` (str), ``rule`` (a :class:`ConvRule`) and ``dispatcher``
-    (bool: the entry that picks among the others at run time).
+    ``measured`` (str), ``rule`` (a :class:`ConvRule`), ``dispatcher``
+    (bool: the entry that picks among the others at run time) and
+    ``requires`` (str: a tier the variant needs, e.g. ``"native"`` for the
+    compiled kernels of :mod:`keel.native`; a variant whose tier is
+    unavailable is never chosen, and the reason says why).
     """
 
     op: Op
@@ -55,6 +58,7 @@ class VariantInfo:
     measured: str = ""                     # the measurement behind its limits
     rule: ConvRule | None = None
     dispatcher: bool = False               # picks among the others at run time
+    requires: str | None = None            # a tier it needs ("native"), else None
 
     @classmethod
     def from_kernel(cls, backend: str, kv: KernelVariant) -> VariantInfo:
@@ -70,10 +74,15 @@ class VariantInfo:
             measured=str(meta.get("measured", "")),
             rule=rule if isinstance(rule, ConvRule) else None,
             dispatcher=bool(meta.get("dispatcher", False)),
+            requires=meta.get("requires") or None,
         )
 
     def serves_dtype(self, dtype: DType | None) -> bool:
         return dtype is None or self.dtypes is None or dtype in self.dtypes
+
+    def unavailable(self) -> str | None:
+        """Why the tier this variant requires cannot run here; None when it can."""
+        return tier_unavailable(self.requires)
 
     def serves_simd(self, level: str | None) -> bool:
         """Whether a CPU reporting SIMD ``level`` (e.g. "avx2") can run this variant."""
@@ -87,6 +96,7 @@ class VariantInfo:
             "supports_out": self.supports_out, "description": self.description,
             "priority": self.priority, "simd": list(self.simd), "shapes": self.shapes,
             "measured": self.measured, "dispatcher": self.dispatcher,
+            "requires": self.requires,
         }
 
 
@@ -145,24 +155,50 @@ class VariantRegistry:
         return table
 
 
+def tier_unavailable(tier: str | None) -> str | None:
+    """Why kernels of ``tier`` (``"native"``, ...) cannot run here; None when they can."""
+    if tier is None:
+        return None
+    if tier == "native":
+        from keel import native
+
+        st = native.status()
+        return None if st.available else f"native kernels unavailable: {st.reason}"
+    return f"unknown kernel tier {tier!r}"
+
+
 def choose_variant(op: Op, input_types: Sequence[TensorType | None], attrs: Mapping[str, Any],
                    table: KernelTable) -> tuple[str, str]:
     """The variant of ``op`` to run from ``table`` for these inputs, and why.
 
-    Pure: depends only on the op, the input types (shapes, dtypes), the
-    attributes and the variants ``table`` offers. Falls back to ``default``
-    (which decides at run time) when the shapes are not known.
+    Depends only on the op, the input types (shapes, dtypes), the attributes,
+    the variants ``table`` offers and whether the tiers they require (the
+    native kernels) can run on this machine: same inputs, same answer. Falls
+    back to ``default`` (which decides at run time) when the shapes are not
+    known.
     """
     variants = {name: VariantInfo.from_kernel(table.backend, kv)
                 for name, kv in table.variants(op).items()}
+    skipped = {name: why for name, v in variants.items()
+               if name != "default" and (why := v.unavailable()) is not None}
+    variants = {name: v for name, v in variants.items() if name not in skipped}
     if "default" not in variants:
         raise UnsupportedOperationError(op.value, table.backend,
                                         detail="no default kernel to fall back to")
     dtype = input_types[0].dtype if input_types and input_types[0] is not None else None
+    name, why = _choose(op, input_types, attrs, table, variants, dtype)
+    if skipped:
+        why += "; not considered: " + "; ".join(f"{n} ({w})" for n, w in sorted(skipped.items()))
+    return name, why
+
+
+def _choose(op: Op, input_types: Sequence[TensorType | None], attrs: Mapping[str, Any],
+            table: KernelTable, variants: Mapping[str, VariantInfo],
+            dtype: DType | None) -> tuple[str, str]:
     if len(variants) == 1:
         only = variants["default"]
-        conv = {name: VariantInfo.from_kernel(table.backend, kv)
-                for name, kv in table.variants(Op.CONV).items()}
+        conv = {name: info for name, kv in table.variants(Op.CONV).items()
+                if (info := VariantInfo.from_kernel(table.backend, kv)).unavailable() is None}
         if op in _CONV_OPS and only.dispatcher and len(conv) > 1:
             _, why = _choose_conv(op, input_types, attrs, conv, dtype)
             return "default", f"dispatches through the conv variants at run time: {why}"

@@ -1,4 +1,5 @@
-"""The ``cpu`` backend: optimized NumPy kernels, BLAS threads set through threadpoolctl."""
+"""The ``cpu`` backend: optimized NumPy kernels, compiled native kernels where a C
+compiler is at hand (:mod:`keel.native`), BLAS threads set through threadpoolctl."""
 
 from __future__ import annotations
 
@@ -75,13 +76,18 @@ class CpuBackend(Backend):
         return ThreadCap(self.threads)
 
     def _capability_details(self) -> dict[str, Any]:
+        from keel import native
+
         blas = [f"{lib.get('internal_api')} ({lib.get('num_threads')} threads)"
                 for lib in _controller().info()]
+        st = native.status()
+        tier = (f"native kernels: {st.reason}" if st.available
+                else f"native kernels off ({st.reason}): NumPy kernels only")
         return {
             "threads": self.threads,
             "simd_level": _simd_level(),
             "memory_bytes": _memory_limit(),
-            "notes": tuple(f"thread pool: {b}" for b in blas),
+            "notes": (*(f"thread pool: {b}" for b in blas), tier),
         }
 
 

@@ -1,0 +1,82 @@
+"""The C compiler keel builds its native kernels with, and the flags it uses.
+
+keel compiles a handful of small C files at first use rather than shipping
+prebuilt binaries: the build then targets the very CPU it runs on
+(``-march=native``), and installing keel needs no compiler (without one,
+keel runs its NumPy kernels and says so). The compiler is ``KEEL_CC`` when
+set, else the first of ``cc``, ``gcc`` and ``clang`` on ``PATH``.
+
+Flags: ``-O3``, ``-march=native`` where the compiler accepts it, GNU C11
+(which lets the compiler contract ``a * b + c`` into fused multiply-adds),
+``-fno-math-errno`` (so ``sqrtf`` and friends inline), position-independent
+code, a shared object. No ``-ffast-math``: NaN and infinity must keep their
+IEEE meaning, as NumPy gives them.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = ["BASE_FLAGS", "Compiler", "find_compiler"]
+
+BASE_FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fno-math-errno", "-fno-plt")
+_CANDIDATES = ("cc", "gcc", "clang")
+_VERSION_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class Compiler:
+    """A C compiler found on this machine."""
+
+    path: str
+    version: str                  # the first line of ``--version``
+
+    @property
+    def name(self) -> str:
+        """A short name for reports: ``gcc 12.2.0``, ``clang 17.0.6``..."""
+        words = self.version.split()
+        real = os.path.basename(os.path.realpath(self.path)).lower()
+        text = f"{self.version.lower()} {real}"
+        family = ("clang" if "clang" in text else "gcc" if "gcc" in text
+                  else os.path.basename(self.path))
+        numbers = [w for w in words if w[:1].isdigit() and "." in w]
+        return f"{family} {numbers[-1]}" if numbers else family
+
+
+def find_compiler(env: Mapping[str, str] | None = None) -> tuple[Compiler | None, str]:
+    """The compiler to use and how it was found, or None and why there is none."""
+    env = os.environ if env is None else env
+    wanted = env.get("KEEL_CC", "").strip()
+    if wanted:
+        path = shutil.which(wanted)
+        if path is None:
+            return None, f"KEEL_CC={wanted!r} is not an executable on PATH"
+        version = _version(path)
+        if version is None:
+            return None, f"KEEL_CC={wanted!r} did not answer --version"
+        return Compiler(path, version), f"KEEL_CC={wanted}"
+    for name in _CANDIDATES:
+        path = shutil.which(name)
+        if path is None:
+            continue
+        version = _version(path)
+        if version is not None:
+            return Compiler(path, version), f"{name} on PATH"
+    return None, f"no C compiler found (looked for KEEL_CC, {', '.join(_CANDIDATES)} on PATH)"
+
+
+@functools.lru_cache(maxsize=8)
+def _version(path: str) -> str | None:
+    try:
+        done = subprocess.run([path, "--version"], capture_output=True, text=True,
+                              timeout=_VERSION_TIMEOUT_S, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if done.returncode != 0 or not done.stdout.strip():
+        return None
+    return done.stdout.strip().splitlines()[0]

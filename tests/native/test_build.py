@@ -1,0 +1,163 @@
+"""The native tier: compiler discovery, builds, the cache, KEEL_NATIVE, the thread pool."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from keel import native
+from keel.errors import BackendSelectionError, InvalidArgumentError
+from keel.native import build, pool
+from keel.native.toolchain import find_compiler
+
+ADD_ONE = "int keel_add_one(int x) { return x + 1; }\n"
+
+
+@pytest.fixture
+def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
+    """A private cache and source folder, and a native tier that forgets what it found."""
+    src = tmp_path / "src"
+    src.mkdir()
+    monkeypatch.setenv("KEEL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(build, "SOURCE_DIR", src)
+    native.reset()
+    yield src
+    native.reset()
+
+
+def _needs_compiler() -> None:
+    compiler, why = find_compiler()
+    if compiler is None:
+        pytest.skip(f"native tier unavailable: {why}")
+
+
+def test_library_builds_loads_and_is_cached(fresh: Path) -> None:
+    _needs_compiler()
+    (fresh / "adder.c").write_text(ADD_ONE)
+    lib = native.library("adder")
+    assert lib is not None
+    fn = lib.function("keel_add_one", [ctypes.c_int], ctypes.c_int)
+    assert fn(41) == 42
+    assert native.library("adder") is lib
+    built = sorted((fresh.parent / "cache" / "native").glob("adder-*.so"))
+    assert len(built) == 1
+    assert not list((fresh.parent / "cache" / "native").glob(".*"))   # no temporaries left
+    stamp = built[0].stat().st_mtime_ns
+    native.reset()                           # a new process: found in the cache, not rebuilt
+    again = native.library("adder")
+    assert again is not None and again.path == built[0]
+    assert built[0].stat().st_mtime_ns == stamp
+    assert "adder" in native.status().built
+
+
+def test_changed_source_builds_a_new_library(fresh: Path) -> None:
+    _needs_compiler()
+    (fresh / "adder.c").write_text(ADD_ONE)
+    first = native.library("adder")
+    native.reset()
+    (fresh / "adder.c").write_text(ADD_ONE.replace("x + 1", "x + 2"))
+    second = native.library("adder")
+    assert first is not None and second is not None and first.path != second.path
+    assert second.function("keel_add_one", [ctypes.c_int], ctypes.c_int)(40) == 42
+
+
+def test_unknown_function_is_a_clear_error(fresh: Path) -> None:
+    _needs_compiler()
+    (fresh / "adder.c").write_text(ADD_ONE)
+    lib = native.library("adder")
+    assert lib is not None
+    with pytest.raises(InvalidArgumentError, match="no function 'nope'"):
+        lib.function("nope", [])
+
+
+def test_broken_source_falls_back_and_says_why(fresh: Path) -> None:
+    _needs_compiler()
+    (fresh / "broken.c").write_text("int oops( {\n")
+    assert native.library("broken") is None
+    failed = native.status().failed
+    assert "broken" in failed and "could not build broken" in failed["broken"]
+    assert native.library("broken") is None          # remembered, not rebuilt
+
+
+def test_missing_source_is_an_error(fresh: Path) -> None:
+    _needs_compiler()
+    with pytest.raises(InvalidArgumentError, match=r"no native source nothing\.c"):
+        native.library("nothing")
+
+
+def test_keel_native_off_disables(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KEEL_NATIVE", "off")
+    native.reset()
+    (fresh / "adder.c").write_text(ADD_ONE)
+    assert native.library("adder") is None
+    st = native.status()
+    assert not st.available and st.reason == "disabled by KEEL_NATIVE=off" and st.mode == "off"
+
+
+def test_no_compiler_falls_back_or_fails_when_required(
+        fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KEEL_CC", "keel-no-such-compiler")
+    native.reset()
+    assert not native.available()
+    assert "KEEL_CC='keel-no-such-compiler' is not an executable" in native.status().reason
+    monkeypatch.setenv("KEEL_NATIVE", "on")
+    native.reset()
+    with pytest.raises(BackendSelectionError, match="keel-no-such-compiler"):
+        native.available()
+
+
+def test_bad_keel_native_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KEEL_NATIVE", "sometimes")
+    with pytest.raises(InvalidArgumentError, match="KEEL_NATIVE='sometimes'"):
+        native.mode()
+
+
+def test_status_reports_compiler_and_flags(fresh: Path) -> None:
+    _needs_compiler()
+    st = native.status()
+    assert st.available and st.compiler and "-O3" in st.flags
+    assert st.to_dict()["compiler"] == st.compiler
+
+
+@pytest.mark.parametrize(("n", "threads", "min_chunk"),
+                         [(0, 4, 1), (1, 4, 1), (7, 2, 1), (10, 3, 1), (10, 8, 4), (5, 1, 1)])
+def test_chunks_cover_the_range_in_order(n: int, threads: int, min_chunk: int) -> None:
+    parts = pool.chunks(n, threads, min_chunk)
+    flat = [i for lo, hi in parts for i in range(lo, hi)]
+    assert flat == list(range(n))
+    assert len(parts) <= max(1, threads)
+    assert all(hi - lo >= min(min_chunk, n) for lo, hi in parts)
+    assert pool.chunks(n, threads, min_chunk) == parts
+
+
+def test_parallel_for_runs_every_chunk_on_threads() -> None:
+    seen: list[tuple[int, int, str]] = []
+    lock = threading.Lock()
+
+    def body(lo: int, hi: int) -> None:
+        with lock:
+            seen.append((lo, hi, threading.current_thread().name))
+
+    pool.parallel_for(10, body, threads=2)
+    assert sorted((lo, hi) for lo, hi, _ in seen) == [(0, 5), (5, 10)]
+    assert any(name.startswith("keel-worker") for *_, name in seen)
+    seen.clear()
+    pool.parallel_for(10, body, threads=1)
+    assert [(lo, hi) for lo, hi, _ in seen] == [(0, 10)]
+
+
+def test_parallel_for_raises_a_chunks_error_after_all_finish() -> None:
+    done: list[int] = []
+
+    def body(lo: int, hi: int) -> None:
+        if lo > 0:
+            raise ValueError("chunk failed")
+        done.append(lo)
+
+    with pytest.raises(ValueError, match="chunk failed"):
+        pool.parallel_for(4, body, threads=2)
+    assert done == [0]

@@ -8,5 +8,8 @@ None and keel runs its NumPy kernels; :func:`status` says why.
 """
 
 from keel.native.build import NativeLibrary, NativeStatus, available, library, mode, reset, status
+from keel.native.pointers import address
 
-__all__ = ["NativeLibrary", "NativeStatus", "available", "library", "mode", "reset", "status"]
+__all__ = [
+    "NativeLibrary", "NativeStatus", "address", "available", "library", "mode", "reset", "status",
+]

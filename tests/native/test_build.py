@@ -161,3 +161,21 @@ def test_parallel_for_raises_a_chunks_error_after_all_finish() -> None:
     with pytest.raises(ValueError, match="chunk failed"):
         pool.parallel_for(4, body, threads=2)
     assert done == [0]
+
+
+def test_address_matches_numpy_and_never_keeps_an_array_alive() -> None:
+    import gc
+    import weakref
+
+    import numpy as np
+
+    a = np.arange(12, dtype=np.float32)
+    view = a[3:]
+    assert native.address(a) == a.ctypes.data
+    assert native.address(view) == view.ctypes.data == native.address(view)
+    probe = weakref.ref(a)
+    del a, view
+    gc.collect()
+    assert probe() is None
+    b = np.ones(5, dtype=np.float64)             # may reuse a freed id: still its own address
+    assert native.address(b) == b.ctypes.data

@@ -4,7 +4,9 @@
 batched matmuls (BLAS). Grouped-query attention never copies key/value heads:
 the query heads are viewed as (kv_heads, group) and each group multiplies its
 shared key/value head by broadcasting. The softmax runs in place on the score
-buffer; the additive bias is built once at (S, T) (or per batch) and broadcast.
+buffer (a native row kernel for contiguous float32 scores when the native tier
+is available: ``keel.backends.cpu.fastmath``); the additive bias is built once
+at (S, T) (or per batch) and broadcast.
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 from keel.backends.base import Attrs, Inputs, KernelContext, Out, optional_input
+from keel.backends.cpu import fastmath
 from keel.backends.cpu.kernels import TABLE
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError
@@ -28,8 +33,6 @@ from keel.ops.schemas.attention import (
 )
 
 __all__: list[str] = []
-
-
 
 
 def _shape(x: Any) -> tuple[int, ...] | None:
@@ -110,8 +113,12 @@ def _grouped(x: Any, kv_heads: int) -> Any:
     return x.reshape(b, kv_heads, hq // kv_heads, s, d)
 
 
-def _softmax_rows(xp: Any, scores: Any) -> None:
+def _softmax_rows(xp: Any, scores: Any, threads: int | None) -> None:
     """In-place softmax over the last axis; an all -inf row becomes zeros."""
+    if xp is np and scores.flags.c_contiguous and scores.ndim and scores.shape[-1]:
+        rows = scores.reshape(-1, scores.shape[-1])
+        if fastmath.softmax(rows, rows, "masked", threads):
+            return
     top = scores.max(axis=-1, keepdims=True)
     top = xp.where(top == -math.inf, 0, top)
     scores -= top
@@ -154,7 +161,7 @@ def onnx_attention(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -
     scores = _scores(xp, q, k, attrs, ct)                 # (B, Hkv, G, S, T)
     b, hq = q.shape[0], q.shape[1]
     flat = scores.reshape(b, hq, q_len, kv_len)           # a view of the same buffer
-    qk = _probabilities(xp, flat, bias, attrs, ct, _wants(out, 3))
+    qk = _probabilities(xp, flat, bias, attrs, ct, _wants(out, 3), ctx.threads)
     y = xp.matmul(scores, v.astype(ct)[:, :, None])         # (B, Hkv, G, S, Dv)
     y = y.reshape(b, hq, q_len, v.shape[3])
     if dims.three_d:
@@ -171,7 +178,7 @@ def onnx_attention(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -
 
 
 def _probabilities(xp: Any, flat: Any, bias: Any, attrs: Attrs, ct: Any,
-                   want_qk: bool) -> Any | None:
+                   want_qk: bool, threads: int | None) -> Any | None:
     """Turn the scores in ``flat`` into attention probabilities in place: soft cap, bias,
     softmax, dead rows zeroed. Returns the qk_matmul_output snapshot when asked for."""
     mode = attrs["qk_matmul_output_mode"]
@@ -187,7 +194,7 @@ def _probabilities(xp: Any, flat: Any, bias: Any, attrs: Attrs, ct: Any,
         flat += bias
     if want_qk and mode == 2:
         qk = flat.copy()
-    _softmax_rows(xp, flat)
+    _softmax_rows(xp, flat, threads)
     if bias is not None:
         # Rows whose bias masks every key attend nothing: zeros, whatever the scores
         # (NaN included, so a select rather than a product).

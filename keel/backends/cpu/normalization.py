@@ -10,6 +10,12 @@ Layer/instance/group normalization and softmax work on blocks of rows of about
 exp, scale) runs in cache; row sums are matrix-vector products with a ones
 vector (BLAS, ~4x NumPy's row-wise reduce), and the softmax shift is a scalar
 per block when the block's spread allows it (see ``_shift``).
+
+With the native tier (``keel.backends.cpu.fastmath``), float32 LayerNormalization
+and last-axis Softmax / LogSoftmax run as compiled row kernels (one read and one
+write per element, sums in float64; 1.3-2.4x faster, the ``native`` variants
+below record the measurements); a strided input is copied first, so a result's
+bits never depend on the layout.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from keel.backends.base import Attrs, Inputs, KernelContext, Out
-from keel.backends.cpu import workspace
+from keel.backends.cpu import fastmath, workspace
 from keel.backends.cpu.kernels import TABLE
 from keel.dtypes import DType
 from keel.errors import UnsupportedOperationError
@@ -189,6 +195,15 @@ def _trailing_rows(x: Any, axis: int) -> tuple[int, int]:
     return math.prod(x.shape[:axis]), math.prod(x.shape[axis:])
 
 
+# float32, 1 thread, medians of interleaved runs on the 2-core AVX-512 development
+# machine: this module's NumPy path / native / onnxruntime.
+_LAYER_NORM_MEASURED = ("(4096, 256): 1.24 ms NumPy, 0.56 ms native, 0.58 ms onnxruntime; "
+                        "(512, 768): 0.43 / 0.18 / 0.20 ms")
+_SOFTMAX_MEASURED = ("softmax (4096, 1024): 4.0 ms NumPy, 2.2 ms native, 1.4 ms onnxruntime; "
+                     "(16384, 128): 2.0 / 1.5 / 0.9 ms; log-softmax (4096, 1024): "
+                     "5.3 / 2.6 / 1.6 ms")
+
+
 @TABLE.kernel(Op.LAYER_NORM, dtypes=FLOAT_DTYPES, supports_out=True)
 def layer_norm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """Standardize rows over X.shape[axis:], then * Scale + B; Mean and InvStdDev too."""
@@ -203,20 +218,46 @@ def layer_norm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> li
     norm_shape = tuple(x.shape[axis:])
     gamma = _flat_param(xp, scale, norm_shape, ct)
     beta = None if bias is None else _flat_param(xp, bias, norm_shape, ct)
-
-    def affine(block: Any) -> None:
-        block *= gamma
-        if beta is not None:
-            block += beta
-
-    mean, inv_std = _standardize_rows(xp, x.reshape(rows, k), y.reshape(rows, k),
-                                      attrs["epsilon"], affine)
     stat_shape = tuple(x.shape[:axis]) + (1,) * (x.ndim - axis)
-    results = [_finish(out, 0, y, x.dtype),
-               _finish(out, 1, mean.reshape(stat_shape), ct),
-               _finish(out, 2, inv_std.reshape(stat_shape), ct)]
+    stats = out is None or len(out) > 1
+    done = None if xp is not np or not rows else _native_layer_norm(
+        ctx, x.reshape(rows, k), gamma, beta, y.reshape(rows, k), attrs["epsilon"], stats)
+    if done is not None:
+        mean, inv_std = done
+    else:
+        def affine(block: Any) -> None:
+            block *= gamma
+            if beta is not None:
+                block += beta
+
+        mean, inv_std = _standardize_rows(xp, x.reshape(rows, k), y.reshape(rows, k),
+                                          attrs["epsilon"], affine)
+    results = [_finish(out, 0, y, x.dtype)]
+    if stats:
+        results += [_finish(out, 1, mean.reshape(stat_shape), ct),
+                    _finish(out, 2, inv_std.reshape(stat_shape), ct)]
     # As many results as output buffers given; all three when none are.
     return results if out is None else results[:len(out)]
+
+
+def _native_layer_norm(ctx: KernelContext, x2: Any, gamma: Any, beta: Any | None, y2: Any,
+                       epsilon: float, stats: bool) -> tuple[Any, Any] | None:
+    """The native row kernel into ``y2``; (mean, inv_std) as (rows, 1) arrays (None
+    each unless ``stats``), or None when the case is not served."""
+    rows = x2.shape[0]
+    mean = np.empty((rows, 1), np.float32) if stats else None
+    inv_std = np.empty((rows, 1), np.float32) if stats else None
+    # Strided inputs are copied (one pass): the result's bits never depend on the layout.
+    x2, gamma = np.ascontiguousarray(x2), np.ascontiguousarray(gamma)
+    beta = None if beta is None else np.ascontiguousarray(beta)
+    if fastmath.layer_norm(x2, gamma, beta, y2, epsilon, mean, inv_std, ctx.threads):
+        return mean, inv_std
+    return None
+
+
+TABLE.kernel(Op.LAYER_NORM, variant="native", dtypes=("float32",), supports_out=True,
+             requires="native", priority=1, simd=(), shapes="float32, any layout",
+             measured=_LAYER_NORM_MEASURED)(layer_norm)
 
 
 @TABLE.kernel(Op.INSTANCE_NORM, dtypes=FLOAT_DTYPES, supports_out=True)
@@ -383,12 +424,29 @@ def _last_axis_rows(x: Any, axis: int, y: Any) -> tuple[Any, Any] | None:
     return x.reshape(-1, n), y.reshape(-1, n)
 
 
+def _native_softmax(ctx: KernelContext, x: Any, axis: int, y: Any, mode: str) -> bool:
+    """The native row kernel along the last axis of float32 ``x`` into ``y``. A strided
+    ``x`` is copied (one pass) so that the result's bits never depend on the layout."""
+    if (ctx.xp is not np or axis != x.ndim - 1 or x.dtype != np.float32
+            or y.dtype != np.float32):
+        return False
+    n = x.shape[-1] if x.ndim else 1
+    x2 = np.ascontiguousarray(x).reshape(-1, n)
+    if y.flags.c_contiguous:
+        return fastmath.softmax(x2, y.reshape(-1, n), mode, ctx.threads)
+    staged = np.empty(x2.shape, np.float32)
+    if not fastmath.softmax(x2, staged, mode, ctx.threads):
+        return False
+    y[...] = staged.reshape(y.shape)
+    return True
+
+
 @TABLE.kernel(Op.SOFTMAX, dtypes=FLOAT_DTYPES, supports_out=True)
 def softmax(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """exp(X - max) / sum(exp(X - max)) along axis, in the output buffer."""
     xp = ctx.xp
     x, axis, y = _softmax_setup(ctx, Op.SOFTMAX, inputs, attrs, out)
-    if x.size:
+    if x.size and not _native_softmax(ctx, x, axis, y, "softmax"):
         with np.errstate(invalid="ignore", over="ignore"):
             rows = _last_axis_rows(x, axis, y)
             if rows is not None:
@@ -404,7 +462,7 @@ def log_softmax(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> l
     """(X - max) - log(sum(exp(X - max))) along axis, in the output buffer."""
     xp = ctx.xp
     x, axis, y = _softmax_setup(ctx, Op.LOG_SOFTMAX, inputs, attrs, out)
-    if x.size:
+    if x.size and not _native_softmax(ctx, x, axis, y, "log_softmax"):
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
             rows = _last_axis_rows(x, axis, y)
             if rows is not None:
@@ -415,6 +473,12 @@ def log_softmax(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> l
                 xp.log(log_sum, out=log_sum)
                 xp.subtract(shifted, log_sum, out=y)
     return [_finish(out, 0, y, x.dtype)]
+
+
+for _op, _fn in ((Op.SOFTMAX, softmax), (Op.LOG_SOFTMAX, log_softmax)):
+    TABLE.kernel(_op, variant="native", dtypes=("float32",), supports_out=True,
+                 requires="native", priority=1, simd=(),
+                 shapes="float32, last axis, any layout", measured=_SOFTMAX_MEASURED)(_fn)
 
 
 def _softmax_rows(xp: Any, x2: Any, y2: Any, log: bool) -> None:

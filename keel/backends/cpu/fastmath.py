@@ -1,0 +1,242 @@
+"""Native float32 kernels for transformer layers (``keel/native/src/fastmath.c``).
+
+NumPy evaluates a formula one operation at a time, each a pass over memory:
+exact GELU is ~26 of them, LayerNorm ~8, softmax ~6. The native kernels read
+every element once and write it once with the whole formula in registers.
+Each wrapper here returns True when it computed the result and False when
+the case is not served (the native tier unavailable, an array that is not a
+C-contiguous NumPy float32 array, an activation without a native form); the
+caller then runs its NumPy code, which the gpu backend and other dtypes use
+anyway.
+
+Accuracy against float64 math (10^7 random points; details in fastmath.c):
+erf 2.4 ulp, exact GELU 6.2 ulp (4e-7 relative, mean 0.6 ulp), sigmoid 2.4 ulp,
+silu 3.2 ulp, tanh GELU 2.8 ulp for x >= -1 and 2.5 (1 + |2u|) ulp below, where
+the rounding of its cubic argument 2u dominates (1e-5 relative at x = -10, where
+the result is ~1e-30). LayerNorm statistics and softmax sums accumulate in
+float64.
+
+Measured on the 2-core AVX-512 development machine, float32, 1 thread, medians
+of interleaved runs (NumPy: keel's cpu kernel without this module):
+
+===============================  =========  =========  ===========
+op, shape                        NumPy      native     onnxruntime
+===============================  =========  =========  ===========
+Gelu (4096, 1024)                13.1 ms    2.8 ms     3.2 ms
+Gelu tanh (4096, 1024)           5.9 ms     2.1 ms     2.7 ms
+Erf (4096, 1024)                 21.3 ms    2.9 ms     2.2 ms
+Sigmoid (4096, 1024)             3.9 ms     1.6 ms     1.3 ms
+Swish (4096, 1024)               4.8 ms     1.9 ms
+LayerNormalization (4096, 256)   1.24 ms    0.56 ms    0.58 ms
+Softmax (4096, 1024)             4.0 ms     2.2 ms     1.4 ms
+Softmax (16384, 128)             2.0 ms     1.5 ms     0.9 ms
+===============================  =========  =========  ===========
+
+Two threads run GELU and LayerNorm 1.9x faster than one. In BERT-mini (batch
+32, 1 thread) LayerNorm drops from 12.0 to 5.5 ms, and the fused MatMul + GELU
+epilogue through :func:`activation_inplace` from 33.3 to 24.1 ms per layer.
+
+Work splits over ``keel.native.pool.parallel_for`` by elements or rows; every
+element is computed by the same instructions wherever a chunk starts, so the
+result is bitwise the same for any thread count.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from keel import native
+from keel.native.pool import parallel_for
+
+__all__ = [
+    "ACTIVATION_KINDS",
+    "NATIVE_ACTIVATIONS",
+    "SOFTMAX_MODES",
+    "activation_inplace",
+    "available",
+    "bias_activation_inplace",
+    "layer_norm",
+    "serves",
+    "softmax",
+    "unary",
+]
+
+# The activation numbering of fastmath.c; "silu" is x * sigmoid(alpha * x).
+ACTIVATION_KINDS: dict[str, int] = {
+    "erf": 1, "gelu": 2, "gelu_tanh": 3, "sigmoid": 4, "silu": 5,
+}
+# Softmax modes of fastmath.c: "masked" is softmax with rows of only -inf giving
+# zeros (ONNX Attention); plain softmax gives NaN there, as exp(x - max) does.
+SOFTMAX_MODES: dict[str, int] = {"softmax": 0, "log_softmax": 1, "masked": 2}
+
+# The fewest elements worth a worker thread: waking one costs tens of microseconds,
+# an element of GELU ~0.7 ns.
+_MIN_CHUNK_ELEMENTS = 32768
+
+_I64, _I32, _F32, _PTR = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
+
+
+@dataclass(frozen=True)
+class _Functions:
+    unary: Callable[..., None]
+    bias_unary: Callable[..., None]
+    layer_norm: Callable[..., None]
+    softmax: Callable[..., None]
+
+
+_bound: tuple[native.NativeLibrary, _Functions] | None = None
+
+
+def _functions() -> _Functions | None:
+    """The library's functions; None when the native tier is unavailable.
+
+    Asked of :func:`keel.native.library` on every call (a dictionary lookup once
+    built), so ``KEEL_NATIVE=off`` with ``native.reset()`` takes effect; the
+    ctypes declarations are made once per loaded library.
+    """
+    global _bound
+    lib = native.library("fastmath")
+    if lib is None:
+        return None
+    bound = _bound
+    if bound is not None and bound[0] is lib:
+        return bound[1]
+    fns = _Functions(
+        unary=lib.function("keel_unary_f32", [_I32, _PTR, _PTR, _I64, _I64, _F32]),
+        bias_unary=lib.function("keel_bias_unary_f32",
+                                [_I32, _PTR, _PTR, _PTR, _I64, _I64, _I64, _F32]),
+        layer_norm=lib.function("keel_layer_norm_f32",
+                                [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _F32, _I64, _I64]),
+        softmax=lib.function("keel_softmax_f32", [_PTR, _PTR, _I64, _I64, _I64, _I32]),
+    )
+    _bound = (lib, fns)
+    return fns
+
+
+def available() -> bool:
+    """True when the native fastmath library is built and loaded here."""
+    return _functions() is not None
+
+
+def serves(*arrays: Any) -> bool:
+    """True when every array is a C-contiguous NumPy float32 array (what the kernels take)."""
+    return all(type(a) is np.ndarray and a.dtype == np.float32 and a.flags.c_contiguous
+               for a in arrays)
+
+
+def _address(a: np.ndarray | None) -> int | None:
+    return None if a is None else native.address(a)
+
+
+def _separate(x: np.ndarray, y: np.ndarray) -> bool:
+    """``y`` is ``x``'s own memory (in place) or shares none of it."""
+    return native.address(x) == native.address(y) or not np.may_share_memory(x, y)
+
+
+def _split(n: int, per_item: int, threads: int | None, body: Callable[[int, int], None]) -> None:
+    """``body`` over [0, n) on up to ``threads`` threads, each with enough work."""
+    min_chunk = max(1, _MIN_CHUNK_ELEMENTS // max(1, per_item))
+    parallel_for(n, body, max(1, threads or 1), min_chunk=min_chunk)
+
+
+def unary(name: str, x: Any, out: Any, alpha: float = 1.0, threads: int | None = 1) -> bool:
+    """``out = f(x)`` elementwise for ``name`` in :data:`ACTIVATION_KINDS`.
+
+    ``out`` may be ``x`` (in place) and must have its shape. False when not served.
+    """
+    fns = _functions()
+    kind = ACTIVATION_KINDS.get(name)
+    if (fns is None or kind is None or not serves(x, out) or x.shape != out.shape
+            or not _separate(x, out)):
+        return False
+    px, py = _address(x), _address(out)
+    _split(x.size, 1, threads, lambda lo, hi: fns.unary(kind, px, py, lo, hi, alpha))
+    return True
+
+
+# keel.ops.epilogue's activation names with a native form, and their kernel and alpha.
+_EPILOGUE: dict[str, tuple[str, float]] = {
+    "gelu": ("gelu", 1.0), "gelu_tanh": ("gelu_tanh", 1.0), "sigmoid": ("sigmoid", 1.0),
+    "silu": ("silu", 1.0),
+}
+# The fused-epilogue activations activation_inplace can serve (others: NumPy).
+NATIVE_ACTIVATIONS: frozenset[str] = frozenset(_EPILOGUE)
+
+
+def activation_inplace(name: str, params: tuple[float, ...], y: Any,
+                       threads: int | None = 1) -> bool:
+    """Apply the fused-epilogue activation ``name`` (``keel.ops.epilogue`` names) to ``y``
+    in place; True when done natively. The activations served (gelu, gelu_tanh,
+    sigmoid, silu) take no parameters; the rest (relu, clip, ...) are single NumPy
+    passes already and return False."""
+    found = _EPILOGUE.get(name)
+    if found is None or params:
+        return False
+    kind, alpha = found
+    return unary(kind, y, y, alpha, threads)
+
+
+def bias_activation_inplace(name: str, params: tuple[float, ...], y: Any, bias: Any,
+                            threads: int | None = 1) -> bool:
+    """``y = act(y + bias)`` in one pass, ``y`` of shape (..., n) and ``bias`` of n
+    elements (a MatMul's bias along the last axis); ``name`` as in
+    :func:`activation_inplace`. False when not served (then nothing was written)."""
+    fns = _functions()
+    found = _EPILOGUE.get(name)
+    if (fns is None or found is None or params or not serves(y, bias) or y.ndim < 1
+            or bias.size != y.shape[-1] or bias.size == 0):
+        return False
+    kind, alpha = ACTIVATION_KINDS[found[0]], found[1]
+    n = bias.size
+    py, pb = _address(y), _address(bias)
+    _split(y.size // n, n, threads,
+           lambda lo, hi: fns.bias_unary(kind, py, pb, py, n, lo, hi, alpha))
+    return True
+
+
+@functools.lru_cache(maxsize=8)
+def _zeros(k: int) -> np.ndarray:
+    z = np.zeros(k, dtype=np.float32)
+    z.flags.writeable = False
+    return z
+
+
+def layer_norm(x: Any, gamma: Any, beta: Any | None, y: Any, epsilon: float,
+               mean: Any | None = None, inv_std: Any | None = None,
+               threads: int | None = 1) -> bool:
+    """Rows of ``x`` (rows, k) standardized into ``y``, then ``* gamma + beta`` (k each;
+    ``beta`` None: no shift). ``mean``/``inv_std`` (rows elements each), when given,
+    receive the statistics. False when not served (nothing was written)."""
+    fns = _functions()
+    if fns is None or x.ndim != 2 or y.shape != x.shape or x.shape[1] == 0:
+        return False
+    rows, k = x.shape
+    beta = _zeros(k) if beta is None else beta
+    stats = [s for s in (mean, inv_std) if s is not None]
+    if (not serves(x, y, gamma, beta, *stats) or gamma.size != k or beta.size != k
+            or any(s.size != rows for s in stats) or not _separate(x, y)):
+        return False
+    args = (_address(x), _address(gamma), _address(beta), _address(y), _address(mean),
+            _address(inv_std), k, epsilon)
+    _split(rows, k, threads, lambda lo, hi: fns.layer_norm(*args, lo, hi))
+    return True
+
+
+def softmax(x: Any, y: Any, mode: str = "softmax", threads: int | None = 1) -> bool:
+    """Softmax of each row of ``x`` (rows, n) into ``y`` (may be ``x``); ``mode`` one of
+    :data:`SOFTMAX_MODES`. False when not served (nothing was written)."""
+    fns = _functions()
+    code = SOFTMAX_MODES.get(mode)
+    if (fns is None or code is None or x.ndim != 2 or y.shape != x.shape
+            or x.shape[1] == 0 or not serves(x, y) or not _separate(x, y)):
+        return False
+    rows, n = x.shape
+    px, py = _address(x), _address(y)
+    _split(rows, n, threads, lambda lo, hi: fns.softmax(px, py, n, lo, hi, code))
+    return True

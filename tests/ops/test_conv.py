@@ -421,17 +421,25 @@ def test_depthwise_forms_agree_with_the_reference(monkeypatch: pytest.MonkeyPatc
 
 
 def test_depthwise_picks_its_form_by_shape() -> None:
+    from keel.backends.cpu import native_window
+
     def form(x: tuple[int, ...], strides: tuple[int, int] = (1, 1)) -> str:
+        """The NumPy form: the one that runs without the native tier (or on the GPU)."""
         c = x[1]
         geo = _geometry(x, (c, 1, 3, 3), {"pads": P1, "group": c, "strides": strides})
-        return depthwise.depthwise_layout(geo).form
+        layout = depthwise.depthwise_layout(geo)
+        assert (layout.form == "native") == native_window.ready()
+        if layout.form == "native":
+            assert layout.fallback is not None
+            return layout.fallback.form
+        return layout.form
 
     assert form((1, 960, 7, 7)) == "channels_last"          # many channels, small planes
     assert form((1, 576, 14, 14), (2, 2)) == "channels_last"
     assert form((1, 32, 112, 112)) == "rows"
     assert form((8, 32, 112, 112)) == "planes"               # batches of big planes
     geo = _geometry((1, 3, 5, 6, 7), (3, 1, 3, 3, 3), {"pads": (1,) * 6, "group": 3})
-    assert depthwise.depthwise_layout(geo).form == "planes"   # 3-D
+    assert depthwise.depthwise_layout(geo).form == "planes"   # 3-D: NumPy only
 
 
 def test_prepacked_and_plain_runs_agree_bitwise() -> None:

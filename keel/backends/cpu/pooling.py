@@ -3,6 +3,16 @@
 Windowed pools run one elementwise op per kernel tap over contiguous "wide"
 rows (see :mod:`keel.backends.cpu.window`), never a Python loop over pixels.
 float16 is pooled in float16 for max (exact) and in float32 for sums.
+
+Where the native tier is available, float32 max / average pools over 1-D and
+2-D windows and the global max pool run the compiled window kernels of
+:mod:`keel.backends.cpu.native_window` instead: every output computed once,
+in registers, one pass over X and one over Y (numbers in ``NATIVE_MEASURED``:
+0.13-0.6x the NumPy kernels' time, 0.5-1.1x onnxruntime's). Both the
+``default`` kernels and the ``native`` variants take that path when it serves
+the call (NumPy arrays, float32, rank 3-4, no Indices output) and the NumPy
+one otherwise. The global average pool stays a BLAS gemv: it measured twice
+as fast as the compiled loop on 7x7 planes.
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from keel.backends.base import Attrs, Inputs, KernelContext, Out
+from keel.backends.cpu import native_window as nw
 from keel.backends.cpu import window as wnd
 from keel.backends.cpu import workspace
 from keel.backends.cpu.kernels import TABLE
@@ -45,7 +56,10 @@ _FAST: dict[tuple[Any, ...], tuple[Attrs, Any]] = {}
 _FAST_LIMIT = 1024
 
 
-def _prepare(op: Op, x: Any, attrs: Attrs) -> tuple[Window, wnd.WidePlan, _Separable | None]:
+_Prepared = tuple[Window, wnd.WidePlan, "_Separable | None", "nw.WindowGeometry | None"]
+
+
+def _prepare(op: Op, x: Any, attrs: Attrs) -> _Prepared:
     key = (op, x.shape, x.dtype, id(attrs))
     hit = _FAST.get(key)
     if hit is not None and hit[0] is attrs:
@@ -59,11 +73,47 @@ def _prepare(op: Op, x: Any, attrs: Attrs) -> tuple[Window, wnd.WidePlan, _Separ
 
 @functools.lru_cache(maxsize=512)
 def _prepared(op: Op, shape: tuple[int, ...], dtype: Any, attrs_key: tuple[tuple[str, Any], ...]
-              ) -> tuple[Window, wnd.WidePlan, _Separable | None]:
-    """Check and resolve one pool signature (cached: a steady state pays a lookup)."""
+              ) -> _Prepared:
+    """Check and resolve one pool signature (cached: a steady state pays a lookup).
+
+    The last item is the compiled kernels' geometry (float32 1-D / 2-D windows), used
+    when the native tier is ready at run time.
+    """
     check_pool_input(op, shape, DType.from_numpy(dtype))
     win = pool_window(op, shape, dict(attrs_key))
-    return win, wnd.wide_plan(shape, win), _separable(win)
+    compiled = nw.plan(shape[1], win) if np.dtype(dtype) == np.float32 else None
+    return win, wnd.wide_plan(shape, win), _separable(win), compiled
+
+
+# ---- the native path ------------------------------------------------------------------------
+NATIVE_MEASURED = (
+    "2-core AMD EPYC (AVX-512), 1 thread, interleaved medians, native / NumPy kernel / "
+    "onnxruntime 1.31 in us: LeNet's 2x2 stride-2 max pools at batch 1 4.3 / 6.9 / 6.4 "
+    "(6x24x24) and 4.4 / 5.9 / 6.1 (16x8x8); 3x3 stride-2 pad-1 max pool 64x112x112 "
+    "176 / 1373 / 187 (batch 8: 4935 / 10352 / 9210); 3x3 pad-1 average pool 64x28x28 "
+    "33 / 148 / 32; global max pool 512x7x7 11.4 / 30.0 / 10.3")
+
+
+def _native(xp: Any, geo: nw.WindowGeometry | None) -> nw.WindowGeometry | None:
+    """``geo`` when the compiled kernels serve this call (NumPy arrays, tier ready)."""
+    return geo if geo is not None and xp is np and nw.ready() else None
+
+
+def _native_pool(run: Any, x: Any, y: Any, *args: Any) -> None:
+    """``run(x, y, *args)`` on C-contiguous float32 arrays, then into ``y``."""
+    direct = y.flags.c_contiguous and y.dtype == np.float32
+    target = y if direct else np.empty(y.shape, np.float32)
+    run(np.ascontiguousarray(x), target, *args)
+    if not direct:
+        y[...] = target
+
+
+def _register_native(op: Op, kernel: Any, shapes: str) -> None:
+    TABLE.kernel(op, variant="native", dtypes=(DType.FLOAT32,), supports_out=True,
+                 requires="native", priority=10, simd=(), shapes=shapes,
+                 measured=NATIVE_MEASURED,
+                 description="compiled window kernel: every output computed once in "
+                             "registers (the NumPy kernel where it does not serve)")(kernel)
 
 
 @TABLE.kernel(Op.MAX_POOL, dtypes=DTYPES[Op.MAX_POOL], supports_out=True,
@@ -71,10 +121,14 @@ def _prepared(op: Op, shape: tuple[int, ...], dtype: Any, attrs_key: tuple[tuple
 def max_pool(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """Running max over the window taps; Indices only when asked for (or ``out`` is None)."""
     xp, x = ctx.xp, inputs[0]
-    win, plan, separable = _prepare(Op.MAX_POOL, x, attrs)
+    win, plan, separable, compiled = _prepare(Op.MAX_POOL, x, attrs)
     shape = (plan.batch, plan.channels, *plan.out)
     y = _target(xp, out, 0, shape, x.dtype)
     want_indices = out is None or len(out) > 1
+    geo = None if want_indices else _native(xp, compiled)
+    if geo is not None:
+        _native_pool(nw.max_pool, x, y, geo, ctx.threads or 1)
+        return [y]
     if not want_indices and separable is not None:
         _max_rows_then_columns(xp, x, separable, y)
         return [y]
@@ -209,7 +263,13 @@ def _sum_dtype(xp: Any, dtype: Any) -> Any:
 def avg_pool(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """Window sums times 1 / (the number of counted positions)."""
     xp, x = ctx.xp, inputs[0]
-    win, plan, _ = _prepare(Op.AVG_POOL, x, attrs)
+    win, plan, _, compiled = _prepare(Op.AVG_POOL, x, attrs)
+    geo = _native(xp, compiled)
+    if geo is not None:
+        y = _target(xp, out, 0, (plan.batch, plan.channels, *plan.out), x.dtype)
+        counts = nw.avg_counts(win, bool(attrs["count_include_pad"]))
+        _native_pool(nw.avg_pool, x, y, geo, counts, ctx.threads or 1)
+        return [y]
     xs = x.astype(_sum_dtype(xp, x.dtype), copy=False)
     acc = _window_sum(xp, xs, plan, "avg_pool")
     inv = _inverse_counts(xp, win, plan, bool(attrs["count_include_pad"]), acc.dtype)
@@ -254,7 +314,7 @@ def lp_pool(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[
     """(window sum of |x|^p)^(1/p)."""
     xp, x = ctx.xp, inputs[0]
     p = attrs["p"]
-    _, plan, _ = _prepare(Op.LP_POOL, x, attrs)
+    _, plan, _, _ = _prepare(Op.LP_POOL, x, attrs)
     xs = xp.abs(x).astype(_sum_dtype(xp, x.dtype), copy=False)
     if p == 2:
         xp.multiply(xs, xs, out=xs)
@@ -268,6 +328,10 @@ def lp_pool(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[
     y = _target(xp, out, 0, (plan.batch, plan.channels, *plan.out), x.dtype)
     y[...] = wnd.valid(xp, acc, plan)
     return [y]
+
+
+def _native_global(xp: Any, flat: Any, y: Any) -> bool:
+    return xp is np and flat.dtype == np.float32 and y.dtype == np.float32 and nw.ready()
 
 
 def _global(op: Op, xp: Any, x: Any, out: Out) -> tuple[Any, Any]:
@@ -309,5 +373,13 @@ def global_max_pool(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) 
     """Max over the flattened spatial dims."""
     xp = ctx.xp
     flat, y = _global(Op.GLOBAL_MAX_POOL, xp, inputs[0], out)
+    if flat.shape[-1] and _native_global(xp, flat, y):
+        _native_pool(nw.global_max_pool, flat, y, ctx.threads or 1)
+        return [y]
     y.reshape(flat.shape[:2])[...] = flat.max(axis=-1)
     return [y]
+
+
+_register_native(Op.MAX_POOL, max_pool, "1-D/2-D windows (Y only: Indices run the NumPy kernel)")
+_register_native(Op.AVG_POOL, avg_pool, "1-D/2-D windows")
+_register_native(Op.GLOBAL_MAX_POOL, global_max_pool, "any rank")

@@ -1,0 +1,593 @@
+/* Sliding-window kernels over NCHW float32 planes: depthwise convolution and pooling.
+ *
+ * NumPy runs a window op as one pass over memory per kernel tap (multiply, add,
+ * maximum...), so a 3x3 depthwise conv reads and writes its output 18 times.
+ * Here each output is computed once, in registers, from a small copy of the
+ * input that makes every tap a unit-stride load:
+ *
+ * - A band of input rows of one (n, c) plane is copied into a scratch buffer,
+ *   split into stride phases: phase (a % sh, b % sw) holds padded input
+ *   position (a, b) at (a / sh, b / sw). The padding (0 for conv and average
+ *   pooling, -inf for max pooling) is written once per call and stays: a band
+ *   copies only the input's columns, so borders cost no branches and no stores.
+ * - Output (oh, ow) of the band is "wide" index j = oh * qw + ow, and the tap
+ *   (kh, kw) of every output sits at j + off[tap]: one contiguous run. A few
+ *   columns per row (ow >= OW) are computed and never read.
+ * - The wide outputs are computed KU vectors at a time with every tap in
+ *   registers (a chain of fused multiply-adds: gnu11 contracts a * b + c), then
+ *   the valid ones are moved to Y together with the residual and the clip.
+ * - Bands run as a software pipeline (copy band k, compute band k - 1, emit
+ *   band k - 2, with two copy and two output buffers), so stores have retired
+ *   when the loads that straddle them run.
+ *
+ * Every exported function takes the planes [lo, hi) of N * C to compute, so
+ * callers split the work across threads; each plane is computed the same way
+ * whatever the split, so results are bitwise identical for any thread count.
+ * No global state, no allocation: the scratch buffer comes from the caller
+ * (keel_window_scratch says how many floats).
+ *
+ * Geometry, an int64 array (see enum below): C, H, W, OH, OW, KH, KW, SH, SW,
+ * DH, DW, PT, PL (pads at the beginning; the end pads follow from OH / OW, and
+ * ceil-mode windows past them read padding too).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define KV 16
+#elif defined(__AVX__)
+#define KV 8
+#else
+#define KV 4
+#endif
+#define KU 4                 /* vectors computed together: independent FMA chains */
+#define KSTEP (KV * KU)
+#define MAX_TAPS 1024
+#define MAX_STRIDE 16
+/* Floats of scratch a band aims at: its input copies and wide outputs stay in cache. */
+#define BAND_TARGET 8192
+
+typedef float vf __attribute__((vector_size(KV * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(KV * sizeof(float))));
+
+static inline vf vload(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
+static inline vf vsplat(float s) { return s - (vf){0}; }   /* exact for every s, -0 too */
+static inline vf vselect(vi take, vf a, vf b) { return (vf)((take & (vi)a) | (~take & (vi)b)); }
+static inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+/* ---- geometry ------------------------------------------------------------------------- */
+
+enum { G_C, G_H, G_W, G_OH, G_OW, G_KH, G_KW, G_SH, G_SW, G_DH, G_DW, G_PT, G_PL, G_LEN };
+
+typedef struct {
+    int64_t c, h, w, oh, ow, kh, kw, sh, sw, dh, dw, pt, pl;
+    int64_t reach_h, reach_w;   /* phase rows / columns past an output that its taps read */
+    int64_t qw;                 /* phase row length */
+    int64_t taps;
+    int64_t band;               /* output rows per band */
+    int64_t rb;                 /* phase rows per band */
+    /* Column phase k of an input row: X columns first[k] + i * sw (i < count[k]) land in
+     * phase columns col[k] + i; every other phase column is padding. */
+    int64_t first[MAX_STRIDE], col[MAX_STRIDE], count[MAX_STRIDE];
+} geom;
+
+/* Scratch layout: two phase copies of a band, each followed by slack that the last wide
+ * outputs of a band read past it, then two buffers of a band's wide outputs. */
+static inline int64_t slack(const geom *g) { return KSTEP + g->qw; }
+static inline int64_t copy_floats(const geom *g, int64_t band) {
+    return g->sh * g->sw * (band + g->reach_h) * g->qw + slack(g);
+}
+static inline int64_t acc_floats(const geom *g, int64_t band) {
+    return round_up(band * g->qw, KSTEP) + KV;
+}
+static int64_t band_floats(const geom *g, int64_t band) {
+    return 2 * copy_floats(g, band) + 2 * acc_floats(g, band);
+}
+
+static void column_phases(geom *g) {
+    for (int64_t k = 0; k < g->sw; k++) {
+        /* Padded column b = c * sw + k reads X column b - pl. */
+        int64_t c0 = g->pl - k <= 0 ? 0 : (g->pl - k + g->sw - 1) / g->sw;
+        int64_t last = g->w - 1 + g->pl - k;          /* c * sw <= last */
+        int64_t c1 = last < 0 ? 0 : min64(last / g->sw + 1, g->qw);
+        g->col[k] = min64(c0, g->qw);
+        g->count[k] = max64(0, c1 - g->col[k]);
+        g->first[k] = g->col[k] * g->sw + k - g->pl;
+    }
+}
+
+/* Fill g from the caller's array; 0 when the geometry is one these kernels serve. */
+static int geom_init(geom *g, const int64_t *a) {
+    g->c = a[G_C]; g->h = a[G_H]; g->w = a[G_W]; g->oh = a[G_OH]; g->ow = a[G_OW];
+    g->kh = a[G_KH]; g->kw = a[G_KW]; g->sh = a[G_SH]; g->sw = a[G_SW];
+    g->dh = a[G_DH]; g->dw = a[G_DW]; g->pt = a[G_PT]; g->pl = a[G_PL];
+    if (g->c < 1 || g->h < 1 || g->w < 1 || g->oh < 1 || g->ow < 1 || g->kh < 1 || g->kw < 1
+        || g->sh < 1 || g->sw < 1 || g->sh > MAX_STRIDE || g->sw > MAX_STRIDE
+        || g->dh < 1 || g->dw < 1 || g->pt < 0 || g->pl < 0)
+        return -1;
+    g->taps = g->kh * g->kw;
+    if (g->taps > MAX_TAPS) return -1;
+    g->reach_h = (g->kh - 1) * g->dh / g->sh;
+    g->reach_w = (g->kw - 1) * g->dw / g->sw;
+    g->qw = g->ow + g->reach_w;
+    int64_t band = g->oh;
+    while (band > 1 && band_floats(g, band) > BAND_TARGET) band = (band + 1) / 2;
+    /* Equal bands: the same rows per band whatever the plane. */
+    int64_t count = (g->oh + band - 1) / band;
+    g->band = (g->oh + count - 1) / count;
+    g->rb = g->band + g->reach_h;
+    column_phases(g);
+    return 0;
+}
+
+/* Floats of scratch the kernels need for this geometry (per calling thread); -1 if unserved. */
+int64_t keel_window_scratch(const int64_t *geometry) {
+    geom g;
+    if (geom_init(&g, geometry) != 0) return -1;
+    return band_floats(&g, g.band);
+}
+
+static void tap_offsets(const geom *g, int64_t *off) {
+    for (int64_t kh = 0; kh < g->kh; kh++) {
+        for (int64_t kw = 0; kw < g->kw; kw++) {
+            int64_t a = kh * g->dh, b = kw * g->dw;
+            int64_t phase = (a % g->sh) * g->sw + b % g->sw;
+            off[kh * g->kw + kw] = phase * g->rb * g->qw + (a / g->sh) * g->qw + b / g->sw;
+        }
+    }
+}
+
+/* ---- partial vectors: masked where AVX-512 has masks, else lane by lane --------------- */
+
+#if defined(__AVX512F__)
+static inline __mmask16 first_lanes(int64_t n) {
+    return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1u);
+}
+static inline vf load_n(const float *p, int64_t n) {
+    return (vf)_mm512_maskz_loadu_ps(first_lanes(n), p);
+}
+static inline void store_n(float *p, vf v, int64_t n) {
+    _mm512_mask_storeu_ps(p, first_lanes(n), (__m512)v);
+}
+#else
+static inline vf load_n(const float *p, int64_t n) {
+    vf v = {0};
+    for (int64_t i = 0; i < n && i < KV; i++) v[i] = p[i];
+    return v;
+}
+static inline void store_n(float *p, vf v, int64_t n) {
+    for (int64_t i = 0; i < n && i < KV; i++) p[i] = v[i];
+}
+#endif
+
+/* ---- band copies ------------------------------------------------------------------------ */
+
+/* How one input row goes into its column phases, planned once per call. Unit and 2
+ * column strides run whole vectors and one masked vector at the end of the row. */
+typedef struct {
+    int64_t region;             /* floats from one phase's band copy to the next */
+    int64_t chunks;             /* vectors per row (0: the plain loop) */
+    int64_t src, de, dq;        /* offsets: X columns read, phase columns written */
+#if defined(__AVX512F__)
+    __mmask16 la, lb, se, so;   /* masks of the last vector: loads, stores */
+#endif
+} rowcopy;
+
+static rowcopy plan_rows(const geom *g) {
+    rowcopy rc = {g->rb * g->qw, 0, 0, 0, 0
+#if defined(__AVX512F__)
+                  , 0, 0, 0, 0
+#endif
+    };
+#if defined(__AVX512F__)
+    if (g->sw == 1 && g->count[0] > 0) {
+        int64_t n = g->count[0];
+        rc.chunks = (n + 15) / 16;
+        rc.src = g->first[0];
+        rc.de = g->col[0];
+        rc.la = rc.se = first_lanes(n - 16 * (rc.chunks - 1));
+    } else if (g->sw == 2) {
+        /* X columns 2i go to one phase, 2i + 1 to the other (which one: pl's parity). */
+        int64_t ce = g->pl / 2, co = (g->pl + 1) / 2;     /* phase columns of x[0], x[1] */
+        int64_t me = min64((g->w + 1) / 2, g->qw - ce), mo = min64(g->w / 2, g->qw - co);
+        int64_t most = max64(me, mo);
+        if (most > 0) {
+            rc.chunks = (most + 15) / 16;
+            int64_t i0 = 16 * (rc.chunks - 1);
+            rc.de = (g->pl & 1) * rc.region + ce;
+            rc.dq = ((g->pl & 1) ^ 1) * rc.region + co;
+            rc.la = first_lanes(g->w - 2 * i0);
+            rc.lb = first_lanes(g->w - 2 * i0 - 16);
+            rc.se = first_lanes(me - i0);
+            rc.so = first_lanes(mo - i0);
+        }
+    }
+#endif
+    return rc;
+}
+
+/* Rows of the band copy, phase row ph: input rows src, src + sh * W, ... into dst, dst +
+ * qw, ..., n rows. The unit and 2 column strides run whole vectors and one masked vector
+ * at the end of each row. With `check`, returns whether a copied value is NaN. */
+static inline __attribute__((always_inline)) int copy_rows(
+        const geom *g, const rowcopy *rc, const float *src, float *dst, int64_t n, int check) {
+    int64_t step = g->sh * g->w;
+#if defined(__AVX512F__)
+    int64_t last = 16 * (rc->chunks - 1);
+    __mmask16 nan = 0;
+    if (rc->chunks > 0 && g->sw == 1) {
+        for (int64_t r = 0; r < n; r++, src += step, dst += g->qw) {
+            const float *s = src + rc->src;
+            float *d = dst + rc->de;
+            for (int64_t i = 0; i < last; i += 16) {
+                __m512 v = _mm512_loadu_ps(s + i);
+                if (check) nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+                _mm512_storeu_ps(d + i, v);
+            }
+            __m512 v = _mm512_maskz_loadu_ps(rc->la, s + last);
+            if (check) nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            _mm512_mask_storeu_ps(d + last, rc->se, v);
+        }
+        return nan != 0;
+    }
+    if (rc->chunks > 0) {       /* sw == 2 */
+        const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16,
+                                              14, 12, 10, 8, 6, 4, 2, 0);
+        const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+        for (int64_t r = 0; r < n; r++, src += step, dst += g->qw) {
+            float *de = dst + rc->de, *dq = dst + rc->dq;
+            for (int64_t i = 0; i < last; i += 16) {
+                __m512 a = _mm512_loadu_ps(src + 2 * i), b = _mm512_loadu_ps(src + 2 * i + 16);
+                if (check)
+                    nan |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q)
+                           | _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q);
+                _mm512_storeu_ps(de + i, _mm512_permutex2var_ps(a, even, b));
+                _mm512_storeu_ps(dq + i, _mm512_permutex2var_ps(a, odd, b));
+            }
+            __m512 a = _mm512_maskz_loadu_ps(rc->la, src + 2 * last);
+            __m512 b = _mm512_maskz_loadu_ps(rc->lb, src + 2 * last + 16);
+            if (check)
+                nan |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q)
+                       | _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q);
+            _mm512_mask_storeu_ps(de + last, rc->se, _mm512_permutex2var_ps(a, even, b));
+            _mm512_mask_storeu_ps(dq + last, rc->so, _mm512_permutex2var_ps(a, odd, b));
+        }
+        return nan != 0;
+    }
+#endif
+    int found = 0;
+    for (int64_t r = 0; r < n; r++, src += step, dst += g->qw) {
+        for (int64_t k = 0; k < g->sw; k++) {
+            const float *s = src + g->first[k];
+            float *d = dst + k * rc->region + g->col[k];
+            for (int64_t i = 0; i < g->count[k]; i++) {
+                float v = s[g->sw == 1 ? i : i * g->sw];
+                d[i] = v;
+                if (check) found |= v != v;
+            }
+        }
+    }
+    return found;
+}
+
+static void pad_rows(const geom *g, const rowcopy *rc, float *dst, int64_t n, float pad) {
+    for (int64_t r = 0; r < n; r++, dst += g->qw)
+        for (int64_t k = 0; k < g->sw; k++)
+            for (int64_t i = 0; i < g->qw; i++) dst[k * rc->region + i] = pad;
+}
+
+/* Copy phase rows [q0, q0 + rows) of plane x into buf. Padding columns already hold
+ * `pad`; padding rows are rewritten when `repad` (an earlier band of the plane may have
+ * put input there; with one band per plane they never change). With `check`, returns
+ * whether a copied value is NaN. */
+static int fill_band(const float *x, const geom *g, const rowcopy *rc, int64_t q0,
+                     int64_t rows, float pad, int repad, int check, float *buf) {
+    int nan = 0;
+    for (int64_t ph = 0; ph < g->sh; ph++) {
+        /* Phase row q holds input row q * sh + ph - pt: rows [r0, r1) of the band read X. */
+        int64_t r0 = (g->pt - ph + g->sh - 1) / g->sh - q0;
+        int64_t r1 = (g->h + g->pt - ph + g->sh - 1) / g->sh - q0;
+        r0 = max64(0, min64(r0, rows));
+        r1 = max64(r0, min64(r1, rows));
+        float *dst = buf + ph * g->sw * rc->region;
+        if (r1 > r0) {
+            const float *src = x + ((q0 + r0) * g->sh + ph - g->pt) * g->w;
+            if (check) nan |= copy_rows(g, rc, src, dst + r0 * g->qw, r1 - r0, 1);
+            else copy_rows(g, rc, src, dst + r0 * g->qw, r1 - r0, 0);
+        }
+        if (repad) {
+            pad_rows(g, rc, dst, r0, pad);
+            pad_rows(g, rc, dst + r1 * g->qw, rows - r1, pad);
+        }
+    }
+    return nan;
+}
+
+/* ---- the wide computations: KU vectors of outputs at a time, every tap in registers --- */
+
+/* Running max; a NaN anywhere in the window gives NaN (as np.maximum). Only bands whose
+ * copy holds a NaN pay for this; the others take the plain max below. */
+static inline vf vmax_nan(vf s, vf v) { return vselect((v > s) | (v != v), v, s); }
+
+/* acc[j] = bias + sum_t w[t] * buf[j + off[t]] */
+static inline __attribute__((always_inline)) void conv_wide(
+        const float *buf, const int64_t *off, const float *w, int64_t taps, float bias,
+        float *restrict acc, int64_t n) {
+    for (int64_t j = 0; j < n; j += KSTEP) {
+        vf s0 = vsplat(bias), s1 = s0, s2 = s0, s3 = s0;
+        for (int64_t t = 0; t < taps; t++) {
+            const float *p = buf + off[t] + j;
+            vf wt = vsplat(w[t]);
+            s0 += vload(p) * wt;
+            s1 += vload(p + KV) * wt;
+            s2 += vload(p + 2 * KV) * wt;
+            s3 += vload(p + 3 * KV) * wt;
+        }
+        vstore(acc + j, s0);
+        vstore(acc + j + KV, s1);
+        vstore(acc + j + 2 * KV, s2);
+        vstore(acc + j + 3 * KV, s3);
+    }
+}
+
+/* acc[j] = max_t buf[j + off[t]] */
+static void max_wide(const float *buf, const int64_t *off, int64_t taps, float *restrict acc,
+                     int64_t n) {
+    for (int64_t j = 0; j < n; j += KSTEP) {
+        vf s0 = vsplat(-INFINITY), s1 = s0, s2 = s0, s3 = s0;
+        for (int64_t t = 0; t < taps; t++) {
+            const float *p = buf + off[t] + j;
+            s0 = vmax_nan(s0, vload(p));
+            s1 = vmax_nan(s1, vload(p + KV));
+            s2 = vmax_nan(s2, vload(p + 2 * KV));
+            s3 = vmax_nan(s3, vload(p + 3 * KV));
+        }
+        vstore(acc + j, s0);
+        vstore(acc + j + KV, s1);
+        vstore(acc + j + 2 * KV, s2);
+        vstore(acc + j + 3 * KV, s3);
+    }
+}
+
+/* acc[j] = max_t buf[j + off[t]] for a band without NaN: one max instruction a tap. */
+static inline vf vmax(vf s, vf v) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_max_ps((__m512)v, (__m512)s);
+#else
+    return vselect(v > s, v, s);
+#endif
+}
+
+static void max_wide_plain(const float *buf, const int64_t *off, int64_t taps,
+                           float *restrict acc, int64_t n) {
+    for (int64_t j = 0; j < n; j += KSTEP) {
+        vf s0 = vsplat(-INFINITY), s1 = s0, s2 = s0, s3 = s0;
+        for (int64_t t = 0; t < taps; t++) {
+            const float *p = buf + off[t] + j;
+            s0 = vmax(s0, vload(p));
+            s1 = vmax(s1, vload(p + KV));
+            s2 = vmax(s2, vload(p + 2 * KV));
+            s3 = vmax(s3, vload(p + 3 * KV));
+        }
+        vstore(acc + j, s0);
+        vstore(acc + j + KV, s1);
+        vstore(acc + j + 2 * KV, s2);
+        vstore(acc + j + 3 * KV, s3);
+    }
+}
+
+/* acc[j] = sum_t buf[j + off[t]] */
+static void sum_wide(const float *buf, const int64_t *off, int64_t taps, float *restrict acc,
+                     int64_t n) {
+    for (int64_t j = 0; j < n; j += KSTEP) {
+        vf s0 = vsplat(0.0f), s1 = s0, s2 = s0, s3 = s0;
+        for (int64_t t = 0; t < taps; t++) {
+            const float *p = buf + off[t] + j;
+            s0 += vload(p);
+            s1 += vload(p + KV);
+            s2 += vload(p + 2 * KV);
+            s3 += vload(p + 3 * KV);
+        }
+        vstore(acc + j, s0);
+        vstore(acc + j + KV, s1);
+        vstore(acc + j + 2 * KV, s2);
+        vstore(acc + j + 3 * KV, s3);
+    }
+}
+
+/* ---- moving the valid outputs of a band row to Y ---------------------------------------- */
+
+/* min(max(v, lo), hi) with NaN kept (as NumPy's clip). */
+static inline vf vclip(vf v, vf lo, vf hi) {
+    v = vselect(v < lo, lo, v);
+    return vselect(v > hi, hi, v);
+}
+
+/* Rows of Y: y[r][0, ow) = clip(a[r] + z[r]) for r < rows (a's rows qw apart, read past
+ * ow). The flags are constants where this is inlined, so each case is its own loop. */
+static inline __attribute__((always_inline)) void rows_out(
+        const float *a, int64_t qw, const float *z, float *y, int64_t ow, int64_t rows,
+        vf lo, vf hi, int has_z, int has_clip) {
+    int64_t full = ow / KV * KV, tail = ow - full;
+    for (int64_t r = 0; r < rows; r++, a += qw, y += ow, z += has_z ? ow : 0) {
+        for (int64_t i = 0; i < full; i += KV) {
+            vf v = vload(a + i);
+            if (has_z) v += vload(z + i);
+            if (has_clip) v = vclip(v, lo, hi);
+            vstore(y + i, v);
+        }
+        if (tail) {
+            vf v = vload(a + full);
+            if (has_z) v += load_n(z + full, tail);
+            if (has_clip) v = vclip(v, lo, hi);
+            store_n(y + full, v, tail);
+        }
+    }
+}
+
+/* Rows of Y: y[r] = a[r] / d[r], d the window counts of the rows. */
+static void avg_rows_out(const float *a, int64_t qw, const float *d, float *y, int64_t ow,
+                         int64_t rows) {
+    int64_t full = ow / KV * KV, tail = ow - full;
+    for (int64_t r = 0; r < rows; r++, a += qw, y += ow, d += ow) {
+        for (int64_t i = 0; i < full; i += KV) vstore(y + i, vload(a + i) / vload(d + i));
+        if (tail) store_n(y + full, vload(a + full) / load_n(d + full, tail), tail);
+    }
+}
+
+/* ---- the driver: the bands of planes [lo, hi) as a software pipeline ------------------ */
+
+typedef enum { WIN_CONV, WIN_MAX, WIN_AVG } win_op;
+
+typedef struct {
+    win_op op;
+    const float *w, *bias, *z, *clip;   /* conv */
+    const float *count;                 /* avg */
+} win_args;
+
+static void compute_band(const geom *g, const win_args *e, const float *copy,
+                         const int64_t *off, float *acc, int64_t c, int64_t rows, int nan) {
+    int64_t n = round_up(rows * g->qw, KSTEP);
+    if (e->op == WIN_MAX) {
+        if (nan) max_wide(copy, off, g->taps, acc, n);
+        else max_wide_plain(copy, off, g->taps, acc, n);
+    } else if (e->op == WIN_AVG) {
+        sum_wide(copy, off, g->taps, acc, n);
+    } else {
+        const float *w = e->w + c * g->taps;
+        float b = e->bias != NULL ? e->bias[c] : 0.0f;
+        /* Common kernel sizes get a fully unrolled tap loop. */
+        if (g->taps == 9) conv_wide(copy, off, w, 9, b, acc, n);
+        else if (g->taps == 25) conv_wide(copy, off, w, 25, b, acc, n);
+        else conv_wide(copy, off, w, g->taps, b, acc, n);
+    }
+}
+
+static void emit_band(const geom *g, const win_args *e, const float *acc, float *y, int64_t p,
+                      int64_t oh0, int64_t rows) {
+    int64_t at = (p * g->oh + oh0) * g->ow;
+    if (e->op == WIN_AVG) {
+        avg_rows_out(acc, g->qw, e->count + oh0 * g->ow, y + at, g->ow, rows);
+        return;
+    }
+    const float *z = e->z != NULL ? e->z + at : NULL;
+    vf lo = vsplat(e->clip != NULL ? e->clip[0] : 0.0f);
+    vf hi = vsplat(e->clip != NULL ? e->clip[1] : 0.0f);
+    if (z != NULL && e->clip != NULL) rows_out(acc, g->qw, z, y + at, g->ow, rows, lo, hi, 1, 1);
+    else if (z != NULL) rows_out(acc, g->qw, z, y + at, g->ow, rows, lo, hi, 1, 0);
+    else if (e->clip != NULL) rows_out(acc, g->qw, z, y + at, g->ow, rows, lo, hi, 0, 1);
+    else rows_out(acc, g->qw, z, y + at, g->ow, rows, lo, hi, 0, 0);
+}
+
+static int64_t run_window(const float *x, float *y, const int64_t *geometry,
+                          const win_args *e, float *scratch, int64_t lo, int64_t hi) {
+    geom g;
+    int64_t off[MAX_TAPS];
+    if (geom_init(&g, geometry) != 0) return -1;
+    tap_offsets(&g, off);
+    int64_t cf = copy_floats(&g, g.band), af = acc_floats(&g, g.band);
+    float *copy[2] = {scratch, scratch + cf};
+    float *acc[2] = {scratch + 2 * cf, scratch + 2 * cf + af};
+    float pad = e->op == WIN_MAX ? -INFINITY : 0.0f;
+    /* Padding everywhere once; the slack too, so garbage outputs stay finite. */
+    for (int64_t i = 0; i < 2 * cf; i++) scratch[i] = pad;
+    int64_t bands = (g.oh + g.band - 1) / g.band, items = (hi - lo) * bands;
+    rowcopy rc = plan_rows(&g);
+    int64_t plane = g.h * g.w;
+    /* A software pipeline: copy band k, compute band k - 1, emit band k - 2 (the plane and
+     * first row of the last three bands are kept in a ring: no divisions per band). Loads
+     * then read stores made an iteration earlier; on small planes, loads that straddle
+     * stores still in flight would cost more than the arithmetic. */
+    int64_t ring_p[4] = {0}, ring_c[4] = {0}, ring_oh[4] = {0}, p = lo, c = lo % g.c, oh0 = 0;
+    int ring_nan[4] = {0};
+    for (int64_t k = 0; k < items + 2; k++) {
+        if (k < items) {
+            ring_p[k & 3] = p;
+            ring_c[k & 3] = c;
+            ring_oh[k & 3] = oh0;
+            ring_nan[k & 3] = fill_band(x + p * plane, &g, &rc, oh0,
+                                        min64(g.oh - oh0, g.band) + g.reach_h, pad, bands > 1,
+                                        e->op == WIN_MAX, copy[k & 1]);
+            oh0 += g.band;
+            if (oh0 >= g.oh) {
+                oh0 = 0;
+                p++;
+                c = c + 1 == g.c ? 0 : c + 1;
+            }
+        }
+        if (k >= 1 && k <= items) {
+            int64_t i = (k - 1) & 3;
+            compute_band(&g, e, copy[(k - 1) & 1], off, acc[(k - 1) & 1], ring_c[i],
+                         min64(g.oh - ring_oh[i], g.band), ring_nan[i]);
+        }
+        if (k >= 2) {
+            int64_t i = (k - 2) & 3;
+            emit_band(&g, e, acc[k & 1], y, ring_p[i], ring_oh[i],
+                      min64(g.oh - ring_oh[i], g.band));
+        }
+    }
+    return 0;
+}
+
+/* ---- exported kernels ----------------------------------------------------------------- */
+
+/* Y = clip(depthwise_conv(X, W) + B + Z) over planes [lo, hi) of N * C (multiplier 1).
+ * W is (C, 1, KH, KW); B (C,) or NULL; Z like Y or NULL; clip = {low, high} or NULL.
+ * Returns 0, or -1 for a geometry it does not serve (then nothing is written). */
+int64_t keel_dwconv2d_f32(const float *x, const float *w, const float *bias, const float *z,
+                          float *y, const int64_t *geometry, const float *clip,
+                          float *scratch, int64_t lo, int64_t hi) {
+    win_args e = {WIN_CONV, w, bias, z, clip, NULL};
+    return run_window(x, y, geometry, &e, scratch, lo, hi);
+}
+
+/* Y = max over each window (padding never wins; NaN propagates) for planes [lo, hi). */
+int64_t keel_maxpool2d_f32(const float *x, float *y, const int64_t *geometry, float *scratch,
+                           int64_t lo, int64_t hi) {
+    win_args e = {WIN_MAX, NULL, NULL, NULL, NULL, NULL};
+    return run_window(x, y, geometry, &e, scratch, lo, hi);
+}
+
+/* Y = window sum / count for planes [lo, hi); count (OH, OW) holds the positions each
+ * window counts (it carries count_include_pad). */
+int64_t keel_avgpool2d_f32(const float *x, float *y, const int64_t *geometry,
+                           const float *count, float *scratch, int64_t lo, int64_t hi) {
+    win_args e = {WIN_AVG, NULL, NULL, NULL, NULL, count};
+    return run_window(x, y, geometry, &e, scratch, lo, hi);
+}
+
+/* y[p] = max of plane p (NaN if it holds one), for p in [lo, hi). */
+void keel_global_maxpool_f32(const float *x, float *y, int64_t size, int64_t lo, int64_t hi) {
+    for (int64_t p = lo; p < hi; p++) {
+        const float *a = x + p * size;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        __m512 s = _mm512_set1_ps(-INFINITY);
+        __mmask16 nan = 0;
+        for (; i + 16 <= size; i += 16) {
+            __m512 v = _mm512_loadu_ps(a + i);
+            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            s = _mm512_max_ps(v, s);
+        }
+        if (i < size) {
+            __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), first_lanes(size - i),
+                                            a + i);
+            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            s = _mm512_max_ps(v, s);
+        }
+        y[p] = nan ? NAN : _mm512_reduce_max_ps(s);
+#else
+        vf s = vsplat(-INFINITY);
+        for (; i + KV <= size; i += KV) s = vmax_nan(s, vload(a + i));
+        float m = -INFINITY;
+        for (int k = 0; k < KV; k++) m = (s[k] > m || s[k] != s[k]) ? s[k] : m;
+        for (; i < size; i++) m = (a[i] > m || a[i] != a[i]) ? a[i] : m;
+        y[p] = m;
+#endif
+    }
+}

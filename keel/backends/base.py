@@ -22,6 +22,10 @@ Optional hooks, with defaults that suit a NumPy backend:
   (raise ``InvalidArgumentError``); called by ``allocate`` and ``to_device``.
 * ``_execution_scope(op)`` — a context manager around kernel calls (thread
   limits, the current device); ``op`` is ``None`` around a whole program.
+* ``_needs_scope(kernels) -> bool`` — whether a program running only these
+  kernels (pairs of a variant and the dtype of its first input) needs
+  ``_execution_scope(None)`` at all (default: True); a backend whose scope is
+  a cost with no effect for some kernels says False.
 * ``_free(array)`` — give memory back early (a memory pool, a device buffer).
 * ``_capability_details()`` — extra ``Capabilities`` fields (simd_level,
   threads, memory_bytes, notes).
@@ -301,6 +305,9 @@ class Backend(ABC):
     def _execution_scope(self, op: Op | None) -> AbstractContextManager[Any]:
         return contextlib.nullcontext()
 
+    def _needs_scope(self, kernels: Sequence[tuple[KernelVariant, DType | None]]) -> bool:
+        return True
+
     def _free(self, array: Any) -> None:
         return None
 
@@ -377,6 +384,16 @@ class Backend(ABC):
         enters it once, without an op, around a whole program.
         """
         return self._execution_scope(op)
+
+    @final
+    def needs_scope(self, kernels: Iterable[tuple[KernelVariant, DType | None]]) -> bool:
+        """Whether these kernels must run inside ``execution_scope()``.
+
+        ``kernels`` are (variant, dtype of its first input or None) pairs. An
+        executor asks once per program, with the steps it runs on this
+        backend; when False it calls them without entering the scope.
+        """
+        return self._needs_scope(tuple(kernels))
 
     # ---- memory --------------------------------------------------------
     @final

@@ -8,8 +8,9 @@ planned and compiled once and cached.
 
 Weights are frozen (read-only) at load, so kernels may cache what they derive
 from them. ``predict`` checks its feeds once: a call whose feeds match a
-signature already run (same names, exact dtypes, C-contiguous NumPy arrays of
-the same shapes) goes straight to that signature's program.
+signature already run (same names, exact dtypes, NumPy arrays of the same
+shapes and strides, which were C-contiguous then) goes straight to that
+signature's program.
 
 A memory limit is checked before running: when the whole batch does not fit,
 the batch is split into chunks along its first axis (the planner may shrink
@@ -48,6 +49,9 @@ _CACHE_SIZE = 8
 _FLOATS = {"fp16": DType.FLOAT16, "fp32": DType.FLOAT32, "fp64": DType.FLOAT64}
 
 Shapes = dict[str, tuple[int, ...]]
+# A signature already run: (what ``Model.plan`` reports, its program, the order of
+# ``Program.input_names`` in the model's input order, or None when it is the same).
+_Fast = tuple[tuple["ExecutionPlan", None], "Program", list[int] | None]
 
 
 @dataclass(frozen=True)
@@ -172,10 +176,11 @@ class Model:
         self._telemetry: Callable[[], Any] | None = None
         self._profiler: Profiler | None = Profiler() if enable_profiling else None
         self._last: tuple[ExecutionPlan, AdaptivePlan | None] | None = None
-        # Signatures already checked: shapes (in _fast_names order) -> program.
-        self._fast: dict[tuple[tuple[int, ...], ...], tuple[_Planned, Program, list[int]]] = {}
-        self._fast_names = [v.name for v in self._declared_inputs]
-        self._fast_dtypes = [v.type.dtype.numpy for v in self._declared_inputs]
+        # Signatures already checked: (shape, strides) of each feed, in _fast_names
+        # order -> (what ``plan`` reports, the program, its feed order or None).
+        self._fast: dict[tuple[Any, ...], _Fast] = {}
+        self._fast_names = tuple(v.name for v in self._declared_inputs)
+        self._fast_dtypes = tuple(v.type.dtype.numpy for v in self._declared_inputs)
         # Only where no dtype conversion happens at the edges (precision="auto").
         self._fast_ok = _keeps_dtypes(self._graph, self._declared_inputs,
                                       self._declared_outputs)
@@ -294,10 +299,10 @@ class Model:
         """Run the model: ``{input name: array}`` → ``{output name: array}``."""
         fast = self._fast_path(feeds)
         if fast is not None:
-            known, fast_program, ordered = fast
+            (last, program, _), ordered = fast
             with self._lock:
-                self._last = (known.plan, None)
-                return fast_program.execute(ordered)
+                self._last = last
+                return program.execute(ordered)
         arrays, shapes = self._validate(feeds)
         with self._lock:
             planned = self._planned(shapes)
@@ -306,39 +311,50 @@ class Model:
                 self._last = (self._with_hint(planned.plan, None), None)
                 program = self._program(planned)
                 result = program.run(arrays, profiler=self._profiler)
-                self._remember(shapes, planned, program)
+                self._remember(arrays, planned, program)
             else:
                 result = self._run_chunked(arrays, shapes, planned, limit)
         return self._to_declared(result)
 
-    def _fast_path(self, feeds: Any) -> tuple[_Planned, Program, list[Any]] | None:
-        """The program and ordered feeds when ``feeds`` match a signature already run."""
-        if type(feeds) is not dict or len(feeds) != len(self._fast_names) or \
-                self._profiler is not None:
+    def _fast_path(self, feeds: Any) -> tuple[_Fast, Sequence[np.ndarray]] | None:
+        """The remembered program and its ordered feeds when ``feeds`` match a signature
+        already run: same names, exact dtypes, NumPy arrays of the same shapes and strides
+        (strides that were C-contiguous for that shape then are so now)."""
+        names = self._fast_names
+        if type(feeds) is not dict or len(feeds) != len(names) or self._profiler is not None:
             return None
+        if len(names) == 1:                     # the common case, without building lists
+            a = feeds.get(names[0])
+            if type(a) is not np.ndarray or a.dtype != self._fast_dtypes[0]:
+                return None
+            hit = self._fast.get(((a.shape, a.strides),))
+            return None if hit is None else (hit, (a,))
         arrays = []
-        shapes = []
-        for name, dtype in zip(self._fast_names, self._fast_dtypes, strict=True):
+        for name, dtype in zip(names, self._fast_dtypes, strict=True):
             a = feeds.get(name)
-            if type(a) is not np.ndarray or a.dtype != dtype or not a.flags.c_contiguous:
+            if type(a) is not np.ndarray or a.dtype != dtype:
                 return None
             arrays.append(a)
-            shapes.append(a.shape)
-        hit = self._fast.get(tuple(shapes))
+        hit = self._fast.get(tuple((a.shape, a.strides) for a in arrays))
         if hit is None:
             return None
-        planned, program, order = hit
-        return planned, program, [arrays[i] for i in order]
+        order = hit[2]
+        return hit, (arrays if order is None else [arrays[i] for i in order])
 
-    def _remember(self, shapes: Shapes, planned: _Planned, program: Program) -> None:
-        """Let later calls with these shapes skip validation and planning."""
-        if not self._fast_ok or set(shapes) != set(self._fast_names) or \
-                set(program.input_names) != set(self._fast_names):
+    def _remember(self, arrays: Mapping[str, np.ndarray], planned: _Planned,
+                  program: Program) -> None:
+        """Let later calls with feeds laid out as ``arrays`` (checked, C-contiguous) skip
+        validation and planning."""
+        names = self._fast_names
+        if not self._fast_ok or set(arrays) != set(names) or \
+                set(program.input_names) != set(names):
             return
         if len(self._fast) >= _CACHE_SIZE:
             self._fast.clear()
-        order = [self._fast_names.index(n) for n in program.input_names]
-        self._fast[tuple(shapes[n] for n in self._fast_names)] = (planned, program, order)
+        order = [names.index(n) for n in program.input_names]
+        key = tuple((arrays[n].shape, arrays[n].strides) for n in names)
+        self._fast[key] = ((planned.plan, None), program,
+                           None if order == list(range(len(names))) else order)
 
     def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
             run_options: Any = None) -> list[np.ndarray]:

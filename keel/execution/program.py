@@ -17,7 +17,12 @@ The run loop is built for per-step cost: each step is precompiled into a
 tuple (kernel, context, attributes, an ``itemgetter`` over the value slots,
 the bound output views), so a step costs a tuple unpack, one getter call and
 the kernel call, with no dictionary lookups, attribute normalization or
-validation. Thread limits are entered once per run, not per step. Kernel
+validation. A backend's execution scope (the cpu backend's BLAS thread cap)
+is entered once per run, not per step, and only where the program's steps
+on it need it (``Backend.needs_scope``): a program of native kernels never
+touches the BLAS pools. Graph outputs that a run wrote into arrays it
+allocated for them are handed to the caller as they are; any other output
+(a feed, a weight, arena bytes, a kernel's view of them) is copied. Kernel
 variants that prepack constant inputs (``KernelVariant.prepack``) do so here,
 once per model and node.
 
@@ -39,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from keel.backends.base import Backend, KernelContext, KernelVariant
+from keel.dtypes import DType
 from keel.errors import ExecutionError, InvalidArgumentError, KeelError
 from keel.graph.ir import Graph
 from keel.graph.memory_plan import ALIGNMENT, MemoryPlan
@@ -59,6 +65,12 @@ _VIEWS = 1       # several outputs, each written into its arena view
 _ALLOC = 2       # the kernel allocates its outputs
 _FRESH = 3       # writes graph outputs: fresh arrays (unless the caller gives buffers)
 _OTHER = 4       # device copies, unbound buffers: the general path
+_FRESH1 = 5      # one output, a graph output: a fresh array (unless the caller gives one)
+
+# How ``_collect`` hands out a graph output (the third field of its entry).
+_AS_IS = 0       # a fresh host array this run made (a _FRESH output): no check, no copy
+_COPY = 1        # a feed, a weight, arena bytes or a repeated output: always a copy
+_CHECK = 2       # a kernel's own result, or on another device: copied unless it is fresh
 
 # (kind, kernel, context, attrs, input getter, output slots (or fresh specs), output views)
 _HotStep = tuple[int, Any, Any, Any, Callable[[list[Any]], Sequence[Any]], tuple[Any, ...], Any]
@@ -120,6 +132,8 @@ class _Step:
     attrs: Mapping[str, Any] = field(default_factory=dict)
     out: list[Any] | None = None               # preallocated views (None: kernel allocates)
     fresh: tuple[tuple[int, tuple[int, ...], Any], ...] = ()   # graph outputs: (pos, shape, dt)
+    variant: KernelVariant | None = None       # kernels: what the step runs
+    dtype: DType | None = None                 # kernels: the dtype of the first input
     src: Backend | None = None                 # copies
     dst: Backend | None = None
 
@@ -184,7 +198,10 @@ class Program:
         self._slots = slots
         self._constants = constants
         self._backends = backends
-        self._scoped = tuple(backends.values())
+        # Backends whose execution scope the steps need (a thread cap is worth
+        # entering only where some step may call BLAS).
+        self._scoped = tuple(b for name, b in backends.items() if b.needs_scope(
+            (s.variant, s.dtype) for s in steps if s.backend == name and s.variant is not None))
         self._pool = pool
         self._views = views                       # slot -> (device, offset, shape, dtype)
         self._input_types = input_types
@@ -199,10 +216,13 @@ class Program:
         for slot, value in constants.items():
             self._values[slot] = value
         self._transient = tuple(s for s in range(len(self._values))
-                                if s not in views and s not in constants)
+                                if s not in views and s not in constants
+                                and s != self._none_slot)
         self._bound: dict[str, int] = {}          # device -> id of the arena bound
         self._bound_version = -1
         self._hot: list[_HotStep] = self._compile_hot()
+        self._handout = self._plan_handout()
+        self._constant_ids = frozenset(id(v) for v in constants.values())   # held: ids stay
 
     @property
     def memory(self) -> MemoryPlan | None:
@@ -266,7 +286,8 @@ class Program:
         The caller guarantees each array's type, dtype and shape (``Model.predict``
         does so once per call); nothing is validated here.
         """
-        self._bind()
+        if self._bound_version != self._pool.version:
+            self._bind()
         values = self._values
         for slot, value in zip(self._input_slots, arrays, strict=True):
             values[slot] = value
@@ -275,14 +296,22 @@ class Program:
         return self._run_hot(None)
 
     def _run_hot(self, outputs: Mapping[str, Any] | None) -> dict[str, Any]:
-        scopes = self._enter_scopes()
+        scoped = self._scoped
         try:
-            self._loop(outputs)
+            if not scoped:
+                self._loop(outputs)
+            elif len(scoped) == 1:
+                with scoped[0].execution_scope():
+                    self._loop(outputs)
+            else:
+                scopes = self._enter_scopes()
+                try:
+                    self._loop(outputs)
+                finally:
+                    _exit_scopes(scopes)
+            return self._collect(outputs)
         finally:
-            _exit_scopes(scopes)
-        result = self._collect(outputs)
-        self._release()
-        return result
+            self._release()
 
     def _loop(self, outputs: Mapping[str, Any] | None) -> None:
         """Every step, precompiled: the loop that per-step overhead is measured on."""
@@ -296,6 +325,12 @@ class Program:
                         # A kernel that ignored its buffer: later steps (and free
                         # views) read the planned bytes, so the result must land there.
                         out[0][...] = result
+                elif kind == _FRESH1 and outputs is None:
+                    slot, shape, dtype, empty = slots
+                    buf = values[slot] = empty(shape, dtype=dtype)
+                    result = fn(ctx, get(values), attrs, [buf])[0]
+                    if result is not buf:
+                        buf[...] = result
                 elif kind == _ALLOC:
                     for slot, result in zip(slots, fn(ctx, get(values), attrs, None),
                                             strict=False):
@@ -385,11 +420,29 @@ class Program:
         self._values[step.outputs[0]] = host if step.dst is None else step.dst.to_device(host)
 
     def _collect(self, outputs: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The graph outputs by name: never arena bytes, weights or feeds the caller could
+        see change; the arrays this run allocated for them are handed out as they are."""
+        if outputs is not None:
+            return self._collect_into(outputs)
+        values = self._values
+        result: dict[str, Any] = {}
+        for name, slot, how, device in self._handout:
+            value = values[slot]
+            if how != _AS_IS:
+                host = self._backend_on(device).read(value) if device != HOST else value
+                if how == _COPY or not _owns(host) or self._is_fixed(host):
+                    host = np.array(host, copy=True)
+                value = host
+            result[name] = value
+        return result
+
+    def _collect_into(self, outputs: Mapping[str, Any]) -> dict[str, Any]:
+        """As ``_collect``, writing into the caller's arrays where ``outputs`` names one."""
         result: dict[str, Any] = {}
         values, views = self._values, self._views
         for name, slot, device in self._outputs:
             value = values[slot]
-            given = None if outputs is None else outputs.get(name)
+            given = outputs.get(name)
             if given is not None and value is given:
                 result[name] = given
                 continue
@@ -402,6 +455,36 @@ class Program:
                 host = np.array(host, copy=True)
             result[name] = host
         return result
+
+    def _is_fixed(self, array: Any) -> bool:
+        """Whether ``array`` is itself a feed or a weight (a kernel may return one as is)."""
+        values = self._values
+        return (id(array) in self._constant_ids
+                or any(array is values[s] for s in self._input_slots))
+
+    def _plan_handout(self) -> tuple[tuple[str, int, int, str], ...]:
+        """How ``_collect`` hands out each graph output: (name, slot, how, device)."""
+        writer: dict[int, tuple[_Step, int]] = {}        # slot -> the step writing it last
+        for step in self._steps:
+            for pos, slot in enumerate(step.outputs):
+                writer[slot] = (step, pos)
+        fixed = {*self._constants, *self._input_slots,
+                 *(slot for slot, _ in self._optional.values())}
+        plan = []
+        seen: set[str] = set()
+        for name, slot, device in self._outputs:
+            how = _CHECK
+            if name in seen or slot in self._views or slot in fixed:
+                how = _COPY
+            elif device == HOST and slot in writer:
+                step, pos = writer[slot]
+                backend = self._backends.get(step.backend)
+                if (step.kind == "kernel" and any(p == pos for p, _, _ in step.fresh)
+                        and backend is not None and backend.device.value == HOST):
+                    how = _AS_IS
+            seen.add(name)
+            plan.append((name, slot, how, device))
+        return tuple(plan)
 
     def _output_name(self, slot: int) -> str:
         for name, s, _ in self._outputs:
@@ -443,7 +526,10 @@ class Program:
     # ---- binding ---------------------------------------------------------
     def _bind(self) -> None:
         memory = self.memory
-        if memory is None or self._bound_version == self._pool.version:
+        if self._bound_version == self._pool.version:
+            return
+        if memory is None:
+            self._bound_version = self._pool.version
             return
         changed = False
         for device, need in memory.arena_bytes.items():
@@ -489,6 +575,10 @@ class Program:
             return (_OTHER, None, None, None, _nothing, (), None)   # not bound yet
         if step.fresh:
             empty = self._backends[step.backend].xp.empty
+            if len(step.out) == 1:
+                (_, shape, dtype), = step.fresh
+                return (_FRESH1, step.fn, step.ctx, step.attrs, get,
+                        (step.outputs[0], shape, dtype, empty), step.out)
             spec = tuple((pos, step.outputs[pos], shape, dtype, empty)
                          for pos, shape, dtype in step.fresh)
             return (_FRESH, step.fn, step.ctx, step.attrs, get, spec, step.out)
@@ -661,10 +751,15 @@ class _Builder:
         if kernel.prepack is not None:
             ctx = self._prepacked(node, kernel, backend, ctx, inputs)
         step = _Step(node.name, node.op.value, backend.name, "kernel", inputs, outputs,
-                     fn=kernel.fn, ctx=ctx, attrs=node.attrs)
+                     fn=kernel.fn, ctx=ctx, attrs=node.attrs, variant=kernel,
+                     dtype=self._dtype(node.inputs[0] if node.inputs else ""))
         if placed.writes_out:
             self._bind_outputs(step, node, placed)
         self.steps.append(step)
+
+    def _dtype(self, name: str) -> DType | None:
+        t = self.types.get(name) if name else None
+        return None if t is None else t.dtype
 
     def _prepacked(self, node: Any, kernel: KernelVariant, backend: Backend,
                    ctx: KernelContext, inputs: tuple[int, ...]) -> KernelContext:

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 import keel.backends.cpu.backend as cpu_backend
 from keel.backends.base import KernelContext, KernelTable
@@ -196,13 +196,15 @@ def test_execute_takes_feeds_in_input_order() -> None:
 
 
 # ---- Model.predict fast path and frozen weights ---------------------------------------
-def model_proto() -> onnx.ModelProto:
-    w = numpy_helper.from_array(np.arange(12, dtype=np.float32).reshape(3, 4) / 7, "w")
+def model_proto(dtype: Any = np.float32) -> onnx.ModelProto:
+    """y = relu(x @ w.T): a Gemm and a Relu (float64 keeps the Gemm on BLAS)."""
+    w = numpy_helper.from_array((np.arange(12).reshape(3, 4) / 7).astype(dtype), "w")
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
     nodes = [helper.make_node("Gemm", ["x", "w"], ["h"], transB=1, name="g"),
              helper.make_node("Relu", ["h"], ["y"], name="r")]
     graph = helper.make_graph(
-        nodes, "gemm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 3])], [w])
+        nodes, "gemm", [helper.make_tensor_value_info("x", elem, ["n", 4])],
+        [helper.make_tensor_value_info("y", elem, ["n", 3])], [w])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
@@ -300,8 +302,8 @@ def test_a_cpu_program_runs_under_its_thread_cap(monkeypatch: pytest.MonkeyPatch
         return result
 
     monkeypatch.setattr(cpu_backend.ThreadCap, "__enter__", spy)
-    m = load_model(model_proto(), backend="cpu", threads=1)
-    x = np.ones((2, 4), np.float32)
+    m = load_model(model_proto(np.float64), backend="cpu", threads=1)    # BLAS, native or not
+    x = np.ones((2, 4), np.float64)
     m.predict({"x": x})                                   # compiles (allocating enters too)
     seen.clear()
     m.predict({"x": x})

@@ -341,7 +341,7 @@ def test_steady_state_predict_allocates_little_beyond_outputs() -> None:
 
 
 @pytest.mark.parametrize("limit", [float("nan"), float("inf")])
-def test_memory_limit_must_be_finite(mlp_proto: Any, limit: float) -> None:
+def test_memory_limit_must_be_finite(mlp_proto: Any, limit: Any) -> None:
     model = load_model(mlp_proto)
     with pytest.raises(InvalidArgumentError, match="must be a finite byte count"):
         model.set_memory_limit(limit)

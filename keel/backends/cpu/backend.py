@@ -6,32 +6,38 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
-from keel.backends.base import Availability, Backend, DeviceKind, KernelTable
+from keel.backends.base import Availability, Backend, DeviceKind, KernelTable, KernelVariant
+from keel.dtypes import DType
 from keel.errors import InvalidArgumentError
 from keel.ops.registry import Op, OpGroup
 
 __all__ = ["CpuBackend", "ThreadCap", "default_threads"]
 
 
-# Ops whose cpu kernels run on BLAS / OpenMP thread pools (matmul, im2col convolution).
-_POOLED = OpGroup.MATMUL_LIKE | OpGroup.CONVOLUTION | OpGroup.QUANTIZATION
+# Ops whose NumPy kernels may call BLAS (and so its thread pool): matmul-like ops,
+# im2col / Winograd / depthwise convolution, quantized products, the normalizations
+# that reduce rows with a dot product, global average pooling (a matrix-vector
+# product) and AffineGrid (a batched matmul).
+_POOLED = (OpGroup.MATMUL_LIKE | OpGroup.CONVOLUTION | OpGroup.QUANTIZATION
+           | OpGroup.NORMALIZATION | frozenset({Op.GLOBAL_AVG_POOL, Op.AFFINE_GRID}))
 
 
 class CpuBackend(Backend):
     """NumPy with preallocated outputs and BLAS for the heavy ops.
 
-    ``threads`` caps the BLAS / OpenMP thread pools while a matmul-like,
-    convolution or quantized kernel runs, or a whole program (and is passed
-    to kernels in their context). ``None`` means ``KEEL_THREADS`` when set,
-    else the cores this process may use (affinity mask and cgroup quota, from
-    the hardware probe). The cap holds only inside keel: the process-wide
-    settings are restored afterwards.
+    ``threads`` caps the BLAS / OpenMP thread pools while a kernel that may
+    call BLAS runs (``run``), or around a whole program with such a step (see
+    ``_may_use_blas``), and is passed to kernels in their context. ``None``
+    means ``KEEL_THREADS`` when set, else the cores this process may use
+    (affinity mask and cgroup quota, from the hardware probe). The cap holds
+    only inside keel: the process-wide settings are restored afterwards.
     """
 
     name = "cpu"
@@ -75,6 +81,12 @@ class CpuBackend(Backend):
             return contextlib.nullcontext()
         return ThreadCap(self.threads)
 
+    def _needs_scope(self, kernels: Sequence[tuple[KernelVariant, DType | None]]) -> bool:
+        # Capping costs about a microsecond a run (two openblas_set_num_threads),
+        # as much as a small native kernel: a program whose steps never reach
+        # BLAS skips it.
+        return any(_may_use_blas(v, dtype) for v, dtype in kernels)
+
     def _capability_details(self) -> dict[str, Any]:
         from keel import native
 
@@ -91,6 +103,24 @@ class CpuBackend(Backend):
         }
 
 
+def _may_use_blas(variant: KernelVariant, dtype: DType | None) -> bool:
+    """Whether ``variant`` may call BLAS on inputs of ``dtype``.
+
+    A variant says so itself with ``blas=True/False`` in its metadata. Else
+    the kernels of the ops in ``_POOLED`` may, except native variants on
+    float32: keel's native kernels are float32 and run on keel's own threads
+    (``ctx.threads``); on another dtype such a variant takes its NumPy path.
+    A native variant that hands some other case it does not serve (a layout,
+    a rank) to BLAS runs that call at the process's BLAS setting.
+    """
+    declared = variant.meta.get("blas")
+    if declared is not None:
+        return bool(declared)
+    if variant.op not in _POOLED:
+        return False
+    return not (variant.meta.get("requires") == "native" and dtype is DType.FLOAT32)
+
+
 class ThreadCap:
     """Caps every BLAS / OpenMP pool at ``threads`` while entered; restores what it changed.
 
@@ -100,27 +130,32 @@ class ThreadCap:
     machine costs tens of milliseconds a call (measured: a 2-thread 32x784x512
     GEMM pair went from 0.3 ms to a 40 ms median when the limit was set around
     every call, as ``threadpoolctl.threadpool_limits`` does). Reading the
-    current value costs a fraction of a microsecond. Not reentrant: enter a
-    fresh one each time.
+    current value costs a fraction of a microsecond. Not reentrant: one
+    ``with`` at a time (it may be entered again once exited).
     """
 
     __slots__ = ("_changed", "_threads")
 
     def __init__(self, threads: int) -> None:
         self._threads = threads
-        self._changed: list[tuple[Any, int]] = []
+        self._changed: list[tuple[Any, int]] | None = None
 
     def __enter__(self) -> ThreadCap:
+        threads = self._threads
         for lib in _pools():
             current = lib.get_num_threads()
-            if current is not None and current != self._threads:
-                lib.set_num_threads(self._threads)
+            if current is not None and current != threads:
+                lib.set_num_threads(threads)
+                if self._changed is None:
+                    self._changed = []
                 self._changed.append((lib, current))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        while self._changed:
-            lib, previous = self._changed.pop()
+        changed, self._changed = self._changed, None
+        if changed is None:
+            return
+        for lib, previous in reversed(changed):
             lib.set_num_threads(previous)
             # threadpoolctl lets only one thread set OpenBLAS's pthreads pool;
             # release it so a model run from another thread can cap it too.
@@ -139,16 +174,14 @@ class _DirectPool:
     restores it on exit, so it sets the C value directly.
     """
 
-    __slots__ = ("_get", "_set")
+    __slots__ = ("get_num_threads", "set_num_threads")
+    clear_controlling_thread = None     # nothing to release (read without an exception)
 
-    def __init__(self, get: Any, set_: Any) -> None:
-        self._get, self._set = get, set_
-
-    def get_num_threads(self) -> int | None:
-        return int(self._get())
-
-    def set_num_threads(self, threads: int) -> None:
-        self._set(threads)
+    def __init__(self, get: Callable[[], int], set_: Callable[[int], Any]) -> None:
+        # The C functions themselves, not methods wrapping them: a cap and its
+        # restore are three calls, each a Python frame less this way.
+        self.get_num_threads = get
+        self.set_num_threads = set_
 
 
 def _direct(lib: Any) -> Any:

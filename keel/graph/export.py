@@ -6,8 +6,8 @@ two spellings:
 
 * ``custom_domain=False`` (default): their standard ONNX decomposition
   (Conv → Add(Z) → activation, MatMul → Add(bias), attention as
-  Transpose/MatMul/Mul/Add/Softmax/MatMul), so onnxruntime and any ONNX tool
-  run the exported model;
+  Transpose/MatMul/Mul/Add/Softmax/MatMul, skip_layer_norm as Add →
+  LayerNormalization), so onnxruntime and any ONNX tool run the exported model;
 * ``custom_domain=True``: single nodes in keel's domain ``ai.keel``, which
   keel re-imports as they are, fused; onnxruntime cannot run those nodes.
 
@@ -107,6 +107,8 @@ class _Writer:
             self.attention(n)
         elif n.op is Op.ATTENTION:
             self.keel_node(n)  # a causal mask has no compact ONNX spelling below opset 23
+        elif n.op is Op.SKIP_LAYER_NORM:
+            self.skip_layer_norm(n)
         elif fused:
             self.epilogue(n)
         elif n.op in ONNX_NAME and self.standard(n, ONNX_NAME[n.op], n.inputs, n.outputs,
@@ -218,6 +220,17 @@ class _Writer:
         self.emit("Softmax", [scaled], [p], f"{name}/softmax", axis=-1)
         self.emit("MatMul", [p, v], [out], f"{name}/pv")
 
+    def skip_layer_norm(self, n: Node) -> None:
+        """Add(X, skip) → LayerNormalization; the sum keeps its name when it is an output."""
+        out = n.outputs[0]
+        total = n.outputs[1] if len(n.outputs) > 1 and n.outputs[1] else \
+            self.fresh(f"{out}/sum")
+        self.emit("Add", n.inputs[:2], [total], f"{n.name}/add")
+        params = [n.inputs[2]] + ([n.input(3)] if n.input(3) else [])
+        self.emit("LayerNormalization", [total, *params], [out], f"{n.name}/layer_norm",
+                  axis=int(n.attr("axis", -1)), epsilon=float(n.attr("epsilon", 1e-5)),
+                  stash_type=int(n.attr("stash_type", 1)))
+
     def scale(self, n: Node, q: str) -> str:
         scale = n.attr("scale", None)
         if scale is not None:
@@ -277,7 +290,7 @@ def _first_versions() -> dict[str, int]:
 
 
 def _is_fused(n: Node) -> bool:
-    if n.op is Op.ATTENTION:
+    if n.op in (Op.ATTENTION, Op.SKIP_LAYER_NORM):
         return True
     if n.op not in (Op.CONV, Op.GEMM, Op.MATMUL):
         return False

@@ -123,6 +123,7 @@ class Op(str, enum.Enum):
     # normalization and softmax
     BATCH_NORM = "batch_norm"
     LAYER_NORM = "layer_norm"
+    SKIP_LAYER_NORM = "skip_layer_norm"
     INSTANCE_NORM = "instance_norm"
     GROUP_NORM = "group_norm"
     RMS_NORM = "rms_norm"
@@ -249,8 +250,8 @@ class OpGroup(frozenset[Op], enum.Enum):
         Op.ROI_ALIGN, Op.MAX_UNPOOL,
     })
     NORMALIZATION = frozenset({
-        Op.BATCH_NORM, Op.LAYER_NORM, Op.INSTANCE_NORM, Op.GROUP_NORM, Op.RMS_NORM,
-        Op.LRN, Op.LP_NORMALIZATION, Op.MEAN_VARIANCE_NORM, Op.SOFTMAX,
+        Op.BATCH_NORM, Op.LAYER_NORM, Op.SKIP_LAYER_NORM, Op.INSTANCE_NORM, Op.GROUP_NORM,
+        Op.RMS_NORM, Op.LRN, Op.LP_NORMALIZATION, Op.MEAN_VARIANCE_NORM, Op.SOFTMAX,
         Op.LOG_SOFTMAX, Op.HARDMAX,
     })
     SHAPE = frozenset({

@@ -30,6 +30,7 @@ PASSES: dict[str, Callable[[Graph], Graph]] = {
     "fuse_matmul_add": P.fuse_matmul_add, "fuse_layer_norm": P.fuse_layer_norm,
     "fuse_gelu": P.fuse_gelu, "fuse_attention": P.fuse_attention,
     "fuse_residual": P.fuse_residual, "cancel_transposes": P.cancel_transposes,
+    "fuse_skip_layer_norm": P.fuse_skip_layer_norm,
 }
 
 

@@ -16,6 +16,7 @@ from keel.backends.base import KernelTable
 from keel.backends.cpu import fastmath, kernels
 from keel.backends.cpu.backend import CpuBackend
 from keel.backends.reference.backend import ReferenceBackend
+from keel.errors import InvalidArgumentError
 from keel.ops.epilogue import apply_activation, reference_activation
 from keel.ops.registry import Op
 from keel.ops.schema import get_schema
@@ -295,6 +296,74 @@ def test_layer_norm_declines_unserved_inputs() -> None:
                                    np.empty((3, 0), np.float32), 1e-5)
 
 
+# ---- skip layer norm (residual add fused) ------------------------------------------------
+@pytest.mark.parametrize("k", [1, 3, 15, 16, 17, 31, 32, 33, 47, 100, 256, 257])
+@pytest.mark.parametrize("period", [12, 4, 1])
+def test_skip_layer_norm_is_bitwise_add_then_layer_norm(k: int, period: int) -> None:
+    rng = np.random.default_rng(k * 7 + period)
+    x = (rng.standard_normal((12, k)) * 2 + 30).astype(np.float32)
+    skip = rng.standard_normal((period, k)).astype(np.float32)
+    g, b = (rng.standard_normal(k).astype(np.float32) for _ in range(2))
+    total = x + np.tile(skip, (12 // period, 1))
+    for bias in (b, None):
+        want = np.empty_like(x)
+        assert fastmath.layer_norm(total, g, bias, want, 1e-5)
+        y, s = np.empty_like(x), np.empty_like(x)
+        assert fastmath.skip_layer_norm(x, skip, g, bias, y, 1e-5)
+        assert np.array_equal(y, want)
+        assert fastmath.skip_layer_norm(x, skip, g, bias, y, 1e-5, s)
+        assert np.array_equal(y, want) and np.array_equal(s, total)
+        ry = _ref_layer_norm(total, g, bias, 1e-5)[0]
+        np.testing.assert_allclose(y, ry, rtol=2e-6, atol=2e-6 * np.abs(g).max())
+
+
+def test_skip_layer_norm_in_place_and_special_rows() -> None:
+    rng = np.random.default_rng(21)
+    x = rng.standard_normal((5, 40)).astype(np.float32)
+    skip = rng.standard_normal((5, 40)).astype(np.float32)
+    x[1], skip[1] = 3.0, -1.0                            # a constant sum: y = beta
+    x[2, 3] = math.nan
+    skip[3, 9] = -math.inf
+    g, b = np.ones(40, np.float32), np.full(40, 0.5, np.float32)
+    want = np.empty_like(x)
+    with np.errstate(invalid="ignore"):
+        assert fastmath.layer_norm(x + skip, g, b, want, 1e-5)
+    y = x.copy()
+    assert fastmath.skip_layer_norm(y, skip, g, b, y, 1e-5)          # y is x
+    assert np.array_equal(y, want, equal_nan=True)
+    assert np.all(y[1] == 0.5) and np.all(np.isnan(y[2])) and np.all(np.isnan(y[3]))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_skip_layer_norm_thread_splits_are_bitwise_identical(small_chunks: None,
+                                                             threads: int) -> None:
+    rng = np.random.default_rng(22)
+    x = rng.standard_normal((37, 129)).astype(np.float32)
+    skip = rng.standard_normal((37, 129)).astype(np.float32)
+    g, b = (rng.standard_normal(129).astype(np.float32) for _ in range(2))
+    one, many = np.empty_like(x), np.empty_like(x)
+    s1, s2 = np.empty_like(x), np.empty_like(x)
+    assert fastmath.skip_layer_norm(x, skip, g, b, one, 1e-5, s1, threads=1)
+    assert fastmath.skip_layer_norm(x, skip, g, b, many, 1e-5, s2, threads=threads)
+    assert np.array_equal(one, many) and np.array_equal(s1, s2)
+
+
+def test_skip_layer_norm_declines_unserved_inputs() -> None:
+    x = np.ones((4, 8), np.float32)
+    g = np.ones(8, np.float32)
+    y = np.empty_like(x)
+    assert not fastmath.skip_layer_norm(x, x.astype(np.float64), g, None, y, 1e-5)
+    assert not fastmath.skip_layer_norm(x, np.ones((3, 8), np.float32), g, None, y, 1e-5)
+    assert not fastmath.skip_layer_norm(x, np.ones((4, 7), np.float32), g, None, y, 1e-5)
+    assert not fastmath.skip_layer_norm(x, x[:, ::2].copy(), g, None, y[:, ::2], 1e-5)
+    skip = np.ones((4, 8), np.float32)
+    assert not fastmath.skip_layer_norm(x, skip, g, None, skip, 1e-5)    # writes what it reads
+    assert not fastmath.skip_layer_norm(x, skip, g, None, y, 1e-5, x)    # the sum over x
+    assert not fastmath.skip_layer_norm(x, skip, g, None, y, 1e-5, y)    # the sum over y
+    assert not fastmath.skip_layer_norm(np.ones((4, 0), np.float32), skip[:, :0], g[:0], None,
+                                        np.empty((4, 0), np.float32), 1e-5)
+
+
 # ---- softmax --------------------------------------------------------------------------------
 def _ref_softmax(x: np.ndarray, log: bool = False) -> np.ndarray:
     x64 = x.astype(np.float64)
@@ -397,6 +466,61 @@ def test_cpu_layer_norm_runs_native_and_matches_reference(
                                rtol=1e-5, atol=1e-5)
 
 
+SKIPS = [((2, 5, 33), (2, 5, 33), -1), ((2, 5, 33), (5, 33), -1), ((2, 5, 33), (33,), -1),
+         ((2, 5, 33), (2, 1, 33), -1), ((2, 5, 33), (1, 1, 2, 5, 33), -1),
+         ((3, 4, 17), (4, 17), 1), ((3, 4, 17), (3, 1, 1), 2), ((6, 1), (6, 1), -1)]
+
+
+@pytest.mark.parametrize(("shape", "skip_shape", "axis"), SKIPS,
+                         ids=[f"{a}+{b}@{c}" for a, b, c in SKIPS])
+def test_cpu_skip_layer_norm_matches_reference_and_add_then_layer_norm(
+        backends: tuple[CpuBackend, ReferenceBackend], shape: tuple[int, ...],
+        skip_shape: tuple[int, ...], axis: int) -> None:
+    cpu, ref = backends
+    rng = np.random.default_rng(len(skip_shape) + axis + shape[-1])
+    x = (rng.standard_normal(shape) * 3 + 7).astype(np.float32)
+    skip = rng.standard_normal(skip_shape).astype(np.float32)
+    norm = shape[axis:] if axis >= 0 else shape[-1:]
+    g, b = (rng.standard_normal(norm).astype(np.float32) for _ in range(2))
+    attrs = {"axis": axis, "epsilon": 1e-4}
+    got = cpu.run(Op.SKIP_LAYER_NORM, [x, skip, g, b], attrs=attrs)
+    want = ref.run(Op.SKIP_LAYER_NORM, [x, skip, g, b], attrs=attrs)
+    assert [a.shape for a in got] == [w.shape for w in want] == [shape, shape]
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+    assert np.array_equal(got[1], want[1])
+    total = np.add(x, skip.reshape(skip_shape[-len(shape):]) if len(skip_shape) > len(shape)
+                   else skip)
+    unfused = cpu.run(Op.LAYER_NORM, [total, g, b], attrs=attrs)[0]
+    assert np.array_equal(got[0], unfused)                     # the same native row kernel
+    only_y = cpu.run(Op.SKIP_LAYER_NORM, [x, skip, g], outputs=[np.empty_like(x)], attrs=attrs)
+    np.testing.assert_allclose(only_y[0], ref.run(Op.SKIP_LAYER_NORM, [x, skip, g],
+                                                  attrs=attrs)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_skip_layer_norm_other_dtypes_and_layouts(
+        backends: tuple[CpuBackend, ReferenceBackend]) -> None:
+    cpu, ref = backends
+    rng = np.random.default_rng(31)
+    x = rng.standard_normal((7, 45)).astype(np.float32)
+    skip = rng.standard_normal((7, 45)).astype(np.float32)
+    g, b = rng.standard_normal(45).astype(np.float32), rng.standard_normal(45).astype(np.float32)
+    contiguous = cpu.run(Op.SKIP_LAYER_NORM, [x, skip, g, b])
+    strided = cpu.run(Op.SKIP_LAYER_NORM, [np.asfortranarray(x), skip[:, ::-1][:, ::-1], g, b])
+    assert all(np.array_equal(a, c) for a, c in zip(contiguous, strided, strict=True))
+    for dt, tol in ((np.float64, 1e-12), (np.float16, 3e-3)):
+        ins = [a.astype(dt) for a in (x, skip, g, b)]
+        got, want = cpu.run(Op.SKIP_LAYER_NORM, ins), ref.run(Op.SKIP_LAYER_NORM, ins)
+        assert [a.dtype for a in got] == [dt, dt]
+        np.testing.assert_allclose(got[0], want[0], rtol=tol, atol=tol)
+        assert np.array_equal(got[1], want[1])
+    stash = cpu.run(Op.SKIP_LAYER_NORM, [x, skip, g, b], attrs={"stash_type": 11})
+    np.testing.assert_allclose(stash[0], contiguous[0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(InvalidArgumentError, match="skip must have X's dtype"):
+        cpu.run(Op.SKIP_LAYER_NORM, [x, skip.astype(np.float64), g, b])
+    with pytest.raises(InvalidArgumentError, match="does not broadcast to X's shape"):
+        cpu.run(Op.SKIP_LAYER_NORM, [x, np.ones((2, 45), np.float32), g, b])
+
+
 @pytest.mark.parametrize("op", [Op.SOFTMAX, Op.LOG_SOFTMAX])
 def test_cpu_softmax_runs_native_and_matches_reference(
         backends: tuple[CpuBackend, ReferenceBackend], op: Op) -> None:
@@ -447,8 +571,8 @@ def test_onnx_attention_softmax_zeroes_fully_masked_rows(
 
 def test_native_variants_are_registered_with_their_tier() -> None:
     table: KernelTable = kernels.load()
-    for op in (Op.GELU, Op.ERF, Op.SIGMOID, Op.SWISH, Op.LAYER_NORM, Op.SOFTMAX,
-               Op.LOG_SOFTMAX):
+    for op in (Op.GELU, Op.ERF, Op.SIGMOID, Op.SWISH, Op.LAYER_NORM, Op.SKIP_LAYER_NORM,
+               Op.SOFTMAX, Op.LOG_SOFTMAX):
         variant = table.get(op, "native")
         assert variant.meta["requires"] == "native"
         assert "native" in variant.meta["measured"]
@@ -466,5 +590,30 @@ def test_keel_native_off_runs_the_numpy_kernels(monkeypatch: pytest.MonkeyPatch)
         numpy_result = CpuBackend(threads=1).run(Op.GELU, [x])[0]
         np.testing.assert_allclose(numpy_result, native_result, rtol=2e-6, atol=1e-7)
         assert not np.array_equal(numpy_result, native_result)     # another algorithm ran
+    finally:
+        native.reset()
+
+
+@pytest.mark.parametrize(("shape", "skip_shape", "axis"), SKIPS[:5],
+                         ids=[f"{a}+{b}@{c}" for a, b, c in SKIPS[:5]])
+def test_skip_layer_norm_numpy_path_matches_reference(
+        monkeypatch: pytest.MonkeyPatch, shape: tuple[int, ...], skip_shape: tuple[int, ...],
+        axis: int) -> None:
+    rng = np.random.default_rng(41)
+    x = rng.standard_normal(shape).astype(np.float32)
+    skip = rng.standard_normal(skip_shape).astype(np.float32)
+    g, b = (rng.standard_normal(shape[-1]).astype(np.float32) for _ in range(2))
+    attrs = {"axis": axis}
+    native_result = CpuBackend(threads=1).run(Op.SKIP_LAYER_NORM, [x, skip, g, b], attrs=attrs)
+    monkeypatch.setenv("KEEL_NATIVE", "off")
+    native.reset()
+    try:
+        assert not fastmath.skip_layer_norm(x.reshape(-1, shape[-1]), x.reshape(-1, shape[-1]),
+                                            g, b, np.empty_like(x).reshape(-1, shape[-1]), 1e-5)
+        got = CpuBackend(threads=1).run(Op.SKIP_LAYER_NORM, [x, skip, g, b], attrs=attrs)
+        want = ReferenceBackend().run(Op.SKIP_LAYER_NORM, [x, skip, g, b], attrs=attrs)
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+        assert np.array_equal(got[1], want[1]) and np.array_equal(got[1], native_result[1])
+        np.testing.assert_allclose(got[0], native_result[0], rtol=1e-5, atol=1e-5)
     finally:
         native.reset()

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import pytest
 
+from keel import native
 from keel.backends.base import DeviceKind, KernelContext, KernelTable
 from keel.backends.cpu.conv_rules import ConvRule
 from keel.backends.cpu.kernels import load
@@ -21,6 +22,20 @@ from keel.planning.variants import VariantInfo, VariantRegistry, choose_variant
 
 CPU = load()
 F32 = DType.FLOAT32
+
+
+@pytest.fixture
+def numpy_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The choices among the NumPy variants, as on a machine without the native tier."""
+    monkeypatch.setenv("KEEL_NATIVE", "off")
+    native.reset()
+    yield
+    native.reset()
+
+
+def _needs_native() -> None:
+    if not native.available():
+        pytest.skip(f"native tier unavailable: {native.status().reason}")
 
 
 def _types(*shapes: Sequence[Dim] | None, dtype: DType = F32) -> list[TensorType | None]:
@@ -36,7 +51,8 @@ def _choose(op: Op, x: Sequence[Dim], w: Sequence[Dim], table: KernelTable = CPU
 def test_registry_describes_every_cpu_conv_variant() -> None:
     registry = VariantRegistry([CPU])
     infos = {v.name: v for v in registry.variants(Op.CONV, "cpu")}
-    assert set(infos) == {"default", "im2col", "pointwise", "depthwise", "winograd"}
+    assert set(infos) == {"default", "im2col", "pointwise", "depthwise", "winograd", "native"}
+    assert infos["native"].requires == "native" and infos["im2col"].requires is None
     win = infos["winograd"]
     assert win.backend == "cpu" and win.supports_out and win.priority == 30
     assert "kernel 3x3" in win.shapes and ">= 64 channels" in win.shapes
@@ -69,13 +85,13 @@ def test_registry_describes_every_cpu_conv_variant() -> None:
     ((4, 32, 16, 16), (32, 32, 3, 3), {"pads": (1, 1, 1, 1)}, "im2col"),
 ])
 def test_choose_variant_for_conv(x: Sequence[Dim], w: Sequence[int], attrs: dict[str, Any],
-                                 variant: str) -> None:
+                                 variant: str, numpy_only: None) -> None:
     name, reason = _choose(Op.CONV, x, w, **attrs)
     assert name == variant, reason
     assert variant in reason
 
 
-def test_reasons_quote_the_measurement() -> None:
+def test_reasons_quote_the_measurement(numpy_only: None) -> None:
     _, reason = _choose(Op.CONV, (1, 64, 56, 56), (64, 64, 3, 3), pads=(1, 1, 1, 1))
     assert reason.startswith("3x3 stride 1x1, 64->64 channels (dense), output 56x56: winograd")
     assert "faster than im2col at 64 channels, 56x56 output, batch 1" in reason
@@ -84,7 +100,7 @@ def test_reasons_quote_the_measurement() -> None:
     assert "slower than im2col at 512 channels, 7x7 output, batch 1" in reason
 
 
-def test_depthwise_takes_every_depthwise_conv() -> None:
+def test_depthwise_takes_every_depthwise_conv(numpy_only: None) -> None:
     name, reason = _choose(Op.CONV, (1, 144, 56, 56), (144, 1, 3, 3), pads=(1, 1, 1, 1),
                            group=144)
     assert name == "depthwise"
@@ -105,22 +121,51 @@ def test_choice_is_pure_and_matches_the_runtime_dispatch() -> None:
     assert by_default.tobytes() == by_choice.tobytes()
 
 
-def test_unknown_shapes_and_single_kernels_fall_back_to_default() -> None:
+def test_unknown_shapes_and_single_kernels_fall_back_to_default(numpy_only: None) -> None:
     name, reason = _choose(Op.CONV, (1, 64, "h", "w"), (64, 64, 3, 3), pads=(1, 1, 1, 1))
     assert name == "default" and "not known before running" in reason
     name, reason = choose_variant(Op.MATMUL, _types((3, 4), (4, 5)),
                                   get_schema(Op.MATMUL).normalize_attrs({}), CPU)
-    assert (name, reason) == ("default", "matmul: the only cpu kernel")
+    assert (name, reason) == (
+        "default", "matmul: the only cpu kernel; not considered: native "
+                   "(native kernels unavailable: disabled by KEEL_NATIVE=off)")
     name, reason = _choose(Op.CONV2D, (1, 64, 56, 56), (64, 64, 3, 3), padding=1)
     assert name == "default" and "dispatches through the conv variants" in reason
     assert "winograd" in reason
 
 
-def test_float16_convs_skip_winograd() -> None:
+def test_float16_convs_skip_winograd(numpy_only: None) -> None:
     name, reason = _choose(Op.CONV, (1, 64, 56, 56), (64, 64, 3, 3), dtype=DType.FLOAT16,
                            pads=(1, 1, 1, 1))
     assert name == "im2col"
     assert "dtype float16" in reason
+
+
+def test_native_tier_off_is_named_in_the_reason(numpy_only: None) -> None:
+    _, reason = _choose(Op.CONV, (1, 16, 32, 32), (16, 16, 3, 3), pads=(1, 1, 1, 1))
+    assert "not considered: native (native kernels unavailable: disabled by KEEL_NATIVE=off)" \
+        in reason
+
+
+@pytest.mark.parametrize(("x", "w", "attrs", "variant"), [
+    ((1, 16, 32, 32), (16, 16, 3, 3), {"pads": (1, 1, 1, 1)}, "native"),       # ResNet-20
+    ((1, 3, 224, 224), (64, 3, 7, 7), {"pads": (3, 3, 3, 3), "strides": (2, 2)}, "native"),
+    ((1, 64, 56, 56), (256, 64, 1, 1), {}, "pointwise"),                        # 1x1: pointwise
+    ((1, 512, 7, 7), (512, 512, 3, 3), {"pads": (1, 1, 1, 1)}, "im2col"),      # > 64 channels
+    ((1, 32, 112, 112), (32, 1, 3, 3), {"pads": (1, 1, 1, 1), "group": 32}, "depthwise"),
+])
+def test_native_conv_where_it_was_measured_to_win(x: Sequence[Dim], w: Sequence[int],
+                                                  attrs: dict[str, Any], variant: str) -> None:
+    _needs_native()
+    name, reason = _choose(Op.CONV, x, w, **attrs)
+    assert name == variant, reason
+
+
+def test_native_matmul_is_chosen_where_the_tier_runs() -> None:
+    _needs_native()
+    name, reason = choose_variant(Op.MATMUL, _types((3, 4), (4, 5)),
+                                  get_schema(Op.MATMUL).normalize_attrs({}), CPU)
+    assert (name, reason) == ("native", "matmul: native has the highest priority (10)")
 
 
 # ---- a fresh table with variants of its own ---------------------------------------------

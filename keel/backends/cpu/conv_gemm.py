@@ -23,6 +23,17 @@ collide in cache).
 Small outputs (late layers) in a batch stack their images side by side in one
 GEMM (``stacked``), whose columns would otherwise be too few for BLAS to run
 at speed.
+
+Native implicit GEMM
+--------------------
+With the native GEMM (:mod:`keel.backends.cpu.native_gemm`) no column matrix
+is built at all: B's rows are the taps of every input channel and its
+columns the output pixels, addressed by two tables of offsets into X (or into
+its zero-bordered, stride-phase-split copy); the kernel gathers each block of
+B into its packed panels as it goes (or reads a panel in place when it is one
+run of an image row), and writes Y's NCHW rows with the bias, residual and
+ReLU fused in. Measured on a 16->16 3x3 conv on 32x32 at batch 32 (1 thread):
+1.80 ms against 3.21 ms for the wide im2col above and 1.71 ms for onnxruntime.
 """
 
 from __future__ import annotations
@@ -30,19 +41,20 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from keel.backends.cpu import native_gemm, workspace
 from keel.backends.cpu import window as wnd
-from keel.backends.cpu import workspace
 from keel.backends.cpu.conv_epilogue import Activation, finish
 from keel.ops.schemas.conv import ConvGeometry
 
-__all__ = ["Im2colLayout", "PointwiseLayout", "im2col", "im2col_layout", "pointwise",
-           "pointwise_layout"]
+__all__ = ["Im2colLayout", "NativeLayout", "PointwiseLayout", "im2col", "im2col_layout",
+           "native", "native_layout", "pointwise", "pointwise_layout"]
 
 # Column-matrix bytes per chunk of images: chunks stay in cache; a single image
 # larger than this runs alone.
@@ -365,3 +377,234 @@ def pointwise(xp: Any, layout: PointwiseLayout, x: Any, w: Any, b: Any, z: Any, 
 def _packed_pointwise(xp: Any, geo: ConvGeometry, w: Any, b: Any, packed: Any) -> Any:
     return workspace.form(xp, packed, ("pointwise", geo.group, b is None), (w, b),
                           lambda xp_, a: _pack_pointwise(xp_, geo, a[0], a[1]))
+
+
+# ---- the native implicit GEMM -------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class NativeLayout:
+    """Shape-derived facts of one conv on the native GEMM (cached per signature).
+
+    B's rows are the kernel taps of every input channel, its columns the output
+    pixels: element ``(c * taps + t, o)`` of image n is ``source[n * stride +
+    rows[c * taps + t] + cols[o]]``. The source is X itself (unpadded, stride 1),
+    or X copied into a zero-bordered image split by stride phase (``phase[f][u] =
+    padded[u * s + f]``, so a strided tap reads unit-stride runs; only the phases
+    some tap reads are kept). The kernel gathers B block by block into its packed
+    panels (no im2col matrix) and writes Y's rows in NCHW as they are.
+    ``direct``: a 1x1 stride-1 unpadded conv, whose B is X's (C, P) matrix, read
+    in place. ``stacked``: the images of the batch side by side in one product of
+    N * P columns (``stack_cols``: where each reads in the source, ``stack_out``:
+    where it goes in Y), so that a small image fills the kernel's column panels
+    (7x7 = 49 pixels would fill two 32-column panels to 77 %, 32 images 98 %).
+    """
+
+    geo: ConvGeometry
+    direct: bool
+    copied: bool                      # the source is a phase image (else X itself)
+    q: tuple[int, ...]                # spatial dims of a phase plane
+    fills: tuple[tuple[tuple[slice, ...], tuple[slice, ...]], ...]  # per kept phase
+    plane: int                        # elements per (image, channel) of one phase
+    rows: Any                         # (Cg * taps,) int64, read-only
+    cols: Any                         # (P,) int64, read-only
+    stack_cols: Any = None            # (N * P,) int64 when stacked
+    stack_out: Any = None             # (N * P,) int64 when stacked
+
+    @property
+    def stacked(self) -> bool:
+        return self.stack_cols is not None
+
+
+# Stack the images of a batch into one product when an image's last column panel
+# would be less than this full (see NativeLayout).
+STACK_FILL = 0.9
+
+
+def native_layout(geo: ConvGeometry) -> NativeLayout:
+    """Plan ``geo`` on the native GEMM (pure; callers cache it per signature)."""
+    win = geo.window
+    unit = all(s == 1 for s in win.strides)
+    if geo.is_pointwise and unit:
+        return NativeLayout(geo, True, False, (), (), math.prod(win.in_spatial), None, None)
+    copied = win.padded or not unit
+    q = tuple(-(-(i + b + e) // s) for i, b, e, s in
+              zip(win.in_spatial, win.pads_begin, win.pads_end, win.strides, strict=True))
+    q = q if copied else tuple(win.in_spatial)
+    steps = [math.prod(q[d + 1:]) for d in range(win.rank)]
+    plane = math.prod(q)
+    # Each tap: (its phase, its offset in the phase plane), row-major over the kernel.
+    taps = [(tuple(k * dl % s for k, dl, s in zip(ks, win.dilations, win.strides, strict=True)),
+             sum(k * dl // s * st for k, dl, s, st in
+                 zip(ks, win.dilations, win.strides, steps, strict=True)))
+            for ks in itertools.product(*(range(k) for k in win.kernel))]
+    phases = sorted({ph for ph, _ in taps})
+    phase_size = geo.batch * geo.in_channels * plane
+    offsets = np.array([phases.index(ph) * phase_size + off for ph, off in taps], np.int64)
+    cg = geo.in_channels // geo.group
+    rows = (np.arange(cg, dtype=np.int64)[:, None] * plane + offsets).reshape(-1)
+    cols = _grid([[o * st for o in range(oo)] for oo, st in
+                  zip(win.out_spatial, steps, strict=True)])
+    fills = tuple(_phase_fill(ph, win) for ph in phases) if copied else ()
+    stack_cols = stack_out = None
+    geometry = native_gemm.geometry()
+    pixels = len(cols)
+    if geometry is not None and geo.batch > 1 and pixels % geometry[1] and (
+            pixels / (-(-pixels // geometry[1]) * geometry[1]) < STACK_FILL):
+        image = np.arange(geo.batch, dtype=np.int64)[:, None]
+        stack_cols = (image * geo.in_channels * plane + cols).reshape(-1)
+        stack_out = (image * geo.out_channels * pixels + np.arange(pixels)).reshape(-1)
+        stack_cols.flags.writeable = stack_out.flags.writeable = False
+    rows.flags.writeable = False
+    cols.flags.writeable = False
+    return NativeLayout(geo, False, copied, q, fills, plane, rows, cols, stack_cols, stack_out)
+
+
+def _phase_fill(phase: tuple[int, ...], win: Any) -> tuple[tuple[slice, ...], tuple[slice, ...]]:
+    """Where X's elements go in one stride phase: phase[dst] = x[src] per spatial dim."""
+    dst: list[slice] = []
+    src: list[slice] = []
+    for f, s, b, size in zip(phase, win.strides, win.pads_begin, win.in_spatial, strict=True):
+        first = (f - b) % s                   # the first X index landing in this phase
+        count = len(range(first, size, s))
+        u0 = (first + b) // s
+        dst.append(slice(u0, u0 + count))
+        src.append(slice(first, size, s))
+    return tuple(dst), tuple(src)
+
+
+def _grid(axes: Sequence[Sequence[int]]) -> Any:
+    """Row-major sums a0 + a1 + ... over every combination: (prod of lengths,) int64."""
+    total = np.zeros((), dtype=np.int64)
+    for values in axes:
+        total = total[..., None] + np.asarray(values, dtype=np.int64)
+    return total.reshape(-1)
+
+
+def _native_filters(xp: Any, geo: ConvGeometry, w: Any, b: Any) -> Any:
+    """Per group: W (Mg, Cg * taps) packed as the left operand, and its bias (or None)."""
+    g = geo.group
+    mg = geo.out_channels // g
+    w3 = w.reshape(g, mg, -1).astype(np.float32, copy=False)
+    bias = None if b is None else np.ascontiguousarray(b.reshape(g, mg), dtype=np.float32)
+    return tuple((native_gemm.pack(w3[i], left=True), None if bias is None else bias[i])
+                 for i in range(g))
+
+
+def native(xp: Any, layout: NativeLayout, x: Any, w: Any, b: Any, z: Any, y: Any,
+           act: Activation, packed: Any = None, threads: int = 1) -> bool:
+    """y = act(conv(x, w) + b + z) on the native GEMM; False when not served (float32
+    NumPy arrays only; nothing is written then).
+
+    A model calls a node with the same arrays every run, so the prepared kernel
+    calls are kept in the node's prepack state, keyed by the arrays they read
+    and write (a steady-state call then skips ~5 us of argument checks per group).
+    """
+    if xp is not np or x.dtype != np.float32 or y.dtype != np.float32 \
+            or not native_gemm.available():
+        return False
+    filters = workspace.form(xp, packed, ("native", layout.geo.group), (w, b),
+                             lambda xp_, a: _native_filters(xp_, layout.geo, a[0], a[1]))
+    source = _native_source(xp, layout, x)
+    calls = None
+    if isinstance(packed, workspace.Packed):
+        calls = packed.get(("native_calls",), (w, b), dict)
+    key = (id(source), id(y), id(z), id(filters))
+    hit = None if calls is None else calls.get(key)
+    if hit is not None and hit[1] is filters and all(
+            ref() is a for ref, a in zip(hit[0], (source, y, z), strict=True)):
+        ready = hit[2]
+    else:
+        ready = _native_calls(layout, source, x, filters, z, y, act)
+        if ready is None:
+            return False
+        if calls is not None:
+            if len(calls) >= 8:
+                calls.clear()
+            calls[key] = (tuple(_ref(a) for a in (source, y, z)), filters, ready)
+    for call in ready:
+        call.run(threads)
+    if act[0] not in ("", "clip"):
+        finish(xp, y, y, None, act)
+    return True
+
+
+class _Dead:
+    """Stands in for a weak reference to None (an absent input)."""
+
+    def __call__(self) -> None:
+        return None
+
+
+def _ref(a: Any) -> Any:
+    return _Dead() if a is None else weakref.ref(a)
+
+
+def _native_source(xp: Any, layout: NativeLayout, x: Any) -> Any:
+    """The array B is read from: X (C-contiguous), or its zero-bordered phase image."""
+    if not layout.copied:
+        return x if x.flags.c_contiguous else xp.ascontiguousarray(x)
+    geo = layout.geo
+    image = workspace.filled(xp, ("native_phases", layout),
+                             (len(layout.fills), geo.batch, geo.in_channels, *layout.q),
+                             x.dtype, 0.0)
+    every = (slice(None), slice(None))
+    for f, (dst, src) in enumerate(layout.fills):
+        dst_index: tuple[Any, ...] = (f, *every, *dst)
+        src_index: tuple[slice, ...] = (*every, *src)
+        image[dst_index] = x[src_index]
+    return image
+
+
+def _native_calls(layout: NativeLayout, source: Any, x: Any, filters: Any, z: Any, y: Any,
+                  act: Activation) -> list[native_gemm.Call] | None:
+    """The kernel calls computing every group; None when one is not served."""
+    geo = layout.geo
+    n, g, m = geo.batch, geo.group, geo.out_channels
+    mg, cg, p = m // g, geo.in_channels // g, math.prod(geo.window.out_spatial)
+    if source is x and np.may_share_memory(x, y):
+        return None                          # the kernel would read what it writes
+    clip = (act[1][0], act[1][1]) if act[0] == "clip" else None
+    y3 = y.reshape(n, m, p)
+    res, accumulate = _native_residual(z, y, n, m, p)
+    calls = []
+    for gi, (wp, bias) in enumerate(filters):
+        rows = slice(gi * mg, (gi + 1) * mg)
+        target, resid, columns = y3[:, rows], None if res is None else res[:, rows], None
+        if layout.direct:
+            operand: Any = source.reshape(n, geo.in_channels, p)[:, gi * cg:(gi + 1) * cg]
+        elif layout.stacked:
+            operand = native_gemm.Rows(source.reshape(-1), layout.rows + gi * cg * layout.plane,
+                                       n * p, 0, layout.stack_cols)
+            target, columns = _spread(target), layout.stack_out
+            resid = None if resid is None else _spread(resid)
+        else:
+            operand = native_gemm.Rows(source.reshape(-1), layout.rows + gi * cg * layout.plane,
+                                       p, geo.in_channels * layout.plane, layout.cols)
+        call = native_gemm.prepare(wp, operand, target, bias=bias, bias_rows=True,
+                                   residual=resid, accumulate=accumulate, clip=clip,
+                                   columns=columns)
+        if call is None:
+            return None
+        calls.append(call)
+    return calls
+
+
+def _spread(a: Any) -> Any:
+    """(N, M, P) with image stride S as one (M, (N - 1) * S + P) matrix with a.strides[1]
+    between rows: column ``t * S + o`` of row m is element (t, m, o) (rows overlap;
+    the stacked product's column map writes each element once)."""
+    n, m, p = a.shape
+    image = a.strides[0] // a.itemsize
+    return np.lib.stride_tricks.as_strided(a, (m, (n - 1) * image + p),
+                                           (a.strides[1], a.itemsize))
+
+
+def _native_residual(z: Any, y: Any, n: int, m: int, p: int) -> tuple[Any, bool]:
+    """Z as (N, M, P) for the kernel's residual, or (None, True) when Z is Y itself
+    (the kernel then adds to what Y holds)."""
+    if z is None:
+        return None, False
+    if z is y or (z.strides == y.strides and native_gemm.address(z) == native_gemm.address(y)):
+        return None, True
+    if np.may_share_memory(z, y) or z.dtype != np.float32:
+        z = np.array(z, dtype=np.float32)
+    return np.ascontiguousarray(z).reshape(n, m, p), False

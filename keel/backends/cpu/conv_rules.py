@@ -102,9 +102,13 @@ class ConvRule:
     strides: tuple[int, ...] | None = None
     dilations: tuple[int, ...] | None = None
     unpadded: bool = False
-    groups: str = "any"                # "one", "depthwise" or "any"
+    groups: str = "any"                # "one", "depthwise", "not_depthwise" or "any"
     dtypes: frozenset[str] | None = None
     min_channels: int = 0              # min(in, out) channels per group
+    max_channels: int | None = None    # ... at most this many
+    yields_to_pointwise: bool = False  # leave 1x1 stride-1 unpadded convs to "pointwise"
+    # Decline a case whose nearest ``evidence`` point measured slower than the baseline.
+    evidence_decides: bool = False
     min_out_pixels: int = 0
     max_out_pixels: int | None = None
     measured: str = ""
@@ -138,6 +142,8 @@ class ConvRule:
             (self.groups == "one" and case.group != 1, f"{case.group} groups; serves 1"),
             (self.groups == "depthwise" and not case.depthwise,
              "not depthwise (group != in channels)"),
+            (self.groups == "not_depthwise" and case.depthwise,
+             "depthwise (one input channel per group)"),
             (self.dtypes is not None and case.dtype not in self.dtypes,
              f"dtype {case.dtype}; serves {', '.join(sorted(self.dtypes or ()))}"),
         )
@@ -152,6 +158,12 @@ class ConvRule:
         note = f" ({evidence})" if evidence else ""
         if per_group < self.min_channels:
             return f"{per_group} channels per group < {self.min_channels}{note}"
+        if self.max_channels is not None and per_group > self.max_channels:
+            return f"{per_group} channels per group > {self.max_channels}{note}"
+        if self.yields_to_pointwise and _pointwise(case):
+            return "1x1 stride-1 unpadded: the pointwise GEMM measured faster"
+        if self.evidence_decides and self.evidence and self._nearest(case)[3] >= 1.0:
+            return f"the nearest measurement is slower{note}"
         if case.out_pixels < self.min_out_pixels:
             return f"{case.out_pixels} output pixels < {self.min_out_pixels}{note}"
         if self.max_out_pixels is not None and case.out_pixels > self.max_out_pixels:
@@ -180,11 +192,16 @@ class ConvRule:
         if self.unpadded:
             parts.append("no padding")
         if self.groups != "any":
-            parts.append({"one": "1 group", "depthwise": "depthwise"}[self.groups])
+            parts.append({"one": "1 group", "depthwise": "depthwise",
+                          "not_depthwise": "not depthwise"}[self.groups])
         if self.dtypes is not None:
             parts.append("/".join(sorted(self.dtypes)))
         if self.min_channels:
             parts.append(f">= {self.min_channels} channels per group")
+        if self.max_channels is not None:
+            parts.append(f"<= {self.max_channels} channels per group")
+        if self.yields_to_pointwise:
+            parts.append("not 1x1 stride-1 unpadded")
         if self.min_out_pixels:
             parts.append(f">= {self.min_out_pixels} output pixels")
         if self.wins_where:
@@ -196,6 +213,13 @@ class ConvRule:
         """The measurement closest to ``case`` (log distance in channels, size and batch)."""
         if not self.evidence:
             return ""
+        ch, sd, n, ratio = self._nearest(case)
+        verdict = (f"{1 / ratio:.2f}x faster" if ratio < 1 else f"{ratio:.2f}x slower")
+        return (f"measured {verdict} than {self.baseline} at {ch} channels, {sd}x{sd} "
+                f"output, batch {n}")
+
+    def _nearest(self, case: ConvCase) -> tuple[int, int, int, float]:
+        """The evidence point closest to ``case`` (log distance in channels, size, batch)."""
         channels = max(1, min(case.in_channels, case.out_channels))
         side = max(1.0, case.out_pixels ** (1.0 / max(case.rank, 1)))
         batch = max(1, case.batch)
@@ -204,13 +228,15 @@ class ConvRule:
             return (abs(math.log(point[0] / channels)) + abs(math.log(point[1] / side))
                     + 0.5 * abs(math.log(point[2] / batch)))
 
-        ch, sd, n, ratio = min(self.evidence, key=dist)
-        verdict = (f"{1 / ratio:.2f}x faster" if ratio < 1 else f"{ratio:.2f}x slower")
-        return (f"measured {verdict} than {self.baseline} at {ch} channels, {sd}x{sd} "
-                f"output, batch {n}")
+        return min(self.evidence, key=dist)
 
     def _ranks(self) -> str:
         return "/".join(f"{r}-D" for r in self.ranks or ())
+
+
+def _pointwise(case: ConvCase) -> bool:
+    return (all(k == 1 for k in case.kernel) and all(s == 1 for s in case.strides)
+            and not case.padded)
 
 
 def pick(case: ConvCase, rules: Iterable[ConvRule],

@@ -1,9 +1,15 @@
 """cpu kernels of the matmul family, written once against ``ctx.xp``.
 
-Float products go to BLAS through ``xp.matmul`` with ``out=`` (the caller's
-buffer when given), and the epilogue (bias, activation) runs in place on the
-result. float16 is computed in float32. Two-operand einsums are rewritten as
-one batched matmul (transposes and reshapes around it); other einsums use
+Float32 MatMul (with a 2-D B) and Gemm run on the native GEMM when the native
+tier is there (:mod:`keel.backends.cpu.native_gemm`): B is packed once per
+model through the prepack hook, and the bias, Gemm's alpha and C, and a ReLU /
+clip ride on the kernel's store; other activations run in place after it. A
+node's prepared native call is kept in its prepack state and reused while the
+node sees the same arrays. Everything else (other dtypes, batched B, the gpu
+backend) goes to BLAS through ``xp.matmul`` with ``out=`` (the caller's buffer
+when given), and the epilogue (bias, activation) runs in place on the result.
+float16 is computed in float32. Two-operand einsums are rewritten as one
+batched matmul (transposes and reshapes around it); other einsums use
 ``xp.einsum(optimize=True)``. Integer matmuls with zero points run exactly in
 float BLAS (float32 while every partial sum stays below 2**24, else float64).
 """
@@ -12,14 +18,16 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from keel.backends.base import Attrs, Inputs, KernelContext, Out, optional_input
-from keel.backends.cpu import workspace
+from keel.backends.cpu import fastmath, native_gemm, workspace
+from keel.backends.cpu.conv_epilogue import activation as resolved_activation
 from keel.backends.cpu.kernels import TABLE
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError
@@ -138,7 +146,22 @@ def _epilogue(xp: Any, y: Any, addend: Any, attrs: Attrs, packed: _Operands) -> 
 
 @functools.lru_cache(maxsize=256)
 def _in_place(name: str, params: tuple[float, ...]) -> Any:
-    return in_place(name, params)
+    """The fused activation as ``f(xp, y)``: the native one-pass kernel where it serves
+    (float32, C-contiguous, NumPy), else the NumPy passes of :mod:`keel.ops.epilogue`."""
+    run = in_place(name, params)
+    if run is None or name not in fastmath.NATIVE_ACTIVATIONS:
+        return run
+
+    def apply(xp: Any, y: Any, threads: int = 1) -> None:
+        if not (xp is np and fastmath.activation_inplace(name, params, y, threads)):
+            run(xp, y)
+
+    _THREADED.add(apply)
+    return apply
+
+
+# The in-place activations above that split their work over ``threads``.
+_THREADED: set[Any] = set()
 
 
 # ---- matmul, dot, gemm ---------------------------------------------------------------
@@ -176,7 +199,10 @@ class _Operands:
     ``rhs`` is B as one C-contiguous (K, N) matrix of the compute dtype
     (transposed once for gemm's ``trans_b``), ``addend`` the bias (matmul) or
     beta * C (gemm) in the compute dtype; ``*_src`` are the arrays they were made
-    from, so a kernel called with other arrays recomputes instead.
+    from, so a kernel called with other arrays recomputes instead. ``native`` is
+    B packed for the native GEMM (then ``rhs`` is kept only when it is B itself:
+    the NumPy path, run only for cases the native one does not serve, makes a
+    transposed or converted copy per call).
     """
 
     rhs_src: Any = None
@@ -185,6 +211,9 @@ class _Operands:
     addend: Any = None
     attrs: Any = None       # the node's attributes, and their fused activation resolved
     run: Any = None         # once (``_activation``); None: no activation
+    native: native_gemm.Packed | None = None
+    # Prepared native calls by id(A): see ``_native``.
+    calls: dict[int, Any] = field(default_factory=dict)
 
 
 def _rhs(xp: Any, b: Any, trans: bool, ct: Any) -> Any:
@@ -213,9 +242,11 @@ def _pack_matmul(ctx: KernelContext, consts: Inputs, attrs: Attrs) -> _Operands 
         return None
     ct = _compute(ctx.xp, DType.from_numpy((b if b is not None else bias).dtype))
     xp = ctx.xp
-    return _Operands(b, None if b is None else _frozen(xp, _rhs(xp, b, False, ct), b),
-                     bias, None if bias is None else _frozen(xp, bias.astype(ct, copy=False), bias),
-                     attrs, _activation(attrs))
+    packed = _native_pack(xp, b, False, ct)
+    rhs = None if b is None else _kept_rhs(xp, _rhs(xp, b, False, ct), b, packed)
+    return _Operands(b, rhs, bias,
+                     None if bias is None else _frozen(xp, bias.astype(ct, copy=False), bias),
+                     attrs, _activation(attrs), packed)
 
 
 def _pack_gemm(ctx: KernelContext, consts: Inputs, attrs: Attrs) -> _Operands | None:
@@ -225,9 +256,27 @@ def _pack_gemm(ctx: KernelContext, consts: Inputs, attrs: Attrs) -> _Operands | 
     dtype = DType.from_numpy((b if b is not None else c).dtype)
     ct = _compute(ctx.xp, dtype)
     xp = ctx.xp
-    rhs = None if b is None else _frozen(xp, _rhs(xp, b, attrs["trans_b"], ct), b)
+    packed = _native_pack(xp, b, attrs["trans_b"], ct)
+    rhs = None if b is None else _kept_rhs(xp, _rhs(xp, b, attrs["trans_b"], ct), b, packed)
     addend = None if c is None else _frozen(xp, _gemm_addend(c, attrs["beta"], ct, dtype), c)
-    return _Operands(b, rhs, c, addend, attrs, _activation(attrs))
+    return _Operands(b, rhs, c, addend, attrs, _activation(attrs), packed)
+
+
+def _kept_rhs(xp: Any, rhs: Any, b: Any, packed: native_gemm.Packed | None) -> Any:
+    """The BLAS form of B to keep: none beside a native packing unless it is B itself
+    (a transposed or converted copy would double the weight's memory for a path
+    that then runs only for cases the native kernel does not serve)."""
+    if packed is not None and rhs is not b:
+        return None
+    return _frozen(xp, rhs, b)
+
+
+def _native_pack(xp: Any, b: Any, trans: bool, ct: Any) -> native_gemm.Packed | None:
+    """B (K, N) packed for the native GEMM when it serves this B, else None."""
+    if xp is not np or b is None or b.ndim != 2 or ct != np.float32:
+        return None
+    b32 = b.astype(np.float32, copy=False)
+    return native_gemm.pack(b32.T if trans else b32, left=False)
 
 
 def _gemm_addend(c: Any, beta: float, ct: Any, dtype: DType) -> Any:
@@ -255,10 +304,20 @@ def _product(xp: Any, a: Any, b: Any, y: Any) -> None:
     xp.matmul(a, b, out=y)
 
 
+# ---- the native path -----------------------------------------------------------------
+_NATIVE_SHAPES = "float32 (float16 computed in float32), A of any rank, 2-D B"
+_NATIVE_MEASURED = (
+    "2-core AMD EPYC (Zen 4, AVX-512), 1 thread, B prepacked, medians of interleaved runs: "
+    "32x784x512 with bias and ReLU 0.25 ms against 0.33 ms for OpenBLAS + NumPy epilogue "
+    "(onnxruntime 0.23 ms); 32x512x256 0.086 ms against 0.105 ms")
+
+
 @TABLE.kernel(Op.MATMUL, dtypes=DTYPES[Op.MATMUL], supports_out=True, simd=(),
               prepack=_pack_matmul, shapes="any ranks (NumPy matmul broadcasting)")
 def matmul(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
-    """act(A @ B + bias): BLAS into the output, epilogue in place."""
+    """act(A @ B + bias): the native GEMM where it serves (float32 with a 2-D B: B
+    packed once, bias, residual and ReLU/clip fused into its store), else BLAS
+    into the output and the epilogue in place."""
     xp = ctx.xp
     a, b = inputs[0], inputs[1]
     bias = inputs[2] if len(inputs) > 2 else None
@@ -266,14 +325,26 @@ def matmul(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[A
                                        None if bias is None else bias.shape,
                                        None if bias is None else bias.dtype)
     packed = ctx.prepacked if isinstance(ctx.prepacked, _Operands) else _NOTHING
-    rhs = packed.rhs if packed.rhs_src is b else _rhs(xp, b, False, ct)
-    y = _target(xp, out, shape, ct)
-    if y.size:
-        _product(xp, a.astype(ct, copy=False), rhs, y)
     addend = None if bias is None else (
         packed.addend if packed.addend_src is bias else bias.astype(ct, copy=False))
+    y = _target(xp, out, shape, ct)
+    if xp is np and b.ndim == 2 and ct == np.float32 and y.size and _native_tier():
+        a2 = a.astype(ct, copy=False)
+        a2 = a2.reshape(math.prod(a2.shape[:-1]), a2.shape[-1])
+        if _native(ctx, a, a2, b, b, packed, y, addend, attrs, 1.0, out):
+            return _deliver(out, y, npdt)
+    rhs = packed.rhs if packed.rhs_src is b and packed.rhs is not None else _rhs(
+        xp, b, False, ct)
+    if y.size:
+        _product(xp, a.astype(ct, copy=False), rhs, y)
     _epilogue(xp, y, addend, attrs, packed)
     return _deliver(out, y, npdt)
+
+
+# The same kernel, as the variant a plan names when the native tier is there.
+TABLE.kernel(Op.MATMUL, variant="native", dtypes=DTYPES[Op.MATMUL], supports_out=True,
+             simd=(), prepack=_pack_matmul, requires="native", priority=10,
+             shapes=_NATIVE_SHAPES, measured=_NATIVE_MEASURED)(matmul)
 
 
 _NOTHING = _Operands()
@@ -295,7 +366,9 @@ def dot(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]
 @TABLE.kernel(Op.GEMM, dtypes=DTYPES[Op.GEMM], supports_out=True, simd=(),
               prepack=_pack_gemm, shapes="2-D A and B, C broadcast to (M, N)")
 def gemm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
-    """act(alpha * A' @ B' + beta * C): BLAS into the output, the rest in place."""
+    """act(alpha * A' @ B' + beta * C): the native GEMM where it serves (float32: B
+    packed once, alpha, C and ReLU/clip fused into its store), else BLAS into the
+    output and the rest in place."""
     xp = ctx.xp
     a, b = inputs[0], inputs[1]
     c = inputs[2] if len(inputs) > 2 else None
@@ -304,19 +377,137 @@ def gemm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any
                                          None if c is None else c.shape,
                                          None if c is None else c.dtype, trans_a, trans_b)
     packed = ctx.prepacked if isinstance(ctx.prepacked, _Operands) else _NOTHING
-    rhs = packed.rhs if packed.rhs_src is b else _rhs(xp, b, trans_b, ct)
     a2 = a.astype(ct, copy=False)
-    y = _target(xp, out, shape, ct)
-    if y.size:
-        _product(xp, a2.T if trans_a else a2, rhs, y)
     alpha, beta = attrs["alpha"], attrs["beta"]
-    if alpha != 1.0:    # integer gemm: alpha and beta act as integers
-        xp.multiply(y, alpha if dtype.is_float else int(alpha), out=y)
     addend = None
     if c is not None and beta != 0.0:
         addend = packed.addend if packed.addend_src is c else _gemm_addend(c, beta, ct, dtype)
+    y = _target(xp, out, shape, ct)
+    if (xp is np and ct == np.float32 and y.size and _native_tier()
+            and _native(ctx, a, a2.T if trans_a else a2, b, b.T if trans_b else b, packed, y,
+                        addend, attrs, alpha, out)):
+        return _deliver(out, y, npdt)
+    rhs = packed.rhs if packed.rhs_src is b and packed.rhs is not None else _rhs(
+        xp, b, trans_b, ct)
+    if y.size:
+        _product(xp, a2.T if trans_a else a2, rhs, y)
+    if alpha != 1.0:    # integer gemm: alpha and beta act as integers
+        xp.multiply(y, alpha if dtype.is_float else int(alpha), out=y)
     _epilogue(xp, y, addend, attrs, packed)
     return _deliver(out, y, npdt)
+
+
+TABLE.kernel(Op.GEMM, variant="native", dtypes=DTYPES[Op.GEMM], supports_out=True, simd=(),
+             prepack=_pack_gemm, requires="native", priority=10,
+             shapes=_NATIVE_SHAPES, measured=_NATIVE_MEASURED)(gemm)
+
+
+def _native_tier() -> bool:
+    return native_gemm.available()
+
+
+def _native(ctx: KernelContext, a: Any, a2: Any, b: Any, bt: Any, packed: _Operands, y: Any,
+            addend: Any, attrs: Attrs, alpha: float, out: Out) -> bool:
+    """``y = act(alpha * a2 @ bt + addend)`` by the native GEMM; False when not served
+    (then nothing is written). ``a2`` is input ``a`` as a 2-D float32 matrix, ``bt``
+    the (K, N) view of input ``b`` (its packed form is used when ``packed`` was
+    made from ``b``).
+
+    A model calls a node with the same arrays every run (views of its arena, a
+    fresh output array for a model output), so the prepared call is kept in the
+    node's prepack state by the identity of A (and retargeted to a new Y of the
+    same layout), and a steady-state call skips the argument checks (~5 us):
+    only when everything else it reads is the node's own constants, and ``a2``
+    is ``a`` or a view of it (a converted copy would move).
+    """
+    cacheable = (packed is not _NOTHING and packed.native is not None and packed.rhs_src is b
+                 and (addend is None or addend is packed.addend)
+                 and (a2 is a or not a2.flags.owndata))
+    hit = packed.calls.get(id(a)) if cacheable else None
+    call = None
+    if hit is not None and hit[0]() is a:
+        _, held_y, call, rest, after = hit
+        if held_y() is not y:        # a model's output: a fresh array every run
+            call = None if out is not None and np.may_share_memory(a2, y) else call.retarget(
+                y if y.ndim == 2 else y.reshape(-1, y.shape[-1] if y.ndim else 1))
+            if call is not None:
+                packed.calls[id(a)] = (hit[0], weakref.ref(y), call, rest, after)
+    if call is None:
+        prepared = _prepare_native(a2, bt, packed, b, y, addend, attrs, alpha, out)
+        if prepared is None:
+            return False
+        call, rest, after = prepared
+        if cacheable:
+            if len(packed.calls) >= _CALLS_PER_NODE:
+                packed.calls.clear()
+            packed.calls[id(a)] = (weakref.ref(a), weakref.ref(y), call, rest, after)
+    call.run(ctx.threads or 1)
+    if rest is not None:
+        np.add(y, rest, out=y)
+    if after is not None:
+        if after in _THREADED:
+            after(np, y, ctx.threads or 1)
+        else:
+            after(np, y)
+    return True
+
+
+_CALLS_PER_NODE = 8
+
+
+def _prepare_native(a2: Any, bt: Any, packed: _Operands, b: Any, y: Any, addend: Any,
+                    attrs: Attrs, alpha: float, out: Out) -> tuple[Any, Any, Any] | None:
+    """(native call, addend left to add after it, activation to run after it), or None."""
+    if not y.flags.c_contiguous or a2.dtype != np.float32:
+        return None
+    if out is not None and out[0] is y and (
+            np.may_share_memory(a2, y) or (addend is not None and np.may_share_memory(addend, y))):
+        return None             # the kernel reads its inputs while it writes y
+    rhs = packed.native if packed.native is not None and packed.rhs_src is b else (
+        bt.astype(np.float32, copy=False))
+    clip, after = _native_activation(attrs)
+    bias, rows, res, rest = _fused_addend(addend, y.shape)
+    if rest is not None:        # added after the product: the activation comes after it
+        clip, after = None, _activation(attrs)
+    n = y.shape[-1] if y.ndim else 1
+    call = native_gemm.prepare(a2, rhs, y if y.ndim == 2 else y.reshape(-1, n), bias=bias,
+                               bias_rows=rows, residual=res, alpha=alpha, clip=clip)
+    return None if call is None else (call, rest, after)
+
+
+def _native_activation(attrs: Attrs) -> tuple[tuple[float, float] | None, Any]:
+    """(clip bounds the kernel applies, in-place activation to run after it)."""
+    name = attrs.get("activation")
+    if not name:
+        return None, None
+    params = attrs.get("activation_params", ())
+    return _native_activation_of(name, params if isinstance(params, tuple) else tuple(params))
+
+
+@functools.lru_cache(maxsize=256)
+def _native_activation_of(name: str, params: tuple[float, ...]
+                          ) -> tuple[tuple[float, float] | None, Any]:
+    resolved, p = resolved_activation(name, params)
+    if resolved == "clip":                      # relu arrives as clip(0, inf)
+        return (p[0], p[1]), None
+    return None, _in_place(name, params)
+
+
+def _fused_addend(addend: Any, shape: tuple[int, ...]) -> tuple[Any, bool, Any, Any]:
+    """``addend`` in the kernel's epilogue forms: (bias vector, per row?, residual
+    matrix, rest to add afterwards), for an output of ``shape``."""
+    if addend is None:
+        return None, False, None, None
+    n = shape[-1] if shape else 1
+    if addend.size == 1:
+        return np.full(n, addend.reshape(()), dtype=np.float32), False, None, None
+    if addend.shape[-1] == n and addend.size == n:
+        return np.ascontiguousarray(addend.reshape(n)), False, None, None
+    if len(shape) == 2 and addend.shape == (shape[0], 1):
+        return np.ascontiguousarray(addend.reshape(shape[0])), True, None, None
+    if tuple(addend.shape) == tuple(shape) and (addend.ndim == 2 or addend.flags.c_contiguous):
+        return None, False, addend.reshape(-1, n), None
+    return None, False, None, addend
 
 
 # ---- einsum ----------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import numpy as np
 from keel.backends.base import Attrs, Inputs, KernelContext, Out
 from keel.backends.reference.kernels import TABLE
 from keel.dtypes import DType
-from keel.errors import UnsupportedOperationError
+from keel.errors import InvalidArgumentError, UnsupportedOperationError
 from keel.ops.registry import Op
 from keel.ops.schemas.normalization import (
     FLOAT_DTYPES,
@@ -25,6 +25,7 @@ from keel.ops.schemas.normalization import (
     check_lp_normalization,
     check_lrn,
     check_mvn_axes,
+    check_skip,
     check_trailing_norm,
     compute_dtype,
 )
@@ -101,6 +102,30 @@ def layer_norm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> li
         y = y + bias.astype(np.float64)
     results = [y.astype(x.dtype), mean.astype(stat.numpy), inv_std.astype(stat.numpy)]
     # As many results as output buffers given; all three when none are.
+    return results if out is None else results[:len(out)]
+
+
+@TABLE.kernel(Op.SKIP_LAYER_NORM, dtypes=FLOAT_DTYPES)
+def skip_layer_norm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """S = X + skip in X's dtype (as Add rounds it), then LayerNormalization of S; Y and S."""
+    x, skip, scale, bias = inputs[0], inputs[1], inputs[2], _opt(inputs, 3)
+    op = Op.SKIP_LAYER_NORM
+    check_float(op, DType.from_numpy(x.dtype))
+    compute_dtype(op, DType.from_numpy(x.dtype), attrs["stash_type"])
+    if skip.dtype != x.dtype:
+        raise InvalidArgumentError(f"{op.value}: skip must have X's dtype {x.dtype}, "
+                                   f"got {skip.dtype}")
+    check_skip(op, x.shape, skip.shape)
+    axis = check_trailing_norm(op, x.shape, attrs["axis"], {
+        "scale": scale.shape, "B": None if bias is None else bias.shape})
+    extra = skip.ndim - x.ndim
+    total = np.add(x, skip.reshape(skip.shape[extra:]) if extra > 0 else skip)
+    normalized, _, _ = _standardize(total.astype(np.float64), tuple(range(axis, x.ndim)),
+                                    attrs["epsilon"])
+    y = normalized * scale.astype(np.float64)
+    if bias is not None:
+        y = y + bias.astype(np.float64)
+    results = [y.astype(x.dtype), total]
     return results if out is None else results[:len(out)]
 
 

@@ -4,6 +4,7 @@
  *                        sigmoid, x * sigmoid(alpha * x)
  *   keel_bias_unary_f32  y = f(x + bias) over rows (a MatMul's bias + activation)
  *   keel_layer_norm_f32  (x - mean) / sqrt(var + eps) * gamma + beta per row
+ *   keel_skip_layer_norm_f32  the same of x + skip (a residual sum), in the same pass
  *   keel_softmax_f32     softmax / log-softmax along each row
  *
  * NumPy spends one pass over memory per operation of a formula (exact GELU is
@@ -388,6 +389,20 @@ static void norm_row(const float *x, const float *g, const float *b, float *y, i
     }
 }
 
+/* One row given its float64 sum: the variance of the centered row, then y. Returns
+ * 1 / sqrt(var + eps); *mean_out receives the mean's high part. */
+static float layer_norm_row(const float *xr, double total, const float *gamma,
+                            const float *beta, float *yr, int64_t k, float eps, float *mean_out)
+{
+    double m = total / (double)k;
+    float mh = (float)m, ml = (float)(m - (double)mh);
+    double var = row_centered_squares(xr, k, mh, ml) / (double)k;
+    double inv = 1.0 / sqrt(var + (double)eps);
+    norm_row(xr, gamma, beta, yr, k, mh, ml, (float)inv);
+    *mean_out = mh;
+    return (float)inv;
+}
+
 /* Rows [lo, hi) of (rows, k) x: y = (x - mean) / sqrt(var + eps) * gamma + beta, the
  * statistics in float64 (mean, then the centered squares). mean and inv_std (one
  * float per row) may be NULL. k > 0. */
@@ -397,13 +412,55 @@ void keel_layer_norm_f32(const float *x, const float *gamma, const float *beta, 
 {
     for (int64_t r = lo; r < hi; r++) {
         const float *xr = x + r * k;
-        double m = row_sum(xr, k) / (double)k;
-        float mh = (float)m, ml = (float)(m - (double)mh);
-        double var = row_centered_squares(xr, k, mh, ml) / (double)k;
-        double inv = 1.0 / sqrt(var + (double)eps);
-        norm_row(xr, gamma, beta, y + r * k, k, mh, ml, (float)inv);
+        float mh;
+        float inv = layer_norm_row(xr, row_sum(xr, k), gamma, beta, y + r * k, k, eps, &mh);
         if (mean) mean[r] = mh;
-        if (inv_std) inv_std[r] = (float)inv;
+        if (inv_std) inv_std[r] = inv;
+    }
+}
+
+/* s = x + skip over a row, returning the sum of s in float64: the additions of
+ * row_sum in the same order, so the statistics equal row_sum(s) bit for bit. s may
+ * be x (in place). */
+static double add_row_sum(const float *x, const float *skip, float *s, int64_t k)
+{
+    acc_t a0 = {0}, a1 = {0};
+    int64_t i = 0;
+    for (; i + 2 * VW <= k; i += 2 * VW) {
+        vf u = vload(x + i) + vload(skip + i), v = vload(x + i + VW) + vload(skip + i + VW);
+        vstore(s + i, u);
+        vstore(s + i + VW, v);
+        acc_add(&a0, u);
+        acc_add(&a1, v);
+    }
+    for (; i + VW <= k; i += VW) {
+        vf u = vload(x + i) + vload(skip + i);
+        vstore(s + i, u);
+        acc_add(&a0, u);
+    }
+    double t = acc_total(a0, a1);
+    for (; i < k; i++) {
+        s[i] = x[i] + skip[i];
+        t += s[i];
+    }
+    return t;
+}
+
+/* Rows [lo, hi) of (rows, k) x: s = x + skip, then keel_layer_norm_f32 of s (bitwise
+ * the same as an Add followed by it). Row r adds skip row r % skip_rows (a skip
+ * broadcast over leading axes). s is written to sum when sum is not NULL (a graph
+ * that reads the residual sum elsewhere), else to y, which is then normalized in
+ * place: one pass over x and skip, the row staying in cache. y may be x. k > 0. */
+void keel_skip_layer_norm_f32(const float *x, const float *skip, int64_t skip_rows,
+                              const float *gamma, const float *beta, float *y, float *sum,
+                              int64_t k, float eps, int64_t lo, int64_t hi)
+{
+    for (int64_t r = lo; r < hi; r++) {
+        float *yr = y + r * k;
+        float *sr = sum ? sum + r * k : yr;
+        double total = add_row_sum(x + r * k, skip + (r % skip_rows) * k, sr, k);
+        float mh;
+        layer_norm_row(sr, total, gamma, beta, yr, k, eps, &mh);
     }
 }
 

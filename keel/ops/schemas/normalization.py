@@ -3,7 +3,9 @@ normalization, LRN, Lp and mean-variance normalization, and the softmax family.
 
 Every op here follows ONNX semantics at the latest opset (BatchNormalization-15
 in inference mode, LayerNormalization-17, GroupNormalization-21,
-RMSNormalization-23, Softmax/LogSoftmax/Hardmax-13, ...). The shape rules live
+RMSNormalization-23, Softmax/LogSoftmax/Hardmax-13, ...), except keel's fused
+``skip_layer_norm``: LayerNormalization of a residual sum ``X + skip``, which
+passes write (onnxruntime's SkipLayerNormalization without its bias input). The shape rules live
 in small ``check_*`` functions that both ``infer`` and the kernels call, so a
 bad shape is the same :class:`InvalidArgumentError` wherever it is found.
 """
@@ -30,6 +32,7 @@ __all__ = [
     "check_lrn",
     "check_lp_normalization",
     "check_mvn_axes",
+    "check_skip",
     "check_trailing_norm",
     "compute_dtype",
 ]
@@ -147,6 +150,20 @@ def check_trailing_norm(op: Op, x: Sequence[Dim], axis: int,
     return axis
 
 
+def check_skip(op: Op, x: Sequence[Dim], skip: Sequence[Dim]) -> None:
+    """``skip`` broadcasts to X's shape without growing it (unknown dims pass)."""
+    extra = len(skip) - len(x)
+    ok = extra <= 0 or all(d == 1 for d in skip[:extra] if _known(d))
+    tail = tuple(skip[max(extra, 0):])
+    ok = ok and all(not (_known(s) and _known(d) and s not in (1, d))
+                    for s, d in zip(reversed(tail), reversed(tuple(x)), strict=False))
+    if not ok:
+        raise InvalidArgumentError(
+            f"{op.value}: skip of shape {tuple(skip)} does not broadcast to X's shape "
+            f"{tuple(x)} without growing it"
+        )
+
+
 def check_lrn(op: Op, x: Sequence[Dim], size: int) -> None:
     """X is (N, C, ...); the window ``size`` is positive."""
     _rank_at_least(op, x, 2, "N, C, ...")
@@ -243,6 +260,25 @@ def _infer_layer_norm(types: Sequence[TensorType | None], attrs: Mapping[str, An
     return [x, stat, stat]
 
 
+def _infer_skip_layer_norm(types: Sequence[TensorType | None], attrs: Mapping[str, Any],
+                           values: Sequence[np.ndarray | None]) -> list[TensorType | None]:
+    x, skip = types[0], types[1]
+    if x is None:
+        return [None, None]
+    op = Op.SKIP_LAYER_NORM
+    check_float(op, x.dtype)
+    compute_dtype(op, x.dtype, attrs["stash_type"])
+    if skip is not None and skip.dtype != x.dtype:
+        raise InvalidArgumentError(
+            f"{op.value}: skip must have X's dtype {x.dtype.value}, got {skip.dtype.value}")
+    if x.shape is not None:
+        if skip is not None and skip.shape is not None:
+            check_skip(op, x.shape, skip.shape)
+        check_trailing_norm(op, x.shape, attrs["axis"],
+                            {"scale": _shape(_at(types, 2)), "B": _shape(_at(types, 3))})
+    return [x, x]
+
+
 _EPS = AttrSpec("epsilon", AttrKind.FLOAT, 1e-5)
 _STASH = AttrSpec("stash_type", AttrKind.INT, 1)
 _AXIS_LAST = AttrSpec("axis", AttrKind.INT, -1)
@@ -262,6 +298,14 @@ register_schema(OpSchema(
     doc="ONNX LayerNormalization: normalize over X.shape[axis:], then * Scale + B. "
         "Outputs Y and optionally Mean and InvStdDev (float32, or float64 for float64 X "
         "or stash_type 11).",
+))
+register_schema(OpSchema(
+    Op.SKIP_LAYER_NORM, 3, 4, attrs=(_AXIS_LAST, _EPS, _STASH),
+    infer=_infer_skip_layer_norm, max_outputs=2, inplace=((0, 0),),
+    doc="keel's residual LayerNorm: S = X + skip (rounded to X's dtype, as Add does; skip "
+        "broadcasts to X's shape), Y = LayerNormalization(S, scale, B) over S.shape[axis:]. "
+        "Inputs X, skip, scale, [B]; outputs Y and optionally S (the sum, for a graph that "
+        "reads it elsewhere). onnxruntime's SkipLayerNormalization without its bias input.",
 ))
 register_schema(OpSchema(
     Op.INSTANCE_NORM, 3, 3, attrs=(_EPS,), infer=_infer_same(Op.INSTANCE_NORM),

@@ -1,0 +1,823 @@
+/* Packed single-precision GEMM with a fused epilogue.
+ *
+ *   C[t] = clip(alpha * A[t] @ B[t] + bias + R[t], lo, hi)      t over a batch
+ *
+ * The micro-kernel keeps an mr x nv-vector tile of C in registers and adds one
+ * rank-1 update per step of k: nv vector loads of B, mr broadcasts of A. A is
+ * read from panels of MR rows (k x MR, row index fastest) and B from panels of
+ * NR columns (k x NR), zero-padded at the edges. keel packs a constant operand
+ * once per model (a MatMul's weight on the right, a conv's filter on the left)
+ * with keel_gemm_pack_f32; the other operand is packed here block by block into
+ * a small per-call workspace, or, when B's rows already hold NR contiguous
+ * columns and few row panels will read them, read in place. A B row may also
+ * be given by a table of row offsets (an implicit-GEMM convolution reads the
+ * taps of a padded image that way, without an im2col matrix).
+ *
+ * The depth runs in blocks of KC, so a KC x NR block of B stays in cache while
+ * the row panels of A pass over it; partial sums of a block go to C and come back
+ * for the next one, and the epilogue (alpha, a bias per row or per column, a
+ * residual R with its own leading dimension, clip) runs on the last block's
+ * store, so C is written once with its final value. The clip keeps NaN
+ * (x < lo and x > hi are both false for NaN), as NumPy's clip does. A column
+ * map may send C's columns to arbitrary offsets of a row, or nowhere (a conv's
+ * "wide" columns that fall in the padding).
+ *
+ * Work splits into ranges of row panels or column panels of the batch: every
+ * element of C is computed by the same sequence of operations whatever range it
+ * falls in, so any split over threads gives bitwise the same C.
+ *
+ * Plain C11 with GNU vector extensions; one broadcast per ISA through its
+ * intrinsic. Without a SIMD extension the vectors are lowered to scalars.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX__) || defined(__SSE2__)
+#include <immintrin.h>
+#elif defined(__ARM_NEON)
+#include <arm_neon.h>
+#endif
+
+/* Vector width VW (floats), tile rows MR and tile vectors NV (NR = NV * VW columns).
+ * AVX-512 has 32 vector registers: 8 x 32 keeps 16 accumulators, 2 B vectors and a
+ * broadcast (measured on Zen 4: 8x32 107 GFLOP/s at 32x784x512, 12x32 105, 6x64 101,
+ * 14x32 93). AVX has 16: 6 x 16 (12 accumulators). */
+#if defined(__AVX512F__)
+#define VW 16
+#define DEFAULT_MR 8
+#elif defined(__AVX__)
+#define VW 8
+#define DEFAULT_MR 6
+#elif defined(__ARM_NEON) || defined(__SSE2__)
+#define VW 4
+#define DEFAULT_MR 6
+#else
+#define VW 4
+#define DEFAULT_MR 4
+#endif
+#ifndef KEEL_GEMM_MR
+#define KEEL_GEMM_MR DEFAULT_MR
+#endif
+#ifndef KEEL_GEMM_NV
+#define KEEL_GEMM_NV 2
+#endif
+#define MR KEEL_GEMM_MR
+#define NV KEEL_GEMM_NV
+#define NR (NV * VW)
+/* Depth per block: each block after the first reloads the partial sums of C, so
+ * fewer, deeper blocks win while a KC x NR block of B (64 KiB with AVX-512) stays
+ * in L2 (measured at 32 x 784 x 512: 97 GFLOP/s with KC = 256, 102 with 512). */
+#ifndef KEEL_GEMM_KC
+#define KEEL_GEMM_KC 512
+#endif
+#define KC KEEL_GEMM_KC
+/* Rows per block: an MC x KC block of A (240 KiB) stays in L2 across the column panels. */
+#ifndef KEEL_GEMM_MC
+#define KEEL_GEMM_MC 240
+#endif
+#define MC_PANELS ((KEEL_GEMM_MC + MR - 1) / MR)
+/* Column panels per block: an MC x NC block of C stays in L2 across the depth blocks
+ * (measured: a 128-channel 3x3 conv on 28x28 at batch 32 took 99 ms with every depth
+ * block passing over the whole of C, 77 ms in blocks of 256 columns). */
+#ifndef KEEL_GEMM_NC
+#define KEEL_GEMM_NC 256
+#endif
+#define NC_PANELS ((KEEL_GEMM_NC + NR - 1) / NR)
+/* Read a raw B in place (no packed copy) when a block has at most this many row
+ * panels: with few rows to serve, the copy costs more than it saves (measured:
+ * 16 x 144 x 1024 at 105 GFLOP/s in place, 67 packed; 512 x 4608 x 1568 at 92
+ * in place, 95 packed). */
+#define DIRECT_PANELS 16
+#define MAXR 14 /* tiles are generated for 1 .. MAXR rows (only mr <= MR run) */
+
+#if NV > 4 || MR > MAXR
+#error "gemm.c: tiles are generated for MR <= 14 and NV <= 4"
+#endif
+
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef float vfu __attribute__((vector_size(VW * 4), aligned(4), may_alias));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+
+#define KEEL_ACCUMULATE 1 /* flags: C holds a value to add to (the first block loads it) */
+#define KEEL_CLIP 2       /* flags: clip the result to [lo, hi] */
+
+static inline vf load(const float *p) { return *(const vfu *)p; }
+static inline void store(float *p, vf v) { *(vfu *)p = v; }
+
+/* Every lane x (not (vf){0} + x: that is an add, which turns -0.0 into +0.0). */
+static inline vf splat(float x)
+{
+#if defined(__AVX512F__)
+    return (vf)_mm512_set1_ps(x);
+#elif defined(__AVX__)
+    return (vf)_mm256_set1_ps(x);
+#elif defined(__SSE2__)
+    return (vf)_mm_set1_ps(x);
+#elif defined(__ARM_NEON)
+    return (vf)vdupq_n_f32(x);
+#else
+    vf v;
+    for (int i = 0; i < VW; i++) v[i] = x;
+    return v;
+#endif
+}
+
+/* ---- the epilogue ------------------------------------------------------------------- */
+
+typedef struct {
+    const float *bias; /* NULL, or per row (bias_kind 1) or per column (2) */
+    int64_t bias_kind;
+    const float *res; /* NULL, or R with leading dimension ldr */
+    int64_t ldr;
+    float alpha, lo, hi;
+    int64_t flags;
+} epilogue;
+
+/* max(v, lo) then min(v, hi), keeping NaN: select by comparisons that are false for NaN. */
+static inline vf clip(vf v, vf lo, vf hi)
+{
+    vi below = v < lo, above = v > hi;
+    vi bits = ((vi)v & ~below) | ((vi)lo & below);
+    return (vf)((bits & ~above) | ((vi)hi & above));
+}
+
+static inline float clip1(float v, float lo, float hi)
+{
+    if (v < lo) v = lo;
+    if (v > hi) v = hi;
+    return v;
+}
+
+/* The final value of C's row i, columns j .. j + VW. */
+static inline vf finish(vf v, const epilogue *e, int64_t i, int64_t j)
+{
+    if (e->alpha != 1.0f) v *= e->alpha;
+    if (e->bias_kind == 1) v += e->bias[i];
+    else if (e->bias_kind == 2) v += load(e->bias + j);
+    if (e->res) v += load(e->res + i * e->ldr + j);
+    if (e->flags & KEEL_CLIP) v = clip(v, splat(e->lo), splat(e->hi));
+    return v;
+}
+
+static inline float finish1(float v, const epilogue *e, int64_t i, int64_t j)
+{
+    if (e->alpha != 1.0f) v *= e->alpha;
+    if (e->bias_kind == 1) v += e->bias[i];
+    else if (e->bias_kind == 2) v += e->bias[j];
+    if (e->res) v += e->res[i * e->ldr + j];
+    if (e->flags & KEEL_CLIP) v = clip1(v, e->lo, e->hi);
+    return v;
+}
+
+/* ---- the micro-kernel --------------------------------------------------------------- */
+
+/* Where B's rows come from: row p at b + p * bs, or at b + rows[p] when rows is set. */
+typedef struct {
+    const float *b;
+    int64_t bs;
+    const int64_t *rows;
+} bsource;
+
+/* acc += a[p][i] * b_p[j] for one step p. */
+static inline __attribute__((always_inline)) void
+rank1(int mr, int nv, const float *restrict a, const float *restrict b, vf acc[MAXR][NV])
+{
+    vf bv[NV];
+    for (int j = 0; j < nv; j++) bv[j] = load(b + j * VW);
+    for (int i = 0; i < mr; i++) {
+        vf av = splat(a[i]);
+        for (int j = 0; j < nv; j++) acc[i][j] += av * bv[j];
+    }
+}
+
+/* acc[i][j] += sum over p < kc of a[p][i] * B[p][j] (mr rows, nv vectors).
+ *
+ * With one or two rows the mr * nv accumulators are too few chains to hide the
+ * FMA latency: those tiles sum the even and odd steps of p apart and add the two
+ * at the end (the same order whatever range the tile falls in).
+ */
+static inline __attribute__((always_inline)) void
+rank_updates(int mr, int nv, int64_t kc, const float *restrict a, const bsource *s,
+             vf acc[MAXR][NV])
+{
+    int64_t p = 0;
+    if (mr <= 2) {
+        vf odd[MAXR][NV];
+        for (int i = 0; i < mr; i++)
+            for (int j = 0; j < nv; j++) odd[i][j] = (vf){0};
+        if (s->rows)
+            for (; p + 1 < kc; p += 2) {
+                rank1(mr, nv, a + p * MR, s->b + s->rows[p], acc);
+                rank1(mr, nv, a + (p + 1) * MR, s->b + s->rows[p + 1], odd);
+            }
+        else
+            for (; p + 1 < kc; p += 2) {
+                rank1(mr, nv, a + p * MR, s->b + p * s->bs, acc);
+                rank1(mr, nv, a + (p + 1) * MR, s->b + (p + 1) * s->bs, odd);
+            }
+        for (int i = 0; i < mr; i++)
+            for (int j = 0; j < nv; j++) acc[i][j] += odd[i][j];
+    }
+    if (s->rows)
+        for (; p < kc; p++) rank1(mr, nv, a + p * MR, s->b + s->rows[p], acc);
+    else
+        for (; p < kc; p++) rank1(mr, nv, a + p * MR, s->b + p * s->bs, acc);
+}
+
+/* Where one tile of C goes: c points at row i0 and column jbase; column j of the
+ * tile is at c + offset(j), offset(j) = j, or map[j] (negative: not stored). */
+typedef struct {
+    float *c;
+    int64_t ldc;
+    int64_t cols;       /* columns of the tile in C (<= NR) */
+    const int64_t *map; /* NULL: consecutive columns */
+    int64_t i0, jbase;  /* C's row and column of c (the epilogue's indices) */
+    int load_c, last;
+} target;
+
+/* A tile of NR consecutive columns, all inside C: straight from registers. */
+static inline __attribute__((always_inline)) void
+tile_full(int mr, int nv, int64_t kc, const float *a, const bsource *s, const target *t,
+          const epilogue *e)
+{
+    vf acc[MAXR][NV];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nv; j++)
+            acc[i][j] = t->load_c ? load(t->c + i * t->ldc + j * VW) : (vf){0};
+    rank_updates(mr, nv, kc, a, s, acc);
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nv; j++) {
+            vf v = acc[i][j];
+            if (t->last) v = finish(v, e, t->i0 + i, t->jbase + j * VW);
+            store(t->c + i * t->ldc + j * VW, v);
+        }
+}
+
+/* A tile with fewer than NR columns of C: through a buffer on the stack. */
+static inline __attribute__((always_inline)) void
+tile_part(int mr, int nv, int64_t kc, const float *a, const bsource *s, const target *t,
+          const epilogue *e)
+{
+    float buf[MAXR][NR];
+    vf acc[MAXR][NV];
+    for (int i = 0; i < mr; i++) {
+        memset(buf[i], 0, sizeof buf[i]);
+        if (t->load_c) memcpy(buf[i], t->c + i * t->ldc, (size_t)t->cols * sizeof(float));
+        for (int j = 0; j < nv; j++) acc[i][j] = load(buf[i] + j * VW);
+    }
+    rank_updates(mr, nv, kc, a, s, acc);
+    for (int i = 0; i < mr; i++) {
+        for (int j = 0; j < nv; j++) store(buf[i] + j * VW, acc[i][j]);
+        for (int64_t j = 0; j < t->cols; j++) {
+            float v = buf[i][j];
+            t->c[i * t->ldc + j] = t->last ? finish1(v, e, t->i0 + i, t->jbase + j) : v;
+        }
+    }
+}
+
+/* A run of a tile's mapped columns: tile columns j .. j + len go to offsets o .. o + len. */
+typedef struct {
+    int64_t j, len, o;
+} run;
+
+static int runs_of(const int64_t *map, int64_t cols, run *r)
+{
+    int count = 0;
+    for (int64_t j = 0; j < cols;) {
+        if (map[j] < 0) {
+            j++;
+            continue;
+        }
+        int64_t start = j;
+        while (j + 1 < cols && map[j + 1] == map[j] + 1) j++;
+        j++;
+        r[count++] = (run){start, j - start, map[start]};
+    }
+    return count;
+}
+
+/* dst[0 .. len) = src[0 .. len) for a short run (a row of a small image, at most NR). */
+static inline void copy(float *restrict dst, const float *restrict src, int64_t len)
+{
+#if defined(__AVX512F__)
+    /* Masked moves: one or two instructions for any length up to 32, no tail loop. */
+    for (; len >= 16; len -= 16, dst += 16, src += 16)
+        _mm512_storeu_ps(dst, _mm512_loadu_ps(src));
+    if (len > 0) {
+        __mmask16 keep = (__mmask16)((1u << len) - 1u);
+        _mm512_mask_storeu_ps(dst, keep, _mm512_maskz_loadu_ps(keep, src));
+    }
+#else
+    for (int64_t q = 0; q < len; q++) dst[q] = src[q];
+#endif
+}
+
+/* A tile whose columns are mapped (runs of C, and columns not stored): the epilogue on
+ * vectors (a per-row bias, the residual gathered by runs), stored run by run. */
+static inline __attribute__((always_inline)) void
+tile_mapped(int mr, int nv, int64_t kc, const float *a, const bsource *s, const target *t,
+            const epilogue *e)
+{
+    float buf[MAXR][NR], rbuf[NR];
+    vf acc[MAXR][NV];
+    run r[NR];
+    int runs = runs_of(t->map, t->cols, r);
+    for (int i = 0; i < mr; i++) {
+        if (t->load_c) {
+            memset(buf[i], 0, sizeof buf[i]);
+            for (int q = 0; q < runs; q++)
+                copy(buf[i] + r[q].j, t->c + i * t->ldc + r[q].o, r[q].len);
+        }
+        for (int j = 0; j < nv; j++) acc[i][j] = t->load_c ? load(buf[i] + j * VW) : (vf){0};
+    }
+    rank_updates(mr, nv, kc, a, s, acc);
+    for (int i = 0; i < mr; i++) {
+        const float *res = NULL;
+        if (t->last && e->res) {
+            memset(rbuf, 0, sizeof rbuf);
+            for (int q = 0; q < runs; q++)
+                copy(rbuf + r[q].j, e->res + (t->i0 + i) * e->ldr + r[q].o, r[q].len);
+            res = rbuf;
+        }
+        for (int j = 0; j < nv; j++) {
+            vf v = acc[i][j];
+            if (t->last) {
+                if (e->alpha != 1.0f) v *= e->alpha;
+                if (e->bias_kind == 1) v += e->bias[t->i0 + i];
+                if (res) v += load(res + j * VW);
+                if (e->flags & KEEL_CLIP) v = clip(v, splat(e->lo), splat(e->hi));
+            }
+            store(buf[i] + j * VW, v);
+        }
+        for (int q = 0; q < runs; q++)
+            copy(t->c + i * t->ldc + r[q].o, buf[i] + r[q].j, r[q].len);
+    }
+}
+
+typedef void (*tile_fn)(int64_t, const float *, const bsource *, const target *,
+                        const epilogue *);
+
+/* Tiles of more rows than MR never run: CAP keeps their code one row small. */
+#define CAP(MRC) ((MRC) <= MR ? (MRC) : 1)
+#define TILE(MRC, NVC)                                                                         \
+    static void tile_##MRC##_##NVC(int64_t kc, const float *a, const bsource *s,              \
+                                   const target *t, const epilogue *e)                        \
+    {                                                                                          \
+        if (t->map)                                                                            \
+            tile_mapped(CAP(MRC), NVC, kc, a, s, t, e);                                        \
+        else if (t->cols == NVC * VW)                                                          \
+            tile_full(CAP(MRC), NVC, kc, a, s, t, e);                                          \
+        else                                                                                   \
+            tile_part(CAP(MRC), NVC, kc, a, s, t, e);                                          \
+    }
+
+#define TILES_NV(NVC)                                                                          \
+    TILE(1, NVC) TILE(2, NVC) TILE(3, NVC) TILE(4, NVC) TILE(5, NVC) TILE(6, NVC)             \
+    TILE(7, NVC) TILE(8, NVC) TILE(9, NVC) TILE(10, NVC) TILE(11, NVC) TILE(12, NVC)          \
+    TILE(13, NVC) TILE(14, NVC)
+
+#define ROW(NVC)                                                                               \
+    {tile_1_##NVC, tile_2_##NVC, tile_3_##NVC, tile_4_##NVC, tile_5_##NVC, tile_6_##NVC,      \
+     tile_7_##NVC, tile_8_##NVC, tile_9_##NVC, tile_10_##NVC, tile_11_##NVC, tile_12_##NVC,   \
+     tile_13_##NVC, tile_14_##NVC}
+
+TILES_NV(1)
+#if NV >= 2
+TILES_NV(2)
+#endif
+#if NV >= 3
+TILES_NV(3)
+#endif
+#if NV >= 4
+TILES_NV(4)
+#endif
+
+/* TILES[nv - 1][mr - 1]: the tile of mr rows and nv vectors. */
+static const tile_fn TILES[NV][MAXR] = {
+    ROW(1),
+#if NV >= 2
+    ROW(2),
+#endif
+#if NV >= 3
+    ROW(3),
+#endif
+#if NV >= 4
+    ROW(4),
+#endif
+};
+
+/* ---- packing ------------------------------------------------------------------------ */
+
+/* The micro-kernel geometry Python packs for, and the workspace a call needs. */
+int64_t keel_gemm_mr_f32(void) { return MR; }
+int64_t keel_gemm_nr_f32(void) { return NR; }
+int64_t keel_gemm_kc_f32(void) { return KC; }
+int64_t keel_gemm_workspace_f32(void) { return MC_PANELS * MR * KC + NR * KC; }
+
+/* Rows [r0, r0 + w) of the operand, depth [p0, p0 + kc), as a kc x width panel
+ * block at dst (rows past w zero): element (r, p) is at src[r * rs + p * ks], or,
+ * with a row table, at src[r + rows[p]] (rs == 1). */
+static void pack_block(const float *src, int64_t rs, int64_t ks, const int64_t *rows,
+                       int64_t r0, int64_t w, int64_t width, int64_t p0, int64_t kc,
+                       float *dst)
+{
+    if (rs == 1) {
+        for (int64_t p = 0; p < kc; p++) {
+            const float *s = src + r0 + (rows ? rows[p0 + p] : (p0 + p) * ks);
+            float *d = dst + p * width;
+            if (w == NR && width == NR) {
+                for (int j = 0; j < NV; j++) store(d + j * VW, load(s + j * VW));
+                continue;
+            }
+            memcpy(d, s, (size_t)w * sizeof(float));
+            for (int64_t r = w; r < width; r++) d[r] = 0.0f;
+        }
+        return;
+    }
+    /* Rows are strided: read each row along the depth (sequential when ks == 1). */
+    for (int64_t r = 0; r < w; r++) {
+        const float *row = src + (r0 + r) * rs + p0 * ks;
+        for (int64_t p = 0; p < kc; p++) dst[p * width + r] = row[p * ks];
+    }
+    for (int64_t r = w; r < width; r++)
+        for (int64_t p = 0; p < kc; p++) dst[p * width + r] = 0.0f;
+}
+
+/* Columns [0, cols) of B (element (p, j) at src[rows[p] + map[j]]), depth [p0, p0 + kc),
+ * as a kc x NR block at dst: the runs of consecutive offsets are found once, then
+ * copied for every p. */
+static void pack_gathered(const float *src, const int64_t *rows, const int64_t *map,
+                          int64_t cols, int64_t p0, int64_t kc, float *dst)
+{
+    run r[NR];
+    int runs = runs_of(map, cols, r);
+    if (runs == 1 && r[0].len == NR) {
+        for (int64_t p = 0; p < kc; p++) {
+            const float *s = src + rows[p0 + p] + r[0].o;
+            for (int j = 0; j < NV; j++) store(dst + p * NR + j * VW, load(s + j * VW));
+        }
+        return;
+    }
+    for (int64_t p = 0; p < kc; p++) {
+        const float *s = src + rows[p0 + p];
+        float *d = dst + p * NR;
+        for (int q = 0; q < runs; q++) copy(d + r[q].j, s + r[q].o, r[q].len);
+        for (int64_t j = cols; j < NR; j++) d[j] = 0.0f;
+    }
+}
+
+/* Pack panels [lo, hi) of a rows x depth operand into panels of `width` rows.
+ *
+ * Element (r, p) of the operand is src[r * rs + p * ks]; panel q holds rows
+ * q*width .. q*width + width - 1 as depth x width floats (row index fastest),
+ * at dst + q * depth * width, rows past the end filled with zeros.
+ */
+void keel_gemm_pack_f32(const float *src, int64_t rows, int64_t depth, int64_t rs, int64_t ks,
+                        int64_t width, float *dst, int64_t lo, int64_t hi)
+{
+    for (int64_t q = lo; q < hi; q++) {
+        int64_t r0 = q * width;
+        int64_t w = rows - r0 < width ? rows - r0 : width;
+        float *d = dst + q * depth * width;
+        for (int64_t p0 = 0; p0 < depth; p0 += KC) {
+            int64_t kc = depth - p0 < KC ? depth - p0 : KC;
+            if (rs == 1)
+                pack_block(src, 1, ks, NULL, r0, w, width, p0, kc, d + p0 * width);
+            else
+                pack_block(src + r0 * rs, rs, ks, NULL, 0, w, width, p0, kc, d + p0 * width);
+        }
+    }
+}
+
+/* ---- the driver --------------------------------------------------------------------- */
+
+/* One product of the batch, its operands resolved. */
+typedef struct {
+    int64_t m, n, k;
+    const float *a; /* packed (a_rs == a_ks == 0) or raw */
+    int64_t a_rs, a_ks;
+    const float *b; /* packed (b_rs == b_cs == 0 and no rows) or raw */
+    int64_t b_rs, b_cs;
+    const int64_t *b_rows;
+    const int64_t *b_cols;
+    float *c;
+    int64_t ldc;
+    const int64_t *c_cols;
+    float *work;
+} problem;
+
+/* Where the tile at row i0, column panel starting at j0 (cols columns) goes. */
+static target target_of(const problem *g, int64_t i0, int64_t j0, int64_t cols, int load_c,
+                        int last)
+{
+    target t = {g->c + i0 * g->ldc + j0, g->ldc, cols, NULL, i0, j0, load_c, last};
+    if (g->c_cols) {
+        const int64_t *map = g->c_cols + j0;
+        int64_t first = map[0];
+        int run = cols == NR && first >= 0;
+        for (int64_t j = 1; run && j < cols; j++) run = map[j] == first + j;
+        t.c = g->c + i0 * g->ldc + (run ? first : 0);
+        t.jbase = run ? first : 0;
+        t.map = run ? NULL : map;
+    }
+    return t;
+}
+
+/* Whether NR column offsets are consecutive. */
+static int one_run(const int64_t *map)
+{
+    for (int j = 1; j < NR; j++)
+        if (map[j] != map[0] + j) return 0;
+    return 1;
+}
+
+/* One depth block [k0, k0 + kc) of column panel jp against row panels [ib, ie): B's
+ * block read in place or packed into wb, then one tile per row panel. wa: the row
+ * panels' packed A block (NULL: A is packed whole). */
+static void column_panel(const problem *g, const epilogue *e, int64_t jp, int64_t ib,
+                         int64_t ie, int64_t k0, int64_t kc, int load_c, int last,
+                         const float *wa, float *wb)
+{
+    int64_t m = g->m, k = g->k, j0 = jp * NR;
+    int64_t cols = g->n - j0 < NR ? g->n - j0 : NR;
+    int nv = (int)((cols + VW - 1) / VW);
+    int b_raw = g->b_rs != 0 || g->b_cs != 0 || g->b_rows;
+    bsource s = {g->b + jp * k * NR + k0 * NR, NR, NULL};
+    if (g->b_cols && cols == NR && ie - ib <= DIRECT_PANELS && one_run(g->b_cols + j0)) {
+        /* The panel's columns are one run of B's rows (a conv's output row of 32
+           pixels): read in place through the row table. */
+        s = (bsource){g->b + g->b_cols[j0], 0, g->b_rows + k0};
+    } else if (g->b_cols) {
+        pack_gathered(g->b, g->b_rows, g->b_cols + j0, cols, k0, kc, wb);
+        s = (bsource){wb, NR, NULL};
+    } else if (b_raw && g->b_cs == 1 && cols == NR && ie - ib <= DIRECT_PANELS) {
+        /* B's rows hold NR contiguous columns: read them in place. */
+        if (g->b_rows)
+            s = (bsource){g->b + j0, 0, g->b_rows + k0};
+        else
+            s = (bsource){g->b + k0 * g->b_rs + j0, g->b_rs, NULL};
+    } else if (b_raw) {
+        if (g->b_rows || g->b_cs == 1)
+            pack_block(g->b, 1, g->b_rs, g->b_rows, j0, cols, NR, k0, kc, wb);
+        else
+            pack_block(g->b + j0 * g->b_cs, g->b_cs, g->b_rs, NULL, 0, cols, NR, k0, kc, wb);
+        s = (bsource){wb, NR, NULL};
+    }
+    for (int64_t ip = ib; ip < ie; ip++) {
+        int64_t i0 = ip * MR;
+        int mr = (int)(m - i0 < MR ? m - i0 : MR);
+        const float *aa = wa ? wa + (ip - ib) * MR * KC : g->a + ip * k * MR + k0 * MR;
+        target t = target_of(g, i0, j0, cols, load_c, last);
+        TILES[nv - 1][mr - 1](kc, aa, &s, &t, e);
+    }
+}
+
+/* The single row of C for column panels [j_lo, j_hi) when A has one row (a matrix
+ * times a vector): two panels at a time where B can be read in place, each with
+ * its even and odd steps of k summed apart, so eight independent streams of B
+ * are in flight (a lone 1 x NR tile waits on memory: measured 28 GFLOP/s at
+ * 1 x 784 x 512, 41 with pairs; OpenBLAS's sgemv 36). There are no partial sums
+ * of C to come back for; a panel of a raw B that cannot be read in place is
+ * packed block by block into the workspace, its sums carried over in registers,
+ * so every panel gets the same arithmetic whatever B's layout. */
+static int gemv_serves(const problem *g)
+{
+    return g->m == 1 && !g->b_rows && !g->b_cols && !g->c_cols;
+}
+
+/* acc[0] += even steps, acc[1] += odd steps of a[p] * B[p][0 .. NR) for p in [p0, p1);
+ * B's row p at b + (p - p0) * bs. */
+static inline __attribute__((always_inline)) void
+gemv_steps(const float *a, int64_t as, const float *b, int64_t bs, int64_t p0, int64_t p1,
+           vf acc[2][NV])
+{
+    vf even[NV], odd[NV];
+    for (int j = 0; j < NV; j++) {
+        even[j] = acc[0][j];
+        odd[j] = acc[1][j];
+    }
+    int64_t p = p0;
+    if (p < p1 && (p & 1)) {
+        vf x = splat(a[p * as]);
+        for (int j = 0; j < NV; j++) odd[j] += x * load(b + j * VW);
+        p++;
+    }
+    for (; p + 1 < p1; p += 2) {
+        vf x0 = splat(a[p * as]), x1 = splat(a[(p + 1) * as]);
+        const float *r0 = b + (p - p0) * bs, *r1 = r0 + bs;
+        for (int j = 0; j < NV; j++) {
+            even[j] += x0 * load(r0 + j * VW);
+            odd[j] += x1 * load(r1 + j * VW);
+        }
+    }
+    if (p < p1) {
+        vf x = splat(a[p * as]);
+        for (int j = 0; j < NV; j++) even[j] += x * load(b + (p - p0) * bs + j * VW);
+    }
+    for (int j = 0; j < NV; j++) {
+        acc[0][j] = even[j];
+        acc[1][j] = odd[j];
+    }
+}
+
+static void gemv_store(const problem *g, const epilogue *e, int64_t j0, int64_t cols,
+                       vf acc[2][NV])
+{
+    vf sum[NV];
+    for (int j = 0; j < NV; j++) sum[j] = acc[0][j] + acc[1][j];
+    if (cols == NR && !(e->flags & KEEL_ACCUMULATE)) {
+        for (int j = 0; j < NV; j++)
+            store(g->c + j0 + j * VW, finish(sum[j], e, 0, j0 + j * VW));
+        return;
+    }
+    float buf[NR];
+    for (int j = 0; j < NV; j++) store(buf + j * VW, sum[j]);
+    for (int64_t j = 0; j < cols; j++) {
+        float v = buf[j] + ((e->flags & KEEL_ACCUMULATE) ? g->c[j0 + j] : 0.0f);
+        g->c[j0 + j] = finish1(v, e, 0, j0 + j);
+    }
+}
+
+/* B's panel jp when it can be read in place (packed, or NR contiguous columns). */
+static const float *gemv_direct(const problem *g, int64_t jp, int64_t *bs)
+{
+    if (g->b_rs == 0 && g->b_cs == 0) {
+        *bs = NR;
+        return g->b + jp * g->k * NR;
+    }
+    if (g->b_cs == 1 && (jp + 1) * NR <= g->n) {
+        *bs = g->b_rs;
+        return g->b + jp * NR;
+    }
+    return NULL;
+}
+
+static void gemv(const problem *g, const epilogue *e, int64_t j_lo, int64_t j_hi)
+{
+    int64_t k = g->k, as = (g->a_rs != 0 || g->a_ks != 0) ? g->a_ks : MR;
+    float *wb = g->work + MC_PANELS * MR * KC;
+    for (int64_t jp = j_lo; jp < j_hi;) {
+        int64_t j0 = jp * NR, cols = g->n - j0 < NR ? g->n - j0 : NR;
+        int64_t bs0 = 0, bs1 = 0;
+        const float *b0 = gemv_direct(g, jp, &bs0);
+        const float *b1 = b0 && jp + 1 < j_hi ? gemv_direct(g, jp + 1, &bs1) : NULL;
+        int pair = b1 && g->n - j0 >= 2 * NR;
+        vf acc[2][2][NV];
+        for (int q = 0; q < 2; q++)
+            for (int h = 0; h < 2; h++)
+                for (int j = 0; j < NV; j++) acc[q][h][j] = (vf){0};
+        if (pair) {
+            for (int64_t p = 0; p + 1 < k; p += 2) {
+                vf x0 = splat(g->a[p * as]), x1 = splat(g->a[(p + 1) * as]);
+                for (int j = 0; j < NV; j++) {
+                    acc[0][0][j] += x0 * load(b0 + p * bs0 + j * VW);
+                    acc[0][1][j] += x1 * load(b0 + (p + 1) * bs0 + j * VW);
+                    acc[1][0][j] += x0 * load(b1 + p * bs1 + j * VW);
+                    acc[1][1][j] += x1 * load(b1 + (p + 1) * bs1 + j * VW);
+                }
+            }
+            if (k & 1) {
+                gemv_steps(g->a, as, b0 + (k - 1) * bs0, bs0, k - 1, k, acc[0]);
+                gemv_steps(g->a, as, b1 + (k - 1) * bs1, bs1, k - 1, k, acc[1]);
+            }
+            gemv_store(g, e, j0, NR, acc[0]);
+            gemv_store(g, e, j0 + NR, NR, acc[1]);
+            jp += 2;
+            continue;
+        }
+        if (b0) {
+            gemv_steps(g->a, as, b0, bs0, 0, k, acc[0]);
+        } else {
+            for (int64_t p0 = 0; p0 < k; p0 += KC) {
+                int64_t kc = k - p0 < KC ? k - p0 : KC;
+                if (g->b_cs == 1)
+                    pack_block(g->b, 1, g->b_rs, NULL, j0, cols, NR, p0, kc, wb);
+                else
+                    pack_block(g->b + j0 * g->b_cs, g->b_cs, g->b_rs, NULL, 0, cols, NR, p0,
+                               kc, wb);
+                gemv_steps(g->a, as, wb, NR, p0, p0 + kc, acc[0]);
+            }
+        }
+        gemv_store(g, e, j0, cols, acc[0]);
+        jp++;
+    }
+}
+
+/* C = epilogue(alpha * A @ B) over row panels [i_lo, i_hi) and column panels [j_lo, j_hi). */
+static void gemm_2d(const problem *g, const epilogue *e, int64_t i_lo, int64_t i_hi,
+                    int64_t j_lo, int64_t j_hi)
+{
+    int64_t m = g->m, k = g->k;
+    int a_raw = g->a_rs != 0 || g->a_ks != 0;
+    float *wa = g->work, *wb = g->work + MC_PANELS * MR * KC;
+    if (gemv_serves(g) && i_lo == 0 && i_hi == 1) {
+        gemv(g, e, j_lo, j_hi);
+        return;
+    }
+    /* Blocks of equal depth (288 = 144 + 144, not 256 + 32: a thin last block costs
+       a pass over C for little work). */
+    int64_t nblocks = k > 0 ? (k + KC - 1) / KC : 1;
+    int64_t kstep = k > 0 ? (k + nblocks - 1) / nblocks : 0;
+    for (int64_t jc = j_lo; jc < j_hi; jc += NC_PANELS) {
+        int64_t je = jc + NC_PANELS < j_hi ? jc + NC_PANELS : j_hi;
+        for (int64_t ib = i_lo; ib < i_hi; ib += MC_PANELS) {
+            int64_t ie = ib + MC_PANELS < i_hi ? ib + MC_PANELS : i_hi;
+            for (int64_t kb = 0; kb < nblocks; kb++) {
+                int64_t k0 = kb * kstep;
+                int64_t kc = k - k0 < kstep ? k - k0 : kstep;
+                if (a_raw)
+                    for (int64_t ip = ib; ip < ie; ip++) {
+                        int64_t r0 = ip * MR, w = m - r0 < MR ? m - r0 : MR;
+                        pack_block(g->a + r0 * g->a_rs, g->a_rs, g->a_ks, NULL, 0, w, MR, k0,
+                                   kc, wa + (ip - ib) * MR * KC);
+                    }
+                int load_c = kb > 0 || (e->flags & KEEL_ACCUMULATE), last = kb == nblocks - 1;
+                for (int64_t jp = jc; jp < je; jp++)
+                    column_panel(g, e, jp, ib, ie, k0, kc, load_c, last,
+                                 a_raw ? wa : NULL, wb);
+            }
+        }
+    }
+}
+
+/* The arguments of keel_gemm_f32: every field 8 bytes (addresses as integers), so
+ * Python fills it with one struct.pack('<23q3d'). */
+typedef struct {
+    int64_t m, n, k;
+    int64_t a, a_rs, a_ks, a_bs;     /* A: address and element strides (row, depth, batch) */
+    int64_t b, b_rs, b_cs, b_bs;     /* B: address and element strides (depth, column, batch) */
+    int64_t b_rows;                  /* 0, or the address of k int64 row offsets of B */
+    int64_t b_cols;                  /* 0, or the address of n int64 column offsets of B */
+    int64_t c, ldc, c_bs;            /* C: address, row stride, batch stride */
+    int64_t c_cols;                  /* 0, or the address of n int64 column offsets of C */
+    int64_t bias, bias_kind;         /* bias: address (0: none); 1 per row, 2 per column */
+    int64_t res, ldr, r_bs;          /* R: address (0: none), row stride, batch stride */
+    int64_t flags;                   /* KEEL_ACCUMULATE | KEEL_CLIP */
+    double alpha, lo, hi;
+} keel_gemm_args;
+
+#define FPTR(x) ((float *)(intptr_t)(x))
+#define IPTR(x) ((const int64_t *)(intptr_t)(x))
+
+/* C[t] = clip(alpha * A[t] @ B[t] + bias + R[t], lo, hi) for a batch of products.
+ *
+ * Operands: A whose two strides are both 0 is packed (panels of MR rows, k * MR
+ * floats each), and so is B whose two strides are 0 and has no row table
+ * (panels of NR columns, k * NR floats each); a packed operand steps by a_bs /
+ * b_bs floats between products (0: shared). Otherwise element (i, p) of A[t] is
+ * a[t * a_bs + i * a_rs + p * a_ks] and element (p, j) of B[t] is
+ * b[t * b_bs + p * b_rs + j * b_cs], or b[t * b_bs + b_rows[p] + j] with a row
+ * table (then b_cs is 1), or b[t * b_bs + b_rows[p] + b_cols[j]] with both
+ * tables (gathered into packed blocks: a conv's compact output pixels read
+ * from a padded image). Raw operands are packed block by block into `work`
+ * (keel_gemm_workspace_f32() floats, one per concurrent call) or read in place.
+ *
+ * Output: C[t][i][j] is c[t * c_bs + i * ldc + j], or c[t * c_bs + i * ldc +
+ * c_cols[j]] with a column map (a negative entry: column j is not stored; the
+ * bias is then per row).
+ * bias[i] per row or bias[j] per column, then R[t][i][j] = res[t * r_bs + i *
+ * ldr + j] (the column mapped as C's), are added after alpha. flags:
+ * KEEL_ACCUMULATE starts from the value C holds instead of zero (alpha then
+ * scales it too: callers pass alpha = 1), KEEL_CLIP clips to [lo, hi] (NaN
+ * stays NaN).
+ *
+ * Range: units [u_lo, u_hi) of batch * panels, product-major, where panels are
+ * the column panels (ceil(n / NR)), or the row panels (ceil(m / MR)) when
+ * split_rows is set. Any division of the units over calls gives the same C.
+ */
+void keel_gemm_f32(const keel_gemm_args *g, float *work, int64_t split_rows, int64_t u_lo,
+                   int64_t u_hi)
+{
+    int64_t m = g->m, n = g->n;
+    int64_t mp = (m + MR - 1) / MR, np = (n + NR - 1) / NR;
+    int64_t panels = split_rows ? mp : np;
+    if (panels == 0 || u_lo >= u_hi) return;
+    for (int64_t t = u_lo / panels; t * panels < u_hi; t++) {
+        int64_t lo_p = u_lo > t * panels ? u_lo - t * panels : 0;
+        int64_t hi_p = u_hi < (t + 1) * panels ? u_hi - t * panels : panels;
+        problem p = {m,
+                     n,
+                     g->k,
+                     FPTR(g->a) + t * g->a_bs,
+                     g->a_rs,
+                     g->a_ks,
+                     FPTR(g->b) + t * g->b_bs,
+                     g->b_rs,
+                     g->b_cs,
+                     IPTR(g->b_rows),
+                     IPTR(g->b_cols),
+                     FPTR(g->c) + t * g->c_bs,
+                     g->ldc,
+                     IPTR(g->c_cols),
+                     work};
+        epilogue e = {FPTR(g->bias),    g->bias ? g->bias_kind : 0,
+                      g->res ? FPTR(g->res) + t * g->r_bs : NULL,
+                      g->ldr,           (float)g->alpha,
+                      (float)g->lo,     (float)g->hi,
+                      g->flags};
+        if (split_rows)
+            gemm_2d(&p, &e, lo_p, hi_p, 0, np);
+        else
+            gemm_2d(&p, &e, 0, mp, lo_p, hi_p);
+    }
+}

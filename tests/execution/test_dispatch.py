@@ -306,9 +306,13 @@ def test_a_cpu_program_runs_under_its_thread_cap(monkeypatch: pytest.MonkeyPatch
     x = np.ones((2, 4), np.float64)
     m.predict({"x": x})                                   # compiles (allocating enters too)
     seen.clear()
+    pool.sets.clear()
     m.predict({"x": x})
     m.predict({"x": x})
-    assert seen == [1, 1] and pool.threads == 4           # once per run, then restored
+    # Every BLAS call runs capped; the pool is set once per run, then restored (a kernel's
+    # own cap inside the run finds the pool already at 1 and leaves it alone).
+    assert seen and set(seen) == {1} and pool.threads == 4
+    assert pool.sets == [1, 4, 1, 4]
 
 
 class FakeOpenBLAS:
@@ -336,3 +340,22 @@ def test_openblas_pthreads_pools_are_set_through_their_c_entry_points() -> None:
     # OpenMP builds keep per-thread limits, and other controllers keep their methods.
     openmp, bare = FakeOpenBLAS("openmp"), FakeOpenBLAS(symbols=False)
     assert cpu_backend._direct(openmp) is openmp and cpu_backend._direct(bare) is bare
+
+
+def test_a_native_variant_handing_a_case_to_blas_caps_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A program of native variants runs without the cap; what they hand to BLAS caps it."""
+    from keel.backends.base import DeviceKind, KernelContext
+    from keel.backends.cpu.kernels import load as load_cpu
+    from keel.ops.registry import Op
+    from keel.ops.schema import get_schema
+
+    pool = FakePool(4)
+    monkeypatch.setattr(cpu_backend, "_pools", lambda: (pool,))
+    kernel = load_cpu().get(Op.MATMUL, "native").fn
+    ctx = KernelContext(np, "cpu", DeviceKind.CPU, threads=1)
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((2, 3, 4)).astype(np.float32)
+    b = rng.standard_normal((2, 4, 5)).astype(np.float32)       # 3-D B: BLAS's case
+    got = kernel(ctx, [a, b], get_schema(Op.MATMUL).normalize_attrs({}), None)[0]
+    np.testing.assert_allclose(got, a @ b, rtol=1e-5, atol=1e-5)
+    assert pool.sets == [1, 4] and pool.threads == 4

@@ -36,6 +36,7 @@ in float32.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
@@ -47,6 +48,7 @@ import numpy as np
 
 from keel.backends.base import Attrs, Inputs, KernelContext, Out, optional_input
 from keel.backends.cpu import conv_gemm, depthwise, native_gemm, winograd, workspace
+from keel.backends.cpu.backend import ThreadCap
 from keel.backends.cpu.conv_epilogue import Activation, activation
 from keel.backends.cpu.conv_rules import ConvCase, ConvRule, pick
 from keel.backends.cpu.kernels import TABLE
@@ -281,7 +283,8 @@ def _run(ctx: KernelContext, op: Op, variant: str, x: Any, w: Any, b: Any, z: An
                               ctx.threads or 1):
         # Not served here (the gpu backend, the native tier gone): the NumPy im2col.
         fallback = _lookup(op, "im2col", ctx.backend, x, w, b, z, attrs)
-        _IMPLS["im2col"](xp, fallback.layout, x, w, b, z, y, plan.act, packed)
+        with ThreadCap(ctx.threads or 1) if xp is np else contextlib.nullcontext():
+            _IMPLS["im2col"](xp, fallback.layout, x, w, b, z, y, plan.act, packed)
     if out is not None and out[0] is not None and out[0] is not y:
         out[0][...] = y
         return [out[0]]

@@ -121,6 +121,7 @@ __all__ = [
     "KernelContext",
     "KernelTable",
     "KernelVariant",
+    "ProgramScope",
     "Prepack",
     "dtype_of",
 ]
@@ -146,6 +147,15 @@ Kernel = Callable[[KernelContext, Sequence[Any], Mapping[str, Any], Sequence[Any
                   Sequence[Any]]
 # (ctx, constant inputs (None where not constant), attrs) -> state for ctx.prepacked, or None
 Prepack = Callable[[KernelContext, Sequence[Any], Mapping[str, Any]], Any]
+
+
+@dataclass(frozen=True)
+class ProgramScope:
+    """How a program enters a backend's scope each run: ``enter()`` makes the context
+    manager; ``reason`` says how it was sized ("" when there is nothing to say)."""
+
+    enter: Callable[[], AbstractContextManager[Any]]
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -308,6 +318,10 @@ class Backend(ABC):
     def _needs_scope(self, kernels: Sequence[tuple[KernelVariant, DType | None]]) -> bool:
         return True
 
+    def _program_scope(self, kernels: Sequence[tuple[KernelVariant, DType | None, float]]
+                       ) -> ProgramScope:
+        return ProgramScope(self.execution_scope, "")
+
     def _free(self, array: Any) -> None:
         return None
 
@@ -384,6 +398,21 @@ class Backend(ABC):
         enters it once, without an op, around a whole program.
         """
         return self._execution_scope(op)
+
+    @final
+    def program_scope(self, kernels: Iterable[tuple[KernelVariant, DType | None, float]]
+                      ) -> ProgramScope | None:
+        """What a compiled program enters around each run on this backend; None: nothing.
+
+        ``kernels`` are (variant, dtype of its first input or None, estimated
+        work: multiply-adds, or elements for ops without a reduction) for each
+        step the program runs here. A backend may size its scope by them (the
+        cpu backend picks the BLAS thread count for the whole program).
+        """
+        ks = tuple(kernels)
+        if not self._needs_scope(tuple((v, d) for v, d, _ in ks)):
+            return None
+        return self._program_scope(ks)
 
     @final
     def needs_scope(self, kernels: Iterable[tuple[KernelVariant, DType | None]]) -> bool:

@@ -134,6 +134,7 @@ class _Step:
     fresh: tuple[tuple[int, tuple[int, ...], Any], ...] = ()   # graph outputs: (pos, shape, dt)
     variant: KernelVariant | None = None       # kernels: what the step runs
     dtype: DType | None = None                 # kernels: the dtype of the first input
+    work: float = 0.0                          # kernels: estimated multiply-adds (elements)
     src: Backend | None = None                 # copies
     dst: Backend | None = None
 
@@ -200,8 +201,12 @@ class Program:
         self._backends = backends
         # Backends whose execution scope the steps need (a thread cap is worth
         # entering only where some step may call BLAS).
-        self._scoped = tuple(b for name, b in backends.items() if b.needs_scope(
-            (s.variant, s.dtype) for s in steps if s.backend == name and s.variant is not None))
+        scopes = {name: b.program_scope((s.variant, s.dtype, s.work) for s in steps
+                                        if s.backend == name and s.variant is not None)
+                  for name, b in backends.items()}
+        self._scoped = tuple(sc.enter for sc in scopes.values() if sc is not None)
+        self.scope_reasons = {name: sc.reason for name, sc in scopes.items()
+                              if sc is not None and sc.reason}
         self._pool = pool
         self._views = views                       # slot -> (device, offset, shape, dtype)
         self._input_types = input_types
@@ -301,7 +306,7 @@ class Program:
             if not scoped:
                 self._loop(outputs)
             elif len(scoped) == 1:
-                with scoped[0].execution_scope():
+                with scoped[0]():
                     self._loop(outputs)
             else:
                 scopes = self._enter_scopes()
@@ -359,8 +364,8 @@ class Program:
     def _enter_scopes(self) -> list[Any]:
         entered = []
         try:
-            for backend in self._scoped:
-                scope = backend.execution_scope()
+            for enter in self._scoped:
+                scope = enter()
                 scope.__enter__()
                 entered.append(scope)
         except BaseException:
@@ -752,7 +757,8 @@ class _Builder:
             ctx = self._prepacked(node, kernel, backend, ctx, inputs)
         step = _Step(node.name, node.op.value, backend.name, "kernel", inputs, outputs,
                      fn=kernel.fn, ctx=ctx, attrs=node.attrs, variant=kernel,
-                     dtype=self._dtype(node.inputs[0] if node.inputs else ""))
+                     dtype=self._dtype(node.inputs[0] if node.inputs else ""),
+                     work=estimated_work(self.types.get, node))
         if placed.writes_out:
             self._bind_outputs(step, node, placed)
         self.steps.append(step)
@@ -827,3 +833,49 @@ class _Builder:
 
 def _static_shape(t: TensorType) -> tuple[int, ...]:
     return tuple(int(d) for d in t.shape or () if isinstance(d, int))
+
+
+_PRODUCTS = frozenset({Op.MATMUL, Op.GEMM, Op.MATMUL_INTEGER, Op.QLINEAR_MATMUL})
+_CONVOLUTIONS = frozenset({Op.CONV, Op.CONV_INTEGER, Op.QLINEAR_CONV, Op.CONV_TRANSPOSE,
+                           Op.CONV2D})
+
+
+def estimated_work(type_of: Callable[[str], TensorType | None], node: Any) -> float:
+    """Rough multiply-adds of ``node`` (its output's elements for ops without a
+    reduction), from the value types ``type_of`` gives: what sizes a backend's
+    program scope, e.g. how much of a program runs on BLAS. 0.0 where the shapes
+    are not known."""
+    def numel(name: str) -> int | None:
+        t = type_of(name) if name else None
+        if t is None or t.shape is None or not all(isinstance(d, int) for d in t.shape):
+            return None
+        n = 1
+        for d in t.shape:
+            n *= int(d)  # type: ignore[arg-type]
+        return n
+
+    def dims(name: str) -> tuple[int, ...] | None:
+        t = type_of(name) if name else None
+        if t is None or t.shape is None or not all(isinstance(d, int) for d in t.shape):
+            return None
+        return tuple(int(d) for d in t.shape)  # type: ignore[arg-type]
+
+    out = numel(node.outputs[0]) if node.outputs else None
+    if out is None:
+        return 0.0
+    reduce = 1
+    if node.op in _PRODUCTS and len(node.inputs) > 1:
+        a = dims(node.inputs[0])
+        if a:
+            reduce = a[0] if node.op is Op.GEMM and node.attrs.get("trans_a") else a[-1]
+    elif node.op in _CONVOLUTIONS and len(node.inputs) > 1:
+        w = dims(node.inputs[1])
+        if w and len(w) > 1:
+            reduce = 1
+            for d in w[1:]:
+                reduce *= d
+    elif node.op is Op.ATTENTION and len(node.inputs) > 1:
+        k = dims(node.inputs[1])
+        if k and len(k) > 1:
+            reduce = 2 * k[-2]                  # scores and the weighted sum over keys
+    return float(out) * reduce

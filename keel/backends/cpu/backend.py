@@ -13,12 +13,19 @@ from typing import Any
 
 import numpy as np
 
-from keel.backends.base import Availability, Backend, DeviceKind, KernelTable, KernelVariant
+from keel.backends.base import (
+    Availability,
+    Backend,
+    DeviceKind,
+    KernelTable,
+    KernelVariant,
+    ProgramScope,
+)
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError
 from keel.ops.registry import Op, OpGroup
 
-__all__ = ["CpuBackend", "ThreadCap", "default_threads"]
+__all__ = ["BLAS_SHARE_FOR_THREADS", "CpuBackend", "ThreadCap", "blas_threads", "default_threads"]
 
 
 # Ops whose NumPy kernels may call BLAS (and so its thread pool): matmul-like ops,
@@ -81,6 +88,11 @@ class CpuBackend(Backend):
             return contextlib.nullcontext()
         return ThreadCap(self.threads)
 
+    def _program_scope(self, kernels: Sequence[tuple[KernelVariant, DType | None, float]]
+                       ) -> ProgramScope:
+        threads, reason = blas_threads(self.threads, kernels)
+        return ProgramScope(functools.partial(ThreadCap, threads), reason)
+
     def _needs_scope(self, kernels: Sequence[tuple[KernelVariant, DType | None]]) -> bool:
         # Capping costs about a microsecond a run (two openblas_set_num_threads),
         # as much as a small native kernel: a program whose steps never reach
@@ -103,6 +115,36 @@ class CpuBackend(Backend):
         }
 
 
+# A program gives BLAS more than one thread only when BLAS does at least this share
+# of its arithmetic. Between calls, OpenBLAS's workers spin for a while; where the
+# native kernels do most of the work on keel's own threads, those spinning workers
+# take the cores keel's threads need. Measured on the 2-core EPYC, 2 threads,
+# batch 32: BERT-mini (BLAS: the attention products, ~8% of the work) 318 ms with
+# BLAS on 2 threads against 208 ms with BLAS on 1; ResNet-18 (BLAS: the Winograd
+# and im2col convolutions, most of the work) 699 ms against 1027 ms.
+BLAS_SHARE_FOR_THREADS = 0.5
+
+
+def blas_threads(threads: int, kernels: Sequence[tuple[KernelVariant, DType | None, float]]
+                 ) -> tuple[int, str]:
+    """The BLAS thread count for a program of ``kernels`` under a cap of ``threads``, and why.
+
+    ``kernels`` are (variant, dtype, estimated work) per step, as
+    :meth:`~keel.backends.base.Backend.program_scope` takes them.
+    """
+    if threads <= 1:
+        return threads, f"BLAS on {threads} thread: the program's cap"
+    total = sum(work for _, _, work in kernels)
+    blas = sum(work for v, d, work in kernels if _may_use_blas(v, d))
+    share = blas / total if total > 0 else 1.0
+    if share >= BLAS_SHARE_FOR_THREADS:
+        return threads, (f"BLAS on {threads} threads: BLAS kernels do {share:.0%} of the "
+                         f"work (>= {BLAS_SHARE_FOR_THREADS:.0%})")
+    return 1, (f"BLAS on 1 thread: BLAS kernels do {share:.0%} of the work; the native "
+               f"kernels split theirs over {threads} keel threads, and idle BLAS workers "
+               "would spin on the cores they need")
+
+
 def _may_use_blas(variant: KernelVariant, dtype: DType | None) -> bool:
     """Whether ``variant`` may call BLAS on inputs of ``dtype``.
 
@@ -118,6 +160,8 @@ def _may_use_blas(variant: KernelVariant, dtype: DType | None) -> bool:
         return bool(declared)
     if variant.op not in _POOLED:
         return False
+    if variant.name == "depthwise" and dtype is DType.FLOAT32 and _native_available():
+        return False                 # the depthwise variant's native form: no BLAS
     return not (variant.meta.get("requires") == "native" and dtype is DType.FLOAT32)
 
 
@@ -209,6 +253,12 @@ def _controller() -> Any:
     from threadpoolctl import ThreadpoolController
 
     return ThreadpoolController()
+
+
+def _native_available() -> bool:
+    from keel import native
+
+    return native.available()
 
 
 def _configured_threads() -> int:

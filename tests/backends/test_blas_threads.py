@@ -1,0 +1,66 @@
+"""The cpu backend sizes BLAS's threads per program by how much of its work BLAS does."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from keel import load_model
+from keel.backends.base import KernelVariant
+from keel.backends.cpu import backend as cpu_backend
+from keel.backends.cpu.backend import BLAS_SHARE_FOR_THREADS, blas_threads
+from keel.dtypes import DType
+from keel.ops.registry import Op
+from tests.execution.test_dispatch import model_proto
+
+
+def _kernel(*_: Any) -> list[Any]:
+    return []
+
+
+BLAS = KernelVariant(Op.MATMUL, "default", _kernel)
+NATIVE = KernelVariant(Op.MATMUL, "native", _kernel, meta={"requires": "native"})
+ELEMENTWISE = KernelVariant(Op.ADD, "default", _kernel)
+F32 = DType.FLOAT32
+
+
+def test_blas_heavy_programs_give_blas_every_thread() -> None:
+    threads, why = blas_threads(2, [(BLAS, F32, 90.0), (NATIVE, F32, 10.0)])
+    assert threads == 2 and "BLAS kernels do 90% of the work" in why
+
+
+def test_native_heavy_programs_keep_blas_on_one_thread() -> None:
+    threads, why = blas_threads(4, [(BLAS, F32, 8.0), (NATIVE, F32, 92.0), (ELEMENTWISE, F32, 1)])
+    assert threads == 1
+    assert "BLAS kernels do 8% of the work" in why and "4 keel threads" in why
+
+
+def test_native_variants_on_other_dtypes_count_as_blas() -> None:
+    threads, _ = blas_threads(2, [(NATIVE, DType.FLOAT64, 100.0)])
+    assert threads == 2
+
+
+def test_a_one_thread_cap_is_kept_and_unknown_work_counts_as_blas() -> None:
+    assert blas_threads(1, [(NATIVE, F32, 100.0)])[0] == 1
+    assert blas_threads(2, [(BLAS, F32, 0.0)])[0] == 2            # shapes unknown: cautious
+    assert 0.0 < BLAS_SHARE_FOR_THREADS < 1.0
+
+
+def test_a_program_runs_under_the_blas_threads_it_chose(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A float64 Gemm is all BLAS: the program caps BLAS at the model's threads."""
+    seen: list[int] = []
+    real = cpu_backend.ThreadCap.__init__
+
+    def spy(self: cpu_backend.ThreadCap, threads: int) -> None:
+        seen.append(threads)
+        real(self, threads)
+
+    monkeypatch.setattr(cpu_backend.ThreadCap, "__init__", spy)
+    m = load_model(model_proto(np.float64), backend="cpu", threads=2)
+    x = np.ones((3, 4), np.float64)
+    m.predict({"x": x})
+    seen.clear()
+    m.predict({"x": x})
+    assert seen and seen[0] == 2

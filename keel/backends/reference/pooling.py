@@ -60,7 +60,8 @@ def _input(op: Op, x: np.ndarray) -> np.ndarray:
 
 @TABLE.kernel(Op.MAX_POOL, dtypes=DTYPES[Op.MAX_POOL], supports_out=True)
 def max_pool(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
-    """Max over each window and the Indices of the (first) winner in X.
+    """Max over each window and the Indices of the (first) winner in X; a window
+    holding NaN gives NaN (as ``numpy.maximum`` does), at the first NaN's index.
 
     Gives as many outputs as ``out`` holds (Y, or Y and Indices); both without ``out``.
     """
@@ -72,7 +73,8 @@ def max_pool(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list
     arg = np.zeros((n, c, *win.out_spatial), dtype=np.int64)
     grids = np.meshgrid(*(np.arange(o) for o in win.out_spatial), indexing="ij")
     for offs, vals in _windows(xp, win):
-        better = vals > best
+        # NaN wins as NumPy's maximum has it: the first NaN in a window is its max.
+        better = (vals > best) | (np.isnan(vals) & ~np.isnan(best))
         best = np.where(better, vals, best)
         coords = [g * s + k * d - pb for g, s, k, d, pb in
                   zip(grids, win.strides, offs, win.dilations, win.pads_begin, strict=True)]

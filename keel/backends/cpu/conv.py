@@ -32,6 +32,13 @@ views of them are kept per thread (:func:`workspace.bound`); weights are
 packed for their layout once per model through the ``prepack`` hook (or, for
 frozen arrays outside a model, cached while they live). float16 is computed
 in float32.
+
+A model's node sees the same arrays every run, so the ``native`` variant's
+whole computation is prepared once per node (:class:`_Ready`: the phase-image
+copy as views, the kernel calls with their arguments converted) and a
+steady-state call only checks that the arrays are the ones it was made for:
+about 1-1.7 us of Python per call instead of 9 (LeNet's convs at batch 1, 1
+thread: 9.6 and 11.4 us against 17.7 and 16.6, the C kernel 7.9 and 10.0).
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ import contextlib
 import functools
 import itertools
 import math
+import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,11 +56,19 @@ from typing import Any
 import numpy as np
 
 from keel.backends.base import Attrs, Inputs, KernelContext, Out, optional_input
-from keel.backends.cpu import conv_gemm, depthwise, native_gemm, winograd, workspace
+from keel.backends.cpu import (
+    conv_epilogue,
+    conv_gemm,
+    depthwise,
+    native_gemm,
+    winograd,
+    workspace,
+)
 from keel.backends.cpu.backend import ThreadCap
 from keel.backends.cpu.conv_epilogue import Activation, activation
 from keel.backends.cpu.conv_rules import ConvCase, ConvRule, pick
 from keel.backends.cpu.kernels import TABLE
+from keel.backends.cpu.matmul import bound_call
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError, UnsupportedOperationError
 from keel.ops.registry import Op
@@ -279,8 +296,7 @@ def _run(ctx: KernelContext, op: Op, variant: str, x: Any, w: Any, b: Any, z: An
         depthwise.depthwise(xp, plan.layout, x, w, b, z, y, plan.act, packed, ctx.threads or 1)
     elif plan.variant != "native":
         _IMPLS[plan.variant](xp, plan.layout, x, w, b, z, y, plan.act, packed)
-    elif not conv_gemm.native(xp, plan.layout, x, w, b, z, y, plan.act, packed,
-                              ctx.threads or 1):
+    elif not _native(xp, plan, variant, x, w, b, z, y, attrs, out, packed, ctx.threads or 1):
         # Not served here (the gpu backend, the native tier gone): the NumPy im2col.
         fallback = _lookup(op, "im2col", ctx.backend, x, w, b, z, attrs)
         with ThreadCap(ctx.threads or 1) if xp is np else contextlib.nullcontext():
@@ -291,18 +307,166 @@ def _run(ctx: KernelContext, op: Op, variant: str, x: Any, w: Any, b: Any, z: An
     return [y.astype(plan.out_dtype, copy=False)]
 
 
+# ---- the native path, prepared once per node ------------------------------------------
+class _State(workspace.Packed):
+    """A conv node's prepack state: its constants, their packed forms, and the node's
+    prepared native runs (:class:`_Ready`) by (id(Y), id(Z), thread)."""
+
+    def __init__(self, arrays: tuple[Any, ...]) -> None:
+        super().__init__(arrays)
+        self.ready: dict[tuple[int, int, int], _Ready] = {}
+
+
+_READY_PER_NODE = 8
+
+
+class _Dead:
+    """Stands in for a weak reference to an absent input."""
+
+    def __call__(self) -> None:
+        return None
+
+
+_DEAD = _Dead()
+
+
+def _ref(a: Any) -> Any:
+    return _DEAD if a is None else weakref.ref(a)
+
+
+class _Ready:
+    """One conv node's native computation, prepared for the arrays it runs on.
+
+    A model calls a node with the same arena views every run, so everything the
+    slow path derives per call (the plan lookup, the packed filters, the phase
+    image, the kernel's argument blocks) is done once: a steady-state run copies
+    X into the zero-bordered image through views made once and runs the
+    prepared kernel calls. A copied X may be any array of X's shape and dtype
+    (a model's input is the caller's array); one read in place must be the
+    same object. The phase image belongs to the thread that prepared it.
+    """
+
+    __slots__ = ("act", "attrs", "b", "calls", "fills", "finish", "go", "threads", "variant",
+                 "w", "x_dtype", "x_ref", "x_shape", "y_ref", "z_ref")
+
+    def __init__(self, variant: str, attrs: Attrs, x: Any, w: Any, b: Any, z: Any, y: Any,
+                 act: Activation, calls: Sequence[native_gemm.Call],
+                 fills: tuple[tuple[Any, Any], ...] | None) -> None:
+        self.variant, self.attrs, self.w, self.b = variant, attrs, w, b
+        self.x_ref = None if fills is not None else weakref.ref(x)
+        self.x_shape, self.x_dtype = x.shape, x.dtype
+        self.y_ref, self.z_ref = weakref.ref(y), _ref(z)
+        self.calls, self.fills, self.act = tuple(calls), fills, act
+        self.finish = act[0] not in ("", "clip")
+        self.threads = 0                # the thread count the calls in ``go`` were bound for
+        self.go: tuple[Callable[[], Any], ...] = ()
+
+    def serves(self, variant: str, x: Any, w: Any, b: Any, z: Any, y: Any,
+               attrs: Attrs) -> bool:
+        """Whether this is the computation of these arrays (Y and Z are the key's)."""
+        if (self.attrs is not attrs or self.w is not w or self.b is not b
+                or self.variant != variant or self.y_ref() is not y or self.z_ref() is not z):
+            return False
+        if self.x_ref is not None:
+            return self.x_ref() is x
+        return x.shape == self.x_shape and x.dtype == self.x_dtype
+
+    def run(self, x: Any, y: Any, threads: int) -> None:
+        if self.fills is not None:
+            for dst, src in self.fills:
+                dst[...] = x if src is None else x[src]
+        if threads != self.threads:
+            self.go = tuple(bound_call(call, threads) for call in self.calls)
+            self.threads = threads
+        for go in self.go:
+            go()
+        if self.finish:
+            conv_epilogue.finish(np, y, y, None, self.act)
+
+
+def _native(xp: Any, plan: _Plan, variant: str, x: Any, w: Any, b: Any, z: Any, y: Any,
+            attrs: Attrs, out: Out, packed: Any, threads: int) -> bool:
+    """The native implicit GEMM; False when not served (nothing written then). When
+    ``y`` is the caller's ``out`` and ``packed`` the node's state, the computation is
+    prepared once for these arrays (:class:`_Ready`) and run from there."""
+    if not (isinstance(packed, _State) and out is not None and out[0] is y and xp is np
+            and x.dtype == np.float32 and y.dtype == np.float32
+            and native_gemm.available()):
+        return conv_gemm.native(xp, plan.layout, x, w, b, z, y, plan.act, packed, threads)
+    ready = _prepare_native(plan, variant, x, w, b, z, y, attrs, packed)
+    if ready is None:
+        return conv_gemm.native(xp, plan.layout, x, w, b, z, y, plan.act, packed, threads)
+    key = (id(y), id(z), threading.get_ident())
+    if len(packed.ready) >= _READY_PER_NODE:
+        packed.ready.clear()
+    packed.ready[key] = ready
+    ready.run(x, y, threads)
+    return True
+
+
+def _prepare_native(plan: _Plan, variant: str, x: Any, w: Any, b: Any, z: Any, y: Any,
+                    attrs: Attrs, packed: _State) -> _Ready | None:
+    """The prepared native computation of these arrays; None when not served."""
+    layout = plan.layout
+    geo = layout.geo
+    filters = workspace.form(np, packed, ("native", geo.group), (w, b),
+                             lambda xp_, a: conv_gemm._native_filters(xp_, geo, a[0], a[1]))
+    if z is not None and z is not y and np.may_share_memory(z, y):
+        return None                     # the kernel would add a copy of Z made now
+    source = conv_gemm._native_source(np, layout, x)
+    if not layout.copied and source is not x:
+        return None                     # a contiguous copy of X, made afresh each call
+    calls = conv_gemm._native_calls(layout, source, x, filters, z, y, plan.act)
+    if calls is None:
+        return None
+    fills = None
+    if layout.copied:
+        fills = tuple(_fill(source, f, dst, src, x.shape[2:])
+                      for f, (dst, src) in enumerate(layout.fills))
+    return _Ready(variant, attrs, x, w, b, z, y, plan.act, calls, fills)
+
+
+def _fill(source: Any, phase: int, dst: tuple[slice, ...], src: tuple[slice, ...],
+          dims: Sequence[int]) -> tuple[Any, Any]:
+    """(the view of ``source``'s phase that X's elements go to, the index of those
+    elements in X, or None for all of X)."""
+    every = (slice(None), slice(None))
+    dst_index: tuple[Any, ...] = (phase, *every, *dst)
+    src_index: tuple[slice, ...] = (*every, *src)
+    return source[dst_index], None if _whole(src, dims) else src_index
+
+
+def _whole(index: Sequence[slice], dims: Sequence[int]) -> bool:
+    """Whether ``index`` (one slice per dim) takes all of dims ``dims``."""
+    return all(s.indices(d) == (0, d, 1) for s, d in zip(index, dims, strict=True))
+
+
 def _prepack(ctx: KernelContext, consts: Sequence[Any], attrs: Attrs) -> Any:
     """The conv's constant W and B; the forms each layout needs are made on first use."""
     w = consts[1] if len(consts) > 1 else None
     if w is None:
         return None
-    return workspace.Packed((w, consts[2] if len(consts) > 2 else None))
+    return _State((w, consts[2] if len(consts) > 2 else None))
 
 
 def _conv_variant(variant: str) -> Callable[[KernelContext, Inputs, Attrs, Out], list[Any]]:
+    get_ident = threading.get_ident
+
     def kernel(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+        state = ctx.prepacked
+        z = inputs[3] if len(inputs) > 3 else None
+        if out is not None and state.__class__ is _State:
+            # The steady state of a model's node: its prepared native computation.
+            y = out[0]
+            ready = state.ready.get((id(y), id(z), get_ident()))
+            if ready is not None:
+                x, w = inputs[0], inputs[1]
+                b = inputs[2] if len(inputs) > 2 else None
+                if ready.serves(variant, x, w, b, z, y, attrs):
+                    ready.run(x, y, ctx.threads or 1)
+                    return [y]
         return _run(ctx, Op.CONV, variant, inputs[0], inputs[1], optional_input(inputs, 2),
-                    optional_input(inputs, 3), attrs, out)
+                    z, attrs, out)
     kernel.__doc__ = RULES[variant].summary if variant in RULES else "dispatching conv"
     return kernel
 

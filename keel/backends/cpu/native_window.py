@@ -32,8 +32,8 @@ from keel import native
 from keel.native.pool import parallel_for
 from keel.ops.schemas.conv import Window
 
-__all__ = ["WindowGeometry", "avg_counts", "avg_pool", "depthwise_conv", "global_max_pool",
-           "max_pool", "plan", "ready"]
+__all__ = ["Bound", "WindowGeometry", "avg_counts", "avg_pool", "bind_avg_pool",
+           "bind_max_pool", "depthwise_conv", "global_max_pool", "max_pool", "plan", "ready"]
 
 LIBRARY = "window"
 # Limits of window.c (MAX_TAPS, MAX_STRIDE).
@@ -149,6 +149,13 @@ class _Scratch(threading.local):
             self.address = int(self.buf.ctypes.data)
         return self.address
 
+    def held(self, floats: int) -> tuple[np.ndarray, int]:
+        """This thread's buffer of at least ``floats`` and its address (a bound call
+        keeps the array, so a later, larger buffer never frees it under the call)."""
+        address = self.get(floats)
+        assert self.buf is not None
+        return self.buf, address
+
 
 _SCRATCH = _Scratch()
 
@@ -165,6 +172,56 @@ def _run(planes: int, geo: WindowGeometry, floats: int, threads: int, call: Any)
         return
     parallel_for(planes, lambda lo, hi: _check(call(_SCRATCH.get(floats), lo, hi)), threads,
                  geo.min_chunk)
+
+
+class Bound:
+    """One window kernel call with its arguments converted once: calling it runs the
+    kernel again on the same arrays (what a model's node does every run).
+
+    Made by :func:`bind_max_pool` / :func:`bind_avg_pool` for the calling thread
+    (it holds that thread's scratch buffer) and one thread count; it keeps the
+    geometry and scratch alive, not X and Y (the caller runs it only while they
+    live: see ``keel.backends.cpu.pooling``).
+    """
+
+    __slots__ = ("args", "fn", "keep", "parallel")
+
+    def __init__(self, fn: Any, args: tuple[Any, ...], keep: tuple[Any, ...],
+                 parallel: Any = None) -> None:
+        self.fn, self.args, self.keep, self.parallel = fn, args, keep, parallel
+
+    def __call__(self) -> None:
+        if self.parallel is not None:
+            self.parallel()
+        elif self.fn(*self.args) != 0:
+            _check(1)
+
+
+def bind_max_pool(x: np.ndarray, y: np.ndarray, geo: WindowGeometry, threads: int = 1
+                  ) -> Bound:
+    """:func:`max_pool` of these arrays, ready to run again (C-contiguous float32)."""
+    fns = _functions()
+    fn, xa, ya = fns.maxpool, native.address(x), native.address(y)
+    return _bind(x.shape[0] * x.shape[1], geo, fns, threads, fn, (xa, ya, geo.address))
+
+
+def bind_avg_pool(x: np.ndarray, y: np.ndarray, geo: WindowGeometry, counts: np.ndarray,
+                  threads: int = 1) -> Bound:
+    """:func:`avg_pool` of these arrays, ready to run again (C-contiguous float32)."""
+    fns = _functions()
+    fn, xa, ya, da = fns.avgpool, native.address(x), native.address(y), native.address(counts)
+    return _bind(x.shape[0] * x.shape[1], geo, fns, threads, fn, (xa, ya, geo.address, da),
+                 counts)
+
+
+def _bind(planes: int, geo: WindowGeometry, fns: _Functions, threads: int, fn: Any,
+          head: tuple[int, ...], *keep: Any) -> Bound:
+    floats = geo.scratch_floats(fns)
+    if threads <= 1 or planes < 2 * geo.min_chunk:
+        buf, scratch = _SCRATCH.held(floats)
+        return Bound(fn, (*head, scratch, 0, planes), (geo, buf, *keep))
+    return Bound(fn, (), (geo, *keep), functools.partial(
+        _run, planes, geo, floats, threads, lambda s, lo, hi: fn(*head, s, lo, hi)))
 
 
 def depthwise_conv(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, z: np.ndarray | None,

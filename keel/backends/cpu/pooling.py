@@ -12,13 +12,18 @@ in registers, one pass over X and one over Y (numbers in ``NATIVE_MEASURED``:
 ``default`` kernels and the ``native`` variants take that path when it serves
 the call (NumPy arrays, float32, rank 3-4, no Indices output) and the NumPy
 one otherwise. The global average pool stays a BLAS gemv: it measured twice
-as fast as the compiled loop on 7x7 planes.
+as fast as the compiled loop on 7x7 planes. A native max / average pool
+called again with the same X, Y and attributes (a model's node, every run)
+runs the call bound on its first run (:class:`_PoolRun`): LeNet's pools take
+2.5 us instead of 4.8 (the C kernel 1.6).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -108,6 +113,59 @@ def _native_pool(run: Any, x: Any, y: Any, *args: Any) -> None:
         y[...] = target
 
 
+class _PoolRun:
+    """A pool node's native call bound to its arrays (:class:`nw.Bound`), run again
+    while the kernel sees the same X, Y, attributes and thread count: a model's
+    node does every run, and then skips the signature lookup and the argument
+    conversions (~3 us of a 4.5 us LeNet pool)."""
+
+    __slots__ = ("attrs", "call", "op", "threads", "x_ref", "y_ref")
+
+    def __init__(self, op: Op, x: Any, y: Any, attrs: Attrs, threads: int | None,
+                 call: nw.Bound) -> None:
+        self.op, self.attrs, self.threads, self.call = op, attrs, threads, call
+        self.x_ref, self.y_ref = weakref.ref(x), weakref.ref(y)
+
+    def serves(self, op: Op, x: Any, y: Any, attrs: Attrs, threads: int | None) -> bool:
+        return (self.attrs is attrs and self.x_ref() is x and self.y_ref() is y
+                and self.op is op and self.threads == threads)
+
+
+# Bound calls by (id(X), id(Y), thread): the scratch a call holds is its thread's.
+_BOUND: dict[tuple[int, int, int], _PoolRun] = {}
+_BOUND_LIMIT = 1024
+_get_ident = threading.get_ident
+
+
+def _steady(op: Op, ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> bool:
+    """Run the bound call of these arrays when there is one (a model's steady state)."""
+    if out is None or len(out) != 1:
+        return False
+    x, y = inputs[0], out[0]
+    run = _BOUND.get((id(x), id(y), _get_ident()))
+    if run is None or not run.serves(op, x, y, attrs, ctx.threads):
+        return False
+    run.call()
+    return True
+
+
+def _bind_native(op: Op, ctx: KernelContext, x: Any, y: Any, attrs: Attrs, out: Out,
+                 bind: Any, *args: Any) -> bool:
+    """Bind ``bind(x, y, *args, threads)`` to these arrays and run it: only for the
+    caller's own Y with C-contiguous float32 X and Y (no copy per call); False: not
+    bound (nothing written)."""
+    if (out is None or len(out) != 1 or out[0] is not y or x.dtype != np.float32
+            or y.dtype != np.float32 or not x.flags.c_contiguous
+            or not y.flags.c_contiguous):
+        return False
+    run = _PoolRun(op, x, y, attrs, ctx.threads, bind(x, y, *args, ctx.threads or 1))
+    if len(_BOUND) >= _BOUND_LIMIT:
+        _BOUND.clear()
+    _BOUND[(id(x), id(y), _get_ident())] = run
+    run.call()
+    return True
+
+
 def _register_native(op: Op, kernel: Any, shapes: str) -> None:
     TABLE.kernel(op, variant="native", dtypes=(DType.FLOAT32,), supports_out=True,
                  requires="native", priority=10, simd=(), shapes=shapes,
@@ -120,6 +178,8 @@ def _register_native(op: Op, kernel: Any, shapes: str) -> None:
               simd=(), shapes="any rank, any window")
 def max_pool(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """Running max over the window taps; Indices only when asked for (or ``out`` is None)."""
+    if _steady(Op.MAX_POOL, ctx, inputs, attrs, out):
+        return [out[0]]  # type: ignore[index]
     xp, x = ctx.xp, inputs[0]
     win, plan, separable, compiled = _prepare(Op.MAX_POOL, x, attrs)
     shape = (plan.batch, plan.channels, *plan.out)
@@ -127,7 +187,8 @@ def max_pool(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list
     want_indices = out is None or len(out) > 1
     geo = None if want_indices else _native(xp, compiled)
     if geo is not None:
-        _native_pool(nw.max_pool, x, y, geo, ctx.threads or 1)
+        if not _bind_native(Op.MAX_POOL, ctx, x, y, attrs, out, nw.bind_max_pool, geo):
+            _native_pool(nw.max_pool, x, y, geo, ctx.threads or 1)
         return [y]
     if not want_indices and separable is not None:
         _max_rows_then_columns(xp, x, separable, y)
@@ -262,13 +323,16 @@ def _sum_dtype(xp: Any, dtype: Any) -> Any:
               simd=(), shapes="any rank, any window")
 def avg_pool(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """Window sums times 1 / (the number of counted positions)."""
+    if _steady(Op.AVG_POOL, ctx, inputs, attrs, out):
+        return [out[0]]  # type: ignore[index]
     xp, x = ctx.xp, inputs[0]
     win, plan, _, compiled = _prepare(Op.AVG_POOL, x, attrs)
     geo = _native(xp, compiled)
     if geo is not None:
         y = _target(xp, out, 0, (plan.batch, plan.channels, *plan.out), x.dtype)
         counts = nw.avg_counts(win, bool(attrs["count_include_pad"]))
-        _native_pool(nw.avg_pool, x, y, geo, counts, ctx.threads or 1)
+        if not _bind_native(Op.AVG_POOL, ctx, x, y, attrs, out, nw.bind_avg_pool, geo, counts):
+            _native_pool(nw.avg_pool, x, y, geo, counts, ctx.threads or 1)
         return [y]
     xs = x.astype(_sum_dtype(xp, x.dtype), copy=False)
     acc = _window_sum(xp, xs, plan, "avg_pool")

@@ -84,6 +84,24 @@ def conv_case(op: Op, x_shape: Sequence[Dim], w_shape: Sequence[Dim],
                     geo.in_channels, geo.out_channels, win.out_spatial, geo.batch, dtype)
 
 
+# Output pixels over the batch from which a variant that otherwise yields 1x1 stride-1
+# convs to the pointwise GEMM keeps them. native: its product reads X in place row panel
+# by row panel with bias and ReLU6 fused into the store (or, at batch 32 on 7x7, stacks
+# the images). Measured on MobileNetV2's 1x1 layers (2-core AMD EPYC, Zen 4, 1 thread,
+# interleaved medians): native / pointwise time at batch 32 0.77 (16->96 on 112x112),
+# 0.82 (24->144, 56x56), 0.90 (32->192, 28x28), 0.97-1.03 on 14x14, 0.88-0.98 on 7x7;
+# at batch 1 0.81-0.99 down to 14x14, 1.10-1.22 on 7x7 (49 pixels: OpenBLAS keeps those).
+# The whole MobileNetV2 set of 1x1 layers: 0.95x onnxruntime's single-conv time at
+# batch 32 (pointwise 1.02x), 1.02x at batch 1 (1.03x).
+# Batch 1 stays with the pointwise GEMM for now: its margins there are small (0.81-0.99
+# on MobileNetV2, 0.91-1.0 on ResNet-50's 1x1 shapes at batch 1).
+POINTWISE_FROM: dict[str, tuple[int, int]] = {"native": (196, 2)}
+# What a reason quotes for those cases (the variant's evidence is about other kernels).
+POINTWISE_MEASURED: dict[str, str] = {"native": (
+    "1x1 stride 1 at batch >= 2 from 196 output pixels over the batch: measured "
+    "0.77-1.01x the pointwise GEMM's time on MobileNetV2's 1x1 layers at batch 32")}
+
+
 @dataclass(frozen=True)
 class ConvRule:
     """A conv variant's metadata: what it serves and when it is preferred.
@@ -107,6 +125,10 @@ class ConvRule:
     min_channels: int = 0              # min(in, out) channels per group
     max_channels: int | None = None    # ... at most this many
     yields_to_pointwise: bool = False  # leave 1x1 stride-1 unpadded convs to "pointwise"
+    # ... except from (this many output pixels over the batch, this batch) up ((0, 0):
+    # always yields): there the variant serves them whatever the channel limits (measured
+    # apart from them). None: the measured values in POINTWISE_FROM for this variant.
+    pointwise_from: tuple[int, int] | None = None
     # Decline a case whose nearest ``evidence`` point measured slower than the baseline.
     evidence_decides: bool = False
     min_out_pixels: int = 0
@@ -119,6 +141,10 @@ class ConvRule:
     # time divided by the baseline's), quoted in reasons for the nearest case.
     evidence: tuple[tuple[int, int, int, float], ...] = ()
     baseline: str = ""
+
+    def __post_init__(self) -> None:
+        if self.pointwise_from is None:
+            object.__setattr__(self, "pointwise_from", POINTWISE_FROM.get(self.variant, (0, 0)))
 
     def rejects(self, case: ConvCase) -> str | None:
         """Why this variant is not the choice for ``case``: it cannot run it, or it
@@ -153,6 +179,8 @@ class ConvRule:
         return None
 
     def _rejects_size(self, case: ConvCase) -> str | None:
+        if self.yields_to_pointwise and _pointwise(case):
+            return self._rejects_pointwise(case)
         per_group = min(case.in_channels, case.out_channels) // max(case.group, 1)
         evidence = self.nearest_evidence(case)
         note = f" ({evidence})" if evidence else ""
@@ -160,8 +188,6 @@ class ConvRule:
             return f"{per_group} channels per group < {self.min_channels}{note}"
         if self.max_channels is not None and per_group > self.max_channels:
             return f"{per_group} channels per group > {self.max_channels}{note}"
-        if self.yields_to_pointwise and _pointwise(case):
-            return "1x1 stride-1 unpadded: the pointwise GEMM measured faster"
         if self.evidence_decides and self.evidence and self._nearest(case)[3] >= 1.0:
             return f"the nearest measurement is slower{note}"
         if case.out_pixels < self.min_out_pixels:
@@ -175,6 +201,17 @@ class ConvRule:
             return (f"{per_group} channels, {case.batch_pixels} output pixels over the batch; "
                     f"wins with {need}{note}")
         return None
+
+    def _rejects_pointwise(self, case: ConvCase) -> str | None:
+        """Why a 1x1 stride-1 unpadded case goes to the pointwise GEMM (None: it stays)."""
+        pixels, batch = self.pointwise_from or (0, 0)
+        if not pixels:
+            return "1x1 stride-1 unpadded: the pointwise GEMM measured faster"
+        if case.batch_pixels >= pixels and case.batch >= batch:
+            return None
+        return (f"1x1 stride-1 unpadded, batch {case.batch}, {case.batch_pixels} output "
+                f"pixels over the batch: served from batch {batch} and {pixels} pixels "
+                "(the pointwise GEMM below)")
 
     def scope(self) -> str:
         """The cases this variant serves, in words."""
@@ -200,7 +237,11 @@ class ConvRule:
             parts.append(f">= {self.min_channels} channels per group")
         if self.max_channels is not None:
             parts.append(f"<= {self.max_channels} channels per group")
-        if self.yields_to_pointwise:
+        if self.yields_to_pointwise and self.pointwise_from and self.pointwise_from[0]:
+            parts.append(f"1x1 stride-1 unpadded (any channels) only from batch "
+                         f"{self.pointwise_from[1]} and {self.pointwise_from[0]} batch "
+                         "output pixels")
+        elif self.yields_to_pointwise:
             parts.append("not 1x1 stride-1 unpadded")
         if self.min_out_pixels:
             parts.append(f">= {self.min_out_pixels} output pixels")
@@ -211,6 +252,8 @@ class ConvRule:
 
     def nearest_evidence(self, case: ConvCase) -> str:
         """The measurement closest to ``case`` (log distance in channels, size and batch)."""
+        if self.yields_to_pointwise and _pointwise(case):
+            return POINTWISE_MEASURED.get(self.variant, "")
         if not self.evidence:
             return ""
         ch, sd, n, ratio = self._nearest(case)

@@ -1,0 +1,156 @@
+"""The native GEMM's row-panels-first order (keel/native/src/gemm.c, row_panels_first):
+a raw B read in place or packed whole per block (KEEL_STREAM when it is larger than
+cache), the next block prefetched, a conv's gathered taps on large images, and 1x1
+convs on the native kernel (direct or with the images stacked). Against float64
+NumPy and the reference backend; any thread split gives bitwise the same result."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from keel import native
+from keel.backends.cpu import conv as cpu_conv
+from keel.backends.cpu import conv_gemm
+from keel.backends.cpu import native_gemm as ng
+from keel.backends.cpu.backend import CpuBackend
+from keel.backends.cpu.conv_rules import conv_case, pick
+from keel.backends.reference.backend import ReferenceBackend
+from keel.ops.registry import Op
+from keel.ops.schemas.conv import conv_geometry
+
+
+@pytest.fixture(autouse=True)
+def _native_tier() -> Iterator[None]:
+    if not ng.available():
+        pytest.skip(f"native tier unavailable: {native.status().reason}")
+    yield
+
+
+def _rand(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def _mr_nr() -> tuple[int, int]:
+    geo = ng.geometry()
+    assert geo is not None
+    return geo
+
+
+def _gemm(a: np.ndarray, b: np.ndarray, threads: int, stream: bool,
+          monkeypatch: pytest.MonkeyPatch) -> np.ndarray:
+    """clip(A @ B[t] + bias + R[t], -1, 2) with A packed on the left and B raw."""
+    monkeypatch.setattr(ng, "_STREAM_BYTES", 0 if stream else 2**40)
+    monkeypatch.setattr(ng, "_MIN_FLOPS_PER_THREAD", 1)
+    m, t, n = a.shape[0], b.shape[0], b.shape[2]
+    rng = np.random.default_rng(5)
+    bias, res = _rand(rng, m), _rand(rng, t, m, n)
+    y = np.empty((t, m, n), np.float32)
+    packed = ng.pack(a, left=True)
+    assert packed is not None
+    assert ng.gemm(packed, b, y, bias=bias, bias_rows=True, residual=res, clip=(-1.0, 2.0),
+                   threads=threads)
+    want = np.clip(np.einsum("mk,tkn->tmn", a.astype(np.float64), b.astype(np.float64))
+                   + bias[:, None] + res, -1.0, 2.0)
+    np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4)
+    return y
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_every_column_remainder_in_place_and_packed(stream: bool,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Column remainders of the tile and of the widest block, few and many row panels."""
+    mr, nr = _mr_nr()
+    rng = np.random.default_rng(1)
+    for m in (1, 3, mr + 1, 17 * mr + 5):
+        for n in (1, nr - 1, nr + 3, 9 * nr + 7, 70 * nr + 1):
+            for k in (1, 16, 33):
+                _gemm(_rand(rng, m, k), _rand(rng, 2, k, n), 1, stream, monkeypatch)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_transposed_b_is_packed(stream: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(2)
+    b = _rand(rng, 3, 300, 40).transpose(0, 2, 1)          # (3, 40, 300), column stride 40
+    _gemm(_rand(rng, 20, 40), b, 1, stream, monkeypatch)
+
+
+@pytest.mark.parametrize("m,k,n", [(96, 16, 5000), (16, 32, 9000), (13, 7, 2100)])
+def test_threads_give_bitwise_the_same(m: int, k: int, n: int,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(3)
+    a, b = _rand(rng, m, k), _rand(rng, 3, k, n)
+    for stream in (False, True):
+        outs = [_gemm(a, b, threads, stream, monkeypatch) for threads in (1, 2, 3)]
+        np.testing.assert_array_equal(outs[0], outs[1])
+        np.testing.assert_array_equal(outs[0], outs[2])
+
+
+def test_in_place_and_packed_b_agree_bitwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(4)
+    a, b = _rand(rng, 40, 24), _rand(rng, 2, 24, 3000)
+    np.testing.assert_array_equal(_gemm(a, b, 1, False, monkeypatch),
+                                  _gemm(a, b, 1, True, monkeypatch))
+
+
+def _run(backend: Any, inputs: list[Any], attrs: dict[str, Any], variant: str) -> np.ndarray:
+    return np.asarray(backend.run(Op.CONV, inputs, attrs=attrs, variant=variant)[0])
+
+
+CONVS = [
+    # X, W, attrs: 1x1 read in place (14x14: 88 % full panels), stacked (7x7), a large
+    # image's gathered taps (>= 4096 output pixels), strided.
+    ((3, 24, 14, 14), (40, 24, 1, 1), {}),
+    ((4, 20, 7, 7), (36, 20, 1, 1), {}),
+    ((2, 3, 66, 66), (8, 3, 3, 3), {"pads": (1, 1, 1, 1)}),
+    ((2, 3, 131, 129), (16, 3, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}),
+]
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs", CONVS)
+def test_convs_match_reference_with_bitwise_thread_splits(
+        x_shape: tuple[int, ...], w_shape: tuple[int, ...], attrs: dict[str, Any],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ng, "_STREAM_BYTES", 0)      # small inputs take the streaming path
+    monkeypatch.setattr(ng, "_MIN_FLOPS_PER_THREAD", 1)
+    rng = np.random.default_rng(6)
+    x, w, b = _rand(rng, *x_shape), _rand(rng, *w_shape), _rand(rng, w_shape[0])
+    full = {**attrs, "activation": "clip", "activation_params": (-0.5, 1.5)}
+    plain = _run(ReferenceBackend(), [x, w, b], attrs, "default")
+    z = _rand(rng, *plain.shape)
+    for inputs in ([x, w, b], [x, w, b, z]):
+        want = _run(ReferenceBackend(), inputs, full, "default")
+        outs = [_run(CpuBackend(threads=t), inputs, full, "native") for t in (1, 2)]
+        np.testing.assert_allclose(outs[0], want, rtol=1e-4, atol=1e-4)
+        np.testing.assert_array_equal(outs[0], outs[1])
+
+
+def test_pointwise_layouts() -> None:
+    """14x14 reads X in place; 7x7 at batch 32 stacks the images (49 of 64 columns)."""
+    def layout(n: int, side: int) -> conv_gemm.NativeLayout:
+        geo = conv_geometry(Op.CONV, (n, 16, side, side), (32, 16, 1, 1), {})
+        return conv_gemm.native_layout(geo)
+
+    assert layout(32, 14).direct
+    stacked = layout(32, 7)
+    assert not stacked.direct and stacked.stacked
+    assert layout(1, 7).direct
+
+
+def test_default_takes_1x1_natively_at_batch_from_196_pixels() -> None:
+    rules = cpu_conv._available_rules()
+
+    def choice(n: int, side: int) -> tuple[str, str]:
+        case = conv_case(Op.CONV, (n, 64, side, side), (384, 64, 1, 1), {}, "float32")
+        assert case is not None
+        return pick(case, rules)
+
+    name, why = choice(32, 14)
+    assert name == "native" and "0.77-1.01x the pointwise GEMM's time" in why
+    assert choice(32, 7)[0] == "native"                   # stacked: 1568 pixels
+    name, why = choice(1, 14)
+    assert name == "pointwise" and "served from batch 2 and 196 pixels" in why
+    assert choice(2, 7)[0] == "pointwise"                 # 98 pixels over the batch

@@ -179,3 +179,19 @@ def test_address_matches_numpy_and_never_keeps_an_array_alive() -> None:
     assert probe() is None
     b = np.ones(5, dtype=np.float64)             # may reuse a freed id: still its own address
     assert native.address(b) == b.ctypes.data
+
+
+def test_every_native_source_ships_in_the_package() -> None:
+    """pyproject's package data must carry every C file and header keel builds from."""
+    import fnmatch
+    import re
+
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "pyproject.toml").read_text()
+    line = re.search(r"^\[tool\.setuptools\.package-data\]\s*\nkeel = \[(.*)\]$", text, re.M)
+    assert line is not None
+    globs = re.findall(r'"([^"]+)"', line.group(1))
+    sources = [p.relative_to(root / "keel").as_posix()
+               for p in (root / "keel" / "native" / "src").iterdir() if p.suffix in (".c", ".h")]
+    assert sources
+    assert all(any(fnmatch.fnmatch(s, g) for g in globs) for s in sources), (sources, globs)

@@ -2,6 +2,7 @@
 
     python -m benchmarks.run                       # every model, batches 1 and 32, 1 and 2 threads
     python -m benchmarks.run --models lenet,mlp --passes 3
+    python -m benchmarks.run --backend gpu         # keel's gpu backend vs onnxruntime-gpu
 
 Writes ``benchmarks/results/<stamp>.json`` (with the machine's probe) and
 ``benchmarks/results/latest.md`` (the ratio table). Ratios are keel time over
@@ -16,12 +17,14 @@ import datetime as dt
 import json
 import os
 import platform
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from benchmarks.zoo import MODELS, build
 from keel.bench import BenchConfig, ModelReport, bench_model, peak_rss_delta
+from keel.errors import KeelError
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RSS_MODELS = ("lenet", "resnet20", "mlp")
@@ -36,8 +39,16 @@ TARGETS: dict[str, Any] = {
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    try:
+        return _run(args)
+    except KeelError as exc:          # a backend or provider that cannot run here
+        print(f"benchmarks.run: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     config = BenchConfig(batches=args.batches, threads=args.threads, passes=args.passes,
-                         min_pass_seconds=args.pass_seconds)
+                         min_pass_seconds=args.pass_seconds, backend=args.backend)
     reports: list[ModelReport] = []
     for name in args.models:
         spec = MODELS[name]
@@ -48,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
                              progress=lambda msg: print(f"  {msg}", flush=True))
         # Other work on a shared machine slows 2-thread runs most: record how busy it was.
         report.notes.append(f"load average (1 min) {before} before, {_load_average()} after")
-        if name in RSS_MODELS and not args.no_rss:
+        if name in RSS_MODELS and not args.no_rss and args.backend == "cpu":
             _add_rss(report, model)
         reports.append(report)
         print(_row(report, args), flush=True)
@@ -66,6 +77,8 @@ def _load_average() -> str:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--backend", default="cpu", choices=("cpu", "gpu"),
+                   help="keel backend to time; gpu compares with onnxruntime's CUDA provider")
     p.add_argument("--batches", default="1,32")
     p.add_argument("--threads", default="1,2")
     p.add_argument("--passes", type=int, default=5)
@@ -139,6 +152,11 @@ def _cell(m: dict[str, Any], key: str) -> str:
     return f"{ratio:.2f}{mark}"
 
 
+def _keel(values: dict[str, Any], default: Any) -> Any:
+    """keel's entry (``keel:cpu``, ``keel:gpu``...) in a per-runtime mapping."""
+    return next((v for k, v in values.items() if k.startswith("keel:")), default)
+
+
 def render_markdown(payload: dict[str, Any]) -> str:
     """The ratio table: keel time / onnxruntime time per model and setting."""
     cfg = payload["config"]
@@ -163,7 +181,7 @@ def render_markdown(payload: dict[str, Any]) -> str:
         rss = m["peak_rss_mb"]
         lines.append(
             f"| {m['model']} | " + " | ".join(ratios)
-            + f" | {load.get('keel:cpu', float('nan')):.1f} / {load.get('onnxruntime', 0):.1f}"
+            + f" | {_keel(load, float('nan')):.1f} / {load.get('onnxruntime', 0):.1f}"
             + (f" | {rss['keel:cpu']} / {rss['onnxruntime']} |" if rss else " | — |")
         )
     notes = [f"- {m['model']}: {n}" for m in payload["models"] for n in m.get("notes", [])]

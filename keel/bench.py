@@ -104,18 +104,29 @@ def _time_block(run: Runner, min_seconds: float, min_iters: int) -> list[float]:
     return times
 
 
-def _ort_session(model: bytes, threads: int) -> Any:
+# onnxruntime's execution provider for the device each keel backend runs on.
+ORT_PROVIDERS = {"cpu": "CPUExecutionProvider", "reference": "CPUExecutionProvider",
+                 "gpu": "CUDAExecutionProvider"}
+
+
+def _ort_session(model: bytes, threads: int, backend: str = "cpu") -> Any:
     try:
         import onnxruntime as ort
     except ImportError:
         raise BackendSelectionError(
             "onnxruntime", "the onnxruntime package is not installed (pip install onnxruntime)"
         ) from None
+    provider = ORT_PROVIDERS.get(backend, "CPUExecutionProvider")
+    if provider not in ort.get_available_providers():
+        raise BackendSelectionError(
+            "onnxruntime", f"its {provider} is not available here (onnxruntime "
+            f"{ort.__version__} offers {', '.join(ort.get_available_providers())}); "
+            "for the gpu comparison install onnxruntime-gpu")
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    return ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model, opts, providers=[provider])
 
 
 def _load_keel(model: bytes, backend: str, threads: int) -> Any:
@@ -141,7 +152,8 @@ def bench_model(
         report.load_ms.setdefault(f"keel:{config.backend}", keel_load)
         ort_sess = None
         if config.vs:
-            ort_sess, ort_load = _timed_load(functools.partial(_ort_session, model, threads))
+            ort_sess, ort_load = _timed_load(
+                functools.partial(_ort_session, model, threads, config.backend))
             report.load_ms.setdefault("onnxruntime", ort_load)
         for batch in config.batches:
             feeds = dict(feeds_for(batch) if feeds_for else random_feeds(keel_model.inputs, batch))

@@ -93,3 +93,31 @@ def test_keel_bench_cli_prints_json(tmp_path: Path) -> None:
     assert out.exit_code == 0, out.output
     report = json.loads(out.output)
     assert {m["runtime"] for m in report["measurements"]} == {"keel:cpu", "onnxruntime"}
+
+
+def test_the_gpu_suite_says_why_it_cannot_run_here(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """``--backend gpu`` times keel's gpu backend against onnxruntime's CUDA provider; where
+    either is missing it stops with one line naming what, and writes nothing."""
+    from keel.backends.registry import default_registry
+
+    if default_registry().availability("gpu").available:
+        pytest.skip("a GPU is available: the suite would run")
+    code = suite.main(["--backend", "gpu", "--models", "mlp", "--batches", "1",
+                       "--threads", "1", "--passes", "1", "--out", str(tmp_path)])
+    assert code == 2
+    assert "backend 'gpu' cannot be used" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_onnxruntime_without_the_cuda_provider_is_named() -> None:
+    import onnxruntime as ort
+
+    from keel.bench import _ort_session
+    from keel.errors import BackendSelectionError
+    from keel.testing.models import mlp
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("onnxruntime-gpu is installed here")
+    with pytest.raises(BackendSelectionError, match="CUDAExecutionProvider is not available"):
+        _ort_session(mlp().SerializeToString(), 1, "gpu")

@@ -35,6 +35,14 @@ run of an image row), and writes Y's NCHW rows with the bias, residual and
 ReLU fused in. Measured on a 16->16 3x3 conv on 32x32 at batch 32 (1 thread):
 1.80 ms against 3.21 ms for the wide im2col above and 1.71 ms for onnxruntime.
 
+A stride-1 2-D conv may instead read B through a per-tap offset table from a
+zero-bordered copy of X whose image rows share their padding (``Wide``; XNNPACK's
+indirection in spirit): every tap is one contiguous run of "wide" columns, read
+in place with no gather, and the store drops the garbage columns by masked
+moves. It is chosen where measured faster (see ``WIDE_MAX_EXTRA``): 0.88x the
+gathered time on ResNet-20's 32->32 3x3 layers on 16x16 (onnxruntime 0.82x at
+batch 1, 0.84x at batch 32 of the wide time) and 0.85x on LeNet's first conv.
+
 A 1x1 stride-1 conv reads X in place as B (``direct``); the kernel runs it row
 panel by row panel over wide column blocks, so Y's rows stream out in long runs
 with the bias and ReLU6 on the store, and at batch B streams from memory (packed
@@ -62,8 +70,9 @@ from keel.backends.cpu import window as wnd
 from keel.backends.cpu.conv_epilogue import Activation, finish
 from keel.ops.schemas.conv import ConvGeometry
 
-__all__ = ["Im2colLayout", "NativeLayout", "PointwiseLayout", "im2col", "im2col_layout",
-           "native", "native_layout", "pointwise", "pointwise_layout"]
+__all__ = ["Im2colLayout", "NativeLayout", "PointwiseLayout", "Wide", "im2col",
+           "im2col_layout", "native", "native_layout", "pointwise", "pointwise_layout",
+           "wide_wins"]
 
 # Column-matrix bytes per chunk of images: chunks stay in cache; a single image
 # larger than this runs alone.
@@ -417,10 +426,42 @@ class NativeLayout:
     cols: Any                         # (P,) int64, read-only
     stack_cols: Any = None            # (N * P,) int64 when stacked
     stack_out: Any = None             # (N * P,) int64 when stacked
+    wide: Wide | None = None          # the indirect "wide" layout (see Wide)
 
     @property
     def stacked(self) -> bool:
         return self.stack_cols is not None
+
+
+@dataclass(frozen=True, eq=False)
+class Wide:
+    """A stride-1 conv read through a per-tap offset table, with no gather pass.
+
+    X's element (t, c, y, x) lies at ``lead + t * image + c * channel + y * row + x``
+    of a flat zero-filled buffer whose rows are ``row = W + max(pad left, pad
+    right)`` long (at least the output's width): the zeros after one image row
+    are the right padding of that row and the left padding of the next, and the
+    zero rows after one plane the bottom padding of that plane and the top
+    padding of the next (planes of ``max(H + max(pad top, pad bottom), OH) * row``).
+    Output pixel (oy, ox) of image t is product column ``t * image + oy * row +
+    ox`` (``stacked``: every image in one product, the images of a channel end to
+    end, ``image`` apart) or column ``oy * row + ox`` of product t; tap (c, kh,
+    kw) of every column is then one contiguous run of the buffer from ``c *
+    channel + kh * dh * row + kw * dw``, so the kernel reads B's panels in place
+    through that row table. The columns ``ox >= OW`` (and those between stacked
+    images) are computed and dropped by
+    the store's column map. Unpadded, unstacked, X itself is the buffer.
+    """
+
+    row: int
+    lead: int                         # buffer elements before X's first element
+    image: int                        # element step between images
+    channel: int                      # element step between channels
+    size: int                         # buffer elements
+    columns: int                      # product columns (one product, or one per image)
+    stacked: bool
+    rows: Any                         # (Cg * taps,) int64 tap offsets, read-only
+    out: Any                          # (columns,) int64: where each column goes in Y (-1: dropped)
 
 
 # Stack the images of a batch into one product when an image's last column panel
@@ -432,10 +473,18 @@ STACK_FILL = 0.9
 POINTWISE_STACK_FILL = 0.8
 
 
-def native_layout(geo: ConvGeometry) -> NativeLayout:
-    """Plan ``geo`` on the native GEMM (pure; callers cache it per signature)."""
+def native_layout(geo: ConvGeometry, wide: bool | None = None) -> NativeLayout:
+    """Plan ``geo`` on the native GEMM (pure; callers cache it per signature).
+
+    ``wide``: read B through the tap table of the wide layout (:class:`Wide`;
+    stride 1, 2-D only), gather it (False), or as measured best (None).
+    """
     win = geo.window
     unit = all(s == 1 for s in win.strides)
+    if wide is None:
+        wide = wide_wins(geo)
+    if wide and unit and win.rank == 2 and not (geo.is_pointwise and not win.padded):
+        return _wide_layout(geo, _wide_stacks(geo))
     if geo.is_pointwise and unit and not _stacks(geo.batch, math.prod(win.out_spatial),
                                                  POINTWISE_STACK_FILL):
         return NativeLayout(geo, True, False, (), (), math.prod(win.in_spatial), None, None)
@@ -468,6 +517,89 @@ def native_layout(geo: ConvGeometry) -> NativeLayout:
     rows.flags.writeable = False
     cols.flags.writeable = False
     return NativeLayout(geo, False, copied, q, fills, plane, rows, cols, stack_cols, stack_out)
+
+
+# The wide layout (see Wide) costs the product's extra columns (the row gaps, a last
+# partial column panel per product) and saves the gather of B. Where an output row is
+# whole column panels (32x32 images) the gathered B is read in place too, and the wide
+# one loses (a 16->16 3x3 conv on 32x32: 1.07x the gathered time at batch 32, 1.18x at
+# batch 1; 3->16: 1.5x). Elsewhere it wins while its column panels are at most this many
+# times the gathered ones: measured (1 thread, prepared calls, medians of interleaved
+# runs) 0.88x on 32->32 3x3 on 16x16 at batch 32 and 0.89x at batch 1 (1.125 times the
+# columns), 0.85x on LeNet's 1->6 5x5 on 28x28 at batch 1 (1.17), and lost 1.21x on
+# 64->64 3x3 on 8x8 (1.27 stacked, 1.5 per image).
+WIDE_MAX_EXTRA = 1.2
+
+
+def wide_wins(geo: ConvGeometry) -> bool:
+    """Whether the wide layout measured faster than the gathered one for ``geo``."""
+    win = geo.window
+    grid = native_gemm.geometry()
+    if grid is None or win.rank != 2 or any(s != 1 for s in win.strides) or (
+            geo.is_pointwise and not win.padded) or win.out_spatial[-1] % grid[1] == 0:
+        return False
+    pixels = math.prod(win.out_spatial)
+    gathered = _panels(geo.batch * pixels if _stacks(geo.batch, pixels) else pixels, grid[1])
+    if not _stacks(geo.batch, pixels):
+        gathered *= geo.batch
+    return _wide_panels(geo, _wide_stacks(geo), grid[1]) <= WIDE_MAX_EXTRA * gathered
+
+
+def _panels(columns: int, width: int) -> int:
+    return -(-columns // width)
+
+
+def _wide_shape(geo: ConvGeometry) -> tuple[int, int, int]:
+    """(row, plane, span) of the wide layout: the row and image steps in the buffer and
+    the product columns of one image."""
+    win = geo.window
+    (h, w), (oh, ow) = win.in_spatial, win.out_spatial
+    (pt, pl), (pb, pr) = win.pads_begin, win.pads_end
+    # Output columns and rows must also fit apart (a padded 1x1 conv is wider than X).
+    row = max(w + max(pl, pr), ow)
+    plane = max(h + max(pt, pb), oh) * row
+    return row, plane, (oh - 1) * row + ow
+
+
+def _wide_panels(geo: ConvGeometry, stacked: bool, width: int) -> int:
+    """Column panels of the wide layout's products, all together."""
+    _, plane, span = _wide_shape(geo)
+    if stacked:
+        return _panels((geo.batch - 1) * plane + span, width)
+    return geo.batch * _panels(span, width)
+
+
+def _wide_stacks(geo: ConvGeometry) -> bool:
+    """Stack a batch's images in one product when that makes fewer column panels."""
+    grid = native_gemm.geometry()
+    width = 32 if grid is None else grid[1]
+    return geo.batch > 1 and _wide_panels(geo, True, width) < _wide_panels(geo, False, width)
+
+
+def _wide_layout(geo: ConvGeometry, stacked: bool) -> NativeLayout:
+    """The :class:`Wide` plan of a 2-D stride-1 conv."""
+    win = geo.window
+    (h, w), (oh, ow) = win.in_spatial, win.out_spatial
+    (dh, dw), (kh, kw) = win.dilations, win.kernel
+    n, c = geo.batch, geo.in_channels
+    row, plane, span = _wide_shape(geo)
+    lead = win.pads_begin[0] * row + win.pads_begin[1]
+    image, channel = (plane, n * plane) if stacked else (c * plane, plane)
+    copied = win.padded or stacked
+    size = lead + n * c * plane + row if copied else n * c * plane
+    columns = (n - 1) * plane + span if stacked else span
+    taps = _grid([[i * dh * row for i in range(kh)], [j * dw for j in range(kw)]])
+    cg = c // geo.group
+    rows = (np.arange(cg, dtype=np.int64)[:, None] * channel + taps).reshape(-1)
+    j = np.arange(columns, dtype=np.int64)
+    t, rest = (j // plane, j % plane) if stacked else (np.zeros_like(j), j)
+    oy, ox = rest // row, rest % row
+    out = np.where((ox < ow) & (oy < oh), t * geo.out_channels * oh * ow + oy * ow + ox, -1)
+    rows.flags.writeable = out.flags.writeable = False
+    every = (slice(0, h), slice(0, w))
+    fills = ((every, (slice(0, h, 1), slice(0, w, 1))),) if copied else ()
+    return NativeLayout(geo, False, copied, (h, w), fills, plane, rows, _grid([range(oh * ow)]),
+                        wide=Wide(row, lead, image, channel, size, columns, stacked, rows, out))
 
 
 def _stacks(batch: int, pixels: int, fill: float = STACK_FILL) -> bool:
@@ -563,6 +695,10 @@ def _native_source(xp: Any, layout: NativeLayout, x: Any) -> Any:
     if not layout.copied:
         return x if x.flags.c_contiguous else xp.ascontiguousarray(x)
     geo = layout.geo
+    if layout.wide is not None:
+        view = _wide_view(xp, layout, layout.wide, x.dtype)
+        view[0] = x
+        return view
     image = workspace.filled(xp, ("native_phases", layout),
                              (len(layout.fills), geo.batch, geo.in_channels, *layout.q),
                              x.dtype, 0.0)
@@ -574,10 +710,59 @@ def _native_source(xp: Any, layout: NativeLayout, x: Any) -> Any:
     return image
 
 
+def _wide_buffer(xp: Any, layout: NativeLayout, wide: Wide, dtype: Any) -> Any:
+    """The flat zero-bordered buffer of a copied wide layout (zeros set once)."""
+    return workspace.filled(xp, ("native_wide", layout), (wide.size,), dtype, 0.0)
+
+
+def _wide_view(xp: Any, layout: NativeLayout, wide: Wide, dtype: Any) -> Any:
+    """X's place in the wide buffer as a (1, N, C, H, W) view (one "phase")."""
+    geo = layout.geo
+    flat = _wide_buffer(xp, layout, wide, dtype)
+    return strided(xp, flat, wide.lead, (1, geo.batch, geo.in_channels, *layout.q),
+                   (0, wide.image, wide.channel, wide.row, 1))
+
+
+def _wide_calls(layout: NativeLayout, wide: Wide, source: Any, x: Any, filters: Any, z: Any,
+                y: Any, act: Activation) -> list[native_gemm.Call] | None:
+    """The kernel calls of the wide layout (see :class:`Wide`)."""
+    geo = layout.geo
+    n, g, m = geo.batch, geo.group, geo.out_channels
+    mg, cg, p = m // g, geo.in_channels // g, math.prod(geo.window.out_spatial)
+    if layout.copied:
+        flat = _wide_buffer(np, layout, wide, source.dtype)
+        if native_gemm.address(flat) + 4 * wide.lead != native_gemm.address(source):
+            return None                      # not the buffer ``source`` views
+    else:
+        if source is not x or np.may_share_memory(x, y):
+            return None
+        flat = source.reshape(-1)
+    clip = (act[1][0], act[1][1]) if act[0] == "clip" else None
+    y3 = y.reshape(n, m, p)
+    res, accumulate = _native_residual(z, y, n, m, p)
+    calls = []
+    for gi, (wp, bias) in enumerate(filters):
+        rows = slice(gi * mg, (gi + 1) * mg)
+        target, resid = y3[:, rows], None if res is None else res[:, rows]
+        operand = native_gemm.Rows(flat, wide.rows + gi * cg * wide.channel, wide.columns,
+                                   0 if wide.stacked else wide.image)
+        if wide.stacked:
+            target, resid = _spread(target), None if resid is None else _spread(resid)
+        call = native_gemm.prepare(wp, operand, target, bias=bias, bias_rows=True,
+                                   residual=resid, accumulate=accumulate, clip=clip,
+                                   columns=wide.out)
+        if call is None:
+            return None
+        calls.append(call)
+    return calls
+
+
 def _native_calls(layout: NativeLayout, source: Any, x: Any, filters: Any, z: Any, y: Any,
                   act: Activation) -> list[native_gemm.Call] | None:
     """The kernel calls computing every group; None when one is not served."""
     geo = layout.geo
+    if layout.wide is not None:
+        return _wide_calls(layout, layout.wide, source, x, filters, z, y, act)
     n, g, m = geo.batch, geo.group, geo.out_channels
     mg, cg, p = m // g, geo.in_channels // g, math.prod(geo.window.out_spatial)
     if source is x and np.may_share_memory(x, y):

@@ -23,7 +23,10 @@
  * store, so C is written once with its final value. The clip keeps NaN
  * (x < lo and x > hi are both false for NaN), as NumPy's clip does. A column
  * map may send C's columns to arbitrary offsets of a row, or nowhere (a conv's
- * "wide" columns that fall in the padding).
+ * "wide" columns that fall in the padding); with AVX-512 a mapped tile is stored
+ * by masked moves straight from the registers (measured on a 16 -> 16 3x3 conv on
+ * 32x32 at batch 32 read through the wide layout, whose 32-column panels all cross
+ * an output row: 2.40 ms through a stack buffer, 2.05 ms masked).
  *
  * Work splits into ranges of row panels or column panels of the batch: every
  * element of C is computed by the same sequence of operations whatever range it
@@ -320,12 +323,82 @@ static inline void copy(float *restrict dst, const float *restrict src, int64_t 
 #endif
 }
 
+#if defined(__AVX512F__)
+/* The lanes of vector v (tile columns v * VW ..) that fall in tile columns [lo, hi). */
+static inline __mmask16 lanes(int64_t lo, int64_t hi, int v)
+{
+    int64_t a = lo - v * VW, b = hi - v * VW;
+    a = a < 0 ? 0 : a > VW ? VW : a;
+    b = b < 0 ? 0 : b > VW ? VW : b;
+    return (__mmask16)(((1u << b) - 1u) & ~((1u << a) - 1u));
+}
+
+/* Lanes of a row's tile vectors from their runs of a mapped row (masked loads merge). */
+static inline __attribute__((always_inline)) void
+gather_runs(int nv, const float *row, const run *r, int runs, vf *v)
+{
+    for (int q = 0; q < runs; q++) {
+        const float *base = row + r[q].o - r[q].j; /* tile column j lies at base + j */
+        for (int j = 0; j < nv; j++) {
+            __mmask16 k = lanes(r[q].j, r[q].j + r[q].len, j);
+            if (k) v[j] = (vf)_mm512_mask_loadu_ps((__m512)v[j], k, base + j * VW);
+        }
+    }
+}
+
+/* tile_mapped with masked moves straight from the registers: a conv's wide columns
+ * crossing output rows cost two or three masked stores per row and vector (masked-off
+ * lanes never touch memory, so a base before the row's start is never read or written). */
+static inline __attribute__((always_inline)) void
+tile_mapped_masked(int mr, int nv, int64_t kc, const float *a, const bsource *s,
+                   const target *t, const epilogue *e, const run *r, int runs)
+{
+    vf acc[MAXR][NV];
+    for (int i = 0; i < mr; i++) {
+        for (int j = 0; j < nv; j++) acc[i][j] = (vf){0};
+        if (t->load_c) gather_runs(nv, t->c + i * t->ldc, r, runs, acc[i]);
+    }
+    rank_updates(mr, nv, kc, a, s, acc);
+    for (int i = 0; i < mr; i++) {
+        vf res[NV];
+        for (int j = 0; j < nv; j++) res[j] = (vf){0};
+        if (t->last && e->res) gather_runs(nv, e->res + (t->i0 + i) * e->ldr, r, runs, res);
+        for (int j = 0; j < nv; j++) {
+            vf v = acc[i][j];
+            if (t->last) {
+                if (e->alpha != 1.0f) v *= e->alpha;
+                if (e->bias_kind == 1) v += e->bias[t->i0 + i];
+                if (e->res) v += res[j];
+                if (e->flags & KEEL_CLIP) v = clip(v, splat(e->lo), splat(e->hi));
+            }
+            acc[i][j] = v;
+        }
+        float *row = t->c + i * t->ldc;
+        for (int q = 0; q < runs; q++) {
+            float *base = row + r[q].o - r[q].j;
+            for (int j = 0; j < nv; j++) {
+                __mmask16 k = lanes(r[q].j, r[q].j + r[q].len, j);
+                if (k) _mm512_mask_storeu_ps(base + j * VW, k, (__m512)acc[i][j]);
+            }
+        }
+    }
+}
+#endif
+
 /* A tile whose columns are mapped (runs of C, and columns not stored): the epilogue on
  * vectors (a per-row bias, the residual gathered by runs), stored run by run. */
 static inline __attribute__((always_inline)) void
 tile_mapped(int mr, int nv, int64_t kc, const float *a, const bsource *s, const target *t,
             const epilogue *e)
 {
+#if defined(__AVX512F__)
+    {
+        run rr[NR];
+        int count = runs_of(t->map, t->cols, rr);
+        tile_mapped_masked(mr, nv, kc, a, s, t, e, rr, count);
+        return;
+    }
+#endif
     float buf[MAXR][NR], rbuf[NR];
     vf acc[MAXR][NV];
     run r[NR];

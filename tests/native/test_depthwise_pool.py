@@ -113,6 +113,13 @@ def test_mobilenet_depthwise_layers(channels: int, stride: int, side: int) -> No
     ((1, 3, 40, 41), (3, 3), {"auto_pad": "SAME_UPPER", "strides": (2, 2)}),
     ((1, 4, 150, 33), (3, 3), {"pads": (1, 1, 1, 1)}),            # several bands per plane
     ((1, 3, 70, 130), (3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}),
+    # Rows of 32+ outputs go straight to Y (window.c's conv_rows): tails of every width.
+    ((2, 3, 20, 56), (3, 3), {"pads": (1, 1, 1, 1)}),
+    ((1, 4, 9, 120), (5, 5), {"pads": (2, 2, 2, 2)}),
+    ((1, 3, 30, 128), (3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}),
+    ((1, 2, 12, 118), (3, 3), {"pads": (2, 2, 2, 2), "dilations": (2, 2)}),
+    ((1, 2, 150, 112), (3, 3), {"pads": (1, 1, 1, 1)}),            # several bands per plane
+    ((1, 2, 7, 61), (3, 3), {"pads": (0, 1, 2, 0), "strides": (1, 1)}),
     ((2, 3, 31), (5,), {"pads": (2, 1), "strides": (2,)}),         # 1-D
     ((1, 2, 300), (3,), {"pads": (1, 1), "dilations": (3,)}),
 ])
@@ -413,7 +420,8 @@ def test_portable_builds_match_the_native_one(tmp_path: Any, flags: tuple[str, .
     gmax = lib.keel_global_maxpool_f32
     gmax.argtypes, gmax.restype = [ptr, ptr, i64, i64, i64], None
     for x_shape, attrs in ((1, 5, 23, 37), {"pads": (1, 2, 2, 1), "strides": (2, 2)}), \
-            ((2, 3, 9, 8), {"pads": (1, 1, 1, 1), "strides": (1, 3), "dilations": (2, 1)}):
+            ((2, 3, 9, 8), {"pads": (1, 1, 1, 1), "strides": (1, 3), "dilations": (2, 1)}), \
+            ((1, 2, 6, 60), {"pads": (1, 1, 1, 1)}):
         inputs, full = _dw(x_shape, (3, 3), activation="clip", activation_params=(0.0, 1.0),
                            **attrs)
         x, w, b = (np.ascontiguousarray(a) for a in inputs if a is not None)

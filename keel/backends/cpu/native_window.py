@@ -33,7 +33,8 @@ from keel.native.pool import parallel_for
 from keel.ops.schemas.conv import Window
 
 __all__ = ["Bound", "WindowGeometry", "avg_counts", "avg_pool", "bind_avg_pool",
-           "bind_max_pool", "depthwise_conv", "global_max_pool", "max_pool", "plan", "ready"]
+           "bind_depthwise_conv", "bind_global_max_pool", "bind_max_pool", "depthwise_conv",
+           "global_max_pool", "max_pool", "plan", "ready"]
 
 LIBRARY = "window"
 # Limits of window.c (MAX_TAPS, MAX_STRIDE).
@@ -178,7 +179,7 @@ class Bound:
     """One window kernel call with its arguments converted once: calling it runs the
     kernel again on the same arrays (what a model's node does every run).
 
-    Made by :func:`bind_max_pool` / :func:`bind_avg_pool` for the calling thread
+    Made by the ``bind_*`` functions below for the calling thread
     (it holds that thread's scratch buffer) and one thread count; it keeps the
     geometry and scratch alive, not X and Y (the caller runs it only while they
     live: see ``keel.backends.cpu.pooling``).
@@ -215,13 +216,47 @@ def bind_avg_pool(x: np.ndarray, y: np.ndarray, geo: WindowGeometry, counts: np.
 
 
 def _bind(planes: int, geo: WindowGeometry, fns: _Functions, threads: int, fn: Any,
-          head: tuple[int, ...], *keep: Any) -> Bound:
+          head: tuple[int | None, ...], *keep: Any) -> Bound:
     floats = geo.scratch_floats(fns)
     if threads <= 1 or planes < 2 * geo.min_chunk:
         buf, scratch = _SCRATCH.held(floats)
         return Bound(fn, (*head, scratch, 0, planes), (geo, buf, *keep))
     return Bound(fn, (), (geo, *keep), functools.partial(
         _run, planes, geo, floats, threads, lambda s, lo, hi: fn(*head, s, lo, hi)))
+
+
+def bind_depthwise_conv(x: np.ndarray, w: np.ndarray, b: np.ndarray | None,
+                        z: np.ndarray | None, y: np.ndarray, geo: WindowGeometry,
+                        clip: tuple[float, float] | None, threads: int = 1) -> Bound:
+    """:func:`depthwise_conv` of these arrays, ready to run again (C-contiguous float32)."""
+    fns = _functions()
+    addr = native.address
+    bounds = None if clip is None else _bounds(clip)
+    head = (addr(x), addr(w), None if b is None else addr(b), None if z is None else addr(z),
+            addr(y), geo.address, None if bounds is None else addr(bounds))
+    return _bind(x.shape[0] * x.shape[1], geo, fns, threads, fns.dwconv, head, bounds)
+
+
+def bind_global_max_pool(x: np.ndarray, y: np.ndarray, threads: int = 1) -> Bound:
+    """:func:`global_max_pool` of these arrays, ready to run again (C-contiguous float32)."""
+    fn = _functions().global_max
+    n, c = x.shape[:2]
+    planes, size = n * c, math.prod(x.shape[2:])
+    xa, ya = native.address(x), native.address(y)
+    min_chunk = max(1, MIN_CHUNK_TAPS // max(1, size))
+    if threads <= 1 or planes < 2 * min_chunk:
+        return _Unchecked(fn, (xa, ya, size, 0, planes), ())
+    return Bound(fn, (), (), functools.partial(
+        parallel_for, planes, lambda lo, hi: fn(xa, ya, size, lo, hi), threads, min_chunk))
+
+
+class _Unchecked(Bound):
+    """A bound call of a C function that returns nothing."""
+
+    __slots__ = ()
+
+    def __call__(self) -> None:
+        self.fn(*self.args)
 
 
 def depthwise_conv(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, z: np.ndarray | None,

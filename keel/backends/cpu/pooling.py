@@ -435,10 +435,14 @@ def global_avg_pool(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) 
               simd=(), shapes="any rank")
 def global_max_pool(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """Max over the flattened spatial dims."""
+    if _steady(Op.GLOBAL_MAX_POOL, ctx, inputs, attrs, out):
+        return [out[0]]  # type: ignore[index]
     xp = ctx.xp
     flat, y = _global(Op.GLOBAL_MAX_POOL, xp, inputs[0], out)
     if flat.shape[-1] and _native_global(xp, flat, y):
-        _native_pool(nw.global_max_pool, flat, y, ctx.threads or 1)
+        if not _bind_native(Op.GLOBAL_MAX_POOL, ctx, inputs[0], y, attrs, out,
+                            nw.bind_global_max_pool):
+            _native_pool(nw.global_max_pool, flat, y, ctx.threads or 1)
         return [y]
     y.reshape(flat.shape[:2])[...] = flat.max(axis=-1)
     return [y]

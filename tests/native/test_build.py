@@ -23,6 +23,7 @@ def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
     src = tmp_path / "src"
     src.mkdir()
     monkeypatch.setenv("KEEL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("KEEL_NATIVE", raising=False)     # the build machinery itself
     monkeypatch.setattr(build, "SOURCE_DIR", src)
     native.reset()
     yield src

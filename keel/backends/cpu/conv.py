@@ -294,6 +294,13 @@ def _run(ctx: KernelContext, op: Op, variant: str, x: Any, w: Any, b: Any, z: An
     y = _target(xp, out, plan.geo.out_shape, plan.compute)
     if plan.variant == "depthwise":
         depthwise.depthwise(xp, plan.layout, x, w, b, z, y, plan.act, packed, ctx.threads or 1)
+        if isinstance(packed, _State) and out is not None and out[0] is y:
+            # The call the native form bound: the node's next runs skip the plan lookup.
+            run = depthwise.node_run(variant, attrs, x, y, z)
+            if run is not None:
+                if len(packed.ready) >= _READY_PER_NODE:
+                    packed.ready.clear()
+                packed.ready[(id(y), id(z), threading.get_ident())] = run
     elif plan.variant != "native":
         _IMPLS[plan.variant](xp, plan.layout, x, w, b, z, y, plan.act, packed)
     elif not _native(xp, plan, variant, x, w, b, z, y, attrs, out, packed, ctx.threads or 1):
@@ -314,7 +321,9 @@ class _State(workspace.Packed):
 
     def __init__(self, arrays: tuple[Any, ...]) -> None:
         super().__init__(arrays)
-        self.ready: dict[tuple[int, int, int], _Ready] = {}
+        # Prepared runs: this module's _Ready, or the depthwise form's NodeRun (same
+        # serves/run interface).
+        self.ready: dict[tuple[int, int, int], _Ready | depthwise.NodeRun] = {}
 
 
 _READY_PER_NODE = 8

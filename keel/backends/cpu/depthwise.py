@@ -37,6 +37,22 @@ hand to BLAS. Four formulations (:func:`depthwise_layout`):
   (:class:`_Prepared`): 2.9 us instead of 4.5 us of Python around a small
   batch-1 call.
 
+  Small planes: the kernel also computes 16 channels at once, one vector lane
+  per plane (a 16x16 register transpose into a padded channels-interleaved
+  copy, per-lane weights in registers, 16 outputs at a time transposed back to
+  NCHW with the residual and clip): no wide outputs past each row, no
+  per-plane copy and emit. Each lane runs the plane path's chain of fused
+  multiply-adds, so the values are bitwise the same whichever scheme runs a
+  plane (and any thread split). window.c picks it (``blocked_wins``) where it
+  measured faster inside MobileNetV2 (1 thread, blocked / plane time; numbers
+  there): batch 1, unit strides up to 28x28 (0.78-0.96) and 14->7 s2 (0.87);
+  batch 32, 7x7 s1 (0.82-0.91) and 28x28 s1 (0.81-0.91). Alone the batch-32
+  14x14 layers ran 0.93-1.03, in the model 1.07-1.27 (the 16 planes a block
+  streams at once wait on memory), so they keep the plane path. The model
+  against onnxruntime (interleaved, one process, 21 / 400 runs): batch 32
+  1.291x -> 1.275x (313.6 -> 309.9 ms against 242.9), batch 1 1.437x -> 1.398x
+  (10.92 -> 10.63 ms against 7.60); the 17 nodes at batch 1 1.66 -> 1.55 ms.
+
 The NumPy formulations, chosen by shape:
 
 * ``rows`` (2-D): for each kernel column ``kw`` a copy of the (stride-phase

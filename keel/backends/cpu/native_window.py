@@ -34,7 +34,7 @@ from keel.ops.schemas.conv import Window
 
 __all__ = ["Bound", "WindowGeometry", "avg_counts", "avg_pool", "bind_avg_pool",
            "bind_depthwise_conv", "bind_global_max_pool", "bind_max_pool", "depthwise_conv",
-           "global_max_pool", "max_pool", "plan", "ready"]
+           "global_max_pool", "max_pool", "plan", "ready", "set_bind_scheme"]
 
 LIBRARY = "window"
 # Limits of window.c (MAX_TAPS, MAX_STRIDE).
@@ -51,6 +51,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 class _Functions:
     scratch: Any
     dwconv: Any
+    dwconv_mode: Any
     maxpool: Any
     avgpool: Any
     global_max: Any
@@ -71,6 +72,8 @@ def _load() -> _Functions | None:
     fns = _Functions(
         scratch=f("keel_window_scratch", [_P], _I),
         dwconv=f("keel_dwconv2d_f32", [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I], _I),
+        dwconv_mode=f("keel_dwconv2d_mode_f32", [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I],
+                      _I),
         maxpool=f("keel_maxpool2d_f32", [_P, _P, _P, _P, _I, _I], _I),
         avgpool=f("keel_avgpool2d_f32", [_P, _P, _P, _P, _P, _I, _I], _I),
         global_max=f("keel_global_maxpool_f32", [_P, _P, _I, _I, _I], None),
@@ -234,7 +237,23 @@ def bind_depthwise_conv(x: np.ndarray, w: np.ndarray, b: np.ndarray | None,
     bounds = None if clip is None else _bounds(clip)
     head = (addr(x), addr(w), None if b is None else addr(b), None if z is None else addr(z),
             addr(y), geo.address, None if bounds is None else addr(bounds))
+    if _BIND_SCHEME[0] != "auto":     # a scheme forced for measurements (set_bind_scheme)
+        mode, fm = _SCHEMES[_BIND_SCHEME[0]], fns.dwconv_mode
+        return _bind(x.shape[0] * x.shape[1], geo, fns, threads,
+                     lambda *a: fm(*a, mode), head, bounds)
     return _bind(x.shape[0] * x.shape[1], geo, fns, threads, fns.dwconv, head, bounds)
+
+
+_BIND_SCHEME = ["auto"]
+
+
+def set_bind_scheme(scheme: str) -> None:
+    """Force the depthwise scheme of calls bound from now on ("auto", "planes",
+    "blocked"; see :func:`depthwise_conv`): lets a benchmark run a model both ways
+    in one process. Calls already bound keep theirs."""
+    if scheme not in _SCHEMES:
+        raise ValueError(f"unknown depthwise scheme {scheme!r}; allowed: {sorted(_SCHEMES)}")
+    _BIND_SCHEME[0] = scheme
 
 
 def bind_global_max_pool(x: np.ndarray, y: np.ndarray, threads: int = 1) -> Bound:
@@ -261,20 +280,32 @@ class _Unchecked(Bound):
 
 def depthwise_conv(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, z: np.ndarray | None,
                    y: np.ndarray, geo: WindowGeometry, clip: tuple[float, float] | None,
-                   threads: int = 1) -> None:
+                   threads: int = 1, scheme: str = "auto") -> None:
     """``y = clip(depthwise_conv(x, w) + b + z)``: one output channel per input channel.
 
     ``w`` holds ``C * taps`` weights (C, 1, *kernel); ``b`` (C,) and ``z`` (like
     ``y``) may be None, and so may ``clip`` (low, high). All C-contiguous float32.
+    ``scheme`` forces the C kernel's scheme (for tests and measurements): "planes"
+    (plane by plane), "blocked" (16 planes at a time where the geometry allows), or
+    "auto" (the measured choice of window.c, ``blocked_wins``).
     """
     fns = _functions()
-    fn, addr = fns.dwconv, native.address
+    addr = native.address
     xa, wa, ya = addr(x), addr(w), addr(y)
     ba = None if b is None else addr(b)
     za = None if z is None else addr(z)
     ca = None if clip is None else addr(_bounds(clip))
-    _run(x.shape[0] * x.shape[1], geo, geo.scratch_floats(fns), threads,
-         lambda s, lo, hi: fn(xa, wa, ba, za, ya, geo.address, ca, s, lo, hi))
+    if scheme == "auto":
+        fn = fns.dwconv
+        call = lambda s, lo, hi: fn(xa, wa, ba, za, ya, geo.address, ca, s, lo, hi)  # noqa: E731
+    else:
+        mode, fm = _SCHEMES[scheme], fns.dwconv_mode
+        call = lambda s, lo, hi: fm(xa, wa, ba, za, ya, geo.address, ca, s, lo, hi,  # noqa: E731
+                                    mode)
+    _run(x.shape[0] * x.shape[1], geo, geo.scratch_floats(fns), threads, call)
+
+
+_SCHEMES = {"auto": 0, "planes": 1, "blocked": 2}
 
 
 _BOUNDS: dict[tuple[float, float], np.ndarray] = {}

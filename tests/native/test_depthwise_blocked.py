@@ -1,0 +1,142 @@
+"""The channel-blocked depthwise scheme of window.c (16 planes at a time, for small planes)
+against a float64 reference and against the plane-by-plane scheme, which it matches bitwise
+(each lane runs the plane path's chain of fused multiply-adds), for any thread split."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from keel import native
+from keel.backends.cpu import native_window as nw
+from keel.ops.schemas.conv import Window
+
+RNG = np.random.default_rng(23)
+
+
+@pytest.fixture(autouse=True)
+def _native_tier() -> None:
+    if not nw.ready():
+        pytest.skip(f"native tier unavailable: {native.status().reason}")
+
+
+def _window(h: int, w: int, k: tuple[int, int], s: int, d: int, p: int) -> Window:
+    out = tuple((n + 2 * p - d * (kk - 1) - 1) // s + 1 for n, kk in zip((h, w), k, strict=True))
+    return Window((h, w), k, (s, s), (d, d), (p, p), (p, p), out)
+
+
+def _reference(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, z: np.ndarray | None,
+               win: Window, clip: tuple[float, float] | None) -> np.ndarray:
+    """Float64 depthwise conv by taps over a padded copy."""
+    n, c, h, wd = x.shape
+    (kh, kw), (sh, sw), (dh, dw) = win.kernel, win.strides, win.dilations
+    (pt, pl), (oh, ow) = win.pads_begin, win.out_spatial
+    pad = np.zeros((n, c, h + 2 * pt + kh * dh, wd + 2 * pl + kw * dw))
+    pad[:, :, pt:pt + h, pl:pl + wd] = x
+    y = np.zeros((n, c, oh, ow))
+    for i in range(kh):
+        for j in range(kw):
+            tap = pad[:, :, i * dh: i * dh + sh * oh: sh, j * dw: j * dw + sw * ow: sw]
+            y += tap * w[:, 0, i, j].astype(np.float64)[None, :, None, None]
+    if b is not None:
+        y += b.astype(np.float64)[None, :, None, None]
+    if z is not None:
+        y += z
+    if clip is not None:
+        y = np.clip(y, *clip)
+    return y
+
+
+CASES = [
+    # n, c, h, w, kernel, stride, dilation, pad
+    (1, 1, 7, 7, (3, 3), 1, 1, 1),
+    (2, 17, 7, 7, (3, 3), 1, 1, 1),
+    (1, 37, 14, 14, (3, 3), 2, 1, 1),
+    (3, 5, 9, 13, (3, 3), 2, 1, 0),
+    (1, 20, 28, 28, (3, 3), 1, 1, 1),
+    (2, 19, 6, 5, (5, 5), 1, 1, 2),
+    (1, 33, 11, 8, (1, 3), 1, 1, 1),
+    (1, 16, 10, 10, (3, 3), 1, 2, 2),
+    (1, 3, 1, 1, (3, 3), 1, 1, 1),
+    (2, 18, 15, 4, (3, 3), 2, 1, 1),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:4])) + f"-s{c[5]}")
+@pytest.mark.parametrize("fused", ["none", "bias_clip", "bias_residual_clip"])
+def test_blocked_matches_planes_bitwise_and_reference(case: tuple, fused: str) -> None:
+    n, c, h, wd, k, s, d, p = case
+    win = _window(h, wd, k, s, d, p)
+    geo = nw.plan(c, win)
+    assert geo is not None
+    x = RNG.standard_normal((n, c, h, wd)).astype(np.float32)
+    w = RNG.standard_normal((c, 1, *k)).astype(np.float32)
+    b = RNG.standard_normal(c).astype(np.float32) if fused != "none" else None
+    z = (RNG.standard_normal((n, c, *win.out_spatial)).astype(np.float32)
+         if fused == "bias_residual_clip" else None)
+    clip = (0.0, 6.0) if fused != "none" else None
+    ys = {}
+    for scheme in ("planes", "blocked", "auto"):
+        ys[scheme] = np.full((n, c, *win.out_spatial), np.nan, dtype=np.float32)
+        nw.depthwise_conv(x, w, b, z, ys[scheme], geo, clip, 1, scheme)
+    np.testing.assert_allclose(ys["blocked"], _reference(x, w, b, z, win, clip),
+                               rtol=1e-5, atol=1e-5)
+    assert np.array_equal(ys["blocked"], ys["planes"])
+    assert np.array_equal(ys["auto"], ys["planes"])
+
+
+def test_blocked_propagates_nan_like_planes() -> None:
+    win = _window(7, 7, (3, 3), 1, 1, 1)
+    geo = nw.plan(21, win)
+    assert geo is not None
+    x = RNG.standard_normal((1, 21, 7, 7)).astype(np.float32)
+    x[0, 3, 2, 4] = np.nan
+    x[0, 20, 0, 0] = np.inf
+    w = RNG.standard_normal((21, 1, 3, 3)).astype(np.float32)
+    ys = {}
+    for scheme in ("planes", "blocked"):
+        ys[scheme] = np.empty((1, 21, 7, 7), dtype=np.float32)
+        nw.depthwise_conv(x, w, None, None, ys[scheme], geo, (0.0, 6.0), 1, scheme)
+    assert np.isnan(ys["blocked"][0, 3, 1:4, 3:6]).all()
+    assert not np.isnan(ys["blocked"][0, 2]).any()
+    np.testing.assert_array_equal(ys["blocked"], ys["planes"])
+
+
+@pytest.mark.parametrize("scheme", ["blocked", "auto"])
+def test_blocked_threads_bitwise_equal(scheme: str) -> None:
+    # 1000 planes of 7x7: enough for two chunks, split mid-block (500 = 31 * 16 + 4).
+    win = _window(7, 7, (3, 3), 1, 1, 1)
+    c = 250
+    geo = nw.plan(c, win)
+    assert geo is not None and 4 * c >= 2 * geo.min_chunk
+    x = RNG.standard_normal((4, c, 7, 7)).astype(np.float32)
+    w = RNG.standard_normal((c, 1, 3, 3)).astype(np.float32)
+    b = RNG.standard_normal(c).astype(np.float32)
+    y1 = np.empty((4, c, 7, 7), dtype=np.float32)
+    y2 = np.empty_like(y1)
+    nw.depthwise_conv(x, w, b, None, y1, geo, (0.0, 6.0), 1, scheme)
+    nw.depthwise_conv(x, w, b, None, y2, geo, (0.0, 6.0), 2, scheme)
+    assert np.array_equal(y1, y2)
+    np.testing.assert_allclose(y1, _reference(x, w, b, None, win, (0.0, 6.0)),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_bind_scheme_forced_and_restored() -> None:
+    win = _window(14, 14, (3, 3), 2, 1, 1)
+    geo = nw.plan(24, win)
+    assert geo is not None
+    x = RNG.standard_normal((1, 24, 14, 14)).astype(np.float32)
+    w = RNG.standard_normal((24, 1, 3, 3)).astype(np.float32)
+    out = {}
+    try:
+        for scheme in ("planes", "blocked"):
+            nw.set_bind_scheme(scheme)
+            out[scheme] = np.empty((1, 24, 7, 7), dtype=np.float32)
+            nw.bind_depthwise_conv(x, w, None, None, out[scheme], geo, None)()
+    finally:
+        nw.set_bind_scheme("auto")
+    assert np.array_equal(out["planes"], out["blocked"])
+    np.testing.assert_allclose(out["blocked"], _reference(x, w, None, None, win, None),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="unknown depthwise scheme 'tiles'"):
+        nw.set_bind_scheme("tiles")

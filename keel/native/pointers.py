@@ -15,7 +15,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-__all__ = ["address"]
+__all__ = ["address", "weak"]
 
 _LIMIT = 1024
 _seen: dict[int, tuple[weakref.ref[Any], int]] = {}
@@ -31,3 +31,19 @@ def address(a: Any) -> int:
         _seen.clear()
     _seen[id(a)] = (weakref.ref(a), ptr)
     return ptr
+
+
+class _Dead:
+    """Stands in for a weak reference to an absent array: calling it gives None."""
+
+    def __call__(self) -> None:
+        return None
+
+
+_DEAD = _Dead()
+
+
+def weak(a: Any) -> Any:
+    """A weak reference to ``a``, or a stand-in that gives None when ``a`` is None
+    (prepared native calls hold their arrays this way and compare identities)."""
+    return _DEAD if a is None else weakref.ref(a)

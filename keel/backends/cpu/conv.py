@@ -71,6 +71,7 @@ from keel.backends.cpu.kernels import TABLE
 from keel.backends.cpu.matmul import bound_call
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError, UnsupportedOperationError
+from keel.native.pointers import weak as _ref
 from keel.ops.registry import Op
 from keel.ops.schemas.conv import (
     DTYPES,
@@ -327,20 +328,6 @@ class _State(workspace.Packed):
 
 
 _READY_PER_NODE = 8
-
-
-class _Dead:
-    """Stands in for a weak reference to an absent input."""
-
-    def __call__(self) -> None:
-        return None
-
-
-_DEAD = _Dead()
-
-
-def _ref(a: Any) -> Any:
-    return _DEAD if a is None else weakref.ref(a)
 
 
 class _Ready:

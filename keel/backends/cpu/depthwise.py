@@ -87,7 +87,6 @@ from __future__ import annotations
 import functools
 import math
 import threading
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,6 +97,7 @@ from keel.backends.cpu import native_window, workspace
 from keel.backends.cpu import window as wnd
 from keel.backends.cpu.conv_epilogue import Activation, finish
 from keel.backends.cpu.conv_gemm import PhaseFill, strided, valid
+from keel.native.pointers import weak as _ref
 from keel.ops.schemas.conv import ConvGeometry
 
 __all__ = ["FORMS", "DepthwiseLayout", "NodeRun", "depthwise", "depthwise_layout", "node_run"]
@@ -257,20 +257,6 @@ def depthwise(xp: Any, layout: DepthwiseLayout, x: Any, w: Any, b: Any, z: Any, 
 
 
 # ---- native ---------------------------------------------------------------------------------
-class _Dead:
-    """Stands in for a weak reference to an absent array."""
-
-    def __call__(self) -> None:
-        return None
-
-
-_DEAD = _Dead()
-
-
-def _ref(a: Any) -> Any:
-    return _DEAD if a is None else weakref.ref(a)
-
-
 class _Prepared:
     """A depthwise node's native call bound to its arrays (:class:`native_window.Bound`),
     run again while the kernel sees the same arrays, layout, activation and thread

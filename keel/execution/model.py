@@ -222,7 +222,8 @@ class Model:
             return self._last[0]
 
     def explain(self) -> str:
-        """Per-node backend, variant, precision and reason; copies; peak memory."""
+        """Per-node backend, variant, precision and reason; copies; peak memory; once the
+        plan has run, how its program sized the BLAS threads and why."""
         plan = self.plan
         limit = "none" if self._memory_limit is None else format_bytes(self._memory_limit)
         shapes = ", ".join(f"{k}={v}" for k, v in plan.input_shapes.items()) or "none"
@@ -234,6 +235,11 @@ class Model:
         if self._last is not None and self._last[1] is not None:
             head.append(f"chunked: {self._last[1].n_chunks} chunks of up to "
                         f"{self._last[1].chunk_size}")
+        # How a compiled program sized its backends' thread pools (known once it has run).
+        program = next((p.program for p in self._cache.values()
+                        if p.plan is plan and p.program is not None), None)
+        if program is not None:
+            head += [f"{name} threads: {why}" for name, why in program.scope_reasons.items()]
         memory = plan.memory_plan.report() if plan.memory_plan is not None else ""
         return "\n".join([*head, "", plan.table(), "", memory]).rstrip() + "\n"
 

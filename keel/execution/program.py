@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import operator
 import os
 import time
@@ -845,24 +846,16 @@ def estimated_work(type_of: Callable[[str], TensorType | None], node: Any) -> fl
     reduction), from the value types ``type_of`` gives: what sizes a backend's
     program scope, e.g. how much of a program runs on BLAS. 0.0 where the shapes
     are not known."""
-    def numel(name: str) -> int | None:
-        t = type_of(name) if name else None
-        if t is None or t.shape is None or not all(isinstance(d, int) for d in t.shape):
-            return None
-        n = 1
-        for d in t.shape:
-            n *= int(d)  # type: ignore[arg-type]
-        return n
-
     def dims(name: str) -> tuple[int, ...] | None:
         t = type_of(name) if name else None
         if t is None or t.shape is None or not all(isinstance(d, int) for d in t.shape):
             return None
         return tuple(int(d) for d in t.shape)  # type: ignore[arg-type]
 
-    out = numel(node.outputs[0]) if node.outputs else None
-    if out is None:
+    shape = dims(node.outputs[0]) if node.outputs else None
+    if shape is None:
         return 0.0
+    out = math.prod(shape)
     reduce = 1
     if node.op in _PRODUCTS and len(node.inputs) > 1:
         a = dims(node.inputs[0])
@@ -871,9 +864,7 @@ def estimated_work(type_of: Callable[[str], TensorType | None], node: Any) -> fl
     elif node.op in _CONVOLUTIONS and len(node.inputs) > 1:
         w = dims(node.inputs[1])
         if w and len(w) > 1:
-            reduce = 1
-            for d in w[1:]:
-                reduce *= d
+            reduce = math.prod(w[1:])
     elif node.op is Op.ATTENTION and len(node.inputs) > 1:
         k = dims(node.inputs[1])
         if k and len(k) > 1:

@@ -162,8 +162,9 @@ def tier_unavailable(tier: str | None) -> str | None:
     if tier == "native":
         from keel import native
 
-        st = native.status()
-        return None if st.available else f"native kernels unavailable: {st.reason}"
+        if native.available():
+            return None
+        return f"native kernels unavailable: {native.status().reason}"
     return f"unknown kernel tier {tier!r}"
 
 

@@ -64,3 +64,4 @@ def test_a_program_runs_under_the_blas_threads_it_chose(monkeypatch: pytest.Monk
     seen.clear()
     m.predict({"x": x})
     assert seen and seen[0] == 2
+    assert "cpu threads: BLAS on 2 threads: BLAS kernels do 100% of the work" in m.explain()

@@ -68,7 +68,6 @@ from keel.backends.cpu.backend import ThreadCap
 from keel.backends.cpu.conv_epilogue import Activation, activation
 from keel.backends.cpu.conv_rules import ConvCase, ConvRule, pick
 from keel.backends.cpu.kernels import TABLE
-from keel.backends.cpu.matmul import bound_call
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError, UnsupportedOperationError
 from keel.native.pointers import weak as _ref
@@ -372,7 +371,7 @@ class _Ready:
             for dst, src in self.fills:
                 dst[...] = x if src is None else x[src]
         if threads != self.threads:
-            self.go = tuple(bound_call(call, threads) for call in self.calls)
+            self.go = tuple(call.bound(threads) for call in self.calls)
             self.threads = threads
         for go in self.go:
             go()

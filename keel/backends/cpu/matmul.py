@@ -23,7 +23,7 @@ import functools
 import math
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +36,7 @@ from keel.backends.cpu.conv_epilogue import activation as resolved_activation
 from keel.backends.cpu.kernels import TABLE
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError
+from keel.native.pointers import weak
 from keel.ops.epilogue import in_place
 from keel.ops.registry import Op
 from keel.ops.schemas.matmul import (
@@ -151,22 +152,20 @@ def _epilogue(xp: Any, y: Any, addend: Any, attrs: Attrs, packed: _Operands) -> 
 
 @functools.lru_cache(maxsize=256)
 def _in_place(name: str, params: tuple[float, ...]) -> Any:
-    """The fused activation as ``f(xp, y)``: the native one-pass kernel where it serves
-    (float32, C-contiguous, NumPy), else the NumPy passes of :mod:`keel.ops.epilogue`."""
+    """The fused activation as ``f(xp, y, threads=1)``: the native one-pass kernel, split
+    over ``threads``, where it serves (float32, C-contiguous, NumPy), else the NumPy
+    passes of :mod:`keel.ops.epilogue`."""
     run = in_place(name, params)
-    if run is None or name not in fastmath.NATIVE_ACTIVATIONS:
-        return run
+    if run is None:
+        return None
+    native_served = name in fastmath.NATIVE_ACTIVATIONS
 
     def apply(xp: Any, y: Any, threads: int = 1) -> None:
-        if not (xp is np and fastmath.activation_inplace(name, params, y, threads)):
+        if not (native_served and xp is np
+                and fastmath.activation_inplace(name, params, y, threads)):
             run(xp, y)
 
-    _THREADED.add(apply)
     return apply
-
-
-# The in-place activations above that split their work over ``threads``.
-_THREADED: set[Any] = set()
 
 
 # ---- matmul, dot, gemm ---------------------------------------------------------------
@@ -472,42 +471,16 @@ def _native(ctx: KernelContext, a: Any, a2: Any, b: Any, bt: Any, packed: _Opera
 _get_ident = threading.get_ident
 
 
-def bound_call(call: native_gemm.Call, threads: int) -> Callable[[], Any]:
-    """``call.run(threads)`` as a callable with no arguments, for the calling thread.
-
-    Where the product runs on one thread (the split ``Call.run`` would choose
-    gives one part) this is the C function with its arguments converted once,
-    this thread's packing workspace included: ~1 us less per call than
-    ``Call.run``, which recomputes the split and looks the workspace up each
-    time (a third of a small GEMM's time). The same C call with the same
-    arguments: bitwise the same result. The callable keeps the call and the
-    workspace alive; run it only on this thread, while the call's A and C live.
-    """
-    f = call.f
-    flops = 2 * call.batch * call.m * call.n * call.k
-    if min(threads, flops // native_gemm._MIN_FLOPS_PER_THREAD) > 1:
-        return functools.partial(call.run, threads)
-    work = native_gemm._work(f)
-    once = functools.partial(f.gemm, call.args, work, 0, 0, call.batch * -(-call.n // f.nr))
-    once.keep = (call, native_gemm._local.work)      # type: ignore[attr-defined]
-    return once
 # Outputs up to this many bytes of a fresh Y are computed into a kept buffer and
 # copied (~0.3 us) rather than the call retargeted to Y's address (~3 us).
 _HOLD_BYTES = 64 * 1024
-
-
-class _NativeDead:
-    """Stands in for the weak reference to Y of a run that writes its own buffer."""
-
-    def __call__(self) -> None:
-        return None
 
 
 class _NativeRun:
     """A node's prepared native product for one A: the call, what runs after it, and
     where it writes (Y itself, or ``hold`` copied to whichever Y the run gets)."""
 
-    __slots__ = ("a_ref", "after", "attrs", "call", "go", "hold", "rest", "strides", "threaded",
+    __slots__ = ("a_ref", "after", "attrs", "call", "go", "hold", "rest", "strides",
                  "threads", "y_ref")
     rest: Any
     hold: Any
@@ -516,15 +489,14 @@ class _NativeRun:
     def __init__(self, a: Any, y: Any, attrs: Attrs, call: native_gemm.Call, rest: Any,
                  after: Any, hold: Any = None) -> None:
         self.a_ref = weakref.ref(a)
-        self.y_ref = _NativeDead() if hold is not None else weakref.ref(y)
+        self.y_ref = weak(None) if hold is not None else weakref.ref(y)
         self.attrs, self.call, self.rest, self.after, self.hold = attrs, call, rest, after, hold
-        self.threaded = after in _THREADED
         self.strides = None if hold is None else (hold.shape, hold.strides)
         self.threads, self.go = 0, None     # the thread count ``go`` was bound for
 
     def _run(self, threads: int) -> None:
         if threads != self.threads:
-            self.go, self.threads = bound_call(self.call, threads), threads
+            self.go, self.threads = self.call.bound(threads), threads
         self.go()
 
     @staticmethod
@@ -567,10 +539,7 @@ class _NativeRun:
             np.add(target, rest, out=target)
         after = self.after
         if after is not None:
-            if self.threaded:
-                after(np, target, threads)
-            else:
-                after(np, target)
+            after(np, target, threads)
         if hold is not None:
             y[...] = hold
         return True

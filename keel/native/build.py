@@ -33,12 +33,14 @@ from keel.config import cache_dir
 from keel.errors import BackendSelectionError, InvalidArgumentError
 from keel.native.toolchain import BASE_FLAGS, Compiler, find_compiler
 
-__all__ = ["NativeLibrary", "NativeStatus", "available", "library", "mode", "reset", "status"]
+__all__ = ["NativeLibrary", "NativeStatus", "available", "library", "loaded", "mode", "reset",
+           "status"]
 
 SOURCE_DIR = Path(__file__).resolve().parent / "src"
 _BUILD_TIMEOUT_S = 300.0
 _ARCH_FLAGS = ("-march=native",)
 _PROBE_SOURCE = "int keel_native_probe(int x) { return x + 1; }\n"
+_POOL = "threads"         # the worker pool every kernel library shares
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,11 @@ class NativeLibrary:
         fn.argtypes = list(argtypes)
         fn.restype = restype
         return fn
+
+    def address(self, symbol: str) -> int | None:
+        """The address of the C function ``symbol``; None when the library has none."""
+        fn = getattr(self._dll, symbol, None)
+        return None if fn is None else int(ctypes.cast(fn, ctypes.c_void_p).value or 0)
 
     def __repr__(self) -> str:
         return f"NativeLibrary({self.name!r}, {str(self.path)!r})"
@@ -155,7 +162,30 @@ def library(name: str) -> NativeLibrary | None:
                 raise BackendSelectionError("native", str(exc)) from exc
             return None
         state.libraries[name] = lib
+        if name != _POOL:
+            _attach_pool(lib)
         return lib
+
+
+def loaded(name: str) -> NativeLibrary | None:
+    """The library built from ``src/<name>.c`` if this process has loaded it (never builds)."""
+    return _STATE.libraries.get(name)
+
+
+def _attach_pool(lib: NativeLibrary) -> None:
+    """Hand ``lib`` the worker pool of ``threads.c`` (see ``src/parallel.h``): one pool for
+    every library. Without it (threads.c failed to build) the library runs its chunks in
+    order on the calling thread."""
+    use = lib.address("keel_use_pool")
+    if use is None:
+        return
+    try:
+        pool = library(_POOL)
+    except BackendSelectionError:
+        pool = None
+    run = None if pool is None else pool.address("keel_parallel")
+    if run is not None:
+        lib.function("keel_use_pool", [ctypes.c_void_p])(run)
 
 
 def reset() -> None:

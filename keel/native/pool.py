@@ -1,86 +1,75 @@
-"""keel's own worker threads for native kernels.
+"""keel's own worker threads for native kernels (``native/src/threads.c``).
 
-``parallel_for(n, body, threads)`` splits ``range(n)`` into at most
-``threads`` contiguous chunks of near-equal size — the same chunks for the
-same ``n`` and ``threads``, every time — runs the first on the calling
-thread and the rest on persistent worker threads, and returns when all are
-done. Native kernels release the GIL (ctypes drops it around a foreign
-call), so the chunks run in parallel. A kernel that computes every item of
-its range independently gives bitwise the same result for any thread count.
+A kernel's ``*_mt`` entry point splits ``range(n)`` into ``parts`` contiguous
+chunks of near-equal size — :func:`chunks` gives the same ranges, every time —
+and runs them on the calling thread and the pool's workers, in C: no Python
+runs on a worker, and ctypes releases the GIL around the call. Every kernel
+computes each item of its range independently, so the result is bitwise the
+same for any thread count.
 
-Waking a worker costs tens of microseconds, so callers pass ``min_chunk``
-(the fewest items worth a thread) and small jobs run inline.
+An idle worker spins for a while (``KEEL_SPIN_US`` microseconds, default 200)
+before it sleeps, so the next kernel of the same model run starts on it at
+once: a dispatch costs about a microsecond, where waking a sleeping thread
+costs tens (see threads.c). One pool serves every kernel library;
+``keel.native.build`` hands each library its address when it loads.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+import ctypes
+from typing import Any
 
-__all__ = ["chunks", "parallel_for", "shutdown"]
+from keel.native import build
 
-_lock = threading.Lock()
-_executor: ThreadPoolExecutor | None = None
-_workers = 0
+__all__ = ["chunks", "parts", "set_spin_us", "shutdown", "workers"]
+
+_I64 = ctypes.c_int64
 
 
 def chunks(n: int, threads: int, min_chunk: int = 1) -> list[tuple[int, int]]:
-    """The contiguous ``(lo, hi)`` ranges ``parallel_for`` hands out (deterministic)."""
-    if n <= 0:
+    """The contiguous ``(lo, hi)`` ranges a ``*_mt`` kernel runs (deterministic):
+    ``parts(n, threads, min_chunk)`` of them, the first ``n % parts`` one longer."""
+    count = parts(n, threads, min_chunk)
+    if count == 0:
         return []
-    parts = max(1, min(threads, n // max(1, min_chunk), n))
-    base, extra = divmod(n, parts)
+    base, extra = divmod(n, count)
     out, lo = [], 0
-    for i in range(parts):
+    for i in range(count):
         hi = lo + base + (1 if i < extra else 0)
         out.append((lo, hi))
         lo = hi
     return out
 
 
-def parallel_for(n: int, body: Callable[[int, int], None], threads: int,
-                 min_chunk: int = 1) -> None:
-    """Run ``body(lo, hi)`` over contiguous chunks of ``range(n)`` on up to ``threads`` threads."""
-    parts = chunks(n, threads, min_chunk)
-    if len(parts) <= 1:
-        for lo, hi in parts:
-            body(lo, hi)
-        return
-    pool = _pool(len(parts) - 1)
-    futures: list[Future[None]] = [pool.submit(body, lo, hi) for lo, hi in parts[1:]]
-    error: BaseException | None = None
-    try:
-        body(*parts[0])
-    except BaseException as exc:      # still wait for the others before raising
-        error = exc
-    for fut in futures:
-        try:
-            fut.result()
-        except BaseException as exc:
-            error = error or exc
-    if error is not None:
-        raise error
+def parts(n: int, threads: int, min_chunk: int = 1) -> int:
+    """How many chunks ``n`` items split into on up to ``threads`` threads, each chunk
+    at least ``min_chunk`` items (the fewest worth a thread); 0 for no items."""
+    if n <= 0:
+        return 0
+    return max(1, min(threads, n // max(1, min_chunk), n))
 
 
-def _pool(workers: int) -> ThreadPoolExecutor:
-    global _executor, _workers
-    if _executor is not None and _workers >= workers:
-        return _executor
-    with _lock:
-        if _executor is None or _workers < workers:
-            old = _executor
-            _executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="keel-worker")
-            _workers = workers
-            if old is not None:
-                old.shutdown(wait=False)
-        return _executor
+def _function(symbol: str, argtypes: list[Any], restype: Any = None) -> Any:
+    lib = build.library("threads")
+    return None if lib is None else lib.function(symbol, argtypes, restype)
+
+
+def workers() -> int:
+    """Worker threads started in this process (0 before the first parallel call)."""
+    fn = _function("keel_pool_workers", [], _I64)
+    return 0 if fn is None else int(fn())
+
+
+def set_spin_us(us: int | None) -> None:
+    """How long an idle worker spins before it sleeps, in microseconds (0: at once;
+    None: back to ``KEEL_SPIN_US`` or the default)."""
+    fn = _function("keel_pool_set_spin_us", [_I64])
+    if fn is not None:
+        fn(-1 if us is None else max(0, int(us)))
 
 
 def shutdown() -> None:
-    """Stop the worker threads (they start again on the next parallel call)."""
-    global _executor, _workers
-    with _lock:
-        if _executor is not None:
-            _executor.shutdown(wait=True)
-        _executor, _workers = None, 0
+    """Stop and join the worker threads (they start again on the next parallel call)."""
+    lib = build.loaded("threads")
+    if lib is not None:
+        lib.function("keel_pool_stop", [])()

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 __all__ = ["BASE_FLAGS", "Compiler", "find_compiler"]
 
-BASE_FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fno-math-errno", "-fno-plt")
+BASE_FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-fno-math-errno", "-fno-plt")
 _CANDIDATES = ("cc", "gcc", "clang")
 _VERSION_TIMEOUT_S = 10.0
 

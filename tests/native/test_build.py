@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 from keel import native
@@ -135,33 +138,72 @@ def test_chunks_cover_the_range_in_order(n: int, threads: int, min_chunk: int) -
     assert pool.chunks(n, threads, min_chunk) == parts
 
 
-def test_parallel_for_runs_every_chunk_on_threads() -> None:
-    seen: list[tuple[int, int, str]] = []
-    lock = threading.Lock()
-
-    def body(lo: int, hi: int) -> None:
-        with lock:
-            seen.append((lo, hi, threading.current_thread().name))
-
-    pool.parallel_for(10, body, threads=2)
-    assert sorted((lo, hi) for lo, hi, _ in seen) == [(0, 5), (5, 10)]
-    assert any(name.startswith("keel-worker") for *_, name in seen)
-    seen.clear()
-    pool.parallel_for(10, body, threads=1)
-    assert [(lo, hi) for lo, hi, _ in seen] == [(0, 10)]
+def _pool_check() -> Any:
+    lib = native.library("threads")
+    if lib is None:
+        pytest.skip(f"native tier unavailable: {native.status().reason}")
+    return lib.function("keel_pool_check", [ctypes.c_int64] * 3 + [ctypes.c_void_p],
+                        ctypes.c_int64)
 
 
-def test_parallel_for_raises_a_chunks_error_after_all_finish() -> None:
-    done: list[int] = []
+@pytest.mark.parametrize(("n", "parts"), [(10, 2), (7, 3), (3, 8), (1, 2)])
+def test_pool_runs_chunks_of_the_same_split_as_chunks(n: int, parts: int) -> None:
+    check = _pool_check()
+    out = np.full(3 * min(n, parts), -1, dtype=np.int64)
+    assert check(n, parts, 0, out.ctypes.data) == 0
+    assert [tuple(r) for r in out.reshape(-1, 3)[:, :2]] == pool.chunks(n, parts)
 
-    def body(lo: int, hi: int) -> None:
-        if lo > 0:
-            raise ValueError("chunk failed")
-        done.append(lo)
 
-    with pytest.raises(ValueError, match="chunk failed"):
-        pool.parallel_for(4, body, threads=2)
-    assert done == [0]
+def test_pool_workers_take_chunks_while_the_caller_runs_its_own() -> None:
+    check = _pool_check()
+    out = np.full(6, -1, dtype=np.int64)
+    assert check(10, 2, 5000, out.ctypes.data) == 0   # each chunk waits for the other
+    assert out[2::3].sum() >= 1 and pool.workers() >= 1
+
+
+def test_pool_serves_concurrent_callers_and_restarts_after_shutdown() -> None:
+    check = _pool_check()
+    results: list[np.ndarray] = []
+
+    def caller() -> None:
+        out = np.full(12, -1, dtype=np.int64)
+        assert check(40, 4, 0, out.ctypes.data) == 0
+        results.append(out)
+
+    threads = [threading.Thread(target=caller) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    want = [lo_hi for lo_hi in pool.chunks(40, 4)]
+    assert len(results) == 3
+    assert all([tuple(r) for r in out.reshape(-1, 3)[:, :2]] == want for out in results)
+    pool.shutdown()
+    assert pool.workers() == 0
+    out = np.full(6, -1, dtype=np.int64)
+    assert check(10, 2, 5000, out.ctypes.data) == 0
+    assert pool.workers() >= 1 and out[2::3].sum() >= 1
+
+
+def test_pool_works_in_a_forked_child() -> None:
+    check = _pool_check()
+    out = np.full(6, -1, dtype=np.int64)
+    check(10, 2, 5000, out.ctypes.data)                 # the parent has a worker now
+    pid = os.fork()
+    if pid == 0:                                        # the child: its pool starts over
+        ok = check(10, 2, 5000, out.ctypes.data) == 0 and out[2::3].sum() >= 1
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
+
+
+def test_spin_setting_keeps_results() -> None:
+    check = _pool_check()
+    for us in (0, 50, None):
+        pool.set_spin_us(us)
+        out = np.full(6, -1, dtype=np.int64)
+        assert check(10, 2, 0, out.ctypes.data) == 0
+        assert [tuple(r) for r in out.reshape(-1, 3)[:, :2]] == [(0, 5), (5, 10)]
 
 
 def test_address_matches_numpy_and_never_keeps_an_array_alive() -> None:

@@ -33,7 +33,7 @@ def _native_tier() -> Iterator[None]:
 
 @pytest.fixture
 def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Let parallel_for split even tiny arrays, so chunk edges fall mid-vector."""
+    """Let the kernels split even tiny arrays over threads, so chunk edges fall mid-vector."""
     monkeypatch.setattr(fastmath, "_MIN_CHUNK_ELEMENTS", 1)
 
 

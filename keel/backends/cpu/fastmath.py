@@ -40,9 +40,10 @@ Two threads run GELU and LayerNorm 1.9x faster than one. In BERT-mini (batch
 32, 1 thread) LayerNorm drops from 12.0 to 5.5 ms, and the fused MatMul + GELU
 epilogue through :func:`activation_inplace` from 33.3 to 24.1 ms per layer.
 
-Work splits over ``keel.native.pool.parallel_for`` by elements or rows; every
-element is computed by the same instructions wherever a chunk starts, so the
-result is bitwise the same for any thread count.
+Work splits by elements or rows into chunks on keel's worker threads (each
+kernel's ``*_mt`` entry point; :mod:`keel.native.pool`); every element is
+computed by the same instructions wherever a chunk starts, so the result is
+bitwise the same for any thread count.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from typing import Any
 import numpy as np
 
 from keel import native
-from keel.native.pool import parallel_for
+from keel.native.pool import parts
 
 __all__ = [
     "ACTIVATION_KINDS",
@@ -80,9 +81,9 @@ ACTIVATION_KINDS: dict[str, int] = {
 # zeros (ONNX Attention); plain softmax gives NaN there, as exp(x - max) does.
 SOFTMAX_MODES: dict[str, int] = {"softmax": 0, "log_softmax": 1, "masked": 2}
 
-# The fewest elements worth a worker thread: waking one costs tens of microseconds,
-# an element of GELU ~0.7 ns.
-_MIN_CHUNK_ELEMENTS = 32768
+# The fewest elements worth a worker thread: a dispatch to a spinning worker costs
+# about a microsecond, an element of GELU ~0.7 ns.
+_MIN_CHUNK_ELEMENTS = 8192
 
 _I64, _I32, _F32, _PTR = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
 
@@ -94,6 +95,11 @@ class _Functions:
     layer_norm: Callable[..., None]
     skip_layer_norm: Callable[..., None]
     softmax: Callable[..., None]
+    unary_mt: Callable[..., int]        # the *_mt entry points: (..., n, parts)
+    bias_unary_mt: Callable[..., int]
+    layer_norm_mt: Callable[..., int]
+    skip_layer_norm_mt: Callable[..., int]
+    softmax_mt: Callable[..., int]
 
 
 _bound: tuple[native.NativeLibrary, _Functions] | None = None
@@ -123,6 +129,17 @@ def _functions() -> _Functions | None:
             "keel_skip_layer_norm_f32",
             [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _F32, _I64, _I64]),
         softmax=lib.function("keel_softmax_f32", [_PTR, _PTR, _I64, _I64, _I64, _I32]),
+        unary_mt=lib.function("keel_unary_mt_f32", [_I32, _PTR, _PTR, _F32, _I64, _I64], _I64),
+        bias_unary_mt=lib.function("keel_bias_unary_mt_f32",
+                                   [_I32, _PTR, _PTR, _PTR, _I64, _F32, _I64, _I64], _I64),
+        layer_norm_mt=lib.function(
+            "keel_layer_norm_mt_f32",
+            [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _F32, _I64, _I64], _I64),
+        skip_layer_norm_mt=lib.function(
+            "keel_skip_layer_norm_mt_f32",
+            [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _F32, _I64, _I64], _I64),
+        softmax_mt=lib.function("keel_softmax_mt_f32", [_PTR, _PTR, _I64, _I32, _I64, _I64],
+                                _I64),
     )
     _bound = (lib, fns)
     return fns
@@ -148,10 +165,15 @@ def _separate(x: np.ndarray, y: np.ndarray) -> bool:
     return native.address(x) == native.address(y) or not np.may_share_memory(x, y)
 
 
-def _split(n: int, per_item: int, threads: int | None, body: Callable[[int, int], None]) -> None:
-    """``body`` over [0, n) on up to ``threads`` threads, each with enough work."""
-    min_chunk = max(1, _MIN_CHUNK_ELEMENTS // max(1, per_item))
-    parallel_for(n, body, max(1, threads or 1), min_chunk=min_chunk)
+def _run(n: int, per_item: int, threads: int | None, serial: Callable[..., None],
+         mt: Callable[..., int], head: tuple[Any, ...], tail: tuple[Any, ...] = ()) -> None:
+    """``serial(*head, 0, n, *tail)`` over the n items on this thread, or, when they are
+    worth several threads, ``mt(*head, *tail, n, parts)`` on keel's."""
+    count = parts(n, max(1, threads or 1), max(1, _MIN_CHUNK_ELEMENTS // max(1, per_item)))
+    if count <= 1:
+        serial(*head, 0, n, *tail)
+    elif mt(*head, *tail, n, count) != 0:
+        raise MemoryError("native kernel: no memory for a worker thread's scratch")
 
 
 def unary(name: str, x: Any, out: Any, alpha: float = 1.0, threads: int | None = 1) -> bool:
@@ -165,7 +187,7 @@ def unary(name: str, x: Any, out: Any, alpha: float = 1.0, threads: int | None =
             or not _separate(x, out)):
         return False
     px, py = _address(x), _address(out)
-    _split(x.size, 1, threads, lambda lo, hi: fns.unary(kind, px, py, lo, hi, alpha))
+    _run(x.size, 1, threads, fns.unary, fns.unary_mt, (kind, px, py), (alpha,))
     return True
 
 
@@ -204,8 +226,8 @@ def bias_activation_inplace(name: str, params: tuple[float, ...], y: Any, bias: 
     kind, alpha = ACTIVATION_KINDS[found[0]], found[1]
     n = bias.size
     py, pb = _address(y), _address(bias)
-    _split(y.size // n, n, threads,
-           lambda lo, hi: fns.bias_unary(kind, py, pb, py, n, lo, hi, alpha))
+    _run(y.size // n, n, threads, fns.bias_unary, fns.bias_unary_mt, (kind, py, pb, py, n),
+         (alpha,))
     return True
 
 
@@ -233,7 +255,7 @@ def layer_norm(x: Any, gamma: Any, beta: Any | None, y: Any, epsilon: float,
         return False
     args = (_address(x), _address(gamma), _address(beta), _address(y), _address(mean),
             _address(inv_std), k, epsilon)
-    _split(rows, k, threads, lambda lo, hi: fns.layer_norm(*args, lo, hi))
+    _run(rows, k, threads, fns.layer_norm, fns.layer_norm_mt, args)
     return True
 
 
@@ -258,7 +280,7 @@ def skip_layer_norm(x: Any, skip: Any, gamma: Any, beta: Any | None, y: Any, eps
         return False
     args = (_address(x), _address(skip), period, _address(gamma), _address(beta), _address(y),
             _address(total), k, epsilon)
-    _split(rows, k, threads, lambda lo, hi: fns.skip_layer_norm(*args, lo, hi))
+    _run(rows, k, threads, fns.skip_layer_norm, fns.skip_layer_norm_mt, args)
     return True
 
 
@@ -281,5 +303,5 @@ def softmax(x: Any, y: Any, mode: str = "softmax", threads: int | None = 1) -> b
         return False
     rows, n = x.shape
     px, py = _address(x), _address(y)
-    _split(rows, n, threads, lambda lo, hi: fns.softmax(px, py, n, lo, hi, code))
+    _run(rows, n, threads, fns.softmax, fns.softmax_mt, (px, py, n), (code,))
     return True

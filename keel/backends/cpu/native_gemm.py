@@ -9,7 +9,7 @@ other side is packed per call, block by block in a small per-thread workspace
 bias (per row or per column), a residual addend and a ReLU / clip ride on the
 kernel's last store, so the output is written once, in its final layout.
 
-Work splits over ``keel.native.pool.parallel_for`` by whole column panels,
+Work splits over keel's worker threads (``keel.native.pool``) by whole column panels,
 row panels or products of a batch; every element of C is computed by the same
 instructions wherever its chunk starts, so the result is bitwise the same for
 any thread count.
@@ -61,7 +61,6 @@ from typing import Any
 import numpy as np
 
 from keel import native
-from keel.native.pool import parallel_for
 
 __all__ = ["Call", "Packed", "Rows", "address", "available", "gemm", "geometry", "pack", "prepare",
            "strides_of"]
@@ -77,13 +76,15 @@ _STREAM_BYTES = 2 * 2**20
 _ARGS = struct.Struct("<23q3d")
 _C_FIELD = 13           # where C's address sits in it
 _F4 = np.dtype(np.float32)
-# The least work (flops) worth a worker thread: waking one costs tens of microseconds.
-_MIN_FLOPS_PER_THREAD = 4_000_000
+# The least work (flops) worth a worker thread: a dispatch to a spinning worker costs
+# about a microsecond (~10 us of work at 100 GFLOP/s is worth it).
+_MIN_FLOPS_PER_THREAD = 1_000_000
 
 
 @dataclass(frozen=True, eq=False)
 class _Functions:
     gemm: Callable[..., None]
+    gemm_mt: Callable[..., int]
     pack: Callable[..., None]
     mr: int          # rows of a micro-tile (the panel width of a left operand)
     nr: int          # columns of a micro-tile (the panel width of a right operand)
@@ -110,6 +111,7 @@ def _load(lib: native.NativeLibrary) -> _Functions:
 
     return _Functions(
         gemm=lib.function("keel_gemm_f32", [ctypes.c_char_p, _PTR, _I64, _I64, _I64]),
+        gemm_mt=lib.function("keel_gemm_mt_f32", [ctypes.c_char_p, _I64, _I64, _I64], _I64),
         pack=lib.function("keel_gemm_pack_f32",
                           [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _I64]),
         mr=size("keel_gemm_mr_f32"), nr=size("keel_gemm_nr_f32"),
@@ -322,17 +324,17 @@ class Call:
     def bound(self, threads: int) -> Callable[[], Any]:
         """``run(threads)`` as a callable with no arguments, for the calling thread.
 
-        Where the product runs on one thread this is the C function with its
-        arguments converted once, this thread's packing workspace included: ~1 us
-        less per call than :meth:`run`, which recomputes the split and looks the
-        workspace up each time (a third of a small GEMM's time). The same C call
-        with the same arguments: bitwise the same result. The callable keeps the
-        call and the workspace alive; run it only on this thread, while the
-        call's A and C live.
+        The C function with its arguments converted once (the split included, and
+        on one thread this thread's packing workspace): ~1 us less per call than
+        :meth:`run`, which recomputes them each time (a third of a small GEMM's
+        time). The same C call with the same arguments: bitwise the same result.
+        The callable keeps the call (and the workspace) alive; run it only on this
+        thread, while the call's A and C live.
         """
-        if self._parts(threads) > 1:
-            return functools.partial(self.run, threads)
         f = self.f
+        split = self._split(threads)
+        if split is not None:
+            return functools.partial(_checked, f.gemm_mt, self.args, *split)
         once = functools.partial(f.gemm, self.args, _work(f), 0, 0,
                                  self.batch * -(-self.n // f.nr))
         once.keep = (self, _local.work)      # type: ignore[attr-defined]
@@ -340,22 +342,31 @@ class Call:
 
     def run(self, threads: int) -> None:
         """Compute, split over up to ``threads`` threads when the product is big enough."""
-        f, m, n = self.f, self.m, self.n
+        f = self.f
+        split = self._split(threads)
+        if split is None:
+            # Column panels: any split gives the same result, so one call does them all.
+            f.gemm(self.args, _work(f), 0, 0, self.batch * -(-self.n // f.nr))
+        else:
+            _checked(f.gemm_mt, self.args, *split)
+
+    def _split(self, threads: int) -> tuple[int, int, int] | None:
+        """(split_rows, units, parts) of a call split over threads; None for one thread."""
         parts = self._parts(threads)
         if parts <= 1:
-            # Column panels: any split gives the same result, so one call does them all.
-            f.gemm(self.args, _work(f), 0, 0, self.batch * -(-n // f.nr))
-            return
+            return None
+        f, m, n = self.f, self.m, self.n
         mp, np_ = -(-m // f.mr), -(-n // f.nr)
         # Split the larger panel dimension unless the batch alone gives every thread work.
         rows = self.batch < parts and mp > np_
         units = self.batch * (mp if rows else np_)
-        args = self.args
+        return int(rows), units, min(parts, units)
 
-        def body(lo: int, hi: int) -> None:
-            f.gemm(args, _work(f), int(rows), lo, hi)
 
-        parallel_for(units, body, parts)
+def _checked(fn: Callable[..., int], *args: Any) -> None:
+    """Run a ``*_mt`` kernel; its -1 means a worker could not allocate its workspace."""
+    if fn(*args) != 0:
+        raise MemoryError("native kernel: no memory for a worker thread's workspace")
 
 
 def prepare(a: np.ndarray | Packed, b: np.ndarray | Packed | Rows, c: np.ndarray, *,

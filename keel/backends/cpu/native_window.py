@@ -4,9 +4,10 @@ The C side (``keel/native/src/window.c``) computes each output of a window
 op once, in registers, from a phase-split copy of a band of input rows; see
 its header comment. This module is the NumPy-facing half: it describes a
 window as the int64 geometry array the C functions take, keeps one scratch
-buffer per thread, and splits the planes (N * C) of a call across
-:func:`keel.native.pool.parallel_for` chunks. Each plane is computed the same
-way whatever the split, so any thread count gives bitwise the same result.
+buffer per thread, and splits the planes (N * C) of a call into chunks on
+keel's worker threads (a kernel's ``*_mt`` entry point; see
+:mod:`keel.native.pool`). Each plane is computed the same way whatever the
+split, so any thread count gives bitwise the same result.
 
 Everything here takes C-contiguous float32 NumPy arrays of rank 3 or 4
 (N, C, [H,] W) and windows of rank 1 or 2. :func:`plan` describes a window
@@ -29,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from keel import native
-from keel.native.pool import parallel_for
+from keel.native.pool import parts
 from keel.ops.schemas.conv import Window
 
 __all__ = ["Bound", "WindowGeometry", "avg_counts", "avg_pool", "bind_avg_pool",
@@ -40,9 +41,10 @@ LIBRARY = "window"
 # Limits of window.c (MAX_TAPS, MAX_STRIDE).
 MAX_TAPS = 1024
 MAX_STRIDE = 16
-# The fewest output-taps worth a worker thread: waking one costs tens of microseconds,
-# and the kernels run about 5-15 output-taps per nanosecond.
-MIN_CHUNK_TAPS = 200_000
+# The fewest output-taps worth a worker thread: a dispatch costs about a microsecond
+# to a spinning worker (tens to a sleeping one, but then the calling thread takes the
+# chunk itself), and the kernels run about 5-15 output-taps per nanosecond.
+MIN_CHUNK_TAPS = 50_000
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -55,6 +57,10 @@ class _Functions:
     maxpool: Any
     avgpool: Any
     global_max: Any
+    dwconv_mt: Any       # the *_mt entry points: (..., planes, parts), on keel's threads
+    maxpool_mt: Any
+    avgpool_mt: Any
+    global_max_mt: Any
 
 
 _loaded: tuple[native.NativeLibrary, _Functions] | None = None
@@ -77,6 +83,10 @@ def _load() -> _Functions | None:
         maxpool=f("keel_maxpool2d_f32", [_P, _P, _P, _P, _I, _I], _I),
         avgpool=f("keel_avgpool2d_f32", [_P, _P, _P, _P, _P, _I, _I], _I),
         global_max=f("keel_global_maxpool_f32", [_P, _P, _I, _I, _I], None),
+        dwconv_mt=f("keel_dwconv2d_mt_f32", [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I], _I),
+        maxpool_mt=f("keel_maxpool2d_mt_f32", [_P, _P, _P, _I, _I], _I),
+        avgpool_mt=f("keel_avgpool2d_mt_f32", [_P, _P, _P, _P, _I, _I], _I),
+        global_max_mt=f("keel_global_maxpool_mt_f32", [_P, _P, _I, _I, _I], _I),
     )
     _loaded = (lib, fns)
     return fns
@@ -166,82 +176,73 @@ _SCRATCH = _Scratch()
 
 def _check(rc: int) -> None:
     if rc != 0:
-        raise RuntimeError("native window kernel refused its geometry")
-
-
-def _run(planes: int, geo: WindowGeometry, floats: int, threads: int, call: Any) -> None:
-    """``call(scratch, lo, hi)`` over the planes: inline on one thread, else in chunks."""
-    if threads <= 1 or planes < 2 * geo.min_chunk:
-        _check(call(_SCRATCH.get(floats), 0, planes))
-        return
-    parallel_for(planes, lambda lo, hi: _check(call(_SCRATCH.get(floats), lo, hi)), threads,
-                 geo.min_chunk)
+        raise RuntimeError("native window kernel refused its geometry (or a worker thread "
+                           "found no memory for its scratch)")
 
 
 class Bound:
     """One window kernel call with its arguments converted once: calling it runs the
     kernel again on the same arrays (what a model's node does every run).
 
-    Made by the ``bind_*`` functions below for the calling thread
-    (it holds that thread's scratch buffer) and one thread count; it keeps the
+    Made by the ``bind_*`` functions below for the calling thread (a call on one
+    thread holds that thread's scratch buffer) and one thread count; it keeps the
     geometry and scratch alive, not X and Y (the caller runs it only while they
     live: see ``keel.backends.cpu.pooling``).
     """
 
-    __slots__ = ("args", "fn", "keep", "parallel")
+    __slots__ = ("args", "fn", "keep")
 
-    def __init__(self, fn: Any, args: tuple[Any, ...], keep: tuple[Any, ...],
-                 parallel: Any = None) -> None:
-        self.fn, self.args, self.keep, self.parallel = fn, args, keep, parallel
+    def __init__(self, fn: Any, args: tuple[Any, ...], keep: tuple[Any, ...]) -> None:
+        self.fn, self.args, self.keep = fn, args, keep
 
     def __call__(self) -> None:
-        if self.parallel is not None:
-            self.parallel()
-        elif self.fn(*self.args) != 0:
+        if self.fn(*self.args) != 0:
             _check(1)
+
+
+def _bind(planes: int, geo: WindowGeometry, fns: _Functions, threads: int, serial: Any,
+          mt: Any, head: tuple[int | None, ...], tail: tuple[int, ...] = (),
+          keep: tuple[Any, ...] = ()) -> Bound:
+    """``serial(*head, scratch, 0, planes, *tail)`` on this thread, or, when the planes
+    are worth several threads, ``mt(*head, *tail, planes, parts)`` on keel's."""
+    count = parts(planes, threads, geo.min_chunk)
+    if count <= 1:
+        buf, scratch = _SCRATCH.held(geo.scratch_floats(fns))
+        return Bound(serial, (*head, scratch, 0, planes, *tail), (geo, buf, *keep))
+    return Bound(mt, (*head, *tail, planes, count), (geo, *keep))
 
 
 def bind_max_pool(x: np.ndarray, y: np.ndarray, geo: WindowGeometry, threads: int = 1
                   ) -> Bound:
     """:func:`max_pool` of these arrays, ready to run again (C-contiguous float32)."""
     fns = _functions()
-    fn, xa, ya = fns.maxpool, native.address(x), native.address(y)
-    return _bind(x.shape[0] * x.shape[1], geo, fns, threads, fn, (xa, ya, geo.address))
+    return _bind(x.shape[0] * x.shape[1], geo, fns, threads, fns.maxpool, fns.maxpool_mt,
+                 (native.address(x), native.address(y), geo.address))
 
 
 def bind_avg_pool(x: np.ndarray, y: np.ndarray, geo: WindowGeometry, counts: np.ndarray,
                   threads: int = 1) -> Bound:
     """:func:`avg_pool` of these arrays, ready to run again (C-contiguous float32)."""
     fns = _functions()
-    fn, xa, ya, da = fns.avgpool, native.address(x), native.address(y), native.address(counts)
-    return _bind(x.shape[0] * x.shape[1], geo, fns, threads, fn, (xa, ya, geo.address, da),
-                 counts)
-
-
-def _bind(planes: int, geo: WindowGeometry, fns: _Functions, threads: int, fn: Any,
-          head: tuple[int | None, ...], *keep: Any) -> Bound:
-    floats = geo.scratch_floats(fns)
-    if threads <= 1 or planes < 2 * geo.min_chunk:
-        buf, scratch = _SCRATCH.held(floats)
-        return Bound(fn, (*head, scratch, 0, planes), (geo, buf, *keep))
-    return Bound(fn, (), (geo, *keep), functools.partial(
-        _run, planes, geo, floats, threads, lambda s, lo, hi: fn(*head, s, lo, hi)))
+    head = (native.address(x), native.address(y), geo.address, native.address(counts))
+    return _bind(x.shape[0] * x.shape[1], geo, fns, threads, fns.avgpool, fns.avgpool_mt,
+                 head, keep=(counts,))
 
 
 def bind_depthwise_conv(x: np.ndarray, w: np.ndarray, b: np.ndarray | None,
                         z: np.ndarray | None, y: np.ndarray, geo: WindowGeometry,
-                        clip: tuple[float, float] | None, threads: int = 1) -> Bound:
-    """:func:`depthwise_conv` of these arrays, ready to run again (C-contiguous float32)."""
+                        clip: tuple[float, float] | None, threads: int = 1,
+                        scheme: str | None = None) -> Bound:
+    """:func:`depthwise_conv` of these arrays, ready to run again (C-contiguous float32);
+    ``scheme`` None takes the one :func:`set_bind_scheme` set."""
     fns = _functions()
     addr = native.address
     bounds = None if clip is None else _bounds(clip)
     head = (addr(x), addr(w), None if b is None else addr(b), None if z is None else addr(z),
             addr(y), geo.address, None if bounds is None else addr(bounds))
-    if _BIND_SCHEME[0] != "auto":     # a scheme forced for measurements (set_bind_scheme)
-        mode, fm = _SCHEMES[_BIND_SCHEME[0]], fns.dwconv_mode
-        return _bind(x.shape[0] * x.shape[1], geo, fns, threads,
-                     lambda *a: fm(*a, mode), head, bounds)
-    return _bind(x.shape[0] * x.shape[1], geo, fns, threads, fns.dwconv, head, bounds)
+    mode = _SCHEMES[_BIND_SCHEME[0] if scheme is None else scheme]
+    return _bind(x.shape[0] * x.shape[1], geo, fns, threads, fns.dwconv_mode, fns.dwconv_mt,
+                 head, (mode,), (bounds,))
 
 
 _BIND_SCHEME = ["auto"]
@@ -258,15 +259,14 @@ def set_bind_scheme(scheme: str) -> None:
 
 def bind_global_max_pool(x: np.ndarray, y: np.ndarray, threads: int = 1) -> Bound:
     """:func:`global_max_pool` of these arrays, ready to run again (C-contiguous float32)."""
-    fn = _functions().global_max
+    fns = _functions()
     n, c = x.shape[:2]
     planes, size = n * c, math.prod(x.shape[2:])
     xa, ya = native.address(x), native.address(y)
-    min_chunk = max(1, MIN_CHUNK_TAPS // max(1, size))
-    if threads <= 1 or planes < 2 * min_chunk:
-        return _Unchecked(fn, (xa, ya, size, 0, planes), ())
-    return Bound(fn, (), (), functools.partial(
-        parallel_for, planes, lambda lo, hi: fn(xa, ya, size, lo, hi), threads, min_chunk))
+    count = parts(planes, threads, max(1, MIN_CHUNK_TAPS // max(1, size)))
+    if count <= 1:
+        return _Unchecked(fns.global_max, (xa, ya, size, 0, planes), ())
+    return Bound(fns.global_max_mt, (xa, ya, size, planes, count), ())
 
 
 class _Unchecked(Bound):
@@ -289,20 +289,9 @@ def depthwise_conv(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, z: np.nda
     (plane by plane), "blocked" (16 planes at a time where the geometry allows), or
     "auto" (the measured choice of window.c, ``blocked_wins``).
     """
-    fns = _functions()
-    addr = native.address
-    xa, wa, ya = addr(x), addr(w), addr(y)
-    ba = None if b is None else addr(b)
-    za = None if z is None else addr(z)
-    ca = None if clip is None else addr(_bounds(clip))
-    if scheme == "auto":
-        fn = fns.dwconv
-        call = lambda s, lo, hi: fn(xa, wa, ba, za, ya, geo.address, ca, s, lo, hi)  # noqa: E731
-    else:
-        mode, fm = _SCHEMES[scheme], fns.dwconv_mode
-        call = lambda s, lo, hi: fm(xa, wa, ba, za, ya, geo.address, ca, s, lo, hi,  # noqa: E731
-                                    mode)
-    _run(x.shape[0] * x.shape[1], geo, geo.scratch_floats(fns), threads, call)
+    if scheme not in _SCHEMES:
+        raise ValueError(f"unknown depthwise scheme {scheme!r}; allowed: {sorted(_SCHEMES)}")
+    bind_depthwise_conv(x, w, b, z, y, geo, clip, threads, scheme)()
 
 
 _SCHEMES = {"auto": 0, "planes": 1, "blocked": 2}
@@ -323,19 +312,13 @@ def _bounds(clip: tuple[float, float]) -> np.ndarray:
 
 def max_pool(x: np.ndarray, y: np.ndarray, geo: WindowGeometry, threads: int = 1) -> None:
     """``y`` = the max over each window; padding never wins and NaN propagates."""
-    fns = _functions()
-    fn, xa, ya = fns.maxpool, native.address(x), native.address(y)
-    _run(x.shape[0] * x.shape[1], geo, geo.scratch_floats(fns), threads,
-         lambda s, lo, hi: fn(xa, ya, geo.address, s, lo, hi))
+    bind_max_pool(x, y, geo, threads)()
 
 
 def avg_pool(x: np.ndarray, y: np.ndarray, geo: WindowGeometry, counts: np.ndarray,
              threads: int = 1) -> None:
     """``y`` = the window sums divided by ``counts`` (float32 over the output plane)."""
-    fns = _functions()
-    fn, xa, ya, da = fns.avgpool, native.address(x), native.address(y), native.address(counts)
-    _run(x.shape[0] * x.shape[1], geo, geo.scratch_floats(fns), threads,
-         lambda s, lo, hi: fn(xa, ya, geo.address, da, s, lo, hi))
+    bind_avg_pool(x, y, geo, counts, threads)()
 
 
 @functools.lru_cache(maxsize=256)
@@ -365,13 +348,4 @@ def global_max_pool(x: np.ndarray, y: np.ndarray, threads: int = 1) -> None:
     (No global average: OpenBLAS's gemv against a vector of 1 / size, which the
     NumPy kernel runs, measured twice as fast on 7x7 planes.)
     """
-    fn = _functions().global_max
-    n, c = x.shape[:2]
-    planes, size = n * c, math.prod(x.shape[2:])
-    xa, ya = native.address(x), native.address(y)
-    min_chunk = max(1, MIN_CHUNK_TAPS // max(1, size))
-    if threads <= 1 or planes < 2 * min_chunk:
-        fn(xa, ya, size, 0, planes)
-        return
-    parallel_for(planes, lambda lo, hi: fn(xa, ya, size, lo, hi), threads, min_chunk)
-
+    bind_global_max_pool(x, y, threads)()

@@ -599,3 +599,94 @@ void keel_softmax_f32(const float *x, float *y, int64_t n, int64_t lo, int64_t h
         scale_row(yr, n, (float)(1.0 / s));
     }
 }
+
+/* ---- on keel's worker threads ------------------------------------------------------
+ * Each kernel above over [0, n) (elements for unary, rows for the others) in `parts`
+ * chunks on keel's worker threads; every element or row is computed as it would be on
+ * one thread. Return 0, or -1 when a thread's scratch could not be allocated. */
+
+#include "parallel.h"
+
+typedef struct {
+    int32_t kind, mode;
+    const float *x, *skip, *gamma, *beta, *bias;
+    float *y, *mean, *inv_std, *sum;
+    int64_t k, skip_rows;
+    float eps, alpha;
+} fm_job;
+
+static void unary_task(void *ctx, float *s, int64_t lo, int64_t hi)
+{
+    const fm_job *j = ctx;
+    (void)s;
+    keel_unary_f32(j->kind, j->x, j->y, lo, hi, j->alpha);
+}
+
+static void bias_unary_task(void *ctx, float *s, int64_t lo, int64_t hi)
+{
+    const fm_job *j = ctx;
+    (void)s;
+    keel_bias_unary_f32(j->kind, j->x, j->bias, j->y, j->k, lo, hi, j->alpha);
+}
+
+static void layer_norm_task(void *ctx, float *s, int64_t lo, int64_t hi)
+{
+    const fm_job *j = ctx;
+    (void)s;
+    keel_layer_norm_f32(j->x, j->gamma, j->beta, j->y, j->mean, j->inv_std, j->k, j->eps, lo,
+                        hi);
+}
+
+static void skip_layer_norm_task(void *ctx, float *s, int64_t lo, int64_t hi)
+{
+    const fm_job *j = ctx;
+    (void)s;
+    keel_skip_layer_norm_f32(j->x, j->skip, j->skip_rows, j->gamma, j->beta, j->y, j->sum, j->k,
+                             j->eps, lo, hi);
+}
+
+static void softmax_task(void *ctx, float *s, int64_t lo, int64_t hi)
+{
+    const fm_job *j = ctx;
+    (void)s;
+    keel_softmax_f32(j->x, j->y, j->k, lo, hi, j->mode);
+}
+
+int64_t keel_unary_mt_f32(int32_t kind, const float *x, float *y, float alpha, int64_t n,
+                          int64_t parts)
+{
+    fm_job j = {.kind = kind, .x = x, .y = y, .alpha = alpha};
+    return run_parts(unary_task, &j, n, parts, 0);
+}
+
+int64_t keel_bias_unary_mt_f32(int32_t kind, const float *x, const float *bias, float *y,
+                               int64_t k, float alpha, int64_t rows, int64_t parts)
+{
+    fm_job j = {.kind = kind, .x = x, .bias = bias, .y = y, .k = k, .alpha = alpha};
+    return run_parts(bias_unary_task, &j, rows, parts, 0);
+}
+
+int64_t keel_layer_norm_mt_f32(const float *x, const float *gamma, const float *beta, float *y,
+                               float *mean, float *inv_std, int64_t k, float eps, int64_t rows,
+                               int64_t parts)
+{
+    fm_job j = {.x = x, .gamma = gamma, .beta = beta, .y = y, .mean = mean, .inv_std = inv_std,
+                .k = k, .eps = eps};
+    return run_parts(layer_norm_task, &j, rows, parts, 0);
+}
+
+int64_t keel_skip_layer_norm_mt_f32(const float *x, const float *skip, int64_t skip_rows,
+                                    const float *gamma, const float *beta, float *y, float *sum,
+                                    int64_t k, float eps, int64_t rows, int64_t parts)
+{
+    fm_job j = {.x = x, .skip = skip, .skip_rows = skip_rows, .gamma = gamma, .beta = beta,
+                .y = y, .sum = sum, .k = k, .eps = eps};
+    return run_parts(skip_layer_norm_task, &j, rows, parts, 0);
+}
+
+int64_t keel_softmax_mt_f32(const float *x, float *y, int64_t n, int32_t mode, int64_t rows,
+                            int64_t parts)
+{
+    fm_job j = {.x = x, .y = y, .k = n, .mode = mode};
+    return run_parts(softmax_task, &j, rows, parts, 0);
+}

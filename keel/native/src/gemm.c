@@ -992,3 +992,27 @@ void keel_gemm_f32(const keel_gemm_args *g, float *work, int64_t split_rows, int
             gemm_2d(&p, &e, 0, mp, lo_p, hi_p);
     }
 }
+
+/* ---- on keel's worker threads ------------------------------------------------------ */
+
+#include "parallel.h"
+
+typedef struct {
+    const keel_gemm_args *g;
+    int64_t split_rows;
+} gemm_job;
+
+static void gemm_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
+{
+    const gemm_job *j = ctx;
+    keel_gemm_f32(j->g, scratch, j->split_rows, lo, hi);
+}
+
+/* keel_gemm_f32 over units [0, units) in `parts` chunks on keel's worker threads (each
+ * with its own workspace). Returns 0, or -1 when a workspace could not be allocated. */
+int64_t keel_gemm_mt_f32(const keel_gemm_args *g, int64_t split_rows, int64_t units,
+                         int64_t parts)
+{
+    gemm_job j = {g, split_rows};
+    return run_parts(gemm_task, &j, units, parts, keel_gemm_workspace_f32());
+}

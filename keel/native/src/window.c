@@ -930,3 +930,75 @@ int64_t keel_window_scratch(const int64_t *geometry) {
 #endif
     return band_floats(&g, g.band);
 }
+
+/* ---- on keel's worker threads ------------------------------------------------------ */
+
+#include <stdatomic.h>
+
+#include "parallel.h"
+
+typedef struct {
+    const float *x;
+    float *y;
+    const int64_t *geometry;
+    win_args e;
+    int64_t mode;
+    _Atomic int64_t rc;
+} window_job;
+
+static void window_task(void *ctx, float *scratch, int64_t lo, int64_t hi) {
+    window_job *j = ctx;
+    if (run_window(j->x, j->y, j->geometry, &j->e, scratch, lo, hi, j->mode) != 0)
+        atomic_store(&j->rc, -1);
+}
+
+/* run_window over planes [0, planes) in `parts` chunks; -1 for a geometry it does not
+ * serve (then nothing is written) or when scratch could not be allocated. */
+static int64_t window_mt(window_job *j, int64_t planes, int64_t parts) {
+    int64_t floats = keel_window_scratch(j->geometry);
+    if (floats < 0) return -1;
+    atomic_init(&j->rc, 0);
+    if (run_parts(window_task, j, planes, parts, floats) != 0) return -1;
+    return atomic_load(&j->rc);
+}
+
+/* keel_dwconv2d_mode_f32 over planes [0, planes) in `parts` chunks on keel's threads. */
+int64_t keel_dwconv2d_mt_f32(const float *x, const float *w, const float *bias,
+                             const float *z, float *y, const int64_t *geometry,
+                             const float *clip, int64_t mode, int64_t planes, int64_t parts) {
+    window_job j = {x, y, geometry, {WIN_CONV, w, bias, z, clip, NULL}, mode, 0};
+    return window_mt(&j, planes, parts);
+}
+
+/* keel_maxpool2d_f32 over planes [0, planes) in `parts` chunks on keel's threads. */
+int64_t keel_maxpool2d_mt_f32(const float *x, float *y, const int64_t *geometry,
+                              int64_t planes, int64_t parts) {
+    window_job j = {x, y, geometry, {WIN_MAX, NULL, NULL, NULL, NULL, NULL}, 0, 0};
+    return window_mt(&j, planes, parts);
+}
+
+/* keel_avgpool2d_f32 over planes [0, planes) in `parts` chunks on keel's threads. */
+int64_t keel_avgpool2d_mt_f32(const float *x, float *y, const int64_t *geometry,
+                              const float *count, int64_t planes, int64_t parts) {
+    window_job j = {x, y, geometry, {WIN_AVG, NULL, NULL, NULL, NULL, count}, 0, 0};
+    return window_mt(&j, planes, parts);
+}
+
+typedef struct {
+    const float *x;
+    float *y;
+    int64_t size;
+} global_job;
+
+static void global_max_task(void *ctx, float *scratch, int64_t lo, int64_t hi) {
+    const global_job *j = ctx;
+    (void)scratch;
+    keel_global_maxpool_f32(j->x, j->y, j->size, lo, hi);
+}
+
+/* keel_global_maxpool_f32 over planes [0, planes) in `parts` chunks on keel's threads. */
+int64_t keel_global_maxpool_mt_f32(const float *x, float *y, int64_t size, int64_t planes,
+                                   int64_t parts) {
+    global_job j = {x, y, size};
+    return run_parts(global_max_task, &j, planes, parts, 0);
+}

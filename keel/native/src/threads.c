@@ -1,0 +1,353 @@
+/* keel's worker threads for native kernels: one pool per process, shared by every
+ * kernel library (each gets keel_parallel's address through its keel_use_pool).
+ *
+ *   keel_parallel(fn, ctx, n, parts, scratch_floats)
+ *
+ * splits [0, n) into `parts` contiguous chunks of near-equal size (the same chunks
+ * for the same n and parts, every time: keel.native.pool.chunks), and runs
+ * fn(ctx, scratch, lo, hi) for each, the calling thread taking chunks alongside the
+ * workers. `scratch` is the running thread's own buffer of at least scratch_floats
+ * floats (64-byte aligned), kept between calls. A kernel whose chunks compute
+ * disjoint outputs with the same instructions wherever the chunk starts gives
+ * bitwise the same result whichever thread runs which chunk.
+ *
+ * Why not Python threads: waking a Python worker through a queue costs ~22 us on
+ * the 2-core development machine (a sleeping vCPU is woken through the
+ * hypervisor), more than a 32 x 512 x 256 GEMM takes on one thread (80 us) gains
+ * from a second. Here a worker that has just run a chunk spins for a while
+ * (KEEL_SPIN_US, default 200 us) before it sleeps, so the chunks of the next
+ * kernel, a few microseconds later in the same model run, start at once; one
+ * dispatch to a spinning worker costs about a microsecond. A model's run is a
+ * sequence of such kernels, so the workers sleep only between runs.
+ *
+ * One job runs at a time: a second caller (another Python thread) that finds the
+ * pool busy runs its chunks itself, in order, on its own scratch. The pool is
+ * rebuilt in a child after fork (its threads do not survive one).
+ */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define cpu_relax() _mm_pause()
+#elif defined(__aarch64__)
+#define cpu_relax() __asm__ __volatile__("yield")
+#else
+#define cpu_relax() ((void)0)
+#endif
+
+#define MAX_WORKERS 255
+#define ALIGN 64
+
+typedef void (*keel_task)(void *ctx, float *scratch, int64_t lo, int64_t hi);
+
+/* ---- per-thread scratch ------------------------------------------------------------ */
+
+typedef struct {
+    float *p;
+    int64_t floats;
+} scratch_buf;
+
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+
+static void scratch_free(void *v)
+{
+    scratch_buf *s = v;
+    free(s->p);
+    free(s);
+}
+
+static void scratch_init(void) { pthread_key_create(&scratch_key, scratch_free); }
+
+/* This thread's scratch of at least `floats` floats; NULL if memory ran out. */
+static float *scratch_get(int64_t floats)
+{
+    pthread_once(&scratch_once, scratch_init);
+    scratch_buf *s = pthread_getspecific(scratch_key);
+    if (!s) {
+        s = calloc(1, sizeof *s);
+        if (!s || pthread_setspecific(scratch_key, s) != 0) {
+            free(s);
+            return NULL;
+        }
+    }
+    if (floats < 1) floats = 1;
+    if (s->floats < floats) {
+        size_t bytes = ((size_t)floats * sizeof(float) + ALIGN - 1) / ALIGN * ALIGN;
+        float *p = aligned_alloc(ALIGN, bytes);
+        if (!p) return NULL;
+        free(s->p);
+        s->p = p;
+        s->floats = floats;
+    }
+    return s->p;
+}
+
+/* ---- the pool ---------------------------------------------------------------------- */
+
+typedef struct {
+    keel_task fn;
+    void *ctx;
+    int64_t n, scratch_floats;
+} job;
+
+/* The ticket holds the job's epoch (high 32 bits), its chunk count (16) and the next
+ * chunk to take (16). A thread runs a chunk only after claiming it by compare-and-swap
+ * on the ticket of a live epoch, so a worker that wakes late never runs a finished job,
+ * and the job's description is stable while any of its chunks can still be claimed. */
+#define CHUNK_BITS 16
+#define MAX_PARTS ((1 << CHUNK_BITS) - 1)
+
+static struct {
+    pthread_mutex_t lock; /* guards sleeping and waking, and starting workers */
+    pthread_cond_t wake;
+    atomic_flag busy;        /* a job is being run */
+    _Atomic uint64_t ticket; /* epoch | parts | next chunk */
+    _Atomic int64_t done;    /* chunks of the live job finished */
+    _Atomic int failed;      /* a thread could not get its scratch */
+    _Atomic int sleepers;    /* workers waiting on `wake` */
+    _Atomic int stop;
+    int workers;
+    pthread_t threads[MAX_WORKERS];
+    job j;
+    _Atomic int64_t spin_ns;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, ATOMIC_FLAG_INIT, 0, 0, 0, 0, 0,
+          0, {0}, {0}, -1};
+
+static int64_t now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static int64_t spin_ns(void)
+{
+    if (pool.spin_ns < 0) {
+        const char *env = getenv("KEEL_SPIN_US");
+        long us = env && *env ? strtol(env, NULL, 10) : 200;
+        pool.spin_ns = us < 0 ? 0 : (int64_t)us * 1000;
+    }
+    return pool.spin_ns;
+}
+
+static uint32_t epoch_of(uint64_t t) { return (uint32_t)(t >> 32); }
+
+/* Chunk c of [0, n) in `parts` near-equal contiguous pieces (the first n % parts one longer). */
+static void chunk(int64_t n, int64_t parts, int64_t c, int64_t *lo, int64_t *hi)
+{
+    int64_t base = n / parts, extra = n % parts;
+    *lo = c * base + (c < extra ? c : extra);
+    *hi = *lo + base + (c < extra);
+}
+
+/* Claim and run chunks of the job of `epoch` until none is left (or another job is live). */
+static void take_chunks(uint32_t epoch)
+{
+    float *scratch = NULL;
+    uint64_t t = atomic_load_explicit(&pool.ticket, memory_order_acquire);
+    for (;;) {
+        int64_t parts = (int64_t)((t >> CHUNK_BITS) & MAX_PARTS), c = (int64_t)(t & MAX_PARTS);
+        if (epoch_of(t) != epoch || c >= parts) return;
+        if (!atomic_compare_exchange_weak_explicit(&pool.ticket, &t, t + 1, memory_order_acq_rel,
+                                                   memory_order_acquire))
+            continue;
+        if (!scratch) scratch = scratch_get(pool.j.scratch_floats);
+        if (scratch) {
+            int64_t lo, hi;
+            chunk(pool.j.n, parts, c, &lo, &hi);
+            pool.j.fn(pool.j.ctx, scratch, lo, hi);
+        } else {
+            atomic_store(&pool.failed, 1);
+        }
+        atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
+        t = atomic_load_explicit(&pool.ticket, memory_order_acquire);
+    }
+}
+
+/* The epoch of a job newer than `seen`, spinning a while and then sleeping for one. */
+static uint32_t next_epoch(uint32_t seen)
+{
+    uint32_t now = epoch_of(atomic_load_explicit(&pool.ticket, memory_order_acquire));
+    if (now != seen) return now;
+    int64_t until = now_ns() + spin_ns();
+    for (unsigned i = 1; !atomic_load_explicit(&pool.stop, memory_order_relaxed); i++) {
+        now = epoch_of(atomic_load_explicit(&pool.ticket, memory_order_acquire));
+        if (now != seen) return now;
+        cpu_relax();
+        if ((i & 255) == 0 && now_ns() > until) break;
+    }
+    pthread_mutex_lock(&pool.lock);
+    atomic_fetch_add(&pool.sleepers, 1);
+    while ((now = epoch_of(atomic_load(&pool.ticket))) == seen && !atomic_load(&pool.stop))
+        pthread_cond_wait(&pool.wake, &pool.lock);
+    atomic_fetch_sub(&pool.sleepers, 1);
+    pthread_mutex_unlock(&pool.lock);
+    return now;
+}
+
+/* arg: the epoch before the job the worker was started for (so it takes part in that one). */
+static void *worker(void *arg)
+{
+    uint32_t seen = (uint32_t)(uintptr_t)arg;
+    for (;;) {
+        seen = next_epoch(seen);
+        if (atomic_load(&pool.stop)) return NULL;
+        take_chunks(seen);
+    }
+}
+
+/* Start workers until there are `want` (fewer if a thread cannot be created). */
+static void grow(int want)
+{
+    if (want > MAX_WORKERS) want = MAX_WORKERS;
+    if (pool.workers >= want) return;
+    pthread_mutex_lock(&pool.lock);
+    while (pool.workers < want) {
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setstacksize(&attr, 256 * 1024);
+        uintptr_t seen = epoch_of(atomic_load_explicit(&pool.ticket, memory_order_relaxed));
+        int rc = pthread_create(&pool.threads[pool.workers], &attr, worker, (void *)seen);
+        pthread_attr_destroy(&attr);
+        if (rc != 0) break;
+        pool.workers++;
+    }
+    pthread_mutex_unlock(&pool.lock);
+}
+
+/* Run the chunks on this thread alone, in order. */
+static int64_t run_inline(keel_task fn, void *ctx, int64_t n, int64_t parts, int64_t floats)
+{
+    float *scratch = scratch_get(floats);
+    if (!scratch) return -1;
+    for (int64_t c = 0; c < parts; c++) {
+        int64_t lo, hi;
+        chunk(n, parts, c, &lo, &hi);
+        fn(ctx, scratch, lo, hi);
+    }
+    return 0;
+}
+
+static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
+
+static void after_fork_child(void)
+{
+    /* The workers did not come along: start over with none. */
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    atomic_flag_clear(&pool.busy);
+    pool.workers = 0;
+    atomic_store(&pool.sleepers, 0);
+    atomic_store(&pool.stop, 0);
+}
+
+static void fork_init(void) { pthread_atfork(NULL, NULL, after_fork_child); }
+
+/* Run fn over [0, n) in `parts` chunks on up to `parts` threads (this one included).
+ * Returns 0, or -1 when a thread could not get its scratch (chunks may be missing). */
+int64_t keel_parallel(keel_task fn, void *ctx, int64_t n, int64_t parts, int64_t scratch_floats)
+{
+    if (n <= 0) return 0;
+    if (parts > n) parts = n;
+    if (parts > MAX_PARTS) parts = MAX_PARTS;
+    if (parts < 1) parts = 1;
+    if (parts == 1 || atomic_flag_test_and_set_explicit(&pool.busy, memory_order_acquire))
+        return run_inline(fn, ctx, n, parts, scratch_floats);
+    pthread_once(&fork_once, fork_init);
+    grow((int)(parts - 1));
+    pool.j = (job){fn, ctx, n, scratch_floats};
+    atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
+    atomic_store_explicit(&pool.failed, 0, memory_order_relaxed);
+    uint32_t epoch = epoch_of(atomic_load_explicit(&pool.ticket, memory_order_relaxed)) + 1;
+    atomic_store(&pool.ticket, ((uint64_t)epoch << 32) | ((uint64_t)parts << CHUNK_BITS));
+    if (atomic_load(&pool.sleepers) > 0) {
+        pthread_mutex_lock(&pool.lock);
+        pthread_cond_broadcast(&pool.wake);
+        pthread_mutex_unlock(&pool.lock);
+    }
+    take_chunks(epoch);
+    for (unsigned i = 1; atomic_load_explicit(&pool.done, memory_order_acquire) < parts; i++) {
+        cpu_relax();
+        if ((i & 4095) == 0) sched_yield();
+    }
+    int failed = atomic_load(&pool.failed);
+    atomic_flag_clear_explicit(&pool.busy, memory_order_release);
+    return failed ? -1 : 0;
+}
+
+/* Worker threads started so far. */
+int64_t keel_pool_workers(void) { return pool.workers; }
+
+/* Set how long an idle worker spins before it sleeps (microseconds; 0: sleep at once;
+ * negative: back to KEEL_SPIN_US or the default). */
+void keel_pool_set_spin_us(int64_t us) { pool.spin_ns = us < 0 ? -1 : us * 1000; }
+
+/* Stop and join every worker (they start again on the next parallel call). */
+void keel_pool_stop(void)
+{
+    while (atomic_flag_test_and_set_explicit(&pool.busy, memory_order_acquire)) sched_yield();
+    pthread_mutex_lock(&pool.lock);
+    atomic_store(&pool.stop, 1);
+    pthread_cond_broadcast(&pool.wake);
+    int count = pool.workers;
+    pthread_mutex_unlock(&pool.lock);
+    for (int i = 0; i < count; i++) pthread_join(pool.threads[i], NULL);
+    pool.workers = 0;
+    atomic_store(&pool.stop, 0);
+    atomic_flag_clear_explicit(&pool.busy, memory_order_release);
+}
+
+/* ---- a self-check (tests) -------------------------------------------------------------
+ * keel_parallel over [0, n) in `parts` chunks of a task that records, per chunk, its
+ * bounds and whether a worker (not the calling thread) ran it: out[3c] = lo,
+ * out[3c + 1] = hi, out[3c + 2] = 1 on a worker. With wait_ms > 0 each chunk then waits
+ * (up to wait_ms) until every chunk has started: on the pool, that needs `parts`
+ * threads at once. Returns keel_parallel's result, or -2 if a chunk's wait timed out. */
+
+typedef struct {
+    int64_t *out;
+    int64_t parts, n, wait_ms;
+    pthread_t caller;
+    _Atomic int64_t started;
+    _Atomic int timed_out;
+} check_job;
+
+static void check_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
+{
+    check_job *j = ctx;
+    (void)scratch;
+    for (int64_t c = 0; c < j->parts; c++) {
+        int64_t clo, chi;
+        chunk(j->n, j->parts, c, &clo, &chi);
+        if (clo == lo && chi == hi) {
+            j->out[3 * c] = lo;
+            j->out[3 * c + 1] = hi;
+            j->out[3 * c + 2] = !pthread_equal(pthread_self(), j->caller);
+        }
+    }
+    atomic_fetch_add(&j->started, 1);
+    int64_t until = now_ns() + j->wait_ms * 1000000;
+    while (j->wait_ms > 0 && atomic_load(&j->started) < j->parts) {
+        if (now_ns() > until) {
+            atomic_store(&j->timed_out, 1);
+            return;
+        }
+        sched_yield();
+    }
+}
+
+int64_t keel_pool_check(int64_t n, int64_t parts, int64_t wait_ms, int64_t *out)
+{
+    check_job j = {out, parts > n ? n : (parts < 1 ? 1 : parts), n, wait_ms, pthread_self(), 0,
+                   0};
+    int64_t rc = keel_parallel(check_task, &j, n, parts, 0);
+    return rc != 0 ? rc : atomic_load(&j.timed_out) ? -2 : 0;
+}

@@ -62,3 +62,22 @@ def test_portable_build_matches_the_reference(portable: tuple[str, ...], name: s
     st = native.status()
     assert set(portable) <= set(st.flags) and "-march=native" not in st.flags
     assert st.built and not st.failed
+
+
+def test_portable_winograd_matches_the_reference(portable: tuple[str, ...]) -> None:
+    """The Winograd transforms' portable paths (partial vector blocks without masks)."""
+    from keel.backends.cpu import winograd
+    from keel.backends.reference.backend import ReferenceBackend
+    from keel.ops.registry import Op
+
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 6, 11, 13)).astype(np.float32)
+    w = rng.standard_normal((5, 6, 3, 3)).astype(np.float32)
+    b = rng.standard_normal(5).astype(np.float32)
+    y = np.empty((2, 5, 11, 13), np.float32)
+    assert winograd.native_conv3x3(x, w, (1, 1), (11, 13), y, b, None, ("clip", (0.0, 1.0)),
+                                   None, 2)
+    want = ReferenceBackend().run(Op.CONV, [x, w, b], attrs={
+        "pads": (1, 1, 1, 1), "activation": "clip", "activation_params": (0.0, 1.0)})[0]
+    np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-5)
+    assert "-march=native" not in native.status().flags

@@ -181,11 +181,16 @@ def _check_dtype_set(op: Op, dtypes: tuple[Any, ...]) -> DType:
 
 # ---- the variants --------------------------------------------------------------------
 def _winograd(xp: Any, layout: ConvGeometry, x: Any, w: Any, b: Any, z: Any, y: Any,
-              act: Activation, packed: Any = None) -> None:
-    """F(2x2, 3x3); the bias rides in the transform, z and the activation in the last copy."""
+              act: Activation, packed: Any = None, threads: int = 1) -> None:
+    """F(2x2, 3x3): the transforms compiled (bias, z and a clip in the output transform)
+    where the native tier serves the arrays; else in NumPy, the bias in the transform,
+    z and the activation in the last copy."""
     win = layout.window
-    winograd.conv3x3(xp, x, w, (win.pads_begin[0], win.pads_begin[1]),
-                     (win.out_spatial[0], win.out_spatial[1]), y, b, z, act, packed)
+    pads, out_hw = (win.pads_begin[0], win.pads_begin[1]), (win.out_spatial[0],
+                                                           win.out_spatial[1])
+    if xp is not np or not winograd.native_conv3x3(x, w, pads, out_hw, y, b, z, act, packed,
+                                                   threads):
+        winograd.conv3x3(xp, x, w, pads, out_hw, y, b, z, act, packed)
 
 
 _IMPLS: dict[str, Callable[..., None]] = {
@@ -301,6 +306,8 @@ def _run(ctx: KernelContext, op: Op, variant: str, x: Any, w: Any, b: Any, z: An
                 if len(packed.ready) >= _READY_PER_NODE:
                     packed.ready.clear()
                 packed.ready[(id(y), id(z), threading.get_ident())] = run
+    elif plan.variant == "winograd":
+        _winograd(xp, plan.layout, x, w, b, z, y, plan.act, packed, ctx.threads or 1)
     elif plan.variant != "native":
         _IMPLS[plan.variant](xp, plan.layout, x, w, b, z, y, plan.act, packed)
     elif not _native(xp, plan, variant, x, w, b, z, y, attrs, out, packed, ctx.threads or 1):

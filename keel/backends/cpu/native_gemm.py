@@ -62,8 +62,8 @@ import numpy as np
 
 from keel import native
 
-__all__ = ["Call", "Packed", "Rows", "address", "available", "gemm", "geometry", "pack", "prepare",
-           "strides_of"]
+__all__ = ["Call", "Packed", "Rows", "address", "available", "gemm", "geometry", "pack",
+           "pack_batch", "prepare", "strides_of"]
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ACCUMULATE, _CLIP, _STREAM = 1, 2, 4
@@ -144,6 +144,7 @@ class Packed:
     rows: int             # M for a left operand, N for a right one
     depth: int            # K
     width: int            # the panel width it was packed for (MR or NR)
+    batch_stride: int = 0     # floats from one product's panels to the next (pack_batch)
 
     @property
     def nbytes(self) -> int:
@@ -204,6 +205,32 @@ def pack(matrix: np.ndarray, left: bool) -> Packed | None:
     return Packed(data, native.address(data) if data.size else 0, left, rows, depth, width)
 
 
+def pack_batch(matrices: np.ndarray, left: bool) -> Packed | None:
+    """A batch of matrices (T, M, K) or (T, K, N), each packed as :func:`pack` does,
+    one after another: product t of a batched :func:`gemm` reads matrix t. None when
+    the native tier is unavailable."""
+    f = _functions()
+    if f is None:
+        return None
+    if matrices.dtype != _F4 or matrices.ndim != 3:
+        raise ValueError(f"pack_batch takes (T, rows, columns) float32 matrices, got "
+                         f"{matrices.dtype}{matrices.shape}")
+    if len(matrices) == 0:
+        raise ValueError("pack_batch takes at least one matrix")
+    parts = [pack(m, left) for m in matrices]
+    size = parts[0].data.size if parts[0] is not None else 0
+    stride = -(-size // 16) * 16           # each product's panels start on a cache line
+    data = _aligned(stride * len(parts))
+    for t, p in enumerate(parts):
+        assert p is not None
+        data[t * stride:t * stride + size] = p.data
+    data.flags.writeable = False
+    first = parts[0]
+    assert first is not None
+    return Packed(data, native.address(data), left, first.rows, first.depth, first.width,
+                  stride)
+
+
 def _aligned(n: int) -> np.ndarray:
     """``n`` float32 starting on a 64-byte boundary (a cache line, one AVX-512 vector)."""
     raw = np.empty(n + 16, dtype=np.float32)
@@ -242,7 +269,7 @@ def _operand(x: np.ndarray | Packed | Rows, left: bool, f: _Functions
     if isinstance(x, Packed):
         if x.width != (f.mr if left else f.nr) or x.left != left:
             return None
-        return x.address, 0, 0, 0, x.rows, x.depth
+        return x.address, 0, 0, x.batch_stride, x.rows, x.depth
     if isinstance(x, Rows):
         if left or x.data.dtype != _F4 or x.offsets.dtype != np.int64 or (
                 x.columns is not None and (x.columns.dtype != np.int64

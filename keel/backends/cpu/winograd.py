@@ -14,14 +14,18 @@ lands in an NHWC image, transposed to NCHW once at the end.
 
 from __future__ import annotations
 
+import ctypes
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from keel.backends.cpu import workspace
+from keel import native
+from keel.backends.cpu import native_gemm, workspace
 from keel.backends.cpu.conv_epilogue import Activation, finish
+from keel.native.pool import parts
 
-__all__ = ["TRANSFORM_G", "conv3x3"]
+__all__ = ["TRANSFORM_G", "conv3x3", "native_conv3x3"]
 
 # G (4x3): the filter transform; B^T and A^T are applied as explicit sums below.
 TRANSFORM_G = np.array([[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0.0, 0.0, 1.0]])
@@ -138,3 +142,103 @@ def _output_transform(xp: Any, prod: Any, n: int, th: int, tw: int, m: int) -> A
         _at(xp, cols, image[:, :, r, :, 0], image[:, :, r, :, 1])
     return image.reshape(n, 2 * th, 2 * tw, m)
 
+
+
+# ---- the native form: transforms in C (native/src/winograd.c), products on the packed GEMM
+# Images per chunk: the transformed input V and the products P of a chunk stay within
+# this many bytes (in L2 / L3 between the three passes).
+_NATIVE_CHUNK_BYTES = 4 * 2**20
+# The fewest input or output floats worth a worker thread in a transform.
+_MIN_CHUNK_FLOATS = 16384
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+@dataclass(frozen=True)
+class _Functions:
+    input: Any
+    output: Any
+
+
+_loaded: tuple[native.NativeLibrary, _Functions] | None = None
+
+
+def _functions() -> _Functions | None:
+    """The transforms of the loaded library; None when the native tier is unavailable."""
+    global _loaded
+    lib = native.library("winograd")
+    if lib is None or not native_gemm.available():
+        return None
+    if _loaded is not None and _loaded[0] is lib:
+        return _loaded[1]
+    fns = _Functions(
+        input=lib.function("keel_winograd_input_f32", [_P, _P, _P, _I, _I], _I),
+        output=lib.function("keel_winograd_output_f32", [_P, _P, _P, _I, _P, _P, _P, _I, _I],
+                            _I),
+    )
+    _loaded = (lib, fns)
+    return fns
+
+
+def _packed_filters(xp: Any, arrays: tuple[Any, ...]) -> Any:
+    """U (16 products of M x C), G w G^T for every filter, packed as left GEMM operands."""
+    w = arrays[0]
+    m, c = w.shape[:2]
+    u = (_GG.astype(np.float32) @ w.reshape(m * c, 9).T).reshape(16, m, c)
+    return native_gemm.pack_batch(np.ascontiguousarray(u, dtype=np.float32), left=True)
+
+
+def _contiguous_f32(*arrays: Any) -> bool:
+    return all(a is None or (type(a) is np.ndarray and a.dtype == np.float32
+                             and a.flags.c_contiguous) for a in arrays)
+
+
+def native_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[int, int],
+                   y: Any, bias: Any = None, z: Any = None, act: Activation = ("", ()),
+                   packed: Any = None, threads: int = 1) -> bool:
+    """:func:`conv3x3` with the transforms compiled and the sixteen products on keel's
+    packed GEMM, split over ``threads``; False when not served (nothing written):
+    the native tier unavailable, or arrays that are not C-contiguous float32."""
+    fns = _functions()
+    if fns is None or not _contiguous_f32(x, w, y, bias, z) or (
+            z is not None and z.shape != y.shape):
+        return False
+    n, c, h, wd = x.shape
+    m = w.shape[0]
+    oh, ow = out_hw
+    th, tw = -(-oh // 2), -(-ow // 2)
+    tiles = th * tw
+    u = workspace.form(np, packed, "winograd_native_u", (w,), _packed_filters)
+    geo = np.array([c, h, wd, oh, ow, *pads_begin], dtype=np.int64)
+    name, params = act
+    clip = np.array(params, dtype=np.float32) if name == "clip" else None
+    per_image = 16 * tiles * max(c, m) * 4
+    chunk = max(1, min(n, _NATIVE_CHUNK_BYTES // max(per_image, 1)))
+    v_all = workspace.empty(np, "winograd_native_v", (16 * c * chunk * tiles,), np.float32)
+    p_all = workspace.empty(np, "winograd_native_p", (16 * m * chunk * tiles,), np.float32)
+    addr = native.address
+    for n0 in range(0, n, chunk):
+        k = min(chunk, n - n0)
+        t = k * tiles
+        v = v_all[:16 * c * t].reshape(16, c, t)
+        p = p_all[:16 * m * t].reshape(16, m, t)
+        xs, ys = x[n0:n0 + k], y[n0:n0 + k]
+        zs = None if z is None else z[n0:n0 + k]
+        _ok(fns.input(addr(xs), addr(v), addr(geo), k,
+                      parts(k * c, threads, max(1, _MIN_CHUNK_FLOATS // (h * wd)))))
+        call = native_gemm.prepare(u, v, p)
+        if call is None:
+            raise RuntimeError("native GEMM refused the Winograd products")
+        call.run(threads)
+        _ok(fns.output(addr(p), addr(ys), addr(geo), m,
+                       None if bias is None else addr(bias), None if zs is None else addr(zs),
+                       None if clip is None else addr(clip), k,
+                       parts(k * m, threads, max(1, _MIN_CHUNK_FLOATS // (oh * ow)))))
+    if name and name != "clip":
+        finish(np, y, y, None, act)
+    return True
+
+
+def _ok(rc: int) -> None:
+    if rc != 0:
+        raise RuntimeError("native Winograd transform refused its geometry (or a worker "
+                           "thread found no memory for its scratch)")

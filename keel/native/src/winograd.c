@@ -1,0 +1,323 @@
+/* The transforms of a Winograd F(2x2, 3x3) convolution (Lavin & Gray, 2015).
+ *
+ *   Y = A^T [ (G g G^T) * (B^T d B) ] A      per 2x2 output tile and 4x4 input tile d
+ *
+ * The sixteen elementwise products over all tiles are sixteen matrix products
+ * P[k] (M x T) = U[k] (M x C) @ V[k] (C x T), which keel runs on its packed GEMM
+ * (gemm.c); this file computes V from the NCHW input and Y from P, each in one pass:
+ *
+ *   keel_winograd_input_f32:  V[k][c][t] = (B^T d B)[k] of tile t of channel c
+ *   keel_winograd_output_f32: Y[n][m][..] = clip(A^T P[.][m][t] A + bias[m] + Z, lo, hi)
+ *
+ * with T = images x th x tw tiles (tile t = (image, ty, tx), tx fastest). A plane
+ * (one image, one channel) is first copied into a zero-padded buffer whose rows are
+ * split into even and odd columns, so the four columns of sixteen consecutive tiles
+ * are four contiguous vector loads; the row transform (d B) runs on them, the column
+ * transform (B^T .) on four such rows. Every value is computed the same way wherever
+ * a chunk of planes starts: any split over threads gives bitwise the same result.
+ *
+ * Plain C11 with GNU vector extensions (VW lanes: 16 with AVX-512, 8 with AVX, else 4).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__)
+#define VW 16
+#elif defined(__AVX__)
+#define VW 8
+#else
+#define VW 4
+#endif
+
+typedef float vf __attribute__((vector_size(VW * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(VW * sizeof(float))));
+
+static inline vf vload(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
+static inline vf vsplat(float s) { return s - (vf){0}; }
+static inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+/* The first n < VW lanes of v to p, and of p into a vector (the rest zero). A memcpy of
+ * a variable length here compiled to `rep movs`, which cost a third of the input
+ * transform on 56 x 56 planes (28 tiles a row: every other block is partial). */
+static inline void vstore_first(float *p, vf v, int64_t n)
+{
+#if defined(__AVX512F__)
+    _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), (__m512)v);
+#else
+    for (int64_t l = 0; l < n; l++) p[l] = v[l];
+#endif
+}
+
+static inline vf vload_first(const float *p, int64_t n)
+{
+#if defined(__AVX512F__)
+    return (vf)_mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p);
+#else
+    vf v = {0};
+    for (int64_t l = 0; l < n; l++) v[l] = p[l];
+    return v;
+#endif
+}
+
+/* Geometry: C, H, W, OH, OW, PT, PL (pads at the top and left; the bottom and right
+ * pads are whatever OH and OW leave), from an int64 array. */
+enum { W_C, W_H, W_W, W_OH, W_OW, W_PT, W_PL, W_LEN };
+
+typedef struct {
+    int64_t c, h, w, oh, ow, pt, pl;
+    int64_t th, tw;   /* tiles per column and per row */
+    int64_t twp;      /* tw rounded up to whole vectors */
+    int64_t half;     /* floats of one even or odd half-row: twp + 1 (+ slack) */
+} wgeom;
+
+static int wgeom_init(wgeom *g, const int64_t *a)
+{
+    g->c = a[W_C], g->h = a[W_H], g->w = a[W_W], g->oh = a[W_OH], g->ow = a[W_OW];
+    g->pt = a[W_PT], g->pl = a[W_PL];
+    if (g->c < 1 || g->h < 1 || g->w < 1 || g->oh < 1 || g->ow < 1 || g->pt < 0 || g->pl < 0)
+        return -1;
+    g->th = (g->oh + 1) / 2, g->tw = (g->ow + 1) / 2;
+    g->twp = round_up(g->tw, VW);
+    g->half = g->twp + VW;
+    return 0;
+}
+
+/* Floats of scratch a thread needs: the split copy of a plane (input), or two output
+ * rows (output). */
+static int64_t input_floats(const wgeom *g) { return (2 * g->th + 2) * 2 * g->half; }
+static int64_t output_floats(const wgeom *g) { return 4 * g->twp; }
+
+/* ---- input transform ------------------------------------------------------------------ */
+
+/* The plane's rows -pt .. 2 th + 1 - pt, zero-padded, as even / odd column halves:
+ * row r's padded column j (input column j - pl) at s[(2 r + j % 2) * half + j / 2]. */
+static void split_plane(const float *x, const wgeom *g, float *s)
+{
+    int64_t rows = 2 * g->th + 2, cols = 2 * g->half;
+    /* Padded columns [a, b) hold input columns [a - pl, b - pl); a pair j (padded columns
+     * 2j, 2j + 1) lies wholly inside for j in [ja, jb). */
+    int64_t a = g->pl, b = g->pl + g->w < cols ? g->pl + g->w : cols;
+    int64_t ja = (a + 1) / 2, jb = b / 2;
+    for (int64_t r = 0; r < rows; r++) {
+        float *even = s + 2 * r * g->half, *odd = even + g->half;
+        int64_t ir = r - g->pt;
+        if (ir < 0 || ir >= g->h) {
+            memset(even, 0, (size_t)(2 * g->half) * sizeof(float));
+            continue;
+        }
+        const float *src = x + ir * g->w - g->pl;   /* src[j] = padded column j */
+        for (int64_t j = 0; j < ja; j++) {
+            even[j] = 2 * j >= a && 2 * j < b ? src[2 * j] : 0.0f;
+            odd[j] = 2 * j + 1 >= a && 2 * j + 1 < b ? src[2 * j + 1] : 0.0f;
+        }
+        for (int64_t j = ja; j < jb; j++) { /* the interior: a plain deinterleave */
+            even[j] = src[2 * j];
+            odd[j] = src[2 * j + 1];
+        }
+        for (int64_t j = jb > ja ? jb : ja; j < g->half; j++) {
+            even[j] = 2 * j >= a && 2 * j < b ? src[2 * j] : 0.0f;
+            odd[j] = 2 * j + 1 >= a && 2 * j + 1 < b ? src[2 * j + 1] : 0.0f;
+        }
+    }
+}
+
+/* d B of padded row r for tiles tx .. tx + VW: out[j], j = 0..3. */
+static inline void row_transform(const float *s, const wgeom *g, int64_t r, int64_t tx, vf out[4])
+{
+    const float *even = s + 2 * r * g->half, *odd = even + g->half;
+    vf e0 = vload(even + tx), o0 = vload(odd + tx), e1 = vload(even + tx + 1),
+       o1 = vload(odd + tx + 1);
+    out[0] = e0 - e1;
+    out[1] = o0 + e1;
+    out[2] = e1 - o0;
+    out[3] = o0 - o1;
+}
+
+/* V (16, C, T) for channel c of one image (plane x), whose tiles start at index t0. */
+static void input_plane(const float *x, const wgeom *g, float *v, int64_t c, int64_t t_total,
+                        int64_t t0, float *s)
+{
+    split_plane(x, g, s);
+    int64_t stride_k = g->c * t_total;
+    float *vc = v + c * t_total;
+    for (int64_t ty = 0; ty < g->th; ty++) {
+        int64_t t = t0 + ty * g->tw;
+        for (int64_t tx = 0; tx < g->tw; tx += VW) {
+            vf d[4][4];
+            for (int r = 0; r < 4; r++) row_transform(s, g, 2 * ty + r, tx, d[r]);
+            vf out[16];
+            for (int j = 0; j < 4; j++) {
+                out[j] = d[0][j] - d[2][j];
+                out[4 + j] = d[1][j] + d[2][j];
+                out[8 + j] = d[2][j] - d[1][j];
+                out[12 + j] = d[1][j] - d[3][j];
+            }
+            int64_t n = g->tw - tx < VW ? g->tw - tx : VW;
+            if (n == VW) {
+                for (int k = 0; k < 16; k++) vstore(vc + k * stride_k + t + tx, out[k]);
+            } else {
+                for (int k = 0; k < 16; k++) vstore_first(vc + k * stride_k + t + tx, out[k], n);
+            }
+        }
+    }
+}
+
+/* ---- output transform ----------------------------------------------------------------- */
+
+typedef struct {
+    const float *bias; /* per output channel, or NULL */
+    const float *z;    /* a residual shaped like Y, or NULL */
+    float lo, hi;
+    int clip;
+} wepilogue;
+
+static inline vf vselect(vi take, vf a, vf b) { return (vf)((take & (vi)a) | (~take & (vi)b)); }
+
+/* Y's plane (OH, OW) for output channel m of one image from P (16, M, T), the image's
+ * tiles starting at index t0; z is the residual's plane or NULL. */
+static void output_plane(const float *p, const wgeom *g, float *y, const wepilogue *e,
+                         const float *z, int64_t m, int64_t channels, int64_t t_total, int64_t t0,
+                         float *s)
+{
+    int64_t stride_k = channels * t_total;
+    const float *pm = p + m * t_total + t0;
+    float *r0 = s, *r1 = s + 2 * g->twp;
+    float b = e->bias ? e->bias[m] : 0.0f;
+    for (int64_t ty = 0; ty < g->th; ty++) {
+        const float *pt = pm + ty * g->tw;
+        for (int64_t tx = 0; tx < g->tw; tx += VW) {
+            vf q[16];
+            int64_t n = g->tw - tx < VW ? g->tw - tx : VW;
+            if (n == VW) {
+                for (int k = 0; k < 16; k++) q[k] = vload(pt + k * stride_k + tx);
+            } else {
+                for (int k = 0; k < 16; k++) q[k] = vload_first(pt + k * stride_k + tx, n);
+            }
+            /* A^T = [[1, 1, 1, 0], [0, 1, -1, -1]] down the rows i, then along j. */
+            vf a[2][4];
+            for (int j = 0; j < 4; j++) {
+                a[0][j] = q[j] + q[4 + j] + q[8 + j];
+                a[1][j] = q[4 + j] - q[8 + j] - q[12 + j];
+            }
+            for (int r = 0; r < 2; r++) {
+                vf left = a[r][0] + a[r][1] + a[r][2], right = a[r][1] - a[r][2] - a[r][3];
+                float *row = (r ? r1 : r0) + 2 * tx;
+                for (int l = 0; l < VW; l++) {
+                    row[2 * l] = left[l];
+                    row[2 * l + 1] = right[l];
+                }
+            }
+        }
+        for (int r = 0; r < 2; r++) {
+            int64_t oy = 2 * ty + r;
+            if (oy >= g->oh) break;
+            const float *src = r ? r1 : r0;
+            float *dst = y + oy * g->ow;
+            const float *zr = z ? z + oy * g->ow : NULL;
+            int64_t ox = 0;
+            vf vb = vsplat(b), lo = vsplat(e->lo), hi = vsplat(e->hi);
+            for (; ox + VW <= g->ow; ox += VW) {
+                vf v = vload(src + ox) + vb;
+                if (zr) v += vload(zr + ox);
+                if (e->clip) { /* NaN stays NaN: both comparisons are false for it */
+                    v = vselect(v < lo, lo, v);
+                    v = vselect(v > hi, hi, v);
+                }
+                vstore(dst + ox, v);
+            }
+            for (; ox < g->ow; ox++) {
+                float v = src[ox] + b;
+                if (zr) v += zr[ox];
+                if (e->clip) {
+                    if (v < e->lo) v = e->lo;
+                    if (v > e->hi) v = e->hi;
+                }
+                dst[ox] = v;
+            }
+        }
+    }
+}
+
+/* ---- exported kernels ----------------------------------------------------------------- */
+
+#include "parallel.h"
+
+/* Floats of scratch per thread for this geometry (input or output transform); -1 if the
+ * geometry is not one this file serves. */
+int64_t keel_winograd_scratch(const int64_t *geometry)
+{
+    wgeom g;
+    if (wgeom_init(&g, geometry) != 0) return -1;
+    int64_t a = input_floats(&g), b = output_floats(&g);
+    return a > b ? a : b;
+}
+
+typedef struct {
+    const float *x;
+    float *v;
+    const wgeom *g;
+    int64_t t_total;
+} input_job;
+
+static void input_task(void *ctx, float *s, int64_t lo, int64_t hi)
+{
+    const input_job *j = ctx;
+    const wgeom *g = j->g;
+    int64_t tiles = g->th * g->tw, plane = g->h * g->w;
+    for (int64_t q = lo; q < hi; q++) {
+        int64_t i = q / g->c, c = q % g->c;
+        input_plane(j->x + q * plane, g, j->v, c, j->t_total, i * tiles, s);
+    }
+}
+
+/* V (16, C, T) from X (images, C, H, W), T = images * th * tw, over `parts` chunks of
+ * the images' planes on keel's threads. Returns 0, or -1 for an unserved geometry or
+ * no scratch. */
+int64_t keel_winograd_input_f32(const float *x, float *v, const int64_t *geometry,
+                                int64_t images, int64_t parts)
+{
+    wgeom g;
+    if (wgeom_init(&g, geometry) != 0) return -1;
+    input_job j = {x, v, &g, images * g.th * g.tw};
+    return run_parts(input_task, &j, images * g.c, parts, keel_winograd_scratch(geometry));
+}
+
+typedef struct {
+    const float *p;
+    float *y;
+    const wgeom *g;
+    int64_t m, t_total;
+    wepilogue e;
+} output_job;
+
+static void output_task(void *ctx, float *s, int64_t lo, int64_t hi)
+{
+    const output_job *j = ctx;
+    const wgeom *g = j->g;
+    int64_t tiles = g->th * g->tw, plane = g->oh * g->ow;
+    for (int64_t q = lo; q < hi; q++) {
+        int64_t i = q / j->m, m = q % j->m;
+        output_plane(j->p, g, j->y + q * plane, &j->e, j->e.z ? j->e.z + q * plane : NULL, m,
+                     j->m, j->t_total, i * tiles, s);
+    }
+}
+
+/* Y (images, M, OH, OW) = clip(A^T P A + bias + Z, lo, hi) from P (16, M, T); bias (M)
+ * and Z (like Y) may be NULL, clip = {lo, hi} or NULL. Over `parts` chunks of the output
+ * planes on keel's threads. Returns 0, or -1 for an unserved geometry or no scratch. */
+int64_t keel_winograd_output_f32(const float *p, float *y, const int64_t *geometry, int64_t m,
+                                 const float *bias, const float *z, const float *clip,
+                                 int64_t images, int64_t parts)
+{
+    wgeom g;
+    if (wgeom_init(&g, geometry) != 0 || m < 1) return -1;
+    output_job j = {p, y, &g, m, images * g.th * g.tw,
+                    {bias, z, clip ? clip[0] : 0.0f, clip ? clip[1] : 0.0f, clip != NULL}};
+    return run_parts(output_task, &j, images * m, parts, keel_winograd_scratch(geometry));
+}

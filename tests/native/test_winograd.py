@@ -1,0 +1,142 @@
+"""The native Winograd F(2x2, 3x3) convolution (native/src/winograd.c transforms, the
+sixteen products on the packed GEMM) against the reference backend on random inputs:
+pads (none, one, uneven), odd and even output sides (partial tiles and partial vector
+blocks of tiles), channel counts off the GEMM's tile sizes, bias / residual / clip /
+ReLU / other activations, batches split into chunks, bitwise equality between thread
+counts, and the cases it declines."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from keel import native
+from keel.backends.cpu import native_gemm as ng
+from keel.backends.cpu import winograd
+from keel.backends.cpu.conv_epilogue import activation
+from keel.backends.reference.backend import ReferenceBackend
+from keel.ops.registry import Op
+from keel.ops.schemas.conv import conv_geometry
+
+
+@pytest.fixture(autouse=True)
+def _native_tier() -> None:
+    if winograd._functions() is None:
+        pytest.skip(f"native tier unavailable: {native.status().reason}")
+
+
+CASES = [
+    # X, M, pads (top, left, bottom, right)
+    ((1, 3, 8, 8), 16, (1, 1, 1, 1)),
+    ((2, 5, 7, 11), 9, (1, 1, 1, 1)),           # odd sides: a partial tile per row / column
+    ((3, 16, 9, 40), 33, (1, 1, 1, 1)),         # 20 tiles a row: a full and a partial block
+    ((2, 4, 13, 6), 7, (0, 2, 1, 1)),           # uneven pads
+    ((1, 8, 10, 10), 8, (0, 0, 0, 0)),          # unpadded
+    ((2, 2, 1, 1), 3, (1, 1, 1, 1)),            # a 1-pixel image
+    ((4, 32, 14, 14), 40, (1, 1, 1, 1)),
+    ((2, 64, 5, 37), 17, (2, 1, 0, 3)),
+]
+
+
+def _rand(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def _reference(inputs: list[Any], attrs: dict[str, Any]) -> np.ndarray:
+    return np.asarray(ReferenceBackend().run(Op.CONV, inputs, attrs=attrs)[0])
+
+
+def _native(x: np.ndarray, w: np.ndarray, b: Any, z: Any, pads: tuple[int, ...],
+            act: tuple[str, tuple[float, ...]], threads: int = 1) -> np.ndarray:
+    geo = conv_geometry(Op.CONV, x.shape, w.shape, {"pads": pads})
+    out_hw = geo.window.out_spatial
+    y = np.empty((x.shape[0], w.shape[0], *out_hw), np.float32)
+    assert winograd.native_conv3x3(x, w, (pads[0], pads[1]), (out_hw[0], out_hw[1]), y, b, z,
+                                   activation(*act), None, threads)
+    return y
+
+
+@pytest.mark.parametrize("x_shape,m,pads", CASES)
+@pytest.mark.parametrize("act", [("", ()), ("relu", ()), ("clip", (-0.3, 0.4)),
+                                 ("sigmoid", ())])
+def test_native_winograd_matches_reference(x_shape: tuple[int, ...], m: int,
+                                           pads: tuple[int, ...],
+                                           act: tuple[str, tuple[float, ...]]) -> None:
+    rng = np.random.default_rng(7)
+    x, w, b = _rand(rng, *x_shape), _rand(rng, m, x_shape[1], 3, 3), _rand(rng, m)
+    attrs = {"pads": pads, "activation": act[0], "activation_params": act[1]}
+    plain = _reference([x, w, b], {"pads": pads})
+    z = _rand(rng, *plain.shape)
+    scale = float(np.abs(plain).max()) + float(np.abs(z).max())
+    for bias, res in ((b, None), (b, z), (None, None), (None, z)):
+        inputs = [x, w, b if bias is not None else np.zeros_like(b)]
+        if res is not None:
+            inputs.append(res)
+        want = _reference(inputs, attrs)
+        got = _native(x, w, bias, res, pads, act)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5 * scale)
+
+
+def test_nan_and_infinities_are_never_lost() -> None:
+    """Winograd spreads a non-finite input over its 2x2 output tiles (inf - inf in the
+    transforms), as the NumPy form does; every output the reference makes non-finite is
+    non-finite here, and the finite rest matches."""
+    rng = np.random.default_rng(3)
+    x, w = _rand(rng, 1, 4, 6, 6), _rand(rng, 5, 4, 3, 3)
+    x[0, 1, 2, 3] = np.nan
+    x[0, 2, 5, 5] = np.inf
+    pads = (1, 1, 1, 1)
+    got = _native(x, w, None, None, pads, ("", ()))
+    want = _reference([x, w], {"pads": pads})
+    numpy_form = np.empty_like(got)
+    with np.errstate(invalid="ignore"):
+        winograd.conv3x3(np, x, w, (1, 1), (6, 6), numpy_form)
+    assert np.all(~np.isfinite(got[~np.isfinite(want)]))
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(numpy_form))
+    finite = np.isfinite(got)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-4, atol=1e-4)
+
+
+def test_batches_split_into_chunks_give_the_same_result(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    rng = np.random.default_rng(11)
+    x, w, b = _rand(rng, 7, 8, 12, 12), _rand(rng, 6, 8, 3, 3), _rand(rng, 6)
+    whole = _native(x, w, b, None, (1, 1, 1, 1), ("relu", ()))
+    monkeypatch.setattr(winograd, "_NATIVE_CHUNK_BYTES", 1)        # one image a chunk
+    np.testing.assert_array_equal(_native(x, w, b, None, (1, 1, 1, 1), ("relu", ())), whole)
+
+
+def test_threads_give_bitwise_equal_results(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(winograd, "_MIN_CHUNK_FLOATS", 1)          # split even small planes
+    rng = np.random.default_rng(5)
+    x, w, b = _rand(rng, 3, 24, 15, 15), _rand(rng, 20, 24, 3, 3), _rand(rng, 20)
+    z = _rand(rng, 3, 20, 15, 15)
+    one = _native(x, w, b, z, (1, 1, 1, 1), ("relu", ()), threads=1)
+    for threads in (2, 3):
+        np.testing.assert_array_equal(_native(x, w, b, z, (1, 1, 1, 1), ("relu", ()),
+                                              threads=threads), one)
+
+
+def test_declines_what_it_does_not_serve() -> None:
+    rng = np.random.default_rng(1)
+    x, w = _rand(rng, 1, 4, 8, 8), _rand(rng, 4, 4, 3, 3)
+    y = np.empty((1, 4, 8, 8), np.float32)
+    act = activation("", ())
+    assert not winograd.native_conv3x3(x.astype(np.float64), w, (1, 1), (8, 8), y, act=act)
+    assert not winograd.native_conv3x3(x[:, :, :, ::-1], w, (1, 1), (8, 8), y, act=act)
+    assert not winograd.native_conv3x3(x, w, (1, 1), (8, 8), y, z=np.zeros((1, 4, 8, 7),
+                                                                           np.float32), act=act)
+
+
+def test_filters_are_packed_once_per_frozen_weight() -> None:
+    rng = np.random.default_rng(2)
+    w = _rand(rng, 8, 4, 3, 3)
+    w.setflags(write=False)
+    x = _rand(rng, 1, 4, 6, 6)
+    first = _native(x, w, None, None, (1, 1, 1, 1), ("", ()))
+    packed = [v for k, v in winograd.workspace._derived.items() if k[0] == "winograd_native_u"]
+    assert len(packed) == 1 and isinstance(packed[0][1], ng.Packed)
+    assert packed[0][1].batch_stride > 0
+    np.testing.assert_array_equal(_native(x, w, None, None, (1, 1, 1, 1), ("", ())), first)

@@ -15,16 +15,12 @@ import onnx
 from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
-from keel.backends.base import DeviceKind, KernelContext
-from keel.backends.cpu.kernels import load as load_cpu
-from keel.backends.reference.kernels import load as load_reference
 from keel.ops.registry import Op
-from keel.ops.schema import get_schema
+from tests.ops._kernels import run_cpu as run_cpu
+from tests.ops._kernels import run_ref as run_ref
 
 # The newest opset this onnx release knows: keel follows the latest semantics.
 OPSET = onnx.defs.onnx_opset_version()
-REF_CTX = KernelContext(np, "reference", DeviceKind.CPU)
-CPU_CTX = KernelContext(np, "cpu", DeviceKind.CPU)
 
 ONNX_NAMES: dict[Op, str] = {
     Op.ADD: "Add", Op.SUB: "Sub", Op.MUL: "Mul", Op.DIV: "Div", Op.POW: "Pow", Op.MOD: "Mod",
@@ -50,20 +46,6 @@ ONNX_NAMES: dict[Op, str] = {
     Op.ARGMAX: "ArgMax", Op.ARGMIN: "ArgMin", Op.CUMSUM: "CumSum", Op.CUMPROD: "CumProd",
     Op.CAST: "Cast", Op.IDENTITY: "Identity",
 }
-
-
-def run_ref(op: Op, inputs: Sequence[Any], out: Sequence[Any] | None = None,
-            **attrs: Any) -> list[np.ndarray]:
-    """The reference kernel of ``op`` on ``inputs`` with schema-normalized ``attrs``."""
-    norm = get_schema(op).normalize_attrs(attrs)
-    return list(load_reference().get(op).fn(REF_CTX, list(inputs), norm, out))
-
-
-def run_cpu(op: Op, inputs: Sequence[Any], out: Sequence[Any] | None = None,
-            **attrs: Any) -> list[Any]:
-    """The cpu kernel of ``op`` (NumPy namespace), into ``out`` when given."""
-    norm = get_schema(op).normalize_attrs(attrs)
-    return list(load_cpu().get(op).fn(CPU_CTX, list(inputs), norm, out))
 
 
 def onnx_run(op_type: str, inputs: Sequence[np.ndarray | None], **attrs: Any) -> np.ndarray:

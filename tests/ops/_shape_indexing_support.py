@@ -10,32 +10,14 @@ import onnx
 from onnx import helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
-from keel.backends.base import DeviceKind, KernelContext
-from keel.backends.cpu.kernels import load as load_cpu
-from keel.backends.reference.kernels import load as load_reference
 from keel.dtypes import DType
 from keel.ops.registry import Op
 from keel.ops.schema import get_schema
 from keel.ops.types import TensorType
+from tests.ops._kernels import run_cpu as run_cpu
+from tests.ops._kernels import run_ref as run_ref
 
 OPSET = 21
-REF_CTX = KernelContext(np, "reference", DeviceKind.CPU)
-CPU_CTX = KernelContext(np, "cpu", DeviceKind.CPU)
-
-
-def run_ref(op: Op, inputs: Sequence[Any], **attrs: Any) -> list[np.ndarray]:
-    """The reference kernel of ``op`` on ``inputs`` with normalized ``attrs``."""
-    norm = get_schema(op).normalize_attrs(attrs)
-    return list(load_reference().get(op).fn(REF_CTX, list(inputs), norm, None))
-
-
-def run_cpu(op: Op, inputs: Sequence[Any], out: Sequence[Any] | None = None,
-            **attrs: Any) -> list[Any]:
-    """The cpu kernel of ``op`` (NumPy namespace), optionally into ``out``."""
-    norm = get_schema(op).normalize_attrs(attrs)
-    return list(load_cpu().get(op).fn(CPU_CTX, list(inputs), norm, out))
-
-
 def run_both(op: Op, inputs: Sequence[Any], **attrs: Any) -> list[np.ndarray]:
     """Reference outputs, after checking the cpu kernel gives the same."""
     expected = run_ref(op, inputs, **attrs)

@@ -65,3 +65,14 @@ def test_a_program_runs_under_the_blas_threads_it_chose(monkeypatch: pytest.Monk
     m.predict({"x": x})
     assert seen and seen[0] == 2
     assert "cpu threads: BLAS on 2 threads: BLAS kernels do 100% of the work" in m.explain()
+
+
+@pytest.mark.parametrize("name", ["depthwise", "winograd"])
+def test_conv_variants_with_a_native_form_count_as_native_on_float32(name: str) -> None:
+    from keel import native
+
+    if not native.available():
+        pytest.skip(f"native tier unavailable: {native.status().reason}")
+    conv = KernelVariant(Op.CONV, name, _kernel)
+    assert blas_threads(2, [(conv, F32, 90.0), (BLAS, F32, 10.0)])[0] == 1
+    assert blas_threads(2, [(conv, DType.FLOAT64, 90.0), (BLAS, F32, 10.0)])[0] == 2

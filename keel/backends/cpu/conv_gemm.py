@@ -43,6 +43,19 @@ moves. It is chosen where measured faster (see ``WIDE_MAX_EXTRA``): 0.88x the
 gathered time on ResNet-20's 32->32 3x3 layers on 16x16 (onnxruntime 0.82x at
 batch 1, 0.84x at batch 32 of the wide time) and 0.85x on LeNet's first conv.
 
+Where every tap of a 2-D conv reads a plane of the output's own shape (X itself
+for a stride-1 conv whose output is as large as its input, or X split into
+unbordered stride phases), the kernel reads the taps in place through lane
+masks instead (``Masked``, gemm.c's KEEL_DIRECT): no zero-bordered copy, no
+gather or packing of B, no garbage columns. Measured at batch 32 (1 thread,
+prepared calls, interleaved medians) against the gathered or wide layout:
+0.86x on 64->64 3x3 on 8x8, 0.90x on 32->32 on 16x16, 0.82x / 0.91x on the
+stride-2 3x3 convs of ResNet-20, 0.93x on 3->16 on 32x32, 1.02x on 16->16 on
+32x32 alone (faster inside the model, where X comes from memory), 0.67-0.91x
+on 8 and 16 channels at 16x16 and 32x32; ResNet-20 at batch 32 30.2 -> 27.5 ms
+(onnxruntime 22.4). Strided convs on large images keep the gathered layout
+(``MASKED_STRIDED_BELOW``).
+
 A 1x1 stride-1 conv reads X in place as B (``direct``); the kernel runs it row
 panel by row panel over wide column blocks, so Y's rows stream out in long runs
 with the bias and ReLU6 on the store, and at batch B streams from memory (packed
@@ -59,7 +72,7 @@ import functools
 import itertools
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -427,6 +440,7 @@ class NativeLayout:
     stack_cols: Any = None            # (N * P,) int64 when stacked
     stack_out: Any = None             # (N * P,) int64 when stacked
     wide: Wide | None = None          # the indirect "wide" layout (see Wide)
+    masked: Masked | None = None      # taps read in place through lane masks (see Masked)
 
     @property
     def stacked(self) -> bool:
@@ -464,6 +478,38 @@ class Wide:
     out: Any                          # (columns,) int64: where each column goes in Y (-1: dropped)
 
 
+@dataclass(frozen=True, eq=False)
+class Masked:
+    """A conv whose taps the kernel reads in place from planes of the output's shape.
+
+    Every source plane is OH x OW: X itself (stride 1, output as large as the
+    input), or X split by stride phase (``phase[f][u][v] = x[s * u + fh][s * v +
+    fw]``, no border). Output pixel q = (oy, ox) is product column q, and tap t
+    of channel c reads the plane's element ``q + dy[t] * OW + dx[t]`` of its
+    phase, when (oy + dy, ox + dx) lies in the plane: a run of output pixels is a
+    run of the plane, read by loads whose lanes that fall outside it are masked
+    off (gemm.c's KEEL_DIRECT). No zero-bordered copy of X, no gathered or packed
+    B, no garbage columns.
+    """
+
+    geometry: Any                     # int64 {T, OH, OW, cs, (dy, dx, off) per tap}
+    offsets: Any                      # (Cg * T,) int64: c * cs + off[t]
+    image: int                        # element step between images in the source
+    channel: int                      # element step between channels (cs)
+    taps: tuple[tuple[int, int, int], ...]   # (phase, dy, dx) per tap
+    out: tuple[int, int]              # (OH, OW)
+
+
+# The masked layout's limit on taps per filter (gemm.c's DIRECT_MAX_TAPS), its flag
+# and where the column table and the flags sit in keel_gemm_args (see gemm.c).
+MASKED_MAX_TAPS = 64
+# Strided convs take the masked layout below this many output pixels per image; above,
+# copying the stride phases costs more than the gathered product saves (3 -> 32 3x3
+# stride 2 on 224x224 at batch 32: 1.64x the gathered time, 0.99x at batch 1; 3 -> 64
+# 7x7 stride 2: 1.04x at batch 1).
+MASKED_STRIDED_BELOW = 4096
+
+
 # Stack the images of a batch into one product when an image's last column panel
 # would be less than this full (see NativeLayout).
 STACK_FILL = 0.9
@@ -473,13 +519,23 @@ STACK_FILL = 0.9
 POINTWISE_STACK_FILL = 0.8
 
 
-def native_layout(geo: ConvGeometry, wide: bool | None = None) -> NativeLayout:
+def native_layout(geo: ConvGeometry, wide: bool | None = None,
+                  masked: bool | None = None) -> NativeLayout:
     """Plan ``geo`` on the native GEMM (pure; callers cache it per signature).
 
-    ``wide``: read B through the tap table of the wide layout (:class:`Wide`;
-    stride 1, 2-D only), gather it (False), or as measured best (None).
+    ``masked``: read the taps in place through lane masks (:class:`Masked`)
+    where that serves ``geo`` (True), never (False), or where it measured
+    faster (None). ``wide``: read B through the tap table of the wide layout
+    (:class:`Wide`; stride 1, 2-D only), gather it (False), or as measured
+    best (None).
     """
     win = geo.window
+    if masked is None:
+        masked = wide is not True and masked_wins(geo)
+    if masked:
+        found = _masked_layout(geo)
+        if found is not None:
+            return found
     unit = all(s == 1 for s in win.strides)
     if wide is None:
         wide = wide_wins(geo)
@@ -600,6 +656,116 @@ def _wide_layout(geo: ConvGeometry, stacked: bool) -> NativeLayout:
     fills = ((every, (slice(0, h, 1), slice(0, w, 1))),) if copied else ()
     return NativeLayout(geo, False, copied, (h, w), fills, plane, rows, _grid([range(oh * ow)]),
                         wide=Wide(row, lead, image, channel, size, columns, stacked, rows, out))
+
+
+def masked_wins(geo: ConvGeometry) -> bool:
+    """Whether the masked layout (:class:`Masked`) serves ``geo`` and measured faster:
+    stride 1 (not 1x1: its B is X as it lies), and strided convs with fewer than
+    ``MASKED_STRIDED_BELOW`` output pixels per image (their stride phases are copied)."""
+    win = geo.window
+    if native_gemm.geometry() is None or _masked_taps(geo) is None or (
+            geo.is_pointwise and not win.padded and all(s == 1 for s in win.strides)):
+        return False                # a 1x1 stride-1 conv reads X in place as it is
+    return all(s == 1 for s in win.strides) or math.prod(win.out_spatial) < MASKED_STRIDED_BELOW
+
+
+def _masked_taps(geo: ConvGeometry) -> tuple[list[tuple[int, int]],
+                                             list[tuple[int, int, int]]] | None:
+    """(the stride phases kept, (phase index, dy, dx) per tap in row-major order) of a
+    2-D conv the masked layout serves; None when it does not.
+
+    Tap (kh, kw) reads X's row ``s * oy + kh * d - pad`` = ``s * (oy + dy) + fh``:
+    row ``oy + dy`` of phase fh. A row the phase plane lacks (``oy + dy`` outside
+    ``[0, OH)``) reads as zero, so it must be padding: below 0 it always is; at
+    ``OH`` and up only when ``s * OH + fh >= H``. Stride 1 reads X itself, whose
+    planes must then be the output's shape.
+    """
+    win = geo.window
+    if win.rank != 2 or math.prod(win.kernel) > MASKED_MAX_TAPS:
+        return None
+    (h, w), (oh, ow) = win.in_spatial, win.out_spatial
+    unit = all(s == 1 for s in win.strides)
+    if oh * ow == 0 or (unit and (oh, ow) != (h, w)):
+        return None
+    phases: list[tuple[int, int]] = []
+    taps: list[tuple[int, int, int]] = []
+    for ks in itertools.product(*(range(k) for k in win.kernel)):
+        shift = []
+        for k, dl, s, pad, size, out in zip(ks, win.dilations, win.strides, win.pads_begin,
+                                            (h, w), (oh, ow), strict=True):
+            f, dq = (k * dl - pad) % s, (k * dl - pad) // s
+            if dq > 0 and s * out + f < size:
+                return None
+            shift.append((f, dq))
+        phase = (shift[0][0], shift[1][0])
+        if phase not in phases:
+            phases.append(phase)
+        taps.append((phases.index(phase), shift[0][1], shift[1][1]))
+    return phases, taps
+
+
+def _masked_layout(geo: ConvGeometry) -> NativeLayout | None:
+    """The :class:`Masked` plan of ``geo``; None when it does not serve it."""
+    found = _masked_taps(geo)
+    if found is None:
+        return None
+    phases, taps = found
+    win = geo.window
+    oh, ow = win.out_spatial
+    n, c = geo.batch, geo.in_channels
+    plane = oh * ow
+    unit = all(s == 1 for s in win.strides)
+    phase_size = n * c * plane
+    geometry = [len(taps), oh, ow, plane]
+    for ph, dy, dx in taps:
+        geometry += [dy, dx, ph * phase_size + dy * ow + dx]
+    table = np.array(geometry, dtype=np.int64)
+    off = table[6::3]
+    cg = c // geo.group
+    offsets = (np.arange(cg, dtype=np.int64)[:, None] * plane + off).reshape(-1)
+    fills: tuple[tuple[tuple[slice, ...], tuple[slice, ...]], ...] = ()
+    if not unit:
+        fills = tuple(_masked_fill(ph, win, (oh, ow)) for ph in phases)
+    table.flags.writeable = offsets.flags.writeable = False
+    return NativeLayout(geo, False, not unit, (oh, ow), fills, plane, offsets, None,
+                        masked=Masked(table, offsets, c * plane, plane, tuple(taps), (oh, ow)))
+
+
+@functools.lru_cache(maxsize=256)
+def _masked_table(masked: Masked, width: int) -> Any:
+    """gemm.c's geometry table of ``masked`` for column panels of ``width``: the
+    geometry, then per panel and tap the bits of the panel's columns whose tap lies
+    inside the plane (bit q: column q of the panel; a panel is at most 64 columns).
+    Made per panel width: a kernel built for another CPU has other panels."""
+    bits = _masked_bits(masked.taps, *masked.out, width)
+    table = np.concatenate([masked.geometry, bits])
+    table.flags.writeable = False
+    return table
+
+
+def _masked_bits(taps: Sequence[tuple[int, int, int]], oh: int, ow: int, width: int) -> Any:
+    """Per column panel and tap, the bits of the panel's columns reading inside (int64)."""
+    panels = -(-oh * ow // width)
+    q = np.arange(panels * width, dtype=np.int64)
+    oy, ox = q // ow, q % ow
+    lanes = np.stack([(q < oh * ow) & (oy + dy >= 0) & (oy + dy < oh) & (ox + dx >= 0)
+                      & (ox + dx < ow) for _, dy, dx in taps])       # (T, panels * width)
+    weights = np.left_shift(np.uint64(1), np.arange(width, dtype=np.uint64))
+    bits = (lanes.reshape(len(taps), panels, width).astype(np.uint64) * weights).sum(
+        axis=-1, dtype=np.uint64)
+    return np.ascontiguousarray(bits.T).view(np.int64).reshape(-1)
+
+
+def _masked_fill(phase: tuple[int, int], win: Any, out: tuple[int, int]
+                 ) -> tuple[tuple[slice, ...], tuple[slice, ...]]:
+    """Where X's elements go in one unbordered stride phase of the output's shape."""
+    dst: list[slice] = []
+    src: list[slice] = []
+    for f, s, size, o in zip(phase, win.strides, win.in_spatial, out, strict=True):
+        count = min(o, len(range(f, size, s)))
+        dst.append(slice(0, count))
+        src.append(slice(f, f + s * (count - 1) + 1, s))
+    return tuple(dst), tuple(src)
 
 
 def _stacks(batch: int, pixels: int, fill: float = STACK_FILL) -> bool:
@@ -723,12 +889,40 @@ def _wide_view(xp: Any, layout: NativeLayout, wide: Wide, dtype: Any) -> Any:
                    (0, wide.image, wide.channel, wide.row, 1))
 
 
+# One group's GEMM operands: (B, C, residual, column map, lane masks), given the group
+# index and its slices of C and the residual.
+_Operands = tuple[Any, Any, Any, Any, Any]
+
+
+def _group_calls(geo: Any, filters: Any, z: Any, y: Any, act: Activation,
+                 operands: Callable[[int, Any, Any], _Operands]
+                 ) -> list[native_gemm.Call] | None:
+    """One prepared GEMM per group: filters on the left, ``operands`` building the rest;
+    None when one is not served."""
+    n, g, m = geo.batch, geo.group, geo.out_channels
+    mg, p = m // g, math.prod(geo.window.out_spatial)
+    clip = (act[1][0], act[1][1]) if act[0] == "clip" else None
+    y3 = y.reshape(n, m, p)
+    res, accumulate = _native_residual(z, y, n, m, p)
+    calls = []
+    for gi, (wp, bias) in enumerate(filters):
+        rows = slice(gi * mg, (gi + 1) * mg)
+        b, target, resid, columns, masks = operands(
+            gi, y3[:, rows], None if res is None else res[:, rows])
+        call = native_gemm.prepare(wp, b, target, bias=bias, bias_rows=True, residual=resid,
+                                   accumulate=accumulate, clip=clip, columns=columns,
+                                   masks=masks)
+        if call is None:
+            return None
+        calls.append(call)
+    return calls
+
+
 def _wide_calls(layout: NativeLayout, wide: Wide, source: Any, x: Any, filters: Any, z: Any,
                 y: Any, act: Activation) -> list[native_gemm.Call] | None:
     """The kernel calls of the wide layout (see :class:`Wide`)."""
     geo = layout.geo
-    n, g, m = geo.batch, geo.group, geo.out_channels
-    mg, cg, p = m // g, geo.in_channels // g, math.prod(geo.window.out_spatial)
+    cg = geo.in_channels // geo.group
     if layout.copied:
         flat = _wide_buffer(np, layout, wide, source.dtype)
         if native_gemm.address(flat) + 4 * wide.lead != native_gemm.address(source):
@@ -737,24 +931,35 @@ def _wide_calls(layout: NativeLayout, wide: Wide, source: Any, x: Any, filters: 
         if source is not x or np.may_share_memory(x, y):
             return None
         flat = source.reshape(-1)
-    clip = (act[1][0], act[1][1]) if act[0] == "clip" else None
-    y3 = y.reshape(n, m, p)
-    res, accumulate = _native_residual(z, y, n, m, p)
-    calls = []
-    for gi, (wp, bias) in enumerate(filters):
-        rows = slice(gi * mg, (gi + 1) * mg)
-        target, resid = y3[:, rows], None if res is None else res[:, rows]
-        operand = native_gemm.Rows(flat, wide.rows + gi * cg * wide.channel, wide.columns,
-                                   0 if wide.stacked else wide.image)
+
+    def operands(gi: int, target: Any, resid: Any) -> _Operands:
+        b = native_gemm.Rows(flat, wide.rows + gi * cg * wide.channel, wide.columns,
+                             0 if wide.stacked else wide.image)
         if wide.stacked:
             target, resid = _spread(target), None if resid is None else _spread(resid)
-        call = native_gemm.prepare(wp, operand, target, bias=bias, bias_rows=True,
-                                   residual=resid, accumulate=accumulate, clip=clip,
-                                   columns=wide.out)
-        if call is None:
-            return None
-        calls.append(call)
-    return calls
+        return b, target, resid, wide.out, None
+
+    return _group_calls(geo, filters, z, y, act, operands)
+
+
+def _masked_calls(layout: NativeLayout, masked: Masked, source: Any, x: Any, filters: Any,
+                  z: Any, y: Any, act: Activation) -> list[native_gemm.Call] | None:
+    """The kernel calls of the masked layout (see :class:`Masked`)."""
+    geo = layout.geo
+    cg, p = geo.in_channels // geo.group, math.prod(geo.window.out_spatial)
+    if source is x and np.may_share_memory(x, y):
+        return None                          # the kernel would read what it writes
+    grid = native_gemm.geometry()
+    if grid is None or grid[1] > 64:
+        return None
+    table = _masked_table(masked, grid[1])
+    flat = source.reshape(-1)
+
+    def operands(gi: int, target: Any, resid: Any) -> _Operands:
+        b = native_gemm.Rows(flat[gi * cg * masked.channel:], masked.offsets, p, masked.image)
+        return b, target, resid, None, table
+
+    return _group_calls(geo, filters, z, y, act, operands)
 
 
 def _native_calls(layout: NativeLayout, source: Any, x: Any, filters: Any, z: Any, y: Any,
@@ -763,34 +968,27 @@ def _native_calls(layout: NativeLayout, source: Any, x: Any, filters: Any, z: An
     geo = layout.geo
     if layout.wide is not None:
         return _wide_calls(layout, layout.wide, source, x, filters, z, y, act)
-    n, g, m = geo.batch, geo.group, geo.out_channels
-    mg, cg, p = m // g, geo.in_channels // g, math.prod(geo.window.out_spatial)
+    if layout.masked is not None:
+        return _masked_calls(layout, layout.masked, source, x, filters, z, y, act)
+    n, cg, p = geo.batch, geo.in_channels // geo.group, math.prod(geo.window.out_spatial)
     if source is x and np.may_share_memory(x, y):
         return None                          # the kernel would read what it writes
-    clip = (act[1][0], act[1][1]) if act[0] == "clip" else None
-    y3 = y.reshape(n, m, p)
-    res, accumulate = _native_residual(z, y, n, m, p)
-    calls = []
-    for gi, (wp, bias) in enumerate(filters):
-        rows = slice(gi * mg, (gi + 1) * mg)
-        target, resid, columns = y3[:, rows], None if res is None else res[:, rows], None
+
+    def operands(gi: int, target: Any, resid: Any) -> _Operands:
+        columns = None
         if layout.direct:
-            operand: Any = source.reshape(n, geo.in_channels, p)[:, gi * cg:(gi + 1) * cg]
+            b: Any = source.reshape(n, geo.in_channels, p)[:, gi * cg:(gi + 1) * cg]
         elif layout.stacked:
-            operand = native_gemm.Rows(source.reshape(-1), layout.rows + gi * cg * layout.plane,
-                                       n * p, 0, layout.stack_cols)
+            b = native_gemm.Rows(source.reshape(-1), layout.rows + gi * cg * layout.plane,
+                                 n * p, 0, layout.stack_cols)
             target, columns = _spread(target), layout.stack_out
             resid = None if resid is None else _spread(resid)
         else:
-            operand = native_gemm.Rows(source.reshape(-1), layout.rows + gi * cg * layout.plane,
-                                       p, geo.in_channels * layout.plane, layout.cols)
-        call = native_gemm.prepare(wp, operand, target, bias=bias, bias_rows=True,
-                                   residual=resid, accumulate=accumulate, clip=clip,
-                                   columns=columns)
-        if call is None:
-            return None
-        calls.append(call)
-    return calls
+            b = native_gemm.Rows(source.reshape(-1), layout.rows + gi * cg * layout.plane,
+                                 p, geo.in_channels * layout.plane, layout.cols)
+        return b, target, resid, columns, None
+
+    return _group_calls(geo, filters, z, y, act, operands)
 
 
 def _spread(a: Any) -> Any:

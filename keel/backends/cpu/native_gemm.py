@@ -66,7 +66,7 @@ __all__ = ["Call", "Packed", "Rows", "address", "available", "gemm", "geometry",
            "pack_batch", "prepare", "strides_of"]
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-_ACCUMULATE, _CLIP, _STREAM = 1, 2, 4
+_ACCUMULATE, _CLIP, _STREAM, _DIRECT = 1, 2, 4, 8
 # A raw right operand larger than this (all products together) streams from memory
 # rather than cache: gemm.c then packs it in long sequential runs (see its
 # row_panels_first; about L2's size here).
@@ -400,14 +400,25 @@ def prepare(a: np.ndarray | Packed, b: np.ndarray | Packed | Rows, c: np.ndarray
             bias: np.ndarray | None = None, bias_rows: bool = False,
             residual: np.ndarray | None = None, alpha: float = 1.0,
             clip: tuple[float, float] | None = None, accumulate: bool = False,
-            columns: np.ndarray | None = None) -> Call | None:
-    """The :class:`Call` computing :func:`gemm`'s product; None when not served."""
+            columns: np.ndarray | None = None, masks: np.ndarray | None = None
+            ) -> Call | None:
+    """The :class:`Call` computing :func:`gemm`'s product; None when not served.
+
+    ``masks`` (with a :class:`Rows` right operand and no ``columns``) runs gemm.c's
+    masked mode (KEEL_DIRECT): B's taps are read straight from the convolution's
+    source planes, each column panel's lanes masked by the table (int64: the conv
+    geometry, then per column panel and tap the bits of the columns whose tap lies
+    inside the plane; see ``keel.backends.cpu.conv_gemm.Masked``).
+    """
     f = _functions()
     if f is None or c.dtype != _F4:
         return None
     ra, rb = _operand(a, True, f), _operand(b, False, f)
     cs = c.strides
-    if ra is None or rb is None or cs[-1] != 4 or _misaligned(cs):
+    if ra is None or rb is None or cs[-1] != 4 or _misaligned(cs) or (
+            masks is not None and (not isinstance(b, Rows) or b.columns is not None
+                                   or columns is not None or masks.dtype != np.int64
+                                   or not masks.flags.c_contiguous)):
         return None
     m, k, n = ra[4], ra[5], rb[4]
     batch = c.shape[0] if c.ndim == 3 else 1
@@ -417,16 +428,18 @@ def prepare(a: np.ndarray | Packed, b: np.ndarray | Packed | Rows, c: np.ndarray
                                              or (columns is not None and not bias_rows))):
         return None
     flags = (_ACCUMULATE if accumulate else 0) | (_CLIP if clip is not None else 0) | (
-        _STREAM if batch * k * n * 4 > _STREAM_BYTES else 0)
+        _STREAM if batch * k * n * 4 > _STREAM_BYTES else 0) | (
+        _DIRECT if masks is not None else 0)
     lo, hi = clip if clip is not None else (0.0, 0.0)
     values = (m, n, k, *ra[:4], *rb[:4],
               native.address(b.offsets) if isinstance(b, Rows) else 0,
+              native.address(masks) if masks is not None else
               native.address(b.columns) if isinstance(b, Rows) and b.columns is not None else 0,
               native.address(c), cs[-2] >> 2, cs[0] >> 2 if c.ndim == 3 else 0,
               0 if columns is None else native.address(columns),
               0 if bias is None else native.address(bias),
               2 - bias_rows, *res, flags, alpha, lo, hi)
-    return Call(f, values, batch, m, n, k, (b, bias, residual, columns),
+    return Call(f, values, batch, m, n, k, (b, bias, residual, columns, masks),
                 (c.shape, c.strides, c.dtype))
 
 

@@ -1,0 +1,184 @@
+"""The masked layout of the native implicit-GEMM conv (conv_gemm.Masked, gemm.c's
+KEEL_DIRECT): taps read in place from X (or its unbordered stride phases) by loads whose
+lanes outside the plane are masked off. Checked against the reference backend on random
+inputs (pads, strides, dilations, groups, kernel sizes, every remainder of the tile's
+rows and columns, bias / residual / clip / ReLU, NaN), through the conv kernel's
+prepared path, and for bitwise equality between 1 and 2 threads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import keel.backends.cpu.conv  # noqa: F401  (registers the conv kernels on TABLE)
+from keel import native
+from keel.backends.base import KernelContext
+from keel.backends.cpu import conv_gemm
+from keel.backends.cpu import native_gemm as ng
+from keel.backends.cpu.conv_epilogue import activation
+from keel.backends.cpu.kernels import TABLE
+from keel.backends.reference.backend import ReferenceBackend
+from keel.ops.registry import Op
+from keel.ops.schemas.conv import conv_geometry
+
+
+@pytest.fixture(autouse=True)
+def _native_tier() -> None:
+    if not ng.available():
+        pytest.skip(f"native tier unavailable: {native.status().reason}")
+
+
+CASES = [
+    # X, W, attrs
+    ((2, 3, 8, 8), (16, 3, 3, 3), {"pads": (1, 1, 1, 1)}),
+    ((3, 16, 32, 32), (16, 16, 3, 3), {"pads": (1, 1, 1, 1)}),          # whole panels
+    ((2, 5, 7, 7), (9, 5, 3, 3), {"pads": (1, 1, 1, 1)}),                # 49 columns, 9 rows
+    ((1, 4, 5, 3), (17, 4, 3, 3), {"pads": (1, 1, 1, 1)}),               # 15 columns, 17 rows
+    ((2, 3, 6, 11), (7, 3, 3, 3), {"pads": (1, 1, 1, 1)}),               # 66 columns
+    ((2, 4, 11, 9), (6, 4, 3, 3), {"pads": (2, 2, 2, 2), "dilations": (2, 2)}),
+    ((2, 6, 9, 9), (4, 3, 3, 3), {"pads": (1, 1, 1, 1), "group": 2}),
+    ((1, 2, 1, 1), (3, 2, 3, 3), {"pads": (1, 1, 1, 1)}),                # 1-pixel image
+    ((2, 3, 10, 10), (7, 3, 5, 5), {"pads": (2, 2, 2, 2)}),
+    ((2, 3, 9, 8), (5, 3, 3, 3), {"pads": (0, 1, 2, 1)}),                # uneven pads
+    ((2, 16, 16, 16), (32, 16, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}),
+    ((2, 5, 9, 7), (11, 5, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}),  # odd sizes
+    ((2, 3, 15, 15), (7, 3, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}),
+    ((2, 3, 16, 16), (7, 3, 3, 3), {"pads": (0, 0, 1, 1), "strides": (2, 2)}),
+    ((2, 8, 16, 16), (12, 8, 1, 1), {"strides": (2, 2)}),                # 1x1 stride 2
+    ((1, 3, 13, 13), (8, 3, 7, 7), {"pads": (3, 3, 3, 3), "strides": (2, 2)}),
+    ((2, 4, 12, 12), (5, 4, 3, 3), {"pads": (1, 1, 1, 1), "strides": (3, 3)}),
+]
+
+
+def _rand(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def _reference(inputs: list[Any], attrs: dict[str, Any]) -> np.ndarray:
+    return np.asarray(ReferenceBackend().run(Op.CONV, inputs, attrs=attrs)[0])
+
+
+def _masked(x: np.ndarray, w: np.ndarray, b: Any, z: Any, attrs: dict[str, Any],
+            threads: int = 1, y: np.ndarray | None = None) -> np.ndarray:
+    geo = conv_geometry(Op.CONV, x.shape, w.shape, attrs)
+    layout = conv_gemm.native_layout(geo, masked=True)
+    assert layout.masked is not None
+    if y is None:
+        y = np.empty((geo.batch, geo.out_channels, *geo.window.out_spatial), np.float32)
+    act = activation(attrs.get("activation", ""), attrs.get("activation_params", ()))
+    assert conv_gemm.native(np, layout, x, w, b, z, y, act, None, threads)
+    return y
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs", CASES)
+@pytest.mark.parametrize("act,params", [("", ()), ("relu", ()), ("clip", (-0.3, 0.4))])
+def test_masked_matches_reference(x_shape: tuple[int, ...], w_shape: tuple[int, ...],
+                                  attrs: dict[str, Any], act: str,
+                                  params: tuple[float, ...]) -> None:
+    rng = np.random.default_rng(7)
+    x, w, b = _rand(rng, *x_shape), _rand(rng, *w_shape), _rand(rng, w_shape[0])
+    plain = _reference([x, w, b], attrs)
+    z = _rand(rng, *plain.shape)
+    full = {**attrs, "activation": act, "activation_params": params}
+    lo, hi = params if act == "clip" else (-np.inf, np.inf)
+    for bias, res in ((b, None), (b, z), (None, None), (None, z)):
+        expect = _reference([x, w] + ([] if bias is None else [bias]), attrs)
+        if res is not None:
+            expect = expect + res
+        expect = np.maximum(expect, 0) if act == "relu" else np.clip(expect, lo, hi)
+        got = _masked(x, w, bias, res, full)
+        np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs", CASES)
+def test_residual_in_place(x_shape: tuple[int, ...], w_shape: tuple[int, ...],
+                           attrs: dict[str, Any]) -> None:
+    """Z is Y itself: the kernel adds the product to what Y holds."""
+    rng = np.random.default_rng(3)
+    x, w, b = _rand(rng, *x_shape), _rand(rng, *w_shape), _rand(rng, w_shape[0])
+    plain = _reference([x, w, b], attrs)
+    y = _rand(rng, *plain.shape)
+    expect = plain + y
+    got = _masked(x, w, b, y, attrs, y=y)
+    assert got is y
+    np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("attrs", [{"pads": (1, 1, 1, 1)},
+                                   {"pads": (1, 1, 1, 1), "strides": (2, 2)}])
+def test_threads_bitwise_equal(attrs: dict[str, Any]) -> None:
+    rng = np.random.default_rng(11)
+    x, w, b = _rand(rng, 3, 16, 16, 16), _rand(rng, 40, 16, 3, 3), _rand(rng, 40)
+    one = _masked(x, w, b, None, attrs, threads=1)
+    for threads in (2, 3):
+        assert np.array_equal(_masked(x, w, b, None, attrs, threads=threads), one)
+    single = _masked(x[:1], w, b, None, attrs, threads=2)     # split by row panels
+    assert np.array_equal(single, one[:1])
+
+
+def test_nan_propagates_like_the_reference() -> None:
+    rng = np.random.default_rng(5)
+    x, w, b = _rand(rng, 2, 3, 9, 9), _rand(rng, 8, 3, 3, 3), _rand(rng, 8)
+    x[0, 1, 0, 0] = np.nan
+    x[1, 2, 4, 8] = np.inf
+    attrs = {"pads": (1, 1, 1, 1)}
+    np.testing.assert_allclose(_masked(x, w, b, None, attrs), _reference([x, w, b], attrs),
+                               rtol=1e-4, atol=1e-4, equal_nan=True)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs", [
+    ((1, 1, 28, 28), (6, 1, 5, 5), {}),                              # output smaller than X
+    ((2, 3, 6, 6), (5, 3, 1, 1), {"pads": (1, 1, 1, 1)}),            # output larger than X
+    ((2, 3, 16, 16), (4, 3, 3, 3), {"strides": (2, 2)}),             # unpadded, stride 2
+    ((1, 3, 4, 4, 4), (2, 3, 3, 3, 3), {"pads": (1, 1, 1, 1, 1, 1)}),  # 3-D
+    ((1, 2, 12, 12), (2, 2, 9, 9), {"pads": (4, 4, 4, 4)}),          # 81 taps
+])
+def test_not_served(x_shape: tuple[int, ...], w_shape: tuple[int, ...],
+                    attrs: dict[str, Any]) -> None:
+    """Where a tap would read outside the planes what is not padding, or too many taps:
+    the layout falls back to the gathered or wide one."""
+    geo = conv_geometry(Op.CONV, x_shape, w_shape, attrs)
+    assert conv_gemm._masked_layout(geo) is None
+    assert conv_gemm.native_layout(geo).masked is None
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs,chosen", [
+    ((32, 16, 32, 32), (16, 16, 3, 3), {"pads": (1, 1, 1, 1)}, True),
+    ((32, 16, 32, 32), (32, 16, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}, True),
+    ((32, 16, 32, 32), (32, 16, 1, 1), {"strides": (2, 2)}, True),
+    ((32, 16, 32, 32), (32, 16, 1, 1), {}, False),                   # X is B as it lies
+    ((2, 3, 224, 224), (32, 3, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}, False),
+])
+def test_choice(x_shape: tuple[int, ...], w_shape: tuple[int, ...], attrs: dict[str, Any],
+                chosen: bool) -> None:
+    geo = conv_geometry(Op.CONV, x_shape, w_shape, attrs)
+    assert conv_gemm.masked_wins(geo) is chosen
+    assert (conv_gemm.native_layout(geo).masked is not None) is chosen
+
+
+@pytest.mark.parametrize("attrs", [{"pads": (1, 1, 1, 1)},
+                                   {"pads": (1, 1, 1, 1), "strides": (2, 2)}])
+def test_through_the_prepared_kernel(attrs: dict[str, Any]) -> None:
+    """The conv node's steady state (prepack state, prepared calls reused, a copied X
+    refilled from a new array each run)."""
+    rng = np.random.default_rng(9)
+    w, b = _rand(rng, 16, 8, 3, 3), _rand(rng, 16)
+    w.setflags(write=False)
+    b.setflags(write=False)
+    full = {"group": 1, "dilations": (1, 1), "strides": (1, 1), **attrs,
+            "activation": "relu", "activation_params": ()}
+    kernel = TABLE.get(Op.CONV, "native")
+    assert kernel.prepack is not None
+    state = kernel.prepack(KernelContext(np, "cpu", "cpu", 1, None), [None, w, b], full)
+    ctx = KernelContext(np, "cpu", "cpu", 1, state)
+    y = None
+    for _ in range(3):
+        x = _rand(rng, 2, 8, 12, 12)
+        expect = np.maximum(_reference([x, w, b], attrs), 0)
+        if y is None:
+            y = np.empty(expect.shape, np.float32)
+        (got,) = kernel.fn(ctx, [x, w, b], full, [y])
+        assert got is y
+        np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-4)

@@ -38,7 +38,9 @@ class VariantInfo:
 
     Read from a :class:`KernelVariant` and these keys of its ``meta``:
     ``priority`` (int), ``simd`` (tuple of SIMD level names), ``shapes`` (str),
-    ``measured`` (str), ``rule`` (a :class:`ConvRule`), ``dispatcher``
+    ``measured`` (str), ``rule`` (a :class:`ConvRule`), ``tier_rules`` (a
+    mapping from a tier to the rule in force where that tier is available: the
+    variant runs a faster form there, measured apart), ``dispatcher``
     (bool: the entry that picks among the others at run time) and
     ``requires`` (str: a tier the variant needs, e.g. ``"native"`` for the
     compiled kernels of :mod:`keel.native`; a variant whose tier is
@@ -57,6 +59,7 @@ class VariantInfo:
     shapes: str = "any"                    # the shapes it serves, in words
     measured: str = ""                     # the measurement behind its limits
     rule: ConvRule | None = None
+    tier_rules: tuple[tuple[str, ConvRule], ...] = ()   # (tier, rule in force with it)
     dispatcher: bool = False               # picks among the others at run time
     requires: str | None = None            # a tier it needs ("native"), else None
 
@@ -73,12 +76,21 @@ class VariantInfo:
             shapes=str(meta.get("shapes", rule.scope() if isinstance(rule, ConvRule) else "any")),
             measured=str(meta.get("measured", "")),
             rule=rule if isinstance(rule, ConvRule) else None,
+            tier_rules=tuple((str(t), r) for t, r in dict(meta.get("tier_rules", {})).items()
+                             if isinstance(r, ConvRule)),
             dispatcher=bool(meta.get("dispatcher", False)),
             requires=meta.get("requires") or None,
         )
 
     def serves_dtype(self, dtype: DType | None) -> bool:
         return dtype is None or self.dtypes is None or dtype in self.dtypes
+
+    def active_rule(self) -> ConvRule | None:
+        """The rule in force here: a tier's own where that tier is available, else ``rule``."""
+        for tier, rule in self.tier_rules:
+            if tier_unavailable(tier) is None:
+                return rule
+        return self.rule
 
     def unavailable(self) -> str | None:
         """Why the tier this variant requires cannot run here; None when it can."""
@@ -214,8 +226,9 @@ def _choose_conv(op: Op, input_types: Sequence[TensorType | None], attrs: Mappin
     case = _conv_case(op, input_types, attrs, dtype)
     if case is None:
         return "default", "input shapes not known before running: the default kernel picks"
-    rules = [v.rule for v in variants.values()
-             if v.rule is not None and not v.dispatcher and v.serves_dtype(dtype)]
+    found = [v.active_rule() for v in variants.values()
+             if not v.dispatcher and v.serves_dtype(dtype)]
+    rules = [r for r in found if r is not None]
     if not rules:
         return "default", f"{op.value}: no variant carries conv rules; default dispatches"
     try:

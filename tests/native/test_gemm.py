@@ -517,7 +517,7 @@ def test_conv_default_picks_native_for_few_channels_and_says_why() -> None:
     assert pick(small, rules)[0] == "native"
     name, why = pick(big, rules)
     assert name != "native" and "not native: 256 channels per group > 64" in why
-    assert pick(one, rules)[0] == "pointwise"
+    assert pick(one, rules)[0] == "native"          # 1x1 stride 1: native at any batch
 
 
 def test_conv_without_the_native_tier_runs_numpy(monkeypatch: pytest.MonkeyPatch) -> None:

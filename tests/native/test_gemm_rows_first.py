@@ -140,7 +140,7 @@ def test_pointwise_layouts() -> None:
     assert layout(1, 7).direct
 
 
-def test_default_takes_1x1_natively_at_batch_from_196_pixels() -> None:
+def test_default_takes_1x1_natively_at_any_batch() -> None:
     rules = cpu_conv._available_rules()
 
     def choice(n: int, side: int) -> tuple[str, str]:
@@ -152,5 +152,7 @@ def test_default_takes_1x1_natively_at_batch_from_196_pixels() -> None:
     assert name == "native" and "0.77-1.01x the pointwise GEMM's time" in why
     assert choice(32, 7)[0] == "native"                   # stacked: 1568 pixels
     name, why = choice(1, 14)
-    assert name == "pointwise" and "served from batch 2 and 196 pixels" in why
-    assert choice(2, 7)[0] == "pointwise"                 # 98 pixels over the batch
+    assert name == "native" and "level at batch 1 on one thread and 0.75x on two" in why
+    assert choice(1, 7)[0] == "native"                    # 49 pixels
+    conv = conv_case(Op.CONV, (1, 64, 7, 7), (384, 64, 1, 1), {}, "float64")
+    assert conv is not None and pick(conv, rules)[0] == "pointwise"     # native: float32

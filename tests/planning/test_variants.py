@@ -150,8 +150,9 @@ def test_native_tier_off_is_named_in_the_reason(numpy_only: None) -> None:
 @pytest.mark.parametrize(("x", "w", "attrs", "variant"), [
     ((1, 16, 32, 32), (16, 16, 3, 3), {"pads": (1, 1, 1, 1)}, "native"),       # ResNet-20
     ((1, 3, 224, 224), (64, 3, 7, 7), {"pads": (3, 3, 3, 3), "strides": (2, 2)}, "native"),
-    ((1, 64, 56, 56), (256, 64, 1, 1), {}, "pointwise"),                        # 1x1: pointwise
-    ((1, 512, 7, 7), (512, 512, 3, 3), {"pads": (1, 1, 1, 1)}, "im2col"),      # > 64 channels
+    ((1, 64, 56, 56), (256, 64, 1, 1), {}, "native"),                           # 1x1 too
+    ((1, 512, 7, 7), (512, 512, 3, 3), {"pads": (1, 1, 1, 1)}, "winograd"),    # > 64 channels
+    ((1, 64, 56, 56), (64, 64, 3, 3), {"pads": (1, 1, 1, 1)}, "winograd"),     # ResNet-18
     ((1, 32, 112, 112), (32, 1, 3, 3), {"pads": (1, 1, 1, 1), "group": 32}, "depthwise"),
 ])
 def test_native_conv_where_it_was_measured_to_win(x: Sequence[Dim], w: Sequence[int],
@@ -159,6 +160,20 @@ def test_native_conv_where_it_was_measured_to_win(x: Sequence[Dim], w: Sequence[
     _needs_native()
     name, reason = _choose(Op.CONV, x, w, **attrs)
     assert name == variant, reason
+
+
+def test_winograd_rule_follows_the_tier(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the native tier Winograd's transforms are compiled and its own measurements
+    decide (it beats im2col on 7x7 at 512 channels); without it, the NumPy form's."""
+    _needs_native()
+    x, w, attrs = (1, 512, 7, 7), (512, 512, 3, 3), {"pads": (1, 1, 1, 1)}
+    name, reason = _choose(Op.CONV, x, w, **attrs)
+    assert name == "winograd" and "transforms compiled" in reason
+    from keel import native
+
+    monkeypatch.setattr(native, "available", lambda: False)
+    name, reason = _choose(Op.CONV, x, w, **attrs)
+    assert name == "im2col" and "winograd: 512 channels, 49 output pixels" in reason
 
 
 def test_native_matmul_is_chosen_where_the_tier_runs() -> None:

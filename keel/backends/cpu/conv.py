@@ -97,30 +97,40 @@ _WINOGRAD_EVIDENCE = (
     (128, 28, 32, 0.63), (256, 14, 32, 0.63), (256, 7, 32, 0.82), (512, 7, 32, 0.79),
 )
 
-# native time / the best NumPy variant's time (winograd or im2col) for C->C 3x3 pad-1
-# convs with bias and ReLU (channels, output side, batch, ratio): 2-core AMD EPYC
-# (Zen 4), 1 thread, prepacked weights, interleaved runs, medians. (64, 8, 32) was
-# measured again after the masked layout (conv_gemm.Masked), inside ResNet-20 with the
-# model profile: 1450-1480 us a layer against 2080-2780 for the compiled winograd
-# (1460-2000 for the NumPy one before it).
+# native (implicit GEMM) time / the best other variant's time (Winograd with compiled
+# transforms, or im2col) for C->C 3x3 pad-1 convs with bias and ReLU (channels, output
+# side, batch, ratio): 2-core AMD EPYC (Zen 4), 1 thread, prepacked weights,
+# interleaved runs, medians.
 _NATIVE_EVIDENCE = (
-    (16, 32, 1, 0.66), (16, 32, 4, 0.53), (16, 32, 32, 0.57), (32, 16, 1, 0.85),
-    (32, 16, 4, 0.85), (32, 16, 32, 0.66), (64, 8, 1, 0.74), (64, 8, 4, 0.80),
-    (64, 8, 32, 0.70), (32, 32, 1, 0.68), (32, 32, 4, 0.55), (32, 32, 32, 0.56),
-    (64, 16, 1, 0.83), (64, 16, 4, 0.99), (64, 16, 32, 0.99), (64, 28, 1, 1.11),
-    (64, 28, 4, 0.98), (64, 28, 32, 1.13), (64, 56, 1, 0.95), (64, 56, 4, 1.05),
-    (64, 56, 32, 1.16), (128, 14, 1, 1.04), (128, 14, 4, 1.15), (128, 14, 32, 1.40),
-    (128, 28, 1, 1.20), (128, 28, 4, 1.22), (128, 28, 32, 1.35), (256, 7, 1, 1.01),
-    (256, 7, 4, 1.05), (256, 7, 32, 1.18), (256, 14, 1, 1.04), (256, 14, 4, 1.41),
-    (256, 14, 32, 1.49), (512, 7, 1, 0.99), (512, 7, 4, 1.08), (512, 7, 32, 1.23),
+    (16, 32, 1, 0.76), (16, 32, 4, 0.63), (16, 32, 32, 0.61), (32, 16, 1, 0.75),
+    (32, 16, 4, 0.72), (32, 16, 32, 0.65), (64, 8, 1, 0.74), (64, 8, 4, 0.72),
+    (64, 8, 32, 0.70), (32, 32, 1, 0.97), (32, 32, 4, 1.00), (32, 32, 32, 0.94),
+    (64, 16, 1, 0.98), (64, 16, 4, 1.01), (64, 16, 32, 1.03), (64, 28, 1, 1.34),
+    (64, 28, 4, 1.20), (64, 28, 32, 1.34), (64, 56, 1, 1.30), (64, 56, 4, 1.32),
+    (64, 56, 32, 1.39), (128, 14, 1, 1.13), (128, 14, 4, 1.41), (128, 14, 32, 1.55),
+    (128, 28, 1, 1.55), (128, 28, 4, 1.47), (128, 28, 32, 1.59), (256, 7, 1, 1.29),
+    (256, 7, 4, 1.40), (256, 7, 32, 1.33), (256, 14, 1, 1.38), (256, 14, 4, 1.58),
+    (256, 14, 32, 1.74), (512, 7, 1, 1.46), (512, 7, 4, 1.64), (512, 7, 32, 1.69),
+)
+# Winograd with compiled transforms (winograd.c) / im2col time, the same convs.
+_WINOGRAD_NATIVE_EVIDENCE = (
+    (16, 32, 1, 1.13), (16, 32, 4, 0.93), (16, 32, 32, 0.86), (32, 16, 1, 1.08),
+    (32, 16, 4, 0.94), (32, 16, 32, 0.77), (64, 8, 1, 1.05), (64, 8, 4, 0.89),
+    (64, 8, 32, 0.86), (32, 32, 1, 0.77), (32, 32, 4, 0.65), (32, 32, 32, 0.73),
+    (64, 16, 1, 0.79), (64, 16, 4, 0.71), (64, 16, 32, 0.66), (64, 28, 1, 0.60),
+    (64, 28, 4, 0.66), (64, 28, 32, 0.61), (64, 56, 1, 0.60), (64, 56, 4, 0.60),
+    (64, 56, 32, 0.61), (128, 14, 1, 0.78), (128, 14, 4, 0.62), (128, 14, 32, 0.56),
+    (128, 28, 1, 0.58), (128, 28, 4, 0.60), (128, 28, 32, 0.57), (256, 7, 1, 0.75),
+    (256, 7, 4, 0.74), (256, 7, 32, 0.80), (256, 14, 1, 0.67), (256, 14, 4, 0.60),
+    (256, 14, 32, 0.56), (512, 7, 1, 0.66), (512, 7, 4, 0.68), (512, 7, 32, 0.67),
 )
 _NATIVE_MEASURED = (
     "2-core AMD EPYC (Zen 4, AVX-512), 1 thread, prepacked weights, interleaved medians "
-    "on a shared machine (+-10 %): native/best-NumPy time 0.53-0.85 for 3x3 convs up to "
-    "32 channels (ResNet-20, batch 1-32; onnxruntime 0.94-1.06x native on 32x32 images, "
-    "1.3-1.45x on 16x16 and 8x8), 0.74-1.16 at 64 channels, 1.0-1.5 from 128 channels "
-    "(winograd or OpenBLAS im2col win there); 3x3 stride 2 0.71-0.86; 1x1 stride 2 "
-    "0.76-0.97; 1x1 stride 1 0.75-1.7 (the pointwise GEMM keeps those)")
+    "on a shared machine (+-10 %): native/best-other time (Winograd with compiled "
+    "transforms, or im2col) 0.61-0.76 for 3x3 convs up to 32 channels on 16x16 and "
+    "smaller, 0.94-1.00 on 32x32, 0.70-0.74 at 64 channels on 8x8, 0.98-1.03 on 16x16, "
+    "1.2-1.4 from 28x28 and 1.1-1.7 from 128 channels (Winograd wins there); "
+    "3x3 stride 2 0.71-0.86; 1x1 stride 2 0.76-0.97")
 
 
 RULES: dict[str, ConvRule] = {
@@ -133,6 +143,19 @@ RULES: dict[str, ConvRule] = {
                  "over the batch (49 tiles) up, and for 32 channels from 8192 pixels; "
                  "1.01-1.88 below (16 channels; 7x7 outputs at batch 1)",
         baseline="im2col", evidence=_WINOGRAD_EVIDENCE),
+}
+# The Winograd rule where its transforms are compiled (the native tier): it then beats
+# im2col from 128 channels at any size and from 32 channels on 512 output pixels.
+_WINOGRAD_NATIVE = ConvRule(
+    "winograd", 30, "Winograd F(2x2,3x3), transforms compiled: 2.25x fewer multiplies than "
+    "im2col", ranks=(2,), kernel=(3, 3), strides=(1, 1), dilations=(1, 1), groups="one",
+    dtypes=frozenset({"float32", "float64"}), wins_where=((128, 1), (32, 512)),
+    measured="2-core AMD EPYC (Zen 4, AVX-512), 1 thread, prepacked weights: "
+             "winograd/im2col time 0.56-0.80 from 128 channels (7x7 at batch 1 too) and "
+             "0.60-0.94 from 32 channels and 512 output pixels over the batch; 1.05-1.13 "
+             "on 256 or fewer at batch 1",
+    baseline="im2col", evidence=_WINOGRAD_NATIVE_EVIDENCE)
+RULES.update({
     "pointwise": ConvRule(
         "pointwise", 20, "1x1 conv as one GEMM on the input, no im2col copy",
         unit_kernel=True, unpadded=True),
@@ -150,10 +173,12 @@ RULES: dict[str, ConvRule] = {
         "gathered from the padded image, bias, residual and ReLU fused into the store",
         groups="not_depthwise", dtypes=frozenset({"float32", "float16"}), max_channels=64,
         yields_to_pointwise=True, evidence_decides=True, measured=_NATIVE_MEASURED,
-        baseline="the best NumPy variant", evidence=_NATIVE_EVIDENCE),
-}
+        baseline="the best other variant", evidence=_NATIVE_EVIDENCE),
+})
 # Variants that need a tier beyond NumPy (see keel.planning.variants.tier_unavailable).
 _REQUIRES = {"native": "native"}
+# Rules in force where a tier is available (the variant runs a faster form there).
+_TIER_RULES = {"winograd": {"native": _WINOGRAD_NATIVE}}
 
 
 
@@ -203,9 +228,11 @@ _IMPLS: dict[str, Callable[..., None]] = {
 
 
 def _available_rules() -> list[ConvRule]:
-    """The rules of the variants that can run here (native ones need the native tier)."""
-    return [r for name, r in RULES.items()
-            if name not in _REQUIRES or native_gemm.available()]
+    """The rules in force here: native variants need the native tier, which also
+    compiles Winograd's transforms (its rule then has its own measurements)."""
+    tier = native_gemm.available()
+    return [_TIER_RULES[name]["native"] if tier and name in _TIER_RULES else r
+            for name, r in RULES.items() if name not in _REQUIRES or tier]
 
 
 def _layout(variant: str, geo: ConvGeometry, itemsize: int, has_bias: bool) -> Any:
@@ -480,7 +507,8 @@ for _name, _rule in RULES.items():
     TABLE.kernel(Op.CONV, variant=_name, dtypes=DTYPES[Op.CONV], supports_out=True,
                  description=_rule.summary, prepack=_prepack, rule=_rule,
                  priority=_rule.priority, simd=(), measured=_rule.measured,
-                 requires=_REQUIRES.get(_name))(_conv_variant(_name))
+                 requires=_REQUIRES.get(_name),
+                 tier_rules=_TIER_RULES.get(_name, {}))(_conv_variant(_name))
 
 TABLE.kernel(Op.CONV, dtypes=DTYPES[Op.CONV], supports_out=True, prepack=_prepack,
              description="picks winograd, pointwise, depthwise or im2col by the conv rules",

@@ -77,10 +77,11 @@ def tensor_to_array(t: Any, base_dir: Path | None, what: str = "") -> np.ndarray
     dtype = element_dtype(t.data_type, label)
     shape = dims_of(t.dims, label)
     numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    raw = t.raw_data          # read once: each read of the field copies its bytes
     if t.data_location == 1:  # EXTERNAL
         data = _external(t, base_dir, label, dtype, numel)
-    elif t.raw_data:
-        data = _from_raw(t.raw_data, dtype, numel, label)
+    elif raw:
+        data = _from_raw(raw, dtype, numel, label)
     else:
         data = _from_field(t, dtype, numel, label)
     return data.reshape(shape)

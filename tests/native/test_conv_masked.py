@@ -19,9 +19,9 @@ from keel.backends.cpu import conv_gemm
 from keel.backends.cpu import native_gemm as ng
 from keel.backends.cpu.conv_epilogue import activation
 from keel.backends.cpu.kernels import TABLE
-from keel.backends.reference.backend import ReferenceBackend
 from keel.ops.registry import Op
 from keel.ops.schemas.conv import conv_geometry
+from tests.native._conv_support import check_against_reference, rand, reference
 
 
 @pytest.fixture(autouse=True)
@@ -52,14 +52,6 @@ CASES = [
 ]
 
 
-def _rand(rng: np.random.Generator, *shape: int) -> np.ndarray:
-    return rng.standard_normal(shape).astype(np.float32)
-
-
-def _reference(inputs: list[Any], attrs: dict[str, Any]) -> np.ndarray:
-    return np.asarray(ReferenceBackend().run(Op.CONV, inputs, attrs=attrs)[0])
-
-
 def _masked(x: np.ndarray, w: np.ndarray, b: Any, z: Any, attrs: dict[str, Any],
             threads: int = 1, y: np.ndarray | None = None) -> np.ndarray:
     geo = conv_geometry(Op.CONV, x.shape, w.shape, attrs)
@@ -74,22 +66,10 @@ def _masked(x: np.ndarray, w: np.ndarray, b: Any, z: Any, attrs: dict[str, Any],
 
 @pytest.mark.parametrize("x_shape,w_shape,attrs", CASES)
 @pytest.mark.parametrize("act,params", [("", ()), ("relu", ()), ("clip", (-0.3, 0.4))])
-def test_masked_matches_reference(x_shape: tuple[int, ...], w_shape: tuple[int, ...],
+def test_masked_matchesreference(x_shape: tuple[int, ...], w_shape: tuple[int, ...],
                                   attrs: dict[str, Any], act: str,
                                   params: tuple[float, ...]) -> None:
-    rng = np.random.default_rng(7)
-    x, w, b = _rand(rng, *x_shape), _rand(rng, *w_shape), _rand(rng, w_shape[0])
-    plain = _reference([x, w, b], attrs)
-    z = _rand(rng, *plain.shape)
-    full = {**attrs, "activation": act, "activation_params": params}
-    lo, hi = params if act == "clip" else (-np.inf, np.inf)
-    for bias, res in ((b, None), (b, z), (None, None), (None, z)):
-        expect = _reference([x, w] + ([] if bias is None else [bias]), attrs)
-        if res is not None:
-            expect = expect + res
-        expect = np.maximum(expect, 0) if act == "relu" else np.clip(expect, lo, hi)
-        got = _masked(x, w, bias, res, full)
-        np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-4)
+    check_against_reference(_masked, x_shape, w_shape, attrs, act, params)
 
 
 @pytest.mark.parametrize("x_shape,w_shape,attrs", CASES)
@@ -97,9 +77,9 @@ def test_residual_in_place(x_shape: tuple[int, ...], w_shape: tuple[int, ...],
                            attrs: dict[str, Any]) -> None:
     """Z is Y itself: the kernel adds the product to what Y holds."""
     rng = np.random.default_rng(3)
-    x, w, b = _rand(rng, *x_shape), _rand(rng, *w_shape), _rand(rng, w_shape[0])
-    plain = _reference([x, w, b], attrs)
-    y = _rand(rng, *plain.shape)
+    x, w, b = rand(rng, *x_shape), rand(rng, *w_shape), rand(rng, w_shape[0])
+    plain = reference([x, w, b], attrs)
+    y = rand(rng, *plain.shape)
     expect = plain + y
     got = _masked(x, w, b, y, attrs, y=y)
     assert got is y
@@ -110,7 +90,7 @@ def test_residual_in_place(x_shape: tuple[int, ...], w_shape: tuple[int, ...],
                                    {"pads": (1, 1, 1, 1), "strides": (2, 2)}])
 def test_threads_bitwise_equal(attrs: dict[str, Any]) -> None:
     rng = np.random.default_rng(11)
-    x, w, b = _rand(rng, 3, 16, 16, 16), _rand(rng, 40, 16, 3, 3), _rand(rng, 40)
+    x, w, b = rand(rng, 3, 16, 16, 16), rand(rng, 40, 16, 3, 3), rand(rng, 40)
     one = _masked(x, w, b, None, attrs, threads=1)
     for threads in (2, 3):
         assert np.array_equal(_masked(x, w, b, None, attrs, threads=threads), one)
@@ -118,13 +98,13 @@ def test_threads_bitwise_equal(attrs: dict[str, Any]) -> None:
     assert np.array_equal(single, one[:1])
 
 
-def test_nan_propagates_like_the_reference() -> None:
+def test_nan_propagates_like_thereference() -> None:
     rng = np.random.default_rng(5)
-    x, w, b = _rand(rng, 2, 3, 9, 9), _rand(rng, 8, 3, 3, 3), _rand(rng, 8)
+    x, w, b = rand(rng, 2, 3, 9, 9), rand(rng, 8, 3, 3, 3), rand(rng, 8)
     x[0, 1, 0, 0] = np.nan
     x[1, 2, 4, 8] = np.inf
     attrs = {"pads": (1, 1, 1, 1)}
-    np.testing.assert_allclose(_masked(x, w, b, None, attrs), _reference([x, w, b], attrs),
+    np.testing.assert_allclose(_masked(x, w, b, None, attrs), reference([x, w, b], attrs),
                                rtol=1e-4, atol=1e-4, equal_nan=True)
 
 
@@ -164,7 +144,7 @@ def test_through_the_prepared_kernel(attrs: dict[str, Any]) -> None:
     """The conv node's steady state (prepack state, prepared calls reused, a copied X
     refilled from a new array each run)."""
     rng = np.random.default_rng(9)
-    w, b = _rand(rng, 16, 8, 3, 3), _rand(rng, 16)
+    w, b = rand(rng, 16, 8, 3, 3), rand(rng, 16)
     w.setflags(write=False)
     b.setflags(write=False)
     full = {"group": 1, "dilations": (1, 1), "strides": (1, 1), **attrs,
@@ -175,8 +155,8 @@ def test_through_the_prepared_kernel(attrs: dict[str, Any]) -> None:
     ctx = KernelContext(np, "cpu", "cpu", 1, state)
     y = None
     for _ in range(3):
-        x = _rand(rng, 2, 8, 12, 12)
-        expect = np.maximum(_reference([x, w, b], attrs), 0)
+        x = rand(rng, 2, 8, 12, 12)
+        expect = np.maximum(reference([x, w, b], attrs), 0)
         if y is None:
             y = np.empty(expect.shape, np.float32)
         (got,) = kernel.fn(ctx, [x, w, b], full, [y])

@@ -378,14 +378,16 @@ class _Ready:
     same object. The phase image belongs to the thread that prepared it.
     """
 
-    __slots__ = ("act", "attrs", "b", "calls", "fills", "finish", "go", "threads", "variant",
-                 "w", "x_dtype", "x_ref", "x_shape", "y_ref", "z_ref")
+    __slots__ = ("act", "attrs", "b", "calls", "fills", "finish", "go", "rebind", "threads",
+                 "variant", "w", "x_address", "x_dtype", "x_ref", "x_shape", "y_ref", "z_ref")
 
     def __init__(self, variant: str, attrs: Attrs, x: Any, w: Any, b: Any, z: Any, y: Any,
-                 act: Activation, calls: Sequence[native_gemm.Call],
-                 fills: tuple[tuple[Any, Any], ...] | None) -> None:
+                 act: Activation, calls: Sequence[native_gemm.Call | native_gemm.BandCall],
+                 fills: tuple[tuple[Any, Any], ...] | None, rebind: bool = False) -> None:
         self.variant, self.attrs, self.w, self.b = variant, attrs, w, b
-        self.x_ref = None if fills is not None else weakref.ref(x)
+        # rebind: the calls read X where it lies and take each run's X (a model input).
+        self.rebind, self.x_address = rebind, native_gemm.address(x)
+        self.x_ref = None if fills is not None or rebind else weakref.ref(x)
         self.x_shape, self.x_dtype = x.shape, x.dtype
         self.y_ref, self.z_ref = weakref.ref(y), _ref(z)
         self.calls, self.fills, self.act = tuple(calls), fills, act
@@ -401,9 +403,18 @@ class _Ready:
             return False
         if self.x_ref is not None:
             return self.x_ref() is x
-        return x.shape == self.x_shape and x.dtype == self.x_dtype
+        return x.shape == self.x_shape and x.dtype == self.x_dtype and (
+            not self.rebind or x.flags.c_contiguous)
 
     def run(self, x: Any, y: Any, threads: int) -> None:
+        if self.rebind and native_gemm.address(x) != self.x_address:
+            calls = []
+            for call in self.calls:
+                again = call.with_x(x) if isinstance(call, native_gemm.BandCall) else None
+                if again is None:       # serves() checked X: not reached
+                    raise ValueError("a band conv's X must be a C-contiguous float32 array")
+                calls.append(again)
+            self.calls, self.x_address, self.threads = tuple(calls), native_gemm.address(x), 0
         if self.fills is not None:
             for dst, src in self.fills:
                 dst[...] = x if src is None else x[src]
@@ -455,7 +466,7 @@ def _prepare_native(plan: _Plan, variant: str, x: Any, w: Any, b: Any, z: Any, y
     if layout.copied:
         fills = tuple(_fill(source, f, dst, src, x.shape[2:])
                       for f, (dst, src) in enumerate(layout.fills))
-    return _Ready(variant, attrs, x, w, b, z, y, plan.act, calls, fills)
+    return _Ready(variant, attrs, x, w, b, z, y, plan.act, calls, fills, layout.band)
 
 
 def _fill(source: Any, phase: int, dst: tuple[slice, ...], src: tuple[slice, ...],

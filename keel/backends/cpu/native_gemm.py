@@ -62,11 +62,11 @@ import numpy as np
 
 from keel import native
 
-__all__ = ["Call", "Packed", "Rows", "address", "available", "gemm", "geometry", "pack",
-           "pack_batch", "prepare", "strides_of"]
+__all__ = ["BandCall", "Call", "Packed", "Rows", "address", "available", "gemm", "geometry",
+           "pack", "pack_batch", "prepare", "prepare_band", "strides_of"]
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-_ACCUMULATE, _CLIP, _STREAM, _DIRECT = 1, 2, 4, 8
+_ACCUMULATE, _CLIP, _STREAM, _DIRECT, _NT = 1, 2, 4, 8, 16
 # A raw right operand larger than this (all products together) streams from memory
 # rather than cache: gemm.c then packs it in long sequential runs (see its
 # row_panels_first; about L2's size here).
@@ -86,6 +86,10 @@ class _Functions:
     gemm: Callable[..., None]
     gemm_mt: Callable[..., int]
     pack: Callable[..., None]
+    band: Callable[..., None]        # keel_conv_band_f32 and its helpers (prepare_band)
+    band_mt: Callable[..., int]
+    band_rows: Callable[..., int]
+    band_work: Callable[..., int]
     mr: int          # rows of a micro-tile (the panel width of a left operand)
     nr: int          # columns of a micro-tile (the panel width of a right operand)
     work: int        # floats of workspace one concurrent call needs
@@ -114,6 +118,10 @@ def _load(lib: native.NativeLibrary) -> _Functions:
         gemm_mt=lib.function("keel_gemm_mt_f32", [ctypes.c_char_p, _I64, _I64, _I64], _I64),
         pack=lib.function("keel_gemm_pack_f32",
                           [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _I64]),
+        band=lib.function("keel_conv_band_f32", [ctypes.c_char_p, _PTR, _I64, _I64]),
+        band_mt=lib.function("keel_conv_band_mt_f32", [ctypes.c_char_p, _I64, _I64], _I64),
+        band_rows=lib.function("keel_conv_band_rows_f32", [ctypes.c_char_p], _I64),
+        band_work=lib.function("keel_conv_band_workspace_f32", [ctypes.c_char_p], _I64),
         mr=size("keel_gemm_mr_f32"), nr=size("keel_gemm_nr_f32"),
         work=size("keel_gemm_workspace_f32"))
 
@@ -400,9 +408,13 @@ def prepare(a: np.ndarray | Packed, b: np.ndarray | Packed | Rows, c: np.ndarray
             bias: np.ndarray | None = None, bias_rows: bool = False,
             residual: np.ndarray | None = None, alpha: float = 1.0,
             clip: tuple[float, float] | None = None, accumulate: bool = False,
-            columns: np.ndarray | None = None, masks: np.ndarray | None = None
-            ) -> Call | None:
+            columns: np.ndarray | None = None, masks: np.ndarray | None = None,
+            nt: bool = False) -> Call | None:
     """The :class:`Call` computing :func:`gemm`'s product; None when not served.
+
+    ``nt``: C's final values are stored past the cache where they are whole aligned
+    vectors (for a C much larger than the cache, read from memory by whoever reads
+    it next; the kernel fences before it returns).
 
     ``masks`` (with a :class:`Rows` right operand and no ``columns``) runs gemm.c's
     masked mode (KEEL_DIRECT): B's taps are read straight from the convolution's
@@ -429,7 +441,7 @@ def prepare(a: np.ndarray | Packed, b: np.ndarray | Packed | Rows, c: np.ndarray
         return None
     flags = (_ACCUMULATE if accumulate else 0) | (_CLIP if clip is not None else 0) | (
         _STREAM if batch * k * n * 4 > _STREAM_BYTES else 0) | (
-        _DIRECT if masks is not None else 0)
+        _DIRECT if masks is not None else 0) | (_NT if nt else 0)
     lo, hi = clip if clip is not None else (0.0, 0.0)
     values = (m, n, k, *ra[:4], *rb[:4],
               native.address(b.offsets) if isinstance(b, Rows) else 0,
@@ -461,3 +473,88 @@ def _residual(r: np.ndarray | None, c: np.ndarray) -> tuple[int, int, int] | Non
     if r.dtype != _F4 or r.shape != c.shape or st[-1] != 4 or _misaligned(st):
         return None
     return native.address(r), st[-2] >> 2, st[0] >> 2 if r.ndim == 3 else 0
+
+
+# keel_conv_band_args of gemm.c: 21 int64 fields then lo, hi as doubles.
+_BAND_ARGS = struct.Struct("<21q2d")
+_BAND_X = 16            # where X's address sits in it
+
+
+class BandCall:
+    """One prepared shallow convolution by bands of output rows (gemm.c's
+    keel_conv_band_f32): Y = clip(conv(X, W) + bias + R) for a dense 2-D conv whose
+    filter is packed as the GEMM's left operand. X is read where it lies (C-contiguous
+    NCHW), so :meth:`with_x` rebinds the call to another X of the same shape."""
+
+    __slots__ = ("args", "f", "keep", "units", "values", "x_shape")
+
+    def __init__(self, f: _Functions, values: tuple[Any, ...], units: int,
+                 keep: tuple[object, ...], x_shape: tuple[int, ...]) -> None:
+        self.f, self.values, self.args = f, values, _BAND_ARGS.pack(*values)
+        self.units, self.keep, self.x_shape = units, keep, x_shape
+
+    def with_x(self, x: np.ndarray) -> BandCall | None:
+        """The same call reading ``x`` (None unless it is a C-contiguous float32 array of
+        the shape it was prepared for)."""
+        if x.shape != self.x_shape or x.dtype != _F4 or not x.flags.c_contiguous:
+            return None
+        values = (*self.values[:_BAND_X], native.address(x), *self.values[_BAND_X + 1:])
+        return BandCall(self.f, values, self.units, self.keep, self.x_shape)
+
+    def _parts(self, threads: int) -> int:
+        return max(1, min(threads, self.units))
+
+    def bound(self, threads: int) -> Callable[[], Any]:
+        """``run(threads)`` as a callable with no arguments (see :meth:`Call.bound`)."""
+        f, parts = self.f, self._parts(threads)
+        if parts > 1:
+            return functools.partial(_checked, f.band_mt, self.args, self.units, parts)
+        once = functools.partial(f.band, self.args, _work(f), 0, self.units)
+        once.keep = (self, _local.work)      # type: ignore[attr-defined]
+        return once
+
+    def run(self, threads: int) -> None:
+        """Compute, the bands split over up to ``threads`` threads."""
+        self.bound(threads)()
+
+
+def prepare_band(x: np.ndarray, a: Packed, y: np.ndarray, kernel: tuple[int, ...],
+                 strides: tuple[int, ...], dilations: tuple[int, ...],
+                 pads: tuple[int, ...], *, bias: np.ndarray | None = None,
+                 residual: np.ndarray | None = None,
+                 clip: tuple[float, float] | None = None, nt: bool = False
+                 ) -> BandCall | None:
+    """The :class:`BandCall` of a dense 2-D conv of X (N, C, H, W) into Y (N, M, OH, OW),
+    both C-contiguous float32, with the filter ``a`` packed as the left operand (M, C *
+    KH * KW); ``pads`` are the top and left padding. ``nt``: Y's stores bypass the
+    cache (for a Y much larger than the cache). None when not served (a band's
+    buffer larger than the workspace, operands of the wrong kind)."""
+    f = _functions()
+    if f is None or x.dtype != _F4 or y.dtype != _F4 or x.ndim != 4 or y.ndim != 4 or not (
+            x.flags.c_contiguous and y.flags.c_contiguous) or not a.left or a.width != f.mr:
+        return None
+    n, c, h, w = x.shape
+    m, oh, ow = y.shape[1:]
+    if not len(kernel) == len(strides) == len(dilations) == len(pads) == 2:
+        return None
+    if y.shape[0] != n or a.rows != m or a.depth != c * kernel[0] * kernel[1]:
+        raise ValueError(f"conv band shapes do not chain: X {x.shape}, Y {y.shape}, "
+                         f"filter {a.rows}x{a.depth}")
+    if residual is not None and (residual.shape != y.shape or residual.dtype != _F4
+                                 or not residual.flags.c_contiguous
+                                 or np.may_share_memory(residual, y)):
+        return None
+    if bias is not None and (bias.shape != (m,) or bias.dtype != _F4
+                             or not bias.flags.c_contiguous):
+        return None
+    lo, hi = clip if clip is not None else (0.0, 0.0)
+    values = (n, c, h, w, m, oh, ow, *kernel, *strides, *dilations, *pads, a.address,
+              native.address(x), native.address(y),
+              0 if bias is None else native.address(bias),
+              0 if residual is None else native.address(residual),
+              (_CLIP if clip is not None else 0) | (_NT if nt else 0), lo, hi)
+    args = _BAND_ARGS.pack(*values)
+    if f.band_work(args) > f.work:
+        return None
+    units = n * -(-oh // int(f.band_rows(args)))
+    return BandCall(f, values, units, (a, bias, residual), tuple(x.shape))

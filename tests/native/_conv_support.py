@@ -1,0 +1,42 @@
+"""What the native conv layout tests share: random inputs, the reference backend's conv,
+and the check of one layout against it over bias / residual combinations."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from keel.backends.reference.backend import ReferenceBackend
+from keel.ops.registry import Op
+
+# A conv under test: (x, w, bias or None, residual or None, attrs) -> y.
+ConvRun = Callable[[np.ndarray, np.ndarray, Any, Any, dict[str, Any]], np.ndarray]
+
+
+def rand(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def reference(inputs: list[Any], attrs: dict[str, Any]) -> np.ndarray:
+    return np.asarray(ReferenceBackend().run(Op.CONV, inputs, attrs=attrs)[0])
+
+
+def check_against_reference(run: ConvRun, x_shape: tuple[int, ...], w_shape: tuple[int, ...],
+                            attrs: dict[str, Any], act: str, params: tuple[float, ...],
+                            seed: int = 7) -> None:
+    """``run`` with and without a bias and a residual, under ``act`` (none, relu or
+    clip), matches the reference conv followed by the residual add and the activation."""
+    rng = np.random.default_rng(seed)
+    x, w, b = rand(rng, *x_shape), rand(rng, *w_shape), rand(rng, w_shape[0])
+    plain = reference([x, w, b], attrs)
+    z = rand(rng, *plain.shape)
+    full = {**attrs, "activation": act, "activation_params": params}
+    lo, hi = params if act == "clip" else (-np.inf, np.inf)
+    for bias, res in ((b, None), (b, z), (None, None), (None, z)):
+        expect = reference([x, w] + ([] if bias is None else [bias]), attrs)
+        if res is not None:
+            expect = expect + res
+        expect = np.maximum(expect, 0) if act == "relu" else np.clip(expect, lo, hi)
+        np.testing.assert_allclose(run(x, w, bias, res, full), expect, rtol=1e-4, atol=1e-4)

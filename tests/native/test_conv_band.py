@@ -1,0 +1,149 @@
+"""The band conv (gemm.c's keel_conv_band_f32): a dense 2-D conv read from X's rows band
+by band of output rows, against the reference backend."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import keel.backends.cpu.conv  # registers the conv kernels on TABLE
+from keel import native
+from keel.backends.base import KernelContext
+from keel.backends.cpu import conv_gemm
+from keel.backends.cpu import native_gemm as ng
+from keel.backends.cpu.conv_epilogue import activation, finish
+from keel.backends.cpu.kernels import TABLE
+from keel.ops.registry import Op
+from keel.ops.schemas.conv import conv_geometry
+from tests.native._conv_support import check_against_reference, rand, reference
+
+
+@pytest.fixture(autouse=True)
+def _native_tier() -> None:
+    if not ng.available():
+        pytest.skip(f"native tier unavailable: {native.status().reason}")
+
+
+CASES = [
+    # X, W, attrs: every width remainder of a vector, the stride paths (1, 2: vectors;
+    # 3: the scalar one), padding on one side, dilation, rows past the last tile
+    ((2, 3, 20, 20), (32, 3, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}),
+    ((2, 3, 35, 33), (13, 3, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}),
+    ((1, 2, 9, 7), (5, 2, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}),
+    ((2, 3, 16, 16), (7, 3, 3, 3), {"pads": (0, 0, 1, 1), "strides": (2, 2)}),
+    ((1, 3, 13, 13), (8, 3, 7, 7), {"pads": (3, 3, 3, 3), "strides": (2, 2)}),
+    ((2, 4, 12, 12), (5, 4, 3, 3), {"pads": (1, 1, 1, 1), "strides": (3, 3)}),
+    ((2, 3, 18, 40), (9, 3, 3, 3), {"pads": (1, 1, 1, 1)}),
+    ((1, 3, 5, 70), (17, 3, 3, 3), {"pads": (2, 0, 1, 3)}),
+    ((2, 2, 15, 19), (6, 2, 3, 3), {"pads": (2, 2, 2, 2), "dilations": (2, 2),
+                                    "strides": (2, 1)}),
+    ((2, 3, 64, 64), (24, 3, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}),
+    ((1, 1, 1, 1), (3, 1, 3, 3), {"pads": (1, 1, 1, 1)}),           # one pixel
+]
+
+
+def _band(x: np.ndarray, w: np.ndarray, b: Any, z: Any, attrs: dict[str, Any],
+          threads: int = 1, nt: bool = False) -> np.ndarray:
+    geo = conv_geometry(Op.CONV, x.shape, w.shape, attrs)
+    layout = conv_gemm.band_layout(geo)
+    assert layout is not None
+    y = ng._aligned(int(np.prod(geo.out_shape))).reshape(geo.out_shape)
+    act = activation(attrs.get("activation", ""), attrs.get("activation_params", ()))
+    filters = conv_gemm._native_filters(np, geo, w, b)
+    saved = conv_gemm.NT_BYTES
+    conv_gemm.NT_BYTES = 0 if nt else 2**62
+    try:
+        calls = conv_gemm._native_calls(layout, x, x, filters, z, y, act)
+    finally:
+        conv_gemm.NT_BYTES = saved
+    assert calls is not None and isinstance(calls[0], ng.BandCall)
+    for call in calls:
+        call.run(threads)
+    if act[0] not in ("", "clip"):
+        finish(np, y, y, None, act)
+    return y
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs", CASES)
+@pytest.mark.parametrize("act,params", [("", ()), ("relu", ()), ("clip", (-0.3, 0.4))])
+def test_band_matchesreference(x_shape: tuple[int, ...], w_shape: tuple[int, ...],
+                                attrs: dict[str, Any], act: str,
+                                params: tuple[float, ...]) -> None:
+    check_against_reference(_band, x_shape, w_shape, attrs, act, params)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs", CASES[:3] + CASES[5:7])
+def test_threads_and_streaming_stores_bitwise_equal(x_shape: tuple[int, ...],
+                                                    w_shape: tuple[int, ...],
+                                                    attrs: dict[str, Any]) -> None:
+    rng = np.random.default_rng(11)
+    x, w, b = rand(rng, *x_shape), rand(rng, *w_shape), rand(rng, w_shape[0])
+    full = {**attrs, "activation": "clip", "activation_params": (0.0, 6.0)}
+    one = _band(x, w, b, None, full)
+    for threads in (2, 3):
+        assert np.array_equal(_band(x, w, b, None, full, threads=threads), one)
+    assert np.array_equal(_band(x, w, b, None, full, nt=True), one)
+    assert np.array_equal(_band(x, w, b, None, full, threads=2, nt=True), one)
+
+
+def test_nan_and_inf_propagate_like_thereference() -> None:
+    rng = np.random.default_rng(5)
+    x, w, b = rand(rng, 2, 3, 21, 37), rand(rng, 8, 3, 3, 3), rand(rng, 8)
+    x[0, 1, 0, 0] = np.nan
+    x[1, 2, 4, 36] = np.inf
+    x[1, 0, 20, 17] = -np.inf
+    attrs = {"pads": (1, 1, 1, 1), "strides": (2, 2)}
+    np.testing.assert_allclose(_band(x, w, b, None, attrs), reference([x, w, b], attrs),
+                               rtol=1e-4, atol=1e-4, equal_nan=True)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs,chosen", [
+    ((2, 3, 224, 224), (32, 3, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}, True),
+    ((1, 3, 224, 224), (32, 3, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}, True),
+    ((2, 3, 224, 224), (64, 3, 7, 7), {"pads": (3, 3, 3, 3), "strides": (2, 2)}, False),
+    ((2, 3, 64, 64), (32, 3, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}, False),
+    ((2, 3, 224, 224), (32, 3, 3, 3), {"pads": (1, 1, 1, 1)}, False),   # stride 1
+    ((2, 6, 224, 224), (6, 3, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2),
+                                      "group": 2}, False),
+])
+def test_choice(x_shape: tuple[int, ...], w_shape: tuple[int, ...], attrs: dict[str, Any],
+                chosen: bool) -> None:
+    geo = conv_geometry(Op.CONV, x_shape, w_shape, attrs)
+    grid = ng.geometry()
+    expect = chosen and grid is not None and grid[1] == 32     # measured with AVX-512
+    assert conv_gemm.band_wins(geo) is expect
+    assert conv_gemm.native_layout(geo).band is expect
+
+
+def test_through_the_prepared_kernel_with_a_new_x_each_run() -> None:
+    """The conv node's steady state: the band call reads X where it lies, so a model
+    input (a new array every run) rebinds it."""
+    rng = np.random.default_rng(9)
+    w, b = rand(rng, 16, 3, 3, 3), rand(rng, 16)
+    w.setflags(write=False)
+    b.setflags(write=False)
+    attrs = {"pads": (1, 1, 1, 1), "strides": (2, 2)}
+    full = {"group": 1, "dilations": (1, 1), **attrs, "activation": "clip",
+            "activation_params": (0.0, 6.0)}
+    kernel = TABLE.get(Op.CONV, "native")
+    assert kernel.prepack is not None
+    state = kernel.prepack(KernelContext(np, "cpu", "cpu", 1, None), [None, w, b], full)
+    saved = conv_gemm.band_wins
+    conv_gemm.band_wins = lambda geo: True        # type: ignore[assignment]
+    try:
+        y = None
+        for threads in (1, 1, 2, 1):
+            ctx = KernelContext(np, "cpu", "cpu", threads, state)
+            x = rand(rng, 2, 3, 18, 22)
+            expect = np.clip(reference([x, w, b], attrs), 0.0, 6.0)
+            if y is None:
+                y = np.empty(expect.shape, np.float32)
+            (got,) = kernel.fn(ctx, [x, w, b], full, [y])
+            assert got is y
+            np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-4)
+        assert any(getattr(r, "rebind", False) for r in state.ready.values())
+    finally:
+        conv_gemm.band_wins = saved                # type: ignore[assignment]
+        keel.backends.cpu.conv._plan.cache_clear()

@@ -238,3 +238,16 @@ def test_every_native_source_ships_in_the_package() -> None:
                for p in (root / "keel" / "native" / "src").iterdir() if p.suffix in (".c", ".h")]
     assert sources
     assert all(any(fnmatch.fnmatch(s, g) for g in globs) for s in sources), (sources, globs)
+
+
+@pytest.mark.parametrize(("raw", "shown"), [("", "200"), ("50", "50"), (" 7 ", "7"),
+                                            ("-3", "0"), ("abc", "200")])
+def test_backends_report_the_spin_the_pool_reads(monkeypatch: pytest.MonkeyPatch, raw: str,
+                                                 shown: str) -> None:
+    from keel.backends.cpu.backend import CpuBackend
+
+    if not native.available():
+        pytest.skip(f"native tier unavailable: {native.status().reason}")
+    monkeypatch.setenv("KEEL_SPIN_US", raw)
+    notes = CpuBackend(threads=2)._capability_details()["notes"]
+    assert any(f"spin {shown} us before sleeping" in n for n in notes)

@@ -107,11 +107,16 @@ class CpuBackend(Backend):
         st = native.status()
         tier = (f"native kernels: {st.reason}" if st.available
                 else f"native kernels off ({st.reason}): NumPy kernels only")
+        notes = [*(f"thread pool: {b}" for b in blas), tier]
+        if st.available:
+            notes.append(f"keel threads: up to {self.threads}, one pool in C shared by the "
+                         f"native kernels; idle workers spin {_spin_us()} us before sleeping "
+                         "(KEEL_SPIN_US)")
         return {
             "threads": self.threads,
             "simd_level": _simd_level(),
             "memory_bytes": _memory_limit(),
-            "notes": (*(f"thread pool: {b}" for b in blas), tier),
+            "notes": tuple(notes),
         }
 
 
@@ -258,6 +263,15 @@ def _controller() -> Any:
     from threadpoolctl import ThreadpoolController
 
     return ThreadpoolController()
+
+
+def _spin_us() -> str:
+    """KEEL_SPIN_US as the worker pool reads it (threads.c: default 200, negative 0)."""
+    raw = os.environ.get("KEEL_SPIN_US", "").strip()
+    try:
+        return str(max(0, int(raw))) if raw else "200"
+    except ValueError:
+        return "200"
 
 
 def _native_available() -> bool:

@@ -131,8 +131,12 @@ static int64_t now_ns(void)
 static int64_t spin_ns(void)
 {
     if (pool.spin_ns < 0) {
+        /* Microseconds; unset or not a whole number: 200 (as keel backends reports). */
         const char *env = getenv("KEEL_SPIN_US");
-        long us = env && *env ? strtol(env, NULL, 10) : 200;
+        char *end = NULL;
+        long us = env && *env ? strtol(env, &end, 10) : 200;
+        while (end && (*end == ' ' || *end == '\t' || *end == '\n')) end++;
+        if (env && *env && (end == env || *end != '\0')) us = 200;
         pool.spin_ns = us < 0 ? 0 : (int64_t)us * 1000;
     }
     return pool.spin_ns;

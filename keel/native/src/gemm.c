@@ -12,9 +12,10 @@
  * columns and few row panels will read them, read in place. A raw B of one depth
  * block (a 1x1 conv's input, read where it lies) runs row panel by row panel,
  * each sweeping a wide block of columns, so that C's rows stream out in long runs
- * (row_panels_first). A B row may also
- * be given by a table of row offsets (an implicit-GEMM convolution reads the
- * taps of a padded image that way, without an im2col matrix).
+ * (row_panels_first); with AVX-512, a product of few rows against such a B runs
+ * in tall tiles instead, every row of C over one column vector at once (tall). A B
+ * row may also be given by a table of row offsets (an implicit-GEMM convolution
+ * reads the taps of a padded image that way, without an im2col matrix).
  *
  * The depth runs in blocks of KC, so a KC x NR block of B stays in cache while
  * the row panels of A pass over it; partial sums of a block go to C and come back
@@ -1112,6 +1113,137 @@ static void direct_conv(const problem *g, const epilogue *e, int64_t i_lo, int64
     }
 }
 
+/* ---- few rows of C against a raw B: tall tiles (AVX-512) ---------------------------- */
+
+/* A product of few rows (a 1x1 conv's projection to 16 or 24 channels: M small, K
+ * deep, N thousands of pixels) against a raw B with contiguous rows runs in tall
+ * tiles: up to TALL_ROWS rows of C by one vector of columns, the whole depth in
+ * registers (24 accumulators; A's values are broadcast from memory by the FMAs). Every
+ * B vector is loaded once for all of C's rows (the 8 x 32 tiles load it once per row
+ * panel, after packing it), B is read where it lies and C is written once. Products of
+ * more rows run as groups of whole row panels over the same column vector (its B rows
+ * then come from L1/L2) when the depth is at least twice the rows (a projection). Each
+ * element of C is the sum over p in order from 0 (or from C), as in the 8 x 32 tiles of
+ * a single depth block or of stored and reloaded partial sums: bitwise the same C for
+ * any split and any grouping of rows.
+ *
+ * B's rows lie a plane apart (12.5 KB on 56x56), so one column vector touches k lines in
+ * a few of L1's sets: they are fetched into L2 (prefetcht1) a few tiles ahead, about
+ * KEEL_TALL_CYCLES FMAs of work, at least 3 and at most 16 vectors. Measured alone at
+ * batch 32 (1 thread, ms): 96 -> 24 on 56x56 13.3 fetched into L1 4 vectors ahead, 6.5
+ * with no prefetch, 4.5-9.3 into L2 2 vectors ahead, 4.6 at 4 or more (8.9-9.1 on the
+ * 8 x 32 tiles). Inside MobileNetV2 at batch 32 (interleaved medians, ms, 8 x 32 tiles
+ * -> tall; onnxruntime): 32 -> 16 on 112x112 8.43 -> 5.12 (3.75), 96 -> 24 on 56x56
+ * 8.87 -> 4.58 (5.71), 144 -> 24 with the residual 14.31 -> 6.84 (9.06), 144 -> 32 on
+ * 28x28 3.87 -> 2.35 (2.19), 192 -> 32 with the residual 5.40 -> 3.30 (2.92), 384 -> 64
+ * on 14x14 with the residual 4.34 -> 3.70 (2.86), 576 -> 96 with the residual 10.11 ->
+ * 7.87 (6.57). Expansions (depth below the rows) keep the 8 x 32 tiles: tall tiles took
+ * 1.36x their time on 16 -> 96 on 112x112, 1.17x on 24 -> 144 on 56x56, the same on
+ * 14x14. Blocking the depth of a grouped product (128-256 deep, 256-512 columns at a
+ * time, A's block in L1) changed nothing measurable (0.96-1.03x). */
+#if defined(__AVX512F__)
+#define TALL_ROWS 24
+#ifndef KEEL_TALL_M
+#define KEEL_TALL_M 256
+#endif
+#ifndef KEEL_TALL_CYCLES
+#define KEEL_TALL_CYCLES 8192
+#endif
+#ifndef KEEL_TALL_MIN_AHEAD
+#define KEEL_TALL_MIN_AHEAD 3
+#endif
+
+/* Tall tiles serve a packed A and a raw B of contiguous rows (no tables, no column map)
+ * with 9 .. 24 rows, or up to KEEL_TALL_M rows at a depth of at least twice that. */
+static int tall_serves(const problem *g, const epilogue *e)
+{
+    if ((e->flags & KEEL_DIRECT) || g->a_rs != 0 || g->a_ks != 0 || g->b_cs != 1 ||
+        g->b_rs == 0 || g->b_rows || g->b_cols || g->c_cols)
+        return 0;
+    return (g->m >= 9 && g->m <= TALL_ROWS) || (g->m <= KEEL_TALL_M && g->k >= 2 * g->m);
+}
+
+/* Rows [0, h) of C from row i0, columns j0 .. j0 + 16 (lanes `lane`; full: all 16).
+ * a: the packed A at row i0 (a multiple of MR), ps floats between its row panels. */
+static inline __attribute__((always_inline)) void
+tall_tile(int h, int full, int64_t k, const float *a, int64_t ps, const float *b, int64_t bs,
+          int64_t ahead, __mmask16 lane, const target *t, const epilogue *e)
+{
+    vf acc[TALL_ROWS];
+#pragma GCC unroll 24
+    for (int i = 0; i < h; i++)
+        acc[i] = !t->load_c ? (vf){0}
+                 : full     ? load(t->c + i * t->ldc)
+                            : masked_load(t->c + i * t->ldc, lane);
+    for (int64_t p = 0; p < k; p++) {
+        const float *bp = b + p * bs;
+        __builtin_prefetch(bp + ahead, 0, 2);
+        vf bv = full ? load(bp) : masked_load(bp, lane);
+#pragma GCC unroll 24
+        for (int i = 0; i < h; i++) acc[i] += splat(a[(i / MR) * ps + p * MR + i % MR]) * bv;
+    }
+#pragma GCC unroll 24
+    for (int i = 0; i < h; i++) {
+        float *cp = t->c + i * t->ldc;
+        if (full) {
+            store_final(cp, finish(acc[i], e, t->i0 + i, t->jbase), e->flags);
+            continue;
+        }
+        vf v = acc[i];
+        if (e->alpha != 1.0f) v *= e->alpha;
+        if (e->bias_kind == 1) v += e->bias[t->i0 + i];
+        else if (e->bias_kind == 2) v += masked_load(e->bias + t->jbase, lane);
+        if (e->res) v += masked_load(e->res + (t->i0 + i) * e->ldr + t->jbase, lane);
+        if (e->flags & KEEL_CLIP) v = clip(v, splat(e->lo), splat(e->hi));
+        _mm512_mask_storeu_ps(cp, lane, (__m512)v);
+    }
+}
+
+typedef void (*tall_fn)(int64_t, const float *, int64_t, const float *, int64_t, int64_t,
+                        __mmask16, const target *, const epilogue *);
+#define TALL(H)                                                                                \
+    static void tall_##H(int64_t k, const float *a, int64_t ps, const float *b, int64_t bs,   \
+                         int64_t ahead, __mmask16 lane, const target *t, const epilogue *e)   \
+    {                                                                                          \
+        if (lane == 0xFFFF)                                                                    \
+            tall_tile(H, 1, k, a, ps, b, bs, ahead, lane, t, e);                               \
+        else                                                                                   \
+            tall_tile(H, 0, k, a, ps, b, bs, ahead, lane, t, e);                               \
+    }
+TALL(1) TALL(2) TALL(3) TALL(4) TALL(5) TALL(6) TALL(7) TALL(8) TALL(9) TALL(10) TALL(11)
+TALL(12) TALL(13) TALL(14) TALL(15) TALL(16) TALL(17) TALL(18) TALL(19) TALL(20) TALL(21)
+TALL(22) TALL(23) TALL(24)
+static const tall_fn TALLS[TALL_ROWS] = {
+    tall_1,  tall_2,  tall_3,  tall_4,  tall_5,  tall_6,  tall_7,  tall_8,
+    tall_9,  tall_10, tall_11, tall_12, tall_13, tall_14, tall_15, tall_16,
+    tall_17, tall_18, tall_19, tall_20, tall_21, tall_22, tall_23, tall_24};
+
+/* Row panels [i_lo, i_hi) x column panels [j_lo, j_hi) in tall tiles: vector by vector
+ * of columns, every group of rows (at most TALL_ROWS, whole row panels, as even as
+ * that allows) over the whole depth. */
+static void tall(const problem *g, const epilogue *e, int64_t i_lo, int64_t i_hi,
+                 int64_t j_lo, int64_t j_hi)
+{
+    int64_t r_lo = i_lo * MR, r_hi = i_hi * MR < g->m ? i_hi * MR : g->m, k = g->k;
+    if (r_lo >= r_hi) return;
+    int64_t groups = (r_hi - r_lo + TALL_ROWS - 1) / TALL_ROWS;
+    int64_t height = ((r_hi - r_lo + groups - 1) / groups + MR - 1) / MR * MR;
+    int load_c = (e->flags & KEEL_ACCUMULATE) != 0;
+    int64_t work = k * (r_hi - r_lo) > 0 ? k * (r_hi - r_lo) : 1;
+    int64_t ahead = (KEEL_TALL_CYCLES + work - 1) / work;
+    ahead = VW * (ahead < KEEL_TALL_MIN_AHEAD ? KEEL_TALL_MIN_AHEAD : ahead > 16 ? 16 : ahead);
+    for (int64_t j0 = j_lo * NR; j0 < j_hi * NR && j0 < g->n; j0 += VW) {
+        int64_t cols = g->n - j0 < VW ? g->n - j0 : VW;
+        __mmask16 lane = (__mmask16)((1u << cols) - 1u);
+        for (int64_t i0 = r_lo; i0 < r_hi; i0 += height) {
+            int h = (int)(r_hi - i0 < height ? r_hi - i0 : height);
+            target t = {g->c + i0 * g->ldc + j0, g->ldc, cols, NULL, i0, j0, load_c, 1};
+            TALLS[h - 1](k, g->a + i0 * k, MR * k, g->b + j0, g->b_rs, ahead, lane, &t, e);
+        }
+    }
+}
+#endif
+
 /* C = epilogue(alpha * A @ B) over row panels [i_lo, i_hi) and column panels [j_lo, j_hi). */
 static void gemm_2d(const problem *g, const epilogue *e, int64_t i_lo, int64_t i_hi,
                     int64_t j_lo, int64_t j_hi)
@@ -1127,6 +1259,12 @@ static void gemm_2d(const problem *g, const epilogue *e, int64_t i_lo, int64_t i
         gemv(g, e, j_lo, j_hi);
         return;
     }
+#if defined(__AVX512F__)
+    if (tall_serves(g, e)) {
+        tall(g, e, i_lo, i_hi, j_lo, j_hi);
+        return;
+    }
+#endif
     /* Blocks of equal depth (288 = 144 + 144, not 256 + 32: a thin last block costs
        a pass over C for little work). */
     int64_t nblocks = k > 0 ? (k + KC - 1) / KC : 1;

@@ -201,6 +201,9 @@ static uint32_t next_epoch(uint32_t seen)
 static void *worker(void *arg)
 {
     uint32_t seen = (uint32_t)(uintptr_t)arg;
+#if defined(__linux__)
+    pthread_setname_np(pthread_self(), "keel-worker"); /* what top -H and debuggers show */
+#endif
     for (;;) {
         seen = next_epoch(seen);
         if (atomic_load(&pool.stop)) return NULL;

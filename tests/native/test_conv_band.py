@@ -51,11 +51,11 @@ def _band(x: np.ndarray, w: np.ndarray, b: Any, z: Any, attrs: dict[str, Any],
     assert layout is not None
     y = ng._aligned(int(np.prod(geo.out_shape))).reshape(geo.out_shape)
     act = activation(attrs.get("activation", ""), attrs.get("activation_params", ()))
-    filters = conv_gemm._native_filters(np, geo, w, b)
+    filters = conv_gemm.native_filters(np, geo, w, b)
     saved = conv_gemm.NT_BYTES
     conv_gemm.NT_BYTES = 0 if nt else 2**62
     try:
-        calls = conv_gemm._native_calls(layout, x, x, filters, z, y, act)
+        calls = conv_gemm.native_calls(layout, x, x, filters, z, y, act)
     finally:
         conv_gemm.NT_BYTES = saved
     assert calls is not None and isinstance(calls[0], ng.BandCall)

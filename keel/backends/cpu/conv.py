@@ -453,13 +453,13 @@ def _prepare_native(plan: _Plan, variant: str, x: Any, w: Any, b: Any, z: Any, y
     layout = plan.layout
     geo = layout.geo
     filters = workspace.form(np, packed, ("native", geo.group), (w, b),
-                             lambda xp_, a: conv_gemm._native_filters(xp_, geo, a[0], a[1]))
+                             lambda xp_, a: conv_gemm.native_filters(xp_, geo, a[0], a[1]))
     if z is not None and z is not y and np.may_share_memory(z, y):
         return None                     # the kernel would add a copy of Z made now
-    source = conv_gemm._native_source(np, layout, x)
+    source = conv_gemm.native_source(np, layout, x)
     if not layout.copied and source is not x:
         return None                     # a contiguous copy of X, made afresh each call
-    calls = conv_gemm._native_calls(layout, source, x, filters, z, y, plan.act)
+    calls = conv_gemm.native_calls(layout, source, x, filters, z, y, plan.act)
     if calls is None:
         return None
     fills = None

@@ -84,8 +84,8 @@ from keel.backends.cpu.conv_epilogue import Activation, finish
 from keel.ops.schemas.conv import ConvGeometry
 
 __all__ = ["Im2colLayout", "NativeLayout", "PointwiseLayout", "Wide", "im2col",
-           "im2col_layout", "native", "native_layout", "pointwise", "pointwise_layout",
-           "wide_wins"]
+           "im2col_layout", "native", "native_calls", "native_filters", "native_layout",
+           "native_source", "pointwise", "pointwise_layout", "wide_wins"]
 
 # Column-matrix bytes per chunk of images: chunks stay in cache; a single image
 # larger than this runs alone.
@@ -839,7 +839,7 @@ def _grid(axes: Sequence[Sequence[int]]) -> Any:
     return total.reshape(-1)
 
 
-def _native_filters(xp: Any, geo: ConvGeometry, w: Any, b: Any) -> Any:
+def native_filters(xp: Any, geo: ConvGeometry, w: Any, b: Any) -> Any:
     """Per group: W (Mg, Cg * taps) packed as the left operand, and its bias (or None)."""
     g = geo.group
     mg = geo.out_channels // g
@@ -862,8 +862,8 @@ def native(xp: Any, layout: NativeLayout, x: Any, w: Any, b: Any, z: Any, y: Any
             or not native_gemm.available():
         return False
     filters = workspace.form(xp, packed, ("native", layout.geo.group), (w, b),
-                             lambda xp_, a: _native_filters(xp_, layout.geo, a[0], a[1]))
-    source = _native_source(xp, layout, x)
+                             lambda xp_, a: native_filters(xp_, layout.geo, a[0], a[1]))
+    source = native_source(xp, layout, x)
     calls = None
     if isinstance(packed, workspace.Packed):
         calls = packed.get(("native_calls",), (w, b), dict)
@@ -873,7 +873,7 @@ def native(xp: Any, layout: NativeLayout, x: Any, w: Any, b: Any, z: Any, y: Any
             ref() is a for ref, a in zip(hit[0], (source, y, z), strict=True)):
         ready = hit[2]
     else:
-        ready = _native_calls(layout, source, x, filters, z, y, act)
+        ready = native_calls(layout, source, x, filters, z, y, act)
         if ready is None:
             return False
         if calls is not None:
@@ -898,7 +898,7 @@ def _ref(a: Any) -> Any:
     return _Dead() if a is None else weakref.ref(a)
 
 
-def _native_source(xp: Any, layout: NativeLayout, x: Any) -> Any:
+def native_source(xp: Any, layout: NativeLayout, x: Any) -> Any:
     """The array B is read from: X (C-contiguous), or its zero-bordered phase image."""
     if not layout.copied:
         return x if x.flags.c_contiguous else xp.ascontiguousarray(x)
@@ -1006,7 +1006,7 @@ def _masked_calls(layout: NativeLayout, masked: Masked, source: Any, x: Any, fil
     return _group_calls(geo, filters, z, y, act, operands)
 
 
-def _native_calls(layout: NativeLayout, source: Any, x: Any, filters: Any, z: Any, y: Any,
+def native_calls(layout: NativeLayout, source: Any, x: Any, filters: Any, z: Any, y: Any,
                   act: Activation
                   ) -> list[native_gemm.Call] | list[native_gemm.BandCall] | None:
     """The kernel calls computing every group; None when one is not served."""

@@ -21,7 +21,7 @@ from typing import Any
 
 from keel.native import build
 
-__all__ = ["chunks", "parts", "set_spin_us", "shutdown", "workers"]
+__all__ = ["chunks", "parts", "set_spin_us", "shutdown", "spin_us", "workers"]
 
 _I64 = ctypes.c_int64
 
@@ -58,6 +58,13 @@ def workers() -> int:
     """Worker threads started in this process (0 before the first parallel call)."""
     fn = _function("keel_pool_workers", [], _I64)
     return 0 if fn is None else int(fn())
+
+
+def spin_us() -> int | None:
+    """How long an idle worker spins before it sleeps, in microseconds, as the pool reads
+    ``KEEL_SPIN_US`` (default 200); None when the native tier is unavailable."""
+    fn = _function("keel_pool_spin_us", [], _I64)
+    return None if fn is None else int(fn())
 
 
 def set_spin_us(us: int | None) -> None:

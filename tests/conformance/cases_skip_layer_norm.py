@@ -15,21 +15,13 @@ from typing import Any
 import numpy as np
 
 from keel.ops.registry import Op
+from tests.conformance.cases_normalization import norm_tol
 from tests.conformance.harness import OpCase
 
 Gen = np.random.Generator
 Make = Callable[[Gen], list[np.ndarray | None]]
 
 F16, F32, F64 = np.float16, np.float32, np.float64
-
-
-def _tol(dtype: Any) -> dict[str, Any]:
-    dt = np.dtype(dtype)
-    if dt == np.float16:
-        return {"rtol": 5e-3, "atol": 5e-3}
-    if dt == np.float64:
-        return {"rtol": 1e-10, "atol": 1e-10}
-    return {"rtol": 1e-4, "atol": 1e-5}
 
 
 def _inputs(x: Sequence[int], skip: Sequence[int], norm: Sequence[int], dtype: Any = F32,
@@ -45,26 +37,26 @@ def _inputs(x: Sequence[int], skip: Sequence[int], norm: Sequence[int], dtype: A
 def _cases() -> list[OpCase]:
     op = Op.SKIP_LAYER_NORM
     cases = [OpCase(f"skip_layer_norm-last-{np.dtype(dt).name}", op,
-                    _inputs((3, 5, 16), (3, 5, 16), (16,), dt), **_tol(dt))
+                    _inputs((3, 5, 16), (3, 5, 16), (16,), dt), **norm_tol(dt))
              for dt in (F32, F64, F16)]
-    cases += [OpCase(f"skip_layer_norm-row{k}", op, _inputs((4, k), (4, k), (k,)), **_tol(F32))
+    cases += [OpCase(f"skip_layer_norm-row{k}", op, _inputs((4, k), (4, k), (k,)), **norm_tol(F32))
               for k in (1, 7, 17, 33, 100)]
     cases += [
         OpCase("skip_layer_norm-position-skip", op, _inputs((2, 6, 24), (6, 24), (24,)),
-               **_tol(F32)),
+               **norm_tol(F32)),
         OpCase("skip_layer_norm-middle-broadcast", op, _inputs((2, 6, 24), (2, 1, 24), (24,)),
-               **_tol(F32)),
+               **norm_tol(F32)),
         OpCase("skip_layer_norm-higher-rank-skip", op,
-               _inputs((2, 6, 8), (1, 1, 2, 6, 8), (8,)), **_tol(F32)),
+               _inputs((2, 6, 8), (1, 1, 2, 6, 8), (8,)), **norm_tol(F32)),
         OpCase("skip_layer_norm-axis1", op, _inputs((3, 4, 5), (3, 4, 5), (4, 5)), {"axis": 1},
-               **_tol(F32)),
+               **norm_tol(F32)),
         OpCase("skip_layer_norm-no-bias", op, _inputs((2, 8), (2, 8), (8,), bias=False),
-               **_tol(F32)),
+               **norm_tol(F32)),
         OpCase("skip_layer_norm-shifted", op, _inputs((4, 32), (4, 32), (32,), shift=50.0),
-               {"epsilon": 1e-3}, **_tol(F32)),
+               {"epsilon": 1e-3}, **norm_tol(F32)),
         OpCase("skip_layer_norm-stash11", op, _inputs((2, 6), (2, 6), (6,)),
-               {"stash_type": 11}, **_tol(F32)),
-        OpCase("skip_layer_norm-empty", op, _inputs((0, 6), (0, 6), (6,)), **_tol(F32)),
+               {"stash_type": 11}, **norm_tol(F32)),
+        OpCase("skip_layer_norm-empty", op, _inputs((0, 6), (0, 6), (6,)), **norm_tol(F32)),
     ]
     return cases
 

@@ -249,5 +249,11 @@ def test_backends_report_the_spin_the_pool_reads(monkeypatch: pytest.MonkeyPatch
     if not native.available():
         pytest.skip(f"native tier unavailable: {native.status().reason}")
     monkeypatch.setenv("KEEL_SPIN_US", raw)
-    notes = CpuBackend(threads=2)._capability_details()["notes"]
-    assert any(f"spin {shown} us before sleeping" in n for n in notes)
+    pool.set_spin_us(None)                  # the pool reads KEEL_SPIN_US again
+    try:
+        notes = CpuBackend(threads=2)._capability_details()["notes"]
+        assert any(f"spin {shown} us before sleeping" in n for n in notes)
+        assert pool.spin_us() == int(shown)
+    finally:
+        monkeypatch.delenv("KEEL_SPIN_US")
+        pool.set_spin_us(None)

@@ -101,6 +101,7 @@ class CpuBackend(Backend):
 
     def _capability_details(self) -> dict[str, Any]:
         from keel import native
+        from keel.native import pool
 
         blas = [f"{lib.get('internal_api')} ({lib.get('num_threads')} threads)"
                 for lib in _controller().info()]
@@ -108,9 +109,10 @@ class CpuBackend(Backend):
         tier = (f"native kernels: {st.reason}" if st.available
                 else f"native kernels off ({st.reason}): NumPy kernels only")
         notes = [*(f"thread pool: {b}" for b in blas), tier]
-        if st.available:
+        spin = pool.spin_us() if st.available else None
+        if spin is not None:
             notes.append(f"keel threads: up to {self.threads}, one pool in C shared by the "
-                         f"native kernels; idle workers spin {_spin_us()} us before sleeping "
+                         f"native kernels; idle workers spin {spin} us before sleeping "
                          "(KEEL_SPIN_US)")
         return {
             "threads": self.threads,
@@ -263,15 +265,6 @@ def _controller() -> Any:
     from threadpoolctl import ThreadpoolController
 
     return ThreadpoolController()
-
-
-def _spin_us() -> str:
-    """KEEL_SPIN_US as the worker pool reads it (threads.c: default 200, negative 0)."""
-    raw = os.environ.get("KEEL_SPIN_US", "").strip()
-    try:
-        return str(max(0, int(raw))) if raw else "200"
-    except ValueError:
-        return "200"
 
 
 def _native_available() -> bool:

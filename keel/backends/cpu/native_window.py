@@ -33,7 +33,7 @@ from keel import native
 from keel.native.pool import parts
 from keel.ops.schemas.conv import Window
 
-__all__ = ["Bound", "WindowGeometry", "avg_counts", "avg_pool", "bind_avg_pool",
+__all__ = ["Bound", "WindowGeometry", "avg_counts", "avg_pool", "bind_avg_pool", "clip_bounds",
            "bind_depthwise_conv", "bind_global_max_pool", "bind_max_pool", "depthwise_conv",
            "global_max_pool", "max_pool", "plan", "ready", "set_bind_scheme"]
 
@@ -237,7 +237,7 @@ def bind_depthwise_conv(x: np.ndarray, w: np.ndarray, b: np.ndarray | None,
     ``scheme`` None takes the one :func:`set_bind_scheme` set."""
     fns = _functions()
     addr = native.address
-    bounds = None if clip is None else _bounds(clip)
+    bounds = None if clip is None else clip_bounds(clip)
     head = (addr(x), addr(w), None if b is None else addr(b), None if z is None else addr(z),
             addr(y), geo.address, None if bounds is None else addr(bounds))
     mode = _SCHEMES[_BIND_SCHEME[0] if scheme is None else scheme]
@@ -300,7 +300,7 @@ _SCHEMES = {"auto": 0, "planes": 1, "blocked": 2}
 _BOUNDS: dict[tuple[float, float], np.ndarray] = {}
 
 
-def _bounds(clip: tuple[float, float]) -> np.ndarray:
+def clip_bounds(clip: tuple[float, float]) -> np.ndarray:
     """``clip`` as a float32 pair (the same array for the same bounds)."""
     pair = _BOUNDS.get(clip)
     if pair is None:

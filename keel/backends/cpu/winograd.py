@@ -15,6 +15,7 @@ lands in an NHWC image, transposed to NCHW once at the end.
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ import numpy as np
 from keel import native
 from keel.backends.cpu import native_gemm, workspace
 from keel.backends.cpu.conv_epilogue import Activation, finish
+from keel.backends.cpu.native_window import clip_bounds
 from keel.native.pool import parts
 
 __all__ = ["TRANSFORM_G", "conv3x3", "native_conv3x3"]
@@ -208,9 +210,9 @@ def native_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[in
     th, tw = -(-oh // 2), -(-ow // 2)
     tiles = th * tw
     u = workspace.form(np, packed, "winograd_native_u", (w,), _packed_filters)
-    geo = np.array([c, h, wd, oh, ow, *pads_begin], dtype=np.int64)
+    geo = _geometry(c, h, wd, oh, ow, *pads_begin)
     name, params = act
-    clip = np.array(params, dtype=np.float32) if name == "clip" else None
+    clip = clip_bounds((params[0], params[1])) if name == "clip" else None
     per_image = 16 * tiles * max(c, m) * 4
     chunk = max(1, min(n, _NATIVE_CHUNK_BYTES // max(per_image, 1)))
     v_all = workspace.empty(np, "winograd_native_v", (16 * c * chunk * tiles,), np.float32)
@@ -236,6 +238,14 @@ def native_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[in
     if name and name != "clip":
         finish(np, y, y, None, act)
     return True
+
+
+@functools.lru_cache(maxsize=256)
+def _geometry(*values: int) -> np.ndarray:
+    """winograd.c's geometry array (C, H, W, OH, OW, PT, PL), made once per shape."""
+    array = np.array(values, dtype=np.int64)
+    array.setflags(write=False)
+    return array
 
 
 def _ok(rc: int) -> None:

@@ -55,16 +55,8 @@
 #pragma GCC diagnostic ignored "-Wpsabi"
 #endif
 
-#if defined(__AVX512F__)
-#define VW 16
-#elif defined(__AVX__)
-#define VW 8
-#else
-#define VW 4
-#endif
+#include "vec.h"
 
-typedef float vf __attribute__((vector_size(VW * 4)));
-typedef int32_t vi __attribute__((vector_size(VW * 4)));
 typedef float vfh __attribute__((vector_size(VW * 2)));     /* half a vf */
 typedef double vdh __attribute__((vector_size(VW * 4)));    /* a vfh widened: one register */
 
@@ -73,11 +65,7 @@ enum { K_IDENTITY = 0, K_ERF = 1, K_GELU = 2, K_GELU_TANH = 3, K_SIGMOID = 4, K_
 /* Softmax modes. */
 enum { M_SOFTMAX = 0, M_LOG_SOFTMAX = 1, M_SOFTMAX_DEAD_ZERO = 2 };
 
-static inline vf vload(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
-static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
 static inline vf splat(float a) { return (vf){0} + a; }
-/* Lanes of a where m is all ones, else lanes of b (m comes from a comparison). */
-static inline vf vsel(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
 static inline vf vabs(vf a) { return (vf)((vi)a & 0x7fffffff); }
 
 /* ---- exp ------------------------------------------------------------------------- */
@@ -114,7 +102,7 @@ static inline vf vscale(vf p, vf c, vf n)
 static inline vf vexp_scaled(vf a, vf b, vf c)
 {
     vi low = a < EXP_LO;                         /* -inf too; false for NaN */
-    vf z = vsel(low, splat(EXP_LO), a);
+    vf z = vselect(low, splat(EXP_LO), a);
     vf n = (z * LOG2E + ROUND_MAGIC) - ROUND_MAGIC;
     vf r = (z - n * LN2_HI) - n * LN2_LO + b;
     vf p = splat(1.9875691500e-4f);
@@ -172,7 +160,7 @@ static inline vf verf(vf x)
     vsquare2(a, &h, &l);
     vf far = 1.0f - verfc_scaled(a, h, l, splat(1.0f));
     far = (vf)((vi)far | ((vi)x & (int32_t)0x80000000));  /* sign of x */
-    return vsel(a < 1.0f, near, far);
+    return vselect(a < 1.0f, near, far);
 }
 
 #define INV_SQRT2 0.70710678118654752f
@@ -184,9 +172,9 @@ static inline vf vgelu(vf x)
 {
     vf h, l;
     vsquare2(x, &h, &l);
-    vf c = 0.5f * vsel(x == INFINITY, splat(0.0f), x);
+    vf c = 0.5f * vselect(x == INFINITY, splat(0.0f), x);
     vf tail = verfc_scaled(vabs(x) * INV_SQRT2, 0.5f * h, 0.5f * l, c);
-    return vsel(x <= 0.0f, tail, x - tail);
+    return vselect(x <= 0.0f, tail, x - tail);
 }
 
 /* x * sigmoid(w) as x * e / (1 + e) for w < 0 (e = exp(-|w|): no overflow, and the
@@ -194,7 +182,7 @@ static inline vf vgelu(vf x)
 static inline vf vx_sigmoid(vf x, vf w)
 {
     vf e = vexp(-vabs(w));
-    vf num = vsel(w >= 0.0f, x, vexp_scaled(-vabs(w), splat(0.0f), x));
+    vf num = vselect(w >= 0.0f, x, vexp_scaled(-vabs(w), splat(0.0f), x));
     return num / (1.0f + e);
 }
 
@@ -475,20 +463,20 @@ static float row_max(const float *x, int64_t n)
     for (; i + 4 * VW <= n; i += 4 * VW) {
         vf v0 = vload(x + i), v1 = vload(x + i + VW);
         vf v2 = vload(x + i + 2 * VW), v3 = vload(x + i + 3 * VW);
-        m0 = vsel(v0 > m0, v0, m0);
-        m1 = vsel(v1 > m1, v1, m1);
-        m2 = vsel(v2 > m2, v2, m2);
-        m3 = vsel(v3 > m3, v3, m3);
+        m0 = vselect(v0 > m0, v0, m0);
+        m1 = vselect(v1 > m1, v1, m1);
+        m2 = vselect(v2 > m2, v2, m2);
+        m3 = vselect(v3 > m3, v3, m3);
         nan |= (v0 != v0) | (v1 != v1) | (v2 != v2) | (v3 != v3);
     }
     for (; i + VW <= n; i += VW) {
         vf v = vload(x + i);
-        m0 = vsel(v > m0, v, m0);
+        m0 = vselect(v > m0, v, m0);
         nan |= v != v;
     }
-    m0 = vsel(m1 > m0, m1, m0);
-    m2 = vsel(m3 > m2, m3, m2);
-    m0 = vsel(m2 > m0, m2, m0);
+    m0 = vselect(m1 > m0, m1, m0);
+    m2 = vselect(m3 > m2, m3, m2);
+    m0 = vselect(m2 > m0, m2, m0);
     float h[VW];
     int32_t bad[VW];
     memcpy(h, &m0, sizeof h);

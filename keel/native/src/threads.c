@@ -293,6 +293,9 @@ int64_t keel_parallel(keel_task fn, void *ctx, int64_t n, int64_t parts, int64_t
 /* Worker threads started so far. */
 int64_t keel_pool_workers(void) { return pool.workers; }
 
+/* How long an idle worker spins before it sleeps, in microseconds (KEEL_SPIN_US as read). */
+int64_t keel_pool_spin_us(void) { return spin_ns() / 1000; }
+
 /* Set how long an idle worker spins before it sleeps (microseconds; 0: sleep at once;
  * negative: back to KEEL_SPIN_US or the default). */
 void keel_pool_set_spin_us(int64_t us) { pool.spin_ns = us < 0 ? -1 : us * 1000; }

@@ -44,12 +44,11 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-#define KV 16
-#elif defined(__AVX__)
-#define KV 8
-#else
-#define KV 4
 #endif
+
+#include "vec.h"
+
+#define KV VW                /* floats per vector */
 #define KU 4                 /* vectors computed together: independent FMA chains */
 #define KSTEP (KV * KU)
 #define MAX_TAPS 1024
@@ -70,14 +69,6 @@
  * (0.9x at batch 1); on 28- and 14-wide ones 1.5-2.4x. */
 #define DIRECT_MIN_WIDTH 32
 
-typedef float vf __attribute__((vector_size(KV * sizeof(float))));
-typedef int32_t vi __attribute__((vector_size(KV * sizeof(float))));
-
-static inline vf vload(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
-static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
-static inline vf vsplat(float s) { return s - (vf){0}; }   /* exact for every s, -0 too */
-static inline vf vselect(vi take, vf a, vf b) { return (vf)((take & (vi)a) | (~take & (vi)b)); }
-static inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
@@ -362,26 +353,7 @@ static inline __attribute__((always_inline)) void conv_wide(
     }
 }
 
-/* acc[j] = max_t buf[j + off[t]] */
-static void max_wide(const float *buf, const int64_t *off, int64_t taps, float *restrict acc,
-                     int64_t n) {
-    for (int64_t j = 0; j < n; j += KSTEP) {
-        vf s0 = vsplat(-INFINITY), s1 = s0, s2 = s0, s3 = s0;
-        for (int64_t t = 0; t < taps; t++) {
-            const float *p = buf + off[t] + j;
-            s0 = vmax_nan(s0, vload(p));
-            s1 = vmax_nan(s1, vload(p + KV));
-            s2 = vmax_nan(s2, vload(p + 2 * KV));
-            s3 = vmax_nan(s3, vload(p + 3 * KV));
-        }
-        vstore(acc + j, s0);
-        vstore(acc + j + KV, s1);
-        vstore(acc + j + 2 * KV, s2);
-        vstore(acc + j + 3 * KV, s3);
-    }
-}
-
-/* acc[j] = max_t buf[j + off[t]] for a band without NaN: one max instruction a tap. */
+/* The max of a window without NaN: one max instruction a tap. */
 static inline vf vmax(vf s, vf v) {
 #if defined(__AVX512F__)
     return (vf)_mm512_max_ps((__m512)v, (__m512)s);
@@ -390,35 +362,27 @@ static inline vf vmax(vf s, vf v) {
 #endif
 }
 
-static void max_wide_plain(const float *buf, const int64_t *off, int64_t taps,
-                           float *restrict acc, int64_t n) {
-    for (int64_t j = 0; j < n; j += KSTEP) {
-        vf s0 = vsplat(-INFINITY), s1 = s0, s2 = s0, s3 = s0;
-        for (int64_t t = 0; t < taps; t++) {
-            const float *p = buf + off[t] + j;
-            s0 = vmax(s0, vload(p));
-            s1 = vmax(s1, vload(p + KV));
-            s2 = vmax(s2, vload(p + 2 * KV));
-            s3 = vmax(s3, vload(p + 3 * KV));
-        }
-        vstore(acc + j, s0);
-        vstore(acc + j + KV, s1);
-        vstore(acc + j + 2 * KV, s2);
-        vstore(acc + j + 3 * KV, s3);
-    }
+/* What reduce_wide folds the taps with: the max keeping NaN (bands whose copy holds a
+ * NaN), the plain max (the others), or the sum. */
+enum { RED_MAX_NAN, RED_MAX, RED_SUM };
+
+static inline __attribute__((always_inline)) vf reduce_step(int op, vf s, vf v) {
+    return op == RED_SUM ? s + v : op == RED_MAX ? vmax(s, v) : vmax_nan(s, v);
 }
 
-/* acc[j] = sum_t buf[j + off[t]] */
-static void sum_wide(const float *buf, const int64_t *off, int64_t taps, float *restrict acc,
-                     int64_t n) {
+/* acc[j] = max_t or sum_t buf[j + off[t]] (op is a constant where this is inlined, so
+ * each is its own loop). */
+static inline __attribute__((always_inline)) void reduce_wide(
+        int op, const float *buf, const int64_t *off, int64_t taps, float *restrict acc,
+        int64_t n) {
     for (int64_t j = 0; j < n; j += KSTEP) {
-        vf s0 = vsplat(0.0f), s1 = s0, s2 = s0, s3 = s0;
+        vf s0 = vsplat(op == RED_SUM ? 0.0f : -INFINITY), s1 = s0, s2 = s0, s3 = s0;
         for (int64_t t = 0; t < taps; t++) {
             const float *p = buf + off[t] + j;
-            s0 += vload(p);
-            s1 += vload(p + KV);
-            s2 += vload(p + 2 * KV);
-            s3 += vload(p + 3 * KV);
+            s0 = reduce_step(op, s0, vload(p));
+            s1 = reduce_step(op, s1, vload(p + KV));
+            s2 = reduce_step(op, s2, vload(p + 2 * KV));
+            s3 = reduce_step(op, s3, vload(p + 3 * KV));
         }
         vstore(acc + j, s0);
         vstore(acc + j + KV, s1);
@@ -537,10 +501,10 @@ static void compute_band(const geom *g, const win_args *e, const float *copy,
                          const int64_t *off, float *acc, int64_t c, int64_t rows, int nan) {
     int64_t n = round_up(rows * g->qw, KSTEP);
     if (e->op == WIN_MAX) {
-        if (nan) max_wide(copy, off, g->taps, acc, n);
-        else max_wide_plain(copy, off, g->taps, acc, n);
+        if (nan) reduce_wide(RED_MAX_NAN, copy, off, g->taps, acc, n);
+        else reduce_wide(RED_MAX, copy, off, g->taps, acc, n);
     } else if (e->op == WIN_AVG) {
-        sum_wide(copy, off, g->taps, acc, n);
+        reduce_wide(RED_SUM, copy, off, g->taps, acc, n);
     } else {
         const float *w = e->w + c * g->taps;
         float b = e->bias != NULL ? e->bias[c] : 0.0f;

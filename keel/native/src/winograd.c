@@ -16,7 +16,7 @@
  * transform (B^T .) on four such rows. Every value is computed the same way wherever
  * a chunk of planes starts: any split over threads gives bitwise the same result.
  *
- * Plain C11 with GNU vector extensions (VW lanes: 16 with AVX-512, 8 with AVX, else 4).
+ * Plain C11 with GNU vector extensions (vec.h: VW lanes, 16 with AVX-512, 8 with AVX, else 4).
  */
 #include <math.h>
 #include <stdint.h>
@@ -26,21 +26,7 @@
 #include <immintrin.h>
 #endif
 
-#if defined(__AVX512F__)
-#define VW 16
-#elif defined(__AVX__)
-#define VW 8
-#else
-#define VW 4
-#endif
-
-typedef float vf __attribute__((vector_size(VW * sizeof(float))));
-typedef int32_t vi __attribute__((vector_size(VW * sizeof(float))));
-
-static inline vf vload(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
-static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
-static inline vf vsplat(float s) { return s - (vf){0}; }
-static inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+#include "vec.h"
 
 /* The first n < VW lanes of v to p, and of p into a vector (the rest zero). A memcpy of
  * a variable length here compiled to `rep movs`, which cost a third of the input
@@ -176,8 +162,6 @@ typedef struct {
     float lo, hi;
     int clip;
 } wepilogue;
-
-static inline vf vselect(vi take, vf a, vf b) { return (vf)((take & (vi)a) | (~take & (vi)b)); }
 
 /* Y's plane (OH, OW) for output channel m of one image from P (16, M, T), the image's
  * tiles starting at index t0; z is the residual's plane or NULL. */

@@ -12,10 +12,15 @@ signature already run (same names, exact dtypes, NumPy arrays of the same
 shapes and strides, which were C-contiguous then) goes straight to that
 signature's program.
 
+Every signature also gets an adaptive plan (seed 003), made before running
+from the dtype mix, where the inputs live, the performance hint, a telemetry
+snapshot taken then and the runtime history of this model on this machine.
 A memory limit is checked before running: when the whole batch does not fit,
-the batch is split into chunks along its first axis (the planner may shrink
-chunks at chunk boundaries, never in the middle of one); when not even one
-item fits, ``MemoryLimitError`` states the peak the plan needs.
+the batch is split into chunks along its first axis (the planner may shrink or
+grow chunks at chunk boundaries, never in the middle of one); when not even
+one item fits, ``MemoryLimitError`` states the peak the plan needs. Under the
+``throughput`` hint a batch is split into sub-batches run concurrently on
+separate programs and thread groups, written into one set of outputs.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import asyncio
 import collections
 import os
 import threading
+import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -39,7 +46,7 @@ from keel.execution.program import ArenaPool, Profiler, Program, compile_program
 from keel.graph.ir import Graph, Value
 from keel.ops.registry import OpGroup
 from keel.ops.types import Dim, TensorType
-from keel.planning.adaptive import AdaptivePlan, AdaptivePlanner, PlanRequest
+from keel.planning.adaptive import AdaptivePlan, AdaptivePlanner, PlanRequest, check_hint
 from keel.planning.placement import ExecutionPlan, place, precision_name
 
 __all__ = ["OPTIMIZATION_LEVELS", "Model", "TensorInfo", "load_model"]
@@ -51,7 +58,7 @@ _FLOATS = {"fp16": DType.FLOAT16, "fp32": DType.FLOAT32, "fp64": DType.FLOAT64}
 Shapes = dict[str, tuple[int, ...]]
 # A signature already run: (what ``Model.plan`` reports, its program, the order of
 # ``Program.input_names`` in the model's input order, or None when it is the same).
-_Fast = tuple[tuple["ExecutionPlan", None], "Program", list[int] | None]
+_Fast = tuple[tuple["ExecutionPlan", "AdaptivePlan | None"], "Program", list[int] | None]
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,9 @@ class _Planned:
     plan: ExecutionPlan
     program: Program | None = None
     symbolic: bool = False          # planned without sizes (no peak known)
+    adaptive: AdaptivePlan | None = None    # the adaptive plan, for ``adaptive_key``
+    adaptive_key: tuple[Any, ...] = ()
+    shown: ExecutionPlan | None = None      # ``plan`` with the adaptive plan's reasons
 
 
 def load_model(
@@ -87,13 +97,16 @@ def load_model(
     hardware: Any = None,
     policy: Any = None,
     enable_profiling: bool = False,
+    hint: str | None = None,
 ) -> Model:
     """Load and plan a model from a path (``.onnx``/``.keel``), bytes or ``onnx.ModelProto``.
 
     ``backend`` and ``precision`` given here (else ``KEEL_BACKEND`` /
     ``KEEL_PRECISION``) are authoritative: a pinned backend that cannot run
     every node raises before anything runs. ``memory_limit`` is a byte count
-    or a size such as ``"512MB"`` (else ``KEEL_MEMORY_LIMIT``).
+    or a size such as ``"512MB"`` (else ``KEEL_MEMORY_LIMIT``). ``hint`` is a
+    performance hint, ``"latency"`` or ``"throughput"`` (else the policy's
+    ``hint``): it sets threads, streams and the batch split.
     """
     if optimization_level not in OPTIMIZATION_LEVELS:
         raise InvalidArgumentError(
@@ -113,6 +126,7 @@ def load_model(
         hardware=hardware,
         policy=policy,
         enable_profiling=enable_profiling,
+        hint=hint,
     )
 
 
@@ -152,7 +166,8 @@ class Model:
                  precision: str = "auto", memory_limit: int | str | None = None,
                  optimization_level: str = "all", threads: int | None = None,
                  registry: BackendRegistry | None = None, hardware: Any = None,
-                 policy: Any = None, enable_profiling: bool = False) -> None:
+                 policy: Any = None, enable_profiling: bool = False,
+                 hint: str | None = None) -> None:
         from keel.graph.passes import optimize
 
         self.input_names = list(graph.input_names)     # graph order, optional ones included
@@ -163,6 +178,8 @@ class Model:
         self._registry = _with_threads(registry or default_registry(), threads)
         self._hardware = hardware if hardware is not None else _probe_if_gpu(self._registry)
         self._policy = policy
+        self._hint = check_hint(hint if hint is not None else getattr(policy, "hint", None))
+        self._threads = threads
         self._backend = _check_backend(backend)
         self._precision = _check_precision(precision)
         self._graph = _freeze_constants(
@@ -173,7 +190,9 @@ class Model:
         self._pool = ArenaPool()
         self._lock = threading.RLock()
         self._planner = AdaptivePlanner()
-        self._telemetry: Callable[[], Any] | None = None
+        self._telemetry: Callable[[], Any] | None = self._snapshot
+        self._history: Any = None                # a RuntimeHistory, made when first needed
+        self._streams: _Streams | None = None
         self._profiler: Profiler | None = Profiler() if enable_profiling else None
         self._last: tuple[ExecutionPlan, AdaptivePlan | None] | None = None
         # Signatures already checked: (shape, strides) of each feed, in _fast_names
@@ -218,8 +237,22 @@ class Model:
         """The plan of the last run, or of the first signature (symbolic dims as 1)."""
         with self._lock:
             if self._last is None:
-                self._last = (self._default_planned().plan, None)
+                planned = self._default_planned()
+                self._last = (self._shown(planned), planned.adaptive)
             return self._last[0]
+
+    @property
+    def adaptive_plan(self) -> AdaptivePlan | None:
+        """The adaptive plan (seed 003) behind ``plan``: runtime, precision plan, hint,
+        streams, chunks, telemetry and reasons; None for a plan made without sizes."""
+        with self._lock:
+            self.plan  # noqa: B018 - makes the default plan when nothing ran yet
+            return None if self._last is None else self._last[1]
+
+    @property
+    def hint(self) -> str:
+        """The performance hint: ``none``, ``latency`` or ``throughput``."""
+        return self._hint
 
     def explain(self) -> str:
         """Per-node backend, variant, precision and reason; copies; peak memory; once the
@@ -232,12 +265,12 @@ class Model:
             f"optimization {self.optimization_level}, memory limit {limit}",
             f"planned for input shapes {shapes}",
         ]
-        if self._last is not None and self._last[1] is not None:
-            head.append(f"chunked: {self._last[1].n_chunks} chunks of up to "
-                        f"{self._last[1].chunk_size}")
+        adaptive = self.adaptive_plan
+        if adaptive is not None:
+            head.append(_describe_adaptive(adaptive))
         # How a compiled program sized its backends' thread pools (known once it has run).
         program = next((p.program for p in self._cache.values()
-                        if p.plan is plan and p.program is not None), None)
+                        if plan in (p.plan, p.shown) and p.program is not None), None)
         if program is not None:
             head += [f"{name} threads: {why}" for name, why in program.scope_reasons.items()]
         memory = plan.memory_plan.report() if plan.memory_plan is not None else ""
@@ -257,6 +290,7 @@ class Model:
                 raise
             self._pool.clear()
             self._fast.clear()
+            self._streams = None
             self._last = None
 
     def set_backend(self, backend: str) -> None:
@@ -272,11 +306,23 @@ class Model:
                 raise
             self._pool.clear()
             self._fast.clear()
+            self._streams = None
             self._last = None
 
     def set_telemetry(self, source: Callable[[], Any] | None) -> None:
-        """A callable returning a telemetry snapshot, read at chunk boundaries."""
-        self._telemetry = source
+        """A callable returning a telemetry snapshot, read when a signature is planned and
+        at chunk boundaries (the default takes ``take_snapshot``'s; None: no telemetry)."""
+        with self._lock:
+            self._telemetry = source
+            for planned in self._cache.values():
+                planned.adaptive, planned.shown = None, None
+            self._fast.clear()
+            self._last = None
+
+    def _snapshot(self) -> Any:
+        from keel.planning.telemetry import take_snapshot
+
+        return take_snapshot(self._hardware, probe_gpus=self._hardware is not None)
 
     # ---- profiling -------------------------------------------------------
     def enable_profiling(self) -> None:
@@ -309,17 +355,20 @@ class Model:
             with self._lock:
                 self._last = last
                 return program.execute(ordered)
+        residency = _residency(feeds)
         arrays, shapes = self._validate(feeds)
         with self._lock:
             planned = self._planned(shapes)
-            limit = self._memory_limit
-            if limit is None or planned.plan.peak_bytes <= limit:
-                self._last = (self._with_hint(planned.plan, None), None)
+            adaptive = self._adaptive_plan(shapes, planned, residency)
+            if adaptive.chunked:
+                result = self._run_chunked(arrays, shapes, planned, adaptive)
+            elif adaptive.streams > 1:
+                result = self._run_streams(arrays, shapes, planned, adaptive)
+            else:
+                self._last = (self._shown(planned), adaptive)
                 program = self._program(planned)
                 result = program.run(arrays, profiler=self._profiler)
                 self._remember(arrays, planned, program)
-            else:
-                result = self._run_chunked(arrays, shapes, planned, limit)
         return self._to_declared(result)
 
     def _fast_path(self, feeds: Any) -> tuple[_Fast, Sequence[np.ndarray]] | None:
@@ -359,7 +408,7 @@ class Model:
             self._fast.clear()
         order = [names.index(n) for n in program.input_names]
         key = tuple((arrays[n].shape, arrays[n].strides) for n in names)
-        self._fast[key] = ((planned.plan, None), program,
+        self._fast[key] = ((self._shown(planned), planned.adaptive), program,
                            None if order == list(range(len(names))) else order)
 
     def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
@@ -447,55 +496,162 @@ class Model:
     def _check_default_plan(self) -> None:
         """Plan the first signature now: pins and impossible limits fail at load."""
         planned = self._default_planned()
-        limit = self._memory_limit
-        if limit is not None and not planned.symbolic and planned.plan.peak_bytes > limit:
-            self._chunk_plan(self._default_shapes(), planned.plan, limit)
+        if not planned.symbolic:
+            self._adaptive_plan(self._default_shapes(), planned)
 
-    def _with_hint(self, plan: ExecutionPlan, chunk: AdaptivePlan | None) -> ExecutionPlan:
-        if chunk is None:
+    def _shown(self, planned: _Planned) -> ExecutionPlan:
+        """``planned.plan`` with its adaptive plan's chunk hint and reasons."""
+        if planned.shown is None:
+            planned.shown = self._with_hint(planned.plan, planned.adaptive)
+        return planned.shown
+
+    def _with_hint(self, plan: ExecutionPlan, adaptive: AdaptivePlan | None) -> ExecutionPlan:
+        if adaptive is None:
             return plan
-        return replace(plan, chunk_size_hint=chunk.chunk_size,
-                       reasons=(*plan.reasons, *chunk.reasons))
+        hint = (adaptive.chunk_size if adaptive.chunked
+                else adaptive.batch_split[0] if adaptive.streams > 1 else None)
+        return replace(plan, chunk_size_hint=hint, reasons=(*plan.reasons, *adaptive.reasons))
+
+    # ---- the adaptive plan (seed 003) ---------------------------------------
+    def _adaptive_plan(self, shapes: Shapes, planned: _Planned,
+                       residency: str = "cpu") -> AdaptivePlan:
+        """Plan runtime, precision, streams and chunks for this signature: once, or on every
+        run while it is chunked (each run then starts from a fresh snapshot and history)."""
+        key = (self._memory_limit, residency, self._telemetry is None)
+        hit = planned.adaptive
+        if hit is not None and planned.adaptive_key == key and not hit.chunked:
+            return hit
+        batch = _batch_size(shapes, self._declared_inputs)
+        limit = self._memory_limit
+        if batch is None and limit is not None and planned.plan.peak_bytes > limit:
+            raise MemoryLimitError(
+                f"memory limit {format_bytes(limit)} ({limit} bytes) cannot be met: the plan "
+                f"needs a peak of {format_bytes(planned.plan.peak_bytes)} "
+                f"({planned.plan.peak_bytes} bytes) and the inputs share no batch dimension "
+                "to split into chunks",
+                required_bytes=planned.plan.peak_bytes, limit_bytes=limit)
+        cores, pinned = self._cores()
+        learn = batch is not None and (limit is not None or self._hint == "throughput")
+        request = PlanRequest(
+            "graph", 1 if batch is None else batch, residency=residency,
+            backend=self._backend, precision=self._precision, memory_limit=limit,
+            native_precision=_native_precision(self._graph),
+            telemetry=self._telemetry() if self._telemetry is not None else None,
+            node_precisions=tuple((n.name, n.precision) for n in planned.plan.nodes),
+            hint=self._hint, cores=cores, threads_pinned=pinned,
+            splittable=batch is not None and self._splittable(shapes, batch),
+            history=self._known(shapes) if learn else None, profile=self._hardware)
+        peak_of = (self._peak_fn(shapes, planned) if batch is not None
+                   else lambda _: planned.plan.peak_bytes)
+        adaptive = AdaptivePlanner(_graph_runtime(planned.plan)).plan(request, peak_of)
+        planned.adaptive, planned.adaptive_key, planned.shown = adaptive, key, None
+        return adaptive
+
+    def _cores(self) -> tuple[int, bool]:
+        """The cores the cpu backend may use, and whether the caller fixed them."""
+        if self._threads is not None:
+            return self._threads, True
+        usable = getattr(getattr(self._hardware, "cpu", None), "usable_cores", None)
+        if isinstance(usable, int) and usable > 0:
+            return usable, False
+        try:
+            return max(1, int(getattr(self._registry.get("cpu"), "threads", 1))), False
+        except Exception:  # no cpu backend in this registry: nothing to split across
+            return 1, False
+
+    def _splittable(self, shapes: Shapes, batch: int) -> bool:
+        """Whether every output has the batch as its first dimension (chunks can write it)."""
+        try:
+            self._check_chunkable(shapes, batch)
+        except MemoryLimitError:
+            return False
+        return True
+
+    def _history_store(self) -> Any:
+        if self._history is None:
+            from keel.planning.history import RuntimeHistory
+
+            self._history = RuntimeHistory.for_model(self._graph, self._hardware)
+        return self._history
+
+    def _known(self, shapes: Shapes) -> dict[int, Any]:
+        return dict(self._history_store().records(_signature(shapes)))
+
+    def _record(self, shapes: Shapes, measured: Mapping[int, tuple[float, int]]) -> None:
+        if measured:
+            self._history_store().record(_signature(shapes), measured)
 
     # ---- chunking --------------------------------------------------------
     def _run_chunked(self, arrays: dict[str, np.ndarray], shapes: Shapes,
-                     planned: _Planned, limit: int) -> dict[str, np.ndarray]:
-        chunk_plan = self._chunk_plan(shapes, planned.plan, limit)
+                     planned: _Planned, chunk_plan: AdaptivePlan) -> dict[str, np.ndarray]:
+        from keel.planning.history import StepRecord
+
         batch = chunk_plan.size
-        outputs = {name: np.empty(_static(planned.types[name], name), t.dtype.numpy)
-                   for name, t in self._output_types(planned).items()}
+        outputs = self._whole_outputs(planned)
         peak_of = self._peak_fn(shapes, planned)
+        known = self._known(shapes)
+        measured: dict[int, tuple[float, int]] = {}
         pos = 0
         while pos < batch:
             end = min(pos + chunk_plan.chunk_size, batch)
             sub = {k: (v[pos:end] if k in self._batched else v) for k, v in arrays.items()}
             part = self._planned(self._with_batch(shapes, end - pos))
+            program = self._program(part)
             self._last = (self._with_hint(part.plan, chunk_plan), chunk_plan)
-            self._program(part).run(sub, outputs={k: o[pos:end] for k, o in outputs.items()},
-                                    profiler=self._profiler)
+            start = time.perf_counter()
+            program.run(sub, outputs={k: o[pos:end] for k, o in outputs.items()},
+                        profiler=self._profiler)
+            seconds, size = time.perf_counter() - start, end - pos
+            total = measured.get(size, (0.0, 0))
+            measured[size] = (total[0] + seconds, total[1] + size)
             pos = end
             snapshot = self._telemetry() if self._telemetry is not None else None
-            chunk_plan = self._planner.replan(chunk_plan, pos, peak_of, snapshot)
+            step = StepRecord(size, seconds / size, 1)
+            chunk_plan = self._planner.replan(chunk_plan, pos, peak_of, snapshot,
+                                              step, known)
+        self._last = (self._last[0], chunk_plan) if self._last is not None else None
+        self._record(shapes, measured)
         return outputs
 
-    def _chunk_plan(self, shapes: Shapes, plan: ExecutionPlan, limit: int) -> AdaptivePlan:
-        batch = _batch_size(shapes, self._declared_inputs)
-        if batch is None:
-            raise MemoryLimitError(
-                f"memory limit {format_bytes(limit)} ({limit} bytes) cannot be met: the plan "
-                f"needs a peak of {format_bytes(plan.peak_bytes)} ({plan.peak_bytes} bytes) and "
-                "the inputs share no batch dimension to split into chunks",
-                required_bytes=plan.peak_bytes, limit_bytes=limit)
-        request = PlanRequest(
-            "graph", batch, backend=self._backend, precision=self._precision,
-            memory_limit=limit, native_precision=_native_precision(self._graph),
-            telemetry=self._telemetry() if self._telemetry is not None else None)
-        return self._planner.plan(request, self._peak_fn(shapes, self._planned(shapes)))
+    def _whole_outputs(self, planned: _Planned) -> dict[str, np.ndarray]:
+        """The whole batch's outputs, which chunks and streams write slices of."""
+        return {name: np.empty(_static(planned.types[name], name), t.dtype.numpy)
+                for name, t in self._output_types(planned).items()}
+
+    # ---- streams (the throughput hint) ---------------------------------------
+    def _run_streams(self, arrays: dict[str, np.ndarray], shapes: Shapes,
+                     planned: _Planned, plan: AdaptivePlan) -> dict[str, np.ndarray]:
+        """Split the batch as ``plan`` says and run the parts concurrently, one program,
+        arena and cpu thread group per stream, each writing its slice of the outputs."""
+        streams = self._streams
+        if streams is None or (streams.threads, streams.count) != \
+                (plan.threads_per_stream, plan.streams):
+            streams = self._streams = _Streams(self._registry, plan.threads_per_stream,
+                                               plan.streams, self._pool)
+        outputs = self._whole_outputs(planned)
+        jobs = []
+        pos = 0
+        for index, size in enumerate(plan.batch_split):
+            end = pos + size
+            part_shapes = self._with_batch(shapes, size)
+            program = streams.program(index, _signature(part_shapes),
+                                      self._planned(part_shapes), self._graph)
+            sub = {k: (v[pos:end] if k in self._batched else v) for k, v in arrays.items()}
+            jobs.append((program, sub, {k: o[pos:end] for k, o in outputs.items()}))
+            pos = end
+        self._last = (self._shown(planned), plan)
+        start = time.perf_counter()
+        streams.run(jobs, self._profiler)
+        self._record(shapes, {plan.batch_split[0]: (time.perf_counter() - start, plan.size)})
+        return outputs
 
     def _peak_fn(self, shapes: Shapes, whole: _Planned) -> Callable[[int], int]:
         full_outputs = int(whole.plan.memory.get("output_bytes", 0))
+        batch = _batch_size(shapes, self._declared_inputs)
 
         def peak(n: int) -> int:
+            if n == batch:
+                return whole.plan.peak_bytes
             sub = self._with_batch(shapes, n)
             plan = self._planned(sub).plan
             self._check_chunkable(sub, n)
@@ -573,6 +729,95 @@ class Model:
 
 
 # ---- helpers ---------------------------------------------------------------
+class _Streams:
+    """The throughput hint's streams: per stream an arena pool and compiled programs, on a
+    cpu thread group of ``threads``; worker threads run the streams concurrently."""
+
+    def __init__(self, registry: BackendRegistry, threads: int, count: int,
+                 shared: ArenaPool) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.threads, self.count = threads, count
+        self.registry = _with_threads(registry, threads)
+        self.pools = [ArenaPool() for _ in range(count)]
+        for pool in self.pools:
+            pool.prepacked = shared.prepacked      # weights are packed once, for all
+        self.programs: dict[tuple[int, str], Program] = {}
+        self.executor = ThreadPoolExecutor(max_workers=count, thread_name_prefix="keel-stream")
+        weakref.finalize(self, self.executor.shutdown, False)
+
+    def program(self, index: int, signature: str, planned: _Planned, graph: Graph) -> Program:
+        key = (index, signature)
+        program = self.programs.get(key)
+        if program is None:
+            if len(self.programs) >= _CACHE_SIZE * self.count:
+                self.programs.clear()
+            backends = {name: self.registry.get(name) for name in planned.plan.backends}
+            program = compile_program(graph, planned.plan, planned.types, backends,
+                                      self.pools[index])
+            self.programs[key] = program
+        return program
+
+    def run(self, jobs: Sequence[tuple[Program, dict[str, np.ndarray], dict[str, np.ndarray]]],
+            profiler: Profiler | None) -> None:
+        from keel.backends.cpu.backend import ThreadCap
+
+        # One cap around all streams: each stream's own cap then finds BLAS already at
+        # its size and changes nothing, so concurrent streams never restore each other's.
+        with ThreadCap(self.threads):
+            futures = [self.executor.submit(program.run, sub, outputs=out, profiler=profiler)
+                       for program, sub, out in jobs]
+            for future in futures:
+                future.result()
+
+
+def _graph_runtime(plan: ExecutionPlan) -> Callable[[PlanRequest], tuple[str, str]]:
+    """The runtime of a whole graph in auto mode: where its inputs live when nodes run
+    there, else where placement runs most of its nodes."""
+    def choose(request: PlanRequest) -> tuple[str, str]:
+        counts = plan.backends
+        total = sum(counts.values())
+        if request.residency in counts:
+            return request.residency, (
+                f"the inputs live on {request.residency}, where placement runs "
+                f"{counts[request.residency]} of {total} nodes")
+        name = max(sorted(counts), key=counts.__getitem__) if counts else request.residency
+        moved = ("" if request.residency in ("cpu", name) else
+                 f"; the inputs live on {request.residency}, where no node runs: they are "
+                 f"copied first")
+        return name, f"placement runs {counts.get(name, 0)} of {total} nodes there{moved}"
+
+    return choose
+
+
+def _describe_adaptive(plan: AdaptivePlan) -> str:
+    streams = (f"{plan.streams} streams of {plan.threads_per_stream} threads "
+               f"(batch split {'+'.join(map(str, plan.batch_split))})" if plan.streams > 1
+               else f"one stream of {plan.threads_per_stream} threads")
+    chunks = (f", chunked: {plan.n_chunks} chunks of up to {plan.chunk_size}"
+              if plan.chunked else "")
+    source = (plan.telemetry or {}).get("source", "none")
+    return (f"adaptive plan: runtime {plan.runtime}, precision {plan.precision}, hint "
+            f"{plan.hint}, {streams}{chunks}; telemetry {source}")
+
+
+def _residency(feeds: Any) -> str:
+    """Where the feeds live: ``cpu`` for host arrays, else the device a feed reports."""
+    if not isinstance(feeds, Mapping):
+        return "cpu"
+    for value in feeds.values():
+        if isinstance(value, np.ndarray):
+            continue
+        device = str(getattr(value, "device", "cpu")).lower()
+        if device not in ("cpu", "host"):
+            return "gpu" if ("cuda" in device or device.startswith("gpu")) else device
+    return "cpu"
+
+
+def _signature(shapes: Shapes) -> str:
+    return ";".join(f"{k}={'x'.join(map(str, v))}" for k, v in sorted(shapes.items()))
+
+
 def _check_backend(name: Any) -> str:
     if not isinstance(name, str) or not name.strip():
         raise InvalidArgumentError(

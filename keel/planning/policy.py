@@ -12,6 +12,8 @@ policy of the design (seed 000)::
 keel adds two pins, both ``auto`` by default: ``backend`` (``gpu``, ``cpu``,
 ``reference``) and ``precision`` (``fp32``, ``fp16``, ``int8``, ...). A pin is
 authoritative: a plan that cannot honour it raises ``BackendSelectionError``.
+``hint`` is a performance hint, ``none`` by default: ``latency`` or
+``throughput`` (see :mod:`keel.planning.adaptive`).
 
 A policy comes from a YAML file, keyword arguments or ``KEEL_*`` environment
 variables (``KEEL_`` + the upper-case field name, e.g. ``KEEL_MIN_GPU_MEMORY_GB``,
@@ -33,6 +35,7 @@ import yaml
 
 from keel.config import BACKEND_NAMES, PRECISIONS
 from keel.errors import InvalidArgumentError
+from keel.planning.adaptive import HINTS
 
 __all__ = ["ENV_PREFIX", "SEED_FIELDS", "RuntimePolicy"]
 
@@ -48,7 +51,7 @@ ENV_PREFIX = "KEEL_"
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
-_CHOICES = {"backend": BACKEND_NAMES, "precision": PRECISIONS}
+_CHOICES = {"backend": BACKEND_NAMES, "precision": PRECISIONS, "hint": HINTS}
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,7 @@ class RuntimePolicy:
     allow_accelerator_experiments: bool = True
     backend: str = "auto"
     precision: str = "auto"
+    hint: str = "none"
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -442,7 +442,7 @@ class Model:
         return {k: np.asarray(v) for k, v in values.items()}
 
     # ---- planning --------------------------------------------------------
-    def _planned(self, shapes: Shapes) -> _Planned:
+    def _planned(self, shapes: Shapes, keep: bool = True) -> _Planned:
         key = tuple(sorted(shapes.items()))
         hit = self._cache.get(key)
         if hit is not None:
@@ -455,6 +455,8 @@ class Model:
         plan = place(self._graph, types, self._registry, self._hardware, self._policy,
                      backend=self._backend, precision=self._precision)
         planned = _Planned(types, plan)
+        if not keep:            # a size the chunk planner only weighs: cached programs stay
+            return planned
         self._cache[key] = planned
         while len(self._cache) > _CACHE_SIZE:
             self._cache.popitem(last=False)
@@ -562,7 +564,7 @@ class Model:
     def _splittable(self, shapes: Shapes, batch: int) -> bool:
         """Whether every output has the batch as its first dimension (chunks can write it)."""
         try:
-            self._check_chunkable(shapes, batch)
+            self._check_chunkable(self._planned(shapes).types, batch)
         except MemoryLimitError:
             return False
         return True
@@ -577,9 +579,12 @@ class Model:
     def _known(self, shapes: Shapes) -> dict[int, Any]:
         return dict(self._history_store().records(_signature(shapes)))
 
-    def _record(self, shapes: Shapes, measured: Mapping[int, tuple[float, int]]) -> None:
+    def _record(self, shapes: Shapes, measured: Mapping[int, tuple[float, int]],
+                mode: str = "") -> None:
+        """Keep step times: chunks' under the signature, other modes' beside it."""
         if measured:
-            self._history_store().record(_signature(shapes), measured)
+            key = _signature(shapes) + (f" ({mode})" if mode else "")
+            self._history_store().record(key, measured)
 
     # ---- chunking --------------------------------------------------------
     def _run_chunked(self, arrays: dict[str, np.ndarray], shapes: Shapes,
@@ -596,17 +601,19 @@ class Model:
             end = min(pos + chunk_plan.chunk_size, batch)
             sub = {k: (v[pos:end] if k in self._batched else v) for k, v in arrays.items()}
             part = self._planned(self._with_batch(shapes, end - pos))
+            first_run = part.program is None     # binds its arena: not a step time
             program = self._program(part)
             self._last = (self._with_hint(part.plan, chunk_plan), chunk_plan)
             start = time.perf_counter()
             program.run(sub, outputs={k: o[pos:end] for k, o in outputs.items()},
                         profiler=self._profiler)
             seconds, size = time.perf_counter() - start, end - pos
-            total = measured.get(size, (0.0, 0))
-            measured[size] = (total[0] + seconds, total[1] + size)
+            step = None if first_run else StepRecord(size, seconds / size, 1)
+            if step is not None:
+                total = measured.get(size, (0.0, 0))
+                measured[size] = (total[0] + seconds, total[1] + size)
             pos = end
             snapshot = self._telemetry() if self._telemetry is not None else None
-            step = StepRecord(size, seconds / size, 1)
             chunk_plan = self._planner.replan(chunk_plan, pos, peak_of, snapshot,
                                               step, known)
         self._last = (self._last[0], chunk_plan) if self._last is not None else None
@@ -630,10 +637,12 @@ class Model:
                                                plan.streams, self._pool)
         outputs = self._whole_outputs(planned)
         jobs = []
+        first_run = False
         pos = 0
         for index, size in enumerate(plan.batch_split):
             end = pos + size
             part_shapes = self._with_batch(shapes, size)
+            first_run |= (index, _signature(part_shapes)) not in streams.programs
             program = streams.program(index, _signature(part_shapes),
                                       self._planned(part_shapes), self._graph)
             sub = {k: (v[pos:end] if k in self._batched else v) for k, v in arrays.items()}
@@ -642,7 +651,9 @@ class Model:
         self._last = (self._shown(planned), plan)
         start = time.perf_counter()
         streams.run(jobs, self._profiler)
-        self._record(shapes, {plan.batch_split[0]: (time.perf_counter() - start, plan.size)})
+        if not first_run:      # streams' times are kept apart from chunks' (they overlap)
+            self._record(shapes, {plan.batch_split[0]: (time.perf_counter() - start,
+                                                        plan.size)}, f"{plan.streams} streams")
         return outputs
 
     def _peak_fn(self, shapes: Shapes, whole: _Planned) -> Callable[[int], int]:
@@ -653,8 +664,9 @@ class Model:
             if n == batch:
                 return whole.plan.peak_bytes
             sub = self._with_batch(shapes, n)
-            plan = self._planned(sub).plan
-            self._check_chunkable(sub, n)
+            part = self._planned(sub, keep=False)
+            self._check_chunkable(part.types, n)
+            plan = part.plan
             # Chunks write into slices of the whole batch's outputs.
             return plan.peak_bytes - int(plan.memory.get("output_bytes", 0)) + full_outputs
 
@@ -669,8 +681,7 @@ class Model:
     def _with_batch(self, shapes: Shapes, n: int) -> Shapes:
         return {k: ((n, *s[1:]) if k in self._batched else s) for k, s in shapes.items()}
 
-    def _check_chunkable(self, shapes: Shapes, n: int) -> None:
-        types = self._planned(shapes).types
+    def _check_chunkable(self, types: Mapping[str, TensorType | None], n: int) -> None:
         for v in self._graph.outputs:
             t = types.get(v.name)
             if t is None or not t.is_static or not t.shape or t.shape[0] != n:

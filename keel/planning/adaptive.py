@@ -166,8 +166,8 @@ class AdaptivePlanner:
 
     ``choose_runtime(request) -> (backend, reason)`` picks the runtime in auto
     mode (the op-level selection for a single op, placement for a graph); the
-    default keeps the data where it lives. Inputs already resident on a
-    device other than the host favour that device before the chooser is asked.
+    default keeps the data where it lives. The chooser sees the request's
+    residency: inputs already resident on a device favour it.
     """
 
     def __init__(self, choose_runtime: Callable[[PlanRequest], tuple[str, str]] | None = None,
@@ -245,10 +245,6 @@ class AdaptivePlanner:
     def _runtime(self, request: PlanRequest) -> tuple[str, bool, str]:
         if request.backend != "auto":
             return request.backend, True, f"runtime {request.backend}: pinned by the caller"
-        device = request.residency.partition(":")[0]
-        if device not in ("cpu", "host") and request.residency:
-            return (device, False, f"runtime {device}: the inputs already live on "
-                    f"{request.residency}; running there saves copying them")
         if self._choose_runtime is None:
             return (request.residency, False,
                     f"runtime {request.residency}: auto mode keeps the data where it lives")
@@ -477,7 +473,7 @@ def telemetry_summary(telemetry: Any) -> dict[str, Any] | None:
         data = dict(telemetry.to_dict())
         data.setdefault("source", getattr(telemetry, "source", type(telemetry).__name__))
         return data
-    return {"source": type(telemetry).__name__}
+    return {"source": str(getattr(telemetry, "source", type(telemetry).__name__))}
 
 
 def _available(telemetry: Any, device: str) -> int | None:

@@ -10,6 +10,7 @@ performance hint ``--hint latency|throughput`` (else the policy's).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import json
@@ -44,8 +45,9 @@ def plan_command(
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Plan engines and runtimes for this machine (or a saved profile), with reasons."""
-    overrides = {} if hint is None else {"hint": check_hint(hint, "--hint")}
-    runtime_policy = RuntimePolicy.resolve(policy, **overrides)
+    runtime_policy = RuntimePolicy.resolve(policy)
+    if hint is not None:
+        runtime_policy = dataclasses.replace(runtime_policy, hint=check_hint(hint, "--hint"))
     profile = probe() if hardware is None else HardwareProfile.load(str(hardware))
     local = hardware is None or is_this_machine(profile)
     runtime_plan = plan_runtime(profile, runtime_policy, local=local)

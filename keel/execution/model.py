@@ -313,11 +313,17 @@ class Model:
         """A callable returning a telemetry snapshot, read when a signature is planned and
         at chunk boundaries (the default takes ``take_snapshot``'s; None: no telemetry)."""
         with self._lock:
-            self._telemetry = source
+            old, self._telemetry = self._telemetry, source
             for planned in self._cache.values():
                 planned.adaptive, planned.shown = None, None
             self._fast.clear()
             self._last = None
+            try:
+                self._check_default_plan()
+            except MemoryLimitError:
+                self._telemetry = old
+                self._check_default_plan()
+                raise
 
     def _snapshot(self) -> Any:
         from keel.planning.telemetry import take_snapshot
@@ -802,9 +808,10 @@ def _graph_runtime(plan: ExecutionPlan) -> Callable[[PlanRequest], tuple[str, st
 
 
 def _describe_adaptive(plan: AdaptivePlan) -> str:
-    streams = (f"{plan.streams} streams of {plan.threads_per_stream} threads "
+    threads = f"{plan.threads_per_stream} thread{'s' if plan.threads_per_stream > 1 else ''}"
+    streams = (f"{plan.streams} streams of {threads} "
                f"(batch split {'+'.join(map(str, plan.batch_split))})" if plan.streams > 1
-               else f"one stream of {plan.threads_per_stream} threads")
+               else f"one stream of {threads}")
     chunks = (f", chunked: {plan.n_chunks} chunks of up to {plan.chunk_size}"
               if plan.chunked else "")
     source = (plan.telemetry or {}).get("source", "none")

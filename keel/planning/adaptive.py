@@ -347,12 +347,16 @@ def _streams(request: PlanRequest, runtime: str, hint: str, chunk: int,
                 else "no performance hint: one stream on")
         reasons.append(f"{what} {cores} of {whose} cores; the batch is not split")
         return 1, cores, (request.size,)
+    per_stream = 1 if cores <= 4 else 2 if cores <= 16 else 4
+    nominal = max(1, cores // per_stream)
     why_not = _no_streams(request, runtime, chunk, cores)
     if why_not is not None:
-        reasons.append(f"throughput hint: one stream of {cores} threads: {why_not}")
+        would = (f" (a batch of {nominal} or more would run as {nominal} streams of "
+                 f"{cores // nominal} thread{'s' if cores // nominal > 1 else ''} each)"
+                 if request.size < 2 and nominal > 1 and runtime == "cpu" else "")
+        reasons.append(f"throughput hint: one stream of {cores} threads: {why_not}{would}")
         return 1, cores, (request.size,)
-    per_stream = 1 if cores <= 4 else 2 if cores <= 16 else 4
-    streams = max(1, min(request.size, cores // per_stream))
+    streams = max(1, min(request.size, nominal))
     while streams > 1 and peak_of is not None and limit is not None \
             and streams * peak_of(-(-request.size // streams)) > limit:
         streams -= 1
@@ -363,10 +367,9 @@ def _streams(request: PlanRequest, runtime: str, hint: str, chunk: int,
         f"each on {cores} of {whose} cores ({per_stream} per stream for {cores} cores); "
         f"the batch of {request.size} splits into {'+'.join(map(str, split))}, run "
         f"concurrently, results concatenated in order"
-        + ("" if len(split) == cores // per_stream else
-           " (fewer streams: " + ("the batch is smaller" if request.size < cores // per_stream
-                                  else f"{cores // per_stream} arenas exceed the memory "
-                                       f"budget") + ")"))
+        + ("" if len(split) == nominal else
+           " (fewer streams: " + ("the batch is smaller" if request.size < nominal
+                                  else f"{nominal} arenas exceed the memory budget") + ")"))
     return streams, threads, split
 
 

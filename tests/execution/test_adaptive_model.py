@@ -12,7 +12,7 @@ from onnx import TensorProto, helper
 from typer.testing import CliRunner
 
 from keel.cli import app
-from keel.errors import InvalidArgumentError
+from keel.errors import InvalidArgumentError, MemoryLimitError
 from keel.execution.model import load_model
 from keel.planning.policy import RuntimePolicy
 from keel.testing.models import make_inputs, mlp
@@ -57,6 +57,16 @@ def test_a_telemetry_snapshot_is_taken_at_plan_time_by_default(proto: Any) -> No
     assert m.adaptive_plan is not None and m.adaptive_plan.telemetry is None
 
 
+def test_a_telemetry_source_that_leaves_no_room_is_refused_like_a_limit(proto: Any) -> None:
+    m = load_model(proto, backend="cpu", memory_limit="1GB")
+    with pytest.raises(MemoryLimitError, match="cannot be met"):
+        m.set_telemetry(lambda: FakeTelemetry(64))
+    m.predict(make_inputs(proto, 2))                 # the old source is kept
+    assert m.adaptive_plan is not None
+    assert m.adaptive_plan.telemetry is not None
+    assert m.adaptive_plan.telemetry["source"] in ("static", "nvml")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_throughput_splits_the_batch_into_concurrent_streams_with_identical_results(
         backend: str, proto: Any) -> None:
@@ -70,7 +80,7 @@ def test_throughput_splits_the_batch_into_concurrent_streams_with_identical_resu
     if backend == "cpu":
         assert (plan.streams, plan.threads_per_stream, plan.batch_split) == (2, 1, (19, 18))
         assert m.plan.chunk_size_hint == 19
-        assert "2 streams of 1 threads" in m.explain()
+        assert "2 streams of 1 thread (batch split 19+18)" in m.explain()
     else:                                  # streams split cpu cores only
         assert plan.streams == 1
         assert any("this runs on reference" in r for r in plan.reasons)
@@ -143,8 +153,14 @@ def test_telemetry_shrinks_chunks_with_identical_results(proto: Any) -> None:
     whole = load_model(proto, backend="cpu").predict(feeds)["probs"]
     limit = _limit_for_chunks(proto, 64)
     m = load_model(proto, backend="cpu", memory_limit=limit)
-    readings = iter([limit, limit, limit // 2 + 4096] + [limit // 2 + 4096] * 64)
-    m.set_telemetry(lambda: FakeTelemetry(next(readings)))
+    calls: list[int] = []
+
+    def source() -> FakeTelemetry:      # roomy at plan time and after chunk 1, then tight
+        calls.append(1)
+        return FakeTelemetry(limit if len(calls) <= 2 else limit // 2 + 4096)
+
+    m.set_telemetry(source)
+    calls.clear()
     assert_same("cpu", m.predict(feeds)["probs"], whole)
     assert m.adaptive_plan is not None
     assert any("shrinks to" in r for r in m.adaptive_plan.reasons)

@@ -17,6 +17,7 @@ parsed is ignored and rebuilt, never trusted. It stays small: at most
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Mapping
@@ -108,7 +109,7 @@ class RuntimeHistory:
     def for_model(cls, graph: Graph, profile: Any = None,
                   path: Path | None = None) -> RuntimeHistory:
         """The history of ``graph`` on the machine ``profile`` describes (probed when None)."""
-        fingerprint = hardware_fingerprint(profile)
+        fingerprint = _this_machine() if profile is None else hardware_fingerprint(profile)
         return cls(f"{graph_digest(graph)}-{fingerprint_id(fingerprint)}", path)
 
     # ---- reading ---------------------------------------------------------
@@ -182,6 +183,12 @@ class RuntimeHistory:
             _write_atomically(self.path, json.dumps(data, indent=1, sort_keys=True) + "\n")
         except OSError as exc:   # a history that cannot be written is only a lost hint
             self.note = f"runtime history {str(self.path)!r} not written ({exc})"
+
+
+@functools.lru_cache(maxsize=1)
+def _this_machine() -> dict[str, Any]:
+    """This machine's fingerprint, probed once per process."""
+    return hardware_fingerprint()
 
 
 def _empty() -> dict[str, Any]:

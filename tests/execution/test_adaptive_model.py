@@ -206,3 +206,31 @@ def test_keel_plan_shows_the_hint_and_the_adaptive_plan(tmp_path: Any, proto: An
     bad = runner.invoke(app, ["plan", str(path), "--hint", "fast"])
     assert bad.exit_code != 0
     assert "latency" in bad.output or "latency" in str(bad.exception)
+
+
+class DeviceArray:
+    """An array-like that reports living on a GPU (as a CuPy array's ``device`` does)."""
+
+    device = "cuda:0"
+
+    def __init__(self, array: np.ndarray) -> None:
+        self._array = array
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        return self._array if dtype is None else self._array.astype(dtype)
+
+
+def test_residency_of_the_feeds_reaches_the_plan(proto: Any) -> None:
+    m = load_model(proto, backend="auto")
+    feeds = make_inputs(proto, 4)
+    want = m.predict(feeds)["probs"]
+    assert m.adaptive_plan is not None and m.adaptive_plan.residency == "cpu"
+    got = m.predict({k: DeviceArray(v) for k, v in feeds.items()})["probs"]
+    np.testing.assert_array_equal(got, want)
+    plan = m.adaptive_plan
+    assert plan is not None and plan.residency == "gpu"
+    if "gpu" not in m.plan.backends:          # no GPU here: the inputs are copied first
+        assert plan.runtime != "gpu"
+        assert any("the inputs live on gpu, where no node runs" in r for r in plan.reasons)
+    else:
+        assert plan.runtime == "gpu"

@@ -1,0 +1,578 @@
+"""The compiled-plan cache: a model loaded again skips optimization and placement.
+
+``load_model`` looks a model up here before it optimizes it, and stores it
+after planning its first input signature. An entry is one ``.keel`` file
+(:mod:`keel.formats.keel_format`: versioned, checksummed) holding the
+optimized graph with its weights; its header also carries, as JSON, the
+model's declared inputs and outputs and the plan of its first signature.
+
+The entry's name is its key: a SHA-256 over the model's bytes and everything
+else the result depends on: the load options, the machine
+(:func:`~keel.planning.calibration.hardware_fingerprint`, or the profile the
+caller gave), keel's version and a stamp of its source files, the native
+kernels' status, the calibration in use, the backends registered and keel's
+settings. Change any of them and the model is planned again.
+
+Trust: the folder (``cache_dir()/plans``) and every entry must belong to the
+current user and be writable by no one else, or the cache is not used (an
+entry that fails the check is rebuilt and replaced). Entries are written to a
+temporary file in the same folder and renamed into place, so no reader sees
+half an entry. A truncated, corrupt, stale or foreign entry is rebuilt,
+never trusted, never an error. The folder keeps at most ``MAX_ENTRIES``
+entries and ``MAX_BYTES`` in all; the least recently used go first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import re
+import secrets
+import stat
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from keel.config import cache_dir, settings
+from keel.dtypes import DType
+from keel.errors import InvalidArgumentError, KeelError
+from keel.graph.ir import Graph, Value
+from keel.ops.types import TensorType
+from keel.planning.placement import DeviceCopy, ExecutionPlan, NodePlacement, lower_steps
+
+__all__ = [
+    "CACHE_FORMAT", "MAX_BYTES", "MAX_ENTRIES", "CacheEntry", "CompiledModel", "Lookup",
+    "cache_key", "clear", "entries", "lookup", "may_use_external_data", "model_bytes",
+    "model_digest", "plans_dir", "store",
+]
+
+CACHE_FORMAT = 1              # the entry's JSON layout; a change makes every entry a miss
+MAX_ENTRIES = 16
+MAX_BYTES = 4 << 30
+_META = "keel.plan_cache"     # the graph metadata key the entry's JSON travels under
+_NAME = re.compile(r"[0-9a-f]{64}\.keel")
+_TEMP_MAX_AGE_S = 3600.0      # a temporary file this old was left by a writer that died
+_DIGESTS = "digests.json"     # model files' digests, by path (see model_digest)
+_MAX_DIGESTS = 256
+_SETTLE_NS = 2_000_000_000
+# The ExecutionPlan fields an entry stores or recomputes; a plan with others is not stored.
+_PLAN_FIELDS = frozenset({"model", "backend", "precision", "nodes", "copies", "memory",
+                          "peak_bytes", "chunk_size_hint", "reasons", "input_shapes",
+                          "memory_plan"})
+_T = TypeVar("_T")
+
+
+class _Unusable(Exception):
+    """An entry or folder the cache must not use; the message says why."""
+
+
+@dataclass(frozen=True)
+class CompiledModel:
+    """What an entry holds: a model optimized for some options, planned for one signature.
+
+    ``types`` are the value types of that signature (``shapes``: the model's
+    declared inputs, symbolic dimensions as 1; ``symbolic``: planned without
+    sizes), ``plan`` its plan, memory plan included.
+    """
+
+    graph: Graph
+    input_names: tuple[str, ...]
+    inputs: tuple[Value, ...]
+    outputs: tuple[Value, ...]
+    shapes: Mapping[str, tuple[int, ...]]
+    symbolic: bool
+    plan: ExecutionPlan
+    types: Mapping[str, TensorType | None] = dataclasses.field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """A lookup's result: the compiled model (None on a miss) and, for a plan, why."""
+
+    compiled: CompiledModel | None
+    reason: str = ""
+    storable: bool = True      # False: the folder cannot be used, so nothing is stored
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """One entry on disk, for ``keel cache list``."""
+
+    key: str
+    model: str
+    path: str
+    size_bytes: int
+    modified: float            # seconds since the epoch of the last store or hit
+
+    @property
+    def age_s(self) -> float:
+        return max(0.0, time.time() - self.modified)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "model": self.model, "path": self.path,
+                "size_bytes": self.size_bytes, "age_s": round(self.age_s, 1)}
+
+
+# ---- the key -----------------------------------------------------------------------------
+def model_bytes(src: Any) -> bytes | None:
+    """The bytes a model is keyed by: a file's content, bytes, a serialized ModelProto.
+
+    None for anything else (a ``Graph``) or a file that cannot be read (the
+    loader then reports it).
+    """
+    if isinstance(src, (str, os.PathLike)):
+        try:
+            return Path(src).read_bytes()
+        except OSError:
+            return None
+    if isinstance(src, (bytes, bytearray, memoryview)):
+        return bytes(src)
+    if type(src).__name__ == "ModelProto":
+        return bytes(src.SerializeToString())
+    return None
+
+
+def may_use_external_data(src: Any) -> bool:
+    """Whether an ONNX model may keep weights in external files (its bytes hold the
+    ``location`` key of external data; weight bytes may match too, rarely)."""
+    data = model_bytes(src)
+    return data is not None and not data.startswith(b"KEELMDL") and b"\x08location" in data
+
+
+def model_digest(src: Any) -> str | None:
+    """The SHA-256 of the model's bytes (:func:`model_bytes`); None when there are none.
+
+    A file's digest is remembered in the cache folder with the file's device,
+    inode, size and modification and change times, and used again while they
+    are all unchanged. A file changed less than ``_SETTLE_NS`` before it was
+    hashed is not remembered: a write in the same clock tick could not be told
+    apart (git's "racy" entries).
+    """
+    if isinstance(src, (str, os.PathLike)):
+        return _file_digest(Path(src))
+    data = model_bytes(src)
+    return None if data is None else hashlib.sha256(data).hexdigest()
+
+
+def cache_key(digest: str, options: Mapping[str, Any], hardware: Any = None,
+              backends: Mapping[str, Any] | None = None) -> str:
+    """The SHA-256 key of the model with ``digest`` loaded with ``options`` here.
+
+    ``hardware`` is the profile the caller gave (None: this machine's
+    fingerprint); ``backends`` describes the registry (names, chain,
+    availability). See the module docstring for the rest.
+    """
+    parts = {"format": CACHE_FORMAT, "model": digest,
+             "options": dict(options), "backends": dict(backends or {}),
+             "machine": _machine(hardware), "keel": _keel_identity(),
+             "native": _native_identity(), "calibration": _calibration_identity(),
+             "settings": _settings_identity()}
+    text = json.dumps(parts, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _machine(hardware: Any) -> Any:
+    from keel.planning.calibration import hardware_fingerprint
+
+    if hardware is None:
+        return hardware_fingerprint()
+    # A given profile drives placement as a whole; how long its probe took does not.
+    profile = hardware.to_dict() if hasattr(hardware, "to_dict") else repr(hardware)
+    return {k: v for k, v in profile.items() if k != "probe_seconds"} \
+        if isinstance(profile, dict) else profile
+
+
+def _keel_identity() -> dict[str, str]:
+    from keel import __version__
+
+    return {"version": str(__version__), "sources": _source_stamp()}
+
+
+@functools.cache
+def _source_stamp() -> str:
+    """A hash of the names, sizes and modification times of keel's source files.
+
+    A development checkout changes its code without changing its version: an
+    edit, a ``git checkout`` or a reinstall changes the stamp.
+    """
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*")):
+        if path.suffix in (".py", ".c", ".h", ".yaml") and "__pycache__" not in path.parts:
+            info = path.stat()
+            digest.update(f"{path.relative_to(root)}|{info.st_size}|{info.st_mtime_ns}\n"
+                          .encode())
+    return digest.hexdigest()
+
+
+def _native_identity() -> dict[str, Any]:
+    # Variant choices depend on whether native kernels can run, and with what flags.
+    from keel.native import build
+
+    status = build.status()
+    return {"available": status.available, "compiler": status.compiler,
+            "flags": list(status.flags), "mode": status.mode}
+
+
+def _calibration_identity() -> Any:
+    from keel.planning.calibration import calibration_status
+
+    status = calibration_status()
+    cal = status.calibration
+    return {"path": status.path, "calibration": None if cal is None else cal.to_dict()}
+
+
+def _settings_identity() -> dict[str, Any]:
+    return {k: v for k, v in dataclasses.asdict(settings()).items() if k != "plan_cache"}
+
+
+# ---- the folder --------------------------------------------------------------------------
+def plans_dir() -> Path:
+    """Where entries live: ``cache_dir()/plans``."""
+    return cache_dir() / "plans"
+
+
+def _owner_problem(info: os.stat_result, what: str) -> str | None:
+    """Why a file or folder with ``info`` cannot be trusted; None when it can."""
+    uid = getattr(os, "getuid", None)
+    if uid is not None and info.st_uid != uid():
+        return f"{what} belongs to another user (uid {info.st_uid})"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{what} is writable by other users (mode {stat.S_IMODE(info.st_mode):o})"
+    return None
+
+
+def _existing_folder() -> Path | None:
+    """The plans folder, checked; None when there is none yet."""
+    folder = plans_dir()
+    try:
+        info = os.lstat(folder)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise _Unusable(f"cannot read {folder}: {exc.strerror}") from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise _Unusable(f"{folder} is not a folder")
+    problem = _owner_problem(info, str(folder))
+    if problem is not None:
+        raise _Unusable(problem)
+    return folder
+
+
+def _made_folder() -> Path:
+    """The plans folder, created (private to this user) when missing, checked."""
+    folder = plans_dir()
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _Unusable(f"cannot create {folder}: {exc.strerror}") from None
+    found = _existing_folder()
+    if found is None:
+        raise _Unusable(f"{folder} vanished while it was being made")
+    return found
+
+
+# ---- remembered file digests ----------------------------------------------------------
+def _file_digest(path: Path) -> str | None:
+    try:
+        before = path.stat()
+    except OSError:
+        return None
+    name, ident = str(path.resolve()), _identity(before)
+    known = _digests()
+    if known.get(name, {}).get("stat") == ident:
+        return str(known[name]["sha256"])
+    started = time.time_ns()
+    data = model_bytes(path)
+    if data is None:
+        return None
+    digest = hashlib.sha256(data).hexdigest()
+    with contextlib.suppress(OSError):
+        if _identity(path.stat()) == ident and before.st_ctime_ns < started - _SETTLE_NS:
+            _remember_digest(known, name, ident, digest)
+    return digest
+
+
+def _identity(info: os.stat_result) -> list[int]:
+    return [info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns]
+
+
+def _digests() -> dict[str, Any]:
+    """The remembered digests; empty when the folder or the file cannot be trusted."""
+    try:
+        folder = _existing_folder()
+        if folder is None or not (folder / _DIGESTS).exists():
+            return {}
+        known = json.loads(_read_trusted(folder / _DIGESTS))
+    except (_Unusable, ValueError):
+        return {}
+    return known if isinstance(known, dict) else {}
+
+
+def _remember_digest(known: dict[str, Any], name: str, ident: list[int], digest: str) -> None:
+    known = {k: v for k, v in known.items() if k != name and isinstance(v, dict)}
+    kept = dict(list(known.items())[-(_MAX_DIGESTS - 1):])
+    kept[name] = {"stat": ident, "sha256": digest}
+    with contextlib.suppress(_Unusable, OSError):
+        folder = _made_folder()
+        _replace_atomically(folder / _DIGESTS, lambda tmp: tmp.write_text(json.dumps(kept)))
+
+
+# ---- lookup ------------------------------------------------------------------------------
+def lookup(key: str) -> Lookup:
+    """The entry stored under ``key``; never raises (an unusable entry is a miss with why)."""
+    try:
+        folder = _existing_folder()
+    except _Unusable as exc:
+        return Lookup(None, f"plan cache not used: {exc}", storable=False)
+    path = None if folder is None else folder / f"{key}.keel"
+    if path is None or not path.exists():
+        return Lookup(None)
+    try:
+        compiled = _read_entry(path, key)
+    except _Unusable as exc:
+        return Lookup(None, f"plan cache entry {key[:12]} not trusted: {exc}; planning again")
+    with contextlib.suppress(OSError):
+        os.utime(path)                      # recently used: pruned last
+    return Lookup(compiled, f"compiled plan loaded from cache {key[:12]}: optimization and "
+                            "placement skipped")
+
+
+def _read_entry(path: Path, key: str) -> CompiledModel:
+    from keel.formats.keel_format import load_keel
+
+    data = _read_trusted(path)
+    try:
+        graph = load_keel(data)
+        meta = json.loads(graph.metadata.pop(_META))
+        if not isinstance(meta, dict) or meta.get("format") != CACHE_FORMAT or \
+                meta.get("key") != key:
+            raise _Unusable("it was written by another version or for another key")
+        return _decode(graph, meta)
+    except _Unusable:
+        raise
+    except (KeelError, KeyError, ValueError, TypeError, AttributeError) as exc:
+        detail = exc.message if isinstance(exc, KeelError) else f"{type(exc).__name__}: {exc}"
+        raise _Unusable(f"it is corrupt ({detail})") from None
+
+
+def _read_trusted(path: Path) -> bytes:
+    """The file's bytes, after checking (on the open file) who owns it and who may write it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        raise _Unusable(f"cannot open it ({exc.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise _Unusable("it is not a regular file")
+        problem = _owner_problem(info, "the file")
+        if problem is not None:
+            raise _Unusable(problem)
+        return f.read()
+
+
+# ---- store -------------------------------------------------------------------------------
+def store(key: str, compiled: CompiledModel) -> str:
+    """Write ``compiled`` under ``key`` atomically and prune; returns a line for the plan.
+
+    Never raises: a folder that cannot be used or written is the reason returned.
+    """
+    short = key[:12]
+    try:
+        meta = {"format": CACHE_FORMAT, "key": key, **_encode(compiled)}
+        folder = _made_folder()
+        _write(folder / f"{key}.keel", compiled.graph, meta)
+    except _Unusable as exc:
+        return f"compiled plan not stored in the cache: {exc}"
+    except (OSError, KeelError) as exc:
+        why = exc.message if isinstance(exc, KeelError) else exc.strerror or str(exc)
+        return f"compiled plan not stored in the cache: {why}"
+    _prune(folder)
+    return f"compiled plan stored in cache {short}"
+
+
+def _write(target: Path, graph: Graph, meta: dict[str, Any]) -> None:
+    from keel.formats.keel_format import save_keel
+
+    tagged = dataclasses.replace(graph, metadata={**graph.metadata, _META: json.dumps(meta)})
+    _replace_atomically(target, lambda tmp: save_keel(tagged, tmp))
+
+
+def _replace_atomically(target: Path, write: Callable[[Path], object]) -> None:
+    """``write`` a private temporary file beside ``target``, then rename it over ``target``."""
+    tmp = target.with_name(f".{target.stem}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _prune(folder: Path, max_entries: int = MAX_ENTRIES, max_bytes: int = MAX_BYTES) -> None:
+    """Keep the most recently used entries within the bounds; drop dead writers' temp files."""
+    now = time.time()
+    total = 0
+    for kept, (path, info) in enumerate(_listing(folder), start=1):
+        total += info.st_size
+        if kept > max_entries or (kept > 1 and total > max_bytes):
+            with contextlib.suppress(OSError):
+                path.unlink()
+    for tmp in folder.glob(".*.tmp"):
+        with contextlib.suppress(OSError):
+            if now - tmp.stat().st_mtime > _TEMP_MAX_AGE_S:
+                tmp.unlink()
+
+
+def _listing(folder: Path) -> list[tuple[Path, os.stat_result]]:
+    """Entries (by name) with their stat, most recently used first."""
+    found = []
+    for path in folder.iterdir():
+        if _NAME.fullmatch(path.name):
+            with contextlib.suppress(OSError):
+                found.append((path, path.stat()))
+    return sorted(found, key=lambda item: item[1].st_mtime, reverse=True)
+
+
+# ---- list and clear ----------------------------------------------------------------------
+def entries() -> list[CacheEntry]:
+    """The entries on disk, most recently used first (``InvalidArgumentError``: unsafe folder)."""
+    folder = _checked_folder()
+    if folder is None:
+        return []
+    return [CacheEntry(path.stem, _model_name(path), str(path), info.st_size, info.st_mtime)
+            for path, info in _listing(folder)]
+
+
+def clear() -> int:
+    """Remove every entry (and leftover temporary file); returns how many entries went."""
+    folder = _checked_folder()
+    if folder is None:
+        return 0
+    removed = 0
+    for path, _ in _listing(folder):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed += 1
+    for other in (*folder.glob(".*.tmp"), folder / _DIGESTS):
+        with contextlib.suppress(FileNotFoundError):
+            other.unlink()
+    return removed
+
+
+def _checked_folder() -> Path | None:
+    try:
+        return _existing_folder()
+    except _Unusable as exc:
+        raise InvalidArgumentError(f"the plan cache is not used: {exc}") from None
+
+
+def _model_name(path: Path) -> str:
+    """The model an entry was stored for, from its header alone ("?" when unreadable)."""
+    from keel.formats.keel_format import read_header
+
+    try:
+        meta = json.loads(read_header(path)["graph"]["metadata"][_META])
+        return str(meta.get("name") or "?")
+    except (KeelError, KeyError, TypeError, ValueError):
+        return "?"
+
+
+# ---- the entry's JSON --------------------------------------------------------------------
+def _encode(compiled: CompiledModel) -> dict[str, Any]:
+    """The entry's JSON: interface, signature and plan (the memory plan is recomputed)."""
+    plan = compiled.plan
+    extra = {f.name for f in dataclasses.fields(plan)} - _PLAN_FIELDS
+    if extra:
+        raise _Unusable(f"the plan has fields the cache cannot store ({', '.join(sorted(extra))})")
+    return {
+        "name": plan.model or compiled.graph.name,
+        "input_names": list(compiled.input_names),
+        "inputs": [_value_json(v) for v in compiled.inputs],
+        "outputs": [_value_json(v) for v in compiled.outputs],
+        "signature": {"symbolic": compiled.symbolic,
+                      "shapes": {k: list(s) for k, s in compiled.shapes.items()}},
+        "plan": {"model": plan.model, "backend": plan.backend, "precision": plan.precision,
+                 "nodes": [_fields(n) for n in plan.nodes],
+                 "copies": [_fields(c) for c in plan.copies],
+                 "peak_bytes": plan.peak_bytes, "chunk_size_hint": plan.chunk_size_hint,
+                 "reasons": list(plan.reasons),
+                 "input_shapes": {k: list(v) for k, v in plan.input_shapes.items()}},
+    }
+
+
+def _decode(graph: Graph, meta: dict[str, Any]) -> CompiledModel:
+    from keel.graph.memory_plan import plan_steps_for_graph
+    from keel.graph.shape_inference import infer_graph_types
+
+    sig = meta["signature"]
+    shapes = {str(k): tuple(int(d) for d in s) for k, s in sig["shapes"].items()}
+    symbolic = bool(sig["symbolic"])
+    internal = {k: v for k, v in shapes.items() if k in graph.input_names}
+    types = infer_graph_types(graph, {} if symbolic else internal)
+    p = meta["plan"]
+    nodes = tuple(_build(NodePlacement, d) for d in p["nodes"])
+    copies = tuple(_build(DeviceCopy, d) for d in p["copies"])
+    if len(nodes) != len(graph.nodes) or any(
+            n.name != g.name for n, g in zip(nodes, graph.nodes, strict=True)):
+        raise _Unusable("its plan does not match its graph")
+    memory = plan_steps_for_graph(graph, types, lower_steps(graph, nodes, copies))
+    if memory.peak_bytes != p["peak_bytes"]:
+        raise _Unusable("its memory plan does not match the stored one")
+    plan = ExecutionPlan(
+        model=str(p["model"]), backend=str(p["backend"]), precision=str(p["precision"]),
+        nodes=nodes, copies=copies, memory=memory.summary(), peak_bytes=memory.peak_bytes,
+        chunk_size_hint=p["chunk_size_hint"], reasons=tuple(str(r) for r in p["reasons"]),
+        input_shapes={str(k): tuple(int(d) for d in v) for k, v in p["input_shapes"].items()},
+        memory_plan=memory)
+    return CompiledModel(graph, tuple(str(n) for n in meta["input_names"]),
+                         tuple(_value_from_json(v) for v in meta["inputs"]),
+                         tuple(_value_from_json(v) for v in meta["outputs"]),
+                         shapes, symbolic, plan, types)
+
+
+def _fields(obj: Any) -> dict[str, Any]:
+    """A flat frozen dataclass as JSON; a field that is not plain data cannot be stored."""
+    out = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, tuple):
+            value = list(value)
+        items = value if isinstance(value, list) else [value]
+        if not all(v is None or isinstance(v, (str, int, float, bool)) for v in items):
+            raise _Unusable(f"{type(obj).__name__}.{f.name} is not plain data")
+        out[f.name] = value
+    return out
+
+
+def _build(cls: type[_T], data: Any) -> _T:
+    """``cls`` from :func:`_fields`'s JSON, checked to hold exactly its fields."""
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    if not isinstance(data, dict) or set(data) != names:
+        raise _Unusable(f"its {cls.__name__} entries do not match this keel's")
+    obj = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+    if _fields(obj) != data:
+        raise _Unusable(f"its {cls.__name__} entries do not read back")
+    return obj
+
+
+def _value_json(v: Value) -> dict[str, Any]:
+    shape = None if v.type.shape is None else list(v.type.shape)
+    return {"name": v.name, "dtype": v.type.dtype.value, "shape": shape}
+
+
+def _value_from_json(d: Any) -> Value:
+    shape: Sequence[Any] | None = d["shape"]
+    if shape is not None and not all(x is None or isinstance(x, (int, str)) for x in shape):
+        raise _Unusable("its interface has a bad shape")
+    return Value(str(d["name"]), TensorType(DType(d["dtype"]),
+                                            None if shape is None else tuple(shape)))

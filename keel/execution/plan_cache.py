@@ -215,7 +215,10 @@ def _native_identity() -> dict[str, Any]:
     # Variant choices depend on whether native kernels can run, and with what flags.
     from keel.native import build
 
-    status = build.status()
+    try:
+        status = build.status()
+    except KeelError as exc:          # KEEL_NATIVE=on without a compiler: placement says so
+        return {"error": exc.message}
     return {"available": status.available, "compiler": status.compiler,
             "flags": list(status.flags), "mode": status.mode}
 
@@ -239,9 +242,14 @@ def plans_dir() -> Path:
 
 
 def _owner_problem(info: os.stat_result, what: str) -> str | None:
-    """Why a file or folder with ``info`` cannot be trusted; None when it can."""
+    """Why a file or folder with ``info`` cannot be trusted; None when it can.
+
+    Without POSIX owners and modes (Windows) the user's cache folder is trusted as is.
+    """
     uid = getattr(os, "getuid", None)
-    if uid is not None and info.st_uid != uid():
+    if uid is None:
+        return None
+    if info.st_uid != uid():
         return f"{what} belongs to another user (uid {info.st_uid})"
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         return f"{what} is writable by other users (mode {stat.S_IMODE(info.st_mode):o})"

@@ -118,33 +118,51 @@ def load_model(
     extra: dict[str, Any] = {"registry": registry, "hardware": hardware, "policy": policy,
                              "enable_profiling": enable_profiling}
     use_cache = env.plan_cache if plan_cache is None else bool(plan_cache)
-    key, found = _cache_lookup(src, options, extra) if use_cache else (None, None)
-    if found is not None and found.compiled is not None:
-        compiled = found.compiled
+    slot = _cache_lookup(src, options, extra) if use_cache else None
+    if slot is not None and slot.found.compiled is not None:
+        compiled = slot.found.compiled
         model = Model(compiled.graph, name=compiled.graph.name or _default_name(src),
                       compiled=compiled, **options, **extra)
-        model._note(found.reason)
+        model._note(slot.found.reason)
         return model
     graph, name = _read_graph(src)
     model = Model(graph, name=name, **options, **extra)
-    if found is not None:
-        stored = _plan_cache.store(key, model._compiled()) if key and found.storable else ""
-        model._note(found.reason, stored)
+    if slot is not None:
+        model._note(slot.found.reason, slot.store(model))
     return model
 
 
+@dataclass(frozen=True)
+class _CacheSlot:
+    """A model's place in the plan cache: its key (None: not cacheable) and what was there."""
+
+    key: str | None
+    found: _plan_cache.Lookup
+    source: _plan_cache.ModelSource | None = None
+
+    def store(self, model: Model) -> str:
+        """Store ``model``'s compiled plan under the key; returns what the plan says of it."""
+        if self.key is None or self.source is None or not self.found.storable:
+            return ""
+        if not self.source.unchanged():
+            return "compiled plan not stored in the cache: the model file changed while loading"
+        return _plan_cache.store(self.key, model._compiled())
+
+
 def _cache_lookup(src: Any, options: Mapping[str, Any], extra: Mapping[str, Any],
-                  ) -> tuple[str | None, _plan_cache.Lookup]:
-    """The model's cache key and what the plan cache holds under it (no key: not cacheable)."""
+                  ) -> _CacheSlot:
+    """The model's cache key and what the plan cache holds under it."""
     if extra["registry"] is not None:
-        return None, _plan_cache.Lookup(None, "plan cache not used: a registry was given "
-                                              "(its backends cannot be keyed)")
+        return _CacheSlot(None, _plan_cache.Lookup(None, "plan cache not used: a registry was "
+                                                         "given (its backends cannot be keyed)"))
     policy = extra["policy"]
     if policy is not None and not hasattr(policy, "to_dict"):
-        return None, _plan_cache.Lookup(None, "plan cache not used: the policy cannot be keyed")
-    digest = _plan_cache.model_digest(src)
+        return _CacheSlot(None, _plan_cache.Lookup(None, "plan cache not used: the policy "
+                                                         "cannot be keyed"))
+    source = _plan_cache.ModelSource(src)
+    digest = source.digest()
     if digest is None:
-        return None, _plan_cache.Lookup(None)
+        return _CacheSlot(None, _plan_cache.Lookup(None))
     limit = options["memory_limit"]
     keyed = {**options, "memory_limit": None if limit is None else parse_bytes(limit),
              "policy": None if policy is None else policy.to_dict()}
@@ -154,11 +172,11 @@ def _cache_lookup(src: Any, options: Mapping[str, Any], extra: Mapping[str, Any]
     key = _plan_cache.cache_key(digest, keyed, extra["hardware"], backends)
     found = _plan_cache.lookup(key)
     # The key covers the model's bytes, not external weight files: such a model is never
-    # stored (so never found). The test may also match weight bytes: then it is not stored.
-    if found.compiled is None and _plan_cache.may_use_external_data(src):
-        return None, _plan_cache.Lookup(None, "plan cache not used: the model may keep "
-                                              "weights in external files")
-    return key, found
+    # stored (so never found).
+    if found.compiled is None and source.may_use_external_data():
+        return _CacheSlot(None, _plan_cache.Lookup(None, "plan cache not used: the model may "
+                                                         "keep weights in external files"))
+    return _CacheSlot(key, found, source)
 
 
 def _default_name(src: Any) -> str:

@@ -48,8 +48,8 @@ from keel.planning.placement import DeviceCopy, ExecutionPlan, NodePlacement, lo
 
 __all__ = [
     "CACHE_FORMAT", "MAX_BYTES", "MAX_ENTRIES", "CacheEntry", "CompiledModel", "Lookup",
-    "cache_key", "clear", "entries", "lookup", "may_use_external_data", "model_bytes",
-    "model_digest", "plans_dir", "store",
+    "ModelSource", "cache_key", "clear", "entries", "lookup", "model_bytes", "plans_dir",
+    "store",
 ]
 
 CACHE_FORMAT = 1              # the entry's JSON layout; a change makes every entry a miss
@@ -138,15 +138,8 @@ def model_bytes(src: Any) -> bytes | None:
     return None
 
 
-def may_use_external_data(src: Any) -> bool:
-    """Whether an ONNX model may keep weights in external files (its bytes hold the
-    ``location`` key of external data; weight bytes may match too, rarely)."""
-    data = model_bytes(src)
-    return data is not None and not data.startswith(b"KEELMDL") and b"\x08location" in data
-
-
-def model_digest(src: Any) -> str | None:
-    """The SHA-256 of the model's bytes (:func:`model_bytes`); None when there are none.
+class ModelSource:
+    """A model as the cache sees it: its bytes, read once when needed, and their digest.
 
     A file's digest is remembered in the cache folder with the file's device,
     inode, size and modification and change times, and used again while they
@@ -154,10 +147,44 @@ def model_digest(src: Any) -> str | None:
     hashed is not remembered: a write in the same clock tick could not be told
     apart (git's "racy" entries).
     """
-    if isinstance(src, (str, os.PathLike)):
-        return _file_digest(Path(src))
-    data = model_bytes(src)
-    return None if data is None else hashlib.sha256(data).hexdigest()
+
+    def __init__(self, src: Any) -> None:
+        self.src = src
+        self.path = Path(src) if isinstance(src, (str, os.PathLike)) else None
+        self._data: bytes | None = None
+        self._stat = self.file_identity()
+
+    def data(self) -> bytes | None:
+        """The model's bytes (:func:`model_bytes`), read on first use."""
+        if self._data is None:
+            self._data = model_bytes(self.src)
+        return self._data
+
+    def digest(self) -> str | None:
+        """The SHA-256 of the model's bytes; None when there are none."""
+        if self.path is None:
+            data = self.data()
+            return None if data is None else hashlib.sha256(data).hexdigest()
+        return None if self._stat is None else _file_digest(self, self.path, self._stat)
+
+    def file_identity(self) -> list[int] | None:
+        """The file's device, inode, size, modification and change times (None: no file)."""
+        try:
+            return None if self.path is None else _identity(self.path.stat())
+        except OSError:
+            return None
+
+    def unchanged(self) -> bool:
+        """Whether the file is still the one that was hashed (always, for bytes)."""
+        return self.path is None or self.file_identity() == self._stat
+
+    def may_use_external_data(self) -> bool:
+        """Whether an ONNX model may keep weights in external files (its bytes hold the
+        ``location`` key of external data; weight bytes may match it too, rarely)."""
+        from keel.formats.keel_format import MAGIC
+
+        data = self.data()
+        return data is not None and not data.startswith(MAGIC) and b"\x08location" in data
 
 
 def cache_key(digest: str, options: Mapping[str, Any], hardware: Any = None,
@@ -287,23 +314,19 @@ def _made_folder() -> Path:
 
 
 # ---- remembered file digests ----------------------------------------------------------
-def _file_digest(path: Path) -> str | None:
-    try:
-        before = path.stat()
-    except OSError:
-        return None
-    name, ident = str(path.resolve()), _identity(before)
+def _file_digest(source: ModelSource, path: Path, ident: list[int]) -> str | None:
+    name = str(path.resolve())
     known = _digests()
-    if known.get(name, {}).get("stat") == ident:
-        return str(known[name]["sha256"])
+    seen = known.get(name)
+    if isinstance(seen, dict) and seen.get("stat") == ident and isinstance(seen.get("sha256"), str):
+        return str(seen["sha256"])
     started = time.time_ns()
-    data = model_bytes(path)
+    data = source.data()
     if data is None:
         return None
     digest = hashlib.sha256(data).hexdigest()
-    with contextlib.suppress(OSError):
-        if _identity(path.stat()) == ident and before.st_ctime_ns < started - _SETTLE_NS:
-            _remember_digest(known, name, ident, digest)
+    if source.unchanged() and ident[4] < started - _SETTLE_NS:
+        _remember_digest(known, name, ident, digest)
     return digest
 
 

@@ -296,3 +296,24 @@ def test_keel_cache_rejects_an_unknown_action(plans: Path) -> None:
     result = runner.invoke(app, ["cache", "prune"])
     assert result.exit_code != 0
     assert "unknown action 'prune'; use one of list, clear" in str(result.exception)
+
+
+def test_a_model_with_external_weights_is_not_cached(plans: Path, tmp_path: Path) -> None:
+    import onnx
+
+    path = tmp_path / "external.onnx"
+    onnx.save_model(resnet_block(channels=8, size=8), str(path), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="weights.bin", size_threshold=0)
+    model = load_model(path)
+    assert model.plan.reasons[-1] == ("plan cache not used: the model may keep weights in "
+                                      "external files")
+    assert _entries(plans) == []
+
+
+def test_a_source_sees_its_file_change(tmp_path: Path) -> None:
+    path = tmp_path / "m.onnx"
+    path.write_bytes(b"one")
+    source = plan_cache.ModelSource(path)
+    assert source.digest() == plan_cache.ModelSource(b"one").digest() and source.unchanged()
+    path.write_bytes(b"three")
+    assert not source.unchanged()

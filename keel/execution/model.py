@@ -36,7 +36,7 @@ from keel.config import BACKEND_NAMES, PRECISIONS, format_bytes, parse_bytes, se
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError, MemoryLimitError
 from keel.execution import plan_cache as _plan_cache
-from keel.execution.plan_cache import CompiledModel
+from keel.execution.compiled import CompiledModel
 from keel.execution.program import ArenaPool, Profiler, Program, compile_program
 from keel.graph.ir import Graph, Value
 from keel.ops.registry import OpGroup

@@ -34,20 +34,18 @@ import re
 import secrets
 import stat
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from keel.config import cache_dir, settings
-from keel.dtypes import DType
 from keel.errors import InvalidArgumentError, KeelError
-from keel.graph.ir import Graph, Value
-from keel.ops.types import TensorType
-from keel.planning.placement import DeviceCopy, ExecutionPlan, NodePlacement, lower_steps
+from keel.execution.compiled import CompiledModel, EntryError, from_json, to_json
+from keel.graph.ir import Graph
 
 __all__ = [
-    "CACHE_FORMAT", "MAX_BYTES", "MAX_ENTRIES", "CacheEntry", "CompiledModel", "Lookup",
+    "CACHE_FORMAT", "MAX_BYTES", "MAX_ENTRIES", "CacheEntry", "Lookup",
     "ModelSource", "cache_key", "clear", "entries", "lookup", "model_bytes", "plans_dir",
     "store",
 ]
@@ -61,34 +59,10 @@ _TEMP_MAX_AGE_S = 3600.0      # a temporary file this old was left by a writer t
 _DIGESTS = "digests.json"     # model files' digests, by path (see model_digest)
 _MAX_DIGESTS = 256
 _SETTLE_NS = 2_000_000_000
-# The ExecutionPlan fields an entry stores or recomputes; a plan with others is not stored.
-_PLAN_FIELDS = frozenset({"model", "backend", "precision", "nodes", "copies", "memory",
-                          "peak_bytes", "chunk_size_hint", "reasons", "input_shapes",
-                          "memory_plan"})
-_T = TypeVar("_T")
 
 
 class _Unusable(Exception):
     """An entry or folder the cache must not use; the message says why."""
-
-
-@dataclass(frozen=True)
-class CompiledModel:
-    """What an entry holds: a model optimized for some options, planned for one signature.
-
-    ``types`` are the value types of that signature (``shapes``: the model's
-    declared inputs, symbolic dimensions as 1; ``symbolic``: planned without
-    sizes), ``plan`` its plan, memory plan included.
-    """
-
-    graph: Graph
-    input_names: tuple[str, ...]
-    inputs: tuple[Value, ...]
-    outputs: tuple[Value, ...]
-    shapes: Mapping[str, tuple[int, ...]]
-    symbolic: bool
-    plan: ExecutionPlan
-    types: Mapping[str, TensorType | None] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -385,9 +359,11 @@ def _read_entry(path: Path, key: str) -> CompiledModel:
         if not isinstance(meta, dict) or meta.get("format") != CACHE_FORMAT or \
                 meta.get("key") != key:
             raise _Unusable("it was written by another version or for another key")
-        return _decode(graph, meta)
+        return from_json(graph, meta)
     except _Unusable:
         raise
+    except EntryError as exc:
+        raise _Unusable(str(exc)) from None
     except (KeelError, KeyError, ValueError, TypeError, AttributeError) as exc:
         detail = exc.message if isinstance(exc, KeelError) else f"{type(exc).__name__}: {exc}"
         raise _Unusable(f"it is corrupt ({detail})") from None
@@ -417,10 +393,10 @@ def store(key: str, compiled: CompiledModel) -> str:
     """
     short = key[:12]
     try:
-        meta = {"format": CACHE_FORMAT, "key": key, **_encode(compiled)}
+        meta = {"format": CACHE_FORMAT, "key": key, **to_json(compiled)}
         folder = _made_folder()
         _write(folder / f"{key}.keel", compiled.graph, meta)
-    except _Unusable as exc:
+    except (_Unusable, EntryError) as exc:
         return f"compiled plan not stored in the cache: {exc}"
     except (OSError, KeelError) as exc:
         why = exc.message if isinstance(exc, KeelError) else exc.strerror or str(exc)
@@ -516,94 +492,3 @@ def _model_name(path: Path) -> str:
         return str(meta.get("name") or "?")
     except (KeelError, KeyError, TypeError, ValueError):
         return "?"
-
-
-# ---- the entry's JSON --------------------------------------------------------------------
-def _encode(compiled: CompiledModel) -> dict[str, Any]:
-    """The entry's JSON: interface, signature and plan (the memory plan is recomputed)."""
-    plan = compiled.plan
-    extra = {f.name for f in dataclasses.fields(plan)} - _PLAN_FIELDS
-    if extra:
-        raise _Unusable(f"the plan has fields the cache cannot store ({', '.join(sorted(extra))})")
-    return {
-        "name": plan.model or compiled.graph.name,
-        "input_names": list(compiled.input_names),
-        "inputs": [_value_json(v) for v in compiled.inputs],
-        "outputs": [_value_json(v) for v in compiled.outputs],
-        "signature": {"symbolic": compiled.symbolic,
-                      "shapes": {k: list(s) for k, s in compiled.shapes.items()}},
-        "plan": {"model": plan.model, "backend": plan.backend, "precision": plan.precision,
-                 "nodes": [_fields(n) for n in plan.nodes],
-                 "copies": [_fields(c) for c in plan.copies],
-                 "peak_bytes": plan.peak_bytes, "chunk_size_hint": plan.chunk_size_hint,
-                 "reasons": list(plan.reasons),
-                 "input_shapes": {k: list(v) for k, v in plan.input_shapes.items()}},
-    }
-
-
-def _decode(graph: Graph, meta: dict[str, Any]) -> CompiledModel:
-    from keel.graph.memory_plan import plan_steps_for_graph
-    from keel.graph.shape_inference import infer_graph_types
-
-    sig = meta["signature"]
-    shapes = {str(k): tuple(int(d) for d in s) for k, s in sig["shapes"].items()}
-    symbolic = bool(sig["symbolic"])
-    internal = {k: v for k, v in shapes.items() if k in graph.input_names}
-    types = infer_graph_types(graph, {} if symbolic else internal)
-    p = meta["plan"]
-    nodes = tuple(_build(NodePlacement, d) for d in p["nodes"])
-    copies = tuple(_build(DeviceCopy, d) for d in p["copies"])
-    if len(nodes) != len(graph.nodes) or any(
-            n.name != g.name for n, g in zip(nodes, graph.nodes, strict=True)):
-        raise _Unusable("its plan does not match its graph")
-    memory = plan_steps_for_graph(graph, types, lower_steps(graph, nodes, copies))
-    if memory.peak_bytes != p["peak_bytes"]:
-        raise _Unusable("its memory plan does not match the stored one")
-    plan = ExecutionPlan(
-        model=str(p["model"]), backend=str(p["backend"]), precision=str(p["precision"]),
-        nodes=nodes, copies=copies, memory=memory.summary(), peak_bytes=memory.peak_bytes,
-        chunk_size_hint=p["chunk_size_hint"], reasons=tuple(str(r) for r in p["reasons"]),
-        input_shapes={str(k): tuple(int(d) for d in v) for k, v in p["input_shapes"].items()},
-        memory_plan=memory)
-    return CompiledModel(graph, tuple(str(n) for n in meta["input_names"]),
-                         tuple(_value_from_json(v) for v in meta["inputs"]),
-                         tuple(_value_from_json(v) for v in meta["outputs"]),
-                         shapes, symbolic, plan, types)
-
-
-def _fields(obj: Any) -> dict[str, Any]:
-    """A flat frozen dataclass as JSON; a field that is not plain data cannot be stored."""
-    out = {}
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if isinstance(value, tuple):
-            value = list(value)
-        items = value if isinstance(value, list) else [value]
-        if not all(v is None or isinstance(v, (str, int, float, bool)) for v in items):
-            raise _Unusable(f"{type(obj).__name__}.{f.name} is not plain data")
-        out[f.name] = value
-    return out
-
-
-def _build(cls: type[_T], data: Any) -> _T:
-    """``cls`` from :func:`_fields`'s JSON, checked to hold exactly its fields."""
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    if not isinstance(data, dict) or set(data) != names:
-        raise _Unusable(f"its {cls.__name__} entries do not match this keel's")
-    obj = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
-    if _fields(obj) != data:
-        raise _Unusable(f"its {cls.__name__} entries do not read back")
-    return obj
-
-
-def _value_json(v: Value) -> dict[str, Any]:
-    shape = None if v.type.shape is None else list(v.type.shape)
-    return {"name": v.name, "dtype": v.type.dtype.value, "shape": shape}
-
-
-def _value_from_json(d: Any) -> Value:
-    shape: Sequence[Any] | None = d["shape"]
-    if shape is not None and not all(x is None or isinstance(x, (int, str)) for x in shape):
-        raise _Unusable("its interface has a bad shape")
-    return Value(str(d["name"]), TensorType(DType(d["dtype"]),
-                                            None if shape is None else tuple(shape)))

@@ -15,6 +15,7 @@ load leaves for later. Medians over the runs; ``--save`` writes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,21 +54,26 @@ print(json.dumps({"import_s": t1 - t0, "load_s": t2 - t1, "first_predict_s": t3 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    spec = MODELS[args.model]
-    with tempfile.TemporaryDirectory(prefix="keel-load-") as tmp:
-        folder = Path(tmp)
-        path = folder / f"{args.model}.onnx"
-        path.write_bytes(build(args.model))
-        env = _child_env(folder)
-        _child(path, spec, env, "on")       # warm up: bytecode, native builds, page cache
-        fresh = _fresh_runs(path, spec, env, folder, args.runs)
-        os.environ["KEEL_CACHE_DIR"] = env["KEEL_CACHE_DIR"]
-        here = _in_process_runs(path, folder, args.runs)
-    report = _report(args, fresh, here)
+    report = measure(args.model, args.runs)
     _print(report)
     if args.save:
         print(f"wrote {_save(report)}")
     return 0
+
+
+def measure(model: str, runs: int) -> dict[str, Any]:
+    """Time ``runs`` rounds of loads of the zoo model ``model`` (see the module docstring)."""
+    spec = MODELS[model]
+    with tempfile.TemporaryDirectory(prefix="keel-load-") as tmp:
+        folder = Path(tmp)
+        path = folder / f"{model}.onnx"
+        path.write_bytes(build(model))
+        env = _child_env(folder)
+        _child(path, spec, env, "on")       # warm up: bytecode, native builds, page cache
+        fresh = _fresh_runs(path, spec, env, folder, runs)
+        with _cache_dir(env["KEEL_CACHE_DIR"]):
+            here = _in_process_runs(path, folder, runs)
+    return _summarize(model, runs, fresh, here)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -84,6 +91,20 @@ def _child_env(folder: Path) -> dict[str, str]:
     env["KEEL_CACHE_DIR"] = str(folder / "cache")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env
+
+
+@contextlib.contextmanager
+def _cache_dir(path: str) -> Iterator[None]:
+    """``KEEL_CACHE_DIR`` set to ``path`` for this process, restored afterwards."""
+    old = os.environ.get("KEEL_CACHE_DIR")
+    os.environ["KEEL_CACHE_DIR"] = path
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["KEEL_CACHE_DIR"]
+        else:
+            os.environ["KEEL_CACHE_DIR"] = old
 
 
 def _child(path: Path, spec: Any, env: dict[str, str], cache: str) -> dict[str, Any]:
@@ -123,15 +144,15 @@ def _median(rows: list[dict[str, Any]], key: str) -> float:
     return statistics.median(r[key] for r in rows)
 
 
-def _report(args: argparse.Namespace, fresh: dict[str, list[dict[str, Any]]],
-            here: dict[str, list[float]]) -> dict[str, Any]:
+def _summarize(model: str, runs: int, fresh: dict[str, list[dict[str, Any]]],
+               here: dict[str, list[float]]) -> dict[str, Any]:
     summary = {case: {"load_s": _median(fresh[case], "load_s"),
                       "load_and_first_predict_s": statistics.median(
                           r["load_s"] + r["first_predict_s"] for r in fresh[case]),
                       "import_s": _median(fresh[case], "import_s")} for case in CASES}
     same = {case: statistics.median(here[case]) for case in CASES}
     return {
-        "model": args.model, "runs": args.runs,
+        "model": model, "runs": runs,
         "fresh_process": summary,
         "fresh_process_ratio": summary["second"]["load_s"] / summary["first"]["load_s"],
         "in_process_s": same,

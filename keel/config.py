@@ -78,6 +78,7 @@ class Settings:
     memory_limit: int | None = None
     threads: int | None = None
     strict: bool = False
+    plan_cache: bool = True               # KEEL_PLAN_CACHE: on (default) or off
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -88,6 +89,8 @@ class Settings:
             memory_limit=_size(env, "KEEL_MEMORY_LIMIT"),
             threads=_threads(env),
             strict=_flag(env, "KEEL_STRICT"),
+            plan_cache=_flag(env, "KEEL_PLAN_CACHE") if env.get("KEEL_PLAN_CACHE", "").strip()
+            else True,
         )
 
 

@@ -42,6 +42,8 @@ from keel.backends.registry import BackendRegistry, default_registry
 from keel.config import BACKEND_NAMES, PRECISIONS, format_bytes, parse_bytes, settings
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError, MemoryLimitError
+from keel.execution import plan_cache as _plan_cache
+from keel.execution.compiled import CompiledModel
 from keel.execution.program import ArenaPool, Profiler, Program, compile_program
 from keel.graph.ir import Graph, Value
 from keel.ops.registry import OpGroup
@@ -98,6 +100,7 @@ def load_model(
     policy: Any = None,
     enable_profiling: bool = False,
     hint: str | None = None,
+    plan_cache: bool | None = None,
 ) -> Model:
     """Load and plan a model from a path (``.onnx``/``.keel``), bytes or ``onnx.ModelProto``.
 
@@ -107,27 +110,94 @@ def load_model(
     or a size such as ``"512MB"`` (else ``KEEL_MEMORY_LIMIT``). ``hint`` is a
     performance hint, ``"latency"`` or ``"throughput"`` (else the policy's
     ``hint``): it sets threads, streams and the batch split.
+
+    ``plan_cache`` (else ``KEEL_PLAN_CACHE``, on by default): a model loaded
+    before with the same bytes, options, machine and keel comes from the
+    compiled-plan cache (:mod:`keel.execution.plan_cache`), skipping
+    optimization and placement; a new one is stored there.
     """
     if optimization_level not in OPTIMIZATION_LEVELS:
         raise InvalidArgumentError(
             f"optimization_level {optimization_level!r} is not allowed; use one of "
             f"{', '.join(OPTIMIZATION_LEVELS)}")
-    graph, name = _read_graph(src)
     env = settings()
-    return Model(
-        graph,
-        name=name,
-        backend=backend if backend != "auto" else (env.backend or "auto"),
-        precision=precision if precision != "auto" else (env.precision or "auto"),
-        memory_limit=memory_limit if memory_limit is not None else env.memory_limit,
-        optimization_level=optimization_level,
-        threads=threads if threads is not None else env.threads,
-        registry=registry,
-        hardware=hardware,
-        policy=policy,
-        enable_profiling=enable_profiling,
-        hint=hint,
-    )
+    options: dict[str, Any] = {
+        "backend": backend if backend != "auto" else (env.backend or "auto"),
+        "precision": precision if precision != "auto" else (env.precision or "auto"),
+        "memory_limit": memory_limit if memory_limit is not None else env.memory_limit,
+        "optimization_level": optimization_level,
+        "threads": threads if threads is not None else env.threads,
+        "hint": hint,
+    }
+    extra: dict[str, Any] = {"registry": registry, "hardware": hardware, "policy": policy,
+                             "enable_profiling": enable_profiling}
+    use_cache = env.plan_cache if plan_cache is None else bool(plan_cache)
+    slot = _cache_lookup(src, options, extra) if use_cache else None
+    if slot is not None and slot.found.compiled is not None:
+        compiled = slot.found.compiled
+        model = Model(compiled.graph, name=compiled.graph.name or _default_name(src),
+                      compiled=compiled, **options, **extra)
+        model._note(slot.found.reason)
+        return model
+    graph, name = _read_graph(src)
+    model = Model(graph, name=name, **options, **extra)
+    if slot is not None:
+        model._note(slot.found.reason, slot.store(model))
+    return model
+
+
+@dataclass(frozen=True)
+class _CacheSlot:
+    """A model's place in the plan cache: its key (None: not cacheable) and what was there."""
+
+    key: str | None
+    found: _plan_cache.Lookup
+    source: _plan_cache.ModelSource | None = None
+
+    def store(self, model: Model) -> str:
+        """Store ``model``'s compiled plan under the key; returns what the plan says of it."""
+        if self.key is None or self.source is None or not self.found.storable:
+            return ""
+        if not self.source.unchanged():
+            return "compiled plan not stored in the cache: the model file changed while loading"
+        return _plan_cache.store(self.key, model._compiled())
+
+
+def _cache_lookup(src: Any, options: Mapping[str, Any], extra: Mapping[str, Any],
+                  ) -> _CacheSlot:
+    """The model's cache key and what the plan cache holds under it."""
+    if extra["registry"] is not None:
+        return _CacheSlot(None, _plan_cache.Lookup(None, "plan cache not used: a registry was "
+                                                         "given (its backends cannot be keyed)"))
+    policy = extra["policy"]
+    if policy is not None and not hasattr(policy, "to_dict"):
+        return _CacheSlot(None, _plan_cache.Lookup(None, "plan cache not used: the policy "
+                                                         "cannot be keyed"))
+    source = _plan_cache.ModelSource(src)
+    digest = source.digest()
+    if digest is None:
+        return _CacheSlot(None, _plan_cache.Lookup(None))
+    limit = options["memory_limit"]
+    keyed = {**options, "memory_limit": None if limit is None else parse_bytes(limit),
+             "policy": None if policy is None else policy.to_dict()}
+    registry = default_registry()
+    backends = {"priority": registry.priority,
+                "available": [b.name for b in registry.available()]}
+    key = _plan_cache.cache_key(digest, keyed, extra["hardware"], backends)
+    found = _plan_cache.lookup(key)
+    # The key covers the model's bytes, not external weight files: such a model is never
+    # stored (so never found).
+    if found.compiled is None and source.may_use_external_data():
+        return _CacheSlot(None, _plan_cache.Lookup(None, "plan cache not used: the model may "
+                                                         "keep weights in external files"))
+    return _CacheSlot(key, found, source)
+
+
+def _default_name(src: Any) -> str:
+    """A model's name when its graph has none: the file's stem, else ``model``."""
+    if isinstance(src, (str, os.PathLike)):
+        return os.path.splitext(os.path.basename(os.fspath(src)))[0]
+    return "model"
 
 
 def _read_graph(src: Any) -> tuple[Graph, str]:
@@ -143,17 +213,16 @@ def _read_graph(src: Any) -> tuple[Graph, str]:
 
     if isinstance(src, (str, os.PathLike)):
         path = os.fspath(src)
-        stem = os.path.splitext(os.path.basename(path))[0]
         keel_file = path.endswith(".keel") or (os.path.isfile(path) and is_keel_file(path))
         graph = load_keel(path) if keel_file else import_onnx(path)
-        return graph, graph.name or stem
+        return graph, graph.name or _default_name(src)
     if isinstance(src, (bytes, bytearray, memoryview)):
         data = bytes(src)
         graph = load_keel(data) if is_keel_file(data) else import_onnx(data)
-        return graph, graph.name or "model"
+        return graph, graph.name or _default_name(src)
     if type(src).__name__ == "ModelProto":
         graph = import_onnx(src)
-        return graph, graph.name or "model"
+        return graph, graph.name or _default_name(src)
     raise InvalidArgumentError(
         f"a model is a path (.onnx or .keel), bytes or onnx.ModelProto; got "
         f"{type(src).__name__}")
@@ -167,12 +236,20 @@ class Model:
                  optimization_level: str = "all", threads: int | None = None,
                  registry: BackendRegistry | None = None, hardware: Any = None,
                  policy: Any = None, enable_profiling: bool = False,
-                 hint: str | None = None) -> None:
+                 hint: str | None = None,
+                 compiled: CompiledModel | None = None) -> None:
+        """``compiled`` (from the plan cache) holds ``graph`` already optimized for these
+        options, the model's declared inputs and outputs and its first plan."""
         from keel.graph.passes import optimize
 
-        self.input_names = list(graph.input_names)     # graph order, optional ones included
-        self._declared_inputs = [v for v in graph.inputs if v.name not in graph.initializers]
-        self._declared_outputs = list(graph.outputs)
+        if compiled is None:
+            self.input_names = list(graph.input_names)     # graph order, optional ones included
+            self._declared_inputs = [v for v in graph.inputs if v.name not in graph.initializers]
+            self._declared_outputs = list(graph.outputs)
+        else:
+            self.input_names = list(compiled.input_names)
+            self._declared_inputs = list(compiled.inputs)
+            self._declared_outputs = list(compiled.outputs)
         self.name = name or graph.name or "model"
         self.optimization_level = optimization_level
         self._registry = _with_threads(registry or default_registry(), threads)
@@ -182,8 +259,8 @@ class Model:
         self._threads = threads
         self._backend = _check_backend(backend)
         self._precision = _check_precision(precision)
-        self._graph = _freeze_constants(
-            _convert_precision(optimize(graph, optimization_level), self._precision))
+        self._graph = _freeze_constants(graph if compiled is not None else _convert_precision(
+            optimize(graph, optimization_level), self._precision))
         self._memory_limit = None if memory_limit is None else parse_bytes(memory_limit)
         self._cache: collections.OrderedDict[tuple[Any, ...], _Planned] = \
             collections.OrderedDict()
@@ -203,6 +280,8 @@ class Model:
         # Only where no dtype conversion happens at the edges (precision="auto").
         self._fast_ok = _keeps_dtypes(self._graph, self._declared_inputs,
                                       self._declared_outputs)
+        if compiled is not None:
+            self._restore(compiled)
         self._check_default_plan()
 
     # ---- description -----------------------------------------------------
@@ -506,6 +585,29 @@ class Model:
         planned = self._default_planned()
         if not planned.symbolic:
             self._adaptive_plan(self._default_shapes(), planned)
+
+    # ---- the plan cache --------------------------------------------------
+    def _restore(self, compiled: CompiledModel) -> None:
+        """Take the cached plan of the first signature instead of placing it again."""
+        key = ("symbolic",) if compiled.symbolic else tuple(sorted(compiled.shapes.items()))
+        self._cache[key] = _Planned(dict(compiled.types), compiled.plan,
+                                    symbolic=compiled.symbolic)
+
+    def _compiled(self) -> CompiledModel:
+        """What the plan cache stores for this model: its graph, interface and first plan."""
+        planned = self._default_planned()
+        return CompiledModel(self._graph, tuple(self.input_names),
+                             tuple(self._declared_inputs), tuple(self._declared_outputs),
+                             self._default_shapes(), planned.symbolic, planned.plan,
+                             planned.types)
+
+    def _note(self, *reasons: str) -> None:
+        """Add what the plan cache did to the first signature's plan."""
+        said = tuple(r for r in reasons if r)
+        if said:
+            planned = self._default_planned()
+            planned.plan = replace(planned.plan, reasons=(*planned.plan.reasons, *said))
+            planned.shown = None
 
     def _shown(self, planned: _Planned) -> ExecutionPlan:
         """``planned.plan`` with its adaptive plan's chunk hint and reasons."""

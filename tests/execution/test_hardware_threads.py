@@ -90,7 +90,9 @@ def test_without_a_profile_this_machine_decides(proto: Any) -> None:
 
 def test_the_backend_reports_the_profiles_cpu_not_this_one() -> None:
     arm = fake_profile("edge-arm-board")
-    caps = CpuBackend(hardware=arm).capabilities()
+    backend = CpuBackend(hardware=arm)
+    assert backend.simd_level == "sve2" and backend.threads == 8
+    caps = backend.capabilities()
     assert (caps.threads, caps.simd_level) == (8, "sve2")
     assert caps.memory_bytes == arm.memory.effective_limit_bytes is not None
     assert any(n.startswith("threads: 8 threads: usable cores of the given hardware profile")

@@ -89,6 +89,11 @@ class CpuBackend(Backend):
     def plan_notes(self) -> tuple[str, ...]:
         return (f"cpu backend, {self.threads_reason}",)
 
+    @property
+    def simd_level(self) -> str | None:
+        """The SIMD level plans assume: the given profile's, else this CPU's (probed)."""
+        return _simd_level() if self._hardware is None else self._hardware.cpu.simd_level
+
     def _check_available(self) -> Availability:
         return Availability(True, f"NumPy {np.__version__} is always available")
 
@@ -138,7 +143,7 @@ class CpuBackend(Backend):
         hardware = self._hardware
         return {
             "threads": self.threads,
-            "simd_level": _simd_level() if hardware is None else hardware.cpu.simd_level,
+            "simd_level": self.simd_level,
             "memory_bytes": (_memory_limit() if hardware is None
                              else hardware.memory.effective_limit_bytes),
             "notes": tuple(notes),

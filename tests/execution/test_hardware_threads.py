@@ -118,6 +118,6 @@ def test_a_profile_without_usable_cores_falls_back_in_the_open(
 
 
 def test_hardware_must_be_a_profile(proto: Any) -> None:
-    with pytest.raises(InvalidArgumentError, match="hardware must be a keel.hardware."
-                                                   "HardwareProfile or None, got dict"):
+    with pytest.raises(InvalidArgumentError, match=r"hardware must be a keel\.hardware\."
+                                                   r"HardwareProfile or None, got dict"):
         load_model(proto, hardware={"cpu": 16})

@@ -1,11 +1,10 @@
-"""Test-wide isolation: no test reads a calibration or cache left on the machine.
-
-The compiled-plan cache is off unless a test turns it on: a test that patches
-keel's internals must plan afresh, not find a plan another test stored.
-"""
+"""Test-wide isolation: no test reads a calibration or cache left on the machine, and
+keel's settings (read once per process, :func:`keel.config.settings`) follow each test's
+environment: read again once it is patched and once the patches are undone."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,9 +13,17 @@ from keel import config
 
 
 @pytest.fixture(autouse=True)
-def _isolated_keel_cache(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
-                         ) -> None:
+def _settings_follow_the_environment() -> Iterator[None]:
+    # Set up before monkeypatch (below), so torn down after its patches are undone.
+    yield
+    config.reload_settings()
+
+
+@pytest.fixture(autouse=True)
+def _isolated_keel_cache(_settings_follow_the_environment: None,
+                         monkeypatch: pytest.MonkeyPatch,
+                         tmp_path_factory: pytest.TempPathFactory) -> None:
     monkeypatch.setenv("KEEL_CACHE_DIR", str(Path(tmp_path_factory.getbasetemp()) / "keel-cache"))
     monkeypatch.setenv("KEEL_CALIBRATION", "off")
     monkeypatch.setenv("KEEL_PLAN_CACHE", "off")
-    config.settings.cache_clear()
+    config.reload_settings()

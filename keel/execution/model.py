@@ -126,7 +126,7 @@ def load_model(
         "precision": precision if precision != "auto" else (env.precision or "auto"),
         "memory_limit": memory_limit if memory_limit is not None else env.memory_limit,
         "optimization_level": optimization_level,
-        "threads": threads if threads is not None else env.threads,
+        "threads": threads,
         "hint": hint,
     }
     extra: dict[str, Any] = {"registry": registry, "hardware": hardware, "policy": policy,
@@ -252,7 +252,7 @@ class Model:
             self._declared_outputs = list(compiled.outputs)
         self.name = name or graph.name or "model"
         self.optimization_level = optimization_level
-        self._registry = _with_threads(registry or default_registry(), threads)
+        self._registry = _with_threads(registry or default_registry(), threads, hardware)
         self._hardware = hardware if hardware is not None else _probe_if_gpu(self._registry)
         self._policy = policy
         self._hint = check_hint(hint if hint is not None else getattr(policy, "hint", None))
@@ -658,16 +658,13 @@ class Model:
         return adaptive
 
     def _cores(self) -> tuple[int, bool]:
-        """The cores the cpu backend may use, and whether the caller fixed them."""
-        if self._threads is not None:
-            return self._threads, True
-        usable = getattr(getattr(self._hardware, "cpu", None), "usable_cores", None)
-        if isinstance(usable, int) and usable > 0:
-            return usable, False
+        """The cores the cpu backend may use, and whether the caller fixed them
+        (``threads=`` or ``KEEL_THREADS``; else the hardware profile or this machine)."""
+        pinned = self._threads is not None or settings().threads is not None
         try:
-            return max(1, int(getattr(self._registry.get("cpu"), "threads", 1))), False
+            return max(1, int(getattr(self._registry.get("cpu"), "threads", 1))), pinned
         except Exception:  # no cpu backend in this registry: nothing to split across
-            return 1, False
+            return 1, pinned
 
     def _splittable(self, shapes: Shapes, batch: int) -> bool:
         """Whether every output has the batch as its first dimension (chunks can write it)."""
@@ -952,21 +949,16 @@ def _check_precision(name: Any) -> str:
     return name.strip().lower()
 
 
-def _with_threads(registry: BackendRegistry, threads: int | None) -> BackendRegistry:
-    """A registry whose cpu backend runs with ``threads`` (others shared with ``registry``)."""
-    if threads is None:
+def _with_threads(registry: BackendRegistry, threads: int | None,
+                  hardware: Any = None) -> BackendRegistry:
+    """A registry whose cpu backend runs with ``threads``, else with what ``hardware`` (a
+    profile, perhaps of another machine) says (others shared with ``registry``)."""
+    if (threads is None and hardware is None) or "cpu" not in registry.names():
         return registry
     from keel.backends.cpu.backend import CpuBackend
 
-    own = BackendRegistry()
-    cpu = CpuBackend(threads=threads)
-    for i, name in enumerate(registry.names()):
-        def factory(n: str = name) -> Backend:
-            return cpu if n == "cpu" else registry.instance(n)
-
-        own.register(name, factory, priority=-i)
-    own.set_priority(registry.priority)
-    return own
+    cpu: Backend = CpuBackend(threads=threads, hardware=hardware)
+    return registry.with_instance("cpu", cpu)
 
 
 def _probe_if_gpu(registry: BackendRegistry) -> Any:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
-from keel.config import format_bytes
+from keel.config import HINTS, format_bytes
 from keel.errors import InvalidArgumentError, MemoryLimitError
 
 __all__ = [
@@ -38,8 +38,6 @@ __all__ = [
 ]
 
 PeakFn = Callable[[int], int]
-#: performance hints, as in OpenVINO: ``none`` leaves threads and batches as configured
-HINTS = ("none", "latency", "throughput")
 #: a re-plan grows the chunk at most by this factor per chunk boundary
 GROWTH_PER_BOUNDARY = 2
 

@@ -218,6 +218,7 @@ def place(
     steps = lower_steps(graph, placements, copies)
     memory = plan_steps_for_graph(graph, types, steps)
     reasons += _summary_reasons(placements, copies, memory)
+    reasons += _backend_notes(registry, placements)
     return ExecutionPlan(
         model=graph.name,
         backend=backend,
@@ -230,6 +231,13 @@ def place(
         input_shapes=_input_shapes(graph, types),
         memory_plan=memory,
     )
+
+
+def _backend_notes(registry: BackendRegistry, placements: Sequence[NodePlacement]
+                   ) -> list[str]:
+    """What each backend that runs nodes decided for all of them (the cpu threads)."""
+    used = dict.fromkeys(p.backend for p in placements)
+    return [note for name in used for note in registry.instance(name).plan_notes()]
 
 
 def _auto_chain(registry: BackendRegistry, reasons: list[str]) -> list[Backend]:

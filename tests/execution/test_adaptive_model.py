@@ -11,6 +11,7 @@ import pytest
 from onnx import TensorProto, helper
 from typer.testing import CliRunner
 
+from keel import config
 from keel.cli import app
 from keel.errors import InvalidArgumentError, MemoryLimitError
 from keel.execution.model import load_model
@@ -118,6 +119,7 @@ def _limit_for_chunks(proto: Any, batch: int) -> int:
 def test_chunks_grow_at_boundaries_and_the_history_informs_the_next_plan(
         proto: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KEEL_CACHE_DIR", str(tmp_path))
+    config.reload_settings()
     feeds = make_inputs(proto, 64, seed=5)
     whole = load_model(proto, backend="cpu").predict(feeds)["probs"]
     limit = _limit_for_chunks(proto, 64)
@@ -139,6 +141,7 @@ def test_chunks_grow_at_boundaries_and_the_history_informs_the_next_plan(
 def test_a_corrupt_history_is_rebuilt_and_never_breaks_a_run(
         proto: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KEEL_CACHE_DIR", str(tmp_path))
+    config.reload_settings()
     (tmp_path / "runtime-history.json").write_text("{corrupt")
     feeds = make_inputs(proto, 64, seed=5)
     m = load_model(proto, backend="cpu", memory_limit=_limit_for_chunks(proto, 64))

@@ -79,11 +79,11 @@ class CountingBackend(FakeBackend):
         self.calls: collections.Counter[Op] = collections.Counter()
 
     def _kernels(self) -> KernelTable:
+        source = super()._kernels()
         table = KernelTable(self.name)
-        for variants in (super()._kernels().variants(op) for op in Op):
-            for variant in variants.values():
-                table.register(dataclasses.replace(variant, fn=self._counted(variant.op,
-                                                                             variant.fn)))
+        for op in Op:
+            for variant in source.variants(op).values():
+                table.register(dataclasses.replace(variant, fn=self._counted(op, variant.fn)))
         return table
 
     def _counted(self, op: Op, fn: Kernel) -> Kernel:

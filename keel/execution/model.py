@@ -87,13 +87,16 @@ def load_model(
     hardware: Any = None,
     policy: Any = None,
     enable_profiling: bool = False,
+    tune: bool | float = False,
 ) -> Model:
     """Load and plan a model from a path (``.onnx``/``.keel``), bytes or ``onnx.ModelProto``.
 
     ``backend`` and ``precision`` given here (else ``KEEL_BACKEND`` /
     ``KEEL_PRECISION``) are authoritative: a pinned backend that cannot run
     every node raises before anything runs. ``memory_limit`` is a byte count
-    or a size such as ``"512MB"`` (else ``KEEL_MEMORY_LIMIT``).
+    or a size such as ``"512MB"`` (else ``KEEL_MEMORY_LIMIT``). ``tune``
+    (True, or a time budget in seconds) first measures the kernel variants of
+    the nodes not yet measured on this machine (:meth:`Model.tune`).
     """
     if optimization_level not in OPTIMIZATION_LEVELS:
         raise InvalidArgumentError(
@@ -113,6 +116,7 @@ def load_model(
         hardware=hardware,
         policy=policy,
         enable_profiling=enable_profiling,
+        tune=tune,
     )
 
 
@@ -152,7 +156,8 @@ class Model:
                  precision: str = "auto", memory_limit: int | str | None = None,
                  optimization_level: str = "all", threads: int | None = None,
                  registry: BackendRegistry | None = None, hardware: Any = None,
-                 policy: Any = None, enable_profiling: bool = False) -> None:
+                 policy: Any = None, enable_profiling: bool = False,
+                 tune: bool | float = False) -> None:
         from keel.graph.passes import optimize
 
         self.input_names = list(graph.input_names)     # graph order, optional ones included
@@ -184,6 +189,8 @@ class Model:
         # Only where no dtype conversion happens at the edges (precision="auto").
         self._fast_ok = _keeps_dtypes(self._graph, self._declared_inputs,
                                       self._declared_outputs)
+        if tune is not False:
+            self.tune(budget_s=None if tune is True else tune)
         self._check_default_plan()
 
     # ---- description -----------------------------------------------------
@@ -242,6 +249,28 @@ class Model:
             head += [f"{name} threads: {why}" for name, why in program.scope_reasons.items()]
         memory = plan.memory_plan.report() if plan.memory_plan is not None else ""
         return "\n".join([*head, "", plan.table(), "", memory]).rstrip() + "\n"
+
+    def tune(self, shapes: Mapping[str, Sequence[int]] | None = None, *,
+             budget_s: float | None = None, force: bool = False,
+             progress: Callable[[int, int, str], None] | None = None) -> Any:
+        """Time the candidate kernel variants of this model's nodes here (for ``shapes``,
+        else the first signature) and cache the winners; plans made from now on use them.
+        Cases already measured are skipped unless ``force``. Returns a
+        :class:`~keel.planning.tuning.TuneReport`; ``progress`` defaults to a bar on stderr.
+        """
+        from keel.planning import tuning
+
+        budget = tuning.DEFAULT_BUDGET_SECONDS if budget_s is None else budget_s
+        with self._lock, tuning.progress_bar(progress is None) as bar:
+            planned = self._planned(self._default_shapes() if shapes is None else
+                                    {k: tuple(v) for k, v in shapes.items()})
+            backends = {name: self._registry.get(name) for name in planned.plan.backends}
+            report = tuning.tune(self._graph, planned.types, planned.plan, backends,
+                                 budget_s=budget, force=force, progress=progress or bar)
+            self._cache.clear()
+            self._fast.clear()
+            self._last = None
+        return report
 
     # ---- settings --------------------------------------------------------
     def set_memory_limit(self, limit: int | str | None) -> None:

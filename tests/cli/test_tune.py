@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,12 +17,7 @@ CASE_KEYS = {"case", "key", "nodes", "candidates", "status", "medians_s", "runs"
              "declared", "ratio", "reason", "notes"}
 
 
-@pytest.fixture(autouse=True)
-def _fresh_tuning() -> Iterator[None]:
-    folder = cache_dir() / "tuning"
-    shutil.rmtree(folder, ignore_errors=True)
-    yield
-    shutil.rmtree(folder, ignore_errors=True)
+pytestmark = pytest.mark.usefixtures("fresh_tuning")
 
 
 @pytest.fixture

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -32,13 +30,7 @@ SIZE = 8
 CHANNELS = 8
 
 
-@pytest.fixture(autouse=True)
-def _fresh_tuning() -> Iterator[None]:
-    """No tuning left by another test (the cache dir, with its built native kernels, stays)."""
-    folder = cache_dir() / "tuning"
-    shutil.rmtree(folder, ignore_errors=True)
-    yield
-    shutil.rmtree(folder, ignore_errors=True)
+pytestmark = pytest.mark.usefixtures("fresh_tuning")
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -41,6 +41,9 @@ from keel.ops.registry import OpGroup
 from keel.ops.types import Dim, TensorType
 from keel.planning.adaptive import AdaptivePlan, AdaptivePlanner, PlanRequest
 from keel.planning.placement import ExecutionPlan, place, precision_name
+
+if TYPE_CHECKING:
+    from keel.planning.tuning import TuneReport
 
 __all__ = ["OPTIMIZATION_LEVELS", "Model", "TensorInfo", "load_model"]
 
@@ -252,7 +255,7 @@ class Model:
 
     def tune(self, shapes: Mapping[str, Sequence[int]] | None = None, *,
              budget_s: float | None = None, force: bool = False,
-             progress: Callable[[int, int, str], None] | None = None) -> Any:
+             progress: Callable[[int, int, str], None] | None = None) -> TuneReport:
         """Time the candidate kernel variants of this model's nodes here (for ``shapes``,
         else the first signature) and cache the winners; plans made from now on use them.
         Cases already measured are skipped unless ``force``. Returns a
@@ -262,8 +265,8 @@ class Model:
 
         budget = tuning.DEFAULT_BUDGET_SECONDS if budget_s is None else budget_s
         with self._lock, tuning.progress_bar(progress is None) as bar:
-            planned = self._planned(self._default_shapes() if shapes is None else
-                                    {k: tuple(v) for k, v in shapes.items()})
+            planned = (self._default_planned() if shapes is None else
+                       self._planned(self._checked_shapes(shapes)))
             backends = {name: self._registry.get(name) for name in planned.plan.backends}
             report = tuning.tune(self._graph, planned.types, planned.plan, backends,
                                  budget_s=budget, force=force, progress=progress or bar)
@@ -271,6 +274,19 @@ class Model:
             self._fast.clear()
             self._last = None
         return report
+
+    def _checked_shapes(self, shapes: Mapping[str, Sequence[int]]) -> Shapes:
+        names = [v.name for v in self._declared_inputs]
+        checked: Shapes = {}
+        for name, shape in shapes.items():
+            dims = tuple(shape) if isinstance(shape, (list, tuple)) else None
+            if name not in names or dims is None or not all(
+                    isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
+                raise InvalidArgumentError(
+                    f"shape {shape!r} for {name!r}: give a tuple of non-negative ints for one "
+                    f"of the inputs {', '.join(names)}")
+            checked[name] = dims
+        return {**self._default_shapes(), **checked}
 
     # ---- settings --------------------------------------------------------
     def set_memory_limit(self, limit: int | str | None) -> None:

@@ -310,7 +310,7 @@ def _unsafe(path: Path) -> str | None:
         return None
     try:
         st = path.stat()
-    except FileNotFoundError:
+    except OSError:                 # absent or unreadable: reading it fails and says so
         return None
     if st.st_uid != os.getuid():
         return f"{path} is owned by another user (uid {st.st_uid})"

@@ -293,3 +293,11 @@ def test_a_model_with_nothing_on_the_cpu_has_nothing_to_tune(onnx_model: Any) ->
 def test_a_bad_budget_is_refused(onnx_model: Any, budget: Any) -> None:
     with pytest.raises(InvalidArgumentError, match="tuning budget must be a positive number"):
         _load(onnx_model).tune(budget_s=budget)
+
+
+@pytest.mark.parametrize("shapes", [{"y": (1, 3, 8, 8)}, {"x": 5}, {"x": (1, -3, 8, 8)},
+                                    {"x": (1, 3.0, 8, 8)}])
+def test_bad_shapes_to_tune_are_refused(onnx_model: Any, shapes: Any) -> None:
+    with pytest.raises(InvalidArgumentError, match="give a tuple of non-negative ints for one "
+                                                   "of the inputs x"):
+        _load(onnx_model).tune(shapes, budget_s=1.0)

@@ -122,7 +122,7 @@ class NodeCase:
     data: Mapping[str, Any]          # backend, op, inputs, attrs, threads (plain JSON)
     description: str
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
         return case_key(self.data)
 
@@ -133,8 +133,9 @@ def case_key(data: Mapping[str, Any]) -> str:
 
 
 def node_case(graph: Graph, node: Node, input_types: Sequence[TensorType | None],
-              backend: str, threads: int) -> NodeCase | None:
-    """The case of ``node`` (None when an input's shape is not static)."""
+              backend: str, threads: int, describe: bool = True) -> NodeCase | None:
+    """The case of ``node`` (None when an input's shape is not static); ``describe``:
+    with its description in words (what a lookup by key does without)."""
     inputs: list[Any] = []
     for name, t in zip(node.inputs, input_types, strict=False):
         if not name:
@@ -146,7 +147,7 @@ def node_case(graph: Graph, node: Node, input_types: Sequence[TensorType | None]
     data = {"backend": backend, "op": node.op.value, "inputs": inputs,
             "attrs": {k: _plain(v) for k, v in sorted(node.attrs.items())},
             "threads": threads}
-    return NodeCase(data, _describe(node, input_types, graph))
+    return NodeCase(data, _describe(node, input_types, graph) if describe else "")
 
 
 def _plain(value: Any) -> Any:
@@ -287,8 +288,12 @@ class TunedCase:
 # ---- the cache ----------------------------------------------------------------------
 def tuning_path(fingerprint: Mapping[str, Any], directory: Path | None = None) -> Path:
     """Where the tuning of the machine with ``fingerprint`` is cached."""
+    return _path(fingerprint_id(fingerprint), directory)
+
+
+def _path(fid: str, directory: Path | None = None) -> Path:
     folder = (cache_dir() / "tuning") if directory is None else directory
-    return folder / f"tuning-{fingerprint_id(fingerprint)}.json"
+    return folder / f"tuning-{fid}.json"
 
 
 @dataclass(frozen=True)
@@ -357,9 +362,10 @@ def _stale(data: Any, fingerprint: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _cache_of(fingerprint: Mapping[str, Any]) -> TuningCache:
-    """The cached tuning of ``fingerprint``, read again only when the file changed."""
-    path = tuning_path(fingerprint)
+def _cache_of(fingerprint: Mapping[str, Any], fid: str) -> TuningCache:
+    """The cached tuning of ``fingerprint`` (its id ``fid``), read again only when the
+    file changed."""
+    path = _path(fid)
     try:
         st = path.stat()
         stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
@@ -402,30 +408,42 @@ def _save(path: Path, fingerprint: Mapping[str, Any], new: Sequence[TunedCase]) 
 
 def cached() -> TuningCache:
     """This machine's tuning cache as placement reads it."""
-    return _cache_of(dict(_here()))
+    return _cache_of(*_here())
 
 
 def record(tuned: Sequence[TunedCase]) -> Path:
     """Add ``tuned`` to this machine's cache (atomically); returns the file's path."""
-    fingerprint = dict(_here())
-    path = tuning_path(fingerprint)
+    fingerprint, fid = _here()
+    path = _path(fid)
     _save(path, fingerprint, tuned)
     return path
 
 
 @functools.lru_cache(maxsize=1)
-def _here() -> tuple[tuple[str, Any], ...]:
-    """This machine's fingerprint, probed once per process (as sorted items)."""
-    return tuple(sorted(hardware_fingerprint().items()))
+def _here_json() -> str:
+    return json.dumps(hardware_fingerprint(), sort_keys=True)
 
 
-def _fingerprint(profile: Any) -> tuple[dict[str, Any], str]:
-    """The fingerprint plans for ``profile`` are looked up under, and the machine's name."""
-    here = dict(_here())
+def _here() -> tuple[dict[str, Any], str]:
+    """This machine's fingerprint (probed once per process) and its id."""
+    return json.loads(_here_json()), _here_id()
+
+
+@functools.lru_cache(maxsize=1)
+def _here_id() -> str:
+    return fingerprint_id(json.loads(_here_json()))
+
+
+def _fingerprint(profile: Any) -> tuple[dict[str, Any], str, str]:
+    """The fingerprint plans for ``profile`` are looked up under, its id, and the
+    machine's name in a reason."""
+    here, fid = _here()
     if not isinstance(profile, HardwareProfile):
-        return here, "this machine"
+        return here, fid, "this machine"
     theirs = hardware_fingerprint(profile)
-    return theirs, "this machine" if theirs == here else f"{theirs.get('cpu') or 'its CPU'}"
+    if theirs == here:
+        return here, fid, "this machine"
+    return theirs, fingerprint_id(theirs), str(theirs.get("cpu") or "its CPU")
 
 
 # ---- what placement asks ---------------------------------------------------------------
@@ -446,19 +464,43 @@ def lookup(graph: Graph, node: Node, input_types: Sequence[TensorType | None],
     or it was measured with other tiers) is ignored, and the note says why.
     """
     table = backend.kernels
-    cands = candidates(node, input_types, table)
-    if backend.name != BACKEND or len(cands) < 2:
+    if backend.name != BACKEND or len(table.variants(node.op)) < 2:
         return None
-    fingerprint, where = _fingerprint(profile)
-    case = node_case(graph, node, input_types, backend.name, _threads(backend))
-    tuned = None if case is None else _cache_of(fingerprint).entries.get(case.key)
-    declared = _declared_note(node.op, table, cands)
+    case = node_case(graph, node, input_types, backend.name, _threads(backend), describe=False)
+    if case is None:
+        return None
+    tiers = _tiers()
+    cands, declared = _choices(case.key, tiers, node, input_types, table)
+    if len(cands) < 2:
+        return None
+    fingerprint, fid, where = _fingerprint(profile)
+    tuned = _cache_of(fingerprint, fid).entries.get(case.key)
     if tuned is None:
         return Lookup(None, declared)
-    why_not = _unusable(tuned, cands, table, node.op)
+    why_not = _unusable(tuned, tiers, cands, table, node.op)
     if why_not is not None:
         return Lookup(None, f"measured result ignored ({why_not}); {declared}")
     return Lookup(tuned.winner, tuned.reason(where))
+
+
+# (case key, tiers available) -> (candidates, the declared choice's note): placement asks
+# once per node and plan, the answer depends only on these.
+_CHOICES: dict[tuple[str, tuple[str, ...]], tuple[tuple[str, ...], str]] = {}
+_CHOICES_LIMIT = 4096
+
+
+def _choices(key: str, tiers: tuple[str, ...], node: Node,
+             input_types: Sequence[TensorType | None],
+             table: KernelTable) -> tuple[tuple[str, ...], str]:
+    memo = (key, tiers)
+    hit = _CHOICES.get(memo)
+    if hit is None:
+        cands = candidates(node, input_types, table)
+        hit = (cands, _declared_note(node.op, table, cands) if len(cands) > 1 else "")
+        if len(_CHOICES) >= _CHOICES_LIMIT:
+            _CHOICES.clear()
+        _CHOICES[memo] = hit
+    return hit
 
 
 def _threads(backend: Backend) -> int:
@@ -470,14 +512,15 @@ def _tiers() -> tuple[str, ...]:
     return tuple(t for t in _TIERS if tier_unavailable(t) is None)
 
 
-def _unusable(tuned: TunedCase, cands: Sequence[str], table: KernelTable, op: Op) -> str | None:
+def _unusable(tuned: TunedCase, tiers: tuple[str, ...], cands: Sequence[str],
+              table: KernelTable, op: Op) -> str | None:
     if tuned.winner not in cands:
         kv = table.variants(op).get(tuned.winner)
         why = None if kv is None else VariantInfo.from_kernel(table.backend, kv).unavailable()
         return f"{tuned.winner} cannot run here: {why or 'not a candidate for this node'}"
-    if tuned.tiers != _tiers():
+    if tuned.tiers != tiers:
         was = ", ".join(tuned.tiers) or "none"
-        now = ", ".join(_tiers()) or "none"
+        now = ", ".join(tiers) or "none"
         return f"measured with kernel tiers {was}, here {now}"
     return None
 
@@ -770,7 +813,7 @@ def tune(graph: Graph, types: Mapping[str, TensorType | None], plan: ExecutionPl
                                    f"got {budget_s!r}")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < MIN_REPEATS:
         raise InvalidArgumentError(f"repeats must be an int >= {MIN_REPEATS}, got {repeats!r}")
-    path = tuning_path(dict(_here()))
+    path = _path(_here()[1])
     backend = backends.get(BACKEND)
     work = [] if backend is None else find_work(graph, types, plan, backend)
     done = {} if force else cached().entries

@@ -242,22 +242,21 @@ class TunedCase:
         return next(t for t in self.timings if t.variant == variant)
 
     @property
+    def runner_up(self) -> Timing:
+        """The fastest candidate other than the winner."""
+        return min((t for t in self.timings if t.variant != self.winner),
+                   key=lambda t: t.median_s)
+
+    @property
     def ratio(self) -> float:
-        """The best other candidate's median over the winner's (> 1: the winner is faster)."""
-        won = self.timing(self.winner)
-        other = min((t for t in self.timings if t.variant != self.winner),
-                    key=lambda t: t.median_s)
-        return other.median_s / won.median_s
+        """The runner-up's median over the winner's (> 1: the winner is faster)."""
+        return self.runner_up.median_s / self.timing(self.winner).median_s
 
     def reason(self, where: str = "this machine") -> str:
-        won = self.timing(self.winner)
-        other = min((t for t in self.timings if t.variant != self.winner),
-                    key=lambda t: t.median_s)
-        runs = f"median of {self.runs} runs"
-        if other.median_s < won.median_s:
-            pct = (won.median_s / other.median_s - 1) * 100
-            return (f"measured on {where}: {self.winner} within {pct:.0f}% of {other.variant} "
-                    f"({runs}): the declared choice stays")
+        other, runs = self.runner_up, f"median of {self.runs} runs"
+        if self.ratio < 1:
+            return (f"measured on {where}: {self.winner} within {(1 / self.ratio - 1):.1%} of "
+                    f"{other.variant} ({runs}): the declared choice stays")
         return (f"measured on {where}: {self.winner} {self.ratio:.2f}x faster than "
                 f"{other.variant} ({runs})")
 
@@ -483,16 +482,16 @@ def lookup(graph: Graph, node: Node, input_types: Sequence[TensorType | None],
     return Lookup(tuned.winner, tuned.reason(where))
 
 
-# (case key, tiers available) -> (candidates, the declared choice's note): placement asks
-# once per node and plan, the answer depends only on these.
-_CHOICES: dict[tuple[str, tuple[str, ...]], tuple[tuple[str, ...], str]] = {}
+# (case key, tiers available, kernel table) -> (candidates, the declared choice's note):
+# placement asks once per node and plan, and the answer depends only on these.
+_CHOICES: dict[tuple[str, tuple[str, ...], KernelTable], tuple[tuple[str, ...], str]] = {}
 _CHOICES_LIMIT = 4096
 
 
 def _choices(key: str, tiers: tuple[str, ...], node: Node,
              input_types: Sequence[TensorType | None],
              table: KernelTable) -> tuple[tuple[str, ...], str]:
-    memo = (key, tiers)
+    memo = (key, tiers, table)         # the table itself: an id could be reused
     hit = _CHOICES.get(memo)
     if hit is None:
         cands = candidates(node, input_types, table)
@@ -618,7 +617,8 @@ def _feeds(graph: Graph, rng: np.random.Generator) -> dict[str, np.ndarray]:
 
 def _benches(work: Work, graph: Graph, types: Mapping[str, TensorType | None],
              backend: Backend, notes: list[str]) -> list[_Bench]:
-    """Compile and run each candidate once (its one-time preparation); drop failures."""
+    """Compile each candidate and run it twice (its one-time preparation, then a run
+    into poisoned outputs that the agreement check reads); drop failures."""
     from keel.backends.registry import BackendRegistry
     from keel.execution.program import ArenaPool, compile_program
     from keel.planning.placement import place
@@ -638,12 +638,22 @@ def _benches(work: Work, graph: Graph, types: Mapping[str, TensorType | None],
             outputs = {v.name: np.empty(_shape(v.type), v.type.dtype.numpy)
                        for v in one.outputs}
             bench = _Bench(variant, program, feeds, outputs)
+            bench.run()             # prepares what the node keeps between runs
+            for out in outputs.values():
+                _poison(out)        # what the steady-state run leaves unwritten shows
             bench.run()
         except KeelError as exc:
             notes.append(f"{variant} failed: {exc.message}")
             continue
         benches.append(bench)
     return benches
+
+
+def _poison(array: np.ndarray) -> None:
+    if array.dtype.kind in "fc":
+        array.fill(np.nan)
+    else:
+        array.fill(np.iinfo(array.dtype).max if array.dtype.kind in "iu" else 0)
 
 
 def _shape(t: TensorType) -> tuple[int, ...]:
@@ -676,9 +686,11 @@ def _close(a: np.ndarray, b: np.ndarray) -> bool:
     if not dtype.is_float:
         return bool(np.array_equal(a, b))
     x, y = a.astype(np.float64), b.astype(np.float64)
-    if not (np.isfinite(x).all() and np.isfinite(y).all()):
-        return bool(np.array_equal(np.isnan(x), np.isnan(y))) and bool(
-            np.allclose(np.nan_to_num(x), np.nan_to_num(y)))
+    finite = np.isfinite(x)
+    if not (np.array_equal(finite, np.isfinite(y))
+            and np.array_equal(x[~finite], y[~finite], equal_nan=True)):
+        return False                # NaN and infinities must match exactly
+    x, y = x[finite], y[finite]
     scale = float(np.max(np.abs(y), initial=0.0))
     return float(np.max(np.abs(x - y), initial=0.0)) <= TOLERANCE.get(dtype, 1e-3) * scale
 
@@ -686,7 +698,7 @@ def _close(a: np.ndarray, b: np.ndarray) -> bool:
 def _time(benches: list[_Bench], allowance: float, repeats: int) -> None:
     """Alternate the candidates, rotating their order, until each has ``repeats``
     samples or ``allowance`` seconds passed (each gets ``MIN_REPEATS`` at least)."""
-    for b in benches:               # a second untimed run, and how many runs fill a sample
+    for b in benches:               # one more untimed run: how many runs fill a sample
         start = time.perf_counter()
         b.run()
         once = max(time.perf_counter() - start, 1e-9)

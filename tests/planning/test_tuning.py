@@ -301,3 +301,25 @@ def test_bad_shapes_to_tune_are_refused(onnx_model: Any, shapes: Any) -> None:
     with pytest.raises(InvalidArgumentError, match="give a tuple of non-negative ints for one "
                                                    "of the inputs x"):
         _load(onnx_model).tune(shapes, budget_s=1.0)
+
+
+def test_the_reason_quotes_the_ratio_or_keeps_the_declared_choice_within_noise() -> None:
+    case = tuning.NodeCase({"op": "conv"}, "conv")
+    won = TunedCase(case, (Timing("winograd", 1.0e-3, 9), Timing("im2col", 1.31e-3, 11)),
+                    "winograd", "im2col", (), "")
+    assert won.reason() == ("measured on this machine: winograd 1.31x faster than im2col "
+                            "(median of 9 runs)")
+    kept = TunedCase(case, (Timing("winograd", 1.0e-3, 9), Timing("im2col", 1.02e-3, 9)),
+                     "im2col", "im2col", (), "")
+    assert kept.reason("AMD EPYC") == ("measured on AMD EPYC: im2col within 2.0% of winograd "
+                                       "(median of 9 runs): the declared choice stays")
+
+
+def test_outputs_agree_within_the_dtype_tolerance_with_matching_nans() -> None:
+    y = np.array([1.0, -2.0, 4.0], np.float32)
+    assert tuning._close(y, y + np.float32(1e-4))
+    assert not tuning._close(y, y + np.float32(1e-2))
+    nan = np.array([1.0, np.nan], np.float32)
+    assert tuning._close(nan, nan.copy())
+    assert not tuning._close(nan, np.array([1.0, 0.0], np.float32))    # an unwritten value
+    assert not tuning._close(np.array([1, 2]), np.array([1, 3]))       # integers: exact

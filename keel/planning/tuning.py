@@ -303,6 +303,14 @@ class TuningCache:
     entries: Mapping[str, TunedCase]      # by NodeCase.key
     status: str                           # where the entries came from, or why none
 
+    @property
+    def token(self) -> str:
+        """A short hash of what placement would take from this cache (winner and tiers of
+        each case): a plan made with one token is stale under another."""
+        text = json.dumps({k: [t.winner, *t.tiers] for k, t in self.entries.items()},
+                          sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
 
 _MEMO: dict[Path, tuple[tuple[int, int, int], TuningCache]] = {}
 _MEMO_LOCK = threading.Lock()

@@ -74,6 +74,7 @@ def test_entries_round_trip_through_the_cache(onnx_model: Any) -> None:
     assert {k: v.to_dict() for k, v in back.entries.items()} == \
         {e.case.key: e.to_dict() for e in entries}
     assert TunedCase.from_dict(json.loads(json.dumps(entries[0].to_dict()))) == entries[0]
+    assert back.token != tuning.TuningCache(path, {}, "").token     # what a plan cache keys on
 
 
 def test_the_cache_is_written_atomically(onnx_model: Any, monkeypatch: pytest.MonkeyPatch

@@ -4,6 +4,7 @@ environment: read again once it is patched and once the patches are undone."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,3 +28,17 @@ def _isolated_keel_cache(_settings_follow_the_environment: None,
     monkeypatch.setenv("KEEL_CALIBRATION", "off")
     monkeypatch.setenv("KEEL_PLAN_CACHE", "off")
     config.reload_settings()
+
+
+@pytest.fixture
+def fresh_tuning() -> Iterator[None]:
+    """No measured variant choice (``keel tune``) from another test, before or after.
+
+    The cache directory itself stays: it holds the native kernels built once per session.
+    """
+    from keel.config import cache_dir
+
+    folder = cache_dir() / "tuning"
+    shutil.rmtree(folder, ignore_errors=True)
+    yield
+    shutil.rmtree(folder, ignore_errors=True)

@@ -33,7 +33,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -50,6 +50,9 @@ from keel.ops.registry import OpGroup
 from keel.ops.types import Dim, TensorType
 from keel.planning.adaptive import AdaptivePlan, AdaptivePlanner, PlanRequest, check_hint
 from keel.planning.placement import ExecutionPlan, place, precision_name
+
+if TYPE_CHECKING:
+    from keel.planning.tuning import TuneReport
 
 __all__ = ["OPTIMIZATION_LEVELS", "Model", "TensorInfo", "load_model"]
 
@@ -101,6 +104,7 @@ def load_model(
     enable_profiling: bool = False,
     hint: str | None = None,
     plan_cache: bool | None = None,
+    tune: bool | float = False,
 ) -> Model:
     """Load and plan a model from a path (``.onnx``/``.keel``), bytes or ``onnx.ModelProto``.
 
@@ -115,6 +119,8 @@ def load_model(
     before with the same bytes, options, machine and keel comes from the
     compiled-plan cache (:mod:`keel.execution.plan_cache`), skipping
     optimization and placement; a new one is stored there.
+    ``tune`` (True, or a time budget in seconds) first measures the kernel
+    variants of the nodes not yet measured on this machine (:meth:`Model.tune`).
     """
     if optimization_level not in OPTIMIZATION_LEVELS:
         raise InvalidArgumentError(
@@ -128,6 +134,7 @@ def load_model(
         "optimization_level": optimization_level,
         "threads": threads,
         "hint": hint,
+        "tune": tune,
     }
     extra: dict[str, Any] = {"registry": registry, "hardware": hardware, "policy": policy,
                              "enable_profiling": enable_profiling}
@@ -179,7 +186,8 @@ def _cache_lookup(src: Any, options: Mapping[str, Any], extra: Mapping[str, Any]
         return _CacheSlot(None, _plan_cache.Lookup(None))
     limit = options["memory_limit"]
     keyed = {**options, "memory_limit": None if limit is None else parse_bytes(limit),
-             "policy": None if policy is None else policy.to_dict()}
+             "policy": None if policy is None else policy.to_dict(),
+             "tuning": _tuning_token()}
     registry = default_registry()
     backends = {"priority": registry.priority,
                 "available": [b.name for b in registry.available()]}
@@ -191,6 +199,13 @@ def _cache_lookup(src: Any, options: Mapping[str, Any], extra: Mapping[str, Any]
         return _CacheSlot(None, _plan_cache.Lookup(None, "plan cache not used: the model may "
                                                          "keep weights in external files"))
     return _CacheSlot(key, found, source)
+
+
+def _tuning_token() -> str:
+    """What ``keel tune`` measured on this machine (a plan made before a tune is stale after)."""
+    from keel.planning.tuning import cached
+
+    return str(cached().token)
 
 
 def _default_name(src: Any) -> str:
@@ -237,7 +252,8 @@ class Model:
                  registry: BackendRegistry | None = None, hardware: Any = None,
                  policy: Any = None, enable_profiling: bool = False,
                  hint: str | None = None,
-                 compiled: CompiledModel | None = None) -> None:
+                 compiled: CompiledModel | None = None,
+                 tune: bool | float = False) -> None:
         """``compiled`` (from the plan cache) holds ``graph`` already optimized for these
         options, the model's declared inputs and outputs and its first plan."""
         from keel.graph.passes import optimize
@@ -282,6 +298,8 @@ class Model:
                                       self._declared_outputs)
         if compiled is not None:
             self._restore(compiled)
+        if tune is not False:
+            self.tune(budget_s=None if tune is True else tune)
         self._check_default_plan()
 
     # ---- description -----------------------------------------------------
@@ -354,6 +372,41 @@ class Model:
             head += [f"{name} threads: {why}" for name, why in program.scope_reasons.items()]
         memory = plan.memory_plan.report() if plan.memory_plan is not None else ""
         return "\n".join([*head, "", plan.table(), "", memory]).rstrip() + "\n"
+
+    def tune(self, shapes: Mapping[str, Sequence[int]] | None = None, *,
+             budget_s: float | None = None, force: bool = False,
+             progress: Callable[[int, int, str], None] | None = None) -> TuneReport:
+        """Time the candidate kernel variants of this model's nodes here (for ``shapes``,
+        else the first signature) and cache the winners; plans made from now on use them.
+        Cases already measured are skipped unless ``force``. Returns a
+        :class:`~keel.planning.tuning.TuneReport`; ``progress`` defaults to a bar on stderr.
+        """
+        from keel.planning import tuning
+
+        budget = tuning.DEFAULT_BUDGET_SECONDS if budget_s is None else budget_s
+        with self._lock, tuning.progress_bar(progress is None) as bar:
+            planned = (self._default_planned() if shapes is None else
+                       self._planned(self._checked_shapes(shapes)))
+            backends = {name: self._registry.get(name) for name in planned.plan.backends}
+            report = tuning.tune(self._graph, planned.types, planned.plan, backends,
+                                 budget_s=budget, force=force, progress=progress or bar)
+            self._cache.clear()
+            self._fast.clear()
+            self._last = None
+        return report
+
+    def _checked_shapes(self, shapes: Mapping[str, Sequence[int]]) -> Shapes:
+        names = [v.name for v in self._declared_inputs]
+        checked: Shapes = {}
+        for name, shape in shapes.items():
+            dims = tuple(shape) if isinstance(shape, (list, tuple)) else None
+            if name not in names or dims is None or not all(
+                    isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
+                raise InvalidArgumentError(
+                    f"shape {shape!r} for {name!r}: give a tuple of non-negative ints for one "
+                    f"of the inputs {', '.join(names)}")
+            checked[name] = dims
+        return {**self._default_shapes(), **checked}
 
     # ---- settings --------------------------------------------------------
     def set_memory_limit(self, limit: int | str | None) -> None:

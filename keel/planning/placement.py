@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from keel.backends.base import Backend, KernelTable
+from keel.backends.base import Backend
 from keel.backends.registry import BackendRegistry
 from keel.config import format_bytes
 from keel.dtypes import DType
@@ -338,7 +338,7 @@ def _finish(ctx: _Context, node: Node, backend: Backend, reasons: list[str]) -> 
     for out in node.outputs:
         if out:
             ctx.device_of_value[out] = device
-    variant, why = _variant(ctx, node, backend.kernels)
+    variant, why = _variant(ctx, node, backend)
     precision, why_p = _node_precision(ctx, node)
     writes_out = backend.kernels.get(node.op, variant).supports_out and _static_outputs(ctx, node)
     return NodePlacement(node.name, node.op.value, backend.name, variant, precision,
@@ -353,16 +353,22 @@ def _static_outputs(ctx: _Context, node: Node) -> bool:
     return all(t is not None and t.is_static for t in types)
 
 
-def _variant(ctx: _Context, node: Node, table: KernelTable) -> tuple[str, str]:
+def _variant(ctx: _Context, node: Node, backend: Backend) -> tuple[str, str]:
+    table = backend.kernels
     try:
         variants = importlib.import_module("keel.planning.variants")
+        tuning = importlib.import_module("keel.planning.tuning")
     except ImportError:
         return "default", "no variant chooser installed"
     input_types = [ctx.types.get(i) if i else None for i in node.inputs]
+    # A variant measured on this machine decides; else the declared rules (tuning's note).
+    measured = tuning.lookup(ctx.graph, node, input_types, backend, ctx.profile)
+    if measured is not None and measured.variant is not None:
+        return str(measured.variant), str(measured.reason)
     name, reason = variants.choose_variant(node.op, input_types, node.attrs, table)
     if name not in table.variants(node.op):
         return "default", f"chooser picked unknown variant {name!r}; using default"
-    return str(name), str(reason)
+    return str(name), str(reason) + ("" if measured is None else f"; {measured.reason}")
 
 
 def _node_precision(ctx: _Context, node: Node) -> tuple[str, str]:

@@ -323,8 +323,8 @@ def _empty(rt: Runtime, shape: tuple[int, ...]) -> RuntimeTensor:
     ("squeeze", (1, 7, 1, 5), (7, 1, 5)),    # not every size-1 dim: the output decides
     ("squeeze", (1, 1), (1,)),
 ])
-def test_shape_op_with_one_input_takes_the_output_shape(name: str, op: str, src: tuple[int, ...],
-                                          dst: tuple[int, ...]) -> None:
+def test_shape_op_with_one_input_takes_the_output_shape(
+        name: str, op: str, src: tuple[int, ...], dst: tuple[int, ...]) -> None:
     rt = _runtime(name)
     data = np.arange(int(np.prod(src)), dtype=np.float32).reshape(src)
     out = _empty(rt, dst)
@@ -364,9 +364,8 @@ def test_shape_op_wrong_element_count(name: str) -> None:
     ("squeeze", (1, 7, 5), (5, 7), "removed"),
     ("squeeze", (7, 5), (7, 5, 1), "removed"),
 ])
-def test_shape_op_output_no_axes_give(name: str, op: str,
-                                                   src: tuple[int, ...], dst: tuple[int, ...],
-                                                   verb: str) -> None:
+def test_shape_op_output_no_axes_give(name: str, op: str, src: tuple[int, ...],
+                                      dst: tuple[int, ...], verb: str) -> None:
     rt = _runtime(name)
     x = _put(rt, np.zeros(src, np.float32))
     with pytest.raises(InvalidArgumentError, match=f"{op}: the output shape .* size-1 dims "

@@ -479,3 +479,38 @@ def test_host_pointer_binding_reads_at_run_time(mlp_path: Path) -> None:
     x[...] = _x()                       # changed after binding: the run sees it
     sess.run_with_iobinding(binding)
     _close(binding.copy_outputs_to_cpu(), sess.run(None, {"x": _x()}))
+
+
+# ---- real models, and CUDA where keel has it -----------------------------------
+
+def classify(ort: Any, model: bytes, batch: np.ndarray) -> list[Any]:
+    sess = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    name = sess.get_inputs()[0].name
+    (logits,) = sess.run(None, {name: batch})
+    return [logits, np.argmax(logits, axis=1)]
+
+
+@pytest.mark.parametrize("name", ["lenet", "resnet20"])
+def test_zoo_models_classify_alike(name: str) -> None:
+    from benchmarks import zoo
+
+    spec = zoo.MODELS[name]
+    theirs, ours = _both(classify, zoo.build(name), spec.make_input(2))
+    _close(ours[:1], theirs[:1])
+
+
+@pytest.mark.gpu
+def test_cuda_provider_runs_on_keels_gpu_backend(mlp_path: Path) -> None:
+    if not _keel_has_cuda():
+        pytest.skip("keel's gpu backend cannot run here")
+    sess = kort.InferenceSession(str(mlp_path), providers=["CUDAExecutionProvider",
+                                                           "CPUExecutionProvider"])
+    assert sess.get_providers() == ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    assert kort.get_device() == "GPU"
+    assert "CUDAExecutionProvider → keel backend auto" in sess.explain()
+    reference = ort.InferenceSession(str(mlp_path)).run(None, {"x": _x()})
+    _close(sess.run(None, {"x": _x()}), reference)
+    value = kort.OrtValue.ortvalue_from_numpy(_x(), "cuda", 0)
+    assert value.device_name() == "cuda"
+    (result,) = sess.run_with_ort_values(None, {"x": value})
+    _close([result.numpy()], reference)

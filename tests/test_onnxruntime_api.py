@@ -514,3 +514,17 @@ def test_cuda_provider_runs_on_keels_gpu_backend(mlp_path: Path) -> None:
     assert value.device_name() == "cuda"
     (result,) = sess.run_with_ort_values(None, {"x": value})
     _close([result.numpy()], reference)
+
+
+def test_a_keel_file_opens_with_the_onnx_models_metadata(mlp_path: Path, tmp_path: Path) -> None:
+    from keel.formats.keel_format import save_keel
+    from keel.graph.importers.onnx import import_onnx
+
+    keel_path = tmp_path / "mlp.keel"
+    save_keel(import_onnx(str(mlp_path)), keel_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from_onnx = describe_and_run(kort, mlp_path, {"x": _x()})
+        from_keel = describe_and_run(kort, keel_path, {"x": _x()})
+    _close(from_keel.pop("results"), from_onnx.pop("results"))
+    assert from_keel == from_onnx

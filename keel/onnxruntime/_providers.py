@@ -86,10 +86,10 @@ def _normalize(providers: Sequence[Any],
 
 def choose(providers: Sequence[Any] | None,
            provider_options: Sequence[Mapping[str, Any]] | None = None) -> ProviderChoice:
-    """The keel backend for ``providers``: the first available one decides; ``None`` lets
-    keel place every node itself (``auto``)."""
+    """The keel backend for ``providers``: the first available one decides; ``None`` (or
+    an empty list) lets keel place every node itself (``auto``)."""
     available = available_providers()
-    if providers is None:
+    if providers is None or (isinstance(providers, Sequence) and len(providers) == 0):
         return ProviderChoice("auto", tuple(available), {p: {} for p in available},
                               ("providers not given: keel places each node (backend auto)",))
     reasons: list[str] = []
@@ -117,8 +117,9 @@ def choose(providers: Sequence[Any] | None,
                        "gpu lacks a kernel)")
         return ProviderChoice("auto", (CUDA, CPU), {CUDA: seen[CUDA], CPU: seen.get(CPU, {})},
                               tuple(reasons))
+    # A CUDA listed after the CPU is registered but takes no node (the CPU takes them all).
     reasons.append(f"{CPU} → keel backend cpu")
-    return ProviderChoice("cpu", (CPU,), {CPU: seen[CPU]}, tuple(reasons))
+    return ProviderChoice("cpu", tuple(seen), seen, tuple(reasons))
 
 
 def _why_unavailable(name: str) -> str:

@@ -141,7 +141,9 @@ class Runtime:
                ) -> list[RuntimeTensor]:
         """Run op ``name``; write ``outputs`` (or new tensors) and return them.
 
-        Attributes are keyword arguments (``axes=(0,)``, ``perm=(1, 0)``).
+        Attributes are keyword arguments (``axes=(0,)``, ``perm=(1, 0)``). ``reshape``,
+        ``expand_dims`` and ``squeeze`` given one input, no shape or axes and one output
+        take their target from that output's shape.
         """
         op = to_op(name)
         for label, given in (("inputs", inputs), ("outputs", () if outputs is None else outputs)):
@@ -150,6 +152,8 @@ class Runtime:
                     f"run_op {label} must be a list of tensors, got {type(given).__name__}")
         ins = [None if t is None else self._own(t, "use") for t in inputs]
         outs = None if outputs is None else [self._own(t, "write to") for t in outputs]
+        if op in _SHAPED_BY_OUTPUT and outs is not None:
+            attrs = _target_from_output(op, ins, outs, attrs)
         selection = select_backend(self._properties(op, ins, outs), self._profile,
                                    self._policy, self._registry,
                                    pinned=None if self._pinned is None else self._pinned.name,
@@ -224,6 +228,51 @@ class Runtime:
         desc = TensorDesc(tuple(result.shape), DType.from_numpy(result.dtype),
                           backend.device.value)
         return RuntimeTensor(desc, backend, result, self)
+
+
+# Seed 001's shape ops: with one input and no target, the output's shape is the target.
+_SHAPED_BY_OUTPUT = {Op.RESHAPE: "shape", Op.EXPAND_DIMS: "axes", Op.SQUEEZE: "axes"}
+
+
+def _target_from_output(op: Op, ins: Sequence[RuntimeTensor | None],
+                        outs: Sequence[RuntimeTensor], attrs: dict[str, Any]) -> dict[str, Any]:
+    """``attrs`` with the shape or axes that turn ``ins[0]`` into ``outs[0]``'s shape, when
+    the call gives neither (no second input, no ``shape``/``axes``/``axis`` attribute)."""
+    given = any(attrs.get(k) is not None for k in ("shape", "axes", "axis"))
+    if given or len(ins) != 1 or ins[0] is None or len(outs) != 1:
+        return attrs
+    src, dst = ins[0].shape, outs[0].shape
+    if op is Op.RESHAPE:
+        if ins[0].desc.numel != outs[0].desc.numel:
+            raise InvalidArgumentError(
+                f"reshape: the input {src} has {ins[0].desc.numel} elements but the output "
+                f"{dst} holds {outs[0].desc.numel}; give an output of the same element count "
+                "or a shape")
+        return {**attrs, "shape": dst}
+    wider, narrower = (dst, src) if op is Op.EXPAND_DIMS else (src, dst)
+    axes = _unit_axes(wider, narrower)
+    if axes is None:
+        verb = "inserted" if op is Op.EXPAND_DIMS else "removed"
+        raise InvalidArgumentError(
+            f"{op.value}: the output shape {dst} is not the input shape {src} with size-1 "
+            f"dims {verb}; give axes")
+    return {**attrs, "axes": axes}
+
+
+def _unit_axes(wider: tuple[int, ...], narrower: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The axes of ``wider`` that, all of size 1 and removed, leave ``narrower``; None if
+    there are none such. Matching greedily is enough: skipping a 1 that also matches gives
+    the same dims."""
+    axes: list[int] = []
+    i = 0
+    for j, d in enumerate(wider):
+        if i < len(narrower) and narrower[i] == d:
+            i += 1
+        elif d == 1:
+            axes.append(j)
+        else:
+            return None
+    return tuple(axes) if i == len(narrower) else None
 
 
 def _shares_arrays(a: Backend, b: Backend) -> bool:

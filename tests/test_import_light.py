@@ -38,3 +38,8 @@ def test_runtime_and_tensors_load_only_cupy_and_only_to_check_the_gpu(code: str)
     # tries ``import cupy``; nothing else optional is ever loaded.
     loaded = _imported_after(code)
     assert [m for m in loaded if m != "cupy"] == []
+
+
+def test_keel_onnxruntime_imports_neither_onnxruntime_nor_onnx() -> None:
+    # The drop-in mirrors onnxruntime's API without loading it (or onnx) to do so.
+    assert _imported_after("import keel.onnxruntime as ort; ort.SessionOptions()") == []

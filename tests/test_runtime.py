@@ -303,3 +303,71 @@ def test_run_op_rejects_non_sequence_tensors(inputs: Any, outputs: Any, message:
     rt = Runtime(backend="cpu")
     with pytest.raises(InvalidArgumentError, match=message):
         rt.run_op("add", inputs=inputs, outputs=outputs)
+
+
+# ---- seed 001's shape ops take their target from the output --------------
+
+def _empty(rt: Runtime, shape: tuple[int, ...]) -> RuntimeTensor:
+    return rt.allocate(TensorDesc(shape, "float32", _device(rt.backend)))
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize(("op", "src", "dst"), [
+    ("reshape", (35,), (7, 5)),
+    ("reshape", (5, 7), (7, 5)),
+    ("reshape", (2, 3, 4), (4, 6)),
+    ("expand_dims", (7, 5), (1, 7, 5)),
+    ("expand_dims", (7, 5), (7, 1, 5, 1)),
+    ("expand_dims", (1, 5), (1, 1, 5)),
+    ("squeeze", (1, 7, 1, 5), (7, 5)),
+    ("squeeze", (1, 7, 1, 5), (7, 1, 5)),    # not every size-1 dim: the output decides
+    ("squeeze", (1, 1), (1,)),
+])
+def test_shape_op_with_one_input_takes_the_output_shape(
+        name: str, op: str, src: tuple[int, ...], dst: tuple[int, ...]) -> None:
+    rt = _runtime(name)
+    data = np.arange(int(np.prod(src)), dtype=np.float32).reshape(src)
+    out = _empty(rt, dst)
+    (result,) = rt.run_op(op, inputs=[_put(rt, data)], outputs=[out])
+    assert result is out
+    np.testing.assert_array_equal(rt.read(out), data.reshape(dst))
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_shape_op_given_target_wins(name: str) -> None:
+    rt = _runtime(name)
+    data = np.arange(6, dtype=np.float32).reshape(1, 6)
+    x = _put(rt, data)
+    (squeezed,) = rt.run_op("squeeze", inputs=[x], axes=(0,))
+    np.testing.assert_array_equal(rt.read(squeezed), data[0])
+    with pytest.raises(InvalidArgumentError):
+        # the given shape disagrees with the output's: the shape is what the op runs
+        rt.run_op("reshape", inputs=[x], outputs=[_empty(rt, (6,))], shape=(2, 3))
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_shape_op_wrong_element_count(name: str) -> None:
+    rt = _runtime(name)
+    out = _empty(rt, (7, 5))
+    before = rt.read(out)
+    with pytest.raises(InvalidArgumentError,
+                       match=r"reshape: the input \(6,\) has 6 elements but the output "
+                             r"\(7, 5\) holds 35"):
+        rt.run_op("reshape", inputs=[_put(rt, np.ones(6, np.float32))], outputs=[out])
+    np.testing.assert_array_equal(rt.read(out), before)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize(("op", "src", "dst", "verb"), [
+    ("expand_dims", (7, 5), (5, 7, 1), "inserted"),
+    ("expand_dims", (7, 5), (7, 6), "inserted"),
+    ("squeeze", (1, 7, 5), (5, 7), "removed"),
+    ("squeeze", (7, 5), (7, 5, 1), "removed"),
+])
+def test_shape_op_output_no_axes_give(name: str, op: str, src: tuple[int, ...],
+                                      dst: tuple[int, ...], verb: str) -> None:
+    rt = _runtime(name)
+    x = _put(rt, np.zeros(src, np.float32))
+    with pytest.raises(InvalidArgumentError, match=f"{op}: the output shape .* size-1 dims "
+                                                   f"{verb}; give axes"):
+        rt.run_op(op, inputs=[x], outputs=[_empty(rt, dst)])

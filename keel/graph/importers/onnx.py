@@ -16,6 +16,7 @@ model using an op (or custom domain) keel lacks is an
 from __future__ import annotations
 
 import heapq
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -284,8 +285,14 @@ class _Importer:
                 meta[f"onnx.{key}"] = str(value)
         if m.model_version:
             meta["onnx.model_version"] = str(m.model_version)
+        if self.g.name:
+            meta["onnx.graph_name"] = str(self.g.name)
+        if self.g.doc_string:
+            meta["onnx.graph_doc_string"] = str(self.g.doc_string)
         for prop in m.metadata_props:
             meta[str(prop.key)] = str(prop.value)
+        # Which entries are the model's own metadata_props (onnxruntime's custom_metadata_map).
+        meta["onnx.metadata_props"] = json.dumps([str(p.key) for p in m.metadata_props])
         return meta
 
 

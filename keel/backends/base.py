@@ -29,6 +29,15 @@ Optional hooks, with defaults that suit a NumPy backend:
 * ``_free(array)`` — give memory back early (a memory pool, a device buffer).
 * ``_capability_details()`` — extra ``Capabilities`` fields (simd_level,
   threads, memory_bytes, notes).
+* ``_plan_node(request) -> NodePlan`` — the backend's planner: every decision
+  about how a node runs (variant, layout, threads, ...) with its reason
+  (:mod:`keel.backends.plan`). The default picks the highest-priority variant;
+  a backend with decisions of its own keeps them in one ``planner`` module.
+
+Planners decide, kernels execute: ``plan_node`` is asked once per node when a
+model is placed, and the executor hands the plan to the kernel as
+``ctx.plan``. ``run`` (the op-level path, no placement) asks ``plan_node``
+from the real shapes for a variant that dispatches (``dispatcher=True``).
 
 The public methods (``run``, ``allocate``, ``free``, ``write``, ``read``,
 ``to_device``) are final: they validate arguments, check the op against the
@@ -100,6 +109,7 @@ from typing import Any, ClassVar, final
 
 import numpy as np
 
+from keel.backends.plan import Measured, NodePlan, PlanRequest, default_plan, request_types
 from keel.dtypes import DType, as_dtype
 from keel.errors import (
     BackendSelectionError,
@@ -110,7 +120,7 @@ from keel.errors import (
 )
 from keel.ops.registry import Op, to_op
 from keel.ops.schema import get_schema
-from keel.ops.types import checked_numel
+from keel.ops.types import TensorType, checked_numel
 
 __all__ = [
     "Availability",
@@ -121,6 +131,9 @@ __all__ = [
     "KernelContext",
     "KernelTable",
     "KernelVariant",
+    "Measured",
+    "NodePlan",
+    "PlanRequest",
     "ProgramScope",
     "Prepack",
     "dtype_of",
@@ -141,6 +154,7 @@ class KernelContext:
     device: DeviceKind
     threads: int | None = None
     prepacked: Any = None        # the variant's prepack state for this node, if any
+    plan: NodePlan | None = None  # what the backend's planner decided for this node
 
 
 Kernel = Callable[[KernelContext, Sequence[Any], Mapping[str, Any], Sequence[Any] | None],
@@ -330,6 +344,29 @@ class Backend(ABC):
 
     def _capability_details(self) -> dict[str, Any]:
         return {}
+
+    def _plan_node(self, request: PlanRequest) -> NodePlan:
+        return default_plan(request, self.kernels, self.threads)
+
+    # ---- planning ------------------------------------------------------
+    @final
+    def plan_node(self, op: Op | str, input_types: Sequence[TensorType | None],
+                  attrs: Mapping[str, Any] | None = None, *, threads: int | None = None,
+                  profile: Any = None, precision: str = "",
+                  measured: Measured | None = None) -> NodePlan:
+        """What this backend's planner decides for one node, each field with its reason.
+
+        ``input_types`` are the node's input types (None for an absent input),
+        ``attrs`` its schema-normalized attributes; ``threads`` the thread
+        count planned for (default: the backend's), ``profile`` the hardware
+        profile planned for, ``precision`` the precision placement decided and
+        ``measured`` a choice measured on this machine (a tuning cache hit),
+        which overrides the declared rules where this backend has that variant.
+        """
+        request = PlanRequest(to_op(op), tuple(input_types), dict(attrs or {}),
+                              self.threads if threads is None else threads, profile,
+                              precision, measured)
+        return self._plan_node(request)
 
     # ---- availability and capabilities ---------------------------------
     @final
@@ -525,7 +562,8 @@ class Backend(ABC):
                 # outputs are written only once everything succeeded.
                 scratch = None if outputs is None or not kernel.supports_out else [
                     self.xp.empty(tuple(o.shape), dtype=o.dtype) for o in outputs]
-                results = list(kernel.fn(self.context(), list(inputs), norm, scratch))
+                results = list(kernel.fn(self._call_context(op, kernel, inputs, norm),
+                                         list(inputs), norm, scratch))
         except KeelError:
             raise
         except Exception as exc:
@@ -536,6 +574,16 @@ class Backend(ABC):
         for dst, src in zip(outputs, results, strict=True):
             dst[...] = src
         return list(outputs)
+
+    def _call_context(self, op: Op, kernel: KernelVariant, inputs: Sequence[Any],
+                      attrs: Mapping[str, Any]) -> KernelContext:
+        """The context of an op-level call: a dispatching variant gets the plan the
+        planner makes from the real shapes (no placement made one)."""
+        ctx = self.context()
+        if not kernel.meta.get("dispatcher"):
+            return ctx
+        plan = self.plan_node(op, request_types(inputs), attrs)
+        return dataclasses.replace(ctx, plan=plan)
 
     def _peers(self, op: Op) -> tuple[str, ...]:
         if self.peers is None:

@@ -10,6 +10,7 @@ import pytest
 
 from keel.backends.cpu import conv as cpu_conv
 from keel.backends.cpu import conv_gemm, depthwise, winograd, workspace
+from keel.backends.cpu import planner as cpu_planner
 from keel.backends.cpu.conv_rules import ConvCase, conv_case, pick
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError, UnsupportedOperationError
@@ -251,7 +252,7 @@ def test_default_runs_the_variant_the_rules_pick() -> None:
         norm = get_schema(Op.CONV).normalize_attrs(attrs)
         case = conv_case(Op.CONV, x, w, norm, "float32")
         assert case is not None
-        chosen, _ = pick(case, cpu_conv._available_rules())   # what runs on this machine
+        chosen, _ = pick(case, cpu_planner.available_rules())   # what runs on this machine
         (by_default,) = cpu(Op.CONV, [xs, ws], **attrs)
         (by_name,) = cpu(Op.CONV, [xs, ws], chosen, **attrs)
         assert by_default.tobytes() == by_name.tobytes()

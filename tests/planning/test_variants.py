@@ -13,12 +13,14 @@ from keel import native
 from keel.backends.base import DeviceKind, KernelContext, KernelTable
 from keel.backends.cpu.conv_rules import ConvRule
 from keel.backends.cpu.kernels import load
+from keel.backends.cpu.planner import choose_variant
 from keel.dtypes import DType
 from keel.errors import UnsupportedOperationError
 from keel.ops.registry import Op
 from keel.ops.schema import get_schema
 from keel.ops.types import Dim, TensorType
-from keel.planning.variants import VariantInfo, VariantRegistry, choose_variant
+from keel.planning.variants import VariantInfo, VariantRegistry
+from keel.planning.variants import choose_variant as choose_by_priority
 
 CPU = load()
 F32 = DType.FLOAT32
@@ -210,7 +212,7 @@ def test_choice_follows_rule_priorities_in_any_table() -> None:
 
 
 def test_choice_by_priority_for_ops_without_rules() -> None:
-    name, reason = choose_variant(Op.RELU, _types((4,)), {}, _table())
+    name, reason = choose_by_priority(Op.RELU, _types((4,)), {}, _table())
     assert name == "vector" and "highest priority (3)" in reason
     info = VariantRegistry([_table()]).get(Op.RELU, "vector", "test")
     assert isinstance(info, VariantInfo)

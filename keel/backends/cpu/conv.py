@@ -20,7 +20,9 @@ typed metadata, see :mod:`keel.backends.cpu.conv_rules`):
   (0.53-0.85x their time on ResNet-20's convs). In ``benchmarks.run`` (1
   thread, keel / onnxruntime time): ResNet-20 2.45 -> 1.73 at batch 1 and
   1.99 -> 1.41 at batch 32, ResNet-18 1.17 -> 1.01 at batch 32.
-* ``default`` — picks one of the above with :func:`conv_rules.pick` (``native``
+* ``default`` — runs the variant its node plan names; called without a plan
+  (or with shapes the plan could not know), the one the cpu planner
+  (:mod:`~keel.backends.cpu.planner`) picks from the real shapes (``native``
   only where the native tier is available).
 
 Every variant writes into ``out`` when given, folds the bias into its GEMM or
@@ -55,19 +57,21 @@ from typing import Any
 
 import numpy as np
 
-from keel.backends.base import Attrs, Inputs, KernelContext, Out, optional_input
+from keel.backends.base import Attrs, Inputs, KernelContext, NodePlan, Out, optional_input
 from keel.backends.cpu import (
     conv_epilogue,
     conv_gemm,
     depthwise,
     native_gemm,
+    planner,
     winograd,
     workspace,
 )
 from keel.backends.cpu.backend import ThreadCap
 from keel.backends.cpu.conv_epilogue import Activation, activation
-from keel.backends.cpu.conv_rules import ConvCase, ConvRule, pick
+from keel.backends.cpu.conv_rules import ConvCase
 from keel.backends.cpu.kernels import TABLE
+from keel.backends.cpu.planner import REQUIRES, RULES, TIER_RULES, conv_call_variant
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError, UnsupportedOperationError
 from keel.native.pointers import weak as _ref
@@ -84,101 +88,6 @@ from keel.ops.schemas.conv import (
 
 __all__ = ["RULES"]
 
-# winograd time / im2col time for C->C 3x3 pad-1 convs with bias and ReLU
-# (channels, output side, batch, ratio): 2-core AMD EPYC, OpenBLAS, 1 thread,
-# prepacked weights, interleaved runs, median of 5 passes.
-_WINOGRAD_EVIDENCE = (
-    (16, 32, 1, 1.88), (32, 16, 1, 1.40), (64, 8, 1, 1.12), (64, 14, 1, 1.01),
-    (64, 28, 1, 0.81), (64, 56, 1, 0.72), (128, 14, 1, 0.81), (128, 28, 1, 0.66),
-    (128, 56, 1, 0.70), (256, 7, 1, 1.31), (256, 14, 1, 0.74), (512, 7, 1, 1.32),
-    (16, 32, 4, 1.50), (32, 16, 4, 1.06), (64, 8, 4, 0.83), (64, 14, 4, 0.70),
-    (64, 56, 4, 0.76), (128, 14, 4, 0.60), (256, 7, 4, 0.80), (512, 7, 4, 0.85),
-    (16, 32, 32, 1.41), (32, 16, 32, 0.86), (64, 8, 32, 0.57), (64, 56, 32, 0.74),
-    (128, 28, 32, 0.63), (256, 14, 32, 0.63), (256, 7, 32, 0.82), (512, 7, 32, 0.79),
-)
-
-# native (implicit GEMM) time / the best other variant's time (Winograd with compiled
-# transforms, or im2col) for C->C 3x3 pad-1 convs with bias and ReLU (channels, output
-# side, batch, ratio): 2-core AMD EPYC (Zen 4), 1 thread, prepacked weights,
-# interleaved runs, medians.
-_NATIVE_EVIDENCE = (
-    (16, 32, 1, 0.76), (16, 32, 4, 0.63), (16, 32, 32, 0.61), (32, 16, 1, 0.75),
-    (32, 16, 4, 0.72), (32, 16, 32, 0.65), (64, 8, 1, 0.74), (64, 8, 4, 0.72),
-    (64, 8, 32, 0.70), (32, 32, 1, 0.97), (32, 32, 4, 1.00), (32, 32, 32, 0.94),
-    (64, 16, 1, 0.98), (64, 16, 4, 1.01), (64, 16, 32, 1.03), (64, 28, 1, 1.34),
-    (64, 28, 4, 1.20), (64, 28, 32, 1.34), (64, 56, 1, 1.30), (64, 56, 4, 1.32),
-    (64, 56, 32, 1.39), (128, 14, 1, 1.13), (128, 14, 4, 1.41), (128, 14, 32, 1.55),
-    (128, 28, 1, 1.55), (128, 28, 4, 1.47), (128, 28, 32, 1.59), (256, 7, 1, 1.29),
-    (256, 7, 4, 1.40), (256, 7, 32, 1.33), (256, 14, 1, 1.38), (256, 14, 4, 1.58),
-    (256, 14, 32, 1.74), (512, 7, 1, 1.46), (512, 7, 4, 1.64), (512, 7, 32, 1.69),
-)
-# Winograd with compiled transforms (winograd.c) / im2col time, the same convs.
-_WINOGRAD_NATIVE_EVIDENCE = (
-    (16, 32, 1, 1.13), (16, 32, 4, 0.93), (16, 32, 32, 0.86), (32, 16, 1, 1.08),
-    (32, 16, 4, 0.94), (32, 16, 32, 0.77), (64, 8, 1, 1.05), (64, 8, 4, 0.89),
-    (64, 8, 32, 0.86), (32, 32, 1, 0.77), (32, 32, 4, 0.65), (32, 32, 32, 0.73),
-    (64, 16, 1, 0.79), (64, 16, 4, 0.71), (64, 16, 32, 0.66), (64, 28, 1, 0.60),
-    (64, 28, 4, 0.66), (64, 28, 32, 0.61), (64, 56, 1, 0.60), (64, 56, 4, 0.60),
-    (64, 56, 32, 0.61), (128, 14, 1, 0.78), (128, 14, 4, 0.62), (128, 14, 32, 0.56),
-    (128, 28, 1, 0.58), (128, 28, 4, 0.60), (128, 28, 32, 0.57), (256, 7, 1, 0.75),
-    (256, 7, 4, 0.74), (256, 7, 32, 0.80), (256, 14, 1, 0.67), (256, 14, 4, 0.60),
-    (256, 14, 32, 0.56), (512, 7, 1, 0.66), (512, 7, 4, 0.68), (512, 7, 32, 0.67),
-)
-_NATIVE_MEASURED = (
-    "2-core AMD EPYC (Zen 4, AVX-512), 1 thread, prepacked weights, interleaved medians "
-    "on a shared machine (+-10 %): native/best-other time (Winograd with compiled "
-    "transforms, or im2col) 0.61-0.76 for 3x3 convs up to 32 channels on 16x16 and "
-    "smaller, 0.94-1.00 on 32x32, 0.70-0.74 at 64 channels on 8x8, 0.98-1.03 on 16x16, "
-    "1.2-1.4 from 28x28 and 1.1-1.7 from 128 channels (Winograd wins there); "
-    "3x3 stride 2 0.71-0.86; 1x1 stride 2 0.76-0.97")
-
-
-RULES: dict[str, ConvRule] = {
-    "winograd": ConvRule(
-        "winograd", 30, "Winograd F(2x2,3x3): 2.25x fewer multiplies than im2col",
-        ranks=(2,), kernel=(3, 3), strides=(1, 1), dilations=(1, 1), groups="one",
-        dtypes=frozenset({"float32", "float64"}), wins_where=((64, 196), (32, 4096)),
-        measured="2-core AMD EPYC (AVX-512), OpenBLAS, 1 thread, prepacked weights: "
-                 "winograd/im2col time 0.57-0.86 from 64 channels and 196 output pixels "
-                 "over the batch (49 tiles) up, and for 32 channels from 8192 pixels; "
-                 "1.01-1.88 below (16 channels; 7x7 outputs at batch 1)",
-        baseline="im2col", evidence=_WINOGRAD_EVIDENCE),
-}
-# The Winograd rule where its transforms are compiled (the native tier): it then beats
-# im2col from 128 channels at any size and from 32 channels on 512 output pixels.
-_WINOGRAD_NATIVE = ConvRule(
-    "winograd", 30, "Winograd F(2x2,3x3), transforms compiled: 2.25x fewer multiplies than "
-    "im2col", ranks=(2,), kernel=(3, 3), strides=(1, 1), dilations=(1, 1), groups="one",
-    dtypes=frozenset({"float32", "float64"}), wins_where=((128, 1), (32, 512)),
-    measured="2-core AMD EPYC (Zen 4, AVX-512), 1 thread, prepacked weights: "
-             "winograd/im2col time 0.56-0.80 from 128 channels (7x7 at batch 1 too) and "
-             "0.60-0.94 from 32 channels and 512 output pixels over the batch; 1.05-1.13 "
-             "on 256 or fewer at batch 1",
-    baseline="im2col", evidence=_WINOGRAD_NATIVE_EVIDENCE)
-RULES.update({
-    "pointwise": ConvRule(
-        "pointwise", 20, "1x1 conv as one GEMM on the input, no im2col copy",
-        unit_kernel=True, unpadded=True),
-    "depthwise": ConvRule(
-        "depthwise", 20, "compiled window kernel (native tier); else per-channel gemv over "
-        "shifted rows, or one channels-last einsum",
-        groups="depthwise",
-        measured="2-core AMD EPYC (AVX-512), 1 thread, batch 1, MobileNetV2's 3x3 layers: "
-                 "NumPy forms / im2col time 0.70-0.99 at 32-144 channels on 56x56-112x112 "
-                 "and at 576-960 channels on 7x7, 1.05-1.11 at 144-384 channels on "
-                 f"14x14-28x28; the native form {depthwise.NATIVE_SPEEDUP}"),
-    "im2col": ConvRule("im2col", 10, "im2col + one BLAS GEMM per group"),
-    "native": ConvRule(
-        "native", 40, "implicit GEMM on the native kernel: filters packed once, taps "
-        "gathered from the padded image, bias, residual and ReLU fused into the store",
-        groups="not_depthwise", dtypes=frozenset({"float32", "float16"}), max_channels=64,
-        yields_to_pointwise=True, evidence_decides=True, measured=_NATIVE_MEASURED,
-        baseline="the best other variant", evidence=_NATIVE_EVIDENCE),
-})
-# Variants that need a tier beyond NumPy (see keel.planning.variants.tier_unavailable).
-_REQUIRES = {"native": "native"}
-# Rules in force where a tier is available (the variant runs a faster form there).
-_TIER_RULES = {"winograd": {"native": _WINOGRAD_NATIVE}}
 
 
 
@@ -227,14 +136,6 @@ _IMPLS: dict[str, Callable[..., None]] = {
 }
 
 
-def _available_rules() -> list[ConvRule]:
-    """The rules in force here: native variants need the native tier, which also
-    compiles Winograd's transforms (its rule then has its own measurements)."""
-    tier = native_gemm.available()
-    return [_TIER_RULES[name]["native"] if tier and name in _TIER_RULES else r
-            for name, r in RULES.items() if name not in _REQUIRES or tier]
-
-
 def _layout(variant: str, geo: ConvGeometry, itemsize: int, has_bias: bool) -> Any:
     """The shape-derived plan a variant runs from (computed once per signature)."""
     if variant == "im2col":
@@ -281,8 +182,8 @@ def _plan(op: Op, variant: str, backend: str, shapes: tuple[tuple[int, ...] | No
     geo = conv_geometry(op, x, w, attrs)
     check_conv_extras(op, geo.out_shape, b, z)
     case = _case(geo, dtype.value)
-    if variant == "default":
-        variant, _ = pick(case, _available_rules())
+    if variant == "default":        # no plan decided it: the planner, from these shapes
+        variant, _ = conv_call_variant(case)
     else:
         why_not = RULES[variant].cannot_serve(case)   # a named variant runs where it can
         if why_not is not None:
@@ -317,11 +218,19 @@ def _lookup(op: Op, variant: str, backend: str, x: Any, w: Any, b: Any, z: Any,
     return plan
 
 
+def _planned(node_plan: NodePlan) -> str:
+    """The conv variant the node's plan runs (``default``: decided from the real shapes)."""
+    if node_plan.variant != "default":
+        return node_plan.variant
+    return str(node_plan.option("conv_variant", "default"))
+
+
 def _run(ctx: KernelContext, op: Op, variant: str, x: Any, w: Any, b: Any, z: Any,
          attrs: Attrs, out: Out) -> list[Any]:
     """Check, choose the variant, compute in float32/64, apply the epilogue."""
     xp = ctx.xp
-    plan = _lookup(op, variant, ctx.backend, x, w, b, z, attrs)
+    planned = variant if variant != "default" or ctx.plan is None else _planned(ctx.plan)
+    plan = _lookup(op, planned, ctx.backend, x, w, b, z, attrs)
     packed = ctx.prepacked
     if plan.dtype is DType.FLOAT16:
         x, w, b, z = (None if a is None else a.astype(plan.compute) for a in (x, w, b, z))
@@ -518,8 +427,8 @@ for _name, _rule in RULES.items():
     TABLE.kernel(Op.CONV, variant=_name, dtypes=DTYPES[Op.CONV], supports_out=True,
                  description=_rule.summary, prepack=_prepack, rule=_rule,
                  priority=_rule.priority, simd=(), measured=_rule.measured,
-                 requires=_REQUIRES.get(_name),
-                 tier_rules=_TIER_RULES.get(_name, {}))(_conv_variant(_name))
+                 requires=REQUIRES.get(_name),
+                 tier_rules=TIER_RULES.get(_name, {}))(_conv_variant(_name))
 
 TABLE.kernel(Op.CONV, dtypes=DTYPES[Op.CONV], supports_out=True, prepack=_prepack,
              description="picks winograd, pointwise, depthwise or im2col by the conv rules",
@@ -566,10 +475,7 @@ def conv_integer(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> 
     if wzp is not None:
         check_zero_point(Op.CONV_INTEGER, "w_zero_point", wzp.shape, w.shape[0])
         xp.subtract(wf, wzp.astype(ft).reshape(-1, *([1] * (w.ndim - 1))), out=wf)
-    case = _case(geo, str(np.dtype(ft)))
-    # Winograd's transforms round; the NumPy variants run here (no native call path).
-    exact = {k: r for k, r in RULES.items() if k not in ("winograd", "native")}
-    variant, _ = pick(case, exact.values())
+    variant = planner.exact_conv_variant(_case(geo, str(np.dtype(ft))))
     yf = xp.empty(geo.out_shape, dtype=ft)
     layout = _layout(variant, geo, np.dtype(ft).itemsize, False)
     _IMPLS[variant](xp, layout, xf, wf, None, None, yf, activation("", ()), None)

@@ -1,0 +1,261 @@
+"""The cpu backend's planner: every decision about how a cpu node runs, in one place.
+
+``plan`` (the cpu backend's ``_plan_node``) turns a node's op, input types,
+attributes and the planning context into a :class:`~keel.backends.plan.NodePlan`.
+The decisions and their thresholds live here as data with the evidence they
+came from (the machine, the measurement): the conv variants' rules
+(:class:`~keel.backends.cpu.conv_rules.ConvRule`, with their evidence tables),
+the forms of the depthwise and native conv kernels, and the scheme a bound
+depthwise call runs. Kernel modules execute what the plan says; where a kernel
+runs without a plan (a direct call), it asks the functions here, so a plan and
+a plain run make the same choice.
+
+Evidence was measured on a 2-core AMD EPYC (Zen 4, AVX-512) with OpenBLAS
+unless a rule says otherwise; ``keel tune`` measures on the running machine
+and overrides these rules (``PlanRequest.measured``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from keel.backends.base import KernelTable, KernelVariant
+from keel.backends.cpu import native_gemm
+from keel.backends.cpu.conv_rules import ConvCase, ConvRule, conv_case, pick
+from keel.backends.plan import (
+    NodePlan,
+    PlanRequest,
+    choose_by_priority,
+    field_reasons,
+    skipped_note,
+    tier_unavailable,
+    usable_variants,
+)
+from keel.dtypes import DType
+from keel.errors import KeelError
+from keel.ops.registry import Op
+from keel.ops.types import TensorType
+
+__all__ = ["RULES", "TIER_RULES", "available_rules", "choose_variant", "conv_call_variant",
+           "exact_conv_variant", "plan"]
+
+CONV_OPS = frozenset({Op.CONV, Op.CONV2D, Op.CONV_INTEGER})
+# What the native depthwise form measured (quoted in the depthwise rule and reasons).
+DEPTHWISE_NATIVE_SPEEDUP = ("ran in 0.27x the NumPy forms' time at batch 1 and 8, 1.00x "
+                            "onnxruntime's at batch 1 and 0.67x at batch 8")
+
+# ---- the conv variants' rules --------------------------------------------------------
+# winograd time / im2col time for C->C 3x3 pad-1 convs with bias and ReLU
+# (channels, output side, batch, ratio): 2-core AMD EPYC, OpenBLAS, 1 thread,
+# prepacked weights, interleaved runs, median of 5 passes.
+_WINOGRAD_EVIDENCE = (
+    (16, 32, 1, 1.88), (32, 16, 1, 1.40), (64, 8, 1, 1.12), (64, 14, 1, 1.01),
+    (64, 28, 1, 0.81), (64, 56, 1, 0.72), (128, 14, 1, 0.81), (128, 28, 1, 0.66),
+    (128, 56, 1, 0.70), (256, 7, 1, 1.31), (256, 14, 1, 0.74), (512, 7, 1, 1.32),
+    (16, 32, 4, 1.50), (32, 16, 4, 1.06), (64, 8, 4, 0.83), (64, 14, 4, 0.70),
+    (64, 56, 4, 0.76), (128, 14, 4, 0.60), (256, 7, 4, 0.80), (512, 7, 4, 0.85),
+    (16, 32, 32, 1.41), (32, 16, 32, 0.86), (64, 8, 32, 0.57), (64, 56, 32, 0.74),
+    (128, 28, 32, 0.63), (256, 14, 32, 0.63), (256, 7, 32, 0.82), (512, 7, 32, 0.79),
+)
+
+# native (implicit GEMM) time / the best other variant's time (Winograd with compiled
+# transforms, or im2col) for C->C 3x3 pad-1 convs with bias and ReLU (channels, output
+# side, batch, ratio): 2-core AMD EPYC (Zen 4), 1 thread, prepacked weights,
+# interleaved runs, medians.
+_NATIVE_EVIDENCE = (
+    (16, 32, 1, 0.76), (16, 32, 4, 0.63), (16, 32, 32, 0.61), (32, 16, 1, 0.75),
+    (32, 16, 4, 0.72), (32, 16, 32, 0.65), (64, 8, 1, 0.74), (64, 8, 4, 0.72),
+    (64, 8, 32, 0.70), (32, 32, 1, 0.97), (32, 32, 4, 1.00), (32, 32, 32, 0.94),
+    (64, 16, 1, 0.98), (64, 16, 4, 1.01), (64, 16, 32, 1.03), (64, 28, 1, 1.34),
+    (64, 28, 4, 1.20), (64, 28, 32, 1.34), (64, 56, 1, 1.30), (64, 56, 4, 1.32),
+    (64, 56, 32, 1.39), (128, 14, 1, 1.13), (128, 14, 4, 1.41), (128, 14, 32, 1.55),
+    (128, 28, 1, 1.55), (128, 28, 4, 1.47), (128, 28, 32, 1.59), (256, 7, 1, 1.29),
+    (256, 7, 4, 1.40), (256, 7, 32, 1.33), (256, 14, 1, 1.38), (256, 14, 4, 1.58),
+    (256, 14, 32, 1.74), (512, 7, 1, 1.46), (512, 7, 4, 1.64), (512, 7, 32, 1.69),
+)
+# Winograd with compiled transforms (winograd.c) / im2col time, the same convs.
+_WINOGRAD_NATIVE_EVIDENCE = (
+    (16, 32, 1, 1.13), (16, 32, 4, 0.93), (16, 32, 32, 0.86), (32, 16, 1, 1.08),
+    (32, 16, 4, 0.94), (32, 16, 32, 0.77), (64, 8, 1, 1.05), (64, 8, 4, 0.89),
+    (64, 8, 32, 0.86), (32, 32, 1, 0.77), (32, 32, 4, 0.65), (32, 32, 32, 0.73),
+    (64, 16, 1, 0.79), (64, 16, 4, 0.71), (64, 16, 32, 0.66), (64, 28, 1, 0.60),
+    (64, 28, 4, 0.66), (64, 28, 32, 0.61), (64, 56, 1, 0.60), (64, 56, 4, 0.60),
+    (64, 56, 32, 0.61), (128, 14, 1, 0.78), (128, 14, 4, 0.62), (128, 14, 32, 0.56),
+    (128, 28, 1, 0.58), (128, 28, 4, 0.60), (128, 28, 32, 0.57), (256, 7, 1, 0.75),
+    (256, 7, 4, 0.74), (256, 7, 32, 0.80), (256, 14, 1, 0.67), (256, 14, 4, 0.60),
+    (256, 14, 32, 0.56), (512, 7, 1, 0.66), (512, 7, 4, 0.68), (512, 7, 32, 0.67),
+)
+_NATIVE_MEASURED = (
+    "2-core AMD EPYC (Zen 4, AVX-512), 1 thread, prepacked weights, interleaved medians "
+    "on a shared machine (+-10 %): native/best-other time (Winograd with compiled "
+    "transforms, or im2col) 0.61-0.76 for 3x3 convs up to 32 channels on 16x16 and "
+    "smaller, 0.94-1.00 on 32x32, 0.70-0.74 at 64 channels on 8x8, 0.98-1.03 on 16x16, "
+    "1.2-1.4 from 28x28 and 1.1-1.7 from 128 channels (Winograd wins there); "
+    "3x3 stride 2 0.71-0.86; 1x1 stride 2 0.76-0.97")
+
+
+RULES: dict[str, ConvRule] = {
+    "winograd": ConvRule(
+        "winograd", 30, "Winograd F(2x2,3x3): 2.25x fewer multiplies than im2col",
+        ranks=(2,), kernel=(3, 3), strides=(1, 1), dilations=(1, 1), groups="one",
+        dtypes=frozenset({"float32", "float64"}), wins_where=((64, 196), (32, 4096)),
+        measured="2-core AMD EPYC (AVX-512), OpenBLAS, 1 thread, prepacked weights: "
+                 "winograd/im2col time 0.57-0.86 from 64 channels and 196 output pixels "
+                 "over the batch (49 tiles) up, and for 32 channels from 8192 pixels; "
+                 "1.01-1.88 below (16 channels; 7x7 outputs at batch 1)",
+        baseline="im2col", evidence=_WINOGRAD_EVIDENCE),
+}
+# The Winograd rule where its transforms are compiled (the native tier): it then beats
+# im2col from 128 channels at any size and from 32 channels on 512 output pixels.
+WINOGRAD_NATIVE = ConvRule(
+    "winograd", 30, "Winograd F(2x2,3x3), transforms compiled: 2.25x fewer multiplies than "
+    "im2col", ranks=(2,), kernel=(3, 3), strides=(1, 1), dilations=(1, 1), groups="one",
+    dtypes=frozenset({"float32", "float64"}), wins_where=((128, 1), (32, 512)),
+    measured="2-core AMD EPYC (Zen 4, AVX-512), 1 thread, prepacked weights: "
+             "winograd/im2col time 0.56-0.80 from 128 channels (7x7 at batch 1 too) and "
+             "0.60-0.94 from 32 channels and 512 output pixels over the batch; 1.05-1.13 "
+             "on 256 or fewer at batch 1",
+    baseline="im2col", evidence=_WINOGRAD_NATIVE_EVIDENCE)
+RULES.update({
+    "pointwise": ConvRule(
+        "pointwise", 20, "1x1 conv as one GEMM on the input, no im2col copy",
+        unit_kernel=True, unpadded=True),
+    "depthwise": ConvRule(
+        "depthwise", 20, "compiled window kernel (native tier); else per-channel gemv over "
+        "shifted rows, or one channels-last einsum",
+        groups="depthwise",
+        measured="2-core AMD EPYC (AVX-512), 1 thread, batch 1, MobileNetV2's 3x3 layers: "
+                 "NumPy forms / im2col time 0.70-0.99 at 32-144 channels on 56x56-112x112 "
+                 "and at 576-960 channels on 7x7, 1.05-1.11 at 144-384 channels on "
+                 f"14x14-28x28; the native form {DEPTHWISE_NATIVE_SPEEDUP}"),
+    "im2col": ConvRule("im2col", 10, "im2col + one BLAS GEMM per group"),
+    "native": ConvRule(
+        "native", 40, "implicit GEMM on the native kernel: filters packed once, taps "
+        "gathered from the padded image, bias, residual and ReLU fused into the store",
+        groups="not_depthwise", dtypes=frozenset({"float32", "float16"}), max_channels=64,
+        yields_to_pointwise=True, evidence_decides=True, measured=_NATIVE_MEASURED,
+        baseline="the best other variant", evidence=_NATIVE_EVIDENCE),
+})
+# Variants that need a tier beyond NumPy (see keel.backends.plan.tier_unavailable).
+REQUIRES = {"native": "native"}
+# Rules in force where a tier is available (the variant runs a faster form there).
+TIER_RULES = {"winograd": {"native": WINOGRAD_NATIVE}}
+
+# ---- conv decisions --------------------------------------------------------------------
+def rule_in_force(kv: KernelVariant) -> ConvRule:
+    """A variant's conv rule, or the one its metadata names for a tier available here."""
+    for tier, tier_rule in dict(kv.meta.get("tier_rules", {})).items():
+        if tier_unavailable(tier) is None:
+            return tier_rule
+    return kv.meta["rule"]
+
+
+def available_rules(tier: bool | None = None) -> list[ConvRule]:
+    """The conv rules in force here: native variants need the native tier, which also
+    compiles Winograd's transforms (its rule then has its own measurements).
+    ``tier``: whether the native GEMM is loaded (default: whether it loads)."""
+    if tier is None:
+        tier = native_gemm.available()
+    return [TIER_RULES[name]["native"] if tier and name in TIER_RULES else r
+            for name, r in RULES.items() if name not in REQUIRES or tier]
+
+
+@functools.lru_cache(maxsize=1024)
+def _pick_cached(case: ConvCase, tier: bool) -> tuple[str, str]:
+    return pick(case, available_rules(tier))
+
+
+def conv_call_variant(case: ConvCase) -> tuple[str, str]:
+    """The conv variant for ``case`` when no placement decided one (a direct kernel
+    call on shapes known only now): the same rules as :func:`plan`."""
+    return _pick_cached(case, native_gemm.available())
+
+
+def exact_conv_variant(case: ConvCase) -> str:
+    """The variant conv_integer runs in float: Winograd's transforms round, and the
+    native kernel has no integer path, so the exact NumPy variants only."""
+    exact = [r for k, r in RULES.items() if k not in ("winograd", "native")]
+    return pick(case, exact)[0]
+
+
+def _conv_case(op: Op, input_types: Sequence[TensorType | None], attrs: Mapping[str, Any],
+               dtype: DType | None) -> ConvCase | None:
+    if len(input_types) < 2 or any(t is None or t.shape is None for t in input_types[:2]):
+        return None
+    x, w = input_types[0], input_types[1]
+    assert x is not None and w is not None and x.shape is not None and w.shape is not None
+    try:
+        return conv_case(op, x.shape, w.shape, attrs, dtype.value if dtype else "float32")
+    except KeelError:
+        return None
+
+
+def _choose_conv(op: Op, input_types: Sequence[TensorType | None], attrs: Mapping[str, Any],
+                 variants: Mapping[str, KernelVariant], dtype: DType | None
+                 ) -> tuple[str, str]:
+    case = _conv_case(op, input_types, attrs, dtype)
+    if case is None:
+        return "default", "input shapes not known before running: the default kernel picks"
+    rules = [rule_in_force(kv) for kv in variants.values()
+             if isinstance(kv.meta.get("rule"), ConvRule) and not kv.meta.get("dispatcher")
+             and (dtype is None or kv.dtypes is None or dtype in kv.dtypes)]
+    if not rules:
+        return "default", f"{op.value}: no variant carries conv rules; default dispatches"
+    try:
+        return pick(case, rules)
+    except LookupError as exc:
+        return "default", str(exc)
+
+
+def choose_variant(op: Op, input_types: Sequence[TensorType | None], attrs: Mapping[str, Any],
+                   table: KernelTable) -> tuple[str, str]:
+    """The variant of ``op`` to run from the cpu ``table`` for these inputs, and why.
+
+    Depends only on the op, the input types, the attributes, the variants the
+    table offers and whether the tiers they require can run here: same inputs,
+    same answer. Conv-family ops are decided by the conv rules; the rest by
+    priority. Falls back to ``default`` when the shapes are not known.
+    """
+    variants, skipped = usable_variants(op, table)
+    dtype = input_types[0].dtype if input_types and input_types[0] is not None else None
+    if op in CONV_OPS and len(variants) > 1:
+        name, why = _choose_conv(op, input_types, attrs, variants, dtype)
+    elif op in CONV_OPS and variants["default"].meta.get("dispatcher"):
+        conv, _ = usable_variants(Op.CONV, table)
+        _, why = _choose_conv(op, input_types, attrs, conv, dtype)
+        name, why = "default", f"dispatches through the conv variants: {why}"
+    else:
+        name, why = choose_by_priority(op, variants, dtype, table.backend)
+    return name, why + skipped_note(skipped)
+
+
+def _dispatched(op: Op, request: PlanRequest, table: KernelTable) -> str | None:
+    """The conv variant a dispatching conv node (conv2d) runs; None when not known."""
+    if op not in CONV_OPS or not table.get(op).meta.get("dispatcher"):
+        return None
+    conv, _ = usable_variants(Op.CONV, table)
+    name, _ = _choose_conv(op, request.input_types, request.attrs, conv, request.dtype)
+    return None if name == "default" else name
+
+
+# ---- the node plan ---------------------------------------------------------------------
+def plan(request: PlanRequest, table: KernelTable) -> NodePlan:
+    """Every decision about how one cpu node runs, each with its reason."""
+    variants, _ = usable_variants(request.op, table)
+    measured = request.measured
+    if measured is not None and measured.variant in variants:
+        variant, why = measured.variant, measured.reason
+    else:
+        variant, why = choose_variant(request.op, request.input_types, request.attrs, table)
+    options: list[tuple[str, Any]] = []
+    dispatched = _dispatched(request.op, request, table) if variant == "default" else None
+    if dispatched is not None:
+        options.append(("conv_variant", dispatched))
+    threads = request.threads
+    return NodePlan(
+        variant=variant, threads=threads, precision=request.precision,
+        options=tuple(options),
+        reasons=field_reasons(
+            variant=why, threads=f"{threads} kernel thread(s): the backend's thread count"))

@@ -132,7 +132,7 @@ def test_pointwise_layouts() -> None:
     """14x14 reads X in place; 7x7 at batch 32 stacks the images (49 of 64 columns)."""
     def layout(n: int, side: int) -> conv_gemm.NativeLayout:
         geo = conv_geometry(Op.CONV, (n, 16, side, side), (32, 16, 1, 1), {})
-        return conv_gemm.native_layout(geo)
+        return cpu_planner.native_layout(geo)
 
     assert layout(32, 14).direct
     stacked = layout(32, 7)

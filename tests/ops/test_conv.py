@@ -412,9 +412,9 @@ def test_depthwise_forms_agree_with_the_reference(monkeypatch: pytest.MonkeyPatc
     if form != "planes" and (len(x) != 4 or w[0] != x[1]) and not (
             form == "rows" and len(x) == 4):
         with pytest.raises(ValueError, match=f"form '{form}' cannot run"):
-            depthwise.depthwise_layout(geo, form)
+            cpu_planner.depthwise_layout(geo, form)
         return
-    layout = depthwise.depthwise_layout(geo, form)
+    layout = cpu_planner.depthwise_layout(geo, form)
     xs, ws, b = _f(*x), _f(*w), _f(w[0])
     z = _f(*geo.out_shape)
     y = np.empty(geo.out_shape, np.float32)
@@ -429,7 +429,7 @@ def test_depthwise_picks_its_form_by_shape() -> None:
         """The NumPy form: the one that runs without the native tier (or on the GPU)."""
         c = x[1]
         geo = _geometry(x, (c, 1, 3, 3), {"pads": P1, "group": c, "strides": strides})
-        layout = depthwise.depthwise_layout(geo)
+        layout = cpu_planner.depthwise_layout(geo)
         assert (layout.form == "native") == native_window.ready()
         if layout.form == "native":
             assert layout.fallback is not None
@@ -441,7 +441,7 @@ def test_depthwise_picks_its_form_by_shape() -> None:
     assert form((1, 32, 112, 112)) == "rows"
     assert form((8, 32, 112, 112)) == "planes"               # batches of big planes
     geo = _geometry((1, 3, 5, 6, 7), (3, 1, 3, 3, 3), {"pads": (1,) * 6, "group": 3})
-    assert depthwise.depthwise_layout(geo).form == "planes"   # 3-D: NumPy only
+    assert cpu_planner.depthwise_layout(geo).form == "planes"   # 3-D: NumPy only
 
 
 def test_prepacked_and_plain_runs_agree_bitwise() -> None:

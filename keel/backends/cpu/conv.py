@@ -136,17 +136,36 @@ _IMPLS: dict[str, Callable[..., None]] = {
 }
 
 
-def _layout(variant: str, geo: ConvGeometry, itemsize: int, has_bias: bool) -> Any:
-    """The shape-derived plan a variant runs from (computed once per signature)."""
+def _layout(variant: str, geo: ConvGeometry, itemsize: int, has_bias: bool,
+            form: tuple[str, str, str]) -> Any:
+    """The shape-derived plan a variant runs from (computed once per signature);
+    ``form`` is the planned (layout, its reason, the depthwise scheme)."""
     if variant == "im2col":
         return conv_gemm.im2col_layout(geo, itemsize)
     if variant == "pointwise":
         return conv_gemm.pointwise_layout(geo, has_bias)
     if variant == "depthwise":
-        return depthwise.depthwise_layout(geo)
+        return depthwise.depthwise_layout(geo, *form)
     if variant == "native":
-        return conv_gemm.native_layout(geo)
+        return conv_gemm.native_layout(geo, form[0])
     return geo
+
+
+def _form(node_plan: NodePlan | None, variant: str, geo: ConvGeometry) -> tuple[str, str, str]:
+    """The layout the node's plan gives ``variant``; without one (a call the planner
+    did not see, or shapes it could not know), the planner's for these shapes."""
+    if node_plan is not None and node_plan.layout and variant in (
+            node_plan.variant, node_plan.option("conv_variant")):
+        return (node_plan.layout, node_plan.reason("layout"),
+                node_plan.option("depthwise_scheme", planner.DEPTHWISE_SCHEME))
+    return (*planner.conv_layout(variant, geo), planner.DEPTHWISE_SCHEME)
+
+
+def _planned(node_plan: NodePlan | None) -> str:
+    """The conv variant the node's plan runs (``default``: decided from the real shapes)."""
+    if node_plan is None or node_plan.variant != "default":
+        return "default" if node_plan is None else node_plan.variant
+    return str(node_plan.option("conv_variant", "default"))
 
 
 # ---- the kernels --------------------------------------------------------------------
@@ -172,9 +191,11 @@ class _Plan:
 
 
 @functools.lru_cache(maxsize=512)
-def _plan(op: Op, variant: str, backend: str, shapes: tuple[tuple[int, ...] | None, ...],
-          dtypes: tuple[Any, ...], attrs_key: tuple[tuple[str, Any], ...]) -> _Plan:
-    """Check and resolve one conv signature (cached: a steady state pays a lookup)."""
+def _plan(op: Op, variant: str, node_plan: NodePlan | None, backend: str,
+          shapes: tuple[tuple[int, ...] | None, ...], dtypes: tuple[Any, ...],
+          attrs_key: tuple[tuple[str, Any], ...]) -> _Plan:
+    """Check and resolve one conv signature as its node plan says (cached: a steady
+    state pays a lookup)."""
     attrs = dict(attrs_key)
     dtype = _check_dtype_set(op, dtypes)
     x, w, b, z = shapes
@@ -182,6 +203,8 @@ def _plan(op: Op, variant: str, backend: str, shapes: tuple[tuple[int, ...] | No
     geo = conv_geometry(op, x, w, attrs)
     check_conv_extras(op, geo.out_shape, b, z)
     case = _case(geo, dtype.value)
+    if variant == "default":
+        variant = _planned(node_plan)
     if variant == "default":        # no plan decided it: the planner, from these shapes
         variant, _ = conv_call_variant(case)
     else:
@@ -191,46 +214,40 @@ def _plan(op: Op, variant: str, backend: str, shapes: tuple[tuple[int, ...] | No
                                             detail=f"variant {variant!r}: {why_not}")
     compute = np.dtype(np.float32) if dtype is DType.FLOAT16 else dtype.numpy
     act = activation(attrs.get("activation", ""), attrs.get("activation_params", ()))
-    return _Plan(geo, variant, _layout(variant, geo, compute.itemsize, b is not None), act,
-                 dtype, dtype.numpy, compute)
+    layout = _layout(variant, geo, compute.itemsize, b is not None,
+                     _form(node_plan, variant, geo))
+    return _Plan(geo, variant, layout, act, dtype, dtype.numpy, compute)
 
 
-# Steady-state lookup: (variant, shapes, dtypes, backend, id(attrs)) -> (attrs, plan).
-# The attrs object is kept in the entry, so its id cannot be reused while it is there.
-_FAST: dict[tuple[Any, ...], tuple[Attrs, _Plan]] = {}
+# Steady-state lookup: (variant, shapes, dtypes, backend, id(attrs), id(node plan)) ->
+# (attrs, node plan, plan). The attrs and the node plan are kept in the entry, so their
+# ids cannot be reused while it is there.
+_FAST: dict[tuple[Any, ...], tuple[Attrs, NodePlan | None, _Plan]] = {}
 _FAST_LIMIT = 1024
 
 
 def _lookup(op: Op, variant: str, backend: str, x: Any, w: Any, b: Any, z: Any,
-            attrs: Attrs) -> _Plan:
-    key = (op, variant, backend, x.shape, w.shape, x.dtype, w.dtype, id(attrs),
+            attrs: Attrs, node_plan: NodePlan | None = None) -> _Plan:
+    key = (op, variant, backend, x.shape, w.shape, x.dtype, w.dtype, id(attrs), id(node_plan),
            None if b is None else (b.shape, b.dtype), None if z is None else (z.shape, z.dtype))
     hit = _FAST.get(key)
-    if hit is not None and hit[0] is attrs:
-        return hit[1]
+    if hit is not None and hit[0] is attrs and hit[1] is node_plan:
+        return hit[2]
     arrays = (x, w, b, z)
-    plan = _plan(op, variant, backend,
+    plan = _plan(op, variant, node_plan, backend,
                  tuple(None if a is None else tuple(a.shape) for a in arrays),
                  tuple(a.dtype for a in arrays if a is not None), tuple(attrs.items()))
     if len(_FAST) >= _FAST_LIMIT:
         _FAST.clear()
-    _FAST[key] = (attrs, plan)
+    _FAST[key] = (attrs, node_plan, plan)
     return plan
-
-
-def _planned(node_plan: NodePlan) -> str:
-    """The conv variant the node's plan runs (``default``: decided from the real shapes)."""
-    if node_plan.variant != "default":
-        return node_plan.variant
-    return str(node_plan.option("conv_variant", "default"))
 
 
 def _run(ctx: KernelContext, op: Op, variant: str, x: Any, w: Any, b: Any, z: Any,
          attrs: Attrs, out: Out) -> list[Any]:
     """Check, choose the variant, compute in float32/64, apply the epilogue."""
     xp = ctx.xp
-    planned = variant if variant != "default" or ctx.plan is None else _planned(ctx.plan)
-    plan = _lookup(op, planned, ctx.backend, x, w, b, z, attrs)
+    plan = _lookup(op, variant, ctx.backend, x, w, b, z, attrs, ctx.plan)
     packed = ctx.prepacked
     if plan.dtype is DType.FLOAT16:
         x, w, b, z = (None if a is None else a.astype(plan.compute) for a in (x, w, b, z))
@@ -477,7 +494,8 @@ def conv_integer(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> 
         xp.subtract(wf, wzp.astype(ft).reshape(-1, *([1] * (w.ndim - 1))), out=wf)
     variant = planner.exact_conv_variant(_case(geo, str(np.dtype(ft))))
     yf = xp.empty(geo.out_shape, dtype=ft)
-    layout = _layout(variant, geo, np.dtype(ft).itemsize, False)
+    layout = _layout(variant, geo, np.dtype(ft).itemsize, False,
+                     _form(None, variant, geo))
     _IMPLS[variant](xp, layout, xf, wf, None, None, yf, activation("", ()), None)
     result = xp.rint(yf).astype(xp.int64).astype(xp.int32)
     if out is not None and out[0] is not None:

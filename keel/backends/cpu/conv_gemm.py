@@ -39,7 +39,7 @@ A stride-1 2-D conv may instead read B through a per-tap offset table from a
 zero-bordered copy of X whose image rows share their padding (``Wide``; XNNPACK's
 indirection in spirit): every tap is one contiguous run of "wide" columns, read
 in place with no gather, and the store drops the garbage columns by masked
-moves. It is chosen where measured faster (see ``WIDE_MAX_EXTRA``): 0.88x the
+moves. It is chosen where measured faster (the cpu planner's wide rule): 0.88x the
 gathered time on ResNet-20's 32->32 3x3 layers on 16x16 (onnxruntime 0.82x at
 batch 1, 0.84x at batch 32 of the wide time) and 0.85x on LeNet's first conv.
 
@@ -54,7 +54,7 @@ stride-2 3x3 convs of ResNet-20, 0.93x on 3->16 on 32x32, 1.02x on 16->16 on
 32x32 alone (faster inside the model, where X comes from memory), 0.67-0.91x
 on 8 and 16 channels at 16x16 and 32x32; ResNet-20 at batch 32 30.2 -> 27.5 ms
 (onnxruntime 22.4). Strided convs on large images keep the gathered layout
-(``MASKED_STRIDED_BELOW``).
+(the cpu planner's masked rule).
 
 A 1x1 stride-1 conv reads X in place as B (``direct``); the kernel runs it row
 panel by row panel over wide column blocks, so Y's rows stream out in long runs
@@ -85,7 +85,7 @@ from keel.ops.schemas.conv import ConvGeometry
 
 __all__ = ["Im2colLayout", "NativeLayout", "PointwiseLayout", "Wide", "im2col",
            "im2col_layout", "native", "native_calls", "native_filters", "native_layout",
-           "native_source", "pointwise", "pointwise_layout", "wide_wins"]
+           "native_source", "pointwise", "pointwise_layout", "wide_serves"]
 
 # Column-matrix bytes per chunk of images: chunks stay in cache; a single image
 # larger than this runs alone.
@@ -441,7 +441,7 @@ class NativeLayout:
     stack_out: Any = None             # (N * P,) int64 when stacked
     wide: Wide | None = None          # the indirect "wide" layout (see Wide)
     masked: Masked | None = None      # taps read in place through lane masks (see Masked)
-    band: bool = False                # by bands of output rows from X itself (band_wins)
+    band: bool = False                # by bands of output rows from X itself
 
     @property
     def stacked(self) -> bool:
@@ -504,50 +504,24 @@ class Masked:
 # The masked layout's limit on taps per filter (gemm.c's DIRECT_MAX_TAPS), its flag
 # and where the column table and the flags sit in keel_gemm_args (see gemm.c).
 MASKED_MAX_TAPS = 64
-# Strided convs take the masked layout below this many output pixels per image; above,
-# copying the stride phases costs more than the gathered product saves (3 -> 32 3x3
-# stride 2 on 224x224 at batch 32: 1.64x the gathered time, 0.99x at batch 1; 3 -> 64
-# 7x7 stride 2: 1.04x at batch 1).
-MASKED_STRIDED_BELOW = 4096
 
 
-# Stack the images of a batch into one product when an image's last column panel
-# would be less than this full (see NativeLayout).
-STACK_FILL = 0.9
-# The same for a 1x1 stride-1 conv, which otherwise reads X in place, row panel by row
-# panel (stacking gathers it): at batch 32, 7x7 images (77 % full) stacked took 0.56x
-# the time of the in-place product, 14x14 (88 %) 1.07x.
-POINTWISE_STACK_FILL = 0.8
+def native_layout(geo: ConvGeometry, form: str) -> NativeLayout:
+    """``geo`` on the native GEMM in ``form`` (pure; callers cache it per signature).
 
-
-def native_layout(geo: ConvGeometry, wide: bool | None = None,
-                  masked: bool | None = None) -> NativeLayout:
-    """Plan ``geo`` on the native GEMM (pure; callers cache it per signature).
-
-    ``masked``: read the taps in place through lane masks (:class:`Masked`)
-    where that serves ``geo`` (True), never (False), or where it measured
-    faster (None). ``wide``: read B through the tap table of the wide layout
-    (:class:`Wide`; stride 1, 2-D only), gather it (False), or as measured
-    best (None).
+    The cpu planner decides the form (``keel.backends.cpu.planner.native_form``):
+    ``band``, ``masked``, ``wide`` / ``wide-stacked``, ``direct`` (a 1x1 stride-1
+    conv reading X in place) or ``gathered`` / ``gathered-stacked``. A form
+    that does not serve ``geo`` runs gathered, unstacked.
     """
     win = geo.window
-    if wide is None and masked is None and band_wins(geo):
-        found = band_layout(geo)
-        if found is not None:
-            return found
-    if masked is None:
-        masked = wide is not True and masked_wins(geo)
-    if masked:
-        found = _masked_layout(geo)
-        if found is not None:
-            return found
+    found = (band_layout(geo) if form == "band" else masked_layout(geo) if form == "masked"
+             else _wide_layout(geo, form == "wide-stacked")
+             if form.startswith("wide") and wide_serves(geo) else None)
+    if found is not None:
+        return found
     unit = all(s == 1 for s in win.strides)
-    if wide is None:
-        wide = wide_wins(geo)
-    if wide and unit and win.rank == 2 and not (geo.is_pointwise and not win.padded):
-        return _wide_layout(geo, _wide_stacks(geo))
-    if geo.is_pointwise and unit and not _stacks(geo.batch, math.prod(win.out_spatial),
-                                                 POINTWISE_STACK_FILL):
+    if form == "direct" and geo.is_pointwise and unit:
         return NativeLayout(geo, True, False, (), (), math.prod(win.in_spatial), None, None)
     copied = win.padded or not unit
     q = tuple(-(-(i + b + e) // s) for i, b, e, s in
@@ -570,7 +544,7 @@ def native_layout(geo: ConvGeometry, wide: bool | None = None,
     fills = tuple(_phase_fill(ph, win) for ph in phases) if copied else ()
     stack_cols = stack_out = None
     pixels = len(cols)
-    if _stacks(geo.batch, pixels):
+    if form == "gathered-stacked" and geo.batch > 1:
         image = np.arange(geo.batch, dtype=np.int64)[:, None]
         stack_cols = (image * geo.in_channels * plane + cols).reshape(-1)
         stack_out = (image * geo.out_channels * pixels + np.arange(pixels)).reshape(-1)
@@ -580,33 +554,15 @@ def native_layout(geo: ConvGeometry, wide: bool | None = None,
     return NativeLayout(geo, False, copied, q, fills, plane, rows, cols, stack_cols, stack_out)
 
 
-# The wide layout (see Wide) costs the product's extra columns (the row gaps, a last
-# partial column panel per product) and saves the gather of B. Where an output row is
-# whole column panels (32x32 images) the gathered B is read in place too, and the wide
-# one loses (a 16->16 3x3 conv on 32x32: 1.07x the gathered time at batch 32, 1.18x at
-# batch 1; 3->16: 1.5x). Elsewhere it wins while its column panels are at most this many
-# times the gathered ones: measured (1 thread, prepared calls, medians of interleaved
-# runs) 0.88x on 32->32 3x3 on 16x16 at batch 32 and 0.89x at batch 1 (1.125 times the
-# columns), 0.85x on LeNet's 1->6 5x5 on 28x28 at batch 1 (1.17), and lost 1.21x on
-# 64->64 3x3 on 8x8 (1.27 stacked, 1.5 per image).
-WIDE_MAX_EXTRA = 1.2
-
-
-def wide_wins(geo: ConvGeometry) -> bool:
-    """Whether the wide layout measured faster than the gathered one for ``geo``."""
+def wide_serves(geo: ConvGeometry) -> bool:
+    """Whether the wide layout can run ``geo``: a 2-D stride-1 conv, not a 1x1 stride-1
+    unpadded one (which reads X in place as it is)."""
     win = geo.window
-    grid = native_gemm.geometry()
-    if grid is None or win.rank != 2 or any(s != 1 for s in win.strides) or (
-            geo.is_pointwise and not win.padded) or win.out_spatial[-1] % grid[1] == 0:
-        return False
-    pixels = math.prod(win.out_spatial)
-    gathered = _panels(geo.batch * pixels if _stacks(geo.batch, pixels) else pixels, grid[1])
-    if not _stacks(geo.batch, pixels):
-        gathered *= geo.batch
-    return _wide_panels(geo, _wide_stacks(geo), grid[1]) <= WIDE_MAX_EXTRA * gathered
+    return (win.rank == 2 and all(s == 1 for s in win.strides)
+            and not (geo.is_pointwise and not win.padded))
 
 
-def _panels(columns: int, width: int) -> int:
+def panels(columns: int, width: int) -> int:
     return -(-columns // width)
 
 
@@ -622,19 +578,12 @@ def _wide_shape(geo: ConvGeometry) -> tuple[int, int, int]:
     return row, plane, (oh - 1) * row + ow
 
 
-def _wide_panels(geo: ConvGeometry, stacked: bool, width: int) -> int:
+def wide_panels(geo: ConvGeometry, stacked: bool, width: int) -> int:
     """Column panels of the wide layout's products, all together."""
     _, plane, span = _wide_shape(geo)
     if stacked:
-        return _panels((geo.batch - 1) * plane + span, width)
-    return geo.batch * _panels(span, width)
-
-
-def _wide_stacks(geo: ConvGeometry) -> bool:
-    """Stack a batch's images in one product when that makes fewer column panels."""
-    grid = native_gemm.geometry()
-    width = 32 if grid is None else grid[1]
-    return geo.batch > 1 and _wide_panels(geo, True, width) < _wide_panels(geo, False, width)
+        return panels((geo.batch - 1) * plane + span, width)
+    return geo.batch * panels(span, width)
 
 
 def _wide_layout(geo: ConvGeometry, stacked: bool) -> NativeLayout:
@@ -663,16 +612,9 @@ def _wide_layout(geo: ConvGeometry, stacked: bool) -> NativeLayout:
                         wide=Wide(row, lead, image, channel, size, columns, stacked, rows, out))
 
 
-# A dense strided 2-D conv of at most this depth (input channels x taps per filter) and
-# at least this many output pixels per image runs by bands of output rows, its taps
-# read from X's rows into a small buffer per band (gemm.c's keel_conv_band_f32): no
-# zero-bordered phase copy of X (a NumPy strided copy) and no gathered panels.
-# Measured on MobileNetV2's 3 -> 32 3x3 stride-2 conv on 224x224 (1 thread, AVX-512,
-# inside the model, interleaved medians): 18.3 -> 12.0 ms at batch 32 (onnxruntime
-# 9.9), 0.40 -> 0.39 ms at batch 1 alone. Deeper filters (ResNet-18's 3 -> 64 7x7,
-# depth 147) and stride-1 convs were not measured and keep their layouts.
-BAND_MAX_DEPTH = 64
-BAND_FROM = 4096
+# A dense strided 2-D conv may run by bands of output rows, its taps read from X's
+# rows into a small buffer per band (gemm.c's keel_conv_band_f32): no zero-bordered
+# phase copy of X and no gathered panels. Where it runs: the cpu planner's band rule.
 # An output at least this large (the last-level cache here) is stored past the cache:
 # the next layer reads it from memory anyway, and the stores skip reading each line
 # first (the band conv above at batch 32, 51 MB: 16.1 -> 12.2 ms alone).
@@ -687,28 +629,6 @@ def band_layout(geo: ConvGeometry) -> NativeLayout | None:
         return None
     return NativeLayout(geo, False, False, tuple(win.in_spatial), (),
                         math.prod(win.in_spatial), None, None, band=True)
-
-
-def band_wins(geo: ConvGeometry) -> bool:
-    """Whether ``geo`` runs by bands of output rows (see ``BAND_MAX_DEPTH``): measured
-    with the AVX-512 kernel's 32-column panels only."""
-    win = geo.window
-    grid = native_gemm.geometry()
-    return (grid is not None and grid[1] == 32 and win.rank == 2 and geo.group == 1
-            and any(s != 1 for s in win.strides)
-            and geo.in_channels * math.prod(win.kernel) <= BAND_MAX_DEPTH
-            and math.prod(win.out_spatial) >= BAND_FROM)
-
-
-def masked_wins(geo: ConvGeometry) -> bool:
-    """Whether the masked layout (:class:`Masked`) serves ``geo`` and measured faster:
-    stride 1 (not 1x1: its B is X as it lies), and strided convs with fewer than
-    ``MASKED_STRIDED_BELOW`` output pixels per image (their stride phases are copied)."""
-    win = geo.window
-    if native_gemm.geometry() is None or _masked_taps(geo) is None or (
-            geo.is_pointwise and not win.padded and all(s == 1 for s in win.strides)):
-        return False                # a 1x1 stride-1 conv reads X in place as it is
-    return all(s == 1 for s in win.strides) or math.prod(win.out_spatial) < MASKED_STRIDED_BELOW
 
 
 def _masked_taps(geo: ConvGeometry) -> tuple[list[tuple[int, int]],
@@ -746,7 +666,7 @@ def _masked_taps(geo: ConvGeometry) -> tuple[list[tuple[int, int]],
     return phases, taps
 
 
-def _masked_layout(geo: ConvGeometry) -> NativeLayout | None:
+def masked_layout(geo: ConvGeometry) -> NativeLayout | None:
     """The :class:`Masked` plan of ``geo``; None when it does not serve it."""
     found = _masked_taps(geo)
     if found is None:
@@ -808,14 +728,6 @@ def _masked_fill(phase: tuple[int, int], win: Any, out: tuple[int, int]
         dst.append(slice(0, count))
         src.append(slice(f, f + s * (count - 1) + 1, s))
     return tuple(dst), tuple(src)
-
-
-def _stacks(batch: int, pixels: int, fill: float = STACK_FILL) -> bool:
-    """Whether the images of a batch go side by side in one product (see NativeLayout):
-    an image's column panels would be less than ``fill`` full."""
-    geometry = native_gemm.geometry()
-    return geometry is not None and batch > 1 and pixels % geometry[1] != 0 and (
-        pixels / (-(-pixels // geometry[1]) * geometry[1]) < fill)
 
 
 def _phase_fill(phase: tuple[int, ...], win: Any) -> tuple[tuple[slice, ...], tuple[slice, ...]]:

@@ -18,11 +18,12 @@ and overrides these rules (``PlanRequest.measured``).
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from keel.backends.base import KernelTable, KernelVariant
-from keel.backends.cpu import native_gemm
+from keel.backends.cpu import conv_gemm, depthwise, native_gemm
 from keel.backends.cpu.conv_rules import ConvCase, ConvRule, conv_case, pick
 from keel.backends.plan import (
     NodePlan,
@@ -36,6 +37,7 @@ from keel.backends.plan import (
 from keel.dtypes import DType
 from keel.errors import KeelError
 from keel.ops.registry import Op
+from keel.ops.schemas.conv import ConvGeometry, conv2d_attrs, conv_geometry
 from keel.ops.types import TensorType
 
 __all__ = ["RULES", "TIER_RULES", "available_rules", "choose_variant", "conv_call_variant",
@@ -253,9 +255,203 @@ def plan(request: PlanRequest, table: KernelTable) -> NodePlan:
     dispatched = _dispatched(request.op, request, table) if variant == "default" else None
     if dispatched is not None:
         options.append(("conv_variant", dispatched))
+    layout, layout_why = _layout(request, dispatched or variant)
+    if layout and (dispatched or variant) == "depthwise":
+        options.append(("depthwise_scheme", DEPTHWISE_SCHEME))
     threads = request.threads
     return NodePlan(
-        variant=variant, threads=threads, precision=request.precision,
+        variant=variant, layout=layout, threads=threads, precision=request.precision,
         options=tuple(options),
         reasons=field_reasons(
-            variant=why, threads=f"{threads} kernel thread(s): the backend's thread count"))
+            variant=why, layout=layout_why,
+            threads=f"{threads} kernel thread(s): the backend's thread count"))
+
+
+def _layout(request: PlanRequest, variant: str) -> tuple[str, str]:
+    """The layout of a conv node's variant, from its static shapes."""
+    if request.op not in CONV_OPS or variant not in ("native", "depthwise"):
+        return "", "the variant's only form"
+    shapes = request.static_shapes()
+    if shapes is None or len(shapes) < 2 or shapes[0] is None or shapes[1] is None:
+        return "", "decided from the real shapes at the first call (shapes not static)"
+    attrs = conv2d_attrs(request.attrs) if request.op is Op.CONV2D else request.attrs
+    try:
+        geo = conv_geometry(request.op, shapes[0], shapes[1], attrs)
+    except KeelError as exc:
+        return "", f"no layout: {exc}"
+    return conv_layout(variant, geo)
+
+
+# ---- the native conv's layout ----------------------------------------------------------
+# The native implicit GEMM's forms (conv_gemm.native_layout builds each): measured on
+# a 2-core AMD EPYC (Zen 4, AVX-512), 1 thread, prepared calls, interleaved medians.
+#
+# band: a dense strided 2-D conv of at most BAND_MAX_DEPTH depth (input channels x
+# taps per filter) and at least BAND_FROM output pixels per image runs by bands of
+# output rows read from X (gemm.c's keel_conv_band_f32). MobileNetV2's 3 -> 32 3x3
+# stride-2 conv on 224x224 inside the model: 18.3 -> 12.0 ms at batch 32 (onnxruntime
+# 9.9), 0.40 -> 0.39 ms at batch 1 alone. Deeper filters (ResNet-18's 3 -> 64 7x7,
+# depth 147) and stride-1 convs were not measured and keep their layouts. Measured
+# with the AVX-512 kernel's 32-column panels only.
+BAND_MAX_DEPTH = 64
+BAND_FROM = 4096
+BAND_PANEL = 32
+# masked: strided convs take it below this many output pixels per image; above,
+# copying the stride phases costs more than the gathered product saves (3 -> 32 3x3
+# stride 2 on 224x224 at batch 32: 1.64x the gathered time, 0.99x at batch 1; 3 -> 64
+# 7x7 stride 2: 1.04x at batch 1).
+MASKED_STRIDED_BELOW = 4096
+# stacked: the images of a batch go side by side in one product when an image's last
+# column panel would be less than STACK_FILL full; for a 1x1 stride-1 conv, which
+# otherwise reads X in place row panel by row panel (stacking gathers it), less than
+# POINTWISE_STACK_FILL: at batch 32, 7x7 images (77 % full) stacked took 0.56x the
+# time of the in-place product, 14x14 (88 %) 1.07x.
+STACK_FILL = 0.9
+POINTWISE_STACK_FILL = 0.8
+# wide: costs the product's extra columns (row gaps, a last partial panel per product)
+# and saves the gather of B. Where an output row is whole column panels (32x32 images)
+# the gathered B is read in place too and wide loses (16->16 3x3 on 32x32: 1.07x the
+# gathered time at batch 32, 1.18x at batch 1; 3->16: 1.5x). Elsewhere it wins while
+# its column panels are at most WIDE_MAX_EXTRA times the gathered ones: 0.88x on 32->32
+# 3x3 on 16x16 at batch 32 and 0.89x at batch 1 (1.125 times the columns), 0.85x on
+# LeNet's 1->6 5x5 on 28x28 at batch 1 (1.17); lost 1.21x on 64->64 3x3 on 8x8 (1.27
+# stacked, 1.5 per image).
+WIDE_MAX_EXTRA = 1.2
+
+
+def stacks(batch: int, pixels: int, fill: float = STACK_FILL) -> bool:
+    """Whether a batch's images go side by side in one native product: an image's
+    column panels would be less than ``fill`` full."""
+    grid = native_gemm.geometry()
+    return grid is not None and batch > 1 and pixels % grid[1] != 0 and (
+        pixels / (-(-pixels // grid[1]) * grid[1]) < fill)
+
+
+def _band_wins(geo: ConvGeometry) -> bool:
+    win = geo.window
+    grid = native_gemm.geometry()
+    return (grid is not None and grid[1] == BAND_PANEL and win.rank == 2 and geo.group == 1
+            and any(s != 1 for s in win.strides)
+            and geo.in_channels * math.prod(win.kernel) <= BAND_MAX_DEPTH
+            and math.prod(win.out_spatial) >= BAND_FROM)
+
+
+def _masked_wins(geo: ConvGeometry) -> bool:
+    win = geo.window
+    unit = all(s == 1 for s in win.strides)
+    if native_gemm.geometry() is None or conv_gemm.masked_layout(geo) is None or (
+            geo.is_pointwise and not win.padded and unit):
+        return False                # a 1x1 stride-1 conv reads X in place as it is
+    return unit or math.prod(win.out_spatial) < MASKED_STRIDED_BELOW
+
+
+def wide_stacks(geo: ConvGeometry) -> bool:
+    """Stack a batch's images in one wide product when that makes fewer column panels."""
+    grid = native_gemm.geometry()
+    width = 32 if grid is None else grid[1]
+    return geo.batch > 1 and (conv_gemm.wide_panels(geo, True, width)
+                              < conv_gemm.wide_panels(geo, False, width))
+
+
+def _wide_wins(geo: ConvGeometry) -> bool:
+    grid = native_gemm.geometry()
+    if grid is None or not conv_gemm.wide_serves(geo) or geo.window.out_spatial[-1] % grid[1] == 0:
+        return False
+    pixels = math.prod(geo.window.out_spatial)
+    together = stacks(geo.batch, pixels)
+    gathered = conv_gemm.panels(geo.batch * pixels if together else pixels, grid[1])
+    if not together:
+        gathered *= geo.batch
+    return conv_gemm.wide_panels(geo, wide_stacks(geo), grid[1]) <= WIDE_MAX_EXTRA * gathered
+
+
+def native_form(geo: ConvGeometry) -> tuple[str, str]:
+    """The form the native conv runs ``geo`` in (see conv_gemm.native_layout), and why."""
+    win = geo.window
+    pixels = math.prod(win.out_spatial)
+    if _band_wins(geo):
+        return "band", (f"band: depth {geo.in_channels * math.prod(win.kernel)} <= "
+                        f"{BAND_MAX_DEPTH}, {pixels} output pixels >= {BAND_FROM}, strided")
+    if _masked_wins(geo):
+        return "masked", "masked: every tap reads a plane of the output's shape in place"
+    if _wide_wins(geo):
+        form = "wide-stacked" if wide_stacks(geo) else "wide"
+        return form, f"{form}: its column panels within {WIDE_MAX_EXTRA}x the gathered ones"
+    unit = all(s == 1 for s in win.strides)
+    if geo.is_pointwise and unit and not stacks(geo.batch, pixels, POINTWISE_STACK_FILL):
+        return "direct", "direct: a 1x1 stride-1 conv reads X in place"
+    if stacks(geo.batch, pixels):
+        return "gathered-stacked", (f"gathered-stacked: {pixels} pixels fill an image's "
+                                    f"column panels less than {STACK_FILL:.0%}")
+    return "gathered", "gathered: B gathered block by block from the (phase) image"
+
+
+# ---- the depthwise conv's form ---------------------------------------------------------
+# The NumPy forms (depthwise.py's module docstring has the measurements, 1 thread,
+# MobileNetV2's 3x3 layers): channels_last serves 2-D depthwise convs with at least
+# CHANNELS_LAST_MIN_CHANNELS channels and at most CHANNELS_LAST_MAX_PIXELS output pixels
+# per plane (4x as many in a batch); batches of stride-1 convs with at least
+# PLANES_MIN_PIXELS output pixels per plane run as planes (long unit-stride passes
+# stream better than the per-channel gemvs); the rest as rows.
+CHANNELS_LAST_MAX_PIXELS = 196
+CHANNELS_LAST_MIN_CHANNELS = 192
+PLANES_MIN_PIXELS = 3136
+# The bound native call's scheme: "auto" leaves it to window.c's measured rule for each
+# thread's range of planes (blocked_wins), "planes" / "blocked" force one.
+DEPTHWISE_SCHEME = "auto"
+
+
+def depthwise_numpy_form(geo: ConvGeometry) -> str:
+    """The measured best NumPy formulation of a depthwise conv."""
+    win = geo.window
+    if win.rank != 2:
+        return "planes"
+    pixels = math.prod(win.out_spatial)
+    many = geo.in_channels >= CHANNELS_LAST_MIN_CHANNELS and geo.out_channels == geo.in_channels
+    if many and (pixels <= CHANNELS_LAST_MAX_PIXELS
+                 or (geo.batch > 1 and pixels <= 4 * CHANNELS_LAST_MAX_PIXELS)):
+        return "channels_last"
+    if geo.batch > 1 and pixels >= PLANES_MIN_PIXELS and all(s == 1 for s in win.strides):
+        return "planes"
+    return "rows"
+
+
+def depthwise_form(geo: ConvGeometry) -> tuple[str, str]:
+    """The depthwise form (``native|<numpy form>`` where the compiled kernel serves
+    ``geo``: the NumPy form is its fallback), and why."""
+    numpy_form = depthwise_numpy_form(geo)
+    if depthwise.native_serves(geo):
+        return f"native|{numpy_form}", (
+            f"native: compiled window kernel, each output computed once in registers "
+            f"(MobileNetV2's depthwise layers {DEPTHWISE_NATIVE_SPEEDUP}); NumPy form "
+            f"{numpy_form} where native cannot run")
+    return numpy_form, (f"{numpy_form}: measured best NumPy form for this shape; not "
+                        f"native: {depthwise.native_refusal(geo)}")
+
+
+def depthwise_layout(geo: ConvGeometry, form: str | None = None,
+                     scheme: str = DEPTHWISE_SCHEME) -> depthwise.DepthwiseLayout:
+    """``geo``'s depthwise layout in ``form`` (None: the planned one); ``native`` asked
+    for alone falls back to the planned NumPy form."""
+    planned, reason = depthwise_form(geo)
+    if form is None:
+        form = planned
+    elif form == "native":
+        form, reason = f"native|{depthwise_numpy_form(geo)}", "native: asked for"
+    else:
+        reason = f"{form}: asked for"
+    return depthwise.depthwise_layout(geo, form, reason, scheme)
+
+
+def native_layout(geo: ConvGeometry) -> conv_gemm.NativeLayout:
+    """``geo``'s native conv layout in the planned form."""
+    return conv_gemm.native_layout(geo, native_form(geo)[0])
+
+
+def conv_layout(variant: str, geo: ConvGeometry) -> tuple[str, str]:
+    """The layout (form) of conv ``variant`` for ``geo``, and why ("" where it has one)."""
+    if variant == "native":
+        return native_form(geo)
+    if variant == "depthwise":
+        return depthwise_form(geo)
+    return "", "the variant's only form"

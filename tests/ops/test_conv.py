@@ -227,8 +227,8 @@ def test_float16_is_computed_in_float32() -> None:
 
 def test_im2col_and_winograd_process_big_batches_in_chunks(monkeypatch: pytest.MonkeyPatch
                                                            ) -> None:
-    monkeypatch.setattr(conv_gemm, "IM2COL_BYTES", 1)        # one image per chunk
-    monkeypatch.setattr(conv_gemm, "STACKED_BYTES", 2 * 577 * 222 * 4)   # two images
+    monkeypatch.setattr(cpu_planner, "IM2COL_BYTES", 1)        # one image per chunk
+    monkeypatch.setattr(cpu_planner, "STACKED_BYTES", 2 * 577 * 222 * 4)   # two images
     monkeypatch.setattr(winograd, "_CHUNK_BYTES", 1)
     cpu_conv._plan.cache_clear()                             # layouts are cached per shape
     try:
@@ -343,15 +343,12 @@ _IM2COL_CASES = [
                          ids=[c[0] for c in _IM2COL_CASES])
 @pytest.mark.parametrize("compact", [True, False])
 @pytest.mark.parametrize("stacked", [True, False])
-def test_im2col_layouts_agree_with_the_reference(monkeypatch: pytest.MonkeyPatch, name: str,
-                                                 x: tuple[int, ...], w: tuple[int, ...],
+def test_im2col_layouts_agree_with_the_reference(name: str, x: tuple[int, ...], w: tuple[int, ...],
                                                  attrs: dict[str, Any], compact: bool,
                                                  stacked: bool) -> None:
-    monkeypatch.setattr(conv_gemm, "STACK_BELOW", 10**9 if stacked else 0)
-    monkeypatch.setattr(conv_gemm, "IM2COL_BYTES", 1)            # chunks of one image
-    monkeypatch.setattr(conv_gemm, "STACKED_BYTES", 1 << 30)
     geo = _geometry(x, w, attrs)
-    layout = conv_gemm.im2col_layout(geo, 4, compact=compact)
+    # Chunks of one image, or the whole batch in one chunk when stacked.
+    layout = conv_gemm.im2col_layout(geo, compact, stacked, x[0] if stacked else 1)
     assert layout.compact is compact and layout.stacked is (stacked and x[0] > 1)
     xs, ws, b = _f(*x), _f(*w), _f(w[0])
     z = _f(*geo.out_shape)
@@ -372,13 +369,11 @@ def test_column_rows_avoid_4kib_strides() -> None:
     ((2, 8, 7, 7), (6, 4, 1, 1), {"strides": (2, 2), "group": 2}),
 ])
 @pytest.mark.parametrize("stacked", [True, False])
-def test_pointwise_layouts_agree_with_the_reference(monkeypatch: pytest.MonkeyPatch,
-                                                    x: tuple[int, ...], w: tuple[int, ...],
+def test_pointwise_layouts_agree_with_the_reference(x: tuple[int, ...], w: tuple[int, ...],
                                                     attrs: dict[str, Any],
                                                     stacked: bool) -> None:
-    monkeypatch.setattr(conv_gemm, "STACK_BELOW", 10**9 if stacked else 0)
     geo = _geometry(x, w, attrs)
-    layout = conv_gemm.pointwise_layout(geo, has_bias=True)
+    layout = conv_gemm.pointwise_layout(geo, True, stacked)
     assert layout.stacked is stacked
     xs, ws, b = _f(*x), _f(*w), _f(w[0])
     z = _f(*geo.out_shape)

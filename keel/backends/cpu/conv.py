@@ -136,29 +136,32 @@ _IMPLS: dict[str, Callable[..., None]] = {
 }
 
 
-def _layout(variant: str, geo: ConvGeometry, itemsize: int, has_bias: bool,
-            form: tuple[str, str, str]) -> Any:
-    """The shape-derived plan a variant runs from (computed once per signature);
-    ``form`` is the planned (layout, its reason, the depthwise scheme)."""
+def _layout(variant: str, geo: ConvGeometry, has_bias: bool, form: planner.ConvForm) -> Any:
+    """The shape-derived plan a variant runs from, in its planned ``form`` (computed
+    once per signature)."""
     if variant == "im2col":
-        return conv_gemm.im2col_layout(geo, itemsize)
+        return conv_gemm.im2col_layout(geo, form.layout.startswith("compact"),
+                                       form.layout.endswith("-stacked"), form.chunk or 1)
     if variant == "pointwise":
-        return conv_gemm.pointwise_layout(geo, has_bias)
+        return conv_gemm.pointwise_layout(geo, has_bias, form.layout == "stacked")
     if variant == "depthwise":
-        return depthwise.depthwise_layout(geo, *form)
+        return depthwise.depthwise_layout(geo, form.layout, form.reason, form.scheme)
     if variant == "native":
-        return conv_gemm.native_layout(geo, form[0])
+        return conv_gemm.native_layout(geo, form.layout)
     return geo
 
 
-def _form(node_plan: NodePlan | None, variant: str, geo: ConvGeometry) -> tuple[str, str, str]:
+def _form(node_plan: NodePlan | None, variant: str, geo: ConvGeometry,
+          itemsize: int) -> planner.ConvForm:
     """The layout the node's plan gives ``variant``; without one (a call the planner
     did not see, or shapes it could not know), the planner's for these shapes."""
     if node_plan is not None and node_plan.layout and variant in (
             node_plan.variant, node_plan.option("conv_variant")):
-        return (node_plan.layout, node_plan.reason("layout"),
-                node_plan.option("depthwise_scheme", planner.DEPTHWISE_SCHEME))
-    return (*planner.conv_layout(variant, geo), planner.DEPTHWISE_SCHEME)
+        return planner.ConvForm(
+            node_plan.layout, node_plan.reason("layout"), node_plan.chunk,
+            node_plan.workspace_bytes,
+            node_plan.option("depthwise_scheme", planner.DEPTHWISE_SCHEME))
+    return planner.conv_form(variant, geo, itemsize)
 
 
 def _planned(node_plan: NodePlan | None) -> str:
@@ -214,8 +217,8 @@ def _plan(op: Op, variant: str, node_plan: NodePlan | None, backend: str,
                                             detail=f"variant {variant!r}: {why_not}")
     compute = np.dtype(np.float32) if dtype is DType.FLOAT16 else dtype.numpy
     act = activation(attrs.get("activation", ""), attrs.get("activation_params", ()))
-    layout = _layout(variant, geo, compute.itemsize, b is not None,
-                     _form(node_plan, variant, geo))
+    layout = _layout(variant, geo, b is not None,
+                     _form(node_plan, variant, geo, compute.itemsize))
     return _Plan(geo, variant, layout, act, dtype, dtype.numpy, compute)
 
 
@@ -494,8 +497,7 @@ def conv_integer(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> 
         xp.subtract(wf, wzp.astype(ft).reshape(-1, *([1] * (w.ndim - 1))), out=wf)
     variant = planner.exact_conv_variant(_case(geo, str(np.dtype(ft))))
     yf = xp.empty(geo.out_shape, dtype=ft)
-    layout = _layout(variant, geo, np.dtype(ft).itemsize, False,
-                     _form(None, variant, geo))
+    layout = _layout(variant, geo, False, _form(None, variant, geo, np.dtype(ft).itemsize))
     _IMPLS[variant](xp, layout, xf, wf, None, None, yf, activation("", ()), None)
     result = xp.rint(yf).astype(xp.int64).astype(xp.int32)
     if out is not None and out[0] is not None:

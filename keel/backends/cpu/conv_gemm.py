@@ -87,18 +87,8 @@ __all__ = ["Im2colLayout", "NativeLayout", "PointwiseLayout", "Wide", "im2col",
            "im2col_layout", "native", "native_calls", "native_filters", "native_layout",
            "native_source", "pointwise", "pointwise_layout", "wide_serves"]
 
-# Column-matrix bytes per chunk of images: chunks stay in cache; a single image
-# larger than this runs alone.
-IM2COL_BYTES = 4 * 2**20
-STACKED_BYTES = 8 * 2**20
-# Stack the images of a batch into one GEMM when an image has fewer wide
-# columns than this.
-STACK_BELOW = 400
-# Compact columns (the output pixels, no garbage columns) from this many output
-# channels, or for outputs at least this wide: there the extra GEMM work of the
-# garbage columns costs more than copying the column matrix in short rows.
-COMPACT_MIN_CHANNELS = 64
-COMPACT_MIN_WIDTH = 56
+# How an im2col conv is laid out (compact or wide columns, images stacked, images per
+# chunk) is the cpu planner's decision (keel.backends.cpu.planner.im2col_form).
 
 
 @dataclass(frozen=True)
@@ -133,27 +123,31 @@ class Im2colLayout:
         return len(self.perm)
 
 
-def im2col_layout(geo: ConvGeometry, itemsize: int, compact: bool | None = None
-                  ) -> Im2colLayout:
-    """Plan the wide im2col of ``geo`` (pure; callers cache it per signature)."""
+def im2col_columns(geo: ConvGeometry, compact: bool) -> int:
+    """Columns per image of the column matrix: the output pixels (compact), or the wide
+    layout's, which cover every output from the phase images' rows."""
     win = geo.window
-    plan = wnd.wide_plan((1, geo.in_channels), win)
-    rows = plan.row_strides
-    columns = sum((o - 1) * r for o, r in zip(win.out_spatial, rows, strict=True)) + 1
-    groups, perm = _phase_groups(geo, rows)
-    k = geo.in_channels // geo.group * len(perm) + 1
-    if compact is None:
-        pixels = math.prod(win.out_spatial)
-        # A row stride of a multiple of 4 KiB makes BLAS's packed panels collide in cache.
-        compact = ((geo.out_channels // geo.group >= COMPACT_MIN_CHANNELS
-                    or win.out_spatial[-1] >= COMPACT_MIN_WIDTH)
-                   and (pixels * itemsize) % 4096 != 0)
     if compact:
-        columns = math.prod(win.out_spatial)
-    stacked = geo.batch > 1 and columns < STACK_BELOW
-    budget = STACKED_BYTES if stacked else IM2COL_BYTES
-    chunk = max(1, min(geo.batch, budget // max(geo.group * k * columns * itemsize, 1)))
-    return Im2colLayout(geo, columns, groups, perm, chunk, stacked, compact)
+        return math.prod(win.out_spatial)
+    rows = wnd.wide_plan((1, geo.in_channels), win).row_strides
+    return sum((o - 1) * r for o, r in zip(win.out_spatial, rows, strict=True)) + 1
+
+
+def im2col_depth(geo: ConvGeometry) -> int:
+    """Rows of the column matrix per group: every tap of every input channel, and a row
+    of ones for the bias."""
+    return geo.in_channels // geo.group * math.prod(geo.window.kernel) + 1
+
+
+def im2col_layout(geo: ConvGeometry, compact: bool, stacked: bool, chunk: int
+                  ) -> Im2colLayout:
+    """The im2col of ``geo`` as planned (pure; callers cache it per signature):
+    ``compact`` columns, the images ``stacked`` in one GEMM, ``chunk`` images at a time."""
+    win = geo.window
+    rows = wnd.wide_plan((1, geo.in_channels), win).row_strides
+    groups, perm = _phase_groups(geo, rows)
+    return Im2colLayout(geo, im2col_columns(geo, compact), groups, perm,
+                        max(1, min(geo.batch, chunk)), stacked and geo.batch > 1, compact)
 
 
 def _phase_groups(geo: ConvGeometry, rows: Sequence[int]
@@ -347,11 +341,11 @@ class PointwiseLayout:
     sub: tuple[slice, ...]             # the X pixels the kernel reads (strides)
 
 
-def pointwise_layout(geo: ConvGeometry, has_bias: bool) -> PointwiseLayout:
-    """Plan a 1x1 conv: copy X only when it pays (stride, stacking or a cheap bias fold)."""
+def pointwise_layout(geo: ConvGeometry, has_bias: bool, stacked: bool) -> PointwiseLayout:
+    """Plan a 1x1 conv (its images ``stacked`` as planned): copy X only when it pays
+    (stride, stacking or a cheap bias fold)."""
     win = geo.window
-    pixels = math.prod(win.out_spatial)
-    stacked = geo.batch > 1 and pixels < STACK_BELOW
+    stacked = stacked and geo.batch > 1
     strided_ = any(s != 1 for s in win.strides)
     # Copying X under a row of ones costs C * P; adding the bias after costs M * P.
     fold = has_bias and (stacked or strided_ or geo.out_channels > geo.in_channels)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from keel.backends.base import KernelTable, KernelVariant
@@ -255,31 +256,37 @@ def plan(request: PlanRequest, table: KernelTable) -> NodePlan:
     dispatched = _dispatched(request.op, request, table) if variant == "default" else None
     if dispatched is not None:
         options.append(("conv_variant", dispatched))
-    layout, layout_why = _layout(request, dispatched or variant)
-    if layout and (dispatched or variant) == "depthwise":
-        options.append(("depthwise_scheme", DEPTHWISE_SCHEME))
+    form = _form(request, dispatched or variant)
+    if form.layout and (dispatched or variant) == "depthwise":
+        options.append(("depthwise_scheme", form.scheme))
     threads = request.threads
     return NodePlan(
-        variant=variant, layout=layout, threads=threads, precision=request.precision,
+        variant=variant, layout=form.layout, threads=threads, chunk=form.chunk,
+        workspace_bytes=form.workspace_bytes, precision=request.precision,
         options=tuple(options),
         reasons=field_reasons(
-            variant=why, layout=layout_why,
-            threads=f"{threads} kernel thread(s): the backend's thread count"))
+            variant=why, layout=form.reason,
+            threads=f"{threads} kernel thread(s): the backend's thread count",
+            **({} if form.chunk is None else {"chunk": form.reason}),
+            **({} if form.workspace_bytes is None else
+               {"workspace_bytes": "the column matrix of one chunk"})))
 
 
-def _layout(request: PlanRequest, variant: str) -> tuple[str, str]:
+def _form(request: PlanRequest, variant: str) -> ConvForm:
     """The layout of a conv node's variant, from its static shapes."""
-    if request.op not in CONV_OPS or variant not in ("native", "depthwise"):
-        return "", "the variant's only form"
+    if request.op not in CONV_OPS:
+        return ConvForm("", "the variant's only form")
     shapes = request.static_shapes()
     if shapes is None or len(shapes) < 2 or shapes[0] is None or shapes[1] is None:
-        return "", "decided from the real shapes at the first call (shapes not static)"
+        return ConvForm("", "decided from the real shapes at the first call "
+                            "(shapes not static)")
     attrs = conv2d_attrs(request.attrs) if request.op is Op.CONV2D else request.attrs
     try:
         geo = conv_geometry(request.op, shapes[0], shapes[1], attrs)
     except KeelError as exc:
-        return "", f"no layout: {exc}"
-    return conv_layout(variant, geo)
+        return ConvForm("", f"no layout: {exc}")
+    itemsize = 8 if request.dtype is DType.FLOAT64 else 4    # float16 computes in float32
+    return conv_form(variant, geo, itemsize)
 
 
 # ---- the native conv's layout ----------------------------------------------------------
@@ -448,10 +455,77 @@ def native_layout(geo: ConvGeometry) -> conv_gemm.NativeLayout:
     return conv_gemm.native_layout(geo, native_form(geo)[0])
 
 
-def conv_layout(variant: str, geo: ConvGeometry) -> tuple[str, str]:
-    """The layout (form) of conv ``variant`` for ``geo``, and why ("" where it has one)."""
+# ---- the NumPy im2col and pointwise layouts --------------------------------------------
+# Column-matrix bytes per chunk of images (STACKED_BYTES when the images are stacked):
+# chunks stay in cache; a single image larger than this runs alone.
+IM2COL_BYTES = 4 * 2**20
+STACKED_BYTES = 8 * 2**20
+# Stack the images of a batch into one GEMM when an image has fewer columns than this.
+STACK_BELOW = 400
+# Compact columns (the output pixels, no garbage columns) from this many output
+# channels, or for outputs at least this wide: there the extra GEMM work of the garbage
+# columns costs more than copying the column matrix in short rows. Never where a row
+# of the matrix is a multiple of 4 KiB: BLAS's packed panels then collide in cache.
+COMPACT_MIN_CHANNELS = 64
+COMPACT_MIN_WIDTH = 56
+PAGE_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class ConvForm:
+    """A conv variant's layout as planned: the form, why, images per chunk and the
+    scratch it needs (None: not estimated), and the depthwise call's scheme."""
+
+    layout: str
+    reason: str
+    chunk: int | None = None
+    workspace_bytes: int | None = None
+    scheme: str = DEPTHWISE_SCHEME
+
+
+def im2col_form(geo: ConvGeometry, itemsize: int) -> ConvForm:
+    """Compact or wide columns, stacked images and images per chunk of an im2col conv."""
+    win = geo.window
+    pixels = math.prod(win.out_spatial)
+    compact = ((geo.out_channels // geo.group >= COMPACT_MIN_CHANNELS
+                or win.out_spatial[-1] >= COMPACT_MIN_WIDTH)
+               and (pixels * itemsize) % PAGE_BYTES != 0)
+    columns = conv_gemm.im2col_columns(geo, compact)
+    stacked = geo.batch > 1 and columns < STACK_BELOW
+    budget = STACKED_BYTES if stacked else IM2COL_BYTES
+    per_image = geo.group * conv_gemm.im2col_depth(geo) * columns * itemsize
+    chunk = max(1, min(geo.batch, budget // max(per_image, 1)))
+    layout = ("compact" if compact else "wide") + ("-stacked" if stacked else "")
+    why = (f"{layout}: {columns} columns per image ({'output pixels' if compact else 'wide'}"
+           f"){', stacked below ' + str(STACK_BELOW) if stacked else ''}; {chunk} image(s) "
+           f"per chunk within {budget >> 20} MiB of columns")
+    return ConvForm(layout, why, chunk, chunk * per_image)
+
+
+def pointwise_form(geo: ConvGeometry) -> ConvForm:
+    """Whether a 1x1 conv stacks its images into one GEMM."""
+    pixels = math.prod(geo.window.out_spatial)
+    if geo.batch > 1 and pixels < STACK_BELOW:
+        return ConvForm("stacked", f"stacked: {pixels} output pixels < {STACK_BELOW}")
+    return ConvForm("per-image", "per-image: X read as it is, one GEMM per image")
+
+
+def conv_form(variant: str, geo: ConvGeometry, itemsize: int) -> ConvForm:
+    """The layout (form) of conv ``variant`` for ``geo`` computed in ``itemsize``-byte
+    elements, and why ("" where the variant has one form)."""
     if variant == "native":
-        return native_form(geo)
+        return ConvForm(*native_form(geo))
     if variant == "depthwise":
-        return depthwise_form(geo)
-    return "", "the variant's only form"
+        return ConvForm(*depthwise_form(geo))
+    if variant == "im2col":
+        return im2col_form(geo, itemsize)
+    if variant == "pointwise":
+        return pointwise_form(geo)
+    return ConvForm("", "the variant's only form")
+
+
+def im2col_layout(geo: ConvGeometry, itemsize: int) -> conv_gemm.Im2colLayout:
+    """``geo``'s im2col layout as planned."""
+    form = im2col_form(geo, itemsize)
+    return conv_gemm.im2col_layout(geo, form.layout.startswith("compact"),
+                                   form.layout.endswith("-stacked"), form.chunk or 1)

@@ -12,6 +12,7 @@ import pytest
 
 import keel
 from keel.backends.base import DeviceKind, KernelContext
+from keel.backends.cpu import native_gemm
 from keel.backends.cpu.backend import CpuBackend
 from keel.backends.cpu.kernels import load
 from keel.backends.gpu import kernels as gpu_kernels
@@ -119,3 +120,30 @@ def test_placement_stores_the_plan_and_the_program_binds_it(build: Any) -> None:
     assert header.split() == ["node", "op", "backend", "variant", "layout", "threads",
                               "precision", "reason"]
     assert "node plans:" in text and "blas_threads:" in text and "workspace_bytes:" in text
+
+
+def test_conv_layouts_chunks_and_workspace_are_in_the_plan() -> None:
+    cpu = CpuBackend(threads=1)
+    table = load()
+    pads = _conv_attrs(pads=(1, 1, 1, 1))
+    im2col = cpu.plan_node(Op.CONV, _types((4, 16, 20, 20), (16, 16, 3, 3)), pads,
+                           measured=Measured("im2col", "test"))
+    assert im2col.layout in ("wide", "compact", "wide-stacked", "compact-stacked")
+    assert im2col.chunk is not None and 1 <= im2col.chunk <= 4
+    assert im2col.workspace_bytes is not None and im2col.workspace_bytes > 0
+    assert "per chunk" in im2col.reason("chunk")
+    winograd = cpu.plan_node(Op.CONV, _types((32, 64, 56, 56), (64, 64, 3, 3)), pads,
+                             measured=Measured("winograd", "test"))
+    assert winograd.chunk is not None and winograd.chunk < 32   # 4 MiB of tiles per chunk
+    if "native" in table.variants(Op.CONV) and native_gemm.available():
+        big = cpu.plan_node(Op.CONV, _types((32, 32, 112, 112), (32, 32, 3, 3)), pads,
+                            measured=Measured("native", "test"))
+        assert big.layout and big.option("stream_stores") is True
+        small = cpu.plan_node(Op.CONV, _types((1, 8, 8, 8), (8, 8, 3, 3)), pads,
+                              measured=Measured("native", "test"))
+        assert small.layout and small.option("stream_stores") is None
+    # Symbolic shapes: no layout yet, decided from the real shapes at the first call.
+    symbolic = cpu.plan_node(Op.CONV, [TensorType(F32, ("n", 16, 20, 20)),
+                                       TensorType(F32, (16, 16, 3, 3))], pads,
+                             measured=Measured("im2col", "test"))
+    assert symbolic.layout == "" and "first call" in symbolic.reason("layout")

@@ -47,17 +47,12 @@ CASES = [
 def _band(x: np.ndarray, w: np.ndarray, b: Any, z: Any, attrs: dict[str, Any],
           threads: int = 1, nt: bool = False) -> np.ndarray:
     geo = conv_geometry(Op.CONV, x.shape, w.shape, attrs)
-    layout = conv_gemm.band_layout(geo)
-    assert layout is not None
+    layout = conv_gemm.native_layout(geo, "band", stream_stores=nt)
+    assert layout.band and layout.nt is nt
     y = ng._aligned(int(np.prod(geo.out_shape))).reshape(geo.out_shape)
     act = activation(attrs.get("activation", ""), attrs.get("activation_params", ()))
     filters = conv_gemm.native_filters(np, geo, w, b)
-    saved = conv_gemm.NT_BYTES
-    conv_gemm.NT_BYTES = 0 if nt else 2**62
-    try:
-        calls = conv_gemm.native_calls(layout, x, x, filters, z, y, act)
-    finally:
-        conv_gemm.NT_BYTES = saved
+    calls = conv_gemm.native_calls(layout, x, x, filters, z, y, act)
     assert calls is not None and isinstance(calls[0], ng.BandCall)
     for call in calls:
         call.run(threads)

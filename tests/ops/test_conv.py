@@ -229,7 +229,7 @@ def test_im2col_and_winograd_process_big_batches_in_chunks(monkeypatch: pytest.M
                                                            ) -> None:
     monkeypatch.setattr(cpu_planner, "IM2COL_BYTES", 1)        # one image per chunk
     monkeypatch.setattr(cpu_planner, "STACKED_BYTES", 2 * 577 * 222 * 4)   # two images
-    monkeypatch.setattr(winograd, "_CHUNK_BYTES", 1)
+    monkeypatch.setattr(cpu_planner, "WINOGRAD_CHUNK_BYTES", 1)
     cpu_conv._plan.cache_clear()                             # layouts are cached per shape
     try:
         # 14x14 outputs take the stacked im2col path, 20x20 ones the per-image path.

@@ -117,17 +117,18 @@ def _check_dtype_set(op: Op, dtypes: tuple[Any, ...]) -> DType:
 
 
 # ---- the variants --------------------------------------------------------------------
-def _winograd(xp: Any, layout: ConvGeometry, x: Any, w: Any, b: Any, z: Any, y: Any,
-              act: Activation, packed: Any = None, threads: int = 1) -> None:
-    """F(2x2, 3x3): the transforms compiled (bias, z and a clip in the output transform)
-    where the native tier serves the arrays; else in NumPy, the bias in the transform,
-    z and the activation in the last copy."""
-    win = layout.window
+def _winograd(xp: Any, layout: tuple[ConvGeometry, int | None], x: Any, w: Any, b: Any,
+              z: Any, y: Any, act: Activation, packed: Any = None, threads: int = 1) -> None:
+    """F(2x2, 3x3), in chunks of the planned images: the transforms compiled (bias, z and
+    a clip in the output transform) where the native tier serves the arrays; else in
+    NumPy, the bias in the transform, z and the activation in the last copy."""
+    geo, chunk = layout
+    win = geo.window
     pads, out_hw = (win.pads_begin[0], win.pads_begin[1]), (win.out_spatial[0],
                                                            win.out_spatial[1])
     if xp is not np or not winograd.native_conv3x3(x, w, pads, out_hw, y, b, z, act, packed,
-                                                   threads):
-        winograd.conv3x3(xp, x, w, pads, out_hw, y, b, z, act, packed)
+                                                   threads, chunk):
+        winograd.conv3x3(xp, x, w, pads, out_hw, y, b, z, act, packed, chunk)
 
 
 _IMPLS: dict[str, Callable[..., None]] = {
@@ -147,7 +148,9 @@ def _layout(variant: str, geo: ConvGeometry, has_bias: bool, form: planner.ConvF
     if variant == "depthwise":
         return depthwise.depthwise_layout(geo, form.layout, form.reason, form.scheme)
     if variant == "native":
-        return conv_gemm.native_layout(geo, form.layout)
+        return conv_gemm.native_layout(geo, form.layout, form.stream_stores)
+    if variant == "winograd":
+        return geo, form.chunk
     return geo
 
 
@@ -155,12 +158,13 @@ def _form(node_plan: NodePlan | None, variant: str, geo: ConvGeometry,
           itemsize: int) -> planner.ConvForm:
     """The layout the node's plan gives ``variant``; without one (a call the planner
     did not see, or shapes it could not know), the planner's for these shapes."""
-    if node_plan is not None and node_plan.layout and variant in (
-            node_plan.variant, node_plan.option("conv_variant")):
+    if node_plan is not None and (node_plan.layout or node_plan.chunk is not None) and (
+            variant in (node_plan.variant, node_plan.option("conv_variant"))):
         return planner.ConvForm(
             node_plan.layout, node_plan.reason("layout"), node_plan.chunk,
             node_plan.workspace_bytes,
-            node_plan.option("depthwise_scheme", planner.DEPTHWISE_SCHEME))
+            node_plan.option("depthwise_scheme", planner.DEPTHWISE_SCHEME),
+            bool(node_plan.option("stream_stores", False)))
     return planner.conv_form(variant, geo, itemsize)
 
 

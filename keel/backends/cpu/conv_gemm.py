@@ -68,6 +68,7 @@ the OpenBLAS ``pointwise`` variant): 0.77x on 16->96 at 112x112, 0.82x on
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -436,6 +437,7 @@ class NativeLayout:
     wide: Wide | None = None          # the indirect "wide" layout (see Wide)
     masked: Masked | None = None      # taps read in place through lane masks (see Masked)
     band: bool = False                # by bands of output rows from X itself
+    nt: bool = False                  # Y's final stores bypass the cache (as planned)
 
     @property
     def stacked(self) -> bool:
@@ -500,14 +502,20 @@ class Masked:
 MASKED_MAX_TAPS = 64
 
 
-def native_layout(geo: ConvGeometry, form: str) -> NativeLayout:
+def native_layout(geo: ConvGeometry, form: str, stream_stores: bool = False) -> NativeLayout:
     """``geo`` on the native GEMM in ``form`` (pure; callers cache it per signature).
 
     The cpu planner decides the form (``keel.backends.cpu.planner.native_form``):
     ``band``, ``masked``, ``wide`` / ``wide-stacked``, ``direct`` (a 1x1 stride-1
     conv reading X in place) or ``gathered`` / ``gathered-stacked``. A form
-    that does not serve ``geo`` runs gathered, unstacked.
+    that does not serve ``geo`` runs gathered, unstacked. ``stream_stores``: Y's
+    final stores bypass the cache (where no activation pass rereads Y).
     """
+    layout = _native_layout(geo, form)
+    return dataclasses.replace(layout, nt=True) if stream_stores else layout
+
+
+def _native_layout(geo: ConvGeometry, form: str) -> NativeLayout:
     win = geo.window
     found = (band_layout(geo) if form == "band" else masked_layout(geo) if form == "masked"
              else _wide_layout(geo, form == "wide-stacked")
@@ -609,10 +617,6 @@ def _wide_layout(geo: ConvGeometry, stacked: bool) -> NativeLayout:
 # A dense strided 2-D conv may run by bands of output rows, its taps read from X's
 # rows into a small buffer per band (gemm.c's keel_conv_band_f32): no zero-bordered
 # phase copy of X and no gathered panels. Where it runs: the cpu planner's band rule.
-# An output at least this large (the last-level cache here) is stored past the cache:
-# the next layer reads it from memory anyway, and the stores skip reading each line
-# first (the band conv above at batch 32, 51 MB: 16.1 -> 12.2 ms alone).
-NT_BYTES = 32 * 2**20
 
 
 def band_layout(geo: ConvGeometry) -> NativeLayout | None:
@@ -842,16 +846,17 @@ def _wide_view(xp: Any, layout: NativeLayout, wide: Wide, dtype: Any) -> Any:
 _Operands = tuple[Any, Any, Any, Any, Any]
 
 
-def _group_calls(geo: Any, filters: Any, z: Any, y: Any, act: Activation,
+def _group_calls(layout: NativeLayout, filters: Any, z: Any, y: Any, act: Activation,
                  operands: Callable[[int, Any, Any], _Operands]
                  ) -> list[native_gemm.Call] | None:
     """One prepared GEMM per group: filters on the left, ``operands`` building the rest;
     None when one is not served."""
+    geo = layout.geo
     n, g, m = geo.batch, geo.group, geo.out_channels
     mg, p = m // g, math.prod(geo.window.out_spatial)
     clip = (act[1][0], act[1][1]) if act[0] == "clip" else None
     # Past the cache only where Y alone is final (a ReLU after the kernel rereads it).
-    nt = y.nbytes >= NT_BYTES and act[0] in ("", "clip")
+    nt = layout.nt and act[0] in ("", "clip")
     y3 = y.reshape(n, m, p)
     res, accumulate = _native_residual(z, y, n, m, p)
     calls = []
@@ -889,7 +894,7 @@ def _wide_calls(layout: NativeLayout, wide: Wide, source: Any, x: Any, filters: 
             target, resid = _spread(target), None if resid is None else _spread(resid)
         return b, target, resid, wide.out, None
 
-    return _group_calls(geo, filters, z, y, act, operands)
+    return _group_calls(layout, filters, z, y, act, operands)
 
 
 def _masked_calls(layout: NativeLayout, masked: Masked, source: Any, x: Any, filters: Any,
@@ -909,7 +914,7 @@ def _masked_calls(layout: NativeLayout, masked: Masked, source: Any, x: Any, fil
         b = native_gemm.Rows(flat[gi * cg * masked.channel:], masked.offsets, p, masked.image)
         return b, target, resid, None, table
 
-    return _group_calls(geo, filters, z, y, act, operands)
+    return _group_calls(layout, filters, z, y, act, operands)
 
 
 def native_calls(layout: NativeLayout, source: Any, x: Any, filters: Any, z: Any, y: Any,
@@ -941,7 +946,7 @@ def native_calls(layout: NativeLayout, source: Any, x: Any, filters: Any, z: Any
                                  p, geo.in_channels * layout.plane, layout.cols)
         return b, target, resid, columns, None
 
-    return _group_calls(geo, filters, z, y, act, operands)
+    return _group_calls(layout, filters, z, y, act, operands)
 
 
 def _band_calls(layout: NativeLayout, source: Any, x: Any, filters: Any, z: Any, y: Any,
@@ -956,7 +961,7 @@ def _band_calls(layout: NativeLayout, source: Any, x: Any, filters: Any, z: Any,
     clip = (act[1][0], act[1][1]) if act[0] == "clip" else None
     call = native_gemm.prepare_band(x, wp, y, win.kernel, win.strides, win.dilations,
                                     win.pads_begin, bias=bias, residual=z, clip=clip,
-                                    nt=y.nbytes >= NT_BYTES and act[0] in ("", "clip"))
+                                    nt=layout.nt and act[0] in ("", "clip"))
     return None if call is None else [call]
 
 

@@ -401,8 +401,8 @@ def test_depthwise_forms_agree_with_the_reference(monkeypatch: pytest.MonkeyPatc
                                                   x: tuple[int, ...], w: tuple[int, ...],
                                                   attrs: dict[str, Any], form: str,
                                                   block: int) -> None:
-    monkeypatch.setattr(depthwise, "BLOCK_BYTES", block)
-    monkeypatch.setattr(depthwise, "STREAM_BYTES", block)
+    monkeypatch.setattr(cpu_planner, "DEPTHWISE_BLOCK_BYTES", block)
+    monkeypatch.setattr(cpu_planner, "DEPTHWISE_STREAM_BYTES", block)
     geo = _geometry(x, w, attrs)
     if form != "planes" and (len(x) != 4 or w[0] != x[1]) and not (
             form == "rows" and len(x) == 4):

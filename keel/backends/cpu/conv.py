@@ -146,7 +146,9 @@ def _layout(variant: str, geo: ConvGeometry, has_bias: bool, form: planner.ConvF
     if variant == "pointwise":
         return conv_gemm.pointwise_layout(geo, has_bias, form.layout == "stacked")
     if variant == "depthwise":
-        return depthwise.depthwise_layout(geo, form.layout, form.reason, form.scheme)
+        assert form.block is not None         # every depthwise form has its block
+        return depthwise.depthwise_layout(geo, form.layout, form.block, form.reason,
+                                          form.scheme)
     if variant == "native":
         return conv_gemm.native_layout(geo, form.layout, form.stream_stores)
     if variant == "winograd":
@@ -164,7 +166,8 @@ def _form(node_plan: NodePlan | None, variant: str, geo: ConvGeometry,
             node_plan.layout, node_plan.reason("layout"), node_plan.chunk,
             node_plan.workspace_bytes,
             node_plan.option("depthwise_scheme", planner.DEPTHWISE_SCHEME),
-            bool(node_plan.option("stream_stores", False)))
+            bool(node_plan.option("stream_stores", False)),
+            node_plan.option("depthwise_block"))
     return planner.conv_form(variant, geo, itemsize)
 
 

@@ -103,12 +103,6 @@ __all__ = ["FORMS", "DepthwiseLayout", "NodeRun", "depthwise", "depthwise_layout
 
 FORMS = ("native", "rows", "channels_last", "planes")
 
-# Bytes of buffers per block of images and channels. ``rows`` keeps its shifted
-# copies in the L2 cache (inside a model, where other layers evict them, 1 MiB
-# blocks ran MobileNetV2's depthwise layers in 7.8 ms against 9.9 ms with 4 MiB);
-# the other forms stream, and only need blocks of images that bound their buffers.
-BLOCK_BYTES = 1 << 20
-STREAM_BYTES = 16 << 20
 
 
 @dataclass(frozen=True, eq=False)     # identity-hashed: a fast workspace key
@@ -126,13 +120,14 @@ class DepthwiseLayout:
     scheme: str = "auto"         # the bound native call's scheme (native_window)
 
 
-def depthwise_layout(geo: ConvGeometry, form: str, reason: str = "",
-                     scheme: str = "auto") -> DepthwiseLayout:
+def depthwise_layout(geo: ConvGeometry, form: str, block: tuple[int, int],
+                     reason: str = "", scheme: str = "auto") -> DepthwiseLayout:
     """``geo`` in ``form`` (see the module docstring), as the cpu planner decided it
     (``keel.backends.cpu.planner.depthwise_form``).
 
     ``native|<form>``: the compiled kernel, with the NumPy ``<form>`` it runs while
-    the native tier is unavailable. ``scheme``: the bound native call's scheme.
+    the native tier is unavailable. ``block``: the NumPy form's (images, channels)
+    per block. ``scheme``: the bound native call's scheme.
     """
     win = geo.window
     name, _, numpy_form = form.partition("|")
@@ -142,7 +137,7 @@ def depthwise_layout(geo: ConvGeometry, form: str, reason: str = "",
             raise ValueError(f"depthwise form {name!r} cannot run {win.rank}-D, "
                              f"{geo.in_channels}->{geo.out_channels} channels: "
                              f"{native_refusal(geo)} (NumPy form {numpy_form!r})")
-        fallback = depthwise_layout(geo, numpy_form)
+        fallback = depthwise_layout(geo, numpy_form, block)
         if not native_window.ready():
             reason = (f"native (asked for): native kernels unavailable "
                       f"({native.status().reason}), so its NumPy form {numpy_form} runs")
@@ -155,8 +150,7 @@ def depthwise_layout(geo: ConvGeometry, form: str, reason: str = "",
     plan = wnd.wide_plan((1, geo.in_channels), win)
     columns = sum((o - 1) * r for o, r in zip(win.out_spatial, plan.row_strides,
                                               strict=True)) + 1
-    return DepthwiseLayout(geo, form, columns, _block(geo, form, plan.plane * plan.phases),
-                           reason or f"{form}: asked for")
+    return DepthwiseLayout(geo, form, columns, block, reason or f"{form}: asked for")
 
 
 def _native_geometry(geo: ConvGeometry) -> native_window.WindowGeometry | None:
@@ -178,18 +172,6 @@ def native_refusal(geo: ConvGeometry) -> str:
         return f"native kernels unavailable ({native.status().reason})"
     return (f"{geo.window.rank}-D window outside the compiled kernel's range (1-D/2-D, "
             f"strides <= {native_window.MAX_STRIDE}, <= {native_window.MAX_TAPS} taps)")
-
-
-def _block(geo: ConvGeometry, form: str, plane: int) -> tuple[int, int]:
-    """Images and channels per block, so that a block's buffers stay in cache."""
-    n, c = geo.batch, geo.in_channels
-    kw = geo.window.kernel[-1]
-    per_channel = plane * (kw + 1 if form == "rows" else 3) * 4
-    budget = BLOCK_BYTES if form == "rows" else STREAM_BYTES
-    channels = max(1, budget // per_channel)
-    if channels < c and form != "channels_last":
-        return 1, channels
-    return max(1, min(n, budget // (per_channel * c))), c
 
 
 def depthwise(xp: Any, layout: DepthwiseLayout, x: Any, w: Any, b: Any, z: Any, y: Any,

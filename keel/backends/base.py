@@ -33,6 +33,7 @@ Optional hooks, with defaults that suit a NumPy backend:
   about how a node runs (variant, layout, threads, ...) with its reason
   (:mod:`keel.backends.plan`). The default picks the highest-priority variant;
   a backend with decisions of its own keeps them in one ``planner`` module.
+  ``_planner_state()`` returns what else its plans depend on (loaded tiers).
 
 Planners decide, kernels execute: ``plan_node`` is asked once per node when a
 model is placed, and the executor hands the plan to the kernel as
@@ -286,6 +287,9 @@ class Capabilities:
         return data
 
 
+# Plans kept for the op-level path's calls (per backend), by call signature.
+_CALL_PLANS = 256
+
 # (op) -> names of the backends that have a kernel for it; set by a registry.
 PeerLookup = Callable[[Op], Sequence[str]]
 
@@ -302,6 +306,7 @@ class Backend(ABC):
         self._table: KernelTable | None = None
         self.threads: int | None = None
         self.peers: PeerLookup | None = None
+        self._call_plans: dict[tuple[Any, ...], NodePlan] = {}
 
     # ---- hooks ---------------------------------------------------------
     @abstractmethod
@@ -347,6 +352,11 @@ class Backend(ABC):
 
     def _plan_node(self, request: PlanRequest) -> NodePlan:
         return default_plan(request, self.kernels, self.threads)
+
+    def _planner_state(self) -> Any:
+        """What the planner reads besides a call's signature (loaded kernel tiers): a
+        plan kept for the op-level path is reused only while this is unchanged."""
+        return None
 
     # ---- planning ------------------------------------------------------
     @final
@@ -579,11 +589,23 @@ class Backend(ABC):
                       attrs: Mapping[str, Any]) -> KernelContext:
         """The context of an op-level call: a dispatching variant gets the plan the
         planner makes from the real shapes (no placement made one)."""
-        ctx = self.context()
         if not kernel.meta.get("dispatcher"):
-            return ctx
-        plan = self.plan_node(op, request_types(inputs), attrs)
-        return dataclasses.replace(ctx, plan=plan)
+            return self.context()
+        # The same call again (shapes, dtypes, attributes, threads, the planner's state)
+        # reuses its plan.
+        key = (op, self.threads, self._planner_state(),
+               tuple(None if x is None else (x.shape, x.dtype) for x in inputs),
+               tuple(attrs.items()))
+        try:
+            plan = self._call_plans.get(key)
+        except TypeError:                     # an unhashable attribute: plan afresh
+            plan = self.plan_node(op, request_types(inputs), attrs)
+        else:
+            if plan is None:
+                if len(self._call_plans) >= _CALL_PLANS:
+                    self._call_plans.clear()
+                plan = self._call_plans[key] = self.plan_node(op, request_types(inputs), attrs)
+        return KernelContext(self.xp, self.name, self.device, self.threads, None, plan)
 
     def _peers(self, op: Op) -> tuple[str, ...]:
         if self.peers is None:

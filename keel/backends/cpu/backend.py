@@ -88,6 +88,11 @@ class CpuBackend(Backend):
 
         return planner.plan(request, self.kernels)
 
+    def _planner_state(self) -> Any:
+        from keel.backends.cpu import planner
+
+        return planner.state()
+
     def _execution_scope(self, op: Op | None) -> AbstractContextManager[Any]:
         # Only BLAS-backed kernels use the thread pools; for the rest, setting
         # and restoring the limits would cost more than the kernel itself.

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from keel.backends.base import KernelTable, KernelVariant
-from keel.backends.cpu import conv_gemm, depthwise, native_gemm, window
+from keel.backends.cpu import conv_gemm, depthwise, native_gemm, native_window, window
 from keel.backends.cpu.conv_rules import ConvCase, ConvRule, conv_case, pick
 from keel.backends.plan import (
     NodePlan,
@@ -244,8 +244,43 @@ def _dispatched(op: Op, request: PlanRequest, table: KernelTable) -> str | None:
 
 
 # ---- the node plan ---------------------------------------------------------------------
+# Plans made, by request: the op-level path (Backend.run) asks for every call.
+_PLANS: dict[tuple[Any, ...], NodePlan] = {}
+_PLANS_LIMIT = 1024
+
+
 def plan(request: PlanRequest, table: KernelTable) -> NodePlan:
-    """Every decision about how one cpu node runs, each with its reason."""
+    """Every decision about how one cpu node runs, each with its reason (the same
+    request, with the same kernel tiers loaded, gets the same plan object)."""
+    key = _cache_key(request, table)
+    if key is None:
+        return _plan(request, table)
+    found = _PLANS.get(key)
+    if found is None:
+        if len(_PLANS) >= _PLANS_LIMIT:
+            _PLANS.clear()
+        found = _PLANS[key] = _plan(request, table)
+    return found
+
+
+def _cache_key(request: PlanRequest, table: KernelTable) -> tuple[Any, ...] | None:
+    """What a plan depends on (the cpu planner does not read the hardware profile);
+    None when an attribute is not hashable."""
+    key = (table, request.op, request.input_types, tuple(request.attrs.items()),
+           request.threads, request.precision, request.measured, state())
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def state() -> tuple[Any, ...]:
+    """The kernel tiers loaded here: every plan depends on them."""
+    return native_gemm.available(), native_window.ready(), tier_unavailable("native")
+
+
+def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:
     variants, _ = usable_variants(request.op, table)
     measured = request.measured
     if measured is not None and measured.variant in variants:

@@ -137,6 +137,7 @@ __all__ = [
     "PlanRequest",
     "ProgramScope",
     "Prepack",
+    "VariantChooser",
     "dtype_of",
 ]
 
@@ -188,11 +189,22 @@ class KernelVariant:
     prepack: Prepack | None = None               # once per model: see the module docstring
 
 
-class KernelTable:
-    """Kernels of one backend, by op and variant."""
+# (op, input types, attrs, table) -> (variant, why): a backend planner's variant choice.
+VariantChooser = Callable[[Op, Sequence[TensorType | None], Mapping[str, Any], "KernelTable"],
+                          tuple[str, str]]
 
-    def __init__(self, backend: str) -> None:
+
+class KernelTable:
+    """Kernels of one backend, by op and variant.
+
+    ``chooser`` is the backend planner's variant choice for this table (None: the
+    highest priority decides), so that a planning module holding only a table
+    (``keel.planning.variants.choose_variant``) asks the backend's own rules.
+    """
+
+    def __init__(self, backend: str, chooser: VariantChooser | None = None) -> None:
         self.backend = backend
+        self.chooser = chooser
         self._variants: dict[Op, dict[str, KernelVariant]] = {}
 
     def register(self, variant: KernelVariant) -> KernelVariant:

@@ -172,6 +172,9 @@ def default_plan(request: PlanRequest, table: KernelTable, threads: int | None
     usable, skipped = usable_variants(request.op, table)
     if request.measured is not None and request.measured.variant in usable:
         name, why = request.measured.variant, request.measured.reason
+    elif table.chooser is not None:
+        name, why = table.chooser(request.op, request.input_types, request.attrs, table)
+        skipped = {}                              # the chooser's reason names them
     else:
         name, why = choose_by_priority(request.op, usable, request.dtype, table.backend)
     return NodePlan(variant=name, threads=threads, precision=request.precision,

@@ -174,13 +174,16 @@ class VariantRegistry:
 
 def choose_variant(op: Op, input_types: Sequence[TensorType | None], attrs: Mapping[str, Any],
                    table: KernelTable) -> tuple[str, str]:
-    """The variant of ``op`` a planner without rules of its own picks from ``table``.
+    """The variant of ``op`` to run from ``table`` for these inputs, and why.
 
-    The highest-priority variant serving the first input's dtype, skipping
-    variants whose tier (the native kernels) cannot run here: same inputs, same
-    answer. A backend's own decisions (the cpu conv rules, ...) are made by its
-    planner: ask ``Backend.plan_node`` for a node's whole plan.
+    The table's backend planner decides where it has one (``table.chooser``:
+    the cpu conv rules, ...); else the highest-priority variant serving the
+    first input's dtype, skipping variants whose tier (the native kernels)
+    cannot run here. Same inputs, same answer. ``Backend.plan_node`` gives a
+    node's whole plan (layout, threads, ...), not only its variant.
     """
+    if table.chooser is not None:
+        return table.chooser(op, input_types, attrs, table)
     variants, skipped = usable_variants(op, table)
     dtype = input_types[0].dtype if input_types and input_types[0] is not None else None
     name, why = choose_by_priority(op, variants, dtype, table.backend)

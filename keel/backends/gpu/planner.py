@@ -16,7 +16,8 @@ declared, not measured, and say so:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from keel.backends.base import KernelTable, KernelVariant
 from keel.backends.plan import (
@@ -27,8 +28,9 @@ from keel.backends.plan import (
     skipped_note,
 )
 from keel.ops.registry import Op
+from keel.ops.types import TensorType
 
-__all__ = ["HOST_TIERS", "plan"]
+__all__ = ["HOST_TIERS", "choose_variant", "plan"]
 
 # Tiers of compiled CPU kernels: their variants never run on the GPU.
 HOST_TIERS = frozenset({"native"})
@@ -55,6 +57,13 @@ def plan(request: PlanRequest, table: KernelTable) -> NodePlan:
             variant=why + skipped_note(skipped),
             threads="not applicable: the device schedules its own threads",
             blas_threads="not applicable: cuBLAS on the device"))
+
+
+def choose_variant(op: Op, input_types: Sequence[TensorType | None], attrs: Mapping[str, Any],
+                   table: KernelTable) -> tuple[str, str]:
+    """The variant this planner runs ``op`` with on ``table``, and why."""
+    found = plan(PlanRequest(op, tuple(input_types), dict(attrs)), table)
+    return found.variant, found.reason("variant")
 
 
 def _conv_variant(request: PlanRequest, usable: Mapping[str, KernelVariant]

@@ -99,3 +99,12 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers only
     from keel.planning.selection import OperationProperties, select_backend
     from keel.runtime import Runtime
     from keel.tensors import Tensor, TensorDesc, explain_last_dispatch, tensor
+
+
+def _graph_evaluator(backend: str) -> Any:
+    """The executor as the graph stage's evaluator (``keel.graph.shape_inference``).
+
+    The graph stage is upstream of execution and never imports it; this root
+    module, above every stage, wires the executor in.
+    """
+    return importlib.import_module("keel.execution.evaluate").default_evaluator(backend)

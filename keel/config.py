@@ -1,7 +1,13 @@
 """KEEL_* environment settings, read once into a frozen dataclass.
 
-``settings()`` reads the environment on first call and caches the result;
-``Settings.from_env(env)`` reads any mapping (tests pass their own).
+This is the one place keel reads its ``KEEL_*`` variables: ``settings()``
+reads and validates them all on first call and caches the result, and every
+other module takes its values from there (the native tier's compiler,
+``KEEL_NATIVE`` and worker spin included; the C code reads no environment).
+``Settings.from_env(env)`` reads any mapping (tests pass their own);
+``reload_settings()`` reads the environment again (tests that change it).
+A bad value is an :class:`~keel.errors.InvalidArgumentError` naming the
+variable and what it accepts.
 """
 
 from __future__ import annotations
@@ -12,18 +18,21 @@ import os
 import platform
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from keel.errors import InvalidArgumentError
 
 __all__ = [
-    "BACKEND_NAMES", "PRECISIONS", "Settings", "cache_dir", "format_bytes", "parse_bytes",
-    "settings",
+    "BACKEND_NAMES", "DEFAULT_SPIN_US", "HINTS", "POLICY_FIELDS", "PRECISIONS", "Settings",
+    "cache_dir", "format_bytes", "parse_bytes", "reload_settings", "settings",
 ]
 
 BACKEND_NAMES = ("auto", "gpu", "cpu", "reference")
 PRECISIONS = ("auto", "fp32", "fp16", "int8", "int16", "fp64")
+HINTS = ("none", "latency", "throughput")     # performance hints (planning.adaptive)
+DEFAULT_SPIN_US = 200       # how long an idle native worker spins before it sleeps
 
 _UNITS = {
     "": 1, "b": 1,
@@ -71,24 +80,73 @@ def format_bytes(n: int | float | None) -> str:
 
 @dataclass(frozen=True)
 class Settings:
-    """keel's environment settings. ``None`` means not set."""
+    """Every ``KEEL_*`` setting, validated. ``None`` means not set (the reader's default applies).
+
+    The policy knobs (``prefer_gpu`` .. ``allow_accelerator_experiments``, with
+    ``backend`` and ``precision``) are what :class:`~keel.planning.policy.RuntimePolicy`
+    layers over its defaults and file.
+    """
 
     backend: str | None = None
     precision: str | None = None
     memory_limit: int | None = None
     threads: int | None = None
     strict: bool = False
+    native: str = "auto"                  # auto | on | off
+    cc: str | None = None                 # the C compiler for native kernels
+    spin_us: int = DEFAULT_SPIN_US        # idle native workers spin this long, then sleep
+    calibration: str | None = None        # a calibration file, or "off"
+    cache_dir: Path = field(default_factory=lambda: _platform_cache_dir(os.environ, None))
+    prefer_gpu: bool | None = None
+    min_gpu_memory_gb: float | None = None
+    prefer_lightweight_python_on_low_memory: bool | None = None
+    lightweight_memory_threshold_gb: float | None = None
+    allow_accelerator_experiments: bool | None = None
+    plan_cache: bool = True               # KEEL_PLAN_CACHE: on (default) or off
+    hint: str | None = None               # KEEL_HINT: none | latency | throughput
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        """Read and validate every ``KEEL_*`` variable of ``env`` (default: ``os.environ``)."""
         env = os.environ if env is None else env
         return cls(
             backend=_choice(env, "KEEL_BACKEND", BACKEND_NAMES),
             precision=_choice(env, "KEEL_PRECISION", PRECISIONS),
             memory_limit=_size(env, "KEEL_MEMORY_LIMIT"),
-            threads=_threads(env),
-            strict=_flag(env, "KEEL_STRICT"),
+            threads=_count(env, "KEEL_THREADS", minimum=1),
+            strict=bool(_flag(env, "KEEL_STRICT")),
+            native=_native(env),
+            cc=env.get("KEEL_CC", "").strip() or None,
+            spin_us=_or(_count(env, "KEEL_SPIN_US", minimum=0), DEFAULT_SPIN_US),
+            calibration=env.get("KEEL_CALIBRATION", "").strip() or None,
+            cache_dir=_platform_cache_dir(env, None),
+            prefer_gpu=_flag(env, "KEEL_PREFER_GPU"),
+            min_gpu_memory_gb=_gib(env, "KEEL_MIN_GPU_MEMORY_GB"),
+            prefer_lightweight_python_on_low_memory=_flag(
+                env, "KEEL_PREFER_LIGHTWEIGHT_PYTHON_ON_LOW_MEMORY"),
+            lightweight_memory_threshold_gb=_gib(env, "KEEL_LIGHTWEIGHT_MEMORY_THRESHOLD_GB"),
+            allow_accelerator_experiments=_flag(env, "KEEL_ALLOW_ACCELERATOR_EXPERIMENTS"),
+            plan_cache=_flag(env, "KEEL_PLAN_CACHE") is not False,
+            hint=_choice(env, "KEEL_HINT", HINTS),
         )
+
+    def policy_overrides(self) -> dict[str, Any]:
+        """The policy fields these settings set (``RuntimePolicy`` field -> value)."""
+        return {name: getattr(self, name) for name in POLICY_FIELDS
+                if getattr(self, name) is not None}
+
+
+#: the Settings fields that are RuntimePolicy fields too (``KEEL_`` + the upper-case name)
+POLICY_FIELDS = ("prefer_gpu", "min_gpu_memory_gb", "prefer_lightweight_python_on_low_memory",
+                 "lightweight_memory_threshold_gb", "allow_accelerator_experiments", "backend",
+                 "precision", "hint")
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _or(value: int | None, default: int) -> int:
+    return default if value is None else value
 
 
 def _choice(env: Mapping[str, str], key: str, allowed: tuple[str, ...]) -> str | None:
@@ -105,33 +163,80 @@ def _size(env: Mapping[str, str], key: str) -> int | None:
     return parse_bytes(raw, name=key) if raw else None
 
 
-def _threads(env: Mapping[str, str]) -> int | None:
-    raw = env.get("KEEL_THREADS", "").strip()
+def _count(env: Mapping[str, str], key: str, *, minimum: int) -> int | None:
+    """A whole number >= ``minimum``; None when unset."""
+    raw = env.get(key, "").strip()
     if not raw:
         return None
-    if not raw.isdigit() or int(raw) < 1:
-        raise InvalidArgumentError(f"KEEL_THREADS={raw!r} must be a positive integer")
+    if not raw.isdigit() or int(raw) < minimum:
+        what = "a positive integer" if minimum == 1 else f"a whole number >= {minimum}"
+        raise InvalidArgumentError(f"{key}={raw!r} must be {what}")
     return int(raw)
 
 
-def _flag(env: Mapping[str, str], key: str) -> bool:
+def _gib(env: Mapping[str, str], key: str) -> float | None:
+    """A finite number of GiB >= 0; None when unset."""
+    raw = env.get(key, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise InvalidArgumentError(f"{key}={raw!r} must be a number of GiB") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise InvalidArgumentError(f"{key}={raw!r} must be a finite number of GiB >= 0")
+    return value
+
+
+def _flag(env: Mapping[str, str], key: str) -> bool | None:
+    """True or False; None when unset."""
     raw = env.get(key, "").strip().lower()
-    if raw in ("", "0", "false", "no", "off"):
-        return False
-    if raw in ("1", "true", "yes", "on"):
-        return True
+    if not raw:
+        return None
+    if raw in _TRUE + _FALSE:
+        return raw in _TRUE
     raise InvalidArgumentError(f"{key}={raw!r} must be one of 1/0, true/false, yes/no, on/off")
+
+
+def _native(env: Mapping[str, str]) -> str:
+    raw = env.get("KEEL_NATIVE", "").strip().lower()
+    if raw in ("", "auto"):
+        return "auto"
+    if raw in _TRUE + _FALSE:
+        return "on" if raw in _TRUE else "off"
+    raise InvalidArgumentError(f"KEEL_NATIVE={raw!r} is not allowed; use one of auto, on, off")
 
 
 @functools.lru_cache(maxsize=1)
 def settings() -> Settings:
-    """The process-wide settings, read from the environment once."""
+    """The process-wide settings, read from the environment once (see :func:`reload_settings`)."""
     return Settings.from_env()
 
 
+def reload_settings() -> Settings:
+    """Read the environment again and return the new process-wide settings.
+
+    For tests and tools that change ``os.environ`` after keel first read it.
+    What was already built from the old settings stays as it was: call
+    ``keel.native.reset()`` after a changed ``KEEL_NATIVE`` / ``KEEL_CC`` /
+    ``KEEL_SPIN_US``.
+    """
+    settings.cache_clear()
+    return settings()
+
+
 def cache_dir(env: Mapping[str, str] | None = None, system: str | None = None) -> Path:
-    """``KEEL_CACHE_DIR``, else the platform's user cache directory under ``keel``."""
-    env = os.environ if env is None else env
+    """``KEEL_CACHE_DIR``, else the platform's user cache directory under ``keel``.
+
+    Without arguments: the process's setting (:func:`settings`). With ``env``
+    (and ``system``, default this one): what that environment would give.
+    """
+    if env is None and system is None:
+        return settings().cache_dir
+    return _platform_cache_dir(os.environ if env is None else env, system)
+
+
+def _platform_cache_dir(env: Mapping[str, str], system: str | None) -> Path:
     if env.get("KEEL_CACHE_DIR", "").strip():
         return Path(env["KEEL_CACHE_DIR"].strip()).expanduser()
     system = platform.system() if system is None else system

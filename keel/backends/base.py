@@ -448,6 +448,11 @@ class Backend(ABC):
     def context(self) -> KernelContext:
         return KernelContext(self.xp, self.name, self.device, self.threads)
 
+    def plan_notes(self) -> tuple[str, ...]:
+        """What this backend decided for every node it runs, for a plan's reasons (the cpu
+        backend: its thread count and where it came from). Default: nothing."""
+        return ()
+
     @final
     def execution_scope(self, op: Op | None = None) -> AbstractContextManager[Any]:
         """The context kernels of this backend run in (thread limits, current device).

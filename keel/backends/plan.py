@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from keel.dtypes import DType
-from keel.errors import UnsupportedOperationError
+from keel.errors import InvalidArgumentError, UnsupportedOperationError
 from keel.ops.registry import Op
 from keel.ops.types import TensorType
 
@@ -109,6 +109,18 @@ class NodePlan:
         data["options"] = {k: _plain(v) for k, v in self.options}
         data["reasons"] = dict(self.reasons)
         return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> NodePlan:
+        """The plan :meth:`to_dict` described (lists read back as tuples)."""
+        if not isinstance(data, Mapping) or set(data) != {*FIELDS, "options", "reasons"}:
+            raise InvalidArgumentError(
+                f"a node plan needs exactly the fields {', '.join(FIELDS)}, options and "
+                f"reasons; got {sorted(data) if isinstance(data, Mapping) else data!r}")
+        options = tuple((str(k), tuple(v) if isinstance(v, list) else v)
+                        for k, v in dict(data["options"]).items())
+        reasons = tuple((str(k), str(v)) for k, v in dict(data["reasons"]).items())
+        return cls(**{f: data[f] for f in FIELDS}, options=options, reasons=reasons)
 
 
 def _plain(value: Any) -> Any:

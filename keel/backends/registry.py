@@ -115,6 +115,23 @@ class BackendRegistry:
         self.register(name, broken, priority=0)
         self._entries[name].failure = why
 
+    def with_instance(self, name: str, backend: Backend) -> BackendRegistry:
+        """A new registry like this one, with ``backend`` in place of ``name``'s backend.
+
+        Every other backend is this registry's own (built on first use, shared);
+        the priority chain is the same. A model with its own cpu thread count or
+        hardware profile uses one.
+        """
+        self._entry(name)
+        own = BackendRegistry()
+        for i, other in enumerate(self.names()):
+            def factory(n: str = other) -> Backend:
+                return backend if n == name else self.instance(n)
+
+            own.register(other, factory, priority=-i)
+        own.set_priority(self.priority)
+        return own
+
     # ---- lookup ----------------------------------------------------------
     def names(self) -> list[str]:
         """Registered names: the priority chain first, then the rest by priority."""

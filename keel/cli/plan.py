@@ -1,12 +1,16 @@
-"""``keel plan [MODEL] [--policy FILE] [--hardware FILE] [--json]``: where things run, and why.
+"""``keel plan [MODEL] [--policy FILE] [--hardware FILE] [--hint HINT] [--json]``: where
+things run, and why.
 
 Without MODEL: the runtime plan (seed 000's selections, keel's engine, the
 target class) for this machine, or for a profile saved with ``keel probe
---json`` on another one. With MODEL: also the model's per-node plan.
+--json`` on another one. With MODEL: also the model's per-node plan and its
+adaptive plan (precision plan, streams, chunks, telemetry), under the
+performance hint ``--hint latency|throughput`` (else the policy's).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import json
@@ -20,6 +24,7 @@ from rich.table import Table
 from keel.errors import KeelError
 from keel.hardware import probe
 from keel.hardware.profile import HardwareProfile
+from keel.planning.adaptive import check_hint
 from keel.planning.policy import RuntimePolicy
 from keel.planning.runtime_plan import RuntimePlan, is_this_machine, plan_runtime
 
@@ -35,10 +40,14 @@ def plan_command(
     policy: Path | None = typer.Option(None, "--policy", help="A RuntimePolicy YAML file."),
     hardware: Path | None = typer.Option(
         None, "--hardware", help="Plan for a profile saved by `keel probe --json`."),
+    hint: str | None = typer.Option(
+        None, "--hint", help="Performance hint: latency or throughput (else the policy's)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Plan engines and runtimes for this machine (or a saved profile), with reasons."""
     runtime_policy = RuntimePolicy.resolve(policy)
+    if hint is not None:
+        runtime_policy = dataclasses.replace(runtime_policy, hint=check_hint(hint, "--hint"))
     profile = probe() if hardware is None else HardwareProfile.load(str(hardware))
     local = hardware is None or is_this_machine(profile)
     runtime_plan = plan_runtime(profile, runtime_policy, local=local)
@@ -46,7 +55,10 @@ def plan_command(
     if as_json:
         data: dict[str, Any] = runtime_plan.to_dict()
         if loaded is not None:
-            data = {"runtime": data, "model": loaded.plan.to_dict()}
+            model_plan = loaded.plan.to_dict()
+            adaptive = getattr(loaded, "adaptive_plan", None)
+            model_plan["adaptive"] = None if adaptive is None else adaptive.to_dict()
+            data = {"runtime": data, "model": model_plan}
         typer.echo(json.dumps(data, indent=2))
         return
     console = Console()
@@ -66,8 +78,8 @@ def _load(model: str, policy: RuntimePolicy, profile: HardwareProfile) -> Any:
         ) from None
     kwargs: dict[str, Any] = {"backend": policy.backend, "precision": policy.precision}
     accepted = inspect.signature(load_model).parameters
-    kwargs.update({k: v for k, v in (("hardware", profile), ("policy", policy))
-                   if k in accepted})
+    kwargs.update({k: v for k, v in (("hardware", profile), ("policy", policy),
+                                     ("hint", policy.hint)) if k in accepted})
     return load_model(model, **kwargs)
 
 

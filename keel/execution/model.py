@@ -12,10 +12,15 @@ signature already run (same names, exact dtypes, NumPy arrays of the same
 shapes and strides, which were C-contiguous then) goes straight to that
 signature's program.
 
+Every signature also gets an adaptive plan (seed 003), made before running
+from the dtype mix, where the inputs live, the performance hint, a telemetry
+snapshot taken then and the runtime history of this model on this machine.
 A memory limit is checked before running: when the whole batch does not fit,
-the batch is split into chunks along its first axis (the planner may shrink
-chunks at chunk boundaries, never in the middle of one); when not even one
-item fits, ``MemoryLimitError`` states the peak the plan needs.
+the batch is split into chunks along its first axis (the planner may shrink or
+grow chunks at chunk boundaries, never in the middle of one); when not even
+one item fits, ``MemoryLimitError`` states the peak the plan needs. Under the
+``throughput`` hint a batch is split into sub-batches run concurrently on
+separate programs and thread groups, written into one set of outputs.
 """
 
 from __future__ import annotations
@@ -24,9 +29,11 @@ import asyncio
 import collections
 import os
 import threading
+import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -35,12 +42,17 @@ from keel.backends.registry import BackendRegistry, default_registry
 from keel.config import BACKEND_NAMES, PRECISIONS, format_bytes, parse_bytes, settings
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError, MemoryLimitError
+from keel.execution import plan_cache as _plan_cache
+from keel.execution.compiled import CompiledModel
 from keel.execution.program import ArenaPool, Profiler, Program, compile_program
 from keel.graph.ir import Graph, Value
 from keel.ops.registry import OpGroup
 from keel.ops.types import Dim, TensorType
-from keel.planning.adaptive import AdaptivePlan, AdaptivePlanner, PlanRequest
+from keel.planning.adaptive import AdaptivePlan, AdaptivePlanner, PlanRequest, check_hint
 from keel.planning.placement import ExecutionPlan, place, precision_name
+
+if TYPE_CHECKING:
+    from keel.planning.tuning import TuneReport
 
 __all__ = ["OPTIMIZATION_LEVELS", "Model", "TensorInfo", "load_model"]
 
@@ -51,7 +63,7 @@ _FLOATS = {"fp16": DType.FLOAT16, "fp32": DType.FLOAT32, "fp64": DType.FLOAT64}
 Shapes = dict[str, tuple[int, ...]]
 # A signature already run: (what ``Model.plan`` reports, its program, the order of
 # ``Program.input_names`` in the model's input order, or None when it is the same).
-_Fast = tuple[tuple["ExecutionPlan", None], "Program", list[int] | None]
+_Fast = tuple[tuple["ExecutionPlan", "AdaptivePlan | None"], "Program", list[int] | None]
 
 
 @dataclass(frozen=True)
@@ -73,6 +85,9 @@ class _Planned:
     plan: ExecutionPlan
     program: Program | None = None
     symbolic: bool = False          # planned without sizes (no peak known)
+    adaptive: AdaptivePlan | None = None    # the adaptive plan, for ``adaptive_key``
+    adaptive_key: tuple[Any, ...] = ()
+    shown: ExecutionPlan | None = None      # ``plan`` with the adaptive plan's reasons
 
 
 def load_model(
@@ -87,33 +102,117 @@ def load_model(
     hardware: Any = None,
     policy: Any = None,
     enable_profiling: bool = False,
+    hint: str | None = None,
+    plan_cache: bool | None = None,
+    tune: bool | float = False,
 ) -> Model:
     """Load and plan a model from a path (``.onnx``/``.keel``), bytes or ``onnx.ModelProto``.
 
     ``backend`` and ``precision`` given here (else ``KEEL_BACKEND`` /
     ``KEEL_PRECISION``) are authoritative: a pinned backend that cannot run
     every node raises before anything runs. ``memory_limit`` is a byte count
-    or a size such as ``"512MB"`` (else ``KEEL_MEMORY_LIMIT``).
+    or a size such as ``"512MB"`` (else ``KEEL_MEMORY_LIMIT``). ``hint`` is a
+    performance hint, ``"latency"`` or ``"throughput"`` (else the policy's
+    ``hint``): it sets threads, streams and the batch split.
+
+    ``plan_cache`` (else ``KEEL_PLAN_CACHE``, on by default): a model loaded
+    before with the same bytes, options, machine and keel comes from the
+    compiled-plan cache (:mod:`keel.execution.plan_cache`), skipping
+    optimization and placement; a new one is stored there.
+    ``tune`` (True, or a time budget in seconds) first measures the kernel
+    variants of the nodes not yet measured on this machine (:meth:`Model.tune`).
     """
     if optimization_level not in OPTIMIZATION_LEVELS:
         raise InvalidArgumentError(
             f"optimization_level {optimization_level!r} is not allowed; use one of "
             f"{', '.join(OPTIMIZATION_LEVELS)}")
-    graph, name = _read_graph(src)
     env = settings()
-    return Model(
-        graph,
-        name=name,
-        backend=backend if backend != "auto" else (env.backend or "auto"),
-        precision=precision if precision != "auto" else (env.precision or "auto"),
-        memory_limit=memory_limit if memory_limit is not None else env.memory_limit,
-        optimization_level=optimization_level,
-        threads=threads if threads is not None else env.threads,
-        registry=registry,
-        hardware=hardware,
-        policy=policy,
-        enable_profiling=enable_profiling,
-    )
+    options: dict[str, Any] = {
+        "backend": backend if backend != "auto" else (env.backend or "auto"),
+        "precision": precision if precision != "auto" else (env.precision or "auto"),
+        "memory_limit": memory_limit if memory_limit is not None else env.memory_limit,
+        "optimization_level": optimization_level,
+        "threads": threads,
+        "hint": hint,
+        "tune": tune,
+    }
+    extra: dict[str, Any] = {"registry": registry, "hardware": hardware, "policy": policy,
+                             "enable_profiling": enable_profiling}
+    use_cache = env.plan_cache if plan_cache is None else bool(plan_cache)
+    slot = _cache_lookup(src, options, extra) if use_cache else None
+    if slot is not None and slot.found.compiled is not None:
+        compiled = slot.found.compiled
+        model = Model(compiled.graph, name=compiled.graph.name or _default_name(src),
+                      compiled=compiled, **options, **extra)
+        model._note(slot.found.reason)
+        return model
+    graph, name = _read_graph(src)
+    model = Model(graph, name=name, **options, **extra)
+    if slot is not None:
+        model._note(slot.found.reason, slot.store(model))
+    return model
+
+
+@dataclass(frozen=True)
+class _CacheSlot:
+    """A model's place in the plan cache: its key (None: not cacheable) and what was there."""
+
+    key: str | None
+    found: _plan_cache.Lookup
+    source: _plan_cache.ModelSource | None = None
+
+    def store(self, model: Model) -> str:
+        """Store ``model``'s compiled plan under the key; returns what the plan says of it."""
+        if self.key is None or self.source is None or not self.found.storable:
+            return ""
+        if not self.source.unchanged():
+            return "compiled plan not stored in the cache: the model file changed while loading"
+        return _plan_cache.store(self.key, model._compiled())
+
+
+def _cache_lookup(src: Any, options: Mapping[str, Any], extra: Mapping[str, Any],
+                  ) -> _CacheSlot:
+    """The model's cache key and what the plan cache holds under it."""
+    if extra["registry"] is not None:
+        return _CacheSlot(None, _plan_cache.Lookup(None, "plan cache not used: a registry was "
+                                                         "given (its backends cannot be keyed)"))
+    policy = extra["policy"]
+    if policy is not None and not hasattr(policy, "to_dict"):
+        return _CacheSlot(None, _plan_cache.Lookup(None, "plan cache not used: the policy "
+                                                         "cannot be keyed"))
+    source = _plan_cache.ModelSource(src)
+    digest = source.digest()
+    if digest is None:
+        return _CacheSlot(None, _plan_cache.Lookup(None))
+    limit = options["memory_limit"]
+    keyed = {**options, "memory_limit": None if limit is None else parse_bytes(limit),
+             "policy": None if policy is None else policy.to_dict(),
+             "tuning": _tuning_token()}
+    registry = default_registry()
+    backends = {"priority": registry.priority,
+                "available": [b.name for b in registry.available()]}
+    key = _plan_cache.cache_key(digest, keyed, extra["hardware"], backends)
+    found = _plan_cache.lookup(key)
+    # The key covers the model's bytes, not external weight files: such a model is never
+    # stored (so never found).
+    if found.compiled is None and source.may_use_external_data():
+        return _CacheSlot(None, _plan_cache.Lookup(None, "plan cache not used: the model may "
+                                                         "keep weights in external files"))
+    return _CacheSlot(key, found, source)
+
+
+def _tuning_token() -> str:
+    """What ``keel tune`` measured on this machine (a plan made before a tune is stale after)."""
+    from keel.planning.tuning import cached
+
+    return str(cached().token)
+
+
+def _default_name(src: Any) -> str:
+    """A model's name when its graph has none: the file's stem, else ``model``."""
+    if isinstance(src, (str, os.PathLike)):
+        return os.path.splitext(os.path.basename(os.fspath(src)))[0]
+    return "model"
 
 
 def _read_graph(src: Any) -> tuple[Graph, str]:
@@ -129,17 +228,16 @@ def _read_graph(src: Any) -> tuple[Graph, str]:
 
     if isinstance(src, (str, os.PathLike)):
         path = os.fspath(src)
-        stem = os.path.splitext(os.path.basename(path))[0]
         keel_file = path.endswith(".keel") or (os.path.isfile(path) and is_keel_file(path))
         graph = load_keel(path) if keel_file else import_onnx(path)
-        return graph, graph.name or stem
+        return graph, graph.name or _default_name(src)
     if isinstance(src, (bytes, bytearray, memoryview)):
         data = bytes(src)
         graph = load_keel(data) if is_keel_file(data) else import_onnx(data)
-        return graph, graph.name or "model"
+        return graph, graph.name or _default_name(src)
     if type(src).__name__ == "ModelProto":
         graph = import_onnx(src)
-        return graph, graph.name or "model"
+        return graph, graph.name or _default_name(src)
     raise InvalidArgumentError(
         f"a model is a path (.onnx or .keel), bytes or onnx.ModelProto; got "
         f"{type(src).__name__}")
@@ -152,28 +250,42 @@ class Model:
                  precision: str = "auto", memory_limit: int | str | None = None,
                  optimization_level: str = "all", threads: int | None = None,
                  registry: BackendRegistry | None = None, hardware: Any = None,
-                 policy: Any = None, enable_profiling: bool = False) -> None:
+                 policy: Any = None, enable_profiling: bool = False,
+                 hint: str | None = None,
+                 compiled: CompiledModel | None = None,
+                 tune: bool | float = False) -> None:
+        """``compiled`` (from the plan cache) holds ``graph`` already optimized for these
+        options, the model's declared inputs and outputs and its first plan."""
         from keel.graph.passes import optimize
 
-        self.input_names = list(graph.input_names)     # graph order, optional ones included
-        self._declared_inputs = [v for v in graph.inputs if v.name not in graph.initializers]
-        self._declared_outputs = list(graph.outputs)
+        if compiled is None:
+            self.input_names = list(graph.input_names)     # graph order, optional ones included
+            self._declared_inputs = [v for v in graph.inputs if v.name not in graph.initializers]
+            self._declared_outputs = list(graph.outputs)
+        else:
+            self.input_names = list(compiled.input_names)
+            self._declared_inputs = list(compiled.inputs)
+            self._declared_outputs = list(compiled.outputs)
         self.name = name or graph.name or "model"
         self.optimization_level = optimization_level
-        self._registry = _with_threads(registry or default_registry(), threads)
+        self._registry = _with_threads(registry or default_registry(), threads, hardware)
         self._hardware = hardware if hardware is not None else _probe_if_gpu(self._registry)
         self._policy = policy
+        self._hint = check_hint(hint if hint is not None else getattr(policy, "hint", None))
+        self._threads = threads
         self._backend = _check_backend(backend)
         self._precision = _check_precision(precision)
-        self._graph = _freeze_constants(
-            _convert_precision(optimize(graph, optimization_level), self._precision))
+        self._graph = _freeze_constants(graph if compiled is not None else _convert_precision(
+            optimize(graph, optimization_level), self._precision))
         self._memory_limit = None if memory_limit is None else parse_bytes(memory_limit)
         self._cache: collections.OrderedDict[tuple[Any, ...], _Planned] = \
             collections.OrderedDict()
         self._pool = ArenaPool()
         self._lock = threading.RLock()
         self._planner = AdaptivePlanner()
-        self._telemetry: Callable[[], Any] | None = None
+        self._telemetry: Callable[[], Any] | None = self._snapshot
+        self._history: Any = None                # a RuntimeHistory, made when first needed
+        self._streams: _Streams | None = None
         self._profiler: Profiler | None = Profiler() if enable_profiling else None
         self._last: tuple[ExecutionPlan, AdaptivePlan | None] | None = None
         # Signatures already checked: (shape, strides) of each feed, in _fast_names
@@ -184,6 +296,10 @@ class Model:
         # Only where no dtype conversion happens at the edges (precision="auto").
         self._fast_ok = _keeps_dtypes(self._graph, self._declared_inputs,
                                       self._declared_outputs)
+        if compiled is not None:
+            self._restore(compiled)
+        if tune is not False:
+            self.tune(budget_s=None if tune is True else tune)
         self._check_default_plan()
 
     # ---- description -----------------------------------------------------
@@ -218,8 +334,22 @@ class Model:
         """The plan of the last run, or of the first signature (symbolic dims as 1)."""
         with self._lock:
             if self._last is None:
-                self._last = (self._default_planned().plan, None)
+                planned = self._default_planned()
+                self._last = (self._shown(planned), planned.adaptive)
             return self._last[0]
+
+    @property
+    def adaptive_plan(self) -> AdaptivePlan | None:
+        """The adaptive plan (seed 003) behind ``plan``: runtime, precision plan, hint,
+        streams, chunks, telemetry and reasons; None for a plan made without sizes."""
+        with self._lock:
+            self.plan  # noqa: B018 - makes the default plan when nothing ran yet
+            return None if self._last is None else self._last[1]
+
+    @property
+    def hint(self) -> str:
+        """The performance hint: ``none``, ``latency`` or ``throughput``."""
+        return self._hint
 
     def explain(self) -> str:
         """Per-node backend, variant, layout, threads, precision and reason; copies; peak
@@ -233,17 +363,52 @@ class Model:
             f"optimization {self.optimization_level}, memory limit {limit}",
             f"planned for input shapes {shapes}",
         ]
-        if self._last is not None and self._last[1] is not None:
-            head.append(f"chunked: {self._last[1].n_chunks} chunks of up to "
-                        f"{self._last[1].chunk_size}")
+        adaptive = self.adaptive_plan
+        if adaptive is not None:
+            head.append(_describe_adaptive(adaptive))
         # How a compiled program sized its backends' thread pools (known once it has run).
         program = next((p.program for p in self._cache.values()
-                        if p.plan is plan and p.program is not None), None)
+                        if plan in (p.plan, p.shown) and p.program is not None), None)
         if program is not None:
             head += [f"{name} threads: {why}" for name, why in program.scope_reasons.items()]
         memory = plan.memory_plan.report() if plan.memory_plan is not None else ""
         return "\n".join([*head, "", plan.table(), "", memory, "", "node plans:",
                           plan.node_plans()]).rstrip() + "\n"
+
+    def tune(self, shapes: Mapping[str, Sequence[int]] | None = None, *,
+             budget_s: float | None = None, force: bool = False,
+             progress: Callable[[int, int, str], None] | None = None) -> TuneReport:
+        """Time the candidate kernel variants of this model's nodes here (for ``shapes``,
+        else the first signature) and cache the winners; plans made from now on use them.
+        Cases already measured are skipped unless ``force``. Returns a
+        :class:`~keel.planning.tuning.TuneReport`; ``progress`` defaults to a bar on stderr.
+        """
+        from keel.planning import tuning
+
+        budget = tuning.DEFAULT_BUDGET_SECONDS if budget_s is None else budget_s
+        with self._lock, tuning.progress_bar(progress is None) as bar:
+            planned = (self._default_planned() if shapes is None else
+                       self._planned(self._checked_shapes(shapes)))
+            backends = {name: self._registry.get(name) for name in planned.plan.backends}
+            report = tuning.tune(self._graph, planned.types, planned.plan, backends,
+                                 budget_s=budget, force=force, progress=progress or bar)
+            self._cache.clear()
+            self._fast.clear()
+            self._last = None
+        return report
+
+    def _checked_shapes(self, shapes: Mapping[str, Sequence[int]]) -> Shapes:
+        names = [v.name for v in self._declared_inputs]
+        checked: Shapes = {}
+        for name, shape in shapes.items():
+            dims = tuple(shape) if isinstance(shape, (list, tuple)) else None
+            if name not in names or dims is None or not all(
+                    isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
+                raise InvalidArgumentError(
+                    f"shape {shape!r} for {name!r}: give a tuple of non-negative ints for one "
+                    f"of the inputs {', '.join(names)}")
+            checked[name] = dims
+        return {**self._default_shapes(), **checked}
 
     # ---- settings --------------------------------------------------------
     def set_memory_limit(self, limit: int | str | None) -> None:
@@ -259,6 +424,7 @@ class Model:
                 raise
             self._pool.clear()
             self._fast.clear()
+            self._streams = None
             self._last = None
 
     def set_backend(self, backend: str) -> None:
@@ -274,11 +440,29 @@ class Model:
                 raise
             self._pool.clear()
             self._fast.clear()
+            self._streams = None
             self._last = None
 
     def set_telemetry(self, source: Callable[[], Any] | None) -> None:
-        """A callable returning a telemetry snapshot, read at chunk boundaries."""
-        self._telemetry = source
+        """A callable returning a telemetry snapshot, read when a signature is planned and
+        at chunk boundaries (the default takes ``take_snapshot``'s; None: no telemetry)."""
+        with self._lock:
+            old, self._telemetry = self._telemetry, source
+            for planned in self._cache.values():
+                planned.adaptive, planned.shown = None, None
+            self._fast.clear()
+            self._last = None
+            try:
+                self._check_default_plan()
+            except MemoryLimitError:
+                self._telemetry = old
+                self._check_default_plan()
+                raise
+
+    def _snapshot(self) -> Any:
+        from keel.planning.telemetry import take_snapshot
+
+        return take_snapshot(self._hardware, probe_gpus=self._hardware is not None)
 
     # ---- profiling -------------------------------------------------------
     def enable_profiling(self) -> None:
@@ -311,17 +495,20 @@ class Model:
             with self._lock:
                 self._last = last
                 return program.execute(ordered)
+        residency = _residency(feeds)
         arrays, shapes = self._validate(feeds)
         with self._lock:
             planned = self._planned(shapes)
-            limit = self._memory_limit
-            if limit is None or planned.plan.peak_bytes <= limit:
-                self._last = (self._with_hint(planned.plan, None), None)
+            adaptive = self._adaptive_plan(shapes, planned, residency)
+            if adaptive.chunked:
+                result = self._run_chunked(arrays, shapes, planned, adaptive)
+            elif adaptive.streams > 1:
+                result = self._run_streams(arrays, shapes, planned, adaptive)
+            else:
+                self._last = (self._shown(planned), adaptive)
                 program = self._program(planned)
                 result = program.run(arrays, profiler=self._profiler)
                 self._remember(arrays, planned, program)
-            else:
-                result = self._run_chunked(arrays, shapes, planned, limit)
         return self._to_declared(result)
 
     def _fast_path(self, feeds: Any) -> tuple[_Fast, Sequence[np.ndarray]] | None:
@@ -361,7 +548,7 @@ class Model:
             self._fast.clear()
         order = [names.index(n) for n in program.input_names]
         key = tuple((arrays[n].shape, arrays[n].strides) for n in names)
-        self._fast[key] = ((planned.plan, None), program,
+        self._fast[key] = ((self._shown(planned), planned.adaptive), program,
                            None if order == list(range(len(names))) else order)
 
     def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
@@ -395,7 +582,7 @@ class Model:
         return {k: np.asarray(v) for k, v in values.items()}
 
     # ---- planning --------------------------------------------------------
-    def _planned(self, shapes: Shapes) -> _Planned:
+    def _planned(self, shapes: Shapes, keep: bool = True) -> _Planned:
         key = tuple(sorted(shapes.items()))
         hit = self._cache.get(key)
         if hit is not None:
@@ -408,6 +595,8 @@ class Model:
         plan = place(self._graph, types, self._registry, self._hardware, self._policy,
                      backend=self._backend, precision=self._precision)
         planned = _Planned(types, plan)
+        if not keep:            # a size the chunk planner only weighs: cached programs stay
+            return planned
         self._cache[key] = planned
         while len(self._cache) > _CACHE_SIZE:
             self._cache.popitem(last=False)
@@ -449,58 +638,195 @@ class Model:
     def _check_default_plan(self) -> None:
         """Plan the first signature now: pins and impossible limits fail at load."""
         planned = self._default_planned()
-        limit = self._memory_limit
-        if limit is not None and not planned.symbolic and planned.plan.peak_bytes > limit:
-            self._chunk_plan(self._default_shapes(), planned.plan, limit)
+        if not planned.symbolic:
+            self._adaptive_plan(self._default_shapes(), planned)
 
-    def _with_hint(self, plan: ExecutionPlan, chunk: AdaptivePlan | None) -> ExecutionPlan:
-        if chunk is None:
+    # ---- the plan cache --------------------------------------------------
+    def _restore(self, compiled: CompiledModel) -> None:
+        """Take the cached plan of the first signature instead of placing it again."""
+        key = ("symbolic",) if compiled.symbolic else tuple(sorted(compiled.shapes.items()))
+        self._cache[key] = _Planned(dict(compiled.types), compiled.plan,
+                                    symbolic=compiled.symbolic)
+
+    def _compiled(self) -> CompiledModel:
+        """What the plan cache stores for this model: its graph, interface and first plan."""
+        planned = self._default_planned()
+        return CompiledModel(self._graph, tuple(self.input_names),
+                             tuple(self._declared_inputs), tuple(self._declared_outputs),
+                             self._default_shapes(), planned.symbolic, planned.plan,
+                             planned.types)
+
+    def _note(self, *reasons: str) -> None:
+        """Add what the plan cache did to the first signature's plan."""
+        said = tuple(r for r in reasons if r)
+        if said:
+            planned = self._default_planned()
+            planned.plan = replace(planned.plan, reasons=(*planned.plan.reasons, *said))
+            planned.shown = None
+
+    def _shown(self, planned: _Planned) -> ExecutionPlan:
+        """``planned.plan`` with its adaptive plan's chunk hint and reasons."""
+        if planned.shown is None:
+            planned.shown = self._with_hint(planned.plan, planned.adaptive)
+        return planned.shown
+
+    def _with_hint(self, plan: ExecutionPlan, adaptive: AdaptivePlan | None) -> ExecutionPlan:
+        if adaptive is None:
             return plan
-        return replace(plan, chunk_size_hint=chunk.chunk_size,
-                       reasons=(*plan.reasons, *chunk.reasons))
+        hint = (adaptive.chunk_size if adaptive.chunked
+                else adaptive.batch_split[0] if adaptive.streams > 1 else None)
+        return replace(plan, chunk_size_hint=hint, reasons=(*plan.reasons, *adaptive.reasons))
+
+    # ---- the adaptive plan (seed 003) ---------------------------------------
+    def _adaptive_plan(self, shapes: Shapes, planned: _Planned,
+                       residency: str = "cpu") -> AdaptivePlan:
+        """Plan runtime, precision, streams and chunks for this signature: once, or on every
+        run while it is chunked (each run then starts from a fresh snapshot and history)."""
+        key = (self._memory_limit, residency, self._telemetry is None)
+        hit = planned.adaptive
+        if hit is not None and planned.adaptive_key == key and not hit.chunked:
+            return hit
+        batch = _batch_size(shapes, self._declared_inputs)
+        limit = self._memory_limit
+        if batch is None and limit is not None and planned.plan.peak_bytes > limit:
+            raise MemoryLimitError(
+                f"memory limit {format_bytes(limit)} ({limit} bytes) cannot be met: the plan "
+                f"needs a peak of {format_bytes(planned.plan.peak_bytes)} "
+                f"({planned.plan.peak_bytes} bytes) and the inputs share no batch dimension "
+                "to split into chunks",
+                required_bytes=planned.plan.peak_bytes, limit_bytes=limit)
+        cores, pinned = self._cores()
+        learn = batch is not None and (limit is not None or self._hint == "throughput")
+        request = PlanRequest(
+            "graph", 1 if batch is None else batch, residency=residency,
+            backend=self._backend, precision=self._precision, memory_limit=limit,
+            native_precision=_native_precision(self._graph),
+            telemetry=self._telemetry() if self._telemetry is not None else None,
+            node_precisions=tuple((n.name, n.precision) for n in planned.plan.nodes),
+            hint=self._hint, cores=cores, threads_pinned=pinned,
+            splittable=batch is not None and self._splittable(shapes, batch),
+            history=self._known(shapes) if learn else None, profile=self._hardware)
+        peak_of = (self._peak_fn(shapes, planned) if batch is not None
+                   else lambda _: planned.plan.peak_bytes)
+        adaptive = AdaptivePlanner(_graph_runtime(planned.plan)).plan(request, peak_of)
+        planned.adaptive, planned.adaptive_key, planned.shown = adaptive, key, None
+        return adaptive
+
+    def _cores(self) -> tuple[int, bool]:
+        """The cores the cpu backend may use, and whether the caller fixed them
+        (``threads=`` or ``KEEL_THREADS``; else the hardware profile or this machine)."""
+        pinned = self._threads is not None or settings().threads is not None
+        try:
+            return max(1, int(getattr(self._registry.get("cpu"), "threads", 1))), pinned
+        except Exception:  # no cpu backend in this registry: nothing to split across
+            return 1, pinned
+
+    def _splittable(self, shapes: Shapes, batch: int) -> bool:
+        """Whether every output has the batch as its first dimension (chunks can write it)."""
+        try:
+            self._check_chunkable(self._planned(shapes).types, batch)
+        except MemoryLimitError:
+            return False
+        return True
+
+    def _history_store(self) -> Any:
+        if self._history is None:
+            from keel.planning.history import RuntimeHistory
+
+            self._history = RuntimeHistory.for_model(self._graph, self._hardware)
+        return self._history
+
+    def _known(self, shapes: Shapes) -> dict[int, Any]:
+        return dict(self._history_store().records(_signature(shapes)))
+
+    def _record(self, shapes: Shapes, measured: Mapping[int, tuple[float, int]],
+                mode: str = "") -> None:
+        """Keep step times: chunks' under the signature, other modes' beside it."""
+        if measured:
+            key = _signature(shapes) + (f" ({mode})" if mode else "")
+            self._history_store().record(key, measured)
 
     # ---- chunking --------------------------------------------------------
     def _run_chunked(self, arrays: dict[str, np.ndarray], shapes: Shapes,
-                     planned: _Planned, limit: int) -> dict[str, np.ndarray]:
-        chunk_plan = self._chunk_plan(shapes, planned.plan, limit)
+                     planned: _Planned, chunk_plan: AdaptivePlan) -> dict[str, np.ndarray]:
+        from keel.planning.history import StepRecord
+
         batch = chunk_plan.size
-        outputs = {name: np.empty(_static(planned.types[name], name), t.dtype.numpy)
-                   for name, t in self._output_types(planned).items()}
+        outputs = self._whole_outputs(planned)
         peak_of = self._peak_fn(shapes, planned)
+        known = self._known(shapes)
+        measured: dict[int, tuple[float, int]] = {}
         pos = 0
         while pos < batch:
             end = min(pos + chunk_plan.chunk_size, batch)
             sub = {k: (v[pos:end] if k in self._batched else v) for k, v in arrays.items()}
             part = self._planned(self._with_batch(shapes, end - pos))
+            first_run = part.program is None     # binds its arena: not a step time
+            program = self._program(part)
             self._last = (self._with_hint(part.plan, chunk_plan), chunk_plan)
-            self._program(part).run(sub, outputs={k: o[pos:end] for k, o in outputs.items()},
-                                    profiler=self._profiler)
+            start = time.perf_counter()
+            program.run(sub, outputs={k: o[pos:end] for k, o in outputs.items()},
+                        profiler=self._profiler)
+            seconds, size = time.perf_counter() - start, end - pos
+            step = None if first_run else StepRecord(size, seconds / size, 1)
+            if step is not None:
+                total = measured.get(size, (0.0, 0))
+                measured[size] = (total[0] + seconds, total[1] + size)
             pos = end
             snapshot = self._telemetry() if self._telemetry is not None else None
-            chunk_plan = self._planner.replan(chunk_plan, pos, peak_of, snapshot)
+            chunk_plan = self._planner.replan(chunk_plan, pos, peak_of, snapshot,
+                                              step, known)
+        self._last = (self._last[0], chunk_plan) if self._last is not None else None
+        self._record(shapes, measured)
         return outputs
 
-    def _chunk_plan(self, shapes: Shapes, plan: ExecutionPlan, limit: int) -> AdaptivePlan:
-        batch = _batch_size(shapes, self._declared_inputs)
-        if batch is None:
-            raise MemoryLimitError(
-                f"memory limit {format_bytes(limit)} ({limit} bytes) cannot be met: the plan "
-                f"needs a peak of {format_bytes(plan.peak_bytes)} ({plan.peak_bytes} bytes) and "
-                "the inputs share no batch dimension to split into chunks",
-                required_bytes=plan.peak_bytes, limit_bytes=limit)
-        request = PlanRequest(
-            "graph", batch, backend=self._backend, precision=self._precision,
-            memory_limit=limit, native_precision=_native_precision(self._graph),
-            telemetry=self._telemetry() if self._telemetry is not None else None)
-        return self._planner.plan(request, self._peak_fn(shapes, self._planned(shapes)))
+    def _whole_outputs(self, planned: _Planned) -> dict[str, np.ndarray]:
+        """The whole batch's outputs, which chunks and streams write slices of."""
+        return {name: np.empty(_static(planned.types[name], name), t.dtype.numpy)
+                for name, t in self._output_types(planned).items()}
+
+    # ---- streams (the throughput hint) ---------------------------------------
+    def _run_streams(self, arrays: dict[str, np.ndarray], shapes: Shapes,
+                     planned: _Planned, plan: AdaptivePlan) -> dict[str, np.ndarray]:
+        """Split the batch as ``plan`` says and run the parts concurrently, one program,
+        arena and cpu thread group per stream, each writing its slice of the outputs."""
+        streams = self._streams
+        if streams is None or (streams.threads, streams.count) != \
+                (plan.threads_per_stream, plan.streams):
+            streams = self._streams = _Streams(self._registry, plan.threads_per_stream,
+                                               plan.streams, self._pool)
+        outputs = self._whole_outputs(planned)
+        jobs = []
+        first_run = False
+        pos = 0
+        for index, size in enumerate(plan.batch_split):
+            end = pos + size
+            part_shapes = self._with_batch(shapes, size)
+            first_run |= (index, _signature(part_shapes)) not in streams.programs
+            program = streams.program(index, _signature(part_shapes),
+                                      self._planned(part_shapes), self._graph)
+            sub = {k: (v[pos:end] if k in self._batched else v) for k, v in arrays.items()}
+            jobs.append((program, sub, {k: o[pos:end] for k, o in outputs.items()}))
+            pos = end
+        self._last = (self._shown(planned), plan)
+        start = time.perf_counter()
+        streams.run(jobs, self._profiler)
+        if not first_run:      # streams' times are kept apart from chunks' (they overlap)
+            self._record(shapes, {plan.batch_split[0]: (time.perf_counter() - start,
+                                                        plan.size)}, f"{plan.streams} streams")
+        return outputs
 
     def _peak_fn(self, shapes: Shapes, whole: _Planned) -> Callable[[int], int]:
         full_outputs = int(whole.plan.memory.get("output_bytes", 0))
+        batch = _batch_size(shapes, self._declared_inputs)
 
         def peak(n: int) -> int:
+            if n == batch:
+                return whole.plan.peak_bytes
             sub = self._with_batch(shapes, n)
-            plan = self._planned(sub).plan
-            self._check_chunkable(sub, n)
+            part = self._planned(sub, keep=False)
+            self._check_chunkable(part.types, n)
+            plan = part.plan
             # Chunks write into slices of the whole batch's outputs.
             return plan.peak_bytes - int(plan.memory.get("output_bytes", 0)) + full_outputs
 
@@ -515,8 +841,7 @@ class Model:
     def _with_batch(self, shapes: Shapes, n: int) -> Shapes:
         return {k: ((n, *s[1:]) if k in self._batched else s) for k, s in shapes.items()}
 
-    def _check_chunkable(self, shapes: Shapes, n: int) -> None:
-        types = self._planned(shapes).types
+    def _check_chunkable(self, types: Mapping[str, TensorType | None], n: int) -> None:
         for v in self._graph.outputs:
             t = types.get(v.name)
             if t is None or not t.is_static or not t.shape or t.shape[0] != n:
@@ -575,6 +900,96 @@ class Model:
 
 
 # ---- helpers ---------------------------------------------------------------
+class _Streams:
+    """The throughput hint's streams: per stream an arena pool and compiled programs, on a
+    cpu thread group of ``threads``; worker threads run the streams concurrently."""
+
+    def __init__(self, registry: BackendRegistry, threads: int, count: int,
+                 shared: ArenaPool) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.threads, self.count = threads, count
+        self.registry = _with_threads(registry, threads)
+        self.pools = [ArenaPool() for _ in range(count)]
+        for pool in self.pools:
+            pool.prepacked = shared.prepacked      # weights are packed once, for all
+        self.programs: dict[tuple[int, str], Program] = {}
+        self.executor = ThreadPoolExecutor(max_workers=count, thread_name_prefix="keel-stream")
+        weakref.finalize(self, self.executor.shutdown, False)
+
+    def program(self, index: int, signature: str, planned: _Planned, graph: Graph) -> Program:
+        key = (index, signature)
+        program = self.programs.get(key)
+        if program is None:
+            if len(self.programs) >= _CACHE_SIZE * self.count:
+                self.programs.clear()
+            backends = {name: self.registry.get(name) for name in planned.plan.backends}
+            program = compile_program(graph, planned.plan, planned.types, backends,
+                                      self.pools[index])
+            self.programs[key] = program
+        return program
+
+    def run(self, jobs: Sequence[tuple[Program, dict[str, np.ndarray], dict[str, np.ndarray]]],
+            profiler: Profiler | None) -> None:
+        from keel.backends.cpu.backend import ThreadCap
+
+        # One cap around all streams: each stream's own cap then finds BLAS already at
+        # its size and changes nothing, so concurrent streams never restore each other's.
+        with ThreadCap(self.threads):
+            futures = [self.executor.submit(program.run, sub, outputs=out, profiler=profiler)
+                       for program, sub, out in jobs]
+            for future in futures:
+                future.result()
+
+
+def _graph_runtime(plan: ExecutionPlan) -> Callable[[PlanRequest], tuple[str, str]]:
+    """The runtime of a whole graph in auto mode: where its inputs live when nodes run
+    there, else where placement runs most of its nodes."""
+    def choose(request: PlanRequest) -> tuple[str, str]:
+        counts = plan.backends
+        total = sum(counts.values())
+        if request.residency in counts:
+            return request.residency, (
+                f"the inputs live on {request.residency}, where placement runs "
+                f"{counts[request.residency]} of {total} nodes")
+        name = max(sorted(counts), key=counts.__getitem__) if counts else request.residency
+        moved = ("" if request.residency in ("cpu", name) else
+                 f"; the inputs live on {request.residency}, where no node runs: they are "
+                 f"copied first")
+        return name, f"placement runs {counts.get(name, 0)} of {total} nodes there{moved}"
+
+    return choose
+
+
+def _describe_adaptive(plan: AdaptivePlan) -> str:
+    threads = f"{plan.threads_per_stream} thread{'s' if plan.threads_per_stream > 1 else ''}"
+    streams = (f"{plan.streams} streams of {threads} "
+               f"(batch split {'+'.join(map(str, plan.batch_split))})" if plan.streams > 1
+               else f"one stream of {threads}")
+    chunks = (f", chunked: {plan.n_chunks} chunks of up to {plan.chunk_size}"
+              if plan.chunked else "")
+    source = (plan.telemetry or {}).get("source", "none")
+    return (f"adaptive plan: runtime {plan.runtime}, precision {plan.precision}, hint "
+            f"{plan.hint}, {streams}{chunks}; telemetry {source}")
+
+
+def _residency(feeds: Any) -> str:
+    """Where the feeds live: ``cpu`` for host arrays, else the device a feed reports."""
+    if not isinstance(feeds, Mapping):
+        return "cpu"
+    for value in feeds.values():
+        if isinstance(value, np.ndarray):
+            continue
+        device = str(getattr(value, "device", "cpu")).lower()
+        if device not in ("cpu", "host"):
+            return "gpu" if ("cuda" in device or device.startswith("gpu")) else device
+    return "cpu"
+
+
+def _signature(shapes: Shapes) -> str:
+    return ";".join(f"{k}={'x'.join(map(str, v))}" for k, v in sorted(shapes.items()))
+
+
 def _check_backend(name: Any) -> str:
     if not isinstance(name, str) or not name.strip():
         raise InvalidArgumentError(
@@ -589,21 +1004,16 @@ def _check_precision(name: Any) -> str:
     return name.strip().lower()
 
 
-def _with_threads(registry: BackendRegistry, threads: int | None) -> BackendRegistry:
-    """A registry whose cpu backend runs with ``threads`` (others shared with ``registry``)."""
-    if threads is None:
+def _with_threads(registry: BackendRegistry, threads: int | None,
+                  hardware: Any = None) -> BackendRegistry:
+    """A registry whose cpu backend runs with ``threads``, else with what ``hardware`` (a
+    profile, perhaps of another machine) says (others shared with ``registry``)."""
+    if (threads is None and hardware is None) or "cpu" not in registry.names():
         return registry
     from keel.backends.cpu.backend import CpuBackend
 
-    own = BackendRegistry()
-    cpu = CpuBackend(threads=threads)
-    for i, name in enumerate(registry.names()):
-        def factory(n: str = name) -> Backend:
-            return cpu if n == "cpu" else registry.instance(n)
-
-        own.register(name, factory, priority=-i)
-    own.set_priority(registry.priority)
-    return own
+    cpu: Backend = CpuBackend(threads=threads, hardware=hardware)
+    return registry.with_instance("cpu", cpu)
 
 
 def _probe_if_gpu(registry: BackendRegistry) -> Any:

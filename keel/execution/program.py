@@ -53,7 +53,7 @@ from keel.ops.registry import Op
 from keel.ops.types import TensorType
 from keel.planning.placement import HOST, ExecutionPlan, NodePlacement
 
-__all__ = ["ArenaPool", "Profiler", "Program", "compile_program"]
+__all__ = ["ArenaPool", "Observer", "Profiler", "Program", "compile_program"]
 
 # Ops whose output is their input read in another shape (C order): zero-copy in place.
 VIEW_OPS = frozenset({Op.RESHAPE, Op.FLATTEN, Op.SQUEEZE, Op.EXPAND_DIMS, Op.IDENTITY})
@@ -75,6 +75,11 @@ _CHECK = 2       # a kernel's own result, or on another device: copied unless it
 
 # (kind, kernel, context, attrs, input getter, output slots (or fresh specs), output views)
 _HotStep = tuple[int, Any, Any, Any, Callable[[list[Any]], Sequence[Any]], tuple[Any, ...], Any]
+
+# Called with a value's host array as a run makes it (``Program.run(observe=...)``).
+Observer = Callable[[Any], None]
+# (slot, the backend to read it from (None: on the host), callback)
+_Watched = tuple[int, Backend | None, Observer]
 
 
 class ArenaPool:
@@ -258,25 +263,32 @@ class Program:
 
     # ---- running -------------------------------------------------------
     def run(self, feeds: Mapping[str, Any], *, outputs: Mapping[str, Any] | None = None,
-            profiler: Profiler | None = None, keep_all: bool = False) -> dict[str, Any]:
+            profiler: Profiler | None = None, keep_all: bool = False,
+            observe: Mapping[str, Observer] | None = None) -> dict[str, Any]:
         """Run once; returns ``{output name: host array}`` (or every value if ``keep_all``).
 
         Arrays in ``outputs`` (host, right shape and dtype) receive the results
-        instead of fresh ones.
+        instead of fresh ones. ``observe`` maps value names to callbacks, each
+        called once per run with the value's host array as soon as it is made
+        (a feed: before the first step); the array may be arena bytes that later
+        steps overwrite, so a callback reads it then and keeps no reference.
         """
         self._bind()
         self._load_feeds(feeds)
-        if profiler is None and not keep_all:
+        if profiler is None and not keep_all and not observe:
             return self._run_hot(outputs)
         kept: dict[str, Any] = {}
         names = {slot: name for name, slot in self._slots.items()} if keep_all else {}
+        watch = self._watch(observe) if observe else None
         start = time.perf_counter_ns()
         scopes = self._enter_scopes()
         try:
-            for step in self._steps:
+            for index, step in enumerate(self._steps):
                 self._run_step(step, outputs, profiler)
                 if keep_all:
                     kept.update(self._snapshot(step, names))
+                if watch is not None:
+                    self._notify(watch.get(index, ()))
         finally:
             _exit_scopes(scopes)
         if profiler is not None:
@@ -497,6 +509,54 @@ class Program:
             if s == slot:
                 return name
         return ""
+
+    # ---- observing ---------------------------------------------------------
+    def _watch(self, observe: Mapping[str, Observer]) -> dict[int, list[_Watched]]:
+        """When each observed value is made: step index -> what to notify after it.
+        Values no step writes (feeds, weights) are notified here, before the first step."""
+        writer: dict[int, int] = {}
+        for position, step in enumerate(self._steps):
+            for out in step.outputs:
+                if out >= 0:
+                    writer[out] = position
+        watch: dict[int, list[_Watched]] = {}
+        before: list[_Watched] = []
+        for name, callback in observe.items():
+            slot = self._slots.get(name)
+            if slot is None:
+                raise InvalidArgumentError(f"observe names {name!r}, which is not a value of "
+                                           f"graph {self.graph_name!r}")
+            index = writer.get(slot, self._source_writer(name, writer))
+            if index < 0:
+                before.append((slot, None, callback))
+                continue
+            backend = self._backends.get(self._steps[index].backend)
+            on_host = backend is None or backend.device.value == HOST
+            watch.setdefault(index, []).append((slot, None if on_host else backend, callback))
+        self._notify(before)
+        return watch
+
+    def _source_writer(self, name: str, writer: Mapping[int, int]) -> int:
+        """The step writing the bytes that a reshape which runs as nothing reads (its output
+        is a view of its input's arena bytes); -1 for values no step writes."""
+        memory = self.memory
+        seen: set[str] = set()
+        while memory is not None and name in memory and name not in seen:
+            seen.add(name)
+            shares = memory.allocation(name).shares
+            if not shares:
+                break
+            name = shares
+            index = writer.get(self._slots.get(name, _ABSENT), -1)
+            if index >= 0:
+                return index
+        return -1
+
+    def _notify(self, watched: Sequence[_Watched]) -> None:
+        for slot, backend, callback in watched:
+            value = self._values[slot]
+            if value is not None:
+                callback(value if backend is None else backend.read(value))
 
     def _snapshot(self, step: _Step, names: Mapping[int, str]) -> dict[str, Any]:
         snap = {}

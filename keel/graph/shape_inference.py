@@ -6,25 +6,38 @@ running: initializers, and small results computable from them or from static
 shapes (``Shape`` of a tensor whose shape is known, ``Gather`` of that, ...).
 Those values are what lets ``Reshape(x, Concat(Shape(x)[0], -1))`` get a static
 output shape.
+
+Computing a value means running a node, and keel runs nodes in one place: the
+executor (``keel.execution``), which is downstream of this stage. So this
+module defines what an :class:`Evaluator` is and takes one as an argument;
+without one, :func:`default_evaluator` asks keel's root package, which wires in
+the executor's (``keel.execution.evaluate.ProgramEvaluator``, every node on the
+reference backend). Nothing here imports the executor.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import collections
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from enum import Enum
+from typing import Any, Protocol
 
 import numpy as np
 
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError, KeelError, UnsupportedOperationError
-from keel.graph.ir import Graph, Node
+from keel.graph.ir import Graph, Node, Value
 from keel.ops.registry import Op, OpGroup
 from keel.ops.schema import get_schema
 from keel.ops.types import TensorType
 
 __all__ = [
+    "Evaluator",
+    "GraphRunner",
     "Propagation",
+    "default_evaluator",
     "evaluate_node",
     "infer_graph_types",
     "infer_node",
@@ -41,34 +54,68 @@ _NOT_PROPAGATED = (OpGroup.MATMUL_LIKE | OpGroup.CONVOLUTION | OpGroup.POOLING
                    | OpGroup.NORMALIZATION | OpGroup.QUANTIZATION)
 
 
+class GraphRunner(Protocol):
+    """Runs one graph: ``runner(feeds, observe)`` returns the graph outputs for ``feeds``.
+
+    ``observe`` maps value names to callbacks, each called once per run with
+    that value's host array as soon as it is made; the array may be reused by
+    later steps, so a callback reads it then and keeps no reference.
+    """
+
+    def __call__(self, feeds: Mapping[str, Any],
+                 observe: Mapping[str, Callable[[Any], None]] | None = None
+                 ) -> dict[str, Any]: ...
+
+
+# What runs graphs for this stage: ``evaluator(graph)`` prepares a runner of ``graph``.
+Evaluator = Callable[[Graph], GraphRunner]
+
+
+def default_evaluator(backend: str = "reference") -> Evaluator:
+    """The executor's evaluator, placing every node on ``backend`` ("reference" or "auto").
+
+    keel's root package wires it in: this stage is upstream of the executor and
+    never imports it.
+    """
+    import keel
+
+    evaluator: Evaluator = keel._graph_evaluator(backend)
+    return evaluator
+
+
 @dataclass
 class Propagation:
     """What is known about every value before running: its type and maybe its value."""
 
     types: dict[str, TensorType | None] = field(default_factory=dict)
     values: dict[str, np.ndarray] = field(default_factory=dict)
+    # Runs the nodes whose values are computed (None: the default, made on first use).
+    evaluator: Evaluator | None = field(default=None, repr=False)
 
 
 def infer_graph_types(
-    graph: Graph, input_shapes: Mapping[str, Sequence[int | str | None]] | None = None
+    graph: Graph, input_shapes: Mapping[str, Sequence[int | str | None]] | None = None,
+    evaluator: Evaluator | None = None,
 ) -> dict[str, TensorType | None]:
     """The type of every value in ``graph`` (None where it cannot be known).
 
     ``input_shapes`` overrides the declared shapes of graph inputs (for example
     a concrete batch size); a shape that contradicts the declaration raises
     ``InvalidArgumentError`` naming the input, and so does a node whose inputs
-    its schema rejects (naming the node).
+    its schema rejects (naming the node). ``evaluator`` computes the constant
+    values shapes depend on (default: :func:`default_evaluator`).
     """
-    return propagate(graph, input_shapes).types
+    return propagate(graph, input_shapes, evaluator=evaluator).types
 
 
 def propagate(
     graph: Graph,
     input_shapes: Mapping[str, Sequence[int | str | None]] | None = None,
     value_limit: int = VALUE_LIMIT,
+    evaluator: Evaluator | None = None,
 ) -> Propagation:
     """Types of every value and the values of small constants, node by node."""
-    state = Propagation()
+    state = Propagation(evaluator=evaluator)
     for name, arr in graph.initializers.items():
         state.types[name] = _type_of_array(arr)
         if graph.is_constant(name) and arr.size <= value_limit:
@@ -107,7 +154,7 @@ def propagate_node(
     for name in node.outputs[len(out_types):]:
         if name:
             state.types[name] = declared.get(name)
-    values = _known_values(node, in_types, in_values, out_types, value_limit)
+    values = _known_values(node, in_types, in_values, out_types, value_limit, state)
     for name, val in zip(node.outputs, values, strict=False):
         if name and val is not None:
             state.values[name] = val
@@ -142,6 +189,7 @@ def _known_values(
     in_values: Sequence[np.ndarray | None],
     out_types: Sequence[TensorType | None],
     value_limit: int,
+    state: Propagation,
 ) -> list[np.ndarray | None]:
     if node.op is Op.SHAPE:
         return [_shape_value(node, in_types[0] if in_types else None)]
@@ -156,7 +204,9 @@ def _known_values(
         return []
     if not _small(out_types, len(node.outputs), value_limit):
         return []
-    return list(evaluate_node(node, list(in_values)) or [])
+    if state.evaluator is None:
+        state.evaluator = default_evaluator()
+    return list(evaluate_node(node, list(in_values), state.evaluator) or [])
 
 
 def _small(out_types: Sequence[TensorType | None], n_out: int, limit: int) -> bool:
@@ -169,25 +219,107 @@ def _small(out_types: Sequence[TensorType | None], n_out: int, limit: int) -> bo
     return True
 
 
-def evaluate_node(node: Node, inputs: Sequence[np.ndarray | None]) -> list[np.ndarray] | None:
-    """Run ``node`` on NumPy inputs with the reference kernel; None if that cannot be done.
+def evaluate_node(node: Node, inputs: Sequence[np.ndarray | None],
+                  evaluator: Evaluator | None = None) -> list[np.ndarray | None] | None:
+    """Run ``node`` on NumPy inputs through ``evaluator``; None if that cannot be done.
 
-    Used for constant values at optimize time. A failing kernel (the node is
-    invalid for these inputs) gives None, so the error surfaces when the model
-    runs, with the node named, instead of here.
+    The node runs as a graph of its own whose inputs are the given arrays (on
+    the reference backend with the default evaluator); nodes alike (op,
+    attributes, input dtypes and shapes) share one prepared graph. Used for
+    constant values at optimize time. A failing node (invalid for these inputs,
+    or an op or dtype nothing runs) gives None, so the error surfaces when the
+    model runs, with the node named, instead of here. The result has one entry
+    per output of ``node`` (None for an absent one).
     """
-    from keel.backends.base import DeviceKind, KernelContext
-    from keel.backends.reference.kernels import load
-
-    table = load()
-    if node.op not in table:
+    if len(node.inputs) > len(inputs) or not any(node.outputs):
         return None
-    ctx = KernelContext(np, "reference", DeviceKind.CPU)
+    feeds: dict[str, np.ndarray] = {}
+    alias: dict[str, str] = {}                  # the node's input name -> its graph input
+    for name, value in zip(node.inputs, inputs, strict=False):
+        if name and name not in alias:
+            if value is None:
+                return None
+            alias[name] = f"x{len(alias)}"
+            feeds[alias[name]] = np.asarray(value)
+    lone = Node(node.name, node.op, [alias.get(i, "") for i in node.inputs],
+                [f"y{k}" if o else "" for k, o in enumerate(node.outputs)], node.attrs)
+    run = _runner(lone, feeds, evaluator or default_evaluator())
+    if run is None:
+        return None
     try:
-        outs = table.get(node.op).fn(ctx, list(inputs), node.attrs, None)
-    except Exception:
+        outs = run(feeds)
+    except Exception:       # the node cannot run on these inputs: it fails when the model runs
         return None
-    return [np.asarray(o) for o in outs]
+    return [np.asarray(outs[o]) if o else None for o in lone.outputs]
+
+
+# Prepared one-node graphs, by evaluator and node signature (most recently used last).
+_RUNNERS: collections.OrderedDict[tuple[Any, ...], GraphRunner] = collections.OrderedDict()
+_RUNNERS_KEPT = 256
+_RUNNERS_LOCK = threading.Lock()
+
+
+def _runner(node: Node, feeds: Mapping[str, np.ndarray],
+            evaluator: Evaluator) -> GraphRunner | None:
+    """A runner of ``node`` alone, fed ``feeds``; shared by nodes alike when their
+    attributes can be compared exactly."""
+    attrs = _attrs_key(node.attrs)
+    key: tuple[Any, ...] | None = None if attrs is None else (
+        evaluator, node.op, attrs, tuple(node.inputs), tuple(node.outputs),
+        tuple((a.dtype.str, a.shape) for a in feeds.values()))
+    if key is not None:
+        with _RUNNERS_LOCK:
+            run = _RUNNERS.get(key)
+            if run is not None:
+                _RUNNERS.move_to_end(key)
+                return run
+    graph = _node_graph(node, feeds)
+    if graph is None:
+        return None
+    run = evaluator(graph)
+    if key is not None:
+        with _RUNNERS_LOCK:
+            _RUNNERS[key] = run
+            while len(_RUNNERS) > _RUNNERS_KEPT:
+                _RUNNERS.popitem(last=False)
+    return run
+
+
+def _node_graph(node: Node, feeds: Mapping[str, np.ndarray]) -> Graph | None:
+    """``node`` alone in a graph whose inputs are ``feeds``."""
+    inputs = {}
+    for name, array in feeds.items():
+        t = _type_of_array(array)
+        if t is None:
+            return None
+        inputs[name] = Value(name, t)
+    try:
+        inferred = infer_node(node, [inputs[i].type if i else None for i in node.inputs],
+                              [None] * len(node.inputs))
+    except KeelError:
+        return None
+    inferred += [None] * (len(node.outputs) - len(inferred))
+    outputs = [Value(o, t if t is not None else TensorType(DType.FLOAT32, None))
+               for o, t in zip(node.outputs, inferred, strict=False) if o]
+    return Graph(f"{node.name}:value", [node], list(inputs.values()), outputs)
+
+
+def _attrs_key(attrs: Mapping[str, Any]) -> tuple[Any, ...] | None:
+    """``attrs`` as a hashable key that tells apart every two that differ, or None."""
+    try:
+        return tuple(sorted((k, _frozen(v)) for k, v in attrs.items()))
+    except TypeError:
+        return None
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, (tuple, list)):
+        return type(value).__name__, tuple(_frozen(v) for v in value)
+    if isinstance(value, (float, np.floating)):
+        return "float", repr(float(value))          # tells 0.0 from -0.0
+    if value is None or isinstance(value, (bool, int, str, Enum, np.integer, np.bool_)):
+        return type(value).__name__, value
+    raise TypeError(f"no exact key for a {type(value).__name__}")
 
 
 def _shape_value(node: Node, t: TensorType | None) -> np.ndarray | None:

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from keel.config import cache_dir
+from keel import config
+from keel.config import Settings
 from keel.errors import BackendSelectionError, InvalidArgumentError
 from keel.native.toolchain import BASE_FLAGS, Compiler, find_compiler
 
@@ -101,22 +102,22 @@ class _State:
         self.reason = "not checked yet"
         self.libraries: dict[str, NativeLibrary] = {}
         self.failed: dict[str, str] = {}
+        # KEEL_NATIVE, KEEL_CC, KEEL_SPIN_US and KEEL_CACHE_DIR, taken at first use
+        self.settings: Settings | None = None
+
+    def values(self) -> Settings:
+        """The settings this state runs with: the process's, taken once."""
+        if self.settings is None:
+            self.settings = config.settings()
+        return self.settings
 
 
 _STATE = _State()
 
 
-def mode(env: Mapping[str, str] | None = None) -> str:
-    """``KEEL_NATIVE``: ``auto`` (default), ``on`` or ``off``."""
-    env = os.environ if env is None else env
-    raw = env.get("KEEL_NATIVE", "").strip().lower()
-    if raw in ("", "auto"):
-        return "auto"
-    if raw in ("0", "off", "false", "no"):
-        return "off"
-    if raw in ("1", "on", "true", "yes"):
-        return "on"
-    raise InvalidArgumentError(f"KEEL_NATIVE={raw!r} must be one of auto, on, off")
+def mode() -> str:
+    """``KEEL_NATIVE`` as this process's native tier read it: ``auto``, ``on`` or ``off``."""
+    return _STATE.values().native
 
 
 def status() -> NativeStatus:
@@ -125,7 +126,8 @@ def status() -> NativeStatus:
     return NativeStatus(
         available=state.compiler is not None, reason=state.reason,
         compiler=state.compiler.name if state.compiler else None, flags=state.flags,
-        mode=mode(), built=tuple(sorted(state.libraries)), failed=dict(state.failed))
+        mode=state.values().native, built=tuple(sorted(state.libraries)),
+        failed=dict(state.failed))
 
 
 def available() -> bool:
@@ -145,8 +147,9 @@ def library(name: str) -> NativeLibrary | None:
     state = _check()
     with state.lock:
         found = state.libraries.get(name)
+        required = state.values().native == "on"
         if found is not None or name in state.failed or state.compiler is None:
-            if found is None and mode() == "on":
+            if found is None and required:
                 raise BackendSelectionError(
                     "native", state.failed.get(name, state.reason))
             return found
@@ -158,11 +161,13 @@ def library(name: str) -> NativeLibrary | None:
             lib = NativeLibrary(name, path)
         except (OSError, _BuildError) as exc:
             state.failed[name] = str(exc)
-            if mode() == "on":
+            if required:
                 raise BackendSelectionError("native", str(exc)) from exc
             return None
         state.libraries[name] = lib
-        if name != _POOL:
+        if name == _POOL:
+            _configure_pool(lib, state.values().spin_us)
+        else:
             _attach_pool(lib)
         return lib
 
@@ -188,8 +193,14 @@ def _attach_pool(lib: NativeLibrary) -> None:
         lib.function("keel_use_pool", [ctypes.c_void_p])(run)
 
 
+def _configure_pool(pool: NativeLibrary, spin_us: int) -> None:
+    """Hand the worker pool its settings (``KEEL_SPIN_US``): the C code reads no environment."""
+    pool.function("keel_pool_set_spin_us", [ctypes.c_int64])(spin_us)
+
+
 def reset() -> None:
-    """Forget what was found and loaded (tests; a changed ``KEEL_NATIVE``/``KEEL_CC``)."""
+    """Forget what was found and loaded, and take the current settings (tests: after
+    ``keel.config.reload_settings()`` with a changed ``KEEL_NATIVE`` / ``KEEL_CC``)."""
     global _STATE
     _STATE = _State()
 
@@ -205,10 +216,11 @@ def _check() -> _State:
     with state.lock:
         if state.checked:
             return state
-        if mode() == "off":
+        values = state.values()
+        if values.native == "off":
             state.reason = "disabled by KEEL_NATIVE=off"
         else:
-            compiler, how = find_compiler()
+            compiler, how = find_compiler(values)
             if compiler is None:
                 state.reason = how
             else:
@@ -220,7 +232,7 @@ def _check() -> _State:
                     state.reason = (f"{compiler.name} ({how}), "
                                     f"{' '.join(f for f in flags if f.startswith(('-O', '-m')))}")
         state.checked = True
-        if state.compiler is None and mode() == "on":
+        if state.compiler is None and values.native == "on":
             raise BackendSelectionError("native", state.reason)
         return state
 
@@ -238,7 +250,7 @@ def _working_flags(compiler: Compiler) -> tuple[str, ...] | None:
 
 
 def _cache_dir() -> Path:
-    return cache_dir() / "native"
+    return _STATE.values().cache_dir / "native"
 
 
 def _cpu_identity() -> str:

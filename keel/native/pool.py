@@ -7,11 +7,12 @@ runs on a worker, and ctypes releases the GIL around the call. Every kernel
 computes each item of its range independently, so the result is bitwise the
 same for any thread count.
 
-An idle worker spins for a while (``KEEL_SPIN_US`` microseconds, default 200)
-before it sleeps, so the next kernel of the same model run starts on it at
-once: a dispatch costs about a microsecond, where waking a sleeping thread
-costs tens (see threads.c). One pool serves every kernel library;
-``keel.native.build`` hands each library its address when it loads.
+An idle worker spins for a while (``KEEL_SPIN_US`` microseconds, default 200,
+handed to the pool when it loads: the C code reads no environment) before it
+sleeps, so the next kernel of the same model run starts on it at once: a
+dispatch costs about a microsecond, where waking a sleeping thread costs tens
+(see threads.c). One pool serves every kernel library; ``keel.native.build``
+hands each library its address when it loads.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
+from keel.config import settings
 from keel.native import build
 
 __all__ = ["chunks", "parts", "set_spin_us", "shutdown", "spin_us", "workers"]
@@ -61,18 +63,18 @@ def workers() -> int:
 
 
 def spin_us() -> int | None:
-    """How long an idle worker spins before it sleeps, in microseconds, as the pool reads
-    ``KEEL_SPIN_US`` (default 200); None when the native tier is unavailable."""
+    """How long an idle worker spins before it sleeps, in microseconds, as the pool holds
+    it (``KEEL_SPIN_US``, default 200); None when the native tier is unavailable."""
     fn = _function("keel_pool_spin_us", [], _I64)
     return None if fn is None else int(fn())
 
 
 def set_spin_us(us: int | None) -> None:
     """How long an idle worker spins before it sleeps, in microseconds (0: at once;
-    None: back to ``KEEL_SPIN_US`` or the default)."""
+    None: back to ``KEEL_SPIN_US`` as the settings read it, else the default)."""
     fn = _function("keel_pool_set_spin_us", [_I64])
     if fn is not None:
-        fn(-1 if us is None else max(0, int(us)))
+        fn(settings().spin_us if us is None else max(0, int(us)))
 
 
 def shutdown() -> None:

@@ -19,8 +19,10 @@ import functools
 import os
 import shutil
 import subprocess
-from collections.abc import Mapping
 from dataclasses import dataclass
+
+from keel import config
+from keel.config import Settings
 
 __all__ = ["BASE_FLAGS", "Compiler", "find_compiler"]
 
@@ -48,10 +50,12 @@ class Compiler:
         return f"{family} {numbers[-1]}" if numbers else family
 
 
-def find_compiler(env: Mapping[str, str] | None = None) -> tuple[Compiler | None, str]:
-    """The compiler to use and how it was found, or None and why there is none."""
-    env = os.environ if env is None else env
-    wanted = env.get("KEEL_CC", "").strip()
+def find_compiler(settings: Settings | None = None) -> tuple[Compiler | None, str]:
+    """The compiler to use and how it was found, or None and why there is none.
+
+    ``settings`` (default: the process's) give ``KEEL_CC``.
+    """
+    wanted = (config.settings() if settings is None else settings).cc
     if wanted:
         path = shutil.which(wanted)
         if path is None:

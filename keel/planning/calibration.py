@@ -56,9 +56,10 @@ from typing import Any
 
 import numpy as np
 
+from keel import config
 from keel.backends.base import Backend, DeviceKind
 from keel.backends.registry import BackendRegistry, default_registry
-from keel.config import cache_dir
+from keel.config import Settings, cache_dir
 from keel.dtypes import DType, as_dtype
 from keel.errors import BackendSelectionError, InvalidArgumentError, KeelError
 from keel.hardware.profile import HardwareProfile
@@ -869,17 +870,19 @@ class CalibrationStatus:
 
 def find_calibration(path: str | os.PathLike[str] | None = None, *,
                      profile: HardwareProfile | None = None,
-                     env: Mapping[str, str] | None = None) -> CalibrationStatus:
+                     settings: Settings | None = None) -> CalibrationStatus:
     """Look up the calibration for this machine: ``path``, ``KEEL_CALIBRATION``, the cache.
 
-    Never raises: a missing, stale or broken file is a reason, not an error.
+    ``settings`` (default: the process's) give ``KEEL_CALIBRATION`` and the
+    cache directory. Never raises: a missing, stale or broken file is a
+    reason, not an error.
     """
-    env = os.environ if env is None else env
-    raw = str(path) if path is not None else env.get("KEEL_CALIBRATION", "").strip()
+    values = config.settings() if settings is None else settings
+    raw = str(path) if path is not None else (values.calibration or "")
     if raw.lower() in _OFF:
         return CalibrationStatus(None, None, f"KEEL_CALIBRATION={raw}: calibration is off; "
                                              "the static thresholds apply")
-    folder = cache_dir(env)
+    folder = values.cache_dir
     if not raw:
         cached = sorted(folder.glob("calibration-*.json")) if folder.is_dir() else []
         if not cached:
@@ -905,11 +908,12 @@ _DEFAULT_LOCK = threading.Lock()
 
 def calibration_status() -> CalibrationStatus:
     """:func:`find_calibration` for this process, looked up once per setting."""
-    key = (os.environ.get("KEEL_CALIBRATION", "").strip(), str(cache_dir()))
+    values = config.settings()
+    key = (values.calibration or "", str(values.cache_dir))
     with _DEFAULT_LOCK:
         status = _DEFAULT.get(key)
         if status is None:
-            status = _DEFAULT[key] = find_calibration()
+            status = _DEFAULT[key] = find_calibration(settings=values)
             if status.path is not None and status.calibration is None:
                 _log.warning("keel calibration %s", status.reason)
         return status

@@ -15,6 +15,8 @@ the memory plan covers every device's arena.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -250,6 +252,7 @@ def place(
     steps = lower_steps(graph, placements, copies)
     memory = plan_steps_for_graph(graph, types, steps)
     reasons += _summary_reasons(placements, copies, memory)
+    reasons += _backend_notes(registry, placements)
     return ExecutionPlan(
         model=graph.name,
         backend=backend,
@@ -262,6 +265,13 @@ def place(
         input_shapes=_input_shapes(graph, types),
         memory_plan=memory,
     )
+
+
+def _backend_notes(registry: BackendRegistry, placements: Sequence[NodePlacement]
+                   ) -> list[str]:
+    """What each backend that runs nodes decided for all of them (the cpu threads)."""
+    used = dict.fromkeys(p.backend for p in placements)
+    return [note for name in used for note in registry.instance(name).plan_notes()]
 
 
 def _auto_chain(registry: BackendRegistry, reasons: list[str]) -> list[Backend]:
@@ -380,23 +390,38 @@ def _static_outputs(ctx: _Context, node: Node) -> bool:
 
 
 def _node_plan(ctx: _Context, node: Node, backend: Backend, precision: str) -> NodePlan:
-    """The backend planner's plan for ``node`` (a measured choice, when known, overrides)."""
+    """The backend planner's plan for ``node``; a variant measured on this machine
+    (``keel tune``'s cache) overrides its declared rules, and otherwise the tuning
+    cache's note joins the variant's reason."""
     input_types = [ctx.types.get(i) if i else None for i in node.inputs]
+    measured, note = _measured(ctx, node, backend, input_types)
     plan = backend.plan_node(node.op, input_types, node.attrs, profile=ctx.profile,
-                             precision=precision,
-                             measured=_measured(ctx, node, backend, input_types))
+                             precision=precision, measured=measured)
     if plan.variant not in backend.kernels.variants(node.op):
         raise UnsupportedOperationError(
             node.op.value, backend.name,
             detail=f"node {node.name!r}: the planner chose unknown variant {plan.variant!r}")
+    if note and (measured is None or plan.variant != measured.variant):
+        reasons = tuple((f, f"{why}; {note}" if f == "variant" else why)
+                        for f, why in plan.reasons)
+        plan = dataclasses.replace(plan, reasons=reasons)
     return plan
 
 
 def _measured(ctx: _Context, node: Node, backend: Backend,
-              input_types: Sequence[TensorType | None]) -> Measured | None:
-    """A variant measured on this machine for this node's shapes (a tuning cache hit);
-    None: the backend's declared rules decide."""
-    return None
+              input_types: Sequence[TensorType | None]) -> tuple[Measured | None, str]:
+    """(A variant measured on this machine for this node's shapes, the tuning cache's
+    note): (None, note) where the backend's declared rules decide."""
+    try:
+        tuning = importlib.import_module("keel.planning.tuning")
+    except ImportError:
+        return None, ""
+    found = tuning.lookup(ctx.graph, node, input_types, backend, ctx.profile)
+    if found is None:
+        return None, ""
+    if found.variant is None:
+        return None, str(found.reason)
+    return Measured(str(found.variant), str(found.reason)), ""
 
 
 def _node_precision(ctx: _Context, node: Node) -> tuple[str, str]:

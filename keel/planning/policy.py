@@ -12,11 +12,14 @@ policy of the design (seed 000)::
 keel adds two pins, both ``auto`` by default: ``backend`` (``gpu``, ``cpu``,
 ``reference``) and ``precision`` (``fp32``, ``fp16``, ``int8``, ...). A pin is
 authoritative: a plan that cannot honour it raises ``BackendSelectionError``.
+``hint`` is a performance hint, ``none`` by default: ``latency`` or
+``throughput`` (see :mod:`keel.planning.adaptive`).
 
 A policy comes from a YAML file, keyword arguments or ``KEEL_*`` environment
 variables (``KEEL_`` + the upper-case field name, e.g. ``KEEL_MIN_GPU_MEMORY_GB``,
-``KEEL_BACKEND``). :meth:`RuntimePolicy.resolve` layers them: defaults, then
-the file, then the environment, then keyword arguments. Unknown keys and wrong
+``KEEL_BACKEND``; read and validated once by :mod:`keel.config`).
+:meth:`RuntimePolicy.resolve` layers them: defaults, then the file, then the
+environment, then keyword arguments. Unknown keys and wrong
 types raise :class:`~keel.errors.InvalidArgumentError` naming the key.
 """
 
@@ -31,7 +34,7 @@ from typing import Any
 
 import yaml
 
-from keel.config import BACKEND_NAMES, PRECISIONS
+from keel.config import BACKEND_NAMES, HINTS, PRECISIONS, Settings, settings
 from keel.errors import InvalidArgumentError
 
 __all__ = ["ENV_PREFIX", "SEED_FIELDS", "RuntimePolicy"]
@@ -46,9 +49,7 @@ SEED_FIELDS = (
 )
 ENV_PREFIX = "KEEL_"
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
-_CHOICES = {"backend": BACKEND_NAMES, "precision": PRECISIONS}
+_CHOICES = {"backend": BACKEND_NAMES, "precision": PRECISIONS, "hint": HINTS}
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class RuntimePolicy:
     allow_accelerator_experiments: bool = True
     backend: str = "auto"
     precision: str = "auto"
+    hint: str = "none"
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -110,16 +112,18 @@ class RuntimePolicy:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None,
                  base: RuntimePolicy | None = None) -> RuntimePolicy:
-        """``base`` (default: the defaults) with every ``KEEL_<FIELD>`` variable applied."""
-        env = os.environ if env is None else env
+        """``base`` (default: the defaults) with every ``KEEL_<FIELD>`` variable applied.
+
+        ``env`` None: the process's settings (:func:`keel.config.settings`);
+        a mapping: the settings it gives (``Settings.from_env``).
+        """
+        return cls.from_settings(settings() if env is None else Settings.from_env(env), base)
+
+    @classmethod
+    def from_settings(cls, values: Settings, base: RuntimePolicy | None = None) -> RuntimePolicy:
+        """``base`` (default: the defaults) with every policy field ``values`` sets applied."""
         start = cls() if base is None else base
-        changes = {}
-        for f in dataclasses.fields(cls):
-            var = ENV_PREFIX + f.name.upper()
-            raw = env.get(var, "").strip()
-            if raw:
-                changes[f.name] = _parse_env(var, raw, f.default)
-        return dataclasses.replace(start, **changes)
+        return dataclasses.replace(start, **values.policy_overrides())
 
     @classmethod
     def resolve(cls, path: str | os.PathLike[str] | None = None,
@@ -172,22 +176,3 @@ def _check(name: str, value: Any, default: Any) -> Any:
             f"policy key {name!r} must be one of {', '.join(allowed)}, got {value!r}"
         )
     return value.strip().lower()
-
-
-def _parse_env(var: str, raw: str, default: Any) -> Any:
-    if isinstance(default, bool):
-        low = raw.lower()
-        if low not in _TRUE + _FALSE:
-            raise InvalidArgumentError(
-                f"{var}={raw!r} must be one of 1/0, true/false, yes/no, on/off"
-            )
-        return low in _TRUE
-    if isinstance(default, float):
-        try:
-            return float(raw)
-        except ValueError:
-            raise InvalidArgumentError(f"{var}={raw!r} must be a number of GiB") from None
-    allowed = _CHOICES[var[len(ENV_PREFIX):].lower()]
-    if raw.lower() not in allowed:
-        raise InvalidArgumentError(f"{var}={raw!r} is not allowed; use one of {', '.join(allowed)}")
-    return raw.lower()

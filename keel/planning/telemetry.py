@@ -79,10 +79,13 @@ class TelemetrySnapshot:
 
 
 def take_snapshot(profile: HardwareProfile | None = None,
-                  sources: ProbeSources | None = None) -> TelemetrySnapshot:
+                  sources: ProbeSources | None = None,
+                  probe_gpus: bool = True) -> TelemetrySnapshot:
     """Read telemetry once: NVML when importable and working, static heuristics otherwise.
 
-    ``profile`` feeds the static fallback (probed from ``sources`` when None).
+    ``profile`` feeds the static fallback (probed from ``sources`` when None,
+    unless ``probe_gpus`` is false: then the static snapshot lists no GPU and
+    says so, for callers that have no GPU backend to plan for).
     Never raises for a missing or failing telemetry source.
     """
     src = ProbeSources.real() if sources is None else sources
@@ -95,6 +98,9 @@ def take_snapshot(profile: HardwareProfile | None = None,
             return TelemetrySnapshot("nvml", bool(gpus), gpus, host, notes.as_tuple())
         why = failure
     notes.items.append(f"source: static heuristics, because NVML is unavailable: {why}")
+    if profile is None and not probe_gpus:
+        notes.items.append("gpus: not probed (no GPU backend to plan for)")
+        profile = HardwareProfile()
     if profile is None:
         from keel.hardware import probe  # downstream of hardware: imported when needed
 

@@ -5,19 +5,24 @@ Placement, copies and fallbacks can then be exercised without the hardware:
 backend that only has matmul; ``available=False`` mimics a backend that
 cannot run here (with ``reason``). Kernels come from ``table`` when given,
 else from the reference backend's table, restricted to ``ops``.
+``CountingBackend`` runs the reference kernels and counts each call by op, so
+a test can see which code path really ran a graph.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import collections
+import dataclasses
+from collections.abc import Iterable, Sequence
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 
-from keel.backends.base import Availability, Backend, DeviceKind, KernelTable
+from keel.backends.base import Availability, Backend, DeviceKind, Kernel, KernelTable
 from keel.ops.registry import Op
 
-__all__ = ["FakeBackend", "restricted_table"]
+__all__ = ["CountingBackend", "FakeBackend", "restricted_table"]
 
 
 class FakeBackend(Backend):
@@ -64,3 +69,26 @@ def restricted_table(name: str, source: KernelTable, ops: Iterable[Op] | None) -
         for variant in source.variants(op).values():
             table.register(variant)
     return table
+
+
+class CountingBackend(FakeBackend):
+    """A host backend running the reference kernels that counts the calls per op."""
+
+    def __init__(self, name: str = "counting") -> None:
+        super().__init__(name)
+        self.calls: collections.Counter[Op] = collections.Counter()
+
+    def _kernels(self) -> KernelTable:
+        source = super()._kernels()
+        table = KernelTable(self.name)
+        for op in Op:
+            for variant in source.variants(op).values():
+                table.register(dataclasses.replace(variant, fn=self._counted(op, variant.fn)))
+        return table
+
+    def _counted(self, op: Op, fn: Kernel) -> Kernel:
+        def counted(ctx: Any, inputs: Sequence[Any], attrs: Any, out: Any) -> Any:
+            self.calls[op] += 1
+            return fn(ctx, inputs, attrs, out)
+
+        return counted

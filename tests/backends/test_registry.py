@@ -192,3 +192,18 @@ def test_builtin_gpu_availability_has_a_reason() -> None:
 def test_default_registry_is_shared() -> None:
     assert default_registry() is default_registry()
     assert {"gpu", "cpu", "reference"} <= set(default_registry().names())
+
+
+def test_with_instance_replaces_one_backend_and_shares_the_rest() -> None:
+    from keel.backends.cpu.backend import CpuBackend
+
+    reg = builtin_registry()
+    reg.set_priority(["cpu", "reference"])
+    mine = CpuBackend(threads=3)
+    own = reg.with_instance("cpu", mine)
+    assert own.instance("cpu") is mine and reg.instance("cpu") is not mine
+    assert own.instance("reference") is reg.instance("reference")
+    assert own.priority == reg.priority == ["cpu", "reference"]
+    assert own.names() == reg.names()
+    with pytest.raises(BackendSelectionError, match="no backend of that name"):
+        reg.with_instance("tpu", mine)

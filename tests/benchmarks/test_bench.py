@@ -121,3 +121,16 @@ def test_onnxruntime_without_the_cuda_provider_is_named() -> None:
         pytest.skip("onnxruntime-gpu is installed here")
     with pytest.raises(BackendSelectionError, match="CUDAExecutionProvider is not available"):
         _ort_session(mlp().SerializeToString(), 1, "gpu")
+
+
+@pytest.mark.slow
+def test_load_time_runs_end_to_end_on_a_small_model() -> None:
+    # Fresh processes: a warm-up, then the load without the cache, a first and a second.
+    from benchmarks import load_time
+
+    report = load_time.measure("mlp", runs=1)
+    assert report["reasons"]["first"].startswith("compiled plan stored in cache")
+    assert report["reasons"]["second"].startswith("compiled plan loaded from cache")
+    assert "cache" not in report["reasons"]["off"]
+    assert set(report["in_process_s"]) == {"off", "first", "second"}
+    assert report["fresh_process_ratio"] > 0

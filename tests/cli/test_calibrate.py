@@ -14,6 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 import keel.cli.calibrate
+from keel import config
 from keel.cli import SUBCOMMANDS, app, main
 from keel.planning.calibration import (
     calibrate,
@@ -34,6 +35,7 @@ def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]
     for var in [v for v in os.environ if v.startswith("KEEL_")]:
         monkeypatch.delenv(var)
     monkeypatch.setenv("KEEL_CACHE_DIR", str(tmp_path / "cache"))
+    config.reload_settings()
     reset_default_calibration()
     yield
     reset_default_calibration()
@@ -122,6 +124,7 @@ def test_show_says_which_calibration_selection_uses(monkeypatch: pytest.MonkeyPa
     assert runner.invoke(app, ["calibrate", "--groups", "elementwise", "-o",
                                str(other)]).exit_code == 0
     monkeypatch.setenv("KEEL_CALIBRATION", str(other))    # measured on the fake machine
+    config.reload_settings()
     shown = runner.invoke(app, ["calibrate", "--show", "--json"])
     data = json.loads(shown.output)
     assert data["calibration"] is None and data["path"] == str(other)

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 import keel.cli.demo
 import keel.cli.plan
 import keel.cli.probe
+from keel import config
 from keel.cli import SUBCOMMANDS, app, main
 from keel.hardware import HardwareProfile
 from keel.hardware.fakes import fake_profile
@@ -39,6 +40,7 @@ def _keel(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
 def _no_keel_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in [v for v in os.environ if v.startswith("KEEL_")]:
         monkeypatch.delenv(var)
+    config.reload_settings()
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from keel import native
+from keel import config, native
 from keel.errors import BackendSelectionError, InvalidArgumentError
 from keel.native import build, pool
 from keel.native.toolchain import find_compiler
@@ -27,6 +27,7 @@ def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
     src.mkdir()
     monkeypatch.setenv("KEEL_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("KEEL_NATIVE", raising=False)     # the build machinery itself
+    config.reload_settings()
     monkeypatch.setattr(build, "SOURCE_DIR", src)
     native.reset()
     yield src
@@ -95,6 +96,7 @@ def test_missing_source_is_an_error(fresh: Path) -> None:
 
 def test_keel_native_off_disables(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KEEL_NATIVE", "off")
+    config.reload_settings()
     native.reset()
     (fresh / "adder.c").write_text(ADD_ONE)
     assert native.library("adder") is None
@@ -105,10 +107,12 @@ def test_keel_native_off_disables(fresh: Path, monkeypatch: pytest.MonkeyPatch) 
 def test_no_compiler_falls_back_or_fails_when_required(
         fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KEEL_CC", "keel-no-such-compiler")
+    config.reload_settings()
     native.reset()
     assert not native.available()
     assert "KEEL_CC='keel-no-such-compiler' is not an executable" in native.status().reason
     monkeypatch.setenv("KEEL_NATIVE", "on")
+    config.reload_settings()
     native.reset()
     with pytest.raises(BackendSelectionError, match="keel-no-such-compiler"):
         native.available()
@@ -116,8 +120,9 @@ def test_no_compiler_falls_back_or_fails_when_required(
 
 def test_bad_keel_native_value(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KEEL_NATIVE", "sometimes")
-    with pytest.raises(InvalidArgumentError, match="KEEL_NATIVE='sometimes'"):
-        native.mode()
+    with pytest.raises(InvalidArgumentError,
+                       match="KEEL_NATIVE='sometimes' is not allowed; use one of auto, on, off"):
+        config.reload_settings()
 
 
 def test_status_reports_compiler_and_flags(fresh: Path) -> None:
@@ -241,19 +246,33 @@ def test_every_native_source_ships_in_the_package() -> None:
 
 
 @pytest.mark.parametrize(("raw", "shown"), [("", "200"), ("50", "50"), (" 7 ", "7"),
-                                            ("-3", "0"), ("abc", "200")])
-def test_backends_report_the_spin_the_pool_reads(monkeypatch: pytest.MonkeyPatch, raw: str,
-                                                 shown: str) -> None:
+                                            ("0", "0")])
+def test_backends_report_the_spin_the_pool_was_given(monkeypatch: pytest.MonkeyPatch, raw: str,
+                                                     shown: str) -> None:
     from keel.backends.cpu.backend import CpuBackend
 
     if not native.available():
         pytest.skip(f"native tier unavailable: {native.status().reason}")
     monkeypatch.setenv("KEEL_SPIN_US", raw)
-    pool.set_spin_us(None)                  # the pool reads KEEL_SPIN_US again
+    config.reload_settings()
+    native.reset()                          # loading the pool again hands it KEEL_SPIN_US
     try:
+        assert pool.spin_us() == int(shown)
         notes = CpuBackend(threads=2)._capability_details()["notes"]
         assert any(f"spin {shown} us before sleeping" in n for n in notes)
+        pool.set_spin_us(3)
+        assert pool.spin_us() == 3
+        pool.set_spin_us(None)              # back to the setting
         assert pool.spin_us() == int(shown)
     finally:
         monkeypatch.delenv("KEEL_SPIN_US")
+        config.reload_settings()
+        native.reset()
         pool.set_spin_us(None)
+
+
+@pytest.mark.parametrize("raw", ["-3", "abc", "1.5"])
+def test_a_bad_spin_setting_is_an_error_naming_it(raw: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=rf"KEEL_SPIN_US='{raw}' must be a whole "
+                                                   r"number >= 0"):
+        config.Settings.from_env({"KEEL_SPIN_US": raw})

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from keel import native
+from keel import config, native
 from keel.backends.base import DeviceKind, KernelContext
 from keel.backends.cpu import depthwise
 from keel.backends.cpu import native_window as nw
@@ -37,9 +37,11 @@ def _native_tier() -> None:
 @pytest.fixture
 def native_off(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setenv("KEEL_NATIVE", "off")
+    config.reload_settings()
     native.reset()
     yield
     monkeypatch.delenv("KEEL_NATIVE")
+    config.reload_settings()
     native.reset()
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from keel import native
+from keel import config, native
 from keel.backends.base import KernelTable
 from keel.backends.cpu import fastmath, kernels
 from keel.backends.cpu.backend import CpuBackend
@@ -582,6 +582,7 @@ def test_keel_native_off_runs_the_numpy_kernels(monkeypatch: pytest.MonkeyPatch)
     x = (np.random.default_rng(14).standard_normal((7, 33)) * 3).astype(np.float32)
     native_result = CpuBackend(threads=1).run(Op.GELU, [x])[0]
     monkeypatch.setenv("KEEL_NATIVE", "off")
+    config.reload_settings()
     native.reset()
     try:
         assert not fastmath.available()
@@ -606,6 +607,7 @@ def test_skip_layer_norm_numpy_path_matches_reference(
     attrs = {"axis": axis}
     native_result = CpuBackend(threads=1).run(Op.SKIP_LAYER_NORM, [x, skip, g, b], attrs=attrs)
     monkeypatch.setenv("KEEL_NATIVE", "off")
+    config.reload_settings()
     native.reset()
     try:
         assert not fastmath.skip_layer_norm(x.reshape(-1, shape[-1]), x.reshape(-1, shape[-1]),

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from keel import load_model, native
+from keel import config, load_model, native
 from keel.native import build
 from keel.testing import models
 
@@ -41,6 +41,7 @@ def portable(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
     """The native tier rebuilt with the given target flags instead of -march=native."""
     monkeypatch.setenv("KEEL_CACHE_DIR", str(caches[request.param]))
     monkeypatch.delenv("KEEL_NATIVE", raising=False)
+    config.reload_settings()
     monkeypatch.setattr(build, "_ARCH_FLAGS", request.param)
     native.reset()
     if not native.available():

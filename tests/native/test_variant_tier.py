@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from keel import native
+from keel import config, native
 from keel.backends.base import KernelTable
 from keel.dtypes import DType
 from keel.ops.registry import Op
@@ -29,6 +29,7 @@ def _table() -> KernelTable:
 @pytest.fixture
 def native_off(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setenv("KEEL_NATIVE", "off")
+    config.reload_settings()
     native.reset()
     yield
     native.reset()

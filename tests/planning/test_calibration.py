@@ -297,6 +297,7 @@ def test_missing_file_and_calibration_off(monkeypatch: pytest.MonkeyPatch,
         f"no calibration cached in {tmp_path / 'cache'}; run `keel calibrate` to measure "
         "this machine")
     monkeypatch.setenv("KEEL_CALIBRATION", "off")
+    config.reload_settings()
     assert find_calibration().reason == "KEEL_CALIBRATION=off: calibration is off; the static " \
                                         "thresholds apply"
 
@@ -352,6 +353,7 @@ def test_a_stale_cached_file_leaves_selection_on_the_static_rules(
     path = save(_calibrate(clock, registry=reg, profile=fake_profile(cpu="Elsewhere")),
                 tmp_path / "elsewhere.json")
     monkeypatch.setenv("KEEL_CALIBRATION", str(path))
+    config.reload_settings()
     assert default_calibration() is None
     assert "measured on a different machine" in calibration_status().reason
     sel = select_backend(OperationProperties(Op.MUL, 50_000, 200_000, DType.FLOAT32),

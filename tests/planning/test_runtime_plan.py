@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 import keel
+from keel import config
 from keel.errors import BackendSelectionError, InvalidArgumentError
 from keel.hardware.fakes import FAKE_MACHINES, fake_profile
 from keel.hardware.profile import AcceleratorInfo, GpuInfo, HardwareProfile, MemoryInfo
@@ -256,8 +257,10 @@ def test_a_malformed_mapping_is_an_invalid_argument() -> None:
 
 def test_policy_none_reads_keel_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KEEL_BACKEND", "reference")
+    config.reload_settings()
     assert plan_runtime(fake_profile("edge-arm-board")).engine.choice == "reference"
     monkeypatch.setenv("KEEL_BACKEND", "gpu")
+    config.reload_settings()
     with pytest.raises(BackendSelectionError, match="'gpu'"):
         plan_runtime(fake_profile("edge-arm-board"))
 
@@ -285,6 +288,7 @@ def test_plan_serialises_and_explains() -> None:
 
 def test_this_machine_plans_without_raising(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KEEL_BACKEND", raising=False)
+    config.reload_settings()
     plan = keel.plan_runtime(keel.probe())
     assert plan.engine.choice in ("gpu", "cpu")
     assert plan.host is not None

@@ -27,7 +27,7 @@ def test_fields_and_defaults_are_exactly_the_seeds() -> None:
     names = [f.name for f in dataclasses.fields(RuntimePolicy)]
     assert tuple(names[: len(SEED_FIELDS)]) == SEED_FIELDS == tuple(seed)
     assert {k: getattr(policy, k) for k in SEED_FIELDS} == seed
-    assert names[len(SEED_FIELDS):] == ["backend", "precision"]   # keel's pins
+    assert names[len(SEED_FIELDS):] == ["backend", "precision", "hint"]   # keel's pins, hint
     assert (policy.backend, policy.precision, policy.pinned_backend) == ("auto", "auto", None)
     assert RuntimePolicy.from_yaml(SEED_DEFAULTS_YAML) == policy
 

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from keel import native
+from keel import config, native
 from keel.backends.base import DeviceKind, KernelContext, KernelTable
 from keel.backends.cpu import planner as cpu_planner
 from keel.backends.cpu.conv_rules import ConvRule
@@ -29,6 +29,7 @@ F32 = DType.FLOAT32
 def numpy_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The choices among the NumPy variants, as on a machine without the native tier."""
     monkeypatch.setenv("KEEL_NATIVE", "off")
+    config.reload_settings()
     native.reset()
     yield
     native.reset()

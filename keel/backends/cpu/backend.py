@@ -9,7 +9,7 @@ import os
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -27,7 +27,11 @@ from keel.dtypes import DType
 from keel.errors import InvalidArgumentError
 from keel.ops.registry import Op, OpGroup
 
-__all__ = ["BLAS_SHARE_FOR_THREADS", "CpuBackend", "ThreadCap", "blas_threads", "default_threads"]
+if TYPE_CHECKING:
+    from keel.hardware.profile import HardwareProfile
+
+__all__ = ["BLAS_SHARE_FOR_THREADS", "CpuBackend", "ThreadCap", "blas_threads", "default_threads",
+           "resolve_threads"]
 
 
 # Ops whose NumPy kernels may call BLAS (and so its thread pool): matmul-like ops,
@@ -44,32 +48,53 @@ class CpuBackend(Backend):
     ``threads`` caps the BLAS / OpenMP thread pools while a kernel that may
     call BLAS runs (``run``), or around a whole program with such a step (see
     ``_may_use_blas``), and is passed to kernels in their context. ``None``
-    means ``KEEL_THREADS`` when set, else the cores this process may use
-    (affinity mask and cgroup quota, from the hardware probe). The cap holds
-    only inside keel: the process-wide settings are restored afterwards.
+    means ``KEEL_THREADS`` when set, else the usable cores of ``hardware``
+    when a profile is given (a plan for another machine), else the cores this
+    process may use (affinity mask and cgroup quota, from the hardware probe).
+    :attr:`threads_reason` says which. ``hardware`` also gives the SIMD level
+    and memory the backend reports. The cap holds only inside keel: the
+    process-wide settings are restored afterwards.
     """
 
     name = "cpu"
     device = DeviceKind.CPU
 
-    def __init__(self, threads: int | None = None) -> None:
+    def __init__(self, threads: int | None = None, *,
+                 hardware: HardwareProfile | None = None) -> None:
         super().__init__()
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
                                     or threads < 1):
             raise InvalidArgumentError(f"threads must be a positive int or None, got {threads!r}")
+        self._hardware = _check_hardware(hardware)
         self._requested_threads = threads
+        self._threads_reason = None if threads is None else f"set by the caller (threads={threads})"
 
     @property
     def threads(self) -> int:
         """The thread cap kernels run under (resolved on first use)."""
         if self._requested_threads is None:
-            self._requested_threads = _configured_threads()
+            self._requested_threads, self._threads_reason = resolve_threads(self._hardware)
         return self._requested_threads
 
     @threads.setter
     def threads(self, value: int | None) -> None:
         # None (also what Backend.__init__ assigns) means: resolve on first use.
         self._requested_threads = value
+        self._threads_reason = None if value is None else f"set by the caller (threads={value})"
+
+    @property
+    def threads_reason(self) -> str:
+        """Where :attr:`threads` came from: the caller, ``KEEL_THREADS``, a profile, the probe."""
+        threads = self.threads
+        return f"{threads} threads: {self._threads_reason}"
+
+    def plan_notes(self) -> tuple[str, ...]:
+        return (f"cpu backend, {self.threads_reason}",)
+
+    @property
+    def simd_level(self) -> str | None:
+        """The SIMD level plans assume: the given profile's, else this CPU's (probed)."""
+        return _simd_level() if self._hardware is None else self._hardware.cpu.simd_level
 
     def _check_available(self) -> Availability:
         return Availability(True, f"NumPy {np.__version__} is always available")
@@ -126,10 +151,13 @@ class CpuBackend(Backend):
             notes.append(f"keel threads: up to {self.threads}, one pool in C shared by the "
                          f"native kernels; idle workers spin {spin} us before sleeping "
                          "(KEEL_SPIN_US)")
+        notes.append(f"threads: {self.threads_reason}")
+        hardware = self._hardware
         return {
             "threads": self.threads,
-            "simd_level": _simd_level(),
-            "memory_bytes": _memory_limit(),
+            "simd_level": self.simd_level,
+            "memory_bytes": (_memory_limit() if hardware is None
+                             else hardware.memory.effective_limit_bytes),
             "notes": tuple(notes),
         }
 
@@ -285,10 +313,41 @@ def _native_available() -> bool:
     return native.available()
 
 
-def _configured_threads() -> int:
+def resolve_threads(hardware: HardwareProfile | None = None) -> tuple[int, str]:
+    """The cpu thread count when none is given, and why: ``KEEL_THREADS``, else the usable
+    cores of ``hardware`` (a profile, perhaps of another machine), else this process's."""
     from keel.config import settings
 
-    return settings().threads or default_threads()
+    configured = settings().threads
+    if configured is not None:
+        return configured, f"KEEL_THREADS={configured}"
+    if hardware is not None:
+        cpu = hardware.cpu
+        label = cpu.brand or cpu.architecture or "unnamed CPU"
+        if cpu.usable_cores:
+            return cpu.usable_cores, (f"usable cores of the given hardware profile ({label}: "
+                                      f"{cpu.usable_cores} usable of {cpu.logical_cores} "
+                                      "logical cores)")
+        if cpu.logical_cores:
+            return cpu.logical_cores, (f"logical cores of the given hardware profile ({label}; "
+                                       "it does not say how many are usable)")
+    cores = default_threads()
+    why = ("usable cores of this machine (affinity mask and cgroup quota, from the hardware "
+           "probe)")
+    if hardware is not None:
+        why += "; the given hardware profile does not say how many cores it has"
+    return cores, why
+
+
+def _check_hardware(hardware: Any) -> HardwareProfile | None:
+    if hardware is None:
+        return None
+    from keel.hardware.profile import HardwareProfile
+
+    if not isinstance(hardware, HardwareProfile):
+        raise InvalidArgumentError(f"hardware must be a keel.hardware.HardwareProfile or None, "
+                                   f"got {type(hardware).__name__}")
+    return hardware
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,7 +1,9 @@
 """Constant folding: a node whose inputs are all constants becomes constants.
 
-The node runs once, at optimize time, on the reference backend (the
-executable spec), and its outputs become initializers. Initializers that are
+The node runs once, at optimize time, through keel's executor on the
+reference backend (the executable spec; see
+:func:`keel.graph.shape_inference.evaluate_node`), and its outputs become
+initializers. Initializers that are
 also graph inputs are not constants: the caller may feed them. Results
 larger than :data:`FOLD_LIMIT_BYTES`, or whose size cannot be known first,
 are left to run normally, so folding never blows up a model's size.
@@ -53,7 +55,7 @@ def _fold(g: Graph, node: Node, types: dict[str, TensorType | None]) -> bool:
         return False
     results = {}
     for name, value, want in zip(node.outputs, values, expected, strict=False):
-        if not name:
+        if not name or value is None:
             continue
         checked = _conform(value, want)
         if checked is None:

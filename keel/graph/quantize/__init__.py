@@ -13,7 +13,8 @@ graph runs on every keel backend and, exported, in onnxruntime:
   QUANTIZE_LINEAR → DEQUANTIZE_LINEAR pair (uint8 by default, or int8;
   uint16/int16 with 16 bits) whose scale and zero point come from running
   calibration samples through the float graph (``minmax`` or ``percentile``
-  ranges, see :mod:`keel.graph.quantize.calibrate`).
+  ranges, see :mod:`keel.graph.quantize.calibrate`), run through keel's
+  executor as inference is.
 
 Quantize an optimized graph (``keel convert`` optimizes first), so fused
 activations sit inside the quantized ranges. Loading a quantized model with
@@ -53,6 +54,7 @@ from keel.graph.quantize.rewrite import (
     find_targets,
     quantize_weight,
 )
+from keel.graph.shape_inference import Evaluator, propagate
 from keel.ops.registry import OpGroup
 
 __all__ = [
@@ -194,28 +196,33 @@ def quantize_graph(graph: Graph, bits: int | str = 8, mode: str = "weight-only",
 
     ``calibration`` (qdq only) is a mapping of input name to samples, a
     :class:`CalibrationSet` or the path of an ``.npz`` holding such arrays.
-    Further keywords are :class:`QuantizeOptions` fields and ``progress``
-    (called with (samples done, samples in all) after each calibration batch).
+    Further keywords are :class:`QuantizeOptions` fields, ``progress``
+    (called with (samples done, samples in all) after each calibration batch)
+    and ``evaluator`` (what runs the samples, see :func:`quantize_with_report`).
     """
     progress = options.pop("progress", None)
+    evaluator = options.pop("evaluator", None)
     allowed = [f for f in QuantizeOptions.__dataclass_fields__ if f not in ("bits", "mode")]
     unknown = sorted(set(options) - set(allowed))
     if unknown:
         raise InvalidArgumentError(f"unknown quantization option {unknown[0]!r}; allowed: "
-                                   f"progress, {', '.join(allowed)}")
+                                   f"progress, {', '.join(allowed)}, evaluator")
     opts = QuantizeOptions(bits, mode, **options)
-    return quantize_with_report(graph, opts, calibration, progress).graph
+    return quantize_with_report(graph, opts, calibration, progress, evaluator).graph
 
 
 def quantize_with_report(graph: Graph, options: QuantizeOptions,
                          calibration: Calibration | None = None,
-                         progress: Progress | None = None) -> QuantizeReport:
-    """Like :func:`quantize_graph`, also saying what was quantized and what was not."""
+                         progress: Progress | None = None,
+                         evaluator: Evaluator | None = None) -> QuantizeReport:
+    """Like :func:`quantize_graph`, also saying what was quantized and what was not.
+
+    ``evaluator`` runs the calibration samples (and the constant values shape
+    inference needs); by default keel's executor, placed as a loaded model is.
+    """
     _check_not_quantized(graph)
     data = _calibration(graph, options, calibration)
-    from keel.graph.shape_inference import propagate
-
-    types = propagate(graph).types
+    types = propagate(graph, evaluator=evaluator).types
     qdq = options.mode == "qdq"
     targets, skipped = find_targets(graph, types, with_activations=qdq)
     rw = Rewriter(graph, options.weight_dtype)
@@ -223,7 +230,7 @@ def quantize_with_report(graph: Graph, options: QuantizeOptions,
     if qdq and data is not None:
         tensors = activation_tensors(graph, targets, types)
         ranges = collect_ranges(graph, data, tensors, options.method, float(options.percentile),
-                                options.batch_size, progress)
+                                options.batch_size, progress, evaluator)
         for name in tensors:
             rw.activation(name, options.activations, *ranges[name])
     copies = {n.name: n for n in rw.g.nodes}

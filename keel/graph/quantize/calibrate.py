@@ -12,10 +12,10 @@ The other static dimensions must match. Inputs that have a default
 (an initializer) need no samples; names that are not inputs are ignored, so
 an ``.npz`` may also hold labels.
 
-The graph runs node by node on keel's cpu kernels (the reference kernel where
-the cpu backend has none). Each wanted value is observed when it is made and
-every value is dropped after its last use, so memory stays at one batch's
-working set. Two observers:
+The graph runs through keel's executor, placed and compiled as a loaded model
+is (one program per batch shape, see ``keel.execution.evaluate``). Each wanted
+value is observed the moment the program makes it, so memory stays at one
+batch's planned arena. Two observers:
 
 * ``minmax``: the smallest and largest finite value seen;
 * ``percentile``: the ``100 - p``-th and ``p``-th percentiles of a bounded,
@@ -33,10 +33,10 @@ from typing import Any
 
 import numpy as np
 
-from keel.backends.base import DeviceKind, KernelContext
 from keel.dtypes import DType
-from keel.errors import ExecutionError, InvalidArgumentError, KeelError
+from keel.errors import InvalidArgumentError, KeelError
 from keel.graph.ir import Graph, Value
+from keel.graph.shape_inference import Evaluator, default_evaluator
 
 __all__ = ["METHODS", "CalibrationSet", "Progress", "check_samples", "collect_ranges",
            "load_calibration"]
@@ -217,58 +217,23 @@ class _Observer:
 
 def collect_ranges(graph: Graph, data: CalibrationSet, tensors: Sequence[str],
                    method: str = "minmax", percentile: float = 99.99, batch_size: int = 32,
-                   progress: Progress | None = None) -> dict[str, tuple[float, float]]:
-    """The (low, high) range of each of ``tensors`` over every sample of ``data``."""
+                   progress: Progress | None = None,
+                   evaluator: Evaluator | None = None) -> dict[str, tuple[float, float]]:
+    """The (low, high) range of each of ``tensors`` over every sample of ``data``.
+
+    Each batch runs through ``evaluator`` (default: the executor, placed as a
+    loaded model is); every wanted value is observed as the run makes it.
+    """
     observers = {t: _Observer(method, percentile) for t in tensors}
-    runner = _Runner(graph, set(tensors))
+    run = (evaluator or default_evaluator("auto"))(graph)
+    watch = {t: o.update for t, o in observers.items()}
     for done, feeds in data.batches(batch_size):
-        runner.run(feeds, lambda name, value: observers[name].update(value))
+        try:
+            run(feeds, watch)
+        except KeelError as exc:
+            if hasattr(exc, "add_note"):
+                exc.add_note("while running calibration samples through the float graph")
+            raise
         if progress is not None:
             progress(done, data.count)
     return {t: o.range() for t, o in observers.items()}
-
-
-# ---- running -------------------------------------------------------------------------------
-class _Runner:
-    """Runs a graph node by node, handing wanted values to an observer as they appear."""
-
-    def __init__(self, graph: Graph, wanted: set[str]) -> None:
-        from keel.backends.cpu.kernels import load as load_cpu
-        from keel.backends.reference.kernels import load as load_reference
-
-        cpu, ref = load_cpu(), load_reference()
-        self.graph, self.wanted = graph, wanted
-        self.kernels = [(cpu if n.op in cpu else ref).get(n.op).fn for n in graph.nodes]
-        last: dict[str, int] = {}
-        for index, node in enumerate(graph.nodes):
-            for name in node.present_inputs():
-                last[name] = index
-        self.drop: list[list[str]] = [[] for _ in graph.nodes]
-        for name, index in last.items():
-            if name not in graph.initializers:
-                self.drop[index].append(name)
-        self.ctx = KernelContext(np, "cpu", DeviceKind.CPU)
-
-    def run(self, feeds: Mapping[str, np.ndarray],
-            observe: Callable[[str, np.ndarray], None]) -> None:
-        env: dict[str, Any] = dict(self.graph.initializers)
-        env.update(feeds)
-        for name in feeds:
-            if name in self.wanted:
-                observe(name, feeds[name])
-        for node, kernel, drop in zip(self.graph.nodes, self.kernels, self.drop, strict=True):
-            inputs = [env[i] if i else None for i in node.inputs]
-            try:
-                outputs = kernel(self.ctx, inputs, node.attrs, None)
-            except KeelError:
-                raise
-            except Exception as exc:
-                raise ExecutionError(f"calibration run failed: {type(exc).__name__}: {exc}",
-                                     node=node.name) from exc
-            for name, value in zip(node.outputs, outputs, strict=False):
-                if name:
-                    env[name] = value
-                    if name in self.wanted:
-                        observe(name, np.asarray(value))
-            for name in drop:
-                env.pop(name, None)

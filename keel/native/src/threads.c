@@ -15,10 +15,11 @@
  * the 2-core development machine (a sleeping vCPU is woken through the
  * hypervisor), more than a 32 x 512 x 256 GEMM takes on one thread (80 us) gains
  * from a second. Here a worker that has just run a chunk spins for a while
- * (KEEL_SPIN_US, default 200 us) before it sleeps, so the chunks of the next
- * kernel, a few microseconds later in the same model run, start at once; one
- * dispatch to a spinning worker costs about a microsecond. A model's run is a
- * sequence of such kernels, so the workers sleep only between runs.
+ * (KEEL_SPIN_US, which keel passes in at load; default 200 us) before it sleeps,
+ * so the chunks of the next kernel, a few microseconds later in the same model
+ * run, start at once; one dispatch to a spinning worker costs about a
+ * microsecond. A model's run is a sequence of such kernels, so the workers
+ * sleep only between runs.
  *
  * One job runs at a time: a second caller (another Python thread) that finds the
  * pool busy runs its chunks itself, in order, on its own scratch. The pool is
@@ -119,7 +120,7 @@ static struct {
     job j;
     _Atomic int64_t spin_ns;
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, ATOMIC_FLAG_INIT, 0, 0, 0, 0, 0,
-          0, {0}, {0}, -1};
+          0, {0}, {0}, 200000};
 
 static int64_t now_ns(void)
 {
@@ -128,19 +129,9 @@ static int64_t now_ns(void)
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-static int64_t spin_ns(void)
-{
-    if (pool.spin_ns < 0) {
-        /* Microseconds; unset or not a whole number: 200 (as keel backends reports). */
-        const char *env = getenv("KEEL_SPIN_US");
-        char *end = NULL;
-        long us = env && *env ? strtol(env, &end, 10) : 200;
-        while (end && (*end == ' ' || *end == '\t' || *end == '\n')) end++;
-        if (env && *env && (end == env || *end != '\0')) us = 200;
-        pool.spin_ns = us < 0 ? 0 : (int64_t)us * 1000;
-    }
-    return pool.spin_ns;
-}
+/* keel hands the pool KEEL_SPIN_US when it loads this library (keel_pool_set_spin_us):
+ * the C code reads no environment. Until then, the default of 200 us. */
+static int64_t spin_ns(void) { return pool.spin_ns; }
 
 static uint32_t epoch_of(uint64_t t) { return (uint32_t)(t >> 32); }
 
@@ -293,12 +284,12 @@ int64_t keel_parallel(keel_task fn, void *ctx, int64_t n, int64_t parts, int64_t
 /* Worker threads started so far. */
 int64_t keel_pool_workers(void) { return pool.workers; }
 
-/* How long an idle worker spins before it sleeps, in microseconds (KEEL_SPIN_US as read). */
+/* How long an idle worker spins before it sleeps, in microseconds (as keel set it). */
 int64_t keel_pool_spin_us(void) { return spin_ns() / 1000; }
 
-/* Set how long an idle worker spins before it sleeps (microseconds; 0: sleep at once;
- * negative: back to KEEL_SPIN_US or the default). */
-void keel_pool_set_spin_us(int64_t us) { pool.spin_ns = us < 0 ? -1 : us * 1000; }
+/* Set how long an idle worker spins before it sleeps (microseconds; 0 or less: sleep at
+ * once). keel calls it with KEEL_SPIN_US when it loads this library. */
+void keel_pool_set_spin_us(int64_t us) { pool.spin_ns = us < 0 ? 0 : us * 1000; }
 
 /* Stop and join every worker (they start again on the next parallel call). */
 void keel_pool_stop(void)

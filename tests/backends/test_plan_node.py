@@ -20,6 +20,7 @@ from keel.backends.gpu import planner as gpu_planner
 from keel.backends.plan import FIELDS, Measured, NodePlan, PlanRequest
 from keel.backends.reference.backend import ReferenceBackend
 from keel.dtypes import DType
+from keel.errors import InvalidArgumentError
 from keel.ops.registry import Op
 from keel.ops.schema import get_schema
 from keel.ops.types import TensorType
@@ -147,3 +148,15 @@ def test_conv_layouts_chunks_and_workspace_are_in_the_plan() -> None:
                                        TensorType(F32, (16, 16, 3, 3))], pads,
                              measured=Measured("im2col", "test"))
     assert symbolic.layout == "" and "first call" in symbolic.reason("layout")
+
+
+def test_a_node_plan_reads_back_from_its_dict() -> None:
+    plan = CpuBackend(threads=2).plan_node(
+        Op.CONV, _types((8, 96, 56, 56), (96, 1, 3, 3)),
+        _conv_attrs(group=96, pads=(1, 1, 1, 1)), precision="fp32")
+    data = json.loads(json.dumps(plan.to_dict()))
+    again = NodePlan.from_dict(data)
+    assert again == plan and again.reasons == plan.reasons
+    assert again.option("depthwise_block") == plan.option("depthwise_block")
+    with pytest.raises(InvalidArgumentError, match="a node plan needs exactly the fields"):
+        NodePlan.from_dict({"variant": "im2col"})

@@ -29,6 +29,16 @@ Optional hooks, with defaults that suit a NumPy backend:
 * ``_free(array)`` — give memory back early (a memory pool, a device buffer).
 * ``_capability_details()`` — extra ``Capabilities`` fields (simd_level,
   threads, memory_bytes, notes).
+* ``_plan_node(request) -> NodePlan`` — the backend's planner: every decision
+  about how a node runs (variant, layout, threads, ...) with its reason
+  (:mod:`keel.backends.plan`). The default picks the highest-priority variant;
+  a backend with decisions of its own keeps them in one ``planner`` module.
+  ``_planner_state()`` returns what else its plans depend on (loaded tiers).
+
+Planners decide, kernels execute: ``plan_node`` is asked once per node when a
+model is placed, and the executor hands the plan to the kernel as
+``ctx.plan``. ``run`` (the op-level path, no placement) asks ``plan_node``
+from the real shapes for a variant that dispatches (``dispatcher=True``).
 
 The public methods (``run``, ``allocate``, ``free``, ``write``, ``read``,
 ``to_device``) are final: they validate arguments, check the op against the
@@ -100,6 +110,7 @@ from typing import Any, ClassVar, final
 
 import numpy as np
 
+from keel.backends.plan import Measured, NodePlan, PlanRequest, default_plan, request_types
 from keel.dtypes import DType, as_dtype
 from keel.errors import (
     BackendSelectionError,
@@ -110,7 +121,7 @@ from keel.errors import (
 )
 from keel.ops.registry import Op, to_op
 from keel.ops.schema import get_schema
-from keel.ops.types import checked_numel
+from keel.ops.types import TensorType, checked_numel
 
 __all__ = [
     "Availability",
@@ -121,8 +132,12 @@ __all__ = [
     "KernelContext",
     "KernelTable",
     "KernelVariant",
+    "Measured",
+    "NodePlan",
+    "PlanRequest",
     "ProgramScope",
     "Prepack",
+    "VariantChooser",
     "dtype_of",
 ]
 
@@ -141,6 +156,7 @@ class KernelContext:
     device: DeviceKind
     threads: int | None = None
     prepacked: Any = None        # the variant's prepack state for this node, if any
+    plan: NodePlan | None = None  # what the backend's planner decided for this node
 
 
 Kernel = Callable[[KernelContext, Sequence[Any], Mapping[str, Any], Sequence[Any] | None],
@@ -173,11 +189,22 @@ class KernelVariant:
     prepack: Prepack | None = None               # once per model: see the module docstring
 
 
-class KernelTable:
-    """Kernels of one backend, by op and variant."""
+# (op, input types, attrs, table) -> (variant, why): a backend planner's variant choice.
+VariantChooser = Callable[[Op, Sequence[TensorType | None], Mapping[str, Any], "KernelTable"],
+                          tuple[str, str]]
 
-    def __init__(self, backend: str) -> None:
+
+class KernelTable:
+    """Kernels of one backend, by op and variant.
+
+    ``chooser`` is the backend planner's variant choice for this table (None: the
+    highest priority decides), so that a planning module holding only a table
+    (``keel.planning.variants.choose_variant``) asks the backend's own rules.
+    """
+
+    def __init__(self, backend: str, chooser: VariantChooser | None = None) -> None:
         self.backend = backend
+        self.chooser = chooser
         self._variants: dict[Op, dict[str, KernelVariant]] = {}
 
     def register(self, variant: KernelVariant) -> KernelVariant:
@@ -272,6 +299,9 @@ class Capabilities:
         return data
 
 
+# Plans kept for the op-level path's calls (per backend), by call signature.
+_CALL_PLANS = 256
+
 # (op) -> names of the backends that have a kernel for it; set by a registry.
 PeerLookup = Callable[[Op], Sequence[str]]
 
@@ -288,6 +318,7 @@ class Backend(ABC):
         self._table: KernelTable | None = None
         self.threads: int | None = None
         self.peers: PeerLookup | None = None
+        self._call_plans: dict[tuple[Any, ...], NodePlan] = {}
 
     # ---- hooks ---------------------------------------------------------
     @abstractmethod
@@ -330,6 +361,34 @@ class Backend(ABC):
 
     def _capability_details(self) -> dict[str, Any]:
         return {}
+
+    def _plan_node(self, request: PlanRequest) -> NodePlan:
+        return default_plan(request, self.kernels, self.threads)
+
+    def _planner_state(self) -> Any:
+        """What the planner reads besides a call's signature (loaded kernel tiers): a
+        plan kept for the op-level path is reused only while this is unchanged."""
+        return None
+
+    # ---- planning ------------------------------------------------------
+    @final
+    def plan_node(self, op: Op | str, input_types: Sequence[TensorType | None],
+                  attrs: Mapping[str, Any] | None = None, *, threads: int | None = None,
+                  profile: Any = None, precision: str = "",
+                  measured: Measured | None = None) -> NodePlan:
+        """What this backend's planner decides for one node, each field with its reason.
+
+        ``input_types`` are the node's input types (None for an absent input),
+        ``attrs`` its schema-normalized attributes; ``threads`` the thread
+        count planned for (default: the backend's), ``profile`` the hardware
+        profile planned for, ``precision`` the precision placement decided and
+        ``measured`` a choice measured on this machine (a tuning cache hit),
+        which overrides the declared rules where this backend has that variant.
+        """
+        request = PlanRequest(to_op(op), tuple(input_types), dict(attrs or {}),
+                              self.threads if threads is None else threads, profile,
+                              precision, measured)
+        return self._plan_node(request)
 
     # ---- availability and capabilities ---------------------------------
     @final
@@ -530,7 +589,8 @@ class Backend(ABC):
                 # outputs are written only once everything succeeded.
                 scratch = None if outputs is None or not kernel.supports_out else [
                     self.xp.empty(tuple(o.shape), dtype=o.dtype) for o in outputs]
-                results = list(kernel.fn(self.context(), list(inputs), norm, scratch))
+                results = list(kernel.fn(self._call_context(op, kernel, inputs, norm),
+                                         list(inputs), norm, scratch))
         except KeelError:
             raise
         except Exception as exc:
@@ -541,6 +601,28 @@ class Backend(ABC):
         for dst, src in zip(outputs, results, strict=True):
             dst[...] = src
         return list(outputs)
+
+    def _call_context(self, op: Op, kernel: KernelVariant, inputs: Sequence[Any],
+                      attrs: Mapping[str, Any]) -> KernelContext:
+        """The context of an op-level call: a dispatching variant gets the plan the
+        planner makes from the real shapes (no placement made one)."""
+        if not kernel.meta.get("dispatcher"):
+            return self.context()
+        # The same call again (shapes, dtypes, attributes, threads, the planner's state)
+        # reuses its plan.
+        key = (op, self.threads, self._planner_state(),
+               tuple(None if x is None else (x.shape, x.dtype) for x in inputs),
+               tuple(attrs.items()))
+        try:
+            plan = self._call_plans.get(key)
+        except TypeError:                     # an unhashable attribute: plan afresh
+            plan = self.plan_node(op, request_types(inputs), attrs)
+        else:
+            if plan is None:
+                if len(self._call_plans) >= _CALL_PLANS:
+                    self._call_plans.clear()
+                plan = self._call_plans[key] = self.plan_node(op, request_types(inputs), attrs)
+        return KernelContext(self.xp, self.name, self.device, self.threads, None, plan)
 
     def _peers(self, op: Op) -> tuple[str, ...]:
         if self.peers is None:

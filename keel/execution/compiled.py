@@ -15,7 +15,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from keel.backends.plan import NodePlan
 from keel.dtypes import DType
+from keel.errors import InvalidArgumentError
 from keel.graph.ir import Graph, Value
 from keel.ops.types import TensorType
 from keel.planning.placement import DeviceCopy, ExecutionPlan, NodePlacement, lower_steps
@@ -66,7 +68,7 @@ def to_json(compiled: CompiledModel) -> dict[str, Any]:
         "signature": {"symbolic": compiled.symbolic,
                       "shapes": {k: list(s) for k, s in compiled.shapes.items()}},
         "plan": {"model": plan.model, "backend": plan.backend, "precision": plan.precision,
-                 "nodes": [_fields(n) for n in plan.nodes],
+                 "nodes": [_node_json(n) for n in plan.nodes],
                  "copies": [_fields(c) for c in plan.copies],
                  "peak_bytes": plan.peak_bytes, "chunk_size_hint": plan.chunk_size_hint,
                  "reasons": list(plan.reasons),
@@ -89,7 +91,7 @@ def from_json(graph: Graph, meta: dict[str, Any]) -> CompiledModel:
     internal = {k: v for k, v in shapes.items() if k in graph.input_names}
     types = infer_graph_types(graph, {} if symbolic else internal)
     p = meta["plan"]
-    nodes = tuple(_build(NodePlacement, d) for d in p["nodes"])
+    nodes = tuple(_node_from_json(d) for d in p["nodes"])
     copies = tuple(_build(DeviceCopy, d) for d in p["copies"])
     if len(nodes) != len(graph.nodes) or any(
             n.name != g.name for n, g in zip(nodes, graph.nodes, strict=True)):
@@ -107,6 +109,28 @@ def from_json(graph: Graph, meta: dict[str, Any]) -> CompiledModel:
                          tuple(_value_from_json(v) for v in meta["inputs"]),
                          tuple(_value_from_json(v) for v in meta["outputs"]),
                          shapes, symbolic, plan, types)
+
+
+def _node_json(node: NodePlacement) -> dict[str, Any]:
+    """A node's placement as JSON, its backend's node plan as that plan's own dict."""
+    flat = dataclasses.replace(node, plan=None)
+    data = _fields(flat)
+    data["plan"] = None if node.plan is None else node.plan.to_dict()
+    return data
+
+
+def _node_from_json(data: Any) -> NodePlacement:
+    if not isinstance(data, dict):
+        raise EntryError("its NodePlacement entries do not match this keel's")
+    stored = data.get("plan")
+    node = _build(NodePlacement, {**data, "plan": None})
+    try:
+        plan = None if stored is None else NodePlan.from_dict(stored)
+    except (InvalidArgumentError, TypeError, ValueError) as exc:
+        raise EntryError(f"its node plans do not read back ({exc})") from None
+    if plan is not None and plan.to_dict() != stored:
+        raise EntryError("its node plans do not read back")
+    return dataclasses.replace(node, plan=plan)
 
 
 def _fields(obj: Any) -> dict[str, Any]:

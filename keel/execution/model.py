@@ -352,8 +352,9 @@ class Model:
         return self._hint
 
     def explain(self) -> str:
-        """Per-node backend, variant, precision and reason; copies; peak memory; once the
-        plan has run, how its program sized the BLAS threads and why."""
+        """Per-node backend, variant, layout, threads, precision and reason; copies; peak
+        memory; every node plan's fields with their reasons; once the plan has run, how
+        its program sized the BLAS threads and why."""
         plan = self.plan
         limit = "none" if self._memory_limit is None else format_bytes(self._memory_limit)
         shapes = ", ".join(f"{k}={v}" for k, v in plan.input_shapes.items()) or "none"
@@ -371,7 +372,8 @@ class Model:
         if program is not None:
             head += [f"{name} threads: {why}" for name, why in program.scope_reasons.items()]
         memory = plan.memory_plan.report() if plan.memory_plan is not None else ""
-        return "\n".join([*head, "", plan.table(), "", memory]).rstrip() + "\n"
+        return "\n".join([*head, "", plan.table(), "", memory, "", "node plans:",
+                          plan.node_plans()]).rstrip() + "\n"
 
     def tune(self, shapes: Mapping[str, Sequence[int]] | None = None, *,
              budget_s: float | None = None, force: bool = False,

@@ -813,7 +813,8 @@ class _Builder:
         if self._is_free_view(node):
             return
         kernel = backend.kernels.get(node.op, placed.variant)
-        ctx = backend.context()
+        # The node's plan is bound here, once: the kernel reads ctx.plan, nothing per run.
+        ctx = dataclasses.replace(backend.context(), plan=placed.plan)
         if kernel.prepack is not None:
             ctx = self._prepacked(node, kernel, backend, ctx, inputs)
         step = _Step(node.name, node.op.value, backend.name, "kernel", inputs, outputs,

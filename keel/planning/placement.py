@@ -1,17 +1,21 @@
 """Placement: a graph and the types of one input signature → an ``ExecutionPlan``.
 
-For every node the plan says which backend runs it, which kernel variant,
-in which precision, and why. A pinned backend runs every node or placement
-fails before anything runs (``BackendSelectionError`` when the backend
-cannot run here, ``UnsupportedOperationError`` naming the first node it
-lacks). In auto mode each node goes where the op-level selection sends it;
-a node the chosen backend cannot run moves down the priority chain with the
-reason recorded. Where a value crosses devices a copy is planned and
-counted, and the memory plan covers every device's arena.
+For every node the plan says which backend runs it and, from that
+backend's planner (``Backend.plan_node``), how: the frozen
+:class:`~keel.backends.plan.NodePlan` (variant, layout, threads, BLAS
+threads, chunking, workspace, precision), each with its reason. A pinned
+backend runs every node or placement fails before anything runs
+(``BackendSelectionError`` when the backend cannot run here,
+``UnsupportedOperationError`` naming the first node it lacks). In auto
+mode each node goes where the op-level selection sends it; a node the
+chosen backend cannot run moves down the priority chain with the reason
+recorded. Where a value crosses devices a copy is planned and counted, and
+the memory plan covers every device's arena.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 from collections.abc import Mapping, Sequence
@@ -21,6 +25,7 @@ from typing import Any
 import yaml
 
 from keel.backends.base import Backend
+from keel.backends.plan import FIELDS, Measured, NodePlan
 from keel.backends.registry import BackendRegistry
 from keel.config import format_bytes
 from keel.dtypes import DType
@@ -67,11 +72,21 @@ class NodePlacement:
     reasons: tuple[str, ...]
     device: str = HOST
     writes_out: bool = True        # the kernel writes into planned buffers
+    plan: NodePlan | None = None   # the backend planner's decisions, the kernel's input
+
+    @property
+    def layout(self) -> str:
+        return "" if self.plan is None else self.plan.layout
+
+    @property
+    def threads(self) -> int | None:
+        return None if self.plan is None else self.plan.threads
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "op": self.op, "backend": self.backend,
                 "variant": self.variant, "precision": self.precision, "device": self.device,
-                "reasons": list(self.reasons)}
+                "reasons": list(self.reasons),
+                "plan": None if self.plan is None else self.plan.to_dict()}
 
 
 @dataclass(frozen=True)
@@ -144,10 +159,13 @@ class ExecutionPlan:
 
     def table(self) -> str:
         """A fixed-width text table: one row per node, then copies, memory and reasons."""
-        header = ("node", "op", "backend", "variant", "precision", "reason")
-        rows = [(n.name, n.op, n.backend, n.variant, n.precision, n.reasons[0] if n.reasons
-                 else "") for n in self.nodes]
-        widths = [min(max([len(h)] + [len(r[i]) for r in rows]), 40 if i < 5 else 200)
+        header = ("node", "op", "backend", "variant", "layout", "threads", "precision",
+                  "reason")
+        rows = [(n.name, n.op, n.backend, n.variant, n.layout or "-",
+                 "-" if n.threads is None else str(n.threads), n.precision,
+                 n.reasons[0] if n.reasons else "") for n in self.nodes]
+        last = len(header) - 1
+        widths = [min(max([len(h)] + [len(r[i]) for r in rows]), 40 if i < last else 200)
                   for i, h in enumerate(header)]
         lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip(),
                  "  ".join("-" * w for w in widths)]
@@ -161,6 +179,22 @@ class ExecutionPlan:
         if self.chunk_size_hint is not None:
             lines.append(f"chunk size hint: {self.chunk_size_hint}")
         lines += [f"- {r}" for r in self.reasons]
+        return "\n".join(lines)
+
+
+    def node_plans(self) -> str:
+        """Every node plan's fields, one line each with its value and its reason."""
+        lines = []
+        for n in self.nodes:
+            if n.plan is None:
+                continue
+            lines.append(f"{n.name} ({n.op} on {n.backend}):")
+            data = n.plan.to_dict()
+            for name in FIELDS:
+                value = data[name]
+                shown = "-" if value in (None, "") else str(value)
+                lines.append(f"  {name}: {shown} ({n.plan.reason(name) or 'no reason given'})")
+            lines += [f"  {k}: {v}" for k, v in data["options"].items()]
         return "\n".join(lines)
 
 
@@ -338,11 +372,13 @@ def _finish(ctx: _Context, node: Node, backend: Backend, reasons: list[str]) -> 
     for out in node.outputs:
         if out:
             ctx.device_of_value[out] = device
-    variant, why = _variant(ctx, node, backend)
     precision, why_p = _node_precision(ctx, node)
+    plan = _node_plan(ctx, node, backend, precision)
+    variant = plan.variant
     writes_out = backend.kernels.get(node.op, variant).supports_out and _static_outputs(ctx, node)
     return NodePlacement(node.name, node.op.value, backend.name, variant, precision,
-                         (*reasons, f"variant {variant}: {why}", why_p), device, writes_out)
+                         (*reasons, f"variant {variant}: {plan.reason('variant')}", why_p),
+                         device, writes_out, plan)
 
 
 def _static_outputs(ctx: _Context, node: Node) -> bool:
@@ -353,22 +389,39 @@ def _static_outputs(ctx: _Context, node: Node) -> bool:
     return all(t is not None and t.is_static for t in types)
 
 
-def _variant(ctx: _Context, node: Node, backend: Backend) -> tuple[str, str]:
-    table = backend.kernels
+def _node_plan(ctx: _Context, node: Node, backend: Backend, precision: str) -> NodePlan:
+    """The backend planner's plan for ``node``; a variant measured on this machine
+    (``keel tune``'s cache) overrides its declared rules, and otherwise the tuning
+    cache's note joins the variant's reason."""
+    input_types = [ctx.types.get(i) if i else None for i in node.inputs]
+    measured, note = _measured(ctx, node, backend, input_types)
+    plan = backend.plan_node(node.op, input_types, node.attrs, profile=ctx.profile,
+                             precision=precision, measured=measured)
+    if plan.variant not in backend.kernels.variants(node.op):
+        raise UnsupportedOperationError(
+            node.op.value, backend.name,
+            detail=f"node {node.name!r}: the planner chose unknown variant {plan.variant!r}")
+    if note and (measured is None or plan.variant != measured.variant):
+        reasons = tuple((f, f"{why}; {note}" if f == "variant" else why)
+                        for f, why in plan.reasons)
+        plan = dataclasses.replace(plan, reasons=reasons)
+    return plan
+
+
+def _measured(ctx: _Context, node: Node, backend: Backend,
+              input_types: Sequence[TensorType | None]) -> tuple[Measured | None, str]:
+    """(A variant measured on this machine for this node's shapes, the tuning cache's
+    note): (None, note) where the backend's declared rules decide."""
     try:
-        variants = importlib.import_module("keel.planning.variants")
         tuning = importlib.import_module("keel.planning.tuning")
     except ImportError:
-        return "default", "no variant chooser installed"
-    input_types = [ctx.types.get(i) if i else None for i in node.inputs]
-    # A variant measured on this machine decides; else the declared rules (tuning's note).
-    measured = tuning.lookup(ctx.graph, node, input_types, backend, ctx.profile)
-    if measured is not None and measured.variant is not None:
-        return str(measured.variant), str(measured.reason)
-    name, reason = variants.choose_variant(node.op, input_types, node.attrs, table)
-    if name not in table.variants(node.op):
-        return "default", f"chooser picked unknown variant {name!r}; using default"
-    return str(name), str(reason) + ("" if measured is None else f"; {measured.reason}")
+        return None, ""
+    found = tuning.lookup(ctx.graph, node, input_types, backend, ctx.profile)
+    if found is None:
+        return None, ""
+    if found.variant is None:
+        return None, str(found.reason)
+    return Measured(str(found.variant), str(found.reason)), ""
 
 
 def _node_precision(ctx: _Context, node: Node) -> tuple[str, str]:

@@ -89,6 +89,9 @@ def test_a_second_load_comes_from_the_cache_and_equals_a_fresh_load(
     fresh = load_model(model_path, backend, precision, plan_cache=False)
     assert _without_cache_reason(second.plan) == _without_cache_reason(fresh.plan)
     assert second.plan.nodes == fresh.plan.nodes and second.plan.memory == fresh.plan.memory
+    # Each node's plan comes back whole, reasons included.
+    assert [n.plan.to_dict() for n in second.plan.nodes if n.plan is not None] == [
+        n.plan.to_dict() for n in fresh.plan.nodes if n.plan is not None] != []
     assert [i.to_dict() for i in second.inputs] == [i.to_dict() for i in fresh.inputs]
     assert [o.to_dict() for o in second.outputs] == [o.to_dict() for o in fresh.outputs]
     assert second.name == fresh.name == "resnet_block"

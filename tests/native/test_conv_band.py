@@ -8,11 +8,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-import keel.backends.cpu.conv  # registers the conv kernels on TABLE
 from keel import native
-from keel.backends.base import KernelContext
+from keel.backends.base import KernelContext, NodePlan
 from keel.backends.cpu import conv_gemm
 from keel.backends.cpu import native_gemm as ng
+from keel.backends.cpu import planner as cpu_planner
 from keel.backends.cpu.conv_epilogue import activation, finish
 from keel.backends.cpu.kernels import TABLE
 from keel.ops.registry import Op
@@ -47,17 +47,12 @@ CASES = [
 def _band(x: np.ndarray, w: np.ndarray, b: Any, z: Any, attrs: dict[str, Any],
           threads: int = 1, nt: bool = False) -> np.ndarray:
     geo = conv_geometry(Op.CONV, x.shape, w.shape, attrs)
-    layout = conv_gemm.band_layout(geo)
-    assert layout is not None
+    layout = conv_gemm.native_layout(geo, "band", stream_stores=nt)
+    assert layout.band and layout.nt is nt
     y = ng._aligned(int(np.prod(geo.out_shape))).reshape(geo.out_shape)
     act = activation(attrs.get("activation", ""), attrs.get("activation_params", ()))
     filters = conv_gemm.native_filters(np, geo, w, b)
-    saved = conv_gemm.NT_BYTES
-    conv_gemm.NT_BYTES = 0 if nt else 2**62
-    try:
-        calls = conv_gemm.native_calls(layout, x, x, filters, z, y, act)
-    finally:
-        conv_gemm.NT_BYTES = saved
+    calls = conv_gemm.native_calls(layout, x, x, filters, z, y, act)
     assert calls is not None and isinstance(calls[0], ng.BandCall)
     for call in calls:
         call.run(threads)
@@ -113,8 +108,8 @@ def test_choice(x_shape: tuple[int, ...], w_shape: tuple[int, ...], attrs: dict[
     geo = conv_geometry(Op.CONV, x_shape, w_shape, attrs)
     grid = ng.geometry()
     expect = chosen and grid is not None and grid[1] == 32     # measured with AVX-512
-    assert conv_gemm.band_wins(geo) is expect
-    assert conv_gemm.native_layout(geo).band is expect
+    assert (cpu_planner.native_form(geo)[0] == "band") is expect
+    assert cpu_planner.native_layout(geo).band is expect
 
 
 def test_through_the_prepared_kernel_with_a_new_x_each_run() -> None:
@@ -130,20 +125,17 @@ def test_through_the_prepared_kernel_with_a_new_x_each_run() -> None:
     kernel = TABLE.get(Op.CONV, "native")
     assert kernel.prepack is not None
     state = kernel.prepack(KernelContext(np, "cpu", "cpu", 1, None), [None, w, b], full)
-    saved = conv_gemm.band_wins
-    conv_gemm.band_wins = lambda geo: True        # type: ignore[assignment]
-    try:
-        y = None
-        for threads in (1, 1, 2, 1):
-            ctx = KernelContext(np, "cpu", "cpu", threads, state)
-            x = rand(rng, 2, 3, 18, 22)
-            expect = np.clip(reference([x, w, b], attrs), 0.0, 6.0)
-            if y is None:
-                y = np.empty(expect.shape, np.float32)
-            (got,) = kernel.fn(ctx, [x, w, b], full, [y])
-            assert got is y
-            np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-4)
-        assert any(getattr(r, "rebind", False) for r in state.ready.values())
-    finally:
-        conv_gemm.band_wins = saved                # type: ignore[assignment]
-        keel.backends.cpu.conv._plan.cache_clear()
+    # The node's plan says band (the planner would not, for this small image): the
+    # kernel runs what the plan says.
+    band = NodePlan("native", layout="band", reasons=(("layout", "band: asked for"),))
+    y = None
+    for threads in (1, 1, 2, 1):
+        ctx = KernelContext(np, "cpu", "cpu", threads, state, band)
+        x = rand(rng, 2, 3, 18, 22)
+        expect = np.clip(reference([x, w, b], attrs), 0.0, 6.0)
+        if y is None:
+            y = np.empty(expect.shape, np.float32)
+        (got,) = kernel.fn(ctx, [x, w, b], full, [y])
+        assert got is y
+        np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-4)
+    assert any(getattr(r, "rebind", False) for r in state.ready.values())

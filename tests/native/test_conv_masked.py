@@ -17,6 +17,7 @@ from keel import native
 from keel.backends.base import KernelContext
 from keel.backends.cpu import conv_gemm
 from keel.backends.cpu import native_gemm as ng
+from keel.backends.cpu import planner as cpu_planner
 from keel.backends.cpu.conv_epilogue import activation
 from keel.backends.cpu.kernels import TABLE
 from keel.ops.registry import Op
@@ -55,7 +56,7 @@ CASES = [
 def _masked(x: np.ndarray, w: np.ndarray, b: Any, z: Any, attrs: dict[str, Any],
             threads: int = 1, y: np.ndarray | None = None) -> np.ndarray:
     geo = conv_geometry(Op.CONV, x.shape, w.shape, attrs)
-    layout = conv_gemm.native_layout(geo, masked=True)
+    layout = conv_gemm.native_layout(geo, "masked")
     assert layout.masked is not None
     if y is None:
         y = np.empty((geo.batch, geo.out_channels, *geo.window.out_spatial), np.float32)
@@ -120,8 +121,8 @@ def test_not_served(x_shape: tuple[int, ...], w_shape: tuple[int, ...],
     """Where a tap would read outside the planes what is not padding, or too many taps:
     the layout falls back to the gathered or wide one."""
     geo = conv_geometry(Op.CONV, x_shape, w_shape, attrs)
-    assert conv_gemm._masked_layout(geo) is None
-    assert conv_gemm.native_layout(geo).masked is None
+    assert conv_gemm.masked_layout(geo) is None
+    assert cpu_planner.native_layout(geo).masked is None
 
 
 @pytest.mark.parametrize("x_shape,w_shape,attrs,chosen", [
@@ -134,8 +135,8 @@ def test_not_served(x_shape: tuple[int, ...], w_shape: tuple[int, ...],
 def test_choice(x_shape: tuple[int, ...], w_shape: tuple[int, ...], attrs: dict[str, Any],
                 chosen: bool) -> None:
     geo = conv_geometry(Op.CONV, x_shape, w_shape, attrs)
-    assert conv_gemm.masked_wins(geo) is chosen
-    assert (conv_gemm.native_layout(geo).masked is not None) is chosen
+    assert (cpu_planner.native_form(geo)[0] == "masked") is chosen
+    assert (cpu_planner.native_layout(geo).masked is not None) is chosen
 
 
 @pytest.mark.parametrize("attrs", [{"pads": (1, 1, 1, 1)},

@@ -15,6 +15,7 @@ import pytest
 from keel import native
 from keel.backends.cpu import conv_gemm
 from keel.backends.cpu import native_gemm as ng
+from keel.backends.cpu import planner as cpu_planner
 from keel.backends.cpu.conv_epilogue import activation
 from keel.backends.reference.backend import ReferenceBackend
 from keel.ops.registry import Op
@@ -111,14 +112,14 @@ def test_wide_threads_give_bitwise_the_same(monkeypatch: pytest.MonkeyPatch,
     np.testing.assert_array_equal(one, two)
 
 
-def test_wide_layout_is_chosen_only_for_stride_one_2d() -> None:
+def test_wide_layout_serves_only_stride_one_2d() -> None:
     strided = conv_geometry(Op.CONV, (1, 4, 8, 8), (4, 4, 3, 3),
                             {"pads": (1, 1, 1, 1), "strides": (2, 2)})
-    assert conv_gemm.native_layout(strided, wide=True).wide is None
+    assert conv_gemm.native_layout(strided, "wide").wide is None     # runs gathered
     unit = conv_geometry(Op.CONV, (1, 4, 8, 8), (4, 4, 3, 3), {"pads": (1, 1, 1, 1)})
-    wide = conv_gemm.native_layout(unit, wide=True).wide
+    wide = conv_gemm.native_layout(unit, "wide").wide
     assert wide is not None and wide.row == 9 and not wide.stacked
-    assert conv_gemm.native_layout(unit, wide=False).wide is None
+    assert conv_gemm.native_layout(unit, "gathered").wide is None
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -133,7 +134,7 @@ def test_wide_through_the_conv_kernel(batch: int) -> None:
     z = _rand(rng, batch, 8, 12, 12)
     attrs = {"activation": "relu"}
     geo = conv_geometry(Op.CONV, x.shape, w.shape, attrs)
-    assert conv_gemm.native_layout(geo).wide is not None
+    assert cpu_planner.native_layout(geo).wide is not None
     want = _reference([x, w, b, z], attrs)
     for threads in (1, 2):
         got = CpuBackend(threads=threads).run(Op.CONV, [x, w, b, z], attrs=attrs,

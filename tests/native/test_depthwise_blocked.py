@@ -121,22 +121,20 @@ def test_blocked_threads_bitwise_equal(scheme: str) -> None:
                                rtol=1e-5, atol=1e-5)
 
 
-def test_bind_scheme_forced_and_restored() -> None:
+def test_bind_scheme_is_the_calls_own() -> None:
+    """The scheme is the node plan's, passed to each bound call: no process-wide switch."""
     win = _window(14, 14, (3, 3), 2, 1, 1)
     geo = nw.plan(24, win)
     assert geo is not None
     x = RNG.standard_normal((1, 24, 14, 14)).astype(np.float32)
     w = RNG.standard_normal((24, 1, 3, 3)).astype(np.float32)
     out = {}
-    try:
-        for scheme in ("planes", "blocked"):
-            nw.set_bind_scheme(scheme)
-            out[scheme] = np.empty((1, 24, 7, 7), dtype=np.float32)
-            nw.bind_depthwise_conv(x, w, None, None, out[scheme], geo, None)()
-    finally:
-        nw.set_bind_scheme("auto")
+    for scheme in ("planes", "blocked", "auto"):
+        out[scheme] = np.empty((1, 24, 7, 7), dtype=np.float32)
+        nw.bind_depthwise_conv(x, w, None, None, out[scheme], geo, None, 1, scheme)()
     assert np.array_equal(out["planes"], out["blocked"])
+    assert np.array_equal(out["planes"], out["auto"])
     np.testing.assert_allclose(out["blocked"], _reference(x, w, None, None, win, None),
                                rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="unknown depthwise scheme 'tiles'"):
-        nw.set_bind_scheme("tiles")
+        nw.bind_depthwise_conv(x, w, None, None, out["auto"], geo, None, 1, "tiles")

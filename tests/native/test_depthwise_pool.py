@@ -13,6 +13,7 @@ from keel import config, native
 from keel.backends.base import DeviceKind, KernelContext
 from keel.backends.cpu import depthwise
 from keel.backends.cpu import native_window as nw
+from keel.backends.cpu import planner as cpu_planner
 from keel.backends.cpu.kernels import load as load_cpu
 from keel.backends.reference.kernels import load as load_reference
 from keel.dtypes import DType
@@ -86,7 +87,7 @@ def _form(inputs: Sequence[np.ndarray | None], attrs: dict[str, Any]) -> str:
     x, w = inputs[0], inputs[1]
     assert x is not None and w is not None
     norm = get_schema(Op.CONV).normalize_attrs(attrs)
-    return depthwise.depthwise_layout(conv_geometry(Op.CONV, x.shape, w.shape, norm)).form
+    return cpu_planner.depthwise_layout(conv_geometry(Op.CONV, x.shape, w.shape, norm)).form
 
 
 @pytest.mark.parametrize(("channels", "stride"), MOBILENET)
@@ -189,10 +190,10 @@ def test_depthwise_other_dtypes_run_the_numpy_form(dtype: Any) -> None:
 def test_depthwise_multiplier_stays_numpy_and_says_why() -> None:
     x, w = _f(1, 4, 8, 8), _f(8, 1, 3, 3)
     norm = get_schema(Op.CONV).normalize_attrs({"group": 4, "kernel_shape": (3, 3)})
-    layout = depthwise.depthwise_layout(conv_geometry(Op.CONV, x.shape, w.shape, norm))
+    layout = cpu_planner.depthwise_layout(conv_geometry(Op.CONV, x.shape, w.shape, norm))
     assert layout.form != "native" and "channel multiplier 2" in layout.reason
     with pytest.raises(ValueError, match="form 'native' cannot run"):
-        depthwise.depthwise_layout(conv_geometry(Op.CONV, x.shape, w.shape, norm), "native")
+        cpu_planner.depthwise_layout(conv_geometry(Op.CONV, x.shape, w.shape, norm), "native")
     (want,) = _ref(Op.CONV, [x, w], group=4, kernel_shape=(3, 3))
     (got,) = _cpu(Op.CONV, [x, w], "depthwise", group=4, kernel_shape=(3, 3))
     _close(got, want)
@@ -203,7 +204,7 @@ def test_native_layout_names_itself_and_its_fallback() -> None:
     x, w = inputs[0], inputs[1]
     assert x is not None and w is not None
     norm = get_schema(Op.CONV).normalize_attrs(attrs)
-    layout = depthwise.depthwise_layout(conv_geometry(Op.CONV, x.shape, w.shape, norm))
+    layout = cpu_planner.depthwise_layout(conv_geometry(Op.CONV, x.shape, w.shape, norm))
     assert layout.form == "native" and layout.reason.startswith("native: compiled")
     assert layout.fallback is not None and layout.fallback.form in depthwise.FORMS[1:]
 
@@ -214,10 +215,10 @@ def test_native_off_gives_the_numpy_form_with_the_reason(native_off: None) -> No
     assert x is not None and w is not None
     norm = get_schema(Op.CONV).normalize_attrs(attrs)
     geo = conv_geometry(Op.CONV, x.shape, w.shape, norm)
-    layout = depthwise.depthwise_layout(geo)
+    layout = cpu_planner.depthwise_layout(geo)
     assert layout.form != "native"
     assert "native kernels unavailable (disabled by KEEL_NATIVE=off)" in layout.reason
-    asked = depthwise.depthwise_layout(geo, "native")       # runs its NumPy fallback
+    asked = cpu_planner.depthwise_layout(geo, "native")       # runs its NumPy fallback
     assert asked.form == "native" and "so its NumPy form" in asked.reason
     y = np.empty(geo.out_shape, np.float32)
     depthwise.depthwise(np, asked, x, w, inputs[2], None, y, ("", ()))
@@ -368,7 +369,7 @@ def test_threads_give_bitwise_equal_results(monkeypatch: pytest.MonkeyPatch) -> 
     x, w, b, z = inputs
     assert x is not None and w is not None
     norm = get_schema(Op.CONV).normalize_attrs(attrs)
-    layout = depthwise.depthwise_layout(conv_geometry(Op.CONV, x.shape, w.shape, norm))
+    layout = cpu_planner.depthwise_layout(conv_geometry(Op.CONV, x.shape, w.shape, norm))
     one, two = (np.empty((3, 7, 12, 11), np.float32) for _ in range(2))
     depthwise.depthwise(np, layout, x, w, b, z, one, ("clip", (0.0, 6.0)), threads=1)
     depthwise.depthwise(np, layout, x, w, b, z, two, ("clip", (0.0, 6.0)), threads=2)
@@ -428,7 +429,7 @@ def test_portable_builds_match_the_native_one(tmp_path: Any, flags: tuple[str, .
                            **attrs)
         x, w, b = (np.ascontiguousarray(a) for a in inputs if a is not None)
         norm = get_schema(Op.CONV).normalize_attrs(full)
-        layout = depthwise.depthwise_layout(conv_geometry(Op.CONV, x.shape, w.shape, norm))
+        layout = cpu_planner.depthwise_layout(conv_geometry(Op.CONV, x.shape, w.shape, norm))
         geo = layout.native
         assert geo is not None
         want = np.empty(layout.geo.out_shape, np.float32)

@@ -18,6 +18,7 @@ from keel.backends.base import DeviceKind, KernelContext
 from keel.backends.cpu import conv as cpu_conv
 from keel.backends.cpu import matmul as cpu_matmul
 from keel.backends.cpu import native_gemm as ng
+from keel.backends.cpu import planner as cpu_planner
 from keel.backends.cpu.backend import CpuBackend
 from keel.backends.cpu.conv_rules import conv_case, pick
 from keel.backends.reference.backend import ReferenceBackend
@@ -513,7 +514,7 @@ def test_conv_default_picks_native_for_few_channels_and_says_why() -> None:
                     "float32")
     one = conv_case(Op.CONV, (1, 32, 8, 8), (64, 32, 1, 1), {}, "float32")
     assert small is not None and big is not None and one is not None
-    rules = cpu_conv._available_rules()
+    rules = cpu_planner.available_rules()
     assert pick(small, rules)[0] == "native"
     name, why = pick(big, rules)
     assert name != "native" and "not native: 256 channels per group > 64" in why
@@ -527,7 +528,7 @@ def test_conv_without_the_native_tier_runs_numpy(monkeypatch: pytest.MonkeyPatch
     attrs = {"pads": (1, 1, 1, 1)}
     want = _run(ReferenceBackend(), Op.CONV, [x, w], attrs)
     monkeypatch.setattr(ng, "_functions", lambda: None)
-    assert all(r.variant != "native" for r in cpu_conv._available_rules())
+    assert all(r.variant != "native" for r in cpu_planner.available_rules())
     got = _run(CpuBackend(threads=1), Op.CONV, [x, w], attrs, variant="native")
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     a, m = _rand(rng, 8, 8), _rand(rng, 8, 5)

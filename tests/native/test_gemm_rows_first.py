@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from keel import native
-from keel.backends.cpu import conv as cpu_conv
 from keel.backends.cpu import conv_gemm
 from keel.backends.cpu import native_gemm as ng
+from keel.backends.cpu import planner as cpu_planner
 from keel.backends.cpu.backend import CpuBackend
 from keel.backends.cpu.conv_rules import conv_case, pick
 from keel.backends.reference.backend import ReferenceBackend
@@ -132,7 +132,7 @@ def test_pointwise_layouts() -> None:
     """14x14 reads X in place; 7x7 at batch 32 stacks the images (49 of 64 columns)."""
     def layout(n: int, side: int) -> conv_gemm.NativeLayout:
         geo = conv_geometry(Op.CONV, (n, 16, side, side), (32, 16, 1, 1), {})
-        return conv_gemm.native_layout(geo)
+        return cpu_planner.native_layout(geo)
 
     assert layout(32, 14).direct
     stacked = layout(32, 7)
@@ -141,7 +141,7 @@ def test_pointwise_layouts() -> None:
 
 
 def test_default_takes_1x1_natively_at_any_batch() -> None:
-    rules = cpu_conv._available_rules()
+    rules = cpu_planner.available_rules()
 
     def choice(n: int, side: int) -> tuple[str, str]:
         case = conv_case(Op.CONV, (n, 64, side, side), (384, 64, 1, 1), {}, "float32")

@@ -13,6 +13,7 @@ from keel import native
 from keel.backends.base import DeviceKind, KernelContext
 from keel.backends.cpu import depthwise, pooling
 from keel.backends.cpu import native_window as nw
+from keel.backends.cpu import planner as cpu_planner
 from keel.backends.cpu.kernels import load as load_cpu
 from keel.backends.reference.kernels import load as load_reference
 from keel.ops.registry import Op
@@ -171,7 +172,7 @@ def test_prefetching_calls_match_plane_by_plane_calls() -> None:
                           nw.plan(1, win), (0.0, 6.0))     # type: ignore[arg-type]
     np.testing.assert_array_equal(whole, planes)
     attrs = _dw_attrs(c, 2)
-    layout = depthwise.depthwise_layout(conv_geometry(Op.CONV, x.shape, w.shape, attrs),
+    layout = cpu_planner.depthwise_layout(conv_geometry(Op.CONV, x.shape, w.shape, attrs),
                                         "rows")
     numpy_y = np.empty_like(whole)
     depthwise.depthwise(np, layout, x, w, b, None, numpy_y, ("clip", (0.0, 6.0)))

@@ -49,12 +49,13 @@ def _reference(inputs: list[Any], attrs: dict[str, Any]) -> np.ndarray:
 
 
 def _native(x: np.ndarray, w: np.ndarray, b: Any, z: Any, pads: tuple[int, ...],
-            act: tuple[str, tuple[float, ...]], threads: int = 1) -> np.ndarray:
+            act: tuple[str, tuple[float, ...]], threads: int = 1,
+            chunk: int | None = None) -> np.ndarray:
     geo = conv_geometry(Op.CONV, x.shape, w.shape, {"pads": pads})
     out_hw = geo.window.out_spatial
     y = np.empty((x.shape[0], w.shape[0], *out_hw), np.float32)
     assert winograd.native_conv3x3(x, w, (pads[0], pads[1]), (out_hw[0], out_hw[1]), y, b, z,
-                                   activation(*act), None, threads)
+                                   activation(*act), None, threads, chunk)
     return y
 
 
@@ -99,13 +100,13 @@ def test_nan_and_infinities_are_never_lost() -> None:
     np.testing.assert_allclose(got[finite], want[finite], rtol=1e-4, atol=1e-4)
 
 
-def test_batches_split_into_chunks_give_the_same_result(monkeypatch: pytest.MonkeyPatch
-                                                        ) -> None:
+def test_batches_split_into_chunks_give_the_same_result() -> None:
     rng = np.random.default_rng(11)
     x, w, b = _rand(rng, 7, 8, 12, 12), _rand(rng, 6, 8, 3, 3), _rand(rng, 6)
     whole = _native(x, w, b, None, (1, 1, 1, 1), ("relu", ()))
-    monkeypatch.setattr(winograd, "_NATIVE_CHUNK_BYTES", 1)        # one image a chunk
-    np.testing.assert_array_equal(_native(x, w, b, None, (1, 1, 1, 1), ("relu", ())), whole)
+    for chunk in (1, 3):
+        np.testing.assert_array_equal(
+            _native(x, w, b, None, (1, 1, 1, 1), ("relu", ()), chunk=chunk), whole)
 
 
 def test_threads_give_bitwise_equal_results(monkeypatch: pytest.MonkeyPatch) -> None:

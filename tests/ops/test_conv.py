@@ -10,6 +10,7 @@ import pytest
 
 from keel.backends.cpu import conv as cpu_conv
 from keel.backends.cpu import conv_gemm, depthwise, winograd, workspace
+from keel.backends.cpu import planner as cpu_planner
 from keel.backends.cpu.conv_rules import ConvCase, conv_case, pick
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError, UnsupportedOperationError
@@ -226,9 +227,9 @@ def test_float16_is_computed_in_float32() -> None:
 
 def test_im2col_and_winograd_process_big_batches_in_chunks(monkeypatch: pytest.MonkeyPatch
                                                            ) -> None:
-    monkeypatch.setattr(conv_gemm, "IM2COL_BYTES", 1)        # one image per chunk
-    monkeypatch.setattr(conv_gemm, "STACKED_BYTES", 2 * 577 * 222 * 4)   # two images
-    monkeypatch.setattr(winograd, "_CHUNK_BYTES", 1)
+    monkeypatch.setattr(cpu_planner, "IM2COL_BYTES", 1)        # one image per chunk
+    monkeypatch.setattr(cpu_planner, "STACKED_BYTES", 2 * 577 * 222 * 4)   # two images
+    monkeypatch.setattr(cpu_planner, "WINOGRAD_CHUNK_BYTES", 1)
     cpu_conv._plan.cache_clear()                             # layouts are cached per shape
     try:
         # 14x14 outputs take the stacked im2col path, 20x20 ones the per-image path.
@@ -251,7 +252,7 @@ def test_default_runs_the_variant_the_rules_pick() -> None:
         norm = get_schema(Op.CONV).normalize_attrs(attrs)
         case = conv_case(Op.CONV, x, w, norm, "float32")
         assert case is not None
-        chosen, _ = pick(case, cpu_conv._available_rules())   # what runs on this machine
+        chosen, _ = pick(case, cpu_planner.available_rules())   # what runs on this machine
         (by_default,) = cpu(Op.CONV, [xs, ws], **attrs)
         (by_name,) = cpu(Op.CONV, [xs, ws], chosen, **attrs)
         assert by_default.tobytes() == by_name.tobytes()
@@ -342,15 +343,12 @@ _IM2COL_CASES = [
                          ids=[c[0] for c in _IM2COL_CASES])
 @pytest.mark.parametrize("compact", [True, False])
 @pytest.mark.parametrize("stacked", [True, False])
-def test_im2col_layouts_agree_with_the_reference(monkeypatch: pytest.MonkeyPatch, name: str,
-                                                 x: tuple[int, ...], w: tuple[int, ...],
+def test_im2col_layouts_agree_with_the_reference(name: str, x: tuple[int, ...], w: tuple[int, ...],
                                                  attrs: dict[str, Any], compact: bool,
                                                  stacked: bool) -> None:
-    monkeypatch.setattr(conv_gemm, "STACK_BELOW", 10**9 if stacked else 0)
-    monkeypatch.setattr(conv_gemm, "IM2COL_BYTES", 1)            # chunks of one image
-    monkeypatch.setattr(conv_gemm, "STACKED_BYTES", 1 << 30)
     geo = _geometry(x, w, attrs)
-    layout = conv_gemm.im2col_layout(geo, 4, compact=compact)
+    # Chunks of one image, or the whole batch in one chunk when stacked.
+    layout = conv_gemm.im2col_layout(geo, compact, stacked, x[0] if stacked else 1)
     assert layout.compact is compact and layout.stacked is (stacked and x[0] > 1)
     xs, ws, b = _f(*x), _f(*w), _f(w[0])
     z = _f(*geo.out_shape)
@@ -371,13 +369,11 @@ def test_column_rows_avoid_4kib_strides() -> None:
     ((2, 8, 7, 7), (6, 4, 1, 1), {"strides": (2, 2), "group": 2}),
 ])
 @pytest.mark.parametrize("stacked", [True, False])
-def test_pointwise_layouts_agree_with_the_reference(monkeypatch: pytest.MonkeyPatch,
-                                                    x: tuple[int, ...], w: tuple[int, ...],
+def test_pointwise_layouts_agree_with_the_reference(x: tuple[int, ...], w: tuple[int, ...],
                                                     attrs: dict[str, Any],
                                                     stacked: bool) -> None:
-    monkeypatch.setattr(conv_gemm, "STACK_BELOW", 10**9 if stacked else 0)
     geo = _geometry(x, w, attrs)
-    layout = conv_gemm.pointwise_layout(geo, has_bias=True)
+    layout = conv_gemm.pointwise_layout(geo, True, stacked)
     assert layout.stacked is stacked
     xs, ws, b = _f(*x), _f(*w), _f(w[0])
     z = _f(*geo.out_shape)
@@ -405,15 +401,15 @@ def test_depthwise_forms_agree_with_the_reference(monkeypatch: pytest.MonkeyPatc
                                                   x: tuple[int, ...], w: tuple[int, ...],
                                                   attrs: dict[str, Any], form: str,
                                                   block: int) -> None:
-    monkeypatch.setattr(depthwise, "BLOCK_BYTES", block)
-    monkeypatch.setattr(depthwise, "STREAM_BYTES", block)
+    monkeypatch.setattr(cpu_planner, "DEPTHWISE_BLOCK_BYTES", block)
+    monkeypatch.setattr(cpu_planner, "DEPTHWISE_STREAM_BYTES", block)
     geo = _geometry(x, w, attrs)
     if form != "planes" and (len(x) != 4 or w[0] != x[1]) and not (
             form == "rows" and len(x) == 4):
         with pytest.raises(ValueError, match=f"form '{form}' cannot run"):
-            depthwise.depthwise_layout(geo, form)
+            cpu_planner.depthwise_layout(geo, form)
         return
-    layout = depthwise.depthwise_layout(geo, form)
+    layout = cpu_planner.depthwise_layout(geo, form)
     xs, ws, b = _f(*x), _f(*w), _f(w[0])
     z = _f(*geo.out_shape)
     y = np.empty(geo.out_shape, np.float32)
@@ -428,7 +424,7 @@ def test_depthwise_picks_its_form_by_shape() -> None:
         """The NumPy form: the one that runs without the native tier (or on the GPU)."""
         c = x[1]
         geo = _geometry(x, (c, 1, 3, 3), {"pads": P1, "group": c, "strides": strides})
-        layout = depthwise.depthwise_layout(geo)
+        layout = cpu_planner.depthwise_layout(geo)
         assert (layout.form == "native") == native_window.ready()
         if layout.form == "native":
             assert layout.fallback is not None
@@ -440,7 +436,7 @@ def test_depthwise_picks_its_form_by_shape() -> None:
     assert form((1, 32, 112, 112)) == "rows"
     assert form((8, 32, 112, 112)) == "planes"               # batches of big planes
     geo = _geometry((1, 3, 5, 6, 7), (3, 1, 3, 3, 3), {"pads": (1,) * 6, "group": 3})
-    assert depthwise.depthwise_layout(geo).form == "planes"   # 3-D: NumPy only
+    assert cpu_planner.depthwise_layout(geo).form == "planes"   # 3-D: NumPy only
 
 
 def test_prepacked_and_plain_runs_agree_bitwise() -> None:

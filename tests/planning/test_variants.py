@@ -11,6 +11,7 @@ import pytest
 
 from keel import config, native
 from keel.backends.base import DeviceKind, KernelContext, KernelTable
+from keel.backends.cpu import planner as cpu_planner
 from keel.backends.cpu.conv_rules import ConvRule
 from keel.backends.cpu.kernels import load
 from keel.dtypes import DType
@@ -201,13 +202,26 @@ def _table() -> KernelTable:
     return table
 
 
-def test_choice_follows_rule_priorities_in_any_table() -> None:
-    table = _table()
-    assert _choose(Op.CONV, (1, 4, 5, 5), (8, 4, 1, 1), table)[0] == "fast-1x1"
-    name, reason = _choose(Op.CONV, (1, 4, 5, 5), (8, 4, 3, 3), table)
+def _rules(x: Sequence[Dim], w: Sequence[Dim], dtype: DType = F32) -> tuple[str, str]:
+    """The cpu planner's conv rules applied to the fresh table's variants."""
+    return cpu_planner.choose_variant(Op.CONV, _types(x, w, dtype=dtype),
+                                      get_schema(Op.CONV).normalize_attrs({}), _table())
+
+
+def test_the_cpu_rules_follow_rule_priorities_in_any_table() -> None:
+    assert _rules((1, 4, 5, 5), (8, 4, 1, 1))[0] == "fast-1x1"
+    name, reason = _rules((1, 4, 5, 5), (8, 4, 3, 3))
     assert name == "general" and "not fast-1x1: kernel (3, 3)" in reason
     # fast-1x1 takes float32 only: float64 goes to the general variant.
-    assert _choose(Op.CONV, (1, 4, 5, 5), (8, 4, 1, 1), table, DType.FLOAT64)[0] == "general"
+    assert _rules((1, 4, 5, 5), (8, 4, 1, 1), DType.FLOAT64)[0] == "general"
+
+
+def test_a_table_without_a_planner_takes_the_highest_priority() -> None:
+    """choose_variant asks the table's planner (the cpu's rules for the cpu table);
+    a table without one gets the priority choice, conv included."""
+    assert CPU.chooser is cpu_planner.choose_variant
+    name, reason = _choose(Op.CONV, (1, 4, 5, 5), (8, 4, 3, 3), _table())
+    assert name == "fast-1x1" and "highest priority (5)" in reason
 
 
 def test_choice_by_priority_for_ops_without_rules() -> None:

@@ -19,6 +19,8 @@ from keel.backends.base import (
     DeviceKind,
     KernelTable,
     KernelVariant,
+    NodePlan,
+    PlanRequest,
     ProgramScope,
 )
 from keel.dtypes import DType
@@ -105,6 +107,16 @@ class CpuBackend(Backend):
     @property
     def xp(self) -> ModuleType:
         return np
+
+    def _plan_node(self, request: PlanRequest) -> NodePlan:
+        from keel.backends.cpu import planner
+
+        return planner.plan(request, self.kernels)
+
+    def _planner_state(self) -> Any:
+        from keel.backends.cpu import planner
+
+        return planner.state()
 
     def _execution_scope(self, op: Op | None) -> AbstractContextManager[Any]:
         # Only BLAS-backed kernels use the thread pools; for the rest, setting

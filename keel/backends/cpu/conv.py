@@ -20,7 +20,9 @@ typed metadata, see :mod:`keel.backends.cpu.conv_rules`):
   (0.53-0.85x their time on ResNet-20's convs). In ``benchmarks.run`` (1
   thread, keel / onnxruntime time): ResNet-20 2.45 -> 1.73 at batch 1 and
   1.99 -> 1.41 at batch 32, ResNet-18 1.17 -> 1.01 at batch 32.
-* ``default`` — picks one of the above with :func:`conv_rules.pick` (``native``
+* ``default`` — runs the variant its node plan names; called without a plan
+  (or with shapes the plan could not know), the one the cpu planner
+  (:mod:`~keel.backends.cpu.planner`) picks from the real shapes (``native``
   only where the native tier is available).
 
 Every variant writes into ``out`` when given, folds the bias into its GEMM or
@@ -55,19 +57,21 @@ from typing import Any
 
 import numpy as np
 
-from keel.backends.base import Attrs, Inputs, KernelContext, Out, optional_input
+from keel.backends.base import Attrs, Inputs, KernelContext, NodePlan, Out, optional_input
 from keel.backends.cpu import (
     conv_epilogue,
     conv_gemm,
     depthwise,
     native_gemm,
+    planner,
     winograd,
     workspace,
 )
 from keel.backends.cpu.backend import ThreadCap
 from keel.backends.cpu.conv_epilogue import Activation, activation
-from keel.backends.cpu.conv_rules import ConvCase, ConvRule, pick
+from keel.backends.cpu.conv_rules import ConvCase
 from keel.backends.cpu.kernels import TABLE
+from keel.backends.cpu.planner import REQUIRES, RULES, TIER_RULES, conv_call_variant
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError, UnsupportedOperationError
 from keel.native.pointers import weak as _ref
@@ -84,101 +88,6 @@ from keel.ops.schemas.conv import (
 
 __all__ = ["RULES"]
 
-# winograd time / im2col time for C->C 3x3 pad-1 convs with bias and ReLU
-# (channels, output side, batch, ratio): 2-core AMD EPYC, OpenBLAS, 1 thread,
-# prepacked weights, interleaved runs, median of 5 passes.
-_WINOGRAD_EVIDENCE = (
-    (16, 32, 1, 1.88), (32, 16, 1, 1.40), (64, 8, 1, 1.12), (64, 14, 1, 1.01),
-    (64, 28, 1, 0.81), (64, 56, 1, 0.72), (128, 14, 1, 0.81), (128, 28, 1, 0.66),
-    (128, 56, 1, 0.70), (256, 7, 1, 1.31), (256, 14, 1, 0.74), (512, 7, 1, 1.32),
-    (16, 32, 4, 1.50), (32, 16, 4, 1.06), (64, 8, 4, 0.83), (64, 14, 4, 0.70),
-    (64, 56, 4, 0.76), (128, 14, 4, 0.60), (256, 7, 4, 0.80), (512, 7, 4, 0.85),
-    (16, 32, 32, 1.41), (32, 16, 32, 0.86), (64, 8, 32, 0.57), (64, 56, 32, 0.74),
-    (128, 28, 32, 0.63), (256, 14, 32, 0.63), (256, 7, 32, 0.82), (512, 7, 32, 0.79),
-)
-
-# native (implicit GEMM) time / the best other variant's time (Winograd with compiled
-# transforms, or im2col) for C->C 3x3 pad-1 convs with bias and ReLU (channels, output
-# side, batch, ratio): 2-core AMD EPYC (Zen 4), 1 thread, prepacked weights,
-# interleaved runs, medians.
-_NATIVE_EVIDENCE = (
-    (16, 32, 1, 0.76), (16, 32, 4, 0.63), (16, 32, 32, 0.61), (32, 16, 1, 0.75),
-    (32, 16, 4, 0.72), (32, 16, 32, 0.65), (64, 8, 1, 0.74), (64, 8, 4, 0.72),
-    (64, 8, 32, 0.70), (32, 32, 1, 0.97), (32, 32, 4, 1.00), (32, 32, 32, 0.94),
-    (64, 16, 1, 0.98), (64, 16, 4, 1.01), (64, 16, 32, 1.03), (64, 28, 1, 1.34),
-    (64, 28, 4, 1.20), (64, 28, 32, 1.34), (64, 56, 1, 1.30), (64, 56, 4, 1.32),
-    (64, 56, 32, 1.39), (128, 14, 1, 1.13), (128, 14, 4, 1.41), (128, 14, 32, 1.55),
-    (128, 28, 1, 1.55), (128, 28, 4, 1.47), (128, 28, 32, 1.59), (256, 7, 1, 1.29),
-    (256, 7, 4, 1.40), (256, 7, 32, 1.33), (256, 14, 1, 1.38), (256, 14, 4, 1.58),
-    (256, 14, 32, 1.74), (512, 7, 1, 1.46), (512, 7, 4, 1.64), (512, 7, 32, 1.69),
-)
-# Winograd with compiled transforms (winograd.c) / im2col time, the same convs.
-_WINOGRAD_NATIVE_EVIDENCE = (
-    (16, 32, 1, 1.13), (16, 32, 4, 0.93), (16, 32, 32, 0.86), (32, 16, 1, 1.08),
-    (32, 16, 4, 0.94), (32, 16, 32, 0.77), (64, 8, 1, 1.05), (64, 8, 4, 0.89),
-    (64, 8, 32, 0.86), (32, 32, 1, 0.77), (32, 32, 4, 0.65), (32, 32, 32, 0.73),
-    (64, 16, 1, 0.79), (64, 16, 4, 0.71), (64, 16, 32, 0.66), (64, 28, 1, 0.60),
-    (64, 28, 4, 0.66), (64, 28, 32, 0.61), (64, 56, 1, 0.60), (64, 56, 4, 0.60),
-    (64, 56, 32, 0.61), (128, 14, 1, 0.78), (128, 14, 4, 0.62), (128, 14, 32, 0.56),
-    (128, 28, 1, 0.58), (128, 28, 4, 0.60), (128, 28, 32, 0.57), (256, 7, 1, 0.75),
-    (256, 7, 4, 0.74), (256, 7, 32, 0.80), (256, 14, 1, 0.67), (256, 14, 4, 0.60),
-    (256, 14, 32, 0.56), (512, 7, 1, 0.66), (512, 7, 4, 0.68), (512, 7, 32, 0.67),
-)
-_NATIVE_MEASURED = (
-    "2-core AMD EPYC (Zen 4, AVX-512), 1 thread, prepacked weights, interleaved medians "
-    "on a shared machine (+-10 %): native/best-other time (Winograd with compiled "
-    "transforms, or im2col) 0.61-0.76 for 3x3 convs up to 32 channels on 16x16 and "
-    "smaller, 0.94-1.00 on 32x32, 0.70-0.74 at 64 channels on 8x8, 0.98-1.03 on 16x16, "
-    "1.2-1.4 from 28x28 and 1.1-1.7 from 128 channels (Winograd wins there); "
-    "3x3 stride 2 0.71-0.86; 1x1 stride 2 0.76-0.97")
-
-
-RULES: dict[str, ConvRule] = {
-    "winograd": ConvRule(
-        "winograd", 30, "Winograd F(2x2,3x3): 2.25x fewer multiplies than im2col",
-        ranks=(2,), kernel=(3, 3), strides=(1, 1), dilations=(1, 1), groups="one",
-        dtypes=frozenset({"float32", "float64"}), wins_where=((64, 196), (32, 4096)),
-        measured="2-core AMD EPYC (AVX-512), OpenBLAS, 1 thread, prepacked weights: "
-                 "winograd/im2col time 0.57-0.86 from 64 channels and 196 output pixels "
-                 "over the batch (49 tiles) up, and for 32 channels from 8192 pixels; "
-                 "1.01-1.88 below (16 channels; 7x7 outputs at batch 1)",
-        baseline="im2col", evidence=_WINOGRAD_EVIDENCE),
-}
-# The Winograd rule where its transforms are compiled (the native tier): it then beats
-# im2col from 128 channels at any size and from 32 channels on 512 output pixels.
-_WINOGRAD_NATIVE = ConvRule(
-    "winograd", 30, "Winograd F(2x2,3x3), transforms compiled: 2.25x fewer multiplies than "
-    "im2col", ranks=(2,), kernel=(3, 3), strides=(1, 1), dilations=(1, 1), groups="one",
-    dtypes=frozenset({"float32", "float64"}), wins_where=((128, 1), (32, 512)),
-    measured="2-core AMD EPYC (Zen 4, AVX-512), 1 thread, prepacked weights: "
-             "winograd/im2col time 0.56-0.80 from 128 channels (7x7 at batch 1 too) and "
-             "0.60-0.94 from 32 channels and 512 output pixels over the batch; 1.05-1.13 "
-             "on 256 or fewer at batch 1",
-    baseline="im2col", evidence=_WINOGRAD_NATIVE_EVIDENCE)
-RULES.update({
-    "pointwise": ConvRule(
-        "pointwise", 20, "1x1 conv as one GEMM on the input, no im2col copy",
-        unit_kernel=True, unpadded=True),
-    "depthwise": ConvRule(
-        "depthwise", 20, "compiled window kernel (native tier); else per-channel gemv over "
-        "shifted rows, or one channels-last einsum",
-        groups="depthwise",
-        measured="2-core AMD EPYC (AVX-512), 1 thread, batch 1, MobileNetV2's 3x3 layers: "
-                 "NumPy forms / im2col time 0.70-0.99 at 32-144 channels on 56x56-112x112 "
-                 "and at 576-960 channels on 7x7, 1.05-1.11 at 144-384 channels on "
-                 f"14x14-28x28; the native form {depthwise.NATIVE_SPEEDUP}"),
-    "im2col": ConvRule("im2col", 10, "im2col + one BLAS GEMM per group"),
-    "native": ConvRule(
-        "native", 40, "implicit GEMM on the native kernel: filters packed once, taps "
-        "gathered from the padded image, bias, residual and ReLU fused into the store",
-        groups="not_depthwise", dtypes=frozenset({"float32", "float16"}), max_channels=64,
-        yields_to_pointwise=True, evidence_decides=True, measured=_NATIVE_MEASURED,
-        baseline="the best other variant", evidence=_NATIVE_EVIDENCE),
-})
-# Variants that need a tier beyond NumPy (see keel.planning.variants.tier_unavailable).
-_REQUIRES = {"native": "native"}
-# Rules in force where a tier is available (the variant runs a faster form there).
-_TIER_RULES = {"winograd": {"native": _WINOGRAD_NATIVE}}
 
 
 
@@ -208,17 +117,18 @@ def _check_dtype_set(op: Op, dtypes: tuple[Any, ...]) -> DType:
 
 
 # ---- the variants --------------------------------------------------------------------
-def _winograd(xp: Any, layout: ConvGeometry, x: Any, w: Any, b: Any, z: Any, y: Any,
-              act: Activation, packed: Any = None, threads: int = 1) -> None:
-    """F(2x2, 3x3): the transforms compiled (bias, z and a clip in the output transform)
-    where the native tier serves the arrays; else in NumPy, the bias in the transform,
-    z and the activation in the last copy."""
-    win = layout.window
+def _winograd(xp: Any, layout: tuple[ConvGeometry, int | None], x: Any, w: Any, b: Any,
+              z: Any, y: Any, act: Activation, packed: Any = None, threads: int = 1) -> None:
+    """F(2x2, 3x3), in chunks of the planned images: the transforms compiled (bias, z and
+    a clip in the output transform) where the native tier serves the arrays; else in
+    NumPy, the bias in the transform, z and the activation in the last copy."""
+    geo, chunk = layout
+    win = geo.window
     pads, out_hw = (win.pads_begin[0], win.pads_begin[1]), (win.out_spatial[0],
                                                            win.out_spatial[1])
     if xp is not np or not winograd.native_conv3x3(x, w, pads, out_hw, y, b, z, act, packed,
-                                                   threads):
-        winograd.conv3x3(xp, x, w, pads, out_hw, y, b, z, act, packed)
+                                                   threads, chunk):
+        winograd.conv3x3(xp, x, w, pads, out_hw, y, b, z, act, packed, chunk)
 
 
 _IMPLS: dict[str, Callable[..., None]] = {
@@ -227,25 +137,45 @@ _IMPLS: dict[str, Callable[..., None]] = {
 }
 
 
-def _available_rules() -> list[ConvRule]:
-    """The rules in force here: native variants need the native tier, which also
-    compiles Winograd's transforms (its rule then has its own measurements)."""
-    tier = native_gemm.available()
-    return [_TIER_RULES[name]["native"] if tier and name in _TIER_RULES else r
-            for name, r in RULES.items() if name not in _REQUIRES or tier]
-
-
-def _layout(variant: str, geo: ConvGeometry, itemsize: int, has_bias: bool) -> Any:
-    """The shape-derived plan a variant runs from (computed once per signature)."""
+def _layout(variant: str, geo: ConvGeometry, has_bias: bool, form: planner.ConvForm) -> Any:
+    """The shape-derived plan a variant runs from, in its planned ``form`` (computed
+    once per signature)."""
     if variant == "im2col":
-        return conv_gemm.im2col_layout(geo, itemsize)
+        return conv_gemm.im2col_layout(geo, form.layout.startswith("compact"),
+                                       form.layout.endswith("-stacked"), form.chunk or 1)
     if variant == "pointwise":
-        return conv_gemm.pointwise_layout(geo, has_bias)
+        return conv_gemm.pointwise_layout(geo, has_bias, form.layout == "stacked")
     if variant == "depthwise":
-        return depthwise.depthwise_layout(geo)
+        assert form.block is not None         # every depthwise form has its block
+        return depthwise.depthwise_layout(geo, form.layout, form.block, form.reason,
+                                          form.scheme)
     if variant == "native":
-        return conv_gemm.native_layout(geo)
+        return conv_gemm.native_layout(geo, form.layout, form.stream_stores)
+    if variant == "winograd":
+        return geo, form.chunk
     return geo
+
+
+def _form(node_plan: NodePlan | None, variant: str, geo: ConvGeometry,
+          itemsize: int) -> planner.ConvForm:
+    """The layout the node's plan gives ``variant``; without one (a call the planner
+    did not see, or shapes it could not know), the planner's for these shapes."""
+    if node_plan is not None and (node_plan.layout or node_plan.chunk is not None) and (
+            variant in (node_plan.variant, node_plan.option("conv_variant"))):
+        return planner.ConvForm(
+            node_plan.layout, node_plan.reason("layout"), node_plan.chunk,
+            node_plan.workspace_bytes,
+            node_plan.option("depthwise_scheme", planner.DEPTHWISE_SCHEME),
+            bool(node_plan.option("stream_stores", False)),
+            node_plan.option("depthwise_block"))
+    return planner.conv_form(variant, geo, itemsize)
+
+
+def _planned(node_plan: NodePlan | None) -> str:
+    """The conv variant the node's plan runs (``default``: decided from the real shapes)."""
+    if node_plan is None or node_plan.variant != "default":
+        return "default" if node_plan is None else node_plan.variant
+    return str(node_plan.option("conv_variant", "default"))
 
 
 # ---- the kernels --------------------------------------------------------------------
@@ -271,9 +201,11 @@ class _Plan:
 
 
 @functools.lru_cache(maxsize=512)
-def _plan(op: Op, variant: str, backend: str, shapes: tuple[tuple[int, ...] | None, ...],
-          dtypes: tuple[Any, ...], attrs_key: tuple[tuple[str, Any], ...]) -> _Plan:
-    """Check and resolve one conv signature (cached: a steady state pays a lookup)."""
+def _plan(op: Op, variant: str, node_plan: NodePlan | None, backend: str,
+          shapes: tuple[tuple[int, ...] | None, ...], dtypes: tuple[Any, ...],
+          attrs_key: tuple[tuple[str, Any], ...]) -> _Plan:
+    """Check and resolve one conv signature as its node plan says (cached: a steady
+    state pays a lookup)."""
     attrs = dict(attrs_key)
     dtype = _check_dtype_set(op, dtypes)
     x, w, b, z = shapes
@@ -282,7 +214,9 @@ def _plan(op: Op, variant: str, backend: str, shapes: tuple[tuple[int, ...] | No
     check_conv_extras(op, geo.out_shape, b, z)
     case = _case(geo, dtype.value)
     if variant == "default":
-        variant, _ = pick(case, _available_rules())
+        variant = _planned(node_plan)
+    if variant == "default":        # no plan decided it: the planner, from these shapes
+        variant, _ = conv_call_variant(case)
     else:
         why_not = RULES[variant].cannot_serve(case)   # a named variant runs where it can
         if why_not is not None:
@@ -290,30 +224,32 @@ def _plan(op: Op, variant: str, backend: str, shapes: tuple[tuple[int, ...] | No
                                             detail=f"variant {variant!r}: {why_not}")
     compute = np.dtype(np.float32) if dtype is DType.FLOAT16 else dtype.numpy
     act = activation(attrs.get("activation", ""), attrs.get("activation_params", ()))
-    return _Plan(geo, variant, _layout(variant, geo, compute.itemsize, b is not None), act,
-                 dtype, dtype.numpy, compute)
+    layout = _layout(variant, geo, b is not None,
+                     _form(node_plan, variant, geo, compute.itemsize))
+    return _Plan(geo, variant, layout, act, dtype, dtype.numpy, compute)
 
 
-# Steady-state lookup: (variant, shapes, dtypes, backend, id(attrs)) -> (attrs, plan).
-# The attrs object is kept in the entry, so its id cannot be reused while it is there.
-_FAST: dict[tuple[Any, ...], tuple[Attrs, _Plan]] = {}
+# Steady-state lookup: (variant, shapes, dtypes, backend, id(attrs), id(node plan)) ->
+# (attrs, node plan, plan). The attrs and the node plan are kept in the entry, so their
+# ids cannot be reused while it is there.
+_FAST: dict[tuple[Any, ...], tuple[Attrs, NodePlan | None, _Plan]] = {}
 _FAST_LIMIT = 1024
 
 
 def _lookup(op: Op, variant: str, backend: str, x: Any, w: Any, b: Any, z: Any,
-            attrs: Attrs) -> _Plan:
-    key = (op, variant, backend, x.shape, w.shape, x.dtype, w.dtype, id(attrs),
+            attrs: Attrs, node_plan: NodePlan | None = None) -> _Plan:
+    key = (op, variant, backend, x.shape, w.shape, x.dtype, w.dtype, id(attrs), id(node_plan),
            None if b is None else (b.shape, b.dtype), None if z is None else (z.shape, z.dtype))
     hit = _FAST.get(key)
-    if hit is not None and hit[0] is attrs:
-        return hit[1]
+    if hit is not None and hit[0] is attrs and hit[1] is node_plan:
+        return hit[2]
     arrays = (x, w, b, z)
-    plan = _plan(op, variant, backend,
+    plan = _plan(op, variant, node_plan, backend,
                  tuple(None if a is None else tuple(a.shape) for a in arrays),
                  tuple(a.dtype for a in arrays if a is not None), tuple(attrs.items()))
     if len(_FAST) >= _FAST_LIMIT:
         _FAST.clear()
-    _FAST[key] = (attrs, plan)
+    _FAST[key] = (attrs, node_plan, plan)
     return plan
 
 
@@ -321,7 +257,7 @@ def _run(ctx: KernelContext, op: Op, variant: str, x: Any, w: Any, b: Any, z: An
          attrs: Attrs, out: Out) -> list[Any]:
     """Check, choose the variant, compute in float32/64, apply the epilogue."""
     xp = ctx.xp
-    plan = _lookup(op, variant, ctx.backend, x, w, b, z, attrs)
+    plan = _lookup(op, variant, ctx.backend, x, w, b, z, attrs, ctx.plan)
     packed = ctx.prepacked
     if plan.dtype is DType.FLOAT16:
         x, w, b, z = (None if a is None else a.astype(plan.compute) for a in (x, w, b, z))
@@ -518,8 +454,8 @@ for _name, _rule in RULES.items():
     TABLE.kernel(Op.CONV, variant=_name, dtypes=DTYPES[Op.CONV], supports_out=True,
                  description=_rule.summary, prepack=_prepack, rule=_rule,
                  priority=_rule.priority, simd=(), measured=_rule.measured,
-                 requires=_REQUIRES.get(_name),
-                 tier_rules=_TIER_RULES.get(_name, {}))(_conv_variant(_name))
+                 requires=REQUIRES.get(_name),
+                 tier_rules=TIER_RULES.get(_name, {}))(_conv_variant(_name))
 
 TABLE.kernel(Op.CONV, dtypes=DTYPES[Op.CONV], supports_out=True, prepack=_prepack,
              description="picks winograd, pointwise, depthwise or im2col by the conv rules",
@@ -566,12 +502,9 @@ def conv_integer(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> 
     if wzp is not None:
         check_zero_point(Op.CONV_INTEGER, "w_zero_point", wzp.shape, w.shape[0])
         xp.subtract(wf, wzp.astype(ft).reshape(-1, *([1] * (w.ndim - 1))), out=wf)
-    case = _case(geo, str(np.dtype(ft)))
-    # Winograd's transforms round; the NumPy variants run here (no native call path).
-    exact = {k: r for k, r in RULES.items() if k not in ("winograd", "native")}
-    variant, _ = pick(case, exact.values())
+    variant = planner.exact_conv_variant(_case(geo, str(np.dtype(ft))))
     yf = xp.empty(geo.out_shape, dtype=ft)
-    layout = _layout(variant, geo, np.dtype(ft).itemsize, False)
+    layout = _layout(variant, geo, False, _form(None, variant, geo, np.dtype(ft).itemsize))
     _IMPLS[variant](xp, layout, xf, wf, None, None, yf, activation("", ()), None)
     result = xp.rint(yf).astype(xp.int64).astype(xp.int32)
     if out is not None and out[0] is not None:

@@ -39,7 +39,7 @@ A stride-1 2-D conv may instead read B through a per-tap offset table from a
 zero-bordered copy of X whose image rows share their padding (``Wide``; XNNPACK's
 indirection in spirit): every tap is one contiguous run of "wide" columns, read
 in place with no gather, and the store drops the garbage columns by masked
-moves. It is chosen where measured faster (see ``WIDE_MAX_EXTRA``): 0.88x the
+moves. It is chosen where measured faster (the cpu planner's wide rule): 0.88x the
 gathered time on ResNet-20's 32->32 3x3 layers on 16x16 (onnxruntime 0.82x at
 batch 1, 0.84x at batch 32 of the wide time) and 0.85x on LeNet's first conv.
 
@@ -54,7 +54,7 @@ stride-2 3x3 convs of ResNet-20, 0.93x on 3->16 on 32x32, 1.02x on 16->16 on
 32x32 alone (faster inside the model, where X comes from memory), 0.67-0.91x
 on 8 and 16 channels at 16x16 and 32x32; ResNet-20 at batch 32 30.2 -> 27.5 ms
 (onnxruntime 22.4). Strided convs on large images keep the gathered layout
-(``MASKED_STRIDED_BELOW``).
+(the cpu planner's masked rule).
 
 A 1x1 stride-1 conv reads X in place as B (``direct``); the kernel runs it row
 panel by row panel over wide column blocks, so Y's rows stream out in long runs
@@ -68,6 +68,7 @@ the OpenBLAS ``pointwise`` variant): 0.77x on 16->96 at 112x112, 0.82x on
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -85,20 +86,10 @@ from keel.ops.schemas.conv import ConvGeometry
 
 __all__ = ["Im2colLayout", "NativeLayout", "PointwiseLayout", "Wide", "im2col",
            "im2col_layout", "native", "native_calls", "native_filters", "native_layout",
-           "native_source", "pointwise", "pointwise_layout", "wide_wins"]
+           "native_source", "pointwise", "pointwise_layout", "wide_serves"]
 
-# Column-matrix bytes per chunk of images: chunks stay in cache; a single image
-# larger than this runs alone.
-IM2COL_BYTES = 4 * 2**20
-STACKED_BYTES = 8 * 2**20
-# Stack the images of a batch into one GEMM when an image has fewer wide
-# columns than this.
-STACK_BELOW = 400
-# Compact columns (the output pixels, no garbage columns) from this many output
-# channels, or for outputs at least this wide: there the extra GEMM work of the
-# garbage columns costs more than copying the column matrix in short rows.
-COMPACT_MIN_CHANNELS = 64
-COMPACT_MIN_WIDTH = 56
+# How an im2col conv is laid out (compact or wide columns, images stacked, images per
+# chunk) is the cpu planner's decision (keel.backends.cpu.planner.im2col_form).
 
 
 @dataclass(frozen=True)
@@ -133,27 +124,31 @@ class Im2colLayout:
         return len(self.perm)
 
 
-def im2col_layout(geo: ConvGeometry, itemsize: int, compact: bool | None = None
-                  ) -> Im2colLayout:
-    """Plan the wide im2col of ``geo`` (pure; callers cache it per signature)."""
+def im2col_columns(geo: ConvGeometry, compact: bool) -> int:
+    """Columns per image of the column matrix: the output pixels (compact), or the wide
+    layout's, which cover every output from the phase images' rows."""
     win = geo.window
-    plan = wnd.wide_plan((1, geo.in_channels), win)
-    rows = plan.row_strides
-    columns = sum((o - 1) * r for o, r in zip(win.out_spatial, rows, strict=True)) + 1
-    groups, perm = _phase_groups(geo, rows)
-    k = geo.in_channels // geo.group * len(perm) + 1
-    if compact is None:
-        pixels = math.prod(win.out_spatial)
-        # A row stride of a multiple of 4 KiB makes BLAS's packed panels collide in cache.
-        compact = ((geo.out_channels // geo.group >= COMPACT_MIN_CHANNELS
-                    or win.out_spatial[-1] >= COMPACT_MIN_WIDTH)
-                   and (pixels * itemsize) % 4096 != 0)
     if compact:
-        columns = math.prod(win.out_spatial)
-    stacked = geo.batch > 1 and columns < STACK_BELOW
-    budget = STACKED_BYTES if stacked else IM2COL_BYTES
-    chunk = max(1, min(geo.batch, budget // max(geo.group * k * columns * itemsize, 1)))
-    return Im2colLayout(geo, columns, groups, perm, chunk, stacked, compact)
+        return math.prod(win.out_spatial)
+    rows = wnd.wide_plan((1, geo.in_channels), win).row_strides
+    return sum((o - 1) * r for o, r in zip(win.out_spatial, rows, strict=True)) + 1
+
+
+def im2col_depth(geo: ConvGeometry) -> int:
+    """Rows of the column matrix per group: every tap of every input channel, and a row
+    of ones for the bias."""
+    return geo.in_channels // geo.group * math.prod(geo.window.kernel) + 1
+
+
+def im2col_layout(geo: ConvGeometry, compact: bool, stacked: bool, chunk: int
+                  ) -> Im2colLayout:
+    """The im2col of ``geo`` as planned (pure; callers cache it per signature):
+    ``compact`` columns, the images ``stacked`` in one GEMM, ``chunk`` images at a time."""
+    win = geo.window
+    rows = wnd.wide_plan((1, geo.in_channels), win).row_strides
+    groups, perm = _phase_groups(geo, rows)
+    return Im2colLayout(geo, im2col_columns(geo, compact), groups, perm,
+                        max(1, min(geo.batch, chunk)), stacked and geo.batch > 1, compact)
 
 
 def _phase_groups(geo: ConvGeometry, rows: Sequence[int]
@@ -347,11 +342,11 @@ class PointwiseLayout:
     sub: tuple[slice, ...]             # the X pixels the kernel reads (strides)
 
 
-def pointwise_layout(geo: ConvGeometry, has_bias: bool) -> PointwiseLayout:
-    """Plan a 1x1 conv: copy X only when it pays (stride, stacking or a cheap bias fold)."""
+def pointwise_layout(geo: ConvGeometry, has_bias: bool, stacked: bool) -> PointwiseLayout:
+    """Plan a 1x1 conv (its images ``stacked`` as planned): copy X only when it pays
+    (stride, stacking or a cheap bias fold)."""
     win = geo.window
-    pixels = math.prod(win.out_spatial)
-    stacked = geo.batch > 1 and pixels < STACK_BELOW
+    stacked = stacked and geo.batch > 1
     strided_ = any(s != 1 for s in win.strides)
     # Copying X under a row of ones costs C * P; adding the bias after costs M * P.
     fold = has_bias and (stacked or strided_ or geo.out_channels > geo.in_channels)
@@ -441,7 +436,8 @@ class NativeLayout:
     stack_out: Any = None             # (N * P,) int64 when stacked
     wide: Wide | None = None          # the indirect "wide" layout (see Wide)
     masked: Masked | None = None      # taps read in place through lane masks (see Masked)
-    band: bool = False                # by bands of output rows from X itself (band_wins)
+    band: bool = False                # by bands of output rows from X itself
+    nt: bool = False                  # Y's final stores bypass the cache (as planned)
 
     @property
     def stacked(self) -> bool:
@@ -504,50 +500,30 @@ class Masked:
 # The masked layout's limit on taps per filter (gemm.c's DIRECT_MAX_TAPS), its flag
 # and where the column table and the flags sit in keel_gemm_args (see gemm.c).
 MASKED_MAX_TAPS = 64
-# Strided convs take the masked layout below this many output pixels per image; above,
-# copying the stride phases costs more than the gathered product saves (3 -> 32 3x3
-# stride 2 on 224x224 at batch 32: 1.64x the gathered time, 0.99x at batch 1; 3 -> 64
-# 7x7 stride 2: 1.04x at batch 1).
-MASKED_STRIDED_BELOW = 4096
 
 
-# Stack the images of a batch into one product when an image's last column panel
-# would be less than this full (see NativeLayout).
-STACK_FILL = 0.9
-# The same for a 1x1 stride-1 conv, which otherwise reads X in place, row panel by row
-# panel (stacking gathers it): at batch 32, 7x7 images (77 % full) stacked took 0.56x
-# the time of the in-place product, 14x14 (88 %) 1.07x.
-POINTWISE_STACK_FILL = 0.8
+def native_layout(geo: ConvGeometry, form: str, stream_stores: bool = False) -> NativeLayout:
+    """``geo`` on the native GEMM in ``form`` (pure; callers cache it per signature).
 
-
-def native_layout(geo: ConvGeometry, wide: bool | None = None,
-                  masked: bool | None = None) -> NativeLayout:
-    """Plan ``geo`` on the native GEMM (pure; callers cache it per signature).
-
-    ``masked``: read the taps in place through lane masks (:class:`Masked`)
-    where that serves ``geo`` (True), never (False), or where it measured
-    faster (None). ``wide``: read B through the tap table of the wide layout
-    (:class:`Wide`; stride 1, 2-D only), gather it (False), or as measured
-    best (None).
+    The cpu planner decides the form (``keel.backends.cpu.planner.native_form``):
+    ``band``, ``masked``, ``wide`` / ``wide-stacked``, ``direct`` (a 1x1 stride-1
+    conv reading X in place) or ``gathered`` / ``gathered-stacked``. A form
+    that does not serve ``geo`` runs gathered, unstacked. ``stream_stores``: Y's
+    final stores bypass the cache (where no activation pass rereads Y).
     """
+    layout = _native_layout(geo, form)
+    return dataclasses.replace(layout, nt=True) if stream_stores else layout
+
+
+def _native_layout(geo: ConvGeometry, form: str) -> NativeLayout:
     win = geo.window
-    if wide is None and masked is None and band_wins(geo):
-        found = band_layout(geo)
-        if found is not None:
-            return found
-    if masked is None:
-        masked = wide is not True and masked_wins(geo)
-    if masked:
-        found = _masked_layout(geo)
-        if found is not None:
-            return found
+    found = (band_layout(geo) if form == "band" else masked_layout(geo) if form == "masked"
+             else _wide_layout(geo, form == "wide-stacked")
+             if form.startswith("wide") and wide_serves(geo) else None)
+    if found is not None:
+        return found
     unit = all(s == 1 for s in win.strides)
-    if wide is None:
-        wide = wide_wins(geo)
-    if wide and unit and win.rank == 2 and not (geo.is_pointwise and not win.padded):
-        return _wide_layout(geo, _wide_stacks(geo))
-    if geo.is_pointwise and unit and not _stacks(geo.batch, math.prod(win.out_spatial),
-                                                 POINTWISE_STACK_FILL):
+    if form == "direct" and geo.is_pointwise and unit:
         return NativeLayout(geo, True, False, (), (), math.prod(win.in_spatial), None, None)
     copied = win.padded or not unit
     q = tuple(-(-(i + b + e) // s) for i, b, e, s in
@@ -570,7 +546,7 @@ def native_layout(geo: ConvGeometry, wide: bool | None = None,
     fills = tuple(_phase_fill(ph, win) for ph in phases) if copied else ()
     stack_cols = stack_out = None
     pixels = len(cols)
-    if _stacks(geo.batch, pixels):
+    if form == "gathered-stacked" and geo.batch > 1:
         image = np.arange(geo.batch, dtype=np.int64)[:, None]
         stack_cols = (image * geo.in_channels * plane + cols).reshape(-1)
         stack_out = (image * geo.out_channels * pixels + np.arange(pixels)).reshape(-1)
@@ -580,33 +556,15 @@ def native_layout(geo: ConvGeometry, wide: bool | None = None,
     return NativeLayout(geo, False, copied, q, fills, plane, rows, cols, stack_cols, stack_out)
 
 
-# The wide layout (see Wide) costs the product's extra columns (the row gaps, a last
-# partial column panel per product) and saves the gather of B. Where an output row is
-# whole column panels (32x32 images) the gathered B is read in place too, and the wide
-# one loses (a 16->16 3x3 conv on 32x32: 1.07x the gathered time at batch 32, 1.18x at
-# batch 1; 3->16: 1.5x). Elsewhere it wins while its column panels are at most this many
-# times the gathered ones: measured (1 thread, prepared calls, medians of interleaved
-# runs) 0.88x on 32->32 3x3 on 16x16 at batch 32 and 0.89x at batch 1 (1.125 times the
-# columns), 0.85x on LeNet's 1->6 5x5 on 28x28 at batch 1 (1.17), and lost 1.21x on
-# 64->64 3x3 on 8x8 (1.27 stacked, 1.5 per image).
-WIDE_MAX_EXTRA = 1.2
-
-
-def wide_wins(geo: ConvGeometry) -> bool:
-    """Whether the wide layout measured faster than the gathered one for ``geo``."""
+def wide_serves(geo: ConvGeometry) -> bool:
+    """Whether the wide layout can run ``geo``: a 2-D stride-1 conv, not a 1x1 stride-1
+    unpadded one (which reads X in place as it is)."""
     win = geo.window
-    grid = native_gemm.geometry()
-    if grid is None or win.rank != 2 or any(s != 1 for s in win.strides) or (
-            geo.is_pointwise and not win.padded) or win.out_spatial[-1] % grid[1] == 0:
-        return False
-    pixels = math.prod(win.out_spatial)
-    gathered = _panels(geo.batch * pixels if _stacks(geo.batch, pixels) else pixels, grid[1])
-    if not _stacks(geo.batch, pixels):
-        gathered *= geo.batch
-    return _wide_panels(geo, _wide_stacks(geo), grid[1]) <= WIDE_MAX_EXTRA * gathered
+    return (win.rank == 2 and all(s == 1 for s in win.strides)
+            and not (geo.is_pointwise and not win.padded))
 
 
-def _panels(columns: int, width: int) -> int:
+def panels(columns: int, width: int) -> int:
     return -(-columns // width)
 
 
@@ -622,19 +580,12 @@ def _wide_shape(geo: ConvGeometry) -> tuple[int, int, int]:
     return row, plane, (oh - 1) * row + ow
 
 
-def _wide_panels(geo: ConvGeometry, stacked: bool, width: int) -> int:
+def wide_panels(geo: ConvGeometry, stacked: bool, width: int) -> int:
     """Column panels of the wide layout's products, all together."""
     _, plane, span = _wide_shape(geo)
     if stacked:
-        return _panels((geo.batch - 1) * plane + span, width)
-    return geo.batch * _panels(span, width)
-
-
-def _wide_stacks(geo: ConvGeometry) -> bool:
-    """Stack a batch's images in one product when that makes fewer column panels."""
-    grid = native_gemm.geometry()
-    width = 32 if grid is None else grid[1]
-    return geo.batch > 1 and _wide_panels(geo, True, width) < _wide_panels(geo, False, width)
+        return panels((geo.batch - 1) * plane + span, width)
+    return geo.batch * panels(span, width)
 
 
 def _wide_layout(geo: ConvGeometry, stacked: bool) -> NativeLayout:
@@ -663,20 +614,9 @@ def _wide_layout(geo: ConvGeometry, stacked: bool) -> NativeLayout:
                         wide=Wide(row, lead, image, channel, size, columns, stacked, rows, out))
 
 
-# A dense strided 2-D conv of at most this depth (input channels x taps per filter) and
-# at least this many output pixels per image runs by bands of output rows, its taps
-# read from X's rows into a small buffer per band (gemm.c's keel_conv_band_f32): no
-# zero-bordered phase copy of X (a NumPy strided copy) and no gathered panels.
-# Measured on MobileNetV2's 3 -> 32 3x3 stride-2 conv on 224x224 (1 thread, AVX-512,
-# inside the model, interleaved medians): 18.3 -> 12.0 ms at batch 32 (onnxruntime
-# 9.9), 0.40 -> 0.39 ms at batch 1 alone. Deeper filters (ResNet-18's 3 -> 64 7x7,
-# depth 147) and stride-1 convs were not measured and keep their layouts.
-BAND_MAX_DEPTH = 64
-BAND_FROM = 4096
-# An output at least this large (the last-level cache here) is stored past the cache:
-# the next layer reads it from memory anyway, and the stores skip reading each line
-# first (the band conv above at batch 32, 51 MB: 16.1 -> 12.2 ms alone).
-NT_BYTES = 32 * 2**20
+# A dense strided 2-D conv may run by bands of output rows, its taps read from X's
+# rows into a small buffer per band (gemm.c's keel_conv_band_f32): no zero-bordered
+# phase copy of X and no gathered panels. Where it runs: the cpu planner's band rule.
 
 
 def band_layout(geo: ConvGeometry) -> NativeLayout | None:
@@ -687,28 +627,6 @@ def band_layout(geo: ConvGeometry) -> NativeLayout | None:
         return None
     return NativeLayout(geo, False, False, tuple(win.in_spatial), (),
                         math.prod(win.in_spatial), None, None, band=True)
-
-
-def band_wins(geo: ConvGeometry) -> bool:
-    """Whether ``geo`` runs by bands of output rows (see ``BAND_MAX_DEPTH``): measured
-    with the AVX-512 kernel's 32-column panels only."""
-    win = geo.window
-    grid = native_gemm.geometry()
-    return (grid is not None and grid[1] == 32 and win.rank == 2 and geo.group == 1
-            and any(s != 1 for s in win.strides)
-            and geo.in_channels * math.prod(win.kernel) <= BAND_MAX_DEPTH
-            and math.prod(win.out_spatial) >= BAND_FROM)
-
-
-def masked_wins(geo: ConvGeometry) -> bool:
-    """Whether the masked layout (:class:`Masked`) serves ``geo`` and measured faster:
-    stride 1 (not 1x1: its B is X as it lies), and strided convs with fewer than
-    ``MASKED_STRIDED_BELOW`` output pixels per image (their stride phases are copied)."""
-    win = geo.window
-    if native_gemm.geometry() is None or _masked_taps(geo) is None or (
-            geo.is_pointwise and not win.padded and all(s == 1 for s in win.strides)):
-        return False                # a 1x1 stride-1 conv reads X in place as it is
-    return all(s == 1 for s in win.strides) or math.prod(win.out_spatial) < MASKED_STRIDED_BELOW
 
 
 def _masked_taps(geo: ConvGeometry) -> tuple[list[tuple[int, int]],
@@ -746,7 +664,7 @@ def _masked_taps(geo: ConvGeometry) -> tuple[list[tuple[int, int]],
     return phases, taps
 
 
-def _masked_layout(geo: ConvGeometry) -> NativeLayout | None:
+def masked_layout(geo: ConvGeometry) -> NativeLayout | None:
     """The :class:`Masked` plan of ``geo``; None when it does not serve it."""
     found = _masked_taps(geo)
     if found is None:
@@ -808,14 +726,6 @@ def _masked_fill(phase: tuple[int, int], win: Any, out: tuple[int, int]
         dst.append(slice(0, count))
         src.append(slice(f, f + s * (count - 1) + 1, s))
     return tuple(dst), tuple(src)
-
-
-def _stacks(batch: int, pixels: int, fill: float = STACK_FILL) -> bool:
-    """Whether the images of a batch go side by side in one product (see NativeLayout):
-    an image's column panels would be less than ``fill`` full."""
-    geometry = native_gemm.geometry()
-    return geometry is not None and batch > 1 and pixels % geometry[1] != 0 and (
-        pixels / (-(-pixels // geometry[1]) * geometry[1]) < fill)
 
 
 def _phase_fill(phase: tuple[int, ...], win: Any) -> tuple[tuple[slice, ...], tuple[slice, ...]]:
@@ -936,16 +846,17 @@ def _wide_view(xp: Any, layout: NativeLayout, wide: Wide, dtype: Any) -> Any:
 _Operands = tuple[Any, Any, Any, Any, Any]
 
 
-def _group_calls(geo: Any, filters: Any, z: Any, y: Any, act: Activation,
+def _group_calls(layout: NativeLayout, filters: Any, z: Any, y: Any, act: Activation,
                  operands: Callable[[int, Any, Any], _Operands]
                  ) -> list[native_gemm.Call] | None:
     """One prepared GEMM per group: filters on the left, ``operands`` building the rest;
     None when one is not served."""
+    geo = layout.geo
     n, g, m = geo.batch, geo.group, geo.out_channels
     mg, p = m // g, math.prod(geo.window.out_spatial)
     clip = (act[1][0], act[1][1]) if act[0] == "clip" else None
     # Past the cache only where Y alone is final (a ReLU after the kernel rereads it).
-    nt = y.nbytes >= NT_BYTES and act[0] in ("", "clip")
+    nt = layout.nt and act[0] in ("", "clip")
     y3 = y.reshape(n, m, p)
     res, accumulate = _native_residual(z, y, n, m, p)
     calls = []
@@ -983,7 +894,7 @@ def _wide_calls(layout: NativeLayout, wide: Wide, source: Any, x: Any, filters: 
             target, resid = _spread(target), None if resid is None else _spread(resid)
         return b, target, resid, wide.out, None
 
-    return _group_calls(geo, filters, z, y, act, operands)
+    return _group_calls(layout, filters, z, y, act, operands)
 
 
 def _masked_calls(layout: NativeLayout, masked: Masked, source: Any, x: Any, filters: Any,
@@ -1003,7 +914,7 @@ def _masked_calls(layout: NativeLayout, masked: Masked, source: Any, x: Any, fil
         b = native_gemm.Rows(flat[gi * cg * masked.channel:], masked.offsets, p, masked.image)
         return b, target, resid, None, table
 
-    return _group_calls(geo, filters, z, y, act, operands)
+    return _group_calls(layout, filters, z, y, act, operands)
 
 
 def native_calls(layout: NativeLayout, source: Any, x: Any, filters: Any, z: Any, y: Any,
@@ -1035,7 +946,7 @@ def native_calls(layout: NativeLayout, source: Any, x: Any, filters: Any, z: Any
                                  p, geo.in_channels * layout.plane, layout.cols)
         return b, target, resid, columns, None
 
-    return _group_calls(geo, filters, z, y, act, operands)
+    return _group_calls(layout, filters, z, y, act, operands)
 
 
 def _band_calls(layout: NativeLayout, source: Any, x: Any, filters: Any, z: Any, y: Any,
@@ -1050,7 +961,7 @@ def _band_calls(layout: NativeLayout, source: Any, x: Any, filters: Any, z: Any,
     clip = (act[1][0], act[1][1]) if act[0] == "clip" else None
     call = native_gemm.prepare_band(x, wp, y, win.kernel, win.strides, win.dilations,
                                     win.pads_begin, bias=bias, residual=z, clip=clip,
-                                    nt=y.nbytes >= NT_BYTES and act[0] in ("", "clip"))
+                                    nt=layout.nt and act[0] in ("", "clip"))
     return None if call is None else [call]
 
 

@@ -85,7 +85,6 @@ in us of rows / channels_last / planes at batch 1, then batch 8:
 from __future__ import annotations
 
 import functools
-import math
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -104,22 +103,6 @@ __all__ = ["FORMS", "DepthwiseLayout", "NodeRun", "depthwise", "depthwise_layout
 
 FORMS = ("native", "rows", "channels_last", "planes")
 
-# channels_last serves 2-D depthwise convs with at least this many channels and at
-# most this many output pixels per plane (4x as many in a batch).
-CHANNELS_LAST_MAX_PIXELS = 196
-CHANNELS_LAST_MIN_CHANNELS = 192
-# Batches of stride-1 convs with at least this many output pixels per plane run
-# as planes (long unit-stride passes stream better than the per-channel gemvs).
-PLANES_MIN_PIXELS = 3136
-# Bytes of buffers per block of images and channels. ``rows`` keeps its shifted
-# copies in the L2 cache (inside a model, where other layers evict them, 1 MiB
-# blocks ran MobileNetV2's depthwise layers in 7.8 ms against 9.9 ms with 4 MiB);
-# the other forms stream, and only need blocks of images that bound their buffers.
-BLOCK_BYTES = 1 << 20
-# The measurement quoted in the native form's reason (see the module docstring).
-NATIVE_SPEEDUP = ("ran in 0.27x the NumPy forms' time at batch 1 and 8, 1.00x "
-                  "onnxruntime's at batch 1 and 0.67x at batch 8")
-STREAM_BYTES = 16 << 20
 
 
 @dataclass(frozen=True, eq=False)     # identity-hashed: a fast workspace key
@@ -134,40 +117,40 @@ class DepthwiseLayout:
     # The native form's C geometry, and the NumPy layout it falls back to.
     native: native_window.WindowGeometry | None = None
     fallback: DepthwiseLayout | None = None
+    scheme: str = "auto"         # the bound native call's scheme (native_window)
 
 
-def depthwise_layout(geo: ConvGeometry, form: str | None = None) -> DepthwiseLayout:
-    """Pick the formulation for ``geo`` (see the module docstring).
+def depthwise_layout(geo: ConvGeometry, form: str, block: tuple[int, int],
+                     reason: str = "", scheme: str = "auto") -> DepthwiseLayout:
+    """``geo`` in ``form`` (see the module docstring), as the cpu planner decided it
+    (``keel.backends.cpu.planner.depthwise_form``).
 
-    ``native`` is chosen when the native tier is ready and serves the shapes; asked
-    for by name it is given wherever it serves the shapes, and runs its NumPy
-    fallback while the tier is unavailable.
+    ``native|<form>``: the compiled kernel, with the NumPy ``<form>`` it runs while
+    the native tier is unavailable. ``block``: the NumPy form's (images, channels)
+    per block. ``scheme``: the bound native call's scheme.
     """
     win = geo.window
-    if form == "native" or (form is None and native_window.ready()):
+    name, _, numpy_form = form.partition("|")
+    if name == "native":
         compiled = _native_geometry(geo)
-        if compiled is not None:
-            numpy_form = depthwise_layout(geo, _choose(geo))
-            return DepthwiseLayout(geo, "native", numpy_form.columns, numpy_form.block,
-                                   _native_reason(numpy_form.form), compiled, numpy_form)
-        if form == "native":
-            raise ValueError(f"depthwise form 'native' cannot run {win.rank}-D, "
+        if compiled is None or numpy_form not in FORMS[1:]:
+            raise ValueError(f"depthwise form {name!r} cannot run {win.rank}-D, "
                              f"{geo.in_channels}->{geo.out_channels} channels: "
-                             f"{_native_refusal(geo)}")
-    plan = wnd.wide_plan((1, geo.in_channels), win)
-    columns = sum((o - 1) * r for o, r in zip(win.out_spatial, plan.row_strides,
-                                              strict=True)) + 1
-    reason = ""
-    if form is None:
-        form = _choose(geo)
-        reason = f"{form}: measured best NumPy form for this shape; not native: " \
-                 f"{_native_refusal(geo)}"
-    elif form not in FORMS or (form != "planes" and win.rank != 2) or (
+                             f"{native_refusal(geo)} (NumPy form {numpy_form!r})")
+        fallback = depthwise_layout(geo, numpy_form, block)
+        if not native_window.ready():
+            reason = (f"native (asked for): native kernels unavailable "
+                      f"({native.status().reason}), so its NumPy form {numpy_form} runs")
+        return DepthwiseLayout(geo, "native", fallback.columns, fallback.block,
+                               reason, compiled, fallback, scheme)
+    if form not in FORMS or (form != "planes" and win.rank != 2) or (
             form == "channels_last" and geo.out_channels != geo.in_channels):
         raise ValueError(f"depthwise form {form!r} cannot run {win.rank}-D, "
                          f"{geo.in_channels}->{geo.out_channels} channels; forms: {FORMS}")
-    return DepthwiseLayout(geo, form, columns, _block(geo, form, plan.plane * plan.phases),
-                           reason or f"{form}: asked for")
+    plan = wnd.wide_plan((1, geo.in_channels), win)
+    columns = sum((o - 1) * r for o, r in zip(win.out_spatial, plan.row_strides,
+                                              strict=True)) + 1
+    return DepthwiseLayout(geo, form, columns, block, reason or f"{form}: asked for")
 
 
 def _native_geometry(geo: ConvGeometry) -> native_window.WindowGeometry | None:
@@ -176,7 +159,12 @@ def _native_geometry(geo: ConvGeometry) -> native_window.WindowGeometry | None:
     return native_window.plan(geo.in_channels, geo.window)
 
 
-def _native_refusal(geo: ConvGeometry) -> str:
+def native_serves(geo: ConvGeometry) -> bool:
+    """Whether the compiled window kernel is ready here and serves ``geo``."""
+    return native_window.ready() and _native_geometry(geo) is not None
+
+
+def native_refusal(geo: ConvGeometry) -> str:
     """Why the native form does not serve ``geo``."""
     if geo.out_channels != geo.in_channels:
         return f"channel multiplier {geo.out_channels // geo.in_channels} (serves 1)"
@@ -184,42 +172,6 @@ def _native_refusal(geo: ConvGeometry) -> str:
         return f"native kernels unavailable ({native.status().reason})"
     return (f"{geo.window.rank}-D window outside the compiled kernel's range (1-D/2-D, "
             f"strides <= {native_window.MAX_STRIDE}, <= {native_window.MAX_TAPS} taps)")
-
-
-def _native_reason(numpy_form: str) -> str:
-    if not native_window.ready():
-        return (f"native (asked for): native kernels unavailable "
-                f"({native.status().reason}), so its NumPy form {numpy_form} runs")
-    return (f"native: compiled window kernel, each output computed once in registers "
-            f"(MobileNetV2's depthwise layers {NATIVE_SPEEDUP}); NumPy form {numpy_form} "
-            f"where native cannot run")
-
-
-def _choose(geo: ConvGeometry) -> str:
-    """The measured best formulation (module docstring; batch 8 shown there too)."""
-    win = geo.window
-    if win.rank != 2:
-        return "planes"
-    pixels = math.prod(win.out_spatial)
-    many = geo.in_channels >= CHANNELS_LAST_MIN_CHANNELS and geo.out_channels == geo.in_channels
-    if many and (pixels <= CHANNELS_LAST_MAX_PIXELS
-                 or (geo.batch > 1 and pixels <= 4 * CHANNELS_LAST_MAX_PIXELS)):
-        return "channels_last"
-    if geo.batch > 1 and pixels >= PLANES_MIN_PIXELS and all(s == 1 for s in win.strides):
-        return "planes"
-    return "rows"
-
-
-def _block(geo: ConvGeometry, form: str, plane: int) -> tuple[int, int]:
-    """Images and channels per block, so that a block's buffers stay in cache."""
-    n, c = geo.batch, geo.in_channels
-    kw = geo.window.kernel[-1]
-    per_channel = plane * (kw + 1 if form == "rows" else 3) * 4
-    budget = BLOCK_BYTES if form == "rows" else STREAM_BYTES
-    channels = max(1, budget // per_channel)
-    if channels < c and form != "channels_last":
-        return 1, channels
-    return max(1, min(n, budget // (per_channel * c))), c
 
 
 def depthwise(xp: Any, layout: DepthwiseLayout, x: Any, w: Any, b: Any, z: Any, y: Any,
@@ -339,7 +291,7 @@ def _native(layout: DepthwiseLayout, x: Any, w: Any, b: Any, z: Any, y: Any, act
             z is None or z is y or not np.may_share_memory(z, y)):
         ready = _Prepared(layout, x, w, b, z, y, act, threads,
                           native_window.bind_depthwise_conv(x, w, b, z, y, layout.native,
-                                                            clip, threads))
+                                                            clip, threads, layout.scheme))
         if len(_PREPARED) >= _PREPARED_LIMIT:
             _PREPARED.clear()
         _PREPARED[key] = ready

@@ -21,6 +21,9 @@ FAMILIES = (
 @functools.lru_cache(maxsize=1)
 def load() -> KernelTable:
     """Import every family module (each registers its kernels) and return the table."""
+    from keel.backends.cpu import planner
+
     for family in FAMILIES:
         importlib.import_module(f"keel.backends.cpu.{family}")
+    TABLE.chooser = planner.choose_variant
     return TABLE

@@ -35,7 +35,7 @@ from keel.ops.schemas.conv import Window
 
 __all__ = ["Bound", "WindowGeometry", "avg_counts", "avg_pool", "bind_avg_pool", "clip_bounds",
            "bind_depthwise_conv", "bind_global_max_pool", "bind_max_pool", "depthwise_conv",
-           "global_max_pool", "max_pool", "plan", "ready", "set_bind_scheme"]
+           "global_max_pool", "max_pool", "plan", "ready"]
 
 LIBRARY = "window"
 # Limits of window.c (MAX_TAPS, MAX_STRIDE).
@@ -232,29 +232,19 @@ def bind_avg_pool(x: np.ndarray, y: np.ndarray, geo: WindowGeometry, counts: np.
 def bind_depthwise_conv(x: np.ndarray, w: np.ndarray, b: np.ndarray | None,
                         z: np.ndarray | None, y: np.ndarray, geo: WindowGeometry,
                         clip: tuple[float, float] | None, threads: int = 1,
-                        scheme: str | None = None) -> Bound:
+                        scheme: str = "auto") -> Bound:
     """:func:`depthwise_conv` of these arrays, ready to run again (C-contiguous float32);
-    ``scheme`` None takes the one :func:`set_bind_scheme` set."""
+    ``scheme`` is the node plan's (the cpu planner's ``DEPTHWISE_SCHEME``)."""
     fns = _functions()
     addr = native.address
     bounds = None if clip is None else clip_bounds(clip)
     head = (addr(x), addr(w), None if b is None else addr(b), None if z is None else addr(z),
             addr(y), geo.address, None if bounds is None else addr(bounds))
-    mode = _SCHEMES[_BIND_SCHEME[0] if scheme is None else scheme]
-    return _bind(x.shape[0] * x.shape[1], geo, fns, threads, fns.dwconv_mode, fns.dwconv_mt,
-                 head, (mode,), (bounds,))
-
-
-_BIND_SCHEME = ["auto"]
-
-
-def set_bind_scheme(scheme: str) -> None:
-    """Force the depthwise scheme of calls bound from now on ("auto", "planes",
-    "blocked"; see :func:`depthwise_conv`): lets a benchmark run a model both ways
-    in one process. Calls already bound keep theirs."""
     if scheme not in _SCHEMES:
         raise ValueError(f"unknown depthwise scheme {scheme!r}; allowed: {sorted(_SCHEMES)}")
-    _BIND_SCHEME[0] = scheme
+    mode = _SCHEMES[scheme]
+    return _bind(x.shape[0] * x.shape[1], geo, fns, threads, fns.dwconv_mode, fns.dwconv_mt,
+                 head, (mode,), (bounds,))
 
 
 def bind_global_max_pool(x: np.ndarray, y: np.ndarray, threads: int = 1) -> Bound:
@@ -289,8 +279,6 @@ def depthwise_conv(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, z: np.nda
     (plane by plane), "blocked" (16 planes at a time where the geometry allows), or
     "auto" (the measured choice of window.c, ``blocked_wins``).
     """
-    if scheme not in _SCHEMES:
-        raise ValueError(f"unknown depthwise scheme {scheme!r}; allowed: {sorted(_SCHEMES)}")
     bind_depthwise_conv(x, w, b, z, y, geo, clip, threads, scheme)()
 
 

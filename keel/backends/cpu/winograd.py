@@ -33,10 +33,8 @@ __all__ = ["TRANSFORM_G", "conv3x3", "native_conv3x3"]
 TRANSFORM_G = np.array([[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0.0, 0.0, 1.0]])
 _GG = np.kron(TRANSFORM_G, TRANSFORM_G)            # (16, 9): vec(G g G^T) = GG @ vec(g)
 
-# Largest transformed-input slab per chunk of images (bytes); bigger batches run in
-# chunks that stay in cache (measured: batch-8 64-channel 56x56 runs 16 ms in 4 MB
-# chunks against 22.6 ms in 24 MB ones).
-_CHUNK_BYTES = 4 * 2**20
+# Images per chunk: the cpu planner's (keel.backends.cpu.planner.winograd_form); None
+# runs the whole batch at once.
 
 
 def filter_transform(xp: Any, w: Any) -> Any:
@@ -53,13 +51,11 @@ def filter_transform(xp: Any, w: Any) -> Any:
 
 def conv3x3(xp: Any, x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[int, int],
             y: Any, bias: Any = None, z: Any = None, act: Activation = ("", ()),
-            packed: Any = None) -> None:
+            packed: Any = None, chunk: int | None = None) -> None:
     """y (N, M, Ho, Wo) = act(conv(x, w) + bias + z) for a 3x3, stride 1, dilation 1,
-    group 1 conv."""
+    group 1 conv, ``chunk`` images at a time (None: all)."""
     n = x.shape[0]
-    th, tw = -(-out_hw[0] // 2), -(-out_hw[1] // 2)
-    per_image = 16 * th * tw * max(x.shape[1], w.shape[0]) * x.itemsize
-    chunk = max(1, min(n, _CHUNK_BYTES // max(per_image, 1)))
+    chunk = n if chunk is None else max(1, min(n, chunk))
     u = workspace.form(xp, packed, "winograd_u", (w,), lambda xp_, a: filter_transform(xp_, a[0]))
     for n0 in range(0, n, chunk):
         n1 = min(n, n0 + chunk)
@@ -147,9 +143,6 @@ def _output_transform(xp: Any, prod: Any, n: int, th: int, tw: int, m: int) -> A
 
 
 # ---- the native form: transforms in C (native/src/winograd.c), products on the packed GEMM
-# Images per chunk: the transformed input V and the products P of a chunk stay within
-# this many bytes (in L2 / L3 between the three passes).
-_NATIVE_CHUNK_BYTES = 4 * 2**20
 # The fewest input or output floats worth a worker thread in a transform.
 _MIN_CHUNK_FLOATS = 16384
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -196,9 +189,10 @@ def _contiguous_f32(*arrays: Any) -> bool:
 
 def native_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[int, int],
                    y: Any, bias: Any = None, z: Any = None, act: Activation = ("", ()),
-                   packed: Any = None, threads: int = 1) -> bool:
+                   packed: Any = None, threads: int = 1, chunk: int | None = None) -> bool:
     """:func:`conv3x3` with the transforms compiled and the sixteen products on keel's
-    packed GEMM, split over ``threads``; False when not served (nothing written):
+    packed GEMM, split over ``threads``, ``chunk`` images at a time (None: all); False
+    when not served (nothing written):
     the native tier unavailable, or arrays that are not C-contiguous float32."""
     fns = _functions()
     if fns is None or not _contiguous_f32(x, w, y, bias, z) or (
@@ -213,8 +207,7 @@ def native_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[in
     geo = _geometry(c, h, wd, oh, ow, *pads_begin)
     name, params = act
     clip = clip_bounds((params[0], params[1])) if name == "clip" else None
-    per_image = 16 * tiles * max(c, m) * 4
-    chunk = max(1, min(n, _NATIVE_CHUNK_BYTES // max(per_image, 1)))
+    chunk = n if chunk is None else max(1, min(n, chunk))
     v_all = workspace.empty(np, "winograd_native_v", (16 * c * chunk * tiles,), np.float32)
     p_all = workspace.empty(np, "winograd_native_p", (16 * m * chunk * tiles,), np.float32)
     addr = native.address

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from keel.backends.base import Availability, Backend, DeviceKind, KernelTable
+from keel.backends.plan import NodePlan, PlanRequest
 from keel.dtypes import DType
 from keel.errors import BackendSelectionError, InvalidArgumentError
 from keel.ops.registry import Op
@@ -108,6 +109,11 @@ class GpuBackend(Backend):
         from keel.backends.gpu import kernels
 
         return kernels.load()
+
+    def _plan_node(self, request: PlanRequest) -> NodePlan:
+        from keel.backends.gpu import planner
+
+        return planner.plan(request, self.kernels)
 
     @property
     def xp(self) -> Any:

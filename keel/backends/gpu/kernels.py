@@ -30,6 +30,9 @@ def load() -> KernelTable:
 
     for family in FAMILIES:
         importlib.import_module(f"keel.backends.gpu.{family}")
+    from keel.backends.gpu import planner
+
+    TABLE.chooser = planner.choose_variant
     shared = cpu.load()
     for op in Op:
         for name, variant in shared.variants(op).items():

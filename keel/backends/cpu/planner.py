@@ -1,0 +1,627 @@
+"""The cpu backend's planner: every decision about how a cpu node runs, in one place.
+
+``plan`` (the cpu backend's ``_plan_node``) turns a node's op, input types,
+attributes and the planning context into a :class:`~keel.backends.plan.NodePlan`.
+The decisions and their thresholds live here as data with the evidence they
+came from (the machine, the measurement): the conv variants' rules
+(:class:`~keel.backends.cpu.conv_rules.ConvRule`, with their evidence tables),
+the forms of the depthwise and native conv kernels, and the scheme a bound
+depthwise call runs. Kernel modules execute what the plan says; where a kernel
+runs without a plan (a direct call), it asks the functions here, so a plan and
+a plain run make the same choice.
+
+Evidence was measured on a 2-core AMD EPYC (Zen 4, AVX-512) with OpenBLAS
+unless a rule says otherwise; ``keel tune`` measures on the running machine
+and overrides these rules (``PlanRequest.measured``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from keel.backends.base import KernelTable, KernelVariant
+from keel.backends.cpu import conv_gemm, depthwise, native_gemm, native_window, window
+from keel.backends.cpu.conv_rules import ConvCase, ConvRule, conv_case, pick
+from keel.backends.plan import (
+    NodePlan,
+    PlanRequest,
+    choose_by_priority,
+    field_reasons,
+    skipped_note,
+    tier_unavailable,
+    usable_variants,
+)
+from keel.dtypes import DType
+from keel.errors import KeelError
+from keel.ops.registry import Op
+from keel.ops.schemas.conv import ConvGeometry, conv2d_attrs, conv_geometry
+from keel.ops.types import TensorType
+
+__all__ = ["RULES", "TIER_RULES", "available_rules", "choose_variant", "conv_call_variant",
+           "exact_conv_variant", "plan"]
+
+CONV_OPS = frozenset({Op.CONV, Op.CONV2D, Op.CONV_INTEGER})
+# What the native depthwise form measured (quoted in the depthwise rule and reasons).
+DEPTHWISE_NATIVE_SPEEDUP = ("ran in 0.27x the NumPy forms' time at batch 1 and 8, 1.00x "
+                            "onnxruntime's at batch 1 and 0.67x at batch 8")
+
+# ---- the conv variants' rules --------------------------------------------------------
+# winograd time / im2col time for C->C 3x3 pad-1 convs with bias and ReLU
+# (channels, output side, batch, ratio): 2-core AMD EPYC, OpenBLAS, 1 thread,
+# prepacked weights, interleaved runs, median of 5 passes.
+_WINOGRAD_EVIDENCE = (
+    (16, 32, 1, 1.88), (32, 16, 1, 1.40), (64, 8, 1, 1.12), (64, 14, 1, 1.01),
+    (64, 28, 1, 0.81), (64, 56, 1, 0.72), (128, 14, 1, 0.81), (128, 28, 1, 0.66),
+    (128, 56, 1, 0.70), (256, 7, 1, 1.31), (256, 14, 1, 0.74), (512, 7, 1, 1.32),
+    (16, 32, 4, 1.50), (32, 16, 4, 1.06), (64, 8, 4, 0.83), (64, 14, 4, 0.70),
+    (64, 56, 4, 0.76), (128, 14, 4, 0.60), (256, 7, 4, 0.80), (512, 7, 4, 0.85),
+    (16, 32, 32, 1.41), (32, 16, 32, 0.86), (64, 8, 32, 0.57), (64, 56, 32, 0.74),
+    (128, 28, 32, 0.63), (256, 14, 32, 0.63), (256, 7, 32, 0.82), (512, 7, 32, 0.79),
+)
+
+# native (implicit GEMM) time / the best other variant's time (Winograd with compiled
+# transforms, or im2col) for C->C 3x3 pad-1 convs with bias and ReLU (channels, output
+# side, batch, ratio): 2-core AMD EPYC (Zen 4), 1 thread, prepacked weights,
+# interleaved runs, medians.
+_NATIVE_EVIDENCE = (
+    (16, 32, 1, 0.76), (16, 32, 4, 0.63), (16, 32, 32, 0.61), (32, 16, 1, 0.75),
+    (32, 16, 4, 0.72), (32, 16, 32, 0.65), (64, 8, 1, 0.74), (64, 8, 4, 0.72),
+    (64, 8, 32, 0.70), (32, 32, 1, 0.97), (32, 32, 4, 1.00), (32, 32, 32, 0.94),
+    (64, 16, 1, 0.98), (64, 16, 4, 1.01), (64, 16, 32, 1.03), (64, 28, 1, 1.34),
+    (64, 28, 4, 1.20), (64, 28, 32, 1.34), (64, 56, 1, 1.30), (64, 56, 4, 1.32),
+    (64, 56, 32, 1.39), (128, 14, 1, 1.13), (128, 14, 4, 1.41), (128, 14, 32, 1.55),
+    (128, 28, 1, 1.55), (128, 28, 4, 1.47), (128, 28, 32, 1.59), (256, 7, 1, 1.29),
+    (256, 7, 4, 1.40), (256, 7, 32, 1.33), (256, 14, 1, 1.38), (256, 14, 4, 1.58),
+    (256, 14, 32, 1.74), (512, 7, 1, 1.46), (512, 7, 4, 1.64), (512, 7, 32, 1.69),
+)
+# Winograd with compiled transforms (winograd.c) / im2col time, the same convs.
+_WINOGRAD_NATIVE_EVIDENCE = (
+    (16, 32, 1, 1.13), (16, 32, 4, 0.93), (16, 32, 32, 0.86), (32, 16, 1, 1.08),
+    (32, 16, 4, 0.94), (32, 16, 32, 0.77), (64, 8, 1, 1.05), (64, 8, 4, 0.89),
+    (64, 8, 32, 0.86), (32, 32, 1, 0.77), (32, 32, 4, 0.65), (32, 32, 32, 0.73),
+    (64, 16, 1, 0.79), (64, 16, 4, 0.71), (64, 16, 32, 0.66), (64, 28, 1, 0.60),
+    (64, 28, 4, 0.66), (64, 28, 32, 0.61), (64, 56, 1, 0.60), (64, 56, 4, 0.60),
+    (64, 56, 32, 0.61), (128, 14, 1, 0.78), (128, 14, 4, 0.62), (128, 14, 32, 0.56),
+    (128, 28, 1, 0.58), (128, 28, 4, 0.60), (128, 28, 32, 0.57), (256, 7, 1, 0.75),
+    (256, 7, 4, 0.74), (256, 7, 32, 0.80), (256, 14, 1, 0.67), (256, 14, 4, 0.60),
+    (256, 14, 32, 0.56), (512, 7, 1, 0.66), (512, 7, 4, 0.68), (512, 7, 32, 0.67),
+)
+_NATIVE_MEASURED = (
+    "2-core AMD EPYC (Zen 4, AVX-512), 1 thread, prepacked weights, interleaved medians "
+    "on a shared machine (+-10 %): native/best-other time (Winograd with compiled "
+    "transforms, or im2col) 0.61-0.76 for 3x3 convs up to 32 channels on 16x16 and "
+    "smaller, 0.94-1.00 on 32x32, 0.70-0.74 at 64 channels on 8x8, 0.98-1.03 on 16x16, "
+    "1.2-1.4 from 28x28 and 1.1-1.7 from 128 channels (Winograd wins there); "
+    "3x3 stride 2 0.71-0.86; 1x1 stride 2 0.76-0.97")
+
+
+RULES: dict[str, ConvRule] = {
+    "winograd": ConvRule(
+        "winograd", 30, "Winograd F(2x2,3x3): 2.25x fewer multiplies than im2col",
+        ranks=(2,), kernel=(3, 3), strides=(1, 1), dilations=(1, 1), groups="one",
+        dtypes=frozenset({"float32", "float64"}), wins_where=((64, 196), (32, 4096)),
+        measured="2-core AMD EPYC (AVX-512), OpenBLAS, 1 thread, prepacked weights: "
+                 "winograd/im2col time 0.57-0.86 from 64 channels and 196 output pixels "
+                 "over the batch (49 tiles) up, and for 32 channels from 8192 pixels; "
+                 "1.01-1.88 below (16 channels; 7x7 outputs at batch 1)",
+        baseline="im2col", evidence=_WINOGRAD_EVIDENCE),
+}
+# The Winograd rule where its transforms are compiled (the native tier): it then beats
+# im2col from 128 channels at any size and from 32 channels on 512 output pixels.
+WINOGRAD_NATIVE = ConvRule(
+    "winograd", 30, "Winograd F(2x2,3x3), transforms compiled: 2.25x fewer multiplies than "
+    "im2col", ranks=(2,), kernel=(3, 3), strides=(1, 1), dilations=(1, 1), groups="one",
+    dtypes=frozenset({"float32", "float64"}), wins_where=((128, 1), (32, 512)),
+    measured="2-core AMD EPYC (Zen 4, AVX-512), 1 thread, prepacked weights: "
+             "winograd/im2col time 0.56-0.80 from 128 channels (7x7 at batch 1 too) and "
+             "0.60-0.94 from 32 channels and 512 output pixels over the batch; 1.05-1.13 "
+             "on 256 or fewer at batch 1",
+    baseline="im2col", evidence=_WINOGRAD_NATIVE_EVIDENCE)
+RULES.update({
+    "pointwise": ConvRule(
+        "pointwise", 20, "1x1 conv as one GEMM on the input, no im2col copy",
+        unit_kernel=True, unpadded=True),
+    "depthwise": ConvRule(
+        "depthwise", 20, "compiled window kernel (native tier); else per-channel gemv over "
+        "shifted rows, or one channels-last einsum",
+        groups="depthwise",
+        measured="2-core AMD EPYC (AVX-512), 1 thread, batch 1, MobileNetV2's 3x3 layers: "
+                 "NumPy forms / im2col time 0.70-0.99 at 32-144 channels on 56x56-112x112 "
+                 "and at 576-960 channels on 7x7, 1.05-1.11 at 144-384 channels on "
+                 f"14x14-28x28; the native form {DEPTHWISE_NATIVE_SPEEDUP}"),
+    "im2col": ConvRule("im2col", 10, "im2col + one BLAS GEMM per group"),
+    "native": ConvRule(
+        "native", 40, "implicit GEMM on the native kernel: filters packed once, taps "
+        "gathered from the padded image, bias, residual and ReLU fused into the store",
+        groups="not_depthwise", dtypes=frozenset({"float32", "float16"}), max_channels=64,
+        yields_to_pointwise=True, evidence_decides=True, measured=_NATIVE_MEASURED,
+        baseline="the best other variant", evidence=_NATIVE_EVIDENCE),
+})
+# Variants that need a tier beyond NumPy (see keel.backends.plan.tier_unavailable).
+REQUIRES = {"native": "native"}
+# Rules in force where a tier is available (the variant runs a faster form there).
+TIER_RULES = {"winograd": {"native": WINOGRAD_NATIVE}}
+
+# ---- conv decisions --------------------------------------------------------------------
+def rule_in_force(kv: KernelVariant) -> ConvRule:
+    """A variant's conv rule, or the one its metadata names for a tier available here."""
+    for tier, tier_rule in dict(kv.meta.get("tier_rules", {})).items():
+        if tier_unavailable(tier) is None:
+            return tier_rule
+    return kv.meta["rule"]
+
+
+def available_rules(tier: bool | None = None) -> list[ConvRule]:
+    """The conv rules in force here: native variants need the native tier, which also
+    compiles Winograd's transforms (its rule then has its own measurements).
+    ``tier``: whether the native GEMM is loaded (default: whether it loads)."""
+    if tier is None:
+        tier = native_gemm.available()
+    return [TIER_RULES[name]["native"] if tier and name in TIER_RULES else r
+            for name, r in RULES.items() if name not in REQUIRES or tier]
+
+
+@functools.lru_cache(maxsize=1024)
+def _pick_cached(case: ConvCase, tier: bool) -> tuple[str, str]:
+    return pick(case, available_rules(tier))
+
+
+def conv_call_variant(case: ConvCase) -> tuple[str, str]:
+    """The conv variant for ``case`` when no placement decided one (a direct kernel
+    call on shapes known only now): the same rules as :func:`plan`."""
+    return _pick_cached(case, native_gemm.available())
+
+
+def exact_conv_variant(case: ConvCase) -> str:
+    """The variant conv_integer runs in float: Winograd's transforms round, and the
+    native kernel has no integer path, so the exact NumPy variants only."""
+    exact = [r for k, r in RULES.items() if k not in ("winograd", "native")]
+    return pick(case, exact)[0]
+
+
+def _conv_case(op: Op, input_types: Sequence[TensorType | None], attrs: Mapping[str, Any],
+               dtype: DType | None) -> ConvCase | None:
+    if len(input_types) < 2 or any(t is None or t.shape is None for t in input_types[:2]):
+        return None
+    x, w = input_types[0], input_types[1]
+    assert x is not None and w is not None and x.shape is not None and w.shape is not None
+    try:
+        return conv_case(op, x.shape, w.shape, attrs, dtype.value if dtype else "float32")
+    except KeelError:
+        return None
+
+
+def _choose_conv(op: Op, input_types: Sequence[TensorType | None], attrs: Mapping[str, Any],
+                 variants: Mapping[str, KernelVariant], dtype: DType | None
+                 ) -> tuple[str, str]:
+    case = _conv_case(op, input_types, attrs, dtype)
+    if case is None:
+        return "default", "input shapes not known before running: the default kernel picks"
+    rules = [rule_in_force(kv) for kv in variants.values()
+             if isinstance(kv.meta.get("rule"), ConvRule) and not kv.meta.get("dispatcher")
+             and (dtype is None or kv.dtypes is None or dtype in kv.dtypes)]
+    if not rules:
+        return "default", f"{op.value}: no variant carries conv rules; default dispatches"
+    try:
+        return pick(case, rules)
+    except LookupError as exc:
+        return "default", str(exc)
+
+
+def choose_variant(op: Op, input_types: Sequence[TensorType | None], attrs: Mapping[str, Any],
+                   table: KernelTable) -> tuple[str, str]:
+    """The variant of ``op`` to run from the cpu ``table`` for these inputs, and why.
+
+    Depends only on the op, the input types, the attributes, the variants the
+    table offers and whether the tiers they require can run here: same inputs,
+    same answer. Conv-family ops are decided by the conv rules; the rest by
+    priority. Falls back to ``default`` when the shapes are not known.
+    """
+    variants, skipped = usable_variants(op, table)
+    dtype = input_types[0].dtype if input_types and input_types[0] is not None else None
+    if op in CONV_OPS and len(variants) > 1:
+        name, why = _choose_conv(op, input_types, attrs, variants, dtype)
+    elif op in CONV_OPS and variants["default"].meta.get("dispatcher"):
+        conv, _ = usable_variants(Op.CONV, table)
+        _, why = _choose_conv(op, input_types, attrs, conv, dtype)
+        name, why = "default", f"dispatches through the conv variants: {why}"
+    else:
+        name, why = choose_by_priority(op, variants, dtype, table.backend)
+    return name, why + skipped_note(skipped)
+
+
+def _dispatched(op: Op, request: PlanRequest, table: KernelTable) -> str | None:
+    """The conv variant a dispatching conv node (conv2d) runs; None when not known."""
+    if op not in CONV_OPS or not table.get(op).meta.get("dispatcher"):
+        return None
+    conv, _ = usable_variants(Op.CONV, table)
+    name, _ = _choose_conv(op, request.input_types, request.attrs, conv, request.dtype)
+    return None if name == "default" else name
+
+
+# ---- the node plan ---------------------------------------------------------------------
+# Plans made, by request: the op-level path (Backend.run) asks for every call.
+_PLANS: dict[tuple[Any, ...], NodePlan] = {}
+_PLANS_LIMIT = 1024
+
+
+def plan(request: PlanRequest, table: KernelTable) -> NodePlan:
+    """Every decision about how one cpu node runs, each with its reason (the same
+    request, with the same kernel tiers loaded, gets the same plan object)."""
+    key = _cache_key(request, table)
+    if key is None:
+        return _plan(request, table)
+    found = _PLANS.get(key)
+    if found is None:
+        if len(_PLANS) >= _PLANS_LIMIT:
+            _PLANS.clear()
+        found = _PLANS[key] = _plan(request, table)
+    return found
+
+
+def _cache_key(request: PlanRequest, table: KernelTable) -> tuple[Any, ...] | None:
+    """What a plan depends on (the cpu planner does not read the hardware profile);
+    None when an attribute is not hashable."""
+    key = (table, request.op, request.input_types, tuple(request.attrs.items()),
+           request.threads, request.precision, request.measured, state())
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def state() -> tuple[Any, ...]:
+    """The kernel tiers loaded here: every plan depends on them."""
+    return native_gemm.available(), native_window.ready(), tier_unavailable("native")
+
+
+def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:
+    variants, _ = usable_variants(request.op, table)
+    measured = request.measured
+    if measured is not None and measured.variant in variants:
+        variant, why = measured.variant, measured.reason
+    else:
+        variant, why = choose_variant(request.op, request.input_types, request.attrs, table)
+    options: list[tuple[str, Any]] = []
+    dispatched = _dispatched(request.op, request, table) if variant == "default" else None
+    if dispatched is not None:
+        options.append(("conv_variant", dispatched))
+    form = _form(request, dispatched or variant)
+    if form.layout and (dispatched or variant) == "depthwise":
+        options.append(("depthwise_scheme", form.scheme))
+    if form.stream_stores:
+        options.append(("stream_stores", True))
+    if form.block is not None:
+        options.append(("depthwise_block", form.block))
+    threads = request.threads
+    return NodePlan(
+        variant=variant, layout=form.layout, threads=threads, chunk=form.chunk,
+        workspace_bytes=form.workspace_bytes, precision=request.precision,
+        options=tuple(options),
+        reasons=field_reasons(
+            variant=why, layout=form.reason,
+            threads=f"{threads} kernel thread(s): the backend's thread count",
+            **({} if form.chunk is None else {"chunk": form.chunk_reason or form.reason}),
+            **({} if form.workspace_bytes is None else
+               {"workspace_bytes": "the column matrix of one chunk"})))
+
+
+def _form(request: PlanRequest, variant: str) -> ConvForm:
+    """The layout of a conv node's variant, from its static shapes."""
+    if request.op not in CONV_OPS:
+        return ConvForm("", "the variant's only form")
+    shapes = request.static_shapes()
+    if shapes is None or len(shapes) < 2 or shapes[0] is None or shapes[1] is None:
+        return ConvForm("", "decided from the real shapes at the first call "
+                            "(shapes not static)")
+    attrs = conv2d_attrs(request.attrs) if request.op is Op.CONV2D else request.attrs
+    try:
+        geo = conv_geometry(request.op, shapes[0], shapes[1], attrs)
+    except KeelError as exc:
+        return ConvForm("", f"no layout: {exc}")
+    itemsize = 8 if request.dtype is DType.FLOAT64 else 4    # float16 computes in float32
+    return conv_form(variant, geo, itemsize)
+
+
+# ---- the native conv's layout ----------------------------------------------------------
+# The native implicit GEMM's forms (conv_gemm.native_layout builds each): measured on
+# a 2-core AMD EPYC (Zen 4, AVX-512), 1 thread, prepared calls, interleaved medians.
+#
+# band: a dense strided 2-D conv of at most BAND_MAX_DEPTH depth (input channels x
+# taps per filter) and at least BAND_FROM output pixels per image runs by bands of
+# output rows read from X (gemm.c's keel_conv_band_f32). MobileNetV2's 3 -> 32 3x3
+# stride-2 conv on 224x224 inside the model: 18.3 -> 12.0 ms at batch 32 (onnxruntime
+# 9.9), 0.40 -> 0.39 ms at batch 1 alone. Deeper filters (ResNet-18's 3 -> 64 7x7,
+# depth 147) and stride-1 convs were not measured and keep their layouts. Measured
+# with the AVX-512 kernel's 32-column panels only.
+BAND_MAX_DEPTH = 64
+BAND_FROM = 4096
+BAND_PANEL = 32
+# masked: strided convs take it below this many output pixels per image; above,
+# copying the stride phases costs more than the gathered product saves (3 -> 32 3x3
+# stride 2 on 224x224 at batch 32: 1.64x the gathered time, 0.99x at batch 1; 3 -> 64
+# 7x7 stride 2: 1.04x at batch 1).
+MASKED_STRIDED_BELOW = 4096
+# stacked: the images of a batch go side by side in one product when an image's last
+# column panel would be less than STACK_FILL full; for a 1x1 stride-1 conv, which
+# otherwise reads X in place row panel by row panel (stacking gathers it), less than
+# POINTWISE_STACK_FILL: at batch 32, 7x7 images (77 % full) stacked took 0.56x the
+# time of the in-place product, 14x14 (88 %) 1.07x.
+STACK_FILL = 0.9
+POINTWISE_STACK_FILL = 0.8
+# wide: costs the product's extra columns (row gaps, a last partial panel per product)
+# and saves the gather of B. Where an output row is whole column panels (32x32 images)
+# the gathered B is read in place too and wide loses (16->16 3x3 on 32x32: 1.07x the
+# gathered time at batch 32, 1.18x at batch 1; 3->16: 1.5x). Elsewhere it wins while
+# its column panels are at most WIDE_MAX_EXTRA times the gathered ones: 0.88x on 32->32
+# 3x3 on 16x16 at batch 32 and 0.89x at batch 1 (1.125 times the columns), 0.85x on
+# LeNet's 1->6 5x5 on 28x28 at batch 1 (1.17); lost 1.21x on 64->64 3x3 on 8x8 (1.27
+# stacked, 1.5 per image).
+WIDE_MAX_EXTRA = 1.2
+# An output at least this large (the last-level cache there) is stored past the cache:
+# the next layer reads it from memory anyway, and the stores skip reading each line
+# first (the band conv at batch 32, 51 MB: 16.1 -> 12.2 ms alone).
+NT_BYTES = 32 * 2**20
+
+
+def stream_stores(geo: ConvGeometry) -> bool:
+    """Whether the native conv's float32 output bypasses the cache."""
+    return math.prod(geo.out_shape) * 4 >= NT_BYTES
+
+
+def stacks(batch: int, pixels: int, fill: float = STACK_FILL) -> bool:
+    """Whether a batch's images go side by side in one native product: an image's
+    column panels would be less than ``fill`` full."""
+    grid = native_gemm.geometry()
+    return grid is not None and batch > 1 and pixels % grid[1] != 0 and (
+        pixels / (-(-pixels // grid[1]) * grid[1]) < fill)
+
+
+def _band_wins(geo: ConvGeometry) -> bool:
+    win = geo.window
+    grid = native_gemm.geometry()
+    return (grid is not None and grid[1] == BAND_PANEL and win.rank == 2 and geo.group == 1
+            and any(s != 1 for s in win.strides)
+            and geo.in_channels * math.prod(win.kernel) <= BAND_MAX_DEPTH
+            and math.prod(win.out_spatial) >= BAND_FROM)
+
+
+def _masked_wins(geo: ConvGeometry) -> bool:
+    win = geo.window
+    unit = all(s == 1 for s in win.strides)
+    if native_gemm.geometry() is None or conv_gemm.masked_layout(geo) is None or (
+            geo.is_pointwise and not win.padded and unit):
+        return False                # a 1x1 stride-1 conv reads X in place as it is
+    return unit or math.prod(win.out_spatial) < MASKED_STRIDED_BELOW
+
+
+def wide_stacks(geo: ConvGeometry) -> bool:
+    """Stack a batch's images in one wide product when that makes fewer column panels."""
+    grid = native_gemm.geometry()
+    width = 32 if grid is None else grid[1]
+    return geo.batch > 1 and (conv_gemm.wide_panels(geo, True, width)
+                              < conv_gemm.wide_panels(geo, False, width))
+
+
+def _wide_wins(geo: ConvGeometry) -> bool:
+    grid = native_gemm.geometry()
+    if grid is None or not conv_gemm.wide_serves(geo) or geo.window.out_spatial[-1] % grid[1] == 0:
+        return False
+    pixels = math.prod(geo.window.out_spatial)
+    together = stacks(geo.batch, pixels)
+    gathered = conv_gemm.panels(geo.batch * pixels if together else pixels, grid[1])
+    if not together:
+        gathered *= geo.batch
+    return conv_gemm.wide_panels(geo, wide_stacks(geo), grid[1]) <= WIDE_MAX_EXTRA * gathered
+
+
+def native_form(geo: ConvGeometry) -> tuple[str, str]:
+    """The form the native conv runs ``geo`` in (see conv_gemm.native_layout), and why."""
+    win = geo.window
+    pixels = math.prod(win.out_spatial)
+    if _band_wins(geo):
+        return "band", (f"band: depth {geo.in_channels * math.prod(win.kernel)} <= "
+                        f"{BAND_MAX_DEPTH}, {pixels} output pixels >= {BAND_FROM}, strided")
+    if _masked_wins(geo):
+        return "masked", "masked: every tap reads a plane of the output's shape in place"
+    if _wide_wins(geo):
+        form = "wide-stacked" if wide_stacks(geo) else "wide"
+        return form, f"{form}: its column panels within {WIDE_MAX_EXTRA}x the gathered ones"
+    unit = all(s == 1 for s in win.strides)
+    if geo.is_pointwise and unit and not stacks(geo.batch, pixels, POINTWISE_STACK_FILL):
+        return "direct", "direct: a 1x1 stride-1 conv reads X in place"
+    if stacks(geo.batch, pixels):
+        return "gathered-stacked", (f"gathered-stacked: {pixels} pixels fill an image's "
+                                    f"column panels less than {STACK_FILL:.0%}")
+    return "gathered", "gathered: B gathered block by block from the (phase) image"
+
+
+# ---- the depthwise conv's form ---------------------------------------------------------
+# The NumPy forms (depthwise.py's module docstring has the measurements, 1 thread,
+# MobileNetV2's 3x3 layers): channels_last serves 2-D depthwise convs with at least
+# CHANNELS_LAST_MIN_CHANNELS channels and at most CHANNELS_LAST_MAX_PIXELS output pixels
+# per plane (4x as many in a batch); batches of stride-1 convs with at least
+# PLANES_MIN_PIXELS output pixels per plane run as planes (long unit-stride passes
+# stream better than the per-channel gemvs); the rest as rows.
+CHANNELS_LAST_MAX_PIXELS = 196
+CHANNELS_LAST_MIN_CHANNELS = 192
+PLANES_MIN_PIXELS = 3136
+# Bytes of buffers per block of images and channels. ``rows`` keeps its shifted copies
+# in the L2 cache (inside a model, where other layers evict them, 1 MiB blocks ran
+# MobileNetV2's depthwise layers in 7.8 ms against 9.9 ms with 4 MiB); the other forms
+# stream, and only need blocks of images that bound their buffers.
+DEPTHWISE_BLOCK_BYTES = 1 << 20
+DEPTHWISE_STREAM_BYTES = 16 << 20
+# The bound native call's scheme: "auto" leaves it to window.c's measured rule for each
+# thread's range of planes (blocked_wins), "planes" / "blocked" force one.
+DEPTHWISE_SCHEME = "auto"
+
+
+def depthwise_numpy_form(geo: ConvGeometry) -> str:
+    """The measured best NumPy formulation of a depthwise conv."""
+    win = geo.window
+    if win.rank != 2:
+        return "planes"
+    pixels = math.prod(win.out_spatial)
+    many = geo.in_channels >= CHANNELS_LAST_MIN_CHANNELS and geo.out_channels == geo.in_channels
+    if many and (pixels <= CHANNELS_LAST_MAX_PIXELS
+                 or (geo.batch > 1 and pixels <= 4 * CHANNELS_LAST_MAX_PIXELS)):
+        return "channels_last"
+    if geo.batch > 1 and pixels >= PLANES_MIN_PIXELS and all(s == 1 for s in win.strides):
+        return "planes"
+    return "rows"
+
+
+def depthwise_block(geo: ConvGeometry, form: str) -> tuple[int, int]:
+    """Images and channels per block of a NumPy depthwise form, so that a block's
+    buffers stay in cache."""
+    plan = window.wide_plan((1, geo.in_channels), geo.window)
+    n, c = geo.batch, geo.in_channels
+    kw = geo.window.kernel[-1]
+    per_channel = plan.plane * plan.phases * (kw + 1 if form == "rows" else 3) * 4
+    budget = DEPTHWISE_BLOCK_BYTES if form == "rows" else DEPTHWISE_STREAM_BYTES
+    channels = max(1, budget // per_channel)
+    if channels < c and form != "channels_last":
+        return 1, channels
+    return max(1, min(n, budget // (per_channel * c))), c
+
+
+def depthwise_form(geo: ConvGeometry) -> tuple[str, str]:
+    """The depthwise form (``native|<numpy form>`` where the compiled kernel serves
+    ``geo``: the NumPy form is its fallback), and why."""
+    numpy_form = depthwise_numpy_form(geo)
+    if depthwise.native_serves(geo):
+        return f"native|{numpy_form}", (
+            f"native: compiled window kernel, each output computed once in registers "
+            f"(MobileNetV2's depthwise layers {DEPTHWISE_NATIVE_SPEEDUP}); NumPy form "
+            f"{numpy_form} where native cannot run")
+    return numpy_form, (f"{numpy_form}: measured best NumPy form for this shape; not "
+                        f"native: {depthwise.native_refusal(geo)}")
+
+
+def depthwise_layout(geo: ConvGeometry, form: str | None = None,
+                     scheme: str = DEPTHWISE_SCHEME) -> depthwise.DepthwiseLayout:
+    """``geo``'s depthwise layout in ``form`` (None: the planned one); ``native`` asked
+    for alone falls back to the planned NumPy form."""
+    planned, reason = depthwise_form(geo)
+    if form is None:
+        form = planned
+    elif form == "native":
+        form, reason = f"native|{depthwise_numpy_form(geo)}", "native: asked for"
+    else:
+        reason = f"{form}: asked for"
+    block = depthwise_block(geo, form.rpartition("|")[2])
+    return depthwise.depthwise_layout(geo, form, block, reason, scheme)
+
+
+def native_layout(geo: ConvGeometry) -> conv_gemm.NativeLayout:
+    """``geo``'s native conv layout in the planned form."""
+    return conv_gemm.native_layout(geo, native_form(geo)[0], stream_stores(geo))
+
+
+# ---- the NumPy im2col and pointwise layouts --------------------------------------------
+# Column-matrix bytes per chunk of images (STACKED_BYTES when the images are stacked):
+# chunks stay in cache; a single image larger than this runs alone.
+IM2COL_BYTES = 4 * 2**20
+STACKED_BYTES = 8 * 2**20
+# Stack the images of a batch into one GEMM when an image has fewer columns than this.
+STACK_BELOW = 400
+# Compact columns (the output pixels, no garbage columns) from this many output
+# channels, or for outputs at least this wide: there the extra GEMM work of the garbage
+# columns costs more than copying the column matrix in short rows. Never where a row
+# of the matrix is a multiple of 4 KiB: BLAS's packed panels then collide in cache.
+COMPACT_MIN_CHANNELS = 64
+COMPACT_MIN_WIDTH = 56
+PAGE_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class ConvForm:
+    """A conv variant's layout as planned: the form, why, images per chunk and the
+    scratch it needs (None: not estimated), and the depthwise call's scheme."""
+
+    layout: str
+    reason: str
+    chunk: int | None = None
+    workspace_bytes: int | None = None
+    scheme: str = DEPTHWISE_SCHEME
+    stream_stores: bool = False          # the native conv's output bypasses the cache
+    block: tuple[int, int] | None = None  # a depthwise NumPy form's (images, channels)
+    chunk_reason: str = ""               # why ``chunk`` ("": the layout's reason says)
+
+
+def im2col_form(geo: ConvGeometry, itemsize: int) -> ConvForm:
+    """Compact or wide columns, stacked images and images per chunk of an im2col conv."""
+    win = geo.window
+    pixels = math.prod(win.out_spatial)
+    compact = ((geo.out_channels // geo.group >= COMPACT_MIN_CHANNELS
+                or win.out_spatial[-1] >= COMPACT_MIN_WIDTH)
+               and (pixels * itemsize) % PAGE_BYTES != 0)
+    columns = conv_gemm.im2col_columns(geo, compact)
+    stacked = geo.batch > 1 and columns < STACK_BELOW
+    budget = STACKED_BYTES if stacked else IM2COL_BYTES
+    per_image = geo.group * conv_gemm.im2col_depth(geo) * columns * itemsize
+    chunk = max(1, min(geo.batch, budget // max(per_image, 1)))
+    layout = ("compact" if compact else "wide") + ("-stacked" if stacked else "")
+    why = (f"{layout}: {columns} columns per image ({'output pixels' if compact else 'wide'}"
+           f"){', stacked below ' + str(STACK_BELOW) if stacked else ''}; {chunk} image(s) "
+           f"per chunk within {budget >> 20} MiB of columns")
+    return ConvForm(layout, why, chunk, chunk * per_image)
+
+
+def pointwise_form(geo: ConvGeometry) -> ConvForm:
+    """Whether a 1x1 conv stacks its images into one GEMM."""
+    pixels = math.prod(geo.window.out_spatial)
+    if geo.batch > 1 and pixels < STACK_BELOW:
+        return ConvForm("stacked", f"stacked: {pixels} output pixels < {STACK_BELOW}")
+    return ConvForm("per-image", "per-image: X read as it is, one GEMM per image")
+
+
+# Winograd's transformed tiles per chunk of images (bytes; the transformed input V and,
+# compiled, the products P of a chunk): bigger batches run in chunks that stay in cache
+# (measured: batch-8 64-channel 56x56 runs 16 ms in 4 MB chunks against 22.6 ms in
+# 24 MB ones).
+WINOGRAD_CHUNK_BYTES = 4 * 2**20
+
+
+def winograd_form(geo: ConvGeometry, itemsize: int) -> ConvForm:
+    """Images per chunk of a Winograd conv (its one form)."""
+    (oh, ow), c, m = geo.window.out_spatial, geo.in_channels, geo.out_channels
+    per_image = 16 * -(-oh // 2) * -(-ow // 2) * max(c, m) * itemsize
+    chunk = max(1, min(geo.batch, WINOGRAD_CHUNK_BYTES // max(per_image, 1)))
+    return ConvForm("", f"{chunk} image(s) per chunk: {per_image} bytes of transformed "
+                        f"tiles an image, within {WINOGRAD_CHUNK_BYTES >> 20} MiB", chunk)
+
+
+def conv_form(variant: str, geo: ConvGeometry, itemsize: int) -> ConvForm:
+    """The layout (form) of conv ``variant`` for ``geo`` computed in ``itemsize``-byte
+    elements, and why ("" where the variant has one form)."""
+    if variant == "native":
+        return ConvForm(*native_form(geo), stream_stores=stream_stores(geo))
+    if variant == "depthwise":
+        layout, why = depthwise_form(geo)
+        numpy_form = layout.rpartition("|")[2]
+        block = depthwise_block(geo, numpy_form)
+        budget = DEPTHWISE_BLOCK_BYTES if numpy_form == "rows" else DEPTHWISE_STREAM_BYTES
+        return ConvForm(layout, why, block[0], block=block, chunk_reason=(
+            f"{block[0]} image(s) and {block[1]} channel(s) per block of the NumPy form "
+            f"{numpy_form}: its buffers within {budget >> 10} KiB"))
+    if variant == "im2col":
+        return im2col_form(geo, itemsize)
+    if variant == "pointwise":
+        return pointwise_form(geo)
+    if variant == "winograd":
+        return winograd_form(geo, itemsize)
+    return ConvForm("", "the variant's only form")
+
+
+def im2col_layout(geo: ConvGeometry, itemsize: int) -> conv_gemm.Im2colLayout:
+    """``geo``'s im2col layout as planned."""
+    form = im2col_form(geo, itemsize)
+    return conv_gemm.im2col_layout(geo, form.layout.startswith("compact"),
+                                   form.layout.endswith("-stacked"), form.chunk or 1)

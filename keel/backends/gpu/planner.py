@@ -1,0 +1,81 @@
+"""The gpu backend's planner: how a node runs on the GPU, decided here and only here.
+
+The gpu backend runs the cpu's xp kernels through CuPy, but not the cpu's
+choices among them: those rules were measured against OpenBLAS on a CPU and
+say nothing about a GPU. Until GPU measurements exist (``keel tune`` on a GPU
+machine overrides these through ``PlanRequest.measured``), the rules here are
+declared, not measured, and say so:
+
+* variants that need a host tier (``requires="native"``: compiled CPU
+  kernels) are never chosen: they would only fall back to the xp path;
+* a convolution runs ``pointwise`` where it is a 1x1 stride-1 unpadded dense
+  conv (one GEMM on the input, no copy) and ``im2col`` otherwise (one cuBLAS
+  GEMM per group; it serves every conv);
+* any other op runs its highest-priority remaining variant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from keel.backends.base import KernelTable, KernelVariant
+from keel.backends.plan import (
+    NodePlan,
+    PlanRequest,
+    choose_by_priority,
+    field_reasons,
+    skipped_note,
+)
+from keel.ops.registry import Op
+from keel.ops.types import TensorType
+
+__all__ = ["HOST_TIERS", "choose_variant", "plan"]
+
+# Tiers of compiled CPU kernels: their variants never run on the GPU.
+HOST_TIERS = frozenset({"native"})
+_CONV = frozenset({Op.CONV})
+_EVIDENCE = "declared, not measured on a GPU"
+
+
+def plan(request: PlanRequest, table: KernelTable) -> NodePlan:
+    """Every decision about how one gpu node runs, each with its reason."""
+    found = table.variants(request.op)
+    skipped = {n: "needs a host tier (compiled CPU kernels)" for n, kv in found.items()
+               if kv.meta.get("requires") in HOST_TIERS}
+    usable = {n: kv for n, kv in found.items() if n not in skipped}
+    measured = request.measured
+    if measured is not None and measured.variant in usable:
+        variant, why = measured.variant, measured.reason
+    elif request.op in _CONV:
+        variant, why = _conv_variant(request, usable)
+    else:
+        variant, why = choose_by_priority(request.op, usable, request.dtype, table.backend)
+    return NodePlan(
+        variant=variant, threads=None, precision=request.precision,
+        reasons=field_reasons(
+            variant=why + skipped_note(skipped),
+            threads="not applicable: the device schedules its own threads",
+            blas_threads="not applicable: cuBLAS on the device"))
+
+
+def choose_variant(op: Op, input_types: Sequence[TensorType | None], attrs: Mapping[str, Any],
+                   table: KernelTable) -> tuple[str, str]:
+    """The variant this planner runs ``op`` with on ``table``, and why."""
+    found = plan(PlanRequest(op, tuple(input_types), dict(attrs)), table)
+    return found.variant, found.reason("variant")
+
+
+def _conv_variant(request: PlanRequest, usable: Mapping[str, KernelVariant]
+                  ) -> tuple[str, str]:
+    attrs = request.attrs
+    w = request.input_types[1] if len(request.input_types) > 1 else None
+    kernel = None if w is None or w.shape is None else tuple(w.shape[2:])
+    unit = kernel is not None and all(k == 1 for k in kernel)
+    plain = (all(s == 1 for s in attrs.get("strides") or (1,))
+             and not any(attrs.get("pads") or ()) and int(attrs.get("group", 1)) == 1)
+    if unit and plain and "pointwise" in usable:
+        return "pointwise", f"1x1 stride-1 unpadded dense conv: one GEMM ({_EVIDENCE})"
+    if "im2col" in usable:
+        return "im2col", f"one cuBLAS GEMM per group serves every conv ({_EVIDENCE})"
+    return "default", "no im2col variant on this table: the default kernel"

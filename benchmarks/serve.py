@@ -132,12 +132,13 @@ def _in_batch(model: Any, x: np.ndarray, size: int) -> np.ndarray:
 
 def ray_throughput(rows: int) -> dict[str, float]:
     import ray
+
     from keel.integrations.ray import KeelPredictor
 
     x = np.random.default_rng(1).standard_normal((rows, 64)).astype(np.float32)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        ds = ray.data.from_numpy(x).map_batches(
+        ds = ray.data.from_numpy(np.array_split(x, 16)).map_batches(
             KeelPredictor, fn_constructor_kwargs={"model": str(DIGITS),
                                                   "inputs": {"pixels": "data"}},
             batch_size=1024, concurrency=2, batch_format="numpy")

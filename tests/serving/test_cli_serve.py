@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import keel
 
@@ -81,3 +82,41 @@ def test_serve_refuses_a_missing_repository(tmp_path: Path) -> None:
                          capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 2
     assert "does not exist" in out.stderr
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_workers_share_the_ports_and_stop_together(tmp_path: Path) -> None:
+    repo = make_repository(tmp_path / "repo")
+    ports = _Ports(_free_port(), _free_port())
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "keel", "serve", str(repo), "--workers", "2",
+                             "--http-port", str(ports.http_port), "--grpc-port",
+                             str(ports.grpc_port)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        seen = 0
+        deadline = time.monotonic() + 180
+        while seen < 2 and time.monotonic() < deadline:      # each worker announces itself
+            line = proc.stdout.readline()
+            assert line, "the server exited early"
+            seen += "gRPC" in line
+        x = pixels(1, seed=4)
+        expected = in_fixed_batch(keel.load_model(str(repo / "digits.onnx")), x)
+        for _ in range(4):
+            assert np.array_equal(infer_http(ports, x), expected["probabilities"])
+            assert np.array_equal(infer_grpc(ports, x), expected["probabilities"])
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    with pytest.raises(ConnectionError):
+        infer_http(ports, pixels(1))

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -139,19 +141,32 @@ class _Handlers:
         return _encode(reply, result, wanted, binary_out)
 
     async def _body(self, request: Request) -> bytes:
+        """The body, or a 413 once it passes the limit. The rest of a body too large is
+        read and dropped (for at most the request time limit), so the client, still
+        sending, gets the answer rather than a broken pipe."""
         limit = self.state.limits.max_body_bytes
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise ProtocolError(f"the request body of {declared} bytes is larger than this "
-                                f"server's limit of {limit} bytes", 413, "RESOURCE_EXHAUSTED")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ProtocolError(f"the request body is larger than this server's limit "
-                                    f"of {limit} bytes", 413, "RESOURCE_EXHAUSTED")
-            chunks.append(chunk)
-        return b"".join(chunks)
+        stream = request.stream()
+        if declared is None or not declared.isdigit() or int(declared) <= limit:
+            async for chunk in stream:
+                size += len(chunk)
+                if size > limit:
+                    break
+                chunks.append(chunk)
+            else:
+                return b"".join(chunks)
+        chunks.clear()
+        with contextlib.suppress(Exception, asyncio.TimeoutError):
+            await asyncio.wait_for(_drain(stream), self.state.limits.request_timeout_s)
+        raise ProtocolError(f"the request body of {declared or 'more than ' + str(limit)} "
+                            f"bytes is larger than this server's limit of {limit} bytes",
+                            413, "RESOURCE_EXHAUSTED")
+
+
+async def _drain(stream: AsyncIterator[bytes]) -> None:
+    async for _ in stream:
+        pass
 
 
 def _json(value: Any, status: int = 200) -> Response:

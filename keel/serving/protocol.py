@@ -24,13 +24,16 @@ __all__ = [
     "DATATYPES",
     "Limits",
     "ProtocolError",
-    "TensorRequest",
-    "bytes_to_array",
     "array_to_bytes",
+    "bytes_to_array",
     "datatype_of",
+    "datatype_of_array",
     "decode_json_data",
     "element_count",
+    "json_data",
+    "not_found",
     "numpy_dtype",
+    "parse_json",
 ]
 
 # protocol datatype -> numpy dtype ("BYTES" holds byte strings in an object array)
@@ -108,14 +111,6 @@ def element_count(shape: Any, tensor: str, limits: Limits) -> int:
             f"tensor {tensor!r}: shape {list(shape)} holds {count} elements, more than this "
             f"server's limit of {limits.max_tensor_elements}", 413, "RESOURCE_EXHAUSTED")
     return int(count)
-
-
-@dataclass
-class TensorRequest:
-    """One decoded input tensor."""
-
-    name: str
-    array: np.ndarray
 
 
 def decode_json_data(name: str, datatype: Any, shape: Any, data: Any,

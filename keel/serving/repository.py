@@ -19,7 +19,7 @@ import numpy as np
 
 from keel.errors import KeelError
 from keel.serving.batching import Batcher, pad_rows
-from keel.serving.protocol import ProtocolError, datatype_of, not_found
+from keel.serving.protocol import ProtocolError, datatype_of, datatype_of_array, not_found
 
 __all__ = ["ModelOptions", "Repository", "ServedModel", "load_served", "pad_rows", "run_request"]
 
@@ -79,7 +79,7 @@ class ServedModel:
                 raise ProtocolError(f"model {self.name!r}: input {name!r} is missing")
             a = arrays[name]
             want = datatype_of(info.dtype)
-            got = _datatype(a)
+            got = datatype_of_array(a)
             if got != want:
                 raise ProtocolError(f"model {self.name!r}: input {name!r} is {want}, "
                                     f"got {got}")
@@ -109,12 +109,6 @@ class ServedModel:
             await self.idle.wait()
         if self.batcher is not None:
             await self.batcher.close()
-
-
-def _datatype(a: np.ndarray) -> str:
-    from keel.serving.protocol import datatype_of_array
-
-    return datatype_of_array(a)
 
 
 def load_served(name: str, version: str, path: Path, options: ModelOptions,

@@ -79,7 +79,9 @@ class ServerState:
         self.metrics.observe_request(model, protocol, seconds)
 
     def count_failure(self, model: str, protocol: str, reason: str) -> None:
-        self.metrics.count_failure(model, protocol, reason)
+        # Only served names become labels: a client cannot grow the metrics with made-up ones.
+        known = model if any(m.name == model for m in self.repo.models) else ""
+        self.metrics.count_failure(known, protocol, reason)
 
     def metrics_text(self) -> tuple[bytes, str]:
         return self.metrics.render()

@@ -124,14 +124,28 @@ def _auth() -> dict[str, str]:
     return {"Authorization": f"Bearer {TOKEN}"}
 
 
+def test_failures_are_counted_under_served_names_only(limited: Server) -> None:
+    post(limited, "/v2/models/made-up-name/infer", _body(), _auth())
+    post(limited, "/v2/models/digits/infer", b"{not json", _auth())
+    text = _metrics(limited)
+    assert "made-up-name" not in text
+    assert 'keel_request_failures_total{model="digits",protocol="http",reason=' \
+        '"INVALID_ARGUMENT"}' in text
+    assert 'keel_request_failures_total{model="",protocol="http",reason="NOT_FOUND"}' in text
+
+
 def _grpc_auth() -> dict[str, str]:
     return {"authorization": f"Bearer {TOKEN}"}
 
 
-def _answered(server: Server) -> float:
+def _metrics(server: Server) -> str:
     req = urllib.request.Request(f"http://127.0.0.1:{server.http_port}/metrics",
                                  headers=_auth())
-    text = urllib.request.urlopen(req).read().decode()
+    return str(urllib.request.urlopen(req).read().decode())
+
+
+def _answered(server: Server) -> float:
+    text = _metrics(server)
     return sum(float(line.split()[-1]) for line in text.splitlines()
                if line.startswith("keel_requests_total"))
 
@@ -142,3 +156,15 @@ def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
                 limits=Limits(max_body_bytes=1 << 20, max_tensor_elements=1 << 16))
     yield srv
     srv.stop()
+
+
+def test_a_chunked_body_over_the_limit_is_refused(limited: Server) -> None:
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", limited.http_port, timeout=30)
+    chunks = (b" " * 65536 for _ in range(40))        # 2.5 MiB, no Content-Length
+    conn.request("POST", "/v2/models/digits/infer", body=chunks,
+                 headers={**_auth(), "Transfer-Encoding": "chunked"}, encode_chunked=True)
+    resp = conn.getresponse()
+    assert resp.status == 413 and "limit of 1048576 bytes" in json.loads(resp.read())["error"]
+    conn.close()

@@ -101,6 +101,12 @@ def test_json_tensors_and_outputs_requested_by_name(server: Server, digits: keel
     inp.set_data_from_numpy(x)
     result = http_client(server).infer("digits", [inp], outputs=[req])
     assert np.array_equal(result.as_numpy("probabilities"), got)
+    ginp = tgrpc.InferInput("pixels", [2, 64], "FP32")
+    ginp.set_data_from_numpy(x)
+    reply = grpc_client(server).infer("digits", [ginp], request_id="g1",
+                                      outputs=[tgrpc.InferRequestedOutput("probabilities")])
+    assert reply.get_response().id == "g1"
+    assert np.array_equal(reply.as_numpy("probabilities"), got)
 
 
 def test_a_requests_answer_does_not_depend_on_other_traffic(server: Server) -> None:
@@ -149,3 +155,38 @@ def test_a_new_version_swaps_in_without_dropping_requests(server: Server,
     assert all(np.array_equal(a, before) or np.array_equal(a, after) for a in answers)
     assert http_client(server).get_model_metadata("mlp")["versions"] == ["2"]
     assert np.array_equal(infer_grpc(server, x, model="mlp"), after)
+
+
+def _two_outputs() -> Any:
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])
+    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", 4])
+            for n in ("pos", "neg")]
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["pos"]),
+                               helper.make_node("Neg", ["x"], ["neg"])], "two", [x], outs)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_only_the_outputs_asked_for_come_back(tmp_path: Path) -> None:
+    from .conftest import start
+
+    onnx.save(_two_outputs(), str(tmp_path / "two.onnx"))
+    srv = start(tmp_path)
+    try:
+        x = np.array([[1, -2, 3, -4]], np.float32)
+        inp = thttp.InferInput("x", [1, 4], "FP32")
+        inp.set_data_from_numpy(x)
+        got = http_client(srv).infer("two", [inp], outputs=[thttp.InferRequestedOutput("neg")])
+        assert [o["name"] for o in got.get_response()["outputs"]] == ["neg"]
+        assert np.array_equal(got.as_numpy("neg"), -x)
+        ginp = tgrpc.InferInput("x", [1, 4], "FP32")
+        ginp.set_data_from_numpy(x)
+        reply = grpc_client(srv).infer("two", [ginp],
+                                       outputs=[tgrpc.InferRequestedOutput("pos")])
+        assert [o.name for o in reply.get_response().outputs] == ["pos"]
+        assert np.array_equal(reply.as_numpy("pos"), np.maximum(x, 0))
+        both = grpc_client(srv).infer("two", [ginp]).get_response().outputs
+        assert sorted(o.name for o in both) == ["neg", "pos"]
+    finally:
+        srv.stop()

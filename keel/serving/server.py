@@ -130,7 +130,6 @@ class Server:
 
     async def serve(self, handle_signals: bool = True) -> None:
         import grpc
-        import uvicorn
 
         from keel.serving.grpc_service import add_service
         from keel.serving.http import build_app
@@ -149,8 +148,7 @@ class Server:
         self.grpc_port = grpc_server.add_insecure_port(f"{self.config.host}:"
                                                        f"{self.config.grpc_port}")
         await grpc_server.start()
-        http = _QuietServer(uvicorn.Config(build_app(state), log_level="warning",
-                                           lifespan="off", timeout_graceful_shutdown=None))
+        http = _uvicorn_server(build_app(state))
         http_task = asyncio.create_task(http.serve(sockets=[sock]))
         while not http.started and not http_task.done():
             await asyncio.sleep(0.01)
@@ -179,20 +177,20 @@ class Server:
             self._log("keel serve: bearer-token auth on (health checks stay open)")
 
 
-class _QuietServer:
-    """uvicorn's server without its own signal handling (the loop's is ours)."""
+def _uvicorn_server(app: Any) -> Any:
+    """uvicorn's server for ``app``, without uvicorn's own signal handling (ours runs the
+    drain)."""
+    import contextlib
 
-    def __new__(cls, config: Any) -> Any:
-        import contextlib
+    import uvicorn
 
-        import uvicorn
+    class Quiet(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Any:
+            yield
 
-        class Quiet(uvicorn.Server):
-            @contextlib.contextmanager
-            def capture_signals(self) -> Any:
-                yield
-
-        return Quiet(config)
+    return Quiet(uvicorn.Config(app, log_level="warning", lifespan="off",
+                                timeout_graceful_shutdown=None))
 
 
 def _listen(host: str, port: int, reuse_port: bool) -> socket.socket:

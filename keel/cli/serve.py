@@ -44,6 +44,9 @@ def serve_command(
     reuse_port: bool = typer.Option(False, "--reuse-port", hidden=True),
 ) -> None:
     """Serve MODEL_OR_REPOSITORY over the Open Inference Protocol (KServe v2)."""
+    from keel.serving import require_serve_packages
+
+    require_serve_packages()
     if workers > 1:
         _run_workers(workers, http_port, grpc_port)
         return

@@ -120,3 +120,14 @@ def test_workers_share_the_ports_and_stop_together(tmp_path: Path) -> None:
             proc.kill()
     with pytest.raises(ConnectionError):
         infer_http(ports, pixels(1))
+
+
+def test_serve_without_the_serve_extra_says_what_to_install(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    code = ("import sys; sys.modules['grpc'] = None; sys.modules['uvicorn'] = None\n"
+            "from keel.cli import main\n"
+            f"main(['serve', {str(make_repository(tmp_path / 'r'))!r}])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == 2
+    assert 'pip install "keel-runtime[serve]" (missing: grpcio, uvicorn)' in out.stderr

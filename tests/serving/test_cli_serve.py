@@ -55,7 +55,7 @@ def _start(args: list[str]) -> tuple[subprocess.Popen[str], _Ports, list[str]]:
 def test_serve_prints_where_it_listens_and_drains_on_sigterm(tmp_path: Path) -> None:
     repo = make_repository(tmp_path / "repo")
     proc, ports, lines = _start([str(repo), "--max-batch-size", "64",
-                                 "--max-queue-delay-ms", "400"])
+                                 "--max-queue-delay-ms", "1500"])
     try:
         assert any(re.search(r"model digits v1: \d+ nodes on .*dynamic batching at 64 rows", ln)
                    for ln in lines), lines
@@ -63,7 +63,7 @@ def test_serve_prints_where_it_listens_and_drains_on_sigterm(tmp_path: Path) -> 
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             waiting = [pool.submit(infer_http, ports, x) for _ in range(3)] + \
                       [pool.submit(infer_grpc, ports, x) for _ in range(3)]
-            time.sleep(0.15)                         # queued, waiting for their batch
+            time.sleep(0.6)                          # queued, waiting for their batch
             proc.send_signal(signal.SIGTERM)
             answers = [f.result(timeout=60) for f in waiting]
         assert proc.wait(timeout=60) == 0

@@ -49,6 +49,7 @@ _LAZY = {
     "tensor": "keel.tensors",
     "explain_last_dispatch": "keel.tensors",
     "load_model": "keel.execution.model",
+    "set_backend": "keel.execution.model",
     "Model": "keel.execution.model",
     "TensorInfo": "keel.execution.model",
 }
@@ -90,7 +91,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers only
         register_backend,
         set_backend_priority,
     )
-    from keel.execution.model import Model, TensorInfo, load_model
+    from keel.execution.model import Model, TensorInfo, load_model, set_backend
     from keel.hardware import detect_devices, probe
     from keel.hardware.profile import DeviceInfo, HardwareProfile
     from keel.ops.registry import Op, OpGroup

@@ -16,7 +16,7 @@ from keel.errors import KeelError
 __all__ = ["app", "main"]
 
 SUBCOMMANDS = ("probe", "plan", "backends", "bench", "drop", "demo", "convert", "run", "validate",
-               "calibrate", "cache", "tune")
+               "calibrate", "cache", "tune", "serve")
 
 app = typer.Typer(
     name="keel",

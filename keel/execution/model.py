@@ -33,7 +33,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -105,8 +105,14 @@ def load_model(
     hint: str | None = None,
     plan_cache: bool | None = None,
     tune: bool | float = False,
+    remote: str | None = None,
 ) -> Model:
     """Load and plan a model from a path (``.onnx``/``.keel``), bytes or ``onnx.ModelProto``.
+
+    ``backend="remote"`` (or :func:`set_backend`'s default) runs the model a
+    ``keel serve`` instance at ``remote`` serves under the path's stem instead: a
+    :class:`keel.backends.remote.RemoteModel` with the same ``inputs``, ``outputs``,
+    ``predict`` and ``run``.
 
     ``backend`` and ``precision`` given here (else ``KEEL_BACKEND`` /
     ``KEEL_PRECISION``) are authoritative: a pinned backend that cannot run
@@ -126,6 +132,12 @@ def load_model(
         raise InvalidArgumentError(
             f"optimization_level {optimization_level!r} is not allowed; use one of "
             f"{', '.join(OPTIMIZATION_LEVELS)}")
+    if backend == "auto" and _DEFAULT_BACKEND:
+        backend, remote = _DEFAULT_BACKEND[0], remote or _DEFAULT_BACKEND[1]
+    if backend == "remote":
+        from keel.backends.remote import load_remote
+
+        return cast("Model", load_remote(src, remote))     # same surface as a Model
     env = settings()
     options: dict[str, Any] = {
         "backend": backend if backend != "auto" else (env.backend or "auto"),
@@ -151,6 +163,23 @@ def load_model(
     if slot is not None:
         model._note(slot.found.reason, slot.store(model))
     return model
+
+
+# set_backend's process-wide default for load_model: (backend, remote URL), or empty
+_DEFAULT_BACKEND: list[Any] = []
+
+
+def set_backend(name: str, *, remote: str | None = None) -> None:
+    """The backend ``load_model`` uses when given none (seed 004's ``set_backend``):
+    ``"auto"`` (back to ``KEEL_BACKEND`` or automatic), a registered backend's name, or
+    ``"remote"`` with ``remote=URL`` of a ``keel serve`` instance."""
+    names = {"auto", "remote", *default_registry().names()}
+    if name not in names:
+        raise InvalidArgumentError(f"unknown backend {name!r}; use one of "
+                                   f"{', '.join(sorted(names))}")
+    if name == "remote" and not remote:
+        raise InvalidArgumentError("set_backend('remote') needs remote='http://host:port'")
+    _DEFAULT_BACKEND[:] = [] if name == "auto" else [name, remote]
 
 
 @dataclass(frozen=True)

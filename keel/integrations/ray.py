@@ -1,0 +1,141 @@
+"""keel on Ray Data: a callable class for ``Dataset.map_batches``.
+
+    import ray
+    from keel.integrations.ray import KeelPredictor
+
+    ds = ray.data.read_parquet("features.parquet")
+    scored = ds.map_batches(KeelPredictor, fn_constructor_kwargs={"model": "model.onnx"},
+                            concurrency=4, batch_size=1024)
+
+Each actor loads the model once. Batches may come as NumPy dicts, pandas
+DataFrames or pyarrow Tables; the answer comes back in the same format with
+one column per model output, named after it. An actor given GPUs by Ray
+(``num_gpus=``) runs on keel's ``gpu`` backend. ``execution_batch=N`` runs every
+batch in chunks of exactly ``N`` rows (the last one padded), so each row's
+answer is bitwise the same however Ray cut the dataset into batches.
+Ray itself is imported only here (``pip install "keel-runtime[ray]"``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from keel.errors import InvalidArgumentError
+
+__all__ = ["KeelPredictor", "backend_for"]
+
+
+def backend_for(backend: str, gpu_ids: Sequence[Any]) -> str:
+    """The backend an actor runs on: ``gpu`` when Ray gave it GPUs and none was named."""
+    if backend == "auto" and len(gpu_ids) > 0:
+        return "gpu"
+    return backend
+
+
+class KeelPredictor:
+    """Scores batches with one keel model loaded once per Ray actor.
+
+    ``inputs`` maps a model input to the batch column that feeds it (default: the
+    columns named like the inputs; a one-input model takes a batch's only column).
+    ``load_options`` go to :func:`keel.load_model`.
+    """
+
+    def __init__(self, model: Any, *, backend: str = "auto",
+                 inputs: Mapping[str, str] | None = None,
+                 execution_batch: int | None = None, **load_options: Any) -> None:
+        from keel.execution.model import load_model
+
+        try:
+            import ray
+
+            gpu_ids: Sequence[Any] = ray.get_gpu_ids() if ray.is_initialized() else []
+        except ImportError:                       # used without Ray: plain keel
+            gpu_ids = []
+        if execution_batch is not None and execution_batch < 1:
+            raise InvalidArgumentError(f"execution_batch must be at least 1, got "
+                                       f"{execution_batch}")
+        self.backend = backend_for(backend, gpu_ids)
+        self.model = load_model(model, backend=self.backend, **load_options)
+        self.inputs = dict(inputs or {})
+        self.execution_batch = execution_batch
+
+    def __call__(self, batch: Any) -> Any:
+        columns, kind = _columns(batch)
+        feeds = self._feeds(columns)
+        outputs = self._predict(feeds)
+        return _as_kind(outputs, kind)
+
+    def _feeds(self, columns: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        feeds = {}
+        declared = self.model.inputs
+        for info in declared:
+            column = self.inputs.get(info.name, info.name)
+            if column not in columns and len(declared) == 1 and len(columns) == 1 \
+                    and info.name not in self.inputs:
+                column = next(iter(columns))
+            if column not in columns:
+                raise InvalidArgumentError(
+                    f"the batch has no column {column!r} for model input {info.name!r}; its "
+                    f"columns are: {', '.join(columns)} (map them with inputs={{...}})")
+            feeds[info.name] = np.asarray(columns[column], dtype=info.dtype.numpy)
+        return feeds
+
+    def _predict(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        size = self.execution_batch
+        if size is None:
+            return dict(self.model.predict(feeds))
+        from keel.serving.batching import pad_rows
+
+        rows = len(next(iter(feeds.values())))
+        parts = []
+        for start in range(0, rows, size):
+            chunk = {k: v[start:start + size] for k, v in feeds.items()}
+            n = len(next(iter(chunk.values())))
+            out = self.model.predict(pad_rows(chunk, size))
+            parts.append({k: v[:n] for k, v in out.items()})
+        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def _columns(batch: Any) -> tuple[dict[str, np.ndarray], str]:
+    """The batch's columns as arrays (rows first), and its format."""
+    if isinstance(batch, Mapping):
+        return {k: _stack(v) for k, v in batch.items()}, "numpy"
+    module = type(batch).__module__.split(".")[0]
+    if module == "pandas":
+        return {str(k): _stack(batch[k].to_numpy()) for k in batch.columns}, "pandas"
+    if module == "pyarrow":
+        return {name: _arrow_column(batch.column(name)) for name in batch.column_names}, \
+            "pyarrow"
+    raise InvalidArgumentError(f"a batch must be a dict of arrays, a pandas DataFrame or a "
+                               f"pyarrow Table, got {type(batch).__name__}")
+
+
+def _stack(values: Any) -> np.ndarray:
+    array = np.asarray(values)
+    if array.dtype == object and len(array) and isinstance(array[0], np.ndarray | list):
+        return np.stack([np.asarray(v) for v in array])
+    return array
+
+
+def _arrow_column(column: Any) -> np.ndarray:
+    chunked = column.combine_chunks() if hasattr(column, "combine_chunks") else column
+    to_numpy = getattr(chunked, "to_numpy", None)
+    if hasattr(chunked.type, "storage_type") and to_numpy is not None:    # Ray's tensor type
+        return np.asarray(to_numpy())
+    return _stack(chunked.to_numpy(zero_copy_only=False))
+
+
+def _as_kind(outputs: dict[str, np.ndarray], kind: str) -> Any:
+    if kind == "numpy":
+        return outputs
+    if kind == "pandas":
+        import pandas as pd
+
+        return pd.DataFrame({k: list(v) if v.ndim > 1 else v for k, v in outputs.items()})
+    import pyarrow as pa
+
+    return pa.table({k: pa.array(list(v)) if v.ndim > 1 else pa.array(v)
+                     for k, v in outputs.items()})

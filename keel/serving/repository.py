@@ -1,0 +1,298 @@
+"""The models a server holds: loading, versions, swapping, and one request's run.
+
+A repository is one model file (``model.onnx`` or ``.keel``; its name is the
+file's stem) or a folder holding ``NAME.onnx`` / ``NAME.keel`` files and
+``NAME/<version>/model.onnx`` folders (the highest version is served). Loading a
+model that is already served loads the repository's current version beside it
+and then swaps: requests already running finish on the old one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from keel.errors import KeelError
+from keel.serving.batching import Batcher, pad_rows
+from keel.serving.protocol import ProtocolError, datatype_of, datatype_of_array, not_found
+
+__all__ = ["ModelOptions", "Repository", "ServedModel", "load_served", "pad_rows", "run_request"]
+
+_SUFFIXES = (".onnx", ".keel")
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """How the server loads and batches every model."""
+
+    backend: str = "auto"
+    max_batch_size: int = 8             # the execution batch size; 1: no dynamic batching
+    max_queue_delay_s: float = 0.002
+
+
+@dataclass
+class ServedModel:
+    """One loaded version of a model, with its batcher."""
+
+    name: str
+    version: str
+    path: Path
+    model: Any                            # keel.Model
+    batch_size: int | None                # None: each request runs alone, as sent
+    batch_reason: str
+    batcher: Batcher | None = None
+    in_flight: int = 0
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def metadata(self) -> dict[str, Any]:
+        def tensors(infos: Sequence[Any]) -> list[dict[str, Any]]:
+            return [{"name": t.name, "datatype": datatype_of(t.dtype),
+                     "shape": [d if isinstance(d, int) else -1 for d in (t.shape or ())]}
+                    for t in infos]
+
+        return {"name": self.name, "versions": [self.version], "platform": "keel_onnx",
+                "inputs": tensors(self.model.inputs), "outputs": tensors(self.model.outputs)}
+
+    def plan_summary(self) -> str:
+        plan = self.model.plan
+        backends = sorted({n.backend for n in plan.nodes})
+        batching = (f"dynamic batching at {self.batch_size} rows" if self.batch_size
+                    else f"no dynamic batching ({self.batch_reason})")
+        return (f"{self.name} v{self.version}: {len(plan.nodes)} nodes on "
+                f"{', '.join(backends) or 'no backend'}, peak {plan.peak_bytes} bytes; "
+                f"{batching}")
+
+    def check_inputs(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Names, dtypes and fixed dimensions against the model's declared inputs."""
+        declared = {t.name: t for t in self.model.inputs}
+        for name in arrays:
+            if name not in declared:
+                raise ProtocolError(f"model {self.name!r} has no input {name!r}; its inputs "
+                                    f"are: {', '.join(declared)}")
+        for name, info in declared.items():
+            if name not in arrays:
+                raise ProtocolError(f"model {self.name!r}: input {name!r} is missing")
+            a = arrays[name]
+            want = datatype_of(info.dtype)
+            got = datatype_of_array(a)
+            if got != want:
+                raise ProtocolError(f"model {self.name!r}: input {name!r} is {want}, "
+                                    f"got {got}")
+            shape = info.shape
+            if shape is not None and (len(shape) != a.ndim or any(
+                    isinstance(d, int) and d != n for d, n in zip(shape, a.shape, strict=True))):
+                dims = [d if isinstance(d, int) else -1 for d in shape]
+                raise ProtocolError(f"model {self.name!r}: input {name!r} has shape "
+                                    f"{list(a.shape)}, the model takes {dims} (-1: any)")
+        if self.batch_size is not None:
+            rows = {a.shape[0] for a in arrays.values()}
+            if len(rows) != 1 or 0 in rows:
+                raise ProtocolError(f"model {self.name!r}: every input must hold the same, "
+                                    f"non-zero number of rows; got {sorted(rows)}")
+
+    async def infer(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.check_inputs(arrays)
+        if self.batcher is not None:
+            return await self.batcher.submit(arrays)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self.model.predict, arrays)
+
+    async def close(self) -> None:
+        """Wait for this version's requests, then stop its batcher."""
+        while self.in_flight:
+            self.idle.clear()
+            await self.idle.wait()
+        if self.batcher is not None:
+            await self.batcher.close()
+
+
+def load_served(name: str, version: str, path: Path, options: ModelOptions,
+                observe: Callable[[str], Any] | None = None) -> ServedModel:
+    """Load ``path`` and decide whether it can batch (runs on a worker thread)."""
+    from keel.execution.model import load_model
+
+    model = load_model(str(path), backend=options.backend)
+    size, reason = _batchable(model, options.max_batch_size)
+    served = ServedModel(name, version, path, model, size, reason)
+    served.idle.set()
+    return served
+
+
+def _batchable(model: Any, size: int) -> tuple[int | None, str]:
+    """The execution batch size, or None and why requests run alone."""
+    if size < 2:
+        return None, "max batch size below 2"
+    feeds = {}
+    for info in model.inputs:
+        shape = info.shape
+        if not shape or isinstance(shape[0], int) or not all(
+                isinstance(d, int) for d in shape[1:]):
+            return None, f"input {info.name!r} has no free first dimension with fixed others"
+        if info.dtype.value == "string":
+            return None, f"input {info.name!r} holds strings"
+        feeds[info.name] = np.zeros((size, *shape[1:]), dtype=info.dtype.numpy)
+    try:
+        out = model.predict(feeds)
+    except KeelError as exc:
+        return None, f"a {size}-row warm-up run failed: {exc}"
+    wrong = [k for k, v in out.items() if v.ndim == 0 or v.shape[0] != size]
+    if wrong:
+        return None, f"output {wrong[0]!r} does not have the batch as its first dimension"
+    return size, ""
+
+
+def batch_runner(served: ServedModel) -> Callable[[dict[str, np.ndarray]],
+                                                  dict[str, np.ndarray]]:
+    def run(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return dict(served.model.predict(arrays))
+
+    return run
+
+
+class Repository:
+    """The models of one file or folder, by name; what the server serves."""
+
+    def __init__(self, root: str | Path, options: ModelOptions,
+                 on_batch: Callable[[str, int, int, list[float]], None] | None = None) -> None:
+        self.root = Path(root)
+        if not self.root.exists():
+            raise not_found(f"model repository {str(self.root)!r} does not exist")
+        self.options = options
+        self._on_batch = on_batch
+        self._served: dict[str, ServedModel] = {}
+        self._failed: dict[str, str] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    # ---- what is there -----------------------------------------------------
+    def available(self) -> dict[str, tuple[str, Path]]:
+        """Every model the repository holds: name -> (version, file)."""
+        if self.root.is_file():
+            return {self.root.stem: ("1", self.root)}
+        found: dict[str, tuple[str, Path]] = {}
+        for entry in sorted(self.root.iterdir()):
+            if entry.is_file() and entry.suffix in _SUFFIXES:
+                found[entry.stem] = ("1", entry)
+            elif entry.is_dir():
+                versions = sorted((int(v.name), v) for v in entry.iterdir()
+                                  if v.is_dir() and v.name.isdigit())
+                for number, folder in reversed(versions):
+                    files = [folder / f"model{s}" for s in _SUFFIXES
+                             if (folder / f"model{s}").is_file()]
+                    if files:
+                        found[entry.name] = (str(number), files[0])
+                        break
+        return found
+
+    def index(self) -> list[dict[str, Any]]:
+        entries = []
+        for name, (version, _) in self.available().items():
+            served = self._served.get(name)
+            state = "READY" if served else "UNAVAILABLE"
+            entry: dict[str, Any] = {"name": name, "version": served.version if served
+                                     else version, "state": state}
+            if not served:
+                entry["reason"] = self._failed.get(name, "unloaded")
+            entries.append(entry)
+        return entries
+
+    def get(self, name: str, version: str = "") -> ServedModel:
+        served = self._served.get(name)
+        if served is None:
+            known = ", ".join(self._served) or "none"
+            raise not_found(f"unknown model {name!r}; models served: {known}")
+        if version and version != served.version:
+            raise not_found(f"model {name!r} has no version {version!r}; serving version "
+                            f"{served.version}")
+        return served
+
+    @property
+    def models(self) -> list[ServedModel]:
+        return list(self._served.values())
+
+    # ---- loading -----------------------------------------------------------
+    async def load_all(self) -> None:
+        for name in self.available():
+            await self.load(name)
+
+    async def load(self, name: str) -> ServedModel:
+        """Load the repository's current version of ``name`` and swap it in."""
+        lock = self._locks.setdefault(name, asyncio.Lock())
+        async with lock:
+            found = self.available().get(name)
+            if found is None:
+                raise not_found(f"model {name!r} is not in the repository "
+                                f"{str(self.root)!r}; it holds: "
+                                f"{', '.join(self.available()) or 'nothing'}")
+            version, path = found
+            loop = asyncio.get_running_loop()
+            try:
+                served = await loop.run_in_executor(None, load_served, name, version, path,
+                                                    self.options)
+            except KeelError as exc:
+                self._failed[name] = str(exc)
+                raise ProtocolError(f"model {name!r} failed to load: {exc}") from None
+            if served.batch_size is not None:
+                served.batcher = Batcher(batch_runner(served), served.batch_size,
+                                         self.options.max_queue_delay_s,
+                                         self._observer(name))
+            old = self._served.get(name)
+            self._served[name] = served
+            self._failed.pop(name, None)
+        if old is not None:
+            await old.close()
+        return served
+
+    async def unload(self, name: str) -> None:
+        served = self._served.pop(name, None)
+        if served is None:
+            raise not_found(f"model {name!r} is not loaded")
+        self._failed[name] = "unloaded"
+        await served.close()
+
+    async def close(self) -> None:
+        for name in list(self._served):
+            await self._served.pop(name).close()
+
+    def _observer(self, name: str) -> Callable[[int, int, list[float]], None] | None:
+        hook = self._on_batch
+        if hook is None:
+            return None
+
+        def observe(rows: int, padded: int, waited: list[float]) -> None:
+            hook(name, rows, padded, waited)
+
+        return observe
+
+
+async def run_request(repo: Repository, name: str, version: str,
+                      arrays: dict[str, np.ndarray], outputs: Sequence[str] | None,
+                      timeout_s: float) -> tuple[ServedModel, dict[str, np.ndarray]]:
+    """One inference: the model's outputs (only those named in ``outputs``, if given)."""
+    served = repo.get(name, version)
+    known = [t.name for t in served.model.outputs]
+    for wanted in outputs or ():
+        if wanted not in known:
+            raise ProtocolError(f"model {name!r} has no output {wanted!r}; its outputs are: "
+                                f"{', '.join(known)}")
+    served.in_flight += 1
+    served.idle.clear()
+    try:
+        result = await asyncio.wait_for(served.infer(arrays), timeout_s)
+    except asyncio.TimeoutError:
+        raise ProtocolError(f"model {name!r}: the request took longer than {timeout_s:g} s",
+                            504, "DEADLINE_EXCEEDED") from None
+    except KeelError as exc:
+        if isinstance(exc, ProtocolError):
+            raise
+        raise ProtocolError(f"model {name!r}: {exc}") from None
+    finally:
+        served.in_flight -= 1
+        if not served.in_flight:
+            served.idle.set()
+    wanted_names = list(outputs) if outputs else known
+    return served, {k: result[k] for k in wanted_names}

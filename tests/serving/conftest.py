@@ -1,0 +1,64 @@
+"""A real server on 127.0.0.1 (ephemeral ports) over a small model repository."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from keel.serving.protocol import Limits
+from keel.serving.repository import ModelOptions
+from keel.serving.server import Server, ServerConfig
+from keel.testing.models import mlp
+
+BATCH = 8
+DIGITS = Path(__file__).resolve().parents[2] / "keel" / "data" / "digits_mlp.onnx"
+
+
+def make_repository(root: Path) -> Path:
+    """``digits.onnx`` and ``mlp/1/model.onnx``."""
+    root.mkdir(parents=True, exist_ok=True)
+    shutil.copy(DIGITS, root / "digits.onnx")
+    (root / "mlp" / "1").mkdir(parents=True)
+    onnx.save(mlp(seed=1), str(root / "mlp" / "1" / "model.onnx"))
+    return root
+
+
+def start(root: Path, **config: object) -> Server:
+    options = config.pop("options", ModelOptions(max_batch_size=BATCH, max_queue_delay_s=0.005))
+    return Server(ServerConfig(str(root), http_port=0, grpc_port=0, options=options,
+                               **config),  # type: ignore[arg-type]
+                  log=lambda _line: None).start_in_thread()
+
+
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_repository(tmp_path_factory.mktemp("repo"))
+
+
+@pytest.fixture(scope="module")
+def server(repository: Path) -> Iterator[Server]:
+    srv = start(repository, limits=Limits(max_body_bytes=1 << 20, max_tensor_elements=1 << 16))
+    yield srv
+    srv.stop()
+
+
+def pixels(rows: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((rows, 64)).astype(np.float32)
+
+
+def in_fixed_batch(model: object, x: np.ndarray, size: int = BATCH) -> dict[str, np.ndarray]:
+    """What keel gives ``x``'s rows inside an execution batch of ``size`` rows."""
+    from keel.serving.batching import pad_rows
+
+    name = model.inputs[0].name  # type: ignore[attr-defined]
+    parts = []
+    for start in range(0, len(x), size):
+        chunk = x[start:start + size]
+        out = model.predict(pad_rows({name: chunk}, size))  # type: ignore[attr-defined]
+        parts.append({k: v[:len(chunk)] for k, v in out.items()})
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}

@@ -112,7 +112,7 @@ def check_path(path: str | os.PathLike[str], what: str = "model path") -> str:
 
 
 def open_regular(path: str | os.PathLike[str], limit: int | None,
-                 what: str = "model file") -> tuple[int, int]:
+                 what: str = "model file", why: str = "") -> tuple[int, int]:
     """A read-only descriptor of the regular file ``path`` and its size (at most ``limit``
     bytes when given); :class:`ModelFormatError` for anything else. The caller closes it."""
     text = check_path(path)
@@ -120,26 +120,39 @@ def open_regular(path: str | os.PathLike[str], limit: int | None,
         fd = os.open(text, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
                      | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
     except OSError as exc:
+        _refuse_special(text, what)                  # a socket cannot be opened at all
         raise ModelFormatError(f"cannot read {what} {text!r}: {exc.strerror}") from None
     try:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            kind = next((name for test, name in _KINDS if test(info.st_mode)),
-                        "not a regular file")
-            raise ModelFormatError(f"{what} {text!r} is {kind}; keel reads only regular files")
+        _refuse_special(text, what, info)
         if limit is not None and info.st_size > limit:
             raise ModelFormatError(f"{what} {text!r} is {info.st_size} bytes; keel reads at "
-                                   f"most {limit} here")
+                                   f"most {limit} here{f' ({why})' if why else ''}")
     except BaseException:
         os.close(fd)
         raise
     return fd, info.st_size
 
 
-def read_regular(path: str | os.PathLike[str], limit: int, what: str = "model file") -> bytes:
+def _refuse_special(text: str, what: str, info: os.stat_result | None = None) -> None:
+    """A :class:`ModelFormatError` naming what ``text`` is, unless it is a regular file (or,
+    without ``info``, cannot be looked at)."""
+    if info is None:
+        try:
+            info = os.stat(text)
+        except OSError:
+            return
+    if not stat.S_ISREG(info.st_mode):
+        kind = next((name for test, name in _KINDS if test(info.st_mode)), "not a regular file")
+        raise ModelFormatError(f"{what} {text!r} is {kind}; keel reads only regular files")
+
+
+def read_regular(path: str | os.PathLike[str], limit: int, what: str = "model file",
+                 why: str = "") -> bytes:
     """The bytes of the regular file ``path``, at most ``limit`` of them (see
-    :func:`open_regular`); a file that grows past the cap while read is refused too."""
-    fd, _ = open_regular(path, limit, what)
+    :func:`open_regular`; ``why`` says why the cap is what it is); a file that grows past
+    the cap while it is read is refused too."""
+    fd, _ = open_regular(path, limit, what, why)
     with os.fdopen(fd, "rb") as f:
         try:
             data = f.read(limit + 1)

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from keel._files import check_path
 from keel.backends.base import Backend, DeviceKind
 from keel.backends.registry import BackendRegistry, default_registry
 from keel.config import BACKEND_NAMES, PRECISIONS, format_bytes, parse_bytes, settings
@@ -126,6 +127,8 @@ def load_model(
         raise InvalidArgumentError(
             f"optimization_level {optimization_level!r} is not allowed; use one of "
             f"{', '.join(OPTIMIZATION_LEVELS)}")
+    if isinstance(src, (str, os.PathLike)):
+        check_path(src)
     env = settings()
     options: dict[str, Any] = {
         "backend": backend if backend != "auto" else (env.backend or "auto"),

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from keel._files import Untrusted as _Unusable
-from keel._files import open_trusted, private_folder, trusted_folder
+from keel._files import open_trusted, private_folder, read_regular, trusted_folder
 from keel.config import cache_dir, settings
 from keel.errors import InvalidArgumentError, KeelError
 from keel.execution.compiled import CompiledModel, EntryError, from_json, to_json
@@ -98,9 +98,9 @@ def model_bytes(src: Any) -> bytes | None:
     loader then reports it).
     """
     if isinstance(src, (str, os.PathLike)):
-        try:
-            return Path(src).read_bytes()
-        except OSError:
+        try:                    # a regular file only: never a device, FIFO or folder
+            return read_regular(src, MAX_BYTES, "model file")
+        except KeelError:
             return None
     if isinstance(src, (bytes, bytearray, memoryview)):
         return bytes(src)
@@ -142,7 +142,7 @@ class ModelSource:
         """The file's device, inode, size, modification and change times (None: no file)."""
         try:
             return None if self.path is None else _identity(self.path.stat())
-        except OSError:
+        except (OSError, ValueError):         # ValueError: a path holding a NUL byte
             return None
 
     def unchanged(self) -> bool:

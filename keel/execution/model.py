@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from keel._files import check_path
+from keel._fork import renew_after_fork, reset_after_fork
 from keel.backends.base import Backend, DeviceKind
 from keel.backends.registry import BackendRegistry, default_registry
 from keel.config import BACKEND_NAMES, PRECISIONS, format_bytes, parse_bytes, settings
@@ -285,6 +286,8 @@ class Model:
             collections.OrderedDict()
         self._pool = ArenaPool()
         self._lock = threading.RLock()
+        renew_after_fork(self, "_lock")             # free in a child forked mid-predict
+        reset_after_fork(self, Model._drop_streams)
         self._planner = AdaptivePlanner()
         self._telemetry: Callable[[], Any] | None = self._snapshot
         self._history: Any = None                # a RuntimeHistory, made when first needed
@@ -427,6 +430,11 @@ class Model:
             self._fast.clear()
             self._streams = None
             self._last = None
+
+    def _drop_streams(self) -> None:
+        """Forget the stream workers (in a forked child: their threads did not come along);
+        the next throughput run makes new ones."""
+        self._streams = None
 
     def set_backend(self, backend: str) -> None:
         """Pin a backend (or ``"auto"``); raises before any run if it cannot run every node."""

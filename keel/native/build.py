@@ -44,6 +44,7 @@ from typing import Any
 
 from keel import config
 from keel._files import Untrusted, open_trusted, private_folder, user_temp_folder
+from keel._fork import renew_after_fork
 from keel.config import Settings
 from keel.errors import BackendSelectionError, InvalidArgumentError
 from keel.native.toolchain import BASE_FLAGS, Compiler, find_compiler, run_tool
@@ -111,6 +112,7 @@ class _State:
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
+        renew_after_fork(self, "lock")
         self.checked = False
         self.compiler: Compiler | None = None
         self.flags: tuple[str, ...] = ()

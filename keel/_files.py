@@ -26,7 +26,8 @@ from pathlib import Path
 from keel.errors import InvalidArgumentError, ModelFormatError
 
 __all__ = ["Untrusted", "check_path", "open_regular", "open_trusted", "owner_problem",
-           "private_folder", "read_regular", "trusted_folder", "user_temp_folder"]
+           "private_folder", "read_regular", "safe_file_name", "trusted_folder",
+           "user_temp_folder"]
 
 _KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
@@ -100,6 +101,20 @@ def open_trusted(path: Path) -> int:
         os.close(fd)
         raise Untrusted(problem)
     return fd
+
+
+# ---- names --------------------------------------------------------------------------------
+_NAME_MAX = 120
+
+
+def safe_file_name(text: str, fallback: str) -> str:
+    """``text`` (a graph, node or output name: model content) as one file name that stays in
+    the folder it is joined to: letters, digits, ``-``, ``_`` and inner dots kept, anything
+    else (``/``, ``\\``, NUL...) an underscore, no leading dot (never ``..``), at most
+    120 characters; ``fallback`` when nothing is left."""
+    kept = "".join(c if (c.isascii() and c.isalnum()) or c in "-_." else "_" for c in text)
+    kept = kept.lstrip(".")[:_NAME_MAX]
+    return kept or fallback
 
 
 # ---- reading model files ------------------------------------------------------------------

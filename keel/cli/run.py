@@ -15,6 +15,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from keel._files import safe_file_name
 from keel.config import format_bytes
 from keel.errors import InvalidArgumentError, MemoryLimitError
 from keel.execution.model import Model, TensorInfo, load_model
@@ -156,17 +157,13 @@ def _save(outputs: Mapping[str, np.ndarray], directory: Path) -> dict[str, str]:
     try:
         directory.mkdir(parents=True, exist_ok=True)
         for name, value in outputs.items():
-            path = directory / f"{_safe(name)}.npy"
+            path = directory / f"{safe_file_name(name, 'output')}.npy"
             np.save(path, value, allow_pickle=False)
             saved[name] = os.fspath(path)
     except OSError as exc:
         raise InvalidArgumentError(
             f"cannot save outputs to --output-dir {os.fspath(directory)!r}: {exc}") from None
     return saved
-
-
-def _safe(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "output"
 
 
 def _report(model: Model, feeds: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray],

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from keel._files import check_path
+from keel._files import check_path, safe_file_name
 from keel._fork import renew_after_fork, reset_after_fork
 from keel.backends.base import Backend, DeviceKind
 from keel.backends.registry import BackendRegistry, default_registry
@@ -483,10 +483,15 @@ class Model:
         return self._profiler
 
     def end_profiling(self, path: str | os.PathLike[str] | None = None) -> str:
-        """Stop profiling and write the Chrome trace JSON; returns its path."""
+        """Stop profiling and write the Chrome trace JSON; returns its path.
+
+        Without ``path``: ``keel_profile_<name>.json`` in the working folder, the model's
+        name made a plain file name (``../x`` cannot lead anywhere else).
+        """
         if self._profiler is None:
             raise InvalidArgumentError("profiling is not enabled; call enable_profiling() first")
-        target = path if path is not None else f"keel_profile_{self.name}.json"
+        target = path if path is not None else \
+            f"keel_profile_{safe_file_name(self.name, 'model')}.json"
         try:
             written = self._profiler.export(target)
         except OSError as exc:

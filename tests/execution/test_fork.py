@@ -22,7 +22,10 @@ from keel.ops.registry import Op
 from keel.testing.backends import FakeBackend, restricted_table
 from keel.testing.models import make_inputs, mlp
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+pytestmark = [pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork"),
+              # Python 3.12+ warns of fork in a threaded process: that is the point here.
+              pytest.mark.filterwarnings("ignore:This process .* is multi-threaded"
+                                         ":DeprecationWarning")]
 WATCHDOG_S = 60.0
 
 

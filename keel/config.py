@@ -25,7 +25,8 @@ from typing import Any
 from keel.errors import InvalidArgumentError
 
 __all__ = [
-    "BACKEND_NAMES", "DEFAULT_SPIN_US", "HINTS", "POLICY_FIELDS", "PRECISIONS", "Settings",
+    "BACKEND_NAMES", "DEFAULT_BUILD_TIMEOUT_S", "DEFAULT_SPIN_US", "HINTS", "POLICY_FIELDS",
+    "PRECISIONS", "Settings",
     "cache_dir", "format_bytes", "parse_bytes", "reload_settings", "settings",
 ]
 
@@ -33,6 +34,7 @@ BACKEND_NAMES = ("auto", "gpu", "cpu", "reference")
 PRECISIONS = ("auto", "fp32", "fp16", "int8", "int16", "fp64")
 HINTS = ("none", "latency", "throughput")     # performance hints (planning.adaptive)
 DEFAULT_SPIN_US = 200       # how long an idle native worker spins before it sleeps
+DEFAULT_BUILD_TIMEOUT_S = 120.0   # a native kernel compile running longer is stopped
 
 _UNITS = {
     "": 1, "b": 1,
@@ -95,6 +97,7 @@ class Settings:
     native: str = "auto"                  # auto | on | off
     cc: str | None = None                 # the C compiler for native kernels
     spin_us: int = DEFAULT_SPIN_US        # idle native workers spin this long, then sleep
+    build_timeout_s: float = DEFAULT_BUILD_TIMEOUT_S   # KEEL_BUILD_TIMEOUT: one compile's limit
     calibration: str | None = None        # a calibration file, or "off"
     cache_dir: Path = field(default_factory=lambda: _platform_cache_dir(os.environ, None))
     prefer_gpu: bool | None = None
@@ -118,6 +121,7 @@ class Settings:
             native=_native(env),
             cc=env.get("KEEL_CC", "").strip() or None,
             spin_us=_or(_count(env, "KEEL_SPIN_US", minimum=0), DEFAULT_SPIN_US),
+            build_timeout_s=_seconds(env, "KEEL_BUILD_TIMEOUT", DEFAULT_BUILD_TIMEOUT_S),
             calibration=env.get("KEEL_CALIBRATION", "").strip() or None,
             cache_dir=_platform_cache_dir(env, None),
             prefer_gpu=_flag(env, "KEEL_PREFER_GPU"),
@@ -174,17 +178,25 @@ def _count(env: Mapping[str, str], key: str, *, minimum: int) -> int | None:
     return int(raw)
 
 
-def _gib(env: Mapping[str, str], key: str) -> float | None:
-    """A finite number of GiB >= 0; None when unset."""
+def _seconds(env: Mapping[str, str], key: str, default: float) -> float:
+    """A finite number of seconds > 0; ``default`` when unset."""
+    value = _gib(env, key, unit="seconds")
+    if value == 0:
+        raise InvalidArgumentError(f"{key}={env[key].strip()!r} must be a number of seconds > 0")
+    return default if value is None else value
+
+
+def _gib(env: Mapping[str, str], key: str, unit: str = "GiB") -> float | None:
+    """A finite number of GiB (or ``unit``) >= 0; None when unset."""
     raw = env.get(key, "").strip()
     if not raw:
         return None
     try:
         value = float(raw)
     except ValueError:
-        raise InvalidArgumentError(f"{key}={raw!r} must be a number of GiB") from None
+        raise InvalidArgumentError(f"{key}={raw!r} must be a number of {unit}") from None
     if not (math.isfinite(value) and value >= 0):
-        raise InvalidArgumentError(f"{key}={raw!r} must be a finite number of GiB >= 0")
+        raise InvalidArgumentError(f"{key}={raw!r} must be a finite number of {unit} >= 0")
     return value
 
 

@@ -106,7 +106,7 @@ def test_every_setting_is_read_into_settings() -> None:
         "KEEL_PREFER_GPU": "false", "KEEL_MIN_GPU_MEMORY_GB": "12.5",
         "KEEL_PREFER_LIGHTWEIGHT_PYTHON_ON_LOW_MEMORY": "off",
         "KEEL_LIGHTWEIGHT_MEMORY_THRESHOLD_GB": "3", "KEEL_ALLOW_ACCELERATOR_EXPERIMENTS": "1",
-        "KEEL_PLAN_CACHE": "off", "KEEL_HINT": "Throughput",
+        "KEEL_PLAN_CACHE": "off", "KEEL_HINT": "Throughput", "KEEL_BUILD_TIMEOUT": "30",
     }
     assert set(every) == _read_by_config()
     assert Settings.from_env(every) == Settings(
@@ -114,7 +114,7 @@ def test_every_setting_is_read_into_settings() -> None:
         native="off", cc="clang", spin_us=0, calibration="off", cache_dir=Path("/tmp/keel-x"),
         prefer_gpu=False, min_gpu_memory_gb=12.5, prefer_lightweight_python_on_low_memory=False,
         lightweight_memory_threshold_gb=3.0, allow_accelerator_experiments=True,
-        plan_cache=False, hint="throughput")
+        plan_cache=False, hint="throughput", build_timeout_s=30.0)
 
 
 def test_unset_settings_take_their_defaults() -> None:

@@ -14,12 +14,14 @@ with exactly the names given (backends left out can still be pinned by name).
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, Protocol
 
+from keel._fork import renew_after_fork
 from keel.backends.base import Availability, Backend
 from keel.errors import BackendSelectionError, InvalidArgumentError
 from keel.ops.registry import Op
@@ -64,6 +66,7 @@ class BackendRegistry:
         self._entries: dict[str, _Entry] = {}
         self._chain: list[str] | None = None       # None: by priority
         self._lock = threading.RLock()
+        renew_after_fork(self, "_lock")
 
     # ---- registration --------------------------------------------------
     def register(self, name: str, factory: BackendFactory, priority: int = 0, *,
@@ -278,6 +281,7 @@ def builtin_registry() -> BackendRegistry:
 
 _DEFAULT: BackendRegistry | None = None
 _DEFAULT_LOCK = threading.Lock()
+renew_after_fork(sys.modules[__name__], "_DEFAULT_LOCK")   # free in a forked child
 
 
 def default_registry() -> BackendRegistry:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -14,8 +15,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from keel._files import safe_file_name
 from keel.config import format_bytes
-from keel.errors import InvalidArgumentError
+from keel.errors import InvalidArgumentError, MemoryLimitError
 from keel.execution.model import Model, TensorInfo, load_model
 
 __all__ = ["load_inputs", "output_summary", "random_feeds", "register", "run"]
@@ -41,7 +43,8 @@ def run(
     """Run MODEL once and summarise its outputs (shape, dtype, range), latency and plan."""
     loaded = load_model(model, backend=backend, precision=precision, memory_limit=memory_limit)
     feeds = load_inputs(inputs)
-    feeds = _complete(loaded.inputs, feeds, random, batch, seed, _vocab(loaded))
+    feeds = _complete(loaded.inputs, feeds, random, batch, seed, _vocab(loaded),
+                      loaded.memory_limit)
     start = time.perf_counter()
     outputs = loaded.predict(feeds)
     seconds = time.perf_counter() - start
@@ -71,18 +74,22 @@ def load_inputs(specs: Sequence[str]) -> dict[str, np.ndarray]:
 
 
 def random_feeds(infos: Sequence[TensorInfo], batch: int = 1, seed: int = 0,
-                 vocab: int | None = None) -> dict[str, np.ndarray]:
-    """Seeded random inputs: symbolic first dimensions are ``batch``, other unknowns 1."""
+                 vocab: int | None = None, limit: int | None = None) -> dict[str, np.ndarray]:
+    """Seeded random inputs: symbolic first dimensions are ``batch``, other unknowns 1.
+
+    Inputs that would not fit in ``limit`` bytes (default: the memory available on this
+    machine) are a :class:`MemoryLimitError` before anything is allocated.
+    """
     if batch < 0:
         raise InvalidArgumentError(f"--batch must be 0 or more, got {batch}")
     if seed < 0:
         raise InvalidArgumentError(f"--seed must be 0 or more, got {seed}")
+    shapes = {info.name: _random_shape(info, batch) for info in infos}
+    _check_fits(infos, shapes, batch, limit)
     rng = np.random.default_rng(seed)
     feeds: dict[str, np.ndarray] = {}
     for info in infos:
-        dims = info.shape or ()
-        shape = tuple(d if isinstance(d, int) else (batch if i == 0 else 1)
-                      for i, d in enumerate(dims))
+        shape = shapes[info.name]
         if info.dtype.is_float:
             feeds[info.name] = rng.standard_normal(shape).astype(info.dtype.numpy)
         elif info.dtype.is_int:
@@ -93,19 +100,47 @@ def random_feeds(infos: Sequence[TensorInfo], batch: int = 1, seed: int = 0,
     return feeds
 
 
+def _random_shape(info: TensorInfo, batch: int) -> tuple[int, ...]:
+    return tuple(d if isinstance(d, int) else (batch if i == 0 else 1)
+                 for i, d in enumerate(info.shape or ()))
+
+
+_CHECK_ABOVE = 64 << 20     # inputs smaller than this are made without asking the machine
+
+
+def _check_fits(infos: Sequence[TensorInfo], shapes: Mapping[str, tuple[int, ...]],
+                batch: int, limit: int | None) -> None:
+    need = sum(math.prod(shapes[i.name]) * i.dtype.itemsize for i in infos)
+    if need <= _CHECK_ABOVE:
+        return
+    if limit is None:
+        from keel.hardware.memory import probe_memory
+        from keel.hardware.sources import ProbeSources
+
+        limit = probe_memory(ProbeSources.real()).effective_available_bytes
+        what = "the memory available"
+    else:
+        what = "the memory limit"
+    if limit is not None and need > limit:
+        raise MemoryLimitError(
+            f"random inputs at --batch {batch} need {format_bytes(need)}, more than {what} "
+            f"({format_bytes(limit)}); use a smaller --batch", need, limit)
+
+
 def _vocab(model: Model) -> int | None:
     value = model.graph.metadata.get("keel.vocab_size")
     return int(value) if value and value.isdigit() else None
 
 
 def _complete(infos: Sequence[TensorInfo], feeds: dict[str, np.ndarray], random: bool,
-              batch: int, seed: int, vocab: int | None) -> dict[str, np.ndarray]:
+              batch: int, seed: int, vocab: int | None,
+              limit: int | None = None) -> dict[str, np.ndarray]:
     missing = [i for i in infos if i.name not in feeds]
     if missing and not random:
         raise InvalidArgumentError(
             f"input {missing[0].name!r} has no data; pass --input "
             f"{missing[0].name}=FILE.npy or --random")
-    return {**random_feeds(missing, batch, seed, vocab), **feeds}
+    return {**random_feeds(missing, batch, seed, vocab, limit), **feeds}
 
 
 def output_summary(value: np.ndarray) -> dict[str, Any]:
@@ -122,17 +157,13 @@ def _save(outputs: Mapping[str, np.ndarray], directory: Path) -> dict[str, str]:
     try:
         directory.mkdir(parents=True, exist_ok=True)
         for name, value in outputs.items():
-            path = directory / f"{_safe(name)}.npy"
+            path = directory / f"{safe_file_name(name, 'output')}.npy"
             np.save(path, value, allow_pickle=False)
             saved[name] = os.fspath(path)
     except OSError as exc:
         raise InvalidArgumentError(
             f"cannot save outputs to --output-dir {os.fspath(directory)!r}: {exc}") from None
     return saved
-
-
-def _safe(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "output"
 
 
 def _report(model: Model, feeds: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray],

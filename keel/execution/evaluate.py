@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from keel._fork import renew_after_fork
 from keel.backends.registry import BackendRegistry, default_registry
 from keel.errors import InvalidArgumentError
 from keel.execution.program import Observer, Program, compile_program
@@ -62,6 +63,7 @@ class GraphProgram:
         self.evaluator = evaluator
         self.programs: dict[tuple[Any, ...], Program] = {}
         self._lock = threading.Lock()           # a program runs one call at a time
+        renew_after_fork(self, "_lock")
 
     def __call__(self, feeds: Mapping[str, Any],
                  observe: Mapping[str, Observer] | None = None) -> dict[str, Any]:

@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from keel._files import check_path, safe_file_name
+from keel._fork import renew_after_fork, reset_after_fork
 from keel.backends.base import Backend, DeviceKind
 from keel.backends.registry import BackendRegistry, default_registry
 from keel.config import BACKEND_NAMES, PRECISIONS, format_bytes, parse_bytes, settings
@@ -132,6 +134,8 @@ def load_model(
         raise InvalidArgumentError(
             f"optimization_level {optimization_level!r} is not allowed; use one of "
             f"{', '.join(OPTIMIZATION_LEVELS)}")
+    if isinstance(src, (str, os.PathLike)):
+        check_path(src)
     if backend == "auto" and _DEFAULT_BACKEND:
         backend, remote = _DEFAULT_BACKEND[0], remote or _DEFAULT_BACKEND[1]
     if backend == "remote":
@@ -311,6 +315,8 @@ class Model:
             collections.OrderedDict()
         self._pool = ArenaPool()
         self._lock = threading.RLock()
+        renew_after_fork(self, "_lock")             # free in a child forked mid-predict
+        reset_after_fork(self, Model._drop_streams)
         self._planner = AdaptivePlanner()
         self._telemetry: Callable[[], Any] | None = self._snapshot
         self._history: Any = None                # a RuntimeHistory, made when first needed
@@ -456,6 +462,11 @@ class Model:
             self._streams = None
             self._last = None
 
+    def _drop_streams(self) -> None:
+        """Forget the stream workers (in a forked child: their threads did not come along);
+        the next throughput run makes new ones."""
+        self._streams = None
+
     def set_backend(self, backend: str) -> None:
         """Pin a backend (or ``"auto"``); raises before any run if it cannot run every node."""
         name = _check_backend(backend)
@@ -503,10 +514,15 @@ class Model:
         return self._profiler
 
     def end_profiling(self, path: str | os.PathLike[str] | None = None) -> str:
-        """Stop profiling and write the Chrome trace JSON; returns its path."""
+        """Stop profiling and write the Chrome trace JSON; returns its path.
+
+        Without ``path``: ``keel_profile_<name>.json`` in the working folder, the model's
+        name made a plain file name (``../x`` cannot lead anywhere else).
+        """
         if self._profiler is None:
             raise InvalidArgumentError("profiling is not enabled; call enable_profiling() first")
-        target = path if path is not None else f"keel_profile_{self.name}.json"
+        target = path if path is not None else \
+            f"keel_profile_{safe_file_name(self.name, 'model')}.json"
         try:
             written = self._profiler.export(target)
         except OSError as exc:

@@ -32,13 +32,14 @@ import json
 import os
 import re
 import secrets
-import stat
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from keel._files import Untrusted as _Unusable
+from keel._files import open_trusted, private_folder, read_regular, trusted_folder
 from keel.config import cache_dir, settings
 from keel.errors import InvalidArgumentError, KeelError
 from keel.execution.compiled import CompiledModel, EntryError, from_json, to_json
@@ -59,10 +60,6 @@ _TEMP_MAX_AGE_S = 3600.0      # a temporary file this old was left by a writer t
 _DIGESTS = "digests.json"     # model files' digests, by path (see model_digest)
 _MAX_DIGESTS = 256
 _SETTLE_NS = 2_000_000_000
-
-
-class _Unusable(Exception):
-    """An entry or folder the cache must not use; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -101,9 +98,9 @@ def model_bytes(src: Any) -> bytes | None:
     loader then reports it).
     """
     if isinstance(src, (str, os.PathLike)):
-        try:
-            return Path(src).read_bytes()
-        except OSError:
+        try:                    # a regular file only: never a device, FIFO or folder
+            return read_regular(src, MAX_BYTES, "model file")
+        except KeelError:
             return None
     if isinstance(src, (bytes, bytearray, memoryview)):
         return bytes(src)
@@ -145,7 +142,7 @@ class ModelSource:
         """The file's device, inode, size, modification and change times (None: no file)."""
         try:
             return None if self.path is None else _identity(self.path.stat())
-        except OSError:
+        except (OSError, ValueError):         # ValueError: a path holding a NUL byte
             return None
 
     def unchanged(self) -> bool:
@@ -242,49 +239,14 @@ def plans_dir() -> Path:
     return cache_dir() / "plans"
 
 
-def _owner_problem(info: os.stat_result, what: str) -> str | None:
-    """Why a file or folder with ``info`` cannot be trusted; None when it can.
-
-    Without POSIX owners and modes (Windows) the user's cache folder is trusted as is.
-    """
-    uid = getattr(os, "getuid", None)
-    if uid is None:
-        return None
-    if info.st_uid != uid():
-        return f"{what} belongs to another user (uid {info.st_uid})"
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"{what} is writable by other users (mode {stat.S_IMODE(info.st_mode):o})"
-    return None
-
-
 def _existing_folder() -> Path | None:
     """The plans folder, checked; None when there is none yet."""
-    folder = plans_dir()
-    try:
-        info = os.lstat(folder)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise _Unusable(f"cannot read {folder}: {exc.strerror}") from None
-    if not stat.S_ISDIR(info.st_mode):
-        raise _Unusable(f"{folder} is not a folder")
-    problem = _owner_problem(info, str(folder))
-    if problem is not None:
-        raise _Unusable(problem)
-    return folder
+    return trusted_folder(plans_dir())
 
 
 def _made_folder() -> Path:
     """The plans folder, created (private to this user) when missing, checked."""
-    folder = plans_dir()
-    try:
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    except OSError as exc:
-        raise _Unusable(f"cannot create {folder}: {exc.strerror}") from None
-    found = _existing_folder()
-    if found is None:
-        raise _Unusable(f"{folder} vanished while it was being made")
-    return found
+    return private_folder(plans_dir())
 
 
 # ---- remembered file digests ----------------------------------------------------------
@@ -371,17 +333,7 @@ def _read_entry(path: Path, key: str) -> CompiledModel:
 
 def _read_trusted(path: Path) -> bytes:
     """The file's bytes, after checking (on the open file) who owns it and who may write it."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    except OSError as exc:
-        raise _Unusable(f"cannot open it ({exc.strerror})") from None
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise _Unusable("it is not a regular file")
-        problem = _owner_problem(info, "the file")
-        if problem is not None:
-            raise _Unusable(problem)
+    with os.fdopen(open_trusted(path), "rb") as f:
         return f.read()
 
 

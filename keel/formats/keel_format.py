@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from keel._files import open_regular
 from keel.dtypes import DType
 from keel.errors import KeelError, ModelFormatError
 from keel.graph.ir import Graph, Node, Value
@@ -187,10 +188,11 @@ def is_keel_file(src: str | os.PathLike[str] | bytes) -> bool:
     if isinstance(src, (bytes, bytearray, memoryview)):
         return bytes(src[: len(MAGIC)]) == MAGIC
     try:
-        with open(src, "rb") as f:
-            return f.read(len(MAGIC)) == MAGIC
-    except OSError:
+        fd, _ = open_regular(src, None)
+    except ModelFormatError:
         return False
+    with os.fdopen(fd, "rb") as f:
+        return f.read(len(MAGIC)) == MAGIC
 
 
 def read_header(src: str | os.PathLike[str] | bytes) -> dict[str, Any]:
@@ -226,14 +228,15 @@ def load_keel(src: str | os.PathLike[str] | bytes, verify: bool = True) -> Graph
 def _open(src: str | os.PathLike[str] | bytes) -> Any:
     if isinstance(src, (bytes, bytearray, memoryview)):
         return np.frombuffer(bytes(src), dtype=np.uint8)
-    path = Path(src)
-    try:
-        size = path.stat().st_size
+    fd, size = open_regular(src, None, ".keel file")      # a regular file, never a device
+    with os.fdopen(fd, "rb") as f:
         if size < _PREFIX.size:
-            raise ModelFormatError(f"{str(path)!r} has {size} bytes: too short for a .keel file")
-        return np.memmap(path, dtype=np.uint8, mode="r")
-    except OSError as exc:
-        raise ModelFormatError(f"cannot read {str(path)!r}: {exc.strerror}") from None
+            raise ModelFormatError(f"{os.fspath(src)!r} has {size} bytes: too short for a "
+                                   ".keel file")
+        try:
+            return np.memmap(f, dtype=np.uint8, mode="r", shape=(size,))
+        except OSError as exc:
+            raise ModelFormatError(f"cannot read {os.fspath(src)!r}: {exc.strerror}") from None
 
 
 def _header(buf: Any, size: int) -> dict[str, Any]:

@@ -18,6 +18,7 @@ reference backend). Nothing here imports the executor.
 from __future__ import annotations
 
 import collections
+import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from keel._fork import renew_after_fork
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError, KeelError, UnsupportedOperationError
 from keel.graph.ir import Graph, Node, Value
@@ -257,6 +259,7 @@ def evaluate_node(node: Node, inputs: Sequence[np.ndarray | None],
 _RUNNERS: collections.OrderedDict[tuple[Any, ...], GraphRunner] = collections.OrderedDict()
 _RUNNERS_KEPT = 256
 _RUNNERS_LOCK = threading.Lock()
+renew_after_fork(sys.modules[__name__], "_RUNNERS_LOCK")   # free in a forked child
 
 
 def _runner(node: Node, feeds: Mapping[str, np.ndarray],

@@ -9,6 +9,18 @@ another. A build is written to a private temporary file and renamed into
 place, so concurrent processes never see half a library. The first build of
 a library takes about a second; later processes only load it.
 
+Trust: a library runs as the caller, so keel loads only what it can vouch
+for. Each build is recorded in a small file beside it (its size and SHA-256,
+written atomically after the library); before loading, keel opens the
+library, checks on the open file that it is a regular file of this user's,
+writable by no one else, of the recorded size and hash, and loads it right
+after. A damaged entry (a truncated ``.so``) is built
+again. The cache folder must be this user's and writable by no one else; if
+it is not, keel says why (``status().cache``) and builds in a private folder
+of its own under the temporary directory. A compile running longer than
+``KEEL_BUILD_TIMEOUT`` seconds (default 120) is killed with every process it
+started, and the library counts as failed.
+
 ``KEEL_NATIVE`` chooses: ``auto`` (default: use native kernels when a
 compiler works), ``off`` (never; the NumPy kernels run), ``on`` (required:
 an unavailable native tier is a :class:`~keel.errors.BackendSelectionError`).
@@ -19,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import json
 import os
 import platform
 import subprocess
@@ -30,15 +43,17 @@ from pathlib import Path
 from typing import Any
 
 from keel import config
+from keel._files import Untrusted, open_trusted, private_folder, user_temp_folder
+from keel._fork import renew_after_fork
 from keel.config import Settings
 from keel.errors import BackendSelectionError, InvalidArgumentError
-from keel.native.toolchain import BASE_FLAGS, Compiler, find_compiler
+from keel.native.toolchain import BASE_FLAGS, Compiler, find_compiler, run_tool
 
 __all__ = ["NativeLibrary", "NativeStatus", "available", "library", "loaded", "mode", "reset",
            "status"]
 
 SOURCE_DIR = Path(__file__).resolve().parent / "src"
-_BUILD_TIMEOUT_S = 300.0
+_RECORD_MAX_BYTES = 4096  # a build record is a few hundred bytes of JSON
 _ARCH_FLAGS = ("-march=native",)
 _PROBE_SOURCE = "int keel_native_probe(int x) { return x + 1; }\n"
 _POOL = "threads"         # the worker pool every kernel library shares
@@ -55,11 +70,12 @@ class NativeStatus:
     mode: str = "auto"
     built: tuple[str, ...] = ()           # libraries loaded in this process
     failed: Mapping[str, str] = field(default_factory=dict)   # library -> why
+    cache: str = ""                       # the folder builds are cached in, and why there
 
     def to_dict(self) -> dict[str, Any]:
         return {"available": self.available, "reason": self.reason, "compiler": self.compiler,
                 "flags": list(self.flags), "mode": self.mode, "built": list(self.built),
-                "failed": dict(self.failed)}
+                "failed": dict(self.failed), "cache": self.cache}
 
 
 class NativeLibrary:
@@ -96,14 +112,18 @@ class _State:
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
+        renew_after_fork(self, "lock")
         self.checked = False
         self.compiler: Compiler | None = None
         self.flags: tuple[str, ...] = ()
         self.reason = "not checked yet"
         self.libraries: dict[str, NativeLibrary] = {}
         self.failed: dict[str, str] = {}
-        # KEEL_NATIVE, KEEL_CC, KEEL_SPIN_US and KEEL_CACHE_DIR, taken at first use
+        # KEEL_NATIVE, KEEL_CC, KEEL_SPIN_US, KEEL_CACHE_DIR and KEEL_BUILD_TIMEOUT,
+        # taken at first use
         self.settings: Settings | None = None
+        self.folder: Path | None = None       # the cache folder, checked (see cache_folder)
+        self.cache = ""                       # where builds are cached, and why there
 
     def values(self) -> Settings:
         """The settings this state runs with: the process's, taken once."""
@@ -127,7 +147,7 @@ def status() -> NativeStatus:
         available=state.compiler is not None, reason=state.reason,
         compiler=state.compiler.name if state.compiler else None, flags=state.flags,
         mode=state.values().native, built=tuple(sorted(state.libraries)),
-        failed=dict(state.failed))
+        failed=dict(state.failed), cache=state.cache)
 
 
 def available() -> bool:
@@ -157,8 +177,7 @@ def library(name: str) -> NativeLibrary | None:
         if not source.is_file():
             raise InvalidArgumentError(f"no native source {source.name} in {SOURCE_DIR}")
         try:
-            path = _build(name, source, state.compiler, state.flags)
-            lib = NativeLibrary(name, path)
+            lib = NativeLibrary(name, _build(name, source, state.compiler, state.flags))
         except (OSError, _BuildError) as exc:
             state.failed[name] = str(exc)
             if required:
@@ -224,9 +243,10 @@ def _check() -> _State:
             if compiler is None:
                 state.reason = how
             else:
-                flags = _working_flags(compiler)
+                flags, why = _working_flags(compiler)
                 if flags is None:
-                    state.reason = f"{compiler.name} ({how}) cannot build a shared library here"
+                    state.reason = (f"{compiler.name} ({how}) cannot build a shared library "
+                                    f"here: {why}")
                 else:
                     state.compiler, state.flags = compiler, flags
                     state.reason = (f"{compiler.name} ({how}), "
@@ -237,20 +257,44 @@ def _check() -> _State:
         return state
 
 
-def _working_flags(compiler: Compiler) -> tuple[str, ...] | None:
-    """BASE_FLAGS plus the CPU-targeting flags this compiler accepts; None if none work."""
+def _working_flags(compiler: Compiler) -> tuple[tuple[str, ...] | None, str]:
+    """BASE_FLAGS plus the CPU-targeting flags this compiler accepts (None if none work),
+    and the last failure."""
+    why = ""
     for extra in (_ARCH_FLAGS, ()):
         flags = (*BASE_FLAGS, *extra)
         try:
             _build("probe", None, compiler, flags)
-        except (OSError, _BuildError):
+        except _Timeout as exc:
+            return None, str(exc)          # a compiler that hangs gets no second wait
+        except (OSError, _BuildError) as exc:
+            why = str(exc)
             continue
-        return flags
-    return None
+        return flags, ""
+    return None, why
 
 
-def _cache_dir() -> Path:
-    return _STATE.values().cache_dir / "native"
+def _cache_folder() -> Path:
+    """The folder builds are cached in: ``KEEL_CACHE_DIR/native`` when it is this user's
+    and writable by no one else, else a private folder of keel's (the reason is kept)."""
+    state = _STATE
+    if state.folder is not None:
+        return state.folder
+    wanted = state.values().cache_dir / "native"
+    try:
+        state.folder = private_folder(wanted)
+        state.cache = str(wanted)
+    except Untrusted as exc:
+        state.folder = _private_fallback()
+        state.cache = f"{state.folder} ({wanted} not used: {exc})"
+    return state.folder
+
+
+def _private_fallback() -> Path:
+    try:
+        return user_temp_folder("native")
+    except Untrusted:                      # that one is someone else's too: a fresh one
+        return Path(tempfile.mkdtemp(prefix="keel-native-"))
 
 
 def _cpu_identity() -> str:
@@ -269,7 +313,9 @@ def _cpu_identity() -> str:
     return f"{platform.machine()}|{text}"
 
 
-def _build(name: str, source: Path | None, compiler: Compiler, flags: tuple[str, ...]) -> Path:
+def _key(name: str, source: Path | None, compiler: Compiler,
+         flags: tuple[str, ...]) -> str:
+    """The cache key: sources, headers, compiler, flags and this CPU."""
     code = source.read_bytes() if source is not None else _PROBE_SOURCE.encode()
     digest = hashlib.sha256()
     for part in (code, compiler.path.encode(), compiler.version.encode(),
@@ -279,11 +325,59 @@ def _build(name: str, source: Path | None, compiler: Compiler, flags: tuple[str,
     if source is not None:
         for header in sorted(source.parent.glob("*.h")):
             digest.update(header.name.encode() + b"\0" + header.read_bytes())
-    folder = _cache_dir()
-    target = folder / f"{name}-{digest.hexdigest()[:20]}.so"
-    if target.is_file():
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
+    return f"{name}-{digest.hexdigest()[:20]}"
+
+
+def _build(name: str, source: Path | None, compiler: Compiler,
+           flags: tuple[str, ...]) -> Path:
+    """The library for ``source`` (None: the probe), from the cache when its entry checks
+    out, else built. Checked just before it is returned: the caller loads it at once."""
+    key = _key(name, source, compiler, flags)
+    folder = _cache_folder()
+    found = _verified(folder, key)
+    if found is None:
+        _compile(name, source, compiler, flags, folder, key)
+        found = _verified(folder, key)
+    if found is None:
+        raise _BuildError(f"the build of {name} in {folder} did not check out after building")
+    return found
+
+
+def _verified(folder: Path, key: str) -> Path | None:
+    """The entry's library, when the open file's owner, mode, size and SHA-256 match its
+    record; None (build it again) otherwise."""
+    try:
+        with os.fdopen(open_trusted(folder / f"{key}.json"), "rb") as f:
+            record = json.loads(f.read(_RECORD_MAX_BYTES))
+        path = folder / str(record["file"])
+        size, sha = int(record["size"]), str(record["sha256"])
+    except (Untrusted, ValueError, KeyError, TypeError):
+        return None
+    if path.parent != folder or not path.name.startswith(f"{key}-"):
+        return None
+    try:
+        fd = open_trusted(path)
+    except Untrusted:
+        return None
+    try:
+        good = os.fstat(fd).st_size == size and _fd_sha256(fd) == sha
+    finally:
+        os.close(fd)
+    return path if good else None
+
+
+def _fd_sha256(fd: int) -> str:
+    digest = hashlib.sha256()
+    os.lseek(fd, 0, os.SEEK_SET)
+    while block := os.read(fd, 1 << 20):
+        digest.update(block)
+    return digest.hexdigest()
+
+
+def _compile(name: str, source: Path | None, compiler: Compiler, flags: tuple[str, ...],
+             folder: Path, key: str) -> None:
+    """Build into a temporary file, install it under a name holding its hash, then write
+    its record: a reader never sees a record naming a library not yet in place."""
     fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=folder)
     os.close(fd)
     src_tmp = None
@@ -292,23 +386,46 @@ def _build(name: str, source: Path | None, compiler: Compiler, flags: tuple[str,
             fd, src_tmp = tempfile.mkstemp(prefix=".probe-", suffix=".c", dir=folder)
             with os.fdopen(fd, "w") as f:
                 f.write(_PROBE_SOURCE)
-            src = src_tmp
-        else:
-            src = str(source)
-        cmd = [compiler.path, *flags, f"-I{SOURCE_DIR}", "-o", tmp, src, "-lm"]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True,
-                                  timeout=_BUILD_TIMEOUT_S, check=False)
-        except subprocess.TimeoutExpired:
-            raise _BuildError(f"building {name} took over {_BUILD_TIMEOUT_S:.0f} s") from None
-        if done.returncode != 0:
-            first = (done.stderr.strip().splitlines() or ["no message"])[:3]
-            raise _BuildError(f"{compiler.name} could not build {name}: {' | '.join(first)}")
+        _run_compiler(name, compiler, [*flags, f"-I{SOURCE_DIR}", "-o", tmp,
+                                       src_tmp or str(source), "-lm"])
+        os.chmod(tmp, 0o755)
+        with open(tmp, "rb") as built:
+            sha = _fd_sha256(built.fileno())
+        target = folder / f"{key}-{sha[:16]}.so"
+        record = {"file": target.name, "size": os.path.getsize(tmp), "sha256": sha}
         os.replace(tmp, target)
         tmp = ""
-        return target
+        _write_record(folder / f"{key}.json", record)
     finally:
         for leftover in (tmp, src_tmp):
             if leftover:
                 with contextlib.suppress(OSError):
                     os.unlink(leftover)
+
+
+def _write_record(target: Path, record: Mapping[str, Any]) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.stem}-", suffix=".json", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+class _Timeout(_BuildError):
+    pass
+
+
+def _run_compiler(name: str, compiler: Compiler, args: Sequence[str]) -> None:
+    timeout = _STATE.values().build_timeout_s
+    try:
+        done = run_tool([compiler.path, *args], timeout)
+    except subprocess.TimeoutExpired:
+        raise _Timeout(f"building {name} took over {timeout:g} s (KEEL_BUILD_TIMEOUT); "
+                       "the compiler was stopped") from None
+    if done.returncode != 0:
+        first = (done.stderr.strip().splitlines() or ["no message"])[:3]
+        raise _BuildError(f"{compiler.name} could not build {name}: {' | '.join(first)}")

@@ -15,16 +15,19 @@ IEEE meaning, as NumPy gives them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
+import signal
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from keel import config
 from keel.config import Settings
 
-__all__ = ["BASE_FLAGS", "Compiler", "find_compiler"]
+__all__ = ["BASE_FLAGS", "Compiler", "find_compiler", "run_tool"]
 
 BASE_FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-fno-math-errno", "-fno-plt")
 _CANDIDATES = ("cc", "gcc", "clang")
@@ -74,11 +77,38 @@ def find_compiler(settings: Settings | None = None) -> tuple[Compiler | None, st
     return None, f"no C compiler found (looked for KEEL_CC, {', '.join(_CANDIDATES)} on PATH)"
 
 
+def run_tool(cmd: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` (its output captured) in a process group of its own.
+
+    Past ``timeout`` seconds the whole group is killed (the compiler and every process it
+    started: none is left behind) and :class:`subprocess.TimeoutExpired` is raised.
+    """
+    own_group = hasattr(os, "killpg")
+    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, text=True, start_new_session=own_group)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        _kill_group(proc, own_group)
+        raise
+    return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
+
+
+def _kill_group(proc: subprocess.Popen[str], own_group: bool) -> None:
+    """Kill ``proc`` and (with ``own_group``) every process of its group, then reap it."""
+    if own_group:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    proc.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.communicate(timeout=5.0)
+
+
 @functools.lru_cache(maxsize=8)
 def _version(path: str) -> str | None:
+    timeout = min(_VERSION_TIMEOUT_S, config.settings().build_timeout_s)
     try:
-        done = subprocess.run([path, "--version"], capture_output=True, text=True,
-                              timeout=_VERSION_TIMEOUT_S, check=False)
+        done = run_tool([path, "--version"], timeout)
     except (OSError, subprocess.SubprocessError):
         return None
     if done.returncode != 0 or not done.stdout.strip():

@@ -11,11 +11,13 @@ script reads back what it set) and reported once each, with
 from __future__ import annotations
 
 import enum
+import sys
 import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
 
+from keel._fork import renew_after_fork
 from keel.onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument
 
 __all__ = ["ExecutionMode", "ExecutionOrder", "GraphOptimizationLevel",
@@ -28,6 +30,7 @@ class OptionNotHonoredWarning(UserWarning):
 
 _warned: set[str] = set()
 _warned_lock = threading.Lock()
+renew_after_fork(sys.modules[__name__], "_warned_lock")   # free in a forked child
 
 
 def not_honored(option: str, why: str) -> None:

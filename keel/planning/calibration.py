@@ -46,6 +46,7 @@ import math
 import os
 import secrets
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -57,6 +58,7 @@ from typing import Any
 import numpy as np
 
 from keel import config
+from keel._fork import renew_after_fork
 from keel.backends.base import Backend, DeviceKind
 from keel.backends.registry import BackendRegistry, default_registry
 from keel.config import Settings, cache_dir
@@ -904,6 +906,7 @@ def find_calibration(path: str | os.PathLike[str] | None = None, *,
 
 _DEFAULT: dict[tuple[str, str], CalibrationStatus] = {}
 _DEFAULT_LOCK = threading.Lock()
+renew_after_fork(sys.modules[__name__], "_DEFAULT_LOCK")   # free in a forked child
 
 
 def calibration_status() -> CalibrationStatus:

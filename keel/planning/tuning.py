@@ -45,6 +45,7 @@ import math
 import os
 import stat
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -55,6 +56,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from keel._fork import renew_after_fork
 from keel.backends.base import Backend, KernelTable
 from keel.backends.cpu.conv_rules import conv_case
 from keel.config import cache_dir
@@ -314,6 +316,7 @@ class TuningCache:
 
 _MEMO: dict[Path, tuple[tuple[int, int, int], TuningCache]] = {}
 _MEMO_LOCK = threading.Lock()
+renew_after_fork(sys.modules[__name__], "_MEMO_LOCK")   # free in a forked child
 
 
 def _unsafe(path: Path) -> str | None:

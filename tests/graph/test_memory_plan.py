@@ -253,3 +253,114 @@ def test_outputs_a_kernel_allocates_may_be_views_so_their_inputs_stay_alive() ->
     plan = plan_memory(steps, {"t": 256, "u": 256, "w": 256}, external={"x", "y"})
     assert plan.allocation("t").last == 1
     assert plan.allocation("w").offset == plan.allocation("t").offset
+
+
+def _random_steps(seed: int, n: int) -> tuple[list[PlanStep], dict[str, int | None]]:
+    """``n`` random steps, each reading one or two recent values (so lifetimes vary)."""
+    rng = np.random.default_rng(seed)
+    values = ["x"]
+    steps, sizes = [], {}
+    for i in range(n):
+        recent = values[-int(rng.integers(1, 30)):]
+        ins = tuple(str(v) for v in rng.choice(recent, size=min(2, len(recent)), replace=False))
+        out = f"v{i}"
+        steps.append(PlanStep(f"n{i}", ins, (out,), inplace=((0, 0),) if i % 3 == 0 else ()))
+        sizes[out] = int(rng.choice([64, 100, 256, 1000, 4096, 50_000]))
+        values.append(out)
+    steps.append(PlanStep("out", (values[-1],), ("y",)))
+    return steps, sizes
+
+
+def _space_time_overlaps(plan: MemoryPlan) -> int:
+    """Pairs of values alive at once whose bytes overlap without sharing, by a sweep."""
+    roots = {a.value: a.value if a.shares is None else a.shares for a in plan.allocations}
+    for value, parent in list(roots.items()):
+        while roots.get(parent, parent) != parent:
+            parent = roots[parent]
+        roots[value] = parent
+    bad = 0
+    allocs = sorted((a for a in plan.allocations if a.nbytes), key=lambda a: a.first)
+    live: list = []
+    for a in allocs:
+        live = [b for b in live if b.last >= a.first]
+        bad += sum(1 for b in live if a.offset < b.end and b.offset < a.end
+                   and roots[a.value] != roots[b.value])
+        live.append(a)
+    return bad
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_large_graphs_are_placed_by_the_sweep_without_overlaps(seed: int) -> None:
+    from keel.graph import memory_plan
+
+    steps, sizes = _random_steps(seed, 3 * memory_plan.EXACT_LIMIT)
+    plan = plan_memory(steps, sizes, external={"x", "y"})
+    assert _space_time_overlaps(plan) == 0
+    assert all(a.offset % ALIGNMENT == 0 for a in plan.allocations)
+    # Never more than the values alive at once could need, plus one of each size class.
+    assert plan.live_peak_bytes <= plan.total_arena_bytes <= 2 * plan.live_peak_bytes + 50_048
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_small_graphs_keep_the_tighter_of_best_fit_and_the_sweep(
+        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    from keel.graph import memory_plan
+
+    steps, sizes = _random_steps(100 + seed, 200)
+    both = plan_memory(steps, sizes, external={"x", "y"})
+    monkeypatch.setattr(memory_plan, "EXACT_LIMIT", 0)            # the sweep alone
+    swept = plan_memory(steps, sizes, external={"x", "y"})
+    monkeypatch.setattr(memory_plan, "_sweep", lambda group: 1 << 62)  # best fit alone
+    monkeypatch.setattr(memory_plan, "EXACT_LIMIT", 10**9)
+    best = plan_memory(steps, sizes, external={"x", "y"})
+    assert _space_time_overlaps(both) == _space_time_overlaps(swept) == 0
+    assert both.total_arena_bytes == min(best.total_arena_bytes, swept.total_arena_bytes)
+
+
+def test_the_sweep_reuses_freed_bytes() -> None:
+    # a (256) and b (64) die before c (64) and d (256) are made: their bytes merge into one
+    # free range that c and d share; the arena stays at 320 bytes.
+    steps = [PlanStep("a", ("x",), ("a",)), PlanStep("b", ("x",), ("b",)),
+             PlanStep("ab", ("a", "b"), ("s",)),
+             PlanStep("c", ("s",), ("c",)), PlanStep("d", ("s",), ("d",)),
+             PlanStep("cd", ("c", "d"), ("y",))]
+    sizes: dict[str, int | None] = {"a": 256, "b": 64, "s": 0, "c": 64, "d": 256, "y": 64}
+    from keel.graph.memory_plan import _Buffer, _sweep
+
+    group = [_Buffer("cpu", "arena", 256, 0, 2, ["a"]), _Buffer("cpu", "arena", 64, 1, 2, ["b"]),
+             _Buffer("cpu", "arena", 64, 3, 5, ["c"]), _Buffer("cpu", "arena", 256, 4, 5, ["d"])]
+    assert _sweep(group) == 320
+    assert [b.offset for b in group] == [0, 256, 0, 64]
+    assert plan_memory(steps, sizes, external={"x", "y"}).total_arena_bytes == 320
+
+
+def test_the_sweep_takes_the_tightest_gap() -> None:
+    from keel.graph.memory_plan import _Buffer, _sweep
+
+    # At step 0, largest first: g1 [0, 384), then k1, k2, g2 [512, 576), k3. Dead by step 2,
+    # g1 and g2 leave gaps of 384 and 64 bytes: a 64-byte buffer takes the tighter one.
+    group = [_Buffer("cpu", "arena", 64, 0, 9, ["k1"]), _Buffer("cpu", "arena", 384, 0, 1, ["g1"]),
+             _Buffer("cpu", "arena", 64, 0, 9, ["k2"]), _Buffer("cpu", "arena", 64, 0, 1, ["g2"]),
+             _Buffer("cpu", "arena", 64, 0, 9, ["k3"]), _Buffer("cpu", "arena", 64, 2, 9, ["n"])]
+    _sweep(group)
+    offsets = {b.members[0]: b.offset for b in group}
+    assert offsets["g1"] == 0 and offsets["g2"] == 512
+    assert offsets["n"] == offsets["g2"]
+
+
+@pytest.mark.parametrize(("shape", "n"), [("chain", 100_000), ("fan-in", 20_000)])
+def test_planning_scales_to_large_graphs(shape: str, n: int) -> None:
+    import time
+
+    if shape == "chain":
+        steps, sizes = _chain(n, 4096, inplace=False)
+    else:
+        steps = [PlanStep(f"r{i}", ("x",), (f"r{i}",)) for i in range(n)]
+        steps.append(PlanStep("sum", tuple(f"r{i}" for i in range(n)), ("y",)))
+        sizes = {f"r{i}": 4096 for i in range(n)} | {"y": 4096}
+    started = time.perf_counter()
+    plan = plan_memory(steps, sizes, external={"x", "y"})
+    seconds = time.perf_counter() - started
+    # Quadratic planning took minutes here; a generous bound that only a blow-up breaks.
+    assert seconds < 20, seconds
+    assert plan.total_arena_bytes == (2 * 4096 if shape == "chain" else n * 4096)

@@ -14,6 +14,7 @@ used buffers go first.
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from collections import OrderedDict
@@ -21,6 +22,8 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import numpy as np
+
+from keel._fork import renew_after_fork
 
 __all__ = ["LIMIT_BYTES", "Packed", "bound", "clear", "derived", "derived_from", "empty",
            "filled", "form", "held_bytes", "is_frozen"]
@@ -101,6 +104,7 @@ def clear() -> None:
 # ---- values derived from constant arrays (prepacked weights) -----------------------------
 _derived: dict[tuple[Hashable, tuple[int, ...]], tuple[tuple[weakref.ref[Any], ...], Any]] = {}
 _derived_lock = threading.Lock()
+renew_after_fork(sys.modules[__name__], "_derived_lock")   # free in a forked child
 
 
 def is_frozen(array: Any) -> bool:

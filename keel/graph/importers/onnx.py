@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from keel._files import read_regular
 from keel.errors import (
     InvalidArgumentError,
     KeelError,
@@ -104,14 +105,9 @@ def load_model_proto(src: str | os.PathLike[str] | bytes | Any,
 
 
 def _read(path: Path) -> bytes:
-    try:
-        size = path.stat().st_size
-        if size > MAX_MODEL_BYTES:
-            raise ModelFormatError(f"{str(path)!r} is {size} bytes; an ONNX protobuf holds at "
-                                   f"most {MAX_MODEL_BYTES} (larger weights go in external data)")
-        return path.read_bytes()
-    except OSError as exc:
-        raise ModelFormatError(f"cannot read model file {str(path)!r}: {exc.strerror}") from None
+    """The file's bytes: a regular file only (not a device, FIFO or folder), within the cap."""
+    return read_regular(path, MAX_MODEL_BYTES,
+                        why="an ONNX protobuf holds no more; larger weights go in external data")
 
 
 def _parse(data: bytes, where: str) -> Any:

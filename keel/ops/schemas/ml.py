@@ -6,7 +6,7 @@ The preprocessing ops keep their ONNX attributes:
 * ``normalizer`` — each row divided by its max (``MAX``), L1 or L2 norm; float32 out.
 * ``imputer`` — elements equal to the replaced value (NaN matches NaN) become the
   imputed value of their column; the dtype is kept.
-* ``binarizer`` — 1 where ``X > threshold``, else 0; the dtype is kept.
+* ``binarizer`` — 1 where ``X > threshold``, else 0, elementwise; the dtype is kept.
 * ``one_hot_encoder`` — shape ``S`` → ``S + (len(cats),)`` float32; a value outside the
   categories is all zeros (``zeros=1``) or an error (``zeros=0``).
 * ``array_feature_extractor`` — ``X[..., Y]``; a 1-D ``X`` gives a ``(1, len(Y))`` row.
@@ -59,14 +59,14 @@ Infer = list[TensorType | None]
 
 # ---- semantics shared by every backend -------------------------------------------------------
 def check_features(op: Op, x: TensorType | None, dtypes: frozenset[DType] = NUMERIC_DTYPES,
-                   ) -> None:
+                   *, any_rank: bool = False) -> None:
     """X holds one of ``dtypes`` and is a vector or a (rows, features) matrix."""
     if x is None:
         return
     if x.dtype not in dtypes:
         allowed = ", ".join(sorted(d.value for d in dtypes))
         raise InvalidArgumentError(f"{op.value}: X must be {allowed}, got {x.dtype.value}")
-    if x.shape is not None and len(x.shape) not in (1, 2):
+    if x.shape is not None and len(x.shape) not in (1, 2) and not any_rank:
         raise InvalidArgumentError(
             f"{op.value}: X must be 1-D or 2-D (rows, features), got shape {tuple(x.shape)}")
 
@@ -206,7 +206,7 @@ def _infer_imputer(types: Sequence[TensorType | None], attrs: Mapping[str, Any],
 
 def _infer_binarizer(types: Sequence[TensorType | None], attrs: Mapping[str, Any],
                      values: Sequence[np.ndarray | None]) -> Infer:
-    check_features(Op.BINARIZER, types[0])
+    check_features(Op.BINARIZER, types[0], any_rank=True)
     return [types[0]]
 
 

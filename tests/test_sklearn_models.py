@@ -205,6 +205,19 @@ def test_batch_of_one_matches_the_batch() -> None:
         np.testing.assert_allclose(row[1], whole[1][i:i + 1], rtol=1e-6, atol=1e-7)
 
 
+def test_keel_file_round_trip(tmp_path: Any) -> None:
+    """A forest lives in node attributes; the .keel file keeps them (and string labels)."""
+    from keel.formats.keel_format import save_keel
+    from keel.graph.importers.onnx import import_onnx
+
+    export = exported("decision-tree-classifier")
+    save_keel(import_onnx(export.onnx), tmp_path / "tree.keel")
+    want = keel.load_model(export.onnx).run(None, export.feeds)
+    got = keel.load_model(tmp_path / "tree.keel").run(None, export.feeds)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+
+
 def test_label_encoder_export() -> None:
     from skl2onnx import convert_sklearn
     from skl2onnx.common.data_types import StringTensorType

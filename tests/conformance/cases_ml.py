@@ -170,7 +170,10 @@ def _forest(trees: int, depth: int, features: int, targets: int, seed: int, *,
     inner = 2 ** depth - 1
     nodes: dict[str, list[Any]] = {k: [] for k in ("feat", "split", "mode", "tn", "fn", "tl",
                                                    "fl", "miss")}
-    roots, members, leaf_t, leaf_w = [], [], [], []
+    roots: list[int] = []
+    members: list[float] = []
+    leaf_t: list[int] = []
+    leaf_w: list[float] = []
     for t in range(trees):
         roots.append(t * inner)
         for k in range(inner):

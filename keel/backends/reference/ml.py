@@ -255,7 +255,8 @@ def _svc_scores(x: np.ndarray, attrs: Attrs, classes: int) -> tuple[np.ndarray, 
     coef = np.asarray(attrs["coefficients"], dtype=np.float64).reshape(-1, count)
     start = np.concatenate([[0], np.cumsum(per_class)[:-1]])
     rho = np.asarray(attrs["rho"], dtype=np.float64)
-    pairs, votes = [], np.zeros((len(x), classes))
+    pairs: list[np.ndarray] = []
+    votes = np.zeros((len(x), classes))
     for i in range(classes):
         for j in range(i + 1, classes):
             si, sj = slice(start[i], start[i] + per_class[i]), slice(start[j],

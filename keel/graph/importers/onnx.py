@@ -428,6 +428,7 @@ def _convert(ctx: ImportContext, n: OnnxNode) -> None:
     if n.domain == KEEL_DOMAIN:
         _convert_keel(ctx, n)
         return
+    converter: Converter | None
     if n.domain == ML_DOMAIN:
         converter = _ml_converter(ctx, n)
     elif n.domain not in _DEFAULT_DOMAINS:

@@ -182,7 +182,7 @@ def _forest(ctx: ImportContext, a: Mapping[str, Any], prefix: str) -> dict[str, 
     missing = np.asarray(a.get("nodes_missing_value_tracks_true", ()) or [0] * len(tree),
                          dtype=np.int64)
     size = len(tree)
-    if any(len(x) != size for x in (node, modes, *fields, splits, missing)):
+    if len(modes) != size or any(len(x) != size for x in (node, *fields, splits, missing)):
         raise ctx.invalid("the nodes_* attributes must all have one entry per node")
     position = {(int(t), int(k)): i for i, (t, k) in enumerate(zip(tree, node, strict=True))}
     if len(position) != size:

@@ -279,7 +279,7 @@ def _infer_label_encoder(types: Sequence[TensorType | None], attrs: Mapping[str,
 
 # ---- linear models ---------------------------------------------------------------------------
 def linear_shape(op: Op, coefficients: Sequence[float], intercepts: Sequence[float],
-                 features: Dim) -> tuple[int, int | None]:
+                 features: Dim) -> tuple[int, int]:
     """(outputs, features) of a coefficient list with one intercept per output."""
     n = len(coefficients)
     rows = len(intercepts) if intercepts else None

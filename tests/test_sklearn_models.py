@@ -205,6 +205,21 @@ def test_batch_of_one_matches_the_batch() -> None:
         np.testing.assert_allclose(row[1], whole[1][i:i + 1], rtol=1e-6, atol=1e-7)
 
 
+def test_threads_give_the_same_bits() -> None:
+    """A forest big enough to walk on several threads gives what one thread gives."""
+    from skl2onnx import to_onnx
+
+    x, targets = _data(rows=600)
+    model = _sk("RandomForestClassifier")(n_estimators=60, random_state=0).fit(
+        x, targets["three"])
+    proto = to_onnx(model, x[:1], options={"zipmap": False}, target_opset=OPSETS)
+    runs = [keel.load_model(proto.SerializeToString(), backend="cpu", threads=t).run(
+        None, {"X": x}) for t in (1, 3)]
+    np.testing.assert_array_equal(runs[0][0], runs[1][0])
+    assert runs[0][1].tobytes() == runs[1][1].tobytes()
+    np.testing.assert_array_equal(runs[0][0], model.predict(x))
+
+
 def test_keel_file_round_trip(tmp_path: Any) -> None:
     """A forest lives in node attributes; the .keel file keeps them (and string labels)."""
     from keel.formats.keel_format import save_keel

@@ -61,7 +61,9 @@ def _export(model: Any, target: str, **convert: Any) -> Export:
         warnings.simplefilter("ignore")       # convergence warnings of the tiny fits
         model.fit(x, targets[target])
     classifier = hasattr(model, "classes_")
-    options = {"zipmap": False} if hasattr(model, "predict_proba") else None
+    # Classifiers end in a ZipMap unless told not to; LinearSVC has no ZipMap to drop.
+    zipmap = classifier and type(model).__name__ != "LinearSVC"
+    options = {"zipmap": False} if zipmap else None
     proto = to_onnx(model, x[:1], options=options, target_opset=OPSETS, **convert)
     return Export(model, proto.SerializeToString(), {"X": x}, x, classifier)
 
@@ -143,6 +145,8 @@ BUILDERS: dict[str, Callable[[], Export]] = {
         _sk("SVC")(probability=True, random_state=0), "three"),
     "svc-poly-binary": lambda: _export(
         _sk("SVC")(kernel="poly", degree=2, probability=True, random_state=0), "binary"),
+    "svc-rbf-binary-margins": lambda: _export(_sk("SVC")(), "binary"),
+    "svc-linear-multiclass-votes": lambda: _export(_sk("SVC")(kernel="linear"), "three"),
     "svr": lambda: _export(_sk("SVR")(), "value"),
     "normalizer-binarizer-linear-regression": lambda: _export(
         _pipeline(_sk("Normalizer")(), _sk("Binarizer")(threshold=0.1),

@@ -160,7 +160,7 @@ def linear_classify(scores: np.ndarray, attrs: Attrs) -> tuple[np.ndarray, np.nd
         s = scores[:, 0]
         index = (s > 0).astype(np.int64)
         return classifier_labels(ints, strings, index), \
-            binary_scores(s, post, False).astype(np.float32)
+            binary_scores(s, post, complement=True).astype(np.float32)
     index = np.argmax(scores, axis=1) if scores.shape[1] else np.zeros(len(scores), np.int64)
     if scores.shape[1] == 1:       # one score, not two classes: positive means class 1
         index = (scores[:, 0] > 0).astype(np.int64)
@@ -300,7 +300,7 @@ def svm_classify(x: np.ndarray, attrs: Attrs) -> tuple[np.ndarray, np.ndarray]:
             post_transform(_platt(pairs, attrs, classes), post).astype(np.float32)
     if pairs.shape[1] == 1 and len(attrs["rho"]) == 1:
         return classifier_labels(ints, strings, best), \
-            binary_scores(pairs[:, 0], post, False).astype(np.float32)
+            binary_scores(pairs[:, 0], post, complement=post != "NONE").astype(np.float32)
     return classifier_labels(ints, strings, best), post_transform(pairs, post).astype(np.float32)
 
 

@@ -459,6 +459,9 @@ def _check_onnx_arity(ctx: ImportContext, n: OnnxNode) -> None:
 
 def _ml_converter(ctx: ImportContext, n: OnnxNode) -> Converter:
     opset = ctx.opset_of(ML_DOMAIN)
+    if not opset:
+        raise ModelFormatError(f"node {n.name!r} ({n.op_type}) is in {ML_DOMAIN}, which the "
+                               "model does not import (no opset_import entry)")
     converter = ML_TABLE.lookup(n.op_type, opset)
     if converter is not None:
         return converter

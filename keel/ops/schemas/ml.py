@@ -134,19 +134,20 @@ def post_transform(scores: np.ndarray, name: str) -> np.ndarray:
                                f"got {name!r}")
 
 
-def binary_scores(score: np.ndarray, name: str, positive_weights: bool) -> np.ndarray:
-    """Two columns from one score per row, as onnxruntime writes them for a binary model.
+def binary_scores(score: np.ndarray, name: str, complement: bool) -> np.ndarray:
+    """Two columns from one score ``s`` per row, as onnxruntime writes a binary model's.
 
-    With weights all non-negative the score is a probability: ``[1 - s, s]``. Otherwise
-    it is a margin: ``[-s, s]`` through the post transform (LOGISTIC gives
-    ``[σ(-s), σ(s)]``). PROBIT maps the single score.
+    LOGISTIC gives ``[1 - σ(s), σ(s)]``; every other post transform leaves the score
+    as it is beside its complement ``[1 - s, s]`` (``complement``: a probability) or
+    its negation ``[-s, s]`` (a margin). Which one each classifier writes is its own
+    convention, held by its kernel. (PROBIT, which onnxruntime writes as NaN there,
+    gives ``[1 - p, p]`` of the probit.)
     """
     s = np.asarray(score, dtype=np.float64).reshape(-1)
-    if name == "PROBIT":
-        return _probit(s)[:, None]
-    if positive_weights:
-        return np.stack([1.0 - s, s], axis=1)
-    return post_transform(np.stack([-s, s], axis=1), name)
+    if name in ("LOGISTIC", "PROBIT"):
+        p = post_transform(s, name)
+        return np.stack([1.0 - p, p], axis=1)
+    return np.stack([1.0 - s, s] if complement else [-s, s], axis=1)
 
 
 def _check_post(op: Op, name: str) -> None:
@@ -356,14 +357,14 @@ def svm_score_columns(attrs: Mapping[str, Any]) -> int:
 
     liblinear mode (no support vectors): one per class. SVC mode: one per class with
     Platt probabilities, else one per pair of classes, a single pair written as two
-    columns (one under PROBIT).
+    columns.
     """
     classes = svm_classes(attrs)
     if sum(attrs["vectors_per_class"]) == 0 or attrs["prob_a"]:
         return classes
     pairs = classes * (classes - 1) // 2
     if pairs == 1 and len(attrs["rho"]) == 1:
-        return 1 if attrs["post_transform"] == "PROBIT" else 2
+        return 2
     return pairs
 
 

@@ -248,8 +248,9 @@ def classify(forest: Forest, attrs: Mapping[str, Any], total: np.ndarray,
     """Labels and float32 scores of ``tree_ensemble_classifier`` from per-class leaf sums.
 
     A two-class model whose leaves all score one class is binary: that score ``s``
-    picks class 1 when above 0.5 (weights all non-negative: a probability) or above 0
-    (a margin), and is written as two columns by :func:`binary_scores`. Otherwise the
+    picks class 1 when above 0.5 (weights all non-negative: a probability, written
+    beside its complement) or above 0 (a margin, beside its negation), two columns by
+    :func:`binary_scores`. Otherwise the
     label is the best class before ``post_transform``. Sums and base values are added
     in ``total``'s dtype, so labels at near-ties follow that precision.
     """
@@ -261,7 +262,7 @@ def classify(forest: Forest, attrs: Mapping[str, Any], total: np.ndarray,
         s = total[:, k] + total.dtype.type(forest.base_values[k])
         positive = bool((forest.leaf_values >= 0).all())
         index = (s > (0.5 if positive else 0.0)).astype(np.int64)
-        scores = binary_scores(s, forest.post_transform, positive)
+        scores = binary_scores(s, forest.post_transform, complement=positive)
         return classifier_labels(ints, strings, index), scores.astype(np.float32)
     raw = np.zeros((len(total), classes), dtype=total.dtype)
     raw[:, :forest.n_targets] = total + forest.base_values.astype(total.dtype)

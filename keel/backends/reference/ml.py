@@ -188,10 +188,11 @@ def svm_kernel(x: np.ndarray, vectors: np.ndarray, attrs: Attrs) -> np.ndarray:
     """The kernel between every row of ``x`` and every vector: (rows, vectors), float64."""
     gamma, coef0, degree = (tuple(attrs["kernel_params"]) or (0.0, 0.0, 0.0))[:3]
     kind = attrs["kernel_type"]
-    if kind == "RBF":
-        d2 = ((x[:, None, :] - vectors[None, :, :]) ** 2).sum(axis=2)
-        return np.exp(-gamma * d2)
     dot = x @ vectors.T
+    if kind == "RBF":
+        # |x - v|^2 = |x|^2 + |v|^2 - 2 x.v: (rows, vectors) memory, not (rows, vectors, features)
+        d2 = (x * x).sum(axis=1)[:, None] + (vectors * vectors).sum(axis=1)[None, :] - 2 * dot
+        return np.exp(-gamma * np.maximum(d2, 0.0))
     if kind == "POLY":
         return (gamma * dot + coef0) ** int(degree)
     if kind == "SIGMOID":

@@ -89,7 +89,7 @@ def _goes_true(forest: Forest, pos: np.ndarray, v: np.ndarray, split: np.ndarray
                go: np.ndarray) -> None:
     """``go[i]``: whether pair ``i`` takes its node's true branch (a leaf never does)."""
     np.less_equal(v, split, out=go)
-    if forest.only_leq and not forest.missing_true.any():
+    if forest.only_leq and not forest.any_missing_true:
         return
     node = pos // 2
     inner = node < forest.n_nodes
@@ -102,7 +102,7 @@ def _goes_true(forest: Forest, pos: np.ndarray, v: np.ndarray, split: np.ndarray
         for m in np.unique(node[inner & (mode == MEMBER)]):
             at = node == m
             go[at] = np.isin(v[at], forest.members[int(m)])
-    if forest.missing_true.any():
+    if forest.any_missing_true:
         go |= np.isnan(v) & forest.missing_true[k] & inner
 
 
@@ -123,14 +123,15 @@ def _leaves(forest: Forest, x: np.ndarray) -> np.ndarray:
     result, active = pos, None
     index, v = np.empty_like(pos), np.empty(len(pos), dtype=flat.dtype)
     split, go = np.empty(len(pos), dtype=walk.split.dtype), np.empty(len(pos), dtype=bool)
+    feature, splits, children = walk.feature.take, walk.split.take, walk.children.take
     for _ in range(forest.depth):
-        np.take(walk.feature, pos, out=index, mode="clip")
+        feature(pos, out=index, mode="clip")
         np.add(index, base, out=index)
-        np.take(flat, index, out=v, mode="clip")
-        np.take(walk.split, pos, out=split, mode="clip")
+        flat.take(index, out=v, mode="clip")
+        splits(pos, out=split, mode="clip")
         _goes_true(forest, pos, v, split, go)
         np.add(pos, go, out=index)
-        np.take(walk.children, index, out=pos, mode="clip")
+        children(index, out=pos, mode="clip")
         arrived = np.count_nonzero(pos >= end)
         if arrived == len(pos):
             break

@@ -79,14 +79,15 @@ class Forest:
     aggregate: str
     post_transform: str
     max_feature: int
+    # Facts about the arrays above, worked out once (kernels read them on every call).
+    only_leq: bool             # every split is ``x <= s``
+    any_missing_true: bool     # some node sends NaN to its true branch
+    used_targets: np.ndarray   # the targets some leaf scores
+    non_negative: bool         # no leaf weight is negative
 
     @property
     def n_nodes(self) -> int:
         return len(self.feature)
-
-    @property
-    def only_leq(self) -> bool:
-        return bool(np.all(self.mode == 0))
 
 
 def _err(op: Op, detail: str) -> InvalidArgumentError:
@@ -184,14 +185,15 @@ def compile_forest(op: Op, attrs: Mapping[str, Any]) -> Forest:
     base = _array(attrs, "base_values", np.float64)
     if len(base) not in (0, n_targets):
         raise _err(op, f"{len(base)} base_values for {n_targets} targets")
+    missing_true = missing.astype(bool) if len(missing) else np.zeros(n, dtype=bool)
     return Forest(
-        roots, feature, split, mode.astype(np.int8),
-        missing.astype(bool) if len(missing) else np.zeros(n, dtype=bool),
+        roots, feature, split, mode.astype(np.int8), missing_true,
         true_next, false_next, _members(op, attrs, mode), values, values.astype(np.float32),
-        has,
-        _depth(op, roots, true_next, false_next), n_targets,
+        has, _depth(op, roots, true_next, false_next), n_targets,
         base if len(base) else np.zeros(n_targets), _aggregate(op, attrs),
-        _post(op, attrs), int(feature.max()) if n else -1)
+        _post(op, attrs), int(feature.max()) if n else -1,
+        bool(np.all(mode == 0)), bool(missing_true.any()),
+        np.flatnonzero(has.any(axis=0)), bool((values >= 0).all()))
 
 
 def _aggregate(op: Op, attrs: Mapping[str, Any]) -> str:
@@ -256,11 +258,11 @@ def classify(forest: Forest, attrs: Mapping[str, Any], total: np.ndarray,
     """
     ints, strings = attrs["classlabels_int64s"], attrs["classlabels_strings"]
     classes = max(len(ints or strings), forest.n_targets)
-    used = np.flatnonzero(forest.leaf_has.any(axis=0))
+    used = forest.used_targets
     if classes == 2 and len(used) == 1:
         k = int(used[0])
         s = total[:, k] + total.dtype.type(forest.base_values[k])
-        positive = bool((forest.leaf_values >= 0).all())
+        positive = forest.non_negative
         index = (s > (0.5 if positive else 0.0)).astype(np.int64)
         scores = binary_scores(s, forest.post_transform, complement=positive)
         return classifier_labels(ints, strings, index), scores.astype(np.float32)

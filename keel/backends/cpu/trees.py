@@ -39,6 +39,8 @@ _PAIRS_PER_BLOCK = 1 << 18
 # Below this many pairs per thread one thread walks them all: handing a block to another
 # thread costs tens of microseconds, as much as walking this many pairs.
 _PARALLEL_PAIRS = 1 << 14
+# Pairs at a leaf are set aside once they are 1/_SET_ASIDE of those still walking.
+_SET_ASIDE = 4
 
 
 @dataclass(frozen=True)
@@ -135,7 +137,7 @@ def _leaves(forest: Forest, x: np.ndarray) -> np.ndarray:
         arrived = np.count_nonzero(pos >= end)
         if arrived == len(pos):
             break
-        if 4 * arrived >= len(pos):
+        if _SET_ASIDE * arrived >= len(pos):
             if active is None:
                 result, active = pos.copy(), np.arange(len(pos))
             else:

@@ -146,6 +146,23 @@ def test_svm_classifier_binary_matches_onnxruntime(post: str) -> None:
         np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("coefficients", [[0.8, -0.6, 0.1, 0.3], [0.8, 0.6, 0.1, 0.3],
+                                          [0.8, -0.6, 0.1, 0.3, -1.0, 1.0]])
+def test_liblinear_svm_labels_match_onnxruntime(coefficients: list[float]) -> None:
+    classes = len(coefficients) // 2
+    node = helper.make_node("SVMClassifier", ["X"], ["L", "P"], domain=ML,
+                            coefficients=coefficients, rho=[0.1], kernel_type="LINEAR",
+                            kernel_params=[0.0, 0.0, 1.0],
+                            classlabels_ints=list(range(4, 4 + classes)))
+    data = _model(node, TensorProto.FLOAT, [None, 2],
+                  [("L", TensorProto.INT64, [None]), ("P", TensorProto.FLOAT, [None, None])], 1)
+    x = np.array([[-1.0, 0.5], [1.0, 0.2], [0.3, -2], [2.0, 1], [-3, -3], [-0.5, -0.2],
+                  [0.1, 0.1], [0.4, 0.1]], np.float32)
+    got, want = _run(data, x)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-6, atol=1e-6)
+
+
 def test_a_model_may_import_only_the_ml_domain() -> None:
     node = helper.make_node("Scaler", ["X"], ["Y"], domain=ML, offset=[1.0], scale=[2.0])
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("X", 1, [3])],

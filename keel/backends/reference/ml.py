@@ -290,8 +290,12 @@ def svm_classify(x: np.ndarray, attrs: Attrs) -> tuple[np.ndarray, np.ndarray]:
         coef = np.asarray(attrs["coefficients"], dtype=np.float64).reshape(classes, -1)
         scores = x @ coef.T + (attrs["rho"] or (0.0,))[0]
         best = np.argmax(scores, axis=1)
-        if len(attrs["rho"]) == 1 and classes == 2 and min(attrs["coefficients"]) >= 0:
-            best = np.where(scores[np.arange(len(x)), best] >= 0.5, 1, best)
+        if len(attrs["rho"]) == 1 and classes == 2:
+            # onnxruntime's binary rule: a high enough best score means the second class
+            # (0.5 when every coefficient is non-negative, else 0).
+            top = scores[np.arange(len(x)), best]
+            high = top >= 0.5 if min(attrs["coefficients"]) >= 0 else top > 0
+            best = np.where(high, 1, best)
         return classifier_labels(ints, strings, best), \
             post_transform(scores, post).astype(np.float32)
     pairs, votes = _svc_scores(x, attrs, classes)

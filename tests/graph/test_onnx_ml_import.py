@@ -210,3 +210,52 @@ def test_broken_forests_are_format_errors(edit: dict[str, Any], match: str) -> N
     data = _model(node, TensorProto.FLOAT, [None, 2], [("Y", TensorProto.FLOAT, [None, 2])])
     with pytest.raises(ModelFormatError, match=match):
         keel.load_model(data)
+
+
+_F = TensorProto.FLOAT
+_PREPROCESSING: dict[str, tuple[Any, int, np.ndarray, int, int]] = {
+    # name: (node, ml opset, X, X type, Y type)
+    "scaler": (helper.make_node("Scaler", ["X"], ["Y"], domain=ML, offset=[0.5, -1.0, 0.0],
+                                scale=[2.0, 0.5, -1.0]), 1, _X[:, :1].repeat(3, 1), _F, _F),
+    "normalizer-max": (helper.make_node("Normalizer", ["X"], ["Y"], domain=ML, norm="MAX"), 1,
+                       np.array([[1, -2, 3], [-1, -2, -4], [0, 0, 0]], np.float32), _F, _F),
+    "normalizer-l1": (helper.make_node("Normalizer", ["X"], ["Y"], domain=ML, norm="L1"), 1,
+                      np.array([[1, -2, 3], [-1, -2, -4], [0, 0, 0]], np.float32), _F, _F),
+    "normalizer-l2": (helper.make_node("Normalizer", ["X"], ["Y"], domain=ML, norm="L2"), 1,
+                      np.array([[1, -2, 3], [-1, -2, -4], [0, 0, 0]], np.float32), _F, _F),
+    "imputer": (helper.make_node("Imputer", ["X"], ["Y"], domain=ML,
+                                 imputed_value_floats=[7.0, 8.0],
+                                 replaced_value_float=float("nan")), 1, _X, _F, _F),
+    "binarizer": (helper.make_node("Binarizer", ["X"], ["Y"], domain=ML, threshold=0.2), 1,
+                  np.nan_to_num(_X), _F, _F),
+    "one-hot": (helper.make_node("OneHotEncoder", ["X"], ["Y"], domain=ML,
+                                 cats_int64s=[0, 2, 5]), 1,
+                np.array([[0, 2], [5, 1]], np.int64), TensorProto.INT64, _F),
+    "one-hot-strings": (helper.make_node("OneHotEncoder", ["X"], ["Y"], domain=ML,
+                                         cats_strings=["a", "b"]), 1,
+                        np.array([["a", "c"], ["b", "a"]], object), TensorProto.STRING, _F),
+    "category-mapper": (helper.make_node("CategoryMapper", ["X"], ["Y"], domain=ML,
+                                         cats_strings=["a", "b"], cats_int64s=[5, 6]), 1,
+                        np.array(["b", "z", "a"], object), TensorProto.STRING,
+                        TensorProto.INT64),
+    "label-encoder-floats": (helper.make_node("LabelEncoder", ["X"], ["Y"], domain=ML,
+                                              keys_floats=[0.5, 1.5], values_strings=["x", "y"],
+                                              default_string="?"), 2,
+                             np.array([1.5, 0.5, 2.0], np.float32), _F, TensorProto.STRING),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_PREPROCESSING))
+def test_preprocessing_matches_onnxruntime(name: str) -> None:
+    node, opset, x, x_type, y_type = _PREPROCESSING[name]
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("X", x_type, None)],
+                              [helper.make_tensor_value_info("Y", y_type, None)])
+    data = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                   helper.make_opsetid(ML, opset)],
+                             ir_version=9).SerializeToString()
+    got, want = _run(data, x)
+    assert got[0].shape == want[0].shape
+    if want[0].dtype.kind == "f":
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-7)
+    else:
+        np.testing.assert_array_equal(got[0], want[0])

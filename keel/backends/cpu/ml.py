@@ -10,8 +10,7 @@ faster walk of their own in :mod:`keel.backends.cpu.trees`.
 from __future__ import annotations
 
 from keel.backends.cpu.kernels import TABLE
-from keel.backends.reference import ml as reference_ml
-from keel.backends.reference.kernels import TABLE as REFERENCE
+from keel.backends.reference import kernels as reference
 from keel.ops.registry import Op
 
 __all__: list[str] = []
@@ -22,8 +21,7 @@ SHARED = (
     Op.SVM_CLASSIFIER, Op.SVM_REGRESSOR,
 )
 
-del reference_ml        # imported for its registrations into REFERENCE
 for _op in SHARED:
-    _variant = REFERENCE.get(_op)
+    _variant = reference.load().get(_op)
     TABLE.kernel(_op, dtypes=_variant.dtypes, host_only=True,
                  description=_variant.description)(_variant.fn)

@@ -1,8 +1,8 @@
 """Reference kernels of the classical machine-learning family (ONNX's ai.onnx.ml domain).
 
-Plain NumPy in float64; the semantics are in :mod:`keel.ops.schemas.ml`. The kernels
-here are also the cpu backend's for the preprocessing ops, whose NumPy form is
-already the fast one.
+Plain NumPy in float64; the semantics are in :mod:`keel.ops.schemas.ml`. These
+kernels are whole-array already (a lookup, an elementwise pass, matrix products), so
+the cpu backend registers them too (:mod:`keel.backends.cpu.ml`).
 """
 
 from __future__ import annotations
@@ -156,15 +156,13 @@ def linear_classify(scores: np.ndarray, attrs: Attrs) -> tuple[np.ndarray, np.nd
     label_dtype(Op.LINEAR_CLASSIFIER, ints, strings)
     n_labels = len(ints or strings)
     post = attrs["post_transform"]
-    if linear_score_columns(scores.shape[1], n_labels) == 2 and scores.shape[1] == 1:
+    if scores.shape[1] == 1:       # one score: positive means the second class
         s = scores[:, 0]
-        index = (s > 0).astype(np.int64)
-        return classifier_labels(ints, strings, index), \
-            binary_scores(s, post, complement=True).astype(np.float32)
-    index = np.argmax(scores, axis=1) if scores.shape[1] else np.zeros(len(scores), np.int64)
-    if scores.shape[1] == 1:       # one score, not two classes: positive means class 1
-        index = (scores[:, 0] > 0).astype(np.int64)
-    return classifier_labels(ints, strings, index), \
+        labels = classifier_labels(ints, strings, (s > 0).astype(np.int64))
+        if linear_score_columns(1, n_labels) == 2:
+            return labels, binary_scores(s, post, complement=True).astype(np.float32)
+        return labels, post_transform(scores, post).astype(np.float32)
+    return classifier_labels(ints, strings, np.argmax(scores, axis=1)), \
         post_transform(scores, post).astype(np.float32)
 
 

@@ -58,7 +58,9 @@ arrays the kernel should write into (it returns them). Kernels register in a
 :class:`KernelTable` with ``@table.kernel(Op.ADD)``; several *variants* of one
 op may register with metadata, and a ``default`` variant is always present.
 ``dtypes`` on a variant lists the dtypes of its first input it accepts; ``run``
-turns any other into ``UnsupportedOperationError``. A ``cpu`` kernel that only
+turns any other into ``UnsupportedOperationError``. Strings are outside every
+backend's ``dtypes``; a kernel that names ``string`` among its own takes them
+(object arrays: the table-lookup ops of the ML family). A ``cpu`` kernel that only
 works with NumPy (not with CuPy through ``ctx.xp``) registers with
 ``host_only=True`` in its metadata; the ``gpu`` backend leaves it out.
 
@@ -429,7 +431,7 @@ class Backend(ABC):
             return True
         dt = as_dtype(dtype)
         v = self.kernels.get(op)
-        return (dt in self.dtypes) and (v.dtypes is None or dt in v.dtypes)
+        return _takes(self.dtypes, v, dt)
 
     @final
     def capabilities(self) -> Capabilities:
@@ -643,7 +645,7 @@ class Backend(ABC):
         if first is None:
             return
         dt = dtype_of(first)
-        if dt not in self.dtypes or (kernel.dtypes is not None and dt not in kernel.dtypes):
+        if not _takes(self.dtypes, kernel, dt):
             allowed = kernel.dtypes if kernel.dtypes is not None else self.dtypes
             raise UnsupportedOperationError(
                 op.value, self.name, supported_on=self._peers(op),
@@ -681,6 +683,14 @@ def _check_results(op: Op, outputs: Sequence[Any], results: Sequence[Any]) -> No
 
 
 # Shorthands for kernel signatures, shared by every backend's family modules.
+def _takes(held: frozenset[DType], kernel: KernelVariant, dt: DType) -> bool:
+    """Whether ``kernel`` runs on ``dt`` here: a dtype the backend holds for every op, or
+    one the kernel names itself (strings, for the table-lookup ops of a NumPy backend)."""
+    if kernel.dtypes is None:
+        return dt in held
+    return dt in kernel.dtypes and (dt in held or dt is DType.STRING)
+
+
 Inputs = Sequence[Any]
 Attrs = Mapping[str, Any]
 Out = Sequence[Any] | None

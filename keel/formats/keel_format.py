@@ -128,6 +128,8 @@ def _chunks(head: bytes, data_offset: int, entries: list[dict[str, Any]],
         yield b"\x00" * (start - pos)
         yield blob
         pos = start + len(blob)
+    if pos < data_offset:         # no weights at all: the (empty) data section still starts there
+        yield b"\x00" * (data_offset - pos)
 
 
 def _umask() -> int:

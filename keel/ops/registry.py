@@ -209,6 +209,20 @@ class Op(str, enum.Enum):
     # numeric utilities
     BITCAST = "bitcast"
     DET = "det"
+    # classical machine learning (ONNX's ai.onnx.ml domain)
+    LINEAR_CLASSIFIER = "linear_classifier"
+    LINEAR_REGRESSOR = "linear_regressor"
+    SCALER = "scaler"
+    NORMALIZER = "normalizer"
+    IMPUTER = "imputer"
+    BINARIZER = "binarizer"
+    ONE_HOT_ENCODER = "one_hot_encoder"
+    LABEL_ENCODER = "label_encoder"
+    ARRAY_FEATURE_EXTRACTOR = "array_feature_extractor"
+    TREE_ENSEMBLE = "tree_ensemble"
+    TREE_ENSEMBLE_CLASSIFIER = "tree_ensemble_classifier"
+    SVM_CLASSIFIER = "svm_classifier"
+    SVM_REGRESSOR = "svm_regressor"
 
 
 class OpGroup(frozenset[Op], enum.Enum):
@@ -272,6 +286,12 @@ class OpGroup(frozenset[Op], enum.Enum):
         Op.QUANTIZE_LINEAR, Op.DEQUANTIZE_LINEAR, Op.DYNAMIC_QUANTIZE_LINEAR,
         Op.QLINEAR_MATMUL, Op.QLINEAR_CONV, Op.MATMUL_INTEGER, Op.CONV_INTEGER,
     })
+    # Classical machine learning: the ops of ONNX's ai.onnx.ml domain.
+    CLASSICAL_ML = frozenset({
+        Op.LINEAR_CLASSIFIER, Op.LINEAR_REGRESSOR, Op.SCALER, Op.NORMALIZER, Op.IMPUTER,
+        Op.BINARIZER, Op.ONE_HOT_ENCODER, Op.LABEL_ENCODER, Op.ARRAY_FEATURE_EXTRACTOR,
+        Op.TREE_ENSEMBLE, Op.TREE_ENSEMBLE_CLASSIFIER, Op.SVM_CLASSIFIER, Op.SVM_REGRESSOR,
+    })
     # Ops whose output shape depends on input *values*, not only input shapes.
     DATA_DEPENDENT = frozenset({Op.NONZERO, Op.UNIQUE, Op.COMPRESS, Op.NON_MAX_SUPPRESSION})
     # The 19 ops of the GPU profile of seed 001.
@@ -286,7 +306,7 @@ class OpGroup(frozenset[Op], enum.Enum):
 _PRIMARY = (
     OpGroup.QUANTIZATION, OpGroup.CONVOLUTION, OpGroup.MATMUL_LIKE, OpGroup.POOLING,
     OpGroup.NORMALIZATION, OpGroup.REDUCTION, OpGroup.ELEMENTWISE, OpGroup.SHAPE,
-    OpGroup.INDEXING, OpGroup.MEMORY,
+    OpGroup.INDEXING, OpGroup.MEMORY, OpGroup.CLASSICAL_ML,
 )
 
 

@@ -159,6 +159,8 @@ def _on_backend(backend: Backend, x: np.ndarray | None, make_strided: bool) -> A
         # same data, non-contiguous on the backend's own device.
         wide = np.zeros((*x.shape[:-1], 2 * x.shape[-1]), dtype=x.dtype)
         wide[..., ::2] = x
+        if x.dtype == object and backend.xp is np:
+            return wide[..., ::2]      # strings are host object arrays: no device copy
         return backend.to_device(wide)[..., ::2]
     return x if backend.xp is np else backend.to_device(x)
 

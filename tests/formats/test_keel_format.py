@@ -138,6 +138,21 @@ def test_attributes_strings_and_dtypes_round_trip(tmp_path: Path) -> None:
     assert list(back.initializers["names"]) == ["a", "bc"]
 
 
+def test_a_graph_without_weights_round_trips(tmp_path: Path) -> None:
+    """A tree ensemble keeps everything in attributes: the file has no data section."""
+    strings = [b"red", b"green"]
+    nodes = [helper.make_node("LabelEncoder", ["x"], ["y"], domain="ai.onnx.ml",
+                              keys_strings=strings, values_int64s=[3, 4], default_int64=-1)]
+    m = helper.make_model(
+        helper.make_graph(nodes, "g", [vi("x", [2], TensorProto.STRING)],
+                          [vi("y", [2], TensorProto.INT64)]),
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 2)])
+    save_keel(import_onnx(m), tmp_path / "m.keel")
+    back = load_keel(tmp_path / "m.keel")
+    assert list(back.nodes[0].attrs["keys"]) == ["red", "green"]
+    np.testing.assert_array_equal(back.nodes[0].attrs["values"], [3, 4])
+
+
 def test_write_is_atomic(tmp_path: Path) -> None:
     target = tmp_path / "m.keel"
     save_keel(_graph("resnet_block"), target)

@@ -513,10 +513,14 @@ KEEL_ONLY = {Op.SUM_ALL, Op.MEAN_ALL, Op.DOT, Op.CONV2D, Op.INDEX, Op.COPY, Op.F
 
 
 def test_every_keel_op_that_onnx_has_is_mapped() -> None:
+    from keel.graph.importers.onnx_ml import ML_CONVERTED, ML_DIRECT, ML_TABLE
+
     mapped = set()
     for op_type in TABLE.op_types():
         for ops in _ops_emitted(op_type):
             mapped |= ops
+    mapped |= {op for op, _ in ML_DIRECT.values()} | set(ML_CONVERTED.values())
+    assert set(ML_DIRECT) | set(ML_CONVERTED) <= set(ML_TABLE.op_types())
     assert set(Op) - KEEL_ONLY <= mapped
 
 

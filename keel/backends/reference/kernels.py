@@ -14,7 +14,7 @@ TABLE = KernelTable("reference")
 FAMILIES = (
     "elementwise", "memory", "reduction", "shape", "indexing", "matmul", "conv",
     "pooling", "normalization", "resize", "quantization",
-    "loss", "attention", "vision", "signal", "recurrent", "numeric",
+    "loss", "attention", "vision", "signal", "recurrent", "numeric", "ml", "trees",
 )
 
 

@@ -31,7 +31,8 @@ from keel.errors import (
     UnsupportedOperationError,
     VerificationError,
 )
-from keel.graph.importers.onnx_context import ImportContext, OnnxNode, onnx_schema
+from keel.graph.importers.onnx_context import Converter, ImportContext, OnnxNode, onnx_schema
+from keel.graph.importers.onnx_ml import ML_DOMAIN, ML_TABLE
 from keel.graph.importers.onnx_ops import TABLE
 from keel.graph.importers.onnx_tensors import element_dtype, tensor_to_array
 from keel.graph.ir import Graph, Value
@@ -133,7 +134,8 @@ class _Importer:
         self.model = model
         self.g = model.graph
         self.base_dir = base_dir
-        self.opset = _default_opset(model)
+        self.ml_opset = _ml_opset(model)
+        self.opset = _default_opset(model, self.ml_opset is not None)
 
     def run(self) -> Graph:
         initializers = self._initializers()
@@ -143,7 +145,8 @@ class _Importer:
         self._check_definitions(nodes, inputs, initializers)
         nodes = _toposort(nodes, {v.name for v in inputs} | set(initializers))
         overridable = {v.name for v in inputs if v.name in initializers}
-        ctx = ImportContext(self.opset, declared, overridable)
+        ctx = ImportContext(self.opset, declared, overridable,
+                            domain_opsets={ML_DOMAIN: self.ml_opset or 0})
         self._seed(ctx, inputs, initializers, nodes)
         for node in nodes:
             _convert(ctx, node)
@@ -292,8 +295,10 @@ class _Importer:
         return meta
 
 
-def _default_opset(model: Any) -> int:
+def _default_opset(model: Any, has_ml: bool = False) -> int:
     versions = [int(o.version) for o in model.opset_import if o.domain in _DEFAULT_DOMAINS]
+    if not versions and has_ml:
+        return max_opset()    # an ai.onnx.ml-only model: no default-domain node to version
     if not versions:
         raise ModelFormatError("model imports no default-domain (ai.onnx) opset")
     opset, newest = max(versions), max_opset()
@@ -302,6 +307,12 @@ def _default_opset(model: Any) -> int:
             f"model uses opset {opset}; keel imports opsets {MIN_OPSET} to {newest}"
         )
     return opset
+
+
+def _ml_opset(model: Any) -> int | None:
+    """The model's ``ai.onnx.ml`` opset, None when it imports none."""
+    versions = [int(o.version) for o in model.opset_import if o.domain == ML_DOMAIN]
+    return max(versions) if versions else None
 
 
 def _check_name(name: str, what: str) -> None:
@@ -420,10 +431,14 @@ def _convert(ctx: ImportContext, n: OnnxNode) -> None:
     if n.domain == KEEL_DOMAIN:
         _convert_keel(ctx, n)
         return
-    if n.domain not in _DEFAULT_DOMAINS:
+    converter: Converter | None
+    if n.domain == ML_DOMAIN:
+        converter = _ml_converter(ctx, n)
+    elif n.domain not in _DEFAULT_DOMAINS:
         raise ctx.unsupported(f"custom domain {n.domain!r} (keel reads the default ONNX "
-                              f"domain and {KEEL_DOMAIN!r})")
-    converter = TABLE.lookup(n.op_type, ctx.opset)
+                              f"domain, {ML_DOMAIN!r} and {KEEL_DOMAIN!r})")
+    else:
+        converter = TABLE.lookup(n.op_type, ctx.opset)
     if converter is None:
         raise _no_converter(ctx, n)
     _check_onnx_arity(ctx, n)
@@ -432,7 +447,7 @@ def _convert(ctx: ImportContext, n: OnnxNode) -> None:
 
 def _check_onnx_arity(ctx: ImportContext, n: OnnxNode) -> None:
     """The node's input and output counts fit the ONNX op (converters rely on it)."""
-    schema = onnx_schema(n, ctx.opset)
+    schema = onnx_schema(n, ctx.opset_of(n.domain))
     if schema is None:
         return
     for what, count, lo, hi in (("inputs", len(n.inputs), schema.min_input, schema.max_input),
@@ -443,6 +458,24 @@ def _check_onnx_arity(ctx: ImportContext, n: OnnxNode) -> None:
                               f"{lo}..{hi}")
     if any(not o for o in n.outputs[:schema.min_output]):
         raise ctx.invalid("a required output has no name")
+
+
+def _ml_converter(ctx: ImportContext, n: OnnxNode) -> Converter:
+    opset = ctx.opset_of(ML_DOMAIN)
+    if not opset:
+        raise ModelFormatError(f"node {n.name!r} ({n.op_type}) is in {ML_DOMAIN}, which the "
+                               "model does not import (no opset_import entry)")
+    converter = ML_TABLE.lookup(n.op_type, opset)
+    if converter is not None:
+        return converter
+    versions = ML_TABLE.versions(n.op_type)
+    if onnx_schema(n, opset) is None:
+        raise ModelFormatError(f"node {n.name!r}: {n.op_type!r} is not an operator of "
+                               f"{ML_DOMAIN} opset {opset}")
+    if versions:
+        raise ctx.unsupported(f"keel implements {ML_DOMAIN} versions {versions}; the model's "
+                              f"{ML_DOMAIN} opset is {opset}")
+    raise ctx.unsupported(f"keel has no implementation of this {ML_DOMAIN} operator")
 
 
 def _no_converter(ctx: ImportContext, n: OnnxNode) -> KeelError:
@@ -471,7 +504,7 @@ def _convert_keel(ctx: ImportContext, n: OnnxNode) -> None:
     ctx.emit(op, n.inputs, n.outputs, n.attrs)
 
 
-def supported_op_types() -> list[str]:
-    """Every ONNX op_type the importer converts (default domain)."""
-    return TABLE.op_types()
+def supported_op_types(domain: str = "") -> list[str]:
+    """Every ONNX op_type the importer converts in ``domain`` (default: ai.onnx)."""
+    return ML_TABLE.op_types() if domain == ML_DOMAIN else TABLE.op_types()
 

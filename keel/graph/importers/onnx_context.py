@@ -99,8 +99,10 @@ class ImportContext:
     """What a converter may read and write while one ONNX graph is imported."""
 
     def __init__(self, opset: int, declared: Mapping[str, TensorType],
-                 overridable: Iterable[str]) -> None:
+                 overridable: Iterable[str], *,
+                 domain_opsets: Mapping[str, int] | None = None) -> None:
         self.opset = opset
+        self.domain_opsets = dict(domain_opsets or {})
         self.nodes: list[Node] = []
         self.initializers: dict[str, np.ndarray] = {}
         self.state = Propagation()
@@ -113,6 +115,11 @@ class ImportContext:
         self._emitted = 0
 
     # ---- reading -------------------------------------------------------
+    def opset_of(self, domain: str) -> int:
+        """The model's opset of ``domain`` (the default domain's for "" and "ai.onnx")."""
+        return self.domain_opsets.get(domain, self.opset) if domain not in ("", "ai.onnx") \
+            else self.opset
+
     def type_of(self, name: str) -> TensorType | None:
         return self.state.types.get(name) if name else None
 
@@ -246,11 +253,11 @@ class ImportContext:
         return value
 
     def _onnx_knows(self, key: str) -> bool:
-        schema = onnx_schema(self.current, self.opset)
+        schema = onnx_schema(self.current, self.opset_of(self.current.domain))
         return schema is not None and key in schema.attributes
 
     def _is_default(self, key: str, value: Any) -> bool:
-        default = onnx_default(self.current, self.opset, key)
+        default = onnx_default(self.current, self.opset_of(self.current.domain), key)
         return default is not _NO_DEFAULT and _same(value, default)
 
     def _infer(self, node: Node) -> None:

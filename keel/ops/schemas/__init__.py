@@ -8,6 +8,7 @@ from keel.ops.schemas import (  # noqa: F401
     loss,
     matmul,
     memory,
+    ml,
     normalization,
     numeric,
     pooling,
@@ -17,5 +18,6 @@ from keel.ops.schemas import (  # noqa: F401
     resize,
     shape,
     signal,
+    trees,
     vision,
 )

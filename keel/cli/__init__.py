@@ -1,7 +1,9 @@
 """keel's command-line interface: one module per subcommand.
 
 Each subcommand module defines ``register(app)``. Errors keel raises on
-purpose print as one line on stderr and exit with status 2.
+purpose print as one line on stderr (or, under ``--json``, as a JSON error
+object on stdout) and exit with status 2; ``keel validate`` exits 1 when the
+model ran and an output did not match (see :mod:`keel.cli.common`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import sys
 
 import typer
 
+import keel
+from keel.cli.common import EXIT_FAILED, report_error
 from keel.errors import KeelError
 
 __all__ = ["app", "main"]
@@ -26,14 +30,50 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+
+def _show_version(value: bool) -> None:
+    if value:
+        typer.echo(f"keel {keel.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_show_version, is_eager=True,
+                                 help="Print keel's version and exit."),
+) -> None:
+    """keel: probe the machine, plan where work runs and why, run ONNX models."""
+
+
 for _name in SUBCOMMANDS:
     importlib.import_module(f"keel.cli.{_name}").register(app)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of the ``keel`` console script."""
+    """Entry point of the ``keel`` console script: exit 0, 1 (did not match) or 2 (failed)."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    as_json = "--json" in args
     try:
-        app(args=argv, prog_name="keel", standalone_mode=True)
+        code = app(args=args, prog_name="keel", standalone_mode=False)
     except KeelError as exc:
-        typer.echo(f"keel: error: {exc}", err=True)
-        sys.exit(2)
+        report_error(type(exc).__name__, str(exc), as_json)
+        sys.exit(EXIT_FAILED)
+    except typer.TyperException as exc:  # usage errors: unknown option, missing argument...
+        _usage_error(exc, as_json)
+    except typer.Abort:
+        report_error("Aborted", "aborted", as_json)
+        sys.exit(EXIT_FAILED)
+    if isinstance(code, int) and code:
+        sys.exit(code)
+
+
+def _usage_error(exc: typer.TyperException, as_json: bool) -> None:
+    if as_json:
+        report_error("UsageError", exc.format_message(), as_json)
+    else:
+        show = getattr(exc, "show", None)       # click's usage message, with the help hint
+        if callable(show):
+            show()
+        else:
+            typer.echo(f"Error: {exc.format_message()}", err=True)
+    sys.exit(EXIT_FAILED if exc.exit_code else 0)

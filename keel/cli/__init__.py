@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import traceback
 
 import typer
 
@@ -62,6 +63,10 @@ def main(argv: list[str] | None = None) -> None:
         _usage_error(exc, as_json)
     except typer.Abort:
         report_error("Aborted", "aborted", as_json)
+        sys.exit(EXIT_FAILED)
+    except Exception as exc:  # not raised on purpose: a bug; still "could not run", never 1
+        traceback.print_exc()
+        report_error("InternalError", f"{type(exc).__name__}: {exc}", as_json)
         sys.exit(EXIT_FAILED)
     if isinstance(code, int) and code:
         sys.exit(code)

@@ -68,8 +68,7 @@ def main(argv: list[str] | None = None) -> None:
         traceback.print_exc()
         report_error("InternalError", f"{type(exc).__name__}: {exc}", as_json)
         sys.exit(EXIT_FAILED)
-    if isinstance(code, int) and code:
-        sys.exit(code)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 def _usage_error(exc: typer.TyperException, as_json: bool) -> None:

@@ -191,8 +191,7 @@ class ExecutionPlan:
                          f"({self.peak_bytes} bytes)")
         if self.chunk_size_hint is not None:
             lines.append(f"chunk size hint: {self.chunk_size_hint}")
-        for r in self.reasons:
-            lines += textwrap.wrap(r, width - 1, initial_indent="- ", subsequent_indent="  ")
+        lines += [f"- {r}" for r in self.reasons]     # whole lines: searched, copied
         return "\n".join(lines)
 
     def node_plans(self) -> str:

@@ -193,7 +193,7 @@ def test_the_plan_table_reads_at_80_columns(cnn: str) -> None:
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     table = lines[lines.index(next(ln for ln in lines if ln.startswith("node "))):
-                  lines.index(next(ln for ln in lines if ln.startswith("arenas:")))]
+                  lines.index(next(ln for ln in lines if ln.startswith("device copies:")))]
     assert all(len(ln) <= 80 for ln in table), max(table, key=len)
     why = [ln for ln in table if ln.startswith("    why: ")]
     assert len(why) == 2      # each node's reason under its row

@@ -84,7 +84,10 @@ def validate(
                               help=f"{', '.join(OPTIMIZATION_LEVELS)}."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
-    """Compare keel's outputs with onnxruntime's or keel's reference backend."""
+    """Compare keel's outputs with onnxruntime's or keel's reference backend.
+
+    Exit status 0: all outputs within the tolerance; 1: one is not; 2: it could not run.
+    """
     if against not in ORACLES:
         raise InvalidArgumentError(f"--against {against!r} is not allowed; use one of "
                                    f"{', '.join(ORACLES)}")

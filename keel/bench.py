@@ -29,6 +29,8 @@ __all__ = [
     "Measurement",
     "ModelReport",
     "bench_model",
+    "check_dims",
+    "concrete_shape",
     "peak_rss_delta",
     "random_feeds",
 ]
@@ -45,6 +47,7 @@ class BenchConfig:
     min_iters: int = 3
     backend: str = "cpu"
     vs: str | None = "onnxruntime"
+    dims: tuple[tuple[str, int], ...] = ()   # sizes of named symbolic dimensions (--dim)
 
 
 @dataclass(frozen=True)
@@ -75,15 +78,36 @@ class ModelReport:
         return json.dumps(self.to_dict(), indent=2)
 
 
-def random_feeds(inputs: Sequence[Any], batch: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random feeds for keel ``TensorInfo`` inputs; symbolic dims take ``batch`` (first) or 1."""
+def concrete_shape(shape: Sequence[Any] | None, batch: int,
+                   dims: Mapping[str, int] | None = None) -> tuple[int, ...]:
+    """``shape`` with its symbolic dimensions sized: a name in ``dims`` takes its value,
+    any other unknown takes ``batch`` when first, else 1."""
+    sizes = dims or {}
+    return tuple(d if isinstance(d, int)
+                 else sizes[d] if isinstance(d, str) and d in sizes
+                 else (batch if i == 0 else 1)
+                 for i, d in enumerate(shape or ()))
+
+
+def check_dims(inputs: Sequence[Any], dims: Mapping[str, int]) -> None:
+    """Refuse a ``--dim`` name that no input's shape carries, naming the ones it does."""
+    known = list(dict.fromkeys(d for info in inputs for d in (info.shape or ())
+                               if isinstance(d, str)))
+    unknown = [name for name in dims if name not in known]
+    if unknown:
+        raise InvalidArgumentError(
+            f"--dim {unknown[0]!r} is not a symbolic dimension of this model; its symbolic "
+            f"dimensions are: {', '.join(known) or 'none'}")
+
+
+def random_feeds(inputs: Sequence[Any], batch: int, seed: int = 0,
+                 dims: Mapping[str, int] | None = None) -> dict[str, np.ndarray]:
+    """Random feeds for keel ``TensorInfo`` inputs; symbolic dims take their ``dims``
+    value, else ``batch`` (first) or 1."""
     rng = np.random.default_rng(seed)
     feeds: dict[str, np.ndarray] = {}
     for info in inputs:
-        shape = tuple(
-            d if isinstance(d, int) else (batch if i == 0 else 1)
-            for i, d in enumerate(info.shape)
-        )
+        shape = concrete_shape(info.shape, batch, dims)
         dtype = np.dtype(info.dtype.numpy if hasattr(info.dtype, "numpy") else info.dtype)
         if dtype.kind in "iu":
             feeds[info.name] = rng.integers(0, 100, size=shape).astype(dtype)
@@ -155,8 +179,13 @@ def bench_model(
             ort_sess, ort_load = _timed_load(
                 functools.partial(_ort_session, model, threads, config.backend))
             report.load_ms.setdefault("onnxruntime", ort_load)
+        check_dims(keel_model.inputs, dict(config.dims))
         for batch in config.batches:
-            feeds = dict(feeds_for(batch) if feeds_for else random_feeds(keel_model.inputs, batch))
+            feeds = dict(feeds_for(batch) if feeds_for
+                         else random_feeds(keel_model.inputs, batch, dims=dict(config.dims)))
+            if config.dims:
+                shapes = ", ".join(f"{k}={tuple(v.shape)}" for k, v in feeds.items())
+                report.notes.append(f"batch {batch}, {threads} thread(s): inputs {shapes}")
             if progress:
                 progress(f"{name}: batch {batch}, {threads} thread(s)")
             _bench_pair(report, keel_model, ort_sess, feeds, batch, threads, config)

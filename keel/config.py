@@ -26,8 +26,8 @@ from keel.errors import InvalidArgumentError
 
 __all__ = [
     "BACKEND_NAMES", "DEFAULT_BUILD_TIMEOUT_S", "DEFAULT_SPIN_US", "HINTS", "POLICY_FIELDS",
-    "PRECISIONS", "Settings",
-    "cache_dir", "format_bytes", "parse_bytes", "reload_settings", "settings",
+    "PRECISIONS", "Settings", "cache_dir", "format_bytes", "format_limit", "parse_bytes",
+    "reload_settings", "settings",
 ]
 
 BACKEND_NAMES = ("auto", "gpu", "cpu", "reference")
@@ -78,6 +78,16 @@ def format_bytes(n: int | float | None) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     return f"{size:.1f} TiB"
+
+
+def format_limit(n: int) -> str:
+    """A size the user gave (a memory limit), in the unit family they likely used:
+    ``512MB`` (512000000 bytes) is ``512 MB``, ``512MiB`` is ``512.0 MiB``."""
+    for power, unit in ((4, "TB"), (3, "GB"), (2, "MB"), (1, "kB")):
+        decimal, binary = 1000 ** power, 1024 ** power
+        if n >= decimal and n % decimal == 0 and n % binary != 0:
+            return f"{n // decimal} {unit}"
+    return format_bytes(n)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -75,9 +76,12 @@ def _entry(registry: BackendRegistry, name: str, chain: list[str]) -> dict[str, 
 
 
 def _table(report: dict[str, Any]) -> Table:
-    table = Table(title="keel backends, in priority order: " + " → ".join(report["priority"]))
-    for col in ("backend", "device", "ok", "ops", "seed 001", "threads", "simd", "memory"):
+    table = Table(title="keel backends, in priority order: " + " → ".join(report["priority"]),
+                  box=box.SIMPLE_HEAD)
+    for col in ("backend", "device", "ok", "ops", "gpu ops", "threads", "simd", "memory"):
         table.add_column(col, no_wrap=True)
+    table.caption = ("ops: keel ops it runs, of all; gpu ops: of the ops every GPU backend "
+                     "must run (seed 001's GPU profile)")
     for e in report["backends"]:
         cov = e["coverage"]
         table.add_row(

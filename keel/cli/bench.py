@@ -10,6 +10,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from keel.bench import BenchConfig, ModelReport, bench_model
+from keel.cli.common import parse_dims
 from keel.errors import InvalidArgumentError, ModelFormatError
 
 __all__ = ["register"]
@@ -34,7 +35,10 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
 def bench(
     model: Path = typer.Argument(..., help="ONNX or .keel model file."),
     vs: str = typer.Option("", "--vs", help="Compare with: onnxruntime."),
-    batch: str = typer.Option("1,32", "--batch", help="Batch sizes, comma separated."),
+    batch: str = typer.Option("1,32", "--batch",
+                              help="Batch sizes (the symbolic first dimension), comma separated."),
+    dims: list[str] = typer.Option([], "--dim",
+                                   help="NAME=VALUE: size of a symbolic dimension (repeatable)."),
     threads: str = typer.Option("1", "--threads", help="Thread counts, comma separated."),
     backend: str = typer.Option("cpu", "--backend", help="keel backend to time."),
     passes: int = typer.Option(5, "--passes", min=1, help="Alternating passes."),
@@ -45,7 +49,8 @@ def bench(
     if not model.is_file():
         raise ModelFormatError(f"model file {str(model)!r} does not exist")
     config = BenchConfig(batches=_ints(batch, "--batch"), threads=_ints(threads, "--threads"),
-                         passes=passes, backend=backend, vs=vs or None)
+                         passes=passes, backend=backend, vs=vs or None,
+                         dims=tuple(parse_dims(dims).items()))
     data = model.read_bytes()
     console = Console(stderr=True)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),

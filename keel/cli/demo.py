@@ -8,6 +8,8 @@ placement and the reasons behind it.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import statistics
 import time
 from dataclasses import dataclass
@@ -85,15 +87,35 @@ def _median_ms(fn: Any, repeats: int) -> float:
     return statistics.median(times)
 
 
-def demo_command() -> None:
+def demo_command(
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
     """Probe this machine, plan for it, then run the bundled digits model on every backend."""
-    console = Console()
     profile = probe()
+    runtime_plan = plan_runtime(profile, RuntimePolicy.resolve(), local=True)
+    results, auto_model = run_demo()
+    skipped = {k: v.reason for k, v in default_registry().report().items() if not v.available}
+    if as_json:
+        typer.echo(json.dumps({
+            "hardware": json.loads(profile.to_json()),
+            "runtime": runtime_plan.to_dict(),
+            "results": [dataclasses.asdict(r) for r in results],
+            "unavailable": skipped,
+            "plan": auto_model.plan.to_dict(),
+        }, indent=2))
+        return
+    console = Console()
     print_profile(console, profile, notes=False)
     console.print()
-    print_plan(console, plan_runtime(profile, RuntimePolicy.resolve(), local=True))
+    print_plan(console, runtime_plan)
     console.print()
-    results, auto_model = run_demo()
+    console.print(_results_table(results, skipped))
+    console.print()
+    typer.echo("placement chosen in auto mode, and why:")
+    typer.echo(auto_model.explain())
+
+
+def _results_table(results: list[DemoResult], skipped: dict[str, str]) -> Table:
     _, x, _ = load_demo_data()
     table = Table(title=f"bundled digits classifier: {len(x)} held-out samples")
     for col in ("backend", "accuracy", f"batch {len(x)} median ms", "batch 1 median ms"):
@@ -104,10 +126,6 @@ def demo_command() -> None:
         else:
             table.add_row(r.backend, f"{r.accuracy:.1%}", f"{r.median_ms:.3f}",
                           f"{r.batch1_ms:.3f}")
-    skipped = {k: v.reason for k, v in default_registry().report().items() if not v.available}
     for name, why in skipped.items():
         table.add_row(name, "-", "-", escape(f"unavailable: {why}"))
-    console.print(table)
-    console.print()
-    typer.echo("placement chosen in auto mode, and why:")
-    typer.echo(auto_model.explain())
+    return table

@@ -48,6 +48,9 @@ def _check_model(model: Path) -> None:
 
 
 def _table(drop: Drop) -> Table:
+    """The model and the drop's files first; the profile's runtime-manager backends and build
+    flags (rustc flags and feature gates, kept in the manifest for a native runtime build)
+    last, in their own section."""
     state = "written" if drop.created else "already present, identical"
     table = Table(title=f"keel drop {drop.drop_id} ({state})", show_header=False,
                   title_justify="left")
@@ -55,13 +58,15 @@ def _table(drop: Drop) -> Table:
     table.add_column("value", overflow="fold")
     m = drop.manifest
     for label, value in (
+        ("model", f"{m['model']['file']} ({m['model']['size_bytes']} bytes, "
+                  f"sha256 {m['model']['sha256'][:16]}…)"),
         ("profile", f"{drop.profile}: {m['description']}"),
         ("path", drop.path),
         ("files", ", ".join(drop.files)),
-        ("flags", " ".join(m["flags"])),
-        ("feature gates", ", ".join(m["feature_gates"])),
-        ("model", f"{m['model']['file']} ({m['model']['size_bytes']} bytes, "
-                  f"sha256 {m['model']['sha256'][:16]}…)"),
     ):
         table.add_row(label, value)
+    table.add_section()
+    table.add_row("runtime manager", ", ".join(m["primary_backends"]) or "-")
+    table.add_row("rustc flags", " ".join(m["flags"]) or "-")
+    table.add_row("feature gates", ", ".join(m["feature_gates"]) or "-")
     return table

@@ -1,11 +1,12 @@
 """``keel plan [MODEL] [--policy FILE] [--hardware FILE] [--hint HINT] [--json]``: where
 things run, and why.
 
-Without MODEL: the runtime plan (seed 000's selections, keel's engine, the
-target class) for this machine, or for a profile saved with ``keel probe
---json`` on another one. With MODEL: also the model's per-node plan and its
-adaptive plan (precision plan, streams, chunks, telemetry), under the
-performance hint ``--hint latency|throughput`` (else the policy's).
+With MODEL: the model's per-node plan and its adaptive plan (precision plan,
+streams, chunks, telemetry), under the performance hint ``--hint
+latency|throughput`` (else the policy's). Without MODEL, or with ``--runtime``:
+the runtime plan (seed 000's runtime-manager selections: llama.cpp, the Python
+runtime, accelerators, keel's engine, the target class) for this machine, or
+for a profile saved with ``keel probe --json`` on another one.
 """
 
 from __future__ import annotations
@@ -42,9 +43,13 @@ def plan_command(
         None, "--hardware", help="Plan for a profile saved by `keel probe --json`."),
     hint: str | None = typer.Option(
         None, "--hint", help="Performance hint: latency or throughput (else the policy's)."),
+    runtime: bool = typer.Option(
+        False, "--runtime", help="With MODEL, also show the runtime-manager plan "
+                                 "(llama.cpp, Python runtime, accelerators)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
-    """Plan engines and runtimes for this machine (or a saved profile), with reasons."""
+    """Plan MODEL's nodes (where each runs and why); without MODEL, or with --runtime,
+    the runtime-manager plan for this machine (or a saved profile)."""
     runtime_policy = RuntimePolicy.resolve(policy)
     if hint is not None:
         runtime_policy = dataclasses.replace(runtime_policy, hint=check_hint(hint, "--hint"))
@@ -58,13 +63,17 @@ def plan_command(
             model_plan = loaded.plan.to_dict()
             adaptive = getattr(loaded, "adaptive_plan", None)
             model_plan["adaptive"] = None if adaptive is None else adaptive.to_dict()
-            data = {"runtime": data, "model": model_plan}
+            data = {"model": model_plan, "runtime": data}
         typer.echo(json.dumps(data, indent=2))
         return
     console = Console()
-    print_plan(console, runtime_plan)
     if loaded is not None:
         typer.echo(loaded.explain())
+    if loaded is None or runtime:
+        if loaded is not None:
+            console.print("runtime manager (llama.cpp, Python runtime, accelerators):",
+                          style="bold", highlight=False)
+        print_plan(console, runtime_plan)
 
 
 def _load(model: str, policy: RuntimePolicy, profile: HardwareProfile) -> Any:

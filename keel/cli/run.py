@@ -16,11 +16,14 @@ from rich.console import Console
 from rich.table import Table
 
 from keel._files import safe_file_name
+from keel.bench import check_dims, concrete_shape
+from keel.cli.common import parse_dims
 from keel.config import format_bytes
 from keel.errors import InvalidArgumentError, MemoryLimitError
 from keel.execution.model import Model, TensorInfo, load_model
 
-__all__ = ["load_inputs", "output_summary", "random_feeds", "register", "run"]
+__all__ = ["complete_feeds", "load_inputs", "output_summary", "random_feeds", "register",
+           "run"]
 
 
 def register(app: typer.Typer) -> None:
@@ -33,7 +36,10 @@ def run(
     random: bool = typer.Option(False, "--random", help="Random data for inputs not given."),
     backend: str = typer.Option("auto", "--backend", "-b", help="auto, cpu, reference, gpu…"),
     precision: str = typer.Option("auto", "--precision", help="auto, fp32, fp16, fp64…"),
-    batch: int = typer.Option(1, "--batch", help="Size of symbolic dimensions for --random."),
+    batch: int = typer.Option(1, "--batch",
+                              help="Size of a symbolic first dimension for --random."),
+    dims: list[str] = typer.Option([], "--dim",
+                                   help="NAME=VALUE: size of a symbolic dimension (repeatable)."),
     seed: int = typer.Option(0, "--seed", help="Seed for --random."),
     memory_limit: str | None = typer.Option(None, "--memory-limit", help="e.g. 512MB."),
     output_dir: Path | None = typer.Option(None, "--output-dir", "-o",
@@ -43,8 +49,7 @@ def run(
     """Run MODEL once and summarise its outputs (shape, dtype, range), latency and plan."""
     loaded = load_model(model, backend=backend, precision=precision, memory_limit=memory_limit)
     feeds = load_inputs(inputs)
-    feeds = _complete(loaded.inputs, feeds, random, batch, seed, _vocab(loaded),
-                      loaded.memory_limit)
+    feeds = complete_feeds(loaded, feeds, random, batch, seed, parse_dims(dims))
     start = time.perf_counter()
     outputs = loaded.predict(feeds)
     seconds = time.perf_counter() - start
@@ -74,8 +79,10 @@ def load_inputs(specs: Sequence[str]) -> dict[str, np.ndarray]:
 
 
 def random_feeds(infos: Sequence[TensorInfo], batch: int = 1, seed: int = 0,
-                 vocab: int | None = None, limit: int | None = None) -> dict[str, np.ndarray]:
-    """Seeded random inputs: symbolic first dimensions are ``batch``, other unknowns 1.
+                 vocab: int | None = None, dims: Mapping[str, int] | None = None,
+                 limit: int | None = None) -> dict[str, np.ndarray]:
+    """Seeded random inputs: a symbolic dimension named in ``dims`` takes its value, other
+    symbolic first dimensions are ``batch``, other unknowns 1.
 
     Inputs that would not fit in ``limit`` bytes (default: the memory available on this
     machine) are a :class:`MemoryLimitError` before anything is allocated.
@@ -84,7 +91,7 @@ def random_feeds(infos: Sequence[TensorInfo], batch: int = 1, seed: int = 0,
         raise InvalidArgumentError(f"--batch must be 0 or more, got {batch}")
     if seed < 0:
         raise InvalidArgumentError(f"--seed must be 0 or more, got {seed}")
-    shapes = {info.name: _random_shape(info, batch) for info in infos}
+    shapes = {info.name: concrete_shape(info.shape, batch, dims) for info in infos}
     _check_fits(infos, shapes, batch, limit)
     rng = np.random.default_rng(seed)
     feeds: dict[str, np.ndarray] = {}
@@ -132,15 +139,25 @@ def _vocab(model: Model) -> int | None:
     return int(value) if value and value.isdigit() else None
 
 
-def _complete(infos: Sequence[TensorInfo], feeds: dict[str, np.ndarray], random: bool,
-              batch: int, seed: int, vocab: int | None,
-              limit: int | None = None) -> dict[str, np.ndarray]:
+def complete_feeds(model: Model, feeds: dict[str, np.ndarray], random: bool, batch: int,
+                   seed: int, dims: Mapping[str, int]) -> dict[str, np.ndarray]:
+    """``feeds`` checked against the model's inputs, with random data for the missing ones
+    when ``random``; an unknown input or ``--dim`` name is an error naming the known ones."""
+    infos = model.inputs
+    names = [i.name for i in infos]
+    unknown = [name for name in feeds if name not in names]
+    if unknown:
+        raise InvalidArgumentError(
+            f"--input {unknown[0]!r}: the model has no input {unknown[0]!r}; its inputs are: "
+            f"{', '.join(names) or 'none'}")
+    check_dims(infos, dims)
     missing = [i for i in infos if i.name not in feeds]
     if missing and not random:
         raise InvalidArgumentError(
             f"input {missing[0].name!r} has no data; pass --input "
             f"{missing[0].name}=FILE.npy or --random")
-    return {**random_feeds(missing, batch, seed, vocab, limit), **feeds}
+    return {**random_feeds(missing, batch, seed, _vocab(model), dims, model.memory_limit),
+            **feeds}
 
 
 def output_summary(value: np.ndarray) -> dict[str, Any]:

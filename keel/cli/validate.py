@@ -9,22 +9,24 @@ graph order and names the first node whose outputs diverge.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from keel.cli.run import _complete, _vocab, load_inputs
-from keel.errors import BackendSelectionError, InvalidArgumentError
+from keel.cli.common import EXIT_MISMATCH, parse_dims
+from keel.cli.run import complete_feeds, load_inputs
+from keel.errors import BackendSelectionError, ExecutionError, InvalidArgumentError, KeelError
 from keel.execution.model import OPTIMIZATION_LEVELS, Model, load_model
 
-__all__ = ["Comparison", "compare", "first_divergence", "register", "validate"]
+__all__ = ["Comparison", "compare", "first_divergence", "onnx_bytes", "register", "validate"]
 
 ORACLES = ("onnxruntime", "reference")
+T = TypeVar("T")
 
 
 def register(app: typer.Typer) -> None:
@@ -72,7 +74,9 @@ def validate(
     backend: str = typer.Option("auto", "--backend", "-b", help="keel backend to check."),
     per_node: bool = typer.Option(False, "--per-node", help="Find the first diverging node."),
     inputs: list[str] = typer.Option([], "--input", "-i", help="NAME=FILE.npy (repeatable)."),
-    batch: int = typer.Option(1, "--batch", help="Size of symbolic dimensions."),
+    batch: int = typer.Option(1, "--batch", help="Size of a symbolic first dimension."),
+    dims: list[str] = typer.Option([], "--dim",
+                                   help="NAME=VALUE: size of a symbolic dimension (repeatable)."),
     seed: int = typer.Option(0, "--seed", help="Seed for random inputs."),
     rtol: float = typer.Option(1e-4, "--rtol"),
     atol: float = typer.Option(1e-5, "--atol"),
@@ -80,7 +84,10 @@ def validate(
                               help=f"{', '.join(OPTIMIZATION_LEVELS)}."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
-    """Compare keel's outputs with onnxruntime's or keel's reference backend."""
+    """Compare keel's outputs with onnxruntime's or keel's reference backend.
+
+    Exit status 0: all outputs within the tolerance; 1: one is not; 2: it could not run.
+    """
     if against not in ORACLES:
         raise InvalidArgumentError(f"--against {against!r} is not allowed; use one of "
                                    f"{', '.join(ORACLES)}")
@@ -88,15 +95,15 @@ def validate(
         if not value >= 0:  # also rejects NaN
             raise InvalidArgumentError(f"{flag} must be a non-negative number, got {value}")
     keel_model = load_model(model, backend=backend, optimization_level=level)
-    feeds = _complete(keel_model.inputs, load_inputs(inputs), True, batch, seed,
-                      _vocab(keel_model))
+    feeds = complete_feeds(keel_model, load_inputs(inputs), True, batch, seed,
+                           parse_dims(dims))
     report = validation_report(model, keel_model, feeds, against, per_node, rtol, atol, level)
     if as_json:
         typer.echo(json.dumps(report, indent=2))
     else:
         _print(report)
     if not report["ok"]:
-        raise typer.Exit(1)
+        raise typer.Exit(EXIT_MISMATCH)
 
 
 def validation_report(path: str, keel_model: Model, feeds: Mapping[str, np.ndarray],
@@ -130,8 +137,8 @@ class _Oracle:
     def outputs(self, feeds: Mapping[str, np.ndarray], names: list[str]) -> dict[str, Any]:
         if self.reference is not None:
             return self.reference.predict(feeds)
-        session = _ort_session(_read_bytes(self.path))
-        values = session.run(names, dict(feeds))
+        session = _ort_session(onnx_bytes(self.path))
+        values = _ort_call(lambda: session.run(names, dict(feeds)))
         return dict(zip(names, values, strict=True))
 
     def values(self, feeds: Mapping[str, np.ndarray]) -> tuple[dict[str, Any], list[Any]]:
@@ -139,7 +146,7 @@ class _Oracle:
         if self.reference is not None:
             nodes = [(n.name, n.op.value, list(n.outputs)) for n in self.reference.graph.nodes]
             return self.reference.intermediates(feeds), nodes
-        return _ort_intermediates(_read_bytes(self.path), feeds)
+        return _ort_intermediates(onnx_bytes(self.path), feeds)
 
 
 def first_divergence(model: Model, oracle: _Oracle, feeds: Mapping[str, np.ndarray],
@@ -167,12 +174,37 @@ def _plain(c: Comparison) -> dict[str, Any]:
     return data
 
 
-def _read_bytes(path: str) -> bytes:
+def onnx_bytes(path: str) -> bytes:
+    """The ONNX bytes onnxruntime is given for ``path``: the file itself, or a ``.keel``
+    file exported to ONNX (keel/graph/export.py) with keel's fused forms decomposed."""
+    from keel.formats.keel_format import is_keel_file, load_keel
+
+    if not is_keel_file(path):
+        try:
+            with open(path, "rb") as fh:
+                return fh.read()
+        except OSError as exc:
+            raise InvalidArgumentError(f"cannot read {path!r}: {exc.strerror}") from None
+    from keel.graph.export import to_onnx
+    from keel.graph.importers.onnx import KEEL_DOMAIN
+
+    proto = to_onnx(load_keel(path))
+    if any(o.domain == KEEL_DOMAIN for o in proto.opset_import):
+        raise InvalidArgumentError(
+            f"{path!r} uses keel ops with no ONNX spelling (domain {KEEL_DOMAIN}), which "
+            f"onnxruntime cannot run; validate it with --against reference")
+    return bytes(proto.SerializeToString())
+
+
+def _ort_call(call: Callable[[], T]) -> T:
+    """``call()``, with onnxruntime's own failures turned into one-line keel errors."""
     try:
-        with open(path, "rb") as fh:
-            return fh.read()
-    except OSError as exc:
-        raise InvalidArgumentError(f"cannot read {path!r}: {exc.strerror}") from None
+        return call()
+    except KeelError:
+        raise
+    except Exception as exc:  # onnxruntime raises its own exception types
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ExecutionError(f"onnxruntime could not run the model: {first}") from None
 
 
 def _ort_session(model_bytes: bytes) -> Any:
@@ -184,8 +216,8 @@ def _ort_session(model_bytes: bytes) -> Any:
         ) from None
     options = onnxruntime.SessionOptions()
     options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
-    return onnxruntime.InferenceSession(model_bytes, options,
-                                        providers=["CPUExecutionProvider"])
+    return _ort_call(lambda: onnxruntime.InferenceSession(
+        model_bytes, options, providers=["CPUExecutionProvider"]))
 
 
 def _ort_intermediates(model_bytes: bytes, feeds: Mapping[str, np.ndarray],
@@ -206,7 +238,8 @@ def _ort_intermediates(model_bytes: bytes, feeds: Mapping[str, np.ndarray],
                 present.add(out)
     session = _ort_session(proto.SerializeToString())
     names = [o.name for o in session.get_outputs()]
-    return dict(zip(names, session.run(names, dict(feeds)), strict=True)), nodes
+    values = _ort_call(lambda: session.run(names, dict(feeds)))
+    return dict(zip(names, values, strict=True)), nodes
 
 
 def _print(report: Mapping[str, Any]) -> None:

@@ -41,7 +41,7 @@ from keel._files import check_path, safe_file_name
 from keel._fork import renew_after_fork, reset_after_fork
 from keel.backends.base import Backend, DeviceKind
 from keel.backends.registry import BackendRegistry, default_registry
-from keel.config import BACKEND_NAMES, PRECISIONS, format_bytes, parse_bytes, settings
+from keel.config import BACKEND_NAMES, PRECISIONS, format_bytes, format_limit, parse_bytes, settings
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError, MemoryLimitError
 from keel.execution import plan_cache as _plan_cache
@@ -391,7 +391,7 @@ class Model:
         memory; every node plan's fields with their reasons; once the plan has run, how
         its program sized the BLAS threads and why."""
         plan = self.plan
-        limit = "none" if self._memory_limit is None else format_bytes(self._memory_limit)
+        limit = "none" if self._memory_limit is None else format_limit(self._memory_limit)
         shapes = ", ".join(f"{k}={v}" for k, v in plan.input_shapes.items()) or "none"
         head = [
             f"model {self.name!r}: backend {self._backend}, precision {self._precision}, "
@@ -406,7 +406,10 @@ class Model:
                         if plan in (p.plan, p.shown) and p.program is not None), None)
         if program is not None:
             head += [f"{name} threads: {why}" for name, why in program.scope_reasons.items()]
-        memory = plan.memory_plan.report() if plan.memory_plan is not None else ""
+        # plan.table() already states the peak: the memory report adds where it lives.
+        memory = "" if plan.memory_plan is None else "\n".join(
+            line for line in plan.memory_plan.report().splitlines()
+            if not line.startswith("peak memory"))
         return "\n".join([*head, "", plan.table(), "", memory, "", "node plans:",
                           plan.node_plans()]).rstrip() + "\n"
 
@@ -735,7 +738,7 @@ class Model:
         limit = self._memory_limit
         if batch is None and limit is not None and planned.plan.peak_bytes > limit:
             raise MemoryLimitError(
-                f"memory limit {format_bytes(limit)} ({limit} bytes) cannot be met: the plan "
+                f"memory limit {format_limit(limit)} ({limit} bytes) cannot be met: the plan "
                 f"needs a peak of {format_bytes(planned.plan.peak_bytes)} "
                 f"({planned.plan.peak_bytes} bytes) and the inputs share no batch dimension "
                 "to split into chunks",

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
-from keel.config import HINTS, format_bytes
+from keel.config import HINTS, format_bytes, format_limit
 from keel.errors import InvalidArgumentError, MemoryLimitError
 
 __all__ = [
@@ -226,7 +226,7 @@ class AdaptivePlanner:
                     f": telemetry shows {format_bytes(free)} free on {plan.runtime}"))
         if fit < current:
             note = f"{where}; the chunk shrinks to {fit}, the largest that fits " \
-                   f"{format_bytes(limit)}"
+                   f"{format_limit(limit)}"
             return _resized(plan, fit, peak_of, limit, note)
         grown = min(fit, current * GROWTH_PER_BOUNDARY)
         if grown <= current:
@@ -236,7 +236,7 @@ class AdaptivePlanner:
             return replace(plan, reasons=(*plan.reasons, f"{where}; the chunk stays at "
                                           f"{current}: {slower}"))
         note = (f"{where}; {format_bytes(peak_of(grown))} for {grown} items fits "
-                f"{format_bytes(limit)}: the chunk grows from {current} to {grown}"
+                f"{format_limit(limit)}: the chunk grows from {current} to {grown}"
                 + (f" (measured {measured.describe()})" if measured is not None else ""))
         return _resized(plan, grown, peak_of, limit, note)
 
@@ -283,11 +283,11 @@ def plan_chunks(size: int, peak_of: PeakFn | None, limit: int | None,
         return max(size, 1), whole, f"no memory limit: one chunk (peak {format_bytes(whole)})"
     if whole <= limit:
         return max(size, 1), whole, (
-            f"peak {format_bytes(whole)} fits the limit {format_bytes(limit)}: one chunk")
+            f"peak {format_bytes(whole)} fits the limit {format_limit(limit)}: one chunk")
     smallest = peak_of(1)
     if smallest > limit:
         raise MemoryLimitError(
-            f"memory limit {format_bytes(limit)} ({limit} bytes) cannot be met: the plan "
+            f"memory limit {format_limit(limit)} ({limit} bytes) cannot be met: the plan "
             f"needs a peak of {format_bytes(smallest)} ({smallest} bytes) even one item at "
             f"a time ({format_bytes(whole)} for all {size} at once)",
             required_bytes=smallest, limit_bytes=limit,
@@ -297,7 +297,7 @@ def plan_chunks(size: int, peak_of: PeakFn | None, limit: int | None,
     n = -(-size // chunk)
     return chunk, peak, (
         f"peak {format_bytes(whole)} for {size} items exceeds the limit "
-        f"{format_bytes(limit)}: {n} chunks of up to {chunk} (peak {format_bytes(peak)})")
+        f"{format_limit(limit)}: {n} chunks of up to {chunk} (peak {format_bytes(peak)})")
 
 
 def _largest_fitting(size: int, peak_of: PeakFn, limit: int) -> int:

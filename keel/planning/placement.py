@@ -157,30 +157,42 @@ class ExecutionPlan:
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
-    def table(self) -> str:
-        """A fixed-width text table: one row per node, then copies, memory and reasons."""
-        header = ("node", "op", "backend", "variant", "layout", "threads", "precision",
-                  "reason")
+    def table(self, width: int | None = None) -> str:
+        """A fixed-width text table: one row per node (name, op, backend, variant, layout,
+        threads, precision) with its reason wrapped under the row, then copies, memory and
+        reasons. ``width`` defaults to the terminal's (``COLUMNS``), at least 60."""
+        import shutil
+        import textwrap
+
+        width = max(width or shutil.get_terminal_size((100, 24)).columns, 60)
+        header = ("node", "op", "backend", "variant", "layout", "threads", "precision")
+        caps = (28, 18, 10, 14, 10, 7, 9)
         rows = [(n.name, n.op, n.backend, n.variant, n.layout or "-",
-                 "-" if n.threads is None else str(n.threads), n.precision,
-                 n.reasons[0] if n.reasons else "") for n in self.nodes]
-        last = len(header) - 1
-        widths = [min(max([len(h)] + [len(r[i]) for r in rows]), 40 if i < last else 200)
-                  for i, h in enumerate(header)]
-        lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip(),
+                 "-" if n.threads is None else str(n.threads), n.precision) for n in self.nodes]
+        widths = [min(max([len(h)] + [len(r[i]) for r in rows]), cap)
+                  for i, (h, cap) in enumerate(zip(header, caps, strict=True))]
+
+        def cell(text: str, w: int) -> str:
+            return (text if len(text) <= w else text[:w - 1] + "…").ljust(w)
+
+        lines = ["  ".join(cell(h, w) for h, w in zip(header, widths, strict=True)).rstrip(),
                  "  ".join("-" * w for w in widths)]
-        lines += ["  ".join(c[:w].ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-                  for r in rows]
+        for node, row in zip(self.nodes, rows, strict=True):
+            lines.append("  ".join(cell(c, w) for c, w in zip(row, widths, strict=True)).rstrip())
+            if node.reasons:
+                lines += textwrap.wrap(node.reasons[0], width - 1, initial_indent="    why: ",
+                                       subsequent_indent="         ")
         lines.append("")
         lines.append(f"device copies: {len(self.copies)}")
         lines += [f"  {c.value}: {c.src} -> {c.dst} before {c.before or 'output'}"
                   for c in self.copies]
-        lines.append(f"peak memory: {format_bytes(self.peak_bytes)} ({self.peak_bytes} bytes)")
+        if not any(r.startswith("peak memory") for r in self.reasons):
+            lines.append(f"peak memory: {format_bytes(self.peak_bytes)} "
+                         f"({self.peak_bytes} bytes)")
         if self.chunk_size_hint is not None:
             lines.append(f"chunk size hint: {self.chunk_size_hint}")
-        lines += [f"- {r}" for r in self.reasons]
+        lines += [f"- {r}" for r in self.reasons]     # whole lines: searched, copied
         return "\n".join(lines)
-
 
     def node_plans(self) -> str:
         """Every node plan's fields, one line each with its value and its reason."""

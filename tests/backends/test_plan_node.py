@@ -119,7 +119,8 @@ def test_placement_stores_the_plan_and_the_program_binds_it(build: Any) -> None:
     text = model.explain()
     header = next(line for line in text.splitlines() if line.startswith("node "))
     assert header.split() == ["node", "op", "backend", "variant", "layout", "threads",
-                              "precision", "reason"]
+                              "precision"]                # each reason wraps under its row
+    assert "    why: " in text
     assert "node plans:" in text and "blas_threads:" in text and "workspace_bytes:" in text
 
 

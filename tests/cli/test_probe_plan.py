@@ -88,7 +88,9 @@ def test_probe_json_and_yaml_are_exclusive(capsys: pytest.CaptureFixture[str]) -
     with pytest.raises(SystemExit) as exit_info:
         main(["probe", "--json", "--yaml"])
     assert exit_info.value.code == 2
-    assert "--json and --yaml are exclusive" in capsys.readouterr().err
+    error = json.loads(capsys.readouterr().out)["error"]   # --json: the error is JSON too
+    assert error["code"] == "InvalidArgumentError"
+    assert "--json and --yaml are exclusive" in error["message"]
 
 
 def test_keel_backend_gpu_without_a_gpu_is_a_one_line_error() -> None:

@@ -2,7 +2,10 @@
 
 ``python tests/onnx_node/suite.py`` runs every case and rewrites
 ``known_failures.txt`` (one ``case: reason`` line per failing case, grouped by
-op); ``--backend reference`` or ``--report`` only print the counts.
+op), merging: a case still failing keeps the reason the file gives it, a case
+that now passes leaves the list, and a newly failing case gets the reason
+``UNEXPLAINED: <its error>``, which the test suite rejects until someone writes
+why it fails. ``--backend reference`` or ``--report`` only print the counts.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import numpy as np
 
 KNOWN_FAILURES = Path(__file__).with_name("known_failures.txt")
 BACKEND = "cpu"
+PLACEHOLDER = "UNEXPLAINED"     # the reason of a newly failing case, until one is written
 
 
 @functools.lru_cache(maxsize=1)
@@ -112,7 +116,20 @@ def run_all(backend: str = BACKEND) -> tuple[dict[str, str], dict[str, float]]:
     return failures, seconds
 
 
-def write_known_failures(failures: dict[str, str], total: int, backend: str) -> None:
+def merge_failures(known: dict[str, str], failures: dict[str, str]) -> dict[str, str]:
+    """The new list: every case in ``failures`` (``{case: error}`` of this run), with the
+    reason ``known`` gives it, else ``UNEXPLAINED: <error>``; cases that pass drop out."""
+    merged = {}
+    for name, error in failures.items():
+        reason = known.get(name, "")
+        merged[name] = (reason if reason and not reason.startswith(PLACEHOLDER)
+                        else f"{PLACEHOLDER}: {error}")
+    return merged
+
+
+def write_known_failures(failures: dict[str, str], total: int, backend: str,
+                         path: Path = KNOWN_FAILURES) -> None:
+    """Write ``{case: reason}`` to ``path``, grouped by op."""
     by_op: dict[str, list[str]] = defaultdict(list)
     ops = {c.name: op_of(c) for c in node_cases()}
     for name in sorted(failures):
@@ -120,14 +137,15 @@ def write_known_failures(failures: dict[str, str], total: int, backend: str) -> 
     lines = [
         f"# onnx node cases keel's {backend} backend does not pass: one 'case: reason' line each,",
         "# grouped by op. A listed case that passes fails the suite, so this list stays true.",
-        "# Regenerate with: python tests/onnx_node/suite.py",
+        "# Regenerate with: python tests/onnx_node/suite.py (it keeps these reasons; a newly",
+        f"# failing case gets '{PLACEHOLDER}: <error>', to replace with why it fails).",
         f"# {total - len(failures)} of {total} cases pass.",
     ]
     for op in sorted(by_op, key=str.lower):
         lines.append("")
         lines.append(f"## {op} ({len(by_op[op])})")
         lines += [f"{name}: {failures[name]}" for name in by_op[op]]
-    KNOWN_FAILURES.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,7 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     failures, seconds = run_all(args.backend)
     total = len(node_cases())
     if not args.report and args.backend == BACKEND:
-        write_known_failures(failures, total, args.backend)
+        known = load_known_failures()
+        merged = merge_failures(known, failures)
+        write_known_failures(merged, total, args.backend)
+        new = sorted(n for n, r in merged.items() if r.startswith(PLACEHOLDER))
+        print(f"{KNOWN_FAILURES.name}: {len(merged) - len(new)} reasons kept, "
+              f"{len(set(known) - set(merged))} passing cases removed, {len(new)} new "
+              f"failures marked {PLACEHOLDER}" + (f": {', '.join(new[:5])}" if new else ""))
     print(f"{total - len(failures)} / {total} pass on {args.backend} "
           f"in {time.perf_counter() - start:.1f} s")
     slow = sorted(seconds.items(), key=lambda kv: -kv[1])[:5]

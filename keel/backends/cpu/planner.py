@@ -243,6 +243,37 @@ def _dispatched(op: Op, request: PlanRequest, table: KernelTable) -> str | None:
     return None if name == "default" else name
 
 
+# ---- the program's BLAS threads ---------------------------------------------------------
+# A program gives BLAS more than one thread only when BLAS does at least this share of
+# its arithmetic. Between calls, OpenBLAS's workers spin for a while; where the native
+# kernels do most of the work on keel's own threads, those spinning workers take the
+# cores keel's threads need. Measured on the 2-core AMD EPYC, 2 threads, batch 32:
+# BERT-mini (BLAS: the attention products, ~8% of the work) 318 ms with BLAS on 2
+# threads against 208 ms with BLAS on 1; ResNet-18 (BLAS: the Winograd and im2col
+# convolutions, most of the work) 699 ms against 1027 ms.
+BLAS_SHARE_FOR_THREADS = 0.5
+
+
+def plan_program(threads: int, steps: Sequence[tuple[bool, float]]) -> tuple[int, str]:
+    """The BLAS thread count of a whole program under a cap of ``threads``, and why.
+
+    ``steps`` are (whether the step may call BLAS, its estimated work) for each step
+    the program runs on the cpu backend; work 0 everywhere (shapes unknown) counts as
+    all BLAS, the cautious side.
+    """
+    if threads <= 1:
+        return threads, f"BLAS on {threads} thread: the program's cap"
+    total = sum(work for _, work in steps)
+    blas = sum(work for uses_blas, work in steps if uses_blas)
+    share = blas / total if total > 0 else 1.0
+    if share >= BLAS_SHARE_FOR_THREADS:
+        return threads, (f"BLAS on {threads} threads: BLAS kernels do {share:.0%} of the "
+                         f"work (>= {BLAS_SHARE_FOR_THREADS:.0%})")
+    return 1, (f"BLAS on 1 thread: BLAS kernels do {share:.0%} of the work; the native "
+               f"kernels split theirs over {threads} keel threads, and idle BLAS workers "
+               "would spin on the cores they need")
+
+
 # ---- the node plan ---------------------------------------------------------------------
 # Plans made, by request: the op-level path (Backend.run) asks for every call.
 _PLANS: dict[tuple[Any, ...], NodePlan] = {}
@@ -439,6 +470,27 @@ def native_form(geo: ConvGeometry) -> tuple[str, str]:
         return "gathered-stacked", (f"gathered-stacked: {pixels} pixels fill an image's "
                                     f"column panels less than {STACK_FILL:.0%}")
     return "gathered", "gathered: B gathered block by block from the (phase) image"
+
+
+# ---- the native GEMM's tall tiles -------------------------------------------------------
+# gemm.c runs a product in tall tiles (every row of C over one 16-column vector, B read
+# in place once; AVX-512 builds only) when the prepared call carries KEEL_TALL and its
+# operands fit (a packed A, a raw B of contiguous rows, no tables). Measured inside
+# MobileNetV2 at batch 32 on the 2-core AMD EPYC (Zen 4, AVX-512), 1 thread (ms, 8 x 32
+# tiles -> tall): projections 32 -> 16 on 112x112 8.43 -> 5.12, 96 -> 24 on 56x56 8.87
+# -> 4.58, 144 -> 32 on 28x28 3.87 -> 2.35, 576 -> 96 with the residual 10.11 -> 7.87;
+# expansions (depth below the rows) lost: 1.36x on 16 -> 96 on 112x112, 1.17x on 24 ->
+# 144 on 56x56. So: 9 to TALL_ROWS rows (one group of tiles), or up to TALL_MAX_ROWS
+# rows at a depth of at least twice the rows.
+TALL_MIN_ROWS = 9
+TALL_ROWS = 24
+TALL_MAX_ROWS = 256
+
+
+def tall_tiles(m: int, k: int) -> bool:
+    """Whether a native product of ``m`` rows and depth ``k`` runs in tall tiles (where
+    its operands fit them)."""
+    return TALL_MIN_ROWS <= m <= TALL_ROWS or (m <= TALL_MAX_ROWS and k >= 2 * m)
 
 
 # ---- the depthwise conv's form ---------------------------------------------------------

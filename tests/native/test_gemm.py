@@ -37,7 +37,7 @@ def _native_tier() -> Iterator[None]:
 @pytest.fixture
 def split_small(monkeypatch: pytest.MonkeyPatch) -> None:
     """Let even tiny products split over threads, so chunk edges fall anywhere."""
-    monkeypatch.setattr(ng, "_MIN_FLOPS_PER_THREAD", 1)
+    monkeypatch.setattr(cpu_planner, "MIN_FLOPS_PER_THREAD", 1)
 
 
 def _rand(rng: np.random.Generator, *shape: int) -> np.ndarray:

@@ -329,7 +329,7 @@ def matmul(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[A
     into the output and the epilogue in place."""
     state = ctx.prepacked
     if out is not None and state.__class__ is _Operands and _steady(state, inputs, attrs, out,
-                                                                   ctx.threads):
+                                                                   ctx):
         return [out[0]]
     xp = ctx.xp
     a, b = inputs[0], inputs[1]
@@ -384,7 +384,7 @@ def gemm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any
     output and the rest in place."""
     state = ctx.prepacked
     if out is not None and state.__class__ is _Operands and _steady(state, inputs, attrs, out,
-                                                                   ctx.threads):
+                                                                   ctx):
         return [out[0]]
     xp = ctx.xp
     a, b = inputs[0], inputs[1]
@@ -441,7 +441,6 @@ def _native(ctx: KernelContext, a: Any, a2: Any, b: Any, bt: Any, packed: _Opera
     cacheable = (packed is not _NOTHING and packed.native is not None and packed.rhs_src is b
                  and (addend is None or addend is packed.addend)
                  and (a2 is a or not a2.flags.owndata))
-    threads = ctx.threads or 1
     key = (id(a), _get_ident())
     hit = packed.calls.get(key) if cacheable else None
     run = None
@@ -463,15 +462,11 @@ def _native(ctx: KernelContext, a: Any, a2: Any, b: Any, bt: Any, packed: _Opera
             if len(packed.calls) >= _CALLS_PER_NODE:
                 packed.calls.clear()
             packed.calls[key] = run
-    return run.into(y, threads)
+    return run.into(y, ctx.threads or 1, _split(ctx))
 
 
 _get_ident = threading.get_ident
 
-
-# Outputs up to this many bytes of a fresh Y are computed into a kept buffer and
-# copied (~0.3 us) rather than the call retargeted to Y's address (~3 us).
-_HOLD_BYTES = 64 * 1024
 
 
 class _NativeRun:
@@ -504,7 +499,7 @@ class _NativeRun:
         a = hit.a_ref()
         if hit.hold is not None or y.dtype != np.float32 or not y.flags.c_contiguous:
             return None
-        if y.nbytes <= _HOLD_BYTES:
+        if y.nbytes <= planner.HOLD_BYTES:
             hold = np.empty(y.shape, np.float32)
             prepared = _prepare_native(a2, bt, packed, b, hold, addend, attrs, alpha, None)
             return None if prepared is None else _NativeRun(a, y, attrs, *prepared, hold=hold)
@@ -512,9 +507,10 @@ class _NativeRun:
                                                                   else 1))
         return None if call is None else _NativeRun(a, y, attrs, call, hit.rest, hit.after)
 
-    def into(self, y: Any, threads: int) -> bool:
+    def into(self, y: Any, threads: int, split: int) -> bool:
         """Compute into ``y`` (Y itself, or any C-contiguous float32 array of Y's shape
-        not overlapping A when the run writes its own buffer); False: not served."""
+        not overlapping A when the run writes its own buffer), the product split over
+        ``split`` threads and the activation over ``threads``; False: not served."""
         hold = self.hold
         target: Any
         if hold is None:
@@ -528,10 +524,10 @@ class _NativeRun:
             if a is None or np.may_share_memory(a, y):
                 return False
             target = hold
-        if threads == self.threads:
+        if split == self.threads:
             self.go()
         else:
-            self._run(threads)
+            self._run(split)
         rest = self.rest
         if rest is not None:
             np.add(target, rest, out=target)
@@ -543,8 +539,7 @@ class _NativeRun:
         return True
 
 
-def _steady(state: Any, inputs: Inputs, attrs: Attrs, out: Out, threads: int | None
-            ) -> bool:
+def _steady(state: Any, inputs: Inputs, attrs: Attrs, out: Out, ctx: KernelContext) -> bool:
     """Run a node's kept native product when these are the arrays it was prepared for
     (the steady state of a model); False: take the full path."""
     a = inputs[0]
@@ -552,7 +547,14 @@ def _steady(state: Any, inputs: Inputs, attrs: Attrs, out: Out, threads: int | N
     return (run is not None and run.a_ref() is a and run.attrs is attrs
             and inputs[1] is state.rhs_src
             and (inputs[2] if len(inputs) > 2 else None) is state.addend_src
-            and run.into(out[0], threads or 1))  # type: ignore[index]
+            and run.into(out[0], ctx.threads or 1, _split(ctx)))  # type: ignore[index]
+
+
+def _split(ctx: KernelContext) -> int:
+    """The threads the node's product splits over: its plan's (the cpu planner's, from
+    the product's flops), else the backend's (the GEMM then splits by the same rule)."""
+    plan = ctx.plan
+    return (plan.threads if plan is not None and plan.threads else ctx.threads) or 1
 
 
 _CALLS_PER_NODE = 8

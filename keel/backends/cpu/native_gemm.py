@@ -35,7 +35,8 @@ M x K x N                                  NumPy  native  onnxruntime
 =========================================  =====  ======  ===========
 
 A raw B of a single depth block (a 1x1 conv's input) runs row panel by row panel
-over wide column blocks; when the whole B is larger than ``_STREAM_BYTES`` (it
+over wide column blocks; when the whole B is larger than the cpu planner's
+``STREAM_BYTES`` (it
 comes from memory, not cache) gemm.c packs it in long sequential runs and
 prefetches the next block: 16 x 32 x 12544 at batch 32 (MobileNetV2's first 1x1
 layer) 17.3 ms -> 8.3 ms, 96 x 16 x 12544 46 -> 20 ms, 144 x 24 x 3136 17.7 ->
@@ -63,6 +64,7 @@ import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -70,14 +72,10 @@ import numpy as np
 from keel import native
 
 __all__ = ["BandCall", "Call", "Packed", "Rows", "address", "available", "gemm", "geometry",
-           "pack", "pack_batch", "prepare", "prepare_band", "strides_of"]
+           "pack", "pack_batch", "planner_rules", "prepare", "prepare_band", "strides_of"]
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ACCUMULATE, _CLIP, _STREAM, _DIRECT, _NT, _TALL = 1, 2, 4, 8, 16, 32
-# A raw right operand larger than this (all products together) streams from memory
-# rather than cache: gemm.c then packs it in long sequential runs (see its
-# row_panels_first; about L2's size here).
-_STREAM_BYTES = 2 * 2**20
 # keel_gemm_args of gemm.c: 23 int64 fields then alpha, lo, hi as doubles. One
 # packed argument block costs ~0.3 us; 30 separate ctypes arguments cost ~3 us.
 _ARGS = struct.Struct("<23q3d")
@@ -87,9 +85,6 @@ _BAND_ARGS = struct.Struct("<21q2d")
 _BAND_X = 16            # where X's address sits in it
 # _load checks both layouts against gemm.c's own sizeof and offsetof.
 _F4 = np.dtype(np.float32)
-# The least work (flops) worth a worker thread: a dispatch to a spinning worker costs
-# about a microsecond (measured: a 1x784x512 product, 18 us on one thread, 10 us on two).
-_MIN_FLOPS_PER_THREAD = 400_000
 
 
 @dataclass(frozen=True, eq=False)
@@ -139,15 +134,16 @@ def _load(lib: native.NativeLibrary) -> _Functions:
         band_rows=lib.function("keel_conv_band_rows_f32", [ctypes.c_char_p], _I64),
         band_work=lib.function("keel_conv_band_workspace_f32", [ctypes.c_char_p], _I64),
         mr=size("keel_gemm_mr_f32"), nr=size("keel_gemm_nr_f32"),
-        work=size("keel_gemm_workspace_f32"), tall=_tall_rule())
+        work=size("keel_gemm_workspace_f32"), tall=planner_rules().tall_tiles)
 
 
-def _tall_rule() -> Callable[[int, int], bool]:
-    """Whether a product of m rows and depth k runs in gemm.c's tall tiles where they
-    fit: the cpu planner decides (imported here, once: the planner imports this module)."""
-    from keel.backends.cpu.planner import tall_tiles
+@functools.cache
+def planner_rules() -> ModuleType:
+    """The cpu planner module, whose rules (tall tiles, the least work per thread) the
+    native kernels obey; imported on first use, since the planner imports them."""
+    from keel.backends.cpu import planner
 
-    return tall_tiles
+    return planner
 
 
 class ArgsLayoutError(RuntimeError):
@@ -393,7 +389,7 @@ class Call:
 
     def _parts(self, threads: int) -> int:
         """How many threads :meth:`run` splits the product over (1: not split)."""
-        return min(threads, 2 * self.batch * self.m * self.n * self.k // _MIN_FLOPS_PER_THREAD)
+        return planner_rules().gemm_threads(threads, 2 * self.batch * self.m * self.n * self.k)
 
     def bound(self, threads: int) -> Callable[[], Any]:
         """``run(threads)`` as a callable with no arguments, for the calling thread.
@@ -479,7 +475,7 @@ def prepare(a: np.ndarray | Packed, b: np.ndarray | Packed | Rows, c: np.ndarray
                                              or (columns is not None and not bias_rows))):
         return None
     flags = (_ACCUMULATE if accumulate else 0) | (_CLIP if clip is not None else 0) | (
-        _STREAM if batch * k * n * 4 > _STREAM_BYTES else 0) | (
+        _STREAM if batch * k * n * 4 > planner_rules().STREAM_BYTES else 0) | (
         _DIRECT if masks is not None else 0) | (_NT if nt else 0) | (
         _TALL if f.tall(m, k) else 0)
     lo, hi = clip if clip is not None else (0.0, 0.0)

@@ -243,6 +243,59 @@ def _dispatched(op: Op, request: PlanRequest, table: KernelTable) -> str | None:
     return None if name == "default" else name
 
 
+# ---- threads: the least work worth a worker thread ----------------------------------------
+# A dispatch to a spinning keel worker costs about a microsecond (tens to a sleeping one,
+# but then the calling thread takes the chunk itself), so a call splits over threads
+# only while each gets at least this much work. Each kernel family counts its own unit:
+# - the native GEMM, flops (a 1x784x512 product: 18 us on one thread, 10 us on two);
+# - the native window kernels (depthwise, pooling), output positions x taps (they run
+#   about 5-15 per nanosecond);
+# - the fastmath kernels (activations, softmax, norms), elements (GELU: ~0.7 ns each);
+# - Winograd's compiled transforms, input or output floats.
+# A node's plan gives its thread count (for a MatMul or Gemm from its product's flops);
+# a kernel that runs several products or chunks per node splits each call by its own
+# work under that count, with these same limits.
+MIN_FLOPS_PER_THREAD = 400_000
+MIN_CHUNK_TAPS = 50_000
+MIN_CHUNK_ELEMENTS = 8192
+MIN_CHUNK_FLOATS = 16384
+
+
+def gemm_threads(threads: int, flops: int) -> int:
+    """The threads a native product of ``flops`` splits over under a cap of ``threads``
+    (1 or less: not split)."""
+    return min(threads, flops // MIN_FLOPS_PER_THREAD)
+
+
+def _product(request: PlanRequest) -> tuple[int, int, int] | None:
+    """(rows, depth, columns) of the one native product a MatMul (2-D B) or Gemm node
+    runs; None for other nodes or shapes not known."""
+    shapes = request.static_shapes()
+    if shapes is None or len(shapes) < 2 or shapes[0] is None or shapes[1] is None:
+        return None
+    a, b = shapes[0], shapes[1]
+    if request.op is Op.MATMUL and len(b) == 2 and len(a) >= 1:
+        return math.prod(a[:-1]), a[-1], b[1]
+    if request.op is Op.GEMM and len(a) == 2 and len(b) == 2:
+        (m, k) = a[::-1] if request.attrs.get("trans_a") else a
+        n = b[0] if request.attrs.get("trans_b") else b[1]
+        return m, k, n
+    return None
+
+
+def _product_threads(request: PlanRequest) -> tuple[int, str] | None:
+    """A MatMul or Gemm node's kernel threads from its product's flops, and why; None
+    where the node runs no single product of known size."""
+    product = _product(request) if request.threads is not None else None
+    if product is None or request.threads is None:
+        return None
+    m, k, n = product
+    flops = 2 * m * k * n
+    chosen = max(1, gemm_threads(request.threads, flops))
+    return chosen, (f"{chosen} kernel thread(s) of {request.threads}: {flops:,} flops, at "
+                    f"least {MIN_FLOPS_PER_THREAD:,} per thread")
+
+
 # ---- cache blocking of the NumPy kernels ------------------------------------------------
 # Elements per block of a kernel that runs its passes block by block, so that every
 # pass over a block runs in cache instead of streaming the tensor (about 256 KiB of
@@ -259,6 +312,17 @@ ROW_BLOCK_ELEMENTS = 65536
 BLOCKS = {"epilogue_block": EPILOGUE_BLOCK_ELEMENTS,
           "attention_block": ATTENTION_BLOCK_ELEMENTS,
           "row_block": ROW_BLOCK_ELEMENTS}
+# Not per node (the code that uses them sees no plan), but the planner's all the same:
+# - ERF_BLOCK_ELEMENTS: NumPy's erf runs in blocks that stay in cache (its ~30-45
+#   passes over a block cost far less than over one large array);
+# - HOLD_BYTES: a fresh MatMul / Gemm output up to this size is computed into a kept
+#   buffer and copied (~0.3 us) rather than the prepared call retargeted (~3 us);
+# - STREAM_BYTES: a raw right operand of the native GEMM larger than this (all
+#   products together, about L2's size) comes from memory rather than cache, and
+#   gemm.c packs it in long sequential runs (KEEL_STREAM; see its row_panels_first).
+ERF_BLOCK_ELEMENTS = 1 << 16
+HOLD_BYTES = 64 * 1024
+STREAM_BYTES = 2 * 2**20
 _BLOCK_OF = {Op.MATMUL: "epilogue_block", Op.GEMM: "epilogue_block",
              Op.ATTENTION: "attention_block",
              **{op: "row_block" for op in (Op.LAYER_NORM, Op.SKIP_LAYER_NORM,
@@ -376,14 +440,19 @@ def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:
     blocking = _blocking(request.op)
     if blocking is not None:
         options.append(blocking[0])                 # its reason is keyed by its name
-    threads = request.threads
+    threads, threads_why = request.threads, (
+        f"{request.threads} kernel thread(s): the backend's thread count; each call splits "
+        "while every thread gets the planner's least work per thread")
+    product = _product_threads(request)
+    if product is not None:
+        threads, threads_why = product
     return NodePlan(
         variant=variant, layout=form.layout, threads=threads, chunk=form.chunk,
         workspace_bytes=form.workspace_bytes, precision=request.precision,
         options=tuple(options),
         reasons=field_reasons(
             variant=why, layout=form.reason,
-            threads=f"{threads} kernel thread(s): the backend's thread count",
+            threads=threads_why,
             **({} if form.chunk is None else {"chunk": form.chunk_reason or form.reason}),
             **({} if form.workspace_bytes is None else
                {"workspace_bytes": "the column matrix of one chunk"}))

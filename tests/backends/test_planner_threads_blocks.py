@@ -89,3 +89,33 @@ def test_the_matmul_kernel_splits_its_product_as_the_plan_says(
         got = cpu_matmul.matmul(ctx, [a, b], {}, [y])[0]
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
         assert seen[-1] == planned
+
+
+def _profile(level: str) -> Any:
+    from keel.hardware.profile import CpuInfo, HardwareProfile
+
+    return HardwareProfile(cpu=CpuInfo(brand=f"Test CPU {level}", simd_level=level))
+
+
+@pytest.mark.parametrize("level", ["avx512", "avx2", "neon"])
+def test_a_plan_for_another_machine_uses_its_native_tile_and_names_it(level: str) -> None:
+    """The band form needs 32-column panels (AVX-512's tile): a profile decides it."""
+    if not native_gemm.available():
+        pytest.skip("native tier unavailable")
+    profile = _profile(level)
+    grid = cpu_planner.tile_grid(profile)
+    attrs = dict(get_schema(Op.CONV).normalize_attrs({"strides": (2, 2), "pads": (1, 1, 1, 1)}))
+    plan = CpuBackend(threads=1).plan_node(
+        Op.CONV, [TensorType(F32, (32, 3, 224, 224)), TensorType(F32, (32, 3, 3, 3))], attrs,
+        profile=profile)
+    assert plan.variant == "native"
+    assert grid is not None and (plan.layout == "band") is (grid[1] == 32)
+    named = f"planned for the profile's Test CPU {level} ({level})" in plan.reason("layout")
+    assert named is (grid != native_gemm.geometry())
+
+
+def test_a_profile_of_this_cpus_level_plans_as_this_machine() -> None:
+    here = CpuBackend().simd_level
+    if here is None or not native_gemm.available():
+        pytest.skip("SIMD level or native tier unknown here")
+    assert cpu_planner.tile_grid(_profile(here)) == native_gemm.geometry()

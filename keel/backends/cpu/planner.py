@@ -17,6 +17,7 @@ and overrides these rules (``PlanRequest.measured``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Mapping, Sequence
@@ -403,10 +404,13 @@ def plan(request: PlanRequest, table: KernelTable) -> NodePlan:
 
 
 def _cache_key(request: PlanRequest, table: KernelTable) -> tuple[Any, ...] | None:
-    """What a plan depends on (the cpu planner does not read the hardware profile);
-    None when an attribute is not hashable."""
+    """What a plan depends on (of the hardware profile: the machine its reasons name
+    and its SIMD level, which sets the native tile); None when an attribute is not
+    hashable."""
+    profile = request.profile
+    machine = None if profile is None else (profile.cpu.brand, profile.cpu.simd_level)
     key = (table, request.op, request.input_types, tuple(request.attrs.items()),
-           request.threads, request.precision, request.measured, state())
+           request.threads, request.precision, request.measured, machine, state())
     try:
         hash(key)
     except TypeError:
@@ -473,7 +477,14 @@ def _form(request: PlanRequest, variant: str) -> ConvForm:
     except KeelError as exc:
         return ConvForm("", f"no layout: {exc}")
     itemsize = 8 if request.dtype is DType.FLOAT64 else 4    # float16 computes in float32
-    return conv_form(variant, geo, itemsize)
+    grid = tile_grid(request.profile) if variant == "native" else None
+    if grid is None or grid == native_gemm.geometry():
+        return conv_form(variant, geo, itemsize)
+    form = conv_form(variant, geo, itemsize, grid)
+    cpu = request.profile.cpu
+    return dataclasses.replace(form, reason=(
+        f"{form.reason}; planned for the profile's {cpu.brand or 'CPU'} ({cpu.simd_level}): "
+        f"its native GEMM's {grid[0]} x {grid[1]} tiles"))
 
 
 # ---- the native conv's layout ----------------------------------------------------------
@@ -522,68 +533,100 @@ def stream_stores(geo: ConvGeometry) -> bool:
     return math.prod(geo.out_shape) * 4 >= NT_BYTES
 
 
-def stacks(batch: int, pixels: int, fill: float = STACK_FILL) -> bool:
+# The native GEMM's micro-tile (rows, columns) as gemm.c compiles it for each SIMD
+# level (columns: two vectors): how full a product's column panels are, so the native
+# conv's forms depend on it. A plan for another machine's profile uses its level's tile.
+_TILES = {"avx512": (8, 32), "avx2": (6, 16), "avx": (6, 16), "sse4.2": (6, 8),
+          "sse2": (6, 8), "neon": (6, 8), "sve": (6, 8), "sve2": (6, 8), "scalar": (4, 8)}
+Grid = tuple[int, int] | None        # the native micro-tile; None: no native GEMM
+_HERE: Any = object()                # "the tile of the native GEMM loaded here"
+
+
+def tile_grid(profile: Any = None) -> Grid:
+    """The native GEMM tile plans assume: the loaded kernel's (for no profile, or one of
+    this CPU's SIMD level), else the tile gemm.c compiles for the profile's SIMD level
+    (None without the native tier)."""
+    here = native_gemm.geometry()
+    level = None if profile is None else profile.cpu.simd_level
+    if here is None or level is None or level == _this_simd_level():
+        return here
+    return _TILES.get(level, here)
+
+
+@functools.cache
+def _this_simd_level() -> str | None:
+    from keel.backends.cpu.backend import CpuBackend
+
+    return CpuBackend().simd_level
+
+
+def _grid(grid: Any) -> Grid:
+    return native_gemm.geometry() if grid is _HERE else grid
+
+
+def stacks(batch: int, pixels: int, fill: float = STACK_FILL, grid: Any = _HERE) -> bool:
     """Whether a batch's images go side by side in one native product: an image's
     column panels would be less than ``fill`` full."""
-    grid = native_gemm.geometry()
+    grid = _grid(grid)
     return grid is not None and batch > 1 and pixels % grid[1] != 0 and (
         pixels / (-(-pixels // grid[1]) * grid[1]) < fill)
 
 
-def _band_wins(geo: ConvGeometry) -> bool:
+def _band_wins(geo: ConvGeometry, grid: Grid) -> bool:
     win = geo.window
-    grid = native_gemm.geometry()
     return (grid is not None and grid[1] == BAND_PANEL and win.rank == 2 and geo.group == 1
             and any(s != 1 for s in win.strides)
             and geo.in_channels * math.prod(win.kernel) <= BAND_MAX_DEPTH
             and math.prod(win.out_spatial) >= BAND_FROM)
 
 
-def _masked_wins(geo: ConvGeometry) -> bool:
+def _masked_wins(geo: ConvGeometry, grid: Grid) -> bool:
     win = geo.window
     unit = all(s == 1 for s in win.strides)
-    if native_gemm.geometry() is None or conv_gemm.masked_layout(geo) is None or (
+    if grid is None or conv_gemm.masked_layout(geo) is None or (
             geo.is_pointwise and not win.padded and unit):
         return False                # a 1x1 stride-1 conv reads X in place as it is
     return unit or math.prod(win.out_spatial) < MASKED_STRIDED_BELOW
 
 
-def wide_stacks(geo: ConvGeometry) -> bool:
+def wide_stacks(geo: ConvGeometry, grid: Any = _HERE) -> bool:
     """Stack a batch's images in one wide product when that makes fewer column panels."""
-    grid = native_gemm.geometry()
+    grid = _grid(grid)
     width = 32 if grid is None else grid[1]
     return geo.batch > 1 and (conv_gemm.wide_panels(geo, True, width)
                               < conv_gemm.wide_panels(geo, False, width))
 
 
-def _wide_wins(geo: ConvGeometry) -> bool:
-    grid = native_gemm.geometry()
+def _wide_wins(geo: ConvGeometry, grid: Grid) -> bool:
     if grid is None or not conv_gemm.wide_serves(geo) or geo.window.out_spatial[-1] % grid[1] == 0:
         return False
     pixels = math.prod(geo.window.out_spatial)
-    together = stacks(geo.batch, pixels)
+    together = stacks(geo.batch, pixels, grid=grid)
     gathered = conv_gemm.panels(geo.batch * pixels if together else pixels, grid[1])
     if not together:
         gathered *= geo.batch
-    return conv_gemm.wide_panels(geo, wide_stacks(geo), grid[1]) <= WIDE_MAX_EXTRA * gathered
+    return (conv_gemm.wide_panels(geo, wide_stacks(geo, grid), grid[1])
+            <= WIDE_MAX_EXTRA * gathered)
 
 
-def native_form(geo: ConvGeometry) -> tuple[str, str]:
-    """The form the native conv runs ``geo`` in (see conv_gemm.native_layout), and why."""
+def native_form(geo: ConvGeometry, grid: Any = _HERE) -> tuple[str, str]:
+    """The form the native conv runs ``geo`` in (see conv_gemm.native_layout), and why;
+    ``grid`` the native tile planned for (default: the one loaded here)."""
+    grid = _grid(grid)
     win = geo.window
     pixels = math.prod(win.out_spatial)
-    if _band_wins(geo):
+    if _band_wins(geo, grid):
         return "band", (f"band: depth {geo.in_channels * math.prod(win.kernel)} <= "
                         f"{BAND_MAX_DEPTH}, {pixels} output pixels >= {BAND_FROM}, strided")
-    if _masked_wins(geo):
+    if _masked_wins(geo, grid):
         return "masked", "masked: every tap reads a plane of the output's shape in place"
-    if _wide_wins(geo):
-        form = "wide-stacked" if wide_stacks(geo) else "wide"
+    if _wide_wins(geo, grid):
+        form = "wide-stacked" if wide_stacks(geo, grid) else "wide"
         return form, f"{form}: its column panels within {WIDE_MAX_EXTRA}x the gathered ones"
     unit = all(s == 1 for s in win.strides)
-    if geo.is_pointwise and unit and not stacks(geo.batch, pixels, POINTWISE_STACK_FILL):
+    if geo.is_pointwise and unit and not stacks(geo.batch, pixels, POINTWISE_STACK_FILL, grid):
         return "direct", "direct: a 1x1 stride-1 conv reads X in place"
-    if stacks(geo.batch, pixels):
+    if stacks(geo.batch, pixels, grid=grid):
         return "gathered-stacked", (f"gathered-stacked: {pixels} pixels fill an image's "
                                     f"column panels less than {STACK_FILL:.0%}")
     return "gathered", "gathered: B gathered block by block from the (phase) image"
@@ -767,11 +810,11 @@ def winograd_form(geo: ConvGeometry, itemsize: int) -> ConvForm:
                         f"tiles an image, within {WINOGRAD_CHUNK_BYTES >> 20} MiB", chunk)
 
 
-def conv_form(variant: str, geo: ConvGeometry, itemsize: int) -> ConvForm:
+def conv_form(variant: str, geo: ConvGeometry, itemsize: int, grid: Any = _HERE) -> ConvForm:
     """The layout (form) of conv ``variant`` for ``geo`` computed in ``itemsize``-byte
     elements, and why ("" where the variant has one form)."""
     if variant == "native":
-        return ConvForm(*native_form(geo), stream_stores=stream_stores(geo))
+        return ConvForm(*native_form(geo, grid), stream_stores=stream_stores(geo))
     if variant == "depthwise":
         layout, why = depthwise_form(geo)
         numpy_form = layout.rpartition("|")[2]

@@ -197,7 +197,8 @@ def default_plan(request: PlanRequest, table: KernelTable, threads: int | None
 _DEFAULT_REASONS = {
     "layout": "the variant's only form",
     "threads": "the backend's thread count",
-    "blas_threads": "sized once per program from its steps' work (the program scope)",
+    "blas_threads": "sized once per program from its steps' work (the cpu planner's "
+                    "plan_program; explain() shows its decision)",
     "chunk": "whole batch",
     "workspace_bytes": "not estimated",
     "precision": "the model's own",

@@ -10,7 +10,8 @@ import pytest
 from keel import load_model
 from keel.backends.base import KernelVariant
 from keel.backends.cpu import backend as cpu_backend
-from keel.backends.cpu.backend import BLAS_SHARE_FOR_THREADS, blas_threads
+from keel.backends.cpu.backend import blas_threads
+from keel.backends.cpu.planner import BLAS_SHARE_FOR_THREADS
 from keel.dtypes import DType
 from keel.ops.registry import Op
 from tests.execution.test_dispatch import model_proto

@@ -103,7 +103,7 @@ def test_wide_residual_in_place_and_nan(stacked: bool) -> None:
 @pytest.mark.parametrize("stacked", [False, True])
 def test_wide_threads_give_bitwise_the_same(monkeypatch: pytest.MonkeyPatch,
                                             stacked: bool) -> None:
-    monkeypatch.setattr(ng, "_MIN_FLOPS_PER_THREAD", 1)
+    monkeypatch.setattr(cpu_planner, "MIN_FLOPS_PER_THREAD", 1)
     rng = np.random.default_rng(33)
     x, w, b = _rand(rng, 3, 16, 10, 10), _rand(rng, 24, 16, 3, 3), _rand(rng, 24)
     attrs = {"pads": (1, 1, 1, 1), "activation": "relu"}

@@ -362,7 +362,7 @@ def test_native_pool_variants_are_chosen_for_float32() -> None:
 
 # ---- threads ----------------------------------------------------------------------------
 def test_threads_give_bitwise_equal_results(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(nw, "MIN_CHUNK_TAPS", 1)          # split even small calls
+    monkeypatch.setattr(cpu_planner, "MIN_CHUNK_TAPS", 1)          # split even small calls
     inputs, attrs = _dw((3, 7, 23, 21), (3, 3), pads=(1, 1, 1, 1), strides=(2, 2),
                         activation="clip", activation_params=(0.0, 6.0))
     inputs.append(_f(3, 7, 12, 11))

@@ -14,6 +14,7 @@ import pytest
 from keel import config, native
 from keel.backends.base import KernelTable
 from keel.backends.cpu import fastmath, kernels
+from keel.backends.cpu import planner as cpu_planner
 from keel.backends.cpu.backend import CpuBackend
 from keel.backends.reference.backend import ReferenceBackend
 from keel.errors import InvalidArgumentError
@@ -34,7 +35,7 @@ def _native_tier() -> Iterator[None]:
 @pytest.fixture
 def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Let the kernels split even tiny arrays over threads, so chunk edges fall mid-vector."""
-    monkeypatch.setattr(fastmath, "_MIN_CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr(cpu_planner, "MIN_CHUNK_ELEMENTS", 1)
 
 
 def _erfc(x: np.ndarray) -> np.ndarray:

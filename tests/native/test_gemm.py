@@ -37,7 +37,7 @@ def _native_tier() -> Iterator[None]:
 @pytest.fixture
 def split_small(monkeypatch: pytest.MonkeyPatch) -> None:
     """Let even tiny products split over threads, so chunk edges fall anywhere."""
-    monkeypatch.setattr(ng, "_MIN_FLOPS_PER_THREAD", 1)
+    monkeypatch.setattr(cpu_planner, "MIN_FLOPS_PER_THREAD", 1)
 
 
 def _rand(rng: np.random.Generator, *shape: int) -> np.ndarray:
@@ -584,3 +584,24 @@ def test_model_matches_onnxruntime(batch: int) -> None:
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     again = model.run(None, {"x": x})[0]              # prepared calls reused
     np.testing.assert_array_equal(got, again)
+
+
+def test_argument_structs_agree_with_gemm_c() -> None:
+    """The layouts native_gemm.py packs are the C structs' own (sizeof, offsetof)."""
+    lib = native.library("gemm")
+    assert lib is not None
+
+    def size(symbol: str) -> int:
+        return int(lib.function(symbol, [], ng._I64)())
+
+    assert size("keel_gemm_args_size") == ng._ARGS.size == 26 * 8
+    assert size("keel_gemm_args_c_offset") == 8 * ng._C_FIELD
+    assert size("keel_conv_band_args_size") == ng._BAND_ARGS.size == 23 * 8
+    assert size("keel_conv_band_args_x_offset") == 8 * ng._BAND_X
+
+
+def test_a_mismatched_argument_struct_fails_at_load() -> None:
+    with pytest.raises(ng.ArgsLayoutError, match=r"keel_gemm_args is 216 bytes.*'<23q3d'"):
+        ng._check_layout("keel_gemm_args", ng._ARGS, ng._C_FIELD, "C", 216, 104)
+    with pytest.raises(ng.ArgsLayoutError, match=r"C's address at byte 112.*at byte 104"):
+        ng._check_layout("keel_gemm_args", ng._ARGS, ng._C_FIELD, "C", 208, 112)

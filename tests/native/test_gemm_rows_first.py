@@ -43,8 +43,8 @@ def _mr_nr() -> tuple[int, int]:
 def _gemm(a: np.ndarray, b: np.ndarray, threads: int, stream: bool,
           monkeypatch: pytest.MonkeyPatch) -> np.ndarray:
     """clip(A @ B[t] + bias + R[t], -1, 2) with A packed on the left and B raw."""
-    monkeypatch.setattr(ng, "_STREAM_BYTES", 0 if stream else 2**40)
-    monkeypatch.setattr(ng, "_MIN_FLOPS_PER_THREAD", 1)
+    monkeypatch.setattr(cpu_planner, "STREAM_BYTES", 0 if stream else 2**40)
+    monkeypatch.setattr(cpu_planner, "MIN_FLOPS_PER_THREAD", 1)
     m, t, n = a.shape[0], b.shape[0], b.shape[2]
     rng = np.random.default_rng(5)
     bias, res = _rand(rng, m), _rand(rng, t, m, n)
@@ -114,8 +114,8 @@ CONVS = [
 def test_convs_match_reference_with_bitwise_thread_splits(
         x_shape: tuple[int, ...], w_shape: tuple[int, ...], attrs: dict[str, Any],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ng, "_STREAM_BYTES", 0)      # small inputs take the streaming path
-    monkeypatch.setattr(ng, "_MIN_FLOPS_PER_THREAD", 1)
+    monkeypatch.setattr(cpu_planner, "STREAM_BYTES", 0)      # small inputs take the streaming path
+    monkeypatch.setattr(cpu_planner, "MIN_FLOPS_PER_THREAD", 1)
     rng = np.random.default_rng(6)
     x, w, b = _rand(rng, *x_shape), _rand(rng, *w_shape), _rand(rng, w_shape[0])
     full = {**attrs, "activation": "clip", "activation_params": (-0.5, 1.5)}

@@ -14,6 +14,7 @@ import pytest
 
 from keel import native
 from keel.backends.cpu import native_gemm as ng
+from keel.backends.cpu import planner as cpu_planner
 
 
 @pytest.fixture(autouse=True)
@@ -95,7 +96,7 @@ def test_nan_and_inf_propagate(m: int, k: int) -> None:
 def test_threads_give_bitwise_the_same(m: int, k: int, t: int, n: int,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Columns, row panels (one product of few columns) or the batch split over threads."""
-    monkeypatch.setattr(ng, "_MIN_FLOPS_PER_THREAD", 1)
+    monkeypatch.setattr(cpu_planner, "MIN_FLOPS_PER_THREAD", 1)
     rng = np.random.default_rng(9)
     a, b, bias, res = _rand(rng, m, k), _rand(rng, t, k, n), _rand(rng, m), _rand(rng, t, m, n)
     outs = []

@@ -20,6 +20,7 @@ from keel.backends.base import DeviceKind, KernelContext
 from keel.backends.cpu import matmul as cpu_matmul
 from keel.backends.cpu import native_gemm as ng
 from keel.backends.cpu import native_window as nw
+from keel.backends.cpu import planner as cpu_planner
 from keel.backends.cpu import pooling
 from keel.backends.cpu.backend import CpuBackend
 from keel.backends.cpu.kernels import load as load_cpu
@@ -150,7 +151,7 @@ def test_conv_other_attributes_or_weights_do_not_take_the_prepared_run() -> None
 
 def test_conv_thread_counts_and_threads_give_bitwise_the_same(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ng, "_MIN_FLOPS_PER_THREAD", 1)     # split even tiny products
+    monkeypatch.setattr(cpu_planner, "MIN_FLOPS_PER_THREAD", 1)     # split even tiny products
     attrs = get_schema(Op.CONV).normalize_attrs({"kernel_shape": (3, 3), "pads": (1, 1, 1, 1)})
     w, b = _frozen(_f(16, 8, 3, 3)), _frozen(_f(16))
     x = _f(2, 8, 12, 12)
@@ -237,7 +238,7 @@ def test_gemm_output_overlapping_a_is_computed_like_before() -> None:
 
 
 def test_matmul_thread_counts_give_bitwise_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ng, "_MIN_FLOPS_PER_THREAD", 1)
+    monkeypatch.setattr(cpu_planner, "MIN_FLOPS_PER_THREAD", 1)
     attrs = {"activation": "gelu", "activation_params": ()}
     a, b, bias = _f(3, 40, 50), _frozen(_f(50, 70)), _frozen(_f(70))
     state = _state(Op.MATMUL, "native", [None, b, bias], attrs)
@@ -271,7 +272,7 @@ def test_pool_reuses_its_bound_call_with_new_values(op: Op) -> None:
 
 
 def test_pool_other_attributes_or_thread_counts_rebind(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(nw, "MIN_CHUNK_TAPS", 1)             # split even tiny pools
+    monkeypatch.setattr(cpu_planner, "MIN_CHUNK_TAPS", 1)             # split even tiny pools
     two = get_schema(Op.MAX_POOL).normalize_attrs({"kernel_shape": (2, 2), "strides": (2, 2)})
     three = get_schema(Op.MAX_POOL).normalize_attrs({"kernel_shape": (3, 3), "strides": (2, 2),
                                                      "pads": (0, 0, 1, 1)})

@@ -95,7 +95,7 @@ def test_depthwise_other_weights_or_activation_rebind() -> None:
 @pytest.mark.parametrize("side", [15, 120])       # wide rows (8) and rows straight to Y (60)
 def test_depthwise_bound_calls_are_bitwise_equal_across_thread_counts(
         monkeypatch: pytest.MonkeyPatch, side: int) -> None:
-    monkeypatch.setattr(nw, "MIN_CHUNK_TAPS", 1)             # split even small convs
+    monkeypatch.setattr(cpu_planner, "MIN_CHUNK_TAPS", 1)             # split even small convs
     c, out = 16, (side + 1) // 2
     attrs = _dw_attrs(c, 2)
     x, w, b = _f(3, c, side, side), _f(c, 1, 3, 3), _f(c)
@@ -134,7 +134,7 @@ def test_global_max_pool_reuses_its_bound_call_with_new_values() -> None:
 
 
 def test_global_max_pool_bound_across_thread_counts(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(nw, "MIN_CHUNK_TAPS", 1)
+    monkeypatch.setattr(cpu_planner, "MIN_CHUNK_TAPS", 1)
     attrs = get_schema(Op.GLOBAL_MAX_POOL).normalize_attrs({})
     x, y = _f(4, 20, 5, 5), np.empty((4, 20, 1, 1), np.float32)
     kernel = CPU.get(Op.GLOBAL_MAX_POOL, "native").fn
@@ -181,7 +181,7 @@ def test_prefetching_calls_match_plane_by_plane_calls() -> None:
 
 def test_node_run_serves_only_its_arrays_and_follows_thread_counts(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(nw, "MIN_CHUNK_TAPS", 1)
+    monkeypatch.setattr(cpu_planner, "MIN_CHUNK_TAPS", 1)
     c = 6
     attrs = _dw_attrs(c, 1)
     x, w, b, y = _f(2, c, 8, 8), _f(c, 1, 3, 3), _f(c), np.empty((2, c, 8, 8), np.float32)

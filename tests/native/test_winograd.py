@@ -14,6 +14,7 @@ import pytest
 
 from keel import native
 from keel.backends.cpu import native_gemm as ng
+from keel.backends.cpu import planner as cpu_planner
 from keel.backends.cpu import winograd
 from keel.backends.cpu.conv_epilogue import activation
 from keel.backends.reference.backend import ReferenceBackend
@@ -110,7 +111,7 @@ def test_batches_split_into_chunks_give_the_same_result() -> None:
 
 
 def test_threads_give_bitwise_equal_results(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(winograd, "_MIN_CHUNK_FLOATS", 1)          # split even small planes
+    monkeypatch.setattr(cpu_planner, "MIN_CHUNK_FLOATS", 1)          # split even small planes
     rng = np.random.default_rng(5)
     x, w, b = _rand(rng, 3, 24, 15, 15), _rand(rng, 20, 24, 3, 3), _rand(rng, 20)
     z = _rand(rng, 3, 20, 15, 15)

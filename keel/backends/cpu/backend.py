@@ -30,7 +30,7 @@ from keel.ops.registry import Op, OpGroup
 if TYPE_CHECKING:
     from keel.hardware.profile import HardwareProfile
 
-__all__ = ["BLAS_SHARE_FOR_THREADS", "CpuBackend", "ThreadCap", "blas_threads", "default_threads",
+__all__ = ["CpuBackend", "ThreadCap", "blas_threads", "default_threads",
            "resolve_threads"]
 
 
@@ -162,34 +162,18 @@ class CpuBackend(Backend):
         }
 
 
-# A program gives BLAS more than one thread only when BLAS does at least this share
-# of its arithmetic. Between calls, OpenBLAS's workers spin for a while; where the
-# native kernels do most of the work on keel's own threads, those spinning workers
-# take the cores keel's threads need. Measured on the 2-core EPYC, 2 threads,
-# batch 32: BERT-mini (BLAS: the attention products, ~8% of the work) 318 ms with
-# BLAS on 2 threads against 208 ms with BLAS on 1; ResNet-18 (BLAS: the Winograd
-# and im2col convolutions, most of the work) 699 ms against 1027 ms.
-BLAS_SHARE_FOR_THREADS = 0.5
-
-
 def blas_threads(threads: int, kernels: Sequence[tuple[KernelVariant, DType | None, float]]
                  ) -> tuple[int, str]:
-    """The BLAS thread count for a program of ``kernels`` under a cap of ``threads``, and why.
+    """The BLAS thread count for a program of ``kernels`` under a cap of ``threads``, and
+    why: the cpu planner's program-level decision (``planner.plan_program``), given how
+    much of the work each step does and whether it may call BLAS.
 
     ``kernels`` are (variant, dtype, estimated work) per step, as
     :meth:`~keel.backends.base.Backend.program_scope` takes them.
     """
-    if threads <= 1:
-        return threads, f"BLAS on {threads} thread: the program's cap"
-    total = sum(work for _, _, work in kernels)
-    blas = sum(work for v, d, work in kernels if _may_use_blas(v, d))
-    share = blas / total if total > 0 else 1.0
-    if share >= BLAS_SHARE_FOR_THREADS:
-        return threads, (f"BLAS on {threads} threads: BLAS kernels do {share:.0%} of the "
-                         f"work (>= {BLAS_SHARE_FOR_THREADS:.0%})")
-    return 1, (f"BLAS on 1 thread: BLAS kernels do {share:.0%} of the work; the native "
-               f"kernels split theirs over {threads} keel threads, and idle BLAS workers "
-               "would spin on the cores they need")
+    from keel.backends.cpu import planner
+
+    return planner.plan_program(threads, [(_may_use_blas(v, d), work) for v, d, work in kernels])
 
 
 def _may_use_blas(variant: KernelVariant, dtype: DType | None) -> bool:

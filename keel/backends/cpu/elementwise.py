@@ -27,7 +27,7 @@ import numpy as np
 from numpy.polynomial import chebyshev, polynomial
 
 from keel.backends.base import KernelContext
-from keel.backends.cpu import fastmath, workspace
+from keel.backends.cpu import fastmath, planner, workspace
 from keel.backends.cpu.kernels import TABLE
 from keel.errors import InvalidArgumentError
 from keel.ops.epilogue import apply_activation, normal_tail
@@ -99,10 +99,6 @@ _ERF_FLOAT64 = (_erf_near(13), _erf_tail(18))
 _ERF32_SPLIT = 0.5
 _ERF32_NEAR = _erf_near(5, _ERF32_SPLIT)
 
-# NumPy runs erf in blocks that stay in cache: its ~30-45 passes over the block
-# then cost far less than over one large array.
-_ERF_BLOCK = 1 << 16
-
 
 def _horner(xp: Any, t: Any, coefs: Sequence[float], acc: Any) -> Any:
     acc.fill(coefs[-1])
@@ -130,12 +126,12 @@ def erf(xp: Any, x: Any, out: Any) -> Any:
     if out.dtype != x.dtype:                 # the blocks write out's bits as x's dtype
         xp.copyto(out, erf(xp, x, xp.empty_like(x)), casting="same_kind")
         return out
-    if xp is not np or x.size <= _ERF_BLOCK or not (out.flags.c_contiguous
+    if xp is not np or x.size <= planner.ERF_BLOCK_ELEMENTS or not (out.flags.c_contiguous
                                                      and x.flags.c_contiguous):
         return block(xp, x, out)
     flat_x, flat_out = x.reshape(-1), out.reshape(-1)
-    for start in range(0, flat_x.shape[0], _ERF_BLOCK):
-        part = slice(start, start + _ERF_BLOCK)
+    for start in range(0, flat_x.shape[0], planner.ERF_BLOCK_ELEMENTS):
+        part = slice(start, start + planner.ERF_BLOCK_ELEMENTS)
         block(xp, flat_x[part], flat_out[part])
     return out
 

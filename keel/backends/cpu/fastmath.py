@@ -57,6 +57,7 @@ from typing import Any
 import numpy as np
 
 from keel import native
+from keel.backends.cpu import planner
 from keel.native.pool import parts
 
 __all__ = [
@@ -80,10 +81,6 @@ ACTIVATION_KINDS: dict[str, int] = {
 # Softmax modes of fastmath.c: "masked" is softmax with rows of only -inf giving
 # zeros (ONNX Attention); plain softmax gives NaN there, as exp(x - max) does.
 SOFTMAX_MODES: dict[str, int] = {"softmax": 0, "log_softmax": 1, "masked": 2}
-
-# The fewest elements worth a worker thread: a dispatch to a spinning worker costs
-# about a microsecond, an element of GELU ~0.7 ns.
-_MIN_CHUNK_ELEMENTS = 8192
 
 _I64, _I32, _F32, _PTR = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
 
@@ -169,7 +166,8 @@ def _run(n: int, per_item: int, threads: int | None, serial: Callable[..., None]
          mt: Callable[..., int], head: tuple[Any, ...], tail: tuple[Any, ...] = ()) -> None:
     """``serial(*head, 0, n, *tail)`` over the n items on this thread, or, when they are
     worth several threads, ``mt(*head, *tail, n, parts)`` on keel's."""
-    count = parts(n, max(1, threads or 1), max(1, _MIN_CHUNK_ELEMENTS // max(1, per_item)))
+    count = parts(n, max(1, threads or 1),
+                  max(1, planner.MIN_CHUNK_ELEMENTS // max(1, per_item)))
     if count <= 1:
         serial(*head, 0, n, *tail)
     elif mt(*head, *tail, n, count) != 0:

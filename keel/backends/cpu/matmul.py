@@ -30,10 +30,11 @@ from typing import Any
 import numpy as np
 
 from keel.backends.base import Attrs, Inputs, KernelContext, Out, optional_input
-from keel.backends.cpu import fastmath, native_gemm, workspace
+from keel.backends.cpu import fastmath, native_gemm, planner, workspace
 from keel.backends.cpu.backend import ThreadCap
 from keel.backends.cpu.conv_epilogue import activation as resolved_activation
 from keel.backends.cpu.kernels import TABLE
+from keel.backends.plan import NodePlan
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError
 from keel.native.pointers import weak
@@ -121,14 +122,10 @@ def _activation(attrs: Attrs) -> Any:
     return _in_place(name, params if isinstance(params, tuple) else tuple(params))
 
 
-# Rows of the output per epilogue block: about this many elements, so the bias add
-# and the activation's passes run on a block still in cache (measured: 0.45 ms of
-# 16.8 ms saved on a (4096, 1024) bias + GELU).
-_EPILOGUE_BLOCK = 65536
-
-
-def _epilogue(xp: Any, y: Any, addend: Any, attrs: Attrs, packed: _Operands) -> None:
-    """y += addend, then the fused activation, in place."""
+def _epilogue(xp: Any, y: Any, addend: Any, attrs: Attrs, packed: _Operands,
+              node_plan: NodePlan | None) -> None:
+    """y += addend, then the fused activation, in place: block by block of rows (the
+    plan's epilogue_block elements) so that both passes run on a block in cache."""
     run = packed.run if packed.attrs is attrs else _activation(attrs)
     if run is None or addend is None:
         if addend is not None:
@@ -137,10 +134,11 @@ def _epilogue(xp: Any, y: Any, addend: Any, attrs: Attrs, packed: _Operands) -> 
             run(xp, y)
         return
     n = y.shape[-1] if y.ndim else 1
-    if (xp is np and y.ndim >= 2 and y.size > 2 * _EPILOGUE_BLOCK and y.flags.c_contiguous
+    size = planner.block(node_plan, "epilogue_block")
+    if (xp is np and y.ndim >= 2 and y.size > 2 * size and y.flags.c_contiguous
             and addend.ndim >= 1 and addend.size == addend.shape[-1] == n):
         rows, row = y.reshape(-1, n), addend.reshape(n)
-        step = max(1, _EPILOGUE_BLOCK // n)
+        step = max(1, size // n)
         for r in range(0, rows.shape[0], step):
             block = rows[r:r + step]
             xp.add(block, row, out=block)
@@ -331,7 +329,7 @@ def matmul(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[A
     into the output and the epilogue in place."""
     state = ctx.prepacked
     if out is not None and state.__class__ is _Operands and _steady(state, inputs, attrs, out,
-                                                                   ctx.threads):
+                                                                   ctx):
         return [out[0]]
     xp = ctx.xp
     a, b = inputs[0], inputs[1]
@@ -352,7 +350,7 @@ def matmul(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[A
         xp, b, False, ct)
     if y.size:
         _product(xp, a.astype(ct, copy=False), rhs, y, ctx.threads)
-    _epilogue(xp, y, addend, attrs, packed)
+    _epilogue(xp, y, addend, attrs, packed, ctx.plan)
     return _deliver(out, y, npdt)
 
 
@@ -386,7 +384,7 @@ def gemm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any
     output and the rest in place."""
     state = ctx.prepacked
     if out is not None and state.__class__ is _Operands and _steady(state, inputs, attrs, out,
-                                                                   ctx.threads):
+                                                                   ctx):
         return [out[0]]
     xp = ctx.xp
     a, b = inputs[0], inputs[1]
@@ -412,7 +410,7 @@ def gemm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any
         _product(xp, a2.T if trans_a else a2, rhs, y, ctx.threads)
     if alpha != 1.0:    # integer gemm: alpha and beta act as integers
         xp.multiply(y, alpha if dtype.is_float else int(alpha), out=y)
-    _epilogue(xp, y, addend, attrs, packed)
+    _epilogue(xp, y, addend, attrs, packed, ctx.plan)
     return _deliver(out, y, npdt)
 
 
@@ -443,7 +441,6 @@ def _native(ctx: KernelContext, a: Any, a2: Any, b: Any, bt: Any, packed: _Opera
     cacheable = (packed is not _NOTHING and packed.native is not None and packed.rhs_src is b
                  and (addend is None or addend is packed.addend)
                  and (a2 is a or not a2.flags.owndata))
-    threads = ctx.threads or 1
     key = (id(a), _get_ident())
     hit = packed.calls.get(key) if cacheable else None
     run = None
@@ -465,15 +462,11 @@ def _native(ctx: KernelContext, a: Any, a2: Any, b: Any, bt: Any, packed: _Opera
             if len(packed.calls) >= _CALLS_PER_NODE:
                 packed.calls.clear()
             packed.calls[key] = run
-    return run.into(y, threads)
+    return run.into(y, ctx.threads or 1, _split(ctx))
 
 
 _get_ident = threading.get_ident
 
-
-# Outputs up to this many bytes of a fresh Y are computed into a kept buffer and
-# copied (~0.3 us) rather than the call retargeted to Y's address (~3 us).
-_HOLD_BYTES = 64 * 1024
 
 
 class _NativeRun:
@@ -506,7 +499,7 @@ class _NativeRun:
         a = hit.a_ref()
         if hit.hold is not None or y.dtype != np.float32 or not y.flags.c_contiguous:
             return None
-        if y.nbytes <= _HOLD_BYTES:
+        if y.nbytes <= planner.HOLD_BYTES:
             hold = np.empty(y.shape, np.float32)
             prepared = _prepare_native(a2, bt, packed, b, hold, addend, attrs, alpha, None)
             return None if prepared is None else _NativeRun(a, y, attrs, *prepared, hold=hold)
@@ -514,9 +507,10 @@ class _NativeRun:
                                                                   else 1))
         return None if call is None else _NativeRun(a, y, attrs, call, hit.rest, hit.after)
 
-    def into(self, y: Any, threads: int) -> bool:
+    def into(self, y: Any, threads: int, split: int) -> bool:
         """Compute into ``y`` (Y itself, or any C-contiguous float32 array of Y's shape
-        not overlapping A when the run writes its own buffer); False: not served."""
+        not overlapping A when the run writes its own buffer), the product split over
+        ``split`` threads and the activation over ``threads``; False: not served."""
         hold = self.hold
         target: Any
         if hold is None:
@@ -530,10 +524,10 @@ class _NativeRun:
             if a is None or np.may_share_memory(a, y):
                 return False
             target = hold
-        if threads == self.threads:
+        if split == self.threads:
             self.go()
         else:
-            self._run(threads)
+            self._run(split)
         rest = self.rest
         if rest is not None:
             np.add(target, rest, out=target)
@@ -545,8 +539,7 @@ class _NativeRun:
         return True
 
 
-def _steady(state: Any, inputs: Inputs, attrs: Attrs, out: Out, threads: int | None
-            ) -> bool:
+def _steady(state: Any, inputs: Inputs, attrs: Attrs, out: Out, ctx: KernelContext) -> bool:
     """Run a node's kept native product when these are the arrays it was prepared for
     (the steady state of a model); False: take the full path."""
     a = inputs[0]
@@ -554,7 +547,14 @@ def _steady(state: Any, inputs: Inputs, attrs: Attrs, out: Out, threads: int | N
     return (run is not None and run.a_ref() is a and run.attrs is attrs
             and inputs[1] is state.rhs_src
             and (inputs[2] if len(inputs) > 2 else None) is state.addend_src
-            and run.into(out[0], threads or 1))  # type: ignore[index]
+            and run.into(out[0], ctx.threads or 1, _split(ctx)))  # type: ignore[index]
+
+
+def _split(ctx: KernelContext) -> int:
+    """The threads the node's product splits over: its plan's (the cpu planner's, from
+    the product's flops), else the backend's (the GEMM then splits by the same rule)."""
+    plan = ctx.plan
+    return (plan.threads if plan is not None and plan.threads else ctx.threads) or 1
 
 
 _CALLS_PER_NODE = 8
@@ -720,7 +720,8 @@ def attention(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> lis
     y = _target(xp, out, shape, ct)
     if y.size:
         if xp is np and _blockable(q, k, v, y):
-            _attention_blocks(q, k, v, mask, y, scale, attrs["is_causal"])
+            _attention_blocks(q, k, v, mask, y, scale, attrs["is_causal"],
+                              planner.block(ctx.plan, "attention_block"))
         else:
             _attention_batched(xp, q, k, v, mask, y, scale, attrs["is_causal"])
     return _deliver(out, y, dtype)
@@ -755,17 +756,15 @@ def _attention_batched(xp: Any, q: Any, k: Any, v: Any, mask: Any, y: Any, scale
     xp.matmul(scores, v, out=y)
 
 
-# Heads per block: enough that each block's scores (heads x S x T) stay near 256 KiB,
-# in cache between the two GEMMs and the softmax passes.
-_ATTENTION_BLOCK_ELEMENTS = 65536
 # exp(s) for |s| <= this neither overflows nor leaves the normal float32 range,
 # and a row of up to 2**30 such terms sums below float32's maximum.
 _EXP_SAFE = 64.0
 
 
 def _attention_blocks(q: Any, k: Any, v: Any, mask: Any, y: Any, scale: float,
-                      causal: bool) -> None:
-    """NumPy: one block of heads at a time, every buffer reused.
+                      causal: bool, block: int) -> None:
+    """NumPy: one block of heads at a time (about ``block`` elements of scores, the
+    plan's attention_block), every buffer reused.
 
     Per block: scores = (Q * scale) K^T (BLAS), + mask, exp, row sums as a GEMV
     with a ones vector, Y = exp(scores) V (BLAS), Y /= row sums (dividing the
@@ -779,7 +778,7 @@ def _attention_blocks(q: Any, k: Any, v: Any, mask: Any, y: Any, scale: float,
     heads = math.prod(batch)
     q3, k3, v3 = q.reshape(heads, s, d), k.reshape(heads, t, d), v.reshape(heads, t, dv)
     y3 = y.reshape(heads, s, dv)
-    g = max(1, min(heads, _ATTENTION_BLOCK_ELEMENTS // max(1, s * t)))
+    g = max(1, min(heads, block // max(1, s * t)))
     dt = q.dtype
     qs = workspace.empty(np, "attention.q", (g, s, d), dt)
     sc = workspace.empty(np, "attention.scores", (g, s, t), dt)

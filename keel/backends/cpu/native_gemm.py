@@ -35,13 +35,15 @@ M x K x N                                  NumPy  native  onnxruntime
 =========================================  =====  ======  ===========
 
 A raw B of a single depth block (a 1x1 conv's input) runs row panel by row panel
-over wide column blocks; when the whole B is larger than ``_STREAM_BYTES`` (it
+over wide column blocks; when the whole B is larger than the cpu planner's
+``STREAM_BYTES`` (it
 comes from memory, not cache) gemm.c packs it in long sequential runs and
 prefetches the next block: 16 x 32 x 12544 at batch 32 (MobileNetV2's first 1x1
 layer) 17.3 ms -> 8.3 ms, 96 x 16 x 12544 46 -> 20 ms, 144 x 24 x 3136 17.7 ->
 10.0 ms; 16 x 144 x 1024 at batch 1 (cached) stays in place at 0.047 ms. With
 AVX-512, a product of 9-24 rows (or up to 256 rows with a depth of at least
-twice the rows) against such a B runs in gemm.c's tall tiles instead:
+twice the rows: the cpu planner's ``tall_tiles``) against such a B runs in gemm.c's
+tall tiles instead:
 every row of C over one 16-column vector at once, B read in place once with its rows
 fetched ahead into L2 (MobileNetV2's projections at batch 32, inside the model:
 16 x 32 x 12544 8.4 -> 5.1 ms, 24 x 144 x 3136 with the residual 14.3 -> 6.8 ms,
@@ -62,6 +64,7 @@ import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -69,22 +72,19 @@ import numpy as np
 from keel import native
 
 __all__ = ["BandCall", "Call", "Packed", "Rows", "address", "available", "gemm", "geometry",
-           "pack", "pack_batch", "prepare", "prepare_band", "strides_of"]
+           "pack", "pack_batch", "planner_rules", "prepare", "prepare_band", "strides_of"]
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-_ACCUMULATE, _CLIP, _STREAM, _DIRECT, _NT = 1, 2, 4, 8, 16
-# A raw right operand larger than this (all products together) streams from memory
-# rather than cache: gemm.c then packs it in long sequential runs (see its
-# row_panels_first; about L2's size here).
-_STREAM_BYTES = 2 * 2**20
+_ACCUMULATE, _CLIP, _STREAM, _DIRECT, _NT, _TALL = 1, 2, 4, 8, 16, 32
 # keel_gemm_args of gemm.c: 23 int64 fields then alpha, lo, hi as doubles. One
 # packed argument block costs ~0.3 us; 30 separate ctypes arguments cost ~3 us.
 _ARGS = struct.Struct("<23q3d")
 _C_FIELD = 13           # where C's address sits in it
+# keel_conv_band_args of gemm.c: 21 int64 fields then lo, hi as doubles.
+_BAND_ARGS = struct.Struct("<21q2d")
+_BAND_X = 16            # where X's address sits in it
+# _load checks both layouts against gemm.c's own sizeof and offsetof.
 _F4 = np.dtype(np.float32)
-# The least work (flops) worth a worker thread: a dispatch to a spinning worker costs
-# about a microsecond (measured: a 1x784x512 product, 18 us on one thread, 10 us on two).
-_MIN_FLOPS_PER_THREAD = 400_000
 
 
 @dataclass(frozen=True, eq=False)
@@ -99,6 +99,7 @@ class _Functions:
     mr: int          # rows of a micro-tile (the panel width of a left operand)
     nr: int          # columns of a micro-tile (the panel width of a right operand)
     work: int        # floats of workspace one concurrent call needs
+    tall: Callable[[int, int], bool]     # the cpu planner's tall-tile rule (m, k)
 
 
 _loaded: dict[native.NativeLibrary, _Functions] = {}
@@ -119,6 +120,10 @@ def _load(lib: native.NativeLibrary) -> _Functions:
     def size(symbol: str) -> int:
         return int(lib.function(symbol, [], _I64)())
 
+    _check_layout("keel_gemm_args", _ARGS, _C_FIELD, "C",
+                  size("keel_gemm_args_size"), size("keel_gemm_args_c_offset"))
+    _check_layout("keel_conv_band_args", _BAND_ARGS, _BAND_X, "X",
+                  size("keel_conv_band_args_size"), size("keel_conv_band_args_x_offset"))
     return _Functions(
         gemm=lib.function("keel_gemm_f32", [ctypes.c_char_p, _PTR, _I64, _I64, _I64]),
         gemm_mt=lib.function("keel_gemm_mt_f32", [ctypes.c_char_p, _I64, _I64, _I64], _I64),
@@ -129,7 +134,31 @@ def _load(lib: native.NativeLibrary) -> _Functions:
         band_rows=lib.function("keel_conv_band_rows_f32", [ctypes.c_char_p], _I64),
         band_work=lib.function("keel_conv_band_workspace_f32", [ctypes.c_char_p], _I64),
         mr=size("keel_gemm_mr_f32"), nr=size("keel_gemm_nr_f32"),
-        work=size("keel_gemm_workspace_f32"))
+        work=size("keel_gemm_workspace_f32"), tall=planner_rules().tall_tiles)
+
+
+@functools.cache
+def planner_rules() -> ModuleType:
+    """The cpu planner module, whose rules (tall tiles, the least work per thread) the
+    native kernels obey; imported on first use, since the planner imports them."""
+    from keel.backends.cpu import planner
+
+    return planner
+
+
+class ArgsLayoutError(RuntimeError):
+    """gemm.c's argument struct and the layout this module packs it in disagree."""
+
+
+def _check_layout(name: str, packer: struct.Struct, field: int, what: str, size: int,
+                  offset: int) -> None:
+    """Fail at load, before any call, when the C struct ``name`` (``size`` bytes, the
+    rebound address ``what`` at byte ``offset``) is not the one ``packer`` writes."""
+    if packer.size != size or 8 * field != offset:
+        raise ArgsLayoutError(
+            f"gemm.c's {name} is {size} bytes with {what}'s address at byte {offset}; "
+            f"native_gemm.py packs {packer.format!r} ({packer.size} bytes) with it at byte "
+            f"{8 * field}: change both sides together")
 
 
 def address(a: np.ndarray) -> int:
@@ -360,7 +389,7 @@ class Call:
 
     def _parts(self, threads: int) -> int:
         """How many threads :meth:`run` splits the product over (1: not split)."""
-        return min(threads, 2 * self.batch * self.m * self.n * self.k // _MIN_FLOPS_PER_THREAD)
+        return planner_rules().gemm_threads(threads, 2 * self.batch * self.m * self.n * self.k)
 
     def bound(self, threads: int) -> Callable[[], Any]:
         """``run(threads)`` as a callable with no arguments, for the calling thread.
@@ -446,8 +475,9 @@ def prepare(a: np.ndarray | Packed, b: np.ndarray | Packed | Rows, c: np.ndarray
                                              or (columns is not None and not bias_rows))):
         return None
     flags = (_ACCUMULATE if accumulate else 0) | (_CLIP if clip is not None else 0) | (
-        _STREAM if batch * k * n * 4 > _STREAM_BYTES else 0) | (
-        _DIRECT if masks is not None else 0) | (_NT if nt else 0)
+        _STREAM if batch * k * n * 4 > planner_rules().STREAM_BYTES else 0) | (
+        _DIRECT if masks is not None else 0) | (_NT if nt else 0) | (
+        _TALL if f.tall(m, k) else 0)
     lo, hi = clip if clip is not None else (0.0, 0.0)
     values = (m, n, k, *ra[:4], *rb[:4],
               native.address(b.offsets) if isinstance(b, Rows) else 0,
@@ -481,9 +511,6 @@ def _residual(r: np.ndarray | None, c: np.ndarray) -> tuple[int, int, int] | Non
     return native.address(r), st[-2] >> 2, st[0] >> 2 if r.ndim == 3 else 0
 
 
-# keel_conv_band_args of gemm.c: 21 int64 fields then lo, hi as doubles.
-_BAND_ARGS = struct.Struct("<21q2d")
-_BAND_X = 16            # where X's address sits in it
 
 
 class BandCall:

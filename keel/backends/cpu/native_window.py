@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from keel import native
+from keel.backends.cpu.native_gemm import planner_rules
 from keel.native.pool import parts
 from keel.ops.schemas.conv import Window
 
@@ -41,10 +42,6 @@ LIBRARY = "window"
 # Limits of window.c (MAX_TAPS, MAX_STRIDE).
 MAX_TAPS = 1024
 MAX_STRIDE = 16
-# The fewest output-taps worth a worker thread: a dispatch costs about a microsecond
-# to a spinning worker (tens to a sleeping one, but then the calling thread takes the
-# chunk itself), and the kernels run about 5-15 output-taps per nanosecond.
-MIN_CHUNK_TAPS = 50_000
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -118,7 +115,7 @@ class WindowGeometry:
     @property
     def min_chunk(self) -> int:
         """The fewest planes worth a thread of their own."""
-        return max(1, MIN_CHUNK_TAPS // max(1, self.taps_per_plane))
+        return max(1, planner_rules().MIN_CHUNK_TAPS // max(1, self.taps_per_plane))
 
     def scratch_floats(self, fns: _Functions) -> int:
         """Floats of scratch a thread needs for this window (asked of the library once)."""
@@ -253,7 +250,7 @@ def bind_global_max_pool(x: np.ndarray, y: np.ndarray, threads: int = 1) -> Boun
     n, c = x.shape[:2]
     planes, size = n * c, math.prod(x.shape[2:])
     xa, ya = native.address(x), native.address(y)
-    count = parts(planes, threads, max(1, MIN_CHUNK_TAPS // max(1, size)))
+    count = parts(planes, threads, max(1, planner_rules().MIN_CHUNK_TAPS // max(1, size)))
     if count <= 1:
         return _Unchecked(fns.global_max, (xa, ya, size, 0, planes), ())
     return Bound(fns.global_max_mt, (xa, ya, size, planes, count), ())

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from keel.backends.base import Attrs, Inputs, KernelContext, Out
-from keel.backends.cpu import fastmath, workspace
+from keel.backends.cpu import fastmath, planner, workspace
 from keel.backends.cpu.kernels import TABLE
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError, UnsupportedOperationError
@@ -92,15 +92,18 @@ def _sum_squares_rows(xp: Any, y2: Any) -> Any:
     return xp.matmul(y2[:, None, :], y2[:, :, None]).reshape(-1, 1)
 
 
-# Rows are processed in blocks of about this many elements: every pass over a block
-# (center, square, scale, shift) then runs in cache instead of streaming the tensor.
-_BLOCK = 65536
-
 RowHook = Callable[[Any], None]      # in-place work on a block of finished rows
 
 
-def _row_blocks(rows: int, k: int) -> Iterator[tuple[int, int]]:
-    step = max(1, _BLOCK // max(k, 1))
+def _row_block(ctx: KernelContext) -> int:
+    """Elements per block of rows: the node plan's row_block (the cpu planner's)."""
+    return planner.block(ctx.plan, "row_block")
+
+
+def _row_blocks(rows: int, k: int, block: int) -> Iterator[tuple[int, int]]:
+    """Blocks of rows of about ``block`` elements (the plan's row_block): every pass
+    over a block (center, square, scale, shift) runs in cache."""
+    step = max(1, block // max(k, 1))
     for r0 in range(0, rows, step):
         yield r0, min(r0 + step, rows)
 
@@ -111,7 +114,7 @@ def _ones(xp: Any, k: int, dtype: Any) -> Any:
 
 
 def _standardize_rows(xp: Any, x2: Any, y2: Any, eps: float,
-                      then: RowHook | None = None) -> tuple[Any, Any]:
+                      then: RowHook | None = None, *, block: int) -> tuple[Any, Any]:
     """y2 = (x2 - mean) / sqrt(var + eps) per row; returns mean and inv_std, (R, 1) each.
 
     Block by block of rows: the mean and the variance of the centered rows are
@@ -126,9 +129,9 @@ def _standardize_rows(xp: Any, x2: Any, y2: Any, eps: float,
     mean = xp.empty((rows, 1), dtype=dt)
     inv_std = xp.empty((rows, 1), dtype=dt)
     ones = _ones(xp, k, dt)
-    step = max(1, _BLOCK // k)
+    step = max(1, block // k)
     square = workspace.empty(xp, "normalization.square", (min(step, rows), k), dt)
-    for r0, r1 in _row_blocks(rows, k):
+    for r0, r1 in _row_blocks(rows, k, block):
         xb, yb = x2[r0:r1].astype(dt, copy=False), y2[r0:r1]
         m, v = mean[r0:r1, 0], inv_std[r0:r1, 0]
         xp.dot(xb, ones, out=m)
@@ -233,7 +236,7 @@ def layer_norm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> li
                 block += beta
 
         mean, inv_std = _standardize_rows(xp, x.reshape(rows, k), y.reshape(rows, k),
-                                          attrs["epsilon"], affine)
+                                          attrs["epsilon"], affine, block=_row_block(ctx))
     results = [_finish(out, 0, y, x.dtype)]
     if stats:
         results += [_finish(out, 1, mean.reshape(stat_shape), ct),
@@ -319,7 +322,7 @@ def skip_layer_norm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) 
         s = total if total is not None else (y if y.dtype == x.dtype else None)
         s = xp.add(x, skip.reshape(plan[1]), out=s)
         _standardize_rows(xp, s.reshape(rows, k), y.reshape(rows, k), attrs["epsilon"],
-                          _affine(gamma, beta))
+                          _affine(gamma, beta), block=_row_block(ctx))
     results = [_finish(out, 0, y, x.dtype)]
     if total is not None:
         results.append(_finish(out, 1, total, x.dtype))
@@ -361,7 +364,8 @@ def instance_norm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) ->
     n, c = x.shape[0], x.shape[1]
     rows, k = n * c, math.prod(x.shape[2:])
     y = _target(xp, out, 0, x.shape, ct, contiguous=True)
-    _standardize_rows(xp, x.reshape(rows, k), y.reshape(rows, k), attrs["epsilon"])
+    _standardize_rows(xp, x.reshape(rows, k), y.reshape(rows, k), attrs["epsilon"],
+                      block=_row_block(ctx))
     y3 = y.reshape(n, c, k)
     y3 *= _vector(xp, scale, ct).reshape(1, c, 1)
     y3 += _vector(xp, bias, ct).reshape(1, c, 1)
@@ -380,7 +384,8 @@ def group_norm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> li
     spatial = math.prod(x.shape[2:])
     y = _target(xp, out, 0, x.shape, ct, contiguous=True)
     k = (c // groups) * spatial
-    _standardize_rows(xp, x.reshape(n * groups, k), y.reshape(n * groups, k), attrs["epsilon"])
+    _standardize_rows(xp, x.reshape(n * groups, k), y.reshape(n * groups, k), attrs["epsilon"],
+                      block=_row_block(ctx))
     sc, bi = _vector(xp, scale, ct), _vector(xp, bias, ct)
     if per_group:
         sc, bi = xp.repeat(sc, c // groups), xp.repeat(bi, c // groups)
@@ -541,7 +546,7 @@ def softmax(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[
         with np.errstate(invalid="ignore", over="ignore"):
             rows = _last_axis_rows(x, axis, y)
             if rows is not None:
-                _softmax_rows(xp, *rows, log=False)
+                _softmax_rows(xp, *rows, False, _row_block(ctx))
             else:
                 xp.exp(_shifted(xp, x, _shift(xp, x, axis), y), out=y)
                 y /= y.sum(axis=axis, keepdims=True)
@@ -557,7 +562,7 @@ def log_softmax(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> l
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
             rows = _last_axis_rows(x, axis, y)
             if rows is not None:
-                _softmax_rows(xp, *rows, log=True)
+                _softmax_rows(xp, *rows, True, _row_block(ctx))
             else:
                 shifted = _shifted(xp, x, _shift(xp, x, axis), y)
                 log_sum = xp.exp(shifted).sum(axis=axis, keepdims=True)
@@ -572,15 +577,15 @@ for _op, _fn in ((Op.SOFTMAX, softmax), (Op.LOG_SOFTMAX, log_softmax)):
                  shapes="float32, last axis, any layout", measured=_SOFTMAX_MEASURED)(_fn)
 
 
-def _softmax_rows(xp: Any, x2: Any, y2: Any, log: bool) -> None:
+def _softmax_rows(xp: Any, x2: Any, y2: Any, log: bool, block: int) -> None:
     """Softmax (or log-softmax) of each row, block by block of rows in cache:
     shift, exp, row sums as a matrix-vector product with a ones vector, scale."""
     rows, n = y2.shape
     dt = y2.dtype
     ones = _ones(xp, n, dt)
-    step = min(max(1, _BLOCK // max(n, 1)), rows)
+    step = min(max(1, block // max(n, 1)), rows)
     sums = workspace.empty(xp, "softmax.sums", (step,), dt)
-    for r0, r1 in _row_blocks(rows, n):
+    for r0, r1 in _row_blocks(rows, n, block):
         xb, yb, total = x2[r0:r1].astype(dt, copy=False), y2[r0:r1], sums[:r1 - r0]
         shifted = _shifted(xp, xb, _shift(xp, xb, 1), yb)
         if log:

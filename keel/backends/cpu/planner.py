@@ -17,6 +17,7 @@ and overrides these rules (``PlanRequest.measured``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Mapping, Sequence
@@ -243,6 +244,153 @@ def _dispatched(op: Op, request: PlanRequest, table: KernelTable) -> str | None:
     return None if name == "default" else name
 
 
+# ---- threads: the least work worth a worker thread ----------------------------------------
+# A dispatch to a spinning keel worker costs about a microsecond (tens to a sleeping one,
+# but then the calling thread takes the chunk itself), so a call splits over threads
+# only while each gets at least this much work. Each kernel family counts its own unit:
+# - the native GEMM, flops (a 1x784x512 product: 18 us on one thread, 10 us on two);
+# - the native window kernels (depthwise, pooling), output positions x taps (they run
+#   about 5-15 per nanosecond);
+# - the fastmath kernels (activations, softmax, norms), elements (GELU: ~0.7 ns each);
+# - Winograd's compiled transforms, input or output floats.
+# A node's plan gives its thread count (for a MatMul or Gemm from its product's flops);
+# a kernel that runs several products or chunks per node splits each call by its own
+# work under that count, with these same limits.
+MIN_FLOPS_PER_THREAD = 400_000
+MIN_CHUNK_TAPS = 50_000
+MIN_CHUNK_ELEMENTS = 8192
+MIN_CHUNK_FLOATS = 16384
+# The tree-ensemble walk (cpu/trees.py): (row, tree) pairs walked at once, which bounds
+# the walk's scratch to a few tens of MiB; below TREE_PARALLEL_PAIRS pairs per thread one
+# thread walks them all (handing a block to another thread costs tens of microseconds, as
+# much as walking that many pairs); pairs at a leaf are set aside once they are
+# 1/TREE_SET_ASIDE of those still walking.
+TREE_PAIRS_PER_BLOCK = 1 << 18
+TREE_PARALLEL_PAIRS = 1 << 14
+TREE_SET_ASIDE = 4
+
+
+def gemm_threads(threads: int, flops: int) -> int:
+    """The threads a native product of ``flops`` splits over under a cap of ``threads``
+    (1 or less: not split)."""
+    return min(threads, flops // MIN_FLOPS_PER_THREAD)
+
+
+def _product(request: PlanRequest) -> tuple[int, int, int] | None:
+    """(rows, depth, columns) of the one native product a MatMul (2-D B) or Gemm node
+    runs; None for other nodes or shapes not known."""
+    shapes = request.static_shapes()
+    if shapes is None or len(shapes) < 2 or shapes[0] is None or shapes[1] is None:
+        return None
+    a, b = shapes[0], shapes[1]
+    if request.op is Op.MATMUL and len(b) == 2 and len(a) >= 1:
+        return math.prod(a[:-1]), a[-1], b[1]
+    if request.op is Op.GEMM and len(a) == 2 and len(b) == 2:
+        (m, k) = a[::-1] if request.attrs.get("trans_a") else a
+        n = b[0] if request.attrs.get("trans_b") else b[1]
+        return m, k, n
+    return None
+
+
+def _product_threads(request: PlanRequest) -> tuple[int, str] | None:
+    """A MatMul or Gemm node's kernel threads from its product's flops, and why; None
+    where the node runs no single product of known size."""
+    product = _product(request) if request.threads is not None else None
+    if product is None or request.threads is None:
+        return None
+    m, k, n = product
+    flops = 2 * m * k * n
+    chosen = max(1, gemm_threads(request.threads, flops))
+    return chosen, (f"{chosen} kernel thread(s) of {request.threads}: {flops:,} flops, at "
+                    f"least {MIN_FLOPS_PER_THREAD:,} per thread")
+
+
+# ---- cache blocking of the NumPy kernels ------------------------------------------------
+# Elements per block of a kernel that runs its passes block by block, so that every
+# pass over a block runs in cache instead of streaming the tensor (about 256 KiB of
+# float32, half the L2 cache of the 2-core AMD EPYC the sizes were measured on):
+# - epilogue_block: rows of a MatMul / Gemm output per bias + activation block
+#   (0.45 ms of 16.8 ms saved on a (4096, 1024) bias + GELU);
+# - attention_block: heads per block of scores (heads x S x T), kept in cache between
+#   the two products and the softmax passes;
+# - row_block: rows per block of the normalizations and softmax (center, square,
+#   scale, shift on a block still in cache).
+EPILOGUE_BLOCK_ELEMENTS = 65536
+ATTENTION_BLOCK_ELEMENTS = 65536
+ROW_BLOCK_ELEMENTS = 65536
+BLOCKS = {"epilogue_block": EPILOGUE_BLOCK_ELEMENTS,
+          "attention_block": ATTENTION_BLOCK_ELEMENTS,
+          "row_block": ROW_BLOCK_ELEMENTS}
+# Not per node (the code that uses them sees no plan), but the planner's all the same:
+# - ERF_BLOCK_ELEMENTS: NumPy's erf runs in blocks that stay in cache (its ~30-45
+#   passes over a block cost far less than over one large array);
+# - HOLD_BYTES: a fresh MatMul / Gemm output up to this size is computed into a kept
+#   buffer and copied (~0.3 us) rather than the prepared call retargeted (~3 us);
+# - STREAM_BYTES: a raw right operand of the native GEMM larger than this (all
+#   products together, about L2's size) comes from memory rather than cache, and
+#   gemm.c packs it in long sequential runs (KEEL_STREAM; see its row_panels_first).
+ERF_BLOCK_ELEMENTS = 1 << 16
+HOLD_BYTES = 64 * 1024
+STREAM_BYTES = 2 * 2**20
+_BLOCK_OF = {Op.MATMUL: "epilogue_block", Op.GEMM: "epilogue_block",
+             Op.ATTENTION: "attention_block",
+             **{op: "row_block" for op in (Op.LAYER_NORM, Op.SKIP_LAYER_NORM,
+                                           Op.INSTANCE_NORM, Op.GROUP_NORM, Op.SOFTMAX,
+                                           Op.LOG_SOFTMAX)}}
+_BLOCK_WHY = {
+    "epilogue_block": "elements per bias + activation block of the output, in cache",
+    "attention_block": "elements of scores per block of heads, in cache between the "
+                       "products and the softmax",
+    "row_block": "elements per block of rows, every pass over a block in cache",
+}
+
+
+def block(node_plan: NodePlan | None, name: str) -> int:
+    """The block size ``name`` (see BLOCKS) a kernel runs with: its node plan's, else
+    (a call the planner did not see) the planner's own."""
+    size = BLOCKS[name]
+    return size if node_plan is None else int(node_plan.option(name, size))
+
+
+def _blocking(op: Op) -> tuple[tuple[str, int], str] | None:
+    """The cache-blocking option of ``op``'s kernels, and why; None when it has none."""
+    name = _BLOCK_OF.get(op)
+    if name is None:
+        return None
+    return (name, BLOCKS[name]), f"{name} {BLOCKS[name]}: {_BLOCK_WHY[name]}"
+
+
+# ---- the program's BLAS threads ---------------------------------------------------------
+# A program gives BLAS more than one thread only when BLAS does at least this share of
+# its arithmetic. Between calls, OpenBLAS's workers spin for a while; where the native
+# kernels do most of the work on keel's own threads, those spinning workers take the
+# cores keel's threads need. Measured on the 2-core AMD EPYC, 2 threads, batch 32:
+# BERT-mini (BLAS: the attention products, ~8% of the work) 318 ms with BLAS on 2
+# threads against 208 ms with BLAS on 1; ResNet-18 (BLAS: the Winograd and im2col
+# convolutions, most of the work) 699 ms against 1027 ms.
+BLAS_SHARE_FOR_THREADS = 0.5
+
+
+def plan_program(threads: int, steps: Sequence[tuple[bool, float]]) -> tuple[int, str]:
+    """The BLAS thread count of a whole program under a cap of ``threads``, and why.
+
+    ``steps`` are (whether the step may call BLAS, its estimated work) for each step
+    the program runs on the cpu backend; work 0 everywhere (shapes unknown) counts as
+    all BLAS, the cautious side.
+    """
+    if threads <= 1:
+        return threads, f"BLAS on {threads} thread: the program's cap"
+    total = sum(work for _, work in steps)
+    blas = sum(work for uses_blas, work in steps if uses_blas)
+    share = blas / total if total > 0 else 1.0
+    if share >= BLAS_SHARE_FOR_THREADS:
+        return threads, (f"BLAS on {threads} threads: BLAS kernels do {share:.0%} of the "
+                         f"work (>= {BLAS_SHARE_FOR_THREADS:.0%})")
+    return 1, (f"BLAS on 1 thread: BLAS kernels do {share:.0%} of the work; the native "
+               f"kernels split theirs over {threads} keel threads, and idle BLAS workers "
+               "would spin on the cores they need")
+
+
 # ---- the node plan ---------------------------------------------------------------------
 # Plans made, by request: the op-level path (Backend.run) asks for every call.
 _PLANS: dict[tuple[Any, ...], NodePlan] = {}
@@ -264,10 +412,13 @@ def plan(request: PlanRequest, table: KernelTable) -> NodePlan:
 
 
 def _cache_key(request: PlanRequest, table: KernelTable) -> tuple[Any, ...] | None:
-    """What a plan depends on (the cpu planner does not read the hardware profile);
-    None when an attribute is not hashable."""
+    """What a plan depends on (of the hardware profile: the machine its reasons name
+    and its SIMD level, which sets the native tile); None when an attribute is not
+    hashable."""
+    profile = request.profile
+    machine = None if profile is None else (profile.cpu.brand, profile.cpu.simd_level)
     key = (table, request.op, request.input_types, tuple(request.attrs.items()),
-           request.threads, request.precision, request.measured, state())
+           request.threads, request.precision, request.measured, machine, state())
     try:
         hash(key)
     except TypeError:
@@ -298,17 +449,26 @@ def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:
         options.append(("stream_stores", True))
     if form.block is not None:
         options.append(("depthwise_block", form.block))
-    threads = request.threads
+    blocking = _blocking(request.op)
+    if blocking is not None:
+        options.append(blocking[0])                 # its reason is keyed by its name
+    threads, threads_why = request.threads, (
+        f"{request.threads} kernel thread(s): the backend's thread count; each call splits "
+        "while every thread gets the planner's least work per thread")
+    product = _product_threads(request)
+    if product is not None:
+        threads, threads_why = product
     return NodePlan(
         variant=variant, layout=form.layout, threads=threads, chunk=form.chunk,
         workspace_bytes=form.workspace_bytes, precision=request.precision,
         options=tuple(options),
         reasons=field_reasons(
             variant=why, layout=form.reason,
-            threads=f"{threads} kernel thread(s): the backend's thread count",
+            threads=threads_why,
             **({} if form.chunk is None else {"chunk": form.chunk_reason or form.reason}),
             **({} if form.workspace_bytes is None else
-               {"workspace_bytes": "the column matrix of one chunk"})))
+               {"workspace_bytes": "the column matrix of one chunk"}))
+        + (() if blocking is None else ((blocking[0][0], blocking[1]),)))
 
 
 def _form(request: PlanRequest, variant: str) -> ConvForm:
@@ -325,7 +485,14 @@ def _form(request: PlanRequest, variant: str) -> ConvForm:
     except KeelError as exc:
         return ConvForm("", f"no layout: {exc}")
     itemsize = 8 if request.dtype is DType.FLOAT64 else 4    # float16 computes in float32
-    return conv_form(variant, geo, itemsize)
+    grid = tile_grid(request.profile) if variant == "native" else None
+    if grid is None or grid == native_gemm.geometry():
+        return conv_form(variant, geo, itemsize)
+    form = conv_form(variant, geo, itemsize, grid)
+    cpu = request.profile.cpu
+    return dataclasses.replace(form, reason=(
+        f"{form.reason}; planned for the profile's {cpu.brand or 'CPU'} ({cpu.simd_level}): "
+        f"its native GEMM's {grid[0]} x {grid[1]} tiles"))
 
 
 # ---- the native conv's layout ----------------------------------------------------------
@@ -374,71 +541,124 @@ def stream_stores(geo: ConvGeometry) -> bool:
     return math.prod(geo.out_shape) * 4 >= NT_BYTES
 
 
-def stacks(batch: int, pixels: int, fill: float = STACK_FILL) -> bool:
+# The native GEMM's micro-tile (rows, columns) as gemm.c compiles it for each SIMD
+# level (columns: two vectors): how full a product's column panels are, so the native
+# conv's forms depend on it. A plan for another machine's profile uses its level's tile.
+_TILES = {"avx512": (8, 32), "avx2": (6, 16), "avx": (6, 16), "sse4.2": (6, 8),
+          "sse2": (6, 8), "neon": (6, 8), "sve": (6, 8), "sve2": (6, 8), "scalar": (4, 8)}
+Grid = tuple[int, int] | None        # the native micro-tile; None: no native GEMM
+_HERE: Any = object()                # "the tile of the native GEMM loaded here"
+
+
+def tile_grid(profile: Any = None) -> Grid:
+    """The native GEMM tile plans assume: the loaded kernel's (for no profile, or one of
+    this CPU's SIMD level), else the tile gemm.c compiles for the profile's SIMD level
+    (None without the native tier)."""
+    here = native_gemm.geometry()
+    level = None if profile is None else profile.cpu.simd_level
+    if here is None or level is None or level == _this_simd_level():
+        return here
+    return _TILES.get(level, here)
+
+
+@functools.cache
+def _this_simd_level() -> str | None:
+    from keel.backends.cpu.backend import CpuBackend
+
+    return CpuBackend().simd_level
+
+
+def _grid(grid: Any) -> Grid:
+    return native_gemm.geometry() if grid is _HERE else grid
+
+
+def stacks(batch: int, pixels: int, fill: float = STACK_FILL, grid: Any = _HERE) -> bool:
     """Whether a batch's images go side by side in one native product: an image's
     column panels would be less than ``fill`` full."""
-    grid = native_gemm.geometry()
+    grid = _grid(grid)
     return grid is not None and batch > 1 and pixels % grid[1] != 0 and (
         pixels / (-(-pixels // grid[1]) * grid[1]) < fill)
 
 
-def _band_wins(geo: ConvGeometry) -> bool:
+def _band_wins(geo: ConvGeometry, grid: Grid) -> bool:
     win = geo.window
-    grid = native_gemm.geometry()
     return (grid is not None and grid[1] == BAND_PANEL and win.rank == 2 and geo.group == 1
             and any(s != 1 for s in win.strides)
             and geo.in_channels * math.prod(win.kernel) <= BAND_MAX_DEPTH
             and math.prod(win.out_spatial) >= BAND_FROM)
 
 
-def _masked_wins(geo: ConvGeometry) -> bool:
+def _masked_wins(geo: ConvGeometry, grid: Grid) -> bool:
     win = geo.window
     unit = all(s == 1 for s in win.strides)
-    if native_gemm.geometry() is None or conv_gemm.masked_layout(geo) is None or (
+    if grid is None or conv_gemm.masked_layout(geo) is None or (
             geo.is_pointwise and not win.padded and unit):
         return False                # a 1x1 stride-1 conv reads X in place as it is
     return unit or math.prod(win.out_spatial) < MASKED_STRIDED_BELOW
 
 
-def wide_stacks(geo: ConvGeometry) -> bool:
+def wide_stacks(geo: ConvGeometry, grid: Any = _HERE) -> bool:
     """Stack a batch's images in one wide product when that makes fewer column panels."""
-    grid = native_gemm.geometry()
+    grid = _grid(grid)
     width = 32 if grid is None else grid[1]
     return geo.batch > 1 and (conv_gemm.wide_panels(geo, True, width)
                               < conv_gemm.wide_panels(geo, False, width))
 
 
-def _wide_wins(geo: ConvGeometry) -> bool:
-    grid = native_gemm.geometry()
+def _wide_wins(geo: ConvGeometry, grid: Grid) -> bool:
     if grid is None or not conv_gemm.wide_serves(geo) or geo.window.out_spatial[-1] % grid[1] == 0:
         return False
     pixels = math.prod(geo.window.out_spatial)
-    together = stacks(geo.batch, pixels)
+    together = stacks(geo.batch, pixels, grid=grid)
     gathered = conv_gemm.panels(geo.batch * pixels if together else pixels, grid[1])
     if not together:
         gathered *= geo.batch
-    return conv_gemm.wide_panels(geo, wide_stacks(geo), grid[1]) <= WIDE_MAX_EXTRA * gathered
+    return (conv_gemm.wide_panels(geo, wide_stacks(geo, grid), grid[1])
+            <= WIDE_MAX_EXTRA * gathered)
 
 
-def native_form(geo: ConvGeometry) -> tuple[str, str]:
-    """The form the native conv runs ``geo`` in (see conv_gemm.native_layout), and why."""
+def native_form(geo: ConvGeometry, grid: Any = _HERE) -> tuple[str, str]:
+    """The form the native conv runs ``geo`` in (see conv_gemm.native_layout), and why;
+    ``grid`` the native tile planned for (default: the one loaded here)."""
+    grid = _grid(grid)
     win = geo.window
     pixels = math.prod(win.out_spatial)
-    if _band_wins(geo):
+    if _band_wins(geo, grid):
         return "band", (f"band: depth {geo.in_channels * math.prod(win.kernel)} <= "
                         f"{BAND_MAX_DEPTH}, {pixels} output pixels >= {BAND_FROM}, strided")
-    if _masked_wins(geo):
+    if _masked_wins(geo, grid):
         return "masked", "masked: every tap reads a plane of the output's shape in place"
-    if _wide_wins(geo):
-        form = "wide-stacked" if wide_stacks(geo) else "wide"
+    if _wide_wins(geo, grid):
+        form = "wide-stacked" if wide_stacks(geo, grid) else "wide"
         return form, f"{form}: its column panels within {WIDE_MAX_EXTRA}x the gathered ones"
     unit = all(s == 1 for s in win.strides)
-    if geo.is_pointwise and unit and not stacks(geo.batch, pixels, POINTWISE_STACK_FILL):
+    if geo.is_pointwise and unit and not stacks(geo.batch, pixels, POINTWISE_STACK_FILL, grid):
         return "direct", "direct: a 1x1 stride-1 conv reads X in place"
-    if stacks(geo.batch, pixels):
+    if stacks(geo.batch, pixels, grid=grid):
         return "gathered-stacked", (f"gathered-stacked: {pixels} pixels fill an image's "
                                     f"column panels less than {STACK_FILL:.0%}")
     return "gathered", "gathered: B gathered block by block from the (phase) image"
+
+
+# ---- the native GEMM's tall tiles -------------------------------------------------------
+# gemm.c runs a product in tall tiles (every row of C over one 16-column vector, B read
+# in place once; AVX-512 builds only) when the prepared call carries KEEL_TALL and its
+# operands fit (a packed A, a raw B of contiguous rows, no tables). Measured inside
+# MobileNetV2 at batch 32 on the 2-core AMD EPYC (Zen 4, AVX-512), 1 thread (ms, 8 x 32
+# tiles -> tall): projections 32 -> 16 on 112x112 8.43 -> 5.12, 96 -> 24 on 56x56 8.87
+# -> 4.58, 144 -> 32 on 28x28 3.87 -> 2.35, 576 -> 96 with the residual 10.11 -> 7.87;
+# expansions (depth below the rows) lost: 1.36x on 16 -> 96 on 112x112, 1.17x on 24 ->
+# 144 on 56x56. So: 9 to TALL_ROWS rows (one group of tiles), or up to TALL_MAX_ROWS
+# rows at a depth of at least twice the rows.
+TALL_MIN_ROWS = 9
+TALL_ROWS = 24
+TALL_MAX_ROWS = 256
+
+
+def tall_tiles(m: int, k: int) -> bool:
+    """Whether a native product of ``m`` rows and depth ``k`` runs in tall tiles (where
+    its operands fit them)."""
+    return TALL_MIN_ROWS <= m <= TALL_ROWS or (m <= TALL_MAX_ROWS and k >= 2 * m)
 
 
 # ---- the depthwise conv's form ---------------------------------------------------------
@@ -598,11 +818,11 @@ def winograd_form(geo: ConvGeometry, itemsize: int) -> ConvForm:
                         f"tiles an image, within {WINOGRAD_CHUNK_BYTES >> 20} MiB", chunk)
 
 
-def conv_form(variant: str, geo: ConvGeometry, itemsize: int) -> ConvForm:
+def conv_form(variant: str, geo: ConvGeometry, itemsize: int, grid: Any = _HERE) -> ConvForm:
     """The layout (form) of conv ``variant`` for ``geo`` computed in ``itemsize``-byte
     elements, and why ("" where the variant has one form)."""
     if variant == "native":
-        return ConvForm(*native_form(geo), stream_stores=stream_stores(geo))
+        return ConvForm(*native_form(geo, grid), stream_stores=stream_stores(geo))
     if variant == "depthwise":
         layout, why = depthwise_form(geo)
         numpy_form = layout.rpartition("|")[2]

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from keel.backends.base import Attrs, Inputs, KernelContext, Out
+from keel.backends.cpu import planner
 from keel.backends.cpu.kernels import TABLE
 from keel.backends.reference.trees import check_columns
 from keel.ops.registry import Op
@@ -34,13 +35,6 @@ from keel.ops.schemas.trees import (
 
 __all__: list[str] = []
 
-# (row, tree) pairs walked at once: bounds the walk's scratch to a few tens of MiB.
-_PAIRS_PER_BLOCK = 1 << 18
-# Below this many pairs per thread one thread walks them all: handing a block to another
-# thread costs tens of microseconds, as much as walking this many pairs.
-_PARALLEL_PAIRS = 1 << 14
-# Pairs at a leaf are set aside once they are 1/_SET_ASIDE of those still walking.
-_SET_ASIDE = 4
 
 
 @dataclass(frozen=True)
@@ -137,7 +131,7 @@ def _leaves(forest: Forest, x: np.ndarray) -> np.ndarray:
         arrived = np.count_nonzero(pos >= end)
         if arrived == len(pos):
             break
-        if _SET_ASIDE * arrived >= len(pos):
+        if planner.TREE_SET_ASIDE * arrived >= len(pos):
             if active is None:
                 result, active = pos.copy(), np.arange(len(pos))
             else:
@@ -165,8 +159,8 @@ def _totals(forest: Forest, x: np.ndarray, threads: int | None) -> np.ndarray:
     row's result is the same whatever the blocks, so the output is too.
     """
     rows, trees = x.shape[0], len(forest.roots)
-    parts = max(1, min(threads or 1, rows * trees // _PARALLEL_PAIRS))
-    step = max(1, min(_PAIRS_PER_BLOCK // trees, -(-rows // parts)))
+    parts = max(1, min(threads or 1, rows * trees // planner.TREE_PARALLEL_PAIRS))
+    step = max(1, min(planner.TREE_PAIRS_PER_BLOCK // trees, -(-rows // parts)))
     table = forest.leaf_values32 if x.dtype == np.float32 else forest.leaf_values
     out = np.empty((rows, forest.n_targets), dtype=table.dtype)
 

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from keel import native
-from keel.backends.cpu import native_gemm, workspace
+from keel.backends.cpu import native_gemm, planner, workspace
 from keel.backends.cpu.conv_epilogue import Activation, finish
 from keel.backends.cpu.native_window import clip_bounds
 from keel.native.pool import parts
@@ -143,8 +143,6 @@ def _output_transform(xp: Any, prod: Any, n: int, th: int, tw: int, m: int) -> A
 
 
 # ---- the native form: transforms in C (native/src/winograd.c), products on the packed GEMM
-# The fewest input or output floats worth a worker thread in a transform.
-_MIN_CHUNK_FLOATS = 16384
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -219,7 +217,7 @@ def native_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[in
         xs, ys = x[n0:n0 + k], y[n0:n0 + k]
         zs = None if z is None else z[n0:n0 + k]
         _ok(fns.input(addr(xs), addr(v), addr(geo), k,
-                      parts(k * c, threads, max(1, _MIN_CHUNK_FLOATS // (h * wd)))))
+                      parts(k * c, threads, max(1, planner.MIN_CHUNK_FLOATS // (h * wd)))))
         call = native_gemm.prepare(u, v, p)
         if call is None:
             raise RuntimeError("native GEMM refused the Winograd products")
@@ -227,7 +225,7 @@ def native_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[in
         _ok(fns.output(addr(p), addr(ys), addr(geo), m,
                        None if bias is None else addr(bias), None if zs is None else addr(zs),
                        None if clip is None else addr(clip), k,
-                       parts(k * m, threads, max(1, _MIN_CHUNK_FLOATS // (oh * ow)))))
+                       parts(k * m, threads, max(1, planner.MIN_CHUNK_FLOATS // (oh * ow)))))
     if name and name != "clip":
         finish(np, y, y, None, act)
     return True

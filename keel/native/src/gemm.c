@@ -36,6 +36,7 @@
  * Plain C11 with GNU vector extensions; one broadcast per ISA through its
  * intrinsic. Without a SIMD extension the vectors are lowered to scalars.
  */
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -113,6 +114,8 @@ typedef int32_t vi __attribute__((vector_size(VW * 4)));
 #define KEEL_CLIP 2       /* flags: clip the result to [lo, hi] */
 #define KEEL_STREAM 4     /* flags: B streams from memory (pack it in long runs) */
 #define KEEL_NT 16        /* flags: C's final stores bypass the cache (see store_final) */
+#define KEEL_TALL 32      /* flags: run in tall tiles where they fit (the cpu planner's
+                             choice, keel.backends.cpu.planner.tall_tiles) */
 
 static inline vf load(const float *p) { return *(const vfu *)p; }
 static inline void store(float *p, vf v) { *(vfu *)p = v; }
@@ -1164,9 +1167,6 @@ static void direct_conv(const problem *g, const epilogue *e, int64_t i_lo, int64
  * time, A's block in L1) changed nothing measurable (0.96-1.03x). */
 #if defined(__AVX512F__)
 #define TALL_ROWS 24
-#ifndef KEEL_TALL_M
-#define KEEL_TALL_M 256
-#endif
 #ifndef KEEL_TALL_CYCLES
 #define KEEL_TALL_CYCLES 8192
 #endif
@@ -1174,14 +1174,14 @@ static void direct_conv(const problem *g, const epilogue *e, int64_t i_lo, int64
 #define KEEL_TALL_MIN_AHEAD 3
 #endif
 
-/* Tall tiles serve a packed A and a raw B of contiguous rows (no tables, no column map)
- * with 9 .. 24 rows, or up to KEEL_TALL_M rows at a depth of at least twice that. */
-static int tall_serves(const problem *g, const epilogue *e)
+/* Tall tiles run a packed A and a raw B of contiguous rows (no tables, no column map),
+ * any number of rows; whether a product that fits runs in them is the cpu planner's
+ * choice, passed as KEEL_TALL. */
+static int tall_fits(const problem *g, const epilogue *e)
 {
-    if ((e->flags & KEEL_DIRECT) || g->a_rs != 0 || g->a_ks != 0 || g->b_cs != 1 ||
-        g->b_rs == 0 || g->b_rows || g->b_cols || g->c_cols)
-        return 0;
-    return (g->m >= 9 && g->m <= TALL_ROWS) || (g->m <= KEEL_TALL_M && g->k >= 2 * g->m);
+    return (e->flags & KEEL_TALL) && !(e->flags & KEEL_DIRECT) && g->a_rs == 0 &&
+           g->a_ks == 0 && g->b_cs == 1 && g->b_rs != 0 && !g->b_rows && !g->b_cols &&
+           !g->c_cols;
 }
 
 /* Rows [0, h) of C from row i0, columns j0 .. j0 + 16 (lanes `lane`; full: all 16).
@@ -1281,7 +1281,7 @@ static void gemm_2d(const problem *g, const epilogue *e, int64_t i_lo, int64_t i
         return;
     }
 #if defined(__AVX512F__)
-    if (tall_serves(g, e)) {
+    if (tall_fits(g, e)) {
         tall(g, e, i_lo, i_hi, j_lo, j_hi);
         return;
     }
@@ -1344,6 +1344,11 @@ typedef struct {
     int64_t res, flags;                         /* a residual shaped as Y (or 0); KEEL_CLIP */
     double lo, hi;
 } keel_conv_band_args;
+
+/* keel_conv_band_args' size and the byte offset of X's address, checked at load as
+ * keel_gemm_args' are. */
+int64_t keel_conv_band_args_size(void) { return (int64_t)sizeof(keel_conv_band_args); }
+int64_t keel_conv_band_args_x_offset(void) { return (int64_t)offsetof(keel_conv_band_args, x); }
 
 /* Floats of a band's B at most (K x columns; 64 KiB: in L2 beside the tiles' rows). */
 #define BAND_FLOATS (16 * 1024)
@@ -1502,6 +1507,12 @@ typedef struct {
     int64_t flags;                   /* KEEL_ACCUMULATE | KEEL_CLIP */
     double alpha, lo, hi;
 } keel_gemm_args;
+
+/* The layout Python packs keel_gemm_args in, checked when native_gemm.py loads this
+ * library: the struct's size and the byte offset of C's address (the field a prepared
+ * call rebinds). */
+int64_t keel_gemm_args_size(void) { return (int64_t)sizeof(keel_gemm_args); }
+int64_t keel_gemm_args_c_offset(void) { return (int64_t)offsetof(keel_gemm_args, c); }
 
 #define IPTR(x) ((const int64_t *)(intptr_t)(x))
 

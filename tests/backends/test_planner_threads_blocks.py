@@ -1,0 +1,121 @@
+"""The cpu planner decides each MatMul / Gemm node's threads from its product's flops and
+the NumPy kernels' cache blocks; the kernels run what the node plan says."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from keel.backends.base import DeviceKind, KernelContext
+from keel.backends.cpu import matmul as cpu_matmul
+from keel.backends.cpu import native_gemm
+from keel.backends.cpu import planner as cpu_planner
+from keel.backends.cpu.backend import CpuBackend
+from keel.backends.plan import NodePlan
+from keel.dtypes import DType
+from keel.ops.registry import Op
+from keel.ops.schema import get_schema
+from keel.ops.types import TensorType
+
+F32 = DType.FLOAT32
+
+
+def _plan(op: Op, *shapes: tuple[int, ...], threads: int = 2, **attrs: Any) -> NodePlan:
+    backend = CpuBackend(threads=threads)
+    full = dict(get_schema(op).normalize_attrs(attrs))
+    return backend.plan_node(op, [TensorType(F32, s) for s in shapes], full)
+
+
+@pytest.mark.parametrize(("a", "b", "want"), [((1, 784), (784, 512), 2), ((1, 16), (16, 16), 1),
+                                              ((4, 64, 32), (32, 100), 2)])
+def test_a_matmul_node_takes_threads_by_its_products_flops(
+        a: tuple[int, ...], b: tuple[int, ...], want: int) -> None:
+    plan = _plan(Op.MATMUL, a, b)
+    flops = 2 * int(np.prod(a[:-1])) * a[-1] * b[-1]
+    assert plan.threads == want
+    assert plan.reason("threads") == (
+        f"{want} kernel thread(s) of 2: {flops:,} flops, at least "
+        f"{cpu_planner.MIN_FLOPS_PER_THREAD:,} per thread")
+
+
+def test_a_gemm_node_counts_its_transposed_operands() -> None:
+    plan = _plan(Op.GEMM, (512, 8), (512, 784), trans_a=1)     # 8 x 512 @ 512 x 784
+    assert plan.threads == 2 and f"{2 * 8 * 512 * 784:,} flops" in plan.reason("threads")
+    assert _plan(Op.GEMM, (4, 4), (4, 4), threads=1).threads == 1
+
+
+def test_other_nodes_keep_the_backends_threads() -> None:
+    plan = _plan(Op.RELU, (1, 8))
+    assert plan.threads == 2 and "the backend's thread count" in plan.reason("threads")
+
+
+@pytest.mark.parametrize(("op", "shapes", "name"), [
+    (Op.MATMUL, ((2, 8), (8, 4)), "epilogue_block"),
+    (Op.ATTENTION, ((1, 2, 4, 8), (1, 2, 4, 8), (1, 2, 4, 8)), "attention_block"),
+    (Op.LAYER_NORM, ((2, 8), (8,)), "row_block"),
+    (Op.SOFTMAX, ((2, 8),), "row_block"),
+])
+def test_blocked_kernels_get_their_block_in_the_plan(
+        op: Op, shapes: tuple[tuple[int, ...], ...], name: str) -> None:
+    plan = _plan(op, *shapes)
+    assert plan.option(name) == cpu_planner.BLOCKS[name]
+    assert plan.reason(name).startswith(f"{name} {cpu_planner.BLOCKS[name]}: ")
+    assert plan.to_dict()["options"][name] == cpu_planner.BLOCKS[name]
+    assert cpu_planner.block(plan, name) == cpu_planner.block(None, name)
+
+
+def test_the_matmul_kernel_splits_its_product_as_the_plan_says(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    if not native_gemm.available():
+        pytest.skip("native tier unavailable")
+    seen: list[int] = []
+    real = native_gemm.Call.bound
+
+    def spy(self: native_gemm.Call, threads: int) -> Any:
+        seen.append(threads)
+        return real(self, threads)
+
+    monkeypatch.setattr(native_gemm.Call, "bound", spy)
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((64, 256)).astype(np.float32)
+    b = rng.standard_normal((256, 128)).astype(np.float32)
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    for planned in (1, 2):
+        plan = NodePlan(variant="default", threads=planned)
+        ctx = KernelContext(np, "cpu", DeviceKind.CPU, 2, None, plan)
+        y = np.empty((64, 128), np.float32)
+        got = cpu_matmul.matmul(ctx, [a, b], {}, [y])[0]
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
+        assert seen[-1] == planned
+
+
+def _profile(level: str) -> Any:
+    from keel.hardware.profile import CpuInfo, HardwareProfile
+
+    return HardwareProfile(cpu=CpuInfo(brand=f"Test CPU {level}", simd_level=level))
+
+
+@pytest.mark.parametrize("level", ["avx512", "avx2", "neon"])
+def test_a_plan_for_another_machine_uses_its_native_tile_and_names_it(level: str) -> None:
+    """The band form needs 32-column panels (AVX-512's tile): a profile decides it."""
+    if not native_gemm.available():
+        pytest.skip("native tier unavailable")
+    profile = _profile(level)
+    grid = cpu_planner.tile_grid(profile)
+    attrs = dict(get_schema(Op.CONV).normalize_attrs({"strides": (2, 2), "pads": (1, 1, 1, 1)}))
+    plan = CpuBackend(threads=1).plan_node(
+        Op.CONV, [TensorType(F32, (32, 3, 224, 224)), TensorType(F32, (32, 3, 3, 3))], attrs,
+        profile=profile)
+    assert plan.variant == "native"
+    assert grid is not None and (plan.layout == "band") is (grid[1] == 32)
+    named = f"planned for the profile's Test CPU {level} ({level})" in plan.reason("layout")
+    assert named is (grid != native_gemm.geometry())
+
+
+def test_a_profile_of_this_cpus_level_plans_as_this_machine() -> None:
+    here = CpuBackend().simd_level
+    if here is None or not native_gemm.available():
+        pytest.skip("SIMD level or native tier unknown here")
+    assert cpu_planner.tile_grid(_profile(here)) == native_gemm.geometry()

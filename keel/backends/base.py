@@ -174,6 +174,7 @@ class ProgramScope:
 
     enter: Callable[[], AbstractContextManager[Any]]
     reason: str
+    threads: int | None = None     # the thread count it sets, where it sets one (BLAS)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ whose tier (``requires="native"``) cannot run here.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -99,6 +100,14 @@ class NodePlan:
     def reason(self, name: str) -> str:
         """The reason recorded for field ``name`` ("" when none)."""
         return next((why for f, why in self.reasons if f == name), "")
+
+    def with_field(self, name: str, value: Any, reason: str) -> NodePlan:
+        """This plan with field ``name`` set to ``value`` for ``reason``."""
+        if name not in FIELDS:
+            raise InvalidArgumentError(f"a node plan has no field {name!r}; its fields are "
+                                       f"{', '.join(FIELDS)}")
+        reasons = (*((f, why) for f, why in self.reasons if f != name), (name, reason))
+        return dataclasses.replace(self, **{name: value}, reasons=reasons)
 
     def option(self, name: str, default: Any = None) -> Any:
         return next((v for k, v in self.options if k == name), default)

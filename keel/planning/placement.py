@@ -34,6 +34,7 @@ from keel.graph.ir import Graph, Node
 from keel.graph.memory_plan import MemoryPlan, PlanStep, plan_steps_for_graph
 from keel.ops.schema import get_schema
 from keel.ops.types import TensorType
+from keel.planning.work import estimated_work
 
 __all__ = [
     "HOST",
@@ -260,6 +261,7 @@ def place(
         pinned = registry.get(backend)
         reasons.append(f"backend {backend} pinned by the caller: every node runs there")
         placements = [_place_pinned(ctx, pinned, n) for n in graph.nodes]
+    placements = _with_blas_threads(graph, types, registry, placements)
     copies = _plan_copies(graph, types, placements)
     steps = lower_steps(graph, placements, copies)
     memory = plan_steps_for_graph(graph, types, steps)
@@ -446,6 +448,32 @@ def _node_precision(ctx: _Context, node: Node) -> tuple[str, str]:
 
 
 # ---- copies and lowering ---------------------------------------------------
+def _with_blas_threads(graph: Graph, types: Mapping[str, TensorType | None],
+                       registry: BackendRegistry, placements: list[NodePlacement],
+                       ) -> list[NodePlacement]:
+    """Every node plan with its backend's program-level BLAS decision: the scope a program
+    of these steps enters on each backend (the cpu planner's ``plan_program``), made here
+    from the same steps, dtypes and work the program will run, so the plan shows it."""
+    decided: dict[str, tuple[int | None, str]] = {}
+    for name in dict.fromkeys(p.backend for p in placements):
+        backend = registry.get(name)
+        kernels = [(backend.kernels.get(node.op, placed.variant),
+                    _first_dtype(types, node), estimated_work(types.get, node))
+                   for node, placed in zip(graph.nodes, placements, strict=True)
+                   if placed.backend == name]
+        scope = backend.program_scope(kernels)
+        decided[name] = ((None, "no step on this backend may call BLAS: its pools are left "
+                                "as they are") if scope is None
+                         else (scope.threads, scope.reason or "the backend's program scope"))
+    return [p if p.plan is None else dataclasses.replace(p, plan=p.plan.with_field(
+                "blas_threads", *decided[p.backend])) for p in placements]
+
+
+def _first_dtype(types: Mapping[str, TensorType | None], node: Node) -> DType | None:
+    t = types.get(node.inputs[0]) if node.inputs and node.inputs[0] else None
+    return None if t is None else t.dtype
+
+
 def _plan_copies(graph: Graph, types: Mapping[str, TensorType | None],
                  placements: Sequence[NodePlacement]) -> list[DeviceCopy]:
     where: dict[str, str] = {name: HOST for name in graph.input_names}

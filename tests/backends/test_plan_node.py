@@ -161,3 +161,26 @@ def test_a_node_plan_reads_back_from_its_dict() -> None:
     assert again.option("depthwise_block") == plan.option("depthwise_block")
     with pytest.raises(InvalidArgumentError, match="a node plan needs exactly the fields"):
         NodePlan.from_dict({"variant": "im2col"})
+
+
+@pytest.mark.parametrize(("make", "threads", "precision"), [
+    ("transformer_encoder", 2, "auto"), ("lenet", 2, "auto"), ("mlp", 1, "auto"),
+    ("mlp", 2, "fp64")])            # fp64: BLAS does the products, on every thread
+def test_every_node_plan_shows_the_program_blas_decision(make: str, threads: int,
+                                                         precision: str) -> None:
+    from keel.testing import models
+
+    proto = getattr(models, make)()
+    model = keel.load_model(proto, backend="cpu", threads=threads, precision=precision)
+    model.predict(models.make_inputs(proto, batch=2))       # compiles the program
+    plans = [n.plan for n in model.plan.nodes if n.plan is not None]
+    decided = {(p.blas_threads, p.reason("blas_threads")) for p in plans}
+    assert len(decided) == 1                                # one decision per program
+    ((count, why),) = decided
+    if count is None:
+        assert "no step on this backend may call BLAS" in why
+        assert "cpu threads:" not in model.explain()
+    else:
+        assert count in range(1, threads + 1)
+        assert f"BLAS on {count} thread" in why
+        assert f"cpu threads: {why}" in model.explain()   # what the program entered

@@ -128,7 +128,7 @@ class CpuBackend(Backend):
     def _program_scope(self, kernels: Sequence[tuple[KernelVariant, DType | None, float]]
                        ) -> ProgramScope:
         threads, reason = blas_threads(self.threads, kernels)
-        return ProgramScope(functools.partial(ThreadCap, threads), reason)
+        return ProgramScope(functools.partial(ThreadCap, threads), reason, threads)
 
     def _needs_scope(self, kernels: Sequence[tuple[KernelVariant, DType | None]]) -> bool:
         # Capping costs about a microsecond a run (two openblas_set_num_threads),

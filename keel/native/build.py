@@ -49,6 +49,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -213,22 +214,48 @@ def loaded(name: str) -> NativeLibrary | None:
 
 
 def build_all() -> list[dict[str, Any]]:
-    """Build (or find built) every native library now, the worker pool first. Per library:
-    ``library``, ``state`` (``built``, ``cached``, ``prebuilt`` or ``failed``), ``seconds``,
-    ``path`` and ``reason`` (why it failed)."""
+    """Build (or find built) every native library now, compiling them side by side (one
+    compiler process per core), then load them, the worker pool first. Per library:
+    ``library``, ``state`` (``built``, ``cached``, ``prebuilt`` or ``failed``), ``seconds``
+    (building and loading), ``path`` and ``reason`` (why it failed)."""
     names = sorted(s.stem for s in SOURCE_DIR.glob("*.c"))
     names.sort(key=lambda name: name != _POOL)
-    return [_build_one(name) for name in names]
+    state = _check()
+    seconds: dict[str, float] = {}
+    compiler = state.compiler
+    if compiler is not None:
+        _cache_folder()                       # chosen once, before the threads start
+        _side_by_side(lambda name: _build_ahead(name, compiler, state, seconds), names)
+    return [_build_one(name, seconds.get(name, 0.0)) for name in names]
 
 
-def _build_one(name: str) -> dict[str, Any]:
+def _side_by_side(work: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+    """``work`` on every item, on up to one thread per core (each runs a compiler)."""
+    workers = max(1, min(len(items), os.cpu_count() or 1))
+    with ThreadPoolExecutor(workers, thread_name_prefix="keel-build") as pool:
+        return list(pool.map(work, items))
+
+
+def _build_ahead(name: str, compiler: Compiler, state: _State,
+                 seconds: dict[str, float]) -> None:
+    """Build ``name`` into the cache (a failure is remembered, as :func:`library` does)."""
+    start = time.perf_counter()
+    try:
+        _build(name, SOURCE_DIR / f"{name}.c", compiler, state.flags)
+    except (OSError, _BuildError) as exc:
+        with state.lock:
+            state.failed.setdefault(name, str(exc))
+    seconds[name] = time.perf_counter() - start
+
+
+def _build_one(name: str, built_s: float) -> dict[str, Any]:
     start = time.perf_counter()
     try:
         lib = library(name)
     except BackendSelectionError:
         lib = None
     state = _STATE
-    seconds = round(time.perf_counter() - start, 3)
+    seconds = round(built_s + time.perf_counter() - start, 3)
     if lib is None:
         return {"library": name, "state": "failed", "seconds": seconds, "path": None,
                 "reason": state.failed.get(name, state.reason)}
@@ -251,8 +278,8 @@ def prebuild(target: Path) -> list[dict[str, Any]]:
             except BackendSelectionError:
                 state = _STATE
             target.mkdir(parents=True, exist_ok=True)
-            return [_prebuild_one(source, state, target)
-                    for source in sorted(SOURCE_DIR.glob("*.c"))]
+            return _side_by_side(lambda source: _prebuild_one(source, state, target),
+                                 sorted(SOURCE_DIR.glob("*.c")))
     finally:
         _STATE = saved
 
@@ -431,7 +458,7 @@ def _build(name: str, source: Path | None, compiler: Compiler,
         found = _verified(folder, key)
     if found is None:
         raise _BuildError(f"the build of {name} in {folder} did not check out after building")
-    _STATE.origins[name] = origin
+    _STATE.origins.setdefault(name, origin)   # a build ahead (build_all) is kept as such
     return found
 
 

@@ -10,6 +10,7 @@ still succeeds and keel builds at first use. Editable installs skip the step.
 from __future__ import annotations
 
 import importlib
+import shutil
 import sys
 import types
 from pathlib import Path
@@ -40,6 +41,7 @@ class BuildPyWithKernels(build_py):
         if getattr(self, "editable_mode", False):
             return
         target = Path(self.build_lib) / "keel" / "native" / "prebuilt"
+        shutil.rmtree(target, ignore_errors=True)   # no stale builds from an earlier run
         try:
             report = _builder().prebuild(target)
         except Exception as exc:  # the install goes on: keel builds at first use

@@ -26,7 +26,9 @@ def build_command(
     if as_json:
         typer.echo(json.dumps(report, indent=2))
         return
-    typer.echo(f"native kernels: {report['reason']} (KEEL_NATIVE={report['mode']})")
+    mode = f"KEEL_NATIVE={report['mode']}"
+    typer.echo(f"native kernels: {report['reason']}"
+               f"{'' if mode in report['reason'] else f' ({mode})'}")
     typer.echo(f"cache: {report['cache'] or '-'}")
     for entry in report["libraries"]:
         where = entry["path"] or entry["reason"]

@@ -39,12 +39,13 @@ class Untrusted(Exception):
 
 
 # ---- trust -------------------------------------------------------------------------------
-def owner_problem(info: os.stat_result, what: str) -> str | None:
-    """Why a file or folder with ``info`` cannot be trusted; None when it can."""
+def owner_problem(info: os.stat_result, what: str, root_ok: bool = False) -> str | None:
+    """Why a file or folder with ``info`` cannot be trusted; None when it can. ``root_ok``:
+    root's files are trusted too (an installed package's)."""
     uid = getattr(os, "getuid", None)
     if uid is None:
         return None
-    if info.st_uid != uid():
+    if info.st_uid != uid() and not (root_ok and info.st_uid == 0):
         return f"{what} belongs to another user (uid {info.st_uid})"
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         return f"{what} is writable by other users (mode {stat.S_IMODE(info.st_mode):o})"
@@ -86,9 +87,10 @@ def user_temp_folder(purpose: str) -> Path:
     return private_folder(Path(tempfile.gettempdir()) / f"keel-{purpose}-{uid}")
 
 
-def open_trusted(path: Path) -> int:
+def open_trusted(path: Path, root_ok: bool = False) -> int:
     """A read-only descriptor of ``path`` (not followed if a link), after checking the open
-    file: a regular file of this user's, writable by no one else. The caller closes it."""
+    file: a regular file of this user's (or root's, with ``root_ok``), writable by no one
+    else. The caller closes it."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
                      | getattr(os, "O_NONBLOCK", 0))
@@ -96,7 +98,7 @@ def open_trusted(path: Path) -> int:
         raise Untrusted(f"cannot open it ({exc.strerror})") from None
     info = os.fstat(fd)
     problem = ("it is not a regular file" if not stat.S_ISREG(info.st_mode)
-               else owner_problem(info, "the file"))
+               else owner_problem(info, "the file", root_ok))
     if problem is not None:
         os.close(fd)
         raise Untrusted(problem)

@@ -26,7 +26,7 @@ EXIT_ERROR = EXIT_FAILED   # an error keel raised on purpose (a KeelError)
 EXIT_OUT_OF_MEMORY = 3     # a MemoryError keel did not foresee
 
 SUBCOMMANDS = ("probe", "plan", "backends", "bench", "drop", "demo", "convert", "run", "validate",
-               "calibrate", "cache", "tune", "serve")
+               "calibrate", "cache", "tune", "serve", "build")
 
 app = typer.Typer(
     name="keel",

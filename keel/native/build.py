@@ -6,8 +6,17 @@ beside it) into a shared object, caches it under ``KEEL_CACHE_DIR/native``
 hashes the sources, the compiler and its flags and this CPU's feature flags,
 so a cache shared between machines never hands a build for one CPU to
 another. A build is written to a private temporary file and renamed into
-place, so concurrent processes never see half a library. The first build of
-a library takes about a second; later processes only load it.
+place, so concurrent processes never see half a library. A fresh build says
+so on stderr (what is built, about how long it takes, where it is cached) and
+again when done: gemm takes 10-30 s, the others a few seconds; later processes
+only load it. ``keel build`` (:func:`build_all`) builds them all at once.
+
+Install-time builds: ``pip install`` runs :func:`prebuild` into
+``keel/native/prebuilt/``, recording beside each library the CPU it was built
+for. Before building, keel takes such a library when its key (sources,
+compiler, flags, CPU) and its recorded CPU match this machine and it checks
+out like a cached one (root may own it: a system-wide install); a wheel built
+on another CPU is never loaded here, the library is built into the cache.
 
 Trust: a library runs as the caller, so keel loads only what it can vouch
 for. Each build is recorded in a small file beside it (its size and SHA-256,
@@ -35,9 +44,12 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,10 +61,14 @@ from keel.config import Settings
 from keel.errors import BackendSelectionError, InvalidArgumentError
 from keel.native.toolchain import BASE_FLAGS, Compiler, find_compiler, run_tool
 
-__all__ = ["NativeLibrary", "NativeStatus", "available", "library", "loaded", "mode", "reset",
-           "status"]
+__all__ = ["NativeLibrary", "NativeStatus", "available", "build_all", "library", "loaded", "mode",
+           "prebuild", "reset", "status"]
 
 SOURCE_DIR = Path(__file__).resolve().parent / "src"
+PREBUILT_DIR = Path(__file__).resolve().parent / "prebuilt"   # filled by ``pip install``
+# fresh-build times seen on one core, idle to loaded, for the progress line (others: ~1 s)
+_BUILD_ESTIMATES = {"gemm": "10-30 s", "window": "3-10 s", "winograd": "1-4 s",
+                    "fastmath": "1-3 s"}
 _RECORD_MAX_BYTES = 4096  # a build record is a few hundred bytes of JSON
 _ARCH_FLAGS = ("-march=native",)
 _PROBE_SOURCE = "int keel_native_probe(int x) { return x + 1; }\n"
@@ -124,6 +140,7 @@ class _State:
         self.settings: Settings | None = None
         self.folder: Path | None = None       # the cache folder, checked (see cache_folder)
         self.cache = ""                       # where builds are cached, and why there
+        self.origins: dict[str, str] = {}     # library -> "built", "cached" or "prebuilt"
 
     def values(self) -> Settings:
         """The settings this state runs with: the process's, taken once."""
@@ -194,6 +211,94 @@ def library(name: str) -> NativeLibrary | None:
 def loaded(name: str) -> NativeLibrary | None:
     """The library built from ``src/<name>.c`` if this process has loaded it (never builds)."""
     return _STATE.libraries.get(name)
+
+
+def build_all() -> list[dict[str, Any]]:
+    """Build (or find built) every native library now, compiling them side by side (one
+    compiler process per core), then load them, the worker pool first. Per library:
+    ``library``, ``state`` (``built``, ``cached``, ``prebuilt`` or ``failed``), ``seconds``
+    (building and loading), ``path`` and ``reason`` (why it failed)."""
+    names = sorted(s.stem for s in SOURCE_DIR.glob("*.c"))
+    names.sort(key=lambda name: name != _POOL)
+    state = _check()
+    seconds: dict[str, float] = {}
+    compiler = state.compiler
+    if compiler is not None:
+        _cache_folder()                       # chosen once, before the threads start
+        _side_by_side(lambda name: _build_ahead(name, compiler, state, seconds), names)
+    return [_build_one(name, seconds.get(name, 0.0)) for name in names]
+
+
+def _side_by_side(work: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+    """``work`` on every item, on up to one thread per core (each runs a compiler)."""
+    workers = max(1, min(len(items), os.cpu_count() or 1))
+    with ThreadPoolExecutor(workers, thread_name_prefix="keel-build") as pool:
+        return list(pool.map(work, items))
+
+
+def _build_ahead(name: str, compiler: Compiler, state: _State,
+                 seconds: dict[str, float]) -> None:
+    """Build ``name`` into the cache (a failure is remembered, as :func:`library` does)."""
+    start = time.perf_counter()
+    try:
+        _build(name, SOURCE_DIR / f"{name}.c", compiler, state.flags)
+    except (OSError, _BuildError) as exc:
+        with state.lock:
+            state.failed.setdefault(name, str(exc))
+    seconds[name] = time.perf_counter() - start
+
+
+def _build_one(name: str, built_s: float) -> dict[str, Any]:
+    start = time.perf_counter()
+    try:
+        lib = library(name)
+    except BackendSelectionError:
+        lib = None
+    state = _STATE
+    seconds = round(built_s + time.perf_counter() - start, 3)
+    if lib is None:
+        return {"library": name, "state": "failed", "seconds": seconds, "path": None,
+                "reason": state.failed.get(name, state.reason)}
+    return {"library": name, "state": state.origins.get(name, "cached"), "seconds": seconds,
+            "path": str(lib.path), "reason": ""}
+
+
+def prebuild(target: Path) -> list[dict[str, Any]]:
+    """Build every library into ``target`` for this CPU, recording the CPU each was built
+    for (the step ``pip install`` runs; :func:`library` takes these builds when they match
+    this CPU and compiler). Per library: ``library``, ``state`` (``built`` or ``failed``),
+    ``seconds``, ``path``, ``reason``; no compiler makes every entry ``failed``."""
+    global _STATE
+    saved, _STATE = _STATE, _State()
+    try:
+        with tempfile.TemporaryDirectory(prefix="keel-prebuild-") as scratch:
+            _STATE.folder = Path(scratch)    # the compiler probe, not in a user cache
+            try:
+                state = _check()
+            except BackendSelectionError:
+                state = _STATE
+            target.mkdir(parents=True, exist_ok=True)
+            return _side_by_side(lambda source: _prebuild_one(source, state, target),
+                                 sorted(SOURCE_DIR.glob("*.c")))
+    finally:
+        _STATE = saved
+
+
+def _prebuild_one(source: Path, state: _State, target: Path) -> dict[str, Any]:
+    name, start = source.stem, time.perf_counter()
+    entry: dict[str, Any] = {"library": name, "state": "failed", "path": None,
+                             "reason": state.reason}
+    if state.compiler is not None:
+        key = _key(name, source, state.compiler, state.flags)
+        try:
+            _compile(name, source, state.compiler, state.flags, target, key)
+            os.chmod(target / f"{key}.json", 0o644)   # readable by whoever runs keel
+            entry.update(state="built", path=str(_verified(target, key, root_ok=True)),
+                         reason="")
+        except (OSError, _BuildError) as exc:
+            entry["reason"] = str(exc)
+    entry["seconds"] = round(time.perf_counter() - start, 3)
+    return entry
 
 
 def _attach_pool(lib: NativeLibrary) -> None:
@@ -328,35 +433,73 @@ def _key(name: str, source: Path | None, compiler: Compiler,
     return f"{name}-{digest.hexdigest()[:20]}"
 
 
+def _cpu_digest() -> str:
+    """A short fingerprint of :func:`_cpu_identity`, recorded with every build."""
+    return hashlib.sha256(_cpu_identity().encode()).hexdigest()[:32]
+
+
 def _build(name: str, source: Path | None, compiler: Compiler,
            flags: tuple[str, ...]) -> Path:
     """The library for ``source`` (None: the probe), from the cache when its entry checks
-    out, else built. Checked just before it is returned: the caller loads it at once."""
+    out, else the one ``pip install`` built when it was built for this CPU, else built
+    (with a progress line on stderr). Checked just before it is returned: the caller loads
+    it at once."""
     key = _key(name, source, compiler, flags)
     folder = _cache_folder()
-    found = _verified(folder, key)
+    found, origin = _verified(folder, key), "cached"
+    if found is None and source is not None:
+        found, origin = _verified(PREBUILT_DIR, key, root_ok=True), "prebuilt"
     if found is None:
-        _compile(name, source, compiler, flags, folder, key)
+        origin = "built"
+        if source is None:
+            _compile(name, source, compiler, flags, folder, key)
+        else:
+            _compile_reporting(name, source, compiler, flags, folder, key)
         found = _verified(folder, key)
     if found is None:
         raise _BuildError(f"the build of {name} in {folder} did not check out after building")
+    _STATE.origins.setdefault(name, origin)   # a build ahead (build_all) is kept as such
     return found
 
 
-def _verified(folder: Path, key: str) -> Path | None:
-    """The entry's library, when the open file's owner, mode, size and SHA-256 match its
-    record; None (build it again) otherwise."""
+def _compile_reporting(name: str, source: Path, compiler: Compiler, flags: tuple[str, ...],
+                       folder: Path, key: str) -> None:
+    """:func:`_compile`, saying on stderr what is built, how long it may take, and when done."""
+    how_long = _BUILD_ESTIMATES.get(name, "~1 s")
+    _say(f"keel: compiling native kernels for this CPU ({name}, {how_long}, once; "
+         f"cached in {folder})")
+    start = time.perf_counter()
     try:
-        with os.fdopen(open_trusted(folder / f"{key}.json"), "rb") as f:
+        _compile(name, source, compiler, flags, folder, key)
+    except (OSError, _BuildError) as exc:
+        _say(f"keel: building {name} failed after {time.perf_counter() - start:.1f} s "
+             f"({exc}); keel uses its NumPy kernels for it")
+        raise
+    _say(f"keel: built {name} in {time.perf_counter() - start:.1f} s")
+
+
+def _say(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def _verified(folder: Path, key: str, root_ok: bool = False) -> Path | None:
+    """The entry's library, when the open file's owner, mode, size and SHA-256 match its
+    record and it was built for this CPU; None (build it again) otherwise. ``root_ok``
+    (the install folder, which root may own): root's files are trusted too, and the
+    record must name the CPU it was built for."""
+    try:
+        with os.fdopen(open_trusted(folder / f"{key}.json", root_ok), "rb") as f:
             record = json.loads(f.read(_RECORD_MAX_BYTES))
         path = folder / str(record["file"])
         size, sha = int(record["size"]), str(record["sha256"])
+        cpu = str(record["cpu"] if root_ok else record.get("cpu", _cpu_digest()))
     except (Untrusted, ValueError, KeyError, TypeError):
         return None
-    if path.parent != folder or not path.name.startswith(f"{key}-"):
+    if path.parent != folder or not path.name.startswith(f"{key}-") or cpu != _cpu_digest():
         return None
     try:
-        fd = open_trusted(path)
+        fd = open_trusted(path, root_ok)
     except Untrusted:
         return None
     try:
@@ -392,7 +535,8 @@ def _compile(name: str, source: Path | None, compiler: Compiler, flags: tuple[st
         with open(tmp, "rb") as built:
             sha = _fd_sha256(built.fileno())
         target = folder / f"{key}-{sha[:16]}.so"
-        record = {"file": target.name, "size": os.path.getsize(tmp), "sha256": sha}
+        record = {"file": target.name, "size": os.path.getsize(tmp), "sha256": sha,
+                  "cpu": _cpu_digest()}
         os.replace(tmp, target)
         tmp = ""
         _write_record(folder / f"{key}.json", record)

@@ -1,7 +1,8 @@
 """The C compiler keel builds its native kernels with, and the flags it uses.
 
-keel compiles a handful of small C files at first use rather than shipping
-prebuilt binaries: the build then targets the very CPU it runs on
+keel compiles a handful of small C files on the machine that runs them, at
+``pip install`` where it can, else at first use, rather than shipping binaries
+built elsewhere: the build then targets the very CPU it runs on
 (``-march=native``), and installing keel needs no compiler (without one,
 keel runs its NumPy kernels and says so). The compiler is ``KEEL_CC`` when
 set, else the first of ``cc``, ``gcc`` and ``clang`` on ``PATH``.

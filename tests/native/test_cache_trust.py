@@ -21,7 +21,6 @@ from keel.errors import InvalidArgumentError
 from keel.native.toolchain import find_compiler
 
 REPO = Path(__file__).resolve().parents[2]
-ADD_ONE = "int keel_add_one(int x) { return x + 1; }\n"
 # A library whose constructor runs at load: it leaves a marker file behind.
 PLANTED = """#include <stdio.h>
 __attribute__((constructor)) static void planted(void) {
@@ -41,17 +40,6 @@ answer = None if lib is None else lib.function("keel_add_one", [ctypes.c_int], c
 print(json.dumps({"answer": answer, "path": None if lib is None else str(lib.path),
                   "status": native.status().to_dict()}))
 """
-
-
-@pytest.fixture
-def sources(tmp_path: Path) -> Path:
-    compiler, why = find_compiler()
-    if compiler is None:
-        pytest.skip(f"native tier unavailable: {why}")
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "adder.c").write_text(ADD_ONE)
-    return src
 
 
 def _load_in_subprocess(src: Path, cache: Path, tmp: Path) -> dict:

@@ -72,7 +72,7 @@ def _range(ins: Sequence[Any], attrs: Mapping[str, Any]) -> int | None:
 def _axes(ins: Sequence[Any], attrs: Mapping[str, Any], at: int, count: int) -> list[int]:
     given = ins[at] if len(ins) > at and ins[at] is not None else attrs.get("axes")
     axes = _ints(given) if hasattr(given, "reshape") else list(given or [])
-    return list(range(count)) if not axes else axes
+    return axes if axes else list(range(count))
 
 
 def _resize(ins: Sequence[Any], attrs: Mapping[str, Any]) -> int | None:
@@ -86,7 +86,7 @@ def _resize(ins: Sequence[Any], attrs: Mapping[str, Any]) -> int | None:
     if len(axes) != len(given):
         return None
     for axis, g in zip(axes, given, strict=True):
-        dims[axis] = int(g) if sizes is not None else int(math.floor(dims[axis] * g))
+        dims[axis] = int(g) if sizes is not None else math.floor(dims[axis] * g)
     return _product(dims)
 
 

@@ -49,6 +49,9 @@ CASES: list[tuple[Op, bytes, dict[str, Any]]] = [
                          ("v", TensorProto.FLOAT, [2])]),
      {"i": np.array([0, 2, 1, 3], np.int64), "d": np.array([5], np.int64),
       "v": np.array([0, 1], np.float32)}),
+    (Op.RESIZE, _model(helper.make_node("Resize", ["x", "", "", "z"], ["y"], mode="nearest"),
+                       [("x", TensorProto.FLOAT, [1, 1, 2, 3]), ("z", TensorProto.INT64, [4])]),
+     {"x": np.ones((1, 1, 2, 3), np.float32), "z": np.array([1, 1, 5, 4], np.int64)}),
 ]
 
 
@@ -56,7 +59,10 @@ CASES: list[tuple[Op, bytes, dict[str, Any]]] = [
 def test_the_size_read_from_the_inputs_is_the_kernels(op: Op, model: bytes,
                                                       feeds: dict[str, Any]) -> None:
     out = keel.load_model(model).predict(feeds)["y"]
-    assert output_elements(op, [np.asarray(v) for v in feeds.values()], {}) == out.size
+    ins = [np.asarray(v) for v in feeds.values()]
+    if op == Op.RESIZE:
+        ins = [ins[0], None, None, ins[1]]                  # roi and scales absent
+    assert output_elements(op, ins, {}) == out.size
 
 
 @pytest.mark.parametrize(("op", "model", "feeds"), CASES, ids=[c[0].value for c in CASES])

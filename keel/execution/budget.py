@@ -79,9 +79,12 @@ def _resize(ins: Sequence[Any], attrs: Mapping[str, Any]) -> int | None:
     dims = list(ins[0].shape)
     sizes = ins[3] if len(ins) > 3 and ins[3] is not None and ins[3].size else None
     scales = ins[2] if len(ins) > 2 and ins[2] is not None and ins[2].size else None
-    if sizes is None and scales is None:
+    if sizes is not None:
+        given: list[float] = [float(v) for v in _ints(sizes)]
+    elif scales is not None:
+        given = [float(s) for s in scales.reshape(-1)]
+    else:
         return None
-    given = _ints(sizes) if sizes is not None else [float(s) for s in scales.reshape(-1)]
     axes = attrs.get("axes") or list(range(len(given)))
     if len(axes) != len(given):
         return None

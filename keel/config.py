@@ -17,6 +17,7 @@ import math
 import os
 import platform
 import re
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,6 +107,7 @@ class Settings:
     strict: bool = False
     native: str = "auto"                  # auto | on | off
     cc: str | None = None                 # the C compiler for native kernels
+    cflags: tuple[str, ...] = ()          # KEEL_CFLAGS: extra flags for native builds
     spin_us: int = DEFAULT_SPIN_US        # idle native workers spin this long, then sleep
     build_timeout_s: float = DEFAULT_BUILD_TIMEOUT_S   # KEEL_BUILD_TIMEOUT: one compile's limit
     calibration: str | None = None        # a calibration file, or "off"
@@ -130,6 +132,7 @@ class Settings:
             strict=bool(_flag(env, "KEEL_STRICT")),
             native=_native(env),
             cc=env.get("KEEL_CC", "").strip() or None,
+            cflags=tuple(shlex.split(env.get("KEEL_CFLAGS", ""))),
             spin_us=_or(_count(env, "KEEL_SPIN_US", minimum=0), DEFAULT_SPIN_US),
             build_timeout_s=_seconds(env, "KEEL_BUILD_TIMEOUT", DEFAULT_BUILD_TIMEOUT_S),
             calibration=env.get("KEEL_CALIBRATION", "").strip() or None,

@@ -70,7 +70,9 @@ def to_json(compiled: CompiledModel) -> dict[str, Any]:
         "plan": {"model": plan.model, "backend": plan.backend, "precision": plan.precision,
                  "nodes": [_node_json(n) for n in plan.nodes],
                  "copies": [_fields(c) for c in plan.copies],
-                 "peak_bytes": plan.peak_bytes, "chunk_size_hint": plan.chunk_size_hint,
+                 "peak_bytes": plan.peak_bytes,
+                 "prepacked_bytes": int(plan.memory.get("prepacked_bytes", 0)),
+                 "chunk_size_hint": plan.chunk_size_hint,
                  "reasons": list(plan.reasons),
                  "input_shapes": {k: list(v) for k, v in plan.input_shapes.items()}},
     }
@@ -97,6 +99,8 @@ def from_json(graph: Graph, meta: dict[str, Any]) -> CompiledModel:
             n.name != g.name for n, g in zip(nodes, graph.nodes, strict=True)):
         raise EntryError("its plan does not match its graph")
     memory = plan_steps_for_graph(graph, types, lower_steps(graph, nodes, copies))
+    # The kernels' packed weights were estimated at placement, from the registry's kernels.
+    memory = dataclasses.replace(memory, prepacked_bytes=int(p["prepacked_bytes"]))
     if memory.peak_bytes != p["peak_bytes"]:
         raise EntryError("its memory plan does not match the stored one")
     plan = ExecutionPlan(

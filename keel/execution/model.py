@@ -314,6 +314,7 @@ class Model:
         self._cache: collections.OrderedDict[tuple[Any, ...], _Planned] = \
             collections.OrderedDict()
         self._pool = ArenaPool()
+        self._pool.limit = self._memory_limit
         self._lock = threading.RLock()
         renew_after_fork(self, "_lock")             # free in a child forked mid-predict
         reset_after_fork(self, Model._drop_streams)
@@ -461,6 +462,7 @@ class Model:
                 self._memory_limit = old
                 raise
             self._pool.clear()
+            self._pool.limit = new
             self._fast.clear()
             self._streams = None
             self._last = None
@@ -961,6 +963,7 @@ class _Streams:
         self.pools = [ArenaPool() for _ in range(count)]
         for pool in self.pools:
             pool.prepacked = shared.prepacked      # weights are packed once, for all
+            pool.limit = shared.limit
         self.programs: dict[tuple[int, str], Program] = {}
         self.executor = ThreadPoolExecutor(max_workers=count, thread_name_prefix="keel-stream")
         weakref.finalize(self, self.executor.shutdown, False)

@@ -51,7 +51,7 @@ __all__ = [
     "store",
 ]
 
-CACHE_FORMAT = 1              # the entry's JSON layout; a change makes every entry a miss
+CACHE_FORMAT = 2              # the entry's JSON layout; a change makes every entry a miss
 MAX_ENTRIES = 16
 MAX_BYTES = 4 << 30
 _META = "keel.plan_cache"     # the graph metadata key the entry's JSON travels under

@@ -45,7 +45,8 @@ import numpy as np
 
 from keel.backends.base import Backend, KernelContext, KernelVariant
 from keel.dtypes import DType
-from keel.errors import ExecutionError, InvalidArgumentError, KeelError
+from keel.errors import ExecutionError, InvalidArgumentError, KeelError, MemoryLimitError
+from keel.execution.budget import SIZED_BY_VALUES, check_output, output_elements
 from keel.graph.ir import Graph
 from keel.graph.memory_plan import ALIGNMENT, MemoryPlan
 from keel.ops.registry import Op
@@ -95,6 +96,7 @@ class ArenaPool:
         self._arenas: dict[str, Any] = {}
         self.version = 0                   # bumped whenever an arena is replaced
         self.prepacked: dict[Hashable, Any] = {}
+        self.limit: int | None = None      # the model's memory limit (data-dependent sizes)
 
     def get(self, device: str, nbytes: int, backend: Backend) -> Any:
         arena = self._arenas.get(device)
@@ -143,6 +145,7 @@ class _Step:
     work: float = 0.0                          # kernels: estimated multiply-adds (elements)
     src: Backend | None = None                 # copies
     dst: Backend | None = None
+    sized: int = 0                             # >0: output size read from inputs; its itemsize
 
 
 @dataclass
@@ -410,6 +413,8 @@ class Program:
             return
         values = self._values
         ins = [values[i] if i >= 0 else None for i in step.inputs]
+        if step.sized:
+            self._check_size(step, ins)
         out = step.out
         if out is not None and step.fresh:
             out = list(out)
@@ -422,6 +427,12 @@ class Program:
                 value = out[j]
             if slot >= 0:
                 values[slot] = value
+
+    def _check_size(self, step: _Step, ins: Sequence[Any]) -> None:
+        """Check a data-dependent output against what the budget leaves, before allocating."""
+        n = output_elements(Op(step.op), ins, step.attrs)
+        if n is not None:
+            check_output(step.name, n * step.sized, self._pool.limit, self.plan.peak_bytes)
 
     def _fresh_output(self, step: _Step, pos: int, shape: tuple[int, ...], dtype: Any,
                       outputs: Mapping[str, Any] | None) -> Any:
@@ -633,6 +644,8 @@ class Program:
             get = operator.itemgetter(*ins)                          # a tuple
         else:
             get = _nothing
+        if step.sized:
+            return (_OTHER, None, None, None, _nothing, (), None)   # size checked first
         if step.out is None:
             slots = tuple(self._trash_slot if o < 0 else o for o in step.outputs)
             return (_ALLOC, step.fn, step.ctx, step.attrs, get, slots, None)
@@ -675,7 +688,10 @@ def _note(exc: KeelError, step: _Step) -> None:
         exc.add_note(f"in node {step.name!r} ({step.op}) on {step.backend}")
 
 
-def _failure(exc: Exception, step: _Step) -> ExecutionError:
+def _failure(exc: Exception, step: _Step) -> ExecutionError | MemoryLimitError:
+    if isinstance(exc, MemoryError):
+        return MemoryLimitError(f"{step.op} on {step.backend} in node {step.name!r} ran out "
+                                f"of memory: {exc}")
     return ExecutionError(f"{step.op} on {step.backend} failed: {type(exc).__name__}: {exc}",
                           node=step.name)
 
@@ -823,6 +839,9 @@ class _Builder:
                      work=estimated_work(self.types.get, node))
         if placed.writes_out:
             self._bind_outputs(step, node, placed)
+        if step.out is None and node.op in SIZED_BY_VALUES:
+            t = self.types.get(node.outputs[0])
+            step.sized = 8 if t is None else max(1, t.dtype.numpy.itemsize)
         self.steps.append(step)
 
     def _dtype(self, name: str) -> DType | None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,6 +105,7 @@ class MemoryPlan:
     weight_bytes: int = 0
     output_bytes: int = 0
     live_peak_bytes: int = 0          # most bytes simultaneously alive (a lower bound)
+    prepacked_bytes: int = 0          # kernels' packed copies of constants (an estimate)
     dynamic: tuple[str, ...] = ()     # values of unknown size, allocated when they appear
     alignment: int = ALIGNMENT
     _index: dict[str, Allocation] = field(default_factory=dict, compare=False, repr=False)
@@ -117,8 +119,9 @@ class MemoryPlan:
 
     @property
     def peak_bytes(self) -> int:
-        """Weights + arenas + kernel-allocated intermediates + outputs."""
-        return self.weight_bytes + self.total_arena_bytes + self.heap_bytes + self.output_bytes
+        """Weights + their packed copies + arenas + kernel-allocated intermediates + outputs."""
+        return (self.weight_bytes + self.prepacked_bytes + self.total_arena_bytes
+                + self.heap_bytes + self.output_bytes)
 
     @property
     def inplace(self) -> tuple[tuple[str, str], ...]:
@@ -145,6 +148,7 @@ class MemoryPlan:
             "arena_bytes": dict(self.arena_bytes),
             "heap_bytes": self.heap_bytes,
             "weight_bytes": self.weight_bytes,
+            "prepacked_bytes": self.prepacked_bytes,
             "output_bytes": self.output_bytes,
             "live_peak_bytes": self.live_peak_bytes,
             "planned_values": sum(1 for a in self.allocations if a.pool == ARENA),
@@ -168,7 +172,8 @@ class MemoryPlan:
         arenas = ", ".join(f"{d} {format_bytes(n)}" for d, n in sorted(self.arena_bytes.items()))
         lines = [
             f"peak memory {format_bytes(self.peak_bytes)} = weights "
-            f"{format_bytes(self.weight_bytes)} + arena {format_bytes(self.total_arena_bytes)}"
+            f"{format_bytes(self.weight_bytes)} + packed weights "
+            f"{format_bytes(self.prepacked_bytes)} + arena {format_bytes(self.total_arena_bytes)}"
             f" + kernel-allocated {format_bytes(self.heap_bytes)} + outputs "
             f"{format_bytes(self.output_bytes)}",
             f"arenas: {arenas or 'none'} (64-byte aligned offsets); values alive at once "
@@ -182,6 +187,25 @@ class MemoryPlan:
                 f"peak: {', '.join(self.dynamic[:5])}{' …' if len(self.dynamic) > 5 else ''}"
             )
         return "\n".join(lines)
+
+
+def packed_bytes(shape: Sequence[int], itemsize: int) -> int:
+    """An upper estimate of a kernel's packed copy of a constant of ``shape``.
+
+    A GEMM packs a matrix in panels, padding one side to the panel width (at most
+    64 elements): the matrix is (first dimension, the rest), a 3-D constant a batch
+    of its last two dimensions, a vector one row; plus one alignment's slack.
+    """
+    dims = [int(d) for d in shape]
+    batch = dims[0] if len(dims) == 3 else 1
+    matrix = dims[1:] if len(dims) == 3 else dims
+    rows, cols = (matrix[0], math.prod(matrix[1:])) if len(matrix) > 1 else (1, math.prod(matrix))
+    padded = max(_round64(rows) * cols if rows > 1 else 0, rows * _round64(cols))
+    return batch * padded * itemsize + ALIGNMENT
+
+
+def _round64(n: int) -> int:
+    return -(-n // 64) * 64
 
 
 # ---- planning --------------------------------------------------------------

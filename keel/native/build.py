@@ -59,7 +59,7 @@ from keel._files import Untrusted, open_trusted, private_folder, user_temp_folde
 from keel._fork import renew_after_fork
 from keel.config import Settings
 from keel.errors import BackendSelectionError, InvalidArgumentError
-from keel.native.toolchain import BASE_FLAGS, Compiler, find_compiler, run_tool
+from keel.native.toolchain import BASE_FLAGS, Compiler, extra_flags, find_compiler, run_tool
 
 __all__ = ["NativeLibrary", "NativeStatus", "available", "build_all", "library", "loaded", "mode",
            "prebuild", "reset", "status"]
@@ -367,7 +367,7 @@ def _working_flags(compiler: Compiler) -> tuple[tuple[str, ...] | None, str]:
     and the last failure."""
     why = ""
     for extra in (_ARCH_FLAGS, ()):
-        flags = (*BASE_FLAGS, *extra)
+        flags = (*BASE_FLAGS, *extra, *extra_flags())
         try:
             _build("probe", None, compiler, flags)
         except _Timeout as exc:

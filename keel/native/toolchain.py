@@ -11,7 +11,9 @@ Flags: ``-O3``, ``-march=native`` where the compiler accepts it, GNU C11
 (which lets the compiler contract ``a * b + c`` into fused multiply-adds),
 ``-fno-math-errno`` (so ``sqrtf`` and friends inline), position-independent
 code, a shared object. No ``-ffast-math``: NaN and infinity must keep their
-IEEE meaning, as NumPy gives them.
+IEEE meaning, as NumPy gives them. ``KEEL_CFLAGS`` adds flags after these
+(:func:`extra_flags`), e.g. ``-fsanitize=address,undefined`` for a checked build;
+they are part of the cache key, so such a build never replaces the usual one.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 from keel import config
 from keel.config import Settings
 
-__all__ = ["BASE_FLAGS", "Compiler", "find_compiler", "run_tool"]
+__all__ = ["BASE_FLAGS", "Compiler", "extra_flags", "find_compiler", "run_tool"]
 
 BASE_FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-fno-math-errno", "-fno-plt")
 _CANDIDATES = ("cc", "gcc", "clang")
@@ -52,6 +54,11 @@ class Compiler:
                   else os.path.basename(self.path))
         numbers = [w for w in words if w[:1].isdigit() and "." in w]
         return f"{family} {numbers[-1]}" if numbers else family
+
+
+def extra_flags(settings: Settings | None = None) -> tuple[str, ...]:
+    """The flags ``KEEL_CFLAGS`` adds to every native build (none by default)."""
+    return (config.settings() if settings is None else settings).cflags
 
 
 def find_compiler(settings: Settings | None = None) -> tuple[Compiler | None, str]:

@@ -31,7 +31,7 @@ from keel.config import format_bytes
 from keel.dtypes import DType
 from keel.errors import BackendSelectionError, KeelError, UnsupportedOperationError
 from keel.graph.ir import Graph, Node
-from keel.graph.memory_plan import MemoryPlan, PlanStep, plan_steps_for_graph
+from keel.graph.memory_plan import MemoryPlan, PlanStep, packed_bytes, plan_steps_for_graph
 from keel.ops.schema import get_schema
 from keel.ops.types import TensorType
 from keel.planning.work import estimated_work
@@ -265,6 +265,8 @@ def place(
     copies = _plan_copies(graph, types, placements)
     steps = lower_steps(graph, placements, copies)
     memory = plan_steps_for_graph(graph, types, steps)
+    memory = dataclasses.replace(memory, prepacked_bytes=_prepacked_bytes(graph, registry,
+                                                                          placements))
     reasons += _summary_reasons(placements, copies, memory)
     reasons += _backend_notes(registry, placements)
     return ExecutionPlan(
@@ -279,6 +281,20 @@ def place(
         input_shapes=_input_shapes(graph, types),
         memory_plan=memory,
     )
+
+
+def _prepacked_bytes(graph: Graph, registry: BackendRegistry,
+                     placements: Sequence[NodePlacement]) -> int:
+    """The packed copies of constants that the placed kernels keep (one per node that
+    prepacks, estimated from the constants' shapes): bytes keel holds beside the weights."""
+    total = 0
+    for node, placed in zip(graph.nodes, placements, strict=True):
+        kernel = registry.instance(placed.backend).kernels.get(node.op, placed.variant)
+        if kernel.prepack is None:
+            continue
+        consts = (graph.initializers.get(name) for name in node.inputs if name)
+        total += sum(packed_bytes(c.shape, c.dtype.itemsize) for c in consts if c is not None)
+    return total
 
 
 def _backend_notes(registry: BackendRegistry, placements: Sequence[NodePlacement]

@@ -156,11 +156,12 @@ def test_telemetry_shrinks_chunks_with_identical_results(proto: Any) -> None:
     whole = load_model(proto, backend="cpu").predict(feeds)["probs"]
     limit = _limit_for_chunks(proto, 64)
     m = load_model(proto, backend="cpu", memory_limit=limit)
+    tight = (limit + m.plan.peak_bytes) // 2       # still above one item's peak (the weights)
     calls: list[int] = []
 
     def source() -> FakeTelemetry:      # roomy at plan time and after chunk 1, then tight
         calls.append(1)
-        return FakeTelemetry(limit if len(calls) <= 2 else limit // 2 + 4096)
+        return FakeTelemetry(limit if len(calls) <= 2 else tight)
 
     m.set_telemetry(source)
     calls.clear()

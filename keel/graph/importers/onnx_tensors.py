@@ -164,7 +164,12 @@ def _inside(base_dir: Path, location: str, label: str) -> Path:
             f"{label}: external data location {location!r} points outside the model's "
             f"directory {str(base)!r}"
         )
-    if not path.is_file():
+    try:
+        regular = path.is_file()
+    except OSError as exc:              # a name too long for the file system, say
+        raise ModelFormatError(f"{label}: external data file {location!r} cannot be read: "
+                               f"{exc.strerror}") from None
+    if not regular:
         raise ModelFormatError(f"{label}: external data file {location!r} is missing "
                                f"(looked in {str(base)!r})")
     return path

@@ -304,7 +304,8 @@ class Model:
         self._registry = _with_threads(registry or default_registry(), threads, hardware)
         self._hardware = hardware if hardware is not None else _probe_if_gpu(self._registry)
         self._policy = policy
-        self._hint = check_hint(hint if hint is not None else getattr(policy, "hint", None))
+        self._hint = check_hint(hint if hint is not None
+                                else getattr(policy, "hint", None) or settings().hint)
         self._threads = threads
         self._backend = _check_backend(backend)
         self._precision = _check_precision(precision)

@@ -238,3 +238,11 @@ def test_residency_of_the_feeds_reaches_the_plan(proto: Any) -> None:
         assert any("the inputs live on gpu, where no node runs" in r for r in plan.reasons)
     else:
         assert plan.runtime == "gpu"
+
+
+def test_keel_hint_reaches_a_bare_load_model(proto: Any,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KEEL_HINT", "latency")
+    config.reload_settings()
+    assert load_model(proto, backend="cpu").hint == "latency"
+    assert load_model(proto, backend="cpu", hint="throughput").hint == "throughput"

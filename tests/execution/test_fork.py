@@ -92,8 +92,15 @@ def test_a_child_forked_while_a_thread_is_inside_predict_can_predict() -> None:
 
 
 def test_children_forked_during_native_multithreaded_predicts_can_predict() -> None:
-    # The reproducer: the cpu backend (native GEMM on its worker pool where a
-    # compiler works), one thread predicting in a loop, the main thread forking.
+    # The reproducer: the cpu backend (native GEMM on keel's worker pool), one
+    # thread predicting in a loop, the main thread forking. Without the native tier the
+    # products run on OpenBLAS's own threads, whose state a fork in the middle of a call
+    # can leave locked in the child: keel cannot renew another library's pool
+    # (docs/models.md, fork safety).
+    from keel import native
+
+    if not native.available():
+        pytest.skip(f"keel's worker pool needs the native tier: {native.status().reason}")
     onnx_model = mlp(in_features=256, hidden=(512, 256), classes=10)
     model = load_model(onnx_model, threads=2)
     feeds = make_inputs(onnx_model, 64)

@@ -84,5 +84,7 @@ def test_chunked_run_matches_whole_batch(name: str) -> None:
     assert limited.plan.chunk_size_hint is not None and limited.plan.chunk_size_hint < 32
     reference = whole.run(None, feeds)
     for g, r, w in zip(got, reference, want, strict=True):
-        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+        # Chunks change the products' shapes and so BLAS's summation order (the NumPy
+        # kernels, KEEL_NATIVE=off): an element may move by about 1e-6.
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
         assert rel_l2(g, w) <= TOLERANCE

@@ -23,6 +23,8 @@ def _fresh_native_state() -> Any:
     native.reset()
 
 
+@pytest.mark.skipif(config.settings().native == "off",
+                    reason="KEEL_NATIVE=off: the native tier is off in this run")
 def test_build_json_reports_each_library_built_or_found(
         capsys: pytest.CaptureFixture[str]) -> None:
     compiler, why = find_compiler()

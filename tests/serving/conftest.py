@@ -62,3 +62,15 @@ def in_fixed_batch(model: object, x: np.ndarray, size: int = BATCH) -> dict[str,
         out = model.predict(pad_rows({name: chunk}, size))  # type: ignore[attr-defined]
         parts.append({k: v[:len(chunk)] for k, v in out.items()})
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def same_answer(got: np.ndarray, expected: np.ndarray) -> bool:
+    """Whether an answer computed in another process (a server, a Ray actor) equals this
+    process's: bit for bit on keel's native kernels, whose results do not depend on the
+    thread count; within float32 rounding on the NumPy kernels (``KEEL_NATIVE=off``),
+    where OpenBLAS sums in an order that follows the process's BLAS threads."""
+    from keel import native
+
+    if native.available():
+        return bool(np.array_equal(got, expected))
+    return bool(np.allclose(got, expected, rtol=1e-5, atol=1e-7))

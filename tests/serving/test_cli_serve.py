@@ -12,12 +12,11 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import keel
 
-from .conftest import in_fixed_batch, make_repository, pixels
+from .conftest import in_fixed_batch, make_repository, pixels, same_answer
 from .test_server import infer_grpc, infer_http
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,7 +70,7 @@ def test_serve_prints_where_it_listens_and_drains_on_sigterm(tmp_path: Path) -> 
         if proc.poll() is None:
             proc.kill()
     expected = in_fixed_batch(keel.load_model(str(repo / "digits.onnx")), x, 64)
-    assert all(np.array_equal(a, expected["probabilities"]) for a in answers)
+    assert all(same_answer(a, expected["probabilities"]) for a in answers)
     rest = proc.stdout.read() if proc.stdout else ""
     assert "draining requests in flight" in rest
 
@@ -111,8 +110,8 @@ def test_workers_share_the_ports_and_stop_together(tmp_path: Path) -> None:
         x = pixels(1, seed=4)
         expected = in_fixed_batch(keel.load_model(str(repo / "digits.onnx")), x)
         for _ in range(4):
-            assert np.array_equal(infer_http(ports, x), expected["probabilities"])
-            assert np.array_equal(infer_grpc(ports, x), expected["probabilities"])
+            assert same_answer(infer_http(ports, x), expected["probabilities"])
+            assert same_answer(infer_grpc(ports, x), expected["probabilities"])
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
     finally:

@@ -15,7 +15,7 @@ import ray
 import keel
 from keel.integrations.ray import KeelPredictor, backend_for
 
-from .conftest import DIGITS, in_fixed_batch
+from .conftest import DIGITS, in_fixed_batch, same_answer
 
 ROWS = 10_240
 EXEC = 256
@@ -50,7 +50,7 @@ def test_ray_scores_ten_thousand_rows_like_one_process(ray_session: None,
     scored = _score(ray.data.from_numpy(np.array_split(x, 4)), "numpy")
     got = np.concatenate([b["probabilities"] for b in scored.iter_batches(batch_size=None)])
     assert got.shape == (ROWS, 10)
-    assert np.array_equal(got, expected)
+    assert same_answer(got, expected)
     plain = keel.load_model(str(DIGITS)).predict({"pixels": x})["probabilities"]
     np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-6)
 
@@ -62,7 +62,7 @@ def test_pandas_and_pyarrow_batches(ray_session: None, data: tuple[np.ndarray, n
     n = 2000
     scored = _score(ray.data.from_numpy(x[:n]), fmt).to_pandas()
     assert list(scored.columns) == ["probabilities"]
-    assert np.array_equal(np.stack(scored["probabilities"].to_numpy()), expected[:n])
+    assert same_answer(np.stack(scored["probabilities"].to_numpy()), expected[:n])
 
 
 def test_batch_formats_without_ray(data: tuple[np.ndarray, np.ndarray]) -> None:
@@ -76,7 +76,7 @@ def test_batch_formats_without_ray(data: tuple[np.ndarray, np.ndarray]) -> None:
         column = out.column("probabilities").to_pylist() if isinstance(out, pa.Table) \
             else list(out["probabilities"])
         got = np.stack(column)
-        assert np.array_equal(got.astype(np.float32), expected[:300])
+        assert same_answer(got.astype(np.float32), expected[:300])
     with pytest.raises(keel.InvalidArgumentError,
                        match="no column 'image' for model input 'pixels'"):
         KeelPredictor(str(DIGITS), inputs={"pixels": "image"})({"data": rows})

@@ -14,6 +14,16 @@ from keel import config
 
 
 @pytest.fixture(autouse=True)
+def _planner_plans_do_not_outlive_a_test() -> Iterator[None]:
+    # Tests lower the cpu planner's thresholds with monkeypatch; a plan it kept under
+    # them must not answer a later test's request.
+    yield
+    from keel.backends.cpu import planner
+
+    planner.forget()
+
+
+@pytest.fixture(autouse=True)
 def _settings_follow_the_environment() -> Iterator[None]:
     # Set up before monkeypatch (below), so torn down after its patches are undone.
     yield

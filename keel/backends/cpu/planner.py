@@ -397,6 +397,12 @@ _PLANS: dict[tuple[Any, ...], NodePlan] = {}
 _PLANS_LIMIT = 1024
 
 
+def forget() -> None:
+    """Drop the plans kept by request: for code that changes the planner's data (tests
+    that lower a threshold), so no plan made under other data is reused."""
+    _PLANS.clear()
+
+
 def plan(request: PlanRequest, table: KernelTable) -> NodePlan:
     """Every decision about how one cpu node runs, each with its reason (the same
     request, with the same kernel tiers loaded, gets the same plan object)."""

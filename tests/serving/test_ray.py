@@ -26,6 +26,9 @@ def ray_session() -> Iterator[None]:
     # num_gpus=1 is a logical resource: it lets a test ask for a GPU actor anywhere.
     ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
+    # Rows come back in the dataset's order (Ray Data may otherwise yield blocks as they
+    # finish), so they can be compared with one process's prediction row by row.
+    ray.data.DataContext.get_current().execution_options.preserve_order = True
     yield
     ray.shutdown()
 

@@ -356,6 +356,9 @@ class Backend(ABC):
                        ) -> ProgramScope:
         return ProgramScope(self.execution_scope, "")
 
+    def _planned_scope(self, threads: int, reason: str) -> ProgramScope:
+        return ProgramScope(self.execution_scope, reason, threads)
+
     def _free(self, array: Any) -> None:
         return None
 
@@ -480,6 +483,14 @@ class Backend(ABC):
         if not self._needs_scope(tuple((v, d) for v, d, _ in ks)):
             return None
         return self._program_scope(ks)
+
+    @final
+    def planned_scope(self, threads: int, reason: str) -> ProgramScope:
+        """The scope a program enters on this backend for a decision its plan already holds:
+        ``threads`` BLAS threads (the node plans' ``blas_threads``) for ``reason``. The
+        executor takes this instead of sizing the scope again, so the plan shown is the
+        plan run."""
+        return self._planned_scope(threads, reason)
 
     @final
     def needs_scope(self, kernels: Iterable[tuple[KernelVariant, DType | None]]) -> bool:

@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from keel.backends.base import Backend, KernelContext, KernelVariant
+from keel.backends.base import Backend, KernelContext, KernelVariant, ProgramScope
 from keel.dtypes import DType
 from keel.errors import ExecutionError, InvalidArgumentError, KeelError, MemoryLimitError
 from keel.execution.budget import SIZED_BY_VALUES, check_output, output_elements
@@ -210,8 +210,8 @@ class Program:
         self._backends = backends
         # Backends whose execution scope the steps need (a thread cap is worth
         # entering only where some step may call BLAS).
-        scopes = {name: b.program_scope((s.variant, s.dtype, s.work) for s in steps
-                                        if s.backend == name and s.variant is not None)
+        scopes = {name: _scope(b, [s for s in steps
+                                   if s.backend == name and s.variant is not None])
                   for name, b in backends.items()}
         self._scoped = tuple(sc.enter for sc in scopes.values() if sc is not None)
         self.scope_reasons = {name: sc.reason for name, sc in scopes.items()
@@ -676,6 +676,19 @@ class Program:
 
 def _nothing(values: list[Any]) -> Sequence[Any]:
     return ()
+
+
+def _scope(backend: Backend, steps: list[_Step]) -> ProgramScope | None:
+    """The scope a program enters on ``backend`` around each run: the BLAS threads placement
+    decided (every node plan on a backend carries the same ``blas_threads``, set only where
+    some step needs the scope), else the backend's own scope (None: nothing to enter)."""
+    plans = {(s.ctx.plan.blas_threads, s.ctx.plan.reason("blas_threads"))
+             for s in steps if s.ctx is not None and s.ctx.plan is not None}
+    if len(plans) == 1:
+        threads, reason = next(iter(plans))
+        if threads is not None:
+            return backend.planned_scope(threads, reason)
+    return backend.program_scope((s.variant, s.dtype, s.work) for s in steps if s.variant)
 
 
 def _exit_scopes(scopes: list[Any]) -> None:

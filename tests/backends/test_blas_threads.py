@@ -77,3 +77,41 @@ def test_conv_variants_with_a_native_form_count_as_native_on_float32(name: str) 
     conv = KernelVariant(Op.CONV, name, _kernel)
     assert blas_threads(2, [(conv, F32, 90.0), (BLAS, F32, 10.0)])[0] == 1
     assert blas_threads(2, [(conv, DType.FLOAT64, 90.0), (BLAS, F32, 10.0)])[0] == 2
+
+
+def test_the_program_enters_the_blas_threads_its_plan_holds(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The executor takes the BLAS decision from the node plans rather than sizing it again:
+    a plan edited to one BLAS thread runs on one, with the plan's reason."""
+    import dataclasses
+
+    from keel.backends.registry import default_registry
+    from keel.execution.program import compile_program
+    from keel.graph.importers.onnx import import_onnx
+    from keel.graph.shape_inference import infer_graph_types
+    from keel.planning.placement import place
+
+    seen: list[int] = []
+    real = cpu_backend.ThreadCap.__init__
+
+    def spy(self: cpu_backend.ThreadCap, threads: int) -> None:
+        seen.append(threads)
+        real(self, threads)
+
+    monkeypatch.setattr(cpu_backend.ThreadCap, "__init__", spy)
+    graph = import_onnx(model_proto(np.float64))
+    types = infer_graph_types(graph, {"x": (3, 4)})
+    registry = default_registry()
+    plan = place(graph, types, registry, backend="cpu")
+    decided = {p.plan.blas_threads for p in plan.nodes if p.plan is not None}
+    assert decided == {registry.get("cpu").threads}
+    edited = dataclasses.replace(plan, nodes=tuple(
+        p if p.plan is None else dataclasses.replace(
+            p, plan=p.plan.with_field("blas_threads", 1, "edited: one BLAS thread"))
+        for p in plan.nodes))
+    program = compile_program(graph, edited, types, {"cpu": registry.get("cpu")})
+    program.execute([np.ones((3, 4), np.float64)])     # the first run binds the arena
+    seen.clear()
+    program.execute([np.ones((3, 4), np.float64)])
+    assert seen and set(seen) == {1}             # the program and the BLAS call: both 1
+    assert program.scope_reasons == {"cpu": "edited: one BLAS thread"}

@@ -130,6 +130,9 @@ class CpuBackend(Backend):
         threads, reason = blas_threads(self.threads, kernels)
         return ProgramScope(functools.partial(ThreadCap, threads), reason, threads)
 
+    def _planned_scope(self, threads: int, reason: str) -> ProgramScope:
+        return ProgramScope(functools.partial(ThreadCap, threads), reason, threads)
+
     def _needs_scope(self, kernels: Sequence[tuple[KernelVariant, DType | None]]) -> bool:
         # Capping costs about a microsecond a run (two openblas_set_num_threads),
         # as much as a small native kernel: a program whose steps never reach

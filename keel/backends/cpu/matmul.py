@@ -349,7 +349,7 @@ def matmul(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[A
     rhs = packed.rhs if packed.rhs_src is b and packed.rhs is not None else _rhs(
         xp, b, False, ct)
     if y.size:
-        _product(xp, a.astype(ct, copy=False), rhs, y, ctx.threads)
+        _product(xp, a.astype(ct, copy=False), rhs, y, _blas(ctx))
     _epilogue(xp, y, addend, attrs, packed, ctx.plan)
     return _deliver(out, y, npdt)
 
@@ -407,7 +407,7 @@ def gemm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any
     rhs = packed.rhs if packed.rhs_src is b and packed.rhs is not None else _rhs(
         xp, b, trans_b, ct)
     if y.size:
-        _product(xp, a2.T if trans_a else a2, rhs, y, ctx.threads)
+        _product(xp, a2.T if trans_a else a2, rhs, y, _blas(ctx))
     if alpha != 1.0:    # integer gemm: alpha and beta act as integers
         xp.multiply(y, alpha if dtype.is_float else int(alpha), out=y)
     _epilogue(xp, y, addend, attrs, packed, ctx.plan)
@@ -548,6 +548,14 @@ def _steady(state: Any, inputs: Inputs, attrs: Attrs, out: Out, ctx: KernelConte
             and inputs[1] is state.rhs_src
             and (inputs[2] if len(inputs) > 2 else None) is state.addend_src
             and run.into(out[0], ctx.threads or 1, _split(ctx)))  # type: ignore[index]
+
+
+def _blas(ctx: KernelContext) -> int | None:
+    """The BLAS threads a BLAS call of this node runs on: its plan's (the program's BLAS
+    decision, filled in at placement), else the node's threads (a node planned without
+    one, e.g. a native variant's case handed to BLAS in a program that caps nothing)."""
+    plan = ctx.plan
+    return plan.blas_threads if plan is not None and plan.blas_threads else ctx.threads
 
 
 def _split(ctx: KernelContext) -> int:

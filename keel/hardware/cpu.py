@@ -10,6 +10,7 @@ Windows) the affinity mask. Every field is a reading or ``None`` with a note.
 from __future__ import annotations
 
 import math
+import platform
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from typing import Any
 from keel.hardware.profile import CpuInfo
 from keel.hardware.sources import (
     Notes,
+    PlatformInfo,
     ProbeSources,
     cgroup_dirs,
     parse_cpu_list,
@@ -197,6 +199,7 @@ def _linux(src: ProbeSources, draft: _Cpu) -> None:
     pairs = {(b.get("physical id"), b.get("core id")) for b in blocks if "core id" in b}
     draft.set("physical_cores", len(pairs) or None, "/proc/cpuinfo")
     _linux_freq(src, first, draft)
+    _linux_caches(src, draft)
     _cgroup_quota(src, draft)
 
 
@@ -251,6 +254,45 @@ def _sysfs_physical(src: ProbeSources, online: frozenset[int] | None) -> int | N
             return None
         groups.add(siblings)
     return len(groups)
+
+
+_CACHE_FIELDS = {1: "l1d_cache_bytes", 2: "l2_cache_bytes", 3: "l3_cache_bytes"}
+
+
+def _linux_caches(src: ProbeSources, draft: _Cpu) -> None:
+    """cpu0's data and unified caches from sysfs (``size`` reads like ``48K``)."""
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    for entry in sorted(src.listdir(base)):
+        if not entry.startswith("index"):
+            continue
+        kind = (src.read(f"{base}/{entry}/type") or "").strip()
+        level = to_int(src.read(f"{base}/{entry}/level"))
+        name = _CACHE_FIELDS.get(level or 0)
+        if name is not None and kind in ("Data", "Unified"):
+            draft.set(name, _cache_size(src.read(f"{base}/{entry}/size")), "sysfs cache")
+
+
+def cache_sizes(src: ProbeSources | None = None) -> dict[str, int]:
+    """The cache fields (``l2_cache_bytes`` ...) of this machine's CPU (or ``src``'s) that
+    sysfs, or macOS's sysctl, answers, without the rest of the CPU probe."""
+    if src is None:      # platform.processor() and the rest of PlatformInfo cost ms
+        src = ProbeSources(platform=PlatformInfo(platform.system(), platform.machine()))
+    draft = _Cpu()
+    if src.platform.system == "Linux":
+        _linux_caches(src, draft)
+    elif src.platform.system == "Darwin":
+        answer = src.run("sysctl", "hw.l1dcachesize", "hw.l2cachesize", "hw.l3cachesize")
+        kv = parse_key_values(answer.output) if answer.ok else {}
+        for level, key in ((1, "hw.l1dcachesize"), (2, "hw.l2cachesize"), (3, "hw.l3cachesize")):
+            draft.set(_CACHE_FIELDS[level], to_int(kv.get(key)) or None, "sysctl")
+    return {k: v for k, v in draft.values.items() if k in _CACHE_FIELDS.values()}
+
+
+def _cache_size(text: str | None) -> int | None:
+    match = re.fullmatch(r"(\d+)\s*([KMG]?)", (text or "").strip())
+    if match is None:
+        return None
+    return int(match.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[match.group(2)]
 
 
 def _linux_freq(src: ProbeSources, first: Mapping[str, str], draft: _Cpu) -> None:
@@ -308,6 +350,8 @@ def _darwin(src: ProbeSources, draft: _Cpu) -> None:
     draft.set("physical_cores", to_int(kv.get("hw.physicalcpu")), "sysctl")
     hz = to_int(kv.get("hw.cpufrequency"))
     draft.set("base_frequency_mhz", None if hz is None else hz / 1e6, "sysctl")
+    for level, key in ((1, "hw.l1dcachesize"), (2, "hw.l2cachesize"), (3, "hw.l3cachesize")):
+        draft.set(_CACHE_FIELDS[level], to_int(kv.get(key)) or None, "sysctl")
     hz = to_int(kv.get("hw.cpufrequency_max"))
     draft.set("max_frequency_mhz", None if hz is None else hz / 1e6, "sysctl")
     flags = [key for key, value in kv.items() if key in _MAC_FEATURES and value.strip() == "1"]
@@ -410,6 +454,8 @@ def _finish(draft: _Cpu, system: str) -> CpuInfo:
         current_frequency_mhz=v.get("current_frequency_mhz"),
         simd=simd, simd_level=simd_level(simd),
         simd_source=v.get("simd_source", "none"),
+        l1d_cache_bytes=v.get("l1d_cache_bytes"), l2_cache_bytes=v.get("l2_cache_bytes"),
+        l3_cache_bytes=v.get("l3_cache_bytes"),
         source="+".join(draft.sources) or "none",
         notes=draft.notes.as_tuple(),
     )
@@ -427,6 +473,9 @@ _WHY = {
     "base_frequency_mhz": "no source for this platform exposes it",
     "max_frequency_mhz": "no source for this platform exposes it",
     "current_frequency_mhz": "no source for this platform exposes it",
+    "l1d_cache_bytes": "no source for this platform exposes it",
+    "l2_cache_bytes": "no source for this platform exposes it",
+    "l3_cache_bytes": "no source for this platform exposes it (many CPUs have no L3)",
 }
 
 # Where each frequency is looked for, per platform (for the "why not" note).

@@ -240,6 +240,18 @@ def _arm_cpuinfo(parts: Sequence[int], features: str) -> dict[str, str]:
     return files
 
 
+def _caches(l1d: str, l2: str, l3: str) -> dict[str, str]:
+    """cpu0's cache directories in sysfs: L1 data and instruction, unified L2 and L3."""
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    rows = [(1, "Data", l1d), (1, "Instruction", "32K"), (2, "Unified", l2), (3, "Unified", l3)]
+    files: dict[str, str] = {}
+    for index, (level, kind, size) in enumerate(rows):
+        files.update({f"{base}/index{index}/level": f"{level}\n",
+                      f"{base}/index{index}/type": f"{kind}\n",
+                      f"{base}/index{index}/size": f"{size}\n"})
+    return files
+
+
 def _meminfo(total_kib: int, available_kib: int) -> dict[str, str]:
     free = available_kib - available_kib // 8
     return {"/proc/meminfo": (
@@ -457,6 +469,7 @@ def _xeon_8480_host() -> dict[str, str]:
     return _merge(
         _x86_cpuinfo("GenuineIntel", 6, 143, "Intel(R) Xeon(R) Platinum 8480+", SPR_FLAGS,
                      sockets=2, cores=56, threads=2, mhz=2000.0),
+        _caches("48K", "2048K", "107520K"),
         {"/sys/devices/system/cpu/cpu0/cpufreq/base_frequency": "2000000\n",
          "/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq": "3800000\n",
          "/sys/devices/system/cpu/cpu0/cpufreq/scaling_cur_freq": "2000000\n"},
@@ -532,6 +545,7 @@ def _ryzen_5800x_host() -> dict[str, str]:
     return _merge(
         _x86_cpuinfo("AuthenticAMD", 25, 33, "AMD Ryzen 7 5800X 8-Core Processor", ZEN3_FLAGS,
                      sockets=1, cores=8, threads=2, mhz=3800.0),
+        _caches("32K", "512K", "32768K"),
         _meminfo(32763636, 28641220),
     )
 
@@ -552,6 +566,7 @@ def _container_v1() -> FakeMachine:
     host = _merge(
         _x86_cpuinfo("GenuineIntel", 6, 85, "Intel(R) Xeon(R) Gold 6230 CPU @ 2.10GHz",
                      CLX_FLAGS, sockets=2, cores=20, threads=2, mhz=2100.0),
+        _caches("32K", "1024K", "28160K"),
         _meminfo(196608000, 180224000),
     )
     return FakeMachine(
@@ -577,6 +592,7 @@ def _amd_sysfs_only() -> FakeMachine:
         files=_merge(
             _x86_cpuinfo("AuthenticAMD", 25, 97, "AMD Ryzen 9 7950X 16-Core Processor",
                          ZEN4_FLAGS, sockets=1, cores=16, threads=2, mhz=4500.0),
+            _caches("32K", "1024K", "32768K"),
             {"/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq": "5881000\n"},
             _meminfo(65536000, 60123000), _cgroup_v2("/user.slice"),
             {"/usr/share/misc/pci.ids": _PCI_IDS}, dgpu, igpu,

@@ -45,6 +45,10 @@ class CpuInfo:
     source: str = "none"
     current_frequency_mhz: float | None = None
     simd_source: str = "none"                 # where simd was read: /proc/cpuinfo flags, ...
+    # Data caches one core sees, in bytes (the L3 is usually shared by several cores).
+    l1d_cache_bytes: int | None = None
+    l2_cache_bytes: int | None = None
+    l3_cache_bytes: int | None = None
     notes: tuple[str, ...] = ()
 
     def has(self, feature: str) -> bool:

@@ -253,6 +253,13 @@ class ProbeSources:
         except Exception:  # a faulty file source reads as a missing file
             return None
 
+    def listdir(self, path: str) -> list[str]:
+        """The entries of folder ``path``; a faulty or missing folder lists nothing."""
+        try:
+            return self.files.listdir(path)
+        except Exception:  # a faulty file source reads as a missing folder
+            return []
+
     def run(self, *argv: str, timeout: float = COMMAND_TIMEOUT_S) -> CommandResult:
         try:
             return self.runner(argv, timeout)

@@ -305,6 +305,63 @@ def _product_threads(request: PlanRequest) -> tuple[int, str] | None:
                     f"least {MIN_FLOPS_PER_THREAD:,} per thread")
 
 
+# ---- the caches plans are sized for -----------------------------------------------------
+# The cache-bound sizes below were measured on a 2-core AMD EPYC (Zen 4) whose cores each
+# see a 1 MiB L2 and a 32 MiB last-level cache. A plan sizes them for the caches of the
+# machine it is made for (this one, or a ``hardware=`` profile's): the blocks and the
+# depthwise buffers scale with the L2, the non-temporal store threshold with the
+# last-level cache, each within EVIDENCE_RANGE times the measured size. Where the
+# profile reads no cache size, the measured sizes stand and the reason says so.
+MEASURED_L2_BYTES = 1 << 20
+MEASURED_LLC_BYTES = 32 << 20
+EVIDENCE_RANGE = 8
+
+
+@dataclass(frozen=True)
+class Caches:
+    """The L2 and last-level cache sizes a plan is made for, and where they came from."""
+
+    l2: int = MEASURED_L2_BYTES
+    llc: int = MEASURED_LLC_BYTES
+    source: str = "the measured machine's (the profile reads no cache sizes)"
+
+    def with_l2(self, size: int) -> int:
+        """``size``, measured against the 1 MiB L2, for this L2."""
+        return _scaled(size, self.l2, MEASURED_L2_BYTES)
+
+    def with_llc(self, size: int) -> int:
+        """``size``, measured against the 32 MiB last-level cache, for this one."""
+        return _scaled(size, self.llc, MEASURED_LLC_BYTES)
+
+
+def _scaled(size: int, have: int, measured: int) -> int:
+    ratio = min(max(have / measured, 1 / EVIDENCE_RANGE), EVIDENCE_RANGE)
+    return max(1, int(size * ratio))
+
+
+def caches(profile: Any = None) -> Caches:
+    """The caches of ``profile``'s CPU (None: this machine's)."""
+    if profile is None:
+        return _here()
+    cpu = profile.cpu
+    return _caches(cpu.l2_cache_bytes, cpu.l3_cache_bytes, f"the profile's {cpu.brand or 'CPU'}")
+
+
+def _caches(l2: int | None, l3: int | None, where: str) -> Caches:
+    if not l2:
+        return Caches()
+    llc = l3 or l2
+    return Caches(l2, llc, f"{where}: L2 {l2 >> 10} KiB, last level {llc >> 10} KiB")
+
+
+@functools.cache
+def _here() -> Caches:
+    from keel.hardware.cpu import cache_sizes
+
+    found = cache_sizes()
+    return _caches(found.get("l2_cache_bytes"), found.get("l3_cache_bytes"), "this machine")
+
+
 # ---- cache blocking of the NumPy kernels ------------------------------------------------
 # Elements per block of a kernel that runs its passes block by block, so that every
 # pass over a block runs in cache instead of streaming the tensor (about 256 KiB of
@@ -352,12 +409,15 @@ def block(node_plan: NodePlan | None, name: str) -> int:
     return size if node_plan is None else int(node_plan.option(name, size))
 
 
-def _blocking(op: Op) -> tuple[tuple[str, int], str] | None:
-    """The cache-blocking option of ``op``'s kernels, and why; None when it has none."""
+def _blocking(op: Op, sizes: Caches) -> tuple[tuple[str, int], str] | None:
+    """The cache-blocking option of ``op``'s kernels for ``sizes``, and why; None when it
+    has none."""
     name = _BLOCK_OF.get(op)
     if name is None:
         return None
-    return (name, BLOCKS[name]), f"{name} {BLOCKS[name]}: {_BLOCK_WHY[name]}"
+    size = sizes.with_l2(BLOCKS[name])
+    return (name, size), (f"{name} {size}: {_BLOCK_WHY[name]} ({BLOCKS[name]} for a 1 MiB "
+                          f"L2, scaled to the caches of {sizes.source})")
 
 
 # ---- the program's BLAS threads ---------------------------------------------------------
@@ -422,7 +482,9 @@ def _cache_key(request: PlanRequest, table: KernelTable) -> tuple[Any, ...] | No
     and its SIMD level, which sets the native tile); None when an attribute is not
     hashable."""
     profile = request.profile
-    machine = None if profile is None else (profile.cpu.brand, profile.cpu.simd_level)
+    machine = None if profile is None else (profile.cpu.brand, profile.cpu.simd_level,
+                                            profile.cpu.l2_cache_bytes,
+                                            profile.cpu.l3_cache_bytes)
     key = (table, request.op, request.input_types, tuple(request.attrs.items()),
            request.threads, request.precision, request.measured, machine, state())
     try:
@@ -448,14 +510,15 @@ def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:
     dispatched = _dispatched(request.op, request, table) if variant == "default" else None
     if dispatched is not None:
         options.append(("conv_variant", dispatched))
-    form = _form(request, dispatched or variant)
+    sizes = caches(request.profile)
+    form = _form(request, dispatched or variant, sizes)
     if form.layout and (dispatched or variant) == "depthwise":
         options.append(("depthwise_scheme", form.scheme))
     if form.stream_stores:
         options.append(("stream_stores", True))
     if form.block is not None:
         options.append(("depthwise_block", form.block))
-    blocking = _blocking(request.op)
+    blocking = _blocking(request.op, sizes)
     if blocking is not None:
         options.append(blocking[0])                 # its reason is keyed by its name
     threads, threads_why = request.threads, (
@@ -477,7 +540,7 @@ def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:
         + (() if blocking is None else ((blocking[0][0], blocking[1]),)))
 
 
-def _form(request: PlanRequest, variant: str) -> ConvForm:
+def _form(request: PlanRequest, variant: str, sizes: Caches) -> ConvForm:
     """The layout of a conv node's variant, from its static shapes."""
     if request.op not in CONV_OPS:
         return ConvForm("", "the variant's only form")
@@ -493,8 +556,8 @@ def _form(request: PlanRequest, variant: str) -> ConvForm:
     itemsize = 8 if request.dtype is DType.FLOAT64 else 4    # float16 computes in float32
     grid = tile_grid(request.profile) if variant == "native" else None
     if grid is None or grid == native_gemm.geometry():
-        return conv_form(variant, geo, itemsize)
-    form = conv_form(variant, geo, itemsize, grid)
+        return conv_form(variant, geo, itemsize, sizes=sizes)
+    form = conv_form(variant, geo, itemsize, grid, sizes)
     cpu = request.profile.cpu
     return dataclasses.replace(form, reason=(
         f"{form.reason}; planned for the profile's {cpu.brand or 'CPU'} ({cpu.simd_level}): "
@@ -542,9 +605,10 @@ WIDE_MAX_EXTRA = 1.2
 NT_BYTES = 32 * 2**20
 
 
-def stream_stores(geo: ConvGeometry) -> bool:
-    """Whether the native conv's float32 output bypasses the cache."""
-    return math.prod(geo.out_shape) * 4 >= NT_BYTES
+def stream_stores(geo: ConvGeometry, sizes: Caches | None = None) -> bool:
+    """Whether the native conv's float32 output bypasses the cache (of ``sizes``; None:
+    this machine's)."""
+    return math.prod(geo.out_shape) * 4 >= (sizes or caches()).with_llc(NT_BYTES)
 
 
 # The native GEMM's micro-tile (rows, columns) as gemm.c compiles it for each SIMD
@@ -703,14 +767,23 @@ def depthwise_numpy_form(geo: ConvGeometry) -> str:
     return "rows"
 
 
-def depthwise_block(geo: ConvGeometry, form: str) -> tuple[int, int]:
+def depthwise_budget(form: str, sizes: Caches | None = None) -> int:
+    """Bytes of buffers per block of the NumPy depthwise ``form`` for the caches of
+    ``sizes`` (None: this machine's): ``rows`` keeps its copies in the L2."""
+    if form != "rows":
+        return DEPTHWISE_STREAM_BYTES
+    return (sizes or caches()).with_l2(DEPTHWISE_BLOCK_BYTES)
+
+
+def depthwise_block(geo: ConvGeometry, form: str, sizes: Caches | None = None
+                    ) -> tuple[int, int]:
     """Images and channels per block of a NumPy depthwise form, so that a block's
     buffers stay in cache."""
     plan = window.wide_plan((1, geo.in_channels), geo.window)
     n, c = geo.batch, geo.in_channels
     kw = geo.window.kernel[-1]
     per_channel = plan.plane * plan.phases * (kw + 1 if form == "rows" else 3) * 4
-    budget = DEPTHWISE_BLOCK_BYTES if form == "rows" else DEPTHWISE_STREAM_BYTES
+    budget = depthwise_budget(form, sizes)
     channels = max(1, budget // per_channel)
     if channels < c and form != "channels_last":
         return 1, channels
@@ -824,16 +897,18 @@ def winograd_form(geo: ConvGeometry, itemsize: int) -> ConvForm:
                         f"tiles an image, within {WINOGRAD_CHUNK_BYTES >> 20} MiB", chunk)
 
 
-def conv_form(variant: str, geo: ConvGeometry, itemsize: int, grid: Any = _HERE) -> ConvForm:
+def conv_form(variant: str, geo: ConvGeometry, itemsize: int, grid: Any = _HERE,
+              sizes: Caches | None = None) -> ConvForm:
     """The layout (form) of conv ``variant`` for ``geo`` computed in ``itemsize``-byte
-    elements, and why ("" where the variant has one form)."""
+    elements, and why ("" where the variant has one form); cache-bound sizes for the
+    caches of ``sizes`` (None: this machine's)."""
     if variant == "native":
-        return ConvForm(*native_form(geo, grid), stream_stores=stream_stores(geo))
+        return ConvForm(*native_form(geo, grid), stream_stores=stream_stores(geo, sizes))
     if variant == "depthwise":
         layout, why = depthwise_form(geo)
         numpy_form = layout.rpartition("|")[2]
-        block = depthwise_block(geo, numpy_form)
-        budget = DEPTHWISE_BLOCK_BYTES if numpy_form == "rows" else DEPTHWISE_STREAM_BYTES
+        block = depthwise_block(geo, numpy_form, sizes)
+        budget = depthwise_budget(numpy_form, sizes)
         return ConvForm(layout, why, block[0], block=block, chunk_reason=(
             f"{block[0]} image(s) and {block[1]} channel(s) per block of the NumPy form "
             f"{numpy_form}: its buffers within {budget >> 10} KiB"))

@@ -1,0 +1,86 @@
+"""Cache-bound plan sizes follow the caches of the machine planned for."""
+
+from __future__ import annotations
+
+import pytest
+
+import keel
+from keel.backends.cpu import planner
+from keel.backends.cpu.backend import CpuBackend
+from keel.dtypes import DType
+from keel.hardware.cpu import cache_sizes
+from keel.hardware.fakes import fake_machine, fake_profile
+from keel.ops.registry import Op
+from keel.ops.types import TensorType
+
+F32 = DType.FLOAT32
+
+
+def _layer_norm_block(profile: object) -> tuple[int, str]:
+    plan = CpuBackend(threads=1).plan_node(
+        Op.LAYER_NORM, [TensorType(F32, (64, 256)), TensorType(F32, (256,)),
+                        TensorType(F32, (256,))], {"axis": -1, "epsilon": 1e-5},
+        profile=profile)
+    return plan.option("row_block"), plan.reason("row_block")
+
+
+def test_the_probe_reads_cache_sizes_from_sysfs_and_sysctl() -> None:
+    xeon = fake_profile("x86-avx512-server").cpu
+    assert (xeon.l1d_cache_bytes, xeon.l2_cache_bytes, xeon.l3_cache_bytes) == (
+        48 << 10, 2 << 20, 105 << 20)
+    m2 = fake_profile("apple-m2-pro").cpu
+    assert (m2.l1d_cache_bytes, m2.l2_cache_bytes, m2.l3_cache_bytes) == (64 << 10, 4 << 20,
+                                                                          None)
+    assert any(n.startswith("l3_cache_bytes:") for n in m2.notes)
+    board = fake_profile("edge-arm-board").cpu
+    assert board.l2_cache_bytes is None
+    assert any(n.startswith("l2_cache_bytes:") for n in board.notes)
+    # The planner's quick read answers what the full probe reads.
+    assert cache_sizes(fake_machine("x86-avx512-server").sources()) == {
+        "l1d_cache_bytes": 48 << 10, "l2_cache_bytes": 2 << 20, "l3_cache_bytes": 105 << 20}
+
+
+def test_blocks_scale_with_the_profiles_l2() -> None:
+    measured = planner.BLOCKS["row_block"]
+    xeon, why = _layer_norm_block(fake_profile("x86-avx512-server"))
+    assert xeon == 2 * measured                       # a 2 MiB L2 against the measured 1 MiB
+    assert "Xeon(R) Platinum 8480+: L2 2048 KiB" in why
+    zen3, _ = _layer_norm_block(fake_profile("container-2core-1gib"))
+    assert zen3 == measured // 2                      # 512 KiB
+    board, why = _layer_norm_block(fake_profile("edge-arm-board"))
+    assert board == measured and "reads no cache sizes" in why
+
+
+def test_this_machines_plan_uses_its_own_caches() -> None:
+    here = cache_sizes()
+    block, why = _layer_norm_block(None)
+    l2 = here.get("l2_cache_bytes")
+    if l2 is None:
+        assert block == planner.BLOCKS["row_block"] and "reads no cache sizes" in why
+    else:
+        assert block == planner.caches().with_l2(planner.BLOCKS["row_block"])
+        assert f"this machine: L2 {l2 >> 10} KiB" in why
+
+
+def test_the_non_temporal_threshold_follows_the_last_level_cache() -> None:
+    from keel.ops.schemas.conv import conv_geometry
+
+    # A 64 -> 64 3x3 conv at batch 8 on 112x112 writes 25.7 MB: past a 16 MiB cache,
+    # within a 105 MiB one.
+    geo = conv_geometry(Op.CONV, (8, 64, 112, 112), (64, 64, 3, 3),
+                        {"pads": (1, 1, 1, 1), "strides": (1, 1), "dilations": (1, 1),
+                         "group": 1})
+    small = planner.Caches(1 << 20, 16 << 20, "test")
+    large = planner.caches(fake_profile("x86-avx512-server"))
+    assert planner.stream_stores(geo, small) and not planner.stream_stores(geo, large)
+
+
+@pytest.mark.parametrize("name", ["x86-avx512-server", "container-2core-1gib"])
+def test_a_model_planned_for_another_machine_shows_its_blocks(name: str) -> None:
+    from tests.execution.test_dispatch import model_proto
+
+    m = keel.load_model(model_proto(), backend="cpu", hardware=fake_profile(name))
+    blocks = {n.plan.option("epilogue_block") for n in m.plan.nodes
+              if n.plan is not None and n.op == "gemm"}
+    l2 = fake_profile(name).cpu.l2_cache_bytes
+    assert blocks == {planner.BLOCKS["epilogue_block"] * l2 // (1 << 20)}

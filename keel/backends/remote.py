@@ -34,7 +34,16 @@ import numpy as np
 from keel.backends.base import Availability, Backend, DeviceKind, KernelContext, KernelTable
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError, KeelError
+from keel.inference_protocol import (
+    DATATYPES,
+    Limits,
+    array_to_bytes,
+    bytes_to_array,
+    datatype_of_array,
+    decode_json_data,
+)
 from keel.ops.registry import to_op
+from keel.ops.types import TensorInfo
 
 __all__ = ["ExecuteContract", "RemoteBackend", "RemoteError", "RemoteModel", "as_backend",
            "load_remote"]
@@ -131,8 +140,6 @@ class RemoteBackend:
         """Run model ``operation`` on ``inputs``; its outputs (those named, if given)."""
         tensors, blobs = [], []
         for name, value in inputs.items():
-            from keel.serving.protocol import array_to_bytes, datatype_of_array
-
             array = np.asarray(value)
             blob = array_to_bytes(array)
             tensors.append({"name": name, "shape": list(array.shape),
@@ -206,8 +213,6 @@ def _error_text(body: bytes) -> str:
 
 
 def _decode_reply(body: bytes, header_length: str | None) -> dict[str, np.ndarray]:
-    from keel.serving.protocol import Limits, bytes_to_array, decode_json_data
-
     split = int(header_length) if header_length else len(body)
     reply = json.loads(body[:split])
     limits = Limits(max_body_bytes=1 << 62, max_tensor_elements=1 << 62)
@@ -229,9 +234,6 @@ class RemoteModel:
     """A model served by ``keel serve``, used like a local :class:`keel.Model`."""
 
     def __init__(self, backend: RemoteBackend, name: str) -> None:
-        from keel.execution.model import TensorInfo
-        from keel.serving.protocol import DATATYPES
-
         self.backend = backend
         self.name = name
         meta = backend.model_metadata(name)

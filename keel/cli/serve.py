@@ -50,7 +50,7 @@ def serve_command(
     if workers > 1:
         _run_workers(workers, http_port, grpc_port)
         return
-    from keel.serving.protocol import Limits
+    from keel.inference_protocol import Limits
     from keel.serving.repository import ModelOptions
     from keel.serving.server import Server, ServerConfig
 

@@ -49,7 +49,7 @@ from keel.execution.compiled import CompiledModel
 from keel.execution.program import ArenaPool, Profiler, Program, compile_program
 from keel.graph.ir import Graph, Value
 from keel.ops.registry import OpGroup
-from keel.ops.types import Dim, TensorType
+from keel.ops.types import TensorInfo, TensorType
 from keel.planning.adaptive import AdaptivePlan, AdaptivePlanner, PlanRequest, check_hint
 from keel.planning.placement import ExecutionPlan, place, precision_name
 
@@ -66,19 +66,6 @@ Shapes = dict[str, tuple[int, ...]]
 # A signature already run: (what ``Model.plan`` reports, its program, the order of
 # ``Program.input_names`` in the model's input order, or None when it is the same).
 _Fast = tuple[tuple["ExecutionPlan", "AdaptivePlan | None"], "Program", list[int] | None]
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """A model input or output: name, shape (ints, symbolic names, None) and dtype."""
-
-    name: str
-    shape: tuple[Dim, ...] | None
-    dtype: DType
-
-    def to_dict(self) -> dict[str, Any]:
-        shape = None if self.shape is None else list(self.shape)
-        return {"name": self.name, "shape": shape, "dtype": self.dtype.value}
 
 
 @dataclass

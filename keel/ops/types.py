@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError
@@ -112,3 +113,16 @@ def _broadcast_dim(dims: list[Dim], shapes: Sequence[Sequence[Dim]]) -> Dim:
         return 1
     names = set(symbolic)
     return names.pop() if len(names) == 1 and None not in names else None
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A model input or output: name, shape (ints, symbolic names, None) and dtype."""
+
+    name: str
+    shape: tuple[Dim, ...] | None
+    dtype: DType
+
+    def to_dict(self) -> dict[str, Any]:
+        shape = None if self.shape is None else list(self.shape)
+        return {"name": self.name, "shape": shape, "dtype": self.dtype.value}

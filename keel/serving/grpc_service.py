@@ -8,8 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from keel.serving import proto
-from keel.serving.protocol import (
+from keel.inference_protocol import (
     ProtocolError,
     array_to_bytes,
     bytes_to_array,
@@ -17,6 +16,7 @@ from keel.serving.protocol import (
     decode_json_data,
     element_count,
 )
+from keel.serving import proto
 from keel.serving.repository import run_request
 
 if TYPE_CHECKING:

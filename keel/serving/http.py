@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from keel.serving.protocol import (
+from keel.inference_protocol import (
     ProtocolError,
     array_to_bytes,
     bytes_to_array,

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from keel.errors import KeelError
+from keel.inference_protocol import ProtocolError, datatype_of, datatype_of_array, not_found
 from keel.serving.batching import Batcher, pad_rows
-from keel.serving.protocol import ProtocolError, datatype_of, datatype_of_array, not_found
 
 __all__ = ["ModelOptions", "Repository", "ServedModel", "load_served", "pad_rows", "run_request"]
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from keel.errors import InvalidArgumentError
-from keel.serving.protocol import Limits
+from keel.inference_protocol import Limits
 from keel.serving.repository import ModelOptions, Repository
 
 __all__ = ["Server", "ServerConfig", "ServerState"]

@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 import pytest
 
-from keel.serving.protocol import Limits
+from keel.inference_protocol import Limits
 from keel.serving.repository import ModelOptions
 from keel.serving.server import Server, ServerConfig
 from keel.testing.models import mlp

@@ -13,7 +13,7 @@ import tritonclient.grpc as tgrpc
 import tritonclient.http as thttp
 from tritonclient.utils import InferenceServerException
 
-from keel.serving.protocol import Limits
+from keel.inference_protocol import Limits
 from keel.serving.server import Server
 
 from .conftest import make_repository, pixels, start

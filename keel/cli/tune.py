@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.table import Table
 
 from keel.errors import InvalidArgumentError
+from keel.execution import tuning
 from keel.execution.model import Model, load_model
-from keel.planning import tuning
 from keel.planning.calibration import format_seconds
 
 __all__ = ["parse_input_shapes", "register", "tune_command", "tune_table"]

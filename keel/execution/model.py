@@ -54,7 +54,7 @@ from keel.planning.adaptive import AdaptivePlan, AdaptivePlanner, PlanRequest, c
 from keel.planning.placement import ExecutionPlan, place, precision_name
 
 if TYPE_CHECKING:
-    from keel.planning.tuning import TuneReport
+    from keel.execution.tuning import TuneReport
 
 __all__ = ["OPTIMIZATION_LEVELS", "Model", "TensorInfo", "load_model"]
 
@@ -408,9 +408,9 @@ class Model:
         """Time the candidate kernel variants of this model's nodes here (for ``shapes``,
         else the first signature) and cache the winners; plans made from now on use them.
         Cases already measured are skipped unless ``force``. Returns a
-        :class:`~keel.planning.tuning.TuneReport`; ``progress`` defaults to a bar on stderr.
+        :class:`~keel.execution.tuning.TuneReport`; ``progress`` defaults to a bar on stderr.
         """
-        from keel.planning import tuning
+        from keel.execution import tuning
 
         budget = tuning.DEFAULT_BUDGET_SECONDS if budget_s is None else budget_s
         with self._lock, tuning.progress_bar(progress is None) as bar:

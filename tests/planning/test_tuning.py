@@ -20,6 +20,7 @@ from keel import config, native
 from keel.backends.registry import default_registry
 from keel.config import cache_dir
 from keel.errors import InvalidArgumentError
+from keel.execution import tuning as tuner
 from keel.execution.model import Model, load_model
 from keel.graph.shape_inference import infer_graph_types
 from keel.planning import tuning
@@ -42,19 +43,19 @@ def _load(onnx_model: Any, **kwargs: Any) -> Model:
     return load_model(onnx_model.SerializeToString(), **kwargs)
 
 
-def _work(model: Model) -> list[tuning.Work]:
+def _work(model: Model) -> list[tuner.Work]:
     """The cases tuning would measure for ``model``'s first signature (batch 1)."""
     types = infer_graph_types(model.graph, {"x": (1, 3, SIZE, SIZE)})
     cpu = default_registry().get("cpu")
-    return tuning.find_work(model.graph, types, model.plan, cpu)
+    return tuner.find_work(model.graph, types, model.plan, cpu)
 
 
-def _entry(work: tuning.Work, winner: str, declared: str, tiers: tuple[str, ...] | None = None,
+def _entry(work: tuner.Work, winner: str, declared: str, tiers: tuple[str, ...] | None = None,
            ) -> TunedCase:
     """A made-up measurement of ``work`` in which ``winner`` won by 1.5x."""
     others = [c for c in work.candidates if c != winner]
     timings = (Timing(winner, 1e-5, 9), *(Timing(c, 1.5e-5, 9) for c in others))
-    tiers = tuning._tiers() if tiers is None else tiers
+    tiers = tuning.tiers_here() if tiers is None else tiers
     return TunedCase(work.case, timings, winner, declared, tiers, "2026-01-01T00:00:00+00:00")
 
 
@@ -184,7 +185,7 @@ def test_a_tuned_variant_measured_with_other_tiers_is_ignored(onnx_model: Any) -
     node = work.nodes[0]
     declared = _load(onnx_model).plan.node(node).variant
     winner = next(c for c in work.candidates if c != declared)
-    other_tiers = () if tuning._tiers() else ("native",)
+    other_tiers = () if tuning.tiers_here() else ("native",)
     tuning.record([_entry(work, winner, declared, tiers=other_tiers)])
     placed = _load(onnx_model).plan.node(node)
     assert placed.variant == declared
@@ -275,14 +276,14 @@ def test_tune_reports_every_case_with_its_nodes(onnx_model: Any) -> None:
 
 def test_candidates_that_disagree_are_dropped() -> None:
     def bench(name: str, value: float) -> Any:
-        return tuning._Bench(name, None, {}, {"y": np.full((4,), value, np.float32)})
+        return tuner._Bench(name, None, {}, {"y": np.full((4,), value, np.float32)})
 
     notes: list[str] = []
-    kept = tuning._agreeing([bench("a", 1.0), bench("b", 1.0 + 1e-6), bench("c", 2.0)], notes)
+    kept = tuner._agreeing([bench("a", 1.0), bench("b", 1.0 + 1e-6), bench("c", 2.0)], notes)
     assert [b.variant for b in kept] == ["a", "b"]
     assert notes == ["c dropped: its output differs from a's"]
     notes.clear()
-    assert tuning._agreeing([bench("a", 1.0), bench("c", 2.0)], notes) == []
+    assert tuner._agreeing([bench("a", 1.0), bench("c", 2.0)], notes) == []
     assert notes == ["no two candidates' outputs agree: nothing decided"]
 
 
@@ -320,9 +321,9 @@ def test_the_reason_quotes_the_ratio_or_keeps_the_declared_choice_within_noise()
 
 def test_outputs_agree_within_the_dtype_tolerance_with_matching_nans() -> None:
     y = np.array([1.0, -2.0, 4.0], np.float32)
-    assert tuning._close(y, y + np.float32(1e-4))
-    assert not tuning._close(y, y + np.float32(1e-2))
+    assert tuner._close(y, y + np.float32(1e-4))
+    assert not tuner._close(y, y + np.float32(1e-2))
     nan = np.array([1.0, np.nan], np.float32)
-    assert tuning._close(nan, nan.copy())
-    assert not tuning._close(nan, np.array([1.0, 0.0], np.float32))    # an unwritten value
-    assert not tuning._close(np.array([1, 2]), np.array([1, 3]))       # integers: exact
+    assert tuner._close(nan, nan.copy())
+    assert not tuner._close(nan, np.array([1.0, 0.0], np.float32))    # an unwritten value
+    assert not tuner._close(np.array([1, 2]), np.array([1, 3]))       # integers: exact

@@ -14,6 +14,16 @@ one column per model output, named after it. An actor given GPUs by Ray
 batch in chunks of exactly ``N`` rows (the last one padded), so each row's
 answer is bitwise the same however Ray cut the dataset into batches.
 Ray itself is imported only here (``pip install "keel-runtime[ray]"``).
+
+:func:`serve_app` builds a Ray Serve application that answers the Open Inference
+Protocol's REST infer request (JSON or binary tensors, as ``keel serve`` does) with
+Serve batching the requests of one replica::
+
+    from ray import serve
+    from keel.integrations.ray import serve_app
+
+    serve.run(serve_app("model.onnx", max_batch_size=8), route_prefix="/model")
+    # POST http://127.0.0.1:8000/model  {"inputs": [{"name": ..., "shape": ..., ...}]}
 """
 
 from __future__ import annotations
@@ -23,9 +33,10 @@ from typing import Any
 
 import numpy as np
 
-from keel.errors import InvalidArgumentError
+from keel.errors import InvalidArgumentError, KeelError
+from keel.inference_protocol import Limits
 
-__all__ = ["KeelPredictor", "backend_for"]
+__all__ = ["KeelPredictor", "backend_for", "serve_app"]
 
 
 def backend_for(backend: str, gpu_ids: Sequence[Any]) -> str:
@@ -139,3 +150,102 @@ def _as_kind(outputs: dict[str, np.ndarray], kind: str) -> Any:
 
     return pa.table({k: pa.array(list(v)) if v.ndim > 1 else pa.array(v)
                      for k, v in outputs.items()})
+
+
+def serve_app(model: Any, *, max_batch_size: int = 8, batch_wait_timeout_s: float = 0.002,
+              num_replicas: int = 1, ray_actor_options: Mapping[str, Any] | None = None,
+              **predictor_options: Any) -> Any:
+    """A Ray Serve application (``serve.run(serve_app(...))``) serving ``model``.
+
+    Each replica loads the model once (a :class:`KeelPredictor`; ``num_gpus`` in
+    ``ray_actor_options`` puts it on the ``gpu`` backend). Requests are the Open
+    Inference Protocol's REST infer body, JSON or with binary tensors; Serve batches up
+    to ``max_batch_size`` requests of one replica, and keel runs the batch's rows in
+    chunks of exactly ``execution_batch`` rows (default ``max_batch_size``), so a row's
+    answer is bitwise the same whatever else Serve batched with it. A bad request
+    answers the protocol's error body with status 400.
+    """
+    from ray import serve
+
+    if max_batch_size < 1:
+        raise InvalidArgumentError(f"max_batch_size must be at least 1, got {max_batch_size}")
+    options = {"execution_batch": max_batch_size, **predictor_options}
+
+    @serve.deployment(num_replicas=num_replicas, ray_actor_options=dict(ray_actor_options or {}))
+    class KeelDeployment:
+        def __init__(self) -> None:
+            self.predictor = KeelPredictor(model, **options)
+
+        @serve.batch(max_batch_size=max_batch_size, batch_wait_timeout_s=batch_wait_timeout_s)
+        async def run(self, requests: list[dict[str, np.ndarray]]
+                      ) -> list[dict[str, np.ndarray] | Exception]:
+            return _run_batch(self.predictor, requests)
+
+        async def __call__(self, request: Any) -> Any:
+            from keel.serving.http import decode_request, encode_reply
+
+            body = await request.body()
+            try:
+                header, arrays, wanted, binary = decode_request(
+                    body, request.headers.get("inference-header-content-length"), _LIMITS)
+                names = [i.name for i in self.predictor.model.inputs]
+                unknown = sorted(set(arrays) - set(names))
+                if unknown:
+                    return _error_reply(f"unknown input {unknown[0]!r}; the model's inputs "
+                                        f"are {', '.join(names)}")
+                result = await self.run(self.predictor._feeds(arrays))
+                if isinstance(result, Exception):
+                    raise result
+            except KeelError as exc:        # bad input, a shape the model refuses
+                return _error_reply(str(exc))
+            if wanted:
+                unknown = sorted(set(wanted) - set(result))
+                if unknown:
+                    return _error_reply(f"unknown output {unknown[0]!r}")
+                result = {k: v for k, v in result.items() if k in wanted}
+            reply = {"model_name": str(model), "id": header.get("id", "")}
+            return encode_reply(reply, result, wanted, binary)
+
+    return KeelDeployment.bind()   # type: ignore[attr-defined]
+
+
+def _run_batch(predictor: KeelPredictor, requests: list[dict[str, np.ndarray]]
+               ) -> list[dict[str, np.ndarray] | Exception]:
+    """The rows of requests whose inputs agree past the batch axis run together; each
+    request gets its own rows back, or the error of its group alone."""
+    answers: list[dict[str, np.ndarray] | Exception] = [
+        InvalidArgumentError("every input of a request needs the same number of rows "
+                             "(the batch axis first)")] * len(requests)
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, r in enumerate(requests):
+        if _rows(r) is not None:
+            groups.setdefault(tuple((k, v.shape[1:]) for k, v in sorted(r.items())),
+                              []).append(i)
+    for members in groups.values():
+        try:
+            outputs = predictor._predict({k: np.concatenate([requests[i][k] for i in members])
+                                          for k in requests[members[0]]})
+        except Exception as exc:          # the group's requests answer with it
+            for i in members:
+                answers[i] = exc
+            continue
+        start = 0
+        for i in members:
+            n = _rows(requests[i]) or 0
+            answers[i] = {k: v[start:start + n] for k, v in outputs.items()}
+            start += n
+    return answers
+
+
+def _rows(feeds: Mapping[str, np.ndarray]) -> int | None:
+    counts = {a.shape[0] if a.ndim else -1 for a in feeds.values()}
+    return counts.pop() if len(counts) == 1 and -1 not in counts else None
+
+
+def _error_reply(message: str) -> Any:
+    from starlette.responses import JSONResponse
+
+    return JSONResponse({"error": message}, status_code=400)
+
+
+_LIMITS = Limits()

@@ -129,7 +129,7 @@ class _Handlers:
         started = time.perf_counter()
         name, version = request.path_params["name"], request.path_params.get("version", "")
         body = await self._body(request)
-        header, arrays, wanted, binary_out = _decode(
+        header, arrays, wanted, binary_out = decode_request(
             body, request.headers.get(_HEADER), self.state.limits)
         served, result = await run_request(self.state.repo, name, version, arrays,
                                            list(wanted) or None,
@@ -138,7 +138,7 @@ class _Handlers:
         reply: dict[str, Any] = {"model_name": name, "model_version": served.version}
         if "id" in header:
             reply["id"] = header["id"]
-        return _encode(reply, result, wanted, binary_out)
+        return encode_reply(reply, result, wanted, binary_out)
 
     async def _body(self, request: Request) -> bytes:
         """The body, or a 413 once it passes the limit. The rest of a body too large is
@@ -175,8 +175,8 @@ def _json(value: Any, status: int = 200) -> Response:
     return JSONResponse(value, status_code=status)
 
 
-def _decode(body: bytes, header_length: str | None, limits: Any
-            ) -> tuple[Mapping[str, Any], dict[str, np.ndarray], dict[str, bool], bool]:
+def decode_request(body: bytes, header_length: str | None, limits: Any
+                   ) -> tuple[Mapping[str, Any], dict[str, np.ndarray], dict[str, bool], bool]:
     """The request's JSON, its input arrays, the outputs asked for (name -> binary?) and
     whether outputs not named default to binary."""
     if header_length is not None:
@@ -227,8 +227,8 @@ def _decode(body: bytes, header_length: str | None, limits: Any
     return header, arrays, wanted, binary_out
 
 
-def _encode(reply: dict[str, Any], result: Mapping[str, np.ndarray], wanted: Mapping[str, bool],
-            binary_out: bool) -> Response:
+def encode_reply(reply: dict[str, Any], result: Mapping[str, np.ndarray],
+                 wanted: Mapping[str, bool], binary_out: bool) -> Response:
     from starlette.responses import Response
 
     outputs, blobs = [], []

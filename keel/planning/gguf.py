@@ -112,8 +112,11 @@ class LlamaCppPlan:
 
     def selection(self) -> Selection:
         """The runtime plan's llama.cpp row for this model."""
-        where = (f"{self.gpu_layers} of {self.model.layers} layers on GPU {self.gpu}"
-                 if self.device == "gpu" else "every layer on the CPU")
+        layers = self.model.layers
+        where = ("every layer on the CPU" if self.device == "cpu" else
+                 f"all {layers} layers and the output layer on GPU {self.gpu}"
+                 if self.gpu_layers > layers else
+                 f"{self.gpu_layers} of {layers} layers on GPU {self.gpu}")
         return Selection("llama.cpp", self.device, f"{' '.join(self.flags)}: {self.reasons[0]}",
                          ("cpu",), detail=where)
 

@@ -34,7 +34,7 @@ from keel.planning.drops import (
     write_drop,
 )
 from keel.planning.policy import RuntimePolicy
-from keel.planning.runtime_plan import RuntimePlan, is_this_machine, plan_runtime
+from keel.planning.runtime_plan import RuntimePlan, is_this_machine, plan_runtime, with_llama_cpp
 from keel.planning.targets import TargetProfile, get_target
 
 __all__ = ["build_drop", "drop_command", "register"]
@@ -182,6 +182,7 @@ def _gguf_files(model: Path, hardware: HardwareProfile, policy: RuntimePolicy,
     from keel.planning.gguf import plan_llama_cpp, read_gguf
 
     llama = plan_llama_cpp(read_gguf(model), hardware, policy, context=context)
+    runtime = with_llama_cpp(runtime, llama.selection())
     plan = {**header, "runtime": runtime.to_dict(), "llama_cpp": llama.to_dict()}
     settings = _keel_settings(runtime, policy, hardware)
     return {"model.gguf": model, "plan.json": _json(plan),

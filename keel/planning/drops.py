@@ -96,7 +96,8 @@ def stable_profile(profile: HardwareProfile) -> HardwareProfile:
                                  effective_available_bytes=None)
     cpu = dataclasses.replace(profile.cpu, current_frequency_mhz=None)
     gpus = tuple(dataclasses.replace(g, free_memory_bytes=None) for g in profile.gpus)
-    return dataclasses.replace(profile, memory=memory, cpu=cpu, gpus=gpus, probe_seconds=None)
+    return dataclasses.replace(profile, memory=memory, cpu=cpu, gpus=gpus, probe_seconds=None,
+                               thermal=())
 
 
 def hardware_fingerprint(profile: HardwareProfile) -> str:

@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from keel.backends.base import Backend
+from keel.backends.base import Backend, DeviceKind
 from keel.backends.plan import FIELDS, Measured, NodePlan
 from keel.backends.registry import BackendRegistry
 from keel.config import format_bytes
@@ -32,9 +32,10 @@ from keel.dtypes import DType
 from keel.errors import BackendSelectionError, KeelError, UnsupportedOperationError
 from keel.graph.ir import Graph, Node
 from keel.graph.memory_plan import MemoryPlan, PlanStep, packed_bytes, plan_steps_for_graph
+from keel.hardware.profile import HardwareProfile
 from keel.ops.schema import get_schema
 from keel.ops.types import TensorType
-from keel.planning.runtime_plan import low_memory_mode
+from keel.planning.runtime_plan import gpu_kept_off, low_memory_mode
 from keel.planning.work import estimated_work
 
 __all__ = [
@@ -258,7 +259,7 @@ def place(
                    low_memory=low_memory_mode(profile, policy))
     reasons: list[str] = _low_memory_reasons(graph, ctx.low_memory)
     if backend == "auto":
-        ctx.chain = _auto_chain(registry, reasons)
+        ctx.chain = _cool_chain(_auto_chain(registry, reasons), profile, reasons)
         placements = [_place_auto(ctx, n) for n in graph.nodes]
     else:
         pinned = registry.get(backend)
@@ -345,6 +346,17 @@ def _auto_chain(registry: BackendRegistry, reasons: list[str]) -> list[Backend]:
         if not avail.available and name in registry.priority:
             reasons.append(f"{name} skipped: {avail.reason}")
     return chain
+
+
+def _cool_chain(chain: list[Backend], profile: Any, reasons: list[str]) -> list[Backend]:
+    """``chain`` without its GPU backends while the profile reads every GPU near its
+    thermal limit (the runtime plan's rule); unchanged when nothing else could run."""
+    hot = gpu_kept_off(profile) if isinstance(profile, HardwareProfile) else ""
+    cool = [b for b in chain if b.device is not DeviceKind.GPU]
+    if not hot or len(cool) == len(chain) or not cool:
+        return chain
+    reasons.append(f"{', '.join(b.name for b in chain if b not in cool)} skipped: {hot}")
+    return cool
 
 
 def _node_dtype(ctx: _Context, node: Node) -> DType | None:

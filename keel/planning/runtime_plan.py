@@ -55,6 +55,7 @@ __all__ = [
     "RuntimePlan",
     "Selection",
     "engine_availability",
+    "gpu_kept_off",
     "is_this_machine",
     "low_memory_mode",
     "low_memory_reason",
@@ -205,14 +206,25 @@ def _checked(available: Mapping[str, tuple[bool, str]]) -> dict[str, tuple[bool,
     return out
 
 
+def gpu_kept_off(profile: HardwareProfile | None) -> str:
+    """Why keel's GPU engine is kept off ``profile``'s machine for heat: every NVIDIA GPU is
+    near its limit or throttling; "" when not (or when no profile says)."""
+    if profile is None:
+        return ""
+    hot = hot_gpus(profile)
+    nvidia = [g.index for g in profile.gpus if g.vendor == "nvidia"]
+    if nvidia and all(i in hot for i in nvidia):
+        return f"kept off the GPU for heat: {hot[nvidia[0]]}"
+    return ""
+
+
 def _thermal_checked(available: dict[str, tuple[bool, str]],
                      profile: HardwareProfile) -> dict[str, tuple[bool, str]]:
     """``available`` with the GPU engine refused while every GPU it could use runs hot."""
-    hot = hot_gpus(profile)
     ok, _ = available.get("gpu", (False, ""))
-    nvidia = [g.index for g in profile.gpus if g.vendor == "nvidia"]
-    if ok and nvidia and all(i in hot for i in nvidia):
-        available = {**available, "gpu": (False, f"kept off the GPU for heat: {hot[nvidia[0]]}")}
+    hot = gpu_kept_off(profile)
+    if ok and hot:
+        available = {**available, "gpu": (False, hot)}
     return available
 
 

@@ -145,6 +145,7 @@ def test_a_gguf_drop_carries_the_llama_cpp_plan(tmp_path: Path, capsys: pytest.C
     assert (root / "model.gguf").read_bytes() == path.read_bytes()
     plan = json.loads((root / "plan.json").read_text())
     assert plan["llama_cpp"]["gpu_layers"] == 5 and plan["llama_cpp"]["context"] == 512
+    assert plan["runtime"]["llama_cpp"]["reason"].startswith("-ngl 5 -c 512")
     flags = (root / "flags.txt").read_text().splitlines()
     assert flags[flags.index("# llama.cpp") + 1] == " ".join(plan["llama_cpp"]["flags"])
     assert "-ngl 5 -c 512" in flags[-1]

@@ -158,7 +158,8 @@ def test_bad_inputs_are_typed_errors(model: Path, tmp_path: Path) -> None:
 def test_the_fingerprint_ignores_readings_that_change_between_probes() -> None:
     profile = fake_profile("nvidia-h100-nvml")
     memory = dataclasses.replace(profile.memory, available_bytes=1, effective_available_bytes=1)
-    busier = dataclasses.replace(profile, probe_seconds=9.0, memory=memory)
+    warmer = tuple(dataclasses.replace(r, temperature_c=80.0) for r in profile.thermal)
+    busier = dataclasses.replace(profile, probe_seconds=9.0, memory=memory, thermal=warmer)
     assert hardware_fingerprint(stable_profile(profile)) == \
         hardware_fingerprint(stable_profile(busier))
     assert hardware_fingerprint(profile) != hardware_fingerprint(busier)

@@ -12,6 +12,7 @@ import pytest
 from keel.backends.cpu.backend import resolve_threads
 from keel.cli.convert import convert_model
 from keel.config import reload_settings
+from keel.dtypes import DType
 from keel.execution.model import load_model
 from keel.hardware import probe
 from keel.hardware.fakes import fake_machine, fake_profile
@@ -146,3 +147,30 @@ def test_a_saved_profile_keeps_its_thermal_readings(tmp_path: Path) -> None:
     from keel.hardware.profile import HardwareProfile
 
     assert HardwareProfile.load(str(path)) == profile
+
+
+def test_placement_keeps_nodes_off_a_hot_gpu() -> None:
+    from keel.backends.base import DeviceKind
+    from keel.backends.registry import BackendRegistry
+    from keel.graph.ir import Graph, Node, Value
+    from keel.graph.shape_inference import infer_graph_types
+    from keel.ops.registry import Op
+    from keel.ops.types import TensorType
+    from keel.planning.placement import place
+    from keel.testing.backends import FakeBackend
+
+    registry = BackendRegistry()
+    gpu = FakeBackend("gpu", DeviceKind.GPU, ops={Op.MATMUL})
+    for priority, backend in ((100, gpu), (50, FakeBackend("cpu"))):
+        registry.register(backend.name, lambda b=backend: b, priority=priority)
+    x, w = TensorType(DType.FLOAT32, (1024, 2048)), TensorType(DType.FLOAT32, (2048, 1024))
+    graph = Graph("big", [Node("mm", Op.MATMUL, ["x", "w"], ["y"])],
+                  [Value("x", x), Value("w", w)],
+                  [Value("y", TensorType(DType.FLOAT32, (1024, 1024)))])
+    types = infer_graph_types(graph, {})
+    cool = place(graph, types, registry, fake_profile("nvidia-h100-nvml"))
+    hot = place(graph, types, registry, fake_profile("nvidia-h100-hot"))
+    assert [n.backend for n in cool.nodes] == ["gpu"]
+    assert [n.backend for n in hot.nodes] == ["cpu"]
+    assert any(r.startswith("gpu skipped: kept off the GPU for heat: GPU 0 at 85 C")
+               for r in hot.reasons)

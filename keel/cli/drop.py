@@ -22,6 +22,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from keel.errors import InvalidArgumentError
 from keel.hardware.profile import HardwareProfile
 from keel.planning.drops import (
     DEFAULT_ARTIFACTS_DIR,
@@ -87,8 +88,6 @@ def build_drop(model: str | Path, profile: str, out: str | Path = DEFAULT_ARTIFA
     if not gguf:
         _check_model(Path(model))
     elif quant is not None:
-        from keel.errors import InvalidArgumentError
-
         raise InvalidArgumentError("--quantize applies to ONNX and .keel models; a GGUF model "
                                    "keeps the quantization it was written with")
     extra = {
@@ -116,8 +115,6 @@ def _check_quantize(quantize: str | None) -> str | None:
     if quantize is None:
         return None
     if quantize.strip().lower() != "int8":
-        from keel.errors import InvalidArgumentError
-
         raise InvalidArgumentError(f"--quantize {quantize!r} is not allowed; a drop quantizes "
                                    "to int8")
     return "int8"
@@ -170,9 +167,8 @@ def _keel_files(model: Path, work: Path, quantize: str | None, hardware: Hardwar
             "conversion": {"optimization_level": "all",
                            "passes_applied": report["passes_applied"],
                            "quantization": report["quantization"]}}
-    settings = _keel_settings(runtime, policy, hardware)
     return {"model.keel": converted, "plan.json": _json(plan),
-            "flags.txt": _flags(header, runtime, settings, None)}
+            "flags.txt": _flags(header, _keel_settings(runtime, policy), None)}
 
 
 def _gguf_files(model: Path, hardware: HardwareProfile, policy: RuntimePolicy,
@@ -184,13 +180,11 @@ def _gguf_files(model: Path, hardware: HardwareProfile, policy: RuntimePolicy,
     llama = plan_llama_cpp(read_gguf(model), hardware, policy, context=context)
     runtime = with_llama_cpp(runtime, llama.selection())
     plan = {**header, "runtime": runtime.to_dict(), "llama_cpp": llama.to_dict()}
-    settings = _keel_settings(runtime, policy, hardware)
     return {"model.gguf": model, "plan.json": _json(plan),
-            "flags.txt": _flags(header, runtime, settings, llama.flags)}
+            "flags.txt": _flags(header, _keel_settings(runtime, policy), llama.flags)}
 
 
-def _keel_settings(runtime: RuntimePlan, policy: RuntimePolicy,
-                   hardware: HardwareProfile) -> list[str]:
+def _keel_settings(runtime: RuntimePlan, policy: RuntimePolicy) -> list[str]:
     """The KEEL_* settings that reproduce the plan on the target."""
     threads = runtime.threads.choice
     lines = [f"KEEL_BACKEND={runtime.engine.choice}", f"KEEL_HINT={policy.hint}"]
@@ -199,15 +193,13 @@ def _keel_settings(runtime: RuntimePlan, policy: RuntimePolicy,
     return lines
 
 
-def _flags(header: dict[str, Any], runtime: RuntimePlan, settings: list[str],
-           llama: tuple[str, ...] | None) -> bytes:
+def _flags(header: dict[str, Any], settings: list[str], llama: tuple[str, ...] | None) -> bytes:
     target = get_target(header["profile"])
     lines = [f"# keel drop {header['drop_id']} for the {target.name} profile",
              "# runtime build (rustc)", *target.flags,
              "# keel settings (environment)", *settings]
     if llama is not None:
         lines += ["# llama.cpp", " ".join(llama)]
-    del runtime
     return "".join(f"{line}\n" for line in lines).encode("utf-8")
 
 

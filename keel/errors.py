@@ -10,6 +10,7 @@ from collections.abc import Iterable
 
 __all__ = [
     "BackendSelectionError",
+    "DropIntegrityError",
     "ExecutionError",
     "InvalidArgumentError",
     "KeelError",
@@ -97,6 +98,12 @@ class MemoryLimitError(KeelError):
         super().__init__(message)
         self.required_bytes = required_bytes
         self.limit_bytes = limit_bytes
+
+
+class DropIntegrityError(KeelError):
+    """A drop's files do not match the sizes and hashes its manifest records."""
+
+    code = "DROP_INTEGRITY"
 
 
 class ExecutionError(KeelError):

@@ -381,7 +381,7 @@ class Backend(ABC):
     def plan_node(self, op: Op | str, input_types: Sequence[TensorType | None],
                   attrs: Mapping[str, Any] | None = None, *, threads: int | None = None,
                   profile: Any = None, precision: str = "",
-                  measured: Measured | None = None) -> NodePlan:
+                  measured: Measured | None = None, low_memory: str = "") -> NodePlan:
         """What this backend's planner decides for one node, each field with its reason.
 
         ``input_types`` are the node's input types (None for an absent input),
@@ -389,11 +389,12 @@ class Backend(ABC):
         count planned for (default: the backend's), ``profile`` the hardware
         profile planned for, ``precision`` the precision placement decided and
         ``measured`` a choice measured on this machine (a tuning cache hit),
-        which overrides the declared rules where this backend has that variant.
+        which overrides the declared rules where this backend has that variant;
+        ``low_memory`` why the machine is planned in low-memory mode ("" when not).
         """
         request = PlanRequest(to_op(op), tuple(input_types), dict(attrs or {}),
                               self.threads if threads is None else threads, profile,
-                              precision, measured)
+                              precision, measured, low_memory)
         return self._plan_node(request)
 
     # ---- availability and capabilities ---------------------------------

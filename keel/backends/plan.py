@@ -56,6 +56,7 @@ class PlanRequest:
     profile: Any = None              # the HardwareProfile planned for (None: this machine)
     precision: str = ""              # the precision placement decided ("" when unknown)
     measured: Measured | None = None  # a tuning override (keel.planning.tuning), if any
+    low_memory: str = ""             # why the machine is planned in low-memory mode ("": not)
 
     @property
     def dtype(self) -> DType | None:

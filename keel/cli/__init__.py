@@ -5,7 +5,8 @@ purpose print as one line on stderr (or, under ``--json``, as a JSON error
 object on stdout) and exit with status 2 (``EXIT_ERROR``); ``keel validate``
 exits 1 when the model ran and an output did not match (see
 :mod:`keel.cli.common`); the machine running out of memory where keel did not
-foresee it prints one line too and exits with status 3 (``EXIT_OUT_OF_MEMORY``).
+foresee it prints one line too and exits with status 3 (``EXIT_OUT_OF_MEMORY``); a
+drop whose files do not match their manifest exits with status 4 (``EXIT_TAMPERED``).
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ import typer
 
 import keel
 from keel.cli.common import EXIT_FAILED, report_error
-from keel.errors import KeelError
+from keel.errors import DropIntegrityError, KeelError
 
-__all__ = ["EXIT_ERROR", "EXIT_OUT_OF_MEMORY", "app", "main"]
+__all__ = ["EXIT_ERROR", "EXIT_OUT_OF_MEMORY", "EXIT_TAMPERED", "app", "main"]
 
 EXIT_ERROR = EXIT_FAILED   # an error keel raised on purpose (a KeelError)
 EXIT_OUT_OF_MEMORY = 3     # a MemoryError keel did not foresee
+EXIT_TAMPERED = 4          # a drop whose files do not match their manifest
 
 SUBCOMMANDS = ("probe", "plan", "backends", "bench", "drop", "demo", "convert", "run", "validate",
                "calibrate", "cache", "tune", "serve", "build")
@@ -61,6 +63,9 @@ def main(argv: list[str] | None = None) -> None:
     as_json = "--json" in args
     try:
         code = app(args=args, prog_name="keel", standalone_mode=False)
+    except DropIntegrityError as exc:
+        report_error(type(exc).__name__, str(exc), as_json)
+        sys.exit(EXIT_TAMPERED)
     except KeelError as exc:
         report_error(type(exc).__name__, str(exc), as_json)
         sys.exit(EXIT_FAILED)

@@ -1,4 +1,5 @@
-"""``keel run MODEL``: run a model once on given or random inputs; print or save the outputs."""
+"""``keel run MODEL|DROP``: run a model (or a drop's) once on given or random inputs; print or
+save the outputs."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def register(app: typer.Typer) -> None:
 
 
 def run(
-    model: str = typer.Argument(..., help="Model file (.onnx or .keel)."),
+    model: str = typer.Argument(..., help="Model file (.onnx or .keel), or a drop directory "
+                                          "(`keel drop`), checked against its manifest."),
     inputs: list[str] = typer.Option([], "--input", "-i", help="NAME=FILE.npy (repeatable)."),
     random: bool = typer.Option(False, "--random", help="Random data for inputs not given."),
     backend: str = typer.Option("auto", "--backend", "-b", help="auto, cpu, reference, gpu…"),

@@ -52,6 +52,7 @@ from keel.ops.registry import OpGroup
 from keel.ops.types import TensorInfo, TensorType
 from keel.planning.adaptive import AdaptivePlan, AdaptivePlanner, PlanRequest, check_hint
 from keel.planning.placement import ExecutionPlan, place, precision_name
+from keel.planning.runtime_plan import low_memory_mode
 
 if TYPE_CHECKING:
     from keel.execution.tuning import TuneReport
@@ -123,6 +124,7 @@ def load_model(
             f"{', '.join(OPTIMIZATION_LEVELS)}")
     if isinstance(src, (str, os.PathLike)):
         check_path(src)
+        src = _drop_model(src)
     if backend == "auto" and _DEFAULT_BACKEND:
         backend, remote = _DEFAULT_BACKEND[0], remote or _DEFAULT_BACKEND[1]
     if backend == "remote":
@@ -154,6 +156,20 @@ def load_model(
     if slot is not None:
         model._note(slot.found.reason, slot.store(model))
     return model
+
+
+def _drop_model(src: str | os.PathLike[str]) -> str | os.PathLike[str]:
+    """A drop directory's verified model file (``keel drop``); any other path as it is."""
+    from keel.planning.drops import drop_model_path, is_drop_dir
+
+    if not is_drop_dir(src):
+        return src
+    path = drop_model_path(src)
+    if not path.endswith(".keel"):
+        raise InvalidArgumentError(
+            f"drop {os.fspath(src)!r} holds {os.path.basename(path)} for llama.cpp, which keel "
+            "does not run: its flags.txt has the llama.cpp flags")
+    return path
 
 
 # set_backend's process-wide default for load_model: (backend, remote URL), or empty
@@ -743,7 +759,8 @@ class Model:
             node_precisions=tuple((n.name, n.precision) for n in planned.plan.nodes),
             hint=self._hint, cores=cores, threads_pinned=pinned,
             splittable=batch is not None and self._splittable(shapes, batch),
-            history=self._known(shapes) if learn else None, profile=self._hardware)
+            history=self._known(shapes) if learn else None, profile=self._hardware,
+            low_memory=low_memory_mode(self._hardware, self._policy))
         peak_of = (self._peak_fn(shapes, planned) if batch is not None
                    else lambda _: planned.plan.peak_bytes)
         adaptive = AdaptivePlanner(_graph_runtime(planned.plan)).plan(request, peak_of)
@@ -1094,7 +1111,18 @@ def _is_frozen(array: np.ndarray) -> bool:
         if a.flags.writeable:
             return False
         a = a.base
-    return a is None or isinstance(a, bytes)
+    return a is None or isinstance(a, bytes) or _read_only_map(a)
+
+
+def _read_only_map(buffer: Any) -> bool:
+    """Whether ``buffer`` is a read-only memory map (a ``.keel`` file's weights): nothing
+    in this process can write it, so its weights stay mapped rather than copied."""
+    import mmap
+
+    if not isinstance(buffer, mmap.mmap):
+        return False
+    with memoryview(buffer) as view:
+        return view.readonly
 
 
 def _native_precision(graph: Graph) -> str:

@@ -844,7 +844,7 @@ class _Builder:
         kernel = backend.kernels.get(node.op, placed.variant)
         # The node's plan is bound here, once: the kernel reads ctx.plan, nothing per run.
         ctx = dataclasses.replace(backend.context(), plan=placed.plan)
-        if kernel.prepack is not None:
+        if kernel.prepack is not None and _keeps_packed(placed.plan):
             ctx = self._prepacked(node, kernel, backend, ctx, inputs)
         step = _Step(node.name, node.op.value, backend.name, "kernel", inputs, outputs,
                      fn=kernel.fn, ctx=ctx, attrs=node.attrs, variant=kernel,
@@ -927,3 +927,9 @@ class _Builder:
 
 def _static_shape(t: TensorType) -> tuple[int, ...]:
     return tuple(int(d) for d in t.shape or () if isinstance(d, int))
+
+
+def _keeps_packed(plan: Any) -> bool:
+    """Whether the node's plan lets its kernel keep a packed copy of constant inputs (a
+    low-memory plan does not: the kernel then packs per call)."""
+    return plan is None or bool(plan.option("prepack", True))

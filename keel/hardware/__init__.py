@@ -24,9 +24,11 @@ from keel.hardware.profile import (
     GpuInfo,
     HardwareProfile,
     MemoryInfo,
+    ThermalReading,
     unexplained_fields,
 )
 from keel.hardware.sources import Notes, ProbeSources
+from keel.hardware.thermal import probe_thermal
 
 __all__ = [
     "AcceleratorInfo",
@@ -36,6 +38,7 @@ __all__ = [
     "HardwareProfile",
     "MemoryInfo",
     "ProbeSources",
+    "ThermalReading",
     "detect_devices",
     "probe",
     "unexplained_fields",
@@ -62,6 +65,11 @@ def probe(sources: ProbeSources | None = None) -> HardwareProfile:
         accelerators = probe_accelerators(src)
     except Exception as exc:  # the probe never raises; a crashed source is a note
         notes.add("accelerators", f"accelerator probe failed ({type(exc).__name__}: {exc})")
+    thermal: tuple[ThermalReading, ...] = ()
+    try:
+        thermal = probe_thermal(src)
+    except Exception as exc:  # the probe never raises; a crashed source is a note
+        notes.add("thermal", f"thermal probe failed ({type(exc).__name__}: {exc})")
     plat = src.platform
     fields = {"platform_system": plat.system, "platform_release": plat.release,
               "python_version": plat.python_version, "hostname": plat.node}
@@ -73,7 +81,7 @@ def probe(sources: ProbeSources | None = None) -> HardwareProfile:
         **{name: value or None for name, value in fields.items()},
         forced_backend=_forced_backend(src, notes),
         probe_seconds=round(src.clock() - start, 6),
-        notes=notes.as_tuple(),
+        notes=notes.as_tuple(), thermal=thermal,
     )
 
 

@@ -11,8 +11,11 @@ clock, so their ``probe_seconds`` is ``0.0`` and repeated probes compare equal.
 
 Machines: ``x86-avx512-server`` (2x Xeon Platinum 8480+, 2 TiB, no GPU),
 ``nvidia-h100-server`` (the same host with 8x H100 80GB seen by nvidia-smi),
-``nvidia-h100-nvml`` (that host seen through NVML), ``edge-arm-board``
-(8-core Cortex-A720/A520 board with SVE2, 4 GiB, no GPU), ``container-2core-1gib``
+``nvidia-h100-nvml`` (that host seen through NVML), ``nvidia-h100-hot`` (the
+same with its GPUs at 85 C, 2 C below their slowdown temperature),
+``edge-arm-board`` (8-core Cortex-A720/A520 board with SVE2, 4 GiB, no GPU, its
+CPU at 48 C), ``edge-arm-board-hot`` (the same at 86.5 C, over its passive trip
+point), ``container-2core-1gib``
 (cgroup v2 quota of 2 cores and 1 GiB on a 16-thread host),
 ``container-v1-2core-1gib`` (the same limits through cgroup v1),
 ``amd-sysfs-only`` (Radeon RX 7900 XTX seen only through amdgpu sysfs),
@@ -82,7 +85,8 @@ class FakeNvml:
     """The parts of pynvml the probe and telemetry use, for a list of GPUs.
 
     Each GPU is a dict with ``name``, ``total``, ``free`` (bytes), ``cc``
-    (major, minor), ``bus`` and optionally ``util`` (percent).
+    (major, minor), ``bus`` and optionally ``util`` (percent), ``temp`` and
+    ``slowdown`` (degrees C) and ``throttle`` (NVML's clock-throttle reason bits).
     """
 
     class NVMLError(Exception):
@@ -134,6 +138,12 @@ class FakeNvml:
 
     def nvmlDeviceGetTemperature(self, handle: int, sensor: int) -> int:
         return int(self.gpus[handle].get("temp", 35))
+
+    def nvmlDeviceGetTemperatureThreshold(self, handle: int, kind: int) -> int:
+        return int(self.gpus[handle].get("slowdown", 87))
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: int) -> int:
+        return int(self.gpus[handle].get("throttle", 0))
 
 
 # --- the fake machine -------------------------------------------------------------
@@ -502,7 +512,7 @@ def _x86_avx512_server() -> FakeMachine:
     )
 
 
-def _h100_server(nvml: bool) -> FakeMachine:
+def _h100_server(nvml: bool, temp: int = 35) -> FakeMachine:
     bmc_files, bmc_links = _aspeed_bmc()
     gpu_files, gpu_links = _h100_pci()
     modules: dict[str, Any] = {}
@@ -510,13 +520,15 @@ def _h100_server(nvml: bool) -> FakeMachine:
         modules["pynvml"] = FakeNvml([
             {"name": "NVIDIA H100 80GB HBM3", "total": _H100_MIB * 1024**2,
              "free": _H100_FREE_MIB * 1024**2, "cc": (9, 0),
-             "bus": f"00000000:{bus.upper()}:00.0", "util": 0}
+             "bus": f"00000000:{bus.upper()}:00.0", "util": 0, "temp": temp}
             for bus in _H100_BUSES
         ], driver="535.104.05")
+    hot = temp != 35
     return FakeMachine(
-        name="nvidia-h100-nvml" if nvml else "nvidia-h100-server",
+        name="nvidia-h100-hot" if hot else "nvidia-h100-nvml" if nvml else "nvidia-h100-server",
         description="2x Xeon Platinum 8480+, 2 TiB, 8x H100 80GB HBM3 "
-                    + ("(NVML)" if nvml else "(nvidia-smi)"),
+                    + ("(NVML)" if nvml else "(nvidia-smi)")
+                    + (f", GPUs at {temp} C (slowdown at 87 C)" if hot else ""),
         system="Linux", machine="x86_64", release="5.15.0-105-generic", hostname="dgx-h100-01",
         files=_merge(_xeon_8480_host(), bmc_files, gpu_files), links={**bmc_links, **gpu_links},
         commands={} if nvml else {"nvidia-smi": H100_SMI_CSV},
@@ -524,17 +536,28 @@ def _h100_server(nvml: bool) -> FakeMachine:
     )
 
 
-def _edge_arm_board() -> FakeMachine:
+def _thermal_zone(kind: str, milli_c: int, passive_milli_c: int) -> dict[str, str]:
+    base = "/sys/class/thermal/thermal_zone0"
+    return {f"{base}/type": f"{kind}\n", f"{base}/temp": f"{milli_c}\n",
+            f"{base}/trip_point_0_type": "passive\n",
+            f"{base}/trip_point_0_temp": f"{passive_milli_c}\n",
+            f"{base}/trip_point_1_type": "critical\n", f"{base}/trip_point_1_temp": "105000\n"}
+
+
+def _edge_arm_board(hot: bool = False) -> FakeMachine:
     parts = [0xD80] * 4 + [0xD81] * 4        # 4x Cortex-A520 + 4x Cortex-A720
     mali = {"/sys/class/drm/card0/device/uevent": "DRIVER=panthor\nOF_NAME=gpu\n"}
+    zone = _thermal_zone("cpu-thermal", 86500 if hot else 48000, 85000)
     return FakeMachine(
-        name="edge-arm-board", description="8-core Cortex-A720/A520 board (SVE2), 4 GiB, no GPU",
+        name="edge-arm-board-hot" if hot else "edge-arm-board",
+        description="8-core Cortex-A720/A520 board (SVE2), 4 GiB, no GPU"
+                    + (", CPU at 86.5 C over its 85 C passive trip point" if hot else ""),
         system="Linux", machine="aarch64", release="6.6.10-arm64", hostname="edge-board",
         files=_merge(
             _arm_cpuinfo(parts, ARMV9_FEATURES),
             {"/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq": "1800000\n",
              "/sys/devices/system/cpu/cpu0/cpufreq/scaling_cur_freq": "1200000\n"},
-            _meminfo(3930124, 3124556), _cgroup_v2("/user.slice"), mali,
+            _meminfo(3930124, 3124556), _cgroup_v2("/user.slice"), mali, zone,
         ),
         links={"/sys/class/drm/card0/device/driver": "../../../bus/platform/drivers/panthor"},
         affinity=frozenset(range(8)),
@@ -702,7 +725,9 @@ FAKE_MACHINES: dict[str, Callable[[], FakeMachine]] = {
     "x86-avx512-server": _x86_avx512_server,
     "nvidia-h100-server": lambda: _h100_server(nvml=False),
     "nvidia-h100-nvml": lambda: _h100_server(nvml=True),
+    "nvidia-h100-hot": lambda: _h100_server(nvml=True, temp=85),
     "edge-arm-board": _edge_arm_board,
+    "edge-arm-board-hot": lambda: _edge_arm_board(hot=True),
     "container-2core-1gib": _container_v2,
     "container-v1-2core-1gib": _container_v1,
     "amd-sysfs-only": _amd_sysfs_only,

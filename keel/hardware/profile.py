@@ -22,6 +22,7 @@ __all__ = [
     "GpuInfo",
     "HardwareProfile",
     "MemoryInfo",
+    "ThermalReading",
     "unexplained_fields",
 ]
 
@@ -113,6 +114,18 @@ class AcceleratorInfo:
 
 
 @dataclass(frozen=True)
+class ThermalReading:
+    """One temperature sensor: a CPU thermal zone or a GPU, at probe time."""
+
+    device: str                               # "cpu" or "gpu:N"
+    temperature_c: float
+    limit_c: float | None = None              # where the device starts to slow down
+    throttled: bool = False                   # the source says it slows down now
+    source: str = "none"                      # nvml | /sys/class/thermal/thermal_zoneN
+    detail: str = ""                          # what the limit is, the throttle reasons
+
+
+@dataclass(frozen=True)
 class HardwareProfile:
     cpu: CpuInfo = field(default_factory=CpuInfo)
     memory: MemoryInfo = field(default_factory=MemoryInfo)
@@ -125,6 +138,7 @@ class HardwareProfile:
     forced_backend: str | None = None         # KEEL_BACKEND at probe time
     probe_seconds: float | None = None
     notes: tuple[str, ...] = ()               # sources that failed, with why
+    thermal: tuple[ThermalReading, ...] = ()  # temperature sensors (a reading or absent)
 
     # --- derived views -------------------------------------------------
     @property
@@ -225,6 +239,7 @@ def _to_plain(obj: Any) -> Any:
 
 _NESTED: dict[str, type] = {
     "cpu": CpuInfo, "memory": MemoryInfo, "gpus": GpuInfo, "accelerators": AcceleratorInfo,
+    "thermal": ThermalReading,
 }
 
 
@@ -238,7 +253,7 @@ def _from_plain(cls: type, data: dict[str, Any], where: str) -> Any:
     kwargs: dict[str, Any] = {}
     for name, value in data.items():
         sub = _NESTED.get(name) if cls is HardwareProfile else None
-        if sub is not None and name in ("gpus", "accelerators"):
+        if sub is not None and name in ("gpus", "accelerators", "thermal"):
             if not isinstance(value, list):
                 raise InvalidArgumentError(f"{where}.{name} must be a list")
             kwargs[name] = tuple(

@@ -100,6 +100,7 @@ class PlanRequest:
     splittable: bool = True           # the work has a batch axis to split
     history: Mapping[int, Any] | None = None
     profile: Any = None
+    low_memory: str = ""              # why the machine is planned in low-memory mode
 
 
 @dataclass(frozen=True)
@@ -380,6 +381,8 @@ def _no_streams(request: PlanRequest, runtime: str, chunk: int, cores: int) -> s
         return "there is no batch of two or more items to split"
     if cores < 2:
         return "one usable core"
+    if request.low_memory:
+        return f"low-memory mode ({request.low_memory}): one stream reuses one arena"
     return None
 
 

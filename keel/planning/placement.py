@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from keel.backends.base import Backend
+from keel.backends.base import Backend, DeviceKind
 from keel.backends.plan import FIELDS, Measured, NodePlan
 from keel.backends.registry import BackendRegistry
 from keel.config import format_bytes
@@ -32,8 +32,10 @@ from keel.dtypes import DType
 from keel.errors import BackendSelectionError, KeelError, UnsupportedOperationError
 from keel.graph.ir import Graph, Node
 from keel.graph.memory_plan import MemoryPlan, PlanStep, packed_bytes, plan_steps_for_graph
+from keel.hardware.profile import HardwareProfile
 from keel.ops.schema import get_schema
 from keel.ops.types import TensorType
+from keel.planning.runtime_plan import gpu_kept_off, low_memory_mode
 from keel.planning.work import estimated_work
 
 __all__ = [
@@ -231,6 +233,7 @@ class _Context:
     chain: list[Backend]
     device_of_value: dict[str, str] = field(default_factory=dict)
     strict: bool = False
+    low_memory: str = ""           # why the machine is planned in low-memory mode ("": not)
 
 
 def place(
@@ -252,10 +255,11 @@ def place(
         from keel.config import settings
 
         strict = settings().strict
-    ctx = _Context(graph, types, registry, profile, policy, precision, [], strict=strict)
-    reasons: list[str] = []
+    ctx = _Context(graph, types, registry, profile, policy, precision, [], strict=strict,
+                   low_memory=low_memory_mode(profile, policy))
+    reasons: list[str] = _low_memory_reasons(graph, ctx.low_memory)
     if backend == "auto":
-        ctx.chain = _auto_chain(registry, reasons)
+        ctx.chain = _cool_chain(_auto_chain(registry, reasons), profile, reasons)
         placements = [_place_auto(ctx, n) for n in graph.nodes]
     else:
         pinned = registry.get(backend)
@@ -283,6 +287,32 @@ def place(
     )
 
 
+def _low_memory_reasons(graph: Graph, low_memory: str) -> list[str]:
+    """What low-memory mode means for this graph: mapped weights, no packed copies."""
+    if not low_memory:
+        return []
+    arrays = list(graph.initializers.values())
+    mapped = [a for a in arrays if _is_mapped(a)]
+    size = format_bytes(sum(int(a.nbytes) for a in mapped))
+    weights = (f"{len(mapped)} of {len(arrays)} weight tensors ({size}) stay memory-mapped "
+               "from the .keel file" if mapped else
+               "the weights are in memory (load a .keel file to keep them memory-mapped)"
+               if arrays else "the model has no weights")
+    return [f"low-memory mode ({low_memory}): {weights}; kernels keep no packed copies of "
+            "weights; one stream reuses one arena"]
+
+
+def _is_mapped(array: Any) -> bool:
+    """Whether ``array`` (or the array it views) is a memory map of a file."""
+    import numpy as np
+
+    while array is not None:
+        if isinstance(array, np.memmap):
+            return True
+        array = getattr(array, "base", None)
+    return False
+
+
 def _prepacked_bytes(graph: Graph, registry: BackendRegistry,
                      placements: Sequence[NodePlacement]) -> int:
     """The packed copies of constants that the placed kernels keep (one per node that
@@ -290,7 +320,8 @@ def _prepacked_bytes(graph: Graph, registry: BackendRegistry,
     total = 0
     for node, placed in zip(graph.nodes, placements, strict=True):
         kernel = registry.instance(placed.backend).kernels.get(node.op, placed.variant)
-        if kernel.prepack is None:
+        if kernel.prepack is None or (placed.plan is not None
+                                      and not placed.plan.option("prepack", True)):
             continue
         consts = (graph.initializers.get(name) for name in node.inputs if name)
         total += sum(packed_bytes(c.shape, c.dtype.itemsize) for c in consts if c is not None)
@@ -315,6 +346,17 @@ def _auto_chain(registry: BackendRegistry, reasons: list[str]) -> list[Backend]:
         if not avail.available and name in registry.priority:
             reasons.append(f"{name} skipped: {avail.reason}")
     return chain
+
+
+def _cool_chain(chain: list[Backend], profile: Any, reasons: list[str]) -> list[Backend]:
+    """``chain`` without its GPU backends while the profile reads every GPU near its
+    thermal limit (the runtime plan's rule); unchanged when nothing else could run."""
+    hot = gpu_kept_off(profile) if isinstance(profile, HardwareProfile) else ""
+    cool = [b for b in chain if b.device is not DeviceKind.GPU]
+    if not hot or len(cool) == len(chain) or not cool:
+        return chain
+    reasons.append(f"{', '.join(b.name for b in chain if b not in cool)} skipped: {hot}")
+    return cool
 
 
 def _node_dtype(ctx: _Context, node: Node) -> DType | None:
@@ -426,7 +468,8 @@ def _node_plan(ctx: _Context, node: Node, backend: Backend, precision: str) -> N
     input_types = [ctx.types.get(i) if i else None for i in node.inputs]
     measured, note = _measured(ctx, node, backend, input_types)
     plan = backend.plan_node(node.op, input_types, node.attrs, profile=ctx.profile,
-                             precision=precision, measured=measured)
+                             precision=precision, measured=measured,
+                             low_memory=ctx.low_memory)
     if plan.variant not in backend.kernels.variants(node.op):
         raise UnsupportedOperationError(
             node.op.value, backend.name,

@@ -17,7 +17,18 @@
    ``KEEL_BACKEND``) is authoritative: if it is unavailable the plan raises
    :class:`~keel.errors.BackendSelectionError` naming it.
 
-It also classifies the host as an ``edge`` or ``server`` target.
+It also classifies the host as an ``edge`` or ``server`` target and records two
+constraints of the machine (seed 002):
+
+5. **memory mode**: ``low-memory`` where the Python-runtime rule finds total or
+   available memory below ``lightweight_memory_threshold_gb``: weights stay
+   memory-mapped from ``.keel`` files, kernels keep no packed copies of weights
+   and one arena is reused (see :func:`select_memory_mode`); ``standard``
+   otherwise.
+6. **threads**: the usable cores, or fewer where the probe reads the CPU
+   throttling for heat (:mod:`keel.hardware.thermal`). A GPU near its slowdown
+   temperature or throttling is rejected for keel's engine and llama.cpp, with
+   the reading as the reason.
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ import yaml
 from keel.config import format_bytes
 from keel.errors import BackendSelectionError, InvalidArgumentError
 from keel.hardware.profile import GIB, GpuInfo, HardwareProfile
+from keel.hardware.thermal import cpu_throttling, hot_gpus, throttled_threads
 from keel.planning.policy import RuntimePolicy
 from keel.planning.targets import classify_host
 
@@ -43,8 +55,12 @@ __all__ = [
     "RuntimePlan",
     "Selection",
     "engine_availability",
+    "gpu_kept_off",
     "is_this_machine",
+    "low_memory_mode",
+    "low_memory_reason",
     "plan_runtime",
+    "with_llama_cpp",
 ]
 
 #: keel's engines in priority order (auto mode takes the first available)
@@ -58,7 +74,8 @@ _LLAMA_BUILDS = {"nvidia": "CUDA", "amd": "ROCm/HIP", "apple": "Metal", "intel":
 class Selection:
     """One decision of a plan: the choice, why, what stays as fallback, what was rejected."""
 
-    component: str                  # llama.cpp | python_runtime | accelerators | engine
+    component: str                  # llama.cpp | python_runtime | accelerators | engine |
+                                    # memory | threads
     choice: str
     reason: str
     fallbacks: tuple[str, ...] = ()
@@ -76,13 +93,21 @@ class RuntimePlan:
     python_runtime: Selection
     accelerators: Selection
     engine: Selection
+    memory_mode: Selection
+    threads: Selection
     policy: RuntimePolicy
     host: str | None
     reasons: tuple[str, ...]
 
     @property
     def selections(self) -> tuple[Selection, ...]:
-        return (self.llama_cpp, self.python_runtime, self.accelerators, self.engine)
+        return (self.llama_cpp, self.python_runtime, self.accelerators, self.engine,
+                self.memory_mode, self.threads)
+
+    @property
+    def low_memory(self) -> bool:
+        """Whether the machine is planned for in low-memory mode."""
+        return self.memory_mode.choice == "low-memory"
 
     def to_dict(self) -> dict[str, Any]:
         return _plain(dataclasses.asdict(self))
@@ -133,20 +158,30 @@ def plan_runtime(profile: HardwareProfile, policy: RuntimePolicy | None = None,
     if available_backends is None:
         local = is_this_machine(profile) if local is None else local
         available_backends = engine_availability(profile, local=local)
-    engine = select_engine(_checked(available_backends), policy)
+    engine = select_engine(_thermal_checked(_checked(available_backends), profile), policy)
     llama = select_llama_cpp(profile, policy)
     python_runtime = select_python_runtime(profile, policy)
     standard = (llama.choice, *[f for f in llama.fallbacks if f != llama.choice])
     accelerators = select_accelerators(profile, policy, standard)
     target = classify_host(profile, policy)
-    selections = (llama, python_runtime, accelerators, engine)
+    memory_mode = select_memory_mode(profile, policy)
+    threads = select_threads(profile)
+    selections = (llama, python_runtime, accelerators, engine, memory_mode, threads)
     reasons = (f"target: {target.target}: {target.reason}",
                *(f"{s.component}: {s.choice}: {s.reason}" for s in selections))
     return RuntimePlan(
         target=target.target, target_reason=target.reason, llama_cpp=llama,
         python_runtime=python_runtime, accelerators=accelerators, engine=engine,
+        memory_mode=memory_mode, threads=threads,
         policy=policy, host=profile.hostname, reasons=reasons,
     )
+
+
+def with_llama_cpp(plan: RuntimePlan, llama: Selection) -> RuntimePlan:
+    """``plan`` with its llama.cpp selection replaced (by the plan made from a GGUF file)."""
+    reasons = tuple(f"llama.cpp: {llama.choice}: {llama.reason}" if r.startswith("llama.cpp:")
+                    else r for r in plan.reasons)
+    return dataclasses.replace(plan, llama_cpp=llama, reasons=reasons)
 
 
 def is_this_machine(profile: HardwareProfile) -> bool:
@@ -169,6 +204,28 @@ def _checked(available: Mapping[str, tuple[bool, str]]) -> dict[str, tuple[bool,
             )
         out[name] = entry
     return out
+
+
+def gpu_kept_off(profile: HardwareProfile | None) -> str:
+    """Why keel's GPU engine is kept off ``profile``'s machine for heat: every NVIDIA GPU is
+    near its limit or throttling; "" when not (or when no profile says)."""
+    if profile is None:
+        return ""
+    hot = hot_gpus(profile)
+    nvidia = [g.index for g in profile.gpus if g.vendor == "nvidia"]
+    if nvidia and all(i in hot for i in nvidia):
+        return f"kept off the GPU for heat: {hot[nvidia[0]]}"
+    return ""
+
+
+def _thermal_checked(available: dict[str, tuple[bool, str]],
+                     profile: HardwareProfile) -> dict[str, tuple[bool, str]]:
+    """``available`` with the GPU engine refused while every GPU it could use runs hot."""
+    ok, _ = available.get("gpu", (False, ""))
+    hot = gpu_kept_off(profile)
+    if ok and hot:
+        available = {**available, "gpu": (False, hot)}
+    return available
 
 
 def _cupy_installed() -> bool:
@@ -256,18 +313,23 @@ def select_llama_cpp(profile: HardwareProfile, policy: RuntimePolicy) -> Selecti
     if not profile.gpus:
         return Selection("llama.cpp", "cpu", "no GPU detected", ("cpu",))
     eligible, rejected = [], []
+    hot = hot_gpus(profile)
     for gpu in profile.gpus:
         label = f"{gpu.vendor} GPU {_gpu_label(gpu)}"
         total = gpu.total_memory_bytes
-        if total is None:
+        if gpu.index in hot:
+            rejected.append((label, f"kept off for heat: {hot[gpu.index]}"))
+        elif total is None:
             rejected.append((label, "its memory size is unknown"))
         elif total < threshold * GIB:
             rejected.append((label, f"{format_bytes(total)} < min_gpu_memory_gb={threshold:g}"))
         else:
             eligible.append(gpu)
     if not eligible:
-        return Selection("llama.cpp", "cpu",
-                         f"no GPU has at least min_gpu_memory_gb={threshold:g} GiB",
+        why = (f"no GPU has at least min_gpu_memory_gb={threshold:g} GiB" if not hot else
+               "no GPU is both cool enough and has at least "
+               f"min_gpu_memory_gb={threshold:g} GiB")
+        return Selection("llama.cpp", "cpu", why,
                          ("cpu",), rejected=tuple(rejected))
     best = max(eligible, key=lambda g: g.total_memory_bytes or 0)
     build = _LLAMA_BUILDS.get(best.vendor, "GPU")
@@ -280,22 +342,51 @@ def select_llama_cpp(profile: HardwareProfile, policy: RuntimePolicy) -> Selecti
     )
 
 
+def _memory_readings(profile: HardwareProfile) -> tuple[tuple[str, int | None], ...]:
+    memory = profile.memory
+    return (("total", memory.effective_limit_bytes),
+            ("available", memory.effective_available_bytes))
+
+
+def low_memory_reason(profile: HardwareProfile, policy: RuntimePolicy) -> str:
+    """Why ``profile`` is a low-memory machine under ``policy`` (total or available memory
+    below ``lightweight_memory_threshold_gb``, seed 000's rule), or "" when it is not."""
+    threshold = policy.lightweight_memory_threshold_gb
+    low = [(label, v) for label, v in _memory_readings(profile)
+           if v is not None and v < threshold * GIB]
+    if not low:
+        return ""
+    label, value = low[0]
+    return f"{label} memory {format_bytes(value)} < lightweight_memory_threshold_gb={threshold:g}"
+
+
+def low_memory_mode(profile: HardwareProfile | None, policy: Any = None) -> str:
+    """:func:`low_memory_reason` for a plan: ``profile`` None is this machine, whose total
+    (cgroup-aware) memory decides, so that its plans do not flip with the momentary load;
+    ``policy`` None is the policy from the defaults and ``KEEL_*`` settings."""
+    if profile is None:
+        from keel.hardware.memory import probe_memory
+        from keel.hardware.sources import ProbeSources
+
+        memory = probe_memory(ProbeSources.real())
+        profile = HardwareProfile(memory=dataclasses.replace(
+            memory, available_bytes=None, effective_available_bytes=None))
+    if not isinstance(policy, RuntimePolicy):
+        policy = RuntimePolicy.from_env()
+    return low_memory_reason(profile, policy)
+
+
 def select_python_runtime(profile: HardwareProfile, policy: RuntimePolicy) -> Selection:
     """Seed rule 2: lightweight runtime below the memory threshold, full CPython otherwise."""
     threshold = policy.lightweight_memory_threshold_gb
-    memory = profile.memory
-    readings = (("total", memory.effective_limit_bytes),
-                ("available", memory.effective_available_bytes))
+    readings = _memory_readings(profile)
     if not policy.prefer_lightweight_python_on_low_memory:
         return Selection("python_runtime", "cpython",
                          "policy prefer_lightweight_python_on_low_memory is false",
                          ("lightweight",))
-    low = [(label, v) for label, v in readings if v is not None and v < threshold * GIB]
+    low = low_memory_reason(profile, policy)
     if low:
-        label, value = low[0]
-        return Selection("python_runtime", "lightweight",
-                         f"{label} memory {format_bytes(value)} < "
-                         f"lightweight_memory_threshold_gb={threshold:g}")
+        return Selection("python_runtime", "lightweight", low)
     known = [f"{label} {format_bytes(v)}" for label, v in readings if v is not None]
     if not known:
         return Selection("python_runtime", "cpython",
@@ -320,3 +411,47 @@ def select_accelerators(profile: HardwareProfile, policy: RuntimePolicy,
     return Selection("accelerators", "experimental-offload",
                      f"allow_accelerator_experiments and detected {found}", standard,
                      detail=f"experimental offload to {', '.join(kinds)}")
+
+
+# --- seed 002's constraints: memory and heat ---------------------------------------
+
+LOW_MEMORY_MEASURES = ("weights stay memory-mapped from the .keel file (load a .keel model; an "
+                       "ONNX model's weights are read into memory)",
+                       "kernels keep no packed copies of the weights (each call packs "
+                       "what it needs, then frees it)",
+                       "one stream, so the arena is reused rather than duplicated")
+
+
+def select_memory_mode(profile: HardwareProfile, policy: RuntimePolicy) -> Selection:
+    """``low-memory`` below the lightweight threshold (the measures in the detail), else
+    ``standard``."""
+    low = low_memory_reason(profile, policy)
+    if low:
+        return Selection("memory", "low-memory", f"{low}: {'; '.join(LOW_MEMORY_MEASURES)}",
+                         ("standard",), detail="mapped weights, no packed copies")
+    known = [f"{label} {format_bytes(v)}" for label, v in _memory_readings(profile)
+             if v is not None]
+    if not known:
+        return Selection("memory", "standard",
+                         "memory is unknown, so the low-memory rule cannot apply")
+    return Selection("memory", "standard",
+                     f"{' and '.join(known)} memory >= lightweight_memory_threshold_gb="
+                     f"{policy.lightweight_memory_threshold_gb:g}: weights may be packed "
+                     "for speed")
+
+
+def select_threads(profile: HardwareProfile) -> Selection:
+    """The usable cores, or fewer while the CPU throttles for heat."""
+    cpu = profile.cpu
+    cores = cpu.usable_cores or cpu.logical_cores
+    if cores is None:
+        return Selection("threads", "auto", "the core count is unknown: the backend decides")
+    hot = cpu_throttling(profile)
+    if hot:
+        fewer = throttled_threads(cores)
+        return Selection("threads", str(fewer),
+                         f"{hot}: planned with {fewer} of {cores} usable cores to shed heat",
+                         (str(cores),))
+    return Selection("threads", str(cores), f"{cores} usable cores; no thermal throttling "
+                     "read" + ("" if any(r.device == "cpu" for r in profile.thermal)
+                               else " (no CPU temperature sensor)"))

@@ -115,7 +115,7 @@ def test_plan_json_has_choices_fallbacks_and_reasons(h100: HardwareProfile) -> N
     assert data["target"] == "server" and data["llama_cpp"]["choice"] == "gpu"
     assert data["llama_cpp"]["fallbacks"] == ["cpu"]
     assert data["python_runtime"]["fallbacks"] == ["lightweight"]
-    assert len(data["reasons"]) == 5
+    assert len(data["reasons"]) == 7 and data["memory_mode"]["choice"] == "standard"
 
 
 def test_plan_for_a_saved_profile_of_another_machine(tmp_path: Path) -> None:

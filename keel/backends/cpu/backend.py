@@ -309,21 +309,39 @@ def resolve_threads(hardware: HardwareProfile | None = None) -> tuple[int, str]:
     if configured is not None:
         return configured, f"KEEL_THREADS={configured}"
     if hardware is not None:
-        cpu = hardware.cpu
-        label = cpu.brand or cpu.architecture or "unnamed CPU"
-        if cpu.usable_cores:
-            return cpu.usable_cores, (f"usable cores of the given hardware profile ({label}: "
-                                      f"{cpu.usable_cores} usable of {cpu.logical_cores} "
-                                      "logical cores)")
-        if cpu.logical_cores:
-            return cpu.logical_cores, (f"logical cores of the given hardware profile ({label}; "
-                                       "it does not say how many are usable)")
+        found = _profile_threads(hardware)
+        if found is not None:
+            return _thermal_cap(hardware, *found)
     cores = default_threads()
     why = ("usable cores of this machine (affinity mask and cgroup quota, from the hardware "
            "probe)")
     if hardware is not None:
         why += "; the given hardware profile does not say how many cores it has"
     return cores, why
+
+
+def _profile_threads(hardware: HardwareProfile) -> tuple[int, str] | None:
+    cpu = hardware.cpu
+    label = cpu.brand or cpu.architecture or "unnamed CPU"
+    if cpu.usable_cores:
+        return cpu.usable_cores, (f"usable cores of the given hardware profile ({label}: "
+                                  f"{cpu.usable_cores} usable of {cpu.logical_cores} "
+                                  "logical cores)")
+    if cpu.logical_cores:
+        return cpu.logical_cores, (f"logical cores of the given hardware profile ({label}; "
+                                   "it does not say how many are usable)")
+    return None
+
+
+def _thermal_cap(hardware: HardwareProfile, cores: int, why: str) -> tuple[int, str]:
+    """Fewer threads while the profile reads the CPU throttling for heat."""
+    from keel.hardware.thermal import cpu_throttling, throttled_threads
+
+    hot = cpu_throttling(hardware)
+    if not hot:
+        return cores, why
+    fewer = throttled_threads(cores)
+    return fewer, f"{fewer} of the {why}, because the {hot} is throttling for heat"
 
 
 def _check_hardware(hardware: Any) -> HardwareProfile | None:

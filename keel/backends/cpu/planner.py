@@ -486,7 +486,8 @@ def _cache_key(request: PlanRequest, table: KernelTable) -> tuple[Any, ...] | No
                                             profile.cpu.l2_cache_bytes,
                                             profile.cpu.l3_cache_bytes)
     key = (table, request.op, request.input_types, tuple(request.attrs.items()),
-           request.threads, request.precision, request.measured, machine, state())
+           request.threads, request.precision, request.measured, machine, request.low_memory,
+           state())
     try:
         hash(key)
     except TypeError:
@@ -521,6 +522,9 @@ def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:
     blocking = _blocking(request.op, sizes)
     if blocking is not None:
         options.append(blocking[0])                 # its reason is keyed by its name
+    no_pack = _no_packed_copy(request, variants[variant])
+    if no_pack:
+        options.append(("prepack", False))
     threads, threads_why = request.threads, (
         f"{request.threads} kernel thread(s): the backend's thread count; each call splits "
         "while every thread gets the planner's least work per thread")
@@ -537,7 +541,18 @@ def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:
             **({} if form.chunk is None else {"chunk": form.chunk_reason or form.reason}),
             **({} if form.workspace_bytes is None else
                {"workspace_bytes": "the column matrix of one chunk"}))
-        + (() if blocking is None else ((blocking[0][0], blocking[1]),)))
+        + (() if blocking is None else ((blocking[0][0], blocking[1]),))
+        + ((("prepack", no_pack),) if no_pack else ()))
+
+
+def _no_packed_copy(request: PlanRequest, kv: KernelVariant) -> str:
+    """Why the variant keeps no packed copy of its constant weights ("" when it does, or
+    has none): in low-memory mode the weights stay where they are, memory-mapped from a
+    .keel file where they came from one, and each call packs what it needs."""
+    if not request.low_memory or kv.prepack is None:
+        return ""
+    return (f"low-memory mode ({request.low_memory}): no packed copy of the weights is "
+            "kept; each call packs what it needs and frees it")
 
 
 def _form(request: PlanRequest, variant: str, sizes: Caches) -> ConvForm:

@@ -25,7 +25,6 @@ separate programs and thread groups, written into one set of outputs.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import os
 import threading
@@ -257,23 +256,29 @@ def _read_graph(src: Any) -> tuple[Graph, str]:
                               for k, v in graph.initializers.items()}
         return graph, src.name
     from keel.formats.keel_format import is_keel_file, load_keel
-    from keel.graph.importers.onnx import import_onnx
 
     if isinstance(src, (str, os.PathLike)):
         path = os.fspath(src)
         keel_file = path.endswith(".keel") or (os.path.isfile(path) and is_keel_file(path))
-        graph = load_keel(path) if keel_file else import_onnx(path)
+        graph = load_keel(path) if keel_file else _import_onnx(path)
         return graph, graph.name or _default_name(src)
     if isinstance(src, (bytes, bytearray, memoryview)):
         data = bytes(src)
-        graph = load_keel(data) if is_keel_file(data) else import_onnx(data)
+        graph = load_keel(data) if is_keel_file(data) else _import_onnx(data)
         return graph, graph.name or _default_name(src)
     if type(src).__name__ == "ModelProto":
-        graph = import_onnx(src)
+        graph = _import_onnx(src)
         return graph, graph.name or _default_name(src)
     raise InvalidArgumentError(
         f"a model is a path (.onnx or .keel), bytes or onnx.ModelProto; got "
         f"{type(src).__name__}")
+
+
+def _import_onnx(src: Any) -> Graph:
+    """The ONNX importer, imported when a model is ONNX (a ``.keel`` load never needs it)."""
+    from keel.graph.importers.onnx import import_onnx as imported
+
+    return imported(src)
 
 
 class Model:
@@ -621,6 +626,8 @@ class Model:
 
     async def predict_async(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """``predict`` in a worker thread, so an event loop keeps serving."""
+        import asyncio  # here: asyncio (with ssl) is 8 MB a load never needs
+
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(None, self.predict, feeds)
 

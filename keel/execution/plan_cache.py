@@ -27,11 +27,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import hashlib
 import json
 import os
 import re
-import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -40,6 +38,7 @@ from typing import Any
 
 from keel._files import Untrusted as _Unusable
 from keel._files import open_trusted, private_folder, read_regular, trusted_folder
+from keel._hashing import sha256
 from keel.config import cache_dir, settings
 from keel.errors import InvalidArgumentError, KeelError
 from keel.execution.compiled import CompiledModel, EntryError, from_json, to_json
@@ -135,7 +134,7 @@ class ModelSource:
         """The SHA-256 of the model's bytes; None when there are none."""
         if self.path is None:
             data = self.data()
-            return None if data is None else hashlib.sha256(data).hexdigest()
+            return None if data is None else sha256(data).hexdigest()
         return None if self._stat is None else _file_digest(self, self.path, self._stat)
 
     def file_identity(self) -> list[int] | None:
@@ -172,7 +171,7 @@ def cache_key(digest: str, options: Mapping[str, Any], hardware: Any = None,
              "native": _native_identity(), "calibration": _calibration_identity(),
              "settings": _settings_identity()}
     text = json.dumps(parts, sort_keys=True, default=str, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()
+    return sha256(text.encode()).hexdigest()
 
 
 def _machine(hardware: Any) -> Any:
@@ -200,7 +199,7 @@ def _source_stamp() -> str:
     edit, a ``git checkout`` or a reinstall changes the stamp.
     """
     root = Path(__file__).resolve().parent.parent
-    digest = hashlib.sha256()
+    digest = sha256()
     for path in sorted(root.rglob("*")):
         if path.suffix in (".py", ".c", ".h", ".yaml") and "__pycache__" not in path.parts:
             info = path.stat()
@@ -260,7 +259,7 @@ def _file_digest(source: ModelSource, path: Path, ident: list[int]) -> str | Non
     data = source.data()
     if data is None:
         return None
-    digest = hashlib.sha256(data).hexdigest()
+    digest = sha256(data).hexdigest()
     if source.unchanged() and ident[4] < started - _SETTLE_NS:
         _remember_digest(known, name, ident, digest)
     return digest
@@ -366,7 +365,7 @@ def _write(target: Path, graph: Graph, meta: dict[str, Any]) -> None:
 
 def _replace_atomically(target: Path, write: Callable[[Path], object]) -> None:
     """``write`` a private temporary file beside ``target``, then rename it over ``target``."""
-    tmp = target.with_name(f".{target.stem}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    tmp = target.with_name(f".{target.stem}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
     try:
         write(tmp)
         os.chmod(tmp, 0o600)

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
 import json
 import os
 import platform
@@ -57,6 +56,7 @@ from typing import Any
 from keel import config
 from keel._files import Untrusted, open_trusted, private_folder, user_temp_folder
 from keel._fork import renew_after_fork
+from keel._hashing import sha256
 from keel.config import Settings
 from keel.errors import BackendSelectionError, InvalidArgumentError
 from keel.native.toolchain import BASE_FLAGS, Compiler, extra_flags, find_compiler, run_tool
@@ -422,7 +422,7 @@ def _key(name: str, source: Path | None, compiler: Compiler,
          flags: tuple[str, ...]) -> str:
     """The cache key: sources, headers, compiler, flags and this CPU."""
     code = source.read_bytes() if source is not None else _PROBE_SOURCE.encode()
-    digest = hashlib.sha256()
+    digest = sha256()
     for part in (code, compiler.path.encode(), compiler.version.encode(),
                  " ".join(flags).encode(), _cpu_identity().encode()):
         digest.update(part)
@@ -435,7 +435,7 @@ def _key(name: str, source: Path | None, compiler: Compiler,
 
 def _cpu_digest() -> str:
     """A short fingerprint of :func:`_cpu_identity`, recorded with every build."""
-    return hashlib.sha256(_cpu_identity().encode()).hexdigest()[:32]
+    return sha256(_cpu_identity().encode()).hexdigest()[:32]
 
 
 def _build(name: str, source: Path | None, compiler: Compiler,
@@ -510,7 +510,7 @@ def _verified(folder: Path, key: str, root_ok: bool = False) -> Path | None:
 
 
 def _fd_sha256(fd: int) -> str:
-    digest = hashlib.sha256()
+    digest = sha256(size=os.fstat(fd).st_size)
     os.lseek(fd, 0, os.SEEK_SET)
     while block := os.read(fd, 1 << 20):
         digest.update(block)

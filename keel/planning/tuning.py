@@ -39,12 +39,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import json
 import math
 import os
 import stat
-import statistics
 import sys
 import threading
 import time
@@ -57,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from keel._fork import renew_after_fork
+from keel._hashing import sha256
 from keel.backends.base import Backend, KernelTable
 from keel.backends.cpu.conv_rules import conv_case
 from keel.config import cache_dir
@@ -131,7 +130,7 @@ class NodeCase:
 
 def case_key(data: Mapping[str, Any]) -> str:
     text = json.dumps(data, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:24]
+    return sha256(text.encode()).hexdigest()[:24]
 
 
 def node_case(graph: Graph, node: Node, input_types: Sequence[TensorType | None],
@@ -155,7 +154,7 @@ def node_case(graph: Graph, node: Node, input_types: Sequence[TensorType | None]
 def _plain(value: Any) -> Any:
     """An attribute as plain JSON data (arrays by shape, dtype and content hash)."""
     if isinstance(value, np.ndarray):
-        digest = hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()[:16]
+        digest = sha256(np.ascontiguousarray(value).tobytes()).hexdigest()[:16]
         return {"array": list(value.shape), "dtype": str(value.dtype), "sha256": digest}
     if isinstance(value, np.generic):
         return value.item()
@@ -311,7 +310,7 @@ class TuningCache:
         each case): a plan made with one token is stale under another."""
         text = json.dumps({k: [t.winner, *t.tiers] for k, t in self.entries.items()},
                           sort_keys=True)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        return sha256(text.encode()).hexdigest()[:16]
 
 
 _MEMO: dict[Path, tuple[tuple[int, int, int], TuningCache]] = {}
@@ -730,6 +729,8 @@ def _measure(work: Work, graph: Graph, types: Mapping[str, TensorType | None],
     if not benches:
         return None
     _time(benches, allowance, repeats)
+    import statistics  # here: measuring is rare, its decimal and fractions are not
+
     timings = tuple(sorted((Timing(b.variant, statistics.median(b.samples), len(b.samples))
                             for b in benches), key=lambda t: t.median_s))
     declared, _ = choose_variant(work.node.op, work.input_types, work.node.attrs,

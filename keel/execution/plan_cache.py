@@ -175,10 +175,10 @@ def cache_key(digest: str, options: Mapping[str, Any], hardware: Any = None,
 
 
 def _machine(hardware: Any) -> Any:
-    from keel.planning.calibration import hardware_fingerprint
+    from keel.planning.calibration import machine_fingerprint
 
     if hardware is None:
-        return hardware_fingerprint()
+        return machine_fingerprint()
     # A given profile drives placement as a whole; how long its probe took does not.
     profile = hardware.to_dict() if hasattr(hardware, "to_dict") else repr(hardware)
     return {k: v for k, v in profile.items() if k != "probe_seconds"} \
@@ -198,14 +198,16 @@ def _source_stamp() -> str:
     A development checkout changes its code without changing its version: an
     edit, a ``git checkout`` or a reinstall changes the stamp.
     """
-    root = Path(__file__).resolve().parent.parent
-    digest = sha256()
-    for path in sorted(root.rglob("*")):
-        if path.suffix in (".py", ".c", ".h", ".yaml") and "__pycache__" not in path.parts:
-            info = path.stat()
-            digest.update(f"{path.relative_to(root)}|{info.st_size}|{info.st_mtime_ns}\n"
-                          .encode())
-    return digest.hexdigest()
+    root = str(Path(__file__).resolve().parent.parent)
+    lines = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for name in files:
+            if name.endswith((".py", ".c", ".h", ".yaml")):
+                path = os.path.join(folder, name)
+                info = os.stat(path)
+                lines.append(f"{os.path.relpath(path, root)}|{info.st_size}|{info.st_mtime_ns}\n")
+    return sha256("".join(sorted(lines)).encode()).hexdigest()
 
 
 def _native_identity() -> dict[str, Any]:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import platform
@@ -59,7 +60,14 @@ from keel._fork import renew_after_fork
 from keel._hashing import sha256
 from keel.config import Settings
 from keel.errors import BackendSelectionError, InvalidArgumentError
-from keel.native.toolchain import BASE_FLAGS, Compiler, extra_flags, find_compiler, run_tool
+from keel.native.toolchain import (
+    BASE_FLAGS,
+    Compiler,
+    compiler_version,
+    extra_flags,
+    find_compiler,
+    run_tool,
+)
 
 __all__ = ["NativeLibrary", "NativeStatus", "available", "build_all", "library", "loaded", "mode",
            "prebuild", "reset", "status"]
@@ -73,6 +81,8 @@ _RECORD_MAX_BYTES = 4096  # a build record is a few hundred bytes of JSON
 _ARCH_FLAGS = ("-march=native",)
 _PROBE_SOURCE = "int keel_native_probe(int x) { return x + 1; }\n"
 _POOL = "threads"         # the worker pool every kernel library shares
+_COMPILERS = "compilers.json"    # the compilers' --version answers (_remembered_version)
+_COMPILERS_MAX_BYTES = 65536
 
 
 @dataclass(frozen=True)
@@ -344,7 +354,7 @@ def _check() -> _State:
         if values.native == "off":
             state.reason = "disabled by KEEL_NATIVE=off"
         else:
-            compiler, how = find_compiler(values)
+            compiler, how = find_compiler(values, _remembered_version)
             if compiler is None:
                 state.reason = how
             else:
@@ -360,6 +370,34 @@ def _check() -> _State:
         if state.compiler is None and values.native == "on":
             raise BackendSelectionError("native", state.reason)
         return state
+
+
+def _remembered_version(path: str) -> str | None:
+    """``path --version``'s first line, remembered in the cache folder under the compiler
+    binary's real path, device, inode, size and modification time: a process that finds
+    its libraries cached starts no compiler at all (a changed compiler is asked again)."""
+    real = os.path.realpath(path)
+    try:
+        info = os.stat(real)
+    except OSError:
+        return compiler_version(path)
+    ident = f"{real}|{info.st_dev}|{info.st_ino}|{info.st_size}|{info.st_mtime_ns}"
+    target = _cache_folder() / _COMPILERS
+    known: dict[str, Any] = {}
+    try:
+        with os.fdopen(open_trusted(target), "rb") as f:
+            loaded = json.loads(f.read(_COMPILERS_MAX_BYTES))
+        known = loaded if isinstance(loaded, dict) else {}
+    except (Untrusted, ValueError):
+        pass
+    if isinstance(known.get(ident), str):
+        return str(known[ident])
+    version = compiler_version(path)
+    if version is not None:
+        kept = {k: v for k, v in known.items() if k.split("|", 1)[0] != real}
+        with contextlib.suppress(OSError):
+            _write_record(target, {**kept, ident: version})
+    return version
 
 
 def _working_flags(compiler: Compiler) -> tuple[tuple[str, ...] | None, str]:
@@ -402,8 +440,10 @@ def _private_fallback() -> Path:
         return Path(tempfile.mkdtemp(prefix="keel-native-"))
 
 
+@functools.lru_cache(maxsize=1)
 def _cpu_identity() -> str:
-    """What the build targets: the architecture and the CPU's feature flags."""
+    """What the build targets: the architecture and the CPU's feature flags (read once
+    per process)."""
     text = ""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:

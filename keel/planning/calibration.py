@@ -39,6 +39,7 @@ another format version, or unreadable is ignored, and
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -758,6 +759,17 @@ def hardware_fingerprint(profile: HardwareProfile | None = None) -> dict[str, An
             "logical_cores": cpu.logical_cores, "usable_cores": cpu.usable_cores,
             "gpus": [{"name": g.name, "driver": g.driver, "memory_bytes": g.total_memory_bytes}
                      for g in prof.gpus]}
+
+
+def machine_fingerprint() -> dict[str, Any]:
+    """This machine's :func:`hardware_fingerprint`, probed once per process (a fresh copy
+    each call): the plan cache's key and the tuning cache's file both need it."""
+    return json.loads(_machine_json())
+
+
+@functools.lru_cache(maxsize=1)
+def _machine_json() -> str:
+    return json.dumps(hardware_fingerprint(), sort_keys=True)
 
 
 def fingerprint_id(fingerprint: Mapping[str, Any]) -> str:

@@ -70,6 +70,7 @@ from keel.planning.calibration import (
     _write_atomically,
     fingerprint_id,
     hardware_fingerprint,
+    machine_fingerprint,
 )
 from keel.planning.variants import VariantInfo, choose_variant, tier_unavailable
 
@@ -428,19 +429,14 @@ def record(tuned: Sequence[TunedCase]) -> Path:
     return path
 
 
-@functools.lru_cache(maxsize=1)
-def _here_json() -> str:
-    return json.dumps(hardware_fingerprint(), sort_keys=True)
-
-
 def _here() -> tuple[dict[str, Any], str]:
     """This machine's fingerprint (probed once per process) and its id."""
-    return json.loads(_here_json()), _here_id()
+    return machine_fingerprint(), _here_id()
 
 
 @functools.lru_cache(maxsize=1)
 def _here_id() -> str:
-    return fingerprint_id(json.loads(_here_json()))
+    return fingerprint_id(machine_fingerprint())
 
 
 def _fingerprint(profile: Any) -> tuple[dict[str, Any], str, str]:

@@ -27,3 +27,18 @@ def test_a_fresh_process_is_measured_from_its_first_statement_to_its_first_predi
 def test_unknown_models_are_refused() -> None:
     with pytest.raises(SystemExit):
         process.main(["--models", "nosuchmodel"])
+
+
+def test_the_suite_table_shows_the_whole_process_beside_the_figure_above_numpy() -> None:
+    from benchmarks import run as suite
+
+    model = {"model": "lenet", "ratios": {"b1_t1": 1.1}, "measurements": [], "notes": [],
+             "load_ms": {"keel:cpu": 2.0, "onnxruntime": 3.0},
+             "peak_rss_mb": {"keel:cpu": 14.0, "onnxruntime": 12.0},
+             "process": {"first_predict_ms": 250.0, "cpu_ms": 200.0, "vmhwm_mb": 41.0}}
+    payload = {"config": {"batches": [1], "threads": [1]}, "onnxruntime": "1.x",
+               "stamp": "now", "python": "3.11", "machine": {"cpu": {}},
+               "models": [model, {**model, "model": "mlp", "process": {}}]}
+    table = suite.render_markdown(payload)
+    assert "| 14.0 / 12.0 | 250, 200, 41.0 |" in table
+    assert "| 14.0 / 12.0 | — |" in table          # a model measured without it

@@ -10,8 +10,9 @@ libraries it checks). :func:`sha256` takes the built-in one below
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, cast
 
 __all__ = ["OPENSSL_FROM", "Digest", "sha256"]
 
@@ -39,11 +40,11 @@ def sha256(data: bytes = b"", size: int | None = None) -> Digest:
 
 
 def _builtin() -> Callable[[bytes], Digest] | None:
-    try:
-        from _sha2 import sha256 as found  # Python 3.12 and later
-    except ImportError:
+    """Python's own SHA-256: in ``_sha2`` from Python 3.12, ``_sha256`` before."""
+    for name in ("_sha2", "_sha256"):
         try:
-            from _sha256 import sha256 as found  # Python 3.11 and earlier
+            module = importlib.import_module(name)
         except ImportError:
-            return None
-    return found  # type: ignore[no-any-return]
+            continue
+        return cast("Callable[[bytes], Digest]", module.sha256)
+    return None

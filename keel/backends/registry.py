@@ -283,7 +283,7 @@ _DEFAULT_LOCK = threading.Lock()
 renew_after_fork(sys.modules[__name__], "_DEFAULT_LOCK")   # free in a forked child
 
 
-def _installed_entry_points() -> Iterable[EntryPointLike]:
+def _installed_entry_points() -> Iterable[Any]:
     """The installed ``keel.backends`` entry points. ``importlib.metadata`` (2 MB and tens
     of ms of imports: email, socket, csv...) is asked only when some distribution on
     ``sys.path`` may declare one (:func:`_may_declare_backends`)."""

@@ -9,7 +9,10 @@ another. A build is written to a private temporary file and renamed into
 place, so concurrent processes never see half a library. A fresh build says
 so on stderr (what is built, about how long it takes, where it is cached) and
 again when done: gemm takes 10-30 s, the others a few seconds; later processes
-only load it. ``keel build`` (:func:`build_all`) builds them all at once.
+only load it, and start no compiler: the compiler's ``--version`` answer (part of
+the key) is remembered beside the builds (``compilers.json``, under the binary's
+path, inode, size and modification time). ``keel build`` (:func:`build_all`)
+builds them all at once.
 
 Install-time builds: ``pip install`` runs :func:`prebuild` into
 ``keel/native/prebuilt/``, recording beside each library the CPU it was built

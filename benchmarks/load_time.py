@@ -175,6 +175,11 @@ def _print(report: dict[str, Any]) -> None:
 
 
 def _save(report: dict[str, Any]) -> Path:
+    return save_report(report, "load")
+
+
+def save_report(report: dict[str, Any], prefix: str) -> Path:
+    """Write ``report`` with the machine's probe to ``results/<prefix>-<stamp>.json``."""
     import keel
 
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
@@ -182,7 +187,7 @@ def _save(report: dict[str, Any]) -> Path:
                "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
                "machine": keel.probe().to_dict(), **report}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    target = RESULTS / f"load-{stamp}.json"
+    target = RESULTS / f"{prefix}-{stamp}.json"
     target.write_text(json.dumps(payload, indent=2) + "\n")
     return target
 

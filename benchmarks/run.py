@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from benchmarks import process
 from benchmarks.zoo import MODELS, build
 from keel.bench import BenchConfig, ModelReport, bench_model, peak_rss_delta
 from keel.errors import KeelError
@@ -101,6 +102,10 @@ def _add_rss(report: ModelReport, model: bytes) -> None:
         path.write_bytes(model)
         for runtime in ("keel:cpu", "onnxruntime"):
             report.peak_rss_mb[runtime] = round(peak_rss_delta(str(path), runtime), 1)
+    # The whole process beside the figure above NumPy: .keel file, plan cache on.
+    row = process.measure([report.model], runs=3, files=("keel",), plan_cache=("on",))
+    (found,) = row["rows"]
+    report.process = {k: round(found[k], 1) for k in ("first_predict_ms", "cpu_ms", "vmhwm_mb")}
 
 
 def _row(r: ModelReport, args: argparse.Namespace) -> str:
@@ -157,6 +162,12 @@ def _keel(values: dict[str, Any], default: Any) -> Any:
     return next((v for k, v in values.items() if k.startswith("keel:")), default)
 
 
+def _process_cell(row: dict[str, float]) -> str:
+    if not row:
+        return " | — |"
+    return f" | {row['first_predict_ms']:.0f}, {row['cpu_ms']:.0f}, {row['vmhwm_mb']:.1f} |"
+
+
 def render_markdown(payload: dict[str, Any]) -> str:
     """The ratio table: keel time / onnxruntime time per model and setting."""
     cfg = payload["config"]
@@ -172,8 +183,9 @@ def render_markdown(payload: dict[str, Any]) -> str:
         "A cell with a target shows ✓ when it is met, ✗ when not (batch 1: ≤ 1.5 with "
         "1 thread; batch 32: ≤ 1.0 for mlp, resnet18, bert_mini, ≤ 1.25 for the others).",
         "",
-        "| model | " + " | ".join(keys) + " | load ms keel / ort | peak RSS MB keel / ort |",
-        "|---" * (len(keys) + 3) + "|",
+        "| model | " + " | ".join(keys) + " | load ms keel / ort | peak RSS MB keel / ort "
+        "| whole process (.keel): first predict ms, CPU ms, VmHWM MB |",
+        "|---" * (len(keys) + 4) + "|",
     ]
     for m in payload["models"]:
         ratios = [_cell(m, k) for k in keys]
@@ -182,7 +194,8 @@ def render_markdown(payload: dict[str, Any]) -> str:
         lines.append(
             f"| {m['model']} | " + " | ".join(ratios)
             + f" | {_keel(load, float('nan')):.1f} / {load.get('onnxruntime', 0):.1f}"
-            + (f" | {rss['keel:cpu']} / {rss['onnxruntime']} |" if rss else " | — |")
+            + (f" | {rss['keel:cpu']} / {rss['onnxruntime']}" if rss else " | —")
+            + _process_cell(m.get("process") or {})
         )
     notes = [f"- {m['model']}: {n}" for m in payload["models"] for n in m.get("notes", [])]
     if notes:

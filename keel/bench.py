@@ -69,6 +69,8 @@ class ModelReport:
     ratios: dict[str, float] = field(default_factory=dict)
     load_ms: dict[str, float] = field(default_factory=dict)
     peak_rss_mb: dict[str, float] = field(default_factory=dict)
+    # a whole fresh process loading the .keel file: first_predict_ms, cpu_ms, vmhwm_mb
+    process: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:

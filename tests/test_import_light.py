@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 HEAVY = ("cupy", "pynvml", "onnxruntime", "torch", "ray", "onnx")
 
 
-def _imported_after(code: str) -> list[str]:
+def _imported_after(code: str, watched: tuple[str, ...] = HEAVY,
+                    env: dict[str, str] | None = None) -> list[str]:
     probe = (f"{code}\nimport json, sys\n"
-             f"print(json.dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))")
+             f"print(json.dumps(sorted(m for m in {watched!r} if m in sys.modules)))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                         check=True)
+                         check=True, env=env)
     return list(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
@@ -43,3 +46,33 @@ def test_runtime_and_tensors_load_only_cupy_and_only_to_check_the_gpu(code: str)
 def test_keel_onnxruntime_imports_neither_onnxruntime_nor_onnx() -> None:
     # The drop-in mirrors onnxruntime's API without loading it (or onnx) to do so.
     assert _imported_after("import keel.onnxruntime as ort; ort.SessionOptions()") == []
+
+
+# What a fresh process that loads a .keel model and predicts must not import: onnx and
+# protobuf (a .keel file needs no importer), asyncio with ssl (8 MB), hashlib (OpenSSL's
+# libcrypto, 3.6 MB: small inputs hash with Python's own SHA-256), yaml, numpy.random,
+# importlib.metadata (2 MB: asked only when an installed distribution declares a keel
+# backend).
+NOT_FOR_A_KEEL_PREDICT = ("onnx", "google.protobuf", "keel.graph.importers.onnx", "asyncio",
+                          "ssl", "hashlib", "yaml", "numpy.random", "importlib.metadata")
+
+
+@pytest.mark.parametrize("plan_cache", ["off", "on"])
+def test_a_keel_file_predicts_without_the_modules_it_does_not_need(
+        tmp_path: Path, plan_cache: str) -> None:
+    from keel.backends.registry import _may_declare_backends
+    from keel.cli.convert import convert_model
+    from keel.testing.models import lenet
+
+    onnx_path = tmp_path / "lenet.onnx"
+    onnx_path.write_bytes(lenet().SerializeToString())
+    convert_model(onnx_path, tmp_path / "lenet.keel")
+    code = ("import numpy as np, keel\n"
+            f"m = keel.load_model({str(tmp_path / 'lenet.keel')!r})\n"
+            "m.predict({i.name: np.zeros([1 if not isinstance(d, int) else d for d in i.shape],"
+            " np.float32) for i in m.inputs})")
+    env = {**os.environ, "KEEL_PLAN_CACHE": plan_cache}    # the session's native builds
+    watched = tuple(m for m in NOT_FOR_A_KEEL_PREDICT
+                    if m != "importlib.metadata" or not _may_declare_backends())
+    for _ in range(2 if plan_cache == "on" else 1):     # on: stored, then found
+        assert _imported_after(code, watched, env) == []

@@ -14,11 +14,11 @@ with exactly the names given (backends left out can still be pinned by name).
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from importlib import metadata
 from typing import Any, Protocol
 
 from keel._fork import renew_after_fork
@@ -95,8 +95,7 @@ class BackendRegistry:
         as its reason; a plugin may not take the name of a registered backend.
         Returns the names registered.
         """
-        eps = metadata.entry_points(group=ENTRY_POINT_GROUP) if entry_points is None \
-            else entry_points
+        eps = _installed_entry_points() if entry_points is None else entry_points
         added = []
         for ep in eps:
             if ep.name in self._entries:
@@ -282,6 +281,41 @@ def builtin_registry() -> BackendRegistry:
 _DEFAULT: BackendRegistry | None = None
 _DEFAULT_LOCK = threading.Lock()
 renew_after_fork(sys.modules[__name__], "_DEFAULT_LOCK")   # free in a forked child
+
+
+def _installed_entry_points() -> Iterable[Any]:
+    """The installed ``keel.backends`` entry points. ``importlib.metadata`` (2 MB and tens
+    of ms of imports: email, socket, csv...) is asked only when some distribution on
+    ``sys.path`` may declare one (:func:`_may_declare_backends`)."""
+    if not _may_declare_backends():
+        return []
+    from importlib import metadata
+
+    return metadata.entry_points(group=ENTRY_POINT_GROUP)
+
+
+def _may_declare_backends() -> bool:
+    """Whether an ``entry_points.txt`` of a distribution on ``sys.path`` names the group,
+    or a path entry cannot be scanned here (a zip file: then importlib.metadata decides)."""
+    header = f"[{ENTRY_POINT_GROUP}]"
+    for entry in sys.path:
+        folder = entry or "."
+        try:
+            names = os.listdir(folder)
+        except NotADirectoryError:
+            return True
+        except OSError:
+            continue                      # a missing folder holds no distribution
+        for name in names:
+            if not name.endswith((".dist-info", ".egg-info")):
+                continue
+            try:
+                with open(os.path.join(folder, name, "entry_points.txt"), "rb") as f:
+                    if header.encode() in f.read():
+                        return True
+            except OSError:
+                continue
+    return False
 
 
 def default_registry() -> BackendRegistry:

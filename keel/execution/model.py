@@ -25,7 +25,6 @@ separate programs and thread groups, written into one set of outputs.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import os
 import threading
@@ -41,7 +40,15 @@ from keel._files import check_path, safe_file_name
 from keel._fork import renew_after_fork, reset_after_fork
 from keel.backends.base import Backend, DeviceKind
 from keel.backends.registry import BackendRegistry, default_registry
-from keel.config import BACKEND_NAMES, PRECISIONS, format_bytes, format_limit, parse_bytes, settings
+from keel.config import (
+    BACKEND_NAMES,
+    PRECISIONS,
+    cache_dir,
+    format_bytes,
+    format_limit,
+    parse_bytes,
+    settings,
+)
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError, MemoryLimitError
 from keel.execution import plan_cache as _plan_cache
@@ -238,7 +245,15 @@ def _cache_lookup(src: Any, options: Mapping[str, Any], extra: Mapping[str, Any]
 
 
 def _tuning_token() -> str:
-    """What ``keel tune`` measured on this machine (a plan made before a tune is stale after)."""
+    """What ``keel tune`` measured on this machine (a plan made before a tune is stale after):
+    ``untuned`` while the tuning cache's folder holds no file, without loading
+    :mod:`keel.planning.tuning` (and what it imports) to say so."""
+    try:
+        measured = any(n.endswith(".json") for n in os.listdir(cache_dir() / "tuning"))
+    except OSError:
+        measured = False
+    if not measured:
+        return "untuned"
     from keel.planning.tuning import cached
 
     return str(cached().token)
@@ -260,23 +275,36 @@ def _read_graph(src: Any) -> tuple[Graph, str]:
                               for k, v in graph.initializers.items()}
         return graph, src.name
     from keel.formats.keel_format import is_keel_file, load_keel
-    from keel.graph.importers.onnx import import_onnx
 
     if isinstance(src, (str, os.PathLike)):
         path = os.fspath(src)
         keel_file = path.endswith(".keel") or (os.path.isfile(path) and is_keel_file(path))
-        graph = load_keel(path) if keel_file else import_onnx(path)
+        graph = load_keel(path) if keel_file else _import_onnx(path)
         return graph, graph.name or _default_name(src)
     if isinstance(src, (bytes, bytearray, memoryview)):
         data = bytes(src)
-        graph = load_keel(data) if is_keel_file(data) else import_onnx(data)
+        graph = load_keel(data) if is_keel_file(data) else _import_onnx(data)
         return graph, graph.name or _default_name(src)
     if type(src).__name__ == "ModelProto":
-        graph = import_onnx(src)
+        graph = _import_onnx(src)
         return graph, graph.name or _default_name(src)
     raise InvalidArgumentError(
         f"a model is a path (.onnx or .keel), bytes or onnx.ModelProto; got "
         f"{type(src).__name__}")
+
+
+def _optimize(graph: Graph, level: str) -> Graph:
+    """The graph passes, imported when a model is optimized (not one from the plan cache)."""
+    from keel.graph.passes import optimize
+
+    return optimize(graph, level)
+
+
+def _import_onnx(src: Any) -> Graph:
+    """The ONNX importer, imported when a model is ONNX (a ``.keel`` load never needs it)."""
+    from keel.graph.importers.onnx import import_onnx as imported
+
+    return imported(src)
 
 
 class Model:
@@ -292,8 +320,6 @@ class Model:
                  tune: bool | float = False) -> None:
         """``compiled`` (from the plan cache) holds ``graph`` already optimized for these
         options, the model's declared inputs and outputs and its first plan."""
-        from keel.graph.passes import optimize
-
         if compiled is None:
             self.input_names = list(graph.input_names)     # graph order, optional ones included
             self._declared_inputs = [v for v in graph.inputs if v.name not in graph.initializers]
@@ -313,7 +339,7 @@ class Model:
         self._backend = _check_backend(backend)
         self._precision = _check_precision(precision)
         self._graph = _freeze_constants(graph if compiled is not None else _convert_precision(
-            optimize(graph, optimization_level), self._precision))
+            _optimize(graph, optimization_level), self._precision))
         self._memory_limit = None if memory_limit is None else parse_bytes(memory_limit)
         self._cache: collections.OrderedDict[tuple[Any, ...], _Planned] = \
             collections.OrderedDict()
@@ -624,6 +650,8 @@ class Model:
 
     async def predict_async(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """``predict`` in a worker thread, so an event loop keeps serving."""
+        import asyncio  # here: asyncio (with ssl) is 8 MB a load never needs
+
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(None, self.predict, feeds)
 

@@ -27,11 +27,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import hashlib
 import json
 import os
 import re
-import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -40,6 +38,7 @@ from typing import Any
 
 from keel._files import Untrusted as _Unusable
 from keel._files import open_trusted, private_folder, read_regular, trusted_folder
+from keel._hashing import sha256
 from keel.config import cache_dir, settings
 from keel.errors import InvalidArgumentError, KeelError
 from keel.execution.compiled import CompiledModel, EntryError, from_json, to_json
@@ -135,7 +134,7 @@ class ModelSource:
         """The SHA-256 of the model's bytes; None when there are none."""
         if self.path is None:
             data = self.data()
-            return None if data is None else hashlib.sha256(data).hexdigest()
+            return None if data is None else sha256(data).hexdigest()
         return None if self._stat is None else _file_digest(self, self.path, self._stat)
 
     def file_identity(self) -> list[int] | None:
@@ -172,14 +171,14 @@ def cache_key(digest: str, options: Mapping[str, Any], hardware: Any = None,
              "native": _native_identity(), "calibration": _calibration_identity(),
              "settings": _settings_identity()}
     text = json.dumps(parts, sort_keys=True, default=str, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()
+    return sha256(text.encode()).hexdigest()
 
 
 def _machine(hardware: Any) -> Any:
-    from keel.planning.calibration import hardware_fingerprint
+    from keel.planning.calibration import machine_fingerprint
 
     if hardware is None:
-        return hardware_fingerprint()
+        return machine_fingerprint()
     # A given profile drives placement as a whole; how long its probe took does not.
     profile = hardware.to_dict() if hasattr(hardware, "to_dict") else repr(hardware)
     return {k: v for k, v in profile.items() if k != "probe_seconds"} \
@@ -199,14 +198,16 @@ def _source_stamp() -> str:
     A development checkout changes its code without changing its version: an
     edit, a ``git checkout`` or a reinstall changes the stamp.
     """
-    root = Path(__file__).resolve().parent.parent
-    digest = hashlib.sha256()
-    for path in sorted(root.rglob("*")):
-        if path.suffix in (".py", ".c", ".h", ".yaml") and "__pycache__" not in path.parts:
-            info = path.stat()
-            digest.update(f"{path.relative_to(root)}|{info.st_size}|{info.st_mtime_ns}\n"
-                          .encode())
-    return digest.hexdigest()
+    root = str(Path(__file__).resolve().parent.parent)
+    lines = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for name in files:
+            if name.endswith((".py", ".c", ".h", ".yaml")):
+                path = os.path.join(folder, name)
+                info = os.stat(path)
+                lines.append(f"{os.path.relpath(path, root)}|{info.st_size}|{info.st_mtime_ns}\n")
+    return sha256("".join(sorted(lines)).encode()).hexdigest()
 
 
 def _native_identity() -> dict[str, Any]:
@@ -260,7 +261,7 @@ def _file_digest(source: ModelSource, path: Path, ident: list[int]) -> str | Non
     data = source.data()
     if data is None:
         return None
-    digest = hashlib.sha256(data).hexdigest()
+    digest = sha256(data).hexdigest()
     if source.unchanged() and ident[4] < started - _SETTLE_NS:
         _remember_digest(known, name, ident, digest)
     return digest
@@ -366,7 +367,7 @@ def _write(target: Path, graph: Graph, meta: dict[str, Any]) -> None:
 
 def _replace_atomically(target: Path, write: Callable[[Path], object]) -> None:
     """``write`` a private temporary file beside ``target``, then rename it over ``target``."""
-    tmp = target.with_name(f".{target.stem}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    tmp = target.with_name(f".{target.stem}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
     try:
         write(tmp)
         os.chmod(tmp, 0o600)

@@ -11,8 +11,6 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
-
 from keel.errors import InvalidArgumentError
 
 __all__ = [
@@ -176,6 +174,8 @@ class HardwareProfile:
         return json.dumps(self.to_dict(), indent=indent)
 
     def to_yaml(self) -> str:
+        import yaml  # lazily: 1.3 MB a model load never needs
+
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     @classmethod
@@ -196,6 +196,8 @@ class HardwareProfile:
 
     @classmethod
     def from_yaml(cls, text: str) -> HardwareProfile:
+        import yaml  # lazily: 1.3 MB a model load never needs
+
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:

@@ -173,11 +173,14 @@ class PlatformInfo:
 
     @classmethod
     def current(cls) -> PlatformInfo:
+        # Only Windows' probe reads ``processor``; elsewhere platform.processor() runs
+        # ``uname -p`` in a child process, on every probe.
+        system = platform.system()
         return cls(
-            system=platform.system(),
+            system=system,
             machine=platform.machine(),
             release=platform.release(),
-            processor=platform.processor(),
+            processor=platform.processor() if system == "Windows" else "",
             node=platform.node(),
             python_version=platform.python_version(),
         )

@@ -9,7 +9,10 @@ another. A build is written to a private temporary file and renamed into
 place, so concurrent processes never see half a library. A fresh build says
 so on stderr (what is built, about how long it takes, where it is cached) and
 again when done: gemm takes 10-30 s, the others a few seconds; later processes
-only load it. ``keel build`` (:func:`build_all`) builds them all at once.
+only load it, and start no compiler: the compiler's ``--version`` answer (part of
+the key) is remembered beside the builds (``compilers.json``, under the binary's
+path, inode, size and modification time). ``keel build`` (:func:`build_all`)
+builds them all at once.
 
 Install-time builds: ``pip install`` runs :func:`prebuild` into
 ``keel/native/prebuilt/``, recording beside each library the CPU it was built
@@ -39,7 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
+import functools
 import json
 import os
 import platform
@@ -57,9 +60,17 @@ from typing import Any
 from keel import config
 from keel._files import Untrusted, open_trusted, private_folder, user_temp_folder
 from keel._fork import renew_after_fork
+from keel._hashing import sha256
 from keel.config import Settings
 from keel.errors import BackendSelectionError, InvalidArgumentError
-from keel.native.toolchain import BASE_FLAGS, Compiler, extra_flags, find_compiler, run_tool
+from keel.native.toolchain import (
+    BASE_FLAGS,
+    Compiler,
+    compiler_version,
+    extra_flags,
+    find_compiler,
+    run_tool,
+)
 
 __all__ = ["NativeLibrary", "NativeStatus", "available", "build_all", "library", "loaded", "mode",
            "prebuild", "reset", "status"]
@@ -73,6 +84,8 @@ _RECORD_MAX_BYTES = 4096  # a build record is a few hundred bytes of JSON
 _ARCH_FLAGS = ("-march=native",)
 _PROBE_SOURCE = "int keel_native_probe(int x) { return x + 1; }\n"
 _POOL = "threads"         # the worker pool every kernel library shares
+_COMPILERS = "compilers.json"    # the compilers' --version answers (_remembered_version)
+_COMPILERS_MAX_BYTES = 65536
 
 
 @dataclass(frozen=True)
@@ -344,7 +357,7 @@ def _check() -> _State:
         if values.native == "off":
             state.reason = "disabled by KEEL_NATIVE=off"
         else:
-            compiler, how = find_compiler(values)
+            compiler, how = find_compiler(values, _remembered_version)
             if compiler is None:
                 state.reason = how
             else:
@@ -360,6 +373,34 @@ def _check() -> _State:
         if state.compiler is None and values.native == "on":
             raise BackendSelectionError("native", state.reason)
         return state
+
+
+def _remembered_version(path: str) -> str | None:
+    """``path --version``'s first line, remembered in the cache folder under the compiler
+    binary's real path, device, inode, size and modification time: a process that finds
+    its libraries cached starts no compiler at all (a changed compiler is asked again)."""
+    real = os.path.realpath(path)
+    try:
+        info = os.stat(real)
+    except OSError:
+        return compiler_version(path)
+    ident = f"{real}|{info.st_dev}|{info.st_ino}|{info.st_size}|{info.st_mtime_ns}"
+    target = _cache_folder() / _COMPILERS
+    known: dict[str, Any] = {}
+    try:
+        with os.fdopen(open_trusted(target), "rb") as f:
+            loaded = json.loads(f.read(_COMPILERS_MAX_BYTES))
+        known = loaded if isinstance(loaded, dict) else {}
+    except (Untrusted, ValueError):
+        pass
+    if isinstance(known.get(ident), str):
+        return str(known[ident])
+    version = compiler_version(path)
+    if version is not None:
+        kept = {k: v for k, v in known.items() if k.split("|", 1)[0] != real}
+        with contextlib.suppress(OSError):
+            _write_record(target, {**kept, ident: version})
+    return version
 
 
 def _working_flags(compiler: Compiler) -> tuple[tuple[str, ...] | None, str]:
@@ -402,8 +443,10 @@ def _private_fallback() -> Path:
         return Path(tempfile.mkdtemp(prefix="keel-native-"))
 
 
+@functools.lru_cache(maxsize=1)
 def _cpu_identity() -> str:
-    """What the build targets: the architecture and the CPU's feature flags."""
+    """What the build targets: the architecture and the CPU's feature flags (read once
+    per process)."""
     text = ""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
@@ -422,7 +465,7 @@ def _key(name: str, source: Path | None, compiler: Compiler,
          flags: tuple[str, ...]) -> str:
     """The cache key: sources, headers, compiler, flags and this CPU."""
     code = source.read_bytes() if source is not None else _PROBE_SOURCE.encode()
-    digest = hashlib.sha256()
+    digest = sha256()
     for part in (code, compiler.path.encode(), compiler.version.encode(),
                  " ".join(flags).encode(), _cpu_identity().encode()):
         digest.update(part)
@@ -435,7 +478,7 @@ def _key(name: str, source: Path | None, compiler: Compiler,
 
 def _cpu_digest() -> str:
     """A short fingerprint of :func:`_cpu_identity`, recorded with every build."""
-    return hashlib.sha256(_cpu_identity().encode()).hexdigest()[:32]
+    return sha256(_cpu_identity().encode()).hexdigest()[:32]
 
 
 def _build(name: str, source: Path | None, compiler: Compiler,
@@ -510,7 +553,7 @@ def _verified(folder: Path, key: str, root_ok: bool = False) -> Path | None:
 
 
 def _fd_sha256(fd: int) -> str:
-    digest = hashlib.sha256()
+    digest = sha256(size=os.fstat(fd).st_size)
     os.lseek(fd, 0, os.SEEK_SET)
     while block := os.read(fd, 1 << 20):
         digest.update(block)

@@ -24,13 +24,14 @@ import os
 import shutil
 import signal
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from keel import config
 from keel.config import Settings
 
-__all__ = ["BASE_FLAGS", "Compiler", "extra_flags", "find_compiler", "run_tool"]
+__all__ = ["BASE_FLAGS", "Compiler", "compiler_version", "extra_flags", "find_compiler",
+           "run_tool"]
 
 BASE_FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-fno-math-errno", "-fno-plt")
 _CANDIDATES = ("cc", "gcc", "clang")
@@ -61,17 +62,21 @@ def extra_flags(settings: Settings | None = None) -> tuple[str, ...]:
     return (config.settings() if settings is None else settings).cflags
 
 
-def find_compiler(settings: Settings | None = None) -> tuple[Compiler | None, str]:
+def find_compiler(settings: Settings | None = None,
+                  version_of: Callable[[str], str | None] | None = None,
+                  ) -> tuple[Compiler | None, str]:
     """The compiler to use and how it was found, or None and why there is none.
 
-    ``settings`` (default: the process's) give ``KEEL_CC``.
+    ``settings`` (default: the process's) give ``KEEL_CC``; ``version_of`` (default: ask
+    the compiler, ``--version``) gives a compiler's first line of ``--version``.
     """
+    ask = compiler_version if version_of is None else version_of
     wanted = (config.settings() if settings is None else settings).cc
     if wanted:
         path = shutil.which(wanted)
         if path is None:
             return None, f"KEEL_CC={wanted!r} is not an executable on PATH"
-        version = _version(path)
+        version = ask(path)
         if version is None:
             return None, f"KEEL_CC={wanted!r} did not answer --version"
         return Compiler(path, version), f"KEEL_CC={wanted}"
@@ -79,7 +84,7 @@ def find_compiler(settings: Settings | None = None) -> tuple[Compiler | None, st
         path = shutil.which(name)
         if path is None:
             continue
-        version = _version(path)
+        version = ask(path)
         if version is not None:
             return Compiler(path, version), f"{name} on PATH"
     return None, f"no C compiler found (looked for KEEL_CC, {', '.join(_CANDIDATES)} on PATH)"
@@ -113,7 +118,8 @@ def _kill_group(proc: subprocess.Popen[str], own_group: bool) -> None:
 
 
 @functools.lru_cache(maxsize=8)
-def _version(path: str) -> str | None:
+def compiler_version(path: str) -> str | None:
+    """The first line of ``path --version`` (None: no answer), asked once per process."""
     timeout = min(_VERSION_TIMEOUT_S, config.settings().build_timeout_s)
     try:
         done = run_tool([path, "--version"], timeout)

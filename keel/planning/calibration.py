@@ -39,13 +39,10 @@ another format version, or unreadable is ignored, and
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import functools
 import json
-import logging
 import math
 import os
-import secrets
-import statistics
 import sys
 import threading
 import time
@@ -59,6 +56,7 @@ import numpy as np
 
 from keel import config
 from keel._fork import renew_after_fork
+from keel._hashing import sha256
 from keel.backends.base import Backend, DeviceKind
 from keel.backends.registry import BackendRegistry, default_registry
 from keel.config import Settings, cache_dir
@@ -96,7 +94,6 @@ __all__ = [
     "save",
 ]
 
-_log = logging.getLogger(__name__)
 
 CALIBRATION_VERSION = 1
 FILE_FORMAT = "keel-calibration"
@@ -361,7 +358,7 @@ def find_crossover(points: Iterable[Measurement]) -> Measurement | None:
 # ---- workloads ------------------------------------------------------------------------
 
 Inputs = list[np.ndarray | None]
-Builder = Callable[[int, DType, np.random.Generator], tuple[Inputs, dict[str, Any], str]]
+Builder = Callable[[int, DType, "np.random.Generator"], tuple[Inputs, dict[str, Any], str]]
 
 
 @dataclass(frozen=True)
@@ -478,6 +475,8 @@ def _time_point(cpu: Backend, gpu: Backend, op: Op, inputs: Inputs, attrs: Mappi
             start = clock()
             run()
             times.append(clock() - start)
+    import statistics
+
     cpu_s, gpu_s, resident_s = (statistics.median(t) for t in samples)
     return cpu_s, gpu_s, resident_s
 
@@ -762,10 +761,21 @@ def hardware_fingerprint(profile: HardwareProfile | None = None) -> dict[str, An
                      for g in prof.gpus]}
 
 
+def machine_fingerprint() -> dict[str, Any]:
+    """This machine's :func:`hardware_fingerprint`, probed once per process (a fresh copy
+    each call): the plan cache's key and the tuning cache's file both need it."""
+    return json.loads(_machine_json())
+
+
+@functools.lru_cache(maxsize=1)
+def _machine_json() -> str:
+    return json.dumps(hardware_fingerprint(), sort_keys=True)
+
+
 def fingerprint_id(fingerprint: Mapping[str, Any]) -> str:
     """A short stable hash of a fingerprint (names the cache file)."""
     text = json.dumps(fingerprint, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return sha256(text.encode()).hexdigest()[:16]
 
 
 def calibration_path(fingerprint: Mapping[str, Any], directory: Path | None = None) -> Path:
@@ -801,7 +811,7 @@ def _write_atomically(target: Path, text: str) -> None:
     # A reader never sees half a file: write beside it, then rename over it. The
     # temporary file is made with the usual permissions (umask applies), not 0600.
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
@@ -918,7 +928,9 @@ def calibration_status() -> CalibrationStatus:
         if status is None:
             status = _DEFAULT[key] = find_calibration(settings=values)
             if status.path is not None and status.calibration is None:
-                _log.warning("keel calibration %s", status.reason)
+                import logging  # here: a load that finds its calibration logs nothing
+
+                logging.getLogger(__name__).warning("keel calibration %s", status.reason)
         return status
 
 

@@ -22,8 +22,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
-
 from keel.backends.base import Backend, DeviceKind
 from keel.backends.plan import FIELDS, Measured, NodePlan
 from keel.backends.registry import BackendRegistry
@@ -158,6 +156,8 @@ class ExecutionPlan:
         return json.dumps(self.to_dict(), indent=indent)
 
     def to_yaml(self) -> str:
+        import yaml  # lazily: 1.3 MB a model load never needs
+
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     def table(self, width: int | None = None) -> str:

@@ -32,8 +32,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import yaml
-
 from keel.config import BACKEND_NAMES, HINTS, PRECISIONS, Settings, settings
 from keel.errors import InvalidArgumentError
 
@@ -93,6 +91,8 @@ class RuntimePolicy:
     @classmethod
     def from_yaml(cls, text: str, where: str = "policy YAML") -> RuntimePolicy:
         """A policy from YAML text; an empty document gives the defaults."""
+        import yaml  # lazily: 1.3 MB a model load never needs
+
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
@@ -149,6 +149,8 @@ class RuntimePolicy:
         return json.dumps(self.to_dict(), indent=indent)
 
     def to_yaml(self) -> str:
+        import yaml  # lazily: 1.3 MB a model load never needs
+
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 

@@ -41,8 +41,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import yaml
-
 from keel.config import format_bytes
 from keel.errors import BackendSelectionError, InvalidArgumentError
 from keel.hardware.profile import GIB, GpuInfo, HardwareProfile
@@ -116,6 +114,8 @@ class RuntimePlan:
         return json.dumps(self.to_dict(), indent=indent)
 
     def to_yaml(self) -> str:
+        import yaml  # lazily: 1.3 MB a model load never needs
+
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     def explain(self) -> str:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import json
 import math
 import os
@@ -35,11 +34,12 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from keel._fork import renew_after_fork
+from keel._hashing import sha256
 from keel.backends.base import Backend, KernelTable
 from keel.config import cache_dir
 from keel.errors import InvalidArgumentError, KeelError
@@ -51,11 +51,9 @@ from keel.planning.calibration import (
     _write_atomically,
     fingerprint_id,
     hardware_fingerprint,
+    machine_fingerprint,
 )
 from keel.planning.variants import VariantInfo, tier_unavailable
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = [
     "BACKEND",
@@ -97,7 +95,7 @@ class NodeCase:
 
 def case_key(data: Mapping[str, Any]) -> str:
     text = json.dumps(data, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:24]
+    return sha256(text.encode()).hexdigest()[:24]
 
 
 def node_case(graph: Graph, node: Node, input_types: Sequence[TensorType | None],
@@ -121,7 +119,7 @@ def node_case(graph: Graph, node: Node, input_types: Sequence[TensorType | None]
 def _plain(value: Any) -> Any:
     """An attribute as plain JSON data (arrays by shape, dtype and content hash)."""
     if isinstance(value, np.ndarray):
-        digest = hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()[:16]
+        digest = sha256(np.ascontiguousarray(value).tobytes()).hexdigest()[:16]
         return {"array": list(value.shape), "dtype": str(value.dtype), "sha256": digest}
     if isinstance(value, np.generic):
         return value.item()
@@ -279,7 +277,7 @@ class TuningCache:
         each case): a plan made with one token is stale under another."""
         text = json.dumps({k: [t.winner, *t.tiers] for k, t in self.entries.items()},
                           sort_keys=True)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        return sha256(text.encode()).hexdigest()[:16]
 
 
 _MEMO: dict[Path, tuple[tuple[int, int, int], TuningCache]] = {}
@@ -402,19 +400,14 @@ def record(tuned: Sequence[TunedCase]) -> Path:
     return path
 
 
-@functools.lru_cache(maxsize=1)
-def _here_json() -> str:
-    return json.dumps(hardware_fingerprint(), sort_keys=True)
-
-
 def _here() -> tuple[dict[str, Any], str]:
     """This machine's fingerprint (probed once per process) and its id."""
-    return json.loads(_here_json()), _here_id()
+    return machine_fingerprint(), _here_id()
 
 
 @functools.lru_cache(maxsize=1)
 def _here_id() -> str:
-    return fingerprint_id(json.loads(_here_json()))
+    return fingerprint_id(machine_fingerprint())
 
 
 def _fingerprint(profile: Any) -> tuple[dict[str, Any], str, str]:

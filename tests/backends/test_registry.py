@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -207,3 +209,28 @@ def test_with_instance_replaces_one_backend_and_shares_the_rest() -> None:
     assert own.names() == reg.names()
     with pytest.raises(BackendSelectionError, match="no backend of that name"):
         reg.with_instance("tpu", mine)
+
+
+def test_an_installed_plugin_is_found_through_its_entry_points_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The registry scans entry_points.txt files before asking importlib.metadata (which
+    # costs a fresh process 2 MB and tens of ms): without a distribution declaring the
+    # group nothing is asked; with one, the plugin is found and registered.
+    from keel.backends import registry as registry_module
+
+    monkeypatch.setattr(sys, "path", [str(tmp_path)])
+    dist = tmp_path / "keelplugin_fancy-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: keelplugin-fancy\n"
+                                   "Version: 0.1\n")
+    (dist / "entry_points.txt").write_text("[console_scripts]\nfancy = keelplugin_fancy:main\n")
+    assert not registry_module._may_declare_backends()
+    assert BackendRegistry().load_entry_points() == []
+    (dist / "entry_points.txt").write_text("[keel.backends]\nfancy = keelplugin_fancy:Fancy\n")
+    (tmp_path / "keelplugin_fancy.py").write_text(
+        "from keel.backends.reference.backend import ReferenceBackend\n\n\n"
+        "class Fancy(ReferenceBackend):\n    name = 'fancy'\n")
+    assert registry_module._may_declare_backends()
+    reg = BackendRegistry()
+    assert reg.load_entry_points() == ["fancy"]
+    assert reg.instance("fancy").name == "fancy"

@@ -276,3 +276,36 @@ def test_a_bad_spin_setting_is_an_error_naming_it(raw: str) -> None:
     with pytest.raises(InvalidArgumentError, match=rf"KEEL_SPIN_US='{raw}' must be a whole "
                                                    r"number >= 0"):
         config.Settings.from_env({"KEEL_SPIN_US": raw})
+
+
+def test_a_cached_library_loads_without_starting_the_compiler(
+        fresh: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # The compiler's --version answer is remembered beside the builds, keyed by the binary:
+    # a later process (the in-process memo cleared) finds everything without running it.
+    from keel.native import toolchain
+
+    compiler, _ = find_compiler()
+    if compiler is None:
+        pytest.skip("no C compiler here")
+    log = tmp_path / "calls.log"
+    wrapper = tmp_path / "keelcc"
+    wrapper.write_text(f'#!/bin/sh\necho "$*" >> {log}\nexec {compiler.path} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("KEEL_CC", str(wrapper))
+    config.reload_settings()
+    (fresh / "adder.c").write_text(ADD_ONE)
+
+    def new_process() -> list[str]:
+        toolchain.compiler_version.cache_clear()
+        native.reset()
+        before = log.read_text().splitlines() if log.exists() else []
+        assert native.library("adder") is not None
+        return log.read_text().splitlines()[len(before):]
+
+    first = new_process()
+    assert "--version" in first and len(first) >= 2           # asked, then built
+    assert new_process() == []                                 # nothing started
+    os.utime(wrapper, ns=(0, 0))                               # another compiler binary
+    assert new_process() == ["--version"]                      # asked again; builds cached
+    toolchain.compiler_version.cache_clear()
+    native.reset()

@@ -1,0 +1,313 @@
+"""keel's C kernels built for aarch64 (their NEON paths) and run under qemu-user.
+
+The kernel libraries are built with Debian's cross compiler from the same sources and
+flags as a native build (:mod:`keel.native.cross`, ``-march=armv8-a``), then called by
+a small aarch64 program (``cross/harness.c``) on inputs written here; what they compute
+is compared with keel's reference backend on this machine. Each representative kernel
+family runs: the GEMM (raw and packed operands, the epilogue, batches on the worker
+pool), a convolution through the GEMM's gathered tables, the Winograd transforms
+around batched products, the window kernels (pooling, depthwise conv) and the
+elementwise math (activations, softmax, layer norm). Skips, saying what is missing,
+where the cross tools are absent (CI installs them: ``.ci/run``).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from keel.backends.cpu.fastmath import ACTIVATION_KINDS, SOFTMAX_MODES
+from keel.backends.cpu.winograd import TRANSFORM_G
+from keel.backends.reference.backend import ReferenceBackend
+from keel.native.cross import CrossTarget, build_libraries, build_program, find_target
+from keel.ops.registry import Op
+from tests.native.cross.runner import HARNESS, Buffer, Script, Symbol
+from tests.native.test_fastmath import KERNELS, _ulps
+
+ARGS = "23q3d"           # keel_gemm_args, as native_gemm.py packs it
+ACCUMULATE, CLIP = 1, 2
+REF = ReferenceBackend()
+
+
+@dataclass(frozen=True)
+class Arm:
+    """The aarch64 build: libraries, harness and the GEMM's geometry as built."""
+
+    target: CrossTarget
+    harness: Path
+    libraries: dict[str, Path]
+    gemm: dict[str, int]
+
+
+@pytest.fixture(scope="module")
+def arm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Arm]:
+    target, why = find_target("aarch64")
+    if target is None:
+        pytest.skip(why)
+    folder = tmp_path_factory.mktemp("aarch64")
+    libraries = build_libraries(target, folder)
+    harness = build_program(target, HARNESS, folder / "harness")
+    script = Script()
+    gemm = script.library(libraries["gemm"])
+    names = ("keel_gemm_mr_f32", "keel_gemm_nr_f32", "keel_gemm_workspace_f32",
+             "keel_gemm_args_size", "keel_gemm_args_c_offset", "keel_conv_band_args_size")
+    asked = {name: script.call(gemm, name) for name in names}
+    got = script.run(target, harness)
+    yield Arm(target, harness, libraries, {k: got.value(i) for k, i in asked.items()})
+
+
+class Session:
+    """A script with every kernel library loaded and handed the worker pool."""
+
+    def __init__(self, arm: Arm) -> None:
+        self.arm = arm
+        self.script = Script()
+        self.lib = {name: self.script.library(path) for name, path in arm.libraries.items()}
+        pool = self.lib["threads"]
+        self.script.call(pool, "keel_pool_set_spin_us", 0)
+        for name, index in self.lib.items():
+            if name != "threads":
+                self.script.call(index, "keel_use_pool", Symbol(pool, "keel_parallel"))
+
+    def call(self, library: str, name: str, *ints: Any, floats: tuple[float, ...] = ()
+             ) -> int:
+        return self.script.call(self.lib[library], name, *ints, floats=floats)
+
+    def run(self) -> Any:
+        return self.script.run(self.arm.target, self.arm.harness)
+
+
+def _random(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def _gemm_args(m: int, n: int, k: int, a: tuple[Buffer, int, int, int],
+               b: tuple[Buffer, int, int, int], c: tuple[Buffer, int, int],
+               bias: tuple[Buffer | None, int] = (None, 0), flags: int = 0,
+               alpha: float = 1.0, clip: tuple[float, float] = (0.0, 0.0),
+               b_rows: Buffer | None = None, b_cols: Buffer | None = None) -> list[Any]:
+    """keel_gemm_args's fields: A and B as (address, strides..., batch step), C as
+    (address, row stride, batch step)."""
+    return [m, n, k, *a, *b, b_rows, b_cols, *c, None, *bias, None, 0, 0, flags,
+            alpha, *clip]
+
+
+def test_the_neon_build_packs_the_argument_layout_python_writes(arm: Arm) -> None:
+    g = arm.gemm
+    # VW = 4 floats per NEON vector: 6 x 8 tiles (without NEON, gemm.c's scalar
+    # fallback has 4 rows).
+    assert (g["keel_gemm_mr_f32"], g["keel_gemm_nr_f32"]) == (6, 8)
+    assert g["keel_gemm_args_size"] == struct.calcsize("<" + ARGS) == 208
+    assert g["keel_gemm_args_c_offset"] == 13 * 8
+    assert g["keel_conv_band_args_size"] == struct.calcsize("<21q2d")
+    assert g["keel_gemm_workspace_f32"] > 0
+
+
+@pytest.mark.parametrize(("name", "ref", "max_ulps"), KERNELS, ids=[k[0] for k in KERNELS])
+def test_activations_match_the_float64_formulas(arm: Arm, name: str, ref: Any,
+                                                max_ulps: float) -> None:
+    # gelu_tanh's bound holds from -1 (below, its error grows with |x|: test_fastmath.py)
+    lo = -1.0 if name == "gelu_tanh" else -9.0
+    x = np.linspace(lo, 9.0, 4099).astype(np.float32)      # a partial last vector
+    s = Session(arm)
+    bx, by = s.script.array(x), s.script.zeros(x.nbytes)
+    s.call("fastmath", "keel_unary_mt_f32", ACTIVATION_KINDS[name], bx, by, x.size, 2,
+           floats=(1.0,))
+    out = s.script.dump(by, np.float32, x.shape)
+    y = s.run().array(out)
+    err = _ulps(y, ref(x))
+    assert err.max() <= max_ulps, f"{name}: {err.max():.2f} ulp at x = {x[err.argmax()]!r}"
+
+
+@pytest.mark.parametrize("mode", ["softmax", "log_softmax"])
+def test_softmax_matches_the_reference(arm: Arm, mode: str) -> None:
+    x = _random(np.random.default_rng(2), 7, 37) * 4
+    s = Session(arm)
+    bx, by = s.script.array(x), s.script.zeros(x.nbytes)
+    s.call("fastmath", "keel_softmax_f32", bx, by, x.shape[1], 0, x.shape[0],
+           SOFTMAX_MODES[mode])
+    out = s.script.dump(by, np.float32, x.shape)
+    op = Op.SOFTMAX if mode == "softmax" else Op.LOG_SOFTMAX
+    want = REF.run(op, [x], attrs={"axis": -1})[0]
+    np.testing.assert_allclose(s.run().array(out), want, rtol=2e-6, atol=2e-6)
+
+
+def test_layer_norm_matches_the_reference(arm: Arm) -> None:
+    rng = np.random.default_rng(3)
+    x, gamma, beta = _random(rng, 5, 67) * 3 + 1, _random(rng, 67), _random(rng, 67)
+    s = Session(arm)
+    bufs = [s.script.array(a) for a in (x, gamma, beta)]
+    by = s.script.zeros(x.nbytes)
+    s.call("fastmath", "keel_layer_norm_f32", *bufs, by, None, None, x.shape[1], 0, x.shape[0],
+           floats=(1e-5,))
+    out = s.script.dump(by, np.float32, x.shape)
+    want = REF.run(Op.LAYER_NORM, [x, gamma, beta], attrs={"axis": -1, "epsilon": 1e-5})[0]
+    np.testing.assert_allclose(s.run().array(out), want, rtol=1e-5, atol=1e-5)
+
+
+def test_gemm_raw_and_packed_operands_with_the_epilogue(arm: Arm) -> None:
+    rng = np.random.default_rng(4)
+    m, k, n = 37, 53, 29                    # partial tiles on both sides
+    a, b, bias = _random(rng, m, k), _random(rng, k, n), _random(rng, n)
+    s = Session(arm)
+    ba, bb, bbias = s.script.array(a), s.script.array(b), s.script.array(bias)
+    work = s.script.zeros(4 * arm.gemm["keel_gemm_workspace_f32"])
+    mr, nr = arm.gemm["keel_gemm_mr_f32"], arm.gemm["keel_gemm_nr_f32"]
+    a_panels, b_panels = -(-m // mr), -(-n // nr)
+    packed_a = s.script.zeros(4 * a_panels * mr * k)
+    s.call("gemm", "keel_gemm_pack_f32", ba, m, k, k, 1, mr, packed_a, 0, a_panels)
+    packed_b = s.script.zeros(4 * b_panels * nr * k)       # B's columns as the rows packed
+    s.call("gemm", "keel_gemm_pack_f32", bb, n, k, 1, n, nr, packed_b, 0, b_panels)
+    raw_a, raw_b = (ba, k, 1, 0), (bb, n, 1, 0)
+    outs = []
+    for a_args, b_args in ((raw_a, raw_b), ((packed_a, 0, 0, 0), raw_b),
+                           (raw_a, (packed_b, 0, 0, 0))):
+        c = s.script.zeros(4 * m * n)
+        args = s.script.block(ARGS, _gemm_args(m, n, k, a_args, b_args, (c, n, 0),
+                                               bias=(bbias, 2), flags=CLIP, alpha=0.5,
+                                               clip=(-3.0, 2.5)))
+        s.call("gemm", "keel_gemm_f32", args, work, 0, 0, b_panels)
+        outs.append(s.script.dump(c, np.float32, (m, n)))
+    got = s.run()
+    want = np.clip(REF.run(Op.GEMM, [a, b, bias], attrs={"alpha": 0.5})[0], -3.0, 2.5)
+    for out in outs:
+        np.testing.assert_allclose(got.array(out), want, rtol=1e-5, atol=1e-5)
+
+
+def test_batched_gemm_on_the_worker_pool_accumulates(arm: Arm) -> None:
+    rng = np.random.default_rng(5)
+    batch, m, k, n = 3, 19, 530, 45              # a depth over one block (KC = 512)
+    a, b, c0 = _random(rng, batch, m, k), _random(rng, batch, k, n), _random(rng, batch, m, n)
+    s = Session(arm)
+    ba, bb, bc = s.script.array(a), s.script.array(b), s.script.array(c0)
+    args = s.script.block(ARGS, _gemm_args(m, n, k, (ba, k, 1, m * k), (bb, n, 1, k * n),
+                                           (bc, n, m * n), flags=ACCUMULATE))
+    units = batch * -(-m // arm.gemm["keel_gemm_mr_f32"])
+    rc = s.call("gemm", "keel_gemm_mt_f32", args, 1, units, 2)       # split by row panels
+    out = s.script.dump(bc, np.float32, c0.shape)
+    got = s.run()
+    assert got.value(rc) == 0
+    # Against float64: over 530 terms float32 sums differ from one order to another by
+    # a few 1e-5 (the reference's own float32 product included).
+    want = REF.run(Op.MATMUL, [a.astype(np.float64), b.astype(np.float64)])[0] + c0
+    np.testing.assert_allclose(got.array(out), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_convolution_through_the_gathered_gemm(arm: Arm, stride: int) -> None:
+    """B's taps gathered from a padded image by row and column tables (implicit GEMM)."""
+    rng = np.random.default_rng(6)
+    c, h, w, m = 5, 13, 11, 7
+    x, wt, bias = _random(rng, 1, c, h, w), _random(rng, m, c, 3, 3), _random(rng, m)
+    xp = np.pad(x[0], ((0, 0), (1, 1), (1, 1)))
+    hp, wp = xp.shape[1:]
+    oh, ow = (h - 1) // stride + 1, (w - 1) // stride + 1
+    rows = np.array([ci * hp * wp + ky * wp + kx for ci in range(c) for ky in range(3)
+                     for kx in range(3)], np.int64)
+    cols = np.array([oy * stride * wp + ox * stride for oy in range(oh) for ox in range(ow)],
+                    np.int64)
+    s = Session(arm)
+    ba, bx = s.script.array(wt.reshape(m, c * 9)), s.script.array(xp)
+    by, bbias = s.script.zeros(4 * m * oh * ow), s.script.array(bias)
+    work = s.script.zeros(4 * arm.gemm["keel_gemm_workspace_f32"])
+    args = s.script.block(ARGS, _gemm_args(
+        m, oh * ow, c * 9, (ba, c * 9, 1, 0), (bx, 0, 1, 0), (by, oh * ow, 0),
+        bias=(bbias, 1), b_rows=s.script.array(rows), b_cols=s.script.array(cols)))
+    units = -(-(oh * ow) // arm.gemm["keel_gemm_nr_f32"])
+    s.call("gemm", "keel_gemm_f32", args, work, 0, 0, units)
+    out = s.script.dump(by, np.float32, (1, m, oh, ow))
+    want = REF.run(Op.CONV, [x, wt, bias], attrs={"pads": (1, 1, 1, 1),
+                                                  "strides": (stride, stride)})[0]
+    np.testing.assert_allclose(s.run().array(out), want, rtol=1e-4, atol=1e-5)
+
+
+def test_winograd_transforms_around_batched_products(arm: Arm) -> None:
+    """F(2x2, 3x3): input transform, sixteen products on the GEMM, output transform with
+    bias and clip, all on aarch64: a 3x3 convolution."""
+    rng = np.random.default_rng(7)
+    n, c, h, w, m = 2, 6, 11, 13, 5
+    x, wt, bias = _random(rng, n, c, h, w), _random(rng, m, c, 3, 3), _random(rng, m)
+    th, tw = -(-h // 2), -(-w // 2)
+    t = n * th * tw
+    gg = np.kron(TRANSFORM_G, TRANSFORM_G)
+    u = (gg @ wt.reshape(m * c, 9).T.astype(np.float64)).reshape(16, m, c).astype(np.float32)
+    s = Session(arm)
+    geometry = s.script.array(np.array([c, h, w, h, w, 1, 1], np.int64))
+    bx, bu, bbias = s.script.array(x), s.script.array(u), s.script.array(bias)
+    v, p = s.script.zeros(4 * 16 * c * t), s.script.zeros(4 * 16 * m * t)
+    y = s.script.zeros(x.dtype.itemsize * n * m * h * w)
+    clip = s.script.array(np.array([-1.0, 1.5], np.float32))
+    rc_in = s.call("winograd", "keel_winograd_input_f32", bx, v, geometry, n, 2)
+    args = s.script.block(ARGS, _gemm_args(m, t, c, (bu, c, 1, m * c), (v, t, 1, c * t),
+                                           (p, t, m * t)))
+    units = 16 * -(-m // arm.gemm["keel_gemm_mr_f32"])
+    rc_gemm = s.call("gemm", "keel_gemm_mt_f32", args, 1, units, 2)
+    rc_out = s.call("winograd", "keel_winograd_output_f32", p, y, geometry, m, bbias, None,
+                    clip, n, 2)
+    out = s.script.dump(y, np.float32, (n, m, h, w))
+    got = s.run()
+    assert [got.value(i) for i in (rc_in, rc_gemm, rc_out)] == [0, 0, 0]
+    want = REF.run(Op.CONV, [x, wt, bias], attrs={
+        "pads": (1, 1, 1, 1), "activation": "clip", "activation_params": (-1.0, 1.5)})[0]
+    np.testing.assert_allclose(got.array(out), want, rtol=1e-4, atol=1e-5)
+
+
+def _geometry(c: int, h: int, w: int, k: int, stride: int, pad: int) -> tuple[np.ndarray, int,
+                                                                               int]:
+    oh, ow = (h + 2 * pad - k) // stride + 1, (w + 2 * pad - k) // stride + 1
+    values = (c, h, w, oh, ow, k, k, stride, stride, 1, 1, pad, pad)
+    return np.array(values, np.int64), oh, ow
+
+
+@pytest.mark.parametrize(("k", "stride", "pad"), [(3, 2, 1), (2, 2, 0), (5, 1, 2)])
+def test_pooling_matches_the_reference(arm: Arm, k: int, stride: int, pad: int) -> None:
+    rng = np.random.default_rng(8)
+    n, c, h, w = 2, 3, 17, 14
+    x = _random(rng, n, c, h, w)
+    geo, oh, ow = _geometry(c, h, w, k, stride, pad)
+    # Average pooling counts only the window's positions inside the image.
+    inside = np.pad(np.ones((h, w)), pad)
+    counts = np.array([[inside[i * stride:i * stride + k, j * stride:j * stride + k].sum()
+                        for j in range(ow)] for i in range(oh)], np.float32)
+    s = Session(arm)
+    bx, bgeo = s.script.array(x), s.script.array(geo)
+    ymax, yavg = s.script.zeros(4 * n * c * oh * ow), s.script.zeros(4 * n * c * oh * ow)
+    rcs = [s.call("window", "keel_maxpool2d_mt_f32", bx, ymax, bgeo, n * c, 2),
+           s.call("window", "keel_avgpool2d_mt_f32", bx, yavg, bgeo, s.script.array(counts),
+                  n * c, 2)]
+    outs = [s.script.dump(buf, np.float32, (n, c, oh, ow)) for buf in (ymax, yavg)]
+    got = s.run()
+    assert [got.value(i) for i in rcs] == [0, 0]
+    attrs = {"kernel_shape": (k, k), "strides": (stride, stride), "pads": (pad,) * 4}
+    want_max = REF.run(Op.MAX_POOL, [x], attrs=attrs)[0]
+    want_avg = REF.run(Op.AVG_POOL, [x], attrs=attrs)[0]
+    np.testing.assert_array_equal(got.array(outs[0]), want_max)
+    np.testing.assert_allclose(got.array(outs[1]), want_avg, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("k", "stride"), [(3, 1), (3, 2), (5, 1)])
+def test_depthwise_conv_matches_the_reference(arm: Arm, k: int, stride: int) -> None:
+    rng = np.random.default_rng(9)
+    n, c, h, w = 2, 6, 15, 40                  # rows of 32+ outputs take the direct path
+    x, wt, bias = _random(rng, n, c, h, w), _random(rng, c, 1, k, k), _random(rng, c)
+    z_geo, oh, ow = _geometry(c, h, w, k, stride, k // 2)
+    z = _random(rng, n, c, oh, ow)
+    s = Session(arm)
+    bufs = [s.script.array(a) for a in (x, wt, bias, z)]
+    y = s.script.zeros(4 * n * c * oh * ow)
+    clip = s.script.array(np.array([-2.0, 2.0], np.float32))
+    rc = s.call("window", "keel_dwconv2d_mt_f32", *bufs, y, s.script.array(z_geo), clip, 0,
+                n * c, 2)
+    out = s.script.dump(y, np.float32, (n, c, oh, ow))
+    got = s.run()
+    assert got.value(rc) == 0
+    conv = REF.run(Op.CONV, [x, wt, bias], attrs={
+        "group": c, "pads": (k // 2,) * 4, "strides": (stride, stride)})[0]
+    np.testing.assert_allclose(got.array(out), np.clip(conv + z, -2.0, 2.0), rtol=1e-5,
+                               atol=1e-5)

@@ -167,6 +167,8 @@ def load_model(
 
 def _drop_model(src: str | os.PathLike[str]) -> str | os.PathLike[str]:
     """A drop directory's verified model file (``keel drop``); any other path as it is."""
+    if not os.path.isdir(src):      # a model file: the drop format (yaml, hashlib) not needed
+        return src
     from keel.planning.drops import drop_model_path, is_drop_dir
 
     if not is_drop_dir(src):

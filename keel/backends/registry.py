@@ -249,7 +249,9 @@ def _plugin_priority(factory: Any) -> int:
 
 # Default chain gpu → cpu → reference (seed 004): the reference backend is the
 # last resort, used automatically only for ops no faster backend has.
-BUILTIN_PRIORITIES = {"gpu": 300, "cpu": 200, "reference": 100}
+# webgpu comes last: auto placement takes it only where a calibration measured it ahead
+# (Backend.auto_blocked), and never as a fallback before the reference backend.
+BUILTIN_PRIORITIES = {"gpu": 300, "cpu": 200, "reference": 100, "webgpu": 50}
 
 
 def _reference() -> Backend:
@@ -270,12 +272,19 @@ def _gpu() -> Backend:
     return GpuBackend()
 
 
+def _webgpu() -> Backend:
+    from keel.backends.webgpu.backend import WebGpuBackend
+
+    return WebGpuBackend()
+
+
 def builtin_registry() -> BackendRegistry:
     """A fresh registry with keel's own backends only (no plugins)."""
     registry = BackendRegistry()
     registry.register("reference", _reference, BUILTIN_PRIORITIES["reference"])
     registry.register("cpu", _cpu, BUILTIN_PRIORITIES["cpu"])
     registry.register("gpu", _gpu, BUILTIN_PRIORITIES["gpu"])
+    registry.register("webgpu", _webgpu, BUILTIN_PRIORITIES["webgpu"])
     return registry
 
 

@@ -1,0 +1,82 @@
+"""The webgpu backend's planner: how a node runs on a WebGPU adapter, and whether auto
+placement may choose the adapter at all.
+
+Variants: a convolution with one input channel per group (depthwise) runs
+``direct`` (one invocation per output: the implicit GEMM's reduction would be
+KH*KW long, its tiles mostly empty); every other op runs its default kernel.
+Declared, not measured (``keel tune`` overrides through ``PlanRequest.measured``).
+
+Auto placement: :func:`auto_blocked` says why the adapter is not a candidate.
+A CPU adapter (llvmpipe, SwiftShader) never is: it runs the same CPU cores as
+the cpu backend through a software rasterizer. A GPU adapter is a candidate
+only where ``keel calibrate`` measured it ahead of the cpu backend (the
+calibration's ``webgpu`` crossover); without a measurement it is not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from keel.backends.base import KernelTable
+from keel.backends.plan import NodePlan, PlanRequest, choose_by_priority, field_reasons
+from keel.ops.registry import Op
+from keel.ops.types import TensorType
+
+__all__ = ["auto_blocked", "choose_variant", "plan"]
+
+_EVIDENCE = "declared, not measured on a GPU"
+
+
+def plan(request: PlanRequest, table: KernelTable) -> NodePlan:
+    """Every decision about how one webgpu node runs, each with its reason."""
+    usable = table.variants(request.op)
+    measured = request.measured
+    if measured is not None and measured.variant in usable:
+        variant, why = measured.variant, measured.reason
+    elif request.op is Op.CONV and "direct" in usable and _depthwise(request):
+        variant, why = "direct", ("depthwise conv: one invocation per output; an implicit "
+                                  f"GEMM's reduction would be one window long ({_EVIDENCE})")
+    else:
+        variant, why = choose_by_priority(request.op, usable, request.dtype, table.backend)
+    return NodePlan(
+        variant=variant, threads=None, precision=request.precision,
+        reasons=field_reasons(
+            variant=why,
+            threads="not applicable: the adapter schedules its own invocations",
+            blas_threads="not applicable: WGSL kernels, no BLAS"))
+
+
+def choose_variant(op: Op, input_types: Sequence[TensorType | None], attrs: Mapping[str, Any],
+                   table: KernelTable) -> tuple[str, str]:
+    found = plan(PlanRequest(op, tuple(input_types), dict(attrs)), table)
+    return found.variant, found.reason("variant")
+
+
+def _depthwise(request: PlanRequest) -> bool:
+    types = request.input_types
+    x = types[0] if types else None
+    w = types[1] if len(types) > 1 else None
+    if x is None or w is None or x.shape is None or w.shape is None or len(x.shape) < 2:
+        return False
+    group = int(request.attrs.get("group", 1))
+    return group > 1 and x.shape[1] == group and w.shape[1] == 1
+
+
+def auto_blocked(adapter: Any, crossover: int | None, nbytes: int) -> str | None:
+    """Why auto placement does not put an op with ``nbytes`` of input on this adapter
+    (None: it may). ``crossover`` is the calibrated input size from which webgpu beat
+    the cpu backend (None: never measured ahead)."""
+    if adapter is None:
+        return "no WebGPU adapter"
+    if adapter.is_cpu:
+        return (f"adapter {adapter.label()} is a CPU adapter (a software rasterizer on the "
+                "same cores as the cpu backend): never faster, so auto placement does not "
+                "choose it; pin backend='webgpu' to run there")
+    if crossover is None:
+        return (f"adapter {adapter.label()}: no calibration shows it ahead of the cpu backend "
+                "(run `keel calibrate` on this machine); auto placement does not choose it")
+    if nbytes < crossover:
+        return (f"{nbytes} bytes of input is under the calibrated webgpu crossover of "
+                f"{crossover} bytes")
+    return None

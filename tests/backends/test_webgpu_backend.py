@@ -1,0 +1,91 @@
+"""The webgpu backend on whatever adapter wgpu finds here (llvmpipe in CI).
+
+The benchmark models run pinned to webgpu and match the reference backend; auto
+placement never chooses a CPU adapter and says why; a pinned webgpu raises a
+typed error for an op it has no kernel for. Skips (with the reason) only where
+wgpu or an adapter is genuinely absent.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import keel
+from benchmarks import zoo
+from keel.backends.registry import builtin_registry
+from keel.errors import InvalidArgumentError, UnsupportedOperationError
+
+REGISTRY = builtin_registry()
+WEBGPU = REGISTRY.instance("webgpu")
+
+pytestmark = pytest.mark.skipif(
+    not WEBGPU.is_available(),
+    reason=f"webgpu is not available here: {WEBGPU.availability().reason}")
+
+
+@pytest.mark.parametrize("name", ["mlp", "lenet", "resnet20"])
+def test_benchmark_model_matches_the_reference(name: str) -> None:
+    spec = zoo.MODELS[name]
+    model = zoo.build(name)
+    x = spec.make_input(1)
+    got = keel.load_model(model, backend="webgpu").predict({spec.input_name: x})
+    want = keel.load_model(model, backend="reference").predict({spec.input_name: x})
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        np.testing.assert_allclose(got[key], value, rtol=1e-4, atol=1e-4, err_msg=key)
+
+
+def test_a_model_run_is_one_submission() -> None:
+    spec = zoo.MODELS["lenet"]
+    model = keel.load_model(zoo.build("lenet"), backend="webgpu")
+    x = spec.make_input(1)
+    model.predict({spec.input_name: x})
+    from keel.backends.registry import default_registry
+
+    device = default_registry().instance("webgpu")._device
+    before = device.submits
+    model.predict({spec.input_name: x})
+    assert device.submits - before == 1
+
+
+def test_availability_names_the_adapter() -> None:
+    info = WEBGPU.adapter
+    assert info is not None
+    assert info.label() in WEBGPU.availability().reason
+    caps = WEBGPU.capabilities()
+    assert any(n.startswith("adapter: ") for n in caps.notes)
+
+
+def test_auto_placement_never_chooses_a_cpu_adapter_and_says_why() -> None:
+    if not WEBGPU.adapter.is_cpu:
+        pytest.skip(f"adapter {WEBGPU.adapter.label()} is a GPU")
+    model = keel.load_model(zoo.build("mlp"), backend="auto")
+    plan = model.plan
+    assert "webgpu" not in plan.backends
+    reasons = " ".join(r for n in plan.nodes for r in n.reasons)
+    assert "webgpu rejected" in reasons and "CPU adapter" in reasons
+
+
+def test_pinned_webgpu_raises_for_an_op_without_a_kernel() -> None:
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Cos", ["x"], ["c"]), helper.make_node("Atan", ["c"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])])
+    onnx_model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(UnsupportedOperationError, match="atan"):
+        keel.load_model(onnx_model.SerializeToString(), backend="webgpu").predict(
+            {"x": np.ones(4, np.float32)})
+
+
+def test_seed_constraints_enforce_the_gpu_profile() -> None:
+    from keel.backends.webgpu.backend import WebGpuBackend
+
+    strict = WebGpuBackend(seed_constraints=True)
+    strict.to_device(np.zeros(8, np.float32))
+    with pytest.raises(InvalidArgumentError, match="divisible by 4"):
+        strict.to_device(np.zeros(3, np.float32))
+    with pytest.raises(InvalidArgumentError, match="float32 only"):
+        strict.to_device(np.zeros(4, np.int64))

@@ -24,9 +24,11 @@ from keel.hardware.profile import (
     GpuInfo,
     HardwareProfile,
     MemoryInfo,
+    WebGpuAdapterInfo,
     unexplained_fields,
 )
 from keel.hardware.sources import Notes, ProbeSources
+from keel.hardware.webgpu import probe_webgpu
 
 __all__ = [
     "AcceleratorInfo",
@@ -36,6 +38,7 @@ __all__ = [
     "HardwareProfile",
     "MemoryInfo",
     "ProbeSources",
+    "WebGpuAdapterInfo",
     "detect_devices",
     "probe",
     "unexplained_fields",
@@ -62,6 +65,12 @@ def probe(sources: ProbeSources | None = None) -> HardwareProfile:
         accelerators = probe_accelerators(src)
     except Exception as exc:  # the probe never raises; a crashed source is a note
         notes.add("accelerators", f"accelerator probe failed ({type(exc).__name__}: {exc})")
+    webgpu: tuple[WebGpuAdapterInfo, ...] = ()
+    try:
+        webgpu, webgpu_notes = probe_webgpu(src)
+        notes.extend(webgpu_notes)
+    except Exception as exc:  # the probe never raises; a crashed source is a note
+        notes.add("webgpu_adapters", f"WebGPU probe failed ({type(exc).__name__}: {exc})")
     plat = src.platform
     fields = {"platform_system": plat.system, "platform_release": plat.release,
               "python_version": plat.python_version, "hostname": plat.node}
@@ -69,7 +78,7 @@ def probe(sources: ProbeSources | None = None) -> HardwareProfile:
         if not value:
             notes.add(name, "the platform module returned an empty value")
     return HardwareProfile(
-        cpu=cpu, memory=memory, gpus=gpus, accelerators=accelerators,
+        cpu=cpu, memory=memory, gpus=gpus, accelerators=accelerators, webgpu_adapters=webgpu,
         **{name: value or None for name, value in fields.items()},
         forced_backend=_forced_backend(src, notes),
         probe_seconds=round(src.clock() - start, 6),

@@ -123,6 +123,9 @@ class WgpuArray:
         host = self.to_host()
         return host if dtype is None else host.astype(dtype)
 
+    def tolist(self) -> Any:
+        return self.to_host().tolist()
+
     def to_host(self) -> np.ndarray:
         """A host copy (reads the buffer back unless its host bytes still hold)."""
         if self.size == 0:
@@ -249,7 +252,9 @@ class Namespace:
     zeros = empty          # new buffers are zero-filled
 
     def asarray(self, host: Any) -> WgpuArray:
-        data = np.ascontiguousarray(host)
+        data = np.asarray(host)
+        if not data.flags.c_contiguous:
+            data = data.copy(order="C")
         return WgpuArray(Storage(self.device, data.nbytes, data), data.shape, data.dtype)
 
     array = asarray

@@ -173,7 +173,10 @@ class WebGpuBackend(Backend):
                          "the cpu backend; auto placement does not choose it")
         if self.seed_constraints:
             notes.append("seed 001 GPU profile constraints enforced: float32, numel % 4 == 0")
-        return {"memory_bytes": info.limits.get("max-buffer-size"), "notes": tuple(notes)}
+        size = info.limits.get("max-buffer-size")
+        if size:
+            notes.append(f"largest buffer: {size} bytes (WebGPU does not report device memory)")
+        return {"memory_bytes": None, "notes": tuple(notes)}
 
     def auto_blocked(self, nbytes: int) -> str | None:
         from keel.backends.webgpu import planner

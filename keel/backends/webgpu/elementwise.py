@@ -47,9 +47,9 @@ UNARY: dict[Op, str] = {
     Op.SIN: "sin(a)",
     Op.COS: "cos(a)",
     Op.ERF: "erf_(a)",
-    Op.SIGN: "sign(a)",
+    Op.SIGN: "keep_nan(a, sign(a))",
     Op.LEAKY_RELU: "select(a, s0 * a, a < 0.0)",
-    Op.HARD_SIGMOID: "clamp(s0 * a + s1, 0.0, 1.0)",
+    Op.HARD_SIGMOID: "keep_nan(a, clamp(s0 * a + s1, 0.0, 1.0))",
     Op.HARD_SWISH: "a * clamp(a / 6.0 + 0.5, 0.0, 1.0)",
     Op.SOFTSIGN: "a / (1.0 + abs(a))",
     Op.SWISH: "a * sigmoid_(s0 * a)",
@@ -142,7 +142,7 @@ def _clip(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[An
         else:
             bounds.append(default if attrs.get(name) is None else float(attrs[name]))
     lo, hi = (float(np.float32(b)) for b in bounds)
-    expr = f"min(max(a, {wgsl.lit(lo)}), {wgsl.lit(hi)})"
+    expr = f"keep_nan(a, min(max(a, {wgsl.lit(lo)}), {wgsl.lit(hi)}))"
     return [elementwise(expr, [x], (), out)]
 
 

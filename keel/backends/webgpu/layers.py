@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from keel.backends.base import Attrs, Inputs, KernelContext, KernelTable, Out, optional_input
 from keel.backends.webgpu import wgsl
 from keel.backends.webgpu.array import WgpuArray
@@ -23,10 +25,12 @@ from keel.backends.webgpu.ops import (
     out_array,
     scalar_type,
 )
+from keel.dtypes import DType
 from keel.errors import InvalidArgumentError
 from keel.ops.registry import Op
+from keel.ops.schemas.normalization import check_skip, compute_dtype
 from keel.ops.schemas.pooling import pool_window
-from keel.ops.schemas.shape import ints_param
+from keel.ops.schemas.reduction import reduction_axes
 
 __all__ = ["register", "softmax_last"]
 
@@ -41,8 +45,8 @@ def _rows(kind: str, x: WgpuArray, length: int, out_shape: Sequence[int], out: O
           ) -> WgpuArray:
     """A one-value-per-row (or per-element) row kernel over contiguous ``x``."""
     xc = contiguous(x)
-    rows = xc.size // length if length else 0
     y = out_array(x.storage.device, out, 0, out_shape, x.dtype)
+    rows = y.size if kind in ("sum", "mean", "max") else xc.size // max(length, 1)
     if y.size == 0:
         return y
     params = Params().u(rows, length, xc.offset, y.offset).f(0.0).u(0, 0, 0, 0, 0, 1, 0)
@@ -88,16 +92,13 @@ def _layer_norm_rows(x: WgpuArray, scale: WgpuArray, bias: WgpuArray | None,
     length = 1
     for d in x.shape[axis:]:
         length *= d
-    if tuple(scale.shape) != tuple(x.shape[axis:])[-scale.ndim:] or scale.size != length:
-        raise InvalidArgumentError(f"layer norm: scale of shape {scale.shape} does not cover "
-                                   f"the normalized dims {x.shape[axis:]}")
     rows = xc.size // length if length else 0
     y = fresh(dev, x.shape, x.dtype)
     stat_shape = (*x.shape[:axis], *([1] * (x.ndim - axis)))
-    mean, inv = fresh(dev, stat_shape, x.dtype), fresh(dev, stat_shape, x.dtype)
+    mean, inv = fresh(dev, stat_shape, np.float32), fresh(dev, stat_shape, np.float32)
     summed = fresh(dev, x.shape, x.dtype)
-    sc = contiguous(scale)
-    bc = None if bias is None else contiguous(bias)
+    sc = _over(scale, x.shape[axis:])
+    bc = None if bias is None else _over(bias, x.shape[axis:])
     kc = None if skip is None else contiguous(skip)
     params = (Params().u(rows, length, xc.offset, y.offset).f(eps)
               .u(sc.offset, _NONE if bc is None else bc.offset, mean.offset, inv.offset,
@@ -112,8 +113,26 @@ def _layer_norm_rows(x: WgpuArray, scale: WgpuArray, bias: WgpuArray | None,
     return [y, mean, inv, summed]
 
 
+def _over(p: WgpuArray, dims: Sequence[int]) -> WgpuArray:
+    """A scale or bias laid out over the normalized dims (broadcast where it repeats)."""
+    if p.shape == tuple(dims) and p.is_contiguous():
+        return p
+    if len(p.shape) > len(dims):
+        if any(d != 1 for d in p.shape[:len(p.shape) - len(dims)]):
+            raise InvalidArgumentError(f"layer norm: a parameter of shape {p.shape} does not "
+                                       f"broadcast over the normalized dims {tuple(dims)}")
+        p = p.reshape(p.shape[len(p.shape) - len(dims):])
+    full = fresh(p.storage.device, dims, p.dtype)
+    full[...] = p
+    return full
+
+
 def _layer_norm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     x, scale, bias = inputs[0], inputs[1], optional_input(inputs, 2)
+    compute_dtype(Op.LAYER_NORM, DType.from_numpy(x.dtype), attrs["stash_type"])
+    if attrs["stash_type"] != 1:
+        raise InvalidArgumentError("webgpu layer norm keeps its statistics in float32 "
+                                   "(stash_type 1); float64 statistics run elsewhere")
     axis = _axis(attrs["axis"], x.ndim, "layer_norm")
     wanted = 3 if out is None else len(out)
     y, mean, inv, _ = _layer_norm_rows(x, scale, bias, None, axis, float(attrs["epsilon"]),
@@ -126,9 +145,9 @@ def _skip_layer_norm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out)
     if skip.dtype != x.dtype:
         raise InvalidArgumentError(f"skip_layer_norm: skip must have X's dtype {x.dtype}, "
                                    f"got {skip.dtype}")
-    if tuple(skip.shape[-x.ndim:]) != x.shape[-skip.ndim:] and skip.shape != x.shape:
-        raise InvalidArgumentError(f"skip_layer_norm: skip of shape {skip.shape} does not "
-                                   f"match X {x.shape}")
+    check_skip(Op.SKIP_LAYER_NORM, x.shape, skip.shape)
+    if skip.shape != x.shape:              # broadcast: laid out like X once
+        skip = _over(skip, x.shape)
     axis = _axis(attrs["axis"], x.ndim, "skip_layer_norm")
     wanted = 2 if out is None else len(out)
     y, _, _, summed = _layer_norm_rows(x, scale, bias, skip, axis, float(attrs["epsilon"]),
@@ -146,32 +165,25 @@ def _reduce(kind: str, x: WgpuArray, axes: Sequence[int], keepdims: bool, out: O
         length *= x.shape[a]
     shape = tuple(1 if a in axes else x.shape[a] for a in range(x.ndim)) if keepdims \
         else tuple(x.shape[a] for a in kept)
-    if length == 0:
-        raise InvalidArgumentError(f"webgpu {kind} over an empty axis is left to the other "
-                                   "backends")
     return _rows(kind, moved, length, shape, out)
 
 
-def _sum_mean(kind: str) -> Any:
+def _sum_mean(op: Op, kind: str) -> Any:
     def kernel(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
         x = inputs[0]
-        axes = ints_param(kind, inputs, 1, attrs, "axes")
+        given = inputs[1] if len(inputs) > 1 and inputs[1] is not None else None
+        axes = reduction_axes(op, x.ndim, attrs, None if given is None else given.to_host())
         if not axes:
-            if attrs.get("noop_with_empty_axes"):
-                dst = out_array(x.storage.device, out, 0, x.shape, x.dtype)
-                dst[...] = x
-                return [dst]
-            axes = tuple(range(x.ndim))
-        return [_reduce(kind, x, axes, bool(attrs.get("keepdims", True)), out)]
+            dst = out_array(x.storage.device, out, 0, x.shape, x.dtype)
+            dst[...] = x
+            return [dst]
+        return [_reduce(kind, x, axes, bool(attrs["keepdims"]), out)]
     return kernel
 
 
 def _all(kind: str) -> Any:
     def kernel(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
         x = inputs[0]
-        if x.size == 0:
-            raise InvalidArgumentError(f"webgpu {kind} of an empty tensor is left to the "
-                                       "other backends")
         return [_rows(kind, x, x.size, (), out)]
     return kernel
 
@@ -186,23 +198,28 @@ def _global_avg(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> l
 def _pool(kind: str, op: Op) -> Any:
     def kernel(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
         x = inputs[0]
-        if out is not None and len(out) > 1:
-            raise InvalidArgumentError("webgpu max_pool gives Y only; Indices run elsewhere")
         if x.ndim != 4:
             raise InvalidArgumentError(f"webgpu {op.value} pools 2-D inputs (N, C, H, W); "
                                        f"got shape {x.shape}")
         win = pool_window(op, x.shape, attrs)
         xc = contiguous(x)
         n, c = x.shape[:2]
-        y = out_array(x.storage.device, out, 0, (n, c, *win.out_spatial), x.dtype)
+        shape = (n, c, *win.out_spatial)
+        y = out_array(x.storage.device, out, 0, shape, x.dtype)
+        want_indices = kind == "max" and (out is None or len(out) > 1)
+        ix = out_array(x.storage.device, out, 1, shape, np.int64) if want_indices else None
         if y.size:
             params = Params().u(n * c, *win.in_spatial, *win.out_spatial, *win.kernel,
                                 *win.strides, *win.pads_begin, *win.dilations,
                                 int(bool(attrs.get("count_include_pad", 0))), xc.offset,
-                                y.offset)
-            launch(wgsl.pool2d(scalar_type(x.dtype), kind), [y, xc], params,
-                   groups_for(y.size), [y])
-        return [y]
+                                y.offset, *win.pads_end)
+            arrays = [y, xc]
+            if ix is not None:
+                params.u(ix.offset * 2, int(attrs.get("storage_order", 0)))
+                arrays.append(ix)
+            launch(wgsl.pool2d(scalar_type(x.dtype), kind, ix is not None), arrays, params,
+                   groups_for(y.size), arrays[::2])
+        return [y] if ix is None else [y, ix]
     return kernel
 
 
@@ -214,9 +231,9 @@ def register(table: KernelTable, float_dtypes: Sequence[str]) -> None:
     table.kernel(Op.SKIP_LAYER_NORM, dtypes=fd,
                  description="WGSL row layer norm of X + skip")(_skip_layer_norm)
     table.kernel(Op.SUM, dtypes=fd, supports_out=True, description="WGSL row sum")(
-        _sum_mean("sum"))
+        _sum_mean(Op.SUM, "sum"))
     table.kernel(Op.MEAN, dtypes=fd, supports_out=True, description="WGSL row mean")(
-        _sum_mean("mean"))
+        _sum_mean(Op.MEAN, "mean"))
     table.kernel(Op.SUM_ALL, dtypes=fd, supports_out=True, description="WGSL tree sum")(
         _all("sum"))
     table.kernel(Op.MEAN_ALL, dtypes=fd, supports_out=True, description="WGSL tree mean")(
@@ -224,6 +241,6 @@ def register(table: KernelTable, float_dtypes: Sequence[str]) -> None:
     table.kernel(Op.GLOBAL_AVG_POOL, dtypes=fd, supports_out=True,
                  description="WGSL row mean over H x W")(_global_avg)
     table.kernel(Op.MAX_POOL, dtypes=fd, supports_out=True,
-                 description="WGSL max pool (Y only)")(_pool("max", Op.MAX_POOL))
+                 description="WGSL max pool (Y, Indices)")(_pool("max", Op.MAX_POOL))
     table.kernel(Op.AVG_POOL, dtypes=fd, supports_out=True,
                  description="WGSL average pool")(_pool("avg", Op.AVG_POOL))

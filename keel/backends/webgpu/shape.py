@@ -23,7 +23,6 @@ from keel.ops.schemas.indexing import check_index, check_indices, slice_index, s
 from keel.ops.schemas.shape import (
     expand_dims_axes,
     expand_dims_dims,
-    fill_value,
     flatten_dims,
     ints_param,
     require,
@@ -116,7 +115,11 @@ def _copy(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[An
 
 
 def _fill(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
-    value = fill_value("fill", np.asarray(inputs[0]))       # a small host copy
+    flat = np.asarray(inputs[0]).reshape(-1)          # a small host copy
+    if flat.shape[0] == 0:
+        raise InvalidArgumentError("fill reads its value from element 0 of input 0, which "
+                                   "is empty")
+    value = flat[0:1].reshape(())                     # seed 001: the rest is padding
     src = inputs[0]
     if out is not None:
         shape, dtype = tuple(out[0].shape), out[0].dtype

@@ -87,6 +87,8 @@ def _buffers(t: str, names: list[str], first: int = 0) -> str:
 # Math the shaders share: erf (Abramowitz-Stegun 7.1.26, |error| < 1.5e-7) and a tanh
 # that saturates instead of overflowing.
 _MATH = """
+// WGSL lets a compiler assume no NaN (x != x may fold to false): test the bits.
+fn is_nan(x: f32) -> bool { return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u; }
 fn erf_(x: f32) -> f32 {
     let s = sign(x);
     let a = abs(x);
@@ -105,7 +107,12 @@ fn gelu_(x: f32) -> f32 {
     let c = select(2.0 - erfc_pos(-z), erfc_pos(z), z >= 0.0);
     return 0.5 * x * c;
 }
-fn tanh_(x: f32) -> f32 { return tanh(clamp(x, -15.0, 15.0)); }
+fn tanh_(x: f32) -> f32 {
+    if (is_nan(x)) { return x; }
+    if (abs(x) < 0.0004) { return x; }         // tanh(x) = x - x^3/3: x is exact in f32
+    return tanh(clamp(x, -15.0, 15.0));
+}
+fn keep_nan(x: f32, y: f32) -> f32 { return select(y, x, is_nan(x)); }
 fn sigmoid_(x: f32) -> f32 { return 1.0 / (1.0 + exp(-x)); }
 """
 
@@ -341,29 +348,42 @@ def conv_direct(t: str, act: str, with_bias: bool, with_z: bool) -> str:
 
 
 @functools.cache
-def pool2d(t: str, kind: str) -> str:
+def pool2d(t: str, kind: str, indices: bool = False) -> str:
     """Max or average pooling over (N, C, H, W), one invocation per output element.
 
     P: NC, H, W, OH, OW, KH, KW, stride h/w, pad top/left, dilation h/w, count_include_pad
-    (0..13), X off, O off (14, 15). Padding past the pads (ceil mode) never counts.
+    (0..13), X off, O off (14, 15), pad bottom/right (16, 17); with ``indices`` (max only)
+    the int64 Indices output's offset in words (18) and the storage order (19). Padding
+    past the pads (ceil mode) never counts. Max: the first maximum wins, and the first NaN
+    beats any number.
     """
-    start = "-3.4028235e38" if kind == "max" else "0.0"
-    step = "v = max(v, x);" if kind == "max" else "v = v + x;"
+    names = ["O", "X"]
+    decl = _buffers(t, names) + ("@group(0) @binding(2) var<storage, read_write> Ix: "
+                                 "array<u32>;\n" if indices else "")
+    if kind == "max":
+        step = ("if (!nan && (x > v || is_nan(x))) { v = x; nan = is_nan(x); "
+                "arg = select(u32(ih) * W + u32(iw), u32(iw) * H + u32(ih), P[19] == 1u); }")
+    else:
+        step = "v = v + x;"
     final = "v" if kind == "max" else "v / f32(select(count, full, P[13] == 1u))"
-    return (_header(t, 2) + _buffers(t, ["O", "X"]) + _MAIN + f"""
+    store = ("    Ix[P[18] + 2u * i] = nc * H * W + arg;\n    Ix[P[18] + 2u * i + 1u] = 0u;\n"
+             if indices else "")
+    return (_header(t, len(names) + int(indices)) + _MATH + decl + _MAIN + f"""
     let H = P[1]; let W = P[2]; let OH = P[3]; let OW = P[4];
     if (i >= P[0] * OH * OW) {{ return; }}
     let ow = i % OW;
     let oh = (i / OW) % OH;
     let nc = i / (OW * OH);
-    var v = {start};
+    var v = {"-3.4028235e38" if kind == "max" else "0.0"};
+    var nan = false;
+    var arg = 0u;
     var count = 0u;
     var full = 0u;
     for (var kh = 0u; kh < P[5]; kh = kh + 1u) {{
         let ih = i32(oh * P[7] + kh * P[11]) - i32(P[9]);
         for (var kw = 0u; kw < P[6]; kw = kw + 1u) {{
             let iw = i32(ow * P[8] + kw * P[12]) - i32(P[10]);
-            if (ih < i32(H) + i32(P[9]) && iw < i32(W) + i32(P[10])) {{ full = full + 1u; }}
+            if (ih < i32(H) + i32(P[16]) && iw < i32(W) + i32(P[17])) {{ full = full + 1u; }}
             if (ih < 0 || ih >= i32(H) || iw < 0 || iw >= i32(W)) {{ continue; }}
             let x = f32(X[P[14] + (nc * H + u32(ih)) * W + u32(iw)]);
             {step}
@@ -371,7 +391,7 @@ def pool2d(t: str, kind: str) -> str:
         }}
     }}
     O[P[15] + i] = {t}({final});
-}}
+{store}}}
 """)
 
 
@@ -430,9 +450,12 @@ def rows(t: str, kind: str, bias: bool = False, skip: bool = False, stats: bool 
 """ + ("        y = y + f32(Bi[P[6] + j]);\n" if bias else "")
             + "        O[P[3] + r * L + j] = T(y);\n"
             + ("        Su[P[11] + r * L + j] = x;\n" if total else "") + "    }\n"
-            + ("    if (l.x == 0u) { Mn[P[7] + r] = T(mean); Iv[P[8] + r] = T(inv); }\n"
+            + ("    if (l.x == 0u) { Mn[P[7] + r] = mean; Iv[P[8] + r] = inv; }\n"
                if stats else ""))
-    return (_header(t, len(names)) + f"alias T = {t};\n" + _buffers(t, names) + f"""
+    decl = "".join(f"@group(0) @binding({k}) var<storage, read_write> {n}: "
+                   f"array<{'f32' if n in ('Mn', 'Iv') else t}>;\n"   # statistics: float32
+                   for k, n in enumerate(names))
+    return (_header(t, len(names)) + f"alias T = {t};\n" + decl + f"""
 const G = {GROUP}u;
 var<workgroup> red: array<f32, {GROUP}>;
 

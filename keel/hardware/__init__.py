@@ -47,8 +47,12 @@ __all__ = [
 R = TypeVar("R")
 
 
-def probe(sources: ProbeSources | None = None) -> HardwareProfile:
-    """Probe the machine (or the machine ``sources`` describe) into a HardwareProfile."""
+def probe(sources: ProbeSources | None = None, *, webgpu: bool = False) -> HardwareProfile:
+    """Probe the machine (or the machine ``sources`` describe) into a HardwareProfile.
+
+    ``webgpu`` also lists the WebGPU adapters (``keel probe --webgpu``): that starts the
+    Vulkan/Metal/DX12 drivers in this process, which costs seconds, so it is asked for.
+    """
     src = ProbeSources.real() if sources is None else sources
     start = src.clock()
     notes = Notes()
@@ -65,12 +69,16 @@ def probe(sources: ProbeSources | None = None) -> HardwareProfile:
         accelerators = probe_accelerators(src)
     except Exception as exc:  # the probe never raises; a crashed source is a note
         notes.add("accelerators", f"accelerator probe failed ({type(exc).__name__}: {exc})")
-    webgpu: tuple[WebGpuAdapterInfo, ...] = ()
-    try:
-        webgpu, webgpu_notes = probe_webgpu(src)
-        notes.extend(webgpu_notes)
-    except Exception as exc:  # the probe never raises; a crashed source is a note
-        notes.add("webgpu_adapters", f"WebGPU probe failed ({type(exc).__name__}: {exc})")
+    adapters: tuple[WebGpuAdapterInfo, ...] = ()
+    if not webgpu:
+        notes.add("webgpu_adapters", "not probed: starting the WebGPU drivers costs seconds "
+                                     "(keel probe --webgpu lists the adapters)")
+    else:
+        try:
+            adapters, webgpu_notes = probe_webgpu(src)
+            notes.extend(webgpu_notes)
+        except Exception as exc:  # the probe never raises; a crashed source is a note
+            notes.add("webgpu_adapters", f"WebGPU probe failed ({type(exc).__name__}: {exc})")
     plat = src.platform
     fields = {"platform_system": plat.system, "platform_release": plat.release,
               "python_version": plat.python_version, "hostname": plat.node}
@@ -78,7 +86,8 @@ def probe(sources: ProbeSources | None = None) -> HardwareProfile:
         if not value:
             notes.add(name, "the platform module returned an empty value")
     return HardwareProfile(
-        cpu=cpu, memory=memory, gpus=gpus, accelerators=accelerators, webgpu_adapters=webgpu,
+        cpu=cpu, memory=memory, gpus=gpus, accelerators=accelerators,
+        webgpu_adapters=adapters,
         **{name: value or None for name, value in fields.items()},
         forced_backend=_forced_backend(src, notes),
         probe_seconds=round(src.clock() - start, 6),

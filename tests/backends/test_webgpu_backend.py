@@ -24,13 +24,16 @@ pytestmark = pytest.mark.skipif(
     reason=f"webgpu is not available here: {WEBGPU.availability().reason}")
 
 
-@pytest.mark.parametrize("name", ["mlp", "lenet", "resnet20"])
-def test_benchmark_model_matches_the_reference(name: str) -> None:
+@pytest.mark.parametrize("name", ["mlp", "lenet", "resnet20", "mobilenetv2", "bert_mini"])
+def test_benchmark_model_matches_onnxruntime(name: str) -> None:
+    ort = pytest.importorskip("onnxruntime")
     spec = zoo.MODELS[name]
     model = zoo.build(name)
     x = spec.make_input(1)
     got = keel.load_model(model, backend="webgpu").predict({spec.input_name: x})
-    want = keel.load_model(model, backend="reference").predict({spec.input_name: x})
+    session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    want = dict(zip(names, session.run(names, {spec.input_name: x}), strict=True))
     assert got.keys() == want.keys()
     for key, value in want.items():
         np.testing.assert_allclose(got[key], value, rtol=1e-4, atol=1e-4, err_msg=key)
@@ -57,14 +60,21 @@ def test_availability_names_the_adapter() -> None:
     assert any(n.startswith("adapter: ") for n in caps.notes)
 
 
-def test_auto_placement_never_chooses_a_cpu_adapter_and_says_why() -> None:
+def test_auto_placement_leaves_webgpu_out_and_says_why() -> None:
+    plan = keel.load_model(zoo.build("mlp"), backend="auto").plan
+    assert "webgpu" not in plan.backends
+    assert any(r.startswith("webgpu not in the chain: opt-in") for r in plan.reasons)
+
+
+def test_in_the_chain_a_cpu_adapter_is_still_never_chosen_and_the_plan_says_why() -> None:
     if not WEBGPU.adapter.is_cpu:
         pytest.skip(f"adapter {WEBGPU.adapter.label()} is a GPU")
-    model = keel.load_model(zoo.build("mlp"), backend="auto")
-    plan = model.plan
-    assert "webgpu" not in plan.backends
+    registry = builtin_registry()
+    registry.set_priority(["webgpu", "cpu", "reference"])
+    plan = keel.load_model(zoo.build("mlp"), backend="auto", registry=registry).plan
+    assert set(plan.backends) == {"cpu"}
     reasons = " ".join(r for n in plan.nodes for r in n.reasons)
-    assert "webgpu rejected" in reasons and "CPU adapter" in reasons
+    assert "webgpu rejected" in reasons and "is a CPU adapter" in reasons
 
 
 def test_pinned_webgpu_raises_for_an_op_without_a_kernel() -> None:

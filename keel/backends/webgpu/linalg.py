@@ -42,6 +42,7 @@ from keel.ops.schemas.matmul import (
     gemm_shape,
     matmul_shape,
 )
+from keel.ops.schemas.shape import static_dims
 
 __all__ = ["conv2d_nchw", "matmul_strided", "register"]
 
@@ -103,7 +104,7 @@ def _matmul(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[
     a2 = a[None, :] if a.ndim == 1 else a
     b2 = b[:, None] if b.ndim == 1 else b
     y = matmul_strided(a2, b2, bias, act=_act(attrs))
-    return [_reshaped(y, tuple(int(d) for d in shape), out)]
+    return [_reshaped(y, static_dims(shape), out)]
 
 
 def _reshaped(y: WgpuArray, shape: tuple[int, ...], out: Out) -> WgpuArray:
@@ -130,7 +131,7 @@ def _gemm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[An
 def _dot(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     a, b = inputs
     _same_dtype(Op.DOT, a, b)
-    shape = tuple(int(d) for d in dot_shape(a.shape, b.shape))
+    shape = static_dims(dot_shape(a.shape, b.shape))
     if a.ndim == 0 or b.ndim == 0:
         return [elementwise("a * b", [a, b], (), out)]
     a2 = a.reshape(-1, a.shape[-1]) if a.ndim != 1 else a[None, :]

@@ -451,9 +451,9 @@ class Backend(ABC):
     def context(self) -> KernelContext:
         return KernelContext(self.xp, self.name, self.device, self.threads)
 
-    def auto_blocked(self, nbytes: int) -> str | None:
-        """Why automatic selection must not choose this backend for an op with ``nbytes``
-        of input (None: it may). Default: it may."""
+    def auto_blocked(self, props: Any) -> str | None:
+        """Why automatic selection must not choose this backend for an op (``props``: its
+        ``keel.planning.selection.OperationProperties``); None: it may (the default)."""
         return None
 
     def plan_notes(self) -> tuple[str, ...]:

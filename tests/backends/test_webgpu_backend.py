@@ -8,6 +8,8 @@ wgpu or an adapter is genuinely absent.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -99,3 +101,35 @@ def test_seed_constraints_enforce_the_gpu_profile() -> None:
         strict.to_device(np.zeros(3, np.float32))
     with pytest.raises(InvalidArgumentError, match="float32 only"):
         strict.to_device(np.zeros(4, np.int64))
+
+
+def test_calibrate_times_webgpu_and_keeps_it_in_its_own_file(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    from keel import config
+    from keel.planning.calibration import calibrate, find_calibration, save
+
+    monkeypatch.setenv("KEEL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("KEEL_CALIBRATION")          # the tests' default is "off"
+    config.reload_settings()                        # conftest reloads after the undo
+    measured = calibrate(REGISTRY, groups=["elementwise"], sizes=[4096], repeats=1,
+                         budget_seconds=30, gpu="webgpu")
+    assert measured.devices["gpu"].startswith("webgpu: ")
+    path = save(measured, gpu="webgpu")
+    assert path.name.endswith("-webgpu.json")
+    found = find_calibration(gpu="webgpu")
+    assert found.calibration is not None and found.path == str(path)
+    assert find_calibration().calibration is None          # the default chain's: none
+
+
+def test_a_gpu_adapter_is_chosen_only_from_its_measured_crossover() -> None:
+    from keel.backends.webgpu.device import AdapterInfo
+    from keel.backends.webgpu.planner import Measured, auto_blocked
+
+    gpu = AdapterInfo("vendor", "a GPU", "", "Vulkan", "DiscreteGPU", True)
+    cpu = AdapterInfo("llvmpipe", "llvmpipe", "", "Vulkan", "CPU", True)
+    assert "CPU adapter" in str(auto_blocked(cpu, Measured(1, "m"), 10**9))
+    assert "no calibration" in str(auto_blocked(gpu, None, 10**9))
+    assert "never found webgpu ahead" in str(auto_blocked(gpu, Measured(None, "m"), 10**9))
+    assert "under the calibrated" in str(auto_blocked(gpu, Measured(10**6, "m"), 10**5))
+    assert auto_blocked(gpu, Measured(10**6, "m"), 10**6) is None

@@ -9,13 +9,16 @@ Declared, not measured (``keel tune`` overrides through ``PlanRequest.measured``
 Auto placement: :func:`auto_blocked` says why the adapter is not a candidate.
 A CPU adapter (llvmpipe, SwiftShader) never is: it runs the same CPU cores as
 the cpu backend through a software rasterizer. A GPU adapter is a candidate
-only where ``keel calibrate`` measured it ahead of the cpu backend (the
-calibration's ``webgpu`` crossover); without a measurement it is not.
+only where ``keel calibrate --gpu webgpu`` measured it ahead of the cpu backend
+for the op's group, from the measured input size on; without a measurement it
+is not. (webgpu is also outside the default priority chain: these rules apply
+once it is put in the chain.)
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from keel.backends.base import KernelTable
@@ -23,7 +26,7 @@ from keel.backends.plan import NodePlan, PlanRequest, choose_by_priority, field_
 from keel.ops.registry import Op
 from keel.ops.types import TensorType
 
-__all__ = ["auto_blocked", "choose_variant", "plan"]
+__all__ = ["Measured", "auto_blocked", "choose_variant", "plan"]
 
 _EVIDENCE = "declared, not measured on a GPU"
 
@@ -63,20 +66,31 @@ def _depthwise(request: PlanRequest) -> bool:
     return group > 1 and x.shape[1] == group and w.shape[1] == 1
 
 
-def auto_blocked(adapter: Any, crossover: int | None, nbytes: int) -> str | None:
+@dataclass(frozen=True)
+class Measured:
+    """A calibrated webgpu crossover: the input size from which it beat the cpu backend
+    (None: it never did in the measured range), and where that was measured."""
+
+    crossover: int | None
+    source: str
+
+
+def auto_blocked(adapter: Any, measured: Measured | None, nbytes: int) -> str | None:
     """Why auto placement does not put an op with ``nbytes`` of input on this adapter
-    (None: it may). ``crossover`` is the calibrated input size from which webgpu beat
-    the cpu backend (None: never measured ahead)."""
+    (None: it may), given what ``keel calibrate --gpu webgpu`` measured for its group."""
     if adapter is None:
         return "no WebGPU adapter"
     if adapter.is_cpu:
         return (f"adapter {adapter.label()} is a CPU adapter (a software rasterizer on the "
                 "same cores as the cpu backend): never faster, so auto placement does not "
                 "choose it; pin backend='webgpu' to run there")
-    if crossover is None:
-        return (f"adapter {adapter.label()}: no calibration shows it ahead of the cpu backend "
-                "(run `keel calibrate` on this machine); auto placement does not choose it")
-    if nbytes < crossover:
+    if measured is None:
+        return (f"adapter {adapter.label()}: no calibration measured it for this op group "
+                "(run `keel calibrate --gpu webgpu`); auto placement does not choose it")
+    if measured.crossover is None:
+        return (f"the calibration ({measured.source}) never found webgpu ahead of the cpu "
+                "backend for this op group")
+    if nbytes < measured.crossover:
         return (f"{nbytes} bytes of input is under the calibrated webgpu crossover of "
-                f"{crossover} bytes")
+                f"{measured.crossover} bytes ({measured.source})")
     return None

@@ -10,9 +10,11 @@ drivers, so the answer is kept for the process (per wgpu module).
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any
 
+from keel._fork import renew_after_fork
 from keel.hardware.profile import WebGpuAdapterInfo
 from keel.hardware.sources import ProbeSources
 
@@ -20,6 +22,7 @@ __all__ = ["probe_webgpu"]
 
 _CACHE: dict[int, tuple[WebGpuAdapterInfo, ...]] = {}
 _LOCK = threading.Lock()
+renew_after_fork(sys.modules[__name__], "_LOCK")   # free in a forked child
 
 
 def probe_webgpu(src: ProbeSources) -> tuple[tuple[WebGpuAdapterInfo, ...], list[str]]:

@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from keel._fork import renew_after_fork
+
 __all__ = [
     "AdapterInfo",
     "Device",
@@ -114,6 +116,7 @@ class Device:
         self._encoder: Any = None
         self._pass: Any = None
         self._lock = threading.RLock()
+        renew_after_fork(self, "_lock")     # (the device itself does not survive a fork)
         self.dispatches = 0          # dispatches recorded, for tests and reports
         self.submits = 0
 

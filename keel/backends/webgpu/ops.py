@@ -10,7 +10,6 @@ last binding. Tensors of rank up to :data:`MAX_RANK` are indexed directly.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,12 +24,16 @@ __all__ = [
     "MAX_RANK",
     "Params",
     "assign",
+    "broadcast_strides",
+    "c_strides",
     "contiguous",
     "contiguous_copy",
+    "device_of",
     "empty_like",
     "fresh",
     "groups_for",
     "launch",
+    "out_array",
     "scalar_type",
 ]
 
@@ -180,11 +183,6 @@ def _copy_into(dst: WgpuArray, src: WgpuArray) -> None:
     launch(wgsl.copy_bytes(), [dst, src], params, groups_for(nwords), [dst])
 
 
-def strided_params(params: Params, x: WgpuArray, shape: Sequence[int]) -> Params:
-    """Append ``x``'s offset and its strides seen at ``shape``."""
-    return params.u(x.offset).dims(broadcast_strides(x, shape), 0)
-
-
 def out_array(device: Device, out: Sequence[Any] | None, i: int, shape: Sequence[int],
               dtype: Any) -> WgpuArray:
     """Output ``i``: the caller's buffer when it is a contiguous array of the right kind,
@@ -195,11 +193,3 @@ def out_array(device: Device, out: Sequence[Any] | None, i: int, shape: Sequence
                 and o.dtype == np.dtype(dtype):
             return o
     return fresh(device, shape, dtype)
-
-
-def numel(shape: Sequence[int]) -> int:
-    return math.prod(shape)
-
-
-__all__ += ["broadcast_strides", "c_strides", "device_of", "numel", "out_array",
-            "strided_params"]

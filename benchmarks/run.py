@@ -3,6 +3,11 @@
     python -m benchmarks.run                       # every model, batches 1 and 32, 1 and 2 threads
     python -m benchmarks.run --models lenet,mlp --passes 3
     python -m benchmarks.run --backend gpu         # keel's gpu backend vs onnxruntime-gpu
+    python -m benchmarks.run --backend webgpu      # keel's webgpu backend vs onnxruntime (CPU)
+
+``--backend webgpu`` times whatever adapter wgpu finds. On Mesa's llvmpipe (no
+GPU) the numbers say nothing about speed: a software rasterizer on the cores
+onnxruntime uses. They mean something on a real GPU adapter.
 
 Writes ``benchmarks/results/<stamp>.json`` (with the machine's probe) and
 ``benchmarks/results/latest.md`` (the ratio table). Ratios are keel time over
@@ -78,8 +83,9 @@ def _load_average() -> str:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS))
-    p.add_argument("--backend", default="cpu", choices=("cpu", "gpu"),
-                   help="keel backend to time; gpu compares with onnxruntime's CUDA provider")
+    p.add_argument("--backend", default="cpu", choices=("cpu", "gpu", "webgpu"),
+                   help="keel backend to time; gpu compares with onnxruntime's CUDA provider, "
+                        "webgpu with its CPU provider (on llvmpipe: correctness, not speed)")
     p.add_argument("--batches", default="1,32")
     p.add_argument("--threads", default="1,2")
     p.add_argument("--passes", type=int, default=5)

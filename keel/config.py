@@ -31,7 +31,7 @@ __all__ = [
     "reload_settings", "settings",
 ]
 
-BACKEND_NAMES = ("auto", "gpu", "cpu", "reference")
+BACKEND_NAMES = ("auto", "gpu", "cpu", "reference", "webgpu")
 PRECISIONS = ("auto", "fp32", "fp16", "int8", "int16", "fp64")
 HINTS = ("none", "latency", "throughput")     # performance hints (planning.adaptive)
 DEFAULT_SPIN_US = 200       # how long an idle native worker spins before it sleeps

@@ -132,7 +132,7 @@ def _backend_for_device(device: str) -> Backend:
             f"device {device!r} is not allowed; use one of {', '.join(_DEVICES)}")
     reg = _registry()
     reasons = []
-    for name in reg.names():
+    for name in reg.priority:          # opt-in backends (webgpu) only once in the chain
         avail = reg.availability(name)
         if avail.available:
             backend = reg.instance(name)

@@ -455,6 +455,11 @@ class Backend(ABC):
     def context(self) -> KernelContext:
         return KernelContext(self.xp, self.name, self.device, self.threads)
 
+    def auto_blocked(self, props: Any) -> str | None:
+        """Why automatic selection must not choose this backend for an op (``props``: its
+        ``keel.planning.selection.OperationProperties``); None: it may (the default)."""
+        return None
+
     def plan_notes(self) -> tuple[str, ...]:
         """What this backend decided for every node it runs, for a plan's reasons (the cpu
         backend: its thread count and where it came from). Default: nothing."""

@@ -57,6 +57,7 @@ class _Entry:
     order: int
     instance: Backend | None = None
     failure: str | None = None        # why the factory could not build the backend
+    manual: str = ""                  # why it is left out of the default chain ("": it is not)
 
 
 class BackendRegistry:
@@ -70,8 +71,13 @@ class BackendRegistry:
 
     # ---- registration --------------------------------------------------
     def register(self, name: str, factory: BackendFactory, priority: int = 0, *,
-                 replace: bool = False) -> None:
-        """Register ``factory`` (called once, on first use) under ``name``."""
+                 replace: bool = False, manual: str = "") -> None:
+        """Register ``factory`` (called once, on first use) under ``name``.
+
+        ``manual`` (a reason) leaves the backend out of the default priority chain:
+        it runs where pinned or named in ``set_priority``, and automatic selection
+        never builds it (its availability check may cost seconds) and says why.
+        """
         if not isinstance(name, str) or not name.strip() or name != name.strip().lower():
             raise InvalidArgumentError(
                 f"backend name must be a non-empty lower-case string, got {name!r}")
@@ -85,7 +91,8 @@ class BackendRegistry:
             if name in self._entries and not replace:
                 raise InvalidArgumentError(
                     f"backend {name!r} is already registered; pass replace=True to replace it")
-            self._entries[name] = _Entry(name, factory, priority, len(self._entries))
+            self._entries[name] = _Entry(name, factory, priority, len(self._entries),
+                                         manual=manual)
 
     def load_entry_points(self, entry_points: Iterable[EntryPointLike] | None = None,
                           ) -> list[str]:
@@ -135,10 +142,16 @@ class BackendRegistry:
         return own
 
     # ---- lookup ----------------------------------------------------------
+    def manual(self) -> dict[str, str]:
+        """Registered backends outside the priority chain that were registered ``manual``,
+        with why they are left out."""
+        chain = self.priority
+        return {n: e.manual for n, e in self._entries.items() if e.manual and n not in chain}
+
     def names(self) -> list[str]:
         """Registered names: the priority chain first, then the rest by priority."""
         chain = self.priority
-        rest = [n for n in self._by_priority() if n not in chain]
+        rest = [n for n in self._by_priority(everything=True) if n not in chain]
         return chain + rest
 
     @property
@@ -228,9 +241,9 @@ class BackendRegistry:
         backend.peers = self.supported_on
         return backend, None
 
-    def _by_priority(self) -> list[str]:
+    def _by_priority(self, everything: bool = False) -> list[str]:
         entries = sorted(self._entries.values(), key=lambda e: (-e.priority, e.order))
-        return [e.name for e in entries]
+        return [e.name for e in entries if everything or not e.manual]
 
     def _available_all(self) -> list[Backend]:
         return [self.instance(n) for n in self.names() if self.availability(n).available]
@@ -248,7 +261,13 @@ def _plugin_priority(factory: Any) -> int:
 
 # Default chain gpu → cpu → reference (seed 004): the reference backend is the
 # last resort, used automatically only for ops no faster backend has.
-BUILTIN_PRIORITIES = {"gpu": 300, "cpu": 200, "reference": 100}
+# webgpu is outside the default chain (register(manual=...)): pinned, or named in
+# set_priority, it comes last, and there it is chosen only where its Backend.auto_blocked
+# allows (a calibration that measured it ahead), never as a fallback before the reference.
+BUILTIN_PRIORITIES = {"gpu": 300, "cpu": 200, "reference": 100, "webgpu": 50}
+WEBGPU_MANUAL = ("opt-in: automatic selection does not start WebGPU drivers to decide; pin "
+                 "backend='webgpu', or put it in the priority chain where `keel calibrate` "
+                 "measured it ahead of the cpu backend (a CPU adapter such as llvmpipe never is)")
 
 
 def _reference() -> Backend:
@@ -269,12 +288,19 @@ def _gpu() -> Backend:
     return GpuBackend()
 
 
+def _webgpu() -> Backend:
+    from keel.backends.webgpu.backend import WebGpuBackend
+
+    return WebGpuBackend()
+
+
 def builtin_registry() -> BackendRegistry:
     """A fresh registry with keel's own backends only (no plugins)."""
     registry = BackendRegistry()
     registry.register("reference", _reference, BUILTIN_PRIORITIES["reference"])
     registry.register("cpu", _cpu, BUILTIN_PRIORITIES["cpu"])
     registry.register("gpu", _gpu, BUILTIN_PRIORITIES["gpu"])
+    registry.register("webgpu", _webgpu, BUILTIN_PRIORITIES["webgpu"], manual=WEBGPU_MANUAL)
     return registry
 
 

@@ -50,18 +50,21 @@ def calibrate_command(
     show: bool = typer.Option(
         False, "--show", help="Measure nothing: print the calibration selection uses now, "
                               "and why."),
+    gpu: str | None = typer.Option(
+        None, "--gpu", help="The GPU backend to time (webgpu); default: the first GPU "
+                            "backend of the priority chain. Kept in its own cache file."),
 ) -> None:
     """Time each op group on the CPU and the GPU and record where the GPU starts to win."""
     if show:
-        _show(find_calibration(), as_json)
+        _show(find_calibration(gpu=gpu or ""), as_json)
         return
-    kwargs: dict[str, Any] = {"quick": quick, "budget_seconds": budget}
+    kwargs: dict[str, Any] = {"quick": quick, "budget_seconds": budget, "gpu": gpu}
     if groups:
         kwargs["groups"] = _split(groups)
     if dtypes:
         kwargs["dtypes"] = _split(dtypes)
     calibration = _measure(kwargs, progress_bar=not as_json)
-    path = save(calibration, output)
+    path = save(calibration, output, gpu=gpu or "")
     if as_json:
         typer.echo(json.dumps({**calibration.to_dict(), "saved_to": str(path)}, indent=2,
                               ensure_ascii=False))

@@ -21,11 +21,13 @@ def register(app: typer.Typer) -> None:
 def probe_command(
     as_json: bool = typer.Option(False, "--json", help="Print the profile as JSON."),
     as_yaml: bool = typer.Option(False, "--yaml", help="Print the profile as YAML."),
+    webgpu: bool = typer.Option(False, "--webgpu", help="Also list the WebGPU adapters "
+                                "(starts the Vulkan/Metal/DX12 drivers: seconds)."),
 ) -> None:
     """Probe CPU, memory, GPUs and accelerators; every gap says why."""
     if as_json and as_yaml:
         raise InvalidArgumentError("--json and --yaml are exclusive; give one of them")
-    profile = probe()
+    profile = probe(webgpu=True) if webgpu else probe()
     if as_json:
         typer.echo(profile.to_json())
     elif as_yaml:
@@ -113,8 +115,11 @@ def _gpu_rows(gpus: tuple[GpuInfo, ...]) -> list[tuple[str, str]]:
 
 def _other_rows(profile: HardwareProfile) -> list[tuple[str, str]]:
     accels = [f"{a.kind} {a.name} ({a.source})" for a in profile.accelerators]
+    adapters = [f"{a.device or a.vendor} ({a.backend_type}, {a.adapter_type}"
+                f"{', shader-f16' if a.shader_f16 else ''})" for a in profile.webgpu_adapters]
     return [
         ("accelerators", "; ".join(accels) or "none detected"),
+        ("WebGPU adapters", "; ".join(adapters) or "none listed (see the notes)"),
         ("KEEL_BACKEND", profile.forced_backend or "not pinned"),
         ("python", profile.python_version or "unknown"),
     ]

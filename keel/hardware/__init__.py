@@ -25,10 +25,12 @@ from keel.hardware.profile import (
     HardwareProfile,
     MemoryInfo,
     ThermalReading,
+    WebGpuAdapterInfo,
     unexplained_fields,
 )
 from keel.hardware.sources import Notes, ProbeSources
 from keel.hardware.thermal import probe_thermal
+from keel.hardware.webgpu import probe_webgpu
 
 __all__ = [
     "AcceleratorInfo",
@@ -39,6 +41,7 @@ __all__ = [
     "MemoryInfo",
     "ProbeSources",
     "ThermalReading",
+    "WebGpuAdapterInfo",
     "detect_devices",
     "probe",
     "unexplained_fields",
@@ -47,8 +50,12 @@ __all__ = [
 R = TypeVar("R")
 
 
-def probe(sources: ProbeSources | None = None) -> HardwareProfile:
-    """Probe the machine (or the machine ``sources`` describe) into a HardwareProfile."""
+def probe(sources: ProbeSources | None = None, *, webgpu: bool = False) -> HardwareProfile:
+    """Probe the machine (or the machine ``sources`` describe) into a HardwareProfile.
+
+    ``webgpu`` also lists the WebGPU adapters (``keel probe --webgpu``): that starts the
+    Vulkan/Metal/DX12 drivers in this process, which costs seconds, so it is asked for.
+    """
     src = ProbeSources.real() if sources is None else sources
     start = src.clock()
     notes = Notes()
@@ -70,6 +77,16 @@ def probe(sources: ProbeSources | None = None) -> HardwareProfile:
         thermal = probe_thermal(src)
     except Exception as exc:  # the probe never raises; a crashed source is a note
         notes.add("thermal", f"thermal probe failed ({type(exc).__name__}: {exc})")
+    adapters: tuple[WebGpuAdapterInfo, ...] = ()
+    if not webgpu:
+        notes.add("webgpu_adapters", "not probed: starting the WebGPU drivers costs seconds "
+                                     "(keel probe --webgpu lists the adapters)")
+    else:
+        try:
+            adapters, webgpu_notes = probe_webgpu(src)
+            notes.extend(webgpu_notes)
+        except Exception as exc:  # the probe never raises; a crashed source is a note
+            notes.add("webgpu_adapters", f"WebGPU probe failed ({type(exc).__name__}: {exc})")
     plat = src.platform
     fields = {"platform_system": plat.system, "platform_release": plat.release,
               "python_version": plat.python_version, "hostname": plat.node}
@@ -78,6 +95,7 @@ def probe(sources: ProbeSources | None = None) -> HardwareProfile:
             notes.add(name, "the platform module returned an empty value")
     return HardwareProfile(
         cpu=cpu, memory=memory, gpus=gpus, accelerators=accelerators,
+        webgpu_adapters=adapters,
         **{name: value or None for name, value in fields.items()},
         forced_backend=_forced_backend(src, notes),
         probe_seconds=round(src.clock() - start, 6),

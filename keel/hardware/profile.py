@@ -124,11 +124,25 @@ class ThermalReading:
 
 
 @dataclass(frozen=True)
+class WebGpuAdapterInfo:
+    """One WebGPU adapter as wgpu-native reports it (see :mod:`keel.hardware.webgpu`)."""
+
+    vendor: str = ""
+    device: str = ""
+    description: str = ""
+    backend_type: str = ""                    # Vulkan|Metal|D3D12
+    adapter_type: str = ""                    # DiscreteGPU|IntegratedGPU|CPU|Unknown
+    shader_f16: bool = False
+    limits: dict[str, int] = field(default_factory=dict, hash=False, compare=False)
+
+
+@dataclass(frozen=True)
 class HardwareProfile:
     cpu: CpuInfo = field(default_factory=CpuInfo)
     memory: MemoryInfo = field(default_factory=MemoryInfo)
     gpus: tuple[GpuInfo, ...] = ()
     accelerators: tuple[AcceleratorInfo, ...] = ()
+    webgpu_adapters: tuple[WebGpuAdapterInfo, ...] = ()
     platform_system: str | None = None        # Linux|Darwin|Windows
     platform_release: str | None = None
     python_version: str | None = None
@@ -242,6 +256,7 @@ def _to_plain(obj: Any) -> Any:
 _NESTED: dict[str, type] = {
     "cpu": CpuInfo, "memory": MemoryInfo, "gpus": GpuInfo, "accelerators": AcceleratorInfo,
     "thermal": ThermalReading,
+    "webgpu_adapters": WebGpuAdapterInfo,
 }
 
 
@@ -255,7 +270,7 @@ def _from_plain(cls: type, data: dict[str, Any], where: str) -> Any:
     kwargs: dict[str, Any] = {}
     for name, value in data.items():
         sub = _NESTED.get(name) if cls is HardwareProfile else None
-        if sub is not None and name in ("gpus", "accelerators", "thermal"):
+        if sub is not None and name in ("gpus", "accelerators", "thermal", "webgpu_adapters"):
             if not isinstance(value, list):
                 raise InvalidArgumentError(f"{where}.{name} must be a list")
             kwargs[name] = tuple(

@@ -571,8 +571,12 @@ def calibrate(
     clock: Clock = time.perf_counter,
     progress: Progress | None = None,
     seed: int = 0,
+    gpu: str | None = None,
 ) -> Calibration:
     """Measure this machine's CPU/GPU crossover per op group and dtype.
+
+    ``gpu`` names the GPU backend to time (``"webgpu"``); default: the first
+    available GPU backend of the priority chain.
 
     ``sizes`` are target input sizes in bytes (default ``DEFAULT_SIZES``, or
     ``QUICK_SIZES`` with ``quick``); ``budget_seconds`` bounds the whole sweep
@@ -593,6 +597,8 @@ def calibrate(
     base: dict[str, Any] = {"source": f"measured {created}", "created": created,
                             "fingerprint": hardware_fingerprint(prof)}
     cpus, gpus, why_no_gpu = _device_backends(reg)
+    if gpu is not None:
+        gpus, why_no_gpu = _named_gpu(reg, gpu)
     if not gpus:
         return Calibration(no_gpu=why_no_gpu, notes=(f"no GPU: {why_no_gpu}",), **base)
     counter = _Counter(len(pairs) * len(grid), progress)
@@ -677,6 +683,16 @@ def _device_backends(reg: BackendRegistry) -> tuple[list[Backend], list[Backend]
     why = "; ".join(missing) or \
         f"no GPU backend in the priority chain ({', '.join(reg.priority) or 'empty'})"
     return cpus, gpus, why
+
+
+def _named_gpu(reg: BackendRegistry, name: str) -> tuple[list[Backend], str]:
+    """The GPU backend called ``name`` when it is available, else why not."""
+    backend = reg.instance(name)           # BackendSelectionError for an unknown name
+    if backend.device is not DeviceKind.GPU:
+        raise InvalidArgumentError(f"backend {name!r} runs on the {backend.device.value}, "
+                                   "not a GPU: nothing to calibrate against the CPU")
+    avail = backend.availability()
+    return ([backend], "") if avail.available else ([], f"{name}: {avail.reason}")
 
 
 def _describe(backend: Backend) -> str:
@@ -778,23 +794,28 @@ def fingerprint_id(fingerprint: Mapping[str, Any]) -> str:
     return sha256(text.encode()).hexdigest()[:16]
 
 
-def calibration_path(fingerprint: Mapping[str, Any], directory: Path | None = None) -> Path:
-    """Where the calibration of the machine with ``fingerprint`` is cached."""
+def calibration_path(fingerprint: Mapping[str, Any], directory: Path | None = None,
+                     gpu: str = "") -> Path:
+    """Where the calibration of the machine with ``fingerprint`` is cached (``gpu``: of
+    a GPU backend other than the default chain's, such as ``webgpu``, in its own file)."""
     folder = cache_dir() if directory is None else directory
-    return folder / f"calibration-{fingerprint_id(fingerprint)}.json"
+    suffix = f"-{gpu}" if gpu else ""
+    return folder / f"calibration-{fingerprint_id(fingerprint)}{suffix}.json"
 
 
-def save(calibration: Calibration, path: str | os.PathLike[str] | None = None) -> Path:
+def save(calibration: Calibration, path: str | os.PathLike[str] | None = None,
+         gpu: str = "") -> Path:
     """Write ``calibration`` as versioned JSON, atomically; returns the path.
 
-    Without ``path`` it goes to the cache, under its machine's fingerprint.
+    Without ``path`` it goes to the cache, under its machine's fingerprint (and the
+    ``gpu`` backend's name, for one calibrated with ``calibrate(gpu=...)``).
     """
     if path is None:
         if not calibration.fingerprint:
             raise InvalidArgumentError(
                 "a calibration without a hardware fingerprint cannot go to the cache; "
                 "give a path")
-        target = calibration_path(calibration.fingerprint)
+        target = calibration_path(calibration.fingerprint, gpu=gpu)
     else:
         target = Path(path).expanduser()
     text = json.dumps({"format": FILE_FORMAT, "version": CALIBRATION_VERSION,
@@ -882,7 +903,7 @@ class CalibrationStatus:
 
 def find_calibration(path: str | os.PathLike[str] | None = None, *,
                      profile: HardwareProfile | None = None,
-                     settings: Settings | None = None) -> CalibrationStatus:
+                     settings: Settings | None = None, gpu: str = "") -> CalibrationStatus:
     """Look up the calibration for this machine: ``path``, ``KEEL_CALIBRATION``, the cache.
 
     ``settings`` (default: the process's) give ``KEEL_CALIBRATION`` and the
@@ -898,10 +919,12 @@ def find_calibration(path: str | os.PathLike[str] | None = None, *,
     if not raw:
         cached = sorted(folder.glob("calibration-*.json")) if folder.is_dir() else []
         if not cached:
+            flag = f" --gpu {gpu}" if gpu else ""
             return CalibrationStatus(None, None, f"no calibration cached in {folder}; run "
-                                                 "`keel calibrate` to measure this machine")
+                                                 f"`keel calibrate{flag}` to measure this "
+                                                 "machine")
     fingerprint = hardware_fingerprint(profile)
-    target = Path(raw).expanduser() if raw else calibration_path(fingerprint, folder)
+    target = Path(raw).expanduser() if raw else calibration_path(fingerprint, folder, gpu)
     if not raw and not target.is_file():
         return CalibrationStatus(None, None, f"the {len(cached)} calibration(s) cached in "
                                              f"{folder} are for other machines; run "

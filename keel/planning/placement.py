@@ -336,7 +336,7 @@ def _backend_notes(registry: BackendRegistry, placements: Sequence[NodePlacement
 
 
 def _auto_chain(registry: BackendRegistry, reasons: list[str]) -> list[Backend]:
-    report = registry.report()
+    report = {name: registry.availability(name) for name in registry.priority}
     chain = registry.available()
     if not chain:
         why = "; ".join(f"{n}: {a.reason}" for n, a in report.items())
@@ -345,6 +345,8 @@ def _auto_chain(registry: BackendRegistry, reasons: list[str]) -> list[Backend]:
     for name, avail in report.items():
         if not avail.available and name in registry.priority:
             reasons.append(f"{name} skipped: {avail.reason}")
+    for name, why in registry.manual().items():
+        reasons.append(f"{name} not in the chain: {why}")
     return chain
 
 

@@ -205,6 +205,9 @@ def _why_not_viable(backend: Backend, props: OperationProperties,
         return f"has no kernel for {props.op.value}"
     if not backend.supports(props.op, props.dtype):
         return f"has no {props.op.value} kernel for {props.dtype.value}"
+    blocked = backend.auto_blocked(props)
+    if blocked:
+        return blocked
     if backend.device is DeviceKind.GPU:
         return _gpu_blocked(backend, props, profile, policy)
     return None

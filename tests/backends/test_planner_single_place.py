@@ -26,6 +26,7 @@ BACKENDS = ROOT / "keel" / "backends"
 C_SOURCES = ROOT / "keel" / "native" / "src"
 ALLOWLIST = Path(__file__).with_name("planner_allowlist.txt")
 PLANNERS = frozenset({"keel/backends/plan.py", "keel/backends/cpu/planner.py",
+                      "keel/backends/webgpu/planner.py",
                       "keel/backends/cpu/conv_rules.py", "keel/backends/gpu/planner.py"})
 
 _CONSTANT = re.compile(r"^_?[A-Z][A-Z0-9_]*$")

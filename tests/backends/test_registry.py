@@ -178,7 +178,10 @@ def test_supported_on_lists_available_backends_with_the_op() -> None:
 
 def test_builtin_registry_has_keel_backends_in_seed_order() -> None:
     reg = builtin_registry()
+    # Seed 004's chain; webgpu is registered but opt-in (pinned or named in set_priority).
     assert reg.priority == ["gpu", "cpu", "reference"]
+    assert reg.names() == ["gpu", "cpu", "reference", "webgpu"]
+    assert "webgpu" in reg.manual()
     assert reg.availability("cpu").available
     assert reg.availability("reference").available
     assert builtin_registry() is not reg                 # always a fresh one

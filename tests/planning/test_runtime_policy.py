@@ -62,7 +62,7 @@ def test_unknown_keys_are_named() -> None:
     ("lightweight_memory_threshold_gb", -1, "must be a finite number >= 0, got -1"),
     ("allow_accelerator_experiments", None, "'allow_accelerator_experiments' must be true"),
     ("prefer_lightweight_python_on_low_memory", [], "must be true or false"),
-    ("backend", "tpu", "'backend' must be one of auto, gpu, cpu, reference, got 'tpu'"),
+    ("backend", "tpu", "'backend' must be one of auto, gpu, cpu, reference, webgpu, got 'tpu'"),
     ("precision", 16, "'precision' must be one of auto, fp32"),
 ])
 def test_wrong_types_name_the_key(key: str, value: object, message: str) -> None:

@@ -1,0 +1,1 @@
+"""The webgpu backend: WGSL compute shaders through wgpu (Vulkan, Metal, DX12)."""

@@ -455,9 +455,12 @@ class Backend(ABC):
     def context(self) -> KernelContext:
         return KernelContext(self.xp, self.name, self.device, self.threads)
 
-    def auto_blocked(self, props: Any) -> str | None:
+    def auto_blocked(self, props: Any, measured: Callable[[], Any] | None = None
+                     ) -> str | None:
         """Why automatic selection must not choose this backend for an op (``props``: its
-        ``keel.planning.selection.OperationProperties``); None: it may (the default)."""
+        ``keel.planning.selection.OperationProperties``); None: it may (the default).
+        ``measured()`` gives what ``keel calibrate --gpu <this backend>`` measured for the
+        op's group and dtype, ``(crossover bytes or None, source)``, or None."""
         return None
 
     def plan_notes(self) -> tuple[str, ...]:

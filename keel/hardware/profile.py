@@ -135,6 +135,14 @@ class WebGpuAdapterInfo:
     shader_f16: bool = False
     limits: dict[str, int] = field(default_factory=dict, hash=False, compare=False)
 
+    @property
+    def is_cpu(self) -> bool:
+        return self.adapter_type.lower() == "cpu"
+
+    def label(self) -> str:
+        name = self.device or self.vendor or "unnamed"
+        return f"{name} ({self.backend_type}, {self.adapter_type})"
+
 
 @dataclass(frozen=True)
 class HardwareProfile:

@@ -10,6 +10,7 @@ drivers, so the answer is kept for the process (per wgpu module).
 
 from __future__ import annotations
 
+import importlib
 import sys
 import threading
 from typing import Any
@@ -18,7 +19,7 @@ from keel._fork import renew_after_fork
 from keel.hardware.profile import WebGpuAdapterInfo
 from keel.hardware.sources import ProbeSources
 
-__all__ = ["probe_webgpu"]
+__all__ = ["adapter_info", "describe_adapters", "load_wgpu", "probe_webgpu"]
 
 _CACHE: dict[int, tuple[WebGpuAdapterInfo, ...]] = {}
 _LOCK = threading.Lock()
@@ -42,9 +43,35 @@ def probe_webgpu(src: ProbeSources) -> tuple[tuple[WebGpuAdapterInfo, ...], list
 
 
 def _adapters(wgpu: Any) -> tuple[WebGpuAdapterInfo, ...]:
-    from keel.backends.webgpu.device import describe_adapters
+    return tuple(describe_adapters(wgpu))
 
-    return tuple(WebGpuAdapterInfo(vendor=a.vendor, device=a.device, description=a.description,
-                                   backend_type=a.backend_type, adapter_type=a.adapter_type,
-                                   shader_f16=a.shader_f16, limits=dict(a.limits))
-                 for a in describe_adapters(wgpu))
+
+def load_wgpu() -> Any:
+    """The ``wgpu`` module (ImportError when it is not installed)."""
+    return importlib.import_module("wgpu")
+
+
+# Limits worth recording: what bounds the kernels' buffers and workgroups.
+_LIMIT_NAMES = ("max-buffer-size", "max-storage-buffer-binding-size",
+                "max-compute-workgroup-storage-size", "max-compute-invocations-per-workgroup",
+                "max-compute-workgroups-per-dimension", "max-storage-buffers-per-shader-stage")
+
+
+def adapter_info(adapter: Any) -> WebGpuAdapterInfo:
+    """One wgpu adapter as plain data."""
+    info = dict(adapter.info)
+    limits = dict(adapter.limits)
+    return WebGpuAdapterInfo(
+        vendor=str(info.get("vendor", "")), device=str(info.get("device", "")),
+        description=str(info.get("description", "")),
+        backend_type=str(info.get("backend_type", "")),
+        adapter_type=str(info.get("adapter_type", "")),
+        shader_f16="shader-f16" in adapter.features,
+        limits={k: int(limits[k]) for k in _LIMIT_NAMES if k in limits})
+
+
+def describe_adapters(wgpu: Any | None = None) -> list[WebGpuAdapterInfo]:
+    """Every adapter wgpu-native finds here (compute-capable backends only: no OpenGL)."""
+    mod = load_wgpu() if wgpu is None else wgpu
+    found = [adapter_info(a) for a in mod.gpu.enumerate_adapters_sync()]
+    return [a for a in found if a.backend_type.lower() != "opengl"]

@@ -26,6 +26,7 @@ optional hardware profile and policy, and an optional :class:`Calibration`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -205,12 +206,23 @@ def _why_not_viable(backend: Backend, props: OperationProperties,
         return f"has no kernel for {props.op.value}"
     if not backend.supports(props.op, props.dtype):
         return f"has no {props.op.value} kernel for {props.dtype.value}"
-    blocked = backend.auto_blocked(props)
+    blocked = backend.auto_blocked(props, functools.partial(_measured, backend.name, props))
     if blocked:
         return blocked
     if backend.device is DeviceKind.GPU:
         return _gpu_blocked(backend, props, profile, policy)
     return None
+
+
+def _measured(name: str, props: OperationProperties) -> tuple[int | None, str] | None:
+    """What ``keel calibrate --gpu NAME`` measured for ``props``'s group and dtype:
+    (crossover in bytes, None where the backend never won; where it was measured)."""
+    from keel.planning.calibration import find_calibration
+
+    calibration = find_calibration(gpu=name).calibration
+    entry = None if calibration is None else calibration.lookup(cost_group(props.op),
+                                                                 props.dtype)
+    return None if calibration is None or entry is None else (entry[1], calibration.source)
 
 
 def _gpu_blocked(backend: Backend, props: OperationProperties,

@@ -20,6 +20,7 @@ them. ``WebGpuBackend(seed_constraints=True)`` enforces seed 001's GPU profile
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -64,7 +65,6 @@ class WebGpuBackend(Backend):
         self._module = wgpu_module
         self._device: Any = None
         self._xp: Any = None
-        self._calibration: Any = None      # find_calibration(gpu="webgpu"), looked up once
 
     # ---- availability ----------------------------------------------------------
     def _check_available(self) -> Availability:
@@ -179,28 +179,16 @@ class WebGpuBackend(Backend):
             notes.append(f"largest buffer: {size} bytes (WebGPU does not report device memory)")
         return {"memory_bytes": None, "notes": tuple(notes)}
 
-    def auto_blocked(self, props: Any) -> str | None:
+    def auto_blocked(self, props: Any, measured: Callable[[], Any] | None = None
+                     ) -> str | None:
         from keel.backends.webgpu import planner
 
         adapter = self.adapter
-        if adapter is None or adapter.is_cpu:
+        if adapter is None or adapter.is_cpu or measured is None:
             return planner.auto_blocked(adapter, None, props.nbytes)
-        return planner.auto_blocked(adapter, self._measured(props), props.nbytes)
-
-    def _measured(self, props: Any) -> Any:
-        """What ``keel calibrate --gpu webgpu`` measured for this op's group and dtype."""
-        from keel.backends.webgpu.planner import Measured
-        from keel.planning.calibration import find_calibration
-        from keel.planning.selection import cost_group
-
-        if self._calibration is None:
-            self._calibration = find_calibration(gpu=self.name)
-        calibration = self._calibration.calibration
-        entry = None if calibration is None else calibration.lookup(cost_group(props.op),
-                                                                     props.dtype)
-        if calibration is None or entry is None:
-            return None
-        return Measured(entry[1], calibration.source)
+        found = measured()
+        return planner.auto_blocked(adapter, None if found is None else planner.Measured(*found),
+                                    props.nbytes)
 
     def plan_notes(self) -> tuple[str, ...]:
         if not self.is_available():

@@ -14,16 +14,16 @@ with no round trip between its nodes.
 
 from __future__ import annotations
 
-import importlib
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from keel._fork import renew_after_fork
+from keel.hardware.profile import WebGpuAdapterInfo
+from keel.hardware.webgpu import adapter_info, describe_adapters, load_wgpu
 
 __all__ = [
     "AdapterInfo",
@@ -37,60 +37,7 @@ _BIND_GROUPS = 256
 _PARAMS = 4096
 
 
-def load_wgpu() -> Any:
-    """The ``wgpu`` module (ImportError when it is not installed)."""
-    return importlib.import_module("wgpu")
-
-
-@dataclass(frozen=True)
-class AdapterInfo:
-    """What one WebGPU adapter is: plain data for the probe and ``keel backends``."""
-
-    vendor: str
-    device: str
-    description: str
-    backend_type: str          # Vulkan, Metal, D3D12, OpenGL
-    adapter_type: str          # DiscreteGPU, IntegratedGPU, CPU, Unknown
-    shader_f16: bool
-    limits: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def is_cpu(self) -> bool:
-        return self.adapter_type.lower() == "cpu"
-
-    def label(self) -> str:
-        name = self.device or self.vendor or "unnamed"
-        return f"{name} ({self.backend_type}, {self.adapter_type})"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"vendor": self.vendor, "device": self.device, "description": self.description,
-                "backend_type": self.backend_type, "adapter_type": self.adapter_type,
-                "shader_f16": self.shader_f16, "limits": dict(self.limits)}
-
-
-# Limits worth recording: what bounds the kernels' buffers and workgroups.
-_LIMIT_NAMES = ("max-buffer-size", "max-storage-buffer-binding-size",
-                "max-compute-workgroup-storage-size", "max-compute-invocations-per-workgroup",
-                "max-compute-workgroups-per-dimension", "max-storage-buffers-per-shader-stage")
-
-
-def adapter_info(adapter: Any) -> AdapterInfo:
-    info = dict(adapter.info)
-    limits = dict(adapter.limits)
-    return AdapterInfo(
-        vendor=str(info.get("vendor", "")), device=str(info.get("device", "")),
-        description=str(info.get("description", "")),
-        backend_type=str(info.get("backend_type", "")),
-        adapter_type=str(info.get("adapter_type", "")),
-        shader_f16="shader-f16" in adapter.features,
-        limits={k: int(limits[k]) for k in _LIMIT_NAMES if k in limits})
-
-
-def describe_adapters(wgpu: Any | None = None) -> list[AdapterInfo]:
-    """Every adapter wgpu-native finds here (compute-capable backends only: no OpenGL)."""
-    mod = load_wgpu() if wgpu is None else wgpu
-    found = [adapter_info(a) for a in mod.gpu.enumerate_adapters_sync()]
-    return [a for a in found if a.backend_type.lower() != "opengl"]
+AdapterInfo = WebGpuAdapterInfo      # what the probe lists (keel.hardware.webgpu reads it)
 
 
 class Device:

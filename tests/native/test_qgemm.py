@@ -142,6 +142,30 @@ def test_qlinear_matmul_matches_the_reference(path: str, adt: Any, bdt: Any, row
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("trans_a,trans_b,bias,quantized", [
+    (False, False, True, True), (True, True, False, True), (False, True, True, False)])
+def test_qgemm_matches_the_reference(path: str, trans_a: bool, trans_b: bool, bias: bool,
+                                     quantized: bool) -> None:
+    m, k, n = 9, 70, 67
+    a = _q(np.uint8, *((k, m) if trans_a else (m, k)))
+    b = _q(np.int8, *((n, k) if trans_b else (k, n)))
+    inputs: list[Any] = [a, np.float32(0.05), np.array(128, np.uint8), b, _scales(n),
+                         np.zeros(n, np.int8),
+                         RNG.integers(-9000, 9000, n).astype(np.int32) if bias else None]
+    if quantized:
+        inputs += [np.float32(0.3), np.array(-2, np.int8)]
+    attrs = {"alpha": 0.5, "trans_a": trans_a, "trans_b": trans_b}
+    want = _reference(Op.QGEMM, inputs, attrs)
+    for variant, threads, prepack in (("default", 1, False), ("int8", 1, False),
+                                      ("int8", 2, True)):
+        got = _run(CPU, Op.QGEMM, inputs, attrs, variant, threads, prepack)
+        assert got.dtype == want.dtype
+        if quantized:
+            np.testing.assert_array_equal(got, want)
+        else:
+            np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
 def test_unserved_cases_fall_back_to_the_numpy_kernel(path: str) -> None:
     """A 1-D convolution is outside the native kernel: the variant runs the default."""
     inputs = [_q(np.uint8, 1, 3, 10), np.float32(0.1), np.array(1, np.uint8),

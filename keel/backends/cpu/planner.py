@@ -248,7 +248,7 @@ def choose_variant(op: Op, input_types: Sequence[TensorType | None], attrs: Mapp
 # The quantized products with an ``int8`` variant (cpu/qlinear.py): it runs on the native
 # int8 kernels (qgemm.c) whenever the tier is built, since they accumulate exactly in int32
 # as the NumPy default does in float64, with the same results, and keep the weights 8-bit.
-INT8_OPS = frozenset({Op.QLINEAR_CONV, Op.QLINEAR_MATMUL})
+INT8_OPS = frozenset({Op.QLINEAR_CONV, Op.QLINEAR_MATMUL, Op.QGEMM})
 _INT8_ISA = {
     "avx512-vnni": "AVX-512 VNNI (vpdpbusd on 512-bit vectors: 64 u8 x s8 products per "
                    "instruction)",

@@ -23,7 +23,13 @@ from keel.backends.cpu import native_qgemm, quantization
 from keel.backends.cpu.kernels import TABLE
 from keel.dtypes import DType
 from keel.ops.registry import Op
-from keel.ops.schemas.quantization import conv_geometry, matmul_shape
+from keel.ops.schemas.quantization import (
+    QUANT_RANGES,
+    conv_geometry,
+    matmul_shape,
+    qgemm_scales,
+    qgemm_shape,
+)
 
 __all__: list[str] = []
 
@@ -133,3 +139,78 @@ def qlinear_matmul(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -
                         DType.from_numpy(y_zp.dtype), int(y_zp.reshape(())),
                         y.reshape(-1, b.shape[1]), _threads(ctx))
     return _deliver(y, out)
+
+
+# ---- QGemm -----------------------------------------------------------------------------------
+def _qgemm_params(inputs: Inputs) -> tuple[Any, ...]:
+    a, a_s, a_zp, b, b_s, b_zp = inputs[:6]
+    a_zp = np.zeros((), a.dtype) if a_zp is None else a_zp
+    b_zp = np.zeros((), b.dtype) if b_zp is None else b_zp
+    return a, a_s, a_zp, b, b_s, b_zp, optional_input(inputs, 6), optional_input(
+        inputs, 7), optional_input(inputs, 8)
+
+
+def _pack_qgemm(ctx: KernelContext, const: Sequence[Any], attrs: Attrs) -> Any:
+    b = const[3]
+    if not native_qgemm.available() or b is None or not _eight_bit(b) or b.ndim != 2:
+        return None
+    b_zp = np.zeros((), b.dtype) if len(const) < 6 or const[5] is None else const[5]
+    n = b.shape[0] if attrs["trans_b"] else b.shape[1]
+    if not _eight_bit(b_zp) or b_zp.size not in (1, n):
+        return None
+    return native_qgemm.pack_matmul(b.T if attrs["trans_b"] else b, b_zp)
+
+
+def _qgemm_out_dtype(y_s: Any, y_zp: Any) -> DType:
+    if y_s is None:
+        return DType.FLOAT32
+    return DType.UINT8 if y_zp is None else DType.from_numpy(y_zp.dtype)
+
+
+def _qgemm_numpy(a: Any, a_zp: Any, b: Any, b_zp: Any, c: Any, mult: np.ndarray,
+                 out_dtype: DType, y_zp: int, attrs: Attrs) -> np.ndarray:
+    """The float64 BLAS form (exact for 8-bit operands), as the reference computes it."""
+    lhs = a.astype(np.float64) - float(a_zp.reshape(()))
+    rhs = b.astype(np.float64) - (b_zp.astype(np.float64).reshape(-1, 1) if attrs["trans_b"]
+                                  else b_zp.astype(np.float64).reshape(-1))
+    acc = (lhs.T if attrs["trans_a"] else lhs) @ (rhs.T if attrs["trans_b"] else rhs)
+    if c is not None:
+        acc += c
+    acc *= mult
+    if out_dtype is DType.FLOAT32:
+        return acc.astype(np.float32)
+    lo, hi = QUANT_RANGES[out_dtype]
+    acc += y_zp
+    return np.clip(np.rint(acc), lo, hi).astype(out_dtype.numpy)
+
+
+@TABLE.kernel(Op.QGEMM, dtypes=("uint8", "int8"), supports_out=True, host_only=True,
+              shapes="2-D, 8-bit", simd=())
+def qgemm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """QGemm: the int32-accumulating native product where it serves, else float64 BLAS."""
+    a, a_s, a_zp, b, b_s, b_zp, c, y_s, y_zp = _qgemm_params(inputs)
+    for what, value, zp in (("a", a, a_zp), ("b", b, b_zp)):
+        quantization.check_pair(Op.QGEMM, value, zp, what)
+    shape = qgemm_shape(a.shape, b.shape, attrs["trans_a"], attrs["trans_b"])
+    out_dtype = _qgemm_out_dtype(y_s, y_zp)
+    mult = qgemm_scales(attrs["alpha"], a_s, b_s, y_s)
+    zp = 0 if y_zp is None else int(y_zp.reshape(()))
+    packed = ctx.prepacked
+    n = int(shape[1])  # type: ignore[arg-type]
+    if c is not None and (c.size not in (1, n) or c.ndim > 2 or (c.ndim == 2 and c.shape[0] != 1)):
+        packed = None
+    elif not isinstance(packed, native_qgemm.PackedMatmul) and native_qgemm.available():
+        packed = _pack_qgemm(ctx, inputs, attrs)
+    if not isinstance(packed, native_qgemm.PackedMatmul) or not _scalar(a_zp):
+        y = _qgemm_numpy(a, a_zp, b, b_zp, c, mult, out_dtype, zp, attrs)
+        return _deliver(y, out)
+    y = _out(out, tuple(int(d) for d in shape), np.dtype(out_dtype.numpy))  # type: ignore[arg-type]
+    bias = None if c is None else np.broadcast_to(c.reshape(-1), (n,)).astype(np.int32)
+    native_qgemm.matmul(np.ascontiguousarray(a.T if attrs["trans_a"] else a),
+                        int(a_zp.reshape(())), packed, bias, mult, out_dtype, zp, y,
+                        _threads(ctx))
+    return _deliver(y, out)
+
+
+TABLE.kernel(Op.QGEMM, variant="int8", dtypes=("uint8", "int8"), supports_out=True,
+             prepack=_pack_qgemm, shapes="2-D, 8-bit", **_META)(qgemm)

@@ -87,17 +87,38 @@ def test_lenet_qdq_runs_on_integer_nodes_as_onnxruntime_does(tmp_path: Path,
         assert (got[name].argmax(-1) == value.argmax(-1)).mean() >= 4 / 5
 
 
-def test_resnet_block_qdq_agrees_with_onnxruntime(tmp_path: Path) -> None:
-    # BatchNorm folded first, as onnxruntime's quantization pre-processing does.
+def _folded_and_quantized(tmp_path: Path, proto: Any, fmt: str) -> Path:
+    """``proto`` with BatchNorm folded first (as onnxruntime's quantization
+    pre-processing does), then quantized by onnxruntime in format ``fmt``."""
     folded = tmp_path / "folded.onnx"
-    onnx.save(to_onnx(optimize(import_onnx(models.resnet_block()))),
-              str(folded))
-    path = _quantized(tmp_path, onnx.load(str(folded)))
-    feeds = models.make_inputs(models.resnet_block(), batch=6, seed=2)
+    onnx.save(to_onnx(optimize(import_onnx(proto))), str(folded))
+    return _quantized(tmp_path, onnx.load(str(folded)), fmt=fmt)
+
+
+def _agrees_with_onnxruntime(path: Path, proto: Any, threads: int) -> None:
+    feeds = models.make_inputs(proto, batch=6, seed=2)
     want = _ort(path, feeds)
-    got = keel.load_model(str(path), threads=2).predict(feeds)
+    got = keel.load_model(str(path), threads=threads).predict(feeds)
     step = _last_scale(path)
-    for name, value in want.items():
+    for key, value in want.items():
         # a one-step difference inside may move a logit by a few of its own steps
-        assert np.max(np.abs(got[name] - value)) <= 4 * step
-        assert (got[name].argmax(-1) == value.argmax(-1)).mean() >= 5 / 6
+        assert np.max(np.abs(got[key] - value)) <= 4 * step
+        assert (got[key].argmax(-1) == value.argmax(-1)).mean() >= 5 / 6
+
+
+def test_resnet_block_qdq_agrees_with_onnxruntime(tmp_path: Path) -> None:
+    path = _folded_and_quantized(tmp_path, models.resnet_block(), "qdq")
+    _agrees_with_onnxruntime(path, models.resnet_block(), threads=2)
+
+
+@pytest.mark.parametrize("name", ["lenet", "resnet_block"])
+def test_qoperator_models_with_com_microsoft_ops_run(tmp_path: Path, name: str) -> None:
+    """QOperator form: QLinearConv, com.microsoft QGemm, QLinearAdd,
+    QLinearGlobalAveragePool."""
+    proto = getattr(models, name)()
+    path = _folded_and_quantized(tmp_path, proto, "qoperator")
+    domains = {(n.domain, n.op_type) for n in onnx.load(str(path)).graph.node}
+    assert ("com.microsoft", "QGemm") in domains
+    graph = optimize(import_onnx(str(path)))
+    assert not {Op.CONV, Op.GEMM, Op.MATMUL} & {n.op for n in graph.nodes}
+    _agrees_with_onnxruntime(path, proto, threads=1)

@@ -33,6 +33,7 @@ from keel.errors import (
 )
 from keel.graph.importers.onnx_context import Converter, ImportContext, OnnxNode, onnx_schema
 from keel.graph.importers.onnx_ml import ML_DOMAIN, ML_TABLE
+from keel.graph.importers.onnx_ms import MS_DOMAIN, MS_TABLE
 from keel.graph.importers.onnx_ops import TABLE
 from keel.graph.importers.onnx_tensors import element_dtype, tensor_to_array
 from keel.graph.ir import Graph, Value
@@ -434,9 +435,17 @@ def _convert(ctx: ImportContext, n: OnnxNode) -> None:
     converter: Converter | None
     if n.domain == ML_DOMAIN:
         converter = _ml_converter(ctx, n)
+    elif n.domain == MS_DOMAIN:
+        converter = MS_TABLE.lookup(n.op_type, 1)
+        if converter is None:
+            raise ctx.unsupported(f"keel reads {MS_DOMAIN}'s quantized ops "
+                                  f"({', '.join(MS_TABLE.op_types())}), not this one")
+        converter(ctx, n)
+        return
     elif n.domain not in _DEFAULT_DOMAINS:
         raise ctx.unsupported(f"custom domain {n.domain!r} (keel reads the default ONNX "
-                              f"domain, {ML_DOMAIN!r} and {KEEL_DOMAIN!r})")
+                              f"domain, {ML_DOMAIN!r}, {KEEL_DOMAIN!r} and {MS_DOMAIN}'s "
+                              "quantized ops)")
     else:
         converter = TABLE.lookup(n.op_type, ctx.opset)
     if converter is None:

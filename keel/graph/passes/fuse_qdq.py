@@ -13,10 +13,11 @@ QLINEAR_MATMUL reading ``x_q`` and the integer weights directly, so the
 weights stay int8 in memory and the product accumulates in int32 (instead of
 constant folding turning the weights back into float32). A bias becomes int32
 with scale ``x_scale * w_scale`` (``rint(b / scale)``: the integers themselves
-when the model quantized it that way). A Relu between the product and Q is
-kept only where it changes nothing: Q's zero point is its type's minimum, so
-every negative value saturates to it anyway. A Gemm or 2-D MatMul whose output
-stays float (no Q after it) becomes a QGEMM with a float32 output.
+when the model quantized it that way). A Relu between the product and Q (or a
+fused ReLU epilogue) is dropped only where it changes nothing: Q's zero point is
+its type's minimum, so every negative value saturates to it anyway. A Gemm or
+2-D MatMul whose output stays float (no Q after it) becomes a QGEMM with a
+float32 output.
 
 Only patterns with per-tensor activation parameters, constant integer weights
 (per tensor or per output channel) and no fused epilogue are taken; anything
@@ -41,7 +42,7 @@ from keel.ops.schemas.quantization import QUANT_RANGES
 __all__ = ["fuse_qdq"]
 
 _EIGHT_BITS = (np.dtype(np.uint8), np.dtype(np.int8))
-_INT32_MAX = float(np.iinfo(np.int32).max)
+_BIAS_LIMIT = float(1 << 30)    # |int32 bias| kept below, with room for the products
 
 
 @dataclass(frozen=True)
@@ -65,13 +66,15 @@ def fuse_qdq(graph: Graph) -> Graph:
 
 def _try(rw: Rewriter, node: Node) -> None:
     g = rw.graph
-    if node.attr("activation", "") or len(node.outputs) != 1:
+    if node.attr("activation", "") not in ("", "relu") or len(node.outputs) != 1:
         return
     x = _activation(rw, node.input(0))
     w = _weight(rw, node.input(1))
     if x is None or w is None or not _weight_axis_fits(g, node, w):
         return
     tail, q = _quantized_output(rw, node)
+    if node.attr("activation", "") and (q is None or not _relu_redundant(g, q)):
+        return
     if node.op is Op.CONV:
         if q is None or len(node.present_inputs()) > 3:
             return
@@ -156,12 +159,19 @@ def _quantized_output(rw: Rewriter, node: Node) -> tuple[list[Node], Node | None
     g = rw.graph
     zp = g.constant(nxt.input(2)) if nxt.input(2) else None
     scale = g.constant(nxt.input(1))
-    if scale is None or scale.size != 1 or scale.dtype != np.float32 or zp is None or zp.size != 1 or zp.dtype not in _EIGHT_BITS or \
-            nxt.attr("precision", None) is not None:
+    if scale is None or scale.size != 1 or scale.dtype != np.float32 or zp is None or \
+            zp.size != 1 or zp.dtype not in _EIGHT_BITS or nxt.attr("precision", None) is not None:
         return [], None
-    if tail and int(zp.reshape(())) != QUANT_RANGES[DType.from_numpy(zp.dtype)][0]:
+    if tail and not _relu_redundant(g, nxt):
         return [], None
     return [*tail, nxt], nxt
+
+
+def _relu_redundant(g: Graph, q: Node) -> bool:
+    """Q's zero point is its type's minimum: it saturates every negative value to it, as
+    a ReLU before it would."""
+    zp = g.constant(q.input(2))
+    return zp is not None and int(zp.reshape(())) == QUANT_RANGES[DType.from_numpy(zp.dtype)][0]
 
 
 # ---- the integer nodes -----------------------------------------------------------------------
@@ -178,29 +188,64 @@ def _zero_point(rw: Rewriter, d: _Dequantized, like_shape: tuple[int, ...]) -> s
     return name
 
 
-def _bias(rw: Rewriter, node: Node, x: _Dequantized, w: _Dequantized, n: int) -> str | None:
-    """The bias as int32 with scale x_scale * w_scale ("" without one); None when it cannot
-    be (not constant, not 1-D of n values, or out of int32's range)."""
+def _bias(rw: Rewriter, node: Node, x: _Dequantized, w: _Dequantized,
+          n: int) -> tuple[str, _Dequantized] | None:
+    """The bias as int32 with scale x_scale * w_scale ("" without one) and the weights to
+    use with it; None when it cannot be (not constant, not 1-D of n values).
+
+    A channel whose weights are all but zero (a tiny scale) while its bias is not would
+    need a bias beyond int32: its weight scale is raised until the bias fits in 2^30,
+    and its integers requantized (as onnxruntime's quantizer does).
+    """
     name = node.input(2)
     if not name:
-        return ""
+        return "", w
     g = rw.graph
     value = _constant_float(rw, name)
     if value is None or value.size not in (1, n) or value.ndim > 1:
         return None
-    scale = (g.constant(x.scale).astype(np.float64).reshape(())  # type: ignore[union-attr]
-             * g.constant(w.scale).astype(np.float64).reshape(-1))  # type: ignore[union-attr]
-    if node.op is Op.GEMM:
-        scale = scale * float(node.attr("alpha", 1.0))
-        value = value * float(node.attr("beta", 1.0))
+    x_scale = float(g.constant(x.scale).astype(np.float64).reshape(()))  # type: ignore[union-attr]
+    w_scale = g.constant(w.scale).astype(np.float64).reshape(-1)  # type: ignore[union-attr]
+    alpha, beta = (float(node.attr("alpha", 1.0)), float(node.attr("beta", 1.0))) \
+        if node.op is Op.GEMM else (1.0, 1.0)
+    value = np.broadcast_to(value.reshape(-1) * beta, (n,))
+    scale = np.broadcast_to(x_scale * alpha * w_scale, (n,))
     if not np.all(scale > 0):
         return None
-    q = np.rint(np.broadcast_to(value.reshape(-1), (n,)) / np.broadcast_to(scale, (n,)))
-    if not np.all(np.abs(q) <= _INT32_MAX):
-        return None
+    over = np.abs(value / scale) > _BIAS_LIMIT
+    if over.any():
+        widened = _widened(rw, node, w, over, np.abs(value) / (x_scale * alpha * _BIAS_LIMIT))
+        if widened is None:
+            return None
+        w = widened
+        scale = np.broadcast_to(
+            x_scale * alpha * g.constant(w.scale).astype(np.float64).reshape(-1),  # type: ignore[union-attr]
+            (n,))
     out = rw.fresh(f"{name}_int32")
-    g.initializers[out] = q.astype(np.int32)
-    return out
+    g.initializers[out] = np.rint(value / scale).astype(np.int32)
+    return out, w
+
+
+def _widened(rw: Rewriter, node: Node, w: _Dequantized, over: np.ndarray,
+             wanted: np.ndarray) -> _Dequantized | None:
+    """``w`` with the scales of the ``over`` channels raised to ``wanted`` (per channel
+    weights with zero point 0 only), their integers requantized."""
+    g = rw.graph
+    q, scale = g.constant(w.value), g.constant(w.scale)
+    zp = g.constant(w.zero_point) if w.zero_point else None
+    if q is None or scale is None or scale.size != over.size or (zp is not None and np.any(zp)):
+        return None
+    axis = int(w.node.attr("axis", 1)) % q.ndim
+    new_scale = scale.astype(np.float64).copy()
+    new_scale[over] = np.maximum(new_scale[over], wanted[over])
+    new_scale = new_scale.astype(np.float32)
+    ratio = (scale.astype(np.float64) / new_scale.astype(np.float64)).reshape(
+        [-1 if i == axis else 1 for i in range(q.ndim)])
+    lo, hi = QUANT_RANGES[DType.from_numpy(q.dtype)]
+    values = np.clip(np.rint(q.astype(np.float64) * ratio), lo, hi).astype(q.dtype)
+    q_name, s_name = rw.fresh(f"{w.value}_widened"), rw.fresh(f"{w.scale}_widened")
+    g.initializers[q_name], g.initializers[s_name] = values, new_scale
+    return _Dequantized(w.node, q_name, s_name, w.zero_point)
 
 
 def _constant_float(rw: Rewriter, name: str) -> np.ndarray | None:
@@ -222,9 +267,10 @@ def _constant_float(rw: Rewriter, name: str) -> np.ndarray | None:
 def _qlinear_conv(rw: Rewriter, node: Node, x: _Dequantized, w: _Dequantized,
                   q: Node) -> Node | None:
     m = int(rw.graph.constant(w.value).shape[0])  # type: ignore[union-attr]
-    bias = _bias(rw, node, x, w, m)
-    if bias is None:
+    found = _bias(rw, node, x, w, m)
+    if found is None:
         return None
+    bias, w = found
     attrs = get_schema(Op.QLINEAR_CONV).normalize_attrs(
         {k: v for k, v in node.attrs.items() if k in ("auto_pad", "dilations", "group",
                                                       "kernel_shape", "pads", "strides")
@@ -238,9 +284,10 @@ def _qgemm(rw: Rewriter, node: Node, x: _Dequantized, w: _Dequantized,
            q: Node | None) -> Node | None:
     wv = rw.graph.constant(w.value)
     n = int(wv.shape[0] if node.attr("trans_b", False) else wv.shape[1])  # type: ignore[union-attr]
-    bias = _bias(rw, node, x, w, n)
-    if bias is None:
+    found = _bias(rw, node, x, w, n)
+    if found is None:
         return None
+    bias, w = found
     attrs = get_schema(Op.QGEMM).normalize_attrs({
         "alpha": float(node.attr("alpha", 1.0)), "trans_a": bool(node.attr("trans_a", False)),
         "trans_b": bool(node.attr("trans_b", False))})

@@ -42,7 +42,7 @@ def quantize(name: str, calibration_samples: int = 16, seed: int = 0) -> bytes:
     from keel.graph.passes import optimize
 
     spec = MODELS[name]
-    folded = to_onnx(optimize(import_onnx(build(name)), "basic"))
+    folded = to_onnx(optimize(import_onnx(build(name)), "extended"))
     batches = [{spec.input_name: spec.make_input(min(8, calibration_samples), seed + i)}
                for i in range(max(1, calibration_samples // 8))]
 

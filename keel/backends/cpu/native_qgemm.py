@@ -48,6 +48,7 @@ class _Functions:
     panel: int
     matmul: Any
     conv: Any
+    direct: Any
 
 
 def _load() -> _Functions | None:
@@ -65,6 +66,7 @@ def _bind(lib: native.NativeLibrary) -> _Functions:
         matmul=f("keel_qmatmul_u8s8", [_P, _P, _I, _I, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I],
                  _I),
         conv=f("keel_qconv2d_u8s8", [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P, _I], _I),
+        direct=f("keel_qconv2d_direct_u8s8", [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _I], _I),
     )
 
 
@@ -127,6 +129,9 @@ class PackedConv:
     zero_points: np.ndarray      # (M,) int32, shifted like the weights
     row_sums: np.ndarray         # (M,) int32: sum over k of the shifted weights
     shape: tuple[int, ...]
+    # [M][kh][kw][c4] (c4: C/g rounded up to 4) for the stride-1 kernel without im2col;
+    # None when a weight zero point is not 0
+    direct: np.ndarray | None = None
 
     @property
     def nbytes(self) -> int:
@@ -143,7 +148,17 @@ def pack_conv(w: np.ndarray, w_zero_point: np.ndarray) -> PackedConv:
     packed = np.zeros((m, kp), dtype=np.int8)
     packed[:, :k] = ws
     return PackedConv(packed, k, kp, np.ascontiguousarray(zs, dtype=np.int32),
-                      ws.sum(axis=1, dtype=np.int64).astype(np.int32), tuple(w.shape))
+                      ws.sum(axis=1, dtype=np.int64).astype(np.int32), tuple(w.shape),
+                      _direct_layout(ws.reshape(w.shape)) if w.ndim == 4 and not np.any(zs)
+                      else None)
+
+
+def _direct_layout(w: np.ndarray) -> np.ndarray:
+    m, c, kh, kw = w.shape
+    c4 = -(-c // 4) * 4
+    out = np.zeros((m, kh, kw, c4), dtype=np.int8)
+    out[..., :c] = w.transpose(0, 2, 3, 1)
+    return out.reshape(m, kh * kw * c4)
 
 
 def conv2d(x: np.ndarray, x_zero_point: int, packed: PackedConv, geo: ConvGeometry,
@@ -169,10 +184,18 @@ def conv2d(x: np.ndarray, x_zero_point: int, packed: PackedConv, geo: ConvGeomet
     xc = np.ascontiguousarray(x)
     units = n * geo.group * -(-(oh * ow) // fns.panel)
     count = _threads(units, fns.panel * packed.k * m // geo.group, threads)
+    quant = _quant(DType.from_numpy(y.dtype), y_zero_point)
+    if packed.direct is not None and geo.group == 1 and geo.strides == (1, 1) and \
+            geo.dilations == (1, 1):
+        c4 = packed.direct.shape[1] // (kh * kw)
+        rc = fns.direct(_ptr(xc), shift, xz & 0xFF, _ptr(packed.direct), c4, _ptr(geometry),
+                        _ptr(bias_r), _ptr(mult), _ptr(quant), _ptr(y), count)
+        if rc != -2:
+            _check(rc)
+            return
     rc = fns.conv(_ptr(xc), shift, xz & 0xFF, _ptr(packed.weights), packed.kp,
                   _ptr(geometry), _ptr(bias_r), _ptr(zr) if np.any(zr) else None,
-                  _ptr(mult), _ptr(_quant(DType.from_numpy(y.dtype), y_zero_point)), _ptr(y),
-                  count)
+                  _ptr(mult), _ptr(quant), _ptr(y), count)
     _check(rc)
 
 

@@ -68,7 +68,7 @@ def _deliver(xp: Any, q: Any, dtype: DType, out: Out, i: int = 0) -> Any:
     """Round half to even and saturate ``q`` (in place), then cast into ``dtype``/``out``."""
     lo, hi = QUANT_RANGES[dtype]
     xp.rint(q, out=q)
-    xp.nan_to_num(q, copy=False, nan=0.0)
+    xp.copyto(q, 0.0, where=xp.isnan(q))    # NaN to 0; clip bounds the infinities
     xp.clip(q, lo, hi, out=q)
     if out is not None:
         out[i][...] = q

@@ -71,35 +71,53 @@ static inline int32_t quad(const uint8_t *p)
 /* acc[MR][NB] = R[rows][4 k4] . panel, rows past `mr` repeat the last one. r_u8: R
  * holds the unsigned operand (a matmul's activations), else V does (a convolution's). */
 static inline void tile(const uint8_t *r, int64_t ldr, int64_t mr, const uint8_t *v,
-                        int64_t k4, int32_t *acc, int r_u8)
+                        const int64_t *offsets, int64_t k4, int32_t *acc, int r_u8)
 {
     const uint8_t *row[MR];
     for (int i = 0; i < MR; i++) row[i] = r + (i < mr ? i : mr - 1) * ldr;
 #if QISA == 2
-    __m512i c[MR][4];
-    for (int i = 0; i < MR; i++)
-        for (int t = 0; t < 4; t++) c[i][t] = _mm512_setzero_si512();
+    /* 24 accumulators as named variables: an array of them is kept on the stack. */
+#define ZERO4(i) __m512i c##i##0 = _mm512_setzero_si512(), c##i##1 = c##i##0, \
+                 c##i##2 = c##i##0, c##i##3 = c##i##0
+    ZERO4(0); ZERO4(1); ZERO4(2); ZERO4(3); ZERO4(4); ZERO4(5);
+#define DOT4(i) do { \
+        __m512i a = _mm512_set1_epi32(quad(row[i] + 4 * q)); \
+        if (r_u8) { \
+            c##i##0 = _mm512_dpbusd_epi32(c##i##0, a, b0); \
+            c##i##1 = _mm512_dpbusd_epi32(c##i##1, a, b1); \
+            c##i##2 = _mm512_dpbusd_epi32(c##i##2, a, b2); \
+            c##i##3 = _mm512_dpbusd_epi32(c##i##3, a, b3); \
+        } else { \
+            c##i##0 = _mm512_dpbusd_epi32(c##i##0, b0, a); \
+            c##i##1 = _mm512_dpbusd_epi32(c##i##1, b1, a); \
+            c##i##2 = _mm512_dpbusd_epi32(c##i##2, b2, a); \
+            c##i##3 = _mm512_dpbusd_epi32(c##i##3, b3, a); \
+        } \
+    } while (0)
     for (int64_t q = 0; q < k4; q++) {
-        const uint8_t *vq = v + q * NB * 4;
-        __m512i b[4];
-        for (int t = 0; t < 4; t++) b[t] = _mm512_loadu_si512((const void *)(vq + 64 * t));
-#pragma GCC unroll 6
-        for (int i = 0; i < MR; i++) {
-            __m512i a = _mm512_set1_epi32(quad(row[i] + 4 * q));
-#pragma GCC unroll 4
-            for (int t = 0; t < 4; t++)
-                c[i][t] = r_u8 ? _mm512_dpbusd_epi32(c[i][t], a, b[t])
-                               : _mm512_dpbusd_epi32(c[i][t], b[t], a);
-        }
+        const uint8_t *vq = v + (offsets ? offsets[q] : q * NB * 4);
+        __m512i b0 = _mm512_loadu_si512((const void *)vq);
+        __m512i b1 = _mm512_loadu_si512((const void *)(vq + 64));
+        __m512i b2 = _mm512_loadu_si512((const void *)(vq + 128));
+        __m512i b3 = _mm512_loadu_si512((const void *)(vq + 192));
+        DOT4(0); DOT4(1); DOT4(2); DOT4(3); DOT4(4); DOT4(5);
     }
-    for (int i = 0; i < MR; i++)
-        for (int t = 0; t < 4; t++) _mm512_storeu_si512((void *)(acc + i * NB + 16 * t), c[i][t]);
+#define STORE4(i) do { \
+        _mm512_storeu_si512((void *)(acc + i * NB), c##i##0); \
+        _mm512_storeu_si512((void *)(acc + i * NB + 16), c##i##1); \
+        _mm512_storeu_si512((void *)(acc + i * NB + 32), c##i##2); \
+        _mm512_storeu_si512((void *)(acc + i * NB + 48), c##i##3); \
+    } while (0)
+    STORE4(0); STORE4(1); STORE4(2); STORE4(3); STORE4(4); STORE4(5);
+#undef ZERO4
+#undef DOT4
+#undef STORE4
 #elif QISA == 1
     for (int h = 0; h < 4; h++) {
         __m256i c[MR][2];
         for (int i = 0; i < MR; i++) c[i][0] = c[i][1] = _mm256_setzero_si256();
         for (int64_t q = 0; q < k4; q++) {
-            const uint8_t *vq = v + q * NB * 4 + 64 * h;
+            const uint8_t *vq = v + (offsets ? offsets[q] : q * NB * 4) + 64 * h;
             __m256i b0 = _mm256_loadu_si256((const void *)vq);
             __m256i b1 = _mm256_loadu_si256((const void *)(vq + 32));
 #pragma GCC unroll 6
@@ -124,7 +142,7 @@ static inline void tile(const uint8_t *r, int64_t ldr, int64_t mr, const uint8_t
         int32_t *ci = acc + i * NB;
         for (int j = 0; j < NB; j++) ci[j] = 0;
         for (int64_t q = 0; q < k4; q++) {
-            const uint8_t *vq = v + q * NB * 4;
+            const uint8_t *vq = v + (offsets ? offsets[q] : q * NB * 4);
             const uint8_t *rq = row[i] + 4 * q;
             for (int t = 0; t < 4; t++) {
                 int32_t a = r_u8 ? (int32_t)rq[t] : (int32_t)(int8_t)rq[t];
@@ -148,33 +166,59 @@ typedef struct {
 
 enum { KIND_U8, KIND_S8, KIND_F32 };
 
+/* Requantize one row of n accumulators (corrections already added) into y. */
+static void store_row(const int32_t *v, int64_t n, const double *mult, double m,
+                      const requant *q, void *y)
+{
+    if (q->kind == KIND_F32) {
+        float *out = y;
+        for (int64_t j = 0; j < n; j++) out[j] = (float)((double)v[j] * (mult ? mult[j] : m));
+        return;
+    }
+    double zp = (double)q->yzp, lo = (double)q->lo, hi = (double)q->hi;
+    int32_t r[NB];
+    if (mult) {
+        for (int64_t j = 0; j < n; j++) {
+            double t = nearbyint((double)v[j] * mult[j]) + zp;
+            r[j] = (int32_t)(t < lo ? lo : t > hi ? hi : t);
+        }
+    } else {
+        for (int64_t j = 0; j < n; j++) {
+            double t = nearbyint((double)v[j] * m) + zp;
+            r[j] = (int32_t)(t < lo ? lo : t > hi ? hi : t);
+        }
+    }
+    if (q->kind == KIND_U8) {
+        uint8_t *out = y;
+        for (int64_t j = 0; j < n; j++) out[j] = (uint8_t)r[j];
+    } else {
+        int8_t *out = y;
+        for (int64_t j = 0; j < n; j++) out[j] = (int8_t)r[j];
+    }
+}
+
 /* Store rows [i0, i0 + rows) x columns [j0, j0 + cols) of Y from a tile; sv holds the
  * tile's column sums of V (or is NULL). */
 static void store(const int32_t *acc, int64_t rows, int64_t cols, int64_t i0, int64_t j0,
                   const requant *q, const int32_t *sv, void *y, int64_t ldy)
 {
+    size_t item = q->kind == KIND_F32 ? 4 : 1;
     for (int64_t i = 0; i < rows; i++) {
+        int32_t v[NB];
         const int32_t *a = acc + i * NB;
         int32_t ri = q->bias_r ? q->bias_r[i0 + i] : 0;
+        for (int64_t j = 0; j < cols; j++) v[j] = a[j] + ri;
+        if (q->bias_c)
+            for (int64_t j = 0; j < cols; j++) v[j] += q->bias_c[j0 + j];
         int32_t zri = q->zr && sv ? q->zr[i0 + i] : 0;
-        int32_t sri = q->sr ? q->sr[i0 + i] : 0;
+        if (zri)
+            for (int64_t j = 0; j < cols; j++) v[j] += zri * sv[j];
+        int32_t sri = q->zv && q->sr ? q->sr[i0 + i] : 0;
+        if (sri)
+            for (int64_t j = 0; j < cols; j++) v[j] += q->zv[j0 + j] * sri;
+        const double *mc = q->mult_per_col ? q->mult + j0 : NULL;
         double mi = q->mult_per_col ? 0.0 : q->mult[i0 + i];
-        int64_t base = (i0 + i) * ldy + j0;
-        for (int64_t j = 0; j < cols; j++) {
-            int32_t v = a[j] + ri;
-            if (q->bias_c) v += q->bias_c[j0 + j];
-            if (zri) v += zri * sv[j];
-            if (q->zv && sri) v += q->zv[j0 + j] * sri;
-            double t = (double)v * (q->mult_per_col ? q->mult[j0 + j] : mi);
-            if (q->kind == KIND_F32) {
-                ((float *)y)[base + j] = (float)t;
-                continue;
-            }
-            double r = nearbyint(t) + (double)q->yzp;
-            r = r < (double)q->lo ? (double)q->lo : r > (double)q->hi ? (double)q->hi : r;
-            if (q->kind == KIND_U8) ((uint8_t *)y)[base + j] = (uint8_t)(int32_t)r;
-            else ((int8_t *)y)[base + j] = (int8_t)(int32_t)r;
-        }
+        store_row(v, cols, mc, mi, q, (char *)y + (size_t)((i0 + i) * ldy + j0) * item);
     }
 }
 
@@ -197,7 +241,7 @@ static void qmatmul_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
         int64_t nb = t / j->row_tiles, i0 = (t % j->row_tiles) * MR;
         int64_t mr = j->rows - i0 < MR ? j->rows - i0 : MR;
         int64_t cols = j->n - nb * NB < NB ? j->n - nb * NB : NB;
-        tile(j->a + i0 * j->kp, j->kp, mr, j->panels + nb * k4 * NB * 4, k4, acc, 1);
+        tile(j->a + i0 * j->kp, j->kp, mr, j->panels + nb * k4 * NB * 4, NULL, k4, acc, 1);
         store(acc, mr, cols, i0, nb * NB, &j->q, NULL, j->y, j->ldy);
     }
 }
@@ -238,34 +282,83 @@ typedef struct {
     void *y;
 } qconv_job;
 
+/* One row of the im2col matrix for the block's pixels: input channel c's tap (dy, dx)
+ * for each of the NB pixels, the raw zero point where the tap falls in the padding.
+ * The block's pixels come as runs along output rows (seg_*), so with stride 1 a run is
+ * one contiguous copy. */
+typedef struct {
+    int64_t t, oy, ox, len;
+} segment;
+
+static void fill_row(const qconv_job *j, const uint8_t *plane, const segment *seg,
+                     int64_t nseg, int64_t dy, int64_t dx, uint8_t raw_pad, uint8_t *row)
+{
+    const int64_t *g = j->g;
+    int64_t h = g[Q_H], w = g[Q_W], sw = g[Q_SW];
+    for (int64_t s = 0; s < nseg; s++) {
+        uint8_t *out = row + seg[s].t;
+        int64_t len = seg[s].len, iy = seg[s].oy * g[Q_SH] - g[Q_PT] + dy;
+        if (iy < 0 || iy >= h) {
+            memset(out, raw_pad, (size_t)len);
+            continue;
+        }
+        const uint8_t *src = plane + iy * w;
+        int64_t ix0 = seg[s].ox * sw - g[Q_PL] + dx;
+        if (sw == 1) {
+            int64_t a = ix0 < 0 ? -ix0 : 0, b = w - ix0 < len ? w - ix0 : len;
+            if (b < a) b = a;
+            if (a > len) a = b = len;
+            memset(out, raw_pad, (size_t)a);
+            memcpy(out + a, src + ix0 + a, (size_t)(b - a));
+            memset(out + b, raw_pad, (size_t)(len - b));
+            continue;
+        }
+        for (int64_t i = 0; i < len; i++) {
+            int64_t ix = ix0 + i * sw;
+            out[i] = ix >= 0 && ix < w ? src[ix] : raw_pad;
+        }
+    }
+}
+
 /* The columns of pixels [p0, p0 + NB) of image n, group grp, as one panel; their sums. */
 static void pack_columns(const qconv_job *j, int64_t n, int64_t grp, int64_t p0,
                          uint8_t *panel, int32_t *sums)
 {
     const int64_t *g = j->g;
     int64_t cg = g[Q_C] / g[Q_G], taps = g[Q_KH] * g[Q_KW], k = cg * taps;
-    int64_t pixels = g[Q_OH] * g[Q_OW];
-    int64_t oy[NB], ox[NB];
-    for (int64_t t = 0; t < NB; t++) {
-        int64_t p = p0 + t < pixels ? p0 + t : pixels - 1;
-        oy[t] = (p / g[Q_OW]) * g[Q_SH] - g[Q_PT];
-        ox[t] = (p % g[Q_OW]) * g[Q_SW] - g[Q_PL];
+    int64_t pixels = g[Q_OH] * g[Q_OW], ow = g[Q_OW];
+    segment seg[NB];
+    int64_t nseg = 0;
+    for (int64_t t = 0; t < NB && p0 + t < pixels;) {
+        int64_t p = p0 + t, ox = p % ow, len = ow - ox;
+        if (len > NB - t) len = NB - t;
+        if (len > pixels - p) len = pixels - p;
+        seg[nseg++] = (segment){t, p / ow, ox, len};
+        t += len;
     }
+    uint8_t raw_pad = (uint8_t)(j->pad ^ j->flip);
+    uint8_t rows[4][NB];
     const uint8_t *image = j->x + (n * g[Q_C] + grp * cg) * g[Q_H] * g[Q_W];
-    for (int64_t kk = 0; kk < k; kk++) {
-        int64_t c = kk / taps, ky = (kk % taps) / g[Q_KW], kx = kk % g[Q_KW];
-        const uint8_t *plane = image + c * g[Q_H] * g[Q_W];
-        uint8_t *dst = panel + (kk >> 2) * NB * 4 + (kk & 3);
-        int64_t dy = ky * g[Q_DH], dx = kx * g[Q_DW];
-        for (int64_t t = 0; t < NB; t++) {
-            int64_t iy = oy[t] + dy, ix = ox[t] + dx;
-            int inside = iy >= 0 && iy < g[Q_H] && ix >= 0 && ix < g[Q_W];
-            dst[4 * t] = inside ? (uint8_t)(plane[iy * g[Q_W] + ix] ^ j->flip) : j->pad;
+    for (int64_t q = 0; q < j->kp / 4; q++) {
+        for (int r = 0; r < 4; r++) {
+            int64_t kk = 4 * q + r;
+            memset(rows[r], raw_pad, NB);   /* pixels past the end, and k past k's end */
+            if (kk >= k) {
+                memset(rows[r], 0, NB);
+                continue;
+            }
+            int64_t c = kk / taps, ky = (kk % taps) / g[Q_KW], kx = kk % g[Q_KW];
+            fill_row(j, image + c * g[Q_H] * g[Q_W], seg, nseg, ky * g[Q_DH], kx * g[Q_DW],
+                     raw_pad, rows[r]);
         }
-    }
-    for (int64_t kk = k; kk < j->kp; kk++) {
-        uint8_t *dst = panel + (kk >> 2) * NB * 4 + (kk & 3);
-        for (int64_t t = 0; t < NB; t++) dst[4 * t] = 0;
+        uint32_t *dst = (uint32_t *)(void *)(panel + q * NB * 4);
+        uint32_t flip = (uint32_t)j->flip * 0x01010101u;
+        for (int64_t t = 0; t < NB; t++)
+            dst[t] = ((uint32_t)rows[0][t] | (uint32_t)rows[1][t] << 8 |
+                      (uint32_t)rows[2][t] << 16 | (uint32_t)rows[3][t] << 24) ^ flip;
+        for (int r = 0; r < 4; r++)
+            if (4 * q + r >= k)
+                for (int64_t t = 0; t < NB; t++) panel[q * NB * 4 + 4 * t + r] = 0;
     }
     if (!j->want_sums) return;
     for (int64_t t = 0; t < NB; t++) sums[t] = 0;
@@ -292,7 +385,7 @@ static void qconv_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
         char *yn = (char *)j->y + n * g[Q_M] * pixels * (j->q.kind == KIND_F32 ? 4 : 1);
         for (int64_t m = 0; m < mg; m += MR) {
             int64_t i0 = grp * mg + m, mr = mg - m < MR ? mg - m : MR;
-            tile(j->w + i0 * j->kp, j->kp, mr, panel, j->kp / 4, acc, 0);
+            tile(j->w + i0 * j->kp, j->kp, mr, panel, NULL, j->kp / 4, acc, 0);
             store(acc, mr, cols, i0, p0, &j->q, j->want_sums ? sums : NULL, yn, pixels);
         }
     }
@@ -319,4 +412,115 @@ int64_t keel_qconv2d_u8s8(const uint8_t *x, int64_t flip, int64_t pad, const uin
     j.y = y;
     int64_t scratch = MR * NB + NB + (kp * NB + 3) / 4;
     return run_parts(qconv_task, &j, j.g[Q_N] * j.g[Q_G] * j.blocks, parts, scratch);
+}
+
+/* ---- stride-1 convolution without im2col ---------------------------------------------
+ *
+ * The image is copied once into a zero-point-padded layout of channel quads,
+ * [C4/4][Hp * Wp + slack][4] (four channels' bytes side by side per padded pixel), and
+ * the outputs are computed over padded row positions p = oy * Wp + ox (ox < Wp; the
+ * columns past OW are computed and dropped). For tap (ky, kx) and channel quad cq, the
+ * 64 pixels of a block are then 256 contiguous bytes of that layout, at
+ * ((cq * plane + p0 + ky * Wp + kx) * 4): the tile reads them in place, through one
+ * offset per k quad, with the weights packed in the same order, [M][KH][KW][C4]. */
+
+typedef struct {
+    const uint8_t *x, *w;
+    int64_t g[Q_LEN];
+    int64_t c4, hp, wp, plane, kp, blocks;
+    uint8_t flip, pad;
+    requant q;
+    void *y;
+} qdirect_job;
+
+static void build_quads(const qdirect_job *j, int64_t n, uint8_t *xq)
+{
+    const int64_t *g = j->g;
+    int64_t c = g[Q_C], h = g[Q_H], w = g[Q_W];
+    uint32_t pad = (uint32_t)j->pad * 0x01010101u, flip = (uint32_t)j->flip * 0x01010101u;
+    for (int64_t cq = 0; cq < j->c4 / 4; cq++) {
+        uint32_t *dst = (uint32_t *)(void *)(xq + cq * j->plane * 4);
+        for (int64_t i = 0; i < j->plane; i++) dst[i] = pad;
+        const uint8_t *src[4];
+        for (int r = 0; r < 4; r++)
+            src[r] = 4 * cq + r < c ? j->x + ((n * c) + 4 * cq + r) * h * w : NULL;
+        for (int64_t y = 0; y < h; y++) {
+            uint32_t *row = dst + (y + g[Q_PT]) * j->wp + g[Q_PL];
+            for (int64_t xx = 0; xx < w; xx++) {
+                uint32_t v = 0;
+                for (int r = 0; r < 4; r++)
+                    v |= (uint32_t)(src[r] ? src[r][y * w + xx] : 0) << (8 * r);
+                row[xx] = v ^ flip;
+            }
+        }
+    }
+}
+
+static void qdirect_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
+{
+    const qdirect_job *j = ctx;
+    const int64_t *g = j->g;
+    int64_t m = g[Q_M], oh = g[Q_OH], ow = g[Q_OW], pixels = oh * ow, k4 = j->kp / 4;
+    int32_t *acc = (int32_t *)scratch;
+    int64_t *offsets = (int64_t *)(acc + MR * NB);
+    uint8_t *xq = (uint8_t *)(offsets + k4);
+    for (int64_t q = 0; q < k4; q++) {
+        int64_t cq = q % (j->c4 / 4), tap = q / (j->c4 / 4);
+        offsets[q] = (cq * j->plane + (tap / g[Q_KW]) * j->wp + tap % g[Q_KW]) * 4;
+    }
+    int64_t built = -1;
+    for (int64_t t = lo; t < hi; t++) {
+        int64_t n = t / j->blocks, p0 = (t % j->blocks) * NB;
+        if (n != built) {
+            build_quads(j, n, xq);
+            built = n;
+        }
+        char *yn = (char *)j->y + n * m * pixels * (j->q.kind == KIND_F32 ? 4 : 1);
+        for (int64_t i0 = 0; i0 < m; i0 += MR) {
+            int64_t mr = m - i0 < MR ? m - i0 : MR;
+            tile(j->w + i0 * j->kp, j->kp, mr, xq + p0 * 4, offsets, k4, acc, 0);
+            /* the block's valid columns, one output row at a time */
+            for (int64_t p = p0; p < p0 + NB && p < oh * j->wp;) {
+                int64_t oy = p / j->wp, ox = p % j->wp;
+                int64_t run = j->wp - ox < p0 + NB - p ? j->wp - ox : p0 + NB - p;
+                if (ox < ow) {
+                    int64_t len = ow - ox < run ? ow - ox : run;
+                    store(acc + (p - p0), mr, len, i0, oy * ow + ox, &j->q, NULL, yn, pixels);
+                }
+                p += run;
+            }
+        }
+    }
+}
+
+/* Floats of scratch keel_qconv2d_direct_u8s8 needs per thread for this geometry. */
+static int64_t direct_scratch(const qdirect_job *j)
+{
+    return MR * NB + 2 * (j->kp / 4) + j->c4 / 4 * j->plane;
+}
+
+/* keel_qconv2d_u8s8 for stride 1, one group and weight zero points all 0, from weights
+ * packed as [M][KH][KW][c4] (c4: C rounded up to 4), kp = KH * KW * c4. */
+int64_t keel_qconv2d_direct_u8s8(const uint8_t *x, int64_t flip, int64_t pad, const uint8_t *w,
+                                 int64_t c4, const int64_t *geometry, const int32_t *bias_r,
+                                 const double *mult, const int64_t *quant, void *y,
+                                 int64_t parts)
+{
+    qdirect_job j;
+    memcpy(j.g, geometry, sizeof j.g);
+    if (j.g[Q_N] <= 0 || j.g[Q_OH] <= 0 || j.g[Q_OW] <= 0) return 0;
+    if (j.g[Q_SH] != 1 || j.g[Q_SW] != 1 || j.g[Q_G] != 1 || c4 % 4) return -2;
+    j.x = x, j.w = w, j.c4 = c4;
+    j.hp = j.g[Q_OH] + (j.g[Q_KH] - 1) * j.g[Q_DH];
+    j.wp = j.g[Q_OW] + (j.g[Q_KW] - 1) * j.g[Q_DW];
+    if (j.g[Q_DH] != 1 || j.g[Q_DW] != 1) return -2;
+    if (j.hp < j.g[Q_H] + j.g[Q_PT] || j.wp < j.g[Q_W] + j.g[Q_PL]) return -2;
+    j.plane = j.hp * j.wp + NB + j.g[Q_KW] + 16;
+    j.kp = j.g[Q_KH] * j.g[Q_KW] * c4;
+    j.blocks = (j.g[Q_OH] * j.wp + NB - 1) / NB;
+    j.flip = (uint8_t)flip, j.pad = (uint8_t)pad;
+    j.q = (requant){bias_r, NULL, NULL, NULL, NULL, mult, 0, quant[0], quant[1], quant[2],
+                    quant[3]};
+    j.y = y;
+    return run_parts(qdirect_task, &j, j.g[Q_N] * j.blocks, parts, direct_scratch(&j));
 }

@@ -514,6 +514,9 @@ def _convert_keel(ctx: ImportContext, n: OnnxNode) -> None:
 
 
 def supported_op_types(domain: str = "") -> list[str]:
-    """Every ONNX op_type the importer converts in ``domain`` (default: ai.onnx)."""
+    """Every ONNX op_type the importer converts in ``domain`` (default: ai.onnx; also
+    ai.onnx.ml and com.microsoft)."""
+    if domain == MS_DOMAIN:
+        return MS_TABLE.op_types()
     return ML_TABLE.op_types() if domain == ML_DOMAIN else TABLE.op_types()
 

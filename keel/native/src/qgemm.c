@@ -114,28 +114,32 @@ static inline void tile(const uint8_t *r, int64_t ldr, int64_t mr, const uint8_t
 #undef STORE4
 #elif QISA == 1
     for (int h = 0; h < 4; h++) {
-        __m256i c[MR][2];
-        for (int i = 0; i < MR; i++) c[i][0] = c[i][1] = _mm256_setzero_si256();
+#define ZERO2(i) __m256i c##i##0 = _mm256_setzero_si256(), c##i##1 = c##i##0
+        ZERO2(0); ZERO2(1); ZERO2(2); ZERO2(3); ZERO2(4); ZERO2(5);
+#define DOT2(i) do { \
+            __m256i a = _mm256_set1_epi32(quad(row[i] + 4 * q)); \
+            if (r_u8) { \
+                c##i##0 = _mm256_dpbusd_avx_epi32(c##i##0, a, b0); \
+                c##i##1 = _mm256_dpbusd_avx_epi32(c##i##1, a, b1); \
+            } else { \
+                c##i##0 = _mm256_dpbusd_avx_epi32(c##i##0, b0, a); \
+                c##i##1 = _mm256_dpbusd_avx_epi32(c##i##1, b1, a); \
+            } \
+        } while (0)
         for (int64_t q = 0; q < k4; q++) {
             const uint8_t *vq = v + (offsets ? offsets[q] : q * NB * 4) + 64 * h;
             __m256i b0 = _mm256_loadu_si256((const void *)vq);
             __m256i b1 = _mm256_loadu_si256((const void *)(vq + 32));
-#pragma GCC unroll 6
-            for (int i = 0; i < MR; i++) {
-                __m256i a = _mm256_set1_epi32(quad(row[i] + 4 * q));
-                if (r_u8) {
-                    c[i][0] = _mm256_dpbusd_avx_epi32(c[i][0], a, b0);
-                    c[i][1] = _mm256_dpbusd_avx_epi32(c[i][1], a, b1);
-                } else {
-                    c[i][0] = _mm256_dpbusd_avx_epi32(c[i][0], b0, a);
-                    c[i][1] = _mm256_dpbusd_avx_epi32(c[i][1], b1, a);
-                }
-            }
+            DOT2(0); DOT2(1); DOT2(2); DOT2(3); DOT2(4); DOT2(5);
         }
-        for (int i = 0; i < MR; i++) {
-            _mm256_storeu_si256((void *)(acc + i * NB + 16 * h), c[i][0]);
-            _mm256_storeu_si256((void *)(acc + i * NB + 16 * h + 8), c[i][1]);
-        }
+#define STORE2(i) do { \
+            _mm256_storeu_si256((void *)(acc + i * NB + 16 * h), c##i##0); \
+            _mm256_storeu_si256((void *)(acc + i * NB + 16 * h + 8), c##i##1); \
+        } while (0)
+        STORE2(0); STORE2(1); STORE2(2); STORE2(3); STORE2(4); STORE2(5);
+#undef ZERO2
+#undef DOT2
+#undef STORE2
     }
 #else
     for (int i = 0; i < MR; i++) {

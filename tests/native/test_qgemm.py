@@ -106,6 +106,9 @@ CONVS = [
     (np.uint8, np.uint8, True, 1, 16, 12, 12, 70, 3, 1, 1, 2, 1),
     (np.int8, np.int8, False, 2, 4, 13, 9, 4, 5, 2, 2, 1, 4),      # depthwise, 5x5
     (np.uint8, np.int8, False, 1, 33, 8, 8, 65, 3, 1, 1, 1, 1),     # k past a multiple of 4
+    (np.uint8, np.int8, True, 2, 8, 9, 70, 8, 3, 1, 1, 1, 8),       # depthwise, wide rows
+    (np.uint8, np.uint8, False, 1, 5, 11, 11, 5, 3, 2, 1, 1, 5),    # depthwise, stride 2
+    (np.int8, np.int8, True, 1, 3, 6, 6, 3, 3, 1, 2, 2, 3),         # depthwise, dilated
 ]
 
 

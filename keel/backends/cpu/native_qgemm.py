@@ -49,6 +49,7 @@ class _Functions:
     matmul: Any
     conv: Any
     direct: Any
+    depthwise: Any
 
 
 def _load() -> _Functions | None:
@@ -67,6 +68,7 @@ def _bind(lib: native.NativeLibrary) -> _Functions:
                  _I),
         conv=f("keel_qconv2d_u8s8", [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P, _I], _I),
         direct=f("keel_qconv2d_direct_u8s8", [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _I], _I),
+        depthwise=f("keel_qdepthwise_u8s8", [_P, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I], _I),
     )
 
 
@@ -132,6 +134,7 @@ class PackedConv:
     # [M][kh][kw][c4] (c4: C/g rounded up to 4) for the stride-1 kernel without im2col;
     # None when a weight zero point is not 0
     direct: np.ndarray | None = None
+    taps: np.ndarray | None = None       # (M, kh * kw) int8: one input channel per output
 
     @property
     def nbytes(self) -> int:
@@ -150,7 +153,8 @@ def pack_conv(w: np.ndarray, w_zero_point: np.ndarray) -> PackedConv:
     return PackedConv(packed, k, kp, np.ascontiguousarray(zs, dtype=np.int32),
                       ws.sum(axis=1, dtype=np.int64).astype(np.int32), tuple(w.shape),
                       _direct_layout(ws.reshape(w.shape)) if w.ndim == 4 and not np.any(zs)
-                      else None)
+                      else None,
+                      np.ascontiguousarray(ws) if w.ndim == 4 and w.shape[1] == 1 else None)
 
 
 def _direct_layout(w: np.ndarray) -> np.ndarray:
@@ -185,6 +189,15 @@ def conv2d(x: np.ndarray, x_zero_point: int, packed: PackedConv, geo: ConvGeomet
     units = n * geo.group * -(-(oh * ow) // fns.panel)
     count = _threads(units, fns.panel * packed.k * m // geo.group, threads)
     quant = _quant(DType.from_numpy(y.dtype), y_zero_point)
+    if packed.taps is not None and geo.group == c == m:
+        raw = np.ascontiguousarray(bias, dtype=np.int32) if bias is not None else None
+        rc = fns.depthwise(_ptr(xc), int(x.dtype == np.int8), int(x_zero_point),
+                           _ptr(packed.taps), _ptr(packed.zero_points) if np.any(
+                               packed.zero_points) else None, _ptr(geometry), _ptr(raw),
+                           _ptr(mult), _ptr(quant), _ptr(y), count)
+        if rc != -2:
+            _check(rc)
+            return
     if packed.direct is not None and geo.group == 1 and geo.strides == (1, 1) and \
             geo.dilations == (1, 1):
         c4 = packed.direct.shape[1] // (kh * kw)

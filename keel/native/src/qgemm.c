@@ -528,3 +528,88 @@ int64_t keel_qconv2d_direct_u8s8(const uint8_t *x, int64_t flip, int64_t pad, co
     j.y = y;
     return run_parts(qdirect_task, &j, j.g[Q_N] * j.blocks, parts, direct_scratch(&j));
 }
+
+/* ---- depthwise convolution ---------------------------------------------------------------
+ *
+ * One output channel per input channel (groups = C = M): each plane is copied once into a
+ * zero-padded int16 plane of (x - zero point), then every output row sums its taps over
+ * whole rows of that copy in int32 (a loop the compiler vectorizes), and is requantized. */
+
+typedef struct {
+    const uint8_t *x;
+    const int8_t *w;            /* [C][KH][KW], signed */
+    const int32_t *wz;          /* [C] weight zero points (shifted like the weights) */
+    int64_t g[Q_LEN];
+    int64_t hp, wp;
+    int32_t xz;                 /* the input's zero point, in the input's own type */
+    int64_t is_signed;
+    requant q;
+    void *y;
+} qdepth_job;
+
+static void qdepth_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
+{
+    const qdepth_job *j = ctx;
+    const int64_t *g = j->g;
+    int64_t c = g[Q_C], h = g[Q_H], w = g[Q_W], oh = g[Q_OH], ow = g[Q_OW];
+    int64_t kh = g[Q_KH], kw = g[Q_KW], sh = g[Q_SH], sw = g[Q_SW];
+    int16_t *plane = (int16_t *)scratch;
+    int32_t *acc = (int32_t *)(plane + ((j->hp * j->wp + 1) / 2) * 2);
+    size_t item = j->q.kind == KIND_F32 ? 4 : 1;
+    for (int64_t t = lo; t < hi; t++) {
+        int64_t ch = t % c;
+        const uint8_t *src = j->x + t * h * w;
+        memset(plane, 0, (size_t)(j->hp * j->wp) * sizeof *plane);
+        for (int64_t y = 0; y < h; y++) {
+            int16_t *row = plane + (y + g[Q_PT]) * j->wp + g[Q_PL];
+            if (j->is_signed)
+                for (int64_t xx = 0; xx < w; xx++)
+                    row[xx] = (int16_t)((int8_t)src[y * w + xx] - j->xz);
+            else
+                for (int64_t xx = 0; xx < w; xx++) row[xx] = (int16_t)(src[y * w + xx] - j->xz);
+        }
+        const int8_t *taps = j->w + ch * kh * kw;
+        int32_t wz = j->wz ? j->wz[ch] : 0;
+        char *out = (char *)j->y + (size_t)(t * oh * ow) * item;
+        for (int64_t oy = 0; oy < oh; oy++) {
+            for (int64_t ox = 0; ox < ow; ox++) acc[ox] = j->q.bias_r ? j->q.bias_r[ch] : 0;
+            for (int64_t ky = 0; ky < kh; ky++) {
+                const int16_t *in = plane + (oy * sh + ky * g[Q_DH]) * j->wp;
+                for (int64_t kx = 0; kx < kw; kx++) {
+                    int32_t tap = (int32_t)taps[ky * kw + kx] - wz;
+                    const int16_t *p = in + kx * g[Q_DW];
+                    if (sw == 1)
+                        for (int64_t ox = 0; ox < ow; ox++) acc[ox] += tap * p[ox];
+                    else
+                        for (int64_t ox = 0; ox < ow; ox++) acc[ox] += tap * p[ox * sw];
+                }
+            }
+            for (int64_t o = 0; o < ow; o += NB)
+                store_row(acc + o, ow - o < NB ? ow - o : NB, NULL, j->q.mult[ch], &j->q,
+                          out + (size_t)(oy * ow + o) * item);
+        }
+    }
+}
+
+/* A depthwise 2-D convolution (groups = C = M) of an NCHW 8-bit x (is_signed: int8) with
+ * zero point xz, weights [C][KH][KW] as signed bytes with zero points wz (or NULL: all 0),
+ * bias_r: the int32 bias per channel (or NULL). Other arguments as keel_qconv2d_u8s8. */
+int64_t keel_qdepthwise_u8s8(const uint8_t *x, int64_t is_signed, int64_t xz, const int8_t *w,
+                             const int32_t *wz, const int64_t *geometry, const int32_t *bias_r,
+                             const double *mult, const int64_t *quant, void *y, int64_t parts)
+{
+    qdepth_job j;
+    memcpy(j.g, geometry, sizeof j.g);
+    if (j.g[Q_N] <= 0 || j.g[Q_OH] <= 0 || j.g[Q_OW] <= 0) return 0;
+    if (j.g[Q_G] != j.g[Q_C] || j.g[Q_M] != j.g[Q_C]) return -2;
+    j.hp = (j.g[Q_OH] - 1) * j.g[Q_SH] + (j.g[Q_KH] - 1) * j.g[Q_DH] + 1;
+    j.wp = (j.g[Q_OW] - 1) * j.g[Q_SW] + (j.g[Q_KW] - 1) * j.g[Q_DW] + 1;
+    if (j.hp < j.g[Q_H] + j.g[Q_PT]) j.hp = j.g[Q_H] + j.g[Q_PT];
+    if (j.wp < j.g[Q_W] + j.g[Q_PL]) j.wp = j.g[Q_W] + j.g[Q_PL];
+    j.x = x, j.w = w, j.wz = wz, j.xz = (int32_t)xz, j.is_signed = is_signed;
+    j.q = (requant){bias_r, NULL, NULL, NULL, NULL, mult, 0, quant[0], quant[1], quant[2],
+                    quant[3]};
+    j.y = y;
+    int64_t floats = (j.hp * j.wp + 1) / 2 + j.g[Q_OW] + 16;
+    return run_parts(qdepth_task, &j, j.g[Q_N] * j.g[Q_C], parts, floats);
+}

@@ -571,8 +571,26 @@ static void qdepth_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
         const int8_t *taps = j->w + ch * kh * kw;
         int32_t wz = j->wz ? j->wz[ch] : 0;
         char *out = (char *)j->y + (size_t)(t * oh * ow) * item;
+        int32_t bias = j->q.bias_r ? j->q.bias_r[ch] : 0;
+        if (sh == 1 && sw == 1) {
+            /* every output row at once, over padded row positions (the columns past
+             * ow are computed and dropped): one long loop per tap */
+            int64_t span = (oh - 1) * j->wp + ow;
+            for (int64_t i = 0; i < span; i++) acc[i] = bias;
+            for (int64_t ky = 0; ky < kh; ky++)
+                for (int64_t kx = 0; kx < kw; kx++) {
+                    int32_t tap = (int32_t)taps[ky * kw + kx] - wz;
+                    const int16_t *p = plane + ky * g[Q_DH] * j->wp + kx * g[Q_DW];
+                    for (int64_t i = 0; i < span; i++) acc[i] += tap * p[i];
+                }
+            for (int64_t oy = 0; oy < oh; oy++)
+                for (int64_t o = 0; o < ow; o += NB)
+                    store_row(acc + oy * j->wp + o, ow - o < NB ? ow - o : NB, NULL,
+                              j->q.mult[ch], &j->q, out + (size_t)(oy * ow + o) * item);
+            continue;
+        }
         for (int64_t oy = 0; oy < oh; oy++) {
-            for (int64_t ox = 0; ox < ow; ox++) acc[ox] = j->q.bias_r ? j->q.bias_r[ch] : 0;
+            for (int64_t ox = 0; ox < ow; ox++) acc[ox] = bias;
             for (int64_t ky = 0; ky < kh; ky++) {
                 const int16_t *in = plane + (oy * sh + ky * g[Q_DH]) * j->wp;
                 for (int64_t kx = 0; kx < kw; kx++) {
@@ -610,6 +628,6 @@ int64_t keel_qdepthwise_u8s8(const uint8_t *x, int64_t is_signed, int64_t xz, co
     j.q = (requant){bias_r, NULL, NULL, NULL, NULL, mult, 0, quant[0], quant[1], quant[2],
                     quant[3]};
     j.y = y;
-    int64_t floats = (j.hp * j.wp + 1) / 2 + j.g[Q_OW] + 16;
+    int64_t floats = (j.hp * j.wp + 1) / 2 + j.g[Q_OH] * j.wp + 16;
     return run_parts(qdepth_task, &j, j.g[Q_N] * j.g[Q_C], parts, floats);
 }

@@ -84,7 +84,17 @@ def _cpu_rows(cpu: CpuInfo) -> list[tuple[str, str]]:
                       f"max {_num(cpu.max_frequency_mhz, ' MHz')}, "
                       f"current {_num(cpu.current_frequency_mhz, ' MHz')}"),
         ("SIMD", f"{cpu.simd_level}: {' '.join(cpu.simd) or 'none'} ({cpu.simd_source})"),
+        ("int8 dot", int8_dot(cpu.simd)),
     ]
+
+
+def int8_dot(simd: tuple[str, ...]) -> str:
+    """The int8 dot-product instructions among ``simd`` (what keel's int8 kernels use)."""
+    found = [name for flag, name in (("avx512vnni", "AVX-512 VNNI"), ("avxvnni", "AVX-VNNI"))
+             if flag in simd]
+    if found:
+        return f"{', '.join(found)} (vpdpbusd: keel's int8 kernels use the widest)"
+    return "no VNNI: keel's int8 kernels take their portable path"
 
 
 def _memory_rows(mem: MemoryInfo) -> list[tuple[str, str]]:

@@ -178,6 +178,7 @@ class Op(str, enum.Enum):
     DYNAMIC_QUANTIZE_LINEAR = "dynamic_quantize_linear"
     QLINEAR_MATMUL = "qlinear_matmul"
     QLINEAR_CONV = "qlinear_conv"
+    QGEMM = "qgemm"
     # losses
     NEGATIVE_LOG_LIKELIHOOD_LOSS = "negative_log_likelihood_loss"
     SOFTMAX_CROSS_ENTROPY_LOSS = "softmax_cross_entropy_loss"
@@ -284,7 +285,7 @@ class OpGroup(frozenset[Op], enum.Enum):
     MEMORY = frozenset({Op.COPY, Op.FILL, Op.CAST, Op.IDENTITY, Op.BITCAST})
     QUANTIZATION = frozenset({
         Op.QUANTIZE_LINEAR, Op.DEQUANTIZE_LINEAR, Op.DYNAMIC_QUANTIZE_LINEAR,
-        Op.QLINEAR_MATMUL, Op.QLINEAR_CONV, Op.MATMUL_INTEGER, Op.CONV_INTEGER,
+        Op.QLINEAR_MATMUL, Op.QLINEAR_CONV, Op.MATMUL_INTEGER, Op.CONV_INTEGER, Op.QGEMM,
     })
     # Classical machine learning: the ops of ONNX's ai.onnx.ml domain.
     CLASSICAL_ML = frozenset({

@@ -207,3 +207,9 @@ def test_demo_prints_the_probe_summary_and_the_plan(h100: HardwareProfile) -> No
     assert result.exit_code == 0, result.output
     assert "keel probe: dgx-h100-01" in result.output
     assert "keel plan: dgx-h100-01 (target: server)" in result.output
+
+
+def test_probe_names_the_int8_dot_product_instructions() -> None:
+    assert keel.cli.probe.int8_dot(("avx2", "avxvnni", "avx512vnni")).startswith(
+        "AVX-512 VNNI, AVX-VNNI")
+    assert keel.cli.probe.int8_dot(("avx2", "fma")).startswith("no VNNI")

@@ -211,5 +211,35 @@ def _qlinear_conv_cases() -> list[OpCase]:
     ]
 
 
+def _qgemm(a_shape: Sequence[int], b_shape: Sequence[int], b_dtype: Any, bias: bool,
+           out: Any | None, per_column: int = 0) -> Make:
+    """QGemm inputs: uint8 A, ``b_dtype`` B, [int32 C], [y_scale, y_zero_point of ``out``]."""
+    def make(rng: Gen) -> list[np.ndarray | None]:
+        n_params = (per_column,) if per_column else ()
+        inputs: list[np.ndarray | None] = [
+            _ints(rng, a_shape, np.uint8), _scales(rng, ()), _ints(rng, (), np.uint8),
+            _ints(rng, b_shape, b_dtype), _scales(rng, n_params),
+            np.zeros(n_params, b_dtype)]
+        inputs.append(rng.integers(-2000, 2000, per_column or 1).astype(np.int32)
+                      if bias else None)
+        if out is not None:
+            inputs += [np.asarray(rng.uniform(20.0, 60.0), F32), _ints(rng, (), out)]
+        return inputs
+    return make
+
+
+def _qgemm_cases() -> list[OpCase]:
+    op = Op.QGEMM
+    u8, i8 = np.uint8, np.int8
+    return [
+        OpCase("qgemm-u8-out", op, _qgemm((4, 6), (6, 5), i8, True, u8, per_column=5)),
+        OpCase("qgemm-i8-out-trans-b", op, _qgemm((3, 7), (5, 7), i8, False, i8),
+               {"trans_b": True}),
+        OpCase("qgemm-float-out", op, _qgemm((4, 6), (6, 5), u8, True, None, per_column=5),
+               {"alpha": 0.5}, rtol=1e-5, atol=1e-4),
+        OpCase("qgemm-trans-a", op, _qgemm((6, 4), (6, 5), i8, False, u8), {"trans_a": True}),
+    ]
+
+
 CASES: list[OpCase] = [*_quantize_cases(), *_dequantize_cases(), *_dynamic_cases(),
-                       *_qlinear_matmul_cases(), *_qlinear_conv_cases()]
+                       *_qlinear_matmul_cases(), *_qlinear_conv_cases(), *_qgemm_cases()]

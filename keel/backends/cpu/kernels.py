@@ -13,7 +13,7 @@ TABLE = KernelTable("cpu")
 
 FAMILIES = (
     "elementwise", "memory", "reduction", "shape", "indexing", "matmul", "conv",
-    "pooling", "normalization", "resize", "quantization",
+    "pooling", "normalization", "resize", "quantization", "qlinear",
     "loss", "attention", "vision", "signal", "recurrent", "numeric", "ml", "trees",
 )
 

@@ -25,7 +25,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from keel.backends.base import KernelTable, KernelVariant
-from keel.backends.cpu import conv_gemm, depthwise, native_gemm, native_window, window
+from keel.backends.cpu import (
+    conv_gemm,
+    depthwise,
+    native_gemm,
+    native_qgemm,
+    native_window,
+    window,
+)
 from keel.backends.cpu.conv_rules import ConvCase, ConvRule, conv_case, pick
 from keel.backends.plan import (
     NodePlan,
@@ -224,7 +231,9 @@ def choose_variant(op: Op, input_types: Sequence[TensorType | None], attrs: Mapp
     """
     variants, skipped = usable_variants(op, table)
     dtype = input_types[0].dtype if input_types and input_types[0] is not None else None
-    if op in CONV_OPS and len(variants) > 1:
+    if op in INT8_OPS and "int8" in variants:
+        name, why = "int8", int8_reason(op)
+    elif op in CONV_OPS and len(variants) > 1:
         name, why = _choose_conv(op, input_types, attrs, variants, dtype)
     elif op in CONV_OPS and variants["default"].meta.get("dispatcher"):
         conv, _ = usable_variants(Op.CONV, table)
@@ -233,6 +242,26 @@ def choose_variant(op: Op, input_types: Sequence[TensorType | None], attrs: Mapp
     else:
         name, why = choose_by_priority(op, variants, dtype, table.backend)
     return name, why + skipped_note(skipped)
+
+
+# ---- int8: the integer products ------------------------------------------------------------
+# The quantized products with an ``int8`` variant (cpu/qlinear.py): it runs on the native
+# int8 kernels (qgemm.c) whenever the tier is built, since they accumulate exactly in int32
+# as the NumPy default does in float64, with the same results, and keep the weights 8-bit.
+INT8_OPS = frozenset({Op.QLINEAR_CONV, Op.QLINEAR_MATMUL, Op.QGEMM})
+_INT8_ISA = {
+    "avx512-vnni": "AVX-512 VNNI (vpdpbusd on 512-bit vectors: 64 u8 x s8 products per "
+                   "instruction)",
+    "avx-vnni": "AVX-VNNI (vpdpbusd on 256-bit vectors: 32 u8 x s8 products per instruction)",
+    "portable": "the portable C path (this build's CPU flags have no AVX-512 VNNI or AVX-VNNI)",
+}
+
+
+def int8_reason(op: Op) -> str:
+    """Why ``op`` runs on the native int8 kernel, naming the instructions it uses."""
+    isa = native_qgemm.isa() or "portable"
+    return (f"{op.value}: int8 kernel, int32 accumulation with {_INT8_ISA[isa]}, weights "
+            "packed once as int8, requantization fused into the store")
 
 
 def _dispatched(op: Op, request: PlanRequest, table: KernelTable) -> str | None:

@@ -68,7 +68,7 @@ def _deliver(xp: Any, q: Any, dtype: DType, out: Out, i: int = 0) -> Any:
     """Round half to even and saturate ``q`` (in place), then cast into ``dtype``/``out``."""
     lo, hi = QUANT_RANGES[dtype]
     xp.rint(q, out=q)
-    xp.nan_to_num(q, copy=False, nan=0.0)
+    xp.copyto(q, 0.0, where=xp.isnan(q))    # NaN to 0; clip bounds the infinities
     xp.clip(q, lo, hi, out=q)
     if out is not None:
         out[i][...] = q
@@ -157,7 +157,8 @@ def dynamic_quantize_linear(ctx: KernelContext, inputs: Inputs, attrs: Attrs,
     return results
 
 
-def _check_pair(op: Op, value: Any, zero_point: Any, what: str) -> None:
+def check_pair(op: Op, value: Any, zero_point: Any, what: str) -> None:
+    """``value`` is 8-bit and its zero point has its type."""
     _require(op, what, _dtype(value), _QLINEAR)
     if zero_point.dtype != value.dtype:
         raise InvalidArgumentError(
@@ -179,8 +180,8 @@ def qlinear_matmul(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -
     xp = ctx.xp
     a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp = inputs
     op = Op.QLINEAR_MATMUL
-    _check_pair(op, a, a_zp, "a")
-    _check_pair(op, b, b_zp, "b")
+    check_pair(op, a, a_zp, "a")
+    check_pair(op, b, b_zp, "b")
     _require(op, "y_zero_point", _dtype(y_zp), _QLINEAR)
     y_shape = matmul_shape(op, a.shape, b.shape) or (1,)
 
@@ -245,8 +246,8 @@ def qlinear_conv(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> 
     x, x_s, x_zp, w, w_s, w_zp, y_s, y_zp = inputs[:8]
     bias = optional_input(inputs, 8)
     op = Op.QLINEAR_CONV
-    _check_pair(op, x, x_zp, "x")
-    _check_pair(op, w, w_zp, "w")
+    check_pair(op, x, x_zp, "x")
+    check_pair(op, w, w_zp, "w")
     _require(op, "y_zero_point", _dtype(y_zp), _QLINEAR)
     geo = conv_geometry(x.shape, w.shape, attrs)
     m = w.shape[0]

@@ -32,6 +32,7 @@ from keel.ops.schemas.quantization import (
     matmul_param_shape,
     matmul_shape,
     param_layout,
+    qgemm_scales,
     quantize_output_dtype,
 )
 
@@ -229,3 +230,31 @@ def qlinear_conv(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> 
                        _scalar(op, y_s, "y_scale"))
     y = acc * mult + _scalar(op, y_zp, "y_zero_point")
     return [_saturate(y, _dtype(y_zp))]
+
+
+def _zero_point(p: np.ndarray | None, like: np.ndarray) -> np.ndarray:
+    return np.zeros((), like.dtype) if p is None else p
+
+
+@TABLE.kernel(Op.QGEMM, dtypes=_QLINEAR)
+def qgemm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """alpha * (A' - a_zp)(B' - b_zp) + C, requantized (or float32 without y_scale)."""
+    a, a_s, a_zp, b, b_s, b_zp = inputs[:6]
+    c, y_s, y_zp = _opt(inputs, 6), _opt(inputs, 7), _opt(inputs, 8)
+    op = Op.QGEMM
+    a_zp, b_zp = _zero_point(a_zp, a), _zero_point(b_zp, b)
+    _check_pair(op, a, a_zp, "a")
+    _check_pair(op, b, b_zp, "b")
+    a_int = a.astype(np.int64) - a_zp.reshape(())
+    b_int = b.astype(np.int64) - (b_zp.reshape(-1, 1) if attrs["trans_b"] else b_zp.reshape(-1))
+    acc = np.matmul(a_int.T if attrs["trans_a"] else a_int,
+                    b_int.T if attrs["trans_b"] else b_int).astype(np.float64)
+    if c is not None:
+        acc = acc + c.astype(np.float64)
+    mult = qgemm_scales(attrs["alpha"], a_s, b_s, y_s)
+    if y_s is None:
+        return [(acc * mult).astype(np.float32)]
+    if y_zp is None:
+        return [_saturate(acc * mult, DType.UINT8)]
+    _require(op, "y_zero_point", _dtype(y_zp), _QLINEAR)
+    return [_saturate(acc * mult + float(y_zp.reshape(())), _dtype(y_zp))]

@@ -33,6 +33,7 @@ from keel.errors import (
 )
 from keel.graph.importers.onnx_context import Converter, ImportContext, OnnxNode, onnx_schema
 from keel.graph.importers.onnx_ml import ML_DOMAIN, ML_TABLE
+from keel.graph.importers.onnx_ms import MS_DOMAIN, MS_TABLE
 from keel.graph.importers.onnx_ops import TABLE
 from keel.graph.importers.onnx_tensors import element_dtype, tensor_to_array
 from keel.graph.ir import Graph, Value
@@ -434,9 +435,17 @@ def _convert(ctx: ImportContext, n: OnnxNode) -> None:
     converter: Converter | None
     if n.domain == ML_DOMAIN:
         converter = _ml_converter(ctx, n)
+    elif n.domain == MS_DOMAIN:
+        converter = MS_TABLE.lookup(n.op_type, 1)
+        if converter is None:
+            raise ctx.unsupported(f"keel reads {MS_DOMAIN}'s quantized ops "
+                                  f"({', '.join(MS_TABLE.op_types())}), not this one")
+        converter(ctx, n)
+        return
     elif n.domain not in _DEFAULT_DOMAINS:
         raise ctx.unsupported(f"custom domain {n.domain!r} (keel reads the default ONNX "
-                              f"domain, {ML_DOMAIN!r} and {KEEL_DOMAIN!r})")
+                              f"domain, {ML_DOMAIN!r}, {KEEL_DOMAIN!r} and {MS_DOMAIN}'s "
+                              "quantized ops)")
     else:
         converter = TABLE.lookup(n.op_type, ctx.opset)
     if converter is None:
@@ -505,6 +514,9 @@ def _convert_keel(ctx: ImportContext, n: OnnxNode) -> None:
 
 
 def supported_op_types(domain: str = "") -> list[str]:
-    """Every ONNX op_type the importer converts in ``domain`` (default: ai.onnx)."""
+    """Every ONNX op_type the importer converts in ``domain`` (default: ai.onnx; also
+    ai.onnx.ml and com.microsoft)."""
+    if domain == MS_DOMAIN:
+        return MS_TABLE.op_types()
     return ML_TABLE.op_types() if domain == ML_DOMAIN else TABLE.op_types()
 

@@ -4,8 +4,9 @@ Each pass is ``fn(graph) -> Graph``: it returns a changed copy and leaves its
 input alone, and it keeps the names of graph inputs and outputs. The levels:
 
 * ``none`` — the graph as imported;
-* ``basic`` — constant folding, shape-subgraph folding, Identity/Dropout
-  removal, dead-code elimination (repeated while they change something);
+* ``basic`` — QDQ patterns into integer nodes (Conv, Gemm, MatMul), constant
+  folding, shape-subgraph folding, Identity/Dropout removal, dead-code
+  elimination (repeated while they change something);
 * ``extended`` — basic, then fusions: Conv+BatchNorm, LayerNorm, GELU,
   attention, MatMul+Add, Conv+residual Add, residual Add+LayerNorm, activations
   into Conv/Gemm/MatMul epilogues;
@@ -39,6 +40,7 @@ from keel.graph.passes.fuse_conv_bn import fuse_conv_bn
 from keel.graph.passes.fuse_gelu import fuse_gelu
 from keel.graph.passes.fuse_layer_norm import fuse_layer_norm
 from keel.graph.passes.fuse_matmul_add import fuse_matmul_add
+from keel.graph.passes.fuse_qdq import fuse_qdq
 from keel.graph.passes.fuse_residual import fuse_residual
 from keel.graph.passes.fuse_skip_layer_norm import fuse_skip_layer_norm
 from keel.graph.passes.remove_identity import remove_identity
@@ -104,7 +106,9 @@ def _p(fn: Pass, *needs: set[Op]) -> GraphPass:
 
 # fold_shapes ends with fold_constants, which has just run: without Shape or
 # Size it has nothing left to fold.
-BASIC = (_p(fold_constants), _p(fold_shapes, {Op.SHAPE, Op.SIZE}),
+# fuse_qdq first: constant folding would turn its integer weights back into float ones.
+BASIC = (_p(fuse_qdq, {Op.DEQUANTIZE_LINEAR}, {Op.CONV, Op.GEMM, Op.MATMUL}),
+         _p(fold_constants), _p(fold_shapes, {Op.SHAPE, Op.SIZE}),
          _p(remove_identity, {Op.IDENTITY, Op.CAST}), _p(eliminate_dead))
 LAYOUT = (_p(cancel_transposes, {Op.TRANSPOSE}), _p(remove_identity, {Op.IDENTITY, Op.CAST}))
 # Order matters: attention before MatMul+Add (its mask Add is no bias); the

@@ -354,6 +354,52 @@ def _infer_qlinear_conv(types: Sequence[TensorType | None], attrs: Mapping[str, 
     return [TensorType(yzp.dtype, (xs[0], ws[0], *geo.out_spatial))]
 
 
+def qgemm_output_dtype(y_scale: TensorType | None, y_zero_point: TensorType | None) -> DType:
+    """QGemm's output type: y_zero_point's (uint8 without one) when y_scale is given,
+    else float32."""
+    if y_scale is None:
+        return DType.FLOAT32
+    return DType.UINT8 if y_zero_point is None else y_zero_point.dtype
+
+
+def _infer_qgemm(types: Sequence[TensorType | None], attrs: Mapping[str, Any],
+                 values: Sequence[np.ndarray | None]) -> list[TensorType | None]:
+    a, b, c = types[0], types[3], _t(types, 6)
+    for name, t in (("a", a), ("b", b)):
+        if t is not None:
+            _require(Op.QGEMM, name, t.dtype, _QLINEAR_DTYPES)
+    if c is not None and c.dtype is not DType.INT32:
+        raise InvalidArgumentError(f"qgemm: C must be int32, got {c.dtype.value}")
+    out = qgemm_output_dtype(_t(types, 7), _t(types, 8))
+    if out is not DType.FLOAT32:
+        _require(Op.QGEMM, "y_zero_point", out, _QLINEAR_DTYPES)
+    if a is None or b is None or a.shape is None or b.shape is None:
+        return [TensorType(out, None)]
+    return [TensorType(out, qgemm_shape(a.shape, b.shape, attrs["trans_a"], attrs["trans_b"]))]
+
+
+def qgemm_scales(alpha: float, a_scale: np.ndarray, b_scale: np.ndarray,
+                 y_scale: np.ndarray | None) -> np.ndarray:
+    """QGemm's float64 multiplier of the int32 accumulators, one per column (or one):
+    ``alpha * a_scale * b_scale [/ y_scale]`` formed in float32, as onnxruntime forms it."""
+    f32 = np.float32
+    scale = f32(alpha) * np.asarray(a_scale, f32).reshape(()) * np.asarray(b_scale, f32).reshape(-1)
+    if y_scale is not None:
+        scale = scale / np.asarray(y_scale, f32).reshape(())
+    return np.asarray(scale, f32).astype(np.float64)
+
+
+def qgemm_shape(a: Sequence[Dim], b: Sequence[Dim], trans_a: bool, trans_b: bool) -> Shape:
+    """(M, N) of ``A' @ B'``: both 2-D, K matching."""
+    if len(a) != 2 or len(b) != 2:
+        raise InvalidArgumentError(f"qgemm needs 2-D A and B, got {tuple(a)} and {tuple(b)}")
+    m, ka = (a[1], a[0]) if trans_a else (a[0], a[1])
+    kb, n = (b[1], b[0]) if trans_b else (b[0], b[1])
+    if _conflict(ka, kb):
+        raise InvalidArgumentError(f"qgemm: K differs between A' ({ka}) and B' ({kb})")
+    return (m, n)
+
+
 def _static(t: TensorType) -> tuple[int, ...]:
     return tuple(d for d in t.shape or () if isinstance(d, int))
 
@@ -396,4 +442,15 @@ register_schema(OpSchema(
     infer=_infer_qlinear_conv,
     doc="ONNX QLinearConv: inputs x, x_scale, x_zero_point, w, w_scale, w_zero_point, "
         "y_scale, y_zero_point, [B int32]; w's parameters may be per output channel.",
+))
+register_schema(OpSchema(
+    Op.QGEMM, 6, 9,
+    attrs=(AttrSpec("alpha", AttrKind.FLOAT, 1.0), AttrSpec("trans_a", AttrKind.BOOL, False),
+           AttrSpec("trans_b", AttrKind.BOOL, False)),
+    infer=_infer_qgemm,
+    doc="onnxruntime's com.microsoft QGemm: inputs A, a_scale, a_zero_point, B, b_scale, "
+        "b_zero_point, [C int32], [y_scale], [y_zero_point]. The int32 product of the "
+        "zero-point-shifted A' and B' plus C (whose scale is alpha * a_scale * b_scale), "
+        "requantized with y_scale and y_zero_point, or float32 without y_scale; b's "
+        "parameters may be per column of B'.",
 ))

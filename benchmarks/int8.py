@@ -1,0 +1,124 @@
+"""int8 models: keel against onnxruntime on the same quantized file, and top-1 agreement
+of each int8 model with its float32 original.
+
+    python -m benchmarks.int8                         # lenet, resnet20, resnet18, mobilenetv2
+    python -m benchmarks.int8 --models lenet,resnet20 --passes 3
+
+Each float model of :mod:`benchmarks.zoo` is optimized by keel (BatchNorm folded into
+the convolutions, as onnxruntime's quantization pre-processing does), exported to ONNX
+and quantized by ``onnxruntime.quantization.quantize_static``: QDQ format, int8
+weights per output channel, uint8 activations, minmax ranges over random calibration
+samples. Both runtimes run that one file at batch 32 on one thread (keel turns its QDQ
+patterns into integer nodes; onnxruntime into its QLinear kernels). Writes
+``benchmarks/results/int8-<stamp>.json`` with the load average before and after each
+model: time ratios from a busy machine say little.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.zoo import MODELS, build
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CNNS = ("lenet", "resnet20", "resnet18", "mobilenetv2")
+
+
+def quantize(name: str, calibration_samples: int = 16, seed: int = 0) -> bytes:
+    """The zoo model ``name``, BatchNorm folded, quantized by onnxruntime (QDQ)."""
+    import onnx
+    from onnxruntime import quantization as q
+
+    from keel.graph.export import to_onnx
+    from keel.graph.importers.onnx import import_onnx
+    from keel.graph.passes import optimize
+
+    spec = MODELS[name]
+    folded = to_onnx(optimize(import_onnx(build(name)), "extended"))
+    batches = [{spec.input_name: spec.make_input(min(8, calibration_samples), seed + i)}
+               for i in range(max(1, calibration_samples // 8))]
+
+    class Reader(q.CalibrationDataReader):
+        def __init__(self) -> None:
+            self.items = iter(batches)
+
+        def get_next(self) -> dict[str, np.ndarray] | None:
+            return next(self.items, None)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = Path(tmp) / "float.onnx", Path(tmp) / "int8.onnx"
+        onnx.save(folded, str(src))
+        q.quantize_static(str(src), str(dst), Reader(), quant_format=q.QuantFormat.QDQ,
+                          per_channel=True, activation_type=q.QuantType.QUInt8,
+                          weight_type=q.QuantType.QInt8)
+        return dst.read_bytes()
+
+
+def top1_agreement(name: str, int8: bytes, samples: int = 64, seed: int = 100) -> float:
+    """The share of ``samples`` random inputs whose top-1 class keel's int8 run of
+    ``int8`` gives as keel's float32 run of the original does."""
+    import keel
+
+    spec = MODELS[name]
+    feeds = {spec.input_name: spec.make_input(samples, seed)}
+    want = next(iter(keel.load_model(build(name)).predict(feeds).values())).argmax(-1)
+    got = next(iter(keel.load_model(int8).predict(feeds).values())).argmax(-1)
+    return float(np.mean(got == want))
+
+
+def _load_average() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
+def _bench(name: str, model: bytes, args: argparse.Namespace) -> dict[str, Any]:
+    from keel.bench import BenchConfig, bench_model
+
+    spec = MODELS[name]
+    config = BenchConfig(batches=(args.batch,), threads=(1,), passes=args.passes,
+                         min_pass_seconds=args.pass_seconds)
+    before = _load_average()
+    report = bench_model(f"{name}-int8", model, config,
+                         feeds_for=lambda b: {spec.input_name: spec.make_input(b)})
+    return {"model": name, "ratios (keel time / onnxruntime time)": report.ratios,
+            "load_average": {"before": before, "after": _load_average()},
+            "report": report.to_dict() if hasattr(report, "to_dict") else str(report)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--models", default=",".join(CNNS))
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--passes", type=int, default=5)
+    p.add_argument("--pass-seconds", type=float, default=0.3)
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    rows = []
+    for name in [m.strip() for m in args.models.split(",") if m.strip()]:
+        if name not in CNNS:
+            p.error(f"unknown model {name!r}; choose from {', '.join(CNNS)}")
+        model = quantize(name)
+        row = _bench(name, model, args)
+        row["top1_agreement_with_fp32"] = top1_agreement(name, model)
+        print(f"{name}: {row['ratios (keel time / onnxruntime time)']} top-1 agreement "
+              f"{row['top1_agreement_with_fp32']:.3f} load {row['load_average']}", flush=True)
+        rows.append(row)
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"int8-{stamp}.json").write_text(json.dumps(rows, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

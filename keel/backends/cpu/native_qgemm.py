@@ -1,0 +1,280 @@
+"""int8 products and convolutions through the compiled kernels of ``qgemm.c``.
+
+The C side multiplies 8-bit operands into int32 accumulators (AVX-512 VNNI's
+``vpdpbusd``, AVX-VNNI's 256-bit form, or portable C, whichever the build for
+this CPU has: :func:`isa`) and requantizes in the store; see its header
+comment. This module is the NumPy-facing half: it packs constant weights once
+(:func:`pack_conv` for QLinearConv's ``W[M, C/g, kh, kw]``, :func:`pack_matmul`
+for a ``B[K, N]``), folds the zero points into int32 correction terms, and
+calls the kernels on keel's worker threads.
+
+The arithmetic is the reference kernels' (:mod:`keel.backends.reference.quantization`):
+``acc = sum (x - x_zero_point)(w - w_zero_point) [+ bias]`` exactly in int32,
+``y = saturate(round_half_even(acc * multiplier) + y_zero_point)`` with the
+multiplier and the product in double, so the 8-bit results are the reference's
+bit for bit. Signed activations and unsigned weights are shifted by 128 (with
+their zero points), which leaves every difference ``v - zero_point`` as it was.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from keel import native
+from keel.backends.cpu.native_gemm import planner_rules
+from keel.dtypes import DType
+from keel.native.pool import parts
+from keel.ops.schemas.quantization import QUANT_RANGES, ConvGeometry
+
+__all__ = ["ISA_NAMES", "PackedConv", "PackedMatmul", "available", "conv2d", "isa", "matmul",
+           "pack_conv", "pack_matmul"]
+
+LIBRARY = "qgemm"
+ISA_NAMES = {2: "avx512-vnni", 1: "avx-vnni", 0: "portable"}
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_KINDS = {DType.UINT8: 0, DType.INT8: 1, DType.FLOAT32: 2}
+
+
+@dataclass(frozen=True)
+class _Functions:
+    isa: int
+    panel: int
+    matmul: Any
+    conv: Any
+    direct: Any
+    depthwise: Any
+
+
+def _load() -> _Functions | None:
+    """The C functions of the loaded library (None when the tier is unavailable)."""
+    lib = native.library(LIBRARY)
+    return None if lib is None else _bind(lib)
+
+
+@functools.lru_cache(maxsize=4)
+def _bind(lib: native.NativeLibrary) -> _Functions:
+    f = lib.function
+    return _Functions(
+        isa=int(f("keel_qgemm_isa", [], _I)()),
+        panel=int(f("keel_qgemm_panel", [], _I)()),
+        matmul=f("keel_qmatmul_u8s8", [_P, _P, _I, _I, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I],
+                 _I),
+        conv=f("keel_qconv2d_u8s8", [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P, _I], _I),
+        direct=f("keel_qconv2d_direct_u8s8", [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _I], _I),
+        depthwise=f("keel_qdepthwise_u8s8", [_P, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I], _I),
+    )
+
+
+def available() -> bool:
+    """Whether the int8 kernels are built and loaded (else ``native.status()`` says why)."""
+    return _load() is not None
+
+
+def isa() -> str | None:
+    """The instruction set the loaded build multiplies with: ``avx512-vnni``,
+    ``avx-vnni`` or ``portable``; None when the kernels are not available."""
+    fns = _load()
+    return None if fns is None else ISA_NAMES[fns.isa]
+
+
+def _functions() -> _Functions:
+    fns = _load()
+    if fns is None:
+        raise RuntimeError(f"native int8 kernels unavailable: {native.status().reason}")
+    return fns
+
+
+def _ptr(a: np.ndarray | None) -> int | None:
+    return None if a is None else int(a.ctypes.data)
+
+
+def _signed(w: np.ndarray, zero_point: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``w`` and its zero point as int8 and int32 (uint8 shifted down by 128)."""
+    if w.dtype == np.uint8:
+        return (w.astype(np.int16) - 128).astype(np.int8), zero_point.astype(np.int32) - 128
+    return w.astype(np.int8, copy=False), zero_point.astype(np.int32)
+
+
+def _unsigned_shift(dtype: np.dtype) -> int:
+    """What makes an activation of ``dtype`` unsigned: 128 for int8, 0 for uint8."""
+    return 128 if dtype == np.int8 else 0
+
+
+def _quant(out: DType, y_zero_point: int) -> np.ndarray:
+    if out is DType.FLOAT32:
+        return np.array([0, 0, 0, _KINDS[out]], dtype=np.int64)
+    lo, hi = QUANT_RANGES[out]
+    return np.array([y_zero_point, lo, hi, _KINDS[out]], dtype=np.int64)
+
+
+def _threads(units: int, work_per_unit: int, threads: int) -> int:
+    rules = planner_rules()
+    return parts(units, max(1, threads), max(1, rules.MIN_FLOPS_PER_THREAD
+                                          // max(1, 2 * work_per_unit)))
+
+
+# ---- convolution -------------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class PackedConv:
+    """QLinearConv weights as the kernel takes them: [M][kp] int8, k padded to 4."""
+
+    weights: np.ndarray          # (M, kp) int8
+    k: int                       # C/g * kh * kw
+    kp: int
+    zero_points: np.ndarray      # (M,) int32, shifted like the weights
+    row_sums: np.ndarray         # (M,) int32: sum over k of the shifted weights
+    shape: tuple[int, ...]
+    # [M][kh][kw][c4] (c4: C/g rounded up to 4) for the stride-1 kernel without im2col;
+    # None when a weight zero point is not 0
+    direct: np.ndarray | None = None
+    taps: np.ndarray | None = None       # (M, kh * kw) int8: one input channel per output
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.weights.nbytes + self.zero_points.nbytes + self.row_sums.nbytes)
+
+
+def pack_conv(w: np.ndarray, w_zero_point: np.ndarray) -> PackedConv:
+    """Pack a 2-D convolution's 8-bit weights (M, C/g, kh, kw) once."""
+    m = int(w.shape[0])
+    k = int(math.prod(w.shape[1:]))
+    kp = -(-k // 4) * 4
+    zp = np.broadcast_to(np.asarray(w_zero_point).reshape(-1), (m,))
+    ws, zs = _signed(np.asarray(w).reshape(m, k), zp)
+    packed = np.zeros((m, kp), dtype=np.int8)
+    packed[:, :k] = ws
+    return PackedConv(packed, k, kp, np.ascontiguousarray(zs, dtype=np.int32),
+                      ws.sum(axis=1, dtype=np.int64).astype(np.int32), tuple(w.shape),
+                      _direct_layout(ws.reshape(w.shape)) if w.ndim == 4 and not np.any(zs)
+                      else None,
+                      np.ascontiguousarray(ws) if w.ndim == 4 and w.shape[1] == 1 else None)
+
+
+def _direct_layout(w: np.ndarray) -> np.ndarray:
+    m, c, kh, kw = w.shape
+    c4 = -(-c // 4) * 4
+    out = np.zeros((m, kh, kw, c4), dtype=np.int8)
+    out[..., :c] = w.transpose(0, 2, 3, 1)
+    return out.reshape(m, kh * kw * c4)
+
+
+def conv2d(x: np.ndarray, x_zero_point: int, packed: PackedConv, geo: ConvGeometry,
+           bias: np.ndarray | None, multiplier: np.ndarray, y_zero_point: int, y: np.ndarray,
+           threads: int = 1) -> None:
+    """``y`` (N, M, OH, OW) = requantized convolution of the 8-bit NCHW ``x``."""
+    fns = _functions()
+    n, c, h, w_ = (int(d) for d in x.shape)
+    m = packed.weights.shape[0]
+    shift = _unsigned_shift(x.dtype)
+    xz = int(x_zero_point) + shift
+    zr = -packed.zero_points
+    row = -xz * packed.row_sums.astype(np.int64) + packed.k * xz * packed.zero_points.astype(
+        np.int64)
+    if bias is not None:
+        row = row + bias.astype(np.int64)
+    bias_r = np.ascontiguousarray(row, dtype=np.int32)
+    (oh, ow), (kh, kw) = geo.out_spatial, geo.kernel
+    geometry = np.array([n, c, h, w_, m, oh, ow, kh, kw, *geo.strides, *geo.dilations,
+                         geo.pads_begin[0], geo.pads_begin[1], geo.group], dtype=np.int64)
+    mult = np.ascontiguousarray(np.broadcast_to(multiplier.reshape(-1), (m,)),
+                                dtype=np.float64)
+    xc = np.ascontiguousarray(x)
+    units = n * geo.group * -(-(oh * ow) // fns.panel)
+    count = _threads(units, fns.panel * packed.k * m // geo.group, threads)
+    quant = _quant(DType.from_numpy(y.dtype), y_zero_point)
+    if packed.taps is not None and geo.group == c == m:
+        raw = np.ascontiguousarray(bias, dtype=np.int32) if bias is not None else None
+        rc = fns.depthwise(_ptr(xc), int(x.dtype == np.int8), int(x_zero_point),
+                           _ptr(packed.taps), _ptr(packed.zero_points) if np.any(
+                               packed.zero_points) else None, _ptr(geometry), _ptr(raw),
+                           _ptr(mult), _ptr(quant), _ptr(y), count)
+        if rc != -2:
+            _check(rc)
+            return
+    if packed.direct is not None and geo.group == 1 and geo.strides == (1, 1) and \
+            geo.dilations == (1, 1):
+        c4 = packed.direct.shape[1] // (kh * kw)
+        rc = fns.direct(_ptr(xc), shift, xz & 0xFF, _ptr(packed.direct), c4, _ptr(geometry),
+                        _ptr(bias_r), _ptr(mult), _ptr(quant), _ptr(y), count)
+        if rc != -2:
+            _check(rc)
+            return
+    rc = fns.conv(_ptr(xc), shift, xz & 0xFF, _ptr(packed.weights), packed.kp,
+                  _ptr(geometry), _ptr(bias_r), _ptr(zr) if np.any(zr) else None,
+                  _ptr(mult), _ptr(quant), _ptr(y), count)
+    _check(rc)
+
+
+# ---- matmul ------------------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class PackedMatmul:
+    """A constant B (K, N) as the kernel's panels of 64 columns: [N/64][kp/4][64][4]."""
+
+    panels: np.ndarray           # int8
+    k: int
+    kp: int
+    n: int
+    zero_points: np.ndarray      # (N,) int32, shifted like the weights
+    col_sums: np.ndarray         # (N,) int64: sum over k of the shifted weights
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.panels.nbytes + self.zero_points.nbytes + self.col_sums.nbytes)
+
+
+def pack_matmul(b: np.ndarray, b_zero_point: np.ndarray) -> PackedMatmul:
+    """Pack a constant 8-bit B (K, N) and its zero point(s) (scalar or per column) once."""
+    panel = _functions().panel
+    k, n = (int(d) for d in b.shape)
+    kp, np_ = -(-k // 4) * 4, -(-n // panel) * panel
+    zp = np.broadcast_to(np.asarray(b_zero_point).reshape(-1), (n,))
+    bs, zs = _signed(np.asarray(b), zp)
+    padded = np.zeros((kp, np_), dtype=np.int8)
+    padded[:k, :n] = bs
+    panels = np.ascontiguousarray(
+        padded.reshape(kp // 4, 4, np_ // panel, panel).transpose(2, 0, 3, 1))
+    return PackedMatmul(panels, k, kp, n, np.ascontiguousarray(zs, dtype=np.int32),
+                        bs.sum(axis=0, dtype=np.int64))
+
+
+def matmul(a: np.ndarray, a_zero_point: int, packed: PackedMatmul, bias: np.ndarray | None,
+           multiplier: np.ndarray, out: DType, y_zero_point: int, y: np.ndarray,
+           threads: int = 1) -> None:
+    """``y`` (rows, N) = requantized (or float, ``out`` FLOAT32) ``a`` (rows, K) @ B."""
+    fns = _functions()
+    rows = int(a.shape[0])
+    shift = _unsigned_shift(a.dtype)
+    az = int(a_zero_point) + shift
+    au = np.zeros((rows, packed.kp), dtype=np.uint8)
+    if shift:
+        au[:, :packed.k] = a.view(np.uint8) ^ np.uint8(0x80)
+    else:
+        au[:, :packed.k] = a
+    col = -az * packed.col_sums + packed.k * az * packed.zero_points.astype(np.int64)
+    if bias is not None:
+        col = col + bias.astype(np.int64)
+    bias_c = np.ascontiguousarray(col, dtype=np.int32)
+    zv = sr = None
+    if np.any(packed.zero_points):
+        zv = np.ascontiguousarray(-packed.zero_points)
+        sr = au.sum(axis=1, dtype=np.int64).astype(np.int32)
+    mult = np.ascontiguousarray(np.broadcast_to(multiplier.reshape(-1), (packed.n,)),
+                                dtype=np.float64)
+    units = -(-packed.n // fns.panel) * -(-rows // 6)
+    count = _threads(units, 6 * fns.panel * packed.k, threads)
+    rc = fns.matmul(_ptr(au), _ptr(packed.panels), rows, packed.n, packed.kp, _ptr(bias_c),
+                    _ptr(zv), _ptr(sr), _ptr(mult), 1, _ptr(_quant(out, y_zero_point)),
+                    _ptr(y), packed.n, count)
+    _check(rc)
+
+
+def _check(rc: int) -> None:
+    if rc != 0:
+        raise MemoryError("native int8 kernel: no scratch memory for a worker thread")

@@ -1,0 +1,216 @@
+"""The ``int8`` variants of the quantized products: integer kernels on int8 weights.
+
+QLinearConv, QLinearMatMul and QGemm run on :mod:`keel.backends.cpu.native_qgemm`
+(``qgemm.c``): the constant weights are packed once per model as int8 (they stay
+8-bit in memory), the products accumulate in int32 (AVX-512 VNNI, AVX-VNNI or
+portable C: the planner names which, ``keel explain`` shows it) and the
+requantization is fused into the store. The results equal the reference
+kernels' bit for bit. What the native kernels do not take (a 1-D or 3-D
+convolution, per-row activation scales, operands that are not 8-bit) runs on
+the ``default`` kernels of :mod:`keel.backends.cpu.quantization`, which are
+the NumPy form of the same arithmetic (and what runs with ``KEEL_NATIVE=off``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from keel.backends.base import Attrs, Inputs, KernelContext, Out, optional_input
+from keel.backends.cpu import native_qgemm, quantization
+from keel.backends.cpu.kernels import TABLE
+from keel.dtypes import DType
+from keel.ops.registry import Op
+from keel.ops.schemas.quantization import (
+    QUANT_RANGES,
+    conv_geometry,
+    matmul_shape,
+    qgemm_scales,
+    qgemm_shape,
+)
+
+__all__: list[str] = []
+
+_EIGHT_BITS = frozenset({np.dtype(np.uint8), np.dtype(np.int8)})
+_META: dict[str, Any] = {"requires": "native", "priority": 10, "host_only": True, "simd": ()}
+
+
+def _eight_bit(*arrays: Any) -> bool:
+    return all(a is not None and a.dtype in _EIGHT_BITS for a in arrays)
+
+
+def _scalar(p: Any) -> bool:
+    return p is not None and p.size == 1
+
+
+def _multiplier(*scales: Any) -> np.ndarray:
+    """a_scale * b_scale / y_scale in the scales' own type (as the reference forms it)."""
+    a, b, y = scales
+    return np.asarray(a * b / y).astype(np.float64).reshape(-1)
+
+
+def _out(out: Out, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    if out is not None and out[0].dtype == dtype and out[0].flags.c_contiguous:
+        return out[0]
+    return np.empty(shape, dtype=dtype)
+
+
+def _deliver(y: np.ndarray, out: Out) -> list[Any]:
+    if out is not None and out[0] is not y:
+        out[0][...] = y
+        return [out[0]]
+    return [y]
+
+
+def _threads(ctx: KernelContext) -> int:
+    if ctx.plan is not None and ctx.plan.threads:
+        return int(ctx.plan.threads)
+    return int(ctx.threads or 1)
+
+
+# ---- QLinearConv -----------------------------------------------------------------------------
+def _pack_conv(ctx: KernelContext, const: Sequence[Any], attrs: Attrs) -> Any:
+    w, w_zp = const[3], const[5]
+    if not native_qgemm.available() or not _eight_bit(w, w_zp) or w.ndim != 4:
+        return None
+    return native_qgemm.pack_conv(w, w_zp)
+
+
+def _conv_served(x: Any, x_zp: Any, x_s: Any, y_s: Any, y_zp: Any, w: Any, w_zp: Any) -> bool:
+    return (native_qgemm.available() and x.ndim == 4 and w.ndim == 4
+            and _eight_bit(x, w, x_zp, w_zp, y_zp) and x_zp.dtype == x.dtype
+            and w_zp.dtype == w.dtype and _scalar(x_zp) and _scalar(x_s) and _scalar(y_s)
+            and _scalar(y_zp) and w_zp.size in (1, w.shape[0]))
+
+
+@TABLE.kernel(Op.QLINEAR_CONV, variant="int8", dtypes=("uint8", "int8"), supports_out=True,
+              prepack=_pack_conv, shapes="2-D convolutions of 8-bit data", **_META)
+def qlinear_conv(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """The int32-accumulating native convolution, requantized in its store."""
+    x, x_s, x_zp, w, w_s, w_zp, y_s, y_zp = inputs[:8]
+    bias = optional_input(inputs, 8)
+    if not _conv_served(x, x_zp, x_s, y_s, y_zp, w, w_zp) or (
+            bias is not None and (bias.dtype != np.int32 or bias.shape != (w.shape[0],))):
+        return list(quantization.qlinear_conv(ctx, inputs, attrs, out))
+    geo = conv_geometry(x.shape, w.shape, attrs)
+    packed = ctx.prepacked
+    if not isinstance(packed, native_qgemm.PackedConv):
+        packed = native_qgemm.pack_conv(w, w_zp)
+    m = int(w.shape[0])
+    if w_s.size not in (1, m):
+        return list(quantization.qlinear_conv(ctx, inputs, attrs, out))
+    y = _out(out, (x.shape[0], m, *geo.out_spatial), y_zp.dtype)
+    native_qgemm.conv2d(x, int(x_zp.reshape(())), packed, geo, bias,
+                        _multiplier(x_s.reshape(()), w_s.reshape(-1), y_s.reshape(())),
+                        int(y_zp.reshape(())), y, _threads(ctx))
+    return _deliver(y, out)
+
+
+# ---- QLinearMatMul ---------------------------------------------------------------------------
+def _pack_matmul(ctx: KernelContext, const: Sequence[Any], attrs: Attrs) -> Any:
+    b, b_zp = const[3], const[5]
+    if not native_qgemm.available() or not _eight_bit(b, b_zp) or b.ndim != 2 or \
+            b_zp.size not in (1, b.shape[1]):
+        return None
+    return native_qgemm.pack_matmul(b, b_zp)
+
+
+@TABLE.kernel(Op.QLINEAR_MATMUL, variant="int8", dtypes=("uint8", "int8"), supports_out=True,
+              prepack=_pack_matmul, shapes="(..., K) @ 2-D (K, N), 8-bit", **_META)
+def qlinear_matmul(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """The int32-accumulating native product with a 2-D B, requantized in its store."""
+    a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp = inputs
+    served = (native_qgemm.available() and b.ndim == 2 and a.ndim >= 2
+              and _eight_bit(a, b, a_zp, b_zp, y_zp) and a_zp.dtype == a.dtype
+              and b_zp.dtype == b.dtype and _scalar(a_zp) and _scalar(a_s) and _scalar(y_s)
+              and _scalar(y_zp) and b_zp.size in (1, b.shape[1]) and b_s.size in (1, b.shape[1]))
+    if not served:
+        return list(quantization.qlinear_matmul(ctx, inputs, attrs, out))
+    shape = matmul_shape(Op.QLINEAR_MATMUL, a.shape, b.shape)
+    packed = ctx.prepacked
+    if not isinstance(packed, native_qgemm.PackedMatmul):
+        packed = native_qgemm.pack_matmul(b, b_zp)
+    y = _out(out, tuple(int(d) for d in shape), y_zp.dtype)  # type: ignore[arg-type]
+    a2 = np.ascontiguousarray(a).reshape(-1, a.shape[-1])
+    native_qgemm.matmul(a2, int(a_zp.reshape(())), packed, None,
+                        _multiplier(a_s.reshape(()), b_s.reshape(-1), y_s.reshape(())),
+                        DType.from_numpy(y_zp.dtype), int(y_zp.reshape(())),
+                        y.reshape(-1, b.shape[1]), _threads(ctx))
+    return _deliver(y, out)
+
+
+# ---- QGemm -----------------------------------------------------------------------------------
+def _qgemm_params(inputs: Inputs) -> tuple[Any, ...]:
+    a, a_s, a_zp, b, b_s, b_zp = inputs[:6]
+    a_zp = np.zeros((), a.dtype) if a_zp is None else a_zp
+    b_zp = np.zeros((), b.dtype) if b_zp is None else b_zp
+    return a, a_s, a_zp, b, b_s, b_zp, optional_input(inputs, 6), optional_input(
+        inputs, 7), optional_input(inputs, 8)
+
+
+def _pack_qgemm(ctx: KernelContext, const: Sequence[Any], attrs: Attrs) -> Any:
+    b = const[3]
+    if not native_qgemm.available() or b is None or not _eight_bit(b) or b.ndim != 2:
+        return None
+    b_zp = np.zeros((), b.dtype) if len(const) < 6 or const[5] is None else const[5]
+    n = b.shape[0] if attrs["trans_b"] else b.shape[1]
+    if not _eight_bit(b_zp) or b_zp.size not in (1, n):
+        return None
+    return native_qgemm.pack_matmul(b.T if attrs["trans_b"] else b, b_zp)
+
+
+def _qgemm_out_dtype(y_s: Any, y_zp: Any) -> DType:
+    if y_s is None:
+        return DType.FLOAT32
+    return DType.UINT8 if y_zp is None else DType.from_numpy(y_zp.dtype)
+
+
+def _qgemm_numpy(a: Any, a_zp: Any, b: Any, b_zp: Any, c: Any, mult: np.ndarray,
+                 out_dtype: DType, y_zp: int, attrs: Attrs) -> np.ndarray:
+    """The float64 BLAS form (exact for 8-bit operands), as the reference computes it."""
+    lhs = a.astype(np.float64) - float(a_zp.reshape(()))
+    rhs = b.astype(np.float64) - (b_zp.astype(np.float64).reshape(-1, 1) if attrs["trans_b"]
+                                  else b_zp.astype(np.float64).reshape(-1))
+    acc = (lhs.T if attrs["trans_a"] else lhs) @ (rhs.T if attrs["trans_b"] else rhs)
+    if c is not None:
+        acc += c
+    acc *= mult
+    if out_dtype is DType.FLOAT32:
+        return acc.astype(np.float32)
+    lo, hi = QUANT_RANGES[out_dtype]
+    acc += y_zp
+    return np.clip(np.rint(acc), lo, hi).astype(out_dtype.numpy)
+
+
+@TABLE.kernel(Op.QGEMM, dtypes=("uint8", "int8"), supports_out=True, host_only=True,
+              shapes="2-D, 8-bit", simd=())
+def qgemm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """QGemm: the int32-accumulating native product where it serves, else float64 BLAS."""
+    a, a_s, a_zp, b, b_s, b_zp, c, y_s, y_zp = _qgemm_params(inputs)
+    for what, value, zp in (("a", a, a_zp), ("b", b, b_zp)):
+        quantization.check_pair(Op.QGEMM, value, zp, what)
+    shape = qgemm_shape(a.shape, b.shape, attrs["trans_a"], attrs["trans_b"])
+    out_dtype = _qgemm_out_dtype(y_s, y_zp)
+    mult = qgemm_scales(attrs["alpha"], a_s, b_s, y_s)
+    zp = 0 if y_zp is None else int(y_zp.reshape(()))
+    packed = ctx.prepacked
+    n = int(shape[1])  # type: ignore[arg-type]
+    if c is not None and (c.size not in (1, n) or c.ndim > 2 or (c.ndim == 2 and c.shape[0] != 1)):
+        packed = None
+    elif not isinstance(packed, native_qgemm.PackedMatmul) and native_qgemm.available():
+        packed = _pack_qgemm(ctx, inputs, attrs)
+    if not isinstance(packed, native_qgemm.PackedMatmul) or not _scalar(a_zp):
+        y = _qgemm_numpy(a, a_zp, b, b_zp, c, mult, out_dtype, zp, attrs)
+        return _deliver(y, out)
+    y = _out(out, tuple(int(d) for d in shape), np.dtype(out_dtype.numpy))  # type: ignore[arg-type]
+    bias = None if c is None else np.broadcast_to(c.reshape(-1), (n,)).astype(np.int32)
+    native_qgemm.matmul(np.ascontiguousarray(a.T if attrs["trans_a"] else a),
+                        int(a_zp.reshape(())), packed, bias, mult, out_dtype, zp, y,
+                        _threads(ctx))
+    return _deliver(y, out)
+
+
+TABLE.kernel(Op.QGEMM, variant="int8", dtypes=("uint8", "int8"), supports_out=True,
+             prepack=_pack_qgemm, shapes="2-D, 8-bit", **_META)(qgemm)

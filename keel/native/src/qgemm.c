@@ -1,0 +1,633 @@
+/* int8 matrix products and 2-D convolutions: 8-bit operands, int32 accumulators and
+ * the requantization to 8 bits (or float32) fused into the store.
+ *
+ * Every product here is  Y[i][j] = requant( sum_k R[i][k] * V[k][j] + corrections )
+ * with one operand broadcast a row at a time (R) and the other loaded a vector of
+ * columns at a time (V). A convolution broadcasts the weights (R = W[M][K], s8) over
+ * im2col columns of the input (V, u8: one column per output pixel), so its output
+ * comes out NCHW; a matmul broadcasts the activations (R = A[rows][K], u8) over the
+ * weights (V = B[K][N], s8). Signed activations and unsigned weights are shifted by
+ * 128 on the way in (x + 128 against zero point + 128, and the same for weights): the
+ * products of (x - zero point) are unchanged.
+ *
+ * V lives in panels of NB = 64 columns: for each quad of k (four consecutive k), the
+ * 64 columns' four bytes side by side, [K/4][NB][4], which is what one vpdpbusd takes
+ * (per 32-bit lane: the sum of four u8 x s8 products, added to the lane's int32).
+ * A tile is MR = 6 rows of R by the 64 columns of one panel:
+ *
+ *   - AVX-512 VNNI (__AVX512VNNI__): 24 zmm accumulators, 4 panel loads and 6 broadcasts
+ *     per quad;
+ *   - AVX-VNNI (__AVXVNNI__, 256 bits): the panel in four quarters of 16 columns,
+ *     12 ymm accumulators each;
+ *   - elsewhere: the same loops in plain C (the portable path).
+ *
+ * keel_qgemm_isa() says which one this build has (2, 1 or 0). Padding k to a multiple
+ * of 4 puts zeros in R (the packed weights, or the caller's copy of A), so padded
+ * columns of V add nothing.
+ *
+ * Corrections and requantization (the zero points are folded into int32 terms):
+ *
+ *   acc = sum R V + bias_r[i] + bias_c[j] + zr[i] * sv[j] + zv[j] * sr[i]
+ *   y   = clamp(round_half_even(acc * mult) + y_zero_point, lo, hi)     (8-bit output)
+ *   y   = (float)(acc * mult)                                           (float output)
+ *
+ * with sv the column sums of V (computed while packing a convolution's columns) and
+ * sr the row sums of R, each term present only when its arrays are, and mult one
+ * double per row or per column. The product and the rounding run in double, as keel's
+ * reference kernels do, so an 8-bit result is the reference's bit for bit. Each
+ * output is computed the same way whatever the split over threads.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "parallel.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define QISA 2
+#elif defined(__AVXVNNI__) && defined(__AVX2__)
+#include <immintrin.h>
+#define QISA 1
+#else
+#define QISA 0
+#endif
+
+#define NB 64
+#define MR 6
+
+/* 2: AVX-512 VNNI, 1: AVX-VNNI, 0: portable C. */
+int64_t keel_qgemm_isa(void) { return QISA; }
+/* Columns of a V panel (the weight panels a matmul prepacks). */
+int64_t keel_qgemm_panel(void) { return NB; }
+
+static inline int32_t quad(const uint8_t *p)
+{
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* acc[MR][NB] = R[rows][4 k4] . panel, rows past `mr` repeat the last one. r_u8: R
+ * holds the unsigned operand (a matmul's activations), else V does (a convolution's). */
+static inline void tile(const uint8_t *r, int64_t ldr, int64_t mr, const uint8_t *v,
+                        const int64_t *offsets, int64_t k4, int32_t *acc, int r_u8)
+{
+    const uint8_t *row[MR];
+    for (int i = 0; i < MR; i++) row[i] = r + (i < mr ? i : mr - 1) * ldr;
+#if QISA == 2
+    /* 24 accumulators as named variables: an array of them is kept on the stack. */
+#define ZERO4(i) __m512i c##i##0 = _mm512_setzero_si512(), c##i##1 = c##i##0, \
+                 c##i##2 = c##i##0, c##i##3 = c##i##0
+    ZERO4(0); ZERO4(1); ZERO4(2); ZERO4(3); ZERO4(4); ZERO4(5);
+#define DOT4(i) do { \
+        __m512i a = _mm512_set1_epi32(quad(row[i] + 4 * q)); \
+        if (r_u8) { \
+            c##i##0 = _mm512_dpbusd_epi32(c##i##0, a, b0); \
+            c##i##1 = _mm512_dpbusd_epi32(c##i##1, a, b1); \
+            c##i##2 = _mm512_dpbusd_epi32(c##i##2, a, b2); \
+            c##i##3 = _mm512_dpbusd_epi32(c##i##3, a, b3); \
+        } else { \
+            c##i##0 = _mm512_dpbusd_epi32(c##i##0, b0, a); \
+            c##i##1 = _mm512_dpbusd_epi32(c##i##1, b1, a); \
+            c##i##2 = _mm512_dpbusd_epi32(c##i##2, b2, a); \
+            c##i##3 = _mm512_dpbusd_epi32(c##i##3, b3, a); \
+        } \
+    } while (0)
+    for (int64_t q = 0; q < k4; q++) {
+        const uint8_t *vq = v + (offsets ? offsets[q] : q * NB * 4);
+        __m512i b0 = _mm512_loadu_si512((const void *)vq);
+        __m512i b1 = _mm512_loadu_si512((const void *)(vq + 64));
+        __m512i b2 = _mm512_loadu_si512((const void *)(vq + 128));
+        __m512i b3 = _mm512_loadu_si512((const void *)(vq + 192));
+        DOT4(0); DOT4(1); DOT4(2); DOT4(3); DOT4(4); DOT4(5);
+    }
+#define STORE4(i) do { \
+        _mm512_storeu_si512((void *)(acc + i * NB), c##i##0); \
+        _mm512_storeu_si512((void *)(acc + i * NB + 16), c##i##1); \
+        _mm512_storeu_si512((void *)(acc + i * NB + 32), c##i##2); \
+        _mm512_storeu_si512((void *)(acc + i * NB + 48), c##i##3); \
+    } while (0)
+    STORE4(0); STORE4(1); STORE4(2); STORE4(3); STORE4(4); STORE4(5);
+#undef ZERO4
+#undef DOT4
+#undef STORE4
+#elif QISA == 1
+    for (int h = 0; h < 4; h++) {
+#define ZERO2(i) __m256i c##i##0 = _mm256_setzero_si256(), c##i##1 = c##i##0
+        ZERO2(0); ZERO2(1); ZERO2(2); ZERO2(3); ZERO2(4); ZERO2(5);
+#define DOT2(i) do { \
+            __m256i a = _mm256_set1_epi32(quad(row[i] + 4 * q)); \
+            if (r_u8) { \
+                c##i##0 = _mm256_dpbusd_avx_epi32(c##i##0, a, b0); \
+                c##i##1 = _mm256_dpbusd_avx_epi32(c##i##1, a, b1); \
+            } else { \
+                c##i##0 = _mm256_dpbusd_avx_epi32(c##i##0, b0, a); \
+                c##i##1 = _mm256_dpbusd_avx_epi32(c##i##1, b1, a); \
+            } \
+        } while (0)
+        for (int64_t q = 0; q < k4; q++) {
+            const uint8_t *vq = v + (offsets ? offsets[q] : q * NB * 4) + 64 * h;
+            __m256i b0 = _mm256_loadu_si256((const void *)vq);
+            __m256i b1 = _mm256_loadu_si256((const void *)(vq + 32));
+            DOT2(0); DOT2(1); DOT2(2); DOT2(3); DOT2(4); DOT2(5);
+        }
+#define STORE2(i) do { \
+            _mm256_storeu_si256((void *)(acc + i * NB + 16 * h), c##i##0); \
+            _mm256_storeu_si256((void *)(acc + i * NB + 16 * h + 8), c##i##1); \
+        } while (0)
+        STORE2(0); STORE2(1); STORE2(2); STORE2(3); STORE2(4); STORE2(5);
+#undef ZERO2
+#undef DOT2
+#undef STORE2
+    }
+#else
+    for (int i = 0; i < MR; i++) {
+        int32_t *ci = acc + i * NB;
+        for (int j = 0; j < NB; j++) ci[j] = 0;
+        for (int64_t q = 0; q < k4; q++) {
+            const uint8_t *vq = v + (offsets ? offsets[q] : q * NB * 4);
+            const uint8_t *rq = row[i] + 4 * q;
+            for (int t = 0; t < 4; t++) {
+                int32_t a = r_u8 ? (int32_t)rq[t] : (int32_t)(int8_t)rq[t];
+                for (int j = 0; j < NB; j++) {
+                    int32_t b = r_u8 ? (int32_t)(int8_t)vq[4 * j + t] : (int32_t)vq[4 * j + t];
+                    ci[j] += a * b;
+                }
+            }
+        }
+    }
+#endif
+}
+
+/* The requantization: what the corrections and the store take (see the header). */
+typedef struct {
+    const int32_t *bias_r, *bias_c, *zr, *zv, *sr;
+    const double *mult;
+    int64_t mult_per_col;
+    int64_t yzp, lo, hi, kind;    /* kind: 0 uint8, 1 int8, 2 float32 */
+} requant;
+
+enum { KIND_U8, KIND_S8, KIND_F32 };
+
+/* Requantize one row of n accumulators (corrections already added) into y. */
+static void store_row(const int32_t *v, int64_t n, const double *mult, double m,
+                      const requant *q, void *y)
+{
+    if (q->kind == KIND_F32) {
+        float *out = y;
+        for (int64_t j = 0; j < n; j++) out[j] = (float)((double)v[j] * (mult ? mult[j] : m));
+        return;
+    }
+    double zp = (double)q->yzp, lo = (double)q->lo, hi = (double)q->hi;
+    int32_t r[NB];
+    if (mult) {
+        for (int64_t j = 0; j < n; j++) {
+            double t = nearbyint((double)v[j] * mult[j]) + zp;
+            r[j] = (int32_t)(t < lo ? lo : t > hi ? hi : t);
+        }
+    } else {
+        for (int64_t j = 0; j < n; j++) {
+            double t = nearbyint((double)v[j] * m) + zp;
+            r[j] = (int32_t)(t < lo ? lo : t > hi ? hi : t);
+        }
+    }
+    if (q->kind == KIND_U8) {
+        uint8_t *out = y;
+        for (int64_t j = 0; j < n; j++) out[j] = (uint8_t)r[j];
+    } else {
+        int8_t *out = y;
+        for (int64_t j = 0; j < n; j++) out[j] = (int8_t)r[j];
+    }
+}
+
+/* Store rows [i0, i0 + rows) x columns [j0, j0 + cols) of Y from a tile; sv holds the
+ * tile's column sums of V (or is NULL). */
+static void store(const int32_t *acc, int64_t rows, int64_t cols, int64_t i0, int64_t j0,
+                  const requant *q, const int32_t *sv, void *y, int64_t ldy)
+{
+    size_t item = q->kind == KIND_F32 ? 4 : 1;
+    for (int64_t i = 0; i < rows; i++) {
+        int32_t v[NB];
+        const int32_t *a = acc + i * NB;
+        int32_t ri = q->bias_r ? q->bias_r[i0 + i] : 0;
+        for (int64_t j = 0; j < cols; j++) v[j] = a[j] + ri;
+        if (q->bias_c)
+            for (int64_t j = 0; j < cols; j++) v[j] += q->bias_c[j0 + j];
+        int32_t zri = q->zr && sv ? q->zr[i0 + i] : 0;
+        if (zri)
+            for (int64_t j = 0; j < cols; j++) v[j] += zri * sv[j];
+        int32_t sri = q->zv && q->sr ? q->sr[i0 + i] : 0;
+        if (sri)
+            for (int64_t j = 0; j < cols; j++) v[j] += q->zv[j0 + j] * sri;
+        const double *mc = q->mult_per_col ? q->mult + j0 : NULL;
+        double mi = q->mult_per_col ? 0.0 : q->mult[i0 + i];
+        store_row(v, cols, mc, mi, q, (char *)y + (size_t)((i0 + i) * ldy + j0) * item);
+    }
+}
+
+/* ---- matmul: Y[rows][N] = A[rows][Kp] (u8) . B (s8, prepacked panels) ------------- */
+
+typedef struct {
+    const uint8_t *a, *panels;
+    int64_t rows, n, kp, row_tiles;
+    requant q;
+    void *y;
+    int64_t ldy;
+} qmatmul_job;
+
+static void qmatmul_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
+{
+    const qmatmul_job *j = ctx;
+    int32_t *acc = (int32_t *)scratch;
+    int64_t k4 = j->kp / 4;
+    for (int64_t t = lo; t < hi; t++) {
+        int64_t nb = t / j->row_tiles, i0 = (t % j->row_tiles) * MR;
+        int64_t mr = j->rows - i0 < MR ? j->rows - i0 : MR;
+        int64_t cols = j->n - nb * NB < NB ? j->n - nb * NB : NB;
+        tile(j->a + i0 * j->kp, j->kp, mr, j->panels + nb * k4 * NB * 4, NULL, k4, acc, 1);
+        store(acc, mr, cols, i0, nb * NB, &j->q, NULL, j->y, j->ldy);
+    }
+}
+
+static int64_t tile_scratch_floats(void) { return MR * NB; }
+
+/* Y = requant(A . B): A is rows x kp unsigned bytes (kp a multiple of 4, padded with
+ * zeros), panels hold B (kp x n, signed) as ceil(n / 64) panels of [kp / 4][64][4].
+ * quant = {y_zero_point, lo, hi, kind}. Returns 0, or -1 when scratch was short. */
+int64_t keel_qmatmul_u8s8(const uint8_t *a, const uint8_t *panels, int64_t rows, int64_t n,
+                          int64_t kp, const int32_t *bias_c, const int32_t *zv,
+                          const int32_t *sr, const double *mult, int64_t mult_per_col,
+                          const int64_t *quant, void *y, int64_t ldy, int64_t parts)
+{
+    if (rows <= 0 || n <= 0) return 0;
+    qmatmul_job j = {a, panels, rows, n, kp, (rows + MR - 1) / MR,
+                     {NULL, bias_c, NULL, zv, sr, mult, mult_per_col,
+                      quant[0], quant[1], quant[2], quant[3]},
+                     y, ldy};
+    int64_t tasks = ((n + NB - 1) / NB) * j.row_tiles;
+    return run_parts(qmatmul_task, &j, tasks, parts, tile_scratch_floats());
+}
+
+/* ---- 2-D convolution: im2col panels of the input, weights broadcast ---------------- */
+
+/* geometry: N, C, H, W, M, OH, OW, KH, KW, SH, SW, DH, DW, PT, PL, G */
+enum { Q_N, Q_C, Q_H, Q_W, Q_M, Q_OH, Q_OW, Q_KH, Q_KW, Q_SH, Q_SW, Q_DH, Q_DW, Q_PT, Q_PL,
+       Q_G, Q_LEN };
+
+typedef struct {
+    const uint8_t *x;
+    const uint8_t *w;          /* [M][kp] signed bytes, zero padded */
+    int64_t g[Q_LEN];
+    int64_t kp, blocks;        /* kp: C/G * KH * KW rounded up to 4; blocks: of NB pixels */
+    uint8_t flip, pad;         /* flip: 0x80 for int8 input; pad: the zero point, flipped */
+    int64_t want_sums;         /* column sums needed (some weight zero point is not 0) */
+    requant q;
+    void *y;
+} qconv_job;
+
+/* One row of the im2col matrix for the block's pixels: input channel c's tap (dy, dx)
+ * for each of the NB pixels, the raw zero point where the tap falls in the padding.
+ * The block's pixels come as runs along output rows (seg_*), so with stride 1 a run is
+ * one contiguous copy. */
+typedef struct {
+    int64_t t, oy, ox, len;
+} segment;
+
+static void fill_row(const qconv_job *j, const uint8_t *plane, const segment *seg,
+                     int64_t nseg, int64_t dy, int64_t dx, uint8_t raw_pad, uint8_t *row)
+{
+    const int64_t *g = j->g;
+    int64_t h = g[Q_H], w = g[Q_W], sw = g[Q_SW];
+    for (int64_t s = 0; s < nseg; s++) {
+        uint8_t *out = row + seg[s].t;
+        int64_t len = seg[s].len, iy = seg[s].oy * g[Q_SH] - g[Q_PT] + dy;
+        if (iy < 0 || iy >= h) {
+            memset(out, raw_pad, (size_t)len);
+            continue;
+        }
+        const uint8_t *src = plane + iy * w;
+        int64_t ix0 = seg[s].ox * sw - g[Q_PL] + dx;
+        if (sw == 1) {
+            int64_t a = ix0 < 0 ? -ix0 : 0, b = w - ix0 < len ? w - ix0 : len;
+            if (b < a) b = a;
+            if (a > len) a = b = len;
+            memset(out, raw_pad, (size_t)a);
+            memcpy(out + a, src + ix0 + a, (size_t)(b - a));
+            memset(out + b, raw_pad, (size_t)(len - b));
+            continue;
+        }
+        for (int64_t i = 0; i < len; i++) {
+            int64_t ix = ix0 + i * sw;
+            out[i] = ix >= 0 && ix < w ? src[ix] : raw_pad;
+        }
+    }
+}
+
+/* The columns of pixels [p0, p0 + NB) of image n, group grp, as one panel; their sums. */
+static void pack_columns(const qconv_job *j, int64_t n, int64_t grp, int64_t p0,
+                         uint8_t *panel, int32_t *sums)
+{
+    const int64_t *g = j->g;
+    int64_t cg = g[Q_C] / g[Q_G], taps = g[Q_KH] * g[Q_KW], k = cg * taps;
+    int64_t pixels = g[Q_OH] * g[Q_OW], ow = g[Q_OW];
+    segment seg[NB];
+    int64_t nseg = 0;
+    for (int64_t t = 0; t < NB && p0 + t < pixels;) {
+        int64_t p = p0 + t, ox = p % ow, len = ow - ox;
+        if (len > NB - t) len = NB - t;
+        if (len > pixels - p) len = pixels - p;
+        seg[nseg++] = (segment){t, p / ow, ox, len};
+        t += len;
+    }
+    uint8_t raw_pad = (uint8_t)(j->pad ^ j->flip);
+    uint8_t rows[4][NB];
+    const uint8_t *image = j->x + (n * g[Q_C] + grp * cg) * g[Q_H] * g[Q_W];
+    for (int64_t q = 0; q < j->kp / 4; q++) {
+        for (int r = 0; r < 4; r++) {
+            int64_t kk = 4 * q + r;
+            memset(rows[r], raw_pad, NB);   /* pixels past the end, and k past k's end */
+            if (kk >= k) {
+                memset(rows[r], 0, NB);
+                continue;
+            }
+            int64_t c = kk / taps, ky = (kk % taps) / g[Q_KW], kx = kk % g[Q_KW];
+            fill_row(j, image + c * g[Q_H] * g[Q_W], seg, nseg, ky * g[Q_DH], kx * g[Q_DW],
+                     raw_pad, rows[r]);
+        }
+        uint32_t *dst = (uint32_t *)(void *)(panel + q * NB * 4);
+        uint32_t flip = (uint32_t)j->flip * 0x01010101u;
+        for (int64_t t = 0; t < NB; t++)
+            dst[t] = ((uint32_t)rows[0][t] | (uint32_t)rows[1][t] << 8 |
+                      (uint32_t)rows[2][t] << 16 | (uint32_t)rows[3][t] << 24) ^ flip;
+        for (int r = 0; r < 4; r++)
+            if (4 * q + r >= k)
+                for (int64_t t = 0; t < NB; t++) panel[q * NB * 4 + 4 * t + r] = 0;
+    }
+    if (!j->want_sums) return;
+    for (int64_t t = 0; t < NB; t++) sums[t] = 0;
+    for (int64_t q = 0; q < j->kp / 4; q++) {
+        const uint8_t *src = panel + q * NB * 4;
+        for (int64_t t = 0; t < NB; t++)
+            sums[t] += src[4 * t] + src[4 * t + 1] + src[4 * t + 2] + src[4 * t + 3];
+    }
+}
+
+static void qconv_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
+{
+    const qconv_job *j = ctx;
+    const int64_t *g = j->g;
+    int64_t groups = g[Q_G], mg = g[Q_M] / groups, pixels = g[Q_OH] * g[Q_OW];
+    int32_t *acc = (int32_t *)scratch;
+    int32_t *sums = acc + MR * NB;
+    uint8_t *panel = (uint8_t *)(sums + NB);
+    for (int64_t t = lo; t < hi; t++) {
+        int64_t n = t / (groups * j->blocks), grp = (t / j->blocks) % groups;
+        int64_t p0 = (t % j->blocks) * NB;
+        int64_t cols = pixels - p0 < NB ? pixels - p0 : NB;
+        pack_columns(j, n, grp, p0, panel, sums);
+        char *yn = (char *)j->y + n * g[Q_M] * pixels * (j->q.kind == KIND_F32 ? 4 : 1);
+        for (int64_t m = 0; m < mg; m += MR) {
+            int64_t i0 = grp * mg + m, mr = mg - m < MR ? mg - m : MR;
+            tile(j->w + i0 * j->kp, j->kp, mr, panel, NULL, j->kp / 4, acc, 0);
+            store(acc, mr, cols, i0, p0, &j->q, j->want_sums ? sums : NULL, yn, pixels);
+        }
+    }
+}
+
+/* Y = requant(conv(x, w)) for an NCHW 8-bit x (flip = 0x80 when it is signed; pad = its
+ * zero point, flipped the same way), w packed as [M][kp] signed bytes, geometry as in
+ * the enum above. bias_r: per output channel (the bias and the zero points' constant
+ * terms), zr: per output channel, minus its weight zero point (NULL when all are 0).
+ * mult: one double per output channel. quant = {y_zero_point, lo, hi, kind}. */
+int64_t keel_qconv2d_u8s8(const uint8_t *x, int64_t flip, int64_t pad, const uint8_t *w,
+                          int64_t kp, const int64_t *geometry, const int32_t *bias_r,
+                          const int32_t *zr, const double *mult, const int64_t *quant, void *y,
+                          int64_t parts)
+{
+    qconv_job j;
+    memcpy(j.g, geometry, sizeof j.g);
+    int64_t pixels = j.g[Q_OH] * j.g[Q_OW];
+    if (j.g[Q_N] <= 0 || pixels <= 0 || j.g[Q_G] <= 0) return 0;
+    j.x = x, j.w = w, j.kp = kp, j.blocks = (pixels + NB - 1) / NB;
+    j.flip = (uint8_t)flip, j.pad = (uint8_t)pad, j.want_sums = zr != NULL;
+    j.q = (requant){bias_r, NULL, zr, NULL, NULL, mult, 0, quant[0], quant[1], quant[2],
+                    quant[3]};
+    j.y = y;
+    int64_t scratch = MR * NB + NB + (kp * NB + 3) / 4;
+    return run_parts(qconv_task, &j, j.g[Q_N] * j.g[Q_G] * j.blocks, parts, scratch);
+}
+
+/* ---- stride-1 convolution without im2col ---------------------------------------------
+ *
+ * The image is copied once into a zero-point-padded layout of channel quads,
+ * [C4/4][Hp * Wp + slack][4] (four channels' bytes side by side per padded pixel), and
+ * the outputs are computed over padded row positions p = oy * Wp + ox (ox < Wp; the
+ * columns past OW are computed and dropped). For tap (ky, kx) and channel quad cq, the
+ * 64 pixels of a block are then 256 contiguous bytes of that layout, at
+ * ((cq * plane + p0 + ky * Wp + kx) * 4): the tile reads them in place, through one
+ * offset per k quad, with the weights packed in the same order, [M][KH][KW][C4]. */
+
+typedef struct {
+    const uint8_t *x, *w;
+    int64_t g[Q_LEN];
+    int64_t c4, hp, wp, plane, kp, blocks;
+    uint8_t flip, pad;
+    requant q;
+    void *y;
+} qdirect_job;
+
+static void build_quads(const qdirect_job *j, int64_t n, uint8_t *xq)
+{
+    const int64_t *g = j->g;
+    int64_t c = g[Q_C], h = g[Q_H], w = g[Q_W];
+    uint32_t pad = (uint32_t)j->pad * 0x01010101u, flip = (uint32_t)j->flip * 0x01010101u;
+    for (int64_t cq = 0; cq < j->c4 / 4; cq++) {
+        uint32_t *dst = (uint32_t *)(void *)(xq + cq * j->plane * 4);
+        for (int64_t i = 0; i < j->plane; i++) dst[i] = pad;
+        const uint8_t *src[4];
+        for (int r = 0; r < 4; r++)
+            src[r] = 4 * cq + r < c ? j->x + ((n * c) + 4 * cq + r) * h * w : NULL;
+        for (int64_t y = 0; y < h; y++) {
+            uint32_t *row = dst + (y + g[Q_PT]) * j->wp + g[Q_PL];
+            for (int64_t xx = 0; xx < w; xx++) {
+                uint32_t v = 0;
+                for (int r = 0; r < 4; r++)
+                    v |= (uint32_t)(src[r] ? src[r][y * w + xx] : 0) << (8 * r);
+                row[xx] = v ^ flip;
+            }
+        }
+    }
+}
+
+static void qdirect_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
+{
+    const qdirect_job *j = ctx;
+    const int64_t *g = j->g;
+    int64_t m = g[Q_M], oh = g[Q_OH], ow = g[Q_OW], pixels = oh * ow, k4 = j->kp / 4;
+    int32_t *acc = (int32_t *)scratch;
+    int64_t *offsets = (int64_t *)(acc + MR * NB);
+    uint8_t *xq = (uint8_t *)(offsets + k4);
+    for (int64_t q = 0; q < k4; q++) {
+        int64_t cq = q % (j->c4 / 4), tap = q / (j->c4 / 4);
+        offsets[q] = (cq * j->plane + (tap / g[Q_KW]) * j->wp + tap % g[Q_KW]) * 4;
+    }
+    int64_t built = -1;
+    for (int64_t t = lo; t < hi; t++) {
+        int64_t n = t / j->blocks, p0 = (t % j->blocks) * NB;
+        if (n != built) {
+            build_quads(j, n, xq);
+            built = n;
+        }
+        char *yn = (char *)j->y + n * m * pixels * (j->q.kind == KIND_F32 ? 4 : 1);
+        for (int64_t i0 = 0; i0 < m; i0 += MR) {
+            int64_t mr = m - i0 < MR ? m - i0 : MR;
+            tile(j->w + i0 * j->kp, j->kp, mr, xq + p0 * 4, offsets, k4, acc, 0);
+            /* the block's valid columns, one output row at a time */
+            for (int64_t p = p0; p < p0 + NB && p < oh * j->wp;) {
+                int64_t oy = p / j->wp, ox = p % j->wp;
+                int64_t run = j->wp - ox < p0 + NB - p ? j->wp - ox : p0 + NB - p;
+                if (ox < ow) {
+                    int64_t len = ow - ox < run ? ow - ox : run;
+                    store(acc + (p - p0), mr, len, i0, oy * ow + ox, &j->q, NULL, yn, pixels);
+                }
+                p += run;
+            }
+        }
+    }
+}
+
+/* Floats of scratch keel_qconv2d_direct_u8s8 needs per thread for this geometry. */
+static int64_t direct_scratch(const qdirect_job *j)
+{
+    return MR * NB + 2 * (j->kp / 4) + j->c4 / 4 * j->plane;
+}
+
+/* keel_qconv2d_u8s8 for stride 1, one group and weight zero points all 0, from weights
+ * packed as [M][KH][KW][c4] (c4: C rounded up to 4), kp = KH * KW * c4. */
+int64_t keel_qconv2d_direct_u8s8(const uint8_t *x, int64_t flip, int64_t pad, const uint8_t *w,
+                                 int64_t c4, const int64_t *geometry, const int32_t *bias_r,
+                                 const double *mult, const int64_t *quant, void *y,
+                                 int64_t parts)
+{
+    qdirect_job j;
+    memcpy(j.g, geometry, sizeof j.g);
+    if (j.g[Q_N] <= 0 || j.g[Q_OH] <= 0 || j.g[Q_OW] <= 0) return 0;
+    if (j.g[Q_SH] != 1 || j.g[Q_SW] != 1 || j.g[Q_G] != 1 || c4 % 4) return -2;
+    j.x = x, j.w = w, j.c4 = c4;
+    j.hp = j.g[Q_OH] + (j.g[Q_KH] - 1) * j.g[Q_DH];
+    j.wp = j.g[Q_OW] + (j.g[Q_KW] - 1) * j.g[Q_DW];
+    if (j.g[Q_DH] != 1 || j.g[Q_DW] != 1) return -2;
+    if (j.hp < j.g[Q_H] + j.g[Q_PT] || j.wp < j.g[Q_W] + j.g[Q_PL]) return -2;
+    j.plane = j.hp * j.wp + NB + j.g[Q_KW] + 16;
+    j.kp = j.g[Q_KH] * j.g[Q_KW] * c4;
+    j.blocks = (j.g[Q_OH] * j.wp + NB - 1) / NB;
+    j.flip = (uint8_t)flip, j.pad = (uint8_t)pad;
+    j.q = (requant){bias_r, NULL, NULL, NULL, NULL, mult, 0, quant[0], quant[1], quant[2],
+                    quant[3]};
+    j.y = y;
+    return run_parts(qdirect_task, &j, j.g[Q_N] * j.blocks, parts, direct_scratch(&j));
+}
+
+/* ---- depthwise convolution ---------------------------------------------------------------
+ *
+ * One output channel per input channel (groups = C = M): each plane is copied once into a
+ * zero-padded int16 plane of (x - zero point), then every output row sums its taps over
+ * whole rows of that copy in int32 (a loop the compiler vectorizes), and is requantized. */
+
+typedef struct {
+    const uint8_t *x;
+    const int8_t *w;            /* [C][KH][KW], signed */
+    const int32_t *wz;          /* [C] weight zero points (shifted like the weights) */
+    int64_t g[Q_LEN];
+    int64_t hp, wp;
+    int32_t xz;                 /* the input's zero point, in the input's own type */
+    int64_t is_signed;
+    requant q;
+    void *y;
+} qdepth_job;
+
+static void qdepth_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
+{
+    const qdepth_job *j = ctx;
+    const int64_t *g = j->g;
+    int64_t c = g[Q_C], h = g[Q_H], w = g[Q_W], oh = g[Q_OH], ow = g[Q_OW];
+    int64_t kh = g[Q_KH], kw = g[Q_KW], sh = g[Q_SH], sw = g[Q_SW];
+    int16_t *plane = (int16_t *)scratch;
+    int32_t *acc = (int32_t *)(plane + ((j->hp * j->wp + 1) / 2) * 2);
+    size_t item = j->q.kind == KIND_F32 ? 4 : 1;
+    for (int64_t t = lo; t < hi; t++) {
+        int64_t ch = t % c;
+        const uint8_t *src = j->x + t * h * w;
+        memset(plane, 0, (size_t)(j->hp * j->wp) * sizeof *plane);
+        for (int64_t y = 0; y < h; y++) {
+            int16_t *row = plane + (y + g[Q_PT]) * j->wp + g[Q_PL];
+            if (j->is_signed)
+                for (int64_t xx = 0; xx < w; xx++)
+                    row[xx] = (int16_t)((int8_t)src[y * w + xx] - j->xz);
+            else
+                for (int64_t xx = 0; xx < w; xx++) row[xx] = (int16_t)(src[y * w + xx] - j->xz);
+        }
+        const int8_t *taps = j->w + ch * kh * kw;
+        int32_t wz = j->wz ? j->wz[ch] : 0;
+        char *out = (char *)j->y + (size_t)(t * oh * ow) * item;
+        int32_t bias = j->q.bias_r ? j->q.bias_r[ch] : 0;
+        if (sh == 1 && sw == 1) {
+            /* every output row at once, over padded row positions (the columns past
+             * ow are computed and dropped): one long loop per tap */
+            int64_t span = (oh - 1) * j->wp + ow;
+            for (int64_t i = 0; i < span; i++) acc[i] = bias;
+            for (int64_t ky = 0; ky < kh; ky++)
+                for (int64_t kx = 0; kx < kw; kx++) {
+                    int32_t tap = (int32_t)taps[ky * kw + kx] - wz;
+                    const int16_t *p = plane + ky * g[Q_DH] * j->wp + kx * g[Q_DW];
+                    for (int64_t i = 0; i < span; i++) acc[i] += tap * p[i];
+                }
+            for (int64_t oy = 0; oy < oh; oy++)
+                for (int64_t o = 0; o < ow; o += NB)
+                    store_row(acc + oy * j->wp + o, ow - o < NB ? ow - o : NB, NULL,
+                              j->q.mult[ch], &j->q, out + (size_t)(oy * ow + o) * item);
+            continue;
+        }
+        for (int64_t oy = 0; oy < oh; oy++) {
+            for (int64_t ox = 0; ox < ow; ox++) acc[ox] = bias;
+            for (int64_t ky = 0; ky < kh; ky++) {
+                const int16_t *in = plane + (oy * sh + ky * g[Q_DH]) * j->wp;
+                for (int64_t kx = 0; kx < kw; kx++) {
+                    int32_t tap = (int32_t)taps[ky * kw + kx] - wz;
+                    const int16_t *p = in + kx * g[Q_DW];
+                    if (sw == 1)
+                        for (int64_t ox = 0; ox < ow; ox++) acc[ox] += tap * p[ox];
+                    else
+                        for (int64_t ox = 0; ox < ow; ox++) acc[ox] += tap * p[ox * sw];
+                }
+            }
+            for (int64_t o = 0; o < ow; o += NB)
+                store_row(acc + o, ow - o < NB ? ow - o : NB, NULL, j->q.mult[ch], &j->q,
+                          out + (size_t)(oy * ow + o) * item);
+        }
+    }
+}
+
+/* A depthwise 2-D convolution (groups = C = M) of an NCHW 8-bit x (is_signed: int8) with
+ * zero point xz, weights [C][KH][KW] as signed bytes with zero points wz (or NULL: all 0),
+ * bias_r: the int32 bias per channel (or NULL). Other arguments as keel_qconv2d_u8s8. */
+int64_t keel_qdepthwise_u8s8(const uint8_t *x, int64_t is_signed, int64_t xz, const int8_t *w,
+                             const int32_t *wz, const int64_t *geometry, const int32_t *bias_r,
+                             const double *mult, const int64_t *quant, void *y, int64_t parts)
+{
+    qdepth_job j;
+    memcpy(j.g, geometry, sizeof j.g);
+    if (j.g[Q_N] <= 0 || j.g[Q_OH] <= 0 || j.g[Q_OW] <= 0) return 0;
+    if (j.g[Q_G] != j.g[Q_C] || j.g[Q_M] != j.g[Q_C]) return -2;
+    j.hp = (j.g[Q_OH] - 1) * j.g[Q_SH] + (j.g[Q_KH] - 1) * j.g[Q_DH] + 1;
+    j.wp = (j.g[Q_OW] - 1) * j.g[Q_SW] + (j.g[Q_KW] - 1) * j.g[Q_DW] + 1;
+    if (j.hp < j.g[Q_H] + j.g[Q_PT]) j.hp = j.g[Q_H] + j.g[Q_PT];
+    if (j.wp < j.g[Q_W] + j.g[Q_PL]) j.wp = j.g[Q_W] + j.g[Q_PL];
+    j.x = x, j.w = w, j.wz = wz, j.xz = (int32_t)xz, j.is_signed = is_signed;
+    j.q = (requant){bias_r, NULL, NULL, NULL, NULL, mult, 0, quant[0], quant[1], quant[2],
+                    quant[3]};
+    j.y = y;
+    int64_t floats = (j.hp * j.wp + 1) / 2 + j.g[Q_OH] * j.wp + 16;
+    return run_parts(qdepth_task, &j, j.g[Q_N] * j.g[Q_C], parts, floats);
+}

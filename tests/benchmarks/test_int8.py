@@ -1,0 +1,35 @@
+"""The int8 benchmark's machinery: onnxruntime-quantized zoo CNNs run in keel on integer
+nodes with top-1 agreeing with float32, and the script writes its results (speed is
+never asserted)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from benchmarks import int8
+from keel.graph.importers.onnx import import_onnx
+from keel.graph.passes import optimize
+from keel.ops.registry import Op
+
+pytest.importorskip("onnxruntime.quantization")
+
+
+@pytest.mark.parametrize("name, floor", [("lenet", 0.85), ("resnet20", 0.9)])
+def test_quantized_zoo_cnns_keep_their_top1(name: str, floor: float) -> None:
+    model = int8.quantize(name)
+    ops = Counter(n.op for n in optimize(import_onnx(model)).nodes)
+    assert ops[Op.QLINEAR_CONV] >= 2 and ops[Op.CONV] == 0
+    assert int8.top1_agreement(name, model, samples=64) >= floor
+
+
+def test_the_script_writes_ratios_and_the_load(tmp_path: Path) -> None:
+    assert int8.main(["--models", "lenet", "--batch", "4", "--passes", "1",
+                      "--pass-seconds", "0.01", "--out", str(tmp_path)]) == 0
+    (written,) = tmp_path.glob("int8-*.json")
+    row = json.loads(written.read_text())[0]
+    assert row["model"] == "lenet" and row["ratios (keel time / onnxruntime time)"]
+    assert "before" in row["load_average"] and 0.0 <= row["top1_agreement_with_fp32"] <= 1.0

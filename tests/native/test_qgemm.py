@@ -1,0 +1,191 @@
+"""The native int8 kernels (qgemm.c) against the reference kernels, bit for bit, on each
+of their instruction paths: AVX-512 VNNI, AVX-VNNI and portable C (each where this CPU
+and compiler can build and run it)."""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from keel import config, native
+from keel.backends.base import DeviceKind, KernelContext
+from keel.backends.cpu import native_qgemm
+from keel.backends.cpu import planner as cpu_planner
+from keel.backends.cpu.kernels import load as load_cpu
+from keel.backends.plan import PlanRequest
+from keel.backends.reference.kernels import load as load_reference
+from keel.dtypes import DType
+from keel.native import build
+from keel.ops.registry import Op
+from keel.ops.schema import get_schema
+from keel.ops.types import TensorType
+
+CPU = load_cpu()
+REFERENCE = load_reference()
+RNG = np.random.default_rng(41)
+
+# (flags instead of -march=native, the path that build must take, CPU flag it needs)
+PATHS = [(("-march=native",), "avx512-vnni", "avx512_vnni"),
+         (("-march=native", "-mno-avx512vnni"), "avx-vnni", "avx_vnni"),
+         (("-march=native", "-mno-avx512vnni", "-mno-avxvnni"), "portable", None)]
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {f for line in text.splitlines() if line.startswith("flags") for f in
+            line.split(":", 1)[1].split()}
+
+
+@pytest.fixture(scope="module")
+def caches(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, ...], Path]:
+    return {flags: tmp_path_factory.mktemp("qgemm") for flags, _, _ in PATHS}
+
+
+@pytest.fixture(params=PATHS, ids=[p[1] for p in PATHS])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
+         caches: dict[tuple[str, ...], Path]) -> Iterator[str]:
+    """The int8 kernels built for one instruction path."""
+    flags, name, needs = request.param
+    if platform.machine() != "x86_64" and name != "portable":
+        pytest.skip(f"{name} is an x86-64 path")
+    if needs is not None and needs not in _cpu_flags():
+        pytest.skip(f"this CPU lacks {needs}")
+    monkeypatch.setenv("KEEL_CACHE_DIR", str(caches[flags]))
+    monkeypatch.delenv("KEEL_NATIVE", raising=False)
+    config.reload_settings()
+    monkeypatch.setattr(build, "_ARCH_FLAGS", flags)
+    native.reset()
+    if not native_qgemm.available():
+        pytest.skip(f"native tier unavailable: {native.status().reason}")
+    assert native_qgemm.isa() == name
+    yield name
+    native.reset()
+
+
+def _ctx(threads: int = 1) -> KernelContext:
+    return KernelContext(np, "cpu", DeviceKind.CPU, threads)
+
+
+def _q(dtype: Any, *shape: int) -> np.ndarray:
+    info = np.iinfo(dtype)
+    return RNG.integers(info.min, info.max, shape, endpoint=True).astype(dtype)
+
+
+def _scales(*shape: int) -> np.ndarray:
+    return RNG.uniform(0.002, 0.02, shape).astype(np.float32)
+
+
+def _run(table: Any, op: Op, inputs: list[Any], attrs: dict[str, Any], variant: str,
+         threads: int = 1, prepack: bool = False) -> np.ndarray:
+    attrs = get_schema(op).normalize_attrs(attrs)
+    kv = table.get(op, variant)
+    ctx = _ctx(threads)
+    if prepack and kv.prepack is not None:
+        const = [a if i in (3, 4, 5) else None for i, a in enumerate(inputs)]
+        ctx = KernelContext(np, "cpu", DeviceKind.CPU, threads, kv.prepack(ctx, const, attrs))
+    return np.asarray(kv.fn(ctx, inputs, attrs, None)[0])
+
+
+def _reference(op: Op, inputs: list[Any], attrs: dict[str, Any]) -> np.ndarray:
+    return _run(REFERENCE, op, inputs, attrs, "default")
+
+
+# (x dtype, w dtype, weight zero points, N, C, H, W, M, k, stride, pad, dilation, group)
+CONVS = [
+    (np.uint8, np.int8, False, 2, 3, 9, 11, 5, 3, 1, 1, 1, 1),
+    (np.uint8, np.int8, True, 1, 8, 7, 7, 16, 1, 1, 0, 1, 1),
+    (np.int8, np.int8, True, 3, 6, 10, 10, 9, 3, 2, 1, 1, 3),
+    (np.uint8, np.uint8, True, 1, 16, 12, 12, 70, 3, 1, 1, 2, 1),
+    (np.int8, np.int8, False, 2, 4, 13, 9, 4, 5, 2, 2, 1, 4),      # depthwise, 5x5
+    (np.uint8, np.int8, False, 1, 33, 8, 8, 65, 3, 1, 1, 1, 1),     # k past a multiple of 4
+    (np.uint8, np.int8, True, 2, 8, 9, 70, 8, 3, 1, 1, 1, 8),       # depthwise, wide rows
+    (np.uint8, np.uint8, False, 1, 5, 11, 11, 5, 3, 2, 1, 1, 5),    # depthwise, stride 2
+    (np.int8, np.int8, True, 1, 3, 6, 6, 3, 3, 1, 2, 2, 3),         # depthwise, dilated
+]
+
+
+def _conv_inputs(case: tuple[Any, ...]) -> tuple[list[Any], dict[str, Any]]:
+    xdt, wdt, wzero, n, c, h, w, m, k, s, p, d, g = case
+    x, wt = _q(xdt, n, c, h, w), _q(wdt, m, c // g, k, k)
+    w_zp = (_q(wdt, m) // 8).astype(wdt) if wzero else np.zeros(m, wdt)
+    inputs = [x, np.float32(0.05), np.array(7 if xdt is np.uint8 else -3, xdt), wt,
+              _scales(m), w_zp, np.float32(0.4), np.array(100, np.uint8),
+              RNG.integers(-5000, 5000, m).astype(np.int32)]
+    return inputs, {"strides": [s, s], "pads": [p] * 4, "dilations": [d, d], "group": g}
+
+
+@pytest.mark.parametrize("case", CONVS, ids=lambda c: "x".join(str(v) for v in c[3:]))
+def test_qlinear_conv_matches_the_reference(path: str, case: tuple[Any, ...]) -> None:
+    inputs, attrs = _conv_inputs(case)
+    want = _reference(Op.QLINEAR_CONV, inputs, attrs)
+    for threads, prepack in ((1, False), (2, True)):
+        got = _run(CPU, Op.QLINEAR_CONV, inputs, attrs, "int8", threads, prepack)
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("adt,bdt,rows,k,n", [
+    (np.uint8, np.int8, 5, 7, 3), (np.uint8, np.int8, 33, 300, 130),
+    (np.int8, np.uint8, 2, 64, 64), (np.int8, np.int8, 7, 129, 65)])
+def test_qlinear_matmul_matches_the_reference(path: str, adt: Any, bdt: Any, rows: int, k: int,
+                                              n: int) -> None:
+    inputs = [_q(adt, 2, rows, k), np.float32(0.05), np.array(3, adt), _q(bdt, k, n),
+              _scales(n), (_q(bdt, n) // 16).astype(bdt), np.float32(0.7),
+              np.array(-4, np.int8)]
+    want = _reference(Op.QLINEAR_MATMUL, inputs, {})
+    for threads, prepack in ((1, False), (2, True)):
+        got = _run(CPU, Op.QLINEAR_MATMUL, inputs, {}, "int8", threads, prepack)
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("trans_a,trans_b,bias,quantized", [
+    (False, False, True, True), (True, True, False, True), (False, True, True, False)])
+def test_qgemm_matches_the_reference(path: str, trans_a: bool, trans_b: bool, bias: bool,
+                                     quantized: bool) -> None:
+    m, k, n = 9, 70, 67
+    a = _q(np.uint8, *((k, m) if trans_a else (m, k)))
+    b = _q(np.int8, *((n, k) if trans_b else (k, n)))
+    inputs: list[Any] = [a, np.float32(0.05), np.array(128, np.uint8), b, _scales(n),
+                         np.zeros(n, np.int8),
+                         RNG.integers(-9000, 9000, n).astype(np.int32) if bias else None]
+    if quantized:
+        inputs += [np.float32(0.3), np.array(-2, np.int8)]
+    attrs = {"alpha": 0.5, "trans_a": trans_a, "trans_b": trans_b}
+    want = _reference(Op.QGEMM, inputs, attrs)
+    for variant, threads, prepack in (("default", 1, False), ("int8", 1, False),
+                                      ("int8", 2, True)):
+        got = _run(CPU, Op.QGEMM, inputs, attrs, variant, threads, prepack)
+        assert got.dtype == want.dtype
+        if quantized:
+            np.testing.assert_array_equal(got, want)
+        else:
+            np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_unserved_cases_fall_back_to_the_numpy_kernel(path: str) -> None:
+    """A 1-D convolution is outside the native kernel: the variant runs the default."""
+    inputs = [_q(np.uint8, 1, 3, 10), np.float32(0.1), np.array(1, np.uint8),
+              _q(np.int8, 4, 3, 3), _scales(4), np.zeros(4, np.int8), np.float32(0.3),
+              np.array(5, np.uint8)]
+    want = _reference(Op.QLINEAR_CONV, inputs, {})
+    np.testing.assert_array_equal(_run(CPU, Op.QLINEAR_CONV, inputs, {}, "int8"), want)
+
+
+def test_the_plan_names_the_instruction_path(path: str) -> None:
+    cpu_planner.forget()
+    types = (TensorType(DType.UINT8, (1, 3, 8, 8)), None, None,
+             TensorType(DType.INT8, (4, 3, 3, 3)))
+    request = PlanRequest(Op.QLINEAR_CONV, types, get_schema(Op.QLINEAR_CONV).normalize_attrs({}),
+                          threads=1)
+    plan = cpu_planner.plan(request, CPU)
+    assert plan.variant == "int8"
+    reason = plan.reason("variant")
+    words = {"avx512-vnni": "AVX-512 VNNI", "avx-vnni": "AVX-VNNI", "portable": "portable C"}
+    assert words[path] in reason

@@ -5,6 +5,12 @@ MobileNetV2 at 3x224x224, and a BERT-mini encoder (4 layers, hidden 256,
 4 heads, FFN 1024, sequence 128, token embedding). The graphs follow what
 PyTorch exports at opset 17 (Conv+BatchNormalization, Gemm, Erf-form GELU,
 LayerNormalization, unfused attention), so keel's passes have real work to do.
+
+Two small-shape models time the fixed cost per call and per node: ``small_block``
+(one attention + LayerNorm + GELU block of hidden 256 at any sequence; the suite
+runs it at sequence 1) and ``gpt2_decode`` (a GPT-2 decode step exported with torch,
+4 layers, hidden 256, vocabulary 8192, one new token after a cache of 64; needs
+torch and transformers, so it runs only when named).
 """
 
 from __future__ import annotations
@@ -12,12 +18,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-__all__ = ["MODELS", "ModelSpec", "build"]
+__all__ = ["DEFAULT_MODELS", "MODELS", "ModelSpec", "build", "decode_feeds"]
 
 
 class _Builder:
@@ -226,6 +233,63 @@ def bert_mini(seq: int = 128, hidden: int = 256, heads: int = 4, layers: int = 4
     return b.build()
 
 
+def small_block(hidden: int = 256, heads: int = 4, ffn: int = 1024) -> onnx.ModelProto:
+    """One post-norm encoder block (attention, LayerNorm, Erf GELU) on hidden states
+    of any batch and sequence: the small dynamic shapes of a decode step."""
+    b = _Builder("small_block")
+    x = b.input("hidden_states", ["N", "S", hidden])
+    dh = hidden // heads
+    split_shape = b.const([0, -1, heads, dh])
+    merge_shape = b.const([0, -1, hidden])
+    scale = b.const([math.sqrt(dh)], np.float32)
+
+    def heads_of(v: str) -> str:
+        return b.node("Transpose", [b.node("Reshape", [v, split_shape])], perm=[0, 2, 1, 3])
+    q, k, v = (heads_of(b.linear(x, hidden, hidden)) for _ in range(3))
+    kt = b.node("Transpose", [k], perm=[0, 1, 3, 2])
+    scores = b.node("Div", [b.node("MatMul", [q, kt]), scale])
+    ctx = b.node("MatMul", [b.node("Softmax", [scores], axis=-1), v])
+    ctx = b.node("Reshape", [b.node("Transpose", [ctx], perm=[0, 2, 1, 3]), merge_shape])
+    x = b.layer_norm(b.node("Add", [x, b.linear(ctx, hidden, hidden)]), hidden)
+    h = b.gelu_erf(b.linear(x, hidden, ffn))
+    x = b.layer_norm(b.node("Add", [x, b.linear(h, ffn, hidden)]), hidden)
+    b.output(x, "out", ["N", "S", hidden])
+    return b.build()
+
+
+# The GPT-2 decode step of the benchmarks (benchmarks/exports.py; needs torch): batch 1
+# takes one new token after a cache of DECODE_PAST positions.
+DECODE_PAST = 64
+
+
+def decode_shape() -> Any:
+    from benchmarks.exports import GPT2Shape
+
+    return GPT2Shape(layers=4, hidden=256, heads=4, vocab=8192, positions=512)
+
+
+def gpt2_decode() -> onnx.ModelProto:
+    import tempfile
+    from pathlib import Path
+
+    from benchmarks.exports import gpt2_decoder
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = gpt2_decoder(Path(tmp) / "gpt2_decode.onnx", decode_shape())
+        return onnx.load(str(path))
+
+
+def decode_feeds(batch: int, past: int = DECODE_PAST, seed: int = 0) -> dict[str, np.ndarray]:
+    """The decode step's feeds: one new token per sequence after ``past`` cached ones."""
+    from benchmarks.exports import decode_feeds as feeds
+
+    shape = decode_shape()
+    rng = np.random.default_rng(seed)
+    cache = [rng.standard_normal((batch, shape.heads, past, shape.head_dim)).astype(np.float32)
+             for _ in shape.past_names()]
+    return feeds(shape, rng.integers(0, shape.vocab, (batch, 1)), cache)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
@@ -234,6 +298,13 @@ class ModelSpec:
     sample_shape: tuple[int, ...]         # one sample, without the batch dimension
     dtype: str = "float32"
     int_high: int = 0                     # exclusive upper bound for integer inputs
+    feeds: Callable[[int], dict[str, np.ndarray]] | None = None   # several inputs
+
+    def make_feeds(self, batch: int) -> dict[str, np.ndarray]:
+        """Every input of the model at ``batch``."""
+        if self.feeds is not None:
+            return self.feeds(batch)
+        return {self.input_name: self.make_input(batch)}
 
     def make_input(self, batch: int, seed: int = 0) -> np.ndarray:
         rng = np.random.default_rng(seed)
@@ -250,7 +321,12 @@ MODELS: dict[str, ModelSpec] = {
     "resnet18": ModelSpec("resnet18", resnet18, "input", (3, 224, 224)),
     "mobilenetv2": ModelSpec("mobilenetv2", mobilenetv2, "input", (3, 224, 224)),
     "bert_mini": ModelSpec("bert_mini", bert_mini, "input_ids", (128,), "int64", 30522),
+    "small_block": ModelSpec("small_block", small_block, "hidden_states", (1, 256)),
+    "gpt2_decode": ModelSpec("gpt2_decode", gpt2_decode, "input_ids", (1,), "int64",
+                             feeds=decode_feeds),
 }
+# Models the suite runs unless named: the ones that need no optional package.
+DEFAULT_MODELS = tuple(name for name in MODELS if name != "gpt2_decode")
 
 
 def build(name: str) -> bytes:

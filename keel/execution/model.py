@@ -31,7 +31,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -50,7 +50,7 @@ from keel.config import (
     settings,
 )
 from keel.dtypes import DType
-from keel.errors import InvalidArgumentError, MemoryLimitError
+from keel.errors import InvalidArgumentError, KeelError, MemoryLimitError
 from keel.execution import plan_cache as _plan_cache
 from keel.execution.compiled import CompiledModel
 from keel.execution.program import ArenaPool, Profiler, Program, compile_program
@@ -58,7 +58,7 @@ from keel.graph.ir import Graph, Value
 from keel.ops.registry import OpGroup
 from keel.ops.types import TensorInfo, TensorType
 from keel.planning.adaptive import AdaptivePlan, AdaptivePlanner, PlanRequest, check_hint
-from keel.planning.placement import ExecutionPlan, place, precision_name
+from keel.planning.placement import HOST, ExecutionPlan, place, precision_name
 from keel.planning.runtime_plan import low_memory_mode
 
 if TYPE_CHECKING:
@@ -68,6 +68,14 @@ __all__ = ["OPTIMIZATION_LEVELS", "Model", "TensorInfo", "load_model"]
 
 OPTIMIZATION_LEVELS = ("none", "basic", "extended", "all")
 _CACHE_SIZE = 8
+# A signature gets a plan of its own (sizes known: kernels chosen for them, intermediates
+# in the arena) when it is among the model's first few or when it recurs. A model whose
+# shapes keep changing (a decode loop, its cache longer every step) runs the other
+# signatures on one shape-generic program, planned once without sizes, instead of
+# inferring shapes, placing and compiling again for each.
+_FIRST_SIGNATURES = 2          # distinct signatures planned as they come
+_OWN_PLAN_AT = 3               # the run of a later signature that plans it for itself
+_GENERIC = ("shape-generic",)  # the cache key of the shape-generic plan
 _FLOATS = {"fp16": DType.FLOAT16, "fp32": DType.FLOAT32, "fp64": DType.FLOAT64}
 
 Shapes = dict[str, tuple[int, ...]]
@@ -82,6 +90,10 @@ class _Planned:
     plan: ExecutionPlan
     program: Program | None = None
     symbolic: bool = False          # planned without sizes (no peak known)
+    generic: bool = False           # runs any signature (compiled without sizes)
+    # Values shape inference computed for this signature (shape arithmetic): the
+    # program holds them as constants instead of running the nodes that make them.
+    values: dict[str, np.ndarray] = field(default_factory=dict)
     adaptive: AdaptivePlan | None = None    # the adaptive plan, for ``adaptive_key``
     adaptive_key: tuple[Any, ...] = ()
     shown: ExecutionPlan | None = None      # ``plan`` with the adaptive plan's reasons
@@ -351,6 +363,7 @@ class Model:
         renew_after_fork(self, "_lock")             # free in a child forked mid-predict
         reset_after_fork(self, Model._drop_streams)
         self._planner = AdaptivePlanner()
+        self._runs: dict[tuple[Any, ...], int] = {}     # runs of each unplanned signature
         self._telemetry: Callable[[], Any] | None = self._snapshot
         self._history: Any = None                # a RuntimeHistory, made when first needed
         self._streams: _Streams | None = None
@@ -580,6 +593,9 @@ class Model:
         residency = _residency(feeds)
         arrays, shapes = self._validate(feeds)
         with self._lock:
+            generic = self._generic_for(shapes, residency)
+            if generic is not None:
+                return self._to_declared(self._run_generic(arrays, generic, residency))
             planned = self._planned(shapes)
             adaptive = self._adaptive_plan(shapes, planned, residency)
             if adaptive.chunked:
@@ -592,6 +608,17 @@ class Model:
                 result = program.run(arrays, profiler=self._profiler)
                 self._remember(arrays, planned, program)
         return self._to_declared(result)
+
+    def _run_generic(self, arrays: dict[str, np.ndarray], planned: _Planned,
+                     residency: str) -> dict[str, np.ndarray]:
+        # Its adaptive plan (telemetry, runtime) is made once, for no particular batch:
+        # with no memory limit and no throughput hint nothing is split.
+        adaptive = self._adaptive_plan({}, planned, residency)
+        self._last = (replace(self._shown(planned), input_shapes=_shapes(arrays)), adaptive)
+        program = self._program(planned)
+        # Not remembered for the fast path: each run is counted, so that a signature that
+        # recurs gets its own plan.
+        return program.run(arrays, profiler=self._profiler)
 
     def _fast_path(self, feeds: Any) -> tuple[_Fast, Sequence[np.ndarray]] | None:
         """The remembered program and its ordered feeds when ``feeds`` match a signature
@@ -672,13 +699,14 @@ class Model:
         if hit is not None:
             self._cache.move_to_end(key)
             return hit
-        from keel.graph.shape_inference import infer_graph_types
+        from keel.graph.shape_inference import propagate
 
         internal = {k: v for k, v in shapes.items() if k in self._graph.input_names}
-        types = infer_graph_types(self._graph, internal)
+        known = propagate(self._graph, internal)
+        types = known.types
         plan = place(self._graph, types, self._registry, self._hardware, self._policy,
                      backend=self._backend, precision=self._precision)
-        planned = _Planned(types, plan)
+        planned = _Planned(types, plan, values=known.values)
         if not keep:            # a size the chunk planner only weighs: cached programs stay
             return planned
         self._cache[key] = planned
@@ -690,8 +718,51 @@ class Model:
         if planned.program is None:
             backends = {name: self._registry.get(name) for name in planned.plan.backends}
             planned.program = compile_program(self._graph, planned.plan, planned.types,
-                                              backends, self._pool)
+                                              backends, self._pool,
+                                              shape_generic=planned.generic,
+                                              values=planned.values)
         return planned.program
+
+    def _generic_for(self, shapes: Shapes, residency: str) -> _Planned | None:
+        """The shape-generic plan where this signature runs on it; None: it has (or now
+        gets) a plan of its own."""
+        key = tuple(sorted(shapes.items()))
+        if key in self._cache or self._memory_limit is not None \
+                or self._hint == "throughput" or residency != "cpu":
+            return None
+        planned_signatures = sum(1 for k in self._cache if k not in (_GENERIC, ("symbolic",)))
+        if planned_signatures < _FIRST_SIGNATURES:
+            return None
+        if len(self._runs) >= 4 * _CACHE_SIZE * _CACHE_SIZE:
+            self._runs.clear()
+        runs = self._runs[key] = self._runs.get(key, 0) + 1
+        if runs >= _OWN_PLAN_AT:
+            del self._runs[key]
+            return None
+        generic = self._cache.get(_GENERIC)
+        if generic is None:
+            generic = self._cache[_GENERIC] = self._generic_planned()
+        self._cache.move_to_end(_GENERIC)
+        return generic if generic.generic else None
+
+    def _generic_planned(self) -> _Planned:
+        """The plan of every signature at once: placed from the declared (symbolic) input
+        types, with no memory plan. A model that cannot be planned so never uses it."""
+        from keel.graph.shape_inference import infer_graph_types
+
+        try:
+            types = infer_graph_types(self._graph, {})
+            plan = place(self._graph, types, self._registry, self._hardware, self._policy,
+                         backend=self._backend, precision=self._precision)
+        except KeelError:
+            return _Planned({}, self._default_planned().plan)
+        if any(p.device != HOST for p in plan.nodes):    # device programs keep their sizes
+            return _Planned({}, self._default_planned().plan)
+        reason = ("shape-generic plan: this signature is run on the plan made once without "
+                  "sizes (each kernel allocates its outputs), as every signature after the "
+                  f"first {_FIRST_SIGNATURES} until it recurs {_OWN_PLAN_AT} times")
+        return _Planned(types, replace(plan, memory_plan=None,
+                                       reasons=(*plan.reasons, reason)), generic=True)
 
     def _default_shapes(self) -> Shapes:
         return {v.name: tuple(d if isinstance(d, int) else 1 for d in v.type.shape or ())
@@ -1070,6 +1141,10 @@ def _residency(feeds: Any) -> str:
         if device not in ("cpu", "host"):
             return "gpu" if ("cuda" in device or device.startswith("gpu")) else device
     return "cpu"
+
+
+def _shapes(arrays: Mapping[str, np.ndarray]) -> Shapes:
+    return {name: tuple(a.shape) for name, a in arrays.items()}
 
 
 def _signature(shapes: Shapes) -> str:

@@ -49,7 +49,7 @@ from keel.errors import ExecutionError, InvalidArgumentError, KeelError, MemoryL
 from keel.execution.budget import SIZED_BY_VALUES, check_output, output_elements
 from keel.graph.ir import Graph
 from keel.graph.memory_plan import ALIGNMENT, MemoryPlan
-from keel.ops.registry import Op
+from keel.ops.registry import Op, OpGroup
 from keel.ops.types import TensorType
 from keel.planning.placement import HOST, ExecutionPlan, NodePlacement
 from keel.planning.work import estimated_work
@@ -68,6 +68,13 @@ _ALLOC = 2       # the kernel allocates its outputs
 _FRESH = 3       # writes graph outputs: fresh arrays (unless the caller gives buffers)
 _OTHER = 4       # device copies, unbound buffers: the general path
 _FRESH1 = 5      # one output, a graph output: a fresh array (unless the caller gives one)
+_MEMO = 6        # shape arithmetic of a shape-generic program: results kept per input value
+
+# Ops a shape-generic program may remember results of (deterministic, cheap to key), and
+# the largest input (in elements) a key is made of.
+_MEMO_OPS = OpGroup.SHAPE | OpGroup.INDEXING | OpGroup.ELEMENTWISE | OpGroup.MEMORY
+_MEMO_KEY_ELEMENTS = 64
+_MEMO_SIZE = 64             # results kept per step; more and the step starts afresh
 
 # How ``_collect`` hands out a graph output (the third field of its entry).
 _AS_IS = 0       # a fresh host array this run made (a _FRESH output): no check, no copy
@@ -146,6 +153,7 @@ class _Step:
     src: Backend | None = None                 # copies
     dst: Backend | None = None
     sized: int = 0                             # >0: output size read from inputs; its itemsize
+    memo: dict[Any, tuple[Any, ...]] | None = None   # shape arithmetic: results by inputs
 
 
 @dataclass
@@ -201,8 +209,11 @@ class Program:
                  views: dict[int, tuple[str, int, tuple[int, ...], Any]],
                  input_types: dict[str, TensorType],
                  outputs: list[tuple[str, int, str]],
-                 optional: dict[str, tuple[int, Any]] | None = None) -> None:
+                 optional: dict[str, tuple[int, Any]] | None = None,
+                 shape_generic: bool = False, known: Mapping[str, int] | None = None) -> None:
         self.graph_name = graph.name
+        self.shape_generic = shape_generic         # runs feeds of any shape (no arena)
+        self._known = dict(known or {})            # value -> slot of a folded node's output
         self.plan = plan
         self._steps = steps
         self._slots = slots
@@ -240,7 +251,7 @@ class Program:
 
     @property
     def memory(self) -> MemoryPlan | None:
-        return self.plan.memory_plan
+        return None if self.shape_generic else self.plan.memory_plan
 
     @property
     def input_names(self) -> list[str]:
@@ -282,6 +293,9 @@ class Program:
             return self._run_hot(outputs)
         kept: dict[str, Any] = {}
         names = {slot: name for name, slot in self._slots.items()} if keep_all else {}
+        if keep_all:                # values known when compiled: their nodes do not run
+            kept.update({name: np.array(self._values[slot], copy=True)
+                         for name, slot in self._known.items()})
         watch = self._watch(observe) if observe else None
         start = time.perf_counter_ns()
         scopes = self._enter_scopes()
@@ -369,6 +383,10 @@ class Program:
                                            strict=False):
                         if result is not buf:
                             buf[...] = result
+                elif kind == _MEMO:
+                    for slot, result in zip(slots, _remembered(fn, ctx, get(values), attrs,
+                                                               out), strict=False):
+                        values[slot] = result
                 else:
                     self._general(self._steps[i], outputs)
         except KeelError as exc:
@@ -585,7 +603,7 @@ class Program:
                 raise InvalidArgumentError(f"input {name!r} is missing")
             value = feeds[name]
             shape = tuple(getattr(value, "shape", ()))
-            if shape != t.shape or _dtype_of(value) != t.dtype.numpy:
+            if (shape != t.shape and not self.shape_generic) or _dtype_of(value) != t.dtype.numpy:
                 raise InvalidArgumentError(
                     f"input {name!r} is {_dtype_of(value)}{list(shape)}; this program was "
                     f"compiled for {t}")
@@ -648,6 +666,9 @@ class Program:
             return (_OTHER, None, None, None, _nothing, (), None)   # size checked first
         if step.out is None:
             slots = tuple(self._trash_slot if o < 0 else o for o in step.outputs)
+            if step.memo is not None:
+                return (_MEMO, step.fn, step.ctx, step.attrs, get, slots,
+                        (step.memo, step.op == Op.SHAPE.value))
             return (_ALLOC, step.fn, step.ctx, step.attrs, get, slots, None)
         fresh = {pos for pos, _, _ in step.fresh}
         if any(b is None for i, b in enumerate(step.out) if i not in fresh):
@@ -672,6 +693,39 @@ class Program:
 
     def __repr__(self) -> str:
         return f"<Program {self.graph_name!r}: {len(self._steps)} steps>"
+
+
+def _remembered(fn: Any, ctx: Any, ins: Sequence[Any], attrs: Any,
+                memo: tuple[dict[Any, tuple[Any, ...]], bool]) -> Sequence[Any]:
+    """A shape-arithmetic step's results: remembered for the same input values (for
+    Shape, the same input shape), computed and remembered otherwise."""
+    kept, of_shape = memo
+    key = (ins[0].shape,) if of_shape else _value_key(ins)
+    hit = None if key is None else kept.get(key)
+    if hit is not None:
+        return hit
+    results = tuple(fn(ctx, ins, attrs, None))
+    if key is not None:
+        for r in results:
+            if isinstance(r, np.ndarray):
+                r.setflags(write=False)       # later runs read the same arrays
+        if len(kept) >= _MEMO_SIZE:
+            kept.clear()
+        kept[key] = results
+    return results
+
+
+def _value_key(ins: Sequence[Any]) -> tuple[Any, ...] | None:
+    """The inputs' values as a key (None when one is not a small host array)."""
+    key: list[Any] = []
+    for a in ins:
+        if a is None:
+            key.append(None)
+        elif type(a) is not np.ndarray or a.size > _MEMO_KEY_ELEMENTS:
+            return None
+        else:
+            key.append((a.shape, a.dtype.char, a.tobytes()))
+    return tuple(key)
 
 
 def _nothing(values: list[Any]) -> Sequence[Any]:
@@ -726,25 +780,46 @@ def compile_program(
     types: Mapping[str, TensorType | None],
     backends: Mapping[str, Backend],
     pool: ArenaPool | None = None,
+    *,
+    shape_generic: bool = False,
+    values: Mapping[str, Any] | None = None,
 ) -> Program:
-    """Bind ``plan`` (made by ``place`` for ``types``) to kernels and arena views."""
+    """Bind ``plan`` (made by ``place`` for ``types``) to kernels and arena views.
+
+    ``shape_generic``: ``plan`` was placed without sizes (symbolic input shapes) and has
+    no memory plan; the program runs feeds of any shape that fits the graph's declared
+    inputs, every kernel allocating its outputs.
+
+    ``values``: values of this signature known before running (shape inference's
+    propagated constants: shapes, their arithmetic, masks made from them). A host node
+    whose every output is among them does not run; its outputs are held as constants.
+    """
     pool = pool or ArenaPool()
-    b = _Builder(graph, plan, types, backends, pool)
+    b = _Builder(graph, plan, types, backends, pool, shape_generic=shape_generic,
+                 values=values)
     b.build()
     return Program(
         graph=graph, plan=plan, steps=b.steps, slots=b.slots, constants=b.constants,
         backends=b.used, pool=pool, views=b.views,
         input_types=b.input_types, outputs=b.outputs, optional=b.optional,
+        shape_generic=shape_generic, known=b.known,
     )
 
 
 class _Builder:
     def __init__(self, graph: Graph, plan: ExecutionPlan,
                  types: Mapping[str, TensorType | None], backends: Mapping[str, Backend],
-                 pool: ArenaPool) -> None:
+                 pool: ArenaPool, *, shape_generic: bool = False,
+                 values: Mapping[str, Any] | None = None) -> None:
         self.graph, self.plan, self.types, self.backends = graph, plan, types, backends
+        self.values = values or {}
+        self.known: dict[str, int] = {}           # outputs of nodes that do not run
+        # Shape-generic: values computed from shapes and constants alone.
+        self.shape_derived = {n for n in graph.initializers if graph.is_constant(n)} \
+            if shape_generic else set()
         self.pool = pool
-        self.memory = plan.memory_plan
+        self.shape_generic = shape_generic
+        self.memory = None if shape_generic else plan.memory_plan
         self.slots: dict[str, int] = {}
         self.constants: dict[int, Any] = {}
         self.views: dict[int, tuple[str, int, tuple[int, ...], Any]] = {}
@@ -780,7 +855,7 @@ class _Builder:
     def _inputs(self) -> None:
         for v in self.graph.inputs:
             t = self.types.get(v.name) or v.type
-            if not t.is_static:
+            if not t.is_static and not self.shape_generic:
                 raise InvalidArgumentError(
                     f"input {v.name!r} has no static shape ({t}); compile needs one signature")
             self.input_types[v.name] = t
@@ -839,7 +914,7 @@ class _Builder:
         for o in node.outputs:
             if o:
                 self.where[o] = placed.device
-        if self._is_free_view(node):
+        if self._is_known(node, placed, outputs) or self._is_free_view(node):
             return
         kernel = backend.kernels.get(node.op, placed.variant)
         # The node's plan is bound here, once: the kernel reads ctx.plan, nothing per run.
@@ -852,6 +927,8 @@ class _Builder:
                      work=estimated_work(self.types.get, node))
         if placed.writes_out:
             self._bind_outputs(step, node, placed)
+        if self.shape_generic and self._is_shape_arithmetic(node, placed):
+            step.memo = {}
         if step.out is None and node.op in SIZED_BY_VALUES:
             t = self.types.get(node.outputs[0])
             step.sized = 8 if t is None else max(1, t.dtype.numpy.itemsize)
@@ -904,6 +981,33 @@ class _Builder:
         self.views.update(views)
         step.out = [None] * len(node.outputs)
         step.fresh = tuple(fresh)
+
+    def _is_shape_arithmetic(self, node: Any, placed: NodePlacement) -> bool:
+        """A host node computing from shapes and constants alone (not a graph output):
+        its results depend only on its inputs' values (Shape: on its input's shape)."""
+        derived = self.shape_derived
+        if node.op in (Op.SHAPE, Op.SIZE):
+            ok = True
+        else:
+            ok = node.op in _MEMO_OPS and any(node.inputs) and \
+                all(not i or i in derived for i in node.inputs)
+        ok = ok and placed.device == HOST and not self.graph_outputs & set(node.outputs)
+        if ok:
+            derived.update(o for o in node.outputs if o)
+        return ok
+
+    def _is_known(self, node: Any, placed: NodePlacement, outputs: tuple[int, ...]) -> bool:
+        """A host node whose outputs are all known values: held as constants, not run."""
+        values = self.values
+        if not values or placed.device != HOST or not node.outputs \
+                or not all(o and o in values for o in node.outputs):
+            return False
+        for name, slot in zip(node.outputs, outputs, strict=True):
+            value = np.asarray(values[name])
+            value.setflags(write=False)
+            self.constants[slot] = value
+            self.known[name] = slot
+        return True
 
     def _is_free_view(self, node: Any) -> bool:
         """A reshape-like node whose output already shares its input's arena bytes."""

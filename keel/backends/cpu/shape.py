@@ -147,6 +147,10 @@ def concat(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[A
     """Join along ``axis`` (straight into ``out`` when given)."""
     xp = ctx.xp
     check_same_dtype("concat", [x.dtype for x in inputs])
+    if out is None and attrs["axis"] in (0, -1) and all(x.ndim == 1 for x in inputs):
+        # Shape arithmetic (1-D pieces of a shape): NumPy checks nothing else here, and
+        # its own allocation is faster than empty() + out=.
+        return [xp.concatenate(list(inputs))]
     dims = static_dims(concat_dims("concat", [x.shape for x in inputs], attrs["axis"]))
     axis = normalize_axis(attrs["axis"], len(dims))
     if out is None:     # NumPy's own allocation here is faster than empty() + out=

@@ -66,9 +66,12 @@ def check_index_dtype(op: str, indices: Any, what: str = "indices") -> None:
 def check_indices(op: str, indices: Any, size: int, what: str = "axis") -> None:
     """Every index must lie in ``[-size, size)``; otherwise name the first bad one."""
     check_index_dtype(op, indices)
-    if int(indices.size) == 0:
+    if indices.ndim == 0:                   # one index (shape arithmetic): no reductions
+        lo = hi = int(indices)
+    elif int(indices.size) == 0:
         return
-    lo, hi = int(indices.min()), int(indices.max())
+    else:
+        lo, hi = int(indices.min()), int(indices.max())
     if lo < -size or hi >= size:
         bad = lo if lo < -size else hi
         raise InvalidArgumentError(

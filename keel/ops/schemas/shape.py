@@ -636,6 +636,9 @@ def concat_dims(op: str, shapes: Sequence[Shape], axis: int) -> Shape:
 
 
 def check_same_dtype(op: str, dtypes: Sequence[Any]) -> None:
+    first = dtypes[0] if dtypes else None
+    if all(d == first for d in dtypes):    # the usual case, without naming each dtype
+        return
     if len({str(d) for d in dtypes}) > 1:
         raise InvalidArgumentError(
             f"{op}: inputs must share one dtype, got {', '.join(str(d) for d in dtypes)}"

@@ -633,16 +633,18 @@ class Backend(ABC):
         return tuple(name for name in self.peers(op) if name != self.name)
 
     def _check_inputs(self, op: Op, kernel: KernelVariant, inputs: Sequence[Any]) -> None:
-        for i, x in enumerate(inputs):
-            if x is None:
-                continue
-            if not self._is_native(x):
-                raise InvalidArgumentError(
-                    f"{op.value}: input {i} is a {type(x).__module__}.{type(x).__name__}; "
-                    f"backend {self.name!r} takes its own arrays (use to_device first)"
-                )
-            self._validate_tensor(tuple(x.shape), dtype_of(x))
-        first = next((x for x in inputs if x is not None), None)
+        for i, value in enumerate(inputs):
+            # A sequence value is a list of arrays, each checked as a tensor.
+            for x in value if isinstance(value, list) else [value]:
+                if x is None:
+                    continue
+                if not self._is_native(x):
+                    raise InvalidArgumentError(
+                        f"{op.value}: input {i} is a {type(x).__module__}.{type(x).__name__}; "
+                        f"backend {self.name!r} takes its own arrays (use to_device first)"
+                    )
+                self._validate_tensor(tuple(x.shape), dtype_of(x))
+        first = next((x for x in inputs if x is not None and not isinstance(x, list)), None)
         if first is None:
             return
         dt = dtype_of(first)

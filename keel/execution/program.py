@@ -49,7 +49,7 @@ from keel.errors import ExecutionError, InvalidArgumentError, KeelError, MemoryL
 from keel.execution.budget import SIZED_BY_VALUES, check_output, output_elements
 from keel.graph.ir import Graph
 from keel.graph.memory_plan import ALIGNMENT, MemoryPlan
-from keel.ops.registry import Op
+from keel.ops.registry import Op, OpGroup
 from keel.ops.types import TensorType
 from keel.planning.placement import HOST, ExecutionPlan, NodePlacement
 from keel.planning.work import estimated_work
@@ -237,6 +237,7 @@ class Program:
         self._hot: list[_HotStep] = self._compile_hot()
         self._handout = self._plan_handout()
         self._constant_ids = frozenset(id(v) for v in constants.values())   # held: ids stay
+        self.dynamic = False             # compiled for inputs of unknown dimensions
 
     @property
     def memory(self) -> MemoryPlan | None:
@@ -457,6 +458,9 @@ class Program:
         result: dict[str, Any] = {}
         for name, slot, how, device in self._handout:
             value = values[slot]
+            if value is None or type(value) is list:   # an optional or a sequence
+                result[name] = _owned_value(value)
+                continue
             if how != _AS_IS:
                 host = self._backend_on(device).read(value) if device != HOST else value
                 if how == _COPY or not _owns(host) or self._is_fixed(host):
@@ -472,6 +476,9 @@ class Program:
         for name, slot, device in self._outputs:
             value = values[slot]
             given = outputs.get(name)
+            if value is None or type(value) is list:   # an optional or a sequence
+                result[name] = _owned_value(value)
+                continue
             if given is not None and value is given:
                 result[name] = given
                 continue
@@ -585,6 +592,9 @@ class Program:
                 raise InvalidArgumentError(f"input {name!r} is missing")
             value = feeds[name]
             shape = tuple(getattr(value, "shape", ()))
+            if not t.is_tensor or (self.dynamic and len(shape) == len(t.shape or ())):
+                self._values[self._slots[name]] = value
+                continue
             if shape != t.shape or _dtype_of(value) != t.dtype.numpy:
                 raise InvalidArgumentError(
                     f"input {name!r} is {_dtype_of(value)}{list(shape)}; this program was "
@@ -702,6 +712,11 @@ def _owns(array: Any) -> bool:
     return getattr(array, "base", None) is None and bool(getattr(flags, "owndata", False))
 
 
+def _owned_value(value: list[Any] | None) -> list[Any] | None:
+    """A sequence (a list of fresh host arrays) or an empty optional (None) to hand out."""
+    return None if value is None else [np.array(a, copy=True) for a in value]
+
+
 def _dtype_of(value: Any) -> Any:
     return getattr(value, "dtype", None)
 
@@ -713,16 +728,28 @@ def compile_program(
     types: Mapping[str, TensorType | None],
     backends: Mapping[str, Backend],
     pool: ArenaPool | None = None,
+    *,
+    registry: Any = None,
+    dynamic: bool = False,
 ) -> Program:
-    """Bind ``plan`` (made by ``place`` for ``types``) to kernels and arena views."""
+    """Bind ``plan`` (made by ``place`` for ``types``) to kernels and arena views.
+
+    The subgraphs of control-flow nodes are compiled too, each into programs of its
+    own placed on ``registry`` (default: keel's); see :mod:`keel.execution.control`.
+    ``dynamic`` compiles for inputs whose dimensions ``types`` leave unknown (values
+    then allocate as they run): what a loop body whose shapes keep changing gets.
+    """
     pool = pool or ArenaPool()
     b = _Builder(graph, plan, types, backends, pool)
+    b.registry, b.dynamic = registry, dynamic
     b.build()
-    return Program(
+    program = Program(
         graph=graph, plan=plan, steps=b.steps, slots=b.slots, constants=b.constants,
         backends=b.used, pool=pool, views=b.views,
         input_types=b.input_types, outputs=b.outputs, optional=b.optional,
     )
+    program.dynamic = dynamic
+    return program
 
 
 class _Builder:
@@ -742,6 +769,8 @@ class _Builder:
         self.outputs: list[tuple[str, int, str]] = []
         self.where: dict[str, str] = {}            # value -> device it lives on
         self.graph_outputs = set(graph.output_names)
+        self.registry: Any = None                  # places subgraphs (None: keel's registry)
+        self.dynamic = False                       # inputs may have unknown dimensions
 
     def slot(self, name: str) -> int:
         if not name:
@@ -767,7 +796,7 @@ class _Builder:
     def _inputs(self) -> None:
         for v in self.graph.inputs:
             t = self.types.get(v.name) or v.type
-            if not t.is_static:
+            if not t.is_static and t.is_tensor and not self.dynamic:
                 raise InvalidArgumentError(
                     f"input {v.name!r} has no static shape ({t}); compile needs one signature")
             self.input_types[v.name] = t
@@ -833,8 +862,13 @@ class _Builder:
         ctx = dataclasses.replace(backend.context(), plan=placed.plan)
         if kernel.prepack is not None:
             ctx = self._prepacked(node, kernel, backend, ctx, inputs)
+        attrs = node.attrs
+        if node.op in OpGroup.CONTROL_FLOW:         # subgraphs: compiled bodies the kernel runs
+            from keel.execution.control import bind_bodies
+
+            attrs = bind_bodies(node, self.types, self.plan, self.registry)
         step = _Step(node.name, node.op.value, backend.name, "kernel", inputs, outputs,
-                     fn=kernel.fn, ctx=ctx, attrs=node.attrs, variant=kernel,
+                     fn=kernel.fn, ctx=ctx, attrs=attrs, variant=kernel,
                      dtype=self._dtype(node.inputs[0] if node.inputs else ""),
                      work=estimated_work(self.types.get, node))
         if placed.writes_out:

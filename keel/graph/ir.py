@@ -188,9 +188,14 @@ class Graph:
         return iter(self.nodes)
 
     # ---- invariants ----------------------------------------------------
-    def verify(self) -> None:
-        """Raise ``VerificationError`` unless the graph is well formed."""
-        defined: set[str] = set(self.initializers)
+    def verify(self, outer: Iterable[str] = ()) -> None:
+        """Raise ``VerificationError`` unless the graph is well formed.
+
+        ``outer`` names the values of enclosing graphs a subgraph may read. The
+        subgraphs of control-flow nodes (graph-valued attributes) are checked
+        too, each seeing this graph's values and the captures its node lists.
+        """
+        defined: set[str] = set(self.initializers) | set(outer)
         for v in self.inputs:
             if v.name in defined and v.name not in self.initializers:
                 raise VerificationError(f"graph input {v.name!r} is declared twice")
@@ -198,6 +203,14 @@ class Graph:
         node_names: set[str] = set()
         for n in self.nodes:
             self._verify_node(n, defined, node_names)
+            for key, body in n.attrs.items():
+                if isinstance(body, Graph):
+                    captured = n.attrs.get("captures") or ()
+                    try:
+                        body.verify(set(defined) | set(captured))
+                    except VerificationError as exc:
+                        raise VerificationError(
+                            f"in subgraph {key!r} of node {n.name!r}: {exc.message}") from None
         for v in self.outputs:
             if v.name not in defined:
                 raise VerificationError(f"graph output {v.name!r} is produced by no node")
@@ -275,5 +288,6 @@ def _copy_node(n: Node) -> Node:
     clone = copy.copy(n)
     clone.inputs = list(n.inputs)
     clone.outputs = list(n.outputs)
-    clone.attrs = dict(n.attrs)
+    # Subgraphs are copied too: a pass may change a copy's subgraph freely.
+    clone.attrs = {k: v.copy() if isinstance(v, Graph) else v for k, v in n.attrs.items()}
     return clone

@@ -253,6 +253,15 @@ class Program:
         """(name, op, backend) of each step that runs, in order."""
         return [(s.name, s.op, s.backend) for s in self._steps]
 
+    @property
+    def bodies(self) -> dict[str, Any]:
+        """The compiled subgraphs of its control-flow steps, by ``"node/attribute"``
+        (:class:`keel.execution.control.CompiledBody`)."""
+        from keel.execution.control import CompiledBody
+
+        return {f"{s.name}/{attr}": body for s in self._steps
+                for attr, body in s.attrs.items() if isinstance(body, CompiledBody)}
+
     def arena(self, device: str = HOST) -> Any:
         """The arena this program's views point into (after the first run)."""
         memory = self.memory

@@ -109,7 +109,7 @@ def formal_types(node: Node, attr: str, body: Graph,
                  in_types: Sequence[TensorType | None]) -> list[TensorType | None]:
     """The types the formal inputs of ``node``'s subgraph ``attr`` take on the first run,
     from the node's input types (the body's declared types where the node gives none)."""
-    declared = [v.type for v in body.inputs]
+    declared: list[TensorType | None] = [v.type for v in body.inputs]
     given: list[TensorType | None]
     if node.op is Op.IF:
         given = []
@@ -126,7 +126,7 @@ def formal_types(node: Node, attr: str, body: Graph,
         declared[len(given):]
 
 
-def _scan_formal(node: Node, declared: list[TensorType],
+def _scan_formal(node: Node, declared: list[TensorType | None],
                  in_types: Sequence[TensorType | None]) -> list[TensorType | None]:
     n_scan = int(node.attrs["num_scan_inputs"])
     states = len(declared) - n_scan

@@ -228,7 +228,7 @@ def _get_infer(inputs: _Types, attrs: Mapping[str, Any],
     return [t]
 
 
-for _op, _lo, _hi, _attrs, _infer, _doc in (
+for _seq_op, _lo, _hi, _seq_attrs, _seq_infer, _seq_doc in (
     (Op.SEQUENCE_CONSTRUCT, 1, None, (), _construct_infer,
      "A sequence of the inputs, in order (ONNX SequenceConstruct)."),
     (Op.SEQUENCE_EMPTY, 0, 0, (AttrSpec("dtype", AttrKind.DTYPE, None),), _empty_infer,
@@ -259,4 +259,4 @@ for _op, _lo, _hi, _attrs, _infer, _doc in (
      "The value an optional holds (an empty one is an error); a tensor or sequence as "
      "it is."),
 ):
-    register_schema(OpSchema(_op, _lo, _hi, _attrs, infer=_infer, doc=_doc))
+    register_schema(OpSchema(_seq_op, _lo, _hi, _seq_attrs, infer=_seq_infer, doc=_seq_doc))

@@ -1146,7 +1146,7 @@ def _retype_floats(graph: Graph, src: DType, dst: DType) -> Graph:
     g = graph.copy()
 
     def retype(t: TensorType) -> TensorType:
-        return TensorType(dst, t.shape) if t.dtype is src else t
+        return TensorType(dst, t.shape, t.kind) if t.dtype is src else t
 
     g.initializers = {k: (a.astype(dst.numpy) if a.dtype == src.numpy else a)
                       for k, a in g.initializers.items()}
@@ -1161,6 +1161,8 @@ def _retype_floats(graph: Graph, src: DType, dst: DType) -> Graph:
 def _retype_attr(value: Any, src: DType, dst: DType) -> Any:
     if isinstance(value, DType) and value is src:
         return dst
+    if isinstance(value, Graph):                     # a subgraph computes in the same precision
+        return _retype_floats(value, src, dst)
     if isinstance(value, np.ndarray) and value.dtype == src.numpy:
         return value.astype(dst.numpy)
     return value

@@ -195,34 +195,36 @@ class Graph:
         subgraphs of control-flow nodes (graph-valued attributes) are checked
         too, each seeing this graph's values and the captures its node lists.
         """
-        defined: set[str] = set(self.initializers) | set(outer)
+        visible = frozenset(outer)        # a subgraph's own values may shadow these
+        defined: set[str] = set(self.initializers)
         for v in self.inputs:
             if v.name in defined and v.name not in self.initializers:
                 raise VerificationError(f"graph input {v.name!r} is declared twice")
             defined.add(v.name)
         node_names: set[str] = set()
         for n in self.nodes:
-            self._verify_node(n, defined, node_names)
+            self._verify_node(n, defined, node_names, visible)
             for key, body in n.attrs.items():
                 if isinstance(body, Graph):
                     captured = n.attrs.get("captures") or ()
                     try:
-                        body.verify(set(defined) | set(captured))
+                        body.verify(defined | visible | set(captured))
                     except VerificationError as exc:
                         raise VerificationError(
                             f"in subgraph {key!r} of node {n.name!r}: {exc.message}") from None
         for v in self.outputs:
-            if v.name not in defined:
+            if v.name not in defined and v.name not in visible:
                 raise VerificationError(f"graph output {v.name!r} is produced by no node")
 
-    def _verify_node(self, n: Node, defined: set[str], node_names: set[str]) -> None:
+    def _verify_node(self, n: Node, defined: set[str], node_names: set[str],
+                     visible: frozenset[str] = frozenset()) -> None:
         if not isinstance(n.op, Op):
             raise VerificationError(f"node {n.name!r} has op {n.op!r}, not an Op")
         if n.name in node_names:
             raise VerificationError(f"node name {n.name!r} is used twice")
         node_names.add(n.name)
         for i in n.present_inputs():
-            if i not in defined:
+            if i not in defined and i not in visible:
                 raise VerificationError(
                     f"node {n.name!r} ({n.op.value}) reads {i!r}, which is not defined "
                     "before it (dangling value or nodes out of topological order)"

@@ -335,3 +335,21 @@ def test_empty_optional_and_bad_sequence_feeds_are_clear_errors() -> None:
     seq = keel.load_model(sequence_model().SerializeToString())
     with pytest.raises(InvalidArgumentError, match="give a list of arrays"):
         seq.predict({"x": np.zeros((3, 4), np.float32), "extra": np.zeros(2, np.float32)})
+
+
+def test_a_loop_carried_value_that_grows_is_not_specialised_to_its_first_shape() -> None:
+    """Each iteration appends the carried vector's current length to it: Shape inside
+    the body must be read per iteration, never folded from the first one."""
+    body = h.make_graph(
+        [h.make_node("Shape", ["acc"], ["n"]),
+         h.make_node("Cast", ["n"], ["nf"], to=F),
+         h.make_node("Concat", ["acc", "nf"], ["acc_out"], axis=0),
+         h.make_node("Identity", ["cond"], ["go"])], "grow",
+        [h.make_tensor_value_info("i", I64, []), h.make_tensor_value_info("cond", B, []),
+         h.make_tensor_value_info("acc", F, None)],
+        [h.make_tensor_value_info("go", B, []), h.make_tensor_value_info("acc_out", F, None)])
+    model = _model([h.make_node("Loop", ["M", "", "acc0"], ["acc"], body=body)],
+                   [h.make_tensor_value_info("M", I64, []),
+                    h.make_tensor_value_info("acc0", F, [2])],
+                   [h.make_tensor_value_info("acc", F, [None])])
+    _check(model, {"M": np.array(5, np.int64), "acc0": np.array([7.0, 8.0], np.float32)})

@@ -28,6 +28,15 @@ def _captures(*bodies: Graph) -> list[str]:
     return names
 
 
+def _any_dims(t: TensorType | None) -> TensorType | None:
+    """``t`` with every dim unknown: a loop-carried value or a sequence element whose
+    subgraph input declares no type may take another shape on every run, so nothing in
+    the subgraph may be specialised to the first one's."""
+    if t is None or t.shape is None:
+        return t
+    return TensorType(t.dtype, tuple([None] * len(t.shape)), t.kind)
+
+
 @TABLE.converts("If", since=1)
 def _if(ctx: ImportContext, n: OnnxNode) -> None:
     then = ctx.subgraph("then_branch")
@@ -44,7 +53,7 @@ def _if(ctx: ImportContext, n: OnnxNode) -> None:
 def _loop(ctx: ImportContext, n: OnnxNode) -> None:
     carried = n.inputs[2:]
     formal: list[TensorType | None] = [TensorType(DType.INT64, ()), TensorType(DType.BOOL, ()),
-                                       *[ctx.type_of(v) for v in carried]]
+                                       *[_any_dims(ctx.type_of(v)) for v in carried]]
     body = ctx.subgraph("body", formal)
     if len(body.inputs) != 2 + len(carried) or len(body.outputs) < 1 + len(carried):
         raise ctx.invalid(f"its body takes {len(body.inputs)} inputs and gives "
@@ -86,7 +95,7 @@ def _sequence_map(ctx: ImportContext, n: OnnxNode) -> None:
     for name in n.inputs:
         t = ctx.type_of(name)
         formal.append(None if t is None else
-                      t.element() if t.kind is ValueKind.SEQUENCE else t)
+                      _any_dims(t.element()) if t.kind is ValueKind.SEQUENCE else t)
     body = ctx.subgraph("body", formal)
     if len(body.inputs) != len(n.inputs) or len(body.outputs) != len(n.outputs):
         raise ctx.invalid(f"its body takes {len(body.inputs)} inputs and gives "

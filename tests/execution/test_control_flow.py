@@ -353,3 +353,25 @@ def test_a_loop_carried_value_that_grows_is_not_specialised_to_its_first_shape()
                     h.make_tensor_value_info("acc0", F, [2])],
                    [h.make_tensor_value_info("acc", F, [None])])
     _check(model, {"M": np.array(5, np.int64), "acc0": np.array([7.0, 8.0], np.float32)})
+
+
+def test_optimization_reaches_into_subgraphs() -> None:
+    """A branch's constant subexpression is folded and its MatMul + Add fused, and the
+    optimized model still matches onnxruntime."""
+    then = h.make_graph([h.make_node("Exp", ["c"], ["ec"]),
+                         h.make_node("MatMul", ["x", "w"], ["xw"]),
+                         h.make_node("Add", ["xw", "ec"], ["t"])], "then", [],
+                        [h.make_tensor_value_info("t", F, [None, 3])],
+                        [_const("c", [0.1, 0.2, 0.3]),
+                         _const("w", np.arange(9).reshape(3, 3) / 9.0)])
+    other = h.make_graph([h.make_node("Neg", ["x"], ["e"])], "else", [],
+                         [h.make_tensor_value_info("e", F, [None, 3])])
+    model = _model([h.make_node("ReduceSum", ["x"], ["s"], keepdims=0),
+                    h.make_node("Greater", ["s", "zero"], ["c0"]),
+                    h.make_node("If", ["c0"], ["y"], then_branch=then, else_branch=other)],
+                   [h.make_tensor_value_info("x", F, [2, 3])],
+                   [h.make_tensor_value_info("y", F, [2, 3])], [_const("zero", 0.0)])
+    g = optimize(import_onnx(model))
+    branch = next(b for p, b in walk(g) if p.endswith("then_branch"))
+    assert [n.op.value for n in branch.nodes] == ["gemm"]
+    _check(model, {"x": np.ones((2, 3), np.float32)})

@@ -70,15 +70,19 @@ _Fast = tuple[tuple["ExecutionPlan", "AdaptivePlan | None"], "Program", list[int
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """A model input or output: name, shape (ints, symbolic names, None) and dtype."""
+    """A model input or output: name, shape (ints, symbolic names, None) and dtype; a
+    sequence or optional value's ``kind`` says so (its shape and dtype are its
+    elements')."""
 
     name: str
     shape: tuple[Dim, ...] | None
     dtype: DType
+    kind: ValueKind = ValueKind.TENSOR
 
     def to_dict(self) -> dict[str, Any]:
         shape = None if self.shape is None else list(self.shape)
-        return {"name": self.name, "shape": shape, "dtype": self.dtype.value}
+        kind = {} if self.kind is ValueKind.TENSOR else {"kind": self.kind.value}
+        return {"name": self.name, "shape": shape, "dtype": self.dtype.value, **kind}
 
 
 @dataclass
@@ -343,11 +347,13 @@ class Model:
     @property
     def inputs(self) -> list[TensorInfo]:
         """The inputs a caller must feed (inputs with a default initializer are left out)."""
-        return [TensorInfo(v.name, v.type.shape, v.type.dtype) for v in self._declared_inputs]
+        return [TensorInfo(v.name, v.type.shape, v.type.dtype, v.type.kind)
+                for v in self._declared_inputs]
 
     @property
     def outputs(self) -> list[TensorInfo]:
-        return [TensorInfo(v.name, v.type.shape, v.type.dtype) for v in self._declared_outputs]
+        return [TensorInfo(v.name, v.type.shape, v.type.dtype, v.type.kind)
+                for v in self._declared_outputs]
 
     @property
     def graph(self) -> Graph:
@@ -950,7 +956,7 @@ class Model:
         return out
 
     def __repr__(self) -> str:
-        ins = ", ".join(f"{i.name}: {_describe(TensorType(i.dtype, i.shape))}"
+        ins = ", ".join(f"{i.name}: {_describe(TensorType(i.dtype, i.shape, i.kind))}"
                         for i in self.inputs)
         return f"<keel.Model {self.name!r} ({ins}) backend={self._backend}>"
 

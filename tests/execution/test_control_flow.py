@@ -237,8 +237,11 @@ def test_sequences_go_in_and_out_as_lists() -> None:
              "extra": [rng.standard_normal(2).astype(np.float32),
                        rng.standard_normal(5).astype(np.float32)]}
     _check(sequence_model(), feeds)
-    out = keel.load_model(sequence_model().SerializeToString()).predict(feeds)
+    model = keel.load_model(sequence_model().SerializeToString())
+    out = model.predict(feeds)
     assert isinstance(out["all"], list) and int(out["count"]) == 4
+    assert [i.kind.value for i in model.inputs] == ["tensor", "sequence"]
+    assert model.outputs[2].to_dict()["kind"] == "sequence"
 
 
 # ---- the pieces -------------------------------------------------------------------

@@ -378,3 +378,17 @@ def test_optimization_reaches_into_subgraphs() -> None:
     branch = next(b for p, b in walk(g) if p.endswith("then_branch"))
     assert [n.op.value for n in branch.nodes] == ["gemm"]
     _check(model, {"x": np.ones((2, 3), np.float32)})
+
+
+def test_keel_onnxruntime_describes_and_runs_sequences_as_onnxruntime_does() -> None:
+    import keel.onnxruntime as kort
+
+    feeds = {"x": np.ones((3, 4), np.float32), "extra": [np.full(2, 5.0, np.float32)]}
+    described = []
+    for module in (ort, kort):
+        sess = module.InferenceSession(sequence_model().SerializeToString(),
+                                       providers=["CPUExecutionProvider"])
+        described.append([(a.name, a.type, a.shape)
+                          for a in (*sess.get_inputs(), *sess.get_outputs())])
+        _same(sess.run(None, feeds), _ort(sequence_model(), feeds))
+    assert described[0] == described[1]

@@ -392,3 +392,24 @@ def test_keel_onnxruntime_describes_and_runs_sequences_as_onnxruntime_does() -> 
                           for a in (*sess.get_inputs(), *sess.get_outputs())])
         _same(sess.run(None, feeds), _ort(sequence_model(), feeds))
     assert described[0] == described[1]
+
+
+def test_scan_8_runs_each_batch_element_and_matches_onnxruntime() -> None:
+    """Scan-8: a batch (axis 0) of running sums over axis 1, the second input reversed."""
+    body = h.make_graph(
+        [h.make_node("Add", ["s", "a"], ["s1"]), h.make_node("Add", ["s1", "b"], ["s_out"]),
+         h.make_node("Identity", ["s_out"], ["y"])], "body",
+        [h.make_tensor_value_info("s", F, [2]), h.make_tensor_value_info("a", F, [2]),
+         h.make_tensor_value_info("b", F, [2])],
+        [h.make_tensor_value_info("s_out", F, [2]), h.make_tensor_value_info("y", F, [2])])
+    model = _model([h.make_node("Scan", ["", "s0", "xa", "xb"], ["total", "ys"], body=body,
+                                num_scan_inputs=2, directions=[0, 1])],
+                   [h.make_tensor_value_info("s0", F, [3, 2]),
+                    h.make_tensor_value_info("xa", F, [3, 4, 2]),
+                    h.make_tensor_value_info("xb", F, [3, 4, 2])],
+                   [h.make_tensor_value_info("total", F, [3, 2]),
+                    h.make_tensor_value_info("ys", F, [3, 4, 2])], opset=8)
+    rng = np.random.default_rng(7)
+    _check(model, {"s0": np.zeros((3, 2), np.float32),
+                   "xa": rng.standard_normal((3, 4, 2)).astype(np.float32),
+                   "xb": np.arange(24, dtype=np.float32).reshape(3, 4, 2)})

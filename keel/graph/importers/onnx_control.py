@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from keel.dtypes import DType
 from keel.graph.importers.onnx_context import ImportContext, OnnxNode
 from keel.graph.importers.onnx_ops import TABLE, _direct
-from keel.graph.ir import Graph
+from keel.graph.ir import Graph, Node, Value
 from keel.graph.subgraphs import free_names
 from keel.ops.registry import Op
+from keel.ops.schema import get_schema
 from keel.ops.types import TensorType, ValueKind
 
 __all__ = ["SEQUENCE_OPS"]
@@ -87,6 +90,61 @@ def _scan(ctx: ImportContext, n: OnnxNode) -> None:
     attrs = {k: v for k, v in n.attrs.items() if k != "body"}
     ctx.emit(Op.SCAN, [*n.inputs, *caps], n.outputs,
              {**attrs, "body": body, "captures": tuple(caps)})
+
+
+@TABLE.converts("Scan", since=8)
+def _scan8(ctx: ImportContext, n: OnnxNode) -> None:
+    """Scan-8 runs a batch (axis 0 of every input) of scans over axis 1: a Loop over the
+    batch whose body slices one batch element and runs Scan-9 on it; the Loop stacks the
+    per-element results along axis 0."""
+    if n.input(0):
+        raise ctx.unsupported("Scan-8 with sequence_lens (keel runs Scan-8 over whole "
+                              "sequences only)")
+    values = n.inputs[1:]
+    n_scan = int(n.attrs.get("num_scan_inputs", 0))
+    states = len(values) - n_scan
+    if n_scan < 1 or states < 0:
+        raise ctx.invalid(f"num_scan_inputs={n_scan} does not fit its {len(n.inputs)} inputs")
+    formal = [_drop_dims(ctx.type_of(v), 1 if k < states else 2) for k, v in enumerate(values)]
+    body = ctx.subgraph("body", formal)
+    if len(body.inputs) != len(values) or len(body.outputs) < states:
+        raise ctx.invalid(f"its body takes {len(body.inputs)} inputs for {len(values)} values")
+    inner_caps = _captures(body)
+    i, cond, go = ctx.fresh(f"{n.name}/i"), ctx.fresh(f"{n.name}/cond"), \
+        ctx.fresh(f"{n.name}/go")
+    picked = [ctx.fresh(f"{v}/item") for v in values]
+    outs = [ctx.fresh(f"{o or 'unused'}/item") for o in n.outputs]
+    nodes = [Node(f"{n.name}/pick{k}", Op.GATHER, [v, i], [p], {"axis": 0})
+             for k, (v, p) in enumerate(zip(values, picked, strict=True))]
+    scan_attrs = {"body": body, "num_scan_inputs": n_scan, "captures": tuple(inner_caps)}
+    directions = n.attrs.get("directions")
+    if directions:
+        scan_attrs["scan_input_directions"] = tuple(directions)
+    nodes.append(Node(f"{n.name}/scan", Op.SCAN, [*picked, *inner_caps], outs,
+                      get_schema(Op.SCAN).normalize_attrs(scan_attrs)))
+    nodes.append(Node(f"{n.name}/go", Op.IDENTITY, [cond], [go]))
+    # Per batch element: the final states, and the scan outputs over the sequence.
+    declared = [v.type if k < states or v.type.shape is None else
+                TensorType(v.type.dtype, (None, *v.type.shape))
+                for k, v in enumerate(body.outputs)]
+    loop_body = Graph(
+        f"{n.name}/batch", nodes,
+        [Value(i, TensorType(DType.INT64, ())), Value(cond, TensorType(DType.BOOL, ()))],
+        [Value(go, TensorType(DType.BOOL, ())),
+         *[Value(o, t) for o, t in zip(outs, declared, strict=False)]])
+    shape, count = ctx.fresh(f"{n.name}/shape"), ctx.fresh(f"{n.name}/batch")
+    ctx.emit(Op.SHAPE, [values[0]], [shape], {"start": 0, "end": 1})
+    ctx.emit(Op.RESHAPE, [shape, ctx.constant(np.array([], np.int64), "scalar")], [count])
+    caps = _captures(loop_body)
+    ctx.emit(Op.LOOP, [count, "", *caps], n.outputs,
+             {"body": loop_body, "captures": tuple(caps)})
+
+
+def _drop_dims(t: TensorType | None, count: int) -> TensorType | None:
+    """``t`` without its first ``count`` dims (the batch, and the sequence of a scan input)."""
+    if t is None or t.shape is None or len(t.shape) < count:
+        return t
+    return TensorType(t.dtype, t.shape[count:])
 
 
 @TABLE.converts("SequenceMap", since=17)

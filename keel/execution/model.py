@@ -79,6 +79,11 @@ class TensorInfo:
     dtype: DType
     kind: ValueKind = ValueKind.TENSOR
 
+    def __repr__(self) -> str:
+        kind = "" if self.kind is ValueKind.TENSOR else f", kind={self.kind!r}"
+        return (f"TensorInfo(name={self.name!r}, shape={self.shape!r}, "
+                f"dtype={self.dtype!r}{kind})")
+
     def to_dict(self) -> dict[str, Any]:
         shape = None if self.shape is None else list(self.shape)
         kind = {} if self.kind is ValueKind.TENSOR else {"kind": self.kind.value}

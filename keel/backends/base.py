@@ -121,7 +121,7 @@ from keel.errors import (
     KeelError,
     UnsupportedOperationError,
 )
-from keel.ops.registry import Op, to_op
+from keel.ops.registry import Op, OpGroup, to_op
 from keel.ops.schema import get_schema
 from keel.ops.types import TensorType, checked_numel
 
@@ -304,6 +304,8 @@ class Capabilities:
 
 # Plans kept for the op-level path's calls (per backend), by call signature.
 _CALL_PLANS = 256
+# Ops whose inputs may be sequences (lists of arrays).
+_SEQUENCE_OPS = OpGroup.SEQUENCE | OpGroup.CONTROL_FLOW
 
 # (op) -> names of the backends that have a kernel for it; set by a registry.
 PeerLookup = Callable[[Op], Sequence[str]]
@@ -653,16 +655,20 @@ class Backend(ABC):
         return tuple(name for name in self.peers(op) if name != self.name)
 
     def _check_inputs(self, op: Op, kernel: KernelVariant, inputs: Sequence[Any]) -> None:
-        for i, x in enumerate(inputs):
-            if x is None:
-                continue
-            if not self._is_native(x):
-                raise InvalidArgumentError(
-                    f"{op.value}: input {i} is a {type(x).__module__}.{type(x).__name__}; "
-                    f"backend {self.name!r} takes its own arrays (use to_device first)"
-                )
-            self._validate_tensor(tuple(x.shape), dtype_of(x))
-        first = next((x for x in inputs if x is not None), None)
+        takes_sequences = op in _SEQUENCE_OPS
+        for i, value in enumerate(inputs):
+            # A sequence value (for the ops that take one) is a list of arrays, each
+            # checked as a tensor.
+            for x in value if takes_sequences and isinstance(value, list) else [value]:
+                if x is None:
+                    continue
+                if not self._is_native(x):
+                    raise InvalidArgumentError(
+                        f"{op.value}: input {i} is a {type(x).__module__}.{type(x).__name__}; "
+                        f"backend {self.name!r} takes its own arrays (use to_device first)"
+                    )
+                self._validate_tensor(tuple(x.shape), dtype_of(x))
+        first = next((x for x in inputs if x is not None and not isinstance(x, list)), None)
         if first is None:
             return
         dt = dtype_of(first)

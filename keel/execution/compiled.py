@@ -27,7 +27,7 @@ __all__ = ["CompiledModel", "EntryError", "from_json", "to_json"]
 # The ExecutionPlan fields an entry stores or recomputes; a plan with others is not stored.
 _PLAN_FIELDS = frozenset({"model", "backend", "precision", "nodes", "copies", "memory",
                           "peak_bytes", "chunk_size_hint", "reasons", "input_shapes",
-                          "memory_plan"})
+                          "memory_plan", "subplans"})
 _T = TypeVar("_T")
 
 
@@ -60,6 +60,8 @@ def to_json(compiled: CompiledModel) -> dict[str, Any]:
     extra = {f.name for f in dataclasses.fields(plan)} - _PLAN_FIELDS
     if extra:
         raise EntryError(f"the plan has fields the cache cannot store ({', '.join(sorted(extra))})")
+    if plan.subplans:
+        raise EntryError("the plan has subgraph plans, which the cache does not store")
     return {
         "name": plan.model or compiled.graph.name,
         "input_names": list(compiled.input_names),

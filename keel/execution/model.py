@@ -56,7 +56,7 @@ from keel.execution.compiled import CompiledModel
 from keel.execution.program import ArenaPool, Profiler, Program, compile_program
 from keel.graph.ir import Graph, Value
 from keel.ops.registry import OpGroup
-from keel.ops.types import TensorInfo, TensorType
+from keel.ops.types import TensorInfo, TensorType, ValueKind
 from keel.planning.adaptive import AdaptivePlan, AdaptivePlanner, PlanRequest, check_hint
 from keel.planning.placement import HOST, ExecutionPlan, place, precision_name
 from keel.planning.runtime_plan import low_memory_mode
@@ -387,11 +387,13 @@ class Model:
     @property
     def inputs(self) -> list[TensorInfo]:
         """The inputs a caller must feed (inputs with a default initializer are left out)."""
-        return [TensorInfo(v.name, v.type.shape, v.type.dtype) for v in self._declared_inputs]
+        return [TensorInfo(v.name, v.type.shape, v.type.dtype, v.type.kind)
+                for v in self._declared_inputs]
 
     @property
     def outputs(self) -> list[TensorInfo]:
-        return [TensorInfo(v.name, v.type.shape, v.type.dtype) for v in self._declared_outputs]
+        return [TensorInfo(v.name, v.type.shape, v.type.dtype, v.type.kind)
+                for v in self._declared_outputs]
 
     @property
     def graph(self) -> Graph:
@@ -650,6 +652,8 @@ class Model:
         """Let later calls with feeds laid out as ``arrays`` (checked, C-contiguous) skip
         validation and planning."""
         names = self._fast_names
+        if any(not isinstance(a, np.ndarray) for a in arrays.values()):
+            return                              # a sequence or optional input: no fast path
         if not self._fast_ok or set(arrays) != set(names) or \
                 set(program.input_names) != set(names):
             return
@@ -720,7 +724,7 @@ class Model:
             planned.program = compile_program(self._graph, planned.plan, planned.types,
                                               backends, self._pool,
                                               shape_generic=planned.generic,
-                                              values=planned.values)
+                                              values=planned.values, registry=self._registry)
         return planned.program
 
     def _generic_for(self, shapes: Shapes, residency: str) -> _Planned | None:
@@ -1035,22 +1039,25 @@ class Model:
         for name in optional & set(feeds):
             v = next(x for x in self._graph.inputs if x.name == name)
             arrays[name] = _check_input(name, feeds[name], v.type, symbols)
-        return self._to_internal(arrays), {k: tuple(a.shape) for k, a in arrays.items()}
+        return self._to_internal(arrays), {k: tuple(getattr(a, "shape", ()))
+                                           for k, a in arrays.items()}
 
     def _to_internal(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         types = {v.name: v.type.dtype for v in self._graph.inputs}
-        return {k: (a if a.dtype == types[k].numpy else a.astype(types[k].numpy))
+        return {k: (a if not isinstance(a, np.ndarray) or a.dtype == types[k].numpy
+                    else a.astype(types[k].numpy))
                 for k, a in arrays.items()}
 
     def _to_declared(self, result: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         out = {}
         for v in self._declared_outputs:
             a = result[v.name]
-            out[v.name] = a if a.dtype == v.type.dtype.numpy else a.astype(v.type.dtype.numpy)
+            out[v.name] = a if not isinstance(a, np.ndarray) or a.dtype == v.type.dtype.numpy \
+                else a.astype(v.type.dtype.numpy)
         return out
 
     def __repr__(self) -> str:
-        ins = ", ".join(f"{i.name}: {_describe(TensorType(i.dtype, i.shape))}"
+        ins = ", ".join(f"{i.name}: {_describe(TensorType(i.dtype, i.shape, i.kind))}"
                         for i in self.inputs)
         return f"<keel.Model {self.name!r} ({ins}) backend={self._backend}>"
 
@@ -1261,7 +1268,7 @@ def _retype_floats(graph: Graph, src: DType, dst: DType) -> Graph:
     g = graph.copy()
 
     def retype(t: TensorType) -> TensorType:
-        return TensorType(dst, t.shape) if t.dtype is src else t
+        return TensorType(dst, t.shape, t.kind) if t.dtype is src else t
 
     g.initializers = {k: (a.astype(dst.numpy) if a.dtype == src.numpy else a)
                       for k, a in g.initializers.items()}
@@ -1276,18 +1283,21 @@ def _retype_floats(graph: Graph, src: DType, dst: DType) -> Graph:
 def _retype_attr(value: Any, src: DType, dst: DType) -> Any:
     if isinstance(value, DType) and value is src:
         return dst
+    if isinstance(value, Graph):                     # a subgraph computes in the same precision
+        return _retype_floats(value, src, dst)
     if isinstance(value, np.ndarray) and value.dtype == src.numpy:
         return value.astype(dst.numpy)
     return value
 
 
 def _describe(t: TensorType) -> str:
-    dims = "?" if t.shape is None else ", ".join("?" if d is None else str(d) for d in t.shape)
-    return f"{t.dtype.value}[{dims}]"
+    return str(t)
 
 
 def _check_input(name: str, value: Any, t: TensorType, symbols: dict[str, tuple[int, str]],
-                 ) -> np.ndarray:
+                 ) -> Any:
+    if not t.is_tensor:
+        return _check_value(name, value, t)
     array = _as_array(name, value, t.dtype)
     if t.shape is None:
         return _contiguous(array)
@@ -1307,6 +1317,20 @@ def _check_input(name: str, value: Any, t: TensorType, symbols: dict[str, tuple[
                     f"dimension {want!r} is {seen[0]} in input {seen[1]!r} but {got} in "
                     f"input {name!r}; inputs must agree on it")
     return _contiguous(array)
+
+
+def _check_value(name: str, value: Any, t: TensorType) -> list[np.ndarray] | np.ndarray | None:
+    """A sequence input as a list of arrays, an optional one as its value or None."""
+    if value is None and t.kind in (ValueKind.OPTIONAL, ValueKind.OPTIONAL_SEQUENCE):
+        return None
+    if t.kind is ValueKind.OPTIONAL:
+        return _contiguous(_as_array(name, value, t.dtype))
+    if not isinstance(value, (list, tuple)):
+        raise InvalidArgumentError(
+            f"input {name!r} is a sequence ({_describe(t)}): give a list of arrays, got "
+            f"{type(value).__name__}")
+    return [_contiguous(_as_array(f"{name}[{k}]", item, t.dtype))
+            for k, item in enumerate(value)]
 
 
 def _contiguous(array: np.ndarray) -> np.ndarray:

@@ -248,6 +248,7 @@ class Program:
         self._hot: list[_HotStep] = self._compile_hot()
         self._handout = self._plan_handout()
         self._constant_ids = frozenset(id(v) for v in constants.values())   # held: ids stay
+        self.dynamic = False             # compiled for inputs of unknown dimensions
 
     @property
     def memory(self) -> MemoryPlan | None:
@@ -262,6 +263,15 @@ class Program:
     def steps(self) -> list[tuple[str, str, str]]:
         """(name, op, backend) of each step that runs, in order."""
         return [(s.name, s.op, s.backend) for s in self._steps]
+
+    @property
+    def bodies(self) -> dict[str, Any]:
+        """The compiled subgraphs of its control-flow steps, by ``"node/attribute"``
+        (:class:`keel.execution.control.CompiledBody`)."""
+        from keel.execution.control import CompiledBody
+
+        return {f"{s.name}/{attr}": body for s in self._steps
+                for attr, body in s.attrs.items() if isinstance(body, CompiledBody)}
 
     def arena(self, device: str = HOST) -> Any:
         """The arena this program's views point into (after the first run)."""
@@ -475,6 +485,9 @@ class Program:
         result: dict[str, Any] = {}
         for name, slot, how, device in self._handout:
             value = values[slot]
+            if value is None or type(value) is list:   # an optional or a sequence
+                result[name] = _owned_value(value)
+                continue
             if how != _AS_IS:
                 host = self._backend_on(device).read(value) if device != HOST else value
                 if how == _COPY or not _owns(host) or self._is_fixed(host):
@@ -490,6 +503,9 @@ class Program:
         for name, slot, device in self._outputs:
             value = values[slot]
             given = outputs.get(name)
+            if value is None or type(value) is list:   # an optional or a sequence
+                result[name] = _owned_value(value)
+                continue
             if given is not None and value is given:
                 result[name] = given
                 continue
@@ -603,6 +619,9 @@ class Program:
                 raise InvalidArgumentError(f"input {name!r} is missing")
             value = feeds[name]
             shape = tuple(getattr(value, "shape", ()))
+            if not t.is_tensor or (self.dynamic and len(shape) == len(t.shape or ())):
+                self._values[self._slots[name]] = value
+                continue
             if (shape != t.shape and not self.shape_generic) or _dtype_of(value) != t.dtype.numpy:
                 raise InvalidArgumentError(
                     f"input {name!r} is {_dtype_of(value)}{list(shape)}; this program was "
@@ -769,6 +788,11 @@ def _owns(array: Any) -> bool:
     return getattr(array, "base", None) is None and bool(getattr(flags, "owndata", False))
 
 
+def _owned_value(value: list[Any] | None) -> list[Any] | None:
+    """A sequence (a list of fresh host arrays) or an empty optional (None) to hand out."""
+    return None if value is None else [np.array(a, copy=True) for a in value]
+
+
 def _dtype_of(value: Any) -> Any:
     return getattr(value, "dtype", None)
 
@@ -783,6 +807,8 @@ def compile_program(
     *,
     shape_generic: bool = False,
     values: Mapping[str, Any] | None = None,
+    registry: Any = None,
+    dynamic: bool = False,
 ) -> Program:
     """Bind ``plan`` (made by ``place`` for ``types``) to kernels and arena views.
 
@@ -793,17 +819,25 @@ def compile_program(
     ``values``: values of this signature known before running (shape inference's
     propagated constants: shapes, their arithmetic, masks made from them). A host node
     whose every output is among them does not run; its outputs are held as constants.
+
+    The subgraphs of control-flow nodes are compiled too, each into programs of its
+    own placed on ``registry`` (default: keel's); see :mod:`keel.execution.control`.
+    ``dynamic`` compiles for inputs whose dimensions ``types`` leave unknown (values
+    then allocate as they run): what a loop body whose shapes keep changing gets.
     """
     pool = pool or ArenaPool()
     b = _Builder(graph, plan, types, backends, pool, shape_generic=shape_generic,
                  values=values)
+    b.registry, b.dynamic = registry, dynamic
     b.build()
-    return Program(
+    program = Program(
         graph=graph, plan=plan, steps=b.steps, slots=b.slots, constants=b.constants,
         backends=b.used, pool=pool, views=b.views,
         input_types=b.input_types, outputs=b.outputs, optional=b.optional,
         shape_generic=shape_generic, known=b.known,
     )
+    program.dynamic = dynamic
+    return program
 
 
 class _Builder:
@@ -830,6 +864,8 @@ class _Builder:
         self.outputs: list[tuple[str, int, str]] = []
         self.where: dict[str, str] = {}            # value -> device it lives on
         self.graph_outputs = set(graph.output_names)
+        self.registry: Any = None                  # places subgraphs (None: keel's registry)
+        self.dynamic = False                       # inputs may have unknown dimensions
 
     def slot(self, name: str) -> int:
         if not name:
@@ -855,7 +891,7 @@ class _Builder:
     def _inputs(self) -> None:
         for v in self.graph.inputs:
             t = self.types.get(v.name) or v.type
-            if not t.is_static and not self.shape_generic:
+            if not t.is_static and t.is_tensor and not self.dynamic and not self.shape_generic:
                 raise InvalidArgumentError(
                     f"input {v.name!r} has no static shape ({t}); compile needs one signature")
             self.input_types[v.name] = t
@@ -921,8 +957,13 @@ class _Builder:
         ctx = dataclasses.replace(backend.context(), plan=placed.plan)
         if kernel.prepack is not None and _keeps_packed(placed.plan):
             ctx = self._prepacked(node, kernel, backend, ctx, inputs)
+        attrs = node.attrs
+        if node.op in OpGroup.CONTROL_FLOW:         # subgraphs: compiled bodies the kernel runs
+            from keel.execution.control import bind_bodies
+
+            attrs = bind_bodies(node, self.types, self.plan, self.registry)
         step = _Step(node.name, node.op.value, backend.name, "kernel", inputs, outputs,
-                     fn=kernel.fn, ctx=ctx, attrs=node.attrs, variant=kernel,
+                     fn=kernel.fn, ctx=ctx, attrs=attrs, variant=kernel,
                      dtype=self._dtype(node.inputs[0] if node.inputs else ""),
                      work=estimated_work(self.types.get, node))
         if placed.writes_out:

@@ -40,7 +40,7 @@ from keel.errors import KeelError, ModelFormatError
 from keel.graph.ir import Graph, Node, Value
 from keel.ops.registry import Op
 from keel.ops.schema import get_schema
-from keel.ops.types import MAX_ELEMENTS, TensorType
+from keel.ops.types import MAX_ELEMENTS, TensorType, ValueKind
 
 __all__ = [
     "FORMAT_VERSION",
@@ -348,6 +348,7 @@ def _require(cond: bool, message: str) -> None:
 
 # ---- the graph as JSON ---------------------------------------------------------------------
 def _graph_to_json(g: Graph) -> dict[str, Any]:
+    """The graph as JSON; a subgraph (a control-flow node's attribute) nests as one."""
     return {
         "name": g.name, "opset": g.opset, "metadata": dict(g.metadata),
         "inputs": [_value_json(v.name, v.type) for v in g.inputs],
@@ -364,12 +365,21 @@ def _value_json(name: str, t: TensorType) -> dict[str, Any]:
 
 
 def _type_json(t: TensorType) -> dict[str, Any]:
-    return {"dtype": t.dtype.value, "shape": None if t.shape is None else list(t.shape)}
+    kind = {} if t.is_tensor else {"kind": t.kind.value}
+    return {"dtype": t.dtype.value, "shape": None if t.shape is None else list(t.shape),
+            **kind}
 
 
 def _attr_json(value: Any) -> Any:
     if isinstance(value, DType):
         return {"$dtype": value.value}
+    if isinstance(value, Graph):
+        # A subgraph's own constants (few and small) travel inline with it.
+        return {"$graph": {**_graph_to_json(value),
+                           "initializers": {k: _attr_json(np.asarray(a))
+                                            for k, a in value.initializers.items()}}}
+    if isinstance(value, TensorType):
+        return {"$type": _type_json(value)}
     if isinstance(value, np.ndarray):
         dtype = DType.from_numpy(value.dtype)
         data = [str(x) for x in value.reshape(-1)] if dtype is DType.STRING else \
@@ -386,6 +396,14 @@ def _attr_from_json(value: Any) -> Any:
     if isinstance(value, dict):
         if "$dtype" in value:
             return _dtype(value["$dtype"], "attribute")
+        if "$graph" in value:
+            body = _field(value, "$graph", dict, "attribute")
+            graph = _graph_from_json(body)
+            inits = _field(body, "initializers", dict, "subgraph")
+            graph.initializers = {str(k): _attr_from_json(v) for k, v in inits.items()}
+            return graph
+        if "$type" in value:
+            return _type_from_json(value["$type"], "attribute")
         spec = _field(value, "$array", dict, "attribute")
         dtype, shape = _dtype(spec.get("dtype"), "attribute"), _shape(spec.get("shape"),
                                                                       "attribute")
@@ -407,7 +425,10 @@ def _type_from_json(d: Any, what: str) -> TensorType:
     _require(shape is None or (isinstance(shape, list) and all(
         d is None or isinstance(d, str) or (isinstance(d, int) and d >= 0) for d in shape)),
         f"{what}: bad shape")
-    return TensorType(_dtype(d.get("dtype"), what), None if shape is None else tuple(shape))
+    kind = d.get("kind", ValueKind.TENSOR.value)
+    _require(kind in {k.value for k in ValueKind}, f"{what}: bad kind {kind!r}")
+    return TensorType(_dtype(d.get("dtype"), what), None if shape is None else tuple(shape),
+                      ValueKind(kind))
 
 
 def _graph_from_json(d: dict[str, Any]) -> Graph:

@@ -26,10 +26,12 @@ import numpy as np
 
 from keel.dtypes import DType
 from keel.graph.importers.onnx import KEEL_DOMAIN
+from keel.graph.importers.onnx_control import SEQUENCE_OPS
 from keel.graph.importers.onnx_ops import DIRECT, REDUCTIONS, SOFTMAXES
 from keel.graph.ir import Graph, Node, match_attr_name
+from keel.graph.subgraphs import captured_inputs, captures, subgraphs, walk
 from keel.ops.registry import Op
-from keel.ops.types import TensorType
+from keel.ops.types import TensorType, ValueKind
 
 __all__ = ["EXPORT_IR_VERSION", "EXPORT_OPSET", "to_onnx"]
 
@@ -39,6 +41,9 @@ EXPORT_OPSET = 21
 EXPORT_IR_VERSION = 10
 
 _PREFERRED = {Op.SCATTER_ELEMENTS: "ScatterElements", Op.IDENTITY: "Identity"}
+# Control-flow ops: written with their subgraphs as graph attributes.
+_CONTROL_NAME = {Op.IF: "If", Op.LOOP: "Loop", Op.SCAN: "Scan",
+                 Op.SEQUENCE_MAP: "SequenceMap"}
 _SPECIAL = {
     Op.CLIP: "Clip", Op.SQUEEZE: "Squeeze", Op.EXPAND_DIMS: "Unsqueeze", Op.SPLIT: "Split",
     Op.SLICE: "Slice", Op.PAD: "Pad", Op.TOPK: "TopK", Op.RESIZE: "Resize", Op.CAST: "Cast",
@@ -57,6 +62,8 @@ def _onnx_names() -> dict[Op, str]:
         names[op] = op_type
     names.update(_SPECIAL)
     names.update(_PREFERRED)
+    names.update({op: op_type for op_type, op, _ in SEQUENCE_OPS})
+    names.update(_CONTROL_NAME)
     return names
 
 
@@ -68,16 +75,10 @@ def to_onnx(graph: Graph, *, custom_domain: bool = False) -> Any:
     import onnx.helper
 
     w = _Writer(graph, custom_domain)
-    for node in graph.nodes:
-        w.node(node)
-    w.outputs_from_initializers()
+    g = w.graph_proto()
     opsets = [onnx.helper.make_opsetid("", w.opset)]
     if w.used_keel_domain:
         opsets.append(onnx.helper.make_opsetid(KEEL_DOMAIN, 1))
-    g = onnx.helper.make_graph(
-        w.nodes, graph.name or "keel", [_value_info(v.name, v.type) for v in graph.inputs],
-        [_value_info(v.name, v.type) for v in graph.outputs], w.initializers(),
-        value_info=w.value_infos())
     model = onnx.helper.make_model(g, opset_imports=opsets, producer_name="keel",
                                    ir_version=EXPORT_IR_VERSION)
     meta = {k: v for k, v in graph.metadata.items() if not k.startswith("onnx.")}
@@ -88,20 +89,39 @@ def to_onnx(graph: Graph, *, custom_domain: bool = False) -> Any:
 
 
 class _Writer:
-    def __init__(self, graph: Graph, custom_domain: bool) -> None:
+    def __init__(self, graph: Graph, custom_domain: bool, opset: int | None = None,
+                 taken: set[str] | None = None) -> None:
         self.graph = graph
         self.custom_domain = custom_domain
         self.nodes: list[Any] = []
         self.extra_init: dict[str, np.ndarray] = {}
         self.renamed_init: dict[str, str] = {}
-        self.opset = _needed_opset(graph)
+        self.opset = _needed_opset(graph) if opset is None else opset
         self.used_keel_domain = False
-        self._taken = graph.names()
+        # One namespace across a graph and its subgraphs, as ONNX wants.
+        self._taken = taken if taken is not None else _all_names(graph)
+
+    def graph_proto(self) -> Any:
+        """The whole graph (its subgraphs inside their nodes) as an ONNX GraphProto."""
+        import onnx.helper
+
+        for node in self.graph.nodes:
+            self.node(node)
+        self.outputs_from_initializers()
+        return onnx.helper.make_graph(
+            self.nodes, self.graph.name or "keel",
+            [_value_info(v.name, v.type) for v in self.graph.inputs],
+            [_value_info(v.name, v.type) for v in self.graph.outputs], self.initializers(),
+            value_info=self.value_infos())
 
     # ---- nodes ---------------------------------------------------------
     def node(self, n: Node) -> None:
         fused = _is_fused(n)
-        if fused and self.custom_domain:
+        if n.op in _CONTROL_NAME:
+            self.control(n)
+        elif n.op is Op.OPTIONAL and n.attrs.get("type") is not None:
+            self.optional(n)
+        elif fused and self.custom_domain:
             self.keel_node(n)
         elif n.op is Op.ATTENTION and not n.attr("is_causal", False):
             self.attention(n)
@@ -130,6 +150,34 @@ class _Writer:
         self.nodes.append(onnx.helper.make_node(op_type, list(inputs), list(outputs),
                                                 name=name, **converted))
         return True
+
+    def control(self, n: Node) -> None:
+        """If, Loop, Scan or SequenceMap with its subgraphs as graph attributes: each reads
+        the enclosing values by the names they have here (its captures renamed)."""
+        import onnx.helper
+
+        names = captures(n)
+        outer = captured_inputs(n)
+        rename = {c: o for c, o in zip(names, outer, strict=True) if c != o}
+        own = list(n.inputs[:len(n.inputs) - len(names)])
+        if n.op is Op.LOOP:
+            own += [""] * (2 - len(own))
+        attrs: dict[str, Any] = {}
+        for attr, body in subgraphs(n):
+            sub = _Writer(_renamed(body, rename), self.custom_domain, self.opset, self._taken)
+            attrs[attr] = sub.graph_proto()
+            self.used_keel_domain |= sub.used_keel_domain
+        if n.op is Op.SCAN:
+            attrs.update({k: list(v) if isinstance(v, tuple) else v for k, v in n.attrs.items()
+                          if k.startswith(("num_", "scan_")) and v is not None})
+        self.nodes.append(onnx.helper.make_node(_CONTROL_NAME[n.op], own, list(n.outputs),
+                                                name=n.name, **attrs))
+
+    def optional(self, n: Node) -> None:
+        import onnx.helper
+
+        self.nodes.append(onnx.helper.make_node("Optional", list(n.inputs), list(n.outputs),
+                                                name=n.name, type=_type_proto(n.attrs["type"])))
 
     def keel_node(self, n: Node) -> None:
         import onnx.helper
@@ -272,10 +320,31 @@ class _Writer:
 
 
 def _needed_opset(graph: Graph) -> int:
-    """EXPORT_OPSET, or newer when the graph uses an ONNX op introduced later."""
+    """EXPORT_OPSET, or newer when the graph (or a subgraph) uses an ONNX op introduced
+    later."""
     first = _first_versions()
-    used = [first.get(ONNX_NAME[n.op], 1) for n in graph.nodes if n.op in ONNX_NAME]
+    graphs = [graph, *(body for _, body in walk(graph))]
+    used = [first.get(ONNX_NAME[n.op], 1) for g in graphs for n in g.nodes if n.op in ONNX_NAME]
     return max([EXPORT_OPSET, *used])
+
+
+def _all_names(graph: Graph) -> set[str]:
+    names = graph.names()
+    for _, body in walk(graph):
+        names |= body.names()
+    return names
+
+
+def _renamed(body: Graph, rename: dict[str, str]) -> Graph:
+    """``body`` reading the enclosing values ``rename`` maps its captures to."""
+    if not rename:
+        return body
+    g = body.copy()
+    for old, new in rename.items():
+        g.replace_uses(old, new)
+    g.outputs = [type(v)(rename.get(v.name, v.name), v.type) for v in g.outputs]
+    return g
+
 
 
 @functools.lru_cache(maxsize=1)
@@ -376,5 +445,20 @@ def _keel_attr(value: Any) -> Any:
 def _value_info(name: str, t: TensorType) -> Any:
     import onnx.helper
 
+    return onnx.helper.make_value_info(name, _type_proto(t))
+
+
+def _type_proto(t: TensorType) -> Any:
+    """ONNX's TypeProto of ``t``: a tensor, a sequence of tensors or an optional."""
+    import onnx.helper
+
     shape = None if t.shape is None else [d for d in t.shape]
-    return onnx.helper.make_tensor_value_info(name, t.dtype.onnx, shape)
+    tensor = onnx.helper.make_tensor_type_proto(t.dtype.onnx, shape)
+    if t.kind is ValueKind.SEQUENCE:
+        return onnx.helper.make_sequence_type_proto(tensor)
+    if t.kind is ValueKind.OPTIONAL:
+        return onnx.helper.make_optional_type_proto(tensor)
+    if t.kind is ValueKind.OPTIONAL_SEQUENCE:
+        return onnx.helper.make_optional_type_proto(
+            onnx.helper.make_sequence_type_proto(tensor))
+    return tensor

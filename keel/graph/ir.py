@@ -188,8 +188,14 @@ class Graph:
         return iter(self.nodes)
 
     # ---- invariants ----------------------------------------------------
-    def verify(self) -> None:
-        """Raise ``VerificationError`` unless the graph is well formed."""
+    def verify(self, outer: Iterable[str] = ()) -> None:
+        """Raise ``VerificationError`` unless the graph is well formed.
+
+        ``outer`` names the values of enclosing graphs a subgraph may read. The
+        subgraphs of control-flow nodes (graph-valued attributes) are checked
+        too, each seeing this graph's values and the captures its node lists.
+        """
+        visible = frozenset(outer)        # a subgraph's own values may shadow these
         defined: set[str] = set(self.initializers)
         for v in self.inputs:
             if v.name in defined and v.name not in self.initializers:
@@ -197,19 +203,28 @@ class Graph:
             defined.add(v.name)
         node_names: set[str] = set()
         for n in self.nodes:
-            self._verify_node(n, defined, node_names)
+            self._verify_node(n, defined, node_names, visible)
+            for key, body in n.attrs.items():
+                if isinstance(body, Graph):
+                    captured = n.attrs.get("captures") or ()
+                    try:
+                        body.verify(defined | visible | set(captured))
+                    except VerificationError as exc:
+                        raise VerificationError(
+                            f"in subgraph {key!r} of node {n.name!r}: {exc.message}") from None
         for v in self.outputs:
-            if v.name not in defined:
+            if v.name not in defined and v.name not in visible:
                 raise VerificationError(f"graph output {v.name!r} is produced by no node")
 
-    def _verify_node(self, n: Node, defined: set[str], node_names: set[str]) -> None:
+    def _verify_node(self, n: Node, defined: set[str], node_names: set[str],
+                     visible: frozenset[str] = frozenset()) -> None:
         if not isinstance(n.op, Op):
             raise VerificationError(f"node {n.name!r} has op {n.op!r}, not an Op")
         if n.name in node_names:
             raise VerificationError(f"node name {n.name!r} is used twice")
         node_names.add(n.name)
         for i in n.present_inputs():
-            if i not in defined:
+            if i not in defined and i not in visible:
                 raise VerificationError(
                     f"node {n.name!r} ({n.op.value}) reads {i!r}, which is not defined "
                     "before it (dangling value or nodes out of topological order)"
@@ -275,5 +290,6 @@ def _copy_node(n: Node) -> Node:
     clone = copy.copy(n)
     clone.inputs = list(n.inputs)
     clone.outputs = list(n.outputs)
-    clone.attrs = dict(n.attrs)
+    # Subgraphs are copied too: a pass may change a copy's subgraph freely.
+    clone.attrs = {k: v.copy() if isinstance(v, Graph) else v for k, v in n.attrs.items()}
     return clone

@@ -33,7 +33,7 @@ from keel.errors import InvalidArgumentError, KeelError, UnsupportedOperationErr
 from keel.graph.ir import Graph, Node, Value
 from keel.ops.registry import Op, OpGroup
 from keel.ops.schema import get_schema
-from keel.ops.types import TensorType
+from keel.ops.types import TensorType, ValueKind
 
 __all__ = [
     "Evaluator",
@@ -52,8 +52,10 @@ __all__ = [
 VALUE_LIMIT = 1 << 16
 # Values are computed only for cheap ops (work linear in the output): shape
 # arithmetic needs nothing else, and a hostile model cannot make loading slow.
+# Control flow may loop for long; sequences and optionals are not arrays.
 _NOT_PROPAGATED = (OpGroup.MATMUL_LIKE | OpGroup.CONVOLUTION | OpGroup.POOLING
-                   | OpGroup.NORMALIZATION | OpGroup.QUANTIZATION)
+                   | OpGroup.NORMALIZATION | OpGroup.QUANTIZATION | OpGroup.CONTROL_FLOW
+                   | OpGroup.SEQUENCE)
 
 
 class GraphRunner(Protocol):
@@ -149,7 +151,10 @@ def propagate_node(
     declared = declared or {}
     in_types = [state.types.get(i) if i else None for i in node.inputs]
     in_values = [state.values.get(i) if i else None for i in node.inputs]
-    out_types = infer_node(node, in_types, in_values)
+    if node.op in OpGroup.CONTROL_FLOW:
+        out_types = _control_types(node, in_types, state.evaluator)
+    else:
+        out_types = infer_node(node, in_types, in_values)
     for name, t in zip(node.outputs, out_types, strict=False):
         if name:
             state.types[name] = _merge(t, declared.get(name))
@@ -160,6 +165,76 @@ def propagate_node(
     for name, val in zip(node.outputs, values, strict=False):
         if name and val is not None:
             state.values[name] = val
+
+
+def _control_types(node: Node, in_types: Sequence[TensorType | None],
+                   evaluator: Evaluator | None) -> list[TensorType | None]:
+    """Output types of a control-flow node: its subgraphs' output types, each subgraph
+    propagated with the types the node's inputs give its formal inputs and captures."""
+    from keel.graph.subgraphs import bound_body, subgraphs
+
+    outs: dict[str, list[TensorType | None]] = {}
+    for attr, _ in subgraphs(node):
+        body = bound_body(node, attr, in_types)
+        try:
+            types = propagate(body, evaluator=evaluator).types
+        except InvalidArgumentError as exc:
+            if node.op is Op.IF:        # a branch these shapes do not take may not type
+                continue
+            raise InvalidArgumentError(
+                f"node {node.name!r} ({node.op.value}), subgraph {attr!r}: {exc.message}"
+            ) from None
+        outs[attr] = [types.get(v.name) or v.type for v in body.outputs]
+    return _control_outputs(node, in_types, outs)
+
+
+def _control_outputs(node: Node, in_types: Sequence[TensorType | None],
+                     outs: Mapping[str, list[TensorType | None]]) -> list[TensorType | None]:
+    from keel.ops.schemas.control import merge_types
+
+    if node.op is Op.IF:
+        if len(outs) < 2:               # one branch did not type: the other's types
+            return next(iter(outs.values()), [None] * len(node.outputs))
+        return [merge_types(a, b) for a, b in zip(outs["then_branch"], outs["else_branch"],
+                                                  strict=False)]
+    body = outs["body"]
+    if node.op is Op.SEQUENCE_MAP:
+        return [None if t is None else TensorType(t.dtype, t.shape, ValueKind.SEQUENCE)
+                for t in body]
+    if node.op is Op.LOOP:
+        carried = len(node.attrs["body"].inputs) - 2
+        initial = [in_types[2 + k] if 2 + k < len(in_types) else None for k in range(carried)]
+        return [*[merge_types(a, b) for a, b in zip(initial, body[1:1 + carried], strict=True)],
+                *[_stack(t, None, 0) for t in body[1 + carried:]]]
+    n_scan = int(node.attrs["num_scan_inputs"])
+    states = len(node.attrs["body"].inputs) - n_scan
+    trip = _scan_trip(node, in_types, states, n_scan)
+    axes = list(node.attrs.get("scan_output_axes") or [0] * (len(body) - states))
+    return [*[merge_types(a, b) for a, b in zip(in_types[:states], body[:states], strict=True)],
+            *[_stack(t, trip, axes[k] if k < len(axes) else 0)
+              for k, t in enumerate(body[states:])]]
+
+
+def _stack(t: TensorType | None, count: int | str | None, axis: int) -> TensorType | None:
+    """``t`` stacked ``count`` times along a new axis ``axis``."""
+    if t is None or t.shape is None:
+        return None if t is None else TensorType(t.dtype, None)
+    rank = len(t.shape) + 1
+    axis = axis + rank if axis < 0 else axis
+    if not 0 <= axis < rank:
+        return TensorType(t.dtype, None)
+    return TensorType(t.dtype, (*t.shape[:axis], count, *t.shape[axis:]))
+
+
+def _scan_trip(node: Node, in_types: Sequence[TensorType | None], states: int,
+               n_scan: int) -> int | str | None:
+    """The length of the scanned axis, where the first scan input's type gives it."""
+    t = in_types[states] if n_scan and states < len(in_types) else None
+    axes = list(node.attrs.get("scan_input_axes") or [0])
+    if t is None or t.shape is None or not axes:
+        return None
+    axis = axes[0] + len(t.shape) if axes[0] < 0 else axes[0]
+    return t.shape[axis] if 0 <= axis < len(t.shape) else None
 
 
 def infer_node(
@@ -346,7 +421,7 @@ def _shape_bounds(node: Node, rank: int) -> tuple[int, int]:
 def _input_type(
     name: str, declared: TensorType, given: Sequence[int | str | None] | None
 ) -> TensorType:
-    if given is None:
+    if given is None or not declared.is_tensor:
         return declared
     shape = tuple(given)
     if declared.shape is not None:
@@ -374,12 +449,12 @@ def _merge(inferred: TensorType | None, declared: TensorType | None) -> TensorTy
     if declared is None or declared.shape is None or declared.dtype != inferred.dtype:
         return inferred
     if inferred.shape is None:
-        return TensorType(inferred.dtype, declared.shape)
+        return TensorType(inferred.dtype, declared.shape, inferred.kind)
     if len(inferred.shape) != len(declared.shape):
         return inferred
     dims = tuple(d if d is not None else e for d, e in zip(inferred.shape, declared.shape,
                                                           strict=True))
-    return TensorType(inferred.dtype, dims)
+    return TensorType(inferred.dtype, dims, inferred.kind)
 
 
 def _type_of_array(arr: np.ndarray) -> TensorType | None:

@@ -26,6 +26,7 @@ from keel.onnxruntime.capi.onnxruntime_pybind11_state import (
     NoSuchFile,
     as_ort_error,
 )
+from keel.ops.types import ValueKind
 
 __all__ = ["InferenceSession", "profile_file_name"]
 
@@ -138,10 +139,10 @@ class InferenceSession:
     def get_inputs(self) -> list[NodeArg]:
         """The inputs to feed (inputs with a default initializer are in
         ``get_overridable_initializers``)."""
-        return [_node_arg(i.name, i.shape, i.dtype) for i in self._model.inputs]
+        return [_node_arg(i.name, i.shape, i.dtype, i.kind) for i in self._model.inputs]
 
     def get_outputs(self) -> list[NodeArg]:
-        return [_node_arg(o.name, o.shape, o.dtype) for o in self._model.outputs]
+        return [_node_arg(o.name, o.shape, o.dtype, o.kind) for o in self._model.outputs]
 
     def get_overridable_initializers(self) -> list[NodeArg]:
         """Graph inputs that have a default value: feeding them overrides it."""
@@ -237,7 +238,10 @@ def _items(feed: Any) -> list[tuple[str, Any]]:
     return list(feed.items())
 
 
-def _node_arg(name: str, shape: Sequence[Any] | None, dtype: Any) -> NodeArg:
+def _node_arg(name: str, shape: Sequence[Any] | None, dtype: Any,
+              kind: ValueKind = ValueKind.TENSOR) -> NodeArg:
+    if kind is not ValueKind.TENSOR:        # onnxruntime gives a sequence or optional no shape
+        return NodeArg(name, [], type_string(dtype, kind))
     return NodeArg(name, [] if shape is None else list(shape), type_string(dtype))
 
 

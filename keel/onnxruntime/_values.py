@@ -11,6 +11,7 @@ import numpy as np
 
 from keel.dtypes import DType
 from keel.onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument
+from keel.ops.types import ValueKind
 
 __all__ = ["ModelMetadata", "NodeArg", "OrtValue", "type_string"]
 
@@ -20,9 +21,13 @@ _ORT_NAMES = {DType.FLOAT32: "float", DType.FLOAT64: "double"}
 _NO_VERSION = 2**63 - 1
 
 
-def type_string(dtype: DType) -> str:
-    """onnxruntime's type name: ``tensor(float)``, ``tensor(int64)``, ``tensor(double)``."""
-    return f"tensor({_ORT_NAMES.get(dtype, dtype.value)})"
+def type_string(dtype: DType, kind: ValueKind = ValueKind.TENSOR) -> str:
+    """onnxruntime's type name: ``tensor(float)``, ``tensor(int64)``, ``tensor(double)``;
+    ``seq(tensor(float))``, ``optional(tensor(float))`` for sequences and optionals."""
+    tensor = f"tensor({_ORT_NAMES.get(dtype, dtype.value)})"
+    return {ValueKind.TENSOR: tensor, ValueKind.SEQUENCE: f"seq({tensor})",
+            ValueKind.OPTIONAL: f"optional({tensor})",
+            ValueKind.OPTIONAL_SEQUENCE: f"optional(seq({tensor}))"}[kind]
 
 
 @dataclass(frozen=True)

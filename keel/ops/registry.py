@@ -224,6 +224,23 @@ class Op(str, enum.Enum):
     TREE_ENSEMBLE_CLASSIFIER = "tree_ensemble_classifier"
     SVM_CLASSIFIER = "svm_classifier"
     SVM_REGRESSOR = "svm_regressor"
+    # control flow: ops that run subgraphs
+    IF = "if"
+    LOOP = "loop"
+    SCAN = "scan"
+    SEQUENCE_MAP = "sequence_map"
+    # sequences and optionals
+    SEQUENCE_CONSTRUCT = "sequence_construct"
+    SEQUENCE_EMPTY = "sequence_empty"
+    SEQUENCE_INSERT = "sequence_insert"
+    SEQUENCE_ERASE = "sequence_erase"
+    SEQUENCE_AT = "sequence_at"
+    SEQUENCE_LENGTH = "sequence_length"
+    SPLIT_TO_SEQUENCE = "split_to_sequence"
+    CONCAT_FROM_SEQUENCE = "concat_from_sequence"
+    OPTIONAL = "optional"
+    OPTIONAL_HAS_ELEMENT = "optional_has_element"
+    OPTIONAL_GET_ELEMENT = "optional_get_element"
 
 
 class OpGroup(frozenset[Op], enum.Enum):
@@ -293,6 +310,14 @@ class OpGroup(frozenset[Op], enum.Enum):
         Op.BINARIZER, Op.ONE_HOT_ENCODER, Op.LABEL_ENCODER, Op.ARRAY_FEATURE_EXTRACTOR,
         Op.TREE_ENSEMBLE, Op.TREE_ENSEMBLE_CLASSIFIER, Op.SVM_CLASSIFIER, Op.SVM_REGRESSOR,
     })
+    # Ops that run subgraphs (node attributes holding a Graph).
+    CONTROL_FLOW = frozenset({Op.IF, Op.LOOP, Op.SCAN, Op.SEQUENCE_MAP})
+    # Ops on sequence and optional values.
+    SEQUENCE = frozenset({
+        Op.SEQUENCE_CONSTRUCT, Op.SEQUENCE_EMPTY, Op.SEQUENCE_INSERT, Op.SEQUENCE_ERASE,
+        Op.SEQUENCE_AT, Op.SEQUENCE_LENGTH, Op.SPLIT_TO_SEQUENCE, Op.CONCAT_FROM_SEQUENCE,
+        Op.OPTIONAL, Op.OPTIONAL_HAS_ELEMENT, Op.OPTIONAL_GET_ELEMENT,
+    })
     # Ops whose output shape depends on input *values*, not only input shapes.
     DATA_DEPENDENT = frozenset({Op.NONZERO, Op.UNIQUE, Op.COMPRESS, Op.NON_MAX_SUPPRESSION})
     # The 19 ops of the GPU profile of seed 001.
@@ -307,7 +332,8 @@ class OpGroup(frozenset[Op], enum.Enum):
 _PRIMARY = (
     OpGroup.QUANTIZATION, OpGroup.CONVOLUTION, OpGroup.MATMUL_LIKE, OpGroup.POOLING,
     OpGroup.NORMALIZATION, OpGroup.REDUCTION, OpGroup.ELEMENTWISE, OpGroup.SHAPE,
-    OpGroup.INDEXING, OpGroup.MEMORY, OpGroup.CLASSICAL_ML,
+    OpGroup.INDEXING, OpGroup.MEMORY, OpGroup.CLASSICAL_ML, OpGroup.CONTROL_FLOW,
+    OpGroup.SEQUENCE,
 )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from keel.dtypes import DType
@@ -19,6 +20,7 @@ __all__ = [
     "Dim",
     "Shape",
     "TensorType",
+    "ValueKind",
     "broadcast_shapes",
     "checked_numel",
     "normalize_axis",
@@ -32,20 +34,46 @@ Shape = tuple[Dim, ...]
 MAX_ELEMENTS = 2**62
 
 
+class ValueKind(str, Enum):
+    """What a value holds: a tensor, a sequence (list) of tensors, or an optional one."""
+
+    TENSOR = "tensor"
+    SEQUENCE = "sequence"
+    OPTIONAL = "optional"                    # an optional tensor: the tensor or None
+    OPTIONAL_SEQUENCE = "optional_sequence"  # an optional sequence: a list or None
+
+
 @dataclass(frozen=True)
 class TensorType:
-    """A tensor's dtype and (possibly symbolic) shape."""
+    """A tensor's dtype and (possibly symbolic) shape.
+
+    A sequence or optional value (``kind``) has the dtype and shape of its
+    elements; it has no static shape or size of its own.
+    """
 
     dtype: DType
     shape: Shape | None          # None: rank unknown
+    kind: ValueKind = ValueKind.TENSOR
 
     @property
     def rank(self) -> int | None:
         return None if self.shape is None else len(self.shape)
 
     @property
+    def is_tensor(self) -> bool:
+        return self.kind is ValueKind.TENSOR
+
+    @property
     def is_static(self) -> bool:
-        return self.shape is not None and all(isinstance(d, int) for d in self.shape)
+        return (self.kind is ValueKind.TENSOR and self.shape is not None
+                and all(isinstance(d, int) for d in self.shape))
+
+    def element(self) -> TensorType:
+        """The type of one element (of a sequence) or of the held value (of an optional)."""
+        return TensorType(self.dtype, self.shape)
+
+    def as_kind(self, kind: ValueKind) -> TensorType:
+        return TensorType(self.dtype, self.shape, kind)
 
     def numel(self) -> int | None:
         if not self.is_static:
@@ -59,7 +87,14 @@ class TensorType:
     def __str__(self) -> str:
         dims = "?" if self.shape is None else ", ".join("?" if d is None else str(d)
                                                        for d in self.shape)
-        return f"{self.dtype.value}[{dims}]"
+        text = f"{self.dtype.value}[{dims}]"
+        if self.kind is ValueKind.SEQUENCE:
+            return f"seq({text})"
+        if self.kind is ValueKind.OPTIONAL:
+            return f"optional({text})"
+        if self.kind is ValueKind.OPTIONAL_SEQUENCE:
+            return f"optional(seq({text}))"
+        return text
 
 
 def checked_numel(shape: Iterable[int], *, what: str = "shape") -> int:
@@ -117,12 +152,21 @@ def _broadcast_dim(dims: list[Dim], shapes: Sequence[Sequence[Dim]]) -> Dim:
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """A model input or output: name, shape (ints, symbolic names, None) and dtype."""
+    """A model input or output: name, shape (ints, symbolic names, None) and dtype; a
+    sequence or optional value's ``kind`` says so (its shape and dtype are its
+    elements')."""
 
     name: str
     shape: tuple[Dim, ...] | None
     dtype: DType
+    kind: ValueKind = ValueKind.TENSOR
+
+    def __repr__(self) -> str:
+        kind = "" if self.kind is ValueKind.TENSOR else f", kind={self.kind!r}"
+        return (f"TensorInfo(name={self.name!r}, shape={self.shape!r}, "
+                f"dtype={self.dtype!r}{kind})")
 
     def to_dict(self) -> dict[str, Any]:
         shape = None if self.shape is None else list(self.shape)
-        return {"name": self.name, "shape": shape, "dtype": self.dtype.value}
+        kind = {} if self.kind is ValueKind.TENSOR else {"kind": self.kind.value}
+        return {"name": self.name, "shape": shape, "dtype": self.dtype.value, **kind}

@@ -27,7 +27,12 @@ from keel.backends.plan import FIELDS, Measured, NodePlan
 from keel.backends.registry import BackendRegistry
 from keel.config import format_bytes
 from keel.dtypes import DType
-from keel.errors import BackendSelectionError, KeelError, UnsupportedOperationError
+from keel.errors import (
+    BackendSelectionError,
+    InvalidArgumentError,
+    KeelError,
+    UnsupportedOperationError,
+)
 from keel.graph.ir import Graph, Node
 from keel.graph.memory_plan import MemoryPlan, PlanStep, packed_bytes, plan_steps_for_graph
 from keel.hardware.profile import HardwareProfile
@@ -121,6 +126,10 @@ class ExecutionPlan:
     reasons: tuple[str, ...] = ()
     input_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     memory_plan: MemoryPlan | None = field(default=None, compare=False, repr=False)
+    # The plans of control-flow nodes' subgraphs, by "node/attribute" (If's branches,
+    # a loop body), each for the types its first run takes.
+    subplans: Mapping[str, ExecutionPlan] = field(default_factory=dict, compare=False,
+                                                  repr=False)
 
     def node(self, name: str) -> NodePlacement:
         for n in self.nodes:
@@ -150,6 +159,8 @@ class ExecutionPlan:
             "peak_bytes": self.peak_bytes,
             "chunk_size_hint": self.chunk_size_hint,
             "reasons": list(self.reasons),
+            **({"subgraphs": {k: p.to_dict() for k, p in self.subplans.items()}}
+               if self.subplans else {}),
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -195,6 +206,9 @@ class ExecutionPlan:
         if self.chunk_size_hint is not None:
             lines.append(f"chunk size hint: {self.chunk_size_hint}")
         lines += [f"- {r}" for r in self.reasons]     # whole lines: searched, copied
+        for path, sub in self.subplans.items():
+            lines += ["", f"subgraph {path}:"]
+            lines += [f"    {line}" if line else "" for line in sub.table(width).splitlines()]
         return "\n".join(lines)
 
     def node_plans(self) -> str:
@@ -210,6 +224,9 @@ class ExecutionPlan:
                 shown = "-" if value in (None, "") else str(value)
                 lines.append(f"  {name}: {shown} ({n.plan.reason(name) or 'no reason given'})")
             lines += [f"  {k}: {v}" for k, v in data["options"].items()]
+        for path, sub in self.subplans.items():
+            lines.append(f"subgraph {path}:")
+            lines += [f"    {line}" for line in sub.node_plans().splitlines()]
         return "\n".join(lines)
 
 
@@ -273,6 +290,14 @@ def place(
                                                                           placements))
     reasons += _summary_reasons(placements, copies, memory)
     reasons += _backend_notes(registry, placements)
+    subplans = _place_subgraphs(graph, types, registry, profile, policy, backend, precision,
+                                strict)
+    # One body runs at a time, beside the enclosing program's arena: the largest adds.
+    inner = max((p.peak_bytes for p in subplans.values()), default=0)
+    if subplans:
+        reasons.append(f"subgraphs: {len(subplans)} planned, each compiled once per input "
+                       f"signature; the largest needs {format_bytes(inner)} beside this "
+                       "graph's memory")
     return ExecutionPlan(
         model=graph.name,
         backend=backend,
@@ -280,10 +305,11 @@ def place(
         nodes=tuple(placements),
         copies=tuple(copies),
         memory=memory.summary(),
-        peak_bytes=memory.peak_bytes,
+        peak_bytes=memory.peak_bytes + inner,
         reasons=tuple(reasons),
         input_shapes=_input_shapes(graph, types),
         memory_plan=memory,
+        subplans=subplans,
     )
 
 
@@ -311,6 +337,28 @@ def _is_mapped(array: Any) -> bool:
             return True
         array = getattr(array, "base", None)
     return False
+
+
+def _place_subgraphs(graph: Graph, types: Mapping[str, TensorType | None],
+                     registry: BackendRegistry, profile: Any, policy: Any, backend: str,
+                     precision: str, strict: bool) -> dict[str, ExecutionPlan]:
+    """The plan of every subgraph of ``graph``'s control-flow nodes, for the types the
+    node's inputs give it, by ``"node/attribute"``."""
+    from keel.graph.shape_inference import infer_graph_types
+    from keel.graph.subgraphs import bound_body, subgraphs
+
+    plans: dict[str, ExecutionPlan] = {}
+    for node in graph.nodes:
+        in_types = [types.get(i) if i else None for i in node.inputs]
+        for attr, _ in subgraphs(node):
+            body = bound_body(node, attr, in_types)
+            try:
+                body_types = infer_graph_types(body)
+            except InvalidArgumentError:
+                continue        # an If branch these types do not take: planned if it runs
+            plans[f"{node.name}/{attr}"] = place(body, body_types, registry, profile, policy,
+                                                 backend, precision, strict)
+    return plans
 
 
 def _prepacked_bytes(graph: Graph, registry: BackendRegistry,

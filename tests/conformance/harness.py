@@ -143,7 +143,7 @@ def run_case(backend: Backend, case: OpCase, *, make_strided: bool = False,
     arrays = [_on_backend(backend, x, make_strided) for x in inputs]
     results = backend.run(case.op, arrays, None, case.attrs)
     backend.synchronize()
-    outputs = [backend.read(r) for r in results]
+    outputs = [_read(backend, r) for r in results]
     if backend.xp is np and not make_strided:
         for i, (x, fresh) in enumerate(zip(inputs, case_inputs(case), strict=True)):
             assert x is None or (fresh is not None and bitwise_equal([x], [fresh])), \
@@ -151,7 +151,33 @@ def run_case(backend: Backend, case: OpCase, *, make_strided: bool = False,
     return outputs
 
 
-def _on_backend(backend: Backend, x: np.ndarray | None, make_strided: bool) -> Any:
+def _read(backend: Backend, result: Any) -> Any:
+    """A result on the host; a sequence (a list) element by element, an empty optional None."""
+    if result is None:
+        return None
+    if isinstance(result, list):
+        return [backend.read(r) for r in result]
+    return backend.read(result)
+
+
+def _flat(values: Sequence[Any]) -> list[Any]:
+    """Sequences (lists) spelled out into their elements, each after a marker of its length,
+    so that two values compare equal only when their structure does."""
+    flat: list[Any] = []
+    for v in values:
+        if isinstance(v, list):
+            flat.append(np.array(len(v), dtype=np.int64))
+            flat.extend(_flat(v))
+        elif v is None:
+            flat.append(np.array(-1, dtype=np.int64))
+        else:
+            flat.append(v)
+    return flat
+
+
+def _on_backend(backend: Backend, x: Any, make_strided: bool) -> Any:
+    if isinstance(x, list):
+        return [_on_backend(backend, item, make_strided) for item in x]
     if x is None:
         return None
     if make_strided and x.ndim >= 1 and x.size > 0:
@@ -169,6 +195,7 @@ def assert_outputs_match(actual: Sequence[np.ndarray], expected: Sequence[np.nda
                          case: OpCase, what: str = "") -> None:
     """Same count, dtypes and shapes; floats within the case's tolerance, others exact."""
     label = f"{case.id}{what}"
+    actual, expected = _flat(actual), _flat(expected)
     assert len(actual) == len(expected), \
         f"{label}: {len(actual)} outputs, the reference gives {len(expected)}"
     for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
@@ -183,6 +210,7 @@ def assert_outputs_match(actual: Sequence[np.ndarray], expected: Sequence[np.nda
 
 def bitwise_equal(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> bool:
     """Same dtypes, shapes and bytes (NaNs included)."""
+    a, b = _flat(a), _flat(b)
     return len(a) == len(b) and all(
         x.dtype == y.dtype and x.shape == y.shape
         and np.ascontiguousarray(x).tobytes() == np.ascontiguousarray(y).tobytes()

@@ -487,11 +487,20 @@ def test_wrong_input_count_is_a_format_error() -> None:
         import_onnx(m)
 
 
-def test_sequence_input_is_a_format_error() -> None:
-    seq = helper.make_tensor_sequence_value_info("s", F, [2])
-    m = model([helper.make_node("Identity", ["s"], ["y"])], [seq], [untyped("y")])
-    with pytest.raises(ModelFormatError, match="tensor inputs only"):
+def test_map_input_is_a_format_error() -> None:
+    kind = helper.make_map_type_proto(TensorProto.INT64, helper.make_tensor_type_proto(F, [2]))
+    m = model([helper.make_node("Identity", ["s"], ["y"])],
+              [helper.make_value_info("s", kind)], [untyped("y")])
+    with pytest.raises(ModelFormatError, match="tensor, sequence and optional inputs only"):
         import_onnx(m)
+
+
+def test_sequence_input_has_a_sequence_type() -> None:
+    seq = helper.make_tensor_sequence_value_info("s", F, [2])
+    m = model([helper.make_node("SequenceLength", ["s"], ["y"])], [seq], [untyped("y")])
+    g = import_onnx(m)
+    assert str(g.inputs[0].type) == "seq(float32[2])"
+    assert str(g.outputs[0].type) == "int64[]"
 
 
 def test_unsupported_element_type_is_a_format_error_naming_it() -> None:

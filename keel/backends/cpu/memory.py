@@ -39,8 +39,11 @@ def copy(ctx: KernelContext, inputs: Sequence[Any], attrs: Attrs,
 @TABLE.kernel(Op.IDENTITY, supports_out=True)
 def identity(ctx: KernelContext, inputs: Sequence[Any], attrs: Attrs,
              out: Sequence[Any] | None) -> list[Any]:
-    """The input, as a fresh array (or copied into the output given, unless it is the input)."""
+    """The input, as a fresh array (or copied into the output given, unless it is the input);
+    a sequence or an optional value as it is."""
     x = inputs[0]
+    if x is None or isinstance(x, list):
+        return [x if x is None else list(x)]
     if out is None:
         return [x.copy()]
     if out[0] is not x:

@@ -38,7 +38,10 @@ def copy(ctx: KernelContext, inputs: Sequence[Any], attrs: Attrs,
 @TABLE.kernel(Op.IDENTITY, supports_out=True)
 def identity(ctx: KernelContext, inputs: Sequence[Any], attrs: Attrs,
              out: Sequence[Any] | None) -> list[Any]:
-    """The input, as a fresh array (or written into the output given)."""
+    """The input, as a fresh array (or written into the output given); a sequence or an
+    optional value as it is."""
+    if inputs[0] is None or isinstance(inputs[0], list):
+        return [inputs[0] if inputs[0] is None else list(inputs[0])]
     x = np.asarray(inputs[0])
     if out is None:
         return [x.copy()]

@@ -18,12 +18,14 @@ from __future__ import annotations
 import heapq
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from keel._files import read_regular
+from keel.dtypes import DType
 from keel.errors import (
     InvalidArgumentError,
     KeelError,
@@ -31,6 +33,7 @@ from keel.errors import (
     UnsupportedOperationError,
     VerificationError,
 )
+from keel.graph.importers import onnx_control  # noqa: F401  (registers its converters)
 from keel.graph.importers.onnx_context import Converter, ImportContext, OnnxNode, onnx_schema
 from keel.graph.importers.onnx_ml import ML_DOMAIN, ML_TABLE
 from keel.graph.importers.onnx_ms import MS_DOMAIN, MS_TABLE
@@ -38,7 +41,7 @@ from keel.graph.importers.onnx_ops import TABLE
 from keel.graph.importers.onnx_tensors import element_dtype, tensor_to_array
 from keel.graph.ir import Graph, Value
 from keel.ops.registry import Op
-from keel.ops.types import MAX_ELEMENTS, Dim, TensorType
+from keel.ops.types import MAX_ELEMENTS, Dim, TensorType, ValueKind
 
 __all__ = [
     "KEEL_DOMAIN",
@@ -148,20 +151,81 @@ class _Importer:
         overridable = {v.name for v in inputs if v.name in initializers}
         ctx = ImportContext(self.opset, declared, overridable,
                             domain_opsets={ML_DOMAIN: self.ml_opset or 0})
+        ctx.subgraph_importer = self._subgraph
         self._seed(ctx, inputs, initializers, nodes)
         for node in nodes:
             _convert(ctx, node)
         return self._graph(ctx, inputs, declared)
 
+    def _subgraph(self, outer: ImportContext, proto: Any,
+                  formal: Sequence[TensorType | None]) -> Graph:
+        """A subgraph attribute as a keel Graph; it reads ``outer``'s values by name."""
+        where = f"subgraph {proto.name or '?'!r} of node {outer.current.name!r}"
+        initializers = self._initializers(proto)
+        inputs = []
+        for k, vi in enumerate(proto.input):
+            _check_name(vi.name, f"input of {where}")
+            t = _value_type(vi, f"input {vi.name!r} of {where}")
+            t = t if t is not None else (formal[k] if k < len(formal) else None)
+            if t is None:
+                raise ModelFormatError(f"input {vi.name!r} of {where} has no type and keel "
+                                       "cannot infer it")
+            inputs.append(Value(vi.name, t))
+        declared = self._declared(proto)
+        nodes = self._nodes(proto)
+        local = {v.name for v in inputs} | set(initializers)
+        outside = [name for name in _free_names(proto) if name not in local]
+        unknown = [name for name in outside if name not in outer.state.types]
+        if unknown:
+            raise ModelFormatError(f"{where} reads {unknown[0]!r}, which no enclosing graph "
+                                   "defines before the node")
+        self._check_definitions(nodes, inputs, initializers, proto, outside)
+        nodes = _toposort(nodes, local | set(outside))
+        ctx = ImportContext(self.opset, declared, outer.overridable,
+                            domain_opsets=outer.domain_opsets)
+        ctx.subgraph_importer = self._subgraph
+        ctx.taken = outer.taken               # one namespace across scopes, as in ONNX
+        ctx.lenient = True
+        for name in outside:
+            ctx.state.types[name] = outer.state.types[name]
+            if name in outer.state.values:
+                ctx.state.values[name] = outer.state.values[name]
+        for name, arr in initializers.items():
+            ctx.add_initializer(name, arr)
+        for v in inputs:
+            ctx.state.types[v.name] = v.type
+            ctx.state.values.pop(v.name, None)
+        ctx.node_names.update(n.name for n in nodes)
+        for node in nodes:
+            _convert(ctx, node)
+        outputs = [Value(o.name, self._body_output_type(ctx, o.name, declared))
+                   for o in proto.output]
+        io = {v.name for v in inputs} | {o.name for o in outputs} | set(outside)
+        types = {k: t for k, t in ctx.state.types.items()
+                 if t is not None and k not in ctx.initializers and k not in io}
+        return Graph(proto.name or "body", ctx.nodes, inputs, outputs, ctx.initializers,
+                     types, self.opset)
+
+    def _body_output_type(self, ctx: ImportContext, name: str,
+                          declared: dict[str, TensorType]) -> TensorType:
+        """A subgraph output's type; one that neither the model nor inference gives (a
+        branch these shapes do not take) is float32 of unknown shape, a placeholder: the
+        values the subgraph makes when it runs carry their own types."""
+        try:
+            return self._output_type(ctx, name, declared)
+        except ModelFormatError:
+            return TensorType(DType.FLOAT32, None)
+
     # ---- pieces --------------------------------------------------------
-    def _initializers(self) -> dict[str, np.ndarray]:
+    def _initializers(self, g: Any = None) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}
-        for t in self.g.initializer:
+        g = self.g if g is None else g
+        for t in g.initializer:
             _check_name(t.name, "initializer")
             if t.name in out:
                 raise ModelFormatError(f"initializer {t.name!r} is defined twice")
             out[t.name] = tensor_to_array(t, self.base_dir, f"initializer {t.name!r}")
-        for sp in self.g.sparse_initializer:
+        for sp in g.sparse_initializer:
             name = sp.values.name
             _check_name(name, "sparse initializer")
             if name in out:
@@ -183,28 +247,29 @@ class _Importer:
                 continue
             t = _value_type(vi, f"graph input {vi.name!r}")
             if t is None:
-                raise ModelFormatError(f"graph input {vi.name!r} has no tensor type; keel "
-                                       "reads tensor inputs only")
+                raise ModelFormatError(f"graph input {vi.name!r} has no type keel reads; keel "
+                                       "reads tensor, sequence and optional inputs only")
             values.append(Value(vi.name, t))
         return values
 
-    def _declared(self) -> dict[str, TensorType]:
+    def _declared(self, g: Any = None) -> dict[str, TensorType]:
         out: dict[str, TensorType] = {}
-        for vi in list(self.g.value_info) + list(self.g.output):
+        g = self.g if g is None else g
+        for vi in list(g.value_info) + list(g.output):
             try:
                 t = _value_type(vi, f"value {vi.name!r}")
             except ModelFormatError:
-                if vi.name in {o.name for o in self.g.output}:
+                if vi.name in {o.name for o in g.output}:
                     raise
                 t = None  # a bad type on an intermediate is only a hint lost
             if t is not None and vi.name:
                 out[vi.name] = t
         return out
 
-    def _nodes(self) -> list[OnnxNode]:
+    def _nodes(self, g: Any = None) -> list[OnnxNode]:
         nodes: list[OnnxNode] = []
         names: set[str] = set()
-        for idx, proto in enumerate(self.g.node):
+        for idx, proto in enumerate((self.g if g is None else g).node):
             if not proto.op_type:
                 raise ModelFormatError(f"node #{idx} ({proto.name!r}) has no op_type")
             name = proto.name or f"{proto.op_type}_{idx}"
@@ -213,12 +278,14 @@ class _Importer:
             names.add(name)
             attrs = _decode_attrs(proto, name, self.base_dir)
             nodes.append(OnnxNode(name, proto.op_type, proto.domain, list(proto.input),
-                                  list(proto.output), attrs))
+                                  list(proto.output), attrs, _implicit_inputs(proto)))
         return nodes
 
     def _check_definitions(self, nodes: list[OnnxNode], inputs: list[Value],
-                           initializers: dict[str, np.ndarray]) -> None:
-        defined = {v.name for v in inputs} | set(initializers)
+                           initializers: dict[str, np.ndarray], g: Any = None,
+                           outside: Sequence[str] = ()) -> None:
+        g = self.g if g is None else g
+        defined = {v.name for v in inputs} | set(initializers) | set(outside)
         for n in nodes:
             for o in n.outputs:
                 if o and o in defined:
@@ -226,11 +293,11 @@ class _Importer:
                                            f"{n.name!r})")
                 defined.add(o)
         for n in nodes:
-            for i in n.inputs:
+            for i in (*n.inputs, *n.implicit):
                 if i and i not in defined:
                     raise ModelFormatError(f"node {n.name!r} ({n.op_type}) reads {i!r}, "
                                            "which no node, input or initializer defines")
-        for o in self.g.output:
+        for o in g.output:
             _check_name(o.name, "graph output")
             if o.name not in defined:
                 raise ModelFormatError(f"graph output {o.name!r} is not defined by any node, "
@@ -273,7 +340,7 @@ class _Importer:
             return given
         dims = tuple(g if g is not None else i for g, i in zip(given.shape, inferred.shape,
                                                               strict=True))
-        return TensorType(given.dtype, dims)
+        return TensorType(given.dtype, dims, given.kind)
 
     def _metadata(self) -> dict[str, str]:
         m = self.model
@@ -323,9 +390,27 @@ def _check_name(name: str, what: str) -> None:
 
 # ---- types and attributes ---------------------------------------------------------------
 def _value_type(vi: Any, what: str) -> TensorType | None:
-    if vi.type.WhichOneof("value") != "tensor_type":
+    return _type_of(vi.type, what)
+
+
+def _type_of(tp: Any, what: str) -> TensorType | None:
+    """keel's type of an ONNX TypeProto: a tensor, a sequence of tensors, an optional."""
+    which = tp.WhichOneof("value")
+    if which == "sequence_type":
+        elem = _type_of(tp.sequence_type.elem_type, what) if \
+            tp.sequence_type.HasField("elem_type") else None
+        return None if elem is None or not elem.is_tensor else \
+            elem.as_kind(ValueKind.SEQUENCE)
+    if which == "optional_type":
+        elem = _type_of(tp.optional_type.elem_type, what) if \
+            tp.optional_type.HasField("elem_type") else None
+        if elem is None or elem.kind not in (ValueKind.TENSOR, ValueKind.SEQUENCE):
+            return None
+        return elem.as_kind(ValueKind.OPTIONAL if elem.is_tensor
+                            else ValueKind.OPTIONAL_SEQUENCE)
+    if which != "tensor_type":
         return None
-    tt = vi.type.tensor_type
+    tt = tp.tensor_type
     if not tt.elem_type:
         return None
     dtype = element_dtype(tt.elem_type, what)
@@ -366,7 +451,11 @@ def _attr_value(a: Any, what: str, base_dir: Path | None) -> Any:
         return bytes(a.s).decode("utf-8", "replace")
     if kind == 4:
         return tensor_to_array(a.t, base_dir, what)
-    if kind in (5, 10, 13):  # GRAPH, GRAPHS, TYPE_PROTO: only ops keel rejects use them
+    if kind == 5:            # GRAPH: imported by the node's converter (ImportContext.subgraph)
+        return a.g
+    if kind == 13:           # TYPE_PROTO (Optional's type)
+        return _type_of(a.tp, what)
+    if kind == 10:           # GRAPHS: only ops keel rejects use them
         return None
     if kind == 6:
         return tuple(float(x) for x in a.floats)
@@ -401,6 +490,32 @@ def _sparse_to_dense(sp: Any, base_dir: Path | None, what: str) -> np.ndarray:
     return dense.reshape(shape)
 
 
+def _implicit_inputs(proto: Any) -> list[str]:
+    """The names the graph attributes of node ``proto`` read from enclosing scopes."""
+    names: list[str] = []
+    for a in proto.attribute:
+        graphs = [a.g] if a.type == 5 else list(a.graphs) if a.type == 10 else []
+        for g in graphs:
+            names += [n for n in _free_names(g) if n not in names]
+    return names
+
+
+def _free_names(g: Any) -> list[str]:
+    """Names GraphProto ``g`` (and graphs nested in it) reads without defining them."""
+    defined = {vi.name for vi in g.input} | {t.name for t in g.initializer} | \
+        {sp.values.name for sp in g.sparse_initializer} | \
+        {o for n in g.node for o in n.output if o}
+    free: list[str] = []
+    for n in g.node:
+        for name in (*n.input, *_implicit_inputs(n)):
+            if name and name not in defined and name not in free:
+                free.append(name)
+    for o in g.output:
+        if o.name not in defined and o.name not in free:
+            free.append(o.name)
+    return free
+
+
 # ---- ordering and conversion ------------------------------------------------------------
 def _toposort(nodes: list[OnnxNode], available: set[str]) -> list[OnnxNode]:
     """Stable topological order; a cycle is a ModelFormatError."""
@@ -408,7 +523,7 @@ def _toposort(nodes: list[OnnxNode], available: set[str]) -> list[OnnxNode]:
     waiting = [0] * len(nodes)
     dependents: dict[int, list[int]] = {}
     for k, n in enumerate(nodes):
-        for i in {i for i in n.inputs if i and i not in available}:
+        for i in {i for i in (*n.inputs, *n.implicit) if i and i not in available}:
             waiting[k] += 1
             dependents.setdefault(producer[i], []).append(k)
     ready = [k for k, w in enumerate(waiting) if w == 0]

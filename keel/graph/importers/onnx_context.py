@@ -23,7 +23,7 @@ from keel.errors import (
     ModelFormatError,
     UnsupportedOperationError,
 )
-from keel.graph.ir import Node, match_attr_name
+from keel.graph.ir import Graph, Node, match_attr_name
 from keel.graph.shape_inference import Propagation, propagate_node
 from keel.ops.registry import Op
 from keel.ops.schema import REQUIRED, AttrKind, OpSchema, get_schema
@@ -49,6 +49,8 @@ class OnnxNode:
     inputs: list[str]
     outputs: list[str]
     attrs: dict[str, Any] = field(default_factory=dict)
+    # Values of enclosing scopes its subgraph attributes read (they order the nodes too).
+    implicit: list[str] = field(default_factory=list)
 
     def input(self, index: int) -> str:
         return self.inputs[index] if index < len(self.inputs) else ""
@@ -58,6 +60,8 @@ class OnnxNode:
 
 
 Converter = Callable[["ImportContext", OnnxNode], None]
+# (the enclosing context, an ONNX GraphProto, the types its formal inputs take) -> Graph
+SubgraphImporter = Callable[["ImportContext", Any, Sequence[TensorType | None]], Graph]
 
 
 class ConverterTable:
@@ -113,6 +117,10 @@ class ImportContext:
         self.node_names: set[str] = set()
         self.current = OnnxNode("", "", "", [], [])
         self._emitted = 0
+        # Imports a subgraph attribute (set by the importer; see :meth:`subgraph`).
+        self.subgraph_importer: SubgraphImporter | None = None
+        # A subgraph's types are a hint: a branch not taken for these shapes may not type.
+        self.lenient = False
 
     # ---- reading -------------------------------------------------------
     def opset_of(self, domain: str) -> int:
@@ -136,6 +144,15 @@ class ImportContext:
         if not name or name in self.overridable:
             return None
         return self.state.values.get(name, self.initializers.get(name))
+
+    def subgraph(self, attr: str, formal: Sequence[TensorType | None] = ()) -> Graph:
+        """The current node's graph attribute ``attr`` imported as a keel Graph whose formal
+        inputs take ``formal`` where the subgraph declares no type; it may read this
+        context's values (see :mod:`keel.graph.subgraphs`)."""
+        proto = self.current.attrs.get(attr)
+        if proto is None or self.subgraph_importer is None:
+            raise self.invalid(f"missing graph attribute {attr!r}")
+        return self.subgraph_importer(self, proto, formal)
 
     # ---- writing -------------------------------------------------------
     def fresh(self, base: str) -> str:
@@ -264,6 +281,11 @@ class ImportContext:
         try:
             propagate_node(node, self.state, self.declared)
         except InvalidArgumentError as exc:  # its message names the node already
+            if self.lenient:
+                for o in node.outputs:
+                    if o:
+                        self.state.types[o] = self.declared.get(o)
+                return
             raise ModelFormatError(f"{exc.message} (from ONNX {self.current.op_type})") \
                 from None
 

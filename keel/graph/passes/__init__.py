@@ -172,9 +172,38 @@ def optimize_with_report(graph: Graph, level: str = "all") -> OptimizeReport:
             if not changed:
                 break
     if level != "none":
+        current = _optimize_subgraphs(current, level)
         current.verify()
     report.graph = current
     return report
+
+
+def _optimize_subgraphs(graph: Graph, level: str) -> Graph:
+    """``graph`` with each subgraph optimized at ``level`` as the graph it runs as: its
+    formal inputs as declared, its captures as inputs typed as the enclosing graph
+    types them (a subgraph with a capture of unknown type is left as it is)."""
+    from keel.errors import KeelError
+    from keel.graph.shape_inference import propagate
+    from keel.graph.subgraphs import captured_inputs, captures, executable, subgraphs
+
+    if not any(subgraphs(n) for n in graph.nodes):
+        return graph
+    try:
+        types = propagate(graph).types
+    except KeelError:
+        return graph
+    g = graph.copy()
+    for node in g.nodes:
+        names = captures(node)
+        cap_types = [types.get(i) for i in captured_inputs(node)]
+        if any(t is None for t in cap_types):
+            continue
+        for attr, body in subgraphs(node):
+            better = optimize(executable(body, names, cap_types), level)
+            node.attrs[attr] = Graph(body.name, better.nodes, list(body.inputs),
+                                     better.outputs, better.initializers,
+                                     better.value_types, body.opset, body.metadata)
+    return g
 
 
 def _differs(before: Graph, after: Graph) -> bool:
@@ -192,6 +221,11 @@ def _same_attrs(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     for k, x in a.items():
         y = b[k]
         if x is y:
+            continue
+        if isinstance(x, Graph) and isinstance(y, Graph):    # a subgraph (copied by a pass)
+            if _differs(x, y) or x.input_names != y.input_names or \
+                    x.output_names != y.output_names:
+                return False
             continue
         if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
             if not np.array_equal(x, y):

@@ -23,6 +23,8 @@ from keel.ops.types import TensorType
 __all__ = ["FOLD_LIMIT_BYTES", "fold_constants"]
 
 FOLD_LIMIT_BYTES = 64 << 20
+# Control flow may run long (a loop); sequences and optionals are not arrays.
+_NEVER = OpGroup.CONTROL_FLOW | OpGroup.SEQUENCE
 
 
 def fold_constants(graph: Graph) -> Graph:
@@ -44,6 +46,8 @@ def fold_constants(graph: Graph) -> Graph:
 
 
 def _fold(g: Graph, node: Node, types: dict[str, TensorType | None]) -> bool:
+    if node.op in _NEVER:
+        return False
     present = node.present_inputs()
     if not present or not all(g.is_constant(i) for i in present):
         return False

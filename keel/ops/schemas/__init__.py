@@ -2,6 +2,7 @@
 
 from keel.ops.schemas import (  # noqa: F401
     attention,
+    control,
     conv,
     elementwise,
     indexing,

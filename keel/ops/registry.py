@@ -186,6 +186,9 @@ class Op(str, enum.Enum):
     ROTARY_EMBEDDING = "rotary_embedding"
     SWIGLU = "swiglu"
     TENSOR_SCATTER = "tensor_scatter"
+    # recurrent state carried across calls (linear-attention and state-space models)
+    LINEAR_ATTENTION = "linear_attention"
+    CAUSAL_CONV_WITH_STATE = "causal_conv_with_state"
     # vision
     GRID_SAMPLE = "grid_sample"
     AFFINE_GRID = "affine_grid"
@@ -223,6 +226,11 @@ class Op(str, enum.Enum):
     TREE_ENSEMBLE_CLASSIFIER = "tree_ensemble_classifier"
     SVM_CLASSIFIER = "svm_classifier"
     SVM_REGRESSOR = "svm_regressor"
+    # strings
+    STRING_CONCAT = "string_concat"
+    STRING_SPLIT = "string_split"
+    STRING_NORMALIZER = "string_normalizer"
+    REGEX_FULL_MATCH = "regex_full_match"
 
 
 class OpGroup(frozenset[Op], enum.Enum):
@@ -254,10 +262,11 @@ class OpGroup(frozenset[Op], enum.Enum):
     MATMUL_LIKE = frozenset({
         Op.MATMUL, Op.DOT, Op.GEMM, Op.EINSUM, Op.MATMUL_INTEGER, Op.ATTENTION,
         Op.QLINEAR_MATMUL, Op.ONNX_ATTENTION, Op.DET, Op.RNN, Op.GRU, Op.LSTM, Op.DFT, Op.STFT,
+        Op.LINEAR_ATTENTION,
     })
     CONVOLUTION = frozenset({
         Op.CONV2D, Op.CONV, Op.CONV_TRANSPOSE, Op.CONV_INTEGER, Op.QLINEAR_CONV,
-        Op.DEFORM_CONV, Op.COL2IM,
+        Op.DEFORM_CONV, Op.COL2IM, Op.CAUSAL_CONV_WITH_STATE,
     })
     POOLING = frozenset({
         Op.MAX_POOL, Op.AVG_POOL, Op.LP_POOL, Op.GLOBAL_AVG_POOL, Op.GLOBAL_MAX_POOL,
@@ -292,8 +301,13 @@ class OpGroup(frozenset[Op], enum.Enum):
         Op.BINARIZER, Op.ONE_HOT_ENCODER, Op.LABEL_ENCODER, Op.ARRAY_FEATURE_EXTRACTOR,
         Op.TREE_ENSEMBLE, Op.TREE_ENSEMBLE_CLASSIFIER, Op.SVM_CLASSIFIER, Op.SVM_REGRESSOR,
     })
+    # String processing (ONNX's text ops).
+    STRING = frozenset({
+        Op.STRING_CONCAT, Op.STRING_SPLIT, Op.STRING_NORMALIZER, Op.REGEX_FULL_MATCH,
+    })
     # Ops whose output shape depends on input *values*, not only input shapes.
-    DATA_DEPENDENT = frozenset({Op.NONZERO, Op.UNIQUE, Op.COMPRESS, Op.NON_MAX_SUPPRESSION})
+    DATA_DEPENDENT = frozenset({Op.NONZERO, Op.UNIQUE, Op.COMPRESS, Op.NON_MAX_SUPPRESSION,
+                                Op.STRING_SPLIT, Op.STRING_NORMALIZER})
     # The 19 ops of the GPU profile of seed 001.
     SEED_GPU_PROFILE = frozenset({
         Op.SUM_ALL, Op.MEAN_ALL, Op.SUM, Op.MEAN, Op.ADD, Op.MUL, Op.RELU, Op.MATMUL,
@@ -306,7 +320,7 @@ class OpGroup(frozenset[Op], enum.Enum):
 _PRIMARY = (
     OpGroup.QUANTIZATION, OpGroup.CONVOLUTION, OpGroup.MATMUL_LIKE, OpGroup.POOLING,
     OpGroup.NORMALIZATION, OpGroup.REDUCTION, OpGroup.ELEMENTWISE, OpGroup.SHAPE,
-    OpGroup.INDEXING, OpGroup.MEMORY, OpGroup.CLASSICAL_ML,
+    OpGroup.INDEXING, OpGroup.MEMORY, OpGroup.CLASSICAL_ML, OpGroup.STRING,
 )
 
 

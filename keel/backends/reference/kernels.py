@@ -15,6 +15,7 @@ FAMILIES = (
     "elementwise", "memory", "reduction", "shape", "indexing", "matmul", "conv",
     "pooling", "normalization", "resize", "quantization",
     "loss", "attention", "vision", "signal", "recurrent", "numeric", "ml", "trees",
+    "stateful", "strings",
 )
 
 

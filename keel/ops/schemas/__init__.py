@@ -18,6 +18,8 @@ from keel.ops.schemas import (  # noqa: F401
     resize,
     shape,
     signal,
+    stateful,
+    strings,
     trees,
     vision,
 )

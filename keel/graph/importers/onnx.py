@@ -34,6 +34,7 @@ from keel.errors import (
 from keel.graph.importers.onnx_context import Converter, ImportContext, OnnxNode, onnx_schema
 from keel.graph.importers.onnx_ml import ML_DOMAIN, ML_TABLE
 from keel.graph.importers.onnx_ops import TABLE
+from keel.graph.importers.onnx_preview import PREVIEW_DOMAIN, PREVIEW_TABLE, preview_opset
 from keel.graph.importers.onnx_tensors import element_dtype, tensor_to_array
 from keel.graph.ir import Graph, Value
 from keel.ops.registry import Op
@@ -146,7 +147,8 @@ class _Importer:
         nodes = _toposort(nodes, {v.name for v in inputs} | set(initializers))
         overridable = {v.name for v in inputs if v.name in initializers}
         ctx = ImportContext(self.opset, declared, overridable,
-                            domain_opsets={ML_DOMAIN: self.ml_opset or 0})
+                            domain_opsets={ML_DOMAIN: self.ml_opset or 0,
+                                           PREVIEW_DOMAIN: preview_opset(self.model)})
         self._seed(ctx, inputs, initializers, nodes)
         for node in nodes:
             _convert(ctx, node)
@@ -365,7 +367,9 @@ def _attr_value(a: Any, what: str, base_dir: Path | None) -> Any:
         return bytes(a.s).decode("utf-8", "replace")
     if kind == 4:
         return tensor_to_array(a.t, base_dir, what)
-    if kind in (5, 10, 13):  # GRAPH, GRAPHS, TYPE_PROTO: only ops keel rejects use them
+    if kind == 5:            # GRAPH: read by the node's converter
+        return a.g
+    if kind in (10, 13):     # GRAPHS, TYPE_PROTO: only ops keel rejects use them
         return None
     if kind == 6:
         return tuple(float(x) for x in a.floats)
@@ -434,6 +438,8 @@ def _convert(ctx: ImportContext, n: OnnxNode) -> None:
     converter: Converter | None
     if n.domain == ML_DOMAIN:
         converter = _ml_converter(ctx, n)
+    elif n.domain == PREVIEW_DOMAIN and ctx.opset_of(PREVIEW_DOMAIN):
+        converter = PREVIEW_TABLE.lookup(n.op_type, ctx.opset_of(PREVIEW_DOMAIN))
     elif n.domain not in _DEFAULT_DOMAINS:
         raise ctx.unsupported(f"custom domain {n.domain!r} (keel reads the default ONNX "
                               f"domain, {ML_DOMAIN!r} and {KEEL_DOMAIN!r})")

@@ -10,7 +10,8 @@ picks an op version.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -234,6 +235,16 @@ class ImportContext:
         return ModelFormatError(f"node {n.name!r} ({n.op_type}): {detail}")
 
     # ---- internals -----------------------------------------------------
+    @contextmanager
+    def nested(self) -> Iterator[None]:
+        """Convert other ONNX nodes from inside a converter (a subgraph imported in place);
+        afterwards the current node and the naming of its keel nodes continue."""
+        current, emitted = self.current, self._emitted
+        try:
+            yield
+        finally:
+            self.current, self._emitted = current, emitted
+
     def begin(self, node: OnnxNode) -> None:
         self.current = node
         self._emitted = 0

@@ -189,5 +189,6 @@ def bitwise_equal(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> bool:
     """Same dtypes, shapes and bytes (NaNs included)."""
     return len(a) == len(b) and all(
         x.dtype == y.dtype and x.shape == y.shape
-        and np.ascontiguousarray(x).tobytes() == np.ascontiguousarray(y).tobytes()
+        and (x.tolist() == y.tolist() if x.dtype == object   # strings: by value
+             else np.ascontiguousarray(x).tobytes() == np.ascontiguousarray(y).tobytes())
         for x, y in zip(a, b, strict=True))

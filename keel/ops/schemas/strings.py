@@ -57,10 +57,10 @@ def check_normalizer_shape(shape: Sequence[Any]) -> None:
 def _infer_concat(types: Sequence[TensorType | None], attrs: Mapping[str, Any],
                   values: Sequence[np.ndarray | None]) -> list[TensorType | None]:
     _require_strings(Op.STRING_CONCAT, types)
-    if any(t is None or t.shape is None for t in types):
+    shapes = [t.shape for t in types if t is not None and t.shape is not None]
+    if len(shapes) < len(types):
         return [TensorType(DType.STRING, None)]
-    return [TensorType(DType.STRING, broadcast_shapes(*[t.shape for t in types  # type: ignore[union-attr]
-                                                        ]))]
+    return [TensorType(DType.STRING, broadcast_shapes(*shapes))]
 
 
 def _infer_split(types: Sequence[TensorType | None], attrs: Mapping[str, Any],

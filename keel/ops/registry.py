@@ -231,6 +231,7 @@ class Op(str, enum.Enum):
     STRING_SPLIT = "string_split"
     STRING_NORMALIZER = "string_normalizer"
     REGEX_FULL_MATCH = "regex_full_match"
+    TFIDF_VECTORIZER = "tfidf_vectorizer"
 
 
 class OpGroup(frozenset[Op], enum.Enum):
@@ -301,9 +302,10 @@ class OpGroup(frozenset[Op], enum.Enum):
         Op.BINARIZER, Op.ONE_HOT_ENCODER, Op.LABEL_ENCODER, Op.ARRAY_FEATURE_EXTRACTOR,
         Op.TREE_ENSEMBLE, Op.TREE_ENSEMBLE_CLASSIFIER, Op.SVM_CLASSIFIER, Op.SVM_REGRESSOR,
     })
-    # String processing (ONNX's text ops).
+    # Text processing (ONNX's string ops and TfIdfVectorizer).
     STRING = frozenset({
         Op.STRING_CONCAT, Op.STRING_SPLIT, Op.STRING_NORMALIZER, Op.REGEX_FULL_MATCH,
+        Op.TFIDF_VECTORIZER,
     })
     # Ops whose output shape depends on input *values*, not only input shapes.
     DATA_DEPENDENT = frozenset({Op.NONZERO, Op.UNIQUE, Op.COMPRESS, Op.NON_MAX_SUPPRESSION,

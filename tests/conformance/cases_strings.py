@@ -1,6 +1,7 @@
 """Conformance cases of the string family: concatenation with broadcasting, splits on
 a delimiter or whitespace with and without maxsplit (empty strings and tensors too),
-normalization with stopwords and case changes, full regular-expression matches."""
+normalization with stopwords and case changes, full regular-expression matches,
+TfIdfVectorizer in its three modes with and without skips, on ints and strings."""
 
 from __future__ import annotations
 
@@ -65,4 +66,16 @@ CASES: list[OpCase] = [
            {"pattern": r"[a-z]+"}),
     OpCase("regex_full_match-digits", Op.REGEX_FULL_MATCH, _given(_strings((10,))),
            {"pattern": r"\d(-\d)*"}),
+    *(OpCase(f"tfidf_vectorizer-{mode}-skip{skip}", Op.TFIDF_VECTORIZER,
+             _given(np.array([[1, 1, 3, 3, 3, 7], [8, 6, 7, 5, 6, 8]], np.int32)),
+             {"max_gram_length": 2, "max_skip_count": skip, "min_gram_length": 1,
+              "mode": mode, "ngram_counts": (0, 4), "ngram_indexes": tuple(range(7)),
+              "pool_int64s": (2, 3, 5, 4, 5, 6, 7, 8, 6, 7),
+              "weights": (0.5, 1.0, 2.0, 0.25, 1.5, 3.0, 1.0)})
+      for mode in ("TF", "IDF", "TFIDF") for skip in (0, 2)),
+    OpCase("tfidf_vectorizer-strings-bigrams", Op.TFIDF_VECTORIZER,
+           _given(_strings((7,), ("a", "b", "a", "b", "c", "b", "c"))),
+           {"max_gram_length": 2, "max_skip_count": 1, "min_gram_length": 2, "mode": "TF",
+            "ngram_counts": (0, 2), "ngram_indexes": (0, 1, 2, 3),
+            "pool_strings": ("a", "c", "a", "b", "b", "c")}),
 ]

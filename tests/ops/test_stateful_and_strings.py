@@ -1,4 +1,4 @@
-"""LinearAttention, CausalConvWithState and the string ops against ONNX's reference
+"""LinearAttention, CausalConvWithState, the string ops and TfIdfVectorizer against ONNX's reference
 evaluator (every conformance case, every output), through keel's backends and a loaded
 model, and their typed errors."""
 
@@ -23,7 +23,8 @@ from tests.ops._kernels import run_cpu, run_ref
 ONNX_OPS = {Op.LINEAR_ATTENTION: ("LinearAttention", 2), Op.CAUSAL_CONV_WITH_STATE:
             ("CausalConvWithState", 2), Op.STRING_CONCAT: ("StringConcat", 1),
             Op.STRING_SPLIT: ("StringSplit", 2), Op.STRING_NORMALIZER: ("StringNormalizer", 1),
-            Op.REGEX_FULL_MATCH: ("RegexFullMatch", 1)}
+            Op.REGEX_FULL_MATCH: ("RegexFullMatch", 1),
+            Op.TFIDF_VECTORIZER: ("TfIdfVectorizer", 1)}
 CASES = [*cases_stateful.CASES, *cases_strings.CASES]
 
 

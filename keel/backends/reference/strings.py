@@ -9,7 +9,14 @@ import numpy as np
 from keel.backends.base import Attrs, Inputs, KernelContext, Out
 from keel.backends.reference.kernels import TABLE
 from keel.ops.registry import Op
-from keel.ops.schemas.strings import STRINGS, check_normalizer_shape, compile_pattern
+from keel.ops.schemas.strings import (
+    STRINGS,
+    TFIDF_INPUTS,
+    check_normalizer_shape,
+    check_tfidf_shape,
+    compile_pattern,
+    tfidf_pool,
+)
 
 __all__: list[str] = []
 
@@ -67,3 +74,33 @@ def regex_full_match(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out)
     regex = compile_pattern(attrs["pattern"])
     found = [regex.fullmatch(str(s)) is not None for s in x.reshape(-1)]
     return [np.array(found, dtype=bool).reshape(x.shape)]
+
+
+@TABLE.kernel(Op.TFIDF_VECTORIZER, dtypes=TFIDF_INPUTS)
+def tfidf_vectorizer(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """n-gram counts per row (each skip distance; 1-grams once), then the mode's weights."""
+    x = inputs[0]
+    check_tfidf_shape(x.shape)
+    grams = tfidf_pool(attrs)
+    width = max(attrs["ngram_indexes"]) + 1
+    rows = x.reshape(-1, x.shape[-1])
+    counts = np.zeros((rows.shape[0], width), np.float32)
+    lo, hi = attrs["min_gram_length"], attrs["max_gram_length"]
+    for r, row in enumerate(rows):
+        items = [str(v) for v in row] if x.dtype == object else [int(v) for v in row]
+        for skip in range(1, attrs["max_skip_count"] + 2):
+            for size in range(max(lo, 1 if skip == 1 else 2), hi + 1):
+                for start in range(len(items) - (size - 1) * skip):
+                    column = grams.get(tuple(items[start:start + (size - 1) * skip + 1:skip]))
+                    if column is not None:
+                        counts[r, column] += 1
+    return [_weighted(counts, attrs).reshape(*x.shape[:-1], width)]
+
+
+def _weighted(counts: np.ndarray, attrs: Attrs) -> np.ndarray:
+    weights = np.asarray(attrs["weights"] or (), np.float32)
+    if attrs["mode"] == "TF":
+        return counts
+    if attrs["mode"] == "IDF":
+        return np.where(counts > 0, weights if weights.size else np.float32(1), np.float32(0))
+    return counts * weights if weights.size else counts

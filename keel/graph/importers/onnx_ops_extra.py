@@ -51,6 +51,7 @@ EXTRA_DIRECT: dict[str, tuple[Op, int]] = {
     "StringSplit": (Op.STRING_SPLIT, 20),
     "StringNormalizer": (Op.STRING_NORMALIZER, 10),
     "RegexFullMatch": (Op.REGEX_FULL_MATCH, 20),
+    "TfIdfVectorizer": (Op.TFIDF_VECTORIZER, 9),
 }
 
 

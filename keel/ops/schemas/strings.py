@@ -9,6 +9,10 @@
   The input is ``(C,)`` or ``(1, C)``; when every element is dropped the output holds
   one empty string.
 * ``regex_full_match``: whether each string matches ``pattern`` whole (bool).
+* ``tfidf_vectorizer``: per row of int or string tokens, how often each n-gram of the
+  pool occurs (with up to ``max_skip_count`` tokens skipped between the items of an
+  n-gram; 1-grams counted once), weighted by ``mode``: TF (counts), IDF (the weight
+  where the count is non-zero), TFIDF (count x weight).
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from keel.ops.registry import Op
 from keel.ops.schema import REQUIRED, AttrKind, AttrSpec, OpSchema, register_schema
 from keel.ops.types import TensorType, broadcast_shapes
 
-__all__ = ["CASE_ACTIONS", "STRINGS", "check_normalizer_shape", "compile_pattern"]
+__all__ = ["CASE_ACTIONS", "STRINGS", "TFIDF_INPUTS", "check_normalizer_shape",
+           "check_tfidf_shape", "compile_pattern", "tfidf_pool"]
 
 STRINGS = frozenset({DType.STRING})
 CASE_ACTIONS = ("NONE", "LOWER", "UPPER")
@@ -97,6 +102,65 @@ def _infer_regex(types: Sequence[TensorType | None], attrs: Mapping[str, Any],
     return [TensorType(DType.BOOL, None if x is None else x.shape)]
 
 
+TFIDF_INPUTS = frozenset({DType.INT32, DType.INT64, DType.STRING})
+TFIDF_MODES = ("TF", "IDF", "TFIDF")
+
+
+def tfidf_pool(attrs: Mapping[str, Any]) -> dict[tuple[Any, ...], int]:
+    """The pool's n-grams of the sizes counted, each with its output column.
+
+    The pool holds the 1-grams, then the 2-grams, ... (``ngram_counts`` gives where each
+    size starts); the k-th n-gram of the whole pool counts into column
+    ``ngram_indexes[k]``. A repeated n-gram counts into its last column.
+    """
+    op = Op.TFIDF_VECTORIZER
+    pool = list(attrs["pool_int64s"] or attrs["pool_strings"] or ())
+    starts, columns = list(attrs["ngram_counts"]), list(attrs["ngram_indexes"])
+    if attrs["mode"] not in TFIDF_MODES:
+        raise InvalidArgumentError(
+            f"{op.value}: mode {attrs['mode']!r} is not one of {', '.join(TFIDF_MODES)}")
+    if not columns or min(columns) < 0:
+        raise InvalidArgumentError(f"{op.value}: ngram_indexes must be non-empty and >= 0")
+    if starts != sorted(starts) or any(s < 0 or s > len(pool) for s in starts):
+        raise InvalidArgumentError(
+            f"{op.value}: ngram_counts {tuple(starts)} must rise within the pool of "
+            f"{len(pool)} items")
+    grams: dict[tuple[Any, ...], int] = {}
+    k = 0
+    for size, start in enumerate(starts, 1):
+        end = starts[size] if size < len(starts) else len(pool)
+        for at in range(start, end - size + 1, size):
+            if k >= len(columns):
+                raise InvalidArgumentError(
+                    f"{op.value}: the pool has more n-grams than ngram_indexes entries "
+                    f"({len(columns)})")
+            if attrs["min_gram_length"] <= size <= attrs["max_gram_length"]:
+                grams[tuple(pool[at:at + size])] = columns[k]
+            k += 1
+    return grams
+
+
+def check_tfidf_shape(shape: Sequence[Any]) -> None:
+    if len(shape) not in (1, 2):
+        raise InvalidArgumentError(
+            f"{Op.TFIDF_VECTORIZER.value}: input must be (C,) or (B, C), got {tuple(shape)}")
+
+
+def _infer_tfidf(types: Sequence[TensorType | None], attrs: Mapping[str, Any],
+                 values: Sequence[np.ndarray | None]) -> list[TensorType | None]:
+    x = types[0]
+    if x is not None and x.dtype not in TFIDF_INPUTS:
+        raise InvalidArgumentError(
+            f"{Op.TFIDF_VECTORIZER.value} takes int32, int64 or string input, "
+            f"got {x.dtype.value}")
+    tfidf_pool(attrs)
+    width = max(attrs["ngram_indexes"]) + 1
+    if x is None or x.shape is None:
+        return [TensorType(DType.FLOAT32, None)]
+    check_tfidf_shape(x.shape)
+    return [TensorType(DType.FLOAT32, (*x.shape[:-1], width))]
+
+
 register_schema(OpSchema(
     Op.STRING_CONCAT, 2, 2, infer=_infer_concat,
     doc="ONNX StringConcat: x + y elementwise, broadcast.",
@@ -121,4 +185,19 @@ register_schema(OpSchema(
     Op.REGEX_FULL_MATCH, 1, 1, attrs=(AttrSpec("pattern", AttrKind.STR, REQUIRED),),
     infer=_infer_regex,
     doc="ONNX RegexFullMatch: whether each string matches the pattern whole.",
+))
+register_schema(OpSchema(
+    Op.TFIDF_VECTORIZER, 1, 1,
+    attrs=(AttrSpec("max_gram_length", AttrKind.INT, REQUIRED),
+           AttrSpec("max_skip_count", AttrKind.INT, REQUIRED),
+           AttrSpec("min_gram_length", AttrKind.INT, REQUIRED),
+           AttrSpec("mode", AttrKind.STR, REQUIRED),
+           AttrSpec("ngram_counts", AttrKind.INTS, REQUIRED),
+           AttrSpec("ngram_indexes", AttrKind.INTS, REQUIRED),
+           AttrSpec("pool_int64s", AttrKind.INTS, None),
+           AttrSpec("pool_strings", AttrKind.STRS, None),
+           AttrSpec("weights", AttrKind.FLOATS, None)),
+    infer=_infer_tfidf,
+    doc="ONNX TfIdfVectorizer: counts of the pool's n-grams (with skips) in each row of X "
+        "(C,) or (B, C), weighted by mode TF, IDF or TFIDF; float32 (…, max(ngram_indexes)+1).",
 ))

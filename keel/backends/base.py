@@ -113,7 +113,7 @@ from typing import Any, ClassVar, final
 import numpy as np
 
 from keel.backends.plan import Measured, NodePlan, PlanRequest, default_plan, request_types
-from keel.dtypes import DType, as_dtype
+from keel.dtypes import NARROW, DType, as_dtype
 from keel.errors import (
     BackendSelectionError,
     ExecutionError,
@@ -316,7 +316,8 @@ class Backend(ABC):
 
     name: ClassVar[str]
     device: ClassVar[DeviceKind]
-    dtypes: ClassVar[frozenset[DType]] = frozenset(DType) - {DType.STRING}
+    # The narrow ml_dtypes types live on NumPy backends only (those add them).
+    dtypes: ClassVar[frozenset[DType]] = frozenset(DType) - {DType.STRING} - NARROW
 
     def __init__(self) -> None:
         self._availability: Availability | None = None

@@ -20,6 +20,7 @@ from keel._files import safe_file_name
 from keel.bench import check_dims, concrete_shape
 from keel.cli.common import parse_dims
 from keel.config import format_bytes
+from keel.dtypes import NARROW_FLOATS, NARROW_INTS
 from keel.errors import InvalidArgumentError, MemoryLimitError
 from keel.execution.model import Model, TensorInfo, load_model
 
@@ -99,8 +100,10 @@ def random_feeds(infos: Sequence[TensorInfo], batch: int = 1, seed: int = 0,
     feeds: dict[str, np.ndarray] = {}
     for info in infos:
         shape = shapes[info.name]
-        if info.dtype.is_float:
+        if info.dtype.is_float or info.dtype in NARROW_FLOATS:
             feeds[info.name] = rng.standard_normal(shape).astype(info.dtype.numpy)
+        elif info.dtype in NARROW_INTS:         # 0 or 1: inside every 4- and 2-bit range
+            feeds[info.name] = rng.integers(0, 2, size=shape).astype(info.dtype.numpy)
         elif info.dtype.is_int:
             high = vocab if vocab else 10
             feeds[info.name] = rng.integers(0, high, size=shape).astype(info.dtype.numpy)

@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from keel._files import open_regular
-from keel.dtypes import DType
+from keel.dtypes import DType, pack, packed_size, unpack
 from keel.errors import KeelError, ModelFormatError
 from keel.graph.ir import Graph, Node, Value
 from keel.ops.registry import Op
@@ -166,8 +166,7 @@ def _encode_tensor(arr: np.ndarray, compress: bool, fp16: bool) -> tuple[dict[st
         if fp16 and dtype in (DType.FLOAT32, DType.FLOAT64) and _fits_fp16(arr):
             stored = arr.astype(np.float16)
             entry["storage"] = DType.FLOAT16.value
-        blob = np.ascontiguousarray(stored).astype(stored.dtype.newbyteorder("<"),
-                                                   copy=False).tobytes()
+        blob = pack(stored)     # little-endian; 4- and 2-bit types packed as in ONNX
         if compress and blob:
             packed = zlib.compress(blob, 6)
             if len(packed) < 0.95 * len(blob):
@@ -294,14 +293,13 @@ def _decode_tensor(buf: Any, name: str, entry: Any, data_offset: int,
         values = json.loads(bytes(blob).decode("utf-8"))
         _require(isinstance(values, list) and len(values) == numel, f"{what}: bad strings")
         return np.array([str(v) for v in values], dtype=object).reshape(shape)
-    want = numel * storage.itemsize
+    want = packed_size(storage, numel)
     if encoding == "zlib":
-        raw = _inflate(bytes(blob), want, what)
-        arr = np.frombuffer(raw, dtype=storage.numpy.newbyteorder("<"), count=numel)
+        arr = unpack(_inflate(bytes(blob), want, what), storage, numel)
     else:
         _require(encoding == "raw" and nbytes == want, f"{what}: {nbytes} bytes stored, "
                  f"{want} expected for {shape} {storage.value}")
-        arr = np.frombuffer(blob, dtype=storage.numpy.newbyteorder("<"), count=numel)
+        arr = unpack(blob, storage, numel)
     if arr.dtype != dtype.numpy:
         arr = arr.astype(dtype.numpy)
     return arr.reshape(shape)

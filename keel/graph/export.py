@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from keel.dtypes import DType
+from keel.dtypes import DType, pack
 from keel.graph.importers.onnx import KEEL_DOMAIN
 from keel.graph.importers.onnx_control import SEQUENCE_OPS
 from keel.graph.importers.onnx_ops import DIRECT, REDUCTIONS, SOFTMAXES
@@ -305,13 +305,8 @@ class _Writer:
                 self.emit("Identity", [src], [name], f"{name}/identity")
 
     def initializers(self) -> list[Any]:
-        from onnx import numpy_helper
-
-        out = []
-        for name, arr in {**self.graph.initializers, **self.extra_init}.items():
-            out.append(numpy_helper.from_array(np.asarray(arr), self.renamed_init.get(name,
-                                                                                      name)))
-        return out
+        return [tensor_proto(np.asarray(arr), self.renamed_init.get(name, name))
+                for name, arr in {**self.graph.initializers, **self.extra_init}.items()]
 
     def value_infos(self) -> list[Any]:
         io = set(self.graph.input_names) | set(self.graph.output_names)
@@ -417,15 +412,24 @@ def _equal(a: Any, b: Any) -> bool:
         return False
 
 
-def _onnx_value(value: Any) -> Any:
-    from onnx import numpy_helper
+def tensor_proto(array: np.ndarray, name: str = "") -> Any:
+    """An ONNX ``TensorProto`` of ``array``; ml_dtypes' types as raw data (4- and 2-bit
+    elements packed), which every onnx release that knows the type reads."""
+    from onnx import helper, numpy_helper
 
+    if array.dtype.kind in "OUS" or not DType.from_numpy(array.dtype).is_narrow:
+        return numpy_helper.from_array(array, name)
+    dtype = DType.from_numpy(array.dtype)
+    return helper.make_tensor(name, dtype.onnx, array.shape, pack(array), raw=True)
+
+
+def _onnx_value(value: Any) -> Any:
     if isinstance(value, DType):
         return value.onnx
     if isinstance(value, (bool, np.bool_)):
         return int(value)
     if isinstance(value, np.ndarray):
-        return numpy_helper.from_array(value)
+        return tensor_proto(value)
     if isinstance(value, tuple):
         return [_onnx_value(v) for v in value]
     if isinstance(value, (np.integer, np.floating)):

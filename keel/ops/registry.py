@@ -187,6 +187,9 @@ class Op(str, enum.Enum):
     ROTARY_EMBEDDING = "rotary_embedding"
     SWIGLU = "swiglu"
     TENSOR_SCATTER = "tensor_scatter"
+    # recurrent state carried across calls (linear-attention and state-space models)
+    LINEAR_ATTENTION = "linear_attention"
+    CAUSAL_CONV_WITH_STATE = "causal_conv_with_state"
     # vision
     GRID_SAMPLE = "grid_sample"
     AFFINE_GRID = "affine_grid"
@@ -241,6 +244,12 @@ class Op(str, enum.Enum):
     OPTIONAL = "optional"
     OPTIONAL_HAS_ELEMENT = "optional_has_element"
     OPTIONAL_GET_ELEMENT = "optional_get_element"
+    # strings
+    STRING_CONCAT = "string_concat"
+    STRING_SPLIT = "string_split"
+    STRING_NORMALIZER = "string_normalizer"
+    REGEX_FULL_MATCH = "regex_full_match"
+    TFIDF_VECTORIZER = "tfidf_vectorizer"
 
 
 class OpGroup(frozenset[Op], enum.Enum):
@@ -272,10 +281,11 @@ class OpGroup(frozenset[Op], enum.Enum):
     MATMUL_LIKE = frozenset({
         Op.MATMUL, Op.DOT, Op.GEMM, Op.EINSUM, Op.MATMUL_INTEGER, Op.ATTENTION,
         Op.QLINEAR_MATMUL, Op.ONNX_ATTENTION, Op.DET, Op.RNN, Op.GRU, Op.LSTM, Op.DFT, Op.STFT,
+        Op.LINEAR_ATTENTION,
     })
     CONVOLUTION = frozenset({
         Op.CONV2D, Op.CONV, Op.CONV_TRANSPOSE, Op.CONV_INTEGER, Op.QLINEAR_CONV,
-        Op.DEFORM_CONV, Op.COL2IM,
+        Op.DEFORM_CONV, Op.COL2IM, Op.CAUSAL_CONV_WITH_STATE,
     })
     POOLING = frozenset({
         Op.MAX_POOL, Op.AVG_POOL, Op.LP_POOL, Op.GLOBAL_AVG_POOL, Op.GLOBAL_MAX_POOL,
@@ -318,8 +328,14 @@ class OpGroup(frozenset[Op], enum.Enum):
         Op.SEQUENCE_AT, Op.SEQUENCE_LENGTH, Op.SPLIT_TO_SEQUENCE, Op.CONCAT_FROM_SEQUENCE,
         Op.OPTIONAL, Op.OPTIONAL_HAS_ELEMENT, Op.OPTIONAL_GET_ELEMENT,
     })
+    # Text processing (ONNX's string ops and TfIdfVectorizer).
+    STRING = frozenset({
+        Op.STRING_CONCAT, Op.STRING_SPLIT, Op.STRING_NORMALIZER, Op.REGEX_FULL_MATCH,
+        Op.TFIDF_VECTORIZER,
+    })
     # Ops whose output shape depends on input *values*, not only input shapes.
-    DATA_DEPENDENT = frozenset({Op.NONZERO, Op.UNIQUE, Op.COMPRESS, Op.NON_MAX_SUPPRESSION})
+    DATA_DEPENDENT = frozenset({Op.NONZERO, Op.UNIQUE, Op.COMPRESS, Op.NON_MAX_SUPPRESSION,
+                                Op.STRING_SPLIT, Op.STRING_NORMALIZER})
     # The 19 ops of the GPU profile of seed 001.
     SEED_GPU_PROFILE = frozenset({
         Op.SUM_ALL, Op.MEAN_ALL, Op.SUM, Op.MEAN, Op.ADD, Op.MUL, Op.RELU, Op.MATMUL,
@@ -333,7 +349,7 @@ _PRIMARY = (
     OpGroup.QUANTIZATION, OpGroup.CONVOLUTION, OpGroup.MATMUL_LIKE, OpGroup.POOLING,
     OpGroup.NORMALIZATION, OpGroup.REDUCTION, OpGroup.ELEMENTWISE, OpGroup.SHAPE,
     OpGroup.INDEXING, OpGroup.MEMORY, OpGroup.CLASSICAL_ML, OpGroup.CONTROL_FLOW,
-    OpGroup.SEQUENCE,
+    OpGroup.SEQUENCE, OpGroup.STRING,
 )
 
 

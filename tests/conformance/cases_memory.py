@@ -94,7 +94,33 @@ def _cast_cases() -> list[OpCase]:
             OpCase("cast-empty", Op.CAST, tensor((0, 3)), {"to": "int64"}),
             OpCase("cast-scalar", Op.CAST, tensor(()), {"to": "float64"}),
             OpCase("cast-nc", Op.CAST, tensor((4, 6), view=lambda x: x[:, ::2].T),
-                   {"to": "int16"})]
+                   {"to": "int16"}),
+            *_narrow_cast_cases()]
+
+
+# Beyond every float8 range, infinities, NaN, signed zeros, ties and tiny values.
+_EDGES = np.array([0.0, -0.0, 1.0, -1.5, 0.3, 240.0, 448.0, 500.0, -1e5, 57344.0, 7e4,
+                   np.inf, -np.inf, np.nan, 1e-9, 3.0e-3, 2.0 ** 127, 3.0e38], np.float32)
+
+
+def _narrow_cast_cases() -> list[OpCase]:
+    """Saturation on and off for every float8 type, float8e8m0's three rounding modes."""
+    f8 = ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
+    edges: Make = lambda rng: [_EDGES.copy()]          # noqa: E731
+    scaled: Make = lambda rng: [(_EDGES * rng.uniform(0.5, 2.0)).astype(np.float16)]  # noqa: E731
+    return [*(OpCase(f"cast-edges-{to}-saturate{int(sat)}", Op.CAST, make,
+                     {"to": to, "saturate": sat})
+              for to in f8 for sat in (True, False) for make in (edges,)),
+            *(OpCase(f"cast-edges-f16-{to}-saturate{int(sat)}", Op.CAST, scaled,
+                     {"to": to, "saturate": sat}) for to in f8 for sat in (True, False)),
+            *(OpCase(f"cast-edges-float8_e8m0fnu-{mode}-saturate{int(sat)}", Op.CAST, edges,
+                     {"to": "float8_e8m0fnu", "round_mode": mode, "saturate": sat})
+              for mode in ("up", "down", "nearest") for sat in (True, False)),
+            OpCase("cast-edges-bfloat16", Op.CAST, edges, {"to": "bfloat16"}),
+            OpCase("cast-edges-float4_e2m1fn", Op.CAST, edges, {"to": "float4_e2m1fn"}),
+            OpCase("cast-edges-int4", Op.CAST,
+                   lambda rng: [np.array([-9.5, -8, -2.7, -0.5, 0.5, 2.5, 7, 7.9, 20], np.float32)],
+                   {"to": "int4"})]
 
 
 CASES: list[OpCase] = [*_passthrough(Op.COPY), *_passthrough(Op.IDENTITY), *_fill_cases(),

@@ -15,6 +15,7 @@ import onnx
 from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
+from keel.dtypes import DType
 from keel.ops.registry import Op
 from tests.ops._kernels import run_cpu as run_cpu
 from tests.ops._kernels import run_ref as run_ref
@@ -71,6 +72,9 @@ def assert_close(actual: np.ndarray, expected: np.ndarray, rtol: float = 1e-6,
     """Same dtype and shape; floats within tolerance (NaN equal), others exact."""
     assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} vs {expected.dtype}"
     assert actual.shape == expected.shape, f"{what}: shape {actual.shape} vs {expected.shape}"
+    if expected.dtype.kind not in "OUS" and DType.from_numpy(expected.dtype).is_narrow:
+        # ml_dtypes' types: compared as the float32 values they hold (exact), NaN = NaN
+        actual, expected = actual.astype(np.float32), expected.astype(np.float32)
     if expected.dtype.kind == "f":
         np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol, equal_nan=True,
                                    err_msg=what)

@@ -27,7 +27,23 @@ from tests.ops._elementwise_support import (
 RUNS = pytest.mark.parametrize("run", [run_ref, run_cpu], ids=["reference", "cpu"])
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.op in ONNX_NAMES], ids=lambda c: c.id)
+def _onnx_runs(case: OpCase) -> bool:
+    """onnx's reference casts with ml_dtypes' direct conversions, which leave out some
+    pairs of narrow types (int4 -> int2, float8e8m0 -> int4, ...); keel casts those
+    through float32, and the conformance suite checks them against keel's reference."""
+    if case.op is not Op.CAST:
+        return True
+    source = case_inputs(case)[0]
+    assert source is not None
+    try:
+        np.zeros(1, source.dtype).astype(as_dtype(case.attrs["to"]).numpy)
+    except TypeError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.op in ONNX_NAMES and _onnx_runs(c)],
+                         ids=lambda c: c.id)
 def test_reference_matches_onnx(case: OpCase) -> None:
     inputs = case_inputs(case)
     attrs = dict(case.attrs)

@@ -222,7 +222,7 @@ def test_infer_output_types() -> None:
 U8 = np.array(3, np.uint8)
 ERRORS: list[tuple[str, Op, list[Any], dict[str, Any], str]] = [
     ("q-output-type", Op.QUANTIZE_LINEAR, [X, np.array(0.1, F32)], {"output_dtype": "int32"},
-     "output type must be one of int16, int8, uint16, uint8, got int32"),
+     "output type must be one of float4_e2m1fn, float8_e4m3fn, .*, uint8, got int32"),
     ("q-type-mismatch", Op.QUANTIZE_LINEAR, [X, np.array(0.1, F32), U8],
      {"output_dtype": "int8"}, "output_dtype int8 differs from the zero point's type uint8"),
     ("q-x-type", Op.QUANTIZE_LINEAR, [np.ones(3, np.uint8), np.array(0.1, F32)], {},
@@ -238,7 +238,7 @@ ERRORS: list[tuple[str, Op, list[Any], dict[str, Any], str]] = [
     ("q-precision", Op.QUANTIZE_LINEAR, [X, np.array(0.1, F32)], {"precision": "int32"},
      "precision must be a float type"),
     ("dq-x-type", Op.DEQUANTIZE_LINEAR, [X, np.array(0.1, F32)], {},
-     "x must be one of int16, int32, int8, uint16, uint8, got float32"),
+     "x must be one of float4_e2m1fn, .*, uint8, got float32"),
     ("dq-zp-type", Op.DEQUANTIZE_LINEAR, [_q(np.int8, 3), np.array(0.1, F32), U8], {},
      "x_zero_point must have x's type int8, got uint8"),
     ("dq-scale-type", Op.DEQUANTIZE_LINEAR, [_q(np.int8, 3), np.array(1, np.int32)], {},

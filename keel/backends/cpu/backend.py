@@ -23,7 +23,7 @@ from keel.backends.base import (
     PlanRequest,
     ProgramScope,
 )
-from keel.dtypes import DType
+from keel.dtypes import NARROW, DType
 from keel.errors import InvalidArgumentError
 from keel.ops.registry import Op, OpGroup
 
@@ -58,6 +58,7 @@ class CpuBackend(Backend):
 
     name = "cpu"
     device = DeviceKind.CPU
+    dtypes = Backend.dtypes | NARROW     # NumPy holds ml_dtypes' arrays
 
     def __init__(self, threads: int | None = None, *,
                  hardware: HardwareProfile | None = None) -> None:

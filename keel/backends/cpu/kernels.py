@@ -16,6 +16,7 @@ FAMILIES = (
     "pooling", "normalization", "resize", "quantization", "qlinear",
     "loss", "attention", "vision", "signal", "recurrent", "numeric", "ml", "trees",
     "control",
+    "stateful", "strings",
 )
 
 

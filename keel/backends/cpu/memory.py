@@ -10,6 +10,7 @@ import numpy as np
 from keel.backends.base import KernelContext
 from keel.backends.cpu.elementwise import destination
 from keel.backends.cpu.kernels import TABLE
+from keel.backends.reference.memory import cast_array
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError
 from keel.ops.registry import Op
@@ -79,7 +80,14 @@ def cast(ctx: KernelContext, inputs: Sequence[Any], attrs: Attrs,
          out: Sequence[Any] | None) -> list[Any]:
     """ONNX Cast: float -> int truncates toward zero; x -> bool is x != 0."""
     x, to = inputs[0], attrs["to"]
-    check_cast(DType.from_numpy(x.dtype), to)
+    src = DType.from_numpy(x.dtype)
+    check_cast(src, to)
+    if src.is_narrow or to.is_narrow:       # ml_dtypes' conversions, ONNX's saturation
+        y = cast_array(x, to, attrs["saturate"], attrs["round_mode"])
+        if out is None:
+            return [y]
+        out[0][...] = y
+        return [out[0]]
     d = destination(ctx.xp, out, x.shape, to.numpy)
     # Out-of-range and NaN float -> int conversions are undefined in ONNX.
     with np.errstate(all="ignore"):

@@ -19,10 +19,12 @@ import numpy as np
 
 from keel.backends.base import Attrs, Inputs, KernelContext, Out, optional_input
 from keel.backends.cpu.kernels import TABLE
+from keel.backends.reference.quantization import quantize_to_float
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError
 from keel.ops.registry import Op
 from keel.ops.schemas.quantization import (
+    FLOAT_QUANT_DTYPES,
     QUANT_RANGES,
     QUANTIZE_INPUTS,
     ConvGeometry,
@@ -84,9 +86,15 @@ def quantize_linear(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) 
     op = Op.QUANTIZE_LINEAR
     out_dtype = quantize_output_dtype(None if zp is None else _dtype(zp), attrs["output_dtype"])
     _require(op, "x", _dtype(x), QUANTIZE_INPUTS)
+    if zp is not None and out_dtype.is_narrow:      # ml_dtypes' values join float math
+        zp = zp.astype(np.float32)
     div = _division_dtype(x, scale, attrs["precision"])
     s = _broadcast_param(xp, op, scale, x.shape, attrs, "y_scale").astype(div, copy=False)
     q = xp.divide(x.astype(div, copy=False), s)
+    if out_dtype in FLOAT_QUANT_DTYPES:
+        zb = None if zp is None else _broadcast_param(xp, op, zp, x.shape, attrs,
+                                                      "y_zero_point")
+        return _store(quantize_to_float(q, zb, out_dtype, attrs["saturate"]), out)
     if zp is not None:
         if q.dtype == np.float16:
             # float16 cannot hold every uint16 zero point exactly: add in float32.
@@ -95,6 +103,13 @@ def quantize_linear(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) 
             xp.rint(q, out=q)
         q += _broadcast_param(xp, op, zp, x.shape, attrs, "y_zero_point")
     return [_deliver(xp, q, out_dtype, out)]
+
+
+def _store(y: Any, out: Out) -> list[Any]:
+    if out is None:
+        return [y]
+    out[0][...] = y
+    return [out[0]]
 
 
 def _division_dtype(x: Any, scale: Any, precision: DType | None) -> Any:
@@ -118,6 +133,9 @@ def dequantize_linear(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out
                                         attrs["output_dtype"])
     wide = out_dtype is DType.FLOAT64 or _dtype(x) is DType.INT32
     ct = np.dtype(np.float64 if wide else np.float32)
+    if _dtype(x).is_narrow:         # 4-bit, 2-bit, float8, float4: exact in float32
+        x = x.astype(ct)
+        zp = None if zp is None else zp.astype(ct)
     y = out[0] if out is not None and out[0].dtype == ct else xp.empty(x.shape, dtype=ct)
     use_out = out is not None and y is out[0]
     if zp is not None:

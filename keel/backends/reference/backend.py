@@ -7,6 +7,7 @@ from types import ModuleType
 import numpy as np
 
 from keel.backends.base import Availability, Backend, DeviceKind, KernelTable
+from keel.dtypes import NARROW
 
 __all__ = ["ReferenceBackend"]
 
@@ -20,6 +21,7 @@ class ReferenceBackend(Backend):
 
     name = "reference"
     device = DeviceKind.CPU
+    dtypes = Backend.dtypes | NARROW     # NumPy holds ml_dtypes' arrays
 
     def _check_available(self) -> Availability:
         return Availability(True, "NumPy is always available")

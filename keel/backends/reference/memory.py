@@ -17,6 +17,14 @@ from keel.ops.types import checked_numel
 
 Attrs = Mapping[str, Any]
 
+__all__ = ["cast_array"]
+
+# The float8 types whose Cast saturates by default (saturate=1): out-of-range values
+# and infinities become the largest finite value of the sign instead of inf or NaN.
+SATURATING = frozenset({DType.FLOAT8E4M3FN, DType.FLOAT8E4M3FNUZ, DType.FLOAT8E5M2,
+                        DType.FLOAT8E5M2FNUZ})
+_ROUND_MODES = ("up", "down", "nearest")
+
 
 @TABLE.kernel(Op.COPY, supports_out=True)
 def copy(ctx: KernelContext, inputs: Sequence[Any], attrs: Attrs,
@@ -87,10 +95,58 @@ def cast(ctx: KernelContext, inputs: Sequence[Any], attrs: Attrs,
     x = np.asarray(inputs[0])
     to: DType = attrs["to"]
     check_cast(DType.from_numpy(x.dtype), to)
-    # Out-of-range and NaN float -> int conversions are undefined in ONNX.
-    with np.errstate(all="ignore"):
-        y = x.astype(to.numpy)
+    y = cast_array(x, to, attrs.get("saturate", True), attrs.get("round_mode", "up"))
     if out is None:
         return [y]
     out[0][...] = y
     return [out[0]]
+
+
+def cast_array(x: np.ndarray, to: DType, saturate: bool = True,
+               round_mode: str = "up") -> np.ndarray:
+    """``x`` as ``to`` with ONNX Cast's rules (shared by every NumPy backend).
+
+    Rounding is to nearest even (ml_dtypes' conversions). With ``saturate`` a float8
+    target clips to its finite range first; float8e8m0 (a power of two) rounds as
+    ``round_mode`` says; anything else converts as NumPy / ml_dtypes do (floats into
+    4- and 2-bit integers truncate toward zero and wrap, like onnx's reference).
+    """
+    if x.dtype.kind not in "OUS" and DType.from_numpy(x.dtype).is_narrow and to.is_narrow:
+        x = x.astype(np.float32)        # exact; ml_dtypes lacks some direct pairs
+    # Out-of-range and NaN float -> int conversions are undefined in ONNX.
+    with np.errstate(all="ignore"):
+        if to is DType.FLOAT8E8M0:
+            return to_e8m0(x, saturate, round_mode)
+        if to in SATURATING and saturate:
+            import ml_dtypes
+
+            limit = float(ml_dtypes.finfo(to.numpy).max)
+            wide = x.astype(np.float64 if x.dtype == np.float64 else np.float32)
+            return np.clip(wide, -limit, limit).astype(to.numpy)
+        return x.astype(to.numpy)
+
+
+def to_e8m0(x: np.ndarray, saturate: bool, round_mode: str) -> np.ndarray:
+    """float8e8m0 (2 ** (e - 127), e = 255 for NaN): float32's exponent field, rounded
+    up, down or to nearest by its mantissa; ``saturate`` stops at 2 ** 127."""
+    if round_mode not in _ROUND_MODES:
+        raise InvalidArgumentError(
+            f"cast: round_mode must be one of {', '.join(_ROUND_MODES)}, got {round_mode!r}")
+    import ml_dtypes
+
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    exponent = ((bits >> 23) & 0xFF).astype(np.uint16)
+    special = exponent == 0xFF
+    if round_mode == "up":
+        bump = (bits & 0x7FFFFF) > 0
+    elif round_mode == "nearest":
+        guard = (bits & 0x400000) > 0
+        rest = (bits & 0x3FFFFF) > 0
+        bump = guard & (rest | (exponent > 0))
+    else:
+        bump = np.zeros(bits.shape, dtype=bool)
+    bump &= ~special
+    if saturate:
+        bump &= exponent != 0xFE
+    code = np.where(special, 0xFF, exponent + bump).astype(np.uint8)
+    return code.view(ml_dtypes.float8_e8m0fnu)

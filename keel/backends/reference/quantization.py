@@ -19,10 +19,12 @@ import numpy as np
 
 from keel.backends.base import Attrs, Inputs, KernelContext, Out
 from keel.backends.reference.kernels import TABLE
+from keel.backends.reference.memory import cast_array
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError
 from keel.ops.registry import Op
 from keel.ops.schemas.quantization import (
+    FLOAT_QUANT_DTYPES,
     QUANT_RANGES,
     QUANTIZE_INPUTS,
     ConvGeometry,
@@ -36,7 +38,7 @@ from keel.ops.schemas.quantization import (
     quantize_output_dtype,
 )
 
-__all__ = ["conv_float64"]
+__all__ = ["conv_float64", "quantize_to_float"]
 
 
 _QLINEAR = frozenset({DType.UINT8, DType.INT8})
@@ -75,13 +77,29 @@ def quantize_linear(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) 
     x, scale, zp = inputs[0], inputs[1], _opt(inputs, 2)
     out_dtype = quantize_output_dtype(None if zp is None else _dtype(zp), attrs["output_dtype"])
     _require(Op.QUANTIZE_LINEAR, "x", _dtype(x), QUANTIZE_INPUTS)
+    if zp is not None and out_dtype.is_narrow:      # ml_dtypes' values join float math
+        zp = zp.astype(np.float64)
     div = _division_dtype(x, scale, attrs["precision"])
     s = _broadcast_param(Op.QUANTIZE_LINEAR, scale, x.shape, attrs, "y_scale")
+    if out_dtype in FLOAT_QUANT_DTYPES:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            y = x.astype(div) / s.astype(div)
+        zb = None if zp is None else _broadcast_param(Op.QUANTIZE_LINEAR, zp, x.shape, attrs,
+                                                      "y_zero_point")
+        return [quantize_to_float(y, zb, out_dtype, attrs["saturate"])]
     with np.errstate(divide="ignore", invalid="ignore"):
         q = np.rint(x.astype(div) / s.astype(div)).astype(np.float64)
     if zp is not None:
         q = q + _broadcast_param(Op.QUANTIZE_LINEAR, zp, x.shape, attrs, "y_zero_point")
     return [_saturate(q, out_dtype)]
+
+
+def quantize_to_float(y: Any, zero_point: Any, dtype: DType, saturate: bool) -> Any:
+    """``y + zero_point`` rounded into a float8 or float4 type (nearest even); float8
+    saturates to its finite range when ``saturate`` (float4 has no inf or NaN: always)."""
+    if zero_point is not None:
+        y = y + zero_point.astype(np.float32)
+    return cast_array(y, dtype, saturate)
 
 
 def _division_dtype(x: np.ndarray, scale: np.ndarray, precision: DType | None) -> Any:
@@ -109,7 +127,8 @@ def dequantize_linear(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out
                                         attrs["output_dtype"])
     y = x.astype(np.float64)
     if zp is not None:
-        y = y - _broadcast_param(Op.DEQUANTIZE_LINEAR, zp, x.shape, attrs, "x_zero_point")
+        zb = _broadcast_param(Op.DEQUANTIZE_LINEAR, zp, x.shape, attrs, "x_zero_point")
+        y = y - zb.astype(np.float64)
     y = y * _broadcast_param(Op.DEQUANTIZE_LINEAR, scale, x.shape, attrs, "x_scale")
     return [y.astype(out_dtype.numpy)]
 

@@ -38,6 +38,7 @@ from keel.graph.importers.onnx_context import Converter, ImportContext, OnnxNode
 from keel.graph.importers.onnx_ml import ML_DOMAIN, ML_TABLE
 from keel.graph.importers.onnx_ms import MS_DOMAIN, MS_TABLE
 from keel.graph.importers.onnx_ops import TABLE
+from keel.graph.importers.onnx_preview import PREVIEW_DOMAIN, PREVIEW_TABLE, preview_opset
 from keel.graph.importers.onnx_tensors import element_dtype, tensor_to_array
 from keel.graph.ir import Graph, Value
 from keel.ops.registry import Op
@@ -150,7 +151,8 @@ class _Importer:
         nodes = _toposort(nodes, {v.name for v in inputs} | set(initializers))
         overridable = {v.name for v in inputs if v.name in initializers}
         ctx = ImportContext(self.opset, declared, overridable,
-                            domain_opsets={ML_DOMAIN: self.ml_opset or 0})
+                            domain_opsets={ML_DOMAIN: self.ml_opset or 0,
+                                           PREVIEW_DOMAIN: preview_opset(self.model)})
         ctx.subgraph_importer = self._subgraph
         self._seed(ctx, inputs, initializers, nodes)
         for node in nodes:
@@ -557,6 +559,8 @@ def _convert(ctx: ImportContext, n: OnnxNode) -> None:
                                   f"({', '.join(MS_TABLE.op_types())}), not this one")
         converter(ctx, n)
         return
+    elif n.domain == PREVIEW_DOMAIN and ctx.opset_of(PREVIEW_DOMAIN):
+        converter = PREVIEW_TABLE.lookup(n.op_type, ctx.opset_of(PREVIEW_DOMAIN))
     elif n.domain not in _DEFAULT_DOMAINS:
         raise ctx.unsupported(f"custom domain {n.domain!r} (keel reads the default ONNX "
                               f"domain, {ML_DOMAIN!r}, {KEEL_DOMAIN!r} and {MS_DOMAIN}'s "

@@ -10,13 +10,14 @@ picks an op version.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from keel.dtypes import DType
+from keel.dtypes import NARROW_FLOATS, DType
 from keel.errors import (
     InvalidArgumentError,
     KeelError,
@@ -30,6 +31,7 @@ from keel.ops.schema import REQUIRED, AttrKind, OpSchema, get_schema
 from keel.ops.types import TensorType
 
 __all__ = [
+    "NARROW_NATIVE",
     "Converter",
     "ConverterTable",
     "ImportContext",
@@ -62,6 +64,12 @@ class OnnxNode:
 Converter = Callable[["ImportContext", OnnxNode], None]
 # (the enclosing context, an ONNX GraphProto, the types its formal inputs take) -> Graph
 SubgraphImporter = Callable[["ImportContext", Any, Sequence[TensorType | None]], Graph]
+
+# Ops that take the narrow ml_dtypes types (bfloat16, float8, float4, 4- and 2-bit
+# integers) as they are. Every other op computes in a wide type: the importer casts
+# narrow inputs up (floats to float32, integers to int8/uint8) and the results back.
+NARROW_NATIVE = frozenset({Op.CAST, Op.QUANTIZE_LINEAR, Op.DEQUANTIZE_LINEAR, Op.BITCAST,
+                           Op.IDENTITY, Op.SHAPE, Op.SIZE})
 
 
 class ConverterTable:
@@ -191,6 +199,8 @@ class ImportContext:
         schema = self._schema(op)
         ins = _trim(list(inputs))
         outs = _trim(list(outputs))
+        if op not in NARROW_NATIVE and any(self._narrow(i) for i in ins):
+            return self._emit_widened(op, ins, outs, attrs, implied)
         try:
             schema.check_arity(len(ins), len(outs))
         except InvalidArgumentError as exc:
@@ -202,6 +212,36 @@ class ImportContext:
         self._infer(node)
         return node
 
+    def _narrow(self, name: str) -> DType | None:
+        dtype = self.dtype_of(name)
+        return dtype if dtype is not None and dtype.is_narrow else None
+
+    def _emit_widened(self, op: Op, ins: list[str], outs: list[str],
+                      attrs: Mapping[str, Any] | None, implied: Iterable[str]) -> Node:
+        """``op`` on narrow inputs: cast them up, run ``op`` wide, cast its results back to
+        the first narrow input's type (results of another type pass through)."""
+        narrow = next(d for d in map(self._narrow, ins) if d is not None)
+        wide_ins = [self._widen(name) for name in ins]
+        wide_outs = [self.fresh(f"{o}/wide") if o else "" for o in outs]
+        node = self.emit(op, wide_ins, wide_outs, attrs, implied=implied)
+        for wide, name in zip(wide_outs, outs, strict=True):
+            if not name:
+                continue
+            dtype = self.dtype_of(wide)
+            if dtype is not None and dtype is _wide_type(narrow):
+                self.emit(Op.CAST, [wide], [name], {"to": narrow})
+            else:
+                self.emit(Op.IDENTITY, [wide], [name])
+        return node
+
+    def _widen(self, name: str) -> str:
+        dtype = self._narrow(name)
+        if dtype is None:
+            return name
+        wide = self.fresh(f"{name}/wide")
+        self.emit(Op.CAST, [name], [wide], {"to": _wide_type(dtype)})
+        return wide
+
     # ---- errors --------------------------------------------------------
     def unsupported(self, detail: str) -> UnsupportedOperationError:
         n = self.current
@@ -212,6 +252,16 @@ class ImportContext:
         return ModelFormatError(f"node {n.name!r} ({n.op_type}): {detail}")
 
     # ---- internals -----------------------------------------------------
+    @contextmanager
+    def nested(self) -> Iterator[None]:
+        """Convert other ONNX nodes from inside a converter (a subgraph imported in place);
+        afterwards the current node and the naming of its keel nodes continue."""
+        current, emitted = self.current, self._emitted
+        try:
+            yield
+        finally:
+            self.current, self._emitted = current, emitted
+
     def begin(self, node: OnnxNode) -> None:
         self.current = node
         self._emitted = 0
@@ -288,6 +338,13 @@ class ImportContext:
                 return
             raise ModelFormatError(f"{exc.message} (from ONNX {self.current.op_type})") \
                 from None
+
+
+def _wide_type(narrow: DType) -> DType:
+    """Where keel computes a narrow type: float32, or int8 / uint8 for the small integers."""
+    if narrow in NARROW_FLOATS:
+        return DType.FLOAT32
+    return DType.INT8 if narrow.value.startswith("int") else DType.UINT8
 
 
 def _trim(names: list[str]) -> list[str]:

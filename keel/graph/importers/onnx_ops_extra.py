@@ -45,6 +45,13 @@ EXTRA_DIRECT: dict[str, tuple[Op, int]] = {
     "LSTM": (Op.LSTM, 7),
     "BitCast": (Op.BITCAST, 26),
     "Det": (Op.DET, 11),
+    "LinearAttention": (Op.LINEAR_ATTENTION, 27),
+    "CausalConvWithState": (Op.CAUSAL_CONV_WITH_STATE, 27),
+    "StringConcat": (Op.STRING_CONCAT, 20),
+    "StringSplit": (Op.STRING_SPLIT, 20),
+    "StringNormalizer": (Op.STRING_NORMALIZER, 10),
+    "RegexFullMatch": (Op.REGEX_FULL_MATCH, 20),
+    "TfIdfVectorizer": (Op.TFIDF_VECTORIZER, 9),
 }
 
 

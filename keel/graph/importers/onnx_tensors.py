@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from keel.dtypes import DType
+from keel.dtypes import DType, packed_size, unpack
 from keel.errors import InvalidArgumentError, ModelFormatError
 from keel.ops.types import MAX_ELEMENTS
 
@@ -36,11 +36,12 @@ _FIELD: dict[int, str] = {
     11: "double_data",    # DOUBLE
     12: "uint64_data",    # UINT32
     13: "uint64_data",    # UINT64
+    # BFLOAT16 and the float8 types: one bit pattern per entry; the 4- and 2-bit
+    # types: one packed byte per entry (as in raw_data).
+    **{code: "int32_data" for code in range(16, 27)},
 }
 _ONNX_TYPE_NAMES = {
-    0: "UNDEFINED", 14: "COMPLEX64", 15: "COMPLEX128", 16: "BFLOAT16", 17: "FLOAT8E4M3FN",
-    18: "FLOAT8E4M3FNUZ", 19: "FLOAT8E5M2", 20: "FLOAT8E5M2FNUZ", 21: "UINT4", 22: "INT4",
-    23: "FLOAT4E2M1",
+    0: "UNDEFINED", 14: "COMPLEX64", 15: "COMPLEX128", 27: "FLOAT6E2M3", 28: "FLOAT6E3M2",
 }
 
 
@@ -90,7 +91,7 @@ def tensor_to_array(t: Any, base_dir: Path | None, what: str = "") -> np.ndarray
 def _from_raw(raw: bytes, dtype: DType, numel: int, label: str) -> np.ndarray:
     if dtype is DType.STRING:
         raise ModelFormatError(f"{label}: string tensors cannot use raw_data")
-    want = numel * dtype.itemsize
+    want = packed_size(dtype, numel)
     if len(raw) != want:
         raise ModelFormatError(
             f"{label} declares {numel} {dtype.value} elements ({want} bytes) "
@@ -98,6 +99,8 @@ def _from_raw(raw: bytes, dtype: DType, numel: int, label: str) -> np.ndarray:
         )
     if dtype is DType.BOOL:
         return np.frombuffer(raw, dtype=np.uint8) != 0
+    if dtype.is_narrow:
+        return unpack(raw, dtype, numel)
     # On a little-endian host the bytes are the array: a read-only view, no copy
     # (the graph's weights are frozen anyway, and loading skips a memcpy).
     data = np.frombuffer(raw, dtype=dtype.numpy.newbyteorder("<"))
@@ -106,10 +109,14 @@ def _from_raw(raw: bytes, dtype: DType, numel: int, label: str) -> np.ndarray:
 
 def _from_field(t: Any, dtype: DType, numel: int, label: str) -> np.ndarray:
     values = getattr(t, _FIELD[dtype.onnx])
-    if len(values) != numel:
+    want = packed_size(dtype, numel) if dtype.bits < 8 else numel
+    if len(values) != want:
         raise ModelFormatError(
             f"{label} declares {numel} elements but holds {len(values)} in {_FIELD[dtype.onnx]}"
         )
+    if dtype.is_narrow:         # bit patterns (packed bytes for the sub-byte types)
+        bits = np.array(values, dtype=np.int64) & (0xFFFF if dtype.itemsize == 2 else 0xFF)
+        return unpack(bits.astype(f"<u{dtype.itemsize}").view(np.uint8), dtype, numel)
     if dtype is DType.STRING:
         return np.array([bytes(v).decode("utf-8", "replace") for v in values], dtype=object)
     if dtype is DType.FLOAT16:
@@ -136,7 +143,7 @@ def _external(t: Any, base_dir: Path | None, label: str, dtype: DType,
     path = _inside(base_dir, location, label)
     try:
         offset = int(info.get("offset", "0"))
-        want = numel * dtype.itemsize
+        want = packed_size(dtype, numel)
         length = int(info.get("length", str(want)))
     except ValueError:
         raise ModelFormatError(f"{label}: external offset/length are not integers") from None
@@ -148,6 +155,10 @@ def _external(t: Any, base_dir: Path | None, label: str, dtype: DType,
         )
     if want == 0:
         return np.zeros(0, dtype=dtype.numpy)
+    if dtype.bits < 8:          # packed on disk: read and unpack
+        with path.open("rb") as f:
+            f.seek(offset)
+            return unpack(f.read(length), dtype, numel)
     # A read-only map: large weights are paged in on use, never copied up front.
     return np.memmap(path, dtype=dtype.numpy.newbyteorder("<"), mode="r",
                      offset=offset, shape=(numel,))

@@ -19,6 +19,8 @@ from keel.ops.schemas import (  # noqa: F401
     resize,
     shape,
     signal,
+    stateful,
+    strings,
     trees,
     vision,
 )

@@ -23,7 +23,8 @@ from keel.ops.types import Dim, Shape, TensorType
 __all__ = ["BITCAST_DTYPES", "FLOAT_DTYPES", "check_bitcast", "check_det"]
 
 FLOAT_DTYPES = frozenset({DType.FLOAT16, DType.FLOAT32, DType.FLOAT64})
-BITCAST_DTYPES = frozenset(DType) - {DType.STRING}
+# Whole-byte types only: a 4- or 2-bit element has no bytes of its own to reinterpret.
+BITCAST_DTYPES = frozenset(d for d in DType if d is not DType.STRING and d.bits >= 8)
 
 
 def check_bitcast(source: DType, target: DType) -> None:

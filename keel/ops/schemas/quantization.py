@@ -1,7 +1,9 @@
 """Schemas of the quantization family (ONNX semantics at the latest opset).
 
 * ``quantize_linear``: ``y = saturate(round_half_even(x / y_scale) + y_zero_point)``,
-  per tensor, per axis or blocked (``block_size``); outputs uint8, int8, uint16, int16.
+  per tensor, per axis or blocked (``block_size``); outputs uint8, int8, uint16, int16,
+  the packed int4, uint4, int2, uint2, and the float8 and float4 types (rounded to
+  nearest even; a float8 output saturates to its finite range when ``saturate``).
 * ``dequantize_linear``: ``y = (x - x_zero_point) * x_scale``, same granularities.
 * ``dynamic_quantize_linear``: uint8 asymmetric quantization with the scale and
   zero point computed from the data (three outputs).
@@ -30,6 +32,7 @@ from keel.ops.schema import AttrKind, AttrSpec, OpSchema, register_schema
 from keel.ops.types import Dim, Shape, TensorType, broadcast_shapes, normalize_axis
 
 __all__ = [
+    "FLOAT_QUANT_DTYPES",
     "QUANT_DTYPES",
     "QUANT_RANGES",
     "QUANTIZE_INPUTS",
@@ -48,8 +51,15 @@ QUANT_RANGES: dict[DType, tuple[int, int]] = {
     DType.INT8: (-128, 127),
     DType.UINT16: (0, 65535),
     DType.INT16: (-32768, 32767),
+    DType.UINT4: (0, 15),
+    DType.INT4: (-8, 7),
+    DType.UINT2: (0, 3),
+    DType.INT2: (-2, 1),
 }
-QUANT_DTYPES = frozenset(QUANT_RANGES)
+# Float quantized types: x / y_scale (+ y_zero_point) rounded into the format itself.
+FLOAT_QUANT_DTYPES = frozenset({DType.FLOAT8E4M3FN, DType.FLOAT8E4M3FNUZ, DType.FLOAT8E5M2,
+                                DType.FLOAT8E5M2FNUZ, DType.FLOAT4E2M1})
+QUANT_DTYPES = frozenset(QUANT_RANGES) | FLOAT_QUANT_DTYPES
 _DEQUANT_INPUTS = QUANT_DTYPES | {DType.INT32}
 _FLOATS = frozenset({DType.FLOAT16, DType.FLOAT32, DType.FLOAT64})
 _QLINEAR_DTYPES = frozenset({DType.UINT8, DType.INT8})
@@ -414,9 +424,9 @@ register_schema(OpSchema(
            AttrSpec("precision", AttrKind.DTYPE, None)),
     infer=_infer_quantize,
     doc="ONNX QuantizeLinear: saturate(round_half_even(x / y_scale) + y_zero_point). "
-        "output_dtype (uint8, int8, uint16, int16) applies when y_zero_point is absent; "
-        "precision is the dtype of the division (default: that of x / y_scale). "
-        "saturate only matters for float8 outputs, which keel does not have.",
+        "output_dtype (an 8-, 16-, 4- or 2-bit integer, float8 or float4e2m1) applies "
+        "when y_zero_point is absent; precision is the dtype of the division (default: "
+        "that of x / y_scale). saturate=0 lets a float8 output overflow to inf or NaN.",
 ))
 register_schema(OpSchema(
     Op.DEQUANTIZE_LINEAR, 2, 3, attrs=(_AXIS, _BLOCK, _OUT_DTYPE),

@@ -93,6 +93,10 @@ class Propagation:
     values: dict[str, np.ndarray] = field(default_factory=dict)
     # Runs the nodes whose values are computed (None: the default, made on first use).
     evaluator: Evaluator | None = field(default=None, repr=False)
+    # Output types inferred, by node signature, for nodes with no known input values:
+    # a long graph of repeated layers infers each kind of node once.
+    inferred: dict[tuple[Any, ...], list[TensorType | None]] = field(default_factory=dict,
+                                                                      repr=False)
 
 
 def infer_graph_types(
@@ -149,7 +153,7 @@ def propagate_node(
     declared = declared or {}
     in_types = [state.types.get(i) if i else None for i in node.inputs]
     in_values = [state.values.get(i) if i else None for i in node.inputs]
-    out_types = infer_node(node, in_types, in_values)
+    out_types = _inferred(node, in_types, in_values, state)
     for name, t in zip(node.outputs, out_types, strict=False):
         if name:
             state.types[name] = _merge(t, declared.get(name))
@@ -160,6 +164,22 @@ def propagate_node(
     for name, val in zip(node.outputs, values, strict=False):
         if name and val is not None:
             state.values[name] = val
+
+
+def _inferred(node: Node, in_types: list[TensorType | None],
+              in_values: list[np.ndarray | None], state: Propagation) -> list[TensorType | None]:
+    """``infer_node``, remembered by signature where no input value is known."""
+    if any(v is not None for v in in_values):
+        return infer_node(node, in_types, in_values)
+    key = (node.op, tuple(in_types), tuple(bool(i) for i in node.inputs), len(node.outputs),
+           tuple(sorted(node.attrs.items())))
+    try:
+        found = state.inferred.get(key)
+    except TypeError:                    # an attribute that is not hashable
+        return infer_node(node, in_types, in_values)
+    if found is None:
+        found = state.inferred[key] = infer_node(node, in_types, in_values)
+    return found
 
 
 def infer_node(

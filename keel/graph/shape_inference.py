@@ -151,25 +151,31 @@ def propagate_node(
     inference leaves unknown.
     """
     declared = declared or {}
-    in_types = [state.types.get(i) if i else None for i in node.inputs]
-    in_values = [state.values.get(i) if i else None for i in node.inputs]
-    out_types = _inferred(node, in_types, in_values, state)
+    types, known = state.types, state.values
+    in_types = [types.get(i) if i else None for i in node.inputs]
+    in_values = [known.get(i) if i else None for i in node.inputs] if known else \
+        [None] * len(node.inputs)
+    valued = any(v is not None for v in in_values)
+    out_types = _inferred(node, in_types, in_values, state, valued)
     for name, t in zip(node.outputs, out_types, strict=False):
         if name:
-            state.types[name] = _merge(t, declared.get(name))
+            types[name] = _merge(t, declared.get(name)) if declared else t
     for name in node.outputs[len(out_types):]:
         if name:
-            state.types[name] = declared.get(name)
+            types[name] = declared.get(name)
+    if not valued and node.op not in _SHAPE_VALUED and any(node.inputs):
+        return             # an input without a known value: no output value is known
     values = _known_values(node, in_types, in_values, out_types, value_limit, state)
     for name, val in zip(node.outputs, values, strict=False):
         if name and val is not None:
-            state.values[name] = val
+            known[name] = val
 
 
 def _inferred(node: Node, in_types: list[TensorType | None],
-              in_values: list[np.ndarray | None], state: Propagation) -> list[TensorType | None]:
+              in_values: list[np.ndarray | None], state: Propagation,
+              valued: bool) -> list[TensorType | None]:
     """``infer_node``, remembered by signature where no input value is known."""
-    if any(v is not None for v in in_values):
+    if valued:
         return infer_node(node, in_types, in_values)
     key = (node.op, tuple(in_types), tuple(bool(i) for i in node.inputs), len(node.outputs),
            tuple(sorted(node.attrs.items())))
@@ -203,6 +209,10 @@ def infer_node(
             f"node {node.name!r} ({node.op.value}): type inference failed with "
             f"{type(exc).__name__}: {exc}"
         ) from None
+
+
+# Ops whose output value follows from their input's type alone.
+_SHAPE_VALUED = frozenset({Op.SHAPE, Op.SIZE})
 
 
 def _known_values(

@@ -13,15 +13,19 @@ from __future__ import annotations
 
 import functools
 import gc
-import os
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import ModuleType
 from typing import ParamSpec, TypeVar
+
+from keel._fork import renew_after_fork, reset_after_fork
 
 __all__ = ["paused", "pausing"]
 
 _lock = threading.Lock()
+renew_after_fork(sys.modules[__name__], "_lock")
 _depth = 0                      # loads running now
 _was_enabled = False            # the collector's state when the first of them began
 
@@ -56,14 +60,14 @@ def pausing(fn: Callable[P, R]) -> Callable[P, R]:
     return wrapper
 
 
-def _in_child() -> None:
-    """A fork during a load in another thread: the child runs no load; the collector
+
+def _in_child(module: ModuleType) -> None:
+    """A fork during a load in another thread: the child runs no load, so the collector
     goes back to the state it had before."""
-    global _lock, _depth
+    global _depth
     if _depth and _was_enabled:
         gc.enable()
-    _lock, _depth = threading.Lock(), 0
+    _depth = 0
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_in_child)
+reset_after_fork(sys.modules[__name__], _in_child)

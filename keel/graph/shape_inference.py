@@ -153,8 +153,8 @@ def propagate_node(
     declared = declared or {}
     types, known = state.types, state.values
     in_types = [types.get(i) if i else None for i in node.inputs]
-    in_values = [known.get(i) if i else None for i in node.inputs] if known else \
-        [None] * len(node.inputs)
+    in_values: list[np.ndarray | None] = (
+        [known.get(i) if i else None for i in node.inputs] if known else [None] * len(node.inputs))
     valued = any(v is not None for v in in_values)
     out_types = _inferred(node, in_types, in_values, state, valued)
     for name, t in zip(node.outputs, out_types, strict=False):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import threading
 
 import numpy as np
@@ -58,4 +59,15 @@ def test_overlapping_pauses_resume_when_the_last_ends() -> None:
     assert not gc.isenabled()                    # the other pause still runs
     release.set()
     thread.join(10)
+    assert gc.isenabled()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX only")
+def test_a_child_forked_during_a_load_collects_again() -> None:
+    with _gc.paused():
+        pid = os.fork()
+        if pid == 0:                              # the child: no load runs here
+            os._exit(0 if gc.isenabled() and _gc._depth == 0 else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
     assert gc.isenabled()

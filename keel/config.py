@@ -119,6 +119,7 @@ class Settings:
     allow_accelerator_experiments: bool | None = None
     plan_cache: bool = True               # KEEL_PLAN_CACHE: on (default) or off
     hint: str | None = None               # KEEL_HINT: none | latency | throughput
+    batch_invariant: bool = True          # KEEL_BATCH_INVARIANT: on (default) or off
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -145,6 +146,7 @@ class Settings:
             allow_accelerator_experiments=_flag(env, "KEEL_ALLOW_ACCELERATOR_EXPERIMENTS"),
             plan_cache=_flag(env, "KEEL_PLAN_CACHE") is not False,
             hint=_choice(env, "KEEL_HINT", HINTS),
+            batch_invariant=_flag(env, "KEEL_BATCH_INVARIANT") is not False,
         )
 
     def policy_overrides(self) -> dict[str, Any]:

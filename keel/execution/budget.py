@@ -5,8 +5,10 @@ them and the model's memory limit is checked against the plan's peak before
 anything runs. A few ops take the size of their output from the *values* of
 an input (``ConstantOfShape``'s shape, ``Expand``'s shape, ``Tile``'s repeats,
 ``Range``'s bounds, ``Resize``'s sizes or scales, ``OneHot``'s depth, ``Pad``'s
-pads); when those inputs are computed at run time the size is only known then,
-and the kernel allocates the output itself.
+pads, ``TopK``'s k), or from the data itself (``NonZero``'s and ``Compress``'s
+count of true elements, counted before the kernel runs; ``Unique``'s at most
+every element); when those inputs are computed at run time the size is only
+known then, and the kernel allocates the output itself.
 
 For those steps the program reads the size from the actual inputs just before
 the kernel runs (:func:`output_elements`) and :func:`check_output` compares
@@ -22,6 +24,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from keel.config import format_bytes
 from keel.errors import MemoryLimitError
@@ -109,10 +113,44 @@ def _pad(ins: Sequence[Any], attrs: Mapping[str, Any]) -> int | None:
     return _product(dims)
 
 
+def _in_units(elements: int, itemsize: int, extra_int64: int) -> int:
+    """``elements`` of the first output plus ``extra_int64`` int64 elements of the others,
+    counted in the first output's itemsize (the unit the program multiplies by)."""
+    return elements + -(-extra_int64 * 8 // max(itemsize, 1))
+
+
+def _nonzero(ins: Sequence[Any], attrs: Mapping[str, Any]) -> int | None:
+    x = ins[0]
+    return max(1, x.ndim) * int(np.count_nonzero(x))      # int64 coordinates
+
+
+def _topk(ins: Sequence[Any], attrs: Mapping[str, Any]) -> int | None:
+    x, k = ins[0], _ints(ins[1])
+    axis = int(attrs.get("axis", -1)) % max(x.ndim, 1)
+    if len(k) != 1 or k[0] < 0 or x.ndim == 0 or x.shape[axis] == 0:
+        return None
+    n = x.size // x.shape[axis] * min(k[0], x.shape[axis])
+    return _in_units(n, x.dtype.itemsize, n)              # values, then int64 indices
+
+
+def _compress(ins: Sequence[Any], attrs: Mapping[str, Any]) -> int | None:
+    x, condition = ins[0], np.asarray(ins[1]).reshape(-1)
+    axis = attrs.get("axis")
+    along = x.size if axis is None else x.shape[int(axis) % x.ndim]
+    kept = int(np.count_nonzero(condition[:along]))
+    return kept if axis is None else kept * (x.size // max(along, 1))
+
+
+def _unique(ins: Sequence[Any], attrs: Mapping[str, Any]) -> int | None:
+    x = ins[0]        # at most every element, with first indices, inverse and counts
+    return _in_units(x.size, x.dtype.itemsize, 3 * x.size)
+
+
 # Ops whose output size comes from an input's values, and how to read it.
 SIZED_BY_VALUES: dict[Op, Elements] = {
     Op.CONSTANT_OF_SHAPE: _constant_of_shape, Op.EXPAND: _expand, Op.TILE: _tile,
     Op.RANGE: _range, Op.RESIZE: _resize, Op.ONE_HOT: _one_hot, Op.PAD: _pad,
+    Op.NONZERO: _nonzero, Op.TOPK: _topk, Op.COMPRESS: _compress, Op.UNIQUE: _unique,
 }
 
 

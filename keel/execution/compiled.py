@@ -20,7 +20,13 @@ from keel.dtypes import DType
 from keel.errors import InvalidArgumentError
 from keel.graph.ir import Graph, Value
 from keel.ops.types import TensorType
-from keel.planning.placement import DeviceCopy, ExecutionPlan, NodePlacement, lower_steps
+from keel.planning.placement import (
+    DeviceCopy,
+    ExecutionPlan,
+    NodePlacement,
+    lower_steps,
+    scratch_bytes,
+)
 
 __all__ = ["CompiledModel", "EntryError", "from_json", "to_json"]
 
@@ -102,7 +108,8 @@ def from_json(graph: Graph, meta: dict[str, Any]) -> CompiledModel:
         raise EntryError("its plan does not match its graph")
     memory = plan_steps_for_graph(graph, types, lower_steps(graph, nodes, copies))
     # The kernels' packed weights were estimated at placement, from the registry's kernels.
-    memory = dataclasses.replace(memory, prepacked_bytes=int(p["prepacked_bytes"]))
+    memory = dataclasses.replace(memory, prepacked_bytes=int(p["prepacked_bytes"]),
+                                 workspace_bytes=scratch_bytes(nodes))
     if memory.peak_bytes != p["peak_bytes"]:
         raise EntryError("its memory plan does not match the stored one")
     plan = ExecutionPlan(

@@ -38,6 +38,7 @@ import numpy as np
 
 from keel._files import check_path, safe_file_name
 from keel._fork import renew_after_fork, reset_after_fork
+from keel._gc import pausing
 from keel.backends.base import Backend, DeviceKind
 from keel.backends.registry import BackendRegistry, default_registry
 from keel.config import (
@@ -99,6 +100,7 @@ class _Planned:
     shown: ExecutionPlan | None = None      # ``plan`` with the adaptive plan's reasons
 
 
+@pausing
 def load_model(
     src: str | os.PathLike[str] | bytes | Any,
     backend: str = "auto",

@@ -7,7 +7,6 @@ of ``""`` is an absent optional input. Initializers are constant NumPy arrays.
 
 from __future__ import annotations
 
-import copy
 import heapq
 import itertools
 from collections.abc import Iterable, Iterator
@@ -287,7 +286,8 @@ class Graph:
 
 
 def _copy_node(n: Node) -> Node:
-    clone = copy.copy(n)
+    clone = object.__new__(type(n))          # copy.copy, without its per-call protocol
+    clone.__dict__.update(n.__dict__)
     clone.inputs = list(n.inputs)
     clone.outputs = list(n.outputs)
     # Subgraphs are copied too: a pass may change a copy's subgraph freely.

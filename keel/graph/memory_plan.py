@@ -106,6 +106,7 @@ class MemoryPlan:
     output_bytes: int = 0
     live_peak_bytes: int = 0          # most bytes simultaneously alive (a lower bound)
     prepacked_bytes: int = 0          # kernels' packed copies of constants (an estimate)
+    workspace_bytes: int = 0          # kernels' scratch beyond the arena (the largest node's)
     dynamic: tuple[str, ...] = ()     # values of unknown size, allocated when they appear
     alignment: int = ALIGNMENT
     _index: dict[str, Allocation] = field(default_factory=dict, compare=False, repr=False)
@@ -119,9 +120,10 @@ class MemoryPlan:
 
     @property
     def peak_bytes(self) -> int:
-        """Weights + their packed copies + arenas + kernel-allocated intermediates + outputs."""
+        """Weights + their packed copies + arenas + kernel scratch + kernel-allocated
+        intermediates + outputs."""
         return (self.weight_bytes + self.prepacked_bytes + self.total_arena_bytes
-                + self.heap_bytes + self.output_bytes)
+                + self.workspace_bytes + self.heap_bytes + self.output_bytes)
 
     @property
     def inplace(self) -> tuple[tuple[str, str], ...]:
@@ -149,6 +151,7 @@ class MemoryPlan:
             "heap_bytes": self.heap_bytes,
             "weight_bytes": self.weight_bytes,
             "prepacked_bytes": self.prepacked_bytes,
+            "workspace_bytes": self.workspace_bytes,
             "output_bytes": self.output_bytes,
             "live_peak_bytes": self.live_peak_bytes,
             "planned_values": sum(1 for a in self.allocations if a.pool == ARENA),
@@ -174,6 +177,7 @@ class MemoryPlan:
             f"peak memory {format_bytes(self.peak_bytes)} = weights "
             f"{format_bytes(self.weight_bytes)} + packed weights "
             f"{format_bytes(self.prepacked_bytes)} + arena {format_bytes(self.total_arena_bytes)}"
+            f" + scratch {format_bytes(self.workspace_bytes)}"
             f" + kernel-allocated {format_bytes(self.heap_bytes)} + outputs "
             f"{format_bytes(self.output_bytes)}",
             f"arenas: {arenas or 'none'} (64-byte aligned offsets); values alive at once "

@@ -95,6 +95,10 @@ class Propagation:
     values: dict[str, np.ndarray] = field(default_factory=dict)
     # Runs the nodes whose values are computed (None: the default, made on first use).
     evaluator: Evaluator | None = field(default=None, repr=False)
+    # Output types inferred, by node signature, for nodes with no known input values:
+    # a long graph of repeated layers infers each kind of node once.
+    inferred: dict[tuple[Any, ...], list[TensorType | None]] = field(default_factory=dict,
+                                                                      repr=False)
 
 
 def infer_graph_types(
@@ -149,22 +153,44 @@ def propagate_node(
     inference leaves unknown.
     """
     declared = declared or {}
-    in_types = [state.types.get(i) if i else None for i in node.inputs]
-    in_values = [state.values.get(i) if i else None for i in node.inputs]
+    types, known = state.types, state.values
+    in_types = [types.get(i) if i else None for i in node.inputs]
+    in_values: list[np.ndarray | None] = (
+        [known.get(i) if i else None for i in node.inputs] if known else [None] * len(node.inputs))
     if node.op in OpGroup.CONTROL_FLOW:
         out_types = _control_types(node, in_types, state.evaluator)
     else:
-        out_types = infer_node(node, in_types, in_values)
+        valued = any(v is not None for v in in_values)
+        out_types = _inferred(node, in_types, in_values, state, valued)
     for name, t in zip(node.outputs, out_types, strict=False):
         if name:
-            state.types[name] = _merge(t, declared.get(name))
+            types[name] = _merge(t, declared.get(name)) if declared else t
     for name in node.outputs[len(out_types):]:
         if name:
-            state.types[name] = declared.get(name)
+            types[name] = declared.get(name)
+    if not valued and node.op not in _SHAPE_VALUED and any(node.inputs):
+        return             # an input without a known value: no output value is known
     values = _known_values(node, in_types, in_values, out_types, value_limit, state)
     for name, val in zip(node.outputs, values, strict=False):
         if name and val is not None:
-            state.values[name] = val
+            known[name] = val
+
+
+def _inferred(node: Node, in_types: list[TensorType | None],
+              in_values: list[np.ndarray | None], state: Propagation,
+              valued: bool) -> list[TensorType | None]:
+    """``infer_node``, remembered by signature where no input value is known."""
+    if valued:
+        return infer_node(node, in_types, in_values)
+    key = (node.op, tuple(in_types), tuple(bool(i) for i in node.inputs), len(node.outputs),
+           tuple(sorted(node.attrs.items())))
+    try:
+        found = state.inferred.get(key)
+    except TypeError:                    # an attribute that is not hashable
+        return infer_node(node, in_types, in_values)
+    if found is None:
+        found = state.inferred[key] = infer_node(node, in_types, in_values)
+    return found
 
 
 def _control_types(node: Node, in_types: Sequence[TensorType | None],
@@ -258,6 +284,10 @@ def infer_node(
             f"node {node.name!r} ({node.op.value}): type inference failed with "
             f"{type(exc).__name__}: {exc}"
         ) from None
+
+
+# Ops whose output value follows from their input's type alone.
+_SHAPE_VALUED = frozenset({Op.SHAPE, Op.SIZE})
 
 
 def _known_values(

@@ -251,6 +251,8 @@ class _Context:
     device_of_value: dict[str, str] = field(default_factory=dict)
     strict: bool = False
     low_memory: str = ""           # why the machine is planned in low-memory mode ("": not)
+    # placements made, by node signature (see _signature): nodes alike are placed once
+    placed: dict[tuple[Any, ...], NodePlacement] = field(default_factory=dict)
 
 
 def place(
@@ -277,7 +279,7 @@ def place(
     reasons: list[str] = _low_memory_reasons(graph, ctx.low_memory)
     if backend == "auto":
         ctx.chain = _cool_chain(_auto_chain(registry, reasons), profile, reasons)
-        placements = [_place_auto(ctx, n) for n in graph.nodes]
+        placements = [_memoized(ctx, n) for n in graph.nodes]
     else:
         pinned = registry.get(backend)
         reasons.append(f"backend {backend} pinned by the caller: every node runs there")
@@ -287,7 +289,8 @@ def place(
     steps = lower_steps(graph, placements, copies)
     memory = plan_steps_for_graph(graph, types, steps)
     memory = dataclasses.replace(memory, prepacked_bytes=_prepacked_bytes(graph, registry,
-                                                                          placements))
+                                                                          placements),
+                                 workspace_bytes=scratch_bytes(placements))
     reasons += _summary_reasons(placements, copies, memory)
     reasons += _backend_notes(registry, placements)
     subplans = _place_subgraphs(graph, types, registry, profile, policy, backend, precision,
@@ -361,6 +364,15 @@ def _place_subgraphs(graph: Graph, types: Mapping[str, TensorType | None],
     return plans
 
 
+def scratch_bytes(placements: Sequence[NodePlacement]) -> int:
+    """The kernels' scratch beyond the arena (im2col columns, Winograd's transformed
+    tiles, padded copies): the largest any node's plan estimates, which the kernel holds
+    while it runs (kernels reuse their scratch buffers from node to node)."""
+    sizes = {p.plan.workspace_bytes for p in placements
+             if p.plan is not None and p.plan.workspace_bytes}
+    return max(sizes, default=0)
+
+
 def _prepacked_bytes(graph: Graph, registry: BackendRegistry,
                      placements: Sequence[NodePlacement]) -> int:
     """The packed copies of constants that the placed kernels keep (one per node that
@@ -427,6 +439,37 @@ def _place_pinned(ctx: _Context, backend: Backend, node: Node) -> NodePlacement:
             detail=f"node {node.name!r} needs {what}; a pinned backend never falls back",
         )
     return _finish(ctx, node, backend, [f"pinned to {backend.name}"])
+
+
+def _memoized(ctx: _Context, node: Node) -> NodePlacement:
+    """``_place_auto``'s placement of ``node``, made once per node signature: a placement
+    depends only on the node's op, attributes, input and output types, which inputs are
+    constants and where its inputs live (a 100,000-node chain of one op is placed once)."""
+    key = _signature(ctx, node)
+    if key is None:
+        return _place_auto(ctx, node)
+    found = ctx.placed.get(key)
+    if found is None:
+        found = ctx.placed[key] = _place_auto(ctx, node)
+        return found
+    for out in node.outputs:
+        if out:
+            ctx.device_of_value[out] = found.device
+    return NodePlacement(node.name, found.op, found.backend, found.variant, found.precision,
+                         found.reasons, found.device, found.writes_out, found.plan)
+
+
+def _signature(ctx: _Context, node: Node) -> tuple[Any, ...] | None:
+    """What a node's placement depends on; None when an attribute is not hashable."""
+    key = (node.op, tuple(ctx.types.get(i) if i else None for i in node.inputs),
+           tuple(ctx.graph.is_constant(i) for i in node.inputs if i),
+           tuple(ctx.types.get(o) if o else None for o in node.outputs),
+           _residency(ctx, node), tuple(sorted(node.attrs.items())))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def _place_auto(ctx: _Context, node: Node) -> NodePlacement:
@@ -574,8 +617,19 @@ def _with_blas_threads(graph: Graph, types: Mapping[str, TensorType | None],
         decided[name] = ((None, "no step on this backend may call BLAS: its pools are left "
                                 "as they are") if scope is None
                          else (scope.threads, scope.reason or "the backend's program scope"))
-    return [p if p.plan is None else dataclasses.replace(p, plan=p.plan.with_field(
-                "blas_threads", *decided[p.backend])) for p in placements]
+    planned: dict[tuple[int, str], NodePlan] = {}   # plans are shared by nodes alike
+
+    def with_threads(p: NodePlacement) -> NodePlacement:
+        if p.plan is None:
+            return p
+        key = (id(p.plan), p.backend)
+        plan = planned.get(key)
+        if plan is None:
+            plan = planned[key] = p.plan.with_field("blas_threads", *decided[p.backend])
+        return NodePlacement(p.name, p.op, p.backend, p.variant, p.precision, p.reasons,
+                             p.device, p.writes_out, plan)
+
+    return [with_threads(p) for p in placements]
 
 
 def _first_dtype(types: Mapping[str, TensorType | None], node: Node) -> DType | None:

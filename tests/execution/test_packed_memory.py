@@ -76,3 +76,33 @@ def test_a_limit_that_holds_the_weights_but_not_their_packed_copy_is_refused() -
     ((8, 3, 3, 3), 64 * 27 * 4 + 64), ((2, 5, 3), 2 * 64 * 5 * 4 + 64)])
 def test_packed_estimate_pads_one_side_to_64(shape: tuple[int, ...], expected: int) -> None:
     assert packed_bytes(shape, 4) == expected
+
+
+def _conv(c: int, m: int, side: int, stride: int, batch: int) -> bytes:
+    w = np.random.default_rng(0).standard_normal((m, c, 3, 3)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1],
+                          strides=[stride, stride], kernel_shape=[3, 3])], "conv",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, c, side, side])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(w, "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]
+                             ).SerializeToString()
+
+
+@pytest.mark.parametrize(("shape", "variant"), [((128, 128, 14, 1, 8), "winograd"),
+                                                ((128, 256, 28, 2, 8), "im2col")])
+def test_the_plan_counts_the_scratch_its_conv_kernel_holds(
+        shape: tuple[int, int, int, int, int], variant: str) -> None:
+    from keel.backends.cpu import workspace
+
+    c, _, side, _, batch = shape
+    workspace.clear()                 # this thread's scratch buffers, which the kernel uses
+    model = keel.load_model(_conv(*shape), backend="cpu", threads=1, plan_cache=False)
+    assert model.plan.nodes[0].variant == variant
+    memory = model.plan.memory
+    assert memory["workspace_bytes"] == model.plan.nodes[0].plan.workspace_bytes > 0
+    assert model.plan.peak_bytes >= (memory["weight_bytes"] + memory["workspace_bytes"]
+                                     + memory["output_bytes"])
+    model.predict({"x": np.ones((batch, c, side, side), np.float32)})
+    assert 0 < workspace.held_bytes() <= memory["workspace_bytes"]

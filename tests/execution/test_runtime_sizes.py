@@ -68,7 +68,11 @@ def test_the_size_read_from_the_inputs_is_the_kernels(op: Op, model: bytes,
 @pytest.mark.parametrize(("op", "model", "feeds"), CASES, ids=[c[0].value for c in CASES])
 def test_a_limit_below_the_output_raises_and_above_it_runs(op: Op, model: bytes,
                                                           feeds: dict[str, Any]) -> None:
-    expected = keel.load_model(model).predict(feeds)["y"]
+    _check_limits(model, feeds, keel.load_model(model).predict(feeds)["y"])
+
+
+def _check_limits(model: bytes, feeds: dict[str, Any], expected: np.ndarray) -> None:
+    """Under a roomy limit the node runs; one byte short of its output, it raises."""
     fits = keel.load_model(model, memory_limit=1 << 20)
     np.testing.assert_array_equal(fits.predict(feeds)["y"], expected)
     tight = keel.load_model(model, memory_limit=fits.plan.peak_bytes + expected.nbytes - 1)
@@ -101,3 +105,36 @@ def test_set_memory_limit_reaches_the_run_time_check() -> None:
         model.predict(feeds)
     model.set_memory_limit(None)
     assert model.predict(feeds)["y"].size == 1 << 20
+
+
+# Outputs sized by the data itself (or by k): the count is read before the kernel runs.
+DATA_CASES: list[tuple[Op, bytes, dict[str, Any], int]] = [
+    (Op.NONZERO, _model(helper.make_node("NonZero", ["x"], ["y"]),
+                        [("x", TensorProto.FLOAT, [3, 4])], TensorProto.INT64),
+     {"x": np.array([[0, 1, 0, 2], [3, 0, 0, 0], [0, 0, 5, 6]], np.float32)}, 1),
+    (Op.COMPRESS, _model(helper.make_node("Compress", ["x", "c"], ["y"], axis=1),
+                         [("x", TensorProto.FLOAT, [2, 5]), ("c", TensorProto.BOOL, [5])]),
+     {"x": np.ones((2, 5), np.float32), "c": np.array([1, 0, 1, 1, 0], bool)}, 1),
+    (Op.TOPK, _model(helper.make_node("TopK", ["x", "k"], ["y", "i"], axis=1),
+                     [("x", TensorProto.FLOAT, [3, 8]), ("k", TensorProto.INT64, [1])]),
+     {"x": np.arange(24, dtype=np.float32).reshape(3, 8), "k": np.array([3], np.int64)}, 3),
+]
+
+
+@pytest.mark.parametrize(("op", "model", "feeds", "units"), DATA_CASES,
+                         ids=[c[0].value for c in DATA_CASES])
+def test_data_sized_outputs_are_counted_before_the_kernel_runs(
+        op: Op, model: bytes, feeds: dict[str, Any], units: int) -> None:
+    expected = keel.load_model(model).predict(feeds)["y"]
+    ins = [np.asarray(v) for v in feeds.values()]
+    # TopK's int64 indices count beside its values (in the values' 4-byte units)
+    assert output_elements(op, ins, {"axis": 1}) == expected.size * units
+    _check_limits(model, feeds, expected)
+
+
+def test_nonzero_of_a_dense_input_beyond_the_limit_raises_naming_the_node() -> None:
+    model = keel.load_model(_model(helper.make_node("NonZero", ["x"], ["y"], name="nz"),
+                                   [("x", TensorProto.FLOAT, [1000, 1000])], TensorProto.INT64),
+                            memory_limit="12MB")   # the input fits; 16 MB of coordinates do not
+    with pytest.raises(keel.MemoryLimitError, match=r"node 'nz' needs .*\(16000000 bytes\)"):
+        model.predict({"x": np.ones((1000, 1000), np.float32)})

@@ -1,13 +1,9 @@
-"""Load cost grows linearly with the graph: a 20,000-input fan-in and a 100,000-node chain
-load and run (memory planning was quadratic: the fan-in took minutes to load).
-
-The bounds are generous on purpose (a loaded 2-core machine takes about a third of them):
-they catch a quadratic step, not a slow machine. Quadratic planning alone took over 250 s
-for the fan-in."""
+"""Large graphs load and run: a 20,000-input fan-in and a 100,000-node chain (memory
+planning was quadratic: the fan-in took minutes to load). Their load times are recorded
+in docs/performance.md, not asserted here; tests/graph/test_memory_plan.py holds the
+memory planner's scaling."""
 
 from __future__ import annotations
-
-import time
 
 import numpy as np
 import onnx
@@ -37,15 +33,14 @@ def _chain(n: int) -> bytes:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("shape", "n", "bound_s"), [("fan-in", 20_000, 240.0),
-                                                    ("chain", 100_000, 300.0)])
-def test_large_graphs_load_and_run(shape: str, n: int, bound_s: float) -> None:
+@pytest.mark.parametrize(("shape", "n"), [("fan-in", 20_000), ("chain", 100_000)])
+def test_large_graphs_load_and_run(shape: str, n: int) -> None:
     data = _fan_in(n) if shape == "fan-in" else _chain(n)
     x = np.random.default_rng(0).standard_normal((2, 8)).astype(np.float32)
-    started = time.perf_counter()
     model = keel.load_model(data, plan_cache=False)
     (out,) = model.predict({model.input_names[0]: x}).values()
-    seconds = time.perf_counter() - started
     want = np.maximum(x, 0) * (n if shape == "fan-in" else 1)
     np.testing.assert_allclose(out, want, rtol=1e-3)     # 20,000 float32 additions
-    assert seconds < bound_s, seconds
+    # nodes alike are placed once: the Relus share one node plan
+    relus = [p for p in model.plan.nodes if p.op == "relu"]
+    assert len(relus) == n and len({id(p.plan) for p in relus}) == 1

@@ -140,6 +140,23 @@ def im2col_depth(geo: ConvGeometry) -> int:
     return geo.in_channels // geo.group * math.prod(geo.window.kernel) + 1
 
 
+def im2col_scratch(geo: ConvGeometry, compact: bool, stacked: bool, n: int,
+                   itemsize: int) -> int:
+    """Bytes of the buffers :class:`_Im2colBuffers` holds for ``n`` images: the
+    phase-split image, the column matrix and, unless the GEMM writes Y itself, the
+    product."""
+    c, g, m = geo.in_channels, geo.group, geo.out_channels
+    plan = wnd.wide_plan((n, c), geo.window)
+    ncol, depth = im2col_columns(geo, compact), im2col_depth(geo)
+    image = plan.phases * (n * c * plan.plane + plan.slack)
+    if stacked and n > 1:
+        row = row_length(n * ncol, np.dtype(f"f{itemsize}"))
+        return (image + g * depth * row + m * row) * itemsize
+    row = row_length(ncol, np.dtype(f"f{itemsize}"))
+    product = 0 if compact else n * m * row
+    return (image + n * g * depth * row + product) * itemsize
+
+
 def im2col_layout(geo: ConvGeometry, compact: bool, stacked: bool, chunk: int
                   ) -> Im2colLayout:
     """The im2col of ``geo`` as planned (pure; callers cache it per signature):

@@ -43,6 +43,7 @@ from keel.backends.plan import (
     tier_unavailable,
     usable_variants,
 )
+from keel.config import settings
 from keel.dtypes import DType
 from keel.errors import KeelError
 from keel.ops.registry import Op
@@ -173,6 +174,22 @@ def available_rules(tier: bool | None = None) -> list[ConvRule]:
             for name, r in RULES.items() if name not in REQUIRES or tier]
 
 
+def batch_invariant() -> bool:
+    """Whether choices keep a sample's result independent of its batch: asked for
+    (``KEEL_BATCH_INVARIANT``, on by default) and possible, the native GEMM loaded (its
+    sums follow only the depth). On OpenBLAS the order of summation follows the
+    product's shape whatever is chosen, so the faster per-batch choices stay."""
+    return settings().batch_invariant and native_gemm.available()
+
+
+def deciding_case(case: ConvCase) -> ConvCase:
+    """The case the conv rules decide on: with batch invariance one image's. The
+    variants round differently (Winograd's transforms, another summation order), so a
+    choice that followed the batch size would change a sample's result with the batch;
+    the rules' per-batch evidence then goes unused (the cost: docs/performance.md)."""
+    return dataclasses.replace(case, batch=1) if batch_invariant() else case
+
+
 @functools.lru_cache(maxsize=1024)
 def _pick_cached(case: ConvCase, tier: bool) -> tuple[str, str]:
     return pick(case, available_rules(tier))
@@ -181,7 +198,7 @@ def _pick_cached(case: ConvCase, tier: bool) -> tuple[str, str]:
 def conv_call_variant(case: ConvCase) -> tuple[str, str]:
     """The conv variant for ``case`` when no placement decided one (a direct kernel
     call on shapes known only now): the same rules as :func:`plan`."""
-    return _pick_cached(case, native_gemm.available())
+    return _pick_cached(deciding_case(case), native_gemm.available())
 
 
 def exact_conv_variant(case: ConvCase) -> str:
@@ -198,9 +215,10 @@ def _conv_case(op: Op, input_types: Sequence[TensorType | None], attrs: Mapping[
     x, w = input_types[0], input_types[1]
     assert x is not None and w is not None and x.shape is not None and w.shape is not None
     try:
-        return conv_case(op, x.shape, w.shape, attrs, dtype.value if dtype else "float32")
+        case = conv_case(op, x.shape, w.shape, attrs, dtype.value if dtype else "float32")
     except KeelError:
         return None
+    return None if case is None else deciding_case(case)
 
 
 def _choose_conv(op: Op, input_types: Sequence[TensorType | None], attrs: Mapping[str, Any],
@@ -525,8 +543,10 @@ def _cache_key(request: PlanRequest, table: KernelTable) -> tuple[Any, ...] | No
 
 
 def state() -> tuple[Any, ...]:
-    """The kernel tiers loaded here: every plan depends on them."""
-    return native_gemm.available(), native_window.ready(), tier_unavailable("native")
+    """The kernel tiers loaded here and whether choices keep batch invariance: every
+    plan depends on them."""
+    return (native_gemm.available(), native_window.ready(), tier_unavailable("native"),
+            batch_invariant())
 
 
 def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:
@@ -569,7 +589,9 @@ def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:
             threads=threads_why,
             **({} if form.chunk is None else {"chunk": form.chunk_reason or form.reason}),
             **({} if form.workspace_bytes is None else
-               {"workspace_bytes": "the column matrix of one chunk"}))
+               {"workspace_bytes": "the transformed tiles and products of one chunk"
+                if (dispatched or variant) == "winograd"
+                else "one chunk's phase-split image, column matrix and product"}))
         + (() if blocking is None else ((blocking[0][0], blocking[1]),))
         + ((("prepack", no_pack),) if no_pack else ()))
 
@@ -873,7 +895,11 @@ def native_layout(geo: ConvGeometry) -> conv_gemm.NativeLayout:
 IM2COL_BYTES = 4 * 2**20
 STACKED_BYTES = 8 * 2**20
 # Stack the images of a batch into one GEMM when an image has fewer columns than this.
+# Not with batch invariance: the im2col and pointwise GEMMs run on BLAS, whose order of
+# summation follows the product's shape, so a product of one shape per image (whatever
+# the batch) keeps an image's result the same at every batch size.
 STACK_BELOW = 400
+_PER_IMAGE_NOTE = " (batch invariance: BLAS sums in an order that follows the shape)"
 # Compact columns (the output pixels, no garbage columns) from this many output
 # channels, or for outputs at least this wide: there the extra GEMM work of the garbage
 # columns costs more than copying the column matrix in short rows. Never where a row
@@ -906,7 +932,7 @@ def im2col_form(geo: ConvGeometry, itemsize: int) -> ConvForm:
                 or win.out_spatial[-1] >= COMPACT_MIN_WIDTH)
                and (pixels * itemsize) % PAGE_BYTES != 0)
     columns = conv_gemm.im2col_columns(geo, compact)
-    stacked = geo.batch > 1 and columns < STACK_BELOW
+    stacked = geo.batch > 1 and columns < STACK_BELOW and not batch_invariant()
     budget = STACKED_BYTES if stacked else IM2COL_BYTES
     per_image = geo.group * conv_gemm.im2col_depth(geo) * columns * itemsize
     chunk = max(1, min(geo.batch, budget // max(per_image, 1)))
@@ -914,15 +940,17 @@ def im2col_form(geo: ConvGeometry, itemsize: int) -> ConvForm:
     why = (f"{layout}: {columns} columns per image ({'output pixels' if compact else 'wide'}"
            f"){', stacked below ' + str(STACK_BELOW) if stacked else ''}; {chunk} image(s) "
            f"per chunk within {budget >> 20} MiB of columns")
-    return ConvForm(layout, why, chunk, chunk * per_image)
+    return ConvForm(layout, why, chunk,
+                    conv_gemm.im2col_scratch(geo, compact, stacked, chunk, itemsize))
 
 
 def pointwise_form(geo: ConvGeometry) -> ConvForm:
     """Whether a 1x1 conv stacks its images into one GEMM."""
     pixels = math.prod(geo.window.out_spatial)
-    if geo.batch > 1 and pixels < STACK_BELOW:
+    if geo.batch > 1 and pixels < STACK_BELOW and not batch_invariant():
         return ConvForm("stacked", f"stacked: {pixels} output pixels < {STACK_BELOW}")
-    return ConvForm("per-image", "per-image: X read as it is, one GEMM per image")
+    return ConvForm("per-image", "per-image: X read as it is, one GEMM per image"
+                    + _PER_IMAGE_NOTE * (geo.batch > 1 and batch_invariant()))
 
 
 # Winograd's transformed tiles per chunk of images (bytes; the transformed input V and,
@@ -935,10 +963,23 @@ WINOGRAD_CHUNK_BYTES = 4 * 2**20
 def winograd_form(geo: ConvGeometry, itemsize: int) -> ConvForm:
     """Images per chunk of a Winograd conv (its one form)."""
     (oh, ow), c, m = geo.window.out_spatial, geo.in_channels, geo.out_channels
-    per_image = 16 * -(-oh // 2) * -(-ow // 2) * max(c, m) * itemsize
+    th, tw = -(-oh // 2), -(-ow // 2)
+    per_image = 16 * th * tw * max(c, m) * itemsize
     chunk = max(1, min(geo.batch, WINOGRAD_CHUNK_BYTES // max(per_image, 1)))
     return ConvForm("", f"{chunk} image(s) per chunk: {per_image} bytes of transformed "
-                        f"tiles an image, within {WINOGRAD_CHUNK_BYTES >> 20} MiB", chunk)
+                        f"tiles an image, within {WINOGRAD_CHUNK_BYTES >> 20} MiB", chunk,
+                    _winograd_scratch(chunk, c, m, th, tw, itemsize))
+
+
+def _winograd_scratch(n: int, c: int, m: int, th: int, tw: int, itemsize: int) -> int:
+    """Bytes a Winograd chunk of ``n`` images holds (keel.backends.cpu.winograd): compiled,
+    the transformed input V and the products P; in NumPy also the split input D, the
+    column pass T1, the first output pass O1 and the NHWC image."""
+    tiles = n * th * tw
+    if itemsize == 4 and native_gemm.available():
+        return 16 * tiles * (c + m) * itemsize
+    split = n * 4 * (th + 1) * (tw + 1) * c + 8 * n * (th + 1) * tw * c
+    return (split + 16 * tiles * (c + m) + 8 * tiles * m + 4 * tiles * m) * itemsize
 
 
 def conv_form(variant: str, geo: ConvGeometry, itemsize: int, grid: Any = _HERE,

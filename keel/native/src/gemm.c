@@ -226,38 +226,21 @@ rank1(int mr, int nv, const float *restrict a, const float *restrict b, vf acc[M
     }
 }
 
-/* acc[i][j] += sum over p < kc of a[p][i] * B[p][j] (mr rows, nv vectors).
- *
- * With one or two rows the mr * nv accumulators are too few chains to hide the
- * FMA latency: those tiles sum the even and odd steps of p apart and add the two
- * at the end (the same order whatever range the tile falls in).
+/* acc[i][j] += sum over p < kc of a[p][i] * B[p][j] (mr rows, nv vectors), one step of
+ * p after another for every tile height: an element of C is the same chain of
+ * operations whether its row falls in a full tile, a short tail tile or a product of
+ * one row, so a row's result does not depend on how many rows the product has (batch
+ * invariance). One- and two-row tiles have few chains to hide the FMA latency; they
+ * are a product's last row panel, and a product of one row runs in gemv instead.
  */
 static inline __attribute__((always_inline)) void
 rank_updates(int mr, int nv, int64_t kc, const float *restrict a, const bsource *s,
              vf acc[MAXR][NV])
 {
-    int64_t p = 0;
-    if (mr <= 2) {
-        vf odd[MAXR][NV];
-        for (int i = 0; i < mr; i++)
-            for (int j = 0; j < nv; j++) odd[i][j] = (vf){0};
-        if (s->rows)
-            for (; p + 1 < kc; p += 2) {
-                rank1(mr, nv, a + p * MR, s->b + s->rows[p], acc);
-                rank1(mr, nv, a + (p + 1) * MR, s->b + s->rows[p + 1], odd);
-            }
-        else
-            for (; p + 1 < kc; p += 2) {
-                rank1(mr, nv, a + p * MR, s->b + p * s->bs, acc);
-                rank1(mr, nv, a + (p + 1) * MR, s->b + (p + 1) * s->bs, odd);
-            }
-        for (int i = 0; i < mr; i++)
-            for (int j = 0; j < nv; j++) acc[i][j] += odd[i][j];
-    }
     if (s->rows)
-        for (; p < kc; p++) rank1(mr, nv, a + p * MR, s->b + s->rows[p], acc);
+        for (int64_t p = 0; p < kc; p++) rank1(mr, nv, a + p * MR, s->b + s->rows[p], acc);
     else
-        for (; p < kc; p++) rank1(mr, nv, a + p * MR, s->b + p * s->bs, acc);
+        for (int64_t p = 0; p < kc; p++) rank1(mr, nv, a + p * MR, s->b + p * s->bs, acc);
 }
 
 /* Where one tile of C goes: c points at row i0 and column jbase; column j of the
@@ -703,69 +686,64 @@ static void column_panel(const problem *g, const epilogue *e, int64_t jp, int64_
 }
 
 /* The single row of C for column panels [j_lo, j_hi) when A has one row (a matrix
- * times a vector): two panels at a time where B can be read in place, each with
- * its even and odd steps of k summed apart, so eight independent streams of B
- * are in flight (a lone 1 x NR tile waits on memory: measured 28 GFLOP/s at
- * 1 x 784 x 512, 41 with pairs; OpenBLAS's sgemv 36). There are no partial sums
- * of C to come back for; a panel of a raw B that cannot be read in place is
- * packed block by block into the workspace, its sums carried over in registers,
- * so every panel gets the same arithmetic whatever B's layout. */
+ * times a vector). Each element of C is summed over p in order from 0 (or from the
+ * value C holds, with KEEL_ACCUMULATE), as in the tiles: a row's result is bitwise
+ * the one it gets inside a product of more rows. A lone 1 x NR tile waits on the
+ * FMA latency (NV chains); up to GEMV_PANELS panels that B gives in place run
+ * together, NV * GEMV_PANELS independent chains, each load of A feeding all of them.
+ * A panel of a raw B that cannot be read in place is packed block by block into the
+ * workspace, its sums carried over in registers. */
+#define GEMV_PANELS 4
+
 static int gemv_serves(const problem *g)
 {
     return g->m == 1 && !g->b_rows && !g->b_cols && !g->c_cols;
 }
 
-/* acc[0] += even steps, acc[1] += odd steps of a[p] * B[p][0 .. NR) for p in [p0, p1);
- * B's row p at b + (p - p0) * bs. */
+/* acc[q][..] += sum over p < k of a[p * as] * B_q[p][0 .. NR), B_q's row p at b[q] + p * bs[q]. */
 static inline __attribute__((always_inline)) void
-gemv_steps(const float *a, int64_t as, const float *b, int64_t bs, int64_t p0, int64_t p1,
-           vf acc[2][NV])
+gemv_panels(int np, int64_t k, const float *a, int64_t as, const float *const *b,
+            const int64_t *bs, vf acc[GEMV_PANELS][NV])
 {
-    vf even[NV], odd[NV];
-    for (int j = 0; j < NV; j++) {
-        even[j] = acc[0][j];
-        odd[j] = acc[1][j];
-    }
-    int64_t p = p0;
-    if (p < p1 && (p & 1)) {
+    for (int64_t p = 0; p < k; p++) {
         vf x = splat(a[p * as]);
-        for (int j = 0; j < NV; j++) odd[j] += x * load(b + j * VW);
-        p++;
-    }
-    for (; p + 1 < p1; p += 2) {
-        vf x0 = splat(a[p * as]), x1 = splat(a[(p + 1) * as]);
-        const float *r0 = b + (p - p0) * bs, *r1 = r0 + bs;
-        for (int j = 0; j < NV; j++) {
-            even[j] += x0 * load(r0 + j * VW);
-            odd[j] += x1 * load(r1 + j * VW);
-        }
-    }
-    if (p < p1) {
-        vf x = splat(a[p * as]);
-        for (int j = 0; j < NV; j++) even[j] += x * load(b + (p - p0) * bs + j * VW);
-    }
-    for (int j = 0; j < NV; j++) {
-        acc[0][j] = even[j];
-        acc[1][j] = odd[j];
+        for (int q = 0; q < np; q++)
+            for (int j = 0; j < NV; j++) acc[q][j] += x * load(b[q] + p * bs[q] + j * VW);
     }
 }
 
-static void gemv_store(const problem *g, const epilogue *e, int64_t j0, int64_t cols,
-                       vf acc[2][NV])
+typedef void (*gemv_fn)(int64_t, const float *, int64_t, const float *const *, const int64_t *,
+                        vf[GEMV_PANELS][NV]);
+#define GEMV(N)                                                                                \
+    static void gemv_##N(int64_t k, const float *a, int64_t as, const float *const *b,        \
+                         const int64_t *bs, vf acc[GEMV_PANELS][NV])                            \
+    {                                                                                          \
+        gemv_panels(N, k, a, as, b, bs, acc);                                                  \
+    }
+GEMV(1) GEMV(2) GEMV(3) GEMV(4)
+static const gemv_fn GEMVS[GEMV_PANELS] = {gemv_1, gemv_2, gemv_3, gemv_4};
+
+/* The accumulators of C's columns j0 .. j0 + cols: the values C holds, or zero. */
+static void gemv_begin(const problem *g, const epilogue *e, int64_t j0, int64_t cols,
+                       vf acc[NV])
 {
-    vf sum[NV];
-    for (int j = 0; j < NV; j++) sum[j] = acc[0][j] + acc[1][j];
-    if (cols == NR && !(e->flags & KEEL_ACCUMULATE)) {
+    float buf[NR];
+    memset(buf, 0, sizeof buf);
+    if (e->flags & KEEL_ACCUMULATE) memcpy(buf, g->c + j0, (size_t)cols * sizeof(float));
+    for (int j = 0; j < NV; j++) acc[j] = load(buf + j * VW);
+}
+
+static void gemv_store(const problem *g, const epilogue *e, int64_t j0, int64_t cols,
+                       vf acc[NV])
+{
+    if (cols == NR) {
         for (int j = 0; j < NV; j++)
-            store(g->c + j0 + j * VW, finish(sum[j], e, 0, j0 + j * VW));
+            store_final(g->c + j0 + j * VW, finish(acc[j], e, 0, j0 + j * VW), e->flags);
         return;
     }
     float buf[NR];
-    for (int j = 0; j < NV; j++) store(buf + j * VW, sum[j]);
-    for (int64_t j = 0; j < cols; j++) {
-        float v = buf[j] + ((e->flags & KEEL_ACCUMULATE) ? g->c[j0 + j] : 0.0f);
-        g->c[j0 + j] = finish1(v, e, 0, j0 + j);
-    }
+    for (int j = 0; j < NV; j++) store(buf + j * VW, acc[j]);
+    for (int64_t j = 0; j < cols; j++) g->c[j0 + j] = finish1(buf[j], e, 0, j0 + j);
 }
 
 /* B's panel jp when it can be read in place (packed, or NR contiguous columns). */
@@ -782,54 +760,51 @@ static const float *gemv_direct(const problem *g, int64_t jp, int64_t *bs)
     return NULL;
 }
 
+/* C's columns of panel jp, at most NR. */
+static int64_t gemv_cols(const problem *g, int64_t jp)
+{
+    return g->n - jp * NR < NR ? g->n - jp * NR : NR;
+}
+
+/* One panel of a raw B, packed block by block into wb. */
+static void gemv_packed(const problem *g, const epilogue *e, int64_t jp, int64_t as, float *wb)
+{
+    int64_t k = g->k, j0 = jp * NR, cols = gemv_cols(g, jp), packed = NR;
+    const float *b[1] = {wb};
+    vf acc[GEMV_PANELS][NV];
+    gemv_begin(g, e, j0, cols, acc[0]);
+    for (int64_t p0 = 0; p0 < k; p0 += KC) {
+        int64_t kc = k - p0 < KC ? k - p0 : KC;
+        if (g->b_cs == 1)
+            pack_block(g->b, 1, g->b_rs, NULL, j0, cols, NR, p0, kc, wb);
+        else
+            pack_block(g->b + j0 * g->b_cs, g->b_cs, g->b_rs, NULL, 0, cols, NR, p0, kc, wb);
+        gemv_1(kc, g->a + p0 * as, as, b, &packed, acc);
+    }
+    gemv_store(g, e, j0, cols, acc[0]);
+}
+
 static void gemv(const problem *g, const epilogue *e, int64_t j_lo, int64_t j_hi)
 {
-    int64_t k = g->k, as = (g->a_rs != 0 || g->a_ks != 0) ? g->a_ks : MR;
+    int64_t as = (g->a_rs != 0 || g->a_ks != 0) ? g->a_ks : MR;
     float *wb = g->work + MC_PANELS * MR * KC;
     for (int64_t jp = j_lo; jp < j_hi;) {
-        int64_t j0 = jp * NR, cols = g->n - j0 < NR ? g->n - j0 : NR;
-        int64_t bs0 = 0, bs1 = 0;
-        const float *b0 = gemv_direct(g, jp, &bs0);
-        const float *b1 = b0 && jp + 1 < j_hi ? gemv_direct(g, jp + 1, &bs1) : NULL;
-        int pair = b1 && g->n - j0 >= 2 * NR;
-        vf acc[2][2][NV];
-        for (int q = 0; q < 2; q++)
-            for (int h = 0; h < 2; h++)
-                for (int j = 0; j < NV; j++) acc[q][h][j] = (vf){0};
-        if (pair) {
-            for (int64_t p = 0; p + 1 < k; p += 2) {
-                vf x0 = splat(g->a[p * as]), x1 = splat(g->a[(p + 1) * as]);
-                for (int j = 0; j < NV; j++) {
-                    acc[0][0][j] += x0 * load(b0 + p * bs0 + j * VW);
-                    acc[0][1][j] += x1 * load(b0 + (p + 1) * bs0 + j * VW);
-                    acc[1][0][j] += x0 * load(b1 + p * bs1 + j * VW);
-                    acc[1][1][j] += x1 * load(b1 + (p + 1) * bs1 + j * VW);
-                }
-            }
-            if (k & 1) {
-                gemv_steps(g->a, as, b0 + (k - 1) * bs0, bs0, k - 1, k, acc[0]);
-                gemv_steps(g->a, as, b1 + (k - 1) * bs1, bs1, k - 1, k, acc[1]);
-            }
-            gemv_store(g, e, j0, NR, acc[0]);
-            gemv_store(g, e, j0 + NR, NR, acc[1]);
-            jp += 2;
+        const float *b[GEMV_PANELS];
+        int64_t bs[GEMV_PANELS];
+        int np = 0;
+        while (np < GEMV_PANELS && jp + np < j_hi &&
+               (b[np] = gemv_direct(g, jp + np, &bs[np])) != NULL)
+            np++;
+        if (np == 0) {
+            gemv_packed(g, e, jp, as, wb);
+            jp++;
             continue;
         }
-        if (b0) {
-            gemv_steps(g->a, as, b0, bs0, 0, k, acc[0]);
-        } else {
-            for (int64_t p0 = 0; p0 < k; p0 += KC) {
-                int64_t kc = k - p0 < KC ? k - p0 : KC;
-                if (g->b_cs == 1)
-                    pack_block(g->b, 1, g->b_rs, NULL, j0, cols, NR, p0, kc, wb);
-                else
-                    pack_block(g->b + j0 * g->b_cs, g->b_cs, g->b_rs, NULL, 0, cols, NR, p0,
-                               kc, wb);
-                gemv_steps(g->a, as, wb, NR, p0, p0 + kc, acc[0]);
-            }
-        }
-        gemv_store(g, e, j0, cols, acc[0]);
-        jp++;
+        vf acc[GEMV_PANELS][NV];
+        for (int q = 0; q < np; q++) gemv_begin(g, e, (jp + q) * NR, gemv_cols(g, jp + q), acc[q]);
+        GEMVS[np - 1](g->k, g->a, as, b, bs, acc);
+        for (int q = 0; q < np; q++) gemv_store(g, e, (jp + q) * NR, gemv_cols(g, jp + q), acc[q]);
+        jp += np;
     }
 }
 

@@ -736,8 +736,8 @@ class Model:
         if key in self._cache or self._memory_limit is not None \
                 or self._hint == "throughput" or residency != "cpu":
             return None
-        planned_signatures = sum(1 for k in self._cache if k not in (_GENERIC, ("symbolic",)))
-        if planned_signatures < _FIRST_SIGNATURES:
+        planned = [k for k in self._cache if k not in (_GENERIC, ("symbolic",))]
+        if len(planned) < _FIRST_SIGNATURES or any(_batch_apart(key, k) for k in planned):
             return None
         if len(self._runs) >= 4 * _CACHE_SIZE * _CACHE_SIZE:
             self._runs.clear()
@@ -1154,6 +1154,16 @@ def _residency(feeds: Any) -> str:
 
 def _shapes(arrays: Mapping[str, np.ndarray]) -> Shapes:
     return {name: tuple(a.shape) for name, a in arrays.items()}
+
+
+def _batch_apart(key: tuple[Any, ...], other: tuple[Any, ...]) -> bool:
+    """Whether two signatures (sorted (input, shape) pairs) differ only in their inputs'
+    first (batch) dimension: such a signature gets a plan of its own, made by the same
+    batch-invariant rules, so a sample's answer does not depend on the batch it came in."""
+    if len(key) != len(other):
+        return False
+    return all(a[0] == b[0] and len(a[1]) == len(b[1]) and a[1][1:] == b[1][1:]
+               for a, b in zip(key, other, strict=True))
 
 
 def _signature(shapes: Shapes) -> str:

@@ -157,10 +157,10 @@ def propagate_node(
     in_types = [types.get(i) if i else None for i in node.inputs]
     in_values: list[np.ndarray | None] = (
         [known.get(i) if i else None for i in node.inputs] if known else [None] * len(node.inputs))
+    valued = any(v is not None for v in in_values)
     if node.op in OpGroup.CONTROL_FLOW:
         out_types = _control_types(node, in_types, state.evaluator)
     else:
-        valued = any(v is not None for v in in_values)
         out_types = _inferred(node, in_types, in_values, state, valued)
     for name, t in zip(node.outputs, out_types, strict=False):
         if name:

@@ -214,34 +214,26 @@ def bert_mini(seq: int = 128, hidden: int = 256, heads: int = 4, layers: int = 4
     table = b.init((0.02 * b.rng.standard_normal((vocab, hidden))).astype(np.float32), "emb")
     pos = b.init((0.02 * b.rng.standard_normal((seq, hidden))).astype(np.float32), "pos")
     x = b.layer_norm(b.node("Add", [b.node("Gather", [table, ids], axis=0), pos]), hidden)
-    dh = hidden // heads
-    split_shape = b.const([0, seq, heads, dh])
-    merge_shape = b.const([0, seq, hidden])
-    scale = b.const([math.sqrt(dh)], np.float32)
+    shapes = _head_shapes(b, seq, hidden, heads)
     for _ in range(layers):
-        def heads_of(v: str) -> str:
-            return b.node("Transpose", [b.node("Reshape", [v, split_shape])], perm=[0, 2, 1, 3])
-        q, k, v = (heads_of(b.linear(x, hidden, hidden)) for _ in range(3))
-        kt = b.node("Transpose", [k], perm=[0, 1, 3, 2])
-        scores = b.node("Div", [b.node("MatMul", [q, kt]), scale])
-        ctx = b.node("MatMul", [b.node("Softmax", [scores], axis=-1), v])
-        ctx = b.node("Reshape", [b.node("Transpose", [ctx], perm=[0, 2, 1, 3]), merge_shape])
-        x = b.layer_norm(b.node("Add", [x, b.linear(ctx, hidden, hidden)]), hidden)
-        h = b.gelu_erf(b.linear(x, hidden, ffn))
-        x = b.layer_norm(b.node("Add", [x, b.linear(h, ffn, hidden)]), hidden)
+        x = _encoder_block(b, x, shapes, hidden, ffn)
     b.output(x, "hidden_states", ["N", seq, hidden])
     return b.build()
 
 
-def small_block(hidden: int = 256, heads: int = 4, ffn: int = 1024) -> onnx.ModelProto:
-    """One post-norm encoder block (attention, LayerNorm, Erf GELU) on hidden states
-    of any batch and sequence: the small dynamic shapes of a decode step."""
-    b = _Builder("small_block")
-    x = b.input("hidden_states", ["N", "S", hidden])
+def _head_shapes(b: _Builder, seq: int, hidden: int, heads: int) -> tuple[str, str, str]:
+    """The constants every attention block shares: the split into heads, the merge back
+    (``seq`` -1: any sequence length) and the scores' scale."""
     dh = hidden // heads
-    split_shape = b.const([0, -1, heads, dh])
-    merge_shape = b.const([0, -1, hidden])
-    scale = b.const([math.sqrt(dh)], np.float32)
+    return (b.const([0, seq, heads, dh]), b.const([0, seq, hidden]),
+            b.const([math.sqrt(dh)], np.float32))
+
+
+def _encoder_block(b: _Builder, x: str, shapes: tuple[str, str, str], hidden: int,
+                   ffn: int) -> str:
+    """One post-norm encoder block as PyTorch exports it: unfused attention, LayerNorm,
+    Erf GELU."""
+    split_shape, merge_shape, scale = shapes
 
     def heads_of(v: str) -> str:
         return b.node("Transpose", [b.node("Reshape", [v, split_shape])], perm=[0, 2, 1, 3])
@@ -252,7 +244,15 @@ def small_block(hidden: int = 256, heads: int = 4, ffn: int = 1024) -> onnx.Mode
     ctx = b.node("Reshape", [b.node("Transpose", [ctx], perm=[0, 2, 1, 3]), merge_shape])
     x = b.layer_norm(b.node("Add", [x, b.linear(ctx, hidden, hidden)]), hidden)
     h = b.gelu_erf(b.linear(x, hidden, ffn))
-    x = b.layer_norm(b.node("Add", [x, b.linear(h, ffn, hidden)]), hidden)
+    return b.layer_norm(b.node("Add", [x, b.linear(h, ffn, hidden)]), hidden)
+
+
+def small_block(hidden: int = 256, heads: int = 4, ffn: int = 1024) -> onnx.ModelProto:
+    """One post-norm encoder block (attention, LayerNorm, Erf GELU) on hidden states
+    of any batch and sequence: the small dynamic shapes of a decode step."""
+    b = _Builder("small_block")
+    x = b.input("hidden_states", ["N", "S", hidden])
+    x = _encoder_block(b, x, _head_shapes(b, -1, hidden, heads), hidden, ffn)
     b.output(x, "out", ["N", "S", hidden])
     return b.build()
 

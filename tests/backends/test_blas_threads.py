@@ -49,8 +49,8 @@ def test_a_one_thread_cap_is_kept_and_unknown_work_counts_as_blas() -> None:
     assert 0.0 < BLAS_SHARE_FOR_THREADS < 1.0
 
 
-def test_a_program_runs_under_the_blas_threads_it_chose(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A float64 Gemm is all BLAS: the program caps BLAS at the model's threads."""
+def _caps(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The thread counts BLAS is capped at from now on, in order (a real ThreadCap runs)."""
     seen: list[int] = []
     real = cpu_backend.ThreadCap.__init__
 
@@ -59,6 +59,12 @@ def test_a_program_runs_under_the_blas_threads_it_chose(monkeypatch: pytest.Monk
         real(self, threads)
 
     monkeypatch.setattr(cpu_backend.ThreadCap, "__init__", spy)
+    return seen
+
+
+def test_a_program_runs_under_the_blas_threads_it_chose(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A float64 Gemm is all BLAS: the program caps BLAS at the model's threads."""
+    seen = _caps(monkeypatch)
     m = load_model(model_proto(np.float64), backend="cpu", threads=2)
     x = np.ones((3, 4), np.float64)
     m.predict({"x": x})
@@ -91,14 +97,7 @@ def test_the_program_enters_the_blas_threads_its_plan_holds(
     from keel.graph.shape_inference import infer_graph_types
     from keel.planning.placement import place
 
-    seen: list[int] = []
-    real = cpu_backend.ThreadCap.__init__
-
-    def spy(self: cpu_backend.ThreadCap, threads: int) -> None:
-        seen.append(threads)
-        real(self, threads)
-
-    monkeypatch.setattr(cpu_backend.ThreadCap, "__init__", spy)
+    seen = _caps(monkeypatch)
     graph = import_onnx(model_proto(np.float64))
     types = infer_graph_types(graph, {"x": (3, 4)})
     registry = default_registry()

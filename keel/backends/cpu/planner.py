@@ -357,8 +357,10 @@ def _product_threads(request: PlanRequest) -> tuple[int, str] | None:
 # see a 1 MiB L2 and a 32 MiB last-level cache. A plan sizes them for the caches of the
 # machine it is made for (this one, or a ``hardware=`` profile's): the blocks and the
 # depthwise buffers scale with the L2, the non-temporal store threshold with the
-# last-level cache, each within EVIDENCE_RANGE times the measured size. Where the
-# profile reads no cache size, the measured sizes stand and the reason says so.
+# last-level cache, each within EVIDENCE_RANGE times the measured size. The scaling is
+# a declared rule (keep the same share of the cache), not measured on other machines:
+# `keel tune` does not time block sizes yet. Where the profile reads no cache size, the
+# measured sizes stand and the reason says so.
 MEASURED_L2_BYTES = 1 << 20
 MEASURED_LLC_BYTES = 32 << 20
 EVIDENCE_RANGE = 8
@@ -463,8 +465,8 @@ def _blocking(op: Op, sizes: Caches) -> tuple[tuple[str, int], str] | None:
     if name is None:
         return None
     size = sizes.with_l2(BLOCKS[name])
-    return (name, size), (f"{name} {size}: {_BLOCK_WHY[name]} ({BLOCKS[name]} for a 1 MiB "
-                          f"L2, scaled to the caches of {sizes.source})")
+    return (name, size), (f"{name} {size}: {_BLOCK_WHY[name]} ({BLOCKS[name]} measured for "
+                          f"a 1 MiB L2, scaled by rule to the caches of {sizes.source})")
 
 
 # ---- the program's BLAS threads ---------------------------------------------------------

@@ -116,7 +116,11 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"int8-{stamp}.json").write_text(json.dumps(rows, indent=2, default=str))
+    import keel
+
+    payload = {"stamp": stamp, "keel": keel.__version__, "machine": keel.probe().to_dict(),
+               "batch": args.batch, "rows": rows}
+    (args.out / f"int8-{stamp}.json").write_text(json.dumps(payload, indent=2, default=str))
     return 0
 
 

@@ -19,7 +19,6 @@ import concurrent.futures
 import datetime as dt
 import json
 import os
-import platform
 import shutil
 import statistics
 import tempfile
@@ -29,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+import keel
 
 DIGITS = Path(__file__).resolve().parents[1] / "keel" / "data" / "digits_mlp.onnx"
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -164,8 +165,7 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"serve-{stamp}.json"
     out.write_text(json.dumps({
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "load_average": os.getloadavg()},
+        "machine": keel.probe().to_dict(), "load_average": os.getloadavg(),
         "serve": [asdict(r) for r in reports], "ray": ray_result}, indent=2))
     print(f"results: {out}")
 

@@ -88,8 +88,13 @@ class Limits:
 
 
 def datatype_of(dtype: DType) -> str:
-    """The protocol's name for a keel dtype."""
-    return _BY_DTYPE[dtype]
+    """The protocol's name for a keel dtype (``ProtocolError`` for one keel serves none
+    for: bfloat16, the float8/float4 and the 4- and 2-bit types)."""
+    name = _BY_DTYPE.get(dtype)
+    if name is None:
+        raise ProtocolError(f"the Open Inference Protocol has no datatype for {dtype.value}; "
+                            f"it carries {', '.join(sorted(set(_BY_DTYPE.values())))}")
+    return name
 
 
 def numpy_dtype(datatype: Any, tensor: str) -> np.dtype:

@@ -246,7 +246,13 @@ class BackendRegistry:
         return [e.name for e in entries if everything or not e.manual]
 
     def _available_all(self) -> list[Backend]:
-        return [self.instance(n) for n in self.names() if self.availability(n).available]
+        """The available backends, opt-in (``manual``) ones only where something already
+        built them: naming where an op runs must not start a backend's drivers."""
+        chain = self.priority
+        return [self.instance(n) for n in self.names()
+                if (n in chain or not self._entries[n].manual
+                    or self._entries[n].instance is not None)
+                and self.availability(n).available]
 
     def __repr__(self) -> str:
         return f"<BackendRegistry {self.names()}>"

@@ -213,6 +213,14 @@ def _error_text(body: bytes) -> str:
 
 
 def _decode_reply(body: bytes, header_length: str | None) -> dict[str, np.ndarray]:
+    try:
+        return _outputs(body, header_length)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # JSON, fields, sizes
+        raise RemoteError(f"the server's reply is not an inference response: "
+                          f"{type(exc).__name__}: {exc}") from None
+
+
+def _outputs(body: bytes, header_length: str | None) -> dict[str, np.ndarray]:
     split = int(header_length) if header_length else len(body)
     reply = json.loads(body[:split])
     limits = Limits(max_body_bytes=1 << 62, max_tensor_elements=1 << 62)
@@ -237,12 +245,9 @@ class RemoteModel:
         self.backend = backend
         self.name = name
         meta = backend.model_metadata(name)
-        by_numpy = {np.dtype(d.numpy) if d is not DType.STRING else np.dtype(object): d
-                    for d in DType}
-
         def infos(tensors: list[dict[str, Any]]) -> list[Any]:
             return [TensorInfo(t["name"], tuple(d if d >= 0 else None for d in t["shape"]),
-                               by_numpy[DATATYPES[t["datatype"]]]) for t in tensors]
+                               DType.from_numpy(DATATYPES[t["datatype"]])) for t in tensors]
 
         self.inputs = infos(meta["inputs"])
         self.outputs = infos(meta["outputs"])

@@ -112,11 +112,6 @@ def random_feeds(infos: Sequence[TensorInfo], batch: int = 1, seed: int = 0,
     return feeds
 
 
-def _random_shape(info: TensorInfo, batch: int) -> tuple[int, ...]:
-    return tuple(d if isinstance(d, int) else (batch if i == 0 else 1)
-                 for i, d in enumerate(info.shape or ()))
-
-
 _CHECK_ABOVE = 64 << 20     # inputs smaller than this are made without asking the machine
 
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from keel.config import format_bytes
+from keel.config import format_bytes, format_limit
 from keel.errors import MemoryLimitError
 from keel.ops.registry import Op
 
@@ -186,7 +186,7 @@ def check_output(node: str, nbytes: int, limit: int | None, planned: int) -> Non
             raise MemoryLimitError(
                 f"node {node!r} needs {format_bytes(nbytes)} ({nbytes} bytes) for an output "
                 f"whose size is only known at run time, but the memory limit "
-                f"{format_bytes(limit)} ({limit} bytes) leaves {left} bytes after the plan's "
+                f"{format_limit(limit)} ({limit} bytes) leaves {left} bytes after the plan's "
                 f"peak of {planned} bytes", required_bytes=nbytes, limit_bytes=limit)
         return
     if nbytes < _SMALL:

@@ -151,6 +151,18 @@ def load_model(
     if backend == "remote":
         from keel.backends.remote import load_remote
 
+        local = {"precision": precision != "auto", "memory_limit": memory_limit is not None,
+                 "optimization_level": optimization_level != "all",
+                 "threads": threads is not None, "registry": registry is not None,
+                 "hardware": hardware is not None, "policy": policy is not None,
+                 "enable_profiling": enable_profiling, "hint": hint is not None,
+                 "tune": bool(tune)}
+        given = [name for name, set_ in local.items() if set_]
+        if given:
+            raise InvalidArgumentError(
+                f"backend='remote' runs the model where the server planned it; "
+                f"{', '.join(given)} cannot apply there (set them on `keel serve`)")
+
         return cast("Model", load_remote(src, remote))     # same surface as a Model
     env = settings()
     options: dict[str, Any] = {

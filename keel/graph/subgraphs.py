@@ -33,7 +33,6 @@ __all__ = [
     "bound_body",
     "capture_types",
     "free_names",
-    "has_subgraphs",
     "subgraphs",
     "walk",
 ]
@@ -44,10 +43,6 @@ SUBGRAPH_ATTRS: dict[Op, tuple[str, ...]] = {
     Op.SCAN: ("body",),
     Op.SEQUENCE_MAP: ("body",),
 }
-
-
-def has_subgraphs(node: Node) -> bool:
-    return node.op in SUBGRAPH_ATTRS
 
 
 def subgraphs(node: Node) -> list[tuple[str, Graph]]:

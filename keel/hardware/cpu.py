@@ -281,11 +281,18 @@ def cache_sizes(src: ProbeSources | None = None) -> dict[str, int]:
     if src.platform.system == "Linux":
         _linux_caches(src, draft)
     elif src.platform.system == "Darwin":
-        answer = src.run("sysctl", "hw.l1dcachesize", "hw.l2cachesize", "hw.l3cachesize")
+        answer = src.run("sysctl", *_DARWIN_CACHES.values())
         kv = parse_key_values(answer.output) if answer.ok else {}
-        for level, key in ((1, "hw.l1dcachesize"), (2, "hw.l2cachesize"), (3, "hw.l3cachesize")):
-            draft.set(_CACHE_FIELDS[level], to_int(kv.get(key)) or None, "sysctl")
+        _darwin_caches(kv, draft)
     return {k: v for k, v in draft.values.items() if k in _CACHE_FIELDS.values()}
+
+
+_DARWIN_CACHES = {1: "hw.l1dcachesize", 2: "hw.l2cachesize", 3: "hw.l3cachesize"}
+
+
+def _darwin_caches(kv: Mapping[str, str], draft: _Cpu) -> None:
+    for level, key in _DARWIN_CACHES.items():
+        draft.set(_CACHE_FIELDS[level], to_int(kv.get(key)) or None, "sysctl")
 
 
 def _cache_size(text: str | None) -> int | None:
@@ -350,8 +357,7 @@ def _darwin(src: ProbeSources, draft: _Cpu) -> None:
     draft.set("physical_cores", to_int(kv.get("hw.physicalcpu")), "sysctl")
     hz = to_int(kv.get("hw.cpufrequency"))
     draft.set("base_frequency_mhz", None if hz is None else hz / 1e6, "sysctl")
-    for level, key in ((1, "hw.l1dcachesize"), (2, "hw.l2cachesize"), (3, "hw.l3cachesize")):
-        draft.set(_CACHE_FIELDS[level], to_int(kv.get(key)) or None, "sysctl")
+    _darwin_caches(kv, draft)
     hz = to_int(kv.get("hw.cpufrequency_max"))
     draft.set("max_frequency_mhz", None if hz is None else hz / 1e6, "sysctl")
     flags = [key for key, value in kv.items() if key in _MAC_FEATURES and value.strip() == "1"]

@@ -45,7 +45,7 @@ def probe_thermal(src: ProbeSources) -> tuple[ThermalReading, ...]:
 
 def _cpu_zones(src: ProbeSources) -> list[ThermalReading]:
     readings = []
-    for zone in sorted(src.files.listdir(_ZONES)):
+    for zone in sorted(src.listdir(_ZONES)):
         if not zone.startswith("thermal_zone"):
             continue
         base = f"{_ZONES}/{zone}"
@@ -64,7 +64,7 @@ def _cpu_zones(src: ProbeSources) -> list[ThermalReading]:
 
 def _zone_limit(src: ProbeSources, base: str) -> tuple[float | None, str]:
     trips: dict[str, float] = {}
-    for name in src.files.listdir(base):
+    for name in src.listdir(base):
         if not (name.startswith("trip_point_") and name.endswith("_type")):
             continue
         kind = (src.read(f"{base}/{name}") or "").strip()

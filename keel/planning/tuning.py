@@ -274,7 +274,10 @@ class TuningCache:
     @property
     def token(self) -> str:
         """A short hash of what placement would take from this cache (winner and tiers of
-        each case): a plan made with one token is stale under another."""
+        each case): a plan made with one token is stale under another. ``untuned`` when
+        nothing is measured, as :func:`keel.execution.model` says without reading a file."""
+        if not self.entries:
+            return "untuned"
         text = json.dumps({k: [t.winner, *t.tiers] for k, t in self.entries.items()},
                           sort_keys=True)
         return sha256(text.encode()).hexdigest()[:16]

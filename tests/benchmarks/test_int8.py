@@ -30,6 +30,8 @@ def test_the_script_writes_ratios_and_the_load(tmp_path: Path) -> None:
     assert int8.main(["--models", "lenet", "--batch", "4", "--passes", "1",
                       "--pass-seconds", "0.01", "--out", str(tmp_path)]) == 0
     (written,) = tmp_path.glob("int8-*.json")
-    row = json.loads(written.read_text())[0]
+    payload = json.loads(written.read_text())
+    assert payload["machine"]["cpu"]["logical_cores"]       # the machine that measured it
+    row = payload["rows"][0]
     assert row["model"] == "lenet" and row["ratios (keel time / onnxruntime time)"]
     assert "before" in row["load_average"] and 0.0 <= row["top1_agreement_with_fp32"] <= 1.0

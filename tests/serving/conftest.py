@@ -47,6 +47,15 @@ def server(repository: Path) -> Iterator[Server]:
     srv.stop()
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nothing listens on now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def pixels(rows: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((rows, 64)).astype(np.float32)
 

@@ -16,7 +16,7 @@ import pytest
 
 import keel
 
-from .conftest import in_fixed_batch, make_repository, pixels, same_answer
+from .conftest import free_port, in_fixed_batch, make_repository, pixels, same_answer
 from .test_server import infer_grpc, infer_http
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,17 +83,11 @@ def test_serve_refuses_a_missing_repository(tmp_path: Path) -> None:
     assert "does not exist" in out.stderr
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_workers_share_the_ports_and_stop_together(tmp_path: Path) -> None:
     repo = make_repository(tmp_path / "repo")
-    ports = _Ports(_free_port(), _free_port())
+    ports = _Ports(free_port(), free_port())
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "keel", "serve", str(repo), "--workers", "2",
                              "--http-port", str(ports.http_port), "--grpc-port",

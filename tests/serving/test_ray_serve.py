@@ -4,7 +4,6 @@ Serve, answers each row as one process does inside an execution batch."""
 from __future__ import annotations
 
 import json
-import socket
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -19,20 +18,14 @@ from ray import serve
 import keel
 from keel.integrations.ray import serve_app
 
-from .conftest import BATCH, DIGITS, in_fixed_batch, pixels, same_answer
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from .conftest import BATCH, DIGITS, free_port, in_fixed_batch, pixels, same_answer
 
 
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(serve_app(str(DIGITS), max_batch_size=BATCH, batch_wait_timeout_s=0.02),
               name="digits", route_prefix="/digits")

@@ -129,3 +129,20 @@ def test_the_seed_contract_is_enough_to_register_a_backend(
 def test_a_backend_without_the_contract_is_refused() -> None:
     with pytest.raises(keel.InvalidArgumentError, match="does not implement execute"):
         as_backend(object(), "nothing")  # type: ignore[arg-type]
+
+
+def test_local_options_with_the_remote_backend_are_refused_not_dropped() -> None:
+    from keel.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="threads, hint cannot apply there"):
+        keel.load_model("digits.onnx", backend="remote", remote="http://127.0.0.1:9",
+                        threads=2, hint="latency")
+
+
+def test_a_dtype_the_protocol_cannot_carry_is_a_protocol_error() -> None:
+    from keel.dtypes import DType
+    from keel.inference_protocol import ProtocolError, datatype_of
+
+    assert datatype_of(DType.FLOAT32) == "FP32"
+    with pytest.raises(ProtocolError, match="no datatype for bfloat16"):
+        datatype_of(DType.BFLOAT16)

@@ -45,14 +45,15 @@ _Key = tuple[Any, ...]
 
 
 def bind_bodies(node: Node, types: Mapping[str, TensorType | None], plan: ExecutionPlan,
-                registry: Any) -> dict[str, Any]:
-    """``node``'s attributes with each subgraph replaced by its :class:`CompiledBody`."""
+                registry: Any, pool: Any = None) -> dict[str, Any]:
+    """``node``'s attributes with each subgraph replaced by its :class:`CompiledBody`;
+    ``pool``: the enclosing program's arenas, whose memory limit the bodies keep."""
     in_types = [types.get(i) if i else None for i in node.inputs]
     attrs = dict(node.attrs)
     for attr, _ in subgraphs(node):
         graph = bound_body(node, attr, in_types)
         attrs[attr] = CompiledBody(graph, registry, plan.backend, plan.precision,
-                                   plan.subplans.get(f"{node.name}/{attr}"))
+                                   plan.subplans.get(f"{node.name}/{attr}"), pool)
     return attrs
 
 
@@ -61,7 +62,7 @@ class CompiledBody:
     (formal inputs, then captures), it returns its outputs in order."""
 
     def __init__(self, graph: Graph, registry: Any, backend: str, precision: str,
-                 plan: ExecutionPlan | None = None) -> None:
+                 plan: ExecutionPlan | None = None, parent: Any = None) -> None:
         from keel.execution.program import ArenaPool
 
         self.graph = graph
@@ -71,6 +72,7 @@ class CompiledBody:
         self._backend = backend
         self._precision = precision
         self._pool = ArenaPool()
+        self._parent = parent              # the enclosing pool: its memory limit holds here
         self._programs: collections.OrderedDict[_Key, Any] = collections.OrderedDict()
         self._dynamic: Any = None
         self._names = [v.name for v in graph.outputs]
@@ -88,6 +90,8 @@ class CompiledBody:
         program = self._programs.get(key)
         if program is None:
             program = self._program_for(key, values)
+        if self._parent is not None:       # a limit set on the model after compiling
+            self._pool.limit = self._parent.limit
         result = program.execute(values)
         return [result[name] for name in self._names]
 

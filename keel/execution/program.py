@@ -961,7 +961,7 @@ class _Builder:
         if node.op in OpGroup.CONTROL_FLOW:         # subgraphs: compiled bodies the kernel runs
             from keel.execution.control import bind_bodies
 
-            attrs = bind_bodies(node, self.types, self.plan, self.registry)
+            attrs = bind_bodies(node, self.types, self.plan, self.registry, self.pool)
         step = _Step(node.name, node.op.value, backend.name, "kernel", inputs, outputs,
                      fn=kernel.fn, ctx=ctx, attrs=attrs, variant=kernel,
                      dtype=self._dtype(node.inputs[0] if node.inputs else ""),

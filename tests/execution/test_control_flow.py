@@ -413,3 +413,33 @@ def test_scan_8_runs_each_batch_element_and_matches_onnxruntime() -> None:
     _check(model, {"s0": np.zeros((3, 2), np.float32),
                    "xa": rng.standard_normal((3, 4, 2)).astype(np.float32),
                    "xb": np.arange(24, dtype=np.float32).reshape(3, 4, 2)})
+
+
+def test_a_memory_limit_holds_inside_a_loop_body() -> None:
+    """A body's run-time-sized output counts against the model's memory limit, as the
+    graph's own do: ConstantOfShape of a fed size inside a Loop raises MemoryLimitError."""
+    from keel.errors import MemoryLimitError
+
+    body = h.make_graph(
+        [h.make_node("ConstantOfShape", ["n"], ["big"],
+                     value=h.make_tensor("v", T.FLOAT, [1], [1.0])),
+         h.make_node("ReduceSum", ["big"], ["s"], keepdims=0),
+         h.make_node("Add", ["acc", "s"], ["acc_out"]),
+         h.make_node("Identity", ["cond"], ["cond_out"])], "body",
+        [h.make_tensor_value_info("i", T.INT64, []), h.make_tensor_value_info("cond", T.BOOL, []),
+         h.make_tensor_value_info("acc", T.FLOAT, [])],
+        [h.make_tensor_value_info("cond_out", T.BOOL, []),
+         h.make_tensor_value_info("acc_out", T.FLOAT, [])])
+    graph = h.make_graph(
+        [h.make_node("Loop", ["trips", "", "acc0"], ["total"], body=body)], "sized_loop",
+        [h.make_tensor_value_info("n", T.INT64, [1]),
+         h.make_tensor_value_info("trips", T.INT64, []),
+         h.make_tensor_value_info("acc0", T.FLOAT, [])],
+        [h.make_tensor_value_info("total", T.FLOAT, [])])
+    proto = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
+    feeds = {"n": np.array([1000], np.int64), "trips": np.array(2, np.int64),
+             "acc0": np.array(0.0, np.float32)}
+    model = keel.load_model(proto.SerializeToString(), backend="cpu", memory_limit="100MB")
+    np.testing.assert_allclose(model.predict(feeds)["total"], _ort(proto, feeds)[0])
+    with pytest.raises(MemoryLimitError, match=r"ConstantOfShape|constant_of_shape"):
+        model.predict({**feeds, "n": np.array([500_000_000], np.int64)})

@@ -112,11 +112,6 @@ def test_depthwise_takes_every_depthwise_conv(numpy_only: None) -> None:
 def test_choice_is_pure_and_matches_the_runtime_dispatch() -> None:
     from keel import config
 
-    if config.settings().native == "off":
-        # Open: with the NumPy kernels only, a full-suite worker sees the default dispatch
-        # and the chosen variant differ in the last bits after some earlier test (alone,
-        # this test passes); the pass with the native tier checks the agreement.
-        pytest.skip("KEEL_NATIVE=off: order-dependent difference under investigation")
     args = ((1, 64, 14, 14), (64, 64, 3, 3))
     first = _choose(Op.CONV, *args, pads=(1, 1, 1, 1))
     assert _choose(Op.CONV, *args, pads=(1, 1, 1, 1)) == first
@@ -132,7 +127,13 @@ def test_choice_is_pure_and_matches_the_runtime_dispatch() -> None:
     with ThreadCap(1):
         by_default = CPU.get(Op.CONV).fn(ctx, [x, w], attrs, None)[0]
         by_choice = CPU.get(Op.CONV, first[0]).fn(ctx, [x, w], attrs, None)[0]
-    assert by_default.tobytes() == by_choice.tobytes()
+    if config.settings().native == "off":
+        # Open: with the NumPy kernels only, a full-suite worker sees the two differ in the
+        # last bits after some earlier test (alone they are bitwise equal); the pass with
+        # the native tier checks bitwise agreement.
+        np.testing.assert_allclose(by_default, by_choice, rtol=1e-6, atol=1e-6)
+    else:
+        assert by_default.tobytes() == by_choice.tobytes()
 
 
 def test_unknown_shapes_and_single_kernels_fall_back_to_default(numpy_only: None) -> None:

@@ -348,19 +348,26 @@ def test_the_sweep_takes_the_tightest_gap() -> None:
     assert offsets["n"] == offsets["g2"]
 
 
+def _large(shape: str, n: int) -> tuple[list[PlanStep], dict[str, int]]:
+    if shape == "chain":
+        return _chain(n, 4096, inplace=False)
+    steps = [PlanStep(f"r{i}", ("x",), (f"r{i}",)) for i in range(n)]
+    steps.append(PlanStep("sum", tuple(f"r{i}" for i in range(n)), ("y",)))
+    return steps, {f"r{i}": 4096 for i in range(n)} | {"y": 4096}
+
+
 @pytest.mark.parametrize(("shape", "n"), [("chain", 100_000), ("fan-in", 20_000)])
 def test_planning_scales_to_large_graphs(shape: str, n: int) -> None:
+    """Ten times the values costs about ten times the planning, not a hundred (quadratic
+    planning took minutes at these sizes): a ratio of two runs on the same machine, so no
+    machine's speed is asserted."""
     import time
 
-    if shape == "chain":
-        steps, sizes = _chain(n, 4096, inplace=False)
-    else:
-        steps = [PlanStep(f"r{i}", ("x",), (f"r{i}",)) for i in range(n)]
-        steps.append(PlanStep("sum", tuple(f"r{i}" for i in range(n)), ("y",)))
-        sizes = {f"r{i}": 4096 for i in range(n)} | {"y": 4096}
-    started = time.perf_counter()
-    plan = plan_memory(steps, sizes, external={"x", "y"})
-    seconds = time.perf_counter() - started
-    # Quadratic planning took minutes here; a generous bound that only a blow-up breaks.
-    assert seconds < 20, seconds
-    assert plan.total_arena_bytes == (2 * 4096 if shape == "chain" else n * 4096)
+    seconds = []
+    for size in (n // 10, n):
+        steps, sizes = _large(shape, size)
+        started = time.perf_counter()
+        plan = plan_memory(steps, sizes, external={"x", "y"})
+        seconds.append(time.perf_counter() - started)
+        assert plan.total_arena_bytes == (2 * 4096 if shape == "chain" else size * 4096)
+    assert seconds[1] < 40 * seconds[0] + 0.5, seconds       # N log N: ~12x; N^2: 100x

@@ -361,13 +361,22 @@ def test_planning_scales_to_large_graphs(shape: str, n: int) -> None:
     """Ten times the values costs about ten times the planning, not a hundred (quadratic
     planning took minutes at these sizes): a ratio of two runs on the same machine, so no
     machine's speed is asserted."""
+    import gc
     import time
 
     seconds = []
     for size in (n // 10, n):
         steps, sizes = _large(shape, size)
-        started = time.perf_counter()
-        plan = plan_memory(steps, sizes, external={"x", "y"})
-        seconds.append(time.perf_counter() - started)
-        assert plan.total_arena_bytes == (2 * 4096 if shape == "chain" else size * 4096)
-    assert seconds[1] < 40 * seconds[0] + 0.5, seconds       # N log N: ~12x; N^2: 100x
+        best = float("inf")
+        for _ in range(3):                  # the best of three: another process's burst or
+            gc.collect()                    # a collection inside one run is not the planner
+            gc.disable()
+            try:
+                started = time.perf_counter()
+                plan = plan_memory(steps, sizes, external={"x", "y"})
+                best = min(best, time.perf_counter() - started)
+            finally:
+                gc.enable()
+            assert plan.total_arena_bytes == (2 * 4096 if shape == "chain" else size * 4096)
+        seconds.append(best)
+    assert seconds[1] < 40 * seconds[0] + 1.0, seconds       # N log N: ~12x; N^2: 100x

@@ -108,7 +108,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, final
+from typing import Any, ClassVar, Protocol, final
 
 import numpy as np
 
@@ -175,6 +175,34 @@ class ProgramScope:
     enter: Callable[[], AbstractContextManager[Any]]
     reason: str
     threads: int | None = None     # the thread count it sets, where it sets one (BLAS)
+
+
+class GraphCapture(Protocol):
+    """A device's way to record a run's launches once and replay them (CUDA graphs).
+
+    One per program (:mod:`keel.execution.capture`): its own stream and memory pool,
+    so what a recording points at is never handed to anything else.
+    """
+
+    def scope(self) -> AbstractContextManager[Any]:
+        """Enter the stream and memory pool every run of the program uses."""
+        ...
+
+    def record(self, run: Callable[[], None]) -> Any:
+        """Record ``run``'s launches without executing them; raises when it cannot."""
+        ...
+
+    def launch(self, graph: Any) -> None:
+        """Replay a recording on the stream."""
+        ...
+
+    def buffer(self, like: Any) -> Any:
+        """A device array that stays put, shaped and typed as ``like`` (host or device)."""
+        ...
+
+    def stage(self, buffer: Any, value: Any) -> None:
+        """Copy ``value`` (a host or device array) into ``buffer`` on the stream."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -368,6 +396,10 @@ class Backend(ABC):
     def _synchronize(self) -> None:
         return None
 
+    def graph_capture(self) -> tuple[GraphCapture | None, str]:
+        """A fresh recorder for one program (its own stream and pool), or None and why."""
+        return None, f"{self.name} does not record graphs"
+
     def _capability_details(self) -> dict[str, Any]:
         return {}
 
@@ -552,6 +584,8 @@ class Backend(ABC):
         if host is None:
             return None
         self.require_available()
+        if not isinstance(host, np.ndarray) and self._is_native(host):
+            return host                    # already this backend's array: nothing to copy
         data = np.asarray(host)
         self._checked_tensor(data.shape, DType.from_numpy(data.dtype))
         with self.execution_scope():

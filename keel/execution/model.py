@@ -40,6 +40,7 @@ from keel._files import check_path, safe_file_name
 from keel._fork import renew_after_fork, reset_after_fork
 from keel._gc import pausing
 from keel.backends.base import Backend, DeviceKind
+from keel.backends.gpu.io import as_device_array, is_device_array
 from keel.backends.registry import BackendRegistry, default_registry
 from keel.config import (
     BACKEND_NAMES,
@@ -468,6 +469,8 @@ class Model:
                         if plan in (p.plan, p.shown) and p.program is not None), None)
         if program is not None:
             head += [f"{name} threads: {why}" for name, why in program.scope_reasons.items()]
+            if program.capture_reason:
+                head.append(f"device graph: {program.capture_reason}")
         # plan.table() already states the peak: the memory report adds where it lives.
         memory = "" if plan.memory_plan is None else "\n".join(
             line for line in plan.memory_plan.report().splitlines()
@@ -598,8 +601,17 @@ class Model:
         return written
 
     # ---- running ---------------------------------------------------------
-    def predict(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        """Run the model: ``{input name: array}`` → ``{output name: array}``."""
+    def predict(self, feeds: Mapping[str, Any], *,
+                output_device: str | None = None) -> dict[str, np.ndarray]:
+        """Run the model: ``{input name: array}`` → ``{output name: array}``.
+
+        Feeds may be NumPy arrays or arrays already on a CUDA device (CuPy, torch CUDA
+        tensors, anything with ``__cuda_array_interface__`` or CUDA DLPack), taken
+        without a copy. ``output_device="gpu"`` returns CuPy arrays: outputs the gpu
+        made stay there (copied once on the device, never through the host).
+        """
+        if output_device is not None:
+            return self._predict_on_device(feeds, output_device)
         fast = self._fast_path(feeds)
         if fast is not None:
             (last, program, _), ordered = fast
@@ -624,6 +636,34 @@ class Model:
                 result = program.run(arrays, profiler=self._profiler)
                 self._remember(arrays, planned, program)
         return self._to_declared(result)
+
+    def _predict_on_device(self, feeds: Mapping[str, Any], device: str) -> dict[str, Any]:
+        """``predict`` whose outputs are device arrays (``output_device``)."""
+        if device in ("cpu", "host"):
+            return self.predict(feeds)
+        if device not in ("gpu", "cuda"):
+            raise InvalidArgumentError(
+                f"output_device must be 'cpu' or 'gpu', got {device!r}")
+        import cupy
+
+        residency = _residency(feeds)
+        arrays, shapes = self._validate(feeds)
+        with self._lock:
+            planned = self._planned(shapes)
+            adaptive = self._adaptive_plan(shapes, planned, residency)
+            if adaptive.chunked or adaptive.streams > 1 or self._generic_for(
+                    shapes, residency) is not None:
+                result = self.predict(feeds)      # split runs: their outputs meet on the host
+                return {k: cupy.asarray(v) for k, v in result.items()}
+            self._last = (self._shown(planned), adaptive)
+            program = self._program(planned)
+            raw = program.run(arrays, device_outputs=True)
+            # Copies made here, outside the program's own memory pool: the next run
+            # overwrites what the program wrote, never what the caller holds.
+            declared = {v.name: v.type.dtype.numpy for v in self._declared_outputs}
+            return {k: (v.copy() if isinstance(v, cupy.ndarray) else cupy.asarray(v)
+                        ).astype(declared[k], copy=False) for k, v in raw.items()
+                    if k in declared}
 
     def _run_generic(self, arrays: dict[str, np.ndarray], planned: _Planned,
                      residency: str) -> dict[str, np.ndarray]:
@@ -1363,6 +1403,12 @@ def _contiguous(array: np.ndarray) -> np.ndarray:
 
 
 def _as_array(name: str, value: Any, dtype: DType) -> np.ndarray:
+    if not isinstance(value, np.ndarray) and is_device_array(value):
+        array = _device_feed(name, value)
+        if array.dtype != dtype.numpy:
+            raise InvalidArgumentError(
+                f"input {name!r} (on the gpu) has dtype {array.dtype}; expected {dtype.value}")
+        return array  # type: ignore[no-any-return]
     if isinstance(value, np.ndarray):
         if value.dtype != dtype.numpy:
             raise InvalidArgumentError(
@@ -1376,6 +1422,20 @@ def _as_array(name: str, value: Any, dtype: DType) -> np.ndarray:
                 f"input {name!r} cannot be read as {dtype.value}: {exc}") from None
     raise InvalidArgumentError(
         f"input {name!r} must be an array, got {type(value).__name__}; expected {dtype.value}")
+
+
+def _device_feed(name: str, value: Any) -> Any:
+    """A feed in CUDA memory as a CuPy array over the same memory."""
+    try:
+        return as_device_array(value)
+    except ImportError as exc:
+        raise InvalidArgumentError(
+            f"input {name!r} lives on a CUDA device, which needs CuPy ({exc}); "
+            "install it with: pip install 'keel-runtime[cuda12]'") from None
+    except Exception as exc:
+        raise InvalidArgumentError(
+            f"input {name!r} lives on a CUDA device but cannot be read there: "
+            f"{type(exc).__name__}: {exc}") from None
 
 
 def _batch_size(shapes: Shapes, inputs: Iterable[Value]) -> int | None:

@@ -44,9 +44,13 @@ from typing import Any
 import numpy as np
 
 from keel.backends.base import Backend, KernelContext, KernelVariant, ProgramScope
+from keel.backends.gpu.io import is_device_array
+from keel.backends.gpu.io import to_host as device_to_host
 from keel.dtypes import DType
 from keel.errors import ExecutionError, InvalidArgumentError, KeelError, MemoryLimitError
 from keel.execution.budget import SIZED_BY_VALUES, check_output, output_elements
+from keel.execution.capture import Replay
+from keel.execution.capture import decide as decide_capture
 from keel.graph.ir import Graph
 from keel.graph.memory_plan import ALIGNMENT, MemoryPlan
 from keel.ops.registry import Op, OpGroup
@@ -69,6 +73,7 @@ _FRESH = 3       # writes graph outputs: fresh arrays (unless the caller gives b
 _OTHER = 4       # device copies, unbound buffers: the general path
 _FRESH1 = 5      # one output, a graph output: a fresh array (unless the caller gives one)
 _MEMO = 6        # shape arithmetic of a shape-generic program: results kept per input value
+_SKIP = 7        # a step a recorded run leaves out (its feed copy is staged before)
 
 # Ops a shape-generic program may remember results of (deterministic, cheap to key), and
 # the largest input (in elements) a key is made of.
@@ -249,6 +254,20 @@ class Program:
         self._handout = self._plan_handout()
         self._constant_ids = frozenset(id(v) for v in constants.values())   # held: ids stay
         self.dynamic = False             # compiled for inputs of unknown dimensions
+        # Feeds a host kernel reads directly: a device array given there is read back first.
+        host_read = {i for st in steps if st.kind == "kernel"
+                     and backends[st.backend].device.value == HOST for i in st.inputs}
+        self._host_inputs = tuple(s for s in self._input_slots if s in host_read)
+        # Outputs copied to the host after the last kernel: target slot -> device slot.
+        last = max((i for i, st in enumerate(steps) if st.kind == "kernel"), default=-1)
+        fetches = {i: st for i, st in enumerate(steps)
+                   if st.kind == "copy" and i > last and st.dst is None and st.src is not None}
+        self._fetch_src = {st.outputs[0]: st.inputs[0] for st in fetches.values()}
+        self._fetch_steps = frozenset(fetches)
+        # Device graph capture (keel.execution.capture), decided at the first run.
+        self._replay: Replay | None = None
+        self._capture_decided = False
+        self.capture_reason = ""         # what explain() says about capture ("": host only)
 
     @property
     def memory(self) -> MemoryPlan | None:
@@ -288,7 +307,8 @@ class Program:
     # ---- running -------------------------------------------------------
     def run(self, feeds: Mapping[str, Any], *, outputs: Mapping[str, Any] | None = None,
             profiler: Profiler | None = None, keep_all: bool = False,
-            observe: Mapping[str, Observer] | None = None) -> dict[str, Any]:
+            observe: Mapping[str, Observer] | None = None,
+            device_outputs: bool = False) -> dict[str, Any]:
         """Run once; returns ``{output name: host array}`` (or every value if ``keep_all``).
 
         Arrays in ``outputs`` (host, right shape and dtype) receive the results
@@ -296,9 +316,15 @@ class Program:
         called once per run with the value's host array as soon as it is made
         (a feed: before the first step); the array may be arena bytes that later
         steps overwrite, so a callback reads it then and keeps no reference.
+
+        ``device_outputs``: outputs made on a device are returned as the device arrays
+        the run wrote (not copied to the host; the next run overwrites them), the
+        others as host arrays.
         """
         self._bind()
         self._load_feeds(feeds)
+        if device_outputs:
+            return self._run_hot(None, device=True)
         if profiler is None and not keep_all and not observe:
             return self._run_hot(outputs)
         kept: dict[str, Any] = {}
@@ -340,30 +366,62 @@ class Program:
             values[slot] = default
         return self._run_hot(None)
 
-    def _run_hot(self, outputs: Mapping[str, Any] | None) -> dict[str, Any]:
+    def _run_hot(self, outputs: Mapping[str, Any] | None, *,
+                 device: bool = False) -> dict[str, Any]:
+        if not self._capture_decided:
+            self._decide_capture()
+        if self._replay is not None:
+            return self._replay.run(outputs, device=device)
+        return self._run_steps(outputs, device=device)
+
+    def _decide_capture(self) -> None:
+        plan, self.capture_reason = decide_capture(self)
+        self._replay = None if plan is None else Replay(self, plan)
+        self._capture_decided = True
+
+    @property
+    def captured(self) -> bool:
+        """Whether runs replay a device graph recording (after the second run)."""
+        return self._replay is not None and self._replay.captured
+
+    def _run_steps(self, outputs: Mapping[str, Any] | None, *,
+                   device: bool = False) -> dict[str, Any]:
         scoped = self._scoped
+        hot = self._skipping(set(self._fetch_steps)) if device else None
         try:
             if not scoped:
-                self._loop(outputs)
+                self._loop(outputs, hot)
             elif len(scoped) == 1:
                 with scoped[0]():
-                    self._loop(outputs)
+                    self._loop(outputs, hot)
             else:
                 scopes = self._enter_scopes()
                 try:
-                    self._loop(outputs)
+                    self._loop(outputs, hot)
                 finally:
                     _exit_scopes(scopes)
-            return self._collect(outputs)
+            return self._collect_device() if device else self._collect(outputs)
         finally:
             self._release()
 
-    def _loop(self, outputs: Mapping[str, Any] | None) -> None:
+    def _collect_device(self) -> dict[str, Any]:
+        """The outputs as the run left them: device arrays where a device made them."""
+        values, fetched = self._values, self._fetch_src
+        return {name: values[fetched.get(slot, slot)] for name, slot, _ in self._outputs}
+
+    def _skipping(self, indices: set[int]) -> list[_HotStep]:
+        """The precompiled steps with those at ``indices`` left out."""
+        return [(_SKIP, None, None, None, _nothing, (), None) if i in indices else hot
+                for i, hot in enumerate(self._hot)]
+
+    def _loop(self, outputs: Mapping[str, Any] | None,
+              hot: list[_HotStep] | None = None) -> None:
         """Every step, precompiled: the loop that per-step overhead is measured on."""
         values = self._values
         i = 0
         try:
-            for i, (kind, fn, ctx, attrs, get, slots, out) in enumerate(self._hot):
+            for i, (kind, fn, ctx, attrs, get, slots, out) in enumerate(
+                    self._hot if hot is None else hot):
                 if kind == _VIEW1:
                     result = fn(ctx, get(values), attrs, out)[0]
                     if result is not out[0]:
@@ -397,6 +455,8 @@ class Program:
                     for slot, result in zip(slots, _remembered(fn, ctx, get(values), attrs,
                                                                out), strict=False):
                         values[slot] = result
+                elif kind == _SKIP:
+                    continue
                 else:
                     self._general(self._steps[i], outputs)
         except KeelError as exc:
@@ -630,6 +690,10 @@ class Program:
         for name, (slot, default) in self._optional.items():
             value = feeds.get(name)
             self._values[slot] = default if value is None else value
+        for slot in self._host_inputs:
+            value = self._values[slot]
+            if type(value) is not np.ndarray and is_device_array(value):
+                self._values[slot] = device_to_host(value)
 
     def _release(self) -> None:
         # Drop references to feeds, outputs and kernel-allocated values; keep views.

@@ -145,7 +145,7 @@ class FakeCupy(types.ModuleType):
         return np.arange(*args, **kwargs)
 
     def asnumpy(self, array: Any) -> np.ndarray:
-        return np.asarray(array)
+        return np.array(array, copy=True)         # a device-to-host copy, as CuPy's
 
     def __getattr__(self, name: str) -> Any:
         return getattr(np, name)

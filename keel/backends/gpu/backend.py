@@ -149,6 +149,20 @@ class GpuBackend(Backend):
         if self.is_available():
             self._cupy().cuda.Device(self.device_index).synchronize()
 
+    def graph_capture(self) -> tuple[Any, str]:
+        """A CUDA graph recorder with its own stream and memory pool (see ``capture``)."""
+        if not self.is_available():
+            return None, self.availability().reason
+        from keel.backends.gpu.capture import CudaGraphs
+
+        cp = self._cupy()
+        if not hasattr(cp.cuda, "Stream") or not hasattr(cp.cuda.Stream, "begin_capture"):
+            return None, f"CuPy {getattr(cp, '__version__', '?')} cannot capture streams"
+        try:
+            return CudaGraphs(cp, self.device_index), ""
+        except Exception as exc:
+            return None, f"cannot make a capture stream: {type(exc).__name__}: {exc}"
+
     def _capability_details(self) -> dict[str, Any]:
         cp = self._cupy()
         props = cp.cuda.runtime.getDeviceProperties(self.device_index)

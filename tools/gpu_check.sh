@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The one-command GPU check: keel's gpu backend on a real NVIDIA GPU.
+#
+#   tools/gpu_check.sh OUTDIR [--cpu-scaling]
+#
+# 1. the gpu benchmark: six models at batch 1 and 32 against torch on the same GPU
+#    (python -m benchmarks.gpu), with correctness against torch fp32;
+# 2. every benchmark model on the gpu against onnxruntime, fp32 and fp16
+#    (tests/backends/test_gpu_models.py);
+# 3. the gpu conformance suite (every op against the reference backend);
+# 4. with --cpu-scaling: keel's cpu backend against onnxruntime at 1, 4 and 16 threads.
+#
+# Needs only what a GPU machine with torch, CuPy, onnx and onnxruntime has: nothing is
+# downloaded; keel runs from this source tree. Each step's log and rc land in OUTDIR,
+# with summary.txt listing them; one failing step does not stop the others.
+set -u
+out=${1:?usage: tools/gpu_check.sh OUTDIR [--cpu-scaling]}
+scaling=${2:-}
+root=$(cd "$(dirname "$0")/.." && pwd)
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+cd "$root" || exit 2
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+
+step() {
+    local name=$1 start rc
+    shift
+    start=$(date +%s)
+    "$@" >"$out/$name.log" 2>&1
+    rc=$?
+    echo "$name: rc=$rc, $(( $(date +%s) - start )) s" | tee -a "$out/summary.txt"
+}
+
+: >"$out/summary.txt"
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  nproc; } >>"$out/summary.txt" 2>&1
+step probe "$py" -m keel probe --json
+step bench_gpu "$py" -m benchmarks.gpu --out "$out"
+step models "$py" -m pytest -q -p no:cacheprovider -m gpu tests/backends/test_gpu_models.py \
+    tests/backends/test_gpu_io.py
+if [ "$scaling" = "--cpu-scaling" ]; then
+    step bench_cpu "$py" -m benchmarks.run --threads 1,4,16 --batches 1,32 --passes 2 \
+        --models resnet18,bert_mini,mobilenetv2,resnet20,mlp --no-rss --out "$out"
+fi
+step conformance "$py" -m pytest -q -p no:cacheprovider -m gpu -n 8 tests/conformance \
+    --junitxml "$out/conformance.xml"
+tail -n 3 "$out"/*.log >>"$out/summary.txt" 2>/dev/null
+cat "$out/summary.txt"

@@ -396,6 +396,10 @@ class Backend(ABC):
     def _synchronize(self) -> None:
         return None
 
+    def free_memory(self) -> int | None:
+        """Bytes free on this backend's device now (None: not known or not a device)."""
+        return None
+
     def graph_capture(self) -> tuple[GraphCapture | None, str]:
         """A fresh recorder for one program (its own stream and pool), or None and why."""
         return None, f"{self.name} does not record graphs"

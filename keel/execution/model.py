@@ -29,6 +29,7 @@ import collections
 import os
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -52,7 +53,7 @@ from keel.config import (
     settings,
 )
 from keel.dtypes import DType
-from keel.errors import InvalidArgumentError, KeelError, MemoryLimitError
+from keel.errors import ExecutionError, InvalidArgumentError, KeelError, MemoryLimitError
 from keel.execution import plan_cache as _plan_cache
 from keel.execution.compiled import CompiledModel
 from keel.execution.program import ArenaPool, Profiler, Program, compile_program
@@ -366,6 +367,7 @@ class Model:
                                 else getattr(policy, "hint", None) or settings().hint)
         self._threads = threads
         self._backend = _check_backend(backend)
+        self._device_fault = ""         # why a device failed at run time ("" while none did)
         self._precision = _check_precision(precision)
         self._graph = _freeze_constants(graph if compiled is not None else _convert_precision(
             _optimize(graph, optimization_level), self._precision))
@@ -610,6 +612,17 @@ class Model:
         without a copy. ``output_device="gpu"`` returns CuPy arrays: outputs the gpu
         made stay there (copied once on the device, never through the host).
         """
+        try:
+            return self._predict(feeds, output_device)
+        except (ExecutionError, MemoryLimitError) as exc:
+            if not self._falls_back(exc):
+                raise
+            warnings.warn(f"keel: {exc.message}; model {self.name!r} runs on the cpu from "
+                          "now on", RuntimeWarning, stacklevel=2)
+        return self._predict(feeds, output_device)
+
+    def _predict(self, feeds: Mapping[str, Any], output_device: str | None
+                 ) -> dict[str, np.ndarray]:
         if output_device is not None:
             return self._predict_on_device(feeds, output_device)
         fast = self._fast_path(feeds)
@@ -762,8 +775,7 @@ class Model:
         internal = {k: v for k, v in shapes.items() if k in self._graph.input_names}
         known = propagate(self._graph, internal)
         types = known.types
-        plan = place(self._graph, types, self._registry, self._hardware, self._policy,
-                     backend=self._backend, precision=self._precision)
+        plan = self._place(types)
         planned = _Planned(types, plan, values=known.values)
         if not keep:            # a size the chunk planner only weighs: cached programs stay
             return planned
@@ -803,6 +815,37 @@ class Model:
         self._cache.move_to_end(_GENERIC)
         return generic if generic.generic else None
 
+    def _place(self, types: Mapping[str, TensorType | None]) -> ExecutionPlan:
+        """Place the graph for ``types``: on the host alone after a device failed here."""
+        if not self._device_fault:
+            return place(self._graph, types, self._registry, self._hardware, self._policy,
+                         backend=self._backend, precision=self._precision)
+        plan = place(self._graph, types, self._registry, self._hardware, self._policy,
+                     backend="cpu", precision=self._precision)
+        return replace(plan, backend="auto", reasons=(
+            f"on the cpu since a device failed at run time here: {self._device_fault}",
+            *(r for r in plan.reasons if not r.startswith("backend cpu pinned"))))
+
+    def _falls_back(self, exc: KeelError) -> bool:
+        """After a device kernel failed at run time in auto mode: plan every signature on
+        the cpu from now on, keeping the reason (``explain`` shows it). False when the
+        failure is not a device's or the backend is pinned: the caller raises it."""
+        name = getattr(exc, "backend_name", "")
+        if self._backend != "auto" or self._device_fault or not name:
+            return False
+        try:
+            on_device = self._registry.get(name).device.value != HOST
+        except KeelError:
+            return False
+        if not on_device:
+            return False
+        self._device_fault = f"{name}: {exc.message}"
+        self._cache.clear()
+        self._fast.clear()
+        self._pool.clear()
+        self._last = None
+        return True
+
     def _generic_planned(self) -> _Planned:
         """The plan of every signature at once: placed from the declared (symbolic) input
         types, with no memory plan. A model that cannot be planned so never uses it."""
@@ -810,8 +853,7 @@ class Model:
 
         try:
             types = infer_graph_types(self._graph, {})
-            plan = place(self._graph, types, self._registry, self._hardware, self._policy,
-                         backend=self._backend, precision=self._precision)
+            plan = self._place(types)
         except KeelError:
             return _Planned({}, self._default_planned().plan)
         if any(p.device != HOST for p in plan.nodes):    # device programs keep their sizes
@@ -841,8 +883,7 @@ class Model:
                 from keel.graph.shape_inference import infer_graph_types
 
                 types = infer_graph_types(self._graph, {})
-                plan = place(self._graph, types, self._registry, self._hardware,
-                             self._policy, backend=self._backend, precision=self._precision)
+                plan = self._place(types)
                 reason = "symbolic dimensions cannot all be 1: planned without sizes"
                 self._cache[key] = _Planned(
                     types, replace(plan, reasons=(*plan.reasons, reason)), symbolic=True)

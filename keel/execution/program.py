@@ -46,6 +46,7 @@ import numpy as np
 from keel.backends.base import Backend, KernelContext, KernelVariant, ProgramScope
 from keel.backends.gpu.io import is_device_array
 from keel.backends.gpu.io import to_host as device_to_host
+from keel.config import format_bytes
 from keel.dtypes import DType
 from keel.errors import ExecutionError, InvalidArgumentError, KeelError, MemoryLimitError
 from keel.execution.budget import SIZED_BY_VALUES, check_output, output_elements
@@ -463,7 +464,8 @@ class Program:
             _note(exc, self._steps[i])
             raise
         except Exception as exc:
-            raise _failure(exc, self._steps[i]) from exc
+            step = self._steps[i]
+            raise _failure(exc, step, self._backends.get(step.backend)) from exc
 
     def _enter_scopes(self) -> list[Any]:
         entered = []
@@ -486,7 +488,7 @@ class Program:
             _note(exc, step)
             raise
         except Exception as exc:
-            raise _failure(exc, step) from exc
+            raise _failure(exc, step, self._backends.get(step.backend)) from exc
         if profiler is not None:
             backend = self._backends.get(step.backend)
             if backend is not None and backend.device.value != HOST:
@@ -838,12 +840,21 @@ def _note(exc: KeelError, step: _Step) -> None:
         exc.add_note(f"in node {step.name!r} ({step.op}) on {step.backend}")
 
 
-def _failure(exc: Exception, step: _Step) -> ExecutionError | MemoryLimitError:
-    if isinstance(exc, MemoryError):
-        return MemoryLimitError(f"{step.op} on {step.backend} in node {step.name!r} ran out "
-                                f"of memory: {exc}")
-    return ExecutionError(f"{step.op} on {step.backend} failed: {type(exc).__name__}: {exc}",
-                          node=step.name)
+def _failure(exc: Exception, step: _Step, backend: Backend | None = None
+             ) -> ExecutionError | MemoryLimitError:
+    """A kernel's exception as keel's error, naming the backend it ran on
+    (``backend_name``: an auto-placed model falls back to the cpu on a device's)."""
+    error: ExecutionError | MemoryLimitError
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        free = None if backend is None else backend.free_memory()
+        where = "" if free is None else f"; {format_bytes(free)} free on {step.backend}"
+        error = MemoryLimitError(f"{step.op} on {step.backend} in node {step.name!r} ran out "
+                                 f"of memory: {exc}{where}")
+    else:
+        error = ExecutionError(f"{step.op} on {step.backend} failed: {type(exc).__name__}: "
+                               f"{exc}", node=step.name)
+    error.backend_name = step.backend   # type: ignore[union-attr]
+    return error
 
 
 def _owns(array: Any) -> bool:

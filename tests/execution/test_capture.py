@@ -23,6 +23,7 @@ from keel.backends.cpu.backend import CpuBackend
 from keel.backends.gpu.backend import GpuBackend
 from keel.backends.registry import BackendRegistry
 from keel.config import reload_settings
+from keel.errors import MemoryLimitError
 from tests.backends.fakes import FakeCupy
 
 
@@ -206,3 +207,55 @@ def test_a_host_node_beside_device_nodes_is_not_captured() -> None:
     assert not program.captured
     assert program.capture_reason.startswith("not captured: node"), program.capture_reason
     assert "runs on cpu beside the gpu nodes" in program.capture_reason
+
+
+class _OomCupy(_PoolCupy):
+    """The fake CuPy whose allocations run out of memory once armed."""
+
+    armed = False
+
+    def empty(self, shape: Any, dtype: Any = np.float64) -> Any:
+        if self.armed:
+            raise MemoryError("Out of memory allocating 512 bytes")
+        return super().empty(shape, dtype)
+
+
+class _OomGpu(_FakeGpu):
+    def __init__(self) -> None:
+        GpuBackend.__init__(self, cupy_module=_OomCupy())
+
+
+def _oom_registry() -> BackendRegistry:
+    registry = BackendRegistry()
+    registry.register("gpu", type("OomGpu", (_OomGpu,), {"recorders": []}), 10)
+    registry.register("cpu", CpuBackend, 0)
+    return registry
+
+
+def test_a_device_out_of_memory_in_auto_mode_reruns_on_the_cpu() -> None:
+    data = _mlp(width=2048, hidden=2048)
+    registry = _oom_registry()
+    model = keel.load_model(data, backend="auto", registry=registry)
+    reference = keel.load_model(data, backend="reference")
+    feeds = _feeds(0, width=2048)
+    model.predict(feeds)
+    assert {b for _, _, b in _program(model).steps} >= {"gpu"}
+    registry.get("gpu")._cupy().armed = True
+    with pytest.warns(RuntimeWarning, match="ran out of memory.*runs on the cpu from now on"):
+        got = model.predict(feeds)["y"]
+    np.testing.assert_allclose(got, reference.predict(feeds)["y"], rtol=1e-4, atol=1e-3)
+    assert {b for _, _, b in _program(model).steps} == {"cpu"}
+    assert "on the cpu since a device failed at run time here: gpu:" in model.explain()
+    np.testing.assert_allclose(model.predict(_feeds(1, width=2048))["y"],
+                               reference.predict(_feeds(1, width=2048))["y"],
+                               rtol=1e-4, atol=1e-3)
+
+
+def test_a_device_out_of_memory_on_a_pinned_gpu_raises() -> None:
+    registry = _oom_registry()
+    model = keel.load_model(_mlp(), backend="gpu", registry=registry)
+    model.predict(_feeds(0))
+    registry.get("gpu")._cupy().armed = True
+    with pytest.raises(MemoryLimitError, match=r"on gpu in node .* ran out of memory: Out of "
+                                               r"memory allocating 512 bytes"):
+        model.predict(_feeds(1))

@@ -149,6 +149,16 @@ class GpuBackend(Backend):
         if self.is_available():
             self._cupy().cuda.Device(self.device_index).synchronize()
 
+    def free_memory(self) -> int | None:
+        """Free device memory, counting what CuPy's default pool holds unused."""
+        try:
+            cp = self._cupy()
+            with cp.cuda.Device(self.device_index):
+                free = int(cp.cuda.runtime.memGetInfo()[0])
+                return free + int(cp.get_default_memory_pool().free_bytes())
+        except Exception:
+            return None
+
     def graph_capture(self) -> tuple[Any, str]:
         """A CUDA graph recorder with its own stream and memory pool (see ``capture``)."""
         if not self.is_available():

@@ -121,6 +121,7 @@ class Settings:
     hint: str | None = None               # KEEL_HINT: none | latency | throughput
     batch_invariant: bool = True          # KEEL_BATCH_INVARIANT: on (default) or off
     cuda_graphs: bool = True              # KEEL_CUDA_GRAPHS: record and replay gpu runs
+    placement_trials: bool = True         # KEEL_PLACEMENT_TRIALS: time gpu vs cpu per signature
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -149,6 +150,7 @@ class Settings:
             hint=_choice(env, "KEEL_HINT", HINTS),
             batch_invariant=_flag(env, "KEEL_BATCH_INVARIANT") is not False,
             cuda_graphs=_flag(env, "KEEL_CUDA_GRAPHS") is not False,
+            placement_trials=_flag(env, "KEEL_PLACEMENT_TRIALS") is not False,
         )
 
     def policy_overrides(self) -> dict[str, Any]:

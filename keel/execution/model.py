@@ -61,6 +61,7 @@ from keel.graph.ir import Graph, Value
 from keel.ops.registry import OpGroup
 from keel.ops.types import TensorInfo, TensorType, ValueKind
 from keel.planning.adaptive import AdaptivePlan, AdaptivePlanner, PlanRequest, check_hint
+from keel.planning.calibration import format_seconds
 from keel.planning.placement import HOST, ExecutionPlan, place, precision_name
 from keel.planning.runtime_plan import low_memory_mode
 
@@ -368,6 +369,9 @@ class Model:
         self._threads = threads
         self._backend = _check_backend(backend)
         self._device_fault = ""         # why a device failed at run time ("" while none did)
+        # signature -> (backend measured fastest for it, the reason); see _measure_devices
+        self._trials: dict[tuple[Any, ...], tuple[str, str] | None] = {}
+        self._trial_gpu: str | None = None      # the GPU backend trials use ("": none)
         self._precision = _check_precision(precision)
         self._graph = _freeze_constants(graph if compiled is not None else _convert_precision(
             _optimize(graph, optimization_level), self._precision))
@@ -637,6 +641,8 @@ class Model:
             generic = self._generic_for(shapes, residency)
             if generic is not None:
                 return self._to_declared(self._run_generic(arrays, generic, residency))
+            if self._trial_wanted(shapes):
+                self._measure_devices(arrays, shapes)
             planned = self._planned(shapes)
             adaptive = self._adaptive_plan(shapes, planned, residency)
             if adaptive.chunked:
@@ -775,7 +781,7 @@ class Model:
         internal = {k: v for k, v in shapes.items() if k in self._graph.input_names}
         known = propagate(self._graph, internal)
         types = known.types
-        plan = self._place(types)
+        plan = self._place(types, key)
         planned = _Planned(types, plan, values=known.values)
         if not keep:            # a size the chunk planner only weighs: cached programs stay
             return planned
@@ -815,8 +821,16 @@ class Model:
         self._cache.move_to_end(_GENERIC)
         return generic if generic.generic else None
 
-    def _place(self, types: Mapping[str, TensorType | None]) -> ExecutionPlan:
-        """Place the graph for ``types``: on the host alone after a device failed here."""
+    def _place(self, types: Mapping[str, TensorType | None],
+               key: tuple[Any, ...] | None = None) -> ExecutionPlan:
+        """Place the graph for ``types``: on the host alone after a device failed here;
+        on the device measured fastest for signature ``key`` when one was measured."""
+        trial = None if key is None or self._device_fault else self._trials.get(key)
+        if trial is not None:
+            plan = place(self._graph, types, self._registry, self._hardware, self._policy,
+                         backend=trial[0], precision=self._precision)
+            return replace(plan, backend="auto", reasons=(
+                trial[1], *(r for r in plan.reasons if not r.startswith("backend "))))
         if not self._device_fault:
             return place(self._graph, types, self._registry, self._hardware, self._policy,
                          backend=self._backend, precision=self._precision)
@@ -825,6 +839,53 @@ class Model:
         return replace(plan, backend="auto", reasons=(
             f"on the cpu since a device failed at run time here: {self._device_fault}",
             *(r for r in plan.reasons if not r.startswith("backend cpu pinned"))))
+
+    def _trial_wanted(self, shapes: Shapes) -> bool:
+        """Whether this signature's device is still to be measured: auto mode with a GPU
+        backend here (see ``_measure_devices``)."""
+        if self._backend != "auto" or self._device_fault or self._memory_limit is not None \
+                or not settings().placement_trials:
+            return False
+        if tuple(sorted(shapes.items())) in self._trials:
+            return False
+        if self._trial_gpu is None:
+            self._trial_gpu = next((b.name for b in self._registry.available()
+                                    if b.device is DeviceKind.GPU), "")
+        return bool(self._trial_gpu) and "cpu" in self._registry.names()
+
+    def _measure_devices(self, arrays: Mapping[str, Any], shapes: Shapes) -> None:
+        """Run this signature's first inputs with every node on the GPU and with every node
+        on the cpu, and keep the faster (the plan quotes both times). A device that cannot
+        run the model is left out with the reason; the per-node rules stand when neither
+        can run it whole."""
+        key = tuple(sorted(shapes.items()))
+        times: dict[str, float] = {}
+        notes: list[str] = []
+        kept: dict[str, _Planned] = {}
+        for name in (self._trial_gpu, "cpu"):
+            self._trials[key] = (name, "")
+            self._cache.pop(key, None)
+            try:
+                planned = self._planned(shapes)
+                times[name] = _time_program(self._program(planned), arrays)
+                kept[name] = planned
+            except KeelError as exc:
+                notes.append(f"{name} cannot run it whole ({exc.message})")
+        self._cache.pop(key, None)
+        self._trials.pop(key, None)
+        if not times:
+            self._trials[key] = None              # measured nothing: the per-node rules
+            return
+        best = min(times, key=times.__getitem__)
+        measured = " vs ".join(f"{n} {format_seconds(t)}" for n, t in times.items())
+        reason = (f"placement measured here on this signature's first inputs: {measured} "
+                  f"(median of {_TRIAL_RUNS} runs after {_TRIAL_WARM} warm-up runs): every "
+                  f"node on {best}" + "".join(f"; {n}" for n in notes))
+        self._trials[key] = (best, reason)
+        planned = kept[best]
+        planned.plan = replace(planned.plan, reasons=(
+            reason, *(r for r in planned.plan.reasons[1:])))
+        self._cache[key] = planned
 
     def _falls_back(self, exc: KeelError) -> bool:
         """After a device kernel failed at run time in auto mode: plan every signature on
@@ -1463,6 +1524,22 @@ def _as_array(name: str, value: Any, dtype: DType) -> np.ndarray:
                 f"input {name!r} cannot be read as {dtype.value}: {exc}") from None
     raise InvalidArgumentError(
         f"input {name!r} must be an array, got {type(value).__name__}; expected {dtype.value}")
+
+
+_TRIAL_WARM = 2      # untimed runs first: compiling, recording a device graph
+_TRIAL_RUNS = 3      # then timed runs; their median decides
+
+
+def _time_program(program: Program, arrays: Mapping[str, Any]) -> float:
+    """The median seconds of one run of ``program`` on ``arrays``, after warm-up runs."""
+    for _ in range(_TRIAL_WARM):
+        program.run(arrays)
+    samples = []
+    for _ in range(_TRIAL_RUNS):
+        start = time.perf_counter()
+        program.run(arrays)
+        samples.append(time.perf_counter() - start)
+    return sorted(samples)[len(samples) // 2]
 
 
 def _device_feed(name: str, value: Any) -> Any:

@@ -28,19 +28,19 @@ from tests.backends.fakes import FakeCupy
 
 
 class _PoolCupy(FakeCupy):
-    """The fake CuPy whose ``empty`` hands out the recorded run's arrays again on replays."""
+    """The fake CuPy whose ``empty`` hands out a recorded run's arrays again on replays."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.log: list[Any] | None = None        # arrays made while recording
+        self.recording: list[Any] | None = None  # arrays made by a recording's first launch
         self.replaying: Iterator[Any] | None = None
 
     def empty(self, shape: Any, dtype: Any = np.float64) -> Any:
         if self.replaying is not None:
             return next(self.replaying)
         array = np.empty(shape, dtype=dtype)
-        if self.log is not None:
-            self.log.append(array)
+        if self.recording is not None:
+            self.recording.append(array)
         return array
 
 
@@ -51,6 +51,7 @@ class _Recorder:
         self.cp, self.fail = cp, fail
         self.recorded = 0
         self.launched = 0
+        self.log: list[Any] = []
 
     def scope(self) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
@@ -59,18 +60,19 @@ class _Recorder:
         if self.fail:
             raise RuntimeError(self.fail)
         self.recorded += 1
-        self.cp.log = []
         return ("graph", run)                     # nothing executes while recording
 
     def launch(self, graph: Any) -> None:
         _, run = graph
         self.launched += 1
-        log = self.cp.log
         if self.launched == 1:                    # the first launch allocates as recorded
-            run()
-            self.cp.log = list(log or [])
+            self.cp.recording = self.log
+            try:
+                run()
+            finally:
+                self.cp.recording = None
             return
-        self.cp.replaying = iter(log or [])
+        self.cp.replaying = iter(self.log)
         try:
             run()
         finally:
@@ -116,6 +118,16 @@ def _registry(fail: str = "") -> BackendRegistry:
     registry.register("gpu", gpu, 10)
     registry.register("cpu", CpuBackend, 0)
     return registry
+
+
+@pytest.fixture
+def per_node_rules(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Auto placement by the per-node size rules (no gpu-versus-cpu trial runs)."""
+    monkeypatch.setenv("KEEL_PLACEMENT_TRIALS", "off")
+    reload_settings()
+    yield
+    monkeypatch.delenv("KEEL_PLACEMENT_TRIALS")
+    reload_settings()
 
 
 def _program(model: Any) -> Any:
@@ -187,6 +199,7 @@ def test_host_programs_say_nothing_about_capture() -> None:
     assert _program(model).capture_reason == "" and not _program(model).captured
 
 
+@pytest.mark.usefixtures("per_node_rules")
 def test_a_host_node_beside_device_nodes_is_not_captured() -> None:
     # MatMuls with 16 MB of input run on the gpu; Binarizer has no gpu kernel.
     model = onnx.load_from_string(_mlp(width=2048, hidden=2048))
@@ -232,6 +245,7 @@ def _oom_registry() -> BackendRegistry:
     return registry
 
 
+@pytest.mark.usefixtures("per_node_rules")
 def test_a_device_out_of_memory_in_auto_mode_reruns_on_the_cpu() -> None:
     data = _mlp(width=2048, hidden=2048)
     registry = _oom_registry()

@@ -1,0 +1,114 @@
+"""Auto placement measured on the machine: a signature's first inputs run on the gpu and
+on the cpu, and the faster device takes the whole model (the plan quotes both times).
+
+The gpu here is the fake CuPy (NumPy underneath); one side is slowed down on purpose
+so the outcome is known, and the reason must name the measured times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+import keel
+from keel.backends.base import KernelTable
+from keel.backends.cpu.backend import CpuBackend
+from keel.backends.registry import BackendRegistry
+from keel.config import reload_settings
+from tests.execution.test_capture import _FakeGpu, _feeds, _mlp, _program
+
+_MEASURED = re.compile(r"placement measured here on this signature's first inputs: "
+                       r"gpu (\S+ \S+) vs cpu (\S+ \S+) \(median of 3 runs after 2 warm-up "
+                       r"runs\): every node on (\w+)")
+
+
+def _slowed(table: KernelTable, delay: float) -> KernelTable:
+    def slow(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any) -> Any:
+            time.sleep(delay)
+            return fn(*args)
+        return run
+
+    slowed = KernelTable(table.backend, table.chooser)
+    for op in table.ops():
+        for variant in table.variants(op).values():
+            slowed.register(dataclasses.replace(variant, fn=slow(variant.fn)))
+    return slowed
+
+
+class _SlowCpu(CpuBackend):
+    def _kernels(self) -> KernelTable:
+        return _slowed(super()._kernels(), 0.01)
+
+
+class _SlowGpu(_FakeGpu):
+    def _kernels(self) -> KernelTable:
+        return _slowed(super()._kernels(), 0.01)
+
+
+def _registry(gpu: type, cpu: type = CpuBackend) -> BackendRegistry:
+    registry = BackendRegistry()
+    registry.register("gpu", type("Gpu", (gpu,), {"recorders": []}), 10)
+    registry.register("cpu", cpu, 0)
+    return registry
+
+
+@pytest.mark.parametrize(("gpu", "cpu", "winner"), [(_SlowGpu, CpuBackend, "cpu"),
+                                                   (_FakeGpu, _SlowCpu, "gpu")])
+def test_the_faster_device_takes_the_whole_model(gpu: type, cpu: type, winner: str) -> None:
+    model = keel.load_model(_mlp(), backend="auto", registry=_registry(gpu, cpu))
+    reference = keel.load_model(_mlp(), backend="reference")
+    for seed in range(3):
+        np.testing.assert_allclose(model.predict(_feeds(seed))["y"],
+                                   reference.predict(_feeds(seed))["y"], rtol=1e-5, atol=1e-5)
+    found = _MEASURED.search(model.explain())
+    assert found is not None, model.explain()
+    assert found.group(3) == winner
+    assert {b for _, _, b in _program(model).steps if b != "copy"} >= {winner}
+    assert all(b == winner for _, op, b in _program(model).steps if op != "copy")
+
+
+def test_a_gpu_that_cannot_run_the_model_whole_is_left_out_with_the_reason() -> None:
+    model = onnx.load_from_string(_mlp())
+    graph = model.graph
+    graph.output.pop()
+    graph.node.append(helper.make_node("Binarizer", ["y"], ["out"], domain="ai.onnx.ml"))
+    graph.output.append(helper.make_tensor_value_info("out", TensorProto.FLOAT, [2, 4]))
+    model.opset_import.append(helper.make_opsetid("ai.onnx.ml", 3))
+    keel_model = keel.load_model(model.SerializeToString(), backend="auto",
+                                 registry=_registry(_FakeGpu))
+    keel_model.predict(_feeds(0))
+    text = keel_model.explain()
+    assert "gpu cannot run it whole (" in text and "every node on cpu" in text, text
+
+
+@pytest.fixture
+def trials_off(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv("KEEL_PLACEMENT_TRIALS", "off")
+    reload_settings()
+    yield
+    monkeypatch.delenv("KEEL_PLACEMENT_TRIALS")
+    reload_settings()
+
+
+@pytest.mark.usefixtures("trials_off")
+def test_trials_off_leaves_the_per_node_rules() -> None:
+    model = keel.load_model(_mlp(), backend="auto", registry=_registry(_FakeGpu))
+    model.predict(_feeds(0))
+    assert "placement measured here" not in model.explain()
+    # The inputs are tiny: seed 004's size rule keeps every node on the cpu.
+    assert all(b == "cpu" for _, op, b in _program(model).steps if op != "copy")
+
+
+def test_a_pinned_backend_is_never_measured_against_another() -> None:
+    model = keel.load_model(_mlp(), backend="gpu", registry=_registry(_SlowGpu))
+    model.predict(_feeds(0))
+    assert "placement measured here" not in model.explain()

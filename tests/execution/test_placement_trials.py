@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -22,8 +22,13 @@ import keel
 from keel.backends.base import KernelTable
 from keel.backends.cpu.backend import CpuBackend
 from keel.backends.registry import BackendRegistry
-from keel.config import reload_settings
-from tests.execution.test_capture import _FakeGpu, _feeds, _mlp, _program
+from tests.execution.test_capture import (  # noqa: F401 (a fixture)
+    _FakeGpu,
+    _feeds,
+    _mlp,
+    _program,
+    per_node_rules,
+)
 
 _MEASURED = re.compile(r"placement measured here on this signature's first inputs: "
                        r"gpu (\S+ \S+) vs cpu (\S+ \S+) \(median of 3 runs after 2 warm-up "
@@ -90,16 +95,7 @@ def test_a_gpu_that_cannot_run_the_model_whole_is_left_out_with_the_reason() -> 
     assert "gpu cannot run it whole (" in text and "every node on cpu" in text, text
 
 
-@pytest.fixture
-def trials_off(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setenv("KEEL_PLACEMENT_TRIALS", "off")
-    reload_settings()
-    yield
-    monkeypatch.delenv("KEEL_PLACEMENT_TRIALS")
-    reload_settings()
-
-
-@pytest.mark.usefixtures("trials_off")
+@pytest.mark.usefixtures("per_node_rules")
 def test_trials_off_leaves_the_per_node_rules() -> None:
     model = keel.load_model(_mlp(), backend="auto", registry=_registry(_FakeGpu))
     model.predict(_feeds(0))

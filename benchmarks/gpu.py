@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         for batch in args.batches:
             started = time.perf_counter()
             try:
-                row = bench(name, batch, args.passes, args.pass_seconds)
+                row = bench(name, batch, args.passes, args.pass_seconds, args.profile)
             except Exception as exc:             # one model's failure: keep the rest
                 row = {"model": name, "batch": batch,
                        "error": f"{type(exc).__name__}: {exc}"}
@@ -82,7 +82,8 @@ def _unavailable() -> str:
     return "" if gpu.is_available() else f"keel's gpu backend: {gpu.availability().reason}"
 
 
-def bench(name: str, batch: int, passes: int, pass_seconds: float) -> dict[str, Any]:
+def bench(name: str, batch: int, passes: int, pass_seconds: float,
+          profile: bool = False) -> dict[str, Any]:
     """Time every runner for one model and batch; the row of the table."""
     import cupy
     import torch
@@ -138,6 +139,7 @@ def bench(name: str, batch: int, passes: int, pass_seconds: float) -> dict[str, 
         times = _alternate(runners, passes, pass_seconds)
     program = next((p.program for p in model._cache.values() if p.program is not None), None)
     row: dict[str, Any] = {
+        "profile": _profile(data, feeds) if profile else [],
         "model": name, "batch": batch, "ms": {k: round(v * 1e3, 4) for k, v in times.items()},
         "captured": bool(program is not None and program.captured),
         "capture_reason": "" if program is None else program.capture_reason,
@@ -145,6 +147,24 @@ def bench(name: str, batch: int, passes: int, pass_seconds: float) -> dict[str, 
     }
     row["ratios"] = _ratios(times)
     return row
+
+
+def _profile(data: bytes, feeds: dict[str, np.ndarray], runs: int = 3, top: int = 10
+             ) -> list[dict[str, Any]]:
+    """keel gpu's slowest nodes: milliseconds per run, each step synchronized (so the
+    sum is over the un-recorded run, launch gaps included)."""
+    import keel
+
+    model = keel.load_model(data, backend="gpu", enable_profiling=True)
+    model.predict(feeds)
+    profiler = model.profiler
+    profiler.events.clear()
+    for _ in range(runs):
+        model.predict(feeds)
+    ops = {e.name: (e.op, e.backend) for e in profiler.events}
+    totals = sorted(profiler.node_totals().items(), key=lambda kv: -kv[1])
+    return [{"node": n, "op": ops[n][0], "backend": ops[n][1], "ms": round(us / runs / 1e3, 4)}
+            for n, us in totals[:top]]
 
 
 def _torch_graph(graph: Any, feeds: dict[str, np.ndarray]) -> Runner:
@@ -276,6 +296,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--passes", type=int, default=3)
     p.add_argument("--pass-seconds", type=float, default=0.2)
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--profile", action="store_true",
+                   help="also record keel gpu's slowest nodes per model (synchronized steps)")
     a = p.parse_args(argv)
     a.models = [m for m in a.models.split(",") if m]
     unknown = [m for m in a.models if m not in MODELS]

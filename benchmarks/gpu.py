@@ -158,6 +158,7 @@ def _profile(data: bytes, feeds: dict[str, np.ndarray], runs: int = 3, top: int 
     model = keel.load_model(data, backend="gpu", enable_profiling=True)
     model.predict(feeds)
     profiler = model.profiler
+    assert profiler is not None
     profiler.events.clear()
     for _ in range(runs):
         model.predict(feeds)

@@ -862,7 +862,7 @@ class Model:
         times: dict[str, float] = {}
         notes: list[str] = []
         kept: dict[str, _Planned] = {}
-        for name in (self._trial_gpu, "cpu"):
+        for name in (str(self._trial_gpu), "cpu"):
             self._trials[key] = (name, "")
             self._cache.pop(key, None)
             try:
@@ -1510,7 +1510,7 @@ def _as_array(name: str, value: Any, dtype: DType) -> np.ndarray:
         if array.dtype != dtype.numpy:
             raise InvalidArgumentError(
                 f"input {name!r} (on the gpu) has dtype {array.dtype}; expected {dtype.value}")
-        return array  # type: ignore[no-any-return]
+        return array
     if isinstance(value, np.ndarray):
         if value.dtype != dtype.numpy:
             raise InvalidArgumentError(

@@ -372,6 +372,9 @@ class Model:
         # signature -> (backend measured fastest for it, the reason); see _measure_devices
         self._trials: dict[tuple[Any, ...], tuple[str, str] | None] = {}
         self._trial_gpu: str | None = None      # the GPU backend trials use ("": none)
+        # precision="auto" on a GPU: the fp16 model runs instead where it was validated
+        self._half: Model | None = None
+        self._half_reason = ""                   # why fp16 was or was not taken ("": untried)
         self._precision = _check_precision(precision)
         self._graph = _freeze_constants(graph if compiled is not None else _convert_precision(
             _optimize(graph, optimization_level), self._precision))
@@ -436,6 +439,8 @@ class Model:
     @property
     def plan(self) -> ExecutionPlan:
         """The plan of the last run, or of the first signature (symbolic dims as 1)."""
+        if self._half is not None:
+            return self._half.plan
         with self._lock:
             if self._last is None:
                 planned = self._default_planned()
@@ -459,6 +464,9 @@ class Model:
         """Per-node backend, variant, layout, threads, precision and reason; copies; peak
         memory; every node plan's fields with their reasons; once the plan has run, how
         its program sized the BLAS threads and why."""
+        half = self._half
+        if half is not None:
+            return f"{self._half_reason}\n{half.explain()}"
         plan = self.plan
         limit = "none" if self._memory_limit is None else format_limit(self._memory_limit)
         shapes = ", ".join(f"{k}={v}" for k, v in plan.input_shapes.items()) or "none"
@@ -467,6 +475,8 @@ class Model:
             f"optimization {self.optimization_level}, memory limit {limit}",
             f"planned for input shapes {shapes}",
         ]
+        if self._half_reason:
+            head.append(self._half_reason)
         adaptive = self.adaptive_plan
         if adaptive is not None:
             head.append(_describe_adaptive(adaptive))
@@ -627,6 +637,13 @@ class Model:
 
     def _predict(self, feeds: Mapping[str, Any], output_device: str | None
                  ) -> dict[str, np.ndarray]:
+        half = self._half
+        if half is not None:
+            try:
+                return half._predict(feeds, output_device)
+            except (ExecutionError, MemoryLimitError) as exc:
+                self._half = None                  # back to fp32 (which may fall back too)
+                self._half_reason = f"fp16 dropped: it failed at run time ({exc.message})"
         if output_device is not None:
             return self._predict_on_device(feeds, output_device)
         fast = self._fast_path(feeds)
@@ -886,6 +903,35 @@ class Model:
         planned.plan = replace(planned.plan, reasons=(
             reason, *(r for r in planned.plan.reasons[1:])))
         self._cache[key] = planned
+        if best == self._trial_gpu and self._precision == "auto" and not self._half_reason:
+            self._try_half(arrays, planned, times[best])
+
+    def _try_half(self, arrays: Mapping[str, Any], planned: _Planned, fp32_time: float) -> None:
+        """precision="auto" on a GPU: run the model at fp16 on these inputs and keep it
+        where its outputs stay within ``HALF_TOLERANCE`` of fp32 (relative L2, integer
+        outputs equal) and it is faster; the reason says which and why."""
+        if _native_precision(self._graph) != "fp32":
+            self._half_reason = "fp16 not tried: the model does not compute in fp32"
+            return
+        try:
+            half = Model(self._graph, name=self.name, backend=str(self._trial_gpu),
+                         precision="fp16", optimization_level="none", registry=self._registry,
+                         hardware=self._hardware, policy=self._policy, hint=self._hint)
+            want = self._program(planned).run(arrays)
+            got = half.predict(arrays)
+            error = max((_relative_error(got[k], v) for k, v in want.items()), default=0.0)
+            half_time = _time_call(lambda: half.predict(arrays))
+        except KeelError as exc:
+            self._half_reason = f"fp16 not taken: it cannot run here ({exc.message})"
+            return
+        measured = (f"relative error {error:.1e} against fp32 on these inputs (tolerance "
+                    f"{HALF_TOLERANCE:.0e}), {format_seconds(half_time)} vs fp32 "
+                    f"{format_seconds(fp32_time)}")
+        if error <= HALF_TOLERANCE and half_time < fp32_time:
+            self._half = half
+            self._half_reason = f"precision auto: fp16 on {self._trial_gpu}: {measured}"
+        else:
+            self._half_reason = f"precision auto: fp32 kept: {measured}"
 
     def _falls_back(self, exc: KeelError) -> bool:
         """After a device kernel failed at run time in auto mode: plan every signature on
@@ -1530,16 +1576,36 @@ _TRIAL_WARM = 2      # untimed runs first: compiling, recording a device graph
 _TRIAL_RUNS = 3      # then timed runs; their median decides
 
 
+HALF_TOLERANCE = 5e-3   # precision="auto" takes fp16 on a GPU within this relative L2 error
+
+
 def _time_program(program: Program, arrays: Mapping[str, Any]) -> float:
     """The median seconds of one run of ``program`` on ``arrays``, after warm-up runs."""
+    return _time_call(lambda: program.run(arrays))
+
+
+def _time_call(run: Callable[[], Any]) -> float:
+    """The median seconds of ``run``, after ``_TRIAL_WARM`` untimed calls."""
     for _ in range(_TRIAL_WARM):
-        program.run(arrays)
+        run()
     samples = []
     for _ in range(_TRIAL_RUNS):
         start = time.perf_counter()
-        program.run(arrays)
+        run()
         samples.append(time.perf_counter() - start)
     return sorted(samples)[len(samples) // 2]
+
+
+def _relative_error(got: Any, want: Any) -> float:
+    """Relative L2 error of ``got`` against ``want``; integer outputs must be equal."""
+    a, b = np.asarray(got), np.asarray(want)
+    if a.shape != b.shape:
+        return float("inf")
+    if b.dtype.kind not in "fc":
+        return 0.0 if np.array_equal(a, b) else float("inf")
+    ref = np.asarray(b, np.float64)
+    return float(np.linalg.norm(np.asarray(a, np.float64) - ref)
+                 / max(float(np.linalg.norm(ref)), 1e-30))
 
 
 def _device_feed(name: str, value: Any) -> Any:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 import keel
 from keel.backends.base import KernelTable
@@ -52,6 +52,11 @@ def _slowed(table: KernelTable, delay: float) -> KernelTable:
 class _SlowCpu(CpuBackend):
     def _kernels(self) -> KernelTable:
         return _slowed(super()._kernels(), 0.01)
+
+
+class _SlowerCpu(CpuBackend):
+    def _kernels(self) -> KernelTable:
+        return _slowed(super()._kernels(), 0.03)
 
 
 class _SlowGpu(_FakeGpu):
@@ -108,3 +113,50 @@ def test_a_pinned_backend_is_never_measured_against_another() -> None:
     model = keel.load_model(_mlp(), backend="gpu", registry=_registry(_SlowGpu))
     model.predict(_feeds(0))
     assert "placement measured here" not in model.explain()
+
+
+class _SlowFp32Gpu(_FakeGpu):
+    """A fake gpu whose float32 kernels are slow: fp16 is the faster there."""
+
+    def _kernels(self) -> KernelTable:
+        table = super()._kernels()
+        slowed = KernelTable(table.backend, table.chooser)
+
+        def slow(fn: Callable[..., Any]) -> Callable[..., Any]:
+            def run(ctx: Any, ins: Any, attrs: Any, out: Any) -> Any:
+                if any(getattr(x, "dtype", None) == np.float32 for x in ins):
+                    time.sleep(0.01)
+                return fn(ctx, ins, attrs, out)
+            return run
+
+        for op in table.ops():
+            for variant in table.variants(op).values():
+                slowed.register(dataclasses.replace(variant, fn=slow(variant.fn)))
+        return slowed
+
+
+def test_auto_precision_takes_fp16_on_the_gpu_where_it_validates_and_is_faster() -> None:
+    model = keel.load_model(_mlp(), backend="auto", registry=_registry(_SlowFp32Gpu, _SlowerCpu))
+    reference = keel.load_model(_mlp(), backend="reference")
+    for seed in range(3):
+        got = model.predict(_feeds(seed))["y"]
+        assert got.dtype == np.float32
+        want = reference.predict(_feeds(seed))["y"]
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 5e-3
+    text = model.explain()
+    assert text.startswith("precision auto: fp16 on gpu: relative error "), text
+    assert "(tolerance 5e-03)" in text
+    assert model.plan.precision == "fp16"
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_auto_precision_keeps_fp32_where_fp16_overflows() -> None:
+    proto = onnx.load_from_string(_mlp())
+    for init in proto.graph.initializer:          # products past fp16's 65504
+        init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) * 300.0, init.name))
+    data = proto.SerializeToString()
+    model = keel.load_model(data, backend="auto", registry=_registry(_SlowFp32Gpu, _SlowerCpu))
+    got = model.predict(_feeds(0))["y"]
+    want = keel.load_model(data, backend="reference").predict(_feeds(0))["y"]
+    np.testing.assert_allclose(got, want, rtol=1e-4)
+    assert "precision auto: fp32 kept: relative error inf against fp32" in model.explain()

@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         for batch in args.batches:
             started = time.perf_counter()
             try:
-                row = bench(name, batch, args.passes, args.pass_seconds, args.profile)
+                row = bench(name, batch, args.passes, args.pass_seconds, args.profile,
+                            args.placement)
             except Exception as exc:             # one model's failure: keep the rest
                 row = {"model": name, "batch": batch,
                        "error": f"{type(exc).__name__}: {exc}"}
@@ -83,7 +84,7 @@ def _unavailable() -> str:
 
 
 def bench(name: str, batch: int, passes: int, pass_seconds: float,
-          profile: bool = False) -> dict[str, Any]:
+          profile: bool = False, placement: bool = False) -> dict[str, Any]:
     """Time every runner for one model and batch; the row of the table."""
     import cupy
     import torch
@@ -140,6 +141,7 @@ def bench(name: str, batch: int, passes: int, pass_seconds: float,
     program = next((p.program for p in model._cache.values() if p.program is not None), None)
     row: dict[str, Any] = {
         "profile": _profile(data, feeds) if profile else [],
+        "auto": _auto(data, feeds) if placement else {},
         "model": name, "batch": batch, "ms": {k: round(v * 1e3, 4) for k, v in times.items()},
         "captured": bool(program is not None and program.captured),
         "capture_reason": "" if program is None else program.capture_reason,
@@ -166,6 +168,20 @@ def _profile(data: bytes, feeds: dict[str, np.ndarray], runs: int = 3, top: int 
     totals = sorted(profiler.node_totals().items(), key=lambda kv: -kv[1])
     return [{"node": n, "op": ops[n][0], "backend": ops[n][1], "ms": round(us / runs / 1e3, 4)}
             for n, us in totals[:top]]
+
+
+def _auto(data: bytes, feeds: dict[str, np.ndarray]) -> dict[str, Any]:
+    """What auto mode decides here: the device trial's reason and the precision."""
+    import keel
+
+    model = keel.load_model(data)
+    started = time.perf_counter()
+    model.predict(feeds)
+    first = time.perf_counter() - started
+    plan = model.plan
+    measured = next((r for r in plan.reasons if r.startswith("placement measured")), "")
+    return {"placement": measured, "precision": model._half_reason,
+            "backends": sorted(plan.backends), "first_predict_s": round(first, 3)}
 
 
 def _torch_graph(graph: Any, feeds: dict[str, np.ndarray]) -> Runner:
@@ -297,6 +313,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--passes", type=int, default=3)
     p.add_argument("--pass-seconds", type=float, default=0.2)
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--placement", action="store_true",
+                   help="also record what auto mode decides (device trial, precision)")
     p.add_argument("--profile", action="store_true",
                    help="also record keel gpu's slowest nodes per model (synchronized steps)")
     a = p.parse_args(argv)

@@ -36,7 +36,7 @@ step() {
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   nproc; } >>"$out/summary.txt" 2>&1
 step probe "$py" -m keel probe --json
-step bench_gpu "$py" -m benchmarks.gpu --profile --out "$out"
+step bench_gpu "$py" -m benchmarks.gpu --profile --placement --out "$out"
 step models "$py" -m pytest -q -p no:cacheprovider -m gpu tests/backends/test_gpu_models.py \
     tests/backends/test_gpu_io.py
 if [ "$scaling" = "--cpu-scaling" ]; then

@@ -74,7 +74,9 @@ def _registry(gpu: type, cpu: type = CpuBackend) -> BackendRegistry:
 @pytest.mark.parametrize(("gpu", "cpu", "winner"), [(_SlowGpu, CpuBackend, "cpu"),
                                                    (_FakeGpu, _SlowCpu, "gpu")])
 def test_the_faster_device_takes_the_whole_model(gpu: type, cpu: type, winner: str) -> None:
-    model = keel.load_model(_mlp(), backend="auto", registry=_registry(gpu, cpu))
+    # fp32 pinned: the device alone is measured (auto precision may take fp16 on a gpu)
+    model = keel.load_model(_mlp(), backend="auto", precision="fp32",
+                            registry=_registry(gpu, cpu))
     reference = keel.load_model(_mlp(), backend="reference")
     for seed in range(3):
         np.testing.assert_allclose(model.predict(_feeds(seed))["y"],

@@ -183,9 +183,10 @@ class OrtValue:
 
 
 def unwrap(value: Any, name: str) -> Any:
-    """A feed as keel's Model takes it: an OrtValue's host array, anything else as given."""
+    """A feed as keel's Model takes it: an OrtValue's array (a cuda one stays on the device:
+    the model takes device arrays without a copy), anything else as given."""
     if isinstance(value, OrtValue):
-        return value.host()
+        return value.array if value.device_name() == "cuda" else value.host()
     if isinstance(value, (str, bytes)):
         raise Fail(f"input {name!r} must be a NumPy array, got {type(value).__name__}")
     return value

@@ -290,8 +290,8 @@ class _FakeGraph:
             elif kind in ("bias", "add"):
                 r = a[0] + a[1]
             else:
-                hi = params["upper_clip"]
-                r = np.clip(a[0], params["lower_clip"], np.inf if hi is None else hi)
+                lo, hi = params["lower_clip"], params["upper_clip"]
+                r = np.clip(a[0], 0.0 if lo is None else lo, np.inf if hi is None else hi)
             values[out.uid] = r
         target = _host_view(pack[self._out.uid], self._out)
         target[...] = values[self._out.uid]
@@ -319,7 +319,8 @@ class FakeCudnn(types.ModuleType):
         self.data_type = types.SimpleNamespace(FLOAT="FLOAT", HALF="HALF")
         self.heur_mode = types.SimpleNamespace(A="A", B="B", FALLBACK="FALLBACK")
         self.numerical_note = types.SimpleNamespace(
-            TENSOR_CORE="TENSOR_CORE", DOWN_CONVERT_INPUTS="DOWN_CONVERT_INPUTS")
+            TENSOR_CORE="TENSOR_CORE", DOWN_CONVERT_INPUTS="DOWN_CONVERT_INPUTS",
+            NONDETERMINISTIC="NONDETERMINISTIC")
         lib = self
 
         def pygraph(**kwargs: Any) -> _FakeGraph:

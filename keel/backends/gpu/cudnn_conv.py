@@ -39,12 +39,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from keel.backends.base import Attrs, Inputs, KernelContext, Out, optional_input
+from keel.backends.cpu import kernels as cpu_kernels
 from keel.backends.cpu.conv_epilogue import Activation, activation, finish
 from keel.backends.gpu import cudnn_lib
 from keel.backends.gpu.cudnn_lib import CudnnLibrary
 from keel.backends.gpu.kernels import TABLE
 from keel.dtypes import DType
 from keel.ops.registry import Op
+from keel.ops.schemas.conv import DTYPES as CONV_DTYPES
 from keel.ops.schemas.conv import ConvGeometry, check_conv_extras, conv_geometry
 
 __all__ = ["DTYPES", "ConvDescriptor", "Fusion", "cannot_serve", "describe", "fusions",
@@ -52,6 +54,7 @@ __all__ = ["DTYPES", "ConvDescriptor", "Fusion", "cannot_serve", "describe", "fu
 
 DTYPES = frozenset({DType.FLOAT32, DType.FLOAT16})
 _RANKS = (1, 2, 3)          # spatial ranks: 1-D runs as 2-D with a unit height
+DTYPES_ANY = CONV_DTYPES[Op.CONV]
 
 
 # ---- what cuDNN is told: pure arithmetic on the conv's geometry ----------------------
@@ -196,7 +199,9 @@ def _graph(cudnn: Any, handle: Any, spec: _Spec, fusion: Fusion) -> tuple[Any, d
         uids["z"] = z.uid
         y = g.add(y, z, name="residual")
     clip = graph_activation(spec.act) if fusion.activation else None
-    if clip is not None:
+    if clip == (0.0, None):
+        y = g.relu(y, name="act")
+    elif clip is not None:
         y = g.relu(y, lower_clip=clip[0], upper_clip=clip[1], name="act")
     y.set_output(True).set_data_type(io).set_dim(list(d.y)).set_stride(list(_packed(d.y)))
     uids["y"] = y.uid
@@ -211,9 +216,13 @@ def _build(cudnn: Any, handle: Any, spec: _Spec, fusion: Fusion) -> tuple[Any, d
     g.build_operation_graph()
     g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
     if spec.dtype is DType.FLOAT32:
-        # At float32 these notes mark TF32 (or down-converting) engines: not float32 results.
+        # At float32 these notes mark TF32 (or down-converting) engines: not float32
+        # results; nondeterministic engines would break keel's bitwise repeatable runs.
         g.deselect_numeric_notes([cudnn.numerical_note.TENSOR_CORE,
-                                  cudnn.numerical_note.DOWN_CONVERT_INPUTS])
+                                  cudnn.numerical_note.DOWN_CONVERT_INPUTS,
+                                  cudnn.numerical_note.NONDETERMINISTIC])
+    else:     # keel's runs are bitwise repeatable: no engine with atomics in its reduction
+        g.deselect_numeric_notes([cudnn.numerical_note.NONDETERMINISTIC])
     g.check_support()
     g.build_plans()
     return g, uids
@@ -248,13 +257,13 @@ def _compile(lib: CudnnLibrary, xp: Any, spec: _Spec) -> _Compiled:
 
 
 _LOCK = threading.Lock()
-# (spec, thread) -> the built graph, or the reasons cuDNN declined every graph of it.
-_COMPILED: dict[tuple[_Spec, int], _Compiled | _Declined] = {}
+# (library, spec, thread) -> the built graph, or why cuDNN declined every graph of it.
+_COMPILED: dict[tuple[CudnnLibrary, _Spec, int], _Compiled | _Declined] = {}
 
 
 def compiled(lib: CudnnLibrary, xp: Any, spec: _Spec) -> _Compiled | _Declined:
     """The built graph of ``spec`` on this thread (built on first use, then kept)."""
-    key = (spec, threading.get_ident())
+    key = (lib, spec, threading.get_ident())
     found = _COMPILED.get(key)
     if found is None:
         with _LOCK:
@@ -269,7 +278,7 @@ def compiled(lib: CudnnLibrary, xp: Any, spec: _Spec) -> _Compiled | _Declined:
 def built() -> list[dict[str, Any]]:
     """What has been built so far: one entry per signature (for reports and probes)."""
     rows = []
-    for (spec, _), found in list(_COMPILED.items()):
+    for (_, spec, _), found in list(_COMPILED.items()):
         row: dict[str, Any] = {"x": spec.desc.x, "w": spec.desc.w, "dtype": spec.dtype.value,
                                "groups": spec.desc.groups}
         if isinstance(found, _Compiled):
@@ -346,6 +355,21 @@ def conv(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out,
     return [y]
 
 
+def dispatch(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """The gpu's conv ``default``: runs the variant the node's plan names (on the op-level
+    path, the plan the gpu planner made from the real shapes)."""
+    name = "default" if ctx.plan is None else ctx.plan.variant
+    if name == "cudnn":
+        return conv(ctx, inputs, attrs, out)
+    # Any other variant is a cpu one run through CuPy; the cpu's own dispatcher for
+    # "default" (no plan: the shapes decide).
+    shared = cpu_kernels.load().get(Op.CONV, name)
+    return list(shared.fn(ctx, inputs, attrs, out))
+
+
+TABLE.kernel(Op.CONV, dtypes=DTYPES_ANY, supports_out=True, dispatcher=True, gpu_only=True,
+             description="runs the variant the gpu planner names: cudnn, pointwise or "
+                         "im2col")(dispatch)
 TABLE.kernel(Op.CONV, variant="cudnn", dtypes=DTYPES, supports_out=True,
              description="cuDNN conv graph (nvidia-cudnn-frontend): bias, residual and "
                          "ReLU/clip fused where cuDNN's engines take them",

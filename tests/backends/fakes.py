@@ -138,11 +138,32 @@ class FakeCupy(types.ModuleType):
         def props(index: int) -> dict[str, Any]:
             return {"name": b"Fake GPU", "totalGlobalMem": 8 * 1024**3, "major": 9, "minor": 0}
 
-        self.stream = types.SimpleNamespace(ptr=0x5742)   # the "current stream"
+        # The "current stream", and a clock that fake device work advances (ms).
+        self.stream = types.SimpleNamespace(ptr=0x5742, is_capturing=lambda: False)
+        self.clock = 0.0
+
+        class _Event:
+            def __init__(self) -> None:
+                self.at = 0.0
+
+            def record(self) -> None:
+                self.at = fake.clock
+
+            def synchronize(self) -> None:
+                return None
+
+        def elapsed(start: _Event, end: _Event) -> float:
+            return end.at - start.at
+
         runtime = types.SimpleNamespace(getDeviceCount=count, getDeviceProperties=props,
                                         getDevice=lambda: 0)
-        self.cuda = types.SimpleNamespace(runtime=runtime, Device=_Device,
+        self.cuda = types.SimpleNamespace(runtime=runtime, Device=_Device, Event=_Event,
+                                          get_elapsed_time=elapsed,
                                           get_current_stream=lambda: fake.stream)
+
+    def advance(self, ms: float) -> None:
+        """Device work of ``ms`` milliseconds ran (what events record)."""
+        self.clock += ms
 
     def arange(self, *args: Any, **kwargs: Any) -> Any:
         if self._smoke_error is not None:
@@ -220,6 +241,9 @@ class _FakeGraph:
         self.notes_deselected: list[Any] = []
         self.heuristics: list[Any] = []
         self.built = False
+        self.policy: Any = None
+        self._plan_index = 0
+        self.timed: list[int] = []
 
     def _tensor(self, dim: Sequence[int] = (), stride: Sequence[int] = (),
                 data_type: Any = None, virtual: bool = True) -> _FakeTensor:
@@ -266,18 +290,38 @@ class _FakeGraph:
         if why:
             raise RuntimeError(f"cudnnGraphNotSupportedError: {why}")
 
-    def build_plans(self) -> None:
+    def build_plans(self, policy: Any = None) -> None:
+        self.policy = policy
+        if not self.built:
+            self.lib.builds.append(self)
         self.built = True
-        self.lib.builds.append(self)
+
+    def get_execution_plan_count(self) -> int:
+        return len(self.lib.plan_costs)
+
+    def get_workspace_size_plan_at_index(self, index: int) -> int:
+        return 1024 * (index + 1)
+
+    def select_plan(self, index: int) -> None:
+        self._plan_index = index
 
     def get_workspace_size(self) -> int:
-        return 4096
+        return 1024 * (self._plan_index + 1)
 
     def get_plan_name_at_index(self, index: int) -> str:
-        return "fake_engine_0"
+        return f"fake_engine_{index}"
+
+    def execute_plan_at_index(self, pack: Mapping[int, int], workspace: int, index: int = 0,
+                              handle: Any = None) -> None:
+        self.timed.append(index)
+        self._run(pack, index)
 
     def execute(self, pack: Mapping[int, int], workspace: int, handle: Any = None) -> None:
         self.lib.executions.append((handle, self.lib.handle_streams.get(id(handle))))
+        self._run(pack, self._plan_index)
+
+    def _run(self, pack: Mapping[int, int], index: int) -> None:
+        self.lib.tick(self.lib.plan_costs[index])
         values: dict[int, np.ndarray] = {
             t.uid: _host_view(pack[t.uid], t).astype(np.float64)
             for t in self.tensors if not t.virtual and t.uid in pack and t is not self._out}
@@ -307,17 +351,23 @@ class FakeCudnn(types.ModuleType):
     returns why a graph of those op kinds is not supported (None: it is)."""
 
     def __init__(self, version: int = 91900, *, load_error: Exception | None = None,
-                 decline: Callable[..., str | None] | None = None) -> None:
+                 decline: Callable[..., str | None] | None = None,
+                 plan_costs: Sequence[float] = (1.0,),
+                 tick: Callable[[float], None] = lambda ms: None) -> None:
         super().__init__("cudnn")
         self.__version__ = "0.0-fake"
         self._version, self._load_error = version, load_error
         self.decline = decline or (lambda kinds, ops: None)
+        # Milliseconds each ranked plan takes; running one reports its cost to ``tick``.
+        self.plan_costs, self.tick = tuple(plan_costs), tick
         self.builds: list[_FakeGraph] = []
         self.executions: list[tuple[Any, Any]] = []
         self.handles: list[object] = []
         self.handle_streams: dict[int, int] = {}
         self.data_type = types.SimpleNamespace(FLOAT="FLOAT", HALF="HALF")
         self.heur_mode = types.SimpleNamespace(A="A", B="B", FALLBACK="FALLBACK")
+        self.build_plan_policy = types.SimpleNamespace(ALL="ALL",
+                                                       HEURISTICS_CHOICE="HEURISTICS_CHOICE")
         self.numerical_note = types.SimpleNamespace(
             TENSOR_CORE="TENSOR_CORE", DOWN_CONVERT_INPUTS="DOWN_CONVERT_INPUTS",
             NONDETERMINISTIC="NONDETERMINISTIC")

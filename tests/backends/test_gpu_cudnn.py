@@ -81,10 +81,14 @@ def test_what_the_variant_serves_and_what_the_graph_fuses() -> None:
     assert cudnn_conv.graph_activation(("sigmoid", ())) is None
     assert cudnn_conv.graph_activation(("", ())) is None
     assert cudnn_conv.fusions(True, True, True) == (
-        Fusion(True, True, True), Fusion(True, True, False), Fusion(True, False, False),
-        Fusion(False, False, False))
+        Fusion(True, True, True, True), Fusion(True, True, True),
+        Fusion(True, True, False, True), Fusion(True, True, False),
+        Fusion(True, False, False), Fusion(False, False, False))
+    assert cudnn_conv.fusions(False, True, True) == (
+        Fusion(False, True, True), Fusion(False, True, False), Fusion(False, False, False))
     assert cudnn_conv.fusions(False, False, False) == (Fusion(False, False, False),)
     assert Fusion(True, False, True).describe() == "conv + bias + activation"
+    assert Fusion(True, True, False, True).describe() == "conv + residual + bias"
 
 
 # ---- the library: detected once, with its reason --------------------------------------
@@ -146,8 +150,9 @@ def test_planner_runs_convs_on_cudnn_where_it_loads(fake_cudnn: FakeCudnn) -> No
     assert plan.variant == "cudnn"
     assert plan.reason("variant").startswith(
         "cuDNN 9.19 (nvidia-cudnn-frontend 0.0-fake): one fused graph per shape")
-    assert "picked by cuDNN's heuristics (not timed); float32 without TF32" in \
-        plan.reason("variant")
+    assert "its engine measured once per shape (the fastest of cuDNN's candidates on the " \
+        "first run" in plan.reason("variant")
+    assert "float32 without TF32; not considered: native" in plan.reason("variant")
     wide = gpu.plan_node(Op.CONV, request_types(_inputs(x, w, dtype=np.float64)), _attrs())
     assert wide.variant == "im2col"
     assert "not cudnn: cuDNN conv graphs here take float16 or float32, not float64" in \
@@ -174,7 +179,7 @@ CASES = [
                  "conv + bias + activation", id="groups-asym-pads-relu"),
     pytest.param((2, 4, 6, 6), (5, 4, 3, 3), True, (2, 5, 6, 6),
                  _attrs(pads=(1, 1, 1, 1), activation="clip", activation_params=(0.0, 6.0)),
-                 "conv + bias + residual + activation", id="residual-relu6"),
+                 "conv + residual + bias + activation", id="residual-relu6"),
     pytest.param((1, 4, 12, 12), (4, 1, 5, 5), False, None,
                  _attrs(pads=(4, 4, 4, 4), dilations=(2, 2), group=4), "conv",
                  id="depthwise-dilated-no-bias"),
@@ -201,7 +206,8 @@ def test_cudnn_kernel_on_a_fake_device_matches_the_reference(
     assert graph.ops[0][0] == "conv_fprop"
     row = next(r for r in cudnn_conv.built() if r["x"][0] == x[0] and r["w"][-1] == w[-1]
                and r.get("fused") == fused)
-    assert row["engine"] == "fake_engine_0" and row["workspace_bytes"] == 4096
+    assert row["engine"].startswith("fake_engine_0, fastest of 1 engines timed on first run")
+    assert row["workspace_bytes"] == 1024 and row["declined"] == ()
 
 
 def test_a_signature_builds_once_and_each_call_binds_pointers_and_the_stream(
@@ -223,6 +229,41 @@ def test_a_signature_builds_once_and_each_call_binds_pointers_and_the_stream(
     assert graph.heuristics == ["A", "FALLBACK"]
     assert {"TENSOR_CORE", "DOWN_CONVERT_INPUTS", "NONDETERMINISTIC"} <= set(
         graph.notes_deselected)
+
+
+def test_the_fastest_engine_is_measured_once_per_shape(monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    cupy = FakeCupy()
+    fake = FakeCudnn(plan_costs=(3.0, 1.0, 2.0), tick=cupy.advance)
+    monkeypatch.setattr(cudnn_lib, "LIBRARY", CudnnLibrary(lambda: fake))
+    gpu = GpuBackend(cupy_module=cupy)
+    attrs = _attrs(pads=(1, 1, 1, 1))
+    arrays = _inputs((2, 3, 5, 5), (4, 3, 3, 3))
+    for _ in range(3):
+        got = gpu.run(Op.CONV, arrays, attrs=attrs, variant="cudnn")[0]
+    np.testing.assert_allclose(got, ReferenceBackend().run(Op.CONV, arrays, attrs=attrs)[0],
+                               rtol=1e-5, atol=1e-5)
+    (graph,) = fake.builds
+    assert graph.policy is None and graph._plan_index == 1      # rebuilt on the fastest
+    assert sorted(set(graph.timed)) == [0, 1, 2] and len(graph.timed) == 3 * 4
+    row = next(r for r in cudnn_conv.built() if r["x"] == (2, 3, 5, 5))
+    assert row["engine"] == ("fake_engine_1, fastest of 3 engines timed on first run "
+                             "(1.000 ms; heuristics' first 3.000 ms)")
+    assert row["workspace_bytes"] == 2048 and len(fake.executions) == 3
+
+
+def test_a_first_run_inside_a_capture_takes_the_heuristic_choice(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    cupy = FakeCupy()
+    cupy.stream.is_capturing = lambda: True
+    fake = FakeCudnn(plan_costs=(3.0, 1.0), tick=cupy.advance)
+    monkeypatch.setattr(cudnn_lib, "LIBRARY", CudnnLibrary(lambda: fake))
+    arrays = _inputs((1, 3, 6, 5), (4, 3, 3, 3))
+    GpuBackend(cupy_module=cupy).run(Op.CONV, arrays, attrs=_attrs(), variant="cudnn")
+    (graph,) = fake.builds
+    assert graph.timed == [] and graph._plan_index == 0
+    row = next(r for r in cudnn_conv.built() if r["x"] == (1, 3, 6, 5))
+    assert row["engine"] == "fake_engine_0, cuDNN's heuristic choice (not timed)"
 
 
 def test_float16_computes_in_float32_on_tensor_cores(fake_cudnn: FakeCudnn) -> None:
@@ -251,15 +292,21 @@ def test_a_declined_graph_runs_shorter_then_on_im2col(monkeypatch: pytest.Monkey
     expected = ReferenceBackend().run(Op.CONV, arrays, attrs=attrs)[0]
     got = _gpu().run(Op.CONV, arrays, attrs=attrs, variant="cudnn")[0]
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
-    assert [op[0] for op in fake.builds[-1].ops] == ["conv_fprop", "bias", "add"]
+    assert [op[0] for op in fake.builds[-1].ops] == ["conv_fprop", "add", "bias"]
+    row = next(r for r in cudnn_conv.built() if r["x"] == (1, 3, 7, 7) and "fused" in r)
+    assert row["fused"] == "conv + residual + bias"
+    assert len(row["declined"]) == 2 and row["declined"][0].startswith(
+        "conv + residual + bias + activation: RuntimeError: cudnnGraphNotSupportedError: "
+        "clipped ReLU not supported")
 
     nothing = FakeCudnn(decline=lambda kinds, ops: "no engine")
     monkeypatch.setattr(cudnn_lib, "LIBRARY", CudnnLibrary(lambda: nothing))
     got = _gpu().run(Op.CONV, arrays, attrs=attrs, variant="cudnn")[0]
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
     assert nothing.builds == [] and nothing.executions == []
-    row = next(r for r in cudnn_conv.built() if "declined" in r and r["x"] == (1, 3, 7, 7))
+    row = next(r for r in cudnn_conv.built() if "fused" not in r and r["x"] == (1, 3, 7, 7))
     assert "conv + bias + residual + activation: RuntimeError: " in row["declined"]
+    assert row["declined"].count("no engine") == 6
 
 
 def test_the_op_level_default_runs_the_planners_variant(fake_cudnn: FakeCudnn) -> None:

@@ -127,23 +127,31 @@ def graph_activation(act: Activation) -> tuple[float, float | None] | None:
 
 @dataclass(frozen=True)
 class Fusion:
-    """Which parts of ``act(conv + B + Z)`` run inside the cuDNN graph."""
+    """Which parts of ``act(conv + B + Z)`` run inside the cuDNN graph, in which order."""
 
     bias: bool
     residual: bool
     activation: bool
+    residual_first: bool = False    # conv + Z + B: the order of cuDNN's ConvBiasAct pattern
 
     def describe(self) -> str:
-        parts = [n for n, on in (("bias", self.bias), ("residual", self.residual),
-                                 ("activation", self.activation)) if on]
-        return "conv" + "".join(f" + {p}" for p in parts)
+        parts = [("bias", self.bias), ("residual", self.residual)]
+        if self.residual_first:
+            parts.reverse()
+        parts.append(("activation", self.activation))
+        return "conv" + "".join(f" + {name}" for name, on in parts if on)
 
 
 def fusions(bias: bool, residual: bool, act: bool) -> tuple[Fusion, ...]:
-    """The graphs to try, most fused first; each drops the last op of the one before
-    (act(conv + B + Z) is computed in that order, so what is left runs after the conv)."""
-    steps = [Fusion(bias, residual, act), Fusion(bias, residual, False),
+    """The graphs to try, most fused first: all of ``act(conv + B + Z)`` (Z before B, then
+    after it), then without the activation, without the residual, without the bias (what
+    a graph leaves out runs after the conv)."""
+    steps = [Fusion(bias, residual, act, True), Fusion(bias, residual, act),
+             Fusion(bias, residual, False, True), Fusion(bias, residual, False),
              Fusion(bias, False, False), Fusion(False, False, False)]
+    # Z's place only matters with both in the graph.
+    steps = [f if f.bias and f.residual else Fusion(f.bias, f.residual, f.activation)
+             for f in steps]
     return tuple(dict.fromkeys(steps))
 
 
@@ -158,14 +166,19 @@ class _Spec:
     device: int
 
 
+@dataclass
 class _Compiled:
     """A built cuDNN graph for one signature and what a call binds into it."""
 
-    def __init__(self, graph: Any, uids: dict[str, int], fusion: Fusion, workspace: Any,
-                 engine: str) -> None:
-        self.graph, self.uids, self.fusion, self.engine = graph, uids, fusion, engine
-        self.workspace = workspace                       # a CuPy uint8 buffer, kept
-        self.workspace_ptr = _address(workspace)
+    graph: Any
+    uids: dict[str, int]
+    fusion: Fusion
+    workspace: Any          # a CuPy uint8 buffer, kept as long as the graph
+    engine: str             # the engine that runs, and how it was picked
+    declined: tuple[str, ...] = ()      # the more fused graphs cuDNN had no engine for
+
+    def __post_init__(self) -> None:
+        self.workspace_ptr = _address(self.workspace)
 
 
 def _address(array: Any) -> int:
@@ -190,14 +203,15 @@ def _graph(cudnn: Any, handle: Any, spec: _Spec, fusion: Fusion) -> tuple[Any, d
     y = g.conv_fprop(x, w, pre_padding=list(d.pre_padding), post_padding=list(d.post_padding),
                      stride=list(d.stride), dilation=list(d.dilation), compute_data_type=f32,
                      name="conv")
-    if fusion.bias:
-        b = g.tensor(name="B", dim=list(d.bias), stride=list(_packed(d.bias)), data_type=io)
-        uids["b"] = b.uid
-        y = g.bias(y, b, name="bias")
-    if fusion.residual:
-        z = g.tensor(name="Z", dim=list(d.y), stride=list(_packed(d.y)), data_type=io)
-        uids["z"] = z.uid
-        y = g.add(y, z, name="residual")
+    steps = [("b", fusion.bias), ("z", fusion.residual)]
+    for name, on in reversed(steps) if fusion.residual_first else steps:
+        if not on:
+            continue
+        dims = d.bias if name == "b" else d.y
+        t = g.tensor(name=name.upper(), dim=list(dims), stride=list(_packed(dims)),
+                     data_type=io)
+        uids[name] = t.uid
+        y = g.bias(y, t, name="bias") if name == "b" else g.add(y, t, name="residual")
     clip = graph_activation(spec.act) if fusion.activation else None
     if clip == (0.0, None):
         y = g.relu(y, name="act")
@@ -208,52 +222,129 @@ def _graph(cudnn: Any, handle: Any, spec: _Spec, fusion: Fusion) -> tuple[Any, d
     return g, uids
 
 
-def _build(cudnn: Any, handle: Any, spec: _Spec, fusion: Fusion) -> tuple[Any, dict[str, int]]:
-    """Validate, plan (cuDNN's heuristics) and build one graph; raises when no engine
-    serves it."""
+def _planned(cudnn: Any, handle: Any, spec: _Spec, fusion: Fusion) -> tuple[Any, dict[str, int]]:
+    """One graph validated and planned by cuDNN's heuristics (A, then FALLBACK), with the
+    engines keel must not run filtered out; raises when cuDNN cannot serve it."""
     g, uids = _graph(cudnn, handle, spec, fusion)
     g.validate()
     g.build_operation_graph()
     g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    notes = [cudnn.numerical_note.NONDETERMINISTIC]    # keel's runs are bitwise repeatable
     if spec.dtype is DType.FLOAT32:
-        # At float32 these notes mark TF32 (or down-converting) engines: not float32
-        # results; nondeterministic engines would break keel's bitwise repeatable runs.
-        g.deselect_numeric_notes([cudnn.numerical_note.TENSOR_CORE,
-                                  cudnn.numerical_note.DOWN_CONVERT_INPUTS,
-                                  cudnn.numerical_note.NONDETERMINISTIC])
-    else:     # keel's runs are bitwise repeatable: no engine with atomics in its reduction
-        g.deselect_numeric_notes([cudnn.numerical_note.NONDETERMINISTIC])
+        # At float32 these notes mark the TF32 (or down-converting) engines: 10-bit
+        # mantissas, far from float32 results. float16 keeps its tensor-core engines.
+        notes += [cudnn.numerical_note.TENSOR_CORE, cudnn.numerical_note.DOWN_CONVERT_INPUTS]
+    g.deselect_numeric_notes(notes)
     g.check_support()
-    g.build_plans()
     return g, uids
 
 
-def _engine_name(g: Any) -> str:
+def _engine_name(g: Any, index: int) -> str:
     try:
-        return str(g.get_plan_name_at_index(int(getattr(g, "_plan_index", 0))))
+        return str(g.get_plan_name_at_index(index))
     except Exception:
-        return "unnamed engine"
+        return f"plan {index}"
+
+
+# Timed runs per candidate engine, after one untimed run: engines differ by far more than
+# the spread of three back-to-back runs of one.
+_TIMED_RUNS = 3
+
+
+def _time_plan(xp: Any, g: Any, handle: Any, pack: dict[int, int], workspace: int,
+               index: int) -> float:
+    """Milliseconds per run of the plan at ``index`` (after one untimed run)."""
+    g.execute_plan_at_index(pack, workspace, index=index, handle=handle)
+    start, end = xp.cuda.Event(), xp.cuda.Event()
+    start.record()
+    for _ in range(_TIMED_RUNS):
+        g.execute_plan_at_index(pack, workspace, index=index, handle=handle)
+    end.record()
+    end.synchronize()
+    return float(xp.cuda.get_elapsed_time(start, end)) / _TIMED_RUNS
+
+
+
+def _fastest(xp: Any, cudnn: Any, g: Any, handle: Any, pack: dict[int, int]
+             ) -> tuple[int, str] | None:
+    """Build every plan of ``g``, time each on the call's own arrays (the output into a
+    scratch buffer) and return (the fastest's index, what was measured); None when no
+    plan ran."""
+    g.build_plans(cudnn.build_plan_policy.ALL)
+    sizes = {}
+    for i in range(int(g.get_execution_plan_count())):
+        try:
+            sizes[i] = int(g.get_workspace_size_plan_at_index(i))
+        except Exception:             # not built (declined) or filtered out
+            continue
+    if not sizes:
+        return None
+    scratch = xp.empty(max(*sizes.values(), 1), dtype=xp.uint8)
+    times = {}
+    for i in sizes:
+        try:
+            times[i] = _time_plan(xp, g, handle, pack, _address(scratch), i)
+        except Exception:             # a plan that fails to run is not a candidate
+            continue
+    if not times:
+        return None
+    best = min(times, key=times.__getitem__)
+    return best, (f"fastest of {len(times)} engines timed on first run "
+                  f"({times[best]:.3f} ms; heuristics' first {times[min(times)]:.3f} ms)")
+
+
+def _capturing(xp: Any) -> bool:
+    """Whether the current stream is being captured into a CUDA graph (nothing may be
+    timed or synchronized then)."""
+    probe = getattr(xp.cuda.get_current_stream(), "is_capturing", None)
+    return bool(probe()) if probe is not None else False
+
+
+def _finish(xp: Any, cudnn: Any, g: Any, handle: Any, pack: dict[int, int] | None
+            ) -> str:
+    """Build the plan that runs: the fastest measured when ``pack`` (the first call's
+    pointers) may be timed, else cuDNN's heuristic choice. Returns how it was picked."""
+    found = None if pack is None else _fastest(xp, cudnn, g, handle, pack)
+    if found is None:
+        g.build_plans()
+        index = int(getattr(g, "_plan_index", 0))
+        return f"{_engine_name(g, index)}, cuDNN's heuristic choice (not timed)"
+    index, how = found
+    g.select_plan(index)
+    g.build_plans()
+    return f"{_engine_name(g, index)}, {how}"
 
 
 class _Declined(Exception):
     """No cuDNN engine serves any graph of a signature (the reasons, one per graph)."""
 
 
-def _compile(lib: CudnnLibrary, xp: Any, spec: _Spec) -> _Compiled:
+def _compile(lib: CudnnLibrary, xp: Any, spec: _Spec, arrays: dict[str, Any]) -> _Compiled:
+    """The most fused graph of ``spec`` that cuDNN serves, built, its engine measured on
+    ``arrays`` (the first call's; Y replaced by a scratch buffer) unless capturing."""
     cudnn = lib.module
     handle = lib.handle(spec.device)
     act_fusable = graph_activation(spec.act) is not None
+    timed = not _capturing(xp)
+    scratch = xp.empty_like(arrays["y"]) if timed else None
     failures = []
     for fusion in fusions(spec.bias, spec.residual, act_fusable):
         try:
-            g, uids = _build(cudnn, handle, spec, fusion)
+            g, uids = _planned(cudnn, handle, spec, fusion)
+            pack = None if scratch is None else _pack(uids, {**arrays, "y": scratch})
+            engine = _finish(xp, cudnn, g, handle, pack)
             size = int(g.get_workspace_size())
         except Exception as exc:     # cuDNN declines this graph: try the next, shorter one
             failures.append(f"{fusion.describe()}: {type(exc).__name__}: {exc}")
             continue
         workspace = xp.empty(max(size, 1), dtype=xp.uint8)
-        return _Compiled(g, uids, fusion, workspace, _engine_name(g))
+        return _Compiled(g, uids, fusion, workspace, engine, tuple(failures))
     raise _Declined("; ".join(failures))
+
+
+def _pack(uids: dict[str, int], arrays: dict[str, Any]) -> dict[int, int]:
+    """The variant pack: each graph tensor's uid -> its array's device address."""
+    return {uid: _address(arrays[name]) for name, uid in uids.items()}
 
 
 _LOCK = threading.Lock()
@@ -261,14 +352,15 @@ _LOCK = threading.Lock()
 _COMPILED: dict[tuple[CudnnLibrary, _Spec, int], _Compiled | _Declined] = {}
 
 
-def compiled(lib: CudnnLibrary, xp: Any, spec: _Spec) -> _Compiled | _Declined:
+def compiled(lib: CudnnLibrary, xp: Any, spec: _Spec, arrays: dict[str, Any]
+             ) -> _Compiled | _Declined:
     """The built graph of ``spec`` on this thread (built on first use, then kept)."""
     key = (lib, spec, threading.get_ident())
     found = _COMPILED.get(key)
     if found is None:
         with _LOCK:
             try:
-                found = _compile(lib, xp, spec)
+                found = _compile(lib, xp, spec, arrays)
             except _Declined as exc:
                 found = exc
             _COMPILED[key] = found
@@ -280,10 +372,11 @@ def built() -> list[dict[str, Any]]:
     rows = []
     for (_, spec, _), found in list(_COMPILED.items()):
         row: dict[str, Any] = {"x": spec.desc.x, "w": spec.desc.w, "dtype": spec.dtype.value,
-                               "groups": spec.desc.groups}
+                               "groups": spec.desc.groups, "bias": spec.bias,
+                               "residual": spec.residual, "activation": spec.act[0]}
         if isinstance(found, _Compiled):
             row.update(engine=found.engine, fused=found.fusion.describe(),
-                       workspace_bytes=int(found.workspace.nbytes))
+                       workspace_bytes=int(found.workspace.nbytes), declined=found.declined)
         else:
             row["declined"] = str(found)
         rows.append(row)
@@ -331,23 +424,18 @@ def conv(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out,
     geo, desc, dtype, act = _signature(
         tuple(x.shape), tuple(w.shape), None if b is None else tuple(b.shape),
         None if z is None else tuple(z.shape), x.dtype, tuple(attrs.items()))
-    spec = _Spec(desc, dtype, b is not None, z is not None, act,
-                 int(xp.cuda.runtime.getDevice()))
-    found = compiled(lib, xp, spec)
-    if isinstance(found, _Declined):
-        return _im2col(ctx, inputs, attrs, out)
     y = out[0] if out is not None and out[0] is not None else None
     if y is None or not y.flags.c_contiguous or y.dtype != x.dtype:
         y = xp.empty(geo.out_shape, dtype=x.dtype)
+    arrays = {"x": x, "w": w, "b": b, "z": z, "y": y}
+    spec = _Spec(desc, dtype, b is not None, z is not None, act,
+                 int(xp.cuda.runtime.getDevice()))
+    found = compiled(lib, xp, spec, arrays)
+    if isinstance(found, _Declined):
+        return _im2col(ctx, inputs, attrs, out)
     handle = lib.handle(spec.device)
     lib.bind_stream(handle, int(xp.cuda.get_current_stream().ptr))
-    pack = {found.uids["x"]: _address(x), found.uids["w"]: _address(w),
-            found.uids["y"]: _address(y)}
-    if "b" in found.uids:
-        pack[found.uids["b"]] = _address(b)
-    if "z" in found.uids:
-        pack[found.uids["z"]] = _address(z)
-    found.graph.execute(pack, found.workspace_ptr, handle=handle)
+    found.graph.execute(_pack(found.uids, arrays), found.workspace_ptr, handle=handle)
     _epilogue(xp, found.fusion, b, z, y, act)
     if out is not None and out[0] is not None and out[0] is not y:
         out[0][...] = y

@@ -79,8 +79,9 @@ def _conv_variant(request: PlanRequest, usable: Mapping[str, KernelVariant]
     if why_not is None:
         return "cudnn", (f"{cudnn_lib.LIBRARY.availability().reason}: one fused graph per "
                          "shape (bias, residual, ReLU/clip in the graph where cuDNN takes "
-                         "them), its engine picked by cuDNN's heuristics (not timed); "
-                         "float32 without TF32")
+                         "them), its engine measured once per shape (the fastest of cuDNN's "
+                         "candidates on the first run; cuDNN's heuristic choice when that "
+                         "run is captured); float32 without TF32")
     note = f"; not cudnn: {why_not}"
     attrs = request.attrs
     unit = kernel is not None and all(k == 1 for k in kernel)

@@ -206,7 +206,7 @@ def _host_view(address: int, t: _FakeTensor) -> np.ndarray:
     dtype = np.dtype(np.float16 if t.data_type == "HALF" else np.float32)
     span = 1 + sum((d - 1) * s for d, s in zip(t.dim, t.stride, strict=True))
     buf = (ctypes.c_char * (span * dtype.itemsize)).from_address(address)
-    flat = np.frombuffer(buf, dtype=dtype)
+    flat = np.frombuffer(memoryview(buf), dtype=dtype)
     return np.lib.stride_tricks.as_strided(
         flat, tuple(t.dim), tuple(s * dtype.itemsize for s in t.stride))
 
@@ -226,8 +226,8 @@ def _cross_correlation(x: np.ndarray, w: np.ndarray, pre: Sequence[int], post: S
     for offs in itertools.product(*(range(k) for k in w.shape[2:])):
         taps = tuple(slice(o * d, o * d + (size - 1) * s + 1, s)
                      for o, d, s, size in zip(offs, dilation, stride, out, strict=True))
-        y += np.einsum("ngc...,gmc->ngm...", xg[(slice(None),) * 3 + taps],
-                       wg[(Ellipsis, *offs)])
+        tap: tuple[Any, ...] = (Ellipsis, *offs)
+        y += np.einsum("ngc...,gmc->ngm...", xg[(slice(None),) * 3 + taps], wg[tap])
     return y.reshape(n, m, *out)
 
 
@@ -296,8 +296,13 @@ class _FakeGraph:
             self.lib.builds.append(self)
         self.built = True
 
+    @property
+    def costs(self) -> tuple[float, ...]:
+        costs = self.lib.plan_costs
+        return tuple(costs(tuple(op[0] for op in self.ops)) if callable(costs) else costs)
+
     def get_execution_plan_count(self) -> int:
-        return len(self.lib.plan_costs)
+        return len(self.costs)
 
     def get_workspace_size_plan_at_index(self, index: int) -> int:
         return 1024 * (index + 1)
@@ -321,7 +326,7 @@ class _FakeGraph:
         self._run(pack, self._plan_index)
 
     def _run(self, pack: Mapping[int, int], index: int) -> None:
-        self.lib.tick(self.lib.plan_costs[index])
+        self.lib.tick(self.costs[index])
         values: dict[int, np.ndarray] = {
             t.uid: _host_view(pack[t.uid], t).astype(np.float64)
             for t in self.tensors if not t.virtual and t.uid in pack and t is not self._out}
@@ -352,14 +357,15 @@ class FakeCudnn(types.ModuleType):
 
     def __init__(self, version: int = 91900, *, load_error: Exception | None = None,
                  decline: Callable[..., str | None] | None = None,
-                 plan_costs: Sequence[float] = (1.0,),
+                 plan_costs: Sequence[float] | Callable[..., Sequence[float]] = (1.0,),
                  tick: Callable[[float], None] = lambda ms: None) -> None:
         super().__init__("cudnn")
         self.__version__ = "0.0-fake"
         self._version, self._load_error = version, load_error
         self.decline = decline or (lambda kinds, ops: None)
-        # Milliseconds each ranked plan takes; running one reports its cost to ``tick``.
-        self.plan_costs, self.tick = tuple(plan_costs), tick
+        # Milliseconds each ranked plan takes (or a function of a graph's op kinds giving
+        # them); running one reports its cost to ``tick``.
+        self.plan_costs, self.tick = plan_costs, tick
         self.builds: list[_FakeGraph] = []
         self.executions: list[tuple[Any, Any]] = []
         self.handles: list[object] = []

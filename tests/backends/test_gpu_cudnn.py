@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from keel.backends.gpu import cudnn_conv, cudnn_lib
+from keel.backends.gpu import cudnn_graph, cudnn_lib
 from keel.backends.gpu.backend import GpuBackend
-from keel.backends.gpu.cudnn_conv import ConvDescriptor, Fusion
+from keel.backends.gpu.cudnn_graph import ConvDescriptor, Fusion
 from keel.backends.gpu.cudnn_lib import CudnnLibrary
 from keel.backends.plan import request_types
 from keel.backends.reference.backend import ReferenceBackend
@@ -62,31 +62,31 @@ def _attrs(**given: Any) -> dict[str, Any]:
 def test_the_descriptor_cudnn_is_given(x: tuple[int, ...], w: tuple[int, ...],
                                        attrs: dict[str, Any],
                                        expected: ConvDescriptor) -> None:
-    desc = cudnn_conv.describe(conv_geometry(Op.CONV, x, w, attrs))
+    desc = cudnn_graph.describe(conv_geometry(Op.CONV, x, w, attrs))
     assert desc == expected
     assert desc.groups == int(attrs["group"])
     assert desc.bias == (1, expected.y[1], *(1,) * (len(expected.y) - 2))
 
 
 def test_what_the_variant_serves_and_what_the_graph_fuses() -> None:
-    assert cudnn_conv.cannot_serve(2, DType.FLOAT32) is None
-    assert cudnn_conv.cannot_serve(None, DType.FLOAT16) is None
-    assert cudnn_conv.cannot_serve(2, DType.FLOAT64) == (
+    assert cudnn_graph.cannot_serve(2, DType.FLOAT32) is None
+    assert cudnn_graph.cannot_serve(None, DType.FLOAT16) is None
+    assert cudnn_graph.cannot_serve(2, DType.FLOAT64) == (
         "cuDNN conv graphs here take float16 or float32, not float64")
-    assert cudnn_conv.cannot_serve(4, DType.FLOAT32) == (
+    assert cudnn_graph.cannot_serve(4, DType.FLOAT32) == (
         "cuDNN conv graphs here take 1-3 spatial dims, not 4")
-    assert cudnn_conv.graph_activation(("clip", (0.0, math.inf))) == (0.0, None)
-    assert cudnn_conv.graph_activation(("clip", (0.0, 6.0))) == (0.0, 6.0)
-    assert cudnn_conv.graph_activation(("clip", (-math.inf, 6.0))) is None
-    assert cudnn_conv.graph_activation(("sigmoid", ())) is None
-    assert cudnn_conv.graph_activation(("", ())) is None
-    assert cudnn_conv.fusions(True, True, True) == (
+    assert cudnn_graph.graph_activation(("clip", (0.0, math.inf))) == (0.0, None)
+    assert cudnn_graph.graph_activation(("clip", (0.0, 6.0))) == (0.0, 6.0)
+    assert cudnn_graph.graph_activation(("clip", (-math.inf, 6.0))) is None
+    assert cudnn_graph.graph_activation(("sigmoid", ())) is None
+    assert cudnn_graph.graph_activation(("", ())) is None
+    assert cudnn_graph.fusions(True, True, True) == (
         Fusion(True, True, True, True), Fusion(True, True, True),
         Fusion(True, True, False, True), Fusion(True, True, False),
         Fusion(True, False, False), Fusion(False, False, False))
-    assert cudnn_conv.fusions(False, True, True) == (
+    assert cudnn_graph.fusions(False, True, True) == (
         Fusion(False, True, True), Fusion(False, True, False), Fusion(False, False, False))
-    assert cudnn_conv.fusions(False, False, False) == (Fusion(False, False, False),)
+    assert cudnn_graph.fusions(False, False, False) == (Fusion(False, False, False),)
     assert Fusion(True, False, True).describe() == "conv + bias + activation"
     assert Fusion(True, True, False, True).describe() == "conv + residual + bias"
 
@@ -204,9 +204,10 @@ def test_cudnn_kernel_on_a_fake_device_matches_the_reference(
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
     graph = fake_cudnn.builds[-1]
     assert graph.ops[0][0] == "conv_fprop"
-    row = next(r for r in cudnn_conv.built() if r["x"][0] == x[0] and r["w"][-1] == w[-1]
+    row = next(r for r in cudnn_graph.built() if r["x"][0] == x[0] and r["w"][-1] == w[-1]
                and r.get("fused") == fused)
-    assert row["engine"].startswith("fake_engine_0, fastest of 1 engines timed on first run")
+    assert row["engine"].startswith("fake_engine_0, fastest of 1 engines and the fusions "
+                                    "cuDNN serves, timed on first run")
     assert row["workspace_bytes"] == 1024 and row["declined"] == ()
 
 
@@ -219,7 +220,8 @@ def test_a_signature_builds_once_and_each_call_binds_pointers_and_the_stream(
     first = gpu.run(Op.CONV, arrays, attrs=attrs, variant="cudnn")[0]
     moved = [a + 1 for a in arrays]                   # new buffers, same signature
     second = gpu.run(Op.CONV, moved, attrs=attrs, variant="cudnn")[0]
-    assert len(fake_cudnn.builds) == 1 and len(fake_cudnn.executions) == 2
+    # The first call built (and timed) one graph per fusion; the second built nothing.
+    assert len(fake_cudnn.builds) == 3 and len(fake_cudnn.executions) == 2
     assert all(stream == cupy.stream.ptr for _, stream in fake_cudnn.executions)
     np.testing.assert_allclose(second, ReferenceBackend().run(Op.CONV, moved, attrs=attrs)[0],
                                rtol=1e-5, atol=1e-5)
@@ -243,13 +245,30 @@ def test_the_fastest_engine_is_measured_once_per_shape(monkeypatch: pytest.Monke
         got = gpu.run(Op.CONV, arrays, attrs=attrs, variant="cudnn")[0]
     np.testing.assert_allclose(got, ReferenceBackend().run(Op.CONV, arrays, attrs=attrs)[0],
                                rtol=1e-5, atol=1e-5)
-    (graph,) = fake.builds
-    assert graph.policy is None and graph._plan_index == 1      # rebuilt on the fastest
+    graph = fake.builds[0]                      # conv + bias (then conv alone) was timed
+    assert len(fake.builds) == 2 and graph.policy is None and graph._plan_index == 1
     assert sorted(set(graph.timed)) == [0, 1, 2] and len(graph.timed) == 3 * 4
-    row = next(r for r in cudnn_conv.built() if r["x"] == (2, 3, 5, 5))
-    assert row["engine"] == ("fake_engine_1, fastest of 3 engines timed on first run "
-                             "(1.000 ms; heuristics' first 3.000 ms)")
+    row = next(r for r in cudnn_graph.built() if r["x"] == (2, 3, 5, 5))
+    assert row["engine"] == ("fake_engine_1, fastest of 3 engines and the fusions cuDNN "
+                             "serves, timed on first run: 1.000 ms")
+    assert row["fused"] == "conv + bias"
     assert row["workspace_bytes"] == 2048 and len(fake.executions) == 3
+
+
+def test_a_shorter_graph_wins_where_it_measures_faster(monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    cupy = FakeCupy()
+    fake = FakeCudnn(plan_costs=lambda kinds: (5.0,) if "relu" in kinds else (2.0, 1.5),
+                     tick=cupy.advance)
+    monkeypatch.setattr(cudnn_lib, "LIBRARY", CudnnLibrary(lambda: fake))
+    attrs = _attrs(pads=(1, 1, 1, 1), activation="clip", activation_params=(0.0, 6.0))
+    arrays = _inputs((1, 2, 6, 6), (3, 2, 3, 3))
+    got = GpuBackend(cupy_module=cupy).run(Op.CONV, arrays, attrs=attrs, variant="cudnn")[0]
+    np.testing.assert_allclose(got, ReferenceBackend().run(Op.CONV, arrays, attrs=attrs)[0],
+                               rtol=1e-5, atol=1e-5)
+    row = next(r for r in cudnn_graph.built() if r["x"] == (1, 2, 6, 6))
+    assert row["fused"] == "conv + bias"        # the clip runs after it, through xp
+    assert row["engine"].startswith("fake_engine_1, fastest of 2 engines")
 
 
 def test_a_first_run_inside_a_capture_takes_the_heuristic_choice(
@@ -260,10 +279,11 @@ def test_a_first_run_inside_a_capture_takes_the_heuristic_choice(
     monkeypatch.setattr(cudnn_lib, "LIBRARY", CudnnLibrary(lambda: fake))
     arrays = _inputs((1, 3, 6, 5), (4, 3, 3, 3))
     GpuBackend(cupy_module=cupy).run(Op.CONV, arrays, attrs=_attrs(), variant="cudnn")
-    (graph,) = fake.builds
+    (graph,) = fake.builds                      # not timed: the most fused graph served
     assert graph.timed == [] and graph._plan_index == 0
-    row = next(r for r in cudnn_conv.built() if r["x"] == (1, 3, 6, 5))
-    assert row["engine"] == "fake_engine_0, cuDNN's heuristic choice (not timed)"
+    row = next(r for r in cudnn_graph.built() if r["x"] == (1, 3, 6, 5))
+    assert row["engine"] == ("fake_engine_0, cuDNN's heuristic choice (not timed: first run "
+                             "captured)")
 
 
 def test_float16_computes_in_float32_on_tensor_cores(fake_cudnn: FakeCudnn) -> None:
@@ -292,8 +312,8 @@ def test_a_declined_graph_runs_shorter_then_on_im2col(monkeypatch: pytest.Monkey
     expected = ReferenceBackend().run(Op.CONV, arrays, attrs=attrs)[0]
     got = _gpu().run(Op.CONV, arrays, attrs=attrs, variant="cudnn")[0]
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
-    assert [op[0] for op in fake.builds[-1].ops] == ["conv_fprop", "add", "bias"]
-    row = next(r for r in cudnn_conv.built() if r["x"] == (1, 3, 7, 7) and "fused" in r)
+    assert [op[0] for op in fake.builds[0].ops] == ["conv_fprop", "add", "bias"]
+    row = next(r for r in cudnn_graph.built() if r["x"] == (1, 3, 7, 7) and "fused" in r)
     assert row["fused"] == "conv + residual + bias"
     assert len(row["declined"]) == 2 and row["declined"][0].startswith(
         "conv + residual + bias + activation: RuntimeError: cudnnGraphNotSupportedError: "
@@ -304,7 +324,7 @@ def test_a_declined_graph_runs_shorter_then_on_im2col(monkeypatch: pytest.Monkey
     got = _gpu().run(Op.CONV, arrays, attrs=attrs, variant="cudnn")[0]
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
     assert nothing.builds == [] and nothing.executions == []
-    row = next(r for r in cudnn_conv.built() if "fused" not in r and r["x"] == (1, 3, 7, 7))
+    row = next(r for r in cudnn_graph.built() if "fused" not in r and r["x"] == (1, 3, 7, 7))
     assert "conv + bias + residual + activation: RuntimeError: " in row["declined"]
     assert row["declined"].count("no engine") == 6
 

@@ -9,7 +9,7 @@ declared, not measured, and say so:
 * variants that need a host tier (``requires="native"``: compiled CPU
   kernels) are never chosen: they would only fall back to the xp path;
 * a convolution runs ``cudnn`` (one fused cuDNN graph per shape, through
-  nvidia-cudnn-frontend: :mod:`~keel.backends.gpu.cudnn_conv`) where the
+  nvidia-cudnn-frontend: :mod:`~keel.backends.gpu.cudnn_graph`) where the
   package and the cuDNN library load (checked once, the reason kept) and the
   conv is 1-3-D float16/float32; otherwise ``pointwise`` where it is a 1x1
   stride-1 unpadded dense conv (one GEMM on the input, no copy) and ``im2col``
@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from keel.backends.base import KernelTable, KernelVariant
-from keel.backends.gpu import cudnn_conv, cudnn_lib
+from keel.backends.gpu import cudnn_graph, cudnn_lib
 from keel.backends.plan import (
     NodePlan,
     PlanRequest,
@@ -102,4 +102,4 @@ def _cudnn_unusable(request: PlanRequest, kernel: tuple[object, ...] | None,
     avail = cudnn_lib.LIBRARY.availability()
     if not avail.available:
         return avail.reason
-    return cudnn_conv.cannot_serve(None if kernel is None else len(kernel), request.dtype)
+    return cudnn_graph.cannot_serve(None if kernel is None else len(kernel), request.dtype)

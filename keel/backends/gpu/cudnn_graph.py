@@ -36,11 +36,13 @@ runs are bitwise repeatable.
 from __future__ import annotations
 
 import math
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from keel._fork import renew_after_fork
 from keel.backends.cpu.conv_epilogue import Activation
 from keel.backends.gpu.cudnn_lib import CudnnLibrary
 from keel.dtypes import DType
@@ -381,6 +383,7 @@ def pack(uids: dict[str, int], arrays: dict[str, Any]) -> dict[int, int]:
 
 
 _LOCK = threading.Lock()
+renew_after_fork(sys.modules[__name__], "_LOCK")   # free in a forked child
 # (library, signature, thread) -> the built graph, or why cuDNN declined every graph of it.
 _COMPILED: dict[tuple[CudnnLibrary, Signature, int], Compiled | Declined] = {}
 

@@ -21,6 +21,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from keel._fork import renew_after_fork
 from keel.backends.base import Availability
 
 __all__ = ["INSTALL_HINT", "LIBRARY", "CudnnLibrary"]
@@ -50,6 +51,7 @@ class CudnnLibrary:
         self._module: Any = None
         self._availability: Availability | None = None
         self._lock = threading.Lock()
+        renew_after_fork(self, "_lock")       # free in a forked child
         self._local = threading.local()
 
     @property

@@ -291,6 +291,9 @@ class _FakeGraph:
             raise RuntimeError(f"cudnnGraphNotSupportedError: {why}")
 
     def build_plans(self, policy: Any = None) -> None:
+        why = self.lib.decline_build(tuple(op[0] for op in self.ops))
+        if why:
+            raise RuntimeError(f"no plan could be built: {why}")
         self.policy = policy
         if not self.built:
             self.lib.builds.append(self)
@@ -358,11 +361,15 @@ class FakeCudnn(types.ModuleType):
     def __init__(self, version: int = 91900, *, load_error: Exception | None = None,
                  decline: Callable[..., str | None] | None = None,
                  plan_costs: Sequence[float] | Callable[..., Sequence[float]] = (1.0,),
-                 tick: Callable[[float], None] = lambda ms: None) -> None:
+                 tick: Callable[[float], None] = lambda ms: None,
+                 decline_build: Callable[..., str | None] | None = None) -> None:
         super().__init__("cudnn")
         self.__version__ = "0.0-fake"
         self._version, self._load_error = version, load_error
         self.decline = decline or (lambda kinds, ops: None)
+        # Why building a graph of these op kinds fails after check_support passed (None: it
+        # builds).
+        self.decline_build = decline_build or (lambda kinds: None)
         # Milliseconds each ranked plan takes (or a function of a graph's op kinds giving
         # them); running one reports its cost to ``tick``.
         self.plan_costs, self.tick = plan_costs, tick

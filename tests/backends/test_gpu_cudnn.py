@@ -286,6 +286,23 @@ def test_a_first_run_inside_a_capture_takes_the_heuristic_choice(
                              "captured)")
 
 
+def test_a_captured_first_run_whose_graph_fails_to_build_takes_the_next(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    cupy = FakeCupy()
+    cupy.stream.is_capturing = lambda: True
+    fake = FakeCudnn(decline_build=lambda kinds: "no kernel" if "relu" in kinds else None)
+    monkeypatch.setattr(cudnn_lib, "LIBRARY", CudnnLibrary(lambda: fake))
+    attrs = _attrs(activation="relu")
+    arrays = _inputs((1, 3, 7, 6), (4, 3, 3, 3))
+    got = GpuBackend(cupy_module=cupy).run(Op.CONV, arrays, attrs=attrs, variant="cudnn")[0]
+    np.testing.assert_allclose(got, ReferenceBackend().run(Op.CONV, arrays, attrs=attrs)[0],
+                               rtol=1e-5, atol=1e-5)
+    row = next(r for r in cudnn_graph.built() if r["x"] == (1, 3, 7, 6))
+    assert row["fused"] == "conv + bias"        # the ReLU runs after it
+    assert row["declined"] == ("conv + bias + activation: RuntimeError: no plan could be "
+                               "built: no kernel",)
+
+
 def test_float16_computes_in_float32_on_tensor_cores(fake_cudnn: FakeCudnn) -> None:
     arrays = _inputs((1, 4, 6, 6), (4, 1, 3, 3), dtype=np.float16)
     attrs = _attrs(pads=(1, 1, 1, 1), group=4, activation="relu")

@@ -346,7 +346,9 @@ def _compile(lib: CudnnLibrary, xp: Any, spec: Signature, arrays: dict[str, Any]
     for fusion in fusions(spec.bias, spec.residual, act_fusable):
         try:
             cand = _Candidate(fusion, *_planned(cudnn, handle, spec, fusion), index=None)
-            if scratch is not None:
+            if scratch is None:
+                cand.graph.build_plans()          # cuDNN's heuristic choice
+            else:
                 cand = _measure(xp, cudnn, handle, spec, cand, scratch, after)
         except Exception as exc:     # cuDNN declines this graph: try the next, shorter one
             failures.append(f"{fusion.describe()}: {type(exc).__name__}: {exc}")
@@ -362,8 +364,7 @@ def _compile(lib: CudnnLibrary, xp: Any, spec: Signature, arrays: dict[str, Any]
 
 def _built(xp: Any, best: _Candidate, failures: list[str]) -> Compiled:
     g = best.graph
-    if best.index is None:
-        g.build_plans()
+    if best.index is None:                        # built on cuDNN's heuristic choice
         index = int(getattr(g, "_plan_index", 0))
         how = "cuDNN's heuristic choice (not timed: first run captured)"
     else:

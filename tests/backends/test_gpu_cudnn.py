@@ -152,7 +152,8 @@ def test_planner_runs_convs_on_cudnn_where_it_loads(fake_cudnn: FakeCudnn) -> No
         "cuDNN 9.19 (nvidia-cudnn-frontend 0.0-fake): one fused graph per shape")
     assert "its engine measured once per shape (the fastest of cuDNN's candidates on the " \
         "first run" in plan.reason("variant")
-    assert "float32 without TF32; not considered: native" in plan.reason("variant")
+    assert "float32 without TF32 (measured on an H100: 1.6-28x faster than " \
+        "pointwise/im2col); not considered: native" in plan.reason("variant")
     wide = gpu.plan_node(Op.CONV, request_types(_inputs(x, w, dtype=np.float64)), _attrs())
     assert wide.variant == "im2col"
     assert "not cudnn: cuDNN conv graphs here take float16 or float32, not float64" in \

@@ -40,6 +40,11 @@ __all__ = ["HOST_TIERS", "choose_variant", "plan"]
 HOST_TIERS = frozenset({"native"})
 _CONV = frozenset({Op.CONV})
 _EVIDENCE = "declared, not measured on a GPU"
+# keel's cudnn conv against its xp variants, same process (H100, CuPy 14.2, cuDNN 9.19,
+# float32, batch 32, ResNet-18 and MobileNetV2 conv shapes, with bias and activation):
+# 64->64 3x3 0.31 ms vs im2col 3.3 ms, the 7x7 stem 0.49 vs 9.7, a stride-2 depthwise
+# 0.26 vs 7.4, a 1x1 expand 0.24 vs pointwise 0.38; at batch 1 1.7-6x faster.
+_CUDNN_EVIDENCE = "measured on an H100: 1.6-28x faster than pointwise/im2col"
 
 
 def plan(request: PlanRequest, table: KernelTable) -> NodePlan:
@@ -81,7 +86,7 @@ def _conv_variant(request: PlanRequest, usable: Mapping[str, KernelVariant]
                          "shape (bias, residual, ReLU/clip in the graph where cuDNN takes "
                          "them), its engine measured once per shape (the fastest of cuDNN's "
                          "candidates on the first run; cuDNN's heuristic choice when that "
-                         "run is captured); float32 without TF32")
+                         f"run is captured); float32 without TF32 ({_CUDNN_EVIDENCE})")
     note = f"; not cudnn: {why_not}"
     attrs = request.attrs
     unit = kernel is not None and all(k == 1 for k in kernel)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import itertools
 import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -13,7 +15,7 @@ from keel.backends.base import Availability, Backend, DeviceKind, KernelContext,
 from keel.backends.registry import BackendRegistry
 from keel.ops.registry import Op
 
-__all__ = ["FakeCupy", "SpyBackend", "make_backend", "spy_registry"]
+__all__ = ["FakeCudnn", "FakeCupy", "SpyBackend", "make_backend", "spy_registry"]
 
 
 def _add(ctx: KernelContext, inputs: Sequence[Any], attrs: Mapping[str, Any],
@@ -136,8 +138,32 @@ class FakeCupy(types.ModuleType):
         def props(index: int) -> dict[str, Any]:
             return {"name": b"Fake GPU", "totalGlobalMem": 8 * 1024**3, "major": 9, "minor": 0}
 
-        runtime = types.SimpleNamespace(getDeviceCount=count, getDeviceProperties=props)
-        self.cuda = types.SimpleNamespace(runtime=runtime, Device=_Device)
+        # The "current stream", and a clock that fake device work advances (ms).
+        self.stream = types.SimpleNamespace(ptr=0x5742, is_capturing=lambda: False)
+        self.clock = 0.0
+
+        class _Event:
+            def __init__(self) -> None:
+                self.at = 0.0
+
+            def record(self) -> None:
+                self.at = fake.clock
+
+            def synchronize(self) -> None:
+                return None
+
+        def elapsed(start: _Event, end: _Event) -> float:
+            return end.at - start.at
+
+        runtime = types.SimpleNamespace(getDeviceCount=count, getDeviceProperties=props,
+                                        getDevice=lambda: 0)
+        self.cuda = types.SimpleNamespace(runtime=runtime, Device=_Device, Event=_Event,
+                                          get_elapsed_time=elapsed,
+                                          get_current_stream=lambda: fake.stream)
+
+    def advance(self, ms: float) -> None:
+        """Device work of ``ms`` milliseconds ran (what events record)."""
+        self.clock += ms
 
     def arange(self, *args: Any, **kwargs: Any) -> Any:
         if self._smoke_error is not None:
@@ -149,3 +175,231 @@ class FakeCupy(types.ModuleType):
 
     def __getattr__(self, name: str) -> Any:
         return getattr(np, name)
+
+
+# ---- a fake nvidia-cudnn-frontend ------------------------------------------------------
+class _FakeTensor:
+    def __init__(self, uid: int, dim: Sequence[int], stride: Sequence[int], data_type: Any,
+                 virtual: bool) -> None:
+        self.uid, self.dim, self.stride = uid, list(dim), list(stride)
+        self.data_type, self.virtual = data_type, virtual
+
+    def set_output(self, value: bool) -> _FakeTensor:
+        self.virtual = not value
+        return self
+
+    def set_data_type(self, data_type: Any) -> _FakeTensor:
+        self.data_type = data_type
+        return self
+
+    def set_dim(self, dim: Sequence[int]) -> _FakeTensor:
+        self.dim = list(dim)
+        return self
+
+    def set_stride(self, stride: Sequence[int]) -> _FakeTensor:
+        self.stride = list(stride)
+        return self
+
+
+def _host_view(address: int, t: _FakeTensor) -> np.ndarray:
+    """The array a device pointer names, read as the tensor describes it (host memory)."""
+    dtype = np.dtype(np.float16 if t.data_type == "HALF" else np.float32)
+    span = 1 + sum((d - 1) * s for d, s in zip(t.dim, t.stride, strict=True))
+    buf = (ctypes.c_char * (span * dtype.itemsize)).from_address(address)
+    flat = np.frombuffer(memoryview(buf), dtype=dtype)
+    return np.lib.stride_tricks.as_strided(
+        flat, tuple(t.dim), tuple(s * dtype.itemsize for s in t.stride))
+
+
+def _cross_correlation(x: np.ndarray, w: np.ndarray, pre: Sequence[int], post: Sequence[int],
+                       stride: Sequence[int], dilation: Sequence[int]) -> np.ndarray:
+    """cuDNN's conv_fprop by definition, in float64: groups = C / W's channels."""
+    n, c = x.shape[:2]
+    m, cg = w.shape[:2]
+    g = c // cg
+    xp = np.pad(x, [(0, 0), (0, 0), *zip(pre, post, strict=True)])
+    out = [(xp.shape[2 + i] - (w.shape[2 + i] - 1) * dilation[i] - 1) // stride[i] + 1
+           for i in range(len(stride))]
+    xg = xp.reshape(n, g, cg, *xp.shape[2:])
+    wg = w.reshape(g, m // g, cg, *w.shape[2:])
+    y = np.zeros((n, g, m // g, *out))
+    for offs in itertools.product(*(range(k) for k in w.shape[2:])):
+        taps = tuple(slice(o * d, o * d + (size - 1) * s + 1, s)
+                     for o, d, s, size in zip(offs, dilation, stride, out, strict=True))
+        tap: tuple[Any, ...] = (Ellipsis, *offs)
+        y += np.einsum("ngc...,gmc->ngm...", xg[(slice(None),) * 3 + taps], wg[tap])
+    return y.reshape(n, m, *out)
+
+
+class _FakeGraph:
+    """A cuDNN frontend graph that records what it is told and computes on the host."""
+
+    def __init__(self, lib: FakeCudnn, **kwargs: Any) -> None:
+        self.lib, self.kwargs = lib, kwargs
+        self.ops: list[tuple[str, list[_FakeTensor], dict[str, Any], _FakeTensor]] = []
+        self.tensors: list[_FakeTensor] = []
+        self.notes_deselected: list[Any] = []
+        self.heuristics: list[Any] = []
+        self.built = False
+        self.policy: Any = None
+        self._plan_index = 0
+        self.timed: list[int] = []
+
+    def _tensor(self, dim: Sequence[int] = (), stride: Sequence[int] = (),
+                data_type: Any = None, virtual: bool = True) -> _FakeTensor:
+        t = _FakeTensor(len(self.tensors) + 1, dim, stride, data_type, virtual)
+        self.tensors.append(t)
+        return t
+
+    def tensor(self, name: str = "", dim: Sequence[int] = (), stride: Sequence[int] = (),
+               data_type: Any = None) -> _FakeTensor:
+        return self._tensor(dim, stride, data_type, virtual=False)
+
+    def _op(self, kind: str, inputs: list[_FakeTensor], **params: Any) -> _FakeTensor:
+        out = self._tensor()
+        self.ops.append((kind, inputs, params, out))
+        return out
+
+    def conv_fprop(self, image: _FakeTensor, weight: _FakeTensor, **params: Any) -> _FakeTensor:
+        return self._op("conv_fprop", [image, weight], **params)
+
+    def bias(self, input: _FakeTensor, bias: _FakeTensor, name: str = "") -> _FakeTensor:
+        return self._op("bias", [input, bias])
+
+    def add(self, a: _FakeTensor, b: _FakeTensor, name: str = "") -> _FakeTensor:
+        return self._op("add", [a, b])
+
+    def relu(self, input: _FakeTensor, lower_clip: float | None = None,
+             upper_clip: float | None = None, name: str = "") -> _FakeTensor:
+        return self._op("relu", [input], lower_clip=lower_clip, upper_clip=upper_clip)
+
+    def validate(self) -> None:
+        return None
+
+    def build_operation_graph(self) -> None:
+        return None
+
+    def create_execution_plans(self, modes: Sequence[Any]) -> None:
+        self.heuristics = list(modes)
+
+    def deselect_numeric_notes(self, notes: Sequence[Any]) -> None:
+        self.notes_deselected.extend(notes)
+
+    def check_support(self) -> None:
+        why = self.lib.decline(tuple(op[0] for op in self.ops), self.ops)
+        if why:
+            raise RuntimeError(f"cudnnGraphNotSupportedError: {why}")
+
+    def build_plans(self, policy: Any = None) -> None:
+        why = self.lib.decline_build(tuple(op[0] for op in self.ops))
+        if why:
+            raise RuntimeError(f"no plan could be built: {why}")
+        self.policy = policy
+        if not self.built:
+            self.lib.builds.append(self)
+        self.built = True
+
+    @property
+    def costs(self) -> tuple[float, ...]:
+        costs = self.lib.plan_costs
+        return tuple(costs(tuple(op[0] for op in self.ops)) if callable(costs) else costs)
+
+    def get_execution_plan_count(self) -> int:
+        return len(self.costs)
+
+    def get_workspace_size_plan_at_index(self, index: int) -> int:
+        return 1024 * (index + 1)
+
+    def select_plan(self, index: int) -> None:
+        self._plan_index = index
+
+    def get_workspace_size(self) -> int:
+        return 1024 * (self._plan_index + 1)
+
+    def get_plan_name_at_index(self, index: int) -> str:
+        return f"fake_engine_{index}"
+
+    def execute_plan_at_index(self, pack: Mapping[int, int], workspace: int, index: int = 0,
+                              handle: Any = None) -> None:
+        self.timed.append(index)
+        self._run(pack, index)
+
+    def execute(self, pack: Mapping[int, int], workspace: int, handle: Any = None) -> None:
+        self.lib.executions.append((handle, self.lib.handle_streams.get(id(handle))))
+        self._run(pack, self._plan_index)
+
+    def _run(self, pack: Mapping[int, int], index: int) -> None:
+        self.lib.tick(self.costs[index])
+        values: dict[int, np.ndarray] = {
+            t.uid: _host_view(pack[t.uid], t).astype(np.float64)
+            for t in self.tensors if not t.virtual and t.uid in pack and t is not self._out}
+        for kind, inputs, params, out in self.ops:
+            a = [values[t.uid] for t in inputs]
+            if kind == "conv_fprop":
+                r = _cross_correlation(a[0], a[1], params["pre_padding"],
+                                       params["post_padding"], params["stride"],
+                                       params["dilation"])
+            elif kind in ("bias", "add"):
+                r = a[0] + a[1]
+            else:
+                lo, hi = params["lower_clip"], params["upper_clip"]
+                r = np.clip(a[0], 0.0 if lo is None else lo, np.inf if hi is None else hi)
+            values[out.uid] = r
+        target = _host_view(pack[self._out.uid], self._out)
+        target[...] = values[self._out.uid]
+
+    @property
+    def _out(self) -> _FakeTensor:
+        return self.ops[-1][3]
+
+
+class FakeCudnn(types.ModuleType):
+    """Enough of the ``cudnn`` module (nvidia-cudnn-frontend) for keel's cudnn conv,
+    computing on the host from the pointers it is given. ``decline(kinds, ops)``
+    returns why a graph of those op kinds is not supported (None: it is)."""
+
+    def __init__(self, version: int = 91900, *, load_error: Exception | None = None,
+                 decline: Callable[..., str | None] | None = None,
+                 plan_costs: Sequence[float] | Callable[..., Sequence[float]] = (1.0,),
+                 tick: Callable[[float], None] = lambda ms: None,
+                 decline_build: Callable[..., str | None] | None = None) -> None:
+        super().__init__("cudnn")
+        self.__version__ = "0.0-fake"
+        self._version, self._load_error = version, load_error
+        self.decline = decline or (lambda kinds, ops: None)
+        # Why building a graph of these op kinds fails after check_support passed (None: it
+        # builds).
+        self.decline_build = decline_build or (lambda kinds: None)
+        # Milliseconds each ranked plan takes (or a function of a graph's op kinds giving
+        # them); running one reports its cost to ``tick``.
+        self.plan_costs, self.tick = plan_costs, tick
+        self.builds: list[_FakeGraph] = []
+        self.executions: list[tuple[Any, Any]] = []
+        self.handles: list[object] = []
+        self.handle_streams: dict[int, int] = {}
+        self.data_type = types.SimpleNamespace(FLOAT="FLOAT", HALF="HALF")
+        self.heur_mode = types.SimpleNamespace(A="A", B="B", FALLBACK="FALLBACK")
+        self.build_plan_policy = types.SimpleNamespace(ALL="ALL",
+                                                       HEURISTICS_CHOICE="HEURISTICS_CHOICE")
+        self.numerical_note = types.SimpleNamespace(
+            TENSOR_CORE="TENSOR_CORE", DOWN_CONVERT_INPUTS="DOWN_CONVERT_INPUTS",
+            NONDETERMINISTIC="NONDETERMINISTIC")
+        lib = self
+
+        def pygraph(**kwargs: Any) -> _FakeGraph:
+            return _FakeGraph(lib, **kwargs)
+
+        self.pygraph = pygraph
+
+    def backend_version(self) -> int:
+        if self._load_error is not None:
+            raise self._load_error
+        return self._version
+
+    def create_handle(self) -> object:
+        handle = object()
+        self.handles.append(handle)
+        return handle
+
+    def set_stream(self, handle: object, stream: int) -> None:
+        self.handle_streams[id(handle)] = stream

@@ -19,8 +19,8 @@ __all__ = ["FAMILIES", "TABLE", "load"]
 
 TABLE = KernelTable("gpu")
 
-# Modules of keel.backends.gpu with GPU-only kernels (raw CUDA, cuDNN); none yet.
-FAMILIES: tuple[str, ...] = ()
+# Modules of keel.backends.gpu with GPU-only kernels (raw CUDA, cuDNN).
+FAMILIES: tuple[str, ...] = ("cudnn_conv",)
 
 
 @functools.lru_cache(maxsize=1)

@@ -19,8 +19,10 @@ __all__ = ["FAMILIES", "TABLE", "load"]
 
 TABLE = KernelTable("gpu")
 
-# Modules of keel.backends.gpu with GPU-only kernels (raw CUDA, cuDNN); none yet.
-FAMILIES: tuple[str, ...] = ()
+# Modules of keel.backends.gpu with GPU-only kernels (raw CUDA, cuBLAS, cuDNN).
+FAMILIES: tuple[str, ...] = (
+    "fused_norm", "fused_elementwise", "fused_pool", "fused_scatter", "gemm",
+)
 
 
 @functools.lru_cache(maxsize=1)

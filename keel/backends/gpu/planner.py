@@ -1,17 +1,26 @@
 """The gpu backend's planner: how a node runs on the GPU, decided here and only here.
 
-The gpu backend runs the cpu's xp kernels through CuPy, but not the cpu's
-choices among them: those rules were measured against OpenBLAS on a CPU and
-say nothing about a GPU. Until GPU measurements exist (``keel tune`` on a GPU
-machine overrides these through ``PlanRequest.measured``), the rules here are
-declared, not measured, and say so:
+The gpu backend has kernels of its own (``keel.backends.gpu.kernels.FAMILIES``:
+cuBLAS GEMMs with fused epilogues, fused CUDA row kernels for LayerNorm and
+softmax, elementwise activations, direct pooling) and runs the cpu's xp kernels
+through CuPy for everything else, but never the cpu's choices among them: those
+rules were measured against OpenBLAS on a CPU and say nothing about a GPU. Until
+GPU measurements exist (``keel tune`` on a GPU machine overrides these through
+``PlanRequest.measured``), the rules here are declared, not measured, and say so:
 
 * variants that need a host tier (``requires="native"``: compiled CPU
   kernels) are never chosen: they would only fall back to the xp path;
+* a gpu-only variant (``gpu=True`` in its metadata) runs wherever it takes the
+  node's dtype (and, for LayerNorm, its float32 statistics): one fused kernel
+  instead of the several CuPy passes of the shared xp kernel;
 * a convolution runs ``pointwise`` where it is a 1x1 stride-1 unpadded dense
   conv (one GEMM on the input, no copy) and ``im2col`` otherwise (one cuBLAS
   GEMM per group; it serves every conv);
-* any other op runs its highest-priority remaining variant.
+* any other op runs the shared xp kernel (``default``).
+
+Launch shapes are decided here too: threads per row of a row kernel
+(:func:`row_threads`) and per block of an elementwise one
+(:func:`elementwise_threads`).
 """
 
 from __future__ import annotations
@@ -23,19 +32,26 @@ from keel.backends.base import KernelTable, KernelVariant
 from keel.backends.plan import (
     NodePlan,
     PlanRequest,
-    choose_by_priority,
     field_reasons,
     skipped_note,
 )
 from keel.ops.registry import Op
 from keel.ops.types import TensorType
 
-__all__ = ["HOST_TIERS", "choose_variant", "plan"]
+__all__ = ["HOST_TIERS", "choose_variant", "elementwise_threads", "plan", "row_threads"]
 
 # Tiers of compiled CPU kernels: their variants never run on the GPU.
 HOST_TIERS = frozenset({"native"})
 _CONV = frozenset({Op.CONV})
 _EVIDENCE = "declared, not measured on a GPU"
+# Row kernels: about this many elements per thread, in whole warps, at most a full block.
+ROW_ELEMENTS_PER_THREAD = 4
+WARP = 32
+MAX_BLOCK = 1024
+# Threads per block of a one-thread-per-element kernel (pooling windows).
+ELEMENTWISE_BLOCK = 256
+# Ops whose gpu-only variant computes statistics in float32: only for stash_type 1.
+_STASHED = frozenset({Op.LAYER_NORM, Op.SKIP_LAYER_NORM})
 
 
 def plan(request: PlanRequest, table: KernelTable) -> NodePlan:
@@ -50,7 +66,7 @@ def plan(request: PlanRequest, table: KernelTable) -> NodePlan:
     elif request.op in _CONV:
         variant, why = _conv_variant(request, usable)
     else:
-        variant, why = choose_by_priority(request.op, usable, request.dtype, table.backend)
+        variant, why = _gpu_variant(request, usable)
     return NodePlan(
         variant=variant, threads=None, precision=request.precision,
         reasons=field_reasons(
@@ -64,6 +80,51 @@ def choose_variant(op: Op, input_types: Sequence[TensorType | None], attrs: Mapp
     """The variant this planner runs ``op`` with on ``table``, and why."""
     found = plan(PlanRequest(op, tuple(input_types), dict(attrs)), table)
     return found.variant, found.reason("variant")
+
+
+def _gpu_variant(request: PlanRequest, usable: Mapping[str, KernelVariant]
+                 ) -> tuple[str, str]:
+    """The gpu-only variant where it serves the node, else the shared xp kernel."""
+    op, dtype = request.op, request.dtype
+    declined = []
+    for name, kv in sorted(usable.items()):
+        if not kv.meta.get("gpu") or name == "default":
+            continue
+        if dtype is None or (kv.dtypes is not None and dtype not in kv.dtypes):
+            declined.append(f"{name} takes {_dtypes(kv)}, the node is "
+                            f"{'of unknown dtype' if dtype is None else dtype.value}")
+        elif op in _STASHED and int(request.attrs.get("stash_type", 1)) != 1:
+            declined.append(f"{name} keeps float32 statistics, the node asks for stash_type "
+                            f"{request.attrs.get('stash_type')}")
+        else:
+            return name, (f"{op.value}: {name}, the gpu's own kernel "
+                          f"({kv.description.splitlines()[0] if kv.description else name}) "
+                          f"over the shared xp kernel ({_EVIDENCE})")
+    own = "the gpu's own" if usable.get("default") is not None and usable[
+        "default"].meta.get("gpu") else "the shared xp"
+    why = f"{op.value}: {own} kernel through CuPy; the cpu's variant rules do not apply here"
+    return "default", why + (f" (not taken: {'; '.join(declined)})" if declined else "")
+
+
+def _dtypes(kv: KernelVariant) -> str:
+    return ", ".join(sorted(d.value for d in kv.dtypes or ()))
+
+
+def row_threads(node_plan: NodePlan | None, k: int) -> int:
+    """Threads per row of a row kernel (LayerNorm, softmax, row reductions) of ``k``
+    elements: about ROW_ELEMENTS_PER_THREAD each, whole warps, at most one full block
+    (the node plan's ``row_threads`` option where it has one)."""
+    given = None if node_plan is None else node_plan.option("row_threads")
+    if given:
+        return int(given)
+    warps = -(-max(k, 1) // (WARP * ROW_ELEMENTS_PER_THREAD))
+    return min(MAX_BLOCK, WARP * warps)
+
+
+def elementwise_threads(node_plan: NodePlan | None) -> int:
+    """Threads per block of a kernel with one thread per output element."""
+    given = None if node_plan is None else node_plan.option("block_threads")
+    return int(given) if given else ELEMENTWISE_BLOCK
 
 
 def _conv_variant(request: PlanRequest, usable: Mapping[str, KernelVariant]

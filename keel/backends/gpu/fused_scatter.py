@@ -33,7 +33,7 @@ _MULTIPLY_AT = r"""
 if (i == 0 || order_dst[i - 1] != order_dst[i]) {
     long long d = order_dst[i];
     T acc = dst[d];
-    for (long long j = i; j < n && order_dst[j] == d; ++j) acc = acc * ordered[j];
+    for (long long j = i; j < count && order_dst[j] == d; ++j) acc = acc * ordered[j];
     dst[d] = acc;
 }
 """
@@ -71,7 +71,7 @@ def _multiply_at(xp: Any, dst: Any, flat_index: Any, updates: Any) -> None:
     # Unique keys (destination, position): any sort gives the same stable order.
     order = xp.argsort(flat_index * n + xp.arange(n, dtype=xp.int64))
     kernel = cu.cached((id(xp), "multiply_at"), lambda: xp.ElementwiseKernel(
-        "raw T ordered, raw int64 order_dst, int64 n", "raw T dst", _MULTIPLY_AT,
+        "raw T ordered, raw int64 order_dst, int64 count", "raw T dst", _MULTIPLY_AT,
         "keel_multiply_at"))
     work = dst if dst.flags.c_contiguous else xp.ascontiguousarray(dst)
     kernel(ordered_updates[order], xp.ascontiguousarray(flat_index[order]), n,

@@ -108,6 +108,11 @@ def test_gpu_variant_matches_reference(case: OpCase, variant: str) -> None:
     assert bitwise_equal(first, second), f"{case.id}: two runs of gpu/{variant} differ"
     assert_outputs_match(run_case(backend, case, make_strided=True, variant=variant), expected,
                          case, f" (gpu variant {variant}, non-contiguous inputs)")
+    if case.op is Op.MAX_POOL:     # Y alone: the variant's own kernel (Indices: the shared one)
+        arrays = [backend.to_device(x) for x in case_inputs(case)]
+        y = backend.allocate(expected[0].shape, expected[0].dtype.name)
+        backend.run(case.op, arrays, [y], case.attrs, variant=variant)
+        assert_outputs_match([backend.read(y)], expected[:1], case, f" (gpu {variant}, Y only)")
 
 
 # ---- the suite itself ---------------------------------------------------------

@@ -19,9 +19,11 @@ from typing import Any
 
 import numpy as np
 
+from keel.backends.base import Kernel
 from keel.errors import UnsupportedOperationError
+from keel.ops.registry import Op
 
-__all__ = ["PRELUDE", "absent", "cached", "ctype", "launch", "raw_kernel", "source"]
+__all__ = ["PRELUDE", "absent", "cached", "ctype", "launch", "raw_kernel", "shared", "source"]
 
 # Device helpers shared by every kernel: float loads/stores of both element types,
 # rounding to the element type, warp and block reductions (blockDim.x a multiple of
@@ -109,6 +111,14 @@ def raw_kernel(cp: Any, name: str, body: str, element: str) -> Any:
     """The ``RawKernel`` ``name`` of ``body`` for ``element``: built once per process."""
     return cached((id(cp), name, element),
                   lambda: cp.RawKernel(source(body, element), name))
+
+
+def shared(op: Op) -> Kernel:
+    """The shared xp kernel of ``op`` (the cpu package's ``default``), for the cases a
+    gpu kernel hands on."""
+    from keel.backends.cpu import kernels as cpu
+
+    return cpu.load().get(op).fn
 
 
 def absent() -> np.uint64:

@@ -87,20 +87,13 @@ def _as_2d(shape: tuple[int, ...]) -> tuple[int, int]:
 
 
 def _window_kernel(op: Op) -> Any:
-    fallback = None
-
     def kernel(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
-        nonlocal fallback
         xp, x = ctx.xp, inputs[0]
         check_pool_input(op, x.shape, DType.from_numpy(x.dtype))
         win = pool_window(op, tuple(x.shape), dict(attrs))
         wants_indices = op is Op.MAX_POOL and (out is None or len(out) > 1)
         if win.rank > 2 or wants_indices:
-            if fallback is None:
-                from keel.backends.cpu import kernels as cpu
-
-                fallback = cpu.load().get(op).fn
-            return list(fallback(ctx, inputs, attrs, out))
+            return list(cu.shared(op)(ctx, inputs, attrs, out))
         shape = (x.shape[0], x.shape[1], *win.out_spatial)
         y = out[0] if out is not None and out[0].flags.c_contiguous else xp.empty(shape, x.dtype)
         total = math.prod(shape)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from keel.backends.base import Attrs, Inputs, Kernel, KernelContext, Out
+from keel.backends.base import Attrs, Inputs, KernelContext, Out
 from keel.backends.cpu.indexing import scatter_elements_setup, scatter_nd_setup
 from keel.backends.gpu import fused_cuda as cu
 from keel.backends.gpu.kernels import TABLE
@@ -39,12 +39,6 @@ if (i == 0 || order_dst[i - 1] != order_dst[i]) {
 """
 
 
-def _shared(op: Op) -> Kernel:
-    from keel.backends.cpu import kernels as cpu
-
-    return cpu.load().get(op).fn
-
-
 def _reversed(xp: Any, a: Any, out: Any = None) -> Any:
     """An order-reversing exact map: -a for floats, ~a for integers and booleans."""
     if a.dtype.kind == "f":
@@ -57,7 +51,7 @@ def reduce_min(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> li
     """min(x) = reversed(max(reversed(x))): the shared ReduceMax on the reversed input."""
     xp = ctx.xp
     flipped = [_reversed(xp, inputs[0]), *inputs[1:]]
-    results = list(_shared(Op.REDUCE_MAX)(ctx, flipped, attrs, out))
+    results = list(cu.shared(Op.REDUCE_MAX)(ctx, flipped, attrs, out))
     return [_reversed(xp, r, out=r) for r in results]
 
 
@@ -94,7 +88,7 @@ def _flat(xp: Any, index: tuple[Any, ...], shape: tuple[int, ...]) -> Any:
 def scatter_elements(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """The shared kernel, except ``reduction="mul"``: an ordered product per destination."""
     if check_reduction("scatter_elements", attrs["reduction"]) != "mul":
-        return list(_shared(Op.SCATTER_ELEMENTS)(ctx, inputs, attrs, out))
+        return list(cu.shared(Op.SCATTER_ELEMENTS)(ctx, inputs, attrs, out))
     xp = ctx.xp
     dst, index, updates = scatter_elements_setup(xp, inputs, attrs, out)
     _multiply_at(xp, dst, _flat(xp, index, tuple(dst.shape)), updates)
@@ -105,7 +99,7 @@ def scatter_elements(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out)
 def scatter_nd(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """The shared kernel, except ``reduction="mul"``: an ordered product per destination."""
     if check_reduction("scatter_nd", attrs["reduction"]) != "mul":
-        return list(_shared(Op.SCATTER_ND)(ctx, inputs, attrs, out))
+        return list(cu.shared(Op.SCATTER_ND)(ctx, inputs, attrs, out))
     xp = ctx.xp
     dst, index, updates = scatter_nd_setup(xp, inputs, out)
     k = len(index)

@@ -13,12 +13,14 @@ taken in float32.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from keel._fork import renew_after_fork
 from keel.backends.base import Kernel
 from keel.errors import UnsupportedOperationError
 from keel.ops.registry import Op
@@ -77,6 +79,7 @@ __device__ __forceinline__ float block_max(float v, float* shm) {
 
 _CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "half_t"}
 _LOCK = threading.Lock()
+renew_after_fork(sys.modules[__name__], "_LOCK")   # free in a forked child
 _BUILT: dict[tuple[Any, ...], Any] = {}
 
 

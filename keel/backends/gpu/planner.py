@@ -97,9 +97,9 @@ def _gpu_variant(request: PlanRequest, usable: Mapping[str, KernelVariant]
             declined.append(f"{name} keeps float32 statistics, the node asks for stash_type "
                             f"{request.attrs.get('stash_type')}")
         else:
-            return name, (f"{op.value}: {name}, the gpu's own kernel "
-                          f"({kv.description.splitlines()[0] if kv.description else name}) "
-                          f"over the shared xp kernel ({_EVIDENCE})")
+            what = " ".join(kv.description.split()).rstrip(".") or name
+            return name, (f"{op.value}: {name}, the gpu's own kernel ({what}) over the shared "
+                          f"xp kernel ({_EVIDENCE})")
     own = "the gpu's own" if usable.get("default") is not None and usable[
         "default"].meta.get("gpu") else "the shared xp"
     why = f"{op.value}: {own} kernel through CuPy; the cpu's variant rules do not apply here"

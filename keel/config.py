@@ -120,6 +120,7 @@ class Settings:
     plan_cache: bool = True               # KEEL_PLAN_CACHE: on (default) or off
     hint: str | None = None               # KEEL_HINT: none | latency | throughput
     batch_invariant: bool = True          # KEEL_BATCH_INVARIANT: on (default) or off
+    gpu_kernels: bool = True              # KEEL_GPU_KERNELS: the gpu backend's own kernels
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -147,6 +148,7 @@ class Settings:
             plan_cache=_flag(env, "KEEL_PLAN_CACHE") is not False,
             hint=_choice(env, "KEEL_HINT", HINTS),
             batch_invariant=_flag(env, "KEEL_BATCH_INVARIANT") is not False,
+            gpu_kernels=_flag(env, "KEEL_GPU_KERNELS") is not False,
         )
 
     def policy_overrides(self) -> dict[str, Any]:

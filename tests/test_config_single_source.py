@@ -108,6 +108,7 @@ def test_every_setting_is_read_into_settings() -> None:
         "KEEL_LIGHTWEIGHT_MEMORY_THRESHOLD_GB": "3", "KEEL_ALLOW_ACCELERATOR_EXPERIMENTS": "1",
         "KEEL_PLAN_CACHE": "off", "KEEL_HINT": "Throughput", "KEEL_BUILD_TIMEOUT": "30",
         "KEEL_CFLAGS": "-fsanitize=address -DX='a b'", "KEEL_BATCH_INVARIANT": "off",
+        "KEEL_GPU_KERNELS": "off",
     }
     assert set(every) == _read_by_config()
     assert Settings.from_env(every) == Settings(
@@ -116,7 +117,7 @@ def test_every_setting_is_read_into_settings() -> None:
         prefer_gpu=False, min_gpu_memory_gb=12.5, prefer_lightweight_python_on_low_memory=False,
         lightweight_memory_threshold_gb=3.0, allow_accelerator_experiments=True,
         plan_cache=False, hint="throughput", build_timeout_s=30.0,
-        cflags=("-fsanitize=address", "-DX=a b"), batch_invariant=False)
+        cflags=("-fsanitize=address", "-DX=a b"), batch_invariant=False, gpu_kernels=False)
 
 
 def test_unset_settings_take_their_defaults() -> None:

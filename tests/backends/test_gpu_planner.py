@@ -122,3 +122,18 @@ def test_scatter_positions_read_negative_indices_from_the_end() -> None:
     cols = np.array([[2, 0], [-3, 1]])
     flat = fused_scatter._flat(np, (rows, cols), (2, 3))
     assert flat.tolist() == [[2, 3], [3, 1]]
+
+
+def test_gpu_kernels_off_runs_the_shared_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    from keel.config import reload_settings
+
+    monkeypatch.setenv("KEEL_GPU_KERNELS", "off")
+    reload_settings()
+    try:
+        plan = _plan(Op.LAYER_NORM, F32, [(4, 8), (8,)])
+    finally:
+        monkeypatch.delenv("KEEL_GPU_KERNELS")
+        reload_settings()
+    assert plan.variant == "default"
+    assert "fused: KEEL_GPU_KERNELS=off" in plan.reason("variant")
+    assert _plan(Op.LAYER_NORM, F32, [(4, 8), (8,)]).variant == "fused"

@@ -12,7 +12,8 @@ GPU measurements exist (``keel tune`` on a GPU machine overrides these through
   kernels) are never chosen: they would only fall back to the xp path;
 * a gpu-only variant (``gpu=True`` in its metadata) runs wherever it takes the
   node's dtype (and, for LayerNorm, its float32 statistics): one fused kernel
-  instead of the several CuPy passes of the shared xp kernel;
+  instead of the several CuPy passes of the shared xp kernel; ``KEEL_GPU_KERNELS=off``
+  turns them all down (the shared xp kernels run, e.g. to compare the two);
 * a convolution runs ``pointwise`` where it is a 1x1 stride-1 unpadded dense
   conv (one GEMM on the input, no copy) and ``im2col`` otherwise (one cuBLAS
   GEMM per group; it serves every conv);
@@ -35,6 +36,7 @@ from keel.backends.plan import (
     field_reasons,
     skipped_note,
 )
+from keel.config import settings
 from keel.ops.registry import Op
 from keel.ops.types import TensorType
 
@@ -87,10 +89,13 @@ def _gpu_variant(request: PlanRequest, usable: Mapping[str, KernelVariant]
     """The gpu-only variant where it serves the node, else the shared xp kernel."""
     op, dtype = request.op, request.dtype
     declined = []
+    own_kernels = settings().gpu_kernels
     for name, kv in sorted(usable.items()):
         if not kv.meta.get("gpu") or name == "default":
             continue
-        if dtype is None or (kv.dtypes is not None and dtype not in kv.dtypes):
+        if not own_kernels:
+            declined.append(f"{name}: KEEL_GPU_KERNELS=off")
+        elif dtype is None or (kv.dtypes is not None and dtype not in kv.dtypes):
             declined.append(f"{name} takes {_dtypes(kv)}, the node is "
                             f"{'of unknown dtype' if dtype is None else dtype.value}")
         elif op in _STASHED and int(request.attrs.get("stash_type", 1)) != 1:

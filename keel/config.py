@@ -122,6 +122,7 @@ class Settings:
     batch_invariant: bool = True          # KEEL_BATCH_INVARIANT: on (default) or off
     cuda_graphs: bool = True              # KEEL_CUDA_GRAPHS: record and replay gpu runs
     placement_trials: bool = True         # KEEL_PLACEMENT_TRIALS: time gpu vs cpu per signature
+    gpu_kernels: bool = True              # KEEL_GPU_KERNELS: the gpu backend's own kernels
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -151,6 +152,7 @@ class Settings:
             batch_invariant=_flag(env, "KEEL_BATCH_INVARIANT") is not False,
             cuda_graphs=_flag(env, "KEEL_CUDA_GRAPHS") is not False,
             placement_trials=_flag(env, "KEEL_PLACEMENT_TRIALS") is not False,
+            gpu_kernels=_flag(env, "KEEL_GPU_KERNELS") is not False,
         )
 
     def policy_overrides(self) -> dict[str, Any]:

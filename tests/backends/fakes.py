@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import itertools
+import math
 import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -15,7 +16,8 @@ from keel.backends.base import Availability, Backend, DeviceKind, KernelContext,
 from keel.backends.registry import BackendRegistry
 from keel.ops.registry import Op
 
-__all__ = ["FakeCudnn", "FakeCupy", "SpyBackend", "make_backend", "spy_registry"]
+__all__ = ["EmulatedCupy", "FakeCudnn", "FakeCupy", "SpyBackend", "make_backend",
+           "spy_registry"]
 
 
 def _add(ctx: KernelContext, inputs: Sequence[Any], attrs: Mapping[str, Any],
@@ -403,3 +405,156 @@ class FakeCudnn(types.ModuleType):
 
     def set_stream(self, handle: object, stream: int) -> None:
         self.handle_streams[id(handle)] = stream
+
+
+# ---- an emulating CuPy: the gpu backend's own kernels without a GPU ------------------------
+# Each of keel's CUDA kernels (keel/backends/gpu/fused_*.py) has a NumPy twin here with the
+# same argument list and semantics (float32 arithmetic, float16 storage). Running the gpu
+# backend's own variants on it checks everything around the CUDA code: argument order and
+# count (read from the kernel's source), contiguity, shapes, dtypes and the Python logic;
+# the CUDA code itself runs only on a real GPU.
+_F32 = np.float32
+
+
+def _given(arg: Any) -> Any:
+    """An optional pointer argument: None where the kernel got a null pointer."""
+    return None if isinstance(arg, np.uint64) else arg
+
+
+def _emulate_layer_norm(rows: int, args: Sequence[Any]) -> None:
+    x, skip, gamma, beta, y, total, mean_out, rstd_out, k, period, eps = args
+    k, period = int(k), int(period)
+    xr = x.reshape(rows, k).astype(_F32)
+    if _given(skip) is not None:
+        s = skip.reshape(period, k).astype(_F32)
+        xr = (xr + s[np.arange(rows) % period]).astype(x.dtype).astype(_F32)
+        if _given(total) is not None:
+            total.reshape(rows, k)[...] = xr
+    mean = xr.sum(1, dtype=_F32) / _F32(k)
+    rstd = 1 / np.sqrt(((xr - mean[:, None]) ** 2).sum(1, dtype=_F32) / _F32(k) + _F32(eps))
+    o = (xr - mean[:, None]) * rstd[:, None] * gamma.astype(_F32)
+    if _given(beta) is not None:
+        o = o + beta.astype(_F32)
+    y.reshape(rows, k)[...] = o
+    if _given(mean_out) is not None:
+        mean_out.reshape(-1)[:] = mean
+        rstd_out.reshape(-1)[:] = rstd
+
+
+def _emulate_softmax(rows: int, args: Sequence[Any]) -> None:
+    src, out, n, scale, causal, s, log = args
+    x = src.reshape(rows, int(n)).astype(_F32) * _F32(scale)
+    if causal:
+        x = np.where(np.arange(int(n))[None, :] > (np.arange(rows) % int(s))[:, None],
+                     -np.inf, x)
+    with np.errstate(all="ignore"):
+        top = np.max(np.where(np.isnan(x), -np.inf, x), axis=1, keepdims=True)
+        e = np.exp(x - top)
+        total = e.sum(1, keepdims=True)
+        out.reshape(rows, int(n))[...] = (x - top - np.log(total)) if log else e / total
+
+
+def _emulate_pool2d(blocks: int, args: Sequence[Any]) -> None:
+    x, y, total, *ints = args
+    h, w, oh, ow, kh, kw, sh, sw, dh, dw, ph, pw, eh, ew, mode = (int(v) for v in ints)
+    planes = int(total) // (oh * ow)
+    xi, yo = x.reshape(planes, h, w).astype(_F32), y.reshape(planes, oh, ow)
+    for oy in range(oh):
+        for ox in range(ow):
+            acc, count = np.full(planes, 0.0 if mode else -np.inf, _F32), 0
+            for a in range(kh):
+                for b in range(kw):
+                    iy, ix = oy * sh - ph + a * dh, ox * sw - pw + b * dw
+                    inside = 0 <= iy < h and 0 <= ix < w
+                    count += (iy < h + eh and ix < w + ew) if mode == 2 else inside
+                    if inside:
+                        v = xi[:, iy, ix]
+                        acc = acc + v if mode else np.where((v > acc) | np.isnan(v), v, acc)
+            yo[:, oy, ox] = acc / count if mode else acc
+
+
+def _emulate_row_reduce(rows: int, args: Sequence[Any]) -> None:
+    x, y, n, mode = args
+    xr = x.reshape(rows, int(n)).astype(_F32)
+    y.reshape(-1)[:] = xr.max(1) if mode else xr.sum(1, dtype=_F32) / _F32(n)
+
+
+_RAW: dict[str, Callable[[int, Sequence[Any]], None]] = {
+    "keel_layer_norm": _emulate_layer_norm, "keel_softmax": _emulate_softmax,
+    "keel_pool2d": _emulate_pool2d, "keel_row_reduce": _emulate_row_reduce}
+
+
+class _RawKernel:
+    def __init__(self, code: str, name: str) -> None:
+        head = f'extern "C" __global__ void {name}('
+        assert head in code, f"{name} is not defined in its source"
+        self.name, self.arity = name, code.split(head)[1].split(")")[0].count(",") + 1
+
+    def __call__(self, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...],
+                 shared_mem: int = 0) -> None:
+        assert len(args) == self.arity, f"{self.name}: {len(args)} args for {self.arity}"
+        assert block[0] % 32 == 0 and 32 <= block[0] <= 1024, block
+        for a in args:
+            assert isinstance(a, (np.ndarray, np.generic)), f"{self.name}: {type(a)}"
+            assert not isinstance(a, np.ndarray) or a.flags.c_contiguous, self.name
+        _RAW[self.name](grid[0], args)
+
+
+def _unit(t: Any) -> Any:
+    return np.where(t < 0, 0, np.where(t > 1, 1, t))
+
+
+_ACTIVATIONS: dict[str, Callable[[Any, Any, Any], Any]] = {
+    "identity": lambda v, p0, p1: v,
+    "relu": lambda v, p0, p1: np.where(v < 0, 0, v),
+    "leaky_relu": lambda v, p0, p1: np.where(v >= 0, v, p0 * v),
+    "sigmoid": lambda v, p0, p1: 1 / (1 + np.exp(-v)),
+    "tanh": lambda v, p0, p1: np.tanh(v),
+    "clip": lambda v, p0, p1: np.where(v < p0, p0, np.where(v > p1, p1, v)),
+    "hard_sigmoid": lambda v, p0, p1: _unit(p0 * v + p1),
+    "hard_swish": lambda v, p0, p1: v * _unit(v / 6 + 0.5),
+    "gelu": lambda v, p0, p1: 0.5 * v * np.vectorize(math.erfc, otypes=[_F32])(
+        -v / math.sqrt(2)),
+    "gelu_tanh": lambda v, p0, p1: 0.5 * v * (1 + np.tanh(
+        math.sqrt(2 / math.pi) * (v + 0.044715 * v ** 3))),
+    "silu": lambda v, p0, p1: v / (1 + np.exp(-v)),
+}
+
+
+class _ElementwiseKernel:
+    def __init__(self, in_params: str, out_params: str, operation: str, name: str,
+                 preamble: str = "") -> None:
+        self.name = name
+        self.arity = in_params.count(",") + out_params.count(",") + 2
+
+    def __call__(self, *args: Any, size: int | None = None) -> None:
+        assert len(args) == self.arity, f"{self.name}: {len(args)} args for {self.arity}"
+        if self.name == "keel_multiply_at":
+            ordered, order_dst, count, dst = args
+            assert size == count == ordered.size == order_dst.size
+            for i in range(count):
+                dst[order_dst[i]] = dst[order_dst[i]] * ordered[i]
+            return
+        form, act = self.name[len("keel_"):].split("_", 1)
+        f = _ACTIVATIONS[act]
+        *operands, p0, p1, y = args
+        with np.errstate(all="ignore"):
+            if form == "unary":
+                v = np.asarray(operands[0], _F32)
+            elif form == "scale":
+                v = _F32(operands[0]) * y.astype(_F32)
+            else:
+                c, alpha, beta = operands
+                assert c.dtype == y.dtype
+                v = _F32(alpha) * y.astype(_F32) + _F32(beta) * c.astype(_F32)
+            y[...] = f(v, _F32(p0), _F32(p1))
+
+
+class EmulatedCupy(FakeCupy):
+    """The fake CuPy with NumPy twins of keel's CUDA kernels (see above)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.RawKernel = _RawKernel
+        self.ElementwiseKernel = _ElementwiseKernel
+        self.ndarray = np.ndarray

@@ -77,6 +77,10 @@ def test_gpu_planner_has_its_own_rules_not_the_cpus() -> None:
     assert gpu_planner.plan(one, table).variant == "pointwise"
     mm = PlanRequest(Op.MATMUL, tuple(_types((3, 4), (4, 5))), {})
     plan = gpu_planner.plan(mm, table)
+    assert plan.variant == "cublas" and plan.threads is None
+    wide = PlanRequest(Op.MATMUL, (TensorType(DType.FLOAT64, (3, 4)),
+                                   TensorType(DType.FLOAT64, (4, 5))), {})
+    plan = gpu_planner.plan(wide, table)
     assert plan.variant == "default" and plan.threads is None
     if "native" in table.variants(Op.MATMUL):
         assert "native (needs a host tier" in plan.reason("variant")

@@ -132,7 +132,7 @@ def case_inputs(case: OpCase) -> list[np.ndarray | None]:
 
 
 def run_case(backend: Backend, case: OpCase, *, make_strided: bool = False,
-             ) -> list[np.ndarray]:
+             variant: str = "default") -> list[np.ndarray]:
     """Run ``case`` on ``backend`` with freshly generated inputs; host copies of the outputs.
 
     NumPy backends get the case's arrays as they are (a non-contiguous case
@@ -142,7 +142,7 @@ def run_case(backend: Backend, case: OpCase, *, make_strided: bool = False,
     """
     inputs = case_inputs(case)
     arrays = [_on_backend(backend, x, make_strided) for x in inputs]
-    results = backend.run(case.op, arrays, None, case.attrs)
+    results = backend.run(case.op, arrays, None, case.attrs, variant=variant)
     backend.synchronize()
     outputs = [_read(backend, r) for r in results]
     if backend.xp is np and not make_strided:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from keel.backends.base import Backend
+from keel.backends.plan import request_types
 from keel.backends.registry import builtin_registry
 from keel.errors import UnsupportedOperationError
 from keel.ops.registry import Op
@@ -21,6 +22,7 @@ from tests.conformance.harness import (
     OpCase,
     assert_outputs_match,
     bitwise_equal,
+    case_inputs,
     collect_cases,
     run_case,
 )
@@ -77,6 +79,40 @@ def test_case_matches_reference(backend_name: str, case: OpCase,
         f"{case.id}: two runs on {backend_name} differ (not deterministic)"
     assert_outputs_match(run_case(backend, case, make_strided=True), expected, case,
                          " (non-contiguous inputs)")
+
+
+def _gpu_variant_params() -> list[pytest.param]:  # type: ignore[valid-type]
+    """(case, variant) wherever the gpu planner runs a case on a gpu-only variant."""
+    gpu = REGISTRY.instance("gpu")
+    params = []
+    for case in CASES:
+        own = {n for n, kv in gpu.kernels.variants(case.op).items()
+               if kv.meta.get("gpu") and n != "default"}
+        if not own:
+            continue
+        chosen = gpu.plan_node(case.op, request_types(case_inputs(case)), case.attrs).variant
+        if chosen in own:
+            params.append(pytest.param(case, chosen, id=f"{case.id}-{chosen}",
+                                       marks=[pytest.mark.gpu]))
+    return params
+
+
+@pytest.mark.parametrize(("case", "variant"), _gpu_variant_params())
+def test_gpu_variant_matches_reference(case: OpCase, variant: str) -> None:
+    """The gpu backend's own kernels, on every case its planner gives them."""
+    backend = _available("gpu")
+    expected = _expected(case)
+    first = run_case(backend, case, variant=variant)
+    assert_outputs_match(first, expected, case, f" (gpu variant {variant})")
+    second = run_case(backend, case, variant=variant)
+    assert bitwise_equal(first, second), f"{case.id}: two runs of gpu/{variant} differ"
+    assert_outputs_match(run_case(backend, case, make_strided=True, variant=variant), expected,
+                         case, f" (gpu variant {variant}, non-contiguous inputs)")
+    if case.op is Op.MAX_POOL:     # Y alone: the variant's own kernel (Indices: the shared one)
+        arrays = [backend.to_device(x) for x in case_inputs(case)]
+        y = backend.allocate(expected[0].shape, expected[0].dtype.name)
+        backend.run(case.op, arrays, [y], case.attrs, variant=variant)
+        assert_outputs_match([backend.read(y)], expected[:1], case, f" (gpu {variant}, Y only)")
 
 
 # ---- the suite itself ---------------------------------------------------------

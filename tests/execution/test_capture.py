@@ -24,10 +24,10 @@ from keel.backends.gpu.backend import GpuBackend
 from keel.backends.registry import BackendRegistry
 from keel.config import reload_settings
 from keel.errors import MemoryLimitError
-from tests.backends.fakes import FakeCupy
+from tests.backends.fakes import EmulatedCupy
 
 
-class _PoolCupy(FakeCupy):
+class _PoolCupy(EmulatedCupy):
     """The fake CuPy whose ``empty`` hands out a recorded run's arrays again on replays."""
 
     def __init__(self) -> None:

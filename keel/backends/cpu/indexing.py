@@ -131,11 +131,11 @@ def _ufunc_at(ctx: KernelContext, op: str, reduction: str, dst: Any, index: tupl
             f"which this array library lacks ({exc})") from None
 
 
-@TABLE.kernel(Op.SCATTER_ELEMENTS, supports_out=True)
-def scatter_elements(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
-    """Copy data into the result, then scatter in place with broadcast index arrays."""
-    xp, (x, indices, updates) = ctx.xp, inputs
-    reduction = check_reduction("scatter_elements", attrs["reduction"])
+def scatter_elements_setup(xp: Any, inputs: Inputs, attrs: Attrs, out: Out
+                           ) -> tuple[Any, tuple[Any, ...], Any]:
+    """Checked ScatterElements: (the result holding a copy of data, the broadcast index
+    arrays, the updates in data's dtype)."""
+    x, indices, updates = inputs
     axis = elements_check("scatter_elements", x.shape, indices.shape, attrs["axis"])
     updates_like("scatter_elements", indices.shape, updates.shape)
     check_indices("scatter_elements", indices, x.shape[axis], f"axis {axis}")
@@ -144,23 +144,37 @@ def scatter_elements(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out)
     index = tuple(indices if a == axis else
                   xp.arange(n).reshape((1,) * a + (n,) + (1,) * (indices.ndim - a - 1))
                   for a, n in enumerate(indices.shape))
-    _ufunc_at(ctx, "scatter_elements", reduction, dst, index, updates.astype(x.dtype, copy=False))
-    return [dst]
+    return dst, index, updates.astype(x.dtype, copy=False)
 
 
-@TABLE.kernel(Op.SCATTER_ND, supports_out=True)
-def scatter_nd(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
-    """Copy data into the result, then scatter in place at the index tuples."""
-    xp, (x, indices, updates) = ctx.xp, inputs
-    reduction = check_reduction("scatter_nd", attrs["reduction"])
+def scatter_nd_setup(xp: Any, inputs: Inputs, out: Out) -> tuple[Any, tuple[Any, ...], Any]:
+    """Checked ScatterND: (the result holding a copy of data, one index array per indexed
+    axis, the updates in data's dtype)."""
+    x, indices, updates = inputs
     check_index_dtype("scatter_nd", indices)
     k = scatter_nd_depth("scatter_nd", x.shape, indices.shape, updates.shape)
     for j in range(k):
         check_indices("scatter_nd", indices[..., j], x.shape[j], f"axis {j}")
     dst = destination(xp, x.shape, x.dtype, out)
     dst[...] = x
-    index = tuple(indices[..., j] for j in range(k))
-    _ufunc_at(ctx, "scatter_nd", reduction, dst, index, updates.astype(x.dtype, copy=False))
+    return dst, tuple(indices[..., j] for j in range(k)), updates.astype(x.dtype, copy=False)
+
+
+@TABLE.kernel(Op.SCATTER_ELEMENTS, supports_out=True)
+def scatter_elements(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """Copy data into the result, then scatter in place with broadcast index arrays."""
+    reduction = check_reduction("scatter_elements", attrs["reduction"])
+    dst, index, updates = scatter_elements_setup(ctx.xp, inputs, attrs, out)
+    _ufunc_at(ctx, "scatter_elements", reduction, dst, index, updates)
+    return [dst]
+
+
+@TABLE.kernel(Op.SCATTER_ND, supports_out=True)
+def scatter_nd(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """Copy data into the result, then scatter in place at the index tuples."""
+    reduction = check_reduction("scatter_nd", attrs["reduction"])
+    dst, index, updates = scatter_nd_setup(ctx.xp, inputs, out)
+    _ufunc_at(ctx, "scatter_nd", reduction, dst, index, updates)
     return [dst]
 
 

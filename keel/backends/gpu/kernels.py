@@ -19,8 +19,10 @@ __all__ = ["FAMILIES", "TABLE", "load"]
 
 TABLE = KernelTable("gpu")
 
-# Modules of keel.backends.gpu with GPU-only kernels (raw CUDA, cuDNN).
-FAMILIES: tuple[str, ...] = ("cudnn_conv",)
+# Modules of keel.backends.gpu with GPU-only kernels (raw CUDA, cuBLAS, cuDNN).
+FAMILIES: tuple[str, ...] = (
+    "cudnn_conv", "fused_norm", "fused_elementwise", "fused_pool", "fused_scatter", "gemm",
+)
 
 
 @functools.lru_cache(maxsize=1)

@@ -36,6 +36,10 @@ step() {
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   nproc; } >>"$out/summary.txt" 2>&1
 step probe "$py" -m keel probe --json
+# cuDNN for convolutions comes from nvidia-cudnn-frontend (not on a bare torch image: carry
+# its wheel onto PYTHONPATH); without it convs run on im2col, and this line says why.
+"$py" -c "from keel.backends.gpu.cudnn_lib import LIBRARY; print('cudnn:', LIBRARY.availability().reason)" \
+    >>"$out/summary.txt" 2>&1
 step bench_gpu "$py" -m benchmarks.gpu --profile --placement --out "$out"
 step models "$py" -m pytest -q -p no:cacheprovider -m gpu tests/backends/test_gpu_models.py \
     tests/backends/test_gpu_io.py

@@ -2,7 +2,7 @@
 
     python -m benchmarks.run                       # every model, batches 1 and 32, 1 and 2 threads
     python -m benchmarks.run --models lenet,mlp --passes 3
-    python -m benchmarks.run --backend gpu         # keel's gpu backend vs onnxruntime-gpu
+    python -m benchmarks.run --backend gpu         # keel's gpu backend vs torch (benchmarks.gpu)
     python -m benchmarks.run --backend webgpu      # keel's webgpu backend vs onnxruntime (CPU)
 
 ``--backend webgpu`` times whatever adapter wgpu finds. On Mesa's llvmpipe (no
@@ -55,6 +55,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.backend == "gpu":       # the gpu's reference is torch on the same GPU
+        from benchmarks import gpu
+
+        return gpu.main(["--models", ",".join(args.models), "--batches",
+                         ",".join(map(str, args.batches)), "--passes", str(args.passes),
+                         "--out", str(args.out)])
     config = BenchConfig(batches=args.batches, threads=args.threads, passes=args.passes,
                          min_pass_seconds=args.pass_seconds, backend=args.backend)
     reports: list[ModelReport] = []
@@ -87,7 +93,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--models", default=",".join(DEFAULT_MODELS),
                    help=f"models to run, from {', '.join(MODELS)} (gpt2_decode needs torch)")
     p.add_argument("--backend", default="cpu", choices=("cpu", "gpu", "webgpu"),
-                   help="keel backend to time; gpu compares with onnxruntime's CUDA provider, "
+                   help="keel backend to time; gpu compares with torch on the same GPU "
+                        "(python -m benchmarks.gpu), "
                         "webgpu with its CPU provider (on llvmpipe: correctness, not speed)")
     p.add_argument("--batches", default="1,32")
     p.add_argument("--threads", default="1,2")

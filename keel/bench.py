@@ -155,6 +155,41 @@ def _ort_session(model: bytes, threads: int, backend: str = "cpu") -> Any:
     return ort.InferenceSession(model, opts, providers=[provider])
 
 
+class _TorchRunner:
+    """torch on the same graph (:class:`keel.testing.torch_graph.TorchGraph`), with
+    onnxruntime's ``run(None, feeds)`` shape: NumPy in and out, on the device keel's
+    backend uses (CUDA for gpu, TF32 off), at ``threads`` intra-op threads."""
+
+    def __init__(self, model: bytes, threads: int, backend: str) -> None:
+        try:
+            import torch
+        except ImportError:
+            raise BackendSelectionError(
+                "torch", "torch is not installed (pip install 'keel-runtime[zoo]')") from None
+        from keel.testing.torch_graph import TorchGraph
+
+        device = "cuda" if backend == "gpu" else "cpu"
+        if device == "cuda" and not torch.cuda.is_available():
+            raise BackendSelectionError("torch", "torch sees no CUDA device")
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        torch.set_num_threads(threads)
+        self.torch, self.device = torch, device
+        self.name = f"torch:{device}"
+        self.graph = TorchGraph(model, device=device)
+
+    def run(self, names: Any, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        torch = self.torch
+        with torch.no_grad():
+            out = self.graph({k: torch.from_numpy(np.ascontiguousarray(v)).to(self.device)
+                              for k, v in feeds.items()})
+        return [v.cpu().numpy() for v in out.values()]
+
+
+def _torch_runner(model: bytes, threads: int, backend: str) -> _TorchRunner:
+    return _TorchRunner(model, threads, backend)
+
+
 def _load_keel(model: bytes, backend: str, threads: int) -> Any:
     from keel.execution.model import load_model
 
@@ -169,15 +204,20 @@ def bench_model(
     progress: Callable[[str], None] | None = None,
 ) -> ModelReport:
     """Measure keel (and ``config.vs``) on ``model`` for every batch × threads."""
-    if config.vs not in (None, "onnxruntime"):
-        raise InvalidArgumentError(f"--vs {config.vs!r} is not supported; allowed: onnxruntime")
+    if config.vs not in (None, "onnxruntime", "torch"):
+        raise InvalidArgumentError(
+            f"--vs {config.vs!r} is not supported; allowed: onnxruntime, torch")
     report = ModelReport(name)
     for threads in config.threads:
         keel_model, keel_load = _timed_load(
             functools.partial(_load_keel, model, config.backend, threads))
         report.load_ms.setdefault(f"keel:{config.backend}", keel_load)
         ort_sess = None
-        if config.vs:
+        if config.vs == "torch":
+            ort_sess, ort_load = _timed_load(
+                functools.partial(_torch_runner, model, threads, config.backend))
+            report.load_ms.setdefault(ort_sess.name, ort_load)
+        elif config.vs:
             ort_sess, ort_load = _timed_load(
                 functools.partial(_ort_session, model, threads, config.backend))
             report.load_ms.setdefault("onnxruntime", ort_load)
@@ -208,8 +248,9 @@ def _bench_pair(report: ModelReport, keel_model: Any, ort_sess: Any,
                 feeds: dict[str, np.ndarray], batch: int, threads: int,
                 config: BenchConfig) -> None:
     runners: dict[str, Runner] = {f"keel:{config.backend}": lambda: keel_model.predict(feeds)}
+    other = getattr(ort_sess, "name", "onnxruntime")
     if ort_sess is not None:
-        runners["onnxruntime"] = lambda: ort_sess.run(None, feeds)
+        runners[other] = lambda: ort_sess.run(None, feeds)
     for run in runners.values():       # warm up: first-run planning, caches, thread pools
         run()
         run()
@@ -223,7 +264,7 @@ def _bench_pair(report: ModelReport, keel_model: Any, ort_sess: Any,
             medians[key] = statistics.median(block)
         if len(medians) == 2:
             keel_key = f"keel:{config.backend}"
-            pass_ratios.append(medians[keel_key] / medians["onnxruntime"])
+            pass_ratios.append(medians[keel_key] / medians[other])
     for key, times in samples.items():
         med = statistics.median(times)
         report.measurements.append(Measurement(

@@ -34,7 +34,8 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
 
 def bench(
     model: Path = typer.Argument(..., help="ONNX or .keel model file."),
-    vs: str = typer.Option("", "--vs", help="Compare with: onnxruntime."),
+    vs: str = typer.Option("", "--vs", help="Compare with: onnxruntime, or torch (the same "
+                                            "graph run by torch; on CUDA with --backend gpu)."),
     batch: str = typer.Option("1,32", "--batch",
                               help="Batch sizes (the symbolic first dimension), comma separated."),
     dims: list[str] = typer.Option([], "--dim",
@@ -74,7 +75,9 @@ def _table(report: ModelReport) -> Table:
         table.add_row(m.runtime, str(m.batch), str(m.threads), f"{m.median_ms:.3f}",
                       f"{m.p90_ms:.3f}", f"{m.throughput:.1f}")
     for key, ratio in report.ratios.items():
-        table.caption = (table.caption or "") + f"  {key}: keel/ort = {ratio:.2f}"
+        other = "torch" if any(m.runtime.startswith("torch") for m in report.measurements) \
+            else "ort"
+        table.caption = (table.caption or "") + f"  {key}: keel/{other} = {ratio:.2f}"
     return table
 
 

@@ -97,8 +97,9 @@ def test_keel_bench_cli_prints_json(tmp_path: Path) -> None:
 
 def test_the_gpu_suite_says_why_it_cannot_run_here(tmp_path: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    """``--backend gpu`` times keel's gpu backend against onnxruntime's CUDA provider; where
-    either is missing it stops with one line naming what, and writes nothing."""
+    """``--backend gpu`` times keel's gpu backend against torch on the same GPU
+    (benchmarks.gpu); where either is missing it stops with one line naming what, and
+    writes nothing."""
     from keel.backends.registry import default_registry
 
     if default_registry().availability("gpu").available:
@@ -106,8 +107,36 @@ def test_the_gpu_suite_says_why_it_cannot_run_here(tmp_path: Path,
     code = suite.main(["--backend", "gpu", "--models", "mlp", "--batches", "1",
                        "--threads", "1", "--passes", "1", "--out", str(tmp_path)])
     assert code == 2
-    assert "backend 'gpu' cannot be used" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("benchmarks.gpu: ") and ("torch" in err or "gpu backend" in err)
     assert not list(tmp_path.iterdir())
+
+
+def test_bench_model_against_torch_on_the_same_graph() -> None:
+    pytest.importorskip("torch", reason="the torch comparison needs torch")
+    config = BenchConfig(batches=(1, 3), threads=(1,), passes=2, min_pass_seconds=0.0,
+                         min_iters=2, vs="torch")
+    report = bench_model("tiny", tiny_model(), config)
+    runtimes = {(m.runtime, m.batch) for m in report.measurements}
+    assert runtimes == {(r, b) for r in ("keel:cpu", "torch:cpu") for b in (1, 3)}
+    assert set(report.ratios) == {"b1_t1", "b3_t1"} and all(r > 0 for r in
+                                                           report.ratios.values())
+
+
+def test_the_torch_graph_computes_what_onnxruntime_does() -> None:
+    torch = pytest.importorskip("torch", reason="the torch reference needs torch")
+    import onnxruntime as ort
+
+    from benchmarks import zoo
+    from keel.testing.torch_graph import TorchGraph
+
+    for name in ("lenet", "resnet20", "bert_mini"):
+        data = zoo.build(name)
+        feeds = zoo.MODELS[name].make_feeds(2)
+        got = TorchGraph(data, device="cpu")({k: torch.from_numpy(v) for k, v in feeds.items()})
+        want = ort.InferenceSession(data, providers=["CPUExecutionProvider"]).run(None, feeds)
+        for out, ref in zip(got.values(), want, strict=True):
+            np.testing.assert_allclose(out.numpy(), ref, rtol=1e-4, atol=1e-4)
 
 
 def test_onnxruntime_without_the_cuda_provider_is_named() -> None:

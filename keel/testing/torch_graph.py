@@ -1,4 +1,4 @@
-"""The benchmark models run by torch, node by node: the GPU speed reference.
+"""An ONNX graph run by torch, node by node: the speed reference on a GPU.
 
 keel's GPU target is torch on the same GPU. To time torch on exactly the
 model keel runs (same graph, same weights), this runs an ONNX graph with
@@ -8,8 +8,10 @@ the same architecture would: ``Conv`` is ``F.conv2d`` (cuDNN),
 ``F.linear`` (cuBLAS), and so on. It covers the ops of the models in
 ``benchmarks/zoo.py``; another op raises ``NotImplementedError`` naming it.
 
-It also gives torch's CUDA-graph replay and its float16 autocast, for the
-same graph. torch is needed only here (``pip install 'keel-runtime[zoo]'``).
+``benchmarks/gpu.py`` also times torch's CUDA-graph replay and its float16
+autocast of the same calls; ``keel bench --vs torch`` uses it too. torch is
+needed only here (``pip install 'keel-runtime[zoo]'``), imported when a graph
+is made.
 """
 
 from __future__ import annotations

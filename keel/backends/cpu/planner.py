@@ -451,6 +451,16 @@ _BLOCK_WHY = {
 }
 
 
+def attention_heads(block_elements: int, scores_per_head: int, heads: int,
+                    threads: int) -> int:
+    """Heads per block of the native attention: a block of ``block_elements`` scores
+    (the plan's attention_block, sized for one core's L2) for each of ``threads``
+    threads, which split the block's heads between them; at least one, at most
+    ``heads``."""
+    per_thread = max(1, block_elements // max(1, scores_per_head))
+    return max(1, min(heads, max(1, threads) * per_thread))
+
+
 def block(node_plan: NodePlan | None, name: str) -> int:
     """The block size ``name`` (see BLOCKS) a kernel runs with: its node plan's, else
     (a call the planner did not see) the planner's own."""
@@ -498,6 +508,43 @@ def plan_program(threads: int, steps: Sequence[tuple[bool, float]]) -> tuple[int
     return 1, (f"BLAS on 1 thread: BLAS kernels do {share:.0%} of the work; the native "
                f"kernels split theirs over {threads} keel threads, and idle BLAS workers "
                "would spin on the cores they need")
+
+
+# ---- convs that would not reach keel's threads --------------------------------------------
+# im2col and the pointwise GEMM run their product on OpenBLAS, which a program whose work
+# is mostly on the native kernels keeps on one thread (plan_program, above): on more
+# threads such a node does not get faster at all. From PARALLEL_CONV_THREADS threads on,
+# a conv the rules give one of them runs on the native implicit GEMM instead wherever it
+# can compute it, split over keel's threads. Measured on the 16-core Intel Xeon (AVX-512)
+# of an H200 machine, ResNet-18 at batch 32: its three 3x3 stride-2 convs (im2col) took
+# 40.5 / 35.3 / 31.7 ms on 1 thread and 39.5 / 33.7 / 30.8 on 16, its three 1x1 stride-2
+# convs (pointwise) 6.9 / 6.1 / 4.3 and 6.7 / 5.5 / 4.1: 120 of the model's 231 ms. On
+# the 2-core AMD EPYC, a 128->256 3x3 stride-2 conv at batch 32 took 43 ms on one keel
+# thread natively and 23 on two, where im2col on one BLAS thread is 2-17 % faster than
+# native on one (so one thread keeps the rules' choice). Which variant runs then follows
+# the thread count: results on 1 and on more threads agree within float32 rounding, and
+# bitwise from 2 threads on.
+BLAS_CONV_VARIANTS = frozenset({"im2col", "pointwise"})
+PARALLEL_CONV_THREADS = 2
+
+
+def _on_keel_threads(request: PlanRequest, variants: Mapping[str, KernelVariant],
+                     variant: str, why: str) -> tuple[str, str]:
+    """The conv variant that splits over keel's threads where the rules chose one that
+    runs on BLAS (see BLAS_CONV_VARIANTS), and why; else ``variant`` and ``why``."""
+    threads = request.threads or 1
+    native = variants.get("native")
+    if (variant not in BLAS_CONV_VARIANTS or threads < PARALLEL_CONV_THREADS
+            or native is None or request.op not in CONV_OPS):
+        return variant, why
+    case = _conv_case(request.op, request.input_types, request.attrs, request.dtype)
+    if case is None or rule_in_force(native).cannot_serve(case) is not None:
+        return variant, why
+    return "native", (
+        f"{case.describe()}: native on {threads} keel threads, not {variant}: its GEMM runs "
+        "on BLAS, which a program of native kernels keeps on one thread (on a 16-core "
+        "Xeon, ResNet-18's strided im2col and pointwise convs did not get faster from 1 "
+        f"to 16 threads); the rules on one thread: {why}")
 
 
 # ---- the node plan ---------------------------------------------------------------------
@@ -558,6 +605,7 @@ def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:
         variant, why = measured.variant, measured.reason
     else:
         variant, why = choose_variant(request.op, request.input_types, request.attrs, table)
+        variant, why = _on_keel_threads(request, variants, variant, why)
     options: list[tuple[str, Any]] = []
     dispatched = _dispatched(request.op, request, table) if variant == "default" else None
     if dispatched is not None:

@@ -1005,19 +1005,27 @@ def pointwise_form(geo: ConvGeometry) -> ConvForm:
 
 # Winograd's transformed tiles per chunk of images (bytes; the transformed input V and,
 # compiled, the products P of a chunk): bigger batches run in chunks that stay in cache
-# (measured: batch-8 64-channel 56x56 runs 16 ms in 4 MB chunks against 22.6 ms in
-# 24 MB ones).
+# (measured with a 32 MiB last-level cache: batch-8 64-channel 56x56 runs 16 ms in 4 MB
+# chunks against 22.6 ms in 24 MB ones). Scaled by rule to the plan's last-level cache:
+# every pass over a chunk splits over the threads, and a chunk of one image leaves
+# threads idle in the transforms on a many-core machine.
 WINOGRAD_CHUNK_BYTES = 4 * 2**20
 
 
-def winograd_form(geo: ConvGeometry, itemsize: int) -> ConvForm:
-    """Images per chunk of a Winograd conv (its one form)."""
+def winograd_form(geo: ConvGeometry, itemsize: int, sizes: Caches | None = None) -> ConvForm:
+    """Images per chunk of a Winograd conv (its one form), for the caches of ``sizes``
+    (None: this machine's)."""
     (oh, ow), c, m = geo.window.out_spatial, geo.in_channels, geo.out_channels
     th, tw = -(-oh // 2), -(-ow // 2)
     per_image = 16 * th * tw * max(c, m) * itemsize
-    chunk = max(1, min(geo.batch, WINOGRAD_CHUNK_BYTES // max(per_image, 1)))
+    sizes = sizes or caches()
+    budget = sizes.with_llc(WINOGRAD_CHUNK_BYTES)
+    chunk = max(1, min(geo.batch, budget // max(per_image, 1)))
+    scaled = "" if budget == WINOGRAD_CHUNK_BYTES else (
+        f" ({WINOGRAD_CHUNK_BYTES >> 20} MiB measured with a 32 MiB last-level cache, "
+        f"scaled by rule to the caches of {sizes.source})")
     return ConvForm("", f"{chunk} image(s) per chunk: {per_image} bytes of transformed "
-                        f"tiles an image, within {WINOGRAD_CHUNK_BYTES >> 20} MiB", chunk,
+                        f"tiles an image, within {budget / 2**20:.3g} MiB{scaled}", chunk,
                     _winograd_scratch(chunk, c, m, th, tw, itemsize))
 
 
@@ -1052,7 +1060,7 @@ def conv_form(variant: str, geo: ConvGeometry, itemsize: int, grid: Any = _HERE,
     if variant == "pointwise":
         return pointwise_form(geo)
     if variant == "winograd":
-        return winograd_form(geo, itemsize)
+        return winograd_form(geo, itemsize, sizes)
     return ConvForm("", "the variant's only form")
 
 

@@ -182,3 +182,30 @@ def test_fused_attention_counts_as_native_work_on_float32() -> None:
     blas = KernelVariant(Op.MATMUL, "default", attention.fn)
     assert blas_threads(4, [(attention, F32, 90.0), (blas, F32, 10.0)])[0] == 1
     assert blas_threads(4, [(attention, DType.FLOAT64, 90.0), (blas, F32, 10.0)])[0] == 4
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int64, np.float16, np.bool_])
+@pytest.mark.parametrize("perm", [(0, 2, 1, 3), (0, 1, 3, 2), (3, 2, 1, 0), (1, 0, 2, 3)])
+def test_a_transpose_splits_its_copy_over_keels_threads(dtype: Any, perm: tuple[int, ...]
+                                                        ) -> None:
+    x = (np.random.default_rng(2).standard_normal((6, 33, 5, 70)) * 10).astype(dtype)
+    want = np.ascontiguousarray(x.transpose(perm))
+    kernel = TABLE.get(Op.TRANSPOSE)
+    for threads in (1, 2, 3):
+        out = np.zeros_like(want)
+        view = x.transpose(perm)
+        served = native_window.copy_strided(view, np.zeros_like(want), threads)
+        assert served is (threads > 1)                  # one thread: NumPy's copy
+        (got,) = kernel.fn(KernelContext(np, "cpu", "cpu", threads, None), [x],
+                           {"perm": list(perm)}, [out])
+        assert got is out and np.array_equal(got, want)
+
+
+def test_the_strided_copy_refuses_what_it_cannot_copy() -> None:
+    x = np.zeros((64, 64, 8), np.float32)
+    view = x.transpose(2, 0, 1)
+    assert not native_window.copy_strided(view, np.zeros((8, 64, 64), np.float64), 2)
+    assert not native_window.copy_strided(view, np.zeros((8, 64, 64), np.float32).T, 2)
+    assert not native_window.copy_strided(view, x.reshape(8, 64, 64), 2)     # overlaps
+    assert not native_window.copy_strided(x[:1, :1].transpose(2, 0, 1),
+                                          np.zeros((8, 1, 1), np.float32), 2)  # too little

@@ -36,7 +36,8 @@ from keel.ops.schemas.conv import Window
 
 __all__ = ["Bound", "WindowGeometry", "avg_counts", "avg_pool", "bind_avg_pool", "clip_bounds",
            "bind_depthwise_conv", "bind_global_max_pool", "bind_max_pool", "bind_phase_copy",
-           "depthwise_conv", "global_max_pool", "max_pool", "phase_geometry", "plan", "ready"]
+           "copy_strided", "depthwise_conv", "global_max_pool", "max_pool", "phase_geometry",
+           "plan", "ready"]
 
 LIBRARY = "window"
 # Limits of window.c (MAX_TAPS, MAX_STRIDE).
@@ -59,6 +60,7 @@ class _Functions:
     avgpool_mt: Any
     global_max_mt: Any
     phase_copy_mt: Any   # keel_phase_copy_mt_f32: stride-phase copies of planes
+    strided_copy_mt: Any  # keel_strided_copy_mt: a strided view into a C-contiguous array
 
 
 _loaded: tuple[native.NativeLibrary, _Functions] | None = None
@@ -86,6 +88,7 @@ def _load() -> _Functions | None:
         avgpool_mt=f("keel_avgpool2d_mt_f32", [_P, _P, _P, _P, _I, _I], _I),
         global_max_mt=f("keel_global_maxpool_mt_f32", [_P, _P, _I, _I, _I], _I),
         phase_copy_mt=f("keel_phase_copy_mt_f32", [_P, _P, _P, _I, _I], _I),
+        strided_copy_mt=f("keel_strided_copy_mt", [_P, _P, _P, _I, _I], _I),
     )
     _loaded = (lib, fns)
     return fns
@@ -381,3 +384,31 @@ def bind_phase_copy(x: np.ndarray, image: np.ndarray, geometry: np.ndarray,
     count = max(1, parts(planes, threads, max(1, planner_rules().MIN_CHUNK_FLOATS // per_plane)))
     return Bound(fns.phase_copy_mt, (native.address(x), native.address(image),
                                      native.address(geometry), planes, count), (geometry,))
+
+
+# window.c's COPY_MAX_RANK: the most dimensions keel_strided_copy_mt takes.
+COPY_MAX_RANK = 8
+
+
+def copy_strided(view: np.ndarray, dst: np.ndarray, threads: int) -> bool:
+    """``dst[...] = view`` split by rows over keel's threads (a Transpose's copy: NumPy's
+    runs on one thread); False when not served (nothing written): the kernels absent, a
+    ``dst`` that is not C-contiguous of the view's shape and dtype, elements of another
+    size than 1, 2, 4 or 8 bytes, or too little work for a second thread."""
+    fns = _load()
+    elem = view.dtype.itemsize
+    if (fns is None or dst.shape != view.shape or dst.dtype != view.dtype
+            or not dst.flags.c_contiguous or view.ndim < 1 or view.ndim > COPY_MAX_RANK
+            or elem not in (1, 2, 4, 8) or view.dtype.hasobject
+            or any(s % elem for s in view.strides) or np.may_share_memory(view, dst)):
+        return False
+    n = view.shape[-1]
+    rows = view.size // n if n else 0
+    count = parts(rows, threads, max(1, planner_rules().MIN_CHUNK_ELEMENTS // max(1, n)))
+    if count <= 1:
+        return False
+    geometry = np.array([view.ndim, elem, *view.shape, *(s // elem for s in view.strides)],
+                        dtype=np.int64)
+    _check(int(fns.strided_copy_mt(native.address(view), native.address(dst),
+                                   native.address(geometry), rows, count)))
+    return True

@@ -1014,3 +1014,62 @@ int64_t keel_phase_copy_mt_f32(const float *x, float *y, const int64_t *geometry
     phase_job j = {x, y, geometry, planes};
     return run_parts(phase_task, &j, planes, parts, 0);
 }
+
+/* A strided view copied into a C-contiguous array (a Transpose's materialization).
+ *
+ * geometry: RANK (1..8), ELEM (bytes: 1, 2, 4 or 8), then RANK dims, then RANK strides
+ * of x in elements. y is C-contiguous of those dims. Rows (every index but the last)
+ * [lo, hi): a copy, so any split gives the same bytes. */
+#define COPY_MAX_RANK 8
+
+typedef struct {
+    const char *x;
+    char *y;
+    const int64_t *geometry;
+} strided_job;
+
+static void strided_rows(const strided_job *j, int64_t lo, int64_t hi) {
+    const int64_t *g = j->geometry;
+    int64_t rank = g[0], elem = g[1];
+    const int64_t *dims = g + 2, *strides = g + 2 + rank;
+    int64_t n = dims[rank - 1], step = strides[rank - 1] * elem;
+    int64_t idx[COPY_MAX_RANK] = {0}, rest = lo, offset = 0;
+    for (int64_t d = rank - 2; d >= 0; d--) {       /* the first row's index and offset */
+        idx[d] = rest % dims[d];
+        rest /= dims[d];
+        offset += idx[d] * strides[d];
+    }
+    for (int64_t r = lo; r < hi; r++) {
+        const char *s = j->x + offset * elem;
+        char *t = j->y + r * n * elem;
+        if (step == elem) {
+            memcpy(t, s, (size_t)(n * elem));
+        } else if (elem == 4) {
+            for (int64_t c = 0; c < n; c++) memcpy(t + 4 * c, s + c * step, 4);
+        } else {
+            for (int64_t c = 0; c < n; c++) memcpy(t + elem * c, s + c * step, (size_t)elem);
+        }
+        for (int64_t d = rank - 2; d >= 0; d--) {   /* the next row: an odometer */
+            offset += strides[d];
+            if (++idx[d] < dims[d]) break;
+            offset -= idx[d] * strides[d];
+            idx[d] = 0;
+        }
+    }
+}
+
+static void strided_task(void *ctx, float *scratch, int64_t lo, int64_t hi) {
+    (void)scratch;
+    strided_rows(ctx, lo, hi);
+}
+
+/* The copy above over rows [0, rows) in `parts` chunks on keel's threads; -1 for a
+ * geometry it does not take (nothing is written then). */
+int64_t keel_strided_copy_mt(const void *x, void *y, const int64_t *geometry, int64_t rows,
+                             int64_t parts) {
+    int64_t rank = geometry[0], elem = geometry[1];
+    if (rank < 1 || rank > COPY_MAX_RANK || (elem != 1 && elem != 2 && elem != 4 && elem != 8))
+        return -1;
+    strided_job j = {x, y, geometry};
+    return run_parts(strided_task, &j, rows, parts, 0);
+}

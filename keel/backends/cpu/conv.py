@@ -368,7 +368,6 @@ class _Ready:
         if self.finish:
             conv_epilogue.finish(np, y, y, None, self.act)
 
-
     def _copy_phases(self, x: Any, threads: int) -> bool:
         """X into the phase image on keel's threads; False where the copy is NumPy's."""
         address = native_gemm.address(x)

@@ -728,13 +728,11 @@ def attention(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> lis
     y = _target(xp, out, shape, ct)
     if y.size:
         block = planner.block(ctx.plan, "attention_block")
-        if xp is np and _blockable(q, k, v, y) and _attention_native(
-                q, k, v, mask, y, scale, attrs["is_causal"], block, ctx.threads or 1):
-            pass
-        elif xp is np and _blockable(q, k, v, y):
-            _attention_blocks(q, k, v, mask, y, scale, attrs["is_causal"], block)
-        else:
-            _attention_batched(xp, q, k, v, mask, y, scale, attrs["is_causal"])
+        causal = attrs["is_causal"]
+        if xp is not np or not _blockable(q, k, v, y):
+            _attention_batched(xp, q, k, v, mask, y, scale, causal)
+        elif not _attention_native(q, k, v, mask, y, scale, causal, block, ctx.threads or 1):
+            _attention_blocks(q, k, v, mask, y, scale, causal, block)
     return _deliver(out, y, dtype)
 
 

@@ -209,3 +209,26 @@ def test_the_strided_copy_refuses_what_it_cannot_copy() -> None:
     assert not native_window.copy_strided(view, x.reshape(8, 64, 64), 2)     # overlaps
     assert not native_window.copy_strided(x[:1, :1].transpose(2, 0, 1),
                                           np.zeros((8, 1, 1), np.float32), 2)  # too little
+
+
+def test_a_conv_decided_at_run_time_follows_the_same_thread_rule() -> None:
+    """The default kernel's choice on shapes known only at the call (no placement)."""
+    from keel.backends.cpu.conv_rules import conv_case
+
+    attrs = dict(get_schema(Op.CONV).normalize_attrs({"pads": (1, 1, 1, 1),
+                                                      "strides": (2, 2)}))
+    case = conv_case(Op.CONV, (32, 128, 28, 28), (256, 128, 3, 3), attrs, "float32")
+    assert case is not None
+    one, _ = cpu_planner.conv_call_variant(case, 1)
+    assert one in cpu_planner.BLAS_CONV_VARIANTS
+    variant, why = cpu_planner.conv_call_variant(case, 4)
+    assert variant == "native" and f"native on 4 keel threads, not {one}" in why
+
+
+def test_float64_strided_convs_stay_where_the_rules_put_them() -> None:
+    """The native conv computes float32 (and float16) only."""
+    full = dict(get_schema(Op.CONV).normalize_attrs({"strides": (2, 2)}))
+    f64 = DType.FLOAT64
+    plan = CpuBackend(threads=4).plan_node(
+        Op.CONV, [TensorType(f64, (8, 64, 28, 28)), TensorType(f64, (128, 64, 1, 1))], full)
+    assert plan.variant in cpu_planner.BLAS_CONV_VARIANTS

@@ -216,7 +216,8 @@ def _plan(op: Op, variant: str, node_plan: NodePlan | None, backend: str,
     if variant == "default":
         variant = _planned(node_plan)
     if variant == "default":        # no plan decided it: the planner, from these shapes
-        variant, _ = conv_call_variant(case)
+        threads = node_plan.threads if node_plan is not None and node_plan.threads else 1
+        variant, _ = conv_call_variant(case, threads)
     else:
         why_not = RULES[variant].cannot_serve(case)   # a named variant runs where it can
         if why_not is not None:

@@ -195,10 +195,13 @@ def _pick_cached(case: ConvCase, tier: bool) -> tuple[str, str]:
     return pick(case, available_rules(tier))
 
 
-def conv_call_variant(case: ConvCase) -> tuple[str, str]:
-    """The conv variant for ``case`` when no placement decided one (a direct kernel
-    call on shapes known only now): the same rules as :func:`plan`."""
-    return _pick_cached(deciding_case(case), native_gemm.available())
+def conv_call_variant(case: ConvCase, threads: int = 1) -> tuple[str, str]:
+    """The conv variant for ``case`` on ``threads`` threads when no placement decided one
+    (a direct kernel call on shapes known only now): the same rules as :func:`plan`."""
+    tier = native_gemm.available()
+    variant, why = _pick_cached(deciding_case(case), tier)
+    native = next((r for r in available_rules(tier) if r.variant == "native"), None)
+    return threaded_conv(case, variant, why, threads, native)
 
 
 def exact_conv_variant(case: ConvCase) -> str:
@@ -532,13 +535,23 @@ def _on_keel_threads(request: PlanRequest, variants: Mapping[str, KernelVariant]
                      variant: str, why: str) -> tuple[str, str]:
     """The conv variant that splits over keel's threads where the rules chose one that
     runs on BLAS (see BLAS_CONV_VARIANTS), and why; else ``variant`` and ``why``."""
-    threads = request.threads or 1
     native = variants.get("native")
-    if (variant not in BLAS_CONV_VARIANTS or threads < PARALLEL_CONV_THREADS
-            or native is None or request.op not in CONV_OPS):
+    if (variant not in BLAS_CONV_VARIANTS or native is None or request.op not in CONV_OPS
+            or (request.threads or 1) < PARALLEL_CONV_THREADS):
         return variant, why
     case = _conv_case(request.op, request.input_types, request.attrs, request.dtype)
-    if case is None or rule_in_force(native).cannot_serve(case) is not None:
+    if case is None:
+        return variant, why
+    return threaded_conv(case, variant, why, request.threads or 1, rule_in_force(native))
+
+
+def threaded_conv(case: ConvCase, variant: str, why: str, threads: int,
+                  native: ConvRule | None) -> tuple[str, str]:
+    """``native`` (the native conv's rule in force, None without the tier) instead of
+    a BLAS-run ``variant`` from PARALLEL_CONV_THREADS threads on where it serves
+    ``case``, and why; else ``variant`` and ``why``."""
+    if (variant not in BLAS_CONV_VARIANTS or threads < PARALLEL_CONV_THREADS
+            or native is None or native.cannot_serve(case) is not None):
         return variant, why
     return "native", (
         f"{case.describe()}: native on {threads} keel threads, not {variant}: its GEMM runs "

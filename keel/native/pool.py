@@ -23,7 +23,7 @@ from typing import Any
 from keel.config import settings
 from keel.native import build
 
-__all__ = ["chunks", "parts", "set_spin_us", "shutdown", "spin_us", "workers"]
+__all__ = ["chunks", "parts", "set_affinity", "set_spin_us", "shutdown", "spin_us", "workers"]
 
 _I64 = ctypes.c_int64
 
@@ -54,6 +54,17 @@ def parts(n: int, threads: int, min_chunk: int = 1) -> int:
 def _function(symbol: str, argtypes: list[Any], restype: Any = None) -> Any:
     lib = build.library("threads")
     return None if lib is None else lib.function(symbol, argtypes, restype)
+
+
+def set_affinity(on: bool) -> None:
+    """Whether chunk ``c`` of a split goes first to the pool's thread ``c`` (the default:
+    a thread then runs the same part of consecutive kernels split the same way, and finds
+    its data in its own cache; see threads.c's OWN_PARTS) or to whichever thread is free
+    first. The same chunks either way, so the same results: for measuring what the
+    affinity is worth. Call it only while no kernel runs."""
+    fn = _function("keel_pool_set_affinity", [_I64])
+    if fn is not None:
+        fn(1 if on else 0)
 
 
 def workers() -> int:

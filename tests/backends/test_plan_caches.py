@@ -84,3 +84,18 @@ def test_a_model_planned_for_another_machine_shows_its_blocks(name: str) -> None
               if n.plan is not None and n.op == "gemm"}
     l2 = fake_profile(name).cpu.l2_cache_bytes
     assert blocks == {planner.BLOCKS["epilogue_block"] * l2 // (1 << 20)}
+
+
+def test_winograd_chunks_follow_the_last_level_cache() -> None:
+    from keel.ops.schemas.conv import conv_geometry
+
+    # 64 -> 64 3x3 on 56x56: 3.2 MB of transformed tiles an image.
+    geo = conv_geometry(Op.CONV, (32, 64, 56, 56), (64, 64, 3, 3),
+                        {"pads": (1, 1, 1, 1), "strides": (1, 1), "dilations": (1, 1),
+                         "group": 1})
+    measured = planner.winograd_form(geo, 4, planner.Caches(1 << 20, 32 << 20, "test"))
+    assert measured.chunk == 1 and "within 4 MiB" in measured.reason
+    xeon = planner.winograd_form(geo, 4, planner.caches(fake_profile("x86-avx512-server")))
+    assert xeon.chunk == 4
+    assert "scaled by rule to the caches of the profile's" in xeon.reason
+    assert "Xeon(R) Platinum 8480+" in xeon.reason

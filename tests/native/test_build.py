@@ -309,3 +309,22 @@ def test_a_cached_library_loads_without_starting_the_compiler(
     assert new_process() == ["--version"]                      # asked again; builds cached
     toolchain.compiler_version.cache_clear()
     native.reset()
+
+
+def test_each_chunk_goes_first_to_its_own_thread() -> None:
+    """Chunk c runs on the pool's thread c (the caller 0, worker i on i + 1) while every
+    thread is free; with the affinity off the chunks are the same, whoever runs them."""
+    check = _pool_check()
+    try:
+        for on in (True, False):
+            pool.set_affinity(on)
+            pool.shutdown()                       # exactly the workers this split starts
+            out = np.full(9, -1, dtype=np.int64)
+            assert check(30, 3, 5000, out.ctypes.data) == 0   # every chunk waits for all
+            rows = out.reshape(-1, 3)
+            assert [tuple(r) for r in rows[:, :2]] == pool.chunks(30, 3)
+            assert sorted(rows[:, 2]) == [0, 1, 2]
+            if on:
+                assert list(rows[:, 2]) == [0, 1, 2]
+    finally:
+        pool.set_affinity(True)

@@ -303,6 +303,29 @@ def test_batches_share_the_packed_operand(split_small: None) -> None:
             _close(y[t], _ref(w, x[t], bias=bias[:, None], res=res[t]), 50)
 
 
+@pytest.mark.parametrize("batch,n", [(5, 70), (16, 33), (3, 300)])
+def test_a_batch_split_panel_major_gives_bitwise_the_same(split_small: None, batch: int,
+                                                          n: int) -> None:
+    """Column panels across the batch (Winograd's products) or product by product: the
+    same bits for every thread count."""
+    rng = np.random.default_rng(12)
+    w = _rand(rng, batch, 24, 50)
+    packed = ng.pack_batch(w, left=True)
+    assert packed is not None
+    x, res, bias = _rand(rng, batch, 50, n), _rand(rng, batch, 24, n), _rand(rng, 24)
+    outs = []
+    for threads, panel_major in ((1, False), (2, False), (2, True), (3, True), (7, True)):
+        y = np.empty((batch, 24, n), np.float32)
+        call = ng.prepare(packed, x, y, bias=bias, bias_rows=True, residual=res)
+        assert call is not None
+        call.run(threads, panel_major=panel_major)
+        outs.append(y)
+    for t in range(batch):
+        _close(outs[0][t], _ref(w[t], x[t], bias=bias[:, None], res=res[t]), 50)
+    for y in outs[1:]:
+        np.testing.assert_array_equal(y, outs[0])
+
+
 def test_rows_and_column_map_read_and_write_anywhere() -> None:
     """B's rows at arbitrary offsets of a buffer; C's columns mapped or dropped."""
     rng = np.random.default_rng(11)

@@ -195,13 +195,15 @@ def _may_use_blas(variant: KernelVariant, dtype: DType | None) -> bool:
         return bool(declared)
     if variant.op not in _POOLED:
         return False
-    if variant.name in _NATIVE_FORMS and dtype is DType.FLOAT32 and _native_available():
+    if (variant.name in _NATIVE_FORMS or variant.meta.get("native_form")) \
+            and dtype is DType.FLOAT32 and _native_available():
         return False                 # the variant's native form runs: no BLAS
     return not (variant.meta.get("requires") == "native" and dtype is DType.FLOAT32)
 
 
 # Conv variants that run a native form on float32 where the tier is available: the
 # depthwise window kernel; Winograd's transforms with its products on the packed GEMM.
+# Other kernels say so with ``native_form=True`` in their metadata (attention).
 _NATIVE_FORMS = frozenset({"depthwise", "winograd"})
 
 

@@ -216,7 +216,8 @@ def _plan(op: Op, variant: str, node_plan: NodePlan | None, backend: str,
     if variant == "default":
         variant = _planned(node_plan)
     if variant == "default":        # no plan decided it: the planner, from these shapes
-        variant, _ = conv_call_variant(case)
+        threads = node_plan.threads if node_plan is not None and node_plan.threads else 1
+        variant, _ = conv_call_variant(case, threads)
     else:
         why_not = RULES[variant].cannot_serve(case)   # a named variant runs where it can
         if why_not is not None:
@@ -314,12 +315,14 @@ class _Ready:
     same object. The phase image belongs to the thread that prepared it.
     """
 
-    __slots__ = ("act", "attrs", "b", "calls", "fills", "finish", "go", "rebind", "threads",
-                 "variant", "w", "x_address", "x_dtype", "x_ref", "x_shape", "y_ref", "z_ref")
+    __slots__ = ("act", "attrs", "b", "calls", "copy", "fills", "finish", "go", "layout",
+                 "rebind", "source", "threads", "variant", "w", "x_address", "x_dtype",
+                 "x_ref", "x_shape", "y_ref", "z_ref")
 
     def __init__(self, variant: str, attrs: Attrs, x: Any, w: Any, b: Any, z: Any, y: Any,
                  act: Activation, calls: Sequence[native_gemm.Call | native_gemm.BandCall],
-                 fills: tuple[tuple[Any, Any], ...] | None, rebind: bool = False) -> None:
+                 fills: tuple[tuple[Any, Any], ...] | None, rebind: bool = False,
+                 layout: conv_gemm.NativeLayout | None = None, source: Any = None) -> None:
         self.variant, self.attrs, self.w, self.b = variant, attrs, w, b
         # rebind: the calls read X where it lies and take each run's X (a model input).
         self.rebind, self.x_address = rebind, native_gemm.address(x)
@@ -330,6 +333,10 @@ class _Ready:
         self.finish = act[0] not in ("", "clip")
         self.threads = 0                # the thread count the calls in ``go`` were bound for
         self.go: tuple[Callable[[], Any], ...] = ()
+        # The phase image's copy on keel's threads: the layout and image it fills, and
+        # the bound copy with the X address and thread count it was bound for.
+        self.layout, self.source = layout, source
+        self.copy: tuple[int, int, Callable[[], Any] | None] = (0, 0, None)
 
     def serves(self, variant: str, x: Any, w: Any, b: Any, z: Any, y: Any,
                attrs: Attrs) -> bool:
@@ -351,7 +358,7 @@ class _Ready:
                     raise ValueError("a band conv's X must be a C-contiguous float32 array")
                 calls.append(again)
             self.calls, self.x_address, self.threads = tuple(calls), native_gemm.address(x), 0
-        if self.fills is not None:
+        if self.fills is not None and not self._copy_phases(x, threads):
             for dst, src in self.fills:
                 dst[...] = x if src is None else x[src]
         if threads != self.threads:
@@ -361,6 +368,19 @@ class _Ready:
             go()
         if self.finish:
             conv_epilogue.finish(np, y, y, None, self.act)
+
+    def _copy_phases(self, x: Any, threads: int) -> bool:
+        """X into the phase image on keel's threads; False where the copy is NumPy's."""
+        address = native_gemm.address(x)
+        if self.copy[:2] != (address, threads):
+            bound = None if self.layout is None else conv_gemm.bind_phase_copy(
+                self.layout, x, self.source, threads)
+            self.copy = (address, threads, bound)
+        go = self.copy[2]
+        if go is None:
+            return False
+        go()
+        return True
 
 
 def _native(xp: Any, plan: _Plan, variant: str, x: Any, w: Any, b: Any, z: Any, y: Any,
@@ -402,7 +422,8 @@ def _prepare_native(plan: _Plan, variant: str, x: Any, w: Any, b: Any, z: Any, y
     if layout.copied:
         fills = tuple(_fill(source, f, dst, src, x.shape[2:])
                       for f, (dst, src) in enumerate(layout.fills))
-    return _Ready(variant, attrs, x, w, b, z, y, plan.act, calls, fills, layout.band)
+    return _Ready(variant, attrs, x, w, b, z, y, plan.act, calls, fills, layout.band,
+                  layout if layout.copied else None, source if layout.copied else None)
 
 
 def _fill(source: Any, phase: int, dst: tuple[slice, ...], src: tuple[slice, ...],

@@ -79,13 +79,13 @@ from typing import Any
 
 import numpy as np
 
-from keel.backends.cpu import native_gemm, workspace
+from keel.backends.cpu import native_gemm, native_window, workspace
 from keel.backends.cpu import window as wnd
 from keel.backends.cpu.conv_epilogue import Activation, finish
 from keel.ops.schemas.conv import ConvGeometry
 
-__all__ = ["Im2colLayout", "NativeLayout", "PointwiseLayout", "Wide", "im2col",
-           "im2col_layout", "native", "native_calls", "native_filters", "native_layout",
+__all__ = ["Im2colLayout", "NativeLayout", "PointwiseLayout", "Wide", "bind_phase_copy",
+           "im2col", "im2col_layout", "native", "native_calls", "native_filters", "native_layout",
            "native_source", "pointwise", "pointwise_layout", "wide_serves"]
 
 # How an im2col conv is laid out (compact or wide columns, images stacked, images per
@@ -790,7 +790,7 @@ def native(xp: Any, layout: NativeLayout, x: Any, w: Any, b: Any, z: Any, y: Any
         return False
     filters = workspace.form(xp, packed, ("native", layout.geo.group), (w, b),
                              lambda xp_, a: native_filters(xp_, layout.geo, a[0], a[1]))
-    source = native_source(xp, layout, x)
+    source = native_source(xp, layout, x, threads)
     calls = None
     if isinstance(packed, workspace.Packed):
         calls = packed.get(("native_calls",), (w, b), dict)
@@ -825,8 +825,9 @@ def _ref(a: Any) -> Any:
     return _Dead() if a is None else weakref.ref(a)
 
 
-def native_source(xp: Any, layout: NativeLayout, x: Any) -> Any:
-    """The array B is read from: X (C-contiguous), or its zero-bordered phase image."""
+def native_source(xp: Any, layout: NativeLayout, x: Any, threads: int = 1) -> Any:
+    """The array B is read from: X (C-contiguous), or its zero-bordered phase image
+    (copied on up to ``threads`` of keel's threads where the window kernels run)."""
     if not layout.copied:
         return x if x.flags.c_contiguous else xp.ascontiguousarray(x)
     geo = layout.geo
@@ -837,12 +838,36 @@ def native_source(xp: Any, layout: NativeLayout, x: Any) -> Any:
     image = workspace.filled(xp, ("native_phases", layout),
                              (len(layout.fills), geo.batch, geo.in_channels, *layout.q),
                              x.dtype, 0.0)
+    if xp is np:
+        copy = bind_phase_copy(layout, x, image, threads)
+        if copy is not None:
+            copy()
+            return image
     every = (slice(None), slice(None))
     for f, (dst, src) in enumerate(layout.fills):
         dst_index: tuple[Any, ...] = (f, *every, *dst)
         src_index: tuple[slice, ...] = (*every, *src)
         image[dst_index] = x[src_index]
     return image
+
+
+@functools.lru_cache(maxsize=256)
+def _phase_geometry(layout: NativeLayout) -> Any:
+    """The native phase copy's geometry of a layout's fills; None where it has none."""
+    if not layout.copied or layout.wide is not None:
+        return None
+    return native_window.phase_geometry(layout.fills, layout.geo.window.in_spatial, layout.q)
+
+
+def bind_phase_copy(layout: NativeLayout, x: Any, image: Any,
+                    threads: int) -> native_window.Bound | None:
+    """X's copy into the layout's phase image, split by planes over keel's threads, ready
+    to run (a NumPy strided copy runs on one thread: at batch 32, 4 ms of ResNet-18's
+    64-channel stride-2 conv); None where the window kernels do not serve it."""
+    geometry = _phase_geometry(layout)
+    if geometry is None:
+        return None
+    return native_window.bind_phase_copy(x, image, geometry, threads)
 
 
 def _wide_buffer(xp: Any, layout: NativeLayout, wide: Wide, dtype: Any) -> Any:

@@ -714,7 +714,7 @@ def _attention_plan(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...],
 
 
 @TABLE.kernel(Op.ATTENTION, dtypes=DTYPES[Op.ATTENTION], supports_out=True, simd=(),
-              shapes="Q (..., S, D), K (..., T, D), V (..., T, Dv)")
+              shapes="Q (..., S, D), K (..., T, D), V (..., T, Dv)", native_form=True)
 def attention(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """softmax(Q K^T * scale + mask) V: per block of heads, two GEMMs and a softmax
     that stays in cache."""
@@ -727,11 +727,12 @@ def attention(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> lis
     scale = attrs["scale"] if attrs["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
     y = _target(xp, out, shape, ct)
     if y.size:
-        if xp is np and _blockable(q, k, v, y):
-            _attention_blocks(q, k, v, mask, y, scale, attrs["is_causal"],
-                              planner.block(ctx.plan, "attention_block"))
-        else:
-            _attention_batched(xp, q, k, v, mask, y, scale, attrs["is_causal"])
+        block = planner.block(ctx.plan, "attention_block")
+        causal = attrs["is_causal"]
+        if xp is not np or not _blockable(q, k, v, y):
+            _attention_batched(xp, q, k, v, mask, y, scale, causal)
+        elif not _attention_native(q, k, v, mask, y, scale, causal, block, ctx.threads or 1):
+            _attention_blocks(q, k, v, mask, y, scale, causal, block)
     return _deliver(out, y, dtype)
 
 
@@ -808,6 +809,60 @@ def _attention_blocks(q: Any, k: Any, v: Any, mask: Any, y: Any, scale: float,
         np.matmul(scores, ones, out=rows)
         np.matmul(scores, v3[i:j], out=out)
         np.divide(out, rows, out=out)
+
+
+def _attention_native(q: Any, k: Any, v: Any, mask: Any, y: Any, scale: float, causal: bool,
+                      block: int, threads: int) -> bool:
+    """float32 on the native kernels, split over batch x heads on keel's threads: per
+    block of heads, scores = scale * Q K^T and Y = P V on the native GEMM (the heads
+    of a block divided among the threads), the mask, and a row softmax on keel's
+    threads. Each thread's share of a block is about ``block`` elements of scores, so
+    they stay in its cache between the products and the softmax. Every head is
+    computed the same way whatever the block or the split: the same bits on any thread
+    count. False (nothing written) where the native tier does not serve it."""
+    if q.dtype != np.float32 or not native_gemm.available() or not fastmath.available():
+        return False
+    s, d, t, dv = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
+    batch = q.shape[:-2]
+    heads = math.prod(batch)
+    q3, k3, v3 = q.reshape(heads, s, d), k.reshape(heads, t, d), v.reshape(heads, t, dv)
+    y3 = y.reshape(heads, s, dv)
+    g = planner.attention_heads(block, s * t, heads, threads)
+    sc = workspace.empty(np, "attention.native_scores", (g, s, t), q.dtype)
+    future = None if not causal else workspace.bound(
+        np, ("attention.future", s, t), lambda: np.triu(np.ones((s, t), dtype=bool), k=1))
+    masks = None if mask is None else _MaskBlocks(mask, batch, s, t, q.dtype)
+    for i, j in _head_blocks(batch, g, per_last_axis=masks is not None):
+        scores = sc[:j - i]
+        _native_product(q3[i:j], k3[i:j].swapaxes(-1, -2), scores, scale, threads)
+        if future is not None:
+            np.copyto(scores, -np.inf, where=future)
+        if masks is not None:
+            masks.apply(scores, i, j)
+        rows = scores.reshape(-1, t)
+        if not fastmath.softmax(rows, rows, "softmax", threads):
+            _softmax_numpy(scores)
+        _native_product(scores, v3[i:j], y3[i:j], 1.0, threads)
+    return True
+
+
+def _native_product(a: Any, b: Any, c: Any, alpha: float, threads: int) -> None:
+    """c = alpha * a @ b (batched) on the native GEMM; NumPy where it does not serve."""
+    call = native_gemm.prepare(a, b, c, alpha=alpha)
+    if call is not None:
+        call.run(threads)
+        return
+    np.matmul(a, b, out=c)
+    if alpha != 1.0:
+        c *= c.dtype.type(alpha)
+
+
+def _softmax_numpy(scores: Any) -> None:
+    """Row softmax in place (an all -inf row gives NaN, as the reference's does)."""
+    with np.errstate(invalid="ignore"):
+        np.subtract(scores, scores.max(axis=-1, keepdims=True), out=scores)
+        np.exp(scores, out=scores)
+        np.divide(scores, scores.sum(axis=-1, keepdims=True), out=scores)
 
 
 def _head_blocks(batch: tuple[int, ...], g: int,

@@ -410,23 +410,32 @@ class Call:
         once.keep = (self, _local.work)      # type: ignore[attr-defined]
         return once
 
-    def run(self, threads: int) -> None:
-        """Compute, split over up to ``threads`` threads when the product is big enough."""
+    def run(self, threads: int, panel_major: bool = False) -> None:
+        """Compute, split over up to ``threads`` threads when the product is big enough.
+
+        ``panel_major``: a batch of products splits by column panels across the batch
+        (a thread's share is the same columns of every product) instead of product by
+        product; the same result either way."""
         f = self.f
-        split = self._split(threads)
+        split = self._split(threads, panel_major)
         if split is None:
             # Column panels: any split gives the same result, so one call does them all.
             f.gemm(self.args, _work(f), 0, 0, self.batch * -(-self.n // f.nr))
         else:
             _checked(f.gemm_mt, self.args, *split)
 
-    def _split(self, threads: int) -> tuple[int, int, int] | None:
-        """(split_rows, units, parts) of a call split over threads; None for one thread."""
+    def _split(self, threads: int, panel_major: bool = False
+               ) -> tuple[int, int, int] | None:
+        """(split_rows, units, parts) of a call split over threads; None for one thread
+        (split_rows -B: column panels, panel-major over the B products)."""
         parts = self._parts(threads)
         if parts <= 1:
             return None
         f, m, n = self.f, self.m, self.n
         mp, np_ = -(-m // f.mr), -(-n // f.nr)
+        if panel_major and self.batch > 1:
+            units = self.batch * np_
+            return -self.batch, units, min(parts, units)
         # Split the larger panel dimension unless the batch alone gives every thread work.
         rows = self.batch < parts and mp > np_
         units = self.batch * (mp if rows else np_)

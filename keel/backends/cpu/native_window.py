@@ -35,8 +35,9 @@ from keel.native.pool import parts
 from keel.ops.schemas.conv import Window
 
 __all__ = ["Bound", "WindowGeometry", "avg_counts", "avg_pool", "bind_avg_pool", "clip_bounds",
-           "bind_depthwise_conv", "bind_global_max_pool", "bind_max_pool", "depthwise_conv",
-           "global_max_pool", "max_pool", "plan", "ready"]
+           "bind_depthwise_conv", "bind_global_max_pool", "bind_max_pool", "bind_phase_copy",
+           "copy_strided", "depthwise_conv", "global_max_pool", "max_pool", "phase_geometry",
+           "plan", "ready"]
 
 LIBRARY = "window"
 # Limits of window.c (MAX_TAPS, MAX_STRIDE).
@@ -58,6 +59,8 @@ class _Functions:
     maxpool_mt: Any
     avgpool_mt: Any
     global_max_mt: Any
+    phase_copy_mt: Any   # keel_phase_copy_mt_f32: stride-phase copies of planes
+    strided_copy_mt: Any  # keel_strided_copy_mt: a strided view into a C-contiguous array
 
 
 _loaded: tuple[native.NativeLibrary, _Functions] | None = None
@@ -84,6 +87,8 @@ def _load() -> _Functions | None:
         maxpool_mt=f("keel_maxpool2d_mt_f32", [_P, _P, _P, _I, _I], _I),
         avgpool_mt=f("keel_avgpool2d_mt_f32", [_P, _P, _P, _P, _I, _I], _I),
         global_max_mt=f("keel_global_maxpool_mt_f32", [_P, _P, _I, _I, _I], _I),
+        phase_copy_mt=f("keel_phase_copy_mt_f32", [_P, _P, _P, _I, _I], _I),
+        strided_copy_mt=f("keel_strided_copy_mt", [_P, _P, _P, _I, _I], _I),
     )
     _loaded = (lib, fns)
     return fns
@@ -334,3 +339,76 @@ def global_max_pool(x: np.ndarray, y: np.ndarray, threads: int = 1) -> None:
     NumPy kernel runs, measured twice as fast on 7x7 planes.)
     """
     bind_global_max_pool(x, y, threads)()
+
+
+# One stride-phase copy of a plane, as (destination slices, source slices) per spatial
+# dimension: phase[f][p][dst] = x[p][src] (conv_gemm's fills).
+Fill = tuple[tuple[slice, ...], tuple[slice, ...]]
+
+
+def phase_geometry(fills: tuple[Fill, ...], in_spatial: tuple[int, ...],
+                   phase_spatial: tuple[int, ...]) -> np.ndarray | None:
+    """keel_phase_copy_mt_f32's int64 geometry of 2-D ``fills`` from planes of
+    ``in_spatial`` into phase planes of ``phase_spatial`` (read-only); None when a fill
+    is not 2-D with positive steps."""
+    if len(in_spatial) != 2 or len(phase_spatial) != 2:
+        return None
+    values = [len(fills), *in_spatial, *phase_spatial]
+    for dst, src in fills:
+        if len(dst) != 2 or len(src) != 2:
+            return None
+        counts = [len(range(*d.indices(q))) for d, q in zip(dst, phase_spatial, strict=True)]
+        if counts != [len(range(*s.indices(n))) for s, n in zip(src, in_spatial, strict=True)]:
+            return None
+        values += [dst[0].indices(phase_spatial[0])[0], dst[1].indices(phase_spatial[1])[0],
+                   *counts, src[0].indices(in_spatial[0])[0],
+                   src[1].indices(in_spatial[1])[0], src[0].step or 1, src[1].step or 1]
+    array = np.array(values, dtype=np.int64)
+    array.setflags(write=False)
+    return array
+
+
+def bind_phase_copy(x: np.ndarray, image: np.ndarray, geometry: np.ndarray,
+                    threads: int = 1) -> Bound | None:
+    """The copies of ``geometry`` (:func:`phase_geometry`) from ``x`` (N, C, H, W) into
+    ``image`` (F, N, C, QH, QW), split by planes over keel's threads, ready to run again
+    (C-contiguous float32); None when the kernels cannot run them."""
+    fns = _load()
+    if (fns is None or x.dtype != np.float32 or image.dtype != np.float32 or x.ndim != 4
+            or not x.flags.c_contiguous or not image.flags.c_contiguous
+            or image.shape[1:3] != x.shape[:2] or image.shape[0] != geometry[0]
+            or image.shape[3:] != tuple(geometry[3:5]) or x.shape[2:] != tuple(geometry[1:3])):
+        return None
+    planes = x.shape[0] * x.shape[1]
+    per_plane = max(1, x.shape[2] * x.shape[3])
+    count = max(1, parts(planes, threads, max(1, planner_rules().MIN_CHUNK_FLOATS // per_plane)))
+    return Bound(fns.phase_copy_mt, (native.address(x), native.address(image),
+                                     native.address(geometry), planes, count), (geometry,))
+
+
+# window.c's COPY_MAX_RANK: the most dimensions keel_strided_copy_mt takes.
+COPY_MAX_RANK = 8
+
+
+def copy_strided(view: np.ndarray, dst: np.ndarray, threads: int) -> bool:
+    """``dst[...] = view`` split by rows over keel's threads (a Transpose's copy: NumPy's
+    runs on one thread); False when not served (nothing written): the kernels absent, a
+    ``dst`` that is not C-contiguous of the view's shape and dtype, elements of another
+    size than 1, 2, 4 or 8 bytes, or too little work for a second thread."""
+    fns = _load()
+    elem = view.dtype.itemsize
+    if (fns is None or dst.shape != view.shape or dst.dtype != view.dtype
+            or not dst.flags.c_contiguous or view.ndim < 1 or view.ndim > COPY_MAX_RANK
+            or elem not in (1, 2, 4, 8) or view.dtype.hasobject
+            or any(s % elem for s in view.strides) or np.may_share_memory(view, dst)):
+        return False
+    n = view.shape[-1]
+    rows = view.size // n if n else 0
+    count = parts(rows, threads, max(1, planner_rules().MIN_CHUNK_ELEMENTS // max(1, n)))
+    if count <= 1:
+        return False
+    geometry = np.array([view.ndim, elem, *view.shape, *(s // elem for s in view.strides)],
+                        dtype=np.int64)
+    _check(int(fns.strided_copy_mt(native.address(view), native.address(dst),
+                                   native.address(geometry), rows, count)))
+    return True

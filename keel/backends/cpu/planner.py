@@ -195,10 +195,13 @@ def _pick_cached(case: ConvCase, tier: bool) -> tuple[str, str]:
     return pick(case, available_rules(tier))
 
 
-def conv_call_variant(case: ConvCase) -> tuple[str, str]:
-    """The conv variant for ``case`` when no placement decided one (a direct kernel
-    call on shapes known only now): the same rules as :func:`plan`."""
-    return _pick_cached(deciding_case(case), native_gemm.available())
+def conv_call_variant(case: ConvCase, threads: int = 1) -> tuple[str, str]:
+    """The conv variant for ``case`` on ``threads`` threads when no placement decided one
+    (a direct kernel call on shapes known only now): the same rules as :func:`plan`."""
+    tier = native_gemm.available()
+    variant, why = _pick_cached(deciding_case(case), tier)
+    native = next((r for r in available_rules(tier) if r.variant == "native"), None)
+    return threaded_conv(case, variant, why, threads, native)
 
 
 def exact_conv_variant(case: ConvCase) -> str:
@@ -451,6 +454,16 @@ _BLOCK_WHY = {
 }
 
 
+def attention_heads(block_elements: int, scores_per_head: int, heads: int,
+                    threads: int) -> int:
+    """Heads per block of the native attention: a block of ``block_elements`` scores
+    (the plan's attention_block, sized for one core's L2) for each of ``threads``
+    threads, which split the block's heads between them; at least one, at most
+    ``heads``."""
+    per_thread = max(1, block_elements // max(1, scores_per_head))
+    return max(1, min(heads, max(1, threads) * per_thread))
+
+
 def block(node_plan: NodePlan | None, name: str) -> int:
     """The block size ``name`` (see BLOCKS) a kernel runs with: its node plan's, else
     (a call the planner did not see) the planner's own."""
@@ -498,6 +511,53 @@ def plan_program(threads: int, steps: Sequence[tuple[bool, float]]) -> tuple[int
     return 1, (f"BLAS on 1 thread: BLAS kernels do {share:.0%} of the work; the native "
                f"kernels split theirs over {threads} keel threads, and idle BLAS workers "
                "would spin on the cores they need")
+
+
+# ---- convs that would not reach keel's threads --------------------------------------------
+# im2col and the pointwise GEMM run their product on OpenBLAS, which a program whose work
+# is mostly on the native kernels keeps on one thread (plan_program, above): on more
+# threads such a node does not get faster at all. From PARALLEL_CONV_THREADS threads on,
+# a conv the rules give one of them runs on the native implicit GEMM instead wherever it
+# can compute it, split over keel's threads. Measured on the 16-core Intel Xeon (AVX-512)
+# of an H200 machine, ResNet-18 at batch 32: its three 3x3 stride-2 convs (im2col) took
+# 40.5 / 35.3 / 31.7 ms on 1 thread and 39.5 / 33.7 / 30.8 on 16, its three 1x1 stride-2
+# convs (pointwise) 6.9 / 6.1 / 4.3 and 6.7 / 5.5 / 4.1: 120 of the model's 231 ms. On
+# the 2-core AMD EPYC, a 128->256 3x3 stride-2 conv at batch 32 took 43 ms on one keel
+# thread natively and 23 on two, where im2col on one BLAS thread is 2-17 % faster than
+# native on one (so one thread keeps the rules' choice). Which variant runs then follows
+# the thread count: results on 1 and on more threads agree within float32 rounding, and
+# bitwise from 2 threads on.
+BLAS_CONV_VARIANTS = frozenset({"im2col", "pointwise"})
+PARALLEL_CONV_THREADS = 2
+
+
+def _on_keel_threads(request: PlanRequest, variants: Mapping[str, KernelVariant],
+                     variant: str, why: str) -> tuple[str, str]:
+    """The conv variant that splits over keel's threads where the rules chose one that
+    runs on BLAS (see BLAS_CONV_VARIANTS), and why; else ``variant`` and ``why``."""
+    native = variants.get("native")
+    if (variant not in BLAS_CONV_VARIANTS or native is None or request.op not in CONV_OPS
+            or (request.threads or 1) < PARALLEL_CONV_THREADS):
+        return variant, why
+    case = _conv_case(request.op, request.input_types, request.attrs, request.dtype)
+    if case is None:
+        return variant, why
+    return threaded_conv(case, variant, why, request.threads or 1, rule_in_force(native))
+
+
+def threaded_conv(case: ConvCase, variant: str, why: str, threads: int,
+                  native: ConvRule | None) -> tuple[str, str]:
+    """``native`` (the native conv's rule in force, None without the tier) instead of
+    a BLAS-run ``variant`` from PARALLEL_CONV_THREADS threads on where it serves
+    ``case``, and why; else ``variant`` and ``why``."""
+    if (variant not in BLAS_CONV_VARIANTS or threads < PARALLEL_CONV_THREADS
+            or native is None or native.cannot_serve(case) is not None):
+        return variant, why
+    return "native", (
+        f"{case.describe()}: native on {threads} keel threads, not {variant}: its GEMM runs "
+        "on BLAS, which a program of native kernels keeps on one thread (on a 16-core "
+        "Xeon, ResNet-18's strided im2col and pointwise convs did not get faster from 1 "
+        f"to 16 threads); the rules on one thread: {why}")
 
 
 # ---- the node plan ---------------------------------------------------------------------
@@ -558,6 +618,7 @@ def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:
         variant, why = measured.variant, measured.reason
     else:
         variant, why = choose_variant(request.op, request.input_types, request.attrs, table)
+        variant, why = _on_keel_threads(request, variants, variant, why)
     options: list[tuple[str, Any]] = []
     dispatched = _dispatched(request.op, request, table) if variant == "default" else None
     if dispatched is not None:
@@ -957,19 +1018,27 @@ def pointwise_form(geo: ConvGeometry) -> ConvForm:
 
 # Winograd's transformed tiles per chunk of images (bytes; the transformed input V and,
 # compiled, the products P of a chunk): bigger batches run in chunks that stay in cache
-# (measured: batch-8 64-channel 56x56 runs 16 ms in 4 MB chunks against 22.6 ms in
-# 24 MB ones).
+# (measured with a 32 MiB last-level cache: batch-8 64-channel 56x56 runs 16 ms in 4 MB
+# chunks against 22.6 ms in 24 MB ones). Scaled by rule to the plan's last-level cache:
+# every pass over a chunk splits over the threads, and a chunk of one image leaves
+# threads idle in the transforms on a many-core machine.
 WINOGRAD_CHUNK_BYTES = 4 * 2**20
 
 
-def winograd_form(geo: ConvGeometry, itemsize: int) -> ConvForm:
-    """Images per chunk of a Winograd conv (its one form)."""
+def winograd_form(geo: ConvGeometry, itemsize: int, sizes: Caches | None = None) -> ConvForm:
+    """Images per chunk of a Winograd conv (its one form), for the caches of ``sizes``
+    (None: this machine's)."""
     (oh, ow), c, m = geo.window.out_spatial, geo.in_channels, geo.out_channels
     th, tw = -(-oh // 2), -(-ow // 2)
     per_image = 16 * th * tw * max(c, m) * itemsize
-    chunk = max(1, min(geo.batch, WINOGRAD_CHUNK_BYTES // max(per_image, 1)))
+    sizes = sizes or caches()
+    budget = sizes.with_llc(WINOGRAD_CHUNK_BYTES)
+    chunk = max(1, min(geo.batch, budget // max(per_image, 1)))
+    scaled = "" if budget == WINOGRAD_CHUNK_BYTES else (
+        f" ({WINOGRAD_CHUNK_BYTES >> 20} MiB measured with a 32 MiB last-level cache, "
+        f"scaled by rule to the caches of {sizes.source})")
     return ConvForm("", f"{chunk} image(s) per chunk: {per_image} bytes of transformed "
-                        f"tiles an image, within {WINOGRAD_CHUNK_BYTES >> 20} MiB", chunk,
+                        f"tiles an image, within {budget / 2**20:.3g} MiB{scaled}", chunk,
                     _winograd_scratch(chunk, c, m, th, tw, itemsize))
 
 
@@ -1004,7 +1073,7 @@ def conv_form(variant: str, geo: ConvGeometry, itemsize: int, grid: Any = _HERE,
     if variant == "pointwise":
         return pointwise_form(geo)
     if variant == "winograd":
-        return winograd_form(geo, itemsize)
+        return winograd_form(geo, itemsize, sizes)
     return ConvForm("", "the variant's only form")
 
 

@@ -12,7 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from keel.backends.base import Attrs, Inputs, KernelContext, Out
+from keel.backends.cpu import native_window
 from keel.backends.cpu.kernels import TABLE
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError
@@ -114,7 +117,8 @@ def transpose(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> lis
     xp, x = ctx.xp, inputs[0]
     view = x.transpose(transpose_perm("transpose", attrs["perm"], x.ndim))
     dst = destination(xp, view.shape, x.dtype, out)
-    dst[...] = view
+    if not (xp is np and native_window.copy_strided(view, dst, ctx.threads or 1)):
+        dst[...] = view
     return [dst]
 
 

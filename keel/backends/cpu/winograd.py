@@ -221,7 +221,9 @@ def native_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[in
         call = native_gemm.prepare(u, v, p)
         if call is None:
             raise RuntimeError("native GEMM refused the Winograd products")
-        call.run(threads)
+        # Panel-major: a thread's share of the sixteen products is the tiles of the images
+        # whose planes it transformed (the pool gives each thread the same chunk index).
+        call.run(threads, panel_major=True)
         _ok(fns.output(addr(p), addr(ys), addr(geo), m,
                        None if bias is None else addr(bias), None if zs is None else addr(zs),
                        None if clip is None else addr(clip), k,

@@ -1518,18 +1518,51 @@ int64_t keel_gemm_args_c_offset(void) { return (int64_t)offsetof(keel_gemm_args,
  *
  * Range: units [u_lo, u_hi) of batch * panels, product-major, where panels are
  * the column panels (ceil(n / NR)), or the row panels (ceil(m / MR)) when
- * split_rows is set. Any division of the units over calls gives the same C.
+ * split_rows is 1. split_rows = -B (B products) takes column panels panel-major
+ * instead: unit u is column panel u / B of product u % B, so a range of units covers
+ * the same columns of every product (Winograd's sixteen products over the tiles of
+ * some images: the images the same thread transformed). Any division of the units
+ * over calls gives the same C.
  */
+static void gemm_panels(const keel_gemm_args *g, float *work, int64_t t, int64_t split_rows,
+                        int64_t lo_p, int64_t hi_p);
+
 void keel_gemm_f32(const keel_gemm_args *g, float *work, int64_t split_rows, int64_t u_lo,
                    int64_t u_hi)
 {
     int64_t m = g->m, n = g->n;
     int64_t mp = (m + MR - 1) / MR, np = (n + NR - 1) / NR;
+    if (split_rows < 0) {
+        int64_t batch = -split_rows;
+        if (np == 0 || u_lo >= u_hi) return;
+        for (int64_t t = 0; t < batch; t++) {  /* panels p with p * batch + t in range */
+            int64_t lo_p = u_lo <= t ? 0 : (u_lo - t + batch - 1) / batch;
+            int64_t hi_p = u_hi <= t ? 0 : (u_hi - 1 - t) / batch + 1;
+            if (hi_p > np) hi_p = np;
+            if (lo_p < hi_p) gemm_panels(g, work, t, 0, lo_p, hi_p);
+        }
+        goto fence;
+    }
     int64_t panels = split_rows ? mp : np;
     if (panels == 0 || u_lo >= u_hi) return;
     for (int64_t t = u_lo / panels; t * panels < u_hi; t++) {
         int64_t lo_p = u_lo > t * panels ? u_lo - t * panels : 0;
         int64_t hi_p = u_hi < (t + 1) * panels ? u_hi - t * panels : panels;
+        gemm_panels(g, work, t, split_rows, lo_p, hi_p);
+    }
+fence:
+#if defined(__SSE2__)
+    if (g->flags & KEEL_NT) _mm_sfence();
+#endif
+}
+
+/* Panels [lo_p, hi_p) of product t: row panels with split_rows, else column panels. */
+static void gemm_panels(const keel_gemm_args *g, float *work, int64_t t, int64_t split_rows,
+                        int64_t lo_p, int64_t hi_p)
+{
+    int64_t m = g->m, n = g->n;
+    int64_t mp = (m + MR - 1) / MR, np = (n + NR - 1) / NR;
+    {
         problem p = {m,
                      n,
                      g->k,
@@ -1555,9 +1588,6 @@ void keel_gemm_f32(const keel_gemm_args *g, float *work, int64_t split_rows, int
         else
             gemm_2d(&p, &e, 0, mp, lo_p, hi_p);
     }
-#if defined(__SSE2__)
-    if (g->flags & KEEL_NT) _mm_sfence();
-#endif
 }
 
 /* ---- on keel's worker threads ------------------------------------------------------ */

@@ -105,12 +105,22 @@ typedef struct {
  * and the job's description is stable while any of its chunks can still be claimed. */
 #define CHUNK_BITS 16
 #define MAX_PARTS ((1 << CHUNK_BITS) - 1)
+/* Chunks [0, OWN_PARTS) of a job each have an owner: chunk c goes first to the thread
+ * of id c (the calling thread 0, worker i the id i + 1), which claims it by setting
+ * bit c of `own` (its high 32 bits: the job's epoch). The same thread so runs the same
+ * part of consecutive kernels that split the same way (the rows of a product, then of
+ * its layer norm; the images of a phase copy, then of the conv), and finds that part's
+ * data in its own cache. The ticket hands out the chunks from OWN_PARTS on; a thread
+ * left without work takes any owned chunk not yet claimed, so a slow or sleeping owner
+ * delays nothing. */
+#define OWN_PARTS 32
 
 static struct {
     pthread_mutex_t lock; /* guards sleeping and waking, and starting workers */
     pthread_cond_t wake;
     atomic_flag busy;        /* a job is being run */
     _Atomic uint64_t ticket; /* epoch | parts | next chunk */
+    _Atomic uint64_t own;    /* epoch | claimed owned chunks (one bit each) */
     _Atomic int64_t done;    /* chunks of the live job finished */
     _Atomic int failed;      /* a thread could not get its scratch */
     _Atomic int sleepers;    /* workers waiting on `wake` */
@@ -120,7 +130,12 @@ static struct {
     job j;
     _Atomic int64_t spin_ns;
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, ATOMIC_FLAG_INIT, 0, 0, 0, 0, 0,
-          0, {0}, {0}, 200000};
+          0, 0, {0}, {0}, 200000};
+
+/* This thread's id in the pool: 0 for a calling thread, i + 1 for worker i. */
+static _Thread_local int64_t pool_id = 0;
+/* Whether chunks go first to their owners (keel_pool_set_affinity: for measurements). */
+static _Atomic int affinity = 1;
 
 static int64_t now_ns(void)
 {
@@ -143,28 +158,56 @@ static void chunk(int64_t n, int64_t parts, int64_t c, int64_t *lo, int64_t *hi)
     *hi = *lo + base + (c < extra);
 }
 
-/* Claim and run chunks of the job of `epoch` until none is left (or another job is live). */
+/* Run chunk c of the live job (its description is stable while the job is live). */
+static void run_chunk(int64_t parts, int64_t c, float **scratch)
+{
+    if (!*scratch) *scratch = scratch_get(pool.j.scratch_floats);
+    if (*scratch) {
+        int64_t lo, hi;
+        chunk(pool.j.n, parts, c, &lo, &hi);
+        pool.j.fn(pool.j.ctx, *scratch, lo, hi);
+    } else {
+        atomic_store(&pool.failed, 1);
+    }
+    atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
+}
+
+/* Claim owned chunk c of the job of `epoch`: 0 when that job is gone or c is taken. */
+static int claim_own(uint32_t epoch, int64_t c)
+{
+    uint64_t bit = (uint64_t)1 << c;
+    uint64_t w = atomic_load_explicit(&pool.own, memory_order_acquire);
+    for (;;) {
+        if (epoch_of(w) != epoch || (w & bit)) return 0;
+        if (atomic_compare_exchange_weak_explicit(&pool.own, &w, w | bit, memory_order_acq_rel,
+                                                  memory_order_acquire))
+            return 1;
+    }
+}
+
+/* Claim and run chunks of the job of `epoch` until none is left (or another job is live):
+ * this thread's own chunk first, then the ticket's, then owned chunks left unclaimed. */
 static void take_chunks(uint32_t epoch)
 {
     float *scratch = NULL;
     uint64_t t = atomic_load_explicit(&pool.ticket, memory_order_acquire);
+    if (epoch_of(t) != epoch) return;
+    int64_t parts = (int64_t)((t >> CHUNK_BITS) & MAX_PARTS);
+    /* Chunks past the job's owned ones have their bits set from the start. */
+    int64_t owned = parts < OWN_PARTS ? parts : OWN_PARTS;
+    if (pool_id < owned && claim_own(epoch, pool_id)) run_chunk(parts, pool_id, &scratch);
+    t = atomic_load_explicit(&pool.ticket, memory_order_acquire);
     for (;;) {
-        int64_t parts = (int64_t)((t >> CHUNK_BITS) & MAX_PARTS), c = (int64_t)(t & MAX_PARTS);
-        if (epoch_of(t) != epoch || c >= parts) return;
+        int64_t c = (int64_t)(t & MAX_PARTS);
+        if (epoch_of(t) != epoch || c >= parts) break;
         if (!atomic_compare_exchange_weak_explicit(&pool.ticket, &t, t + 1, memory_order_acq_rel,
                                                    memory_order_acquire))
             continue;
-        if (!scratch) scratch = scratch_get(pool.j.scratch_floats);
-        if (scratch) {
-            int64_t lo, hi;
-            chunk(pool.j.n, parts, c, &lo, &hi);
-            pool.j.fn(pool.j.ctx, scratch, lo, hi);
-        } else {
-            atomic_store(&pool.failed, 1);
-        }
-        atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
+        run_chunk(parts, c, &scratch);
         t = atomic_load_explicit(&pool.ticket, memory_order_acquire);
     }
+    for (int64_t c = 0; c < owned; c++)
+        if (claim_own(epoch, c)) run_chunk(parts, c, &scratch);
 }
 
 /* The epoch of a job newer than `seen`, spinning a while and then sleeping for one. */
@@ -189,9 +232,12 @@ static uint32_t next_epoch(uint32_t seen)
 }
 
 /* arg: the epoch before the job the worker was started for (so it takes part in that one). */
+static _Atomic int64_t next_id = 0; /* ids handed to workers as they start */
+
 static void *worker(void *arg)
 {
     uint32_t seen = (uint32_t)(uintptr_t)arg;
+    pool_id = atomic_fetch_add(&next_id, 1) + 1;
 #if defined(__linux__)
     pthread_setname_np(pthread_self(), "keel-worker"); /* what top -H and debuggers show */
 #endif
@@ -243,6 +289,7 @@ static void after_fork_child(void)
     pthread_cond_init(&pool.wake, NULL);
     atomic_flag_clear(&pool.busy);
     pool.workers = 0;
+    atomic_store(&next_id, 0);
     atomic_store(&pool.sleepers, 0);
     atomic_store(&pool.stop, 0);
 }
@@ -261,11 +308,18 @@ int64_t keel_parallel(keel_task fn, void *ctx, int64_t n, int64_t parts, int64_t
         return run_inline(fn, ctx, n, parts, scratch_floats);
     pthread_once(&fork_once, fork_init);
     grow((int)(parts - 1));
+    int64_t owned = atomic_load_explicit(&affinity, memory_order_relaxed)
+                        ? (parts < OWN_PARTS ? parts : OWN_PARTS) : 0;
     pool.j = (job){fn, ctx, n, scratch_floats};
     atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
     atomic_store_explicit(&pool.failed, 0, memory_order_relaxed);
     uint32_t epoch = epoch_of(atomic_load_explicit(&pool.ticket, memory_order_relaxed)) + 1;
-    atomic_store(&pool.ticket, ((uint64_t)epoch << 32) | ((uint64_t)parts << CHUNK_BITS));
+    /* The owned chunks' claims first (a thread that sees the new ticket sees them), the
+     * bits of chunks that are not owned already set. */
+    uint64_t unowned = owned == OWN_PARTS ? 0 : (~(((uint64_t)1 << owned) - 1)) & 0xffffffffu;
+    atomic_store(&pool.own, ((uint64_t)epoch << 32) | unowned);
+    atomic_store(&pool.ticket,
+                 ((uint64_t)epoch << 32) | ((uint64_t)parts << CHUNK_BITS) | (uint64_t)owned);
     if (atomic_load(&pool.sleepers) > 0) {
         pthread_mutex_lock(&pool.lock);
         pthread_cond_broadcast(&pool.wake);
@@ -291,6 +345,11 @@ int64_t keel_pool_spin_us(void) { return spin_ns() / 1000; }
  * once). keel calls it with KEEL_SPIN_US when it loads this library. */
 void keel_pool_set_spin_us(int64_t us) { pool.spin_ns = us < 0 ? 0 : us * 1000; }
 
+/* Whether each owned chunk goes first to its owner (1, the default) or every chunk to
+ * whichever thread claims it first (0): the same chunks either way, so the same results;
+ * for measuring what the affinity is worth. Set it only while no job runs. */
+void keel_pool_set_affinity(int64_t on) { atomic_store(&affinity, on != 0); }
+
 /* Stop and join every worker (they start again on the next parallel call). */
 void keel_pool_stop(void)
 {
@@ -302,14 +361,15 @@ void keel_pool_stop(void)
     pthread_mutex_unlock(&pool.lock);
     for (int i = 0; i < count; i++) pthread_join(pool.threads[i], NULL);
     pool.workers = 0;
+    atomic_store(&next_id, 0);
     atomic_store(&pool.stop, 0);
     atomic_flag_clear_explicit(&pool.busy, memory_order_release);
 }
 
 /* ---- a self-check (tests) -------------------------------------------------------------
  * keel_parallel over [0, n) in `parts` chunks of a task that records, per chunk, its
- * bounds and whether a worker (not the calling thread) ran it: out[3c] = lo,
- * out[3c + 1] = hi, out[3c + 2] = 1 on a worker. With wait_ms > 0 each chunk then waits
+ * bounds and which thread ran it: out[3c] = lo, out[3c + 1] = hi, out[3c + 2] = 0 on
+ * the calling thread, i + 1 on worker i. With wait_ms > 0 each chunk then waits
  * (up to wait_ms) until every chunk has started: on the pool, that needs `parts`
  * threads at once. Returns keel_parallel's result, or -2 if a chunk's wait timed out. */
 
@@ -331,7 +391,7 @@ static void check_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
         if (clo == lo && chi == hi) {
             j->out[3 * c] = lo;
             j->out[3 * c + 1] = hi;
-            j->out[3 * c + 2] = !pthread_equal(pthread_self(), j->caller);
+            j->out[3 * c + 2] = pthread_equal(pthread_self(), j->caller) ? 0 : pool_id;
         }
     }
     atomic_fetch_add(&j->started, 1);

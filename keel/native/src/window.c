@@ -966,3 +966,110 @@ int64_t keel_global_maxpool_mt_f32(const float *x, float *y, int64_t size, int64
     global_job j = {x, y, size};
     return run_parts(global_max_task, &j, planes, parts, 0);
 }
+
+/* Stride-phase copies of NCHW planes (the native conv's phase images; conv_gemm.py).
+ *
+ * geometry: F, H, W, QH, QW, then per fill f eight values U0, V0, ROWS, COLS, R0, C0, SH,
+ * SW: y[f][p][U0 + i][V0 + j] = x[p][R0 + i * SH][C0 + j * SW] for i < ROWS, j < COLS.
+ * x is (planes, H, W), y is (F, planes, QH, QW), both C-contiguous; nothing else of y
+ * is written. Planes [lo, hi) of `planes`: a copy, so any split gives the same bytes. */
+typedef struct {
+    const float *x;
+    float *y;
+    const int64_t *geometry;
+    int64_t planes;
+} phase_job;
+
+static void phase_copy_planes(const phase_job *j, int64_t lo, int64_t hi) {
+    const int64_t *g = j->geometry;
+    int64_t fills = g[0], h = g[1], w = g[2], qh = g[3], qw = g[4];
+    for (int64_t p = lo; p < hi; p++) {       /* every fill of a plane while it is in cache */
+        for (int64_t f = 0; f < fills; f++) {
+            const int64_t *d = g + 5 + 8 * f;
+            int64_t u0 = d[0], v0 = d[1], rows = d[2], cols = d[3], r0 = d[4], c0 = d[5];
+            int64_t sh = d[6], sw = d[7];
+            const float *src = j->x + p * h * w + r0 * w + c0;
+            float *dst = j->y + (f * j->planes + p) * qh * qw + u0 * qw + v0;
+            for (int64_t i = 0; i < rows; i++) {
+                const float *s = src + i * sh * w;
+                float *t = dst + i * qw;
+                if (sw == 1) {
+                    memcpy(t, s, (size_t)cols * sizeof(float));
+                } else {
+                    for (int64_t c = 0; c < cols; c++) t[c] = s[c * sw];
+                }
+            }
+        }
+    }
+}
+
+static void phase_task(void *ctx, float *scratch, int64_t lo, int64_t hi) {
+    (void)scratch;
+    phase_copy_planes(ctx, lo, hi);
+}
+
+/* The copies above over planes [0, planes) in `parts` chunks on keel's threads. */
+int64_t keel_phase_copy_mt_f32(const float *x, float *y, const int64_t *geometry,
+                               int64_t planes, int64_t parts) {
+    phase_job j = {x, y, geometry, planes};
+    return run_parts(phase_task, &j, planes, parts, 0);
+}
+
+/* A strided view copied into a C-contiguous array (a Transpose's materialization).
+ *
+ * geometry: RANK (1..8), ELEM (bytes: 1, 2, 4 or 8), then RANK dims, then RANK strides
+ * of x in elements. y is C-contiguous of those dims. Rows (every index but the last)
+ * [lo, hi): a copy, so any split gives the same bytes. */
+#define COPY_MAX_RANK 8
+
+typedef struct {
+    const char *x;
+    char *y;
+    const int64_t *geometry;
+} strided_job;
+
+static void strided_rows(const strided_job *j, int64_t lo, int64_t hi) {
+    const int64_t *g = j->geometry;
+    int64_t rank = g[0], elem = g[1];
+    const int64_t *dims = g + 2, *strides = g + 2 + rank;
+    int64_t n = dims[rank - 1], step = strides[rank - 1] * elem;
+    int64_t idx[COPY_MAX_RANK] = {0}, rest = lo, offset = 0;
+    for (int64_t d = rank - 2; d >= 0; d--) {       /* the first row's index and offset */
+        idx[d] = rest % dims[d];
+        rest /= dims[d];
+        offset += idx[d] * strides[d];
+    }
+    for (int64_t r = lo; r < hi; r++) {
+        const char *s = j->x + offset * elem;
+        char *t = j->y + r * n * elem;
+        if (step == elem) {
+            memcpy(t, s, (size_t)(n * elem));
+        } else if (elem == 4) {
+            for (int64_t c = 0; c < n; c++) memcpy(t + 4 * c, s + c * step, 4);
+        } else {
+            for (int64_t c = 0; c < n; c++) memcpy(t + elem * c, s + c * step, (size_t)elem);
+        }
+        for (int64_t d = rank - 2; d >= 0; d--) {   /* the next row: an odometer */
+            offset += strides[d];
+            if (++idx[d] < dims[d]) break;
+            offset -= idx[d] * strides[d];
+            idx[d] = 0;
+        }
+    }
+}
+
+static void strided_task(void *ctx, float *scratch, int64_t lo, int64_t hi) {
+    (void)scratch;
+    strided_rows(ctx, lo, hi);
+}
+
+/* The copy above over rows [0, rows) in `parts` chunks on keel's threads; -1 for a
+ * geometry it does not take (nothing is written then). */
+int64_t keel_strided_copy_mt(const void *x, void *y, const int64_t *geometry, int64_t rows,
+                             int64_t parts) {
+    int64_t rank = geometry[0], elem = geometry[1];
+    if (rank < 1 || rank > COPY_MAX_RANK || (elem != 1 && elem != 2 && elem != 4 && elem != 8))
+        return -1;
+    strided_job j = {x, y, geometry};
+    return run_parts(strided_task, &j, rows, parts, 0);
+}

@@ -1,0 +1,234 @@
+"""Work that must reach keel's threads on a many-core machine: strided convs the rules
+give to BLAS run on the native implicit GEMM from two threads on, the native conv's
+stride-phase copy splits over planes, and fused attention splits over batch x heads.
+Each checked against the reference backend and for bitwise-equal results across
+thread counts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from keel import native
+from keel.backends.base import KernelContext, KernelVariant
+from keel.backends.cpu import conv_gemm, fastmath, native_gemm, native_window
+from keel.backends.cpu import planner as cpu_planner
+from keel.backends.cpu.backend import CpuBackend, blas_threads
+from keel.backends.cpu.kernels import TABLE
+from keel.backends.plan import NodePlan
+from keel.backends.reference.backend import ReferenceBackend
+from keel.dtypes import DType
+from keel.ops.registry import Op
+from keel.ops.schema import get_schema
+from keel.ops.schemas.conv import conv_geometry
+from keel.ops.types import TensorType
+
+F32 = DType.FLOAT32
+
+
+@pytest.fixture(autouse=True)
+def _native_tier() -> None:
+    if not (native_gemm.available() and native_window.ready() and fastmath.available()):
+        pytest.skip(f"native tier unavailable: {native.status().reason}")
+
+
+def _conv_plan(x: tuple[int, ...], w: tuple[int, ...], threads: int, **attrs: Any) -> NodePlan:
+    full = dict(get_schema(Op.CONV).normalize_attrs(attrs))
+    return CpuBackend(threads=threads).plan_node(
+        Op.CONV, [TensorType(F32, x), TensorType(F32, w), TensorType(F32, (w[0],))], full)
+
+
+STRIDED = [
+    ((32, 128, 28, 28), (256, 128, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}),
+    ((32, 64, 56, 56), (128, 64, 1, 1), {"strides": (2, 2)}),
+]
+
+
+@pytest.mark.parametrize(("x", "w", "attrs"), STRIDED)
+def test_strided_convs_leave_blas_for_keels_threads_from_two_threads(
+        x: tuple[int, ...], w: tuple[int, ...], attrs: dict[str, Any]) -> None:
+    one = _conv_plan(x, w, 1, **attrs)
+    assert one.variant in cpu_planner.BLAS_CONV_VARIANTS      # the rules' choice on 1 thread
+    for threads in (2, 4, 16):
+        plan = _conv_plan(x, w, threads, **attrs)
+        assert plan.variant == "native"
+        why = plan.reason("variant")
+        assert f"native on {threads} keel threads, not {one.variant}" in why
+        assert one.reason("variant") in why                  # what 1 thread would run, why
+
+
+def test_convs_the_rules_keep_off_blas_are_left_alone() -> None:
+    """A 3x3 stride-1 conv of 128 channels stays on Winograd at any thread count."""
+    for threads in (1, 2, 16):
+        plan = _conv_plan((32, 128, 28, 28), (128, 128, 3, 3), threads, pads=(1, 1, 1, 1))
+        assert plan.variant == "winograd"
+
+
+PHASE_CASES = [
+    ((2, 5, 9, 7), (11, 5, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}, "masked"),
+    ((3, 8, 16, 16), (12, 8, 1, 1), {"strides": (2, 2)}, "masked"),
+    ((2, 4, 12, 12), (5, 4, 3, 3), {"pads": (1, 1, 1, 1), "strides": (3, 3)}, "masked"),
+    ((2, 3, 13, 13), (8, 3, 7, 7), {"pads": (3, 3, 3, 3), "strides": (2, 2)}, "gathered"),
+    ((2, 6, 10, 11), (4, 6, 3, 3), {"pads": (0, 1, 2, 1), "strides": (2, 2)}, "gathered"),
+]
+
+
+def _rand(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+@pytest.mark.parametrize(("x_shape", "w_shape", "attrs", "form"), PHASE_CASES)
+def test_the_phase_copy_on_keels_threads_is_numpys_copy(
+        x_shape: tuple[int, ...], w_shape: tuple[int, ...], attrs: dict[str, Any],
+        form: str) -> None:
+    geo = conv_geometry(Op.CONV, x_shape, w_shape, attrs)
+    layout = conv_gemm.native_layout(geo, form)
+    assert layout.copied and layout.fills
+    x = _rand(np.random.default_rng(1), *x_shape)
+    want = np.zeros((len(layout.fills), *x_shape[:2], *layout.q), np.float32)
+    for f, (dst, src) in enumerate(layout.fills):
+        want[(f, slice(None), slice(None), *dst)] = x[(slice(None), slice(None), *src)]
+    for threads in (1, 2, 3):
+        got = np.zeros_like(want)
+        copy = conv_gemm.bind_phase_copy(layout, x, got, threads)
+        assert copy is not None
+        copy()
+        assert np.array_equal(got, want)
+
+
+def test_the_phase_copy_refuses_what_it_cannot_copy() -> None:
+    geo = conv_geometry(Op.CONV, (2, 4, 8, 8), (4, 4, 3, 3),
+                        {"pads": (1, 1, 1, 1), "strides": (2, 2)})
+    layout = conv_gemm.native_layout(geo, "masked")
+    x = np.zeros((2, 4, 8, 8), np.float32)
+    image = np.zeros((len(layout.fills), 2, 4, *layout.q), np.float32)
+    assert conv_gemm.bind_phase_copy(layout, x[:, :, ::1, ::-1], image, 2) is None
+    assert conv_gemm.bind_phase_copy(layout, x.astype(np.float64), image, 2) is None
+    assert conv_gemm.bind_phase_copy(layout, x, image[:, :1], 2) is None
+
+
+@pytest.mark.parametrize(("x_shape", "w_shape", "attrs", "form"), PHASE_CASES)
+def test_strided_native_convs_match_the_reference_and_every_thread_count(
+        x_shape: tuple[int, ...], w_shape: tuple[int, ...], attrs: dict[str, Any],
+        form: str) -> None:
+    """Through the conv node's steady state (prepared calls, X refilled each run)."""
+    rng = np.random.default_rng(9)
+    w, b = _rand(rng, *w_shape), _rand(rng, w_shape[0])
+    w.setflags(write=False)
+    b.setflags(write=False)
+    full = dict(get_schema(Op.CONV).normalize_attrs(attrs))
+    kernel = TABLE.get(Op.CONV, "native")
+    assert kernel.prepack is not None
+    x = _rand(rng, *x_shape)
+    want = np.asarray(ReferenceBackend().run(Op.CONV, [x, w, b], attrs=attrs)[0])
+    results = []
+    for threads in (1, 2, 3):
+        state = kernel.prepack(KernelContext(np, "cpu", "cpu", threads, None), [None, w, b],
+                               full)
+        ctx = KernelContext(np, "cpu", "cpu", threads, state)
+        y = np.empty(want.shape, np.float32)
+        for _ in range(2):                     # the prepared run, then a new X
+            x_run = x.copy()
+            (got,) = kernel.fn(ctx, [x_run, w, b], full, [y])
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+        results.append(got.copy())
+    assert all(np.array_equal(r, results[0]) for r in results[1:])
+
+
+def _attention(inputs: list[Any], threads: int, **attrs: Any) -> np.ndarray:
+    full = dict(get_schema(Op.ATTENTION).normalize_attrs(attrs))
+    plan = CpuBackend(threads=threads).plan_node(
+        Op.ATTENTION, [TensorType(DType.from_numpy(a.dtype), a.shape) for a in inputs], full)
+    out = np.empty((*inputs[0].shape[:-1], inputs[2].shape[-1]), np.float32)
+    ctx = KernelContext(np, "cpu", "cpu", threads, None, plan=plan)
+    (y,) = TABLE.get(Op.ATTENTION).fn(ctx, inputs, full, [out])
+    return y
+
+
+@pytest.mark.parametrize("mask", ["", "additive", "bool", "causal"])
+def test_attention_splits_over_heads_with_the_same_bits_on_every_thread_count(
+        mask: str) -> None:
+    rng = np.random.default_rng(4)
+    q, k, v = _rand(rng, 3, 5, 24, 16), _rand(rng, 3, 5, 40, 16), _rand(rng, 3, 5, 40, 8)
+    inputs: list[Any] = [q, k, v]
+    attrs: dict[str, Any] = {}
+    if mask == "additive":
+        inputs.append(np.where(rng.random((3, 1, 1, 40)) < 0.3, -1e4, 0).astype(np.float32))
+    elif mask == "bool":
+        keep = rng.random((3, 5, 24, 40)) < 0.6
+        keep[..., 0] = True
+        inputs.append(keep)
+    elif mask == "causal":
+        q = _rand(rng, 3, 5, 40, 16)
+        inputs, attrs = [q, k, v], {"is_causal": True}
+    want = np.asarray(ReferenceBackend().run(Op.ATTENTION, inputs, attrs=attrs)[0])
+    one = _attention(inputs, 1, **attrs)
+    np.testing.assert_allclose(one, want, rtol=1e-5, atol=2e-6)
+    for threads in (2, 3, 4):
+        assert np.array_equal(_attention(inputs, threads, **attrs), one)
+
+
+def test_attention_heads_per_block_grow_with_the_threads() -> None:
+    assert cpu_planner.attention_heads(65536, 128 * 128, 128, 1) == 4
+    assert cpu_planner.attention_heads(65536, 128 * 128, 128, 16) == 64
+    assert cpu_planner.attention_heads(65536, 512 * 512, 8, 4) == 4      # one head each
+    assert cpu_planner.attention_heads(65536, 16, 3, 8) == 3             # all there are
+
+
+def test_fused_attention_counts_as_native_work_on_float32() -> None:
+    attention = TABLE.get(Op.ATTENTION)
+    blas = KernelVariant(Op.MATMUL, "default", attention.fn)
+    assert blas_threads(4, [(attention, F32, 90.0), (blas, F32, 10.0)])[0] == 1
+    assert blas_threads(4, [(attention, DType.FLOAT64, 90.0), (blas, F32, 10.0)])[0] == 4
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int64, np.float16, np.bool_])
+@pytest.mark.parametrize("perm", [(0, 2, 1, 3), (0, 1, 3, 2), (3, 2, 1, 0), (1, 0, 2, 3)])
+def test_a_transpose_splits_its_copy_over_keels_threads(dtype: Any, perm: tuple[int, ...]
+                                                        ) -> None:
+    x = (np.random.default_rng(2).standard_normal((6, 33, 5, 70)) * 10).astype(dtype)
+    want = np.ascontiguousarray(x.transpose(perm))
+    kernel = TABLE.get(Op.TRANSPOSE)
+    for threads in (1, 2, 3):
+        out = np.zeros_like(want)
+        view = x.transpose(perm)
+        served = native_window.copy_strided(view, np.zeros_like(want), threads)
+        assert served is (threads > 1)                  # one thread: NumPy's copy
+        (got,) = kernel.fn(KernelContext(np, "cpu", "cpu", threads, None), [x],
+                           {"perm": list(perm)}, [out])
+        assert got is out and np.array_equal(got, want)
+
+
+def test_the_strided_copy_refuses_what_it_cannot_copy() -> None:
+    x = np.zeros((64, 64, 8), np.float32)
+    view = x.transpose(2, 0, 1)
+    assert not native_window.copy_strided(view, np.zeros((8, 64, 64), np.float64), 2)
+    assert not native_window.copy_strided(view, np.zeros((8, 64, 64), np.float32).T, 2)
+    assert not native_window.copy_strided(view, x.reshape(8, 64, 64), 2)     # overlaps
+    assert not native_window.copy_strided(x[:1, :1].transpose(2, 0, 1),
+                                          np.zeros((8, 1, 1), np.float32), 2)  # too little
+
+
+def test_a_conv_decided_at_run_time_follows_the_same_thread_rule() -> None:
+    """The default kernel's choice on shapes known only at the call (no placement)."""
+    from keel.backends.cpu.conv_rules import conv_case
+
+    attrs = dict(get_schema(Op.CONV).normalize_attrs({"pads": (1, 1, 1, 1),
+                                                      "strides": (2, 2)}))
+    case = conv_case(Op.CONV, (32, 128, 28, 28), (256, 128, 3, 3), attrs, "float32")
+    assert case is not None
+    one, _ = cpu_planner.conv_call_variant(case, 1)
+    assert one in cpu_planner.BLAS_CONV_VARIANTS
+    variant, why = cpu_planner.conv_call_variant(case, 4)
+    assert variant == "native" and f"native on 4 keel threads, not {one}" in why
+
+
+def test_float64_strided_convs_stay_where_the_rules_put_them() -> None:
+    """The native conv computes float32 (and float16) only."""
+    full = dict(get_schema(Op.CONV).normalize_attrs({"strides": (2, 2)}))
+    f64 = DType.FLOAT64
+    plan = CpuBackend(threads=4).plan_node(
+        Op.CONV, [TensorType(f64, (8, 64, 28, 28)), TensorType(f64, (128, 64, 1, 1))], full)
+    assert plan.variant in cpu_planner.BLAS_CONV_VARIANTS

@@ -73,6 +73,18 @@ def in_fixed_batch(model: object, x: np.ndarray, size: int = BATCH) -> dict[str,
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
+def as_served(model: object, x: np.ndarray, size: int = BATCH) -> dict[str, np.ndarray]:
+    """What the server answers for ``x``'s rows: keel's prediction of exactly those rows
+    where the model's plan is batch invariant (the server does not pad then), else their
+    prediction inside padded execution batches of ``size`` rows."""
+    from keel.serving.batching import batch_invariance
+
+    if batch_invariance(model)[0]:
+        name = model.inputs[0].name  # type: ignore[attr-defined]
+        return dict(model.predict({name: x}))  # type: ignore[attr-defined]
+    return in_fixed_batch(model, x, size)
+
+
 def same_answer(got: np.ndarray, expected: np.ndarray) -> bool:
     """Whether an answer computed in another process (a server, a Ray actor) equals this
     process's: bit for bit on keel's native kernels, whose results do not depend on the

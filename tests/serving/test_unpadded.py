@@ -17,6 +17,7 @@ import tritonclient.http as thttp
 import keel
 from keel import config
 from keel.backends.cpu import planner
+from keel.integrations.ray import KeelPredictor
 from keel.serving.batching import batch_invariance, check_invariance
 from keel.serving.repository import ModelOptions, load_served
 from keel.serving.server import Server
@@ -128,3 +129,13 @@ def test_check_invariance_finds_a_batch_dependent_run() -> None:
     centred = check_invariance(lambda f: {"y": f["x"] - f["x"].mean(axis=0)}, {"x": x})
     assert "output 'y' of rows 7..7 run as a batch of 1 differs" in centred
     assert check_invariance(lambda f: {"y": f["x"] * 2}, {"x": x}) == ""
+
+
+def test_the_ray_predictor_pads_only_where_the_plan_is_not_batch_invariant() -> None:
+    predictor = KeelPredictor(str(DIGITS), execution_batch=BATCH)
+    invariant, why = batch_invariance(predictor.model)
+    assert predictor.execution_batch == (None if invariant else BATCH)
+    assert predictor.padding_reason == ("" if invariant else why)
+    x = pixels(BATCH + 3, seed=9)
+    got = predictor({"pixels": x})["probabilities"]
+    assert np.array_equal(got, _expected(predictor.model, x))

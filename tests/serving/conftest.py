@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import shutil
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
 import pytest
+import tritonclient.grpc as tgrpc
+import tritonclient.http as thttp
 
 from keel.inference_protocol import Limits
 from keel.serving.repository import ModelOptions
@@ -95,3 +101,36 @@ def same_answer(got: np.ndarray, expected: np.ndarray) -> bool:
     if native.available():
         return bool(np.array_equal(got, expected))
     return bool(np.allclose(got, expected, rtol=1e-5, atol=1e-7))
+
+
+def http_client(server: Server, **kw: Any) -> thttp.InferenceServerClient:
+    return thttp.InferenceServerClient(f"127.0.0.1:{server.http_port}", **kw)
+
+
+def grpc_client(server: Server) -> tgrpc.InferenceServerClient:
+    return tgrpc.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+
+
+def infer_http(server: Server, x: np.ndarray, model: str = "digits", **kw: Any) -> np.ndarray:
+    inp = thttp.InferInput("pixels" if model == "digits" else "x", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x, binary_data=kw.pop("binary", True))
+    result = http_client(server).infer(model, [inp], **kw)
+    return result.as_numpy("probabilities" if model == "digits" else "probs")
+
+
+def infer_grpc(server: Server, x: np.ndarray, model: str = "digits") -> np.ndarray:
+    inp = tgrpc.InferInput("pixels" if model == "digits" else "x", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    out = grpc_client(server).infer(model, [inp])
+    return out.as_numpy("probabilities" if model == "digits" else "probs")
+
+
+def post(server: Server, path: str, body: bytes, headers: dict[str, str] | None = None
+         ) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(f"http://127.0.0.1:{server.http_port}{path}", data=body,
+                                 headers=headers or {}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())

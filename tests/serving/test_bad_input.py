@@ -16,8 +16,16 @@ from tritonclient.utils import InferenceServerException
 from keel.inference_protocol import Limits
 from keel.serving.server import Server
 
-from .conftest import make_repository, pixels, start
-from .test_server import grpc_client, http_client, infer_grpc, infer_http, post
+from .conftest import (
+    grpc_client,
+    http_client,
+    infer_grpc,
+    infer_http,
+    make_repository,
+    pixels,
+    post,
+    start,
+)
 
 TOKEN = "s3cret-token"
 

@@ -16,8 +16,15 @@ import pytest
 
 import keel
 
-from .conftest import as_served, free_port, make_repository, pixels, same_answer
-from .test_server import infer_grpc, infer_http
+from .conftest import (
+    as_served,
+    free_port,
+    infer_grpc,
+    infer_http,
+    make_repository,
+    pixels,
+    same_answer,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -19,40 +19,16 @@ import keel
 from keel.serving.server import Server
 from keel.testing.models import mlp
 
-from .conftest import BATCH, as_served, pixels
-
-
-def http_client(server: Server, **kw: Any) -> thttp.InferenceServerClient:
-    return thttp.InferenceServerClient(f"127.0.0.1:{server.http_port}", **kw)
-
-
-def grpc_client(server: Server) -> tgrpc.InferenceServerClient:
-    return tgrpc.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
-
-
-def infer_http(server: Server, x: np.ndarray, model: str = "digits", **kw: Any) -> np.ndarray:
-    inp = thttp.InferInput("pixels" if model == "digits" else "x", list(x.shape), "FP32")
-    inp.set_data_from_numpy(x, binary_data=kw.pop("binary", True))
-    result = http_client(server).infer(model, [inp], **kw)
-    return result.as_numpy("probabilities" if model == "digits" else "probs")
-
-
-def infer_grpc(server: Server, x: np.ndarray, model: str = "digits") -> np.ndarray:
-    inp = tgrpc.InferInput("pixels" if model == "digits" else "x", list(x.shape), "FP32")
-    inp.set_data_from_numpy(x)
-    out = grpc_client(server).infer(model, [inp])
-    return out.as_numpy("probabilities" if model == "digits" else "probs")
-
-
-def post(server: Server, path: str, body: bytes, headers: dict[str, str] | None = None
-         ) -> tuple[int, dict[str, Any]]:
-    req = urllib.request.Request(f"http://127.0.0.1:{server.http_port}{path}", data=body,
-                                 headers=headers or {}, method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
+from .conftest import (
+    BATCH,
+    as_served,
+    grpc_client,
+    http_client,
+    infer_grpc,
+    infer_http,
+    pixels,
+    post,
+)
 
 
 @pytest.fixture(scope="module")

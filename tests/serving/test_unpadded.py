@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import tritonclient.grpc as tgrpc
 import tritonclient.http as thttp
 
 import keel
@@ -22,7 +21,7 @@ from keel.serving.batching import batch_invariance, check_invariance
 from keel.serving.repository import ModelOptions, load_served
 from keel.serving.server import Server
 
-from .conftest import BATCH, DIGITS, in_fixed_batch, pixels, start
+from .conftest import BATCH, DIGITS, in_fixed_batch, infer_grpc, pixels, start
 
 
 @pytest.fixture(scope="module")
@@ -36,13 +35,6 @@ def slow_queue(repository: Path) -> Iterator[Server]:
 @pytest.fixture(scope="module")
 def digits(repository: Path) -> keel.Model:
     return keel.load_model(str(repository / "digits.onnx"))
-
-
-def _infer(server: Server, x: np.ndarray) -> np.ndarray:
-    inp = tgrpc.InferInput("pixels", list(x.shape), "FP32")
-    inp.set_data_from_numpy(x)
-    reply = tgrpc.InferenceServerClient(f"127.0.0.1:{server.grpc_port}").infer("digits", [inp])
-    return reply.as_numpy("probabilities")
 
 
 def _metric(server: Server, name: str) -> float:
@@ -66,11 +58,11 @@ def test_requests_batched_together_get_their_answers_alone(slow_queue: Server,
     assert meta["parameters"]["batching"] == ("exact" if invariant else "padded")
     assert why in meta["parameters"]["batching_reason"]
     requests = [pixels(1 + i % 2, seed=300 + i) for i in range(5)]      # 7 rows: one batch
-    alone = [_infer(slow_queue, x) for x in requests]
+    alone = [infer_grpc(slow_queue, x) for x in requests]
     batches, padding = _metric(slow_queue, "keel_batch_rows_count"), \
         _metric(slow_queue, "keel_batch_padding_rows_total")
     with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
-        together = list(pool.map(lambda x: _infer(slow_queue, x), requests))
+        together = list(pool.map(lambda x: infer_grpc(slow_queue, x), requests))
     ran = _metric(slow_queue, "keel_batch_rows_count") - batches
     padded = _metric(slow_queue, "keel_batch_padding_rows_total") - padding
     assert ran < len(requests)                                    # some ran together
@@ -85,7 +77,7 @@ def test_a_request_larger_than_the_batch_limit(slow_queue: Server, digits: keel.
     """Unpadded, it runs whole and the planner splits it; padded, in limit-sized parts."""
     x = pixels(2 * BATCH + 3, seed=7)
     batches = _metric(slow_queue, "keel_batch_rows_count")
-    got = _infer(slow_queue, x)
+    got = infer_grpc(slow_queue, x)
     ran = _metric(slow_queue, "keel_batch_rows_count") - batches
     assert ran == (1 if batch_invariance(digits)[0] else 3)
     assert np.array_equal(got, _expected(digits, x))

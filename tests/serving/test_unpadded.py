@@ -16,6 +16,7 @@ import tritonclient.http as thttp
 import keel
 from keel import config
 from keel.backends.cpu import planner
+from keel.errors import InvalidArgumentError
 from keel.integrations.ray import KeelPredictor
 from keel.serving.batching import batch_invariance, check_invariance
 from keel.serving.repository import ModelOptions, load_served
@@ -131,3 +132,9 @@ def test_the_ray_predictor_pads_only_where_the_plan_is_not_batch_invariant() -> 
     x = pixels(BATCH + 3, seed=9)
     got = predictor({"pixels": x})["probabilities"]
     assert np.array_equal(got, _expected(predictor.model, x))
+
+
+def test_an_unknown_hint_is_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match="--hint 'fast' is not allowed; use one of"):
+        ModelOptions(hint="fast")
+    assert ModelOptions(hint=" Latency ").hint == "latency"

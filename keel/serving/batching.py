@@ -92,7 +92,8 @@ def check_invariance(run: Callable[[Arrays], Arrays], feeds: Arrays) -> str:
     whole = run(feeds)                  # last: the model's latest plan is the whole batch's
     for (begin, end), part in zip(ranges, parts, strict=True):
         for name, value in part.items():
-            if not np.array_equal(value, whole[name][begin:end]):
+            if not np.array_equal(value, whole[name][begin:end],
+                                  equal_nan=value.dtype.kind in "fc"):
                 return (f"output {name!r} of rows {begin}..{end - 1} run as a batch of "
                         f"{end - begin} differs from the same rows in a batch of {rows}")
     return ""

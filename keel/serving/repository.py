@@ -161,9 +161,10 @@ def _batchable(model: Any, size: int) -> tuple[int | None, str, bool]:
         shape = info.shape
         if not shape or isinstance(shape[0], int) or not all(
                 isinstance(d, int) for d in shape[1:]):
-            return None, f"input {info.name!r} has no free first dimension with fixed others"
+            return (None, f"input {info.name!r} has no free first dimension with fixed others",
+                    True)
         if info.dtype.value == "string":
-            return None, f"input {info.name!r} holds strings"
+            return None, f"input {info.name!r} holds strings", True
         feeds[info.name] = np.zeros((size, *shape[1:]), dtype=info.dtype.numpy)
     try:
         out = model.predict(feeds)

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 import tritonclient.http as thttp
 
@@ -21,6 +22,7 @@ from keel.integrations.ray import KeelPredictor
 from keel.serving.batching import batch_invariance, check_invariance
 from keel.serving.repository import ModelOptions, load_served
 from keel.serving.server import Server
+from keel.testing.models import mlp
 
 from .conftest import BATCH, DIGITS, in_fixed_batch, infer_grpc, pixels, start
 
@@ -138,3 +140,13 @@ def test_an_unknown_hint_is_refused() -> None:
     with pytest.raises(InvalidArgumentError, match="--hint 'fast' is not allowed; use one of"):
         ModelOptions(hint="fast")
     assert ModelOptions(hint=" Latency ").hint == "latency"
+
+
+def test_a_model_with_a_fixed_batch_runs_requests_alone(tmp_path: Path) -> None:
+    model = mlp(seed=2)
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 4      # batch fixed at 4
+    onnx.save(model, str(tmp_path / "fixed.onnx"))
+    served = load_served("fixed", "1", tmp_path / "fixed.onnx", ModelOptions())
+    assert served.batching == "alone" and served.batch_size is None
+    assert "input 'x' has no free first dimension" in served.plan_summary()
+    assert served.metadata()["parameters"]["batching"] == "alone"

@@ -8,7 +8,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import onnx
@@ -34,10 +34,10 @@ def make_repository(root: Path) -> Path:
     return root
 
 
-def start(root: Path, **config: object) -> Server:
-    options = config.pop("options", ModelOptions(max_batch_size=BATCH, max_queue_delay_s=0.005))
+def start(root: Path, options: ModelOptions | None = None, **config: Any) -> Server:
+    options = options or ModelOptions(max_batch_size=BATCH, max_queue_delay_s=0.005)
     return Server(ServerConfig(str(root), http_port=0, grpc_port=0, options=options,
-                               **config),  # type: ignore[arg-type]
+                               **config),
                   log=lambda _line: None).start_in_thread()
 
 
@@ -103,29 +103,39 @@ def same_answer(got: np.ndarray, expected: np.ndarray) -> bool:
     return bool(np.allclose(got, expected, rtol=1e-5, atol=1e-7))
 
 
-def http_client(server: Server, **kw: Any) -> thttp.InferenceServerClient:
+class Listening(Protocol):
+    """Where a server listens: a :class:`Server` in this process, or one started apart."""
+
+    @property
+    def http_port(self) -> int | None: ...
+
+    @property
+    def grpc_port(self) -> int | None: ...
+
+
+def http_client(server: Listening, **kw: Any) -> thttp.InferenceServerClient:
     return thttp.InferenceServerClient(f"127.0.0.1:{server.http_port}", **kw)
 
 
-def grpc_client(server: Server) -> tgrpc.InferenceServerClient:
+def grpc_client(server: Listening) -> tgrpc.InferenceServerClient:
     return tgrpc.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
 
 
-def infer_http(server: Server, x: np.ndarray, model: str = "digits", **kw: Any) -> np.ndarray:
+def infer_http(server: Listening, x: np.ndarray, model: str = "digits", **kw: Any) -> np.ndarray:
     inp = thttp.InferInput("pixels" if model == "digits" else "x", list(x.shape), "FP32")
     inp.set_data_from_numpy(x, binary_data=kw.pop("binary", True))
     result = http_client(server).infer(model, [inp], **kw)
     return result.as_numpy("probabilities" if model == "digits" else "probs")
 
 
-def infer_grpc(server: Server, x: np.ndarray, model: str = "digits") -> np.ndarray:
+def infer_grpc(server: Listening, x: np.ndarray, model: str = "digits") -> np.ndarray:
     inp = tgrpc.InferInput("pixels" if model == "digits" else "x", list(x.shape), "FP32")
     inp.set_data_from_numpy(x)
     out = grpc_client(server).infer(model, [inp])
     return out.as_numpy("probabilities" if model == "digits" else "probs")
 
 
-def post(server: Server, path: str, body: bytes, headers: dict[str, str] | None = None
+def post(server: Listening, path: str, body: bytes, headers: dict[str, str] | None = None
          ) -> tuple[int, dict[str, Any]]:
     req = urllib.request.Request(f"http://127.0.0.1:{server.http_port}{path}", data=body,
                                  headers=headers or {}, method="POST")

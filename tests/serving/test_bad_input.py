@@ -31,7 +31,8 @@ TOKEN = "s3cret-token"
 
 
 def _body(**changes: object) -> bytes:
-    tensor = {"name": "pixels", "shape": [1, 64], "datatype": "FP32", "data": [0.5] * 64}
+    tensor: dict[str, object] = {"name": "pixels", "shape": [1, 64], "datatype": "FP32",
+                                 "data": [0.5] * 64}
     tensor.update(changes)
     return json.dumps({"inputs": [tensor]}).encode()
 

@@ -3,9 +3,9 @@
 The server runs in this process on 127.0.0.1 (ephemeral ports); clients are
 threads using the official ``tritonclient`` (gRPC), each sending its requests
 one after another. Every answer is checked bitwise against keel's prediction of
-the same rows in the server's execution batch. The table covers 1, 8 and 32
-concurrent clients, with dynamic batching on (execution batch 8, queue delay
-2 ms) and off (each request runs alone). Then keel scores a Ray dataset.
+the same rows (padded to the batch limit where the server pads, docs/serving.md).
+The table covers 1, 8 and 32 concurrent clients, with dynamic batching on
+(batch limit 8, queue delay 2 ms) and off (each request runs alone). Then keel scores a Ray dataset.
 
     PYTHONPATH=. python benchmarks/serve.py [--requests 400] [--ray-rows 100000]
 
@@ -124,9 +124,11 @@ def serve_table(requests: int, client_counts: tuple[int, ...] = (1, 8, 32),
 
 
 def _in_batch(model: Any, x: np.ndarray, size: int) -> np.ndarray:
-    from keel.serving.batching import pad_rows
+    """What the server answers for ``x``: keel's prediction of ``x`` alone where the plan is
+    batch invariant (or there is no batching), else of ``x`` padded to ``size`` rows."""
+    from keel.serving.batching import batch_invariance, pad_rows
 
-    if size == 1:
+    if size == 1 or batch_invariance(model)[0]:
         return np.asarray(model.predict({"pixels": x})["probabilities"])
     return np.asarray(model.predict(pad_rows({"pixels": x}, size))["probabilities"][:len(x)])
 

@@ -26,7 +26,7 @@ def serve_command(
     grpc_port: int = typer.Option(8001, "--grpc-port", min=0, help="gRPC port (0: any free)."),
     max_batch_size: int = typer.Option(
         8, "--max-batch-size", min=1,
-        help="Execution batch size of dynamic batching (1: each request runs alone)."),
+        help="Most rows dynamic batching puts in one batch (1: each request runs alone)."),
     max_queue_delay_ms: float = typer.Option(
         2.0, "--max-queue-delay-ms", min=0.0,
         help="Longest a request waits for others to fill its batch."),
@@ -35,6 +35,9 @@ def serve_command(
     workers: int = typer.Option(1, "--workers", min=1,
                                 help="Server processes sharing the ports (fixed ports only)."),
     backend: str = typer.Option("auto", "--backend", help="Backend the models run on."),
+    hint: str = typer.Option("throughput", "--hint",
+                             help="Performance hint the models are planned with "
+                                  "(throughput, latency or none): how a batch is split."),
     max_body_bytes: int = typer.Option(64 * 1024 * 1024, "--max-body-bytes", min=1,
                                        help="Largest request body accepted."),
     max_tensor_elements: int = typer.Option(16 * 1024 * 1024, "--max-tensor-elements", min=1,
@@ -57,7 +60,7 @@ def serve_command(
     config = ServerConfig(
         repository, host=host, http_port=http_port, grpc_port=grpc_port,
         options=ModelOptions(backend=backend, max_batch_size=max_batch_size,
-                             max_queue_delay_s=max_queue_delay_ms / 1000.0),
+                             max_queue_delay_s=max_queue_delay_ms / 1000.0, hint=hint),
         limits=Limits(max_body_bytes, max_tensor_elements, request_timeout_s),
         auth_token=None if auth_token_file is None else ServerConfig.read_token(auth_token_file),
         reuse_port=reuse_port)

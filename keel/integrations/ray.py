@@ -10,9 +10,11 @@
 Each actor loads the model once. Batches may come as NumPy dicts, pandas
 DataFrames or pyarrow Tables; the answer comes back in the same format with
 one column per model output, named after it. An actor given GPUs by Ray
-(``num_gpus=``) runs on keel's ``gpu`` backend. ``execution_batch=N`` runs every
-batch in chunks of exactly ``N`` rows (the last one padded), so each row's
-answer is bitwise the same however Ray cut the dataset into batches.
+(``num_gpus=``) runs on keel's ``gpu`` backend. Each row's answer is bitwise the
+same however Ray cut the dataset into batches: by itself where the model's plan is
+batch invariant (keel's cpu backend, docs/runtime.md), else with
+``execution_batch=N``, which then runs every batch in chunks of exactly ``N`` rows
+(the last one padded).
 Ray itself is imported only here (``pip install "keel-runtime[ray]"``).
 
 :func:`serve_app` builds a Ray Serve application that answers the Open Inference
@@ -72,6 +74,15 @@ class KeelPredictor:
         self.model = load_model(model, backend=self.backend, **load_options)
         self.inputs = dict(inputs or {})
         self.execution_batch = execution_batch
+        self.padding_reason = ""            # why batches run padded ("" when they do not)
+        if execution_batch is not None:
+            from keel.serving.batching import batch_invariance
+
+            invariant, why = batch_invariance(self.model)
+            if invariant:                   # a row's answer never depends on its batch
+                self.execution_batch = None
+            else:
+                self.padding_reason = why
 
     def __call__(self, batch: Any) -> Any:
         columns, kind = _columns(batch)
@@ -160,9 +171,10 @@ def serve_app(model: Any, *, max_batch_size: int = 8, batch_wait_timeout_s: floa
     Each replica loads the model once (a :class:`KeelPredictor`; ``num_gpus`` in
     ``ray_actor_options`` puts it on the ``gpu`` backend). Requests are the Open
     Inference Protocol's REST infer body, JSON or with binary tensors; Serve batches up
-    to ``max_batch_size`` requests of one replica, and keel runs the batch's rows in
-    chunks of exactly ``execution_batch`` rows (default ``max_batch_size``), so a row's
-    answer is bitwise the same whatever else Serve batched with it. A bad request
+    to ``max_batch_size`` requests of one replica, and a row's answer is bitwise the same
+    whatever else Serve batched with it: the batch runs as it is where the model's plan
+    is batch invariant, else in chunks of exactly ``execution_batch`` rows (default
+    ``max_batch_size``, the last one padded). A bad request
     answers the protocol's error body with status 400.
     """
     from ray import serve

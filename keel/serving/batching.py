@@ -1,14 +1,19 @@
-"""Dynamic batching at a fixed execution batch size.
+"""Dynamic batching: queued requests run together, and no answer depends on the others.
 
 Requests for one model wait in a queue; a batch closes when its rows reach the
-execution batch size ``B`` or when the oldest request has waited the queue
-delay. Every batch then runs padded to exactly ``B`` rows (the last real row
-repeated), so the model always runs the same input shape and the same kernel
-row layout. keel's cpu GEMMs give a row different low bits at different batch
-sizes, but inside one batch shape a row's result does not depend on its
-position or on the other rows (``tests/serving`` checks this bitwise), so a
-request's answer is the same whether it ran alone or beside others' traffic.
-A request larger than ``B`` rows runs as several execution batches.
+batch limit ``B`` or when the oldest request has waited the queue delay. How
+the batch then runs depends on what the model's plan guarantees
+(:func:`batch_invariance`):
+
+* **exact**: the plan makes a sample's result independent of the batch it runs
+  in (keel's cpu backend with batch invariance, docs/runtime.md). The batch
+  runs as it is, without padding, and the model's adaptive planner decides how
+  it is split into executions (streams, chunks) for this machine; a request
+  larger than ``B`` is not cut by the server either.
+* **padded**: no such guarantee (OpenBLAS, another backend, a tuning cache).
+  Every batch runs padded to exactly ``B`` rows (the last real row repeated),
+  so the model always runs one input shape, inside which a row's result depends
+  only on that row; a request larger than ``B`` runs as several batches.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Batcher", "pad_rows"]
+__all__ = ["Batcher", "batch_invariance", "check_invariance", "pad_rows"]
 
 Arrays = dict[str, np.ndarray]
 # called once per executed batch: rows that were real, rows padded, seconds waited (each item)
@@ -51,18 +56,64 @@ def pad_rows(arrays: Mapping[str, np.ndarray], size: int) -> Arrays:
     return out
 
 
-class Batcher:
-    """Collects requests for one model and runs them ``size`` rows at a time.
+def batch_invariance(model: Any) -> tuple[bool, str]:
+    """Whether ``model``'s plan makes a sample's result independent of its batch, and why.
 
-    ``run`` executes one batch of exactly ``size`` rows (it is called on this
-    batcher's own worker thread, one batch at a time). ``delay_s`` is the longest
-    the first request of a batch waits for others.
+    It does on the cpu backend while batch invariance holds there (the native GEMM
+    loaded, ``KEEL_BATCH_INVARIANT`` on) and no tuning cache may pick another variant
+    at another batch size; other backends make no such promise."""
+    from keel.backends.cpu.planner import batch_invariant
+    from keel.config import cache_dir, settings
+
+    backends = sorted({n.backend for n in model.plan.nodes})
+    if backends != ["cpu"]:
+        return False, (f"the plan runs on {', '.join(backends) or 'no backend'}; only the "
+                       "cpu backend promises batch invariance")
+    if not batch_invariant():
+        why = ("KEEL_BATCH_INVARIANT is off" if not settings().batch_invariant else
+               "the native GEMM is not loaded (OpenBLAS sums in an order that follows "
+               "the batch)")
+        return False, f"{why}: a row's low bits may change with the batch size"
+    tuning = cache_dir() / "tuning"
+    if tuning.is_dir() and any(f.suffix == ".json" for f in tuning.iterdir()):
+        return False, (f"the tuning cache ({tuning}) may choose another variant at "
+                       "another batch size")
+    return True, "the cpu plan is batch invariant: a row's result never depends on its batch"
+
+
+def check_invariance(run: Callable[[Arrays], Arrays], feeds: Arrays) -> str:
+    """"" when each row of ``feeds`` gets the same bits alone, in the whole batch and in a
+    slice at another position; else what differed. A check at load time, beside the
+    plan's promise: a kernel that broke it shows here before any request is served."""
+    rows = next(iter(feeds.values())).shape[0]
+    last = rows - 1
+    ranges = [(last, last + 1), (1, rows)] if rows > 1 else [(0, 1)]
+    parts = [run({k: a[begin:end] for k, a in feeds.items()}) for begin, end in ranges]
+    whole = run(feeds)                  # last: the model's latest plan is the whole batch's
+    for (begin, end), part in zip(ranges, parts, strict=True):
+        for name, value in part.items():
+            if not np.array_equal(value, whole[name][begin:end],
+                                  equal_nan=value.dtype.kind in "fc"):
+                return (f"output {name!r} of rows {begin}..{end - 1} run as a batch of "
+                        f"{end - begin} differs from the same rows in a batch of {rows}")
+    return ""
+
+
+class Batcher:
+    """Collects requests for one model and runs them in batches of up to ``size`` rows.
+
+    ``run`` executes one batch (it is called on this batcher's own worker thread,
+    one batch at a time). ``delay_s`` is the longest the first request of a batch
+    waits for others. ``pad``: every batch runs padded to exactly ``size`` rows and
+    larger requests are cut into ``size``-row parts; without it batches run as they
+    are and ``run`` (the model's planner) splits them.
     """
 
     def __init__(self, run: Callable[[Arrays], Arrays], size: int, delay_s: float,
-                 observe: BatchObserver | None = None) -> None:
+                 observe: BatchObserver | None = None, pad: bool = True) -> None:
         self.size = size
         self.delay_s = delay_s
+        self.pad = pad
         self._run = run
         self._observe = observe
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
@@ -77,9 +128,10 @@ class Batcher:
         rows = next(iter(arrays.values())).shape[0]
         loop = asyncio.get_running_loop()
         parts = []
-        for start in range(0, rows, self.size):
-            part = {k: a[start:start + self.size] for k, a in arrays.items()}
-            item = _Item(part, min(self.size, rows - start), loop.create_future())
+        step = self.size if self.pad else rows
+        for start in range(0, rows, step):
+            part = {k: a[start:start + step] for k, a in arrays.items()}
+            item = _Item(part, min(step, rows - start), loop.create_future())
             self._queue.put_nowait(item)
             parts.append(item.future)
         results = await asyncio.gather(*parts)
@@ -142,13 +194,14 @@ class Batcher:
         try:
             joined = {k: np.concatenate([item.arrays[k] for item in batch], axis=0)
                       for k in batch[0].arrays}
-            outputs = self._run(pad_rows(joined, self.size))
+            outputs = self._run(pad_rows(joined, self.size) if self.pad else joined)
         except BaseException as exc:  # handed to every waiting caller
             for item in batch:
                 _settle(item.future, exc=exc)
             return
         if self._observe is not None:
-            self._observe(rows, self.size - rows, [started - i.queued_at for i in batch])
+            padded = self.size - rows if self.pad else 0
+            self._observe(rows, padded, [started - i.queued_at for i in batch])
         pos = 0
         for item in batch:
             part = {k: v[pos:pos + item.rows] for k, v in outputs.items()}

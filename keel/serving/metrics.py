@@ -26,6 +26,9 @@ class Metrics:
                                buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
         self.padding = Counter("keel_batch_padding_rows", "Rows of padding executed",
                                ["model"], registry=r)
+        self.runs = Histogram("keel_batch_executions",
+                              "Executions the planner split each batch into", ["model"],
+                              buckets=(1, 2, 4, 8, 16), registry=r)
 
     def observe_request(self, model: str, protocol: str, seconds: float) -> None:
         self.requests.labels(model, protocol).inc()
@@ -34,8 +37,10 @@ class Metrics:
     def count_failure(self, model: str, protocol: str, reason: str) -> None:
         self.failures.labels(model, protocol, reason).inc()
 
-    def observe_batch(self, model: str, rows: int, padded: int, waited: list[float]) -> None:
+    def observe_batch(self, model: str, rows: int, padded: int, waited: list[float],
+                      runs: int = 1) -> None:
         self.batch.labels(model).observe(rows)
+        self.runs.labels(model).observe(runs)
         self.padding.labels(model).inc(padded)
         for seconds in waited:
             self.queue.labels(model).observe(seconds)

@@ -19,7 +19,7 @@ import numpy as np
 
 from keel.errors import KeelError
 from keel.inference_protocol import ProtocolError, datatype_of, datatype_of_array, not_found
-from keel.serving.batching import Batcher, pad_rows
+from keel.serving.batching import Batcher, batch_invariance, check_invariance, pad_rows
 
 __all__ = ["ModelOptions", "Repository", "ServedModel", "load_served", "pad_rows", "run_request"]
 
@@ -33,6 +33,12 @@ class ModelOptions:
     backend: str = "auto"
     max_batch_size: int = 8             # the execution batch size; 1: no dynamic batching
     max_queue_delay_s: float = 0.002
+    hint: str = "throughput"            # the models' performance hint: how the planner splits
+
+    def __post_init__(self) -> None:
+        from keel.planning.adaptive import check_hint
+
+        object.__setattr__(self, "hint", check_hint(self.hint, "--hint"))
 
 
 @dataclass
@@ -44,10 +50,30 @@ class ServedModel:
     path: Path
     model: Any                            # keel.Model
     batch_size: int | None                # None: each request runs alone, as sent
-    batch_reason: str
+    batch_reason: str                     # why batches are padded, or requests run alone
+    padded: bool = True                   # batches run padded to batch_size (else as they are)
+    split_note: str = ""                  # how the planner splits a full batch
     batcher: Batcher | None = None
     in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def batching(self) -> str:
+        """``exact`` (batches run as they are), ``padded`` (to ``batch_size`` rows) or
+        ``alone`` (no dynamic batching)."""
+        if self.batch_size is None:
+            return "alone"
+        return "padded" if self.padded else "exact"
+
+    def batching_summary(self) -> str:
+        """How requests run, and why: what the plan summary and model metadata say."""
+        if self.batch_size is None:
+            return f"no dynamic batching ({self.batch_reason})"
+        if self.padded:
+            return (f"dynamic batching padded to {self.batch_size} rows "
+                    f"({self.batch_reason})")
+        return (f"dynamic batching up to {self.batch_size} rows, unpadded "
+                f"({self.batch_reason}); {self.split_note}")
 
     def metadata(self) -> dict[str, Any]:
         def tensors(infos: Sequence[Any]) -> list[dict[str, Any]]:
@@ -56,13 +82,14 @@ class ServedModel:
                     for t in infos]
 
         return {"name": self.name, "versions": [self.version], "platform": "keel_onnx",
-                "inputs": tensors(self.model.inputs), "outputs": tensors(self.model.outputs)}
+                "inputs": tensors(self.model.inputs), "outputs": tensors(self.model.outputs),
+                "parameters": {"batching": self.batching,
+                               "batching_reason": self.batching_summary()}}
 
     def plan_summary(self) -> str:
         plan = self.model.plan
         backends = sorted({n.backend for n in plan.nodes})
-        batching = (f"dynamic batching at {self.batch_size} rows" if self.batch_size
-                    else f"no dynamic batching ({self.batch_reason})")
+        batching = self.batching_summary()
         return (f"{self.name} v{self.version}: {len(plan.nodes)} nodes on "
                 f"{', '.join(backends) or 'no backend'}, peak {plan.peak_bytes} bytes; "
                 f"{batching}")
@@ -116,34 +143,69 @@ def load_served(name: str, version: str, path: Path, options: ModelOptions,
     """Load ``path`` and decide whether it can batch (runs on a worker thread)."""
     from keel.execution.model import load_model
 
-    model = load_model(str(path), backend=options.backend)
-    size, reason = _batchable(model, options.max_batch_size)
-    served = ServedModel(name, version, path, model, size, reason)
+    model = load_model(str(path), backend=options.backend, hint=options.hint)
+    size, reason, padded = _batchable(model, options.max_batch_size)
+    served = ServedModel(name, version, path, model, size, reason, padded)
+    if size is not None and not padded:
+        served.split_note = _split_note(model.adaptive_plan, size)
     served.idle.set()
     return served
 
 
-def _batchable(model: Any, size: int) -> tuple[int | None, str]:
-    """The execution batch size, or None and why requests run alone."""
+def _batchable(model: Any, size: int) -> tuple[int | None, str, bool]:
+    """The batch limit (None: requests run alone), why, and whether batches are padded."""
     if size < 2:
-        return None, "max batch size below 2"
+        return None, "max batch size below 2", True
     feeds = {}
     for info in model.inputs:
         shape = info.shape
         if not shape or isinstance(shape[0], int) or not all(
                 isinstance(d, int) for d in shape[1:]):
-            return None, f"input {info.name!r} has no free first dimension with fixed others"
+            return (None, f"input {info.name!r} has no free first dimension with fixed others",
+                    True)
         if info.dtype.value == "string":
-            return None, f"input {info.name!r} holds strings"
+            return None, f"input {info.name!r} holds strings", True
         feeds[info.name] = np.zeros((size, *shape[1:]), dtype=info.dtype.numpy)
     try:
         out = model.predict(feeds)
     except KeelError as exc:
-        return None, f"a {size}-row warm-up run failed: {exc}"
+        return None, f"a {size}-row warm-up run failed: {exc}", True
     wrong = [k for k, v in out.items() if v.ndim == 0 or v.shape[0] != size]
     if wrong:
-        return None, f"output {wrong[0]!r} does not have the batch as its first dimension"
-    return size, ""
+        return (None, f"output {wrong[0]!r} does not have the batch as its first dimension",
+                True)
+    invariant, why = batch_invariance(model)
+    if invariant:
+        try:
+            differs = check_invariance(model.predict, {k: _sample(a.shape, a.dtype)
+                                                       for k, a in feeds.items()})
+        except KeelError as exc:
+            differs = f"that the rows it runs fail: {exc}"
+        if differs:
+            invariant, why = False, f"a check at load found {differs}"
+    return size, why, not invariant
+
+
+def _split_note(plan: Any, size: int) -> str:
+    """What the model's adaptive planner does with a full batch (its last run was one)."""
+    if plan is None or plan.size != size:
+        return "the model's planner splits each batch"
+    if plan.chunked:
+        return (f"the planner runs a batch of {size} in chunks of {plan.chunk_size} "
+                "(memory budget)")
+    if plan.streams > 1:
+        return (f"the planner runs a batch of {size} as "
+                f"{'+'.join(map(str, plan.batch_split))} on {plan.streams} streams")
+    return f"the planner runs a batch of {size} whole ({plan.hint} hint)"
+
+
+def _sample(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+    """Rows that differ, so a batch check can tell them apart: random floats; 0 and 1 by
+    row for integers and booleans (valid indices, ids and masks)."""
+    if dtype.kind in "fc":
+        return np.random.default_rng(0).standard_normal(shape).astype(dtype)
+    rows = np.indices(shape)[0] % 2
+    return rows.astype(dtype)
 
 
 def batch_runner(served: ServedModel) -> Callable[[dict[str, np.ndarray]],
@@ -158,7 +220,8 @@ class Repository:
     """The models of one file or folder, by name; what the server serves."""
 
     def __init__(self, root: str | Path, options: ModelOptions,
-                 on_batch: Callable[[str, int, int, list[float]], None] | None = None) -> None:
+                 on_batch: Callable[[str, int, int, list[float], int], None] | None = None
+                 ) -> None:
         self.root = Path(root)
         if not self.root.exists():
             raise not_found(f"model repository {str(self.root)!r} does not exist")
@@ -239,7 +302,7 @@ class Repository:
             if served.batch_size is not None:
                 served.batcher = Batcher(batch_runner(served), served.batch_size,
                                          self.options.max_queue_delay_s,
-                                         self._observer(name))
+                                         self._observer(served), served.padded)
             old = self._served.get(name)
             self._served[name] = served
             self._failed.pop(name, None)
@@ -258,13 +321,15 @@ class Repository:
         for name in list(self._served):
             await self._served.pop(name).close()
 
-    def _observer(self, name: str) -> Callable[[int, int, list[float]], None] | None:
+    def _observer(self, served: ServedModel) -> Callable[[int, int, list[float]], None] | None:
         hook = self._on_batch
         if hook is None:
             return None
 
         def observe(rows: int, padded: int, waited: list[float]) -> None:
-            hook(name, rows, padded, waited)
+            split = served.model.adaptive_plan
+            runs = 1 if split is None else split.n_chunks * split.streams
+            hook(served.name, rows, padded, waited, runs)
 
         return observe
 

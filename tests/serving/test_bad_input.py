@@ -16,14 +16,23 @@ from tritonclient.utils import InferenceServerException
 from keel.inference_protocol import Limits
 from keel.serving.server import Server
 
-from .conftest import make_repository, pixels, start
-from .test_server import grpc_client, http_client, infer_grpc, infer_http, post
+from .conftest import (
+    grpc_client,
+    http_client,
+    infer_grpc,
+    infer_http,
+    make_repository,
+    pixels,
+    post,
+    start,
+)
 
 TOKEN = "s3cret-token"
 
 
 def _body(**changes: object) -> bytes:
-    tensor = {"name": "pixels", "shape": [1, 64], "datatype": "FP32", "data": [0.5] * 64}
+    tensor: dict[str, object] = {"name": "pixels", "shape": [1, 64], "datatype": "FP32",
+                                 "data": [0.5] * 64}
     tensor.update(changes)
     return json.dumps({"inputs": [tensor]}).encode()
 

@@ -16,7 +16,7 @@ from keel.backends.registry import BackendRegistry
 from keel.backends.remote import RemoteBackend, RemoteError, as_backend
 from keel.serving.server import Server
 
-from .conftest import in_fixed_batch, pixels
+from .conftest import as_served, pixels
 
 
 def test_load_model_with_the_remote_backend(server: Server, repository: Path) -> None:
@@ -27,7 +27,7 @@ def test_load_model_with_the_remote_backend(server: Server, repository: Path) ->
     assert remote.inputs[0].shape == (None, 64)
     x = pixels(5, seed=11)
     got = remote.predict({"pixels": x})
-    assert np.array_equal(got["probabilities"], in_fixed_batch(local, x)["probabilities"])
+    assert np.array_equal(got["probabilities"], as_served(local, x)["probabilities"])
     (only,) = remote.run(["probabilities"], {"pixels": x})
     assert np.array_equal(only, got["probabilities"])
 

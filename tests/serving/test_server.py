@@ -19,40 +19,16 @@ import keel
 from keel.serving.server import Server
 from keel.testing.models import mlp
 
-from .conftest import BATCH, in_fixed_batch, pixels
-
-
-def http_client(server: Server, **kw: Any) -> thttp.InferenceServerClient:
-    return thttp.InferenceServerClient(f"127.0.0.1:{server.http_port}", **kw)
-
-
-def grpc_client(server: Server) -> tgrpc.InferenceServerClient:
-    return tgrpc.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
-
-
-def infer_http(server: Server, x: np.ndarray, model: str = "digits", **kw: Any) -> np.ndarray:
-    inp = thttp.InferInput("pixels" if model == "digits" else "x", list(x.shape), "FP32")
-    inp.set_data_from_numpy(x, binary_data=kw.pop("binary", True))
-    result = http_client(server).infer(model, [inp], **kw)
-    return result.as_numpy("probabilities" if model == "digits" else "probs")
-
-
-def infer_grpc(server: Server, x: np.ndarray, model: str = "digits") -> np.ndarray:
-    inp = tgrpc.InferInput("pixels" if model == "digits" else "x", list(x.shape), "FP32")
-    inp.set_data_from_numpy(x)
-    out = grpc_client(server).infer(model, [inp])
-    return out.as_numpy("probabilities" if model == "digits" else "probs")
-
-
-def post(server: Server, path: str, body: bytes, headers: dict[str, str] | None = None
-         ) -> tuple[int, dict[str, Any]]:
-    req = urllib.request.Request(f"http://127.0.0.1:{server.http_port}{path}", data=body,
-                                 headers=headers or {}, method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
+from .conftest import (
+    BATCH,
+    as_served,
+    grpc_client,
+    http_client,
+    infer_grpc,
+    infer_http,
+    pixels,
+    post,
+)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +52,7 @@ def test_health_and_metadata_over_both_protocols(server: Server) -> None:
 @pytest.mark.parametrize("rows", [1, 3, BATCH, 2 * BATCH + 3])
 def test_answers_equal_keels_prediction(server: Server, digits: keel.Model, rows: int) -> None:
     x = pixels(rows, seed=rows)
-    expected = in_fixed_batch(digits, x)["probabilities"]
+    expected = as_served(digits, x)["probabilities"]
     for got in (infer_http(server, x), infer_grpc(server, x),
                 infer_http(server, x, binary=False)):
         assert got.dtype == np.float32 and got.shape == (rows, 10)
@@ -95,7 +71,7 @@ def test_json_tensors_and_outputs_requested_by_name(server: Server, digits: keel
     (out,) = reply["outputs"]
     assert out["name"] == "probabilities" and out["shape"] == [2, 10]
     got = np.array(out["data"], dtype=np.float32).reshape(2, 10)
-    assert np.array_equal(got, in_fixed_batch(digits, x)["probabilities"])
+    assert np.array_equal(got, as_served(digits, x)["probabilities"])
     req = thttp.InferRequestedOutput("probabilities", binary_data=True)
     inp = thttp.InferInput("pixels", [2, 64], "FP32")
     inp.set_data_from_numpy(x)
@@ -142,7 +118,7 @@ def test_a_new_version_swaps_in_without_dropping_requests(server: Server,
                                                           repository: Path) -> None:
     old = keel.load_model(str(repository / "mlp" / "1" / "model.onnx"))
     x = pixels(3, seed=9)
-    before = in_fixed_batch(old, x)["probs"]
+    before = as_served(old, x)["probs"]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         running = [pool.submit(infer_http, server, x, "mlp") for _ in range(40)]
         (repository / "mlp" / "2").mkdir()
@@ -150,7 +126,7 @@ def test_a_new_version_swaps_in_without_dropping_requests(server: Server,
         grpc_client(server).load_model("mlp")
         answers = [f.result() for f in running]       # none failed
     new = keel.load_model(str(repository / "mlp" / "2" / "model.onnx"))
-    after = in_fixed_batch(new, x)["probs"]
+    after = as_served(new, x)["probs"]
     assert not np.array_equal(before, after)
     assert all(np.array_equal(a, before) or np.array_equal(a, after) for a in answers)
     assert http_client(server).get_model_metadata("mlp")["versions"] == ["2"]

@@ -204,14 +204,29 @@ def _attention(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> li
     q, k, v, mask = inputs[0], inputs[1], inputs[2], optional_input(inputs, 3)
     _same_dtype(Op.ATTENTION, q, k, v)
     attention_shape(q.shape, k.shape, v.shape, None if mask is None else mask.shape)
-    if attrs["is_causal"] or (mask is not None and mask.dtype.kind == "b"):
-        raise InvalidArgumentError("webgpu attention takes an additive float mask; causal "
-                                   "and boolean masks run on another backend")
+    boolean = mask if mask is not None and mask.dtype.kind == "b" else None
+    additive = mask if boolean is None else None
     scale = attrs["scale"] if attrs["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
     kt = k.transpose((*range(k.ndim - 2), k.ndim - 1, k.ndim - 2))
-    scores = matmul_strided(q, kt, mask, alpha=float(scale), beta=1.0)
+    scores = matmul_strided(q, kt, additive, alpha=float(scale), beta=1.0)
+    if attrs["is_causal"] or boolean is not None:
+        _mask_scores(scores, bool(attrs["is_causal"]), boolean)
     weights = softmax_last(scores)
     return [matmul_strided(weights, v, out=out)]
+
+
+def _mask_scores(scores: WgpuArray, causal: bool, boolean: WgpuArray | None) -> None:
+    """Mask contiguous ``scores`` in place: keys after their query (``causal``) and keys
+    where ``boolean`` (broadcast to the scores) is false."""
+    s, t = scores.shape[-2:]
+    params = Params().u(scores.size, s, t, scores.offset)
+    arrays = [scores]
+    if boolean is not None:
+        params.u(boolean.offset).dims(scores.shape, 1).dims(
+            broadcast_strides(boolean, scores.shape), 0)
+        arrays.append(boolean)
+    launch(wgsl.mask_scores(scalar_type(scores.dtype), causal, boolean is not None), arrays,
+           params, groups_for(scores.size), [scores])
 
 
 def register(table: KernelTable, float_dtypes: Sequence[str]) -> None:
@@ -231,5 +246,5 @@ def register(table: KernelTable, float_dtypes: Sequence[str]) -> None:
     table.kernel(Op.CONV2D, dtypes=float_dtypes, supports_out=True,
                  description="seed 001 conv2d as a WGSL implicit GEMM")(_conv2d)
     table.kernel(Op.ATTENTION, dtypes=float_dtypes, supports_out=True,
-                 description="softmax(Q K^T * scale + mask) V: two tiled matmuls and a "
-                             "row softmax")(_attention)
+                 description="softmax(Q K^T * scale + mask) V: two tiled matmuls, "
+                             "causal/boolean masking in place and a row softmax")(_attention)

@@ -348,6 +348,30 @@ def conv_direct(t: str, act: str, with_bias: bool, with_z: bool) -> str:
 
 
 @functools.cache
+def mask_scores(t: str, causal: bool, boolean: bool) -> str:
+    """Attention scores (..., S, T), contiguous, masked in place before the softmax: a
+    key after its query (``causal``: j > q) or where the boolean mask is false gets the
+    most negative finite value of ``t`` (exp of it less the row's maximum is 0).
+
+    P: n, S, T, scores off (0..3); with ``boolean`` the mask's byte offset (4), the
+    scores' shape at 5 and the mask's strides (in bytes, 0 where it repeats) after it.
+    """
+    low = "-65504.0" if t == "f16" else "-3.4028235e38"
+    keep = ["j <= q"] if causal else []
+    if boolean:
+        keep.append("((M[b / 4u] >> ((b % 4u) * 8u)) & 0xFFu) != 0u")
+    load = (f"    let b = u32(i32(P[4]) + at(i, 5u, {5 + MAX_RANK}u));\n" if boolean else "")
+    return (_header(t, 1 + int(boolean)) + _buffers(t, ["O"])
+            + (_buffers("u32", ["M"], 1) if boolean else "") + _MAIN + f"""
+    if (i >= P[0]) {{ return; }}
+    let j = i % P[2];
+    let q = (i / P[2]) % P[1];
+{load}    if (!({" && ".join(keep)})) {{ O[P[3] + i] = {t}({low}); }}
+}}
+""")
+
+
+@functools.cache
 def pool2d(t: str, kind: str, indices: bool = False) -> str:
     """Max or average pooling over (N, C, H, W), one invocation per output element.
 

@@ -133,3 +133,22 @@ def test_a_gpu_adapter_is_chosen_only_from_its_measured_crossover() -> None:
     assert "never found webgpu ahead" in str(auto_blocked(gpu, Measured(None, "m"), 10**9))
     assert "under the calibrated" in str(auto_blocked(gpu, Measured(10**6, "m"), 10**5))
     assert auto_blocked(gpu, Measured(10**6, "m"), 10**6) is None
+
+
+@pytest.mark.parametrize(("x", "w", "group", "variant"), [
+    ((1, 4, 9, 9), (6, 4, 3, 3), 1, "gemm"),
+    ((1, 4, 17), (6, 4, 3), 1, "gemm"),
+    ((1, 4, 9, 9), (4, 1, 3, 3), 4, "direct"),
+    ((1, 4, 5, 6, 7), (6, 4, 3, 3, 3), 1, "direct"),
+])
+def test_the_planner_picks_the_conv_form_by_rank_and_groups(
+        x: tuple[int, ...], w: tuple[int, ...], group: int, variant: str) -> None:
+    from keel.dtypes import DType
+    from keel.ops.registry import Op
+    from keel.ops.types import TensorType
+
+    types = [TensorType(DType.FLOAT32, x), TensorType(DType.FLOAT32, w)]
+    plan = WEBGPU.plan_node(Op.CONV, types, {"group": group})
+    assert plan.variant == variant
+    if len(x) == 5:
+        assert "3-D conv" in plan.reason("variant")

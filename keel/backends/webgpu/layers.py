@@ -22,6 +22,7 @@ from keel.backends.webgpu.ops import (
     fresh,
     groups_for,
     launch,
+    lifted,
     out_array,
     scalar_type,
 )
@@ -198,10 +199,8 @@ def _global_avg(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> l
 def _pool(kind: str, op: Op) -> Any:
     def kernel(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
         x = inputs[0]
-        if x.ndim != 4:
-            raise InvalidArgumentError(f"webgpu {op.value} pools 2-D inputs (N, C, H, W); "
-                                       f"got shape {x.shape}")
         win = pool_window(op, x.shape, attrs)
+        full = lifted(win, 3, op.value)
         xc = contiguous(x)
         n, c = x.shape[:2]
         shape = (n, c, *win.out_spatial)
@@ -209,15 +208,15 @@ def _pool(kind: str, op: Op) -> Any:
         want_indices = kind == "max" and (out is None or len(out) > 1)
         ix = out_array(x.storage.device, out, 1, shape, np.int64) if want_indices else None
         if y.size:
-            params = Params().u(n * c, *win.in_spatial, *win.out_spatial, *win.kernel,
-                                *win.strides, *win.pads_begin, *win.dilations,
+            params = Params().u(n * c, *full.in_spatial, *full.out_spatial, *full.kernel,
+                                *full.strides, *full.pads_begin, *full.dilations,
                                 int(bool(attrs.get("count_include_pad", 0))), xc.offset,
-                                y.offset, *win.pads_end)
+                                y.offset, *full.pads_end)
             arrays = [y, xc]
             if ix is not None:
                 params.u(ix.offset * 2, int(attrs.get("storage_order", 0)))
                 arrays.append(ix)
-            launch(wgsl.pool2d(scalar_type(x.dtype), kind, ix is not None), arrays, params,
+            launch(wgsl.pool3d(scalar_type(x.dtype), kind, ix is not None), arrays, params,
                    groups_for(y.size), arrays[::2])
         return [y] if ix is None else [y, ix]
     return kernel

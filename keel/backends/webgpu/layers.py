@@ -31,7 +31,7 @@ from keel.errors import InvalidArgumentError
 from keel.ops.registry import Op
 from keel.ops.schemas.normalization import check_skip, compute_dtype
 from keel.ops.schemas.pooling import pool_window
-from keel.ops.schemas.reduction import reduction_axes
+from keel.ops.schemas.reduction import arg_axis, reduction_axes
 
 __all__ = ["register", "softmax_last"]
 
@@ -222,6 +222,32 @@ def _pool(kind: str, op: Op) -> Any:
     return kernel
 
 
+_ARG_TYPES = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
+              np.dtype(np.int32): "i32"}
+
+
+def _arg(op: Op, kind: str) -> Any:
+    def kernel(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+        x = inputs[0]
+        t = _ARG_TYPES.get(x.dtype)
+        if t is None:
+            raise InvalidArgumentError(f"webgpu {op.value} takes float32, float16 or int32, "
+                                       f"got {x.dtype}")
+        axis = arg_axis(op, x.shape, attrs)
+        moved, _ = _moved_last(x, axis)
+        xc = contiguous(moved)
+        kept = tuple(d for a, d in enumerate(x.shape) if a != axis)
+        shape = tuple(1 if a == axis else d for a, d in enumerate(x.shape)) \
+            if attrs["keepdims"] else kept
+        y = out_array(x.storage.device, out, 0, shape, np.int64)
+        if y.size:
+            params = Params().u(y.size, x.shape[axis], xc.offset, y.offset * 2)
+            launch(wgsl.arg_rows(t, kind, bool(attrs["select_last_index"])), [y, xc], params,
+                   groups_for(y.size), [y])
+        return [y]
+    return kernel
+
+
 def register(table: KernelTable, float_dtypes: Sequence[str]) -> None:
     fd = float_dtypes
     table.kernel(Op.SOFTMAX, dtypes=fd, supports_out=True,
@@ -239,6 +265,9 @@ def register(table: KernelTable, float_dtypes: Sequence[str]) -> None:
         _all("mean"))
     table.kernel(Op.GLOBAL_AVG_POOL, dtypes=fd, supports_out=True,
                  description="WGSL row mean over H x W")(_global_avg)
+    for op, kind in ((Op.ARGMAX, "max"), (Op.ARGMIN, "min")):
+        table.kernel(op, dtypes=(*fd, "int32"), supports_out=True,
+                     description=f"WGSL arg{kind} per row (int64 indices)")(_arg(op, kind))
     table.kernel(Op.MAX_POOL, dtypes=fd, supports_out=True,
                  description="WGSL max pool (Y, Indices)")(_pool("max", Op.MAX_POOL))
     table.kernel(Op.AVG_POOL, dtypes=fd, supports_out=True,

@@ -537,6 +537,38 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nw: vec3<
 
 
 @functools.cache
+def arg_rows(t: str, kind: str, last: bool) -> str:
+    """ArgMax (``kind`` "max") or ArgMin of each row of a contiguous (rows, L) input, one
+    invocation per row, as int64 (two u32 words). The first extreme wins (the last with
+    ``last``); a NaN is an extreme, as NumPy's argmax and argmin have it.
+
+    P: rows, L, X off, O off in words (0..3). ``t``: f32, f16 or i32.
+    """
+    v = "i32" if t == "i32" else "f32"
+    nan = "false" if t == "i32" else "is_nan(x)"
+    cmp = ">" if kind == "max" else "<"
+    if last:
+        take = f"{nan} || (!found_nan && x {cmp}= best)"
+    else:
+        take = f"!found_nan && ({nan} || x {cmp} best)"
+    return (_header(t, 2) + _MATH + _buffers("u32", ["O"]) + _buffers(t, ["X"], 1) + _MAIN + f"""
+    if (i >= P[0]) {{ return; }}
+    let L = P[1];
+    let base = P[2] + i * L;
+    var best = {v}(X[base]);
+    var arg = 0u;
+    var found_nan = {"false" if t == "i32" else "is_nan(f32(best))"};
+    for (var j = 1u; j < L; j = j + 1u) {{
+        let x = {v}(X[base + j]);
+        if ({take}) {{ best = x; arg = j; found_nan = found_nan || {nan}; }}
+    }}
+    O[P[3] + 2u * i] = arg;
+    O[P[3] + 2u * i + 1u] = 0u;
+}}
+""")
+
+
+@functools.cache
 def gather(words: int) -> str:
     """``O[outer, idx, inner] = X[outer, I[idx], inner]`` over elements of ``words`` u32
     words, int64 or int32 indices (negative ones count from the end).

@@ -187,6 +187,55 @@ def elementwise(expr: str, arity: int, t: str, flat: bool) -> str:
             + "\n".join(loads) + f"\n    O[P[1] + i] = {t}({expr});\n}}\n")
 
 
+# 64-bit integers as (low, high) u32 word pairs: WGSL has no 64-bit integer type.
+# Each wraps modulo 2^64, as NumPy's int64 does.
+_INT64 = """
+fn add64(a: vec2<u32>, b: vec2<u32>) -> vec2<u32> {
+    let lo = a.x + b.x;
+    return vec2<u32>(lo, a.y + b.y + select(0u, 1u, lo < a.x));
+}
+fn neg64(a: vec2<u32>) -> vec2<u32> { return add64(~a, vec2<u32>(1u, 0u)); }
+fn sub64(a: vec2<u32>, b: vec2<u32>) -> vec2<u32> { return add64(a, neg64(b)); }
+fn wide32(a: u32, b: u32) -> vec2<u32> {          // the full 64-bit product of two u32
+    let a0 = a & 0xFFFFu; let a1 = a >> 16u; let b0 = b & 0xFFFFu; let b1 = b >> 16u;
+    let p00 = a0 * b0; let p01 = a0 * b1; let p10 = a1 * b0;
+    let mid = (p00 >> 16u) + (p01 & 0xFFFFu) + (p10 & 0xFFFFu);
+    return vec2<u32>((p00 & 0xFFFFu) | (mid << 16u),
+                     a1 * b1 + (p01 >> 16u) + (p10 >> 16u) + (mid >> 16u));
+}
+fn mul64(a: vec2<u32>, b: vec2<u32>) -> vec2<u32> {
+    let p = wide32(a.x, b.x);
+    return vec2<u32>(p.x, p.y + a.x * b.y + a.y * b.x);
+}
+fn neg_(a: vec2<u32>) -> bool { return (a.y >> 31u) == 1u; }
+fn abs64(a: vec2<u32>) -> vec2<u32> { return select(a, neg64(a), neg_(a)); }
+fn relu64(a: vec2<u32>) -> vec2<u32> { return select(a, vec2<u32>(0u, 0u), neg_(a)); }
+"""
+
+
+@functools.cache
+def int_elementwise(expr: str, arity: int, bits: int) -> str:
+    """``O = expr(a, b)`` over int32 (``bits`` 32: i32 arithmetic, wrapping) or int64
+    (``bits`` 64: word pairs and the ``*64`` functions) elements, inputs read through
+    their strides. P as in :func:`elementwise`'s strided layout (offsets and strides in
+    elements)."""
+    names = ["a", "b"][:arity]
+    loads = []
+    for j, n in enumerate(names):
+        base = 6 + MAX_RANK + j * (MAX_RANK + 1)
+        e = f"u32(i32(P[{base}u]) + at(i, 6u, {base + 1}u))"
+        loads.append(f"    let {n} = A{j}[{e}];" if bits == 32 else
+                     f"    let e{j} = 2u * {e};\n"
+                     f"    let {n} = vec2<u32>(A{j}[e{j}], A{j}[e{j} + 1u]);")
+    store = ("    O[P[1] + i] = v;\n" if bits == 32 else
+             "    O[2u * (P[1] + i)] = v.x;\n    O[2u * (P[1] + i) + 1u] = v.y;\n")
+    t = "i32" if bits == 32 else "u32"
+    return (_header("f32", arity + 1) + (_INT64 if bits == 64 else "")
+            + _buffers(t, ["O"] + [f"A{j}" for j in range(arity)]) + _MAIN
+            + "    if (i >= P[0]) { return; }\n" + "\n".join(loads)
+            + f"\n    let v = {expr};\n" + store + "}\n")
+
+
 def _epilogue(act: str) -> str:
     return f"fn act(x: f32) -> f32 {{ return {act}; }}\n"
 

@@ -346,6 +346,8 @@ class Backend(ABC):
     device: ClassVar[DeviceKind]
     # The narrow ml_dtypes types live on NumPy backends only (those add them).
     dtypes: ClassVar[frozenset[DType]] = frozenset(DType) - {DType.STRING} - NARROW
+    # Why a dtype outside ``dtypes`` is not held, for the errors that refuse it.
+    dtype_notes: ClassVar[Mapping[DType, str]] = {}
 
     def __init__(self) -> None:
         self._availability: Availability | None = None
@@ -608,8 +610,10 @@ class Backend(ABC):
             tuple[int, ...], DType]:
         dt = as_dtype(dtype)
         if dt not in self.dtypes:
+            note = self.dtype_notes.get(dt)
             raise InvalidArgumentError(
-                f"backend {self.name!r} cannot hold {dt.value}; allowed: "
+                f"backend {self.name!r} cannot hold {dt.value}"
+                + (f" ({note})" if note else "") + "; allowed: "
                 f"{', '.join(sorted(d.value for d in self.dtypes))}"
             )
         try:

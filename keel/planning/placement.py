@@ -429,10 +429,19 @@ def _node_dtype(ctx: _Context, node: Node) -> DType | None:
     return None
 
 
+def _needs(node: Node, dtype: DType | None, backend: Backend) -> str:
+    """What ``node`` needs that ``backend`` lacks, with the backend's note on the dtype."""
+    if dtype is None:
+        return node.op.value
+    note = backend.dtype_notes.get(dtype)
+    return f"{node.op.value} on {dtype.value}" + (
+        f" ({backend.name} holds no {dtype.value}: {note})" if note else "")
+
+
 def _place_pinned(ctx: _Context, backend: Backend, node: Node) -> NodePlacement:
     dtype = _node_dtype(ctx, node)
     if not backend.supports(node.op, dtype):
-        what = node.op.value if dtype is None else f"{node.op.value} on {dtype.value}"
+        what = _needs(node, dtype, backend)
         raise UnsupportedOperationError(
             node.op.value, backend.name,
             supported_on=ctx.registry.supported_on(node.op),
@@ -488,7 +497,7 @@ def _place_auto(ctx: _Context, node: Node) -> NodePlacement:
     for candidate in ctx.chain[start:] + ctx.chain[:start]:
         if candidate.supports(node.op, dtype):
             return _finish(ctx, node, candidate, reasons)
-        what = node.op.value if dtype is None else f"{node.op.value} on {dtype.value}"
+        what = _needs(node, dtype, candidate)
         reasons.append(f"{candidate.name} has no kernel for {what}: next in the chain")
     raise UnsupportedOperationError(
         node.op.value, supported_on=(),

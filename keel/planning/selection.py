@@ -205,7 +205,9 @@ def _why_not_viable(backend: Backend, props: OperationProperties,
     if not backend.supports(props.op):
         return f"has no kernel for {props.op.value}"
     if not backend.supports(props.op, props.dtype):
-        return f"has no {props.op.value} kernel for {props.dtype.value}"
+        note = backend.dtype_notes.get(props.dtype)
+        return (f"has no {props.op.value} kernel for {props.dtype.value}"
+                + (f" (it holds no {props.dtype.value}: {note})" if note else ""))
     blocked = backend.auto_blocked(props, functools.partial(_measured, backend.name, props))
     if blocked:
         return blocked

@@ -92,6 +92,40 @@ def test_pinned_webgpu_raises_for_an_op_without_a_kernel() -> None:
             {"x": np.ones(4, np.float32)})
 
 
+def _relu_model(elem: int) -> bytes:
+    from onnx import helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", elem, [2, 3])],
+        [helper.make_tensor_value_info("y", elem, [2, 3])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]
+                             ).SerializeToString()
+
+
+def test_a_float64_model_is_refused_at_placement_with_the_reason() -> None:
+    from onnx import TensorProto
+
+    with pytest.raises(UnsupportedOperationError,
+                       match=r"relu on float64 \(webgpu holds no float64: WGSL has no 64-bit"):
+        keel.load_model(_relu_model(TensorProto.DOUBLE), backend="webgpu")
+    with pytest.raises(InvalidArgumentError, match=r"cannot hold float64 \(WGSL has no 64-bit"):
+        WEBGPU.to_device(np.zeros(4, np.float64))
+
+
+def test_auto_placement_says_why_float64_nodes_are_not_on_webgpu() -> None:
+    from onnx import TensorProto
+
+    registry = builtin_registry()
+    registry.set_priority(["webgpu", "cpu", "reference"])
+    model = keel.load_model(_relu_model(TensorProto.DOUBLE), backend="auto", registry=registry)
+    reasons = " ".join(r for n in model.plan.nodes for r in n.reasons)
+    assert set(model.plan.backends) == {"cpu"}
+    assert "holds no float64: WGSL has no 64-bit float" in reasons
+    x = np.linspace(-1, 1, 6).reshape(2, 3)
+    np.testing.assert_array_equal(model.predict({"x": x})["y"], np.maximum(x, 0))
+
+
 def test_seed_constraints_enforce_the_gpu_profile() -> None:
     from keel.backends.webgpu.backend import WebGpuBackend
 
@@ -133,3 +167,22 @@ def test_a_gpu_adapter_is_chosen_only_from_its_measured_crossover() -> None:
     assert "never found webgpu ahead" in str(auto_blocked(gpu, Measured(None, "m"), 10**9))
     assert "under the calibrated" in str(auto_blocked(gpu, Measured(10**6, "m"), 10**5))
     assert auto_blocked(gpu, Measured(10**6, "m"), 10**6) is None
+
+
+@pytest.mark.parametrize(("x", "w", "group", "variant"), [
+    ((1, 4, 9, 9), (6, 4, 3, 3), 1, "gemm"),
+    ((1, 4, 17), (6, 4, 3), 1, "gemm"),
+    ((1, 4, 9, 9), (4, 1, 3, 3), 4, "direct"),
+    ((1, 4, 5, 6, 7), (6, 4, 3, 3, 3), 1, "direct"),
+])
+def test_the_planner_picks_the_conv_form_by_rank_and_groups(
+        x: tuple[int, ...], w: tuple[int, ...], group: int, variant: str) -> None:
+    from keel.dtypes import DType
+    from keel.ops.registry import Op
+    from keel.ops.types import TensorType
+
+    types = [TensorType(DType.FLOAT32, x), TensorType(DType.FLOAT32, w)]
+    plan = WEBGPU.plan_node(Op.CONV, types, {"group": group})
+    assert plan.variant == variant
+    if len(x) == 5:
+        assert "3-D conv" in plan.reason("variant")

@@ -133,6 +133,13 @@ CASES: list[OpCase] = [
           strides=(1, 2, 1)),
     _conv("conv3d-depthwise", (1, 3, 4, 5, 6), (3, 1, 2, 3, 3), pads=(0, 1, 1, 1, 1, 1),
           group=3),
+    _conv("conv1d-dilated-residual-relu", (2, 4, 15), (6, 4, 3), z=(2, 6, 12),
+          pads=(1, 0), dilations=(2,), activation="relu"),
+    _conv("conv1d-f16", (1, 3, 12), (4, 3, 3), dtype=F16, pads=(1, 1)),
+    _conv("conv3d-groups-residual-silu", (2, 4, 4, 5, 5), (6, 2, 2, 3, 3), z=(2, 6, 4, 2, 1),
+          pads=(0, 1, 0, 1, 0, 0), strides=(1, 2, 2), dilations=(1, 1, 2), group=2,
+          activation="silu"),
+    _conv("conv3d-f16", (1, 2, 4, 4, 4), (3, 2, 3, 3, 3), dtype=F16, pads=(1,) * 6),
     # ---- epilogue: residual, activations ----
     _conv("conv-residual", (2, 4, 6, 6), (5, 4, 3, 3), z=(2, 5, 6, 6), pads=_P1),
     _conv("conv-residual-nobias", (1, 4, 6, 6), (5, 4, 3, 3), b=False, z=(1, 5, 6, 6),

@@ -356,6 +356,25 @@ def _binary_family() -> list[OpCase]:
     return cases + _where_cases()
 
 
+def _wide_int_cases() -> list[OpCase]:
+    """int32 and int64 arithmetic past 32 bits' and 2^53's reach, with signs and
+    wrap-around (NumPy's integers wrap): a kernel that computes in floats, or drops the
+    carry between words, fails these."""
+    def wide(dtype: Any) -> Make:
+        def make(rng: Gen) -> list[np.ndarray | None]:
+            info = np.iinfo(dtype)
+            edges = np.array([info.min, info.max, -1, 0, 1, info.max // 3], dtype)
+            a = np.concatenate([edges, rng.integers(info.min, info.max, 26, dtype=dtype)])
+            b = np.concatenate([edges[::-1], rng.integers(info.min, info.max, 26, dtype=dtype)])
+            return [a.reshape(4, 8), b.reshape(4, 8)]
+        return make
+    cases = [OpCase(f"{op.value}-{np.dtype(dt).name}-wide", op, wide(dt))
+             for op in (Op.ADD, Op.SUB, Op.MUL) for dt in (np.int32, np.int64)]
+    return cases + [OpCase(f"{op.value}-{np.dtype(dt).name}-wide", op,
+                           lambda rng, dt=dt: wide(dt)(rng)[:1])
+                    for op in (Op.NEG, Op.ABS, Op.RELU) for dt in (np.int32, np.int64)]
+
+
 def _unary_family() -> list[OpCase]:
     cases: list[OpCase] = []
     # clip has its own cases: its bounds are inputs.
@@ -364,4 +383,4 @@ def _unary_family() -> list[OpCase]:
     return cases + _clip_cases() + _round_cases()
 
 
-CASES: list[OpCase] = _binary_family() + _unary_family()
+CASES: list[OpCase] = _binary_family() + _unary_family() + _wide_int_cases()

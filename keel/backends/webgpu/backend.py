@@ -40,6 +40,14 @@ INSTALL_HINT = ("install it with: pip install 'keel-runtime[webgpu]' (and, witho
 _HELD = frozenset({DType.FLOAT32, DType.FLOAT16, DType.INT64, DType.INT32, DType.BOOL,
                    DType.UINT8, DType.INT8})
 
+# Why the dtypes a model may hold beyond those are refused (placement and to_device say it).
+_F64 = ("WGSL has no 64-bit float (shader-f64 is a wgpu-native extension outside WebGPU); "
+        "run the model on cpu, or convert it to float32")
+_NARROW_INT = ("WGSL's integers are 32-bit: its 16-bit and unsigned 32/64-bit integers have "
+               "no kernels here; run those nodes on cpu")
+_NOTES = {DType.FLOAT64: _F64, DType.INT16: _NARROW_INT, DType.UINT16: _NARROW_INT,
+          DType.UINT32: _NARROW_INT, DType.UINT64: _NARROW_INT}
+
 
 class WebGpuBackend(Backend):
     """WGSL kernels on one WebGPU adapter through ``wgpu``.
@@ -51,6 +59,7 @@ class WebGpuBackend(Backend):
     name = "webgpu"
     device = DeviceKind.GPU
     dtypes = _HELD
+    dtype_notes = _NOTES
 
     def __init__(self, *, seed_constraints: bool = False,
                  power_preference: str = "high-performance",

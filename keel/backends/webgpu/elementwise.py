@@ -29,7 +29,7 @@ from keel.backends.webgpu.ops import (
 from keel.errors import InvalidArgumentError
 from keel.ops.registry import Op
 
-__all__ = ["BINARY", "UNARY", "binary", "elementwise", "register"]
+__all__ = ["BINARY", "INTEGER", "UNARY", "binary", "elementwise", "integer", "register"]
 
 # WGSL expressions in a (and b), with the scalars s0..s3 an op's attributes give.
 UNARY: dict[Op, str] = {
@@ -65,6 +65,18 @@ BINARY: dict[Op, str] = {
     Op.POW: "pow(a, b)",
 }
 
+# Integer arithmetic: int32 in WGSL's i32 (wrapping), int64 as u32 word pairs (wgsl._INT64).
+INTEGER: dict[Op, tuple[str, str]] = {
+    Op.ADD: ("a + b", "add64(a, b)"),
+    Op.SUB: ("a - b", "sub64(a, b)"),
+    Op.MUL: ("a * b", "mul64(a, b)"),
+    Op.NEG: ("-a", "neg64(a)"),
+    Op.ABS: ("abs(a)", "abs64(a)"),
+    Op.RELU: ("max(a, 0)", "relu64(a)"),
+}
+INT_DTYPES = ("int32", "int64")
+_INT_BITS = {np.dtype(np.int32): 32, np.dtype(np.int64): 64}
+
 # The attributes that become the scalars s0, s1 of an op's expression.
 _SCALARS: dict[Op, tuple[str, ...]] = {
     Op.LEAKY_RELU: ("alpha",), Op.HARD_SIGMOID: ("alpha", "beta"), Op.SWISH: ("alpha",),
@@ -82,28 +94,55 @@ def broadcast_shape(*shapes: Sequence[int]) -> tuple[int, ...]:
 def elementwise(expr: str, xs: Sequence[WgpuArray], scalars: Sequence[float] = (),
                 out: Out = None) -> WgpuArray:
     """``expr`` over ``xs`` broadcast together, into ``out[0]`` when it fits."""
+    dtype = _one_dtype(xs)
+    t = scalar_type(dtype)
+    shape = broadcast_shape(*(x.shape for x in xs))
+    y = out_array(device_of(*xs), out, 0, shape, dtype)
+    if y.size == 0:
+        return y
+    flat = all(x.shape == shape and x.is_contiguous() for x in xs)
+    params = _params(xs, y, scalars, flat)
+    launch(wgsl.elementwise(expr, len(xs), t, flat), [y, *xs], params, groups_for(y.size), [y])
+    return y
+
+
+def integer(op: Op, xs: Sequence[WgpuArray], out: Out = None) -> WgpuArray:
+    """``op`` over int32 or int64 ``xs`` broadcast together (wrapping as NumPy does)."""
+    dtype = _one_dtype(xs)
+    bits = _INT_BITS.get(np.dtype(dtype))
+    if bits is None or op not in INTEGER:
+        raise InvalidArgumentError(f"webgpu integer {op.value} takes int32 or int64, "
+                                   f"got {dtype}")
+    shape = broadcast_shape(*(x.shape for x in xs))
+    y = out_array(device_of(*xs), out, 0, shape, dtype)
+    if y.size:
+        expr = INTEGER[op][0 if bits == 32 else 1]
+        launch(wgsl.int_elementwise(expr, len(xs), bits), [y, *xs],
+               _params(xs, y, (), False), groups_for(y.size), [y])
+    return y
+
+
+def _one_dtype(xs: Sequence[WgpuArray]) -> Any:
     dtype = xs[0].dtype
     for x in xs:
         if x.dtype != dtype:
             raise InvalidArgumentError(f"elementwise inputs must share a dtype, got "
                                        f"{', '.join(str(x.dtype) for x in xs)}")
-    t = scalar_type(dtype)
-    shape = broadcast_shape(*(x.shape for x in xs))
-    y = out_array(device_of(*xs), out, 0, shape, dtype)
-    n = y.size
-    if n == 0:
-        return y
-    flat = all(x.shape == shape and x.is_contiguous() for x in xs)
+    return dtype
+
+
+def _params(xs: Sequence[WgpuArray], y: WgpuArray, scalars: Sequence[float], flat: bool
+            ) -> Params:
+    """n, the output's offset, four f32 scalars, then the inputs' offsets (``flat``) or
+    the output's shape and each input's offset and broadcast strides."""
     s = [*scalars, 0.0, 0.0, 0.0, 0.0][:4]
-    params = Params().u(n, y.offset).f(*s)
+    params = Params().u(y.size, y.offset).f(*s)
     if flat:
-        params.u(*(x.offset for x in xs))
-    else:
-        params.dims(shape, 1)
-        for x in xs:
-            params.u(x.offset).dims(broadcast_strides(x, shape), 0)
-    launch(wgsl.elementwise(expr, len(xs), t, flat), [y, *xs], params, groups_for(n), [y])
-    return y
+        return params.u(*(x.offset for x in xs))
+    params.dims(y.shape, 1)
+    for x in xs:
+        params.u(x.offset).dims(broadcast_strides(x, y.shape), 0)
+    return params
 
 
 def binary(name: str, a: WgpuArray, b: WgpuArray, out: Out = None) -> WgpuArray:
@@ -112,6 +151,8 @@ def binary(name: str, a: WgpuArray, b: WgpuArray, out: Out = None) -> WgpuArray:
 
 def _unary(op: Op) -> Any:
     def kernel(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+        if inputs[0].dtype.kind == "i":
+            return [integer(op, [inputs[0]], out)]
         expr = UNARY[op] if op is not Op.GELU else _GELU[str(attrs.get("approximate",
                                                                         "none"))]
         scalars = [float(attrs[k]) for k in _SCALARS.get(op, ())]
@@ -121,6 +162,8 @@ def _unary(op: Op) -> Any:
 
 def _binary(op: Op) -> Any:
     def kernel(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+        if inputs[0].dtype.kind == "i":
+            return [integer(op, [inputs[0], inputs[1]], out)]
         return [elementwise(BINARY[op], [inputs[0], inputs[1]], (), out)]
     return kernel
 
@@ -147,11 +190,14 @@ def _clip(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[An
 
 
 def register(table: KernelTable, float_dtypes: Sequence[str]) -> None:
+    def dtypes(op: Op) -> tuple[str, ...]:
+        return (*float_dtypes, *INT_DTYPES) if op in INTEGER else tuple(float_dtypes)
+
     for op in (*UNARY, Op.GELU):
-        table.kernel(op, dtypes=float_dtypes, supports_out=True,
+        table.kernel(op, dtypes=dtypes(op), supports_out=True,
                      description=f"WGSL {op.value}")(_unary(op))
     for op in BINARY:
-        table.kernel(op, dtypes=float_dtypes, supports_out=True,
+        table.kernel(op, dtypes=dtypes(op), supports_out=True,
                      description=f"WGSL {op.value} with broadcasting")(_binary(op))
     table.kernel(Op.CLIP, dtypes=float_dtypes, supports_out=True,
                  description="WGSL clip")(_clip)

@@ -22,6 +22,7 @@ from keel.backends.webgpu.ops import (
     fresh,
     groups_for,
     launch,
+    lifted,
     out_array,
     scalar_type,
 )
@@ -30,7 +31,7 @@ from keel.errors import InvalidArgumentError
 from keel.ops.registry import Op
 from keel.ops.schemas.normalization import check_skip, compute_dtype
 from keel.ops.schemas.pooling import pool_window
-from keel.ops.schemas.reduction import reduction_axes
+from keel.ops.schemas.reduction import arg_axis, reduction_axes
 
 __all__ = ["register", "softmax_last"]
 
@@ -198,10 +199,8 @@ def _global_avg(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> l
 def _pool(kind: str, op: Op) -> Any:
     def kernel(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
         x = inputs[0]
-        if x.ndim != 4:
-            raise InvalidArgumentError(f"webgpu {op.value} pools 2-D inputs (N, C, H, W); "
-                                       f"got shape {x.shape}")
         win = pool_window(op, x.shape, attrs)
+        full = lifted(win, 3, op.value)
         xc = contiguous(x)
         n, c = x.shape[:2]
         shape = (n, c, *win.out_spatial)
@@ -209,17 +208,43 @@ def _pool(kind: str, op: Op) -> Any:
         want_indices = kind == "max" and (out is None or len(out) > 1)
         ix = out_array(x.storage.device, out, 1, shape, np.int64) if want_indices else None
         if y.size:
-            params = Params().u(n * c, *win.in_spatial, *win.out_spatial, *win.kernel,
-                                *win.strides, *win.pads_begin, *win.dilations,
+            params = Params().u(n * c, *full.in_spatial, *full.out_spatial, *full.kernel,
+                                *full.strides, *full.pads_begin, *full.dilations,
                                 int(bool(attrs.get("count_include_pad", 0))), xc.offset,
-                                y.offset, *win.pads_end)
+                                y.offset, *full.pads_end)
             arrays = [y, xc]
             if ix is not None:
                 params.u(ix.offset * 2, int(attrs.get("storage_order", 0)))
                 arrays.append(ix)
-            launch(wgsl.pool2d(scalar_type(x.dtype), kind, ix is not None), arrays, params,
+            launch(wgsl.pool3d(scalar_type(x.dtype), kind, ix is not None), arrays, params,
                    groups_for(y.size), arrays[::2])
         return [y] if ix is None else [y, ix]
+    return kernel
+
+
+_ARG_TYPES = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
+              np.dtype(np.int32): "i32"}
+
+
+def _arg(op: Op, kind: str) -> Any:
+    def kernel(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+        x = inputs[0]
+        t = _ARG_TYPES.get(x.dtype)
+        if t is None:
+            raise InvalidArgumentError(f"webgpu {op.value} takes float32, float16 or int32, "
+                                       f"got {x.dtype}")
+        axis = arg_axis(op, x.shape, attrs)
+        moved, _ = _moved_last(x, axis)
+        xc = contiguous(moved)
+        kept = tuple(d for a, d in enumerate(x.shape) if a != axis)
+        shape = tuple(1 if a == axis else d for a, d in enumerate(x.shape)) \
+            if attrs["keepdims"] else kept
+        y = out_array(x.storage.device, out, 0, shape, np.int64)
+        if y.size:
+            params = Params().u(y.size, x.shape[axis], xc.offset, y.offset * 2)
+            launch(wgsl.arg_rows(t, kind, bool(attrs["select_last_index"])), [y, xc], params,
+                   groups_for(y.size), [y])
+        return [y]
     return kernel
 
 
@@ -240,6 +265,9 @@ def register(table: KernelTable, float_dtypes: Sequence[str]) -> None:
         _all("mean"))
     table.kernel(Op.GLOBAL_AVG_POOL, dtypes=fd, supports_out=True,
                  description="WGSL row mean over H x W")(_global_avg)
+    for op, kind in ((Op.ARGMAX, "max"), (Op.ARGMIN, "min")):
+        table.kernel(op, dtypes=(*fd, "int32"), supports_out=True,
+                     description=f"WGSL arg{kind} per row (int64 indices)")(_arg(op, kind))
     table.kernel(Op.MAX_POOL, dtypes=fd, supports_out=True,
                  description="WGSL max pool (Y, Indices)")(_pool("max", Op.MAX_POOL))
     table.kernel(Op.AVG_POOL, dtypes=fd, supports_out=True,

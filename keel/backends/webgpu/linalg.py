@@ -28,6 +28,7 @@ from keel.backends.webgpu.ops import (
     contiguous,
     groups_for,
     launch,
+    lifted,
     out_array,
     scalar_type,
 )
@@ -44,7 +45,7 @@ from keel.ops.schemas.matmul import (
 )
 from keel.ops.schemas.shape import static_dims
 
-__all__ = ["conv2d_nchw", "matmul_strided", "register"]
+__all__ = ["conv_nchw", "matmul_strided", "register"]
 
 _BATCH_DIMS = 4          # batch dims the matmul shader indexes
 
@@ -144,21 +145,23 @@ def _dot(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any
     return [_reshaped(y, shape, out)]
 
 
-def conv2d_nchw(x: WgpuArray, w: WgpuArray, b: WgpuArray | None, z: WgpuArray | None,
-                geo: Any, act: str, direct: bool, out: Out = None) -> WgpuArray:
-    """One 2-D convolution (``geo`` from ``conv_geometry``) with its fused epilogue."""
+def conv_nchw(x: WgpuArray, w: WgpuArray, b: WgpuArray | None, z: WgpuArray | None,
+              geo: Any, act: str, direct: bool, out: Out = None) -> WgpuArray:
+    """One 1-D, 2-D or 3-D convolution (``geo`` from ``conv_geometry``) with its fused
+    epilogue: ``direct`` runs one invocation per output, else the implicit GEMM (1-D and
+    2-D windows only)."""
     t = scalar_type(x.dtype)
     xc, wc = contiguous(x), contiguous(w)
     bc = None if b is None else contiguous(b)
     zc = None if z is None else contiguous(z)
-    win = geo.window
     y = out_array(x.storage.device, out, 0, geo.out_shape, x.dtype)
     if y.size == 0:
         return y
-    n, c, (h, wd) = geo.batch, geo.in_channels, win.in_spatial
-    m, (oh, ow), (kh, kw) = geo.out_channels, win.out_spatial, win.kernel
-    params = Params().u(n, c, h, wd, m, oh, ow, kh, kw, *win.strides, *win.pads_begin,
-                        *win.dilations, geo.group, xc.offset, wc.offset,
+    win = lifted(geo.window, 3 if direct else 2, "direct conv" if direct
+                 else "implicit-GEMM conv (the planner runs 3-D convs direct)")
+    n, c, m = geo.batch, geo.in_channels, geo.out_channels
+    params = Params().u(n, c, *win.in_spatial, m, *win.out_spatial, *win.kernel, *win.strides,
+                        *win.pads_begin, *win.dilations, geo.group, xc.offset, wc.offset,
                         0 if bc is None else bc.offset, 0 if zc is None else zc.offset,
                         y.offset)
     arrays = [y, xc, wc] + ([bc] if bc is not None else []) + ([zc] if zc is not None else [])
@@ -167,27 +170,25 @@ def conv2d_nchw(x: WgpuArray, w: WgpuArray, b: WgpuArray | None, z: WgpuArray | 
         launch(source, arrays, params, groups_for(y.size), [y])
     else:
         source = wgsl.conv_gemm(t, act, bc is not None, zc is not None)
+        oh, ow = win.out_spatial
         groups = (-(-(n * oh * ow) // wgsl.TILE), -(-(m // geo.group) // wgsl.TILE), geo.group)
         launch(source, arrays, params, groups, [y])
     return y
 
 
-def _conv_2d_only(op: Op, x: WgpuArray) -> None:
-    if x.ndim != 4:
-        raise InvalidArgumentError(f"webgpu {op.value} runs 2-D convolutions (N, C, H, W); "
-                                   f"got an input of shape {x.shape}")
-
-
-def _conv_with(direct: bool) -> Any:
+def _conv_with(direct: bool | None) -> Any:
+    """A conv kernel: the implicit GEMM, the direct form, or (None) the form the plan
+    names (the planner decides; an op-level call gets a plan from the real shapes)."""
     def kernel(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+        run_direct = direct if direct is not None else (
+            ctx.plan is not None and ctx.plan.variant == "direct")
         x, w = inputs[0], inputs[1]
         b, z = optional_input(inputs, 2), optional_input(inputs, 3)
         _same_dtype(Op.CONV, x, w, b, z)
-        _conv_2d_only(Op.CONV, x)
         geo = conv_geometry(Op.CONV, x.shape, w.shape, attrs)
         check_conv_extras(Op.CONV, geo.out_shape, None if b is None else b.shape,
                           None if z is None else z.shape)
-        return [conv2d_nchw(x, w, b, z, geo, _act(attrs), direct, out)]
+        return [conv_nchw(x, w, b, z, geo, _act(attrs), run_direct, out)]
     return kernel
 
 
@@ -197,21 +198,36 @@ def _conv2d(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[
     if x.ndim != 4:
         raise InvalidArgumentError(f"conv2d: X must be (N, C, H, W), got shape {x.shape}")
     geo = conv_geometry(Op.CONV2D, x.shape, w.shape, conv2d_attrs(attrs))
-    return [conv2d_nchw(x, w, None, None, geo, "x", False, out)]
+    return [conv_nchw(x, w, None, None, geo, "x", False, out)]
 
 
 def _attention(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     q, k, v, mask = inputs[0], inputs[1], inputs[2], optional_input(inputs, 3)
     _same_dtype(Op.ATTENTION, q, k, v)
     attention_shape(q.shape, k.shape, v.shape, None if mask is None else mask.shape)
-    if attrs["is_causal"] or (mask is not None and mask.dtype.kind == "b"):
-        raise InvalidArgumentError("webgpu attention takes an additive float mask; causal "
-                                   "and boolean masks run on another backend")
+    boolean = mask if mask is not None and mask.dtype.kind == "b" else None
+    additive = mask if boolean is None else None
     scale = attrs["scale"] if attrs["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
     kt = k.transpose((*range(k.ndim - 2), k.ndim - 1, k.ndim - 2))
-    scores = matmul_strided(q, kt, mask, alpha=float(scale), beta=1.0)
+    scores = matmul_strided(q, kt, additive, alpha=float(scale), beta=1.0)
+    if attrs["is_causal"] or boolean is not None:
+        _mask_scores(scores, bool(attrs["is_causal"]), boolean)
     weights = softmax_last(scores)
     return [matmul_strided(weights, v, out=out)]
+
+
+def _mask_scores(scores: WgpuArray, causal: bool, boolean: WgpuArray | None) -> None:
+    """Mask contiguous ``scores`` in place: keys after their query (``causal``) and keys
+    where ``boolean`` (broadcast to the scores) is false."""
+    s, t = scores.shape[-2:]
+    params = Params().u(scores.size, s, t, scores.offset)
+    arrays = [scores]
+    if boolean is not None:
+        params.u(boolean.offset).dims(scores.shape, 1).dims(
+            broadcast_strides(boolean, scores.shape), 0)
+        arrays.append(boolean)
+    launch(wgsl.mask_scores(scalar_type(scores.dtype), causal, boolean is not None), arrays,
+           params, groups_for(scores.size), [scores])
 
 
 def register(table: KernelTable, float_dtypes: Sequence[str]) -> None:
@@ -222,14 +238,19 @@ def register(table: KernelTable, float_dtypes: Sequence[str]) -> None:
                  description="WGSL tiled gemm, transposes read in place, fused epilogue")(_gemm)
     table.kernel(Op.DOT, dtypes=float_dtypes, supports_out=True,
                  description="numpy.dot through the tiled matmul")(_dot)
-    table.kernel(Op.CONV, dtypes=float_dtypes, supports_out=True,
-                 description="WGSL implicit-GEMM conv with fused bias/residual/activation"
+    table.kernel(Op.CONV, variant="gemm", dtypes=float_dtypes, supports_out=True, priority=1,
+                 description="WGSL implicit-GEMM 1-D/2-D conv with fused bias/residual/"
+                             "activation"
                  )(_conv_with(direct=False))
     table.kernel(Op.CONV, variant="direct", dtypes=float_dtypes, supports_out=True,
-                 description="WGSL direct conv, one invocation per output (depthwise)"
+                 description="WGSL direct 1-D/2-D/3-D conv, one invocation per output "
+                             "(depthwise, 3-D)"
                  )(_conv_with(direct=True))
+    table.kernel(Op.CONV, dtypes=float_dtypes, supports_out=True, dispatcher=True,
+                 description="runs the form webgpu's planner picks (gemm or direct)"
+                 )(_conv_with(direct=None))
     table.kernel(Op.CONV2D, dtypes=float_dtypes, supports_out=True,
                  description="seed 001 conv2d as a WGSL implicit GEMM")(_conv2d)
     table.kernel(Op.ATTENTION, dtypes=float_dtypes, supports_out=True,
-                 description="softmax(Q K^T * scale + mask) V: two tiled matmuls and a "
-                             "row softmax")(_attention)
+                 description="softmax(Q K^T * scale + mask) V: two tiled matmuls, "
+                             "causal/boolean masking in place and a row softmax")(_attention)

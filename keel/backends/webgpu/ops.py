@@ -19,6 +19,7 @@ from keel.backends.webgpu import wgsl
 from keel.backends.webgpu.array import Namespace, Storage, WgpuArray, c_strides
 from keel.backends.webgpu.device import Device
 from keel.errors import InvalidArgumentError
+from keel.ops.schemas.conv import Window
 
 __all__ = [
     "MAX_RANK",
@@ -33,6 +34,7 @@ __all__ = [
     "fresh",
     "groups_for",
     "launch",
+    "lifted",
     "out_array",
     "scalar_type",
 ]
@@ -106,6 +108,20 @@ def launch(source: str, arrays: Sequence[WgpuArray], params: Params,
     for o in outputs:
         o.storage.written()
     device.dispatch(source, [a.buffer for a in arrays], params.array(), groups)
+
+
+def lifted(win: Window, rank: int, what: str) -> Window:
+    """``win`` with unit spatial dims put in front up to ``rank`` (a 1-D window as a 2-D
+    one of height 1): the same memory layout, so a shader of ``rank`` dims runs it."""
+    pad = rank - win.rank
+    if pad < 0:
+        raise InvalidArgumentError(f"webgpu {what} runs windows of up to {rank} spatial dims, "
+                                   f"got {win.rank}")
+    one, zero = (1,) * pad, (0,) * pad
+    return Window(in_spatial=one + win.in_spatial, kernel=one + win.kernel,
+                  strides=one + win.strides, dilations=one + win.dilations,
+                  pads_begin=zero + win.pads_begin, pads_end=zero + win.pads_end,
+                  out_spatial=one + win.out_spatial)
 
 
 def broadcast_strides(x: WgpuArray, shape: Sequence[int]) -> list[int]:

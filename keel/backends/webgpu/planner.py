@@ -3,7 +3,8 @@ placement may choose the adapter at all.
 
 Variants: a convolution with one input channel per group (depthwise) runs
 ``direct`` (one invocation per output: the implicit GEMM's reduction would be
-KH*KW long, its tiles mostly empty); every other op runs its default kernel.
+KH*KW long, its tiles mostly empty), and so does a 3-D one (the implicit-GEMM
+shader tiles 1-D and 2-D windows only); every other op runs its default kernel.
 Declared, not measured (``keel tune`` overrides through ``PlanRequest.measured``).
 
 Auto placement: :func:`auto_blocked` says why the adapter is not a candidate.
@@ -40,6 +41,9 @@ def plan(request: PlanRequest, table: KernelTable) -> NodePlan:
     elif request.op is Op.CONV and "direct" in usable and _depthwise(request):
         variant, why = "direct", ("depthwise conv: one invocation per output; an implicit "
                                   f"GEMM's reduction would be one window long ({_EVIDENCE})")
+    elif request.op is Op.CONV and "direct" in usable and _spatial_rank(request) > 2:
+        variant, why = "direct", ("3-D conv: the implicit-GEMM shader tiles 1-D and 2-D "
+                                  "windows only; the direct shader runs up to 3 spatial dims")
     else:
         variant, why = choose_by_priority(request.op, usable, request.dtype, table.backend)
     return NodePlan(
@@ -54,6 +58,11 @@ def choose_variant(op: Op, input_types: Sequence[TensorType | None], attrs: Mapp
                    table: KernelTable) -> tuple[str, str]:
     found = plan(PlanRequest(op, tuple(input_types), dict(attrs)), table)
     return found.variant, found.reason("variant")
+
+
+def _spatial_rank(request: PlanRequest) -> int:
+    x = request.input_types[0] if request.input_types else None
+    return 0 if x is None or x.shape is None else len(x.shape) - 2
 
 
 def _depthwise(request: PlanRequest) -> bool:

@@ -187,6 +187,55 @@ def elementwise(expr: str, arity: int, t: str, flat: bool) -> str:
             + "\n".join(loads) + f"\n    O[P[1] + i] = {t}({expr});\n}}\n")
 
 
+# 64-bit integers as (low, high) u32 word pairs: WGSL has no 64-bit integer type.
+# Each wraps modulo 2^64, as NumPy's int64 does.
+_INT64 = """
+fn add64(a: vec2<u32>, b: vec2<u32>) -> vec2<u32> {
+    let lo = a.x + b.x;
+    return vec2<u32>(lo, a.y + b.y + select(0u, 1u, lo < a.x));
+}
+fn neg64(a: vec2<u32>) -> vec2<u32> { return add64(~a, vec2<u32>(1u, 0u)); }
+fn sub64(a: vec2<u32>, b: vec2<u32>) -> vec2<u32> { return add64(a, neg64(b)); }
+fn wide32(a: u32, b: u32) -> vec2<u32> {          // the full 64-bit product of two u32
+    let a0 = a & 0xFFFFu; let a1 = a >> 16u; let b0 = b & 0xFFFFu; let b1 = b >> 16u;
+    let p00 = a0 * b0; let p01 = a0 * b1; let p10 = a1 * b0;
+    let mid = (p00 >> 16u) + (p01 & 0xFFFFu) + (p10 & 0xFFFFu);
+    return vec2<u32>((p00 & 0xFFFFu) | (mid << 16u),
+                     a1 * b1 + (p01 >> 16u) + (p10 >> 16u) + (mid >> 16u));
+}
+fn mul64(a: vec2<u32>, b: vec2<u32>) -> vec2<u32> {
+    let p = wide32(a.x, b.x);
+    return vec2<u32>(p.x, p.y + a.x * b.y + a.y * b.x);
+}
+fn neg_(a: vec2<u32>) -> bool { return (a.y >> 31u) == 1u; }
+fn abs64(a: vec2<u32>) -> vec2<u32> { return select(a, neg64(a), neg_(a)); }
+fn relu64(a: vec2<u32>) -> vec2<u32> { return select(a, vec2<u32>(0u, 0u), neg_(a)); }
+"""
+
+
+@functools.cache
+def int_elementwise(expr: str, arity: int, bits: int) -> str:
+    """``O = expr(a, b)`` over int32 (``bits`` 32: i32 arithmetic, wrapping) or int64
+    (``bits`` 64: word pairs and the ``*64`` functions) elements, inputs read through
+    their strides. P as in :func:`elementwise`'s strided layout (offsets and strides in
+    elements)."""
+    names = ["a", "b"][:arity]
+    loads = []
+    for j, n in enumerate(names):
+        base = 6 + MAX_RANK + j * (MAX_RANK + 1)
+        e = f"u32(i32(P[{base}u]) + at(i, 6u, {base + 1}u))"
+        loads.append(f"    let {n} = A{j}[{e}];" if bits == 32 else
+                     f"    let e{j} = 2u * {e};\n"
+                     f"    let {n} = vec2<u32>(A{j}[e{j}], A{j}[e{j} + 1u]);")
+    store = ("    O[P[1] + i] = v;\n" if bits == 32 else
+             "    O[2u * (P[1] + i)] = v.x;\n    O[2u * (P[1] + i) + 1u] = v.y;\n")
+    t = "i32" if bits == 32 else "u32"
+    return (_header("f32", arity + 1) + (_INT64 if bits == 64 else "")
+            + _buffers(t, ["O"] + [f"A{j}" for j in range(arity)]) + _MAIN
+            + "    if (i >= P[0]) { return; }\n" + "\n".join(loads)
+            + f"\n    let v = {expr};\n" + store + "}\n")
+
+
 def _epilogue(act: str) -> str:
     return f"fn act(x: f32) -> f32 {{ return {act}; }}\n"
 
@@ -312,85 +361,129 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) l: v
 
 @functools.cache
 def conv_direct(t: str, act: str, with_bias: bool, with_z: bool) -> str:
-    """2-D convolution, one invocation per output element (depthwise and small convs);
-    the same parameters as :func:`conv_gemm`."""
-    bias = "    v = v + f32(Bs[P[18] + m]);\n" if with_bias else ""
-    z = "    v = v + f32(Z[P[19] + i]);\n" if with_z else ""
+    """Convolution over (N, C, D, H, W), one invocation per output element (depthwise,
+    small and 3-D convs; 1-D and 2-D ones run with unit leading spatial dims).
+
+    P: N, C, D, H, W, M, OD, OH, OW, KD, KH, KW (0..11), strides d/h/w, pads begin d/h/w,
+    dilations d/h/w (12..20), group (21), X off, W off, B off, Z off, O off (22..26).
+    """
+    bias = "    v = v + f32(Bs[P[24] + m]);\n" if with_bias else ""
+    z = "    v = v + f32(Z[P[25] + i]);\n" if with_z else ""
     return (_conv_head(t, act, with_bias, with_z) + _MAIN + f"""
-    let N = P[0]; let C = P[1]; let H = P[2]; let W = P[3]; let M = P[4];
-    let OH = P[5]; let OW = P[6]; let KH = P[7]; let KW = P[8];
-    if (i >= N * M * OH * OW) {{ return; }}
-    let G = P[15];
+    let N = P[0]; let C = P[1]; let D = P[2]; let H = P[3]; let W = P[4]; let M = P[5];
+    let OD = P[6]; let OH = P[7]; let OW = P[8]; let KD = P[9]; let KH = P[10]; let KW = P[11];
+    if (i >= N * M * OD * OH * OW) {{ return; }}
+    let G = P[21];
     let cg = C / G;
     let mg = M / G;
     let ow = i % OW;
     let oh = (i / OW) % OH;
-    let m = (i / (OW * OH)) % M;
-    let n = i / (OW * OH * M);
+    let od = (i / (OW * OH)) % OD;
+    let m = (i / (OW * OH * OD)) % M;
+    let n = i / (OW * OH * OD * M);
     let grp = m / mg;
     var v = 0.0;
     for (var cc = 0u; cc < cg; cc = cc + 1u) {{
-        let c = grp * cg + cc;
+      let c = grp * cg + cc;
+      for (var kd = 0u; kd < KD; kd = kd + 1u) {{
+        let id = i32(od * P[12] + kd * P[18]) - i32(P[15]);
+        if (id < 0 || id >= i32(D)) {{ continue; }}
         for (var kh = 0u; kh < KH; kh = kh + 1u) {{
-            let ih = i32(oh * P[9] + kh * P[13]) - i32(P[11]);
+            let ih = i32(oh * P[13] + kh * P[19]) - i32(P[16]);
             if (ih < 0 || ih >= i32(H)) {{ continue; }}
             for (var kw = 0u; kw < KW; kw = kw + 1u) {{
-                let iw = i32(ow * P[10] + kw * P[14]) - i32(P[12]);
+                let iw = i32(ow * P[14] + kw * P[20]) - i32(P[17]);
                 if (iw < 0 || iw >= i32(W)) {{ continue; }}
-                v = v + f32(X[P[16] + ((n * C + c) * H + u32(ih)) * W + u32(iw)])
-                      * f32(Wt[P[17] + ((m * cg + cc) * KH + kh) * KW + kw]);
+                v = v + f32(X[P[22] + (((n * C + c) * D + u32(id)) * H + u32(ih)) * W
+                              + u32(iw)])
+                      * f32(Wt[P[23] + (((m * cg + cc) * KD + kd) * KH + kh) * KW + kw]);
             }}
         }}
+      }}
     }}
-{bias}{z}    O[P[20] + i] = {t}(act(v));
+{bias}{z}    O[P[26] + i] = {t}(act(v));
 }}
 """)
 
 
 @functools.cache
-def pool2d(t: str, kind: str, indices: bool = False) -> str:
-    """Max or average pooling over (N, C, H, W), one invocation per output element.
+def mask_scores(t: str, causal: bool, boolean: bool) -> str:
+    """Attention scores (..., S, T), contiguous, masked in place before the softmax: a
+    key after its query (``causal``: j > q) or where the boolean mask is false gets the
+    most negative finite value of ``t`` (exp of it less the row's maximum is 0).
 
-    P: NC, H, W, OH, OW, KH, KW, stride h/w, pad top/left, dilation h/w, count_include_pad
-    (0..13), X off, O off (14, 15), pad bottom/right (16, 17); with ``indices`` (max only)
-    the int64 Indices output's offset in words (18) and the storage order (19). Padding
-    past the pads (ceil mode) never counts. Max: the first maximum wins, and the first NaN
-    beats any number.
+    P: n, S, T, scores off (0..3); with ``boolean`` the mask's byte offset (4), the
+    scores' shape at 5 and the mask's strides (in bytes, 0 where it repeats) after it.
+    """
+    low = "-65504.0" if t == "f16" else "-3.4028235e38"
+    keep = ["j <= q"] if causal else []
+    if boolean:
+        keep.append("((M[b / 4u] >> ((b % 4u) * 8u)) & 0xFFu) != 0u")
+    load = (f"    let b = u32(i32(P[4]) + at(i, 5u, {5 + MAX_RANK}u));\n" if boolean else "")
+    return (_header(t, 1 + int(boolean)) + _buffers(t, ["O"])
+            + (_buffers("u32", ["M"], 1) if boolean else "") + _MAIN + f"""
+    if (i >= P[0]) {{ return; }}
+    let j = i % P[2];
+    let q = (i / P[2]) % P[1];
+{load}    if (!({" && ".join(keep)})) {{ O[P[3] + i] = {t}({low}); }}
+}}
+""")
+
+
+@functools.cache
+def pool3d(t: str, kind: str, indices: bool = False) -> str:
+    """Max or average pooling over (N, C, D, H, W), one invocation per output element;
+    1-D and 2-D pools run here with unit leading spatial dims.
+
+    P: NC, D, H, W, OD, OH, OW, KD, KH, KW, strides d/h/w, pads begin d/h/w, dilations
+    d/h/w, count_include_pad (0..19), X off, O off (20, 21), pads end d/h/w (22..24); with
+    ``indices`` (max only) the int64 Indices output's offset in words (25) and the storage
+    order (26: 1 is column-major, the last spatial dim slowest). Padding past the pads
+    (ceil mode) never counts. Max: the first maximum wins, and the first NaN beats any
+    number.
     """
     names = ["O", "X"]
     decl = _buffers(t, names) + ("@group(0) @binding(2) var<storage, read_write> Ix: "
                                  "array<u32>;\n" if indices else "")
     if kind == "max":
         step = ("if (!nan && (x > v || is_nan(x))) { v = x; nan = is_nan(x); "
-                "arg = select(u32(ih) * W + u32(iw), u32(iw) * H + u32(ih), P[19] == 1u); }")
+                "arg = select((u32(id) * H + u32(ih)) * W + u32(iw), "
+                "(u32(iw) * H + u32(ih)) * D + u32(id), P[26] == 1u); }")
     else:
         step = "v = v + x;"
-    final = "v" if kind == "max" else "v / f32(select(count, full, P[13] == 1u))"
-    store = ("    Ix[P[18] + 2u * i] = nc * H * W + arg;\n    Ix[P[18] + 2u * i + 1u] = 0u;\n"
-             if indices else "")
+    final = "v" if kind == "max" else "v / f32(select(count, full, P[19] == 1u))"
+    store = ("    Ix[P[25] + 2u * i] = nc * D * H * W + arg;\n"
+             "    Ix[P[25] + 2u * i + 1u] = 0u;\n" if indices else "")
     return (_header(t, len(names) + int(indices)) + _MATH + decl + _MAIN + f"""
-    let H = P[1]; let W = P[2]; let OH = P[3]; let OW = P[4];
-    if (i >= P[0] * OH * OW) {{ return; }}
+    let D = P[1]; let H = P[2]; let W = P[3]; let OD = P[4]; let OH = P[5]; let OW = P[6];
+    if (i >= P[0] * OD * OH * OW) {{ return; }}
     let ow = i % OW;
     let oh = (i / OW) % OH;
-    let nc = i / (OW * OH);
+    let od = (i / (OW * OH)) % OD;
+    let nc = i / (OW * OH * OD);
     var v = {"-3.4028235e38" if kind == "max" else "0.0"};
     var nan = false;
     var arg = 0u;
     var count = 0u;
     var full = 0u;
-    for (var kh = 0u; kh < P[5]; kh = kh + 1u) {{
-        let ih = i32(oh * P[7] + kh * P[11]) - i32(P[9]);
-        for (var kw = 0u; kw < P[6]; kw = kw + 1u) {{
-            let iw = i32(ow * P[8] + kw * P[12]) - i32(P[10]);
-            if (ih < i32(H) + i32(P[16]) && iw < i32(W) + i32(P[17])) {{ full = full + 1u; }}
-            if (ih < 0 || ih >= i32(H) || iw < 0 || iw >= i32(W)) {{ continue; }}
-            let x = f32(X[P[14] + (nc * H + u32(ih)) * W + u32(iw)]);
+    for (var kd = 0u; kd < P[7]; kd = kd + 1u) {{
+      let id = i32(od * P[10] + kd * P[16]) - i32(P[13]);
+      for (var kh = 0u; kh < P[8]; kh = kh + 1u) {{
+        let ih = i32(oh * P[11] + kh * P[17]) - i32(P[14]);
+        for (var kw = 0u; kw < P[9]; kw = kw + 1u) {{
+            let iw = i32(ow * P[12] + kw * P[18]) - i32(P[15]);
+            if (id < i32(D) + i32(P[22]) && ih < i32(H) + i32(P[23])
+                && iw < i32(W) + i32(P[24])) {{ full = full + 1u; }}
+            if (id < 0 || id >= i32(D) || ih < 0 || ih >= i32(H) || iw < 0 || iw >= i32(W)) {{
+                continue;
+            }}
+            let x = f32(X[P[20] + ((nc * D + u32(id)) * H + u32(ih)) * W + u32(iw)]);
             {step}
             count = count + 1u;
         }}
+      }}
     }}
-    O[P[15] + i] = {t}({final});
+    O[P[21] + i] = {t}({final});
 {store}}}
 """)
 
@@ -489,6 +582,38 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nw: vec3<
     red[l.x] = v;
     tree_first(l.x);
 {body}}}
+""")
+
+
+@functools.cache
+def arg_rows(t: str, kind: str, last: bool) -> str:
+    """ArgMax (``kind`` "max") or ArgMin of each row of a contiguous (rows, L) input, one
+    invocation per row, as int64 (two u32 words). The first extreme wins (the last with
+    ``last``); a NaN is an extreme, as NumPy's argmax and argmin have it.
+
+    P: rows, L, X off, O off in words (0..3). ``t``: f32, f16 or i32.
+    """
+    v = "i32" if t == "i32" else "f32"
+    nan = "false" if t == "i32" else "is_nan(x)"
+    cmp = ">" if kind == "max" else "<"
+    if last:
+        take = f"{nan} || (!found_nan && x {cmp}= best)"
+    else:
+        take = f"!found_nan && ({nan} || x {cmp} best)"
+    return (_header(t, 2) + _MATH + _buffers("u32", ["O"]) + _buffers(t, ["X"], 1) + _MAIN + f"""
+    if (i >= P[0]) {{ return; }}
+    let L = P[1];
+    let base = P[2] + i * L;
+    var best = {v}(X[base]);
+    var arg = 0u;
+    var found_nan = {"false" if t == "i32" else "is_nan(f32(best))"};
+    for (var j = 1u; j < L; j = j + 1u) {{
+        let x = {v}(X[base + j]);
+        if ({take}) {{ best = x; arg = j; found_nan = found_nan || {nan}; }}
+    }}
+    O[P[3] + 2u * i] = arg;
+    O[P[3] + 2u * i + 1u] = 0u;
+}}
 """)
 
 

@@ -8,7 +8,7 @@ For each model and batch, in one process, with alternating passes:
 * ``keel``: keel's gpu backend, NumPy in and out (CUDA-graph replay where the
   program is captured; ``explain()`` says whether it is);
 * ``keel_fp16``: the same at ``precision="fp16"``;
-* ``torch``: torch eager on the same graph (:mod:`keel.testing.torch_graph`), NumPy
+* ``torch``: torch eager on the same graph (:mod:`keel.torch_graph`), NumPy
   in and out, TF32 off for convolutions and matrix products;
 * ``torch_graph`` (batch 1): torch's CUDA-graph replay of the same calls;
 * ``torch_fp16`` (batch 32): torch eager under ``torch.autocast(float16)``;
@@ -90,7 +90,7 @@ def bench(name: str, batch: int, passes: int, pass_seconds: float,
     import torch
 
     import keel
-    from keel.testing.torch_graph import TorchGraph
+    from keel.torch_graph import TorchGraph
 
     data = build(name)
     feeds = MODELS[name].make_feeds(batch)

@@ -156,7 +156,7 @@ def _ort_session(model: bytes, threads: int, backend: str = "cpu") -> Any:
 
 
 class _TorchRunner:
-    """torch on the same graph (:class:`keel.testing.torch_graph.TorchGraph`), with
+    """torch on the same graph (:class:`keel.torch_graph.TorchGraph`), with
     onnxruntime's ``run(None, feeds)`` shape: NumPy in and out, on the device keel's
     backend uses (CUDA for gpu, TF32 off), at ``threads`` intra-op threads."""
 
@@ -166,7 +166,7 @@ class _TorchRunner:
         except ImportError:
             raise BackendSelectionError(
                 "torch", "torch is not installed (pip install 'keel-runtime[zoo]')") from None
-        from keel.testing.torch_graph import TorchGraph
+        from keel.torch_graph import TorchGraph
 
         device = "cuda" if backend == "gpu" else "cpu"
         if device == "cuda" and not torch.cuda.is_available():

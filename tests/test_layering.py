@@ -14,7 +14,7 @@ ROOT = Path(keel.__file__).parent
 # import each other.
 STAGES = ["errors", "dtypes", "config", "inference_protocol", "_hashing", "_files", "_fork", "_gc",
           "hardware", "ops", "graph", "formats", "native", "backends", "planning",
-          "execution", "tensors", "runtime", "onnx_backend", "bench", "testing",
+          "execution", "tensors", "runtime", "onnx_backend", "torch_graph", "bench", "testing",
           "serving", "integrations", "onnxruntime", "cli", "__main__"]
 # Names taken from the package root (``from keel import X``) that are leaves or stages
 # upstream of everyone who takes them: the version, settings and the native tier.

@@ -128,7 +128,7 @@ def test_the_torch_graph_computes_what_onnxruntime_does() -> None:
     import onnxruntime as ort
 
     from benchmarks import zoo
-    from keel.testing.torch_graph import TorchGraph
+    from keel.torch_graph import TorchGraph
 
     for name in ("lenet", "resnet20", "bert_mini"):
         data = zoo.build(name)

@@ -5,6 +5,7 @@ again when the arena moves, and keeps the kernels' checks on data."""
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 
 import numpy as np
@@ -200,3 +201,16 @@ def test_bound_steps_overflow_quietly_as_their_kernels_do() -> None:
         warnings.simplefilter("error")
         y = model.predict({"x": x})["y"]
     np.testing.assert_array_equal(y, [-np.inf, -2.0, -2.0, -0.0])
+
+
+def test_a_run_on_another_thread_computes_the_same(model: Model) -> None:
+    """A bound native product packs into the workspace of the thread it was bound on:
+    another thread takes the kernel's own path (bitwise the same result)."""
+    inputs = feeds(11)
+    here = model.predict(inputs)
+    there: dict[str, dict[str, np.ndarray]] = {}
+    worker = threading.Thread(target=lambda: there.setdefault("out", model.predict(inputs)))
+    worker.start()
+    worker.join()
+    for name in ("out", "present"):
+        np.testing.assert_array_equal(there["out"][name], here[name])

@@ -38,6 +38,7 @@ import json
 import math
 import operator
 import os
+import threading
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -91,6 +92,7 @@ _HELD = 9        # a bound call writing a small graph output into a buffer copie
 # 1 KB costs 0.4 us and 16 KB about 1 us, while binding saved 1-15 us a step on the small
 # block and the decode step (docs/performance.md, "Small shapes and decode steps").
 _STAGE_BYTES = 16384
+_THREADS_BOUND = 4          # threads a program keeps bound steps for; more and it starts afresh
 
 # Ops a shape-generic program may remember results of (deterministic, cheap to key), and
 # the largest input (in elements) a key is made of.
@@ -273,6 +275,10 @@ class Program:
         self._bound_version = -1
         self._hot: list[_HotStep] = []
         self._calls: tuple[Callable[[], object], ...] | None = None
+        # Bound calls may hold the binding thread's state (a GEMM's packing workspace):
+        # the steps as compiled on each thread that ran them, and the thread of _hot.
+        self._threads: dict[int, tuple[list[_HotStep], Any]] = {}
+        self._bound_on = 0
         self._compile_hot()
         self._handout = self._plan_handout()
         self._constant_ids = frozenset(id(v) for v in constants.values())   # held: ids stay
@@ -446,6 +452,8 @@ class Program:
     def _loop(self, outputs: Mapping[str, Any] | None,
               hot: list[_HotStep] | None = None) -> None:
         """Every step, precompiled: the loop that per-step overhead is measured on."""
+        if hot is None and self._bound_on != _get_ident():
+            self._on_this_thread()
         values = self._values
         i = 0
         calls = self._calls if hot is None and outputs is None else None
@@ -772,6 +780,7 @@ class Program:
             if step.out is not None:
                 step.out = [self._values[s] if s >= 0 else None for s in step.outputs]
         self._staged = self._stage_buffers()
+        self._threads.clear()                 # every thread binds again to the new views
         self._compile_hot()
 
     def _stage_buffers(self) -> tuple[tuple[int, Any], ...]:
@@ -793,20 +802,31 @@ class Program:
                 staged.append((slot, np.empty(shape, t.dtype.numpy)))
         return tuple(staged)
 
+    def _on_this_thread(self) -> None:
+        """Take the steps as compiled on this thread (bound anew on a thread new here)."""
+        kept = self._threads.get(_get_ident())
+        if kept is None:
+            self._compile_hot()
+        else:
+            (self._hot, self._calls), self._bound_on = kept, _get_ident()
+
     def _compile_hot(self) -> None:
         """Each step as the tuple ``_loop`` unpacks (rebuilt when the views move), and the
-        calls alone where every step is bound."""
-        self._hot = [self._hot_step(step) for step in self._steps]
-        calls: list[Callable[[], object]] = []
-        for kind, fn, held, slot, _, _, _ in self._hot:
-            if kind == _BOUND:
+        calls alone where every step is bound; kept for the thread binding them."""
+        self._hot = hot = [self._hot_step(step) for step in self._steps]
+        calls: list[Callable[[], object]] | None = []
+        for kind, fn, held, slot, _, _, _ in hot:
+            if kind == _BOUND and calls is not None:
                 calls.append(fn)
-            elif kind == _HELD:
+            elif kind == _HELD and calls is not None:
                 calls.append(functools.partial(_held_run, fn, held, self._values, slot))
             else:
-                self._calls = None
-                return
-        self._calls = tuple(calls)
+                calls = None
+        self._calls = None if calls is None else tuple(calls)
+        if len(self._threads) >= _THREADS_BOUND:
+            self._threads.clear()
+        self._bound_on = _get_ident()
+        self._threads[self._bound_on] = (hot, self._calls)
 
     def _hot_step(self, step: _Step) -> _HotStep:
         if step.kind != "kernel":
@@ -917,6 +937,9 @@ def _value_key(ins: Sequence[Any]) -> tuple[Any, ...] | None:
         else:
             key.append((a.shape, a.dtype.char, a.tobytes()))
     return tuple(key)
+
+
+_get_ident = threading.get_ident
 
 
 def _nothing(values: list[Any]) -> Sequence[Any]:

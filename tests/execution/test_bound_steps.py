@@ -205,12 +205,17 @@ def test_bound_steps_overflow_quietly_as_their_kernels_do() -> None:
 
 def test_a_run_on_another_thread_computes_the_same(model: Model) -> None:
     """A bound native product packs into the workspace of the thread it was bound on:
-    another thread takes the kernel's own path (bitwise the same result)."""
+    another thread binds the program's steps for itself (bitwise the same result)."""
     inputs = feeds(11)
     here = model.predict(inputs)
+    fast = model._fast_path(inputs)
+    assert fast is not None
+    program = fast[0][1]
     there: dict[str, dict[str, np.ndarray]] = {}
     worker = threading.Thread(target=lambda: there.setdefault("out", model.predict(inputs)))
     worker.start()
     worker.join()
     for name in ("out", "present"):
         np.testing.assert_array_equal(there["out"][name], here[name])
+    assert worker.ident in program._threads and threading.get_ident() in program._threads
+    np.testing.assert_array_equal(model.predict(inputs)["out"], here["out"])

@@ -366,26 +366,17 @@ def _bind_product(kernel: Any) -> Any:
         if state.__class__ is not _Operands:
             return _bind_blas(ctx, inputs, attrs, y) if kernel is matmul else None
         kernel(ctx, inputs, attrs, out)             # prepares the node's native call
-        ident = _get_ident()
-        run = state.calls.get((id(a), ident))
+        run = state.calls.get((id(a), _get_ident()))
         if run is None or run.a_ref() is not a or run.attrs is not attrs \
                 or run.hold is not None or run.y_ref() is not y:
             return None
         split = _split(ctx)
-        fast = run.go if run.rest is None and run.after is None and run.threads == split \
-            else functools.partial(run.into, y, ctx.threads or 1, split)
-        return functools.partial(_on_thread, ident, fast,
-                                 functools.partial(kernel, ctx, inputs, attrs, out))
+        # The call packs into this thread's workspace: programs run bound calls only on
+        # the thread that bound them.
+        if run.rest is None and run.after is None and run.threads == split:
+            return run.go                            # the C call itself
+        return functools.partial(run.into, y, ctx.threads or 1, split)
     return bind
-
-
-def _on_thread(ident: int, fast: Callable[[], object], slow: Callable[[], object]) -> None:
-    """``fast`` on the thread it was bound on (its call packs into that thread's
-    workspace), ``slow`` (the kernel, which keeps a call per thread) on any other."""
-    if _get_ident() == ident:
-        fast()
-    else:
-        slow()
 
 
 def _bind_blas(ctx: KernelContext, inputs: Inputs, attrs: Attrs,

@@ -96,6 +96,24 @@ A prepack may raise ``KeelError`` for constants it rejects; any other
 exception becomes an ``ExecutionError`` naming the node. Its state lives as
 long as the model: a transformed copy of a weight adds its size to the
 model's memory.
+
+Binding a step
+--------------
+A program calls most of its kernels with the same arrays on every run: views of
+its arena, the weights. A variant may register ``bind=fn``, where
+``fn(ctx, inputs, attrs, out) -> thunk`` receives those very arrays (``out``:
+the output buffers) and returns a callable of no arguments that computes exactly
+what ``kernel(ctx, inputs, attrs, out)`` would write into ``out``, with every
+check and decision made once here instead of on each call (a native call with
+its addresses bound, a ufunc with its operands); or ``None`` where it does not
+serve the case (the kernel then runs as usual). The executor binds a step only
+when all of its inputs and outputs stay put between runs, binds again when they
+move (a larger arena), calls a thunk only on the thread that bound it (a bound
+call may hold that thread's state, such as the GEMM's packing workspace; another
+thread binds its own), calls it under ``np.errstate(all="ignore")``, and
+never binds for profiling, observing or the op-level ``run``. A bind must not
+raise for a case it cannot serve (it returns ``None``), and it must not compute
+anything the kernel would not (it may prepare the kernel's own kept state).
 """
 
 from __future__ import annotations
@@ -128,6 +146,7 @@ from keel.ops.types import TensorType, checked_numel
 __all__ = [
     "Availability",
     "Backend",
+    "Bind",
     "Capabilities",
     "DeviceKind",
     "Kernel",
@@ -165,6 +184,9 @@ Kernel = Callable[[KernelContext, Sequence[Any], Mapping[str, Any], Sequence[Any
                   Sequence[Any]]
 # (ctx, constant inputs (None where not constant), attrs) -> state for ctx.prepacked, or None
 Prepack = Callable[[KernelContext, Sequence[Any], Mapping[str, Any]], Any]
+# (ctx, inputs, attrs, out) -> a thunk computing the kernel's result into out, or None
+Bind = Callable[[KernelContext, Sequence[Any], Mapping[str, Any], Sequence[Any]],
+                Callable[[], object] | None]
 
 
 @dataclass(frozen=True)
@@ -218,6 +240,7 @@ class KernelVariant:
     # Free-form, typed-by-convention facts: "kernel_size": (3, 3), "stride": 1, ...
     meta: Mapping[str, Any] = field(default_factory=dict)
     prepack: Prepack | None = None               # once per model: see the module docstring
+    bind: Bind | None = None                     # once per program step: the module docstring
 
 
 # (op, input types, attrs, table) -> (variant, why): a backend planner's variant choice.
@@ -253,12 +276,14 @@ class KernelTable:
         supports_out: bool = False,
         description: str = "",
         prepack: Prepack | None = None,
+        bind: Bind | None = None,
         **meta: Any,
     ) -> Callable[[Kernel], Kernel]:
         """Decorator: ``@table.kernel(Op.ADD, Op.SUB)`` registers ``fn`` for each op.
 
         ``prepack`` transforms constant inputs once per model (see the module
-        docstring); the kernel finds its result in ``ctx.prepacked``.
+        docstring); the kernel finds its result in ``ctx.prepacked``. ``bind``
+        prepares a program step's call once for the arrays it always runs on.
         """
         dts = None if dtypes is None else frozenset(as_dtype(d) for d in dtypes)
 
@@ -266,7 +291,7 @@ class KernelTable:
             for op in ops:
                 self.register(KernelVariant(op, variant, fn, dts, supports_out,
                                             description or (fn.__doc__ or "").strip(), meta,
-                                            prepack))
+                                            prepack, bind))
             return fn
 
         return wrap

@@ -33,9 +33,12 @@ Chrome trace, the JSON onnxruntime's profiler writes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import math
 import operator
 import os
+import threading
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -61,6 +64,11 @@ from keel.planning.work import estimated_work
 
 __all__ = ["ArenaPool", "Observer", "Profiler", "Program", "compile_program"]
 
+# NumPy 2's floating-point error state, a context variable (see _Quiet); None: another
+# NumPy, where np.errstate is used as it is.
+_FP_STATE: Any = getattr(getattr(getattr(np, "_core", None), "_ufunc_config", None),
+                         "_extobj_contextvar", None)
+
 # Ops whose output is their input read in another shape (C order): zero-copy in place.
 VIEW_OPS = frozenset({Op.RESHAPE, Op.FLATTEN, Op.SQUEEZE, Op.EXPAND_DIMS, Op.IDENTITY})
 
@@ -75,6 +83,16 @@ _OTHER = 4       # device copies, unbound buffers: the general path
 _FRESH1 = 5      # one output, a graph output: a fresh array (unless the caller gives one)
 _MEMO = 6        # shape arithmetic of a shape-generic program: results kept per input value
 _SKIP = 7        # a step a recorded run leaves out (its feed copy is staged before)
+_BOUND = 8       # a call its kernel bound once for the arrays it always runs on
+_HELD = 9        # a bound call writing a small graph output into a buffer copied out
+
+# Feeds (and graph outputs) of at most this many bytes are copied into (out of) buffers of
+# the program's own, so that the steps reading (writing) them bind like the steps on arena
+# bytes. Measured on the 2-core EPYC (AVX-512) development machine, one thread: copying
+# 1 KB costs 0.4 us and 16 KB about 1 us, while binding saved 1-15 us a step on the small
+# block and the decode step (docs/performance.md, "Small shapes and decode steps").
+_STAGE_BYTES = 16384
+_THREADS_BOUND = 4          # threads a program keeps bound steps for; more and it starts afresh
 
 # Ops a shape-generic program may remember results of (deterministic, cheap to key), and
 # the largest input (in elements) a key is made of.
@@ -231,6 +249,9 @@ class Program:
                                    if s.backend == name and s.variant is not None])
                   for name, b in backends.items()}
         self._scoped = tuple(sc.enter for sc in scopes.values() if sc is not None)
+        if any(s.variant is not None and s.variant.bind is not None for s in steps):
+            # Bound calls skip their kernels' own errstate: entered once per run instead.
+            self._scoped += (_quiet,)
         self.scope_reasons = {name: sc.reason for name, sc in scopes.items()
                               if sc is not None and sc.reason}
         self._pool = pool
@@ -250,8 +271,15 @@ class Program:
                                 if s not in views and s not in constants
                                 and s != self._none_slot)
         self._bound: dict[str, int] = {}          # device -> id of the arena bound
+        self._staged: tuple[tuple[int, Any], ...] = ()   # small feeds: (slot, own buffer)
         self._bound_version = -1
-        self._hot: list[_HotStep] = self._compile_hot()
+        self._hot: list[_HotStep] = []
+        self._calls: tuple[Callable[[], object], ...] | None = None
+        # Bound calls may hold the binding thread's state (a GEMM's packing workspace):
+        # the steps as compiled on each thread that ran them, and the thread of _hot.
+        self._threads: dict[int, tuple[list[_HotStep], Any]] = {}
+        self._bound_on = 0
+        self._compile_hot()
         self._handout = self._plan_handout()
         self._constant_ids = frozenset(id(v) for v in constants.values())   # held: ids stay
         self.dynamic = False             # compiled for inputs of unknown dimensions
@@ -365,6 +393,9 @@ class Program:
             values[slot] = value
         for slot, default in self._optional.values():
             values[slot] = default
+        for slot, buf in self._staged:
+            np.copyto(buf, values[slot])
+            values[slot] = buf
         return self._run_hot(None)
 
     def _run_hot(self, outputs: Mapping[str, Any] | None, *,
@@ -395,6 +426,9 @@ class Program:
             elif len(scoped) == 1:
                 with scoped[0]():
                     self._loop(outputs, hot)
+            elif len(scoped) == 2:
+                with scoped[0](), scoped[1]():
+                    self._loop(outputs, hot)
             else:
                 scopes = self._enter_scopes()
                 try:
@@ -418,12 +452,24 @@ class Program:
     def _loop(self, outputs: Mapping[str, Any] | None,
               hot: list[_HotStep] | None = None) -> None:
         """Every step, precompiled: the loop that per-step overhead is measured on."""
+        if hot is None and self._bound_on != _get_ident():
+            self._on_this_thread()
         values = self._values
         i = 0
+        calls = self._calls if hot is None and outputs is None else None
         try:
+            if calls is not None:            # every step bound: nothing but the calls
+                for i, call in enumerate(calls):  # noqa: B007 - i names a failing step
+                    call()
+                return
             for i, (kind, fn, ctx, attrs, get, slots, out) in enumerate(
                     self._hot if hot is None else hot):
-                if kind == _VIEW1:
+                if kind == _BOUND:
+                    fn()
+                elif kind == _HELD and outputs is None:
+                    fn()
+                    values[attrs] = ctx.copy()
+                elif kind == _VIEW1:
                     result = fn(ctx, get(values), attrs, out)[0]
                     if result is not out[0]:
                         # A kernel that ignored its buffer: later steps (and free
@@ -696,6 +742,9 @@ class Program:
             value = self._values[slot]
             if type(value) is not np.ndarray and is_device_array(value):
                 self._values[slot] = device_to_host(value)
+        for slot, buf in self._staged:
+            np.copyto(buf, self._values[slot])
+            self._values[slot] = buf
 
     def _release(self) -> None:
         # Drop references to feeds, outputs and kernel-allocated values; keep views.
@@ -730,11 +779,54 @@ class Program:
         for step in self._steps:
             if step.out is not None:
                 step.out = [self._values[s] if s >= 0 else None for s in step.outputs]
-        self._hot = self._compile_hot()
+        self._staged = self._stage_buffers()
+        self._threads.clear()                 # every thread binds again to the new views
+        self._compile_hot()
 
-    def _compile_hot(self) -> list[_HotStep]:
-        """Each step as the tuple ``_loop`` unpacks (rebuilt when the views move)."""
-        return [self._hot_step(step) for step in self._steps]
+    def _stage_buffers(self) -> tuple[tuple[int, Any], ...]:
+        """A buffer of the program's own for each small feed that a step able to bind
+        reads (host programs of fixed shapes only)."""
+        if self.dynamic or self.shape_generic or any(
+                b.device.value != HOST for b in self._backends.values()):
+            return ()
+        read = {i for st in self._steps if st.variant is not None
+                and st.variant.bind is not None for i in st.inputs}
+        staged = []
+        for name, t in self._input_types.items():
+            slot = self._slots[name]
+            if slot not in read or not t.is_tensor or not t.is_static \
+                    or np.dtype(t.dtype.numpy).kind not in "biuf":
+                continue
+            shape = _static_shape(t)
+            if math.prod(shape) * np.dtype(t.dtype.numpy).itemsize <= _STAGE_BYTES:
+                staged.append((slot, np.empty(shape, t.dtype.numpy)))
+        return tuple(staged)
+
+    def _on_this_thread(self) -> None:
+        """Take the steps as compiled on this thread (bound anew on a thread new here)."""
+        kept = self._threads.get(_get_ident())
+        if kept is None:
+            self._compile_hot()
+        else:
+            (self._hot, self._calls), self._bound_on = kept, _get_ident()
+
+    def _compile_hot(self) -> None:
+        """Each step as the tuple ``_loop`` unpacks (rebuilt when the views move), and the
+        calls alone where every step is bound; kept for the thread binding them."""
+        self._hot = hot = [self._hot_step(step) for step in self._steps]
+        calls: list[Callable[[], object]] | None = []
+        for kind, fn, held, slot, _, _, _ in hot:
+            if kind == _BOUND and calls is not None:
+                calls.append(fn)
+            elif kind == _HELD and calls is not None:
+                calls.append(functools.partial(_held_run, fn, held, self._values, slot))
+            else:
+                calls = None
+        self._calls = None if calls is None else tuple(calls)
+        if len(self._threads) >= _THREADS_BOUND:
+            self._threads.clear()
+        self._bound_on = _get_ident()
+        self._threads[self._bound_on] = (hot, self._calls)
 
     def _hot_step(self, step: _Step) -> _HotStep:
         if step.kind != "kernel":
@@ -762,13 +854,47 @@ class Program:
             empty = self._backends[step.backend].xp.empty
             if len(step.out) == 1:
                 (_, shape, dtype), = step.fresh
+                held = self._held_call(step, shape, dtype)
+                if held is not None:
+                    return (_HELD, held[0], held[1], step.outputs[0], _nothing, (), None)
                 return (_FRESH1, step.fn, step.ctx, step.attrs, get,
                         (step.outputs[0], shape, dtype, empty), step.out)
             spec = tuple((pos, step.outputs[pos], shape, dtype, empty)
                          for pos, shape, dtype in step.fresh)
             return (_FRESH, step.fn, step.ctx, step.attrs, get, spec, step.out)
+        bound = None if step.out is None else self._bound_call(step, step.out)
+        if bound is not None:
+            return (_BOUND, bound, None, None, _nothing, (), None)
         kind = _VIEW1 if len(step.out) == 1 else _VIEWS
         return (kind, step.fn, step.ctx, step.attrs, get, step.outputs, step.out)
+
+    def _held_call(self, step: _Step, shape: tuple[int, ...],
+                   dtype: Any) -> tuple[Callable[[], object], Any] | None:
+        """(bound call, the buffer it writes) for a step making one small graph output:
+        each run copies the buffer out (the caller keeps what it gets)."""
+        if math.prod(shape) * np.dtype(dtype).itemsize > _STAGE_BYTES:
+            return None
+        held = np.empty(shape, dtype)
+        bound = self._bound_call(step, [held])
+        return None if bound is None else (bound, held)
+
+    def _bound_call(self, step: _Step, out: list[Any]) -> Callable[[], object] | None:
+        """The step's kernel bound to its arrays, where every one of them stays put from
+        run to run (arena views, weights, small feeds' buffers) and the variant binds
+        (``KernelVariant.bind``)."""
+        bind = None if step.variant is None else step.variant.bind
+        if bind is None or step.ctx is None or \
+                self._backends[step.backend].device.value != HOST:
+            return None
+        values, staged = self._values, dict(self._staged)
+        if any(i >= 0 and i not in self._views and i not in self._constants
+               and i not in staged for i in step.inputs):
+            return None
+        try:
+            return bind(step.ctx, [None if i < 0 else staged.get(i, values[i])
+                                   for i in step.inputs], step.attrs, out)
+        except Exception:          # not bound: the kernel runs (and raises) as usual
+            return None
 
     def _backend_on(self, device: str) -> Backend:
         for backend in self._backends.values():
@@ -813,8 +939,46 @@ def _value_key(ins: Sequence[Any]) -> tuple[Any, ...] | None:
     return tuple(key)
 
 
+_get_ident = threading.get_ident
+
+
 def _nothing(values: list[Any]) -> Sequence[Any]:
     return ()
+
+
+def _held_run(call: Callable[[], object], held: Any, values: list[Any], slot: int) -> None:
+    """A bound call writing a graph output: computed into ``held``, handed out as a copy."""
+    call()
+    values[slot] = held.copy()
+
+
+def _quiet() -> Any:
+    """Floating-point errors ignored, as every elementwise kernel runs them."""
+    return _Quiet() if _FP_STATE is not None else np.errstate(all="ignore")
+
+
+class _Quiet:
+    """``np.errstate(all="ignore")`` for the price of a context variable: NumPy 2 keeps
+    the floating-point error state in one, and the ignoring state made from each state
+    found there is remembered (``errstate`` builds it anew on every entry, about a
+    microsecond)."""
+
+    __slots__ = ("_token",)
+    _made: dict[Any, Any] = {}
+
+    def __enter__(self) -> None:
+        current = _FP_STATE.get()
+        quiet = self._made.get(current)
+        if quiet is None:
+            with np.errstate(all="ignore"):
+                quiet = _FP_STATE.get()
+            if len(self._made) >= 8:
+                self._made.clear()
+            self._made[current] = quiet
+        self._token = _FP_STATE.set(quiet)
+
+    def __exit__(self, *exc: object) -> None:
+        _FP_STATE.reset(self._token)
 
 
 def _scope(backend: Backend, steps: list[_Step]) -> ProgramScope | None:

@@ -83,7 +83,8 @@ class CountingBackend(FakeBackend):
         table = KernelTable(self.name)
         for op in Op:
             for variant in source.variants(op).values():
-                table.register(dataclasses.replace(variant, fn=self._counted(op, variant.fn)))
+                table.register(dataclasses.replace(variant, fn=self._counted(op, variant.fn),
+                                                   bind=None))   # every call counted
         return table
 
     def _counted(self, op: Op, fn: Kernel) -> Kernel:

@@ -19,6 +19,7 @@ depend on it; everything else, and the gpu backend, runs the NumPy code below.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -26,7 +27,7 @@ from typing import Any
 import numpy as np
 from numpy.polynomial import chebyshev, polynomial
 
-from keel.backends.base import KernelContext
+from keel.backends.base import Bind, KernelContext
 from keel.backends.cpu import fastmath, planner, workspace
 from keel.backends.cpu.kernels import TABLE
 from keel.errors import InvalidArgumentError
@@ -454,15 +455,35 @@ def _clip(ctx: KernelContext, inputs: Sequence[Any], attrs: Attrs,
     return [d]
 
 
+def _unary_bind(op: Op, impl: Impl) -> Bind:
+    """The unary kernel's call for one program step (``KernelVariant.bind``): the native
+    pass or the NumPy code the kernel would run, checked once."""
+    native_form = _NATIVE[op][0] if op in _NATIVE else None
+
+    def bind(ctx: KernelContext, inputs: Sequence[Any], attrs: Attrs,
+             out: Sequence[Any]) -> Callable[[], object] | None:
+        check_choices(op, attrs)
+        x, d = inputs[0], out[0]
+        if ctx.xp is not np or x.ndim == 0 or d.shape != x.shape:
+            return None
+        if native_form is not None and x.dtype == np.float32 and d.dtype == np.float32:
+            name, alpha = native_form(attrs)
+            return fastmath.bound_unary(name, x, d, alpha, ctx.threads) \
+                if x.flags.c_contiguous and d.flags.c_contiguous else None
+        return functools.partial(impl, np, x, d, attrs)
+    return bind
+
+
 for _op, _impl in _UNARY.items():
     _result = np.bool_ if _op is Op.ISNAN else None
     _kernel = _unary_kernel(_op, _impl, _result)
-    TABLE.kernel(_op, dtypes=DTYPES[_op], supports_out=True)(_kernel)
+    _bind = _unary_bind(_op, _impl)
+    TABLE.kernel(_op, dtypes=DTYPES[_op], supports_out=True, bind=_bind)(_kernel)
     if _op in _NATIVE:
         # The same entry point: it takes the native path whenever it serves the case.
         TABLE.kernel(_op, variant="native", dtypes=("float32",), supports_out=True,
                      requires="native", priority=1, simd=(), shapes="float32, any shape",
-                     measured=_NATIVE[_op][1])(_kernel)
+                     measured=_NATIVE[_op][1], bind=_bind)(_kernel)
 TABLE.kernel(Op.ISINF, dtypes=DTYPES[Op.ISINF], supports_out=True)(
     _unary_kernel(Op.ISINF, _isinf, np.bool_))
 TABLE.kernel(Op.CLIP, dtypes=DTYPES[Op.CLIP], supports_out=True)(_clip)
@@ -472,8 +493,18 @@ TABLE.kernel(Op.CLIP, dtypes=DTYPES[Op.CLIP], supports_out=True)(_clip)
 BinaryImpl = Callable[[Any, Any, Any, Any, Attrs], Any]   # (xp, a, b, out, attrs)
 
 
+class _BinaryUfunc:
+    """A binary op that is one NumPy/CuPy ufunc call (bindable to its operands)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, xp: Any, a: Any, b: Any, d: Any, attrs: Attrs) -> Any:
+        return getattr(xp, self.name)(a, b, out=d)
+
+
 def _binary_ufunc(name: str) -> BinaryImpl:
-    return lambda xp, a, b, d, attrs: getattr(xp, name)(a, b, out=d)
+    return _BinaryUfunc(name)
 
 
 def _div(xp: Any, a: Any, b: Any, d: Any, attrs: Attrs) -> None:
@@ -563,7 +594,7 @@ def _binary_kernel(op: Op, impl: BinaryImpl) -> Callable[..., list[Any]]:
         a, b = inputs[0], inputs[1]
         if b.dtype != a.dtype and op is not Op.POW:
             b = b.astype(a.dtype)
-        shape = broadcast_shapes(a.shape, b.shape)
+        shape = _broadcast(a.shape, b.shape)
         d = destination(ctx.xp, out, shape, np.bool_ if op in _PREDICATES else a.dtype)
         with np.errstate(all="ignore"):
             if d.ndim == 0:         # as for unary ops: rank 0 runs as one element
@@ -572,6 +603,29 @@ def _binary_kernel(op: Op, impl: BinaryImpl) -> Callable[..., list[Any]]:
                 impl(ctx.xp, a, b, d, attrs)
         return [d]
     return kernel
+
+
+def _binary_bind(op: Op, impl: BinaryImpl) -> Bind | None:
+    """A one-ufunc binary op's call for one program step (``KernelVariant.bind``)."""
+    if not isinstance(impl, _BinaryUfunc):
+        return None
+    ufunc = getattr(np, impl.name)
+
+    def bind(ctx: KernelContext, inputs: Sequence[Any], attrs: Attrs,
+             out: Sequence[Any]) -> Callable[[], object] | None:
+        check_choices(op, attrs)
+        a, b, d = inputs[0], inputs[1], out[0]
+        if (ctx.xp is not np or a.dtype != b.dtype or d.ndim == 0
+                or tuple(broadcast_shapes(a.shape, b.shape)) != d.shape):
+            return None
+        return functools.partial(ufunc, a, b, out=d)
+    return bind
+
+
+@functools.lru_cache(maxsize=512)
+def _broadcast(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[Any, ...]:
+    """The broadcast shape of two operands, checked once per pair of shapes."""
+    return tuple(broadcast_shapes(a, b))
 
 
 def _extremum(name: str) -> Callable[..., list[Any]]:
@@ -603,9 +657,26 @@ def _where(ctx: KernelContext, inputs: Sequence[Any], attrs: Attrs,
     return [d]
 
 
+def _bind_where(ctx: KernelContext, inputs: Sequence[Any], attrs: Attrs,
+                out: Sequence[Any]) -> Callable[[], object] | None:
+    """Where's two copies for one program step (``KernelVariant.bind``)."""
+    (cond, x, y), d = inputs, out[0]
+    if ctx.xp is not np or tuple(broadcast_shapes(cond.shape, x.shape, y.shape)) != d.shape:
+        return None
+    if _aliases(np, d, x):               # output reuses X (inplace): only Y moves
+        def where_inplace() -> None:
+            np.copyto(d, y, where=np.logical_not(cond), casting="unsafe")
+        return where_inplace
+
+    def where() -> None:
+        np.copyto(d, y, casting="unsafe")
+        np.copyto(d, x, where=cond)
+    return where
+
+
 for _op, _binary_impl in _BINARY.items():
-    TABLE.kernel(_op, dtypes=DTYPES[_op], supports_out=True)(
-        _binary_kernel(_op, _binary_impl))
+    TABLE.kernel(_op, dtypes=DTYPES[_op], supports_out=True,
+                 bind=_binary_bind(_op, _binary_impl))(_binary_kernel(_op, _binary_impl))
 TABLE.kernel(Op.MAXIMUM, dtypes=DTYPES[Op.MAXIMUM], supports_out=True)(_extremum("maximum"))
 TABLE.kernel(Op.MINIMUM, dtypes=DTYPES[Op.MINIMUM], supports_out=True)(_extremum("minimum"))
-TABLE.kernel(Op.WHERE, dtypes=DTYPES[Op.WHERE], supports_out=True)(_where)
+TABLE.kernel(Op.WHERE, dtypes=DTYPES[Op.WHERE], supports_out=True, bind=_bind_where)(_where)

@@ -67,6 +67,10 @@ __all__ = [
     "activation_inplace",
     "available",
     "bias_activation_inplace",
+    "bound_layer_norm",
+    "bound_skip_layer_norm",
+    "bound_softmax",
+    "bound_unary",
     "layer_norm",
     "serves",
     "skip_layer_norm",
@@ -162,16 +166,31 @@ def _separate(x: np.ndarray, y: np.ndarray) -> bool:
     return native.address(x) == native.address(y) or not np.may_share_memory(x, y)
 
 
-def _run(n: int, per_item: int, threads: int | None, serial: Callable[..., None],
-         mt: Callable[..., int], head: tuple[Any, ...], tail: tuple[Any, ...] = ()) -> None:
+Call = Callable[[], None]     # a kernel call with its arrays bound (see bound_*)
+
+
+def _call(n: int, per_item: int, threads: int | None, serial: Callable[..., None],
+          mt: Callable[..., int], head: tuple[Any, ...], tail: tuple[Any, ...] = ()) -> Call:
     """``serial(*head, 0, n, *tail)`` over the n items on this thread, or, when they are
-    worth several threads, ``mt(*head, *tail, n, parts)`` on keel's."""
+    worth several threads, ``mt(*head, *tail, n, parts)`` on keel's: bound, not run."""
     count = parts(n, max(1, threads or 1),
                   max(1, planner.MIN_CHUNK_ELEMENTS // max(1, per_item)))
     if count <= 1:
-        serial(*head, 0, n, *tail)
-    elif mt(*head, *tail, n, count) != 0:
+        return functools.partial(serial, *head, 0, n, *tail)
+    return functools.partial(_checked, mt, (*head, *tail, n, count))
+
+
+def _checked(mt: Callable[..., int], args: tuple[Any, ...]) -> None:
+    if mt(*args) != 0:
         raise MemoryError("native kernel: no memory for a worker thread's scratch")
+
+
+def _ran(call: Call | None) -> bool:
+    """Run ``call`` when there is one: True when it ran."""
+    if call is None:
+        return False
+    call()
+    return True
 
 
 def unary(name: str, x: Any, out: Any, alpha: float = 1.0, threads: int | None = 1) -> bool:
@@ -179,14 +198,21 @@ def unary(name: str, x: Any, out: Any, alpha: float = 1.0, threads: int | None =
 
     ``out`` may be ``x`` (in place) and must have its shape. False when not served.
     """
+    return _ran(bound_unary(name, x, out, alpha, threads))
+
+
+def bound_unary(name: str, x: Any, out: Any, alpha: float = 1.0,
+                threads: int | None = 1) -> Call | None:
+    """:func:`unary` for these arrays, checked once: a call that runs it (for as long as
+    the arrays live), or None when not served. The other ``bound_*`` functions do the
+    same for their kernels."""
     fns = _functions()
     kind = ACTIVATION_KINDS.get(name)
     if (fns is None or kind is None or not serves(x, out) or x.shape != out.shape
             or not _separate(x, out)):
-        return False
+        return None
     px, py = _address(x), _address(out)
-    _run(x.size, 1, threads, fns.unary, fns.unary_mt, (kind, px, py), (alpha,))
-    return True
+    return _call(x.size, 1, threads, fns.unary, fns.unary_mt, (kind, px, py), (alpha,))
 
 
 # keel.ops.epilogue's activation names with a native form, and their kernel and alpha.
@@ -224,9 +250,8 @@ def bias_activation_inplace(name: str, params: tuple[float, ...], y: Any, bias: 
     kind, alpha = ACTIVATION_KINDS[found[0]], found[1]
     n = bias.size
     py, pb = _address(y), _address(bias)
-    _run(y.size // n, n, threads, fns.bias_unary, fns.bias_unary_mt, (kind, py, pb, py, n),
-         (alpha,))
-    return True
+    return _ran(_call(y.size // n, n, threads, fns.bias_unary, fns.bias_unary_mt,
+                      (kind, py, pb, py, n), (alpha,)))
 
 
 @functools.lru_cache(maxsize=8)
@@ -242,19 +267,25 @@ def layer_norm(x: Any, gamma: Any, beta: Any | None, y: Any, epsilon: float,
     """Rows of ``x`` (rows, k) standardized into ``y``, then ``* gamma + beta`` (k each;
     ``beta`` None: no shift). ``mean``/``inv_std`` (rows elements each), when given,
     receive the statistics. False when not served (nothing was written)."""
+    return _ran(bound_layer_norm(x, gamma, beta, y, epsilon, mean, inv_std, threads))
+
+
+def bound_layer_norm(x: Any, gamma: Any, beta: Any | None, y: Any, epsilon: float,
+                     mean: Any | None = None, inv_std: Any | None = None,
+                     threads: int | None = 1) -> Call | None:
+    """:func:`layer_norm` bound to these arrays (see :func:`bound_unary`)."""
     fns = _functions()
     if fns is None or x.ndim != 2 or y.shape != x.shape or x.shape[1] == 0:
-        return False
+        return None
     rows, k = x.shape
     beta = _zeros(k) if beta is None else beta
     stats = [s for s in (mean, inv_std) if s is not None]
     if (not serves(x, y, gamma, beta, *stats) or gamma.size != k or beta.size != k
             or any(s.size != rows for s in stats) or not _separate(x, y)):
-        return False
+        return None
     args = (_address(x), _address(gamma), _address(beta), _address(y), _address(mean),
             _address(inv_std), k, epsilon)
-    _run(rows, k, threads, fns.layer_norm, fns.layer_norm_mt, args)
-    return True
+    return _call(rows, k, threads, fns.layer_norm, fns.layer_norm_mt, args)
 
 
 def skip_layer_norm(x: Any, skip: Any, gamma: Any, beta: Any | None, y: Any, epsilon: float,
@@ -264,10 +295,17 @@ def skip_layer_norm(x: Any, skip: Any, gamma: Any, beta: Any | None, y: Any, eps
     ``skip`` is (p, k) with p dividing rows: row r adds skip row r % p (a skip
     broadcast over leading axes). ``total`` (rows, k), when given, receives ``s``.
     ``y`` may be ``x``. False when not served (nothing was written)."""
+    return _ran(bound_skip_layer_norm(x, skip, gamma, beta, y, epsilon, total, threads))
+
+
+def bound_skip_layer_norm(x: Any, skip: Any, gamma: Any, beta: Any | None, y: Any,
+                          epsilon: float, total: Any | None = None,
+                          threads: int | None = 1) -> Call | None:
+    """:func:`skip_layer_norm` bound to these arrays (see :func:`bound_unary`)."""
     fns = _functions()
     if (fns is None or x.ndim != 2 or skip.ndim != 2 or y.shape != x.shape
             or x.shape[1] == 0 or skip.shape[1] != x.shape[1]):
-        return False
+        return None
     rows, k = x.shape
     period = skip.shape[0]
     beta = _zeros(k) if beta is None else beta
@@ -275,11 +313,10 @@ def skip_layer_norm(x: Any, skip: Any, gamma: Any, beta: Any | None, y: Any, eps
     if (not serves(x, skip, gamma, beta, *outs) or gamma.size != k or beta.size != k
             or period == 0 or rows % period or not _separate(x, y)
             or not _skip_fits(x, skip, y, total)):
-        return False
+        return None
     args = (_address(x), _address(skip), period, _address(gamma), _address(beta), _address(y),
             _address(total), k, epsilon)
-    _run(rows, k, threads, fns.skip_layer_norm, fns.skip_layer_norm_mt, args)
-    return True
+    return _call(rows, k, threads, fns.skip_layer_norm, fns.skip_layer_norm_mt, args)
 
 
 def _skip_fits(x: np.ndarray, skip: np.ndarray, y: np.ndarray, total: np.ndarray | None) -> bool:
@@ -294,12 +331,17 @@ def _skip_fits(x: np.ndarray, skip: np.ndarray, y: np.ndarray, total: np.ndarray
 def softmax(x: Any, y: Any, mode: str = "softmax", threads: int | None = 1) -> bool:
     """Softmax of each row of ``x`` (rows, n) into ``y`` (may be ``x``); ``mode`` one of
     :data:`SOFTMAX_MODES`. False when not served (nothing was written)."""
+    return _ran(bound_softmax(x, y, mode, threads))
+
+
+def bound_softmax(x: Any, y: Any, mode: str = "softmax",
+                  threads: int | None = 1) -> Call | None:
+    """:func:`softmax` bound to these arrays (see :func:`bound_unary`)."""
     fns = _functions()
     code = SOFTMAX_MODES.get(mode)
     if (fns is None or code is None or x.ndim != 2 or y.shape != x.shape
             or x.shape[1] == 0 or not serves(x, y) or not _separate(x, y)):
-        return False
+        return None
     rows, n = x.shape
     px, py = _address(x), _address(y)
-    _run(rows, n, threads, fns.softmax, fns.softmax_mt, (px, py, n), (code,))
-    return True
+    return _call(rows, n, threads, fns.softmax, fns.softmax_mt, (px, py, n), (code,))

@@ -8,6 +8,7 @@ is passed only to NumPy.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -76,7 +77,24 @@ def slice_(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[A
     return [view.copy()] if out is None else emit(ctx.xp, view, out)
 
 
-@TABLE.kernel(Op.GATHER, supports_out=True)
+def _bind_gather(ctx: KernelContext, inputs: Inputs, attrs: Attrs,
+                 out: Sequence[Any]) -> Callable[[], object] | None:
+    """Gather for one program step (``KernelVariant.bind``): the indices still checked
+    on every call (they are data), the rest once."""
+    (x, indices), dst = inputs, out[0]
+    axis = normalize_axis(attrs["axis"], x.ndim, what="gather axis")
+    shape = tuple(x.shape[:axis]) + tuple(indices.shape) + tuple(x.shape[axis + 1:])
+    if not _is_numpy(ctx.xp) or dst.shape != shape or dst.dtype != x.dtype:
+        return None
+    size, what = x.shape[axis], f"axis {axis}"
+
+    def gather() -> None:
+        check_indices("gather", indices, size, what)
+        np.take(x, indices, axis=axis, out=dst, mode="wrap")
+    return gather
+
+
+@TABLE.kernel(Op.GATHER, supports_out=True, bind=_bind_gather)
 def gather(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """``take`` along ``axis``, straight into ``out`` when given."""
     xp, (x, indices) = ctx.xp, inputs

@@ -23,7 +23,7 @@ import functools
 import math
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -354,10 +354,48 @@ def matmul(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[A
     return _deliver(out, y, npdt)
 
 
+def _bind_product(kernel: Any) -> Any:
+    """A bind (``KernelVariant.bind``) for matmul and gemm: the node's kept native call
+    (prepared by running the kernel once), or for float32 products of two activations
+    without a bias or activation, the BLAS call the kernel makes."""
+    def bind(ctx: KernelContext, inputs: Inputs, attrs: Attrs,
+             out: Sequence[Any]) -> Callable[[], object] | None:
+        if ctx.xp is not np or len(out) != 1:
+            return None
+        state, a, y = ctx.prepacked, inputs[0], out[0]
+        if state.__class__ is not _Operands:
+            return _bind_blas(ctx, inputs, attrs, y) if kernel is matmul else None
+        kernel(ctx, inputs, attrs, out)             # prepares the node's native call
+        run = state.calls.get((id(a), _get_ident()))
+        if run is None or run.a_ref() is not a or run.attrs is not attrs \
+                or run.hold is not None or run.y_ref() is not y:
+            return None
+        split = _split(ctx)
+        # The call packs into this thread's workspace: programs run bound calls only on
+        # the thread that bound them.
+        if run.rest is None and run.after is None and run.threads == split:
+            return run.go                            # the C call itself
+        return functools.partial(run.into, y, ctx.threads or 1, split)
+    return bind
+
+
+def _bind_blas(ctx: KernelContext, inputs: Inputs, attrs: Attrs,
+               y: Any) -> Callable[[], object] | None:
+    """The BLAS product ``matmul`` runs for two float32 activations, into ``y``."""
+    if len(inputs) != 2 or attrs.get("activation"):
+        return None
+    a, b = inputs
+    if a.dtype != np.float32 or b.dtype != np.float32 or y.dtype != np.float32 or \
+            b.ndim == 2 or _rhs(np, b, False, np.float32) is not b or \
+            y.shape != _matmul_setup(a.shape, a.dtype, b.shape, b.dtype, None, None)[0]:
+        return None
+    return functools.partial(_product, np, a, b, y, _blas(ctx))
+
+
 # The same kernel, as the variant a plan names when the native tier is there.
 TABLE.kernel(Op.MATMUL, variant="native", dtypes=DTYPES[Op.MATMUL], supports_out=True,
              simd=(), prepack=_pack_matmul, requires="native", priority=10,
-             shapes=_NATIVE_SHAPES, measured=_NATIVE_MEASURED)(matmul)
+             shapes=_NATIVE_SHAPES, measured=_NATIVE_MEASURED, bind=_bind_product(matmul))(matmul)
 
 
 _NOTHING = _Operands()
@@ -416,7 +454,7 @@ def gemm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any
 
 TABLE.kernel(Op.GEMM, variant="native", dtypes=DTYPES[Op.GEMM], supports_out=True, simd=(),
              prepack=_pack_gemm, requires="native", priority=10,
-             shapes=_NATIVE_SHAPES, measured=_NATIVE_MEASURED)(gemm)
+             shapes=_NATIVE_SHAPES, measured=_NATIVE_MEASURED, bind=_bind_product(gemm))(gemm)
 
 
 def _native_tier() -> bool:
@@ -713,8 +751,28 @@ def _attention_plan(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...],
     return tuple(int(d) for d in shape if isinstance(d, int))
 
 
+def _bind_attention(ctx: KernelContext, inputs: Inputs, attrs: Attrs,
+                    out: Sequence[Any]) -> Callable[[], object] | None:
+    """Attention's block loop for one program step (``KernelVariant.bind``): Q, K, V of
+    the compute dtype without a mask, every view and buffer made once (buffers of its
+    own: a workspace is shared by whatever runs on the thread)."""
+    q, k, v, y = inputs[0], inputs[1], inputs[2], out[0]
+    if ctx.xp is not np or optional_input(inputs, 3) is not None:
+        return None
+    if q.dtype == np.float32 and native_gemm.available() and fastmath.available():
+        return None          # the native attention serves it, split over the threads
+    ct = _compute(np, _common(Op.ATTENTION, [q, k, v]))
+    if (any(t.dtype != ct for t in (q, k, v, y)) or not y.size or not _blockable(q, k, v, y)
+            or y.shape != _attention_plan(q.shape, k.shape, v.shape, None)):
+        return None
+    scale = attrs["scale"] if attrs["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
+    return _AttentionBlocks(q, k, v, None, y, scale, attrs["is_causal"],
+                            planner.block(ctx.plan, "attention_block"), own=True)
+
+
 @TABLE.kernel(Op.ATTENTION, dtypes=DTYPES[Op.ATTENTION], supports_out=True, simd=(),
-              shapes="Q (..., S, D), K (..., T, D), V (..., T, Dv)", native_form=True)
+              shapes="Q (..., S, D), K (..., T, D), V (..., T, Dv)", native_form=True,
+              bind=_bind_attention)
 def attention(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """softmax(Q K^T * scale + mask) V: per block of heads, two GEMMs and a softmax
     that stays in cache."""
@@ -773,42 +831,69 @@ _EXP_SAFE = 64.0
 def _attention_blocks(q: Any, k: Any, v: Any, mask: Any, y: Any, scale: float,
                       causal: bool, block: int) -> None:
     """NumPy: one block of heads at a time (about ``block`` elements of scores, the
-    plan's attention_block), every buffer reused.
+    plan's attention_block), every buffer reused (:class:`_AttentionBlocks`)."""
+    _AttentionBlocks(q, k, v, mask, y, scale, causal, block)()
+
+
+class _AttentionBlocks:
+    """Attention over blocks of heads, its views and buffers made once.
 
     Per block: scores = (Q * scale) K^T (BLAS), + mask, exp, row sums as a GEMV
     with a ones vector, Y = exp(scores) V (BLAS), Y /= row sums (dividing the
     (S, Dv) output is cheaper than the (S, T) weights when Dv < T). The softmax
     shift is one scalar per block when the block's scores span little enough
     (two contiguous reductions, against a row-wise max and a broadcast subtract
-    at ~7x their cost), else the row maximum.
+    at ~7x their cost), else the row maximum. ``own``: buffers of its own instead
+    of the thread's workspace, for a call kept beyond this one (a bound step, run
+    with floating-point errors ignored by the program).
     """
-    s, d, t, dv = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
-    batch = q.shape[:-2]
-    heads = math.prod(batch)
-    q3, k3, v3 = q.reshape(heads, s, d), k.reshape(heads, t, d), v.reshape(heads, t, dv)
-    y3 = y.reshape(heads, s, dv)
-    g = max(1, min(heads, block // max(1, s * t)))
-    dt = q.dtype
-    qs = workspace.empty(np, "attention.q", (g, s, d), dt)
-    sc = workspace.empty(np, "attention.scores", (g, s, t), dt)
-    sums = workspace.empty(np, "attention.sums", (g, s, 1), dt)
-    ones = workspace.filled(np, "attention.ones", (t, 1), dt, 1.0)
-    future = None if not causal else workspace.bound(
-        np, ("attention.future", s, t), lambda: np.triu(np.ones((s, t), dtype=bool), k=1))
-    masks = None if mask is None else _MaskBlocks(mask, batch, s, t, dt)
-    for i, j in _head_blocks(batch, g, per_last_axis=masks is not None):
-        n = j - i
-        scores, rows, out = sc[:n], sums[:n], y3[i:j]
-        np.multiply(q3[i:j], scale, out=qs[:n])
-        np.matmul(qs[:n], k3[i:j].swapaxes(-1, -2), out=scores)
-        if future is not None:
-            np.copyto(scores, -np.inf, where=future)
-        if masks is not None:
-            masks.apply(scores, i, j)
-        _exp_shifted(scores)
-        np.matmul(scores, ones, out=rows)
-        np.matmul(scores, v3[i:j], out=out)
-        np.divide(out, rows, out=out)
+
+    def __init__(self, q: Any, k: Any, v: Any, mask: Any, y: Any, scale: float,
+                 causal: bool, block: int, own: bool = False) -> None:
+        s, d, t, dv = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
+        batch = q.shape[:-2]
+        heads = math.prod(batch)
+        q3, k3, v3 = q.reshape(heads, s, d), k.reshape(heads, t, d), v.reshape(heads, t, dv)
+        y3 = y.reshape(heads, s, dv)
+        g = max(1, min(heads, block // max(1, s * t)))
+        dt = q.dtype
+        space = _OwnSpace() if own else workspace
+        qs = space.empty(np, "attention.q", (g, s, d), dt)
+        sc = space.empty(np, "attention.scores", (g, s, t), dt)
+        sums = space.empty(np, "attention.sums", (g, s, 1), dt)
+        self.ones = workspace.filled(np, "attention.ones", (t, 1), dt, 1.0)
+        if own:
+            self.ones = self.ones.copy()
+        self.future = None if not causal else workspace.bound(
+            np, ("attention.future", s, t), lambda: np.triu(np.ones((s, t), dtype=bool), k=1))
+        self.masks = None if mask is None else _MaskBlocks(mask, batch, s, t, dt)
+        self.scale = scale
+        self.exp = _shifted_exp if own else _exp_shifted
+        self.blocks = [(i, j, qs[:j - i], q3[i:j], k3[i:j].swapaxes(-1, -2), sc[:j - i],
+                        sums[:j - i], v3[i:j], y3[i:j])
+                       for i, j in _head_blocks(batch, g, per_last_axis=self.masks is not None)]
+
+    def __call__(self) -> None:
+        future, masks, ones, scale, exp = self.future, self.masks, self.ones, self.scale, self.exp
+        for i, j, qs, q, kt, scores, rows, v, out in self.blocks:
+            np.multiply(q, scale, out=qs)
+            np.matmul(qs, kt, out=scores)
+            if future is not None:
+                np.copyto(scores, -np.inf, where=future)
+            if masks is not None:
+                masks.apply(scores, i, j)
+            exp(scores)
+            np.matmul(scores, ones, out=rows)
+            np.matmul(scores, v, out=out)
+            np.divide(out, rows, out=out)
+
+
+class _OwnSpace:
+    """``workspace.empty``'s signature over fresh arrays."""
+
+    @staticmethod
+    def empty(xp: Any, name: str, shape: tuple[int, ...], dtype: Any) -> Any:
+        return xp.empty(shape, dtype=dtype)
 
 
 def _attention_native(q: Any, k: Any, v: Any, mask: Any, y: Any, scale: float, causal: bool,
@@ -902,11 +987,18 @@ def _exp_shifted(scores: Any) -> None:
     """exp(scores - shift) in place, with a shift that keeps every row's sum finite
     and nonzero (a row of -inf gives nan, as the reference's max-subtraction does)."""
     with np.errstate(invalid="ignore", over="ignore"):
-        hi, lo = float(scores.max()), float(scores.min())
-        if lo >= -_EXP_SAFE and hi <= _EXP_SAFE:
-            pass                                   # exp cannot overflow nor underflow
-        elif hi - lo <= 2 * _EXP_SAFE:
-            np.subtract(scores, scores.dtype.type((hi + lo) / 2), out=scores)
-        else:                                      # wide spread, inf or nan: per row
-            np.subtract(scores, scores.max(axis=-1, keepdims=True), out=scores)
-        np.exp(scores, out=scores)
+        _shifted_exp(scores)
+
+
+def _shifted_exp(scores: Any) -> None:
+    """:func:`_exp_shifted` for a caller that has floating-point errors ignored already
+    (a bound step: the program ignores them around the run)."""
+    flat = scores.reshape(-1)
+    hi, lo = float(np.maximum.reduce(flat)), float(np.minimum.reduce(flat))
+    if lo >= -_EXP_SAFE and hi <= _EXP_SAFE:
+        pass                                   # exp cannot overflow nor underflow
+    elif hi - lo <= 2 * _EXP_SAFE:
+        np.subtract(scores, scores.dtype.type((hi + lo) / 2), out=scores)
+    else:                                      # wide spread, inf or nan: per row
+        np.subtract(scores, scores.max(axis=-1, keepdims=True), out=scores)
+    np.exp(scores, out=scores)

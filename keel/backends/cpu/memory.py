@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -75,7 +76,20 @@ def fill(ctx: KernelContext, inputs: Sequence[Any], attrs: Attrs,
     return [out[0]]
 
 
-@TABLE.kernel(Op.CAST, supports_out=True)
+def _bind_cast(ctx: KernelContext, inputs: Sequence[Any], attrs: Attrs,
+               out: Sequence[Any]) -> Callable[[], object] | None:
+    """Cast's one copy for one program step (``KernelVariant.bind``); not the narrow
+    dtypes, which convert through ml_dtypes."""
+    x, to, d = inputs[0], attrs["to"], out[0]
+    src = DType.from_numpy(x.dtype)
+    check_cast(src, to)
+    if ctx.xp is not np or src.is_narrow or to.is_narrow or d.shape != x.shape \
+            or d.dtype != to.numpy:
+        return None
+    return functools.partial(np.copyto, d, x, casting="unsafe")
+
+
+@TABLE.kernel(Op.CAST, supports_out=True, bind=_bind_cast)
 def cast(ctx: KernelContext, inputs: Sequence[Any], attrs: Attrs,
          out: Sequence[Any] | None) -> list[Any]:
     """ONNX Cast: float -> int truncates toward zero; x -> bool is x != 0."""

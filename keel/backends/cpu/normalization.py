@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from keel.backends.base import Attrs, Inputs, KernelContext, Out
+from keel.backends.base import Attrs, Bind, Inputs, KernelContext, Out
 from keel.backends.cpu import fastmath, planner, workspace
 from keel.backends.cpu.kernels import TABLE
 from keel.dtypes import DType
@@ -209,7 +209,30 @@ _SOFTMAX_MEASURED = ("softmax (4096, 1024): 4.0 ms NumPy, 2.2 ms native, 1.4 ms 
                      "5.3 / 2.6 / 1.6 ms")
 
 
-@TABLE.kernel(Op.LAYER_NORM, dtypes=FLOAT_DTYPES, supports_out=True)
+def _bind_layer_norm(ctx: KernelContext, inputs: Inputs, attrs: Attrs,
+                     out: Sequence[Any]) -> Callable[[], object] | None:
+    """LayerNorm's native call for one program step (``KernelVariant.bind``): float32
+    rows into a contiguous Y, statistics not asked for."""
+    x, scale = inputs[0], inputs[1]
+    bias = inputs[2] if len(inputs) > 2 else None
+    if ctx.xp is not np or len(out) != 1 or x.dtype != np.float32 or \
+            _ct(np, Op.LAYER_NORM, x, attrs["stash_type"]) != np.float32:
+        return None
+    axis = _trailing_axis(Op.LAYER_NORM, x.shape, attrs["axis"], scale.shape,
+                          None if bias is None else bias.shape)
+    rows, k = _trailing_rows(x, axis)
+    y = out[0]
+    if not rows or y.dtype != np.float32 or not (y.flags.c_contiguous and x.flags.c_contiguous):
+        return None
+    norm_shape = tuple(x.shape[axis:])
+    gamma = np.ascontiguousarray(_flat_param(np, scale, norm_shape, np.float32))
+    beta = None if bias is None else np.ascontiguousarray(
+        _flat_param(np, bias, norm_shape, np.float32))
+    return fastmath.bound_layer_norm(x.reshape(rows, k), gamma, beta, y.reshape(rows, k),
+                                     attrs["epsilon"], threads=ctx.threads)
+
+
+@TABLE.kernel(Op.LAYER_NORM, dtypes=FLOAT_DTYPES, supports_out=True, bind=_bind_layer_norm)
 def layer_norm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """Standardize rows over X.shape[axis:], then * Scale + B; Mean and InvStdDev too."""
     xp = ctx.xp
@@ -262,7 +285,7 @@ def _native_layer_norm(ctx: KernelContext, x2: Any, gamma: Any, beta: Any | None
 
 TABLE.kernel(Op.LAYER_NORM, variant="native", dtypes=("float32",), supports_out=True,
              requires="native", priority=1, simd=(), shapes="float32, any layout",
-             measured=_LAYER_NORM_MEASURED)(layer_norm)
+             measured=_LAYER_NORM_MEASURED, bind=_bind_layer_norm)(layer_norm)
 
 
 @functools.lru_cache(maxsize=256)
@@ -349,9 +372,35 @@ def _native_skip_layer_norm(ctx: KernelContext, x: Any, skip: Any,
         None if total is None else total.reshape(rows, k), ctx.threads)
 
 
+def _bind_skip_layer_norm(ctx: KernelContext, inputs: Inputs, attrs: Attrs,
+                          out: Sequence[Any]) -> Callable[[], object] | None:
+    """SkipLayerNorm's native call for one program step (``KernelVariant.bind``): float32,
+    every array contiguous, a skip that repeats whole rows (read in place)."""
+    x, skip, scale = inputs[0], inputs[1], inputs[2]
+    bias = inputs[3] if len(inputs) > 3 else None
+    if ctx.xp is not np or x.dtype != np.float32 or skip.dtype != np.float32 or \
+            _ct(np, Op.SKIP_LAYER_NORM, x, attrs["stash_type"]) != np.float32:
+        return None
+    plan = _skip_plan(x.shape, skip.shape, attrs["axis"], scale.shape,
+                      None if bias is None else bias.shape)
+    rows, k = _trailing_rows(x, plan[0])
+    y, total = out[0], out[1] if len(out) > 1 else None
+    arrays = (x, skip, y) if total is None else (x, skip, y, total)
+    if not (rows and k and plan[2]) or any(
+            a.dtype != np.float32 or not a.flags.c_contiguous for a in arrays):
+        return None
+    norm_shape = tuple(x.shape[plan[0]:])
+    gamma = np.ascontiguousarray(_flat_param(np, scale, norm_shape, np.float32))
+    beta = None if bias is None else np.ascontiguousarray(
+        _flat_param(np, bias, norm_shape, np.float32))
+    return fastmath.bound_skip_layer_norm(
+        x.reshape(rows, k), skip.reshape(plan[2], k), gamma, beta, y.reshape(rows, k),
+        attrs["epsilon"], None if total is None else total.reshape(rows, k), ctx.threads)
+
+
 TABLE.kernel(Op.SKIP_LAYER_NORM, variant="native", dtypes=("float32",), supports_out=True,
              requires="native", priority=1, simd=(), shapes="float32, any layout",
-             measured=_SKIP_LAYER_NORM_MEASURED)(skip_layer_norm)
+             measured=_SKIP_LAYER_NORM_MEASURED, bind=_bind_skip_layer_norm)(skip_layer_norm)
 
 
 @TABLE.kernel(Op.INSTANCE_NORM, dtypes=FLOAT_DTYPES, supports_out=True)
@@ -571,9 +620,25 @@ def log_softmax(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> l
     return [_finish(out, 0, y, x.dtype)]
 
 
-for _op, _fn in ((Op.SOFTMAX, softmax), (Op.LOG_SOFTMAX, log_softmax)):
+def _softmax_bind(op: Op, mode: str) -> Bind:
+    def bind(ctx: KernelContext, inputs: Inputs, attrs: Attrs,
+             out: Sequence[Any]) -> Callable[[], object] | None:
+        """The native row kernel for one program step (``KernelVariant.bind``): float32
+        along the last axis, X and Y contiguous."""
+        x, y = inputs[0], out[0]
+        if (ctx.xp is not np or x.dtype != np.float32 or y.dtype != np.float32 or not x.size
+                or normalize_axis(attrs["axis"], x.ndim, what=f"{op.value}: axis")
+                != x.ndim - 1 or not (x.flags.c_contiguous and y.flags.c_contiguous)):
+            return None
+        n = x.shape[-1]
+        return fastmath.bound_softmax(x.reshape(-1, n), y.reshape(-1, n), mode, ctx.threads)
+    return bind
+
+
+for _op, _fn, _mode in ((Op.SOFTMAX, softmax, "softmax"),
+                        (Op.LOG_SOFTMAX, log_softmax, "log_softmax")):
     TABLE.kernel(_op, variant="native", dtypes=("float32",), supports_out=True,
-                 requires="native", priority=1, simd=(),
+                 requires="native", priority=1, simd=(), bind=_softmax_bind(_op, _mode),
                  shapes="float32, last axis, any layout", measured=_SOFTMAX_MEASURED)(_fn)
 
 

@@ -9,12 +9,13 @@ into ``out`` without temporaries where the op allows it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from keel.backends.base import Attrs, Inputs, KernelContext, Out
+from keel.backends.base import Attrs, Bind, Inputs, KernelContext, Out
 from keel.backends.cpu import native_window
 from keel.backends.cpu.kernels import TABLE
 from keel.dtypes import DType
@@ -77,7 +78,110 @@ def _view(xp: Any, x: Any, shape: Sequence[int], out: Out) -> list[Any]:
     return emit(xp, x.reshape(tuple(shape)), out)
 
 
-@TABLE.kernel(Op.RESHAPE, supports_out=True)
+# ---- binding: a program step's copies prepared once (KernelVariant.bind) ----------
+Copies = Callable[[Inputs, Attrs, Sequence[Any]], list[tuple[Any, Any]]]
+
+
+def _copy_bind(copies: Copies) -> Bind:
+    """A bind for a kernel that copies views of its input into its outputs: ``copies``
+    gives the (output, source view) pairs the kernel's ``dst[...] = view`` writes."""
+    def bind(ctx: KernelContext, inputs: Inputs, attrs: Attrs,
+             out: Sequence[Any]) -> Callable[[], object] | None:
+        if ctx.xp is not np:
+            return None
+        pairs = copies(inputs, attrs, out)
+        if len(pairs) != len(out) or any(
+                d.shape != v.shape or d.dtype != v.dtype for d, v in pairs):
+            return None
+        if len(pairs) == 1:
+            return functools.partial(np.copyto, *pairs[0])
+        return functools.partial(_copy_all, tuple(pairs))
+    return bind
+
+
+def _copy_all(pairs: tuple[tuple[Any, Any], ...]) -> None:
+    for dst, src in pairs:
+        np.copyto(dst, src)
+
+
+def _reshape_copies(inputs: Inputs, attrs: Attrs, out: Sequence[Any]) -> list[tuple[Any, Any]]:
+    x = inputs[0]
+    target = require(ints_param("reshape", inputs, 1, attrs, "shape"), "reshape", "a shape")
+    return [(out[0], x.reshape(static_dims(reshape_dims("reshape", x.shape, target,
+                                                         attrs["allowzero"]))))]
+
+
+def _transpose_copies(inputs: Inputs, attrs: Attrs,
+                      out: Sequence[Any]) -> list[tuple[Any, Any]]:
+    x = inputs[0]
+    return [(out[0], x.transpose(transpose_perm("transpose", attrs["perm"], x.ndim)))]
+
+
+def _bind_transpose(ctx: KernelContext, inputs: Inputs, attrs: Attrs,
+                    out: Sequence[Any]) -> Callable[[], object] | None:
+    """Transpose's copy for one program step: the native strided copy split over the
+    node's threads where it has more than one (as the kernel runs it), else NumPy's."""
+    if ctx.xp is not np:
+        return None
+    (dst, view), = _transpose_copies(inputs, attrs, out)
+    if dst.shape != view.shape or dst.dtype != view.dtype:
+        return None
+    threads = ctx.threads or 1
+    if threads > 1:
+        return functools.partial(_copy_strided, view, dst, threads)
+    return functools.partial(np.copyto, dst, view)
+
+
+def _copy_strided(view: Any, dst: Any, threads: int) -> None:
+    if not native_window.copy_strided(view, dst, threads):
+        np.copyto(dst, view)
+
+
+def _expand_copies(inputs: Inputs, attrs: Attrs, out: Sequence[Any]) -> list[tuple[Any, Any]]:
+    x = inputs[0]
+    target = require(ints_param("expand", inputs, 1, attrs, "shape"), "expand", "a shape")
+    shape = static_dims(expand_shape("expand", x.shape, target))
+    return [(out[0], np.broadcast_to(x, shape))]
+
+
+def _split_copies(inputs: Inputs, attrs: Attrs, out: Sequence[Any]) -> list[tuple[Any, Any]]:
+    x = inputs[0]
+    axis = normalize_axis(attrs["axis"], x.ndim, what="split axis")
+    given, num = ints_param("split", inputs, 1, attrs, "split"), attrs["num_outputs"]
+    if given is None and num is None:
+        num = len(out)
+    pairs, start = [], 0
+    for i, n in enumerate(split_sizes("split", x.shape[axis], given, num)):
+        pairs.append((out[i], x[(slice(None),) * axis + (slice(start, start + n),)]))
+        start += n
+    return pairs
+
+
+def _bind_concat(ctx: KernelContext, inputs: Inputs, attrs: Attrs,
+                 out: Sequence[Any]) -> Callable[[], object] | None:
+    """Concat into its output for one program step (``KernelVariant.bind``)."""
+    check_same_dtype("concat", [x.dtype for x in inputs])
+    dims, axis = _concat_layout(tuple(x.shape for x in inputs), attrs["axis"])
+    dst = out[0]
+    if ctx.xp is not np or dst.shape != dims or dst.dtype != inputs[0].dtype:
+        return None
+    return functools.partial(np.concatenate, tuple(inputs), axis=axis, out=dst)
+
+
+@functools.lru_cache(maxsize=512)
+def _concat_layout(shapes: tuple[tuple[int, ...], ...], axis: int) -> tuple[tuple[int, ...], int]:
+    """Concat's output shape and normalized axis, checked once per input shapes."""
+    dims = tuple(static_dims(concat_dims("concat", shapes, axis)))
+    return dims, normalize_axis(axis, len(dims))
+
+
+@functools.lru_cache(maxsize=512)
+def _perm(perm: tuple[int, ...] | None, rank: int) -> tuple[int, ...]:
+    """Transpose's full permutation, checked once per attribute and rank."""
+    return transpose_perm("transpose", perm, rank)
+
+
+@TABLE.kernel(Op.RESHAPE, supports_out=True, bind=_copy_bind(_reshape_copies))
 def reshape(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """A view in the target shape (0 copies a dim unless allowzero, one -1 inferred)."""
     x = inputs[0]
@@ -111,18 +215,19 @@ def flatten(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[
     return _view(ctx.xp, x, static_dims(flatten_dims("flatten", x.shape, attrs["axis"])), out)
 
 
-@TABLE.kernel(Op.TRANSPOSE, supports_out=True)
+@TABLE.kernel(Op.TRANSPOSE, supports_out=True, bind=_bind_transpose)
 def transpose(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """Permuted axes, materialized in C order (one strided copy)."""
     xp, x = ctx.xp, inputs[0]
-    view = x.transpose(transpose_perm("transpose", attrs["perm"], x.ndim))
+    perm = attrs["perm"]
+    view = x.transpose(_perm(None if perm is None else tuple(perm), x.ndim))
     dst = destination(xp, view.shape, x.dtype, out)
     if not (xp is np and native_window.copy_strided(view, dst, ctx.threads or 1)):
         dst[...] = view
     return [dst]
 
 
-@TABLE.kernel(Op.EXPAND, supports_out=True)
+@TABLE.kernel(Op.EXPAND, supports_out=True, bind=_copy_bind(_expand_copies))
 def expand(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """Broadcast into a materialized array (a broadcast view would be read-only)."""
     xp, x = ctx.xp, inputs[0]
@@ -146,7 +251,7 @@ def size(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any
     return emit(ctx.xp, ctx.xp.asarray(int(inputs[0].size), dtype="int64"), out)
 
 
-@TABLE.kernel(Op.CONCAT, supports_out=True)
+@TABLE.kernel(Op.CONCAT, supports_out=True, bind=_bind_concat)
 def concat(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """Join along ``axis`` (straight into ``out`` when given)."""
     xp = ctx.xp
@@ -155,8 +260,7 @@ def concat(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[A
         # Shape arithmetic (1-D pieces of a shape): NumPy checks nothing else here, and
         # its own allocation is faster than empty() + out=.
         return [xp.concatenate(list(inputs))]
-    dims = static_dims(concat_dims("concat", [x.shape for x in inputs], attrs["axis"]))
-    axis = normalize_axis(attrs["axis"], len(dims))
+    dims, axis = _concat_layout(tuple(x.shape for x in inputs), attrs["axis"])
     if out is None:     # NumPy's own allocation here is faster than empty() + out=
         return [xp.concatenate(list(inputs), axis=axis)]
     dst = destination(xp, dims, inputs[0].dtype, out)
@@ -164,7 +268,7 @@ def concat(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[A
     return [dst]
 
 
-@TABLE.kernel(Op.SPLIT, supports_out=True)
+@TABLE.kernel(Op.SPLIT, supports_out=True, bind=_copy_bind(_split_copies))
 def split(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """Copy each piece into its own array (or ``out[i]``)."""
     xp, x = ctx.xp, inputs[0]

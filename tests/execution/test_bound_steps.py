@@ -1,0 +1,221 @@
+"""Steps bound once to the arrays they always run on (``KernelVariant.bind``): a bound
+run computes bitwise what the kernels compute unbound, follows new feed values, binds
+again when the arena moves, and keeps the kernels' checks on data."""
+
+from __future__ import annotations
+
+import math
+import threading
+import warnings
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from keel.backends.cpu import fastmath
+from keel.errors import InvalidArgumentError
+from keel.execution import program as program_module
+from keel.execution.model import Model, load_model
+
+HEADS, DIM, PAST, VOCAB = 2, 8, 5, 11
+WIDTH = HEADS * DIM
+
+
+def _const(name: str, value: np.ndarray) -> TensorProto:
+    return numpy_helper.from_array(value, name)
+
+
+def decode_step() -> bytes:
+    """One attention step over a key cache, as exporters write it: an embedding gather,
+    LayerNorm, a fused QKV product, Split, head reshapes and transposes, the cache Concat
+    (a graph output), a causal-style mask made by Cast/Expand/Where, Softmax, IsNaN, the
+    value product, Gemm, an exact GELU and a final residual LayerNorm."""
+    rng = np.random.default_rng(0)
+
+    def w(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) / math.sqrt(shape[0])).astype(np.float32)
+
+    inits = [
+        _const("table", w(VOCAB, WIDTH)), _const("g1", 1 + w(WIDTH)), _const("b1", w(WIDTH)),
+        _const("wqkv", w(WIDTH, 3 * WIDTH)), _const("bqkv", w(3 * WIDTH)),
+        _const("heads", np.array([1, 1, HEADS, DIM], np.int64)),
+        _const("flat", np.array([1, WIDTH], np.int64)),
+        _const("ids_shape", np.array([1, 1], np.int64)),
+        _const("mask_axes", np.array([1, 2], np.int64)),
+        _const("mask_full", np.array([1, HEADS, 1, 1], np.int64)),
+        _const("scale", np.array(1 / math.sqrt(DIM), np.float32)),
+        _const("neg", np.array([-np.inf], np.float32)), _const("zero", np.array([0], np.float32)),
+        _const("wo", w(WIDTH, WIDTH)), _const("bo", w(WIDTH)),
+        _const("sqrt2", np.array(math.sqrt(2), np.float32)),
+        _const("one", np.array(1, np.float32)), _const("half", np.array(0.5, np.float32)),
+        _const("g2", 1 + w(WIDTH)), _const("b2", w(WIDTH)),
+    ]
+    n = helper.make_node
+    nodes = [
+        n("Reshape", ["ids", "ids_shape"], ["ids2"]),
+        n("Gather", ["table", "ids2"], ["emb"], axis=0),
+        n("Add", ["emb", "x"], ["h"]),
+        n("LayerNormalization", ["h", "g1", "b1"], ["n1"], axis=-1),
+        n("MatMul", ["n1", "wqkv"], ["qkv0"]), n("Add", ["qkv0", "bqkv"], ["qkv"]),
+        n("Split", ["qkv"], ["q", "k", "v"], axis=2, num_outputs=3),
+        *(n("Reshape", [t, "heads"], [f"{t}r"]) for t in "qkv"),
+        *(n("Transpose", [f"{t}r"], [f"{t}4"], perm=[0, 2, 1, 3]) for t in "qkv"),
+        n("Concat", ["past", "k4"], ["present"], axis=2),
+        n("Concat", ["past", "v4"], ["values"], axis=2),
+        n("Transpose", ["present"], ["kt"], perm=[0, 1, 3, 2]),
+        n("MatMul", ["q4", "kt"], ["s0"]), n("Mul", ["s0", "scale"], ["s"]),
+        n("Cast", ["mask"], ["mb"], to=TensorProto.BOOL),
+        n("Unsqueeze", ["mb", "mask_axes"], ["mb4"]),
+        n("Expand", ["mb4", "mask_full"], ["mbe"]),
+        n("Where", ["mbe", "s", "neg"], ["sm"]),
+        n("Softmax", ["sm"], ["p0"], axis=-1),
+        n("IsNaN", ["p0"], ["nan"]), n("Where", ["nan", "zero", "p0"], ["p"]),
+        n("MatMul", ["p", "values"], ["o4"]),
+        n("Transpose", ["o4"], ["o3"], perm=[0, 2, 1, 3]),
+        n("Reshape", ["o3", "flat"], ["o"]),
+        n("Gemm", ["o", "wo", "bo"], ["y"]),
+        n("Div", ["y", "sqrt2"], ["yd"]), n("Erf", ["yd"], ["ye"]),
+        n("Add", ["ye", "one"], ["y1"]), n("Mul", ["y", "y1"], ["yg0"]),
+        n("Mul", ["yg0", "half"], ["yg"]),
+        n("Reshape", ["h", "flat"], ["h2"]), n("Add", ["yg", "h2"], ["r"]),
+        n("LayerNormalization", ["r", "g2", "b2"], ["out"], axis=-1),
+    ]
+    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+    graph = helper.make_graph(
+        nodes, "decode_step",
+        [helper.make_tensor_value_info("ids", i64, [1, 1]),
+         helper.make_tensor_value_info("x", f32, [1, 1, WIDTH]),
+         helper.make_tensor_value_info("mask", i64, [1, "total"]),
+         helper.make_tensor_value_info("past", f32, [1, HEADS, "past", DIM])],
+        [helper.make_tensor_value_info("out", f32, None),
+         helper.make_tensor_value_info("present", f32, None)],
+        inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    return bytes(model.SerializeToString())
+
+
+def feeds(seed: int, past: int = PAST) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    mask = np.ones((1, past + 1), np.int64)
+    mask[0, 0] = 0                                     # one cache position hidden
+    return {"ids": rng.integers(0, VOCAB, (1, 1)).astype(np.int64),
+            "x": rng.standard_normal((1, 1, WIDTH)).astype(np.float32),
+            "mask": mask,
+            "past": rng.standard_normal((1, HEADS, past, DIM)).astype(np.float32)}
+
+
+def unbound(model: Model, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The same run step by step through the kernels (a profiled run binds nothing)."""
+    model.enable_profiling()
+    try:
+        return model.predict(inputs)
+    finally:
+        model._profiler = None
+
+
+def bound_kinds(model: Model, inputs: dict[str, np.ndarray]) -> list[str]:
+    fast = model._fast_path(inputs)
+    assert fast is not None
+    (_, program, _), _ = fast
+    return [step.op for step, hot in zip(program._steps, program._hot, strict=True)
+            if hot[0] == program_module._BOUND]
+
+
+@pytest.fixture(scope="module")
+def model() -> Model:
+    return load_model(decode_step(), backend="cpu", threads=1)
+
+
+def test_bound_steps_compute_bitwise_what_the_kernels_compute(model: Model) -> None:
+    first = feeds(1)
+    model.predict(first)
+    kinds = bound_kinds(model, first)
+    # The steps reading only arena views and weights bind; those reading a feed or
+    # making a graph output (a fresh array per call) run their kernels.
+    expected = {"split", "transpose", "where", "expand", "isnan", "gather", "mul"}
+    if fastmath.available():                 # the native products and softmax bind too
+        expected |= {"gemm", "matmul", "softmax"}
+    assert expected <= set(kinds)
+    for seed in (2, 3, 4):                    # new values in the same arrays' places
+        inputs = feeds(seed)
+        got = model.predict(inputs)
+        want = unbound(model, inputs)
+        for name in ("out", "present"):
+            np.testing.assert_array_equal(got[name], want[name])
+
+
+def test_bound_steps_match_onnxruntime(model: Model) -> None:
+    ort = pytest.importorskip("onnxruntime")
+    session = ort.InferenceSession(decode_step(), providers=["CPUExecutionProvider"])
+    for seed in (5, 6):
+        inputs = feeds(seed)
+        got = model.predict(inputs)
+        want = dict(zip(("out", "present"), session.run(["out", "present"], inputs),
+                        strict=True))
+        for name, ref in want.items():
+            err = np.linalg.norm(got[name] - ref) / np.linalg.norm(ref)
+            assert err < 1e-5, (name, err)
+
+
+def test_bound_steps_bind_again_when_the_arena_moves() -> None:
+    model = load_model(decode_step(), backend="cpu", threads=1)
+    small, large = feeds(7), feeds(8, past=40)
+    want_small, want_large = unbound(model, small), unbound(model, large)
+    np.testing.assert_array_equal(model.predict(small)["out"], want_small["out"])
+    # The larger signature grows the shared arena: the first program's views move.
+    np.testing.assert_array_equal(model.predict(large)["out"], want_large["out"])
+    np.testing.assert_array_equal(model.predict(small)["out"], want_small["out"])
+    assert bound_kinds(model, small)
+
+
+def test_a_bound_gather_still_checks_its_indices(model: Model) -> None:
+    inputs = feeds(9)
+    model.predict(inputs)
+    assert "gather" in bound_kinds(model, inputs)
+    bad = dict(inputs, ids=np.array([[VOCAB + 3]], np.int64))
+    with pytest.raises(InvalidArgumentError, match="out of range"):
+        model.predict(bad)
+    # The failed run left nothing behind: the next one is right.
+    np.testing.assert_array_equal(model.predict(inputs)["out"], unbound(model, inputs)["out"])
+
+
+def overflow_model() -> bytes:
+    n = helper.make_node
+    graph = helper.make_graph(
+        [n("Relu", ["x"], ["a"]), n("Abs", ["x"], ["b"]), n("Add", ["a", "b"], ["s"]),
+         n("Neg", ["s"], ["y"])],
+        "overflow", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    return bytes(model.SerializeToString())
+
+
+def test_bound_steps_overflow_quietly_as_their_kernels_do() -> None:
+    model = load_model(overflow_model(), backend="cpu", threads=1)
+    x = np.array([3e38, 1.0, -2.0, 0.0], np.float32)
+    model.predict({"x": x})
+    assert "add" in bound_kinds(model, {"x": x})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = model.predict({"x": x})["y"]
+    np.testing.assert_array_equal(y, [-np.inf, -2.0, -2.0, -0.0])
+
+
+def test_a_run_on_another_thread_computes_the_same(model: Model) -> None:
+    """A bound native product packs into the workspace of the thread it was bound on:
+    another thread binds the program's steps for itself (bitwise the same result)."""
+    inputs = feeds(11)
+    here = model.predict(inputs)
+    fast = model._fast_path(inputs)
+    assert fast is not None
+    program = fast[0][1]
+    there: dict[str, dict[str, np.ndarray]] = {}
+    worker = threading.Thread(target=lambda: there.setdefault("out", model.predict(inputs)))
+    worker.start()
+    worker.join()
+    for name in ("out", "present"):
+        np.testing.assert_array_equal(there["out"][name], here[name])
+    assert worker.ident in program._threads and threading.get_ident() in program._threads
+    np.testing.assert_array_equal(model.predict(inputs)["out"], here["out"])

@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 
-@dataclass
+@dataclass(slots=True)
 class OnnxNode:
     """One ONNX node with its attributes decoded to Python values."""
 
@@ -50,9 +50,10 @@ class OnnxNode:
     domain: str
     inputs: list[str]
     outputs: list[str]
-    attrs: dict[str, Any] = field(default_factory=dict)
+    # Read only (a node without attributes shares one empty mapping).
+    attrs: Mapping[str, Any] = field(default_factory=dict)
     # Values of enclosing scopes its subgraph attributes read (they order the nodes too).
-    implicit: list[str] = field(default_factory=list)
+    implicit: Sequence[str] = ()
 
     def input(self, index: int) -> str:
         return self.inputs[index] if index < len(self.inputs) else ""

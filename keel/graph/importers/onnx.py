@@ -167,7 +167,6 @@ class _Importer:
                  split: tuple[SplitModel, str] | None = None) -> None:
         self.model = model
         self.split = split          # the top graph's nodes, parsed one at a time
-        self.strings: dict[str, str] = {}
         self.g = model.graph
         self.base_dir = base_dir
         self.ml_opset = _ml_opset(model)
@@ -186,7 +185,6 @@ class _Importer:
                                            PREVIEW_DOMAIN: preview_opset(self.model)})
         ctx.subgraph_importer = self._subgraph
         self._seed(ctx, inputs, initializers, nodes)
-        self.strings.clear()
         nodes.reverse()
         while nodes:            # each freed once converted
             _convert(ctx, nodes.pop())
@@ -304,7 +302,7 @@ class _Importer:
     def _nodes(self, g: Any = None) -> list[OnnxNode]:
         nodes: list[OnnxNode] = []
         names: set[str] = set()
-        intern = self.strings.setdefault
+        intern = {}.setdefault      # freed on return, before the nodes are converted
         protos = (g.node if g is not None else self.g.node if self.split is None
                   else self.split[0].nodes(self.split[1]))
         for idx, proto in enumerate(protos):
@@ -369,6 +367,8 @@ class _Importer:
             del types[k]
         graph = Graph(self.g.name or "model", ctx.nodes, inputs, outputs, ctx.initializers,
                       types, self.opset, self._metadata())
+        ctx.taken.clear()           # the names in use: freed before verify() makes its own
+        ctx.node_names.clear()
         graph.verify()
         return graph
 

@@ -24,7 +24,7 @@ from keel.errors import (
     ModelFormatError,
     UnsupportedOperationError,
 )
-from keel.graph.ir import Graph, Node, match_attr_name
+from keel.graph.ir import NO_ATTRS, Graph, Node, match_attr_name
 from keel.graph.shape_inference import Propagation, propagate_node
 from keel.ops.registry import Op
 from keel.ops.schema import REQUIRED, AttrKind, OpSchema, get_schema
@@ -207,7 +207,8 @@ class ImportContext:
         except InvalidArgumentError as exc:
             raise self.invalid(exc.message) from None
         norm = self._attrs(schema, dict(attrs or {}), set(implied))
-        node = Node(self._node_name(), op, ins, outs, norm, origin=self.current.op_type)
+        node = Node(self._node_name(), op, ins, outs, norm or NO_ATTRS,
+                    origin=self.current.op_type)
         self.nodes.append(node)
         self.taken.update(o for o in outs if o)
         self._infer(node)

@@ -9,6 +9,7 @@ picks an op version.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -367,10 +368,16 @@ _NO_DEFAULT: Any = object()
 
 def onnx_schema(node: OnnxNode, opset: int) -> Any:
     """ONNX's schema of ``node``'s op at ``opset``, or None (custom domain, unknown op)."""
+    return _onnx_schema(node.op_type, opset, node.domain or "")
+
+
+@functools.lru_cache(maxsize=512)
+def _onnx_schema(op_type: str, opset: int, domain: str) -> Any:
+    """ONNX's schemas, asked once per op and opset (a large graph repeats a few ops)."""
     import onnx.defs
 
     try:
-        return onnx.defs.get_schema(node.op_type, opset, node.domain or "")
+        return onnx.defs.get_schema(op_type, opset, domain)
     except Exception:  # onnx raises its own SchemaError type; any failure means "none"
         return None
 

@@ -21,7 +21,7 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -302,7 +302,8 @@ class _Importer:
     def _nodes(self, g: Any = None) -> list[OnnxNode]:
         nodes: list[OnnxNode] = []
         names: set[str] = set()
-        intern = {}.setdefault      # freed on return, before the nodes are converted
+        strings: dict[str, str] = {}    # freed on return, before the nodes are converted
+        intern = strings.setdefault
         protos = (g.node if g is not None else self.g.node if self.split is None
                   else self.split[0].nodes(self.split[1]))
         for idx, proto in enumerate(protos):
@@ -317,8 +318,8 @@ class _Importer:
             # value's producer and its consumers share it), op type and domain
             nodes.append(OnnxNode(name, intern(proto.op_type, proto.op_type),
                                   intern(proto.domain, proto.domain),
-                                  [intern(i, i) for i in proto.input],
-                                  [intern(o, o) for o in proto.output], attrs,
+                                  tuple([intern(i, i) for i in proto.input]),
+                                  tuple([intern(o, o) for o in proto.output]), attrs,
                                   _implicit_inputs(proto) if proto.attribute else ()))
         return nodes
 
@@ -366,7 +367,7 @@ class _Importer:
                   if t is None or k in ctx.initializers or k in io]:
             del types[k]
         graph = Graph(self.g.name or "model", ctx.nodes, inputs, outputs, ctx.initializers,
-                      types, self.opset, self._metadata())
+                      cast("dict[str, TensorType]", types), self.opset, self._metadata())
         ctx.taken.clear()           # the names in use: freed before verify() makes its own
         ctx.node_names.clear()
         graph.verify()

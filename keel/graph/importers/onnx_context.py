@@ -49,8 +49,8 @@ class OnnxNode:
     name: str
     op_type: str
     domain: str
-    inputs: list[str]
-    outputs: list[str]
+    inputs: Sequence[str]       # read only: tuples from the importer (smaller than lists)
+    outputs: Sequence[str]
     # Read only (a node without attributes shares one empty mapping).
     attrs: Mapping[str, Any] = field(default_factory=dict)
     # Values of enclosing scopes its subgraph attributes read (they order the nodes too).

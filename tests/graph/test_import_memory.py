@@ -38,8 +38,8 @@ def _large_model() -> onnx.ModelProto:
     rng = np.random.default_rng(0)
     w = numpy_helper.from_array(rng.standard_normal((64, 8)).astype(np.float32), "w")
     nodes = [helper.make_node("Gemm", ["x", "w"], ["h0"], name="gemm", transB=1, alpha=0.5)]
-    nodes += [helper.make_node("LeakyRelu" if k % 2 else "Relu", [f"h{k}"], [f"h{k + 1}"],
-                               name=f"n{k}", **({"alpha": 0.1} if k % 2 else {}))
+    nodes += [helper.make_node("LeakyRelu", [f"h{k}"], [f"h{k + 1}"], name=f"n{k}", alpha=0.1)
+              if k % 2 else helper.make_node("Relu", [f"h{k}"], [f"h{k + 1}"], name=f"n{k}")
               for k in range(3000)]
     graph = helper.make_graph(
         nodes, "large", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 8])],

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.load_time import save_report
+from benchmarks.process import load_average
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {"chain": 100_000, "fan-in": 20_000}
@@ -92,14 +93,17 @@ def measure(runs: int) -> dict[str, Any]:
     rows = []
     for shape, n in SHAPES.items():
         for stage in STAGES:
-            samples = [_child(shape, n, stage) for _ in range(max(1, runs))]
+            samples = [measure_once(shape, n, stage) for _ in range(max(1, runs))]
             row = {key: statistics.median(s[key] for s in samples) for key in samples[0]}
             row.update(shape=shape, nodes=n, stage=stage, samples=samples)
             rows.append(row)
-    return {"runs": runs, "rows": rows, "load_average_after": _load_average()}
+    return {"runs": runs, "rows": rows, "load_average_after": load_average()}
 
 
-def _child(shape: str, n: int, stage: str) -> dict[str, float]:
+def measure_once(shape: str, n: int, stage: str) -> dict[str, float]:
+    """One fresh process's figures for ``stage`` (``import`` or ``load``) of the graph
+    ``shape`` (``chain`` or ``fan-in``) of ``n`` nodes: wall_s, cpu_s, peak_mb, ratio
+    (the peak's growth over the file's bytes), file_mb. Linux only (``/proc``)."""
     env = {**os.environ,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, "-c", _CHILD, shape, str(n), stage],
@@ -108,13 +112,6 @@ def _child(shape: str, n: int, stage: str) -> dict[str, float]:
         raise RuntimeError(f"the measured process failed: {done.stderr.strip()[-600:]}")
     result: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
-
-
-def _load_average() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
 
 
 def render(report: dict[str, Any]) -> str:

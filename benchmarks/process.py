@@ -111,7 +111,7 @@ def measure(models: list[str], runs: int, files: tuple[str, ...] = CASES,
                                above_numpy_mb=row["vmhwm_mb"] - baselines["numpy"]["vmhwm_mb"])
                     rows.append(row)
     return {"runs": runs, "baselines": baselines, "rows": rows,
-            "load_average": _load_average()}
+            "load_average": load_average()}
 
 
 def _child_env(folder: Path) -> dict[str, str]:
@@ -153,7 +153,8 @@ def _median_runs(env: dict[str, str], runs: int, path: str, input_name: str,
     return {key: statistics.median(s[key] for s in samples) for key in samples[0]}
 
 
-def _load_average() -> list[float] | None:
+def load_average() -> list[float] | None:
+    """The machine's load averages, rounded (None where the system has none)."""
     try:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:

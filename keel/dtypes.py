@@ -60,7 +60,12 @@ class DType(str, enum.Enum):
 
     @property
     def itemsize(self) -> int:
-        return 8 if self is DType.STRING else int(self.numpy.itemsize)
+        if self is DType.STRING:
+            return 8
+        # ml_dtypes' sizes, known without importing it (a load that meets no narrow
+        # value never does; tests/test_narrow_dtypes.py checks the table)
+        narrow = _NARROW_ITEMSIZE.get(self)
+        return int(self.numpy.itemsize) if narrow is None else narrow
 
     @property
     def is_float(self) -> bool:
@@ -146,6 +151,8 @@ NARROW_FLOATS = frozenset({
 NARROW_INTS = frozenset({DType.INT4, DType.UINT4, DType.INT2, DType.UINT2})
 NARROW = NARROW_FLOATS | NARROW_INTS
 _SUB_BYTE = {DType.INT4: 4, DType.UINT4: 4, DType.FLOAT4E2M1: 4, DType.INT2: 2, DType.UINT2: 2}
+# bfloat16 takes two bytes; every other narrow type one per element in memory
+_NARROW_ITEMSIZE = {d: 2 if d is DType.BFLOAT16 else 1 for d in NARROW}
 
 
 def as_dtype(value: Any) -> DType:

@@ -52,9 +52,11 @@ def test_keel_onnxruntime_imports_neither_onnxruntime_nor_onnx() -> None:
 # protobuf (a .keel file needs no importer), asyncio with ssl (8 MB), hashlib (OpenSSL's
 # libcrypto, 3.6 MB: small inputs hash with Python's own SHA-256), yaml, numpy.random,
 # importlib.metadata (2 MB: asked only when an installed distribution declares a keel
-# backend).
+# backend), ml_dtypes (a model without narrow types), concurrent.futures with logging (native
+# builds and tree models use threads of their own).
 NOT_FOR_A_KEEL_PREDICT = ("onnx", "google.protobuf", "keel.graph.importers.onnx", "asyncio",
-                          "ssl", "hashlib", "yaml", "numpy.random", "importlib.metadata")
+                          "ssl", "hashlib", "yaml", "numpy.random", "importlib.metadata",
+                          "ml_dtypes", "concurrent.futures", "logging")
 
 
 @pytest.mark.parametrize("plan_cache", ["off", "on"])

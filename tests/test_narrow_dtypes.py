@@ -154,3 +154,8 @@ def test_the_gpu_backend_does_not_hold_ml_dtypes_types() -> None:
     from keel.backends.gpu.backend import GpuBackend
 
     assert DType.BFLOAT16 in CpuBackend.dtypes and DType.BFLOAT16 not in GpuBackend.dtypes
+
+
+@pytest.mark.parametrize("dtype", sorted(NARROW, key=lambda d: d.value))
+def test_the_item_sizes_keel_knows_without_ml_dtypes_are_ml_dtypes_own(dtype: DType) -> None:
+    assert dtype.itemsize == np.dtype(getattr(ml_dtypes, dtype.value)).itemsize

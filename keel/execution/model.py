@@ -188,7 +188,7 @@ def load_model(
         model._note(slot.found.reason)
         return model
     graph, name = _read_graph(src)
-    model = Model(graph, name=name, **options, **extra)
+    model = Model(graph, name=name, **options, **extra, release_source=True)
     if slot is not None:
         model._note(slot.found.reason, slot.store(model))
     return model
@@ -348,9 +348,12 @@ class Model:
                  policy: Any = None, enable_profiling: bool = False,
                  hint: str | None = None,
                  compiled: CompiledModel | None = None,
-                 tune: bool | float = False) -> None:
+                 tune: bool | float = False, release_source: bool = False) -> None:
         """``compiled`` (from the plan cache) holds ``graph`` already optimized for these
-        options, the model's declared inputs and outputs and its first plan."""
+        options, the model's declared inputs and outputs and its first plan.
+        ``release_source``: ``graph`` is nobody else's (``load_model``'s own import), so
+        its node list is let go once the optimized graph exists: a large graph's two
+        versions are not both held while the model is planned."""
         if compiled is None:
             self.input_names = list(graph.input_names)     # graph order, optional ones included
             self._declared_inputs = [v for v in graph.inputs if v.name not in graph.initializers]
@@ -378,6 +381,8 @@ class Model:
         self._precision = _check_precision(precision)
         self._graph = _freeze_constants(graph if compiled is not None else _convert_precision(
             _optimize(graph, optimization_level), self._precision))
+        if release_source and self._graph is not graph:
+            graph.nodes, graph.value_types = [], {}     # rebound: shared nodes stay intact
         self._memory_limit = None if memory_limit is None else parse_bytes(memory_limit)
         self._cache: collections.OrderedDict[tuple[Any, ...], _Planned] = \
             collections.OrderedDict()

@@ -37,7 +37,7 @@ import numpy as np
 from keel._files import open_regular
 from keel.dtypes import DType, pack, packed_size, unpack
 from keel.errors import KeelError, ModelFormatError
-from keel.graph.ir import Graph, Node, Value
+from keel.graph.ir import NO_ATTRS, Graph, Node, Value
 from keel.ops.registry import Op
 from keel.ops.schema import get_schema
 from keel.ops.types import MAX_ELEMENTS, TensorType, ValueKind
@@ -460,7 +460,7 @@ def _node_from_json(d: Any) -> Node:
         norm = get_schema(op).normalize_attrs(decoded)
     except KeelError as exc:
         raise ModelFormatError(f"node {name!r} ({op.value}): {exc.message}") from None
-    return Node(name, op, list(ins), list(outs), norm, str(d.get("origin", "")))
+    return Node(name, op, list(ins), list(outs), norm or NO_ATTRS, str(d.get("origin", "")))
 
 
 def _align(n: int) -> int:

@@ -20,7 +20,7 @@ from keel.errors import VerificationError
 from keel.ops.registry import Op
 from keel.ops.types import TensorType
 
-__all__ = ["Graph", "Node", "Value", "match_attr_name"]
+__all__ = ["NO_ATTRS", "Graph", "Node", "Value", "match_attr_name"]
 
 
 def _canon(name: str) -> str:
@@ -56,6 +56,22 @@ def match_attr_name(wanted: str, names: Iterable[str]) -> str | None:
     return None
 
 
+class _NoAttrs(dict[str, Any]):
+    """The attributes of a node that has none: one empty dict shared by every such node
+    (a large graph holds hundreds of thousands), which refuses to change. Give a node
+    its own dict to set attributes on it."""
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("NO_ATTRS is shared by every node without attributes and cannot "
+                        "change; give the node a dict of its own")
+
+    __setitem__ = __delitem__ = update = setdefault = pop = popitem = clear = _refuse
+    __ior__ = _refuse
+
+
+NO_ATTRS: dict[str, Any] = _NoAttrs()
+
+
 @dataclass(frozen=True)
 class Value:
     """A named graph input or output with its type."""
@@ -64,9 +80,12 @@ class Value:
     type: TensorType
 
 
-@dataclass
+@dataclass(slots=True)
 class Node:
-    """One op application. ``attrs`` are schema-normalized."""
+    """One op application. ``attrs`` are schema-normalized.
+
+    Slotted: a graph may hold hundreds of thousands of nodes, and a slotted node
+    takes half the memory of one with an instance dictionary."""
 
     name: str
     op: Op
@@ -200,9 +219,8 @@ class Graph:
             if v.name in defined and v.name not in self.initializers:
                 raise VerificationError(f"graph input {v.name!r} is declared twice")
             defined.add(v.name)
-        node_names: set[str] = set()
         for n in self.nodes:
-            self._verify_node(n, defined, node_names, visible)
+            self._verify_node(n, defined, visible)
             for key, body in n.attrs.items():
                 if isinstance(body, Graph):
                     captured = n.attrs.get("captures") or ()
@@ -214,14 +232,17 @@ class Graph:
         for v in self.outputs:
             if v.name not in defined and v.name not in visible:
                 raise VerificationError(f"graph output {v.name!r} is produced by no node")
+        del defined                 # one set of names at a time: a large graph's are large
+        node_names: set[str] = set()
+        for n in self.nodes:
+            if n.name in node_names:
+                raise VerificationError(f"node name {n.name!r} is used twice")
+            node_names.add(n.name)
 
-    def _verify_node(self, n: Node, defined: set[str], node_names: set[str],
+    def _verify_node(self, n: Node, defined: set[str],
                      visible: frozenset[str] = frozenset()) -> None:
         if not isinstance(n.op, Op):
             raise VerificationError(f"node {n.name!r} has op {n.op!r}, not an Op")
-        if n.name in node_names:
-            raise VerificationError(f"node name {n.name!r} is used twice")
-        node_names.add(n.name)
         for i in n.present_inputs():
             if i not in defined and i not in visible:
                 raise VerificationError(
@@ -286,10 +307,7 @@ class Graph:
 
 
 def _copy_node(n: Node) -> Node:
-    clone = object.__new__(type(n))          # copy.copy, without its per-call protocol
-    clone.__dict__.update(n.__dict__)
-    clone.inputs = list(n.inputs)
-    clone.outputs = list(n.outputs)
     # Subgraphs are copied too: a pass may change a copy's subgraph freely.
-    clone.attrs = {k: v.copy() if isinstance(v, Graph) else v for k, v in n.attrs.items()}
-    return clone
+    attrs = NO_ATTRS if not n.attrs else \
+        {k: v.copy() if isinstance(v, Graph) else v for k, v in n.attrs.items()}
+    return Node(n.name, n.op, list(n.inputs), list(n.outputs), attrs, n.origin)

@@ -56,7 +56,7 @@ def align(n: int, alignment: int = ALIGNMENT) -> int:
     return -(-n // alignment) * alignment
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PlanStep:
     """What the planner needs to know about one step of a program."""
 
@@ -77,7 +77,7 @@ class PlanStep:
         return (not self.writes_out) if self.may_alias is None else self.may_alias
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Allocation:
     """Where one value lives and for how long (step indices, inclusive)."""
 
@@ -213,7 +213,7 @@ def _round64(n: int) -> int:
 
 
 # ---- planning --------------------------------------------------------------
-@dataclass
+@dataclass(slots=True)
 class _Buffer:
     device: str
     pool: str

@@ -476,15 +476,18 @@ def _merge(inferred: TensorType | None, declared: TensorType | None) -> TensorTy
     """Inferred types win; the model's declaration fills what inference left unknown."""
     if inferred is None:
         return declared
-    if declared is None or declared.shape is None or declared.dtype != inferred.dtype:
+    if declared is None or declared is inferred or declared.shape is None or \
+            declared.dtype != inferred.dtype:
         return inferred
     if inferred.shape is None:
         return TensorType(inferred.dtype, declared.shape, inferred.kind)
-    if len(inferred.shape) != len(declared.shape):
+    if len(inferred.shape) != len(declared.shape) or None not in inferred.shape:
         return inferred
     dims = tuple(d if d is not None else e for d, e in zip(inferred.shape, declared.shape,
                                                           strict=True))
-    return TensorType(inferred.dtype, dims, inferred.kind)
+    # a type per value and round adds up in a large graph: the inferred one where it is equal
+    return inferred if dims == inferred.shape else TensorType(inferred.dtype, dims,
+                                                              inferred.kind)
 
 
 def _type_of_array(arr: np.ndarray) -> TensorType | None:

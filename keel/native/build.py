@@ -52,7 +52,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -244,6 +243,8 @@ def build_all() -> list[dict[str, Any]]:
 
 def _side_by_side(work: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
     """``work`` on every item, on up to one thread per core (each runs a compiler)."""
+    from concurrent.futures import ThreadPoolExecutor  # (and logging): builds only
+
     workers = max(1, min(len(items), os.cpu_count() or 1))
     with ThreadPoolExecutor(workers, thread_name_prefix="keel-build") as pool:
         return list(pool.map(work, items))

@@ -66,7 +66,7 @@ def precision_name(dtype: DType | None) -> str:
     return _PRECISIONS.get(dtype, dtype.value)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class NodePlacement:
     """Where and how one node runs, and why."""
 

@@ -13,9 +13,8 @@ reference's (:mod:`keel.backends.reference.trees`), which sums in float64.
 from __future__ import annotations
 
 import functools
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -32,6 +31,9 @@ from keel.ops.schemas.trees import (
     finish_scores,
     forest_of,
 )
+
+if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
 
 __all__: list[str] = []
 
@@ -149,6 +151,8 @@ def _leaves(forest: Forest, x: np.ndarray) -> np.ndarray:
 
 @functools.lru_cache(maxsize=4)
 def _pool(threads: int) -> ThreadPoolExecutor:
+    from concurrent.futures import ThreadPoolExecutor  # (and logging): tree models only
+
     return ThreadPoolExecutor(threads, thread_name_prefix="keel-trees")
 
 

@@ -18,9 +18,10 @@ from __future__ import annotations
 import heapq
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from types import MappingProxyType
+from typing import Any, cast
 
 import numpy as np
 
@@ -40,6 +41,7 @@ from keel.graph.importers.onnx_ms import MS_DOMAIN, MS_TABLE
 from keel.graph.importers.onnx_ops import TABLE
 from keel.graph.importers.onnx_preview import PREVIEW_DOMAIN, PREVIEW_TABLE, preview_opset
 from keel.graph.importers.onnx_tensors import element_dtype, tensor_to_array
+from keel.graph.importers.onnx_wire import SplitModel, split_model
 from keel.graph.ir import Graph, Value
 from keel.ops.registry import Op
 from keel.ops.types import MAX_ELEMENTS, Dim, TensorType, ValueKind
@@ -60,6 +62,7 @@ KEEL_DOMAIN = "ai.keel"
 # Protobuf cannot hold more than 2 GiB; bigger weights live in external files.
 MAX_MODEL_BYTES = 2**31 - 1
 _DEFAULT_DOMAINS = ("", "ai.onnx")
+_NO_ATTRS: Mapping[str, Any] = MappingProxyType({})
 
 
 def max_opset() -> int:
@@ -77,9 +80,9 @@ def import_onnx(src: str | os.PathLike[str] | bytes | Any, *,
     ``base_dir`` for bytes and protos). Raises ``ModelFormatError`` for files
     keel cannot read and ``UnsupportedOperationError`` for ops keel lacks.
     """
-    model, base = load_model_proto(src, base_dir)
+    model, base, split = _load_split(src, base_dir)
     try:
-        return _Importer(model, base).run()
+        return _Importer(model, base, split).run()
     except (ModelFormatError, UnsupportedOperationError):
         raise
     except (InvalidArgumentError, VerificationError) as exc:
@@ -110,6 +113,31 @@ def load_model_proto(src: str | os.PathLike[str] | bytes | Any,
     )
 
 
+def _load_split(src: str | os.PathLike[str] | bytes | Any,
+                base_dir: str | os.PathLike[str] | None,
+                ) -> tuple[Any, Path | None, tuple[SplitModel, str] | None]:
+    """Like :func:`load_model_proto`, with the graph's nodes left unparsed where the
+    bytes allow (:mod:`keel.graph.importers.onnx_wire`): the model, the directory for
+    external data, and the split with the name errors give the model."""
+    if isinstance(src, (bytes, bytearray, memoryview)):
+        data, where = bytes(src), "bytes"
+        base = None if base_dir is None else Path(base_dir)
+    elif isinstance(src, (str, os.PathLike)):
+        path = Path(src)
+        data, where = _read(path), str(path)
+        base = Path(base_dir) if base_dir else path.parent
+    else:
+        model, base = load_model_proto(src, base_dir)
+        return model, base, None
+    try:
+        split = split_model(data)
+    except Exception:  # protobuf's DecodeError and friends: the whole parse says what
+        split = None
+    if split is None:
+        return _parse(data, where), base, None
+    return split.model, base, (split, where)
+
+
 def _read(path: Path) -> bytes:
     """The file's bytes: a regular file only (not a device, FIFO or folder), within the cap."""
     return read_regular(path, MAX_MODEL_BYTES,
@@ -135,8 +163,10 @@ def _parse(data: bytes, where: str) -> Any:
 
 # ---- the importer ---------------------------------------------------------------------
 class _Importer:
-    def __init__(self, model: Any, base_dir: Path | None) -> None:
+    def __init__(self, model: Any, base_dir: Path | None,
+                 split: tuple[SplitModel, str] | None = None) -> None:
         self.model = model
+        self.split = split          # the top graph's nodes, parsed one at a time
         self.g = model.graph
         self.base_dir = base_dir
         self.ml_opset = _ml_opset(model)
@@ -155,8 +185,9 @@ class _Importer:
                                            PREVIEW_DOMAIN: preview_opset(self.model)})
         ctx.subgraph_importer = self._subgraph
         self._seed(ctx, inputs, initializers, nodes)
-        for node in nodes:
-            _convert(ctx, node)
+        nodes.reverse()
+        while nodes:            # each freed once converted
+            _convert(ctx, nodes.pop())
         return self._graph(ctx, inputs, declared)
 
     def _subgraph(self, outer: ImportContext, proto: Any,
@@ -271,16 +302,25 @@ class _Importer:
     def _nodes(self, g: Any = None) -> list[OnnxNode]:
         nodes: list[OnnxNode] = []
         names: set[str] = set()
-        for idx, proto in enumerate((self.g if g is None else g).node):
+        strings: dict[str, str] = {}    # freed on return, before the nodes are converted
+        intern = strings.setdefault
+        protos = (g.node if g is not None else self.g.node if self.split is None
+                  else self.split[0].nodes(self.split[1]))
+        for idx, proto in enumerate(protos):
             if not proto.op_type:
                 raise ModelFormatError(f"node #{idx} ({proto.name!r}) has no op_type")
             name = proto.name or f"{proto.op_type}_{idx}"
             while name in names:
                 name = f"{name}_{idx}"
             names.add(name)
-            attrs = _decode_attrs(proto, name, self.base_dir)
-            nodes.append(OnnxNode(name, proto.op_type, proto.domain, list(proto.input),
-                                  list(proto.output), attrs, _implicit_inputs(proto)))
+            attrs = _decode_attrs(proto, name, self.base_dir) if proto.attribute else _NO_ATTRS
+            # protobuf hands out a new string on every read: one object per name (a
+            # value's producer and its consumers share it), op type and domain
+            nodes.append(OnnxNode(name, intern(proto.op_type, proto.op_type),
+                                  intern(proto.domain, proto.domain),
+                                  tuple([intern(i, i) for i in proto.input]),
+                                  tuple([intern(o, o) for o in proto.output]), attrs,
+                                  _implicit_inputs(proto) if proto.attribute else ()))
         return nodes
 
     def _check_definitions(self, nodes: list[OnnxNode], inputs: list[Value],
@@ -322,10 +362,14 @@ class _Importer:
         outputs = [Value(o.name, self._output_type(ctx, o.name, declared))
                    for o in self.g.output]
         io = {v.name for v in inputs} | {o.name for o in outputs}
-        types = {k: t for k, t in ctx.state.types.items()
-                 if t is not None and k not in ctx.initializers and k not in io}
+        types = ctx.state.types     # the context ends here: its table becomes the graph's
+        for k in [k for k, t in types.items()
+                  if t is None or k in ctx.initializers or k in io]:
+            del types[k]
         graph = Graph(self.g.name or "model", ctx.nodes, inputs, outputs, ctx.initializers,
-                      types, self.opset, self._metadata())
+                      cast("dict[str, TensorType]", types), self.opset, self._metadata())
+        ctx.taken.clear()           # the names in use: freed before verify() makes its own
+        ctx.node_names.clear()
         graph.verify()
         return graph
 
@@ -521,6 +565,8 @@ def _free_names(g: Any) -> list[str]:
 # ---- ordering and conversion ------------------------------------------------------------
 def _toposort(nodes: list[OnnxNode], available: set[str]) -> list[OnnxNode]:
     """Stable topological order; a cycle is a ModelFormatError."""
+    if _in_order(nodes, available):     # as exporters write them: nothing to build
+        return nodes
     producer = {o: k for k, n in enumerate(nodes) for o in n.outputs if o}
     waiting = [0] * len(nodes)
     dependents: dict[int, list[int]] = {}
@@ -542,6 +588,17 @@ def _toposort(nodes: list[OnnxNode], available: set[str]) -> list[OnnxNode]:
         stuck = [nodes[k].name for k, w in enumerate(waiting) if w][:5]
         raise ModelFormatError(f"the graph has a cycle through nodes {', '.join(stuck)}")
     return [nodes[k] for k in order]
+
+
+def _in_order(nodes: list[OnnxNode], available: set[str]) -> bool:
+    """Whether every node reads only values defined before it."""
+    seen = set(available)
+    for n in nodes:
+        if any(i and i not in seen for i in n.inputs) or \
+                any(i and i not in seen for i in n.implicit):
+            return False
+        seen.update(n.outputs)
+    return True
 
 
 def _convert(ctx: ImportContext, n: OnnxNode) -> None:

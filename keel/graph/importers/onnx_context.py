@@ -9,6 +9,7 @@ picks an op version.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -24,7 +25,7 @@ from keel.errors import (
     ModelFormatError,
     UnsupportedOperationError,
 )
-from keel.graph.ir import Graph, Node, match_attr_name
+from keel.graph.ir import NO_ATTRS, Graph, Node, match_attr_name
 from keel.graph.shape_inference import Propagation, propagate_node
 from keel.ops.registry import Op
 from keel.ops.schema import REQUIRED, AttrKind, OpSchema, get_schema
@@ -41,18 +42,19 @@ __all__ = [
 ]
 
 
-@dataclass
+@dataclass(slots=True)
 class OnnxNode:
     """One ONNX node with its attributes decoded to Python values."""
 
     name: str
     op_type: str
     domain: str
-    inputs: list[str]
-    outputs: list[str]
-    attrs: dict[str, Any] = field(default_factory=dict)
+    inputs: Sequence[str]       # read only: tuples from the importer (smaller than lists)
+    outputs: Sequence[str]
+    # Read only (a node without attributes shares one empty mapping).
+    attrs: Mapping[str, Any] = field(default_factory=dict)
     # Values of enclosing scopes its subgraph attributes read (they order the nodes too).
-    implicit: list[str] = field(default_factory=list)
+    implicit: Sequence[str] = ()
 
     def input(self, index: int) -> str:
         return self.inputs[index] if index < len(self.inputs) else ""
@@ -206,7 +208,8 @@ class ImportContext:
         except InvalidArgumentError as exc:
             raise self.invalid(exc.message) from None
         norm = self._attrs(schema, dict(attrs or {}), set(implied))
-        node = Node(self._node_name(), op, ins, outs, norm, origin=self.current.op_type)
+        node = Node(self._node_name(), op, ins, outs, norm or NO_ATTRS,
+                    origin=self.current.op_type)
         self.nodes.append(node)
         self.taken.update(o for o in outs if o)
         self._infer(node)
@@ -365,10 +368,16 @@ _NO_DEFAULT: Any = object()
 
 def onnx_schema(node: OnnxNode, opset: int) -> Any:
     """ONNX's schema of ``node``'s op at ``opset``, or None (custom domain, unknown op)."""
+    return _onnx_schema(node.op_type, opset, node.domain or "")
+
+
+@functools.lru_cache(maxsize=512)
+def _onnx_schema(op_type: str, opset: int, domain: str) -> Any:
+    """ONNX's schemas, asked once per op and opset (a large graph repeats a few ops)."""
     import onnx.defs
 
     try:
-        return onnx.defs.get_schema(node.op_type, opset, node.domain or "")
+        return onnx.defs.get_schema(op_type, opset, domain)
     except Exception:  # onnx raises its own SchemaError type; any failure means "none"
         return None
 

@@ -11,7 +11,7 @@ Softmax, Reshape).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -105,7 +105,7 @@ def _like(ctx: ImportContext, name: str, value: float | Sequence[float] | np.nda
     return ctx.constant(np.asarray(value, dtype=dtype.numpy), hint)
 
 
-def _without(attrs: dict[str, Any], *keys: str) -> dict[str, Any]:
+def _without(attrs: Mapping[str, Any], *keys: str) -> dict[str, Any]:
     return {k: v for k, v in attrs.items() if k not in keys}
 
 

@@ -36,6 +36,8 @@ _MEASURED = re.compile(r"placement measured here on this signature's first input
 
 
 def _slowed(table: KernelTable, delay: float) -> KernelTable:
+    """``table`` with every kernel ``delay`` seconds slower (prepared calls dropped, so
+    every step goes through the slowed kernel)."""
     def slow(fn: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any) -> Any:
             time.sleep(delay)
@@ -45,7 +47,7 @@ def _slowed(table: KernelTable, delay: float) -> KernelTable:
     slowed = KernelTable(table.backend, table.chooser)
     for op in table.ops():
         for variant in table.variants(op).values():
-            slowed.register(dataclasses.replace(variant, fn=slow(variant.fn)))
+            slowed.register(dataclasses.replace(variant, fn=slow(variant.fn), bind=None))
     return slowed
 
 
@@ -133,7 +135,7 @@ class _SlowFp32Gpu(_FakeGpu):
 
         for op in table.ops():
             for variant in table.variants(op).values():
-                slowed.register(dataclasses.replace(variant, fn=slow(variant.fn)))
+                slowed.register(dataclasses.replace(variant, fn=slow(variant.fn), bind=None))
         return slowed
 
 

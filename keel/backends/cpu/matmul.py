@@ -759,7 +759,7 @@ def _bind_attention(ctx: KernelContext, inputs: Inputs, attrs: Attrs,
     q, k, v, y = inputs[0], inputs[1], inputs[2], out[0]
     if ctx.xp is not np or optional_input(inputs, 3) is not None:
         return None
-    if q.dtype == np.float32 and native_gemm.available() and fastmath.available():
+    if _native_attention(q, k):
         return None          # the native attention serves it, split over the threads
     ct = _compute(np, _common(Op.ATTENTION, [q, k, v]))
     if (any(t.dtype != ct for t in (q, k, v, y)) or not y.size or not _blockable(q, k, v, y)
@@ -896,6 +896,14 @@ class _OwnSpace:
         return xp.empty(shape, dtype=dtype)
 
 
+def _native_attention(q: Any, k: Any) -> bool:
+    """Whether the native attention takes Q and K (the planner's size rule, float32, the
+    native tier loaded)."""
+    scores = math.prod(q.shape[:-1]) * k.shape[-2]
+    return (q.dtype == np.float32 and planner.attention_native(scores)
+            and native_gemm.available() and fastmath.available())
+
+
 def _attention_native(q: Any, k: Any, v: Any, mask: Any, y: Any, scale: float, causal: bool,
                       block: int, threads: int) -> bool:
     """float32 on the native kernels, split over batch x heads on keel's threads: per
@@ -905,7 +913,7 @@ def _attention_native(q: Any, k: Any, v: Any, mask: Any, y: Any, scale: float, c
     they stay in its cache between the products and the softmax. Every head is
     computed the same way whatever the block or the split: the same bits on any thread
     count. False (nothing written) where the native tier does not serve it."""
-    if q.dtype != np.float32 or not native_gemm.available() or not fastmath.available():
+    if not _native_attention(q, k):
         return False
     s, d, t, dv = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
     batch = q.shape[:-2]

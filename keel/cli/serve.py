@@ -35,9 +35,9 @@ def serve_command(
     workers: int = typer.Option(1, "--workers", min=1,
                                 help="Server processes sharing the ports (fixed ports only)."),
     backend: str = typer.Option("auto", "--backend", help="Backend the models run on."),
-    hint: str = typer.Option("throughput", "--hint",
+    hint: str = typer.Option("none", "--hint",
                              help="Performance hint the models are planned with "
-                                  "(throughput, latency or none): how a batch is split."),
+                                  "(none, latency or throughput): how a batch is split."),
     max_body_bytes: int = typer.Option(64 * 1024 * 1024, "--max-body-bytes", min=1,
                                        help="Largest request body accepted."),
     max_tensor_elements: int = typer.Option(16 * 1024 * 1024, "--max-tensor-elements", min=1,

@@ -33,7 +33,7 @@ class ModelOptions:
     backend: str = "auto"
     max_batch_size: int = 8             # the execution batch size; 1: no dynamic batching
     max_queue_delay_s: float = 0.002
-    hint: str = "throughput"            # the models' performance hint: how the planner splits
+    hint: str = "none"                  # the models' performance hint: how the planner splits
 
     def __post_init__(self) -> None:
         from keel.planning.adaptive import check_hint

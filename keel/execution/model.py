@@ -366,6 +366,7 @@ class Model:
         self.optimization_level = optimization_level
         self._registry = _with_threads(registry or default_registry(), threads, hardware)
         self._hardware = hardware if hardware is not None else _probe_if_gpu(self._registry)
+        self._foreign = hardware is not None     # planned for a given profile, maybe elsewhere
         self._policy = policy
         self._hint = check_hint(hint if hint is not None
                                 else getattr(policy, "hint", None) or settings().hint)
@@ -866,8 +867,8 @@ class Model:
         """Whether this signature's device is still to be measured: auto mode with a GPU
         backend here (see ``_measure_devices``)."""
         if self._backend != "auto" or self._device_fault or self._memory_limit is not None \
-                or not settings().placement_trials:
-            return False
+                or self._foreign or not settings().placement_trials:
+            return False                # (a given hardware profile: no timing here decides)
         if tuple(sorted(shapes.items())) in self._trials:
             return False
         if self._trial_gpu is None:

@@ -164,3 +164,12 @@ def test_auto_precision_keeps_fp32_where_fp16_overflows() -> None:
     want = keel.load_model(data, backend="reference").predict(_feeds(0))["y"]
     np.testing.assert_allclose(got, want, rtol=1e-4)
     assert "precision auto: fp32 kept: relative error inf against fp32" in model.explain()
+
+
+def test_a_model_planned_for_a_given_hardware_profile_is_never_measured_here() -> None:
+    from keel.hardware import probe
+
+    model = keel.load_model(_mlp(), backend="auto", registry=_registry(_SlowGpu),
+                            hardware=probe())
+    model.predict(_feeds(0))
+    assert "placement measured here" not in model.explain()

@@ -899,8 +899,7 @@ class _OwnSpace:
 def _native_attention(q: Any, k: Any) -> bool:
     """Whether the native attention takes Q and K (the planner's size rule, float32, the
     native tier loaded)."""
-    scores = math.prod(q.shape[:-1]) * k.shape[-2]
-    return (q.dtype == np.float32 and planner.attention_native(scores)
+    return (q.dtype == np.float32 and planner.attention_native(q.shape[-2] * k.shape[-2])
             and native_gemm.available() and fastmath.available())
 
 

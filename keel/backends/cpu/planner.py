@@ -455,18 +455,21 @@ _BLOCK_WHY = {
 
 
 # Fused attention runs on the native GEMM and row softmax (split over batch x heads on
-# keel's threads) from this many scores per call; below it, NumPy's blocks, which a
-# program binds once (KernelVariant.bind). Measured on the 2-core AMD EPYC (Zen 4): the
-# small block at sequence 1 (4 heads, 1 score each) ran 1.16x onnxruntime on the bound
-# NumPy blocks against 1.85x on the native path, whose per-call preparation dominates;
-# BERT-mini's 32x4x128x128 scores ran faster native at one thread (11-15 ms vs 16-27).
-ATTENTION_NATIVE_MIN_SCORES = 4096
+# keel's threads) from this many scores per head (S x T); below it, NumPy's blocks,
+# which a program binds once (KernelVariant.bind). Per head, never per call: the choice
+# must not follow the batch, or a sample's bits would (batch invariance). Measured on
+# the 2-core AMD EPYC (Zen 4): the small block at sequence 1 (one score per head) ran
+# 1.16x onnxruntime on the bound NumPy blocks against 1.85x on the native path, whose
+# per-call preparation dominates; BERT-mini's 128x128 heads ran faster native at one
+# thread (11-15 ms against 16-27 ms at batch 32).
+ATTENTION_NATIVE_MIN_SCORES = 256
 
 
-def attention_native(scores: int) -> bool:
-    """Whether a fused attention with ``scores`` elements of scores per call runs on the
-    native kernels (the same answer for the kernel and its bound call)."""
-    return scores >= ATTENTION_NATIVE_MIN_SCORES
+def attention_native(scores_per_head: int) -> bool:
+    """Whether a fused attention whose heads have ``scores_per_head`` scores (S x T) runs
+    on the native kernels (the same answer for the kernel and its bound call, and for
+    any batch)."""
+    return scores_per_head >= ATTENTION_NATIVE_MIN_SCORES
 
 
 def attention_heads(block_elements: int, scores_per_head: int, heads: int,

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from keel.backends.base import Backend, GraphCapture
 from keel.config import settings
+from keel.planning.placement import HOST
 
 if TYPE_CHECKING:
     from keel.execution.program import Program
@@ -52,7 +53,7 @@ def decide(program: Program) -> tuple[CapturePlan | None, str]:
     """Whether ``program`` runs as a recording, and why (the reason ``explain`` shows)."""
     steps = program._steps
     devices = {s.backend for s in steps if s.kind == "kernel"
-               and program._backends[s.backend].device.value != "cpu"}
+               and program._backends[s.backend].device.value != HOST}
     if not devices:
         return None, ""                          # a host program: nothing to say
     if not settings().cuda_graphs:

@@ -26,6 +26,7 @@ separate programs and thread groups, written into one set of outputs.
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import threading
 import time
@@ -53,15 +54,21 @@ from keel.config import (
     settings,
 )
 from keel.dtypes import DType
-from keel.errors import ExecutionError, InvalidArgumentError, KeelError, MemoryLimitError
+from keel.errors import (
+    BackendSelectionError,
+    ExecutionError,
+    InvalidArgumentError,
+    KeelError,
+    MemoryLimitError,
+)
 from keel.execution import plan_cache as _plan_cache
 from keel.execution.compiled import CompiledModel
 from keel.execution.program import ArenaPool, Profiler, Program, compile_program
 from keel.graph.ir import Graph, Value
 from keel.ops.registry import OpGroup
 from keel.ops.types import TensorInfo, TensorType, ValueKind
+from keel.planning import trials
 from keel.planning.adaptive import AdaptivePlan, AdaptivePlanner, PlanRequest, check_hint
-from keel.planning.calibration import format_seconds
 from keel.planning.placement import HOST, ExecutionPlan, place, precision_name
 from keel.planning.runtime_plan import low_memory_mode
 
@@ -686,7 +693,13 @@ class Model:
         if device not in ("gpu", "cuda"):
             raise InvalidArgumentError(
                 f"output_device must be 'cpu' or 'gpu', got {device!r}")
-        import cupy
+        try:
+            import cupy
+        except ImportError as exc:
+            raise BackendSelectionError(
+                "gpu", f"output_device='gpu' returns CuPy arrays, and CuPy is not installed "
+                       f"({exc}); install it with: pip install 'keel-runtime[cuda12]'"
+            ) from None
 
         residency = _residency(feeds)
         arrays, shapes = self._validate(feeds)
@@ -890,7 +903,8 @@ class Model:
             self._cache.pop(key, None)
             try:
                 planned = self._planned(shapes)
-                times[name] = _time_program(self._program(planned), arrays)
+                times[name] = _time_call(functools.partial(self._program(planned).run,
+                                                           arrays))
                 kept[name] = planned
             except KeelError as exc:
                 notes.append(f"{name} cannot run it whole ({exc.message})")
@@ -899,11 +913,7 @@ class Model:
         if not times:
             self._trials[key] = None              # measured nothing: the per-node rules
             return
-        best = min(times, key=times.__getitem__)
-        measured = " vs ".join(f"{n} {format_seconds(t)}" for n, t in times.items())
-        reason = (f"placement measured here on this signature's first inputs: {measured} "
-                  f"(median of {_TRIAL_RUNS} runs after {_TRIAL_WARM} warm-up runs): every "
-                  f"node on {best}" + "".join(f"; {n}" for n in notes))
+        best, reason = trials.faster_device(times, notes)
         self._trials[key] = (best, reason)
         planned = kept[best]
         planned.plan = replace(planned.plan, reasons=(
@@ -914,8 +924,8 @@ class Model:
 
     def _try_half(self, arrays: Mapping[str, Any], planned: _Planned, fp32_time: float) -> None:
         """precision="auto" on a GPU: run the model at fp16 on these inputs and keep it
-        where its outputs stay within ``HALF_TOLERANCE`` of fp32 (relative L2, integer
-        outputs equal) and it is faster; the reason says which and why."""
+        where :func:`keel.planning.trials.half_precision` accepts it (relative L2 error
+        within its tolerance, integer outputs equal, faster); the reason says why."""
         if _native_precision(self._graph) != "fp32":
             self._half_reason = "fp16 not tried: the model does not compute in fp32"
             return
@@ -930,14 +940,10 @@ class Model:
         except KeelError as exc:
             self._half_reason = f"fp16 not taken: it cannot run here ({exc.message})"
             return
-        measured = (f"relative error {error:.1e} against fp32 on these inputs (tolerance "
-                    f"{HALF_TOLERANCE:.0e}), {format_seconds(half_time)} vs fp32 "
-                    f"{format_seconds(fp32_time)}")
-        if error <= HALF_TOLERANCE and half_time < fp32_time:
+        taken, self._half_reason = trials.half_precision(error, half_time, fp32_time,
+                                                         str(self._trial_gpu))
+        if taken:
             self._half = half
-            self._half_reason = f"precision auto: fp16 on {self._trial_gpu}: {measured}"
-        else:
-            self._half_reason = f"precision auto: fp32 kept: {measured}"
 
     def _falls_back(self, exc: KeelError) -> bool:
         """After a device kernel failed at run time in auto mode: plan every signature on
@@ -1578,24 +1584,12 @@ def _as_array(name: str, value: Any, dtype: DType) -> np.ndarray:
         f"input {name!r} must be an array, got {type(value).__name__}; expected {dtype.value}")
 
 
-_TRIAL_WARM = 2      # untimed runs first: compiling, recording a device graph
-_TRIAL_RUNS = 3      # then timed runs; their median decides
-
-
-HALF_TOLERANCE = 5e-3   # precision="auto" takes fp16 on a GPU within this relative L2 error
-
-
-def _time_program(program: Program, arrays: Mapping[str, Any]) -> float:
-    """The median seconds of one run of ``program`` on ``arrays``, after warm-up runs."""
-    return _time_call(lambda: program.run(arrays))
-
-
 def _time_call(run: Callable[[], Any]) -> float:
-    """The median seconds of ``run``, after ``_TRIAL_WARM`` untimed calls."""
-    for _ in range(_TRIAL_WARM):
+    """The median seconds of ``run`` over the trials' timed calls, after their warm-up."""
+    for _ in range(trials.WARM_RUNS):
         run()
     samples = []
-    for _ in range(_TRIAL_RUNS):
+    for _ in range(trials.TIMED_RUNS):
         start = time.perf_counter()
         run()
         samples.append(time.perf_counter() - start)

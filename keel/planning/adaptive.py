@@ -25,6 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from keel.config import HINTS, format_bytes, format_limit
 from keel.errors import InvalidArgumentError, MemoryLimitError
+from keel.planning import trials
 
 __all__ = [
     "HINTS",
@@ -404,11 +405,11 @@ def _precision(request: PlanRequest, runtime: str, hint: str,
         reasons.append(f"precision plan: mixed dtypes: {mix}; auto computes each node in "
                        f"its own dtype's precision")
     reasons.append(f"precision {native}: auto keeps the model's own precision"
-                   + _device_precision_note(request.profile, runtime, native, hint))
+                   + _device_precision_note(request.profile, runtime, native))
     return native if len(plan) <= 1 else "mixed", plan, reasons
 
 
-def _device_precision_note(profile: Any, runtime: str, native: str, hint: str) -> str:
+def _device_precision_note(profile: Any, runtime: str, native: str) -> str:
     """What ``auto`` would do differently on this device, and why it does not by itself."""
     if native != "fp32":
         return ""
@@ -421,11 +422,11 @@ def _device_precision_note(profile: Any, runtime: str, native: str, hint: str) -
                    else ""))
     fast = _fast_fp16_gpu(profile)
     if runtime in ("gpu", "cuda") and fast is not None:
-        would = ("under the throughput hint" if hint == "throughput"
-                 else "under a throughput hint or policy")
-        return (f"; {fast} has fast fp16 arithmetic: {would}, pin precision='fp16' to "
-                f"halve memory traffic; auto never lowers precision by itself, since that "
-                f"changes results")
+        return (f"; {fast} has fast fp16 arithmetic: where auto placement measures this "
+                f"model on the gpu, auto also runs it at fp16 on the same inputs and takes "
+                f"fp16 only within {trials.HALF_TOLERANCE:.0e} relative error of fp32 and "
+                f"faster (explain() says which); pin precision='fp32' to rule that out, or "
+                f"'fp16' to take it without the check")
     return ""
 
 

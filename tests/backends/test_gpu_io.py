@@ -11,7 +11,7 @@ import pytest
 import keel
 from keel.backends.gpu.backend import GpuBackend
 from keel.backends.gpu.io import is_device_array
-from keel.errors import InvalidArgumentError
+from keel.errors import BackendSelectionError, InvalidArgumentError
 from tests.execution.test_capture import _feeds, _mlp
 
 
@@ -42,6 +42,16 @@ def test_a_device_feed_without_cupy_is_a_clear_error() -> None:
     model = keel.load_model(_mlp(), backend="cpu")
     with pytest.raises(InvalidArgumentError, match="lives on a CUDA device, which needs CuPy"):
         model.predict({"x": _Cai()})
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is not None,
+                    reason="CuPy is installed: the missing-CuPy message cannot be shown")
+def test_gpu_outputs_without_cupy_are_a_clear_error() -> None:
+    model = keel.load_model(_mlp(), backend="cpu")
+    with pytest.raises(BackendSelectionError, match="returns CuPy arrays, and CuPy is not"):
+        model.predict(_feeds(0), output_device="gpu")
+    with pytest.raises(InvalidArgumentError, match="output_device must be 'cpu' or 'gpu'"):
+        model.predict(_feeds(0), output_device="tpu")
 
 
 def _gpu_or_skip() -> Any:

@@ -163,9 +163,9 @@ def test_auto_precision_keeps_fp32_on_cpu_and_says_what_a_fast_fp16_gpu_would_do
     assert any("on cpu fp32 is the fast path" in r for r in cpu.reasons)
     gpu = AdaptivePlanner(lambda r: ("gpu", "large graph")).plan(
         PlanRequest("graph", 4, hint="throughput", profile=fake_profile("nvidia-h100-nvml")))
-    assert gpu.precision == "fp32"               # auto never lowers precision by itself
+    assert gpu.precision == "fp32"               # the plan keeps fp32; a measured trial may not
     note = next(r for r in gpu.reasons if r.startswith("precision fp32"))
-    assert "fast fp16" in note and "under the throughput hint" in note
+    assert "fast fp16" in note and "takes fp16 only within 5e-03 relative error" in note
     assert "compute capability 9.0" in note
 
 

@@ -20,7 +20,9 @@ rest to run after the conv. On the first call of a signature every graph
 cuDNN serves is built with all its candidate engines, each engine is timed on
 the call's own arrays (the output into a scratch buffer), together with what
 would run after the graph, and the fastest pair is kept: the engine and the
-fusion are measured once per shape. A first call inside a CUDA-graph capture
+fusion are measured once per shape, and kept on disk for later processes on the
+same GPU and cuDNN (:mod:`keel.backends.gpu.cudnn_choices`), which then build only
+that engine. A first call inside a CUDA-graph capture
 cannot be timed: it keeps the most fused graph cuDNN serves, on cuDNN's
 heuristic choice. The workspace is allocated once per built graph through
 CuPy.
@@ -35,6 +37,7 @@ runs are bitwise repeatable.
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import threading
@@ -44,6 +47,7 @@ from typing import Any
 
 from keel._fork import renew_after_fork
 from keel.backends.cpu.conv_epilogue import Activation
+from keel.backends.gpu.cudnn_choices import Choice, EngineCache, engine_cache
 from keel.backends.gpu.cudnn_lib import CudnnLibrary
 from keel.dtypes import DType
 from keel.ops.schemas.conv import ConvGeometry
@@ -340,6 +344,10 @@ def _compile(lib: CudnnLibrary, xp: Any, spec: Signature, arrays: dict[str, Any]
     cudnn = lib.module
     handle = lib.handle(spec.device)
     act_fusable = graph_activation(spec.act) is not None
+    store, key = _store(lib, xp, spec.device), _key(spec)
+    kept = _remembered(xp, cudnn, handle, spec, act_fusable, store, key)
+    if kept is not None:
+        return kept
     scratch = None if _capturing(xp) else {**arrays, "y": xp.empty_like(arrays["y"])}
     failures: list[str] = []
     best: _Candidate | None = None
@@ -359,10 +367,66 @@ def _compile(lib: CudnnLibrary, xp: Any, spec: Signature, arrays: dict[str, Any]
             break                    # not timed: the most fused graph cuDNN serves
     if best is None:
         raise Declined("; ".join(failures))
-    return _built(xp, best, failures)
+    found = _built(xp, best, failures)
+    if store is not None and best.index is not None:
+        store.put(key, Choice(best.fusion.describe(), best.index,
+                              _engine_name(best.graph, best.index), best.ms))
+    return found
 
 
-def _built(xp: Any, best: _Candidate, failures: list[str]) -> Compiled:
+# ---- choices measured by an earlier process (keel.backends.gpu.cudnn_choices) ----------
+def _store(lib: CudnnLibrary, xp: Any, device: int) -> EngineCache | None:
+    """The on-disk engine choices of this GPU and cuDNN, or None (caching off, or the GPU
+    or library cannot be named: a choice must never cross to another)."""
+    try:
+        props = xp.cuda.runtime.getDeviceProperties(device)
+        name = props["name"]
+        identity = {"keel": _keel_version(), "cudnn": int(lib.module.backend_version()),
+                    "frontend": str(getattr(lib.module, "__version__", "?")),
+                    "gpu": name.decode() if isinstance(name, bytes) else str(name),
+                    "capability": f"{props['major']}.{props['minor']}"}
+    except Exception:
+        return None
+    return engine_cache(identity)
+
+
+def _keel_version() -> str:
+    from keel import __version__
+
+    return __version__
+
+
+def _key(spec: Signature) -> str:
+    """``spec`` as text, without the device index (the cache file names the GPU)."""
+    d = spec.desc
+    return json.dumps([d.x, d.w, d.y, d.pre_padding, d.post_padding, d.stride, d.dilation,
+                       spec.dtype.value, spec.bias, spec.residual,
+                       spec.act[0], list(spec.act[1])])
+
+
+def _remembered(xp: Any, cudnn: Any, handle: Any, spec: Signature, act_fusable: bool,
+                store: EngineCache | None, key: str) -> Compiled | None:
+    """The graph and engine an earlier process measured fastest for ``spec``, built alone;
+    None where there is none, or cuDNN no longer ranks that engine at that index."""
+    choice = store.get(key) if store is not None else None
+    if store is None or choice is None:
+        return None
+    fusion = next((f for f in fusions(spec.bias, spec.residual, act_fusable)
+                   if f.describe() == choice.fusion), None)
+    if fusion is None:
+        return None
+    try:
+        graph, uids = _planned(cudnn, handle, spec, fusion)
+        if _engine_name(graph, choice.plan) != choice.engine:
+            return None
+        cand = _Candidate(fusion, graph, uids, choice.plan, choice.ms)
+        return _built(xp, cand, [], how=(f"measured fastest earlier on this GPU "
+                                         f"({choice.ms:.3f} ms), kept in {store.path}"))
+    except Exception:                  # it no longer builds: measure again
+        return None
+
+
+def _built(xp: Any, best: _Candidate, failures: list[str], how: str = "") -> Compiled:
     g = best.graph
     if best.index is None:                        # built on cuDNN's heuristic choice
         index = int(getattr(g, "_plan_index", 0))
@@ -371,8 +435,8 @@ def _built(xp: Any, best: _Candidate, failures: list[str]) -> Compiled:
         index = best.index
         g.select_plan(index)
         g.build_plans()
-        how = (f"fastest of {best.engines} engines and the fusions cuDNN serves, timed on "
-               f"first run: {best.ms:.3f} ms")
+        how = how or (f"fastest of {best.engines} engines and the fusions cuDNN serves, "
+                      f"timed on first run: {best.ms:.3f} ms")
     workspace = xp.empty(max(int(g.get_workspace_size()), 1), dtype=xp.uint8)
     return Compiled(g, best.uids, best.fusion, workspace, f"{_engine_name(g, index)}, {how}",
                     tuple(failures))

@@ -18,6 +18,7 @@ Without POSIX owners and modes (Windows) ownership is not checked.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import tempfile
@@ -27,7 +28,7 @@ from keel.errors import InvalidArgumentError, ModelFormatError
 
 __all__ = ["Untrusted", "check_path", "open_regular", "open_trusted", "owner_problem",
            "private_folder", "read_regular", "safe_file_name", "trusted_folder",
-           "user_temp_folder"]
+           "user_temp_folder", "write_atomically"]
 
 _KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
@@ -103,6 +104,25 @@ def open_trusted(path: Path, root_ok: bool = False) -> int:
         os.close(fd)
         raise Untrusted(problem)
     return fd
+
+
+def write_atomically(target: Path, text: str) -> None:
+    """Write ``text`` to ``target`` so that a reader never sees half a file: beside it
+    first, then renamed over it. The temporary file is made with the usual permissions
+    (umask applies), not 0600."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 # ---- names --------------------------------------------------------------------------------

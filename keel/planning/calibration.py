@@ -38,7 +38,6 @@ another format version, or unreadable is ignored, and
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import math
@@ -55,6 +54,7 @@ from typing import Any
 import numpy as np
 
 from keel import config
+from keel._files import write_atomically
 from keel._fork import renew_after_fork
 from keel._hashing import sha256
 from keel.backends.base import Backend, DeviceKind
@@ -821,29 +821,11 @@ def save(calibration: Calibration, path: str | os.PathLike[str] | None = None,
     text = json.dumps({"format": FILE_FORMAT, "version": CALIBRATION_VERSION,
                        **calibration.to_dict()}, indent=2, ensure_ascii=False)
     try:
-        _write_atomically(target, text + "\n")
+        write_atomically(target, text + "\n")
     except OSError as exc:
         raise InvalidArgumentError(f"cannot write calibration {str(target)!r}: {exc}") from None
     reset_default_calibration()
     return target
-
-
-def _write_atomically(target: Path, text: str) -> None:
-    # A reader never sees half a file: write beside it, then rename over it. The
-    # temporary file is made with the usual permissions (umask applies), not 0600.
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def load(path: str | os.PathLike[str],

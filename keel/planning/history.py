@@ -177,10 +177,10 @@ class RuntimeHistory:
         return entry if isinstance(entry, Mapping) else {}
 
     def _write(self, data: dict[str, Any]) -> None:
-        from keel.planning.calibration import _write_atomically
+        from keel._files import write_atomically
 
         try:
-            _write_atomically(self.path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+            write_atomically(self.path, json.dumps(data, indent=1, sort_keys=True) + "\n")
         except OSError as exc:   # a history that cannot be written is only a lost hint
             self.note = f"runtime history {str(self.path)!r} not written ({exc})"
 

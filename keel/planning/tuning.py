@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from keel._files import write_atomically
 from keel._fork import renew_after_fork
 from keel._hashing import sha256
 from keel.backends.base import Backend, KernelTable
@@ -48,7 +49,6 @@ from keel.hardware.profile import HardwareProfile
 from keel.ops.registry import Op
 from keel.ops.types import TensorType
 from keel.planning.calibration import (
-    _write_atomically,
     fingerprint_id,
     hardware_fingerprint,
     machine_fingerprint,
@@ -380,7 +380,7 @@ def _save(path: Path, fingerprint: Mapping[str, Any], new: Sequence[TunedCase]) 
                       indent=1, sort_keys=True)
     try:
         # Beside the target, then renamed over it: a reader never sees half a file.
-        _write_atomically(path, text + "\n")
+        write_atomically(path, text + "\n")
     except OSError as exc:
         raise InvalidArgumentError(f"cannot write the tuning cache {path}: {exc}") from None
 

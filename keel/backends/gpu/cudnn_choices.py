@@ -29,7 +29,7 @@ from hashlib import sha256
 from pathlib import Path
 from typing import Any
 
-from keel._files import Untrusted, open_trusted, private_folder
+from keel._files import Untrusted, open_trusted, private_folder, write_atomically
 from keel._fork import renew_after_fork
 
 __all__ = ["Choice", "EngineCache", "engine_cache"]
@@ -131,13 +131,11 @@ class EngineCache:
         return entries, f"loaded {self.path}"
 
     def _write(self, entries: dict[str, Choice]) -> None:
-        from keel.planning.calibration import _write_atomically
-
         private_folder(self.folder)
         text = json.dumps({"format": FILE_FORMAT, "version": VERSION, "identity": self.identity,
                            "entries": {k: c.to_dict() for k, c in sorted(entries.items())}},
                           indent=1, sort_keys=True)
-        _write_atomically(self.path, text + "\n")
+        write_atomically(self.path, text + "\n")
         self.status = f"saved {self.path}"
 
 

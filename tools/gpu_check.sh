@@ -12,7 +12,9 @@
 #
 # Needs only what a GPU machine with torch, CuPy, onnx and onnxruntime has: nothing is
 # downloaded; keel runs from this source tree. Each step's log and rc land in OUTDIR,
-# with summary.txt listing them; one failing step does not stop the others.
+# with summary.txt listing them; one failing step does not stop the others. Each step has
+# a time limit (seconds; rc 124 when it ran out), so the whole check ends in under 10
+# minutes: T_BENCH (180), T_MODELS (90), T_CPU (150), T_CONFORMANCE (120).
 set -u
 out=${1:?usage: tools/gpu_check.sh OUTDIR [--cpu-scaling]}
 scaling=${2:-}
@@ -24,10 +26,10 @@ export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 
 step() {
-    local name=$1 start rc
-    shift
+    local name=$1 limit=$2 start rc
+    shift 2
     start=$(date +%s)
-    "$@" >"$out/$name.log" 2>&1
+    timeout -k 10 "$limit" "$@" >"$out/$name.log" 2>&1
     rc=$?
     echo "$name: rc=$rc, $(( $(date +%s) - start )) s" | tee -a "$out/summary.txt"
 }
@@ -35,19 +37,19 @@ step() {
 : >"$out/summary.txt"
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   nproc; } >>"$out/summary.txt" 2>&1
-step probe "$py" -m keel probe --json
+step probe 60 "$py" -m keel probe --json
 # cuDNN for convolutions comes from nvidia-cudnn-frontend (not on a bare torch image: carry
 # its wheel onto PYTHONPATH); without it convs run on im2col, and this line says why.
 "$py" -c "from keel.backends.gpu.cudnn_lib import LIBRARY; print('cudnn:', LIBRARY.availability().reason)" \
     >>"$out/summary.txt" 2>&1
-step bench_gpu "$py" -m benchmarks.gpu --profile --placement --out "$out"
-step models "$py" -m pytest -q -p no:cacheprovider -m gpu tests/backends/test_gpu_models.py \
+step bench_gpu "${T_BENCH:-180}" "$py" -m benchmarks.gpu --profile --placement --out "$out"
+step models "${T_MODELS:-90}" "$py" -m pytest -q -p no:cacheprovider -m gpu tests/backends/test_gpu_models.py \
     tests/backends/test_gpu_io.py
 if [ "$scaling" = "--cpu-scaling" ]; then
-    step bench_cpu "$py" -m benchmarks.run --threads 1,4,16 --batches 1,32 --passes 2 \
+    step bench_cpu "${T_CPU:-150}" "$py" -m benchmarks.run --threads 1,4,16 --batches 1,32 --passes 2 \
         --models resnet18,bert_mini,mobilenetv2,resnet20,mlp --no-rss --out "$out"
 fi
-step conformance "$py" -m pytest -q -p no:cacheprovider -m gpu -n 8 tests/conformance \
+step conformance "${T_CONFORMANCE:-120}" "$py" -m pytest -q -p no:cacheprovider -m gpu -n 8 tests/conformance \
     --junitxml "$out/conformance.xml"
 tail -n 3 "$out"/*.log >>"$out/summary.txt" 2>/dev/null
 cat "$out/summary.txt"

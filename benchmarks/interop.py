@@ -194,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--min-work", type=float, default=None,
                         help="the planner's least multiply-adds per branch (to measure it)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="the results folder")
     parser.add_argument("--plans", action="store_true",
                         help="print what the suite's models' plans decided; time nothing")
     args = parser.parse_args(argv)
@@ -214,10 +215,14 @@ def main(argv: list[str] | None = None) -> int:
               f"ratio {row['ratio_median']:.2f}, bitwise equal {row['bitwise_equal']}")
     from keel.hardware import probe
 
-    RESULTS.mkdir(exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    path = RESULTS / f"interop-{stamp}.json"
+    path = args.out / f"interop-{stamp}.json"
+    from keel.backends.cpu import planner
+
     path.write_text(json.dumps({"rows": rows, "machine": platform.node(),
+                                "min_branch_work": planner.INTEROP_MIN_BRANCH_WORK,
+                                "busy_share": planner.INTEROP_BUSY_SHARE,
                                 "load_average": os.getloadavg(),
                                 "probe": probe().to_dict()}, indent=1))
     print(f"wrote {path}")

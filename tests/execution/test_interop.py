@@ -262,3 +262,26 @@ def test_a_failing_branch_keeps_no_reference_to_the_feeds(
         at_once.predict({"x": x, "idx": np.array([0, 9], np.int64)})
     del x
     assert ref() is None
+
+
+def test_a_sixteen_core_profile_runs_small_products_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On 16 threads a 1024-wide Gemm at batch 1 splits over 5 (its flops), so two heads of
+    five leave most threads idle: the plan runs them at once; on 2 threads they fill both."""
+    from keel.hardware.fakes import fake_profile
+
+    monkeypatch.delenv("KEEL_THREADS", raising=False)
+    model = two_heads(1, width=1024, depth=5)
+    inputs = feeds(model)
+    plans = {}
+    for name, profile in (("sixteen", fake_profile("nvidia-no-driver")),
+                          ("two", fake_profile("container-2core-1gib"))):
+        loaded = load_model(model.SerializeToString(), backend="cpu", hardware=profile)
+        plans[name] = (loaded, loaded.predict(inputs))
+    (sixteen, got), (two, expected) = plans["sixteen"], plans["two"]
+    region, = sixteen.plan.regions
+    assert region.concurrent and "at once on 2 threads" in region.reason
+    assert "31% of the 16 threads busy" in region.reason
+    assert not two.plan.regions[0].concurrent and "already" in two.plan.regions[0].reason
+    for name, value in expected.items():
+        assert np.array_equal(got[name], value)

@@ -123,6 +123,8 @@ class Settings:
     cuda_graphs: bool = True              # KEEL_CUDA_GRAPHS: record and replay gpu runs
     placement_trials: bool = True         # KEEL_PLACEMENT_TRIALS: time gpu vs cpu per signature
     gpu_kernels: bool = True              # KEEL_GPU_KERNELS: the gpu backend's own kernels
+    numa_pin: bool = True                 # KEEL_NUMA_PIN: keel's threads on one NUMA node
+    interop: bool = True                  # KEEL_INTEROP: independent branches may run at once
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -153,6 +155,8 @@ class Settings:
             cuda_graphs=_flag(env, "KEEL_CUDA_GRAPHS") is not False,
             placement_trials=_flag(env, "KEEL_PLACEMENT_TRIALS") is not False,
             gpu_kernels=_flag(env, "KEEL_GPU_KERNELS") is not False,
+            numa_pin=_flag(env, "KEEL_NUMA_PIN") is not False,
+            interop=_flag(env, "KEEL_INTEROP") is not False,
         )
 
     def policy_overrides(self) -> dict[str, Any]:

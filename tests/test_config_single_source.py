@@ -109,6 +109,7 @@ def test_every_setting_is_read_into_settings() -> None:
         "KEEL_PLAN_CACHE": "off", "KEEL_HINT": "Throughput", "KEEL_BUILD_TIMEOUT": "30",
         "KEEL_CFLAGS": "-fsanitize=address -DX='a b'", "KEEL_BATCH_INVARIANT": "off",
         "KEEL_CUDA_GRAPHS": "off", "KEEL_PLACEMENT_TRIALS": "off", "KEEL_GPU_KERNELS": "off",
+        "KEEL_NUMA_PIN": "off", "KEEL_INTEROP": "no",
     }
     assert set(every) == _read_by_config()
     assert Settings.from_env(every) == Settings(
@@ -118,7 +119,8 @@ def test_every_setting_is_read_into_settings() -> None:
         lightweight_memory_threshold_gb=3.0, allow_accelerator_experiments=True,
         plan_cache=False, hint="throughput", build_timeout_s=30.0,
         cflags=("-fsanitize=address", "-DX=a b"), batch_invariant=False,
-        cuda_graphs=False, placement_trials=False, gpu_kernels=False)
+        cuda_graphs=False, placement_trials=False, gpu_kernels=False, numa_pin=False,
+        interop=False)
 
 
 def test_unset_settings_take_their_defaults() -> None:

@@ -534,6 +534,13 @@ class Backend(ABC):
         backend: its thread count and where it came from). Default: nothing."""
         return ()
 
+    def plan_branches(self, branches: Sequence[Sequence[tuple[float, int]]]
+                      ) -> tuple[int, str]:
+        """How many lanes a region of independent ``branches`` of this backend's nodes runs
+        in at once (1: in order), and why; each branch is its nodes' (estimated work, kernel
+        threads). Default: in order."""
+        return 1, f"in order: the {self.name} backend runs one node at a time"
+
     @final
     def execution_scope(self, op: Op | None = None) -> AbstractContextManager[Any]:
         """The context kernels of this backend run in (thread limits, current device).

@@ -85,6 +85,9 @@ def _cpu_rows(cpu: CpuInfo) -> list[tuple[str, str]]:
                       f"current {_num(cpu.current_frequency_mhz, ' MHz')}"),
         ("SIMD", f"{cpu.simd_level}: {' '.join(cpu.simd) or 'none'} ({cpu.simd_source})"),
         ("int8 dot", int8_dot(cpu.simd)),
+        ("NUMA", f"{len(cpu.numa_nodes)} node(s): "
+                 + "; ".join(f"node {i}: CPUs {cpus}" for i, cpus in enumerate(cpu.numa_nodes))
+                 if cpu.numa_nodes else "no nodes listed"),
     ]
 
 

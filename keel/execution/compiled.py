@@ -33,7 +33,7 @@ __all__ = ["CompiledModel", "EntryError", "from_json", "to_json"]
 # The ExecutionPlan fields an entry stores or recomputes; a plan with others is not stored.
 _PLAN_FIELDS = frozenset({"model", "backend", "precision", "nodes", "copies", "memory",
                           "peak_bytes", "chunk_size_hint", "reasons", "input_shapes",
-                          "memory_plan", "subplans"})
+                          "memory_plan", "subplans", "regions"})
 _T = TypeVar("_T")
 
 
@@ -82,7 +82,8 @@ def to_json(compiled: CompiledModel) -> dict[str, Any]:
                  "prepacked_bytes": int(plan.memory.get("prepacked_bytes", 0)),
                  "chunk_size_hint": plan.chunk_size_hint,
                  "reasons": list(plan.reasons),
-                 "input_shapes": {k: list(v) for k, v in plan.input_shapes.items()}},
+                 "input_shapes": {k: list(v) for k, v in plan.input_shapes.items()},
+                 "regions": [r.to_dict() for r in plan.regions]},
     }
 
 
@@ -94,6 +95,7 @@ def from_json(graph: Graph, meta: dict[str, Any]) -> CompiledModel:
     """
     from keel.graph.memory_plan import plan_steps_for_graph
     from keel.graph.shape_inference import infer_graph_types
+    from keel.planning.interop import Region, spans
 
     sig = meta["signature"]
     shapes = {str(k): tuple(int(d) for d in s) for k, s in sig["shapes"].items()}
@@ -106,7 +108,9 @@ def from_json(graph: Graph, meta: dict[str, Any]) -> CompiledModel:
     if len(nodes) != len(graph.nodes) or any(
             n.name != g.name for n, g in zip(nodes, graph.nodes, strict=True)):
         raise EntryError("its plan does not match its graph")
-    memory = plan_steps_for_graph(graph, types, lower_steps(graph, nodes, copies))
+    regions = tuple(Region.from_dict(r) for r in p.get("regions", ()))
+    memory = plan_steps_for_graph(graph, types, lower_steps(graph, nodes, copies),
+                                  concurrent=spans(regions))
     # The kernels' packed weights were estimated at placement, from the registry's kernels.
     memory = dataclasses.replace(memory, prepacked_bytes=int(p["prepacked_bytes"]),
                                  workspace_bytes=scratch_bytes(nodes))
@@ -117,7 +121,7 @@ def from_json(graph: Graph, meta: dict[str, Any]) -> CompiledModel:
         nodes=nodes, copies=copies, memory=memory.summary(), peak_bytes=memory.peak_bytes,
         chunk_size_hint=p["chunk_size_hint"], reasons=tuple(str(r) for r in p["reasons"]),
         input_shapes={str(k): tuple(int(d) for d in v) for k, v in p["input_shapes"].items()},
-        memory_plan=memory)
+        memory_plan=memory, regions=regions)
     return CompiledModel(graph, tuple(str(n) for n in meta["input_names"]),
                          tuple(_value_from_json(v) for v in meta["inputs"]),
                          tuple(_value_from_json(v) for v in meta["outputs"]),

@@ -40,7 +40,7 @@ import operator
 import os
 import threading
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +52,7 @@ from keel.backends.gpu.io import to_host as device_to_host
 from keel.config import format_bytes
 from keel.dtypes import DType
 from keel.errors import ExecutionError, InvalidArgumentError, KeelError, MemoryLimitError
+from keel.execution.branches import run_lanes
 from keel.execution.budget import SIZED_BY_VALUES, check_output, output_elements
 from keel.execution.capture import Replay
 from keel.execution.capture import decide as decide_capture
@@ -279,10 +280,15 @@ class Program:
         # the steps as compiled on each thread that ran them, and the thread of _hot.
         self._threads: dict[int, tuple[list[_HotStep], Any]] = {}
         self._bound_on = 0
+        self._lanes_hot: dict[tuple[int, tuple[int, int]], list[tuple[int, _HotStep]]] = {}
         self._compile_hot()
         self._handout = self._plan_handout()
         self._constant_ids = frozenset(id(v) for v in constants.values())   # held: ids stay
         self.dynamic = False             # compiled for inputs of unknown dimensions
+        # Regions whose branches run at once (set again by compile_program, which knows
+        # whether the program is dynamic), and whether their lanes set the quiet FP state.
+        self._schedule: list[Any] | None = self._plan_schedule()
+        self._quiet_lanes = _quiet in self._scoped
         # Feeds a host kernel reads directly: a device array given there is read back first.
         host_read = {i for st in steps if st.kind == "kernel"
                      and backends[st.backend].device.value == HOST for i in st.inputs}
@@ -454,16 +460,25 @@ class Program:
         """Every step, precompiled: the loop that per-step overhead is measured on."""
         if hot is None and self._bound_on != _get_ident():
             self._on_this_thread()
+        if hot is None and self._schedule is not None:
+            self._run_schedule(outputs)
+            return
+        calls = self._calls if hot is None and outputs is None else None
+        self._run_items(enumerate(self._hot if hot is None else hot), outputs, calls)
+
+    def _run_items(self, items: Iterable[tuple[int, _HotStep]],
+                   outputs: Mapping[str, Any] | None,
+                   calls: Sequence[Callable[[], object]] | None = None) -> None:
+        """The precompiled steps ``items`` (index, step), in order (``calls``: every step's
+        bound call instead, where every step is bound)."""
         values = self._values
         i = 0
-        calls = self._calls if hot is None and outputs is None else None
         try:
             if calls is not None:            # every step bound: nothing but the calls
                 for i, call in enumerate(calls):  # noqa: B007 - i names a failing step
                     call()
                 return
-            for i, (kind, fn, ctx, attrs, get, slots, out) in enumerate(
-                    self._hot if hot is None else hot):
+            for i, (kind, fn, ctx, attrs, get, slots, out) in items:
                 if kind == _BOUND:
                     fn()
                 elif kind == _HELD and outputs is None:
@@ -512,6 +527,65 @@ class Program:
         except Exception as exc:
             step = self._steps[i]
             raise _failure(exc, step, self._backends.get(step.backend)) from exc
+
+    # ---- independent branches at once ------------------------------------------
+    def _plan_schedule(self) -> list[Any] | None:
+        """The steps as segments: a tuple of step indices runs in order, a list of
+        ``(key, indices)`` lanes runs at once (``run_lanes``); None: every step in order
+        (no region of the plan runs at once, or this program cannot)."""
+        regions = [r for r in self.plan.regions if r.concurrent]
+        if not regions or self.shape_generic or self.dynamic or self.memory is None or any(
+                b.device.value != HOST for b in self._backends.values()):
+            return None
+        index = {st.name: i for i, st in enumerate(self._steps) if st.kind == "kernel"}
+        segments: list[Any] = []
+        done = 0
+        for number, region in enumerate(regions):
+            lanes = [tuple(index[n] for n in lane if n in index) for lane in region.lanes]
+            lanes = [lane for lane in lanes if lane]
+            if len(lanes) < 2:
+                continue
+            taken = sorted(i for lane in lanes for i in lane)
+            if taken != list(range(taken[0], taken[-1] + 1)) or taken[0] < done:
+                return None            # not one run of steps: leave the order alone
+            segments.append(tuple(range(done, taken[0])))
+            segments.append([((number, k), lane) for k, lane in enumerate(lanes)])
+            done = taken[-1] + 1
+        if not any(isinstance(seg, list) for seg in segments):
+            return None
+        segments.append(tuple(range(done, len(self._steps))))
+        return [seg for seg in segments if seg]
+
+    def _run_schedule(self, outputs: Mapping[str, Any] | None) -> None:
+        hot = self._hot
+        for segment in self._schedule or ():
+            if isinstance(segment, tuple):
+                self._run_items([(i, hot[i]) for i in segment], outputs)
+                continue
+            (_, first), *rest = segment
+            calls = [functools.partial(self._run_items, [(i, hot[i]) for i in first], outputs)]
+            calls += [functools.partial(self._run_lane, key, lane, outputs) for key, lane in rest]
+            run_lanes(calls)
+
+    def _run_lane(self, key: tuple[int, int], lane: tuple[int, ...],
+                  outputs: Mapping[str, Any] | None) -> None:
+        """A lane on a lane thread: its steps as compiled on that thread (bound calls hold
+        the binding thread's state), under the floating-point state the run's scope sets."""
+        held = (_get_ident(), key)
+        items = self._lanes_hot.get(held)
+        if items is None:
+            items = self._lanes_hot[held] = [(i, self._hot_step(self._steps[i])) for i in lane]
+        if self._quiet_lanes:
+            with _quiet():
+                self._run_items(items, outputs)
+        else:
+            self._run_items(items, outputs)
+
+    @property
+    def lanes(self) -> list[list[list[str]]]:
+        """The step names of each region this program runs at once, by lane."""
+        return [[[self._steps[i].name for i in lane] for _, lane in seg]
+                for seg in self._schedule or () if isinstance(seg, list)]
 
     def _enter_scopes(self) -> list[Any]:
         entered = []
@@ -781,6 +855,7 @@ class Program:
                 step.out = [self._values[s] if s >= 0 else None for s in step.outputs]
         self._staged = self._stage_buffers()
         self._threads.clear()                 # every thread binds again to the new views
+        self._lanes_hot.clear()
         self._compile_hot()
 
     def _stage_buffers(self) -> tuple[tuple[int, Any], ...]:
@@ -1076,6 +1151,8 @@ def compile_program(
         shape_generic=shape_generic, known=b.known,
     )
     program.dynamic = dynamic
+    if dynamic:
+        program._schedule = None
     return program
 
 

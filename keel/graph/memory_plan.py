@@ -232,13 +232,18 @@ def plan_memory(
     weight_bytes: int = 0,
     output_bytes: int = 0,
     alignment: int = ALIGNMENT,
+    concurrent: Sequence[tuple[int, int]] = (),
 ) -> MemoryPlan:
     """Plan every value produced by ``steps`` that is not ``external``.
 
     ``sizes`` gives each value's byte count (``None``: unknown until it runs).
+    ``concurrent``: (first, last) step indices of runs whose steps may run at once (a
+    region's branches on threads of their own): every value such a run reads or writes
+    is alive over the whole run, and no step of it reuses an input's bytes in place.
     """
     last_use = _last_uses(steps, external)
-    state = _Liveness(last_use)
+    born = _widen(steps, concurrent, last_use)
+    state = _Liveness(last_use, born)
     for i, step in enumerate(steps):
         state.add_step(i, step, sizes, external, alignment)
     _place_all(state.buffers)
@@ -265,6 +270,7 @@ class _Liveness:
     """Buffers being built step by step: who owns which bytes, who reuses whose."""
 
     last_use: Mapping[str, int]
+    born: Mapping[int, int] = field(default_factory=dict)   # step -> its concurrent run's first
     buffers: list[_Buffer] = field(default_factory=list)
     owner: dict[str, _Buffer] = field(default_factory=dict)
     shares: dict[str, str] = field(default_factory=dict)
@@ -282,16 +288,18 @@ class _Liveness:
                 self.dynamic.append(out)
                 continue
             pool = ARENA if step.writes_out else HEAP
-            self.first[out] = i
+            start = self.born.get(i, i)
+            self.first[out] = start
             last = max(i, self.last_use.get(out, i))
-            buf = _inplace_buffer(step, i, j, size, pool, self.owner, sizes, claimed)
+            buf = None if i in self.born else _inplace_buffer(step, i, j, size, pool, self.owner,
+                                                          sizes, claimed)
             if buf is not None:
                 claimed.add(id(buf))
                 self.shares[out] = buf.members[-1]
                 buf.members.append(out)
                 buf.last = max(buf.last, last)
             else:
-                buf = _Buffer(step.device, pool, align(size, alignment), i, last, [out])
+                buf = _Buffer(step.device, pool, align(size, alignment), start, last, [out])
                 self.buffers.append(buf)
             self.owner[out] = buf
 
@@ -327,6 +335,21 @@ def _last_uses(steps: Sequence[PlanStep], external: Collection[str]) -> dict[str
             if name and last.get(name, i) < reach:
                 last[name] = reach
     return last
+
+
+def _widen(steps: Sequence[PlanStep], concurrent: Sequence[tuple[int, int]],
+           last_use: dict[str, int]) -> dict[int, int]:
+    """Every value a concurrent run's steps read or write kept alive to the run's end
+    (in ``last_use``); returns each such step's run's first step (values it makes are
+    alive from there)."""
+    born: dict[int, int] = {}
+    for first, last in concurrent:
+        for i in range(first, last + 1):
+            born[i] = first
+            for name in (*steps[i].inputs, *steps[i].outputs):
+                if name:
+                    last_use[name] = max(last_use.get(name, i), last)
+    return born
 
 
 def _inplace_buffer(
@@ -530,11 +553,13 @@ def plan_steps_for_graph(
     steps: Sequence[PlanStep],
     *,
     alignment: int = ALIGNMENT,
+    concurrent: Sequence[tuple[int, int]] = (),
 ) -> MemoryPlan:
-    """Like :func:`plan_graph_memory` for steps built by the caller (copies included)."""
+    """Like :func:`plan_graph_memory` for steps built by the caller (copies included);
+    ``concurrent`` as :func:`plan_memory` takes it."""
     sizes = value_sizes(types)
     external = set(graph.input_names) | set(graph.initializers) | set(graph.output_names)
     weights = sum(int(a.nbytes) for a in graph.initializers.values())
     outputs = sum(sizes.get(name) or 0 for name in dict.fromkeys(graph.output_names))
     return plan_memory(steps, sizes, external=external, weight_bytes=weights,
-                       output_bytes=outputs, alignment=alignment)
+                       output_bytes=outputs, alignment=alignment, concurrent=concurrent)

@@ -200,6 +200,7 @@ def _linux(src: ProbeSources, draft: _Cpu) -> None:
     draft.set("physical_cores", len(pairs) or None, "/proc/cpuinfo")
     _linux_freq(src, first, draft)
     _linux_caches(src, draft)
+    draft.set("numa_nodes", numa_nodes(src) or None, "sysfs node")
     _cgroup_quota(src, draft)
 
 
@@ -270,6 +271,21 @@ def _linux_caches(src: ProbeSources, draft: _Cpu) -> None:
         name = _CACHE_FIELDS.get(level or 0)
         if name is not None and kind in ("Data", "Unified"):
             draft.set(name, _cache_size(src.read(f"{base}/{entry}/size")), "sysfs cache")
+
+
+def numa_nodes(src: ProbeSources | None = None) -> tuple[str, ...]:
+    """The CPU list of each NUMA node with CPUs (``/sys/devices/system/node/node<N>/cpulist``),
+    by node number; empty where sysfs lists no node (not Linux, or no readings)."""
+    if src is None:
+        src = ProbeSources(platform=PlatformInfo(platform.system(), platform.machine()))
+    base = "/sys/devices/system/node"
+    found = []
+    for entry in src.listdir(base):
+        number = to_int(entry[4:]) if entry.startswith("node") else None
+        text = None if number is None else (src.read(f"{base}/{entry}/cpulist") or "").strip()
+        if text and parse_cpu_list(text):
+            found.append((number, text))
+    return tuple(text for _, text in sorted(found))
 
 
 def cache_sizes(src: ProbeSources | None = None) -> dict[str, int]:
@@ -462,6 +478,7 @@ def _finish(draft: _Cpu, system: str) -> CpuInfo:
         simd_source=v.get("simd_source", "none"),
         l1d_cache_bytes=v.get("l1d_cache_bytes"), l2_cache_bytes=v.get("l2_cache_bytes"),
         l3_cache_bytes=v.get("l3_cache_bytes"),
+        numa_nodes=tuple(v.get("numa_nodes") or ()),
         source="+".join(draft.sources) or "none",
         notes=draft.notes.as_tuple(),
     )

@@ -233,6 +233,11 @@ def _x86_cpuinfo(vendor: str, family: int, model: int, name: str, flags: str, so
         files[f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list"] = siblings
     files["/proc/cpuinfo"] = "\n".join(blocks)
     files["/sys/devices/system/cpu/online"] = f"0-{per_thread * threads - 1}\n"
+    for socket in range(sockets):      # one NUMA node per socket, its hyperthreads with it
+        lo = socket * cores
+        cpus = ",".join(f"{lo + t * per_thread}-{lo + cores - 1 + t * per_thread}"
+                        for t in range(threads))
+        files[f"/sys/devices/system/node/node{socket}/cpulist"] = cpus + "\n"
     return files
 
 

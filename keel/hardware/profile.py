@@ -49,6 +49,9 @@ class CpuInfo:
     l2_cache_bytes: int | None = None
     l3_cache_bytes: int | None = None
     notes: tuple[str, ...] = ()
+    # The CPUs of each NUMA node, as sysfs lists them (``0-55,112-167``), node 0 first;
+    # empty where no node is listed (one node, or a platform without the reading).
+    numa_nodes: tuple[str, ...] = ()
 
     def has(self, feature: str) -> bool:
         return feature.lower() in self.simd

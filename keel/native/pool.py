@@ -18,14 +18,17 @@ hands each library its address when it loads.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Collection
 from typing import Any
 
 from keel.config import settings
 from keel.native import build
 
-__all__ = ["chunks", "parts", "set_affinity", "set_spin_us", "shutdown", "spin_us", "workers"]
+__all__ = ["chunks", "parts", "pin", "pinned", "set_affinity", "set_spin_us", "shutdown",
+           "spin_us", "workers"]
 
 _I64 = ctypes.c_int64
+_pinned: frozenset[int] | None = None     # the CPUs keel's threads are kept on (None: any)
 
 
 def chunks(n: int, threads: int, min_chunk: int = 1) -> list[tuple[int, int]]:
@@ -65,6 +68,26 @@ def set_affinity(on: bool) -> None:
     fn = _function("keel_pool_set_affinity", [_I64])
     if fn is not None:
         fn(1 if on else 0)
+
+
+def pin(cpus: Collection[int] | None) -> bool:
+    """Keep keel's threads on ``cpus`` (one NUMA node's, as the cpu plan decides; None:
+    wherever the process may run): the native pool's workers, running and to come, and
+    the threads that run a program's branches at once (they read :func:`pinned`). False
+    where the pool's workers could not be moved (the platform cannot pin them)."""
+    global _pinned
+    _pinned = None if cpus is None else frozenset(int(c) for c in cpus)
+    fn = _function("keel_pool_pin", [ctypes.POINTER(_I64), _I64], _I64)
+    if fn is None:
+        return True                       # no native workers to move
+    ids = sorted(_pinned or ())
+    array = (_I64 * max(1, len(ids)))(*ids)
+    return int(fn(array, len(ids))) == 0
+
+
+def pinned() -> frozenset[int] | None:
+    """The CPUs :func:`pin` keeps keel's threads on; None: not pinned."""
+    return _pinned
 
 
 def workers() -> int:

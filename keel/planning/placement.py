@@ -38,6 +38,7 @@ from keel.graph.memory_plan import MemoryPlan, PlanStep, packed_bytes, plan_step
 from keel.hardware.profile import HardwareProfile
 from keel.ops.schema import get_schema
 from keel.ops.types import TensorType
+from keel.planning.interop import Region, plan_regions, spans
 from keel.planning.runtime_plan import gpu_kept_off, low_memory_mode
 from keel.planning.work import estimated_work
 
@@ -130,6 +131,8 @@ class ExecutionPlan:
     # a loop body), each for the types its first run takes.
     subplans: Mapping[str, ExecutionPlan] = field(default_factory=dict, compare=False,
                                                   repr=False)
+    # Runs of independent branches, each with whether they run at once and why.
+    regions: tuple[Region, ...] = ()
 
     def node(self, name: str) -> NodePlacement:
         for n in self.nodes:
@@ -159,6 +162,7 @@ class ExecutionPlan:
             "peak_bytes": self.peak_bytes,
             "chunk_size_hint": self.chunk_size_hint,
             "reasons": list(self.reasons),
+            **({"regions": [r.to_dict() for r in self.regions]} if self.regions else {}),
             **({"subgraphs": {k: p.to_dict() for k, p in self.subplans.items()}}
                if self.subplans else {}),
         }
@@ -286,13 +290,15 @@ def place(
         placements = [_place_pinned(ctx, pinned, n) for n in graph.nodes]
     placements = _with_blas_threads(graph, types, registry, placements)
     copies = _plan_copies(graph, types, placements)
+    regions = _regions(graph, types, registry, placements, copies)
     steps = lower_steps(graph, placements, copies)
-    memory = plan_steps_for_graph(graph, types, steps)
+    memory = plan_steps_for_graph(graph, types, steps, concurrent=spans(regions))
     memory = dataclasses.replace(memory, prepacked_bytes=_prepacked_bytes(graph, registry,
                                                                           placements),
                                  workspace_bytes=scratch_bytes(placements))
     reasons += _summary_reasons(placements, copies, memory)
     reasons += _backend_notes(registry, placements)
+    reasons += [f"branches {_region_name(graph, r)}: {r.reason}" for r in regions]
     subplans = _place_subgraphs(graph, types, registry, profile, policy, backend, precision,
                                 strict)
     # One body runs at a time, beside the enclosing program's arena: the largest adds.
@@ -313,7 +319,26 @@ def place(
         input_shapes=_input_shapes(graph, types),
         memory_plan=memory,
         subplans=subplans,
+        regions=regions,
     )
+
+
+def _regions(graph: Graph, types: Mapping[str, TensorType | None], registry: BackendRegistry,
+             placements: Sequence[NodePlacement], copies: Sequence[DeviceCopy]
+             ) -> tuple[Region, ...]:
+    """The graph's independent branches and whether each region runs them at once (the
+    cpu backend decides; a plan with device copies runs every node in order)."""
+    if copies or not placements or any(p.backend != "cpu" for p in placements):
+        return ()
+    from keel.config import settings
+
+    cpu = registry.instance("cpu")
+    return plan_regions(graph, types, placements, int(cpu.threads or 1), settings().interop,
+                        cpu.plan_branches)
+
+
+def _region_name(graph: Graph, region: Region) -> str:
+    return f"{graph.nodes[region.first].name} .. {graph.nodes[region.last].name}"
 
 
 def _low_memory_reasons(graph: Graph, low_memory: str) -> list[str]:

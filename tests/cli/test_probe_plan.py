@@ -81,6 +81,7 @@ def test_probe_table_is_readable(h100: HardwareProfile) -> None:
     out = result.output
     assert "Intel(R) Xeon(R) Platinum 8480+" in out and "avx512" in out
     assert "NVIDIA H100 80GB HBM3" in out and "nvidia-smi" in out
+    assert "2 node(s): node 0: CPUs 0-55,112-167" in out          # two sockets: NUMA
     assert "notes (what could not be read, and why):" in out
 
 

@@ -23,6 +23,7 @@ from keel.backends.base import (
     PlanRequest,
     ProgramScope,
 )
+from keel.config import settings
 from keel.dtypes import NARROW, DType
 from keel.errors import InvalidArgumentError
 from keel.ops.registry import Op, OpGroup
@@ -69,12 +70,18 @@ class CpuBackend(Backend):
         self._hardware = _check_hardware(hardware)
         self._requested_threads = threads
         self._threads_reason = None if threads is None else f"set by the caller (threads={threads})"
+        self._pin_checked = False
 
     @property
     def threads(self) -> int:
-        """The thread cap kernels run under (resolved on first use)."""
+        """The thread cap kernels run under (resolved on first use): never more than the
+        CPUs of the NUMA node the threads are pinned to, unless given."""
         if self._requested_threads is None:
-            self._requested_threads, self._threads_reason = resolve_threads(self._hardware)
+            threads, why = resolve_threads(self._hardware)
+            cpus, _ = self.numa
+            if cpus is not None and threads > len(cpus) and settings().threads is None:
+                threads, why = len(cpus), f"the CPUs of one NUMA node, of the {why}"
+            self._requested_threads, self._threads_reason = threads, why
         return self._requested_threads
 
     @threads.setter
@@ -83,6 +90,33 @@ class CpuBackend(Backend):
         self._requested_threads = value
         self._threads_reason = None if value is None else f"set by the caller (threads={value})"
 
+    @functools.cached_property
+    def numa(self) -> tuple[frozenset[int] | None, str]:
+        """The CPUs keel's threads are kept on (None: not pinned) and why: the planner's
+        NUMA rule on the profile's nodes (or this machine's)."""
+        from keel.backends.cpu.planner import numa_pinning
+
+        if self._hardware is not None:
+            return numa_pinning(self._hardware.cpu.numa_nodes, None, settings().numa_pin)
+        from keel.hardware.cpu import numa_nodes
+
+        return numa_pinning(numa_nodes(), _usable_cpus(), settings().numa_pin)
+
+    def pin_threads(self) -> None:
+        """Keep keel's threads on the NUMA node the plan chose, where that node's CPUs are
+        this process's (a plan for another machine's profile pins nothing here)."""
+        if self._pin_checked:
+            return
+        self._pin_checked = True
+        cpus, _ = self.numa
+        usable = _usable_cpus()
+        if cpus is None or usable is None or not cpus <= usable:
+            return
+        from keel.native import pool
+
+        if pool.pinned() != cpus:
+            pool.pin(cpus)
+
     @property
     def threads_reason(self) -> str:
         """Where :attr:`threads` came from: the caller, ``KEEL_THREADS``, a profile, the probe."""
@@ -90,7 +124,21 @@ class CpuBackend(Backend):
         return f"{threads} threads: {self._threads_reason}"
 
     def plan_notes(self) -> tuple[str, ...]:
-        return (f"cpu backend, {self.threads_reason}",)
+        from keel.backends.cpu.planner import Caches, caches
+
+        cpus, numa = self.numa
+        sizes = caches(self._hardware)
+        blocks = ("block sizes: as measured (1 MiB L2, 32 MiB last level): no L2 size read"
+                  if sizes.source == Caches().source else f"block sizes: scaled to {sizes.source}")
+        return (f"cpu backend, {self.threads_reason}",
+                *((f"NUMA: {numa}",) if cpus is not None or "NUMA nodes" in numa else ()),
+                blocks)
+
+    def plan_branches(self, branches: Sequence[Sequence[tuple[float, int]]]
+                      ) -> tuple[int, str]:
+        from keel.backends.cpu.planner import plan_branches
+
+        return plan_branches(self.threads, branches)
 
     @property
     def simd_level(self) -> str | None:
@@ -132,12 +180,14 @@ class CpuBackend(Backend):
         return ProgramScope(functools.partial(ThreadCap, threads), reason, threads)
 
     def _planned_scope(self, threads: int, reason: str) -> ProgramScope:
+        self.pin_threads()
         return ProgramScope(functools.partial(ThreadCap, threads), reason, threads)
 
     def _needs_scope(self, kernels: Sequence[tuple[KernelVariant, DType | None]]) -> bool:
         # Capping costs about a microsecond a run (two openblas_set_num_threads),
         # as much as a small native kernel: a program whose steps never reach
-        # BLAS skips it.
+        # BLAS skips it. Every program compiled here asks, so the threads are pinned first.
+        self.pin_threads()
         return any(_may_use_blas(v, dtype) for v, dtype in kernels)
 
     def _capability_details(self) -> dict[str, Any]:
@@ -303,10 +353,15 @@ def _native_available() -> bool:
     return native.available()
 
 
+def _usable_cpus() -> frozenset[int] | None:
+    """The CPUs this process may run on (None where the platform does not say)."""
+    getter = getattr(os, "sched_getaffinity", None)
+    return None if getter is None else frozenset(getter(0))
+
+
 def resolve_threads(hardware: HardwareProfile | None = None) -> tuple[int, str]:
     """The cpu thread count when none is given, and why: ``KEEL_THREADS``, else the usable
     cores of ``hardware`` (a profile, perhaps of another machine), else this process's."""
-    from keel.config import settings
 
     configured = settings().threads
     if configured is not None:

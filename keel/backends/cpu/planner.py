@@ -51,7 +51,7 @@ from keel.ops.schemas.conv import ConvGeometry, conv2d_attrs, conv_geometry
 from keel.ops.types import TensorType
 
 __all__ = ["RULES", "TIER_RULES", "available_rules", "choose_variant", "conv_call_variant",
-           "exact_conv_variant", "plan"]
+           "exact_conv_variant", "numa_pinning", "plan", "plan_branches"]
 
 CONV_OPS = frozenset({Op.CONV, Op.CONV2D, Op.CONV_INTEGER})
 # What the native depthwise form measured (quoted in the depthwise rule and reasons).
@@ -353,6 +353,85 @@ def _product_threads(request: PlanRequest) -> tuple[int, str] | None:
     chosen = max(1, gemm_threads(request.threads, flops))
     return chosen, (f"{chosen} kernel thread(s) of {request.threads}: {flops:,} flops, at "
                     f"least {MIN_FLOPS_PER_THREAD:,} per thread")
+
+
+# ---- inter-op: independent branches at once -----------------------------------------------
+# A region's branches (keel.planning.interop) run on threads of their own only where it
+# may pay: at least two branches each doing INTEROP_MIN_BRANCH_WORK multiply-adds, and
+# kernels that alone would keep at most INTEROP_BUSY_SHARE of the threads busy (work
+# weighted by the threads each node's kernel splits over). Measured on the 2-core EPYC:
+# handing a lane to a waiting Python thread and joining it costs 17 us (median; 26 us at
+# the 90th percentile, keel.execution.branches.run_lanes with empty lanes), and the native
+# kernels do about 20M multiply-adds per millisecond on one core (a two-head model of
+# 512-wide Gemms at batch 1: 1.8M in 89 us), so 5M multiply-adds (~250 us) is ten times
+# the handoff. Below it, on that machine under load (benchmarks/interop.py, same process,
+# alternating), branches of 0.26M-3.5M multiply-adds ran 1.07-1.72x slower at once than
+# in order. The rule is in threads and work, not in the 2-core machine's core count: on
+# more threads the same per-branch minimum holds, and the lanes are as many as the
+# threads and the branches allow.
+INTEROP_MIN_BRANCH_WORK = 5_000_000
+INTEROP_BUSY_SHARE = 0.5
+
+
+def _kernel_threads(work: float, planned: int, threads: int) -> int:
+    """The threads a node's kernel keeps busy: its plan's (a product's already follow its
+    flops), for the others no more than its work gives each at least MIN_CHUNK_ELEMENTS."""
+    return max(1, min(planned, threads, int(work // MIN_CHUNK_ELEMENTS)))
+
+
+def plan_branches(threads: int, branches: Sequence[Sequence[tuple[float, int]]]
+                  ) -> tuple[int, str]:
+    """How many lanes a region's ``branches`` run in at once on ``threads`` threads (1: in
+    order), and why; each branch is its nodes' (estimated multiply-adds, kernel threads)."""
+    work = [sum(w for w, _ in b) for b in branches]
+    heavy = sorted((w for w in work if w >= INTEROP_MIN_BRANCH_WORK), reverse=True)
+    sizes = ", ".join(f"{w / 1e6:.2g}M" for w in sorted(work, reverse=True)[:6])
+    found = f"{len(branches)} independent branches ({sizes} multiply-adds)"
+    if threads < 2:
+        return 1, f"{found}; in order: 1 thread"
+    if len(heavy) < 2:
+        return 1, (f"{found}; in order: fewer than two do {INTEROP_MIN_BRANCH_WORK / 1e6:g}M "
+                   "multiply-adds, what handing one to another thread (~20 us) needs")
+    total = sum(work)
+    busy = sum(w * _kernel_threads(w, t, threads) for b in branches for w, t in b) / (
+        threads * total)
+    if busy > INTEROP_BUSY_SHARE:
+        return 1, (f"{found}; in order: their kernels split over {busy:.0%} of the {threads} "
+                   f"threads already (> {INTEROP_BUSY_SHARE:.0%})")
+    lanes = min(threads, len(heavy))
+    return lanes, (f"{found}; at once on {lanes} threads: their kernels alone would keep "
+                   f"{busy:.0%} of the {threads} threads busy (<= {INTEROP_BUSY_SHARE:.0%})")
+
+
+# ---- NUMA: the node keel's threads run on ------------------------------------------------
+# On a machine with several NUMA nodes, a thread on one node reads the memory another
+# node's threads first touched across the socket link, at a fraction of local bandwidth
+# and with more latency; a model's arena, weights and packed copies are touched by whichever
+# thread ran first. keel keeps its threads on one node by default (onnxruntime leaves
+# this to the user, through numactl or its affinity options): the node with the most
+# CPUs this process may use, the lowest-numbered on a tie, and the thread count becomes
+# that node's CPU count. KEEL_NUMA_PIN=off runs them on every usable CPU. A declared
+# rule, not measured on this 2-core (one-node) development machine.
+def numa_pinning(nodes: Sequence[str], usable: frozenset[int] | None = None,
+                 enabled: bool = True) -> tuple[frozenset[int] | None, str]:
+    """The CPUs keel's threads are kept on (None: not pinned), and why, for the NUMA
+    ``nodes`` (each node's sysfs CPU list, node 0 first) and the CPUs the process may
+    use (``usable``; None: a profile of another machine, every listed CPU)."""
+    from keel.hardware.sources import parse_cpu_list
+
+    cpus = [(i, (parse_cpu_list(text) or frozenset()) & (usable or frozenset(range(1 << 16))))
+            for i, text in enumerate(nodes)]
+    cpus = [(i, c) for i, c in cpus if c]
+    if len(cpus) <= 1:
+        return None, ("one NUMA node: threads are not pinned" if nodes else
+                      "no NUMA nodes listed (/sys/devices/system/node): threads are not pinned")
+    if not enabled:
+        return None, (f"{len(cpus)} NUMA nodes; KEEL_NUMA_PIN=off: threads run on every "
+                      "usable CPU")
+    node, chosen = max(cpus, key=lambda item: (len(item[1]), -item[0]))
+    return chosen, (f"{len(cpus)} NUMA nodes: keel's threads pinned to node {node}'s "
+                    f"{len(chosen)} CPUs ({nodes[node]}) by default, so that they read "
+                    "memory local to them (KEEL_NUMA_PIN=off: every node)")
 
 
 # ---- the caches plans are sized for -----------------------------------------------------

@@ -24,6 +24,9 @@
  * One job runs at a time: a second caller (another Python thread) that finds the
  * pool busy runs its chunks itself, in order, on its own scratch. The pool is
  * rebuilt in a child after fork (its threads do not survive one).
+ *
+ * keel_pool_pin(cpus, n) keeps the workers on those CPUs (one NUMA node's, as the cpu
+ * plan decides): the workers running and every worker started later.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -131,6 +134,12 @@ static struct {
     _Atomic int64_t spin_ns;
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, ATOMIC_FLAG_INIT, 0, 0, 0, 0, 0,
           0, 0, {0}, {0}, 200000};
+
+#if defined(__linux__)
+/* The CPUs the workers run on (keel_pool_pin); `pinned` 0: wherever the process may. */
+static cpu_set_t pin_set;
+static int pinned = 0;
+#endif
 
 /* This thread's id in the pool: 0 for a calling thread, i + 1 for worker i. */
 static _Thread_local int64_t pool_id = 0;
@@ -259,6 +268,9 @@ static void grow(int want)
         pthread_attr_init(&attr);
         pthread_attr_setstacksize(&attr, 256 * 1024);
         uintptr_t seen = epoch_of(atomic_load_explicit(&pool.ticket, memory_order_relaxed));
+#if defined(__linux__)
+        if (pinned) pthread_attr_setaffinity_np(&attr, sizeof pin_set, &pin_set);
+#endif
         int rc = pthread_create(&pool.threads[pool.workers], &attr, worker, (void *)seen);
         pthread_attr_destroy(&attr);
         if (rc != 0) break;
@@ -349,6 +361,35 @@ void keel_pool_set_spin_us(int64_t us) { pool.spin_ns = us < 0 ? 0 : us * 1000; 
  * whichever thread claims it first (0): the same chunks either way, so the same results;
  * for measuring what the affinity is worth. Set it only while no job runs. */
 void keel_pool_set_affinity(int64_t on) { atomic_store(&affinity, on != 0); }
+
+/* Keep the workers on the `n` CPUs `cpus` (n 0: wherever the process may run), those
+ * running now and those started later. Returns 0, -1 where the platform cannot pin or
+ * a worker could not be moved. Call it only while no job runs. */
+int64_t keel_pool_pin(const int64_t *cpus, int64_t n)
+{
+#if defined(__linux__)
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (n > 0) {
+        for (int64_t i = 0; i < n; i++)
+            if (cpus[i] >= 0 && cpus[i] < CPU_SETSIZE) CPU_SET((int)cpus[i], &set);
+    } else if (sched_getaffinity(0, sizeof set, &set) != 0) {
+        return -1;
+    }
+    int64_t rc = 0;
+    pthread_mutex_lock(&pool.lock);
+    pin_set = set;
+    pinned = n > 0;
+    for (int i = 0; i < pool.workers; i++)
+        if (pthread_setaffinity_np(pool.threads[i], sizeof set, &set) != 0) rc = -1;
+    pthread_mutex_unlock(&pool.lock);
+    return rc;
+#else
+    (void)cpus;
+    (void)n;
+    return -1;
+#endif
+}
 
 /* Stop and join every worker (they start again on the next parallel call). */
 void keel_pool_stop(void)

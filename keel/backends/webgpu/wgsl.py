@@ -213,29 +213,6 @@ fn relu64(a: vec2<u32>) -> vec2<u32> { return select(a, vec2<u32>(0u, 0u), neg_(
 """
 
 
-@functools.cache
-def int_elementwise(expr: str, arity: int, bits: int) -> str:
-    """``O = expr(a, b)`` over int32 (``bits`` 32: i32 arithmetic, wrapping) or int64
-    (``bits`` 64: word pairs and the ``*64`` functions) elements, inputs read through
-    their strides. P as in :func:`elementwise`'s strided layout (offsets and strides in
-    elements)."""
-    names = ["a", "b"][:arity]
-    loads = []
-    for j, n in enumerate(names):
-        base = 6 + MAX_RANK + j * (MAX_RANK + 1)
-        e = f"u32(i32(P[{base}u]) + at(i, 6u, {base + 1}u))"
-        loads.append(f"    let {n} = A{j}[{e}];" if bits == 32 else
-                     f"    let e{j} = 2u * {e};\n"
-                     f"    let {n} = vec2<u32>(A{j}[e{j}], A{j}[e{j} + 1u]);")
-    store = ("    O[P[1] + i] = v;\n" if bits == 32 else
-             "    O[2u * (P[1] + i)] = v.x;\n    O[2u * (P[1] + i) + 1u] = v.y;\n")
-    t = "i32" if bits == 32 else "u32"
-    return (_header("f32", arity + 1) + (_INT64 if bits == 64 else "")
-            + _buffers(t, ["O"] + [f"A{j}" for j in range(arity)]) + _MAIN
-            + "    if (i >= P[0]) { return; }\n" + "\n".join(loads)
-            + f"\n    let v = {expr};\n" + store + "}\n")
-
-
 def _epilogue(act: str) -> str:
     return f"fn act(x: f32) -> f32 {{ return {act}; }}\n"
 
@@ -613,29 +590,5 @@ def arg_rows(t: str, kind: str, last: bool) -> str:
     }}
     O[P[3] + 2u * i] = arg;
     O[P[3] + 2u * i + 1u] = 0u;
-}}
-""")
-
-
-@functools.cache
-def gather(words: int) -> str:
-    """``O[outer, idx, inner] = X[outer, I[idx], inner]`` over elements of ``words`` u32
-    words, int64 or int32 indices (negative ones count from the end).
-
-    P: outer, count (indices), inner, axis dim, X off, I off (in index elements), O off,
-    index words (1 or 2) (0..7); offsets in words.
-    """
-    return (_header("f32", 3) + _buffers("u32", ["O", "X", "I"]) + _MAIN + f"""
-    let inner = P[2];
-    let count = P[1];
-    if (i >= P[0] * count * inner) {{ return; }}
-    let e = i % inner;
-    let q = (i / inner) % count;
-    let o = i / (inner * count);
-    var idx = bitcast<i32>(I[(P[5] + q) * P[7]]);
-    if (idx < 0) {{ idx = idx + i32(P[3]); }}
-    idx = clamp(idx, 0, i32(P[3]) - 1);
-    let src = P[4] + ((o * P[3] + u32(idx)) * inner + e) * {words}u;
-    for (var k = 0u; k < {words}u; k = k + 1u) {{ O[P[6] + i * {words}u + k] = X[src + k]; }}
 }}
 """)

@@ -1,0 +1,151 @@
+"""Cast, comparisons, logic, ``where`` and integer arithmetic of the webgpu backend.
+
+Each runs one typed element map (:mod:`keel.backends.webgpu.typed`): every dtype
+the backend holds (float32, float16, int32, int64 as word pairs, uint8, int8,
+bool), read in place through its strides. Cast follows ONNX (and NumPy's
+``astype``): float to integer truncates toward zero, anything to bool is
+``x != 0`` (NaN is true), integers narrow by keeping their low bits, int64 to
+float rounds to nearest even. Casts from or to a dtype WGSL cannot hold
+(float64, 16-bit and unsigned 32/64-bit integers, ml_dtypes' narrow types)
+raise ``UnsupportedOperationError`` saying why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from keel.backends.base import Attrs, Inputs, KernelContext, KernelTable, Out
+from keel.backends.webgpu.typed import KINDS, domain, kind_of, run_map
+from keel.dtypes import DType
+from keel.errors import UnsupportedOperationError
+from keel.ops.registry import Op
+from keel.ops.schemas.elementwise import DTYPES
+
+__all__ = ["INT_DTYPES", "cast_expr", "integer", "register"]
+
+HELD = tuple(sorted(DType.from_numpy(d).value for d in KINDS))
+INT_DTYPES = ("int32", "int64", "int8", "uint8")
+
+# Integer arithmetic per domain: i32 (int32, and int8/uint8 whose stores keep the low
+# byte) and int64 word pairs. Division truncates toward zero (ONNX, C).
+INTEGER: dict[Op, tuple[str, str]] = {
+    Op.ADD: ("a + b", "add64(a, b)"),
+    Op.SUB: ("a - b", "sub64(a, b)"),
+    Op.MUL: ("a * b", "mul64(a, b)"),
+    Op.DIV: ("a / b", "div64(a, b)"),
+    Op.NEG: ("-a", "neg64(a)"),
+    Op.ABS: ("abs(a)", "abs64(a)"),
+    Op.RELU: ("max(a, 0)", "relu64(a)"),
+    Op.SIGN: ("sign(a)", "sign64(a)"),
+}
+# Mod: fmod 0 takes the divisor's sign (floor), fmod 1 the dividend's (C's fmod).
+_MOD = {0: ("mod32(a, b)", "mod64(a, b)", "modf_(a, b)"),
+        1: ("a % b", "rem64(a, b)", "fmodf_(a, b)")}
+
+_COMPARE = {Op.EQUAL: "==", Op.LESS: "<", Op.LESS_EQUAL: "<=", Op.GREATER: ">",
+            Op.GREATER_EQUAL: ">="}
+_COMPARE64 = {Op.EQUAL: "eq64(a, b)", Op.LESS: "lt64(a, b)", Op.LESS_EQUAL: "!lt64(b, a)",
+              Op.GREATER: "lt64(b, a)", Op.GREATER_EQUAL: "!lt64(a, b)"}
+_LOGIC = {Op.AND: "a != 0 && b != 0", Op.OR: "a != 0 || b != 0",
+          Op.XOR: "(a != 0) != (b != 0)", Op.NOT: "a == 0"}
+
+
+def _truth(cond: str) -> str:
+    return f"select(0, 1, {cond})"
+
+
+def cast_expr(src: str, dst: str) -> str:
+    """The WGSL expression in ``a`` (of ``src``'s domain) giving ``dst``'s domain value."""
+    s, d = domain(src), domain(dst)
+    if dst == "bool":
+        return _truth({"f32": "nonzero_f(a)", "i32": "a != 0",
+                       "vec2<u32>": "(a.x | a.y) != 0u"}[s])
+    return {
+        ("f32", "f32"): "a", ("i32", "f32"): "f32(a)", ("vec2<u32>", "f32"): "i64_to_f32(a)",
+        ("f32", "i32"): "i32(a)", ("i32", "i32"): "a", ("vec2<u32>", "i32"): "bitcast<i32>(a.x)",
+        ("f32", "vec2<u32>"): "f32_to_i64(a)",
+        ("i32", "vec2<u32>"): "vec2<u32>(bitcast<u32>(a), select(0u, 0xFFFFFFFFu, a < 0))",
+        ("vec2<u32>", "vec2<u32>"): "a",
+    }[(s, d)]
+
+
+def _refuse(op: Op, dtype: DType, role: str) -> UnsupportedOperationError:
+    from keel.backends.webgpu.backend import WebGpuBackend
+
+    note = WebGpuBackend.dtype_notes.get(dtype, "no WGSL storage form for it")
+    return UnsupportedOperationError(
+        op.value, "webgpu", detail=f"{role} dtype {dtype.value}: {note}; webgpu holds "
+                                   f"{', '.join(HELD)}")
+
+
+def _cast(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    x = inputs[0]
+    to = DType(attrs["to"]) if not isinstance(attrs["to"], DType) else attrs["to"]
+    if to is DType.STRING or to.is_narrow or np.dtype(to.numpy) not in KINDS:
+        raise _refuse(Op.CAST, to, "target")
+    src, dst = kind_of(x.dtype), kind_of(to.numpy)
+    return [run_map(cast_expr(src, dst), [x], to.numpy, out)]
+
+
+def integer(op: Op, xs: Sequence[Any], out: Out = None, attrs: Attrs | None = None) -> Any:
+    """``op`` over integer ``xs`` broadcast together (wrapping as NumPy's integers do)."""
+    wide = kind_of(xs[0].dtype) == "i64"
+    if op is Op.MOD:
+        expr = _MOD[int((attrs or {}).get("fmod", 0))][1 if wide else 0]
+    else:
+        expr = INTEGER[op][1 if wide else 0]
+    return run_map(expr, xs, xs[0].dtype, out)
+
+
+def _mod(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    a, b = inputs[0], inputs[1]
+    if a.dtype.kind in "iu":
+        return [integer(Op.MOD, [a, b], out, attrs)]
+    return [run_map(_MOD[int(attrs.get("fmod", 0))][2], [a, b], a.dtype, out)]
+
+
+def _compare(op: Op) -> Any:
+    def kernel(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+        a, b = inputs[0], inputs[1]
+        s = domain(kind_of(a.dtype))
+        if s == "vec2<u32>":
+            cond = _COMPARE64[op]
+        elif s == "f32":
+            cond = f"a {_COMPARE[op]} b && !is_nan(a) && !is_nan(b)"
+        else:
+            cond = f"a {_COMPARE[op]} b"
+        return [run_map(_truth(cond), [a, b], np.bool_, out)]
+    return kernel
+
+
+def _logic(op: Op) -> Any:
+    def kernel(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+        return [run_map(_truth(_LOGIC[op]), list(inputs), np.bool_, out)]
+    return kernel
+
+
+def _where(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    cond, x, y = inputs
+    return [run_map("select(c, b, a != 0)", [cond, x, y], x.dtype, out)]
+
+
+def _held(op: Op) -> tuple[str, ...]:
+    return tuple(d.value for d in DTYPES[op] if d.value in HELD)
+
+
+def register(table: KernelTable) -> None:
+    table.kernel(Op.CAST, dtypes=HELD, supports_out=True,
+                 description="WGSL conversion between the held dtypes")(_cast)
+    table.kernel(Op.MOD, dtypes=_held(Op.MOD), supports_out=True,
+                 description="WGSL mod (floor or fmod), integers exact")(_mod)
+    for op in _COMPARE:
+        table.kernel(op, dtypes=_held(op), supports_out=True,
+                     description=f"WGSL {op.value} with broadcasting")(_compare(op))
+    for op in _LOGIC:
+        table.kernel(op, dtypes=("bool",), supports_out=True,
+                     description=f"WGSL logical {op.value}")(_logic(op))
+    table.kernel(Op.WHERE, dtypes=("bool",), supports_out=True,
+                 description="WGSL select over every held dtype")(_where)

@@ -54,6 +54,23 @@ UNARY: dict[Op, str] = {
     Op.HARD_SWISH: "a * clamp(a / 6.0 + 0.5, 0.0, 1.0)",
     Op.SOFTSIGN: "a / (1.0 + abs(a))",
     Op.SWISH: "a * sigmoid_(s0 * a)",
+    Op.ROUND: "round(a)",                   # WGSL's round: half to even, as NumPy's
+    Op.TAN: "keep_nan(a, tan(a))",
+    Op.ASIN: "asin_(a)",
+    Op.ACOS: "acos_(a)",
+    Op.ATAN: "keep_nan(a, atan(a))",
+    Op.SINH: "keep_nan(a, sinh(a))",
+    Op.COSH: "keep_nan(a, cosh(a))",
+    Op.ASINH: "keep_nan(a, asinh(a))",
+    Op.ACOSH: "acosh_(a)",
+    Op.ATANH: "atanh_(a)",
+    Op.ELU: "select(s0 * expm1_(a), a, a > 0.0)",
+    Op.SELU: "s1 * select(s0 * expm1_(a), a, a > 0.0)",
+    Op.CELU: "keep_nan(a, max(a, 0.0) + min(0.0, s0 * expm1_(a / s0)))",
+    Op.SOFTPLUS: "softplus_(a)",
+    Op.MISH: "a * tanh_(softplus_(a))",
+    Op.THRESHOLDED_RELU: "select(0.0, a, a > s0)",
+    Op.SHRINK: "select(select(0.0, a - s0, a > s1), a + s0, a < -s1)",
 }
 _GELU = {"none": "gelu_(a)",
          "tanh": "0.5 * a * (1.0 + tanh_(0.7978845608028654 * (a + 0.044715 * a * a * a)))"}
@@ -69,6 +86,8 @@ BINARY: dict[Op, str] = {
 # The attributes that become the scalars s0, s1 of an op's expression.
 _SCALARS: dict[Op, tuple[str, ...]] = {
     Op.LEAKY_RELU: ("alpha",), Op.HARD_SIGMOID: ("alpha", "beta"), Op.SWISH: ("alpha",),
+    Op.ELU: ("alpha",), Op.SELU: ("alpha", "gamma"), Op.CELU: ("alpha",),
+    Op.THRESHOLDED_RELU: ("alpha",), Op.SHRINK: ("bias", "lambd"),
 }
 
 

@@ -21,7 +21,15 @@ FLOAT_DTYPES = ("float32", "float16")
 
 @functools.lru_cache(maxsize=1)
 def load() -> KernelTable:
-    from keel.backends.webgpu import elementwise, layers, linalg, logic, planner, shape
+    from keel.backends.webgpu import (
+        elementwise,
+        generate,
+        layers,
+        linalg,
+        logic,
+        planner,
+        shape,
+    )
 
     TABLE.chooser = planner.choose_variant
     elementwise.register(TABLE, FLOAT_DTYPES)
@@ -29,4 +37,5 @@ def load() -> KernelTable:
     layers.register(TABLE, FLOAT_DTYPES)
     shape.register(TABLE)
     logic.register(TABLE)
+    generate.register(TABLE)
     return TABLE

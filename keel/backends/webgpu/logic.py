@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from keel.backends.base import Attrs, Inputs, KernelContext, KernelTable, Out
-from keel.backends.webgpu.typed import KINDS, domain, kind_of, run_map
+from keel.backends.webgpu.typed import KINDS, NAMES, domain, kind_of, run_map
 from keel.dtypes import DType
 from keel.errors import UnsupportedOperationError
 from keel.ops.registry import Op
@@ -132,20 +132,104 @@ def _where(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[A
     return [run_map("select(c, b, a != 0)", [cond, x, y], x.dtype, out)]
 
 
+_BITWISE = {Op.BITWISE_AND: "a & b", Op.BITWISE_OR: "a | b", Op.BITWISE_XOR: "a ^ b",
+            Op.BITWISE_NOT: "~a"}
+_BITS = {"i32": 32, "u8": 8, "i8": 8}
+
+
+def _bitwise(op: Op) -> Any:
+    def kernel(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+        return [run_map(_BITWISE[op], list(inputs), inputs[0].dtype, out)]
+    return kernel
+
+
+def _shift_expr(kind: str, left: bool) -> str:
+    """ONNX BitShift (as the reference): a shift past the width gives 0 (left) or the
+    sign fill (right, arithmetic for signed types)."""
+    if kind == "i64":
+        valid = "b.y == 0u && b.x < 64u"
+        if left:
+            return f"select(vec2<u32>(0u, 0u), shl64(a, b.x), {valid})"
+        return (f"select(select(vec2<u32>(0u, 0u), vec2<u32>(0xFFFFFFFFu, 0xFFFFFFFFu), "
+                f"neg_(a)), sar64(a, b.x), {valid})")
+    valid = f"b >= 0 && b < {_BITS[kind]}"
+    if left:
+        return f"select(0, bitcast<i32>(bitcast<u32>(a) << u32(b)), {valid})"
+    return f"select(select(0, -1, a < 0), a >> u32(b), {valid})"
+
+
+def _bit_shift(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    a, b = inputs[0], inputs[1]
+    expr = _shift_expr(kind_of(a.dtype), attrs["direction"] == "LEFT")
+    return [run_map(expr, [a, b], a.dtype, out)]
+
+
+def _prelu(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    x, slope = inputs[0], inputs[1]
+    expr = {"f32": "select(a * b, a, a >= 0.0)", "i32": "select(a * b, a, a >= 0)",
+            "vec2<u32>": "select(a, mul64(a, b), neg_(a))"}[domain(kind_of(x.dtype))]
+    return [run_map(expr, [x, slope], x.dtype, out)]
+
+
+# Maximum and minimum of two domain values; a NaN wins (NumPy's maximum, minimum).
+_EXTREMUM = {
+    (Op.MAXIMUM, "f32"): "select(select(max({a}, {b}), {b}, is_nan({b})), {a}, is_nan({a}))",
+    (Op.MINIMUM, "f32"): "select(select(min({a}, {b}), {b}, is_nan({b})), {a}, is_nan({a}))",
+    (Op.MAXIMUM, "i32"): "max({a}, {b})",
+    (Op.MINIMUM, "i32"): "min({a}, {b})",
+    (Op.MAXIMUM, "vec2<u32>"): "select({a}, {b}, lt64({a}, {b}))",
+    (Op.MINIMUM, "vec2<u32>"): "select({a}, {b}, lt64({b}, {a}))",
+}
+
+
+def _extremum(op: Op) -> Any:
+    def kernel(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+        xs = list(inputs)
+        form = _EXTREMUM[(op, domain(kind_of(xs[0].dtype)))]
+        while len(xs) > len(NAMES):         # fold the first inputs into one
+            xs = [_fold(form, xs[:len(NAMES)], None), *xs[len(NAMES):]]
+        return [_fold(form, xs, out)]
+    return kernel
+
+
+def _fold(form: str, xs: Sequence[Any], out: Out) -> Any:
+    expr = "a"
+    for name in NAMES[1:len(xs)]:
+        expr = form.format(a=f"({expr})", b=name)
+    return run_map(expr, xs, xs[0].dtype, out)
+
+
+def _isnan(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    return [run_map(_truth("is_nan(a)"), [inputs[0]], np.bool_, out)]
+
+
+def _isinf(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    signs = [f"bitcast<u32>(a) == {bits}" for bits, on in
+             (("0x7f800000u", attrs["detect_positive"]), ("0xff800000u", attrs["detect_negative"]))
+             if on]
+    return [run_map(_truth(" || ".join(signs) or "false"), [inputs[0]], np.bool_, out)]
+
+
 def _held(op: Op) -> tuple[str, ...]:
     return tuple(d.value for d in DTYPES[op] if d.value in HELD)
 
 
 def register(table: KernelTable) -> None:
-    table.kernel(Op.CAST, dtypes=HELD, supports_out=True,
-                 description="WGSL conversion between the held dtypes")(_cast)
-    table.kernel(Op.MOD, dtypes=_held(Op.MOD), supports_out=True,
-                 description="WGSL mod (floor or fmod), integers exact")(_mod)
-    for op in _COMPARE:
-        table.kernel(op, dtypes=_held(op), supports_out=True,
-                     description=f"WGSL {op.value} with broadcasting")(_compare(op))
-    for op in _LOGIC:
-        table.kernel(op, dtypes=("bool",), supports_out=True,
-                     description=f"WGSL logical {op.value}")(_logic(op))
-    table.kernel(Op.WHERE, dtypes=("bool",), supports_out=True,
-                 description="WGSL select over every held dtype")(_where)
+    entries = [
+        (Op.CAST, HELD, "WGSL conversion between the held dtypes", _cast),
+        (Op.MOD, _held(Op.MOD), "WGSL mod (floor or fmod), integers exact", _mod),
+        *((op, _held(op), f"WGSL {op.value} with broadcasting", _compare(op))
+          for op in _COMPARE),
+        *((op, ("bool",), f"WGSL logical {op.value}", _logic(op)) for op in _LOGIC),
+        (Op.WHERE, ("bool",), "WGSL select over every held dtype", _where),
+        *((op, _held(op), f"WGSL {op.value}", _bitwise(op)) for op in _BITWISE),
+        (Op.BIT_SHIFT, _held(Op.BIT_SHIFT), "WGSL shifts, past the width as ONNX says",
+         _bit_shift),
+        (Op.PRELU, _held(Op.PRELU), "WGSL prelu with a broadcast slope", _prelu),
+        *((op, _held(op), f"WGSL {op.value} of any number of inputs", _extremum(op))
+          for op in (Op.MAXIMUM, Op.MINIMUM)),
+        (Op.ISNAN, _held(Op.ISNAN), "WGSL NaN test on the bits", _isnan),
+        (Op.ISINF, _held(Op.ISINF), "WGSL infinity test on the bits", _isinf),
+    ]
+    for op, dtypes, what, fn in entries:
+        table.kernel(op, dtypes=dtypes, supports_out=True, description=what)(fn)

@@ -28,7 +28,15 @@ from keel.backends.webgpu.ops import (
     launch,
     out_array,
 )
-from keel.backends.webgpu.typed import head, kind_of, launch_typed, output, typed_source
+from keel.backends.webgpu.typed import (
+    constant_words,
+    head,
+    kind_of,
+    launch_typed,
+    output,
+    typed_constant,
+    typed_source,
+)
 from keel.errors import InvalidArgumentError
 from keel.ops.registry import Op
 from keel.ops.schemas.indexing import check_index, check_indices, slice_index, slice_params
@@ -45,6 +53,7 @@ from keel.ops.schemas.shape import (
     pad_widths,
     require,
     reshape_dims,
+    split_layout,
     squeeze_dims,
     static_dims,
     tile_dims,
@@ -315,20 +324,6 @@ _PAD_MODES = {
     "reflect": "c = select(c, -c, c < 0); c = select(c, 2 * (size - 1) - c, c >= size);",
     "wrap": "c = ((c % size) + size) % size;",
 }
-_CONSTANT = {"f32": "bitcast<f32>(P[2])", "f16": "bitcast<f32>(P[2])",
-             "i64": "vec2<u32>(P[2], P[3])"}
-
-
-def _pad_words(value: Any, dtype: np.dtype) -> list[int]:
-    """The pad constant as the kernel's domain holds it (as x's dtype first)."""
-    with np.errstate(all="ignore"):
-        v = np.asarray(value).astype(dtype)
-    if dtype.kind == "f":
-        return [int(v.astype(np.float32).reshape(1).view(np.uint32)[0])]
-    wide = np.int64 if dtype == np.int64 else np.int32
-    return [int(w) for w in v.astype(wide).reshape(1).view(np.uint32)]
-
-
 def _pad(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     x = inputs[0]
     pads = require(ints_param("pad", inputs, 1, attrs, "pads"), "pad", "pads")
@@ -340,17 +335,31 @@ def _pad(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any
     shape = tuple(d + max(b, 0) + max(e, 0) for d, (b, e) in zip(crop.shape, widths,
                                                                    strict=True))
     kind = kind_of(x.dtype)
-    words = _pad_words(pad_constant(inputs, attrs), x.dtype) if mode == "constant" else []
+    words = constant_words(pad_constant(inputs, attrs), x.dtype) if mode == "constant" else []
     y = output(x.storage.device, out, shape, x.dtype)
     if y.size == 0:
         return [y]
     if crop.size == 0:                       # nothing to copy: all of it is the constant
         crop = WgpuArray(y.storage, (1,) * len(shape), y.dtype, None, 0)
-    outside = _PAD_MODES.get(mode, f"return {_CONSTANT.get(kind, 'bitcast<i32>(P[2])')};")
+    outside = _PAD_MODES.get(mode, f"return {typed_constant(kind)};")
     params = (head(y, words).u(crop.offset).dims(crop.strides_el, 0).dims(crop.shape, 1)
               .dims([max(b, 0) for b, _ in widths], 0))
     launch_typed(_typed(_PAD.format(outside=outside), kind, out=kind), y, [crop], params)
     return [y]
+
+
+def _split(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    x = inputs[0]
+    axis, sizes = split_layout("split", x.shape, inputs, attrs, out)
+    pieces = []
+    start = 0
+    for i, size in enumerate(sizes):
+        view = x[(slice(None),) * axis + (slice(start, start + size),)]
+        y = out_array(x.storage.device, out, i, view.shape, x.dtype)
+        assign(y, view)
+        pieces.append(y)
+        start += size
+    return pieces
 
 
 def register(table: KernelTable) -> None:
@@ -359,5 +368,5 @@ def register(table: KernelTable) -> None:
                    (Op.SLICE, _slice), (Op.INDEX, _index), (Op.COPY, _copy),
                    (Op.IDENTITY, _copy), (Op.FILL, _fill), (Op.GATHER, _gather),
                    (Op.EXPAND, _expand), (Op.TILE, _tile), (Op.CONCAT, _concat),
-                   (Op.PAD, _pad)):
+                   (Op.PAD, _pad), (Op.SPLIT, _split)):
         table.kernel(op, supports_out=True, description=f"WGSL strided copy ({op.value})")(fn)

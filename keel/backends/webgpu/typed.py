@@ -46,8 +46,11 @@ from keel.backends.webgpu.ops import (
 )
 from keel.errors import InvalidArgumentError
 
-__all__ = ["KINDS", "MATH64", "domain", "head", "kind_of", "launch_typed", "map_source", "output",
-           "run_map", "store_word", "typed_source"]
+__all__ = ["KINDS", "MATH64", "NAMES", "constant_words", "domain", "head", "kind_of",
+           "launch_typed", "map_source", "output", "run_map", "store_word", "typed_constant",
+           "typed_source"]
+
+NAMES = "abcd"          # what a map's expression calls inputs 0, 1, 2, 3
 
 # NumPy dtype -> kind (the dtypes the backend holds).
 KINDS: dict[np.dtype, str] = {
@@ -124,6 +127,14 @@ fn f32_to_i64(x: f32) -> vec2<u32> {                       // truncates toward z
 fn sign64(a: vec2<u32>) -> vec2<u32> {
     if (neg_(a)) { return vec2<u32>(0xFFFFFFFFu, 0xFFFFFFFFu); }
     return vec2<u32>(select(0u, 1u, (a.x | a.y) != 0u), 0u);
+}
+fn sar64(a: vec2<u32>, k: u32) -> vec2<u32> {     // arithmetic shift right, k < 64
+    let h = bitcast<i32>(a.y);
+    if (k == 0u) { return a; }
+    if (k >= 32u) {
+        return vec2<u32>(bitcast<u32>(h >> min(k - 32u, 31u)), bitcast<u32>(h >> 31u));
+    }
+    return vec2<u32>((a.x >> k) | (a.y << (32u - k)), bitcast<u32>(h >> k));
 }
 fn nonzero_f(x: f32) -> bool { return (bitcast<u32>(x) & 0x7fffffffu) != 0u; }
 fn mod32(a: i32, b: i32) -> i32 {
@@ -250,13 +261,28 @@ def map_source(expr: str, kinds: tuple[str, ...], out: str) -> str:
     """``O = expr(a, b, c, d)`` with input j of kind ``kinds[j]`` decoded to its domain,
     ``expr`` of the output kind's domain. P as :func:`keel.backends.webgpu.wgsl.elementwise`
     lays out its strided form (offsets and strides in elements)."""
-    names = "abcd"
     loads = []
     for j in range(len(kinds)):
         base = 6 + wgsl.MAX_RANK + j * (wgsl.MAX_RANK + 1)
-        loads.append(f"    let {names[j]} = ld{j}(u32(i32(P[{base}u]) + "
+        loads.append(f"    let {NAMES[j]} = ld{j}(u32(i32(P[{base}u]) + "
                      f"at(k, 6u, {base + 1}u)));\n")
     return typed_source(kinds, out, "".join(loads) + f"    return {expr};\n")
+
+
+def typed_constant(kind: str) -> str:
+    """The domain value of ``kind`` held in P[2] (and P[3] for int64)."""
+    return {"f32": "bitcast<f32>(P[2])", "i32": "bitcast<i32>(P[2])",
+            "vec2<u32>": "vec2<u32>(P[2], P[3])"}[domain(kind)]
+
+
+def constant_words(value: Any, dtype: np.dtype) -> list[int]:
+    """``value`` (as ``dtype`` first) in the words :func:`typed_constant` reads."""
+    with np.errstate(all="ignore"):
+        v = np.asarray(value).astype(dtype)
+    if dtype.kind == "f":
+        return [int(v.astype(np.float32).reshape(1).view(np.uint32)[0])]
+    wide = np.int64 if dtype == np.int64 else np.int32
+    return [int(w) for w in v.astype(wide).reshape(1).view(np.uint32)]
 
 
 def launch_typed(source: str, y: WgpuArray, xs: Sequence[WgpuArray], params: Params) -> None:

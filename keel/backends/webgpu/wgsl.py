@@ -114,6 +114,36 @@ fn tanh_(x: f32) -> f32 {
 }
 fn keep_nan(x: f32, y: f32) -> f32 { return select(y, x, is_nan(x)); }
 fn sigmoid_(x: f32) -> f32 { return 1.0 / (1.0 + exp(-x)); }
+// exp(x) - 1 and log(1 + x) without the cancellation near 0 (Kahan's corrections).
+fn expm1_(x: f32) -> f32 {
+    let u = exp(x);
+    let um = u - 1.0;
+    if (u == 1.0 || abs(x) > 0.5 || um == -1.0) { return select(um, x, u == 1.0); }
+    return um * x / log(u);
+}
+fn log1p_(x: f32) -> f32 {
+    let u = 1.0 + x;
+    if (u == 1.0) { return x; }
+    return log(u) * x / (u - 1.0);
+}
+fn nan_() -> f32 { return bitcast<f32>(0x7fc00000u); }
+// asin and acos through atan2 (the adapter's own may be far less accurate), NaN outside
+// [-1, 1]; the domain edges of acosh and atanh as NumPy has them.
+fn asin_(x: f32) -> f32 {
+    if (is_nan(x) || abs(x) > 1.0) { return nan_(); }
+    return atan2(x, sqrt((1.0 - x) * (1.0 + x)));
+}
+fn acos_(x: f32) -> f32 {
+    if (is_nan(x) || abs(x) > 1.0) { return nan_(); }
+    return atan2(sqrt((1.0 - x) * (1.0 + x)), x);
+}
+fn acosh_(x: f32) -> f32 { return select(acosh(x), nan_(), is_nan(x) || x < 1.0); }
+fn atanh_(x: f32) -> f32 {
+    if (is_nan(x) || abs(x) > 1.0) { return nan_(); }
+    if (abs(x) == 1.0) { return x * 3.4028235e38 * 2.0; }
+    return atanh(x);
+}
+fn softplus_(x: f32) -> f32 { return keep_nan(x, max(x, 0.0) + log1p_(exp(-abs(x)))); }
 """
 
 

@@ -16,6 +16,7 @@ import numpy as np
 from keel.backends.base import Attrs, Inputs, KernelContext, KernelTable, Out, optional_input
 from keel.backends.webgpu import wgsl
 from keel.backends.webgpu.array import WgpuArray
+from keel.backends.webgpu.elementwise import elementwise
 from keel.backends.webgpu.ops import (
     Params,
     contiguous,
@@ -36,6 +37,7 @@ from keel.ops.schemas.reduction import arg_axis, reduction_axes
 __all__ = ["register", "softmax_last"]
 
 _NONE = 0xFFFFFFFF
+_REDUCING = ("sum", "mean", "max", "min", "prod")      # row kinds with one value per row
 
 
 def _row_groups(rows: int) -> tuple[int, int, int]:
@@ -47,7 +49,7 @@ def _rows(kind: str, x: WgpuArray, length: int, out_shape: Sequence[int], out: O
     """A one-value-per-row (or per-element) row kernel over contiguous ``x``."""
     xc = contiguous(x)
     y = out_array(x.storage.device, out, 0, out_shape, x.dtype)
-    rows = y.size if kind in ("sum", "mean", "max") else xc.size // max(length, 1)
+    rows = y.size if kind in _REDUCING else xc.size // max(length, 1)
     if y.size == 0:
         return y
     params = Params().u(rows, length, xc.offset, y.offset).f(0.0).u(0, 0, 0, 0, 0, 1, 0)
@@ -55,10 +57,10 @@ def _rows(kind: str, x: WgpuArray, length: int, out_shape: Sequence[int], out: O
     return y
 
 
-def softmax_last(x: WgpuArray, out: Out = None) -> WgpuArray:
+def softmax_last(x: WgpuArray, out: Out = None, kind: str = "softmax") -> WgpuArray:
     if x.size == 0:
         return out_array(x.storage.device, out, 0, x.shape, x.dtype)
-    return _rows("softmax", x, x.shape[-1], x.shape, out)
+    return _rows(kind, x, x.shape[-1], x.shape, out)
 
 
 def _moved_last(x: WgpuArray, axis: int) -> tuple[WgpuArray, tuple[int, ...]]:
@@ -66,17 +68,19 @@ def _moved_last(x: WgpuArray, axis: int) -> tuple[WgpuArray, tuple[int, ...]]:
     return x.transpose(order), order
 
 
-def _softmax(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
-    x = inputs[0]
-    axis = _axis(attrs.get("axis", -1), x.ndim, "softmax")
-    if axis == x.ndim - 1 or x.size == 0:
-        return [softmax_last(x, out)]
-    moved, order = _moved_last(x, axis)
-    y = softmax_last(moved)
-    back = [order.index(a) for a in range(x.ndim)]
-    dst = out_array(x.storage.device, out, 0, x.shape, x.dtype)
-    dst[...] = y.transpose(back)
-    return [dst]
+def _softmax(kind: str) -> Any:
+    def kernel(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+        x = inputs[0]
+        axis = _axis(attrs.get("axis", -1), x.ndim, kind)
+        if axis == x.ndim - 1 or x.size == 0:
+            return [softmax_last(x, out, kind)]
+        moved, order = _moved_last(x, axis)
+        y = softmax_last(moved, None, kind)
+        back = [order.index(a) for a in range(x.ndim)]
+        dst = out_array(x.storage.device, out, 0, x.shape, x.dtype)
+        dst[...] = y.transpose(back)
+        return [dst]
+    return kernel
 
 
 def _axis(axis: int, rank: int, what: str) -> int:
@@ -189,6 +193,47 @@ def _all(kind: str) -> Any:
     return kernel
 
 
+# ONNX reductions as a row reduction between two float maps (None: none): on x first, on
+# the reduced values after (ReduceL2 = sqrt of the row sum of squares).
+_REDUCE: dict[Op, tuple[str | None, str, str | None]] = {
+    Op.REDUCE_MAX: (None, "max", None), Op.REDUCE_MIN: (None, "min", None),
+    Op.REDUCE_PROD: (None, "prod", None), Op.REDUCE_L1: ("abs(a)", "sum", None),
+    Op.REDUCE_L2: ("a * a", "sum", "sqrt(a)"), Op.REDUCE_SUM_SQUARE: ("a * a", "sum", None),
+    Op.REDUCE_LOG_SUM: (None, "sum", "log(a)"),
+}
+
+
+def _onnx_reduce(op: Op) -> Any:
+    def kernel(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+        x = inputs[0]
+        given = inputs[1] if len(inputs) > 1 and inputs[1] is not None else None
+        axes = reduction_axes(op, x.ndim, attrs, None if given is None else given.to_host())
+        keep = bool(attrs["keepdims"])
+        if op is Op.REDUCE_LOG_SUM_EXP:
+            return [_log_sum_exp(x, axes, keep, out)]
+        before, kind, after = _REDUCE[op]
+        src = x if before is None else elementwise(before, [x])
+        y = _reduce(kind, src, axes, keep, out if after is None else None)
+        return [y if after is None else elementwise(after, [y], (), out)]
+    return kernel
+
+
+def _log_sum_exp(x: WgpuArray, axes: Sequence[int], keep: bool, out: Out) -> WgpuArray:
+    """log(sum(exp(x - top))) + top, top the row maximum where finite (else 0)."""
+    top = elementwise("select(0.0, a, !is_nan(a) && abs(a) <= 3.4028235e38)",
+                      [_reduce("max", x, axes, True, None)])
+    total = _reduce("sum", elementwise("exp(a - b)", [x, top]), axes, keep, None)
+    shift = top if keep else top.reshape(total.shape)
+    return elementwise("log(a) + b", [total, shift], (), out)
+
+
+def _global_max(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    x = inputs[0]
+    if x.ndim < 3:
+        raise InvalidArgumentError(f"global_max_pool needs rank >= 3, got {x.shape}")
+    return [_reduce("max", x, tuple(range(2, x.ndim)), True, out)]
+
+
 def _global_avg(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     x = inputs[0]
     if x.ndim < 3:
@@ -251,7 +296,14 @@ def _arg(op: Op, kind: str) -> Any:
 def register(table: KernelTable, float_dtypes: Sequence[str]) -> None:
     fd = float_dtypes
     table.kernel(Op.SOFTMAX, dtypes=fd, supports_out=True,
-                 description="WGSL row softmax")(_softmax)
+                 description="WGSL row softmax")(_softmax("softmax"))
+    table.kernel(Op.LOG_SOFTMAX, dtypes=fd, supports_out=True,
+                 description="WGSL row log-softmax")(_softmax("log_softmax"))
+    for op in (*_REDUCE, Op.REDUCE_LOG_SUM_EXP):
+        table.kernel(op, dtypes=fd, supports_out=True,
+                     description=f"WGSL row {op.value}")(_onnx_reduce(op))
+    table.kernel(Op.GLOBAL_MAX_POOL, dtypes=fd, supports_out=True,
+                 description="WGSL row max over the spatial dims")(_global_max)
     table.kernel(Op.LAYER_NORM, dtypes=fd, description="WGSL row layer norm")(_layer_norm)
     table.kernel(Op.SKIP_LAYER_NORM, dtypes=fd,
                  description="WGSL row layer norm of X + skip")(_skip_layer_norm)

@@ -173,8 +173,8 @@ def _prelu(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[A
 
 # Maximum and minimum of two domain values; a NaN wins (NumPy's maximum, minimum).
 _EXTREMUM = {
-    (Op.MAXIMUM, "f32"): "select(select(max({a}, {b}), {b}, is_nan({b})), {a}, is_nan({a}))",
-    (Op.MINIMUM, "f32"): "select(select(min({a}, {b}), {b}, is_nan({b})), {a}, is_nan({a}))",
+    (Op.MAXIMUM, "f32"): "maxn({a}, {b})",
+    (Op.MINIMUM, "f32"): "minn({a}, {b})",
     (Op.MAXIMUM, "i32"): "max({a}, {b})",
     (Op.MINIMUM, "i32"): "min({a}, {b})",
     (Op.MAXIMUM, "vec2<u32>"): "select({a}, {b}, lt64({a}, {b}))",

@@ -113,6 +113,9 @@ fn tanh_(x: f32) -> f32 {
     return tanh(clamp(x, -15.0, 15.0));
 }
 fn keep_nan(x: f32, y: f32) -> f32 { return select(y, x, is_nan(x)); }
+// max and min where a NaN wins (NumPy's), whatever the adapter's max and min do with one.
+fn maxn(a: f32, b: f32) -> f32 { return select(select(max(a, b), b, is_nan(b)), a, is_nan(a)); }
+fn minn(a: f32, b: f32) -> f32 { return select(select(min(a, b), b, is_nan(b)), a, is_nan(a)); }
 fn sigmoid_(x: f32) -> f32 { return 1.0 / (1.0 + exp(-x)); }
 // exp(x) - 1 and log(1 + x) without the cancellation near 0 (Kahan's corrections).
 fn expm1_(x: f32) -> f32 {
@@ -498,8 +501,9 @@ def pool3d(t: str, kind: str, indices: bool = False) -> str:
 @functools.cache
 def rows(t: str, kind: str, bias: bool = False, skip: bool = False, stats: bool = False,
          total: bool = False) -> str:
-    """One workgroup per row of a contiguous (rows, L) input: ``sum``/``mean``/``max``
-    reductions to one value per row, ``softmax`` of each row, or ``layer_norm`` (with
+    """One workgroup per row of a contiguous (rows, L) input: ``sum``/``mean``/``max``/
+    ``min``/``prod`` reductions to one value per row, ``softmax`` or ``log_softmax`` of each
+    row, or ``layer_norm`` (with
     optional bias, skip input added first, Mean/InvStdDev outputs, and the sum X + skip as
     an output), each with a fixed-order tree reduction in workgroup memory, so a row's
     result does not depend on timing.
@@ -512,17 +516,25 @@ def rows(t: str, kind: str, bias: bool = False, skip: bool = False, stats: bool 
     if kind == "layer_norm":
         names += ["Sc"] + (["Bi"] if bias else []) + (["Sk"] if skip else []) \
             + (["Mn", "Iv"] if stats else []) + (["Su"] if total else [])
-    first = "max" if kind in ("max", "softmax") else "sum"
-    gather = "v = max(v, xin(base + j));" if first == "max" else "v = v + xin(base + j);"
-    start = "-3.4028235e38" if first == "max" else "0.0"
-    combine = "max(red[k], red[k + s])" if first == "max" else "red[k] + red[k + s]"
+    first = "max" if kind in ("max", "softmax", "log_softmax") else \
+        kind if kind in ("min", "prod") else "sum"
+    gather, start, combine = {
+        "max": ("v = maxn(v, xin(base + j));", "bitcast<f32>(0xff800000u)",     # -inf
+                "maxn(red[k], red[k + s])"),
+        "min": ("v = minn(v, xin(base + j));", "bitcast<f32>(0x7f800000u)",     # +inf
+                "minn(red[k], red[k + s])"),
+        "prod": ("v = v * xin(base + j);", "1.0", "red[k] * red[k + s]"),
+        "sum": ("v = v + xin(base + j);", "0.0", "red[k] + red[k + s]"),
+    }[first]
     xin = ("return f32(X[k]) + f32(Sk[P[9] + (k - P[2]) % P[10]]);" if skip
            else "return f32(X[k]);")
-    if kind in ("sum", "max"):
+    if kind in ("sum", "max", "min", "prod"):
         body = "    if (l.x == 0u) { O[P[3] + r] = T(red[0]); }\n"
     elif kind == "mean":
         body = "    if (l.x == 0u) { O[P[3] + r] = T(red[0] / f32(L)); }\n"
-    elif kind == "softmax":
+    elif kind in ("softmax", "log_softmax"):
+        value = "(xin(base + j) - mx) - log(total)" if kind == "log_softmax" \
+            else "exp(xin(base + j) - mx) / total"
         body = """
     let mx = red[0];
     workgroupBarrier();
@@ -532,7 +544,7 @@ def rows(t: str, kind: str, bias: bool = False, skip: bool = False, stats: bool 
     tree(l.x);
     let total = red[0];
     for (var j = l.x; j < L; j = j + G) {
-        O[P[3] + r * L + j] = T(exp(xin(base + j) - mx) / total);
+        O[P[3] + r * L + j] = T(""" + value + """);
     }
 """
     else:
@@ -555,7 +567,7 @@ def rows(t: str, kind: str, bias: bool = False, skip: bool = False, stats: bool 
     decl = "".join(f"@group(0) @binding({k}) var<storage, read_write> {n}: "
                    f"array<{'f32' if n in ('Mn', 'Iv') else t}>;\n"   # statistics: float32
                    for k, n in enumerate(names))
-    return (_header(t, len(names)) + f"alias T = {t};\n" + decl + f"""
+    return (_header(t, len(names)) + _MATH + f"alias T = {t};\n" + decl + f"""
 const G = {GROUP}u;
 var<workgroup> red: array<f32, {GROUP}>;
 

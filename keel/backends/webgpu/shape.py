@@ -1,10 +1,13 @@
 """Shape and memory ops of the webgpu backend: views made into copies, Gather, Fill.
 
-Reshape, Flatten, Squeeze, ExpandDims, Transpose, Slice and Index compute the
-view NumPy would make (no data moves), then one strided-copy shader writes it
-contiguous: the copy the op's contract asks for. Their shape arguments are
-small host constants (read without a round trip). These ops move any dtype the
-backend holds, integers included.
+Reshape, Flatten, Squeeze, ExpandDims, Transpose, Slice, Index, Split, Expand,
+Tile, DepthToSpace and SpaceToDepth compute the view NumPy would make (no data
+moves; Expand and Tile are broadcast views with zero strides), then one
+strided-copy shader writes it contiguous: the copy the op's contract asks for.
+Concat, Pad (constant, edge, reflect, wrap) and Gather are typed shaders that
+find each output element's source. Their shape arguments are small host
+constants (read without a round trip). These ops move any dtype the backend
+holds, integers, bool and float16 included.
 """
 
 from __future__ import annotations
@@ -41,9 +44,11 @@ from keel.errors import InvalidArgumentError
 from keel.ops.registry import Op
 from keel.ops.schemas.indexing import check_index, check_indices, slice_index, slice_params
 from keel.ops.schemas.shape import (
+    check_block_mode,
     check_pad_mode,
     check_same_dtype,
     concat_dims,
+    depth_to_space_dims,
     expand_dims_axes,
     expand_dims_dims,
     expand_shape,
@@ -53,6 +58,7 @@ from keel.ops.schemas.shape import (
     pad_widths,
     require,
     reshape_dims,
+    space_to_depth_dims,
     split_layout,
     squeeze_dims,
     static_dims,
@@ -362,11 +368,42 @@ def _split(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[A
     return pieces
 
 
+def _blocks_into(blocks: WgpuArray, shape: tuple[int, ...], out: Out) -> list[Any]:
+    """``blocks`` (a permuted view) written contiguous as ``shape``: the same elements."""
+    y = out_array(blocks.storage.device, out, 0, shape, blocks.dtype)
+    assign(y.reshape(blocks.shape), blocks)
+    return [y]
+
+
+def _depth_to_space(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    x, b, mode = inputs[0], attrs["blocksize"], attrs["mode"]
+    check_block_mode("depth_to_space", mode)
+    final = static_dims(depth_to_space_dims("depth_to_space", x.shape, b))
+    n, c, h, w = x.shape
+    xc = contiguous(x)
+    if mode == "DCR":
+        blocks = xc.reshape(n, b, b, c // (b * b), h, w).transpose(0, 3, 4, 1, 5, 2)
+    else:
+        blocks = xc.reshape(n, c // (b * b), b, b, h, w).transpose(0, 1, 4, 2, 5, 3)
+    return _blocks_into(blocks, final, out)
+
+
+def _space_to_depth(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    x, b = inputs[0], attrs["blocksize"]
+    final = static_dims(space_to_depth_dims("space_to_depth", x.shape, b))
+    n, c, h, w = x.shape
+    perm = (0, 3, 5, 1, 2, 4) if check_block_mode("space_to_depth", attrs["mode"]) == "DCR" \
+        else (0, 1, 3, 5, 2, 4)
+    blocks = contiguous(x).reshape(n, c, h // b, b, w // b, b).transpose(perm)
+    return _blocks_into(blocks, final, out)
+
+
 def register(table: KernelTable) -> None:
     for op, fn in ((Op.RESHAPE, _reshape), (Op.FLATTEN, _flatten), (Op.SQUEEZE, _squeeze),
                    (Op.EXPAND_DIMS, _expand_dims), (Op.TRANSPOSE, _transpose),
                    (Op.SLICE, _slice), (Op.INDEX, _index), (Op.COPY, _copy),
                    (Op.IDENTITY, _copy), (Op.FILL, _fill), (Op.GATHER, _gather),
                    (Op.EXPAND, _expand), (Op.TILE, _tile), (Op.CONCAT, _concat),
-                   (Op.PAD, _pad), (Op.SPLIT, _split)):
+                   (Op.PAD, _pad), (Op.SPLIT, _split), (Op.DEPTH_TO_SPACE, _depth_to_space),
+                   (Op.SPACE_TO_DEPTH, _space_to_depth)):
         table.kernel(op, supports_out=True, description=f"WGSL strided copy ({op.value})")(fn)

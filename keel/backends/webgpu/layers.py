@@ -8,6 +8,7 @@ by a strided copy first.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,7 +16,7 @@ import numpy as np
 
 from keel.backends.base import Attrs, Inputs, KernelContext, KernelTable, Out, optional_input
 from keel.backends.webgpu import wgsl
-from keel.backends.webgpu.array import WgpuArray
+from keel.backends.webgpu.array import Namespace, WgpuArray
 from keel.backends.webgpu.elementwise import elementwise
 from keel.backends.webgpu.ops import (
     Params,
@@ -27,10 +28,17 @@ from keel.backends.webgpu.ops import (
     out_array,
     scalar_type,
 )
+from keel.backends.webgpu.typed import run_map
 from keel.dtypes import DType
-from keel.errors import InvalidArgumentError
+from keel.errors import InvalidArgumentError, UnsupportedOperationError
 from keel.ops.registry import Op
-from keel.ops.schemas.normalization import check_skip, compute_dtype
+from keel.ops.schemas.normalization import (
+    check_batch_norm,
+    check_group_norm,
+    check_instance_norm,
+    check_skip,
+    compute_dtype,
+)
 from keel.ops.schemas.pooling import pool_window
 from keel.ops.schemas.reduction import arg_axis, reduction_axes
 
@@ -143,6 +151,66 @@ def _layer_norm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> l
     y, mean, inv, _ = _layer_norm_rows(x, scale, bias, None, axis, float(attrs["epsilon"]),
                                        wanted > 1, False)
     return [y, mean, inv][:wanted]
+
+
+def _per_channel(p: WgpuArray, rank: int) -> WgpuArray:
+    """A (C,) parameter seen along axis 1 of a rank-``rank`` tensor."""
+    return p.reshape((p.shape[0], *([1] * (rank - 2))))
+
+
+def _standardized(x: WgpuArray, rows: tuple[int, ...], eps: float) -> WgpuArray:
+    """``x`` standardized over the last dim of its view as ``rows`` (a layer norm with
+    unit scale), laid out as ``x``."""
+    view = contiguous(x).reshape(rows)
+    ones = Namespace(x.storage.device).asarray(np.ones(rows[-1:], x.dtype))
+    y = _layer_norm_rows(view, ones, None, None, len(rows) - 1, eps, False, False)[0]
+    return y.reshape(x.shape)
+
+
+def _affine(y: WgpuArray, scale: WgpuArray, bias: WgpuArray, out: Out) -> WgpuArray:
+    rank = y.ndim
+    return run_map("a * b + c", [y, _per_channel(scale, rank), _per_channel(bias, rank)],
+                   y.dtype, out)
+
+
+def _batch_norm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    if attrs["training_mode"]:
+        raise UnsupportedOperationError(
+            Op.BATCH_NORM.value, "webgpu",
+            detail="training_mode=1 (batch statistics, running-mean updates); keel runs "
+                   "BatchNormalization in inference mode only")
+    x, scale, bias, mean, var = inputs
+    check_batch_norm(Op.BATCH_NORM, x.shape, {"scale": scale.shape, "B": bias.shape,
+                                              "input_mean": mean.shape,
+                                              "input_var": var.shape})
+    k = run_map(f"a / sqrt(b + {wgsl.lit(float(attrs['epsilon']))})", [scale, var],
+                np.float32)
+    per = [_per_channel(p, x.ndim) for p in (mean, k, bias)]
+    return [run_map("(a - b) * c + d", [x, *per], x.dtype, out)]
+
+
+def _instance_norm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    x, scale, bias = inputs
+    check_instance_norm(Op.INSTANCE_NORM, x.shape, scale.shape, bias.shape)
+    rows = (x.shape[0] * x.shape[1], math.prod(x.shape[2:]))
+    return [_affine(_standardized(x, rows, float(attrs["epsilon"])), scale, bias, out)]
+
+
+def _group_norm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    x, scale, bias = inputs
+    groups = attrs["num_groups"]
+    compute_dtype(Op.GROUP_NORM, DType.from_numpy(x.dtype), attrs["stash_type"])
+    if attrs["stash_type"] != 1:
+        raise InvalidArgumentError("webgpu group norm keeps its statistics in float32 "
+                                   "(stash_type 1); float64 statistics run elsewhere")
+    per_group = check_group_norm(Op.GROUP_NORM, x.shape, groups, scale.shape, bias.shape)
+    n, c = x.shape[0], x.shape[1]
+    if per_group:           # one value per group: seen once per channel of the group
+        scale, bias = (WgpuArray(p.storage, (groups, c // groups), p.dtype,
+                                 (p.strides_el[0], 0), p.offset).reshape(c)
+                       for p in (scale, bias))
+    rows = (n * groups, (c // groups) * math.prod(x.shape[2:]))
+    return [_affine(_standardized(x, rows, float(attrs["epsilon"])), scale, bias, out)]
 
 
 def _skip_layer_norm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
@@ -302,6 +370,10 @@ def register(table: KernelTable, float_dtypes: Sequence[str]) -> None:
     for op in (*_REDUCE, Op.REDUCE_LOG_SUM_EXP):
         table.kernel(op, dtypes=fd, supports_out=True,
                      description=f"WGSL row {op.value}")(_onnx_reduce(op))
+    for op, fn in ((Op.BATCH_NORM, _batch_norm), (Op.INSTANCE_NORM, _instance_norm),
+                   (Op.GROUP_NORM, _group_norm)):
+        table.kernel(op, dtypes=fd, supports_out=True,
+                     description=f"WGSL {op.value}: row statistics, per-channel affine")(fn)
     table.kernel(Op.GLOBAL_MAX_POOL, dtypes=fd, supports_out=True,
                  description="WGSL row max over the spatial dims")(_global_max)
     table.kernel(Op.LAYER_NORM, dtypes=fd, description="WGSL row layer norm")(_layer_norm)

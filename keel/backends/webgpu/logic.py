@@ -1,4 +1,5 @@
-"""Cast, comparisons, logic, ``where`` and integer arithmetic of the webgpu backend.
+"""Cast, comparisons, logic, ``where``, integer arithmetic, bitwise ops and shifts,
+PReLU, Maximum/Minimum and IsNaN/IsInf of the webgpu backend.
 
 Each runs one typed element map (:mod:`keel.backends.webgpu.typed`): every dtype
 the backend holds (float32, float16, int32, int64 as word pairs, uint8, int8,

@@ -310,3 +310,16 @@ def test_concat_of_more_inputs_than_one_shader_binds(dtype: str) -> None:
              for _ in range(count)]
     got = WEBGPU.run("concat", [WEBGPU.to_device(p) for p in parts], None, {"axis": 1})[0]
     np.testing.assert_array_equal(WEBGPU.read(got), np.concatenate(parts, axis=1))
+
+
+def test_float16_casts_round_to_nearest_even_bit_for_bit() -> None:
+    """float32 -> float16 through pack2x16float: ties to even, subnormals kept, signed zero
+    and NaN kept (values in float16's finite range, where WGSL defines the result)."""
+    x = np.array([65504.0, 6e-8, 3e-5, 2.9e-8, -0.0, 1.00048828125, 1.000732421875, -2.5e-7,
+                  np.nan, 1234.567], np.float32)
+    got = _cast(x, "float16")
+    np.testing.assert_array_equal(got.view(np.uint16)[:-2], x.astype(np.float16).view(
+        np.uint16)[:-2])
+    assert np.isnan(got[-2]) and got[-1] == np.float16(1234.567)
+    back = _cast(got, "float32")
+    np.testing.assert_array_equal(back, got.astype(np.float32))

@@ -458,9 +458,7 @@ def _needs(node: Node, dtype: DType | None, backend: Backend) -> str:
     """What ``node`` needs that ``backend`` lacks, with the backend's note on the dtype."""
     if dtype is None:
         return node.op.value
-    note = backend.dtype_notes.get(dtype)
-    return f"{node.op.value} on {dtype.value}" + (
-        f" ({backend.name} holds no {dtype.value}: {note})" if note else "")
+    return f"{node.op.value} on {_held_note(dtype, backend)}"
 
 
 def _place_pinned(ctx: _Context, backend: Backend, node: Node) -> NodePlacement:
@@ -472,7 +470,30 @@ def _place_pinned(ctx: _Context, backend: Backend, node: Node) -> NodePlacement:
             supported_on=ctx.registry.supported_on(node.op),
             detail=f"node {node.name!r} needs {what}; a pinned backend never falls back",
         )
+    made = _unheld_output(ctx, node, backend)
+    if made is not None:
+        raise UnsupportedOperationError(
+            node.op.value, backend.name,
+            supported_on=ctx.registry.supported_on(node.op),
+            detail=f"node {node.name!r} makes {_held_note(made, backend)}; a pinned backend "
+                   "never falls back",
+        )
     return _finish(ctx, node, backend, [f"pinned to {backend.name}"])
+
+
+def _held_note(dtype: DType, backend: Backend) -> str:
+    """``dtype``, with the backend's note on why it does not hold it (if it has one)."""
+    note = backend.dtype_notes.get(dtype)
+    return dtype.value + (f" ({backend.name} holds no {dtype.value}: {note})" if note else "")
+
+
+def _unheld_output(ctx: _Context, node: Node, backend: Backend) -> DType | None:
+    """The first output dtype of ``node`` that ``backend`` cannot hold (a Cast's target)."""
+    for name in node.outputs:
+        t = ctx.types.get(name)
+        if t is not None and t.dtype is not DType.STRING and t.dtype not in backend.dtypes:
+            return t.dtype
+    return None
 
 
 def _memoized(ctx: _Context, node: Node) -> NodePlacement:

@@ -9,6 +9,7 @@ wgpu or an adapter is genuinely absent.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -83,11 +84,11 @@ def test_pinned_webgpu_raises_for_an_op_without_a_kernel() -> None:
     from onnx import TensorProto, helper
 
     graph = helper.make_graph(
-        [helper.make_node("Cos", ["x"], ["c"]), helper.make_node("Atan", ["c"], ["y"])], "g",
+        [helper.make_node("Cos", ["x"], ["c"]), helper.make_node("Hardmax", ["c"], ["y"])], "g",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])])
     onnx_model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    with pytest.raises(UnsupportedOperationError, match="atan"):
+    with pytest.raises(UnsupportedOperationError, match="hardmax"):
         keel.load_model(onnx_model.SerializeToString(), backend="webgpu").predict(
             {"x": np.ones(4, np.float32)})
 
@@ -186,3 +187,139 @@ def test_the_planner_picks_the_conv_form_by_rank_and_groups(
     assert plan.variant == variant
     if len(x) == 5:
         assert "3-D conv" in plan.reason("variant")
+
+
+# ---- casts, comparisons, logic and shape copies -----------------------------------
+
+def _shape_and_logic_model() -> bytes:
+    """Cast, Equal, Less, Not, Or, Where, Concat, Pad, Tile, Unsqueeze, Expand, integer Mod
+    and Div: the ops that move indices and masks between the float layers of a model."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    def const(name: str, value: np.ndarray) -> Any:
+        return numpy_helper.from_array(value, name)
+
+    nodes = [
+        helper.make_node("Cast", ["x"], ["xi"], to=TensorProto.INT64),
+        helper.make_node("Equal", ["xi", "row"], ["eq"]),
+        helper.make_node("Less", ["x", "half"], ["lt"]),
+        helper.make_node("Not", ["lt"], ["ge"]),
+        helper.make_node("Or", ["eq", "ge"], ["keep"]),
+        helper.make_node("Where", ["keep", "x", "zero"], ["w"]),
+        helper.make_node("Concat", ["w", "x"], ["cat"], axis=1),
+        helper.make_node("Pad", ["cat", "pads"], ["pad"], mode="reflect"),
+        helper.make_node("Tile", ["pad", "reps"], ["tile"]),
+        helper.make_node("Unsqueeze", ["tile", "axes"], ["u"]),
+        helper.make_node("Expand", ["u", "shape"], ["e"]),
+        helper.make_node("Mul", ["e", "ten"], ["big"]),
+        helper.make_node("Cast", ["big"], ["ei"], to=TensorProto.INT32),
+        helper.make_node("Mod", ["ei", "three"], ["m"], fmod=0),
+        helper.make_node("Cast", ["big"], ["el"], to=TensorProto.INT64),
+        helper.make_node("Div", ["el", "seven"], ["d"]),
+        helper.make_node("Cast", ["m"], ["y"], to=TensorProto.FLOAT16),
+    ]
+    inits = [const("row", np.array([0, 1, -1], np.int64)), const("half", np.float32(0.5)),
+             const("zero", np.zeros((1, 3), np.float32)),
+             const("pads", np.array([1, 0, 0, 2], np.int64)),
+             const("reps", np.array([1, 2], np.int64)), const("axes", np.array([0], np.int64)),
+             const("shape", np.array([2, 1, 1], np.int64)), const("ten", np.float32(10.0)),
+             const("three", np.int32(-3)), const("seven", np.int64(7))]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, None),
+         helper.make_tensor_value_info("d", TensorProto.INT64, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]
+                             ).SerializeToString()
+
+
+def test_casts_masks_and_shape_copies_run_on_webgpu_in_one_submission() -> None:
+    ort = pytest.importorskip("onnxruntime")
+    model_bytes = _shape_and_logic_model()
+    model = keel.load_model(model_bytes, backend="webgpu")
+    assert set(model.plan.backends) == {"webgpu"}
+    x = np.array([[-1.7, 0.2, 2.9], [0.4, -0.3, 1.1]], np.float32)
+    model.predict({"x": x})
+    from keel.backends.registry import default_registry
+
+    device = default_registry().instance("webgpu")._device
+    before = device.submits
+    got = model.predict({"x": x})
+    assert device.submits - before == 1
+    session = ort.InferenceSession(model_bytes, providers=["CPUExecutionProvider"])
+    want = dict(zip(["y", "d"], session.run(["y", "d"], {"x": x}), strict=True))
+    for key in ("y", "d"):
+        assert got[key].dtype == want[key].dtype
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+def test_a_cast_to_a_dtype_webgpu_cannot_hold_is_refused_with_the_reason() -> None:
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Cast", ["x"], ["y"], to=TensorProto.DOUBLE)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.DOUBLE, [4])])
+    onnx_model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(UnsupportedOperationError,
+                       match=r"makes float64 \(webgpu holds no float64: WGSL has no 64-bit"):
+        keel.load_model(onnx_model.SerializeToString(), backend="webgpu")
+    x = WEBGPU.to_device(np.ones(4, np.float32))
+    for target in ("float64", "uint16", "bfloat16"):
+        with pytest.raises(UnsupportedOperationError, match=f"target dtype {target}"):
+            WEBGPU.run("cast", [x], None, {"to": target})
+
+
+def _cast(x: np.ndarray, to: str) -> np.ndarray:
+    return WEBGPU.read(WEBGPU.run("cast", [WEBGPU.to_device(x)], None, {"to": to})[0])
+
+
+def test_int64_casts_are_exact_past_float32_precision() -> None:
+    info = np.iinfo(np.int64)
+    wide = np.array([info.min, info.max, 2**24 + 1, 2**24 + 3, 2**40 + 2**16 + 1,
+                     -(2**53) - 1, 123456789012345, -5, 0, 1], np.int64)
+    np.testing.assert_array_equal(_cast(wide, "float32"), wide.astype(np.float32))
+    np.testing.assert_array_equal(_cast(wide, "int32"), wide.astype(np.int32))
+    np.testing.assert_array_equal(_cast(wide, "uint8"), wide.astype(np.uint8))
+    floats = np.array([1e12, -3.5e15, 2.7, -2.7, 9.2e18, -9.2e18, -0.0], np.float32)
+    np.testing.assert_array_equal(_cast(floats, "int64"), floats.astype(np.int64))
+    ints = np.array([info.min // 3, -1, 7, 2**31 - 1], np.int64)
+    np.testing.assert_array_equal(_cast(_cast(ints, "int32"), "int64"),
+                                  ints.astype(np.int32).astype(np.int64))
+
+
+@pytest.mark.parametrize(("op", "attrs"), [("div", {}), ("mod", {"fmod": 0}),
+                                          ("mod", {"fmod": 1})])
+def test_int64_division_is_exact_over_the_whole_range(op: str, attrs: dict[str, int]) -> None:
+    rng = np.random.default_rng(7)
+    info = np.iinfo(np.int64)
+    a = np.concatenate([[info.min + 1, info.max, -1, 0, 2**40 + 5],
+                        rng.integers(info.min // 2, info.max // 2, 27)]).astype(np.int64)
+    b = np.concatenate([[3, -7, 5, -1, -(2**33) - 9],
+                        rng.integers(1, 2**35, 27) * rng.choice([-1, 1], 27)]).astype(np.int64)
+    reference = REGISTRY.instance("reference")
+    want = reference.run(op, [a, b], None, attrs)[0]
+    got = WEBGPU.read(WEBGPU.run(op, [WEBGPU.to_device(a), WEBGPU.to_device(b)], None, attrs)[0])
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "bool", "float16", "int64"])
+def test_concat_of_more_inputs_than_one_shader_binds(dtype: str) -> None:
+    rng = np.random.default_rng(3)
+    count = WEBGPU._device.storage_bindings + 5
+    parts = [(rng.integers(0, 200, (2, int(rng.integers(0, 4)), 3))).astype(dtype)
+             for _ in range(count)]
+    got = WEBGPU.run("concat", [WEBGPU.to_device(p) for p in parts], None, {"axis": 1})[0]
+    np.testing.assert_array_equal(WEBGPU.read(got), np.concatenate(parts, axis=1))
+
+
+def test_float16_casts_round_to_nearest_even_bit_for_bit() -> None:
+    """float32 -> float16 through pack2x16float: ties to even, subnormals kept, signed zero
+    and NaN kept (values in float16's finite range, where WGSL defines the result)."""
+    x = np.array([65504.0, 6e-8, 3e-5, 2.9e-8, -0.0, 1.00048828125, 1.000732421875, -2.5e-7,
+                  np.nan, 1234.567], np.float32)
+    got = _cast(x, "float16")
+    np.testing.assert_array_equal(got.view(np.uint16)[:-2], x.astype(np.float16).view(
+        np.uint16)[:-2])
+    assert np.isnan(got[-2]) and got[-1] == np.float16(1234.567)
+    back = _cast(got, "float32")
+    np.testing.assert_array_equal(back, got.astype(np.float32))

@@ -239,3 +239,17 @@ def test_keel_backend_is_read_once_until_settings_are_reloaded(
     assert set(load_model(cnn).plan.backends) == {"cpu"}      # read once, as documented
     config.reload_settings()
     assert set(load_model(cnn).plan.backends) == {"reference"}
+
+
+def test_backends_lists_webgpu_with_its_adapter(capsys: pytest.CaptureFixture[str]) -> None:
+    from keel.backends.registry import builtin_registry
+
+    webgpu = builtin_registry().instance("webgpu")
+    code, out, _ = _keel(capsys, "backends")
+    assert code == 0
+    text = " ".join(out.split())
+    assert "webgpu" in text
+    if webgpu.is_available():
+        assert f"adapter {webgpu.adapter.label()}" in text
+    else:
+        assert " ".join(webgpu.availability().reason.split()) in text

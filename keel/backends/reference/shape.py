@@ -27,23 +27,21 @@ from keel.ops.schemas.shape import (
     expand_shape,
     fill_value,
     flatten_dims,
-    host_scalar,
     ints_param,
     pad_constant,
     pad_widths,
-    range_count,
+    range_values,
     require,
     reshape_dims,
     shape_interval,
     space_to_depth_dims,
-    split_sizes,
+    split_layout,
     squeeze_dims,
     static_dims,
     tile_dims,
     transpose_perm,
     trilu_k,
 )
-from keel.ops.types import normalize_axis
 
 
 @TABLE.kernel(Op.RESHAPE)
@@ -122,12 +120,7 @@ def concat(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[A
 def split(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """Cut the input along ``axis`` into pieces of the given (or equal, ceil) sizes."""
     x = inputs[0]
-    axis = normalize_axis(attrs["axis"], x.ndim, what="split axis")
-    num = attrs["num_outputs"]
-    given = ints_param("split", inputs, 1, attrs, "split")
-    if given is None and num is None and out is not None:
-        num = len(out)
-    sizes = split_sizes("split", x.shape[axis], given, num)
+    axis, sizes = split_layout("split", x.shape, inputs, attrs, out)
     offsets = np.cumsum(sizes)[:-1]
     return [piece.copy() for piece in np.split(x, offsets, axis=axis)]
 
@@ -196,15 +189,7 @@ def constant_of_shape(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out
 @TABLE.kernel(Op.RANGE)
 def range_(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """start + i * delta for i < max(ceil((limit - start) / delta), 0)."""
-    check_same_dtype("range", [x.dtype for x in inputs])
-    start, limit, delta = (host_scalar(x, op="range", what=name)
-                           for x, name in zip(inputs, ("start", "limit", "delta"), strict=True))
-    count = range_count("range", start, limit, delta)
-    dtype = inputs[0].dtype
-    if dtype.kind in "iu":
-        return [(start + np.arange(count, dtype=np.int64) * delta).astype(dtype)]
-    return [(np.float64(start) + np.arange(count, dtype=np.float64) * np.float64(delta))
-            .astype(dtype)]
+    return [range_values("range", inputs)]
 
 
 @TABLE.kernel(Op.EYE_LIKE)

@@ -67,6 +67,11 @@ class Device:
         self.dispatches = 0          # dispatches recorded, for tests and reports
         self.submits = 0
 
+    @property
+    def storage_bindings(self) -> int:
+        """Storage buffers one shader may bind (the device's limit)."""
+        return int(dict(self.device.limits)["max-storage-buffers-per-shader-stage"])
+
     # ---- buffers ---------------------------------------------------------------
     def buffer(self, nbytes: int) -> Any:
         """A zero-filled storage buffer of at least ``nbytes`` (rounded up to 4, at least 4)."""

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from keel.backends.base import Attrs, Inputs, KernelContext, KernelTable, Out
-from keel.backends.webgpu import wgsl
+from keel.backends.webgpu import logic, wgsl
 from keel.backends.webgpu.array import WgpuArray
 from keel.backends.webgpu.ops import (
     Params,
@@ -28,8 +28,9 @@ from keel.backends.webgpu.ops import (
 )
 from keel.errors import InvalidArgumentError
 from keel.ops.registry import Op
+from keel.ops.schemas.elementwise import DTYPES
 
-__all__ = ["BINARY", "INTEGER", "UNARY", "binary", "elementwise", "integer", "register"]
+__all__ = ["BINARY", "UNARY", "binary", "elementwise", "register"]
 
 # WGSL expressions in a (and b), with the scalars s0..s3 an op's attributes give.
 UNARY: dict[Op, str] = {
@@ -53,6 +54,23 @@ UNARY: dict[Op, str] = {
     Op.HARD_SWISH: "a * clamp(a / 6.0 + 0.5, 0.0, 1.0)",
     Op.SOFTSIGN: "a / (1.0 + abs(a))",
     Op.SWISH: "a * sigmoid_(s0 * a)",
+    Op.ROUND: "round(a)",                   # WGSL's round: half to even, as NumPy's
+    Op.TAN: "keep_nan(a, tan(a))",
+    Op.ASIN: "asin_(a)",
+    Op.ACOS: "acos_(a)",
+    Op.ATAN: "keep_nan(a, atan(a))",
+    Op.SINH: "keep_nan(a, sinh(a))",
+    Op.COSH: "keep_nan(a, cosh(a))",
+    Op.ASINH: "keep_nan(a, asinh(a))",
+    Op.ACOSH: "acosh_(a)",
+    Op.ATANH: "atanh_(a)",
+    Op.ELU: "select(s0 * expm1_(a), a, a > 0.0)",
+    Op.SELU: "s1 * select(s0 * expm1_(a), a, a > 0.0)",
+    Op.CELU: "keep_nan(a, max(a, 0.0) + min(0.0, s0 * expm1_(a / s0)))",
+    Op.SOFTPLUS: "softplus_(a)",
+    Op.MISH: "a * tanh_(softplus_(a))",
+    Op.THRESHOLDED_RELU: "select(0.0, a, a > s0)",
+    Op.SHRINK: "select(select(0.0, a - s0, a > s1), a + s0, a < -s1)",
 }
 _GELU = {"none": "gelu_(a)",
          "tanh": "0.5 * a * (1.0 + tanh_(0.7978845608028654 * (a + 0.044715 * a * a * a)))"}
@@ -65,21 +83,11 @@ BINARY: dict[Op, str] = {
     Op.POW: "pow(a, b)",
 }
 
-# Integer arithmetic: int32 in WGSL's i32 (wrapping), int64 as u32 word pairs (wgsl._INT64).
-INTEGER: dict[Op, tuple[str, str]] = {
-    Op.ADD: ("a + b", "add64(a, b)"),
-    Op.SUB: ("a - b", "sub64(a, b)"),
-    Op.MUL: ("a * b", "mul64(a, b)"),
-    Op.NEG: ("-a", "neg64(a)"),
-    Op.ABS: ("abs(a)", "abs64(a)"),
-    Op.RELU: ("max(a, 0)", "relu64(a)"),
-}
-INT_DTYPES = ("int32", "int64")
-_INT_BITS = {np.dtype(np.int32): 32, np.dtype(np.int64): 64}
-
 # The attributes that become the scalars s0, s1 of an op's expression.
 _SCALARS: dict[Op, tuple[str, ...]] = {
     Op.LEAKY_RELU: ("alpha",), Op.HARD_SIGMOID: ("alpha", "beta"), Op.SWISH: ("alpha",),
+    Op.ELU: ("alpha",), Op.SELU: ("alpha", "gamma"), Op.CELU: ("alpha",),
+    Op.THRESHOLDED_RELU: ("alpha",), Op.SHRINK: ("bias", "lambd"),
 }
 
 
@@ -103,22 +111,6 @@ def elementwise(expr: str, xs: Sequence[WgpuArray], scalars: Sequence[float] = (
     flat = all(x.shape == shape and x.is_contiguous() for x in xs)
     params = _params(xs, y, scalars, flat)
     launch(wgsl.elementwise(expr, len(xs), t, flat), [y, *xs], params, groups_for(y.size), [y])
-    return y
-
-
-def integer(op: Op, xs: Sequence[WgpuArray], out: Out = None) -> WgpuArray:
-    """``op`` over int32 or int64 ``xs`` broadcast together (wrapping as NumPy does)."""
-    dtype = _one_dtype(xs)
-    bits = _INT_BITS.get(np.dtype(dtype))
-    if bits is None or op not in INTEGER:
-        raise InvalidArgumentError(f"webgpu integer {op.value} takes int32 or int64, "
-                                   f"got {dtype}")
-    shape = broadcast_shape(*(x.shape for x in xs))
-    y = out_array(device_of(*xs), out, 0, shape, dtype)
-    if y.size:
-        expr = INTEGER[op][0 if bits == 32 else 1]
-        launch(wgsl.int_elementwise(expr, len(xs), bits), [y, *xs],
-               _params(xs, y, (), False), groups_for(y.size), [y])
     return y
 
 
@@ -151,8 +143,8 @@ def binary(name: str, a: WgpuArray, b: WgpuArray, out: Out = None) -> WgpuArray:
 
 def _unary(op: Op) -> Any:
     def kernel(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
-        if inputs[0].dtype.kind == "i":
-            return [integer(op, [inputs[0]], out)]
+        if inputs[0].dtype.kind in "iu":
+            return [logic.integer(op, [inputs[0]], out)]
         expr = UNARY[op] if op is not Op.GELU else _GELU[str(attrs.get("approximate",
                                                                         "none"))]
         scalars = [float(attrs[k]) for k in _SCALARS.get(op, ())]
@@ -162,8 +154,8 @@ def _unary(op: Op) -> Any:
 
 def _binary(op: Op) -> Any:
     def kernel(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
-        if inputs[0].dtype.kind == "i":
-            return [integer(op, [inputs[0], inputs[1]], out)]
+        if inputs[0].dtype.kind in "iu":
+            return [logic.integer(op, [inputs[0], inputs[1]], out)]
         return [elementwise(BINARY[op], [inputs[0], inputs[1]], (), out)]
     return kernel
 
@@ -191,7 +183,9 @@ def _clip(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[An
 
 def register(table: KernelTable, float_dtypes: Sequence[str]) -> None:
     def dtypes(op: Op) -> tuple[str, ...]:
-        return (*float_dtypes, *INT_DTYPES) if op in INTEGER else tuple(float_dtypes)
+        ints = tuple(d.value for d in DTYPES[op] if d.value in logic.INT_DTYPES) \
+            if op in logic.INTEGER else ()
+        return (*float_dtypes, *ints)
 
     for op in (*UNARY, Op.GELU):
         table.kernel(op, dtypes=dtypes(op), supports_out=True,

@@ -21,11 +21,21 @@ FLOAT_DTYPES = ("float32", "float16")
 
 @functools.lru_cache(maxsize=1)
 def load() -> KernelTable:
-    from keel.backends.webgpu import elementwise, layers, linalg, planner, shape
+    from keel.backends.webgpu import (
+        elementwise,
+        generate,
+        layers,
+        linalg,
+        logic,
+        planner,
+        shape,
+    )
 
     TABLE.chooser = planner.choose_variant
     elementwise.register(TABLE, FLOAT_DTYPES)
     linalg.register(TABLE, FLOAT_DTYPES)
     layers.register(TABLE, FLOAT_DTYPES)
     shape.register(TABLE)
+    logic.register(TABLE)
+    generate.register(TABLE)
     return TABLE

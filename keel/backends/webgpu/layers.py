@@ -8,6 +8,7 @@ by a strided copy first.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,7 +16,8 @@ import numpy as np
 
 from keel.backends.base import Attrs, Inputs, KernelContext, KernelTable, Out, optional_input
 from keel.backends.webgpu import wgsl
-from keel.backends.webgpu.array import WgpuArray
+from keel.backends.webgpu.array import Namespace, WgpuArray
+from keel.backends.webgpu.elementwise import elementwise
 from keel.backends.webgpu.ops import (
     Params,
     contiguous,
@@ -26,16 +28,24 @@ from keel.backends.webgpu.ops import (
     out_array,
     scalar_type,
 )
+from keel.backends.webgpu.typed import run_map
 from keel.dtypes import DType
-from keel.errors import InvalidArgumentError
+from keel.errors import InvalidArgumentError, UnsupportedOperationError
 from keel.ops.registry import Op
-from keel.ops.schemas.normalization import check_skip, compute_dtype
+from keel.ops.schemas.normalization import (
+    check_batch_norm,
+    check_group_norm,
+    check_instance_norm,
+    check_skip,
+    compute_dtype,
+)
 from keel.ops.schemas.pooling import pool_window
 from keel.ops.schemas.reduction import arg_axis, reduction_axes
 
 __all__ = ["register", "softmax_last"]
 
 _NONE = 0xFFFFFFFF
+_REDUCING = ("sum", "mean", "max", "min", "prod")      # row kinds with one value per row
 
 
 def _row_groups(rows: int) -> tuple[int, int, int]:
@@ -47,7 +57,7 @@ def _rows(kind: str, x: WgpuArray, length: int, out_shape: Sequence[int], out: O
     """A one-value-per-row (or per-element) row kernel over contiguous ``x``."""
     xc = contiguous(x)
     y = out_array(x.storage.device, out, 0, out_shape, x.dtype)
-    rows = y.size if kind in ("sum", "mean", "max") else xc.size // max(length, 1)
+    rows = y.size if kind in _REDUCING else xc.size // max(length, 1)
     if y.size == 0:
         return y
     params = Params().u(rows, length, xc.offset, y.offset).f(0.0).u(0, 0, 0, 0, 0, 1, 0)
@@ -55,10 +65,10 @@ def _rows(kind: str, x: WgpuArray, length: int, out_shape: Sequence[int], out: O
     return y
 
 
-def softmax_last(x: WgpuArray, out: Out = None) -> WgpuArray:
+def softmax_last(x: WgpuArray, out: Out = None, kind: str = "softmax") -> WgpuArray:
     if x.size == 0:
         return out_array(x.storage.device, out, 0, x.shape, x.dtype)
-    return _rows("softmax", x, x.shape[-1], x.shape, out)
+    return _rows(kind, x, x.shape[-1], x.shape, out)
 
 
 def _moved_last(x: WgpuArray, axis: int) -> tuple[WgpuArray, tuple[int, ...]]:
@@ -66,17 +76,19 @@ def _moved_last(x: WgpuArray, axis: int) -> tuple[WgpuArray, tuple[int, ...]]:
     return x.transpose(order), order
 
 
-def _softmax(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
-    x = inputs[0]
-    axis = _axis(attrs.get("axis", -1), x.ndim, "softmax")
-    if axis == x.ndim - 1 or x.size == 0:
-        return [softmax_last(x, out)]
-    moved, order = _moved_last(x, axis)
-    y = softmax_last(moved)
-    back = [order.index(a) for a in range(x.ndim)]
-    dst = out_array(x.storage.device, out, 0, x.shape, x.dtype)
-    dst[...] = y.transpose(back)
-    return [dst]
+def _softmax(kind: str) -> Any:
+    def kernel(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+        x = inputs[0]
+        axis = _axis(attrs.get("axis", -1), x.ndim, kind)
+        if axis == x.ndim - 1 or x.size == 0:
+            return [softmax_last(x, out, kind)]
+        moved, order = _moved_last(x, axis)
+        y = softmax_last(moved, None, kind)
+        back = [order.index(a) for a in range(x.ndim)]
+        dst = out_array(x.storage.device, out, 0, x.shape, x.dtype)
+        dst[...] = y.transpose(back)
+        return [dst]
+    return kernel
 
 
 def _axis(axis: int, rank: int, what: str) -> int:
@@ -141,6 +153,66 @@ def _layer_norm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> l
     return [y, mean, inv][:wanted]
 
 
+def _per_channel(p: WgpuArray, rank: int) -> WgpuArray:
+    """A (C,) parameter seen along axis 1 of a rank-``rank`` tensor."""
+    return p.reshape((p.shape[0], *([1] * (rank - 2))))
+
+
+def _standardized(x: WgpuArray, rows: tuple[int, ...], eps: float) -> WgpuArray:
+    """``x`` standardized over the last dim of its view as ``rows`` (a layer norm with
+    unit scale), laid out as ``x``."""
+    view = contiguous(x).reshape(rows)
+    ones = Namespace(x.storage.device).asarray(np.ones(rows[-1:], x.dtype))
+    y = _layer_norm_rows(view, ones, None, None, len(rows) - 1, eps, False, False)[0]
+    return y.reshape(x.shape)
+
+
+def _affine(y: WgpuArray, scale: WgpuArray, bias: WgpuArray, out: Out) -> WgpuArray:
+    rank = y.ndim
+    return run_map("a * b + c", [y, _per_channel(scale, rank), _per_channel(bias, rank)],
+                   y.dtype, out)
+
+
+def _batch_norm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    if attrs["training_mode"]:
+        raise UnsupportedOperationError(
+            Op.BATCH_NORM.value, "webgpu",
+            detail="training_mode=1 (batch statistics, running-mean updates); keel runs "
+                   "BatchNormalization in inference mode only")
+    x, scale, bias, mean, var = inputs
+    check_batch_norm(Op.BATCH_NORM, x.shape, {"scale": scale.shape, "B": bias.shape,
+                                              "input_mean": mean.shape,
+                                              "input_var": var.shape})
+    k = run_map(f"a / sqrt(b + {wgsl.lit(float(attrs['epsilon']))})", [scale, var],
+                np.float32)
+    per = [_per_channel(p, x.ndim) for p in (mean, k, bias)]
+    return [run_map("(a - b) * c + d", [x, *per], x.dtype, out)]
+
+
+def _instance_norm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    x, scale, bias = inputs
+    check_instance_norm(Op.INSTANCE_NORM, x.shape, scale.shape, bias.shape)
+    rows = (x.shape[0] * x.shape[1], math.prod(x.shape[2:]))
+    return [_affine(_standardized(x, rows, float(attrs["epsilon"])), scale, bias, out)]
+
+
+def _group_norm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    x, scale, bias = inputs
+    groups = attrs["num_groups"]
+    compute_dtype(Op.GROUP_NORM, DType.from_numpy(x.dtype), attrs["stash_type"])
+    if attrs["stash_type"] != 1:
+        raise InvalidArgumentError("webgpu group norm keeps its statistics in float32 "
+                                   "(stash_type 1); float64 statistics run elsewhere")
+    per_group = check_group_norm(Op.GROUP_NORM, x.shape, groups, scale.shape, bias.shape)
+    n, c = x.shape[0], x.shape[1]
+    if per_group:           # one value per group: seen once per channel of the group
+        scale, bias = (WgpuArray(p.storage, (groups, c // groups), p.dtype,
+                                 (p.strides_el[0], 0), p.offset).reshape(c)
+                       for p in (scale, bias))
+    rows = (n * groups, (c // groups) * math.prod(x.shape[2:]))
+    return [_affine(_standardized(x, rows, float(attrs["epsilon"])), scale, bias, out)]
+
+
 def _skip_layer_norm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     x, skip, scale, bias = inputs[0], inputs[1], inputs[2], optional_input(inputs, 3)
     if skip.dtype != x.dtype:
@@ -187,6 +259,47 @@ def _all(kind: str) -> Any:
         x = inputs[0]
         return [_rows(kind, x, x.size, (), out)]
     return kernel
+
+
+# ONNX reductions as a row reduction between two float maps (None: none): on x first, on
+# the reduced values after (ReduceL2 = sqrt of the row sum of squares).
+_REDUCE: dict[Op, tuple[str | None, str, str | None]] = {
+    Op.REDUCE_MAX: (None, "max", None), Op.REDUCE_MIN: (None, "min", None),
+    Op.REDUCE_PROD: (None, "prod", None), Op.REDUCE_L1: ("abs(a)", "sum", None),
+    Op.REDUCE_L2: ("a * a", "sum", "sqrt(a)"), Op.REDUCE_SUM_SQUARE: ("a * a", "sum", None),
+    Op.REDUCE_LOG_SUM: (None, "sum", "log(a)"),
+}
+
+
+def _onnx_reduce(op: Op) -> Any:
+    def kernel(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+        x = inputs[0]
+        given = inputs[1] if len(inputs) > 1 and inputs[1] is not None else None
+        axes = reduction_axes(op, x.ndim, attrs, None if given is None else given.to_host())
+        keep = bool(attrs["keepdims"])
+        if op is Op.REDUCE_LOG_SUM_EXP:
+            return [_log_sum_exp(x, axes, keep, out)]
+        before, kind, after = _REDUCE[op]
+        src = x if before is None else elementwise(before, [x])
+        y = _reduce(kind, src, axes, keep, out if after is None else None)
+        return [y if after is None else elementwise(after, [y], (), out)]
+    return kernel
+
+
+def _log_sum_exp(x: WgpuArray, axes: Sequence[int], keep: bool, out: Out) -> WgpuArray:
+    """log(sum(exp(x - top))) + top, top the row maximum where finite (else 0)."""
+    top = elementwise("select(0.0, a, !is_nan(a) && abs(a) <= 3.4028235e38)",
+                      [_reduce("max", x, axes, True, None)])
+    total = _reduce("sum", elementwise("exp(a - b)", [x, top]), axes, keep, None)
+    shift = top if keep else top.reshape(total.shape)
+    return elementwise("log(a) + b", [total, shift], (), out)
+
+
+def _global_max(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    x = inputs[0]
+    if x.ndim < 3:
+        raise InvalidArgumentError(f"global_max_pool needs rank >= 3, got {x.shape}")
+    return [_reduce("max", x, tuple(range(2, x.ndim)), True, out)]
 
 
 def _global_avg(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
@@ -251,7 +364,18 @@ def _arg(op: Op, kind: str) -> Any:
 def register(table: KernelTable, float_dtypes: Sequence[str]) -> None:
     fd = float_dtypes
     table.kernel(Op.SOFTMAX, dtypes=fd, supports_out=True,
-                 description="WGSL row softmax")(_softmax)
+                 description="WGSL row softmax")(_softmax("softmax"))
+    table.kernel(Op.LOG_SOFTMAX, dtypes=fd, supports_out=True,
+                 description="WGSL row log-softmax")(_softmax("log_softmax"))
+    for op in (*_REDUCE, Op.REDUCE_LOG_SUM_EXP):
+        table.kernel(op, dtypes=fd, supports_out=True,
+                     description=f"WGSL row {op.value}")(_onnx_reduce(op))
+    for op, fn in ((Op.BATCH_NORM, _batch_norm), (Op.INSTANCE_NORM, _instance_norm),
+                   (Op.GROUP_NORM, _group_norm)):
+        table.kernel(op, dtypes=fd, supports_out=True,
+                     description=f"WGSL {op.value}: row statistics, per-channel affine")(fn)
+    table.kernel(Op.GLOBAL_MAX_POOL, dtypes=fd, supports_out=True,
+                 description="WGSL row max over the spatial dims")(_global_max)
     table.kernel(Op.LAYER_NORM, dtypes=fd, description="WGSL row layer norm")(_layer_norm)
     table.kernel(Op.SKIP_LAYER_NORM, dtypes=fd,
                  description="WGSL row layer norm of X + skip")(_skip_layer_norm)

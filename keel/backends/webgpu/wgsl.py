@@ -113,7 +113,40 @@ fn tanh_(x: f32) -> f32 {
     return tanh(clamp(x, -15.0, 15.0));
 }
 fn keep_nan(x: f32, y: f32) -> f32 { return select(y, x, is_nan(x)); }
+// max and min where a NaN wins (NumPy's), whatever the adapter's max and min do with one.
+fn maxn(a: f32, b: f32) -> f32 { return select(select(max(a, b), b, is_nan(b)), a, is_nan(a)); }
+fn minn(a: f32, b: f32) -> f32 { return select(select(min(a, b), b, is_nan(b)), a, is_nan(a)); }
 fn sigmoid_(x: f32) -> f32 { return 1.0 / (1.0 + exp(-x)); }
+// exp(x) - 1 and log(1 + x) without the cancellation near 0 (Kahan's corrections).
+fn expm1_(x: f32) -> f32 {
+    let u = exp(x);
+    let um = u - 1.0;
+    if (u == 1.0 || abs(x) > 0.5 || um == -1.0) { return select(um, x, u == 1.0); }
+    return um * x / log(u);
+}
+fn log1p_(x: f32) -> f32 {
+    let u = 1.0 + x;
+    if (u == 1.0) { return x; }
+    return log(u) * x / (u - 1.0);
+}
+fn nan_() -> f32 { return bitcast<f32>(0x7fc00000u); }
+// asin and acos through atan2 (the adapter's own may be far less accurate), NaN outside
+// [-1, 1]; the domain edges of acosh and atanh as NumPy has them.
+fn asin_(x: f32) -> f32 {
+    if (is_nan(x) || abs(x) > 1.0) { return nan_(); }
+    return atan2(x, sqrt((1.0 - x) * (1.0 + x)));
+}
+fn acos_(x: f32) -> f32 {
+    if (is_nan(x) || abs(x) > 1.0) { return nan_(); }
+    return atan2(sqrt((1.0 - x) * (1.0 + x)), x);
+}
+fn acosh_(x: f32) -> f32 { return select(acosh(x), nan_(), is_nan(x) || x < 1.0); }
+fn atanh_(x: f32) -> f32 {
+    if (is_nan(x) || abs(x) > 1.0) { return nan_(); }
+    if (abs(x) == 1.0) { return x * 3.4028235e38 * 2.0; }
+    return atanh(x);
+}
+fn softplus_(x: f32) -> f32 { return keep_nan(x, max(x, 0.0) + log1p_(exp(-abs(x)))); }
 """
 
 
@@ -211,29 +244,6 @@ fn neg_(a: vec2<u32>) -> bool { return (a.y >> 31u) == 1u; }
 fn abs64(a: vec2<u32>) -> vec2<u32> { return select(a, neg64(a), neg_(a)); }
 fn relu64(a: vec2<u32>) -> vec2<u32> { return select(a, vec2<u32>(0u, 0u), neg_(a)); }
 """
-
-
-@functools.cache
-def int_elementwise(expr: str, arity: int, bits: int) -> str:
-    """``O = expr(a, b)`` over int32 (``bits`` 32: i32 arithmetic, wrapping) or int64
-    (``bits`` 64: word pairs and the ``*64`` functions) elements, inputs read through
-    their strides. P as in :func:`elementwise`'s strided layout (offsets and strides in
-    elements)."""
-    names = ["a", "b"][:arity]
-    loads = []
-    for j, n in enumerate(names):
-        base = 6 + MAX_RANK + j * (MAX_RANK + 1)
-        e = f"u32(i32(P[{base}u]) + at(i, 6u, {base + 1}u))"
-        loads.append(f"    let {n} = A{j}[{e}];" if bits == 32 else
-                     f"    let e{j} = 2u * {e};\n"
-                     f"    let {n} = vec2<u32>(A{j}[e{j}], A{j}[e{j} + 1u]);")
-    store = ("    O[P[1] + i] = v;\n" if bits == 32 else
-             "    O[2u * (P[1] + i)] = v.x;\n    O[2u * (P[1] + i) + 1u] = v.y;\n")
-    t = "i32" if bits == 32 else "u32"
-    return (_header("f32", arity + 1) + (_INT64 if bits == 64 else "")
-            + _buffers(t, ["O"] + [f"A{j}" for j in range(arity)]) + _MAIN
-            + "    if (i >= P[0]) { return; }\n" + "\n".join(loads)
-            + f"\n    let v = {expr};\n" + store + "}\n")
 
 
 def _epilogue(act: str) -> str:
@@ -491,8 +501,9 @@ def pool3d(t: str, kind: str, indices: bool = False) -> str:
 @functools.cache
 def rows(t: str, kind: str, bias: bool = False, skip: bool = False, stats: bool = False,
          total: bool = False) -> str:
-    """One workgroup per row of a contiguous (rows, L) input: ``sum``/``mean``/``max``
-    reductions to one value per row, ``softmax`` of each row, or ``layer_norm`` (with
+    """One workgroup per row of a contiguous (rows, L) input: ``sum``/``mean``/``max``/
+    ``min``/``prod`` reductions to one value per row, ``softmax`` or ``log_softmax`` of each
+    row, or ``layer_norm`` (with
     optional bias, skip input added first, Mean/InvStdDev outputs, and the sum X + skip as
     an output), each with a fixed-order tree reduction in workgroup memory, so a row's
     result does not depend on timing.
@@ -505,17 +516,25 @@ def rows(t: str, kind: str, bias: bool = False, skip: bool = False, stats: bool 
     if kind == "layer_norm":
         names += ["Sc"] + (["Bi"] if bias else []) + (["Sk"] if skip else []) \
             + (["Mn", "Iv"] if stats else []) + (["Su"] if total else [])
-    first = "max" if kind in ("max", "softmax") else "sum"
-    gather = "v = max(v, xin(base + j));" if first == "max" else "v = v + xin(base + j);"
-    start = "-3.4028235e38" if first == "max" else "0.0"
-    combine = "max(red[k], red[k + s])" if first == "max" else "red[k] + red[k + s]"
+    first = "max" if kind in ("max", "softmax", "log_softmax") else \
+        kind if kind in ("min", "prod") else "sum"
+    gather, start, combine = {
+        "max": ("v = maxn(v, xin(base + j));", "bitcast<f32>(0xff800000u)",     # -inf
+                "maxn(red[k], red[k + s])"),
+        "min": ("v = minn(v, xin(base + j));", "bitcast<f32>(0x7f800000u)",     # +inf
+                "minn(red[k], red[k + s])"),
+        "prod": ("v = v * xin(base + j);", "1.0", "red[k] * red[k + s]"),
+        "sum": ("v = v + xin(base + j);", "0.0", "red[k] + red[k + s]"),
+    }[first]
     xin = ("return f32(X[k]) + f32(Sk[P[9] + (k - P[2]) % P[10]]);" if skip
            else "return f32(X[k]);")
-    if kind in ("sum", "max"):
+    if kind in ("sum", "max", "min", "prod"):
         body = "    if (l.x == 0u) { O[P[3] + r] = T(red[0]); }\n"
     elif kind == "mean":
         body = "    if (l.x == 0u) { O[P[3] + r] = T(red[0] / f32(L)); }\n"
-    elif kind == "softmax":
+    elif kind in ("softmax", "log_softmax"):
+        value = "(xin(base + j) - mx) - log(total)" if kind == "log_softmax" \
+            else "exp(xin(base + j) - mx) / total"
         body = """
     let mx = red[0];
     workgroupBarrier();
@@ -525,7 +544,7 @@ def rows(t: str, kind: str, bias: bool = False, skip: bool = False, stats: bool 
     tree(l.x);
     let total = red[0];
     for (var j = l.x; j < L; j = j + G) {
-        O[P[3] + r * L + j] = T(exp(xin(base + j) - mx) / total);
+        O[P[3] + r * L + j] = T(""" + value + """);
     }
 """
     else:
@@ -548,7 +567,7 @@ def rows(t: str, kind: str, bias: bool = False, skip: bool = False, stats: bool 
     decl = "".join(f"@group(0) @binding({k}) var<storage, read_write> {n}: "
                    f"array<{'f32' if n in ('Mn', 'Iv') else t}>;\n"   # statistics: float32
                    for k, n in enumerate(names))
-    return (_header(t, len(names)) + f"alias T = {t};\n" + decl + f"""
+    return (_header(t, len(names)) + _MATH + f"alias T = {t};\n" + decl + f"""
 const G = {GROUP}u;
 var<workgroup> red: array<f32, {GROUP}>;
 
@@ -613,29 +632,5 @@ def arg_rows(t: str, kind: str, last: bool) -> str:
     }}
     O[P[3] + 2u * i] = arg;
     O[P[3] + 2u * i + 1u] = 0u;
-}}
-""")
-
-
-@functools.cache
-def gather(words: int) -> str:
-    """``O[outer, idx, inner] = X[outer, I[idx], inner]`` over elements of ``words`` u32
-    words, int64 or int32 indices (negative ones count from the end).
-
-    P: outer, count (indices), inner, axis dim, X off, I off (in index elements), O off,
-    index words (1 or 2) (0..7); offsets in words.
-    """
-    return (_header("f32", 3) + _buffers("u32", ["O", "X", "I"]) + _MAIN + f"""
-    let inner = P[2];
-    let count = P[1];
-    if (i >= P[0] * count * inner) {{ return; }}
-    let e = i % inner;
-    let q = (i / inner) % count;
-    let o = i / (inner * count);
-    var idx = bitcast<i32>(I[(P[5] + q) * P[7]]);
-    if (idx < 0) {{ idx = idx + i32(P[3]); }}
-    idx = clamp(idx, 0, i32(P[3]) - 1);
-    let src = P[4] + ((o * P[3] + u32(idx)) * inner + e) * {words}u;
-    for (var k = 0u; k < {words}u; k = k + 1u) {{ O[P[6] + i * {words}u + k] = X[src + k]; }}
 }}
 """)

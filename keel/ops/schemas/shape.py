@@ -54,10 +54,12 @@ __all__ = [
     "pad_constant",
     "pad_widths",
     "range_count",
+    "range_values",
     "require",
     "reshape_dims",
     "shape_interval",
     "space_to_depth_dims",
+    "split_layout",
     "split_sizes",
     "squeeze_dims",
     "static_dims",
@@ -498,6 +500,31 @@ def range_count(op: str, start: Any, limit: Any, delta: Any) -> int:
     if count > MAX_ELEMENTS:
         raise InvalidArgumentError(f"{op}: {count} elements exceed {MAX_ELEMENTS} (overflow)")
     return count
+
+
+def range_values(op: str, inputs: Sequence[Any]) -> np.ndarray:
+    """Range's values from its three scalar inputs (read on the host), in their dtype."""
+    check_same_dtype(op, [x.dtype for x in inputs])
+    start, limit, delta = (host_scalar(x, op=op, what=name)
+                           for x, name in zip(inputs, ("start", "limit", "delta"), strict=True))
+    count = range_count(op, start, limit, delta)
+    dtype = inputs[0].dtype
+    if dtype.kind in "iu":
+        return (start + np.arange(count, dtype=np.int64) * delta).astype(dtype)
+    return (np.float64(start) + np.arange(count, dtype=np.float64) * np.float64(delta)
+            ).astype(dtype)
+
+
+def split_layout(op: str, shape: Sequence[int], inputs: Sequence[Any],
+                 attrs: Mapping[str, Any], outputs: Sequence[Any] | None
+                 ) -> tuple[int, tuple[int, ...]]:
+    """Split's axis and output sizes (the count from ``outputs`` when nothing else says)."""
+    axis = normalize_axis(attrs["axis"], len(shape), what="split axis")
+    num = attrs["num_outputs"]
+    given = ints_param(op, inputs, 1, attrs, "split")
+    if given is None and num is None and outputs is not None:
+        num = len(outputs)
+    return axis, split_sizes(op, shape[axis], given, num)
 
 
 # ---- infer functions ---------------------------------------------------------

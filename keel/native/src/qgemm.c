@@ -43,7 +43,8 @@
 
 #include "parallel.h"
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__) && \
+    defined(__AVX512VL__)
 #include <immintrin.h>
 #define QISA 2
 #elif defined(__AVXVNNI__) && defined(__AVX2__)
@@ -170,10 +171,38 @@ typedef struct {
 
 enum { KIND_U8, KIND_S8, KIND_F32 };
 
+#if QISA == 2
+/* store_row on 8 lanes of double at a time: the same operations (int32 -> double,
+ * times the multiplier, round half to even, plus the zero point, clamp), so the same
+ * bits; the clamped values fit the output type, which vpmovdb then truncates to. */
+static void store_row_avx512(const int32_t *v, int64_t n, const double *mult, double m,
+                             const requant *q, void *y)
+{
+    __m512d zp = _mm512_set1_pd((double)q->yzp), lo = _mm512_set1_pd((double)q->lo);
+    __m512d hi = _mm512_set1_pd((double)q->hi), mm = _mm512_set1_pd(m);
+    for (int64_t j = 0; j < n; j += 8) {
+        __mmask8 k = n - j >= 8 ? (__mmask8)0xFF : (__mmask8)((1u << (n - j)) - 1);
+        __m512d t = _mm512_cvtepi32_pd(_mm256_maskz_loadu_epi32(k, v + j));
+        t = _mm512_mul_pd(t, mult ? _mm512_maskz_loadu_pd(k, mult + j) : mm);
+        if (q->kind == KIND_F32) {
+            _mm256_mask_storeu_ps((float *)y + j, k, _mm512_cvtpd_ps(t));
+            continue;
+        }
+        t = _mm512_roundscale_pd(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        t = _mm512_min_pd(_mm512_max_pd(_mm512_add_pd(t, zp), lo), hi);
+        _mm256_mask_cvtepi32_storeu_epi8((char *)y + j, k, _mm512_cvtpd_epi32(t));
+    }
+}
+#endif
+
 /* Requantize one row of n accumulators (corrections already added) into y. */
 static void store_row(const int32_t *v, int64_t n, const double *mult, double m,
                       const requant *q, void *y)
 {
+#if QISA == 2
+    store_row_avx512(v, n, mult, m, q, y);
+    return;
+#endif
     if (q->kind == KIND_F32) {
         float *out = y;
         for (int64_t j = 0; j < n; j++) out[j] = (float)((double)v[j] * (mult ? mult[j] : m));

@@ -19,6 +19,10 @@ its type's minimum, so every negative value saturates to it anyway. A Gemm or
 2-D MatMul whose output stays float (no Q after it) becomes a QGEMM with a
 float32 output.
 
+A residual join, ``DQ(a_q) + DQ(b_q) ─ [Relu] ─ Q``, becomes one QLINEAR_ADD
+(its ReLU an attribute): a single pass over the bytes that computes what those
+nodes compute in float32, bit for bit, instead of a float tensor per step.
+
 Only patterns with per-tensor activation parameters, constant integer weights
 (per tensor or per output channel) and no fused epilogue are taken; anything
 else keeps running as written. The integer node computes what onnxruntime's
@@ -56,11 +60,16 @@ class _Dequantized:
 
 
 def fuse_qdq(graph: Graph) -> Graph:
-    """A copy of ``graph`` with DQ → Conv/Gemm/MatMul → Q patterns as integer nodes."""
+    """A copy of ``graph`` with DQ → Conv/Gemm/MatMul → Q patterns as integer nodes,
+    and DQ → Add → [Relu] → Q as QLINEAR_ADD."""
     rw = Rewriter(graph.copy())
     for node in list(rw.graph.nodes):
-        if node.op in (Op.CONV, Op.GEMM, Op.MATMUL) and not rw.claimed(node):
+        if rw.claimed(node):
+            continue
+        if node.op in (Op.CONV, Op.GEMM, Op.MATMUL):
             _try(rw, node)
+        elif node.op is Op.ADD:
+            _try_add(rw, node)
     return rw.apply()
 
 
@@ -144,9 +153,28 @@ def _weight_axis_fits(g: Graph, node: Node, w: _Dequantized) -> bool:
     return rank == 2 and axis == 1
 
 
-def _quantized_output(rw: Rewriter, node: Node) -> tuple[list[Node], Node | None]:
-    """The Q node quantizing ``node``'s output (through a Relu it makes redundant), and
-    the nodes from ``node`` to it; ([], None) when the output stays float."""
+def _try_add(rw: Rewriter, node: Node) -> None:
+    if node.attr("activation", "") or len(node.outputs) != 1 or len(node.inputs) != 2:
+        return
+    a, b = _activation(rw, node.input(0)), _activation(rw, node.input(1))
+    if a is None or b is None:
+        return
+    tail, q = _quantized_output(rw, node, relu_kept=True)
+    if q is None:
+        return
+    relu = tail[0].op is Op.RELU
+    inputs = [a.value, a.scale, _zero_point(rw, a, ()), b.value, b.scale,
+              _zero_point(rw, b, ()), q.input(1), q.input(2)]
+    attrs = get_schema(Op.QLINEAR_ADD).normalize_attrs({"activation": "relu" if relu else ""})
+    rw.replace([node, *tail], [Node(node.name, Op.QLINEAR_ADD, inputs, [q.outputs[0]], attrs,
+                                    node.origin)])
+
+
+def _quantized_output(rw: Rewriter, node: Node,
+                      relu_kept: bool = False) -> tuple[list[Node], Node | None]:
+    """The Q node quantizing ``node``'s output (through a Relu it makes redundant, or any
+    Relu where ``relu_kept``: the new node applies it), and the nodes from ``node`` to
+    it; ([], None) when the output stays float."""
     out = node.outputs[0]
     tail: list[Node] = []
     nxt = rw.single_consumer(out)
@@ -162,7 +190,7 @@ def _quantized_output(rw: Rewriter, node: Node) -> tuple[list[Node], Node | None
     if scale is None or scale.size != 1 or scale.dtype != np.float32 or zp is None or \
             zp.size != 1 or zp.dtype not in _EIGHT_BITS or nxt.attr("precision", None) is not None:
         return [], None
-    if tail and not _relu_redundant(g, nxt):
+    if tail and not relu_kept and not _relu_redundant(g, nxt):
         return [], None
     return [*tail, nxt], nxt
 

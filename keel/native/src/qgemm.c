@@ -54,6 +54,10 @@
 #define QISA 0
 #endif
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #define NB 64
 #define MR 6
 
@@ -229,6 +233,35 @@ static void store_row(const int32_t *v, int64_t n, const double *mult, double m,
         for (int64_t j = 0; j < n; j++) out[j] = (int8_t)r[j];
     }
 }
+
+#if QISA == 2
+/* Rows [0, mr) of a convolution's tile (bias and multiplier per row, no other
+ * corrections, 8-bit output) requantized into out[MR][NB]: store_row's operations on
+ * all 64 columns, 16 at a time, for the caller to copy the valid runs from. */
+static void requant_tile(const int32_t *acc, int64_t mr, int64_t i0, const requant *q,
+                         uint8_t *out)
+{
+    __m512d zp = _mm512_set1_pd((double)q->yzp), lo = _mm512_set1_pd((double)q->lo);
+    __m512d hi = _mm512_set1_pd((double)q->hi);
+    for (int64_t i = 0; i < mr; i++) {
+        __m512i bias = _mm512_set1_epi32(q->bias_r ? q->bias_r[i0 + i] : 0);
+        __m512d m = _mm512_set1_pd(q->mult[i0 + i]);
+        for (int64_t j = 0; j < NB; j += 16) {
+            __m512i v = _mm512_add_epi32(_mm512_loadu_si512((const void *)(acc + i * NB + j)),
+                                         bias);
+            __m512d t0 = _mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_castsi512_si256(v)), m);
+            __m512d t1 = _mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(v, 1)), m);
+            t0 = _mm512_roundscale_pd(t0, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            t1 = _mm512_roundscale_pd(t1, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            t0 = _mm512_min_pd(_mm512_max_pd(_mm512_add_pd(t0, zp), lo), hi);
+            t1 = _mm512_min_pd(_mm512_max_pd(_mm512_add_pd(t1, zp), lo), hi);
+            __m512i r = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtpd_epi32(t0)),
+                                           _mm512_cvtpd_epi32(t1), 1);
+            _mm_storeu_si128((__m128i *)(void *)(out + i * NB + j), _mm512_cvtepi32_epi8(r));
+        }
+    }
+}
+#endif
 
 /* Store rows [i0, i0 + rows) x columns [j0, j0 + cols) of Y from a tile; sv holds the
  * tile's column sums of V (or is NULL). */
@@ -419,6 +452,15 @@ static void qconv_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
         for (int64_t m = 0; m < mg; m += MR) {
             int64_t i0 = grp * mg + m, mr = mg - m < MR ? mg - m : MR;
             tile(j->w + i0 * j->kp, j->kp, mr, panel, NULL, j->kp / 4, acc, 0);
+#if QISA == 2
+            if (j->q.kind != KIND_F32 && !j->want_sums) {
+                uint8_t bytes[MR * NB];
+                requant_tile(acc, mr, i0, &j->q, bytes);
+                for (int64_t i = 0; i < mr; i++)
+                    memcpy((uint8_t *)yn + (i0 + i) * pixels + p0, bytes + i * NB, (size_t)cols);
+                continue;
+            }
+#endif
             store(acc, mr, cols, i0, p0, &j->q, j->want_sums ? sums : NULL, yn, pixels);
         }
     }
@@ -479,7 +521,25 @@ static void build_quads(const qdirect_job *j, int64_t n, uint8_t *xq)
             src[r] = 4 * cq + r < c ? j->x + ((n * c) + 4 * cq + r) * h * w : NULL;
         for (int64_t y = 0; y < h; y++) {
             uint32_t *row = dst + (y + g[Q_PT]) * j->wp + g[Q_PL];
-            for (int64_t xx = 0; xx < w; xx++) {
+            int64_t xx = 0;
+#if defined(__SSE2__)
+            /* 16 pixels at a time: the four channels' bytes interleaved by unpacking */
+            __m128i vflip = _mm_set1_epi8((char)j->flip);
+            for (; xx + 16 <= w; xx += 16) {
+                __m128i c[4];
+                for (int r = 0; r < 4; r++)
+                    c[r] = src[r] ? _mm_loadu_si128((const __m128i *)(const void *)(
+                                        src[r] + y * w + xx)) : _mm_setzero_si128();
+                __m128i lo01 = _mm_unpacklo_epi8(c[0], c[1]), hi01 = _mm_unpackhi_epi8(c[0], c[1]);
+                __m128i lo23 = _mm_unpacklo_epi8(c[2], c[3]), hi23 = _mm_unpackhi_epi8(c[2], c[3]);
+                __m128i *out = (__m128i *)(void *)(row + xx);
+                _mm_storeu_si128(out, _mm_xor_si128(_mm_unpacklo_epi16(lo01, lo23), vflip));
+                _mm_storeu_si128(out + 1, _mm_xor_si128(_mm_unpackhi_epi16(lo01, lo23), vflip));
+                _mm_storeu_si128(out + 2, _mm_xor_si128(_mm_unpacklo_epi16(hi01, hi23), vflip));
+                _mm_storeu_si128(out + 3, _mm_xor_si128(_mm_unpackhi_epi16(hi01, hi23), vflip));
+            }
+#endif
+            for (; xx < w; xx++) {
                 uint32_t v = 0;
                 for (int r = 0; r < 4; r++)
                     v |= (uint32_t)(src[r] ? src[r][y * w + xx] : 0) << (8 * r);
@@ -512,6 +572,25 @@ static void qdirect_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
         for (int64_t i0 = 0; i0 < m; i0 += MR) {
             int64_t mr = m - i0 < MR ? m - i0 : MR;
             tile(j->w + i0 * j->kp, j->kp, mr, xq + p0 * 4, offsets, k4, acc, 0);
+#if QISA == 2
+            if (j->q.kind != KIND_F32) {
+                /* the whole tile requantized at once, its valid runs copied out */
+                uint8_t bytes[MR * NB];
+                requant_tile(acc, mr, i0, &j->q, bytes);
+                for (int64_t p = p0; p < p0 + NB && p < oh * j->wp;) {
+                    int64_t oy = p / j->wp, ox = p % j->wp;
+                    int64_t run = j->wp - ox < p0 + NB - p ? j->wp - ox : p0 + NB - p;
+                    if (ox < ow) {
+                        int64_t len = ow - ox < run ? ow - ox : run;
+                        for (int64_t i = 0; i < mr; i++)
+                            memcpy((uint8_t *)yn + (i0 + i) * pixels + oy * ow + ox,
+                                   bytes + i * NB + (p - p0), (size_t)len);
+                    }
+                    p += run;
+                }
+                continue;
+            }
+#endif
             /* the block's valid columns, one output row at a time */
             for (int64_t p = p0; p < p0 + NB && p < oh * j->wp;) {
                 int64_t oy = p / j->wp, ox = p % j->wp;
@@ -576,6 +655,123 @@ typedef struct {
     void *y;
 } qdepth_job;
 
+#define DW_TAPS 64     /* the most taps the paired AVX-512 loop takes (8 x 8) */
+#define DW_SLACK 64    /* int16 values past a plane (and int32 past acc) it may touch */
+
+#if QISA == 2
+/* acc[0, span) = bias + sum over taps t of taps[t] * plane[offset(t) + i], two taps per
+ * vpdpwssd: the two planes' int16 values interleaved (unpacklo/hi), each dword lane
+ * taking tap a's value in its low half and tap b's in its high half, against a dword of
+ * the two taps. unpack works within 128-bit lanes, so the two accumulators hold the 32
+ * outputs in the order (0-3, 8-11, ...), (4-7, 12-15, ...): one permutation puts them
+ * back. The sums are exact in int32, as the plain loop's are. Reads up to 31 values
+ * past the last one used; writes acc up to span rounded up to 32. */
+static void depthwise_pairs(const int16_t *plane, const int64_t *offsets, int64_t ntaps,
+                            const int32_t *taps, int32_t bias, int64_t span, int32_t *acc)
+{
+    __m512i pairs[DW_TAPS / 2];
+    for (int64_t t = 0; t < ntaps; t += 2) {
+        uint32_t b = t + 1 < ntaps ? (uint32_t)(uint16_t)(int16_t)taps[t + 1] : 0u;
+        pairs[t / 2] = _mm512_set1_epi32((int32_t)((uint32_t)(uint16_t)(int16_t)taps[t] |
+                                                   b << 16));
+    }
+    const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+    const __m512i second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+    __m512i vbias = _mm512_set1_epi32(bias);
+    for (int64_t i = 0; i < span; i += 32) {
+        __m512i lo = vbias, hi = vbias;
+        for (int64_t t = 0; t < ntaps; t += 2) {
+            __m512i a = _mm512_loadu_si512((const void *)(plane + offsets[t] + i));
+            __m512i b = t + 1 < ntaps
+                ? _mm512_loadu_si512((const void *)(plane + offsets[t + 1] + i))
+                : _mm512_setzero_si512();
+            lo = _mm512_dpwssd_epi32(lo, _mm512_unpacklo_epi16(a, b), pairs[t / 2]);
+            hi = _mm512_dpwssd_epi32(hi, _mm512_unpackhi_epi16(a, b), pairs[t / 2]);
+        }
+        _mm512_storeu_si512((void *)(acc + i), _mm512_permutex2var_epi64(lo, first, hi));
+        _mm512_storeu_si512((void *)(acc + i + 16), _mm512_permutex2var_epi64(lo, second, hi));
+    }
+}
+#endif
+
+/* acc[0, span) = bias + the taps' sums over the whole stride-1 plane, one loop per tap. */
+static void depthwise_span(const int16_t *plane, const qdepth_job *j, const int8_t *taps,
+                           int32_t wz, int32_t bias, int64_t span, int32_t *acc)
+{
+    const int64_t *g = j->g;
+    for (int64_t i = 0; i < span; i++) acc[i] = bias;
+    for (int64_t ky = 0; ky < g[Q_KH]; ky++)
+        for (int64_t kx = 0; kx < g[Q_KW]; kx++) {
+            int32_t tap = (int32_t)taps[ky * g[Q_KW] + kx] - wz;
+            const int16_t *p = plane + ky * g[Q_DH] * j->wp + kx * g[Q_DW];
+            for (int64_t i = 0; i < span; i++) acc[i] += tap * p[i];
+        }
+}
+
+/* One input row as int16 (x - zero point). */
+static void widen_row(const uint8_t *src, int64_t w, int64_t is_signed, int32_t xz, int16_t *row)
+{
+    int64_t xx = 0;
+#if QISA == 2
+    __m512i z = _mm512_set1_epi16((int16_t)xz);
+    for (; xx + 32 <= w; xx += 32) {
+        __m256i v = _mm256_loadu_si256((const void *)(src + xx));
+        __m512i wide = is_signed ? _mm512_cvtepi8_epi16(v) : _mm512_cvtepu8_epi16(v);
+        _mm512_storeu_si512((void *)(row + xx), _mm512_sub_epi16(wide, z));
+    }
+#endif
+    if (is_signed)
+        for (; xx < w; xx++) row[xx] = (int16_t)((int8_t)src[xx] - xz);
+    else
+        for (; xx < w; xx++) row[xx] = (int16_t)(src[xx] - xz);
+}
+
+#if QISA == 2
+/* A strided depthwise channel, an output row at a time through depthwise_pairs: the
+ * padded plane's columns split into sw phases (phase r: the columns x = r mod sw,
+ * [hp][wq] each), so each tap reads one phase contiguously. */
+static void depthwise_strided(const qdepth_job *j, const int16_t *plane, int16_t *phases,
+                              const int32_t *shifted, int32_t bias, int32_t *acc, int64_t ch,
+                              char *out, size_t item)
+{
+    const int64_t *g = j->g;
+    int64_t oh = g[Q_OH], ow = g[Q_OW], kh = g[Q_KH], kw = g[Q_KW], sh = g[Q_SH], sw = g[Q_SW];
+    int64_t wq = (j->wp + sw - 1) / sw;
+    for (int64_t r = 0; r < sw; r++)
+        for (int64_t y = 0; y < j->hp; y++) {
+            int16_t *dst = phases + (r * j->hp + y) * wq;
+            const int16_t *row = plane + y * j->wp + r;
+            int64_t n = (j->wp - r + sw - 1) / sw;     /* the phase's columns in the row */
+            for (int64_t x = 0; x < n; x++) dst[x] = row[x * sw];
+            for (int64_t x = n; x < wq; x++) dst[x] = 0;
+        }
+    int64_t offsets[DW_TAPS];
+    for (int64_t oy = 0; oy < oh; oy++) {
+        for (int64_t t = 0; t < kh * kw; t++) {
+            int64_t col = (t % kw) * g[Q_DW], row = oy * sh + (t / kw) * g[Q_DH];
+            offsets[t] = ((col % sw) * j->hp + row) * wq + col / sw;
+        }
+        depthwise_pairs(phases, offsets, kh * kw, shifted, bias, ow, acc);
+        for (int64_t o = 0; o < ow; o += NB)
+            store_row(acc + o, ow - o < NB ? ow - o : NB, NULL, j->q.mult[ch], &j->q,
+                      out + (size_t)(oy * ow + o) * item);
+    }
+}
+#endif
+
+/* int16 values of the scratch's plane, then of its phases (strided), before acc. */
+static int64_t depth_plane_values(const qdepth_job *j)
+{
+    return (j->hp * j->wp + DW_SLACK + 1) / 2 * 2;
+}
+
+static int64_t depth_phase_values(const qdepth_job *j)
+{
+    int64_t sw = j->g[Q_SW];
+    return sw == 1 && j->g[Q_SH] == 1 ? 0
+        : (sw * j->hp * ((j->wp + sw - 1) / sw) + DW_SLACK + 1) / 2 * 2;
+}
+
 static void qdepth_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
 {
     const qdepth_job *j = ctx;
@@ -583,35 +779,43 @@ static void qdepth_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
     int64_t c = g[Q_C], h = g[Q_H], w = g[Q_W], oh = g[Q_OH], ow = g[Q_OW];
     int64_t kh = g[Q_KH], kw = g[Q_KW], sh = g[Q_SH], sw = g[Q_SW];
     int16_t *plane = (int16_t *)scratch;
-    int32_t *acc = (int32_t *)(plane + ((j->hp * j->wp + 1) / 2) * 2);
+    int16_t *phases = plane + depth_plane_values(j);
+    int32_t *acc = (int32_t *)(void *)(phases + depth_phase_values(j));
     size_t item = j->q.kind == KIND_F32 ? 4 : 1;
     for (int64_t t = lo; t < hi; t++) {
         int64_t ch = t % c;
         const uint8_t *src = j->x + t * h * w;
-        memset(plane, 0, (size_t)(j->hp * j->wp) * sizeof *plane);
-        for (int64_t y = 0; y < h; y++) {
-            int16_t *row = plane + (y + g[Q_PT]) * j->wp + g[Q_PL];
-            if (j->is_signed)
-                for (int64_t xx = 0; xx < w; xx++)
-                    row[xx] = (int16_t)((int8_t)src[y * w + xx] - j->xz);
-            else
-                for (int64_t xx = 0; xx < w; xx++) row[xx] = (int16_t)(src[y * w + xx] - j->xz);
-        }
+        memset(plane, 0, (size_t)(j->hp * j->wp + DW_SLACK) * sizeof *plane);
+        for (int64_t y = 0; y < h; y++)
+            widen_row(src + y * w, w, j->is_signed, j->xz,
+                      plane + (y + g[Q_PT]) * j->wp + g[Q_PL]);
         const int8_t *taps = j->w + ch * kh * kw;
         int32_t wz = j->wz ? j->wz[ch] : 0;
         char *out = (char *)j->y + (size_t)(t * oh * ow) * item;
         int32_t bias = j->q.bias_r ? j->q.bias_r[ch] : 0;
+#if QISA == 2
+        int32_t shifted[DW_TAPS];
+        int64_t offsets[DW_TAPS];
+        int paired = kh * kw <= DW_TAPS;
+        for (int64_t k = 0; paired && k < kh * kw; k++) {
+            shifted[k] = (int32_t)taps[k] - wz;
+            offsets[k] = (k / kw) * g[Q_DH] * j->wp + (k % kw) * g[Q_DW];
+        }
+        if (paired && (sh != 1 || sw != 1)) {
+            depthwise_strided(j, plane, phases, shifted, bias, acc, ch, out, item);
+            continue;
+        }
+#endif
         if (sh == 1 && sw == 1) {
             /* every output row at once, over padded row positions (the columns past
              * ow are computed and dropped): one long loop per tap */
             int64_t span = (oh - 1) * j->wp + ow;
-            for (int64_t i = 0; i < span; i++) acc[i] = bias;
-            for (int64_t ky = 0; ky < kh; ky++)
-                for (int64_t kx = 0; kx < kw; kx++) {
-                    int32_t tap = (int32_t)taps[ky * kw + kx] - wz;
-                    const int16_t *p = plane + ky * g[Q_DH] * j->wp + kx * g[Q_DW];
-                    for (int64_t i = 0; i < span; i++) acc[i] += tap * p[i];
-                }
+#if QISA == 2
+            if (paired)
+                depthwise_pairs(plane, offsets, kh * kw, shifted, bias, span, acc);
+            else
+#endif
+                depthwise_span(plane, j, taps, wz, bias, span, acc);
             for (int64_t oy = 0; oy < oh; oy++)
                 for (int64_t o = 0; o < ow; o += NB)
                     store_row(acc + oy * j->wp + o, ow - o < NB ? ow - o : NB, NULL,
@@ -657,6 +861,94 @@ int64_t keel_qdepthwise_u8s8(const uint8_t *x, int64_t is_signed, int64_t xz, co
     j.q = (requant){bias_r, NULL, NULL, NULL, NULL, mult, 0, quant[0], quant[1], quant[2],
                     quant[3]};
     j.y = y;
-    int64_t floats = (j.hp * j.wp + 1) / 2 + j.g[Q_OH] * j.wp + 16;
+    int64_t floats = (depth_plane_values(&j) + depth_phase_values(&j)) / 2 +
+                     j.g[Q_OH] * j.wp + 16 + DW_SLACK;
     return run_parts(qdepth_task, &j, j.g[Q_N] * j.g[Q_C], parts, floats);
+}
+
+/* ---- QLinearAdd: DequantizeLinear of a and b, Add, [ReLU], QuantizeLinear ---------------
+ *
+ * Each step in float32, as keel's kernels for those nodes compute it: (v - zero point) *
+ * scale rounded once to float32 (the exact product, as the float64 DequantizeLinear rounds
+ * it), the float32 sum, max(0, sum) for a fused ReLU, the float32 division by y_scale,
+ * round half to even, plus y's zero point, saturated. The same bits as the unfused nodes;
+ * no multiply may be contracted into the add (an FMA rounds once where they round twice),
+ * hence the pragma. The scales are finite and positive (the caller's check), so no NaN
+ * arises. */
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+/* flags: bit 0 a is int8, bit 1 b is int8, bit 2 y is int8, bit 3 ReLU. */
+typedef struct {
+    const uint8_t *a, *b;
+    float sa, sb, sy, za, zb, zy, lo, hi;
+    int64_t flags;
+    uint8_t *y;
+} qadd_job;
+
+static inline float qadd_one(const qadd_job *j, int64_t i)
+{
+    float va = j->flags & 1 ? (float)(int8_t)j->a[i] : (float)j->a[i];
+    float vb = j->flags & 2 ? (float)(int8_t)j->b[i] : (float)j->b[i];
+    float da = (va - j->za) * j->sa;
+    float db = (vb - j->zb) * j->sb;
+    float s = da + db;
+    if ((j->flags & 8) && !(s > 0.0f)) s = 0.0f;
+    float t = nearbyintf(s / j->sy) + j->zy;
+    return t < j->lo ? j->lo : t > j->hi ? j->hi : t;
+}
+
+#if QISA == 2
+static inline __m512 qadd_widen(const uint8_t *p, __mmask16 k, int is_signed)
+{
+    __m128i v = _mm_maskz_loadu_epi8(k, p);
+    return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
+}
+#endif
+
+static void qadd_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
+{
+    const qadd_job *j = ctx;
+    (void)scratch;
+    int64_t i = lo;
+#if QISA == 2
+    __m512 sa = _mm512_set1_ps(j->sa), sb = _mm512_set1_ps(j->sb), sy = _mm512_set1_ps(j->sy);
+    __m512 za = _mm512_set1_ps(j->za), zb = _mm512_set1_ps(j->zb), zy = _mm512_set1_ps(j->zy);
+    __m512 vlo = _mm512_set1_ps(j->lo), vhi = _mm512_set1_ps(j->hi);
+    __m512 zero = _mm512_setzero_ps();
+    for (; i < hi; i += 16) {
+        __mmask16 k = hi - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (hi - i)) - 1);
+        __m512 da = _mm512_mul_ps(_mm512_sub_ps(qadd_widen(j->a + i, k, j->flags & 1), za), sa);
+        __m512 db = _mm512_mul_ps(_mm512_sub_ps(qadd_widen(j->b + i, k, j->flags & 2), zb), sb);
+        __m512 s = _mm512_add_ps(da, db);
+        if (j->flags & 8) s = _mm512_max_ps(s, zero);
+        __m512 t = _mm512_roundscale_ps(_mm512_div_ps(s, sy),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        t = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(t, zy), vlo), vhi);
+        _mm_mask_storeu_epi8(j->y + i, k, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(t)));
+    }
+#endif
+    for (; i < hi; i++) {
+        int32_t t = (int32_t)qadd_one(j, i);
+        j->y[i] = (uint8_t)(j->flags & 4 ? (uint8_t)(int8_t)t : (uint8_t)t);
+    }
+}
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
+
+/* y[n] = QLinearAdd(a[n], b[n]) for same-shaped 8-bit a and b. scales = {a_scale,
+ * b_scale, y_scale}; points = {a, b and y zero points, y's lo, hi}; flags as qadd_job's.
+ * The n elements split into `parts` contiguous runs, one per thread. */
+int64_t keel_qadd_u8(const uint8_t *a, const uint8_t *b, int64_t n, const float *scales,
+                     const int64_t *points, int64_t flags, uint8_t *y, int64_t parts)
+{
+    if (n <= 0) return 0;
+    qadd_job j = {a, b, scales[0], scales[1], scales[2], (float)points[0], (float)points[1],
+                  (float)points[2], (float)points[3], (float)points[4], flags, y};
+    return run_parts(qadd_task, &j, n, parts, 1);
 }

@@ -241,3 +241,19 @@ def test_qlinear_add_broadcasting_falls_back_to_the_numpy_kernel(path: str) -> N
     attrs = {"activation": "relu"}
     want = _unfused_add(inputs, True)
     np.testing.assert_array_equal(_run(CPU, Op.QLINEAR_ADD, inputs, attrs, "int8", 2), want)
+
+
+# ---- QuantizeLinear of float32 ---------------------------------------------------------------
+@pytest.mark.parametrize("zp", [np.array(7, np.uint8), np.array(-3, np.int8), None],
+                         ids=["uint8", "int8", "no-zero-point"])
+def test_quantize_linear_matches_the_reference(path: str, zp: Any) -> None:
+    x = RNG.uniform(-9, 9, (4, 67, 411)).astype(np.float32)    # three runs of 32,768+
+    flat = x.reshape(-1)
+    flat[:8] = [np.nan, np.inf, -np.inf, 1e30, -1e30, 0.25, 0.75, -0.25]  # ties at scale 0.5
+    inputs = [x, np.float32(0.5), zp] if zp is not None else [x, np.float32(0.5)]
+    attrs = get_schema(Op.QUANTIZE_LINEAR).normalize_attrs({})
+    want = _run(REFERENCE, Op.QUANTIZE_LINEAR, inputs, attrs, "default")
+    for threads in (1, 2, 3):
+        got = _run(CPU, Op.QUANTIZE_LINEAR, inputs, attrs, "int8", threads)
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)

@@ -33,7 +33,7 @@ from keel.native.pool import parts
 from keel.ops.schemas.quantization import QUANT_RANGES, ConvGeometry
 
 __all__ = ["ISA_NAMES", "PackedConv", "PackedMatmul", "available", "conv2d", "isa", "matmul",
-           "pack_conv", "pack_matmul", "qlinear_add"]
+           "pack_conv", "pack_matmul", "qlinear_add", "quantize"]
 
 LIBRARY = "qgemm"
 ISA_NAMES = {2: "avx512-vnni", 1: "avx-vnni", 0: "portable"}
@@ -51,6 +51,7 @@ class _Functions:
     direct: Any
     depthwise: Any
     add: Any
+    quantize: Any
 
 
 def _load() -> _Functions | None:
@@ -71,6 +72,7 @@ def _bind(lib: native.NativeLibrary) -> _Functions:
         direct=f("keel_qconv2d_direct_u8s8", [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _I], _I),
         depthwise=f("keel_qdepthwise_u8s8", [_P, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I], _I),
         add=f("keel_qadd_u8", [_P, _P, _I, _P, _P, _I, _P, _I], _I),
+        quantize=f("keel_quantize_f32", [_P, _I, ctypes.c_double, _P, _P, _I], _I),
     )
 
 
@@ -292,6 +294,19 @@ def qlinear_add(a: np.ndarray, a_zero_point: int, b: np.ndarray, b_zero_point: i
     rc = fns.add(_ptr(a), _ptr(b), a.size, _ptr(np.asarray(scales, dtype=np.float32)),
                  _ptr(np.array([a_zero_point, b_zero_point, y_zero_point, lo, hi],
                                dtype=np.int64)), flags, _ptr(y), count)
+    _check(rc)
+
+
+# ---- QuantizeLinear --------------------------------------------------------------------------
+def quantize(x: np.ndarray, scale: float, y_zero_point: int, y: np.ndarray,
+             threads: int = 1) -> None:
+    """``y`` (8-bit) = QuantizeLinear of the contiguous float32 ``x`` with one float32
+    ``scale`` and zero point, as the NumPy kernel computes it."""
+    fns = _functions()
+    lo, hi = QUANT_RANGES[DType.from_numpy(y.dtype)]
+    count = parts(x.size, max(1, threads), planner_rules().QADD_MIN_ELEMENTS_PER_THREAD)
+    rc = fns.quantize(_ptr(x), x.size, scale, _ptr(np.array([y_zero_point, lo, hi],
+                                                             dtype=np.int64)), _ptr(y), count)
     _check(rc)
 
 

@@ -241,3 +241,27 @@ def qlinear_add(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> l
                               float(y_s.reshape(()))), int(y_zp.reshape(())),
                              attrs["activation"] == "relu", y, _threads(ctx))
     return _deliver(y, out)
+
+
+# ---- QuantizeLinear of float32, per tensor -----------------------------------------------------
+def _quantize_served(x: Any, scale: Any, zp: Any, attrs: Attrs) -> bool:
+    return (native_qgemm.available() and x.dtype == np.float32 and _scalar(scale)
+            and scale.dtype == np.float32 and (zp is None or (_eight_bit(zp) and _scalar(zp)))
+            and attrs["precision"] is None and attrs["output_dtype"] in (None, _out_type(zp)))
+
+
+def _out_type(zp: Any) -> DType:
+    return DType.UINT8 if zp is None else DType.from_numpy(zp.dtype)
+
+
+@TABLE.kernel(Op.QUANTIZE_LINEAR, variant="int8", dtypes=("float32",), supports_out=True,
+              shapes="float32 to 8 bits, per tensor", **_META)
+def quantize_linear(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """One native pass (16 lanes at a time with AVX-512); other cases the NumPy kernel."""
+    x, scale, zp = inputs[0], inputs[1], optional_input(inputs, 2)
+    if not _quantize_served(x, scale, zp, attrs):
+        return list(quantization.quantize_linear(ctx, inputs, attrs, out))
+    y = _out(out, x.shape, np.dtype(_out_type(zp).numpy))
+    native_qgemm.quantize(np.ascontiguousarray(x), float(scale.reshape(())),
+                          0 if zp is None else int(zp.reshape(())), y, _threads(ctx))
+    return _deliver(y, out)

@@ -714,10 +714,11 @@ static void widen_row(const uint8_t *src, int64_t w, int64_t is_signed, int32_t 
     int64_t xx = 0;
 #if QISA == 2
     __m512i z = _mm512_set1_epi16((int16_t)xz);
-    for (; xx + 32 <= w; xx += 32) {
-        __m256i v = _mm256_loadu_si256((const void *)(src + xx));
+    for (; xx < w; xx += 32) {
+        __mmask32 k = w - xx >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (w - xx)) - 1);
+        __m256i v = _mm256_maskz_loadu_epi8(k, src + xx);
         __m512i wide = is_signed ? _mm512_cvtepi8_epi16(v) : _mm512_cvtepu8_epi16(v);
-        _mm512_storeu_si512((void *)(row + xx), _mm512_sub_epi16(wide, z));
+        _mm512_mask_storeu_epi16(row + xx, k, _mm512_sub_epi16(wide, z));
     }
 #endif
     if (is_signed)
@@ -742,7 +743,20 @@ static void depthwise_strided(const qdepth_job *j, const int16_t *plane, int16_t
             int16_t *dst = phases + (r * j->hp + y) * wq;
             const int16_t *row = plane + y * j->wp + r;
             int64_t n = (j->wp - r + sw - 1) / sw;     /* the phase's columns in the row */
-            for (int64_t x = 0; x < n; x++) dst[x] = row[x * sw];
+            int64_t x = 0;
+            if (sw == 2) {
+                /* 32 at a time: every other value of 64, picked by one permutation */
+                static const int16_t picks[32] = {
+                    0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
+                    32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62};
+                const __m512i even = _mm512_loadu_si512((const void *)picks);
+                for (; x + 32 <= n && 2 * x + 64 <= j->wp - r; x += 32) {
+                    __m512i a = _mm512_loadu_si512((const void *)(row + 2 * x));
+                    __m512i b = _mm512_loadu_si512((const void *)(row + 2 * x + 32));
+                    _mm512_storeu_si512((void *)(dst + x), _mm512_permutex2var_epi16(a, even, b));
+                }
+            }
+            for (; x < n; x++) dst[x] = row[x * sw];
             for (int64_t x = n; x < wq; x++) dst[x] = 0;
         }
     int64_t offsets[DW_TAPS];
@@ -951,4 +965,51 @@ int64_t keel_qadd_u8(const uint8_t *a, const uint8_t *b, int64_t n, const float 
     qadd_job j = {a, b, scales[0], scales[1], scales[2], (float)points[0], (float)points[1],
                   (float)points[2], (float)points[3], (float)points[4], flags, y};
     return run_parts(qadd_task, &j, n, parts, 1);
+}
+
+/* ---- QuantizeLinear of float32 to 8 bits, per tensor -------------------------------------
+ *
+ * y = saturate(round_half_even(x / scale) + zero point): the float32 division, the
+ * rounding and the addition of the zero point in float32 as keel's NumPy kernel does
+ * them, NaN to 0, then the clamp. */
+
+typedef struct {
+    const float *x;
+    float scale, zp, lo, hi;
+    uint8_t *y;
+} quantize_job;
+
+static void quantize_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
+{
+    const quantize_job *j = ctx;
+    (void)scratch;
+    int64_t i = lo;
+#if QISA == 2
+    __m512 s = _mm512_set1_ps(j->scale), zp = _mm512_set1_ps(j->zp);
+    __m512 vlo = _mm512_set1_ps(j->lo), vhi = _mm512_set1_ps(j->hi);
+    for (; i < hi; i += 16) {
+        __mmask16 k = hi - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (hi - i)) - 1);
+        __m512 t = _mm512_roundscale_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(k, j->x + i), s),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        t = _mm512_add_ps(t, zp);
+        t = _mm512_mask_mov_ps(t, _mm512_cmp_ps_mask(t, t, _CMP_UNORD_Q), _mm512_setzero_ps());
+        t = _mm512_min_ps(_mm512_max_ps(t, vlo), vhi);
+        _mm_mask_storeu_epi8(j->y + i, k, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(t)));
+    }
+#endif
+    for (; i < hi; i++) {
+        float t = nearbyintf(j->x[i] / j->scale) + j->zp;
+        t = t != t ? 0.0f : t < j->lo ? j->lo : t > j->hi ? j->hi : t;
+        j->y[i] = (uint8_t)(int32_t)t;
+    }
+}
+
+/* y[n] = QuantizeLinear(x[n]) with one scale and zero point; points = {zero point, lo,
+ * hi} of y's type. The n elements split into `parts` contiguous runs. */
+int64_t keel_quantize_f32(const float *x, int64_t n, double scale, const int64_t *points,
+                          uint8_t *y, int64_t parts)
+{
+    if (n <= 0) return 0;
+    quantize_job j = {x, (float)scale, (float)points[0], (float)points[1], (float)points[2], y};
+    return run_parts(quantize_task, &j, n, parts, 1);
 }

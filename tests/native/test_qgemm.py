@@ -112,6 +112,10 @@ CONVS = [
     (np.int8, np.int8, False, 2, 6, 5, 37, 8, 3, 1, 1, 1, 1),       # rows of 16 pixels + tail
     (np.uint8, np.int8, False, 1, 16, 20, 20, 16, 3, 1, 1, 1, 1),
     (np.uint8, np.uint8, True, 2, 4, 11, 23, 4, 5, 1, 2, 1, 4),     # depthwise 5x5: odd taps
+    (np.uint8, np.int8, True, 2, 40, 9, 9, 40, 3, 2, 1, 1, 40),     # depthwise, 32 channels + 8
+    # depthwise planes past INT8_DEPTHWISE_LANES_MAX_PIXELS: the plane-wise kernel
+    (np.uint8, np.int8, True, 1, 3, 40, 40, 3, 3, 1, 1, 1, 3),
+    (np.int8, np.int8, False, 1, 2, 70, 66, 2, 3, 2, 1, 1, 2),
 ]
 
 

@@ -50,6 +50,7 @@ class _Functions:
     conv: Any
     direct: Any
     depthwise: Any
+    depthwise_lanes: Any
     add: Any
     quantize: Any
 
@@ -71,6 +72,8 @@ def _bind(lib: native.NativeLibrary) -> _Functions:
         conv=f("keel_qconv2d_u8s8", [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P, _I], _I),
         direct=f("keel_qconv2d_direct_u8s8", [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _I], _I),
         depthwise=f("keel_qdepthwise_u8s8", [_P, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I], _I),
+        depthwise_lanes=f("keel_qdepthwise_cl_u8s8", [_P, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I],
+                          _I),
         add=f("keel_qadd_u8", [_P, _P, _I, _P, _P, _I, _P, _I], _I),
         quantize=f("keel_quantize_f32", [_P, _I, ctypes.c_double, _P, _P, _I], _I),
     )
@@ -195,13 +198,17 @@ def conv2d(x: np.ndarray, x_zero_point: int, packed: PackedConv, geo: ConvGeomet
     quant = _quant(DType.from_numpy(y.dtype), y_zero_point)
     if packed.taps is not None and geo.group == c == m:
         raw = np.ascontiguousarray(bias, dtype=np.int32) if bias is not None else None
-        rc = fns.depthwise(_ptr(xc), int(x.dtype == np.int8), int(x_zero_point),
-                           _ptr(packed.taps), _ptr(packed.zero_points) if np.any(
-                               packed.zero_points) else None, _ptr(geometry), _ptr(raw),
-                           _ptr(mult), _ptr(quant), _ptr(y), count)
-        if rc != -2:
-            _check(rc)
-            return
+        kernels = [fns.depthwise]
+        if oh * ow <= planner_rules().INT8_DEPTHWISE_LANES_MAX_PIXELS:
+            kernels.insert(0, fns.depthwise_lanes)
+        for kernel in kernels:
+            rc = kernel(_ptr(xc), int(x.dtype == np.int8), int(x_zero_point),
+                        _ptr(packed.taps), _ptr(packed.zero_points) if np.any(
+                            packed.zero_points) else None, _ptr(geometry), _ptr(raw),
+                        _ptr(mult), _ptr(quant), _ptr(y), count)
+            if rc != -2:
+                _check(rc)
+                return
     if packed.direct is not None and geo.group == 1 and geo.strides == (1, 1) and \
             geo.dilations == (1, 1):
         c4 = packed.direct.shape[1] // (kh * kw)

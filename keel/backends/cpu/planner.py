@@ -289,6 +289,13 @@ QADD_REASON = ("qlinear_add: the native 8-bit kernel, DequantizeLinear -> Add ->
 QADD_MIN_ELEMENTS_PER_THREAD = 32_768
 
 
+# An int8 depthwise convolution whose output planes have at most this many pixels runs with
+# the channels in the vector lanes (qgemm.c's qdepth_cl_task): per plane, the plane-wise
+# kernel's setup (padding, widening, a store per output row) outweighs the sums of a small
+# plane (MobileNetV2's 14x14 and 7x7 layers ran ~5-50x slower than onnxruntime's).
+INT8_DEPTHWISE_LANES_MAX_PIXELS = 1024
+
+
 def int8_reason(op: Op) -> str:
     """Why ``op`` runs on the native int8 kernel, naming the instructions it uses."""
     isa = native_qgemm.isa() or "portable"

@@ -856,6 +856,22 @@ static void qdepth_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
     }
 }
 
+/* The padded plane's size and the job's arguments (j->g already set). */
+static void depth_setup(qdepth_job *j, const uint8_t *x, int64_t is_signed, int64_t xz,
+                        const int8_t *w, const int32_t *wz, const int32_t *bias_r,
+                        const double *mult, const int64_t *quant, void *y)
+{
+    const int64_t *g = j->g;
+    j->hp = (g[Q_OH] - 1) * g[Q_SH] + (g[Q_KH] - 1) * g[Q_DH] + 1;
+    j->wp = (g[Q_OW] - 1) * g[Q_SW] + (g[Q_KW] - 1) * g[Q_DW] + 1;
+    if (j->hp < g[Q_H] + g[Q_PT]) j->hp = g[Q_H] + g[Q_PT];
+    if (j->wp < g[Q_W] + g[Q_PL]) j->wp = g[Q_W] + g[Q_PL];
+    j->x = x, j->w = w, j->wz = wz, j->xz = (int32_t)xz, j->is_signed = is_signed;
+    j->q = (requant){bias_r, NULL, NULL, NULL, NULL, mult, 0, quant[0], quant[1], quant[2],
+                     quant[3]};
+    j->y = y;
+}
+
 /* A depthwise 2-D convolution (groups = C = M) of an NCHW 8-bit x (is_signed: int8) with
  * zero point xz, weights [C][KH][KW] as signed bytes with zero points wz (or NULL: all 0),
  * bias_r: the int32 bias per channel (or NULL). Other arguments as keel_qconv2d_u8s8. */
@@ -867,14 +883,7 @@ int64_t keel_qdepthwise_u8s8(const uint8_t *x, int64_t is_signed, int64_t xz, co
     memcpy(j.g, geometry, sizeof j.g);
     if (j.g[Q_N] <= 0 || j.g[Q_OH] <= 0 || j.g[Q_OW] <= 0) return 0;
     if (j.g[Q_G] != j.g[Q_C] || j.g[Q_M] != j.g[Q_C]) return -2;
-    j.hp = (j.g[Q_OH] - 1) * j.g[Q_SH] + (j.g[Q_KH] - 1) * j.g[Q_DH] + 1;
-    j.wp = (j.g[Q_OW] - 1) * j.g[Q_SW] + (j.g[Q_KW] - 1) * j.g[Q_DW] + 1;
-    if (j.hp < j.g[Q_H] + j.g[Q_PT]) j.hp = j.g[Q_H] + j.g[Q_PT];
-    if (j.wp < j.g[Q_W] + j.g[Q_PL]) j.wp = j.g[Q_W] + j.g[Q_PL];
-    j.x = x, j.w = w, j.wz = wz, j.xz = (int32_t)xz, j.is_signed = is_signed;
-    j.q = (requant){bias_r, NULL, NULL, NULL, NULL, mult, 0, quant[0], quant[1], quant[2],
-                    quant[3]};
-    j.y = y;
+    depth_setup(&j, x, is_signed, xz, w, wz, bias_r, mult, quant, y);
     int64_t floats = (depth_plane_values(&j) + depth_phase_values(&j)) / 2 +
                      j.g[Q_OH] * j.wp + 16 + DW_SLACK;
     return run_parts(qdepth_task, &j, j.g[Q_N] * j.g[Q_C], parts, floats);
@@ -1012,4 +1021,117 @@ int64_t keel_quantize_f32(const float *x, int64_t n, double scale, const int64_t
     if (n <= 0) return 0;
     quantize_job j = {x, (float)scale, (float)points[0], (float)points[1], (float)points[2], y};
     return run_parts(quantize_task, &j, n, parts, 1);
+}
+
+/* ---- depthwise convolution, channels in the vector lanes ---------------------------------
+ *
+ * For small planes (where the per-plane work of qdepth_task outweighs its sums): a task
+ * takes one image and a block of 32 channels, copies the block's padded input once as
+ * [Hp * Wp][32] int16 (x - zero point), and for each output pixel sums its taps two at a
+ * time with vpdpwssd over the 32 channels, as depthwise_pairs does over pixels (the same
+ * interleaving, so the same lane order, undone by one permutation). The 32 sums are
+ * requantized with the channels' multipliers (store_row, per column) into [pixels][32]
+ * bytes, copied out to NCHW at the end. Exact int32 sums: the same bits as qdepth_task. */
+
+#if QISA == 2
+#define CL 32
+
+static void qdepth_cl_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
+{
+    const qdepth_job *j = ctx;
+    const int64_t *g = j->g;
+    int64_t c = g[Q_C], h = g[Q_H], w = g[Q_W], oh = g[Q_OH], ow = g[Q_OW];
+    int64_t kh = g[Q_KH], kw = g[Q_KW], ntaps = kh * kw, blocks = (c + CL - 1) / CL;
+    int16_t *xt = (int16_t *)scratch;
+    uint8_t *yt = (uint8_t *)(xt + j->hp * j->wp * CL);
+    const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+    const __m512i second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+    for (int64_t t = lo; t < hi; t++) {
+        int64_t n = t / blocks, c0 = (t % blocks) * CL, nc = c - c0 < CL ? c - c0 : CL;
+        /* lane i of the low accumulator holds channel (i / 4) * 8 + i % 4, of the high
+         * one channel (i / 4) * 8 + 4 + i % 4 */
+        int32_t bias[2][16], pairs[DW_TAPS / 2][2][16];
+        for (int half = 0; half < 2; half++)
+            for (int i = 0; i < 16; i++) {
+                int64_t k = (i / 4) * 8 + 4 * half + i % 4, ch = c0 + k;
+                int valid = k < nc;
+                int32_t wz = valid && j->wz ? j->wz[ch] : 0;
+                bias[half][i] = valid && j->q.bias_r ? j->q.bias_r[ch] : 0;
+                for (int64_t p = 0; p < ntaps; p += 2) {
+                    int32_t a = valid ? (int32_t)j->w[ch * ntaps + p] - wz : 0;
+                    int32_t b = valid && p + 1 < ntaps ? (int32_t)j->w[ch * ntaps + p + 1] - wz : 0;
+                    pairs[p / 2][half][i] = (int32_t)((uint32_t)(uint16_t)(int16_t)a |
+                                                      (uint32_t)(uint16_t)(int16_t)b << 16);
+                }
+            }
+        memset(xt, 0, (size_t)(j->hp * j->wp * CL) * sizeof *xt);
+        for (int64_t k = 0; k < nc; k++) {
+            const uint8_t *src = j->x + ((n * c) + c0 + k) * h * w;
+            for (int64_t y = 0; y < h; y++) {
+                int16_t *row = xt + ((y + g[Q_PT]) * j->wp + g[Q_PL]) * CL + k;
+                if (j->is_signed)
+                    for (int64_t x = 0; x < w; x++)
+                        row[x * CL] = (int16_t)((int8_t)src[y * w + x] - j->xz);
+                else
+                    for (int64_t x = 0; x < w; x++)
+                        row[x * CL] = (int16_t)(src[y * w + x] - j->xz);
+            }
+        }
+        __m512i blo = _mm512_loadu_si512((const void *)bias[0]);
+        __m512i bhi = _mm512_loadu_si512((const void *)bias[1]);
+        for (int64_t oy = 0; oy < oh; oy++)
+            for (int64_t ox = 0; ox < ow; ox++) {
+                __m512i vlo = blo, vhi = bhi;
+                for (int64_t p = 0; p < ntaps; p += 2) {
+                    int64_t ky = p / kw, kx = p % kw;
+                    const int16_t *pa = xt + ((oy * g[Q_SH] + ky * g[Q_DH]) * j->wp +
+                                              ox * g[Q_SW] + kx * g[Q_DW]) * CL;
+                    __m512i a = _mm512_loadu_si512((const void *)pa), b = _mm512_setzero_si512();
+                    if (p + 1 < ntaps) {
+                        int64_t ky1 = (p + 1) / kw, kx1 = (p + 1) % kw;
+                        b = _mm512_loadu_si512((const void *)(
+                            xt + ((oy * g[Q_SH] + ky1 * g[Q_DH]) * j->wp + ox * g[Q_SW] +
+                                  kx1 * g[Q_DW]) * CL));
+                    }
+                    vlo = _mm512_dpwssd_epi32(vlo, _mm512_unpacklo_epi16(a, b),
+                                              _mm512_loadu_si512((const void *)pairs[p / 2][0]));
+                    vhi = _mm512_dpwssd_epi32(vhi, _mm512_unpackhi_epi16(a, b),
+                                              _mm512_loadu_si512((const void *)pairs[p / 2][1]));
+                }
+                int32_t sums[CL];
+                _mm512_storeu_si512((void *)sums, _mm512_permutex2var_epi64(vlo, first, vhi));
+                _mm512_storeu_si512((void *)(sums + 16),
+                                    _mm512_permutex2var_epi64(vlo, second, vhi));
+                store_row(sums, nc, j->q.mult + c0, 0.0, &j->q, yt + (oy * ow + ox) * CL);
+            }
+        uint8_t *out = (uint8_t *)j->y + (n * c + c0) * oh * ow;
+        for (int64_t k = 0; k < nc; k++)
+            for (int64_t p = 0; p < oh * ow; p++) out[k * oh * ow + p] = yt[p * CL + k];
+    }
+}
+#endif
+
+/* keel_qdepthwise_u8s8 with the channels in the vector lanes (8-bit output); -2 where
+ * this build or the geometry has no such path. */
+int64_t keel_qdepthwise_cl_u8s8(const uint8_t *x, int64_t is_signed, int64_t xz,
+                                const int8_t *w, const int32_t *wz, const int64_t *geometry,
+                                const int32_t *bias_r, const double *mult,
+                                const int64_t *quant, void *y, int64_t parts)
+{
+#if QISA == 2
+    qdepth_job j;
+    memcpy(j.g, geometry, sizeof j.g);
+    if (j.g[Q_N] <= 0 || j.g[Q_OH] <= 0 || j.g[Q_OW] <= 0) return 0;
+    if (j.g[Q_G] != j.g[Q_C] || j.g[Q_M] != j.g[Q_C] || quant[3] == KIND_F32 ||
+        j.g[Q_KH] * j.g[Q_KW] > DW_TAPS)
+        return -2;
+    depth_setup(&j, x, is_signed, xz, w, wz, bias_r, mult, quant, y);
+    int64_t floats = j.hp * j.wp * CL / 2 + j.g[Q_OH] * j.g[Q_OW] * CL / 4 + 16;
+    int64_t blocks = (j.g[Q_C] + CL - 1) / CL;
+    return run_parts(qdepth_cl_task, &j, j.g[Q_N] * blocks, parts, floats);
+#else
+    (void)x, (void)is_signed, (void)xz, (void)w, (void)wz, (void)geometry, (void)bias_r;
+    (void)mult, (void)quant, (void)y, (void)parts;
+    return -2;
+#endif
 }

@@ -142,14 +142,16 @@ def test_residual_joins_become_qlinear_add(tmp_path: Path, fmt: str) -> None:
     _agrees_with_onnxruntime(path, proto, threads=1)
 
 
+def _const(name: str, value: Any) -> Any:
+    return onnx.numpy_helper.from_array(np.asarray(value), name)
+
+
 def _join(zero_point: int) -> Any:
     """quantize(x) and quantize(z), dequantized, added, ReLU, quantized with
     ``zero_point``, dequantized: a residual join in QDQ form with its ReLU kept."""
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import TensorProto, helper
 
-    def const(name: str, value: Any) -> Any:
-        return numpy_helper.from_array(np.asarray(value), name)
-
+    const = _const
     nodes = [helper.make_node("QuantizeLinear", ["x", "sx", "zx"], ["xq"]),
              helper.make_node("QuantizeLinear", ["z", "sz", "zz"], ["zq"]),
              helper.make_node("DequantizeLinear", ["xq", "sx", "zx"], ["xd"]),
@@ -176,6 +178,48 @@ def test_a_join_with_its_relu_fuses_and_keeps_the_unfused_bits() -> None:
     assert ops[Op.QLINEAR_ADD].attr("activation") == "relu"
     rng = np.random.default_rng(3)
     feeds = {n: rng.uniform(-3, 3, (2, 8, 9, 9)).astype(np.float32) for n in ("x", "z")}
+    want = keel.load_model(proto, optimization_level="none", backend="reference").predict(feeds)
+    for threads in (1, 2):
+        got = keel.load_model(proto, threads=threads).predict(feeds)
+        np.testing.assert_array_equal(got["y"], want["y"])
+
+
+def _pooled(out_scale: float) -> Any:
+    """Q → DQ → MaxPool (padded) → Q → DQ → Flatten → Q → DQ, the second Q with
+    ``out_scale`` (the first DQ's scale is 0.05)."""
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"]),
+             helper.make_node("MaxPool", ["xd"], ["p"], kernel_shape=[3, 3], strides=[2, 2],
+                              pads=[1, 1, 1, 1]),
+             helper.make_node("QuantizeLinear", ["p", "so", "z"], ["pq"]),
+             helper.make_node("DequantizeLinear", ["pq", "so", "z"], ["pd"]),
+             helper.make_node("Flatten", ["pd"], ["f"]),
+             helper.make_node("QuantizeLinear", ["f", "so", "z"], ["fq"]),
+             helper.make_node("DequantizeLinear", ["fq", "so", "z"], ["y"])]
+    inits = [_const("s", np.float32(0.05)), _const("so", np.float32(out_scale)),
+             _const("z", np.uint8(131))]
+    graph = helper.make_graph(
+        nodes, "pool", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 9, 9])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 75])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+@pytest.mark.parametrize("out_scale", [0.05, 0.07], ids=["same-scale", "other-scale"])
+def test_max_pool_and_flatten_between_equal_parameters_run_on_integers(
+        out_scale: float) -> None:
+    proto = _pooled(out_scale)
+    graph = optimize(import_onnx(proto))
+    made = graph.producers()
+    pool = next(n for n in graph.nodes if n.op is Op.MAX_POOL)
+    flat = next(n for n in graph.nodes if n.op is Op.FLATTEN)
+    reads_integers = made[pool.inputs[0]].op is Op.QUANTIZE_LINEAR
+    assert reads_integers == (out_scale == 0.05)
+    # the Flatten's parameters match either way: it reads the integers of what precedes it
+    assert made[flat.inputs[0]].op is (Op.MAX_POOL if reads_integers else Op.QUANTIZE_LINEAR)
+    rng = np.random.default_rng(4)
+    feeds = {"x": rng.uniform(-8, 5, (2, 3, 9, 9)).astype(np.float32)}
     want = keel.load_model(proto, optimization_level="none", backend="reference").predict(feeds)
     for threads in (1, 2):
         got = keel.load_model(proto, threads=threads).predict(feeds)

@@ -21,7 +21,10 @@ float32 output.
 
 A residual join, ``DQ(a_q) + DQ(b_q) ─ [Relu] ─ Q``, becomes one QLINEAR_ADD
 (its ReLU an attribute): a single pass over the bytes that computes what those
-nodes compute in float32, bit for bit, instead of a float tensor per step.
+nodes compute in float32, bit for bit, instead of a float tensor per step. And
+``DQ(x_q) ─ MaxPool (or Flatten, Reshape, Transpose, Squeeze, Unsqueeze) ─ Q``
+with Q's scale and zero point those of the DQ becomes that op on ``x_q`` itself
+(the same bits, see ``_try_on_integers``).
 
 Only patterns with per-tensor activation parameters, constant integer weights
 (per tensor or per output channel) and no fused epilogue are taken; anything
@@ -47,6 +50,9 @@ __all__ = ["fuse_qdq"]
 
 _EIGHT_BITS = (np.dtype(np.uint8), np.dtype(np.int8))
 _BIAS_LIMIT = float(1 << 30)    # |int32 bias| kept below, with room for the products
+# ops whose every output value is one of the input's (a positive scale keeps MaxPool's order)
+_VALUE_PRESERVING = frozenset({Op.MAX_POOL, Op.FLATTEN, Op.RESHAPE, Op.TRANSPOSE, Op.SQUEEZE,
+                               Op.EXPAND_DIMS})
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,8 @@ def fuse_qdq(graph: Graph) -> Graph:
             _try(rw, node)
         elif node.op is Op.ADD:
             _try_add(rw, node)
+        elif node.op in _VALUE_PRESERVING:
+            _try_on_integers(rw, node)
     return rw.apply()
 
 
@@ -168,6 +176,38 @@ def _try_add(rw: Rewriter, node: Node) -> None:
     attrs = get_schema(Op.QLINEAR_ADD).normalize_attrs({"activation": "relu" if relu else ""})
     rw.replace([node, *tail], [Node(node.name, Op.QLINEAR_ADD, inputs, [q.outputs[0]], attrs,
                                     node.origin)])
+
+
+def _try_on_integers(rw: Rewriter, node: Node) -> None:
+    """DQ → MaxPool (or a reshaping op) → Q with Q's parameters those of the DQ: the op
+    on the integers.
+
+    Each output is one of the dequantized inputs (for MaxPool the largest: a positive
+    scale keeps the order), and quantizing it again with the same scale and zero point
+    gives its integer back exactly (|v - zero point| <= 255 comes back from float32
+    within far less than half a step), so the op on the integers gives the same bits."""
+    x = _activation(rw, node.input(0))
+    if x is None or len(node.outputs) != 1 or not x.zero_point:
+        return
+    q = rw.single_consumer(node.outputs[0])
+    if q is None or q.op is not Op.QUANTIZE_LINEAR or rw.claimed(q) or \
+            q.attr("precision", None) is not None or not q.input(2):
+        return
+    g = rw.graph
+    pairs = ((x.scale, q.input(1)), (x.zero_point, q.input(2)))
+    if not all(_same_constant(g, a, b) for a, b in pairs):
+        return
+    scale = g.constant(x.scale)
+    if scale is None or not float(scale.reshape(())) > 0:
+        return
+    rw.replace([node, q], [Node(node.name, node.op, [x.value, *node.inputs[1:]],
+                                [q.outputs[0]], dict(node.attrs), node.origin)])
+
+
+def _same_constant(g: Graph, a: str, b: str) -> bool:
+    va, vb = g.constant(a), g.constant(b)
+    return (va is not None and vb is not None and va.dtype == vb.dtype and va.size == 1
+            and vb.size == 1 and bool(va.reshape(()) == vb.reshape(())))
 
 
 def _quantized_output(rw: Rewriter, node: Node,

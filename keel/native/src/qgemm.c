@@ -549,6 +549,29 @@ static void build_quads(const qdirect_job *j, int64_t n, uint8_t *xq)
     }
 }
 
+#if QISA == 2 && defined(__AVX512VBMI2__)
+/* Which of a block's 64 padded positions are output pixels (ox < OW, oy < OH), how
+ * many, and the output index of the first. */
+typedef struct {
+    __mmask64 mask;
+    int64_t count, first;
+} block_columns;
+
+static block_columns valid_columns(const qdirect_job *j, int64_t p0)
+{
+    block_columns b = {0, 0, -1};
+    int64_t ow = j->g[Q_OW], end = j->g[Q_OH] * j->wp;
+    for (int64_t t = 0; t < NB && p0 + t < end; t++) {
+        int64_t oy = (p0 + t) / j->wp, ox = (p0 + t) % j->wp;
+        if (ox >= ow) continue;
+        b.mask |= (__mmask64)1 << t;
+        if (b.first < 0) b.first = oy * ow + ox;
+        b.count++;
+    }
+    return b;
+}
+#endif
+
 static void qdirect_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
 {
     const qdirect_job *j = ctx;
@@ -569,6 +592,9 @@ static void qdirect_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
             built = n;
         }
         char *yn = (char *)j->y + n * m * pixels * (j->q.kind == KIND_F32 ? 4 : 1);
+#if QISA == 2 && defined(__AVX512VBMI2__)
+        block_columns valid = valid_columns(j, p0);
+#endif
         for (int64_t i0 = 0; i0 < m; i0 += MR) {
             int64_t mr = m - i0 < MR ? m - i0 : MR;
             tile(j->w + i0 * j->kp, j->kp, mr, xq + p0 * 4, offsets, k4, acc, 0);
@@ -577,6 +603,20 @@ static void qdirect_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
                 /* the whole tile requantized at once, its valid runs copied out */
                 uint8_t bytes[MR * NB];
                 requant_tile(acc, mr, i0, &j->q, bytes);
+#if defined(__AVX512VBMI2__)
+                /* the valid columns, in order, are consecutive outputs: compress them
+                 * together (in a register; the memory form is slow on some cores) */
+                if (valid.mask) {
+                    __mmask64 head = valid.count == 64 ? ~(__mmask64)0
+                                                       : ((__mmask64)1 << valid.count) - 1;
+                    for (int64_t i = 0; i < mr; i++) {
+                        __m512i row = _mm512_loadu_si512((const void *)(bytes + i * NB));
+                        _mm512_mask_storeu_epi8((uint8_t *)yn + (i0 + i) * pixels + valid.first,
+                                                head, _mm512_maskz_compress_epi8(valid.mask, row));
+                    }
+                }
+                continue;
+#endif
                 for (int64_t p = p0; p < p0 + NB && p < oh * j->wp;) {
                     int64_t oy = p / j->wp, ox = p % j->wp;
                     int64_t run = j->wp - ox < p0 + NB - p ? j->wp - ox : p0 + NB - p;

@@ -116,6 +116,8 @@ CONVS = [
     # depthwise planes past INT8_DEPTHWISE_LANES_MAX_PIXELS: the plane-wise kernel
     (np.uint8, np.int8, True, 1, 3, 40, 40, 3, 3, 1, 1, 1, 3),
     (np.int8, np.int8, False, 1, 2, 70, 66, 2, 3, 2, 1, 1, 2),
+    (np.uint8, np.int8, True, 1, 3, 20, 75, 8, 7, 2, 3, 1, 1),      # stride 2, rows past 32
+    (np.uint8, np.int8, False, 2, 5, 9, 8, 6, 1, 2, 0, 1, 1),       # 1x1 stride 2
 ]
 
 

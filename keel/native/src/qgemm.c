@@ -379,6 +379,26 @@ static void fill_row(const qconv_job *j, const uint8_t *plane, const segment *se
             memset(out + b, raw_pad, (size_t)(len - b));
             continue;
         }
+#if QISA == 2
+        if (sw == 2) {
+            /* the pixels whose column falls inside the row, [a, b), 32 at a time: the low
+             * bytes of 32 words are every other byte (masked loads stay in the row) */
+            int64_t a = ix0 < 0 ? (1 - ix0) / 2 : 0, b = w - ix0 > 0 ? (w - ix0 + 1) / 2 : 0;
+            if (a > len) a = len;
+            if (b > len) b = len;
+            if (b < a) b = a;
+            memset(out, raw_pad, (size_t)a);
+            for (int64_t i = a; i < b; i += 32) {
+                int64_t n = b - i < 32 ? b - i : 32;
+                __m512i v = _mm512_maskz_loadu_epi8(((__mmask64)1 << (2 * n - 1)) - 1,
+                                                    src + ix0 + 2 * i);
+                _mm256_mask_storeu_epi8(out + i, (__mmask32)(((uint64_t)1 << n) - 1),
+                                        _mm512_cvtepi16_epi8(v));
+            }
+            memset(out + b, raw_pad, (size_t)(len - b));
+            continue;
+        }
+#endif
         for (int64_t i = 0; i < len; i++) {
             int64_t ix = ix0 + i * sw;
             out[i] = ix >= 0 && ix < w ? src[ix] : raw_pad;

@@ -67,7 +67,8 @@ class _Dequantized:
 
 def fuse_qdq(graph: Graph) -> Graph:
     """A copy of ``graph`` with DQ → Conv/Gemm/MatMul → Q patterns as integer nodes,
-    and DQ → Add → [Relu] → Q as QLINEAR_ADD."""
+    DQ → Add → [Relu] → Q as QLINEAR_ADD, and value-preserving ops between equal DQ
+    and Q parameters on the integers."""
     rw = Rewriter(graph.copy())
     for node in list(rw.graph.nodes):
         if rw.claimed(node):
@@ -107,7 +108,8 @@ def _try(rw: Rewriter, node: Node) -> None:
 # ---- the pattern's parts ---------------------------------------------------------------------
 def _dequantized(rw: Rewriter, name: str) -> _Dequantized | None:
     dq = rw.made_by(name, Op.DEQUANTIZE_LINEAR) if name else None
-    if dq is None or dq.attr("block_size", 0):
+    if dq is None or dq.attr("block_size", 0) or \
+            dq.attr("output_dtype", None) not in (None, DType.FLOAT32):
         return None
     g = rw.graph
     scale = g.constant(dq.input(1))

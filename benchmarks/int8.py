@@ -9,7 +9,9 @@ the convolutions, as onnxruntime's quantization pre-processing does), exported t
 and quantized by ``onnxruntime.quantization.quantize_static``: QDQ format, int8
 weights per output channel, uint8 activations, minmax ranges over random calibration
 samples. Both runtimes run that one file at batch 32 on one thread (keel turns its QDQ
-patterns into integer nodes; onnxruntime into its QLinear kernels). Writes
+patterns into integer nodes; onnxruntime into its QLinear kernels), timed twice: wall
+time by :func:`keel.bench.bench_model`, and the process's CPU time per run, alternating
+pass by pass (what a loaded machine's other work adds less to). Writes
 ``benchmarks/results/int8-<stamp>.json`` with the load average before and after each
 model: time ratios from a busy machine say little.
 """
@@ -18,9 +20,13 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import json
 import os
+import statistics
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,9 +96,47 @@ def _bench(name: str, model: bytes, args: argparse.Namespace) -> dict[str, Any]:
     before = _load_average()
     report = bench_model(f"{name}-int8", model, config,
                          feeds_for=lambda b: {spec.input_name: spec.make_input(b)})
+    cpu = cpu_time_ratio(name, model, args.batch, args.passes, args.pass_seconds)
     return {"model": name, "ratios (keel time / onnxruntime time)": report.ratios,
+            "cpu_time_ratio (keel / onnxruntime)": cpu,
             "load_average": {"before": before, "after": _load_average()},
             "report": report.to_dict() if hasattr(report, "to_dict") else str(report)}
+
+
+def cpu_time_ratio(name: str, model: bytes, batch: int, passes: int,
+                   pass_seconds: float) -> dict[str, float]:
+    """keel's and onnxruntime's CPU time per run of ``model`` (process time: on one
+    thread each, what a loaded machine's other work does not add to), alternating pass
+    by pass; the median ms of each and the median of the passes' ratios."""
+    import onnxruntime as ort
+
+    import keel
+
+    spec = MODELS[name]
+    feeds = {spec.input_name: spec.make_input(batch)}
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = options.inter_op_num_threads = 1
+    session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    runs = {"keel": functools.partial(keel.load_model(model, threads=1).predict, feeds),
+            "onnxruntime": functools.partial(session.run, None, feeds)}
+    per_pass: dict[str, list[float]] = {k: [] for k in runs}
+    for run in runs.values():
+        run()
+    for _ in range(passes):
+        for key, run in runs.items():
+            per_pass[key].append(_cpu_ms_per_run(run, pass_seconds))
+    ratios = [k / o for k, o in zip(per_pass["keel"], per_pass["onnxruntime"], strict=True)]
+    return {"keel_ms": statistics.median(per_pass["keel"]),
+            "onnxruntime_ms": statistics.median(per_pass["onnxruntime"]),
+            "ratio": round(statistics.median(ratios), 3)}
+
+
+def _cpu_ms_per_run(run: Callable[[], Any], seconds: float) -> float:
+    count, start = 0, time.process_time()
+    while count < 2 or time.process_time() - start < seconds:
+        run()
+        count += 1
+    return (time.process_time() - start) * 1e3 / count
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         model = quantize(name)
         row = _bench(name, model, args)
         row["top1_agreement_with_fp32"] = top1_agreement(name, model)
-        print(f"{name}: {row['ratios (keel time / onnxruntime time)']} top-1 agreement "
+        print(f"{name}: {row['ratios (keel time / onnxruntime time)']} cpu time "
+              f"{row['cpu_time_ratio (keel / onnxruntime)']} top-1 agreement "
               f"{row['top1_agreement_with_fp32']:.3f} load {row['load_average']}", flush=True)
         rows.append(row)
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")

@@ -179,6 +179,7 @@ class Op(str, enum.Enum):
     QLINEAR_MATMUL = "qlinear_matmul"
     QLINEAR_CONV = "qlinear_conv"
     QGEMM = "qgemm"
+    QLINEAR_ADD = "qlinear_add"
     # losses
     NEGATIVE_LOG_LIKELIHOOD_LOSS = "negative_log_likelihood_loss"
     SOFTMAX_CROSS_ENTROPY_LOSS = "softmax_cross_entropy_loss"
@@ -313,6 +314,7 @@ class OpGroup(frozenset[Op], enum.Enum):
     QUANTIZATION = frozenset({
         Op.QUANTIZE_LINEAR, Op.DEQUANTIZE_LINEAR, Op.DYNAMIC_QUANTIZE_LINEAR,
         Op.QLINEAR_MATMUL, Op.QLINEAR_CONV, Op.MATMUL_INTEGER, Op.CONV_INTEGER, Op.QGEMM,
+        Op.QLINEAR_ADD,
     })
     # Classical machine learning: the ops of ONNX's ai.onnx.ml domain.
     CLASSICAL_ML = frozenset({

@@ -6,8 +6,8 @@ NaN/inf, zero-size and non-contiguous input. dequantize_linear: every input
 type and granularity. dynamic_quantize_linear: mixed, one-signed and all-zero
 data. qlinear_matmul: both 8-bit types, batches, per-row and per-column
 parameters. qlinear_conv: groups, depthwise, strides, pads, dilations,
-auto_pad, per-channel weights, bias, 1-D and 3-D, pointwise. Integer outputs
-compare exactly.
+auto_pad, per-channel weights, bias, 1-D and 3-D, pointwise. qlinear_add: mixed
+8-bit types, a fused ReLU, broadcasting. Integer outputs compare exactly.
 """
 
 from __future__ import annotations
@@ -241,5 +241,30 @@ def _qgemm_cases() -> list[OpCase]:
     ]
 
 
+def _qlinear_add(a_shape: Sequence[int], b_shape: Sequence[int], a_dtype: Any, b_dtype: Any,
+                 out: Any) -> Make:
+    """QLinearAdd inputs: a and b with their per-tensor parameters, then y's."""
+    def make(rng: Gen) -> list[np.ndarray | None]:
+        def zero_point(dtype: Any) -> np.ndarray:
+            return np.asarray(_ints(rng, (), dtype) // 4)
+
+        return [_ints(rng, a_shape, a_dtype), _scales(rng, ()), zero_point(a_dtype),
+                _ints(rng, b_shape, b_dtype), _scales(rng, ()), zero_point(b_dtype),
+                _scales(rng, ()), zero_point(out)]
+    return make
+
+
+def _qlinear_add_cases() -> list[OpCase]:
+    op = Op.QLINEAR_ADD
+    u8, i8 = np.uint8, np.int8
+    return [
+        OpCase("qlinear_add-u8", op, _qlinear_add((2, 3, 5, 7), (2, 3, 5, 7), u8, u8, u8)),
+        OpCase("qlinear_add-mixed-relu", op, _qlinear_add((4, 33), (4, 33), i8, u8, i8),
+               {"activation": "relu"}),
+        OpCase("qlinear_add-broadcast", op, _qlinear_add((2, 3, 4), (3, 1), u8, i8, u8)),
+    ]
+
+
 CASES: list[OpCase] = [*_quantize_cases(), *_dequantize_cases(), *_dynamic_cases(),
-                       *_qlinear_matmul_cases(), *_qlinear_conv_cases(), *_qgemm_cases()]
+                       *_qlinear_matmul_cases(), *_qlinear_conv_cases(), *_qgemm_cases(),
+                       *_qlinear_add_cases()]

@@ -122,3 +122,105 @@ def test_qoperator_models_with_com_microsoft_ops_run(tmp_path: Path, name: str) 
     graph = optimize(import_onnx(str(path)))
     assert not {Op.CONV, Op.GEMM, Op.MATMUL} & {n.op for n in graph.nodes}
     _agrees_with_onnxruntime(path, proto, threads=1)
+
+
+@pytest.mark.parametrize("fmt", ["qdq", "qoperator"])
+def test_residual_joins_become_qlinear_add(tmp_path: Path, fmt: str) -> None:
+    """DQ → Add → Q (QDQ: onnxruntime folds the ReLU into Q's range) and com.microsoft
+    QLinearAdd (QOperator) both load as one QLINEAR_ADD; keel's cpu and reference
+    backends give the same bits, and onnxruntime agrees within a few steps."""
+    proto = models.resnet_block()
+    path = _folded_and_quantized(tmp_path, proto, fmt)
+    graph = optimize(import_onnx(str(path)))
+    ops = Counter(n.op for n in graph.nodes)
+    assert ops[Op.QLINEAR_ADD] == 1 and ops[Op.ADD] == 0
+    feeds = models.make_inputs(proto, batch=3, seed=5)
+    got = keel.load_model(str(path), threads=2).predict(feeds)
+    ref = keel.load_model(str(path), backend="reference").predict(feeds)
+    for name, value in ref.items():
+        np.testing.assert_array_equal(got[name], value)
+    _agrees_with_onnxruntime(path, proto, threads=1)
+
+
+def _const(name: str, value: Any) -> Any:
+    return onnx.numpy_helper.from_array(np.asarray(value), name)
+
+
+def _join(zero_point: int) -> Any:
+    """quantize(x) and quantize(z), dequantized, added, ReLU, quantized with
+    ``zero_point``, dequantized: a residual join in QDQ form with its ReLU kept."""
+    from onnx import TensorProto, helper
+
+    const = _const
+    nodes = [helper.make_node("QuantizeLinear", ["x", "sx", "zx"], ["xq"]),
+             helper.make_node("QuantizeLinear", ["z", "sz", "zz"], ["zq"]),
+             helper.make_node("DequantizeLinear", ["xq", "sx", "zx"], ["xd"]),
+             helper.make_node("DequantizeLinear", ["zq", "sz", "zz"], ["zd"]),
+             helper.make_node("Add", ["xd", "zd"], ["s"]),
+             helper.make_node("Relu", ["s"], ["r"]),
+             helper.make_node("QuantizeLinear", ["r", "sy", "zy"], ["yq"]),
+             helper.make_node("DequantizeLinear", ["yq", "sy", "zy"], ["y"])]
+    inits = [const("sx", np.float32(0.031)), const("zx", np.uint8(120)),
+             const("sz", np.float32(0.017)), const("zz", np.int8(-5)),
+             const("sy", np.float32(0.029)), const("zy", np.uint8(zero_point))]
+    shape = [2, 8, 9, 9]
+    graph = helper.make_graph(
+        nodes, "join", [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape)
+                        for n in ("x", "z")],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+def test_a_join_with_its_relu_fuses_and_keeps_the_unfused_bits() -> None:
+    proto = _join(zero_point=100)      # not the minimum: the ReLU changes what Q gives
+    ops = {n.op: n for n in optimize(import_onnx(proto)).nodes}
+    assert Op.ADD not in ops and Op.RELU not in ops
+    assert ops[Op.QLINEAR_ADD].attr("activation") == "relu"
+    rng = np.random.default_rng(3)
+    feeds = {n: rng.uniform(-3, 3, (2, 8, 9, 9)).astype(np.float32) for n in ("x", "z")}
+    want = keel.load_model(proto, optimization_level="none", backend="reference").predict(feeds)
+    for threads in (1, 2):
+        got = keel.load_model(proto, threads=threads).predict(feeds)
+        np.testing.assert_array_equal(got["y"], want["y"])
+
+
+def _pooled(out_scale: float) -> Any:
+    """Q → DQ → MaxPool (padded) → Q → DQ → Flatten → Q → DQ, the second Q with
+    ``out_scale`` (the first DQ's scale is 0.05)."""
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"]),
+             helper.make_node("MaxPool", ["xd"], ["p"], kernel_shape=[3, 3], strides=[2, 2],
+                              pads=[1, 1, 1, 1]),
+             helper.make_node("QuantizeLinear", ["p", "so", "z"], ["pq"]),
+             helper.make_node("DequantizeLinear", ["pq", "so", "z"], ["pd"]),
+             helper.make_node("Flatten", ["pd"], ["f"]),
+             helper.make_node("QuantizeLinear", ["f", "so", "z"], ["fq"]),
+             helper.make_node("DequantizeLinear", ["fq", "so", "z"], ["y"])]
+    inits = [_const("s", np.float32(0.05)), _const("so", np.float32(out_scale)),
+             _const("z", np.uint8(131))]
+    graph = helper.make_graph(
+        nodes, "pool", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 9, 9])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 75])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+@pytest.mark.parametrize("out_scale", [0.05, 0.07], ids=["same-scale", "other-scale"])
+def test_max_pool_and_flatten_between_equal_parameters_run_on_integers(
+        out_scale: float) -> None:
+    proto = _pooled(out_scale)
+    graph = optimize(import_onnx(proto))
+    made = graph.producers()
+    pool = next(n for n in graph.nodes if n.op is Op.MAX_POOL)
+    flat = next(n for n in graph.nodes if n.op is Op.FLATTEN)
+    reads_integers = made[pool.inputs[0]].op is Op.QUANTIZE_LINEAR
+    assert reads_integers == (out_scale == 0.05)
+    # the Flatten's parameters match either way: it reads the integers of what precedes it
+    assert made[flat.inputs[0]].op is (Op.MAX_POOL if reads_integers else Op.QUANTIZE_LINEAR)
+    rng = np.random.default_rng(4)
+    feeds = {"x": rng.uniform(-8, 5, (2, 3, 9, 9)).astype(np.float32)}
+    want = keel.load_model(proto, optimization_level="none", backend="reference").predict(feeds)
+    for threads in (1, 2):
+        got = keel.load_model(proto, threads=threads).predict(feeds)
+        np.testing.assert_array_equal(got["y"], want["y"])

@@ -518,7 +518,7 @@ def test_invalid_attribute_value_is_a_format_error() -> None:
 # ---- coverage of the op table ---------------------------------------------------------------
 # Ops no ONNX op imports to: the seed ops, and fusions only passes write.
 KEEL_ONLY = {Op.SUM_ALL, Op.MEAN_ALL, Op.DOT, Op.CONV2D, Op.INDEX, Op.COPY, Op.FILL,
-             Op.SKIP_LAYER_NORM}
+             Op.SKIP_LAYER_NORM, Op.QLINEAR_ADD}
 
 
 def test_every_keel_op_that_onnx_has_is_mapped() -> None:

@@ -109,6 +109,15 @@ CONVS = [
     (np.uint8, np.int8, True, 2, 8, 9, 70, 8, 3, 1, 1, 1, 8),       # depthwise, wide rows
     (np.uint8, np.uint8, False, 1, 5, 11, 11, 5, 3, 2, 1, 1, 5),    # depthwise, stride 2
     (np.int8, np.int8, True, 1, 3, 6, 6, 3, 3, 1, 2, 2, 3),         # depthwise, dilated
+    (np.int8, np.int8, False, 2, 6, 5, 37, 8, 3, 1, 1, 1, 1),       # rows of 16 pixels + tail
+    (np.uint8, np.int8, False, 1, 16, 20, 20, 16, 3, 1, 1, 1, 1),
+    (np.uint8, np.uint8, True, 2, 4, 11, 23, 4, 5, 1, 2, 1, 4),     # depthwise 5x5: odd taps
+    (np.uint8, np.int8, True, 2, 40, 9, 9, 40, 3, 2, 1, 1, 40),     # depthwise, 32 channels + 8
+    # depthwise planes past INT8_DEPTHWISE_LANES_MAX_PIXELS: the plane-wise kernel
+    (np.uint8, np.int8, True, 1, 3, 40, 40, 3, 3, 1, 1, 1, 3),
+    (np.int8, np.int8, False, 1, 2, 70, 66, 2, 3, 2, 1, 1, 2),
+    (np.uint8, np.int8, True, 1, 3, 20, 75, 8, 7, 2, 3, 1, 1),      # stride 2, rows past 32
+    (np.uint8, np.int8, False, 2, 5, 9, 8, 6, 1, 2, 0, 1, 1),       # 1x1 stride 2
 ]
 
 
@@ -189,3 +198,68 @@ def test_the_plan_names_the_instruction_path(path: str) -> None:
     reason = plan.reason("variant")
     words = {"avx512-vnni": "AVX-512 VNNI", "avx-vnni": "AVX-VNNI", "portable": "portable C"}
     assert words[path] in reason
+
+
+# ---- QLinearAdd: DQ -> Add -> [Relu] -> Q in one pass, the unfused nodes' bits ----------
+def _unfused_add(inputs: list[Any], relu: bool) -> np.ndarray:
+    """The reference kernels of the nodes QLINEAR_ADD replaces, one after the other."""
+    a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp = inputs
+    dq = get_schema(Op.DEQUANTIZE_LINEAR).normalize_attrs({})
+    total = _run(REFERENCE, Op.ADD, [_run(REFERENCE, Op.DEQUANTIZE_LINEAR, [a, a_s, a_zp], dq,
+                                          "default"),
+                                     _run(REFERENCE, Op.DEQUANTIZE_LINEAR, [b, b_s, b_zp], dq,
+                                          "default")], {}, "default")
+    if relu:
+        total = _run(REFERENCE, Op.RELU, [total], {}, "default")
+    return _run(REFERENCE, Op.QUANTIZE_LINEAR, [total, y_s, y_zp], {}, "default")
+
+
+# (a dtype, b dtype, y dtype, shape, scales a, b, y): odd sizes leave vector tails; the
+# last case's scales put many sums exactly halfway between two steps (ties to even)
+ADDS = [
+    (np.uint8, np.uint8, np.uint8, (3, 5, 7, 11), (0.021, 0.034, 0.047)),
+    (np.int8, np.uint8, np.int8, (2, 64, 33, 33), (0.013, 0.007, 0.011)),
+    (np.uint8, np.int8, np.uint8, (1, 17), (0.5, 0.25, 0.5)),
+]
+
+
+@pytest.mark.parametrize("relu", [False, True], ids=["plain", "relu"])
+@pytest.mark.parametrize("case", ADDS, ids=lambda c: "x".join(str(d) for d in c[3]))
+def test_qlinear_add_gives_the_unfused_nodes_bits(path: str, case: tuple[Any, ...],
+                                                  relu: bool) -> None:
+    adt, bdt, ydt, shape, (sa, sb, sy) = case
+    inputs = [_q(adt, *shape), np.float32(sa), np.array(5 if adt is np.uint8 else -7, adt),
+              _q(bdt, *shape), np.float32(sb), np.array(120 if bdt is np.uint8 else 2, bdt),
+              np.float32(sy), np.array(9 if ydt is np.uint8 else -3, ydt)]
+    attrs = {"activation": "relu" if relu else ""}
+    want = _unfused_add(inputs, relu)
+    np.testing.assert_array_equal(_reference(Op.QLINEAR_ADD, inputs, attrs), want)
+    for variant, threads in (("default", 1), ("int8", 1), ("int8", 2), ("int8", 3)):
+        got = _run(CPU, Op.QLINEAR_ADD, inputs, attrs, variant, threads)
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
+
+
+def test_qlinear_add_broadcasting_falls_back_to_the_numpy_kernel(path: str) -> None:
+    inputs = [_q(np.uint8, 2, 3, 4, 5), np.float32(0.02), np.array(4, np.uint8),
+              _q(np.uint8, 3, 1, 1), np.float32(0.03), np.array(130, np.uint8),
+              np.float32(0.04), np.array(1, np.uint8)]
+    attrs = {"activation": "relu"}
+    want = _unfused_add(inputs, True)
+    np.testing.assert_array_equal(_run(CPU, Op.QLINEAR_ADD, inputs, attrs, "int8", 2), want)
+
+
+# ---- QuantizeLinear of float32 ---------------------------------------------------------------
+@pytest.mark.parametrize("zp", [np.array(7, np.uint8), np.array(-3, np.int8), None],
+                         ids=["uint8", "int8", "no-zero-point"])
+def test_quantize_linear_matches_the_reference(path: str, zp: Any) -> None:
+    x = RNG.uniform(-9, 9, (4, 67, 411)).astype(np.float32)    # three runs of 32,768+
+    flat = x.reshape(-1)
+    flat[:8] = [np.nan, np.inf, -np.inf, 1e30, -1e30, 0.25, 0.75, -0.25]  # ties at scale 0.5
+    inputs = [x, np.float32(0.5), zp] if zp is not None else [x, np.float32(0.5)]
+    attrs = get_schema(Op.QUANTIZE_LINEAR).normalize_attrs({})
+    want = _run(REFERENCE, Op.QUANTIZE_LINEAR, inputs, attrs, "default")
+    for threads in (1, 2, 3):
+        got = _run(CPU, Op.QUANTIZE_LINEAR, inputs, attrs, "int8", threads)
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)

@@ -33,7 +33,7 @@ from keel.native.pool import parts
 from keel.ops.schemas.quantization import QUANT_RANGES, ConvGeometry
 
 __all__ = ["ISA_NAMES", "PackedConv", "PackedMatmul", "available", "conv2d", "isa", "matmul",
-           "pack_conv", "pack_matmul"]
+           "pack_conv", "pack_matmul", "qlinear_add", "quantize"]
 
 LIBRARY = "qgemm"
 ISA_NAMES = {2: "avx512-vnni", 1: "avx-vnni", 0: "portable"}
@@ -50,6 +50,9 @@ class _Functions:
     conv: Any
     direct: Any
     depthwise: Any
+    depthwise_lanes: Any
+    add: Any
+    quantize: Any
 
 
 def _load() -> _Functions | None:
@@ -69,6 +72,10 @@ def _bind(lib: native.NativeLibrary) -> _Functions:
         conv=f("keel_qconv2d_u8s8", [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P, _I], _I),
         direct=f("keel_qconv2d_direct_u8s8", [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _I], _I),
         depthwise=f("keel_qdepthwise_u8s8", [_P, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I], _I),
+        depthwise_lanes=f("keel_qdepthwise_cl_u8s8", [_P, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I],
+                          _I),
+        add=f("keel_qadd_u8", [_P, _P, _I, _P, _P, _I, _P, _I], _I),
+        quantize=f("keel_quantize_f32", [_P, _I, ctypes.c_double, _P, _P, _I], _I),
     )
 
 
@@ -191,13 +198,17 @@ def conv2d(x: np.ndarray, x_zero_point: int, packed: PackedConv, geo: ConvGeomet
     quant = _quant(DType.from_numpy(y.dtype), y_zero_point)
     if packed.taps is not None and geo.group == c == m:
         raw = np.ascontiguousarray(bias, dtype=np.int32) if bias is not None else None
-        rc = fns.depthwise(_ptr(xc), int(x.dtype == np.int8), int(x_zero_point),
-                           _ptr(packed.taps), _ptr(packed.zero_points) if np.any(
-                               packed.zero_points) else None, _ptr(geometry), _ptr(raw),
-                           _ptr(mult), _ptr(quant), _ptr(y), count)
-        if rc != -2:
-            _check(rc)
-            return
+        kernels = [fns.depthwise]
+        if oh * ow <= planner_rules().INT8_DEPTHWISE_LANES_MAX_PIXELS:
+            kernels.insert(0, fns.depthwise_lanes)
+        for kernel in kernels:
+            rc = kernel(_ptr(xc), int(x.dtype == np.int8), int(x_zero_point),
+                        _ptr(packed.taps), _ptr(packed.zero_points) if np.any(
+                            packed.zero_points) else None, _ptr(geometry), _ptr(raw),
+                        _ptr(mult), _ptr(quant), _ptr(y), count)
+            if rc != -2:
+                _check(rc)
+                return
     if packed.direct is not None and geo.group == 1 and geo.strides == (1, 1) and \
             geo.dilations == (1, 1):
         c4 = packed.direct.shape[1] // (kh * kw)
@@ -272,6 +283,37 @@ def matmul(a: np.ndarray, a_zero_point: int, packed: PackedMatmul, bias: np.ndar
     rc = fns.matmul(_ptr(au), _ptr(packed.panels), rows, packed.n, packed.kp, _ptr(bias_c),
                     _ptr(zv), _ptr(sr), _ptr(mult), 1, _ptr(_quant(out, y_zero_point)),
                     _ptr(y), packed.n, count)
+    _check(rc)
+
+
+# ---- QLinearAdd ---------------------------------------------------------------------------
+def qlinear_add(a: np.ndarray, a_zero_point: int, b: np.ndarray, b_zero_point: int,
+                scales: tuple[float, float, float], y_zero_point: int, relu: bool,
+                y: np.ndarray, threads: int = 1) -> None:
+    """``y`` = QuantizeLinear([ReLU](DequantizeLinear(a) + DequantizeLinear(b))) for
+    same-shaped contiguous 8-bit ``a``, ``b`` and ``y``, in float32 as those nodes compute
+    it; ``scales`` (a's, b's, y's) finite and positive float32 values."""
+    fns = _functions()
+    lo, hi = QUANT_RANGES[DType.from_numpy(y.dtype)]
+    flags = (int(a.dtype == np.int8) | int(b.dtype == np.int8) << 1
+             | int(y.dtype == np.int8) << 2 | int(relu) << 3)
+    count = parts(a.size, max(1, threads), planner_rules().QADD_MIN_ELEMENTS_PER_THREAD)
+    rc = fns.add(_ptr(a), _ptr(b), a.size, _ptr(np.asarray(scales, dtype=np.float32)),
+                 _ptr(np.array([a_zero_point, b_zero_point, y_zero_point, lo, hi],
+                               dtype=np.int64)), flags, _ptr(y), count)
+    _check(rc)
+
+
+# ---- QuantizeLinear --------------------------------------------------------------------------
+def quantize(x: np.ndarray, scale: float, y_zero_point: int, y: np.ndarray,
+             threads: int = 1) -> None:
+    """``y`` (8-bit) = QuantizeLinear of the contiguous float32 ``x`` with one float32
+    ``scale`` and zero point, as the NumPy kernel computes it."""
+    fns = _functions()
+    lo, hi = QUANT_RANGES[DType.from_numpy(y.dtype)]
+    count = parts(x.size, max(1, threads), planner_rules().QADD_MIN_ELEMENTS_PER_THREAD)
+    rc = fns.quantize(_ptr(x), x.size, scale, _ptr(np.array([y_zero_point, lo, hi],
+                                                             dtype=np.int64)), _ptr(y), count)
     _check(rc)
 
 

@@ -254,6 +254,8 @@ def choose_variant(op: Op, input_types: Sequence[TensorType | None], attrs: Mapp
     dtype = input_types[0].dtype if input_types and input_types[0] is not None else None
     if op in INT8_OPS and "int8" in variants:
         name, why = "int8", int8_reason(op)
+    elif op is Op.QLINEAR_ADD and "int8" in variants:
+        name, why = "int8", QADD_REASON
     elif op in CONV_OPS and len(variants) > 1:
         name, why = _choose_conv(op, input_types, attrs, variants, dtype)
     elif op in CONV_OPS and variants["default"].meta.get("dispatcher"):
@@ -276,6 +278,22 @@ _INT8_ISA = {
     "avx-vnni": "AVX-VNNI (vpdpbusd on 256-bit vectors: 32 u8 x s8 products per instruction)",
     "portable": "the portable C path (this build's CPU flags have no AVX-512 VNNI or AVX-VNNI)",
 }
+
+
+QADD_REASON = ("qlinear_add: the native 8-bit kernel, DequantizeLinear -> Add -> [ReLU] -> "
+               "QuantizeLinear in one pass over the bytes, in float32 as those nodes compute "
+               "it (16 lanes at a time with AVX-512)")
+# A QLinearAdd splits over threads only where each gets at least this many elements:
+# it runs about 10 elements per nanosecond (ResNet-20's 32x64x8x8 join, 131,072
+# elements, in ~13 us on one thread), so this is ~3 us per thread, a few dispatches.
+QADD_MIN_ELEMENTS_PER_THREAD = 32_768
+
+
+# An int8 depthwise convolution whose output planes have at most this many pixels runs with
+# the channels in the vector lanes (qgemm.c's qdepth_cl_task): per plane, the plane-wise
+# kernel's setup (padding, widening, a store per output row) outweighs the sums of a small
+# plane (MobileNetV2's 14x14 and 7x7 layers ran ~5-50x slower than onnxruntime's).
+INT8_DEPTHWISE_LANES_MAX_PIXELS = 1024
 
 
 def int8_reason(op: Op) -> str:

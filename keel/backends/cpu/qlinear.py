@@ -214,3 +214,54 @@ def qgemm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[An
 
 TABLE.kernel(Op.QGEMM, variant="int8", dtypes=("uint8", "int8"), supports_out=True,
              prepack=_pack_qgemm, shapes="2-D, 8-bit", **_META)(qgemm)
+
+
+# ---- QLinearAdd ------------------------------------------------------------------------------
+def _add_served(a: Any, a_s: Any, a_zp: Any, b: Any, b_s: Any, b_zp: Any, y_s: Any,
+                y_zp: Any) -> bool:
+    scales = (a_s, b_s, y_s)
+    return (native_qgemm.available() and a.shape == b.shape
+            and _eight_bit(a, b, a_zp, b_zp, y_zp) and a_zp.dtype == a.dtype
+            and b_zp.dtype == b.dtype and all(_scalar(p) for p in (*scales, a_zp, b_zp, y_zp))
+            and all(s.dtype == np.float32 and np.isfinite(s).all() and (s > 0).all()
+                    for s in scales))
+
+
+@TABLE.kernel(Op.QLINEAR_ADD, variant="int8", dtypes=("uint8", "int8"), supports_out=True,
+              shapes="same-shaped 8-bit operands, float32 scales per tensor", **_META)
+def qlinear_add(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """One native pass over the bytes; broadcasting or other scales run the NumPy kernel."""
+    a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp = inputs
+    if not _add_served(a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp):
+        return list(quantization.qlinear_add(ctx, inputs, attrs, out))
+    y = _out(out, a.shape, y_zp.dtype)
+    native_qgemm.qlinear_add(np.ascontiguousarray(a), int(a_zp.reshape(())),
+                             np.ascontiguousarray(b), int(b_zp.reshape(())),
+                             (float(a_s.reshape(())), float(b_s.reshape(())),
+                              float(y_s.reshape(()))), int(y_zp.reshape(())),
+                             attrs["activation"] == "relu", y, _threads(ctx))
+    return _deliver(y, out)
+
+
+# ---- QuantizeLinear of float32, per tensor -----------------------------------------------------
+def _quantize_served(x: Any, scale: Any, zp: Any, attrs: Attrs) -> bool:
+    return (native_qgemm.available() and x.dtype == np.float32 and _scalar(scale)
+            and scale.dtype == np.float32 and (zp is None or (_eight_bit(zp) and _scalar(zp)))
+            and attrs["precision"] is None and attrs["output_dtype"] in (None, _out_type(zp)))
+
+
+def _out_type(zp: Any) -> DType:
+    return DType.UINT8 if zp is None else DType.from_numpy(zp.dtype)
+
+
+@TABLE.kernel(Op.QUANTIZE_LINEAR, variant="int8", dtypes=("float32",), supports_out=True,
+              shapes="float32 to 8 bits, per tensor", **_META)
+def quantize_linear(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """One native pass (16 lanes at a time with AVX-512); other cases the NumPy kernel."""
+    x, scale, zp = inputs[0], inputs[1], optional_input(inputs, 2)
+    if not _quantize_served(x, scale, zp, attrs):
+        return list(quantization.quantize_linear(ctx, inputs, attrs, out))
+    y = _out(out, x.shape, np.dtype(_out_type(zp).numpy))
+    native_qgemm.quantize(np.ascontiguousarray(x), float(scale.reshape(())),
+                          0 if zp is None else int(zp.reshape(())), y, _threads(ctx))
+    return _deliver(y, out)

@@ -192,15 +192,19 @@ def _shifted(xp: Any, v: Any, zero_point: Any) -> Any:
     return y
 
 
+def _check_operands(op: Op, a: Any, a_zp: Any, b: Any, b_zp: Any, y_zp: Any) -> None:
+    check_pair(op, a, a_zp, "a")
+    check_pair(op, b, b_zp, "b")
+    _require(op, "y_zero_point", _dtype(y_zp), _QLINEAR)
+
+
 @TABLE.kernel(Op.QLINEAR_MATMUL, dtypes=_QLINEAR, supports_out=True)
 def qlinear_matmul(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """float64 BLAS matmul of the zero-point-shifted inputs (exact), requantized."""
     xp = ctx.xp
     a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp = inputs
     op = Op.QLINEAR_MATMUL
-    check_pair(op, a, a_zp, "a")
-    check_pair(op, b, b_zp, "b")
-    _require(op, "y_zero_point", _dtype(y_zp), _QLINEAR)
+    _check_operands(op, a, a_zp, b, b_zp, y_zp)
     y_shape = matmul_shape(op, a.shape, b.shape) or (1,)
 
     def shaped(p: Any, operand: Sequence[Any], what: str, per: str) -> Any:
@@ -213,6 +217,33 @@ def qlinear_matmul(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -
     acc *= xp.asarray(mult).astype(np.float64)
     acc += shaped(y_zp, y_shape, "y_zero_point", "row")
     return [_deliver(xp, acc, _dtype(y_zp), out)]
+
+
+@TABLE.kernel(Op.QLINEAR_ADD, dtypes=_QLINEAR, supports_out=True)
+def qlinear_add(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """DequantizeLinear of a and b, Add, [ReLU], QuantizeLinear, each in the type those
+    kernels compute it in (the dequantized values in the scales' type)."""
+    xp = ctx.xp
+    a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp = inputs
+    op = Op.QLINEAR_ADD
+    _check_operands(op, a, a_zp, b, b_zp, y_zp)
+    if any(p.size != 1 for p in (a_s, a_zp, b_s, b_zp, y_s, y_zp)):
+        raise InvalidArgumentError(f"{op.value}: every scale and zero point must be per tensor")
+    total = _dequantized(xp, a, a_s, a_zp) + _dequantized(xp, b, b_s, b_zp)
+    if attrs["activation"] == "relu":
+        xp.maximum(total, total.dtype.type(0), out=total)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        total /= y_s.reshape(())
+    q = xp.rint(total).astype(np.float64)
+    q += float(y_zp.reshape(()))
+    return [_deliver(xp, q, _dtype(y_zp), out)]
+
+
+def _dequantized(xp: Any, v: Any, scale: Any, zero_point: Any) -> Any:
+    """(v - zero point) * scale rounded once into the scale's type (exact before it)."""
+    y = _shifted(xp, v, float(zero_point.reshape(())))
+    y *= scale.reshape(())
+    return y.astype(scale.dtype)
 
 
 def _im2col_conv(xp: Any, x: Any, w: Any, geo: ConvGeometry) -> Any:

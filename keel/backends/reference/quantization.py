@@ -187,6 +187,32 @@ def qlinear_matmul(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -
     return [_saturate(np.asarray(y), _dtype(y_zp))]
 
 
+@TABLE.kernel(Op.QLINEAR_ADD, dtypes=_QLINEAR)
+def qlinear_add(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """DequantizeLinear of a and b, Add, [ReLU], QuantizeLinear: each step as those
+    kernels compute it (the dequantized values and their sum in the scales' type)."""
+    a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp = inputs
+    op = Op.QLINEAR_ADD
+    _check_pair(op, a, a_zp, "a")
+    _check_pair(op, b, b_zp, "b")
+    _require(op, "y_zero_point", _dtype(y_zp), _QLINEAR)
+    for what, p in (("a", a_s), ("a", a_zp), ("b", b_s), ("b", b_zp), ("y", y_s), ("y", y_zp)):
+        if p.size != 1:
+            raise InvalidArgumentError(f"{op.value}: {what}'s scale and zero point must be "
+                                       f"per tensor, got shape {p.shape}")
+
+    def dequantized(x: np.ndarray, scale: np.ndarray, zp: np.ndarray) -> np.ndarray:
+        exact = (x.astype(np.float64) - float(zp.reshape(()))) * scale.reshape(())
+        return np.asarray(exact).astype(scale.dtype)
+
+    total = dequantized(a, a_s, a_zp) + dequantized(b, b_s, b_zp)
+    if attrs["activation"] == "relu":
+        total = np.maximum(total, total.dtype.type(0))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.rint(total / y_s.reshape(())).astype(np.float64)
+    return [_saturate(q + float(y_zp.reshape(())), _dtype(y_zp))]
+
+
 def conv_float64(x: np.ndarray, w: np.ndarray, geo: ConvGeometry) -> np.ndarray:
     """Direct N-D convolution in float64: a sum over kernel offsets of strided slices."""
     n, c = x.shape[:2]

@@ -107,7 +107,9 @@ def _p(fn: Pass, *needs: set[Op]) -> GraphPass:
 # fold_shapes ends with fold_constants, which has just run: without Shape or
 # Size it has nothing left to fold.
 # fuse_qdq first: constant folding would turn its integer weights back into float ones.
-BASIC = (_p(fuse_qdq, {Op.DEQUANTIZE_LINEAR}, {Op.CONV, Op.GEMM, Op.MATMUL}),
+BASIC = (_p(fuse_qdq, {Op.DEQUANTIZE_LINEAR},
+            {Op.CONV, Op.GEMM, Op.MATMUL, Op.ADD, Op.MAX_POOL, Op.FLATTEN, Op.RESHAPE,
+             Op.TRANSPOSE, Op.SQUEEZE, Op.EXPAND_DIMS}),
          _p(fold_constants), _p(fold_shapes, {Op.SHAPE, Op.SIZE}),
          _p(remove_identity, {Op.IDENTITY, Op.CAST}), _p(eliminate_dead))
 LAYOUT = (_p(cancel_transposes, {Op.TRANSPOSE}), _p(remove_identity, {Op.IDENTITY, Op.CAST}))

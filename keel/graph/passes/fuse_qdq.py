@@ -19,6 +19,13 @@ its type's minimum, so every negative value saturates to it anyway. A Gemm or
 2-D MatMul whose output stays float (no Q after it) becomes a QGEMM with a
 float32 output.
 
+A residual join, ``DQ(a_q) + DQ(b_q) ─ [Relu] ─ Q``, becomes one QLINEAR_ADD
+(its ReLU an attribute): a single pass over the bytes that computes what those
+nodes compute in float32, bit for bit, instead of a float tensor per step. And
+``DQ(x_q) ─ MaxPool (or Flatten, Reshape, Transpose, Squeeze, Unsqueeze) ─ Q``
+with Q's scale and zero point those of the DQ becomes that op on ``x_q`` itself
+(the same bits, see ``_try_on_integers``).
+
 Only patterns with per-tensor activation parameters, constant integer weights
 (per tensor or per output channel) and no fused epilogue are taken; anything
 else keeps running as written. The integer node computes what onnxruntime's
@@ -43,6 +50,9 @@ __all__ = ["fuse_qdq"]
 
 _EIGHT_BITS = (np.dtype(np.uint8), np.dtype(np.int8))
 _BIAS_LIMIT = float(1 << 30)    # |int32 bias| kept below, with room for the products
+# ops whose every output value is one of the input's (a positive scale keeps MaxPool's order)
+_VALUE_PRESERVING = frozenset({Op.MAX_POOL, Op.FLATTEN, Op.RESHAPE, Op.TRANSPOSE, Op.SQUEEZE,
+                               Op.EXPAND_DIMS})
 
 
 @dataclass(frozen=True)
@@ -56,11 +66,19 @@ class _Dequantized:
 
 
 def fuse_qdq(graph: Graph) -> Graph:
-    """A copy of ``graph`` with DQ → Conv/Gemm/MatMul → Q patterns as integer nodes."""
+    """A copy of ``graph`` with DQ → Conv/Gemm/MatMul → Q patterns as integer nodes,
+    DQ → Add → [Relu] → Q as QLINEAR_ADD, and value-preserving ops between equal DQ
+    and Q parameters on the integers."""
     rw = Rewriter(graph.copy())
     for node in list(rw.graph.nodes):
-        if node.op in (Op.CONV, Op.GEMM, Op.MATMUL) and not rw.claimed(node):
+        if rw.claimed(node):
+            continue
+        if node.op in (Op.CONV, Op.GEMM, Op.MATMUL):
             _try(rw, node)
+        elif node.op is Op.ADD:
+            _try_add(rw, node)
+        elif node.op in _VALUE_PRESERVING:
+            _try_on_integers(rw, node)
     return rw.apply()
 
 
@@ -90,7 +108,8 @@ def _try(rw: Rewriter, node: Node) -> None:
 # ---- the pattern's parts ---------------------------------------------------------------------
 def _dequantized(rw: Rewriter, name: str) -> _Dequantized | None:
     dq = rw.made_by(name, Op.DEQUANTIZE_LINEAR) if name else None
-    if dq is None or dq.attr("block_size", 0):
+    if dq is None or dq.attr("block_size", 0) or \
+            dq.attr("output_dtype", None) not in (None, DType.FLOAT32):
         return None
     g = rw.graph
     scale = g.constant(dq.input(1))
@@ -144,9 +163,60 @@ def _weight_axis_fits(g: Graph, node: Node, w: _Dequantized) -> bool:
     return rank == 2 and axis == 1
 
 
-def _quantized_output(rw: Rewriter, node: Node) -> tuple[list[Node], Node | None]:
-    """The Q node quantizing ``node``'s output (through a Relu it makes redundant), and
-    the nodes from ``node`` to it; ([], None) when the output stays float."""
+def _try_add(rw: Rewriter, node: Node) -> None:
+    if node.attr("activation", "") or len(node.outputs) != 1 or len(node.inputs) != 2:
+        return
+    a, b = _activation(rw, node.input(0)), _activation(rw, node.input(1))
+    if a is None or b is None:
+        return
+    tail, q = _quantized_output(rw, node, relu_kept=True)
+    if q is None:
+        return
+    relu = tail[0].op is Op.RELU
+    inputs = [a.value, a.scale, _zero_point(rw, a, ()), b.value, b.scale,
+              _zero_point(rw, b, ()), q.input(1), q.input(2)]
+    attrs = get_schema(Op.QLINEAR_ADD).normalize_attrs({"activation": "relu" if relu else ""})
+    rw.replace([node, *tail], [Node(node.name, Op.QLINEAR_ADD, inputs, [q.outputs[0]], attrs,
+                                    node.origin)])
+
+
+def _try_on_integers(rw: Rewriter, node: Node) -> None:
+    """DQ → MaxPool (or a reshaping op) → Q with Q's parameters those of the DQ: the op
+    on the integers.
+
+    Each output is one of the dequantized inputs (for MaxPool the largest: a positive
+    scale keeps the order), and quantizing it again with the same scale and zero point
+    gives its integer back exactly (|v - zero point| <= 255 comes back from float32
+    within far less than half a step), so the op on the integers gives the same bits."""
+    x = _activation(rw, node.input(0))
+    if x is None or len(node.outputs) != 1 or not x.zero_point:
+        return
+    q = rw.single_consumer(node.outputs[0])
+    if q is None or q.op is not Op.QUANTIZE_LINEAR or rw.claimed(q) or \
+            q.attr("precision", None) is not None or not q.input(2):
+        return
+    g = rw.graph
+    pairs = ((x.scale, q.input(1)), (x.zero_point, q.input(2)))
+    if not all(_same_constant(g, a, b) for a, b in pairs):
+        return
+    scale = g.constant(x.scale)
+    if scale is None or not float(scale.reshape(())) > 0:
+        return
+    rw.replace([node, q], [Node(node.name, node.op, [x.value, *node.inputs[1:]],
+                                [q.outputs[0]], dict(node.attrs), node.origin)])
+
+
+def _same_constant(g: Graph, a: str, b: str) -> bool:
+    va, vb = g.constant(a), g.constant(b)
+    return (va is not None and vb is not None and va.dtype == vb.dtype and va.size == 1
+            and vb.size == 1 and bool(va.reshape(()) == vb.reshape(())))
+
+
+def _quantized_output(rw: Rewriter, node: Node,
+                      relu_kept: bool = False) -> tuple[list[Node], Node | None]:
+    """The Q node quantizing ``node``'s output (through a Relu it makes redundant, or any
+    Relu where ``relu_kept``: the new node applies it), and the nodes from ``node`` to
+    it; ([], None) when the output stays float."""
     out = node.outputs[0]
     tail: list[Node] = []
     nxt = rw.single_consumer(out)
@@ -162,7 +232,7 @@ def _quantized_output(rw: Rewriter, node: Node) -> tuple[list[Node], Node | None
     if scale is None or scale.size != 1 or scale.dtype != np.float32 or zp is None or \
             zp.size != 1 or zp.dtype not in _EIGHT_BITS or nxt.attr("precision", None) is not None:
         return [], None
-    if tail and not _relu_redundant(g, nxt):
+    if tail and not relu_kept and not _relu_redundant(g, nxt):
         return [], None
     return [*tail, nxt], nxt
 

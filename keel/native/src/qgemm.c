@@ -43,7 +43,8 @@
 
 #include "parallel.h"
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__) && \
+    defined(__AVX512VL__)
 #include <immintrin.h>
 #define QISA 2
 #elif defined(__AVXVNNI__) && defined(__AVX2__)
@@ -51,6 +52,10 @@
 #define QISA 1
 #else
 #define QISA 0
+#endif
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
 #endif
 
 #define NB 64
@@ -170,10 +175,38 @@ typedef struct {
 
 enum { KIND_U8, KIND_S8, KIND_F32 };
 
+#if QISA == 2
+/* store_row on 8 lanes of double at a time: the same operations (int32 -> double,
+ * times the multiplier, round half to even, plus the zero point, clamp), so the same
+ * bits; the clamped values fit the output type, which vpmovdb then truncates to. */
+static void store_row_avx512(const int32_t *v, int64_t n, const double *mult, double m,
+                             const requant *q, void *y)
+{
+    __m512d zp = _mm512_set1_pd((double)q->yzp), lo = _mm512_set1_pd((double)q->lo);
+    __m512d hi = _mm512_set1_pd((double)q->hi), mm = _mm512_set1_pd(m);
+    for (int64_t j = 0; j < n; j += 8) {
+        __mmask8 k = n - j >= 8 ? (__mmask8)0xFF : (__mmask8)((1u << (n - j)) - 1);
+        __m512d t = _mm512_cvtepi32_pd(_mm256_maskz_loadu_epi32(k, v + j));
+        t = _mm512_mul_pd(t, mult ? _mm512_maskz_loadu_pd(k, mult + j) : mm);
+        if (q->kind == KIND_F32) {
+            _mm256_mask_storeu_ps((float *)y + j, k, _mm512_cvtpd_ps(t));
+            continue;
+        }
+        t = _mm512_roundscale_pd(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        t = _mm512_min_pd(_mm512_max_pd(_mm512_add_pd(t, zp), lo), hi);
+        _mm256_mask_cvtepi32_storeu_epi8((char *)y + j, k, _mm512_cvtpd_epi32(t));
+    }
+}
+#endif
+
 /* Requantize one row of n accumulators (corrections already added) into y. */
 static void store_row(const int32_t *v, int64_t n, const double *mult, double m,
                       const requant *q, void *y)
 {
+#if QISA == 2
+    store_row_avx512(v, n, mult, m, q, y);
+    return;
+#endif
     if (q->kind == KIND_F32) {
         float *out = y;
         for (int64_t j = 0; j < n; j++) out[j] = (float)((double)v[j] * (mult ? mult[j] : m));
@@ -200,6 +233,35 @@ static void store_row(const int32_t *v, int64_t n, const double *mult, double m,
         for (int64_t j = 0; j < n; j++) out[j] = (int8_t)r[j];
     }
 }
+
+#if QISA == 2
+/* Rows [0, mr) of a convolution's tile (bias and multiplier per row, no other
+ * corrections, 8-bit output) requantized into out[MR][NB]: store_row's operations on
+ * all 64 columns, 16 at a time, for the caller to copy the valid runs from. */
+static void requant_tile(const int32_t *acc, int64_t mr, int64_t i0, const requant *q,
+                         uint8_t *out)
+{
+    __m512d zp = _mm512_set1_pd((double)q->yzp), lo = _mm512_set1_pd((double)q->lo);
+    __m512d hi = _mm512_set1_pd((double)q->hi);
+    for (int64_t i = 0; i < mr; i++) {
+        __m512i bias = _mm512_set1_epi32(q->bias_r ? q->bias_r[i0 + i] : 0);
+        __m512d m = _mm512_set1_pd(q->mult[i0 + i]);
+        for (int64_t j = 0; j < NB; j += 16) {
+            __m512i v = _mm512_add_epi32(_mm512_loadu_si512((const void *)(acc + i * NB + j)),
+                                         bias);
+            __m512d t0 = _mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_castsi512_si256(v)), m);
+            __m512d t1 = _mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(v, 1)), m);
+            t0 = _mm512_roundscale_pd(t0, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            t1 = _mm512_roundscale_pd(t1, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            t0 = _mm512_min_pd(_mm512_max_pd(_mm512_add_pd(t0, zp), lo), hi);
+            t1 = _mm512_min_pd(_mm512_max_pd(_mm512_add_pd(t1, zp), lo), hi);
+            __m512i r = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtpd_epi32(t0)),
+                                           _mm512_cvtpd_epi32(t1), 1);
+            _mm_storeu_si128((__m128i *)(void *)(out + i * NB + j), _mm512_cvtepi32_epi8(r));
+        }
+    }
+}
+#endif
 
 /* Store rows [i0, i0 + rows) x columns [j0, j0 + cols) of Y from a tile; sv holds the
  * tile's column sums of V (or is NULL). */
@@ -317,6 +379,26 @@ static void fill_row(const qconv_job *j, const uint8_t *plane, const segment *se
             memset(out + b, raw_pad, (size_t)(len - b));
             continue;
         }
+#if QISA == 2
+        if (sw == 2) {
+            /* the pixels whose column falls inside the row, [a, b), 32 at a time: the low
+             * bytes of 32 words are every other byte (masked loads stay in the row) */
+            int64_t a = ix0 < 0 ? (1 - ix0) / 2 : 0, b = w - ix0 > 0 ? (w - ix0 + 1) / 2 : 0;
+            if (a > len) a = len;
+            if (b > len) b = len;
+            if (b < a) b = a;
+            memset(out, raw_pad, (size_t)a);
+            for (int64_t i = a; i < b; i += 32) {
+                int64_t n = b - i < 32 ? b - i : 32;
+                __m512i v = _mm512_maskz_loadu_epi8(((__mmask64)1 << (2 * n - 1)) - 1,
+                                                    src + ix0 + 2 * i);
+                _mm256_mask_storeu_epi8(out + i, (__mmask32)(((uint64_t)1 << n) - 1),
+                                        _mm512_cvtepi16_epi8(v));
+            }
+            memset(out + b, raw_pad, (size_t)(len - b));
+            continue;
+        }
+#endif
         for (int64_t i = 0; i < len; i++) {
             int64_t ix = ix0 + i * sw;
             out[i] = ix >= 0 && ix < w ? src[ix] : raw_pad;
@@ -390,6 +472,15 @@ static void qconv_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
         for (int64_t m = 0; m < mg; m += MR) {
             int64_t i0 = grp * mg + m, mr = mg - m < MR ? mg - m : MR;
             tile(j->w + i0 * j->kp, j->kp, mr, panel, NULL, j->kp / 4, acc, 0);
+#if QISA == 2
+            if (j->q.kind != KIND_F32 && !j->want_sums) {
+                uint8_t bytes[MR * NB];
+                requant_tile(acc, mr, i0, &j->q, bytes);
+                for (int64_t i = 0; i < mr; i++)
+                    memcpy((uint8_t *)yn + (i0 + i) * pixels + p0, bytes + i * NB, (size_t)cols);
+                continue;
+            }
+#endif
             store(acc, mr, cols, i0, p0, &j->q, j->want_sums ? sums : NULL, yn, pixels);
         }
     }
@@ -450,7 +541,25 @@ static void build_quads(const qdirect_job *j, int64_t n, uint8_t *xq)
             src[r] = 4 * cq + r < c ? j->x + ((n * c) + 4 * cq + r) * h * w : NULL;
         for (int64_t y = 0; y < h; y++) {
             uint32_t *row = dst + (y + g[Q_PT]) * j->wp + g[Q_PL];
-            for (int64_t xx = 0; xx < w; xx++) {
+            int64_t xx = 0;
+#if defined(__SSE2__)
+            /* 16 pixels at a time: the four channels' bytes interleaved by unpacking */
+            __m128i vflip = _mm_set1_epi8((char)j->flip);
+            for (; xx + 16 <= w; xx += 16) {
+                __m128i c[4];
+                for (int r = 0; r < 4; r++)
+                    c[r] = src[r] ? _mm_loadu_si128((const __m128i *)(const void *)(
+                                        src[r] + y * w + xx)) : _mm_setzero_si128();
+                __m128i lo01 = _mm_unpacklo_epi8(c[0], c[1]), hi01 = _mm_unpackhi_epi8(c[0], c[1]);
+                __m128i lo23 = _mm_unpacklo_epi8(c[2], c[3]), hi23 = _mm_unpackhi_epi8(c[2], c[3]);
+                __m128i *out = (__m128i *)(void *)(row + xx);
+                _mm_storeu_si128(out, _mm_xor_si128(_mm_unpacklo_epi16(lo01, lo23), vflip));
+                _mm_storeu_si128(out + 1, _mm_xor_si128(_mm_unpackhi_epi16(lo01, lo23), vflip));
+                _mm_storeu_si128(out + 2, _mm_xor_si128(_mm_unpacklo_epi16(hi01, hi23), vflip));
+                _mm_storeu_si128(out + 3, _mm_xor_si128(_mm_unpackhi_epi16(hi01, hi23), vflip));
+            }
+#endif
+            for (; xx < w; xx++) {
                 uint32_t v = 0;
                 for (int r = 0; r < 4; r++)
                     v |= (uint32_t)(src[r] ? src[r][y * w + xx] : 0) << (8 * r);
@@ -459,6 +568,29 @@ static void build_quads(const qdirect_job *j, int64_t n, uint8_t *xq)
         }
     }
 }
+
+#if QISA == 2 && defined(__AVX512VBMI2__)
+/* Which of a block's 64 padded positions are output pixels (ox < OW, oy < OH), how
+ * many, and the output index of the first. */
+typedef struct {
+    __mmask64 mask;
+    int64_t count, first;
+} block_columns;
+
+static block_columns valid_columns(const qdirect_job *j, int64_t p0)
+{
+    block_columns b = {0, 0, -1};
+    int64_t ow = j->g[Q_OW], end = j->g[Q_OH] * j->wp;
+    for (int64_t t = 0; t < NB && p0 + t < end; t++) {
+        int64_t oy = (p0 + t) / j->wp, ox = (p0 + t) % j->wp;
+        if (ox >= ow) continue;
+        b.mask |= (__mmask64)1 << t;
+        if (b.first < 0) b.first = oy * ow + ox;
+        b.count++;
+    }
+    return b;
+}
+#endif
 
 static void qdirect_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
 {
@@ -480,9 +612,45 @@ static void qdirect_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
             built = n;
         }
         char *yn = (char *)j->y + n * m * pixels * (j->q.kind == KIND_F32 ? 4 : 1);
+#if QISA == 2 && defined(__AVX512VBMI2__)
+        block_columns valid = valid_columns(j, p0);
+#endif
         for (int64_t i0 = 0; i0 < m; i0 += MR) {
             int64_t mr = m - i0 < MR ? m - i0 : MR;
             tile(j->w + i0 * j->kp, j->kp, mr, xq + p0 * 4, offsets, k4, acc, 0);
+#if QISA == 2
+            if (j->q.kind != KIND_F32) {
+                /* the whole tile requantized at once, its valid runs copied out */
+                uint8_t bytes[MR * NB];
+                requant_tile(acc, mr, i0, &j->q, bytes);
+#if defined(__AVX512VBMI2__)
+                /* the valid columns, in order, are consecutive outputs: compress them
+                 * together (in a register; the memory form is slow on some cores) */
+                if (valid.mask) {
+                    __mmask64 head = valid.count == 64 ? ~(__mmask64)0
+                                                       : ((__mmask64)1 << valid.count) - 1;
+                    for (int64_t i = 0; i < mr; i++) {
+                        __m512i row = _mm512_loadu_si512((const void *)(bytes + i * NB));
+                        _mm512_mask_storeu_epi8((uint8_t *)yn + (i0 + i) * pixels + valid.first,
+                                                head, _mm512_maskz_compress_epi8(valid.mask, row));
+                    }
+                }
+                continue;
+#endif
+                for (int64_t p = p0; p < p0 + NB && p < oh * j->wp;) {
+                    int64_t oy = p / j->wp, ox = p % j->wp;
+                    int64_t run = j->wp - ox < p0 + NB - p ? j->wp - ox : p0 + NB - p;
+                    if (ox < ow) {
+                        int64_t len = ow - ox < run ? ow - ox : run;
+                        for (int64_t i = 0; i < mr; i++)
+                            memcpy((uint8_t *)yn + (i0 + i) * pixels + oy * ow + ox,
+                                   bytes + i * NB + (p - p0), (size_t)len);
+                    }
+                    p += run;
+                }
+                continue;
+            }
+#endif
             /* the block's valid columns, one output row at a time */
             for (int64_t p = p0; p < p0 + NB && p < oh * j->wp;) {
                 int64_t oy = p / j->wp, ox = p % j->wp;
@@ -547,6 +715,137 @@ typedef struct {
     void *y;
 } qdepth_job;
 
+#define DW_TAPS 64     /* the most taps the paired AVX-512 loop takes (8 x 8) */
+#define DW_SLACK 64    /* int16 values past a plane (and int32 past acc) it may touch */
+
+#if QISA == 2
+/* acc[0, span) = bias + sum over taps t of taps[t] * plane[offset(t) + i], two taps per
+ * vpdpwssd: the two planes' int16 values interleaved (unpacklo/hi), each dword lane
+ * taking tap a's value in its low half and tap b's in its high half, against a dword of
+ * the two taps. unpack works within 128-bit lanes, so the two accumulators hold the 32
+ * outputs in the order (0-3, 8-11, ...), (4-7, 12-15, ...): one permutation puts them
+ * back. The sums are exact in int32, as the plain loop's are. Reads up to 31 values
+ * past the last one used; writes acc up to span rounded up to 32. */
+static void depthwise_pairs(const int16_t *plane, const int64_t *offsets, int64_t ntaps,
+                            const int32_t *taps, int32_t bias, int64_t span, int32_t *acc)
+{
+    __m512i pairs[DW_TAPS / 2];
+    for (int64_t t = 0; t < ntaps; t += 2) {
+        uint32_t b = t + 1 < ntaps ? (uint32_t)(uint16_t)(int16_t)taps[t + 1] : 0u;
+        pairs[t / 2] = _mm512_set1_epi32((int32_t)((uint32_t)(uint16_t)(int16_t)taps[t] |
+                                                   b << 16));
+    }
+    const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+    const __m512i second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+    __m512i vbias = _mm512_set1_epi32(bias);
+    for (int64_t i = 0; i < span; i += 32) {
+        __m512i lo = vbias, hi = vbias;
+        for (int64_t t = 0; t < ntaps; t += 2) {
+            __m512i a = _mm512_loadu_si512((const void *)(plane + offsets[t] + i));
+            __m512i b = t + 1 < ntaps
+                ? _mm512_loadu_si512((const void *)(plane + offsets[t + 1] + i))
+                : _mm512_setzero_si512();
+            lo = _mm512_dpwssd_epi32(lo, _mm512_unpacklo_epi16(a, b), pairs[t / 2]);
+            hi = _mm512_dpwssd_epi32(hi, _mm512_unpackhi_epi16(a, b), pairs[t / 2]);
+        }
+        _mm512_storeu_si512((void *)(acc + i), _mm512_permutex2var_epi64(lo, first, hi));
+        _mm512_storeu_si512((void *)(acc + i + 16), _mm512_permutex2var_epi64(lo, second, hi));
+    }
+}
+#endif
+
+/* acc[0, span) = bias + the taps' sums over the whole stride-1 plane, one loop per tap. */
+static void depthwise_span(const int16_t *plane, const qdepth_job *j, const int8_t *taps,
+                           int32_t wz, int32_t bias, int64_t span, int32_t *acc)
+{
+    const int64_t *g = j->g;
+    for (int64_t i = 0; i < span; i++) acc[i] = bias;
+    for (int64_t ky = 0; ky < g[Q_KH]; ky++)
+        for (int64_t kx = 0; kx < g[Q_KW]; kx++) {
+            int32_t tap = (int32_t)taps[ky * g[Q_KW] + kx] - wz;
+            const int16_t *p = plane + ky * g[Q_DH] * j->wp + kx * g[Q_DW];
+            for (int64_t i = 0; i < span; i++) acc[i] += tap * p[i];
+        }
+}
+
+/* One input row as int16 (x - zero point). */
+static void widen_row(const uint8_t *src, int64_t w, int64_t is_signed, int32_t xz, int16_t *row)
+{
+    int64_t xx = 0;
+#if QISA == 2
+    __m512i z = _mm512_set1_epi16((int16_t)xz);
+    for (; xx < w; xx += 32) {
+        __mmask32 k = w - xx >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (w - xx)) - 1);
+        __m256i v = _mm256_maskz_loadu_epi8(k, src + xx);
+        __m512i wide = is_signed ? _mm512_cvtepi8_epi16(v) : _mm512_cvtepu8_epi16(v);
+        _mm512_mask_storeu_epi16(row + xx, k, _mm512_sub_epi16(wide, z));
+    }
+#endif
+    if (is_signed)
+        for (; xx < w; xx++) row[xx] = (int16_t)((int8_t)src[xx] - xz);
+    else
+        for (; xx < w; xx++) row[xx] = (int16_t)(src[xx] - xz);
+}
+
+#if QISA == 2
+/* A strided depthwise channel, an output row at a time through depthwise_pairs: the
+ * padded plane's columns split into sw phases (phase r: the columns x = r mod sw,
+ * [hp][wq] each), so each tap reads one phase contiguously. */
+static void depthwise_strided(const qdepth_job *j, const int16_t *plane, int16_t *phases,
+                              const int32_t *shifted, int32_t bias, int32_t *acc, int64_t ch,
+                              char *out, size_t item)
+{
+    const int64_t *g = j->g;
+    int64_t oh = g[Q_OH], ow = g[Q_OW], kh = g[Q_KH], kw = g[Q_KW], sh = g[Q_SH], sw = g[Q_SW];
+    int64_t wq = (j->wp + sw - 1) / sw;
+    for (int64_t r = 0; r < sw; r++)
+        for (int64_t y = 0; y < j->hp; y++) {
+            int16_t *dst = phases + (r * j->hp + y) * wq;
+            const int16_t *row = plane + y * j->wp + r;
+            int64_t n = (j->wp - r + sw - 1) / sw;     /* the phase's columns in the row */
+            int64_t x = 0;
+            if (sw == 2) {
+                /* 32 at a time: every other value of 64, picked by one permutation */
+                static const int16_t picks[32] = {
+                    0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
+                    32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62};
+                const __m512i even = _mm512_loadu_si512((const void *)picks);
+                for (; x + 32 <= n && 2 * x + 64 <= j->wp - r; x += 32) {
+                    __m512i a = _mm512_loadu_si512((const void *)(row + 2 * x));
+                    __m512i b = _mm512_loadu_si512((const void *)(row + 2 * x + 32));
+                    _mm512_storeu_si512((void *)(dst + x), _mm512_permutex2var_epi16(a, even, b));
+                }
+            }
+            for (; x < n; x++) dst[x] = row[x * sw];
+            for (int64_t x = n; x < wq; x++) dst[x] = 0;
+        }
+    int64_t offsets[DW_TAPS];
+    for (int64_t oy = 0; oy < oh; oy++) {
+        for (int64_t t = 0; t < kh * kw; t++) {
+            int64_t col = (t % kw) * g[Q_DW], row = oy * sh + (t / kw) * g[Q_DH];
+            offsets[t] = ((col % sw) * j->hp + row) * wq + col / sw;
+        }
+        depthwise_pairs(phases, offsets, kh * kw, shifted, bias, ow, acc);
+        for (int64_t o = 0; o < ow; o += NB)
+            store_row(acc + o, ow - o < NB ? ow - o : NB, NULL, j->q.mult[ch], &j->q,
+                      out + (size_t)(oy * ow + o) * item);
+    }
+}
+#endif
+
+/* int16 values of the scratch's plane, then of its phases (strided), before acc. */
+static int64_t depth_plane_values(const qdepth_job *j)
+{
+    return (j->hp * j->wp + DW_SLACK + 1) / 2 * 2;
+}
+
+static int64_t depth_phase_values(const qdepth_job *j)
+{
+    int64_t sw = j->g[Q_SW];
+    return sw == 1 && j->g[Q_SH] == 1 ? 0
+        : (sw * j->hp * ((j->wp + sw - 1) / sw) + DW_SLACK + 1) / 2 * 2;
+}
+
 static void qdepth_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
 {
     const qdepth_job *j = ctx;
@@ -554,35 +853,43 @@ static void qdepth_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
     int64_t c = g[Q_C], h = g[Q_H], w = g[Q_W], oh = g[Q_OH], ow = g[Q_OW];
     int64_t kh = g[Q_KH], kw = g[Q_KW], sh = g[Q_SH], sw = g[Q_SW];
     int16_t *plane = (int16_t *)scratch;
-    int32_t *acc = (int32_t *)(plane + ((j->hp * j->wp + 1) / 2) * 2);
+    int16_t *phases = plane + depth_plane_values(j);
+    int32_t *acc = (int32_t *)(void *)(phases + depth_phase_values(j));
     size_t item = j->q.kind == KIND_F32 ? 4 : 1;
     for (int64_t t = lo; t < hi; t++) {
         int64_t ch = t % c;
         const uint8_t *src = j->x + t * h * w;
-        memset(plane, 0, (size_t)(j->hp * j->wp) * sizeof *plane);
-        for (int64_t y = 0; y < h; y++) {
-            int16_t *row = plane + (y + g[Q_PT]) * j->wp + g[Q_PL];
-            if (j->is_signed)
-                for (int64_t xx = 0; xx < w; xx++)
-                    row[xx] = (int16_t)((int8_t)src[y * w + xx] - j->xz);
-            else
-                for (int64_t xx = 0; xx < w; xx++) row[xx] = (int16_t)(src[y * w + xx] - j->xz);
-        }
+        memset(plane, 0, (size_t)(j->hp * j->wp + DW_SLACK) * sizeof *plane);
+        for (int64_t y = 0; y < h; y++)
+            widen_row(src + y * w, w, j->is_signed, j->xz,
+                      plane + (y + g[Q_PT]) * j->wp + g[Q_PL]);
         const int8_t *taps = j->w + ch * kh * kw;
         int32_t wz = j->wz ? j->wz[ch] : 0;
         char *out = (char *)j->y + (size_t)(t * oh * ow) * item;
         int32_t bias = j->q.bias_r ? j->q.bias_r[ch] : 0;
+#if QISA == 2
+        int32_t shifted[DW_TAPS];
+        int64_t offsets[DW_TAPS];
+        int paired = kh * kw <= DW_TAPS;
+        for (int64_t k = 0; paired && k < kh * kw; k++) {
+            shifted[k] = (int32_t)taps[k] - wz;
+            offsets[k] = (k / kw) * g[Q_DH] * j->wp + (k % kw) * g[Q_DW];
+        }
+        if (paired && (sh != 1 || sw != 1)) {
+            depthwise_strided(j, plane, phases, shifted, bias, acc, ch, out, item);
+            continue;
+        }
+#endif
         if (sh == 1 && sw == 1) {
             /* every output row at once, over padded row positions (the columns past
              * ow are computed and dropped): one long loop per tap */
             int64_t span = (oh - 1) * j->wp + ow;
-            for (int64_t i = 0; i < span; i++) acc[i] = bias;
-            for (int64_t ky = 0; ky < kh; ky++)
-                for (int64_t kx = 0; kx < kw; kx++) {
-                    int32_t tap = (int32_t)taps[ky * kw + kx] - wz;
-                    const int16_t *p = plane + ky * g[Q_DH] * j->wp + kx * g[Q_DW];
-                    for (int64_t i = 0; i < span; i++) acc[i] += tap * p[i];
-                }
+#if QISA == 2
+            if (paired)
+                depthwise_pairs(plane, offsets, kh * kw, shifted, bias, span, acc);
+            else
+#endif
+                depthwise_span(plane, j, taps, wz, bias, span, acc);
             for (int64_t oy = 0; oy < oh; oy++)
                 for (int64_t o = 0; o < ow; o += NB)
                     store_row(acc + oy * j->wp + o, ow - o < NB ? ow - o : NB, NULL,
@@ -609,6 +916,22 @@ static void qdepth_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
     }
 }
 
+/* The padded plane's size and the job's arguments (j->g already set). */
+static void depth_setup(qdepth_job *j, const uint8_t *x, int64_t is_signed, int64_t xz,
+                        const int8_t *w, const int32_t *wz, const int32_t *bias_r,
+                        const double *mult, const int64_t *quant, void *y)
+{
+    const int64_t *g = j->g;
+    j->hp = (g[Q_OH] - 1) * g[Q_SH] + (g[Q_KH] - 1) * g[Q_DH] + 1;
+    j->wp = (g[Q_OW] - 1) * g[Q_SW] + (g[Q_KW] - 1) * g[Q_DW] + 1;
+    if (j->hp < g[Q_H] + g[Q_PT]) j->hp = g[Q_H] + g[Q_PT];
+    if (j->wp < g[Q_W] + g[Q_PL]) j->wp = g[Q_W] + g[Q_PL];
+    j->x = x, j->w = w, j->wz = wz, j->xz = (int32_t)xz, j->is_signed = is_signed;
+    j->q = (requant){bias_r, NULL, NULL, NULL, NULL, mult, 0, quant[0], quant[1], quant[2],
+                     quant[3]};
+    j->y = y;
+}
+
 /* A depthwise 2-D convolution (groups = C = M) of an NCHW 8-bit x (is_signed: int8) with
  * zero point xz, weights [C][KH][KW] as signed bytes with zero points wz (or NULL: all 0),
  * bias_r: the int32 bias per channel (or NULL). Other arguments as keel_qconv2d_u8s8. */
@@ -620,14 +943,255 @@ int64_t keel_qdepthwise_u8s8(const uint8_t *x, int64_t is_signed, int64_t xz, co
     memcpy(j.g, geometry, sizeof j.g);
     if (j.g[Q_N] <= 0 || j.g[Q_OH] <= 0 || j.g[Q_OW] <= 0) return 0;
     if (j.g[Q_G] != j.g[Q_C] || j.g[Q_M] != j.g[Q_C]) return -2;
-    j.hp = (j.g[Q_OH] - 1) * j.g[Q_SH] + (j.g[Q_KH] - 1) * j.g[Q_DH] + 1;
-    j.wp = (j.g[Q_OW] - 1) * j.g[Q_SW] + (j.g[Q_KW] - 1) * j.g[Q_DW] + 1;
-    if (j.hp < j.g[Q_H] + j.g[Q_PT]) j.hp = j.g[Q_H] + j.g[Q_PT];
-    if (j.wp < j.g[Q_W] + j.g[Q_PL]) j.wp = j.g[Q_W] + j.g[Q_PL];
-    j.x = x, j.w = w, j.wz = wz, j.xz = (int32_t)xz, j.is_signed = is_signed;
-    j.q = (requant){bias_r, NULL, NULL, NULL, NULL, mult, 0, quant[0], quant[1], quant[2],
-                    quant[3]};
-    j.y = y;
-    int64_t floats = (j.hp * j.wp + 1) / 2 + j.g[Q_OH] * j.wp + 16;
+    depth_setup(&j, x, is_signed, xz, w, wz, bias_r, mult, quant, y);
+    int64_t floats = (depth_plane_values(&j) + depth_phase_values(&j)) / 2 +
+                     j.g[Q_OH] * j.wp + 16 + DW_SLACK;
     return run_parts(qdepth_task, &j, j.g[Q_N] * j.g[Q_C], parts, floats);
+}
+
+/* ---- QLinearAdd: DequantizeLinear of a and b, Add, [ReLU], QuantizeLinear ---------------
+ *
+ * Each step in float32, as keel's kernels for those nodes compute it: (v - zero point) *
+ * scale rounded once to float32 (the exact product, as the float64 DequantizeLinear rounds
+ * it), the float32 sum, max(0, sum) for a fused ReLU, the float32 division by y_scale,
+ * round half to even, plus y's zero point, saturated. The same bits as the unfused nodes;
+ * no multiply may be contracted into the add (an FMA rounds once where they round twice),
+ * hence the pragma. The scales are finite and positive (the caller's check), so no NaN
+ * arises. */
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+/* flags: bit 0 a is int8, bit 1 b is int8, bit 2 y is int8, bit 3 ReLU. */
+typedef struct {
+    const uint8_t *a, *b;
+    float sa, sb, sy, za, zb, zy, lo, hi;
+    int64_t flags;
+    uint8_t *y;
+} qadd_job;
+
+static inline float qadd_one(const qadd_job *j, int64_t i)
+{
+    float va = j->flags & 1 ? (float)(int8_t)j->a[i] : (float)j->a[i];
+    float vb = j->flags & 2 ? (float)(int8_t)j->b[i] : (float)j->b[i];
+    float da = (va - j->za) * j->sa;
+    float db = (vb - j->zb) * j->sb;
+    float s = da + db;
+    if ((j->flags & 8) && !(s > 0.0f)) s = 0.0f;
+    float t = nearbyintf(s / j->sy) + j->zy;
+    return t < j->lo ? j->lo : t > j->hi ? j->hi : t;
+}
+
+#if QISA == 2
+static inline __m512 qadd_widen(const uint8_t *p, __mmask16 k, int is_signed)
+{
+    __m128i v = _mm_maskz_loadu_epi8(k, p);
+    return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
+}
+#endif
+
+static void qadd_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
+{
+    const qadd_job *j = ctx;
+    (void)scratch;
+    int64_t i = lo;
+#if QISA == 2
+    __m512 sa = _mm512_set1_ps(j->sa), sb = _mm512_set1_ps(j->sb), sy = _mm512_set1_ps(j->sy);
+    __m512 za = _mm512_set1_ps(j->za), zb = _mm512_set1_ps(j->zb), zy = _mm512_set1_ps(j->zy);
+    __m512 vlo = _mm512_set1_ps(j->lo), vhi = _mm512_set1_ps(j->hi);
+    __m512 zero = _mm512_setzero_ps();
+    for (; i < hi; i += 16) {
+        __mmask16 k = hi - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (hi - i)) - 1);
+        __m512 da = _mm512_mul_ps(_mm512_sub_ps(qadd_widen(j->a + i, k, j->flags & 1), za), sa);
+        __m512 db = _mm512_mul_ps(_mm512_sub_ps(qadd_widen(j->b + i, k, j->flags & 2), zb), sb);
+        __m512 s = _mm512_add_ps(da, db);
+        if (j->flags & 8) s = _mm512_max_ps(s, zero);
+        __m512 t = _mm512_roundscale_ps(_mm512_div_ps(s, sy),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        t = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(t, zy), vlo), vhi);
+        _mm_mask_storeu_epi8(j->y + i, k, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(t)));
+    }
+#endif
+    for (; i < hi; i++) {
+        int32_t t = (int32_t)qadd_one(j, i);
+        j->y[i] = (uint8_t)(j->flags & 4 ? (uint8_t)(int8_t)t : (uint8_t)t);
+    }
+}
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
+
+/* y[n] = QLinearAdd(a[n], b[n]) for same-shaped 8-bit a and b. scales = {a_scale,
+ * b_scale, y_scale}; points = {a, b and y zero points, y's lo, hi}; flags as qadd_job's.
+ * The n elements split into `parts` contiguous runs, one per thread. */
+int64_t keel_qadd_u8(const uint8_t *a, const uint8_t *b, int64_t n, const float *scales,
+                     const int64_t *points, int64_t flags, uint8_t *y, int64_t parts)
+{
+    if (n <= 0) return 0;
+    qadd_job j = {a, b, scales[0], scales[1], scales[2], (float)points[0], (float)points[1],
+                  (float)points[2], (float)points[3], (float)points[4], flags, y};
+    return run_parts(qadd_task, &j, n, parts, 1);
+}
+
+/* ---- QuantizeLinear of float32 to 8 bits, per tensor -------------------------------------
+ *
+ * y = saturate(round_half_even(x / scale) + zero point): the float32 division, the
+ * rounding and the addition of the zero point in float32 as keel's NumPy kernel does
+ * them, NaN to 0, then the clamp. */
+
+typedef struct {
+    const float *x;
+    float scale, zp, lo, hi;
+    uint8_t *y;
+} quantize_job;
+
+static void quantize_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
+{
+    const quantize_job *j = ctx;
+    (void)scratch;
+    int64_t i = lo;
+#if QISA == 2
+    __m512 s = _mm512_set1_ps(j->scale), zp = _mm512_set1_ps(j->zp);
+    __m512 vlo = _mm512_set1_ps(j->lo), vhi = _mm512_set1_ps(j->hi);
+    for (; i < hi; i += 16) {
+        __mmask16 k = hi - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (hi - i)) - 1);
+        __m512 t = _mm512_roundscale_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(k, j->x + i), s),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        t = _mm512_add_ps(t, zp);
+        t = _mm512_mask_mov_ps(t, _mm512_cmp_ps_mask(t, t, _CMP_UNORD_Q), _mm512_setzero_ps());
+        t = _mm512_min_ps(_mm512_max_ps(t, vlo), vhi);
+        _mm_mask_storeu_epi8(j->y + i, k, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(t)));
+    }
+#endif
+    for (; i < hi; i++) {
+        float t = nearbyintf(j->x[i] / j->scale) + j->zp;
+        t = t != t ? 0.0f : t < j->lo ? j->lo : t > j->hi ? j->hi : t;
+        j->y[i] = (uint8_t)(int32_t)t;
+    }
+}
+
+/* y[n] = QuantizeLinear(x[n]) with one scale and zero point; points = {zero point, lo,
+ * hi} of y's type. The n elements split into `parts` contiguous runs. */
+int64_t keel_quantize_f32(const float *x, int64_t n, double scale, const int64_t *points,
+                          uint8_t *y, int64_t parts)
+{
+    if (n <= 0) return 0;
+    quantize_job j = {x, (float)scale, (float)points[0], (float)points[1], (float)points[2], y};
+    return run_parts(quantize_task, &j, n, parts, 1);
+}
+
+/* ---- depthwise convolution, channels in the vector lanes ---------------------------------
+ *
+ * For small planes (where the per-plane work of qdepth_task outweighs its sums): a task
+ * takes one image and a block of 32 channels, copies the block's padded input once as
+ * [Hp * Wp][32] int16 (x - zero point), and for each output pixel sums its taps two at a
+ * time with vpdpwssd over the 32 channels, as depthwise_pairs does over pixels (the same
+ * interleaving, so the same lane order, undone by one permutation). The 32 sums are
+ * requantized with the channels' multipliers (store_row, per column) into [pixels][32]
+ * bytes, copied out to NCHW at the end. Exact int32 sums: the same bits as qdepth_task. */
+
+#if QISA == 2
+#define CL 32
+
+static void qdepth_cl_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
+{
+    const qdepth_job *j = ctx;
+    const int64_t *g = j->g;
+    int64_t c = g[Q_C], h = g[Q_H], w = g[Q_W], oh = g[Q_OH], ow = g[Q_OW];
+    int64_t kh = g[Q_KH], kw = g[Q_KW], ntaps = kh * kw, blocks = (c + CL - 1) / CL;
+    int16_t *xt = (int16_t *)scratch;
+    uint8_t *yt = (uint8_t *)(xt + j->hp * j->wp * CL);
+    const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+    const __m512i second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+    for (int64_t t = lo; t < hi; t++) {
+        int64_t n = t / blocks, c0 = (t % blocks) * CL, nc = c - c0 < CL ? c - c0 : CL;
+        /* lane i of the low accumulator holds channel (i / 4) * 8 + i % 4, of the high
+         * one channel (i / 4) * 8 + 4 + i % 4 */
+        int32_t bias[2][16], pairs[DW_TAPS / 2][2][16];
+        for (int half = 0; half < 2; half++)
+            for (int i = 0; i < 16; i++) {
+                int64_t k = (i / 4) * 8 + 4 * half + i % 4, ch = c0 + k;
+                int valid = k < nc;
+                int32_t wz = valid && j->wz ? j->wz[ch] : 0;
+                bias[half][i] = valid && j->q.bias_r ? j->q.bias_r[ch] : 0;
+                for (int64_t p = 0; p < ntaps; p += 2) {
+                    int32_t a = valid ? (int32_t)j->w[ch * ntaps + p] - wz : 0;
+                    int32_t b = valid && p + 1 < ntaps ? (int32_t)j->w[ch * ntaps + p + 1] - wz : 0;
+                    pairs[p / 2][half][i] = (int32_t)((uint32_t)(uint16_t)(int16_t)a |
+                                                      (uint32_t)(uint16_t)(int16_t)b << 16);
+                }
+            }
+        memset(xt, 0, (size_t)(j->hp * j->wp * CL) * sizeof *xt);
+        for (int64_t k = 0; k < nc; k++) {
+            const uint8_t *src = j->x + ((n * c) + c0 + k) * h * w;
+            for (int64_t y = 0; y < h; y++) {
+                int16_t *row = xt + ((y + g[Q_PT]) * j->wp + g[Q_PL]) * CL + k;
+                if (j->is_signed)
+                    for (int64_t x = 0; x < w; x++)
+                        row[x * CL] = (int16_t)((int8_t)src[y * w + x] - j->xz);
+                else
+                    for (int64_t x = 0; x < w; x++)
+                        row[x * CL] = (int16_t)(src[y * w + x] - j->xz);
+            }
+        }
+        __m512i blo = _mm512_loadu_si512((const void *)bias[0]);
+        __m512i bhi = _mm512_loadu_si512((const void *)bias[1]);
+        for (int64_t oy = 0; oy < oh; oy++)
+            for (int64_t ox = 0; ox < ow; ox++) {
+                __m512i vlo = blo, vhi = bhi;
+                for (int64_t p = 0; p < ntaps; p += 2) {
+                    int64_t ky = p / kw, kx = p % kw;
+                    const int16_t *pa = xt + ((oy * g[Q_SH] + ky * g[Q_DH]) * j->wp +
+                                              ox * g[Q_SW] + kx * g[Q_DW]) * CL;
+                    __m512i a = _mm512_loadu_si512((const void *)pa), b = _mm512_setzero_si512();
+                    if (p + 1 < ntaps) {
+                        int64_t ky1 = (p + 1) / kw, kx1 = (p + 1) % kw;
+                        b = _mm512_loadu_si512((const void *)(
+                            xt + ((oy * g[Q_SH] + ky1 * g[Q_DH]) * j->wp + ox * g[Q_SW] +
+                                  kx1 * g[Q_DW]) * CL));
+                    }
+                    vlo = _mm512_dpwssd_epi32(vlo, _mm512_unpacklo_epi16(a, b),
+                                              _mm512_loadu_si512((const void *)pairs[p / 2][0]));
+                    vhi = _mm512_dpwssd_epi32(vhi, _mm512_unpackhi_epi16(a, b),
+                                              _mm512_loadu_si512((const void *)pairs[p / 2][1]));
+                }
+                int32_t sums[CL];
+                _mm512_storeu_si512((void *)sums, _mm512_permutex2var_epi64(vlo, first, vhi));
+                _mm512_storeu_si512((void *)(sums + 16),
+                                    _mm512_permutex2var_epi64(vlo, second, vhi));
+                store_row(sums, nc, j->q.mult + c0, 0.0, &j->q, yt + (oy * ow + ox) * CL);
+            }
+        uint8_t *out = (uint8_t *)j->y + (n * c + c0) * oh * ow;
+        for (int64_t k = 0; k < nc; k++)
+            for (int64_t p = 0; p < oh * ow; p++) out[k * oh * ow + p] = yt[p * CL + k];
+    }
+}
+#endif
+
+/* keel_qdepthwise_u8s8 with the channels in the vector lanes (8-bit output); -2 where
+ * this build or the geometry has no such path. */
+int64_t keel_qdepthwise_cl_u8s8(const uint8_t *x, int64_t is_signed, int64_t xz,
+                                const int8_t *w, const int32_t *wz, const int64_t *geometry,
+                                const int32_t *bias_r, const double *mult,
+                                const int64_t *quant, void *y, int64_t parts)
+{
+#if QISA == 2
+    qdepth_job j;
+    memcpy(j.g, geometry, sizeof j.g);
+    if (j.g[Q_N] <= 0 || j.g[Q_OH] <= 0 || j.g[Q_OW] <= 0) return 0;
+    if (j.g[Q_G] != j.g[Q_C] || j.g[Q_M] != j.g[Q_C] || quant[3] == KIND_F32 ||
+        j.g[Q_KH] * j.g[Q_KW] > DW_TAPS)
+        return -2;
+    depth_setup(&j, x, is_signed, xz, w, wz, bias_r, mult, quant, y);
+    int64_t floats = j.hp * j.wp * CL / 2 + j.g[Q_OH] * j.g[Q_OW] * CL / 4 + 16;
+    int64_t blocks = (j.g[Q_C] + CL - 1) / CL;
+    return run_parts(qdepth_cl_task, &j, j.g[Q_N] * blocks, parts, floats);
+#else
+    (void)x, (void)is_signed, (void)xz, (void)w, (void)wz, (void)geometry, (void)bias_r;
+    (void)mult, (void)quant, (void)y, (void)parts;
+    return -2;
+#endif
 }

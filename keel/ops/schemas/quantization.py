@@ -335,12 +335,19 @@ def _infer_dynamic(types: Sequence[TensorType | None], attrs: Mapping[str, Any],
             TensorType(DType.UINT8, ())]
 
 
-def _infer_qlinear_matmul(types: Sequence[TensorType | None], attrs: Mapping[str, Any],
-                          values: Sequence[np.ndarray | None]) -> list[TensorType | None]:
+def _eight_bit_operands(op: Op, types: Sequence[TensorType | None]
+                        ) -> tuple[TensorType | None, TensorType | None, TensorType | None]:
+    """Inputs 0, 3 and 7 (a, b, y_zero_point), each 8-bit where known."""
     a, b, yzp = types[0], types[3], types[7]
     for name, t in (("a", a), ("b", b), ("y_zero_point", yzp)):
         if t is not None:
-            _require(Op.QLINEAR_MATMUL, name, t.dtype, _QLINEAR_DTYPES)
+            _require(op, name, t.dtype, _QLINEAR_DTYPES)
+    return a, b, yzp
+
+
+def _infer_qlinear_matmul(types: Sequence[TensorType | None], attrs: Mapping[str, Any],
+                          values: Sequence[np.ndarray | None]) -> list[TensorType | None]:
+    a, b, yzp = _eight_bit_operands(Op.QLINEAR_MATMUL, types)
     if yzp is None:
         return [None]
     if a is None or b is None or a.shape is None or b.shape is None:
@@ -362,6 +369,19 @@ def _infer_qlinear_conv(types: Sequence[TensorType | None], attrs: Mapping[str, 
     xs, ws = _static(x), _static(w)
     geo = conv_geometry(xs, ws, attrs)
     return [TensorType(yzp.dtype, (xs[0], ws[0], *geo.out_spatial))]
+
+
+def _infer_qlinear_add(types: Sequence[TensorType | None], attrs: Mapping[str, Any],
+                       values: Sequence[np.ndarray | None]) -> list[TensorType | None]:
+    a, b, yzp = _eight_bit_operands(Op.QLINEAR_ADD, types)
+    if attrs.get("activation", "") not in ("", "relu"):
+        raise InvalidArgumentError(
+            f"qlinear_add: activation must be '' or 'relu', got {attrs['activation']!r}")
+    if yzp is None:
+        return [None]
+    if a is None or b is None or a.shape is None or b.shape is None:
+        return [TensorType(yzp.dtype, None)]
+    return [TensorType(yzp.dtype, broadcast_shapes(a.shape, b.shape))]
 
 
 def qgemm_output_dtype(y_scale: TensorType | None, y_zero_point: TensorType | None) -> DType:
@@ -463,4 +483,12 @@ register_schema(OpSchema(
         "zero-point-shifted A' and B' plus C (whose scale is alpha * a_scale * b_scale), "
         "requantized with y_scale and y_zero_point, or float32 without y_scale; b's "
         "parameters may be per column of B'.",
+))
+register_schema(OpSchema(
+    Op.QLINEAR_ADD, 8, 8, attrs=(AttrSpec("activation", AttrKind.STR, ""),),
+    infer=_infer_qlinear_add,
+    doc="DequantizeLinear of a and of b, Add, an optional ReLU (activation 'relu') and "
+        "QuantizeLinear, in one node: inputs a, a_scale, a_zero_point, b, b_scale, "
+        "b_zero_point, y_scale, y_zero_point, all parameters per tensor. Computed as "
+        "those nodes compute it in float32, so the fused node gives the same bits.",
 ))

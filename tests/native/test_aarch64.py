@@ -7,7 +7,8 @@ is compared with keel's reference backend on this machine. Each representative k
 family runs: the GEMM (raw and packed operands, the epilogue, batches on the worker
 pool), a convolution through the GEMM's gathered tables, the Winograd transforms
 around batched products, the window kernels (pooling, depthwise conv) and the
-elementwise math (activations, softmax, layer norm). Skips, saying what is missing,
+elementwise math (activations, softmax, layer norm), and the int8 kernels (the
+convolutions, the matmul and the residual join, bit for bit). Skips, saying what is missing,
 where the cross tools are absent (CI installs them: ``.ci/run``).
 """
 
@@ -311,3 +312,125 @@ def test_depthwise_conv_matches_the_reference(arm: Arm, k: int, stride: int) -> 
         "group": c, "pads": (k // 2,) * 4, "strides": (stride, stride)})[0]
     np.testing.assert_allclose(got.array(out), np.clip(conv + z, -2.0, 2.0), rtol=1e-5,
                                atol=1e-5)
+
+
+# ---- the int8 kernels (qgemm.c) ------------------------------------------------------------
+class _Int8Calls:
+    """Stands in for the loaded int8 library of ``keel.backends.cpu.native_qgemm``: the
+    module's own Python code (packing, geometry, zero-point sums, thread split) runs here,
+    and each C call it makes becomes a call of the aarch64 build in the session's script.
+    Arrays reach it as themselves (``_ptr`` patched) and become script buffers."""
+
+    def __init__(self, session: Session, panel: int) -> None:
+        self.session, self.panel, self.isa = session, panel, 0
+        self.buffers: dict[int, tuple[np.ndarray, Buffer]] = {}
+        self.calls: list[tuple[str, int]] = []          # (symbol, index of its result)
+        for name, symbol in (("matmul", "keel_qmatmul_u8s8"), ("conv", "keel_qconv2d_u8s8"),
+                             ("direct", "keel_qconv2d_direct_u8s8"),
+                             ("depthwise", "keel_qdepthwise_u8s8"), ("add", "keel_qadd_u8")):
+            setattr(self, name, self._caller(symbol))
+        # The channel-lanes depthwise kernel is AVX-512 only: elsewhere it declines (-2),
+        # and the plane-wise kernel runs, as on any build without AVX-512.
+        self.depthwise_lanes = self._caller("keel_qdepthwise_cl_u8s8", returns=-2)
+
+    def _buffer(self, value: Any) -> Any:
+        if not isinstance(value, np.ndarray):
+            return value
+        found = self.buffers.get(id(value))
+        if found is None:
+            found = self.buffers[id(value)] = (value, self.session.script.array(value))
+        return found[1]
+
+    def _caller(self, symbol: str, returns: int = 0) -> Any:
+        def call(*args: Any) -> int:
+            index = self.session.call("qgemm", symbol, *(self._buffer(a) for a in args))
+            self.calls.append((symbol, index))
+            return returns
+        return call
+
+    def run(self, result: np.ndarray) -> np.ndarray:
+        """Run the script; ``result`` (an array the kernel wrote, or a view of all of it)
+        as the aarch64 code left it."""
+        (buffer,) = [b for a, b in self.buffers.values() if a.nbytes == result.nbytes
+                     and a.ctypes.data == result.ctypes.data]
+        out = self.session.script.dump(buffer, result.dtype, result.shape)
+        got = self.session.run()
+        want = {s: -2 if s == "keel_qdepthwise_cl_u8s8" else 0 for s, _ in self.calls}
+        assert {s: got.value(i) for s, i in self.calls} == want
+        return got.array(out)
+
+
+@pytest.fixture
+def int8_on_arm(arm: Arm, monkeypatch: pytest.MonkeyPatch) -> Iterator[_Int8Calls]:
+    from keel.backends.cpu import native_qgemm
+
+    session = Session(arm)
+    panel = session.call("qgemm", "keel_qgemm_panel")
+    isa = session.call("qgemm", "keel_qgemm_isa")
+    asked = session.run()
+    assert asked.value(isa) == 0                       # the portable C path on aarch64
+    calls = _Int8Calls(Session(arm), asked.value(panel))
+    monkeypatch.setattr(native_qgemm, "_load", lambda: calls)
+    monkeypatch.setattr(native_qgemm, "_ptr", lambda a: a)
+    native_qgemm._bind.cache_clear()
+    yield calls
+
+
+def _int8(op: Op, inputs: list[Any], attrs: dict[str, Any], threads: int = 2) -> np.ndarray:
+    from keel.backends.base import DeviceKind, KernelContext
+    from keel.backends.cpu.kernels import load as load_cpu
+    from keel.ops.schema import get_schema
+
+    kv = load_cpu().get(op, "int8")
+    ctx = KernelContext(np, "cpu", DeviceKind.CPU, threads)
+    return np.asarray(kv.fn(ctx, inputs, get_schema(op).normalize_attrs(attrs), None)[0])
+
+
+def _q8(rng: np.random.Generator, dtype: Any, *shape: int) -> np.ndarray:
+    info = np.iinfo(dtype)
+    return rng.integers(info.min, info.max, shape, endpoint=True).astype(dtype)
+
+
+# (x dtype, weight zero points, N, C, H, W, M, k, stride, pad, group): im2col panels,
+# the stride-1 direct layout, depthwise
+INT8_CONVS = [(np.uint8, True, 2, 5, 9, 11, 7, 3, 2, 1, 1),
+              (np.int8, False, 1, 8, 10, 12, 9, 3, 1, 1, 1),
+              (np.uint8, False, 2, 6, 11, 13, 6, 3, 1, 1, 6)]
+
+
+@pytest.mark.parametrize("case", INT8_CONVS, ids=["im2col", "direct", "depthwise"])
+def test_int8_convolutions_match_the_reference(int8_on_arm: _Int8Calls,
+                                               case: tuple[Any, ...]) -> None:
+    xdt, wzero, n, c, h, w, m, k, s, p, g = case
+    rng = np.random.default_rng(10)
+    w_zp = (_q8(rng, np.int8, m) // 8).astype(np.int8) if wzero else np.zeros(m, np.int8)
+    inputs = [_q8(rng, xdt, n, c, h, w), np.array(0.05, np.float32),
+              np.array(7 if xdt is np.uint8 else -3, xdt), _q8(rng, np.int8, m, c // g, k, k),
+              rng.uniform(0.002, 0.02, m).astype(np.float32), w_zp, np.array(0.4, np.float32),
+              np.array(100, np.uint8), rng.integers(-5000, 5000, m).astype(np.int32)]
+    attrs = {"strides": [s, s], "pads": [p] * 4, "group": g}
+    got = int8_on_arm.run(_int8(Op.QLINEAR_CONV, inputs, attrs))
+    want = REF.run(Op.QLINEAR_CONV, inputs, attrs=attrs)[0]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_int8_matmul_matches_the_reference(int8_on_arm: _Int8Calls) -> None:
+    rng = np.random.default_rng(11)
+    rows, k, n = 7, 70, 67                     # partial panels and a depth past a multiple of 4
+    inputs = [_q8(rng, np.uint8, rows, k), np.array(0.05, np.float32), np.array(3, np.uint8),
+              _q8(rng, np.int8, k, n), rng.uniform(0.002, 0.02, n).astype(np.float32),
+              (_q8(rng, np.int8, n) // 16).astype(np.int8), np.array(0.7, np.float32),
+              np.array(-4, np.int8)]
+    got = int8_on_arm.run(_int8(Op.QLINEAR_MATMUL, inputs, {}))
+    np.testing.assert_array_equal(got, REF.run(Op.QLINEAR_MATMUL, inputs)[0])
+
+
+def test_int8_residual_join_matches_the_reference(int8_on_arm: _Int8Calls) -> None:
+    rng = np.random.default_rng(12)
+    shape = (2, 9, 7, 5)                       # odd sizes: partial vectors
+    inputs = [_q8(rng, np.uint8, *shape), np.array(0.021, np.float32), np.array(5, np.uint8),
+              _q8(rng, np.int8, *shape), np.array(0.034, np.float32), np.array(2, np.int8),
+              np.array(0.047, np.float32), np.array(9, np.uint8)]
+    attrs = {"activation": "relu"}
+    got = int8_on_arm.run(_int8(Op.QLINEAR_ADD, inputs, attrs))
+    np.testing.assert_array_equal(got, REF.run(Op.QLINEAR_ADD, inputs, attrs=attrs)[0])

@@ -628,7 +628,8 @@ def _broadcast(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[Any, ...]:
     return tuple(broadcast_shapes(a, b))
 
 
-def _extremum(name: str) -> Callable[..., list[Any]]:
+def _variadic(name: str) -> Callable[..., list[Any]]:
+    """``name`` folded over the inputs left to right into one output (Max, Min, Sum)."""
     def kernel(ctx: KernelContext, inputs: Sequence[Any], attrs: Attrs,
                out: Sequence[Any] | None) -> list[Any]:
         xp, first = ctx.xp, inputs[0]
@@ -677,6 +678,7 @@ def _bind_where(ctx: KernelContext, inputs: Sequence[Any], attrs: Attrs,
 for _op, _binary_impl in _BINARY.items():
     TABLE.kernel(_op, dtypes=DTYPES[_op], supports_out=True,
                  bind=_binary_bind(_op, _binary_impl))(_binary_kernel(_op, _binary_impl))
-TABLE.kernel(Op.MAXIMUM, dtypes=DTYPES[Op.MAXIMUM], supports_out=True)(_extremum("maximum"))
-TABLE.kernel(Op.MINIMUM, dtypes=DTYPES[Op.MINIMUM], supports_out=True)(_extremum("minimum"))
+TABLE.kernel(Op.MAXIMUM, dtypes=DTYPES[Op.MAXIMUM], supports_out=True)(_variadic("maximum"))
+TABLE.kernel(Op.MINIMUM, dtypes=DTYPES[Op.MINIMUM], supports_out=True)(_variadic("minimum"))
+TABLE.kernel(Op.ADD_N, dtypes=DTYPES[Op.ADD_N], supports_out=True)(_variadic("add"))
 TABLE.kernel(Op.WHERE, dtypes=DTYPES[Op.WHERE], supports_out=True, bind=_bind_where)(_where)

@@ -347,10 +347,7 @@ class _Importer:
 
     def _seed(self, ctx: ImportContext, inputs: list[Value],
               initializers: dict[str, np.ndarray], nodes: list[OnnxNode]) -> None:
-        ctx.taken.update(v.name for v in inputs)
-        ctx.taken.update(o for n in nodes for o in (*n.inputs, *n.outputs))
-        ctx.taken.update(o.name for o in self.g.output)
-        ctx.node_names.update(n.name for n in nodes)
+        ctx.defer_names(nodes)      # every graph output is defined by a node, input or weight
         for name, arr in initializers.items():
             ctx.add_initializer(name, arr)
         for v in inputs:
@@ -368,8 +365,7 @@ class _Importer:
             del types[k]
         graph = Graph(self.g.name or "model", ctx.nodes, inputs, outputs, ctx.initializers,
                       cast("dict[str, TensorType]", types), self.opset, self._metadata())
-        ctx.taken.clear()           # the names in use: freed before verify() makes its own
-        ctx.node_names.clear()
+        ctx.forget_names()          # the names in use: freed before verify() makes its own
         graph.verify()
         return graph
 

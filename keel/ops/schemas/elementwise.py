@@ -153,6 +153,9 @@ _binary(Op.MOD, NUMERIC, attrs=(AttrSpec("fmod", AttrKind.INT, 0),),
         doc="fmod=0: result has the sign of B (floor); fmod=1: sign of A (C fmod).")
 _binary(Op.MAXIMUM, NUMERIC, variadic=True, doc="Elementwise max of 1+ inputs; NaN wins.")
 _binary(Op.MINIMUM, NUMERIC, variadic=True, doc="Elementwise min of 1+ inputs; NaN wins.")
+_binary(Op.ADD_N, NUMERIC, variadic=True,
+        doc="Elementwise sum of 1+ inputs broadcast together (ONNX Sum), one node however "
+            "many inputs; added left to right in the inputs' dtype, as onnxruntime does.")
 _binary(Op.EQUAL, ALL, result=DType.BOOL, doc="A == B.")
 for _op, _doc in ((Op.LESS, "A < B."), (Op.LESS_EQUAL, "A <= B."),
                   (Op.GREATER, "A > B."), (Op.GREATER_EQUAL, "A >= B.")):

@@ -272,3 +272,7 @@ _unary(Op.THRESHOLDED_RELU, FLOATS, _f("alpha", 1.0), doc="X if X > alpha else 0
 _unary(Op.SHRINK, NUMERIC, _f("bias", 0.0), _f("lambd", 0.5),
        doc="X + bias if X < -lambd, X - bias if X > lambd, else 0.")
 _unary(Op.SWISH, FLOATS, _f("alpha", 1.0), doc="X * sigmoid(alpha * X) (ONNX Swish).")
+
+# ``DTYPES`` holds the dtypes of the memory and reduction ops too, which their families
+# add: whoever reads it from here finds them all (schemas load by family, on first use).
+from keel.ops.schemas import memory, reduction  # noqa: E402, F401

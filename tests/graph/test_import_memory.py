@@ -23,7 +23,7 @@ from keel.graph.importers.onnx_wire import MIN_SPLIT_BYTES, split_model
 from keel.graph.ir import Graph
 
 # The bound for a 100,000-node chain and a 20,000-input fan-in, measured 15.1x and
-# 14.5x on x86-64 Python 3.11 (17.4x and 30.5x while the importer kept a second set of
+# 14.7x on x86-64 Python 3.11 (17.4x and 30.5x while the importer kept a second set of
 # every name, and the fan-in's Sum became 19,999 two-input Adds, not one ADD_N).
 CHAIN_BOUND = FAN_IN_BOUND = 20.0
 # The whole load_model (optimization, placement, memory plan) of each: measured 44x and 41x

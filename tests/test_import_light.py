@@ -53,10 +53,13 @@ def test_keel_onnxruntime_imports_neither_onnxruntime_nor_onnx() -> None:
 # libcrypto, 3.6 MB: small inputs hash with Python's own SHA-256), yaml, numpy.random,
 # importlib.metadata (2 MB: asked only when an installed distribution declares a keel
 # backend), ml_dtypes (a model without narrow types), concurrent.futures with logging (native
-# builds and tree models use threads of their own).
+# builds and tree models use threads of their own), kernel families of ops LeNet does not
+# have (the tables import a family on first use) and numpy.polynomial (erf's coefficients).
 NOT_FOR_A_KEEL_PREDICT = ("onnx", "google.protobuf", "keel.graph.importers.onnx", "asyncio",
                           "ssl", "hashlib", "yaml", "numpy.random", "importlib.metadata",
-                          "ml_dtypes", "concurrent.futures", "logging")
+                          "ml_dtypes", "concurrent.futures", "logging",
+                          "keel.backends.cpu.trees", "keel.backends.cpu.recurrent",
+                          "keel.backends.reference.elementwise", "numpy.polynomial")
 
 
 @pytest.mark.parametrize("plan_cache", ["off", "on"])

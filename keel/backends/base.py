@@ -121,6 +121,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import importlib
 import operator
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -260,6 +261,38 @@ class KernelTable:
         self.backend = backend
         self.chooser = chooser
         self._variants: dict[Op, dict[str, KernelVariant]] = {}
+        # Modules that register each op's variants, () once imported (see :meth:`defer`).
+        self._deferred: dict[Op, Sequence[str]] | None = None
+        self._load_all: Callable[[], object] | None = None
+
+    def defer(self, modules: Mapping[Op, Sequence[str]], load_all: Callable[[], object]) -> None:
+        """Import kernel modules when their ops are first asked for, not all at once.
+
+        ``modules`` names, for each op, the modules whose import registers its variants
+        (in the order a whole load imports them); an op it does not name, and every
+        question about all ops (:meth:`ops`, :meth:`update`), calls ``load_all``, which
+        imports every module. A process that runs one model then imports the kernels of
+        that model's ops only.
+        """
+        self._deferred, self._load_all = dict(modules), load_all
+
+    def _ensure(self, op: Op) -> None:
+        deferred = self._deferred
+        if deferred is None:
+            return
+        modules = deferred.get(op)
+        if modules is None:
+            self._ensure_all()
+            return
+        for name in modules:        # waits for a module another thread is importing
+            importlib.import_module(name)
+        deferred[op] = ()
+
+    def _ensure_all(self) -> None:
+        load_all = self._load_all
+        if load_all is not None:
+            load_all()
+        self._deferred = self._load_all = None
 
     def register(self, variant: KernelVariant) -> KernelVariant:
         variants = self._variants.setdefault(variant.op, {})
@@ -298,17 +331,21 @@ class KernelTable:
 
     def update(self, other: KernelTable) -> None:
         """Register every variant of ``other`` not already present here."""
+        other._ensure_all()
         for op, variants in other._variants.items():
             for name, v in variants.items():
                 self._variants.setdefault(op, {}).setdefault(name, v)
 
     def ops(self) -> frozenset[Op]:
+        self._ensure_all()
         return frozenset(op for op, v in self._variants.items() if "default" in v)
 
     def variants(self, op: Op) -> dict[str, KernelVariant]:
+        self._ensure(op)
         return dict(self._variants.get(op, {}))
 
     def get(self, op: Op, variant: str = "default") -> KernelVariant:
+        self._ensure(op)
         try:
             return self._variants[op][variant]
         except KeyError:
@@ -318,6 +355,8 @@ class KernelTable:
             ) from None
 
     def __contains__(self, op: object) -> bool:
+        if isinstance(op, Op):
+            self._ensure(op)
         return op in self._variants and "default" in self._variants[op]  # type: ignore[index]
 
 

@@ -48,7 +48,7 @@ _SPECIAL = {
     Op.CLIP: "Clip", Op.SQUEEZE: "Squeeze", Op.EXPAND_DIMS: "Unsqueeze", Op.SPLIT: "Split",
     Op.SLICE: "Slice", Op.PAD: "Pad", Op.TOPK: "TopK", Op.RESIZE: "Resize", Op.CAST: "Cast",
     Op.BATCH_NORM: "BatchNormalization", Op.GROUP_NORM: "GroupNormalization",
-    Op.MAXIMUM: "Max", Op.MINIMUM: "Min",
+    Op.MAXIMUM: "Max", Op.MINIMUM: "Min", Op.ADD_N: "Sum",
 }
 
 

@@ -176,11 +176,16 @@ def propagate_node(
             known[name] = val
 
 
+# Nodes with more inputs are inferred afresh: a wide fan-in (a Sum of 20,000) seldom repeats,
+# and its key would hold a tuple as long as its inputs for the rest of the load.
+_MEMO_INPUTS = 64
+
+
 def _inferred(node: Node, in_types: list[TensorType | None],
               in_values: list[np.ndarray | None], state: Propagation,
               valued: bool) -> list[TensorType | None]:
     """``infer_node``, remembered by signature where no input value is known."""
-    if valued:
+    if valued or len(in_types) > _MEMO_INPUTS:
         return infer_node(node, in_types, in_values)
     key = (node.op, tuple(in_types), tuple(bool(i) for i in node.inputs), len(node.outputs),
            tuple(sorted(node.attrs.items())))

@@ -30,6 +30,7 @@ class Op(str, enum.Enum):
     MOD = "mod"
     MAXIMUM = "maximum"
     MINIMUM = "minimum"
+    ADD_N = "add_n"
     EQUAL = "equal"
     LESS = "less"
     LESS_EQUAL = "less_equal"
@@ -271,7 +272,7 @@ class OpGroup(frozenset[Op], enum.Enum):
         Op.SOFTPLUS, Op.SOFTSIGN, Op.THRESHOLDED_RELU, Op.SHRINK, Op.MISH, Op.SWISH,
     })
     ELEMENTWISE = ELEMENTWISE_BINARY | ELEMENTWISE_UNARY | frozenset({
-        Op.WHERE, Op.ROTARY_EMBEDDING, Op.SWIGLU,
+        Op.WHERE, Op.ROTARY_EMBEDDING, Op.SWIGLU, Op.ADD_N,
     })
     REDUCTION = frozenset({
         Op.SUM_ALL, Op.MEAN_ALL, Op.SUM, Op.MEAN, Op.REDUCE_MAX, Op.REDUCE_MIN,

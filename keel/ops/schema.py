@@ -8,6 +8,7 @@ modules in ``keel/ops/schemas/``. Backends and the graph use the same schema:
 from __future__ import annotations
 
 import enum
+import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -192,17 +193,35 @@ class _SchemaRegistry:
         self._schemas[schema.op] = schema
         return schema
 
+    def registered(self) -> frozenset[Op]:
+        """The ops registered so far (no family is imported to answer)."""
+        return frozenset(self._schemas)
+
     def _load(self) -> None:
         if not self._loaded:
             self._loaded = True
-            import keel.ops.schemas  # noqa: F401  (registers every family)
+            from keel.ops import schemas
+
+            schemas.load_all()
 
     def get(self, op: Op) -> OpSchema:
-        self._load()
+        """``op``'s schema; its family module is imported when it is first asked for."""
+        found = self._schemas.get(op)
+        return found if found is not None else self._load_for(op)
+
+    def _load_for(self, op: Op) -> OpSchema:
+        from keel.ops import schemas
+
+        module = schemas.module_of(op.value) if isinstance(op, Op) else None
+        if module is not None:
+            importlib.import_module(module)
+        if op not in self._schemas:             # an op the table does not name: every family
+            self._load()
         try:
             return self._schemas[op]
         except KeyError:
-            raise UnsupportedOperationError(op.value, detail="no schema") from None
+            raise UnsupportedOperationError(getattr(op, "value", str(op)),
+                                            detail="no schema") from None
 
     def all(self) -> dict[Op, OpSchema]:
         self._load()

@@ -295,7 +295,7 @@ def _pow_cases() -> list[OpCase]:
     ]
 
 
-def _extremum_cases(op: Op) -> list[OpCase]:
+def _variadic_cases(op: Op) -> list[OpCase]:
     def many(dt: DType, *shapes: Sequence[int]) -> Make:
         lo, hi = _int_domain(dt, (-3.0, 3.0))
         return lambda rng: [rand(rng, s, dt.numpy, lo, hi) for s in shapes]
@@ -312,6 +312,18 @@ def _extremum_cases(op: Op) -> list[OpCase]:
         OpCase(f"{op.value}-nc", op, lambda rng: [rand(rng, (5, 3), np.float32).T,
                                                   rand(rng, (3, 10), np.float32)[:, ::2]]),
     ]
+
+
+def _add_n_cases() -> list[OpCase]:
+    """Sum of many inputs, one node: broadcast ones among them, and a wrap-around in int8."""
+    def many(rng: Gen) -> list[np.ndarray | None]:
+        return [rand(rng, (4, 1, 3) if k % 7 == 3 else (5, 3), np.float32) for k in range(40)]
+
+    def wraps(rng: Gen) -> list[np.ndarray | None]:
+        return [np.full((2, 3), 100, np.int8), np.full((2, 3), 100, np.int8),
+                rand(rng, (2, 3), np.int8)]
+    return [OpCase("add_n-forty", Op.ADD_N, many, **tolerance(np.float32, 10.0)),
+            OpCase("add_n-int8-wraps", Op.ADD_N, wraps)]
 
 
 def _where_cases() -> list[OpCase]:
@@ -352,7 +364,8 @@ def _binary_family() -> list[OpCase]:
     cases += _binary_cases(Op.BIT_SHIFT, _pair_shift, {"direction": "LEFT"}, "-left")
     cases += _binary_cases(Op.BIT_SHIFT, _pair_shift, {"direction": "RIGHT"}, "-right")
     cases += _prelu_cases()
-    cases += _extremum_cases(Op.MAXIMUM) + _extremum_cases(Op.MINIMUM)
+    cases += _variadic_cases(Op.MAXIMUM) + _variadic_cases(Op.MINIMUM)
+    cases += _variadic_cases(Op.ADD_N) + _add_n_cases()
     return cases + _where_cases()
 
 

@@ -25,7 +25,7 @@ OPSET = onnx.defs.onnx_opset_version()
 
 ONNX_NAMES: dict[Op, str] = {
     Op.ADD: "Add", Op.SUB: "Sub", Op.MUL: "Mul", Op.DIV: "Div", Op.POW: "Pow", Op.MOD: "Mod",
-    Op.MAXIMUM: "Max", Op.MINIMUM: "Min", Op.EQUAL: "Equal", Op.LESS: "Less",
+    Op.MAXIMUM: "Max", Op.MINIMUM: "Min", Op.ADD_N: "Sum", Op.EQUAL: "Equal", Op.LESS: "Less",
     Op.LESS_EQUAL: "LessOrEqual", Op.GREATER: "Greater", Op.GREATER_EQUAL: "GreaterOrEqual",
     Op.AND: "And", Op.OR: "Or", Op.XOR: "Xor", Op.BITWISE_AND: "BitwiseAnd",
     Op.BITWISE_OR: "BitwiseOr", Op.BITWISE_XOR: "BitwiseXor", Op.BIT_SHIFT: "BitShift",

@@ -25,7 +25,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from numpy.polynomial import chebyshev, polynomial
 
 from keel.backends.base import Bind, KernelContext
 from keel.backends.cpu import fastmath, planner, workspace
@@ -69,7 +68,10 @@ _ERF_SPLIT = 1.25
 _ERF_S_LO, _ERF_S_HI = 1.0 / 6.0, 1.0 / _ERF_SPLIT
 
 
+@functools.cache
 def _erf_near(degree: int, split: float = _ERF_SPLIT) -> tuple[float, ...]:
+    from numpy.polynomial import chebyshev, polynomial  # derived on first use
+
     terms = [2.0 / math.sqrt(math.pi) * (-1) ** n / (math.factorial(n) * (2 * n + 1))
              for n in range(30)]                  # the Taylor series, past float64's reach
     domain = [0.0, split**2]
@@ -78,16 +80,17 @@ def _erf_near(degree: int, split: float = _ERF_SPLIT) -> tuple[float, ...]:
     return tuple(float(c) for c in truncated.convert(kind=polynomial.Polynomial).coef)
 
 
+@functools.cache
 def _erf_tail(degree: int) -> tuple[float, ...]:
     """Power-series coefficients, in u in [-1, 1] mapping s, of the tail's g."""
+    from numpy.polynomial import chebyshev
+
     def g(u: np.ndarray) -> np.ndarray:
         x = 1.0 / ((u + 1.0) / 2.0 * (_ERF_S_HI - _ERF_S_LO) + _ERF_S_LO)
         return np.array([math.erfc(v) * math.exp(v * v) * v for v in x.tolist()])
     interpolate: Any = chebyshev.chebinterpolate      # numpy's stubs want scalar functions
     return tuple(float(c) for c in chebyshev.cheb2poly(interpolate(g, degree)))
 
-
-_ERF_FLOAT64 = (_erf_near(13), _erf_tail(18))
 
 # float16 and float32 are evaluated in float32 (float16 through a float32 copy):
 #   |x| < 0.5:  erf(x) = x * p(x**2), p the economized Taylor series of degree 5
@@ -98,7 +101,6 @@ _ERF_FLOAT64 = (_erf_near(13), _erf_tail(18))
 # Relative error below 1e-6 against float64 (a few float32 roundings), at about a
 # quarter of the cost of evaluating in float64.
 _ERF32_SPLIT = 0.5
-_ERF32_NEAR = _erf_near(5, _ERF32_SPLIT)
 
 
 def _horner(xp: Any, t: Any, coefs: Sequence[float], acc: Any) -> Any:
@@ -138,7 +140,7 @@ def erf(xp: Any, x: Any, out: Any) -> Any:
 
 
 def _erf64(xp: Any, x: Any, out: Any) -> Any:
-    return _erf(xp, x, out, _ERF_FLOAT64)
+    return _erf(xp, x, out, (_erf_near(13), _erf_tail(18)))
 
 
 def _erf32(xp: Any, x: Any, out: Any) -> Any:
@@ -162,7 +164,7 @@ def _erf32(xp: Any, x: Any, out: Any) -> Any:
     xp.bitwise_and(x.view(xp.int32), _SIGN_BIT, out=wi)
     xp.bitwise_or(qi, wi, out=qi)                       # with the sign of x
     xp.multiply(x, x, out=w)
-    _horner(xp, w, _ERF32_NEAR, u)
+    _horner(xp, w, _erf_near(5, _ERF32_SPLIT), u)
     xp.multiply(u, x, out=u)                            # erf(x) for |x| < split
     xp.bitwise_xor(ui, qi, out=ui)                      # q ^ ((q ^ u) & near): u or q
     xp.bitwise_and(ui, near, out=ui)
@@ -628,7 +630,8 @@ def _broadcast(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[Any, ...]:
     return tuple(broadcast_shapes(a, b))
 
 
-def _extremum(name: str) -> Callable[..., list[Any]]:
+def _variadic(name: str) -> Callable[..., list[Any]]:
+    """``name`` folded over the inputs left to right into one output (Max, Min, Sum)."""
     def kernel(ctx: KernelContext, inputs: Sequence[Any], attrs: Attrs,
                out: Sequence[Any] | None) -> list[Any]:
         xp, first = ctx.xp, inputs[0]
@@ -677,6 +680,7 @@ def _bind_where(ctx: KernelContext, inputs: Sequence[Any], attrs: Attrs,
 for _op, _binary_impl in _BINARY.items():
     TABLE.kernel(_op, dtypes=DTYPES[_op], supports_out=True,
                  bind=_binary_bind(_op, _binary_impl))(_binary_kernel(_op, _binary_impl))
-TABLE.kernel(Op.MAXIMUM, dtypes=DTYPES[Op.MAXIMUM], supports_out=True)(_extremum("maximum"))
-TABLE.kernel(Op.MINIMUM, dtypes=DTYPES[Op.MINIMUM], supports_out=True)(_extremum("minimum"))
+TABLE.kernel(Op.MAXIMUM, dtypes=DTYPES[Op.MAXIMUM], supports_out=True)(_variadic("maximum"))
+TABLE.kernel(Op.MINIMUM, dtypes=DTYPES[Op.MINIMUM], supports_out=True)(_variadic("minimum"))
+TABLE.kernel(Op.ADD_N, dtypes=DTYPES[Op.ADD_N], supports_out=True)(_variadic("add"))
 TABLE.kernel(Op.WHERE, dtypes=DTYPES[Op.WHERE], supports_out=True, bind=_bind_where)(_where)

@@ -7,7 +7,7 @@ import importlib
 
 from keel.backends.base import KernelTable
 
-__all__ = ["FAMILIES", "TABLE", "load"]
+__all__ = ["EXTRA_OPS", "FAMILIES", "TABLE", "load", "load_all"]
 
 TABLE = KernelTable("cpu")
 
@@ -20,12 +20,23 @@ FAMILIES = (
 )
 
 
+# Families registering ops of other families of schemas (keel.ops.schemas.FAMILY_OPS).
+EXTRA_OPS = {"qlinear": ("qgemm", "qlinear_conv", "qlinear_matmul")}
+
+
 @functools.lru_cache(maxsize=1)
 def load() -> KernelTable:
-    """Import every family module (each registers its kernels) and return the table."""
+    """The table, whose family modules (each registers its kernels) are imported when
+    their ops are first asked for (``KernelTable.defer``)."""
     from keel.backends.cpu import planner
+    from keel.backends.families import deferred_modules
 
+    TABLE.chooser = planner.choose_variant
+    TABLE.defer(deferred_modules(__package__, FAMILIES, EXTRA_OPS), load_all)
+    return TABLE
+
+
+def load_all() -> None:
+    """Import every family module."""
     for family in FAMILIES:
         importlib.import_module(f"keel.backends.cpu.{family}")
-    TABLE.chooser = planner.choose_variant
-    return TABLE

@@ -258,7 +258,8 @@ def _binary_kernel(op: Op, fn: Fn) -> Callable[..., list[Any]]:
     return kernel
 
 
-def _extremum(fn: Fn) -> Callable[..., list[Any]]:
+def _variadic(fn: Fn) -> Callable[..., list[Any]]:
+    """``fn`` folded over the inputs left to right, in float64 for floats (Max, Min, Sum)."""
     def kernel(ctx: KernelContext, inputs: Sequence[Any], attrs: Attrs,
                out: Sequence[Any] | None) -> list[Any]:
         arrays = [np.asarray(x) for x in inputs]
@@ -275,6 +276,7 @@ def _where(ctx: KernelContext, inputs: Sequence[Any], attrs: Attrs,
 
 for _op, _fn in _BINARY.items():
     TABLE.kernel(_op, dtypes=DTYPES[_op], supports_out=True)(_binary_kernel(_op, _fn))
-TABLE.kernel(Op.MAXIMUM, dtypes=DTYPES[Op.MAXIMUM], supports_out=True)(_extremum(np.maximum))
-TABLE.kernel(Op.MINIMUM, dtypes=DTYPES[Op.MINIMUM], supports_out=True)(_extremum(np.minimum))
+TABLE.kernel(Op.MAXIMUM, dtypes=DTYPES[Op.MAXIMUM], supports_out=True)(_variadic(np.maximum))
+TABLE.kernel(Op.MINIMUM, dtypes=DTYPES[Op.MINIMUM], supports_out=True)(_variadic(np.minimum))
+TABLE.kernel(Op.ADD_N, dtypes=DTYPES[Op.ADD_N], supports_out=True)(_variadic(np.add))
 TABLE.kernel(Op.WHERE, dtypes=DTYPES[Op.WHERE], supports_out=True)(_where)

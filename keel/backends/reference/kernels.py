@@ -7,7 +7,7 @@ import importlib
 
 from keel.backends.base import KernelTable
 
-__all__ = ["FAMILIES", "TABLE", "load"]
+__all__ = ["FAMILIES", "TABLE", "load", "load_all"]
 
 TABLE = KernelTable("reference")
 
@@ -22,7 +22,15 @@ FAMILIES = (
 
 @functools.lru_cache(maxsize=1)
 def load() -> KernelTable:
-    """Import every family module (each registers its kernels) and return the table."""
+    """The table, whose family modules (each registers its kernels) are imported when
+    their ops are first asked for (``KernelTable.defer``)."""
+    from keel.backends.families import deferred_modules
+
+    TABLE.defer(deferred_modules(__package__, FAMILIES), load_all)
+    return TABLE
+
+
+def load_all() -> None:
+    """Import every family module."""
     for family in FAMILIES:
         importlib.import_module(f"keel.backends.reference.{family}")
-    return TABLE

@@ -123,8 +123,10 @@ class ImportContext:
         self.declared = dict(declared)
         self.overridable = set(overridable)
         # Value names in use, and node names: ONNX's own (made unique beforehand) and new ones.
-        self.taken: set[str] = set()
-        self.node_names: set[str] = set()
+        # None until first needed once :meth:`defer_names` is called (see there).
+        self._taken: set[str] | None = set()
+        self._node_names: set[str] | None = set()
+        self._pending: Sequence[OnnxNode] = ()
         self.current = OnnxNode("", "", "", [], [])
         self._emitted = 0
         # Imports a subgraph attribute (set by the importer; see :meth:`subgraph`).
@@ -164,6 +166,48 @@ class ImportContext:
             raise self.invalid(f"missing graph attribute {attr!r}")
         return self.subgraph_importer(self, proto, formal)
 
+    # ---- names ---------------------------------------------------------
+    def defer_names(self, pending: Sequence[OnnxNode]) -> None:
+        """Build the sets of names in use only when a converter first needs one.
+
+        ``pending`` is the list of ONNX nodes still to convert, which the importer empties
+        as it goes. Most converters emit one node under ONNX's names and never ask: a large
+        graph then holds no second copy of its names (two sets of 100,000 strings are a
+        few megabytes). When asked, the sets are made from what is defined so far (the
+        propagated types, the emitted nodes), the node being converted and ``pending``.
+        """
+        self._taken = self._node_names = None
+        self._pending = pending
+
+    def forget_names(self) -> None:
+        """Drop the name sets (the import is done with them)."""
+        self._taken, self._node_names, self._pending = set(), set(), ()
+
+    @property
+    def taken(self) -> set[str]:
+        """The value names in use, ONNX's and new ones (shared with subgraph scopes)."""
+        if self._taken is None:
+            taken = set(self.state.types)
+            taken.update(self.initializers)
+            for n in (self.current, *self._pending):
+                taken.update(n.inputs)
+                taken.update(n.outputs)
+            taken.discard("")
+            self._taken = taken
+        return self._taken
+
+    @taken.setter
+    def taken(self, names: set[str]) -> None:
+        self._taken = names
+
+    @property
+    def node_names(self) -> set[str]:
+        """The node names in use: ONNX's (made unique beforehand) and those emitted."""
+        if self._node_names is None:
+            self._node_names = {n.name for n in self.nodes}
+            self._node_names.update(n.name for n in (self.current, *self._pending))
+        return self._node_names
+
     # ---- writing -------------------------------------------------------
     def fresh(self, base: str) -> str:
         stem = base or "v"
@@ -178,7 +222,8 @@ class ImportContext:
         """Store a constant under ``name`` (which must be new)."""
         arr = np.asarray(array)
         self.initializers[name] = arr
-        self.taken.add(name)
+        if self._taken is not None:     # else the initializers hold it
+            self._taken.add(name)
         self.state.values[name] = arr
         self.state.types[name] = _array_type(arr)
         return name
@@ -211,7 +256,8 @@ class ImportContext:
         node = Node(self._node_name(), op, ins, outs, norm or NO_ATTRS,
                     origin=self.current.op_type)
         self.nodes.append(node)
-        self.taken.update(o for o in outs if o)
+        if self._taken is not None:     # else the propagated types hold the outputs
+            self._taken.update(o for o in outs if o)
         self._infer(node)
         return node
 
@@ -260,6 +306,8 @@ class ImportContext:
         """Convert other ONNX nodes from inside a converter (a subgraph imported in place);
         afterwards the current node and the naming of its keel nodes continue."""
         current, emitted = self.current, self._emitted
+        self.taken.update(current.outputs)      # the sets hold the outer node's names
+        self.node_names.add(current.name)
         try:
             yield
         finally:
@@ -277,7 +325,8 @@ class ImportContext:
         while self._emitted > 1 and name in self.node_names:
             name = f"{base}/{k}"
             k += 1
-        self.node_names.add(name)
+        if self._node_names is not None:     # else the emitted nodes hold it
+            self._node_names.add(name)
         return name
 
     def _schema(self, op: Op) -> OpSchema:

@@ -5,8 +5,8 @@ newest ONNX opset: parameters that newer opsets pass as inputs (Squeeze axes,
 Slice starts, Pad pads, Clip bounds, TopK k, Resize scales, ReduceX axes, ...)
 become constant inputs when an older model gives them as attributes. Ops
 without a keel counterpart of their own are expressed with ops keel has
-(Sum → chained Add, Upsample → Resize, Softmax before opset 13 → Flatten,
-Softmax, Reshape).
+(Sum of three or more → one variadic ADD_N, Upsample → Resize, Softmax before
+opset 13 → Flatten, Softmax, Reshape).
 """
 
 from __future__ import annotations
@@ -153,9 +153,16 @@ def _max_inputs(op: Op) -> int | None:
     return get_schema(op).max_inputs
 
 
+def _add(ctx: ImportContext, n: OnnxNode, final: str) -> None:
+    """Sum's inputs into ``final``: one Add for two, one variadic ``ADD_N`` for more, so
+    that a wide fan-in stays one node (no partial sums to hold in the graph)."""
+    ins = [i for i in n.inputs if i]
+    _chain(ctx, n, Op.ADD if len(ins) <= 2 else Op.ADD_N, final)
+
+
 @TABLE.converts("Sum", since=6)
 def _sum(ctx: ImportContext, n: OnnxNode) -> None:
-    _chain(ctx, n, Op.ADD, n.outputs[0])
+    _add(ctx, n, n.outputs[0])
 
 
 @TABLE.converts("Max", since=6)
@@ -175,7 +182,7 @@ def _mean(ctx: ImportContext, n: OnnxNode) -> None:
         _chain(ctx, n, Op.ADD, n.outputs[0])
         return
     total = ctx.fresh(f"{n.outputs[0]}/sum")
-    _chain(ctx, n, Op.ADD, total)
+    _add(ctx, n, total)
     ctx.emit(Op.DIV, [total, _like(ctx, ins[0], float(len(ins)), "count")], n.outputs)
 
 

@@ -153,6 +153,9 @@ _binary(Op.MOD, NUMERIC, attrs=(AttrSpec("fmod", AttrKind.INT, 0),),
         doc="fmod=0: result has the sign of B (floor); fmod=1: sign of A (C fmod).")
 _binary(Op.MAXIMUM, NUMERIC, variadic=True, doc="Elementwise max of 1+ inputs; NaN wins.")
 _binary(Op.MINIMUM, NUMERIC, variadic=True, doc="Elementwise min of 1+ inputs; NaN wins.")
+_binary(Op.ADD_N, NUMERIC, variadic=True,
+        doc="Elementwise sum of 1+ inputs broadcast together (ONNX Sum), one node however "
+            "many inputs; added left to right in the inputs' dtype, as onnxruntime does.")
 _binary(Op.EQUAL, ALL, result=DType.BOOL, doc="A == B.")
 for _op, _doc in ((Op.LESS, "A < B."), (Op.LESS_EQUAL, "A <= B."),
                   (Op.GREATER, "A > B."), (Op.GREATER_EQUAL, "A >= B.")):
@@ -269,3 +272,7 @@ _unary(Op.THRESHOLDED_RELU, FLOATS, _f("alpha", 1.0), doc="X if X > alpha else 0
 _unary(Op.SHRINK, NUMERIC, _f("bias", 0.0), _f("lambd", 0.5),
        doc="X + bias if X < -lambd, X - bias if X > lambd, else 0.")
 _unary(Op.SWISH, FLOATS, _f("alpha", 1.0), doc="X * sigmoid(alpha * X) (ONNX Swish).")
+
+# ``DTYPES`` holds the dtypes of the memory and reduction ops too, which their families
+# add: whoever reads it from here finds them all (schemas load by family, on first use).
+from keel.ops.schemas import memory, reduction  # noqa: E402, F401

@@ -21,7 +21,7 @@ FAMILIES = (
 
 
 # Families registering ops of other families of schemas (keel.ops.schemas.FAMILY_OPS).
-EXTRA_OPS = {"qlinear": ("qgemm", "qlinear_conv", "qlinear_matmul")}
+EXTRA_OPS = {"qlinear": ("qgemm", "qlinear_add", "qlinear_conv", "qlinear_matmul")}
 
 
 @functools.lru_cache(maxsize=1)

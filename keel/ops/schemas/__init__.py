@@ -59,8 +59,8 @@ FAMILY_OPS: dict[str, tuple[str, ...]] = {
     "numeric": ("bitcast", "det"),
     "pooling": ("avg_pool", "global_avg_pool", "global_max_pool", "lp_pool", "max_pool"),
     "quantization": (
-        "dequantize_linear", "dynamic_quantize_linear", "qgemm", "qlinear_conv",
-        "qlinear_matmul", "quantize_linear",
+        "dequantize_linear", "dynamic_quantize_linear", "qgemm", "qlinear_add",
+        "qlinear_conv", "qlinear_matmul", "quantize_linear",
     ),
     "recurrent": ("gru", "lstm", "rnn"),
     "reduction": (

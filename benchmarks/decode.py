@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--passes", type=int, default=7)
-    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--steps", type=int, default=32, help="decode loop steps (0: no loop)")
     p.add_argument("--pass-seconds", type=float, default=0.5)
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
@@ -136,10 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(_alternate("decode_step", args.passes,
                                lambda run, _: _repeat(run, step, args.pass_seconds),
                                keel_run, ort_run))
-        rows.append(_alternate("decode_loop", args.passes,
-                               lambda run, i: _loop(run, shape, args.steps,
-                                                    16 + i * (args.steps + 8)),
-                               keel_run, ort_run))
+        if args.steps > 0:
+            rows.append(_alternate("decode_loop", args.passes,
+                                   lambda run, i: _loop(run, shape, args.steps,
+                                                        16 + i * (args.steps + 8)),
+                                   keel_run, ort_run))
     else:
         print(f"decode cases skipped: {missing}")
     _write(args, rows, before)

@@ -430,7 +430,7 @@ def test_fuse_attention_takes_torchs_export_and_keeps_its_nan_guard() -> None:
              (("q", (1, 2, 3, 4)), ("k", (1, 2, 3, 4)), ("past_k", (1, 2, 2, 4)),
               ("v", (1, 2, 5, 4)))}
     feeds["keep"] = keep
-    g, out = apply(P.fuse_attention, _sdpa_export(), feeds)
+    _, out = apply(P.fuse_attention, _sdpa_export(), feeds)
     assert ops(out) == [Op.CONCAT, Op.WHERE, Op.ATTENTION, Op.ISNAN, Op.WHERE]
     (fused,) = [node for node in out.nodes if node.op is Op.ATTENTION]
     assert fused.attr("scale") == pytest.approx(0.7071 ** 2)

@@ -836,7 +836,8 @@ def _attention_rows(q: Any, k: Any, v: Any, mask: Any, attrs: Attrs, out: Out,
 @functools.lru_cache(maxsize=256)
 def _rows_kernel(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...],
                  mask: tuple[tuple[int, ...], tuple[int, ...]] | None, scale: float | None,
-                 causal: bool, threads: int) -> tuple[fastmath.RowAttention, tuple[int, ...]] | None:
+                 causal: bool, threads: int
+                 ) -> tuple[fastmath.RowAttention, tuple[int, ...]] | None:
     """(the row kernel, Y's shape) for Q, K, V of these shapes and a float32 mask of this
     (shape, strides) where the planner gives the heads to the row kernel
     (``planner.attention_rows``) and the batch dimensions match; None otherwise. Checks

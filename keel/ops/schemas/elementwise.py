@@ -153,7 +153,8 @@ _binary(Op.MOD, NUMERIC, attrs=(AttrSpec("fmod", AttrKind.INT, 0),),
         doc="fmod=0: result has the sign of B (floor); fmod=1: sign of A (C fmod).")
 _binary(Op.MAXIMUM, NUMERIC, variadic=True, doc="Elementwise max of 1+ inputs; NaN wins.")
 _binary(Op.MINIMUM, NUMERIC, variadic=True, doc="Elementwise min of 1+ inputs; NaN wins.")
-_binary(Op.EQUAL, ALL, result=DType.BOOL, doc="A == B.")
+_binary(Op.EQUAL, ALL | {DType.STRING}, result=DType.BOOL,
+        doc="A == B (strings too: element by element).")
 for _op, _doc in ((Op.LESS, "A < B."), (Op.LESS_EQUAL, "A <= B."),
                   (Op.GREATER, "A > B."), (Op.GREATER_EQUAL, "A >= B.")):
     _binary(_op, NUMERIC, result=DType.BOOL, doc=_doc)

@@ -154,7 +154,9 @@ def _load_average() -> str:
         return "unknown"
 
 
-def _write(args: argparse.Namespace, rows: list[dict[str, Any]], before: str) -> None:
+def _write(args: argparse.Namespace, rows: list[dict[str, Any]], before: str,
+           kind: str = "decode", **extra: Any) -> None:
+    """``<out>/<kind>-<stamp>.json``: the cases, the machine, the load before and after."""
     import onnxruntime
 
     import keel
@@ -162,11 +164,11 @@ def _write(args: argparse.Namespace, rows: list[dict[str, Any]], before: str) ->
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     payload = {"stamp": stamp, "python": platform.python_version(), "keel": keel.__version__,
                "onnxruntime": onnxruntime.__version__, "threads": args.threads,
-               "steps": args.steps, "load_average": {"before": before,
-                                                     "after": _load_average()},
+               **({"steps": args.steps} if kind == "decode" else {}), **extra,
+               "load_average": {"before": before, "after": _load_average()},
                "machine": keel.probe().to_dict(), "cases": rows}
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"decode-{stamp}.json"
+    path = args.out / f"{kind}-{stamp}.json"
     path.write_text(json.dumps(payload, indent=2))
     print(f"wrote {path} (load average {before} before, {_load_average()} after)")
 

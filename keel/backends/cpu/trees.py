@@ -184,7 +184,13 @@ def _totals(forest: Forest, x: np.ndarray, threads: int | None) -> np.ndarray:
 def _aggregate(forest: Forest, table: np.ndarray, leaf: np.ndarray) -> np.ndarray:
     """(trees, rows) leaves → (rows, targets); sums add tree after tree (axis 0)."""
     if forest.aggregate in ("SUM", "AVERAGE"):
-        return table[leaf].sum(axis=0)
+        # Target by target: a 1-D gather of (trees, rows) scalars summed over the trees
+        # adds in the same order as gathering (trees, rows, targets) rows, in a fraction
+        # of the time (no (trees, rows, targets) temporary).
+        out = np.empty((leaf.shape[1], table.shape[1]), dtype=table.dtype)
+        for j in range(table.shape[1]):
+            np.sum(np.ascontiguousarray(table[:, j]).take(leaf), axis=0, out=out[:, j])
+        return out
     has = forest.leaf_has[leaf]
     fill = np.inf if forest.aggregate == "MIN" else -np.inf
     values = np.where(has, table[leaf], fill)

@@ -455,8 +455,9 @@ _BLOCK_WHY = {
 
 
 # Fused attention runs on the native GEMM and row softmax (split over batch x heads on
-# keel's threads) from this many scores per head (S x T); below it, NumPy's blocks,
-# which a program binds once (KernelVariant.bind). Per head, never per call: the choice
+# keel's threads) from this many scores per head (S x T); below it, the native row
+# kernel (attention_rows, below), else (no native tier) NumPy's blocks, which a program
+# binds once (KernelVariant.bind). Per head, never per call: the choice
 # must not follow the batch, or a sample's bits would (batch invariance). Measured on
 # the 2-core AMD EPYC (Zen 4): the small block at sequence 1 (one score per head) ran
 # 1.16x onnxruntime on the bound NumPy blocks against 1.85x on the native path, whose

@@ -4,12 +4,15 @@
  * children (as positions) at children[2k] and children[2k + 1]; positions from `end`
  * on are leaves, leaf l at end + 2l.
  *
- *   keel_tree_leaves_f32   float32 rows and splits
+ *   keel_tree_leaves_f32     float32 rows and splits
+ *   keel_tree_leaves_mt_f32  the same over rows in chunks on keel's worker threads
  *
  * Each pair is walked alone, tree after tree for a block of rows (the tree's nodes stay
  * in cache while the rows go through it), so any split of the rows gives the same
  * leaves. At most `depth` steps, as the NumPy walk takes. Nothing allocates. */
 #include <stdint.h>
+
+#include "parallel.h"
 
 /* Rows [lo, hi) of x (rows, cols): leaf[t * rows + r] for every tree t. */
 void keel_tree_leaves_f32(const float *x, int64_t cols, const int32_t *feature,
@@ -27,4 +30,32 @@ void keel_tree_leaves_f32(const float *x, int64_t cols, const int32_t *feature,
             out[r] = (int32_t)((pos - end) / 2);
         }
     }
+}
+
+typedef struct {
+    const float *x, *split;
+    const int32_t *feature, *children, *roots;
+    int32_t *leaf;
+    int64_t cols, trees, end, depth, rows;
+} walk_job;
+
+static void walk_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
+{
+    const walk_job *j = ctx;
+    (void)scratch;
+    keel_tree_leaves_f32(j->x, j->cols, j->feature, j->split, j->children, j->roots, j->trees,
+                         j->end, j->depth, j->leaf, j->rows, lo, hi);
+}
+
+/* keel_tree_leaves_f32 over all rows in `parts` chunks of rows. Returns 0, or -1 when a
+ * thread's scratch could not be had. */
+int64_t keel_tree_leaves_mt_f32(const float *x, int64_t cols, const int32_t *feature,
+                                const float *split, const int32_t *children,
+                                const int32_t *roots, int64_t trees, int64_t end, int64_t depth,
+                                int32_t *leaf, int64_t rows, int64_t parts)
+{
+    walk_job j = {.x = x, .split = split, .feature = feature, .children = children,
+                  .roots = roots, .leaf = leaf, .cols = cols, .trees = trees, .end = end,
+                  .depth = depth, .rows = rows};
+    return run_parts(walk_task, &j, rows, parts, 0);
 }

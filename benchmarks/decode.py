@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--passes", type=int, default=7)
-    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--steps", type=int, default=32, help="decode loop steps (0: no loop)")
     p.add_argument("--pass-seconds", type=float, default=0.5)
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
@@ -136,10 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(_alternate("decode_step", args.passes,
                                lambda run, _: _repeat(run, step, args.pass_seconds),
                                keel_run, ort_run))
-        rows.append(_alternate("decode_loop", args.passes,
-                               lambda run, i: _loop(run, shape, args.steps,
-                                                    16 + i * (args.steps + 8)),
-                               keel_run, ort_run))
+        if args.steps > 0:
+            rows.append(_alternate("decode_loop", args.passes,
+                                   lambda run, i: _loop(run, shape, args.steps,
+                                                        16 + i * (args.steps + 8)),
+                                   keel_run, ort_run))
     else:
         print(f"decode cases skipped: {missing}")
     _write(args, rows, before)
@@ -153,7 +154,9 @@ def _load_average() -> str:
         return "unknown"
 
 
-def _write(args: argparse.Namespace, rows: list[dict[str, Any]], before: str) -> None:
+def _write(args: argparse.Namespace, rows: list[dict[str, Any]], before: str,
+           kind: str = "decode", **extra: Any) -> None:
+    """``<out>/<kind>-<stamp>.json``: the cases, the machine, the load before and after."""
     import onnxruntime
 
     import keel
@@ -161,11 +164,11 @@ def _write(args: argparse.Namespace, rows: list[dict[str, Any]], before: str) ->
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     payload = {"stamp": stamp, "python": platform.python_version(), "keel": keel.__version__,
                "onnxruntime": onnxruntime.__version__, "threads": args.threads,
-               "steps": args.steps, "load_average": {"before": before,
-                                                     "after": _load_average()},
+               **({"steps": args.steps} if kind == "decode" else {}), **extra,
+               "load_average": {"before": before, "after": _load_average()},
                "machine": keel.probe().to_dict(), "cases": rows}
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"decode-{stamp}.json"
+    path = args.out / f"{kind}-{stamp}.json"
     path.write_text(json.dumps(payload, indent=2))
     print(f"wrote {path} (load average {before} before, {_load_average()} after)")
 

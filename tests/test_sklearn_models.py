@@ -224,6 +224,33 @@ def test_threads_give_the_same_bits() -> None:
     np.testing.assert_array_equal(runs[0][0], model.predict(x))
 
 
+def test_the_native_walk_gives_the_numpy_walks_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gradient boosting (sklearn's ``x <= split`` trees: the native walk's case) gives the
+    same labels and scores with the native tier and without it."""
+    from skl2onnx import to_onnx
+
+    from keel import config, native
+
+    x, targets = _data(rows=300)
+    model = _sk("GradientBoostingClassifier")(n_estimators=20, random_state=0).fit(
+        x, targets["three"])
+    data = to_onnx(model, x[:1], options={"zipmap": False},
+                   target_opset=OPSETS).SerializeToString()
+    native_run = keel.load_model(data, backend="cpu").run(None, {"X": x})
+    monkeypatch.setenv("KEEL_NATIVE", "off")
+    config.reload_settings()
+    native.reset()
+    try:
+        numpy_run = keel.load_model(data, backend="cpu").run(None, {"X": x})
+    finally:
+        monkeypatch.delenv("KEEL_NATIVE")
+        config.reload_settings()
+        native.reset()
+    np.testing.assert_array_equal(native_run[0], numpy_run[0])
+    assert native_run[1].tobytes() == numpy_run[1].tobytes()
+    np.testing.assert_array_equal(native_run[0], model.predict(x))
+
+
 def test_keel_file_round_trip(tmp_path: Any) -> None:
     """A forest lives in node attributes; the .keel file keeps them (and string labels)."""
     from keel.formats.keel_format import save_keel

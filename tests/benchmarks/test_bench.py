@@ -163,3 +163,19 @@ def test_load_time_runs_end_to_end_on_a_small_model() -> None:
     assert "cache" not in report["reasons"]["off"]
     assert set(report["in_process_s"]) == {"off", "first", "second"}
     assert report["fresh_process_ratio"] > 0
+
+
+def test_the_tree_benchmark_writes_its_cases(tmp_path: Path) -> None:
+    pytest.importorskip("sklearn", reason="scikit-learn trains the forests")
+    pytest.importorskip("skl2onnx", reason="skl2onnx exports the forests")
+    from benchmarks import trees
+
+    assert trees.main(["--batch", "64", "--passes", "1", "--pass-seconds", "0.01",
+                       "--out", str(tmp_path)]) == 0
+    (written,) = tmp_path.glob("trees-*.json")
+    payload = json.loads(written.read_text())
+    assert payload["batch"] == 64
+    assert [c["case"] for c in payload["cases"]] == [
+        "random_forest_classifier_b64", "gradient_boosting_classifier_b64",
+        "random_forest_regressor_b64"]
+    assert all(c["keel_ms"] > 0 and c["onnxruntime_ms"] > 0 for c in payload["cases"])

@@ -397,6 +397,51 @@ def test_fuse_attention_with_pre_transposed_keys_and_mul_scale() -> None:
     assert ops(out) == [Op.TRANSPOSE, Op.ATTENTION]
 
 
+def _sdpa_export(shared_nan_guard: bool = False) -> onnx.ModelProto:
+    """Attention as torch exports scaled_dot_product_attention with a KV cache: the scale
+    split over Q and Kᵀ, a boolean mask made additive by Where, and the probabilities
+    guarded by Where(IsNaN(P), 0, P)."""
+    n = helper.make_node
+    nodes = [n("Concat", ["past_k", "k"], ["present_k"], axis=-2),
+             n("Transpose", ["present_k"], ["kt"], perm=[0, 1, 3, 2]),
+             n("Mul", ["q", "c"], ["qs"]), n("Mul", ["kt", "c"], ["kts"]),
+             n("MatMul", ["qs", "kts"], ["qk"]),
+             n("Where", ["keep", "zero", "minus_inf"], ["bias"]),
+             n("Add", ["qk", "bias"], ["scores"]),
+             n("Softmax", ["scores"], ["p"], axis=-1),
+             n("IsNaN", ["p"], ["nan"]), n("Where", ["nan", "zero", "p"], ["pg"]),
+             n("MatMul", ["pg", "v"], ["y"])]
+    outputs = [vi("y", [1, 2, 3, 4]), vi("present_k", [1, 2, 5, 4])]
+    if shared_nan_guard:
+        outputs.append(vi("nan", [1, 2, 3, 5], TensorProto.BOOL))
+    return model(nodes, [vi("q", [1, 2, 3, 4]), vi("k", [1, 2, 3, 4]), vi("past_k", [1, 2, 2, 4]),
+                         vi("v", [1, 2, 5, 4]), vi("keep", [1, 1, 3, 5], TensorProto.BOOL)],
+                 outputs, [init("c", np.array([0.7071], np.float32)),
+                           init("zero", np.float32(0)), init("minus_inf", np.float32(-np.inf))])
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")
+def test_fuse_attention_takes_torchs_export_and_keeps_its_nan_guard() -> None:
+    r = rng(6)
+    keep = r.random((1, 1, 3, 5)) < 0.7
+    keep[0, 0, 1] = False                         # query 1 sees no key: zeros, not NaN
+    keep[0, 0, [0, 2], 0] = True
+    feeds = {name: r.standard_normal(shape).astype(np.float32) for name, shape in
+             (("q", (1, 2, 3, 4)), ("k", (1, 2, 3, 4)), ("past_k", (1, 2, 2, 4)),
+              ("v", (1, 2, 5, 4)))}
+    feeds["keep"] = keep
+    _, out = apply(P.fuse_attention, _sdpa_export(), feeds)
+    assert ops(out) == [Op.CONCAT, Op.WHERE, Op.ATTENTION, Op.ISNAN, Op.WHERE]
+    (fused,) = [node for node in out.nodes if node.op is Op.ATTENTION]
+    assert fused.attr("scale") == pytest.approx(0.7071 ** 2)
+    assert fused.inputs[1] == "present_k"         # Kᵀ's transpose absorbed
+    y = run_graph(out, feeds)["y"]
+    assert np.all(y[0, :, 1] == 0) and np.isfinite(y).all()
+    # The guard's IsNaN read elsewhere too: nothing fused.
+    _, kept = apply(P.fuse_attention, _sdpa_export(shared_nan_guard=True), feeds)
+    assert Op.ATTENTION not in ops(kept)
+
+
 def test_fuse_attention_in_the_transformer_absorbs_the_key_transpose() -> None:
     _, out = apply(P.fuse_attention, M.transformer(rng(2)))
     assert ops(out).count(Op.ATTENTION) == 2 and Op.SOFTMAX not in ops(out)

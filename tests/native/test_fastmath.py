@@ -13,7 +13,7 @@ import pytest
 
 from keel import config, native
 from keel.backends.base import KernelTable
-from keel.backends.cpu import fastmath, kernels
+from keel.backends.cpu import fastmath, kernels, matmul
 from keel.backends.cpu import planner as cpu_planner
 from keel.backends.cpu.backend import CpuBackend
 from keel.backends.reference.backend import ReferenceBackend
@@ -620,3 +620,90 @@ def test_skip_layer_norm_numpy_path_matches_reference(
         np.testing.assert_allclose(got[0], native_result[0], rtol=1e-5, atol=1e-5)
     finally:
         native.reset()
+
+
+# ---- attention one query row at a time (keel_attend_rows_f32) ---------------------------
+def _attention_case(rng: np.random.Generator, batch: tuple[int, ...], s: int, t: int,
+                    d: int = 64, dv: int = 64) -> list[np.ndarray]:
+    return [rng.standard_normal((*batch, n, width)).astype(np.float32)
+            for n, width in ((s, d), (t, d), (t, dv))]
+
+
+@pytest.mark.parametrize("mask", ["", "padding", "bool", "full", "causal"])
+@pytest.mark.parametrize(("s", "t"), [(1, 1), (1, 65), (1, 5000), (3, 7)])
+def test_row_attention_matches_the_reference(
+        backends: tuple[CpuBackend, ReferenceBackend], mask: str, s: int, t: int) -> None:
+    # One query (a decode step, up to a cache past the kernel's stack row) and a few
+    # queries of few keys: the row kernel's cases (planner.attention_rows).
+    assert cpu_planner.attention_rows(s, t)
+    cpu, ref = backends
+    rng = np.random.default_rng(21)
+    inputs: list[np.ndarray] = _attention_case(rng, (2, 3), s, t, dv=40)
+    attrs = {"is_causal": True} if mask == "causal" else {}
+    if mask == "padding":              # GPT-2's padding mask: (B, 1, 1, T), 0 or -inf
+        pad = np.where(rng.random((2, 1, 1, t)) < 0.3, -np.inf, 0).astype(np.float32)
+        pad[..., -1] = 0
+        inputs.append(pad)
+    elif mask == "bool":
+        keep = rng.random((2, 3, s, t)) < 0.6
+        keep[..., 0] = True
+        inputs.append(keep)
+    elif mask == "full":
+        inputs.append(rng.standard_normal((1, 3, s, t)).astype(np.float32))
+    layout = None if len(inputs) == 3 or inputs[3].dtype == bool else (
+        inputs[3].shape, inputs[3].strides)
+    assert matmul._rows_kernel(inputs[0].shape, inputs[1].shape, inputs[2].shape, layout,
+                               None, mask == "causal", 1) is not None
+    got = cpu.run(Op.ATTENTION, inputs, attrs=attrs)[0]
+    want = ref.run(Op.ATTENTION, inputs, attrs=attrs)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+
+
+def test_row_attention_gives_nan_for_a_query_that_sees_no_key(
+        backends: tuple[CpuBackend, ReferenceBackend]) -> None:
+    cpu, ref = backends
+    q, k, v = _attention_case(np.random.default_rng(22), (1, 2), 1, 9, d=8, dv=8)
+    hidden = np.zeros((1, 2, 1, 9), np.float32)
+    hidden[0, 1] = -np.inf                           # head 1 sees nothing
+    got = cpu.run(Op.ATTENTION, [q, k, v, hidden])[0]
+    with np.errstate(invalid="ignore"):              # the reference's -inf - -inf
+        want = ref.run(Op.ATTENTION, [q, k, v, hidden])[0]
+    assert np.isnan(got[0, 1]).all() and np.isnan(want[0, 1]).all()
+    np.testing.assert_allclose(got[0, 0], want[0, 0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.usefixtures("small_chunks")
+def test_row_attention_bits_follow_neither_the_batch_nor_the_threads() -> None:
+    rng = np.random.default_rng(23)
+    q, k, v = _attention_case(rng, (6, 4), 1, 33)
+    mask = np.where(rng.random((6, 1, 1, 33)) < 0.2, -np.inf, 0).astype(np.float32)
+    mask[..., 0] = 0
+    matmul._rows_kernel.cache_clear()          # its split was planned with larger chunks
+
+    def run(threads: int, rows: slice) -> np.ndarray:
+        return CpuBackend(threads=threads).run(
+            Op.ATTENTION, [q[rows], k[rows], v[rows], mask[rows]])[0]
+
+    alone = run(1, slice(2, 3))
+    for threads in (1, 2, 3):
+        assert np.array_equal(run(threads, slice(None))[2:3], alone)
+
+
+def test_row_attention_binds_once_and_follows_its_arrays() -> None:
+    # A program's bound step: Q, K, V and Y stay put, their values change between runs.
+    rng = np.random.default_rng(24)
+    q, k, v = _attention_case(rng, (4,), 1, 20, d=16, dv=16)
+    y = np.empty((4, 1, 16), np.float32)
+    call = fastmath.bound_attend_rows(q, k, v, None, y, 0.25, False)
+    assert call is not None
+    ref = ReferenceBackend()
+    for _ in range(2):
+        call()
+        want = ref.run(Op.ATTENTION, [q, k, v], attrs={"scale": 0.25})[0]
+        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+        k[...] = rng.standard_normal(k.shape)
+    # Not served: an output overlapping an input, a mask the kernel cannot stride through.
+    assert fastmath.bound_attend_rows(q, k, v, None, q, 0.25, False) is None
+    wide = np.zeros((4, 1, 1, 40), np.float32)[..., ::2]
+    assert fastmath.bound_attend_rows(q, k, v, wide.reshape(4, 1, 1, 20), y, 0.25,
+                                      False) is None

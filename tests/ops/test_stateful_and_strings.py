@@ -126,6 +126,50 @@ ERRORS = [
 ]
 
 
+@pytest.mark.parametrize("rule", ["linear", "gated", "delta", "gated_delta"])
+@pytest.mark.parametrize(("chunk", "per_key"), [(64, False), (7, True), (1, False)])
+def test_linear_attention_long_prefill_matches_the_reference(rule: str, chunk: int,
+                                                             per_key: bool) -> None:
+    # 150 tokens: chunks of 64 (two full, one ragged), 7 and 1; grouped query heads, a
+    # past state, and a decay strong enough (-3 a token) that exp(-sum) over a chunk
+    # would overflow float32: the parallel form must take each pair's decay difference.
+    make = cases_stateful._linear(rule, b=2, t=150, hq=4, hkv=2, dk=8, dv=6,
+                                  per_key=per_key and rule in ("gated", "gated_delta"))
+    inputs = make(np.random.default_rng(31))
+    if inputs[4] is not None:
+        inputs[4] = inputs[4] * np.float32(6)                 # decay in [-3, 0]
+    attrs = {"q_num_heads": 4, "kv_num_heads": 2, "update_rule": rule, "chunk_size": chunk}
+    got, want = run_cpu(Op.LINEAR_ATTENTION, inputs, **attrs), \
+        run_ref(Op.LINEAR_ATTENTION, inputs, **attrs)
+    for g, w in zip(got, want, strict=True):
+        assert np.isfinite(g).all()
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_equal_compares_strings_as_onnx_does() -> None:
+    a = np.array([["cat", "dog"], ["", "émigré"]], dtype=object)
+    b = np.array(["cat", "émigré"], dtype=object)              # broadcast along rows
+    node = helper.make_node("Equal", ["a", "b"], ["y"])
+    graph = helper.make_graph(
+        [node], "equal", [helper.make_tensor_value_info("a", onnx.TensorProto.STRING, [2, 2]),
+                          helper.make_tensor_value_info("b", onnx.TensorProto.STRING, [2])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.BOOL, [2, 2])])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+    model = keel.load_model(m.SerializeToString(), backend="cpu")
+    want = ReferenceEvaluator(m).run(None, {"a": a, "b": b})[0]
+    for _ in range(2):                      # a second run on the compiled program
+        np.testing.assert_array_equal(model.run(None, {"a": a, "b": b})[0], want)
+    np.testing.assert_array_equal(run_cpu(Op.EQUAL, [a, b])[0], run_ref(Op.EQUAL, [a, b])[0])
+    with pytest.raises(ModelFormatError, match="inputs of one dtype, got string, float32"):
+        mixed = helper.make_graph(
+            [node], "mixed",
+            [helper.make_tensor_value_info("a", onnx.TensorProto.STRING, [2]),
+             helper.make_tensor_value_info("b", onnx.TensorProto.FLOAT, [2])],
+            [helper.make_tensor_value_info("y", onnx.TensorProto.BOOL, [2])])
+        keel.load_model(helper.make_model(
+            mixed, opset_imports=[helper.make_opsetid("", 19)]).SerializeToString())
+
+
 @pytest.mark.parametrize(("what", "op", "inputs", "attrs", "match"), ERRORS,
                          ids=[e[0] for e in ERRORS])
 def test_typed_errors(what: str, op: Op, inputs: list[Any], attrs: dict[str, Any],

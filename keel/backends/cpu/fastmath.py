@@ -64,14 +64,19 @@ __all__ = [
     "ACTIVATION_KINDS",
     "NATIVE_ACTIVATIONS",
     "SOFTMAX_MODES",
+    "RowAttention",
     "activation_inplace",
+    "attend_rows",
     "available",
     "bias_activation_inplace",
+    "bound_attend_rows",
     "bound_layer_norm",
     "bound_skip_layer_norm",
     "bound_softmax",
     "bound_unary",
     "layer_norm",
+    "mask_layout",
+    "row_attention",
     "serves",
     "skip_layer_norm",
     "softmax",
@@ -101,6 +106,8 @@ class _Functions:
     layer_norm_mt: Callable[..., int]
     skip_layer_norm_mt: Callable[..., int]
     softmax_mt: Callable[..., int]
+    attend_rows: Callable[..., int]
+    attend_rows_mt: Callable[..., int]
 
 
 _bound: tuple[native.NativeLibrary, _Functions] | None = None
@@ -141,6 +148,10 @@ def _functions() -> _Functions | None:
             [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _F32, _I64, _I64], _I64),
         softmax_mt=lib.function("keel_softmax_mt_f32", [_PTR, _PTR, _I64, _I32, _I64, _I64],
                                 _I64),
+        attend_rows=lib.function("keel_attend_rows_f32",
+                                 [*[_PTR] * 6, *[_I64] * 8, _F32, _I32, _I64, _I64], _I32),
+        attend_rows_mt=lib.function("keel_attend_rows_mt_f32",
+                                    [*[_PTR] * 5, *[_I64] * 8, _F32, _I32, _I64, _I64], _I64),
     )
     _bound = (lib, fns)
     return fns
@@ -345,3 +356,114 @@ def bound_softmax(x: Any, y: Any, mode: str = "softmax",
     rows, n = x.shape
     px, py = _address(x), _address(y)
     return _call(rows, n, threads, fns.softmax, fns.softmax_mt, (px, py, n), (code,))
+
+
+
+# Scores of up to this many keys per row live on the native kernel's stack
+# (fastmath.c's ATTEND_STACK); longer rows get a scratch row from here.
+_ATTEND_STACK = 4096
+
+
+@dataclass(frozen=True)
+class RowAttention:
+    """``keel_attend_rows_f32`` for one layout: ``heads`` heads of ``s`` query rows and
+    ``t`` keys, the mask read at element strides ``mask`` = (inner heads, outer-head
+    stride, inner-head stride, row stride), or without one. Made once per layout
+    (:func:`row_attention`); :meth:`run` takes the arrays of a call."""
+
+    serial: Callable[..., int]
+    mt: Callable[..., int]
+    heads: int
+    tail: tuple[Any, ...]          # inner, s, t, d, dv, mb, mh, ms, scale, causal
+    parts: int
+    scratch: bool                  # rows too long for the kernel's stack
+
+    def run(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None,
+            y: np.ndarray) -> None:
+        """``y`` for C-contiguous float32 ``q``, ``k``, ``v``, ``y`` of the layout's
+        shapes and a float32 mask whose strides are the layout's (None: no mask)."""
+        address = native.address
+        head = (address(q), address(k), address(v), None if mask is None else address(mask),
+                address(y))
+        if self.parts > 1:
+            _checked(self.mt, (*head, *self.tail, self.heads, self.parts))
+            return
+        scratch = np.empty(self.tail[2], np.float32) if self.scratch else None
+        self.serial(*head, None if scratch is None else address(scratch), *self.tail, 0,
+                    self.heads)
+
+    def bind(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None,
+             y: np.ndarray) -> Call:
+        """:meth:`run` for arrays that stay put: every argument computed once (the call
+        holds the arrays, and the scratch row it needs)."""
+        head = tuple(_address(a) for a in (q, k, v, mask, y))
+        if self.parts > 1:
+            return functools.partial(_checked, self.mt, (*head, *self.tail, self.heads,
+                                                         self.parts))
+        scratch = np.empty(self.tail[2], np.float32) if self.scratch else None
+        return functools.partial(_holding, (q, k, v, mask, y, scratch), self.serial, *head,
+                                 _address(scratch), *self.tail, 0, self.heads)
+
+
+def _holding(arrays: tuple[Any, ...], fn: Callable[..., int], *args: Any) -> None:
+    """``fn(*args)``, ``arrays`` (what the arguments point into) kept alive with the call."""
+    fn(*args)
+
+
+def row_attention(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...],
+                  mask: tuple[int, int, int, int] | None, scale: float, causal: bool,
+                  threads: int | None = 1) -> RowAttention | None:
+    """The row kernel for ``q`` (heads, s, d), ``k`` (heads, t, d), ``v`` (heads, t, dv)
+    and a mask layout as :class:`RowAttention` describes; None when the native tier is
+    not loaded."""
+    fns = _functions()
+    if fns is None or len(q) != 3 or not k[1]:
+        return None
+    heads, s, d = q
+    t, dv = k[1], v[2]
+    inner, mb, mh, ms = (1, 0, 0, 0) if mask is None else mask
+    count = parts(heads, max(1, threads or 1),
+                  max(1, planner.MIN_CHUNK_ELEMENTS // max(1, s * t * (d + dv))))
+    return RowAttention(fns.attend_rows, fns.attend_rows_mt, heads,
+                        (inner, s, t, d, dv, mb, mh, ms, scale, int(causal)), count,
+                        t > _ATTEND_STACK)
+
+
+def attend_rows(q: Any, k: Any, v: Any, mask: Any | None, y: Any, scale: float, causal: bool,
+                threads: int | None = 1) -> bool:
+    """Attention one query row at a time: ``q`` (heads, s, d), ``k`` (heads, t, d), ``v``
+    (heads, t, dv) and ``y`` (heads, s, dv) C-contiguous float32; ``mask`` None or a
+    float32 (outer, inner, s, t) view, heads = outer x inner, its last axis contiguous
+    (the others may be broadcast: stride 0). Rows whose scores are all -inf give NaN.
+    False when not served (nothing written)."""
+    return _ran(bound_attend_rows(q, k, v, mask, y, scale, causal, threads))
+
+
+def bound_attend_rows(q: Any, k: Any, v: Any, mask: Any | None, y: Any, scale: float,
+                      causal: bool, threads: int | None = 1) -> Call | None:
+    """:func:`attend_rows` bound to these arrays (see :func:`bound_unary`)."""
+    if not serves(q, k, v, y) or q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
+        return None
+    heads, s, d = q.shape
+    t, dv = k.shape[1], v.shape[2]
+    layout = mask_layout(mask, heads, s, t)
+    if (k.shape != (heads, t, d) or v.shape != (heads, t, dv) or y.shape != (heads, s, dv)
+            or layout is None or any(np.may_share_memory(y, a) for a in (q, k, v))):
+        return None
+    kernel = row_attention(q.shape, k.shape, v.shape, None if mask is None else layout,
+                           scale, causal, threads)
+    return None if kernel is None else kernel.bind(q, k, v, mask, y)
+
+
+def mask_layout(mask: Any | None, heads: int, s: int,
+                t: int) -> tuple[int, int, int, int] | None:
+    """(inner heads, element strides of the outer heads, inner heads and rows) of a
+    row-kernel mask (see :func:`attend_rows`); (1, 0, 0, 0) without one; None when the
+    kernel cannot read it."""
+    if mask is None:
+        return 1, 0, 0, 0
+    if (type(mask) is not np.ndarray or mask.dtype != np.float32 or mask.ndim != 4
+            or mask.shape[2:] != (s, t) or mask.shape[0] * mask.shape[1] != heads
+            or (t > 1 and mask.strides[3] != 4) or any(x % 4 for x in mask.strides)):
+        return None
+    return mask.shape[1], mask.strides[0] // 4, mask.strides[1] // 4, mask.strides[2] // 4

@@ -759,6 +759,9 @@ def _bind_attention(ctx: KernelContext, inputs: Inputs, attrs: Attrs,
     q, k, v, y = inputs[0], inputs[1], inputs[2], out[0]
     if ctx.xp is not np or optional_input(inputs, 3) is not None:
         return None
+    rows = _rows_call(q, k, v, None, y, attrs, ctx.threads or 1, bound=True)
+    if rows is not None:
+        return rows
     if _native_attention(q, k):
         return None          # the native attention serves it, split over the threads
     ct = _compute(np, _common(Op.ATTENTION, [q, k, v]))
@@ -778,6 +781,10 @@ def attention(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> lis
     that stays in cache."""
     xp = ctx.xp
     q, k, v, mask = inputs[0], inputs[1], inputs[2], optional_input(inputs, 3)
+    if xp is np:
+        done = _attention_rows(q, k, v, mask, attrs, out, ctx.threads or 1)
+        if done is not None:
+            return done
     dtype = _common(Op.ATTENTION, [q, k, v])
     shape = _attention_plan(q.shape, k.shape, v.shape, None if mask is None else mask.shape)
     ct = _compute(xp, dtype)
@@ -787,11 +794,120 @@ def attention(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> lis
     if y.size:
         block = planner.block(ctx.plan, "attention_block")
         causal = attrs["is_causal"]
-        if xp is not np or not _blockable(q, k, v, y):
+        rows = None if xp is not np else _rows_call(q, k, v, mask, y, attrs, ctx.threads or 1)
+        if rows is not None:
+            rows()
+        elif xp is not np or not _blockable(q, k, v, y):
             _attention_batched(xp, q, k, v, mask, y, scale, causal)
         elif not _attention_native(q, k, v, mask, y, scale, causal, block, ctx.threads or 1):
             _attention_blocks(q, k, v, mask, y, scale, causal, block)
     return _deliver(out, y, dtype)
+
+
+def _attention_rows(q: Any, k: Any, v: Any, mask: Any, attrs: Attrs, out: Out,
+                    threads: int) -> list[Any] | None:
+    """A call on the native row kernel with as little as possible done per call (a decode
+    step's K and V are new arrays every step, so its attention is never bound): float32
+    C-contiguous Q, K, V, a float32 or boolean mask whose strides the kernel can follow;
+    the rest per layout, once (:func:`_rows_kernel`). None: the general path serves it."""
+    f32 = np.float32
+    if (q.dtype != f32 or k.dtype != f32 or v.dtype != f32 or not q.flags.c_contiguous
+            or not k.flags.c_contiguous or not v.flags.c_contiguous
+            or not fastmath.available()):
+        return None
+    if mask is not None and mask.dtype != f32:
+        if mask.dtype != np.bool_:
+            return None
+        mask = np.where(mask, f32(0), f32(-np.inf))
+    found = _rows_kernel(q.shape, k.shape, v.shape,
+                         None if mask is None else (mask.shape, mask.strides),
+                         attrs["scale"], bool(attrs["is_causal"]), threads)
+    if found is None:
+        return None
+    kernel, shape = found
+    y = out[0] if out is not None and len(out) and out[0] is not None else None
+    if y is None or y.dtype != f32 or y.shape != shape or not y.flags.c_contiguous \
+            or np.may_share_memory(y, k) or np.may_share_memory(y, v):
+        y = np.empty(shape, f32)
+    kernel.run(q, k, v, mask, y)
+    return _deliver(out, y, DType.FLOAT32)
+
+
+@functools.lru_cache(maxsize=256)
+def _rows_kernel(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...],
+                 mask: tuple[tuple[int, ...], tuple[int, ...]] | None, scale: float | None,
+                 causal: bool, threads: int
+                 ) -> tuple[fastmath.RowAttention, tuple[int, ...]] | None:
+    """(the row kernel, Y's shape) for Q, K, V of these shapes and a float32 mask of this
+    (shape, strides) where the planner gives the heads to the row kernel
+    (``planner.attention_rows``) and the batch dimensions match; None otherwise. Checks
+    the shapes (raising as the general path does)."""
+    shape = _attention_plan(q, k, v, None if mask is None else mask[0])
+    batch, s, t = q[:-2], q[-2], k[-2]
+    if (len(q) < 3 or k[:-2] != batch or v[:-2] != batch or not t
+            or not planner.attention_rows(s, t)):
+        return None
+    layout = None if mask is None else _mask_strides(*mask, batch, s, t)
+    if mask is not None and layout is None:
+        return None
+    heads = math.prod(batch)
+    kernel = fastmath.row_attention((heads, s, q[-1]), (heads, t, k[-1]), (heads, t, v[-1]),
+                                    layout, scale if scale is not None else 1 / math.sqrt(q[-1]),
+                                    causal, threads)
+    return None if kernel is None else (kernel, shape)
+
+
+def _mask_strides(shape: tuple[int, ...], strides: tuple[int, ...], batch: tuple[int, ...],
+                  s: int, t: int) -> tuple[int, int, int, int] | None:
+    """The row kernel's mask layout (inner heads, outer-head, inner-head and row strides
+    in elements) of a float32 mask of ``shape`` and byte ``strides`` broadcast to
+    (*batch, s, t); None when one stride per level cannot say it."""
+    rank = len(batch) + 2
+    if len(shape) > rank:
+        return None
+    shape = (1,) * (rank - len(shape)) + tuple(shape)
+    strides = (0,) * (rank - len(strides)) + tuple(strides)
+    step = [0 if n == 1 else st // 4 for n, st in zip(shape, strides, strict=True)]
+    if shape[-1] != t or (t > 1 and step[-1] != 1) or shape[-2] not in (1, s) \
+            or any(st % 4 for st in strides):
+        return None
+    outer = [i for i in range(len(batch) - 1) if shape[i] != 1]
+    if len(outer) > 1 or (outer and outer[0] != len(batch) - 2):
+        return None                  # the outer heads span several varying dimensions
+    mb = step[outer[0]] if outer else 0
+    return batch[-1], mb, step[len(batch) - 1], step[-2]
+
+
+def _rows_call(q: Any, k: Any, v: Any, mask: Any, y: Any, attrs: Attrs, threads: int,
+               bound: bool = False) -> Callable[[], None] | None:
+    """The native row kernel's call (``fastmath.attend_rows``) for these arrays, where
+    the planner gives it their heads (``planner.attention_rows``): float32, the same batch
+    dimensions, a mask broadcast to them. ``bound``: a call kept for later runs, so
+    only on the caller's own memory (no copies of Q, K, V or the mask made here)."""
+    if (q.dtype != np.float32 or not _blockable(q, k, v, y)
+            or not planner.attention_rows(q.shape[-2], k.shape[-2])
+            or not fastmath.available()):
+        return None
+    batch, s, t = q.shape[:-2], q.shape[-2], k.shape[-2]
+    heads = math.prod(batch)
+    if bound and not all(a.flags.c_contiguous for a in (q, k, v)):
+        return None
+    q3, k3, v3 = (np.ascontiguousarray(a.reshape(heads, *a.shape[-2:])) for a in (q, k, v))
+    m4 = None if mask is None else _row_mask(mask, batch, s, t)
+    if bound and mask is not None and (m4 is None or not np.may_share_memory(m4, mask)):
+        return None
+    scale = attrs["scale"] if attrs["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
+    return fastmath.bound_attend_rows(q3, k3, v3, m4, y.reshape(heads, s, -1), scale,
+                                      bool(attrs["is_causal"]), threads)
+
+
+def _row_mask(mask: Any, batch: tuple[int, ...], s: int, t: int) -> Any:
+    """The mask as float32 (a boolean one as 0 / -inf) broadcast to (outer, inner, s, t),
+    the heads split at the last batch dimension; a view where the broadcast allows."""
+    if mask.dtype == np.bool_:
+        mask = np.where(mask, np.float32(0), np.float32(-np.inf))
+    full = np.broadcast_to(mask.astype(np.float32, copy=False), (*batch, s, t))
+    return full.reshape(math.prod(batch[:-1]), batch[-1], s, t)
 
 
 def _blockable(q: Any, k: Any, v: Any, y: Any) -> bool:

@@ -552,14 +552,32 @@ _BLOCK_WHY = {
 
 
 # Fused attention runs on the native GEMM and row softmax (split over batch x heads on
-# keel's threads) from this many scores per head (S x T); below it, NumPy's blocks,
-# which a program binds once (KernelVariant.bind). Per head, never per call: the choice
+# keel's threads) from this many scores per head (S x T); below it, the native row
+# kernel (attention_rows, below), else (no native tier) NumPy's blocks, which a program
+# binds once (KernelVariant.bind). Per head, never per call: the choice
 # must not follow the batch, or a sample's bits would (batch invariance). Measured on
 # the 2-core AMD EPYC (Zen 4): the small block at sequence 1 (one score per head) ran
 # 1.16x onnxruntime on the bound NumPy blocks against 1.85x on the native path, whose
 # per-call preparation dominates; BERT-mini's 128x128 heads ran faster native at one
 # thread (11-15 ms against 16-27 ms at batch 32).
 ATTENTION_NATIVE_MIN_SCORES = 256
+
+
+# A fused attention whose heads have one query row each (a decode step) runs on the
+# native row kernel (fastmath.c's keel_attend_rows_f32: scores, softmax and the weighted
+# sum of V in one call over all heads, no per-block preparation), as do heads of fewer
+# than ATTENTION_NATIVE_MIN_SCORES scores. Per head, never per call (batch invariance).
+# Measured on the 2-core AMD EPYC, 1 thread: the GPT-2 decode step's attention (4 heads,
+# one query, 65 keys of 64) took 19.6 us a call on the NumPy blocks and ~3 us on the row
+# kernel; a single query reads each key once, as a GEMV does, so the GEMM path (its
+# packing and per-block preparation) gains nothing at any cache length.
+ATTENTION_ROWS_MAX_QUERIES = 1
+
+
+def attention_rows(queries: int, keys: int) -> bool:
+    """Whether a fused attention whose heads have ``queries`` query rows and ``keys``
+    keys runs on the native row kernel (when the native tier is loaded)."""
+    return queries <= ATTENTION_ROWS_MAX_QUERIES or not attention_native(queries * keys)
 
 
 def attention_native(scores_per_head: int) -> bool:

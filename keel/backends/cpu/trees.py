@@ -8,16 +8,25 @@ small. Leaves are then summed (or averaged, or min/max-ed) through a dense
 (leaves, targets) table, tree after tree in X's precision (float32 for float32 X) as
 onnxruntime sums, so labels at near-ties agree with it. The semantics are the
 reference's (:mod:`keel.backends.reference.trees`), which sums in float64.
+
+Float32 rows through forests whose splits are all ``x <= split`` with missing values
+going false (scikit-learn's exports) walk natively instead (``keel/native/src/trees.c``:
+each pair alone, tree after tree over a block of rows; the same leaves), when the native
+tier is loaded; at batch 1024 a 100-round gradient-boosting classifier went from
+about 4 ms on the NumPy walk to 2.3 (onnxruntime 3.3; 1 thread, a loaded machine).
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from keel import native
 from keel.backends.base import Attrs, Inputs, KernelContext, Out
 from keel.backends.cpu import planner
 from keel.backends.cpu.kernels import TABLE
@@ -115,6 +124,9 @@ def _leaves(forest: Forest, x: np.ndarray) -> np.ndarray:
     """
     walk = _walk_of(forest, x.dtype)
     rows, end = x.shape[0], 2 * forest.n_nodes
+    native_leaves = _native_leaves(forest, walk, x)
+    if native_leaves is not None:
+        return native_leaves
     flat = np.ascontiguousarray(x).reshape(-1)
     pos = np.repeat(walk.roots, rows)
     base = np.tile(np.arange(rows, dtype=np.int32) * np.int32(x.shape[1]), len(walk.roots))
@@ -147,6 +159,44 @@ def _leaves(forest: Forest, x: np.ndarray) -> np.ndarray:
     else:
         result[active] = pos
     return (result // 2 - forest.n_nodes).reshape(len(walk.roots), rows)
+
+
+def _native_leaves(forest: Forest, walk: _Walk, x: np.ndarray) -> np.ndarray | None:
+    """:func:`_leaves` on the native walk (``keel/native/src/trees.c``): float32 rows and
+    splits, every split ``x <= split`` with missing values going false (what
+    scikit-learn exports). None where it does not serve (the NumPy walk then runs)."""
+    if (x.dtype != np.float32 or walk.split.dtype != np.float32 or not forest.only_leq
+            or forest.any_missing_true):
+        return None
+    fn = _native_walk()
+    if fn is None:
+        return None
+    rows = x.shape[0]
+    x = np.ascontiguousarray(x)
+    leaf = np.empty((len(walk.roots), rows), np.int32)
+    fn(native.address(x), x.shape[1], native.address(walk.feature),
+       native.address(walk.split), native.address(walk.children),
+       native.address(walk.roots), len(walk.roots), 2 * forest.n_nodes, forest.depth,
+       native.address(leaf), rows, 0, rows)
+    return leaf
+
+
+def _native_walk() -> Callable[..., None] | None:
+    """``keel_tree_leaves_f32``; None when the native tier is unavailable (asked of
+    :func:`keel.native.library` on every call, so ``KEEL_NATIVE=off`` takes effect)."""
+    global _bound
+    lib = native.library("trees")
+    if lib is None:
+        return None
+    if _bound is None or _bound[0] is not lib:
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        _bound = (lib, lib.function(
+            "keel_tree_leaves_f32", [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, i64,
+                                     i64, i64]))
+    return _bound[1]
+
+
+_bound: tuple[Any, Callable[..., None]] | None = None
 
 
 @functools.lru_cache(maxsize=4)
@@ -184,7 +234,13 @@ def _totals(forest: Forest, x: np.ndarray, threads: int | None) -> np.ndarray:
 def _aggregate(forest: Forest, table: np.ndarray, leaf: np.ndarray) -> np.ndarray:
     """(trees, rows) leaves → (rows, targets); sums add tree after tree (axis 0)."""
     if forest.aggregate in ("SUM", "AVERAGE"):
-        return table[leaf].sum(axis=0)
+        # Target by target: a 1-D gather of (trees, rows) scalars summed over the trees
+        # adds in the same order as gathering (trees, rows, targets) rows, in a fraction
+        # of the time (no (trees, rows, targets) temporary).
+        out = np.empty((leaf.shape[1], table.shape[1]), dtype=table.dtype)
+        for j in range(table.shape[1]):
+            np.sum(np.ascontiguousarray(table[:, j]).take(leaf), axis=0, out=out[:, j])
+        return out
     has = forest.leaf_has[leaf]
     fill = np.inf if forest.aggregate == "MIN" else -np.inf
     values = np.where(has, table[leaf], fill)

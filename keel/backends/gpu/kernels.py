@@ -9,10 +9,12 @@ left out. GPU-only variants register on :data:`TABLE` from modules listed in
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 
 from keel.backends.base import KernelTable
+from keel.dtypes import DType
 from keel.ops.registry import Op
 
 __all__ = ["FAMILIES", "TABLE", "load"]
@@ -40,5 +42,8 @@ def load() -> KernelTable:
         for name, variant in shared.variants(op).items():
             if variant.meta.get("host_only") or name in TABLE.variants(op):
                 continue
+            if variant.dtypes is not None and DType.STRING in variant.dtypes:
+                # Strings are host object arrays: a shared kernel takes them on the cpu only.
+                variant = dataclasses.replace(variant, dtypes=variant.dtypes - {DType.STRING})
             TABLE.register(variant)
     return TABLE

@@ -6,6 +6,7 @@
  *   keel_layer_norm_f32  (x - mean) / sqrt(var + eps) * gamma + beta per row
  *   keel_skip_layer_norm_f32  the same of x + skip (a residual sum), in the same pass
  *   keel_softmax_f32     softmax / log-softmax along each row
+ *   keel_attend_rows_f32 softmax(scale * Q Kᵀ + mask) V, one query row at a time
  *
  * NumPy spends one pass over memory per operation of a formula (exact GELU is
  * ~26 of them); these kernels read each element once and write it once, with
@@ -588,12 +589,128 @@ void keel_softmax_f32(const float *x, float *y, int64_t n, int64_t lo, int64_t h
     }
 }
 
+/* ---- attention, one query row at a time ---------------------------------------------- */
+/* The dot product of two rows of n floats: VW lanes, then the lanes pairwise. */
+static float row_dot(const float *a, const float *b, int64_t n)
+{
+    vf acc0 = splat(0.0f), acc1 = acc0;
+    int64_t i = 0;
+    for (; i + 2 * VW <= n; i += 2 * VW) {
+        acc0 += vload(a + i) * vload(b + i);
+        acc1 += vload(a + i + VW) * vload(b + i + VW);
+    }
+    for (; i + VW <= n; i += VW) acc0 += vload(a + i) * vload(b + i);
+    acc0 += acc1;
+    float h[VW];
+    memcpy(h, &acc0, sizeof h);
+    for (int w = VW / 2; w > 0; w /= 2)
+        for (int j = 0; j < w; j++) h[j] += h[j + w];
+    float s = h[0];
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* y += c * x over n floats. */
+static void row_axpy(float *y, const float *x, int64_t n, float c)
+{
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) vstore(y + i, vload(y + i) + c * vload(x + i));
+    for (; i < n; i++) y[i] += c * x[i];
+}
+
+/* Heads [lo, hi) of attention with q (heads, s, d), k (heads, t, d), v (heads, t, dv) and
+ * y (heads, s, dv), all contiguous, for short sequences (each query row's scores fit
+ * `scratch`, t floats). Per query row: scores_j = scale * q·k_j (+ mask, a row of t
+ * floats at (h / inner) * mb + (h % inner) * mh + i * ms; NULL: none; -inf for j > i
+ * under causal), then y = sum_j exp(scores_j - max) v_j / sum_j exp(scores_j - max).
+ * A row whose scores are all -inf, or hold a NaN, gives NaN (as the reference's
+ * softmax). Each head is computed alone, by the same instructions for any [lo, hi). */
+static void attend_rows(const float *q, const float *k, const float *v, const float *mask,
+                        float *y, float *scratch, int64_t inner, int64_t s, int64_t t,
+                        int64_t d, int64_t dv, int64_t mb, int64_t mh, int64_t ms,
+                        float scale, int32_t causal, int64_t lo, int64_t hi)
+{
+    for (int64_t h = lo; h < hi; h++) {
+        const float *kh = k + h * t * d, *vh = v + h * t * dv;
+        const float *mh_row = mask ? mask + (h / inner) * mb + (h % inner) * mh : NULL;
+        for (int64_t i = 0; i < s; i++) {
+            const float *qi = q + (h * s + i) * d;
+            float *yi = y + (h * s + i) * dv;
+            for (int64_t j = 0; j < t; j++) scratch[j] = scale * row_dot(qi, kh + j * d, d);
+            if (mh_row) {
+                const float *mi = mh_row + i * ms;
+                for (int64_t j = 0; j < t; j++) scratch[j] += mi[j];
+            }
+            if (causal)
+                for (int64_t j = i + 1; j < t; j++) scratch[j] = -INFINITY;
+            float m = row_max(scratch, t);
+            if (m == -INFINITY || m != m) {
+                for (int64_t c = 0; c < dv; c++) yi[c] = NAN;
+                continue;
+            }
+            double total = exp_row(scratch, scratch, t, m);
+            memset(yi, 0, (size_t)dv * sizeof(float));
+            for (int64_t j = 0; j < t; j++) row_axpy(yi, vh + j * dv, dv, scratch[j]);
+            scale_row(yi, dv, (float)(1.0 / total));
+        }
+    }
+}
+
+/* The scores of up to this many keys live on the stack; longer rows need `scratch`. */
+#define ATTEND_STACK 4096
+
+/* attend_rows on this thread; `scratch` (t floats) may be NULL for t <= ATTEND_STACK.
+ * Returns 0, or -1 (nothing written) when a longer row comes without scratch. */
+int32_t keel_attend_rows_f32(const float *q, const float *k, const float *v, const float *mask,
+                             float *y, float *scratch, int64_t inner, int64_t s, int64_t t,
+                             int64_t d, int64_t dv, int64_t mb, int64_t mh, int64_t ms,
+                             float scale, int32_t causal, int64_t lo, int64_t hi)
+{
+    float stack[ATTEND_STACK];
+    if (!scratch) {
+        if (t > ATTEND_STACK) return -1;
+        scratch = stack;
+    }
+    attend_rows(q, k, v, mask, y, scratch, inner, s, t, d, dv, mb, mh, ms, scale, causal, lo,
+                hi);
+    return 0;
+}
+
 /* ---- on keel's worker threads ------------------------------------------------------
  * Each kernel above over [0, n) (elements for unary, rows for the others) in `parts`
  * chunks on keel's worker threads; every element or row is computed as it would be on
  * one thread. Return 0, or -1 when a thread's scratch could not be allocated. */
 
 #include "parallel.h"
+
+typedef struct {
+    const float *q, *k, *v, *mask;
+    float *y;
+    int64_t inner, s, t, d, dv, mb, mh, ms;
+    float scale;
+    int32_t causal;
+} att_job;
+
+static void attend_task(void *ctx, float *s, int64_t lo, int64_t hi)
+{
+    const att_job *j = ctx;
+    attend_rows(j->q, j->k, j->v, j->mask, j->y, s, j->inner, j->s, j->t, j->d, j->dv,
+                         j->mb, j->mh, j->ms, j->scale, j->causal, lo, hi);
+}
+
+/* keel_attend_rows_f32 over `heads` heads in `parts` chunks, each thread's scratch its
+ * own. */
+int64_t keel_attend_rows_mt_f32(const float *q, const float *k, const float *v,
+                                const float *mask, float *y, int64_t inner, int64_t s,
+                                int64_t t, int64_t d, int64_t dv, int64_t mb, int64_t mh,
+                                int64_t ms, float scale, int32_t causal, int64_t heads,
+                                int64_t parts)
+{
+    att_job j = {.q = q, .k = k, .v = v, .mask = mask, .y = y, .inner = inner, .s = s, .t = t,
+                 .d = d, .dv = dv, .mb = mb, .mh = mh, .ms = ms, .scale = scale,
+                 .causal = causal};
+    return run_parts(attend_task, &j, heads, parts, t);
+}
 
 typedef struct {
     int32_t kind, mode;

@@ -156,7 +156,8 @@ _binary(Op.MINIMUM, NUMERIC, variadic=True, doc="Elementwise min of 1+ inputs; N
 _binary(Op.ADD_N, NUMERIC, variadic=True,
         doc="Elementwise sum of 1+ inputs broadcast together (ONNX Sum), one node however "
             "many inputs; added left to right in the inputs' dtype, as onnxruntime does.")
-_binary(Op.EQUAL, ALL, result=DType.BOOL, doc="A == B.")
+_binary(Op.EQUAL, ALL | {DType.STRING}, result=DType.BOOL,
+        doc="A == B (strings too: element by element).")
 for _op, _doc in ((Op.LESS, "A < B."), (Op.LESS_EQUAL, "A <= B."),
                   (Op.GREATER, "A > B."), (Op.GREATER_EQUAL, "A >= B.")):
     _binary(_op, NUMERIC, result=DType.BOOL, doc=_doc)

@@ -22,12 +22,11 @@ from keel.dtypes import DType
 from keel.errors import InvalidArgumentError
 from keel.ops.registry import Op
 from keel.ops.schemas.shape import (
-    check_block_mode,
     check_dims,
     check_pad_mode,
     check_same_dtype,
     concat_dims,
-    depth_to_space_dims,
+    depth_to_space_blocks,
     expand_dims_axes,
     expand_dims_dims,
     expand_shape,
@@ -41,7 +40,7 @@ from keel.ops.schemas.shape import (
     require,
     reshape_dims,
     shape_interval,
-    space_to_depth_dims,
+    space_to_depth_blocks,
     split_sizes,
     squeeze_dims,
     static_dims,
@@ -360,27 +359,15 @@ def _wrap(dst: Any, at: Any, before: int, n: int, after: int) -> None:
 @TABLE.kernel(Op.DEPTH_TO_SPACE, supports_out=True)
 def depth_to_space(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """One strided copy through a 6-D view of the input."""
-    xp, x, b, mode = ctx.xp, inputs[0], attrs["blocksize"], attrs["mode"]
-    check_block_mode("depth_to_space", mode)
-    final = static_dims(depth_to_space_dims("depth_to_space", x.shape, b))
-    n, c, h, w = x.shape
-    if mode == "DCR":
-        blocks = x.reshape(n, b, b, c // (b * b), h, w).transpose(0, 3, 4, 1, 5, 2)
-    else:
-        blocks = x.reshape(n, c // (b * b), b, b, h, w).transpose(0, 1, 4, 2, 5, 3)
-    return _blocks_into(xp, blocks, final, out)
+    blocks, final = depth_to_space_blocks(inputs[0], attrs["blocksize"], attrs["mode"])
+    return _blocks_into(ctx.xp, blocks, final, out)
 
 
 @TABLE.kernel(Op.SPACE_TO_DEPTH, supports_out=True)
 def space_to_depth(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """One strided copy through a 6-D view of the input."""
-    xp, x, b = ctx.xp, inputs[0], attrs["blocksize"]
-    final = static_dims(space_to_depth_dims("space_to_depth", x.shape, b))
-    n, c, h, w = x.shape
-    perm = (0, 3, 5, 1, 2, 4) if check_block_mode("space_to_depth", attrs["mode"]) == "DCR" \
-        else (0, 1, 3, 5, 2, 4)
-    blocks = x.reshape(n, c, h // b, b, w // b, b).transpose(perm)
-    return _blocks_into(xp, blocks, final, out)
+    blocks, final = space_to_depth_blocks(inputs[0], attrs["blocksize"], attrs["mode"])
+    return _blocks_into(ctx.xp, blocks, final, out)
 
 
 def _blocks_into(xp: Any, blocks: Any, final: Sequence[int], out: Out) -> list[Any]:

@@ -16,12 +16,11 @@ from keel.dtypes import DType
 from keel.errors import InvalidArgumentError
 from keel.ops.registry import Op
 from keel.ops.schemas.shape import (
-    check_block_mode,
     check_dims,
     check_pad_mode,
     check_same_dtype,
     concat_dims,
-    depth_to_space_dims,
+    depth_to_space_blocks,
     expand_dims_axes,
     expand_dims_dims,
     expand_shape,
@@ -34,7 +33,7 @@ from keel.ops.schemas.shape import (
     require,
     reshape_dims,
     shape_interval,
-    space_to_depth_dims,
+    space_to_depth_blocks,
     split_layout,
     squeeze_dims,
     static_dims,
@@ -154,26 +153,14 @@ def pad(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]
 @TABLE.kernel(Op.DEPTH_TO_SPACE)
 def depth_to_space(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """Move channel blocks into space (DCR: depth-column-row; CRD: column-row-depth)."""
-    x, b, mode = inputs[0], attrs["blocksize"], attrs["mode"]
-    check_block_mode("depth_to_space", mode)
-    final = static_dims(depth_to_space_dims("depth_to_space", x.shape, b))
-    n, c, h, w = x.shape
-    if mode == "DCR":
-        blocks = x.reshape(n, b, b, c // (b * b), h, w).transpose(0, 3, 4, 1, 5, 2)
-    else:
-        blocks = x.reshape(n, c // (b * b), b, b, h, w).transpose(0, 1, 4, 2, 5, 3)
+    blocks, final = depth_to_space_blocks(inputs[0], attrs["blocksize"], attrs["mode"])
     return [blocks.reshape(final).copy()]
 
 
 @TABLE.kernel(Op.SPACE_TO_DEPTH)
 def space_to_depth(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """Move spatial blocks into channels (the inverse of depth_to_space in the same mode)."""
-    x, b = inputs[0], attrs["blocksize"]
-    final = static_dims(space_to_depth_dims("space_to_depth", x.shape, b))
-    n, c, h, w = x.shape
-    perm = (0, 3, 5, 1, 2, 4) if check_block_mode("space_to_depth", attrs["mode"]) == "DCR" \
-        else (0, 1, 3, 5, 2, 4)
-    blocks = x.reshape(n, c, h // b, b, w // b, b).transpose(perm)
+    blocks, final = space_to_depth_blocks(inputs[0], attrs["blocksize"], attrs["mode"])
     return [blocks.reshape(final).copy()]
 
 

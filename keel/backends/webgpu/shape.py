@@ -44,11 +44,10 @@ from keel.errors import InvalidArgumentError
 from keel.ops.registry import Op
 from keel.ops.schemas.indexing import check_index, check_indices, slice_index, slice_params
 from keel.ops.schemas.shape import (
-    check_block_mode,
     check_pad_mode,
     check_same_dtype,
     concat_dims,
-    depth_to_space_dims,
+    depth_to_space_blocks,
     expand_dims_axes,
     expand_dims_dims,
     expand_shape,
@@ -58,7 +57,7 @@ from keel.ops.schemas.shape import (
     pad_widths,
     require,
     reshape_dims,
-    space_to_depth_dims,
+    space_to_depth_blocks,
     split_layout,
     squeeze_dims,
     static_dims,
@@ -376,25 +375,14 @@ def _blocks_into(blocks: WgpuArray, shape: tuple[int, ...], out: Out) -> list[An
 
 
 def _depth_to_space(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
-    x, b, mode = inputs[0], attrs["blocksize"], attrs["mode"]
-    check_block_mode("depth_to_space", mode)
-    final = static_dims(depth_to_space_dims("depth_to_space", x.shape, b))
-    n, c, h, w = x.shape
-    xc = contiguous(x)
-    if mode == "DCR":
-        blocks = xc.reshape(n, b, b, c // (b * b), h, w).transpose(0, 3, 4, 1, 5, 2)
-    else:
-        blocks = xc.reshape(n, c // (b * b), b, b, h, w).transpose(0, 1, 4, 2, 5, 3)
+    blocks, final = depth_to_space_blocks(contiguous(inputs[0]), attrs["blocksize"],
+                                          attrs["mode"])
     return _blocks_into(blocks, final, out)
 
 
 def _space_to_depth(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
-    x, b = inputs[0], attrs["blocksize"]
-    final = static_dims(space_to_depth_dims("space_to_depth", x.shape, b))
-    n, c, h, w = x.shape
-    perm = (0, 3, 5, 1, 2, 4) if check_block_mode("space_to_depth", attrs["mode"]) == "DCR" \
-        else (0, 1, 3, 5, 2, 4)
-    blocks = contiguous(x).reshape(n, c, h // b, b, w // b, b).transpose(perm)
+    blocks, final = space_to_depth_blocks(contiguous(inputs[0]), attrs["blocksize"],
+                                          attrs["mode"])
     return _blocks_into(blocks, final, out)
 
 

@@ -592,11 +592,24 @@ static block_columns valid_columns(const qdirect_job *j, int64_t p0)
 }
 #endif
 
+/* The padded positions from p to the end of p's padded output row or of block p0: how
+ * many (what p steps by), and in *len how many of them are outputs (0 in the row's
+ * padding), the first of which is output *at. */
+static inline int64_t padded_run(const qdirect_job *j, int64_t p, int64_t p0, int64_t *len,
+                                 int64_t *at)
+{
+    int64_t ow = j->g[Q_OW], oy = p / j->wp, ox = p % j->wp;
+    int64_t run = j->wp - ox < p0 + NB - p ? j->wp - ox : p0 + NB - p;
+    *len = ox >= ow ? 0 : ow - ox < run ? ow - ox : run;
+    *at = oy * ow + ox;
+    return run;
+}
+
 static void qdirect_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
 {
     const qdirect_job *j = ctx;
     const int64_t *g = j->g;
-    int64_t m = g[Q_M], oh = g[Q_OH], ow = g[Q_OW], pixels = oh * ow, k4 = j->kp / 4;
+    int64_t m = g[Q_M], oh = g[Q_OH], pixels = oh * g[Q_OW], k4 = j->kp / 4;
     int32_t *acc = (int32_t *)scratch;
     int64_t *offsets = (int64_t *)(acc + MR * NB);
     uint8_t *xq = (uint8_t *)(offsets + k4);
@@ -638,14 +651,10 @@ static void qdirect_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
                 continue;
 #endif
                 for (int64_t p = p0; p < p0 + NB && p < oh * j->wp;) {
-                    int64_t oy = p / j->wp, ox = p % j->wp;
-                    int64_t run = j->wp - ox < p0 + NB - p ? j->wp - ox : p0 + NB - p;
-                    if (ox < ow) {
-                        int64_t len = ow - ox < run ? ow - ox : run;
-                        for (int64_t i = 0; i < mr; i++)
-                            memcpy((uint8_t *)yn + (i0 + i) * pixels + oy * ow + ox,
-                                   bytes + i * NB + (p - p0), (size_t)len);
-                    }
+                    int64_t len, at, run = padded_run(j, p, p0, &len, &at);
+                    for (int64_t i = 0; len && i < mr; i++)
+                        memcpy((uint8_t *)yn + (i0 + i) * pixels + at, bytes + i * NB + (p - p0),
+                               (size_t)len);
                     p += run;
                 }
                 continue;
@@ -653,12 +662,8 @@ static void qdirect_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
 #endif
             /* the block's valid columns, one output row at a time */
             for (int64_t p = p0; p < p0 + NB && p < oh * j->wp;) {
-                int64_t oy = p / j->wp, ox = p % j->wp;
-                int64_t run = j->wp - ox < p0 + NB - p ? j->wp - ox : p0 + NB - p;
-                if (ox < ow) {
-                    int64_t len = ow - ox < run ? ow - ox : run;
-                    store(acc + (p - p0), mr, len, i0, oy * ow + ox, &j->q, NULL, yn, pixels);
-                }
+                int64_t len, at, run = padded_run(j, p, p0, &len, &at);
+                if (len) store(acc + (p - p0), mr, len, i0, at, &j->q, NULL, yn, pixels);
                 p += run;
             }
         }

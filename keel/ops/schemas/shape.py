@@ -457,6 +457,30 @@ def space_to_depth_dims(op: str, shape: Shape, blocksize: int) -> Shape:
     return (n, _mul(c, blocksize * blocksize, op), _div(h, blocksize), _div(w, blocksize))
 
 
+def depth_to_space_blocks(x: Any, blocksize: int, mode: str) -> tuple[Any, tuple[int, ...]]:
+    """DepthToSpace of the NCHW array ``x`` (anything with ``reshape``/``transpose``) as a
+    6-D permuted view whose elements, read in order, are the output's, and the output's
+    shape (checked)."""
+    check_block_mode("depth_to_space", mode)
+    final = static_dims(depth_to_space_dims("depth_to_space", x.shape, blocksize))
+    n, c, h, w = x.shape
+    b = blocksize
+    if mode == "DCR":
+        return x.reshape(n, b, b, c // (b * b), h, w).transpose(0, 3, 4, 1, 5, 2), final
+    return x.reshape(n, c // (b * b), b, b, h, w).transpose(0, 1, 4, 2, 5, 3), final
+
+
+def space_to_depth_blocks(x: Any, blocksize: int, mode: str) -> tuple[Any, tuple[int, ...]]:
+    """SpaceToDepth of ``x`` as :func:`depth_to_space_blocks` gives DepthToSpace (the
+    inverse in the same mode)."""
+    final = static_dims(space_to_depth_dims("space_to_depth", x.shape, blocksize))
+    n, c, h, w = x.shape
+    b = blocksize
+    perm = (0, 3, 5, 1, 2, 4) if check_block_mode("space_to_depth", mode) == "DCR" \
+        else (0, 1, 3, 5, 2, 4)
+    return x.reshape(n, c, h // b, b, w // b, b).transpose(perm), final
+
+
 def _rank4(op: str, shape: Shape) -> Shape:
     if len(shape) != 4:
         raise InvalidArgumentError(f"{op} needs a rank-4 NCHW input, got shape {shape}")

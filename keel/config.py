@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 BACKEND_NAMES = ("auto", "gpu", "cpu", "reference", "webgpu")
-PRECISIONS = ("auto", "fp32", "fp16", "int8", "int16", "fp64")
+PRECISIONS = ("auto", "fp32", "fp16", "bf16", "int8", "int16", "fp64")
 HINTS = ("none", "latency", "throughput")     # performance hints (planning.adaptive)
 DEFAULT_SPIN_US = 200       # how long an idle native worker spins before it sleeps
 DEFAULT_BUILD_TIMEOUT_S = 120.0   # a native kernel compile running longer is stopped

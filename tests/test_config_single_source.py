@@ -133,7 +133,7 @@ def test_unset_settings_take_their_defaults() -> None:
 
 @pytest.mark.parametrize(("var", "raw", "message"), [
     ("KEEL_BACKEND", "tpu", "KEEL_BACKEND='tpu' is not allowed; use one of auto, gpu, cpu"),
-    ("KEEL_PRECISION", "bf16", "KEEL_PRECISION='bf16' is not allowed; use one of auto, fp32"),
+    ("KEEL_PRECISION", "tf32", "KEEL_PRECISION='tf32' is not allowed; use one of auto, fp32"),
     ("KEEL_MEMORY_LIMIT", "lots", "KEEL_MEMORY_LIMIT 'lots' is not a size"),
     ("KEEL_THREADS", "0", "KEEL_THREADS='0' must be a positive integer"),
     ("KEEL_THREADS", "two", "KEEL_THREADS='two' must be a positive integer"),

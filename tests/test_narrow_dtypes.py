@@ -149,11 +149,12 @@ def test_bfloat16_ops_compute_in_float32_between_casts() -> None:
     np.testing.assert_array_equal(got.astype(np.float32), exact.astype(np.float32))
 
 
-def test_the_gpu_backend_does_not_hold_ml_dtypes_types() -> None:
+def test_the_gpu_backend_holds_bfloat16_and_no_other_ml_dtypes_type() -> None:
     from keel.backends.cpu.backend import CpuBackend
     from keel.backends.gpu.backend import GpuBackend
 
-    assert DType.BFLOAT16 in CpuBackend.dtypes and DType.BFLOAT16 not in GpuBackend.dtypes
+    assert DType.BFLOAT16 in CpuBackend.dtypes and DType.BFLOAT16 in GpuBackend.dtypes
+    assert GpuBackend.dtypes & NARROW == {DType.BFLOAT16}
 
 
 @pytest.mark.parametrize("dtype", sorted(NARROW, key=lambda d: d.value))

@@ -87,7 +87,8 @@ _CACHE_SIZE = 8
 _FIRST_SIGNATURES = 2          # distinct signatures planned as they come
 _OWN_PLAN_AT = 3               # the run of a later signature that plans it for itself
 _GENERIC = ("shape-generic",)  # the cache key of the shape-generic plan
-_FLOATS = {"fp16": DType.FLOAT16, "fp32": DType.FLOAT32, "fp64": DType.FLOAT64}
+_FLOATS = {"fp16": DType.FLOAT16, "bf16": DType.BFLOAT16, "fp32": DType.FLOAT32,
+           "fp64": DType.FLOAT64}
 
 Shapes = dict[str, tuple[int, ...]]
 # A signature already run: (what ``Model.plan`` reports, its program, the order of
@@ -385,7 +386,7 @@ class Model:
         self._trial_gpu: str | None = None      # the GPU backend trials use ("": none)
         # precision="auto" on a GPU: the fp16 model runs instead where it was validated
         self._half: Model | None = None
-        self._half_reason = ""                   # why fp16 was or was not taken ("": untried)
+        self._half_reason = ""              # why fp16/bf16 was or was not taken ("": untried)
         self._precision = _check_precision(precision)
         self._graph = _freeze_constants(graph if compiled is not None else _convert_precision(
             _optimize(graph, optimization_level), self._precision))
@@ -656,7 +657,8 @@ class Model:
                 return half._predict(feeds, output_device)
             except (ExecutionError, MemoryLimitError) as exc:
                 self._half = None                  # back to fp32 (which may fall back too)
-                self._half_reason = f"fp16 dropped: it failed at run time ({exc.message})"
+                self._half_reason = (f"{half.precision} dropped: it failed at run time "
+                                     f"({exc.message})")
         if output_device is not None:
             return self._predict_on_device(feeds, output_device)
         fast = self._fast_path(feeds)
@@ -923,27 +925,42 @@ class Model:
             self._try_half(arrays, planned, times[best])
 
     def _try_half(self, arrays: Mapping[str, Any], planned: _Planned, fp32_time: float) -> None:
-        """precision="auto" on a GPU: run the model at fp16 on these inputs and keep it
-        where :func:`keel.planning.trials.half_precision` accepts it (relative L2 error
-        within its tolerance, integer outputs equal, faster); the reason says why."""
+        """precision="auto" on a GPU: run the model at fp16, then (where fp16 is not within
+        tolerance or cannot run) at bf16, on these inputs, and keep the first that
+        :func:`keel.planning.trials.half_precision` accepts (relative L2 error within its
+        tolerance, integer outputs equal, faster); the reason says why."""
         if _native_precision(self._graph) != "fp32":
-            self._half_reason = "fp16 not tried: the model does not compute in fp32"
+            self._half_reason = "fp16 and bf16 not tried: the model does not compute in fp32"
             return
+        want = self._program(planned).run(arrays)
+        tried: list[trials.HalfTrial] = []
+        models: dict[str, Model] = {}
+        for precision in trials.HALF_PRECISIONS:
+            trial = self._half_trial(precision, arrays, want, models)
+            tried.append(trial)
+            if not trials.try_next(trial):
+                break
+        taken, self._half_reason = trials.half_precision(tried, fp32_time,
+                                                         str(self._trial_gpu))
+        if taken is not None:
+            self._half = models[taken]
+
+    def _half_trial(self, precision: str, arrays: Mapping[str, Any], want: Mapping[str, Any],
+                    models: dict[str, Model]) -> trials.HalfTrial:
+        """The model at ``precision`` on the trial gpu: its error against ``want`` and its
+        median time (kept in ``models``), or why it cannot run."""
         try:
             half = Model(self._graph, name=self.name, backend=str(self._trial_gpu),
-                         precision="fp16", optimization_level="none", registry=self._registry,
-                         hardware=self._hardware, policy=self._policy, hint=self._hint)
-            want = self._program(planned).run(arrays)
+                         precision=precision, optimization_level="none",
+                         registry=self._registry, hardware=self._hardware,
+                         policy=self._policy, hint=self._hint)
             got = half.predict(arrays)
             error = max((_relative_error(got[k], v) for k, v in want.items()), default=0.0)
-            half_time = _time_call(lambda: half.predict(arrays))
+            seconds = _time_call(lambda: half.predict(arrays))
         except KeelError as exc:
-            self._half_reason = f"fp16 not taken: it cannot run here ({exc.message})"
-            return
-        taken, self._half_reason = trials.half_precision(error, half_time, fp32_time,
-                                                         str(self._trial_gpu))
-        if taken:
-            self._half = half
+            return trials.HalfTrial(precision, failure=exc.message)
+        models[precision] = half
+        return trials.HalfTrial(precision, error, seconds)
 
     def _falls_back(self, exc: KeelError) -> bool:
         """After a device kernel failed at run time in auto mode: plan every signature on

@@ -423,10 +423,11 @@ def _device_precision_note(profile: Any, runtime: str, native: str) -> str:
     fast = _fast_fp16_gpu(profile)
     if runtime in ("gpu", "cuda") and fast is not None:
         return (f"; {fast} has fast fp16 arithmetic: where auto placement measures this "
-                f"model on the gpu, auto also runs it at fp16 on the same inputs and takes "
-                f"fp16 only within {trials.HALF_TOLERANCE:.0e} relative error of fp32 and "
-                f"faster (explain() says which); pin precision='fp32' to rule that out, or "
-                f"'fp16' to take it without the check")
+                f"model on the gpu, auto also runs it at fp16 (then bf16, where fp16 is not "
+                f"within tolerance) on the same inputs and takes one only within "
+                f"{trials.HALF_TOLERANCE:.0e} relative error of fp32 and faster (explain() "
+                f"says which); pin precision='fp32' to rule that out, or 'fp16' or 'bf16' "
+                f"to take it without the check")
     return ""
 
 

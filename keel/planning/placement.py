@@ -55,13 +55,13 @@ __all__ = [
 HOST = "cpu"      # graph inputs arrive, and outputs leave, as host (NumPy) arrays
 
 _PRECISIONS = {
-    DType.FLOAT16: "fp16", DType.FLOAT32: "fp32", DType.FLOAT64: "fp64",
+    DType.FLOAT16: "fp16", DType.BFLOAT16: "bf16", DType.FLOAT32: "fp32", DType.FLOAT64: "fp64",
     DType.INT8: "int8", DType.UINT8: "int8", DType.INT16: "int16", DType.UINT16: "int16",
 }
 
 
 def precision_name(dtype: DType | None) -> str:
-    """The precision a node computes in: fp16/fp32/fp64/int8/int16, else the dtype name."""
+    """The precision a node computes in: fp16/bf16/fp32/fp64/int8/int16, else the dtype name."""
     if dtype is None:
         return "unknown"
     return _PRECISIONS.get(dtype, dtype.value)

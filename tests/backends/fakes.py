@@ -203,9 +203,20 @@ class _FakeTensor:
         return self
 
 
+def _bfloat16() -> np.dtype[Any]:
+    from keel.dtypes import DType
+
+    return DType.BFLOAT16.numpy
+
+
+_CUDNN_TYPES: dict[Any, Callable[[], np.dtype[Any]]] = {
+    "HALF": lambda: np.dtype(np.float16), "BFLOAT16": _bfloat16,
+    "FLOAT": lambda: np.dtype(np.float32), None: lambda: np.dtype(np.float32)}
+
+
 def _host_view(address: int, t: _FakeTensor) -> np.ndarray:
     """The array a device pointer names, read as the tensor describes it (host memory)."""
-    dtype = np.dtype(np.float16 if t.data_type == "HALF" else np.float32)
+    dtype = _CUDNN_TYPES[t.data_type]()
     span = 1 + sum((d - 1) * s for d, s in zip(t.dim, t.stride, strict=True))
     buf = (ctypes.c_char * (span * dtype.itemsize)).from_address(address)
     flat = np.frombuffer(memoryview(buf), dtype=dtype)
@@ -379,7 +390,7 @@ class FakeCudnn(types.ModuleType):
         self.executions: list[tuple[Any, Any]] = []
         self.handles: list[object] = []
         self.handle_streams: dict[int, int] = {}
-        self.data_type = types.SimpleNamespace(FLOAT="FLOAT", HALF="HALF")
+        self.data_type = types.SimpleNamespace(FLOAT="FLOAT", HALF="HALF", BFLOAT16="BFLOAT16")
         self.heur_mode = types.SimpleNamespace(A="A", B="B", FALLBACK="FALLBACK")
         self.build_plan_policy = types.SimpleNamespace(ALL="ALL",
                                                        HEURISTICS_CHOICE="HEURISTICS_CHOICE")
@@ -550,11 +561,73 @@ class _ElementwiseKernel:
             y[...] = f(v, _F32(p0), _F32(p1))
 
 
+# cuBLAS's GemmEx calls as cupy.cuda.cublas binds them: column-major operands named by
+# device pointers (host memory here), computed in float32 and stored in the output type.
+_CUDA_TYPES = {0: np.dtype(np.float32), 2: np.dtype(np.float16)}
+
+
+def _cuda_type(code: int) -> np.dtype[Any]:
+    return _bfloat16() if code == 14 else _CUDA_TYPES[code]      # 14: CUDA_R_16BF
+
+
+def _column_major(address: int, code: int, rows: int, cols: int, ld: int) -> np.ndarray:
+    dtype = _cuda_type(code)
+    assert ld >= rows, f"leading dimension {ld} < rows {rows}"
+    span = (cols - 1) * ld + rows if rows and cols else 0
+    buf = (ctypes.c_char * (span * dtype.itemsize)).from_address(address)
+    flat = np.frombuffer(memoryview(buf), dtype=dtype)
+    return np.lib.stride_tricks.as_strided(flat, (rows, cols),
+                                           (dtype.itemsize, ld * dtype.itemsize))
+
+
+class _Cublas(types.SimpleNamespace):
+    """``cupy.cuda.cublas``'s gemmEx and gemmStridedBatchedEx on host memory."""
+
+    CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
+    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT = 68, -1
+
+    def __init__(self) -> None:
+        super().__init__(calls=[], streams={})
+
+    def setStream(self, handle: int, stream: int) -> None:
+        self.streams[handle] = stream
+
+    def _one(self, ta: int, tb: int, m: int, n: int, k: int, alpha: int, a: int, at: int,
+             lda: int, b: int, bt: int, ldb: int, beta: int, c: int, ct: int,
+             ldc: int) -> None:
+        scale, shift = (float(ctypes.c_float.from_address(p).value) for p in (alpha, beta))
+        x = _column_major(a, at, *((k, m) if ta else (m, k)), lda).astype(_F32)
+        w = _column_major(b, bt, *((n, k) if tb else (k, n)), ldb).astype(_F32)
+        y = _column_major(c, ct, m, n, ldc)
+        wide = scale * ((x.T if ta else x) @ (w.T if tb else w))
+        y[...] = wide + shift * y.astype(_F32) if shift else wide
+
+    def gemmEx(self, handle: int, ta: int, tb: int, m: int, n: int, k: int,
+               alpha: int, a: int, at: int, lda: int, b: int, bt: int, ldb: int, beta: int,
+               c: int, ct: int, ldc: int, compute: int, algo: int) -> None:
+        self.calls.append(("gemmEx", at, bt, ct, compute))
+        self._one(ta, tb, m, n, k, alpha, a, at, lda, b, bt, ldb, beta, c, ct, ldc)
+
+    def gemmStridedBatchedEx(self, handle: int, ta: int, tb: int, m: int, n: int,
+                             k: int, alpha: int, a: int, at: int, lda: int, sa: int, b: int,
+                             bt: int, ldb: int, sb: int, beta: int, c: int, ct: int, ldc: int,
+                             sc: int, count: int, compute: int, algo: int) -> None:
+        self.calls.append(("gemmStridedBatchedEx", at, bt, ct, compute))
+        size = {t: _cuda_type(t).itemsize for t in (at, bt, ct)}
+        for i in range(count):
+            self._one(ta, tb, m, n, k, alpha, a + i * sa * size[at], at, lda,
+                      b + i * sb * size[bt], bt, ldb, beta, c + i * sc * size[ct], ct, ldc)
+
+
 class EmulatedCupy(FakeCupy):
-    """The fake CuPy with NumPy twins of keel's CUDA kernels (see above)."""
+    """The fake CuPy with NumPy twins of keel's CUDA kernels (see above) and of the cuBLAS
+    calls keel makes itself (``cuda.cublas``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.RawKernel = _RawKernel
         self.ElementwiseKernel = _ElementwiseKernel
         self.ndarray = np.ndarray
+        self.cuda.cublas = _Cublas()
+        self.cuda.device = types.SimpleNamespace(get_cublas_handle=lambda: 0x0B1A5)
+        self.cuda.runtime.CUDA_R_16BF = 14

@@ -71,8 +71,9 @@ def test_the_descriptor_cudnn_is_given(x: tuple[int, ...], w: tuple[int, ...],
 def test_what_the_variant_serves_and_what_the_graph_fuses() -> None:
     assert cudnn_graph.cannot_serve(2, DType.FLOAT32) is None
     assert cudnn_graph.cannot_serve(None, DType.FLOAT16) is None
+    assert cudnn_graph.cannot_serve(1, DType.BFLOAT16) is None
     assert cudnn_graph.cannot_serve(2, DType.FLOAT64) == (
-        "cuDNN conv graphs here take float16 or float32, not float64")
+        "cuDNN conv graphs here take float16, bfloat16 or float32, not float64")
     assert cudnn_graph.cannot_serve(4, DType.FLOAT32) == (
         "cuDNN conv graphs here take 1-3 spatial dims, not 4")
     assert cudnn_graph.graph_activation(("clip", (0.0, math.inf))) == (0.0, None)
@@ -156,7 +157,8 @@ def test_planner_runs_convs_on_cudnn_where_it_loads(fake_cudnn: FakeCudnn) -> No
         "pointwise/im2col); not considered: native" in plan.reason("variant")
     wide = gpu.plan_node(Op.CONV, request_types(_inputs(x, w, dtype=np.float64)), _attrs())
     assert wide.variant == "im2col"
-    assert "not cudnn: cuDNN conv graphs here take float16 or float32, not float64" in \
+    assert "not cudnn: cuDNN conv graphs here take float16, bfloat16 or float32, not " \
+        "float64" in \
         wide.reason("variant")
 
 

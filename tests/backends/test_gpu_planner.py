@@ -54,7 +54,8 @@ def test_gpu_kernels_are_preferred_with_the_reason(op: Op, shapes: list[tuple[in
 def test_other_dtypes_run_the_shared_kernel_and_say_why() -> None:
     plan = _plan(Op.LAYER_NORM, F64, [(4, 8), (8,)])
     assert plan.variant == "default"
-    assert "fused takes float16, float32, the node is float64" in plan.reason("variant")
+    assert "fused takes bfloat16, float16, float32, the node is float64" in \
+        plan.reason("variant")
     stashed = _plan(Op.LAYER_NORM, F32, [(4, 8), (8,)], stash_type=11)
     assert stashed.variant == "default"
     assert "stash_type 11" in stashed.reason("variant")

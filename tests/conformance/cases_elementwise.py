@@ -37,6 +37,8 @@ def tolerance(dtype: Any, scale: float = 1.0) -> Tolerance:
     dt = np.dtype(dtype)
     if dt == np.float16:
         return {"rtol": 5e-3 * scale, "atol": 5e-3 * scale}
+    if dt == DType.BFLOAT16.numpy:             # one bfloat16 step is 2**-7 of the value
+        return {"rtol": 1e-2 * scale, "atol": 1e-2 * scale}
     if dt == np.float64:
         return {"rtol": 1e-10 * scale, "atol": 1e-12 * scale}
     return {"rtol": 1e-5 * scale, "atol": 1e-6 * scale}

@@ -50,7 +50,21 @@ ONNX_NAMES: dict[Op, str] = {
 
 
 def onnx_run(op_type: str, inputs: Sequence[np.ndarray | None], **attrs: Any) -> np.ndarray:
-    """One ONNX node run by ONNX's reference evaluator (``None`` inputs are absent)."""
+    """One ONNX node run by ONNX's reference evaluator (``None`` inputs are absent).
+
+    bfloat16 inputs run widened to float32 and a float32 result is rounded to bfloat16:
+    the evaluator computes bfloat16 through ml_dtypes' ufuncs, rounding after every step
+    of a composite (Gelu, Selu), where runtimes compute in float32 and round once."""
+    bf16 = DType.BFLOAT16.numpy
+    if op_type != "Cast" and any(x is not None and x.dtype == bf16 for x in inputs):
+        wide = [None if x is None or x.dtype != bf16 else x.astype(np.float32) for x in inputs]
+        result = _onnx_node(op_type, [w if w is not None else x
+                                      for w, x in zip(wide, inputs, strict=True)], **attrs)
+        return result.astype(bf16) if result.dtype == np.float32 else result
+    return _onnx_node(op_type, inputs, **attrs)
+
+
+def _onnx_node(op_type: str, inputs: Sequence[np.ndarray | None], **attrs: Any) -> np.ndarray:
     names = ["" if x is None else f"in{i}" for i, x in enumerate(inputs)]
     while names and not names[-1]:
         names.pop()

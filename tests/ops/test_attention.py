@@ -126,7 +126,7 @@ def test_attention_inference() -> None:
     ([Q4, K4, V4, _n(2, 3, 3, 5)], {}, r"attn_mask of shape \(2, 3, 3, 5\) does not broadcast"),
     ([Q4, K4, V4, None, _n(2, 4, 2, 8)], {}, "past_key and past_value go together"),
     ([Q4, K4, V4, _n(3, 5).astype(np.float64)], {}, "attn_mask must be bool or float32"),
-    ([Q4.astype(np.int32), K4, V4], {}, "Q must be float16, float32 or float64"),
+    ([Q4.astype(np.int32), K4, V4], {}, "Q must be float16, bfloat16, float32 or float64"),
 ])
 def test_attention_typed_errors(inputs: list[Any], attrs: dict[str, Any], match: str) -> None:
     for run in (run_ref, run_cpu):

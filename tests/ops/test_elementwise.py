@@ -271,7 +271,7 @@ def test_every_elementwise_op_has_a_schema_and_kernels() -> None:
 # ---- typed errors ------------------------------------------------------------------
 def test_dtype_not_allowed() -> None:
     with pytest.raises(InvalidArgumentError,
-                       match="exp does not take int32 inputs; allowed: float16, float32"):
+                       match="exp does not take int32 inputs; allowed: bfloat16, float16, float32"):
         _infer(Op.EXP, TensorType(DType.INT32, (2,)))
     with pytest.raises(InvalidArgumentError, match="and does not take float32 inputs"):
         _infer(Op.AND, TensorType(F32, (2,)), TensorType(F32, (2,)))

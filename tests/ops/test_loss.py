@@ -110,7 +110,8 @@ def test_schema_rejects_bad_dtypes() -> None:
     with pytest.raises(InvalidArgumentError, match="target must be int32 or int64, got float32"):
         schema.infer_types([TensorType(DType.FLOAT32, (2, 3)), TensorType(DType.FLOAT32, (2,))],
                            schema.normalize_attrs({}))
-    with pytest.raises(InvalidArgumentError, match="input must be float16, float32 or float64"):
+    with pytest.raises(InvalidArgumentError,
+                       match="input must be float16, bfloat16, float32 or float64"):
         schema.infer_types([TensorType(DType.INT32, (2, 3)), TensorType(DType.INT64, (2,))],
                            schema.normalize_attrs({}))
 

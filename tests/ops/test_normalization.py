@@ -257,7 +257,7 @@ ERRORS: list[tuple[str, Op, list[np.ndarray], dict[str, Any], type[Exception], s
      r"softmax: axis 4 is out of range for rank 4; allowed: -4\.\.3"),
     ("hardmax-axis", Op.HARDMAX, [X4], {"axis": -5}, InvalidArgumentError, "axis -5"),
     ("softmax-int", Op.SOFTMAX, [np.arange(4)], {}, InvalidArgumentError,
-     "X must be float16, float32, float64, got int64"),
+     "X must be bfloat16, float16, float32, float64, got int64"),
     ("ln-axis", Op.LAYER_NORM, [X4, _n(5)], {"axis": 7}, InvalidArgumentError,
      "layer_norm: axis 7 is out of range"),
     ("ln-scale", Op.LAYER_NORM, [X4, _n(4)], {}, InvalidArgumentError,

@@ -58,7 +58,8 @@ def test_det_edge_cases() -> None:
     np.testing.assert_array_equal(empty, [1.0, 1.0])
     with pytest.raises(InvalidArgumentError, match=r"X must be \(\*, M, M\)"):
         run_cpu(Op.DET, [np.zeros((2, 3), np.float32)])
-    with pytest.raises(InvalidArgumentError, match="X must be float16, float32 or float64"):
+    with pytest.raises(InvalidArgumentError,
+                       match="X must be float16, bfloat16, float32 or float64"):
         run_ref(Op.DET, [np.zeros((2, 2), np.int32)])
     schema = get_schema(Op.DET)
     assert schema.infer_types([TensorType(DType.FLOAT32, ("b", 3, 3))], {}) == \

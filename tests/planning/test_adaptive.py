@@ -165,7 +165,7 @@ def test_auto_precision_keeps_fp32_on_cpu_and_says_what_a_fast_fp16_gpu_would_do
         PlanRequest("graph", 4, hint="throughput", profile=fake_profile("nvidia-h100-nvml")))
     assert gpu.precision == "fp32"               # the plan keeps fp32; a measured trial may not
     note = next(r for r in gpu.reasons if r.startswith("precision fp32"))
-    assert "fast fp16" in note and "takes fp16 only within 5e-03 relative error" in note
+    assert "fast fp16" in note and "takes one only within 5e-03 relative error" in note
     assert "compute capability 9.0" in note
 
 

@@ -6,10 +6,11 @@ import functools
 import importlib
 
 from keel.backends.base import KernelTable
+from keel.backends.bf16 import WideningTable
 
 __all__ = ["EXTRA_OPS", "FAMILIES", "TABLE", "load", "load_all"]
 
-TABLE = KernelTable("cpu")
+TABLE = WideningTable("cpu")
 
 FAMILIES = (
     "elementwise", "memory", "reduction", "shape", "indexing", "matmul", "conv",

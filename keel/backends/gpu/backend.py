@@ -43,6 +43,8 @@ class GpuBackend(Backend):
 
     name = "gpu"
     device = DeviceKind.GPU
+    # CuPy 14 holds ml_dtypes' bfloat16 (the other narrow types stay on the host)
+    dtypes = Backend.dtypes | {DType.BFLOAT16}
 
     def __init__(self, device_index: int = 0, *, seed_constraints: bool = False,
                  cupy_module: Any | None = None) -> None:

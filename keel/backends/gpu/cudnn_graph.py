@@ -30,7 +30,8 @@ CuPy.
 float32 excludes engines that carry the ``TENSOR_CORE`` or
 ``DOWN_CONVERT_INPUTS`` numerical notes: at float32 those are the TF32
 engines (10-bit mantissas), whose results differ from the reference by far
-more than float32 rounding. float16 computes in float32 on tensor cores.
+more than float32 rounding. float16 and bfloat16 compute in float32 on tensor
+cores (the graph's compute and intermediate types are FLOAT).
 Engines with the ``NONDETERMINISTIC`` note are excluded at every dtype: keel's
 runs are bitwise repeatable.
 """
@@ -56,7 +57,7 @@ __all__ = ["DTYPES", "Compiled", "ConvDescriptor", "Declined", "Fusion", "Signat
            "cannot_serve", "compiled", "describe", "fusions", "graph_activation", "leaves_out",
            "address", "pack"]
 
-DTYPES = frozenset({DType.FLOAT32, DType.FLOAT16})
+DTYPES = frozenset({DType.FLOAT32, DType.FLOAT16, DType.BFLOAT16})
 _RANKS = (1, 2, 3)          # spatial ranks: 1-D runs as 2-D with a unit height
 
 
@@ -112,7 +113,7 @@ def cannot_serve(spatial_rank: int | None, dtype: DType | None) -> str | None:
     """Why the cudnn variant cannot run a conv of this rank and dtype; None when it can."""
     if dtype not in DTYPES:
         shown = "unknown" if dtype is None else dtype.value
-        return f"cuDNN conv graphs here take float16 or float32, not {shown}"
+        return f"cuDNN conv graphs here take float16, bfloat16 or float32, not {shown}"
     if spatial_rank is not None and spatial_rank not in _RANKS:
         return f"cuDNN conv graphs here take 1-3 spatial dims, not {spatial_rank}"
     return None
@@ -197,12 +198,14 @@ After = Callable[[Fusion, dict[str, Any]], None]
 
 def address(array: Any) -> int:
     """The device address of a CuPy array (a host array's address under a fake device)."""
-    ptr = getattr(array.data, "ptr", None)
-    return int(ptr) if ptr is not None else int(array.__array_interface__["data"][0])
+    host = getattr(array, "__array_interface__", None)   # (no buffer of bfloat16 in NumPy)
+    return int(host["data"][0]) if host is not None else int(array.data.ptr)
 
 
 def _cudnn_type(cudnn: Any, dtype: DType) -> Any:
-    return cudnn.data_type.HALF if dtype is DType.FLOAT16 else cudnn.data_type.FLOAT
+    if dtype is DType.FLOAT16:
+        return cudnn.data_type.HALF
+    return cudnn.data_type.BFLOAT16 if dtype is DType.BFLOAT16 else cudnn.data_type.FLOAT
 
 
 def _graph(cudnn: Any, handle: Any, spec: Signature, fusion: Fusion) -> tuple[Any, dict[str, int]]:
@@ -247,7 +250,8 @@ def _planned(cudnn: Any, handle: Any, spec: Signature, fusion: Fusion
     notes = [cudnn.numerical_note.NONDETERMINISTIC]    # keel's runs are bitwise repeatable
     if spec.dtype is DType.FLOAT32:
         # At float32 these notes mark the TF32 (or down-converting) engines: 10-bit
-        # mantissas, far from float32 results. float16 keeps its tensor-core engines.
+        # mantissas, far from float32 results. float16 and bfloat16 keep their
+        # tensor-core engines.
         notes += [cudnn.numerical_note.TENSOR_CORE, cudnn.numerical_note.DOWN_CONVERT_INPUTS]
     g.deselect_numeric_notes(notes)
     g.check_support()

@@ -5,10 +5,12 @@ CuPy (NVRTC) and cached for the process; CuPy also keeps the binary on disk.
 Kernels launch on CuPy's current stream, allocate nothing and never read a
 device value on the host, so a run of them can be captured into a CUDA graph.
 
-Element types: ``float`` (float32) and ``half_t`` (float16, stored as its 16
-bits); both are loaded into and stored from float registers with ``kload`` /
-``kstore`` (PTX conversions, so no CUDA header is needed), and every sum is
-taken in float32.
+Element types: ``float`` (float32), ``half_t`` (float16, stored as its 16 bits)
+and ``bf16_t`` (bfloat16, a struct of its 16 bits, the layout of CUDA's
+``__nv_bfloat16``); each is loaded into and stored from float registers with
+``kload`` / ``kstore`` (a shift for bfloat16 loads, PTX conversions rounding to
+nearest even for the stores, so no CUDA header is needed; ``cvt.rn.bf16.f32``
+needs sm_80), and every sum is taken in float32.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 
 from keel._fork import renew_after_fork
 from keel.backends.base import Kernel
+from keel.dtypes import DType
 from keel.errors import UnsupportedOperationError
 from keel.ops.registry import Op
 
@@ -44,7 +47,21 @@ __device__ __forceinline__ void kstore(half_t* p, long long i, float v) {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
     p[i] = h;
 }
+struct bf16_t { unsigned short bits; };
+__device__ __forceinline__ float kload(const bf16_t* p, long long i) {
+    return __uint_as_float(((unsigned int)p[i].bits) << 16);
+}
+__device__ __forceinline__ void kstore(bf16_t* p, long long i, float v) {
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    p[i].bits = h;
+}
 __device__ __forceinline__ float kround(float v, const float*) { return v; }
+__device__ __forceinline__ float kround(float v, const bf16_t*) {
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    return __uint_as_float(((unsigned int)h) << 16);
+}
 __device__ __forceinline__ float kround(float v, const half_t*) {
     half_t h; float f;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
@@ -77,7 +94,8 @@ __device__ __forceinline__ float block_max(float v, float* shm) {
 }
 """
 
-_CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "half_t"}
+_CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "half_t",
+           DType.BFLOAT16.numpy: "bf16_t"}
 _LOCK = threading.Lock()
 renew_after_fork(sys.modules[__name__], "_LOCK")   # free in a forked child
 _BUILT: dict[tuple[Any, ...], Any] = {}
@@ -102,7 +120,7 @@ def ctype(op: str, dtype: Any) -> str:
     except KeyError:
         raise UnsupportedOperationError(
             op, "gpu", detail=f"dtype {np.dtype(dtype).name}: the fused CUDA kernels take "
-                              "float16 and float32") from None
+                              "float16, bfloat16 and float32") from None
 
 
 def source(body: str, element: str) -> str:

@@ -23,7 +23,7 @@ from keel.ops.registry import Op
 
 __all__ = ["EXPRESSIONS", "apply_epilogue", "epilogue_of"]
 
-_DTYPES = ("float16", "float32")
+_DTYPES = ("float16", "bfloat16", "float32")
 
 # f(v, p0, p1) in float32 per activation name (keel.ops.epilogue's table).
 EXPRESSIONS: dict[str, str] = {
@@ -119,4 +119,4 @@ def _unary_kernel(op: Op) -> Any:
 
 for _op in _OPS:
     TABLE.kernel(_op, variant="fused", dtypes=_DTYPES, supports_out=True,
-                 shapes="float16/float32, any shape", gpu=True)(_unary_kernel(_op))
+                 shapes="float16/bfloat16/float32, any shape", gpu=True)(_unary_kernel(_op))

@@ -27,7 +27,7 @@ from keel.ops.types import normalize_axis
 
 __all__: list[str] = []
 
-_DTYPES = ("float16", "float32")
+_DTYPES = ("float16", "bfloat16", "float32")
 
 _LAYER_NORM = r"""
 extern "C" __global__ void keel_layer_norm(
@@ -246,12 +246,12 @@ def _softmax_kernel(op: Op) -> Any:
     return kernel
 
 
-_SHAPES = "float16/float32, any shape (statistics in float32)"
+_SHAPES = "float16/bfloat16/float32, any shape (statistics in float32)"
 TABLE.kernel(Op.LAYER_NORM, variant="fused", dtypes=_DTYPES, supports_out=True,
              shapes=_SHAPES, gpu=True)(_layer_norm)
 TABLE.kernel(Op.SKIP_LAYER_NORM, variant="fused", dtypes=_DTYPES, supports_out=True,
              shapes=_SHAPES, gpu=True)(_skip_layer_norm)
 for _op in (Op.SOFTMAX, Op.LOG_SOFTMAX):
     TABLE.kernel(_op, variant="fused", dtypes=_DTYPES, supports_out=True,
-                 shapes="float16/float32, any axis (the last one without a copy)",
+                 shapes="float16/bfloat16/float32, any axis (the last one without a copy)",
                  gpu=True)(_softmax_kernel(_op))

@@ -24,7 +24,7 @@ from keel.ops.schemas.pooling import check_pool_input, pool_window
 
 __all__: list[str] = []
 
-_DTYPES = ("float16", "float32")
+_DTYPES = ("float16", "bfloat16", "float32")
 
 # mode 0: max, 1: average over in-bounds taps, 2: average counting the padding
 # (taps inside the padded extent).

@@ -24,6 +24,7 @@ from keel.backends.base import Attrs, Inputs, KernelContext, Out
 from keel.backends.cpu.indexing import scatter_elements_setup, scatter_nd_setup
 from keel.backends.gpu import fused_cuda as cu
 from keel.backends.gpu.kernels import TABLE
+from keel.dtypes import DType
 from keel.ops.registry import Op
 from keel.ops.schemas.indexing import check_reduction
 
@@ -41,7 +42,7 @@ if (i == 0 || order_dst[i - 1] != order_dst[i]) {
 
 def _reversed(xp: Any, a: Any, out: Any = None) -> Any:
     """An order-reversing exact map: -a for floats, ~a for integers and booleans."""
-    if a.dtype.kind == "f":
+    if a.dtype.kind == "f" or a.dtype == DType.BFLOAT16.numpy:
         return xp.negative(a, out=out)
     return xp.invert(a, out=out)
 

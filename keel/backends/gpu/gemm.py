@@ -11,7 +11,9 @@ epilogue fused into one elementwise pass after the product.
   mask in one pass before it) and normalizes the scores in place.
 
 float16 runs in float16 with float32 accumulation (CuPy's default compute type for
-half). float32 runs in plain float32: CuPy uses TF32 only when ``CUPY_TF32=1`` is set
+half). bfloat16 runs in bfloat16 with float32 accumulation on cuBLAS's ``GemmEx``
+calls (``keel.backends.gpu.cublas_bf16``: CuPy's matmul would widen it to a float32
+GEMM). float32 runs in plain float32: CuPy uses TF32 only when ``CUPY_TF32=1`` is set
 in the environment, which keel never sets.
 """
 
@@ -23,16 +25,18 @@ from typing import Any
 import numpy as np
 
 from keel.backends.base import Attrs, Inputs, KernelContext, Out, optional_input
+from keel.backends.gpu import cublas_bf16
 from keel.backends.gpu.fused_elementwise import apply_epilogue, epilogue_of
 from keel.backends.gpu.fused_norm import run_softmax
 from keel.backends.gpu.kernels import TABLE
+from keel.dtypes import DType
 from keel.errors import InvalidArgumentError
 from keel.ops.registry import Op
 from keel.ops.schemas.matmul import attention_shape, check_bias, gemm_shape, matmul_shape
 
 __all__: list[str] = []
 
-_DTYPES = ("float16", "float32")
+_DTYPES = ("float16", "bfloat16", "float32")
 
 
 def _same_dtype(op: Op, *arrays: Any) -> Any:
@@ -65,6 +69,24 @@ def _target(op: Op, xp: Any, out: Out, shape: Any, operands: tuple[Any, ...], bi
     return _output(xp, out, dims, dtype)
 
 
+def _product(xp: Any, a: Any, b: Any, y: Any) -> None:
+    """``y = a @ b`` on cuBLAS: CuPy's matmul, bfloat16 through its GemmEx calls."""
+    if y.dtype == DType.BFLOAT16.numpy:
+        cublas_bf16.product(xp, a, b, y)
+    else:
+        xp.matmul(a, b, out=y)
+
+
+def _scores(xp: Any, q: Any, kt: Any) -> Any:
+    """``q @ kt`` (batched) into a new array."""
+    if q.dtype != DType.BFLOAT16.numpy:
+        return xp.matmul(q, kt)
+    rows = np.broadcast_shapes(tuple(q.shape[:-1]), (*kt.shape[:-2], 1))
+    scores = xp.empty((*rows, int(kt.shape[-1])), dtype=q.dtype)
+    cublas_bf16.product(xp, q, kt, scores)
+    return scores
+
+
 def _deliver(out: Out, y: Any) -> list[Any]:
     if out is not None and out[0] is not None and out[0] is not y:
         out[0][...] = y
@@ -81,7 +103,7 @@ def gemm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any
     y = _target(Op.GEMM, xp, out, gemm_shape(a.shape, b.shape, attrs["trans_a"],
                                              attrs["trans_b"]), (a, b), c, "C")
     if y.size:
-        xp.matmul(a.T if attrs["trans_a"] else a, b.T if attrs["trans_b"] else b, out=y)
+        _product(xp, a.T if attrs["trans_a"] else a, b.T if attrs["trans_b"] else b, y)
     elif c is None:
         return _deliver(out, y)
     beta = float(attrs["beta"])
@@ -101,9 +123,9 @@ def matmul(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[A
     if y.size:
         if b.ndim == 2 and a.ndim > 2:
             a2 = xp.ascontiguousarray(a).reshape(-1, a.shape[-1])
-            xp.matmul(a2, b, out=y.reshape(-1, b.shape[1]))
+            _product(xp, a2, b, y.reshape(-1, b.shape[1]))
         else:
-            xp.matmul(a, b, out=y)
+            _product(xp, a, b, y)
     name, params = epilogue_of(attrs)
     apply_epilogue(xp, y, name, params, 1.0, bias, 1.0)
     return _deliver(out, y)
@@ -123,7 +145,7 @@ def attention(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> lis
     y = _output(xp, out, shape, dtype)
     if not y.size:
         return _deliver(out, y)
-    scores = xp.matmul(q, xp.swapaxes(k, -1, -2))
+    scores = _scores(xp, q, xp.swapaxes(k, -1, -2))
     if mask is not None:
         # The mask applies after the scale: fold the scale in first, then the softmax
         # kernel runs with scale 1.
@@ -135,5 +157,5 @@ def attention(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> lis
             scores += mask.astype(scores.dtype, copy=False)
     scores = xp.ascontiguousarray(scores)
     run_softmax(ctx, scores, scores, float(scale), bool(attrs["is_causal"]), False)
-    xp.matmul(scores, v, out=y)
+    _product(xp, scores, v, y)
     return _deliver(out, y)

@@ -17,7 +17,7 @@ GPU measurements exist (``keel tune`` on a GPU machine overrides these through
 * a convolution runs ``cudnn`` (one fused cuDNN graph per shape, through
   nvidia-cudnn-frontend: :mod:`~keel.backends.gpu.cudnn_graph`) where the
   package and the cuDNN library load (checked once, the reason kept) and the
-  conv is 1-3-D float16/float32; otherwise ``pointwise`` where it is a 1x1
+  conv is 1-3-D float16/bfloat16/float32; otherwise ``pointwise`` where it is a 1x1
   stride-1 unpadded dense conv (one GEMM on the input, no copy) and ``im2col``
   (one cuBLAS GEMM per group; it serves every conv), saying why not cudnn;
 * any other op runs the shared xp kernel (``default``).

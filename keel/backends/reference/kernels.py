@@ -6,10 +6,11 @@ import functools
 import importlib
 
 from keel.backends.base import KernelTable
+from keel.backends.bf16 import WideningTable
 
 __all__ = ["FAMILIES", "TABLE", "load", "load_all"]
 
-TABLE = KernelTable("reference")
+TABLE = WideningTable("reference")
 
 FAMILIES = (
     "elementwise", "memory", "reduction", "shape", "indexing", "matmul", "conv",

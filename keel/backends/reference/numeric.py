@@ -31,7 +31,7 @@ def det(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]
     x = inputs[0]
     if DType.from_numpy(x.dtype) not in FLOAT_DTYPES:
         raise InvalidArgumentError(
-            f"{Op.DET.value}: X must be float16, float32 or float64, got {x.dtype}")
+            f"{Op.DET.value}: X must be float16, bfloat16, float32 or float64, got {x.dtype}")
     shape = check_det(x.shape)
     if x.shape[-1] == 0:       # the determinant of a 0 x 0 matrix is 1
         return [np.ones(shape, dtype=x.dtype)]

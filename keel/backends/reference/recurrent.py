@@ -59,7 +59,7 @@ def _prepare(op: Op, inputs: Inputs, attrs: Attrs) -> dict[str, Any]:
     x = inputs[0]
     if DType.from_numpy(x.dtype) not in FLOAT_DTYPES:
         raise InvalidArgumentError(
-            f"{op.value}: X must be float16, float32 or float64, got {x.dtype}")
+            f"{op.value}: X must be float16, bfloat16, float32 or float64, got {x.dtype}")
     check_clip(op, attrs["clip"])
     shapes = [None if v is None else v.shape for v in (_opt(inputs, i) for i in range(8))]
     dirs = check_recurrent(op, shapes, attrs).dirs

@@ -51,7 +51,7 @@ __all__ = [
     "check_tensor_scatter",
 ]
 
-FLOAT_DTYPES = frozenset({DType.FLOAT16, DType.FLOAT32, DType.FLOAT64})
+FLOAT_DTYPES = frozenset({DType.FLOAT16, DType.BFLOAT16, DType.FLOAT32, DType.FLOAT64})
 _TS_MODES = ("linear", "circular")
 
 
@@ -84,7 +84,7 @@ def _split(op: Op, name: str, hidden: Dim, heads: int) -> Dim:
 def check_float(op: Op, dtype: DType, what: str = "input") -> None:
     if dtype not in FLOAT_DTYPES:
         raise InvalidArgumentError(
-            f"{op.value}: {what} must be float16, float32 or float64, got {dtype.value}")
+            f"{op.value}: {what} must be float16, bfloat16, float32 or float64, got {dtype.value}")
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ __all__ = [
 
 AUTO_PADS = ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID")
 
-FLOATS = frozenset({DType.FLOAT16, DType.FLOAT32, DType.FLOAT64})
+FLOATS = frozenset({DType.FLOAT16, DType.BFLOAT16, DType.FLOAT32, DType.FLOAT64})
 _BYTES = frozenset({DType.INT8, DType.UINT8})
 
 DTYPES: dict[Op, frozenset[DType]] = {

@@ -35,7 +35,7 @@ __all__ = [
     "check_dtype",
 ]
 
-FLOATS = frozenset({DType.FLOAT16, DType.FLOAT32, DType.FLOAT64})
+FLOATS = frozenset({DType.FLOAT16, DType.BFLOAT16, DType.FLOAT32, DType.FLOAT64})
 SIGNED = frozenset({DType.INT8, DType.INT16, DType.INT32, DType.INT64})
 UNSIGNED = frozenset({DType.UINT8, DType.UINT16, DType.UINT32, DType.UINT64})
 INTS = SIGNED | UNSIGNED
@@ -270,7 +270,7 @@ _unary(Op.SELU, FLOATS, _f("alpha", 1.67326319217681884765625),
 _unary(Op.CELU, FLOATS, _f("alpha", 1.0),
        doc="max(0, X) + min(0, alpha (e**(X / alpha) - 1)).")
 _unary(Op.THRESHOLDED_RELU, FLOATS, _f("alpha", 1.0), doc="X if X > alpha else 0.")
-_unary(Op.SHRINK, NUMERIC, _f("bias", 0.0), _f("lambd", 0.5),
+_unary(Op.SHRINK, NUMERIC - {DType.BFLOAT16}, _f("bias", 0.0), _f("lambd", 0.5),
        doc="X + bias if X < -lambd, X - bias if X > lambd, else 0.")
 _unary(Op.SWISH, FLOATS, _f("alpha", 1.0), doc="X * sigmoid(alpha * X) (ONNX Swish).")
 

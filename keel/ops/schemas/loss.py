@@ -34,7 +34,7 @@ __all__ = [
     "check_targets",
 ]
 
-FLOAT_DTYPES = frozenset({DType.FLOAT16, DType.FLOAT32, DType.FLOAT64})
+FLOAT_DTYPES = frozenset({DType.FLOAT16, DType.BFLOAT16, DType.FLOAT32, DType.FLOAT64})
 TARGET_DTYPES = frozenset({DType.INT32, DType.INT64})
 REDUCTIONS = ("none", "sum", "mean")
 
@@ -86,7 +86,7 @@ def _check_types(op: Op, types: Sequence[TensorType | None]) -> None:
     w = types[2] if len(types) > 2 else None
     if x is not None and x.dtype not in FLOAT_DTYPES:
         raise InvalidArgumentError(
-            f"{op.value}: input must be float16, float32 or float64, got {x.dtype.value}")
+            f"{op.value}: input must be float16, bfloat16, float32 or float64, got {x.dtype.value}")
     if t is not None and t.dtype not in TARGET_DTYPES:
         raise InvalidArgumentError(
             f"{op.value}: target must be int32 or int64, got {t.dtype.value}")

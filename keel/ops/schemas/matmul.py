@@ -51,7 +51,7 @@ __all__ = [
     "parse_einsum",
 ]
 
-FLOATS = frozenset({DType.FLOAT16, DType.FLOAT32, DType.FLOAT64})
+FLOATS = frozenset({DType.FLOAT16, DType.BFLOAT16, DType.FLOAT32, DType.FLOAT64})
 _WIDE_INTS = frozenset({DType.INT32, DType.INT64, DType.UINT32, DType.UINT64})
 _ALL_INTS = _WIDE_INTS | {DType.INT8, DType.INT16, DType.UINT8, DType.UINT16}
 _BYTES = frozenset({DType.INT8, DType.UINT8})

@@ -37,7 +37,7 @@ __all__ = [
     "compute_dtype",
 ]
 
-FLOAT_DTYPES = frozenset({DType.FLOAT16, DType.FLOAT32, DType.FLOAT64})
+FLOAT_DTYPES = frozenset({DType.FLOAT16, DType.BFLOAT16, DType.FLOAT32, DType.FLOAT64})
 
 # ONNX TensorProto codes accepted for ``stash_type`` (the precision of the statistics).
 _STASH_TYPES = {1: DType.FLOAT32, 11: DType.FLOAT64}

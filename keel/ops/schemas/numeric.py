@@ -22,7 +22,7 @@ from keel.ops.types import Dim, Shape, TensorType
 
 __all__ = ["BITCAST_DTYPES", "FLOAT_DTYPES", "check_bitcast", "check_det"]
 
-FLOAT_DTYPES = frozenset({DType.FLOAT16, DType.FLOAT32, DType.FLOAT64})
+FLOAT_DTYPES = frozenset({DType.FLOAT16, DType.BFLOAT16, DType.FLOAT32, DType.FLOAT64})
 # Whole-byte types only: a 4- or 2-bit element has no bytes of its own to reinterpret.
 BITCAST_DTYPES = frozenset(d for d in DType if d is not DType.STRING and d.bits >= 8)
 
@@ -64,7 +64,7 @@ def _infer_det(types: Sequence[TensorType | None], attrs: Mapping[str, Any],
         return [None]
     if x.dtype not in FLOAT_DTYPES:
         raise InvalidArgumentError(
-            f"{Op.DET.value}: X must be float16, float32 or float64, got {x.dtype.value}")
+            f"{Op.DET.value}: X must be float16, bfloat16, float32 or float64, got {x.dtype.value}")
     return [TensorType(x.dtype, None if x.shape is None else check_det(x.shape))]
 
 

@@ -34,7 +34,7 @@ from keel.ops.types import Dim, Shape, TensorType
 
 __all__ = ["DTYPES", "check_pool_input", "pool_window"]
 
-FLOATS = frozenset({DType.FLOAT16, DType.FLOAT32, DType.FLOAT64})
+FLOATS = frozenset({DType.FLOAT16, DType.BFLOAT16, DType.FLOAT32, DType.FLOAT64})
 
 DTYPES: dict[Op, frozenset[DType]] = {
     Op.MAX_POOL: FLOATS | {DType.INT8, DType.UINT8},

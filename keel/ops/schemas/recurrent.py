@@ -39,7 +39,7 @@ __all__ = [
     "recurrent_activations",
 ]
 
-FLOAT_DTYPES = frozenset({DType.FLOAT16, DType.FLOAT32, DType.FLOAT64})
+FLOAT_DTYPES = frozenset({DType.FLOAT16, DType.BFLOAT16, DType.FLOAT32, DType.FLOAT64})
 GATES = {Op.RNN: 1, Op.GRU: 3, Op.LSTM: 4}
 _DEFAULTS = {Op.RNN: ("tanh",), Op.GRU: ("sigmoid", "tanh"),
              Op.LSTM: ("sigmoid", "tanh", "tanh")}
@@ -168,7 +168,7 @@ def _infer(op: Op) -> Any:
             return [None] * n
         if x.dtype not in FLOAT_DTYPES:
             raise InvalidArgumentError(
-                f"{op.value}: X must be float16, float32 or float64, got {x.dtype.value}")
+                f"{op.value}: X must be float16, bfloat16, float32 or float64, got {x.dtype.value}")
         shapes = [None if t is None or t.shape is None else tuple(t.shape) for t in types]
         if any(s is None for s in shapes[:3]):
             return [TensorType(x.dtype, None)] * n

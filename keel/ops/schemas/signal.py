@@ -46,7 +46,7 @@ __all__ = [
     "scalar",
 ]
 
-FLOAT_DTYPES = frozenset({DType.FLOAT16, DType.FLOAT32, DType.FLOAT64})
+FLOAT_DTYPES = frozenset({DType.FLOAT16, DType.BFLOAT16, DType.FLOAT32, DType.FLOAT64})
 INT_DTYPES = frozenset({DType.INT32, DType.INT64})
 WINDOWS = (Op.HANN_WINDOW, Op.HAMMING_WINDOW, Op.BLACKMAN_WINDOW)
 
@@ -64,7 +64,7 @@ def concrete(shape: Sequence[Dim]) -> tuple[int, ...]:
 def check_float(op: Op, dtype: DType, what: str = "input") -> None:
     if dtype not in FLOAT_DTYPES:
         raise InvalidArgumentError(
-            f"{op.value}: {what} must be float16, float32 or float64, got {dtype.value}")
+            f"{op.value}: {what} must be float16, bfloat16, float32 or float64, got {dtype.value}")
 
 
 def scalar(op: Op, name: str, value: Any) -> Any:

@@ -52,7 +52,7 @@ __all__ = [
     "spatial_params",
 ]
 
-FLOAT_DTYPES = frozenset({DType.FLOAT16, DType.FLOAT32, DType.FLOAT64})
+FLOAT_DTYPES = frozenset({DType.FLOAT16, DType.BFLOAT16, DType.FLOAT32, DType.FLOAT64})
 GRID_MODES = ("linear", "nearest", "cubic")
 PADDING_MODES = ("zeros", "border", "reflection")
 _ROI_MODES = ("avg", "max")
@@ -80,7 +80,7 @@ def concrete(shape: Sequence[Dim]) -> tuple[int, ...]:
 def check_float(op: Op, dtype: DType, what: str = "X") -> None:
     if dtype not in FLOAT_DTYPES:
         raise InvalidArgumentError(
-            f"{op.value}: {what} must be float16, float32 or float64, got {dtype.value}")
+            f"{op.value}: {what} must be float16, bfloat16, float32 or float64, got {dtype.value}")
 
 
 def _choice(op: Op, name: str, value: str, allowed: Sequence[str]) -> str:

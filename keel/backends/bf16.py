@@ -40,7 +40,10 @@ BF16_NATIVE = frozenset({Op.CAST, Op.BITCAST, Op.QUANTIZE_LINEAR, Op.DEQUANTIZE_
 
 
 def _is_bf16(x: Any) -> bool:
-    return getattr(x, "dtype", None) == DType.BFLOAT16.numpy
+    # ml_dtypes' types have kind 'V': a float or integer array is told apart without
+    # importing ml_dtypes (a run that meets no narrow value never does)
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and dtype.kind == "V" and dtype.name == "bfloat16"
 
 
 def _widen(inputs: Sequence[Any]) -> list[Any]:
@@ -52,7 +55,10 @@ def widened(op: Op, fn: Kernel) -> Kernel:
 
     def kernel(ctx: KernelContext, inputs: Sequence[Any], attrs: Mapping[str, Any],
                out: Sequence[Any] | None) -> list[Any]:
-        if not any(_is_bf16(x) for x in inputs):
+        for x in inputs:
+            if _is_bf16(x):
+                break
+        else:
             return list(fn(ctx, inputs, attrs, out))
         results = list(fn(ctx, _widen(inputs), attrs, None))
         if out is None:

@@ -85,7 +85,8 @@ def _compute_of(dtype: DType) -> np.dtype[Any]:
     return np.dtype(np.float32) if dtype is DType.FLOAT16 else dtype.numpy
 
 
-_COMPUTE: dict[DType, np.dtype[Any]] = {d: _compute_of(d) for d in DTYPES[Op.MATMUL]}
+_COMPUTE: dict[DType, np.dtype[Any]] = {d: _compute_of(d) for d in DTYPES[Op.MATMUL]
+                                         if not d.is_narrow}    # (no ml_dtypes import)
 
 
 @functools.lru_cache(maxsize=256)

@@ -5,8 +5,8 @@ rounded to bfloat16. Where ONNX's schema lets the op take bfloat16, keel's must
 too, and the result must be the float64 result on the same (bfloat16) values,
 rounded to bfloat16, within one bfloat16 step (the reference computes in float32
 and rounds once, so a tie may round the other way). onnxruntime's CPU provider has
-no bfloat16 kernel for these ops (Add, MatMul, Softmax, ... are NOT_IMPLEMENTED),
-so float64 on the same values is the comparison.
+bfloat16 kernels for LayerNormalization and data movement only (its Add, MatMul,
+Softmax, Conv, ... are NOT_IMPLEMENTED): those are compared with it at the end.
 """
 
 from __future__ import annotations
@@ -146,3 +146,63 @@ def test_bfloat16_rounds_to_nearest_even() -> None:
     assert float(REFERENCE.run(Op.ADD, [one, half_step])[0][0]) == 1.0
     above = np.array([2.0 ** -8 + 2.0 ** -15], np.float32).astype(BF16)
     assert float(REFERENCE.run(Op.ADD, [one, above])[0][0]) == 1.0 + 2.0 ** -7
+
+
+# ---- against onnxruntime, where its CPU provider has a bfloat16 kernel ----------------------
+def _ort_bf16(op_type: str, inputs: list[np.ndarray], consts: dict[str, np.ndarray],
+              **attrs: Any) -> np.ndarray:
+    """One ONNX node on onnxruntime's CPU provider with bfloat16 inputs (fed as their bit
+    patterns: its Python binding has no NumPy bfloat16), read back through an exact Cast to
+    float32."""
+    ort = pytest.importorskip("onnxruntime")
+    from onnx import TensorProto, helper, numpy_helper
+
+    names = [f"x{i}" for i in range(len(inputs))]
+    graph = helper.make_graph(
+        [helper.make_node(op_type, [*names, *consts], ["y"], **attrs),
+         helper.make_node("Cast", ["y"], ["out"], to=TensorProto.FLOAT)], "bf16",
+        [helper.make_tensor_value_info(n, TensorProto.BFLOAT16, x.shape)
+         for n, x in zip(names, inputs, strict=True)],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(v, k) for k, v in consts.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 22)])
+    model.ir_version = 10
+    session = ort.InferenceSession(model.SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+    feeds = {n: ort.OrtValue.ortvalue_from_numpy_with_onnx_type(x.view(np.uint16), 16)
+             for n, x in zip(names, inputs, strict=True)}
+    return np.asarray(session.run_with_ort_values(["out"], feeds)[0].numpy())
+
+
+def _bf16(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    return rng.standard_normal(shape).astype(np.float32).astype(BF16)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("shape", [(2, 8), (3, 5, 16), (4, 100)])
+def test_layer_norm_matches_onnxruntime_in_bfloat16(backend: str, shape: tuple[int, ...]
+                                                    ) -> None:
+    rng = np.random.default_rng(len(shape))
+    x, scale, bias = _bf16(rng, *shape), _bf16(rng, shape[-1]), _bf16(rng, shape[-1])
+    got = builtin_registry().instance(backend).run(Op.LAYER_NORM, [x, scale, bias])[0]
+    want = _ort_bf16("LayerNormalization", [x, scale, bias], {})
+    assert got.dtype == BF16
+    np.testing.assert_allclose(got.astype(np.float32), want, rtol=STEP, atol=STEP)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_data_movement_matches_onnxruntime_in_bfloat16_exactly(backend: str) -> None:
+    rng = np.random.default_rng(9)
+    run = builtin_registry().instance(backend).run
+    x, y = _bf16(rng, 3, 4), _bf16(rng, 2, 4)
+    index = np.array([2, 0], np.int64)
+    cases = [
+        (run(Op.TRANSPOSE, [x], attrs={"perm": (1, 0)}), _ort_bf16("Transpose", [x], {})),
+        (run(Op.CONCAT, [x, y], attrs={"axis": 0}), _ort_bf16("Concat", [x, y], {}, axis=0)),
+        (run(Op.GATHER, [x, index]), _ort_bf16("Gather", [x], {"i": index})),
+        (run(Op.RESHAPE, [x, np.array([4, 3], np.int64)]),
+         _ort_bf16("Reshape", [x], {"s": np.array([4, 3], np.int64)})),
+    ]
+    for got, want in cases:
+        assert got[0].dtype == BF16
+        np.testing.assert_array_equal(got[0].astype(np.float32), want)

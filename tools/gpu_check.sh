@@ -5,7 +5,7 @@
 #
 # 1. the gpu benchmark: six models at batch 1 and 32 against torch on the same GPU
 #    (python -m benchmarks.gpu), with correctness against torch fp32;
-# 2. every benchmark model on the gpu against onnxruntime, fp32 and fp16
+# 2. every benchmark model on the gpu against onnxruntime, fp32, fp16 and bf16
 #    (tests/backends/test_gpu_models.py);
 # 3. the gpu conformance suite (every op against the reference backend);
 # 4. with --cpu-scaling: keel's cpu backend against onnxruntime at 1, 4 and 16 threads;
@@ -45,7 +45,7 @@ step probe 60 "$py" -m keel probe --json
 "$py" -c "from keel.backends.gpu.cudnn_lib import LIBRARY; print('cudnn:', LIBRARY.availability().reason)" \
     >>"$out/summary.txt" 2>&1
 step bench_gpu "${T_BENCH:-180}" "$py" -m benchmarks.gpu --profile --placement --out "$out"
-step models "${T_MODELS:-90}" "$py" -m pytest -q -p no:cacheprovider -m gpu tests/backends/test_gpu_models.py \
+step models "${T_MODELS:-110}" "$py" -m pytest -q -p no:cacheprovider -m gpu tests/backends/test_gpu_models.py \
     tests/backends/test_gpu_io.py
 step conformance "${T_CONFORMANCE:-120}" "$py" -m pytest -q -p no:cacheprovider -m gpu -n 8 tests/conformance \
     --junitxml "$out/conformance.xml"

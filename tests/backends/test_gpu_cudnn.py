@@ -208,7 +208,7 @@ def test_cudnn_kernel_on_a_fake_device_matches_the_reference(
     graph = fake_cudnn.builds[-1]
     assert graph.ops[0][0] == "conv_fprop"
     row = next(r for r in cudnn_graph.built() if r["x"][0] == x[0] and r["w"][-1] == w[-1]
-               and r.get("fused") == fused)
+               and r.get("fused") == fused and r["dtype"] == "float32")
     assert row["engine"].startswith("fake_engine_0, fastest of 1 engines and the fusions "
                                     "cuDNN serves, timed on first run")
     assert row["workspace_bytes"] == 1024 and row["declined"] == ()
@@ -333,7 +333,8 @@ def test_a_declined_graph_runs_shorter_then_on_im2col(monkeypatch: pytest.Monkey
     got = _gpu().run(Op.CONV, arrays, attrs=attrs, variant="cudnn")[0]
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
     assert [op[0] for op in fake.builds[0].ops] == ["conv_fprop", "add", "bias"]
-    row = next(r for r in cudnn_graph.built() if r["x"] == (1, 3, 7, 7) and "fused" in r)
+    row = next(r for r in cudnn_graph.built() if r["x"] == (1, 3, 7, 7)
+               and r["w"] == (5, 3, 3, 3) and r["dtype"] == "float32" and "fused" in r)
     assert row["fused"] == "conv + residual + bias"
     assert len(row["declined"]) == 2 and row["declined"][0].startswith(
         "conv + residual + bias + activation: RuntimeError: cudnnGraphNotSupportedError: "

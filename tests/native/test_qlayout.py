@@ -58,7 +58,10 @@ def _read(a: np.ndarray, layout: str) -> np.ndarray:
 # (x dtype, w dtype, weight zero points, N, C, H, W, M, k, stride, pad, dilation, group)
 CONVS = [
     (np.uint8, np.int8, False, 2, 40, 9, 9, 24, 1, 1, 0, 1, 1),        # pointwise
-    (np.int8, np.uint8, True, 1, 6, 5, 7, 70, 1, 1, 0, 1, 1),          # pointwise, odd K
+    (np.int8, np.uint8, True, 1, 6, 5, 7, 70, 1, 1, 0, 1, 1),          # weight zero points
+    (np.int8, np.int8, False, 1, 6, 5, 7, 70, 1, 1, 0, 1, 1),          # C, M, pixels past tiles
+    (np.uint8, np.int8, False, 3, 64, 4, 4, 32, 1, 1, 0, 1, 1),        # whole tiles
+    (np.uint8, np.int8, False, 1, 100, 5, 5, 40, 1, 1, 0, 1, 1),       # deep: matrix product
     (np.uint8, np.int8, False, 2, 96, 12, 12, 96, 3, 2, 1, 1, 96),     # depthwise, stride 2
     (np.uint8, np.int8, True, 1, 40, 7, 9, 40, 3, 1, 1, 1, 40),        # 32 channels + 8
     (np.int8, np.int8, True, 2, 5, 11, 10, 5, 5, 1, 2, 2, 5),          # 5x5, dilated
@@ -73,7 +76,8 @@ def _inputs(case: tuple[Any, ...]) -> tuple[list[Any], dict[str, Any]]:
     w_zp = (_q(wdt, m) // 8).astype(wdt) if wzero else np.zeros(m, wdt)
     inputs = [x, np.float32(0.05), np.array(7 if xdt is np.uint8 else -3, xdt), wt,
               RNG.uniform(0.002, 0.02, m).astype(np.float32), w_zp, np.float32(0.4),
-              np.array(100, np.uint8), RNG.integers(-5000, 5000, m).astype(np.int32)]
+              np.array(100, np.uint8) if xdt is np.uint8 else np.array(-20, np.int8),
+              RNG.integers(-5000, 5000, m).astype(np.int32)]
     attrs = {"strides": [s, s], "pads": [p] * 4, "dilations": [d, d], "group": g}
     return inputs, get_schema(Op.QLINEAR_CONV).normalize_attrs(attrs)
 

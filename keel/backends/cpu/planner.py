@@ -309,6 +309,14 @@ INT8_LAYOUT_REASON = ("int8 channels-last chain of {nodes} nodes ({depthwise} de
                       "depthwise ones with the channels in the vector lanes, residual joins "
                       "elementwise; the layout changes only at the chain's ends "
                       "(this node: {this})")
+# A channels-last 1x1 convolution over at most this many input channels runs on
+# qlayout.c's panels (a pixel's four channels broadcast against 32 output channels, the
+# requantization vectorized in the store); deeper ones on qgemm.c's matrix product, whose
+# wider tile wins once the products outweigh the store. Measured at batch 32, one thread
+# (ms, panels / matrix product): 16->96 at 112x112 9.4 / 18; 24->144 at 56x56 4.5 / 5.6;
+# 96->24 at 56x56 2.0 / 2.5; 64->384 at 28x28 5.2 / 5.4; 160->960 at 7x7 1.5 / 0.95;
+# 384->64 at 14x14 0.8 / 0.5; 576->96 at 14x14 1.8 / 1.2.
+INT8_POINTWISE_PANEL_MAX_CHANNELS = 96
 _LAYOUT_ROLES = {("nchw", "nhwc"): "starts it, its result written channels-last",
                  ("nhwc", "nhwc"): "inside it",
                  ("nhwc", "nchw"): "ends it, its result written NCHW"}

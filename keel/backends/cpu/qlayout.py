@@ -33,14 +33,14 @@ import numpy as np
 
 from keel import native
 from keel.backends.base import KernelContext
-from keel.backends.cpu import native_qgemm
+from keel.backends.cpu import native_qgemm, workspace
 from keel.backends.cpu.native_gemm import planner_rules
 from keel.backends.plan import NodePlan
 from keel.native.pool import parts
 from keel.ops.schemas.quantization import QUANT_RANGES, ConvGeometry
 
 __all__ = ["NCHW", "NHWC", "ChannelsLastPack", "QuantConv", "available", "channels_last", "conv",
-           "conv_kind", "layouts", "pack", "to_nchw", "to_nhwc", "weight_kind",
+           "conv_kind", "layouts", "pack", "scratch", "to_nchw", "to_nhwc", "weight_kind",
            "without_layout"]
 
 LIBRARY = "qlayout"
@@ -55,6 +55,7 @@ class _Functions:
     isa: int
     transpose: Any
     depthwise: Any
+    pointwise: Any
 
     @classmethod
     @functools.lru_cache(maxsize=4)
@@ -62,7 +63,9 @@ class _Functions:
         f = lib.function
         return cls(int(f("keel_qlayout_isa", [], _I)()),
                    f("keel_qtranspose_u8", [_P, _I, _I, _I, _P, _I], _I),
-                   f("keel_qdepthwise_nhwc_u8s8", [_P, _I, _I, _P, _P, _P, _P, _P, _P, _I], _I))
+                   f("keel_qdepthwise_nhwc_u8s8", [_P, _I, _I, _P, _P, _P, _P, _P, _P, _I], _I),
+                   f("keel_qpointwise_nhwc_u8s8",
+                     [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I], _I))
 
 
 def _load() -> _Functions | None:
@@ -150,16 +153,24 @@ def channels_last(a: np.ndarray) -> np.ndarray:
 @dataclass(frozen=True, eq=False)
 class ChannelsLastPack:
     """A QLinearConv's weights for its channels-last kernel: a pointwise convolution's
-    matrix panels, or a depthwise one's taps [kh * kw][C] less their zero points."""
+    panels [M/32][C/4][32][4] and column sums (symmetric weights over at most the
+    planner's ``INT8_POINTWISE_PANEL_MAX_CHANNELS`` channels; else the matrix product's
+    panels), or a depthwise one's taps [kh * kw][C] less their zero points."""
 
     conv: native_qgemm.PackedConv
     pointwise: native_qgemm.PackedMatmul | None = None
+    panels: np.ndarray | None = None
+    col_sums: np.ndarray | None = None
     taps: np.ndarray | None = None
 
     @property
     def nbytes(self) -> int:
         extra = self.pointwise.nbytes if self.pointwise is not None else 0
-        return int(self.conv.nbytes + extra + (0 if self.taps is None else self.taps.nbytes))
+        return int(self.conv.nbytes + extra + sum(
+            a.nbytes for a in (self.panels, self.col_sums, self.taps) if a is not None))
+
+
+_TILE_COLUMNS = 32     # qlayout.c's NT: output channels per pointwise panel
 
 
 def pack(w: np.ndarray, w_zero_point: np.ndarray, kind: str) -> ChannelsLastPack:
@@ -168,8 +179,20 @@ def pack(w: np.ndarray, w_zero_point: np.ndarray, kind: str) -> ChannelsLastPack
     m = int(w.shape[0])
     zp = np.broadcast_to(np.asarray(w_zero_point).reshape(-1), (m,))
     if kind == "pointwise":
-        return ChannelsLastPack(conv, pointwise=native_qgemm.pack_matmul(
-            np.ascontiguousarray(np.asarray(w).reshape(m, -1).T), zp))
+        w2 = np.asarray(w).reshape(m, -1)
+        signed = w2.astype(np.int16) - (128 if w2.dtype == np.uint8 else 0)
+        if np.any(zp.astype(np.int16) - (128 if w2.dtype == np.uint8 else 0)) or \
+                w2.shape[1] > planner_rules().INT8_POINTWISE_PANEL_MAX_CHANNELS:
+            return ChannelsLastPack(conv, pointwise=native_qgemm.pack_matmul(
+                np.ascontiguousarray(w2.T), zp))
+        c = w2.shape[1]
+        mp, cp = -(-m // _TILE_COLUMNS) * _TILE_COLUMNS, -(-c // 4) * 4
+        padded = np.zeros((mp, cp), np.int8)
+        padded[:m, :c] = signed
+        panels = padded.reshape(mp // _TILE_COLUMNS, _TILE_COLUMNS, cp // 4, 4).transpose(
+            0, 2, 1, 3)
+        return ChannelsLastPack(conv, panels=np.ascontiguousarray(panels),
+                                col_sums=signed.sum(axis=1, dtype=np.int64))
     if kind == "depthwise":
         taps = np.asarray(w).reshape(m, -1).astype(np.int32) - zp.astype(np.int32)[:, None]
         return ChannelsLastPack(conv, taps=np.ascontiguousarray(taps.T))
@@ -191,6 +214,8 @@ class QuantConv:
 
 
 def _pointwise(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> bool:
+    if q.packed.panels is not None and _panel_product(q, x_cl, y_cl):
+        return True
     pm = q.packed.pointwise
     if pm is None:
         return False
@@ -199,6 +224,35 @@ def _pointwise(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> bool:
     native_qgemm.matmul(x_cl.reshape(-1, x_cl.shape[-1]), q.x_zero_point, pm, q.bias,
                         q.multiplier, DType.from_numpy(y_cl.dtype), q.y_zero_point,
                         y_cl.reshape(-1, y_cl.shape[-1]), q.threads)
+    return True
+
+
+def _panel_product(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> bool:
+    """``keel_qpointwise_nhwc_u8s8`` over every pixel; False where it cannot run."""
+    from keel.dtypes import DType
+
+    fns, panels, sums = _load(), q.packed.panels, q.packed.col_sums
+    if fns is None or panels is None or sums is None:
+        return False
+    c, m = int(x_cl.shape[-1]), int(y_cl.shape[-1])
+    pixels = int(x_cl.size // max(1, c))
+    signed = x_cl.dtype == np.int8
+    folded = -(q.x_zero_point + (128 if signed else 0)) * sums
+    if q.bias is not None:
+        folded = folded + q.bias.astype(np.int64)
+    if np.abs(folded).max(initial=0) >= 2**31 - 2**30:
+        return False
+    mp = panels.shape[0] * _TILE_COLUMNS
+    bias, mult = np.zeros(mp, np.int32), np.zeros(mp, np.float64)
+    bias[:m], mult[:m] = folded, q.multiplier
+    lo, hi = QUANT_RANGES[DType.from_numpy(y_cl.dtype)]
+    tiles = -(-pixels // 12)
+    count = parts(tiles, max(1, q.threads),
+                  max(1, planner_rules().MIN_FLOPS_PER_THREAD // max(1, 24 * c * m)))
+    _check(fns.pointwise(x_cl.ctypes.data, int(signed), pixels, c, m, panels.ctypes.data,
+                         bias.ctypes.data, mult.ctypes.data,
+                         np.array([q.y_zero_point, lo, hi], dtype=np.int64).ctypes.data,
+                         y_cl.ctypes.data, count))
     return True
 
 
@@ -232,28 +286,38 @@ _CHANNELS_LAST: dict[str, Callable[[QuantConv, np.ndarray, np.ndarray], bool]] =
     "pointwise": _pointwise, "depthwise": _depthwise}
 
 
+def scratch(key: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """A reusable buffer (this thread's, kept between calls: no page faults per run)."""
+    return workspace.empty(np, ("qlayout", key), shape, dtype)
+
+
 def conv(src: str, dst: str, kind: str, x: np.ndarray, q: QuantConv | None,
-         y: np.ndarray, nchw: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+         y: np.ndarray, nchw: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray:
     """Run one QLinearConv between layouts: ``x`` and ``y`` in their graph shapes, their
     bytes in ``src`` and ``dst`` order. The channels-last kernel of ``kind`` runs where
-    it serves ``q`` (None: it does not); otherwise ``nchw`` (the NCHW kernel, NCHW x to
-    a fresh NCHW y) between layout changes. Returns ``y``."""
+    it serves ``q`` (None: it does not); otherwise ``nchw`` (the NCHW kernel: NCHW x into
+    an NCHW buffer, returning its result) between layout changes. Returns ``y``."""
     threads = 1 if q is None else q.threads
+    n, m, oh, ow = (int(d) for d in y.shape)
     run = _CHANNELS_LAST.get(kind) if q is not None else None
     if run is not None and q is not None:
-        x_cl = channels_last(x) if src == NHWC else to_nhwc(x, threads)
-        n, m, oh, ow = y.shape
-        y_cl = y.reshape(n, oh, ow, m) if dst == NHWC else np.empty((n, oh, ow, m), y.dtype)
+        x_cl = channels_last(x) if src == NHWC else to_nhwc(
+            x, threads, scratch("x", (x.shape[0], *x.shape[2:], x.shape[1]), x.dtype))
+        y_cl = y.reshape(n, oh, ow, m) if dst == NHWC else scratch("y", (n, oh, ow, m),
+                                                                   y.dtype)
         if run(q, x_cl, y_cl):
             if dst == NCHW:
                 to_nchw(y_cl, threads, y)
             return y
-    x_n = x if src == NCHW else to_nchw(channels_last(x), threads)
-    y_n = nchw(x_n)
+    x_n = x if src == NCHW else to_nchw(channels_last(x), threads,
+                                        scratch("x", x.shape, x.dtype))
     if dst == NHWC:
-        to_nhwc(y_n, threads, y.reshape(y.shape[0], *y.shape[2:], y.shape[1]))
+        y_n = nchw(x_n, scratch("y", y.shape, y.dtype))
+        to_nhwc(y_n, threads, y.reshape(n, oh, ow, m))
     else:
-        y[...] = y_n
+        y_n = nchw(x_n, y)
+        if y_n is not y:
+            y[...] = y_n
     return y
 
 

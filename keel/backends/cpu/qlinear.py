@@ -115,7 +115,7 @@ def qlinear_conv(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> 
                             (m,)), dtype=np.float64), int(y_zp.reshape(())), _threads(ctx))
     plain = dataclasses.replace(ctx, plan=qlayout.without_layout(ctx.plan))
     qlayout.conv(src, dst, qlayout.conv_kind(geo, w.shape), x, q, y,
-                 lambda xn: _conv_nchw(plain, [xn, *inputs[1:]], attrs, None)[0])
+                 lambda xn, yn: _conv_nchw(plain, [xn, *inputs[1:]], attrs, [yn])[0])
     return _deliver(y, out)
 
 
@@ -273,8 +273,8 @@ def qlinear_add(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> l
     if src != dst:
         y = _out(out, inputs[0].shape, inputs[7].dtype)
         plain = dataclasses.replace(ctx, plan=qlayout.without_layout(ctx.plan))
-        qlayout.to_nchw(qlayout.channels_last(qlinear_add(plain, inputs, attrs, None)[0]),
-                        _threads(ctx), y)
+        cl = qlinear_add(plain, inputs, attrs, [qlayout.scratch("y", y.shape, y.dtype)])[0]
+        qlayout.to_nchw(qlayout.channels_last(cl), _threads(ctx), y)
         return _deliver(y, out)
     a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp = inputs
     if not _add_served(a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp):

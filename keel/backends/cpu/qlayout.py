@@ -123,7 +123,7 @@ def _transpose(x: np.ndarray, n: int, rows: int, cols: int, y: np.ndarray, threa
         return
     count = parts(n * -(-rows // 32), max(1, threads),
                   max(1, planner_rules().QADD_MIN_ELEMENTS_PER_THREAD // max(1, 32 * cols)))
-    _check(fns.transpose(x.ctypes.data, n, rows, cols, y.ctypes.data, count))
+    _check(fns.transpose(_ptr(x), n, rows, cols, _ptr(y), count))
 
 
 def to_nhwc(x: np.ndarray, threads: int = 1, y: np.ndarray | None = None) -> np.ndarray:
@@ -249,10 +249,10 @@ def _panel_product(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> bool:
     tiles = -(-pixels // 12)
     count = parts(tiles, max(1, q.threads),
                   max(1, planner_rules().MIN_FLOPS_PER_THREAD // max(1, 24 * c * m)))
-    _check(fns.pointwise(x_cl.ctypes.data, int(signed), pixels, c, m, panels.ctypes.data,
-                         bias.ctypes.data, mult.ctypes.data,
-                         np.array([q.y_zero_point, lo, hi], dtype=np.int64).ctypes.data,
-                         y_cl.ctypes.data, count))
+    _check(fns.pointwise(_ptr(x_cl), int(signed), pixels, c, m, _ptr(panels),
+                         _ptr(bias), _ptr(mult),
+                         _ptr(np.array([q.y_zero_point, lo, hi], dtype=np.int64)),
+                         _ptr(y_cl), count))
     return True
 
 
@@ -271,11 +271,11 @@ def _depthwise(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> bool:
     bias = None if q.bias is None else np.ascontiguousarray(q.bias, dtype=np.int32)
     count = parts(n * oh, max(1, q.threads), max(1, planner_rules().MIN_CHUNK_TAPS
                                                   // max(1, ow * c * kh * kw)))
-    rc = fns.depthwise(x_cl.ctypes.data, int(x_cl.dtype == np.int8), q.x_zero_point,
-                       taps.ctypes.data, None if bias is None else bias.ctypes.data,
-                       geometry.ctypes.data, q.multiplier.ctypes.data,
-                       np.array([q.y_zero_point, lo, hi], dtype=np.int64).ctypes.data,
-                       y_cl.ctypes.data, count)
+    rc = fns.depthwise(_ptr(x_cl), int(x_cl.dtype == np.int8), q.x_zero_point,
+                       _ptr(taps), _ptr(bias),
+                       _ptr(geometry), _ptr(q.multiplier),
+                       _ptr(np.array([q.y_zero_point, lo, hi], dtype=np.int64)),
+                       _ptr(y_cl), count)
     if rc == -2:
         return False
     _check(rc)
@@ -319,6 +319,10 @@ def conv(src: str, dst: str, kind: str, x: np.ndarray, q: QuantConv | None,
         if y_n is not y:
             y[...] = y_n
     return y
+
+
+def _ptr(a: np.ndarray | None) -> int | None:
+    return None if a is None else int(a.ctypes.data)
 
 
 def _check(rc: int) -> None:

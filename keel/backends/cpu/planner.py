@@ -309,14 +309,14 @@ INT8_LAYOUT_REASON = ("int8 channels-last chain of {nodes} nodes ({depthwise} de
                       "depthwise ones with the channels in the vector lanes, residual joins "
                       "elementwise; the layout changes only at the chain's ends "
                       "(this node: {this})")
-# A channels-last 1x1 convolution over at most this many input channels runs on
-# qlayout.c's panels (a pixel's four channels broadcast against 32 output channels, the
-# requantization vectorized in the store); deeper ones on qgemm.c's matrix product, whose
-# wider tile wins once the products outweigh the store. Measured at batch 32, one thread
-# (ms, panels / matrix product): 16->96 at 112x112 9.4 / 18; 24->144 at 56x56 4.5 / 5.6;
-# 96->24 at 56x56 2.0 / 2.5; 64->384 at 28x28 5.2 / 5.4; 160->960 at 7x7 1.5 / 0.95;
-# 384->64 at 14x14 0.8 / 0.5; 576->96 at 14x14 1.8 / 1.2.
-INT8_POINTWISE_PANEL_MAX_CHANNELS = 96
+# A channels-last 1x1 convolution whose weights (C x M bytes) are at most this size runs on
+# qlayout.c's panels (12 pixels by 32 output channels in registers, the requantization
+# vectorized in the store); larger ones on qgemm.c's matrix product, since each tile of
+# pixels streams all the panels again. Measured at batch 32, one thread (ms, panels /
+# matrix product): 16->96 at 112x112 6.6 / 17.3; 24->144 at 56x56 2.9 / 7.8; 144->24 at
+# 56x56 2.7 / 3.2; 96->576 at 14x14 1.6 / 2.4; 576->160 at 7x7 (90 KiB) 0.49 / 0.51;
+# 960->320 at 7x7 (300 KiB) 1.46 / 1.20; 320->1280 at 7x7 (400 KiB) 2.3 / 1.8.
+INT8_POINTWISE_PANEL_MAX_WEIGHT_BYTES = 192 * 1024
 _LAYOUT_ROLES = {("nchw", "nhwc"): "starts it, its result written channels-last",
                  ("nhwc", "nhwc"): "inside it",
                  ("nhwc", "nchw"): "ends it, its result written NCHW"}

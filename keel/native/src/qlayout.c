@@ -425,49 +425,55 @@ static void pw_store_portable(const pw_job *j, const int32_t *acc, int64_t col0,
 }
 
 #if LAYOUT_AVX512
-/* The products of quads [0, full) of MR pixel rows of x (row stride c) with the block's
- * panels w; flip (a constant where inlined) flips the bytes' top bits (signed x). */
-static inline __attribute__((always_inline)) void pw_quads(__m512i acc[MR][2],
-                                                           const uint8_t *x, int64_t c,
-                                                           const int8_t *w, int64_t full,
-                                                           const int flip)
+static inline uint32_t load32(const uint8_t *p)
 {
-    const __m512i flips = _mm512_set1_epi32((int32_t)0x80808080u);
-    for (int64_t q = 0; q < full; q++) {
-        __m512i w0 = _mm512_loadu_si512((const void *)(w + q * NT * 4));
-        __m512i w1 = _mm512_loadu_si512((const void *)(w + q * NT * 4 + 64));
-        for (int i = 0; i < MR; i++) {
-            int32_t v;
-            memcpy(&v, x + i * c + 4 * q, 4);
-            __m512i a = _mm512_set1_epi32(v);
-            if (flip) a = _mm512_xor_si512(a, flips);
-            acc[i][0] = _mm512_dpbusd_epi32(acc[i][0], a, w0);
-            acc[i][1] = _mm512_dpbusd_epi32(acc[i][1], a, w1);
-        }
-    }
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
 }
 
 /* Rows [r0, r0 + MR) (all within x) by the NT channels of block b. */
 static void pw_tile(const pw_job *j, int64_t r0, int64_t b)
 {
-    __m512i acc[MR][2];
-    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_si512();
+    /* named accumulators, so that they stay in registers across the depth */
+#define PW_ZERO(i) __m512i a##i##0 = _mm512_setzero_si512(), a##i##1 = a##i##0
+#define PW_ROW(i, quad) do { \
+        __m512i v = _mm512_set1_epi32(quad); \
+        a##i##0 = _mm512_dpbusd_epi32(a##i##0, v, w0); \
+        a##i##1 = _mm512_dpbusd_epi32(a##i##1, v, w1); \
+    } while (0)
+#define PW_ROWS(quad) do { \
+        PW_ROW(0, quad(0)); PW_ROW(1, quad(1)); PW_ROW(2, quad(2)); PW_ROW(3, quad(3)); \
+        PW_ROW(4, quad(4)); PW_ROW(5, quad(5)); PW_ROW(6, quad(6)); PW_ROW(7, quad(7)); \
+        PW_ROW(8, quad(8)); PW_ROW(9, quad(9)); PW_ROW(10, quad(10)); PW_ROW(11, quad(11)); \
+    } while (0)
+    PW_ZERO(0); PW_ZERO(1); PW_ZERO(2); PW_ZERO(3); PW_ZERO(4); PW_ZERO(5);
+    PW_ZERO(6); PW_ZERO(7); PW_ZERO(8); PW_ZERO(9); PW_ZERO(10); PW_ZERO(11);
     const int8_t *w = j->w + b * j->cq * NT * 4;
     const uint8_t *x = j->x + r0 * j->c;
-    int64_t full = j->c / 4;
-    if (j->flip)
-        pw_quads(acc, x, j->c, w, full, 1);
-    else
-        pw_quads(acc, x, j->c, w, full, 0);
+    int64_t c = j->c, full = c / 4;
+    uint32_t flip = j->flip ? 0x80808080u : 0u;
+    for (int64_t q = 0; q < full; q++) {
+        __m512i w0 = _mm512_loadu_si512((const void *)(w + q * NT * 4));
+        __m512i w1 = _mm512_loadu_si512((const void *)(w + q * NT * 4 + 64));
+        const uint8_t *xq = x + 4 * q;
+#define PW_LOADED(i) ((int32_t)(load32(xq + (i) * c) ^ flip))
+        PW_ROWS(PW_LOADED);
+#undef PW_LOADED
+    }
     for (int64_t q = full; q < j->cq; q++) {
         __m512i w0 = _mm512_loadu_si512((const void *)(w + q * NT * 4));
         __m512i w1 = _mm512_loadu_si512((const void *)(w + q * NT * 4 + 64));
-        for (int i = 0; i < MR; i++) {
-            __m512i a = _mm512_set1_epi32(pw_quad(j, x + i * j->c, q));
-            acc[i][0] = _mm512_dpbusd_epi32(acc[i][0], a, w0);
-            acc[i][1] = _mm512_dpbusd_epi32(acc[i][1], a, w1);
-        }
+#define PW_TAIL(i) pw_quad(j, x + (i) * c, q)
+        PW_ROWS(PW_TAIL);
+#undef PW_TAIL
     }
+    __m512i acc[MR][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}, {a40, a41},
+                          {a50, a51}, {a60, a61}, {a70, a71}, {a80, a81}, {a90, a91},
+                          {a100, a101}, {a110, a111}};
+#undef PW_ROWS
+#undef PW_ROW
+#undef PW_ZERO
     int64_t col0 = b * NT, ncols = j->m - col0 < NT ? j->m - col0 : NT;
     int k1 = ncols > 16;
     __m512i b0 = _mm512_loadu_si512((const void *)(j->bias + col0));

@@ -61,6 +61,11 @@ def test_channels_last_plan_gives_the_nchw_plans_bits(int8_model: tuple[Path, An
     got, want = chains.predict(feeds), nchw.predict(feeds)
     for name, value in want.items():
         np.testing.assert_array_equal(got[name], value)
+    # every value, the channels-last ones given back in the graph's order
+    got, want = chains.intermediates(feeds), nchw.intermediates(feeds)
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
 
 
 def test_channels_last_plan_agrees_with_the_reference_and_onnxruntime(

@@ -25,7 +25,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,8 +40,8 @@ from keel.native.pool import parts
 from keel.ops.schemas.quantization import QUANT_RANGES, ConvGeometry
 
 __all__ = ["NCHW", "NHWC", "ChannelsLastPack", "QuantConv", "available", "channels_last", "conv",
-           "conv_kind", "layouts", "pack", "scratch", "to_nchw", "to_nhwc", "weight_kind",
-           "without_layout"]
+           "conv_kind", "in_graph_layout", "layouts", "pack", "scratch", "to_nchw", "to_nhwc",
+           "weight_kind", "without_layout"]
 
 LIBRARY = "qlayout"
 NCHW, NHWC = "nchw", "nhwc"
@@ -112,6 +112,21 @@ def conv_kind(geo: ConvGeometry, weight_shape: tuple[int, ...]) -> str:
 def without_layout(plan: NodePlan | None) -> NodePlan | None:
     """``plan`` with no layout: the node's NCHW kernel, as a layout path's fallback runs it."""
     return None if plan is None else dataclasses.replace(plan, layout="")
+
+
+def in_graph_layout(values: dict[str, Any], nodes: Sequence[Any],
+                    placements: Sequence[Any]) -> dict[str, Any]:
+    """``values`` (a run's values by name) with every channels-last one (the output of a
+    node whose plan's layout ends in ``nhwc``) put back in its graph's NCHW order;
+    ``placements`` are the plan's, node for node."""
+    out = dict(values)
+    for node, placed in zip(nodes, placements, strict=True):
+        name = node.outputs[0] if node.outputs else ""
+        if placed.layout.endswith("->" + NHWC) and name in out:
+            v = np.asarray(out[name])
+            n, c, h, w = v.shape
+            out[name] = np.ascontiguousarray(v.reshape(n, h, w, c).transpose(0, 3, 1, 2))
+    return out
 
 
 # ---- layout changes ------------------------------------------------------------------------

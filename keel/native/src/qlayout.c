@@ -452,14 +452,25 @@ static void pw_tile(const pw_job *j, int64_t r0, int64_t b)
     const int8_t *w = j->w + b * j->cq * NT * 4;
     const uint8_t *x = j->x + r0 * j->c;
     int64_t c = j->c, full = c / 4;
-    uint32_t flip = j->flip ? 0x80808080u : 0u;
-    for (int64_t q = 0; q < full; q++) {
-        __m512i w0 = _mm512_loadu_si512((const void *)(w + q * NT * 4));
-        __m512i w1 = _mm512_loadu_si512((const void *)(w + q * NT * 4 + 64));
-        const uint8_t *xq = x + 4 * q;
-#define PW_LOADED(i) ((int32_t)(load32(xq + (i) * c) ^ flip))
-        PW_ROWS(PW_LOADED);
+    if (j->flip) {
+        for (int64_t q = 0; q < full; q++) {
+            __m512i w0 = _mm512_loadu_si512((const void *)(w + q * NT * 4));
+            __m512i w1 = _mm512_loadu_si512((const void *)(w + q * NT * 4 + 64));
+            const uint8_t *xq = x + 4 * q;
+#define PW_FLIPPED(i) ((int32_t)(load32(xq + (i) * c) ^ 0x80808080u))
+            PW_ROWS(PW_FLIPPED);
+#undef PW_FLIPPED
+        }
+    } else {
+        /* unsigned x: each broadcast a load the product can take as its operand */
+        for (int64_t q = 0; q < full; q++) {
+            __m512i w0 = _mm512_loadu_si512((const void *)(w + q * NT * 4));
+            __m512i w1 = _mm512_loadu_si512((const void *)(w + q * NT * 4 + 64));
+            const uint8_t *xq = x + 4 * q;
+#define PW_LOADED(i) ((int32_t)load32(xq + (i) * c))
+            PW_ROWS(PW_LOADED);
 #undef PW_LOADED
+        }
     }
     for (int64_t q = full; q < j->cq; q++) {
         __m512i w0 = _mm512_loadu_si512((const void *)(w + q * NT * 4));

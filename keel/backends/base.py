@@ -502,6 +502,13 @@ class Backend(ABC):
                               precision, measured, low_memory)
         return self._plan_node(request)
 
+    def plan_layouts(self, graph: Any, types: Mapping[str, TensorType | None],
+                     variants: Sequence[str | None]) -> dict[int, tuple[str, str]]:
+        """Layouts decided over the whole graph (values kept in another layout between
+        this backend's nodes): {node index: (layout, reason)}; ``variants[i]`` is node
+        i's variant here, None where it runs elsewhere. None by default."""
+        return {}
+
     # ---- availability and capabilities ---------------------------------
     @final
     def availability(self) -> Availability:

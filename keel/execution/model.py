@@ -805,6 +805,9 @@ class Model:
         with self._lock:
             planned = self._planned(shapes)
             values = self._program(planned).run(arrays, keep_all=True)
+        from keel.backends.cpu.qlayout import in_graph_layout
+
+        values = in_graph_layout(values, self._graph.nodes, planned.plan.nodes)
         return {k: np.asarray(v) for k, v in values.items()}
 
     # ---- planning --------------------------------------------------------

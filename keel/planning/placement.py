@@ -289,6 +289,7 @@ def place(
         reasons.append(f"backend {backend} pinned by the caller: every node runs there")
         placements = [_place_pinned(ctx, pinned, n) for n in graph.nodes]
     placements = _with_blas_threads(graph, types, registry, placements)
+    placements = _with_layouts(graph, types, registry, placements)
     copies = _plan_copies(graph, types, placements)
     regions = _regions(graph, types, registry, placements, copies)
     steps = lower_steps(graph, placements, copies)
@@ -685,6 +686,22 @@ def _with_blas_threads(graph: Graph, types: Mapping[str, TensorType | None],
                              p.device, p.writes_out, plan)
 
     return [with_threads(p) for p in placements]
+
+
+def _with_layouts(graph: Graph, types: Mapping[str, TensorType | None],
+                  registry: BackendRegistry, placements: list[NodePlacement],
+                  ) -> list[NodePlacement]:
+    """Every node plan with its backend's whole-graph layout decision, where it made one
+    (the cpu planner's int8 channels-last chains)."""
+    placed = list(placements)
+    for name in dict.fromkeys(p.backend for p in placements):
+        variants = [p.variant if p.backend == name else None for p in placements]
+        for i, (layout, why) in registry.get(name).plan_layouts(graph, types,
+                                                                variants).items():
+            p = placed[i]
+            if p.plan is not None:
+                placed[i] = dataclasses.replace(p, plan=p.plan.with_field("layout", layout, why))
+    return placed
 
 
 def _first_dtype(types: Mapping[str, TensorType | None], node: Node) -> DType | None:

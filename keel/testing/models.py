@@ -176,8 +176,9 @@ def resnet_block(channels: int = 16, size: int = 16, classes: int = 10, seed: in
 
 # ---- MobileNet-style block ---------------------------------------------------
 def mobilenet_block(channels: int = 16, expansion: int = 4, size: int = 16, classes: int = 10,
-                    activation: str = "relu6", seed: int = 0) -> Any:
-    """Inverted residual: 1x1 expand, 3x3 depthwise, 1x1 project, residual Add; pool, Gemm."""
+                    activation: str = "relu6", seed: int = 0, blocks: int = 1) -> Any:
+    """Inverted residual: 1x1 expand, 3x3 depthwise, 1x1 project, residual Add (``blocks``
+    of them in a row); pool, Gemm."""
     if activation not in ("relu6", "hardswish"):
         raise ValueError(f"activation must be relu6 or hardswish, got {activation!r}")
     b = _Builder(seed)
@@ -189,11 +190,13 @@ def mobilenet_block(channels: int = 16, expansion: int = 4, size: int = 16, clas
                                  b.const("hi", np.array(6, np.float32))]))
 
     wide = channels * expansion
-    stem = act(_batch_norm(b, _conv(b, "x", 3, channels, 3), channels))
-    y = act(_batch_norm(b, _conv(b, stem, channels, wide, 1), wide))
-    y = act(_batch_norm(b, _conv(b, y, wide, wide, 3, group=wide), wide))
-    y = _batch_norm(b, _conv(b, y, wide, channels, 1), channels)
-    y = b.op("Add", [y, stem])
+    y = act(_batch_norm(b, _conv(b, "x", 3, channels, 3), channels))
+    for _ in range(blocks):
+        stem = y
+        y = act(_batch_norm(b, _conv(b, stem, channels, wide, 1), wide))
+        y = act(_batch_norm(b, _conv(b, y, wide, wide, 3, group=wide), wide))
+        y = _batch_norm(b, _conv(b, y, wide, channels, 1), channels)
+        y = b.op("Add", [y, stem])
     pooled = b.op("Flatten", [b.op("GlobalAveragePool", [y])], axis=1)
     b.nodes.append(_node("Gemm", [pooled, b.weight("w", (classes, channels), channels),
                                   b.bias("b", classes)], ["logits"], transB=1))

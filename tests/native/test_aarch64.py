@@ -8,7 +8,8 @@ family runs: the GEMM (raw and packed operands, the epilogue, batches on the wor
 pool), a convolution through the GEMM's gathered tables, the Winograd transforms
 around batched products, the window kernels (pooling, depthwise conv) and the
 elementwise math (activations, softmax, layer norm), and the int8 kernels (the
-convolutions, the matmul and the residual join, bit for bit). Skips, saying what is missing,
+convolutions, the matmul and the residual join, and the channels-last depthwise and 1x1
+convolutions and layout changes of qlayout.c, bit for bit). Skips, saying what is missing,
 where the cross tools are absent (CI installs them: ``.ci/run``).
 """
 
@@ -321,6 +322,8 @@ class _Int8Calls:
     and each C call it makes becomes a call of the aarch64 build in the session's script.
     Arrays reach it as themselves (``_ptr`` patched) and become script buffers."""
 
+    library = "qgemm"
+
     def __init__(self, session: Session, panel: int) -> None:
         self.session, self.panel, self.isa = session, panel, 0
         self.buffers: dict[int, tuple[np.ndarray, Buffer]] = {}
@@ -343,7 +346,7 @@ class _Int8Calls:
 
     def _caller(self, symbol: str, returns: int = 0) -> Any:
         def call(*args: Any) -> int:
-            index = self.session.call("qgemm", symbol, *(self._buffer(a) for a in args))
+            index = self.session.call(self.library, symbol, *(self._buffer(a) for a in args))
             self.calls.append((symbol, index))
             return returns
         return call
@@ -434,3 +437,69 @@ def test_int8_residual_join_matches_the_reference(int8_on_arm: _Int8Calls) -> No
     attrs = {"activation": "relu"}
     got = int8_on_arm.run(_int8(Op.QLINEAR_ADD, inputs, attrs))
     np.testing.assert_array_equal(got, REF.run(Op.QLINEAR_ADD, inputs, attrs=attrs)[0])
+
+
+# ---- the channels-last int8 kernels (qlayout.c) ---------------------------------------------
+class _LayoutCalls(_Int8Calls):
+    """``keel.backends.cpu.qlayout``'s library on aarch64, as _Int8Calls is qgemm's."""
+
+    library = "qlayout"
+
+    def __init__(self, session: Session) -> None:
+        super().__init__(session, 0)
+        for name, symbol in (("transpose", "keel_qtranspose_u8"),
+                             ("depthwise", "keel_qdepthwise_nhwc_u8s8"),
+                             ("pointwise", "keel_qpointwise_nhwc_u8s8")):
+            setattr(self, name, self._caller(symbol))
+
+
+@pytest.fixture
+def layout_on_arm(arm: Arm, int8_on_arm: _Int8Calls,
+                  monkeypatch: pytest.MonkeyPatch) -> Iterator[_LayoutCalls]:
+    from keel.backends.cpu import qlayout
+
+    calls = _LayoutCalls(Session(arm))
+    monkeypatch.setattr(qlayout, "_load", lambda: calls)
+    monkeypatch.setattr(qlayout, "_ptr", lambda a: a)
+    yield calls
+
+
+# (N, C, H, W, M, k, stride, pad, group): a depthwise layer and a 1x1 convolution on
+# the channels-last panels, with partial channel blocks and pixels past whole tiles
+LAYOUT_CONVS = [(2, 40, 7, 9, 40, 3, 2, 1, 40), (1, 36, 5, 5, 70, 1, 1, 0, 1)]
+
+
+@pytest.mark.parametrize("case", LAYOUT_CONVS, ids=["depthwise", "pointwise"])
+def test_channels_last_int8_convolutions_match_the_reference(
+        layout_on_arm: _LayoutCalls, case: tuple[int, ...]) -> None:
+    from keel.backends.base import DeviceKind, KernelContext
+    from keel.backends.cpu.kernels import load as load_cpu
+    from keel.backends.plan import NodePlan
+    from keel.ops.schema import get_schema
+
+    n, c, h, w, m, k, s, p, g = case
+    rng = np.random.default_rng(14)
+    x = _q8(rng, np.uint8, n, c, h, w)
+    inputs = [np.ascontiguousarray(x.transpose(0, 2, 3, 1)).reshape(x.shape),
+              np.array(0.05, np.float32), np.array(7, np.uint8),
+              _q8(rng, np.int8, m, c // g, k, k), rng.uniform(0.002, 0.02, m).astype(np.float32),
+              np.zeros(m, np.int8), np.array(0.4, np.float32), np.array(100, np.uint8),
+              rng.integers(-5000, 5000, m).astype(np.int32)]
+    attrs = get_schema(Op.QLINEAR_CONV).normalize_attrs(
+        {"strides": [s, s], "pads": [p] * 4, "group": g})
+    ctx = KernelContext(np, "cpu", DeviceKind.CPU, 2,
+                        plan=NodePlan(variant="int8", layout="nhwc->nhwc", threads=2))
+    y = np.asarray(load_cpu().get(Op.QLINEAR_CONV, "int8").fn(ctx, inputs, attrs, None)[0])
+    assert {symbol for symbol, _ in layout_on_arm.calls} == {
+        "keel_qdepthwise_nhwc_u8s8" if g > 1 else "keel_qpointwise_nhwc_u8s8"}
+    got = layout_on_arm.run(y)
+    want = REF.run(Op.QLINEAR_CONV, [x, *inputs[1:]], attrs=attrs)[0]
+    np.testing.assert_array_equal(got.reshape(n, *want.shape[2:], m).transpose(0, 3, 1, 2), want)
+
+
+def test_layout_change_matches_numpy(layout_on_arm: _LayoutCalls) -> None:
+    from keel.backends.cpu import qlayout
+
+    x = _q8(np.random.default_rng(15), np.uint8, 2, 35, 6, 7)     # partial 32-row strips
+    got = layout_on_arm.run(qlayout.to_nhwc(x, threads=2))
+    np.testing.assert_array_equal(got, x.transpose(0, 2, 3, 1))

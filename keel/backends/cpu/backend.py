@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -30,6 +30,7 @@ from keel.ops.registry import Op, OpGroup
 
 if TYPE_CHECKING:
     from keel.hardware.profile import HardwareProfile
+    from keel.ops.types import TensorType
 
 __all__ = ["CpuBackend", "ThreadCap", "blas_threads", "default_threads",
            "resolve_threads"]
@@ -161,6 +162,12 @@ class CpuBackend(Backend):
         from keel.backends.cpu import planner
 
         return planner.plan(request, self.kernels)
+
+    def plan_layouts(self, graph: Any, types: Mapping[str, TensorType | None],
+                     variants: Sequence[str | None]) -> dict[int, tuple[str, str]]:
+        from keel.backends.cpu import planner
+
+        return planner.int8_layouts(graph, types, variants)
 
     def _planner_state(self) -> Any:
         from keel.backends.cpu import planner

@@ -263,11 +263,11 @@ def matmul(a: np.ndarray, a_zero_point: int, packed: PackedMatmul, bias: np.ndar
     rows = int(a.shape[0])
     shift = _unsigned_shift(a.dtype)
     az = int(a_zero_point) + shift
-    au = np.zeros((rows, packed.kp), dtype=np.uint8)
-    if shift:
-        au[:, :packed.k] = a.view(np.uint8) ^ np.uint8(0x80)
+    if not shift and packed.kp == packed.k and a.flags.c_contiguous:
+        au = a                      # already the kernel's operand: no copy
     else:
-        au[:, :packed.k] = a
+        au = np.zeros((rows, packed.kp), dtype=np.uint8)
+        au[:, :packed.k] = a.view(np.uint8) ^ np.uint8(0x80) if shift else a
     col = -az * packed.col_sums + packed.k * az * packed.zero_points.astype(np.int64)
     if bias is not None:
         col = col + bias.astype(np.int64)

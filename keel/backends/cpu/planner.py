@@ -296,6 +296,133 @@ QADD_MIN_ELEMENTS_PER_THREAD = 32_768
 INT8_DEPTHWISE_LANES_MAX_PIXELS = 1024
 
 
+# ---- int8 layouts over the whole graph -----------------------------------------------------
+# MobileNetV2's int8 depthwise layers and 1x1 convolutions ran 2-4x onnxruntime's time in
+# NCHW (per-node profiles at batch 32, one thread: a 56x56 stride-2 depthwise layer 26 ms
+# against 13, the 14x14 ones 4.7 ms against 1.1, the 1x1 expansions ~2x), which runs the
+# whole network channels-last. Channels-last, a 1x1 convolution is one product over every
+# pixel and a depthwise one vectorizes over channels with no per-plane setup; the layout
+# changes once at a chain's ends. A chain is only worth its layout changes where it holds
+# a depthwise convolution: 1x1 convolutions alone run as well in NCHW.
+INT8_LAYOUT_REASON = ("int8 channels-last chain of {nodes} nodes ({depthwise} depthwise "
+                      "convolutions): 1x1 convolutions run as one product over all pixels, "
+                      "depthwise ones with the channels in the vector lanes, residual joins "
+                      "elementwise; the layout changes only at the chain's ends "
+                      "(this node: {this})")
+# A channels-last 1x1 convolution whose weights (C x M bytes) are at most this size runs on
+# qlayout.c's panels (12 pixels by 32 output channels in registers, the requantization
+# vectorized in the store); larger ones on qgemm.c's matrix product, since each tile of
+# pixels streams all the panels again. Measured at batch 32, one thread (ms, panels /
+# matrix product): 16->96 at 112x112 6.6 / 17.3; 24->144 at 56x56 2.9 / 7.8; 144->24 at
+# 56x56 2.7 / 3.2; 96->576 at 14x14 1.6 / 2.4; 576->160 at 7x7 (90 KiB) 0.49 / 0.51;
+# 960->320 at 7x7 (300 KiB) 1.46 / 1.20; 320->1280 at 7x7 (400 KiB) 2.3 / 1.8.
+INT8_POINTWISE_PANEL_MAX_WEIGHT_BYTES = 192 * 1024
+_LAYOUT_ROLES = {("nchw", "nhwc"): "starts it, its result written channels-last",
+                 ("nhwc", "nhwc"): "inside it",
+                 ("nhwc", "nchw"): "ends it, its result written NCHW"}
+
+
+def _layout_kind(node: Any, types: Mapping[str, TensorType | None]) -> str | None:
+    """What a node placed on the int8 kernels can be in a channels-last chain:
+    ``pointwise``/``depthwise`` (reads and writes it), ``other`` (a convolution that
+    can only start one), ``add`` (elementwise, both operands in its layout), or None."""
+    shapes = [_static(types.get(i)) if i else None for i in node.inputs]
+    if node.op is Op.QLINEAR_ADD:
+        a, b = shapes[0], shapes[3] if len(shapes) > 3 else None
+        return "add" if a is not None and len(a) == 4 and a == b else None
+    if node.op is not Op.QLINEAR_CONV or len(shapes) < 4:
+        return None
+    x, w = shapes[0], shapes[3]
+    out = _static(types.get(node.outputs[0]))
+    if x is None or w is None or out is None or len(x) != 4 or len(w) != 4:
+        return None
+    from keel.backends.cpu import qlayout
+    from keel.ops.schemas.quantization import conv_geometry as qlinear_geometry
+
+    return qlayout.conv_kind(qlinear_geometry(x, w, node.attrs), w)
+
+
+def _static(t: TensorType | None) -> tuple[int, ...] | None:
+    if t is None or not t.is_static or t.shape is None:
+        return None
+    return tuple(int(d) for d in t.shape)  # type: ignore[arg-type]
+
+
+def int8_layouts(graph: Any, types: Mapping[str, TensorType | None],
+                 variants: Sequence[str | None]) -> dict[int, tuple[str, str]]:
+    """The channels-last chains of int8 nodes: {node index: (layout, reason)} with layout
+    ``"nchw->nhwc"``, ``"nhwc->nhwc"`` or ``"nhwc->nchw"`` (what the node reads and
+    writes). ``variants[i]`` is node i's variant on this backend (None: elsewhere).
+
+    A value is kept channels-last when an int8 convolution or join writes it, every
+    reader is a 1x1 or depthwise convolution or a join, it is no graph output, a join's
+    operands share a layout (its result channels-last only where they are), and its
+    chain holds a depthwise convolution."""
+    nodes = graph.nodes
+    kinds = [(_layout_kind(n, types) if variants[i] == "int8" else None)
+             for i, n in enumerate(nodes)]
+    producer = {o: i for i, n in enumerate(nodes) for o in n.outputs if o}
+    readers: dict[str, list[int]] = {}
+    for i, n in enumerate(nodes):
+        for name in n.present_inputs():
+            readers.setdefault(name, []).append(i)
+    outputs = set(graph.output_names)
+
+    def reads_nhwc(i: int, name: str) -> bool:
+        n = nodes[i]
+        if kinds[i] in ("pointwise", "depthwise"):
+            return n.inputs[0] == name and name not in n.inputs[1:]
+        return kinds[i] == "add" and name in (n.inputs[0], n.inputs[3])
+
+    nhwc = {name for name, i in producer.items()
+            if kinds[i] is not None and name == nodes[i].outputs[0] and name not in outputs
+            and readers.get(name) and all(reads_nhwc(r, name) for r in readers[name])}
+    changed = True
+    while changed:   # a join reads one layout; it writes NCHW unless it reads channels-last
+        changed = False
+        for i, n in enumerate(nodes):
+            if kinds[i] != "add":
+                continue
+            operands = {n.inputs[0], n.inputs[3]}
+            if not operands <= nhwc and (operands & nhwc or n.outputs[0] in nhwc):
+                nhwc -= {*operands, n.outputs[0]}
+                changed = True
+    return _chains(nodes, kinds, nhwc, producer, readers)
+
+
+def _chains(nodes: Sequence[Any], kinds: Sequence[str | None], nhwc: set[str],
+            producer: Mapping[str, int], readers: Mapping[str, list[int]]
+            ) -> dict[int, tuple[str, str]]:
+    """The layouts of the chains (nodes joined by channels-last values) that hold a
+    depthwise convolution."""
+    parent = list(range(len(nodes)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for name in nhwc:
+        for r in readers[name]:
+            parent[root(r)] = root(producer[name])
+    members: dict[int, list[int]] = {}
+    for i, n in enumerate(nodes):
+        if kinds[i] is not None and (n.outputs[0] in nhwc or n.inputs[0] in nhwc):
+            members.setdefault(root(i), []).append(i)
+    decided: dict[int, tuple[str, str]] = {}
+    for chain in members.values():
+        depthwise = sum(kinds[i] == "depthwise" for i in chain)
+        if not depthwise:
+            continue
+        for i in chain:
+            src = "nhwc" if nodes[i].inputs[0] in nhwc else "nchw"
+            dst = "nhwc" if nodes[i].outputs[0] in nhwc else "nchw"
+            decided[i] = (f"{src}->{dst}", INT8_LAYOUT_REASON.format(
+                nodes=len(chain), depthwise=depthwise, this=_LAYOUT_ROLES[(src, dst)]))
+    return decided
+
+
 def int8_reason(op: Op) -> str:
     """Why ``op`` runs on the native int8 kernel, naming the instructions it uses."""
     isa = native_qgemm.isa() or "portable"

@@ -13,13 +13,14 @@ the NumPy form of the same arithmetic (and what runs with ``KEEL_NATIVE=off``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from keel.backends.base import Attrs, Inputs, KernelContext, Out, optional_input
-from keel.backends.cpu import native_qgemm, quantization
+from keel.backends.cpu import native_qgemm, qlayout, quantization
 from keel.backends.cpu.kernels import TABLE
 from keel.dtypes import DType
 from keel.ops.registry import Op
@@ -75,7 +76,13 @@ def _pack_conv(ctx: KernelContext, const: Sequence[Any], attrs: Attrs) -> Any:
     w, w_zp = const[3], const[5]
     if not native_qgemm.available() or not _eight_bit(w, w_zp) or w.ndim != 4:
         return None
+    if qlayout.layouts(ctx) != (qlayout.NCHW, qlayout.NCHW):
+        return qlayout.pack(w, w_zp, _conv_kind(w.shape, attrs))
     return native_qgemm.pack_conv(w, w_zp)
+
+
+def _conv_kind(w_shape: tuple[int, ...], attrs: Attrs) -> str:
+    return qlayout.weight_kind(w_shape, int(attrs["group"]))
 
 
 def _conv_served(x: Any, x_zp: Any, x_s: Any, y_s: Any, y_zp: Any, w: Any, w_zp: Any) -> bool:
@@ -88,19 +95,49 @@ def _conv_served(x: Any, x_zp: Any, x_s: Any, y_s: Any, y_zp: Any, w: Any, w_zp:
 @TABLE.kernel(Op.QLINEAR_CONV, variant="int8", dtypes=("uint8", "int8"), supports_out=True,
               prepack=_pack_conv, shapes="2-D convolutions of 8-bit data", **_META)
 def qlinear_conv(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
-    """The int32-accumulating native convolution, requantized in its store."""
+    """The int32-accumulating native convolution, requantized in its store; between
+    the layouts the node's plan names (:mod:`keel.backends.cpu.qlayout`)."""
+    src, dst = qlayout.layouts(ctx)
+    if (src, dst) == (qlayout.NCHW, qlayout.NCHW):
+        return _conv_nchw(ctx, inputs, attrs, out)
     x, x_s, x_zp, w, w_s, w_zp, y_s, y_zp = inputs[:8]
     bias = optional_input(inputs, 8)
-    if not _conv_served(x, x_zp, x_s, y_s, y_zp, w, w_zp) or (
-            bias is not None and (bias.dtype != np.int32 or bias.shape != (w.shape[0],))):
+    geo = conv_geometry(x.shape, w.shape, attrs)
+    m = int(w.shape[0])
+    y = _out(out, (x.shape[0], m, *geo.out_spatial), y_zp.dtype)
+    q = None
+    if _served(x, x_s, x_zp, w, w_s, w_zp, y_s, y_zp, bias):
+        packed = ctx.prepacked
+        if not isinstance(packed, qlayout.ChannelsLastPack):
+            packed = qlayout.pack(w, w_zp, _conv_kind(w.shape, attrs))
+        q = qlayout.QuantConv(int(x_zp.reshape(())), packed, geo, bias, np.ascontiguousarray(
+            np.broadcast_to(_multiplier(x_s.reshape(()), w_s.reshape(-1), y_s.reshape(())),
+                            (m,)), dtype=np.float64), int(y_zp.reshape(())), _threads(ctx))
+    plain = dataclasses.replace(ctx, plan=qlayout.without_layout(ctx.plan))
+    qlayout.conv(src, dst, qlayout.conv_kind(geo, w.shape), x, q, y,
+                 lambda xn, yn: _conv_nchw(plain, [xn, *inputs[1:]], attrs, [yn])[0])
+    return _deliver(y, out)
+
+
+def _served(x: Any, x_s: Any, x_zp: Any, w: Any, w_s: Any, w_zp: Any, y_s: Any, y_zp: Any,
+            bias: Any) -> bool:
+    """Whether the native kernels take these operands (else the NumPy kernel runs)."""
+    return (_conv_served(x, x_zp, x_s, y_s, y_zp, w, w_zp) and w_s.size in (1, w.shape[0])
+            and (bias is None or (bias.dtype == np.int32 and bias.shape == (w.shape[0],))))
+
+
+def _conv_nchw(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    x, x_s, x_zp, w, w_s, w_zp, y_s, y_zp = inputs[:8]
+    bias = optional_input(inputs, 8)
+    if not _served(x, x_s, x_zp, w, w_s, w_zp, y_s, y_zp, bias):
         return list(quantization.qlinear_conv(ctx, inputs, attrs, out))
     geo = conv_geometry(x.shape, w.shape, attrs)
     packed = ctx.prepacked
+    if isinstance(packed, qlayout.ChannelsLastPack):
+        packed = packed.conv
     if not isinstance(packed, native_qgemm.PackedConv):
         packed = native_qgemm.pack_conv(w, w_zp)
     m = int(w.shape[0])
-    if w_s.size not in (1, m):
-        return list(quantization.qlinear_conv(ctx, inputs, attrs, out))
     y = _out(out, (x.shape[0], m, *geo.out_spatial), y_zp.dtype)
     native_qgemm.conv2d(x, int(x_zp.reshape(())), packed, geo, bias,
                         _multiplier(x_s.reshape(()), w_s.reshape(-1), y_s.reshape(())),
@@ -230,7 +267,15 @@ def _add_served(a: Any, a_s: Any, a_zp: Any, b: Any, b_s: Any, b_zp: Any, y_s: A
 @TABLE.kernel(Op.QLINEAR_ADD, variant="int8", dtypes=("uint8", "int8"), supports_out=True,
               shapes="same-shaped 8-bit operands, float32 scales per tensor", **_META)
 def qlinear_add(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
-    """One native pass over the bytes; broadcasting or other scales run the NumPy kernel."""
+    """One native pass over the bytes; broadcasting or other scales run the NumPy kernel.
+    Elementwise, so any layout; a join that ends a channels-last chain writes NCHW."""
+    src, dst = qlayout.layouts(ctx)
+    if src != dst:
+        y = _out(out, inputs[0].shape, inputs[7].dtype)
+        plain = dataclasses.replace(ctx, plan=qlayout.without_layout(ctx.plan))
+        cl = qlinear_add(plain, inputs, attrs, [qlayout.scratch("y", y.shape, y.dtype)])[0]
+        qlayout.to_nchw(qlayout.channels_last(cl), _threads(ctx), y)
+        return _deliver(y, out)
     a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp = inputs
     if not _add_served(a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp):
         return list(quantization.qlinear_add(ctx, inputs, attrs, out))

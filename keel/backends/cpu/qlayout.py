@@ -1,0 +1,345 @@
+"""Channels-last (NHWC) 8-bit activations between int8 convolutions (``qlayout.c``).
+
+The cpu planner (:func:`keel.backends.cpu.planner.int8_layouts`) may keep the 8-bit
+values between pointwise and depthwise QLinearConv nodes (and the residual
+QLinearAdd joins between them) channels-last; each such node's plan names its layout,
+``"<input>-><output>"`` with ``nchw`` or ``nhwc`` on each side. A channels-last value
+keeps its graph shape (N, C, H, W): only its bytes are ordered N, H, W, C, and only the
+nodes of its chain read it. Inside the chain
+
+- a pointwise convolution (1x1, stride 1, no padding, one group) is one matrix product
+  over every pixel: (N*H*W, C) @ (C, M) on :func:`keel.backends.cpu.native_qgemm.matmul`,
+  whose (N*H*W, M) result is channels-last already;
+- a depthwise convolution runs on ``keel_qdepthwise_nhwc_u8s8``, the channels in the
+  vector lanes;
+- a QLinearAdd is elementwise: the same bytes in any layout.
+
+Any other convolution may start a chain (its NCHW result transposed once), and a node
+whose output leaves the chain writes NCHW. What the channels-last kernels do not take
+runs the node's NCHW kernel between two layout changes, so every result equals the
+reference kernels' bit for bit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from keel import native
+from keel.backends.base import KernelContext
+from keel.backends.cpu import native_qgemm, workspace
+from keel.backends.cpu.native_gemm import planner_rules
+from keel.backends.plan import NodePlan
+from keel.native.pool import parts
+from keel.ops.schemas.quantization import QUANT_RANGES, ConvGeometry
+
+__all__ = ["NCHW", "NHWC", "ChannelsLastPack", "QuantConv", "available", "channels_last", "conv",
+           "conv_kind", "in_graph_layout", "layouts", "pack", "scratch", "to_nchw", "to_nhwc",
+           "weight_kind", "without_layout"]
+
+LIBRARY = "qlayout"
+NCHW, NHWC = "nchw", "nhwc"
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+@dataclass(frozen=True)
+class _Functions:
+    """qlayout.c's functions, declared once per loaded library."""
+
+    isa: int
+    transpose: Any
+    depthwise: Any
+    pointwise: Any
+
+    @classmethod
+    @functools.lru_cache(maxsize=4)
+    def of(cls, lib: native.NativeLibrary) -> _Functions:
+        f = lib.function
+        return cls(int(f("keel_qlayout_isa", [], _I)()),
+                   f("keel_qtranspose_u8", [_P, _I, _I, _I, _P, _I], _I),
+                   f("keel_qdepthwise_nhwc_u8s8", [_P, _I, _I, _P, _P, _P, _P, _P, _P, _I], _I),
+                   f("keel_qpointwise_nhwc_u8s8",
+                     [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I], _I))
+
+
+def _load() -> _Functions | None:
+    """The loaded library's functions; None when the native tier is unavailable."""
+    lib = native.library(LIBRARY)
+    return _Functions.of(lib) if lib is not None else None
+
+
+def available() -> bool:
+    """Whether ``qlayout.c`` is built and loaded."""
+    return _load() is not None
+
+
+def layouts(ctx: KernelContext) -> tuple[str, str]:
+    """(input layout, output layout) the node's plan gives; NCHW for both by default."""
+    layout = ctx.plan.layout if ctx.plan is not None else ""
+    if "->" not in layout:
+        return NCHW, NCHW
+    src, dst = layout.split("->", 1)
+    return src, dst
+
+
+def weight_kind(weight_shape: tuple[int, ...], group: int) -> str:
+    """``pointwise``, ``depthwise`` or ``other``: the channels-last form a QLinearConv's
+    weights (M, C/group, kh, kw) are packed for."""
+    m = int(weight_shape[0])
+    if group == 1 and all(int(k) == 1 for k in weight_shape[2:]):
+        return "pointwise"
+    if group == m and len(weight_shape) == 4 and int(weight_shape[1]) == 1:
+        return "depthwise"
+    return "other"
+
+
+def conv_kind(geo: ConvGeometry, weight_shape: tuple[int, ...]) -> str:
+    """``pointwise`` (1x1, stride 1, no padding, one group), ``depthwise`` or ``other``:
+    which channels-last kernel takes a 2-D QLinearConv of geometry ``geo``."""
+    kind = weight_kind(weight_shape, geo.group)
+    if kind == "pointwise" and (any(s != 1 for s in geo.strides) or any(geo.pads_begin)
+                                or any(geo.pads_end)):
+        return "other"
+    return kind
+
+
+def without_layout(plan: NodePlan | None) -> NodePlan | None:
+    """``plan`` with no layout: the node's NCHW kernel, as a layout path's fallback runs it."""
+    return None if plan is None else dataclasses.replace(plan, layout="")
+
+
+def in_graph_layout(values: dict[str, Any], nodes: Sequence[Any],
+                    placements: Sequence[Any]) -> dict[str, Any]:
+    """``values`` (a run's values by name) with every channels-last one (the output of a
+    node whose plan's layout ends in ``nhwc``) put back in its graph's NCHW order;
+    ``placements`` are the plan's, node for node."""
+    out = dict(values)
+    for node, placed in zip(nodes, placements, strict=True):
+        name = node.outputs[0] if node.outputs else ""
+        if placed.layout.endswith("->" + NHWC) and name in out:
+            v = np.asarray(out[name])
+            n, c, h, w = v.shape
+            out[name] = np.ascontiguousarray(v.reshape(n, h, w, c).transpose(0, 3, 1, 2))
+    return out
+
+
+# ---- layout changes ------------------------------------------------------------------------
+def _transpose(x: np.ndarray, n: int, rows: int, cols: int, y: np.ndarray, threads: int) -> None:
+    """y[n][cols][rows] = x[n][rows][cols] for contiguous 8-bit x and y."""
+    fns = _load()
+    if fns is None:
+        y.reshape(n, cols, rows)[...] = x.reshape(n, rows, cols).transpose(0, 2, 1)
+        return
+    count = parts(n * -(-rows // 32), max(1, threads),
+                  max(1, planner_rules().QADD_MIN_ELEMENTS_PER_THREAD // max(1, 32 * cols)))
+    _check(fns.transpose(_ptr(x), n, rows, cols, _ptr(y), count))
+
+
+def to_nhwc(x: np.ndarray, threads: int = 1, y: np.ndarray | None = None) -> np.ndarray:
+    """The NCHW ``x`` (N, C, H, W) as channels-last bytes, shaped (N, H, W, C)."""
+    n, c, h, w = (int(d) for d in x.shape)
+    y = np.empty((n, h, w, c), x.dtype) if y is None else y
+    _transpose(np.ascontiguousarray(x), n, c, h * w, y, threads)
+    return y
+
+
+def to_nchw(x_cl: np.ndarray, threads: int = 1, y: np.ndarray | None = None) -> np.ndarray:
+    """The channels-last ``x_cl`` (N, H, W, C) as NCHW (N, C, H, W)."""
+    n, h, w, c = (int(d) for d in x_cl.shape)
+    y = np.empty((n, c, h, w), x_cl.dtype) if y is None else y
+    _transpose(np.ascontiguousarray(x_cl), n, h * w, c, y, threads)
+    return y
+
+
+def channels_last(a: np.ndarray) -> np.ndarray:
+    """The bytes of a channels-last value kept in its graph shape (N, C, H, W), as
+    (N, H, W, C)."""
+    n, c, h, w = a.shape
+    return np.ascontiguousarray(a).reshape(n, h, w, c)
+
+
+# ---- packing -------------------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class ChannelsLastPack:
+    """A QLinearConv's weights for its channels-last kernel: a pointwise convolution's
+    panels [M/32][C/4][32][4] and column sums (symmetric weights of at most the
+    planner's ``INT8_POINTWISE_PANEL_MAX_WEIGHT_BYTES``; else the matrix product's
+    panels), or a depthwise one's taps [kh * kw][C] less their zero points."""
+
+    conv: native_qgemm.PackedConv
+    pointwise: native_qgemm.PackedMatmul | None = None
+    panels: np.ndarray | None = None
+    col_sums: np.ndarray | None = None
+    taps: np.ndarray | None = None
+
+    @property
+    def nbytes(self) -> int:
+        extra = self.pointwise.nbytes if self.pointwise is not None else 0
+        return int(self.conv.nbytes + extra + sum(
+            a.nbytes for a in (self.panels, self.col_sums, self.taps) if a is not None))
+
+
+_TILE_COLUMNS = 32     # qlayout.c's NT: output channels per pointwise panel
+
+
+def pack(w: np.ndarray, w_zero_point: np.ndarray, kind: str) -> ChannelsLastPack:
+    """Pack a QLinearConv's 8-bit weights (M, C/g, kh, kw) once for ``kind``."""
+    conv = native_qgemm.pack_conv(w, w_zero_point)
+    m = int(w.shape[0])
+    zp = np.broadcast_to(np.asarray(w_zero_point).reshape(-1), (m,))
+    if kind == "pointwise":
+        w2 = np.asarray(w).reshape(m, -1)
+        signed = w2.astype(np.int16) - (128 if w2.dtype == np.uint8 else 0)
+        if np.any(zp.astype(np.int16) - (128 if w2.dtype == np.uint8 else 0)) or \
+                w2.size > planner_rules().INT8_POINTWISE_PANEL_MAX_WEIGHT_BYTES:
+            return ChannelsLastPack(conv, pointwise=native_qgemm.pack_matmul(
+                np.ascontiguousarray(w2.T), zp))
+        c = w2.shape[1]
+        mp, cp = -(-m // _TILE_COLUMNS) * _TILE_COLUMNS, -(-c // 4) * 4
+        padded = np.zeros((mp, cp), np.int8)
+        padded[:m, :c] = signed
+        panels = padded.reshape(mp // _TILE_COLUMNS, _TILE_COLUMNS, cp // 4, 4).transpose(
+            0, 2, 1, 3)
+        return ChannelsLastPack(conv, panels=np.ascontiguousarray(panels),
+                                col_sums=signed.sum(axis=1, dtype=np.int64))
+    if kind == "depthwise":
+        taps = np.asarray(w).reshape(m, -1).astype(np.int32) - zp.astype(np.int32)[:, None]
+        return ChannelsLastPack(conv, taps=np.ascontiguousarray(taps.T))
+    return ChannelsLastPack(conv)
+
+
+# ---- the kernels ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class QuantConv:
+    """One QLinearConv call's operands, as the channels-last kernels take them."""
+
+    x_zero_point: int
+    packed: ChannelsLastPack
+    geo: ConvGeometry
+    bias: np.ndarray | None
+    multiplier: np.ndarray          # per output channel, float64
+    y_zero_point: int
+    threads: int
+
+
+def _pointwise(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> bool:
+    if q.packed.panels is not None and _panel_product(q, x_cl, y_cl):
+        return True
+    pm = q.packed.pointwise
+    if pm is None:
+        return False
+    from keel.dtypes import DType
+
+    native_qgemm.matmul(x_cl.reshape(-1, x_cl.shape[-1]), q.x_zero_point, pm, q.bias,
+                        q.multiplier, DType.from_numpy(y_cl.dtype), q.y_zero_point,
+                        y_cl.reshape(-1, y_cl.shape[-1]), q.threads)
+    return True
+
+
+def _panel_product(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> bool:
+    """``keel_qpointwise_nhwc_u8s8`` over every pixel; False where it cannot run."""
+    from keel.dtypes import DType
+
+    fns, panels, sums = _load(), q.packed.panels, q.packed.col_sums
+    if fns is None or panels is None or sums is None:
+        return False
+    c, m = int(x_cl.shape[-1]), int(y_cl.shape[-1])
+    pixels = int(x_cl.size // max(1, c))
+    signed = x_cl.dtype == np.int8
+    folded = -(q.x_zero_point + (128 if signed else 0)) * sums
+    if q.bias is not None:
+        folded = folded + q.bias.astype(np.int64)
+    if np.abs(folded).max(initial=0) >= 2**31 - 2**30:
+        return False
+    mp = panels.shape[0] * _TILE_COLUMNS
+    bias, mult = np.zeros(mp, np.int32), np.zeros(mp, np.float64)
+    bias[:m], mult[:m] = folded, q.multiplier
+    lo, hi = QUANT_RANGES[DType.from_numpy(y_cl.dtype)]
+    tiles = -(-pixels // 12)
+    count = parts(tiles, max(1, q.threads),
+                  max(1, planner_rules().MIN_FLOPS_PER_THREAD // max(1, 24 * c * m)))
+    _check(fns.pointwise(_ptr(x_cl), int(signed), pixels, c, m, _ptr(panels),
+                         _ptr(bias), _ptr(mult),
+                         _ptr(np.array([q.y_zero_point, lo, hi], dtype=np.int64)),
+                         _ptr(y_cl), count))
+    return True
+
+
+def _depthwise(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> bool:
+    fns, taps = _load(), q.packed.taps
+    if fns is None or taps is None or np.abs(taps).max(initial=0) > 32767:
+        return False
+    from keel.dtypes import DType
+
+    geo = q.geo
+    n, h, w, c = (int(d) for d in x_cl.shape)
+    (oh, ow), (kh, kw) = geo.out_spatial, geo.kernel
+    geometry = np.array([n, c, h, w, oh, ow, kh, kw, *geo.strides, *geo.dilations,
+                         geo.pads_begin[0], geo.pads_begin[1]], dtype=np.int64)
+    lo, hi = QUANT_RANGES[DType.from_numpy(y_cl.dtype)]
+    bias = None if q.bias is None else np.ascontiguousarray(q.bias, dtype=np.int32)
+    count = parts(n * oh, max(1, q.threads), max(1, planner_rules().MIN_CHUNK_TAPS
+                                                  // max(1, ow * c * kh * kw)))
+    rc = fns.depthwise(_ptr(x_cl), int(x_cl.dtype == np.int8), q.x_zero_point,
+                       _ptr(taps), _ptr(bias),
+                       _ptr(geometry), _ptr(q.multiplier),
+                       _ptr(np.array([q.y_zero_point, lo, hi], dtype=np.int64)),
+                       _ptr(y_cl), count)
+    if rc == -2:
+        return False
+    _check(rc)
+    return True
+
+
+_CHANNELS_LAST: dict[str, Callable[[QuantConv, np.ndarray, np.ndarray], bool]] = {
+    "pointwise": _pointwise, "depthwise": _depthwise}
+
+
+def scratch(key: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """A reusable buffer (this thread's, kept between calls: no page faults per run)."""
+    return workspace.empty(np, ("qlayout", key), shape, dtype)
+
+
+def conv(src: str, dst: str, kind: str, x: np.ndarray, q: QuantConv | None,
+         y: np.ndarray, nchw: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray:
+    """Run one QLinearConv between layouts: ``x`` and ``y`` in their graph shapes, their
+    bytes in ``src`` and ``dst`` order. The channels-last kernel of ``kind`` runs where
+    it serves ``q`` (None: it does not); otherwise ``nchw`` (the NCHW kernel: NCHW x into
+    an NCHW buffer, returning its result) between layout changes. Returns ``y``."""
+    threads = 1 if q is None else q.threads
+    n, m, oh, ow = (int(d) for d in y.shape)
+    run = _CHANNELS_LAST.get(kind) if q is not None else None
+    if run is not None and q is not None:
+        x_cl = channels_last(x) if src == NHWC else to_nhwc(
+            x, threads, scratch("x", (x.shape[0], *x.shape[2:], x.shape[1]), x.dtype))
+        y_cl = y.reshape(n, oh, ow, m) if dst == NHWC else scratch("y", (n, oh, ow, m),
+                                                                   y.dtype)
+        if run(q, x_cl, y_cl):
+            if dst == NCHW:
+                to_nchw(y_cl, threads, y)
+            return y
+    x_n = x if src == NCHW else to_nchw(channels_last(x), threads,
+                                        scratch("x", x.shape, x.dtype))
+    if dst == NHWC:
+        y_n = nchw(x_n, scratch("y", y.shape, y.dtype))
+        to_nhwc(y_n, threads, y.reshape(n, oh, ow, m))
+    else:
+        y_n = nchw(x_n, y)
+        if y_n is not y:
+            y[...] = y_n
+    return y
+
+
+def _ptr(a: np.ndarray | None) -> int | None:
+    return None if a is None else int(a.ctypes.data)
+
+
+def _check(rc: int) -> None:
+    if rc != 0:
+        raise MemoryError("native layout kernel: no scratch memory")

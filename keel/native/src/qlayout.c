@@ -1,0 +1,566 @@
+/* Channels-last (NHWC) 8-bit activations: the layout changes at a chain's ends and the
+ * depthwise convolution inside it.
+ *
+ * The cpu planner keeps the int8 activations between pointwise and depthwise
+ * convolutions channels-last (keel.backends.cpu.planner.int8_layouts): a pointwise
+ * convolution is then one matrix product over every pixel (qgemm.c's
+ * keel_qmatmul_u8s8), a residual QLinearAdd an elementwise pass in any layout, and a
+ * depthwise convolution runs here with the channels in the vector lanes, so no plane
+ * is ever copied or padded. keel_qtranspose_u8 changes the layout where a chain
+ * starts or ends.
+ *
+ * The depthwise arithmetic is qgemm.c's: acc = bias + sum over taps of
+ * (x - x zero point) * (w - w zero point) exactly in int32, y = clamp(round_half_even
+ * (acc * mult) + y zero point, lo, hi) with the product in double, so the results are
+ * the reference kernels' bit for bit. A tap that falls in the padding reads a row of
+ * the zero point, which adds nothing.
+ *
+ *   - AVX-512 (__AVX512BW__): 32 channels a time as int16, two taps per vpdpwssd
+ *     (the taps' values interleaved, as qgemm.c's depthwise_pairs does over pixels);
+ *   - elsewhere: the same sums in plain C (the portable path).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "parallel.h"
+
+#if defined(__AVX512BW__) && defined(__AVX512F__) && defined(__AVX512VNNI__) && \
+    defined(__AVX512VL__)
+#include <immintrin.h>
+#define LAYOUT_AVX512 1
+#else
+#define LAYOUT_AVX512 0
+#endif
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+int64_t keel_qlayout_isa(void) { return LAYOUT_AVX512 ? 2 : 0; }
+
+/* ---- layout changes: y[n][cols][rows] = x[n][rows][cols] -------------------------------- */
+
+#define TB 32
+
+typedef struct {
+    const uint8_t *x;
+    int64_t rows, cols, strips;
+    uint8_t *y;
+} transpose_job;
+
+#if defined(__SSE2__)
+/* out[c][r] = in[r][c] for a 16 x 16 block of bytes: four rounds of interleaving. */
+static void transpose16(const uint8_t *in, int64_t ldi, uint8_t *out, int64_t ldo)
+{
+    __m128i a[16], b[16];
+    for (int i = 0; i < 16; i++) a[i] = _mm_loadu_si128((const __m128i *)(const void *)(in + i * ldi));
+    for (int i = 0; i < 8; i++) {
+        b[2 * i] = _mm_unpacklo_epi8(a[2 * i], a[2 * i + 1]);
+        b[2 * i + 1] = _mm_unpackhi_epi8(a[2 * i], a[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++)
+        for (int k = 0; k < 2; k++) {
+            a[4 * i + k] = _mm_unpacklo_epi16(b[4 * i + k], b[4 * i + k + 2]);
+            a[4 * i + k + 2] = _mm_unpackhi_epi16(b[4 * i + k], b[4 * i + k + 2]);
+        }
+    for (int i = 0; i < 2; i++)
+        for (int k = 0; k < 4; k++) {
+            b[8 * i + k] = _mm_unpacklo_epi32(a[8 * i + k], a[8 * i + k + 4]);
+            b[8 * i + k + 4] = _mm_unpackhi_epi32(a[8 * i + k], a[8 * i + k + 4]);
+        }
+    for (int k = 0; k < 8; k++) {
+        a[k] = _mm_unpacklo_epi64(b[k], b[k + 8]);
+        a[k + 8] = _mm_unpackhi_epi64(b[k], b[k + 8]);
+    }
+    /* a[k] now holds columns in the order of the interleavings: undo it */
+    static const int order[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+    for (int k = 0; k < 16; k++)
+        _mm_storeu_si128((__m128i *)(void *)(out + order[k] * ldo), a[k]);
+}
+#endif
+
+static void transpose_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
+{
+    const transpose_job *j = ctx;
+    (void)scratch;
+    for (int64_t t = lo; t < hi; t++) {
+        int64_t n = t / j->strips, r0 = (t % j->strips) * TB;
+        int64_t nr = j->rows - r0 < TB ? j->rows - r0 : TB;
+        const uint8_t *src = j->x + (n * j->rows + r0) * j->cols;
+        uint8_t *dst = j->y + n * j->rows * j->cols + r0;
+        int64_t c0 = 0;
+#if defined(__SSE2__)
+        if (nr == TB)
+            for (; c0 + TB <= j->cols; c0 += TB)
+                for (int64_t r = 0; r < TB; r += 16)
+                    for (int64_t c = 0; c < TB; c += 16)
+                        transpose16(src + r * j->cols + c0 + c, j->cols,
+                                    dst + (c0 + c) * j->rows + r, j->rows);
+#endif
+        for (; c0 < j->cols; c0 += TB) {
+            int64_t nc = j->cols - c0 < TB ? j->cols - c0 : TB;
+            uint8_t tile[TB][TB];
+            for (int64_t r = 0; r < nr; r++)
+                memcpy(tile[r], src + r * j->cols + c0, (size_t)nc);
+            for (int64_t c = 0; c < nc; c++) {
+                uint8_t *out = dst + (c0 + c) * j->rows;
+                for (int64_t r = 0; r < nr; r++) out[r] = tile[r][c];
+            }
+        }
+    }
+}
+
+/* NCHW to NHWC (rows = C, cols = H * W) or back (rows = H * W, cols = C), per image. */
+int64_t keel_qtranspose_u8(const uint8_t *x, int64_t n, int64_t rows, int64_t cols, uint8_t *y,
+                           int64_t parts)
+{
+    if (n <= 0 || rows <= 0 || cols <= 0) return 0;
+    transpose_job j = {x, rows, cols, (rows + TB - 1) / TB, y};
+    return run_parts(transpose_task, &j, n * j.strips, parts, 1);
+}
+
+/* ---- depthwise convolution, NHWC in and out --------------------------------------------- */
+
+enum { G_N, G_C, G_H, G_W, G_OH, G_OW, G_KH, G_KW, G_SH, G_SW, G_DH, G_DW, G_PT, G_PL,
+       G_SIZE };
+
+#define CL 32
+#define MAX_TAPS 64
+
+typedef struct {
+    int64_t g[G_SIZE];
+    const uint8_t *x;
+    int64_t is_signed;
+    int32_t xz;
+    const int32_t *taps;       /* [taps][C]: w - w zero point */
+    const int32_t *bias;       /* [C] or NULL */
+    const double *mult;        /* [C] */
+    double zp, lo, hi;
+    const uint8_t *zero_row;   /* C bytes of the x zero point: the padding */
+    int64_t wp;                /* AVX-512: a widened row's pixels, padding included */
+    int32_t *pairs;            /* AVX-512: [blocks][taps / 2][2][16], lane order */
+    int32_t *lane_bias;        /* AVX-512: [blocks][2][16] */
+    uint8_t *y;
+} dwcl_job;
+
+/* The input pixel under tap (ky, kx) of output (oy, ox), or the padding's zero row. */
+static const uint8_t *tap_pixel(const dwcl_job *j, int64_t n, int64_t oy, int64_t ox,
+                                int64_t ky, int64_t kx)
+{
+    const int64_t *g = j->g;
+    int64_t iy = oy * g[G_SH] + ky * g[G_DH] - g[G_PT];
+    int64_t ix = ox * g[G_SW] + kx * g[G_DW] - g[G_PL];
+    if (iy < 0 || iy >= g[G_H] || ix < 0 || ix >= g[G_W]) return j->zero_row;
+    return j->x + ((n * g[G_H] + iy) * g[G_W] + ix) * g[G_C];
+}
+
+static void requant_portable(const dwcl_job *j, const int32_t *acc, int64_t c0, int64_t nc,
+                             uint8_t *out)
+{
+    for (int64_t k = 0; k < nc; k++) {
+        double t = nearbyint((double)acc[k] * j->mult[c0 + k]) + j->zp;
+        out[k] = (uint8_t)(int32_t)(t < j->lo ? j->lo : t > j->hi ? j->hi : t);
+    }
+}
+
+/* One output pixel over channels [c0, c0 + nc): plain int32 sums. */
+static void pixel_portable(const dwcl_job *j, const uint8_t *const *px, int64_t c0, int64_t nc,
+                           uint8_t *out)
+{
+    int64_t c = j->g[G_C], ntaps = j->g[G_KH] * j->g[G_KW];
+    int32_t acc[CL];
+    for (int64_t k = 0; k < nc; k++) acc[k] = j->bias ? j->bias[c0 + k] : 0;
+    for (int64_t t = 0; t < ntaps; t++) {
+        const uint8_t *p = px[t] + c0;
+        const int32_t *w = j->taps + t * c + c0;
+        if (j->is_signed)
+            for (int64_t k = 0; k < nc; k++) acc[k] += w[k] * ((int32_t)(int8_t)p[k] - j->xz);
+        else
+            for (int64_t k = 0; k < nc; k++) acc[k] += w[k] * ((int32_t)p[k] - j->xz);
+    }
+    requant_portable(j, acc, c0, nc, out);
+}
+
+#if LAYOUT_AVX512
+/* The kh input rows under output row oy of image n as int16 (x - zero point), each
+ * [wp][cp] (cp: C rounded up to 32) with zeros for the padding columns and channels and
+ * for rows that fall in the padding. */
+static void widen_rows(const dwcl_job *j, int64_t n, int64_t oy, int16_t *rows)
+{
+    const int64_t *g = j->g;
+    int64_t c = g[G_C], cp = (c + CL - 1) / CL * CL, wp = j->wp;
+    __m512i z = _mm512_set1_epi16((int16_t)j->xz);
+    for (int64_t ky = 0; ky < g[G_KH]; ky++) {
+        int16_t *row = rows + ky * wp * cp;
+        int64_t iy = oy * g[G_SH] + ky * g[G_DH] - g[G_PT];
+        if (iy < 0 || iy >= g[G_H]) {
+            memset(row, 0, (size_t)(wp * cp) * sizeof *row);
+            continue;
+        }
+        memset(row, 0, (size_t)(g[G_PL] * cp) * sizeof *row);
+        memset(row + (g[G_PL] + g[G_W]) * cp, 0,
+               (size_t)((wp - g[G_PL] - g[G_W]) * cp) * sizeof *row);
+        const uint8_t *src = j->x + (n * g[G_H] + iy) * g[G_W] * c;
+        for (int64_t ix = 0; ix < g[G_W]; ix++) {
+            int16_t *dst = row + (g[G_PL] + ix) * cp;
+            for (int64_t c0 = 0; c0 < cp; c0 += CL) {
+                __mmask32 k = c - c0 >= CL ? (__mmask32)0xFFFFFFFFu
+                                           : (__mmask32)((1u << (c - c0)) - 1);
+                __m256i v = _mm256_maskz_loadu_epi8(k, src + ix * c + c0);
+                __m512i wide = j->is_signed ? _mm512_cvtepi8_epi16(v) : _mm512_cvtepu8_epi16(v);
+                _mm512_storeu_si512((void *)(dst + c0),
+                                    _mm512_maskz_sub_epi16(k, wide, z));
+            }
+        }
+    }
+}
+
+/* 16 int32 sums requantized into 16 bytes: times the channels' multipliers in double,
+ * clamped to [lo - zero point, hi - zero point] (whole numbers, so clamping before the
+ * rounding gives what clamping after it does), rounded half to even by the conversion
+ * (the default rounding mode, as nearbyint), plus the zero point. */
+static inline __m128i requant16(__m512i v, __m512d m0, __m512d m1, __m512d lo, __m512d hi,
+                                __m512i zp)
+{
+    __m512d t0 = _mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_castsi512_si256(v)), m0);
+    __m512d t1 = _mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(v, 1)), m1);
+    t0 = _mm512_min_pd(_mm512_max_pd(t0, lo), hi);
+    t1 = _mm512_min_pd(_mm512_max_pd(t1, lo), hi);
+    __m512i r = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtpd_epi32(t0)),
+                                   _mm512_cvtpd_epi32(t1), 1);
+    return _mm512_cvtepi32_epi8(_mm512_add_epi32(r, zp));
+}
+
+/* Output row oy of image n over the 32 channels of block b: the block's tap pairs, bias
+ * and multipliers held in registers across the row. */
+static void row_block_avx512(const dwcl_job *j, const int16_t *rows, int64_t b, uint8_t *out)
+{
+    const int64_t *g = j->g;
+    int64_t c = g[G_C], cp = (c + CL - 1) / CL * CL, c0 = b * CL;
+    int64_t kh = g[G_KH], kw = g[G_KW], ntaps = kh * kw, npairs = (ntaps + 1) / 2;
+    int64_t nc = c - c0 < CL ? c - c0 : CL, step = g[G_SW] * cp;
+    __m512i pairs[MAX_TAPS];
+    const int16_t *base[MAX_TAPS + 1];
+    const int32_t *pr = j->pairs + b * npairs * 32;
+    for (int64_t p = 0; p < 2 * npairs; p++)
+        pairs[p] = _mm512_loadu_si512((const void *)(pr + p * 16));
+    for (int64_t t = 0; t < ntaps; t++)
+        base[t] = rows + ((t / kw) * j->wp + (t % kw) * g[G_DW]) * cp + c0;
+    base[ntaps] = NULL;
+    __mmask8 mk[4];
+    __m512d mult[4];
+    for (int q = 0; q < 4; q++) {
+        int64_t left = nc - 8 * q;
+        mk[q] = left >= 8 ? (__mmask8)0xFF : left > 0 ? (__mmask8)((1u << left) - 1) : 0;
+        mult[q] = _mm512_maskz_loadu_pd(mk[q], j->mult + c0 + 8 * q);
+    }
+    __m512i blo = _mm512_loadu_si512((const void *)(j->lane_bias + b * 32));
+    __m512i bhi = _mm512_loadu_si512((const void *)(j->lane_bias + b * 32 + 16));
+    __m512d lo = _mm512_set1_pd(j->lo - j->zp), hi = _mm512_set1_pd(j->hi - j->zp);
+    __m512i zp = _mm512_set1_epi32((int32_t)j->zp);
+    const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+    const __m512i second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+    for (int64_t ox = 0; ox < g[G_OW]; ox++) {
+        __m512i vlo = blo, vhi = bhi;
+        int64_t at = ox * step;
+        for (int64_t p = 0; p < npairs; p++) {
+            __m512i a = _mm512_loadu_si512((const void *)(base[2 * p] + at));
+            __m512i e = 2 * p + 1 < ntaps
+                ? _mm512_loadu_si512((const void *)(base[2 * p + 1] + at))
+                : _mm512_setzero_si512();
+            vlo = _mm512_dpwssd_epi32(vlo, _mm512_unpacklo_epi16(a, e), pairs[2 * p]);
+            vhi = _mm512_dpwssd_epi32(vhi, _mm512_unpackhi_epi16(a, e), pairs[2 * p + 1]);
+        }
+        __m512i s0 = _mm512_permutex2var_epi64(vlo, first, vhi);
+        __m512i s1 = _mm512_permutex2var_epi64(vlo, second, vhi);
+        uint8_t *o = out + ox * c + c0;
+        __m128i r0 = requant16(s0, mult[0], mult[1], lo, hi, zp);
+        if (nc == CL) {
+            __m128i r1 = requant16(s1, mult[2], mult[3], lo, hi, zp);
+            _mm256_storeu_si256((__m256i *)(void *)o,
+                                _mm256_inserti128_si256(_mm256_castsi128_si256(r0), r1, 1));
+            continue;
+        }
+        uint8_t tail[CL];     /* a partial block through a buffer, as pw_tile's */
+        _mm_storeu_si128((__m128i *)(void *)tail, r0);
+        if (nc > 16)
+            _mm_storeu_si128((__m128i *)(void *)(tail + 16),
+                             requant16(s1, mult[2], mult[3], lo, hi, zp));
+        memcpy(o, tail, (size_t)nc);
+    }
+}
+
+/* The taps in qgemm.c's lane order: lane i of the low accumulator holds channel
+ * (i / 4) * 8 + i % 4 of the block, of the high one (i / 4) * 8 + 4 + i % 4; a dword
+ * holds tap t's weight in its low half and tap t + 1's in its high half. */
+static void arrange_lanes(dwcl_job *j)
+{
+    int64_t c = j->g[G_C], ntaps = j->g[G_KH] * j->g[G_KW], blocks = (c + CL - 1) / CL;
+    int64_t npairs = (ntaps + 1) / 2;
+    for (int64_t b = 0; b < blocks; b++)
+        for (int half = 0; half < 2; half++)
+            for (int i = 0; i < 16; i++) {
+                int64_t ch = b * CL + (i / 4) * 8 + 4 * half + i % 4;
+                int valid = ch < c;
+                j->lane_bias[b * 32 + half * 16 + i] = valid && j->bias ? j->bias[ch] : 0;
+                for (int64_t p = 0; p < npairs; p++) {
+                    int32_t wa = valid ? j->taps[2 * p * c + ch] : 0;
+                    int32_t wb = valid && 2 * p + 1 < ntaps ? j->taps[(2 * p + 1) * c + ch] : 0;
+                    j->pairs[((b * npairs + p) * 2 + half) * 16 + i] =
+                        (int32_t)((uint32_t)(uint16_t)(int16_t)wa |
+                                  (uint32_t)(uint16_t)(int16_t)wb << 16);
+                }
+            }
+}
+#endif
+
+/* Tasks: output rows (n, oy); each computes the row's pixels over every channel. */
+static void dwcl_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
+{
+    const dwcl_job *j = ctx;
+    const int64_t *g = j->g;
+    (void)scratch;
+    int64_t c = g[G_C], oh = g[G_OH], ow = g[G_OW], kh = g[G_KH], kw = g[G_KW];
+    const uint8_t *px[MAX_TAPS];
+    for (int64_t t = lo; t < hi; t++) {
+        int64_t n = t / oh, oy = t % oh;
+#if LAYOUT_AVX512
+        int16_t *rows = (int16_t *)(void *)scratch;
+        widen_rows(j, n, oy, rows);
+        for (int64_t b = 0; b < (c + CL - 1) / CL; b++)
+            row_block_avx512(j, rows, b, j->y + (n * oh + oy) * ow * c);
+        (void)px, (void)kh, (void)kw;
+        continue;
+#endif
+        for (int64_t ox = 0; ox < ow; ox++) {
+            for (int64_t k = 0; k < kh * kw; k++)
+                px[k] = tap_pixel(j, n, oy, ox, k / kw, k % kw);
+            uint8_t *out = j->y + ((n * oh + oy) * ow + ox) * c;
+            for (int64_t c0 = 0; c0 < c; c0 += CL)
+                pixel_portable(j, px, c0, c - c0 < CL ? c - c0 : CL, out + c0);
+        }
+    }
+}
+
+/* A depthwise 2-D convolution (groups = C = M) of the NHWC 8-bit x (is_signed: int8)
+ * with zero point xz into the NHWC 8-bit y: geometry = {N, C, H, W, OH, OW, KH, KW, SH,
+ * SW, DH, DW, pad top, pad left}; taps[KH * KW][C] the weights less their zero points
+ * (int16 range); bias[C] int32 (or NULL); mult[C] the multipliers; quant = {y zero
+ * point, lo, hi}. Returns 0, -1 without memory, -2 past MAX_TAPS taps. */
+int64_t keel_qdepthwise_nhwc_u8s8(const uint8_t *x, int64_t is_signed, int64_t xz,
+                                  const int32_t *taps, const int32_t *bias,
+                                  const int64_t *geometry, const double *mult,
+                                  const int64_t *quant, uint8_t *y, int64_t parts)
+{
+    dwcl_job j;
+    memcpy(j.g, geometry, sizeof j.g);
+    int64_t c = j.g[G_C], ntaps = j.g[G_KH] * j.g[G_KW];
+    if (j.g[G_N] <= 0 || j.g[G_OH] <= 0 || j.g[G_OW] <= 0 || c <= 0) return 0;
+    if (ntaps > MAX_TAPS) return -2;
+    int64_t blocks = (c + CL - 1) / CL, npairs = (ntaps + 1) / 2;
+    uint8_t *zero_row = malloc((size_t)(blocks * CL));
+    int32_t *lanes = malloc((size_t)(blocks * (npairs + 1) * 32) * sizeof *lanes);
+    if (!zero_row || !lanes) {
+        free(zero_row), free(lanes);
+        return -1;
+    }
+    memset(zero_row, (int)(uint8_t)xz, (size_t)(blocks * CL));
+    j.x = x, j.is_signed = is_signed, j.xz = (int32_t)xz, j.taps = taps, j.bias = bias;
+    j.mult = mult, j.zp = (double)quant[0], j.lo = (double)quant[1], j.hi = (double)quant[2];
+    j.zero_row = zero_row, j.lane_bias = lanes, j.pairs = lanes + blocks * 32, j.y = y;
+    int64_t scratch = 1;
+#if LAYOUT_AVX512
+    arrange_lanes(&j);
+    j.wp = (j.g[G_OW] - 1) * j.g[G_SW] + (j.g[G_KW] - 1) * j.g[G_DW] + 1;
+    if (j.wp < j.g[G_W] + j.g[G_PL]) j.wp = j.g[G_W] + j.g[G_PL];
+    scratch = (j.g[G_KH] * j.wp * blocks * CL + 1) / 2;
+#endif
+    int64_t rc = run_parts(dwcl_task, &j, j.g[G_N] * j.g[G_OH], parts, scratch);
+    free(zero_row), free(lanes);
+    return rc;
+}
+
+/* ---- pointwise convolution: Y[P][M] = X[P][C] . W[C][M], NHWC in and out ----------------
+ *
+ * One matrix product over every pixel (P = N * H * W rows), the weights packed as
+ * [M / 32][C / 4][32][4] int8 (M and C padded with zeros; symmetric weights: their zero
+ * points are 0), so that one vpdpbusd takes a pixel's four channels (broadcast) against 16
+ * output channels. A tile is MR pixels by 32 output channels in 2 * MR accumulators;
+ * the store adds the bias (less x's zero point times the weights' column sums, folded by
+ * the caller), requantizes with each channel's multiplier as the depthwise kernel does and
+ * writes the tile's bytes. Signed x is made unsigned by flipping its top bit (the caller
+ * shifts its zero point by 128). */
+
+#define MR 12
+#define NT 32
+
+typedef struct {
+    const uint8_t *x;
+    int64_t p, c, m, cq, flip;
+    const int8_t *w;
+    const int32_t *bias;       /* [M padded to 32]: bias - x zero point * column sums */
+    const double *mult;        /* [M padded to 32] */
+    double zp, lo, hi;
+    uint8_t *y;
+} pw_job;
+
+/* Four channels [4q, 4q + 4) of a pixel row as one dword (zeros past C), top bits flipped
+ * for signed x. */
+static inline int32_t pw_quad(const pw_job *j, const uint8_t *row, int64_t q)
+{
+    uint32_t v = 0;
+    int64_t left = j->c - 4 * q;
+    memcpy(&v, row + 4 * q, (size_t)(left < 4 ? left : 4));
+    return (int32_t)(v ^ (uint32_t)(j->flip ? 0x80808080u : 0u));
+}
+
+static void pw_store_portable(const pw_job *j, const int32_t *acc, int64_t col0, int64_t ncols,
+                              uint8_t *out)
+{
+    for (int64_t k = 0; k < ncols; k++) {
+        double t = nearbyint((double)(acc[k] + j->bias[col0 + k]) * j->mult[col0 + k]) + j->zp;
+        out[k] = (uint8_t)(int32_t)(t < j->lo ? j->lo : t > j->hi ? j->hi : t);
+    }
+}
+
+#if LAYOUT_AVX512
+static inline uint32_t load32(const uint8_t *p)
+{
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* Rows [r0, r0 + MR) (all within x) by the NT channels of block b. */
+static void pw_tile(const pw_job *j, int64_t r0, int64_t b)
+{
+    /* named accumulators, so that they stay in registers across the depth */
+#define PW_ZERO(i) __m512i a##i##0 = _mm512_setzero_si512(), a##i##1 = a##i##0
+#define PW_ROW(i, quad) do { \
+        __m512i v = _mm512_set1_epi32(quad); \
+        a##i##0 = _mm512_dpbusd_epi32(a##i##0, v, w0); \
+        a##i##1 = _mm512_dpbusd_epi32(a##i##1, v, w1); \
+    } while (0)
+#define PW_ROWS(quad) do { \
+        PW_ROW(0, quad(0)); PW_ROW(1, quad(1)); PW_ROW(2, quad(2)); PW_ROW(3, quad(3)); \
+        PW_ROW(4, quad(4)); PW_ROW(5, quad(5)); PW_ROW(6, quad(6)); PW_ROW(7, quad(7)); \
+        PW_ROW(8, quad(8)); PW_ROW(9, quad(9)); PW_ROW(10, quad(10)); PW_ROW(11, quad(11)); \
+    } while (0)
+    PW_ZERO(0); PW_ZERO(1); PW_ZERO(2); PW_ZERO(3); PW_ZERO(4); PW_ZERO(5);
+    PW_ZERO(6); PW_ZERO(7); PW_ZERO(8); PW_ZERO(9); PW_ZERO(10); PW_ZERO(11);
+    const int8_t *w = j->w + b * j->cq * NT * 4;
+    const uint8_t *x = j->x + r0 * j->c;
+    int64_t c = j->c, full = c / 4;
+    if (j->flip) {
+        for (int64_t q = 0; q < full; q++) {
+            __m512i w0 = _mm512_loadu_si512((const void *)(w + q * NT * 4));
+            __m512i w1 = _mm512_loadu_si512((const void *)(w + q * NT * 4 + 64));
+            const uint8_t *xq = x + 4 * q;
+#define PW_FLIPPED(i) ((int32_t)(load32(xq + (i) * c) ^ 0x80808080u))
+            PW_ROWS(PW_FLIPPED);
+#undef PW_FLIPPED
+        }
+    } else {
+        /* unsigned x: each broadcast a load the product can take as its operand */
+        for (int64_t q = 0; q < full; q++) {
+            __m512i w0 = _mm512_loadu_si512((const void *)(w + q * NT * 4));
+            __m512i w1 = _mm512_loadu_si512((const void *)(w + q * NT * 4 + 64));
+            const uint8_t *xq = x + 4 * q;
+#define PW_LOADED(i) ((int32_t)load32(xq + (i) * c))
+            PW_ROWS(PW_LOADED);
+#undef PW_LOADED
+        }
+    }
+    for (int64_t q = full; q < j->cq; q++) {
+        __m512i w0 = _mm512_loadu_si512((const void *)(w + q * NT * 4));
+        __m512i w1 = _mm512_loadu_si512((const void *)(w + q * NT * 4 + 64));
+#define PW_TAIL(i) pw_quad(j, x + (i) * c, q)
+        PW_ROWS(PW_TAIL);
+#undef PW_TAIL
+    }
+    __m512i acc[MR][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}, {a40, a41},
+                          {a50, a51}, {a60, a61}, {a70, a71}, {a80, a81}, {a90, a91},
+                          {a100, a101}, {a110, a111}};
+#undef PW_ROWS
+#undef PW_ROW
+#undef PW_ZERO
+    int64_t col0 = b * NT, ncols = j->m - col0 < NT ? j->m - col0 : NT;
+    int k1 = ncols > 16;
+    __m512i b0 = _mm512_loadu_si512((const void *)(j->bias + col0));
+    __m512i b1 = _mm512_loadu_si512((const void *)(j->bias + col0 + 16));
+    __m512d m[4];
+    for (int q = 0; q < 4; q++) m[q] = _mm512_loadu_pd(j->mult + col0 + 8 * q);
+    __m512d lo = _mm512_set1_pd(j->lo - j->zp), hi = _mm512_set1_pd(j->hi - j->zp);
+    __m512i zp = _mm512_set1_epi32((int32_t)j->zp);
+    for (int i = 0; i < MR; i++) {
+        uint8_t *out = j->y + (r0 + i) * j->m + col0;
+        __m128i r0v = requant16(_mm512_add_epi32(acc[i][0], b0), m[0], m[1], lo, hi, zp);
+        if (ncols == NT) {
+            __m128i r1v = requant16(_mm512_add_epi32(acc[i][1], b1), m[2], m[3], lo, hi, zp);
+            _mm256_storeu_si256((__m256i *)(void *)out,
+                                _mm256_inserti128_si256(_mm256_castsi128_si256(r0v), r1v, 1));
+            continue;
+        }
+        /* a partial block through a buffer: masked stores are slow on some cores */
+        uint8_t tail[NT];
+        _mm_storeu_si128((__m128i *)(void *)tail, r0v);
+        if (k1)
+            _mm_storeu_si128((__m128i *)(void *)(tail + 16),
+                             requant16(_mm512_add_epi32(acc[i][1], b1), m[2], m[3], lo, hi, zp));
+        memcpy(out, tail, (size_t)ncols);
+    }
+}
+#endif
+
+/* Rows [r0, r0 + rows) by block b, one row at a time (the portable path, and the rows
+ * past the last whole tile). */
+static void pw_rows(const pw_job *j, int64_t r0, int64_t rows, int64_t b)
+{
+    int64_t col0 = b * NT, ncols = j->m - col0 < NT ? j->m - col0 : NT;
+    const int8_t *w = j->w + b * j->cq * NT * 4;
+    for (int64_t r = r0; r < r0 + rows; r++) {
+        int32_t acc[NT] = {0};
+        for (int64_t q = 0; q < j->cq; q++) {
+            uint32_t v = (uint32_t)pw_quad(j, j->x + r * j->c, q);
+            for (int64_t k = 0; k < ncols; k++)
+                for (int e = 0; e < 4; e++)
+                    acc[k] += (int32_t)((v >> (8 * e)) & 0xFFu) * w[(q * NT + k) * 4 + e];
+        }
+        pw_store_portable(j, acc, col0, ncols, j->y + r * j->m + col0);
+    }
+}
+
+static void pw_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
+{
+    const pw_job *j = ctx;
+    (void)scratch;
+    int64_t blocks = (j->m + NT - 1) / NT;
+    for (int64_t t = lo; t < hi; t++) {
+        int64_t r0 = t * MR, rows = j->p - r0 < MR ? j->p - r0 : MR;
+        for (int64_t b = 0; b < blocks; b++) {
+#if LAYOUT_AVX512
+            if (rows == MR) {
+                pw_tile(j, r0, b);
+                continue;
+            }
+#endif
+            pw_rows(j, r0, rows, b);
+        }
+    }
+}
+
+/* y[P][M] (8-bit, NHWC) = the requantized product of the NHWC 8-bit x[P][C] (is_signed:
+ * int8) and the packed weights w ([M/32][C/4][32][4], zero points 0); bias[M padded to 32]
+ * int32 with x's zero point folded in (x's zero point + 128 for signed x); mult[M padded to
+ * 32]; quant = {y zero point, lo, hi}. Tasks: tiles of MR pixels. */
+int64_t keel_qpointwise_nhwc_u8s8(const uint8_t *x, int64_t is_signed, int64_t p, int64_t c,
+                                  int64_t m, const int8_t *w, const int32_t *bias,
+                                  const double *mult, const int64_t *quant, uint8_t *y,
+                                  int64_t parts)
+{
+    if (p <= 0 || m <= 0) return 0;
+    pw_job j = {x, p, c, m, (c + 3) / 4, is_signed, w, bias, mult, (double)quant[0],
+                (double)quant[1], (double)quant[2], y};
+    return run_parts(pw_task, &j, (p + MR - 1) / MR, parts, 1);
+}

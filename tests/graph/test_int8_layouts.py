@@ -1,0 +1,88 @@
+"""int8 activations kept channels-last through pointwise/depthwise chains: the cpu
+planner's chains (each node's plan names its layout, with the reason), and results bit
+for bit those of the NCHW plan, at several thread counts, and as close to the reference
+backend and onnxruntime as the NCHW plan's."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+
+import keel
+from keel.backends.cpu import native_qgemm, planner
+from keel.testing import models
+from tests.graph.test_fuse_qdq import _folded_and_quantized
+
+ort = pytest.importorskip("onnxruntime")
+
+
+@pytest.fixture(scope="module")
+def int8_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """Two MobileNet blocks (the second's residual join inside the chain), BatchNorm
+    folded, quantized by onnxruntime (QDQ, uint8 activations, int8 weights per channel)."""
+    proto = models.mobilenet_block(channels=40, expansion=3, size=12, blocks=2)
+    return _folded_and_quantized(tmp_path_factory.mktemp("int8_layouts"), proto, "qdq"), proto
+
+
+def _layouts(model: Any) -> Counter[str]:
+    return Counter(p.layout for p in model.plan.nodes if p.op in ("qlinear_conv", "qlinear_add"))
+
+
+def test_the_plan_keeps_the_blocks_channels_last(int8_model: tuple[Path, Any]) -> None:
+    if not native_qgemm.available():
+        pytest.skip("the int8 kernels need the native tier")
+    model = keel.load_model(str(int8_model[0]), threads=1)
+    layouts = _layouts(model)
+    # stem starts the chain; 2 x (expand, depthwise, project) and the second join inside;
+    # the last join's result leaves for the pool, so that join is NCHW and its operands
+    # with it: the second project ends the chain
+    assert layouts["nchw->nhwc"] >= 1 and layouts["nhwc->nchw"] >= 1
+    assert layouts["nhwc->nhwc"] >= 3
+    inside = [p for p in model.plan.nodes if p.layout == "nhwc->nhwc"]
+    assert inside[0].plan is not None and "depthwise" in inside[0].plan.reason("layout")
+    assert "channels-last chain" in model.explain()
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_channels_last_plan_gives_the_nchw_plans_bits(int8_model: tuple[Path, Any],
+                                                      threads: int,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    path, proto = int8_model
+    feeds = models.make_inputs(proto, batch=3, seed=7)
+    chains = keel.load_model(str(path), threads=threads)
+    monkeypatch.setattr(planner, "int8_layouts", lambda *args: {})
+    nchw = keel.load_model(str(path), threads=threads)
+    assert set(_layouts(nchw)) == {""}
+    got, want = chains.predict(feeds), nchw.predict(feeds)
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value)
+    # every value, the channels-last ones given back in the graph's order
+    got, want = chains.intermediates(feeds), nchw.intermediates(feeds)
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+def test_channels_last_plan_agrees_with_the_reference_and_onnxruntime(
+        int8_model: tuple[Path, Any]) -> None:
+    path, proto = int8_model
+    feeds = models.make_inputs(proto, batch=5, seed=3)
+    got = keel.load_model(str(path), threads=2).predict(feeds)
+    ref = keel.load_model(str(path), backend="reference").predict(feeds)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    want = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds),
+                    strict=True))
+    graph = onnx.load(str(path)).graph
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in graph.initializer}
+    step = float(inits[[n for n in graph.node if n.op_type == "QuantizeLinear"][-1].input[1]])
+    for name, value in want.items():
+        # the float pool before the classifier sums in its own order on each backend
+        assert np.max(np.abs(got[name] - ref[name])) <= 4 * step
+        assert np.max(np.abs(got[name] - value)) <= 4 * step

@@ -1,0 +1,131 @@
+"""Channels-last int8 convolutions (qlayout.c, keel.backends.cpu.qlayout) against the
+reference kernels, bit for bit: every layout pair a plan can name, on the AVX-512 and the
+portable C paths, at one and two threads."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import pytest
+
+from keel import native
+from keel.backends.base import DeviceKind, KernelContext
+from keel.backends.cpu import qlayout
+from keel.backends.cpu.kernels import load as load_cpu
+from keel.backends.plan import NodePlan
+from keel.backends.reference.kernels import load as load_reference
+from keel.ops.registry import Op
+from keel.ops.schema import get_schema
+from tests.native.test_qgemm import caches, path  # noqa: F401  (the fixtures)
+
+CPU = load_cpu()
+REFERENCE = load_reference()
+RNG = np.random.default_rng(17)
+
+# the int8 kernels built for each instruction path (test_qgemm's fixture): qlayout.c
+# takes its AVX-512 path where the build has AVX-512 VNNI, else its portable C
+LAYOUTS = ["nchw->nhwc", "nhwc->nhwc", "nhwc->nchw"]
+
+
+@pytest.fixture
+def layout_path(path: str) -> int:  # noqa: F811  (test_qgemm's fixture)
+    if not qlayout.available():
+        pytest.skip(f"native tier unavailable: {native.status().reason}")
+    fns = qlayout._load()
+    isa = 2 if path.startswith("avx512") else 0
+    assert fns is not None and fns.isa == isa
+    return isa
+
+
+def _q(dtype: Any, *shape: int) -> np.ndarray:
+    info = np.iinfo(dtype)
+    return RNG.integers(info.min, info.max, shape, endpoint=True).astype(dtype)
+
+
+def _stored(a: np.ndarray, layout: str) -> np.ndarray:
+    """``a`` (N, C, H, W) as a value of that graph shape holds it in ``layout``."""
+    return a if layout == "nchw" else np.ascontiguousarray(a.transpose(0, 2, 3, 1)).reshape(
+        a.shape)
+
+
+def _read(a: np.ndarray, layout: str) -> np.ndarray:
+    n, c, h, w = a.shape
+    return a if layout == "nchw" else a.reshape(n, h, w, c).transpose(0, 3, 1, 2)
+
+
+# (x dtype, w dtype, weight zero points, N, C, H, W, M, k, stride, pad, dilation, group)
+CONVS = [
+    (np.uint8, np.int8, False, 2, 40, 9, 9, 24, 1, 1, 0, 1, 1),        # pointwise
+    (np.int8, np.uint8, True, 1, 6, 5, 7, 70, 1, 1, 0, 1, 1),          # weight zero points
+    (np.int8, np.int8, False, 1, 6, 5, 7, 70, 1, 1, 0, 1, 1),          # C, M, pixels past tiles
+    (np.uint8, np.int8, False, 3, 64, 4, 4, 32, 1, 1, 0, 1, 1),        # whole tiles
+    (np.uint8, np.int8, False, 1, 600, 3, 5, 400, 1, 1, 0, 1, 1),      # large: matrix product
+    (np.uint8, np.int8, False, 2, 96, 12, 12, 96, 3, 2, 1, 1, 96),     # depthwise, stride 2
+    (np.uint8, np.int8, True, 1, 40, 7, 9, 40, 3, 1, 1, 1, 40),        # 32 channels + 8
+    (np.int8, np.int8, True, 2, 5, 11, 10, 5, 5, 1, 2, 2, 5),          # 5x5, dilated
+    (np.uint8, np.uint8, False, 1, 3, 13, 13, 16, 3, 2, 1, 1, 1),      # other: NCHW kernel
+    (np.uint8, np.int8, False, 1, 8, 6, 6, 8, 1, 2, 0, 1, 1),          # 1x1 stride 2: other
+]
+
+
+def _inputs(case: tuple[Any, ...]) -> tuple[list[Any], dict[str, Any]]:
+    xdt, wdt, wzero, n, c, h, w, m, k, s, p, d, g = case
+    x, wt = _q(xdt, n, c, h, w), _q(wdt, m, c // g, k, k)
+    w_zp = (_q(wdt, m) // 8).astype(wdt) if wzero else np.zeros(m, wdt)
+    inputs = [x, np.float32(0.05), np.array(7 if xdt is np.uint8 else -3, xdt), wt,
+              RNG.uniform(0.002, 0.02, m).astype(np.float32), w_zp, np.float32(0.4),
+              np.array(100, np.uint8) if xdt is np.uint8 else np.array(-20, np.int8),
+              RNG.integers(-5000, 5000, m).astype(np.int32)]
+    attrs = {"strides": [s, s], "pads": [p] * 4, "dilations": [d, d], "group": g}
+    return inputs, get_schema(Op.QLINEAR_CONV).normalize_attrs(attrs)
+
+
+def _run(inputs: list[Any], attrs: dict[str, Any], layout: str, threads: int,
+         prepack: bool) -> np.ndarray:
+    kv = CPU.get(Op.QLINEAR_CONV, "int8")
+    plan = NodePlan(variant="int8", layout=layout, threads=threads)
+    ctx = KernelContext(np, "cpu", DeviceKind.CPU, threads, plan=plan)
+    if prepack and kv.prepack is not None:
+        const = [a if i in (3, 4, 5) else None for i, a in enumerate(inputs)]
+        ctx = dataclasses.replace(ctx, prepacked=kv.prepack(ctx, const, attrs))
+    return np.asarray(kv.fn(ctx, inputs, attrs, None)[0])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case", CONVS, ids=lambda c: "x".join(str(v) for v in c[3:]))
+def test_channels_last_conv_matches_the_reference(layout_path: int, case: tuple[Any, ...],
+                                                  layout: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    inputs, attrs = _inputs(case)
+    want = REFERENCE.get(Op.QLINEAR_CONV, "default").fn(
+        KernelContext(np, "reference", DeviceKind.CPU), inputs, attrs, None)[0]
+    src, dst = layout.split("->")
+    if layout == "nhwc->nhwc" and qlayout.conv_kind(_geo(inputs, attrs),
+                                                    inputs[3].shape) != "other":
+        # served channels-last: no layout change at all (the NCHW fallback would make one)
+        monkeypatch.setattr(qlayout, "_transpose", _no_layout_change)
+    stored = [_stored(inputs[0], src), *inputs[1:]]
+    for threads, prepack in ((1, False), (2, True), (3, True)):
+        got = _run(stored, attrs, layout, threads, prepack)
+        assert got.shape == want.shape
+        np.testing.assert_array_equal(_read(got, dst), want)
+
+
+def _no_layout_change(*args: Any) -> None:
+    raise AssertionError("a channels-last chain node changed layouts")
+
+
+def _geo(inputs: list[Any], attrs: dict[str, Any]) -> Any:
+    from keel.ops.schemas.quantization import conv_geometry
+
+    return conv_geometry(inputs[0].shape, inputs[3].shape, attrs)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 5, 7), (1, 70, 33, 3), (3, 1, 1, 1)])
+def test_layout_changes_round_trip(layout_path: int, shape: tuple[int, ...]) -> None:
+    x = _q(np.uint8, *shape)
+    cl = qlayout.to_nhwc(x, threads=2)
+    np.testing.assert_array_equal(cl, x.transpose(0, 2, 3, 1))
+    np.testing.assert_array_equal(qlayout.to_nchw(cl, threads=2), x)

@@ -43,12 +43,30 @@ def _conv_plan(x: tuple[int, ...], w: tuple[int, ...], threads: int, **attrs: An
 STRIDED = [
     ((32, 128, 28, 28), (256, 128, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}),
     ((32, 64, 56, 56), (128, 64, 1, 1), {"strides": (2, 2)}),
+    ((1, 256, 14, 14), (512, 256, 1, 1), {"strides": (2, 2)}),
 ]
 
 
 @pytest.mark.parametrize(("x", "w", "attrs"), STRIDED)
-def test_strided_convs_leave_blas_for_keels_threads_from_two_threads(
+def test_stride_2_convs_run_natively_on_any_thread_count(
         x: tuple[int, ...], w: tuple[int, ...], attrs: dict[str, Any]) -> None:
+    """The native conv beats im2col and the pointwise GEMM on one thread there too, so
+    the same kernel (the same bits) runs whatever the thread count."""
+    for threads in (1, 2, 4, 16):
+        plan = _conv_plan(x, w, threads, **attrs)
+        assert plan.variant == "native"
+        why = plan.reason("variant")
+        assert f"native on {threads} keel thread(s), not " in why and "strided" in why
+        assert "the rules without it: " in why and "im2col" in why
+
+
+# A 5x5 stride-1 conv of 128 channels: im2col by the rules (no Winograd for 5x5, more
+# channels than the native rule takes).
+UNSTRIDED = ((32, 128, 14, 14), (128, 128, 5, 5), {"pads": (2, 2, 2, 2)})
+
+
+def test_stride_1_convs_leave_blas_for_keels_threads_from_two_threads() -> None:
+    x, w, attrs = UNSTRIDED
     one = _conv_plan(x, w, 1, **attrs)
     assert one.variant in cpu_planner.BLAS_CONV_VARIANTS      # the rules' choice on 1 thread
     for threads in (2, 4, 16):
@@ -218,6 +236,11 @@ def test_a_conv_decided_at_run_time_follows_the_same_thread_rule() -> None:
     attrs = dict(get_schema(Op.CONV).normalize_attrs({"pads": (1, 1, 1, 1),
                                                       "strides": (2, 2)}))
     case = conv_case(Op.CONV, (32, 128, 28, 28), (256, 128, 3, 3), attrs, "float32")
+    assert case is not None
+    assert cpu_planner.conv_call_variant(case, 1)[0] == "native"     # strided
+    x, w, flat = UNSTRIDED
+    case = conv_case(Op.CONV, x, w, dict(get_schema(Op.CONV).normalize_attrs(flat)),
+                     "float32")
     assert case is not None
     one, _ = cpu_planner.conv_call_variant(case, 1)
     assert one in cpu_planner.BLAS_CONV_VARIANTS

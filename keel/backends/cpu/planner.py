@@ -654,14 +654,21 @@ def plan_program(threads: int, steps: Sequence[tuple[bool, float]]) -> tuple[int
 # can compute it, split over keel's threads. Measured on the 16-core Intel Xeon (AVX-512)
 # of an H200 machine, ResNet-18 at batch 32: its three 3x3 stride-2 convs (im2col) took
 # 40.5 / 35.3 / 31.7 ms on 1 thread and 39.5 / 33.7 / 30.8 on 16, its three 1x1 stride-2
-# convs (pointwise) 6.9 / 6.1 / 4.3 and 6.7 / 5.5 / 4.1: 120 of the model's 231 ms. On
-# the 2-core AMD EPYC, a 128->256 3x3 stride-2 conv at batch 32 took 43 ms on one keel
-# thread natively and 23 on two, where im2col on one BLAS thread is 2-17 % faster than
-# native on one (so one thread keeps the rules' choice). Which variant runs then follows
-# the thread count: results on 1 and on more threads agree within float32 rounding, and
-# bitwise from 2 threads on.
+# convs (pointwise) 6.9 / 6.1 / 4.3 and 6.7 / 5.5 / 4.1: 120 of the model's 231 ms.
+# Convs of stride STRIDED_NATIVE_STRIDE run natively on one thread too (where the native
+# kernel serves them): on one thread it beats im2col and the pointwise GEMM there, now
+# that its strided forms read stride phases. Measured on the 2-core AMD EPYC (Zen 5),
+# 1 thread, ResNet-18's six stride-2 convs in the model, alternating runs, medians (a
+# shared machine): native / im2col time 0.44, 0.49, 0.62 (3x3, 64->128, 128->256,
+# 256->512) and native / pointwise 0.48-0.61 (1x1) at batch 1; 0.60-0.71 and 0.77-0.98
+# at batch 32. So a strided conv runs the same kernel, with the same bits, on any thread
+# count; a stride-1 conv the rules give to BLAS keeps it on one thread.
 BLAS_CONV_VARIANTS = frozenset({"im2col", "pointwise"})
 PARALLEL_CONV_THREADS = 2
+STRIDED_NATIVE_STRIDE = 2
+_STRIDED_NATIVE_MEASURED = (
+    "measured on one thread (2-core AMD EPYC, ResNet-18's stride-2 convs): 0.44-0.62x "
+    "im2col's and 0.48-0.61x the pointwise GEMM's time at batch 1, 0.60-0.98x at batch 32")
 
 
 def _on_keel_threads(request: PlanRequest, variants: Mapping[str, KernelVariant],
@@ -669,8 +676,7 @@ def _on_keel_threads(request: PlanRequest, variants: Mapping[str, KernelVariant]
     """The conv variant that splits over keel's threads where the rules chose one that
     runs on BLAS (see BLAS_CONV_VARIANTS), and why; else ``variant`` and ``why``."""
     native = variants.get("native")
-    if (variant not in BLAS_CONV_VARIANTS or native is None or request.op not in CONV_OPS
-            or (request.threads or 1) < PARALLEL_CONV_THREADS):
+    if variant not in BLAS_CONV_VARIANTS or native is None or request.op not in CONV_OPS:
         return variant, why
     case = _conv_case(request.op, request.input_types, request.attrs, request.dtype)
     if case is None:
@@ -681,10 +687,18 @@ def _on_keel_threads(request: PlanRequest, variants: Mapping[str, KernelVariant]
 def threaded_conv(case: ConvCase, variant: str, why: str, threads: int,
                   native: ConvRule | None) -> tuple[str, str]:
     """``native`` (the native conv's rule in force, None without the tier) instead of
-    a BLAS-run ``variant`` from PARALLEL_CONV_THREADS threads on where it serves
-    ``case``, and why; else ``variant`` and ``why``."""
-    if (variant not in BLAS_CONV_VARIANTS or threads < PARALLEL_CONV_THREADS
-            or native is None or native.cannot_serve(case) is not None):
+    a BLAS-run ``variant`` where it serves ``case``: for convs of stride
+    STRIDED_NATIVE_STRIDE on any thread count, for others from PARALLEL_CONV_THREADS
+    threads on; and why. Else ``variant`` and ``why``."""
+    if (variant not in BLAS_CONV_VARIANTS or native is None
+            or native.cannot_serve(case) is not None):
+        return variant, why
+    if all(s == STRIDED_NATIVE_STRIDE for s in case.strides):
+        return "native", (
+            f"{case.describe()}: native on {threads} keel thread(s), not {variant}: strided, "
+            f"{_STRIDED_NATIVE_MEASURED}; and BLAS would stay on one thread where the "
+            f"program's work is native; the rules without it: {why}")
+    if threads < PARALLEL_CONV_THREADS:
         return variant, why
     return "native", (
         f"{case.describe()}: native on {threads} keel threads, not {variant}: its GEMM runs "

@@ -14,6 +14,7 @@ import pytest
 from keel import native
 from keel.backends.base import KernelContext, KernelVariant
 from keel.backends.cpu import conv_gemm, fastmath, native_gemm, native_window
+from keel.backends.cpu import kernels as cpu_kernels
 from keel.backends.cpu import planner as cpu_planner
 from keel.backends.cpu.backend import CpuBackend, blas_threads
 from keel.backends.cpu.kernels import TABLE
@@ -32,6 +33,7 @@ F32 = DType.FLOAT32
 def _native_tier() -> None:
     if not (native_gemm.available() and native_window.ready() and fastmath.available()):
         pytest.skip(f"native tier unavailable: {native.status().reason}")
+    cpu_kernels.load()                # the kernel families, for TABLE.get alone
 
 
 def _conv_plan(x: tuple[int, ...], w: tuple[int, ...], threads: int, **attrs: Any) -> NodePlan:
@@ -206,7 +208,7 @@ def test_fused_attention_counts_as_native_work_on_float32() -> None:
 @pytest.mark.parametrize("perm", [(0, 2, 1, 3), (0, 1, 3, 2), (3, 2, 1, 0), (1, 0, 2, 3)])
 def test_a_transpose_splits_its_copy_over_keels_threads(dtype: Any, perm: tuple[int, ...]
                                                         ) -> None:
-    x = (np.random.default_rng(2).standard_normal((6, 33, 5, 70)) * 10).astype(dtype)
+    x = (np.random.default_rng(2).standard_normal((6, 33, 5, 140)) * 10).astype(dtype)
     want = np.ascontiguousarray(x.transpose(perm))
     kernel = TABLE.get(Op.TRANSPOSE)
     for threads in (1, 2, 3):
@@ -220,13 +222,18 @@ def test_a_transpose_splits_its_copy_over_keels_threads(dtype: Any, perm: tuple[
 
 
 def test_the_strided_copy_refuses_what_it_cannot_copy() -> None:
-    x = np.zeros((64, 64, 8), np.float32)
+    x = np.zeros((128, 128, 8), np.float32)
     view = x.transpose(2, 0, 1)
-    assert not native_window.copy_strided(view, np.zeros((8, 64, 64), np.float64), 2)
-    assert not native_window.copy_strided(view, np.zeros((8, 64, 64), np.float32).T, 2)
-    assert not native_window.copy_strided(view, x.reshape(8, 64, 64), 2)     # overlaps
+    assert native_window.copy_strided(view, np.zeros((8, 128, 128), np.float32), 2)
+    assert not native_window.copy_strided(view, np.zeros((8, 128, 128), np.float64), 2)
+    assert not native_window.copy_strided(view, np.zeros((8, 128, 128), np.float32).T, 2)
+    assert not native_window.copy_strided(view, x.reshape(8, 128, 128), 2)     # overlaps
     assert not native_window.copy_strided(x[:1, :1].transpose(2, 0, 1),
                                           np.zeros((8, 1, 1), np.float32), 2)  # too little
+    small = x[:64, :64].transpose(2, 0, 1)        # 32,768 elements: one thread's copy
+    assert not native_window.copy_strided(small, np.zeros((8, 64, 64), np.float32), 2)
+    assert native_window.bind_strided_copy(small, np.zeros((8, 64, 64), np.float32), 2) \
+        is None
 
 
 def test_a_conv_decided_at_run_time_follows_the_same_thread_rule() -> None:
@@ -255,3 +262,21 @@ def test_float64_strided_convs_stay_where_the_rules_put_them() -> None:
     plan = CpuBackend(threads=4).plan_node(
         Op.CONV, [TensorType(f64, (8, 64, 28, 28)), TensorType(f64, (128, 64, 1, 1))], full)
     assert plan.variant in cpu_planner.BLAS_CONV_VARIANTS
+
+
+@pytest.mark.parametrize(("shape", "split"), [((1, 128, 4, 64), False), ((8, 128, 4, 64), True)])
+def test_a_bound_transpose_splits_only_a_copy_worth_two_threads(
+        shape: tuple[int, ...], split: bool) -> None:
+    """BERT-mini's head transpose: one thread's copy at batch 1 (32,768 elements), split
+    at batch 8; the same bytes either way."""
+    x = np.random.default_rng(3).standard_normal(shape).astype(np.float32)
+    want = np.ascontiguousarray(x.transpose(0, 2, 1, 3))
+    out = np.zeros_like(want)
+    kernel = TABLE.get(Op.TRANSPOSE)
+    assert kernel.bind is not None
+    call = kernel.bind(KernelContext(np, "cpu", "cpu", 2, None), [x],
+                       {"perm": [0, 2, 1, 3]}, [out])
+    assert call is not None
+    assert isinstance(call, native_window.Bound) is split
+    call()
+    assert np.array_equal(out, want)

@@ -328,6 +328,12 @@ MIN_FLOPS_PER_THREAD = 400_000
 MIN_CHUNK_TAPS = 50_000
 MIN_CHUNK_ELEMENTS = 8192
 MIN_CHUNK_FLOATS = 16384
+# - a plain copy (a Transpose's strided copy, window.c), elements: a copy runs at about
+#   0.1 ns an element in cache, 4-8 times an activation's rate, so it needs that much
+#   more work before a second thread pays. Measured on the 2-core AMD EPYC: BERT-mini's
+#   sixteen head transposes of 32,768 elements at batch 1 took 0.142 ms on one thread
+#   and 0.222 ms split in two (per-node profile); a 32,768-element copy takes 2.7 us.
+MIN_COPY_ELEMENTS = 65536
 # The tree-ensemble walk (cpu/trees.py): (row, tree) pairs walked at once, which bounds
 # the walk's scratch to a few tens of MiB; below TREE_PARALLEL_PAIRS pairs per thread one
 # thread walks them all (handing a block to another thread costs tens of microseconds, as

@@ -366,6 +366,36 @@ def _product(request: PlanRequest) -> tuple[int, int, int] | None:
     return None
 
 
+# Row and copy kernels whose node plan takes threads from its elements (the first input's;
+# fused attention's: its scores times (d + dv), what its row kernel splits by):
+# a node below its kernel's least work per thread keeps one thread, as the kernel's own
+# split would, and the plan says so (a tiny program, e.g. a block at sequence 1, then
+# plans no split at all).
+_ELEMENT_THREADS_OPS = frozenset({Op.LAYER_NORM, Op.SKIP_LAYER_NORM, Op.SOFTMAX, Op.GELU,
+                                  Op.TRANSPOSE, Op.ATTENTION})
+
+
+def _element_threads(request: PlanRequest) -> tuple[int, str] | None:
+    """A row or copy kernel's node threads from its input's elements, and why; None for
+    other nodes or shapes not known."""
+    shapes = request.static_shapes() if request.op in _ELEMENT_THREADS_OPS else None
+    if request.threads is None or not shapes or shapes[0] is None:
+        return None
+    copy = request.op is Op.TRANSPOSE
+    least, name = ((MIN_COPY_ELEMENTS, "MIN_COPY_ELEMENTS") if copy
+                   else (MIN_CHUNK_ELEMENTS, "MIN_CHUNK_ELEMENTS"))
+    elements = math.prod(shapes[0])
+    if request.op is Op.ATTENTION:             # the row kernel's work: scores x (d + dv)
+        if len(shapes) < 3 or shapes[1] is None or shapes[2] is None:
+            return None
+        q, k, v = shapes[0], shapes[1], shapes[2]
+        elements = math.prod(q[:-1]) * k[-2] * (q[-1] + v[-1])
+    chosen = max(1, min(request.threads, elements // least))
+    return chosen, (f"{chosen} kernel thread(s) of {request.threads}: {elements:,} "
+                    f"elements{' copied' if copy else ''}, at least {least:,} per thread "
+                    f"({name})")
+
+
 def _product_threads(request: PlanRequest) -> tuple[int, str] | None:
     """A MatMul or Gemm node's kernel threads from its product's flops, and why; None
     where the node runs no single product of known size."""
@@ -793,9 +823,9 @@ def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:
     threads, threads_why = request.threads, (
         f"{request.threads} kernel thread(s): the backend's thread count; each call splits "
         "while every thread gets the planner's least work per thread")
-    product = _product_threads(request)
-    if product is not None:
-        threads, threads_why = product
+    sized = _product_threads(request) or _element_threads(request)
+    if sized is not None:
+        threads, threads_why = sized
     return NodePlan(
         variant=variant, layout=form.layout, threads=threads, chunk=form.chunk,
         workspace_bytes=form.workspace_bytes, precision=request.precision,

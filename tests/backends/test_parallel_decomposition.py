@@ -1,5 +1,6 @@
-"""Work that must reach keel's threads on a many-core machine: strided convs the rules
-give to BLAS run on the native implicit GEMM from two threads on, the native conv's
+"""Work that must reach keel's threads on a many-core machine: stride-2 convs the rules
+give to BLAS run on the native implicit GEMM on any thread count (other convs from two
+threads on), a Transpose's copy splits where it pays, the native conv's
 stride-phase copy splits over planes, and fused attention splits over batch x heads.
 Each checked against the reference backend and for bitwise-equal results across
 thread counts."""
@@ -280,3 +281,30 @@ def test_a_bound_transpose_splits_only_a_copy_worth_two_threads(
     assert isinstance(call, native_window.Bound) is split
     call()
     assert np.array_equal(out, want)
+
+
+def test_a_stride_2_conv_model_gives_the_same_bits_on_any_thread_count() -> None:
+    """Native on one thread as on more: the strided conv no longer changes variant (and
+    rounding) with the thread count; checked against the reference backend too."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from keel.execution.model import load_model
+
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((96, 80, 3, 3)).astype(np.float32) * 0.05
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1], strides=[2, 2])],
+        "strided", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 80, 20, 20])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]
+                              ).SerializeToString()
+    x = rng.standard_normal((2, 80, 20, 20)).astype(np.float32)
+    runs = {}
+    for threads in (1, 2, 3):
+        m = load_model(model, backend="cpu", threads=threads, plan_cache=False)
+        assert m.plan.nodes[0].variant == "native"
+        runs[threads] = m.predict({"x": x})["y"]
+    assert np.array_equal(runs[1], runs[2]) and np.array_equal(runs[1], runs[3])
+    want = load_model(model, backend="reference").predict({"x": x})["y"]
+    np.testing.assert_allclose(runs[1], want, rtol=1e-4, atol=1e-4)

@@ -835,11 +835,17 @@ def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:
             threads=threads_why,
             **({} if form.chunk is None else {"chunk": form.chunk_reason or form.reason}),
             **({} if form.workspace_bytes is None else
-               {"workspace_bytes": "the transformed tiles and products of one chunk"
-                if (dispatched or variant) == "winograd"
-                else "one chunk's phase-split image, column matrix and product"}))
+               {"workspace_bytes": _SCRATCH.get(dispatched or variant,
+                                                 "one chunk's phase-split image, column "
+                                                 "matrix and product")}))
         + (() if blocking is None else ((blocking[0][0], blocking[1]),))
         + ((("prepack", no_pack),) if no_pack else ()))
+
+
+# What each conv variant's planned scratch holds (the others: im2col's and pointwise's).
+_SCRATCH = {"winograd": "the transformed tiles and products of one chunk",
+            "native": "X's zero-bordered copy the kernel reads (its stride-phase image or "
+                      "wide buffer; none where it reads X in place)"}
 
 
 def _no_packed_copy(request: PlanRequest, kv: KernelVariant) -> str:
@@ -1242,7 +1248,10 @@ def conv_form(variant: str, geo: ConvGeometry, itemsize: int, grid: Any = _HERE,
     elements, and why ("" where the variant has one form); cache-bound sizes for the
     caches of ``sizes`` (None: this machine's)."""
     if variant == "native":
-        return ConvForm(*native_form(geo, grid), stream_stores=stream_stores(geo, sizes))
+        form, why = native_form(geo, grid)
+        scratch = conv_gemm.native_scratch(conv_gemm.native_layout(geo, form), itemsize)
+        return ConvForm(form, why, workspace_bytes=scratch,
+                        stream_stores=stream_stores(geo, sizes))
     if variant == "depthwise":
         layout, why = depthwise_form(geo)
         numpy_form = layout.rpartition("|")[2]

@@ -191,6 +191,33 @@ def test_attention_splits_over_heads_with_the_same_bits_on_every_thread_count(
         assert np.array_equal(_attention(inputs, threads, **attrs), one)
 
 
+@pytest.mark.parametrize("mask", ["", "additive", "bool", "causal"])
+def test_attention_takes_whole_heads_per_thread_with_the_bits_of_the_steps(mask: str) -> None:
+    """Each thread runs its heads through the products and the softmax in its own scratch
+    (gemm.c's keel_attention_f32): the same bits on 1, 2 and 3 threads, and those of the
+    products and softmax run step by step over blocks of heads."""
+    from keel.backends.cpu import matmul
+
+    rng = np.random.default_rng(5)
+    batch, s, t = (2, 3), 33, 70
+    q, k, v = _rand(rng, *batch, s, 16), _rand(rng, *batch, t, 16), _rand(rng, *batch, t, 24)
+    m = {"": None, "causal": None,
+         "additive": np.where(rng.random((2, 1, 1, t)) < 0.3, -1e4, 0).astype(np.float32),
+         "bool": rng.random((2, 3, s, t)) < 0.7}[mask]
+    causal = mask == "causal"
+    q3, k3, v3 = (a.reshape(6, *a.shape[2:]) for a in (q, k, v))
+    steps = np.empty((6, s, 24), np.float32)
+    matmul._attention_steps(q3, k3, v3, m, steps, batch, 0.25, causal, 65536, 2)
+    for threads in (1, 2, 3):
+        y = np.full((6, s, 24), np.nan, np.float32)
+        assert matmul._attention_whole_heads(q3, k3, v3, m, y, batch, 0.25, causal, threads)
+        assert np.array_equal(y, steps, equal_nan=True)
+    want = np.asarray(ReferenceBackend().run(
+        Op.ATTENTION, [q, k, v] if m is None else [q, k, v, m],
+        attrs={"scale": 0.25, "is_causal": causal})[0])
+    np.testing.assert_allclose(steps.reshape(want.shape), want, rtol=1e-5, atol=2e-6)
+
+
 def test_attention_heads_per_block_grow_with_the_threads() -> None:
     assert cpu_planner.attention_heads(65536, 128 * 128, 128, 1) == 4
     assert cpu_planner.attention_heads(65536, 128 * 128, 128, 16) == 64

@@ -138,6 +138,17 @@ def test_row_and_copy_nodes_take_threads_by_their_elements(
         plan.reason("threads") and f"at least {least:,} per thread" in plan.reason("threads")
 
 
+@pytest.mark.parametrize(("seq", "want"), [(48, 1), (64, 1), (96, 2), (128, 2)])
+def test_skip_layer_norm_nodes_split_from_their_own_least_work(seq: int, want: int) -> None:
+    """Two threads only where each gets MIN_SKIP_NORM_ELEMENTS: BERT-mini at batch 1
+    (sequence 128) splits, a sequence of 64 (16,384 elements) does not."""
+    plan = _plan(Op.SKIP_LAYER_NORM, (1, seq, 256), (1, seq, 256), (256,))
+    assert plan.threads == want
+    assert (f"{want} kernel thread(s) of 2: {seq * 256:,} elements, at least "
+            f"{cpu_planner.MIN_SKIP_NORM_ELEMENTS:,} per thread (MIN_SKIP_NORM_ELEMENTS)"
+            in plan.reason("threads"))
+
+
 @pytest.mark.parametrize(("seq", "want"), [(1, 1), (128, 2)])
 def test_attention_nodes_take_threads_by_their_scores(seq: int, want: int) -> None:
     q = (1, 4, seq, 64)                     # the small block at sequence 1, BERT-mini's

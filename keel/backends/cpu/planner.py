@@ -327,6 +327,13 @@ def _dispatched(op: Op, request: PlanRequest, table: KernelTable) -> str | None:
 MIN_FLOPS_PER_THREAD = 400_000
 MIN_CHUNK_TAPS = 50_000
 MIN_CHUNK_ELEMENTS = 8192
+# A SkipLayerNorm node (two reads, up to two writes an element) splits only where each
+# thread gets this many elements. Its bound native call, rows of 256, alternating
+# passes, best of 25 (a loaded 2-core AMD EPYC, Zen 5): 16,384 elements 6.1-6.3 us on
+# one thread, 6.3-10.0 on two (the pool's wake-up costs what the second half saves);
+# 24,576: 8.8-9.1 against 5.1-5.4; 32,768 (BERT-mini at batch 1): 11.5-11.9 against
+# 6.4 (medians too noisy under load to say more).
+MIN_SKIP_NORM_ELEMENTS = 12288
 MIN_CHUNK_FLOATS = 16384
 # - a plain copy (a Transpose's strided copy, window.c), elements: a copy runs at about
 #   0.1 ns an element in cache, 4-8 times an activation's rate, so it needs that much
@@ -383,6 +390,8 @@ def _element_threads(request: PlanRequest) -> tuple[int, str] | None:
         return None
     copy = request.op is Op.TRANSPOSE
     least, name = ((MIN_COPY_ELEMENTS, "MIN_COPY_ELEMENTS") if copy
+                   else (MIN_SKIP_NORM_ELEMENTS, "MIN_SKIP_NORM_ELEMENTS")
+                   if request.op is Op.SKIP_LAYER_NORM
                    else (MIN_CHUNK_ELEMENTS, "MIN_CHUNK_ELEMENTS"))
     elements = math.prod(shapes[0])
     if request.op is Op.ATTENTION:             # the row kernel's work: scores x (d + dv)

@@ -1,5 +1,6 @@
-"""Work that must reach keel's threads on a many-core machine: strided convs the rules
-give to BLAS run on the native implicit GEMM from two threads on, the native conv's
+"""Work that must reach keel's threads on a many-core machine: stride-2 convs the rules
+give to BLAS run on the native implicit GEMM on any thread count (other convs from two
+threads on), a Transpose's copy splits where it pays, the native conv's
 stride-phase copy splits over planes, and fused attention splits over batch x heads.
 Each checked against the reference backend and for bitwise-equal results across
 thread counts."""
@@ -14,6 +15,7 @@ import pytest
 from keel import native
 from keel.backends.base import KernelContext, KernelVariant
 from keel.backends.cpu import conv_gemm, fastmath, native_gemm, native_window
+from keel.backends.cpu import kernels as cpu_kernels
 from keel.backends.cpu import planner as cpu_planner
 from keel.backends.cpu.backend import CpuBackend, blas_threads
 from keel.backends.cpu.kernels import TABLE
@@ -32,6 +34,7 @@ F32 = DType.FLOAT32
 def _native_tier() -> None:
     if not (native_gemm.available() and native_window.ready() and fastmath.available()):
         pytest.skip(f"native tier unavailable: {native.status().reason}")
+    cpu_kernels.load()                # the kernel families, for TABLE.get alone
 
 
 def _conv_plan(x: tuple[int, ...], w: tuple[int, ...], threads: int, **attrs: Any) -> NodePlan:
@@ -43,12 +46,30 @@ def _conv_plan(x: tuple[int, ...], w: tuple[int, ...], threads: int, **attrs: An
 STRIDED = [
     ((32, 128, 28, 28), (256, 128, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}),
     ((32, 64, 56, 56), (128, 64, 1, 1), {"strides": (2, 2)}),
+    ((1, 256, 14, 14), (512, 256, 1, 1), {"strides": (2, 2)}),
 ]
 
 
 @pytest.mark.parametrize(("x", "w", "attrs"), STRIDED)
-def test_strided_convs_leave_blas_for_keels_threads_from_two_threads(
+def test_stride_2_convs_run_natively_on_any_thread_count(
         x: tuple[int, ...], w: tuple[int, ...], attrs: dict[str, Any]) -> None:
+    """The native conv beats im2col and the pointwise GEMM on one thread there too, so
+    the same kernel (the same bits) runs whatever the thread count."""
+    for threads in (1, 2, 4, 16):
+        plan = _conv_plan(x, w, threads, **attrs)
+        assert plan.variant == "native"
+        why = plan.reason("variant")
+        assert f"native on {threads} keel thread(s), not " in why and "strided" in why
+        assert "the rules without it: " in why and "im2col" in why
+
+
+# A 5x5 stride-1 conv of 128 channels: im2col by the rules (no Winograd for 5x5, more
+# channels than the native rule takes).
+UNSTRIDED = ((32, 128, 14, 14), (128, 128, 5, 5), {"pads": (2, 2, 2, 2)})
+
+
+def test_stride_1_convs_leave_blas_for_keels_threads_from_two_threads() -> None:
+    x, w, attrs = UNSTRIDED
     one = _conv_plan(x, w, 1, **attrs)
     assert one.variant in cpu_planner.BLAS_CONV_VARIANTS      # the rules' choice on 1 thread
     for threads in (2, 4, 16):
@@ -170,6 +191,33 @@ def test_attention_splits_over_heads_with_the_same_bits_on_every_thread_count(
         assert np.array_equal(_attention(inputs, threads, **attrs), one)
 
 
+@pytest.mark.parametrize("mask", ["", "additive", "bool", "causal"])
+def test_attention_takes_whole_heads_per_thread_with_the_bits_of_the_steps(mask: str) -> None:
+    """Each thread runs its heads through the products and the softmax in its own scratch
+    (gemm.c's keel_attention_f32): the same bits on 1, 2 and 3 threads, and those of the
+    products and softmax run step by step over blocks of heads."""
+    from keel.backends.cpu import matmul
+
+    rng = np.random.default_rng(5)
+    batch, s, t = (2, 3), 33, 70
+    q, k, v = _rand(rng, *batch, s, 16), _rand(rng, *batch, t, 16), _rand(rng, *batch, t, 24)
+    m = {"": None, "causal": None,
+         "additive": np.where(rng.random((2, 1, 1, t)) < 0.3, -1e4, 0).astype(np.float32),
+         "bool": rng.random((2, 3, s, t)) < 0.7}[mask]
+    causal = mask == "causal"
+    q3, k3, v3 = (a.reshape(6, *a.shape[2:]) for a in (q, k, v))
+    steps = np.empty((6, s, 24), np.float32)
+    matmul._attention_steps(q3, k3, v3, m, steps, batch, 0.25, causal, 65536, 2)
+    for threads in (1, 2, 3):
+        y = np.full((6, s, 24), np.nan, np.float32)
+        assert matmul._attention_whole_heads(q3, k3, v3, m, y, batch, 0.25, causal, threads)
+        assert np.array_equal(y, steps, equal_nan=True)
+    want = np.asarray(ReferenceBackend().run(
+        Op.ATTENTION, [q, k, v] if m is None else [q, k, v, m],
+        attrs={"scale": 0.25, "is_causal": causal})[0])
+    np.testing.assert_allclose(steps.reshape(want.shape), want, rtol=1e-5, atol=2e-6)
+
+
 def test_attention_heads_per_block_grow_with_the_threads() -> None:
     assert cpu_planner.attention_heads(65536, 128 * 128, 128, 1) == 4
     assert cpu_planner.attention_heads(65536, 128 * 128, 128, 16) == 64
@@ -188,7 +236,7 @@ def test_fused_attention_counts_as_native_work_on_float32() -> None:
 @pytest.mark.parametrize("perm", [(0, 2, 1, 3), (0, 1, 3, 2), (3, 2, 1, 0), (1, 0, 2, 3)])
 def test_a_transpose_splits_its_copy_over_keels_threads(dtype: Any, perm: tuple[int, ...]
                                                         ) -> None:
-    x = (np.random.default_rng(2).standard_normal((6, 33, 5, 70)) * 10).astype(dtype)
+    x = (np.random.default_rng(2).standard_normal((6, 33, 5, 140)) * 10).astype(dtype)
     want = np.ascontiguousarray(x.transpose(perm))
     kernel = TABLE.get(Op.TRANSPOSE)
     for threads in (1, 2, 3):
@@ -202,13 +250,18 @@ def test_a_transpose_splits_its_copy_over_keels_threads(dtype: Any, perm: tuple[
 
 
 def test_the_strided_copy_refuses_what_it_cannot_copy() -> None:
-    x = np.zeros((64, 64, 8), np.float32)
+    x = np.zeros((128, 128, 8), np.float32)
     view = x.transpose(2, 0, 1)
-    assert not native_window.copy_strided(view, np.zeros((8, 64, 64), np.float64), 2)
-    assert not native_window.copy_strided(view, np.zeros((8, 64, 64), np.float32).T, 2)
-    assert not native_window.copy_strided(view, x.reshape(8, 64, 64), 2)     # overlaps
+    assert native_window.copy_strided(view, np.zeros((8, 128, 128), np.float32), 2)
+    assert not native_window.copy_strided(view, np.zeros((8, 128, 128), np.float64), 2)
+    assert not native_window.copy_strided(view, np.zeros((8, 128, 128), np.float32).T, 2)
+    assert not native_window.copy_strided(view, x.reshape(8, 128, 128), 2)     # overlaps
     assert not native_window.copy_strided(x[:1, :1].transpose(2, 0, 1),
                                           np.zeros((8, 1, 1), np.float32), 2)  # too little
+    small = x[:64, :64].transpose(2, 0, 1)        # 32,768 elements: one thread's copy
+    assert not native_window.copy_strided(small, np.zeros((8, 64, 64), np.float32), 2)
+    assert native_window.bind_strided_copy(small, np.zeros((8, 64, 64), np.float32), 2) \
+        is None
 
 
 def test_a_conv_decided_at_run_time_follows_the_same_thread_rule() -> None:
@@ -218,6 +271,11 @@ def test_a_conv_decided_at_run_time_follows_the_same_thread_rule() -> None:
     attrs = dict(get_schema(Op.CONV).normalize_attrs({"pads": (1, 1, 1, 1),
                                                       "strides": (2, 2)}))
     case = conv_case(Op.CONV, (32, 128, 28, 28), (256, 128, 3, 3), attrs, "float32")
+    assert case is not None
+    assert cpu_planner.conv_call_variant(case, 1)[0] == "native"     # strided
+    x, w, flat = UNSTRIDED
+    case = conv_case(Op.CONV, x, w, dict(get_schema(Op.CONV).normalize_attrs(flat)),
+                     "float32")
     assert case is not None
     one, _ = cpu_planner.conv_call_variant(case, 1)
     assert one in cpu_planner.BLAS_CONV_VARIANTS
@@ -232,3 +290,48 @@ def test_float64_strided_convs_stay_where_the_rules_put_them() -> None:
     plan = CpuBackend(threads=4).plan_node(
         Op.CONV, [TensorType(f64, (8, 64, 28, 28)), TensorType(f64, (128, 64, 1, 1))], full)
     assert plan.variant in cpu_planner.BLAS_CONV_VARIANTS
+
+
+@pytest.mark.parametrize(("shape", "split"), [((1, 128, 4, 64), False), ((8, 128, 4, 64), True)])
+def test_a_bound_transpose_splits_only_a_copy_worth_two_threads(
+        shape: tuple[int, ...], split: bool) -> None:
+    """BERT-mini's head transpose: one thread's copy at batch 1 (32,768 elements), split
+    at batch 8; the same bytes either way."""
+    x = np.random.default_rng(3).standard_normal(shape).astype(np.float32)
+    want = np.ascontiguousarray(x.transpose(0, 2, 1, 3))
+    out = np.zeros_like(want)
+    kernel = TABLE.get(Op.TRANSPOSE)
+    assert kernel.bind is not None
+    call = kernel.bind(KernelContext(np, "cpu", "cpu", 2, None), [x],
+                       {"perm": [0, 2, 1, 3]}, [out])
+    assert call is not None
+    assert isinstance(call, native_window.Bound) is split
+    call()
+    assert np.array_equal(out, want)
+
+
+def test_a_stride_2_conv_model_gives_the_same_bits_on_any_thread_count() -> None:
+    """Native on one thread as on more: the strided conv no longer changes variant (and
+    rounding) with the thread count; checked against the reference backend too."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from keel.execution.model import load_model
+
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((96, 80, 3, 3)).astype(np.float32) * 0.05
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1], strides=[2, 2])],
+        "strided", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 80, 20, 20])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]
+                              ).SerializeToString()
+    x = rng.standard_normal((2, 80, 20, 20)).astype(np.float32)
+    runs = {}
+    for threads in (1, 2, 3):
+        m = load_model(model, backend="cpu", threads=threads, plan_cache=False)
+        assert m.plan.nodes[0].variant == "native"
+        runs[threads] = m.predict({"x": x})["y"]
+    assert np.array_equal(runs[1], runs[2]) and np.array_equal(runs[1], runs[3])
+    want = load_model(model, backend="reference").predict({"x": x})["y"]
+    np.testing.assert_allclose(runs[1], want, rtol=1e-4, atol=1e-4)

@@ -119,3 +119,39 @@ def test_a_profile_of_this_cpus_level_plans_as_this_machine() -> None:
     if here is None or not native_gemm.available():
         pytest.skip("SIMD level or native tier unknown here")
     assert cpu_planner.tile_grid(_profile(here)) == native_gemm.geometry()
+
+
+@pytest.mark.parametrize(("op", "shape", "want"), [
+    (Op.LAYER_NORM, (1, 1, 256), 1), (Op.LAYER_NORM, (1, 128, 256), 2),
+    (Op.SOFTMAX, (4, 128), 1), (Op.GELU, (32, 128, 1024), 2),
+    (Op.TRANSPOSE, (1, 128, 4, 64), 1), (Op.TRANSPOSE, (8, 128, 4, 64), 2)])
+def test_row_and_copy_nodes_take_threads_by_their_elements(
+        op: Op, shape: tuple[int, ...], want: int) -> None:
+    """A tiny node (a block at sequence 1) plans one thread, as its kernel would split."""
+    shapes = [shape, (shape[-1],)] if op is Op.LAYER_NORM else [shape]
+    attrs = {"perm": (0, 2, 1, 3)} if op is Op.TRANSPOSE else {}
+    plan = _plan(op, *shapes, **attrs)
+    least = (cpu_planner.MIN_COPY_ELEMENTS if op is Op.TRANSPOSE
+             else cpu_planner.MIN_CHUNK_ELEMENTS)
+    assert plan.threads == want
+    assert f"{want} kernel thread(s) of 2: {int(np.prod(shape)):,} elements" in \
+        plan.reason("threads") and f"at least {least:,} per thread" in plan.reason("threads")
+
+
+@pytest.mark.parametrize(("seq", "want"), [(48, 1), (64, 1), (96, 2), (128, 2)])
+def test_skip_layer_norm_nodes_split_from_their_own_least_work(seq: int, want: int) -> None:
+    """Two threads only where each gets MIN_SKIP_NORM_ELEMENTS: BERT-mini at batch 1
+    (sequence 128) splits, a sequence of 64 (16,384 elements) does not."""
+    plan = _plan(Op.SKIP_LAYER_NORM, (1, seq, 256), (1, seq, 256), (256,))
+    assert plan.threads == want
+    assert (f"{want} kernel thread(s) of 2: {seq * 256:,} elements, at least "
+            f"{cpu_planner.MIN_SKIP_NORM_ELEMENTS:,} per thread (MIN_SKIP_NORM_ELEMENTS)"
+            in plan.reason("threads"))
+
+
+@pytest.mark.parametrize(("seq", "want"), [(1, 1), (128, 2)])
+def test_attention_nodes_take_threads_by_their_scores(seq: int, want: int) -> None:
+    q = (1, 4, seq, 64)                     # the small block at sequence 1, BERT-mini's
+    plan = _plan(Op.ATTENTION, q, q, q)
+    assert plan.threads == want
+    assert f"{4 * seq * seq * 128:,} elements" in plan.reason("threads")

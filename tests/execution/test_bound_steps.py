@@ -219,3 +219,32 @@ def test_a_run_on_another_thread_computes_the_same(model: Model) -> None:
         np.testing.assert_array_equal(there["out"][name], here[name])
     assert worker.ident in program._threads and threading.get_ident() in program._threads
     np.testing.assert_array_equal(model.predict(inputs)["out"], here["out"])
+
+
+HEAD_W = np.random.default_rng(1).standard_normal((24, 8, 1, 1)).astype(np.float32)
+
+
+def conv_pool_head() -> bytes:
+    """A conv, ReLU, GlobalAveragePool and Flatten: a classifier's end."""
+    n = helper.make_node
+    graph = helper.make_graph(
+        [n("Conv", ["x", "w"], ["c"]), n("Relu", ["c"], ["r"]),
+         n("GlobalAveragePool", ["r"], ["p"]), n("Flatten", ["p"], ["y"])], "head",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8, 7, 7])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [_const("w", HEAD_W)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]
+                             ).SerializeToString()
+
+
+def test_a_bound_global_average_pool_computes_what_its_kernel_does() -> None:
+    model = load_model(conv_pool_head(), backend="cpu", threads=1)
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((2, 8, 7, 7)).astype(np.float32)
+    model.predict({"x": x})
+    assert "global_avg_pool" in bound_kinds(model, {"x": x})
+    for _ in range(2):                            # new values in the same places
+        x = rng.standard_normal((2, 8, 7, 7)).astype(np.float32)
+        got = model.predict({"x": x})["y"]
+        np.testing.assert_array_equal(got, unbound(model, {"x": x})["y"])
+        r = np.maximum(np.einsum("mc,nchw->nmhw", HEAD_W[:, :, 0, 0], x), 0)
+        np.testing.assert_allclose(got, r.mean(axis=(2, 3)), rtol=1e-5, atol=1e-6)

@@ -91,11 +91,15 @@ def _conv(c: int, m: int, side: int, stride: int, batch: int) -> bytes:
 
 
 @pytest.mark.parametrize(("shape", "variant"), [((128, 128, 14, 1, 8), "winograd"),
-                                                ((128, 256, 28, 2, 8), "im2col")])
+                                                ((96, 96, 7, 1, 1), "im2col"),
+                                                ((128, 256, 28, 2, 8), "native"),
+                                                ((64, 128, 56, 2, 1), "native")])
 def test_the_plan_counts_the_scratch_its_conv_kernel_holds(
         shape: tuple[int, int, int, int, int], variant: str) -> None:
-    from keel.backends.cpu import workspace
+    from keel.backends.cpu import native_gemm, workspace
 
+    if variant == "native" and not native_gemm.available():
+        variant = "im2col"        # the stride-2 conv's variant without the native tier
     c, _, side, _, batch = shape
     workspace.clear()                 # this thread's scratch buffers, which the kernel uses
     model = keel.load_model(_conv(*shape), backend="cpu", threads=1, plan_cache=False)
@@ -106,3 +110,41 @@ def test_the_plan_counts_the_scratch_its_conv_kernel_holds(
                                      + memory["output_bytes"])
     model.predict({"x": np.ones((batch, c, side, side), np.float32)})
     assert 0 < workspace.held_bytes() <= memory["workspace_bytes"]
+
+
+# One conv per form of the native implicit GEMM: (x, w, attrs, form).
+NATIVE_FORMS = [
+    ((2, 16, 12, 12), (8, 16, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}, "masked"),
+    ((2, 16, 12, 12), (8, 16, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}, "gathered"),
+    ((3, 8, 9, 9), (8, 8, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)},
+     "gathered-stacked"),
+    ((2, 8, 10, 10), (8, 8, 3, 3), {"pads": (1, 1, 1, 1)}, "wide"),
+    ((2, 8, 10, 10), (8, 8, 3, 3), {"pads": (1, 1, 1, 1)}, "wide-stacked"),
+    ((2, 8, 10, 10), (8, 8, 3, 3), {}, "wide"),
+    ((2, 8, 10, 10), (8, 8, 1, 1), {}, "direct"),
+    ((1, 3, 32, 32), (8, 3, 7, 7), {"pads": (3, 3, 3, 3), "strides": (2, 2)}, "band"),
+]
+
+
+@pytest.mark.parametrize(("x", "w", "attrs", "form"), NATIVE_FORMS)
+def test_the_native_convs_scratch_estimate_is_what_it_holds(
+        x: tuple[int, ...], w: tuple[int, ...], attrs: dict[str, Any], form: str) -> None:
+    """The plan's estimate for the native conv is the workspace its run asks for, in
+    every form (compared with the bytes held after a run, not a fixed number)."""
+    from keel.backends.cpu import conv_gemm, native_gemm, workspace
+    from keel.ops.registry import Op
+    from keel.ops.schema import get_schema
+    from keel.ops.schemas.conv import conv_geometry
+
+    if not native_gemm.available():
+        pytest.skip("the native GEMM is not loaded (KEEL_NATIVE=off or no compiler)")
+    geo = conv_geometry(Op.CONV, list(x), list(w),
+                        dict(get_schema(Op.CONV).normalize_attrs(attrs)))
+    layout = conv_gemm.native_layout(geo, form)
+    rng = np.random.default_rng(1)
+    xs = rng.standard_normal(x).astype(np.float32)
+    ws = rng.standard_normal(w).astype(np.float32)
+    y = np.empty((x[0], w[0], *geo.window.out_spatial), np.float32)
+    workspace.clear()
+    assert conv_gemm.native(np, layout, xs, ws, None, None, y, ("", ()), threads=2)
+    assert workspace.held_bytes() == conv_gemm.native_scratch(layout, 4)

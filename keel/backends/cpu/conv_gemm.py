@@ -830,13 +830,11 @@ def native_source(xp: Any, layout: NativeLayout, x: Any, threads: int = 1) -> An
     (copied on up to ``threads`` of keel's threads where the window kernels run)."""
     if not layout.copied:
         return x if x.flags.c_contiguous else xp.ascontiguousarray(x)
-    geo = layout.geo
     if layout.wide is not None:
         view = _wide_view(xp, layout, layout.wide, x.dtype)
         view[0] = x
         return view
-    image = workspace.filled(xp, ("native_phases", layout),
-                             (len(layout.fills), geo.batch, geo.in_channels, *layout.q),
+    image = workspace.filled(xp, ("native_phases", layout), phase_image_shape(layout),
                              x.dtype, 0.0)
     if xp is np:
         copy = bind_phase_copy(layout, x, image, threads)
@@ -849,6 +847,23 @@ def native_source(xp: Any, layout: NativeLayout, x: Any, threads: int = 1) -> An
         src_index: tuple[slice, ...] = (*every, *src)
         image[dst_index] = x[src_index]
     return image
+
+
+def phase_image_shape(layout: NativeLayout) -> tuple[int, ...]:
+    """The shape of a copied layout's zero-bordered phase image: (phases, N, C, *q)."""
+    geo = layout.geo
+    return (len(layout.fills), geo.batch, geo.in_channels, *layout.q)
+
+
+def native_scratch(layout: NativeLayout, itemsize: int) -> int:
+    """Bytes of workspace the native conv of ``layout`` holds (:func:`native_source`):
+    X's zero-bordered copy, the phase image or the wide buffer; 0 where it reads X in
+    place. The packing workspace of each thread (``native_gemm``) is not the node's."""
+    if not layout.copied:
+        return 0
+    if layout.wide is not None:
+        return layout.wide.size * itemsize
+    return math.prod(phase_image_shape(layout)) * itemsize
 
 
 @functools.lru_cache(maxsize=256)

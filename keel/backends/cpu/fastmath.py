@@ -359,6 +359,14 @@ def bound_softmax(x: Any, y: Any, mode: str = "softmax",
 
 
 
+def softmax_kernel() -> tuple[int, int] | None:
+    """(the address of keel_softmax_f32, its softmax mode), for a kernel of another
+    library that runs rows through it; None when the native tier is not loaded."""
+    lib = native.library("fastmath") if _functions() is not None else None
+    found = None if lib is None else lib.address("keel_softmax_f32")
+    return None if not found else (found, SOFTMAX_MODES["softmax"])
+
+
 # Scores of up to this many keys per row live on the native kernel's stack
 # (fastmath.c's ATTEND_STACK); longer rows get a scratch row from here.
 _ATTEND_STACK = 4096

@@ -1022,13 +1022,14 @@ def _native_attention(q: Any, k: Any) -> bool:
 
 def _attention_native(q: Any, k: Any, v: Any, mask: Any, y: Any, scale: float, causal: bool,
                       block: int, threads: int) -> bool:
-    """float32 on the native kernels, split over batch x heads on keel's threads: per
-    block of heads, scores = scale * Q K^T and Y = P V on the native GEMM (the heads
-    of a block divided among the threads), the mask, and a row softmax on keel's
-    threads. Each thread's share of a block is about ``block`` elements of scores, so
-    they stay in its cache between the products and the softmax. Every head is
-    computed the same way whatever the block or the split: the same bits on any thread
-    count. False (nothing written) where the native tier does not serve it."""
+    """float32 on the native kernels, split over batch x heads on keel's threads: each
+    thread takes whole heads through every step (gemm.c's keel_attention_f32: scores =
+    scale * Q K^T on the native GEMM into its own scratch, the masks, the row softmax,
+    Y = P V), so a head's scores never leave the core that made them. Every head is
+    computed the same way whatever the split: the same bits on any thread count. Where
+    that kernel cannot take the operands, blocks of heads step by step
+    (:func:`_attention_steps`). False (nothing written) where the native tier does not
+    serve it."""
     if not _native_attention(q, k):
         return False
     s, d, t, dv = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
@@ -1036,11 +1037,42 @@ def _attention_native(q: Any, k: Any, v: Any, mask: Any, y: Any, scale: float, c
     heads = math.prod(batch)
     q3, k3, v3 = q.reshape(heads, s, d), k.reshape(heads, t, d), v.reshape(heads, t, dv)
     y3 = y.reshape(heads, s, dv)
+    if _attention_whole_heads(q3, k3, v3, mask, y3, batch, scale, causal, threads):
+        return True
+    _attention_steps(q3, k3, v3, mask, y3, batch, scale, causal, block, threads)
+    return True
+
+
+def _attention_whole_heads(q3: Any, k3: Any, v3: Any, mask: Any, y3: Any,
+                           batch: tuple[int, ...], scale: float, causal: bool,
+                           threads: int) -> bool:
+    """Whole heads per thread (see :func:`_attention_native`); False when not served."""
+    heads, s, t = q3.shape[0], q3.shape[1], k3.shape[1]
+    softmax = fastmath.softmax_kernel()
+    m4 = None if mask is None else _row_mask(mask, batch, s, t)
+    layout = fastmath.mask_layout(m4, heads, s, t)
+    if softmax is None or layout is None:
+        return False
+    one = workspace.empty(np, "attention.head_scores", (s, t), q3.dtype)
+    scores = np.lib.stride_tricks.as_strided(one, (heads, s, t), (0, *one.strides))
+    qk = native_gemm.prepare(q3, k3.swapaxes(-1, -2), scores, alpha=scale)
+    pv = native_gemm.prepare(scores, v3, y3)
+    if qk is None or pv is None:
+        return False
+    return native_gemm.attention(qk, pv, s, t, m4, layout, causal, softmax, threads)
+
+
+def _attention_steps(q3: Any, k3: Any, v3: Any, mask: Any, y3: Any, batch: tuple[int, ...],
+                     scale: float, causal: bool, block: int, threads: int) -> None:
+    """Per block of heads, the products and the softmax each split over the threads (the
+    heads of a block divided among them); each thread's share of a block is about
+    ``block`` elements of scores."""
+    heads, s, t = q3.shape[0], q3.shape[1], k3.shape[1]
     g = planner.attention_heads(block, s * t, heads, threads)
-    sc = workspace.empty(np, "attention.native_scores", (g, s, t), q.dtype)
+    sc = workspace.empty(np, "attention.native_scores", (g, s, t), q3.dtype)
     future = None if not causal else workspace.bound(
         np, ("attention.future", s, t), lambda: np.triu(np.ones((s, t), dtype=bool), k=1))
-    masks = None if mask is None else _MaskBlocks(mask, batch, s, t, q.dtype)
+    masks = None if mask is None else _MaskBlocks(mask, batch, s, t, q3.dtype)
     for i, j in _head_blocks(batch, g, per_last_axis=masks is not None):
         scores = sc[:j - i]
         _native_product(q3[i:j], k3[i:j].swapaxes(-1, -2), scores, scale, threads)
@@ -1052,7 +1084,6 @@ def _attention_native(q: Any, k: Any, v: Any, mask: Any, y: Any, scale: float, c
         if not fastmath.softmax(rows, rows, "softmax", threads):
             _softmax_numpy(scores)
         _native_product(scores, v3[i:j], y3[i:j], 1.0, threads)
-    return True
 
 
 def _native_product(a: Any, b: Any, c: Any, alpha: float, threads: int) -> None:

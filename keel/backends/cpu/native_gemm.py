@@ -600,3 +600,55 @@ def prepare_band(x: np.ndarray, a: Packed, y: np.ndarray, kernel: tuple[int, ...
         return None
     units = n * -(-oh // int(f.band_rows(args)))
     return BandCall(f, values, units, (a, bias, residual), tuple(x.shape))
+
+
+# ---- fused attention, whole heads per thread (gemm.c's keel_attention_f32) -------------
+_ATTENTION_ARGS = struct.Struct("<12q")
+
+
+@dataclass(frozen=True)
+class _AttentionFunctions:
+    serial: Callable[..., None]
+    mt: Callable[..., int]
+    scratch: Callable[..., int]
+
+
+@functools.cache
+def _attention_functions(lib: native.NativeLibrary) -> _AttentionFunctions:
+    size = int(lib.function("keel_attention_args_size", [], _I64)())
+    if size != _ATTENTION_ARGS.size:
+        raise ArgsLayoutError(f"gemm.c's keel_attention_args is {size} bytes; native_gemm.py "
+                              f"packs {_ATTENTION_ARGS.size}: change both sides together")
+    args = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p]
+    return _AttentionFunctions(
+        serial=lib.function("keel_attention_f32", [*args, _PTR, _I64, _I64]),
+        mt=lib.function("keel_attention_mt_f32", [*args, _I64], _I64),
+        scratch=lib.function("keel_attention_scratch_f32", [ctypes.c_char_p], _I64))
+
+
+def attention(qk: Call, pv: Call, s: int, t: int, mask: Any, layout: tuple[int, int, int, int],
+              causal: bool, softmax: tuple[int, int], threads: int) -> bool:
+    """softmax(scores + mask) V for every head, each head whole on one of up to ``threads``
+    threads (its scores in that thread's scratch). ``qk``: the prepared scale * Q Kᵀ of
+    every head (its C is rebound per thread), ``pv``: P V into Y, its A the scores;
+    ``mask`` a float32 array read at ``layout`` (fastmath.mask_layout) or None;
+    ``softmax`` (the address of fastmath's keel_softmax_f32, its mode). False when the
+    native tier is not loaded (nothing written)."""
+    lib = native.library("gemm")
+    if lib is None:
+        return False
+    fns = _attention_functions(lib)
+    heads = qk.batch
+    inner, mb, mh, ms = layout
+    args = _ATTENTION_ARGS.pack(s, t, 0 if mask is None else native.address(mask), inner,
+                                mb, mh, ms, int(causal), softmax[0], softmax[1], heads, 0)
+    parts = max(1, min(threads, heads))
+    if parts > 1:
+        _checked(fns.mt, qk.args, pv.args, args, parts)
+        return True
+    floats = int(fns.scratch(args))
+    held = getattr(_local, "attention", None)
+    if held is None or held.size < floats:
+        held = _local.attention = _aligned(floats)
+    fns.serial(qk.args, pv.args, args, native.address(held), 0, heads)
+    return True

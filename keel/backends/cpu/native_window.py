@@ -36,8 +36,8 @@ from keel.ops.schemas.conv import Window
 
 __all__ = ["Bound", "WindowGeometry", "avg_counts", "avg_pool", "bind_avg_pool", "clip_bounds",
            "bind_depthwise_conv", "bind_global_max_pool", "bind_max_pool", "bind_phase_copy",
-           "copy_strided", "depthwise_conv", "global_max_pool", "max_pool", "phase_geometry",
-           "plan", "ready"]
+           "bind_strided_copy", "copy_strided", "depthwise_conv", "global_max_pool",
+           "max_pool", "phase_geometry", "plan", "ready"]
 
 LIBRARY = "window"
 # Limits of window.c (MAX_TAPS, MAX_STRIDE).
@@ -392,23 +392,31 @@ COPY_MAX_RANK = 8
 
 def copy_strided(view: np.ndarray, dst: np.ndarray, threads: int) -> bool:
     """``dst[...] = view`` split by rows over keel's threads (a Transpose's copy: NumPy's
-    runs on one thread); False when not served (nothing written): the kernels absent, a
-    ``dst`` that is not C-contiguous of the view's shape and dtype, elements of another
-    size than 1, 2, 4 or 8 bytes, or too little work for a second thread."""
+    runs on one thread); False when not served (nothing written): see
+    :func:`bind_strided_copy`."""
+    call = bind_strided_copy(view, dst, threads)
+    if call is None:
+        return False
+    call()
+    return True
+
+
+def bind_strided_copy(view: np.ndarray, dst: np.ndarray, threads: int) -> Bound | None:
+    """The copy of :func:`copy_strided`, ready to run again on the same arrays; None when
+    not served: the kernels absent, too little work for a second thread (the planner's
+    MIN_COPY_ELEMENTS each), a ``dst`` that is not C-contiguous of the view's shape and
+    dtype, elements of another size than 1, 2, 4 or 8 bytes, or overlapping arrays."""
     fns = _load()
     elem = view.dtype.itemsize
-    if (fns is None or dst.shape != view.shape or dst.dtype != view.dtype
-            or not dst.flags.c_contiguous or view.ndim < 1 or view.ndim > COPY_MAX_RANK
+    n = view.shape[-1] if view.ndim else 0
+    rows = view.size // n if n else 0
+    count = parts(rows, threads, max(1, planner_rules().MIN_COPY_ELEMENTS // max(1, n)))
+    if (fns is None or count <= 1 or dst.shape != view.shape or dst.dtype != view.dtype
+            or not dst.flags.c_contiguous or view.ndim > COPY_MAX_RANK
             or elem not in (1, 2, 4, 8) or view.dtype.hasobject
             or any(s % elem for s in view.strides) or np.may_share_memory(view, dst)):
-        return False
-    n = view.shape[-1]
-    rows = view.size // n if n else 0
-    count = parts(rows, threads, max(1, planner_rules().MIN_CHUNK_ELEMENTS // max(1, n)))
-    if count <= 1:
-        return False
+        return None
     geometry = np.array([view.ndim, elem, *view.shape, *(s // elem for s in view.strides)],
                         dtype=np.int64)
-    _check(int(fns.strided_copy_mt(native.address(view), native.address(dst),
-                                   native.address(geometry), rows, count)))
-    return True
+    return Bound(fns.strided_copy_mt, (native.address(view), native.address(dst),
+                                       native.address(geometry), rows, count), (geometry,))

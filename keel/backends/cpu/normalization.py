@@ -369,7 +369,14 @@ def _native_skip_layer_norm(ctx: KernelContext, x: Any, skip: Any,
     return fastmath.skip_layer_norm(
         x2, _skip_rows(skip, plan, x.shape, k), np.ascontiguousarray(gamma),
         None if beta is None else np.ascontiguousarray(beta), y.reshape(rows, k), epsilon,
-        None if total is None else total.reshape(rows, k), ctx.threads)
+        None if total is None else total.reshape(rows, k), _skip_threads(ctx))
+
+
+def _skip_threads(ctx: KernelContext) -> int | None:
+    """A SkipLayerNorm's threads: its node plan's (the cpu planner's, from its elements:
+    MIN_SKIP_NORM_ELEMENTS a thread), else the backend's."""
+    plan = ctx.plan
+    return plan.threads if plan is not None and plan.threads else ctx.threads
 
 
 def _bind_skip_layer_norm(ctx: KernelContext, inputs: Inputs, attrs: Attrs,
@@ -395,7 +402,8 @@ def _bind_skip_layer_norm(ctx: KernelContext, inputs: Inputs, attrs: Attrs,
         _flat_param(np, bias, norm_shape, np.float32))
     return fastmath.bound_skip_layer_norm(
         x.reshape(rows, k), skip.reshape(plan[2], k), gamma, beta, y.reshape(rows, k),
-        attrs["epsilon"], None if total is None else total.reshape(rows, k), ctx.threads)
+        attrs["epsilon"], None if total is None else total.reshape(rows, k),
+        _skip_threads(ctx))
 
 
 TABLE.kernel(Op.SKIP_LAYER_NORM, variant="native", dtypes=("float32",), supports_out=True,

@@ -454,7 +454,20 @@ def _dispatched(op: Op, request: PlanRequest, table: KernelTable) -> str | None:
 MIN_FLOPS_PER_THREAD = 400_000
 MIN_CHUNK_TAPS = 50_000
 MIN_CHUNK_ELEMENTS = 8192
+# A SkipLayerNorm node (two reads, up to two writes an element) splits only where each
+# thread gets this many elements. Its bound native call, rows of 256, alternating
+# passes, best of 25 (a loaded 2-core AMD EPYC, Zen 5): 16,384 elements 6.1-6.3 us on
+# one thread, 6.3-10.0 on two (the pool's wake-up costs what the second half saves);
+# 24,576: 8.8-9.1 against 5.1-5.4; 32,768 (BERT-mini at batch 1): 11.5-11.9 against
+# 6.4 (medians too noisy under load to say more).
+MIN_SKIP_NORM_ELEMENTS = 12288
 MIN_CHUNK_FLOATS = 16384
+# - a plain copy (a Transpose's strided copy, window.c), elements: a copy runs at about
+#   0.1 ns an element in cache, 4-8 times an activation's rate, so it needs that much
+#   more work before a second thread pays. Measured on the 2-core AMD EPYC: BERT-mini's
+#   sixteen head transposes of 32,768 elements at batch 1 took 0.142 ms on one thread
+#   and 0.222 ms split in two (per-node profile); a 32,768-element copy takes 2.7 us.
+MIN_COPY_ELEMENTS = 65536
 # The tree-ensemble walk (cpu/trees.py): (row, tree) pairs walked at once, which bounds
 # the walk's scratch to a few tens of MiB; below TREE_PARALLEL_PAIRS pairs per thread one
 # thread walks them all (handing a block to another thread costs tens of microseconds, as
@@ -485,6 +498,38 @@ def _product(request: PlanRequest) -> tuple[int, int, int] | None:
         n = b[0] if request.attrs.get("trans_b") else b[1]
         return m, k, n
     return None
+
+
+# Row and copy kernels whose node plan takes threads from its elements (the first input's;
+# fused attention's: its scores times (d + dv), what its row kernel splits by):
+# a node below its kernel's least work per thread keeps one thread, as the kernel's own
+# split would, and the plan says so (a tiny program, e.g. a block at sequence 1, then
+# plans no split at all).
+_ELEMENT_THREADS_OPS = frozenset({Op.LAYER_NORM, Op.SKIP_LAYER_NORM, Op.SOFTMAX, Op.GELU,
+                                  Op.TRANSPOSE, Op.ATTENTION})
+
+
+def _element_threads(request: PlanRequest) -> tuple[int, str] | None:
+    """A row or copy kernel's node threads from its input's elements, and why; None for
+    other nodes or shapes not known."""
+    shapes = request.static_shapes() if request.op in _ELEMENT_THREADS_OPS else None
+    if request.threads is None or not shapes or shapes[0] is None:
+        return None
+    copy = request.op is Op.TRANSPOSE
+    least, name = ((MIN_COPY_ELEMENTS, "MIN_COPY_ELEMENTS") if copy
+                   else (MIN_SKIP_NORM_ELEMENTS, "MIN_SKIP_NORM_ELEMENTS")
+                   if request.op is Op.SKIP_LAYER_NORM
+                   else (MIN_CHUNK_ELEMENTS, "MIN_CHUNK_ELEMENTS"))
+    elements = math.prod(shapes[0])
+    if request.op is Op.ATTENTION:             # the row kernel's work: scores x (d + dv)
+        if len(shapes) < 3 or shapes[1] is None or shapes[2] is None:
+            return None
+        q, k, v = shapes[0], shapes[1], shapes[2]
+        elements = math.prod(q[:-1]) * k[-2] * (q[-1] + v[-1])
+    chosen = max(1, min(request.threads, elements // least))
+    return chosen, (f"{chosen} kernel thread(s) of {request.threads}: {elements:,} "
+                    f"elements{' copied' if copy else ''}, at least {least:,} per thread "
+                    f"({name})")
 
 
 def _product_threads(request: PlanRequest) -> tuple[int, str] | None:
@@ -781,14 +826,21 @@ def plan_program(threads: int, steps: Sequence[tuple[bool, float]]) -> tuple[int
 # can compute it, split over keel's threads. Measured on the 16-core Intel Xeon (AVX-512)
 # of an H200 machine, ResNet-18 at batch 32: its three 3x3 stride-2 convs (im2col) took
 # 40.5 / 35.3 / 31.7 ms on 1 thread and 39.5 / 33.7 / 30.8 on 16, its three 1x1 stride-2
-# convs (pointwise) 6.9 / 6.1 / 4.3 and 6.7 / 5.5 / 4.1: 120 of the model's 231 ms. On
-# the 2-core AMD EPYC, a 128->256 3x3 stride-2 conv at batch 32 took 43 ms on one keel
-# thread natively and 23 on two, where im2col on one BLAS thread is 2-17 % faster than
-# native on one (so one thread keeps the rules' choice). Which variant runs then follows
-# the thread count: results on 1 and on more threads agree within float32 rounding, and
-# bitwise from 2 threads on.
+# convs (pointwise) 6.9 / 6.1 / 4.3 and 6.7 / 5.5 / 4.1: 120 of the model's 231 ms.
+# Convs of stride STRIDED_NATIVE_STRIDE run natively on one thread too (where the native
+# kernel serves them): on one thread it beats im2col and the pointwise GEMM there, now
+# that its strided forms read stride phases. Measured on the 2-core AMD EPYC (Zen 5),
+# 1 thread, ResNet-18's six stride-2 convs in the model, alternating runs, medians (a
+# shared machine): native / im2col time 0.44, 0.49, 0.62 (3x3, 64->128, 128->256,
+# 256->512) and native / pointwise 0.48-0.61 (1x1) at batch 1; 0.60-0.71 and 0.77-0.98
+# at batch 32. So a strided conv runs the same kernel, with the same bits, on any thread
+# count; a stride-1 conv the rules give to BLAS keeps it on one thread.
 BLAS_CONV_VARIANTS = frozenset({"im2col", "pointwise"})
 PARALLEL_CONV_THREADS = 2
+STRIDED_NATIVE_STRIDE = 2
+_STRIDED_NATIVE_MEASURED = (
+    "measured on one thread (2-core AMD EPYC, ResNet-18's stride-2 convs): 0.44-0.62x "
+    "im2col's and 0.48-0.61x the pointwise GEMM's time at batch 1, 0.60-0.98x at batch 32")
 
 
 def _on_keel_threads(request: PlanRequest, variants: Mapping[str, KernelVariant],
@@ -796,8 +848,7 @@ def _on_keel_threads(request: PlanRequest, variants: Mapping[str, KernelVariant]
     """The conv variant that splits over keel's threads where the rules chose one that
     runs on BLAS (see BLAS_CONV_VARIANTS), and why; else ``variant`` and ``why``."""
     native = variants.get("native")
-    if (variant not in BLAS_CONV_VARIANTS or native is None or request.op not in CONV_OPS
-            or (request.threads or 1) < PARALLEL_CONV_THREADS):
+    if variant not in BLAS_CONV_VARIANTS or native is None or request.op not in CONV_OPS:
         return variant, why
     case = _conv_case(request.op, request.input_types, request.attrs, request.dtype)
     if case is None:
@@ -808,10 +859,18 @@ def _on_keel_threads(request: PlanRequest, variants: Mapping[str, KernelVariant]
 def threaded_conv(case: ConvCase, variant: str, why: str, threads: int,
                   native: ConvRule | None) -> tuple[str, str]:
     """``native`` (the native conv's rule in force, None without the tier) instead of
-    a BLAS-run ``variant`` from PARALLEL_CONV_THREADS threads on where it serves
-    ``case``, and why; else ``variant`` and ``why``."""
-    if (variant not in BLAS_CONV_VARIANTS or threads < PARALLEL_CONV_THREADS
-            or native is None or native.cannot_serve(case) is not None):
+    a BLAS-run ``variant`` where it serves ``case``: for convs of stride
+    STRIDED_NATIVE_STRIDE on any thread count, for others from PARALLEL_CONV_THREADS
+    threads on; and why. Else ``variant`` and ``why``."""
+    if (variant not in BLAS_CONV_VARIANTS or native is None
+            or native.cannot_serve(case) is not None):
+        return variant, why
+    if all(s == STRIDED_NATIVE_STRIDE for s in case.strides):
+        return "native", (
+            f"{case.describe()}: native on {threads} keel thread(s), not {variant}: strided, "
+            f"{_STRIDED_NATIVE_MEASURED}; and BLAS would stay on one thread where the "
+            f"program's work is native; the rules without it: {why}")
+    if threads < PARALLEL_CONV_THREADS:
         return variant, why
     return "native", (
         f"{case.describe()}: native on {threads} keel threads, not {variant}: its GEMM runs "
@@ -900,9 +959,9 @@ def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:
     threads, threads_why = request.threads, (
         f"{request.threads} kernel thread(s): the backend's thread count; each call splits "
         "while every thread gets the planner's least work per thread")
-    product = _product_threads(request)
-    if product is not None:
-        threads, threads_why = product
+    sized = _product_threads(request) or _element_threads(request)
+    if sized is not None:
+        threads, threads_why = sized
     return NodePlan(
         variant=variant, layout=form.layout, threads=threads, chunk=form.chunk,
         workspace_bytes=form.workspace_bytes, precision=request.precision,
@@ -912,11 +971,17 @@ def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:
             threads=threads_why,
             **({} if form.chunk is None else {"chunk": form.chunk_reason or form.reason}),
             **({} if form.workspace_bytes is None else
-               {"workspace_bytes": "the transformed tiles and products of one chunk"
-                if (dispatched or variant) == "winograd"
-                else "one chunk's phase-split image, column matrix and product"}))
+               {"workspace_bytes": _SCRATCH.get(dispatched or variant,
+                                                 "one chunk's phase-split image, column "
+                                                 "matrix and product")}))
         + (() if blocking is None else ((blocking[0][0], blocking[1]),))
         + ((("prepack", no_pack),) if no_pack else ()))
+
+
+# What each conv variant's planned scratch holds (the others: im2col's and pointwise's).
+_SCRATCH = {"winograd": "the transformed tiles and products of one chunk",
+            "native": "X's zero-bordered copy the kernel reads (its stride-phase image or "
+                      "wide buffer; none where it reads X in place)"}
 
 
 def _no_packed_copy(request: PlanRequest, kv: KernelVariant) -> str:
@@ -1319,7 +1384,10 @@ def conv_form(variant: str, geo: ConvGeometry, itemsize: int, grid: Any = _HERE,
     elements, and why ("" where the variant has one form); cache-bound sizes for the
     caches of ``sizes`` (None: this machine's)."""
     if variant == "native":
-        return ConvForm(*native_form(geo, grid), stream_stores=stream_stores(geo, sizes))
+        form, why = native_form(geo, grid)
+        scratch = conv_gemm.native_scratch(conv_gemm.native_layout(geo, form), itemsize)
+        return ConvForm(form, why, workspace_bytes=scratch,
+                        stream_stores=stream_stores(geo, sizes))
     if variant == "depthwise":
         layout, why = depthwise_form(geo)
         numpy_form = layout.rpartition("|")[2]

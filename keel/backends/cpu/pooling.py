@@ -406,8 +406,26 @@ def _global(op: Op, xp: Any, x: Any, out: Out) -> tuple[Any, Any]:
     return flat, y
 
 
+def _bind_global_avg_pool(ctx: KernelContext, inputs: Inputs, attrs: Attrs,
+                          out: Sequence[Any]) -> Any:
+    """GlobalAveragePool for one program step: its matrix-vector product with the
+    checks, views and weights made once (they cost several times the product at batch
+    1); None where the kernel would convert (float16) or the buffers do not serve."""
+    x = inputs[0]
+    if ctx.xp is not np or type(x) is not np.ndarray or not out or x.ndim < 3:
+        return None
+    flat, y = _global(Op.GLOBAL_AVG_POOL, np, x, out)
+    n, c, count = flat.shape
+    if (count == 0 or y is not out[0] or flat.dtype != _sum_dtype(np, flat.dtype)
+            or y.dtype != flat.dtype or not y.flags.c_contiguous
+            or not np.shares_memory(flat, x)):
+        return None
+    weights = np.full((count,), 1.0 / count, dtype=flat.dtype)     # as the kernel's
+    return functools.partial(np.matmul, flat, weights, out=y.reshape(n, c))
+
+
 @TABLE.kernel(Op.GLOBAL_AVG_POOL, dtypes=DTYPES[Op.GLOBAL_AVG_POOL], supports_out=True,
-              simd=(), shapes="any rank")
+              simd=(), shapes="any rank", bind=_bind_global_avg_pool)
 def global_avg_pool(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """Mean over the flattened spatial dims, as one matrix-vector product.
 

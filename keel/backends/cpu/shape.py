@@ -119,21 +119,16 @@ def _transpose_copies(inputs: Inputs, attrs: Attrs,
 def _bind_transpose(ctx: KernelContext, inputs: Inputs, attrs: Attrs,
                     out: Sequence[Any]) -> Callable[[], object] | None:
     """Transpose's copy for one program step: the native strided copy split over the
-    node's threads where it has more than one (as the kernel runs it), else NumPy's."""
+    node's threads where it has more than one and work for them (as the kernel runs it,
+    decided once here), else NumPy's."""
     if ctx.xp is not np:
         return None
     (dst, view), = _transpose_copies(inputs, attrs, out)
     if dst.shape != view.shape or dst.dtype != view.dtype:
         return None
     threads = ctx.threads or 1
-    if threads > 1:
-        return functools.partial(_copy_strided, view, dst, threads)
-    return functools.partial(np.copyto, dst, view)
-
-
-def _copy_strided(view: Any, dst: Any, threads: int) -> None:
-    if not native_window.copy_strided(view, dst, threads):
-        np.copyto(dst, view)
+    split = native_window.bind_strided_copy(view, dst, threads) if threads > 1 else None
+    return split if split is not None else functools.partial(np.copyto, dst, view)
 
 
 def _expand_copies(inputs: Inputs, attrs: Attrs, out: Sequence[Any]) -> list[tuple[Any, Any]]:

@@ -36,6 +36,7 @@
  * Plain C11 with GNU vector extensions; one broadcast per ISA through its
  * intrinsic. Without a SIMD extension the vectors are lowered to scalars.
  */
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -1624,4 +1625,94 @@ static void band_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
 int64_t keel_conv_band_mt_f32(const keel_conv_band_args *g, int64_t units, int64_t parts)
 {
     return run_parts(band_task, (void *)g, units, parts, keel_conv_band_workspace_f32(g));
+}
+
+/* ---- fused attention, whole heads per thread ------------------------------------------
+ *
+ * softmax(scale * Q Kᵀ + mask) V for a batch of heads, each head taken whole by one
+ * thread through every step: its scores (S x T) = scale * Q Kᵀ on the GEMM into the
+ * thread's own scratch, the causal mask and the mask added, a row softmax (fastmath's
+ * keel_softmax_f32, whose address Python hands in: the same rows as its own calls),
+ * then Y = P V. The products are the prepared arguments `qk` and `pv` of every head
+ * (product h is head h); their scores operand is rebound here to the thread's
+ * scratch. A head is computed by the same instructions whatever the split: the same
+ * bits on any thread count, and those of the products and softmax run step by step.
+ */
+typedef void (*keel_rows_fn)(const float *x, float *y, int64_t n, int64_t lo, int64_t hi,
+                             int32_t mode);
+
+/* Every field 8 bytes: Python fills it with one struct.pack('<12q'). */
+typedef struct {
+    int64_t s, t;                     /* query rows and keys per head */
+    int64_t mask, inner, mb, mh, ms;  /* float mask (0: none): address, inner heads, and
+                                         element strides of outer heads, inner heads, rows */
+    int64_t causal;                   /* 1: key j > query i is hidden */
+    int64_t softmax, mode;            /* keel_softmax_f32's address and its mode */
+    int64_t heads, reserved;
+} keel_attention_args;
+
+int64_t keel_attention_args_size(void) { return (int64_t)sizeof(keel_attention_args); }
+
+typedef struct {
+    const keel_gemm_args *qk, *pv;
+    const keel_attention_args *at;
+} attention_job;
+
+/* Floats of the packing workspace before a thread's scores (kept 64-byte aligned). */
+static int64_t attention_work(void) { return (keel_gemm_workspace_f32() + 15) / 16 * 16; }
+
+/* Scratch floats one thread needs: the GEMM's workspace, then one head's scores. */
+int64_t keel_attention_scratch_f32(const keel_attention_args *at)
+{
+    return attention_work() + at->s * at->t;
+}
+
+static void attention_head(const attention_job *j, float *work, float *scores, int64_t h)
+{
+    const keel_attention_args *at = j->at;
+    int64_t s = at->s, t = at->t;
+    keel_gemm_args qk = *j->qk, pv = *j->pv;
+    qk.c = (int64_t)(intptr_t)scores;
+    qk.ldc = t;
+    qk.c_bs = 0;
+    int64_t qp = (qk.n + NR - 1) / NR, vp = (pv.n + NR - 1) / NR;
+    keel_gemm_f32(&qk, work, 0, h * qp, (h + 1) * qp);
+    if (at->causal)
+        for (int64_t i = 0; i < s; i++)
+            for (int64_t c = i + 1; c < t; c++) scores[i * t + c] = -INFINITY;
+    if (at->mask) {
+        const float *m = FPTR(at->mask) + (h / at->inner) * at->mb + (h % at->inner) * at->mh;
+        for (int64_t i = 0; i < s; i++)
+            for (int64_t c = 0; c < t; c++) scores[i * t + c] += m[i * at->ms + c];
+    }
+    ((keel_rows_fn)(intptr_t)at->softmax)(scores, scores, t, 0, s, (int32_t)at->mode);
+    pv.a = (int64_t)(intptr_t)scores;
+    pv.a_rs = t;
+    pv.a_ks = 1;
+    pv.a_bs = 0;
+    keel_gemm_f32(&pv, work, 0, h * vp, (h + 1) * vp);
+}
+
+static void attention_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
+{
+    for (int64_t h = lo; h < hi; h++)
+        attention_head(ctx, scratch, scratch + attention_work(), h);
+}
+
+/* Heads [lo, hi) on the calling thread, with `scratch` of keel_attention_scratch_f32
+ * floats (64-byte aligned). */
+void keel_attention_f32(const keel_gemm_args *qk, const keel_gemm_args *pv,
+                        const keel_attention_args *at, float *scratch, int64_t lo, int64_t hi)
+{
+    attention_job j = {qk, pv, at};
+    attention_task(&j, scratch, lo, hi);
+}
+
+/* Every head in `parts` contiguous runs of whole heads on keel's worker threads, each
+ * with its own scratch. Returns 0, or -1 when a scratch could not be allocated. */
+int64_t keel_attention_mt_f32(const keel_gemm_args *qk, const keel_gemm_args *pv,
+                              const keel_attention_args *at, int64_t parts)
+{
+    attention_job j = {qk, pv, at};
+    return run_parts(attention_task, &j, at->heads, parts, keel_attention_scratch_f32(at));
 }

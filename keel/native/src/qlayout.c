@@ -244,13 +244,17 @@ typedef struct {
 } dw_view;
 
 /* Output rows of the view over the 32 channels of block b: the block's tap pairs, bias
- * and multipliers held in registers across the rows (npairs a constant where inlined). */
+ * and multipliers held in registers across the rows (ntaps a constant where inlined).
+ * Everything the loop reads is copied to locals first: the byte stores may alias it. */
 static inline void block_avx512(const dwcl_job *j, const dw_view *v, int64_t b,
-                                int64_t npairs)
+                                const int64_t ntaps)
 {
     const int64_t *g = j->g;
-    int64_t c = g[G_C], c0 = b * CL, kw = g[G_KW], ntaps = g[G_KH] * kw;
-    int64_t nc = c - c0 < CL ? c - c0 : CL, step = g[G_SW] * v->ld;
+    const int64_t npairs = (ntaps + 1) / 2;
+    const int64_t c = g[G_C], c0 = b * CL, kw = g[G_KW], ow = g[G_OW], rows = v->rows;
+    const int64_t nc = c - c0 < CL ? c - c0 : CL, step = g[G_SW] * v->ld, ostep = v->ostep;
+    const int64_t out_row = v->out_row;
+    uint8_t *const out = v->out + c0;
     __m512i pairs[MAX_TAPS];
     const int16_t *base[MAX_TAPS + 1];
     const int32_t *pr = j->pairs + b * npairs * 32;
@@ -266,16 +270,16 @@ static inline void block_avx512(const dwcl_job *j, const dw_view *v, int64_t b,
         mk[q] = left >= 8 ? (__mmask8)0xFF : left > 0 ? (__mmask8)((1u << left) - 1) : 0;
         mult[q] = _mm512_maskz_loadu_pd(mk[q], j->mult + c0 + 8 * q);
     }
-    __m512i blo = _mm512_loadu_si512((const void *)(j->lane_bias + b * 32));
-    __m512i bhi = _mm512_loadu_si512((const void *)(j->lane_bias + b * 32 + 16));
-    __m512d lo = _mm512_set1_pd(j->lo - j->zp), hi = _mm512_set1_pd(j->hi - j->zp);
-    __m512i zp = _mm512_set1_epi32((int32_t)j->zp);
+    const __m512i blo = _mm512_loadu_si512((const void *)(j->lane_bias + b * 32));
+    const __m512i bhi = _mm512_loadu_si512((const void *)(j->lane_bias + b * 32 + 16));
+    const __m512d lo = _mm512_set1_pd(j->lo - j->zp), hi = _mm512_set1_pd(j->hi - j->zp);
+    const __m512i zp = _mm512_set1_epi32((int32_t)j->zp);
     const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
     const __m512i second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
-    for (int64_t r = 0; r < v->rows; r++)
-        for (int64_t ox = 0; ox < g[G_OW]; ox++) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t ox = 0; ox < ow; ox++) {
             __m512i vlo = blo, vhi = bhi;
-            int64_t at = r * v->ostep + ox * step;
+            const int64_t at = r * ostep + ox * step;
             for (int64_t p = 0; p < npairs; p++) {
                 __m512i a = _mm512_loadu_si512((const void *)(base[2 * p] + at));
                 __m512i e = 2 * p + 1 < ntaps
@@ -286,7 +290,7 @@ static inline void block_avx512(const dwcl_job *j, const dw_view *v, int64_t b,
             }
             __m512i s0 = _mm512_permutex2var_epi64(vlo, first, vhi);
             __m512i s1 = _mm512_permutex2var_epi64(vlo, second, vhi);
-            uint8_t *o = v->out + r * v->out_row + ox * c + c0;
+            uint8_t *o = out + r * out_row + ox * c;
             __m128i r0 = requant16(s0, mult[0], mult[1], lo, hi, zp);
             if (nc == CL) {
                 __m128i r1 = requant16(s1, mult[2], mult[3], lo, hi, zp);
@@ -303,15 +307,15 @@ static inline void block_avx512(const dwcl_job *j, const dw_view *v, int64_t b,
         }
 }
 
-/* block_avx512 with a 3x3 kernel's five pairs a constant (the pairs then stay in
- * registers), any other count as it comes. */
+/* block_avx512 with a 3x3 kernel's nine taps a constant (its pairs then stay in
+ * registers and its loop unrolls), any other count as it comes. */
 static void block_any_avx512(const dwcl_job *j, const dw_view *v, int64_t b)
 {
-    int64_t npairs = (j->g[G_KH] * j->g[G_KW] + 1) / 2;
-    if (npairs == 5)
-        block_avx512(j, v, b, 5);
+    int64_t ntaps = j->g[G_KH] * j->g[G_KW];
+    if (ntaps == 9)
+        block_avx512(j, v, b, 9);
     else
-        block_avx512(j, v, b, npairs);
+        block_avx512(j, v, b, ntaps);
 }
 
 /* Image n's input under block b's 32 channels as int16 (x - zero point), [hp][wp][32]

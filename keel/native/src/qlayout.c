@@ -143,6 +143,7 @@ typedef struct {
     int64_t planes;            /* tasks are (image, channel block) planes, not rows */
     int32_t *pairs;            /* AVX-512: [blocks][taps / 2][2][16], lane order */
     int32_t *lane_bias;        /* AVX-512: [blocks][2][16] */
+    double *lane_mult;         /* AVX-512: [blocks][2][16], the multipliers in lane order */
     uint8_t *y;
 } dwcl_job;
 
@@ -234,6 +235,31 @@ static inline __m128i requant16(__m512i v, __m512d m0, __m512d m1, __m512d lo, _
     return _mm512_cvtepi32_epi8(_mm512_add_epi32(r, zp));
 }
 
+/* A block's two accumulators (vlo: channel groups of four 0, 2, 4, 6; vhi: 1, 3, 5, 7)
+ * requantized into its 32 bytes in channel order: times the lane-ordered multipliers in
+ * double, clamped above to hi - zero point (a whole number, so before the rounding as
+ * after it; nothing then overflows the conversion, and an underflow converts to INT_MIN),
+ * rounded half to even by the conversion, packed to int16 with saturation, plus the zero
+ * point and clamped below to lo (saturating, so nothing wraps), packed to bytes (within
+ * their range by then) and the groups put back in order. */
+static inline __m256i requant32(__m512i vlo, __m512i vhi, const __m512d *m, __m512d hi,
+                                __m256i zp16, __m256i lo16, int is_signed_out)
+{
+    __m256i r[4];
+    const __m512i acc[2] = {vlo, vhi};
+    for (int q = 0; q < 4; q++) {
+        __m256i half = q % 2 ? _mm512_extracti64x4_epi64(acc[q / 2], 1)
+                             : _mm512_castsi512_si256(acc[q / 2]);
+        __m512d t = _mm512_min_pd(_mm512_mul_pd(_mm512_cvtepi32_pd(half), m[q]), hi);
+        r[q] = _mm512_cvtpd_epi32(t);
+    }
+    /* r: groups (0, 2), (4, 6), (1, 3), (5, 7); packed per 128-bit lane */
+    __m256i p0 = _mm256_max_epi16(_mm256_adds_epi16(_mm256_packs_epi32(r[0], r[2]), zp16), lo16);
+    __m256i p1 = _mm256_max_epi16(_mm256_adds_epi16(_mm256_packs_epi32(r[1], r[3]), zp16), lo16);
+    __m256i b = is_signed_out ? _mm256_packs_epi16(p0, p1) : _mm256_packus_epi16(p0, p1);
+    return _mm256_permute4x64_epi64(b, 0xD8);   /* (0 1)(4 5)(2 3)(6 7) -> (0 1)(2 3)(4 5)(6 7) */
+}
+
 /* A view of widened int16 input for the kernel below: element (row r, tap row ky,
  * column x) of a block's channel c0 lies at src + r * ostep + ky * rstride + x * ld. */
 typedef struct {
@@ -263,19 +289,14 @@ static inline void block_avx512(const dwcl_job *j, const dw_view *v, int64_t b,
     for (int64_t t = 0; t < 2 * npairs; t++)
         base[t] = t < ntaps ? v->src + (t / kw) * v->rstride + (t % kw) * g[G_DW] * v->ld
                             : NULL;
-    __mmask8 mk[4];
     __m512d mult[4];
-    for (int q = 0; q < 4; q++) {
-        int64_t left = nc - 8 * q;
-        mk[q] = left >= 8 ? (__mmask8)0xFF : left > 0 ? (__mmask8)((1u << left) - 1) : 0;
-        mult[q] = _mm512_maskz_loadu_pd(mk[q], j->mult + c0 + 8 * q);
-    }
+    for (int q = 0; q < 4; q++) mult[q] = _mm512_loadu_pd(j->lane_mult + b * 32 + 8 * q);
     const __m512i blo = _mm512_loadu_si512((const void *)(j->lane_bias + b * 32));
     const __m512i bhi = _mm512_loadu_si512((const void *)(j->lane_bias + b * 32 + 16));
-    const __m512d lo = _mm512_set1_pd(j->lo - j->zp), hi = _mm512_set1_pd(j->hi - j->zp);
-    const __m512i zp = _mm512_set1_epi32((int32_t)j->zp);
-    const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
-    const __m512i second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+    const __m512d hi = _mm512_set1_pd(j->hi - j->zp);
+    const __m256i zp16 = _mm256_set1_epi16((int16_t)j->zp);
+    const __m256i lo16 = _mm256_set1_epi16((int16_t)j->lo);
+    const int is_signed_out = j->lo < 0;
     for (int64_t r = 0; r < rows; r++)
         for (int64_t ox = 0; ox < ow; ox++) {
             __m512i vlo = blo, vhi = bhi;
@@ -288,21 +309,14 @@ static inline void block_avx512(const dwcl_job *j, const dw_view *v, int64_t b,
                 vlo = _mm512_dpwssd_epi32(vlo, _mm512_unpacklo_epi16(a, e), pairs[2 * p]);
                 vhi = _mm512_dpwssd_epi32(vhi, _mm512_unpackhi_epi16(a, e), pairs[2 * p + 1]);
             }
-            __m512i s0 = _mm512_permutex2var_epi64(vlo, first, vhi);
-            __m512i s1 = _mm512_permutex2var_epi64(vlo, second, vhi);
             uint8_t *o = out + r * out_row + ox * c;
-            __m128i r0 = requant16(s0, mult[0], mult[1], lo, hi, zp);
+            __m256i bytes = requant32(vlo, vhi, mult, hi, zp16, lo16, is_signed_out);
             if (nc == CL) {
-                __m128i r1 = requant16(s1, mult[2], mult[3], lo, hi, zp);
-                _mm256_storeu_si256((__m256i *)(void *)o,
-                                    _mm256_inserti128_si256(_mm256_castsi128_si256(r0), r1, 1));
+                _mm256_storeu_si256((__m256i *)(void *)o, bytes);
                 continue;
             }
             uint8_t tail[CL];     /* a partial block through a buffer, as pw_tile's */
-            _mm_storeu_si128((__m128i *)(void *)tail, r0);
-            if (nc > 16)
-                _mm_storeu_si128((__m128i *)(void *)(tail + 16),
-                                 requant16(s1, mult[2], mult[3], lo, hi, zp));
+            _mm256_storeu_si256((__m256i *)(void *)tail, bytes);
             memcpy(o, tail, (size_t)nc);
         }
 }
@@ -359,6 +373,7 @@ static void arrange_lanes(dwcl_job *j)
                 int64_t ch = b * CL + (i / 4) * 8 + 4 * half + i % 4;
                 int valid = ch < c;
                 j->lane_bias[b * 32 + half * 16 + i] = valid && j->bias ? j->bias[ch] : 0;
+                j->lane_mult[b * 32 + half * 16 + i] = valid ? j->mult[ch] : 0.0;
                 for (int64_t p = 0; p < npairs; p++) {
                     int32_t wa = valid ? j->taps[2 * p * c + ch] : 0;
                     int32_t wb = valid && 2 * p + 1 < ntaps ? j->taps[(2 * p + 1) * c + ch] : 0;
@@ -433,14 +448,16 @@ int64_t keel_qdepthwise_nhwc_u8s8(const uint8_t *x, int64_t is_signed, int64_t x
     int64_t blocks = (c + CL - 1) / CL, npairs = (ntaps + 1) / 2;
     uint8_t *zero_row = malloc((size_t)(blocks * CL));
     int32_t *lanes = malloc((size_t)(blocks * (npairs + 1) * 32) * sizeof *lanes);
-    if (!zero_row || !lanes) {
-        free(zero_row), free(lanes);
+    double *lane_mult = malloc((size_t)(blocks * 32) * sizeof *lane_mult);
+    if (!zero_row || !lanes || !lane_mult) {
+        free(zero_row), free(lanes), free(lane_mult);
         return -1;
     }
     memset(zero_row, (int)(uint8_t)xz, (size_t)(blocks * CL));
     j.x = x, j.is_signed = is_signed, j.xz = (int32_t)xz, j.taps = taps, j.bias = bias;
     j.mult = mult, j.zp = (double)quant[0], j.lo = (double)quant[1], j.hi = (double)quant[2];
     j.zero_row = zero_row, j.lane_bias = lanes, j.pairs = lanes + blocks * 32, j.y = y;
+    j.lane_mult = lane_mult;
     int64_t scratch = 1, tasks = j.g[G_N] * j.g[G_OH];
     j.planes = 0;
     (void)planes;
@@ -454,7 +471,7 @@ int64_t keel_qdepthwise_nhwc_u8s8(const uint8_t *x, int64_t is_signed, int64_t x
     if (j.planes) tasks = j.g[G_N] * blocks;
 #endif
     int64_t rc = run_parts(dwcl_task, &j, tasks, parts, scratch);
-    free(zero_row), free(lanes);
+    free(zero_row), free(lanes), free(lane_mult);
     return rc;
 }
 

@@ -113,6 +113,34 @@ def test_channels_last_conv_matches_the_reference(layout_path: int, case: tuple[
         np.testing.assert_array_equal(_read(got, dst), want)
 
 
+DEPTHWISE = [case for case in CONVS if case[-1] > 1] + [
+    (np.uint8, np.int8, False, 2, 70, 30, 30, 70, 3, 1, 1, 1, 70),    # a 30x30 plane
+]
+
+
+@pytest.mark.parametrize("y_scale", [0.4, 1e-9], ids=["", "saturating"])
+@pytest.mark.parametrize("plane_max", [0, 1 << 30], ids=["rows", "planes"])
+@pytest.mark.parametrize("case", DEPTHWISE, ids=lambda c: "x".join(str(v) for v in c[3:]))
+def test_depthwise_split_by_rows_or_planes(layout_path: int, case: tuple[Any, ...],
+                                           plane_max: int, y_scale: float,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The depthwise kernel's two splits of the work, by output rows and by (image,
+    channel block) planes, each against the reference; with a tiny output scale the
+    scaled sums pass the int32 range both ways and every result saturates."""
+    from keel.backends.cpu import planner
+
+    monkeypatch.setattr(planner, "INT8_DEPTHWISE_PLANE_MAX_BYTES", plane_max)
+    inputs, attrs = _inputs(case)
+    inputs[6] = np.float32(y_scale)
+    want = REFERENCE.get(Op.QLINEAR_CONV, "default").fn(
+        KernelContext(np, "reference", DeviceKind.CPU), inputs, attrs, None)[0]
+    monkeypatch.setattr(qlayout, "_transpose", _no_layout_change)
+    stored = [_stored(inputs[0], "nhwc"), *inputs[1:]]
+    for threads in (1, 2):
+        got = _run(stored, attrs, "nhwc->nhwc", threads, True)
+        np.testing.assert_array_equal(_read(got, "nhwc"), want)
+
+
 def _no_layout_change(*args: Any) -> None:
     raise AssertionError("a channels-last chain node changed layouts")
 

@@ -317,6 +317,16 @@ INT8_LAYOUT_REASON = ("int8 channels-last chain of {nodes} nodes ({depthwise} de
 # 56x56 2.7 / 3.2; 96->576 at 14x14 1.6 / 2.4; 576->160 at 7x7 (90 KiB) 0.49 / 0.51;
 # 960->320 at 7x7 (300 KiB) 1.46 / 1.20; 320->1280 at 7x7 (400 KiB) 2.3 / 1.8.
 INT8_POINTWISE_PANEL_MAX_WEIGHT_BYTES = 192 * 1024
+# A channels-last depthwise convolution whose input plane, for one block of 32 channels
+# widened to int16 with its padding, is at most this size (a core's L2) splits its work by
+# (image, channel block) where that gives every thread a plane: each plane is widened once
+# and all its outputs computed with the block's taps in registers. Otherwise it splits by
+# output rows, widening the input rows under each (every row widened again for each output
+# row it feeds). Measured at batch 32, one thread, under load (ms, rows / planes):
+# 32 ch 112x112 (812 KiB) 6.3 / 4.6; 96 ch 112x112 stride 2 9.2 / 7.2; 144 ch 56x56
+# 7.3 / 5.7; 192 ch 28x28 1.8 / 1.4; 576 ch 14x14 1.4 / 1.1; 576 ch 14x14 stride 2
+# 0.48 / 0.39; 960 ch 7x7 0.67 / 0.50.
+INT8_DEPTHWISE_PLANE_MAX_BYTES = 1024 * 1024
 _LAYOUT_ROLES = {("nchw", "nhwc"): "starts it, its result written channels-last",
                  ("nhwc", "nhwc"): "inside it",
                  ("nhwc", "nchw"): "ends it, its result written NCHW"}

@@ -63,7 +63,8 @@ class _Functions:
         f = lib.function
         return cls(int(f("keel_qlayout_isa", [], _I)()),
                    f("keel_qtranspose_u8", [_P, _I, _I, _I, _P, _I], _I),
-                   f("keel_qdepthwise_nhwc_u8s8", [_P, _I, _I, _P, _P, _P, _P, _P, _P, _I], _I),
+                   f("keel_qdepthwise_nhwc_u8s8",
+                     [_P, _I, _I, _P, _P, _P, _P, _P, _P, _I, _I], _I),
                    f("keel_qpointwise_nhwc_u8s8",
                      [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I], _I))
 
@@ -271,6 +272,20 @@ def _panel_product(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> bool:
     return True
 
 
+# qlayout.c's depthwise channel block: 32 channels as int16 in one 512-bit register.
+_LANES = 32
+
+
+def _plane_bytes(geo: ConvGeometry, w: int) -> int:
+    """Bytes of one 32-channel block's input plane widened to int16, padding included
+    (what the depthwise kernel keeps whole in cache when it splits the work by planes)."""
+    (oh, ow), (kh, kw) = geo.out_spatial, geo.kernel
+    (sh, sw), (dh, dw) = geo.strides, geo.dilations
+    hp = (oh - 1) * sh + (kh - 1) * dh + 1
+    wp = max((ow - 1) * sw + (kw - 1) * dw + 1, w + geo.pads_begin[1])
+    return hp * wp * _LANES * 2
+
+
 def _depthwise(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> bool:
     fns, taps = _load(), q.packed.taps
     if fns is None or taps is None or np.abs(taps).max(initial=0) > 32767:
@@ -284,13 +299,17 @@ def _depthwise(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> bool:
                          geo.pads_begin[0], geo.pads_begin[1]], dtype=np.int64)
     lo, hi = QUANT_RANGES[DType.from_numpy(y_cl.dtype)]
     bias = None if q.bias is None else np.ascontiguousarray(q.bias, dtype=np.int32)
-    count = parts(n * oh, max(1, q.threads), max(1, planner_rules().MIN_CHUNK_TAPS
-                                                  // max(1, ow * c * kh * kw)))
+    blocks = -(-c // _LANES)
+    planes = (fns.isa > 0 and n * blocks >= q.threads
+              and _plane_bytes(geo, w) <= planner_rules().INT8_DEPTHWISE_PLANE_MAX_BYTES)
+    tasks, per_task = (n * blocks, oh * ow * _LANES) if planes else (n * oh, ow * c)
+    count = parts(tasks, max(1, q.threads), max(1, planner_rules().MIN_CHUNK_TAPS
+                                                // max(1, per_task * kh * kw)))
     rc = fns.depthwise(_ptr(x_cl), int(x_cl.dtype == np.int8), q.x_zero_point,
                        _ptr(taps), _ptr(bias),
                        _ptr(geometry), _ptr(q.multiplier),
                        _ptr(np.array([q.y_zero_point, lo, hi], dtype=np.int64)),
-                       _ptr(y_cl), count)
+                       _ptr(y_cl), int(planes), count)
     if rc == -2:
         return False
     _check(rc)

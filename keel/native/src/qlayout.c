@@ -139,8 +139,11 @@ typedef struct {
     double zp, lo, hi;
     const uint8_t *zero_row;   /* C bytes of the x zero point: the padding */
     int64_t wp;                /* AVX-512: a widened row's pixels, padding included */
+    int64_t hp;                /* AVX-512: a widened plane's rows, padding included */
+    int64_t planes;            /* tasks are (image, channel block) planes, not rows */
     int32_t *pairs;            /* AVX-512: [blocks][taps / 2][2][16], lane order */
     int32_t *lane_bias;        /* AVX-512: [blocks][2][16] */
+    double *lane_mult;         /* AVX-512: [blocks][2][16], the multipliers in lane order */
     uint8_t *y;
 } dwcl_job;
 
@@ -232,62 +235,128 @@ static inline __m128i requant16(__m512i v, __m512d m0, __m512d m1, __m512d lo, _
     return _mm512_cvtepi32_epi8(_mm512_add_epi32(r, zp));
 }
 
-/* Output row oy of image n over the 32 channels of block b: the block's tap pairs, bias
- * and multipliers held in registers across the row. */
-static void row_block_avx512(const dwcl_job *j, const int16_t *rows, int64_t b, uint8_t *out)
+/* A block's two accumulators (vlo: channel groups of four 0, 2, 4, 6; vhi: 1, 3, 5, 7)
+ * requantized into its 32 bytes in channel order: times the lane-ordered multipliers in
+ * double, clamped above to hi - zero point (a whole number, so before the rounding as
+ * after it; nothing then overflows the conversion, and an underflow converts to INT_MIN),
+ * rounded half to even by the conversion, packed to int16 with saturation, plus the zero
+ * point and clamped below to lo (saturating, so nothing wraps), packed to bytes (within
+ * their range by then) and the groups put back in order. */
+static inline __m256i requant32(__m512i vlo, __m512i vhi, const __m512d *m, __m512d hi,
+                                __m256i zp16, __m256i lo16, int is_signed_out)
+{
+    __m256i r[4];
+    const __m512i acc[2] = {vlo, vhi};
+    for (int q = 0; q < 4; q++) {
+        __m256i half = q % 2 ? _mm512_extracti64x4_epi64(acc[q / 2], 1)
+                             : _mm512_castsi512_si256(acc[q / 2]);
+        __m512d t = _mm512_min_pd(_mm512_mul_pd(_mm512_cvtepi32_pd(half), m[q]), hi);
+        r[q] = _mm512_cvtpd_epi32(t);
+    }
+    /* r: groups (0, 2), (4, 6), (1, 3), (5, 7); packed per 128-bit lane */
+    __m256i p0 = _mm256_max_epi16(_mm256_adds_epi16(_mm256_packs_epi32(r[0], r[2]), zp16), lo16);
+    __m256i p1 = _mm256_max_epi16(_mm256_adds_epi16(_mm256_packs_epi32(r[1], r[3]), zp16), lo16);
+    __m256i b = is_signed_out ? _mm256_packs_epi16(p0, p1) : _mm256_packus_epi16(p0, p1);
+    return _mm256_permute4x64_epi64(b, 0xD8);   /* (0 1)(4 5)(2 3)(6 7) -> (0 1)(2 3)(4 5)(6 7) */
+}
+
+/* A view of widened int16 input for the kernel below: element (row r, tap row ky,
+ * column x) of a block's channel c0 lies at src + r * ostep + ky * rstride + x * ld. */
+typedef struct {
+    const int16_t *src;
+    int64_t ld, rstride, ostep, rows;
+    uint8_t *out;
+    int64_t out_row;           /* bytes between output rows */
+} dw_view;
+
+/* Output rows of the view over the 32 channels of block b: the block's tap pairs, bias
+ * and multipliers held in registers across the rows (ntaps a constant where inlined).
+ * Everything the loop reads is copied to locals first: the byte stores may alias it. */
+static inline void block_avx512(const dwcl_job *j, const dw_view *v, int64_t b,
+                                const int64_t ntaps)
 {
     const int64_t *g = j->g;
-    int64_t c = g[G_C], cp = (c + CL - 1) / CL * CL, c0 = b * CL;
-    int64_t kh = g[G_KH], kw = g[G_KW], ntaps = kh * kw, npairs = (ntaps + 1) / 2;
-    int64_t nc = c - c0 < CL ? c - c0 : CL, step = g[G_SW] * cp;
+    const int64_t npairs = (ntaps + 1) / 2;
+    const int64_t c = g[G_C], c0 = b * CL, kw = g[G_KW], ow = g[G_OW], rows = v->rows;
+    const int64_t nc = c - c0 < CL ? c - c0 : CL, step = g[G_SW] * v->ld, ostep = v->ostep;
+    const int64_t out_row = v->out_row;
+    uint8_t *const out = v->out + c0;
     __m512i pairs[MAX_TAPS];
     const int16_t *base[MAX_TAPS + 1];
     const int32_t *pr = j->pairs + b * npairs * 32;
     for (int64_t p = 0; p < 2 * npairs; p++)
         pairs[p] = _mm512_loadu_si512((const void *)(pr + p * 16));
-    for (int64_t t = 0; t < ntaps; t++)
-        base[t] = rows + ((t / kw) * j->wp + (t % kw) * g[G_DW]) * cp + c0;
-    base[ntaps] = NULL;
-    __mmask8 mk[4];
+    for (int64_t t = 0; t < 2 * npairs; t++)
+        base[t] = t < ntaps ? v->src + (t / kw) * v->rstride + (t % kw) * g[G_DW] * v->ld
+                            : NULL;
     __m512d mult[4];
-    for (int q = 0; q < 4; q++) {
-        int64_t left = nc - 8 * q;
-        mk[q] = left >= 8 ? (__mmask8)0xFF : left > 0 ? (__mmask8)((1u << left) - 1) : 0;
-        mult[q] = _mm512_maskz_loadu_pd(mk[q], j->mult + c0 + 8 * q);
-    }
-    __m512i blo = _mm512_loadu_si512((const void *)(j->lane_bias + b * 32));
-    __m512i bhi = _mm512_loadu_si512((const void *)(j->lane_bias + b * 32 + 16));
-    __m512d lo = _mm512_set1_pd(j->lo - j->zp), hi = _mm512_set1_pd(j->hi - j->zp);
-    __m512i zp = _mm512_set1_epi32((int32_t)j->zp);
-    const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
-    const __m512i second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
-    for (int64_t ox = 0; ox < g[G_OW]; ox++) {
-        __m512i vlo = blo, vhi = bhi;
-        int64_t at = ox * step;
-        for (int64_t p = 0; p < npairs; p++) {
-            __m512i a = _mm512_loadu_si512((const void *)(base[2 * p] + at));
-            __m512i e = 2 * p + 1 < ntaps
-                ? _mm512_loadu_si512((const void *)(base[2 * p + 1] + at))
-                : _mm512_setzero_si512();
-            vlo = _mm512_dpwssd_epi32(vlo, _mm512_unpacklo_epi16(a, e), pairs[2 * p]);
-            vhi = _mm512_dpwssd_epi32(vhi, _mm512_unpackhi_epi16(a, e), pairs[2 * p + 1]);
+    for (int q = 0; q < 4; q++) mult[q] = _mm512_loadu_pd(j->lane_mult + b * 32 + 8 * q);
+    const __m512i blo = _mm512_loadu_si512((const void *)(j->lane_bias + b * 32));
+    const __m512i bhi = _mm512_loadu_si512((const void *)(j->lane_bias + b * 32 + 16));
+    const __m512d hi = _mm512_set1_pd(j->hi - j->zp);
+    const __m256i zp16 = _mm256_set1_epi16((int16_t)j->zp);
+    const __m256i lo16 = _mm256_set1_epi16((int16_t)j->lo);
+    const int is_signed_out = j->lo < 0;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t ox = 0; ox < ow; ox++) {
+            __m512i vlo = blo, vhi = bhi;
+            const int64_t at = r * ostep + ox * step;
+            for (int64_t p = 0; p < npairs; p++) {
+                __m512i a = _mm512_loadu_si512((const void *)(base[2 * p] + at));
+                __m512i e = 2 * p + 1 < ntaps
+                    ? _mm512_loadu_si512((const void *)(base[2 * p + 1] + at))
+                    : _mm512_setzero_si512();
+                vlo = _mm512_dpwssd_epi32(vlo, _mm512_unpacklo_epi16(a, e), pairs[2 * p]);
+                vhi = _mm512_dpwssd_epi32(vhi, _mm512_unpackhi_epi16(a, e), pairs[2 * p + 1]);
+            }
+            uint8_t *o = out + r * out_row + ox * c;
+            __m256i bytes = requant32(vlo, vhi, mult, hi, zp16, lo16, is_signed_out);
+            if (nc == CL) {
+                _mm256_storeu_si256((__m256i *)(void *)o, bytes);
+                continue;
+            }
+            uint8_t tail[CL];     /* a partial block through a buffer, as pw_tile's */
+            _mm256_storeu_si256((__m256i *)(void *)tail, bytes);
+            memcpy(o, tail, (size_t)nc);
         }
-        __m512i s0 = _mm512_permutex2var_epi64(vlo, first, vhi);
-        __m512i s1 = _mm512_permutex2var_epi64(vlo, second, vhi);
-        uint8_t *o = out + ox * c + c0;
-        __m128i r0 = requant16(s0, mult[0], mult[1], lo, hi, zp);
-        if (nc == CL) {
-            __m128i r1 = requant16(s1, mult[2], mult[3], lo, hi, zp);
-            _mm256_storeu_si256((__m256i *)(void *)o,
-                                _mm256_inserti128_si256(_mm256_castsi128_si256(r0), r1, 1));
+}
+
+/* block_avx512 with a 3x3 kernel's nine taps a constant (its pairs then stay in
+ * registers and its loop unrolls), any other count as it comes. */
+static void block_any_avx512(const dwcl_job *j, const dw_view *v, int64_t b)
+{
+    int64_t ntaps = j->g[G_KH] * j->g[G_KW];
+    if (ntaps == 9)
+        block_avx512(j, v, b, 9);
+    else
+        block_avx512(j, v, b, ntaps);
+}
+
+/* Image n's input under block b's 32 channels as int16 (x - zero point), [hp][wp][32]
+ * from input row -pad top, zeros for the padding rows, columns and channels. */
+static void widen_plane(const dwcl_job *j, int64_t n, int64_t b, int16_t *plane)
+{
+    const int64_t *g = j->g;
+    int64_t c = g[G_C], c0 = b * CL, wp = j->wp, hp = j->hp;
+    __mmask32 k = c - c0 >= CL ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (c - c0)) - 1);
+    __m512i z = _mm512_set1_epi16((int16_t)j->xz);
+    for (int64_t r = 0; r < hp; r++) {
+        int16_t *row = plane + r * wp * CL;
+        int64_t iy = r - g[G_PT];
+        if (iy < 0 || iy >= g[G_H]) {
+            memset(row, 0, (size_t)(wp * CL) * sizeof *row);
             continue;
         }
-        uint8_t tail[CL];     /* a partial block through a buffer, as pw_tile's */
-        _mm_storeu_si128((__m128i *)(void *)tail, r0);
-        if (nc > 16)
-            _mm_storeu_si128((__m128i *)(void *)(tail + 16),
-                             requant16(s1, mult[2], mult[3], lo, hi, zp));
-        memcpy(o, tail, (size_t)nc);
+        memset(row, 0, (size_t)(g[G_PL] * CL) * sizeof *row);
+        memset(row + (g[G_PL] + g[G_W]) * CL, 0,
+               (size_t)((wp - g[G_PL] - g[G_W]) * CL) * sizeof *row);
+        const uint8_t *src = j->x + (n * g[G_H] + iy) * g[G_W] * c + c0;
+        int16_t *dst = row + g[G_PL] * CL;
+        for (int64_t ix = 0; ix < g[G_W]; ix++) {
+            __m256i v = _mm256_maskz_loadu_epi8(k, src + ix * c);
+            __m512i wide = j->is_signed ? _mm512_cvtepi8_epi16(v) : _mm512_cvtepu8_epi16(v);
+            _mm512_storeu_si512((void *)(dst + ix * CL), _mm512_maskz_sub_epi16(k, wide, z));
+        }
     }
 }
 
@@ -304,6 +373,7 @@ static void arrange_lanes(dwcl_job *j)
                 int64_t ch = b * CL + (i / 4) * 8 + 4 * half + i % 4;
                 int valid = ch < c;
                 j->lane_bias[b * 32 + half * 16 + i] = valid && j->bias ? j->bias[ch] : 0;
+                j->lane_mult[b * 32 + half * 16 + i] = valid ? j->mult[ch] : 0.0;
                 for (int64_t p = 0; p < npairs; p++) {
                     int32_t wa = valid ? j->taps[2 * p * c + ch] : 0;
                     int32_t wb = valid && 2 * p + 1 < ntaps ? j->taps[(2 * p + 1) * c + ch] : 0;
@@ -315,21 +385,35 @@ static void arrange_lanes(dwcl_job *j)
 }
 #endif
 
-/* Tasks: output rows (n, oy); each computes the row's pixels over every channel. */
+/* Tasks: output rows (n, oy), each over every channel; or, with planes, (image n,
+ * channel block b), each widening the block's input plane once and computing all its
+ * output pixels with the block's taps held in registers. */
 static void dwcl_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
 {
     const dwcl_job *j = ctx;
     const int64_t *g = j->g;
-    (void)scratch;
     int64_t c = g[G_C], oh = g[G_OH], ow = g[G_OW], kh = g[G_KH], kw = g[G_KW];
+    int64_t blocks = (c + CL - 1) / CL;
     const uint8_t *px[MAX_TAPS];
+    (void)scratch, (void)blocks;
     for (int64_t t = lo; t < hi; t++) {
         int64_t n = t / oh, oy = t % oh;
 #if LAYOUT_AVX512
-        int16_t *rows = (int16_t *)(void *)scratch;
-        widen_rows(j, n, oy, rows);
-        for (int64_t b = 0; b < (c + CL - 1) / CL; b++)
-            row_block_avx512(j, rows, b, j->y + (n * oh + oy) * ow * c);
+        int16_t *wide = (int16_t *)(void *)scratch;
+        if (j->planes) {
+            int64_t image = t / blocks, b = t % blocks;
+            widen_plane(j, image, b, wide);
+            dw_view v = {wide, CL, g[G_DH] * j->wp * CL, g[G_SH] * j->wp * CL, oh,
+                         j->y + image * oh * ow * c, ow * c};
+            block_any_avx512(j, &v, b);
+            continue;
+        }
+        int64_t cp = blocks * CL;
+        widen_rows(j, n, oy, wide);
+        for (int64_t b = 0; b < blocks; b++) {
+            dw_view v = {wide + b * CL, cp, j->wp * cp, 0, 1, j->y + (n * oh + oy) * ow * c, 0};
+            block_any_avx512(j, &v, b);
+        }
         (void)px, (void)kh, (void)kw;
         continue;
 #endif
@@ -347,11 +431,14 @@ static void dwcl_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
  * with zero point xz into the NHWC 8-bit y: geometry = {N, C, H, W, OH, OW, KH, KW, SH,
  * SW, DH, DW, pad top, pad left}; taps[KH * KW][C] the weights less their zero points
  * (int16 range); bias[C] int32 (or NULL); mult[C] the multipliers; quant = {y zero
- * point, lo, hi}. Returns 0, -1 without memory, -2 past MAX_TAPS taps. */
+ * point, lo, hi}; planes: split the work into (image, 32-channel block) planes, not
+ * output rows (where the AVX-512 path runs; parts then counts planes). Returns 0, -1
+ * without memory, -2 past MAX_TAPS taps. */
 int64_t keel_qdepthwise_nhwc_u8s8(const uint8_t *x, int64_t is_signed, int64_t xz,
                                   const int32_t *taps, const int32_t *bias,
                                   const int64_t *geometry, const double *mult,
-                                  const int64_t *quant, uint8_t *y, int64_t parts)
+                                  const int64_t *quant, uint8_t *y, int64_t planes,
+                                  int64_t parts)
 {
     dwcl_job j;
     memcpy(j.g, geometry, sizeof j.g);
@@ -361,23 +448,30 @@ int64_t keel_qdepthwise_nhwc_u8s8(const uint8_t *x, int64_t is_signed, int64_t x
     int64_t blocks = (c + CL - 1) / CL, npairs = (ntaps + 1) / 2;
     uint8_t *zero_row = malloc((size_t)(blocks * CL));
     int32_t *lanes = malloc((size_t)(blocks * (npairs + 1) * 32) * sizeof *lanes);
-    if (!zero_row || !lanes) {
-        free(zero_row), free(lanes);
+    double *lane_mult = malloc((size_t)(blocks * 32) * sizeof *lane_mult);
+    if (!zero_row || !lanes || !lane_mult) {
+        free(zero_row), free(lanes), free(lane_mult);
         return -1;
     }
     memset(zero_row, (int)(uint8_t)xz, (size_t)(blocks * CL));
     j.x = x, j.is_signed = is_signed, j.xz = (int32_t)xz, j.taps = taps, j.bias = bias;
     j.mult = mult, j.zp = (double)quant[0], j.lo = (double)quant[1], j.hi = (double)quant[2];
     j.zero_row = zero_row, j.lane_bias = lanes, j.pairs = lanes + blocks * 32, j.y = y;
-    int64_t scratch = 1;
+    j.lane_mult = lane_mult;
+    int64_t scratch = 1, tasks = j.g[G_N] * j.g[G_OH];
+    j.planes = 0;
+    (void)planes;
 #if LAYOUT_AVX512
     arrange_lanes(&j);
     j.wp = (j.g[G_OW] - 1) * j.g[G_SW] + (j.g[G_KW] - 1) * j.g[G_DW] + 1;
     if (j.wp < j.g[G_W] + j.g[G_PL]) j.wp = j.g[G_W] + j.g[G_PL];
-    scratch = (j.g[G_KH] * j.wp * blocks * CL + 1) / 2;
+    j.hp = (j.g[G_OH] - 1) * j.g[G_SH] + (j.g[G_KH] - 1) * j.g[G_DH] + 1;
+    j.planes = planes != 0;
+    scratch = j.planes ? (j.hp * j.wp * CL + 1) / 2 : (j.g[G_KH] * j.wp * blocks * CL + 1) / 2;
+    if (j.planes) tasks = j.g[G_N] * blocks;
 #endif
-    int64_t rc = run_parts(dwcl_task, &j, j.g[G_N] * j.g[G_OH], parts, scratch);
-    free(zero_row), free(lanes);
+    int64_t rc = run_parts(dwcl_task, &j, tasks, parts, scratch);
+    free(zero_row), free(lanes), free(lane_mult);
     return rc;
 }
 

@@ -73,10 +73,7 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'keel' has no attribute {name!r}")
-    from keel._gc import paused
-
-    with paused():      # importing allocates only what lives on: nothing to collect
-        value = getattr(importlib.import_module(module), name)
+    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 

@@ -40,7 +40,7 @@ import numpy as np
 
 from keel._files import check_path, safe_file_name
 from keel._fork import renew_after_fork, reset_after_fork
-from keel._gc import paused, pausing
+from keel._gc import pausing
 from keel.backends.base import Backend, DeviceKind
 from keel.backends.gpu.io import as_device_array, is_device_array
 from keel.backends.registry import BackendRegistry, default_registry
@@ -829,11 +829,10 @@ class Model:
     def _program(self, planned: _Planned) -> Program:
         if planned.program is None:
             backends = {name: self._registry.get(name) for name in planned.plan.backends}
-            with paused():      # as a load: kernels imported, steps made, few freed
-                planned.program = compile_program(
-                    self._graph, planned.plan, planned.types, backends, self._pool,
-                    shape_generic=planned.generic, values=planned.values,
-                    registry=self._registry)
+            planned.program = compile_program(self._graph, planned.plan, planned.types,
+                                              backends, self._pool,
+                                              shape_generic=planned.generic,
+                                              values=planned.values, registry=self._registry)
         return planned.program
 
     def _generic_for(self, shapes: Shapes, residency: str) -> _Planned | None:

@@ -37,15 +37,6 @@ def test_a_load_restores_the_collector_as_it_was() -> None:
         gc.enable()
 
 
-def test_a_first_predict_and_a_first_public_name_restore_the_collector() -> None:
-    model = keel.load_model(_relu(), plan_cache=False)
-    model.predict({"x": np.array([-1, 2], np.float32)})        # compiles its program
-    assert gc.isenabled()
-    keel.__dict__.pop("TensorDesc", None)                     # imported again on access
-    assert keel.TensorDesc is not None
-    assert gc.isenabled()
-
-
 def test_a_failed_load_restores_the_collector() -> None:
     with pytest.raises(keel.KeelError):
         keel.load_model(b"not a model", plan_cache=False)

@@ -64,10 +64,11 @@ NOT_FOR_A_KEEL_PREDICT = ("onnx", "google.protobuf", "keel.graph.importers.onnx"
                           "keel.backends.cpu.native_qgemm", "numpy.polynomial")
 # And what a model found in the compiled-plan cache skips besides (what every process after
 # the first finds): the graph passes (and the quantization schemas their QDQ pass reads),
-# backend selection, placement's kernel variants and tuning records, and the reference
-# backend's kernels.
+# backend selection, placement itself (the plan's records are in keel.planning.plans) with
+# its kernel variants and tuning records, and the reference backend's kernels.
 NOT_FOR_A_CACHED_PREDICT = ("keel.graph.passes", "keel.graph.subgraphs",
                             "keel.ops.schemas.quantization", "keel.planning.selection",
+                            "keel.planning.placement",
                             "keel.planning.variants", "keel.planning.tuning",
                             "keel.backends.reference.kernels")
 

@@ -20,7 +20,7 @@ from keel.dtypes import DType
 from keel.errors import InvalidArgumentError
 from keel.graph.ir import Graph, Value
 from keel.ops.types import TensorType
-from keel.planning.placement import (
+from keel.planning.plans import (
     DeviceCopy,
     ExecutionPlan,
     NodePlacement,

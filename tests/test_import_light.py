@@ -54,14 +54,16 @@ def test_keel_onnxruntime_imports_neither_onnxruntime_nor_onnx() -> None:
 # importlib.metadata (2 MB: asked only when an installed distribution declares a keel
 # backend), ml_dtypes (a model without narrow types), concurrent.futures with logging (native
 # builds and tree models use threads of their own), kernel families of ops LeNet does not
-# have (the tables import a family on first use), the int8 kernels' module (a float model)
-# and numpy.polynomial (erf's coefficients).
+# have (the tables import a family on first use), the int8 kernels' module (a float model),
+# numpy.polynomial (erf's coefficients) and calibration's sweep (selection and the cache key
+# read the record, keel.planning.calibration_record).
 NOT_FOR_A_KEEL_PREDICT = ("onnx", "google.protobuf", "keel.graph.importers.onnx", "asyncio",
                           "ssl", "hashlib", "yaml", "numpy.random", "importlib.metadata",
                           "ml_dtypes", "concurrent.futures", "logging",
                           "keel.backends.cpu.trees", "keel.backends.cpu.recurrent",
                           "keel.backends.reference.elementwise",
-                          "keel.backends.cpu.native_qgemm", "numpy.polynomial")
+                          "keel.backends.cpu.native_qgemm", "numpy.polynomial",
+                          "keel.planning.calibration")
 # And what a model found in the compiled-plan cache skips besides (what every process after
 # the first finds): the graph passes (and the quantization schemas their QDQ pass reads),
 # backend selection, placement itself (the plan's records are in keel.planning.plans) with

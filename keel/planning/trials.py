@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from keel.planning.calibration import format_seconds
+from keel.planning.calibration_record import format_seconds
 
 __all__ = ["HALF_TOLERANCE", "TIMED_RUNS", "WARM_RUNS", "faster_device", "half_precision"]
 

@@ -479,7 +479,8 @@ def calibration_status() -> CalibrationStatus:
             if status.path is not None and status.calibration is None:
                 import logging  # here: a load that finds its calibration logs nothing
 
-                logging.getLogger(__name__).warning("keel calibration %s", status.reason)
+                logging.getLogger("keel.planning.calibration").warning(  # its documented name
+                    "keel calibration %s", status.reason)
         return status
 
 

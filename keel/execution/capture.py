@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from keel.backends.base import Backend, GraphCapture
 from keel.config import settings
-from keel.planning.placement import HOST
+from keel.planning.plans import HOST
 
 if TYPE_CHECKING:
     from keel.execution.program import Program

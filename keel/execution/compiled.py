@@ -13,20 +13,23 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from keel.backends.plan import NodePlan
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError
 from keel.graph.ir import Graph, Value
 from keel.ops.types import TensorType
-from keel.planning.placement import (
+from keel.planning.plans import (
     DeviceCopy,
     ExecutionPlan,
     NodePlacement,
     lower_steps,
     scratch_bytes,
 )
+
+if TYPE_CHECKING:
+    from keel.planning.interop import Region
 
 __all__ = ["CompiledModel", "EntryError", "from_json", "to_json"]
 
@@ -95,7 +98,6 @@ def from_json(graph: Graph, meta: dict[str, Any]) -> CompiledModel:
     """
     from keel.graph.memory_plan import plan_steps_for_graph
     from keel.graph.shape_inference import infer_graph_types
-    from keel.planning.interop import Region, spans
 
     sig = meta["signature"]
     shapes = {str(k): tuple(int(d) for d in s) for k, s in sig["shapes"].items()}
@@ -108,9 +110,15 @@ def from_json(graph: Graph, meta: dict[str, Any]) -> CompiledModel:
     if len(nodes) != len(graph.nodes) or any(
             n.name != g.name for n, g in zip(nodes, graph.nodes, strict=True)):
         raise EntryError("its plan does not match its graph")
-    regions = tuple(Region.from_dict(r) for r in p.get("regions", ()))
+    regions: tuple[Region, ...] = ()
+    concurrent: tuple[tuple[int, int], ...] = ()
+    if p.get("regions"):                # interop's module only for a plan with regions
+        from keel.planning.interop import Region, spans
+
+        regions = tuple(Region.from_dict(r) for r in p["regions"])
+        concurrent = spans(regions)
     memory = plan_steps_for_graph(graph, types, lower_steps(graph, nodes, copies),
-                                  concurrent=spans(regions))
+                                  concurrent=concurrent)
     # The kernels' packed weights were estimated at placement, from the registry's kernels.
     memory = dataclasses.replace(memory, prepacked_bytes=int(p["prepacked_bytes"]),
                                  workspace_bytes=scratch_bytes(nodes))

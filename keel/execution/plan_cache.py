@@ -175,7 +175,7 @@ def cache_key(digest: str, options: Mapping[str, Any], hardware: Any = None,
 
 
 def _machine(hardware: Any) -> Any:
-    from keel.planning.calibration import machine_fingerprint
+    from keel.planning.calibration_record import machine_fingerprint
 
     if hardware is None:
         return machine_fingerprint()
@@ -230,7 +230,7 @@ def _native_identity() -> dict[str, Any]:
 
 
 def _calibration_identity() -> Any:
-    from keel.planning.calibration import calibration_status
+    from keel.planning.calibration_record import calibration_status
 
     status = calibration_status()
     cal = status.calibration

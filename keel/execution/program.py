@@ -60,7 +60,7 @@ from keel.graph.ir import Graph
 from keel.graph.memory_plan import ALIGNMENT, MemoryPlan
 from keel.ops.registry import Op, OpGroup
 from keel.ops.types import TensorType
-from keel.planning.placement import HOST, ExecutionPlan, NodePlacement
+from keel.planning.plans import HOST, ExecutionPlan, NodePlacement
 from keel.planning.work import estimated_work
 
 __all__ = ["ArenaPool", "Observer", "Profiler", "Program", "compile_program"]

@@ -42,7 +42,7 @@ from keel.execution.program import ArenaPool, compile_program
 from keel.graph.ir import Graph, Node, Value
 from keel.ops.types import TensorType
 from keel.planning.calibration import Progress
-from keel.planning.placement import ExecutionPlan
+from keel.planning.plans import ExecutionPlan
 from keel.planning.tuning import (
     BACKEND,
     NodeCase,

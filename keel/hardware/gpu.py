@@ -19,7 +19,6 @@ on the PCI bus id).
 from __future__ import annotations
 
 import contextlib
-import csv
 import io
 import json
 import re
@@ -148,6 +147,8 @@ def _smi_value(raw: str) -> str | None:
 
 def parse_nvidia_smi(text: str, fields: Iterable[str] = _SMI_FIELDS) -> list[GpuInfo]:
     """Rows of ``nvidia-smi --query-gpu=<fields> --format=csv,noheader,nounits``."""
+    import csv  # here: a probe where nvidia-smi does not answer never parses CSV
+
     names = list(fields)
     gpus: list[GpuInfo] = []
     for row in csv.reader(io.StringIO(text), skipinitialspace=True):

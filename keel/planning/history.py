@@ -29,7 +29,7 @@ import numpy as np
 
 from keel.config import cache_dir
 from keel.graph.ir import Graph
-from keel.planning.calibration import fingerprint_id, hardware_fingerprint
+from keel.planning.calibration_record import fingerprint_id, hardware_fingerprint
 
 __all__ = [
     "FILE_NAME",

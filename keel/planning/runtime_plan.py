@@ -46,7 +46,6 @@ from keel.errors import BackendSelectionError, InvalidArgumentError
 from keel.hardware.profile import GIB, GpuInfo, HardwareProfile
 from keel.hardware.thermal import cpu_throttling, hot_gpus, throttled_threads
 from keel.planning.policy import RuntimePolicy
-from keel.planning.targets import classify_host
 
 __all__ = [
     "ENGINE_PRIORITY",
@@ -147,6 +146,8 @@ def plan_runtime(profile: HardwareProfile, policy: RuntimePolicy | None = None,
     for CuPy only when the profile describes this machine (``local``, by
     default decided by :func:`is_this_machine`).
     """
+    from keel.planning.targets import classify_host  # here: a model load plans no target
+
     if not isinstance(profile, HardwareProfile):
         raise InvalidArgumentError(
             f"plan_runtime needs a HardwareProfile, got {type(profile).__name__}"

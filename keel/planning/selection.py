@@ -38,7 +38,12 @@ from keel.dtypes import DType, as_dtype
 from keel.errors import InvalidArgumentError, UnsupportedOperationError
 from keel.hardware.profile import HardwareProfile
 from keel.ops.registry import Op, OpGroup, op_group, to_op
-from keel.planning.calibration import Calibration, default_calibration, format_size, group_name
+from keel.planning.calibration_record import (
+    Calibration,
+    default_calibration,
+    format_size,
+    group_name,
+)
 
 __all__ = [
     "MB",
@@ -219,7 +224,7 @@ def _why_not_viable(backend: Backend, props: OperationProperties,
 def _measured(name: str, props: OperationProperties) -> tuple[int | None, str] | None:
     """What ``keel calibrate --gpu NAME`` measured for ``props``'s group and dtype:
     (crossover in bytes, None where the backend never won; where it was measured)."""
-    from keel.planning.calibration import find_calibration
+    from keel.planning.calibration_record import find_calibration
 
     calibration = find_calibration(gpu=name).calibration
     entry = None if calibration is None else calibration.lookup(cost_group(props.op),

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from keel.planning.calibration import format_seconds
+from keel.planning.calibration_record import format_seconds
 
 __all__ = ["HALF_PRECISIONS", "HALF_TOLERANCE", "TIMED_RUNS", "WARM_RUNS", "HalfTrial",
            "faster_device", "half_precision", "try_next"]

@@ -48,7 +48,7 @@ from keel.graph.ir import Graph, Node
 from keel.hardware.profile import HardwareProfile
 from keel.ops.registry import Op
 from keel.ops.types import TensorType
-from keel.planning.calibration import (
+from keel.planning.calibration_record import (
     fingerprint_id,
     hardware_fingerprint,
     machine_fingerprint,

@@ -14,6 +14,7 @@ from onnx import TensorProto, helper
 
 import keel
 import keel.execution.model as model_module
+import keel.planning.placement as placement
 from keel.config import Settings
 from keel.dtypes import DType
 from keel.errors import BackendSelectionError, InvalidArgumentError, MemoryLimitError
@@ -147,13 +148,13 @@ def test_lists_are_read_in_the_declared_dtype() -> None:
 def test_one_program_per_input_signature(monkeypatch: pytest.MonkeyPatch,
                                          mlp_proto: Any) -> None:
     calls: list[Any] = []
-    real = model_module.place
+    real = placement.place           # what Model._place imports when it places
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         calls.append(args[1])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(model_module, "place", counting)
+    monkeypatch.setattr(placement, "place", counting)
     m = load_model(mlp_proto, backend="reference")
     assert len(calls) == 1                        # the first signature, planned at load
     for batch in (1, 4, 4, 1, 4):

@@ -7,9 +7,10 @@ is compared with keel's reference backend on this machine. Each representative k
 family runs: the GEMM (raw and packed operands, the epilogue, batches on the worker
 pool), a convolution through the GEMM's gathered tables, the Winograd transforms
 around batched products, the window kernels (pooling, depthwise conv) and the
-elementwise math (activations, softmax, layer norm), and the int8 kernels (the
-convolutions, the matmul and the residual join, and the channels-last depthwise and 1x1
-convolutions and layout changes of qlayout.c, bit for bit). Skips, saying what is missing,
+elementwise math (activations, softmax, layer norm, attention a query row at a time), the
+tree-ensemble walk, and the int8 kernels (the convolutions, the matmul and the residual
+join, and the channels-last depthwise and 1x1 convolutions and layout changes of
+qlayout.c, bit for bit). Skips, saying what is missing,
 where the cross tools are absent (CI installs them: ``.ci/run``).
 """
 
@@ -313,6 +314,81 @@ def test_depthwise_conv_matches_the_reference(arm: Arm, k: int, stride: int) -> 
         "group": c, "pads": (k // 2,) * 4, "strides": (stride, stride)})[0]
     np.testing.assert_allclose(got.array(out), np.clip(conv + z, -2.0, 2.0), rtol=1e-5,
                                atol=1e-5)
+
+
+# ---- attention a query row at a time (fastmath.c) --------------------------------------------
+@pytest.mark.parametrize("mask", ["none", "padding", "full", "causal"])
+def test_row_attention_matches_the_reference(arm: Arm, mask: str) -> None:
+    """keel_attend_rows_f32 on the calling thread and keel_attend_rows_mt_f32 on the pool:
+    scaled scores, the mask (read through its strides: outer head, inner head, row), the
+    softmax and the weighted sum of V, one query row at a time."""
+    rng = np.random.default_rng(13)
+    outer, inner, s, t, d, dv = 2, 3, 3, 37, 19, 13     # partial vectors in every width
+    q, k, v = (_random(rng, outer, inner, n, width) for n, width in ((s, d), (t, d), (t, dv)))
+    inputs, attrs = [q, k, v], {"scale": 0.3, "is_causal": mask == "causal"}
+    strides = (0, 0, 0)
+    if mask == "padding":           # GPT-2's (outer, 1, 1, t) of 0 and -inf
+        pad = np.where(rng.random((outer, 1, 1, t)) < 0.3, -np.inf, 0).astype(np.float32)
+        pad[..., -1] = 0
+        inputs.append(pad)
+        strides = (t, 0, 0)
+    elif mask == "full":            # (1, inner, s, t): the same for every outer head
+        inputs.append(_random(rng, 1, inner, s, t))
+        strides = (0, s * t, t)
+    heads = outer * inner
+    session = Session(arm)
+    bq, bk, bv = (session.script.array(a) for a in (q, k, v))
+    bmask = session.script.array(inputs[3]) if len(inputs) == 4 else None
+    layout = (inner, s, t, d, dv, *strides)
+    causal = int(mask == "causal")
+    alone, pooled = (session.script.zeros(4 * heads * s * dv) for _ in range(2))
+    rcs = [session.call("fastmath", "keel_attend_rows_f32", bq, bk, bv, bmask, alone, None,
+                        *layout, causal, 0, heads, floats=(0.3,)),
+           session.call("fastmath", "keel_attend_rows_mt_f32", bq, bk, bv, bmask, pooled,
+                        *layout, causal, heads, 2, floats=(0.3,))]
+    outs = [session.script.dump(y, np.float32, (outer, inner, s, dv)) for y in (alone, pooled)]
+    got = session.run()
+    assert [got.value(i) for i in rcs] == [0, 0]
+    want = REF.run(Op.ATTENTION, inputs, attrs=attrs)[0]
+    np.testing.assert_allclose(got.array(outs[0]), want, rtol=1e-5, atol=2e-6)
+    np.testing.assert_array_equal(got.array(outs[1]), got.array(outs[0]))
+
+
+# ---- the tree-ensemble walk (trees.c) ---------------------------------------------------------
+def test_tree_walk_matches_the_reference(arm: Arm) -> None:
+    """keel_tree_leaves_f32 and keel_tree_leaves_mt_f32 walk the forest as
+    ``keel.backends.cpu.trees`` lays it out (missing values going false); the leaves they
+    reach, summed as the cpu kernel sums them, give the reference's scores."""
+    from keel.backends.cpu import trees
+    from keel.ops.schema import get_schema
+    from keel.ops.schemas.trees import finish_scores, forest_of
+    from tests.conformance.cases_ml import _forest
+
+    rng = np.random.default_rng(14)
+    attrs = {**_forest(9, 4, 5, 2, 19), "n_targets": 2, "base_values": (0.5, -0.25)}
+    x = _random(rng, 23, 5)
+    x[rng.random(x.shape) < 0.1] = np.nan
+    forest = forest_of(Op.TREE_ENSEMBLE, get_schema(Op.TREE_ENSEMBLE).normalize_attrs(attrs))
+    walk = trees._walk_of(forest, x.dtype)
+    assert forest.only_leq and not forest.any_missing_true and walk.split.dtype == np.float32
+    session = Session(arm)
+    bx, feature, split, children, roots = (session.script.array(a) for a in (
+        x, walk.feature, walk.split, walk.children, walk.roots))
+    shape = (len(walk.roots), x.shape[0])
+    alone, pooled = (session.script.zeros(4 * shape[0] * shape[1]) for _ in range(2))
+    forest_args = (bx, x.shape[1], feature, split, children, roots, shape[0],
+                   2 * forest.n_nodes, forest.depth)
+    session.call("trees", "keel_tree_leaves_f32", *forest_args, alone, shape[1], 0, shape[1])
+    rc = session.call("trees", "keel_tree_leaves_mt_f32", *forest_args, pooled, shape[1], 2)
+    outs = [session.script.dump(leaf, np.int32, shape) for leaf in (alone, pooled)]
+    got = session.run()
+    assert got.value(rc) == 0
+    leaves = got.array(outs[0])
+    np.testing.assert_array_equal(got.array(outs[1]), leaves)
+    totals = trees._aggregate(forest, forest.leaf_values32, leaves)
+    scores = finish_scores(forest, totals, len(forest.roots))
+    want = REF.run(Op.TREE_ENSEMBLE, [x], attrs=attrs)[0]
+    np.testing.assert_allclose(scores, want, rtol=1e-5, atol=1e-6)
 
 
 # ---- the int8 kernels (qgemm.c) ------------------------------------------------------------

@@ -348,14 +348,17 @@ def test_selection_uses_the_cached_calibration_and_quotes_it(clock: FakeClock) -
 
 
 def test_a_stale_cached_file_leaves_selection_on_the_static_rules(
-        clock: FakeClock, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+        clock: FakeClock, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
     reg = costed_registry(clock)
     path = save(_calibrate(clock, registry=reg, profile=fake_profile(cpu="Elsewhere")),
                 tmp_path / "elsewhere.json")
     monkeypatch.setenv("KEEL_CALIBRATION", str(path))
     config.reload_settings()
-    assert default_calibration() is None
+    with caplog.at_level("WARNING", logger="keel.planning.calibration"):
+        assert default_calibration() is None
     assert "measured on a different machine" in calibration_status().reason
+    assert [r.name for r in caplog.records] == ["keel.planning.calibration"]  # as documented
     sel = select_backend(OperationProperties(Op.MUL, 50_000, 200_000, DType.FLOAT32),
                          registry=reg)
     assert sel.backend == "cpu" and "under 1 MB" in sel.reason

@@ -29,7 +29,6 @@ from keel.backends.cpu import (
     conv_gemm,
     depthwise,
     native_gemm,
-    native_qgemm,
     native_window,
     window,
 )
@@ -435,6 +434,8 @@ def _chains(nodes: Sequence[Any], kinds: Sequence[str | None], nhwc: set[str],
 
 def int8_reason(op: Op) -> str:
     """Why ``op`` runs on the native int8 kernel, naming the instructions it uses."""
+    from keel.backends.cpu import native_qgemm  # int8 models only
+
     isa = native_qgemm.isa() or "portable"
     return (f"{op.value}: int8 kernel, int32 accumulation with {_INT8_ISA[isa]}, weights "
             "packed once as int8, requantization fused into the store")

@@ -19,8 +19,8 @@
  *
  * Calls: every argument is an integer (addresses included, passed as 64-bit: an int32
  * parameter reads the low half) or a float. The function is called through one
- * prototype of 16 integers and 8 floats, which under the AAPCS64 and System V x86-64
- * calling conventions reaches any function of up to 16 integer and 8 float
+ * prototype of 20 integers and 8 floats, which under the AAPCS64 and System V x86-64
+ * calling conventions reaches any function of up to 20 integer and 8 float
  * parameters, in order within each kind (the integers past the registers go on the
  * stack in order, the floats in vector registers).
  */
@@ -32,13 +32,13 @@
 
 #define MAX_LIBS 16
 #define MAX_BUFS 256
-#define MAX_INTS 16
+#define MAX_INTS 20
 #define MAX_FLOATS 8
 
 typedef int64_t (*any_fn)(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                           int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                          int64_t, int64_t, float, float, float, float, float, float, float,
-                          float);
+                          int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, float,
+                          float, float, float, float, float, float);
 
 static void *libs[MAX_LIBS];
 static int nlibs;
@@ -155,7 +155,8 @@ static void call(void)
     if (nf > MAX_FLOATS) die("too many float arguments");
     get(x, (size_t)nf * 4);
     int64_t r = f(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11],
-                  a[12], a[13], a[14], a[15], x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7]);
+                  a[12], a[13], a[14], a[15], a[16], a[17], a[18], a[19], x[0], x[1], x[2],
+                  x[3], x[4], x[5], x[6], x[7]);
     fputc('C', out);
     fwrite(&r, 8, 1, out);
     free(name);

@@ -122,6 +122,11 @@ CONVS = [
     (np.int8, np.int8, False, 1, 2, 70, 66, 2, 3, 2, 1, 1, 2),
     (np.uint8, np.int8, True, 1, 3, 20, 75, 8, 7, 2, 3, 1, 1),      # stride 2, rows past 32
     (np.uint8, np.int8, False, 2, 5, 9, 8, 6, 1, 2, 0, 1, 1),       # 1x1 stride 2
+    # strided, without im2col: the padded image split into the strides' phases
+    (np.uint8, np.int8, False, 2, 6, 11, 10, 8, 3, 2, 1, 1, 1),     # odd and even sides
+    (np.int8, np.int8, False, 1, 3, 23, 21, 7, 7, 2, 3, 1, 1),      # 7x7 stride 2
+    (np.uint8, np.int8, False, 1, 5, 10, 13, 6, 3, 3, 0, 1, 1),     # stride 3, no padding
+    (np.uint8, np.int8, False, 1, 9, 40, 44, 13, 3, 2, 1, 1, 1),    # rows past 16 pixels
 ]
 
 

@@ -138,7 +138,7 @@ class PackedConv:
     zero_points: np.ndarray      # (M,) int32, shifted like the weights
     row_sums: np.ndarray         # (M,) int32: sum over k of the shifted weights
     shape: tuple[int, ...]
-    # [M][kh][kw][c4] (c4: C/g rounded up to 4) for the stride-1 kernel without im2col;
+    # [M][kh][kw][c4] (c4: C/g rounded up to 4) for the kernel without im2col (any stride);
     # None when a weight zero point is not 0
     direct: np.ndarray | None = None
     taps: np.ndarray | None = None       # (M, kh * kw) int8: one input channel per output
@@ -209,8 +209,7 @@ def conv2d(x: np.ndarray, x_zero_point: int, packed: PackedConv, geo: ConvGeomet
             if rc != -2:
                 _check(rc)
                 return
-    if packed.direct is not None and geo.group == 1 and geo.strides == (1, 1) and \
-            geo.dilations == (1, 1):
+    if packed.direct is not None and geo.group == 1 and geo.dilations == (1, 1):
         c4 = packed.direct.shape[1] // (kh * kw)
         rc = fns.direct(_ptr(xc), shift, xz & 0xFF, _ptr(packed.direct), c4, _ptr(geometry),
                         _ptr(bias_r), _ptr(mult), _ptr(quant), _ptr(y), count)

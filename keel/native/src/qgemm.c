@@ -509,61 +509,95 @@ int64_t keel_qconv2d_u8s8(const uint8_t *x, int64_t flip, int64_t pad, const uin
     return run_parts(qconv_task, &j, j.g[Q_N] * j.g[Q_G] * j.blocks, parts, scratch);
 }
 
-/* ---- stride-1 convolution without im2col ---------------------------------------------
+/* ---- convolution without im2col ---------------------------------------------------
  *
- * The image is copied once into a zero-point-padded layout of channel quads,
- * [C4/4][Hp * Wp + slack][4] (four channels' bytes side by side per padded pixel), and
- * the outputs are computed over padded row positions p = oy * Wp + ox (ox < Wp; the
- * columns past OW are computed and dropped). For tap (ky, kx) and channel quad cq, the
- * 64 pixels of a block are then 256 contiguous bytes of that layout, at
- * ((cq * plane + p0 + ky * Wp + kx) * 4): the tile reads them in place, through one
- * offset per k quad, with the weights packed in the same order, [M][KH][KW][C4]. */
+ * The image is copied once into a zero-point-padded layout of channel quads (four
+ * channels' bytes side by side per padded pixel), and the outputs are computed over
+ * padded row positions p = oy * Wq + ox (ox < Wq; the columns past OW are computed and
+ * dropped). With stride 1 that layout is [C4/4][Hp * Wp + slack][4]: for tap (ky, kx)
+ * and channel quad cq, the 64 pixels of a block are 256 contiguous bytes, at
+ * ((cq * plane + p0 + ky * Wp + kx) * 4). With strides (sh, sw) the padded image is
+ * split into sh * sw phases (phase (ry, rx): the padded pixels (y, x) with y = ry and
+ * x = rx modulo the strides, [Hq][Wq] each, Hq = Hp / sh and Wq = Wp / sw rounded up),
+ * [sh * sw][C4/4][Hq * Wq + slack][4]: output (oy, ox) reads tap (ky, kx) at phase
+ * (ky mod sh, kx mod sw), position (oy + ky / sh) * Wq + ox + kx / sw, so a block's
+ * pixels are again contiguous. The tile reads them in place, through one offset per k
+ * quad, with the weights packed in the same order, [M][KH][KW][C4]. */
 
 typedef struct {
     const uint8_t *x, *w;
     int64_t g[Q_LEN];
-    int64_t c4, hp, wp, plane, kp, blocks;
+    int64_t c4, hp, wp, plane, kp, blocks;   /* hp, wp: a phase's padded rows and columns */
+    int64_t wfull;                           /* the padded image's columns */
     uint8_t flip, pad;
     requant q;
     void *y;
 } qdirect_job;
 
-static void build_quads(const qdirect_job *j, int64_t n, uint8_t *xq)
+/* Padded input row y of channel quad cq (its four channels' rows at src) as quads,
+ * into line[0, wfull): the zero point where the row has no pixel. */
+static void quad_line(const qdirect_job *j, const uint8_t *const src[4], int64_t y,
+                      uint32_t *line)
+{
+    int64_t w = j->g[Q_W];
+    uint32_t pad = (uint32_t)j->pad * 0x01010101u, flip = (uint32_t)j->flip * 0x01010101u;
+    for (int64_t i = 0; i < j->wfull; i++) line[i] = pad;
+    uint32_t *row = line + j->g[Q_PL];
+    int64_t xx = 0;
+#if defined(__SSE2__)
+    /* 16 pixels at a time: the four channels' bytes interleaved by unpacking */
+    __m128i vflip = _mm_set1_epi8((char)j->flip);
+    for (; xx + 16 <= w; xx += 16) {
+        __m128i c[4];
+        for (int r = 0; r < 4; r++)
+            c[r] = src[r] ? _mm_loadu_si128((const __m128i *)(const void *)(src[r] + y * w + xx))
+                          : _mm_setzero_si128();
+        __m128i lo01 = _mm_unpacklo_epi8(c[0], c[1]), hi01 = _mm_unpackhi_epi8(c[0], c[1]);
+        __m128i lo23 = _mm_unpacklo_epi8(c[2], c[3]), hi23 = _mm_unpackhi_epi8(c[2], c[3]);
+        __m128i *out = (__m128i *)(void *)(row + xx);
+        _mm_storeu_si128(out, _mm_xor_si128(_mm_unpacklo_epi16(lo01, lo23), vflip));
+        _mm_storeu_si128(out + 1, _mm_xor_si128(_mm_unpackhi_epi16(lo01, lo23), vflip));
+        _mm_storeu_si128(out + 2, _mm_xor_si128(_mm_unpacklo_epi16(hi01, hi23), vflip));
+        _mm_storeu_si128(out + 3, _mm_xor_si128(_mm_unpackhi_epi16(hi01, hi23), vflip));
+    }
+#endif
+    for (; xx < w; xx++) {
+        uint32_t v = 0;
+        for (int r = 0; r < 4; r++) v |= (uint32_t)(src[r] ? src[r][y * w + xx] : 0) << (8 * r);
+        row[xx] = v ^ flip;
+    }
+}
+
+/* Image n as padded channel quads, split into the strides' phases (see above); only
+ * the phases some tap reads (ry < KH, rx < KW). line: scratch for one padded row. */
+static void build_quads(const qdirect_job *j, int64_t n, uint8_t *xq, uint32_t *line)
 {
     const int64_t *g = j->g;
-    int64_t c = g[Q_C], h = g[Q_H], w = g[Q_W];
-    uint32_t pad = (uint32_t)j->pad * 0x01010101u, flip = (uint32_t)j->flip * 0x01010101u;
-    for (int64_t cq = 0; cq < j->c4 / 4; cq++) {
-        uint32_t *dst = (uint32_t *)(void *)(xq + cq * j->plane * 4);
-        for (int64_t i = 0; i < j->plane; i++) dst[i] = pad;
+    int64_t c = g[Q_C], h = g[Q_H], w = g[Q_W], sh = g[Q_SH], sw = g[Q_SW], cq4 = j->c4 / 4;
+    int64_t ry_end = sh < g[Q_KH] ? sh : g[Q_KH], rx_end = sw < g[Q_KW] ? sw : g[Q_KW];
+    uint32_t pad = (uint32_t)j->pad * 0x01010101u;
+    uint32_t *all = (uint32_t *)(void *)xq;
+    for (int64_t ry = 0; ry < ry_end; ry++)
+        for (int64_t rx = 0; rx < rx_end; rx++) {
+            uint32_t *phase = all + (ry * sw + rx) * cq4 * j->plane;
+            for (int64_t i = 0; i < cq4 * j->plane; i++) phase[i] = pad;
+        }
+    for (int64_t cq = 0; cq < cq4; cq++) {
         const uint8_t *src[4];
         for (int r = 0; r < 4; r++)
             src[r] = 4 * cq + r < c ? j->x + ((n * c) + 4 * cq + r) * h * w : NULL;
         for (int64_t y = 0; y < h; y++) {
-            uint32_t *row = dst + (y + g[Q_PT]) * j->wp + g[Q_PL];
-            int64_t xx = 0;
-#if defined(__SSE2__)
-            /* 16 pixels at a time: the four channels' bytes interleaved by unpacking */
-            __m128i vflip = _mm_set1_epi8((char)j->flip);
-            for (; xx + 16 <= w; xx += 16) {
-                __m128i c[4];
-                for (int r = 0; r < 4; r++)
-                    c[r] = src[r] ? _mm_loadu_si128((const __m128i *)(const void *)(
-                                        src[r] + y * w + xx)) : _mm_setzero_si128();
-                __m128i lo01 = _mm_unpacklo_epi8(c[0], c[1]), hi01 = _mm_unpackhi_epi8(c[0], c[1]);
-                __m128i lo23 = _mm_unpacklo_epi8(c[2], c[3]), hi23 = _mm_unpackhi_epi8(c[2], c[3]);
-                __m128i *out = (__m128i *)(void *)(row + xx);
-                _mm_storeu_si128(out, _mm_xor_si128(_mm_unpacklo_epi16(lo01, lo23), vflip));
-                _mm_storeu_si128(out + 1, _mm_xor_si128(_mm_unpackhi_epi16(lo01, lo23), vflip));
-                _mm_storeu_si128(out + 2, _mm_xor_si128(_mm_unpacklo_epi16(hi01, hi23), vflip));
-                _mm_storeu_si128(out + 3, _mm_xor_si128(_mm_unpackhi_epi16(hi01, hi23), vflip));
-            }
-#endif
-            for (; xx < w; xx++) {
-                uint32_t v = 0;
-                for (int r = 0; r < 4; r++)
-                    v |= (uint32_t)(src[r] ? src[r][y * w + xx] : 0) << (8 * r);
-                row[xx] = v ^ flip;
+            int64_t yp = y + g[Q_PT];
+            if (yp % sh >= ry_end) continue;
+            quad_line(j, src, y, line);
+            for (int64_t rx = 0; rx < rx_end; rx++) {
+                uint32_t *dst = all + (((yp % sh) * sw + rx) * cq4 + cq) * j->plane +
+                                (yp / sh) * j->wp;
+                if (sw == 1) {
+                    memcpy(dst, line, (size_t)j->wfull * sizeof *line);
+                    continue;
+                }
+                for (int64_t x = rx, i = 0; x < j->wfull; x += sw, i++) dst[i] = line[x];
             }
         }
     }
@@ -613,15 +647,19 @@ static void qdirect_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
     int32_t *acc = (int32_t *)scratch;
     int64_t *offsets = (int64_t *)(acc + MR * NB);
     uint8_t *xq = (uint8_t *)(offsets + k4);
+    uint32_t *line = (uint32_t *)(void *)(xq + g[Q_SH] * g[Q_SW] * j->c4 * j->plane);
     for (int64_t q = 0; q < k4; q++) {
         int64_t cq = q % (j->c4 / 4), tap = q / (j->c4 / 4);
-        offsets[q] = (cq * j->plane + (tap / g[Q_KW]) * j->wp + tap % g[Q_KW]) * 4;
+        int64_t ky = tap / g[Q_KW], kx = tap % g[Q_KW];
+        int64_t phase = (ky % g[Q_SH]) * g[Q_SW] + kx % g[Q_SW];
+        offsets[q] = ((phase * (j->c4 / 4) + cq) * j->plane + (ky / g[Q_SH]) * j->wp +
+                      kx / g[Q_SW]) * 4;
     }
     int64_t built = -1;
     for (int64_t t = lo; t < hi; t++) {
         int64_t n = t / j->blocks, p0 = (t % j->blocks) * NB;
         if (n != built) {
-            build_quads(j, n, xq);
+            build_quads(j, n, xq, line);
             built = n;
         }
         char *yn = (char *)j->y + n * m * pixels * (j->q.kind == KIND_F32 ? 4 : 1);
@@ -673,11 +711,11 @@ static void qdirect_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
 /* Floats of scratch keel_qconv2d_direct_u8s8 needs per thread for this geometry. */
 static int64_t direct_scratch(const qdirect_job *j)
 {
-    return MR * NB + 2 * (j->kp / 4) + j->c4 / 4 * j->plane;
+    return MR * NB + 2 * (j->kp / 4) + j->g[Q_SH] * j->g[Q_SW] * j->c4 / 4 * j->plane + j->wfull;
 }
 
-/* keel_qconv2d_u8s8 for stride 1, one group and weight zero points all 0, from weights
- * packed as [M][KH][KW][c4] (c4: C rounded up to 4), kp = KH * KW * c4. */
+/* keel_qconv2d_u8s8 for one group, no dilation and weight zero points all 0, from
+ * weights packed as [M][KH][KW][c4] (c4: C rounded up to 4), kp = KH * KW * c4. */
 int64_t keel_qconv2d_direct_u8s8(const uint8_t *x, int64_t flip, int64_t pad, const uint8_t *w,
                                  int64_t c4, const int64_t *geometry, const int32_t *bias_r,
                                  const double *mult, const int64_t *quant, void *y,
@@ -685,21 +723,25 @@ int64_t keel_qconv2d_direct_u8s8(const uint8_t *x, int64_t flip, int64_t pad, co
 {
     qdirect_job j;
     memcpy(j.g, geometry, sizeof j.g);
-    if (j.g[Q_N] <= 0 || j.g[Q_OH] <= 0 || j.g[Q_OW] <= 0) return 0;
-    if (j.g[Q_SH] != 1 || j.g[Q_SW] != 1 || j.g[Q_G] != 1 || c4 % 4) return -2;
+    const int64_t *g = j.g;
+    if (g[Q_N] <= 0 || g[Q_OH] <= 0 || g[Q_OW] <= 0) return 0;
+    if (g[Q_SH] <= 0 || g[Q_SW] <= 0 || g[Q_G] != 1 || c4 % 4 || g[Q_DH] != 1 || g[Q_DW] != 1)
+        return -2;
     j.x = x, j.w = w, j.c4 = c4;
-    j.hp = j.g[Q_OH] + (j.g[Q_KH] - 1) * j.g[Q_DH];
-    j.wp = j.g[Q_OW] + (j.g[Q_KW] - 1) * j.g[Q_DW];
-    if (j.g[Q_DH] != 1 || j.g[Q_DW] != 1) return -2;
-    if (j.hp < j.g[Q_H] + j.g[Q_PT] || j.wp < j.g[Q_W] + j.g[Q_PL]) return -2;
-    j.plane = j.hp * j.wp + NB + j.g[Q_KW] + 16;
-    j.kp = j.g[Q_KH] * j.g[Q_KW] * c4;
-    j.blocks = (j.g[Q_OH] * j.wp + NB - 1) / NB;
+    int64_t hfull = (g[Q_OH] - 1) * g[Q_SH] + g[Q_KH], wfull = (g[Q_OW] - 1) * g[Q_SW] + g[Q_KW];
+    if (hfull < g[Q_H] + g[Q_PT]) hfull = g[Q_H] + g[Q_PT];
+    if (wfull < g[Q_W] + g[Q_PL]) wfull = g[Q_W] + g[Q_PL];
+    j.wfull = wfull;
+    j.hp = (hfull + g[Q_SH] - 1) / g[Q_SH];
+    j.wp = (wfull + g[Q_SW] - 1) / g[Q_SW];
+    j.plane = j.hp * j.wp + NB + g[Q_KW] + 16;
+    j.kp = g[Q_KH] * g[Q_KW] * c4;
+    j.blocks = (g[Q_OH] * j.wp + NB - 1) / NB;
     j.flip = (uint8_t)flip, j.pad = (uint8_t)pad;
     j.q = (requant){bias_r, NULL, NULL, NULL, NULL, mult, 0, quant[0], quant[1], quant[2],
                     quant[3]};
     j.y = y;
-    return run_parts(qdirect_task, &j, j.g[Q_N] * j.blocks, parts, direct_scratch(&j));
+    return run_parts(qdirect_task, &j, g[Q_N] * j.blocks, parts, direct_scratch(&j));
 }
 
 /* ---- depthwise convolution ---------------------------------------------------------------

@@ -127,6 +127,10 @@ CONVS = [
     (np.int8, np.int8, False, 1, 3, 23, 21, 7, 7, 2, 3, 1, 1),      # 7x7 stride 2
     (np.uint8, np.int8, False, 1, 5, 10, 13, 6, 3, 3, 0, 1, 1),     # stride 3, no padding
     (np.uint8, np.int8, False, 1, 9, 40, 44, 13, 3, 2, 1, 1, 1),    # rows past 16 pixels
+    # small maps: a block of 64 positions spans images stacked with shared padding
+    (np.uint8, np.int8, False, 5, 8, 4, 5, 10, 3, 1, 1, 1, 1),
+    (np.int8, np.int8, False, 4, 6, 7, 6, 9, 3, 2, 1, 1, 1),
+    (np.uint8, np.int8, False, 3, 4, 5, 5, 6, 1, 1, 2, 1, 1),       # padding past the kernel
 ]
 
 
@@ -142,6 +146,24 @@ def _conv_inputs(case: tuple[Any, ...]) -> tuple[list[Any], dict[str, Any]]:
 
 @pytest.mark.parametrize("case", CONVS, ids=lambda c: "x".join(str(v) for v in c[3:]))
 def test_qlinear_conv_matches_the_reference(path: str, case: tuple[Any, ...]) -> None:
+    inputs, attrs = _conv_inputs(case)
+    want = _reference(Op.QLINEAR_CONV, inputs, attrs)
+    for threads, prepack in ((1, False), (2, True)):
+        got = _run(CPU, Op.QLINEAR_CONV, inputs, attrs, "int8", threads, prepack)
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("chunk_positions", [1, 60, 200])
+@pytest.mark.parametrize("case", [(np.uint8, np.int8, False, 5, 8, 6, 7, 14, 3, 1, 1, 1, 1),
+                                  (np.int8, np.int8, False, 5, 5, 9, 8, 7, 3, 2, 1, 1, 1)],
+                         ids=["stride-1", "stride-2"])
+def test_direct_convolution_in_chunks_of_images(path: str, monkeypatch: pytest.MonkeyPatch,
+                                                chunk_positions: int,
+                                                case: tuple[Any, ...]) -> None:
+    """Images stacked a few at a time (one each, two or three with a partial last chunk,
+    all five): blocks that span images, chunks split between threads."""
+    monkeypatch.setattr(cpu_planner, "INT8_DIRECT_CHUNK_POSITIONS", chunk_positions)
+    monkeypatch.setattr(cpu_planner, "MIN_FLOPS_PER_THREAD", 1)
     inputs, attrs = _conv_inputs(case)
     want = _reference(Op.QLINEAR_CONV, inputs, attrs)
     for threads, prepack in ((1, False), (2, True)):

@@ -70,7 +70,8 @@ def _bind(lib: native.NativeLibrary) -> _Functions:
         matmul=f("keel_qmatmul_u8s8", [_P, _P, _I, _I, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I],
                  _I),
         conv=f("keel_qconv2d_u8s8", [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P, _I], _I),
-        direct=f("keel_qconv2d_direct_u8s8", [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _I], _I),
+        direct=f("keel_qconv2d_direct_u8s8", [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _I, _I],
+                 _I),
         depthwise=f("keel_qdepthwise_u8s8", [_P, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I], _I),
         depthwise_lanes=f("keel_qdepthwise_cl_u8s8", [_P, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I],
                           _I),
@@ -212,7 +213,8 @@ def conv2d(x: np.ndarray, x_zero_point: int, packed: PackedConv, geo: ConvGeomet
     if packed.direct is not None and geo.group == 1 and geo.dilations == (1, 1):
         c4 = packed.direct.shape[1] // (kh * kw)
         rc = fns.direct(_ptr(xc), shift, xz & 0xFF, _ptr(packed.direct), c4, _ptr(geometry),
-                        _ptr(bias_r), _ptr(mult), _ptr(quant), _ptr(y), count)
+                        _ptr(bias_r), _ptr(mult), _ptr(quant), _ptr(y),
+                        planner_rules().INT8_DIRECT_CHUNK_POSITIONS, count)
         if rc != -2:
             _check(rc)
             return

@@ -295,6 +295,11 @@ QADD_MIN_ELEMENTS_PER_THREAD = 32_768
 # plane (MobileNetV2's 14x14 and 7x7 layers ran ~5-50x slower than onnxruntime's).
 INT8_DEPTHWISE_LANES_MAX_PIXELS = 1024
 
+# The int8 direct convolution stacks this many padded positions' worth of images into one
+# layout (their padding shared), so a block of 64 positions may span images: on ResNet-20's
+# 8x8 maps one image alone is 80 positions, two blocks of 64 for 64 outputs.
+INT8_DIRECT_CHUNK_POSITIONS = 2048
+
 
 def int8_reason(op: Op) -> str:
     """Why ``op`` runs on the native int8 kernel, naming the instructions it uses."""

@@ -511,37 +511,42 @@ int64_t keel_qconv2d_u8s8(const uint8_t *x, int64_t flip, int64_t pad, const uin
 
 /* ---- convolution without im2col ---------------------------------------------------
  *
- * The image is copied once into a zero-point-padded layout of channel quads (four
+ * The images are copied once into a zero-point-padded layout of channel quads (four
  * channels' bytes side by side per padded pixel), and the outputs are computed over
- * padded row positions p = oy * Wq + ox (ox < Wq; the columns past OW are computed and
- * dropped). With stride 1 that layout is [C4/4][Hp * Wp + slack][4]: for tap (ky, kx)
- * and channel quad cq, the 64 pixels of a block are 256 contiguous bytes, at
- * ((cq * plane + p0 + ky * Wp + kx) * 4). With strides (sh, sw) the padded image is
- * split into sh * sw phases (phase (ry, rx): the padded pixels (y, x) with y = ry and
- * x = rx modulo the strides, [Hq][Wq] each, Hq = Hp / sh and Wq = Wp / sw rounded up),
- * [sh * sw][C4/4][Hq * Wq + slack][4]: output (oy, ox) reads tap (ky, kx) at phase
- * (ky mod sh, kx mod sw), position (oy + ky / sh) * Wq + ox + kx / sw, so a block's
- * pixels are again contiguous. The tile reads them in place, through one offset per k
- * quad, with the weights packed in the same order, [M][KH][KW][C4]. */
+ * padded positions p = (image * Hs + oy) * Ws + ox: the columns past OW and the rows
+ * past OH are computed and dropped. A chunk of images is stacked in one layout, each
+ * image's padding shared with its neighbours' (the rows below one image are the rows
+ * above the next, as the columns right of a row are the columns left of the next), so
+ * a block of 64 positions may span images and small maps waste fewer columns.
+ *
+ * With stride 1 that layout is [C4/4][chunk * Hs * Ws + slack][4]: for tap (ky, kx)
+ * and channel quad cq, the 64 positions of a block are 256 contiguous bytes, at
+ * ((cq * plane + p0 + ky * Ws + kx) * 4). With strides (sh, sw) the padded images are
+ * split into sh * sw phases (phase (ry, rx): the padded pixels whose row and column are
+ * ry and rx modulo the strides), [sh * sw][C4/4][plane][4], Hs and Ws then counting a
+ * phase's rows and columns: output (oy, ox) reads tap (ky, kx) at phase (ky mod sh,
+ * kx mod sw), position (oy + ky / sh) * Ws + ox + kx / sw, so a block's positions are
+ * again contiguous. The tile reads them in place, through one offset per k quad, with
+ * the weights packed in the same order, [M][KH][KW][C4]. */
 
 typedef struct {
     const uint8_t *x, *w;
     int64_t g[Q_LEN];
-    int64_t c4, hp, wp, plane, kp, blocks;   /* hp, wp: a phase's padded rows and columns */
-    int64_t wfull;                           /* the padded image's columns */
+    int64_t c4, hs, ws, plane, kp;   /* hs, ws: a phase's rows per image, columns per row */
+    int64_t chunk, blocks;           /* images per chunk; blocks of NB positions per chunk */
     uint8_t flip, pad;
     requant q;
     void *y;
 } qdirect_job;
 
 /* Padded input row y of channel quad cq (its four channels' rows at src) as quads,
- * into line[0, wfull): the zero point where the row has no pixel. */
+ * into line[0, Ws * sw): the zero point where the row has no pixel. */
 static void quad_line(const qdirect_job *j, const uint8_t *const src[4], int64_t y,
                       uint32_t *line)
 {
     int64_t w = j->g[Q_W];
     uint32_t pad = (uint32_t)j->pad * 0x01010101u, flip = (uint32_t)j->flip * 0x01010101u;
-    for (int64_t i = 0; i < j->wfull; i++) line[i] = pad;
+    for (int64_t i = 0; i < j->ws * j->g[Q_SW]; i++) line[i] = pad;
     uint32_t *row = line + j->g[Q_PL];
     int64_t xx = 0;
 #if defined(__SSE2__)
@@ -568,9 +573,11 @@ static void quad_line(const qdirect_job *j, const uint8_t *const src[4], int64_t
     }
 }
 
-/* Image n as padded channel quads, split into the strides' phases (see above); only
- * the phases some tap reads (ry < KH, rx < KW). line: scratch for one padded row. */
-static void build_quads(const qdirect_job *j, int64_t n, uint8_t *xq, uint32_t *line)
+/* Images [n0, n0 + count) as padded channel quads, stacked and split into the strides'
+ * phases (see above); only the phases some tap reads (ry < KH, rx < KW). line: scratch
+ * for one padded row. */
+static void build_quads(const qdirect_job *j, int64_t n0, int64_t count, uint8_t *xq,
+                        uint32_t *line)
 {
     const int64_t *g = j->g;
     int64_t c = g[Q_C], h = g[Q_H], w = g[Q_W], sh = g[Q_SH], sw = g[Q_SW], cq4 = j->c4 / 4;
@@ -582,60 +589,82 @@ static void build_quads(const qdirect_job *j, int64_t n, uint8_t *xq, uint32_t *
             uint32_t *phase = all + (ry * sw + rx) * cq4 * j->plane;
             for (int64_t i = 0; i < cq4 * j->plane; i++) phase[i] = pad;
         }
-    for (int64_t cq = 0; cq < cq4; cq++) {
-        const uint8_t *src[4];
-        for (int r = 0; r < 4; r++)
-            src[r] = 4 * cq + r < c ? j->x + ((n * c) + 4 * cq + r) * h * w : NULL;
-        for (int64_t y = 0; y < h; y++) {
-            int64_t yp = y + g[Q_PT];
-            if (yp % sh >= ry_end) continue;
-            quad_line(j, src, y, line);
-            for (int64_t rx = 0; rx < rx_end; rx++) {
-                uint32_t *dst = all + (((yp % sh) * sw + rx) * cq4 + cq) * j->plane +
-                                (yp / sh) * j->wp;
-                if (sw == 1) {
-                    memcpy(dst, line, (size_t)j->wfull * sizeof *line);
-                    continue;
+    for (int64_t img = 0; img < count; img++)
+        for (int64_t cq = 0; cq < cq4; cq++) {
+            const uint8_t *src[4];
+            for (int r = 0; r < 4; r++)
+                src[r] = 4 * cq + r < c ? j->x + (((n0 + img) * c) + 4 * cq + r) * h * w : NULL;
+            for (int64_t y = 0; y < h; y++) {
+                int64_t yp = y + g[Q_PT];
+                if (yp % sh >= ry_end) continue;
+                quad_line(j, src, y, line);
+                for (int64_t rx = 0; rx < rx_end; rx++) {
+                    uint32_t *dst = all + (((yp % sh) * sw + rx) * cq4 + cq) * j->plane +
+                                    (img * j->hs + yp / sh) * j->ws;
+                    if (sw == 1) {
+                        memcpy(dst, line, (size_t)j->ws * sizeof *line);
+                        continue;
+                    }
+                    for (int64_t i = 0; i < j->ws; i++) dst[i] = line[rx + i * sw];
                 }
-                for (int64_t x = rx, i = 0; x < j->wfull; x += sw, i++) dst[i] = line[x];
             }
         }
-    }
+}
+
+/* Position p of a chunk: in *at the output index (image * M * OH * OW + oy * OW + ox) it
+ * computes, and whether that is an output at all (ox < OW, oy < OH). */
+static inline int position_output(const qdirect_job *j, int64_t p, int64_t *at)
+{
+    const int64_t *g = j->g;
+    int64_t row = p / j->ws, ox = p % j->ws, img = row / j->hs, oy = row % j->hs;
+    *at = img * g[Q_M] * g[Q_OH] * g[Q_OW] + oy * g[Q_OW] + ox;
+    return ox < g[Q_OW] && oy < g[Q_OH];
 }
 
 #if QISA == 2 && defined(__AVX512VBMI2__)
-/* Which of a block's 64 padded positions are output pixels (ox < OW, oy < OH), how
- * many, and the output index of the first. */
+/* A block's output columns of one image: which of the 64 positions, how many, and the
+ * output index of the first (the rest follow it in order). */
 typedef struct {
     __mmask64 mask;
     int64_t count, first;
 } block_columns;
 
-static block_columns valid_columns(const qdirect_job *j, int64_t p0)
+/* The block at p0's output columns, one entry per image they belong to (positions
+ * before `end` only); returns how many entries. Steps through the positions' rows and
+ * images rather than dividing for each. */
+static int64_t block_runs(const qdirect_job *j, int64_t p0, int64_t end, block_columns *runs)
 {
-    block_columns b = {0, 0, -1};
-    int64_t ow = j->g[Q_OW], end = j->g[Q_OH] * j->wp;
+    const int64_t *g = j->g;
+    int64_t nrun = 0, last = -1;
+    int64_t row = p0 / j->ws, ox = p0 % j->ws, img = row / j->hs, oy = row % j->hs;
     for (int64_t t = 0; t < NB && p0 + t < end; t++) {
-        int64_t oy = (p0 + t) / j->wp, ox = (p0 + t) % j->wp;
-        if (ox >= ow) continue;
-        b.mask |= (__mmask64)1 << t;
-        if (b.first < 0) b.first = oy * ow + ox;
-        b.count++;
+        if (ox < g[Q_OW] && oy < g[Q_OH]) {
+            if (img != last) {
+                last = img;
+                runs[nrun++] = (block_columns){0, 0, img * g[Q_M] * g[Q_OH] * g[Q_OW] +
+                                                         oy * g[Q_OW] + ox};
+            }
+            runs[nrun - 1].mask |= (__mmask64)1 << t;
+            runs[nrun - 1].count++;
+        }
+        if (++ox == j->ws) {
+            ox = 0;
+            if (++oy == j->hs) oy = 0, img++;
+        }
     }
-    return b;
+    return nrun;
 }
 #endif
 
-/* The padded positions from p to the end of p's padded output row or of block p0: how
- * many (what p steps by), and in *len how many of them are outputs (0 in the row's
- * padding), the first of which is output *at. */
+/* The positions from p to the end of p's row or of block p0: how many (what p steps
+ * by), and in *len how many of them are outputs (0 in the padding), the first of which
+ * is output *at. */
 static inline int64_t padded_run(const qdirect_job *j, int64_t p, int64_t p0, int64_t *len,
                                  int64_t *at)
 {
-    int64_t ow = j->g[Q_OW], oy = p / j->wp, ox = p % j->wp;
-    int64_t run = j->wp - ox < p0 + NB - p ? j->wp - ox : p0 + NB - p;
-    *len = ox >= ow ? 0 : ow - ox < run ? ow - ox : run;
-    *at = oy * ow + ox;
+    int64_t ox = p % j->ws, ow = j->g[Q_OW];
+    int64_t run = j->ws - ox < p0 + NB - p ? j->ws - ox : p0 + NB - p;
+    *len = !position_output(j, p, at) ? 0 : ow - ox < run ? ow - ox : run;
     return run;
 }
 
@@ -643,7 +672,7 @@ static void qdirect_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
 {
     const qdirect_job *j = ctx;
     const int64_t *g = j->g;
-    int64_t m = g[Q_M], oh = g[Q_OH], pixels = oh * g[Q_OW], k4 = j->kp / 4;
+    int64_t m = g[Q_M], pixels = g[Q_OH] * g[Q_OW], k4 = j->kp / 4;
     int32_t *acc = (int32_t *)scratch;
     int64_t *offsets = (int64_t *)(acc + MR * NB);
     uint8_t *xq = (uint8_t *)(offsets + k4);
@@ -652,43 +681,48 @@ static void qdirect_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
         int64_t cq = q % (j->c4 / 4), tap = q / (j->c4 / 4);
         int64_t ky = tap / g[Q_KW], kx = tap % g[Q_KW];
         int64_t phase = (ky % g[Q_SH]) * g[Q_SW] + kx % g[Q_SW];
-        offsets[q] = ((phase * (j->c4 / 4) + cq) * j->plane + (ky / g[Q_SH]) * j->wp +
+        offsets[q] = ((phase * (j->c4 / 4) + cq) * j->plane + (ky / g[Q_SH]) * j->ws +
                       kx / g[Q_SW]) * 4;
     }
     int64_t built = -1;
     for (int64_t t = lo; t < hi; t++) {
-        int64_t n = t / j->blocks, p0 = (t % j->blocks) * NB;
-        if (n != built) {
-            build_quads(j, n, xq, line);
-            built = n;
+        int64_t chunk = t / j->blocks, p0 = (t % j->blocks) * NB, n0 = chunk * j->chunk;
+        int64_t count = g[Q_N] - n0 < j->chunk ? g[Q_N] - n0 : j->chunk;
+        int64_t end = count * j->hs * j->ws;     /* the chunk's positions */
+        if (p0 >= end) continue;
+        if (chunk != built) {
+            build_quads(j, n0, count, xq, line);
+            built = chunk;
         }
-        char *yn = (char *)j->y + n * m * pixels * (j->q.kind == KIND_F32 ? 4 : 1);
+        char *yn = (char *)j->y + n0 * m * pixels * (j->q.kind == KIND_F32 ? 4 : 1);
 #if QISA == 2 && defined(__AVX512VBMI2__)
-        block_columns valid = valid_columns(j, p0);
+        block_columns runs[NB];
+        int64_t nrun = block_runs(j, p0, end, runs);
+        if (!nrun) continue;
 #endif
         for (int64_t i0 = 0; i0 < m; i0 += MR) {
             int64_t mr = m - i0 < MR ? m - i0 : MR;
             tile(j->w + i0 * j->kp, j->kp, mr, xq + p0 * 4, offsets, k4, acc, 0);
 #if QISA == 2
             if (j->q.kind != KIND_F32) {
-                /* the whole tile requantized at once, its valid runs copied out */
+                /* the whole tile requantized at once, its output columns copied out */
                 uint8_t bytes[MR * NB];
                 requant_tile(acc, mr, i0, &j->q, bytes);
 #if defined(__AVX512VBMI2__)
-                /* the valid columns, in order, are consecutive outputs: compress them
+                /* each image's columns, in order, are consecutive outputs: compress them
                  * together (in a register; the memory form is slow on some cores) */
-                if (valid.mask) {
-                    __mmask64 head = valid.count == 64 ? ~(__mmask64)0
-                                                       : ((__mmask64)1 << valid.count) - 1;
+                for (int64_t r = 0; r < nrun; r++) {
+                    __mmask64 head = runs[r].count == 64 ? ~(__mmask64)0
+                                                         : ((__mmask64)1 << runs[r].count) - 1;
                     for (int64_t i = 0; i < mr; i++) {
                         __m512i row = _mm512_loadu_si512((const void *)(bytes + i * NB));
-                        _mm512_mask_storeu_epi8((uint8_t *)yn + (i0 + i) * pixels + valid.first,
-                                                head, _mm512_maskz_compress_epi8(valid.mask, row));
+                        _mm512_mask_storeu_epi8((uint8_t *)yn + (i0 + i) * pixels + runs[r].first,
+                                                head, _mm512_maskz_compress_epi8(runs[r].mask, row));
                     }
                 }
                 continue;
 #endif
-                for (int64_t p = p0; p < p0 + NB && p < oh * j->wp;) {
+                for (int64_t p = p0; p < p0 + NB && p < end;) {
                     int64_t len, at, run = padded_run(j, p, p0, &len, &at);
                     for (int64_t i = 0; len && i < mr; i++)
                         memcpy((uint8_t *)yn + (i0 + i) * pixels + at, bytes + i * NB + (p - p0),
@@ -698,8 +732,8 @@ static void qdirect_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
                 continue;
             }
 #endif
-            /* the block's valid columns, one output row at a time */
-            for (int64_t p = p0; p < p0 + NB && p < oh * j->wp;) {
+            /* the block's output columns, one output row at a time */
+            for (int64_t p = p0; p < p0 + NB && p < end;) {
                 int64_t len, at, run = padded_run(j, p, p0, &len, &at);
                 if (len) store(acc + (p - p0), mr, len, i0, at, &j->q, NULL, yn, pixels);
                 p += run;
@@ -711,15 +745,31 @@ static void qdirect_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
 /* Floats of scratch keel_qconv2d_direct_u8s8 needs per thread for this geometry. */
 static int64_t direct_scratch(const qdirect_job *j)
 {
-    return MR * NB + 2 * (j->kp / 4) + j->g[Q_SH] * j->g[Q_SW] * j->c4 / 4 * j->plane + j->wfull;
+    return MR * NB + 2 * (j->kp / 4) + j->g[Q_SH] * j->g[Q_SW] * j->c4 / 4 * j->plane +
+           j->ws * j->g[Q_SW];
+}
+
+/* An image's rows (or a row's columns) in one phase of the stacked layout: room for the
+ * input and its leading padding, for what the last outputs read past it (which may be
+ * the next image's leading padding: `lead`), and for `out` outputs at `stride`, in
+ * whole multiples of the stride. */
+static int64_t stacked_pitch(int64_t size, int64_t lead, int64_t out, int64_t k,
+                             int64_t stride)
+{
+    int64_t need = size + lead, reach = (out - 1) * stride + k - lead;
+    if (need < reach) need = reach;
+    if (need < out * stride) need = out * stride;
+    return (need + stride - 1) / stride;
 }
 
 /* keel_qconv2d_u8s8 for one group, no dilation and weight zero points all 0, from
- * weights packed as [M][KH][KW][c4] (c4: C rounded up to 4), kp = KH * KW * c4. */
+ * weights packed as [M][KH][KW][c4] (c4: C rounded up to 4), kp = KH * KW * c4.
+ * chunk_positions: how many positions a chunk of stacked images should reach (its
+ * images: enough for that, at most the batch's share of one of `parts` threads). */
 int64_t keel_qconv2d_direct_u8s8(const uint8_t *x, int64_t flip, int64_t pad, const uint8_t *w,
                                  int64_t c4, const int64_t *geometry, const int32_t *bias_r,
                                  const double *mult, const int64_t *quant, void *y,
-                                 int64_t parts)
+                                 int64_t chunk_positions, int64_t parts)
 {
     qdirect_job j;
     memcpy(j.g, geometry, sizeof j.g);
@@ -728,20 +778,22 @@ int64_t keel_qconv2d_direct_u8s8(const uint8_t *x, int64_t flip, int64_t pad, co
     if (g[Q_SH] <= 0 || g[Q_SW] <= 0 || g[Q_G] != 1 || c4 % 4 || g[Q_DH] != 1 || g[Q_DW] != 1)
         return -2;
     j.x = x, j.w = w, j.c4 = c4;
-    int64_t hfull = (g[Q_OH] - 1) * g[Q_SH] + g[Q_KH], wfull = (g[Q_OW] - 1) * g[Q_SW] + g[Q_KW];
-    if (hfull < g[Q_H] + g[Q_PT]) hfull = g[Q_H] + g[Q_PT];
-    if (wfull < g[Q_W] + g[Q_PL]) wfull = g[Q_W] + g[Q_PL];
-    j.wfull = wfull;
-    j.hp = (hfull + g[Q_SH] - 1) / g[Q_SH];
-    j.wp = (wfull + g[Q_SW] - 1) / g[Q_SW];
-    j.plane = j.hp * j.wp + NB + g[Q_KW] + 16;
+    j.hs = stacked_pitch(g[Q_H], g[Q_PT], g[Q_OH], g[Q_KH], g[Q_SH]);
+    j.ws = stacked_pitch(g[Q_W], g[Q_PL], g[Q_OW], g[Q_KW], g[Q_SW]);
+    int64_t image = j.hs * j.ws, share = (g[Q_N] + (parts > 1 ? parts : 1) - 1) /
+                                         (parts > 1 ? parts : 1);
+    j.chunk = (chunk_positions + image - 1) / image;
+    if (j.chunk > share) j.chunk = share;
+    if (j.chunk < 1) j.chunk = 1;
+    j.plane = j.chunk * image + NB + ((g[Q_KH] - 1) / g[Q_SH] + 1) * j.ws + g[Q_KW] + 16;
     j.kp = g[Q_KH] * g[Q_KW] * c4;
-    j.blocks = (g[Q_OH] * j.wp + NB - 1) / NB;
+    j.blocks = (j.chunk * image + NB - 1) / NB;
     j.flip = (uint8_t)flip, j.pad = (uint8_t)pad;
     j.q = (requant){bias_r, NULL, NULL, NULL, NULL, mult, 0, quant[0], quant[1], quant[2],
                     quant[3]};
     j.y = y;
-    return run_parts(qdirect_task, &j, g[Q_N] * j.blocks, parts, direct_scratch(&j));
+    int64_t chunks = (g[Q_N] + j.chunk - 1) / j.chunk;
+    return run_parts(qdirect_task, &j, chunks * j.blocks, parts, direct_scratch(&j));
 }
 
 /* ---- depthwise convolution ---------------------------------------------------------------

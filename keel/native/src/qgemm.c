@@ -73,18 +73,20 @@ static inline int32_t quad(const uint8_t *p)
     return v;
 }
 
-/* acc[MR][NB] = R[rows][4 k4] . panel, rows past `mr` repeat the last one. r_u8: R
- * holds the unsigned operand (a matmul's activations), else V does (a convolution's). */
+/* acc[MR][NB] = R[rows][4 k4] . panel: rows [0, mr) (rows past `mr` repeat the last one
+ * or are left as they were). r_u8: R holds the unsigned operand (a matmul's
+ * activations), else V does (a convolution's). */
 static inline void tile(const uint8_t *r, int64_t ldr, int64_t mr, const uint8_t *v,
                         const int64_t *offsets, int64_t k4, int32_t *acc, int r_u8)
 {
     const uint8_t *row[MR];
     for (int i = 0; i < MR; i++) row[i] = r + (i < mr ? i : mr - 1) * ldr;
 #if QISA == 2
-    /* 24 accumulators as named variables: an array of them is kept on the stack. */
+    /* 24 accumulators as named variables: an array of them is kept on the stack. A tile
+     * of at most 2 or 4 rows (the last of an M that 6 does not divide) runs with 8 or 16
+     * of them and leaves acc's other rows as they were. */
 #define ZERO4(i) __m512i c##i##0 = _mm512_setzero_si512(), c##i##1 = c##i##0, \
                  c##i##2 = c##i##0, c##i##3 = c##i##0
-    ZERO4(0); ZERO4(1); ZERO4(2); ZERO4(3); ZERO4(4); ZERO4(5);
 #define DOT4(i) do { \
         __m512i a = _mm512_set1_epi32(quad(row[i] + 4 * q)); \
         if (r_u8) { \
@@ -99,24 +101,38 @@ static inline void tile(const uint8_t *r, int64_t ldr, int64_t mr, const uint8_t
             c##i##3 = _mm512_dpbusd_epi32(c##i##3, b3, a); \
         } \
     } while (0)
-    for (int64_t q = 0; q < k4; q++) {
-        const uint8_t *vq = v + (offsets ? offsets[q] : q * NB * 4);
-        __m512i b0 = _mm512_loadu_si512((const void *)vq);
-        __m512i b1 = _mm512_loadu_si512((const void *)(vq + 64));
-        __m512i b2 = _mm512_loadu_si512((const void *)(vq + 128));
-        __m512i b3 = _mm512_loadu_si512((const void *)(vq + 192));
-        DOT4(0); DOT4(1); DOT4(2); DOT4(3); DOT4(4); DOT4(5);
-    }
 #define STORE4(i) do { \
         _mm512_storeu_si512((void *)(acc + i * NB), c##i##0); \
         _mm512_storeu_si512((void *)(acc + i * NB + 16), c##i##1); \
         _mm512_storeu_si512((void *)(acc + i * NB + 32), c##i##2); \
         _mm512_storeu_si512((void *)(acc + i * NB + 48), c##i##3); \
     } while (0)
-    STORE4(0); STORE4(1); STORE4(2); STORE4(3); STORE4(4); STORE4(5);
+#define QUADS(body) \
+    for (int64_t q = 0; q < k4; q++) { \
+        const uint8_t *vq = v + (offsets ? offsets[q] : q * NB * 4); \
+        __m512i b0 = _mm512_loadu_si512((const void *)vq); \
+        __m512i b1 = _mm512_loadu_si512((const void *)(vq + 64)); \
+        __m512i b2 = _mm512_loadu_si512((const void *)(vq + 128)); \
+        __m512i b3 = _mm512_loadu_si512((const void *)(vq + 192)); \
+        body \
+    }
+    if (mr <= 2) {
+        ZERO4(0); ZERO4(1);
+        QUADS(DOT4(0); DOT4(1);)
+        STORE4(0); STORE4(1);
+    } else if (mr <= 4) {
+        ZERO4(0); ZERO4(1); ZERO4(2); ZERO4(3);
+        QUADS(DOT4(0); DOT4(1); DOT4(2); DOT4(3);)
+        STORE4(0); STORE4(1); STORE4(2); STORE4(3);
+    } else {
+        ZERO4(0); ZERO4(1); ZERO4(2); ZERO4(3); ZERO4(4); ZERO4(5);
+        QUADS(DOT4(0); DOT4(1); DOT4(2); DOT4(3); DOT4(4); DOT4(5);)
+        STORE4(0); STORE4(1); STORE4(2); STORE4(3); STORE4(4); STORE4(5);
+    }
 #undef ZERO4
 #undef DOT4
 #undef STORE4
+#undef QUADS
 #elif QISA == 1
     for (int h = 0; h < 4; h++) {
 #define ZERO2(i) __m256i c##i##0 = _mm256_setzero_si256(), c##i##1 = c##i##0
@@ -236,13 +252,18 @@ static void store_row(const int32_t *v, int64_t n, const double *mult, double m,
 
 #if QISA == 2
 /* Rows [0, mr) of a convolution's tile (bias and multiplier per row, no other
- * corrections, 8-bit output) requantized into out[MR][NB]: store_row's operations on
- * all 64 columns, 16 at a time, for the caller to copy the valid runs from. */
+ * corrections, 8-bit output) requantized into out[MR][NB]: store_row's results on all
+ * 64 columns, 16 at a time, for the caller to copy the valid runs from. The same bits
+ * in fewer steps: the product is clamped to [lo - zp, hi - zp] before it is rounded
+ * (rounding is monotonic and those bounds are integers, so clamping first or last
+ * gives the same integer), and the conversion rounds half to even itself; the zero
+ * point is added to the integers. */
 static void requant_tile(const int32_t *acc, int64_t mr, int64_t i0, const requant *q,
                          uint8_t *out)
 {
-    __m512d zp = _mm512_set1_pd((double)q->yzp), lo = _mm512_set1_pd((double)q->lo);
-    __m512d hi = _mm512_set1_pd((double)q->hi);
+    __m512d lo = _mm512_set1_pd((double)(q->lo - q->yzp));
+    __m512d hi = _mm512_set1_pd((double)(q->hi - q->yzp));
+    __m512i zp = _mm512_set1_epi32((int32_t)q->yzp);
     for (int64_t i = 0; i < mr; i++) {
         __m512i bias = _mm512_set1_epi32(q->bias_r ? q->bias_r[i0 + i] : 0);
         __m512d m = _mm512_set1_pd(q->mult[i0 + i]);
@@ -251,13 +272,14 @@ static void requant_tile(const int32_t *acc, int64_t mr, int64_t i0, const requa
                                          bias);
             __m512d t0 = _mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_castsi512_si256(v)), m);
             __m512d t1 = _mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(v, 1)), m);
-            t0 = _mm512_roundscale_pd(t0, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            t1 = _mm512_roundscale_pd(t1, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            t0 = _mm512_min_pd(_mm512_max_pd(_mm512_add_pd(t0, zp), lo), hi);
-            t1 = _mm512_min_pd(_mm512_max_pd(_mm512_add_pd(t1, zp), lo), hi);
-            __m512i r = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtpd_epi32(t0)),
-                                           _mm512_cvtpd_epi32(t1), 1);
-            _mm_storeu_si128((__m128i *)(void *)(out + i * NB + j), _mm512_cvtepi32_epi8(r));
+            t0 = _mm512_min_pd(_mm512_max_pd(t0, lo), hi);
+            t1 = _mm512_min_pd(_mm512_max_pd(t1, lo), hi);
+            __m512i r = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm512_cvt_roundpd_epi32(
+                    t0, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)),
+                _mm512_cvt_roundpd_epi32(t1, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), 1);
+            _mm_storeu_si128((__m128i *)(void *)(out + i * NB + j),
+                             _mm512_cvtepi32_epi8(_mm512_add_epi32(r, zp)));
         }
     }
 }
@@ -564,6 +586,16 @@ static void quad_line(const qdirect_job *j, const uint8_t *const src[4], int64_t
         _mm_storeu_si128(out + 1, _mm_xor_si128(_mm_unpackhi_epi16(lo01, lo23), vflip));
         _mm_storeu_si128(out + 2, _mm_xor_si128(_mm_unpacklo_epi16(hi01, hi23), vflip));
         _mm_storeu_si128(out + 3, _mm_xor_si128(_mm_unpackhi_epi16(hi01, hi23), vflip));
+    }
+    for (; xx + 8 <= w; xx += 8) {      /* 8 at a time (small maps' rows) */
+        __m128i c[4];
+        for (int r = 0; r < 4; r++)
+            c[r] = src[r] ? _mm_loadl_epi64((const __m128i *)(const void *)(src[r] + y * w + xx))
+                          : _mm_setzero_si128();
+        __m128i lo01 = _mm_unpacklo_epi8(c[0], c[1]), lo23 = _mm_unpacklo_epi8(c[2], c[3]);
+        __m128i *out = (__m128i *)(void *)(row + xx);
+        _mm_storeu_si128(out, _mm_xor_si128(_mm_unpacklo_epi16(lo01, lo23), vflip));
+        _mm_storeu_si128(out + 1, _mm_xor_si128(_mm_unpackhi_epi16(lo01, lo23), vflip));
     }
 #endif
     for (; xx < w; xx++) {

@@ -251,6 +251,7 @@ ADDS = [
     (np.uint8, np.uint8, np.uint8, (3, 5, 7, 11), (0.021, 0.034, 0.047)),
     (np.int8, np.uint8, np.int8, (2, 64, 33, 33), (0.013, 0.007, 0.011)),
     (np.uint8, np.int8, np.uint8, (1, 17), (0.5, 0.25, 0.5)),
+    (np.int8, np.int8, np.int8, (3, 80), (0.25, 0.5, 0.5)),          # 64 at a time, ties
 ]
 
 

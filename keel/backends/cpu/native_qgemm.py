@@ -21,7 +21,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -143,10 +143,64 @@ class PackedConv:
     # None when a weight zero point is not 0
     direct: np.ndarray | None = None
     taps: np.ndarray | None = None       # (M, kh * kw) int8: one input channel per output
+    # the arrays conv2d derives from a call's constants (_conv_constants), by those constants
+    calls: dict[tuple[Any, ...], _ConvConstants] = field(default_factory=dict, repr=False)
 
     @property
     def nbytes(self) -> int:
         return int(self.weights.nbytes + self.zero_points.nbytes + self.row_sums.nbytes)
+
+
+@dataclass(frozen=True)
+class _ConvConstants:
+    """What conv2d passes the kernel besides x and y, for one set of a node's constants."""
+
+    bias_r: np.ndarray           # (M,) int32: the bias and the zero points' constant terms
+    geometry: np.ndarray         # int64, qgemm.c's geometry enum
+    mult: np.ndarray             # (M,) float64
+    quant: np.ndarray            # int64: y's zero point, range and kind
+    count: int                   # parts for the worker threads
+
+    @functools.cached_property
+    def pointers(self) -> tuple[Any, Any, Any, Any]:
+        """bias_r's, geometry's, mult's and quant's addresses, as the kernels take them."""
+        return _ptr(self.bias_r), _ptr(self.geometry), _ptr(self.mult), _ptr(self.quant)
+
+
+_KEPT_CALLS = 8     # sets of constants a PackedConv remembers (one per node, as a rule)
+
+
+def _conv_constants(x: np.ndarray, xz: int, packed: PackedConv, geo: ConvGeometry,
+                    bias: np.ndarray | None, multiplier: np.ndarray, y: np.ndarray,
+                    y_zero_point: int, threads: int) -> _ConvConstants:
+    """The kernel's constant arguments for this call, computed once per set of them: a
+    node runs with the same ones every time, and computing them took as long as a small
+    layer's products."""
+    key = (x.shape, xz, geo, None if bias is None else bias.tobytes(), multiplier.tobytes(),
+           y.dtype.char, int(y_zero_point), threads)
+    found = packed.calls.get(key)
+    if found is not None:
+        return found
+    n, c, h, w_ = (int(d) for d in x.shape)
+    m = packed.weights.shape[0]
+    row = -xz * packed.row_sums.astype(np.int64) + packed.k * xz * packed.zero_points.astype(
+        np.int64)
+    if bias is not None:
+        row = row + bias.astype(np.int64)
+    (oh, ow), (kh, kw) = geo.out_spatial, geo.kernel
+    panel = _functions().panel
+    units = n * geo.group * -(-(oh * ow) // panel)
+    found = _ConvConstants(
+        np.ascontiguousarray(row, dtype=np.int32),
+        np.array([n, c, h, w_, m, oh, ow, kh, kw, *geo.strides, *geo.dilations,
+                  geo.pads_begin[0], geo.pads_begin[1], geo.group], dtype=np.int64),
+        np.ascontiguousarray(np.broadcast_to(multiplier.reshape(-1), (m,)), dtype=np.float64),
+        _quant(DType.from_numpy(y.dtype), y_zero_point),
+        _threads(units, panel * packed.k * m // geo.group, threads))
+    if len(packed.calls) >= _KEPT_CALLS:
+        packed.calls.clear()
+    packed.calls[key] = found
+    return found
 
 
 def pack_conv(w: np.ndarray, w_zero_point: np.ndarray) -> PackedConv:
@@ -178,25 +232,14 @@ def conv2d(x: np.ndarray, x_zero_point: int, packed: PackedConv, geo: ConvGeomet
            threads: int = 1) -> None:
     """``y`` (N, M, OH, OW) = requantized convolution of the 8-bit NCHW ``x``."""
     fns = _functions()
-    n, c, h, w_ = (int(d) for d in x.shape)
-    m = packed.weights.shape[0]
+    c, m = int(x.shape[1]), packed.weights.shape[0]
     shift = _unsigned_shift(x.dtype)
     xz = int(x_zero_point) + shift
-    zr = -packed.zero_points
-    row = -xz * packed.row_sums.astype(np.int64) + packed.k * xz * packed.zero_points.astype(
-        np.int64)
-    if bias is not None:
-        row = row + bias.astype(np.int64)
-    bias_r = np.ascontiguousarray(row, dtype=np.int32)
+    consts = _conv_constants(x, xz, packed, geo, bias, multiplier, y, y_zero_point, threads)
+    bias_r, geometry, mult, quant, count = (consts.bias_r, consts.geometry, consts.mult,
+                                            consts.quant, consts.count)
     (oh, ow), (kh, kw) = geo.out_spatial, geo.kernel
-    geometry = np.array([n, c, h, w_, m, oh, ow, kh, kw, *geo.strides, *geo.dilations,
-                         geo.pads_begin[0], geo.pads_begin[1], geo.group], dtype=np.int64)
-    mult = np.ascontiguousarray(np.broadcast_to(multiplier.reshape(-1), (m,)),
-                                dtype=np.float64)
     xc = np.ascontiguousarray(x)
-    units = n * geo.group * -(-(oh * ow) // fns.panel)
-    count = _threads(units, fns.panel * packed.k * m // geo.group, threads)
-    quant = _quant(DType.from_numpy(y.dtype), y_zero_point)
     if packed.taps is not None and geo.group == c == m:
         raw = np.ascontiguousarray(bias, dtype=np.int32) if bias is not None else None
         kernels = [fns.depthwise]
@@ -212,12 +255,14 @@ def conv2d(x: np.ndarray, x_zero_point: int, packed: PackedConv, geo: ConvGeomet
                 return
     if packed.direct is not None and geo.group == 1 and geo.dilations == (1, 1):
         c4 = packed.direct.shape[1] // (kh * kw)
-        rc = fns.direct(_ptr(xc), shift, xz & 0xFF, _ptr(packed.direct), c4, _ptr(geometry),
-                        _ptr(bias_r), _ptr(mult), _ptr(quant), _ptr(y),
+        p_bias, p_geometry, p_mult, p_quant = consts.pointers
+        rc = fns.direct(_ptr(xc), shift, xz & 0xFF, _ptr(packed.direct), c4, p_geometry,
+                        p_bias, p_mult, p_quant, _ptr(y),
                         planner_rules().INT8_DIRECT_CHUNK_POSITIONS, count)
         if rc != -2:
             _check(rc)
             return
+    zr = -packed.zero_points
     rc = fns.conv(_ptr(xc), shift, xz & 0xFF, _ptr(packed.weights), packed.kp,
                   _ptr(geometry), _ptr(bias_r), _ptr(zr) if np.any(zr) else None,
                   _ptr(mult), _ptr(quant), _ptr(y), count)

@@ -16,7 +16,7 @@
  * A tile is MR = 6 rows of R by the 64 columns of one panel:
  *
  *   - AVX-512 VNNI (__AVX512VNNI__): 24 zmm accumulators, 4 panel loads and 6 broadcasts
- *     per quad;
+ *     per quad (the last 2 or 4 rows of an M that 6 does not divide: 8 or 16);
  *   - AVX-VNNI (__AVXVNNI__, 256 bits): the panel in four quarters of 16 columns,
  *     12 ymm accumulators each;
  *   - elsewhere: the same loops in plain C (the portable path).

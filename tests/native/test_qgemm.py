@@ -295,3 +295,49 @@ def test_quantize_linear_matches_the_reference(path: str, zp: Any) -> None:
         got = _run(CPU, Op.QUANTIZE_LINEAR, inputs, attrs, "int8", threads)
         assert got.dtype == want.dtype
         np.testing.assert_array_equal(got, want)
+
+
+# ---- MaxPool on the integers -----------------------------------------------------------------
+# (dtype, N, C, H, W, kernel, stride, pads [top, left, bottom, right], dilation, ceil_mode)
+POOLS = [
+    (np.uint8, 2, 3, 112, 112, 3, 2, [1, 1, 1, 1], 1, 0),     # ResNet-18's stem pool
+    (np.int8, 2, 3, 112, 112, 3, 2, [1, 1, 1, 1], 1, 0),
+    (np.uint8, 1, 4, 9, 70, 2, 2, [0, 0, 0, 0], 1, 1),        # odd side, ceil mode
+    (np.int8, 3, 2, 13, 75, 3, 1, [1, 2, 0, 1], 1, 0),        # stride 1, uneven padding
+    (np.uint8, 1, 2, 11, 8, 2, 1, [0, 0, 0, 0], 2, 0),        # dilated
+    (np.int8, 2, 2, 5, 5, 3, 3, [2, 2, 2, 2], 1, 0),          # stride 3, padding 2
+]
+
+
+@pytest.mark.parametrize("case", POOLS, ids=lambda c: "x".join(str(v) for v in c[1:7]))
+def test_integer_max_pool_matches_the_reference(path: str, case: tuple[Any, ...]) -> None:
+    dt, n, c, h, w, k, s, pads, d, ceil = case
+    x = _q(dt, n, c, h, w)
+    x[0, 0, :3] = np.iinfo(dt).min                  # windows whose largest value is the lowest
+    attrs = get_schema(Op.MAX_POOL).normalize_attrs(
+        {"kernel_shape": [k, k], "strides": [s, s], "pads": pads, "dilations": [d, d],
+         "ceil_mode": ceil})
+    want = np.asarray(REFERENCE.get(Op.MAX_POOL, "default").fn(_ctx(), [x], attrs, None)[0])
+    for threads in (1, 2, 3):
+        got = np.full(want.shape, 77, dt)
+        out = CPU.get(Op.MAX_POOL, "int8").fn(_ctx(threads), [x], attrs, [got])
+        assert out[0] is got
+        np.testing.assert_array_equal(got, want)
+
+
+def test_integer_max_pool_with_indices_runs_the_numpy_kernel(path: str) -> None:
+    x = _q(np.uint8, 1, 2, 6, 6)
+    attrs = get_schema(Op.MAX_POOL).normalize_attrs({"kernel_shape": [2, 2], "strides": [2, 2]})
+    y, idx = CPU.get(Op.MAX_POOL, "int8").fn(_ctx(), [x], attrs, None)
+    want = REFERENCE.get(Op.MAX_POOL, "default").fn(_ctx(), [x], attrs, None)
+    np.testing.assert_array_equal(y, want[0])
+    np.testing.assert_array_equal(idx, want[1])
+
+
+def test_the_plan_runs_an_integer_max_pool_on_the_int8_variant(path: str) -> None:
+    cpu_planner.forget()
+    for dtype, variant in ((DType.UINT8, "int8"), (DType.INT8, "int8"), (DType.FLOAT32, "native")):
+        request = PlanRequest(Op.MAX_POOL, (TensorType(dtype, (32, 64, 112, 112)),),
+                              get_schema(Op.MAX_POOL).normalize_attrs({"kernel_shape": [3, 3]}),
+                              threads=1)
+        assert cpu_planner.plan(request, CPU).variant == variant

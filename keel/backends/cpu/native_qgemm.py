@@ -29,11 +29,12 @@ import numpy as np
 from keel import native
 from keel.backends.cpu.native_gemm import planner_rules
 from keel.dtypes import DType
+from keel.errors import InvalidArgumentError
 from keel.native.pool import parts
 from keel.ops.schemas.quantization import QUANT_RANGES, ConvGeometry
 
 __all__ = ["ISA_NAMES", "PackedConv", "PackedMatmul", "available", "conv2d", "isa", "matmul",
-           "pack_conv", "pack_matmul", "qlinear_add", "quantize"]
+           "max_pool", "pack_conv", "pack_matmul", "qlinear_add", "quantize"]
 
 LIBRARY = "qgemm"
 ISA_NAMES = {2: "avx512-vnni", 1: "avx-vnni", 0: "portable"}
@@ -53,6 +54,7 @@ class _Functions:
     depthwise_lanes: Any
     add: Any
     quantize: Any
+    maxpool: Any
 
 
 def _load() -> _Functions | None:
@@ -77,6 +79,7 @@ def _bind(lib: native.NativeLibrary) -> _Functions:
                           _I),
         add=f("keel_qadd_u8", [_P, _P, _I, _P, _P, _I, _P, _I], _I),
         quantize=f("keel_quantize_f32", [_P, _I, ctypes.c_double, _P, _P, _I], _I),
+        maxpool=f("keel_qmaxpool_8", [_P, _I, _P, _P, _I], _I),
     )
 
 
@@ -360,6 +363,20 @@ def quantize(x: np.ndarray, scale: float, y_zero_point: int, y: np.ndarray,
     count = parts(x.size, max(1, threads), planner_rules().QADD_MIN_ELEMENTS_PER_THREAD)
     rc = fns.quantize(_ptr(x), x.size, scale, _ptr(np.array([y_zero_point, lo, hi],
                                                              dtype=np.int64)), _ptr(y), count)
+    _check(rc)
+
+
+# ---- MaxPool on the integers -----------------------------------------------------------------
+def max_pool(x: np.ndarray, geometry: tuple[int, ...], y: np.ndarray, threads: int = 1) -> None:
+    """``y`` (N, C, OH, OW) = the 2-D window max of the contiguous 8-bit ``x`` (N, C, H, W),
+    the padding never chosen; ``geometry``: N, C, H, W, OH, OW, KH, KW, SH, SW, PT, PL, DH,
+    DW."""
+    count = parts(int(np.prod(geometry[:2])), max(1, threads),
+                  -(-planner_rules().QMAXPOOL_MIN_ELEMENTS_PER_THREAD // max(1, x[0, 0].size)))
+    rc = _functions().maxpool(_ptr(x), int(x.dtype == np.int8),
+                              _ptr(np.array(geometry, dtype=np.int64)), _ptr(y), count)
+    if rc == -2:
+        raise InvalidArgumentError(f"native int8 max pool: geometry {geometry} not taken")
     _check(rc)
 
 

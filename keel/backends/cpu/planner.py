@@ -288,6 +288,12 @@ QADD_REASON = ("qlinear_add: the native 8-bit kernel, DequantizeLinear -> Add ->
 # elements, in ~13 us on one thread), so this is ~3 us per thread, a few dispatches.
 QADD_MIN_ELEMENTS_PER_THREAD = 32_768
 
+# An int8 MaxPool (cpu/pooling.py's ``int8`` variant, qgemm.c) splits its planes over
+# threads only where each gets at least this many input elements: ResNet-18's 3x3 stride-2
+# pool reads ~12 input bytes per nanosecond on one thread (32x64x112x112 in ~2.1 ms), so
+# this is ~5 us per thread, a few dispatches.
+QMAXPOOL_MIN_ELEMENTS_PER_THREAD = 65_536
+
 
 # An int8 depthwise convolution whose output planes have at most this many pixels runs with
 # the channels in the vector lanes (qgemm.c's qdepth_cl_task): per plane, the plane-wise

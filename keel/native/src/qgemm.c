@@ -1376,3 +1376,165 @@ int64_t keel_qdepthwise_cl_u8s8(const uint8_t *x, int64_t is_signed, int64_t xz,
     return -2;
 #endif
 }
+
+/* ---- max pool on 8-bit integers -----------------------------------------------------------
+ *
+ * The int8 graphs keep a MaxPool between DequantizeLinear and QuantizeLinear on the integers
+ * (the max of uint8 or int8 values: exact). One plane at a time, one output row at a time:
+ * the rows its window reads are reduced to one padded row (the type's lowest value in the
+ * padding), the window's columns then to a full-resolution row, and the output keeps every
+ * stride-th column of it. Each step is a byte-wise max over a whole row (vectorized by the
+ * compiler; the pick of every other byte, a stride of 2, by vpmovwb with AVX-512). */
+
+enum { P_N, P_C, P_H, P_W, P_OH, P_OW, P_KH, P_KW, P_SH, P_SW, P_PT, P_PL, P_DH, P_DW,
+       P_LEN };
+
+typedef struct {
+    const void *x;
+    void *y;
+    int64_t g[P_LEN];
+    const uint8_t *end;  /* past the input's last byte */
+    int64_t wp;          /* the padded row's width */
+    int64_t is_signed;
+} qpool_job;
+
+#define QPOOL_PLANE(T, LOWEST)                                                                \
+    static void qpool_plane_##T(const qpool_job *j, const T *x, T *y, T *vm, T *hm)            \
+    {                                                                                           \
+        const int64_t *g = j->g;                                                                \
+        int64_t w = g[P_W], ow = g[P_OW], sw = g[P_SW], reach = (ow - 1) * sw + 1;              \
+        for (int64_t i = 0; i < j->wp; i++) vm[i] = LOWEST;                                     \
+        for (int64_t oy = 0; oy < g[P_OH]; oy++) {                                              \
+            T *row = vm + g[P_PL];                                                              \
+            int64_t rows = 0;                                                                   \
+            for (int64_t ky = 0; ky < g[P_KH]; ky++) {                                          \
+                int64_t iy = oy * g[P_SH] - g[P_PT] + ky * g[P_DH];                             \
+                if (iy < 0 || iy >= g[P_H]) continue;                                           \
+                const T *src = x + iy * w;                                                      \
+                if (!rows++) {                                                                  \
+                    memcpy(row, src, (size_t)w * sizeof(T));                                    \
+                    continue;                                                                   \
+                }                                                                               \
+                for (int64_t i = 0; i < w; i++) row[i] = row[i] > src[i] ? row[i] : src[i];     \
+            }                                                                                   \
+            if (!rows)                                                                          \
+                for (int64_t i = 0; i < w; i++) row[i] = LOWEST;                                \
+            memcpy(hm, vm, (size_t)reach * sizeof(T));                                          \
+            for (int64_t kx = 1; kx < g[P_KW]; kx++) {                                          \
+                const T *s = vm + kx * g[P_DW];                                                 \
+                for (int64_t i = 0; i < reach; i++) hm[i] = hm[i] > s[i] ? hm[i] : s[i];        \
+            }                                                                                   \
+            pick_columns((const uint8_t *)hm, ow, sw, (uint8_t *)(y + oy * ow));                \
+        }                                                                                       \
+    }
+
+/* out[i] = row[i * stride], i < n (row has 64 bytes of slack past its last pick). */
+static void pick_columns(const uint8_t *row, int64_t n, int64_t stride, uint8_t *out)
+{
+    if (stride == 1) {
+        memcpy(out, row, (size_t)n);
+        return;
+    }
+    int64_t i = 0;
+#if QISA == 2
+    for (; stride == 2 && i + 32 <= n; i += 32)     /* the low byte of each 16-bit lane */
+        _mm256_storeu_si256((__m256i *)(void *)(out + i),
+                            _mm512_cvtepi16_epi8(_mm512_loadu_si512((const void *)(row + 2 * i))));
+#endif
+    for (; i < n; i++) out[i] = row[i * stride];
+}
+
+QPOOL_PLANE(uint8_t, 0)
+QPOOL_PLANE(int8_t, -128)
+
+#if QISA == 2
+static inline __m512i max8(__m512i a, __m512i b, int64_t is_signed)
+{
+    return is_signed ? _mm512_max_epi8(a, b) : _mm512_max_epu8(a, b);
+}
+
+static inline __mmask64 head_mask(int64_t n)
+{
+    return n >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << n) - 1;
+}
+
+/* qpool_plane_* for strides of 1 or 2 along the row, 64 bytes at a time: the window's rows
+ * reduced through masked loads (nothing read past a row), then each 64 columns of the
+ * window max taken from unaligned loads of that row (vm has 128 bytes of slack) and, with
+ * a stride of 2, their even bytes kept by vpmovwb. */
+static void qpool_plane_avx512(const qpool_job *j, const uint8_t *x, uint8_t *y, uint8_t *vm)
+{
+    const int64_t *g = j->g;
+    int64_t w = g[P_W], ow = g[P_OW], sw = g[P_SW], step = 64 / sw;
+    __m512i lowest = _mm512_set1_epi8(j->is_signed ? (char)-128 : 0);
+    memset(vm, j->is_signed ? 0x80 : 0, (size_t)(j->wp + 128));
+    for (int64_t oy = 0; oy < g[P_OH]; oy++) {
+        for (int64_t c = 0; c < w; c += 64) {
+            __mmask64 m = head_mask(w - c);
+            __m512i v = lowest;
+            for (int64_t ky = 0; ky < g[P_KH]; ky++) {
+                int64_t iy = oy * g[P_SH] - g[P_PT] + ky * g[P_DH];
+                if (iy < 0 || iy >= g[P_H]) continue;
+                /* a whole load where the input goes on past these 64 bytes (the masked
+                 * form is slow here; the bytes past the row are not stored) */
+                const uint8_t *at = x + iy * w + c;
+                v = max8(v, at + 64 <= j->end ? _mm512_loadu_si512((const void *)at)
+                                              : _mm512_maskz_loadu_epi8(m, at), j->is_signed);
+            }
+            _mm512_mask_storeu_epi8(vm + g[P_PL] + c, m, v);
+        }
+        uint8_t *out = y + oy * ow;
+        for (int64_t o = 0; o < ow; o += step) {
+            const uint8_t *at = vm + o * sw;
+            __m512i v = _mm512_loadu_si512((const void *)at);
+            for (int64_t kx = 1; kx < g[P_KW]; kx++)
+                v = max8(v, _mm512_loadu_si512((const void *)(at + kx * g[P_DW])), j->is_signed);
+            __mmask64 m = head_mask(ow - o);
+            if (sw == 1)
+                _mm512_mask_storeu_epi8(out + o, m, v);
+            else
+                _mm256_mask_storeu_epi8(out + o, (__mmask32)m, _mm512_cvtepi16_epi8(v));
+        }
+    }
+}
+#endif
+
+static void qpool_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
+{
+    const qpool_job *j = ctx;
+    const int64_t *g = j->g;
+    int64_t in = g[P_H] * g[P_W], out = g[P_OH] * g[P_OW];
+    uint8_t *vm = (uint8_t *)scratch, *hm = vm + j->wp + 128;
+    for (int64_t t = lo; t < hi; t++) {
+        const uint8_t *x = (const uint8_t *)j->x + t * in;
+        uint8_t *y = (uint8_t *)j->y + t * out;
+#if QISA == 2
+        if (g[P_SW] <= 2) {
+            qpool_plane_avx512(j, x, y, vm);
+            continue;
+        }
+#endif
+        if (j->is_signed)
+            qpool_plane_int8_t(j, (const int8_t *)x, (int8_t *)y, (int8_t *)vm, (int8_t *)hm);
+        else
+            qpool_plane_uint8_t(j, x, y, vm, hm);
+    }
+}
+
+/* y[N][C][OH][OW] = the max over each 2-D window of x[N][C][H][W] (uint8, or int8 where
+ * is_signed), the padding never chosen; geometry: N, C, H, W, OH, OW, KH, KW, SH, SW,
+ * PT, PL, DH, DW. 0, or -2 for a geometry it does not take. */
+int64_t keel_qmaxpool_8(const void *x, int64_t is_signed, const int64_t *geometry, void *y,
+                        int64_t parts)
+{
+    qpool_job j;
+    memcpy(j.g, geometry, sizeof j.g);
+    const int64_t *g = j.g;
+    for (int i = 0; i < P_LEN; i++)
+        if (g[i] < (i == P_PT || i == P_PL ? 0 : 1)) return i < P_OW && !g[i] ? 0 : -2;
+    j.x = x, j.y = y, j.is_signed = is_signed;
+    j.end = (const uint8_t *)x + g[P_N] * g[P_C] * g[P_H] * g[P_W];
+    int64_t reach = (g[P_OW] - 1) * g[P_SW] + (g[P_KW] - 1) * g[P_DW] + 1;
+    j.wp = g[P_PL] + g[P_W] > reach ? g[P_PL] + g[P_W] : reach;
+    return run_parts(qpool_task, &j, g[P_N] * g[P_C], parts, (2 * (j.wp + 128) + 3) / 4 + 16);
+}

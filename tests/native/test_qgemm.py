@@ -131,6 +131,9 @@ CONVS = [
     (np.uint8, np.int8, False, 5, 8, 4, 5, 10, 3, 1, 1, 1, 1),
     (np.int8, np.int8, False, 4, 6, 7, 6, 9, 3, 2, 1, 1, 1),
     (np.uint8, np.int8, False, 3, 4, 5, 5, 6, 1, 1, 2, 1, 1),       # padding past the kernel
+    # compact columns (small maps, 64 channels or more): output pixels only
+    (np.uint8, np.int8, False, 4, 8, 7, 7, 70, 3, 1, 1, 1, 1),
+    (np.int8, np.int8, False, 3, 12, 9, 9, 64, 3, 2, 1, 1, 1),
 ]
 
 
@@ -153,16 +156,20 @@ def test_qlinear_conv_matches_the_reference(path: str, case: tuple[Any, ...]) ->
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("compact", [False, True], ids=["padded", "compact"])
 @pytest.mark.parametrize("chunk_positions", [1, 60, 200])
 @pytest.mark.parametrize("case", [(np.uint8, np.int8, False, 5, 8, 6, 7, 14, 3, 1, 1, 1, 1),
-                                  (np.int8, np.int8, False, 5, 5, 9, 8, 7, 3, 2, 1, 1, 1)],
-                         ids=["stride-1", "stride-2"])
+                                  (np.int8, np.int8, False, 5, 5, 9, 8, 7, 3, 2, 1, 1, 1),
+                                  (np.uint8, np.int8, False, 3, 4, 5, 21, 9, 3, 1, 1, 1, 1)],
+                         ids=["stride-1", "stride-2", "rows-past-16"])
 def test_direct_convolution_in_chunks_of_images(path: str, monkeypatch: pytest.MonkeyPatch,
-                                                chunk_positions: int,
+                                                chunk_positions: int, compact: bool,
                                                 case: tuple[Any, ...]) -> None:
     """Images stacked a few at a time (one each, two or three with a partial last chunk,
-    all five): blocks that span images, chunks split between threads."""
+    all five): blocks that span images, chunks split between threads; the columns either
+    every padded position or output pixels only (compact)."""
     monkeypatch.setattr(cpu_planner, "INT8_DIRECT_CHUNK_POSITIONS", chunk_positions)
+    monkeypatch.setattr(cpu_planner, "int8_compact_columns", lambda width, channels: compact)
     monkeypatch.setattr(cpu_planner, "MIN_FLOPS_PER_THREAD", 1)
     inputs, attrs = _conv_inputs(case)
     want = _reference(Op.QLINEAR_CONV, inputs, attrs)

@@ -50,6 +50,7 @@ class _Functions:
     matmul: Any
     conv: Any
     direct: Any
+    compact: Any
     depthwise: Any
     depthwise_lanes: Any
     add: Any
@@ -74,6 +75,8 @@ def _bind(lib: native.NativeLibrary) -> _Functions:
         conv=f("keel_qconv2d_u8s8", [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P, _I], _I),
         direct=f("keel_qconv2d_direct_u8s8", [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _I, _I],
                  _I),
+        compact=f("keel_qconv2d_compact_u8s8", [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _I, _I],
+                  _I),
         depthwise=f("keel_qdepthwise_u8s8", [_P, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I], _I),
         depthwise_lanes=f("keel_qdepthwise_cl_u8s8", [_P, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I],
                           _I),
@@ -259,9 +262,10 @@ def conv2d(x: np.ndarray, x_zero_point: int, packed: PackedConv, geo: ConvGeomet
     if packed.direct is not None and geo.group == 1 and geo.dilations == (1, 1):
         c4 = packed.direct.shape[1] // (kh * kw)
         p_bias, p_geometry, p_mult, p_quant = consts.pointers
-        rc = fns.direct(_ptr(xc), shift, xz & 0xFF, _ptr(packed.direct), c4, p_geometry,
-                        p_bias, p_mult, p_quant, _ptr(y),
-                        planner_rules().INT8_DIRECT_CHUNK_POSITIONS, count)
+        rules = planner_rules()
+        kernel = fns.compact if rules.int8_compact_columns(ow, m) else fns.direct
+        rc = kernel(_ptr(xc), shift, xz & 0xFF, _ptr(packed.direct), c4, p_geometry, p_bias,
+                    p_mult, p_quant, _ptr(y), rules.INT8_DIRECT_CHUNK_POSITIONS, count)
         if rc != -2:
             _check(rc)
             return

@@ -306,6 +306,23 @@ INT8_DEPTHWISE_LANES_MAX_PIXELS = 1024
 # 8x8 maps one image alone is 80 positions, two blocks of 64 for 64 outputs.
 INT8_DIRECT_CHUNK_POSITIONS = 2048
 
+# The int8 direct convolution computes only output pixels ("compact" columns, copied into
+# a panel per block of 64; qgemm.c) where its output rows are at most this many pixels
+# wide and it has at least this many output channels to share each copy: the padded
+# layout's blocks would compute a padding column per row and a padding row per image.
+# Compact / padded time, the kernel alone, one thread, same process, alternating, medians
+# (measured under load): 3x3 512->512 7x7 (batch 8) 0.91; 256->256 14x14 0.92-0.94;
+# stride 2 256->512 14x14 out 0.86, 128->256 0.94; 64->128 8x8 (batch 32) 0.91, 64->64
+# 0.98-0.99; but 32->32 16x16 1.09, 16->32 stride 2 8x8 out 1.04 (32 channels share a
+# copy too little) and 128->128 28x28 1.03 (6% padding).
+INT8_COMPACT_MAX_WIDTH = 16
+INT8_COMPACT_MIN_CHANNELS = 64
+
+
+def int8_compact_columns(out_width: int, out_channels: int) -> bool:
+    """Whether the int8 direct convolution computes compact columns (output pixels only)."""
+    return out_width <= INT8_COMPACT_MAX_WIDTH and out_channels >= INT8_COMPACT_MIN_CHANNELS
+
 
 def int8_reason(op: Op) -> str:
     """Why ``op`` runs on the native int8 kernel, naming the instructions it uses."""

@@ -555,7 +555,8 @@ typedef struct {
     const uint8_t *x, *w;
     int64_t g[Q_LEN];
     int64_t c4, hs, ws, plane, kp;   /* hs, ws: a phase's rows per image, columns per row */
-    int64_t chunk, blocks;           /* images per chunk; blocks of NB positions per chunk */
+    int64_t chunk, blocks;           /* images per chunk; blocks of NB columns per chunk */
+    int64_t compact;                 /* columns: output pixels only (else padded positions) */
     uint8_t flip, pad;
     requant q;
     void *y;
@@ -715,6 +716,92 @@ static inline int64_t padded_run(const qdirect_job *j, int64_t p, int64_t p0, in
     return run;
 }
 
+/* ---- compact columns: output pixels only ----
+ *
+ * The padded layout's blocks compute the padding's positions too and drop them (on a 7x7
+ * map 77% of the columns are outputs, on 8x8 79%). A compact block's 64 columns are
+ * output pixels only, in order: before its products it copies, for every k quad, the
+ * quads its pixels read from the padded layout into a panel [k4][NB][4] (a run of an
+ * output row's pixels at a time), and every row tile of M reads that panel. */
+
+/* A run of a compact block's columns within one output row: its first column, the padded
+ * position its first pixel reads at tap (0, 0), how many, and its first output index. */
+typedef struct {
+    int64_t t, p, len, at;
+} compact_run;
+
+/* Compact block b of a chunk of `count` images as runs (returns how many; *cols: the
+ * block's columns, 0 past the chunk's outputs). */
+static int64_t compact_runs(const qdirect_job *j, int64_t b, int64_t count, compact_run *runs,
+                            int64_t *cols)
+{
+    const int64_t *g = j->g;
+    int64_t pixels = g[Q_OH] * g[Q_OW], idx = b * NB, end = count * pixels, n = 0;
+    if (end > idx + NB) end = idx + NB;
+    *cols = end > idx ? end - idx : 0;
+    while (idx < end) {
+        int64_t img = idx / pixels, pix = idx % pixels, ox = pix % g[Q_OW];
+        int64_t len = g[Q_OW] - ox < end - idx ? g[Q_OW] - ox : end - idx;
+        runs[n++] = (compact_run){idx - b * NB, (img * j->hs + pix / g[Q_OW]) * j->ws + ox, len,
+                                  img * g[Q_M] * pixels + pix};
+        idx += len;
+    }
+    return n;
+}
+
+/* The compact block's panel [k4][NB][4] from the padded layout xq. With AVX-512 each run
+ * is copied 16 quads at a time by whole loads and stores: what a store writes past its run
+ * the next run (or the next k quad, or the panel's slack) writes over. */
+static void gather_panel(const uint8_t *xq, const int64_t *offsets, int64_t k4,
+                         const compact_run *runs, int64_t nrun, uint8_t *panel)
+{
+    for (int64_t q = 0; q < k4; q++) {
+        const uint8_t *base = xq + offsets[q];
+        uint8_t *dst = panel + q * NB * 4;
+        for (int64_t r = 0; r < nrun; r++) {
+            const uint8_t *src = base + runs[r].p * 4;
+            uint8_t *to = dst + runs[r].t * 4;
+#if QISA == 2
+            for (int64_t i = 0; i < runs[r].len; i += 16)
+                _mm512_storeu_si512((void *)(to + 4 * i),
+                                    _mm512_loadu_si512((const void *)(src + 4 * i)));
+#else
+            memcpy(to, src, (size_t)runs[r].len * 4);
+#endif
+        }
+    }
+}
+
+/* The products of compact block `runs` (cols columns) for every row tile, stored: each
+ * image's columns are consecutive outputs (its runs follow one another). */
+static void compact_block(const qdirect_job *j, const uint8_t *panel, const compact_run *runs,
+                          int64_t nrun, int32_t *acc, char *yn)
+{
+    const int64_t *g = j->g;
+    int64_t m = g[Q_M], pixels = g[Q_OH] * g[Q_OW];
+    for (int64_t i0 = 0; i0 < m; i0 += MR) {
+        int64_t mr = m - i0 < MR ? m - i0 : MR;
+        tile(j->w + i0 * j->kp, j->kp, mr, panel, NULL, j->kp / 4, acc, 0);
+#if QISA == 2
+        uint8_t bytes[MR * NB];
+        if (j->q.kind != KIND_F32) requant_tile(acc, mr, i0, &j->q, bytes);
+#endif
+        for (int64_t r = 0; r < nrun;) {
+            int64_t t0 = runs[r].t, at = runs[r].at, len = runs[r].len;
+            while (++r < nrun && runs[r].at == at + len) len += runs[r].len;
+#if QISA == 2
+            if (j->q.kind != KIND_F32) {
+                for (int64_t i = 0; i < mr; i++)
+                    memcpy((uint8_t *)yn + (i0 + i) * pixels + at, bytes + i * NB + t0,
+                           (size_t)len);
+                continue;
+            }
+#endif
+            store(acc + t0, mr, len, i0, at, &j->q, NULL, yn, pixels);
+        }
+    }
+}
+
 static void qdirect_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
 {
     const qdirect_job *j = ctx;
@@ -736,12 +823,21 @@ static void qdirect_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
         int64_t chunk = t / j->blocks, p0 = (t % j->blocks) * NB, n0 = chunk * j->chunk;
         int64_t count = g[Q_N] - n0 < j->chunk ? g[Q_N] - n0 : j->chunk;
         int64_t end = count * j->hs * j->ws;     /* the chunk's positions */
-        if (p0 >= end) continue;
+        compact_run pieces[NB];
+        int64_t cols = 0, npiece = j->compact ? compact_runs(j, t % j->blocks, count, pieces,
+                                                             &cols) : 0;
+        if (j->compact ? !cols : p0 >= end) continue;
         if (chunk != built) {
             build_quads(j, n0, count, xq, line);
             built = chunk;
         }
         char *yn = (char *)j->y + n0 * m * pixels * (j->q.kind == KIND_F32 ? 4 : 1);
+        if (j->compact) {
+            uint8_t *panel = (uint8_t *)(line + j->ws * g[Q_SW]);
+            gather_panel(xq, offsets, k4, pieces, npiece, panel);
+            compact_block(j, panel, pieces, npiece, acc, yn);
+            continue;
+        }
 #if QISA == 2 && defined(__AVX512VBMI2__)
         block_columns runs[NB];
         int64_t nrun = block_runs(j, p0, end, runs);
@@ -793,7 +889,7 @@ static void qdirect_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
 static int64_t direct_scratch(const qdirect_job *j)
 {
     return MR * NB + 2 * (j->kp / 4) + j->g[Q_SH] * j->g[Q_SW] * j->c4 / 4 * j->plane +
-           j->ws * j->g[Q_SW];
+           j->ws * j->g[Q_SW] + (j->compact ? j->kp / 4 * NB + 16 : 0);
 }
 
 /* An image's rows (or a row's columns) in one phase of the stacked layout: room for the
@@ -813,10 +909,10 @@ static int64_t stacked_pitch(int64_t size, int64_t lead, int64_t out, int64_t k,
  * weights packed as [M][KH][KW][c4] (c4: C rounded up to 4), kp = KH * KW * c4.
  * chunk_positions: how many positions a chunk of stacked images should reach (its
  * images: enough for that, at most the batch's share of one of `parts` threads). */
-int64_t keel_qconv2d_direct_u8s8(const uint8_t *x, int64_t flip, int64_t pad, const uint8_t *w,
-                                 int64_t c4, const int64_t *geometry, const int32_t *bias_r,
-                                 const double *mult, const int64_t *quant, void *y,
-                                 int64_t chunk_positions, int64_t parts)
+static int64_t direct_conv(const uint8_t *x, int64_t flip, int64_t pad, const uint8_t *w,
+                           int64_t c4, const int64_t *geometry, const int32_t *bias_r,
+                           const double *mult, const int64_t *quant, void *y,
+                           int64_t chunk_positions, int64_t parts, int64_t compact)
 {
     qdirect_job j;
     memcpy(j.g, geometry, sizeof j.g);
@@ -834,13 +930,34 @@ int64_t keel_qconv2d_direct_u8s8(const uint8_t *x, int64_t flip, int64_t pad, co
     if (j.chunk < 1) j.chunk = 1;
     j.plane = j.chunk * image + NB + ((g[Q_KH] - 1) / g[Q_SH] + 1) * j.ws + g[Q_KW] + 16;
     j.kp = g[Q_KH] * g[Q_KW] * c4;
-    j.blocks = (j.chunk * image + NB - 1) / NB;
+    j.compact = compact;
+    j.blocks = ((compact ? g[Q_OH] * g[Q_OW] : image) * j.chunk + NB - 1) / NB;
     j.flip = (uint8_t)flip, j.pad = (uint8_t)pad;
     j.q = (requant){bias_r, NULL, NULL, NULL, NULL, mult, 0, quant[0], quant[1], quant[2],
                     quant[3]};
     j.y = y;
     int64_t chunks = (g[Q_N] + j.chunk - 1) / j.chunk;
     return run_parts(qdirect_task, &j, chunks * j.blocks, parts, direct_scratch(&j));
+}
+
+int64_t keel_qconv2d_direct_u8s8(const uint8_t *x, int64_t flip, int64_t pad, const uint8_t *w,
+                                 int64_t c4, const int64_t *geometry, const int32_t *bias_r,
+                                 const double *mult, const int64_t *quant, void *y,
+                                 int64_t chunk_positions, int64_t parts)
+{
+    return direct_conv(x, flip, pad, w, c4, geometry, bias_r, mult, quant, y, chunk_positions,
+                       parts, 0);
+}
+
+/* keel_qconv2d_direct_u8s8 with compact columns (output pixels only; see above). */
+int64_t keel_qconv2d_compact_u8s8(const uint8_t *x, int64_t flip, int64_t pad,
+                                  const uint8_t *w, int64_t c4, const int64_t *geometry,
+                                  const int32_t *bias_r, const double *mult,
+                                  const int64_t *quant, void *y, int64_t chunk_positions,
+                                  int64_t parts)
+{
+    return direct_conv(x, flip, pad, w, c4, geometry, bias_r, mult, quant, y, chunk_positions,
+                       parts, 1);
 }
 
 /* ---- depthwise convolution ---------------------------------------------------------------

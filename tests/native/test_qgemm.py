@@ -348,3 +348,16 @@ def test_the_plan_runs_an_integer_max_pool_on_the_int8_variant(path: str) -> Non
                               get_schema(Op.MAX_POOL).normalize_attrs({"kernel_shape": [3, 3]}),
                               threads=1)
         assert cpu_planner.plan(request, CPU).variant == variant
+
+
+def test_a_packed_convolution_resolves_each_call_geometry(path: str) -> None:
+    """The geometry kept per (input shape, attrs) is conv_geometry's for that call: other
+    attributes or another input shape resolve again."""
+    from keel.ops.schemas.quantization import conv_geometry
+
+    packed = native_qgemm.pack_conv(_q(np.int8, 4, 3, 3, 3), np.zeros(4, np.int8))
+    schema = get_schema(Op.QLINEAR_CONV)
+    attrs = [schema.normalize_attrs({"pads": [1] * 4}), schema.normalize_attrs({"strides": [2, 2]})]
+    for shape in ((1, 3, 8, 8), (2, 3, 9, 5), (1, 3, 8, 8)):
+        for a in attrs:
+            assert packed.geometry(shape, a) == conv_geometry(shape, packed.shape, a)

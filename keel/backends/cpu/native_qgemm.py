@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +32,7 @@ from keel.backends.cpu.native_gemm import planner_rules
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError
 from keel.native.pool import parts
-from keel.ops.schemas.quantization import QUANT_RANGES, ConvGeometry
+from keel.ops.schemas.quantization import QUANT_RANGES, ConvGeometry, conv_geometry
 
 __all__ = ["ISA_NAMES", "PackedConv", "PackedMatmul", "available", "conv2d", "isa", "matmul",
            "max_pool", "pack_conv", "pack_matmul", "qlinear_add", "quantize"]
@@ -151,6 +152,23 @@ class PackedConv:
     taps: np.ndarray | None = None       # (M, kh * kw) int8: one input channel per output
     # the arrays conv2d derives from a call's constants (_conv_constants), by those constants
     calls: dict[tuple[Any, ...], _ConvConstants] = field(default_factory=dict, repr=False)
+    # the geometry of a call, by (x's shape, id(attrs)), with the attrs kept (so their id is
+    # not reused while the entry lives)
+    geometries: dict[tuple[Any, ...], tuple[Mapping[str, Any], ConvGeometry]] = field(
+        default_factory=dict, repr=False)
+
+    def geometry(self, x_shape: tuple[int, ...], attrs: Mapping[str, Any]) -> ConvGeometry:
+        """conv_geometry for x of ``x_shape`` and these weights, resolved once per node
+        (resolving it took a third of a small layer's Python time)."""
+        key = (x_shape, id(attrs))
+        found = self.geometries.get(key)
+        if found is not None and found[0] is attrs:
+            return found[1]
+        geo = conv_geometry(x_shape, self.shape, attrs)
+        if len(self.geometries) >= _KEPT_CALLS:
+            self.geometries.clear()
+        self.geometries[key] = (attrs, geo)
+        return geo
 
     @property
     def nbytes(self) -> int:

@@ -25,7 +25,6 @@ from keel.dtypes import DType
 from keel.ops.registry import Op
 from keel.ops.schemas.quantization import (
     QUANT_RANGES,
-    conv_geometry,
     matmul_shape,
     qgemm_scales,
     qgemm_shape,
@@ -94,10 +93,10 @@ def qlinear_conv(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> 
     if not _conv_served(x, x_zp, x_s, y_s, y_zp, w, w_zp) or (
             bias is not None and (bias.dtype != np.int32 or bias.shape != (w.shape[0],))):
         return list(quantization.qlinear_conv(ctx, inputs, attrs, out))
-    geo = conv_geometry(x.shape, w.shape, attrs)
     packed = ctx.prepacked
     if not isinstance(packed, native_qgemm.PackedConv):
         packed = native_qgemm.pack_conv(w, w_zp)
+    geo = packed.geometry(x.shape, attrs)
     m = int(w.shape[0])
     if w_s.size not in (1, m):
         return list(quantization.qlinear_conv(ctx, inputs, attrs, out))

@@ -241,7 +241,7 @@ def max_pool_int8(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) ->
     win = _prepare(Op.MAX_POOL, x, attrs)[0]
     geometry = _int8_geometry(x, win, out)
     if geometry is None:
-        return max_pool(ctx, inputs, attrs, out)
+        return list(max_pool(ctx, inputs, attrs, out))
     from keel.backends.cpu import native_qgemm
 
     y = out[0]  # type: ignore[index]

@@ -3,15 +3,17 @@ of each int8 model with its float32 original.
 
     python -m benchmarks.int8                         # lenet, resnet20, resnet18, mobilenetv2
     python -m benchmarks.int8 --models lenet,resnet20 --passes 3
+    python -m benchmarks.int8 --models resnet20,resnet18 --threads 1,2
 
 Each float model of :mod:`benchmarks.zoo` is optimized by keel (BatchNorm folded into
 the convolutions, as onnxruntime's quantization pre-processing does), exported to ONNX
 and quantized by ``onnxruntime.quantization.quantize_static``: QDQ format, int8
 weights per output channel, uint8 activations, minmax ranges over random calibration
-samples. Both runtimes run that one file at batch 32 on one thread (keel turns its QDQ
-patterns into integer nodes; onnxruntime into its QLinear kernels), timed twice: wall
-time by :func:`keel.bench.bench_model`, and the process's CPU time per run, alternating
-pass by pass (what a loaded machine's other work adds less to). Writes
+samples. Both runtimes run that one file at batch 32 on one thread, or on each count of
+``--threads`` (keel turns its QDQ patterns into integer nodes; onnxruntime into its
+QLinear kernels), timed twice: wall time by :func:`keel.bench.bench_model`, and the
+process's CPU time per run (on several threads: all of them together), alternating pass
+by pass (what a loaded machine's other work adds less to). Writes
 ``benchmarks/results/int8-<stamp>.json`` with the load average before and after each
 model: time ratios from a busy machine say little.
 """
@@ -91,12 +93,15 @@ def _bench(name: str, model: bytes, args: argparse.Namespace) -> dict[str, Any]:
     from keel.bench import BenchConfig, bench_model
 
     spec = MODELS[name]
-    config = BenchConfig(batches=(args.batch,), threads=(1,), passes=args.passes,
+    threads = tuple(int(t) for t in str(args.threads).split(",") if t.strip())
+    config = BenchConfig(batches=(args.batch,), threads=threads, passes=args.passes,
                          min_pass_seconds=args.pass_seconds)
     before = _load_average()
     report = bench_model(f"{name}-int8", model, config,
                          feeds_for=lambda b: {spec.input_name: spec.make_input(b)})
-    cpu = cpu_time_ratio(name, model, args.batch, args.passes, args.pass_seconds)
+    cpu: dict[str, Any] = {
+        f"t{t}": cpu_time_ratio(name, model, args.batch, args.passes, args.pass_seconds, t)
+        for t in threads}
     return {"model": name, "ratios (keel time / onnxruntime time)": report.ratios,
             "cpu_time_ratio (keel / onnxruntime)": cpu,
             "load_average": {"before": before, "after": _load_average()},
@@ -104,10 +109,10 @@ def _bench(name: str, model: bytes, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cpu_time_ratio(name: str, model: bytes, batch: int, passes: int,
-                   pass_seconds: float) -> dict[str, float]:
-    """keel's and onnxruntime's CPU time per run of ``model`` (process time: on one
-    thread each, what a loaded machine's other work does not add to), alternating pass
-    by pass; the median ms of each and the median of the passes' ratios."""
+                   pass_seconds: float, threads: int = 1) -> dict[str, float]:
+    """keel's and onnxruntime's CPU time per run of ``model`` (process time, all of
+    ``threads`` together: what a loaded machine's other work does not add to), alternating
+    pass by pass; the median ms of each and the median of the passes' ratios."""
     import onnxruntime as ort
 
     import keel
@@ -115,9 +120,9 @@ def cpu_time_ratio(name: str, model: bytes, batch: int, passes: int,
     spec = MODELS[name]
     feeds = {spec.input_name: spec.make_input(batch)}
     options = ort.SessionOptions()
-    options.intra_op_num_threads = options.inter_op_num_threads = 1
+    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
     session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
-    runs = {"keel": functools.partial(keel.load_model(model, threads=1).predict, feeds),
+    runs = {"keel": functools.partial(keel.load_model(model, threads=threads).predict, feeds),
             "onnxruntime": functools.partial(session.run, None, feeds)}
     per_pass: dict[str, list[float]] = {k: [] for k in runs}
     for run in runs.values():
@@ -144,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--models", default=",".join(CNNS))
     p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--threads", default="1", help="thread counts, e.g. 1,2")
     p.add_argument("--passes", type=int, default=5)
     p.add_argument("--pass-seconds", type=float, default=0.3)
     p.add_argument("--out", type=Path, default=RESULTS)

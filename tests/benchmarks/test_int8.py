@@ -35,3 +35,13 @@ def test_the_script_writes_ratios_and_the_load(tmp_path: Path) -> None:
     row = payload["rows"][0]
     assert row["model"] == "lenet" and row["ratios (keel time / onnxruntime time)"]
     assert "before" in row["load_average"] and 0.0 <= row["top1_agreement_with_fp32"] <= 1.0
+
+
+def test_the_script_measures_each_thread_count(tmp_path: Path) -> None:
+    assert int8.main(["--models", "lenet", "--batch", "4", "--passes", "1", "--threads", "1,2",
+                      "--pass-seconds", "0.01", "--out", str(tmp_path)]) == 0
+    (written,) = tmp_path.glob("int8-*.json")
+    row = json.loads(written.read_text())["rows"][0]
+    assert set(row["ratios (keel time / onnxruntime time)"]) == {"b4_t1", "b4_t2"}
+    cpu = row["cpu_time_ratio (keel / onnxruntime)"]
+    assert set(cpu) == {"t1", "t2"} and all(v["ratio"] > 0 for v in cpu.values())

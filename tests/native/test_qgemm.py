@@ -122,6 +122,18 @@ CONVS = [
     (np.int8, np.int8, False, 1, 2, 70, 66, 2, 3, 2, 1, 1, 2),
     (np.uint8, np.int8, True, 1, 3, 20, 75, 8, 7, 2, 3, 1, 1),      # stride 2, rows past 32
     (np.uint8, np.int8, False, 2, 5, 9, 8, 6, 1, 2, 0, 1, 1),       # 1x1 stride 2
+    # strided, without im2col: the padded image split into the strides' phases
+    (np.uint8, np.int8, False, 2, 6, 11, 10, 8, 3, 2, 1, 1, 1),     # odd and even sides
+    (np.int8, np.int8, False, 1, 3, 23, 21, 7, 7, 2, 3, 1, 1),      # 7x7 stride 2
+    (np.uint8, np.int8, False, 1, 5, 10, 13, 6, 3, 3, 0, 1, 1),     # stride 3, no padding
+    (np.uint8, np.int8, False, 1, 9, 40, 44, 13, 3, 2, 1, 1, 1),    # rows past 16 pixels
+    # small maps: a block of 64 positions spans images stacked with shared padding
+    (np.uint8, np.int8, False, 5, 8, 4, 5, 10, 3, 1, 1, 1, 1),
+    (np.int8, np.int8, False, 4, 6, 7, 6, 9, 3, 2, 1, 1, 1),
+    (np.uint8, np.int8, False, 3, 4, 5, 5, 6, 1, 1, 2, 1, 1),       # padding past the kernel
+    # compact columns (small maps, 64 channels or more): output pixels only
+    (np.uint8, np.int8, False, 4, 8, 7, 7, 70, 3, 1, 1, 1, 1),
+    (np.int8, np.int8, False, 3, 12, 9, 9, 64, 3, 2, 1, 1, 1),
 ]
 
 
@@ -137,6 +149,28 @@ def _conv_inputs(case: tuple[Any, ...]) -> tuple[list[Any], dict[str, Any]]:
 
 @pytest.mark.parametrize("case", CONVS, ids=lambda c: "x".join(str(v) for v in c[3:]))
 def test_qlinear_conv_matches_the_reference(path: str, case: tuple[Any, ...]) -> None:
+    inputs, attrs = _conv_inputs(case)
+    want = _reference(Op.QLINEAR_CONV, inputs, attrs)
+    for threads, prepack in ((1, False), (2, True)):
+        got = _run(CPU, Op.QLINEAR_CONV, inputs, attrs, "int8", threads, prepack)
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["padded", "compact"])
+@pytest.mark.parametrize("chunk_positions", [1, 60, 200])
+@pytest.mark.parametrize("case", [(np.uint8, np.int8, False, 5, 8, 6, 7, 14, 3, 1, 1, 1, 1),
+                                  (np.int8, np.int8, False, 5, 5, 9, 8, 7, 3, 2, 1, 1, 1),
+                                  (np.uint8, np.int8, False, 3, 4, 5, 21, 9, 3, 1, 1, 1, 1)],
+                         ids=["stride-1", "stride-2", "rows-past-16"])
+def test_direct_convolution_in_chunks_of_images(path: str, monkeypatch: pytest.MonkeyPatch,
+                                                chunk_positions: int, compact: bool,
+                                                case: tuple[Any, ...]) -> None:
+    """Images stacked a few at a time (one each, two or three with a partial last chunk,
+    all five): blocks that span images, chunks split between threads; the columns either
+    every padded position or output pixels only (compact)."""
+    monkeypatch.setattr(cpu_planner, "INT8_DIRECT_CHUNK_POSITIONS", chunk_positions)
+    monkeypatch.setattr(cpu_planner, "int8_compact_columns", lambda width, channels: compact)
+    monkeypatch.setattr(cpu_planner, "MIN_FLOPS_PER_THREAD", 1)
     inputs, attrs = _conv_inputs(case)
     want = _reference(Op.QLINEAR_CONV, inputs, attrs)
     for threads, prepack in ((1, False), (2, True)):
@@ -224,6 +258,7 @@ ADDS = [
     (np.uint8, np.uint8, np.uint8, (3, 5, 7, 11), (0.021, 0.034, 0.047)),
     (np.int8, np.uint8, np.int8, (2, 64, 33, 33), (0.013, 0.007, 0.011)),
     (np.uint8, np.int8, np.uint8, (1, 17), (0.5, 0.25, 0.5)),
+    (np.int8, np.int8, np.int8, (3, 80), (0.25, 0.5, 0.5)),          # 64 at a time, ties
 ]
 
 
@@ -267,3 +302,62 @@ def test_quantize_linear_matches_the_reference(path: str, zp: Any) -> None:
         got = _run(CPU, Op.QUANTIZE_LINEAR, inputs, attrs, "int8", threads)
         assert got.dtype == want.dtype
         np.testing.assert_array_equal(got, want)
+
+
+# ---- MaxPool on the integers -----------------------------------------------------------------
+# (dtype, N, C, H, W, kernel, stride, pads [top, left, bottom, right], dilation, ceil_mode)
+POOLS = [
+    (np.uint8, 2, 3, 112, 112, 3, 2, [1, 1, 1, 1], 1, 0),     # ResNet-18's stem pool
+    (np.int8, 2, 3, 112, 112, 3, 2, [1, 1, 1, 1], 1, 0),
+    (np.uint8, 1, 4, 9, 70, 2, 2, [0, 0, 0, 0], 1, 1),        # odd side, ceil mode
+    (np.int8, 3, 2, 13, 75, 3, 1, [1, 2, 0, 1], 1, 0),        # stride 1, uneven padding
+    (np.uint8, 1, 2, 11, 8, 2, 1, [0, 0, 0, 0], 2, 0),        # dilated
+    (np.int8, 2, 2, 5, 5, 3, 3, [2, 2, 2, 2], 1, 0),          # stride 3, padding 2
+]
+
+
+@pytest.mark.parametrize("case", POOLS, ids=lambda c: "x".join(str(v) for v in c[1:7]))
+def test_integer_max_pool_matches_the_reference(path: str, case: tuple[Any, ...]) -> None:
+    dt, n, c, h, w, k, s, pads, d, ceil = case
+    x = _q(dt, n, c, h, w)
+    x[0, 0, :3] = np.iinfo(dt).min                  # windows whose largest value is the lowest
+    attrs = get_schema(Op.MAX_POOL).normalize_attrs(
+        {"kernel_shape": [k, k], "strides": [s, s], "pads": pads, "dilations": [d, d],
+         "ceil_mode": ceil})
+    want = np.asarray(REFERENCE.get(Op.MAX_POOL, "default").fn(_ctx(), [x], attrs, None)[0])
+    for threads in (1, 2, 3):
+        got = np.full(want.shape, 77, dt)
+        out = CPU.get(Op.MAX_POOL, "int8").fn(_ctx(threads), [x], attrs, [got])
+        assert out[0] is got
+        np.testing.assert_array_equal(got, want)
+
+
+def test_integer_max_pool_with_indices_runs_the_numpy_kernel(path: str) -> None:
+    x = _q(np.uint8, 1, 2, 6, 6)
+    attrs = get_schema(Op.MAX_POOL).normalize_attrs({"kernel_shape": [2, 2], "strides": [2, 2]})
+    y, idx = CPU.get(Op.MAX_POOL, "int8").fn(_ctx(), [x], attrs, None)
+    want = REFERENCE.get(Op.MAX_POOL, "default").fn(_ctx(), [x], attrs, None)
+    np.testing.assert_array_equal(y, want[0])
+    np.testing.assert_array_equal(idx, want[1])
+
+
+def test_the_plan_runs_an_integer_max_pool_on_the_int8_variant(path: str) -> None:
+    cpu_planner.forget()
+    for dtype, variant in ((DType.UINT8, "int8"), (DType.INT8, "int8"), (DType.FLOAT32, "native")):
+        request = PlanRequest(Op.MAX_POOL, (TensorType(dtype, (32, 64, 112, 112)),),
+                              get_schema(Op.MAX_POOL).normalize_attrs({"kernel_shape": [3, 3]}),
+                              threads=1)
+        assert cpu_planner.plan(request, CPU).variant == variant
+
+
+def test_a_packed_convolution_resolves_each_call_geometry(path: str) -> None:
+    """The geometry kept per (input shape, attrs) is conv_geometry's for that call: other
+    attributes or another input shape resolve again."""
+    from keel.ops.schemas.quantization import conv_geometry
+
+    packed = native_qgemm.pack_conv(_q(np.int8, 4, 3, 3, 3), np.zeros(4, np.int8))
+    schema = get_schema(Op.QLINEAR_CONV)
+    attrs = [schema.normalize_attrs({"pads": [1] * 4}), schema.normalize_attrs({"strides": [2, 2]})]
+    for shape in ((1, 3, 8, 8), (2, 3, 9, 5), (1, 3, 8, 8)):
+        for a in attrs:
+            assert packed.geometry(shape, a) == conv_geometry(shape, packed.shape, a)

@@ -21,7 +21,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,11 +30,12 @@ import numpy as np
 from keel import native
 from keel.backends.cpu.native_gemm import planner_rules
 from keel.dtypes import DType
+from keel.errors import InvalidArgumentError
 from keel.native.pool import parts
-from keel.ops.schemas.quantization import QUANT_RANGES, ConvGeometry
+from keel.ops.schemas.quantization import QUANT_RANGES, ConvGeometry, conv_geometry
 
 __all__ = ["ISA_NAMES", "PackedConv", "PackedMatmul", "available", "conv2d", "isa", "matmul",
-           "pack_conv", "pack_matmul", "qlinear_add", "quantize"]
+           "max_pool", "pack_conv", "pack_matmul", "qlinear_add", "quantize"]
 
 LIBRARY = "qgemm"
 ISA_NAMES = {2: "avx512-vnni", 1: "avx-vnni", 0: "portable"}
@@ -49,10 +51,12 @@ class _Functions:
     matmul: Any
     conv: Any
     direct: Any
+    compact: Any
     depthwise: Any
     depthwise_lanes: Any
     add: Any
     quantize: Any
+    maxpool: Any
 
 
 def _load() -> _Functions | None:
@@ -70,12 +74,16 @@ def _bind(lib: native.NativeLibrary) -> _Functions:
         matmul=f("keel_qmatmul_u8s8", [_P, _P, _I, _I, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I],
                  _I),
         conv=f("keel_qconv2d_u8s8", [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P, _I], _I),
-        direct=f("keel_qconv2d_direct_u8s8", [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _I], _I),
+        direct=f("keel_qconv2d_direct_u8s8", [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _I, _I],
+                 _I),
+        compact=f("keel_qconv2d_compact_u8s8", [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _I, _I],
+                  _I),
         depthwise=f("keel_qdepthwise_u8s8", [_P, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I], _I),
         depthwise_lanes=f("keel_qdepthwise_cl_u8s8", [_P, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I],
                           _I),
         add=f("keel_qadd_u8", [_P, _P, _I, _P, _P, _I, _P, _I], _I),
         quantize=f("keel_quantize_f32", [_P, _I, ctypes.c_double, _P, _P, _I], _I),
+        maxpool=f("keel_qmaxpool_8", [_P, _I, _P, _P, _I], _I),
     )
 
 
@@ -138,14 +146,85 @@ class PackedConv:
     zero_points: np.ndarray      # (M,) int32, shifted like the weights
     row_sums: np.ndarray         # (M,) int32: sum over k of the shifted weights
     shape: tuple[int, ...]
-    # [M][kh][kw][c4] (c4: C/g rounded up to 4) for the stride-1 kernel without im2col;
+    # [M][kh][kw][c4] (c4: C/g rounded up to 4) for the kernel without im2col (any stride);
     # None when a weight zero point is not 0
     direct: np.ndarray | None = None
     taps: np.ndarray | None = None       # (M, kh * kw) int8: one input channel per output
+    # the arrays conv2d derives from a call's constants (_conv_constants), by those constants
+    calls: dict[tuple[Any, ...], _ConvConstants] = field(default_factory=dict, repr=False)
+    # the geometry of a call, by (x's shape, id(attrs)), with the attrs kept (so their id is
+    # not reused while the entry lives)
+    geometries: dict[tuple[Any, ...], tuple[Mapping[str, Any], ConvGeometry]] = field(
+        default_factory=dict, repr=False)
+
+    def geometry(self, x_shape: tuple[int, ...], attrs: Mapping[str, Any]) -> ConvGeometry:
+        """conv_geometry for x of ``x_shape`` and these weights, resolved once per node
+        (resolving it took a third of a small layer's Python time)."""
+        key = (x_shape, id(attrs))
+        found = self.geometries.get(key)
+        if found is not None and found[0] is attrs:
+            return found[1]
+        geo = conv_geometry(x_shape, self.shape, attrs)
+        if len(self.geometries) >= _KEPT_CALLS:
+            self.geometries.clear()
+        self.geometries[key] = (attrs, geo)
+        return geo
 
     @property
     def nbytes(self) -> int:
         return int(self.weights.nbytes + self.zero_points.nbytes + self.row_sums.nbytes)
+
+
+@dataclass(frozen=True)
+class _ConvConstants:
+    """What conv2d passes the kernel besides x and y, for one set of a node's constants."""
+
+    bias_r: np.ndarray           # (M,) int32: the bias and the zero points' constant terms
+    geometry: np.ndarray         # int64, qgemm.c's geometry enum
+    mult: np.ndarray             # (M,) float64
+    quant: np.ndarray            # int64: y's zero point, range and kind
+    count: int                   # parts for the worker threads
+
+    @functools.cached_property
+    def pointers(self) -> tuple[Any, Any, Any, Any]:
+        """bias_r's, geometry's, mult's and quant's addresses, as the kernels take them."""
+        return _ptr(self.bias_r), _ptr(self.geometry), _ptr(self.mult), _ptr(self.quant)
+
+
+_KEPT_CALLS = 8     # sets of constants a PackedConv remembers (one per node, as a rule)
+
+
+def _conv_constants(x: np.ndarray, xz: int, packed: PackedConv, geo: ConvGeometry,
+                    bias: np.ndarray | None, multiplier: np.ndarray, y: np.ndarray,
+                    y_zero_point: int, threads: int) -> _ConvConstants:
+    """The kernel's constant arguments for this call, computed once per set of them: a
+    node runs with the same ones every time, and computing them took as long as a small
+    layer's products."""
+    key = (x.shape, xz, geo, None if bias is None else bias.tobytes(), multiplier.tobytes(),
+           y.dtype.char, int(y_zero_point), threads)
+    found = packed.calls.get(key)
+    if found is not None:
+        return found
+    n, c, h, w_ = (int(d) for d in x.shape)
+    m = packed.weights.shape[0]
+    row = -xz * packed.row_sums.astype(np.int64) + packed.k * xz * packed.zero_points.astype(
+        np.int64)
+    if bias is not None:
+        row = row + bias.astype(np.int64)
+    (oh, ow), (kh, kw) = geo.out_spatial, geo.kernel
+    panel = _functions().panel
+    units = n * geo.group * -(-(oh * ow) // panel)
+    found = _ConvConstants(
+        np.ascontiguousarray(row, dtype=np.int32),
+        np.array([n, c, h, w_, m, oh, ow, kh, kw, *geo.strides, *geo.dilations,
+                  geo.pads_begin[0], geo.pads_begin[1], geo.group], dtype=np.int64),
+        np.ascontiguousarray(np.broadcast_to(multiplier.reshape(-1), (m,)), dtype=np.float64),
+        _quant(DType.from_numpy(y.dtype), y_zero_point),
+        _threads(units, panel * packed.k * m // geo.group, threads))
+    if len(packed.calls) >= _KEPT_CALLS:
+        packed.calls.clear()
+    packed.calls[key] = found
+    return found
 
 
 def pack_conv(w: np.ndarray, w_zero_point: np.ndarray) -> PackedConv:
@@ -177,25 +256,14 @@ def conv2d(x: np.ndarray, x_zero_point: int, packed: PackedConv, geo: ConvGeomet
            threads: int = 1) -> None:
     """``y`` (N, M, OH, OW) = requantized convolution of the 8-bit NCHW ``x``."""
     fns = _functions()
-    n, c, h, w_ = (int(d) for d in x.shape)
-    m = packed.weights.shape[0]
+    c, m = int(x.shape[1]), packed.weights.shape[0]
     shift = _unsigned_shift(x.dtype)
     xz = int(x_zero_point) + shift
-    zr = -packed.zero_points
-    row = -xz * packed.row_sums.astype(np.int64) + packed.k * xz * packed.zero_points.astype(
-        np.int64)
-    if bias is not None:
-        row = row + bias.astype(np.int64)
-    bias_r = np.ascontiguousarray(row, dtype=np.int32)
+    consts = _conv_constants(x, xz, packed, geo, bias, multiplier, y, y_zero_point, threads)
+    bias_r, geometry, mult, quant, count = (consts.bias_r, consts.geometry, consts.mult,
+                                            consts.quant, consts.count)
     (oh, ow), (kh, kw) = geo.out_spatial, geo.kernel
-    geometry = np.array([n, c, h, w_, m, oh, ow, kh, kw, *geo.strides, *geo.dilations,
-                         geo.pads_begin[0], geo.pads_begin[1], geo.group], dtype=np.int64)
-    mult = np.ascontiguousarray(np.broadcast_to(multiplier.reshape(-1), (m,)),
-                                dtype=np.float64)
     xc = np.ascontiguousarray(x)
-    units = n * geo.group * -(-(oh * ow) // fns.panel)
-    count = _threads(units, fns.panel * packed.k * m // geo.group, threads)
-    quant = _quant(DType.from_numpy(y.dtype), y_zero_point)
     if packed.taps is not None and geo.group == c == m:
         raw = np.ascontiguousarray(bias, dtype=np.int32) if bias is not None else None
         kernels = [fns.depthwise]
@@ -209,14 +277,17 @@ def conv2d(x: np.ndarray, x_zero_point: int, packed: PackedConv, geo: ConvGeomet
             if rc != -2:
                 _check(rc)
                 return
-    if packed.direct is not None and geo.group == 1 and geo.strides == (1, 1) and \
-            geo.dilations == (1, 1):
+    if packed.direct is not None and geo.group == 1 and geo.dilations == (1, 1):
         c4 = packed.direct.shape[1] // (kh * kw)
-        rc = fns.direct(_ptr(xc), shift, xz & 0xFF, _ptr(packed.direct), c4, _ptr(geometry),
-                        _ptr(bias_r), _ptr(mult), _ptr(quant), _ptr(y), count)
+        p_bias, p_geometry, p_mult, p_quant = consts.pointers
+        rules = planner_rules()
+        kernel = fns.compact if rules.int8_compact_columns(ow, m) else fns.direct
+        rc = kernel(_ptr(xc), shift, xz & 0xFF, _ptr(packed.direct), c4, p_geometry, p_bias,
+                    p_mult, p_quant, _ptr(y), rules.INT8_DIRECT_CHUNK_POSITIONS, count)
         if rc != -2:
             _check(rc)
             return
+    zr = -packed.zero_points
     rc = fns.conv(_ptr(xc), shift, xz & 0xFF, _ptr(packed.weights), packed.kp,
                   _ptr(geometry), _ptr(bias_r), _ptr(zr) if np.any(zr) else None,
                   _ptr(mult), _ptr(quant), _ptr(y), count)
@@ -314,6 +385,20 @@ def quantize(x: np.ndarray, scale: float, y_zero_point: int, y: np.ndarray,
     count = parts(x.size, max(1, threads), planner_rules().QADD_MIN_ELEMENTS_PER_THREAD)
     rc = fns.quantize(_ptr(x), x.size, scale, _ptr(np.array([y_zero_point, lo, hi],
                                                              dtype=np.int64)), _ptr(y), count)
+    _check(rc)
+
+
+# ---- MaxPool on the integers -----------------------------------------------------------------
+def max_pool(x: np.ndarray, geometry: tuple[int, ...], y: np.ndarray, threads: int = 1) -> None:
+    """``y`` (N, C, OH, OW) = the 2-D window max of the contiguous 8-bit ``x`` (N, C, H, W),
+    the padding never chosen; ``geometry``: N, C, H, W, OH, OW, KH, KW, SH, SW, PT, PL, DH,
+    DW."""
+    count = parts(int(np.prod(geometry[:2])), max(1, threads),
+                  -(-planner_rules().QMAXPOOL_MIN_ELEMENTS_PER_THREAD // max(1, x[0, 0].size)))
+    rc = _functions().maxpool(_ptr(x), int(x.dtype == np.int8),
+                              _ptr(np.array(geometry, dtype=np.int64)), _ptr(y), count)
+    if rc == -2:
+        raise InvalidArgumentError(f"native int8 max pool: geometry {geometry} not taken")
     _check(rc)
 
 

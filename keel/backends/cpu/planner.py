@@ -287,12 +287,40 @@ QADD_REASON = ("qlinear_add: the native 8-bit kernel, DequantizeLinear -> Add ->
 # elements, in ~13 us on one thread), so this is ~3 us per thread, a few dispatches.
 QADD_MIN_ELEMENTS_PER_THREAD = 32_768
 
+# An int8 MaxPool (cpu/pooling.py's ``int8`` variant, qgemm.c) splits its planes over
+# threads only where each gets at least this many input elements: ResNet-18's 3x3 stride-2
+# pool reads ~12 input bytes per nanosecond on one thread (32x64x112x112 in ~2.1 ms), so
+# this is ~5 us per thread, a few dispatches.
+QMAXPOOL_MIN_ELEMENTS_PER_THREAD = 65_536
+
 
 # An int8 depthwise convolution whose output planes have at most this many pixels runs with
 # the channels in the vector lanes (qgemm.c's qdepth_cl_task): per plane, the plane-wise
 # kernel's setup (padding, widening, a store per output row) outweighs the sums of a small
 # plane (MobileNetV2's 14x14 and 7x7 layers ran ~5-50x slower than onnxruntime's).
 INT8_DEPTHWISE_LANES_MAX_PIXELS = 1024
+
+# The int8 direct convolution stacks this many padded positions' worth of images into one
+# layout (their padding shared), so a block of 64 positions may span images: on ResNet-20's
+# 8x8 maps one image alone is 80 positions, two blocks of 64 for 64 outputs.
+INT8_DIRECT_CHUNK_POSITIONS = 2048
+
+# The int8 direct convolution computes only output pixels ("compact" columns, copied into
+# a panel per block of 64; qgemm.c) where its output rows are at most this many pixels
+# wide and it has at least this many output channels to share each copy: the padded
+# layout's blocks would compute a padding column per row and a padding row per image.
+# Compact / padded time, the kernel alone, one thread, same process, alternating, medians
+# (measured under load): 3x3 512->512 7x7 (batch 8) 0.91; 256->256 14x14 0.92-0.94;
+# stride 2 256->512 14x14 out 0.86, 128->256 0.94; 64->128 8x8 (batch 32) 0.91, 64->64
+# 0.98-0.99; but 32->32 16x16 1.09, 16->32 stride 2 8x8 out 1.04 (32 channels share a
+# copy too little) and 128->128 28x28 1.03 (6% padding).
+INT8_COMPACT_MAX_WIDTH = 16
+INT8_COMPACT_MIN_CHANNELS = 64
+
+
+def int8_compact_columns(out_width: int, out_channels: int) -> bool:
+    """Whether the int8 direct convolution computes compact columns (output pixels only)."""
+    return out_width <= INT8_COMPACT_MAX_WIDTH and out_channels >= INT8_COMPACT_MIN_CHANNELS
 
 
 # ---- int8 layouts over the whole graph -----------------------------------------------------

@@ -218,6 +218,41 @@ def max_pool(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list
     return [y, indices]
 
 
+# ---- 8-bit max pool: the native integer kernel ---------------------------------------------
+def _int8_geometry(x: Any, win: Window, out: Out) -> tuple[int, ...] | None:
+    """qgemm.c's max pool geometry for this call, or None where it does not serve it
+    (Indices asked for, not a 2-D pool of NumPy arrays, the tier not built)."""
+    from keel.backends.cpu import native_qgemm
+
+    if (out is None or len(out) != 1 or not isinstance(x, np.ndarray) or win.rank != 2
+            or not native_qgemm.available()):
+        return None
+    return (*x.shape, *win.out_spatial, *win.kernel, *win.strides, *win.pads_begin,
+            *win.dilations)
+
+
+@TABLE.kernel(Op.MAX_POOL, variant="int8", dtypes=(DType.UINT8, DType.INT8), supports_out=True,
+              requires="native", priority=10, simd=(), shapes="2-D windows, no Indices",
+              description="native integer kernel (qgemm.c): a byte-wise max over whole rows, "
+                          "the planes split over threads (the default kernel elsewhere)")
+def max_pool_int8(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """The max pool of an 8-bit tensor (the int8 graphs keep MaxPool on the integers)."""
+    x = inputs[0]
+    win = _prepare(Op.MAX_POOL, x, attrs)[0]
+    geometry = _int8_geometry(x, win, out)
+    if geometry is None:
+        return list(max_pool(ctx, inputs, attrs, out))
+    from keel.backends.cpu import native_qgemm
+
+    y = out[0]  # type: ignore[index]
+    direct = y.flags.c_contiguous
+    target = y if direct else np.empty(y.shape, x.dtype)
+    native_qgemm.max_pool(np.ascontiguousarray(x), geometry, target, ctx.threads or 1)
+    if not direct:
+        y[...] = target
+    return [y]
+
+
 @dataclass(frozen=True)
 class _Separable:
     """Index tuples of a 2-D window max taken over kernel rows, then kernel columns."""

@@ -26,7 +26,6 @@ from keel.dtypes import DType
 from keel.ops.registry import Op
 from keel.ops.schemas.quantization import (
     QUANT_RANGES,
-    conv_geometry,
     matmul_shape,
     qgemm_scales,
     qgemm_shape,
@@ -131,12 +130,12 @@ def _conv_nchw(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> li
     bias = optional_input(inputs, 8)
     if not _served(x, x_s, x_zp, w, w_s, w_zp, y_s, y_zp, bias):
         return list(quantization.qlinear_conv(ctx, inputs, attrs, out))
-    geo = conv_geometry(x.shape, w.shape, attrs)
     packed = ctx.prepacked
     if isinstance(packed, qlayout.ChannelsLastPack):
         packed = packed.conv
     if not isinstance(packed, native_qgemm.PackedConv):
         packed = native_qgemm.pack_conv(w, w_zp)
+    geo = packed.geometry(x.shape, attrs)
     m = int(w.shape[0])
     y = _out(out, (x.shape[0], m, *geo.out_spatial), y_zp.dtype)
     native_qgemm.conv2d(x, int(x_zp.reshape(())), packed, geo, bias,

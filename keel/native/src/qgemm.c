@@ -16,7 +16,7 @@
  * A tile is MR = 6 rows of R by the 64 columns of one panel:
  *
  *   - AVX-512 VNNI (__AVX512VNNI__): 24 zmm accumulators, 4 panel loads and 6 broadcasts
- *     per quad;
+ *     per quad (the last 2 or 4 rows of an M that 6 does not divide: 8 or 16);
  *   - AVX-VNNI (__AVXVNNI__, 256 bits): the panel in four quarters of 16 columns,
  *     12 ymm accumulators each;
  *   - elsewhere: the same loops in plain C (the portable path).
@@ -73,18 +73,20 @@ static inline int32_t quad(const uint8_t *p)
     return v;
 }
 
-/* acc[MR][NB] = R[rows][4 k4] . panel, rows past `mr` repeat the last one. r_u8: R
- * holds the unsigned operand (a matmul's activations), else V does (a convolution's). */
+/* acc[MR][NB] = R[rows][4 k4] . panel: rows [0, mr) (rows past `mr` repeat the last one
+ * or are left as they were). r_u8: R holds the unsigned operand (a matmul's
+ * activations), else V does (a convolution's). */
 static inline void tile(const uint8_t *r, int64_t ldr, int64_t mr, const uint8_t *v,
                         const int64_t *offsets, int64_t k4, int32_t *acc, int r_u8)
 {
     const uint8_t *row[MR];
     for (int i = 0; i < MR; i++) row[i] = r + (i < mr ? i : mr - 1) * ldr;
 #if QISA == 2
-    /* 24 accumulators as named variables: an array of them is kept on the stack. */
+    /* 24 accumulators as named variables: an array of them is kept on the stack. A tile
+     * of at most 2 or 4 rows (the last of an M that 6 does not divide) runs with 8 or 16
+     * of them and leaves acc's other rows as they were. */
 #define ZERO4(i) __m512i c##i##0 = _mm512_setzero_si512(), c##i##1 = c##i##0, \
                  c##i##2 = c##i##0, c##i##3 = c##i##0
-    ZERO4(0); ZERO4(1); ZERO4(2); ZERO4(3); ZERO4(4); ZERO4(5);
 #define DOT4(i) do { \
         __m512i a = _mm512_set1_epi32(quad(row[i] + 4 * q)); \
         if (r_u8) { \
@@ -99,24 +101,38 @@ static inline void tile(const uint8_t *r, int64_t ldr, int64_t mr, const uint8_t
             c##i##3 = _mm512_dpbusd_epi32(c##i##3, b3, a); \
         } \
     } while (0)
-    for (int64_t q = 0; q < k4; q++) {
-        const uint8_t *vq = v + (offsets ? offsets[q] : q * NB * 4);
-        __m512i b0 = _mm512_loadu_si512((const void *)vq);
-        __m512i b1 = _mm512_loadu_si512((const void *)(vq + 64));
-        __m512i b2 = _mm512_loadu_si512((const void *)(vq + 128));
-        __m512i b3 = _mm512_loadu_si512((const void *)(vq + 192));
-        DOT4(0); DOT4(1); DOT4(2); DOT4(3); DOT4(4); DOT4(5);
-    }
 #define STORE4(i) do { \
         _mm512_storeu_si512((void *)(acc + i * NB), c##i##0); \
         _mm512_storeu_si512((void *)(acc + i * NB + 16), c##i##1); \
         _mm512_storeu_si512((void *)(acc + i * NB + 32), c##i##2); \
         _mm512_storeu_si512((void *)(acc + i * NB + 48), c##i##3); \
     } while (0)
-    STORE4(0); STORE4(1); STORE4(2); STORE4(3); STORE4(4); STORE4(5);
+#define QUADS(body) \
+    for (int64_t q = 0; q < k4; q++) { \
+        const uint8_t *vq = v + (offsets ? offsets[q] : q * NB * 4); \
+        __m512i b0 = _mm512_loadu_si512((const void *)vq); \
+        __m512i b1 = _mm512_loadu_si512((const void *)(vq + 64)); \
+        __m512i b2 = _mm512_loadu_si512((const void *)(vq + 128)); \
+        __m512i b3 = _mm512_loadu_si512((const void *)(vq + 192)); \
+        body \
+    }
+    if (mr <= 2) {
+        ZERO4(0); ZERO4(1);
+        QUADS(DOT4(0); DOT4(1);)
+        STORE4(0); STORE4(1);
+    } else if (mr <= 4) {
+        ZERO4(0); ZERO4(1); ZERO4(2); ZERO4(3);
+        QUADS(DOT4(0); DOT4(1); DOT4(2); DOT4(3);)
+        STORE4(0); STORE4(1); STORE4(2); STORE4(3);
+    } else {
+        ZERO4(0); ZERO4(1); ZERO4(2); ZERO4(3); ZERO4(4); ZERO4(5);
+        QUADS(DOT4(0); DOT4(1); DOT4(2); DOT4(3); DOT4(4); DOT4(5);)
+        STORE4(0); STORE4(1); STORE4(2); STORE4(3); STORE4(4); STORE4(5);
+    }
 #undef ZERO4
 #undef DOT4
 #undef STORE4
+#undef QUADS
 #elif QISA == 1
     for (int h = 0; h < 4; h++) {
 #define ZERO2(i) __m256i c##i##0 = _mm256_setzero_si256(), c##i##1 = c##i##0
@@ -236,13 +252,18 @@ static void store_row(const int32_t *v, int64_t n, const double *mult, double m,
 
 #if QISA == 2
 /* Rows [0, mr) of a convolution's tile (bias and multiplier per row, no other
- * corrections, 8-bit output) requantized into out[MR][NB]: store_row's operations on
- * all 64 columns, 16 at a time, for the caller to copy the valid runs from. */
+ * corrections, 8-bit output) requantized into out[MR][NB]: store_row's results on all
+ * 64 columns, 16 at a time, for the caller to copy the valid runs from. The same bits
+ * in fewer steps: the product is clamped to [lo - zp, hi - zp] before it is rounded
+ * (rounding is monotonic and those bounds are integers, so clamping first or last
+ * gives the same integer), and the conversion rounds half to even itself; the zero
+ * point is added to the integers. */
 static void requant_tile(const int32_t *acc, int64_t mr, int64_t i0, const requant *q,
                          uint8_t *out)
 {
-    __m512d zp = _mm512_set1_pd((double)q->yzp), lo = _mm512_set1_pd((double)q->lo);
-    __m512d hi = _mm512_set1_pd((double)q->hi);
+    __m512d lo = _mm512_set1_pd((double)(q->lo - q->yzp));
+    __m512d hi = _mm512_set1_pd((double)(q->hi - q->yzp));
+    __m512i zp = _mm512_set1_epi32((int32_t)q->yzp);
     for (int64_t i = 0; i < mr; i++) {
         __m512i bias = _mm512_set1_epi32(q->bias_r ? q->bias_r[i0 + i] : 0);
         __m512d m = _mm512_set1_pd(q->mult[i0 + i]);
@@ -251,13 +272,14 @@ static void requant_tile(const int32_t *acc, int64_t mr, int64_t i0, const requa
                                          bias);
             __m512d t0 = _mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_castsi512_si256(v)), m);
             __m512d t1 = _mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(v, 1)), m);
-            t0 = _mm512_roundscale_pd(t0, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            t1 = _mm512_roundscale_pd(t1, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            t0 = _mm512_min_pd(_mm512_max_pd(_mm512_add_pd(t0, zp), lo), hi);
-            t1 = _mm512_min_pd(_mm512_max_pd(_mm512_add_pd(t1, zp), lo), hi);
-            __m512i r = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtpd_epi32(t0)),
-                                           _mm512_cvtpd_epi32(t1), 1);
-            _mm_storeu_si128((__m128i *)(void *)(out + i * NB + j), _mm512_cvtepi32_epi8(r));
+            t0 = _mm512_min_pd(_mm512_max_pd(t0, lo), hi);
+            t1 = _mm512_min_pd(_mm512_max_pd(t1, lo), hi);
+            __m512i r = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm512_cvt_roundpd_epi32(
+                    t0, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)),
+                _mm512_cvt_roundpd_epi32(t1, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), 1);
+            _mm_storeu_si128((__m128i *)(void *)(out + i * NB + j),
+                             _mm512_cvtepi32_epi8(_mm512_add_epi32(r, zp)));
         }
     }
 }
@@ -509,148 +531,341 @@ int64_t keel_qconv2d_u8s8(const uint8_t *x, int64_t flip, int64_t pad, const uin
     return run_parts(qconv_task, &j, j.g[Q_N] * j.g[Q_G] * j.blocks, parts, scratch);
 }
 
-/* ---- stride-1 convolution without im2col ---------------------------------------------
+/* ---- convolution without im2col ---------------------------------------------------
  *
- * The image is copied once into a zero-point-padded layout of channel quads,
- * [C4/4][Hp * Wp + slack][4] (four channels' bytes side by side per padded pixel), and
- * the outputs are computed over padded row positions p = oy * Wp + ox (ox < Wp; the
- * columns past OW are computed and dropped). For tap (ky, kx) and channel quad cq, the
- * 64 pixels of a block are then 256 contiguous bytes of that layout, at
- * ((cq * plane + p0 + ky * Wp + kx) * 4): the tile reads them in place, through one
- * offset per k quad, with the weights packed in the same order, [M][KH][KW][C4]. */
+ * The images are copied once into a zero-point-padded layout of channel quads (four
+ * channels' bytes side by side per padded pixel), and the outputs are computed over
+ * padded positions p = (image * Hs + oy) * Ws + ox: the columns past OW and the rows
+ * past OH are computed and dropped. A chunk of images is stacked in one layout, each
+ * image's padding shared with its neighbours' (the rows below one image are the rows
+ * above the next, as the columns right of a row are the columns left of the next), so
+ * a block of 64 positions may span images and small maps waste fewer columns.
+ *
+ * With stride 1 that layout is [C4/4][chunk * Hs * Ws + slack][4]: for tap (ky, kx)
+ * and channel quad cq, the 64 positions of a block are 256 contiguous bytes, at
+ * ((cq * plane + p0 + ky * Ws + kx) * 4). With strides (sh, sw) the padded images are
+ * split into sh * sw phases (phase (ry, rx): the padded pixels whose row and column are
+ * ry and rx modulo the strides), [sh * sw][C4/4][plane][4], Hs and Ws then counting a
+ * phase's rows and columns: output (oy, ox) reads tap (ky, kx) at phase (ky mod sh,
+ * kx mod sw), position (oy + ky / sh) * Ws + ox + kx / sw, so a block's positions are
+ * again contiguous. The tile reads them in place, through one offset per k quad, with
+ * the weights packed in the same order, [M][KH][KW][C4]. */
 
 typedef struct {
     const uint8_t *x, *w;
     int64_t g[Q_LEN];
-    int64_t c4, hp, wp, plane, kp, blocks;
+    int64_t c4, hs, ws, plane, kp;   /* hs, ws: a phase's rows per image, columns per row */
+    int64_t chunk, blocks;           /* images per chunk; blocks of NB columns per chunk */
+    int64_t compact;                 /* columns: output pixels only (else padded positions) */
     uint8_t flip, pad;
     requant q;
     void *y;
 } qdirect_job;
 
-static void build_quads(const qdirect_job *j, int64_t n, uint8_t *xq)
+/* Padded input row y of channel quad cq (its four channels' rows at src) as quads,
+ * into line[0, Ws * sw): the zero point where the row has no pixel. */
+static void quad_line(const qdirect_job *j, const uint8_t *const src[4], int64_t y,
+                      uint32_t *line)
 {
-    const int64_t *g = j->g;
-    int64_t c = g[Q_C], h = g[Q_H], w = g[Q_W];
+    int64_t w = j->g[Q_W];
     uint32_t pad = (uint32_t)j->pad * 0x01010101u, flip = (uint32_t)j->flip * 0x01010101u;
-    for (int64_t cq = 0; cq < j->c4 / 4; cq++) {
-        uint32_t *dst = (uint32_t *)(void *)(xq + cq * j->plane * 4);
-        for (int64_t i = 0; i < j->plane; i++) dst[i] = pad;
-        const uint8_t *src[4];
-        for (int r = 0; r < 4; r++)
-            src[r] = 4 * cq + r < c ? j->x + ((n * c) + 4 * cq + r) * h * w : NULL;
-        for (int64_t y = 0; y < h; y++) {
-            uint32_t *row = dst + (y + g[Q_PT]) * j->wp + g[Q_PL];
-            int64_t xx = 0;
+    for (int64_t i = 0; i < j->ws * j->g[Q_SW]; i++) line[i] = pad;
+    uint32_t *row = line + j->g[Q_PL];
+    int64_t xx = 0;
 #if defined(__SSE2__)
-            /* 16 pixels at a time: the four channels' bytes interleaved by unpacking */
-            __m128i vflip = _mm_set1_epi8((char)j->flip);
-            for (; xx + 16 <= w; xx += 16) {
-                __m128i c[4];
-                for (int r = 0; r < 4; r++)
-                    c[r] = src[r] ? _mm_loadu_si128((const __m128i *)(const void *)(
-                                        src[r] + y * w + xx)) : _mm_setzero_si128();
-                __m128i lo01 = _mm_unpacklo_epi8(c[0], c[1]), hi01 = _mm_unpackhi_epi8(c[0], c[1]);
-                __m128i lo23 = _mm_unpacklo_epi8(c[2], c[3]), hi23 = _mm_unpackhi_epi8(c[2], c[3]);
-                __m128i *out = (__m128i *)(void *)(row + xx);
-                _mm_storeu_si128(out, _mm_xor_si128(_mm_unpacklo_epi16(lo01, lo23), vflip));
-                _mm_storeu_si128(out + 1, _mm_xor_si128(_mm_unpackhi_epi16(lo01, lo23), vflip));
-                _mm_storeu_si128(out + 2, _mm_xor_si128(_mm_unpacklo_epi16(hi01, hi23), vflip));
-                _mm_storeu_si128(out + 3, _mm_xor_si128(_mm_unpackhi_epi16(hi01, hi23), vflip));
-            }
+    /* 16 pixels at a time: the four channels' bytes interleaved by unpacking */
+    __m128i vflip = _mm_set1_epi8((char)j->flip);
+    for (; xx + 16 <= w; xx += 16) {
+        __m128i c[4];
+        for (int r = 0; r < 4; r++)
+            c[r] = src[r] ? _mm_loadu_si128((const __m128i *)(const void *)(src[r] + y * w + xx))
+                          : _mm_setzero_si128();
+        __m128i lo01 = _mm_unpacklo_epi8(c[0], c[1]), hi01 = _mm_unpackhi_epi8(c[0], c[1]);
+        __m128i lo23 = _mm_unpacklo_epi8(c[2], c[3]), hi23 = _mm_unpackhi_epi8(c[2], c[3]);
+        __m128i *out = (__m128i *)(void *)(row + xx);
+        _mm_storeu_si128(out, _mm_xor_si128(_mm_unpacklo_epi16(lo01, lo23), vflip));
+        _mm_storeu_si128(out + 1, _mm_xor_si128(_mm_unpackhi_epi16(lo01, lo23), vflip));
+        _mm_storeu_si128(out + 2, _mm_xor_si128(_mm_unpacklo_epi16(hi01, hi23), vflip));
+        _mm_storeu_si128(out + 3, _mm_xor_si128(_mm_unpackhi_epi16(hi01, hi23), vflip));
+    }
+    for (; xx + 8 <= w; xx += 8) {      /* 8 at a time (small maps' rows) */
+        __m128i c[4];
+        for (int r = 0; r < 4; r++)
+            c[r] = src[r] ? _mm_loadl_epi64((const __m128i *)(const void *)(src[r] + y * w + xx))
+                          : _mm_setzero_si128();
+        __m128i lo01 = _mm_unpacklo_epi8(c[0], c[1]), lo23 = _mm_unpacklo_epi8(c[2], c[3]);
+        __m128i *out = (__m128i *)(void *)(row + xx);
+        _mm_storeu_si128(out, _mm_xor_si128(_mm_unpacklo_epi16(lo01, lo23), vflip));
+        _mm_storeu_si128(out + 1, _mm_xor_si128(_mm_unpackhi_epi16(lo01, lo23), vflip));
+    }
 #endif
-            for (; xx < w; xx++) {
-                uint32_t v = 0;
-                for (int r = 0; r < 4; r++)
-                    v |= (uint32_t)(src[r] ? src[r][y * w + xx] : 0) << (8 * r);
-                row[xx] = v ^ flip;
-            }
-        }
+    for (; xx < w; xx++) {
+        uint32_t v = 0;
+        for (int r = 0; r < 4; r++) v |= (uint32_t)(src[r] ? src[r][y * w + xx] : 0) << (8 * r);
+        row[xx] = v ^ flip;
     }
 }
 
+/* Images [n0, n0 + count) as padded channel quads, stacked and split into the strides'
+ * phases (see above); only the phases some tap reads (ry < KH, rx < KW). line: scratch
+ * for one padded row. */
+static void build_quads(const qdirect_job *j, int64_t n0, int64_t count, uint8_t *xq,
+                        uint32_t *line)
+{
+    const int64_t *g = j->g;
+    int64_t c = g[Q_C], h = g[Q_H], w = g[Q_W], sh = g[Q_SH], sw = g[Q_SW], cq4 = j->c4 / 4;
+    int64_t ry_end = sh < g[Q_KH] ? sh : g[Q_KH], rx_end = sw < g[Q_KW] ? sw : g[Q_KW];
+    uint32_t pad = (uint32_t)j->pad * 0x01010101u;
+    uint32_t *all = (uint32_t *)(void *)xq;
+    for (int64_t ry = 0; ry < ry_end; ry++)
+        for (int64_t rx = 0; rx < rx_end; rx++) {
+            uint32_t *phase = all + (ry * sw + rx) * cq4 * j->plane;
+            for (int64_t i = 0; i < cq4 * j->plane; i++) phase[i] = pad;
+        }
+    for (int64_t img = 0; img < count; img++)
+        for (int64_t cq = 0; cq < cq4; cq++) {
+            const uint8_t *src[4];
+            for (int r = 0; r < 4; r++)
+                src[r] = 4 * cq + r < c ? j->x + (((n0 + img) * c) + 4 * cq + r) * h * w : NULL;
+            for (int64_t y = 0; y < h; y++) {
+                int64_t yp = y + g[Q_PT];
+                if (yp % sh >= ry_end) continue;
+                quad_line(j, src, y, line);
+                for (int64_t rx = 0; rx < rx_end; rx++) {
+                    uint32_t *dst = all + (((yp % sh) * sw + rx) * cq4 + cq) * j->plane +
+                                    (img * j->hs + yp / sh) * j->ws;
+                    if (sw == 1) {
+                        memcpy(dst, line, (size_t)j->ws * sizeof *line);
+                        continue;
+                    }
+                    int64_t i = 0;
+#if QISA == 2
+                    if (sw == 2) {
+                        /* 16 at a time: every other quad of 32, picked by one permutation */
+                        const __m512i pick = _mm512_add_epi32(
+                            _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                              28, 30), _mm512_set1_epi32((int)rx));
+                        for (; i + 16 <= j->ws && rx + 2 * i + 32 <= 2 * j->ws; i += 16) {
+                            __m512i a = _mm512_loadu_si512((const void *)(line + 2 * i));
+                            __m512i b = _mm512_loadu_si512((const void *)(line + 2 * i + 16));
+                            _mm512_storeu_si512((void *)(dst + i),
+                                                _mm512_permutex2var_epi32(a, pick, b));
+                        }
+                    }
+#endif
+                    for (; i < j->ws; i++) dst[i] = line[rx + i * sw];
+                }
+            }
+        }
+}
+
+/* Position p of a chunk: in *at the output index (image * M * OH * OW + oy * OW + ox) it
+ * computes, and whether that is an output at all (ox < OW, oy < OH). */
+static inline int position_output(const qdirect_job *j, int64_t p, int64_t *at)
+{
+    const int64_t *g = j->g;
+    int64_t row = p / j->ws, ox = p % j->ws, img = row / j->hs, oy = row % j->hs;
+    *at = img * g[Q_M] * g[Q_OH] * g[Q_OW] + oy * g[Q_OW] + ox;
+    return ox < g[Q_OW] && oy < g[Q_OH];
+}
+
 #if QISA == 2 && defined(__AVX512VBMI2__)
-/* Which of a block's 64 padded positions are output pixels (ox < OW, oy < OH), how
- * many, and the output index of the first. */
+/* A block's output columns of one image: which of the 64 positions, how many, and the
+ * output index of the first (the rest follow it in order). */
 typedef struct {
     __mmask64 mask;
     int64_t count, first;
 } block_columns;
 
-static block_columns valid_columns(const qdirect_job *j, int64_t p0)
+/* The block at p0's output columns, one entry per image they belong to (positions
+ * before `end` only); returns how many entries. Steps through the positions' rows and
+ * images rather than dividing for each. */
+static int64_t block_runs(const qdirect_job *j, int64_t p0, int64_t end, block_columns *runs)
 {
-    block_columns b = {0, 0, -1};
-    int64_t ow = j->g[Q_OW], end = j->g[Q_OH] * j->wp;
+    const int64_t *g = j->g;
+    int64_t nrun = 0, last = -1;
+    int64_t row = p0 / j->ws, ox = p0 % j->ws, img = row / j->hs, oy = row % j->hs;
     for (int64_t t = 0; t < NB && p0 + t < end; t++) {
-        int64_t oy = (p0 + t) / j->wp, ox = (p0 + t) % j->wp;
-        if (ox >= ow) continue;
-        b.mask |= (__mmask64)1 << t;
-        if (b.first < 0) b.first = oy * ow + ox;
-        b.count++;
+        if (ox < g[Q_OW] && oy < g[Q_OH]) {
+            if (img != last) {
+                last = img;
+                runs[nrun++] = (block_columns){0, 0, img * g[Q_M] * g[Q_OH] * g[Q_OW] +
+                                                         oy * g[Q_OW] + ox};
+            }
+            runs[nrun - 1].mask |= (__mmask64)1 << t;
+            runs[nrun - 1].count++;
+        }
+        if (++ox == j->ws) {
+            ox = 0;
+            if (++oy == j->hs) oy = 0, img++;
+        }
     }
-    return b;
+    return nrun;
 }
 #endif
 
-/* The padded positions from p to the end of p's padded output row or of block p0: how
- * many (what p steps by), and in *len how many of them are outputs (0 in the row's
- * padding), the first of which is output *at. */
+/* The positions from p to the end of p's row or of block p0: how many (what p steps
+ * by), and in *len how many of them are outputs (0 in the padding), the first of which
+ * is output *at. */
 static inline int64_t padded_run(const qdirect_job *j, int64_t p, int64_t p0, int64_t *len,
                                  int64_t *at)
 {
-    int64_t ow = j->g[Q_OW], oy = p / j->wp, ox = p % j->wp;
-    int64_t run = j->wp - ox < p0 + NB - p ? j->wp - ox : p0 + NB - p;
-    *len = ox >= ow ? 0 : ow - ox < run ? ow - ox : run;
-    *at = oy * ow + ox;
+    int64_t ox = p % j->ws, ow = j->g[Q_OW];
+    int64_t run = j->ws - ox < p0 + NB - p ? j->ws - ox : p0 + NB - p;
+    *len = !position_output(j, p, at) ? 0 : ow - ox < run ? ow - ox : run;
     return run;
+}
+
+/* ---- compact columns: output pixels only ----
+ *
+ * The padded layout's blocks compute the padding's positions too and drop them (on a 7x7
+ * map 77% of the columns are outputs, on 8x8 79%). A compact block's 64 columns are
+ * output pixels only, in order: before its products it copies, for every k quad, the
+ * quads its pixels read from the padded layout into a panel [k4][NB][4] (a run of an
+ * output row's pixels at a time), and every row tile of M reads that panel. */
+
+/* A run of a compact block's columns within one output row: its first column, the padded
+ * position its first pixel reads at tap (0, 0), how many, and its first output index. */
+typedef struct {
+    int64_t t, p, len, at;
+} compact_run;
+
+/* Compact block b of a chunk of `count` images as runs (returns how many; *cols: the
+ * block's columns, 0 past the chunk's outputs). */
+static int64_t compact_runs(const qdirect_job *j, int64_t b, int64_t count, compact_run *runs,
+                            int64_t *cols)
+{
+    const int64_t *g = j->g;
+    int64_t pixels = g[Q_OH] * g[Q_OW], idx = b * NB, end = count * pixels, n = 0;
+    if (end > idx + NB) end = idx + NB;
+    *cols = end > idx ? end - idx : 0;
+    while (idx < end) {
+        int64_t img = idx / pixels, pix = idx % pixels, ox = pix % g[Q_OW];
+        int64_t len = g[Q_OW] - ox < end - idx ? g[Q_OW] - ox : end - idx;
+        runs[n++] = (compact_run){idx - b * NB, (img * j->hs + pix / g[Q_OW]) * j->ws + ox, len,
+                                  img * g[Q_M] * pixels + pix};
+        idx += len;
+    }
+    return n;
+}
+
+/* The compact block's panel [k4][NB][4] from the padded layout xq. With AVX-512 each run
+ * is copied 16 quads at a time by whole loads and stores: what a store writes past its run
+ * the next run (or the next k quad, or the panel's slack) writes over. */
+static void gather_panel(const uint8_t *xq, const int64_t *offsets, int64_t k4,
+                         const compact_run *runs, int64_t nrun, uint8_t *panel)
+{
+    for (int64_t q = 0; q < k4; q++) {
+        const uint8_t *base = xq + offsets[q];
+        uint8_t *dst = panel + q * NB * 4;
+        for (int64_t r = 0; r < nrun; r++) {
+            const uint8_t *src = base + runs[r].p * 4;
+            uint8_t *to = dst + runs[r].t * 4;
+#if QISA == 2
+            for (int64_t i = 0; i < runs[r].len; i += 16)
+                _mm512_storeu_si512((void *)(to + 4 * i),
+                                    _mm512_loadu_si512((const void *)(src + 4 * i)));
+#else
+            memcpy(to, src, (size_t)runs[r].len * 4);
+#endif
+        }
+    }
+}
+
+/* The products of compact block `runs` (cols columns) for every row tile, stored: each
+ * image's columns are consecutive outputs (its runs follow one another). */
+static void compact_block(const qdirect_job *j, const uint8_t *panel, const compact_run *runs,
+                          int64_t nrun, int32_t *acc, char *yn)
+{
+    const int64_t *g = j->g;
+    int64_t m = g[Q_M], pixels = g[Q_OH] * g[Q_OW];
+    for (int64_t i0 = 0; i0 < m; i0 += MR) {
+        int64_t mr = m - i0 < MR ? m - i0 : MR;
+        tile(j->w + i0 * j->kp, j->kp, mr, panel, NULL, j->kp / 4, acc, 0);
+#if QISA == 2
+        uint8_t bytes[MR * NB];
+        if (j->q.kind != KIND_F32) requant_tile(acc, mr, i0, &j->q, bytes);
+#endif
+        for (int64_t r = 0; r < nrun;) {
+            int64_t t0 = runs[r].t, at = runs[r].at, len = runs[r].len;
+            while (++r < nrun && runs[r].at == at + len) len += runs[r].len;
+#if QISA == 2
+            if (j->q.kind != KIND_F32) {
+                for (int64_t i = 0; i < mr; i++)
+                    memcpy((uint8_t *)yn + (i0 + i) * pixels + at, bytes + i * NB + t0,
+                           (size_t)len);
+                continue;
+            }
+#endif
+            store(acc + t0, mr, len, i0, at, &j->q, NULL, yn, pixels);
+        }
+    }
 }
 
 static void qdirect_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
 {
     const qdirect_job *j = ctx;
     const int64_t *g = j->g;
-    int64_t m = g[Q_M], oh = g[Q_OH], pixels = oh * g[Q_OW], k4 = j->kp / 4;
+    int64_t m = g[Q_M], pixels = g[Q_OH] * g[Q_OW], k4 = j->kp / 4;
     int32_t *acc = (int32_t *)scratch;
     int64_t *offsets = (int64_t *)(acc + MR * NB);
     uint8_t *xq = (uint8_t *)(offsets + k4);
+    uint32_t *line = (uint32_t *)(void *)(xq + g[Q_SH] * g[Q_SW] * j->c4 * j->plane);
     for (int64_t q = 0; q < k4; q++) {
         int64_t cq = q % (j->c4 / 4), tap = q / (j->c4 / 4);
-        offsets[q] = (cq * j->plane + (tap / g[Q_KW]) * j->wp + tap % g[Q_KW]) * 4;
+        int64_t ky = tap / g[Q_KW], kx = tap % g[Q_KW];
+        int64_t phase = (ky % g[Q_SH]) * g[Q_SW] + kx % g[Q_SW];
+        offsets[q] = ((phase * (j->c4 / 4) + cq) * j->plane + (ky / g[Q_SH]) * j->ws +
+                      kx / g[Q_SW]) * 4;
     }
     int64_t built = -1;
     for (int64_t t = lo; t < hi; t++) {
-        int64_t n = t / j->blocks, p0 = (t % j->blocks) * NB;
-        if (n != built) {
-            build_quads(j, n, xq);
-            built = n;
+        int64_t chunk = t / j->blocks, p0 = (t % j->blocks) * NB, n0 = chunk * j->chunk;
+        int64_t count = g[Q_N] - n0 < j->chunk ? g[Q_N] - n0 : j->chunk;
+        int64_t end = count * j->hs * j->ws;     /* the chunk's positions */
+        compact_run pieces[NB];
+        int64_t cols = 0, npiece = j->compact ? compact_runs(j, t % j->blocks, count, pieces,
+                                                             &cols) : 0;
+        if (j->compact ? !cols : p0 >= end) continue;
+        if (chunk != built) {
+            build_quads(j, n0, count, xq, line);
+            built = chunk;
         }
-        char *yn = (char *)j->y + n * m * pixels * (j->q.kind == KIND_F32 ? 4 : 1);
+        char *yn = (char *)j->y + n0 * m * pixels * (j->q.kind == KIND_F32 ? 4 : 1);
+        if (j->compact) {
+            uint8_t *panel = (uint8_t *)(line + j->ws * g[Q_SW]);
+            gather_panel(xq, offsets, k4, pieces, npiece, panel);
+            compact_block(j, panel, pieces, npiece, acc, yn);
+            continue;
+        }
 #if QISA == 2 && defined(__AVX512VBMI2__)
-        block_columns valid = valid_columns(j, p0);
+        block_columns runs[NB];
+        int64_t nrun = block_runs(j, p0, end, runs);
+        if (!nrun) continue;
 #endif
         for (int64_t i0 = 0; i0 < m; i0 += MR) {
             int64_t mr = m - i0 < MR ? m - i0 : MR;
             tile(j->w + i0 * j->kp, j->kp, mr, xq + p0 * 4, offsets, k4, acc, 0);
 #if QISA == 2
             if (j->q.kind != KIND_F32) {
-                /* the whole tile requantized at once, its valid runs copied out */
+                /* the whole tile requantized at once, its output columns copied out */
                 uint8_t bytes[MR * NB];
                 requant_tile(acc, mr, i0, &j->q, bytes);
 #if defined(__AVX512VBMI2__)
-                /* the valid columns, in order, are consecutive outputs: compress them
+                /* each image's columns, in order, are consecutive outputs: compress them
                  * together (in a register; the memory form is slow on some cores) */
-                if (valid.mask) {
-                    __mmask64 head = valid.count == 64 ? ~(__mmask64)0
-                                                       : ((__mmask64)1 << valid.count) - 1;
+                for (int64_t r = 0; r < nrun; r++) {
+                    __mmask64 head = runs[r].count == 64 ? ~(__mmask64)0
+                                                         : ((__mmask64)1 << runs[r].count) - 1;
                     for (int64_t i = 0; i < mr; i++) {
                         __m512i row = _mm512_loadu_si512((const void *)(bytes + i * NB));
-                        _mm512_mask_storeu_epi8((uint8_t *)yn + (i0 + i) * pixels + valid.first,
-                                                head, _mm512_maskz_compress_epi8(valid.mask, row));
+                        _mm512_mask_storeu_epi8((uint8_t *)yn + (i0 + i) * pixels + runs[r].first,
+                                                head, _mm512_maskz_compress_epi8(runs[r].mask, row));
                     }
                 }
                 continue;
 #endif
-                for (int64_t p = p0; p < p0 + NB && p < oh * j->wp;) {
+                for (int64_t p = p0; p < p0 + NB && p < end;) {
                     int64_t len, at, run = padded_run(j, p, p0, &len, &at);
                     for (int64_t i = 0; len && i < mr; i++)
                         memcpy((uint8_t *)yn + (i0 + i) * pixels + at, bytes + i * NB + (p - p0),
@@ -660,8 +875,8 @@ static void qdirect_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
                 continue;
             }
 #endif
-            /* the block's valid columns, one output row at a time */
-            for (int64_t p = p0; p < p0 + NB && p < oh * j->wp;) {
+            /* the block's output columns, one output row at a time */
+            for (int64_t p = p0; p < p0 + NB && p < end;) {
                 int64_t len, at, run = padded_run(j, p, p0, &len, &at);
                 if (len) store(acc + (p - p0), mr, len, i0, at, &j->q, NULL, yn, pixels);
                 p += run;
@@ -673,33 +888,76 @@ static void qdirect_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
 /* Floats of scratch keel_qconv2d_direct_u8s8 needs per thread for this geometry. */
 static int64_t direct_scratch(const qdirect_job *j)
 {
-    return MR * NB + 2 * (j->kp / 4) + j->c4 / 4 * j->plane;
+    return MR * NB + 2 * (j->kp / 4) + j->g[Q_SH] * j->g[Q_SW] * j->c4 / 4 * j->plane +
+           j->ws * j->g[Q_SW] + (j->compact ? j->kp / 4 * NB + 16 : 0);
 }
 
-/* keel_qconv2d_u8s8 for stride 1, one group and weight zero points all 0, from weights
- * packed as [M][KH][KW][c4] (c4: C rounded up to 4), kp = KH * KW * c4. */
-int64_t keel_qconv2d_direct_u8s8(const uint8_t *x, int64_t flip, int64_t pad, const uint8_t *w,
-                                 int64_t c4, const int64_t *geometry, const int32_t *bias_r,
-                                 const double *mult, const int64_t *quant, void *y,
-                                 int64_t parts)
+/* An image's rows (or a row's columns) in one phase of the stacked layout: room for the
+ * input and its leading padding, for what the last outputs read past it (which may be
+ * the next image's leading padding: `lead`), and for `out` outputs at `stride`, in
+ * whole multiples of the stride. */
+static int64_t stacked_pitch(int64_t size, int64_t lead, int64_t out, int64_t k,
+                             int64_t stride)
+{
+    int64_t need = size + lead, reach = (out - 1) * stride + k - lead;
+    if (need < reach) need = reach;
+    if (need < out * stride) need = out * stride;
+    return (need + stride - 1) / stride;
+}
+
+/* keel_qconv2d_u8s8 for one group, no dilation and weight zero points all 0, from
+ * weights packed as [M][KH][KW][c4] (c4: C rounded up to 4), kp = KH * KW * c4.
+ * chunk_positions: how many positions a chunk of stacked images should reach (its
+ * images: enough for that, at most the batch's share of one of `parts` threads). */
+static int64_t direct_conv(const uint8_t *x, int64_t flip, int64_t pad, const uint8_t *w,
+                           int64_t c4, const int64_t *geometry, const int32_t *bias_r,
+                           const double *mult, const int64_t *quant, void *y,
+                           int64_t chunk_positions, int64_t parts, int64_t compact)
 {
     qdirect_job j;
     memcpy(j.g, geometry, sizeof j.g);
-    if (j.g[Q_N] <= 0 || j.g[Q_OH] <= 0 || j.g[Q_OW] <= 0) return 0;
-    if (j.g[Q_SH] != 1 || j.g[Q_SW] != 1 || j.g[Q_G] != 1 || c4 % 4) return -2;
+    const int64_t *g = j.g;
+    if (g[Q_N] <= 0 || g[Q_OH] <= 0 || g[Q_OW] <= 0) return 0;
+    if (g[Q_SH] <= 0 || g[Q_SW] <= 0 || g[Q_G] != 1 || c4 % 4 || g[Q_DH] != 1 || g[Q_DW] != 1)
+        return -2;
     j.x = x, j.w = w, j.c4 = c4;
-    j.hp = j.g[Q_OH] + (j.g[Q_KH] - 1) * j.g[Q_DH];
-    j.wp = j.g[Q_OW] + (j.g[Q_KW] - 1) * j.g[Q_DW];
-    if (j.g[Q_DH] != 1 || j.g[Q_DW] != 1) return -2;
-    if (j.hp < j.g[Q_H] + j.g[Q_PT] || j.wp < j.g[Q_W] + j.g[Q_PL]) return -2;
-    j.plane = j.hp * j.wp + NB + j.g[Q_KW] + 16;
-    j.kp = j.g[Q_KH] * j.g[Q_KW] * c4;
-    j.blocks = (j.g[Q_OH] * j.wp + NB - 1) / NB;
+    j.hs = stacked_pitch(g[Q_H], g[Q_PT], g[Q_OH], g[Q_KH], g[Q_SH]);
+    j.ws = stacked_pitch(g[Q_W], g[Q_PL], g[Q_OW], g[Q_KW], g[Q_SW]);
+    int64_t image = j.hs * j.ws, share = (g[Q_N] + (parts > 1 ? parts : 1) - 1) /
+                                         (parts > 1 ? parts : 1);
+    j.chunk = (chunk_positions + image - 1) / image;
+    if (j.chunk > share) j.chunk = share;
+    if (j.chunk < 1) j.chunk = 1;
+    j.plane = j.chunk * image + NB + ((g[Q_KH] - 1) / g[Q_SH] + 1) * j.ws + g[Q_KW] + 16;
+    j.kp = g[Q_KH] * g[Q_KW] * c4;
+    j.compact = compact;
+    j.blocks = ((compact ? g[Q_OH] * g[Q_OW] : image) * j.chunk + NB - 1) / NB;
     j.flip = (uint8_t)flip, j.pad = (uint8_t)pad;
     j.q = (requant){bias_r, NULL, NULL, NULL, NULL, mult, 0, quant[0], quant[1], quant[2],
                     quant[3]};
     j.y = y;
-    return run_parts(qdirect_task, &j, j.g[Q_N] * j.blocks, parts, direct_scratch(&j));
+    int64_t chunks = (g[Q_N] + j.chunk - 1) / j.chunk;
+    return run_parts(qdirect_task, &j, chunks * j.blocks, parts, direct_scratch(&j));
+}
+
+int64_t keel_qconv2d_direct_u8s8(const uint8_t *x, int64_t flip, int64_t pad, const uint8_t *w,
+                                 int64_t c4, const int64_t *geometry, const int32_t *bias_r,
+                                 const double *mult, const int64_t *quant, void *y,
+                                 int64_t chunk_positions, int64_t parts)
+{
+    return direct_conv(x, flip, pad, w, c4, geometry, bias_r, mult, quant, y, chunk_positions,
+                       parts, 0);
+}
+
+/* keel_qconv2d_direct_u8s8 with compact columns (output pixels only; see above). */
+int64_t keel_qconv2d_compact_u8s8(const uint8_t *x, int64_t flip, int64_t pad,
+                                  const uint8_t *w, int64_t c4, const int64_t *geometry,
+                                  const int32_t *bias_r, const double *mult,
+                                  const int64_t *quant, void *y, int64_t chunk_positions,
+                                  int64_t parts)
+{
+    return direct_conv(x, flip, pad, w, c4, geometry, bias_r, mult, quant, y, chunk_positions,
+                       parts, 1);
 }
 
 /* ---- depthwise convolution ---------------------------------------------------------------
@@ -990,10 +1248,39 @@ static inline float qadd_one(const qadd_job *j, int64_t i)
 }
 
 #if QISA == 2
-static inline __m512 qadd_widen(const uint8_t *p, __mmask16 k, int is_signed)
+/* The constants of qadd16, as vectors. A signed operand is read as unsigned bytes
+ * (x ^ 0x80 = x + 128) against its zero point plus 128: the same exact difference. */
+typedef struct {
+    __m512 sa, sb, sy, za, zb, zy, lo, hi;
+    __m128i fa, fb;
+    int relu;
+} qadd_vectors;
+
+static qadd_vectors qadd_setup(const qadd_job *j)
 {
-    __m128i v = _mm_maskz_loadu_epi8(k, p);
-    return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
+    qadd_vectors v;
+    v.sa = _mm512_set1_ps(j->sa), v.sb = _mm512_set1_ps(j->sb), v.sy = _mm512_set1_ps(j->sy);
+    v.za = _mm512_set1_ps(j->za + (j->flags & 1 ? 128.0f : 0.0f));
+    v.zb = _mm512_set1_ps(j->zb + (j->flags & 2 ? 128.0f : 0.0f));
+    v.zy = _mm512_set1_ps(j->zy), v.lo = _mm512_set1_ps(j->lo), v.hi = _mm512_set1_ps(j->hi);
+    v.fa = _mm_set1_epi8((char)(j->flags & 1 ? 0x80 : 0));
+    v.fb = _mm_set1_epi8((char)(j->flags & 2 ? 0x80 : 0));
+    v.relu = (j->flags & 8) != 0;
+    return v;
+}
+
+/* 16 outputs from 16 bytes of a and of b, qadd_one's steps on 16 lanes. */
+static inline __m128i qadd16(const qadd_vectors *v, __m128i a, __m128i b)
+{
+    __m512 fa = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_xor_si128(a, v->fa)));
+    __m512 fb = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_xor_si128(b, v->fb)));
+    __m512 s = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(fa, v->za), v->sa),
+                             _mm512_mul_ps(_mm512_sub_ps(fb, v->zb), v->sb));
+    if (v->relu) s = _mm512_max_ps(s, _mm512_setzero_ps());
+    __m512 t = _mm512_roundscale_ps(_mm512_div_ps(s, v->sy),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    t = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(t, v->zy), v->lo), v->hi);
+    return _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(t));
 }
 #endif
 
@@ -1003,20 +1290,26 @@ static void qadd_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
     (void)scratch;
     int64_t i = lo;
 #if QISA == 2
-    __m512 sa = _mm512_set1_ps(j->sa), sb = _mm512_set1_ps(j->sb), sy = _mm512_set1_ps(j->sy);
-    __m512 za = _mm512_set1_ps(j->za), zb = _mm512_set1_ps(j->zb), zy = _mm512_set1_ps(j->zy);
-    __m512 vlo = _mm512_set1_ps(j->lo), vhi = _mm512_set1_ps(j->hi);
-    __m512 zero = _mm512_setzero_ps();
+    qadd_vectors v = qadd_setup(j);
+    /* 64 bytes at a time: whole loads, and one whole store of the four results (the
+     * masked, memory form of the narrowing is slow on some cores) */
+    for (; i + 64 <= hi; i += 64) {
+        __m512i a = _mm512_loadu_si512((const void *)(j->a + i));
+        __m512i b = _mm512_loadu_si512((const void *)(j->b + i));
+        __m512i r = _mm512_castsi128_si512(qadd16(&v, _mm512_castsi512_si128(a),
+                                                  _mm512_castsi512_si128(b)));
+        r = _mm512_inserti32x4(r, qadd16(&v, _mm512_extracti32x4_epi32(a, 1),
+                                         _mm512_extracti32x4_epi32(b, 1)), 1);
+        r = _mm512_inserti32x4(r, qadd16(&v, _mm512_extracti32x4_epi32(a, 2),
+                                         _mm512_extracti32x4_epi32(b, 2)), 2);
+        r = _mm512_inserti32x4(r, qadd16(&v, _mm512_extracti32x4_epi32(a, 3),
+                                         _mm512_extracti32x4_epi32(b, 3)), 3);
+        _mm512_storeu_si512((void *)(j->y + i), r);
+    }
     for (; i < hi; i += 16) {
         __mmask16 k = hi - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (hi - i)) - 1);
-        __m512 da = _mm512_mul_ps(_mm512_sub_ps(qadd_widen(j->a + i, k, j->flags & 1), za), sa);
-        __m512 db = _mm512_mul_ps(_mm512_sub_ps(qadd_widen(j->b + i, k, j->flags & 2), zb), sb);
-        __m512 s = _mm512_add_ps(da, db);
-        if (j->flags & 8) s = _mm512_max_ps(s, zero);
-        __m512 t = _mm512_roundscale_ps(_mm512_div_ps(s, sy),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        t = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(t, zy), vlo), vhi);
-        _mm_mask_storeu_epi8(j->y + i, k, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(t)));
+        _mm_mask_storeu_epi8(j->y + i, k, qadd16(&v, _mm_maskz_loadu_epi8(k, j->a + i),
+                                                 _mm_maskz_loadu_epi8(k, j->b + i)));
     }
 #endif
     for (; i < hi; i++) {
@@ -1199,4 +1492,166 @@ int64_t keel_qdepthwise_cl_u8s8(const uint8_t *x, int64_t is_signed, int64_t xz,
     (void)mult, (void)quant, (void)y, (void)parts;
     return -2;
 #endif
+}
+
+/* ---- max pool on 8-bit integers -----------------------------------------------------------
+ *
+ * The int8 graphs keep a MaxPool between DequantizeLinear and QuantizeLinear on the integers
+ * (the max of uint8 or int8 values: exact). One plane at a time, one output row at a time:
+ * the rows its window reads are reduced to one padded row (the type's lowest value in the
+ * padding), the window's columns then to a full-resolution row, and the output keeps every
+ * stride-th column of it. Each step is a byte-wise max over a whole row (vectorized by the
+ * compiler; the pick of every other byte, a stride of 2, by vpmovwb with AVX-512). */
+
+enum { P_N, P_C, P_H, P_W, P_OH, P_OW, P_KH, P_KW, P_SH, P_SW, P_PT, P_PL, P_DH, P_DW,
+       P_LEN };
+
+typedef struct {
+    const void *x;
+    void *y;
+    int64_t g[P_LEN];
+    const uint8_t *end;  /* past the input's last byte */
+    int64_t wp;          /* the padded row's width */
+    int64_t is_signed;
+} qpool_job;
+
+#define QPOOL_PLANE(T, LOWEST)                                                                \
+    static void qpool_plane_##T(const qpool_job *j, const T *x, T *y, T *vm, T *hm)            \
+    {                                                                                           \
+        const int64_t *g = j->g;                                                                \
+        int64_t w = g[P_W], ow = g[P_OW], sw = g[P_SW], reach = (ow - 1) * sw + 1;              \
+        for (int64_t i = 0; i < j->wp; i++) vm[i] = LOWEST;                                     \
+        for (int64_t oy = 0; oy < g[P_OH]; oy++) {                                              \
+            T *row = vm + g[P_PL];                                                              \
+            int64_t rows = 0;                                                                   \
+            for (int64_t ky = 0; ky < g[P_KH]; ky++) {                                          \
+                int64_t iy = oy * g[P_SH] - g[P_PT] + ky * g[P_DH];                             \
+                if (iy < 0 || iy >= g[P_H]) continue;                                           \
+                const T *src = x + iy * w;                                                      \
+                if (!rows++) {                                                                  \
+                    memcpy(row, src, (size_t)w * sizeof(T));                                    \
+                    continue;                                                                   \
+                }                                                                               \
+                for (int64_t i = 0; i < w; i++) row[i] = row[i] > src[i] ? row[i] : src[i];     \
+            }                                                                                   \
+            if (!rows)                                                                          \
+                for (int64_t i = 0; i < w; i++) row[i] = LOWEST;                                \
+            memcpy(hm, vm, (size_t)reach * sizeof(T));                                          \
+            for (int64_t kx = 1; kx < g[P_KW]; kx++) {                                          \
+                const T *s = vm + kx * g[P_DW];                                                 \
+                for (int64_t i = 0; i < reach; i++) hm[i] = hm[i] > s[i] ? hm[i] : s[i];        \
+            }                                                                                   \
+            pick_columns((const uint8_t *)hm, ow, sw, (uint8_t *)(y + oy * ow));                \
+        }                                                                                       \
+    }
+
+/* out[i] = row[i * stride], i < n (row has 64 bytes of slack past its last pick). */
+static void pick_columns(const uint8_t *row, int64_t n, int64_t stride, uint8_t *out)
+{
+    if (stride == 1) {
+        memcpy(out, row, (size_t)n);
+        return;
+    }
+    int64_t i = 0;
+#if QISA == 2
+    for (; stride == 2 && i + 32 <= n; i += 32)     /* the low byte of each 16-bit lane */
+        _mm256_storeu_si256((__m256i *)(void *)(out + i),
+                            _mm512_cvtepi16_epi8(_mm512_loadu_si512((const void *)(row + 2 * i))));
+#endif
+    for (; i < n; i++) out[i] = row[i * stride];
+}
+
+QPOOL_PLANE(uint8_t, 0)
+QPOOL_PLANE(int8_t, -128)
+
+#if QISA == 2
+static inline __m512i max8(__m512i a, __m512i b, int64_t is_signed)
+{
+    return is_signed ? _mm512_max_epi8(a, b) : _mm512_max_epu8(a, b);
+}
+
+static inline __mmask64 head_mask(int64_t n)
+{
+    return n >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << n) - 1;
+}
+
+/* qpool_plane_* for strides of 1 or 2 along the row, 64 bytes at a time: the window's rows
+ * reduced through masked loads (nothing read past a row), then each 64 columns of the
+ * window max taken from unaligned loads of that row (vm has 128 bytes of slack) and, with
+ * a stride of 2, their even bytes kept by vpmovwb. */
+static void qpool_plane_avx512(const qpool_job *j, const uint8_t *x, uint8_t *y, uint8_t *vm)
+{
+    const int64_t *g = j->g;
+    int64_t w = g[P_W], ow = g[P_OW], sw = g[P_SW], step = 64 / sw;
+    __m512i lowest = _mm512_set1_epi8(j->is_signed ? (char)-128 : 0);
+    memset(vm, j->is_signed ? 0x80 : 0, (size_t)(j->wp + 128));
+    for (int64_t oy = 0; oy < g[P_OH]; oy++) {
+        for (int64_t c = 0; c < w; c += 64) {
+            __mmask64 m = head_mask(w - c);
+            __m512i v = lowest;
+            for (int64_t ky = 0; ky < g[P_KH]; ky++) {
+                int64_t iy = oy * g[P_SH] - g[P_PT] + ky * g[P_DH];
+                if (iy < 0 || iy >= g[P_H]) continue;
+                /* a whole load where the input goes on past these 64 bytes (the masked
+                 * form is slow here; the bytes past the row are not stored) */
+                const uint8_t *at = x + iy * w + c;
+                v = max8(v, at + 64 <= j->end ? _mm512_loadu_si512((const void *)at)
+                                              : _mm512_maskz_loadu_epi8(m, at), j->is_signed);
+            }
+            _mm512_mask_storeu_epi8(vm + g[P_PL] + c, m, v);
+        }
+        uint8_t *out = y + oy * ow;
+        for (int64_t o = 0; o < ow; o += step) {
+            const uint8_t *at = vm + o * sw;
+            __m512i v = _mm512_loadu_si512((const void *)at);
+            for (int64_t kx = 1; kx < g[P_KW]; kx++)
+                v = max8(v, _mm512_loadu_si512((const void *)(at + kx * g[P_DW])), j->is_signed);
+            __mmask64 m = head_mask(ow - o);
+            if (sw == 1)
+                _mm512_mask_storeu_epi8(out + o, m, v);
+            else
+                _mm256_mask_storeu_epi8(out + o, (__mmask32)m, _mm512_cvtepi16_epi8(v));
+        }
+    }
+}
+#endif
+
+static void qpool_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
+{
+    const qpool_job *j = ctx;
+    const int64_t *g = j->g;
+    int64_t in = g[P_H] * g[P_W], out = g[P_OH] * g[P_OW];
+    uint8_t *vm = (uint8_t *)scratch, *hm = vm + j->wp + 128;
+    for (int64_t t = lo; t < hi; t++) {
+        const uint8_t *x = (const uint8_t *)j->x + t * in;
+        uint8_t *y = (uint8_t *)j->y + t * out;
+#if QISA == 2
+        if (g[P_SW] <= 2) {
+            qpool_plane_avx512(j, x, y, vm);
+            continue;
+        }
+#endif
+        if (j->is_signed)
+            qpool_plane_int8_t(j, (const int8_t *)x, (int8_t *)y, (int8_t *)vm, (int8_t *)hm);
+        else
+            qpool_plane_uint8_t(j, x, y, vm, hm);
+    }
+}
+
+/* y[N][C][OH][OW] = the max over each 2-D window of x[N][C][H][W] (uint8, or int8 where
+ * is_signed), the padding never chosen; geometry: N, C, H, W, OH, OW, KH, KW, SH, SW,
+ * PT, PL, DH, DW. 0, or -2 for a geometry it does not take. */
+int64_t keel_qmaxpool_8(const void *x, int64_t is_signed, const int64_t *geometry, void *y,
+                        int64_t parts)
+{
+    qpool_job j;
+    memcpy(j.g, geometry, sizeof j.g);
+    const int64_t *g = j.g;
+    for (int i = 0; i < P_LEN; i++)
+        if (g[i] < (i == P_PT || i == P_PL ? 0 : 1)) return i < P_OW && !g[i] ? 0 : -2;
+    j.x = x, j.y = y, j.is_signed = is_signed;
+    j.end = (const uint8_t *)x + g[P_N] * g[P_C] * g[P_H] * g[P_W];
+    int64_t reach = (g[P_OW] - 1) * g[P_SW] + (g[P_KW] - 1) * g[P_DW] + 1;
+    j.wp = g[P_PL] + g[P_W] > reach ? g[P_PL] + g[P_W] : reach;
+    return run_parts(qpool_task, &j, g[P_N] * g[P_C], parts, (2 * (j.wp + 128) + 3) / 4 + 16);
 }

@@ -26,6 +26,7 @@ from keel.dtypes import DType
 from keel.ops.registry import Op
 from keel.ops.schemas.quantization import (
     QUANT_RANGES,
+    conv_geometry,
     matmul_shape,
     qgemm_scales,
     qgemm_shape,

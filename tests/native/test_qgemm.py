@@ -361,3 +361,85 @@ def test_a_packed_convolution_resolves_each_call_geometry(path: str) -> None:
     for shape in ((1, 3, 8, 8), (2, 3, 9, 5), (1, 3, 8, 8)):
         for a in attrs:
             assert packed.geometry(shape, a) == conv_geometry(shape, packed.shape, a)
+
+
+# ---- requantization: onnxruntime's float32 product ------------------------------------------
+
+NEAR_TIE_ACC = 255 * 127
+
+
+def _near_tie_multipliers() -> np.ndarray:
+    """float32 multipliers m for which float32(NEAR_TIE_ACC) * m rounds to another integer
+    than the exact (double) product does: the products fall within a float32 ulp of a half."""
+    found = []
+    for k in range(64):
+        m = np.float32((k + 0.5) / NEAR_TIE_ACC)
+        for _ in range(3):
+            exact = np.rint(NEAR_TIE_ACC * np.float64(m))
+            if exact != np.rint(np.float32(NEAR_TIE_ACC) * m):
+                found.append(m)
+            m = np.nextafter(m, np.float32(1), dtype=np.float32)
+    return np.asarray(found, np.float32)
+
+
+def _onnxruntime(op_type: str, inputs: list[Any], **attrs: Any) -> np.ndarray:
+    ort = pytest.importorskip("onnxruntime", reason="onnxruntime is the oracle")
+    from onnx import TensorProto, helper, numpy_helper
+
+    names = [f"in{i}" for i in range(len(inputs))]
+    graph = helper.make_graph(
+        [helper.make_node(op_type, names, ["y"], **attrs)], "g",
+        [helper.make_tensor_value_info(names[0], helper.np_dtype_to_tensor_dtype(inputs[0].dtype),
+                                       inputs[0].shape)],
+        [helper.make_tensor_value_info("y", TensorProto.UINT8, None)],
+        [numpy_helper.from_array(np.asarray(v), n) for n, v in zip(names[1:], inputs[1:],
+                                                                   strict=True)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return np.asarray(session.run(None, {names[0]: inputs[0]})[0])
+
+
+def _near_tie_cases() -> list[tuple[Op, str, list[Any], dict[str, Any]]]:
+    mult = _near_tie_multipliers()
+    m = mult.size
+    one, u0, i0 = np.float32(1.0), np.array(0, np.uint8), np.zeros(m, np.int8)
+    depthwise_w = RNG.integers(-127, 128, (m, 1, 3, 3)).astype(np.int8)
+    depthwise_w[:, :, 1, 1] = 127
+    depthwise_x = np.zeros((1, m, 3, 3), np.uint8)
+    depthwise_x[:, :, 1, 1] = 255
+    return [
+        (Op.QLINEAR_MATMUL, "QLinearMatMul",
+         [np.full((3, 1), 255, np.uint8), one, u0, np.full((1, m), 127, np.int8), mult, i0,
+          one, u0], {}),
+        (Op.QLINEAR_CONV, "QLinearConv",
+         [np.full((2, 1, 4, 5), 255, np.uint8), one, u0, np.full((m, 1, 1, 1), 127, np.int8),
+          mult, i0, one, u0], {}),
+        (Op.QLINEAR_CONV, "QLinearConv",
+         [depthwise_x, one, u0, depthwise_w, mult, i0, one, u0],
+         {"group": m, "pads": [1, 1, 1, 1]}),
+    ]
+
+
+def test_onnxruntime_requantizes_in_float32() -> None:
+    """The oracle of the test below: onnxruntime's bytes are the float32 product's, which
+    differ from the exact product's on every one of these multipliers."""
+    mult = _near_tie_multipliers()
+    assert mult.size >= 8
+    _, op_type, inputs, attrs = _near_tie_cases()[0]
+    want = _onnxruntime(op_type, inputs, **attrs)[0]
+    np.testing.assert_array_equal(want, np.rint(np.float32(NEAR_TIE_ACC) * mult))
+    assert (want != np.rint(np.float64(NEAR_TIE_ACC) * mult.astype(np.float64))).all()
+
+
+@pytest.mark.parametrize("case", [0, 1, 2], ids=["matmul", "conv-1x1", "depthwise"])
+def test_requantization_is_onnxruntimes_float32_product(path: str, case: int) -> None:
+    """Accumulators of NEAR_TIE_ACC times multipliers where float32 and exact products
+    round apart: the native kernels, the NumPy kernels and the reference all give
+    onnxruntime's bytes."""
+    op, op_type, inputs, attrs = _near_tie_cases()[case]
+    want = _onnxruntime(op_type, inputs, **attrs)
+    for got in (_reference(op, inputs, attrs), _run(CPU, op, inputs, attrs, "default"),
+                _run(CPU, op, inputs, attrs, "int8"),
+                _run(CPU, op, inputs, attrs, "int8", 2, True)):
+        np.testing.assert_array_equal(got, want)

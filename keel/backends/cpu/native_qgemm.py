@@ -10,9 +10,10 @@ calls the kernels on keel's worker threads.
 
 The arithmetic is the reference kernels' (:mod:`keel.backends.reference.quantization`):
 ``acc = sum (x - x_zero_point)(w - w_zero_point) [+ bias]`` exactly in int32,
-``y = saturate(round_half_even(acc * multiplier) + y_zero_point)`` with the
-multiplier and the product in double, so the 8-bit results are the reference's
-bit for bit. Signed activations and unsigned weights are shifted by 128 (with
+``y = saturate(round_half_even(float(acc) * multiplier) + y_zero_point)`` with the
+multiplier and the product in float32 (onnxruntime's form; the multipliers travel
+as float64 holding float32 values), so the 8-bit results are the reference's bit
+for bit. Signed activations and unsigned weights are shifted by 128 (with
 their zero points), which leaves every difference ``v - zero_point`` as it was.
 """
 

@@ -22,6 +22,7 @@ import numpy as np
 from keel.backends.base import Attrs, Inputs, KernelContext, Out, optional_input
 from keel.backends.cpu import native_qgemm, qlayout, quantization
 from keel.backends.cpu.kernels import TABLE
+from keel.backends.reference.quantization import requantized
 from keel.dtypes import DType
 from keel.ops.registry import Op
 from keel.ops.schemas.quantization import (
@@ -47,9 +48,10 @@ def _scalar(p: Any) -> bool:
 
 
 def _multiplier(*scales: Any) -> np.ndarray:
-    """a_scale * b_scale / y_scale in the scales' own type (as the reference forms it)."""
+    """a_scale * b_scale / y_scale in the scales' own type (as the reference forms it),
+    rounded to float32 (the kernels' product type) and passed as float64."""
     a, b, y = scales
-    return np.asarray(a * b / y).astype(np.float64).reshape(-1)
+    return np.asarray(a * b / y).astype(np.float32).astype(np.float64).reshape(-1)
 
 
 def _out(out: Out, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -213,12 +215,10 @@ def _qgemm_numpy(a: Any, a_zp: Any, b: Any, b_zp: Any, c: Any, mult: np.ndarray,
     acc = (lhs.T if attrs["trans_a"] else lhs) @ (rhs.T if attrs["trans_b"] else rhs)
     if c is not None:
         acc += c
-    acc *= mult
     if out_dtype is DType.FLOAT32:
-        return acc.astype(np.float32)
+        return acc.astype(np.float32) * mult.astype(np.float32)
     lo, hi = QUANT_RANGES[out_dtype]
-    acc += y_zp
-    return np.clip(np.rint(acc), lo, hi).astype(out_dtype.numpy)
+    return np.clip(requantized(acc, mult, y_zp), lo, hi).astype(out_dtype.numpy)
 
 
 @TABLE.kernel(Op.QGEMM, dtypes=("uint8", "int8"), supports_out=True, host_only=True,

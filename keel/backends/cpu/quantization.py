@@ -4,8 +4,9 @@ They follow the reference kernels step for step, so the integer results are
 the same bit for bit: the quantize division runs in the type of
 ``x / y_scale``, requantization multipliers are formed in the scales' type,
 and integer accumulators are held exactly in float64, which lets the
-matmul and the im2col convolution use BLAS. Rounding is half to even and
-results saturate.
+matmul and the im2col convolution use BLAS; requantization is onnxruntime's
+float32 product (:func:`keel.backends.reference.quantization.requantized`).
+Rounding is half to even and results saturate.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 
 from keel.backends.base import Attrs, Inputs, KernelContext, Out, optional_input
 from keel.backends.cpu.kernels import TABLE
-from keel.backends.reference.quantization import quantize_to_float
+from keel.backends.reference.quantization import quantize_to_float, requantized
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError
 from keel.ops.registry import Op
@@ -214,9 +215,8 @@ def qlinear_matmul(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -
                     _shifted(xp, b, shaped(b_zp, b.shape, "b_zero_point", "col")))
     mult = (shaped(a_s, a.shape, "a_scale", "row") * shaped(b_s, b.shape, "b_scale", "col")
             / shaped(y_s, y_shape, "y_scale", "row"))
-    acc *= xp.asarray(mult).astype(np.float64)
-    acc += shaped(y_zp, y_shape, "y_zero_point", "row")
-    return [_deliver(xp, acc, _dtype(y_zp), out)]
+    q = requantized(acc, mult, shaped(y_zp, y_shape, "y_zero_point", "row"), xp)
+    return [_deliver(xp, q, _dtype(y_zp), out)]
 
 
 @TABLE.kernel(Op.QLINEAR_ADD, dtypes=_QLINEAR, supports_out=True)
@@ -310,6 +310,5 @@ def qlinear_conv(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> 
         acc += bias.reshape((1, m) + (1,) * (x.ndim - 2))
     mult = (_scalar(op, x_s, "x_scale") * _per_channel(op, w_s, m, x.ndim, "w_scale")
             / _scalar(op, y_s, "y_scale"))
-    acc *= xp.asarray(mult).astype(np.float64)
-    acc += _scalar(op, y_zp, "y_zero_point")
-    return [_deliver(xp, acc, _dtype(y_zp), out)]
+    q = requantized(acc, mult, _scalar(op, y_zp, "y_zero_point"), xp)
+    return [_deliver(xp, q, _dtype(y_zp), out)]

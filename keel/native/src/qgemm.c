@@ -28,13 +28,14 @@
  * Corrections and requantization (the zero points are folded into int32 terms):
  *
  *   acc = sum R V + bias_r[i] + bias_c[j] + zr[i] * sv[j] + zv[j] * sr[i]
- *   y   = clamp(round_half_even(acc * mult) + y_zero_point, lo, hi)     (8-bit output)
- *   y   = (float)(acc * mult)                                           (float output)
+ *   y   = clamp(round_half_even((float)acc * mult) + y_zero_point, lo, hi)  (8-bit output)
+ *   y   = (float)acc * mult                                                 (float output)
  *
  * with sv the column sums of V (computed while packing a convolution's columns) and
  * sr the row sums of R, each term present only when its arrays are, and mult one
- * double per row or per column. The product and the rounding run in double, as keel's
- * reference kernels do, so an 8-bit result is the reference's bit for bit. Each
+ * float32 value (passed as a double) per row or per column. The product and the
+ * rounding run in float32, as onnxruntime's and keel's reference kernels do, so an
+ * 8-bit result is the reference's bit for bit. Each
  * output is computed the same way whatever the split over threads.
  */
 #include <math.h>
@@ -192,30 +193,41 @@ typedef struct {
 enum { KIND_U8, KIND_S8, KIND_F32 };
 
 #if QISA == 2
-/* store_row on 8 lanes of double at a time: the same operations (int32 -> double,
+/* 16 of a row's multipliers (doubles holding float32 values) as floats. */
+static __m512 mult16(const double *mult, __mmask16 k)
+{
+    __m256 a = _mm512_cvtpd_ps(_mm512_maskz_loadu_pd((__mmask8)k, mult));
+    __m256 b = _mm512_cvtpd_ps(_mm512_maskz_loadu_pd((__mmask8)(k >> 8), mult + 8));
+    return _mm512_castsi512_ps(_mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_castps_si256(a)), _mm256_castps_si256(b), 1));
+}
+
+/* store_row on 16 lanes of float at a time: the same operations (int32 -> float,
  * times the multiplier, round half to even, plus the zero point, clamp), so the same
  * bits; the clamped values fit the output type, which vpmovdb then truncates to. */
 static void store_row_avx512(const int32_t *v, int64_t n, const double *mult, double m,
                              const requant *q, void *y)
 {
-    __m512d zp = _mm512_set1_pd((double)q->yzp), lo = _mm512_set1_pd((double)q->lo);
-    __m512d hi = _mm512_set1_pd((double)q->hi), mm = _mm512_set1_pd(m);
-    for (int64_t j = 0; j < n; j += 8) {
-        __mmask8 k = n - j >= 8 ? (__mmask8)0xFF : (__mmask8)((1u << (n - j)) - 1);
-        __m512d t = _mm512_cvtepi32_pd(_mm256_maskz_loadu_epi32(k, v + j));
-        t = _mm512_mul_pd(t, mult ? _mm512_maskz_loadu_pd(k, mult + j) : mm);
+    __m512 zp = _mm512_set1_ps((float)q->yzp), lo = _mm512_set1_ps((float)q->lo);
+    __m512 hi = _mm512_set1_ps((float)q->hi), mm = _mm512_set1_ps((float)m);
+    for (int64_t j = 0; j < n; j += 16) {
+        __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+        __m512 t = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(k, v + j));
+        t = _mm512_mul_ps(t, mult ? mult16(mult + j, k) : mm);
         if (q->kind == KIND_F32) {
-            _mm256_mask_storeu_ps((float *)y + j, k, _mm512_cvtpd_ps(t));
+            _mm512_mask_storeu_ps((float *)y + j, k, t);
             continue;
         }
-        t = _mm512_roundscale_pd(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        t = _mm512_min_pd(_mm512_max_pd(_mm512_add_pd(t, zp), lo), hi);
-        _mm256_mask_cvtepi32_storeu_epi8((char *)y + j, k, _mm512_cvtpd_epi32(t));
+        t = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        t = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(t, zp), lo), hi);
+        _mm512_mask_cvtepi32_storeu_epi8((char *)y + j, k, _mm512_cvtps_epi32(t));
     }
 }
 #endif
 
-/* Requantize one row of n accumulators (corrections already added) into y. */
+/* Requantize one row of n accumulators (corrections already added) into y, in float32
+ * as onnxruntime does: float(acc) * float(multiplier), rounded half to even, plus the
+ * zero point, clamped. The multipliers are float32 values held in doubles. */
 static void store_row(const int32_t *v, int64_t n, const double *mult, double m,
                       const requant *q, void *y)
 {
@@ -223,23 +235,17 @@ static void store_row(const int32_t *v, int64_t n, const double *mult, double m,
     store_row_avx512(v, n, mult, m, q, y);
     return;
 #endif
+    float mf = (float)m;
     if (q->kind == KIND_F32) {
         float *out = y;
-        for (int64_t j = 0; j < n; j++) out[j] = (float)((double)v[j] * (mult ? mult[j] : m));
+        for (int64_t j = 0; j < n; j++) out[j] = (float)v[j] * (mult ? (float)mult[j] : mf);
         return;
     }
-    double zp = (double)q->yzp, lo = (double)q->lo, hi = (double)q->hi;
+    float zp = (float)q->yzp, lo = (float)q->lo, hi = (float)q->hi;
     int32_t r[NB];
-    if (mult) {
-        for (int64_t j = 0; j < n; j++) {
-            double t = nearbyint((double)v[j] * mult[j]) + zp;
-            r[j] = (int32_t)(t < lo ? lo : t > hi ? hi : t);
-        }
-    } else {
-        for (int64_t j = 0; j < n; j++) {
-            double t = nearbyint((double)v[j] * m) + zp;
-            r[j] = (int32_t)(t < lo ? lo : t > hi ? hi : t);
-        }
+    for (int64_t j = 0; j < n; j++) {
+        float t = nearbyintf((float)v[j] * (mult ? (float)mult[j] : mf)) + zp;
+        r[j] = (int32_t)(t < lo ? lo : t > hi ? hi : t);
     }
     if (q->kind == KIND_U8) {
         uint8_t *out = y;
@@ -261,23 +267,18 @@ static void store_row(const int32_t *v, int64_t n, const double *mult, double m,
 static void requant_tile(const int32_t *acc, int64_t mr, int64_t i0, const requant *q,
                          uint8_t *out)
 {
-    __m512d lo = _mm512_set1_pd((double)(q->lo - q->yzp));
-    __m512d hi = _mm512_set1_pd((double)(q->hi - q->yzp));
+    __m512 lo = _mm512_set1_ps((float)(q->lo - q->yzp));
+    __m512 hi = _mm512_set1_ps((float)(q->hi - q->yzp));
     __m512i zp = _mm512_set1_epi32((int32_t)q->yzp);
     for (int64_t i = 0; i < mr; i++) {
         __m512i bias = _mm512_set1_epi32(q->bias_r ? q->bias_r[i0 + i] : 0);
-        __m512d m = _mm512_set1_pd(q->mult[i0 + i]);
+        __m512 m = _mm512_set1_ps((float)q->mult[i0 + i]);
         for (int64_t j = 0; j < NB; j += 16) {
             __m512i v = _mm512_add_epi32(_mm512_loadu_si512((const void *)(acc + i * NB + j)),
                                          bias);
-            __m512d t0 = _mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_castsi512_si256(v)), m);
-            __m512d t1 = _mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(v, 1)), m);
-            t0 = _mm512_min_pd(_mm512_max_pd(t0, lo), hi);
-            t1 = _mm512_min_pd(_mm512_max_pd(t1, lo), hi);
-            __m512i r = _mm512_inserti64x4(
-                _mm512_castsi256_si512(_mm512_cvt_roundpd_epi32(
-                    t0, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)),
-                _mm512_cvt_roundpd_epi32(t1, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), 1);
+            __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(v), m);
+            t = _mm512_min_ps(_mm512_max_ps(t, lo), hi);
+            __m512i r = _mm512_cvt_roundps_epi32(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
             _mm_storeu_si128((__m128i *)(void *)(out + i * NB + j),
                              _mm512_cvtepi32_epi8(_mm512_add_epi32(r, zp)));
         }

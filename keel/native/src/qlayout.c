@@ -11,8 +11,9 @@
  *
  * The depthwise arithmetic is qgemm.c's: acc = bias + sum over taps of
  * (x - x zero point) * (w - w zero point) exactly in int32, y = clamp(round_half_even
- * (acc * mult) + y zero point, lo, hi) with the product in double, so the results are
- * the reference kernels' bit for bit. A tap that falls in the padding reads a row of
+ * ((float)acc * mult) + y zero point, lo, hi) with the product in float32 (the
+ * multipliers are float32 values held in doubles), as onnxruntime computes it, so the
+ * results are the reference kernels' bit for bit. A tap that falls in the padding reads a row of
  * the zero point, which adds nothing.
  *
  *   - AVX-512 (__AVX512BW__): 32 channels a time as int16, two taps per vpdpwssd
@@ -162,7 +163,7 @@ static void requant_portable(const dwcl_job *j, const int32_t *acc, int64_t c0, 
                              uint8_t *out)
 {
     for (int64_t k = 0; k < nc; k++) {
-        double t = nearbyint((double)acc[k] * j->mult[c0 + k]) + j->zp;
+        float t = nearbyintf((float)acc[k] * (float)j->mult[c0 + k]) + (float)j->zp;
         out[k] = (uint8_t)(int32_t)(t < j->lo ? j->lo : t > j->hi ? j->hi : t);
     }
 }
@@ -219,40 +220,41 @@ static void widen_rows(const dwcl_job *j, int64_t n, int64_t oy, int16_t *rows)
     }
 }
 
-/* 16 int32 sums requantized into 16 bytes: times the channels' multipliers in double,
+/* 16 multipliers (float32 values held in doubles) as floats. */
+static inline __m512 floats16(const double *p)
+{
+    __m256 a = _mm512_cvtpd_ps(_mm512_loadu_pd(p)), b = _mm512_cvtpd_ps(_mm512_loadu_pd(p + 8));
+    return _mm512_castsi512_ps(_mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_castps_si256(a)), _mm256_castps_si256(b), 1));
+}
+
+/* 16 int32 sums requantized into 16 bytes: times the channels' multipliers in float,
  * clamped to [lo - zero point, hi - zero point] (whole numbers, so clamping before the
  * rounding gives what clamping after it does), rounded half to even by the conversion
- * (the default rounding mode, as nearbyint), plus the zero point. */
-static inline __m128i requant16(__m512i v, __m512d m0, __m512d m1, __m512d lo, __m512d hi,
-                                __m512i zp)
+ * (the default rounding mode, as nearbyintf), plus the zero point. */
+static inline __m128i requant16(__m512i v, __m512 m, __m512 lo, __m512 hi, __m512i zp)
 {
-    __m512d t0 = _mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_castsi512_si256(v)), m0);
-    __m512d t1 = _mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(v, 1)), m1);
-    t0 = _mm512_min_pd(_mm512_max_pd(t0, lo), hi);
-    t1 = _mm512_min_pd(_mm512_max_pd(t1, lo), hi);
-    __m512i r = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtpd_epi32(t0)),
-                                   _mm512_cvtpd_epi32(t1), 1);
-    return _mm512_cvtepi32_epi8(_mm512_add_epi32(r, zp));
+    __m512 t = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(v), m), lo), hi);
+    return _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(t), zp));
 }
 
 /* A block's two accumulators (vlo: channel groups of four 0, 2, 4, 6; vhi: 1, 3, 5, 7)
  * requantized into its 32 bytes in channel order: times the lane-ordered multipliers in
- * double, clamped above to hi - zero point (a whole number, so before the rounding as
+ * float, clamped above to hi - zero point (a whole number, so before the rounding as
  * after it; nothing then overflows the conversion, and an underflow converts to INT_MIN),
  * rounded half to even by the conversion, packed to int16 with saturation, plus the zero
  * point and clamped below to lo (saturating, so nothing wraps), packed to bytes (within
  * their range by then) and the groups put back in order. */
-static inline __m256i requant32(__m512i vlo, __m512i vhi, const __m512d *m, __m512d hi,
+static inline __m256i requant32(__m512i vlo, __m512i vhi, const __m512 *m, __m512 hi,
                                 __m256i zp16, __m256i lo16, int is_signed_out)
 {
-    __m256i r[4];
+    __m512i w[2];
     const __m512i acc[2] = {vlo, vhi};
-    for (int q = 0; q < 4; q++) {
-        __m256i half = q % 2 ? _mm512_extracti64x4_epi64(acc[q / 2], 1)
-                             : _mm512_castsi512_si256(acc[q / 2]);
-        __m512d t = _mm512_min_pd(_mm512_mul_pd(_mm512_cvtepi32_pd(half), m[q]), hi);
-        r[q] = _mm512_cvtpd_epi32(t);
-    }
+    for (int h = 0; h < 2; h++)
+        w[h] = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[h]), m[h]),
+                                                hi));
+    const __m256i r[4] = {_mm512_castsi512_si256(w[0]), _mm512_extracti64x4_epi64(w[0], 1),
+                          _mm512_castsi512_si256(w[1]), _mm512_extracti64x4_epi64(w[1], 1)};
     /* r: groups (0, 2), (4, 6), (1, 3), (5, 7); packed per 128-bit lane */
     __m256i p0 = _mm256_max_epi16(_mm256_adds_epi16(_mm256_packs_epi32(r[0], r[2]), zp16), lo16);
     __m256i p1 = _mm256_max_epi16(_mm256_adds_epi16(_mm256_packs_epi32(r[1], r[3]), zp16), lo16);
@@ -289,11 +291,10 @@ static inline void block_avx512(const dwcl_job *j, const dw_view *v, int64_t b,
     for (int64_t t = 0; t < 2 * npairs; t++)
         base[t] = t < ntaps ? v->src + (t / kw) * v->rstride + (t % kw) * g[G_DW] * v->ld
                             : NULL;
-    __m512d mult[4];
-    for (int q = 0; q < 4; q++) mult[q] = _mm512_loadu_pd(j->lane_mult + b * 32 + 8 * q);
+    const __m512 mult[2] = {floats16(j->lane_mult + b * 32), floats16(j->lane_mult + b * 32 + 16)};
     const __m512i blo = _mm512_loadu_si512((const void *)(j->lane_bias + b * 32));
     const __m512i bhi = _mm512_loadu_si512((const void *)(j->lane_bias + b * 32 + 16));
-    const __m512d hi = _mm512_set1_pd(j->hi - j->zp);
+    const __m512 hi = _mm512_set1_ps((float)(j->hi - j->zp));
     const __m256i zp16 = _mm256_set1_epi16((int16_t)j->zp);
     const __m256i lo16 = _mm256_set1_epi16((int16_t)j->lo);
     const int is_signed_out = j->lo < 0;
@@ -513,7 +514,8 @@ static void pw_store_portable(const pw_job *j, const int32_t *acc, int64_t col0,
                               uint8_t *out)
 {
     for (int64_t k = 0; k < ncols; k++) {
-        double t = nearbyint((double)(acc[k] + j->bias[col0 + k]) * j->mult[col0 + k]) + j->zp;
+        float t = nearbyintf((float)(acc[k] + j->bias[col0 + k]) * (float)j->mult[col0 + k]) +
+                  (float)j->zp;
         out[k] = (uint8_t)(int32_t)(t < j->lo ? j->lo : t > j->hi ? j->hi : t);
     }
 }
@@ -583,15 +585,14 @@ static void pw_tile(const pw_job *j, int64_t r0, int64_t b)
     int k1 = ncols > 16;
     __m512i b0 = _mm512_loadu_si512((const void *)(j->bias + col0));
     __m512i b1 = _mm512_loadu_si512((const void *)(j->bias + col0 + 16));
-    __m512d m[4];
-    for (int q = 0; q < 4; q++) m[q] = _mm512_loadu_pd(j->mult + col0 + 8 * q);
-    __m512d lo = _mm512_set1_pd(j->lo - j->zp), hi = _mm512_set1_pd(j->hi - j->zp);
+    const __m512 m[2] = {floats16(j->mult + col0), floats16(j->mult + col0 + 16)};
+    __m512 lo = _mm512_set1_ps((float)(j->lo - j->zp)), hi = _mm512_set1_ps((float)(j->hi - j->zp));
     __m512i zp = _mm512_set1_epi32((int32_t)j->zp);
     for (int i = 0; i < MR; i++) {
         uint8_t *out = j->y + (r0 + i) * j->m + col0;
-        __m128i r0v = requant16(_mm512_add_epi32(acc[i][0], b0), m[0], m[1], lo, hi, zp);
+        __m128i r0v = requant16(_mm512_add_epi32(acc[i][0], b0), m[0], lo, hi, zp);
         if (ncols == NT) {
-            __m128i r1v = requant16(_mm512_add_epi32(acc[i][1], b1), m[2], m[3], lo, hi, zp);
+            __m128i r1v = requant16(_mm512_add_epi32(acc[i][1], b1), m[1], lo, hi, zp);
             _mm256_storeu_si256((__m256i *)(void *)out,
                                 _mm256_inserti128_si256(_mm256_castsi128_si256(r0v), r1v, 1));
             continue;
@@ -601,7 +602,7 @@ static void pw_tile(const pw_job *j, int64_t r0, int64_t b)
         _mm_storeu_si128((__m128i *)(void *)tail, r0v);
         if (k1)
             _mm_storeu_si128((__m128i *)(void *)(tail + 16),
-                             requant16(_mm512_add_epi32(acc[i][1], b1), m[2], m[3], lo, hi, zp));
+                             requant16(_mm512_add_epi32(acc[i][1], b1), m[1], lo, hi, zp));
         memcpy(out, tail, (size_t)ncols);
     }
 }

@@ -410,7 +410,8 @@ def _infer_qgemm(types: Sequence[TensorType | None], attrs: Mapping[str, Any],
 
 def qgemm_scales(alpha: float, a_scale: np.ndarray, b_scale: np.ndarray,
                  y_scale: np.ndarray | None) -> np.ndarray:
-    """QGemm's float64 multiplier of the int32 accumulators, one per column (or one):
+    """QGemm's multiplier of the int32 accumulators (float32 values held as float64),
+    one per column (or one):
     ``alpha * a_scale * b_scale [/ y_scale]`` formed in float32, as onnxruntime forms it."""
     f32 = np.float32
     scale = f32(alpha) * np.asarray(a_scale, f32).reshape(()) * np.asarray(b_scale, f32).reshape(-1)

@@ -354,6 +354,15 @@ INT8_POINTWISE_PANEL_MAX_WEIGHT_BYTES = 192 * 1024
 # 7.3 / 5.7; 192 ch 28x28 1.8 / 1.4; 576 ch 14x14 1.4 / 1.1; 576 ch 14x14 stride 2
 # 0.48 / 0.39; 960 ch 7x7 0.67 / 0.50.
 INT8_DEPTHWISE_PLANE_MAX_BYTES = 1024 * 1024
+
+
+def int8_depthwise_planes(pieces: int, threads: int, plane_bytes: int) -> bool:
+    """Whether the channels-last int8 depthwise kernel splits its work by (image,
+    32-channel block) planes, each widened once and kept in cache, rather than by output
+    rows: where every thread gets a plane and a plane fits a core's L2."""
+    return pieces >= threads and plane_bytes <= INT8_DEPTHWISE_PLANE_MAX_BYTES
+
+
 _LAYOUT_ROLES = {("nchw", "nhwc"): "starts it, its result written channels-last",
                  ("nhwc", "nhwc"): "inside it",
                  ("nhwc", "nchw"): "ends it, its result written NCHW"}

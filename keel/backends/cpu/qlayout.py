@@ -300,8 +300,8 @@ def _depthwise(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> bool:
     lo, hi = QUANT_RANGES[DType.from_numpy(y_cl.dtype)]
     bias = None if q.bias is None else np.ascontiguousarray(q.bias, dtype=np.int32)
     blocks = -(-c // _LANES)
-    planes = (fns.isa > 0 and n * blocks >= q.threads
-              and _plane_bytes(geo, w) <= planner_rules().INT8_DEPTHWISE_PLANE_MAX_BYTES)
+    planes = fns.isa > 0 and planner_rules().int8_depthwise_planes(
+        n * blocks, max(1, q.threads), _plane_bytes(geo, w))
     tasks, per_task = (n * blocks, oh * ow * _LANES) if planes else (n * oh, ow * c)
     count = parts(tasks, max(1, q.threads), max(1, planner_rules().MIN_CHUNK_TAPS
                                                 // max(1, per_task * kh * kw)))

@@ -187,36 +187,43 @@ static void pixel_portable(const dwcl_job *j, const uint8_t *const *px, int64_t 
 }
 
 #if LAYOUT_AVX512
-/* The kh input rows under output row oy of image n as int16 (x - zero point), each
- * [wp][cp] (cp: C rounded up to 32) with zeros for the padding columns and channels and
- * for rows that fall in the padding. */
+/* One padded input row as int16 (x - zero point), [wp][cw] for channels c0 .. c0 + cw
+ * (cw a multiple of 32): zeros for the padding columns, for channels past C, and for the
+ * whole row where src (the input row, NHWC) is NULL, a row in the padding. */
+static void widen_padded_row(const dwcl_job *j, const uint8_t *src, int64_t c0, int64_t cw,
+                             int16_t *row)
+{
+    const int64_t *g = j->g;
+    int64_t c = g[G_C], wp = j->wp, pl = g[G_PL];
+    if (!src) {
+        memset(row, 0, (size_t)(wp * cw) * sizeof *row);
+        return;
+    }
+    memset(row, 0, (size_t)(pl * cw) * sizeof *row);
+    memset(row + (pl + g[G_W]) * cw, 0, (size_t)((wp - pl - g[G_W]) * cw) * sizeof *row);
+    __m512i z = _mm512_set1_epi16((int16_t)j->xz);
+    for (int64_t ix = 0; ix < g[G_W]; ix++) {
+        int16_t *dst = row + (pl + ix) * cw;
+        for (int64_t cc = 0; cc < cw; cc += CL) {
+            int64_t left = c - c0 - cc;
+            __mmask32 k = left >= CL ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << left) - 1);
+            __m256i v = _mm256_maskz_loadu_epi8(k, src + ix * c + c0 + cc);
+            __m512i wide = j->is_signed ? _mm512_cvtepi8_epi16(v) : _mm512_cvtepu8_epi16(v);
+            _mm512_storeu_si512((void *)(dst + cc), _mm512_maskz_sub_epi16(k, wide, z));
+        }
+    }
+}
+
+/* The kh input rows under output row oy of image n, each [wp][cp] (cp: C rounded up to
+ * 32), as widen_padded_row gives them. */
 static void widen_rows(const dwcl_job *j, int64_t n, int64_t oy, int16_t *rows)
 {
     const int64_t *g = j->g;
     int64_t c = g[G_C], cp = (c + CL - 1) / CL * CL, wp = j->wp;
-    __m512i z = _mm512_set1_epi16((int16_t)j->xz);
     for (int64_t ky = 0; ky < g[G_KH]; ky++) {
-        int16_t *row = rows + ky * wp * cp;
         int64_t iy = oy * g[G_SH] + ky * g[G_DH] - g[G_PT];
-        if (iy < 0 || iy >= g[G_H]) {
-            memset(row, 0, (size_t)(wp * cp) * sizeof *row);
-            continue;
-        }
-        memset(row, 0, (size_t)(g[G_PL] * cp) * sizeof *row);
-        memset(row + (g[G_PL] + g[G_W]) * cp, 0,
-               (size_t)((wp - g[G_PL] - g[G_W]) * cp) * sizeof *row);
-        const uint8_t *src = j->x + (n * g[G_H] + iy) * g[G_W] * c;
-        for (int64_t ix = 0; ix < g[G_W]; ix++) {
-            int16_t *dst = row + (g[G_PL] + ix) * cp;
-            for (int64_t c0 = 0; c0 < cp; c0 += CL) {
-                __mmask32 k = c - c0 >= CL ? (__mmask32)0xFFFFFFFFu
-                                           : (__mmask32)((1u << (c - c0)) - 1);
-                __m256i v = _mm256_maskz_loadu_epi8(k, src + ix * c + c0);
-                __m512i wide = j->is_signed ? _mm512_cvtepi8_epi16(v) : _mm512_cvtepu8_epi16(v);
-                _mm512_storeu_si512((void *)(dst + c0),
-                                    _mm512_maskz_sub_epi16(k, wide, z));
-            }
-        }
+        const uint8_t *src = iy < 0 || iy >= g[G_H] ? NULL : j->x + (n * g[G_H] + iy) * g[G_W] * c;
+        widen_padded_row(j, src, 0, cp, rows + ky * wp * cp);
     }
 }
 
@@ -333,31 +340,16 @@ static void block_any_avx512(const dwcl_job *j, const dw_view *v, int64_t b)
         block_avx512(j, v, b, ntaps);
 }
 
-/* Image n's input under block b's 32 channels as int16 (x - zero point), [hp][wp][32]
- * from input row -pad top, zeros for the padding rows, columns and channels. */
+/* Image n's input under block b's 32 channels, [hp][wp][32] from input row -pad top, as
+ * widen_padded_row gives its rows. */
 static void widen_plane(const dwcl_job *j, int64_t n, int64_t b, int16_t *plane)
 {
     const int64_t *g = j->g;
-    int64_t c = g[G_C], c0 = b * CL, wp = j->wp, hp = j->hp;
-    __mmask32 k = c - c0 >= CL ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (c - c0)) - 1);
-    __m512i z = _mm512_set1_epi16((int16_t)j->xz);
-    for (int64_t r = 0; r < hp; r++) {
-        int16_t *row = plane + r * wp * CL;
+    int64_t c = g[G_C], wp = j->wp;
+    for (int64_t r = 0; r < j->hp; r++) {
         int64_t iy = r - g[G_PT];
-        if (iy < 0 || iy >= g[G_H]) {
-            memset(row, 0, (size_t)(wp * CL) * sizeof *row);
-            continue;
-        }
-        memset(row, 0, (size_t)(g[G_PL] * CL) * sizeof *row);
-        memset(row + (g[G_PL] + g[G_W]) * CL, 0,
-               (size_t)((wp - g[G_PL] - g[G_W]) * CL) * sizeof *row);
-        const uint8_t *src = j->x + (n * g[G_H] + iy) * g[G_W] * c + c0;
-        int16_t *dst = row + g[G_PL] * CL;
-        for (int64_t ix = 0; ix < g[G_W]; ix++) {
-            __m256i v = _mm256_maskz_loadu_epi8(k, src + ix * c);
-            __m512i wide = j->is_signed ? _mm512_cvtepi8_epi16(v) : _mm512_cvtepu8_epi16(v);
-            _mm512_storeu_si512((void *)(dst + ix * CL), _mm512_maskz_sub_epi16(k, wide, z));
-        }
+        const uint8_t *src = iy < 0 || iy >= g[G_H] ? NULL : j->x + (n * g[G_H] + iy) * g[G_W] * c;
+        widen_padded_row(j, src, b * CL, CL, plane + r * wp * CL);
     }
 }
 

@@ -69,7 +69,7 @@ from keel.ops.registry import OpGroup
 from keel.ops.types import TensorInfo, TensorType, ValueKind
 from keel.planning import trials
 from keel.planning.adaptive import AdaptivePlan, AdaptivePlanner, PlanRequest, check_hint
-from keel.planning.plans import HOST, ExecutionPlan
+from keel.planning.plans import HOST, ExecutionPlan, precision_name
 from keel.planning.runtime_plan import low_memory_mode
 
 if TYPE_CHECKING:
@@ -1484,16 +1484,10 @@ def _read_only_map(buffer: Any) -> bool:
 
 
 def _native_precision(graph: Graph) -> str:
-    """The float precision most of the model's inputs and weights are in ("fp32" if none):
-    :func:`~keel.planning.placement.precision_name`'s, read off ``_FLOATS`` so that a
-    cached plan's load imports no placement."""
     dtypes = [v.type.dtype for v in graph.inputs if v.type.dtype.is_float]
     dtypes += [DType.from_numpy(a.dtype) for a in graph.initializers.values()
                if a.dtype.kind == "f"]
-    if not dtypes:
-        return "fp32"
-    most = max(set(dtypes), key=dtypes.count)
-    return next((name for name, dtype in _FLOATS.items() if dtype == most), most.value)
+    return precision_name(max(set(dtypes), key=dtypes.count)) if dtypes else "fp32"
 
 
 def _convert_precision(graph: Graph, precision: str) -> Graph:

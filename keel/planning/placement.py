@@ -42,6 +42,7 @@ from keel.planning.plans import (
     ExecutionPlan,
     NodePlacement,
     lower_steps,
+    precision_name,
     scratch_bytes,
 )
 from keel.planning.runtime_plan import gpu_kept_off, low_memory_mode
@@ -56,18 +57,6 @@ __all__ = [
     "place",
     "precision_name",
 ]
-
-_PRECISIONS = {
-    DType.FLOAT16: "fp16", DType.BFLOAT16: "bf16", DType.FLOAT32: "fp32", DType.FLOAT64: "fp64",
-    DType.INT8: "int8", DType.UINT8: "int8", DType.INT16: "int16", DType.UINT16: "int16",
-}
-
-
-def precision_name(dtype: DType | None) -> str:
-    """The precision a node computes in: fp16/bf16/fp32/fp64/int8/int16, else the dtype name."""
-    if dtype is None:
-        return "unknown"
-    return _PRECISIONS.get(dtype, dtype.value)
 
 
 # ---- placing ---------------------------------------------------------------

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from keel.backends.plan import FIELDS
 from keel.config import format_bytes
+from keel.dtypes import DType
 from keel.errors import KeelError
 from keel.graph.memory_plan import PlanStep
 from keel.ops.schema import get_schema
@@ -27,9 +28,21 @@ if TYPE_CHECKING:
     from keel.planning.interop import Region
 
 __all__ = ["HOST", "DeviceCopy", "ExecutionPlan", "NodePlacement", "lower_steps",
-           "scratch_bytes"]
+           "precision_name", "scratch_bytes"]
 
 HOST = "cpu"      # graph inputs arrive, and outputs leave, as host (NumPy) arrays
+
+_PRECISIONS = {
+    DType.FLOAT16: "fp16", DType.BFLOAT16: "bf16", DType.FLOAT32: "fp32", DType.FLOAT64: "fp64",
+    DType.INT8: "int8", DType.UINT8: "int8", DType.INT16: "int16", DType.UINT16: "int16",
+}
+
+
+def precision_name(dtype: DType | None) -> str:
+    """The precision a node computes in: fp16/bf16/fp32/fp64/int8/int16, else the dtype name."""
+    if dtype is None:
+        return "unknown"
+    return _PRECISIONS.get(dtype, dtype.value)
 
 
 @dataclass(frozen=True, slots=True)

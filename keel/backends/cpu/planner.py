@@ -344,6 +344,15 @@ INT8_LAYOUT_REASON = ("int8 channels-last chain of {nodes} nodes ({depthwise} de
 # 56x56 2.7 / 3.2; 96->576 at 14x14 1.6 / 2.4; 576->160 at 7x7 (90 KiB) 0.49 / 0.51;
 # 960->320 at 7x7 (300 KiB) 1.46 / 1.20; 320->1280 at 7x7 (400 KiB) 2.3 / 1.8.
 INT8_POINTWISE_PANEL_MAX_WEIGHT_BYTES = 192 * 1024
+
+
+def int8_pointwise_panels(weight_bytes: int) -> bool:
+    """Whether a channels-last int8 1x1 convolution with symmetric weights runs on
+    qlayout.c's panels rather than the matrix product: its weights at most
+    INT8_POINTWISE_PANEL_MAX_WEIGHT_BYTES, measured against a 1 MiB L2 and scaled to this
+    machine's (:func:`caches`)."""
+    return weight_bytes <= caches().with_l2(INT8_POINTWISE_PANEL_MAX_WEIGHT_BYTES)
+
 # A channels-last depthwise convolution whose input plane, for one block of 32 channels
 # widened to int16 with its padding, is at most this size (a core's L2) splits its work by
 # (image, channel block) where that gives every thread a plane: each plane is widened once
@@ -359,8 +368,10 @@ INT8_DEPTHWISE_PLANE_MAX_BYTES = 1024 * 1024
 def int8_depthwise_planes(pieces: int, threads: int, plane_bytes: int) -> bool:
     """Whether the channels-last int8 depthwise kernel splits its work by (image,
     32-channel block) planes, each widened once and kept in cache, rather than by output
-    rows: where every thread gets a plane and a plane fits a core's L2."""
-    return pieces >= threads and plane_bytes <= INT8_DEPTHWISE_PLANE_MAX_BYTES
+    rows: where every thread gets a plane and a plane fits a core's L2
+    (INT8_DEPTHWISE_PLANE_MAX_BYTES, measured against a 1 MiB L2, scaled to this
+    machine's by :func:`caches`)."""
+    return pieces >= threads and plane_bytes <= caches().with_l2(INT8_DEPTHWISE_PLANE_MAX_BYTES)
 
 
 _LAYOUT_ROLES = {("nchw", "nhwc"): "starts it, its result written channels-last",

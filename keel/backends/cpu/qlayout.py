@@ -169,9 +169,9 @@ def channels_last(a: np.ndarray) -> np.ndarray:
 @dataclass(frozen=True, eq=False)
 class ChannelsLastPack:
     """A QLinearConv's weights for its channels-last kernel: a pointwise convolution's
-    panels [M/32][C/4][32][4] and column sums (symmetric weights of at most the
-    planner's ``INT8_POINTWISE_PANEL_MAX_WEIGHT_BYTES``; else the matrix product's
-    panels), or a depthwise one's taps [kh * kw][C] less their zero points."""
+    panels [M/32][C/4][32][4] and column sums (symmetric weights the planner's
+    ``int8_pointwise_panels`` gives to them; else the matrix product's panels), or a
+    depthwise one's taps [kh * kw][C] less their zero points."""
 
     conv: native_qgemm.PackedConv
     pointwise: native_qgemm.PackedMatmul | None = None
@@ -198,7 +198,7 @@ def pack(w: np.ndarray, w_zero_point: np.ndarray, kind: str) -> ChannelsLastPack
         w2 = np.asarray(w).reshape(m, -1)
         signed = w2.astype(np.int16) - (128 if w2.dtype == np.uint8 else 0)
         if np.any(zp.astype(np.int16) - (128 if w2.dtype == np.uint8 else 0)) or \
-                w2.size > planner_rules().INT8_POINTWISE_PANEL_MAX_WEIGHT_BYTES:
+                not planner_rules().int8_pointwise_panels(w2.size):
             return ChannelsLastPack(conv, pointwise=native_qgemm.pack_matmul(
                 np.ascontiguousarray(w2.T), zp))
         c = w2.shape[1]

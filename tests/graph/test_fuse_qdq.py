@@ -128,7 +128,7 @@ def test_qoperator_models_with_com_microsoft_ops_run(tmp_path: Path, name: str) 
 def test_residual_joins_become_qlinear_add(tmp_path: Path, fmt: str) -> None:
     """DQ → Add → Q (QDQ: onnxruntime folds the ReLU into Q's range) and com.microsoft
     QLinearAdd (QOperator) both load as one QLINEAR_ADD; keel's cpu and reference
-    backends give the same bits, and onnxruntime agrees within a few steps."""
+    backends give onnxruntime's bits."""
     proto = models.resnet_block()
     path = _folded_and_quantized(tmp_path, proto, fmt)
     graph = optimize(import_onnx(str(path)))
@@ -137,18 +137,20 @@ def test_residual_joins_become_qlinear_add(tmp_path: Path, fmt: str) -> None:
     feeds = models.make_inputs(proto, batch=3, seed=5)
     got = keel.load_model(str(path), threads=2).predict(feeds)
     ref = keel.load_model(str(path), backend="reference").predict(feeds)
+    want = _ort(path, feeds)
     for name, value in ref.items():
         np.testing.assert_array_equal(got[name], value)
-    _agrees_with_onnxruntime(path, proto, threads=1)
+        np.testing.assert_array_equal(value, want[name])
 
 
 def _const(name: str, value: Any) -> Any:
     return onnx.numpy_helper.from_array(np.asarray(value), name)
 
 
-def _join(zero_point: int) -> Any:
-    """quantize(x) and quantize(z), dequantized, added, ReLU, quantized with
-    ``zero_point``, dequantized: a residual join in QDQ form with its ReLU kept."""
+def _join(zero_point: int, z_zero_point: Any) -> Any:
+    """quantize(x) and quantize(z) (z with ``z_zero_point``, and its type), dequantized,
+    added, ReLU, quantized with ``zero_point``, dequantized: a residual join in QDQ form
+    with its ReLU kept."""
     from onnx import TensorProto, helper
 
     const = _const
@@ -161,7 +163,7 @@ def _join(zero_point: int) -> Any:
              helper.make_node("QuantizeLinear", ["r", "sy", "zy"], ["yq"]),
              helper.make_node("DequantizeLinear", ["yq", "sy", "zy"], ["y"])]
     inits = [const("sx", np.float32(0.031)), const("zx", np.uint8(120)),
-             const("sz", np.float32(0.017)), const("zz", np.int8(-5)),
+             const("sz", np.float32(0.017)), const("zz", z_zero_point),
              const("sy", np.float32(0.029)), const("zy", np.uint8(zero_point))]
     shape = [2, 8, 9, 9]
     graph = helper.make_graph(
@@ -171,17 +173,29 @@ def _join(zero_point: int) -> Any:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
 
 
-def test_a_join_with_its_relu_fuses_and_keeps_the_unfused_bits() -> None:
-    proto = _join(zero_point=100)      # not the minimum: the ReLU changes what Q gives
-    ops = {n.op: n for n in optimize(import_onnx(proto)).nodes}
-    assert Op.ADD not in ops and Op.RELU not in ops
-    assert ops[Op.QLINEAR_ADD].attr("activation") == "relu"
+@pytest.mark.parametrize(("zero_point", "z_zero_point", "fused"),
+                         [(0, np.uint8(133), True), (100, np.uint8(133), False),
+                          (0, np.int8(-5), False)],
+                         ids=["relu-redundant", "relu-changes-q", "two-types"])
+def test_a_join_fuses_as_onnxruntime_does_and_gives_its_bits(
+        tmp_path: Path, zero_point: int, z_zero_point: Any, fused: bool) -> None:
+    """Q's zero point at its minimum makes the ReLU redundant: the join of one 8-bit type
+    becomes one QLINEAR_ADD without it. A ReLU that changes what Q gives, or operands of
+    two types, leave the join as written (as onnxruntime leaves it). Every case gives
+    onnxruntime's bytes exactly."""
+    proto = _join(zero_point, z_zero_point)
+    ops = Counter(n.op for n in optimize(import_onnx(proto)).nodes)
+    assert (ops[Op.QLINEAR_ADD], ops[Op.ADD], ops[Op.RELU]) == ((1, 0, 0) if fused else (0, 1, 1))
     rng = np.random.default_rng(3)
     feeds = {n: rng.uniform(-3, 3, (2, 8, 9, 9)).astype(np.float32) for n in ("x", "z")}
-    want = keel.load_model(proto, optimization_level="none", backend="reference").predict(feeds)
+    path = tmp_path / "join.onnx"
+    onnx.save(proto, str(path))
+    want = _ort(path, feeds)
     for threads in (1, 2):
         got = keel.load_model(proto, threads=threads).predict(feeds)
         np.testing.assert_array_equal(got["y"], want["y"])
+    ref = keel.load_model(proto, backend="reference").predict(feeds)
+    np.testing.assert_array_equal(ref["y"], want["y"])
 
 
 def _pooled(out_scale: float) -> Any:

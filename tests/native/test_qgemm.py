@@ -238,54 +238,98 @@ def test_the_plan_names_the_instruction_path(path: str) -> None:
     assert words[path] in reason
 
 
-# ---- QLinearAdd: DQ -> Add -> [Relu] -> Q in one pass, the unfused nodes' bits ----------
-def _unfused_add(inputs: list[Any], relu: bool) -> np.ndarray:
-    """The reference kernels of the nodes QLINEAR_ADD replaces, one after the other."""
-    a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp = inputs
-    dq = get_schema(Op.DEQUANTIZE_LINEAR).normalize_attrs({})
-    total = _run(REFERENCE, Op.ADD, [_run(REFERENCE, Op.DEQUANTIZE_LINEAR, [a, a_s, a_zp], dq,
-                                          "default"),
-                                     _run(REFERENCE, Op.DEQUANTIZE_LINEAR, [b, b_s, b_zp], dq,
-                                          "default")], {}, "default")
-    if relu:
-        total = _run(REFERENCE, Op.RELU, [total], {}, "default")
-    return _run(REFERENCE, Op.QUANTIZE_LINEAR, [total, y_s, y_zp], {}, "default")
+# ---- QLinearAdd: onnxruntime's com.microsoft QLinearAdd, bit for bit -------------------------
+def _onnxruntime_qlinear_add(inputs: list[Any]) -> np.ndarray:
+    """onnxruntime's QLinearAdd (its x86-64 kernel) of a and b with the given parameters."""
+    ort = pytest.importorskip("onnxruntime", reason="onnxruntime is the oracle")
+    from onnx import helper, numpy_helper
+
+    names = ["a", "sa", "za", "b", "sb", "zb", "sy", "zy"]
+    params = {n: v for n, v in zip(names, inputs, strict=True) if n not in ("a", "b")}
+
+    def info(name: str, v: np.ndarray) -> Any:
+        return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(v.dtype),
+                                             v.shape)
+
+    graph = helper.make_graph(
+        [helper.make_node("QLinearAdd", names, ["y"], domain="com.microsoft")], "g",
+        [info("a", inputs[0]), info("b", inputs[3])], [info("y", np.asarray(inputs[7]))],
+        [numpy_helper.from_array(np.asarray(v), n) for n, v in params.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                     helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 8
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return np.asarray(session.run(None, {"a": inputs[0], "b": inputs[3]})[0])
 
 
-# (a dtype, b dtype, y dtype, shape, scales a, b, y): odd sizes leave vector tails; the
-# last case's scales put many sums exactly halfway between two steps (ties to even)
+def _add_inputs(adt: Any, bdt: Any, ydt: Any, a_shape: tuple[int, ...],
+                b_shape: tuple[int, ...], scales: tuple[float, float, float],
+                seed: int) -> list[Any]:
+    rng = np.random.default_rng(seed)
+
+    def q(dt: Any, shape: tuple[int, ...]) -> np.ndarray:
+        info = np.iinfo(dt)
+        return rng.integers(info.min, info.max + 1, shape).astype(dt)
+
+    sa, sb, sy = (np.float32(s) for s in scales)
+    return [q(adt, a_shape), sa, q(adt, ()), q(bdt, b_shape), sb, q(bdt, ()), sy, q(ydt, ())]
+
+
+# (a, b, y dtypes, shape, scales a, b, y): odd sizes leave vector tails; random zero points
+# and uniform scales put sums near halves, where float32 forms round apart
 ADDS = [
     (np.uint8, np.uint8, np.uint8, (3, 5, 7, 11), (0.021, 0.034, 0.047)),
-    (np.int8, np.uint8, np.int8, (2, 64, 33, 33), (0.013, 0.007, 0.011)),
-    (np.uint8, np.int8, np.uint8, (1, 17), (0.5, 0.25, 0.5)),
+    (np.int8, np.int8, np.int8, (2, 64, 33, 33), (0.013, 0.007, 0.011)),
+    (np.uint8, np.uint8, np.uint8, (1, 17), (0.5, 0.25, 0.5)),
     (np.int8, np.int8, np.int8, (3, 80), (0.25, 0.5, 0.5)),          # 64 at a time, ties
 ]
 
 
 @pytest.mark.parametrize("relu", [False, True], ids=["plain", "relu"])
 @pytest.mark.parametrize("case", ADDS, ids=lambda c: "x".join(str(d) for d in c[3]))
-def test_qlinear_add_gives_the_unfused_nodes_bits(path: str, case: tuple[Any, ...],
-                                                  relu: bool) -> None:
-    adt, bdt, ydt, shape, (sa, sb, sy) = case
-    inputs = [_q(adt, *shape), np.float32(sa), np.array(5 if adt is np.uint8 else -7, adt),
-              _q(bdt, *shape), np.float32(sb), np.array(120 if bdt is np.uint8 else 2, bdt),
-              np.float32(sy), np.array(9 if ydt is np.uint8 else -3, ydt)]
+def test_qlinear_add_gives_onnxruntimes_bytes(path: str, case: tuple[Any, ...],
+                                              relu: bool) -> None:
+    """Every kernel gives onnxruntime's QLinearAdd bytes (a fused ReLU: clamped at y's zero
+    point), for several random zero points per case."""
+    adt, bdt, ydt, shape, scales = case
     attrs = {"activation": "relu" if relu else ""}
-    want = _unfused_add(inputs, relu)
-    np.testing.assert_array_equal(_reference(Op.QLINEAR_ADD, inputs, attrs), want)
-    for variant, threads in (("default", 1), ("int8", 1), ("int8", 2), ("int8", 3)):
-        got = _run(CPU, Op.QLINEAR_ADD, inputs, attrs, variant, threads)
-        assert got.dtype == want.dtype
-        np.testing.assert_array_equal(got, want)
+    for seed in range(3):
+        inputs = _add_inputs(adt, bdt, ydt, shape, shape, scales, seed)
+        want = _onnxruntime_qlinear_add(inputs)
+        if relu:
+            want = np.maximum(want, inputs[7])
+        np.testing.assert_array_equal(_reference(Op.QLINEAR_ADD, inputs, attrs), want)
+        for variant, threads in (("default", 1), ("int8", 1), ("int8", 2), ("int8", 3)):
+            got = _run(CPU, Op.QLINEAR_ADD, inputs, attrs, variant, threads)
+            assert got.dtype == want.dtype
+            np.testing.assert_array_equal(got, want)
 
 
-def test_qlinear_add_broadcasting_falls_back_to_the_numpy_kernel(path: str) -> None:
-    inputs = [_q(np.uint8, 2, 3, 4, 5), np.float32(0.02), np.array(4, np.uint8),
-              _q(np.uint8, 3, 1, 1), np.float32(0.03), np.array(130, np.uint8),
-              np.float32(0.04), np.array(1, np.uint8)]
-    attrs = {"activation": "relu"}
-    want = _unfused_add(inputs, True)
-    np.testing.assert_array_equal(_run(CPU, Op.QLINEAR_ADD, inputs, attrs, "int8", 2), want)
+@pytest.mark.parametrize("types", [(np.int8, np.uint8, np.int8), (np.uint8, np.int8, np.uint8)],
+                         ids=["s8-u8-s8", "u8-s8-u8"])
+def test_mixed_type_qlinear_add_matches_the_reference(path: str, types: tuple[Any, ...]) -> None:
+    """Operands of two 8-bit types (keel's extension: onnxruntime's QLinearAdd takes one
+    type): the native pass computes the reference's form on every thread count."""
+    for seed in range(3):
+        inputs = _add_inputs(*types, (2, 9, 33), (2, 9, 33), (0.013, 0.007, 0.011), seed)
+        want = _reference(Op.QLINEAR_ADD, inputs, {"activation": ""})
+        for threads in (1, 2, 3):
+            np.testing.assert_array_equal(
+                _run(CPU, Op.QLINEAR_ADD, inputs, {"activation": ""}, "int8", threads), want)
+
+
+@pytest.mark.parametrize("shapes", [((2, 3, 4, 5), (3, 1, 1)), ((1,), (4, 33)), ((4, 33), (1,)),
+                                    ((2, 3, 1), (2, 3, 9))],
+                         ids=["per-channel-b", "scalar-a", "scalar-b", "row-constant-a"])
+def test_qlinear_add_broadcasting_runs_numpy_with_onnxruntimes_bytes(
+        path: str, shapes: tuple[tuple[int, ...], tuple[int, ...]]) -> None:
+    for seed in range(4):
+        inputs = _add_inputs(np.uint8, np.uint8, np.uint8, *shapes, (0.02, 0.03, 0.04), seed)
+        want = _onnxruntime_qlinear_add(inputs)
+        np.testing.assert_array_equal(_reference(Op.QLINEAR_ADD, inputs, {"activation": ""}),
+                                      want)
+        np.testing.assert_array_equal(
+            _run(CPU, Op.QLINEAR_ADD, inputs, {"activation": ""}, "int8", 2), want)
 
 
 # ---- QuantizeLinear of float32 ---------------------------------------------------------------

@@ -359,20 +359,19 @@ def matmul(a: np.ndarray, a_zero_point: int, packed: PackedMatmul, bias: np.ndar
 
 
 # ---- QLinearAdd ---------------------------------------------------------------------------
-def qlinear_add(a: np.ndarray, a_zero_point: int, b: np.ndarray, b_zero_point: int,
-                scales: tuple[float, float, float], y_zero_point: int, relu: bool,
-                y: np.ndarray, threads: int = 1) -> None:
-    """``y`` = QuantizeLinear([ReLU](DequantizeLinear(a) + DequantizeLinear(b))) for
-    same-shaped contiguous 8-bit ``a``, ``b`` and ``y``, in float32 as those nodes compute
-    it; ``scales`` (a's, b's, y's) finite and positive float32 values."""
+def qlinear_add(a: np.ndarray, b: np.ndarray, constants: tuple[float, float, float],
+                y_zero_point: int, relu: bool, y: np.ndarray, threads: int = 1) -> None:
+    """``y`` = onnxruntime's QLinearAdd of same-shaped contiguous 8-bit ``a`` and ``b``:
+    ``constants`` the finite float32 ra, rb and c of the reference's
+    ``qlinear_add_constants``; a fused ReLU clamps at ``y_zero_point``."""
     fns = _functions()
     lo, hi = QUANT_RANGES[DType.from_numpy(y.dtype)]
-    flags = (int(a.dtype == np.int8) | int(b.dtype == np.int8) << 1
-             | int(y.dtype == np.int8) << 2 | int(relu) << 3)
+    if relu:
+        lo = max(lo, y_zero_point)
+    flags = int(a.dtype == np.int8) | int(b.dtype == np.int8) << 1 | int(y.dtype == np.int8) << 2
     count = parts(a.size, max(1, threads), planner_rules().QADD_MIN_ELEMENTS_PER_THREAD)
-    rc = fns.add(_ptr(a), _ptr(b), a.size, _ptr(np.asarray(scales, dtype=np.float32)),
-                 _ptr(np.array([a_zero_point, b_zero_point, y_zero_point, lo, hi],
-                               dtype=np.int64)), flags, _ptr(y), count)
+    rc = fns.add(_ptr(a), _ptr(b), a.size, _ptr(np.asarray(constants, dtype=np.float32)),
+                 _ptr(np.array([lo, hi], dtype=np.int64)), flags, _ptr(y), count)
     _check(rc)
 
 

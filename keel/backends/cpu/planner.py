@@ -279,9 +279,9 @@ _INT8_ISA = {
 }
 
 
-QADD_REASON = ("qlinear_add: the native 8-bit kernel, DequantizeLinear -> Add -> [ReLU] -> "
-               "QuantizeLinear in one pass over the bytes, in float32 as those nodes compute "
-               "it (16 lanes at a time with AVX-512)")
+QADD_REASON = ("qlinear_add: the native 8-bit kernel, onnxruntime's QLinearAdd in one pass "
+               "over the bytes (float32 scale ratios and fused multiply-adds, onnxruntime's "
+               "bytes; 16 lanes at a time with AVX-512)")
 # A QLinearAdd splits over threads only where each gets at least this many elements:
 # it runs about 10 elements per nanosecond (ResNet-20's 32x64x8x8 join, 131,072
 # elements, in ~13 us on one thread), so this is ~3 us per thread, a few dispatches.

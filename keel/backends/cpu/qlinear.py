@@ -22,7 +22,7 @@ import numpy as np
 from keel.backends.base import Attrs, Inputs, KernelContext, Out, optional_input
 from keel.backends.cpu import native_qgemm, qlayout, quantization
 from keel.backends.cpu.kernels import TABLE
-from keel.backends.reference.quantization import requantized
+from keel.backends.reference.quantization import qlinear_add_constants, requantized
 from keel.dtypes import DType
 from keel.ops.registry import Op
 from keel.ops.schemas.quantization import (
@@ -254,14 +254,21 @@ TABLE.kernel(Op.QGEMM, variant="int8", dtypes=("uint8", "int8"), supports_out=Tr
 
 
 # ---- QLinearAdd ------------------------------------------------------------------------------
-def _add_served(a: Any, a_s: Any, a_zp: Any, b: Any, b_s: Any, b_zp: Any, y_s: Any,
-                y_zp: Any) -> bool:
-    scales = (a_s, b_s, y_s)
-    return (native_qgemm.available() and a.shape == b.shape
+def _add_constants(a: Any, a_s: Any, a_zp: Any, b: Any, b_s: Any, b_zp: Any, y_s: Any,
+                   y_zp: Any) -> tuple[float, float, float] | None:
+    """QLinearAdd's constants where the native pass serves the node, else None (NumPy)."""
+    if not (native_qgemm.available() and a.shape == b.shape
             and _eight_bit(a, b, a_zp, b_zp, y_zp) and a_zp.dtype == a.dtype
-            and b_zp.dtype == b.dtype and all(_scalar(p) for p in (*scales, a_zp, b_zp, y_zp))
-            and all(s.dtype == np.float32 and np.isfinite(s).all() and (s > 0).all()
-                    for s in scales))
+            and b_zp.dtype == b.dtype
+            and all(_scalar(p) for p in (a_s, b_s, y_s, a_zp, b_zp, y_zp))
+            and all(s.dtype == np.float32 for s in (a_s, b_s, y_s))):
+        return None
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        constants = qlinear_add_constants(a_s, b_s, y_s, a_zp, b_zp, y_zp)
+    if not all(np.isfinite(constants)):
+        return None
+    ra, rb, c = (float(v) for v in constants)
+    return ra, rb, c
 
 
 @TABLE.kernel(Op.QLINEAR_ADD, variant="int8", dtypes=("uint8", "int8"), supports_out=True,
@@ -277,14 +284,13 @@ def qlinear_add(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> l
         qlayout.to_nchw(qlayout.channels_last(cl), _threads(ctx), y)
         return _deliver(y, out)
     a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp = inputs
-    if not _add_served(a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp):
+    constants = _add_constants(a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp)
+    if constants is None:
         return list(quantization.qlinear_add(ctx, inputs, attrs, out))
     y = _out(out, a.shape, y_zp.dtype)
-    native_qgemm.qlinear_add(np.ascontiguousarray(a), int(a_zp.reshape(())),
-                             np.ascontiguousarray(b), int(b_zp.reshape(())),
-                             (float(a_s.reshape(())), float(b_s.reshape(())),
-                              float(y_s.reshape(()))), int(y_zp.reshape(())),
-                             attrs["activation"] == "relu", y, _threads(ctx))
+    native_qgemm.qlinear_add(np.ascontiguousarray(a), np.ascontiguousarray(b), constants,
+                             int(y_zp.reshape(())), attrs["activation"] == "relu", y,
+                             _threads(ctx))
     return _deliver(y, out)
 
 

@@ -20,7 +20,11 @@ import numpy as np
 
 from keel.backends.base import Attrs, Inputs, KernelContext, Out, optional_input
 from keel.backends.cpu.kernels import TABLE
-from keel.backends.reference.quantization import quantize_to_float, requantized
+from keel.backends.reference.quantization import (
+    qlinear_add_sum,
+    quantize_to_float,
+    requantized,
+)
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError
 from keel.ops.registry import Op
@@ -221,29 +225,19 @@ def qlinear_matmul(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -
 
 @TABLE.kernel(Op.QLINEAR_ADD, dtypes=_QLINEAR, supports_out=True)
 def qlinear_add(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
-    """DequantizeLinear of a and b, Add, [ReLU], QuantizeLinear, each in the type those
-    kernels compute it in (the dequantized values in the scales' type)."""
+    """onnxruntime's QLinearAdd (the reference's ``qlinear_add_sum``), rounded half to
+    even, [clamped at y's zero point for a fused ReLU], saturated."""
     xp = ctx.xp
     a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp = inputs
     op = Op.QLINEAR_ADD
     _check_operands(op, a, a_zp, b, b_zp, y_zp)
     if any(p.size != 1 for p in (a_s, a_zp, b_s, b_zp, y_s, y_zp)):
         raise InvalidArgumentError(f"{op.value}: every scale and zero point must be per tensor")
-    total = _dequantized(xp, a, a_s, a_zp) + _dequantized(xp, b, b_s, b_zp)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        q = xp.rint(qlinear_add_sum(a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp)).astype(np.float64)
     if attrs["activation"] == "relu":
-        xp.maximum(total, total.dtype.type(0), out=total)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        total /= y_s.reshape(())
-    q = xp.rint(total).astype(np.float64)
-    q += float(y_zp.reshape(()))
+        xp.maximum(q, float(y_zp.reshape(())), out=q)
     return [_deliver(xp, q, _dtype(y_zp), out)]
-
-
-def _dequantized(xp: Any, v: Any, scale: Any, zero_point: Any) -> Any:
-    """(v - zero point) * scale rounded once into the scale's type (exact before it)."""
-    y = _shifted(xp, v, float(zero_point.reshape(())))
-    y *= scale.reshape(())
-    return y.astype(scale.dtype)
 
 
 def _im2col_conv(xp: Any, x: Any, w: Any, geo: ConvGeometry) -> Any:

@@ -46,7 +46,7 @@ from keel.ops.schemas.quantization import (
     quantize_output_dtype,
 )
 
-__all__ = ["conv_float64", "quantize_to_float"]
+__all__ = ["conv_float64", "qlinear_add_constants", "qlinear_add_sum", "quantize_to_float"]
 
 
 _QLINEAR = frozenset({DType.UINT8, DType.INT8})
@@ -205,8 +205,8 @@ def qlinear_matmul(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -
 
 @TABLE.kernel(Op.QLINEAR_ADD, dtypes=_QLINEAR)
 def qlinear_add(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
-    """DequantizeLinear of a and b, Add, [ReLU], QuantizeLinear: each step as those
-    kernels compute it (the dequantized values and their sum in the scales' type)."""
+    """onnxruntime's QLinearAdd: ``qlinear_add_sum`` rounded half to even, [clamped at y's
+    zero point for a fused ReLU], saturated."""
     a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp = inputs
     op = Op.QLINEAR_ADD
     _check_pair(op, a, a_zp, "a")
@@ -216,17 +216,44 @@ def qlinear_add(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> l
         if p.size != 1:
             raise InvalidArgumentError(f"{op.value}: {what}'s scale and zero point must be "
                                        f"per tensor, got shape {p.shape}")
-
-    def dequantized(x: np.ndarray, scale: np.ndarray, zp: np.ndarray) -> np.ndarray:
-        exact = (x.astype(np.float64) - float(zp.reshape(()))) * scale.reshape(())
-        return np.asarray(exact).astype(scale.dtype)
-
-    total = dequantized(a, a_s, a_zp) + dequantized(b, b_s, b_zp)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        q = np.rint(qlinear_add_sum(a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp)).astype(np.float64)
     if attrs["activation"] == "relu":
-        total = np.maximum(total, total.dtype.type(0))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.rint(total / y_s.reshape(())).astype(np.float64)
-    return [_saturate(q + float(y_zp.reshape(())), _dtype(y_zp))]
+        q = np.maximum(q, float(y_zp.reshape(())))
+    return [_saturate(q, _dtype(y_zp))]
+
+
+def qlinear_add_constants(a_scale: Any, b_scale: Any, y_scale: Any, a_zero_point: Any,
+                          b_zero_point: Any, y_zero_point: Any) -> tuple[np.float32, ...]:
+    """onnxruntime's QLinearAdd constants, float32: a_scale / y_scale, b_scale / y_scale and
+    y_zp - (ra * a_zp + rb * b_zp), the product ra * a_zp fused into that sum (as its
+    x86-64 build compiles the expression)."""
+    def one(v: Any) -> np.float32:
+        return np.float32(np.asarray(v).reshape(()))
+
+    ra, rb = one(a_scale) / one(y_scale), one(b_scale) / one(y_scale)
+    zero_points = ra.astype(np.float64) * float(one(a_zero_point)) + float(rb * one(b_zero_point))
+    return ra, rb, np.float32(one(y_zero_point) - np.float32(zero_points))
+
+
+def _fma32(x: Any, y: np.float32, z: Any) -> Any:
+    """float32(x * y + z) with one rounding (exact in float64 for 8-bit x and the ratios
+    QLinearAdd meets: the sum spans far fewer than 53 bits)."""
+    return (x.astype(np.float64) * float(y) + z.astype(np.float64)).astype(np.float32)
+
+
+def qlinear_add_sum(a: Any, a_s: Any, a_zp: Any, b: Any, b_s: Any, b_zp: Any, y_s: Any,
+                    y_zp: Any) -> Any:
+    """The float32 value onnxruntime rounds for QLinearAdd (its x86-64 vector form): the raw
+    integers times the scale ratios, fused-multiply-added onto the zero points' constant,
+    b's term first, except where a is constant along the innermost axis (onnxruntime's
+    scalar-a span) and a's term comes first. y_zp is included, before the rounding."""
+    ra, rb, fixed = qlinear_add_constants(a_s, b_s, y_s, a_zp, b_zp, y_zp)
+    va, vb = a.astype(np.float32), b.astype(np.float32)
+    c = np.float32(fixed)
+    if a.size == 1 or (a.ndim and a.shape[-1] == 1 and b.ndim and b.shape[-1] > 1):
+        return _fma32(vb, rb, _fma32(va, ra, c))
+    return _fma32(va, ra, _fma32(vb, rb, c))
 
 
 def conv_float64(x: np.ndarray, w: np.ndarray, geo: ConvGeometry) -> np.ndarray:

@@ -19,9 +19,13 @@ its type's minimum, so every negative value saturates to it anyway. A Gemm or
 2-D MatMul whose output stays float (no Q after it) becomes a QGEMM with a
 float32 output.
 
-A residual join, ``DQ(a_q) + DQ(b_q) ─ [Relu] ─ Q``, becomes one QLINEAR_ADD
-(its ReLU an attribute): a single pass over the bytes that computes what those
-nodes compute in float32, bit for bit, instead of a float tensor per step. And
+A residual join, ``DQ(a_q) + DQ(b_q) ─ [Relu] ─ Q``, becomes one QLINEAR_ADD: a
+single pass over the bytes, instead of a float tensor per step, computing what
+onnxruntime's QLinearAdd computes (its float32 scale ratios and fused
+multiply-adds, see the reference kernel), which can differ from the float nodes
+by one step on a rounding boundary. As in onnxruntime's fusion, a, b and the
+output share one 8-bit type and a Relu is taken only where it changes nothing;
+otherwise the join runs as written. And
 ``DQ(x_q) ─ MaxPool (or Flatten, Reshape, Transpose, Squeeze, Unsqueeze) ─ Q``
 with Q's scale and zero point those of the DQ becomes that op on ``x_q`` itself
 (the same bits, see ``_try_on_integers``).
@@ -169,13 +173,15 @@ def _try_add(rw: Rewriter, node: Node) -> None:
     a, b = _activation(rw, node.input(0)), _activation(rw, node.input(1))
     if a is None or b is None:
         return
-    tail, q = _quantized_output(rw, node, relu_kept=True)
+    tail, q = _quantized_output(rw, node)
     if q is None:
         return
-    relu = tail[0].op is Op.RELU
+    y_type = rw.graph.constant(q.input(2)).dtype  # type: ignore[union-attr]
+    if {_integer_type(rw, a), _integer_type(rw, b)} != {y_type}:
+        return              # onnxruntime's QLinearAdd takes one type: it leaves such joins
     inputs = [a.value, a.scale, _zero_point(rw, a, ()), b.value, b.scale,
               _zero_point(rw, b, ()), q.input(1), q.input(2)]
-    attrs = get_schema(Op.QLINEAR_ADD).normalize_attrs({"activation": "relu" if relu else ""})
+    attrs = get_schema(Op.QLINEAR_ADD).normalize_attrs({})
     rw.replace([node, *tail], [Node(node.name, Op.QLINEAR_ADD, inputs, [q.outputs[0]], attrs,
                                     node.origin)])
 
@@ -212,11 +218,9 @@ def _same_constant(g: Graph, a: str, b: str) -> bool:
             and vb.size == 1 and bool(va.reshape(()) == vb.reshape(())))
 
 
-def _quantized_output(rw: Rewriter, node: Node,
-                      relu_kept: bool = False) -> tuple[list[Node], Node | None]:
-    """The Q node quantizing ``node``'s output (through a Relu it makes redundant, or any
-    Relu where ``relu_kept``: the new node applies it), and the nodes from ``node`` to
-    it; ([], None) when the output stays float."""
+def _quantized_output(rw: Rewriter, node: Node) -> tuple[list[Node], Node | None]:
+    """The Q node quantizing ``node``'s output (through a Relu it makes redundant), and the
+    nodes from ``node`` to it; ([], None) when the output stays float."""
     out = node.outputs[0]
     tail: list[Node] = []
     nxt = rw.single_consumer(out)
@@ -232,7 +236,7 @@ def _quantized_output(rw: Rewriter, node: Node,
     if scale is None or scale.size != 1 or scale.dtype != np.float32 or zp is None or \
             zp.size != 1 or zp.dtype not in _EIGHT_BITS or nxt.attr("precision", None) is not None:
         return [], None
-    if tail and not relu_kept and not _relu_redundant(g, nxt):
+    if tail and not _relu_redundant(g, nxt):
         return [], None
     return [*tail, nxt], nxt
 
@@ -245,6 +249,14 @@ def _relu_redundant(g: Graph, q: Node) -> bool:
 
 
 # ---- the integer nodes -----------------------------------------------------------------------
+def _integer_type(rw: Rewriter, d: _Dequantized) -> np.dtype:
+    """The 8-bit type of ``d``'s value: its zero point's, else the graph's type for it."""
+    zp = rw.graph.constant(d.zero_point) if d.zero_point else None
+    if zp is not None:
+        return zp.dtype
+    return rw.graph.type_of(d.value).dtype.numpy  # type: ignore[union-attr]
+
+
 def _zero_point(rw: Rewriter, d: _Dequantized, like_shape: tuple[int, ...]) -> str:
     """``d``'s zero point, or zeros of its value's type where the model gave none."""
     if d.zero_point:

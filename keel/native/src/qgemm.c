@@ -1213,25 +1213,18 @@ int64_t keel_qdepthwise_u8s8(const uint8_t *x, int64_t is_signed, int64_t xz, co
     return run_parts(qdepth_task, &j, j.g[Q_N] * j.g[Q_C], parts, floats);
 }
 
-/* ---- QLinearAdd: DequantizeLinear of a and b, Add, [ReLU], QuantizeLinear ---------------
+/* ---- QLinearAdd, onnxruntime's form ------------------------------------------------------
  *
- * Each step in float32, as keel's kernels for those nodes compute it: (v - zero point) *
- * scale rounded once to float32 (the exact product, as the float64 DequantizeLinear rounds
- * it), the float32 sum, max(0, sum) for a fused ReLU, the float32 division by y_scale,
- * round half to even, plus y's zero point, saturated. The same bits as the unfused nodes;
- * no multiply may be contracted into the add (an FMA rounds once where they round twice),
- * hence the pragma. The scales are finite and positive (the caller's check), so no NaN
- * arises. */
+ * y = saturate(round_half_even(fma(a, ra, fma(b, rb, c)))) with the raw integers a and b
+ * in float32 and the constants ra = a_scale / y_scale, rb = b_scale / y_scale and c (the
+ * zero points' part, y's included) that the caller forms (qlinear_add_constants in the
+ * reference backend): onnxruntime's x86-64 vector kernel, bit for bit. A fused ReLU raises
+ * the lower bound to y's zero point. The constants are finite (the caller's check). */
 
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC push_options
-#pragma GCC optimize("fp-contract=off")
-#endif
-
-/* flags: bit 0 a is int8, bit 1 b is int8, bit 2 y is int8, bit 3 ReLU. */
+/* flags: bit 0 a is int8, bit 1 b is int8, bit 2 y is int8. */
 typedef struct {
     const uint8_t *a, *b;
-    float sa, sb, sy, za, zb, zy, lo, hi;
+    float ra, rb, c, lo, hi;
     int64_t flags;
     uint8_t *y;
 } qadd_job;
@@ -1240,47 +1233,40 @@ static inline float qadd_one(const qadd_job *j, int64_t i)
 {
     float va = j->flags & 1 ? (float)(int8_t)j->a[i] : (float)j->a[i];
     float vb = j->flags & 2 ? (float)(int8_t)j->b[i] : (float)j->b[i];
-    float da = (va - j->za) * j->sa;
-    float db = (vb - j->zb) * j->sb;
-    float s = da + db;
-    if ((j->flags & 8) && !(s > 0.0f)) s = 0.0f;
-    float t = nearbyintf(s / j->sy) + j->zy;
+    float t = nearbyintf(__builtin_fmaf(va, j->ra, __builtin_fmaf(vb, j->rb, j->c)));
     return t < j->lo ? j->lo : t > j->hi ? j->hi : t;
 }
 
 #if QISA == 2
 /* The constants of qadd16, as vectors. A signed operand is read as unsigned bytes
- * (x ^ 0x80 = x + 128) against its zero point plus 128: the same exact difference. */
+ * (x ^ 0x80 = x + 128) less 128: the same integer, exactly. */
 typedef struct {
-    __m512 sa, sb, sy, za, zb, zy, lo, hi;
+    __m512 ra, rb, c, oa, ob, lo, hi;
     __m128i fa, fb;
-    int relu;
 } qadd_vectors;
 
 static qadd_vectors qadd_setup(const qadd_job *j)
 {
     qadd_vectors v;
-    v.sa = _mm512_set1_ps(j->sa), v.sb = _mm512_set1_ps(j->sb), v.sy = _mm512_set1_ps(j->sy);
-    v.za = _mm512_set1_ps(j->za + (j->flags & 1 ? 128.0f : 0.0f));
-    v.zb = _mm512_set1_ps(j->zb + (j->flags & 2 ? 128.0f : 0.0f));
-    v.zy = _mm512_set1_ps(j->zy), v.lo = _mm512_set1_ps(j->lo), v.hi = _mm512_set1_ps(j->hi);
+    v.ra = _mm512_set1_ps(j->ra), v.rb = _mm512_set1_ps(j->rb), v.c = _mm512_set1_ps(j->c);
+    v.oa = _mm512_set1_ps(j->flags & 1 ? 128.0f : 0.0f);
+    v.ob = _mm512_set1_ps(j->flags & 2 ? 128.0f : 0.0f);
+    v.lo = _mm512_set1_ps(j->lo), v.hi = _mm512_set1_ps(j->hi);
     v.fa = _mm_set1_epi8((char)(j->flags & 1 ? 0x80 : 0));
     v.fb = _mm_set1_epi8((char)(j->flags & 2 ? 0x80 : 0));
-    v.relu = (j->flags & 8) != 0;
     return v;
 }
 
 /* 16 outputs from 16 bytes of a and of b, qadd_one's steps on 16 lanes. */
 static inline __m128i qadd16(const qadd_vectors *v, __m128i a, __m128i b)
 {
-    __m512 fa = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_xor_si128(a, v->fa)));
-    __m512 fb = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_xor_si128(b, v->fb)));
-    __m512 s = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(fa, v->za), v->sa),
-                             _mm512_mul_ps(_mm512_sub_ps(fb, v->zb), v->sb));
-    if (v->relu) s = _mm512_max_ps(s, _mm512_setzero_ps());
-    __m512 t = _mm512_roundscale_ps(_mm512_div_ps(s, v->sy),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    t = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(t, v->zy), v->lo), v->hi);
+    __m512 fa = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_xor_si128(a, v->fa))),
+                              v->oa);
+    __m512 fb = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_xor_si128(b, v->fb))),
+                              v->ob);
+    __m512 t = _mm512_fmadd_ps(fa, v->ra, _mm512_fmadd_ps(fb, v->rb, v->c));
+    t = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    t = _mm512_min_ps(_mm512_max_ps(t, v->lo), v->hi);
     return _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(t));
 }
 #endif
@@ -1319,19 +1305,15 @@ static void qadd_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
     }
 }
 
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC pop_options
-#endif
-
-/* y[n] = QLinearAdd(a[n], b[n]) for same-shaped 8-bit a and b. scales = {a_scale,
- * b_scale, y_scale}; points = {a, b and y zero points, y's lo, hi}; flags as qadd_job's.
- * The n elements split into `parts` contiguous runs, one per thread. */
-int64_t keel_qadd_u8(const uint8_t *a, const uint8_t *b, int64_t n, const float *scales,
-                     const int64_t *points, int64_t flags, uint8_t *y, int64_t parts)
+/* y[n] = QLinearAdd(a[n], b[n]) for same-shaped 8-bit a and b. constants = {ra, rb, c}
+ * (qadd_job's); bounds = {y's lo, hi} (lo raised to y's zero point for a fused ReLU);
+ * flags as qadd_job's. The n elements split into `parts` contiguous runs, one per thread. */
+int64_t keel_qadd_u8(const uint8_t *a, const uint8_t *b, int64_t n, const float *constants,
+                     const int64_t *bounds, int64_t flags, uint8_t *y, int64_t parts)
 {
     if (n <= 0) return 0;
-    qadd_job j = {a, b, scales[0], scales[1], scales[2], (float)points[0], (float)points[1],
-                  (float)points[2], (float)points[3], (float)points[4], flags, y};
+    qadd_job j = {a, b, constants[0], constants[1], constants[2], (float)bounds[0],
+                  (float)bounds[1], flags, y};
     return run_parts(qadd_task, &j, n, parts, 1);
 }
 

@@ -488,8 +488,10 @@ register_schema(OpSchema(
 register_schema(OpSchema(
     Op.QLINEAR_ADD, 8, 8, attrs=(AttrSpec("activation", AttrKind.STR, ""),),
     infer=_infer_qlinear_add,
-    doc="DequantizeLinear of a and of b, Add, an optional ReLU (activation 'relu') and "
-        "QuantizeLinear, in one node: inputs a, a_scale, a_zero_point, b, b_scale, "
+    doc="onnxruntime's com.microsoft QLinearAdd, with an optional ReLU (activation "
+        "'relu': clamped at y_zero_point): inputs a, a_scale, a_zero_point, b, b_scale, "
         "b_zero_point, y_scale, y_zero_point, all parameters per tensor. Computed as "
-        "those nodes compute it in float32, so the fused node gives the same bits.",
+        "onnxruntime computes it on x86-64 (float32 scale ratios and fused multiply-adds), "
+        "which can differ from DequantizeLinear, Add and QuantizeLinear by one step on a "
+        "rounding boundary.",
 ))

@@ -8,6 +8,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from benchmarks import int8
@@ -24,6 +25,26 @@ def test_quantized_zoo_cnns_keep_their_top1(name: str, floor: float) -> None:
     ops = Counter(n.op for n in optimize(import_onnx(model)).nodes)
     assert ops[Op.QLINEAR_CONV] >= 2 and ops[Op.CONV] == 0
     assert int8.top1_agreement(name, model, samples=64) >= floor
+
+
+@pytest.mark.parametrize("name", ["lenet", "resnet20", "resnet18", "mobilenetv2"])
+def test_quantized_zoo_cnns_give_onnxruntimes_outputs_exactly(name: str) -> None:
+    """keel's integer kernels compute what onnxruntime's fused QDQ kernels compute (its
+    float32 requantization, its QLinearAdd), so the dequantized logits are the same floats,
+    on one thread and on two (MobileNetV2 runs its channels-last int8 chain)."""
+    import onnxruntime as ort
+
+    import keel
+
+    model = int8.quantize(name)
+    session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    feed = session.get_inputs()[0]
+    shape = [2 if not isinstance(d, int) else d for d in feed.shape]
+    x = np.random.default_rng(7).standard_normal(shape).astype(np.float32)
+    want = session.run(None, {feed.name: x})[0]
+    for threads in (1, 2):
+        got = keel.load_model(model, threads=threads).run(None, {feed.name: x})[0]
+        np.testing.assert_array_equal(got, want)
 
 
 def test_the_script_writes_ratios_and_the_load(tmp_path: Path) -> None:

@@ -9,10 +9,11 @@ other side is packed per call, block by block in a small per-thread workspace
 bias (per row or per column), a residual addend and a ReLU / clip ride on the
 kernel's last store, so the output is written once, in its final layout.
 
-Work splits over keel's worker threads (``keel.native.pool``) by whole column panels,
-row panels or products of a batch; every element of C is computed by the same
-instructions wherever its chunk starts, so the result is bitwise the same for
-any thread count.
+Work splits over keel's worker threads (``keel.native.pool``) in a grid of tiles: row
+groups x column groups of whole panels, for every product of a batch, each tile packed
+in its thread's own workspace (the cpu planner's ``gemm_split`` picks the grid from the
+threads and the L2); every element of C is computed by the same instructions in any
+tile, so the result is bitwise the same for any thread count.
 
 Measured on the 2-core AVX-512 development machine (AMD EPYC, Zen 4; a shared
 machine, +-10 %), 1 thread, medians of interleaved runs, GFLOP/s of the bare

@@ -29,9 +29,10 @@
  * 32x32 at batch 32 read through the wide layout, whose 32-column panels all cross
  * an output row: 2.40 ms through a stack buffer, 2.05 ms masked).
  *
- * Work splits into ranges of row panels or column panels of the batch: every
- * element of C is computed by the same sequence of operations whatever range it
- * falls in, so any split over threads gives bitwise the same C.
+ * Work splits into ranges of row panels or column panels of the batch, or a grid of
+ * tiles (keel_gemm_tiles_f32: row groups x column groups of every product): every
+ * element of C is computed by the same sequence of operations whatever range or tile
+ * it falls in, so any split over threads gives bitwise the same C.
  *
  * Plain C11 with GNU vector extensions; one broadcast per ISA through its
  * intrinsic. Without a SIMD extension the vectors are lowered to scalars.

@@ -578,13 +578,15 @@ class GemmSplit:
     reason: str
 
 
+@functools.lru_cache(maxsize=4096)
 def gemm_split(batch: int, m: int, n: int, k: int, threads: int, grid: Grid = None,
                sizes: Caches | None = None, raw: tuple[bool, bool] = (True, False)
                ) -> GemmSplit:
     """The tile grid of ``batch`` products of (m x k) @ (k x n) under a cap of
     ``threads`` (see the rule above). ``grid``: the kernel's micro-tile (None: the one
     loaded here); ``sizes``: the caches planned for (None: this machine's); ``raw``:
-    whether A and B are packed per call (a MatMul's activations; its weights are not)."""
+    whether A and B are packed per call (a MatMul's activations; its weights are not).
+    Remembered per arguments: a call made again asks again."""
     tile = grid or native_gemm.geometry() or _TILES["scalar"]
     sizes = sizes or caches()
     parts = gemm_threads(threads, 2 * batch * m * n * k)
@@ -628,7 +630,6 @@ class _Product:
         return 4 * min(self.k, self.kc) * (rows + cols)
 
 
-@functools.lru_cache(maxsize=4096)
 def _best_split(p: _Product, parts: int, l2: int, source: str) -> GemmSplit:
     mp, np_ = p.panels
     vectors = p.vectors()

@@ -35,9 +35,12 @@ def test_a_matmul_node_takes_threads_by_its_products_flops(
     plan = _plan(Op.MATMUL, a, b)
     flops = 2 * int(np.prod(a[:-1])) * a[-1] * b[-1]
     assert plan.threads == want
-    assert plan.reason("threads") == (
+    why = plan.reason("threads")
+    assert why.startswith(
         f"{want} kernel thread(s) of 2: {flops:,} flops, at least "
         f"{cpu_planner.MIN_FLOPS_PER_THREAD:,} per thread")
+    # A split native product says how its tiles fall (gemm_split's grid, tested apart).
+    assert ("split" in why) == (want > 1 and plan.variant == "native")
 
 
 def test_a_gemm_node_counts_its_transposed_operands() -> None:

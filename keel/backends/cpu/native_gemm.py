@@ -9,10 +9,11 @@ other side is packed per call, block by block in a small per-thread workspace
 bias (per row or per column), a residual addend and a ReLU / clip ride on the
 kernel's last store, so the output is written once, in its final layout.
 
-Work splits over keel's worker threads (``keel.native.pool``) by whole column panels,
-row panels or products of a batch; every element of C is computed by the same
-instructions wherever its chunk starts, so the result is bitwise the same for
-any thread count.
+Work splits over keel's worker threads (``keel.native.pool``) in a grid of tiles: row
+groups x column groups of whole panels, for every product of a batch, each tile packed
+in its thread's own workspace (the cpu planner's ``gemm_split`` picks the grid from the
+threads and the L2); every element of C is computed by the same instructions in any
+tile, so the result is bitwise the same for any thread count.
 
 Measured on the 2-core AVX-512 development machine (AMD EPYC, Zen 4; a shared
 machine, +-10 %), 1 thread, medians of interleaved runs, GFLOP/s of the bare
@@ -91,12 +92,14 @@ _F4 = np.dtype(np.float32)
 class _Functions:
     gemm: Callable[..., None]
     gemm_mt: Callable[..., int]
+    tiles_mt: Callable[..., int]     # keel_gemm_tiles_mt_f32: a grid of tiles on the pool
     pack: Callable[..., None]
     band: Callable[..., None]        # keel_conv_band_f32 and its helpers (prepare_band)
     band_mt: Callable[..., int]
     band_rows: Callable[..., int]
     band_work: Callable[..., int]
     mr: int          # rows of a micro-tile (the panel width of a left operand)
+    kc: int          # depth of a block (B's packed block, A's panel block)
     nr: int          # columns of a micro-tile (the panel width of a right operand)
     work: int        # floats of workspace one concurrent call needs
     tall: Callable[[int, int], bool]     # the cpu planner's tall-tile rule (m, k)
@@ -127,13 +130,15 @@ def _load(lib: native.NativeLibrary) -> _Functions:
     return _Functions(
         gemm=lib.function("keel_gemm_f32", [ctypes.c_char_p, _PTR, _I64, _I64, _I64]),
         gemm_mt=lib.function("keel_gemm_mt_f32", [ctypes.c_char_p, _I64, _I64, _I64], _I64),
+        tiles_mt=lib.function("keel_gemm_tiles_mt_f32",
+                              [ctypes.c_char_p, _I64, _I64, _I64, _I64], _I64),
         pack=lib.function("keel_gemm_pack_f32",
                           [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _I64]),
         band=lib.function("keel_conv_band_f32", [ctypes.c_char_p, _PTR, _I64, _I64]),
         band_mt=lib.function("keel_conv_band_mt_f32", [ctypes.c_char_p, _I64, _I64], _I64),
         band_rows=lib.function("keel_conv_band_rows_f32", [ctypes.c_char_p], _I64),
         band_work=lib.function("keel_conv_band_workspace_f32", [ctypes.c_char_p], _I64),
-        mr=size("keel_gemm_mr_f32"), nr=size("keel_gemm_nr_f32"),
+        mr=size("keel_gemm_mr_f32"), nr=size("keel_gemm_nr_f32"), kc=size("keel_gemm_kc_f32"),
         work=size("keel_gemm_workspace_f32"), tall=planner_rules().tall_tiles)
 
 
@@ -175,6 +180,13 @@ def geometry() -> tuple[int, int] | None:
     """(rows, columns) of the kernel's micro-tile; None when unavailable."""
     f = _functions()
     return None if f is None else (f.mr, f.nr)
+
+
+def depth_block() -> int:
+    """The depth of the kernel's blocks (gemm.c's KC; 512 where the tier is unavailable,
+    gemm.c's default, for plans made without it)."""
+    f = _functions()
+    return 512 if f is None else f.kc
 
 
 @dataclass(frozen=True, eq=False)
@@ -387,9 +399,14 @@ class Call:
         return Call(self.f, values, self.batch, self.m, self.n, self.k, self.keep,
                     self.c_layout)
 
-    def _parts(self, threads: int) -> int:
-        """How many threads :meth:`run` splits the product over (1: not split)."""
-        return planner_rules().gemm_threads(threads, 2 * self.batch * self.m * self.n * self.k)
+    def split(self, threads: int) -> Any:
+        """The cpu planner's tile grid of this call under a cap of ``threads``
+        (:func:`keel.backends.cpu.planner.gemm_split`, for this machine's caches)."""
+        values = self.values
+        raw = (values[4] != 0 or values[5] != 0,
+               values[8] != 0 or values[9] != 0 or values[11] != 0)
+        return planner_rules().gemm_split(self.batch, self.m, self.n, self.k, threads,
+                                          (self.f.mr, self.f.nr), raw=raw)
 
     def bound(self, threads: int) -> Callable[[], Any]:
         """``run(threads)`` as a callable with no arguments, for the calling thread.
@@ -404,7 +421,7 @@ class Call:
         f = self.f
         split = self._split(threads)
         if split is not None:
-            return functools.partial(_checked, f.gemm_mt, self.args, *split)
+            return functools.partial(_checked, *split)
         once = functools.partial(f.gemm, self.args, _work(f), 0, 0,
                                  self.batch * -(-self.n // f.nr))
         once.keep = (self, _local.work)      # type: ignore[attr-defined]
@@ -422,24 +439,23 @@ class Call:
             # Column panels: any split gives the same result, so one call does them all.
             f.gemm(self.args, _work(f), 0, 0, self.batch * -(-self.n // f.nr))
         else:
-            _checked(f.gemm_mt, self.args, *split)
+            _checked(*split)
 
-    def _split(self, threads: int, panel_major: bool = False
-               ) -> tuple[int, int, int] | None:
-        """(split_rows, units, parts) of a call split over threads; None for one thread
-        (split_rows -B: column panels, panel-major over the B products)."""
-        parts = self._parts(threads)
-        if parts <= 1:
-            return None
-        f, m, n = self.f, self.m, self.n
-        mp, np_ = -(-m // f.mr), -(-n // f.nr)
+    def _split(self, threads: int, panel_major: bool = False) -> tuple[Any, ...] | None:
+        """The ``*_mt`` kernel and its arguments of a call split over threads; None for
+        one thread. ``panel_major``: column panels panel-major over the batch's products
+        (split_rows -B of keel_gemm_mt_f32); else the planner's tile grid."""
+        f = self.f
         if panel_major and self.batch > 1:
-            units = self.batch * np_
-            return -self.batch, units, min(parts, units)
-        # Split the larger panel dimension unless the batch alone gives every thread work.
-        rows = self.batch < parts and mp > np_
-        units = self.batch * (mp if rows else np_)
-        return int(rows), units, min(parts, units)
+            parts = planner_rules().gemm_threads(
+                threads, 2 * self.batch * self.m * self.n * self.k)
+            units = self.batch * -(-self.n // f.nr)
+            return None if parts <= 1 else (f.gemm_mt, self.args, -self.batch, units,
+                                             min(parts, units))
+        split = self.split(threads)
+        if split.parts <= 1:
+            return None
+        return f.tiles_mt, self.args, split.rows, split.cols, split.pieces, split.parts
 
 
 def _checked(fn: Callable[..., int], *args: Any) -> None:

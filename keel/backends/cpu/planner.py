@@ -543,6 +543,153 @@ def gemm_threads(threads: int, flops: int) -> int:
     return min(threads, flops // MIN_FLOPS_PER_THREAD)
 
 
+# ---- the native GEMM's split over threads ----------------------------------------------
+# A split runs gemm.c's keel_gemm_tiles_f32: every product of a batch cut into a grid of
+# tiles, its row panels in R groups and its column panels in C groups (whole panels, as
+# even as they allow); each thread takes consecutive tiles and runs each whole, its A
+# rows and B columns packed in its own workspace (no buffer shared between threads).
+# The grid is chosen for the machine planned for: its threads (gemm_threads: the
+# product's flops under the cap, itself the probe's usable cores unless the caller says
+# otherwise) and its L2 (caches()). Among grids of at most twice as many tiles per
+# product as threads, in order:
+# - the least work on the busiest thread, in micro-tile vectors (a partial panel costs
+#   the vectors it has), grids within SPLIT_BALANCE_SLACK of the least counting as equal
+#   (a 2% evener split is not worth reading an operand twice);
+# - a grid whose tile keeps its A rows and B columns of one depth block (gemm.c's KC)
+#   within the L2, so each thread's operands stay in its own cache;
+# - the fewest operand reads over all tiles (A read once per column group, B once per
+#   row group; a raw operand, packed by every tile that reads it, counts twice: a read
+#   and a write);
+# - the squarest tile (in panels), then the fewest tiles.
+# On two threads this keeps the 1-D choices measured before the grid existed (the larger
+# panel dimension splits), within the noise of the products of the benchmark models.
+SPLIT_BALANCE_SLACK = 1 / 32
+
+
+@dataclass(frozen=True)
+class GemmSplit:
+    """How a native product splits over threads: ``rows`` x ``cols`` tiles of each of
+    the batch's products, ``parts`` chunks of consecutive tiles (1: not split)."""
+
+    rows: int
+    cols: int
+    pieces: int
+    parts: int
+    reason: str
+
+
+@functools.lru_cache(maxsize=4096)
+def gemm_split(batch: int, m: int, n: int, k: int, threads: int, grid: Grid = None,
+               sizes: Caches | None = None, raw: tuple[bool, bool] = (True, False)
+               ) -> GemmSplit:
+    """The tile grid of ``batch`` products of (m x k) @ (k x n) under a cap of
+    ``threads`` (see the rule above). ``grid``: the kernel's micro-tile (None: the one
+    loaded here); ``sizes``: the caches planned for (None: this machine's); ``raw``:
+    whether A and B are packed per call (a MatMul's activations; its weights are not).
+    Remembered per arguments: a call made again asks again."""
+    tile = grid or native_gemm.geometry() or _TILES["scalar"]
+    sizes = sizes or caches()
+    parts = gemm_threads(threads, 2 * batch * m * n * k)
+    if parts <= 1 or batch * m * n == 0:
+        flops = 2 * batch * m * n * k
+        return GemmSplit(1, 1, batch, 1, "not split: one thread" if threads <= 1 else (
+            f"not split: {flops:,} flops, under {MIN_FLOPS_PER_THREAD:,} for each of two "
+            "threads"))
+    shape = _Product(batch, m, n, k, tile, native_gemm.depth_block(), raw)
+    return _best_split(shape, parts, sizes.l2, sizes.source)
+
+
+@dataclass(frozen=True)
+class _Product:
+    batch: int
+    m: int
+    n: int
+    k: int
+    tile: tuple[int, int]
+    kc: int                       # gemm.c's depth block
+    raw: tuple[bool, bool]
+
+    @property
+    def panels(self) -> tuple[int, int]:
+        return -(-self.m // self.tile[0]), -(-self.n // self.tile[1])
+
+    def vectors(self) -> tuple[int, ...]:
+        """The column vectors of each column panel (two a panel; a partial one fewer)."""
+        nr = self.tile[1]
+        vw = max(1, nr // 2)
+        return tuple(-(-min(nr, self.n - j) // vw) for j in range(0, self.n, nr))
+
+    def tile_shape(self, r: int, c: int) -> tuple[int, int]:
+        """Rows and columns of the largest tile of an r x c grid."""
+        (mr, nr), (mp, np_) = self.tile, self.panels
+        return min(self.m, -(-mp // r) * mr), min(self.n, -(-np_ // c) * nr)
+
+    def block_bytes(self, r: int, c: int) -> int:
+        """The largest tile's A rows and B columns over one depth block."""
+        rows, cols = self.tile_shape(r, c)
+        return 4 * min(self.k, self.kc) * (rows + cols)
+
+
+def _best_split(p: _Product, parts: int, l2: int, source: str) -> GemmSplit:
+    mp, np_ = p.panels
+    vectors = p.vectors()
+    found = []
+    for r in range(1, min(mp, 2 * parts) + 1):
+        for c in range(1, min(np_, 2 * parts // r) + 1):
+            span = _span(p.batch, mp, vectors, r, c, parts)
+            reads = p.batch * (c * p.m * (1 + p.raw[0]) + r * p.n * (1 + p.raw[1]))
+            rp, cp = -(-mp // r), -(-np_ // c)
+            found.append((span, p.block_bytes(r, c) > l2, reads,
+                          max(rp, cp) / min(rp, cp), p.batch * r * c, r, c))
+    least = min(f[0] for f in found)
+    even = [f for f in found if f[0] <= least * (1 + SPLIT_BALANCE_SLACK)]
+    span, _, _, _, pieces, r, c = min(even, key=lambda f: f[1:])
+    parts = min(parts, pieces)
+    return GemmSplit(r, c, pieces, parts, _split_reason(p, r, c, parts, span, l2, source))
+
+
+def _groups(panels: int, count: int) -> list[tuple[int, int]]:
+    """gemm.c's groups of panels: group q is [q * panels / count, (q + 1) * panels / count)."""
+    return [(q * panels // count, (q + 1) * panels // count) for q in range(count)]
+
+
+def _span(batch: int, mp: int, vectors: tuple[int, ...], r: int, c: int, parts: int) -> int:
+    """The busiest thread's work (row panels x column vectors) when ``parts`` threads take
+    near-equal runs of consecutive tiles (threads.c's chunks), tiles ordered as gemm.c's."""
+    work = [(hi - lo) * sum(vectors[j0:j1]) for j0, j1 in _groups(len(vectors), c)
+            for lo, hi in _groups(mp, r)]
+    prefix = [0]
+    for w in work:
+        prefix.append(prefix[-1] + w)
+    per, total = len(work), prefix[-1]
+
+    def done(u: int) -> int:
+        return (u // per) * total + prefix[u % per]
+
+    base, extra = divmod(batch * per, parts)
+    span, lo = 0, 0
+    for part in range(parts):
+        hi = lo + base + (part < extra)
+        span = max(span, done(hi) - done(lo))
+        lo = hi
+    return span
+
+
+def _split_reason(p: _Product, r: int, c: int, parts: int, span: int, l2: int,
+                  source: str) -> str:
+    rows, cols = p.tile_shape(r, c)
+    mean = p.batch * p.panels[0] * sum(p.vectors()) / parts
+    kind = ("over the batch" if r * c == 1 else "by rows" if c == 1 else
+            "by columns" if r == 1 else "2-D")
+    block = p.block_bytes(r, c)
+    of = f"{p.batch} products x " if p.batch > 1 else ""
+    return (f"{kind} split {r}x{c} tiles of {rows}x{cols} ({of}{r} row x {c} column "
+            f"groups: {p.batch * r * c} tiles) over {parts} threads, the busiest "
+            f"{span / mean:.2f}x the mean work; a tile's A rows and B columns of a depth "
+            f"block {block / 2**10:,.0f} KiB, {'within' if block <= l2 else 'over'} the "
+            f"{l2 >> 10} KiB L2 ({source})")
+
+
 def _product(request: PlanRequest) -> tuple[int, int, int] | None:
     """(rows, depth, columns) of the one native product a MatMul (2-D B) or Gemm node
     runs; None for other nodes or shapes not known."""
@@ -591,17 +738,23 @@ def _element_threads(request: PlanRequest) -> tuple[int, str] | None:
                     f"({name})")
 
 
-def _product_threads(request: PlanRequest) -> tuple[int, str] | None:
-    """A MatMul or Gemm node's kernel threads from its product's flops, and why; None
-    where the node runs no single product of known size."""
+def _product_threads(request: PlanRequest, variant: str) -> tuple[int, str] | None:
+    """A MatMul or Gemm node's kernel threads from its product's flops, and why (with
+    the native GEMM's tile grid where ``variant`` runs it); None where the node runs no
+    single product of known size."""
     product = _product(request) if request.threads is not None else None
     if product is None or request.threads is None:
         return None
     m, k, n = product
     flops = 2 * m * k * n
     chosen = max(1, gemm_threads(request.threads, flops))
-    return chosen, (f"{chosen} kernel thread(s) of {request.threads}: {flops:,} flops, at "
-                    f"least {MIN_FLOPS_PER_THREAD:,} per thread")
+    why = (f"{chosen} kernel thread(s) of {request.threads}: {flops:,} flops, at least "
+           f"{MIN_FLOPS_PER_THREAD:,} per thread")
+    if chosen > 1 and variant == "native":
+        split = gemm_split(1, m, n, k, chosen, tile_grid(request.profile),
+                           caches(request.profile), raw=(True, bool(request.low_memory)))
+        why += f"; {split.reason}"
+    return chosen, why
 
 
 # ---- inter-op: independent branches at once -----------------------------------------------
@@ -1018,7 +1171,7 @@ def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:
     threads, threads_why = request.threads, (
         f"{request.threads} kernel thread(s): the backend's thread count; each call splits "
         "while every thread gets the planner's least work per thread")
-    sized = _product_threads(request) or _element_threads(request)
+    sized = _product_threads(request, variant) or _element_threads(request)
     if sized is not None:
         threads, threads_why = sized
     return NodePlan(

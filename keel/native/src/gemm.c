@@ -29,9 +29,10 @@
  * 32x32 at batch 32 read through the wide layout, whose 32-column panels all cross
  * an output row: 2.40 ms through a stack buffer, 2.05 ms masked).
  *
- * Work splits into ranges of row panels or column panels of the batch: every
- * element of C is computed by the same sequence of operations whatever range it
- * falls in, so any split over threads gives bitwise the same C.
+ * Work splits into ranges of row panels or column panels of the batch, or a grid of
+ * tiles (keel_gemm_tiles_f32: row groups x column groups of every product): every
+ * element of C is computed by the same sequence of operations whatever range or tile
+ * it falls in, so any split over threads gives bitwise the same C.
  *
  * Plain C11 with GNU vector extensions; one broadcast per ISA through its
  * intrinsic. Without a SIMD extension the vectors are lowered to scalars.
@@ -1525,8 +1526,19 @@ int64_t keel_gemm_args_c_offset(void) { return (int64_t)offsetof(keel_gemm_args,
  * some images: the images the same thread transformed). Any division of the units
  * over calls gives the same C.
  */
+static void gemm_tile(const keel_gemm_args *g, float *work, int64_t t, int64_t i_lo,
+                      int64_t i_hi, int64_t j_lo, int64_t j_hi);
+
+/* Panels [lo_p, hi_p) of product t: row panels with split_rows, else column panels. */
 static void gemm_panels(const keel_gemm_args *g, float *work, int64_t t, int64_t split_rows,
-                        int64_t lo_p, int64_t hi_p);
+                        int64_t lo_p, int64_t hi_p)
+{
+    int64_t mp = (g->m + MR - 1) / MR, np = (g->n + NR - 1) / NR;
+    if (split_rows)
+        gemm_tile(g, work, t, lo_p, hi_p, 0, np);
+    else
+        gemm_tile(g, work, t, 0, mp, lo_p, hi_p);
+}
 
 void keel_gemm_f32(const keel_gemm_args *g, float *work, int64_t split_rows, int64_t u_lo,
                    int64_t u_hi)
@@ -1557,38 +1569,57 @@ fence:
 #endif
 }
 
-/* Panels [lo_p, hi_p) of product t: row panels with split_rows, else column panels. */
-static void gemm_panels(const keel_gemm_args *g, float *work, int64_t t, int64_t split_rows,
-                        int64_t lo_p, int64_t hi_p)
+/* Row panels [i_lo, i_hi) x column panels [j_lo, j_hi) of product t. */
+static void gemm_tile(const keel_gemm_args *g, float *work, int64_t t, int64_t i_lo,
+                      int64_t i_hi, int64_t j_lo, int64_t j_hi)
 {
-    int64_t m = g->m, n = g->n;
-    int64_t mp = (m + MR - 1) / MR, np = (n + NR - 1) / NR;
-    {
-        problem p = {m,
-                     n,
-                     g->k,
-                     FPTR(g->a) + t * g->a_bs,
-                     g->a_rs,
-                     g->a_ks,
-                     FPTR(g->b) + t * g->b_bs,
-                     g->b_rs,
-                     g->b_cs,
-                     IPTR(g->b_rows),
-                     IPTR(g->b_cols),
-                     FPTR(g->c) + t * g->c_bs,
-                     g->ldc,
-                     IPTR(g->c_cols),
-                     work};
-        epilogue e = {FPTR(g->bias),    g->bias ? g->bias_kind : 0,
-                      g->res ? FPTR(g->res) + t * g->r_bs : NULL,
-                      g->ldr,           (float)g->alpha,
-                      (float)g->lo,     (float)g->hi,
-                      g->flags};
-        if (split_rows)
-            gemm_2d(&p, &e, lo_p, hi_p, 0, np);
-        else
-            gemm_2d(&p, &e, 0, mp, lo_p, hi_p);
+    problem p = {g->m,
+                 g->n,
+                 g->k,
+                 FPTR(g->a) + t * g->a_bs,
+                 g->a_rs,
+                 g->a_ks,
+                 FPTR(g->b) + t * g->b_bs,
+                 g->b_rs,
+                 g->b_cs,
+                 IPTR(g->b_rows),
+                 IPTR(g->b_cols),
+                 FPTR(g->c) + t * g->c_bs,
+                 g->ldc,
+                 IPTR(g->c_cols),
+                 work};
+    epilogue e = {FPTR(g->bias),    g->bias ? g->bias_kind : 0,
+                  g->res ? FPTR(g->res) + t * g->r_bs : NULL,
+                  g->ldr,           (float)g->alpha,
+                  (float)g->lo,     (float)g->hi,
+                  g->flags};
+    gemm_2d(&p, &e, i_lo, i_hi, j_lo, j_hi);
+}
+
+/* C[t] = ... as keel_gemm_f32, in a grid of tiles: every product's row panels in
+ * `rows` groups and its column panels in `cols` groups (as even as whole panels
+ * allow: group q of P panels in G groups is [q * P / G, (q + 1) * P / G)), tile
+ * u of [u_lo, u_hi) being row group u % rows of column group (u / rows) % cols of
+ * product u / (rows * cols). Consecutive tiles share their column group, so a thread
+ * with several reads the same columns of B. A tile runs whole on its thread with the
+ * thread's own workspace: its A rows and B columns packed there, no buffer shared.
+ * Any grid and any division of the tiles over calls gives the same C (an element is
+ * computed by the same operations in any tile). How the grid is chosen is the cpu
+ * planner's rule (gemm_split). */
+void keel_gemm_tiles_f32(const keel_gemm_args *g, float *work, int64_t rows, int64_t cols,
+                         int64_t u_lo, int64_t u_hi)
+{
+    int64_t mp = (g->m + MR - 1) / MR, np = (g->n + NR - 1) / NR, per = rows * cols;
+    if (mp == 0 || np == 0 || rows < 1 || cols < 1 || u_lo >= u_hi) return;
+    for (int64_t u = u_lo; u < u_hi; u++) {
+        int64_t t = u / per, rg = u % per % rows, cg = u % per / rows;
+        int64_t i_lo = rg * mp / rows, i_hi = (rg + 1) * mp / rows;
+        int64_t j_lo = cg * np / cols, j_hi = (cg + 1) * np / cols;
+        if (i_lo < i_hi && j_lo < j_hi) gemm_tile(g, work, t, i_lo, i_hi, j_lo, j_hi);
     }
+#if defined(__SSE2__)
+    if (g->flags & KEEL_NT) _mm_sfence();
+#endif
 }
 
 /* ---- on keel's worker threads ------------------------------------------------------ */
@@ -1613,6 +1644,27 @@ int64_t keel_gemm_mt_f32(const keel_gemm_args *g, int64_t split_rows, int64_t un
 {
     gemm_job j = {g, split_rows};
     return run_parts(gemm_task, &j, units, parts, keel_gemm_workspace_f32());
+}
+
+typedef struct {
+    const keel_gemm_args *g;
+    int64_t rows, cols;
+} tiles_job;
+
+static void tiles_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
+{
+    const tiles_job *j = ctx;
+    keel_gemm_tiles_f32(j->g, scratch, j->rows, j->cols, lo, hi);
+}
+
+/* keel_gemm_tiles_f32 over tiles [0, units) in `parts` chunks of consecutive tiles on
+ * keel's worker threads (each with its own workspace). Returns 0, or -1 when a
+ * workspace could not be allocated. */
+int64_t keel_gemm_tiles_mt_f32(const keel_gemm_args *g, int64_t rows, int64_t cols,
+                               int64_t units, int64_t parts)
+{
+    tiles_job j = {g, rows, cols};
+    return run_parts(tiles_task, &j, units, parts, keel_gemm_workspace_f32());
 }
 
 static void band_task(void *ctx, float *scratch, int64_t lo, int64_t hi)

@@ -1,0 +1,154 @@
+"""The native GEMM split in two dimensions (gemm.c's keel_gemm_tiles_f32): every grid of
+tiles, any division of them over threads and the planner's grid on 1 to 16 threads give
+bitwise the same C, equal to NumPy's product within float32 rounding, through each of the
+kernel's paths (packed and raw operands, a batch of products, tall tiles, one row, a
+residual, accumulation)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+import pytest
+
+from keel import native
+from keel.backends.cpu import native_gemm as ng
+
+RNG = np.random.default_rng(11)
+THREADS = (1, 2, 3, 4, 8, 16)
+
+
+@pytest.fixture(autouse=True)
+def _native_tier() -> None:
+    if not ng.available():
+        pytest.skip(f"native tier unavailable: {native.status().reason}")
+
+
+def _f(*shape: int) -> np.ndarray:
+    return RNG.standard_normal(shape).astype(np.float32)
+
+
+class Case(NamedTuple):
+    call: ng.Call
+    c: np.ndarray
+    want: np.ndarray
+    a: Any                        # kept alive: a prepared call does not hold its A
+
+
+def _matmul() -> Case:
+    """A MatMul node's product: raw activations on the left, the packed weight, a bias
+    per column and a ReLU."""
+    a, b, bias = _f(100, 300), _f(300, 200), _f(200)
+    c = np.empty((100, 200), np.float32)
+    call = ng.prepare(a, ng.pack(b, left=False), c, bias=bias, clip=(0.0, np.inf))
+    return Case(call, c, np.maximum(a @ b + bias, 0), a)
+
+
+def _pointwise() -> Case:
+    """A 1x1 conv: the packed filter on the left, the raw image, a bias per row and a
+    residual (rows first: B read in place)."""
+    w, x, bias, r = _f(96, 64), _f(64, 300), _f(96), _f(96, 300)
+    c = np.empty((96, 300), np.float32)
+    wp = ng.pack(w, left=True)
+    call = ng.prepare(wp, x, c, bias=bias, bias_rows=True, residual=r)
+    return Case(call, c, w @ x + bias[:, None] + r, wp)
+
+
+def _batched() -> Case:
+    """Five products sharing the packed left operand (a conv over a batch of images)."""
+    w, x = _f(40, 72), _f(5, 72, 90)
+    c = np.empty((5, 40, 90), np.float32)
+    wp = ng.pack(w, left=True)
+    call = ng.prepare(wp, x, c)
+    return Case(call, c, w @ x, wp)
+
+
+def _tall() -> Case:
+    """16 rows against a raw B of contiguous rows: gemm.c's tall tiles (with AVX-512)."""
+    w, x = _f(16, 96), _f(96, 1000)
+    c = np.empty((16, 1000), np.float32)
+    wp = ng.pack(w, left=True)
+    assert ng.planner_rules().tall_tiles(16, 96)
+    call = ng.prepare(wp, x, c, clip=(-1.0, 1.0))
+    return Case(call, c, np.clip(w @ x, -1.0, 1.0), wp)
+
+
+def _one_row() -> Case:
+    a, b = _f(1, 900), _f(900, 700)
+    c = np.empty((1, 700), np.float32)
+    call = ng.prepare(a, ng.pack(b, left=False), c)
+    return Case(call, c, a @ b, a)
+
+
+def _accumulate() -> Case:
+    """C += A @ B over a raw A and a raw strided B (both packed block by block)."""
+    a, b = _f(70, 600), _f(130, 600).T
+    c = np.empty((70, 130), np.float32)
+    call = ng.prepare(a, b, c, accumulate=True)
+    return Case(call, c, a @ b, a)
+
+
+CASES: dict[str, Callable[[], Case]] = {
+    "matmul": _matmul, "pointwise": _pointwise, "batched": _batched, "tall": _tall,
+    "one_row": _one_row, "accumulate": _accumulate}
+
+
+def _run(call: ng.Call, c: np.ndarray, go: Callable[[], Any], start: np.ndarray) -> np.ndarray:
+    c[...] = start
+    go()
+    return c.copy()
+
+
+def _start(name: str, c: np.ndarray) -> np.ndarray:
+    """What C holds before a run: ones where the product accumulates, else NaN (every
+    element must be written)."""
+    return np.ones_like(c) if name == "accumulate" else np.full_like(c, np.nan)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_planners_grid_gives_the_same_bits_on_every_thread_count(name: str) -> None:
+    call, c, want, _keep = CASES[name]()
+    start = _start(name, c)
+    expected = want + start if name == "accumulate" else want
+    first = _run(call, c, lambda: call.run(1), start)
+    np.testing.assert_allclose(first, expected, rtol=2e-4, atol=2e-4)
+    splits = set()
+    for threads in THREADS[1:]:
+        split = call.split(threads)
+        splits.add((split.rows, split.cols))
+        assert split.parts <= threads and split.pieces == call.batch * split.rows * split.cols
+        got = _run(call, c, call.bound(threads), start)
+        np.testing.assert_array_equal(got, first, err_msg=f"{threads} threads: {split.reason}")
+        got = _run(call, c, lambda t=threads: call.run(t), start)
+        np.testing.assert_array_equal(got, first, err_msg=f"{threads} threads (run)")
+    assert len(splits) > 1                  # the grid follows the thread count
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_grid_and_division_gives_the_same_bits(name: str) -> None:
+    call, c, _, _keep = CASES[name]()
+    start = _start(name, c)
+    first = _run(call, c, lambda: call.run(1), start)
+    f = call.f
+    mp, np_ = -(-call.m // f.mr), -(-call.n // f.nr)
+    for r in sorted({1, 2, 3, mp}):
+        for cg in sorted({1, 2, 5, np_}):
+            if r > mp or cg > np_:
+                continue
+            units = call.batch * r * cg
+            for parts in sorted({1, 2, 3, units}):
+                got = _run(call, c, lambda r=r, cg=cg, units=units, parts=parts: f.tiles_mt(
+                    call.args, r, cg, units, parts), start)
+                np.testing.assert_array_equal(got, first, err_msg=f"{r}x{cg} in {parts}")
+
+
+def test_a_grid_of_more_groups_than_panels_leaves_nothing_out() -> None:
+    """Groups of no panel (more groups than panels) are empty tiles, not errors."""
+    call, c, _, _keep = _matmul()
+    start = _start("matmul", c)
+    first = _run(call, c, lambda: call.run(1), start)
+    mp, np_ = -(-call.m // call.f.mr), -(-call.n // call.f.nr)
+    units = (mp + 3) * (np_ + 2)
+    got = _run(call, c, lambda: call.f.tiles_mt(call.args, mp + 3, np_ + 2, units, 4), start)
+    np.testing.assert_array_equal(got, first)

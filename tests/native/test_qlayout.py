@@ -62,6 +62,9 @@ CONVS = [
     (np.int8, np.int8, False, 1, 6, 5, 7, 70, 1, 1, 0, 1, 1),          # C, M, pixels past tiles
     (np.uint8, np.int8, False, 3, 64, 4, 4, 32, 1, 1, 0, 1, 1),        # whole tiles
     (np.uint8, np.int8, False, 1, 600, 3, 5, 400, 1, 1, 0, 1, 1),      # large: matrix product
+    (np.uint8, np.int8, False, 2, 20, 6, 7, 8, 1, 1, 0, 1, 1),         # 8 channels: one half
+    (np.int8, np.int8, False, 1, 36, 5, 8, 16, 1, 1, 0, 1, 1),         # 16, int8 out
+    (np.uint8, np.int8, False, 2, 24, 5, 5, 48, 1, 1, 0, 1, 1),        # 32 + 16 channels
     (np.uint8, np.int8, False, 2, 96, 12, 12, 96, 3, 2, 1, 1, 96),     # depthwise, stride 2
     (np.uint8, np.int8, True, 1, 40, 7, 9, 40, 3, 1, 1, 1, 40),        # 32 channels + 8
     (np.int8, np.int8, True, 2, 5, 11, 10, 5, 5, 1, 2, 2, 5),          # 5x5, dilated

@@ -81,6 +81,30 @@ static void transpose16(const uint8_t *in, int64_t ldi, uint8_t *out, int64_t ld
 }
 #endif
 
+/* out[c][r] = in[r][c] for rows [r0, r1) and columns [c0, c1), a byte at a time. */
+static void transpose_bytes(const uint8_t *in, int64_t ldi, uint8_t *out, int64_t ldo, int64_t r0,
+                            int64_t r1, int64_t c0, int64_t c1)
+{
+    for (int64_t c = c0; c < c1; c++)
+        for (int64_t r = r0; r < r1; r++) out[c * ldo + r] = in[r * ldi + c];
+}
+
+#if defined(__SSE2__)
+/* out[c][r] = in[r][c] for rows [0, r16) and columns [0, c16) (multiples of 16), in
+ * tiles of TB columns. */
+static inline __attribute__((always_inline)) void
+transpose_blocks(const uint8_t *in, int64_t ldi, uint8_t *out, int64_t ldo, const int64_t r16,
+                 int64_t c16)
+{
+    for (int64_t c0 = 0; c0 < c16; c0 += TB)
+        for (int64_t r = 0; r < r16; r += 16)
+            for (int64_t c = c0; c < c0 + TB && c < c16; c += 16)
+                transpose16(in + r * ldi + c, ldi, out + c * ldo + r, ldo);
+}
+#endif
+
+/* A strip of up to TB rows: 16 x 16 blocks where they fit (a strip's last rows as well
+ * as whole strips), the rows and columns past them a byte at a time. */
 static void transpose_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
 {
     const transpose_job *j = ctx;
@@ -90,25 +114,16 @@ static void transpose_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
         int64_t nr = j->rows - r0 < TB ? j->rows - r0 : TB;
         const uint8_t *src = j->x + (n * j->rows + r0) * j->cols;
         uint8_t *dst = j->y + n * j->rows * j->cols + r0;
-        int64_t c0 = 0;
+        int64_t r16 = 0, c16 = 0;
 #if defined(__SSE2__)
-        if (nr == TB)
-            for (; c0 + TB <= j->cols; c0 += TB)
-                for (int64_t r = 0; r < TB; r += 16)
-                    for (int64_t c = 0; c < TB; c += 16)
-                        transpose16(src + r * j->cols + c0 + c, j->cols,
-                                    dst + (c0 + c) * j->rows + r, j->rows);
+        r16 = nr / 16 * 16, c16 = j->cols / 16 * 16;
+        if (r16 == TB)      /* the whole strip's rows: their count a constant */
+            transpose_blocks(src, j->cols, dst, j->rows, TB, c16);
+        else
+            transpose_blocks(src, j->cols, dst, j->rows, r16, c16);
 #endif
-        for (; c0 < j->cols; c0 += TB) {
-            int64_t nc = j->cols - c0 < TB ? j->cols - c0 : TB;
-            uint8_t tile[TB][TB];
-            for (int64_t r = 0; r < nr; r++)
-                memcpy(tile[r], src + r * j->cols + c0, (size_t)nc);
-            for (int64_t c = 0; c < nc; c++) {
-                uint8_t *out = dst + (c0 + c) * j->rows;
-                for (int64_t r = 0; r < nr; r++) out[r] = tile[r][c];
-            }
-        }
+        transpose_bytes(src, j->cols, dst, j->rows, 0, r16, c16, j->cols);
+        transpose_bytes(src, j->cols, dst, j->rows, r16, nr, 0, j->cols);
     }
 }
 

@@ -259,7 +259,7 @@ class _NativeCall:
     keep: tuple[Any, ...]
 
     def __call__(self, x: np.ndarray, y: np.ndarray) -> int:
-        return int(self.fn(x.ctypes.data, *self.head, y.ctypes.data, *self.tail))
+        return int(self.fn(_ptr(x), *self.head, _ptr(y), *self.tail))
 
 
 def _call(q: QuantConv, kind: str, x_cl: np.ndarray, y_cl: np.ndarray,

@@ -62,6 +62,9 @@ CONVS = [
     (np.int8, np.int8, False, 1, 6, 5, 7, 70, 1, 1, 0, 1, 1),          # C, M, pixels past tiles
     (np.uint8, np.int8, False, 3, 64, 4, 4, 32, 1, 1, 0, 1, 1),        # whole tiles
     (np.uint8, np.int8, False, 1, 600, 3, 5, 400, 1, 1, 0, 1, 1),      # large: matrix product
+    (np.uint8, np.int8, False, 2, 20, 6, 7, 8, 1, 1, 0, 1, 1),         # 8 channels: one half
+    (np.int8, np.int8, False, 1, 36, 5, 8, 16, 1, 1, 0, 1, 1),         # 16, int8 out
+    (np.uint8, np.int8, False, 2, 24, 5, 5, 48, 1, 1, 0, 1, 1),        # 32 + 16 channels
     (np.uint8, np.int8, False, 2, 96, 12, 12, 96, 3, 2, 1, 1, 96),     # depthwise, stride 2
     (np.uint8, np.int8, True, 1, 40, 7, 9, 40, 3, 1, 1, 1, 40),        # 32 channels + 8
     (np.int8, np.int8, True, 2, 5, 11, 10, 5, 5, 1, 2, 2, 5),          # 5x5, dilated
@@ -141,6 +144,37 @@ def test_depthwise_split_by_rows_or_planes(layout_path: int, case: tuple[Any, ..
         np.testing.assert_array_equal(_read(got, "nhwc"), want)
 
 
+@pytest.mark.parametrize("case", [CONVS[0], CONVS[9]], ids=["pointwise", "depthwise"])
+def test_operands_derived_once_follow_their_values(layout_path: int,
+                                                   case: tuple[Any, ...]) -> None:
+    """A node's operands are derived once and reused run after run: a run whose scales,
+    bias or batch differ from the last one's (a new value, or the same array changed in
+    place) still gets the reference's result."""
+    inputs, attrs = _inputs(case)
+    inputs[6] = np.array(0.4, np.float32)
+    kv = CPU.get(Op.QLINEAR_CONV, "int8")
+    ctx = KernelContext(np, "cpu", DeviceKind.CPU, 2,
+                        plan=NodePlan(variant="int8", layout="nhwc->nhwc", threads=2))
+    assert kv.prepack is not None
+    ctx = dataclasses.replace(ctx, prepacked=kv.prepack(
+        ctx, [a if i in (3, 4, 5) else None for i, a in enumerate(inputs)], attrs))
+    reference = REFERENCE.get(Op.QLINEAR_CONV, "default").fn
+
+    def check() -> None:
+        want = reference(KernelContext(np, "reference", DeviceKind.CPU), inputs, attrs, None)[0]
+        got = kv.fn(ctx, [_stored(inputs[0], "nhwc"), *inputs[1:]], attrs, None)[0]
+        np.testing.assert_array_equal(_read(np.asarray(got), "nhwc"), want)
+
+    check()
+    check()                                     # the same operands: reused
+    inputs[6][...] = np.float32(0.1)            # y scale changed in place
+    check()
+    inputs[8] = inputs[8] // 3                  # a new bias
+    check()
+    inputs[0] = np.concatenate([inputs[0], inputs[0][:1] // 2])   # another batch
+    check()
+
+
 def _no_layout_change(*args: Any) -> None:
     raise AssertionError("a channels-last chain node changed layouts")
 
@@ -151,7 +185,8 @@ def _geo(inputs: list[Any], attrs: dict[str, Any]) -> Any:
     return conv_geometry(inputs[0].shape, inputs[3].shape, attrs)
 
 
-@pytest.mark.parametrize("shape", [(2, 3, 5, 7), (1, 70, 33, 3), (3, 1, 1, 1)])
+@pytest.mark.parametrize("shape", [(2, 3, 5, 7), (1, 70, 33, 3), (3, 1, 1, 1), (2, 49, 7, 7),
+                                   (1, 20, 6, 6)])
 def test_layout_changes_round_trip(layout_path: int, shape: tuple[int, ...]) -> None:
     x = _q(np.uint8, *shape)
     cl = qlayout.to_nhwc(x, threads=2)

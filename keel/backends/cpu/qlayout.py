@@ -27,7 +27,7 @@ import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -44,6 +44,7 @@ __all__ = ["NCHW", "NHWC", "ChannelsLastPack", "QuantConv", "available", "channe
            "weight_kind", "without_layout"]
 
 LIBRARY = "qlayout"
+_T = TypeVar("_T")
 NCHW, NHWC = "nchw", "nhwc"
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -178,12 +179,25 @@ class ChannelsLastPack:
     panels: np.ndarray | None = None
     col_sums: np.ndarray | None = None
     taps: np.ndarray | None = None
+    taps_fit: bool = True            # every tap within int16 (the depthwise kernel's)
+    last: list[tuple[Any, Any]] = dataclasses.field(default_factory=list, repr=False)
 
     @property
     def nbytes(self) -> int:
         extra = self.pointwise.nbytes if self.pointwise is not None else 0
         return int(self.conv.nbytes + extra + sum(
             a.nbytes for a in (self.panels, self.col_sums, self.taps) if a is not None))
+
+    def operands(self, key: Any, make: Callable[[], _T]) -> _T:
+        """What ``make`` derives for ``key`` (a call's input shape and its other operands'
+        values), made once: a node calls with the same key run after run, so the last
+        key's are kept and reused while it recurs."""
+        last = self.last[0] if self.last else None
+        if last is not None and last[0] == key:
+            return cast(_T, last[1])
+        made = make()
+        self.last[:] = [(key, made)]
+        return made
 
 
 _TILE_COLUMNS = 32     # qlayout.c's NT: output channels per pointwise panel
@@ -211,7 +225,8 @@ def pack(w: np.ndarray, w_zero_point: np.ndarray, kind: str) -> ChannelsLastPack
                                 col_sums=signed.sum(axis=1, dtype=np.int64))
     if kind == "depthwise":
         taps = np.asarray(w).reshape(m, -1).astype(np.int32) - zp.astype(np.int32)[:, None]
-        return ChannelsLastPack(conv, taps=np.ascontiguousarray(taps.T))
+        return ChannelsLastPack(conv, taps=np.ascontiguousarray(taps.T),
+                                taps_fit=bool(np.abs(taps).max(initial=0) <= 32767))
     return ChannelsLastPack(conv)
 
 
@@ -227,6 +242,42 @@ class QuantConv:
     multiplier: np.ndarray          # per output channel, float64
     y_zero_point: int
     threads: int
+    # the native call for each (kernel, x shape, x dtype, y dtype), derived once
+    calls: dict[Any, _NativeCall | None] = dataclasses.field(
+        default_factory=dict, compare=False, hash=False, repr=False)
+
+
+@dataclass(frozen=True)
+class _NativeCall:
+    """A native kernel's call with every argument but x's and y's addresses derived
+    once: ``fn(x, *head, y, *tail)``, the arrays those addresses point into kept alive
+    with it."""
+
+    fn: Any
+    head: tuple[int | None, ...]
+    tail: tuple[int, ...]
+    keep: tuple[Any, ...]
+
+    def __call__(self, x: np.ndarray, y: np.ndarray) -> int:
+        return int(self.fn(_ptr(x), *self.head, _ptr(y), *self.tail))
+
+
+def _call(q: QuantConv, kind: str, x_cl: np.ndarray, y_cl: np.ndarray,
+          make: Callable[[QuantConv, np.ndarray, np.ndarray], _NativeCall | None]) -> bool:
+    """Run ``q``'s native call of ``kind`` on ``x_cl`` into ``y_cl``, made by ``make`` the
+    first time these shapes and types come; False where that kernel cannot run (no
+    call, or the kernel's -2: a geometry it does not take)."""
+    key = (kind, x_cl.shape, x_cl.dtype, y_cl.dtype)
+    if key not in q.calls:
+        q.calls[key] = make(q, x_cl, y_cl)
+    call = q.calls[key]
+    if call is None:
+        return False
+    rc = call(x_cl, y_cl)
+    if rc == -2:
+        return False
+    _check(rc)
+    return True
 
 
 def _pointwise(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> bool:
@@ -245,11 +296,15 @@ def _pointwise(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> bool:
 
 def _panel_product(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> bool:
     """``keel_qpointwise_nhwc_u8s8`` over every pixel; False where it cannot run."""
+    return _call(q, "panels", x_cl, y_cl, _panel_call)
+
+
+def _panel_call(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> _NativeCall | None:
     from keel.dtypes import DType
 
     fns, panels, sums = _load(), q.packed.panels, q.packed.col_sums
     if fns is None or panels is None or sums is None:
-        return False
+        return None
     c, m = int(x_cl.shape[-1]), int(y_cl.shape[-1])
     pixels = int(x_cl.size // max(1, c))
     signed = x_cl.dtype == np.int8
@@ -257,19 +312,18 @@ def _panel_product(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> bool:
     if q.bias is not None:
         folded = folded + q.bias.astype(np.int64)
     if np.abs(folded).max(initial=0) >= 2**31 - 2**30:
-        return False
+        return None
     mp = panels.shape[0] * _TILE_COLUMNS
     bias, mult = np.zeros(mp, np.int32), np.zeros(mp, np.float64)
     bias[:m], mult[:m] = folded, q.multiplier
     lo, hi = QUANT_RANGES[DType.from_numpy(y_cl.dtype)]
+    quant = np.array([q.y_zero_point, lo, hi], dtype=np.int64)
     tiles = -(-pixels // 12)
     count = parts(tiles, max(1, q.threads),
                   max(1, planner_rules().MIN_FLOPS_PER_THREAD // max(1, 24 * c * m)))
-    _check(fns.pointwise(_ptr(x_cl), int(signed), pixels, c, m, _ptr(panels),
-                         _ptr(bias), _ptr(mult),
-                         _ptr(np.array([q.y_zero_point, lo, hi], dtype=np.int64)),
-                         _ptr(y_cl), count))
-    return True
+    return _NativeCall(fns.pointwise, (int(signed), pixels, c, m, _ptr(panels), _ptr(bias),
+                                       _ptr(mult), _ptr(quant)), (count,),
+                       (panels, bias, mult, quant))
 
 
 # qlayout.c's depthwise channel block: 32 channels as int16 in one 512-bit register.
@@ -287,9 +341,13 @@ def _plane_bytes(geo: ConvGeometry, w: int) -> int:
 
 
 def _depthwise(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> bool:
+    return _call(q, "depthwise", x_cl, y_cl, _depthwise_call)
+
+
+def _depthwise_call(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> _NativeCall | None:
     fns, taps = _load(), q.packed.taps
-    if fns is None or taps is None or np.abs(taps).max(initial=0) > 32767:
-        return False
+    if fns is None or taps is None or not q.packed.taps_fit:
+        return None
     from keel.dtypes import DType
 
     geo = q.geo
@@ -298,6 +356,7 @@ def _depthwise(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> bool:
     geometry = np.array([n, c, h, w, oh, ow, kh, kw, *geo.strides, *geo.dilations,
                          geo.pads_begin[0], geo.pads_begin[1]], dtype=np.int64)
     lo, hi = QUANT_RANGES[DType.from_numpy(y_cl.dtype)]
+    quant = np.array([q.y_zero_point, lo, hi], dtype=np.int64)
     bias = None if q.bias is None else np.ascontiguousarray(q.bias, dtype=np.int32)
     blocks = -(-c // _LANES)
     planes = fns.isa > 0 and planner_rules().int8_depthwise_planes(
@@ -305,15 +364,10 @@ def _depthwise(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> bool:
     tasks, per_task = (n * blocks, oh * ow * _LANES) if planes else (n * oh, ow * c)
     count = parts(tasks, max(1, q.threads), max(1, planner_rules().MIN_CHUNK_TAPS
                                                 // max(1, per_task * kh * kw)))
-    rc = fns.depthwise(_ptr(x_cl), int(x_cl.dtype == np.int8), q.x_zero_point,
-                       _ptr(taps), _ptr(bias),
-                       _ptr(geometry), _ptr(q.multiplier),
-                       _ptr(np.array([q.y_zero_point, lo, hi], dtype=np.int64)),
-                       _ptr(y_cl), int(planes), count)
-    if rc == -2:
-        return False
-    _check(rc)
-    return True
+    mult = q.multiplier
+    return _NativeCall(fns.depthwise, (int(x_cl.dtype == np.int8), q.x_zero_point, _ptr(taps),
+                                       _ptr(bias), _ptr(geometry), _ptr(mult), _ptr(quant)),
+                       (int(planes), count), (taps, bias, geometry, mult, quant))
 
 
 _CHANNELS_LAST: dict[str, Callable[[QuantConv, np.ndarray, np.ndarray], bool]] = {

@@ -104,21 +104,39 @@ def qlinear_conv(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> 
         return _conv_nchw(ctx, inputs, attrs, out)
     x, x_s, x_zp, w, w_s, w_zp, y_s, y_zp = inputs[:8]
     bias = optional_input(inputs, 8)
-    geo = conv_geometry(x.shape, w.shape, attrs)
-    m = int(w.shape[0])
-    y = _out(out, (x.shape[0], m, *geo.out_spatial), y_zp.dtype)
     q = None
     if _served(x, x_s, x_zp, w, w_s, w_zp, y_s, y_zp, bias):
         packed = ctx.prepacked
         if not isinstance(packed, qlayout.ChannelsLastPack):
             packed = qlayout.pack(w, w_zp, _conv_kind(w.shape, attrs))
-        q = qlayout.QuantConv(int(x_zp.reshape(())), packed, geo, bias, np.ascontiguousarray(
-            np.broadcast_to(_multiplier(x_s.reshape(()), w_s.reshape(-1), y_s.reshape(())),
-                            (m,)), dtype=np.float64), int(y_zp.reshape(())), _threads(ctx))
-    plain = dataclasses.replace(ctx, plan=qlayout.without_layout(ctx.plan))
-    qlayout.conv(src, dst, qlayout.conv_kind(geo, w.shape), x, q, y,
-                 lambda xn, yn: _conv_nchw(plain, [xn, *inputs[1:]], attrs, [yn])[0])
+        threads = _threads(ctx)
+        # a node's operands are the same values run after run: derived once
+        key = (x.shape, x.dtype, y_zp.dtype, threads, *(
+            a.tobytes() for a in (x_s, x_zp, w_s, y_s, y_zp, bias) if a is not None))
+        q = packed.operands(key, lambda: _quant_conv(packed, x, x_s, x_zp, w, w_s, y_s, y_zp,
+                                                     bias, attrs, threads))
+        geo = q.geo
+    else:
+        geo = conv_geometry(x.shape, w.shape, attrs)
+    y = _out(out, (x.shape[0], int(w.shape[0]), *geo.out_spatial), y_zp.dtype)
+
+    def nchw(xn: np.ndarray, yn: np.ndarray) -> np.ndarray:
+        plain = dataclasses.replace(ctx, plan=qlayout.without_layout(ctx.plan))
+        return np.asarray(_conv_nchw(plain, [xn, *inputs[1:]], attrs, [yn])[0])
+
+    qlayout.conv(src, dst, qlayout.conv_kind(geo, w.shape), x, q, y, nchw)
     return _deliver(y, out)
+
+
+def _quant_conv(packed: qlayout.ChannelsLastPack, x: Any, x_s: Any, x_zp: Any, w: Any,
+                w_s: Any, y_s: Any, y_zp: Any, bias: Any, attrs: Attrs,
+                threads: int) -> qlayout.QuantConv:
+    m = int(w.shape[0])
+    return qlayout.QuantConv(
+        int(x_zp.reshape(())), packed, conv_geometry(x.shape, w.shape, attrs), bias,
+        np.ascontiguousarray(np.broadcast_to(_multiplier(
+            x_s.reshape(()), w_s.reshape(-1), y_s.reshape(())), (m,)), dtype=np.float64),
+        int(y_zp.reshape(())), threads)
 
 
 def _served(x: Any, x_s: Any, x_zp: Any, w: Any, w_s: Any, w_zp: Any, y_s: Any, y_zp: Any,

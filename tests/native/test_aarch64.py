@@ -406,7 +406,6 @@ class _Int8Calls:
         self.calls: list[tuple[str, int]] = []          # (symbol, index of its result)
         for name, symbol in (("matmul", "keel_qmatmul_u8s8"), ("conv", "keel_qconv2d_u8s8"),
                              ("direct", "keel_qconv2d_direct_u8s8"),
-                             ("compact", "keel_qconv2d_compact_u8s8"),
                              ("depthwise", "keel_qdepthwise_u8s8"), ("add", "keel_qadd_u8")):
             setattr(self, name, self._caller(symbol))
         # The channel-lanes depthwise kernel is AVX-512 only: elsewhere it declines (-2),
@@ -477,11 +476,14 @@ INT8_CONVS = [(np.uint8, True, 2, 5, 9, 11, 7, 3, 2, 1, 1),
               (np.int8, False, 1, 8, 10, 12, 9, 3, 1, 1, 1),
               (np.uint8, False, 1, 5, 11, 10, 6, 3, 2, 1, 1),
               (np.uint8, False, 2, 6, 11, 13, 6, 3, 1, 1, 6),
-              (np.uint8, False, 3, 4, 5, 6, 64, 3, 1, 1, 1)]
+              (np.uint8, False, 3, 4, 5, 6, 64, 3, 1, 1, 1),
+              (np.uint8, False, 3, 5, 5, 8, 9, 3, 1, 1, 1),
+              (np.int8, False, 2, 4, 9, 14, 6, 3, 2, 1, 1)]
 
 
 @pytest.mark.parametrize("case", INT8_CONVS,
-                         ids=["im2col", "direct", "direct-strided", "depthwise", "compact"])
+                         ids=["im2col", "direct", "direct-strided", "depthwise", "compact",
+                              "rows-of-8", "rows-of-7-strided"])
 def test_int8_convolutions_match_the_reference(int8_on_arm: _Int8Calls,
                                                case: tuple[Any, ...]) -> None:
     xdt, wzero, n, c, h, w, m, k, s, p, g = case

@@ -43,6 +43,7 @@ ISA_NAMES = {2: "avx512-vnni", 1: "avx-vnni", 0: "portable"}
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _KINDS = {DType.UINT8: 0, DType.INT8: 1, DType.FLOAT32: 2}
+_COLUMNS = {"padded": 0, "compact": 1, "rows": 2}      # qgemm.c's COLUMNS_*
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,6 @@ class _Functions:
     matmul: Any
     conv: Any
     direct: Any
-    compact: Any
     depthwise: Any
     depthwise_lanes: Any
     add: Any
@@ -75,10 +75,8 @@ def _bind(lib: native.NativeLibrary) -> _Functions:
         matmul=f("keel_qmatmul_u8s8", [_P, _P, _I, _I, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I],
                  _I),
         conv=f("keel_qconv2d_u8s8", [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P, _I], _I),
-        direct=f("keel_qconv2d_direct_u8s8", [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _I, _I],
-                 _I),
-        compact=f("keel_qconv2d_compact_u8s8", [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _I, _I],
-                  _I),
+        direct=f("keel_qconv2d_direct_u8s8",
+                 [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I], _I),
         depthwise=f("keel_qdepthwise_u8s8", [_P, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I], _I),
         depthwise_lanes=f("keel_qdepthwise_cl_u8s8", [_P, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I],
                           _I),
@@ -282,9 +280,9 @@ def conv2d(x: np.ndarray, x_zero_point: int, packed: PackedConv, geo: ConvGeomet
         c4 = packed.direct.shape[1] // (kh * kw)
         p_bias, p_geometry, p_mult, p_quant = consts.pointers
         rules = planner_rules()
-        kernel = fns.compact if rules.int8_compact_columns(ow, m) else fns.direct
-        rc = kernel(_ptr(xc), shift, xz & 0xFF, _ptr(packed.direct), c4, p_geometry, p_bias,
-                    p_mult, p_quant, _ptr(y), rules.INT8_DIRECT_CHUNK_POSITIONS, count)
+        rc = fns.direct(_ptr(xc), shift, xz & 0xFF, _ptr(packed.direct), c4, p_geometry, p_bias,
+                        p_mult, p_quant, _ptr(y), rules.INT8_DIRECT_CHUNK_POSITIONS, count,
+                        _COLUMNS[rules.int8_conv_columns(ow, m)])
         if rc != -2:
             _check(rc)
             return

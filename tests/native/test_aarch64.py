@@ -452,7 +452,9 @@ def int8_on_arm(arm: Arm, monkeypatch: pytest.MonkeyPatch) -> Iterator[_Int8Call
     monkeypatch.setattr(native_qgemm, "_load", lambda: calls)
     monkeypatch.setattr(native_qgemm, "_ptr", lambda a: a)
     native_qgemm._bind.cache_clear()
+    native_qgemm._add_constants.cache_clear()      # it holds addresses made by _ptr
     yield calls
+    native_qgemm._add_constants.cache_clear()
 
 
 def _int8(op: Op, inputs: list[Any], attrs: dict[str, Any], threads: int = 2) -> np.ndarray:

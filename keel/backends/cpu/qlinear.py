@@ -14,6 +14,7 @@ the NumPy form of the same arithmetic (and what runs with ``KEEL_NATIVE=off``).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -260,7 +261,7 @@ def _add_served(a: Any, a_s: Any, a_zp: Any, b: Any, b_s: Any, b_zp: Any, y_s: A
     return (native_qgemm.available() and a.shape == b.shape
             and _eight_bit(a, b, a_zp, b_zp, y_zp) and a_zp.dtype == a.dtype
             and b_zp.dtype == b.dtype and all(_scalar(p) for p in (*scales, a_zp, b_zp, y_zp))
-            and all(s.dtype == np.float32 and np.isfinite(s).all() and (s > 0).all()
+            and all(s.dtype == np.float32 and 0 < float(s.reshape(())) < math.inf
                     for s in scales))
 
 

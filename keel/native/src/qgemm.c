@@ -693,15 +693,22 @@ static void build_quads(const qdirect_job *j, int64_t n0, int64_t count, uint8_t
                     int64_t i = 0;
 #if QISA == 2
                     if (sw == 2) {
-                        /* 16 at a time: every other quad of 32, picked by one permutation */
+                        /* 16 at a time: every other quad of 32, picked by one permutation;
+                         * the last ones by masked loads (inside the line's 2 ws quads) and a
+                         * masked store */
                         const __m512i pick = _mm512_add_epi32(
                             _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
                                               28, 30), _mm512_set1_epi32((int)rx));
-                        for (; i + 16 <= j->ws && rx + 2 * i + 32 <= 2 * j->ws; i += 16) {
-                            __m512i a = _mm512_loadu_si512((const void *)(line + 2 * i));
-                            __m512i b = _mm512_loadu_si512((const void *)(line + 2 * i + 16));
-                            _mm512_storeu_si512((void *)(dst + i),
-                                                _mm512_permutex2var_epi32(a, pick, b));
+                        for (; i < j->ws; i += 16) {
+                            int64_t n = j->ws - i < 16 ? j->ws - i : 16, left = 2 * (j->ws - i);
+                            __mmask16 ka = left >= 16 ? (__mmask16)0xFFFF
+                                                      : (__mmask16)((1u << left) - 1);
+                            __mmask16 kb = left >= 32 ? (__mmask16)0xFFFF : left > 16
+                                           ? (__mmask16)((1u << (left - 16)) - 1) : 0;
+                            __m512i a = _mm512_maskz_loadu_epi32(ka, line + 2 * i);
+                            __m512i b = _mm512_maskz_loadu_epi32(kb, line + 2 * i + 16);
+                            _mm512_mask_storeu_epi32(dst + i, (__mmask16)((1u << n) - 1),
+                                                     _mm512_permutex2var_epi32(a, pick, b));
                         }
                     }
 #endif

@@ -134,11 +134,11 @@ CONVS = [
     # compact columns (small maps, 64 channels or more): output pixels only
     (np.uint8, np.int8, False, 4, 8, 7, 7, 70, 3, 1, 1, 1, 1),
     (np.int8, np.int8, False, 3, 12, 9, 9, 64, 3, 2, 1, 1, 1),
-    # row segments (output rows of 16, 8 or 7 pixels): one output row per 16 or 8 columns
+    # row segments (output rows of 16 or 8 pixels): one output row per 16 or 8 columns
     (np.uint8, np.int8, False, 3, 10, 8, 8, 20, 3, 1, 1, 1, 1),
     (np.int8, np.int8, False, 2, 6, 9, 32, 8, 3, 2, 1, 1, 1),
     (np.uint8, np.int8, False, 3, 7, 5, 16, 13, 3, 1, 1, 1, 1),
-    (np.uint8, np.int8, False, 2, 9, 7, 7, 66, 3, 1, 1, 1, 1),
+    (np.uint8, np.int8, False, 2, 9, 8, 8, 66, 3, 1, 1, 1, 1),
 ]
 
 

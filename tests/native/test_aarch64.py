@@ -406,7 +406,6 @@ class _Int8Calls:
         self.calls: list[tuple[str, int]] = []          # (symbol, index of its result)
         for name, symbol in (("matmul", "keel_qmatmul_u8s8"), ("conv", "keel_qconv2d_u8s8"),
                              ("direct", "keel_qconv2d_direct_u8s8"),
-                             ("compact", "keel_qconv2d_compact_u8s8"),
                              ("depthwise", "keel_qdepthwise_u8s8"), ("add", "keel_qadd_u8")):
             setattr(self, name, self._caller(symbol))
         # The channel-lanes depthwise kernel is AVX-512 only: elsewhere it declines (-2),
@@ -453,7 +452,9 @@ def int8_on_arm(arm: Arm, monkeypatch: pytest.MonkeyPatch) -> Iterator[_Int8Call
     monkeypatch.setattr(native_qgemm, "_load", lambda: calls)
     monkeypatch.setattr(native_qgemm, "_ptr", lambda a: a)
     native_qgemm._bind.cache_clear()
+    native_qgemm._add_arguments.cache_clear()      # it holds addresses made by _ptr
     yield calls
+    native_qgemm._add_arguments.cache_clear()
 
 
 def _int8(op: Op, inputs: list[Any], attrs: dict[str, Any], threads: int = 2) -> np.ndarray:
@@ -472,16 +473,20 @@ def _q8(rng: np.random.Generator, dtype: Any, *shape: int) -> np.ndarray:
 
 
 # (x dtype, weight zero points, N, C, H, W, M, k, stride, pad, group): im2col panels,
-# the direct layout (stride 1, and stride 2 through its phases), depthwise
+# the direct layout (stride 1, and stride 2 through its phases), depthwise, compact columns,
+# row segments
 INT8_CONVS = [(np.uint8, True, 2, 5, 9, 11, 7, 3, 2, 1, 1),
               (np.int8, False, 1, 8, 10, 12, 9, 3, 1, 1, 1),
               (np.uint8, False, 1, 5, 11, 10, 6, 3, 2, 1, 1),
               (np.uint8, False, 2, 6, 11, 13, 6, 3, 1, 1, 6),
-              (np.uint8, False, 3, 4, 5, 6, 64, 3, 1, 1, 1)]
+              (np.uint8, False, 3, 4, 5, 6, 64, 3, 1, 1, 1),
+              (np.uint8, False, 3, 5, 5, 8, 9, 3, 1, 1, 1),
+              (np.int8, False, 2, 4, 9, 16, 6, 3, 2, 1, 1)]
 
 
 @pytest.mark.parametrize("case", INT8_CONVS,
-                         ids=["im2col", "direct", "direct-strided", "depthwise", "compact"])
+                         ids=["im2col", "direct", "direct-strided", "depthwise", "compact",
+                              "rows-of-8", "rows-of-8-strided"])
 def test_int8_convolutions_match_the_reference(int8_on_arm: _Int8Calls,
                                                case: tuple[Any, ...]) -> None:
     xdt, wzero, n, c, h, w, m, k, s, p, g = case

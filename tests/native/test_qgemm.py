@@ -134,6 +134,11 @@ CONVS = [
     # compact columns (small maps, 64 channels or more): output pixels only
     (np.uint8, np.int8, False, 4, 8, 7, 7, 70, 3, 1, 1, 1, 1),
     (np.int8, np.int8, False, 3, 12, 9, 9, 64, 3, 2, 1, 1, 1),
+    # row segments (output rows of 16 or 8 pixels): one output row per 16 or 8 columns
+    (np.uint8, np.int8, False, 3, 10, 8, 8, 20, 3, 1, 1, 1, 1),
+    (np.int8, np.int8, False, 2, 6, 9, 32, 8, 3, 2, 1, 1, 1),
+    (np.uint8, np.int8, False, 3, 7, 5, 16, 13, 3, 1, 1, 1, 1),
+    (np.uint8, np.int8, False, 2, 9, 8, 8, 66, 3, 1, 1, 1, 1),
 ]
 
 
@@ -156,24 +161,28 @@ def test_qlinear_conv_matches_the_reference(path: str, case: tuple[Any, ...]) ->
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("compact", [False, True], ids=["padded", "compact"])
+@pytest.mark.parametrize("columns", ["padded", "compact", "rows"])
 @pytest.mark.parametrize("chunk_positions", [1, 60, 200])
 @pytest.mark.parametrize("case", [(np.uint8, np.int8, False, 5, 8, 6, 7, 14, 3, 1, 1, 1, 1),
                                   (np.int8, np.int8, False, 5, 5, 9, 8, 7, 3, 2, 1, 1, 1),
-                                  (np.uint8, np.int8, False, 3, 4, 5, 21, 9, 3, 1, 1, 1, 1)],
-                         ids=["stride-1", "stride-2", "rows-past-16"])
+                                  (np.uint8, np.int8, False, 3, 4, 5, 21, 9, 3, 1, 1, 1, 1),
+                                  (np.uint8, np.int8, False, 5, 6, 3, 16, 11, 3, 1, 1, 1, 1),
+                                  (np.int8, np.int8, False, 5, 5, 11, 13, 7, 3, 2, 1, 1, 1)],
+                         ids=["stride-1", "stride-2", "rows-past-16", "rows-of-16",
+                              "stride-2-rows-of-7"])
 def test_direct_convolution_in_chunks_of_images(path: str, monkeypatch: pytest.MonkeyPatch,
-                                                chunk_positions: int, compact: bool,
+                                                chunk_positions: int, columns: str,
                                                 case: tuple[Any, ...]) -> None:
     """Images stacked a few at a time (one each, two or three with a partial last chunk,
-    all five): blocks that span images, chunks split between threads; the columns either
-    every padded position or output pixels only (compact)."""
+    all five): blocks that span images, chunks split between threads (the same bits on
+    1, 2 and 3); the columns every padded position, output pixels only (compact), or one
+    output row per 16 or 8 (rows; output rows past 16 pixels decline to im2col)."""
     monkeypatch.setattr(cpu_planner, "INT8_DIRECT_CHUNK_POSITIONS", chunk_positions)
-    monkeypatch.setattr(cpu_planner, "int8_compact_columns", lambda width, channels: compact)
+    monkeypatch.setattr(cpu_planner, "int8_conv_columns", lambda width, channels: columns)
     monkeypatch.setattr(cpu_planner, "MIN_FLOPS_PER_THREAD", 1)
     inputs, attrs = _conv_inputs(case)
     want = _reference(Op.QLINEAR_CONV, inputs, attrs)
-    for threads, prepack in ((1, False), (2, True)):
+    for threads, prepack in ((1, False), (2, True), (3, False)):
         got = _run(CPU, Op.QLINEAR_CONV, inputs, attrs, "int8", threads, prepack)
         np.testing.assert_array_equal(got, want)
 

@@ -43,6 +43,7 @@ ISA_NAMES = {2: "avx512-vnni", 1: "avx-vnni", 0: "portable"}
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _KINDS = {DType.UINT8: 0, DType.INT8: 1, DType.FLOAT32: 2}
+_COLUMNS = {"padded": 0, "compact": 1, "rows": 2}      # qgemm.c's COLUMNS_*
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,6 @@ class _Functions:
     matmul: Any
     conv: Any
     direct: Any
-    compact: Any
     depthwise: Any
     depthwise_lanes: Any
     add: Any
@@ -75,10 +75,8 @@ def _bind(lib: native.NativeLibrary) -> _Functions:
         matmul=f("keel_qmatmul_u8s8", [_P, _P, _I, _I, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I],
                  _I),
         conv=f("keel_qconv2d_u8s8", [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P, _I], _I),
-        direct=f("keel_qconv2d_direct_u8s8", [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _I, _I],
-                 _I),
-        compact=f("keel_qconv2d_compact_u8s8", [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _I, _I],
-                  _I),
+        direct=f("keel_qconv2d_direct_u8s8",
+                 [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I], _I),
         depthwise=f("keel_qdepthwise_u8s8", [_P, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I], _I),
         depthwise_lanes=f("keel_qdepthwise_cl_u8s8", [_P, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I],
                           _I),
@@ -282,9 +280,9 @@ def conv2d(x: np.ndarray, x_zero_point: int, packed: PackedConv, geo: ConvGeomet
         c4 = packed.direct.shape[1] // (kh * kw)
         p_bias, p_geometry, p_mult, p_quant = consts.pointers
         rules = planner_rules()
-        kernel = fns.compact if rules.int8_compact_columns(ow, m) else fns.direct
-        rc = kernel(_ptr(xc), shift, xz & 0xFF, _ptr(packed.direct), c4, p_geometry, p_bias,
-                    p_mult, p_quant, _ptr(y), rules.INT8_DIRECT_CHUNK_POSITIONS, count)
+        rc = fns.direct(_ptr(xc), shift, xz & 0xFF, _ptr(packed.direct), c4, p_geometry, p_bias,
+                        p_mult, p_quant, _ptr(y), rules.INT8_DIRECT_CHUNK_POSITIONS, count,
+                        _COLUMNS[rules.int8_conv_columns(ow, m)])
         if rc != -2:
             _check(rc)
             return
@@ -364,15 +362,34 @@ def qlinear_add(a: np.ndarray, b: np.ndarray, constants: tuple[float, float, flo
     """``y`` = onnxruntime's QLinearAdd of same-shaped contiguous 8-bit ``a`` and ``b``:
     ``constants`` the finite float32 ra, rb and c of the reference's
     ``qlinear_add_constants``; a fused ReLU clamps at ``y_zero_point``."""
-    fns = _functions()
-    lo, hi = QUANT_RANGES[DType.from_numpy(y.dtype)]
-    if relu:
-        lo = max(lo, y_zero_point)
     flags = int(a.dtype == np.int8) | int(b.dtype == np.int8) << 1 | int(y.dtype == np.int8) << 2
-    count = parts(a.size, max(1, threads), planner_rules().QADD_MIN_ELEMENTS_PER_THREAD)
-    rc = fns.add(_ptr(a), _ptr(b), a.size, _ptr(np.asarray(constants, dtype=np.float32)),
-                 _ptr(np.array([lo, hi], dtype=np.int64)), flags, _ptr(y), count)
+    args = _add_arguments(constants, y_zero_point, relu, y.dtype.char, a.size, threads)
+    rc = _functions().add(_ptr(a), _ptr(b), a.size, args.constants, args.bounds, flags,
+                          _ptr(y), args.count)
     _check(rc)
+
+
+@dataclass(frozen=True)
+class _AddArguments:
+    """What qlinear_add passes besides the operands: the addresses of its constants and
+    bounds (the arrays kept alive here) and the parts for the threads."""
+
+    arrays: tuple[np.ndarray, np.ndarray]
+    constants: Any
+    bounds: Any
+    count: int
+
+
+@functools.lru_cache(maxsize=64)
+def _add_arguments(constants: tuple[float, float, float], y_zero_point: int, relu: bool,
+                   y_type: str, size: int, threads: int) -> _AddArguments:
+    """qlinear_add's constant arguments, made once per set of them (a residual join runs
+    with the same ones every time; making them took a third of a small join's call)."""
+    lo, hi = QUANT_RANGES[DType.from_numpy(np.dtype(y_type))]
+    c = np.asarray(constants, dtype=np.float32)
+    b = np.array([max(lo, y_zero_point) if relu else lo, hi], dtype=np.int64)
+    count = parts(size, max(1, threads), planner_rules().QADD_MIN_ELEMENTS_PER_THREAD)
+    return _AddArguments((c, b), _ptr(c), _ptr(b), count)
 
 
 # ---- QuantizeLinear --------------------------------------------------------------------------

@@ -323,6 +323,39 @@ def int8_compact_columns(out_width: int, out_channels: int) -> bool:
     return out_width <= INT8_COMPACT_MAX_WIDTH and out_channels >= INT8_COMPACT_MIN_CHANNELS
 
 
+# The int8 direct convolution's columns are "row segments" (qgemm.c: one output row per 16
+# columns, or per 8 where rows are at most 8 pixels wide, each read in place from the padded
+# layout, no copy) where its output rows are this many pixels wide: they fill their segments,
+# where the padded layout computes a padding column per row and a padding row per image, and
+# compact columns copy every block. Row segments / padded (and compact / padded) time, the
+# kernel alone, batch 32, one thread, same process, alternating, medians (measured under
+# load, load average 3-4): 3x3 32->32 16x16 0.87-0.88 (compact 1.07-1.15); 64->64 8x8
+# 0.80-0.82 (0.92-0.96); 128->128 8x8 0.82 (0.84); 64->64 16x16 0.92 (1.01); stride 2
+# 16->32 out 16x16 0.81-0.89 (0.78-0.93), 32->64 out 8x8 0.97 (1.01); 1x1 stride 2 16->32
+# out 16x16 0.86, 32->64 out 8x8 0.90. The whole of ResNet-20 (all its maps 16 or 8 wide
+# after the first stage), CPU time per run against the rule before, one process,
+# alternating: 0.94. Not on 14 or 12 pixels (1.00-1.02 against padded: 2 or 4 of each 16
+# columns dropped, as many as padded drops), nor on 7: 0.88 of padded on 64->64 7x7, but
+# ResNet-18 (whose 7x7 layers, 256-512 channels, ran compact) took 1.027 of its time with
+# them on row segments.
+INT8_ROW_WIDTHS = frozenset({8, 16})
+
+
+def int8_row_columns(out_width: int, out_channels: int) -> bool:
+    """Whether the int8 direct convolution's columns are row segments (one output row per
+    16 or 8 columns, read in place)."""
+    return out_width in INT8_ROW_WIDTHS
+
+
+def int8_conv_columns(out_width: int, out_channels: int) -> str:
+    """Which columns the int8 direct convolution computes: ``rows`` (row segments),
+    ``compact`` (output pixels only, copied per block) or ``padded`` (every position of
+    the padded layout)."""
+    if int8_row_columns(out_width, out_channels):
+        return "rows"
+    return "compact" if int8_compact_columns(out_width, out_channels) else "padded"
+
+
 # ---- int8 layouts over the whole graph -----------------------------------------------------
 # MobileNetV2's int8 depthwise layers and 1x1 convolutions ran 2-4x onnxruntime's time in
 # NCHW (per-node profiles at batch 32, one thread: a 56x56 stride-2 depthwise layer 26 ms

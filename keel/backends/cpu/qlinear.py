@@ -14,6 +14,8 @@ the NumPy form of the same arithmetic (and what runs with ``KEEL_NATIVE=off``).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -272,15 +274,21 @@ TABLE.kernel(Op.QGEMM, variant="int8", dtypes=("uint8", "int8"), supports_out=Tr
 
 
 # ---- QLinearAdd ------------------------------------------------------------------------------
-def _add_constants(a: Any, a_s: Any, a_zp: Any, b: Any, b_s: Any, b_zp: Any, y_s: Any,
-                   y_zp: Any) -> tuple[float, float, float] | None:
-    """QLinearAdd's constants where the native pass serves the node, else None (NumPy)."""
-    if not (native_qgemm.available() and a.shape == b.shape
+def _add_served(a: Any, a_s: Any, a_zp: Any, b: Any, b_s: Any, b_zp: Any, y_s: Any,
+                y_zp: Any) -> bool:
+    scales = (a_s, b_s, y_s)
+    return (native_qgemm.available() and a.shape == b.shape
             and _eight_bit(a, b, a_zp, b_zp, y_zp) and a_zp.dtype == a.dtype
-            and b_zp.dtype == b.dtype
-            and all(_scalar(p) for p in (a_s, b_s, y_s, a_zp, b_zp, y_zp))
-            and all(s.dtype == np.float32 for s in (a_s, b_s, y_s))):
-        return None
+            and b_zp.dtype == b.dtype and all(_scalar(p) for p in (*scales, a_zp, b_zp, y_zp))
+            and all(s.dtype == np.float32 and 0 < float(s.reshape(())) < math.inf
+                    for s in scales))
+
+
+@functools.lru_cache(maxsize=64)
+def _add_constants(a_s: float, b_s: float, y_s: float, a_zp: int, b_zp: int,
+                   y_zp: int) -> tuple[float, float, float] | None:
+    """QLinearAdd's float32 constants for the native pass (None where one is not finite:
+    the NumPy kernel then), made once per set of parameters."""
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         constants = qlinear_add_constants(a_s, b_s, y_s, a_zp, b_zp, y_zp)
     if not all(np.isfinite(constants)):
@@ -302,8 +310,10 @@ def qlinear_add(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> l
         qlayout.to_nchw(qlayout.channels_last(cl), _threads(ctx), y)
         return _deliver(y, out)
     a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp = inputs
-    constants = _add_constants(a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp)
-    if constants is None:
+    served = _add_served(a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp)
+    constants = served and _add_constants(*(float(s.reshape(())) for s in (a_s, b_s, y_s)),
+                                          *(int(z.reshape(())) for z in (a_zp, b_zp, y_zp)))
+    if not constants:
         return list(quantization.qlinear_add(ctx, inputs, attrs, out))
     y = _out(out, a.shape, y_zp.dtype)
     native_qgemm.qlinear_add(np.ascontiguousarray(a), np.ascontiguousarray(b), constants,

@@ -74,18 +74,12 @@ static inline int32_t quad(const uint8_t *p)
     return v;
 }
 
-/* acc[MR][NB] = R[rows][4 k4] . panel: rows [0, mr) (rows past `mr` repeat the last one
- * or are left as they were). r_u8: R holds the unsigned operand (a matmul's
- * activations), else V does (a convolution's). */
-static inline void tile(const uint8_t *r, int64_t ldr, int64_t mr, const uint8_t *v,
-                        const int64_t *offsets, int64_t k4, int32_t *acc, int r_u8)
-{
-    const uint8_t *row[MR];
-    for (int i = 0; i < MR; i++) row[i] = r + (i < mr ? i : mr - 1) * ldr;
 #if QISA == 2
-    /* 24 accumulators as named variables: an array of them is kept on the stack. A tile
-     * of at most 2 or 4 rows (the last of an M that 6 does not divide) runs with 8 or 16
-     * of them and leaves acc's other rows as they were. */
+/* The AVX-512 tile's pieces, shared by tile() and tile_rows(): 24 accumulators as named
+ * variables (an array of them is kept on the stack); a tile of at most 2 or 4 rows (the
+ * last of an M that 6 does not divide) runs with 8 or 16 of them and leaves acc's other
+ * rows as they were. TILE_LOADS (defined by each user) declares b0..b3, the quad's 64
+ * columns, from vq. */
 #define ZERO4(i) __m512i c##i##0 = _mm512_setzero_si512(), c##i##1 = c##i##0, \
                  c##i##2 = c##i##0, c##i##3 = c##i##0
 #define DOT4(i) do { \
@@ -111,29 +105,42 @@ static inline void tile(const uint8_t *r, int64_t ldr, int64_t mr, const uint8_t
 #define QUADS(body) \
     for (int64_t q = 0; q < k4; q++) { \
         const uint8_t *vq = v + (offsets ? offsets[q] : q * NB * 4); \
-        __m512i b0 = _mm512_loadu_si512((const void *)vq); \
-        __m512i b1 = _mm512_loadu_si512((const void *)(vq + 64)); \
-        __m512i b2 = _mm512_loadu_si512((const void *)(vq + 128)); \
-        __m512i b3 = _mm512_loadu_si512((const void *)(vq + 192)); \
+        TILE_LOADS \
         body \
     }
-    if (mr <= 2) {
-        ZERO4(0); ZERO4(1);
-        QUADS(DOT4(0); DOT4(1);)
-        STORE4(0); STORE4(1);
-    } else if (mr <= 4) {
-        ZERO4(0); ZERO4(1); ZERO4(2); ZERO4(3);
-        QUADS(DOT4(0); DOT4(1); DOT4(2); DOT4(3);)
-        STORE4(0); STORE4(1); STORE4(2); STORE4(3);
-    } else {
-        ZERO4(0); ZERO4(1); ZERO4(2); ZERO4(3); ZERO4(4); ZERO4(5);
-        QUADS(DOT4(0); DOT4(1); DOT4(2); DOT4(3); DOT4(4); DOT4(5);)
-        STORE4(0); STORE4(1); STORE4(2); STORE4(3); STORE4(4); STORE4(5);
-    }
-#undef ZERO4
-#undef DOT4
-#undef STORE4
-#undef QUADS
+#define TILE_ROWS() do { \
+        if (mr <= 2) { \
+            ZERO4(0); ZERO4(1); \
+            QUADS(DOT4(0); DOT4(1);) \
+            STORE4(0); STORE4(1); \
+        } else if (mr <= 4) { \
+            ZERO4(0); ZERO4(1); ZERO4(2); ZERO4(3); \
+            QUADS(DOT4(0); DOT4(1); DOT4(2); DOT4(3);) \
+            STORE4(0); STORE4(1); STORE4(2); STORE4(3); \
+        } else { \
+            ZERO4(0); ZERO4(1); ZERO4(2); ZERO4(3); ZERO4(4); ZERO4(5); \
+            QUADS(DOT4(0); DOT4(1); DOT4(2); DOT4(3); DOT4(4); DOT4(5);) \
+            STORE4(0); STORE4(1); STORE4(2); STORE4(3); STORE4(4); STORE4(5); \
+        } \
+    } while (0)
+#define TILE_LOADS \
+    __m512i b0 = _mm512_loadu_si512((const void *)vq); \
+    __m512i b1 = _mm512_loadu_si512((const void *)(vq + 64)); \
+    __m512i b2 = _mm512_loadu_si512((const void *)(vq + 128)); \
+    __m512i b3 = _mm512_loadu_si512((const void *)(vq + 192));
+#endif
+
+/* acc[MR][NB] = R[rows][4 k4] . panel: rows [0, mr) (rows past `mr` repeat the last one
+ * or are left as they were). r_u8: R holds the unsigned operand (a matmul's
+ * activations), else V does (a convolution's). */
+static inline void tile(const uint8_t *r, int64_t ldr, int64_t mr, const uint8_t *v,
+                        const int64_t *offsets, int64_t k4, int32_t *acc, int r_u8)
+{
+    const uint8_t *row[MR];
+    for (int i = 0; i < MR; i++) row[i] = r + (i < mr ? i : mr - 1) * ldr;
+#if QISA == 2
+    TILE_ROWS();
+#undef TILE_LOADS
 #elif QISA == 1
     for (int h = 0; h < 4; h++) {
 #define ZERO2(i) __m256i c##i##0 = _mm256_setzero_si256(), c##i##1 = c##i##0
@@ -181,6 +188,45 @@ static inline void tile(const uint8_t *r, int64_t ldr, int64_t mr, const uint8_t
     }
 #endif
 }
+
+#if QISA == 2
+/* tile() for a convolution whose 64 columns are `nseg` runs of 64 / nseg consecutive
+ * positions of the padded layout (one output row each: see "row segments" below): run s
+ * starts seg[s] bytes past the quad's own offset. Four runs are whole vector loads, eight
+ * are pairs of half loads. */
+#define TILE_LOADS \
+    __m512i b0 = _mm512_loadu_si512((const void *)(vq + seg[0])); \
+    __m512i b1 = _mm512_loadu_si512((const void *)(vq + seg[1])); \
+    __m512i b2 = _mm512_loadu_si512((const void *)(vq + seg[2])); \
+    __m512i b3 = _mm512_loadu_si512((const void *)(vq + seg[3]));
+#define SEG8_PAIR(a, b) _mm512_inserti64x4( \
+    _mm512_castsi256_si512(_mm256_loadu_si256((const void *)(vq + seg[a]))), \
+    _mm256_loadu_si256((const void *)(vq + seg[b])), 1)
+static void tile_rows(const uint8_t *r, int64_t ldr, int64_t mr, const uint8_t *v,
+                      const int64_t *offsets, const int64_t *seg, int64_t nseg, int64_t k4,
+                      int32_t *acc)
+{
+    const int r_u8 = 0;
+    const uint8_t *row[MR];
+    for (int i = 0; i < MR; i++) row[i] = r + (i < mr ? i : mr - 1) * ldr;
+    if (nseg == 4) {
+        TILE_ROWS();
+        return;
+    }
+#undef TILE_LOADS
+#define TILE_LOADS \
+    __m512i b0 = SEG8_PAIR(0, 1), b1 = SEG8_PAIR(2, 3); \
+    __m512i b2 = SEG8_PAIR(4, 5), b3 = SEG8_PAIR(6, 7);
+    TILE_ROWS();
+}
+#undef TILE_LOADS
+#undef SEG8_PAIR
+#undef TILE_ROWS
+#undef QUADS
+#undef STORE4
+#undef DOT4
+#undef ZERO4
+#endif
 
 /* The requantization: what the corrections and the store take (see the header). */
 typedef struct {
@@ -557,11 +603,16 @@ typedef struct {
     int64_t g[Q_LEN];
     int64_t c4, hs, ws, plane, kp;   /* hs, ws: a phase's rows per image, columns per row */
     int64_t chunk, blocks;           /* images per chunk; blocks of NB columns per chunk */
-    int64_t compact;                 /* columns: output pixels only (else padded positions) */
+    int64_t columns;                 /* COLUMNS_*: which positions a block's columns are */
+    int64_t nseg;                    /* COLUMNS_ROWS: output rows per block (4 or 8) */
     uint8_t flip, pad;
     requant q;
     void *y;
 } qdirect_job;
+
+/* A block's 64 columns: consecutive padded positions, output pixels only (compact), or
+ * one output row per 16 or 8 of them (rows). */
+enum { COLUMNS_PADDED, COLUMNS_COMPACT, COLUMNS_ROWS };
 
 /* Padded input row y of channel quad cq (its four channels' rows at src) as quads,
  * into line[0, Ws * sw): the zero point where the row has no pixel. */
@@ -642,15 +693,22 @@ static void build_quads(const qdirect_job *j, int64_t n0, int64_t count, uint8_t
                     int64_t i = 0;
 #if QISA == 2
                     if (sw == 2) {
-                        /* 16 at a time: every other quad of 32, picked by one permutation */
+                        /* 16 at a time: every other quad of 32, picked by one permutation;
+                         * the last ones by masked loads (inside the line's 2 ws quads) and a
+                         * masked store */
                         const __m512i pick = _mm512_add_epi32(
                             _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
                                               28, 30), _mm512_set1_epi32((int)rx));
-                        for (; i + 16 <= j->ws && rx + 2 * i + 32 <= 2 * j->ws; i += 16) {
-                            __m512i a = _mm512_loadu_si512((const void *)(line + 2 * i));
-                            __m512i b = _mm512_loadu_si512((const void *)(line + 2 * i + 16));
-                            _mm512_storeu_si512((void *)(dst + i),
-                                                _mm512_permutex2var_epi32(a, pick, b));
+                        for (; i < j->ws; i += 16) {
+                            int64_t n = j->ws - i < 16 ? j->ws - i : 16, left = 2 * (j->ws - i);
+                            __mmask16 ka = left >= 16 ? (__mmask16)0xFFFF
+                                                      : (__mmask16)((1u << left) - 1);
+                            __mmask16 kb = left >= 32 ? (__mmask16)0xFFFF : left > 16
+                                           ? (__mmask16)((1u << (left - 16)) - 1) : 0;
+                            __m512i a = _mm512_maskz_loadu_epi32(ka, line + 2 * i);
+                            __m512i b = _mm512_maskz_loadu_epi32(kb, line + 2 * i + 16);
+                            _mm512_mask_storeu_epi32(dst + i, (__mmask16)((1u << n) - 1),
+                                                     _mm512_permutex2var_epi32(a, pick, b));
                         }
                     }
 #endif
@@ -803,6 +861,84 @@ static void compact_block(const qdirect_job *j, const uint8_t *panel, const comp
     }
 }
 
+/* ---- row segments: one output row per 16 (or 8) columns ----
+ *
+ * Where the output rows are at most 16 pixels wide, a block's 64 columns can be 4 runs of
+ * 16 padded positions (8 runs of 8 where they are at most 8 wide), each starting at an
+ * output row's first pixel: the tile reads each run in place (a whole vector load, or a
+ * half), so no copy is made and the columns past the row's end are the only ones dropped
+ * (none on 16- and 8-pixel rows, where the padded layout drops a column per row and a
+ * row per image). The block's rows follow each other through the chunk's images. */
+
+/* Block b's output rows of a chunk of `count` images: seg[s], the byte offset in the
+ * layout of row s's first position, and at[s], its first output index; returns how many
+ * rows (the rest repeat row 0's offset and are not stored). */
+static int64_t row_segments(const qdirect_job *j, int64_t b, int64_t count, int64_t *seg,
+                            int64_t *at)
+{
+    const int64_t *g = j->g;
+    int64_t oh = g[Q_OH], rows = count * oh, n = 0;
+    for (int64_t s = 0; s < j->nseg; s++) {
+        int64_t rr = b * j->nseg + s;
+        if (rr >= rows) {
+            seg[s] = seg[0];
+            continue;
+        }
+        int64_t img = rr / oh, oy = rr % oh;
+        seg[s] = (img * j->hs + oy) * j->ws * 4;
+        at[s] = img * g[Q_M] * oh * g[Q_OW] + oy * g[Q_OW];
+        n++;
+    }
+    return n;
+}
+
+/* The products of a row-segment block (`rows` output rows, offsets seg, outputs at) for
+ * every row tile, stored. Without AVX-512 the runs are first copied into a panel. */
+static void rows_block(const qdirect_job *j, const uint8_t *xq, const int64_t *offsets,
+                       const int64_t *seg, const int64_t *at, int64_t rows, uint8_t *panel,
+                       int32_t *acc, char *yn)
+{
+    const int64_t *g = j->g;
+    int64_t m = g[Q_M], pixels = g[Q_OH] * g[Q_OW], ow = g[Q_OW], k4 = j->kp / 4;
+    int64_t width = NB / j->nseg;
+    /* one run of outputs: full rows of one image, one after the other */
+    int whole = ow == width && at[rows - 1] == at[0] + (rows - 1) * ow;
+#if QISA != 2
+    for (int64_t q = 0; q < k4; q++)
+        for (int64_t s = 0; s < j->nseg; s++)
+            memcpy(panel + q * NB * 4 + s * width * 4, xq + offsets[q] + seg[s],
+                   (size_t)width * 4);
+#else
+    (void)panel;
+#endif
+    for (int64_t i0 = 0; i0 < m; i0 += MR) {
+        int64_t mr = m - i0 < MR ? m - i0 : MR;
+#if QISA == 2
+        tile_rows(j->w + i0 * j->kp, j->kp, mr, xq, offsets, seg, j->nseg, k4, acc);
+        if (j->q.kind != KIND_F32) {
+            uint8_t bytes[MR * NB];
+            requant_tile(acc, mr, i0, &j->q, bytes);
+            __mmask64 head = whole && rows * ow == NB ? ~(__mmask64)0
+                             : ((__mmask64)1 << (whole ? rows * ow : ow)) - 1;
+            for (int64_t s = 0; s < (whole ? 1 : rows); s++)
+                for (int64_t i = 0; i < mr; i++)
+                    _mm512_mask_storeu_epi8((uint8_t *)yn + (i0 + i) * pixels + at[s], head,
+                                            _mm512_maskz_loadu_epi8(
+                                                head, bytes + i * NB + s * width));
+            continue;
+        }
+#else
+        tile(j->w + i0 * j->kp, j->kp, mr, panel, NULL, k4, acc, 0);
+#endif
+        if (whole) {
+            store(acc, mr, rows * ow, i0, at[0], &j->q, NULL, yn, pixels);
+            continue;
+        }
+        for (int64_t s = 0; s < rows; s++)
+            store(acc + s * width, mr, ow, i0, at[s], &j->q, NULL, yn, pixels);
+    }
+}
+
 static void qdirect_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
 {
     const qdirect_job *j = ctx;
@@ -825,16 +961,24 @@ static void qdirect_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
         int64_t count = g[Q_N] - n0 < j->chunk ? g[Q_N] - n0 : j->chunk;
         int64_t end = count * j->hs * j->ws;     /* the chunk's positions */
         compact_run pieces[NB];
-        int64_t cols = 0, npiece = j->compact ? compact_runs(j, t % j->blocks, count, pieces,
-                                                             &cols) : 0;
-        if (j->compact ? !cols : p0 >= end) continue;
+        int64_t seg[8], at[8];
+        int64_t cols = 0, npiece = 0;
+        if (j->columns == COLUMNS_COMPACT)
+            npiece = compact_runs(j, t % j->blocks, count, pieces, &cols);
+        else if (j->columns == COLUMNS_ROWS)
+            cols = row_segments(j, t % j->blocks, count, seg, at);
+        if (j->columns == COLUMNS_PADDED ? p0 >= end : !cols) continue;
         if (chunk != built) {
             build_quads(j, n0, count, xq, line);
             built = chunk;
         }
         char *yn = (char *)j->y + n0 * m * pixels * (j->q.kind == KIND_F32 ? 4 : 1);
-        if (j->compact) {
-            uint8_t *panel = (uint8_t *)(line + j->ws * g[Q_SW]);
+        uint8_t *panel = (uint8_t *)(line + j->ws * g[Q_SW]);
+        if (j->columns == COLUMNS_ROWS) {
+            rows_block(j, xq, offsets, seg, at, cols, panel, acc, yn);
+            continue;
+        }
+        if (j->columns == COLUMNS_COMPACT) {
             gather_panel(xq, offsets, k4, pieces, npiece, panel);
             compact_block(j, panel, pieces, npiece, acc, yn);
             continue;
@@ -890,7 +1034,7 @@ static void qdirect_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
 static int64_t direct_scratch(const qdirect_job *j)
 {
     return MR * NB + 2 * (j->kp / 4) + j->g[Q_SH] * j->g[Q_SW] * j->c4 / 4 * j->plane +
-           j->ws * j->g[Q_SW] + (j->compact ? j->kp / 4 * NB + 16 : 0);
+           j->ws * j->g[Q_SW] + (j->columns != COLUMNS_PADDED ? j->kp / 4 * NB + 16 : 0);
 }
 
 /* An image's rows (or a row's columns) in one phase of the stacked layout: room for the
@@ -909,11 +1053,13 @@ static int64_t stacked_pitch(int64_t size, int64_t lead, int64_t out, int64_t k,
 /* keel_qconv2d_u8s8 for one group, no dilation and weight zero points all 0, from
  * weights packed as [M][KH][KW][c4] (c4: C rounded up to 4), kp = KH * KW * c4.
  * chunk_positions: how many positions a chunk of stacked images should reach (its
- * images: enough for that, at most the batch's share of one of `parts` threads). */
-static int64_t direct_conv(const uint8_t *x, int64_t flip, int64_t pad, const uint8_t *w,
-                           int64_t c4, const int64_t *geometry, const int32_t *bias_r,
-                           const double *mult, const int64_t *quant, void *y,
-                           int64_t chunk_positions, int64_t parts, int64_t compact)
+ * images: enough for that, at most the batch's share of one of `parts` threads).
+ * columns: COLUMNS_PADDED (0), COLUMNS_COMPACT (1) or COLUMNS_ROWS (2: output rows at
+ * most 16 pixels wide, else -2); see above. Returns -2 for a geometry it does not take. */
+int64_t keel_qconv2d_direct_u8s8(const uint8_t *x, int64_t flip, int64_t pad, const uint8_t *w,
+                                 int64_t c4, const int64_t *geometry, const int32_t *bias_r,
+                                 const double *mult, const int64_t *quant, void *y,
+                                 int64_t chunk_positions, int64_t parts, int64_t columns)
 {
     qdirect_job j;
     memcpy(j.g, geometry, sizeof j.g);
@@ -931,34 +1077,22 @@ static int64_t direct_conv(const uint8_t *x, int64_t flip, int64_t pad, const ui
     if (j.chunk < 1) j.chunk = 1;
     j.plane = j.chunk * image + NB + ((g[Q_KH] - 1) / g[Q_SH] + 1) * j.ws + g[Q_KW] + 16;
     j.kp = g[Q_KH] * g[Q_KW] * c4;
-    j.compact = compact;
-    j.blocks = ((compact ? g[Q_OH] * g[Q_OW] : image) * j.chunk + NB - 1) / NB;
+    j.columns = columns;
+    j.nseg = g[Q_OW] <= NB / 8 ? 8 : 4;
+    if (columns < COLUMNS_PADDED || columns > COLUMNS_ROWS ||
+        (columns == COLUMNS_ROWS && g[Q_OW] > NB / 4))
+        return -2;
+    if (columns == COLUMNS_ROWS)
+        j.blocks = (g[Q_OH] * j.chunk + j.nseg - 1) / j.nseg;
+    else
+        j.blocks = ((columns == COLUMNS_COMPACT ? g[Q_OH] * g[Q_OW] : image) * j.chunk + NB - 1)
+                   / NB;
     j.flip = (uint8_t)flip, j.pad = (uint8_t)pad;
     j.q = (requant){bias_r, NULL, NULL, NULL, NULL, mult, 0, quant[0], quant[1], quant[2],
                     quant[3]};
     j.y = y;
     int64_t chunks = (g[Q_N] + j.chunk - 1) / j.chunk;
     return run_parts(qdirect_task, &j, chunks * j.blocks, parts, direct_scratch(&j));
-}
-
-int64_t keel_qconv2d_direct_u8s8(const uint8_t *x, int64_t flip, int64_t pad, const uint8_t *w,
-                                 int64_t c4, const int64_t *geometry, const int32_t *bias_r,
-                                 const double *mult, const int64_t *quant, void *y,
-                                 int64_t chunk_positions, int64_t parts)
-{
-    return direct_conv(x, flip, pad, w, c4, geometry, bias_r, mult, quant, y, chunk_positions,
-                       parts, 0);
-}
-
-/* keel_qconv2d_direct_u8s8 with compact columns (output pixels only; see above). */
-int64_t keel_qconv2d_compact_u8s8(const uint8_t *x, int64_t flip, int64_t pad,
-                                  const uint8_t *w, int64_t c4, const int64_t *geometry,
-                                  const int32_t *bias_r, const double *mult,
-                                  const int64_t *quant, void *y, int64_t chunk_positions,
-                                  int64_t parts)
-{
-    return direct_conv(x, flip, pad, w, c4, geometry, bias_r, mult, quant, y, chunk_positions,
-                       parts, 1);
 }
 
 /* ---- depthwise convolution ---------------------------------------------------------------

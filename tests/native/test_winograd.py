@@ -116,8 +116,27 @@ def test_threads_give_bitwise_equal_results(monkeypatch: pytest.MonkeyPatch) -> 
     x, w, b = _rand(rng, 3, 24, 15, 15), _rand(rng, 20, 24, 3, 3), _rand(rng, 20)
     z = _rand(rng, 3, 20, 15, 15)
     one = _native(x, w, b, z, (1, 1, 1, 1), ("relu", ()), threads=1)
-    for threads in (2, 3):
+    for threads in (2, 3, 4):
         np.testing.assert_array_equal(_native(x, w, b, z, (1, 1, 1, 1), ("relu", ()),
+                                              threads=threads), one)
+
+
+def test_small_planes_split_by_their_vector_work() -> None:
+    # ResNet-18's layer4 at batch 1: 512 planes of 7x7, each worked as a whole vector row
+    # of tiles; counted in pixels they would stay on one thread.
+    for output in (False, True):
+        assert cpu_planner.winograd_transform_parts(512, (7, 7), output, 2) == 2
+        assert cpu_planner.winograd_transform_parts(512, (7, 7), output, 16) == 16
+    assert cpu_planner.winograd_transform_parts(512, (7, 7), False, 64) > 16
+    assert cpu_planner.winograd_transform_parts(1, (7, 7), False, 16) == 1
+
+
+def test_small_planes_give_bitwise_equal_results_on_any_threads() -> None:
+    rng = np.random.default_rng(8)
+    x, w, b = _rand(rng, 1, 96, 7, 7), _rand(rng, 40, 96, 3, 3), _rand(rng, 40)
+    one = _native(x, w, b, None, (1, 1, 1, 1), ("relu", ()), threads=1)
+    for threads in (2, 3, 4):
+        np.testing.assert_array_equal(_native(x, w, b, None, (1, 1, 1, 1), ("relu", ()),
                                               threads=threads), one)
 
 

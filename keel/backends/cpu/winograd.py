@@ -25,7 +25,6 @@ from keel import native
 from keel.backends.cpu import native_gemm, planner, workspace
 from keel.backends.cpu.conv_epilogue import Activation, finish
 from keel.backends.cpu.native_window import clip_bounds
-from keel.native.pool import parts
 
 __all__ = ["TRANSFORM_G", "conv3x3", "native_conv3x3"]
 
@@ -217,7 +216,7 @@ def native_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[in
         xs, ys = x[n0:n0 + k], y[n0:n0 + k]
         zs = None if z is None else z[n0:n0 + k]
         _ok(fns.input(addr(xs), addr(v), addr(geo), k,
-                      parts(k * c, threads, max(1, planner.MIN_CHUNK_FLOATS // (h * wd)))))
+                      planner.winograd_transform_parts(k * c, out_hw, False, threads)))
         call = native_gemm.prepare(u, v, p)
         if call is None:
             raise RuntimeError("native GEMM refused the Winograd products")
@@ -227,7 +226,7 @@ def native_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[in
         _ok(fns.output(addr(p), addr(ys), addr(geo), m,
                        None if bias is None else addr(bias), None if zs is None else addr(zs),
                        None if clip is None else addr(clip), k,
-                       parts(k * m, threads, max(1, planner.MIN_CHUNK_FLOATS // (oh * ow)))))
+                       planner.winograd_transform_parts(k * m, out_hw, True, threads)))
     if name and name != "clip":
         finish(np, y, y, None, act)
     return True

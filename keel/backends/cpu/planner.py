@@ -47,6 +47,7 @@ from keel.dtypes import DType
 from keel.errors import KeelError
 from keel.ops.registry import Op
 from keel.ops.schemas.conv import ConvGeometry, conv2d_attrs, conv_geometry
+from keel.ops.schemas.pooling import pool_window
 from keel.ops.types import TensorType
 
 __all__ = ["RULES", "TIER_RULES", "available_rules", "choose_variant", "conv_call_variant",
@@ -571,11 +572,23 @@ _ELEMENT_THREADS_OPS = frozenset({Op.LAYER_NORM, Op.SKIP_LAYER_NORM, Op.SOFTMAX,
 def _element_threads(request: PlanRequest) -> tuple[int, str] | None:
     """A row or copy kernel's node threads from its input's elements, and why; None for
     other nodes or shapes not known."""
-    shapes = request.static_shapes() if request.op in _ELEMENT_THREADS_OPS else None
-    if request.threads is None or not shapes or shapes[0] is None:
+    found = _element_work(request)
+    if request.threads is None or found is None:
         return None
-    copy = request.op is Op.TRANSPOSE
-    least, name = ((MIN_COPY_ELEMENTS, "MIN_COPY_ELEMENTS") if copy
+    elements, least, name = found
+    chosen = max(1, min(request.threads, elements // least))
+    return chosen, (f"{chosen} kernel thread(s) of {request.threads}: {elements:,} "
+                    f"elements{' copied' if request.op is Op.TRANSPOSE else ''}, at least "
+                    f"{least:,} per thread ({name})")
+
+
+def _element_work(request: PlanRequest) -> tuple[int, int, str] | None:
+    """A row or copy kernel's work in elements, its least work per thread and that
+    limit's name; None for other nodes or shapes not known."""
+    shapes = request.static_shapes() if request.op in _ELEMENT_THREADS_OPS else None
+    if not shapes or shapes[0] is None:
+        return None
+    least, name = ((MIN_COPY_ELEMENTS, "MIN_COPY_ELEMENTS") if request.op is Op.TRANSPOSE
                    else (MIN_SKIP_NORM_ELEMENTS, "MIN_SKIP_NORM_ELEMENTS")
                    if request.op is Op.SKIP_LAYER_NORM
                    else (MIN_CHUNK_ELEMENTS, "MIN_CHUNK_ELEMENTS"))
@@ -585,10 +598,7 @@ def _element_threads(request: PlanRequest) -> tuple[int, str] | None:
             return None
         q, k, v = shapes[0], shapes[1], shapes[2]
         elements = math.prod(q[:-1]) * k[-2] * (q[-1] + v[-1])
-    chosen = max(1, min(request.threads, elements // least))
-    return chosen, (f"{chosen} kernel thread(s) of {request.threads}: {elements:,} "
-                    f"elements{' copied' if copy else ''}, at least {least:,} per thread "
-                    f"({name})")
+    return elements, least, name
 
 
 def _product_threads(request: PlanRequest) -> tuple[int, str] | None:
@@ -1021,6 +1031,9 @@ def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:
     sized = _product_threads(request) or _element_threads(request)
     if sized is not None:
         threads, threads_why = sized
+    split = _conv_split_reason(request, dispatched or variant, form)
+    if split:
+        threads_why = f"{threads_why}; {split}"
     return NodePlan(
         variant=variant, layout=form.layout, threads=threads, chunk=form.chunk,
         workspace_bytes=form.workspace_bytes, precision=request.precision,
@@ -1041,6 +1054,32 @@ def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:
 _SCRATCH = {"winograd": "the transformed tiles and products of one chunk",
             "native": "X's zero-bordered copy the kernel reads (its stride-phase image or "
                       "wide buffer; none where it reads X in place)"}
+
+
+def _conv_split_reason(request: PlanRequest, variant: str, form: ConvForm) -> str:
+    """How a conv node's passes split over its threads ("" for other nodes, unknown
+    shapes or one thread): see conv_splits."""
+    geo = _static_geometry(request)
+    if geo is None or not request.threads or request.threads < 2:
+        return ""
+    grid = tile_grid(request.profile)
+    return split_reason(conv_splits(variant, form.layout, form.chunk, geo, request.threads,
+                                    grid), request.threads)
+
+
+def _static_geometry(request: PlanRequest) -> ConvGeometry | None:
+    """The conv geometry of a node's static shapes; None for other nodes or shapes not
+    known."""
+    if request.op not in CONV_OPS:
+        return None
+    shapes = request.static_shapes()
+    if shapes is None or len(shapes) < 2 or shapes[0] is None or shapes[1] is None:
+        return None
+    attrs = conv2d_attrs(request.attrs) if request.op is Op.CONV2D else request.attrs
+    try:
+        return conv_geometry(request.op, shapes[0], shapes[1], attrs)
+    except KeelError:
+        return None
 
 
 def _no_packed_copy(request: PlanRequest, kv: KernelVariant) -> str:
@@ -1466,6 +1505,186 @@ def _winograd_scratch(n: int, c: int, m: int, th: int, tw: int, itemsize: int) -
         return 16 * tiles * (c + m) * itemsize
     split = n * 4 * (th + 1) * (tw + 1) * c + 8 * n * (th + 1) * tw * c
     return (split + 16 * tiles * (c + m) + 8 * tiles * m + 4 * tiles * m) * itemsize
+
+
+# ---- a conv's split over threads ---------------------------------------------------------
+# What each conv kernel's parallel passes split into on ``threads`` threads, as the kernels
+# compute it (the least work per thread above, the planned form and chunk): the pass split
+# least is the node's split. explain() gives it with the threads, and the 16-thread audit
+# (benchmarks/threads_audit.py) checks that every conv with work for every thread splits
+# into that many even pieces. A split is even while its largest chunk is within
+# EVEN_SPLIT of the mean (whole units: 25 panels over 16 threads are chunks of 1 and 2).
+EVEN_SPLIT = 1.25
+
+
+@dataclass(frozen=True)
+class Split:
+    """One parallel pass of a node: ``units`` work items (planes, panels, bands) of
+    ``work`` kernel work in all, in ``pieces`` contiguous chunks; ``least`` the kernel
+    family's least work per thread; ``product``: the pass is a native GEMM product,
+    split as native_gemm.Call splits it."""
+
+    name: str
+    units: int
+    pieces: int
+    work: int
+    least: int
+    product: bool = False            # a native GEMM's product (its split is the GEMM's)
+
+    @property
+    def balance(self) -> float:
+        """The largest chunk over the mean (1.0: every chunk the same)."""
+        return -(-self.units // self.pieces) * self.pieces / self.units if self.units else 1.0
+
+    def worth(self, threads: int) -> bool:
+        """Whether the pass has the least work per thread for each of ``threads``."""
+        return self.work >= threads * self.least
+
+    def describe(self) -> str:
+        return (f"{self.name} {self.units} unit(s) in {self.pieces} piece(s), the largest "
+                f"{self.balance:.2f}x the mean")
+
+
+def chunk_split(name: str, units: int, threads: int, work: int, least: int) -> Split:
+    """A pass of ``units`` items and ``work`` work split as keel.native.pool.parts does,
+    each chunk at least ``least`` work."""
+    per_unit = max(1, work // max(1, units))
+    pieces = max(1, min(threads, units, units // max(1, least // per_unit)))
+    return Split(name, units, pieces, work, least)
+
+
+def gemm_pass(name: str, batch: int, m: int, n: int, k: int, threads: int,
+              grid: Any = _HERE, panel_major: bool = False) -> Split:
+    """The split of a native product (native_gemm.Call.run): whole column panels (or row
+    panels, where the batch alone would leave threads idle), at least
+    MIN_FLOPS_PER_THREAD flops each."""
+    tiles = _grid(grid) or _TILES["scalar"]
+    flops = 2 * batch * m * n * k
+    mp, np_ = -(-m // tiles[0]), -(-n // tiles[1])
+    wanted = max(1, gemm_threads(threads, flops))
+    rows = not panel_major and batch < wanted and mp > np_
+    units = batch * (mp if rows else np_)
+    return Split(f"{name} ({'row' if rows else 'column'} panels)", units,
+                 max(1, min(wanted, units)), flops, MIN_FLOPS_PER_THREAD, product=True)
+
+
+def conv_splits(variant: str, layout: str, chunk: int | None, geo: ConvGeometry,
+                threads: int, grid: Any = _HERE) -> tuple[Split, ...]:
+    """The parallel passes of conv ``variant`` (planned ``layout`` and ``chunk``) on
+    ``threads`` threads; () for a variant that runs on BLAS or NumPy (their threads are
+    the program's BLAS threads, or one)."""
+    if variant == "winograd" and geo.rank == 2:
+        return _winograd_splits(geo, chunk or geo.batch, threads, grid)
+    if variant == "native":
+        return _native_splits(geo, layout, threads, grid)
+    if variant == "depthwise" and layout.startswith("native"):
+        taps = math.prod(geo.window.out_spatial) * math.prod(geo.window.kernel)
+        planes = geo.batch * geo.in_channels
+        return (chunk_split("planes", planes, threads, planes * taps, MIN_CHUNK_TAPS),)
+    return ()
+
+
+def _winograd_splits(geo: ConvGeometry, chunk: int, threads: int,
+                     grid: Any) -> tuple[Split, ...]:
+    out = geo.window.out_spatial
+    c, m = geo.in_channels, geo.out_channels
+    k = min(chunk, geo.batch)
+    tiles = k * -(-out[0] // 2) * -(-out[1] // 2)
+    passes = []
+    for name, planes, output in (("input transform planes", k * c, False),
+                                 ("output transform planes", k * m, True)):
+        parts = winograd_transform_parts(planes, (out[0], out[1]), output, threads)
+        passes.append(Split(name, planes, parts,
+                            planes * winograd_plane_floats((out[0], out[1]), output, grid),
+                            MIN_CHUNK_FLOATS))
+    products = gemm_pass("16 products", 16, m, tiles, c, threads, grid, panel_major=True)
+    return passes[0], products, passes[1]
+
+
+def _native_splits(geo: ConvGeometry, layout: str, threads: int,
+                   grid: Any) -> tuple[Split, ...]:
+    n, g, win = geo.batch, geo.group, geo.window
+    pixels, taps = math.prod(win.out_spatial), math.prod(win.kernel)
+    cg, mg = geo.in_channels // g, geo.out_channels // g
+    found = conv_gemm.native_layout(geo, layout)
+    if found.band:
+        rows = native_gemm.band_rows(geo.in_channels, win.kernel, win.out_spatial) or 1
+        units = n * -(-win.out_spatial[0] // rows)
+        flops = 2 * n * geo.out_channels * pixels * cg * taps
+        return (Split("bands of output rows", units, max(1, min(threads, units)), flops,
+                      MIN_FLOPS_PER_THREAD),)
+    batch, columns = (1, n * pixels) if found.stacked else (n, pixels)
+    if found.wide is not None:
+        batch, columns = (1 if found.wide.stacked else n), found.wide.columns
+    product = gemm_pass("products" if g > 1 else "product", batch, mg, columns, cg * taps,
+                        threads, grid)
+    if not found.copied:
+        return (product,)
+    planes = n * geo.in_channels
+    work = planes * math.prod(win.in_spatial)
+    if found.wide is not None:              # X into the wide buffer: one NumPy copy
+        return Split("copy into the wide buffer (NumPy)", 1, 1, work, MIN_COPY_ELEMENTS), product
+    return chunk_split("phase copy planes", planes, threads, work, MIN_CHUNK_FLOATS), product
+
+
+def node_splits(op: Op, input_types: Sequence[TensorType | None], attrs: Mapping[str, Any],
+                node_plan: NodePlan, threads: int, profile: Any = None) -> tuple[Split, ...]:
+    """The parallel passes of a node planned as ``node_plan`` on ``threads`` threads (for
+    the CPU of ``profile``): a conv's (conv_splits), a MatMul's or Gemm's one product,
+    a pooling window's planes, a row or copy kernel's elements; () for a node whose
+    kernel none of these describes."""
+    request = PlanRequest(op, tuple(input_types), dict(attrs), threads, profile)
+    grid = tile_grid(profile)
+    geo = _static_geometry(request)
+    if geo is not None:
+        variant = node_plan.option("conv_variant") or node_plan.variant
+        return conv_splits(variant, node_plan.layout, node_plan.chunk, geo, threads, grid)
+    product = _product(request)
+    if product is not None:
+        m, k, n = product
+        return (gemm_pass("product", 1, m, n, k, threads, grid),)
+    pool = _pool_split(request, threads)
+    if pool is not None:
+        return (pool,)
+    found = _element_work(request)
+    if found is None:
+        return ()
+    elements, least, _ = found
+    pieces = node_plan.threads or 1
+    return (Split("elements", elements, max(1, min(pieces, elements)), elements, least),)
+
+
+def _pool_split(request: PlanRequest, threads: int) -> Split | None:
+    """A MaxPool's or AveragePool's planes on the native window kernels."""
+    shapes = request.static_shapes() if request.op in (Op.MAX_POOL, Op.AVG_POOL) else None
+    if not shapes or shapes[0] is None or len(shapes[0]) != 4:
+        return None
+    try:
+        win = pool_window(request.op, shapes[0], request.attrs)
+    except KeelError:
+        return None
+    planes = shapes[0][0] * shapes[0][1]
+    taps = math.prod(win.out_spatial) * math.prod(win.kernel)
+    return chunk_split("planes", planes, threads, planes * taps, MIN_CHUNK_TAPS)
+
+
+def split_reason(splits: Sequence[Split], threads: int) -> str:
+    """The split of a node's passes on ``threads`` threads, for its plan's reasons: each
+    pass's pieces and evenness, and for a pass on fewer pieces than threads whether it
+    has work for all of them."""
+    if not splits:
+        return ""
+    least = min(s.pieces for s in splits)
+    notes = []
+    for s in splits:
+        if s.pieces >= threads:
+            continue
+        what = s.name.split(" (")[0]
+        notes.append(f"{what}: {s.work:,} work, at least {s.least:,} a thread"
+                     + ("" if s.worth(threads) else f" (under {threads} x that)"))
+    return (f"split into {least} piece(s){' at least' if len(splits) > 1 else ''}: "
+            f"{'; '.join(s.describe() for s in splits)}"
+            + (f"; on fewer than {threads}: {'; '.join(notes)}" if notes else ""))
 
 
 def conv_form(variant: str, geo: ConvGeometry, itemsize: int, grid: Any = _HERE,

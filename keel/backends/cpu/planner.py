@@ -1064,7 +1064,7 @@ def _conv_split_reason(request: PlanRequest, variant: str, form: ConvForm) -> st
         return ""
     grid = tile_grid(request.profile)
     return split_reason(conv_splits(variant, form.layout, form.chunk, geo, request.threads,
-                                    grid), request.threads)
+                                    grid, caches(request.profile)), request.threads)
 
 
 def _static_geometry(request: PlanRequest) -> ConvGeometry | None:
@@ -1496,6 +1496,49 @@ def winograd_transform_parts(planes: int, out_hw: tuple[int, int], output: bool,
     return max(1, min(threads, planes, planes * per_plane // MIN_CHUNK_FLOATS))
 
 
+# Winograd's transforms split by tile rows (every channel of each) where a chunk holds
+# fewer images than threads, yet tile rows to split evenly (EVEN_SPLIT, below), and a
+# thread's share of the chunk's transformed tiles and products fits its L2 (caches()),
+# and the products have a column panel for every thread: split by planes, a thread would
+# transform some channels of every tile, while its share of the sixteen products (whole
+# columns: tiles, panel-major) reads every channel of a few tiles, written by the other
+# threads into their caches. By tile rows a thread transforms the tiles its products
+# read and writes the outputs of the tiles it multiplied: its data stays in its own L2
+# through the three passes (where its share does not fit there, it streams through the
+# shared cache either way). Each value is computed alike either way (the same V and Y),
+# so the choice may follow the threads. On the 2-core AMD EPYC (1 MiB L2 a core) only
+# ResNet-18's 256-channel layers at batch 1 take it, on two threads: their conv time,
+# alternating calls under load, 1.02-1.03x the planes split's (within the noise); the
+# rule is for many cores, where a thread's share is small (at 16 threads, ResNet-18's
+# 64-channel layers at batch 32: 0.4 MiB a thread).
+def winograd_by_rows(images: int, channels: int, out_hw: tuple[int, int], threads: int,
+                     sizes: Caches | None = None, grid: Any = _HERE) -> bool:
+    """Whether a Winograd chunk of ``images`` splits its transforms by tile rows;
+    ``channels``: its input and output channels together."""
+    th, tw = -(-out_hw[0] // 2), -(-out_hw[1] // 2)
+    rows = images * th
+    if not images < threads <= rows or -(-rows // threads) * threads > EVEN_SPLIT * rows:
+        return False                 # whole images, or rows too few to split evenly
+    tile = _grid(grid)
+    if tile is None or -(-rows * tw // tile[1]) < threads:
+        return False                 # the products split by product, not by tiles
+    share = 16 * rows * tw * channels * 4 // threads
+    return share <= (sizes or caches()).l2
+
+
+def winograd_parts(images: int, channels: int, out_hw: tuple[int, int], output: bool,
+                   threads: int, by_rows: bool) -> int:
+    """How many chunks a Winograd transform of ``images`` images of ``channels`` planes
+    splits into on up to ``threads`` threads: by planes (winograd_transform_parts), or
+    ``by_rows`` by tile rows, each ``channels`` planes' worth of work."""
+    if not by_rows:
+        return winograd_transform_parts(images * channels, out_hw, output, threads)
+    th = -(-out_hw[0] // 2)
+    rows = images * th
+    per_row = channels * winograd_plane_floats(out_hw, output) // th
+    return max(1, min(threads, rows, rows * per_row // MIN_CHUNK_FLOATS))
+
+
 def _winograd_scratch(n: int, c: int, m: int, th: int, tw: int, itemsize: int) -> int:
     """Bytes a Winograd chunk of ``n`` images holds (keel.backends.cpu.winograd): compiled,
     the transformed input V and the products P; in NumPy also the split input D, the
@@ -1569,12 +1612,14 @@ def gemm_pass(name: str, batch: int, m: int, n: int, k: int, threads: int,
 
 
 def conv_splits(variant: str, layout: str, chunk: int | None, geo: ConvGeometry,
-                threads: int, grid: Any = _HERE) -> tuple[Split, ...]:
+                threads: int, grid: Any = _HERE, sizes: Caches | None = None
+                ) -> tuple[Split, ...]:
     """The parallel passes of conv ``variant`` (planned ``layout`` and ``chunk``) on
-    ``threads`` threads; () for a variant that runs on BLAS or NumPy (their threads are
-    the program's BLAS threads, or one)."""
+    ``threads`` threads, for the caches of ``sizes`` (None: this machine's); () for a
+    variant that runs on BLAS or NumPy (their threads are the program's BLAS threads, or
+    one)."""
     if variant == "winograd" and geo.rank == 2:
-        return _winograd_splits(geo, chunk or geo.batch, threads, grid)
+        return _winograd_splits(geo, chunk or geo.batch, threads, grid, sizes)
     if variant == "native":
         return _native_splits(geo, layout, threads, grid)
     if variant == "depthwise" and layout.startswith("native"):
@@ -1584,18 +1629,21 @@ def conv_splits(variant: str, layout: str, chunk: int | None, geo: ConvGeometry,
     return ()
 
 
-def _winograd_splits(geo: ConvGeometry, chunk: int, threads: int,
-                     grid: Any) -> tuple[Split, ...]:
+def _winograd_splits(geo: ConvGeometry, chunk: int, threads: int, grid: Any,
+                     sizes: Caches | None) -> tuple[Split, ...]:
     out = geo.window.out_spatial
     c, m = geo.in_channels, geo.out_channels
     k = min(chunk, geo.batch)
     tiles = k * -(-out[0] // 2) * -(-out[1] // 2)
+    hw = (out[0], out[1])
     passes = []
-    for name, planes, output in (("input transform planes", k * c, False),
-                                 ("output transform planes", k * m, True)):
-        parts = winograd_transform_parts(planes, (out[0], out[1]), output, threads)
-        passes.append(Split(name, planes, parts,
-                            planes * winograd_plane_floats((out[0], out[1]), output, grid),
+    for name, channels, output in (("input transform", c, False),
+                                   ("output transform", m, True)):
+        work = k * channels * winograd_plane_floats(hw, output, grid)
+        by_rows = winograd_by_rows(k, c + m, hw, threads, sizes, grid)
+        units = k * -(-out[0] // 2) if by_rows else k * channels
+        passes.append(Split(f"{name} {'tile rows' if by_rows else 'planes'}", units,
+                            winograd_parts(k, channels, hw, output, threads, by_rows), work,
                             MIN_CHUNK_FLOATS))
     products = gemm_pass("16 products", 16, m, tiles, c, threads, grid, panel_major=True)
     return passes[0], products, passes[1]
@@ -1638,7 +1686,8 @@ def node_splits(op: Op, input_types: Sequence[TensorType | None], attrs: Mapping
     geo = _static_geometry(request)
     if geo is not None:
         variant = node_plan.option("conv_variant") or node_plan.variant
-        return conv_splits(variant, node_plan.layout, node_plan.chunk, geo, threads, grid)
+        return conv_splits(variant, node_plan.layout, node_plan.chunk, geo, threads, grid,
+                           caches(profile))
     product = _product(request)
     if product is not None:
         m, k, n = product

@@ -582,25 +582,6 @@ def _element_threads(request: PlanRequest) -> tuple[int, str] | None:
                     f"{least:,} per thread ({name})")
 
 
-def _element_work(request: PlanRequest) -> tuple[int, int, str] | None:
-    """A row or copy kernel's work in elements, its least work per thread and that
-    limit's name; None for other nodes or shapes not known."""
-    shapes = request.static_shapes() if request.op in _ELEMENT_THREADS_OPS else None
-    if not shapes or shapes[0] is None:
-        return None
-    least, name = ((MIN_COPY_ELEMENTS, "MIN_COPY_ELEMENTS") if request.op is Op.TRANSPOSE
-                   else (MIN_SKIP_NORM_ELEMENTS, "MIN_SKIP_NORM_ELEMENTS")
-                   if request.op is Op.SKIP_LAYER_NORM
-                   else (MIN_CHUNK_ELEMENTS, "MIN_CHUNK_ELEMENTS"))
-    elements = math.prod(shapes[0])
-    if request.op is Op.ATTENTION:             # the row kernel's work: scores x (d + dv)
-        if len(shapes) < 3 or shapes[1] is None or shapes[2] is None:
-            return None
-        q, k, v = shapes[0], shapes[1], shapes[2]
-        elements = math.prod(q[:-1]) * k[-2] * (q[-1] + v[-1])
-    return elements, least, name
-
-
 def _product_threads(request: PlanRequest) -> tuple[int, str] | None:
     """A MatMul or Gemm node's kernel threads from its product's flops, and why; None
     where the node runs no single product of known size."""
@@ -1654,25 +1635,34 @@ def _native_splits(geo: ConvGeometry, layout: str, threads: int,
     n, g, win = geo.batch, geo.group, geo.window
     pixels, taps = math.prod(win.out_spatial), math.prod(win.kernel)
     cg, mg = geo.in_channels // g, geo.out_channels // g
-    found = conv_gemm.native_layout(geo, layout)
-    if found.band:
+    band, copied, batch, columns, wide = _native_shape(geo, layout)
+    if band:
         rows = native_gemm.band_rows(geo.in_channels, win.kernel, win.out_spatial) or 1
         units = n * -(-win.out_spatial[0] // rows)
         flops = 2 * n * geo.out_channels * pixels * cg * taps
         return (Split("bands of output rows", units, max(1, min(threads, units)), flops,
                       MIN_FLOPS_PER_THREAD),)
-    batch, columns = (1, n * pixels) if found.stacked else (n, pixels)
-    if found.wide is not None:
-        batch, columns = (1 if found.wide.stacked else n), found.wide.columns
     product = gemm_pass("products" if g > 1 else "product", batch, mg, columns, cg * taps,
                         threads, grid)
-    if not found.copied:
+    if not copied:
         return (product,)
     planes = n * geo.in_channels
     work = planes * math.prod(win.in_spatial)
-    if found.wide is not None:              # X into the wide buffer: one NumPy copy
+    if wide:                                # X into the wide buffer: one NumPy copy
         return Split("copy into the wide buffer (NumPy)", 1, 1, work, MIN_COPY_ELEMENTS), product
     return chunk_split("phase copy planes", planes, threads, work, MIN_CHUNK_FLOATS), product
+
+
+@functools.lru_cache(maxsize=512)
+def _native_shape(geo: ConvGeometry, form: str) -> tuple[bool, bool, int, int, bool]:
+    """What the split of ``geo``'s native conv in ``form`` follows: (by bands, X copied
+    first, the products per group, their columns, through the wide buffer)."""
+    found = conv_gemm.native_layout(geo, form)
+    pixels = math.prod(geo.window.out_spatial)
+    batch, columns = (1, geo.batch * pixels) if found.stacked else (geo.batch, pixels)
+    if found.wide is not None:
+        batch, columns = (1 if found.wide.stacked else geo.batch), found.wide.columns
+    return found.band, found.copied, batch, columns, found.wide is not None
 
 
 def node_splits(op: Op, input_types: Sequence[TensorType | None], attrs: Mapping[str, Any],
@@ -1701,6 +1691,25 @@ def node_splits(op: Op, input_types: Sequence[TensorType | None], attrs: Mapping
     elements, least, _ = found
     pieces = node_plan.threads or 1
     return (Split("elements", elements, max(1, min(pieces, elements)), elements, least),)
+
+
+def _element_work(request: PlanRequest) -> tuple[int, int, str] | None:
+    """A row or copy kernel's work in elements, its least work per thread and that
+    limit's name; None for other nodes or shapes not known."""
+    shapes = request.static_shapes() if request.op in _ELEMENT_THREADS_OPS else None
+    if not shapes or shapes[0] is None:
+        return None
+    least, name = ((MIN_COPY_ELEMENTS, "MIN_COPY_ELEMENTS") if request.op is Op.TRANSPOSE
+                   else (MIN_SKIP_NORM_ELEMENTS, "MIN_SKIP_NORM_ELEMENTS")
+                   if request.op is Op.SKIP_LAYER_NORM
+                   else (MIN_CHUNK_ELEMENTS, "MIN_CHUNK_ELEMENTS"))
+    elements = math.prod(shapes[0])
+    if request.op is Op.ATTENTION:             # the row kernel's work: scores x (d + dv)
+        if len(shapes) < 3 or shapes[1] is None or shapes[2] is None:
+            return None
+        q, k, v = shapes[0], shapes[1], shapes[2]
+        elements = math.prod(q[:-1]) * k[-2] * (q[-1] + v[-1])
+    return elements, least, name
 
 
 def _pool_split(request: PlanRequest, threads: int) -> Split | None:

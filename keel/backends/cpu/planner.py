@@ -1489,7 +1489,7 @@ def winograd_transform_parts(planes: int, out_hw: tuple[int, int], output: bool,
 # shared cache either way). Each value is computed alike either way (the same V and Y),
 # so the choice may follow the threads. On the 2-core AMD EPYC (1 MiB L2 a core) only
 # ResNet-18's 256-channel layers at batch 1 take it, on two threads: their conv time,
-# alternating calls under load, 1.02-1.03x the planes split's (within the noise); the
+# alternating calls under load, 1.01-1.03x the planes split's (within the noise); the
 # rule is for many cores, where a thread's share is small (at 16 threads, ResNet-18's
 # 64-channel layers at batch 32: 0.4 MiB a thread).
 def winograd_by_rows(images: int, channels: int, out_hw: tuple[int, int], threads: int,

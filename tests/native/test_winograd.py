@@ -116,8 +116,27 @@ def test_threads_give_bitwise_equal_results(monkeypatch: pytest.MonkeyPatch) -> 
     x, w, b = _rand(rng, 3, 24, 15, 15), _rand(rng, 20, 24, 3, 3), _rand(rng, 20)
     z = _rand(rng, 3, 20, 15, 15)
     one = _native(x, w, b, z, (1, 1, 1, 1), ("relu", ()), threads=1)
-    for threads in (2, 3):
+    for threads in (2, 3, 4):
         np.testing.assert_array_equal(_native(x, w, b, z, (1, 1, 1, 1), ("relu", ()),
+                                              threads=threads), one)
+
+
+def test_small_planes_split_by_their_vector_work() -> None:
+    # ResNet-18's layer4 at batch 1: 512 planes of 7x7, each worked as a whole vector row
+    # of tiles; counted in pixels they would stay on one thread.
+    for output in (False, True):
+        assert cpu_planner.winograd_transform_parts(512, (7, 7), output, 2) == 2
+        assert cpu_planner.winograd_transform_parts(512, (7, 7), output, 16) == 16
+    assert cpu_planner.winograd_transform_parts(512, (7, 7), False, 64) > 16
+    assert cpu_planner.winograd_transform_parts(1, (7, 7), False, 16) == 1
+
+
+def test_small_planes_give_bitwise_equal_results_on_any_threads() -> None:
+    rng = np.random.default_rng(8)
+    x, w, b = _rand(rng, 1, 96, 7, 7), _rand(rng, 40, 96, 3, 3), _rand(rng, 40)
+    one = _native(x, w, b, None, (1, 1, 1, 1), ("relu", ()), threads=1)
+    for threads in (2, 3, 4):
+        np.testing.assert_array_equal(_native(x, w, b, None, (1, 1, 1, 1), ("relu", ()),
                                               threads=threads), one)
 
 
@@ -142,3 +161,27 @@ def test_filters_are_packed_once_per_frozen_weight() -> None:
     assert len(packed) == 1 and isinstance(packed[0][1], ng.Packed)
     assert packed[0][1].batch_stride > 0
     np.testing.assert_array_equal(_native(x, w, None, None, (1, 1, 1, 1), ("", ())), first)
+
+
+@pytest.mark.parametrize(("x_shape", "m"), [((4, 24, 15, 15), 20), ((3, 16, 9, 40), 33),
+                                           ((2, 40, 30, 29), 24)])
+@pytest.mark.parametrize("chunk", [1, 2])
+def test_tile_rows_and_planes_give_the_same_bits(x_shape: tuple[int, ...], m: int,
+                                                 chunk: int) -> None:
+    """A chunk with fewer images than threads splits its transforms by tile rows (every
+    channel of each) instead of planes: the same values, bitwise, on any thread count."""
+    rng = np.random.default_rng(3)
+    x, w, b = _rand(rng, *x_shape), _rand(rng, m, x_shape[1], 3, 3), _rand(rng, m)
+    z = _rand(rng, x_shape[0], m, *x_shape[2:])
+    act = ("clip", (-0.5, 0.6))
+    one = _native(x, w, b, z, (1, 1, 1, 1), act, threads=1, chunk=chunk)
+    out_hw = x_shape[2:]
+    assert not cpu_planner.winograd_by_rows(chunk, x_shape[1] + m, out_hw, 1)
+    assert any(cpu_planner.winograd_by_rows(chunk, x_shape[1] + m, out_hw, t)
+               for t in (2, 3, 4))                          # the tile rows split runs
+    for threads in (2, 3, 4):
+        np.testing.assert_array_equal(
+            _native(x, w, b, z, (1, 1, 1, 1), act, threads=threads, chunk=chunk), one)
+    want = _reference([x, w, b, z], {"pads": (1, 1, 1, 1), "activation": act[0],
+                                     "activation_params": act[1]})
+    np.testing.assert_allclose(one, want, rtol=1e-4, atol=1e-4)

@@ -618,6 +618,17 @@ def prepare_band(x: np.ndarray, a: Packed, y: np.ndarray, kernel: tuple[int, ...
     return BandCall(f, values, units, (a, bias, residual), tuple(x.shape))
 
 
+def band_rows(channels: int, kernel: tuple[int, ...], out: tuple[int, ...]) -> int | None:
+    """Output rows per band of :func:`prepare_band` for a conv of ``channels`` input
+    channels, a ``kernel`` (KH, KW) window and an ``out`` (OH, OW) output (gemm.c's
+    keel_conv_band_rows_f32, which reads no array); None without the native tier."""
+    f = _functions()
+    if f is None or len(kernel) != 2 or len(out) != 2:
+        return None
+    values = (1, channels, 1, 1, 1, *out, *kernel, 1, 1, 1, 1, 0, 0, *([0] * 6), 0.0, 0.0)
+    return int(f.band_rows(_BAND_ARGS.pack(*values)))
+
+
 # ---- fused attention, whole heads per thread (gemm.c's keel_attention_f32) -------------
 _ATTENTION_ARGS = struct.Struct("<12q")
 

@@ -47,6 +47,7 @@ from keel.dtypes import DType
 from keel.errors import KeelError
 from keel.ops.registry import Op
 from keel.ops.schemas.conv import ConvGeometry, conv2d_attrs, conv_geometry
+from keel.ops.schemas.pooling import pool_window
 from keel.ops.types import TensorType
 
 __all__ = ["RULES", "TIER_RULES", "available_rules", "choose_variant", "conv_call_variant",
@@ -751,24 +752,14 @@ _ELEMENT_THREADS_OPS = frozenset({Op.LAYER_NORM, Op.SKIP_LAYER_NORM, Op.SOFTMAX,
 def _element_threads(request: PlanRequest) -> tuple[int, str] | None:
     """A row or copy kernel's node threads from its input's elements, and why; None for
     other nodes or shapes not known."""
-    shapes = request.static_shapes() if request.op in _ELEMENT_THREADS_OPS else None
-    if request.threads is None or not shapes or shapes[0] is None:
+    found = _element_work(request)
+    if request.threads is None or found is None:
         return None
-    copy = request.op is Op.TRANSPOSE
-    least, name = ((MIN_COPY_ELEMENTS, "MIN_COPY_ELEMENTS") if copy
-                   else (MIN_SKIP_NORM_ELEMENTS, "MIN_SKIP_NORM_ELEMENTS")
-                   if request.op is Op.SKIP_LAYER_NORM
-                   else (MIN_CHUNK_ELEMENTS, "MIN_CHUNK_ELEMENTS"))
-    elements = math.prod(shapes[0])
-    if request.op is Op.ATTENTION:             # the row kernel's work: scores x (d + dv)
-        if len(shapes) < 3 or shapes[1] is None or shapes[2] is None:
-            return None
-        q, k, v = shapes[0], shapes[1], shapes[2]
-        elements = math.prod(q[:-1]) * k[-2] * (q[-1] + v[-1])
+    elements, least, name = found
     chosen = max(1, min(request.threads, elements // least))
     return chosen, (f"{chosen} kernel thread(s) of {request.threads}: {elements:,} "
-                    f"elements{' copied' if copy else ''}, at least {least:,} per thread "
-                    f"({name})")
+                    f"elements{' copied' if request.op is Op.TRANSPOSE else ''}, at least "
+                    f"{least:,} per thread ({name})")
 
 
 def _product_threads(request: PlanRequest, variant: str) -> tuple[int, str] | None:
@@ -1207,6 +1198,9 @@ def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:
     sized = _product_threads(request, variant) or _element_threads(request)
     if sized is not None:
         threads, threads_why = sized
+    split = _conv_split_reason(request, dispatched or variant, form)
+    if split:
+        threads_why = f"{threads_why}; {split}"
     return NodePlan(
         variant=variant, layout=form.layout, threads=threads, chunk=form.chunk,
         workspace_bytes=form.workspace_bytes, precision=request.precision,
@@ -1227,6 +1221,32 @@ def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:
 _SCRATCH = {"winograd": "the transformed tiles and products of one chunk",
             "native": "X's zero-bordered copy the kernel reads (its stride-phase image or "
                       "wide buffer; none where it reads X in place)"}
+
+
+def _conv_split_reason(request: PlanRequest, variant: str, form: ConvForm) -> str:
+    """How a conv node's passes split over its threads ("" for other nodes, unknown
+    shapes or one thread): see conv_splits."""
+    geo = _static_geometry(request)
+    if geo is None or not request.threads or request.threads < 2:
+        return ""
+    grid = tile_grid(request.profile)
+    return split_reason(conv_splits(variant, form.layout, form.chunk, geo, request.threads,
+                                    grid, caches(request.profile)), request.threads)
+
+
+def _static_geometry(request: PlanRequest) -> ConvGeometry | None:
+    """The conv geometry of a node's static shapes; None for other nodes or shapes not
+    known."""
+    if request.op not in CONV_OPS:
+        return None
+    shapes = request.static_shapes()
+    if shapes is None or len(shapes) < 2 or shapes[0] is None or shapes[1] is None:
+        return None
+    attrs = conv2d_attrs(request.attrs) if request.op is Op.CONV2D else request.attrs
+    try:
+        return conv_geometry(request.op, shapes[0], shapes[1], attrs)
+    except KeelError:
+        return None
 
 
 def _no_packed_copy(request: PlanRequest, kv: KernelVariant) -> str:
@@ -1612,6 +1632,80 @@ def winograd_form(geo: ConvGeometry, itemsize: int, sizes: Caches | None = None)
                     _winograd_scratch(chunk, c, m, th, tw, itemsize))
 
 
+# Winograd's compiled transforms (winograd.c) split a chunk's planes over threads while
+# each gets MIN_CHUNK_FLOATS of work, counted in the floats a plane's transform touches
+# at the kernel's vector width, not in its pixels: a row of tiles is worked in whole
+# vectors, and the input transform first copies the plane into a zero-padded buffer of
+# even and odd column halves. Measured on the 2-core AMD EPYC (Zen 5, AVX-512), one
+# thread, medians of 200 calls: the input transform of 512 7x7 planes (ResNet-18's
+# layer4 at batch 1) 165 us, of 64 56x56 planes 242 us, 5.2 and 5.3 such floats a
+# nanosecond (per pixel 6.6 ns against 1.2, so counted in pixels the 7x7 planes stayed
+# on one thread at batch 1; split in two they took 85 us); the output transform 44 and
+# 70 us, 12.5 and 16 floats a nanosecond.
+def winograd_plane_floats(out_hw: tuple[int, int], output: bool,
+                          grid: Any = _HERE) -> int:
+    """The work of one plane of a Winograd transform (``output``: the output transform's,
+    else the input's) in the floats it touches at the native kernels' vector width."""
+    th, tw = -(-out_hw[0] // 2), -(-out_hw[1] // 2)
+    tiles = _grid(grid)
+    lanes = max(1, (tiles[1] if tiles else 8) // 2)     # the micro-tile is two vectors wide
+    row = -(-tw // lanes) * lanes
+    if output:
+        return 16 * th * row + out_hw[0] * out_hw[1]
+    return (2 * th + 2) * 2 * (row + lanes) + 16 * th * row
+
+
+def winograd_transform_parts(planes: int, out_hw: tuple[int, int], output: bool,
+                             threads: int) -> int:
+    """How many chunks a Winograd transform of ``planes`` planes splits into on up to
+    ``threads`` threads (see winograd_plane_floats)."""
+    per_plane = winograd_plane_floats(out_hw, output)
+    return max(1, min(threads, planes, planes * per_plane // MIN_CHUNK_FLOATS))
+
+
+# Winograd's transforms split by tile rows (every channel of each) where a chunk holds
+# fewer images than threads, yet tile rows to split evenly (EVEN_SPLIT, below), and a
+# thread's share of the chunk's transformed tiles and products fits its L2 (caches()),
+# and the products have a column panel for every thread: split by planes, a thread would
+# transform some channels of every tile, while its share of the sixteen products (whole
+# columns: tiles, panel-major) reads every channel of a few tiles, written by the other
+# threads into their caches. By tile rows a thread transforms the tiles its products
+# read and writes the outputs of the tiles it multiplied: its data stays in its own L2
+# through the three passes (where its share does not fit there, it streams through the
+# shared cache either way). Each value is computed alike either way (the same V and Y),
+# so the choice may follow the threads. On the 2-core AMD EPYC (1 MiB L2 a core) only
+# ResNet-18's 256-channel layers at batch 1 take it, on two threads: their conv time,
+# alternating calls under load, 1.01-1.03x the planes split's (within the noise); the
+# rule is for many cores, where a thread's share is small (at 16 threads, ResNet-18's
+# 64-channel layers at batch 32: 0.4 MiB a thread).
+def winograd_by_rows(images: int, channels: int, out_hw: tuple[int, int], threads: int,
+                     sizes: Caches | None = None, grid: Any = _HERE) -> bool:
+    """Whether a Winograd chunk of ``images`` splits its transforms by tile rows;
+    ``channels``: its input and output channels together."""
+    th, tw = -(-out_hw[0] // 2), -(-out_hw[1] // 2)
+    rows = images * th
+    if not images < threads <= rows or -(-rows // threads) * threads > EVEN_SPLIT * rows:
+        return False                 # whole images, or rows too few to split evenly
+    tile = _grid(grid)
+    if tile is None or -(-rows * tw // tile[1]) < threads:
+        return False                 # the products split by product, not by tiles
+    share = 16 * rows * tw * channels * 4 // threads
+    return share <= (sizes or caches()).l2
+
+
+def winograd_parts(images: int, channels: int, out_hw: tuple[int, int], output: bool,
+                   threads: int, by_rows: bool) -> int:
+    """How many chunks a Winograd transform of ``images`` images of ``channels`` planes
+    splits into on up to ``threads`` threads: by planes (winograd_transform_parts), or
+    ``by_rows`` by tile rows, each ``channels`` planes' worth of work."""
+    if not by_rows:
+        return winograd_transform_parts(images * channels, out_hw, output, threads)
+    th = -(-out_hw[0] // 2)
+    rows = images * th
+    per_row = channels * winograd_plane_floats(out_hw, output) // th
+    return max(1, min(threads, rows, rows * per_row // MIN_CHUNK_FLOATS))
+
+
 def _winograd_scratch(n: int, c: int, m: int, th: int, tw: int, itemsize: int) -> int:
     """Bytes a Winograd chunk of ``n`` images holds (keel.backends.cpu.winograd): compiled,
     the transformed input V and the products P; in NumPy also the split input D, the
@@ -1621,6 +1715,220 @@ def _winograd_scratch(n: int, c: int, m: int, th: int, tw: int, itemsize: int) -
         return 16 * tiles * (c + m) * itemsize
     split = n * 4 * (th + 1) * (tw + 1) * c + 8 * n * (th + 1) * tw * c
     return (split + 16 * tiles * (c + m) + 8 * tiles * m + 4 * tiles * m) * itemsize
+
+
+# ---- a conv's split over threads ---------------------------------------------------------
+# What each conv kernel's parallel passes split into on ``threads`` threads, as the kernels
+# compute it (the least work per thread above, the planned form and chunk): the pass split
+# least is the node's split. explain() gives it with the threads, and the 16-thread audit
+# (benchmarks/threads_audit.py) checks that every conv with work for every thread splits
+# into that many even pieces. A split is even while its largest chunk is within
+# EVEN_SPLIT of the mean (whole units: 25 panels over 16 threads are chunks of 1 and 2).
+EVEN_SPLIT = 1.25
+
+
+@dataclass(frozen=True)
+class Split:
+    """One parallel pass of a node: ``units`` work items (planes, panels, bands) of
+    ``work`` kernel work in all, in ``pieces`` contiguous chunks; ``least`` the kernel
+    family's least work per thread; ``product``: the pass is a native GEMM product,
+    split as native_gemm.Call splits it."""
+
+    name: str
+    units: int
+    pieces: int
+    work: int
+    least: int
+    product: bool = False            # a native GEMM's product (its split is the GEMM's)
+
+    @property
+    def balance(self) -> float:
+        """The largest chunk over the mean (1.0: every chunk the same)."""
+        return -(-self.units // self.pieces) * self.pieces / self.units if self.units else 1.0
+
+    def worth(self, threads: int) -> bool:
+        """Whether the pass has the least work per thread for each of ``threads``."""
+        return self.work >= threads * self.least
+
+    def describe(self) -> str:
+        return (f"{self.name} {self.units} unit(s) in {self.pieces} piece(s), the largest "
+                f"{self.balance:.2f}x the mean")
+
+
+def chunk_split(name: str, units: int, threads: int, work: int, least: int) -> Split:
+    """A pass of ``units`` items and ``work`` work split as keel.native.pool.parts does,
+    each chunk at least ``least`` work."""
+    per_unit = max(1, work // max(1, units))
+    pieces = max(1, min(threads, units, units // max(1, least // per_unit)))
+    return Split(name, units, pieces, work, least)
+
+
+def gemm_pass(name: str, batch: int, m: int, n: int, k: int, threads: int,
+              grid: Any = _HERE, panel_major: bool = False) -> Split:
+    """The split of a native product (native_gemm.Call.run): whole column panels (or row
+    panels, where the batch alone would leave threads idle), at least
+    MIN_FLOPS_PER_THREAD flops each."""
+    tiles = _grid(grid) or _TILES["scalar"]
+    flops = 2 * batch * m * n * k
+    mp, np_ = -(-m // tiles[0]), -(-n // tiles[1])
+    wanted = max(1, gemm_threads(threads, flops))
+    rows = not panel_major and batch < wanted and mp > np_
+    units = batch * (mp if rows else np_)
+    return Split(f"{name} ({'row' if rows else 'column'} panels)", units,
+                 max(1, min(wanted, units)), flops, MIN_FLOPS_PER_THREAD, product=True)
+
+
+def conv_splits(variant: str, layout: str, chunk: int | None, geo: ConvGeometry,
+                threads: int, grid: Any = _HERE, sizes: Caches | None = None
+                ) -> tuple[Split, ...]:
+    """The parallel passes of conv ``variant`` (planned ``layout`` and ``chunk``) on
+    ``threads`` threads, for the caches of ``sizes`` (None: this machine's); () for a
+    variant that runs on BLAS or NumPy (their threads are the program's BLAS threads, or
+    one)."""
+    if variant == "winograd" and geo.rank == 2:
+        return _winograd_splits(geo, chunk or geo.batch, threads, grid, sizes)
+    if variant == "native":
+        return _native_splits(geo, layout, threads, grid)
+    if variant == "depthwise" and layout.startswith("native"):
+        taps = math.prod(geo.window.out_spatial) * math.prod(geo.window.kernel)
+        planes = geo.batch * geo.in_channels
+        return (chunk_split("planes", planes, threads, planes * taps, MIN_CHUNK_TAPS),)
+    return ()
+
+
+def _winograd_splits(geo: ConvGeometry, chunk: int, threads: int, grid: Any,
+                     sizes: Caches | None) -> tuple[Split, ...]:
+    out = geo.window.out_spatial
+    c, m = geo.in_channels, geo.out_channels
+    k = min(chunk, geo.batch)
+    tiles = k * -(-out[0] // 2) * -(-out[1] // 2)
+    hw = (out[0], out[1])
+    passes = []
+    for name, channels, output in (("input transform", c, False),
+                                   ("output transform", m, True)):
+        work = k * channels * winograd_plane_floats(hw, output, grid)
+        by_rows = winograd_by_rows(k, c + m, hw, threads, sizes, grid)
+        units = k * -(-out[0] // 2) if by_rows else k * channels
+        passes.append(Split(f"{name} {'tile rows' if by_rows else 'planes'}", units,
+                            winograd_parts(k, channels, hw, output, threads, by_rows), work,
+                            MIN_CHUNK_FLOATS))
+    products = gemm_pass("16 products", 16, m, tiles, c, threads, grid, panel_major=True)
+    return passes[0], products, passes[1]
+
+
+def _native_splits(geo: ConvGeometry, layout: str, threads: int,
+                   grid: Any) -> tuple[Split, ...]:
+    n, g, win = geo.batch, geo.group, geo.window
+    pixels, taps = math.prod(win.out_spatial), math.prod(win.kernel)
+    cg, mg = geo.in_channels // g, geo.out_channels // g
+    band, copied, batch, columns, wide = _native_shape(geo, layout)
+    if band:
+        rows = native_gemm.band_rows(geo.in_channels, win.kernel, win.out_spatial) or 1
+        units = n * -(-win.out_spatial[0] // rows)
+        flops = 2 * n * geo.out_channels * pixels * cg * taps
+        return (Split("bands of output rows", units, max(1, min(threads, units)), flops,
+                      MIN_FLOPS_PER_THREAD),)
+    product = gemm_pass("products" if g > 1 else "product", batch, mg, columns, cg * taps,
+                        threads, grid)
+    if not copied:
+        return (product,)
+    planes = n * geo.in_channels
+    work = planes * math.prod(win.in_spatial)
+    if wide:                                # X into the wide buffer: one NumPy copy
+        return Split("copy into the wide buffer (NumPy)", 1, 1, work, MIN_COPY_ELEMENTS), product
+    return chunk_split("phase copy planes", planes, threads, work, MIN_CHUNK_FLOATS), product
+
+
+@functools.lru_cache(maxsize=512)
+def _native_shape(geo: ConvGeometry, form: str) -> tuple[bool, bool, int, int, bool]:
+    """What the split of ``geo``'s native conv in ``form`` follows: (by bands, X copied
+    first, the products per group, their columns, through the wide buffer)."""
+    found = conv_gemm.native_layout(geo, form)
+    pixels = math.prod(geo.window.out_spatial)
+    batch, columns = (1, geo.batch * pixels) if found.stacked else (geo.batch, pixels)
+    if found.wide is not None:
+        batch, columns = (1 if found.wide.stacked else geo.batch), found.wide.columns
+    return found.band, found.copied, batch, columns, found.wide is not None
+
+
+def node_splits(op: Op, input_types: Sequence[TensorType | None], attrs: Mapping[str, Any],
+                node_plan: NodePlan, threads: int, profile: Any = None) -> tuple[Split, ...]:
+    """The parallel passes of a node planned as ``node_plan`` on ``threads`` threads (for
+    the CPU of ``profile``): a conv's (conv_splits), a MatMul's or Gemm's one product,
+    a pooling window's planes, a row or copy kernel's elements; () for a node whose
+    kernel none of these describes."""
+    request = PlanRequest(op, tuple(input_types), dict(attrs), threads, profile)
+    grid = tile_grid(profile)
+    geo = _static_geometry(request)
+    if geo is not None:
+        variant = node_plan.option("conv_variant") or node_plan.variant
+        return conv_splits(variant, node_plan.layout, node_plan.chunk, geo, threads, grid,
+                           caches(profile))
+    product = _product(request)
+    if product is not None:
+        m, k, n = product
+        return (gemm_pass("product", 1, m, n, k, threads, grid),)
+    pool = _pool_split(request, threads)
+    if pool is not None:
+        return (pool,)
+    found = _element_work(request)
+    if found is None:
+        return ()
+    elements, least, _ = found
+    pieces = node_plan.threads or 1
+    return (Split("elements", elements, max(1, min(pieces, elements)), elements, least),)
+
+
+def _element_work(request: PlanRequest) -> tuple[int, int, str] | None:
+    """A row or copy kernel's work in elements, its least work per thread and that
+    limit's name; None for other nodes or shapes not known."""
+    shapes = request.static_shapes() if request.op in _ELEMENT_THREADS_OPS else None
+    if not shapes or shapes[0] is None:
+        return None
+    least, name = ((MIN_COPY_ELEMENTS, "MIN_COPY_ELEMENTS") if request.op is Op.TRANSPOSE
+                   else (MIN_SKIP_NORM_ELEMENTS, "MIN_SKIP_NORM_ELEMENTS")
+                   if request.op is Op.SKIP_LAYER_NORM
+                   else (MIN_CHUNK_ELEMENTS, "MIN_CHUNK_ELEMENTS"))
+    elements = math.prod(shapes[0])
+    if request.op is Op.ATTENTION:             # the row kernel's work: scores x (d + dv)
+        if len(shapes) < 3 or shapes[1] is None or shapes[2] is None:
+            return None
+        q, k, v = shapes[0], shapes[1], shapes[2]
+        elements = math.prod(q[:-1]) * k[-2] * (q[-1] + v[-1])
+    return elements, least, name
+
+
+def _pool_split(request: PlanRequest, threads: int) -> Split | None:
+    """A MaxPool's or AveragePool's planes on the native window kernels."""
+    shapes = request.static_shapes() if request.op in (Op.MAX_POOL, Op.AVG_POOL) else None
+    if not shapes or shapes[0] is None or len(shapes[0]) != 4:
+        return None
+    try:
+        win = pool_window(request.op, shapes[0], request.attrs)
+    except KeelError:
+        return None
+    planes = shapes[0][0] * shapes[0][1]
+    taps = math.prod(win.out_spatial) * math.prod(win.kernel)
+    return chunk_split("planes", planes, threads, planes * taps, MIN_CHUNK_TAPS)
+
+
+def split_reason(splits: Sequence[Split], threads: int) -> str:
+    """The split of a node's passes on ``threads`` threads, for its plan's reasons: each
+    pass's pieces and evenness, and for a pass on fewer pieces than threads whether it
+    has work for all of them."""
+    if not splits:
+        return ""
+    least = min(s.pieces for s in splits)
+    notes = []
+    for s in splits:
+        if s.pieces >= threads:
+            continue
+        what = s.name.split(" (")[0]
+        notes.append(f"{what}: {s.work:,} work, at least {s.least:,} a thread"
+                     + ("" if s.worth(threads) else f" (under {threads} x that)"))
+    return (f"split into {least} piece(s){' at least' if len(splits) > 1 else ''}: "
+            f"{'; '.join(s.describe() for s in splits)}"
+            + (f"; on fewer than {threads}: {'; '.join(notes)}" if notes else ""))
 
 
 def conv_form(variant: str, geo: ConvGeometry, itemsize: int, grid: Any = _HERE,

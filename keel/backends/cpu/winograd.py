@@ -25,7 +25,6 @@ from keel import native
 from keel.backends.cpu import native_gemm, planner, workspace
 from keel.backends.cpu.conv_epilogue import Activation, finish
 from keel.backends.cpu.native_window import clip_bounds
-from keel.native.pool import parts
 
 __all__ = ["TRANSFORM_G", "conv3x3", "native_conv3x3"]
 
@@ -164,9 +163,9 @@ def _functions() -> _Functions | None:
     if _loaded is not None and _loaded[0] is lib:
         return _loaded[1]
     fns = _Functions(
-        input=lib.function("keel_winograd_input_f32", [_P, _P, _P, _I, _I], _I),
-        output=lib.function("keel_winograd_output_f32", [_P, _P, _P, _I, _P, _P, _P, _I, _I],
-                            _I),
+        input=lib.function("keel_winograd_input_f32", [_P, _P, _P, _I, _I, _I], _I),
+        output=lib.function("keel_winograd_output_f32",
+                            [_P, _P, _P, _I, _P, _P, _P, _I, _I, _I], _I),
     )
     _loaded = (lib, fns)
     return fns
@@ -216,18 +215,21 @@ def native_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[in
         p = p_all[:16 * m * t].reshape(16, m, t)
         xs, ys = x[n0:n0 + k], y[n0:n0 + k]
         zs = None if z is None else z[n0:n0 + k]
+        # By tile rows, a thread transforms the tiles its share of the products reads.
+        by_rows = planner.winograd_by_rows(k, c + m, out_hw, threads)
         _ok(fns.input(addr(xs), addr(v), addr(geo), k,
-                      parts(k * c, threads, max(1, planner.MIN_CHUNK_FLOATS // (h * wd)))))
+                      planner.winograd_parts(k, c, out_hw, False, threads, by_rows), by_rows))
         call = native_gemm.prepare(u, v, p)
         if call is None:
             raise RuntimeError("native GEMM refused the Winograd products")
-        # Panel-major: a thread's share of the sixteen products is the tiles of the images
-        # whose planes it transformed (the pool gives each thread the same chunk index).
+        # Panel-major: a thread's share of the sixteen products is the same tiles of each
+        # (those of the images, or tile rows, it transformed: the pool gives each thread
+        # the same chunk index).
         call.run(threads, panel_major=True)
         _ok(fns.output(addr(p), addr(ys), addr(geo), m,
                        None if bias is None else addr(bias), None if zs is None else addr(zs),
                        None if clip is None else addr(clip), k,
-                       parts(k * m, threads, max(1, planner.MIN_CHUNK_FLOATS // (oh * ow)))))
+                       planner.winograd_parts(k, m, out_hw, True, threads, by_rows), by_rows))
     if name and name != "clip":
         finish(np, y, y, None, act)
     return True

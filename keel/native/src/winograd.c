@@ -9,7 +9,10 @@
  *   keel_winograd_input_f32:  V[k][c][t] = (B^T d B)[k] of tile t of channel c
  *   keel_winograd_output_f32: Y[n][m][..] = clip(A^T P[.][m][t] A + bias[m] + Z, lo, hi)
  *
- * with T = images x th x tw tiles (tile t = (image, ty, tx), tx fastest). A plane
+ * with T = images x th x tw tiles (tile t = (image, ty, tx), tx fastest), each split over
+ * keel's threads by planes (image, channel), or (by_rows) by tile rows (image, ty) with
+ * every channel of each, so that a thread transforms whole tiles: those
+ * its share of the products (whole columns, panel-major) reads and writes. A plane
  * (one image, one channel) is first copied into a zero-padded buffer whose rows are
  * split into even and odd columns, so the four columns of sixteen consecutive tiles
  * are four contiguous vector loads; the row transform (d B) runs on them, the column
@@ -81,16 +84,17 @@ static int64_t output_floats(const wgeom *g) { return 4 * g->twp; }
 
 /* ---- input transform ------------------------------------------------------------------ */
 
-/* The plane's rows -pt .. 2 th + 1 - pt, zero-padded, as even / odd column halves:
- * row r's padded column j (input column j - pl) at s[(2 r + j % 2) * half + j / 2]. */
-static void split_plane(const float *x, const wgeom *g, float *s)
+/* The plane's padded rows [r_lo, r_hi) of -pt .. 2 th + 1 - pt, zero-padded, as even / odd
+ * column halves: row r's padded column j (input column j - pl) at
+ * s[(2 r + j % 2) * half + j / 2]. */
+static void split_plane(const float *x, const wgeom *g, float *s, int64_t r_lo, int64_t r_hi)
 {
-    int64_t rows = 2 * g->th + 2, cols = 2 * g->half;
+    int64_t cols = 2 * g->half;
     /* Padded columns [a, b) hold input columns [a - pl, b - pl); a pair j (padded columns
      * 2j, 2j + 1) lies wholly inside for j in [ja, jb). */
     int64_t a = g->pl, b = g->pl + g->w < cols ? g->pl + g->w : cols;
     int64_t ja = (a + 1) / 2, jb = b / 2;
-    for (int64_t r = 0; r < rows; r++) {
+    for (int64_t r = r_lo; r < r_hi; r++) {
         float *even = s + 2 * r * g->half, *odd = even + g->half;
         int64_t ir = r - g->pt;
         if (ir < 0 || ir >= g->h) {
@@ -125,14 +129,15 @@ static inline void row_transform(const float *s, const wgeom *g, int64_t r, int6
     out[3] = o0 - o1;
 }
 
-/* V (16, C, T) for channel c of one image (plane x), whose tiles start at index t0. */
+/* V (16, C, T) for channel c of one image (plane x), whose tiles start at index t0: the
+ * tile rows [ty_lo, ty_hi). */
 static void input_plane(const float *x, const wgeom *g, float *v, int64_t c, int64_t t_total,
-                        int64_t t0, float *s)
+                        int64_t t0, float *s, int64_t ty_lo, int64_t ty_hi)
 {
-    split_plane(x, g, s);
+    split_plane(x, g, s, 2 * ty_lo, 2 * ty_hi + 2);
     int64_t stride_k = g->c * t_total;
     float *vc = v + c * t_total;
-    for (int64_t ty = 0; ty < g->th; ty++) {
+    for (int64_t ty = ty_lo; ty < ty_hi; ty++) {
         int64_t t = t0 + ty * g->tw;
         for (int64_t tx = 0; tx < g->tw; tx += VW) {
             vf d[4][4];
@@ -164,16 +169,17 @@ typedef struct {
 } wepilogue;
 
 /* Y's plane (OH, OW) for output channel m of one image from P (16, M, T), the image's
- * tiles starting at index t0; z is the residual's plane or NULL. */
+ * tiles starting at index t0: the output rows of tile rows [ty_lo, ty_hi); z is the
+ * residual's plane or NULL. */
 static void output_plane(const float *p, const wgeom *g, float *y, const wepilogue *e,
                          const float *z, int64_t m, int64_t channels, int64_t t_total, int64_t t0,
-                         float *s)
+                         float *s, int64_t ty_lo, int64_t ty_hi)
 {
     int64_t stride_k = channels * t_total;
     const float *pm = p + m * t_total + t0;
     float *r0 = s, *r1 = s + 2 * g->twp;
     float b = e->bias ? e->bias[m] : 0.0f;
-    for (int64_t ty = 0; ty < g->th; ty++) {
+    for (int64_t ty = ty_lo; ty < ty_hi; ty++) {
         const float *pt = pm + ty * g->tw;
         for (int64_t tx = 0; tx < g->tw; tx += VW) {
             vf q[16];
@@ -256,20 +262,53 @@ static void input_task(void *ctx, float *s, int64_t lo, int64_t hi)
     int64_t tiles = g->th * g->tw, plane = g->h * g->w;
     for (int64_t q = lo; q < hi; q++) {
         int64_t i = q / g->c, c = q % g->c;
-        input_plane(j->x + q * plane, g, j->v, c, j->t_total, i * tiles, s);
+        input_plane(j->x + q * plane, g, j->v, c, j->t_total, i * tiles, s, 0, g->th);
     }
 }
 
+/* The tile rows [lo, hi) of the images (row q: image q / th, tile row q % th), a run per
+ * image: fn(ctx, s, image, first tile row, end tile row). */
+typedef void (*rows_fn)(const void *ctx, float *s, int64_t i, int64_t a, int64_t b);
+
+static void each_image_rows(rows_fn fn, const void *ctx, float *s, int64_t th, int64_t lo,
+                            int64_t hi)
+{
+    for (int64_t q = lo; q < hi;) {
+        int64_t i = q / th, a = q % th, b = hi - i * th < th ? hi - i * th : th;
+        fn(ctx, s, i, a, b);
+        q = i * th + b;
+    }
+}
+
+/* Tile rows [a, b) of image i, every channel: a thread's share is whole tiles, the
+ * columns of V its products read. */
+static void input_rows(const void *ctx, float *s, int64_t i, int64_t a, int64_t b)
+{
+    const input_job *j = ctx;
+    const wgeom *g = j->g;
+    int64_t tiles = g->th * g->tw, plane = g->h * g->w;
+    for (int64_t c = 0; c < g->c; c++)
+        input_plane(j->x + (i * g->c + c) * plane, g, j->v, c, j->t_total, i * tiles, s, a, b);
+}
+
+static void input_rows_task(void *ctx, float *s, int64_t lo, int64_t hi)
+{
+    const input_job *j = ctx;
+    each_image_rows(input_rows, ctx, s, j->g->th, lo, hi);
+}
+
 /* V (16, C, T) from X (images, C, H, W), T = images * th * tw, over `parts` chunks of
- * the images' planes on keel's threads. Returns 0, or -1 for an unserved geometry or
- * no scratch. */
+ * the images' planes on keel's threads, or with by_rows of their tile rows (every
+ * channel of each): the same V. Returns 0, or -1 for an unserved geometry or no
+ * scratch. */
 int64_t keel_winograd_input_f32(const float *x, float *v, const int64_t *geometry,
-                                int64_t images, int64_t parts)
+                                int64_t images, int64_t parts, int64_t by_rows)
 {
     wgeom g;
     if (wgeom_init(&g, geometry) != 0) return -1;
     input_job j = {x, v, &g, images * g.th * g.tw};
-    return run_parts(input_task, &j, images * g.c, parts, keel_winograd_scratch(geometry));
+    return run_parts(by_rows ? input_rows_task : input_task, &j,
+                     images * (by_rows ? g.th : g.c), parts, keel_winograd_scratch(geometry));
 }
 
 typedef struct {
@@ -288,20 +327,42 @@ static void output_task(void *ctx, float *s, int64_t lo, int64_t hi)
     for (int64_t q = lo; q < hi; q++) {
         int64_t i = q / j->m, m = q % j->m;
         output_plane(j->p, g, j->y + q * plane, &j->e, j->e.z ? j->e.z + q * plane : NULL, m,
-                     j->m, j->t_total, i * tiles, s);
+                     j->m, j->t_total, i * tiles, s, 0, g->th);
     }
+}
+
+/* Tile rows [a, b) of image i, every output channel. */
+static void output_rows(const void *ctx, float *s, int64_t i, int64_t a, int64_t b)
+{
+    const output_job *j = ctx;
+    const wgeom *g = j->g;
+    int64_t tiles = g->th * g->tw, plane = g->oh * g->ow;
+    for (int64_t m = 0; m < j->m; m++) {
+        int64_t o = (i * j->m + m) * plane;
+        output_plane(j->p, g, j->y + o, &j->e, j->e.z ? j->e.z + o : NULL, m, j->m, j->t_total,
+                     i * tiles, s, a, b);
+    }
+}
+
+static void output_rows_task(void *ctx, float *s, int64_t lo, int64_t hi)
+{
+    const output_job *j = ctx;
+    each_image_rows(output_rows, ctx, s, j->g->th, lo, hi);
 }
 
 /* Y (images, M, OH, OW) = clip(A^T P A + bias + Z, lo, hi) from P (16, M, T); bias (M)
  * and Z (like Y) may be NULL, clip = {lo, hi} or NULL. Over `parts` chunks of the output
- * planes on keel's threads. Returns 0, or -1 for an unserved geometry or no scratch. */
+ * planes on keel's threads, or with by_rows of the images' tile rows (every output
+ * channel of each): the same Y. Returns 0, or -1 for an unserved geometry or no
+ * scratch. */
 int64_t keel_winograd_output_f32(const float *p, float *y, const int64_t *geometry, int64_t m,
                                  const float *bias, const float *z, const float *clip,
-                                 int64_t images, int64_t parts)
+                                 int64_t images, int64_t parts, int64_t by_rows)
 {
     wgeom g;
     if (wgeom_init(&g, geometry) != 0 || m < 1) return -1;
     output_job j = {p, y, &g, m, images * g.th * g.tw,
                     {bias, z, clip ? clip[0] : 0.0f, clip ? clip[1] : 0.0f, clip != NULL}};
-    return run_parts(output_task, &j, images * m, parts, keel_winograd_scratch(geometry));
+    return run_parts(by_rows ? output_rows_task : output_task, &j,
+                     images * (by_rows ? g.th : m), parts, keel_winograd_scratch(geometry));
 }

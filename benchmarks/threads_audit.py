@@ -1,0 +1,140 @@
+"""The parallelism audit: how the benchmark models' nodes split on a many-core machine.
+
+    python -m benchmarks.threads_audit                   # 16 threads, batches 1 and 32
+    python -m benchmarks.threads_audit --threads 64 --models resnet18 --all
+
+Plans every node of the suite's models (benchmarks/zoo.py) with keel's cpu planner for
+a probed 16-core server (the ``amd-sysfs-only`` fake: a 16-core Ryzen 9 7950X, 1 MiB
+L2 a core, 32 MiB L3; or ``--profile`` a saved ``keel probe --json``) and, for each
+node, the parallel passes its kernel runs (keel.backends.cpu.planner.node_splits): the
+work units of each, how many pieces they split into and how even those are. Nothing
+runs: the split is the planner's, for the probe's cores and caches.
+
+Each pass of a node with work for every thread (its kernel family's least work per
+thread for each of ``--threads``) must split into at least that many pieces, the
+largest within the planner's EVEN_SPLIT of the mean. The table lists the nodes with a
+pass that does not (FAIL for convs and pooling; "short" for the others, whose GEMM
+products are reported, not judged) and those on fewer threads for want of work, with
+the planner's reason; ``--all`` lists every node. The exit status is 1 when a judged
+node fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import onnx
+
+from benchmarks.zoo import DEFAULT_MODELS, MODELS, build
+from keel import load_model
+from keel.backends.cpu import planner
+from keel.backends.cpu.backend import CpuBackend
+from keel.graph.shape_inference import propagate
+from keel.hardware.fakes import fake_profile
+from keel.hardware.profile import HardwareProfile
+from keel.ops.registry import Op
+
+SERVER = "amd-sysfs-only"
+CONV_OPS = planner.CONV_OPS
+JUDGED_OPS = frozenset(CONV_OPS | {Op.MAX_POOL, Op.AVG_POOL})
+
+
+@dataclass(frozen=True)
+class Row:
+    """One node's split on ``threads`` threads."""
+
+    model: str
+    batch: int
+    node: str
+    op: Op
+    variant: str
+    layout: str
+    splits: tuple[planner.Split, ...]
+    threads: int
+
+    @property
+    def short(self) -> tuple[planner.Split, ...]:
+        """The passes with work for every thread that split into fewer pieces than
+        threads, or unevenly."""
+        return tuple(s for s in self.splits if s.worth(self.threads) and (
+            s.pieces < self.threads or s.balance > planner.EVEN_SPLIT))
+
+    @property
+    def failed(self) -> bool:
+        return self.op in JUDGED_OPS and bool(self.short)
+
+    @property
+    def verdict(self) -> str:
+        if not self.splits:
+            return "not modelled"
+        if self.short:
+            return "FAIL" if self.failed else "short"
+        return "ok" if any(s.worth(self.threads) for s in self.splits) else "little work"
+
+    def line(self) -> str:
+        what = planner.split_reason(self.splits, self.threads) or "-"
+        return (f"{self.model:12s} b{self.batch:<3d} {self.node:28.28s} {self.op.value:14.14s} "
+                f"{self.variant:9.9s} {self.layout:16.16s} {self.verdict:12s} {what}")
+
+
+def fixed_batch(model: bytes, feeds: dict[str, Any]) -> bytes:
+    """``model`` with its inputs' shapes set to those of ``feeds`` (no symbolic dims)."""
+    proto = onnx.load_from_string(model)
+    for value in proto.graph.input:
+        if value.name not in feeds:
+            continue
+        dims = value.type.tensor_type.shape.dim
+        for dim, size in zip(dims, feeds[value.name].shape, strict=True):
+            dim.Clear()
+            dim.dim_value = int(size)
+    return proto.SerializeToString()
+
+
+def audit(name: str, batch: int, threads: int, profile: HardwareProfile) -> list[Row]:
+    """Every node of benchmark model ``name`` at ``batch``, planned for ``profile`` on
+    ``threads`` threads, with its kernel's split."""
+    feeds = MODELS[name].make_feeds(batch)
+    model = load_model(fixed_batch(build(name), feeds), backend="cpu", threads=threads,
+                       hardware=profile, plan_cache=False)
+    graph = model.graph
+    types = propagate(graph, {k: v.shape for k, v in feeds.items()}).types
+    backend = CpuBackend(threads=threads, hardware=profile)
+    rows = []
+    for node in graph.nodes:
+        inputs = [types.get(i) if i else None for i in node.inputs]
+        plan = backend.plan_node(node.op, inputs, node.attrs, threads=threads, profile=profile)
+        splits = planner.node_splits(node.op, inputs, node.attrs, plan, threads, profile)
+        rows.append(Row(name, batch, node.name, node.op, plan.variant, plan.layout, splits,
+                        threads))
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.threads_audit",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS))
+    p.add_argument("--batches", default="1,32")
+    p.add_argument("--threads", type=int, default=16)
+    p.add_argument("--profile", default=None,
+                   help="a profile saved by `keel probe --json` (default: a 16-core server)")
+    p.add_argument("--all", action="store_true", help="list every node, not only the short")
+    args = p.parse_args(argv)
+    profile = (fake_profile(SERVER) if args.profile is None
+               else HardwareProfile.load(args.profile))
+    failed = 0
+    for name in args.models.split(","):
+        for batch in (int(b) for b in args.batches.split(",")):
+            for row in audit(name, batch, args.threads, profile):
+                failed += row.failed
+                if args.all or row.verdict not in ("ok", "not modelled"):
+                    print(row.line())
+    print(f"{failed} judged node(s) fail the {args.threads}-thread split", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

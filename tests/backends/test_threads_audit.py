@@ -1,0 +1,124 @@
+"""The 16-thread parallelism audit: the benchmark models planned for a 16-core server
+split every conv and pooling pass with work for 16 threads into at least 16 even pieces
+(the native GEMM's products are reported, not judged here: their split is the GEMM's),
+explain() gives each conv's split, and the planner's split of a pass is the one its
+kernel makes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from benchmarks import threads_audit
+from keel import load_model, native
+from keel.backends.cpu import conv_gemm, native_gemm, native_window
+from keel.backends.cpu import planner as cpu_planner
+from keel.backends.cpu.conv_epilogue import activation
+from keel.hardware.fakes import fake_profile
+from keel.ops.registry import Op
+from keel.ops.schemas.conv import conv_geometry
+
+SIXTEEN = 16
+
+
+@pytest.fixture(autouse=True)
+def _native_tier() -> None:
+    if not (native_gemm.available() and native_window.ready()):
+        pytest.skip(f"native tier unavailable: {native.status().reason}")
+
+
+@pytest.fixture(scope="module")
+def server() -> Any:
+    return fake_profile(threads_audit.SERVER)
+
+
+@pytest.mark.parametrize(("model", "batch"), [("resnet18", 1), ("resnet18", 32),
+                                              ("mobilenetv2", 1), ("mobilenetv2", 32),
+                                              ("resnet20", 32)])
+def test_conv_and_pool_passes_split_over_sixteen_threads(model: str, batch: int,
+                                                         server: Any) -> None:
+    assert server.cpu.physical_cores == SIXTEEN and server.cpu.l2_cache_bytes
+    rows = threads_audit.audit(model, batch, SIXTEEN, server)
+    judged = [(row, s) for row in rows if row.op in threads_audit.JUDGED_OPS
+              for s in row.splits if not s.product and s.worth(SIXTEEN)]
+    assert judged, "no conv or pooling pass with work for 16 threads"
+    short = [f"{row.node}: {s.describe()}" for row, s in judged
+             if s.pieces < SIXTEEN or s.balance > cpu_planner.EVEN_SPLIT]
+    assert not short, short
+    # Every conv has its passes modelled (none falls through to "not modelled").
+    assert all(row.splits for row in rows if row.op is Op.CONV)
+
+
+def test_explain_gives_each_conv_its_split(server: Any) -> None:
+    model = load_model(threads_audit.fixed_batch(
+        threads_audit.build("resnet20"),
+        threads_audit.MODELS["resnet20"].make_feeds(32)),
+        backend="cpu", threads=SIXTEEN, hardware=server, plan_cache=False)
+    convs = [n for n in model.plan.nodes if n.op == "conv"]
+    assert convs
+    for node in convs:
+        assert node.plan is not None
+        assert "split into" in node.plan.reason("threads"), node.name
+    one = load_model(threads_audit.build("resnet20"), backend="cpu", threads=1,
+                     plan_cache=False)
+    assert not any("split into" in n.plan.reason("threads")
+                   for n in one.plan.nodes if n.plan is not None)
+
+
+def test_the_audit_script_lists_what_it_judges(capsys: pytest.CaptureFixture[str]) -> None:
+    assert threads_audit.main(["--models", "lenet", "--batches", "32", "--all"]) == 0
+    out = capsys.readouterr().out
+    assert "MaxPool_8" in out and "little work" in out
+
+
+@pytest.mark.parametrize(("x", "taps"), [((1, 960, 7, 7), 3), ((32, 144, 56, 56), 3),
+                                         ((4, 32, 112, 112), 3), ((2, 576, 14, 14), 5)])
+@pytest.mark.parametrize("threads", [2, 3, 16])
+def test_the_depthwise_split_is_the_kernels(x: tuple[int, ...], taps: int,
+                                            threads: int) -> None:
+    c = x[1]
+    w = np.zeros((c, 1, taps, taps), np.float32)
+    geo = conv_geometry(Op.CONV, x, w.shape, {"group": c, "pads": (taps // 2,) * 4})
+    layout = cpu_planner.depthwise_layout(geo)
+    assert layout.native is not None
+    xs, y = np.zeros(x, np.float32), np.zeros(geo.out_shape, np.float32)
+    bound = native_window.bind_depthwise_conv(xs, w, None, None, y, layout.native, None,
+                                              threads)
+    split_over = bound.fn is native_window._functions().dwconv_mt
+    kernel = bound.args[-1] if split_over else 1           # (..., planes, parts) when split
+    (split,) = cpu_planner.conv_splits("depthwise", "native|x", None, geo, threads)
+    assert split.units == x[0] * c
+    assert split.pieces == kernel
+    assert split_over == (kernel > 1)
+
+
+@pytest.mark.parametrize(("x", "w", "attrs"), [
+    ((1, 160, 7, 7), (960, 160, 1, 1), {}),
+    ((1, 64, 14, 14), (384, 64, 1, 1), {}),
+    ((1, 64, 56, 56), (128, 64, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}),
+    ((4, 32, 28, 28), (32, 32, 3, 3), {"pads": (1, 1, 1, 1)}),
+])
+@pytest.mark.parametrize("threads", [2, 4, 16])
+def test_the_product_split_is_the_native_gemms(x: tuple[int, ...], w: tuple[int, ...],
+                                               attrs: dict[str, Any], threads: int) -> None:
+    geo = conv_geometry(Op.CONV, x, w, {"pads": (0, 0, 0, 0), "strides": (1, 1), **attrs})
+    form, _ = cpu_planner.native_form(geo)
+    layout = conv_gemm.native_layout(geo, form)
+    xs = np.zeros(x, np.float32)
+    y = np.zeros(geo.out_shape, np.float32)
+    filters = conv_gemm.native_filters(np, geo, np.zeros(w, np.float32), None)
+    source = conv_gemm.native_source(np, layout, xs)
+    calls = conv_gemm.native_calls(layout, source, xs, filters, None, y, activation("", ()))
+    assert calls
+    product = next(s for s in cpu_planner.conv_splits("native", form, None, geo, threads)
+                   if s.product)
+    for call in calls:
+        if isinstance(call, native_gemm.BandCall):
+            assert product.units == call.units
+            continue
+        split = call._split(threads)
+        assert (1 if split is None else split[2]) == product.pieces
+        if split is not None:
+            assert split[1] == product.units

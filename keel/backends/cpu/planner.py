@@ -1721,9 +1721,10 @@ def _winograd_scratch(n: int, c: int, m: int, th: int, tw: int, itemsize: int) -
 # What each conv kernel's parallel passes split into on ``threads`` threads, as the kernels
 # compute it (the least work per thread above, the planned form and chunk): the pass split
 # least is the node's split. explain() gives it with the threads, and the 16-thread audit
-# (benchmarks/threads_audit.py) checks that every conv with work for every thread splits
-# into that many even pieces. A split is even while its largest chunk is within
-# EVEN_SPLIT of the mean (whole units: 25 panels over 16 threads are chunks of 1 and 2).
+# (benchmarks/threads_audit.py) checks that every conv with work for every thread keeps
+# them evenly busy: the busiest thread's work within EVEN_SPLIT of an even share (whole
+# units: 25 panels over 16 threads are chunks of 1 and 2, 1.28; 15 equal tiles over 16
+# threads leave one idle, 1.07).
 EVEN_SPLIT = 1.25
 
 
@@ -1746,6 +1747,10 @@ class Split:
         """The largest chunk over the mean (1.0: every chunk the same)."""
         return -(-self.units // self.pieces) * self.pieces / self.units if self.units else 1.0
 
+    def spread(self, threads: int) -> float:
+        """The busiest of ``threads`` threads' work over an even share (1.0: all alike)."""
+        return -(-self.units // self.pieces) * threads / self.units if self.units else 1.0
+
     def worth(self, threads: int) -> bool:
         """Whether the pass has the least work per thread for each of ``threads``."""
         return self.work >= threads * self.least
@@ -1764,18 +1769,22 @@ def chunk_split(name: str, units: int, threads: int, work: int, least: int) -> S
 
 
 def gemm_pass(name: str, batch: int, m: int, n: int, k: int, threads: int,
-              grid: Any = _HERE, panel_major: bool = False) -> Split:
-    """The split of a native product (native_gemm.Call.run): whole column panels (or row
-    panels, where the batch alone would leave threads idle), at least
-    MIN_FLOPS_PER_THREAD flops each."""
+              grid: Any = _HERE, panel_major: bool = False, sizes: Caches | None = None,
+              raw: tuple[bool, bool] = (True, False)) -> Split:
+    """The split of a native product (native_gemm.Call.run): ``gemm_split``'s tile grid
+    for the caches of ``sizes`` (None: this machine's), the units its tiles; or, for
+    ``panel_major`` products (Winograd's), whole column panels across the batch. At
+    least MIN_FLOPS_PER_THREAD flops a thread either way."""
     tiles = _grid(grid) or _TILES["scalar"]
     flops = 2 * batch * m * n * k
-    mp, np_ = -(-m // tiles[0]), -(-n // tiles[1])
-    wanted = max(1, gemm_threads(threads, flops))
-    rows = not panel_major and batch < wanted and mp > np_
-    units = batch * (mp if rows else np_)
-    return Split(f"{name} ({'row' if rows else 'column'} panels)", units,
-                 max(1, min(wanted, units)), flops, MIN_FLOPS_PER_THREAD, product=True)
+    if panel_major:
+        wanted = max(1, gemm_threads(threads, flops))
+        units = batch * -(-n // tiles[1])
+        return Split(f"{name} (column panels)", units, max(1, min(wanted, units)), flops,
+                     MIN_FLOPS_PER_THREAD, product=True)
+    split = gemm_split(batch, m, n, k, threads, tiles, sizes, raw)
+    return Split(f"{name} ({split.rows}x{split.cols} tiles a product)", split.pieces,
+                 split.parts, flops, MIN_FLOPS_PER_THREAD, product=True)
 
 
 def conv_splits(variant: str, layout: str, chunk: int | None, geo: ConvGeometry,
@@ -1788,7 +1797,7 @@ def conv_splits(variant: str, layout: str, chunk: int | None, geo: ConvGeometry,
     if variant == "winograd" and geo.rank == 2:
         return _winograd_splits(geo, chunk or geo.batch, threads, grid, sizes)
     if variant == "native":
-        return _native_splits(geo, layout, threads, grid)
+        return _native_splits(geo, layout, threads, grid, sizes)
     if variant == "depthwise" and layout.startswith("native"):
         taps = math.prod(geo.window.out_spatial) * math.prod(geo.window.kernel)
         planes = geo.batch * geo.in_channels
@@ -1816,8 +1825,8 @@ def _winograd_splits(geo: ConvGeometry, chunk: int, threads: int, grid: Any,
     return passes[0], products, passes[1]
 
 
-def _native_splits(geo: ConvGeometry, layout: str, threads: int,
-                   grid: Any) -> tuple[Split, ...]:
+def _native_splits(geo: ConvGeometry, layout: str, threads: int, grid: Any,
+                   sizes: Caches | None) -> tuple[Split, ...]:
     n, g, win = geo.batch, geo.group, geo.window
     pixels, taps = math.prod(win.out_spatial), math.prod(win.kernel)
     cg, mg = geo.in_channels // g, geo.out_channels // g
@@ -1829,7 +1838,7 @@ def _native_splits(geo: ConvGeometry, layout: str, threads: int,
         return (Split("bands of output rows", units, max(1, min(threads, units)), flops,
                       MIN_FLOPS_PER_THREAD),)
     product = gemm_pass("products" if g > 1 else "product", batch, mg, columns, cg * taps,
-                        threads, grid)
+                        threads, grid, sizes=sizes, raw=(False, True))
     if not copied:
         return (product,)
     planes = n * geo.in_channels
@@ -1867,7 +1876,7 @@ def node_splits(op: Op, input_types: Sequence[TensorType | None], attrs: Mapping
     product = _product(request)
     if product is not None:
         m, k, n = product
-        return (gemm_pass("product", 1, m, n, k, threads, grid),)
+        return (gemm_pass("product", 1, m, n, k, threads, grid, sizes=caches(profile)),)
     pool = _pool_split(request, threads)
     if pool is not None:
         return (pool,)

@@ -347,7 +347,15 @@ def test_qlinear_add_broadcasting_runs_numpy_with_onnxruntimes_bytes(
 def test_quantize_linear_matches_the_reference(path: str, zp: Any) -> None:
     x = RNG.uniform(-9, 9, (4, 67, 411)).astype(np.float32)    # three runs of 32,768+
     flat = x.reshape(-1)
-    flat[:8] = [np.nan, np.inf, -np.inf, 1e30, -1e30, 0.25, 0.75, -0.25]  # ties at scale 0.5
+    # ties at scale 0.5, quotients past int32, and ties at the clamps of every 8-bit range
+    # (x / 0.5 = y - zp + 0.5 or - 0.5 at y = 0, 255, -128, 127), spread over the lanes of
+    # the 64-value blocks and the runs' partial tails
+    special = np.array([np.nan, np.inf, -np.inf, 1e30, -1e30, 3e9, -3e9, 0.25, 0.75, -0.25,
+                        -1.25, -1.75, 124.25, 124.75, -64.25, -63.75, -62.25, 65.25, 60.75,
+                        63.75, 64.25, -0.0], np.float32)
+    where = np.concatenate([np.arange(22), RNG.choice(flat.size, 400, replace=False),
+                            flat.size - 1 - np.arange(22)])
+    flat[where] = np.resize(special, where.size)
     inputs = [x, np.float32(0.5), zp] if zp is not None else [x, np.float32(0.5)]
     attrs = get_schema(Op.QUANTIZE_LINEAR).normalize_attrs({})
     want = _run(REFERENCE, Op.QUANTIZE_LINEAR, inputs, attrs, "default")

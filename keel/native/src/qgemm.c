@@ -1453,9 +1453,14 @@ int64_t keel_qadd_u8(const uint8_t *a, const uint8_t *b, int64_t n, const float 
 
 /* ---- QuantizeLinear of float32 to 8 bits, per tensor -------------------------------------
  *
- * y = saturate(round_half_even(x / scale) + zero point): the float32 division, the
- * rounding and the addition of the zero point in float32 as keel's NumPy kernel does
- * them, NaN to 0, then the clamp. */
+ * y = saturate(round_half_even(x / scale) + zero point), NaN to 0, with the float32
+ * division keel's NumPy kernel makes. The vector paths clamp the quotient to
+ * [lo - zp, hi - zp] before rounding it and add the zero point to the integer: the bounds
+ * are integers and rounding is monotone, so this gives the bits of rounding, adding in
+ * float32 and clamping after. They hold y - lo (0 to 255) in the int32 lanes, pack four
+ * vectors to 64 bytes with unsigned saturation (which never acts) and add lo back as a
+ * byte, so both 8-bit types share one pack and one unmasked store. (A masked vpmovdb to
+ * memory per 16 lanes cost three times onnxruntime's time on AMD Zen.) */
 
 typedef struct {
     const float *x;
@@ -1463,22 +1468,49 @@ typedef struct {
     uint8_t *y;
 } quantize_job;
 
+#if QISA == 2
+typedef struct {
+    __m512 s, lo, hi;
+    __m512i shift, nan;
+} quantize_consts;
+
+/* y - lo of 16 lanes as int32 */
+static inline __m512i quantize16(const quantize_consts *c, __m512 x)
+{
+    __m512 d = _mm512_div_ps(x, c->s);
+    __mmask16 ordered = _mm512_cmp_ps_mask(d, d, _CMP_ORD_Q);
+    __m512i r = _mm512_cvt_roundps_epi32(_mm512_min_ps(_mm512_max_ps(d, c->lo), c->hi),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_mask_add_epi32(c->nan, ordered, r, c->shift);
+}
+#endif
+
 static void quantize_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
 {
     const quantize_job *j = ctx;
     (void)scratch;
     int64_t i = lo;
 #if QISA == 2
-    __m512 s = _mm512_set1_ps(j->scale), zp = _mm512_set1_ps(j->zp);
-    __m512 vlo = _mm512_set1_ps(j->lo), vhi = _mm512_set1_ps(j->hi);
+    const quantize_consts c = {
+        _mm512_set1_ps(j->scale), _mm512_set1_ps(j->lo - j->zp), _mm512_set1_ps(j->hi - j->zp),
+        _mm512_set1_epi32((int32_t)(j->zp - j->lo)), _mm512_set1_epi32((int32_t)-j->lo)};
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __m512i base = _mm512_set1_epi8((char)(int32_t)j->lo);
+    const float *xs = j->x;
+    uint8_t *ys = j->y;
+    for (; i + 64 <= hi; i += 64) {
+        const float *x = xs + i;
+        __m512i ab = _mm512_packs_epi32(quantize16(&c, _mm512_loadu_ps(x)),
+                                        quantize16(&c, _mm512_loadu_ps(x + 16)));
+        __m512i cd = _mm512_packs_epi32(quantize16(&c, _mm512_loadu_ps(x + 32)),
+                                        quantize16(&c, _mm512_loadu_ps(x + 48)));
+        __m512i bytes = _mm512_permutexvar_epi32(order, _mm512_packus_epi16(ab, cd));
+        _mm512_storeu_si512((void *)(ys + i), _mm512_add_epi8(bytes, base));
+    }
     for (; i < hi; i += 16) {
         __mmask16 k = hi - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (hi - i)) - 1);
-        __m512 t = _mm512_roundscale_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(k, j->x + i), s),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        t = _mm512_add_ps(t, zp);
-        t = _mm512_mask_mov_ps(t, _mm512_cmp_ps_mask(t, t, _CMP_UNORD_Q), _mm512_setzero_ps());
-        t = _mm512_min_ps(_mm512_max_ps(t, vlo), vhi);
-        _mm_mask_storeu_epi8(j->y + i, k, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(t)));
+        __m128i b = _mm512_cvtepi32_epi8(quantize16(&c, _mm512_maskz_loadu_ps(k, j->x + i)));
+        _mm_mask_storeu_epi8(j->y + i, k, _mm_add_epi8(b, _mm512_castsi512_si128(base)));
     }
 #endif
     for (; i < hi; i++) {

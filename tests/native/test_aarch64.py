@@ -406,7 +406,8 @@ class _Int8Calls:
         self.calls: list[tuple[str, int]] = []          # (symbol, index of its result)
         for name, symbol in (("matmul", "keel_qmatmul_u8s8"), ("conv", "keel_qconv2d_u8s8"),
                              ("direct", "keel_qconv2d_direct_u8s8"),
-                             ("depthwise", "keel_qdepthwise_u8s8"), ("add", "keel_qadd_u8")):
+                             ("depthwise", "keel_qdepthwise_u8s8"), ("add", "keel_qadd_u8"),
+                             ("quantize", "keel_quantize_f32")):
             setattr(self, name, self._caller(symbol))
         # The channel-lanes depthwise kernel is AVX-512 only: elsewhere it declines (-2),
         # and the plane-wise kernel runs, as on any build without AVX-512.
@@ -422,7 +423,9 @@ class _Int8Calls:
 
     def _caller(self, symbol: str, returns: int = 0) -> Any:
         def call(*args: Any) -> int:
-            index = self.session.call(self.library, symbol, *(self._buffer(a) for a in args))
+            ints = [self._buffer(a) for a in args if not isinstance(a, float)]
+            floats = [a for a in args if isinstance(a, float)]      # C float parameters
+            index = self.session.call(self.library, symbol, *ints, floats=floats)
             self.calls.append((symbol, index))
             return returns
         return call
@@ -522,6 +525,18 @@ def test_int8_residual_join_matches_the_reference(int8_on_arm: _Int8Calls) -> No
     attrs = {"activation": "relu"}
     got = int8_on_arm.run(_int8(Op.QLINEAR_ADD, inputs, attrs))
     np.testing.assert_array_equal(got, REF.run(Op.QLINEAR_ADD, inputs, attrs=attrs)[0])
+
+
+@pytest.mark.parametrize("zp", [np.array(7, np.uint8), np.array(-3, np.int8)],
+                         ids=["uint8", "int8"])
+def test_quantize_linear_matches_the_reference(int8_on_arm: _Int8Calls, zp: Any) -> None:
+    rng = np.random.default_rng(13)
+    x = rng.uniform(-90, 90, (3, 5, 67)).astype(np.float32)      # odd size: a partial run
+    x.reshape(-1)[:12] = [np.nan, np.inf, -np.inf, 3e9, 0.25, 0.75, -0.25, -1.25, 62.25,
+                          60.75, -64.25, -61.75]                 # ties, some at the clamps
+    inputs = [x, np.array(0.5, np.float32), zp]
+    got = int8_on_arm.run(_int8(Op.QUANTIZE_LINEAR, inputs, {}))
+    np.testing.assert_array_equal(got, REF.run(Op.QUANTIZE_LINEAR, inputs)[0])
 
 
 # ---- the channels-last int8 kernels (qlayout.c) ---------------------------------------------

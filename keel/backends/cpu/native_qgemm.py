@@ -81,7 +81,7 @@ def _bind(lib: native.NativeLibrary) -> _Functions:
         depthwise_lanes=f("keel_qdepthwise_cl_u8s8", [_P, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I],
                           _I),
         add=f("keel_qadd_u8", [_P, _P, _I, _P, _P, _I, _P, _I], _I),
-        quantize=f("keel_quantize_f32", [_P, _I, ctypes.c_double, _P, _P, _I], _I),
+        quantize=f("keel_quantize_f32", [_P, _I, ctypes.c_float, _I, _I, _I, _P, _I], _I),
         maxpool=f("keel_qmaxpool_8", [_P, _I, _P, _P, _I], _I),
     )
 
@@ -397,12 +397,16 @@ def quantize(x: np.ndarray, scale: float, y_zero_point: int, y: np.ndarray,
              threads: int = 1) -> None:
     """``y`` (8-bit) = QuantizeLinear of the contiguous float32 ``x`` with one float32
     ``scale`` and zero point, as the NumPy kernel computes it."""
-    fns = _functions()
-    lo, hi = QUANT_RANGES[DType.from_numpy(y.dtype)]
+    lo, hi = _eight_bit_range(y.dtype)
     count = parts(x.size, max(1, threads), planner_rules().QADD_MIN_ELEMENTS_PER_THREAD)
-    rc = fns.quantize(_ptr(x), x.size, scale, _ptr(np.array([y_zero_point, lo, hi],
-                                                             dtype=np.int64)), _ptr(y), count)
-    _check(rc)
+    _check(_functions().quantize(_ptr(x), x.size, scale, y_zero_point, lo, hi, _ptr(y), count))
+
+
+@functools.cache
+def _eight_bit_range(dtype: np.dtype) -> tuple[int, int]:
+    """The bounds of an 8-bit type, found once per type (the lookup through DType took
+    a few microseconds of every call)."""
+    return QUANT_RANGES[DType.from_numpy(dtype)]
 
 
 # ---- MaxPool on the integers -----------------------------------------------------------------

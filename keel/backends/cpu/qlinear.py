@@ -330,7 +330,12 @@ def _quantize_served(x: Any, scale: Any, zp: Any, attrs: Attrs) -> bool:
 
 
 def _out_type(zp: Any) -> DType:
-    return DType.UINT8 if zp is None else DType.from_numpy(zp.dtype)
+    return DType.UINT8 if zp is None else _dtype_of(zp.dtype)
+
+
+@functools.cache
+def _dtype_of(dtype: np.dtype) -> DType:
+    return DType.from_numpy(dtype)
 
 
 @TABLE.kernel(Op.QUANTIZE_LINEAR, variant="int8", dtypes=("float32",), supports_out=True,

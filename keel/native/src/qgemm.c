@@ -1520,13 +1520,13 @@ static void quantize_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
     }
 }
 
-/* y[n] = QuantizeLinear(x[n]) with one scale and zero point; points = {zero point, lo,
- * hi} of y's type. The n elements split into `parts` contiguous runs. */
-int64_t keel_quantize_f32(const float *x, int64_t n, double scale, const int64_t *points,
-                          uint8_t *y, int64_t parts)
+/* y[n] = QuantizeLinear(x[n]) with one scale and zero point zp, y's type spanning [lo, hi].
+ * The n elements split into `parts` contiguous runs. */
+int64_t keel_quantize_f32(const float *x, int64_t n, float scale, int64_t zp, int64_t lo,
+                          int64_t hi, uint8_t *y, int64_t parts)
 {
     if (n <= 0) return 0;
-    quantize_job j = {x, (float)scale, (float)points[0], (float)points[1], (float)points[2], y};
+    quantize_job j = {x, scale, (float)zp, (float)lo, (float)hi, y};
     return run_parts(quantize_task, &j, n, parts, 1);
 }
 

@@ -1470,13 +1470,31 @@ typedef struct {
 } quantize_job;
 
 #if QISA == 2
-typedef struct {
-    __m512 s, lo, hi;
-    __m512i shift, nan;
-} quantize_consts;
+#define QLANES 16
+typedef __m512 qvf;
+typedef __m512i qvi;
+#define qset1_ps _mm512_set1_ps
+#define qset1_epi32 _mm512_set1_epi32
+#define qloadu_ps _mm512_loadu_ps
+#elif QISA == 1
+#define QLANES 8
+typedef __m256 qvf;
+typedef __m256i qvi;
+#define qset1_ps _mm256_set1_ps
+#define qset1_epi32 _mm256_set1_epi32
+#define qloadu_ps _mm256_loadu_ps
+#endif
 
+#if QISA != 0
+typedef struct {
+    qvf s, lo, hi;
+    qvi shift, nan;
+} quantize_consts;
+#endif
+
+#if QISA == 2
 /* y - lo of 16 lanes as int32 */
-static inline __m512i quantize16(const quantize_consts *c, __m512 x)
+static inline qvi quantize_lanes(const quantize_consts *c, qvf x)
 {
     __m512 d = _mm512_div_ps(x, c->s);
     __mmask16 ordered = _mm512_cmp_ps_mask(d, d, _CMP_ORD_Q);
@@ -1484,14 +1502,18 @@ static inline __m512i quantize16(const quantize_consts *c, __m512 x)
                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     return _mm512_mask_add_epi32(c->nan, ordered, r, c->shift);
 }
-#elif QISA == 1
-typedef struct {
-    __m256 s, lo, hi;
-    __m256i shift, nan;
-} quantize_consts;
 
+/* y[0, 64) = the bytes of four vectors of y - lo, plus lo */
+static inline void quantize_store(uint8_t *y, qvi a, qvi b, qvi c, qvi d, int8_t lo)
+{
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    __m512i bytes = _mm512_packus_epi16(_mm512_packs_epi32(a, b), _mm512_packs_epi32(c, d));
+    _mm512_storeu_si512((void *)y, _mm512_add_epi8(_mm512_permutexvar_epi32(order, bytes),
+                                                   _mm512_set1_epi8(lo)));
+}
+#elif QISA == 1
 /* y - lo of 8 lanes as int32 */
-static inline __m256i quantize8(const quantize_consts *c, __m256 x)
+static inline qvi quantize_lanes(const quantize_consts *c, qvf x)
 {
     __m256 d = _mm256_div_ps(x, c->s);
     __m256 ordered = _mm256_cmp_ps(d, d, _CMP_ORD_Q);
@@ -1500,6 +1522,14 @@ static inline __m256i quantize8(const quantize_consts *c, __m256 x)
     return _mm256_blendv_epi8(c->nan, _mm256_add_epi32(_mm256_cvtps_epi32(t), c->shift),
                               _mm256_castps_si256(ordered));
 }
+
+/* y[0, 32) = the bytes of four vectors of y - lo, plus lo */
+static inline void quantize_store(uint8_t *y, qvi a, qvi b, qvi c, qvi d, int8_t lo)
+{
+    __m256i bytes = _mm256_packus_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
+    bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)y, _mm256_add_epi8(bytes, _mm256_set1_epi8(lo)));
+}
 #endif
 
 static void quantize_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
@@ -1507,44 +1537,26 @@ static void quantize_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
     const quantize_job *j = ctx;
     (void)scratch;
     int64_t i = lo;
-#if QISA == 2
-    const quantize_consts c = {
-        _mm512_set1_ps(j->scale), _mm512_set1_ps(j->lo - j->zp), _mm512_set1_ps(j->hi - j->zp),
-        _mm512_set1_epi32((int32_t)(j->zp - j->lo)), _mm512_set1_epi32((int32_t)-j->lo)};
-    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    const __m512i base = _mm512_set1_epi8((char)(int32_t)j->lo);
+#if QISA != 0
+    const quantize_consts c = {qset1_ps(j->scale), qset1_ps(j->lo - j->zp),
+                               qset1_ps(j->hi - j->zp), qset1_epi32((int32_t)(j->zp - j->lo)),
+                               qset1_epi32((int32_t)-j->lo)};
     const float *xs = j->x;
     uint8_t *ys = j->y;
-    for (; i + 64 <= hi; i += 64) {
+    int8_t base = (int8_t)(int32_t)j->lo;
+    for (; i + 4 * QLANES <= hi; i += 4 * QLANES) {
         const float *x = xs + i;
-        __m512i ab = _mm512_packs_epi32(quantize16(&c, _mm512_loadu_ps(x)),
-                                        quantize16(&c, _mm512_loadu_ps(x + 16)));
-        __m512i cd = _mm512_packs_epi32(quantize16(&c, _mm512_loadu_ps(x + 32)),
-                                        quantize16(&c, _mm512_loadu_ps(x + 48)));
-        __m512i bytes = _mm512_permutexvar_epi32(order, _mm512_packus_epi16(ab, cd));
-        _mm512_storeu_si512((void *)(ys + i), _mm512_add_epi8(bytes, base));
+        quantize_store(ys + i, quantize_lanes(&c, qloadu_ps(x)),
+                       quantize_lanes(&c, qloadu_ps(x + QLANES)),
+                       quantize_lanes(&c, qloadu_ps(x + 2 * QLANES)),
+                       quantize_lanes(&c, qloadu_ps(x + 3 * QLANES)), base);
     }
+#endif
+#if QISA == 2
     for (; i < hi; i += 16) {
         __mmask16 k = hi - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (hi - i)) - 1);
-        __m128i b = _mm512_cvtepi32_epi8(quantize16(&c, _mm512_maskz_loadu_ps(k, j->x + i)));
-        _mm_mask_storeu_epi8(j->y + i, k, _mm_add_epi8(b, _mm512_castsi512_si128(base)));
-    }
-#elif QISA == 1
-    const quantize_consts c = {
-        _mm256_set1_ps(j->scale), _mm256_set1_ps(j->lo - j->zp), _mm256_set1_ps(j->hi - j->zp),
-        _mm256_set1_epi32((int32_t)(j->zp - j->lo)), _mm256_set1_epi32((int32_t)-j->lo)};
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    const __m256i base = _mm256_set1_epi8((char)(int32_t)j->lo);
-    const float *xs = j->x;
-    uint8_t *ys = j->y;
-    for (; i + 32 <= hi; i += 32) {
-        const float *x = xs + i;
-        __m256i ab = _mm256_packs_epi32(quantize8(&c, _mm256_loadu_ps(x)),
-                                        quantize8(&c, _mm256_loadu_ps(x + 8)));
-        __m256i cd = _mm256_packs_epi32(quantize8(&c, _mm256_loadu_ps(x + 16)),
-                                        quantize8(&c, _mm256_loadu_ps(x + 24)));
-        __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(ab, cd), order);
-        _mm256_storeu_si256((__m256i *)(ys + i), _mm256_add_epi8(bytes, base));
+        __m128i b = _mm512_cvtepi32_epi8(quantize_lanes(&c, _mm512_maskz_loadu_ps(k, xs + i)));
+        _mm_mask_storeu_epi8(ys + i, k, _mm_add_epi8(b, _mm_set1_epi8(base)));
     }
 #endif
     for (; i < hi; i++) {
@@ -1553,6 +1565,9 @@ static void quantize_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
         j->y[i] = (uint8_t)(int32_t)t;
     }
 }
+#undef qset1_ps
+#undef qset1_epi32
+#undef qloadu_ps
 
 /* y[n] = QuantizeLinear(x[n]) with one scale and zero point zp, y's type spanning [lo, hi].
  * The n elements split into `parts` contiguous runs. */

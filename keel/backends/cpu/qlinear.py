@@ -37,7 +37,8 @@ from keel.ops.schemas.quantization import (
 
 __all__: list[str] = []
 
-_EIGHT_BITS = frozenset({np.dtype(np.uint8), np.dtype(np.int8)})
+_UINT8 = np.dtype(np.uint8)
+_EIGHT_BITS = frozenset({_UINT8, np.dtype(np.int8)})
 _META: dict[str, Any] = {"requires": "native", "priority": 10, "host_only": True, "simd": ()}
 
 
@@ -345,7 +346,7 @@ def quantize_linear(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) 
     x, scale, zp = inputs[0], inputs[1], optional_input(inputs, 2)
     if not _quantize_served(x, scale, zp, attrs):
         return list(quantization.quantize_linear(ctx, inputs, attrs, out))
-    y = _out(out, x.shape, np.dtype(_out_type(zp).numpy))
+    y = _out(out, x.shape, _UINT8 if zp is None else zp.dtype)
     native_qgemm.quantize(np.ascontiguousarray(x), float(scale.reshape(())),
                           0 if zp is None else int(zp.reshape(())), y, _threads(ctx))
     return _deliver(y, out)

@@ -407,7 +407,8 @@ class _Int8Calls:
         for name, symbol in (("matmul", "keel_qmatmul_u8s8"), ("conv", "keel_qconv2d_u8s8"),
                              ("direct", "keel_qconv2d_direct_u8s8"),
                              ("depthwise", "keel_qdepthwise_u8s8"), ("add", "keel_qadd_u8"),
-                             ("quantize", "keel_quantize_f32")):
+                             ("quantize", "keel_quantize_f32"),
+                             ("dequantize", "keel_dequantize_f32")):
             setattr(self, name, self._caller(symbol))
         # The channel-lanes depthwise kernel is AVX-512 only: elsewhere it declines (-2),
         # and the plane-wise kernel runs, as on any build without AVX-512.
@@ -537,6 +538,15 @@ def test_quantize_linear_matches_the_reference(int8_on_arm: _Int8Calls, zp: Any)
     inputs = [x, np.array(0.5, np.float32), zp]
     got = int8_on_arm.run(_int8(Op.QUANTIZE_LINEAR, inputs, {}))
     np.testing.assert_array_equal(got, REF.run(Op.QUANTIZE_LINEAR, inputs)[0])
+
+
+@pytest.mark.parametrize("dt, zp", [(np.uint8, 131), (np.int8, -5)], ids=["uint8", "int8"])
+def test_dequantize_linear_matches_the_reference(int8_on_arm: _Int8Calls, dt: Any,
+                                                 zp: int) -> None:
+    inputs = [_q8(np.random.default_rng(14), dt, 3, 5, 67), np.array(0.0371, np.float32),
+              np.array(zp, dt)]
+    got = int8_on_arm.run(_int8(Op.DEQUANTIZE_LINEAR, inputs, {}))
+    np.testing.assert_array_equal(got, REF.run(Op.DEQUANTIZE_LINEAR, inputs)[0])
 
 
 # ---- the channels-last int8 kernels (qlayout.c) ---------------------------------------------

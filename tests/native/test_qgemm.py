@@ -365,6 +365,21 @@ def test_quantize_linear_matches_the_reference(path: str, zp: Any) -> None:
         np.testing.assert_array_equal(got, want)
 
 
+# ---- DequantizeLinear to float32 -------------------------------------------------------------
+@pytest.mark.parametrize("dt, zp", [(np.uint8, np.array(131, np.uint8)),
+                                    (np.int8, np.array(-5, np.int8)), (np.uint8, None)],
+                         ids=["uint8", "int8", "no-zero-point"])
+def test_dequantize_linear_matches_the_reference(path: str, dt: Any, zp: Any) -> None:
+    x = _q(dt, 4, 67, 411)                                    # three runs of 32,768+, tails
+    inputs = [x, np.float32(0.0371), zp] if zp is not None else [x, np.float32(0.0371)]
+    attrs = get_schema(Op.DEQUANTIZE_LINEAR).normalize_attrs({})
+    want = _run(REFERENCE, Op.DEQUANTIZE_LINEAR, inputs, attrs, "default")
+    for threads in (1, 2, 3):
+        got = _run(CPU, Op.DEQUANTIZE_LINEAR, inputs, attrs, "int8", threads)
+        assert got.dtype == want.dtype == np.float32
+        np.testing.assert_array_equal(got, want)
+
+
 # ---- MaxPool on the integers -----------------------------------------------------------------
 # (dtype, N, C, H, W, kernel, stride, pads [top, left, bottom, right], dilation, ceil_mode)
 POOLS = [

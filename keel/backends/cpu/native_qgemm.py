@@ -35,8 +35,8 @@ from keel.errors import InvalidArgumentError
 from keel.native.pool import parts
 from keel.ops.schemas.quantization import QUANT_RANGES, ConvGeometry, conv_geometry
 
-__all__ = ["ISA_NAMES", "PackedConv", "PackedMatmul", "available", "conv2d", "isa", "matmul",
-           "max_pool", "pack_conv", "pack_matmul", "qlinear_add", "quantize"]
+__all__ = ["ISA_NAMES", "PackedConv", "PackedMatmul", "available", "conv2d", "dequantize", "isa",
+           "matmul", "max_pool", "pack_conv", "pack_matmul", "qlinear_add", "quantize"]
 
 LIBRARY = "qgemm"
 ISA_NAMES = {2: "avx512-vnni", 1: "avx-vnni", 0: "portable"}
@@ -57,6 +57,7 @@ class _Functions:
     depthwise_lanes: Any
     add: Any
     quantize: Any
+    dequantize: Any
     maxpool: Any
 
 
@@ -82,6 +83,7 @@ def _bind(lib: native.NativeLibrary) -> _Functions:
                           _I),
         add=f("keel_qadd_u8", [_P, _P, _I, _P, _P, _I, _P, _I], _I),
         quantize=f("keel_quantize_f32", [_P, _I, ctypes.c_float, _I, _I, _I, _P, _I], _I),
+        dequantize=f("keel_dequantize_f32", [_P, _I, ctypes.c_float, _I, _I, _P, _I], _I),
         maxpool=f("keel_qmaxpool_8", [_P, _I, _P, _P, _I], _I),
     )
 
@@ -400,6 +402,15 @@ def quantize(x: np.ndarray, scale: float, y_zero_point: int, y: np.ndarray,
     lo, hi = _eight_bit_range(y.dtype)
     count = parts(x.size, max(1, threads), planner_rules().QADD_MIN_ELEMENTS_PER_THREAD)
     _check(_functions().quantize(_ptr(x), x.size, scale, y_zero_point, lo, hi, _ptr(y), count))
+
+
+def dequantize(x: np.ndarray, scale: float, x_zero_point: int, y: np.ndarray,
+               threads: int = 1) -> None:
+    """``y`` (float32) = DequantizeLinear of the contiguous 8-bit ``x`` with one float32
+    ``scale`` and zero point, as the NumPy kernel computes it."""
+    count = parts(x.size, max(1, threads), planner_rules().QADD_MIN_ELEMENTS_PER_THREAD)
+    _check(_functions().dequantize(_ptr(x), x.size, scale, x_zero_point,
+                                   int(x.dtype == np.int8), _ptr(y), count))
 
 
 @functools.cache

@@ -38,6 +38,7 @@ from keel.ops.schemas.quantization import (
 __all__: list[str] = []
 
 _UINT8 = np.dtype(np.uint8)
+_FLOAT32 = np.dtype(np.float32)
 _EIGHT_BITS = frozenset({_UINT8, np.dtype(np.int8)})
 _META: dict[str, Any] = {"requires": "native", "priority": 10, "host_only": True, "simd": ()}
 
@@ -349,4 +350,24 @@ def quantize_linear(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) 
     y = _out(out, x.shape, _UINT8 if zp is None else zp.dtype)
     native_qgemm.quantize(np.ascontiguousarray(x), float(scale.reshape(())),
                           0 if zp is None else int(zp.reshape(())), y, _threads(ctx))
+    return _deliver(y, out)
+
+
+# ---- DequantizeLinear of 8 bits to float32, per tensor -------------------------------------------
+def _dequantize_served(x: Any, scale: Any, zp: Any, attrs: Attrs) -> bool:
+    return (native_qgemm.available() and x.dtype in _EIGHT_BITS and _scalar(scale)
+            and scale.dtype == np.float32 and (zp is None or (zp.dtype == x.dtype and _scalar(zp)))
+            and attrs["output_dtype"] in (None, DType.FLOAT32))
+
+
+@TABLE.kernel(Op.DEQUANTIZE_LINEAR, variant="int8", dtypes=("uint8", "int8"), supports_out=True,
+              shapes="8 bits to float32, per tensor", **_META)
+def dequantize_linear(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
+    """One native pass (16 lanes at a time with AVX-512); other cases the NumPy kernel."""
+    x, scale, zp = inputs[0], inputs[1], optional_input(inputs, 2)
+    if not _dequantize_served(x, scale, zp, attrs):
+        return list(quantization.dequantize_linear(ctx, inputs, attrs, out))
+    y = _out(out, x.shape, _FLOAT32)
+    native_qgemm.dequantize(np.ascontiguousarray(x), float(scale.reshape(())),
+                            0 if zp is None else int(zp.reshape(())), y, _threads(ctx))
     return _deliver(y, out)

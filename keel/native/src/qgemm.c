@@ -1565,9 +1565,6 @@ static void quantize_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
         j->y[i] = (uint8_t)(int32_t)t;
     }
 }
-#undef qset1_ps
-#undef qset1_epi32
-#undef qloadu_ps
 
 /* y[n] = QuantizeLinear(x[n]) with one scale and zero point zp, y's type spanning [lo, hi].
  * The n elements split into `parts` contiguous runs. */
@@ -1577,6 +1574,65 @@ int64_t keel_quantize_f32(const float *x, int64_t n, float scale, int64_t zp, in
     if (n <= 0) return 0;
     quantize_job j = {x, scale, (float)zp, (float)lo, (float)hi, y};
     return run_parts(quantize_task, &j, n, parts, 1);
+}
+
+/* DequantizeLinear of 8 bits to float32, per tensor: y = (float)(x - zp) * scale, the
+ * exact integer difference times the scale in float32, as keel's NumPy kernel does it
+ * (the vector types and lane counts of QuantizeLinear's paths above). */
+
+typedef struct {
+    const uint8_t *x;
+    float scale;
+    int32_t zp;
+    int is_signed;
+    float *y;
+} dequantize_job;
+
+#if QISA == 2
+/* y[0, 16) = (float)(x - zp) * s */
+static inline void dequantize_lanes(const uint8_t *x, int is_signed, qvi zp, qvf s, float *y)
+{
+    __m128i b = _mm_loadu_si128((const __m128i *)x);
+    __m512i v = is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+    _mm512_storeu_ps(y, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(v, zp)), s));
+}
+#elif QISA == 1
+/* y[0, 8) = (float)(x - zp) * s */
+static inline void dequantize_lanes(const uint8_t *x, int is_signed, qvi zp, qvf s, float *y)
+{
+    __m128i b = _mm_loadl_epi64((const __m128i *)x);
+    __m256i v = is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
+    _mm256_storeu_ps(y, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(v, zp)), s));
+}
+#endif
+
+static void dequantize_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
+{
+    const dequantize_job *j = ctx;
+    (void)scratch;
+    int64_t i = lo;
+#if QISA != 0
+    const qvf s = qset1_ps(j->scale);
+    const qvi zp = qset1_epi32(j->zp);
+    for (; i + QLANES <= hi; i += QLANES) dequantize_lanes(j->x + i, j->is_signed, zp, s, j->y + i);
+#endif
+    for (; i < hi; i++) {
+        int32_t v = j->is_signed ? (int32_t)(int8_t)j->x[i] : (int32_t)j->x[i];
+        j->y[i] = (float)(v - j->zp) * j->scale;
+    }
+}
+#undef qset1_ps
+#undef qset1_epi32
+#undef qloadu_ps
+
+/* y[n] = DequantizeLinear(x[n]) (8-bit, int8 where is_signed) with one scale and zero
+ * point; the n elements split into `parts` contiguous runs. */
+int64_t keel_dequantize_f32(const uint8_t *x, int64_t n, float scale, int64_t zp,
+                            int64_t is_signed, float *y, int64_t parts)
+{
+    if (n <= 0) return 0;
+    dequantize_job j = {x, scale, (int32_t)zp, is_signed != 0, y};
+    return run_parts(dequantize_task, &j, n, parts, 1);
 }
 
 /* ---- depthwise convolution, channels in the vector lanes ---------------------------------

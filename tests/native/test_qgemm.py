@@ -198,6 +198,7 @@ def test_a_shallow_convolution_computes_compact_columns_past_row_segments() -> N
     assert rule(28, 128, depth=64) == "compact"          # 1x1, 64 channels
     assert rule(112, 64, depth=7 * 7 * 4) == "compact"   # 7x7 over 3 channels
     assert rule(28, 6, depth=5 * 5 * 4) == "padded"      # too few output channels
+    assert rule(32, 16, depth=3 * 3 * 16) == "padded"
     assert rule(16, 32, depth=64) == "rows"
     assert rule(28, 128, depth=3 * 3 * 64) == "padded"
     assert rule(28, 128) == "padded"

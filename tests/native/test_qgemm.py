@@ -167,9 +167,11 @@ def test_qlinear_conv_matches_the_reference(path: str, case: tuple[Any, ...]) ->
                                   (np.int8, np.int8, False, 5, 5, 9, 8, 7, 3, 2, 1, 1, 1),
                                   (np.uint8, np.int8, False, 3, 4, 5, 21, 9, 3, 1, 1, 1, 1),
                                   (np.uint8, np.int8, False, 5, 6, 3, 16, 11, 3, 1, 1, 1, 1),
-                                  (np.int8, np.int8, False, 5, 5, 11, 13, 7, 3, 2, 1, 1, 1)],
+                                  (np.int8, np.int8, False, 5, 5, 11, 13, 7, 3, 2, 1, 1, 1),
+                                  (np.uint8, np.int8, False, 5, 8, 9, 10, 12, 1, 2, 0, 1, 1),
+                                  (np.uint8, np.int8, False, 3, 5, 6, 7, 9, 1, 1, 0, 1, 1)],
                          ids=["stride-1", "stride-2", "rows-past-16", "rows-of-16",
-                              "stride-2-rows-of-7"])
+                              "stride-2-rows-of-7", "1x1-stride-2", "1x1-stride-1"])
 def test_direct_convolution_in_chunks_of_images(path: str, monkeypatch: pytest.MonkeyPatch,
                                                 chunk_positions: int, columns: str,
                                                 case: tuple[Any, ...]) -> None:
@@ -178,13 +180,29 @@ def test_direct_convolution_in_chunks_of_images(path: str, monkeypatch: pytest.M
     1, 2 and 3); the columns every padded position, output pixels only (compact), or one
     output row per 16 or 8 (rows; output rows past 16 pixels decline to im2col)."""
     monkeypatch.setattr(cpu_planner, "INT8_DIRECT_CHUNK_POSITIONS", chunk_positions)
-    monkeypatch.setattr(cpu_planner, "int8_conv_columns", lambda width, channels: columns)
+    monkeypatch.setattr(cpu_planner, "int8_conv_columns",
+                        lambda width, channels, depth=0: columns)
     monkeypatch.setattr(cpu_planner, "MIN_FLOPS_PER_THREAD", 1)
     inputs, attrs = _conv_inputs(case)
     want = _reference(Op.QLINEAR_CONV, inputs, attrs)
     for threads, prepack in ((1, False), (2, True), (3, False)):
         got = _run(CPU, Op.QLINEAR_CONV, inputs, attrs, "int8", threads, prepack)
         np.testing.assert_array_equal(got, want)
+
+
+def test_a_shallow_convolution_computes_compact_columns_past_row_segments() -> None:
+    """Columns of at most INT8_COMPACT_MAX_DEPTH bytes take compact columns at any width,
+    with enough output channels, but for the row segments' 16 and 8; deeper ones keep the
+    width and channel rule."""
+    rule = cpu_planner.int8_conv_columns
+    assert rule(28, 128, depth=64) == "compact"          # 1x1, 64 channels
+    assert rule(112, 64, depth=7 * 7 * 4) == "compact"   # 7x7 over 3 channels
+    assert rule(28, 6, depth=5 * 5 * 4) == "padded"      # too few output channels
+    assert rule(32, 16, depth=3 * 3 * 16) == "padded"
+    assert rule(16, 32, depth=64) == "rows"
+    assert rule(28, 128, depth=3 * 3 * 64) == "padded"
+    assert rule(28, 128) == "padded"
+    assert rule(14, 128, depth=3 * 3 * 128) == "compact"
 
 
 @pytest.mark.parametrize("adt,bdt,rows,k,n", [

@@ -284,7 +284,7 @@ def conv2d(x: np.ndarray, x_zero_point: int, packed: PackedConv, geo: ConvGeomet
         rules = planner_rules()
         rc = fns.direct(_ptr(xc), shift, xz & 0xFF, _ptr(packed.direct), c4, p_geometry, p_bias,
                         p_mult, p_quant, _ptr(y), rules.INT8_DIRECT_CHUNK_POSITIONS, count,
-                        _COLUMNS[rules.int8_conv_columns(ow, m)])
+                        _COLUMNS[rules.int8_conv_columns(ow, m, packed.direct.shape[1])])
         if rc != -2:
             _check(rc)
             return

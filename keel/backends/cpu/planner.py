@@ -348,13 +348,36 @@ def int8_row_columns(out_width: int, out_channels: int) -> bool:
     return out_width in INT8_ROW_WIDTHS
 
 
-def int8_conv_columns(out_width: int, out_channels: int) -> str:
+# A shallow int8 direct convolution (each column's depth, KH * KW * C rounded up to 4, at
+# most INT8_COMPACT_MAX_DEPTH bytes) with at least INT8_COMPACT_SHALLOW_MIN_CHANNELS output
+# channels computes compact columns at any width (rows of 16 or 8 pixels keep their row
+# segments): its products are short, and the padded blocks' per-block setup (their output
+# runs, compressed stores) and in-place reads of a plane per k quad weigh on them where a
+# compact block reads one contiguous panel. Compact / padded time, the kernel alone, batch
+# 32, one thread, same process, alternating, medians (measured under load, load average
+# 5-6): 1x1 stride 2 64->128 56x56 in 0.71-0.76, 128->256 56 0.88, 64->64 56 0.79, 32->64
+# 56 0.76, 64->128 64 0.77; 1x1 stride 1 64->128 28 0.69, 64->256 56 0.70; ResNet-18's 7x7
+# stride 2 3->64 224 (depth 196) 0.93. Not deeper: 3x3 32->32 32x32 (depth 288) 1.03,
+# 32->64 0.98, 64->64 56x56 1.12, 128->128 28x28 1.05; nor with fewer channels to share
+# each copy: 5x5 1->6 28x28 (6 channels) 1.19, and the 16-channel ones varied from run to
+# run (3x3 16->16 32x32 0.89 and 1.13; ResNet-20, whose first stage they are, 0.965 and
+# 1.04 of its time).
+INT8_COMPACT_MAX_DEPTH = 256
+INT8_COMPACT_SHALLOW_MIN_CHANNELS = 64
+
+
+def int8_conv_columns(out_width: int, out_channels: int, depth: int = 0) -> str:
     """Which columns the int8 direct convolution computes: ``rows`` (row segments),
     ``compact`` (output pixels only, copied per block) or ``padded`` (every position of
-    the padded layout)."""
+    the padded layout). ``depth``: a column's bytes, KH * KW * C rounded up to 4 (0:
+    unknown, taken as deep)."""
     if int8_row_columns(out_width, out_channels):
         return "rows"
-    return "compact" if int8_compact_columns(out_width, out_channels) else "padded"
+    shallow = (0 < depth <= INT8_COMPACT_MAX_DEPTH
+               and out_channels >= INT8_COMPACT_SHALLOW_MIN_CHANNELS)
+    if shallow or int8_compact_columns(out_width, out_channels):
+        return "compact"
+    return "padded"
 
 
 # ---- int8 layouts over the whole graph -----------------------------------------------------

@@ -529,6 +529,39 @@ int64_t keel_gemm_workspace_f32(void)
     return MC_PANELS * MR * KC + b;
 }
 
+#if defined(__AVX__)
+/* Eight rows (rs floats apart) of eight depth steps each, transposed: dst[p * 8 + r] =
+ * src[r * rs + p]. Packing a raw A (a MatMul's activations) element by element took
+ * 5 us of a 32 x 784 x 512 product's 113 (thread CPU time, the 2-core Zen 5). */
+static inline void transpose8(const float *src, int64_t rs, float *dst)
+{
+    __m256 r0 = _mm256_loadu_ps(src), r1 = _mm256_loadu_ps(src + rs);
+    __m256 r2 = _mm256_loadu_ps(src + 2 * rs), r3 = _mm256_loadu_ps(src + 3 * rs);
+    __m256 r4 = _mm256_loadu_ps(src + 4 * rs), r5 = _mm256_loadu_ps(src + 5 * rs);
+    __m256 r6 = _mm256_loadu_ps(src + 6 * rs), r7 = _mm256_loadu_ps(src + 7 * rs);
+    __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+    __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+    __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+    __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+    __m256 s0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
+    __m256 s1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+    __m256 s2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
+    __m256 s3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+    __m256 s4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
+    __m256 s5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+    __m256 s6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
+    __m256 s7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+    _mm256_storeu_ps(dst, _mm256_permute2f128_ps(s0, s4, 0x20));
+    _mm256_storeu_ps(dst + 8, _mm256_permute2f128_ps(s1, s5, 0x20));
+    _mm256_storeu_ps(dst + 16, _mm256_permute2f128_ps(s2, s6, 0x20));
+    _mm256_storeu_ps(dst + 24, _mm256_permute2f128_ps(s3, s7, 0x20));
+    _mm256_storeu_ps(dst + 32, _mm256_permute2f128_ps(s0, s4, 0x31));
+    _mm256_storeu_ps(dst + 40, _mm256_permute2f128_ps(s1, s5, 0x31));
+    _mm256_storeu_ps(dst + 48, _mm256_permute2f128_ps(s2, s6, 0x31));
+    _mm256_storeu_ps(dst + 56, _mm256_permute2f128_ps(s3, s7, 0x31));
+}
+#endif
+
 /* Rows [r0, r0 + w) of the operand, depth [p0, p0 + kc), as a kc x width panel
  * block at dst (rows past w zero): element (r, p) is at src[r * rs + p * ks], or,
  * with a row table, at src[r + rows[p]] (rs == 1). */
@@ -549,6 +582,16 @@ static void pack_block(const float *src, int64_t rs, int64_t ks, const int64_t *
         }
         return;
     }
+#if defined(__AVX__)
+    if (ks == 1 && width == 8 && w == 8) { /* eight whole rows along the depth */
+        const float *s0 = src + r0 * rs + p0;
+        int64_t p = 0;
+        for (; p + 8 <= kc; p += 8) transpose8(s0 + p, rs, dst + p * 8);
+        for (; p < kc; p++)
+            for (int r = 0; r < 8; r++) dst[p * 8 + r] = s0[r * rs + p];
+        return;
+    }
+#endif
     /* Rows are strided: read each row along the depth (sequential when ks == 1). */
     for (int64_t r = 0; r < w; r++) {
         const float *row = src + (r0 + r) * rs + p0 * ks;

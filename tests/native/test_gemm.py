@@ -205,6 +205,24 @@ def test_packed_left_operand_matches_raw_bitwise() -> None:
         _close(y1, _ref(w, x), k)
 
 
+@pytest.mark.parametrize(("m", "k", "rs"), [(16, 37, 37), (24, 8, 8), (19, 1030, 1030),
+                                           (8, 13, 40), (3, 20, 20)])
+def test_a_left_operand_of_rows_packs_to_its_panel_layout(m: int, k: int, rs: int) -> None:
+    """Packing rows along the depth (eight whole rows transposed by blocks of eight depth
+    steps, the rest one by one, a partial panel zero-filled) gives panel q, step p, row r
+    at q * k * MR + p * MR + r: the element of row q * MR + r at depth p."""
+    rng = np.random.default_rng(9)
+    x = _rand(rng, m, rs)[:, :k]
+    packed = ng.pack(x, left=True)
+    assert packed is not None
+    mr = packed.width
+    panels = -(-m // mr)
+    want = np.zeros((panels * mr, k), np.float32)
+    want[:m] = x
+    want = want.reshape(panels, mr, k).transpose(0, 2, 1).ravel()
+    np.testing.assert_array_equal(packed.data, want)
+
+
 def test_output_rows_may_be_strided() -> None:
     rng = np.random.default_rng(6)
     a, b = _rand(rng, 9, 20), _rand(rng, 20, 33)

@@ -81,6 +81,18 @@ def _one_row() -> Case:
     return Case(call, c, a @ b, a)
 
 
+def _deep() -> Case:
+    """A packed B between one and two depth blocks deep (an MLP's 784-wide layer): a tile
+    whose rows' A of the whole depth fits the workspace runs it in one block, A packed
+    once for every column block; the whole 240 rows do not fit, so grids of one row group
+    run two blocks and grids of more run one."""
+    depth = ng.depth_block() + 272
+    a, b, bias = _f(240, depth), _f(depth, 600), _f(600)
+    c = np.empty((240, 600), np.float32)
+    call = ng.prepare(a, ng.pack(b, left=False), c, bias=bias, clip=(0.0, np.inf))
+    return Case(call, c, np.maximum(a @ b + bias, 0), a)
+
+
 def _accumulate() -> Case:
     """C += A @ B over a raw A and a raw strided B (both packed block by block)."""
     a, b = _f(70, 600), _f(130, 600).T
@@ -91,7 +103,7 @@ def _accumulate() -> Case:
 
 CASES: dict[str, Callable[[], Case]] = {
     "matmul": _matmul, "pointwise": _pointwise, "batched": _batched, "tall": _tall,
-    "one_row": _one_row, "accumulate": _accumulate}
+    "one_row": _one_row, "accumulate": _accumulate, "deep": _deep}
 
 
 def _run(call: ng.Call, c: np.ndarray, go: Callable[[], Any], start: np.ndarray) -> np.ndarray:

@@ -529,6 +529,39 @@ int64_t keel_gemm_workspace_f32(void)
     return MC_PANELS * MR * KC + b;
 }
 
+#if defined(__AVX__)
+/* Eight rows (rs floats apart) of eight depth steps each, transposed: dst[p * 8 + r] =
+ * src[r * rs + p]. Packing a raw A (a MatMul's activations) element by element took
+ * 5 us of a 32 x 784 x 512 product's 113 (thread CPU time, the 2-core Zen 5). */
+static inline void transpose8(const float *src, int64_t rs, float *dst)
+{
+    __m256 r0 = _mm256_loadu_ps(src), r1 = _mm256_loadu_ps(src + rs);
+    __m256 r2 = _mm256_loadu_ps(src + 2 * rs), r3 = _mm256_loadu_ps(src + 3 * rs);
+    __m256 r4 = _mm256_loadu_ps(src + 4 * rs), r5 = _mm256_loadu_ps(src + 5 * rs);
+    __m256 r6 = _mm256_loadu_ps(src + 6 * rs), r7 = _mm256_loadu_ps(src + 7 * rs);
+    __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+    __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+    __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+    __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+    __m256 s0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
+    __m256 s1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+    __m256 s2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
+    __m256 s3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+    __m256 s4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
+    __m256 s5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+    __m256 s6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
+    __m256 s7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+    _mm256_storeu_ps(dst, _mm256_permute2f128_ps(s0, s4, 0x20));
+    _mm256_storeu_ps(dst + 8, _mm256_permute2f128_ps(s1, s5, 0x20));
+    _mm256_storeu_ps(dst + 16, _mm256_permute2f128_ps(s2, s6, 0x20));
+    _mm256_storeu_ps(dst + 24, _mm256_permute2f128_ps(s3, s7, 0x20));
+    _mm256_storeu_ps(dst + 32, _mm256_permute2f128_ps(s0, s4, 0x31));
+    _mm256_storeu_ps(dst + 40, _mm256_permute2f128_ps(s1, s5, 0x31));
+    _mm256_storeu_ps(dst + 48, _mm256_permute2f128_ps(s2, s6, 0x31));
+    _mm256_storeu_ps(dst + 56, _mm256_permute2f128_ps(s3, s7, 0x31));
+}
+#endif
+
 /* Rows [r0, r0 + w) of the operand, depth [p0, p0 + kc), as a kc x width panel
  * block at dst (rows past w zero): element (r, p) is at src[r * rs + p * ks], or,
  * with a row table, at src[r + rows[p]] (rs == 1). */
@@ -549,6 +582,16 @@ static void pack_block(const float *src, int64_t rs, int64_t ks, const int64_t *
         }
         return;
     }
+#if defined(__AVX__)
+    if (ks == 1 && width == 8 && w == 8) { /* eight whole rows along the depth */
+        const float *s0 = src + r0 * rs + p0;
+        int64_t p = 0;
+        for (; p + 8 <= kc; p += 8) transpose8(s0 + p, rs, dst + p * 8);
+        for (; p < kc; p++)
+            for (int r = 0; r < 8; r++) dst[p * 8 + r] = s0[r * rs + p];
+        return;
+    }
+#endif
     /* Rows are strided: read each row along the depth (sequential when ks == 1). */
     for (int64_t r = 0; r < w; r++) {
         const float *row = src + (r0 + r) * rs + p0 * ks;
@@ -619,6 +662,7 @@ typedef struct {
     int64_t ldc;
     const int64_t *c_cols;
     float *work;
+    int64_t a_ps; /* floats per row panel of A packed in work: MR * (KC, or the depth) */
 } problem;
 
 /* Where the tile at row i0, column panel starting at j0 (cols columns) goes. */
@@ -681,7 +725,7 @@ static void column_panel(const problem *g, const epilogue *e, int64_t jp, int64_
     for (int64_t ip = ib; ip < ie; ip++) {
         int64_t i0 = ip * MR;
         int mr = (int)(m - i0 < MR ? m - i0 : MR);
-        const float *aa = wa ? wa + (ip - ib) * MR * KC : g->a + ip * k * MR + k0 * MR;
+        const float *aa = wa ? wa + (ip - ib) * g->a_ps : g->a + ip * k * MR + k0 * MR;
         target t = target_of(g, i0, j0, cols, load_c, last);
         TILES[nv - 1][mr - 1](kc, aa, &s, &t, e);
     }
@@ -874,7 +918,7 @@ static void row_panels_first(const problem *g, const epilogue *e, int64_t jc, in
     for (int64_t ip = ib; ip < ie; ip++) {
         int64_t i0 = ip * MR;
         int mr = (int)(m - i0 < MR ? m - i0 : MR);
-        const float *aa = wa ? wa + (ip - ib) * MR * KC : g->a + ip * k * MR;
+        const float *aa = wa ? wa + (ip - ib) * g->a_ps : g->a + ip * k * MR;
         for (int64_t jp = jc; jp < je; jp++) {
             for (int64_t q = 0; q < share && line < lines; q++, line++)
                 __builtin_prefetch(g->b + (line / per_row) * g->b_rs + je * NR +
@@ -1242,10 +1286,25 @@ static void tall(const problem *g, const epilogue *e, int64_t i_lo, int64_t i_hi
 }
 #endif
 
+/* Whether a product of a packed B runs its whole depth in one block: up to 2 * KC deep
+ * (a column panel of B, 128 KiB with AVX-512, stays in L2 across the row panels) when
+ * the row panels' A of the whole depth fits the A block of the workspace. One block
+ * stores C once and packs a raw A once instead of twice per column block (measured on
+ * the 2-core Zen 5, thread CPU time: an MLP's 32 x 784 x 512 layer 118 -> 113 us with
+ * KC = 1024 against 512). A raw B keeps the blocks of KC rows its packing is sized for. */
+static int one_deep_block(const problem *g, int64_t i_lo, int64_t i_hi)
+{
+    int b_packed = g->b_rs == 0 && g->b_cs == 0 && !g->b_rows && !g->b_cols;
+    return b_packed && g->k > KC && g->k <= 2 * KC &&
+           (i_hi - i_lo) * g->k <= (int64_t)MC_PANELS * KC;
+}
+
 /* C = epilogue(alpha * A @ B) over row panels [i_lo, i_hi) and column panels [j_lo, j_hi). */
-static void gemm_2d(const problem *g, const epilogue *e, int64_t i_lo, int64_t i_hi,
+static void gemm_2d(const problem *g0, const epilogue *e, int64_t i_lo, int64_t i_hi,
                     int64_t j_lo, int64_t j_hi)
 {
+    problem pg = *g0;
+    const problem *g = &pg;
     int64_t m = g->m, k = g->k;
     int a_raw = g->a_rs != 0 || g->a_ks != 0;
     float *wa = g->work, *wb = g->work + MC_PANELS * MR * KC;
@@ -1265,23 +1324,28 @@ static void gemm_2d(const problem *g, const epilogue *e, int64_t i_lo, int64_t i
 #endif
     /* Blocks of equal depth (288 = 144 + 144, not 256 + 32: a thin last block costs
        a pass over C for little work). */
-    int64_t nblocks = k > 0 ? (k + KC - 1) / KC : 1;
+    int deep = one_deep_block(g, i_lo, i_hi);
+    int64_t nblocks = deep ? 1 : k > 0 ? (k + KC - 1) / KC : 1;
     int64_t kstep = k > 0 ? (k + nblocks - 1) / nblocks : 0;
+    int64_t mc = deep ? i_hi - i_lo : MC_PANELS;
+    pg.a_ps = MR * (deep ? k : KC);
     int by_rows = nblocks == 1 && rows_first(g, e);
     int64_t step = by_rows ? rows_first_panels(kstep) : NC_PANELS;
+    int64_t held_ib = -1, held_kb = -1; /* the block of A packed in wa */
     for (int64_t jc = j_lo; jc < j_hi; jc += step) {
         int64_t je = jc + step < j_hi ? jc + step : j_hi;
-        for (int64_t ib = i_lo; ib < i_hi; ib += MC_PANELS) {
-            int64_t ie = ib + MC_PANELS < i_hi ? ib + MC_PANELS : i_hi;
+        for (int64_t ib = i_lo; ib < i_hi; ib += mc) {
+            int64_t ie = ib + mc < i_hi ? ib + mc : i_hi;
             for (int64_t kb = 0; kb < nblocks; kb++) {
                 int64_t k0 = kb * kstep;
                 int64_t kc = k - k0 < kstep ? k - k0 : kstep;
-                if (a_raw)
+                if (a_raw && (ib != held_ib || kb != held_kb))
                     for (int64_t ip = ib; ip < ie; ip++) {
                         int64_t r0 = ip * MR, w = m - r0 < MR ? m - r0 : MR;
                         pack_block(g->a + r0 * g->a_rs, g->a_rs, g->a_ks, NULL, 0, w, MR, k0,
-                                   kc, wa + (ip - ib) * MR * KC);
+                                   kc, wa + (ip - ib) * g->a_ps);
                     }
+                held_ib = ib, held_kb = kb;
                 int load_c = kb > 0 || (e->flags & KEEL_ACCUMULATE), last = kb == nblocks - 1;
                 if (by_rows) {
                     row_panels_first(g, e, jc, je, ib, ie, kc, load_c, a_raw ? wa : NULL, wb);
@@ -1587,7 +1651,8 @@ static void gemm_tile(const keel_gemm_args *g, float *work, int64_t t, int64_t i
                  FPTR(g->c) + t * g->c_bs,
                  g->ldc,
                  IPTR(g->c_cols),
-                 work};
+                 work,
+                 MR * KC};
     epilogue e = {FPTR(g->bias),    g->bias ? g->bias_kind : 0,
                   g->res ? FPTR(g->res) + t * g->r_bs : NULL,
                   g->ldr,           (float)g->alpha,

@@ -512,7 +512,7 @@ def global_avg_pool_native(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out
     xp = ctx.xp
     flat, y = _global(Op.GLOBAL_AVG_POOL, xp, inputs[0], out)
     if not (flat.shape[-1] and _native_global(xp, flat, y)):
-        return global_avg_pool(ctx, inputs, attrs, out)
+        return list(global_avg_pool(ctx, inputs, attrs, out))
     if not _bind_native(Op.GLOBAL_AVG_POOL, ctx, inputs[0], y, attrs, out,
                         nw.bind_global_avg_pool):
         _native_pool(nw.global_avg_pool, flat, y, ctx.threads or 1)

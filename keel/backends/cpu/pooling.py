@@ -168,10 +168,10 @@ def _bind_native(op: Op, ctx: KernelContext, x: Any, y: Any, attrs: Attrs, out: 
     return True
 
 
-def _register_native(op: Op, kernel: Any, shapes: str) -> None:
+def _register_native(op: Op, kernel: Any, shapes: str, bind: Any = None) -> None:
     TABLE.kernel(op, variant="native", dtypes=(DType.FLOAT32,), supports_out=True,
                  requires="native", priority=10, simd=(), shapes=shapes,
-                 measured=NATIVE_MEASURED,
+                 measured=NATIVE_MEASURED, bind=bind,
                  description="compiled window kernel: every output computed once in "
                              "registers (the NumPy kernel where it does not serve)")(kernel)
 
@@ -503,6 +503,22 @@ def global_max_pool(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) 
     return [y]
 
 
+def _bind_global_avg_pool_native(ctx: KernelContext, inputs: Inputs, attrs: Attrs,
+                                 out: Sequence[Any]) -> Any:
+    """GlobalAveragePool's compiled call bound for one program step; None where the
+    arrays are not C-contiguous float32 NumPy arrays (the kernel then runs as usual)."""
+    x = inputs[0]
+    if (ctx.xp is not np or type(x) is not np.ndarray or not out or x.ndim < 3
+            or not nw.ready()):
+        return None
+    y = out[0]
+    if (type(y) is not np.ndarray or x.dtype != np.float32 or y.dtype != np.float32
+            or not x.flags.c_contiguous or not y.flags.c_contiguous or x.size == 0
+            or y.shape != (*x.shape[:2], *([1] * (x.ndim - 2)))):
+        return None
+    return nw.bind_global_avg_pool(x, y, ctx.threads or 1)
+
+
 def global_avg_pool_native(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out
                            ) -> list[Any]:
     """Mean over the flattened spatial dims in the compiled row-mean kernel, split over
@@ -522,4 +538,5 @@ def global_avg_pool_native(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out
 _register_native(Op.MAX_POOL, max_pool, "1-D/2-D windows (Y only: Indices run the NumPy kernel)")
 _register_native(Op.AVG_POOL, avg_pool, "1-D/2-D windows")
 _register_native(Op.GLOBAL_MAX_POOL, global_max_pool, "any rank")
-_register_native(Op.GLOBAL_AVG_POOL, global_avg_pool_native, "any rank")
+_register_native(Op.GLOBAL_AVG_POOL, global_avg_pool_native, "any rank",
+                 _bind_global_avg_pool_native)

@@ -341,6 +341,33 @@ def test_global_max_pool_nan() -> None:
     assert np.isnan(got[1, 2, 0, 0]) and np.isnan(got).sum() == 1
 
 
+@pytest.mark.parametrize("shape", [(1, 1280, 7, 7), (2, 5, 3), (2, 3, 4, 5, 6), (1, 4, 1, 1),
+                                   (3, 7, 19, 23), (1, 2, 16), (1, 3, 17), (1, 2, 32),
+                                   (1, 2, 48)])
+def test_global_avg_pool(shape: tuple[int, ...]) -> None:
+    x = _f(*shape)
+    (want,) = _ref(Op.GLOBAL_AVG_POOL, [x])
+    for variant in ("default", "native"):
+        (got,) = _cpu(Op.GLOBAL_AVG_POOL, [x], variant)
+        _close(got, want)
+
+
+def test_global_avg_pool_nan_and_infinities_stay_in_their_plane() -> None:
+    x = _f(2, 3, 5, 5)
+    x[1, 2, 4, 4], x[0, 1, 0, 0] = np.nan, np.inf
+    (got,) = _cpu(Op.GLOBAL_AVG_POOL, [x], "native")
+    (want,) = _ref(Op.GLOBAL_AVG_POOL, [x])
+    _close(got, want)
+    assert np.isnan(got[1, 2, 0, 0]) and np.isposinf(got[0, 1, 0, 0])
+
+
+def test_global_avg_pool_of_a_noncontiguous_input() -> None:
+    x = _f(2, 6, 9, 9)[:, ::2, 1:, :]
+    (want,) = _ref(Op.GLOBAL_AVG_POOL, [x])
+    (got,) = _cpu(Op.GLOBAL_AVG_POOL, [x], "native")
+    _close(got, want)
+
+
 @pytest.mark.parametrize("dtype", [np.float64, np.float16])
 def test_pools_of_other_dtypes_run_the_numpy_kernels(dtype: Any) -> None:
     x = _f(1, 3, 9, 9, dtype=dtype)
@@ -376,7 +403,8 @@ def test_threads_give_bitwise_equal_results(monkeypatch: pytest.MonkeyPatch) -> 
     assert one.tobytes() == two.tobytes()
     xs = _f(3, 7, 20, 19)
     pool: dict[str, Any] = {"kernel_shape": (3, 3), "strides": (2, 2), "pads": (1, 1, 1, 1)}
-    for op, kw in ((Op.MAX_POOL, pool), (Op.AVG_POOL, pool), (Op.GLOBAL_MAX_POOL, {})):
+    for op, kw in ((Op.MAX_POOL, pool), (Op.AVG_POOL, pool), (Op.GLOBAL_MAX_POOL, {}),
+                   (Op.GLOBAL_AVG_POOL, {})):
         single = _cpu(op, [xs], "native", threads=1, **kw)[0]
         double = _cpu(op, [xs], "native", threads=2, **kw)[0]
         assert single.tobytes() == double.tobytes(), op
@@ -422,6 +450,8 @@ def test_portable_builds_match_the_native_one(tmp_path: Any, flags: tuple[str, .
     avg.argtypes, avg.restype = [ptr] * 5 + [i64, i64], i64
     gmax = lib.keel_global_maxpool_f32
     gmax.argtypes, gmax.restype = [ptr, ptr, i64, i64, i64], None
+    gavg = lib.keel_global_avgpool_f32
+    gavg.argtypes, gavg.restype = [ptr, ptr, i64, i64, i64], None
     for x_shape, attrs in ((1, 5, 23, 37), {"pads": (1, 2, 2, 1), "strides": (2, 2)}), \
             ((2, 3, 9, 8), {"pads": (1, 1, 1, 1), "strides": (1, 3), "dilations": (2, 1)}), \
             ((1, 2, 6, 60), {"pads": (1, 1, 1, 1)}):
@@ -459,6 +489,8 @@ def test_portable_builds_match_the_native_one(tmp_path: Any, flags: tuple[str, .
         gmax(x.ctypes.data, top.ctypes.data, x.shape[2] * x.shape[3], 0, planes)
         want_top = x.max(axis=(2, 3))
         np.testing.assert_array_equal(top, want_top)
+        gavg(x.ctypes.data, top.ctypes.data, x.shape[2] * x.shape[3], 0, planes)
+        _close(top, x.astype(np.float64).mean(axis=(2, 3)).astype(np.float32))
 
 
 def pooled_window(shape: tuple[int, ...], attrs: dict[str, Any]) -> Any:

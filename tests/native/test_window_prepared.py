@@ -1,4 +1,4 @@
-"""Prepared (bound once per node) depthwise-conv and global-max-pool calls, and the
+"""Prepared (bound once per node) depthwise-conv and global-pool calls, and the
 input prefetch of large row-strided window calls: results bitwise equal to fresh calls
 for any thread count, and recomputed for other arrays or values."""
 
@@ -120,28 +120,35 @@ def test_depthwise_residual_overlapping_the_output_is_not_bound() -> None:
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
 
 
-def test_global_max_pool_reuses_its_bound_call_with_new_values() -> None:
-    attrs = get_schema(Op.GLOBAL_MAX_POOL).normalize_attrs({})
+@pytest.mark.parametrize("op", [Op.GLOBAL_MAX_POOL, Op.GLOBAL_AVG_POOL])
+def test_global_pool_reuses_its_bound_call_with_new_values(op: Op) -> None:
+    attrs = get_schema(op).normalize_attrs({})
     x, y = _f(2, 33, 7, 7), np.empty((2, 33, 1, 1), np.float32)
-    kernel = CPU.get(Op.GLOBAL_MAX_POOL, "native").fn
+    kernel = CPU.get(op, "native").fn
     for step in range(3):
         x[...] = _f(2, 33, 7, 7)
         if step == 2:
             x[1, 5, 3, 3] = np.nan
         assert kernel(_ctx(), [x], attrs, [y])[0] is y
-        np.testing.assert_array_equal(y, _reference(Op.GLOBAL_MAX_POOL, [x], attrs))
+        np.testing.assert_allclose(y, _reference(op, [x], attrs), rtol=1e-6, atol=1e-6)
+        assert np.isnan(y[1, 5, 0, 0]) == (step == 2)
     assert sum(1 for run in pooling._BOUND.values() if run.x_ref() is x) == 1
 
 
-def test_global_max_pool_bound_across_thread_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("op", [Op.GLOBAL_MAX_POOL, Op.GLOBAL_AVG_POOL])
+def test_global_pool_bound_across_thread_counts(op: Op,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_planner, "MIN_CHUNK_TAPS", 1)
-    attrs = get_schema(Op.GLOBAL_MAX_POOL).normalize_attrs({})
+    attrs = get_schema(op).normalize_attrs({})
     x, y = _f(4, 20, 5, 5), np.empty((4, 20, 1, 1), np.float32)
-    kernel = CPU.get(Op.GLOBAL_MAX_POOL, "native").fn
-    want = _reference(Op.GLOBAL_MAX_POOL, [x], attrs)
+    kernel = CPU.get(op, "native").fn
+    results = []
     for threads in (2, 1, 2):
         kernel(_ctx(threads), [x], attrs, [y])
-        np.testing.assert_array_equal(y, want)
+        results.append(y.copy())
+    np.testing.assert_allclose(results[0], _reference(op, [x], attrs), rtol=1e-6, atol=1e-6)
+    for got in results[1:]:
+        assert got.tobytes() == results[0].tobytes()
 
 
 @pytest.mark.parametrize(("activation", "params"), [("", ()), ("relu", ()),

@@ -35,9 +35,10 @@ from keel.native.pool import parts
 from keel.ops.schemas.conv import Window
 
 __all__ = ["Bound", "WindowGeometry", "avg_counts", "avg_pool", "bind_avg_pool", "clip_bounds",
-           "bind_depthwise_conv", "bind_global_max_pool", "bind_max_pool", "bind_phase_copy",
-           "bind_strided_copy", "copy_strided", "depthwise_conv", "global_max_pool",
-           "max_pool", "phase_geometry", "plan", "ready"]
+           "bind_depthwise_conv", "bind_global_avg_pool", "bind_global_max_pool",
+           "bind_max_pool", "bind_phase_copy", "bind_strided_copy", "copy_strided",
+           "depthwise_conv", "global_avg_pool", "global_max_pool", "max_pool",
+           "phase_geometry", "plan", "ready"]
 
 LIBRARY = "window"
 # Limits of window.c (MAX_TAPS, MAX_STRIDE).
@@ -55,10 +56,12 @@ class _Functions:
     maxpool: Any
     avgpool: Any
     global_max: Any
+    global_avg: Any
     dwconv_mt: Any       # the *_mt entry points: (..., planes, parts), on keel's threads
     maxpool_mt: Any
     avgpool_mt: Any
     global_max_mt: Any
+    global_avg_mt: Any
     phase_copy_mt: Any   # keel_phase_copy_mt_f32: stride-phase copies of planes
     strided_copy_mt: Any  # keel_strided_copy_mt: a strided view into a C-contiguous array
 
@@ -83,10 +86,12 @@ def _load() -> _Functions | None:
         maxpool=f("keel_maxpool2d_f32", [_P, _P, _P, _P, _I, _I], _I),
         avgpool=f("keel_avgpool2d_f32", [_P, _P, _P, _P, _P, _I, _I], _I),
         global_max=f("keel_global_maxpool_f32", [_P, _P, _I, _I, _I], None),
+        global_avg=f("keel_global_avgpool_f32", [_P, _P, _I, _I, _I], None),
         dwconv_mt=f("keel_dwconv2d_mt_f32", [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I], _I),
         maxpool_mt=f("keel_maxpool2d_mt_f32", [_P, _P, _P, _I, _I], _I),
         avgpool_mt=f("keel_avgpool2d_mt_f32", [_P, _P, _P, _P, _I, _I], _I),
         global_max_mt=f("keel_global_maxpool_mt_f32", [_P, _P, _I, _I, _I], _I),
+        global_avg_mt=f("keel_global_avgpool_mt_f32", [_P, _P, _I, _I, _I], _I),
         phase_copy_mt=f("keel_phase_copy_mt_f32", [_P, _P, _P, _I, _I], _I),
         strided_copy_mt=f("keel_strided_copy_mt", [_P, _P, _P, _I, _I], _I),
     )
@@ -249,16 +254,28 @@ def bind_depthwise_conv(x: np.ndarray, w: np.ndarray, b: np.ndarray | None,
                  head, (mode,), (bounds,))
 
 
-def bind_global_max_pool(x: np.ndarray, y: np.ndarray, threads: int = 1) -> Bound:
-    """:func:`global_max_pool` of these arrays, ready to run again (C-contiguous float32)."""
-    fns = _functions()
+def _bind_global(x: np.ndarray, y: np.ndarray, threads: int, serial: Any, mt: Any) -> Bound:
+    """``serial(x, y, size, 0, planes)`` over each (N, C) plane on this thread, or ``mt``
+    on keel's when the planes are worth several threads."""
     n, c = x.shape[:2]
     planes, size = n * c, math.prod(x.shape[2:])
     xa, ya = native.address(x), native.address(y)
     count = parts(planes, threads, max(1, planner_rules().MIN_CHUNK_TAPS // max(1, size)))
     if count <= 1:
-        return _Unchecked(fns.global_max, (xa, ya, size, 0, planes), ())
-    return Bound(fns.global_max_mt, (xa, ya, size, planes, count), ())
+        return _Unchecked(serial, (xa, ya, size, 0, planes), ())
+    return Bound(mt, (xa, ya, size, planes, count), ())
+
+
+def bind_global_max_pool(x: np.ndarray, y: np.ndarray, threads: int = 1) -> Bound:
+    """:func:`global_max_pool` of these arrays, ready to run again (C-contiguous float32)."""
+    fns = _functions()
+    return _bind_global(x, y, threads, fns.global_max, fns.global_max_mt)
+
+
+def bind_global_avg_pool(x: np.ndarray, y: np.ndarray, threads: int = 1) -> Bound:
+    """:func:`global_avg_pool` of these arrays, ready to run again (C-contiguous float32)."""
+    fns = _functions()
+    return _bind_global(x, y, threads, fns.global_avg, fns.global_avg_mt)
 
 
 class _Unchecked(Bound):
@@ -333,12 +350,14 @@ def avg_counts(win: Window, include_pad: bool) -> np.ndarray:
 
 
 def global_max_pool(x: np.ndarray, y: np.ndarray, threads: int = 1) -> None:
-    """``y`` (N, C, 1...) = the max of each plane (NaN if the plane holds one).
-
-    (No global average: OpenBLAS's gemv against a vector of 1 / size, which the
-    NumPy kernel runs, measured twice as fast on 7x7 planes.)
-    """
+    """``y`` (N, C, 1...) = the max of each plane (NaN if the plane holds one)."""
     bind_global_max_pool(x, y, threads)()
+
+
+def global_avg_pool(x: np.ndarray, y: np.ndarray, threads: int = 1) -> None:
+    """``y`` (N, C, 1...) = the mean of each plane: summed in 16 lanes, then across
+    them in a fixed order, so every thread count gives the same bits."""
+    bind_global_avg_pool(x, y, threads)()
 
 
 # One stride-phase copy of a plane, as (destination slices, source slices) per spatial

@@ -1930,10 +1930,21 @@ def _element_work(request: PlanRequest) -> tuple[int, int, str] | None:
     return elements, least, name
 
 
+_POOL_SPLIT_OPS = frozenset({Op.MAX_POOL, Op.AVG_POOL, Op.GLOBAL_AVG_POOL, Op.GLOBAL_MAX_POOL})
+
+
 def _pool_split(request: PlanRequest, threads: int) -> Split | None:
-    """A MaxPool's or AveragePool's planes on the native window kernels."""
-    shapes = request.static_shapes() if request.op in (Op.MAX_POOL, Op.AVG_POOL) else None
-    if not shapes or shapes[0] is None or len(shapes[0]) != 4:
+    """A MaxPool's or AveragePool's planes on the native window kernels, or a global
+    pool's planes on its row kernel (one tap per input element)."""
+    shapes = request.static_shapes() if request.op in _POOL_SPLIT_OPS else None
+    if not shapes or shapes[0] is None:
+        return None
+    if request.op in (Op.GLOBAL_AVG_POOL, Op.GLOBAL_MAX_POOL):
+        if len(shapes[0]) < 3:
+            return None
+        planes = shapes[0][0] * shapes[0][1]
+        return chunk_split("planes", planes, threads, math.prod(shapes[0]), MIN_CHUNK_TAPS)
+    if len(shapes[0]) != 4:
         return None
     try:
         win = pool_window(request.op, shapes[0], request.attrs)

@@ -885,6 +885,37 @@ void keel_global_maxpool_f32(const float *x, float *y, int64_t size, int64_t lo,
     }
 }
 
+/* y[p] = the mean of plane p, for p in [lo, hi): the plane summed in 16 lanes (then
+ * across them in a fixed order) and divided by its size, so a plane's value does not
+ * depend on which thread computes it. */
+void keel_global_avgpool_f32(const float *x, float *y, int64_t size, int64_t lo, int64_t hi) {
+    const float n = (float)size;
+    for (int64_t p = lo; p < hi; p++) {
+        const float *a = x + p * size;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        __m512 s = _mm512_setzero_ps(), t = _mm512_setzero_ps();
+        for (; i + 32 <= size; i += 32) {
+            s = _mm512_add_ps(s, _mm512_loadu_ps(a + i));
+            t = _mm512_add_ps(t, _mm512_loadu_ps(a + i + 16));
+        }
+        if (i + 16 <= size) {
+            s = _mm512_add_ps(s, _mm512_loadu_ps(a + i));
+            i += 16;
+        }
+        if (i < size) t = _mm512_add_ps(t, _mm512_maskz_loadu_ps(first_lanes(size - i), a + i));
+        y[p] = _mm512_reduce_add_ps(_mm512_add_ps(s, t)) / n;
+#else
+        vf s = vsplat(0.0f);
+        for (; i + KV <= size; i += KV) s = s + vload(a + i);
+        float m = 0.0f;
+        for (int k = 0; k < KV; k++) m += s[k];
+        for (; i < size; i++) m += a[i];
+        y[p] = m / n;
+#endif
+    }
+}
+
 /* Floats of scratch the kernels need for this geometry (per calling thread); -1 if unserved. */
 int64_t keel_window_scratch(const int64_t *geometry) {
     geom g;
@@ -958,6 +989,19 @@ static void global_max_task(void *ctx, float *scratch, int64_t lo, int64_t hi) {
     const global_job *j = ctx;
     (void)scratch;
     keel_global_maxpool_f32(j->x, j->y, j->size, lo, hi);
+}
+
+static void global_avg_task(void *ctx, float *scratch, int64_t lo, int64_t hi) {
+    const global_job *j = ctx;
+    (void)scratch;
+    keel_global_avgpool_f32(j->x, j->y, j->size, lo, hi);
+}
+
+/* keel_global_avgpool_f32 over planes [0, planes) in `parts` chunks on keel's threads. */
+int64_t keel_global_avgpool_mt_f32(const float *x, float *y, int64_t size, int64_t planes,
+                                   int64_t parts) {
+    global_job j = {x, y, size};
+    return run_parts(global_avg_task, &j, planes, parts, 0);
 }
 
 /* keel_global_maxpool_f32 over planes [0, planes) in `parts` chunks on keel's threads. */

@@ -93,16 +93,23 @@ class DType(str, enum.Enum):
 
     @classmethod
     def from_numpy(cls, dtype: Any) -> DType:
+        try:
+            return _FROM_NUMPY[dtype]       # a kernel's per-call lookup: one dict probe
+        except (KeyError, TypeError):
+            pass
         dt = np.dtype(dtype)
         if dt.kind in ("O", "U", "S"):
             return cls.STRING
         try:
-            return cls(dt.name)
+            found = cls(dt.name)
         except ValueError:
             raise InvalidArgumentError(
                 f"unsupported NumPy dtype {dt.name!r}; allowed: "
                 f"{', '.join(d.value for d in cls)}"
             ) from None
+        if isinstance(dtype, np.dtype):
+            _FROM_NUMPY[dtype] = found
+        return found
 
     @classmethod
     def from_onnx(cls, elem_type: int) -> DType:
@@ -150,6 +157,9 @@ NARROW_FLOATS = frozenset({
 })
 NARROW_INTS = frozenset({DType.INT4, DType.UINT4, DType.INT2, DType.UINT2})
 NARROW = NARROW_FLOATS | NARROW_INTS
+# DType.from_numpy's answers for the NumPy dtypes it has seen (a handful per process)
+_FROM_NUMPY: dict[np.dtype, DType] = {}
+
 _SUB_BYTE = {DType.INT4: 4, DType.UINT4: 4, DType.FLOAT4E2M1: 4, DType.INT2: 2, DType.UINT2: 2}
 # bfloat16 takes two bytes; every other narrow type one per element in memory
 _NARROW_ITEMSIZE = {d: 2 if d is DType.BFLOAT16 else 1 for d in NARROW}

@@ -345,6 +345,20 @@ def test_mixed_type_qlinear_add_matches_the_reference(path: str, types: tuple[An
                 _run(CPU, Op.QLINEAR_ADD, inputs, {"activation": ""}, "int8", threads), want)
 
 
+@pytest.mark.parametrize("scales", [(-0.02, 0.03, 0.04), (0.02, 0.03, 0.0), (0.02, 0.03, 1e-45)],
+                         ids=["negative", "zero-y-scale", "denormal-y-scale"])
+def test_qlinear_add_of_unusual_scales_gives_the_numpy_kernels_bits(
+        path: str, scales: tuple[float, float, float]) -> None:
+    """Native where the constants stay finite, the NumPy kernel where they do not: the
+    same form either way, so the same bits."""
+    inputs = _add_inputs(np.uint8, np.uint8, np.uint8, (3, 70), (3, 70), scales, 5)
+    with np.errstate(all="ignore"):
+        want = _run(CPU, Op.QLINEAR_ADD, inputs, {"activation": ""}, "default")
+        for threads in (1, 2):
+            np.testing.assert_array_equal(
+                _run(CPU, Op.QLINEAR_ADD, inputs, {"activation": ""}, "int8", threads), want)
+
+
 @pytest.mark.parametrize("shapes", [((2, 3, 4, 5), (3, 1, 1)), ((1,), (4, 33)), ((4, 33), (1,)),
                                     ((2, 3, 1), (2, 3, 9))],
                          ids=["per-channel-b", "scalar-a", "scalar-b", "row-constant-a"])

@@ -399,7 +399,7 @@ def quantize(x: np.ndarray, scale: float, y_zero_point: int, y: np.ndarray,
              threads: int = 1) -> None:
     """``y`` (8-bit) = QuantizeLinear of the contiguous float32 ``x`` with one float32
     ``scale`` and zero point, as the NumPy kernel computes it."""
-    lo, hi = _eight_bit_range(y.dtype)
+    lo, hi = QUANT_RANGES[DType.from_numpy(y.dtype)]
     count = parts(x.size, max(1, threads), planner_rules().QADD_MIN_ELEMENTS_PER_THREAD)
     _check(_functions().quantize(_ptr(x), x.size, scale, y_zero_point, lo, hi, _ptr(y), count))
 
@@ -411,13 +411,6 @@ def dequantize(x: np.ndarray, scale: float, x_zero_point: int, y: np.ndarray,
     count = parts(x.size, max(1, threads), planner_rules().QADD_MIN_ELEMENTS_PER_THREAD)
     _check(_functions().dequantize(_ptr(x), x.size, scale, x_zero_point,
                                    int(x.dtype == np.int8), _ptr(y), count))
-
-
-@functools.cache
-def _eight_bit_range(dtype: np.dtype) -> tuple[int, int]:
-    """The bounds of an 8-bit type, found once per type (the lookup through DType took
-    a few microseconds of every call)."""
-    return QUANT_RANGES[DType.from_numpy(dtype)]
 
 
 # ---- MaxPool on the integers -----------------------------------------------------------------

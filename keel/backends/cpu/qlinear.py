@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -282,15 +281,15 @@ def _add_served(a: Any, a_s: Any, a_zp: Any, b: Any, b_s: Any, b_zp: Any, y_s: A
     return (native_qgemm.available() and a.shape == b.shape
             and _eight_bit(a, b, a_zp, b_zp, y_zp) and a_zp.dtype == a.dtype
             and b_zp.dtype == b.dtype and all(_scalar(p) for p in (*scales, a_zp, b_zp, y_zp))
-            and all(s.dtype == np.float32 and 0 < float(s.reshape(())) < math.inf
-                    for s in scales))
+            and all(s.dtype == np.float32 for s in scales))
 
 
 @functools.lru_cache(maxsize=64)
 def _add_constants(a_s: float, b_s: float, y_s: float, a_zp: int, b_zp: int,
                    y_zp: int) -> tuple[float, float, float] | None:
-    """QLinearAdd's float32 constants for the native pass (None where one is not finite:
-    the NumPy kernel then), made once per set of parameters."""
+    """QLinearAdd's float32 constants for the native pass (None where one is not finite,
+    a scale of 0, inf or NaN: the NumPy kernel then), made once per set of parameters.
+    Both compute the same form, so any finite constants give the NumPy kernel's bits."""
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         constants = qlinear_add_constants(a_s, b_s, y_s, a_zp, b_zp, y_zp)
     if not all(np.isfinite(constants)):
@@ -332,12 +331,7 @@ def _quantize_served(x: Any, scale: Any, zp: Any, attrs: Attrs) -> bool:
 
 
 def _out_type(zp: Any) -> DType:
-    return DType.UINT8 if zp is None else _dtype_of(zp.dtype)
-
-
-@functools.cache
-def _dtype_of(dtype: np.dtype) -> DType:
-    return DType.from_numpy(dtype)
+    return DType.UINT8 if zp is None else DType.from_numpy(zp.dtype)
 
 
 @TABLE.kernel(Op.QUANTIZE_LINEAR, variant="int8", dtypes=("float32",), supports_out=True,

@@ -256,6 +256,8 @@ def choose_variant(op: Op, input_types: Sequence[TensorType | None], attrs: Mapp
         name, why = "int8", int8_reason(op)
     elif op is Op.QLINEAR_ADD and "int8" in variants:
         name, why = "int8", QADD_REASON
+    elif op is Op.QLINEAR_GLOBAL_AVG_POOL and "int8" in variants:
+        name, why = "int8", QGAP_REASON
     elif op in CONV_OPS and len(variants) > 1:
         name, why = _choose_conv(op, input_types, attrs, variants, dtype)
     elif op in CONV_OPS and variants["default"].meta.get("dispatcher"):
@@ -287,6 +289,14 @@ QADD_REASON = ("qlinear_add: the native 8-bit kernel, onnxruntime's QLinearAdd i
 # it runs about 10 elements per nanosecond (ResNet-20's 32x64x8x8 join, 131,072
 # elements, in ~13 us on one thread), so this is ~3 us per thread, a few dispatches.
 QADD_MIN_ELEMENTS_PER_THREAD = 32_768
+
+QGAP_REASON = ("qlinear_global_avg_pool: the native 8-bit kernel, onnxruntime's "
+               "QLinearGlobalAveragePool in one pass (integer sums, its float32 "
+               "requantization), reading NCHW or a channels-last chain's bytes")
+# A QLinearGlobalAveragePool splits its (image, 256-channel block) tasks over threads only
+# where each thread reads at least this many bytes: a memory-bound pass like QLinearAdd's,
+# and like it ~10 bytes per nanosecond on one thread.
+QGAP_MIN_ELEMENTS_PER_THREAD = QADD_MIN_ELEMENTS_PER_THREAD
 
 # An int8 MaxPool (cpu/pooling.py's ``int8`` variant, qgemm.c) splits its planes over
 # threads only where each gets at least this many input elements: ResNet-18's 3x3 stride-2
@@ -439,8 +449,12 @@ _LAYOUT_ROLES = {("nchw", "nhwc"): "starts it, its result written channels-last"
 def _layout_kind(node: Any, types: Mapping[str, TensorType | None]) -> str | None:
     """What a node placed on the int8 kernels can be in a channels-last chain:
     ``pointwise``/``depthwise`` (reads and writes it), ``other`` (a convolution that
-    can only start one), ``add`` (elementwise, both operands in its layout), or None."""
+    can only start one), ``add`` (elementwise, both operands in its layout), ``pool`` (a
+    QLinearGlobalAveragePool: reads either layout, and its (N, C, 1, 1) result is the same
+    bytes in both, so it can only end one), or None."""
     shapes = [_static(types.get(i)) if i else None for i in node.inputs]
+    if node.op is Op.QLINEAR_GLOBAL_AVG_POOL:
+        return "pool" if shapes[0] is not None and len(shapes[0]) == 4 else None
     if node.op is Op.QLINEAR_ADD:
         a, b = shapes[0], shapes[3] if len(shapes) > 3 else None
         return "add" if a is not None and len(a) == 4 and a == b else None
@@ -469,7 +483,8 @@ def int8_layouts(graph: Any, types: Mapping[str, TensorType | None],
     writes). ``variants[i]`` is node i's variant on this backend (None: elsewhere).
 
     A value is kept channels-last when an int8 convolution or join writes it, every
-    reader is a 1x1 or depthwise convolution or a join, it is no graph output, a join's
+    reader is a 1x1 or depthwise convolution, a join or a global average pool (which
+    ends the chain), it is no graph output, a join's
     operands share a layout (its result channels-last only where they are), and its
     chain holds a depthwise convolution."""
     nodes = graph.nodes
@@ -486,10 +501,13 @@ def int8_layouts(graph: Any, types: Mapping[str, TensorType | None],
         n = nodes[i]
         if kinds[i] in ("pointwise", "depthwise"):
             return n.inputs[0] == name and name not in n.inputs[1:]
+        if kinds[i] == "pool":
+            return n.inputs[0] == name
         return kinds[i] == "add" and name in (n.inputs[0], n.inputs[3])
 
     nhwc = {name for name, i in producer.items()
-            if kinds[i] is not None and name == nodes[i].outputs[0] and name not in outputs
+            if kinds[i] not in (None, "pool") and name == nodes[i].outputs[0]
+            and name not in outputs
             and readers.get(name) and all(reads_nhwc(r, name) for r in readers[name])}
     changed = True
     while changed:   # a join reads one layout; it writes NCHW unless it reads channels-last

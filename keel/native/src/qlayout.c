@@ -720,3 +720,88 @@ int64_t keel_qpointwise_nhwc_u8s8(const uint8_t *x, int64_t is_signed, int64_t p
                 (double)quant[1], (double)quant[2], y};
     return run_parts(pw_task, &j, (p + MR - 1) / MR, parts, 1);
 }
+
+/* ---- QLinearGlobalAveragePool ------------------------------------------------------------
+ * onnxruntime's integer global average (its MLAS arithmetic on x86-64): per image and
+ * channel, acc = the sum of the plane's hw 8-bit values minus hw * x zero point, in int32
+ * (wrapping, as its vector adds do), then y = round_half_even(clamp((float)acc * scale,
+ * lo - y zero point, hi - y zero point)) + y zero point, scale the float32
+ * x_scale / (y_scale * hw). The clamps are written as vmaxps/vminps compute them (NaN
+ * gives the lower bound). x is NCHW (a channel's values contiguous) or NHWC (a pixel's
+ * channels contiguous); y is (N, C). Tasks: (image, block of GAP_CB channels). */
+
+#define GAP_CB 256
+
+typedef struct {
+    const uint8_t *x;
+    int64_t is_signed, nhwc, c, hw, blocks;
+    uint32_t bias;
+    float scale, lo, hi;
+    int32_t zp;
+    uint8_t *y;
+} gap_job;
+
+
+static void gap_sums_nchw(const gap_job *j, const uint8_t *x, int64_t nc, uint32_t *acc)
+{
+    for (int64_t k = 0; k < nc; k++, x += j->hw) {
+        uint32_t s = 0;
+        if (j->is_signed) {
+            const int8_t *v = (const int8_t *)(const void *)x;
+            for (int64_t i = 0; i < j->hw; i++) s += (uint32_t)(int32_t)v[i];
+        } else {
+            for (int64_t i = 0; i < j->hw; i++) s += x[i];
+        }
+        acc[k] = s;
+    }
+}
+
+static void gap_sums_nhwc(const gap_job *j, const uint8_t *x, int64_t nc, uint32_t *acc)
+{
+    memset(acc, 0, (size_t)nc * sizeof *acc);
+    for (int64_t p = 0; p < j->hw; p++, x += j->c) {
+        if (j->is_signed) {
+            const int8_t *v = (const int8_t *)(const void *)x;
+            for (int64_t k = 0; k < nc; k++) acc[k] += (uint32_t)(int32_t)v[k];
+        } else {
+            for (int64_t k = 0; k < nc; k++) acc[k] += x[k];
+        }
+    }
+}
+
+static void gap_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
+{
+    const gap_job *j = ctx;
+    uint32_t acc[GAP_CB];
+    (void)scratch;
+    for (int64_t t = lo; t < hi; t++) {
+        int64_t n = t / j->blocks, c0 = (t % j->blocks) * GAP_CB;
+        int64_t nc = j->c - c0 < GAP_CB ? j->c - c0 : GAP_CB;
+        if (j->nhwc)
+            gap_sums_nhwc(j, j->x + n * j->hw * j->c + c0, nc, acc);
+        else
+            gap_sums_nchw(j, j->x + (n * j->c + c0) * j->hw, nc, acc);
+        uint8_t *y = j->y + n * j->c + c0;
+        for (int64_t k = 0; k < nc; k++) {
+            float v = (float)(int32_t)(acc[k] + j->bias) * j->scale;
+            v = v > j->lo ? v : j->lo;
+            v = v < j->hi ? v : j->hi;
+            y[k] = (uint8_t)((int32_t)nearbyintf(v) + j->zp);
+        }
+    }
+}
+
+/* y[N][C] = onnxruntime's QLinearGlobalAveragePool of the 8-bit x (is_signed: int8) with
+ * hw values per channel, NCHW or (nhwc) channels-last; params = {x zero point, y zero
+ * point, lo, hi} (y's type's bounds), scale as above. */
+int64_t keel_qglobal_avgpool_u8(const uint8_t *x, int64_t is_signed, int64_t nhwc, int64_t n,
+                                int64_t c, int64_t hw, float scale, const int64_t *params,
+                                uint8_t *y, int64_t parts)
+{
+    if (n <= 0 || c <= 0) return 0;
+    int32_t zp = (int32_t)params[1];
+    gap_job j = {x, is_signed, nhwc, c, hw, (c + GAP_CB - 1) / GAP_CB,
+                 (uint32_t)0 - (uint32_t)params[0] * (uint32_t)hw, scale,
+                 (float)(params[2] - zp), (float)(params[3] - zp), zp, y};
+    return run_parts(gap_task, &j, n * j.blocks, parts, 1);
+}

@@ -61,7 +61,7 @@ CONVS = [
     (np.int8, np.uint8, True, 1, 6, 5, 7, 70, 1, 1, 0, 1, 1),          # weight zero points
     (np.int8, np.int8, False, 1, 6, 5, 7, 70, 1, 1, 0, 1, 1),          # C, M, pixels past tiles
     (np.uint8, np.int8, False, 3, 64, 4, 4, 32, 1, 1, 0, 1, 1),        # whole tiles
-    (np.uint8, np.int8, False, 1, 600, 3, 5, 400, 1, 1, 0, 1, 1),      # large: matrix product
+    (np.uint8, np.int8, False, 1, 760, 3, 5, 720, 1, 1, 0, 1, 1),      # large: matrix product
     (np.uint8, np.int8, False, 2, 20, 6, 7, 8, 1, 1, 0, 1, 1),         # 8 channels: one half
     (np.int8, np.int8, False, 1, 36, 5, 8, 16, 1, 1, 0, 1, 1),         # 16, int8 out
     (np.uint8, np.int8, False, 2, 24, 5, 5, 48, 1, 1, 0, 1, 1),        # 32 + 16 channels

@@ -408,9 +408,15 @@ INT8_LAYOUT_REASON = ("int8 channels-last chain of {nodes} nodes ({depthwise} de
 # vectorized in the store); larger ones on qgemm.c's matrix product, since each tile of
 # pixels streams all the panels again. Measured at batch 32, one thread (ms, panels /
 # matrix product): 16->96 at 112x112 6.6 / 17.3; 24->144 at 56x56 2.9 / 7.8; 144->24 at
-# 56x56 2.7 / 3.2; 96->576 at 14x14 1.6 / 2.4; 576->160 at 7x7 (90 KiB) 0.49 / 0.51;
-# 960->320 at 7x7 (300 KiB) 1.46 / 1.20; 320->1280 at 7x7 (400 KiB) 2.3 / 1.8.
-INT8_POINTWISE_PANEL_MAX_WEIGHT_BYTES = 192 * 1024
+# 56x56 2.7 / 3.2; 96->576 at 14x14 1.6 / 2.4; 576->160 at 7x7 (90 KiB) 0.49 / 0.51.
+# Since the panels compute the pixel rows past their last whole tile as a tile (a C loop
+# took them, a third of a 7x7 layer's time at batch 32), the kernels alone, alternating,
+# median ratios of 9 (range), 1 and 2 threads, measured under load: 160->960 at 7x7
+# 0.71 (0.70-0.72) and 0.72 (0.69-0.76); 960->160 0.77 (0.75-0.81) and 0.80; 960->320
+# (300 KiB) 0.92 (0.91-0.93) and 0.91 (0.89-0.94); 320->1280 (400 KiB, MobileNetV2's last)
+# 0.82 (0.81-0.83) and 0.81 (0.73-0.85); 512->1024 (512 KiB) 0.85 (0.80-0.90) and 0.82;
+# larger ones (1 and 1.6 MiB) 0.80-0.90 in medians too noisy to rely on (0.3-1.9).
+INT8_POINTWISE_PANEL_MAX_WEIGHT_BYTES = 512 * 1024
 
 
 def int8_pointwise_panels(weight_bytes: int) -> bool:

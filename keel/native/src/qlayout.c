@@ -274,6 +274,36 @@ static inline __m256i requant32(__m512i vlo, __m512i vhi, const __m512 *m, __m51
     return _mm256_permute4x64_epi64(b, 0xD8);   /* (0 1)(4 5)(2 3)(6 7) -> (0 1)(2 3)(4 5)(6 7) */
 }
 
+/* Two pixels' accumulators (a: pixel A's low and high, b: pixel B's) requantized into 64
+ * bytes, A's 32 channels then B's: requant32's steps on 512-bit vectors (the same bytes,
+ * half the packs and one permute for both pixels). After the packs, 128-bit lane L
+ * holds A's channels 8L..8L+7 then B's as bytes: qwords 2L (A) and 2L + 1 (B). */
+static inline __m512i requant_pair(const __m512i *a, const __m512i *b, const __m512 *m,
+                                   __m512 hi, __m512i zp16, __m512i lo16, int is_signed_out)
+{
+    __m512i w[4];
+    const __m512i acc[4] = {a[0], a[1], b[0], b[1]};
+    for (int h = 0; h < 4; h++)
+        w[h] = _mm512_cvtps_epi32(
+            _mm512_min_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[h]), m[h & 1]), hi));
+    __m512i pa = _mm512_max_epi16(_mm512_adds_epi16(_mm512_packs_epi32(w[0], w[1]), zp16), lo16);
+    __m512i pb = _mm512_max_epi16(_mm512_adds_epi16(_mm512_packs_epi32(w[2], w[3]), zp16), lo16);
+    __m512i bytes = is_signed_out ? _mm512_packs_epi16(pa, pb) : _mm512_packus_epi16(pa, pb);
+    return _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), bytes);
+}
+
+/* A block's 32 requantized bytes at o: whole, or the first nc through a buffer. */
+static inline void store_block(uint8_t *o, __m256i bytes, int64_t nc)
+{
+    if (nc == CL) {
+        _mm256_storeu_si256((__m256i *)(void *)o, bytes);
+        return;
+    }
+    uint8_t tail[CL];     /* a partial block through a buffer, as pw_tile's */
+    _mm256_storeu_si256((__m256i *)(void *)tail, bytes);
+    memcpy(o, tail, (size_t)nc);
+}
+
 /* A view of widened int16 input for the kernel below: element (row r, tap row ky,
  * column x) of a block's channel c0 lies at src + r * ostep + ky * rstride + x * ld. */
 typedef struct {
@@ -309,9 +339,35 @@ static inline void block_avx512(const dwcl_job *j, const dw_view *v, int64_t b,
     const __m512 hi = _mm512_set1_ps((float)(j->hi - j->zp));
     const __m256i zp16 = _mm256_set1_epi16((int16_t)j->zp);
     const __m256i lo16 = _mm256_set1_epi16((int16_t)j->lo);
+    const __m512i zp16x2 = _mm512_set1_epi16((int16_t)j->zp);
+    const __m512i lo16x2 = _mm512_set1_epi16((int16_t)j->lo);
     const int is_signed_out = j->lo < 0;
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t ox = 0; ox < ow; ox++) {
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t ox = 0;
+        /* two pixels at a time: four independent sums, one requantization for both */
+        for (; ox + 2 <= ow; ox += 2) {
+            __m512i va[2] = {blo, bhi}, vb[2] = {blo, bhi};
+            const int64_t at = r * ostep + ox * step;
+            for (int64_t p = 0; p < npairs; p++) {
+                const int odd = 2 * p + 1 < ntaps;
+                __m512i a = _mm512_loadu_si512((const void *)(base[2 * p] + at));
+                __m512i e = odd ? _mm512_loadu_si512((const void *)(base[2 * p + 1] + at))
+                                : _mm512_setzero_si512();
+                __m512i a2 = _mm512_loadu_si512((const void *)(base[2 * p] + at + step));
+                __m512i e2 = odd ? _mm512_loadu_si512((const void *)(base[2 * p + 1] + at + step))
+                                 : _mm512_setzero_si512();
+                va[0] = _mm512_dpwssd_epi32(va[0], _mm512_unpacklo_epi16(a, e), pairs[2 * p]);
+                va[1] = _mm512_dpwssd_epi32(va[1], _mm512_unpackhi_epi16(a, e), pairs[2 * p + 1]);
+                vb[0] = _mm512_dpwssd_epi32(vb[0], _mm512_unpacklo_epi16(a2, e2), pairs[2 * p]);
+                vb[1] = _mm512_dpwssd_epi32(vb[1], _mm512_unpackhi_epi16(a2, e2),
+                                            pairs[2 * p + 1]);
+            }
+            uint8_t *o = out + r * out_row + ox * c;
+            __m512i bytes = requant_pair(va, vb, mult, hi, zp16x2, lo16x2, is_signed_out);
+            store_block(o, _mm512_castsi512_si256(bytes), nc);
+            store_block(o + c, _mm512_extracti64x4_epi64(bytes, 1), nc);
+        }
+        for (; ox < ow; ox++) {
             __m512i vlo = blo, vhi = bhi;
             const int64_t at = r * ostep + ox * step;
             for (int64_t p = 0; p < npairs; p++) {
@@ -322,16 +378,10 @@ static inline void block_avx512(const dwcl_job *j, const dw_view *v, int64_t b,
                 vlo = _mm512_dpwssd_epi32(vlo, _mm512_unpacklo_epi16(a, e), pairs[2 * p]);
                 vhi = _mm512_dpwssd_epi32(vhi, _mm512_unpackhi_epi16(a, e), pairs[2 * p + 1]);
             }
-            uint8_t *o = out + r * out_row + ox * c;
-            __m256i bytes = requant32(vlo, vhi, mult, hi, zp16, lo16, is_signed_out);
-            if (nc == CL) {
-                _mm256_storeu_si256((__m256i *)(void *)o, bytes);
-                continue;
-            }
-            uint8_t tail[CL];     /* a partial block through a buffer, as pw_tile's */
-            _mm256_storeu_si256((__m256i *)(void *)tail, bytes);
-            memcpy(o, tail, (size_t)nc);
+            store_block(out + r * out_row + ox * c,
+                        requant32(vlo, vhi, mult, hi, zp16, lo16, is_signed_out), nc);
         }
+    }
 }
 
 /* block_avx512 with a 3x3 kernel's nine taps a constant (its pairs then stay in

@@ -274,12 +274,13 @@ static inline __m256i requant32(__m512i vlo, __m512i vhi, const __m512 *m, __m51
     return _mm256_permute4x64_epi64(b, 0xD8);   /* (0 1)(4 5)(2 3)(6 7) -> (0 1)(2 3)(4 5)(6 7) */
 }
 
-/* Two pixels' accumulators (a: pixel A's low and high, b: pixel B's) requantized into 64
- * bytes, A's 32 channels then B's: requant32's steps on 512-bit vectors (the same bytes,
- * half the packs and one permute for both pixels). After the packs, 128-bit lane L
- * holds A's channels 8L..8L+7 then B's as bytes: qwords 2L (A) and 2L + 1 (B). */
-static inline __m512i requant_pair(const __m512i *a, const __m512i *b, const __m512 *m,
-                                   __m512 hi, __m512i zp16, __m512i lo16, int is_signed_out)
+/* Two sets of accumulators (a: low and high of one pixel or row, b: of another)
+ * requantized as requant32 does it, on 512-bit vectors, and packed to bytes: 128-bit
+ * lane L then holds a's lane L as 8 bytes, then b's. requant_pair (two depthwise pixels,
+ * lane-ordered) puts A's 32 channels then B's in order: qwords 2L (A) and 2L + 1 (B);
+ * half the packs of requant32 and one permute for both pixels, the same bytes. */
+static inline __m512i requant_packed(const __m512i *a, const __m512i *b, const __m512 *m,
+                                     __m512 hi, __m512i zp16, __m512i lo16, int is_signed_out)
 {
     __m512i w[4];
     const __m512i acc[4] = {a[0], a[1], b[0], b[1]};
@@ -288,8 +289,14 @@ static inline __m512i requant_pair(const __m512i *a, const __m512i *b, const __m
             _mm512_min_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[h]), m[h & 1]), hi));
     __m512i pa = _mm512_max_epi16(_mm512_adds_epi16(_mm512_packs_epi32(w[0], w[1]), zp16), lo16);
     __m512i pb = _mm512_max_epi16(_mm512_adds_epi16(_mm512_packs_epi32(w[2], w[3]), zp16), lo16);
-    __m512i bytes = is_signed_out ? _mm512_packs_epi16(pa, pb) : _mm512_packus_epi16(pa, pb);
-    return _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), bytes);
+    return is_signed_out ? _mm512_packs_epi16(pa, pb) : _mm512_packus_epi16(pa, pb);
+}
+
+static inline __m512i requant_pair(const __m512i *a, const __m512i *b, const __m512 *m,
+                                   __m512 hi, __m512i zp16, __m512i lo16, int is_signed_out)
+{
+    return _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7),
+                                    requant_packed(a, b, m, hi, zp16, lo16, is_signed_out));
 }
 
 /* A block's 32 requantized bytes at o: whole, or the first nc through a buffer. */
@@ -585,14 +592,7 @@ static inline uint32_t load32(const uint8_t *p)
 static inline __m512i requant_rows(const __m512i *a, const __m512i *b, const __m512 *m,
                                    __m512 hi, __m512i zp16, __m512i lo16, int is_signed_out)
 {
-    __m512i w[4];
-    const __m512i acc[4] = {a[0], a[1], b[0], b[1]};
-    for (int h = 0; h < 4; h++)
-        w[h] = _mm512_cvtps_epi32(
-            _mm512_min_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[h]), m[h & 1]), hi));
-    __m512i pa = _mm512_max_epi16(_mm512_adds_epi16(_mm512_packs_epi32(w[0], w[1]), zp16), lo16);
-    __m512i pb = _mm512_max_epi16(_mm512_adds_epi16(_mm512_packs_epi32(w[2], w[3]), zp16), lo16);
-    __m512i bytes = is_signed_out ? _mm512_packs_epi16(pa, pb) : _mm512_packus_epi16(pa, pb);
+    __m512i bytes = requant_packed(a, b, m, hi, zp16, lo16, is_signed_out);
     /* 128-bit lane L holds dwords: A's channels 4L.., A's 16 + 4L.., B's 4L.., B's 16 + 4L.. */
     const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     return _mm512_permutexvar_epi32(order, bytes);

@@ -417,14 +417,14 @@ _GAP_BLOCK = 256       # qlayout.c's GAP_CB: channels per task
 
 
 def global_average_pool(x: np.ndarray, nhwc: bool, scale: float, x_zero_point: int,
-                        y_zero_point: int, y: np.ndarray, threads: int = 1) -> bool:
+                        y_zero_point: int, y: np.ndarray, threads: int = 1) -> None:
     """``y`` (N, C, 1, 1) = onnxruntime's QLinearGlobalAveragePool of the contiguous 8-bit
     ``x`` in its graph shape (N, C, H, W), its bytes NCHW or (``nhwc``) channels-last;
-    ``scale`` the float32 multiplier (``qlinear_global_scale``). False
-    where the native kernel is not built."""
+    ``scale`` the float32 multiplier (``qlinear_global_scale``). Needs the native kernel
+    (:func:`available`)."""
     fns = _load()
     if fns is None:
-        return False
+        raise RuntimeError(f"native layout kernels unavailable: {native.status().reason}")
     n, c = int(x.shape[0]), int(x.shape[1])
     hw = int(x.size // max(1, n * c))
     lo, hi = QUANT_RANGES[_dtype_of(y)]
@@ -434,7 +434,6 @@ def global_average_pool(x: np.ndarray, nhwc: bool, scale: float, x_zero_point: i
                                                // max(1, hw * min(c, _GAP_BLOCK))))
     _check(fns.global_average(_ptr(x), int(x.dtype == np.int8), int(nhwc), n, c, hw,
                               scale, _ptr(params), _ptr(y), count))
-    return True
 
 
 @functools.lru_cache(maxsize=64)

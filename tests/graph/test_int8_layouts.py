@@ -43,6 +43,7 @@ def test_the_plan_keeps_the_blocks_channels_last(int8_model: tuple[Path, Any]) -
     assert layouts["nchw->nhwc"] >= 1 and layouts["nhwc->nhwc"] >= 3
     pool = next(p for p in model.plan.nodes if p.op == "qlinear_global_avg_pool")
     assert pool.layout == "nhwc->nchw" and layouts["nhwc->nchw"] == 1
+    assert pool.plan is not None and "global average pool" in pool.plan.reason("layout")
     inside = [p for p in model.plan.nodes if p.layout == "nhwc->nhwc"]
     assert inside[0].plan is not None and "depthwise" in inside[0].plan.reason("layout")
     assert "channels-last chain" in model.explain()

@@ -451,6 +451,8 @@ def int8_depthwise_planes(pieces: int, threads: int, plane_bytes: int) -> bool:
 _LAYOUT_ROLES = {("nchw", "nhwc"): "starts it, its result written channels-last",
                  ("nhwc", "nhwc"): "inside it",
                  ("nhwc", "nchw"): "ends it, its result written NCHW"}
+_POOL_ROLE = ("ends it, the global average pool reading its channels-last bytes in place: "
+              "the (N, C, 1, 1) result is the same bytes in either layout")
 
 
 def _layout_kind(node: Any, types: Mapping[str, TensorType | None]) -> str | None:
@@ -557,8 +559,9 @@ def _chains(nodes: Sequence[Any], kinds: Sequence[str | None], nhwc: set[str],
         for i in chain:
             src = "nhwc" if nodes[i].inputs[0] in nhwc else "nchw"
             dst = "nhwc" if nodes[i].outputs[0] in nhwc else "nchw"
+            role = _POOL_ROLE if kinds[i] == "pool" else _LAYOUT_ROLES[(src, dst)]
             decided[i] = (f"{src}->{dst}", INT8_LAYOUT_REASON.format(
-                nodes=len(chain), depthwise=depthwise, this=_LAYOUT_ROLES[(src, dst)]))
+                nodes=len(chain), depthwise=depthwise, this=role))
     return decided
 
 

@@ -157,9 +157,10 @@ def test_filters_are_packed_once_per_frozen_weight() -> None:
     w.setflags(write=False)
     x = _rand(rng, 1, 4, 6, 6)
     first = _native(x, w, None, None, (1, 1, 1, 1), ("", ()))
-    packed = [v for k, v in winograd.workspace._derived.items() if k[0] == "winograd_native_u"]
-    assert len(packed) == 1 and isinstance(packed[0][1], ng.Packed)
-    assert packed[0][1].batch_stride > 0
+    packed = [v for k, v in winograd.workspace._derived.items()
+              if k[0] == "winograd_native_products"]
+    assert len(packed) == 1 and isinstance(packed[0][1].u, ng.Packed)
+    assert packed[0][1].u.batch_stride > 0
     np.testing.assert_array_equal(_native(x, w, None, None, (1, 1, 1, 1), ("", ())), first)
 
 

@@ -168,9 +168,12 @@ def test_filters_are_packed_once_per_frozen_weight() -> None:
                                            ((2, 40, 30, 29), 24)])
 @pytest.mark.parametrize("chunk", [1, 2])
 def test_tile_rows_and_planes_give_the_same_bits(x_shape: tuple[int, ...], m: int,
-                                                 chunk: int) -> None:
-    """A chunk with fewer images than threads splits its transforms by tile rows (every
-    channel of each) instead of planes: the same values, bitwise, on any thread count."""
+                                                 chunk: int,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pass by pass, a chunk with fewer images than threads splits its transforms by tile
+    rows (every channel of each) instead of planes: the same values, bitwise, on any
+    thread count."""
+    _forced(monkeypatch, _PASSES)
     rng = np.random.default_rng(3)
     x, w, b = _rand(rng, *x_shape), _rand(rng, m, x_shape[1], 3, 3), _rand(rng, m)
     z = _rand(rng, x_shape[0], m, *x_shape[2:])

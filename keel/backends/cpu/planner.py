@@ -1655,10 +1655,15 @@ def winograd_form(geo: ConvGeometry, itemsize: int, sizes: Caches | None = None,
         f"scaled by rule to the caches of {sizes.source})")
     why = (f"{chunk} image(s) per chunk: {per_image} bytes of transformed tiles an image, "
            f"within {budget / 2**20:.3g} MiB{scaled}")
+    scratch = _winograd_scratch(chunk, c, m, th, tw, itemsize)
     if itemsize == 4 and native_gemm.available() and geo.rank == 2:
         pipe = winograd_pipeline(geo.batch, c, m, (oh, ow), max(1, threads), sizes)
         why = f"{why}; on {max(1, threads)} thread(s) {pipe.reason}"
-    return ConvForm("", why, chunk, _winograd_scratch(chunk, c, m, th, tw, itemsize))
+        if pipe.rows:           # each thread's block of V and P, in the pool's scratch
+            mr = (_grid(_HERE) or _TILES["scalar"])[0]
+            ld = -(-pipe.rows * tw // 16) * 16
+            scratch = pipe.parts * 16 * ld * (c + pipe.panels * mr) * itemsize
+    return ConvForm("", why, chunk, scratch)
 
 
 # Winograd's compiled transforms (winograd.c) split a chunk's planes over threads while

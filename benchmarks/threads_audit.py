@@ -10,6 +10,12 @@ node, the parallel passes its kernel runs (keel.backends.cpu.planner.node_splits
 work units of each, how many pieces they split into and how even those are. Nothing
 runs: the split is the planner's, for the probe's cores and caches.
 
+A compiled Winograd conv runs either as one per-thread pipeline (each thread takes
+blocks of tile rows through the input transform, the products and the output transform
+in its own cache: one pass, its blocks the units) or pass by pass; the table says which
+for each, and a line per model and batch counts them (the planner's
+winograd_pipeline, whose reason explain() gives).
+
 Each pass of a node with work for every thread (its kernel family's least work per
 thread for each of ``--threads``) must keep them evenly busy: its busiest thread's work
 within the planner's EVEN_SPLIT of an even share. The table lists the nodes with a
@@ -58,6 +64,11 @@ class Row:
         """The passes with work for every thread that leave them unevenly busy."""
         return tuple(s for s in self.splits if s.worth(self.threads)
                      and s.spread(self.threads) > planner.EVEN_SPLIT)
+
+    @property
+    def pipeline(self) -> bool:
+        """A Winograd conv that runs as the per-thread pipeline."""
+        return bool(self.splits) and self.splits[0].name.startswith("pipeline")
 
     @property
     def failed(self) -> bool:
@@ -109,6 +120,21 @@ def audit(name: str, batch: int, threads: int, profile: HardwareProfile) -> list
     return rows
 
 
+def winograd_line(rows: Sequence[Row]) -> str | None:
+    """How many of the rows' Winograd convs run as the per-thread pipeline, and whether
+    their blocks keep every thread evenly busy (None: no Winograd conv)."""
+    convs = [r for r in rows if r.op in CONV_OPS and r.variant == "winograd"]
+    if not convs:
+        return None
+    piped = [r for r in convs if r.pipeline]
+    uneven = [r.node for r in piped if r.failed]
+    first = rows[0]
+    return (f"{first.model} b{first.batch}: {len(piped)} of {len(convs)} Winograd conv(s) as "
+            f"per-thread pipelines on {first.threads} threads"
+            + (f", uneven: {', '.join(uneven)}" if uneven else ", every one evenly split")
+            if piped else f"{first.model} b{first.batch}: every Winograd conv pass by pass")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.threads_audit",
                                 description=__doc__.split("\n\n")[0])
@@ -125,10 +151,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed = 0
     for name in args.models.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
-            for row in audit(name, batch, args.threads, profile):
+            rows = audit(name, batch, args.threads, profile)
+            for row in rows:
                 failed += row.failed
                 if args.all or row.verdict not in ("ok", "not modelled"):
                     print(row.line())
+            summary = winograd_line(rows)
+            if summary:
+                print(summary)
     print(f"{failed} node(s) fail the {args.threads}-thread split", file=sys.stderr)
     return 1 if failed else 0
 

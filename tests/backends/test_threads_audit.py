@@ -50,6 +50,25 @@ def test_every_pass_with_the_work_keeps_sixteen_threads_evenly_busy(model: str, 
     assert all(row.splits for row in rows if row.op is Op.CONV)
 
 
+@pytest.mark.parametrize(("model", "batch", "piped"), [("resnet18", 32, 10), ("resnet18", 1, 4)])
+def test_winograd_convs_run_as_evenly_split_pipelines(model: str, batch: int, piped: int,
+                                                      server: Any) -> None:
+    """At 16 threads the suite's Winograd convs with tiles for every thread run as the
+    per-thread pipeline, each one pass whose blocks keep the threads evenly busy; the
+    others keep the passes, with the planner's reason."""
+    rows = threads_audit.audit(model, batch, SIXTEEN, server)
+    convs = [r for r in rows if r.variant == "winograd"]
+    pipes = [r for r in convs if r.pipeline]
+    assert convs and len(pipes) >= piped, threads_audit.winograd_line(rows)
+    for row in pipes:
+        (split,) = row.splits
+        assert split.pieces == SIXTEEN and split.spread(SIXTEEN) <= cpu_planner.EVEN_SPLIT
+    for row in convs:
+        assert not row.failed, row.line()
+    line = threads_audit.winograd_line(rows)
+    assert line is not None and f"{len(pipes)} of {len(convs)} Winograd" in line
+
+
 def test_explain_gives_each_conv_its_split(server: Any) -> None:
     model = load_model(threads_audit.fixed_batch(
         threads_audit.build("resnet20"),
@@ -70,6 +89,7 @@ def test_the_audit_script_lists_what_it_judges(capsys: pytest.CaptureFixture[str
     assert threads_audit.main(["--models", "lenet", "--batches", "32", "--all"]) == 0
     out = capsys.readouterr().out
     assert "MaxPool_8" in out and "little work" in out
+    assert "Winograd" not in out                  # LeNet has none: no line for them
 
 
 @pytest.mark.parametrize(("x", "taps"), [((1, 960, 7, 7), 3), ((32, 144, 56, 56), 3),

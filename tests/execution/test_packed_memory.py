@@ -91,6 +91,7 @@ def _conv(c: int, m: int, side: int, stride: int, batch: int) -> bytes:
 
 
 @pytest.mark.parametrize(("shape", "variant"), [((128, 128, 14, 1, 8), "winograd"),
+                                                ((512, 512, 7, 1, 4), "winograd"),
                                                 ((96, 96, 7, 1, 1), "im2col"),
                                                 ((128, 256, 28, 2, 8), "native"),
                                                 ((64, 128, 56, 2, 1), "native")])
@@ -109,6 +110,9 @@ def test_the_plan_counts_the_scratch_its_conv_kernel_holds(
     assert model.plan.peak_bytes >= (memory["weight_bytes"] + memory["workspace_bytes"]
                                      + memory["output_bytes"])
     model.predict({"x": np.ones((batch, c, side, side), np.float32)})
+    if "per-thread pipeline:" in model.plan.nodes[0].plan.reason("layout"):
+        assert workspace.held_bytes() == 0    # its blocks live in the pool threads' scratch
+        return
     assert 0 < workspace.held_bytes() <= memory["workspace_bytes"]
 
 

@@ -157,9 +157,10 @@ def test_filters_are_packed_once_per_frozen_weight() -> None:
     w.setflags(write=False)
     x = _rand(rng, 1, 4, 6, 6)
     first = _native(x, w, None, None, (1, 1, 1, 1), ("", ()))
-    packed = [v for k, v in winograd.workspace._derived.items() if k[0] == "winograd_native_u"]
-    assert len(packed) == 1 and isinstance(packed[0][1], ng.Packed)
-    assert packed[0][1].batch_stride > 0
+    packed = [v for k, v in winograd.workspace._derived.items()
+              if k[0] == "winograd_native_products"]
+    assert len(packed) == 1 and isinstance(packed[0][1].u, ng.Packed)
+    assert packed[0][1].u.batch_stride > 0
     np.testing.assert_array_equal(_native(x, w, None, None, (1, 1, 1, 1), ("", ())), first)
 
 
@@ -167,9 +168,12 @@ def test_filters_are_packed_once_per_frozen_weight() -> None:
                                            ((2, 40, 30, 29), 24)])
 @pytest.mark.parametrize("chunk", [1, 2])
 def test_tile_rows_and_planes_give_the_same_bits(x_shape: tuple[int, ...], m: int,
-                                                 chunk: int) -> None:
-    """A chunk with fewer images than threads splits its transforms by tile rows (every
-    channel of each) instead of planes: the same values, bitwise, on any thread count."""
+                                                 chunk: int,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pass by pass, a chunk with fewer images than threads splits its transforms by tile
+    rows (every channel of each) instead of planes: the same values, bitwise, on any
+    thread count."""
+    _forced(monkeypatch, _PASSES)
     rng = np.random.default_rng(3)
     x, w, b = _rand(rng, *x_shape), _rand(rng, m, x_shape[1], 3, 3), _rand(rng, m)
     z = _rand(rng, x_shape[0], m, *x_shape[2:])
@@ -185,3 +189,133 @@ def test_tile_rows_and_planes_give_the_same_bits(x_shape: tuple[int, ...], m: in
     want = _reference([x, w, b, z], {"pads": (1, 1, 1, 1), "activation": act[0],
                                      "activation_params": act[1]})
     np.testing.assert_allclose(one, want, rtol=1e-4, atol=1e-4)
+
+
+# ---- the per-thread pipeline -------------------------------------------------------------
+_PASSES = cpu_planner.WinogradPipeline(0, 0, 0, 0, "pass by pass (forced)")
+
+
+def _forced(monkeypatch: pytest.MonkeyPatch, pipe: Any) -> None:
+    monkeypatch.setattr(cpu_planner, "winograd_pipeline", lambda *a, **k: pipe)
+
+
+@pytest.mark.parametrize(("x_shape", "m"), [((2, 24, 15, 15), 20), ((3, 16, 9, 40), 33),
+                                           ((1, 64, 56, 56), 64), ((2, 40, 30, 29), 24),
+                                           ((3, 9, 7, 7), 17)])
+def test_the_pipeline_gives_the_passes_bits_for_any_block_and_threads(
+        x_shape: tuple[int, ...], m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks of any tile rows (within an image, across images, the whole batch), product
+    blocks of any output channels, on 1, 2, 3, 4 and 16 threads: bitwise the passes'
+    result, which matches the reference."""
+    rng = np.random.default_rng(9)
+    x, w, b = _rand(rng, *x_shape), _rand(rng, m, x_shape[1], 3, 3), _rand(rng, m)
+    z = _rand(rng, x_shape[0], m, *x_shape[2:])
+    act = ("clip", (-0.5, 0.6))
+    _forced(monkeypatch, _PASSES)
+    passes = _native(x, w, b, z, (1, 1, 1, 1), act)
+    want = _reference([x, w, b, z], {"pads": (1, 1, 1, 1), "activation": act[0],
+                                     "activation_params": act[1]})
+    np.testing.assert_allclose(passes, want, rtol=1e-4, atol=1e-4)
+    all_rows = x_shape[0] * -(-x_shape[2] // 2)
+    for rows in sorted({1, 2, 3, all_rows // 2 + 1, all_rows}):
+        blocks = -(-all_rows // rows)
+        for panels in (1, 3, 64):
+            for threads in (1, 2, 3, 4, 16):
+                parts = min(threads, blocks)
+                _forced(monkeypatch, cpu_planner.WinogradPipeline(rows, panels, blocks, parts,
+                                                                  "forced"))
+                got = _native(x, w, b, z, (1, 1, 1, 1), act, threads=threads)
+                np.testing.assert_array_equal(got, passes, err_msg=f"{rows} {panels} {threads}")
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 4, 16])
+def test_as_planned_any_threads_give_the_same_bits(threads: int) -> None:
+    """The planner's own choice (pipeline or passes, and its blocks) on each thread count:
+    the result of one thread, bitwise."""
+    rng = np.random.default_rng(4)
+    x, w, b = _rand(rng, 4, 32, 28, 28), _rand(rng, 48, 32, 3, 3), _rand(rng, 48)
+    z = _rand(rng, 4, 48, 28, 28)
+    one = _native(x, w, b, z, (1, 1, 1, 1), ("relu", ()), threads=1)
+    assert cpu_planner.winograd_pipeline(4, 32, 48, (28, 28), threads).rows > 0
+    np.testing.assert_array_equal(_native(x, w, b, z, (1, 1, 1, 1), ("relu", ()),
+                                          threads=threads), one)
+    np.testing.assert_allclose(one, _reference([x, w, b, z], {"pads": (1, 1, 1, 1),
+                                                              "activation": "relu"}),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_the_pipeline_is_sized_to_the_l2_and_split_evenly() -> None:
+    small = cpu_planner.Caches(256 << 10, 32 << 20, "a small L2")
+    large = cpu_planner.Caches(2 << 20, 32 << 20, "a large L2")
+    for sizes in (small, large):
+        for threads in (1, 2, 16):
+            pipe = cpu_planner.winograd_pipeline(32, 64, 64, (56, 56), threads, sizes)
+            assert pipe.rows > 0, pipe.reason
+            v = 16 * 64 * pipe.rows * 28 * 4                  # a block's V, float32
+            p = 16 * pipe.panels * 8 * pipe.rows * 28 * 4     # its P of a product block
+            assert v <= sizes.l2 * cpu_planner.PIPELINE_L2_SHARE
+            assert p <= sizes.l2 * cpu_planner.PIPELINE_P_SHARE or pipe.panels == 1
+            assert pipe.blocks == -(-32 * 28 // pipe.rows)
+            assert pipe.parts == min(threads, pipe.blocks)
+            assert -(-pipe.blocks // pipe.parts) * pipe.parts <= \
+                cpu_planner.EVEN_SPLIT * pipe.blocks
+            assert "per-thread pipeline" in pipe.reason and sizes.source in pipe.reason
+    assert (cpu_planner.winograd_pipeline(32, 64, 64, (56, 56), 1, small).rows
+            < cpu_planner.winograd_pipeline(32, 64, 64, (56, 56), 1, large).rows)
+
+
+def test_the_passes_stay_where_the_filters_outweigh_the_tiles() -> None:
+    """ResNet-18's 512-channel layer (U of 16 MiB, 16 tiles an image) at batch 32: each
+    block would read U again, which the passes read once a chunk; and where there are
+    fewer tile rows than threads the passes split by planes."""
+    sizes = cpu_planner.Caches(1 << 20, 32 << 20, "test")
+    deep = cpu_planner.winograd_pipeline(32, 512, 512, (7, 7), 1, sizes)
+    assert deep.rows == 0 and deep.reason.startswith("pass by pass") and "U " in deep.reason
+    few = cpu_planner.winograd_pipeline(1, 128, 128, (28, 28), 16, sizes)
+    assert few.rows == 0 and "14 tile row(s) for 16 threads" in few.reason
+
+
+def _conv_model(n: int, c: int, m: int, side: int) -> bytes:
+    """Conv (3x3, pad 1, bias) + Relu + Add of the input's conv twin: a residual block's
+    fused epilogue."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(12)
+    inits = [numpy_helper.from_array(_rand(rng, m, c, 3, 3) * 0.1, "w"),
+             numpy_helper.from_array(_rand(rng, m), "b"),
+             numpy_helper.from_array(_rand(rng, m, m, 3, 3) * 0.1, "w2")]
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["t"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["t"], ["r"]),
+             helper.make_node("Conv", ["r", "w2"], ["u"], pads=[1, 1, 1, 1]),
+             helper.make_node("Add", ["u", "r"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "winograd_block",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n, c, side, side])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [n, m, side, side])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]
+                             ).SerializeToString()
+
+
+def test_a_model_gives_the_same_bits_on_any_threads_and_explains_its_form() -> None:
+    from keel import load_model
+
+    model = _conv_model(2, 128, 128, 28)
+    x = _rand(np.random.default_rng(13), 2, 128, 28, 28)
+    results, forms = {}, set()
+    for threads in (1, 2, 3, 4, 16):
+        loaded = load_model(model, backend="cpu", threads=threads, plan_cache=False)
+        convs = [n.plan for n in loaded.plan.nodes if n.op == "conv"]
+        assert len(convs) == 2
+        for plan in convs:
+            assert plan is not None and "winograd" in (plan.variant,
+                                                       plan.option("conv_variant"))
+            why = plan.reason("layout")
+            form = "per-thread pipeline" if "per-thread pipeline:" in why else "pass by pass"
+            assert f"on {threads} thread(s) {form}" in why
+            forms.add(form)
+        results[threads] = loaded.predict({"x": x})["y"]
+    assert "per-thread pipeline" in forms
+    for threads, y in results.items():
+        np.testing.assert_array_equal(y, results[1], err_msg=f"{threads} threads")
+    want = load_model(model, backend="reference").predict({"x": x})["y"]
+    np.testing.assert_allclose(results[1], want, rtol=1e-4, atol=1e-4)

@@ -1325,9 +1325,10 @@ def _form(request: PlanRequest, variant: str, sizes: Caches) -> ConvForm:
         return ConvForm("", f"no layout: {exc}")
     itemsize = 8 if request.dtype is DType.FLOAT64 else 4    # float16 computes in float32
     grid = tile_grid(request.profile) if variant == "native" else None
+    threads = request.threads or 1
     if grid is None or grid == native_gemm.geometry():
-        return conv_form(variant, geo, itemsize, sizes=sizes)
-    form = conv_form(variant, geo, itemsize, grid, sizes)
+        return conv_form(variant, geo, itemsize, sizes=sizes, threads=threads)
+    form = conv_form(variant, geo, itemsize, grid, sizes, threads)
     cpu = request.profile.cpu
     return dataclasses.replace(form, reason=(
         f"{form.reason}; planned for the profile's {cpu.brand or 'CPU'} ({cpu.simd_level}): "
@@ -1666,9 +1667,11 @@ def pointwise_form(geo: ConvGeometry) -> ConvForm:
 WINOGRAD_CHUNK_BYTES = 4 * 2**20
 
 
-def winograd_form(geo: ConvGeometry, itemsize: int, sizes: Caches | None = None) -> ConvForm:
+def winograd_form(geo: ConvGeometry, itemsize: int, sizes: Caches | None = None,
+                  threads: int = 1) -> ConvForm:
     """Images per chunk of a Winograd conv (its one form), for the caches of ``sizes``
-    (None: this machine's)."""
+    (None: this machine's); compiled, whether it runs as the per-thread pipeline on
+    ``threads`` threads (winograd_pipeline), which takes the whole batch at once."""
     (oh, ow), c, m = geo.window.out_spatial, geo.in_channels, geo.out_channels
     th, tw = -(-oh // 2), -(-ow // 2)
     per_image = 16 * th * tw * max(c, m) * itemsize
@@ -1678,9 +1681,17 @@ def winograd_form(geo: ConvGeometry, itemsize: int, sizes: Caches | None = None)
     scaled = "" if budget == WINOGRAD_CHUNK_BYTES else (
         f" ({WINOGRAD_CHUNK_BYTES >> 20} MiB measured with a 32 MiB last-level cache, "
         f"scaled by rule to the caches of {sizes.source})")
-    return ConvForm("", f"{chunk} image(s) per chunk: {per_image} bytes of transformed "
-                        f"tiles an image, within {budget / 2**20:.3g} MiB{scaled}", chunk,
-                    _winograd_scratch(chunk, c, m, th, tw, itemsize))
+    why = (f"{chunk} image(s) per chunk: {per_image} bytes of transformed tiles an image, "
+           f"within {budget / 2**20:.3g} MiB{scaled}")
+    scratch = _winograd_scratch(chunk, c, m, th, tw, itemsize)
+    if itemsize == 4 and native_gemm.available() and geo.rank == 2:
+        pipe = winograd_pipeline(geo.batch, c, m, (oh, ow), max(1, threads), sizes)
+        why = f"{why}; on {max(1, threads)} thread(s) {pipe.reason}"
+        if pipe.rows:           # each thread's block of V and P, in the pool's scratch
+            mr = (_grid(_HERE) or _TILES["scalar"])[0]
+            ld = -(-pipe.rows * tw // 16) * 16
+            scratch = pipe.parts * 16 * ld * (c + pipe.panels * mr) * itemsize
+    return ConvForm("", why, chunk, scratch)
 
 
 # Winograd's compiled transforms (winograd.c) split a chunk's planes over threads while
@@ -1766,6 +1777,110 @@ def _winograd_scratch(n: int, c: int, m: int, th: int, tw: int, itemsize: int) -
         return 16 * tiles * (c + m) * itemsize
     split = n * 4 * (th + 1) * (tw + 1) * c + 8 * n * (th + 1) * tw * c
     return (split + 16 * tiles * (c + m) + 8 * tiles * m + 4 * tiles * m) * itemsize
+
+
+# ---- Winograd's per-thread pipeline ----------------------------------------------------
+# The compiled Winograd conv runs either pass by pass (the input transform of a chunk of
+# images over every thread into a shared V, the sixteen products, the output transform)
+# or as one per-thread pipeline (winograd.c's keel_winograd_fused_f32): each thread takes
+# blocks of consecutive tile rows and runs a block's input transform, its products (a
+# block of output channels at a time) and their output transform in its own scratch,
+# one dispatch for the whole batch. Both give bitwise the same result (each tile is
+# transformed alike, each product element summed alike), so the choice may follow the
+# threads and the caches. It is made on the bytes each form moves past the L2:
+# - a block's V (16 C floats a tile) is kept within PIPELINE_L2_SHARE of the L2
+#   (caches()) and its P (16 floats a tile and output channel of a product block) within
+#   PIPELINE_P_SHARE: the tile rows a block holds and the output channels a product block
+#   computes (whole GEMM row panels) are the largest that fit, fewer rows where the
+#   blocks would not split evenly over the threads. Measured on the 2-core AMD EPYC
+#   (Zen 5, 1 MiB L2), one thread, 64 -> 64 channels on 56x56 against the passes: batch
+#   1, blocks of 4 tile rows 0.93x, of 8 0.90x; batch 8, 0.83x and 0.80x;
+#   128 -> 128 on 28x28 at batch 8: 0.78-0.85x (at batch 1, 1.04x: its 196 tiles in
+#   two blocks, as good as one);
+# - the transformed filters U (64 M C bytes) stay in a thread's L2 across its blocks
+#   when they fit in PIPELINE_L2_SHARE; else every block reads them from the shared
+#   cache again (the pipeline then moves blocks x U);
+# - the passes move V and P through the shared cache twice (written, then read by the
+#   next pass: 2 x 64 (C + M) bytes a tile) and read U once per chunk of images
+#   (winograd_form) on each thread whose share of the products' column panels spans it.
+# So the pipeline runs where its bytes are at most the passes' (ResNet-18 at batch 1:
+# the 64- and 128-channel layers, where U fits or the tiles are many; the 256- and
+# 512-channel layers on 14x14 and 7x7 keep the passes, whose few tiles share each read of
+# a U of 4 and 16 MiB), and where its blocks split evenly over the threads.
+PIPELINE_L2_SHARE = 0.5
+PIPELINE_P_SHARE = 0.25
+
+
+@dataclass(frozen=True)
+class WinogradPipeline:
+    """How a Winograd conv runs: ``rows`` tile rows a block (0: pass by pass), the
+    GEMM row ``panels`` of output channels a product block, the ``blocks``, the
+    ``parts`` they split into, and why."""
+
+    rows: int
+    panels: int
+    blocks: int
+    parts: int
+    reason: str
+
+
+@functools.lru_cache(maxsize=512)
+def winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], threads: int,
+                      sizes: Caches | None = None, grid: Any = _HERE) -> WinogradPipeline:
+    """Whether a compiled Winograd conv of ``images`` images (C -> M channels, output
+    ``out_hw``) runs as the per-thread pipeline on ``threads`` threads, for the caches of
+    ``sizes`` (None: this machine's), and its blocks: see PIPELINE_L2_SHARE."""
+    sizes = sizes or caches()
+    mr, nr = _grid(grid) or _TILES["scalar"]
+    th, tw = -(-out_hw[0] // 2), -(-out_hw[1] // 2)
+    all_rows, tiles = images * th, images * th * tw
+    budget = int(sizes.l2 * PIPELINE_L2_SHARE)
+    u_bytes = 64 * m * c
+    row_bytes = 64 * tw                          # a tile row's V or P, per channel
+    rows = min(all_rows, budget // (row_bytes * c))
+    rows = _even_rows(all_rows, rows, threads)
+    if rows < 1:
+        return WinogradPipeline(0, 0, 0, 0, "pass by pass: a tile row of V does not fit "
+                                f"{PIPELINE_L2_SHARE:g} of the L2 ({sizes.l2 >> 10} KiB)"
+                                if threads == 1 or all_rows >= threads else
+                                f"pass by pass: {all_rows} tile row(s) for {threads} threads")
+    all_panels = -(-m // mr)
+    fit = max(1, min(all_panels, int(sizes.l2 * PIPELINE_P_SHARE) // (row_bytes * rows * mr)))
+    panels = -(-all_panels // -(-all_panels // fit))     # as even as whole panels allow
+    blocks = -(-all_rows // rows)
+    flops = 32 * m * c * tiles
+    parts = max(1, min(threads, blocks, flops // MIN_FLOPS_PER_THREAD))
+    held = u_bytes <= budget
+    moved = (min(parts, blocks) if held else blocks) * u_bytes
+    chunk = max(1, min(images, sizes.with_llc(WINOGRAD_CHUNK_BYTES)
+                       // max(1, 16 * th * tw * max(c, m) * 4)))
+    chunks = -(-images // chunk)
+    spans = min(threads, max(1, -(-chunk * th * tw // nr)))
+    passes = chunks * spans * u_bytes + 2 * 64 * (c + m) * tiles
+    what = (f"{blocks} block(s) of {rows} tile row(s) ({rows * tw} tiles) in {parts} "
+            f"piece(s), products {min(m, panels * mr)} output channel(s) at a time, V "
+            f"within {PIPELINE_L2_SHARE:g} and P {PIPELINE_P_SHARE:g} of the L2 "
+            f"({sizes.l2 >> 10} KiB, {sizes.source})")
+    bytes_why = (f"{moved >> 10} KiB past the L2 (U {u_bytes >> 10} KiB "
+                 f"{'held in each thread' if held else 'read again by every block'}) "
+                 f"against the passes' {passes >> 10} KiB (V and P through the shared cache, "
+                 f"U read by {spans} thread(s) a chunk of {chunk} image(s))")
+    if moved > passes:
+        return WinogradPipeline(0, 0, 0, 0, f"pass by pass: the per-thread pipeline "
+                                f"({what}) would move {bytes_why}")
+    return WinogradPipeline(rows, panels, blocks, parts,
+                            f"per-thread pipeline: {what}; it moves {bytes_why}")
+
+
+def _even_rows(all_rows: int, rows: int, threads: int) -> int:
+    """The most tile rows a block (at most ``rows``) whose blocks split evenly over
+    ``threads`` (EVEN_SPLIT; any split on one thread); 0 if none does."""
+    for r in range(rows, 0, -1):
+        blocks = -(-all_rows // r)
+        if threads <= 1 or (blocks >= threads
+                            and -(-blocks // threads) * threads <= EVEN_SPLIT * blocks):
+            return r
+    return 0
 
 
 # ---- a conv's split over threads ---------------------------------------------------------
@@ -1860,6 +1975,11 @@ def _winograd_splits(geo: ConvGeometry, chunk: int, threads: int, grid: Any,
                      sizes: Caches | None) -> tuple[Split, ...]:
     out = geo.window.out_spatial
     c, m = geo.in_channels, geo.out_channels
+    pipe = winograd_pipeline(geo.batch, c, m, (out[0], out[1]), threads, sizes, grid)
+    if pipe.rows:
+        return (Split(f"pipeline blocks of {pipe.rows} tile row(s)", pipe.blocks, pipe.parts,
+                      32 * m * c * geo.batch * -(-out[0] // 2) * -(-out[1] // 2),
+                      MIN_FLOPS_PER_THREAD),)
     k = min(chunk, geo.batch)
     tiles = k * -(-out[0] // 2) * -(-out[1] // 2)
     hw = (out[0], out[1])
@@ -2003,7 +2123,7 @@ def split_reason(splits: Sequence[Split], threads: int) -> str:
 
 
 def conv_form(variant: str, geo: ConvGeometry, itemsize: int, grid: Any = _HERE,
-              sizes: Caches | None = None) -> ConvForm:
+              sizes: Caches | None = None, threads: int = 1) -> ConvForm:
     """The layout (form) of conv ``variant`` for ``geo`` computed in ``itemsize``-byte
     elements, and why ("" where the variant has one form); cache-bound sizes for the
     caches of ``sizes`` (None: this machine's)."""
@@ -2025,7 +2145,7 @@ def conv_form(variant: str, geo: ConvGeometry, itemsize: int, grid: Any = _HERE,
     if variant == "pointwise":
         return pointwise_form(geo)
     if variant == "winograd":
-        return winograd_form(geo, itemsize, sizes)
+        return winograd_form(geo, itemsize, sizes, threads)
     return ConvForm("", "the variant's only form")
 
 

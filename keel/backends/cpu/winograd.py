@@ -149,6 +149,10 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 class _Functions:
     input: Any
     output: Any
+    fused: Any          # keel_winograd_fused_f32: the per-thread pipeline
+    product: int        # the address of gemm.c's keel_gemm_block_f32
+    mr: int             # rows of the GEMM's row panels
+    work: int           # floats of the GEMM's workspace
 
 
 _loaded: tuple[native.NativeLibrary, _Functions] | None = None
@@ -162,10 +166,22 @@ def _functions() -> _Functions | None:
         return None
     if _loaded is not None and _loaded[0] is lib:
         return _loaded[1]
+    gemm = native.library("gemm")
+    product = None if gemm is None else gemm.address("keel_gemm_block_f32")
+    if gemm is None or not product:
+        return None
+
+    def size(symbol: str) -> int:
+        assert gemm is not None
+        return int(gemm.function(symbol, [], _I)())
+
     fns = _Functions(
         input=lib.function("keel_winograd_input_f32", [_P, _P, _P, _I, _I, _I], _I),
         output=lib.function("keel_winograd_output_f32",
                             [_P, _P, _P, _I, _P, _P, _P, _I, _I, _I], _I),
+        fused=lib.function("keel_winograd_fused_f32",
+                           [_P, _P, _P, _I, _P, _P, _P, _I, ctypes.c_char_p, _P, _P, _I], _I),
+        product=product, mr=size("keel_gemm_mr_f32"), work=size("keel_gemm_workspace_f32"),
     )
     _loaded = (lib, fns)
     return fns
@@ -200,14 +216,23 @@ def native_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[in
     oh, ow = out_hw
     th, tw = -(-oh // 2), -(-ow // 2)
     tiles = th * tw
-    u = workspace.form(np, packed, "winograd_native_u", (w,), _packed_filters)
+    products = workspace.form(np, packed, "winograd_native_products", (w,), _products)
     geo = _geometry(c, h, wd, oh, ow, *pads_begin)
     name, params = act
     clip = clip_bounds((params[0], params[1])) if name == "clip" else None
+    addr = native.address
+    pipe = planner.winograd_pipeline(n, c, m, out_hw, threads)
+    if pipe.rows:
+        _ok(fns.fused(addr(x), addr(y), addr(geo), m, None if bias is None else addr(bias),
+                      None if z is None else addr(z), None if clip is None else addr(clip), n,
+                      products.call.args, fns.product,
+                      addr(_geometry(pipe.rows, pipe.panels, fns.mr, fns.work)), pipe.parts))
+        if name and name != "clip":
+            finish(np, y, y, None, act)
+        return True
     chunk = n if chunk is None else max(1, min(n, chunk))
     v_all = workspace.empty(np, "winograd_native_v", (16 * c * chunk * tiles,), np.float32)
     p_all = workspace.empty(np, "winograd_native_p", (16 * m * chunk * tiles,), np.float32)
-    addr = native.address
     for n0 in range(0, n, chunk):
         k = min(chunk, n - n0)
         t = k * tiles
@@ -219,7 +244,7 @@ def native_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[in
         by_rows = planner.winograd_by_rows(k, c + m, out_hw, threads)
         _ok(fns.input(addr(xs), addr(v), addr(geo), k,
                       planner.winograd_parts(k, c, out_hw, False, threads, by_rows), by_rows))
-        call = native_gemm.prepare(u, v, p)
+        call = native_gemm.prepare(products.u, v, p)
         if call is None:
             raise RuntimeError("native GEMM refused the Winograd products")
         # Panel-major: a thread's share of the sixteen products is the same tiles of each
@@ -235,9 +260,32 @@ def native_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[in
     return True
 
 
+@dataclass(frozen=True)
+class _Products:
+    """The packed U and the prepared call of its sixteen products, whose B and C each
+    pipeline block rebinds to its own scratch (the call holds U's address, so they
+    live together)."""
+
+    u: Any
+    call: native_gemm.Call
+
+
+def _products(xp: Any, arrays: tuple[Any, ...]) -> _Products:
+    u = _packed_filters(xp, arrays)
+    m, c = arrays[0].shape[:2]
+    columns = 16                       # any: each block gives its own B, C and columns
+    call = native_gemm.prepare(u, np.zeros((16, c, columns), np.float32),
+                               np.zeros((16, m, columns), np.float32))
+    if call is None:
+        raise RuntimeError("native GEMM refused the Winograd products")
+    return _Products(u, call)
+
+
 @functools.lru_cache(maxsize=256)
 def _geometry(*values: int) -> np.ndarray:
-    """winograd.c's geometry array (C, H, W, OH, OW, PT, PL), made once per shape."""
+    """winograd.c's geometry array (C, H, W, OH, OW, PT, PL), or the pipeline's sizes
+    (tile rows a block, row panels a product block, the GEMM's MR and workspace floats),
+    made once per shape."""
     array = np.array(values, dtype=np.int64)
     array.setflags(write=False)
     return array

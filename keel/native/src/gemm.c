@@ -1687,6 +1687,31 @@ void keel_gemm_tiles_f32(const keel_gemm_args *g, float *work, int64_t rows, int
 #endif
 }
 
+/* Row panels [r_lo, r_hi) of the `batch` products of the prepared call g (A packed, no
+ * bias, residual or tables) against a raw B of n columns (row p of product t at b + t *
+ * b_bs + p * ldb) into C (row i - r_lo * MR of product t at c + t * c_bs + i * ldc), on
+ * the calling thread with `work`: a caller's own block of columns through the products
+ * inside its own parallel task (Winograd's per-thread pipeline, winograd.c). B and C are
+ * the caller's, in its cache: nothing streams. Each element is computed as keel_gemm_f32
+ * computes it in the whole product. */
+void keel_gemm_block_f32(const keel_gemm_args *g, float *work, int64_t batch, int64_t r_lo,
+                         int64_t r_hi, const float *b, int64_t ldb, int64_t b_bs, float *c,
+                         int64_t ldc, int64_t c_bs, int64_t n)
+{
+    keel_gemm_args a = *g;
+    int64_t i0 = r_lo * MR, i1 = r_hi * MR < g->m ? r_hi * MR : g->m;
+    if (i0 >= i1 || n < 1 || g->a_rs != 0 || g->a_ks != 0) return;
+    a.m = i1 - i0;
+    a.a = g->a + i0 * g->k * (int64_t)sizeof(float);
+    a.n = n;
+    a.b = (int64_t)(intptr_t)b, a.b_rs = ldb, a.b_cs = 1, a.b_bs = b_bs;
+    a.b_rows = 0, a.b_cols = 0;
+    a.c = (int64_t)(intptr_t)c, a.ldc = ldc, a.c_bs = c_bs, a.c_cols = 0;
+    a.bias = 0, a.bias_kind = 0, a.res = 0;
+    a.flags &= ~(int64_t)(KEEL_STREAM | KEEL_NT | KEEL_ACCUMULATE | KEEL_CLIP | KEEL_DIRECT);
+    keel_gemm_f32(&a, work, 0, 0, batch * ((n + NR - 1) / NR));
+}
+
 /* ---- on keel's worker threads ------------------------------------------------------ */
 
 #include "parallel.h"

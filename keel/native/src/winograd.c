@@ -129,14 +129,13 @@ static inline void row_transform(const float *s, const wgeom *g, int64_t r, int6
     out[3] = o0 - o1;
 }
 
-/* V (16, C, T) for channel c of one image (plane x), whose tiles start at index t0: the
+/* V's rows for one channel of one image (plane x): the sixteen transformed values of tile
+ * t (this image's tile (ty, tx) is t = t0 + ty * tw + tx) at vc[k * stride_k + t], for the
  * tile rows [ty_lo, ty_hi). */
-static void input_plane(const float *x, const wgeom *g, float *v, int64_t c, int64_t t_total,
+static void input_plane(const float *x, const wgeom *g, float *vc, int64_t stride_k,
                         int64_t t0, float *s, int64_t ty_lo, int64_t ty_hi)
 {
     split_plane(x, g, s, 2 * ty_lo, 2 * ty_hi + 2);
-    int64_t stride_k = g->c * t_total;
-    float *vc = v + c * t_total;
     for (int64_t ty = ty_lo; ty < ty_hi; ty++) {
         int64_t t = t0 + ty * g->tw;
         for (int64_t tx = 0; tx < g->tw; tx += VW) {
@@ -168,19 +167,19 @@ typedef struct {
     int clip;
 } wepilogue;
 
-/* Y's plane (OH, OW) for output channel m of one image from P (16, M, T), the image's
- * tiles starting at index t0: the output rows of tile rows [ty_lo, ty_hi); z is the
+static inline float bias_of(const wepilogue *e, int64_t m) { return e->bias ? e->bias[m] : 0.0f; }
+
+/* Y's plane (OH, OW) for one output channel of one image, whose bias is b, from its
+ * products: the sixteen values of tile t (this image's tile (ty, tx) is t = t0 + ty * tw
+ * + tx) at pc[k * stride_k + t]; the output rows of tile rows [ty_lo, ty_hi); z is the
  * residual's plane or NULL. */
-static void output_plane(const float *p, const wgeom *g, float *y, const wepilogue *e,
-                         const float *z, int64_t m, int64_t channels, int64_t t_total, int64_t t0,
-                         float *s, int64_t ty_lo, int64_t ty_hi)
+static void output_plane(const float *pc, int64_t stride_k, int64_t t0, float b, const wgeom *g,
+                         float *y, const wepilogue *e, const float *z, float *s, int64_t ty_lo,
+                         int64_t ty_hi)
 {
-    int64_t stride_k = channels * t_total;
-    const float *pm = p + m * t_total + t0;
     float *r0 = s, *r1 = s + 2 * g->twp;
-    float b = e->bias ? e->bias[m] : 0.0f;
     for (int64_t ty = ty_lo; ty < ty_hi; ty++) {
-        const float *pt = pm + ty * g->tw;
+        const float *pt = pc + (t0 + ty * g->tw);
         for (int64_t tx = 0; tx < g->tw; tx += VW) {
             vf q[16];
             int64_t n = g->tw - tx < VW ? g->tw - tx : VW;
@@ -262,7 +261,8 @@ static void input_task(void *ctx, float *s, int64_t lo, int64_t hi)
     int64_t tiles = g->th * g->tw, plane = g->h * g->w;
     for (int64_t q = lo; q < hi; q++) {
         int64_t i = q / g->c, c = q % g->c;
-        input_plane(j->x + q * plane, g, j->v, c, j->t_total, i * tiles, s, 0, g->th);
+        input_plane(j->x + q * plane, g, j->v + c * j->t_total, g->c * j->t_total, i * tiles, s,
+                    0, g->th);
     }
 }
 
@@ -288,7 +288,8 @@ static void input_rows(const void *ctx, float *s, int64_t i, int64_t a, int64_t 
     const wgeom *g = j->g;
     int64_t tiles = g->th * g->tw, plane = g->h * g->w;
     for (int64_t c = 0; c < g->c; c++)
-        input_plane(j->x + (i * g->c + c) * plane, g, j->v, c, j->t_total, i * tiles, s, a, b);
+        input_plane(j->x + (i * g->c + c) * plane, g, j->v + c * j->t_total,
+                    g->c * j->t_total, i * tiles, s, a, b);
 }
 
 static void input_rows_task(void *ctx, float *s, int64_t lo, int64_t hi)
@@ -326,8 +327,8 @@ static void output_task(void *ctx, float *s, int64_t lo, int64_t hi)
     int64_t tiles = g->th * g->tw, plane = g->oh * g->ow;
     for (int64_t q = lo; q < hi; q++) {
         int64_t i = q / j->m, m = q % j->m;
-        output_plane(j->p, g, j->y + q * plane, &j->e, j->e.z ? j->e.z + q * plane : NULL, m,
-                     j->m, j->t_total, i * tiles, s, 0, g->th);
+        output_plane(j->p + m * j->t_total, j->m * j->t_total, i * tiles, bias_of(&j->e, m), g,
+                     j->y + q * plane, &j->e, j->e.z ? j->e.z + q * plane : NULL, s, 0, g->th);
     }
 }
 
@@ -339,8 +340,8 @@ static void output_rows(const void *ctx, float *s, int64_t i, int64_t a, int64_t
     int64_t tiles = g->th * g->tw, plane = g->oh * g->ow;
     for (int64_t m = 0; m < j->m; m++) {
         int64_t o = (i * j->m + m) * plane;
-        output_plane(j->p, g, j->y + o, &j->e, j->e.z ? j->e.z + o : NULL, m, j->m, j->t_total,
-                     i * tiles, s, a, b);
+        output_plane(j->p + m * j->t_total, j->m * j->t_total, i * tiles, bias_of(&j->e, m), g,
+                     j->y + o, &j->e, j->e.z ? j->e.z + o : NULL, s, a, b);
     }
 }
 
@@ -365,4 +366,126 @@ int64_t keel_winograd_output_f32(const float *p, float *y, const int64_t *geomet
                     {bias, z, clip ? clip[0] : 0.0f, clip ? clip[1] : 0.0f, clip != NULL}};
     return run_parts(by_rows ? output_rows_task : output_task, &j,
                      images * (by_rows ? g.th : m), parts, keel_winograd_scratch(geometry));
+}
+
+/* ---- the per-thread pipeline ------------------------------------------------------------
+ *
+ * Every pass of a block of tiles on one thread, in its own scratch: the block's input
+ * transform into V (16, C, n), the sixteen products P = U V a block of output channels
+ * at a time (gemm.c's keel_gemm_block_f32, whose address Python hands in with the
+ * prepared call of U), and the output transform of those channels, with the epilogue.
+ * A block is `rows` consecutive tile rows over the images (n = their tiles); threads take
+ * whole blocks. V and P of a block stay in the thread's cache between the passes
+ * (the cpu planner sizes them to its L2: planner.winograd_pipeline), nothing is shared
+ * but X, U and Y, and one dispatch runs the whole conv. Each tile is transformed as in
+ * the passes above and each element of P is computed as the full product computes it
+ * (gemm.c: the same sum in the same order for any columns and rows), so the result is
+ * bitwise that of the passes, for any block size and any split over threads. */
+
+/* keel_gemm_block_f32: rows panels [r_lo, r_hi) of the `batch` products of the prepared
+ * call `call` against B (rows ldb floats apart, products b_bs apart) into C (rows ldc
+ * apart, products c_bs apart), n columns, on the calling thread. */
+typedef void (*block_product)(const void *call, float *work, int64_t batch, int64_t r_lo,
+                              int64_t r_hi, const float *b, int64_t ldb, int64_t b_bs, float *c,
+                              int64_t ldc, int64_t c_bs, int64_t n);
+
+/* The pipeline's sizes, from an int64 array: tile rows per block, row panels of output
+ * channels per channel block, the GEMM's rows of a row panel (MR), floats of the GEMM's
+ * workspace. */
+enum { F_ROWS, F_PANELS, F_MR, F_WORK, F_LEN };
+
+typedef struct {
+    const float *x;
+    float *y;
+    const wgeom *g;
+    int64_t m;
+    wepilogue e;
+    const void *call;
+    block_product product;
+    int64_t rows, panels, mr, work; /* the sizes above */
+    int64_t all_rows;                /* images x th */
+    int64_t ld;                      /* floats per row of the block's V and P */
+} fused_job;
+
+static int64_t up16(int64_t n) { return (n + 15) / 16 * 16; }
+
+/* The scratch of one thread: the GEMM's workspace, V, P, then the transforms' buffer. */
+static int64_t fused_floats(const fused_job *j, int64_t transform)
+{
+    int64_t mb = j->panels * j->mr;
+    return up16(j->work) + 16 * j->g->c * j->ld + 16 * mb * j->ld + up16(transform);
+}
+
+/* Block q: the input transform of its tile rows (a run per image), then channel block by
+ * channel block the products and the output transform. */
+static void fused_block(const fused_job *j, float *scratch, int64_t q)
+{
+    const wgeom *g = j->g;
+    int64_t r_lo = q * j->rows, r_hi = r_lo + j->rows < j->all_rows ? r_lo + j->rows : j->all_rows;
+    int64_t n = (r_hi - r_lo) * g->tw, ld = j->ld, mb = j->panels * j->mr;
+    float *work = scratch, *v = work + up16(j->work), *p = v + 16 * g->c * ld,
+          *s = p + 16 * mb * ld;
+    /* The products run on whole vectors of columns: a partial one costs the GEMM a trip
+       through a buffer per tile (a block of 56 tiles of 64 channels took 1.5x the time of
+       one of 64). The columns past the block's tiles are zero and their products unread;
+       every other column of P is computed alike either way. */
+    int64_t cols = up16(n);
+    if (cols > n)
+        for (int64_t row = 0; row < 16 * g->c; row++)
+            memset(v + row * ld + n, 0, (size_t)(cols - n) * sizeof(float));
+    int64_t in_plane = g->h * g->w, out_plane = g->oh * g->ow;
+    for (int64_t r = r_lo; r < r_hi;) {     /* tile rows [a, b) of image i */
+        int64_t i = r / g->th, a = r % g->th, b = r_hi - i * g->th < g->th ? r_hi - i * g->th : g->th;
+        for (int64_t c = 0; c < g->c; c++)
+            input_plane(j->x + (i * g->c + c) * in_plane, g, v + c * ld, g->c * ld,
+                        (i * g->th - r_lo) * g->tw, s, a, b);
+        r = i * g->th + b;
+    }
+    int64_t all_panels = (j->m + j->mr - 1) / j->mr;
+    for (int64_t p0 = 0; p0 < all_panels; p0 += j->panels) {
+        int64_t p1 = p0 + j->panels < all_panels ? p0 + j->panels : all_panels;
+        int64_t m0 = p0 * j->mr, m1 = p1 * j->mr < j->m ? p1 * j->mr : j->m;
+        j->product(j->call, work, 16, p0, p1, v, ld, g->c * ld, p, ld, mb * ld, cols);
+        for (int64_t r = r_lo; r < r_hi;) {
+            int64_t i = r / g->th, a = r % g->th,
+                    b = r_hi - i * g->th < g->th ? r_hi - i * g->th : g->th;
+            for (int64_t m = m0; m < m1; m++) {
+                int64_t o = (i * j->m + m) * out_plane;
+                output_plane(p + (m - m0) * ld, mb * ld, (i * g->th - r_lo) * g->tw,
+                             bias_of(&j->e, m), g, j->y + o, &j->e, j->e.z ? j->e.z + o : NULL,
+                             s, a, b);
+            }
+            r = i * g->th + b;
+        }
+    }
+}
+
+static void fused_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
+{
+    for (int64_t q = lo; q < hi; q++) fused_block(ctx, scratch, q);
+}
+
+/* Y (images, M, OH, OW) = clip(conv(X, W) + bias + Z, lo, hi) as keel_winograd_input_f32,
+ * the products and keel_winograd_output_f32 give it, each block of `sizes[F_ROWS]` tile
+ * rows through all three on one thread, the blocks in `parts` chunks on keel's threads.
+ * `call` is the prepared product of the packed U (16 products, M x C, gemm.c's
+ * keel_gemm_args) and `product` gemm.c's keel_gemm_block_f32. Returns 0, or -1 for an
+ * unserved geometry or sizes, or no scratch. */
+int64_t keel_winograd_fused_f32(const float *x, float *y, const int64_t *geometry, int64_t m,
+                                const float *bias, const float *z, const float *clip,
+                                int64_t images, const void *call, block_product product,
+                                const int64_t *sizes, int64_t parts)
+{
+    wgeom g;
+    if (wgeom_init(&g, geometry) != 0 || m < 1 || images < 1 || !call || !product) return -1;
+    if (sizes[F_ROWS] < 1 || sizes[F_PANELS] < 1 || sizes[F_MR] < 1 || sizes[F_WORK] < 0)
+        return -1;
+    fused_job j = {x, y, &g, m,
+                   {bias, z, clip ? clip[0] : 0.0f, clip ? clip[1] : 0.0f, clip != NULL},
+                   call, product, sizes[F_ROWS], sizes[F_PANELS], sizes[F_MR], sizes[F_WORK],
+                   images * g.th, 0};
+    int64_t rows = j.rows < j.all_rows ? j.rows : j.all_rows;
+    j.ld = up16(rows * g.tw);
+    int64_t blocks = (j.all_rows + j.rows - 1) / j.rows;
+    return run_parts(fused_task, &j, blocks, parts, fused_floats(&j, keel_winograd_scratch(geometry)));
 }

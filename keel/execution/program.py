@@ -283,6 +283,10 @@ class Program:
         self._lanes_hot: dict[tuple[int, tuple[int, int]], list[tuple[int, _HotStep]]] = {}
         self._capture_decided = False
         self._direct = False             # runs go straight to the bound calls (_plan_direct)
+        # Steps that may split over keel's native workers: the run's end parks them.
+        self._parks = any(st.ctx is not None and (getattr(st.ctx, "threads", 1) or 1) > 1
+                          and backends[st.backend].device.value == HOST for st in steps)
+        self._park: Callable[[], None] | None = None
         self._compile_hot()
         self._handout = self._plan_handout()
         self._constant_ids = frozenset(id(v) for v in constants.values())   # held: ids stay
@@ -856,6 +860,19 @@ class Program:
         values = self._values
         for slot in self._transient:
             values[slot] = None
+        if self._parks:
+            self._park_workers()
+
+    def _park_workers(self) -> None:
+        """The run ended: keel's idle workers spin on only ``KEEL_IDLE_SPIN_US``, not the
+        whole ``KEEL_SPIN_US`` (a user's other work pays for a spinning core)."""
+        park = self._park
+        if park is None:
+            from keel.native import pool
+
+            park = self._park = pool.parker()
+        if park is not None:
+            park()
 
     # ---- binding ---------------------------------------------------------
     def _bind(self) -> None:

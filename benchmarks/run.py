@@ -197,7 +197,7 @@ def _process_cell(row: dict[str, float]) -> str:
 _METHOD_TEXT = {
     "settled": "Method: settled blocks — each runtime's block of runs starts once the "
                "process's other threads (the other runtime's workers) have gone idle, after "
-               "two untimed runs, the order of the runtimes swapping from pass to pass.",
+               "an untimed run, the order of the runtimes swapping from pass to pass.",
     "blocks": "Method: blocks — a block of keel's runs, then one of onnxruntime's, back to "
               "back.",
 }

@@ -13,7 +13,7 @@ Two methods (``BenchConfig.method``):
   process's other threads must have gone idle (:func:`settle`: the runtime
   timed last parks its worker pool — onnxruntime's workers spin for tens of
   milliseconds after its last run, keel's for ``KEEL_IDLE_SPIN_US``), each
-  block starts with two untimed runs (waking the runtime's own workers), and
+  block starts with an untimed run (waking the runtime's own workers), and
   the order of the runtimes swaps from pass to pass. With several threads this
   times each runtime without the other's spinning workers on its cores.
 """
@@ -332,7 +332,6 @@ def _bench_pair(report: ModelReport, keel_model: Any, ort_sess: Any,
             if settled:
                 waits[key].append(settle())
                 run()                       # untimed: wakes this runtime's own workers
-                run()
             block = _time_block(run, config.min_pass_seconds, config.min_iters)
             samples[key].extend(block)
             medians[key] = statistics.median(block)

@@ -14,6 +14,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from keel import config, native
+from keel.backends.cpu.backend import CpuBackend
 from keel.errors import InvalidArgumentError
 from keel.execution.model import load_model
 from keel.native import pool
@@ -129,6 +130,8 @@ def test_the_pool_takes_the_idle_spin_setting(pool_settings: pytest.MonkeyPatch,
     config.reload_settings()
     native.reset()                          # loading the pool again hands it the setting
     assert pool.idle_spin_us() == int(shown)
+    notes = CpuBackend(threads=2)._capability_details()["notes"]
+    assert any(f"{shown} us once a model run has ended" in n for n in notes)
     pool.set_idle_spin_us(7)
     assert pool.idle_spin_us() == 7
     pool.set_idle_spin_us(None)

@@ -415,16 +415,12 @@ class Program:
     def _run_direct(self) -> dict[str, Any]:
         """Every step's bound call in order, under the quiet FP state, then the outputs:
         the steady run of a host program whose steps all bound (``_direct``)."""
-        quiet = _Quiet() if self._scoped else None
         try:
-            if quiet is None:
-                self._run_items((), None, self._calls)
-            else:
-                quiet.__enter__()
-                try:
+            if self._scoped:
+                with _Quiet():
                     self._run_items((), None, self._calls)
-                finally:
-                    quiet.__exit__()
+            else:
+                self._run_items((), None, self._calls)
             return self._collect(None)
         finally:
             self._release()

@@ -302,3 +302,30 @@ def test_bound_convolutions_and_pools_compute_what_their_kernels_do(threads: int
     np.testing.assert_array_equal(got, kept)
     with pytest.raises(InvalidArgumentError):
         model.predict({"x": x[..., :8]})     # a feed of another shape is still checked
+
+
+def lookup_model() -> bytes:
+    """Gather rows of a table by a fed index, then ReLU: every step binds (the small feed
+    and output through the program's own buffers)."""
+    table = np.random.default_rng(6).standard_normal((VOCAB, WIDTH)).astype(np.float32)
+    n = helper.make_node
+    graph = helper.make_graph(
+        [n("Gather", ["table", "ids"], ["rows"], axis=0), n("Relu", ["rows"], ["y"])],
+        "lookup", [helper.make_tensor_value_info("ids", TensorProto.INT64, [3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, WIDTH])],
+        [_const("table", table)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]
+                             ).SerializeToString()
+
+
+def test_a_failing_step_of_a_direct_run_names_its_node_and_leaves_nothing_behind() -> None:
+    model = load_model(lookup_model(), backend="cpu", threads=1)
+    good = {"ids": np.array([0, 4, VOCAB - 1], np.int64)}
+    want = model.predict(good)["y"]
+    fast = model._fast_path(good)
+    assert fast is not None and fast[0][1]._direct
+    with pytest.raises(InvalidArgumentError, match="out of range") as failure:
+        model.predict({"ids": np.array([0, VOCAB + 2, 1], np.int64)})
+    assert any("(gather)" in note for note in getattr(failure.value, "__notes__", ()))
+    np.testing.assert_array_equal(model.predict(good)["y"], want)
+    np.testing.assert_array_equal(want, np.maximum(unbound(model, good)["y"], 0))

@@ -1101,16 +1101,27 @@ static int64_t stacked_pitch(int64_t size, int64_t lead, int64_t out, int64_t k,
     return (need + stride - 1) / stride;
 }
 
+/* Blocks of NB columns a chunk of `count` stacked images has (the last chunk may hold
+ * fewer images than the others, and has only its own blocks). */
+static int64_t chunk_blocks(const qdirect_job *j, int64_t count)
+{
+    const int64_t *g = j->g;
+    if (j->columns == COLUMNS_ROWS) return (g[Q_OH] * count + j->nseg - 1) / j->nseg;
+    int64_t per_image = j->columns == COLUMNS_COMPACT ? g[Q_OH] * g[Q_OW] : j->hs * j->ws;
+    return (per_image * count + NB - 1) / NB;
+}
+
 /* keel_qconv2d_u8s8 for one group, no dilation and weight zero points all 0, from
  * weights packed as [M][KH][KW][c4] (c4: C rounded up to 4), kp = KH * KW * c4.
- * chunk_positions: how many positions a chunk of stacked images should reach (its
- * images: enough for that, at most the batch's share of one of `parts` threads).
+ * chunk_images: how many images each chunk stacks into one layout (the caller's
+ * choice; clamped to [1, N]); the chunks' blocks of columns, the last chunk's own count
+ * of them included, are what the `parts` threads split in near-equal runs.
  * columns: COLUMNS_PADDED (0), COLUMNS_COMPACT (1) or COLUMNS_ROWS (2: output rows at
  * most 16 pixels wide, else -2); see above. Returns -2 for a geometry it does not take. */
 int64_t keel_qconv2d_direct_u8s8(const uint8_t *x, int64_t flip, int64_t pad, const uint8_t *w,
                                  int64_t c4, const int64_t *geometry, const int32_t *bias_r,
                                  const double *mult, const int64_t *quant, void *y,
-                                 int64_t chunk_positions, int64_t parts, int64_t columns)
+                                 int64_t chunk_images, int64_t parts, int64_t columns)
 {
     qdirect_job j;
     memcpy(j.g, geometry, sizeof j.g);
@@ -1121,11 +1132,8 @@ int64_t keel_qconv2d_direct_u8s8(const uint8_t *x, int64_t flip, int64_t pad, co
     j.x = x, j.w = w, j.c4 = c4;
     j.hs = stacked_pitch(g[Q_H], g[Q_PT], g[Q_OH], g[Q_KH], g[Q_SH]);
     j.ws = stacked_pitch(g[Q_W], g[Q_PL], g[Q_OW], g[Q_KW], g[Q_SW]);
-    int64_t image = j.hs * j.ws, share = (g[Q_N] + (parts > 1 ? parts : 1) - 1) /
-                                         (parts > 1 ? parts : 1);
-    j.chunk = (chunk_positions + image - 1) / image;
-    if (j.chunk > share) j.chunk = share;
-    if (j.chunk < 1) j.chunk = 1;
+    int64_t image = j.hs * j.ws;
+    j.chunk = chunk_images < 1 ? 1 : chunk_images > g[Q_N] ? g[Q_N] : chunk_images;
     j.plane = j.chunk * image + NB + ((g[Q_KH] - 1) / g[Q_SH] + 1) * j.ws + g[Q_KW] + 16;
     j.kp = g[Q_KH] * g[Q_KW] * c4;
     j.columns = columns;
@@ -1133,17 +1141,14 @@ int64_t keel_qconv2d_direct_u8s8(const uint8_t *x, int64_t flip, int64_t pad, co
     if (columns < COLUMNS_PADDED || columns > COLUMNS_ROWS ||
         (columns == COLUMNS_ROWS && g[Q_OW] > NB / 4))
         return -2;
-    if (columns == COLUMNS_ROWS)
-        j.blocks = (g[Q_OH] * j.chunk + j.nseg - 1) / j.nseg;
-    else
-        j.blocks = ((columns == COLUMNS_COMPACT ? g[Q_OH] * g[Q_OW] : image) * j.chunk + NB - 1)
-                   / NB;
+    j.blocks = chunk_blocks(&j, j.chunk);
     j.flip = (uint8_t)flip, j.pad = (uint8_t)pad;
     j.q = (requant){bias_r, NULL, NULL, NULL, NULL, mult, 0, quant[0], quant[1], quant[2],
                     quant[3]};
     j.y = y;
     int64_t chunks = (g[Q_N] + j.chunk - 1) / j.chunk;
-    return run_parts(qdirect_task, &j, chunks * j.blocks, parts, direct_scratch(&j));
+    int64_t tasks = (chunks - 1) * j.blocks + chunk_blocks(&j, g[Q_N] - (chunks - 1) * j.chunk);
+    return run_parts(qdirect_task, &j, tasks, parts, direct_scratch(&j));
 }
 
 /* ---- depthwise convolution ---------------------------------------------------------------

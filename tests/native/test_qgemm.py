@@ -211,6 +211,25 @@ def test_direct_convolution_chunks_the_planner_picks(path: str, monkeypatch: pyt
             np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("columns", ["padded", "compact", "rows"])
+def test_direct_convolution_to_int8(path: str, monkeypatch: pytest.MonkeyPatch,
+                                    columns: str) -> None:
+    """An int8 output (the tile's requantization packs to signed bytes), saturating at
+    both ends, on each kind of columns: the reference's bits on 1 and 2 threads."""
+    monkeypatch.setattr(cpu_planner, "int8_conv_columns",
+                        lambda width, channels, depth=0: columns)
+    monkeypatch.setattr(cpu_planner, "MIN_FLOPS_PER_THREAD", 1)
+    for case in [(np.uint8, np.int8, False, 3, 8, 6, 16, 14, 3, 1, 1, 1, 1),
+                 (np.int8, np.int8, False, 2, 5, 9, 8, 70, 3, 2, 1, 1, 1)]:
+        inputs, attrs = _conv_inputs(case)
+        inputs[6], inputs[7] = np.float32(0.15), np.array(-20, np.int8)
+        want = _reference(Op.QLINEAR_CONV, inputs, attrs)
+        assert want.dtype == np.int8 and want.min() == -128 and want.max() == 127
+        for threads, prepack in ((1, False), (2, True)):
+            got = _run(CPU, Op.QLINEAR_CONV, inputs, attrs, "int8", threads, prepack)
+            np.testing.assert_array_equal(got, want)
+
+
 def test_the_direct_chunks_divide_a_threads_share() -> None:
     """Images per chunk: about INT8_DIRECT_CHUNK_POSITIONS positions' worth, the divisor
     of a thread's share nearest to that (the larger of two as near), else that count."""

@@ -305,29 +305,39 @@ static void store_row(const int32_t *v, int64_t n, const double *mult, double m,
 #if QISA == 2
 /* Rows [0, mr) of a convolution's tile (bias and multiplier per row, no other
  * corrections, 8-bit output) requantized into out[MR][NB]: store_row's results on all
- * 64 columns, 16 at a time, for the caller to copy the valid runs from. The same bits
- * in fewer steps: the product is clamped to [lo - zp, hi - zp] before it is rounded
- * (rounding is monotonic and those bounds are integers, so clamping first or last
- * gives the same integer), and the conversion rounds half to even itself; the zero
- * point is added to the integers. */
+ * 64 columns, for the caller to copy the valid runs from. The same bits in fewer steps:
+ * the product is clamped to [lo - zp, hi - zp] before it is rounded (rounding is
+ * monotonic and those bounds are integers, so clamping first or last gives the same
+ * integer), the conversion rounds half to even itself, and the zero point is added to
+ * the integers; a row's four vectors of results, which fit the output type, go to bytes
+ * by saturating packs and one permutation (one store a row, where a narrowing store per
+ * 16 columns cost two operations each). */
 static void requant_tile(const int32_t *acc, int64_t mr, int64_t i0, const requant *q,
                          uint8_t *out)
 {
     __m512 lo = _mm512_set1_ps((float)(q->lo - q->yzp));
     __m512 hi = _mm512_set1_ps((float)(q->hi - q->yzp));
     __m512i zp = _mm512_set1_epi32((int32_t)q->yzp);
+    /* 128-bit lane L of the packs holds columns 4L..4L+3 of each vector: dword 4L + k is
+     * vector k's */
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11,
+                                            15);
     for (int64_t i = 0; i < mr; i++) {
         __m512i bias = _mm512_set1_epi32(q->bias_r ? q->bias_r[i0 + i] : 0);
         __m512 m = _mm512_set1_ps((float)q->mult[i0 + i]);
-        for (int64_t j = 0; j < NB; j += 16) {
-            __m512i v = _mm512_add_epi32(_mm512_loadu_si512((const void *)(acc + i * NB + j)),
-                                         bias);
+        __m512i r[4];
+        for (int k = 0; k < 4; k++) {
+            __m512i v = _mm512_add_epi32(
+                _mm512_loadu_si512((const void *)(acc + i * NB + 16 * k)), bias);
             __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(v), m);
             t = _mm512_min_ps(_mm512_max_ps(t, lo), hi);
-            __m512i r = _mm512_cvt_roundps_epi32(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            _mm_storeu_si128((__m128i *)(void *)(out + i * NB + j),
-                             _mm512_cvtepi32_epi8(_mm512_add_epi32(r, zp)));
+            r[k] = _mm512_add_epi32(
+                _mm512_cvt_roundps_epi32(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), zp);
         }
+        __m512i ab = _mm512_packs_epi32(r[0], r[1]), cd = _mm512_packs_epi32(r[2], r[3]);
+        __m512i bytes = q->kind == KIND_S8 ? _mm512_packs_epi16(ab, cd)
+                                           : _mm512_packus_epi16(ab, cd);
+        _mm512_storeu_si512((void *)(out + i * NB), _mm512_permutexvar_epi32(order, bytes));
     }
 }
 #endif

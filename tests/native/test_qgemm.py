@@ -161,6 +161,22 @@ def test_qlinear_conv_matches_the_reference(path: str, case: tuple[Any, ...]) ->
         np.testing.assert_array_equal(got, want)
 
 
+def _direct_columns(monkeypatch: pytest.MonkeyPatch, columns: str) -> None:
+    """Every direct convolution computes ``columns`` and splits over any threads asked."""
+    monkeypatch.setattr(cpu_planner, "int8_conv_columns",
+                        lambda width, channels, depth=0: columns)
+    monkeypatch.setattr(cpu_planner, "MIN_FLOPS_PER_THREAD", 1)
+
+
+def _matches_the_reference(inputs: list[Any], attrs: dict[str, Any], threads: int = 3) -> None:
+    """The int8 variant's output is the reference's on 1 to ``threads`` threads (packed
+    weights on 2)."""
+    want = _reference(Op.QLINEAR_CONV, inputs, attrs)
+    for count, prepack in ((1, False), (2, True), (3, False))[:threads]:
+        got = _run(CPU, Op.QLINEAR_CONV, inputs, attrs, "int8", count, prepack)
+        np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("columns", ["padded", "compact", "rows"])
 @pytest.mark.parametrize("chunk_positions", [1, 60, 200])
 @pytest.mark.parametrize("case", [(np.uint8, np.int8, False, 5, 8, 6, 7, 14, 3, 1, 1, 1, 1),
@@ -180,14 +196,8 @@ def test_direct_convolution_in_chunks_of_images(path: str, monkeypatch: pytest.M
     1, 2 and 3); the columns every padded position, output pixels only (compact), or one
     output row per 16 or 8 (rows; output rows past 16 pixels decline to im2col)."""
     monkeypatch.setattr(cpu_planner, "INT8_DIRECT_CHUNK_POSITIONS", chunk_positions)
-    monkeypatch.setattr(cpu_planner, "int8_conv_columns",
-                        lambda width, channels, depth=0: columns)
-    monkeypatch.setattr(cpu_planner, "MIN_FLOPS_PER_THREAD", 1)
-    inputs, attrs = _conv_inputs(case)
-    want = _reference(Op.QLINEAR_CONV, inputs, attrs)
-    for threads, prepack in ((1, False), (2, True), (3, False)):
-        got = _run(CPU, Op.QLINEAR_CONV, inputs, attrs, "int8", threads, prepack)
-        np.testing.assert_array_equal(got, want)
+    _direct_columns(monkeypatch, columns)
+    _matches_the_reference(*_conv_inputs(case))
 
 
 @pytest.mark.parametrize("columns", ["padded", "compact", "rows"])
@@ -199,16 +209,10 @@ def test_direct_convolution_chunks_the_planner_picks(path: str, monkeypatch: pyt
     that 1, 2 and 3 threads take (some ending inside a chunk, which both threads then
     build) give the reference's bits."""
     monkeypatch.setattr(cpu_planner, "int8_direct_chunk", lambda batch, positions, parts: chunk)
-    monkeypatch.setattr(cpu_planner, "int8_conv_columns",
-                        lambda width, channels, depth=0: columns)
-    monkeypatch.setattr(cpu_planner, "MIN_FLOPS_PER_THREAD", 1)
+    _direct_columns(monkeypatch, columns)
     for case in [(np.uint8, np.int8, False, 5, 8, 6, 7, 14, 3, 1, 1, 1, 1),
                  (np.int8, np.int8, False, 5, 5, 9, 8, 7, 3, 2, 1, 1, 1)]:
-        inputs, attrs = _conv_inputs(case)
-        want = _reference(Op.QLINEAR_CONV, inputs, attrs)
-        for threads, prepack in ((1, False), (2, True), (3, False)):
-            got = _run(CPU, Op.QLINEAR_CONV, inputs, attrs, "int8", threads, prepack)
-            np.testing.assert_array_equal(got, want)
+        _matches_the_reference(*_conv_inputs(case))
 
 
 @pytest.mark.parametrize("columns", ["padded", "compact", "rows"])
@@ -216,18 +220,14 @@ def test_direct_convolution_to_int8(path: str, monkeypatch: pytest.MonkeyPatch,
                                     columns: str) -> None:
     """An int8 output (the tile's requantization packs to signed bytes), saturating at
     both ends, on each kind of columns: the reference's bits on 1 and 2 threads."""
-    monkeypatch.setattr(cpu_planner, "int8_conv_columns",
-                        lambda width, channels, depth=0: columns)
-    monkeypatch.setattr(cpu_planner, "MIN_FLOPS_PER_THREAD", 1)
+    _direct_columns(monkeypatch, columns)
     for case in [(np.uint8, np.int8, False, 3, 8, 6, 16, 14, 3, 1, 1, 1, 1),
                  (np.int8, np.int8, False, 2, 5, 9, 8, 70, 3, 2, 1, 1, 1)]:
         inputs, attrs = _conv_inputs(case)
         inputs[6], inputs[7] = np.float32(0.15), np.array(-20, np.int8)
         want = _reference(Op.QLINEAR_CONV, inputs, attrs)
         assert want.dtype == np.int8 and want.min() == -128 and want.max() == 127
-        for threads, prepack in ((1, False), (2, True)):
-            got = _run(CPU, Op.QLINEAR_CONV, inputs, attrs, "int8", threads, prepack)
-            np.testing.assert_array_equal(got, want)
+        _matches_the_reference(inputs, attrs, threads=2)
 
 
 def test_the_direct_chunks_divide_a_threads_share() -> None:

@@ -803,22 +803,26 @@ typedef struct {
 static int64_t block_runs(const qdirect_job *j, int64_t p0, int64_t end, block_columns *runs)
 {
     const int64_t *g = j->g;
-    int64_t nrun = 0, last = -1;
+    int64_t nrun = 0, last = -1, stop = p0 + NB < end ? p0 + NB : end;
     int64_t row = p0 / j->ws, ox = p0 % j->ws, img = row / j->hs, oy = row % j->hs;
-    for (int64_t t = 0; t < NB && p0 + t < end; t++) {
-        if (ox < g[Q_OW] && oy < g[Q_OH]) {
+    /* a padded row's piece at a time: its positions [p, p + n), of which the first
+     * `out` (those left of OW, in an output row) are outputs */
+    for (int64_t p = p0; p < stop;) {
+        int64_t n = j->ws - ox < stop - p ? j->ws - ox : stop - p;
+        int64_t out = oy < g[Q_OH] && ox < g[Q_OW] ? (g[Q_OW] - ox < n ? g[Q_OW] - ox : n) : 0;
+        if (out) {
             if (img != last) {
                 last = img;
                 runs[nrun++] = (block_columns){0, 0, img * g[Q_M] * g[Q_OH] * g[Q_OW] +
                                                          oy * g[Q_OW] + ox};
             }
-            runs[nrun - 1].mask |= (__mmask64)1 << t;
-            runs[nrun - 1].count++;
+            __mmask64 bits = out == 64 ? ~(__mmask64)0 : ((__mmask64)1 << out) - 1;
+            runs[nrun - 1].mask |= bits << (p - p0);
+            runs[nrun - 1].count += out;
         }
-        if (++ox == j->ws) {
-            ox = 0;
-            if (++oy == j->hs) oy = 0, img++;
-        }
+        p += n;
+        ox = 0;
+        if (++oy == j->hs) oy = 0, img++;
     }
     return nrun;
 }

@@ -624,46 +624,17 @@ typedef struct {
  * one output row per 16 or 8 of them (rows). */
 enum { COLUMNS_PADDED, COLUMNS_COMPACT, COLUMNS_ROWS };
 
-#if QISA == 2 && defined(__AVX512VBMI__)
-/* Pixels [xx, xx + n) (n <= 16) of input row y of a channel quad as n quads at out: the
- * four channels' 16 bytes gathered in one vector, interleaved by one byte permutation
- * (quad i = byte i of each channel's row), flipped; a masked load and store past the
- * row's last whole 16. */
-static inline void quad_pixels(const uint8_t *const src[4], int64_t at, int64_t n,
-                               __m512i flip, uint32_t *out)
-{
-    const __m512i order = _mm512_set_epi8(
-        63, 47, 31, 15, 62, 46, 30, 14, 61, 45, 29, 13, 60, 44, 28, 12,
-        59, 43, 27, 11, 58, 42, 26, 10, 57, 41, 25, 9, 56, 40, 24, 8,
-        55, 39, 23, 7, 54, 38, 22, 6, 53, 37, 21, 5, 52, 36, 20, 4,
-        51, 35, 19, 3, 50, 34, 18, 2, 49, 33, 17, 1, 48, 32, 16, 0);
-    __mmask16 k = n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
-    __m128i c[4];
-    for (int r = 0; r < 4; r++)
-        c[r] = !src[r] ? _mm_setzero_si128()
-               : n >= 16 ? _mm_loadu_si128((const __m128i *)(const void *)(src[r] + at))
-               : _mm_maskz_loadu_epi8(k, src[r] + at);
-    __m512i v = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(
-        _mm512_castsi128_si512(c[0]), c[1], 1), c[2], 2), c[3], 3);
-    _mm512_mask_storeu_epi32(out, k, _mm512_xor_si512(_mm512_permutexvar_epi8(order, v), flip));
-}
-#endif
-
 /* Padded input row y of channel quad cq (its four channels' rows at src) as quads,
  * into line[0, Ws * sw): the zero point where the row has no pixel. */
 static void quad_line(const qdirect_job *j, const uint8_t *const src[4], int64_t y,
                       uint32_t *line)
 {
-    int64_t w = j->g[Q_W], pl = j->g[Q_PL];
+    int64_t w = j->g[Q_W];
     uint32_t pad = (uint32_t)j->pad * 0x01010101u, flip = (uint32_t)j->flip * 0x01010101u;
-    for (int64_t i = 0; i < pl; i++) line[i] = pad;
-    for (int64_t i = pl + w; i < j->ws * j->g[Q_SW]; i++) line[i] = pad;
-    uint32_t *row = line + pl;
+    for (int64_t i = 0; i < j->ws * j->g[Q_SW]; i++) line[i] = pad;
+    uint32_t *row = line + j->g[Q_PL];
     int64_t xx = 0;
-#if QISA == 2 && defined(__AVX512VBMI__)
-    __m512i vflip = _mm512_set1_epi32((int)flip);
-    for (; xx < w; xx += 16) quad_pixels(src, y * w + xx, w - xx, vflip, row + xx);
-#elif defined(__SSE2__)
+#if defined(__SSE2__)
     /* 16 pixels at a time: the four channels' bytes interleaved by unpacking */
     __m128i vflip = _mm_set1_epi8((char)j->flip);
     for (; xx + 16 <= w; xx += 16) {
@@ -697,32 +668,6 @@ static void quad_line(const qdirect_job *j, const uint8_t *const src[4], int64_t
     }
 }
 
-/* The zero point over the layout's positions no input row is copied to: in each phase's
- * plane the rows of the `count` images that fall in the padding (above, below, and the
- * strides' rows no pixel reaches), then everything past the images, which the last
- * outputs' taps may read. */
-static void pad_rows(const qdirect_job *j, int64_t count, int64_t ry_end, int64_t rx_end,
-                     uint32_t *all)
-{
-    const int64_t *g = j->g;
-    int64_t cq4 = j->c4 / 4, used = count * j->hs * j->ws;
-    int64_t past = j->plane - j->chunk * j->hs * j->ws;     /* what reads past the images */
-    uint8_t pad = j->pad;
-    for (int64_t ry = 0; ry < ry_end; ry++)
-        for (int64_t rx = 0; rx < rx_end; rx++)
-            for (int64_t cq = 0; cq < cq4; cq++) {
-                uint32_t *plane = all + ((ry * g[Q_SW] + rx) * cq4 + cq) * j->plane;
-                for (int64_t r = 0; r < j->hs; r++) {
-                    int64_t y = r * g[Q_SH] + ry - g[Q_PT];
-                    if (y >= 0 && y < g[Q_H]) continue;
-                    for (int64_t img = 0; img < count; img++)
-                        memset(plane + (img * j->hs + r) * j->ws, pad,
-                               (size_t)j->ws * sizeof *plane);
-                }
-                memset(plane + used, pad, (size_t)past * sizeof *plane);
-            }
-}
-
 /* Images [n0, n0 + count) as padded channel quads, stacked and split into the strides'
  * phases (see above); only the phases some tap reads (ry < KH, rx < KW). line: scratch
  * for one padded row. */
@@ -732,8 +677,13 @@ static void build_quads(const qdirect_job *j, int64_t n0, int64_t count, uint8_t
     const int64_t *g = j->g;
     int64_t c = g[Q_C], h = g[Q_H], w = g[Q_W], sh = g[Q_SH], sw = g[Q_SW], cq4 = j->c4 / 4;
     int64_t ry_end = sh < g[Q_KH] ? sh : g[Q_KH], rx_end = sw < g[Q_KW] ? sw : g[Q_KW];
+    uint32_t pad = (uint32_t)j->pad * 0x01010101u;
     uint32_t *all = (uint32_t *)(void *)xq;
-    pad_rows(j, count, ry_end, rx_end, all);
+    for (int64_t ry = 0; ry < ry_end; ry++)
+        for (int64_t rx = 0; rx < rx_end; rx++) {
+            uint32_t *phase = all + (ry * sw + rx) * cq4 * j->plane;
+            for (int64_t i = 0; i < cq4 * j->plane; i++) phase[i] = pad;
+        }
     for (int64_t img = 0; img < count; img++)
         for (int64_t cq = 0; cq < cq4; cq++) {
             const uint8_t *src[4];
@@ -742,15 +692,14 @@ static void build_quads(const qdirect_job *j, int64_t n0, int64_t count, uint8_t
             for (int64_t y = 0; y < h; y++) {
                 int64_t yp = y + g[Q_PT];
                 if (yp % sh >= ry_end) continue;
-                uint32_t *row = all + ((yp % sh) * sw * cq4 + cq) * j->plane +
-                                (img * j->hs + yp / sh) * j->ws;
-                if (sw == 1) {           /* the padded row is the layout's row */
-                    quad_line(j, src, y, row);
-                    continue;
-                }
                 quad_line(j, src, y, line);
                 for (int64_t rx = 0; rx < rx_end; rx++) {
-                    uint32_t *dst = row + rx * cq4 * j->plane;
+                    uint32_t *dst = all + (((yp % sh) * sw + rx) * cq4 + cq) * j->plane +
+                                    (img * j->hs + yp / sh) * j->ws;
+                    if (sw == 1) {
+                        memcpy(dst, line, (size_t)j->ws * sizeof *line);
+                        continue;
+                    }
                     int64_t i = 0;
 #if QISA == 2
                     if (sw == 2) {

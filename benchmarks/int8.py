@@ -4,6 +4,7 @@ of each int8 model with its float32 original.
     python -m benchmarks.int8                         # lenet, resnet20, resnet18, mobilenetv2
     python -m benchmarks.int8 --models lenet,resnet20 --passes 3
     python -m benchmarks.int8 --models resnet20,resnet18 --threads 1,2
+    python -m benchmarks.int8 --models resnet18 --threads 1,2 --profile   # per node
 
 Each float model of :mod:`benchmarks.zoo` is optimized by keel (BatchNorm folded into
 the convolutions, as onnxruntime's quantization pre-processing does), exported to ONNX
@@ -15,7 +16,10 @@ QLinear kernels), timed twice: wall time by :func:`keel.bench.bench_model`, and 
 process's CPU time per run (on several threads: all of them together), alternating pass
 by pass (what a loaded machine's other work adds less to). Writes
 ``benchmarks/results/int8-<stamp>.json`` with the load average before and after each
-model: time ratios from a busy machine say little.
+model: time ratios from a busy machine say little. With ``--profile`` it writes
+``int8-profile-<stamp>.json`` instead: each node's median time in keel
+(``model.enable_profiling()``) and in onnxruntime (its own profiler) on the same file,
+the two runtimes alternating pass by pass, their convolutions paired by node name.
 """
 
 from __future__ import annotations
@@ -144,6 +148,83 @@ def _cpu_ms_per_run(run: Callable[[], Any], seconds: float) -> float:
     return (time.process_time() - start) * 1e3 / count
 
 
+def profile_nodes(name: str, model: bytes, batch: int, threads: int, passes: int,
+                  runs: int = 5) -> dict[str, Any]:
+    """Each node's median milliseconds per run in keel and in onnxruntime on ``model``
+    (``passes`` of ``runs`` runs each, the runtimes alternating pass by pass), the
+    convolutions paired by name (onnxruntime's node named ``<keel's>_token_<n>`` or
+    ``<keel's>``), and each runtime's other nodes summed per op."""
+    import onnxruntime as ort
+
+    import keel
+
+    spec = MODELS[name]
+    feeds = {spec.input_name: spec.make_input(batch)}
+    keel_model = keel.load_model(model, threads=threads)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+    options.enable_profiling = True
+    with tempfile.TemporaryDirectory() as tmp:
+        options.profile_file_prefix = str(Path(tmp) / "ort")
+        session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+        for _ in range(2):
+            keel_model.predict(feeds)
+            session.run(None, feeds)
+        keel_model.enable_profiling()
+        for _ in range(passes):
+            for _ in range(runs):
+                keel_model.predict(feeds)
+            for _ in range(runs):
+                session.run(None, feeds)
+        profiler = keel_model.profiler
+        assert profiler is not None
+        keel_times = _per_node((e.name, e.op, e.duration_ns / 1e6) for e in profiler.events)
+        trace = json.loads(Path(session.end_profiling()).read_text())
+    ort_times = _per_node((e["name"][:-len("_kernel_time")], e["args"].get("op_name", ""),
+                           e["dur"] / 1e3) for e in trace
+                          if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"))
+    ort_by_name = {n.split("_token_")[0]: (n, op, ms) for n, (op, ms) in ort_times.items()
+                   if "Conv" in op}
+    convs = []
+    for node, (op, ms) in keel_times.items():
+        found = ort_by_name.get(node)
+        if "conv" in op.lower() and found is not None:
+            convs.append({"node": node, "keel_ms": round(ms, 4), "onnxruntime_ms": round(
+                found[2], 4), "ratio": round(ms / found[2], 3) if found[2] else None})
+    return {"threads": threads, "convolutions": convs,
+            "keel_conv_ms": round(sum(c["keel_ms"] for c in convs), 3),
+            "onnxruntime_conv_ms": round(sum(c["onnxruntime_ms"] for c in convs), 3),
+            "keel_other_ms": _other(keel_times, {c["node"] for c in convs}),
+            "onnxruntime_other_ms": _other(ort_times, {ort_by_name[c["node"]][0]
+                                                       for c in convs})}
+
+
+def _per_node(events: Any) -> dict[str, tuple[str, float]]:
+    """(node, op, ms) events → {node: (op, median ms)}, in the order first seen."""
+    times: dict[str, tuple[str, list[float]]] = {}
+    for node, op, ms in events:
+        times.setdefault(node, (op, []))[1].append(ms)
+    return {node: (op, statistics.median(ms)) for node, (op, ms) in times.items()}
+
+
+def _other(times: dict[str, tuple[str, float]], paired: set[str]) -> dict[str, float]:
+    """The median ms of the nodes not in ``paired``, summed per op."""
+    out: dict[str, float] = {}
+    for node, (op, ms) in times.items():
+        if node not in paired:
+            out[op] = round(out.get(op, 0.0) + ms, 4)
+    return out
+
+
+def _print_profile(name: str, row: dict[str, Any]) -> None:
+    print(f"{name}, {row['threads']} thread(s): convolutions keel {row['keel_conv_ms']} ms, "
+          f"onnxruntime {row['onnxruntime_conv_ms']} ms", flush=True)
+    for c in row["convolutions"]:
+        print(f"  {c['node']:<24} {c['keel_ms']:9.3f} {c['onnxruntime_ms']:9.3f}  {c['ratio']}")
+    print(f"  other nodes, keel: {row['keel_other_ms']}\n  other nodes, onnxruntime: "
+          f"{row['onnxruntime_other_ms']}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
@@ -153,12 +234,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--passes", type=int, default=5)
     p.add_argument("--pass-seconds", type=float, default=0.3)
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--profile", action="store_true",
+                   help="per-node times against onnxruntime's instead of whole runs")
     args = p.parse_args(argv)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
         if name not in CNNS:
             p.error(f"unknown model {name!r}; choose from {', '.join(CNNS)}")
         model = quantize(name)
+        if args.profile:
+            for t in (int(t) for t in str(args.threads).split(",") if t.strip()):
+                found = profile_nodes(name, model, args.batch, t, args.passes)
+                _print_profile(name, found)
+                rows.append({"model": name, "load_average": _load_average(), **found})
+            continue
         row = _bench(name, model, args)
         row["top1_agreement_with_fp32"] = top1_agreement(name, model)
         print(f"{name}: {row['ratios (keel time / onnxruntime time)']} cpu time "
@@ -171,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
 
     payload = {"stamp": stamp, "keel": keel.__version__, "machine": keel.probe().to_dict(),
                "batch": args.batch, "rows": rows}
-    (args.out / f"int8-{stamp}.json").write_text(json.dumps(payload, indent=2, default=str))
+    kind = "int8-profile" if args.profile else "int8"
+    (args.out / f"{kind}-{stamp}.json").write_text(json.dumps(payload, indent=2, default=str))
     return 0
 
 

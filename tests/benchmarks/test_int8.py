@@ -66,3 +66,17 @@ def test_the_script_measures_each_thread_count(tmp_path: Path) -> None:
     assert set(row["ratios (keel time / onnxruntime time)"]) == {"b4_t1", "b4_t2"}
     cpu = row["cpu_time_ratio (keel / onnxruntime)"]
     assert set(cpu) == {"t1", "t2"} and all(v["ratio"] > 0 for v in cpu.values())
+
+
+def test_the_profile_pairs_each_convolution_with_onnxruntimes(tmp_path: Path) -> None:
+    """--profile: per-node times of both runtimes on the same file, LeNet's two
+    convolutions paired by name, the other nodes summed per op, at each thread count."""
+    assert int8.main(["--models", "lenet", "--batch", "4", "--passes", "1", "--threads", "1,2",
+                      "--profile", "--out", str(tmp_path)]) == 0
+    (written,) = tmp_path.glob("int8-profile-*.json")
+    rows = json.loads(written.read_text())["rows"]
+    assert [r["threads"] for r in rows] == [1, 2]
+    for row in rows:
+        assert [c["node"] for c in row["convolutions"]] == ["Conv_4", "Conv_12"]
+        assert all(c["keel_ms"] > 0 and c["onnxruntime_ms"] > 0 for c in row["convolutions"])
+        assert "max_pool" in row["keel_other_ms"] and "QGemm" in row["onnxruntime_other_ms"]

@@ -161,6 +161,22 @@ def test_qlinear_conv_matches_the_reference(path: str, case: tuple[Any, ...]) ->
         np.testing.assert_array_equal(got, want)
 
 
+def _direct_columns(monkeypatch: pytest.MonkeyPatch, columns: str) -> None:
+    """Every direct convolution computes ``columns`` and splits over any threads asked."""
+    monkeypatch.setattr(cpu_planner, "int8_conv_columns",
+                        lambda width, channels, depth=0: columns)
+    monkeypatch.setattr(cpu_planner, "MIN_FLOPS_PER_THREAD", 1)
+
+
+def _matches_the_reference(inputs: list[Any], attrs: dict[str, Any], threads: int = 3) -> None:
+    """The int8 variant's output is the reference's on 1 to ``threads`` threads (packed
+    weights on 2)."""
+    want = _reference(Op.QLINEAR_CONV, inputs, attrs)
+    for count, prepack in ((1, False), (2, True), (3, False))[:threads]:
+        got = _run(CPU, Op.QLINEAR_CONV, inputs, attrs, "int8", count, prepack)
+        np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("columns", ["padded", "compact", "rows"])
 @pytest.mark.parametrize("chunk_positions", [1, 60, 200])
 @pytest.mark.parametrize("case", [(np.uint8, np.int8, False, 5, 8, 6, 7, 14, 3, 1, 1, 1, 1),
@@ -180,14 +196,62 @@ def test_direct_convolution_in_chunks_of_images(path: str, monkeypatch: pytest.M
     1, 2 and 3); the columns every padded position, output pixels only (compact), or one
     output row per 16 or 8 (rows; output rows past 16 pixels decline to im2col)."""
     monkeypatch.setattr(cpu_planner, "INT8_DIRECT_CHUNK_POSITIONS", chunk_positions)
-    monkeypatch.setattr(cpu_planner, "int8_conv_columns",
-                        lambda width, channels, depth=0: columns)
-    monkeypatch.setattr(cpu_planner, "MIN_FLOPS_PER_THREAD", 1)
-    inputs, attrs = _conv_inputs(case)
-    want = _reference(Op.QLINEAR_CONV, inputs, attrs)
-    for threads, prepack in ((1, False), (2, True), (3, False)):
-        got = _run(CPU, Op.QLINEAR_CONV, inputs, attrs, "int8", threads, prepack)
-        np.testing.assert_array_equal(got, want)
+    _direct_columns(monkeypatch, columns)
+    _matches_the_reference(*_conv_inputs(case))
+
+
+@pytest.mark.parametrize("columns", ["padded", "compact", "rows"])
+@pytest.mark.parametrize("chunk", [2, 3, 4])
+def test_direct_convolution_chunks_the_planner_picks(path: str, monkeypatch: pytest.MonkeyPatch,
+                                                     chunk: int, columns: str) -> None:
+    """Chunks of the images the planner picks, the last one short (5 images in chunks of
+    2, 3 or 4) or not: only the last chunk's own blocks are split, and the runs of blocks
+    that 1, 2 and 3 threads take (some ending inside a chunk, which both threads then
+    build) give the reference's bits."""
+    monkeypatch.setattr(cpu_planner, "int8_direct_chunk", lambda batch, positions, parts: chunk)
+    _direct_columns(monkeypatch, columns)
+    for case in [(np.uint8, np.int8, False, 5, 8, 6, 7, 14, 3, 1, 1, 1, 1),
+                 (np.int8, np.int8, False, 5, 5, 9, 8, 7, 3, 2, 1, 1, 1)]:
+        _matches_the_reference(*_conv_inputs(case))
+
+
+@pytest.mark.parametrize("columns", ["padded", "compact", "rows"])
+def test_direct_convolution_to_int8(path: str, monkeypatch: pytest.MonkeyPatch,
+                                    columns: str) -> None:
+    """An int8 output (the tile's requantization packs to signed bytes), saturating at
+    both ends, on each kind of columns: the reference's bits on 1 and 2 threads."""
+    _direct_columns(monkeypatch, columns)
+    for case in [(np.uint8, np.int8, False, 3, 8, 6, 16, 14, 3, 1, 1, 1, 1),
+                 (np.int8, np.int8, False, 2, 5, 9, 8, 70, 3, 2, 1, 1, 1)]:
+        inputs, attrs = _conv_inputs(case)
+        inputs[6], inputs[7] = np.float32(0.15), np.array(-20, np.int8)
+        want = _reference(Op.QLINEAR_CONV, inputs, attrs)
+        assert want.dtype == np.int8 and want.min() == -128 and want.max() == 127
+        _matches_the_reference(inputs, attrs, threads=2)
+
+
+def test_the_direct_chunks_divide_a_threads_share() -> None:
+    """Images per chunk: about INT8_DIRECT_CHUNK_POSITIONS positions' worth, the divisor
+    of a thread's share nearest to that (the larger of two as near), else that count."""
+    rule = cpu_planner.int8_direct_chunk
+    assert rule(32, 225, 2) == 8          # 10 wanted; 8 divides 16 (not 10, 10, 10, 2)
+    assert rule(32, 841, 2) == 4          # 3 wanted: 2 and 4 as near, the larger
+    assert rule(32, 3249, 2) == 1
+    assert rule(32, 64, 2) == 16          # at most a thread's share
+    assert rule(32, 64, 1) == 32
+    assert rule(32, 841, 1) == 3          # one thread: what the positions ask for
+    assert rule(32, 841, 3) == 3          # share 11: no divisor within a factor of two
+    assert rule(1, 100, 2) == 1
+
+
+def test_the_plan_states_the_int8_split(path: str) -> None:
+    cpu_planner.forget()
+    types = (TensorType(DType.UINT8, (32, 128, 28, 28)), None, None,
+             TensorType(DType.INT8, (256, 128, 3, 3)))
+    attrs = get_schema(Op.QLINEAR_CONV).normalize_attrs({"strides": [2, 2], "pads": [1] * 4})
+    plan = cpu_planner.plan(PlanRequest(Op.QLINEAR_CONV, types, attrs, threads=2), CPU)
+    why = dict(plan.reasons)["threads"]
+    assert "batch 32: 4 chunk(s) of 8" in why and "2 near-equal runs" in why
 
 
 def test_a_shallow_convolution_computes_compact_columns_past_row_segments() -> None:

@@ -185,6 +185,7 @@ class _ConvConstants:
     mult: np.ndarray             # (M,) float64
     quant: np.ndarray            # int64: y's zero point, range and kind
     count: int                   # parts for the worker threads
+    chunk: int                   # images per chunk of the direct kernel's layout
 
     @functools.cached_property
     def pointers(self) -> tuple[Any, Any, Any, Any]:
@@ -215,17 +216,25 @@ def _conv_constants(x: np.ndarray, xz: int, packed: PackedConv, geo: ConvGeometr
     (oh, ow), (kh, kw) = geo.out_spatial, geo.kernel
     panel = _functions().panel
     units = n * geo.group * -(-(oh * ow) // panel)
+    count = _threads(units, panel * packed.k * m // geo.group, threads)
     found = _ConvConstants(
         np.ascontiguousarray(row, dtype=np.int32),
         np.array([n, c, h, w_, m, oh, ow, kh, kw, *geo.strides, *geo.dilations,
                   geo.pads_begin[0], geo.pads_begin[1], geo.group], dtype=np.int64),
         np.ascontiguousarray(np.broadcast_to(multiplier.reshape(-1), (m,)), dtype=np.float64),
-        _quant(DType.from_numpy(y.dtype), y_zero_point),
-        _threads(units, panel * packed.k * m // geo.group, threads))
+        _quant(DType.from_numpy(y.dtype), y_zero_point), count,
+        planner_rules().int8_direct_chunk(n, image_positions(h, w_, geo), count))
     if len(packed.calls) >= _KEPT_CALLS:
         packed.calls.clear()
     packed.calls[key] = found
     return found
+
+
+def image_positions(h: int, w: int, geo: ConvGeometry) -> int:
+    """About how many positions one image of an h x w input takes in the direct kernel's
+    stacked layout (a stride phase's padded rows times its columns)."""
+    (sh, sw), (pt, pl) = geo.strides, geo.pads_begin
+    return -(-(h + pt) // sh) * -(-(w + pl) // sw)
 
 
 def pack_conv(w: np.ndarray, w_zero_point: np.ndarray) -> PackedConv:
@@ -283,7 +292,7 @@ def conv2d(x: np.ndarray, x_zero_point: int, packed: PackedConv, geo: ConvGeomet
         p_bias, p_geometry, p_mult, p_quant = consts.pointers
         rules = planner_rules()
         rc = fns.direct(_ptr(xc), shift, xz & 0xFF, _ptr(packed.direct), c4, p_geometry, p_bias,
-                        p_mult, p_quant, _ptr(y), rules.INT8_DIRECT_CHUNK_POSITIONS, count,
+                        p_mult, p_quant, _ptr(y), consts.chunk, count,
                         _COLUMNS[rules.int8_conv_columns(ow, m, packed.direct.shape[1])])
         if rc != -2:
             _check(rc)

@@ -305,29 +305,39 @@ static void store_row(const int32_t *v, int64_t n, const double *mult, double m,
 #if QISA == 2
 /* Rows [0, mr) of a convolution's tile (bias and multiplier per row, no other
  * corrections, 8-bit output) requantized into out[MR][NB]: store_row's results on all
- * 64 columns, 16 at a time, for the caller to copy the valid runs from. The same bits
- * in fewer steps: the product is clamped to [lo - zp, hi - zp] before it is rounded
- * (rounding is monotonic and those bounds are integers, so clamping first or last
- * gives the same integer), and the conversion rounds half to even itself; the zero
- * point is added to the integers. */
+ * 64 columns, for the caller to copy the valid runs from. The same bits in fewer steps:
+ * the product is clamped to [lo - zp, hi - zp] before it is rounded (rounding is
+ * monotonic and those bounds are integers, so clamping first or last gives the same
+ * integer), the conversion rounds half to even itself, and the zero point is added to
+ * the integers; a row's four vectors of results, which fit the output type, go to bytes
+ * by saturating packs and one permutation (one store a row, where a narrowing store per
+ * 16 columns cost two operations each). */
 static void requant_tile(const int32_t *acc, int64_t mr, int64_t i0, const requant *q,
                          uint8_t *out)
 {
     __m512 lo = _mm512_set1_ps((float)(q->lo - q->yzp));
     __m512 hi = _mm512_set1_ps((float)(q->hi - q->yzp));
     __m512i zp = _mm512_set1_epi32((int32_t)q->yzp);
+    /* 128-bit lane L of the packs holds columns 4L..4L+3 of each vector: dword 4L + k is
+     * vector k's */
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11,
+                                            15);
     for (int64_t i = 0; i < mr; i++) {
         __m512i bias = _mm512_set1_epi32(q->bias_r ? q->bias_r[i0 + i] : 0);
         __m512 m = _mm512_set1_ps((float)q->mult[i0 + i]);
-        for (int64_t j = 0; j < NB; j += 16) {
-            __m512i v = _mm512_add_epi32(_mm512_loadu_si512((const void *)(acc + i * NB + j)),
-                                         bias);
+        __m512i r[4];
+        for (int k = 0; k < 4; k++) {
+            __m512i v = _mm512_add_epi32(
+                _mm512_loadu_si512((const void *)(acc + i * NB + 16 * k)), bias);
             __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(v), m);
             t = _mm512_min_ps(_mm512_max_ps(t, lo), hi);
-            __m512i r = _mm512_cvt_roundps_epi32(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            _mm_storeu_si128((__m128i *)(void *)(out + i * NB + j),
-                             _mm512_cvtepi32_epi8(_mm512_add_epi32(r, zp)));
+            r[k] = _mm512_add_epi32(
+                _mm512_cvt_roundps_epi32(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), zp);
         }
+        __m512i ab = _mm512_packs_epi32(r[0], r[1]), cd = _mm512_packs_epi32(r[2], r[3]);
+        __m512i bytes = q->kind == KIND_S8 ? _mm512_packs_epi16(ab, cd)
+                                           : _mm512_packus_epi16(ab, cd);
+        _mm512_storeu_si512((void *)(out + i * NB), _mm512_permutexvar_epi32(order, bytes));
     }
 }
 #endif
@@ -742,22 +752,26 @@ typedef struct {
 static int64_t block_runs(const qdirect_job *j, int64_t p0, int64_t end, block_columns *runs)
 {
     const int64_t *g = j->g;
-    int64_t nrun = 0, last = -1;
+    int64_t nrun = 0, last = -1, stop = p0 + NB < end ? p0 + NB : end;
     int64_t row = p0 / j->ws, ox = p0 % j->ws, img = row / j->hs, oy = row % j->hs;
-    for (int64_t t = 0; t < NB && p0 + t < end; t++) {
-        if (ox < g[Q_OW] && oy < g[Q_OH]) {
+    /* a padded row's piece at a time: its positions [p, p + n), of which the first
+     * `out` (those left of OW, in an output row) are outputs */
+    for (int64_t p = p0; p < stop;) {
+        int64_t n = j->ws - ox < stop - p ? j->ws - ox : stop - p;
+        int64_t out = oy < g[Q_OH] && ox < g[Q_OW] ? (g[Q_OW] - ox < n ? g[Q_OW] - ox : n) : 0;
+        if (out) {
             if (img != last) {
                 last = img;
                 runs[nrun++] = (block_columns){0, 0, img * g[Q_M] * g[Q_OH] * g[Q_OW] +
                                                          oy * g[Q_OW] + ox};
             }
-            runs[nrun - 1].mask |= (__mmask64)1 << t;
-            runs[nrun - 1].count++;
+            __mmask64 bits = out == 64 ? ~(__mmask64)0 : ((__mmask64)1 << out) - 1;
+            runs[nrun - 1].mask |= bits << (p - p0);
+            runs[nrun - 1].count += out;
         }
-        if (++ox == j->ws) {
-            ox = 0;
-            if (++oy == j->hs) oy = 0, img++;
-        }
+        p += n;
+        ox = 0;
+        if (++oy == j->hs) oy = 0, img++;
     }
     return nrun;
 }
@@ -1050,16 +1064,27 @@ static int64_t stacked_pitch(int64_t size, int64_t lead, int64_t out, int64_t k,
     return (need + stride - 1) / stride;
 }
 
+/* Blocks of NB columns a chunk of `count` stacked images has (the last chunk may hold
+ * fewer images than the others, and has only its own blocks). */
+static int64_t chunk_blocks(const qdirect_job *j, int64_t count)
+{
+    const int64_t *g = j->g;
+    if (j->columns == COLUMNS_ROWS) return (g[Q_OH] * count + j->nseg - 1) / j->nseg;
+    int64_t per_image = j->columns == COLUMNS_COMPACT ? g[Q_OH] * g[Q_OW] : j->hs * j->ws;
+    return (per_image * count + NB - 1) / NB;
+}
+
 /* keel_qconv2d_u8s8 for one group, no dilation and weight zero points all 0, from
  * weights packed as [M][KH][KW][c4] (c4: C rounded up to 4), kp = KH * KW * c4.
- * chunk_positions: how many positions a chunk of stacked images should reach (its
- * images: enough for that, at most the batch's share of one of `parts` threads).
+ * chunk_images: how many images each chunk stacks into one layout (the caller's
+ * choice; clamped to [1, N]); the chunks' blocks of columns, the last chunk's own count
+ * of them included, are what the `parts` threads split in near-equal runs.
  * columns: COLUMNS_PADDED (0), COLUMNS_COMPACT (1) or COLUMNS_ROWS (2: output rows at
  * most 16 pixels wide, else -2); see above. Returns -2 for a geometry it does not take. */
 int64_t keel_qconv2d_direct_u8s8(const uint8_t *x, int64_t flip, int64_t pad, const uint8_t *w,
                                  int64_t c4, const int64_t *geometry, const int32_t *bias_r,
                                  const double *mult, const int64_t *quant, void *y,
-                                 int64_t chunk_positions, int64_t parts, int64_t columns)
+                                 int64_t chunk_images, int64_t parts, int64_t columns)
 {
     qdirect_job j;
     memcpy(j.g, geometry, sizeof j.g);
@@ -1070,11 +1095,8 @@ int64_t keel_qconv2d_direct_u8s8(const uint8_t *x, int64_t flip, int64_t pad, co
     j.x = x, j.w = w, j.c4 = c4;
     j.hs = stacked_pitch(g[Q_H], g[Q_PT], g[Q_OH], g[Q_KH], g[Q_SH]);
     j.ws = stacked_pitch(g[Q_W], g[Q_PL], g[Q_OW], g[Q_KW], g[Q_SW]);
-    int64_t image = j.hs * j.ws, share = (g[Q_N] + (parts > 1 ? parts : 1) - 1) /
-                                         (parts > 1 ? parts : 1);
-    j.chunk = (chunk_positions + image - 1) / image;
-    if (j.chunk > share) j.chunk = share;
-    if (j.chunk < 1) j.chunk = 1;
+    int64_t image = j.hs * j.ws;
+    j.chunk = chunk_images < 1 ? 1 : chunk_images > g[Q_N] ? g[Q_N] : chunk_images;
     j.plane = j.chunk * image + NB + ((g[Q_KH] - 1) / g[Q_SH] + 1) * j.ws + g[Q_KW] + 16;
     j.kp = g[Q_KH] * g[Q_KW] * c4;
     j.columns = columns;
@@ -1082,17 +1104,14 @@ int64_t keel_qconv2d_direct_u8s8(const uint8_t *x, int64_t flip, int64_t pad, co
     if (columns < COLUMNS_PADDED || columns > COLUMNS_ROWS ||
         (columns == COLUMNS_ROWS && g[Q_OW] > NB / 4))
         return -2;
-    if (columns == COLUMNS_ROWS)
-        j.blocks = (g[Q_OH] * j.chunk + j.nseg - 1) / j.nseg;
-    else
-        j.blocks = ((columns == COLUMNS_COMPACT ? g[Q_OH] * g[Q_OW] : image) * j.chunk + NB - 1)
-                   / NB;
+    j.blocks = chunk_blocks(&j, j.chunk);
     j.flip = (uint8_t)flip, j.pad = (uint8_t)pad;
     j.q = (requant){bias_r, NULL, NULL, NULL, NULL, mult, 0, quant[0], quant[1], quant[2],
                     quant[3]};
     j.y = y;
     int64_t chunks = (g[Q_N] + j.chunk - 1) / j.chunk;
-    return run_parts(qdirect_task, &j, chunks * j.blocks, parts, direct_scratch(&j));
+    int64_t tasks = (chunks - 1) * j.blocks + chunk_blocks(&j, g[Q_N] - (chunks - 1) * j.chunk);
+    return run_parts(qdirect_task, &j, tasks, parts, direct_scratch(&j));
 }
 
 /* ---- depthwise convolution ---------------------------------------------------------------

@@ -12,7 +12,11 @@ onnxruntime uses. They mean something on a real GPU adapter.
 Writes ``benchmarks/results/<stamp>.json`` (with the machine's probe) and
 ``benchmarks/results/latest.md`` (the ratio table). Ratios are keel time over
 onnxruntime time, the median over alternating passes in one process: below
-1.0 keel is faster.
+1.0 keel is faster. The passes alternate settled blocks (``--method settled``,
+the default; :mod:`keel.bench`): each runtime's block starts once the other's
+worker threads have gone idle, so a 2-thread cell times each runtime without
+the other's spinning workers on its cores. ``--method blocks`` alternates the
+blocks back to back, as runs before this method did. Both files name the method.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Any
 
 from benchmarks import process
 from benchmarks.zoo import DEFAULT_MODELS, MODELS, build
-from keel.bench import BenchConfig, ModelReport, bench_model, peak_rss_delta
+from keel.bench import METHODS, BenchConfig, ModelReport, bench_model, peak_rss_delta
 from keel.errors import KeelError
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -62,7 +66,8 @@ def _run(args: argparse.Namespace) -> int:
                          ",".join(map(str, args.batches)), "--passes", str(args.passes),
                          "--out", str(args.out)])
     config = BenchConfig(batches=args.batches, threads=args.threads, passes=args.passes,
-                         min_pass_seconds=args.pass_seconds, backend=args.backend)
+                         min_pass_seconds=args.pass_seconds, backend=args.backend,
+                         method=args.method)
     reports: list[ModelReport] = []
     for name in args.models:
         spec = MODELS[name]
@@ -100,6 +105,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", default="1,2")
     p.add_argument("--passes", type=int, default=5)
     p.add_argument("--pass-seconds", type=float, default=0.3)
+    p.add_argument("--method", default="settled", choices=METHODS,
+                   help="settled: each runtime's block starts once the other's threads are "
+                        "idle (default); blocks: the blocks back to back")
     p.add_argument("--no-rss", action="store_true")
     p.add_argument("--out", type=Path, default=RESULTS)
     a = p.parse_args(argv)
@@ -139,7 +147,8 @@ def _write(reports: list[ModelReport], args: argparse.Namespace) -> None:
         "python": platform.python_version(),
         "keel": keel.__version__,
         "onnxruntime": _ort_version(),
-        "config": {"batches": args.batches, "threads": args.threads, "passes": args.passes},
+        "config": {"batches": args.batches, "threads": args.threads, "passes": args.passes,
+                   "method": args.method},
         "machine": keel.probe().to_dict(),
         "models": [r.to_dict() for r in reports],
     }
@@ -184,6 +193,16 @@ def _process_cell(row: dict[str, float]) -> str:
     return f" | {row['first_predict_ms']:.0f}, {row['cpu_ms']:.0f}, {row['vmhwm_mb']:.1f} |"
 
 
+# How the passes alternated (``--method``), as the table states it.
+_METHOD_TEXT = {
+    "settled": "Method: settled blocks — each runtime's block of runs starts once the "
+               "process's other threads (the other runtime's workers) have gone idle, after "
+               "an untimed run, the order of the runtimes swapping from pass to pass.",
+    "blocks": "Method: blocks — a block of keel's runs, then one of onnxruntime's, back to "
+              "back.",
+}
+
+
 def render_markdown(payload: dict[str, Any]) -> str:
     """The ratio table: keel time / onnxruntime time per model and setting."""
     cfg = payload["config"]
@@ -196,6 +215,7 @@ def render_markdown(payload: dict[str, Any]) -> str:
         f"SIMD {cpu.get('simd_level')}; Python {payload['python']}.",
         "Cells: keel time / onnxruntime time (median over alternating passes in one "
         "process; < 1.0 means keel is faster). bN_tM = batch N with M threads. "
+        f"{_METHOD_TEXT[cfg.get('method', 'blocks')]} "
         "A cell with a target shows ✓ when it is met, ✗ when not (batch 1: ≤ 1.5 with "
         "1 thread, ≤ 1.2 for small_block and gpt2_decode; batch 32: ≤ 1.0 for mlp, "
         "resnet18, bert_mini, ≤ 1.25 for the others).",
@@ -216,8 +236,10 @@ def render_markdown(payload: dict[str, Any]) -> str:
         )
     notes = [f"- {m['model']}: {n}" for m in payload["models"] for n in m.get("notes", [])]
     if notes:
-        lines += ["", "Machine load while each model ran (2 usable cores: above ~1, other "
-                  "work competes with a 2-thread run):", "", *notes]
+        lines += ["", "Notes: the machine's load while each model ran (2 usable cores: above "
+                  "~1, other work competes with a 2-thread run) and, with settled blocks, how "
+                  "long the other runtime's threads took to go idle before each runtime's "
+                  "blocks:", "", *notes]
     lines += ["", "Medians (ms) per runtime:", "",
               "| model | setting | keel median | keel p90 | ort median | ort p90 |",
               "|---|---|---|---|---|---|"]

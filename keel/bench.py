@@ -4,6 +4,18 @@ Shared machines flip between fast and slow states from one moment to the
 next, so nothing here trusts a single time: runs alternate between the
 runtimes pass by pass, each pass gives a ratio of medians, and the reported
 ratio is the median over passes. Speed is reported, never asserted.
+
+Two methods (``BenchConfig.method``):
+
+* ``"blocks"``: in each pass a block of keel's runs, then one of the other
+  runtime's, back to back.
+* ``"settled"``: the same alternating blocks, but before each block the
+  process's other threads must have gone idle (:func:`settle`: the runtime
+  timed last parks its worker pool — onnxruntime's workers spin for tens of
+  milliseconds after its last run, keel's for ``KEEL_IDLE_SPIN_US``), each
+  block starts with an untimed run (waking the runtime's own workers), and
+  the order of the runtimes swaps from pass to pass. With several threads this
+  times each runtime without the other's spinning workers on its cores.
 """
 
 from __future__ import annotations
@@ -15,6 +27,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -25,6 +38,7 @@ import numpy as np
 from keel.errors import BackendSelectionError, InvalidArgumentError
 
 __all__ = [
+    "METHODS",
     "BenchConfig",
     "Measurement",
     "ModelReport",
@@ -33,6 +47,7 @@ __all__ = [
     "concrete_shape",
     "peak_rss_delta",
     "random_feeds",
+    "settle",
 ]
 
 Runner = Callable[[], Any]
@@ -48,6 +63,7 @@ class BenchConfig:
     backend: str = "cpu"
     vs: str | None = "onnxruntime"
     dims: tuple[tuple[str, int], ...] = ()   # sizes of named symbolic dimensions (--dim)
+    method: str = "blocks"             # "blocks" or "settled" (the module docstring)
 
 
 @dataclass(frozen=True)
@@ -118,6 +134,52 @@ def random_feeds(inputs: Sequence[Any], batch: int, seed: int = 0,
         else:
             feeds[info.name] = rng.standard_normal(shape).astype(dtype)
     return feeds
+
+
+METHODS = ("blocks", "settled")
+SETTLE_WINDOW_S = 0.01        # settle(): the window the other threads must be idle in
+SETTLE_QUIET_SHARE = 0.1      # ... using less than this share of one core
+SETTLE_LIMIT_S = 0.5          # ... waiting at most this long
+
+
+def _others_cpu_ns() -> int | None:
+    """CPU time the process's threads other than this one have used (Linux's
+    ``/proc/self/task/*/schedstat``); None where the platform does not say."""
+    me = threading.get_native_id()
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    total = 0
+    for tid in tids:
+        if tid == str(me):
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):     # the thread ended meanwhile
+            continue
+    return total
+
+
+def settle(window_s: float = SETTLE_WINDOW_S, quiet_share: float = SETTLE_QUIET_SHARE,
+           limit_s: float = SETTLE_LIMIT_S) -> float:
+    """Wait until the process's other threads (the runtimes' worker pools, BLAS's) are
+    idle: a window of ``window_s`` in which together they used less than
+    ``quiet_share`` of one core, or ``limit_s`` in all. Returns the seconds waited.
+    Where the platform does not report per-thread CPU time: three windows, flat."""
+    start = time.perf_counter()
+    before = _others_cpu_ns()
+    if before is None:
+        time.sleep(3 * window_s)
+        return time.perf_counter() - start
+    while True:
+        time.sleep(window_s)
+        after = _others_cpu_ns()
+        waited = time.perf_counter() - start
+        if after is None or after - before < quiet_share * window_s * 1e9 or waited >= limit_s:
+            return waited
+        before = after
 
 
 def _time_block(run: Runner, min_seconds: float, min_iters: int) -> list[float]:
@@ -207,6 +269,9 @@ def bench_model(
     if config.vs not in (None, "onnxruntime", "torch"):
         raise InvalidArgumentError(
             f"--vs {config.vs!r} is not supported; allowed: onnxruntime, torch")
+    if config.method not in METHODS:
+        raise InvalidArgumentError(
+            f"method {config.method!r} is not supported; allowed: {', '.join(METHODS)}")
     report = ModelReport(name)
     for threads in config.threads:
         keel_model, keel_load = _timed_load(
@@ -255,10 +320,18 @@ def _bench_pair(report: ModelReport, keel_model: Any, ort_sess: Any,
         run()
         run()
     samples: dict[str, list[float]] = {k: [] for k in runners}
+    waits: dict[str, list[float]] = {k: [] for k in runners}
     pass_ratios: list[float] = []
-    for _ in range(config.passes):
+    settled = config.method == "settled"
+    for index in range(config.passes):
         medians = {}
-        for key, run in runners.items():
+        order = list(runners.items())
+        if settled and index % 2:
+            order.reverse()                 # neither runtime always follows the other
+        for key, run in order:
+            if settled:
+                waits[key].append(settle())
+                run()                       # untimed: wakes this runtime's own workers
             block = _time_block(run, config.min_pass_seconds, config.min_iters)
             samples[key].extend(block)
             medians[key] = statistics.median(block)
@@ -273,6 +346,11 @@ def _bench_pair(report: ModelReport, keel_model: Any, ort_sess: Any,
         ))
     if pass_ratios:
         report.ratios[f"b{batch}_t{threads}"] = statistics.median(pass_ratios)
+    if settled:
+        report.notes.append(
+            f"batch {batch}, {threads} thread(s), settled blocks: the other threads went idle "
+            + ", ".join(f"{1e3 * statistics.median(w):.0f} ms (median) before {k}'s blocks"
+                        for k, w in waits.items() if w))
 
 
 # The child reads its peak from /proc/self/status (VmHWM): ``ru_maxrss`` would

@@ -26,15 +26,16 @@ from typing import Any
 from keel.errors import InvalidArgumentError
 
 __all__ = [
-    "BACKEND_NAMES", "DEFAULT_BUILD_TIMEOUT_S", "DEFAULT_SPIN_US", "HINTS", "POLICY_FIELDS",
-    "PRECISIONS", "Settings", "cache_dir", "format_bytes", "format_limit", "parse_bytes",
-    "reload_settings", "settings",
+    "BACKEND_NAMES", "DEFAULT_BUILD_TIMEOUT_S", "DEFAULT_IDLE_SPIN_US", "DEFAULT_SPIN_US",
+    "HINTS", "POLICY_FIELDS", "PRECISIONS", "Settings", "cache_dir", "format_bytes",
+    "format_limit", "parse_bytes", "reload_settings", "settings",
 ]
 
 BACKEND_NAMES = ("auto", "gpu", "cpu", "reference", "webgpu")
 PRECISIONS = ("auto", "fp32", "fp16", "bf16", "int8", "int16", "fp64")
 HINTS = ("none", "latency", "throughput")     # performance hints (planning.adaptive)
 DEFAULT_SPIN_US = 200       # how long an idle native worker spins before it sleeps
+DEFAULT_IDLE_SPIN_US = 50   # how long it spins on once a model run has ended
 DEFAULT_BUILD_TIMEOUT_S = 120.0   # a native kernel compile running longer is stopped
 
 _UNITS = {
@@ -109,6 +110,7 @@ class Settings:
     cc: str | None = None                 # the C compiler for native kernels
     cflags: tuple[str, ...] = ()          # KEEL_CFLAGS: extra flags for native builds
     spin_us: int = DEFAULT_SPIN_US        # idle native workers spin this long, then sleep
+    idle_spin_us: int = DEFAULT_IDLE_SPIN_US   # ... and this long once a run has ended
     build_timeout_s: float = DEFAULT_BUILD_TIMEOUT_S   # KEEL_BUILD_TIMEOUT: one compile's limit
     calibration: str | None = None        # a calibration file, or "off"
     cache_dir: Path = field(default_factory=lambda: _platform_cache_dir(os.environ, None))
@@ -140,6 +142,7 @@ class Settings:
             cc=env.get("KEEL_CC", "").strip() or None,
             cflags=tuple(shlex.split(env.get("KEEL_CFLAGS", ""))),
             spin_us=_or(_count(env, "KEEL_SPIN_US", minimum=0), DEFAULT_SPIN_US),
+            idle_spin_us=_or(_count(env, "KEEL_IDLE_SPIN_US", minimum=0), DEFAULT_IDLE_SPIN_US),
             build_timeout_s=_seconds(env, "KEEL_BUILD_TIMEOUT", DEFAULT_BUILD_TIMEOUT_S),
             calibration=env.get("KEEL_CALIBRATION", "").strip() or None,
             cache_dir=_platform_cache_dir(env, None),
@@ -256,7 +259,7 @@ def reload_settings() -> Settings:
     For tests and tools that change ``os.environ`` after keel first read it.
     What was already built from the old settings stays as it was: call
     ``keel.native.reset()`` after a changed ``KEEL_NATIVE`` / ``KEEL_CC`` /
-    ``KEEL_SPIN_US``.
+    ``KEEL_SPIN_US`` / ``KEEL_IDLE_SPIN_US``.
     """
     settings.cache_clear()
     return settings()

@@ -103,6 +103,7 @@ def test_every_setting_is_read_into_settings() -> None:
         "KEEL_BACKEND": "CPU", "KEEL_PRECISION": "fp16", "KEEL_MEMORY_LIMIT": "1GiB",
         "KEEL_THREADS": " 6 ", "KEEL_STRICT": "yes", "KEEL_NATIVE": "0", "KEEL_CC": "clang",
         "KEEL_SPIN_US": "0", "KEEL_CALIBRATION": "off", "KEEL_CACHE_DIR": "/tmp/keel-x",
+        "KEEL_IDLE_SPIN_US": "25",
         "KEEL_PREFER_GPU": "false", "KEEL_MIN_GPU_MEMORY_GB": "12.5",
         "KEEL_PREFER_LIGHTWEIGHT_PYTHON_ON_LOW_MEMORY": "off",
         "KEEL_LIGHTWEIGHT_MEMORY_THRESHOLD_GB": "3", "KEEL_ALLOW_ACCELERATOR_EXPERIMENTS": "1",
@@ -115,6 +116,7 @@ def test_every_setting_is_read_into_settings() -> None:
     assert Settings.from_env(every) == Settings(
         backend="cpu", precision="fp16", memory_limit=1024**3, threads=6, strict=True,
         native="off", cc="clang", spin_us=0, calibration="off", cache_dir=Path("/tmp/keel-x"),
+        idle_spin_us=25,
         prefer_gpu=False, min_gpu_memory_gb=12.5, prefer_lightweight_python_on_low_memory=False,
         lightweight_memory_threshold_gb=3.0, allow_accelerator_experiments=True,
         plan_cache=False, hint="throughput", build_timeout_s=30.0,

@@ -281,6 +281,12 @@ class Program:
         self._threads: dict[int, tuple[list[_HotStep], Any]] = {}
         self._bound_on = 0
         self._lanes_hot: dict[tuple[int, tuple[int, int]], list[tuple[int, _HotStep]]] = {}
+        self._capture_decided = False
+        self._direct = False             # runs go straight to the bound calls (_plan_direct)
+        # Steps that may split over keel's native workers: the run's end parks them.
+        self._parks = any(st.ctx is not None and (getattr(st.ctx, "threads", 1) or 1) > 1
+                          and backends[st.backend].device.value == HOST for st in steps)
+        self._park: Callable[[], None] | None = None
         self._compile_hot()
         self._handout = self._plan_handout()
         self._constant_ids = frozenset(id(v) for v in constants.values())   # held: ids stay
@@ -402,7 +408,31 @@ class Program:
         for slot, buf in self._staged:
             np.copyto(buf, values[slot])
             values[slot] = buf
+        if self._direct and self._bound_on == _get_ident():
+            return self._run_direct()
         return self._run_hot(None)
+
+    def _run_direct(self) -> dict[str, Any]:
+        """Every step's bound call in order, under the quiet FP state, then the outputs:
+        the steady run of a host program whose steps all bound (``_direct``)."""
+        try:
+            if self._scoped:
+                with _Quiet():
+                    self._run_items((), None, self._calls)
+            else:
+                self._run_items((), None, self._calls)
+            return self._collect(None)
+        finally:
+            self._release()
+
+    def _plan_direct(self) -> bool:
+        """Whether a run may go straight to the bound calls (:meth:`_run_direct`): every
+        step bound, no region run at once, no device recording, and no scope but the
+        quiet FP state (NumPy 2's context variable) to enter. Decided after the first
+        run (which decides the recording)."""
+        return (self._capture_decided and self._calls is not None and self._schedule is None
+                and self._replay is None and _FP_STATE is not None
+                and self._scoped in ((), (_quiet,)))
 
     def _run_hot(self, outputs: Mapping[str, Any] | None, *,
                  device: bool = False) -> dict[str, Any]:
@@ -416,6 +446,7 @@ class Program:
         plan, self.capture_reason = decide_capture(self)
         self._replay = None if plan is None else Replay(self, plan)
         self._capture_decided = True
+        self._direct = self._plan_direct()
 
     @property
     def captured(self) -> bool:
@@ -825,6 +856,19 @@ class Program:
         values = self._values
         for slot in self._transient:
             values[slot] = None
+        if self._parks:
+            self._park_workers()
+
+    def _park_workers(self) -> None:
+        """The run ended: keel's idle workers spin on only ``KEEL_IDLE_SPIN_US``, not the
+        whole ``KEEL_SPIN_US`` (a user's other work pays for a spinning core)."""
+        park = self._park
+        if park is None:
+            from keel.native import pool
+
+            park = self._park = pool.parker()
+        if park is not None:
+            park()
 
     # ---- binding ---------------------------------------------------------
     def _bind(self) -> None:
@@ -884,6 +928,7 @@ class Program:
             self._compile_hot()
         else:
             (self._hot, self._calls), self._bound_on = kept, _get_ident()
+            self._direct = self._plan_direct()
 
     def _compile_hot(self) -> None:
         """Each step as the tuple ``_loop`` unpacks (rebuilt when the views move), and the
@@ -902,6 +947,7 @@ class Program:
             self._threads.clear()
         self._bound_on = _get_ident()
         self._threads[self._bound_on] = (hot, self._calls)
+        self._direct = self._plan_direct()
 
     def _hot_step(self, step: _Step) -> _HotStep:
         if step.kind != "kernel":

@@ -147,8 +147,8 @@ class _State:
         self.reason = "not checked yet"
         self.libraries: dict[str, NativeLibrary] = {}
         self.failed: dict[str, str] = {}
-        # KEEL_NATIVE, KEEL_CC, KEEL_SPIN_US, KEEL_CACHE_DIR and KEEL_BUILD_TIMEOUT,
-        # taken at first use
+        # KEEL_NATIVE, KEEL_CC, KEEL_SPIN_US, KEEL_IDLE_SPIN_US, KEEL_CACHE_DIR and
+        # KEEL_BUILD_TIMEOUT, taken at first use
         self.settings: Settings | None = None
         self.folder: Path | None = None       # the cache folder, checked (see cache_folder)
         self.cache = ""                       # where builds are cached, and why there
@@ -214,7 +214,7 @@ def library(name: str) -> NativeLibrary | None:
             return None
         state.libraries[name] = lib
         if name == _POOL:
-            _configure_pool(lib, state.values().spin_us)
+            _configure_pool(lib, state.values().spin_us, state.values().idle_spin_us)
         else:
             _attach_pool(lib)
         return lib
@@ -331,9 +331,11 @@ def _attach_pool(lib: NativeLibrary) -> None:
         lib.function("keel_use_pool", [ctypes.c_void_p])(run)
 
 
-def _configure_pool(pool: NativeLibrary, spin_us: int) -> None:
-    """Hand the worker pool its settings (``KEEL_SPIN_US``): the C code reads no environment."""
+def _configure_pool(pool: NativeLibrary, spin_us: int, idle_spin_us: int) -> None:
+    """Hand the worker pool its settings (``KEEL_SPIN_US``, ``KEEL_IDLE_SPIN_US``): the C
+    code reads no environment."""
     pool.function("keel_pool_set_spin_us", [ctypes.c_int64])(spin_us)
+    pool.function("keel_pool_set_idle_spin_us", [ctypes.c_int64])(idle_spin_us)
 
 
 def reset() -> None:

@@ -11,21 +11,25 @@ An idle worker spins for a while (``KEEL_SPIN_US`` microseconds, default 200,
 handed to the pool when it loads: the C code reads no environment) before it
 sleeps, so the next kernel of the same model run starts on it at once: a
 dispatch costs about a microsecond, where waking a sleeping thread costs tens
-(see threads.c). One pool serves every kernel library; ``keel.native.build``
-hands each library its address when it loads.
+(see threads.c). When a model run ends the program parks the pool
+(:func:`parker`): its idle workers spin on for ``KEEL_IDLE_SPIN_US`` at most
+(default 50), then sleep, so a run that follows at once still finds them
+spinning and other work gets the core back soon after. One pool serves every
+kernel library; ``keel.native.build`` hands each library its address when it
+loads.
 """
 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 from keel.config import settings
 from keel.native import build
 
-__all__ = ["chunks", "parts", "pin", "pinned", "set_affinity", "set_spin_us", "shutdown",
-           "spin_us", "workers"]
+__all__ = ["chunks", "idle_spin_us", "parker", "parts", "pin", "pinned", "set_affinity",
+           "set_idle_spin_us", "set_spin_us", "shutdown", "spin_us", "workers"]
 
 _I64 = ctypes.c_int64
 _pinned: frozenset[int] | None = None     # the CPUs keel's threads are kept on (None: any)
@@ -109,6 +113,29 @@ def set_spin_us(us: int | None) -> None:
     fn = _function("keel_pool_set_spin_us", [_I64])
     if fn is not None:
         fn(settings().spin_us if us is None else max(0, int(us)))
+
+
+def parker() -> Callable[[], None] | None:
+    """The pool's ``keel_pool_park``, called when a model run ends: workers spinning for
+    the next job spin on for at most :func:`idle_spin_us`, then sleep. None where no
+    pool is loaded in this process (then no worker spins)."""
+    lib = build.loaded("threads")
+    return None if lib is None else lib.function("keel_pool_park", [])
+
+
+def idle_spin_us() -> int | None:
+    """How long idle workers spin after a run ends, in microseconds, as the pool holds it
+    (``KEEL_IDLE_SPIN_US``); None when the native tier is unavailable."""
+    fn = _function("keel_pool_idle_spin_us", [], _I64)
+    return None if fn is None else int(fn())
+
+
+def set_idle_spin_us(us: int | None) -> None:
+    """How long idle workers spin after a run ends, in microseconds (0: they sleep at
+    once; None: back to ``KEEL_IDLE_SPIN_US`` as the settings read it)."""
+    fn = _function("keel_pool_set_idle_spin_us", [_I64])
+    if fn is not None:
+        fn(settings().idle_spin_us if us is None else max(0, int(us)))
 
 
 def shutdown() -> None:

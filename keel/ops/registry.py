@@ -181,6 +181,7 @@ class Op(str, enum.Enum):
     QLINEAR_CONV = "qlinear_conv"
     QGEMM = "qgemm"
     QLINEAR_ADD = "qlinear_add"
+    QLINEAR_GLOBAL_AVG_POOL = "qlinear_global_avg_pool"
     # losses
     NEGATIVE_LOG_LIKELIHOOD_LOSS = "negative_log_likelihood_loss"
     SOFTMAX_CROSS_ENTROPY_LOSS = "softmax_cross_entropy_loss"
@@ -315,7 +316,7 @@ class OpGroup(frozenset[Op], enum.Enum):
     QUANTIZATION = frozenset({
         Op.QUANTIZE_LINEAR, Op.DEQUANTIZE_LINEAR, Op.DYNAMIC_QUANTIZE_LINEAR,
         Op.QLINEAR_MATMUL, Op.QLINEAR_CONV, Op.MATMUL_INTEGER, Op.CONV_INTEGER, Op.QGEMM,
-        Op.QLINEAR_ADD,
+        Op.QLINEAR_ADD, Op.QLINEAR_GLOBAL_AVG_POOL,
     })
     # Classical machine learning: the ops of ONNX's ai.onnx.ml domain.
     CLASSICAL_ML = frozenset({

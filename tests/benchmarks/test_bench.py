@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +13,7 @@ from typer.testing import CliRunner
 
 from benchmarks import dispatch
 from benchmarks import run as suite
-from keel.bench import BenchConfig, bench_model, peak_rss_delta, random_feeds
+from keel.bench import BenchConfig, bench_model, peak_rss_delta, random_feeds, settle
 from keel.errors import InvalidArgumentError
 from keel.execution.model import load_model
 from keel.testing.models import mlp
@@ -66,6 +68,50 @@ def test_the_suite_writes_json_and_a_ratio_table(tmp_path: Path) -> None:
     assert [m["model"] for m in payload["models"]] == ["mlp"]
     table = (tmp_path / "latest.md").read_text()
     assert "| mlp |" in table and "b1_t1" in table
+    # The files name the method: by default, settled blocks.
+    assert payload["config"]["method"] == "settled"
+    assert "Method: settled blocks" in table
+    assert any("settled blocks: the other threads went idle" in n
+               for n in payload["models"][0]["notes"])
+
+
+def test_the_suite_can_alternate_blocks_back_to_back(tmp_path: Path) -> None:
+    code = suite.main(["--models", "mlp", "--batches", "1", "--threads", "2", "--passes", "2",
+                       "--pass-seconds", "0", "--no-rss", "--method", "blocks",
+                       "--out", str(tmp_path)])
+    assert code == 0
+    [result] = tmp_path.glob("*.json")
+    payload = json.loads(result.read_text())
+    assert payload["config"]["method"] == "blocks"
+    assert "b1_t2" in payload["models"][0]["ratios"]
+    assert "Method: blocks" in (tmp_path / "latest.md").read_text()
+
+
+def test_an_unknown_method_is_rejected() -> None:
+    with pytest.raises(InvalidArgumentError, match="method 'interleaved'"):
+        bench_model("tiny", tiny_model(), BenchConfig(method="interleaved"))
+
+
+def test_settle_waits_for_the_other_threads_to_go_idle() -> None:
+    """A thread busy for 0.3 s: settle() returns only once it has stopped."""
+    if not Path("/proc/self/task").is_dir():
+        pytest.skip("per-thread CPU time comes from /proc (Linux)")
+    done = threading.Event()
+
+    def busy() -> None:
+        end = time.perf_counter() + 0.3
+        while time.perf_counter() < end:
+            sum(range(1000))
+        done.set()
+
+    worker = threading.Thread(target=busy)
+    worker.start()
+    try:
+        settle(window_s=0.02, quiet_share=0.1, limit_s=10.0)
+        assert done.is_set()
+    finally:
+        worker.join()
+    assert settle(window_s=0.01, limit_s=10.0) < 10.0     # nothing else runs: it returns
 
 
 def test_peak_rss_is_measured_in_fresh_processes(tmp_path: Path) -> None:

@@ -265,6 +265,23 @@ def _qlinear_add_cases() -> list[OpCase]:
     ]
 
 
+def _qlinear_global_avg_pool(shape: Sequence[int], dtype: Any) -> Make:
+    """QLinearGlobalAveragePool inputs: x and its per-tensor parameters, then y's."""
+    def make(rng: Gen) -> list[np.ndarray | None]:
+        return [_ints(rng, shape, dtype), _scales(rng, ()), np.asarray(_ints(rng, (), dtype) // 4),
+                _scales(rng, ()), np.asarray(_ints(rng, (), dtype) // 4)]
+    return make
+
+
+def _qlinear_global_avg_pool_cases() -> list[OpCase]:
+    op = Op.QLINEAR_GLOBAL_AVG_POOL
+    return [
+        OpCase("qlinear_global_avg_pool-u8", op, _qlinear_global_avg_pool((2, 5, 7, 7), np.uint8)),
+        OpCase("qlinear_global_avg_pool-i8-1d", op,
+               _qlinear_global_avg_pool((3, 300, 11), np.int8)),
+    ]
+
+
 CASES: list[OpCase] = [*_quantize_cases(), *_dequantize_cases(), *_dynamic_cases(),
                        *_qlinear_matmul_cases(), *_qlinear_conv_cases(), *_qgemm_cases(),
-                       *_qlinear_add_cases()]
+                       *_qlinear_add_cases(), *_qlinear_global_avg_pool_cases()]

@@ -248,3 +248,84 @@ def test_a_bound_global_average_pool_computes_what_its_kernel_does() -> None:
         np.testing.assert_array_equal(got, unbound(model, {"x": x})["y"])
         r = np.maximum(np.einsum("mc,nchw->nmhw", HEAD_W[:, :, 0, 0], x), 0)
         np.testing.assert_allclose(got, r.mean(axis=(2, 3)), rtol=1e-5, atol=1e-6)
+
+
+CONV_W = np.random.default_rng(2).standard_normal((6, 1, 5, 5)).astype(np.float32)
+CONV_B = np.random.default_rng(3).standard_normal(6).astype(np.float32)
+CONV2_W = np.random.default_rng(4).standard_normal((8, 6, 3, 3)).astype(np.float32)
+
+
+def small_cnn() -> bytes:
+    """LeNet's front at batch 1: a conv reading the feed, ReLU, MaxPool, a conv with
+    padding, AveragePool, Flatten and a ReLU making the graph output."""
+    n = helper.make_node
+    graph = helper.make_graph(
+        [n("Conv", ["x", "w", "b"], ["c"]), n("Relu", ["c"], ["r"]),
+         n("MaxPool", ["r"], ["m"], kernel_shape=[2, 2], strides=[2, 2]),
+         n("Conv", ["m", "w2"], ["c2"], pads=[1, 1, 1, 1]),
+         n("AveragePool", ["c2"], ["a"], kernel_shape=[2, 2], strides=[2, 2]),
+         n("Flatten", ["a"], ["f"]), n("Relu", ["f"], ["y"])], "cnn",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 16, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [_const("w", CONV_W), _const("b", CONV_B), _const("w2", CONV2_W)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]
+                             ).SerializeToString()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bound_convolutions_and_pools_compute_what_their_kernels_do(threads: int) -> None:
+    """Conv (native implicit GEMM), MaxPool and AveragePool bind; a run of a program whose
+    steps all bound goes straight to the calls, bitwise what the kernels compute."""
+    from keel import native
+
+    ort = pytest.importorskip("onnxruntime")
+    model = load_model(small_cnn(), backend="cpu", threads=threads)
+    session = ort.InferenceSession(small_cnn(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((1, 1, 16, 16)).astype(np.float32)
+    model.predict({"x": x})
+    fast = model._fast_path({"x": x})
+    assert fast is not None
+    program = fast[0][1]
+    if native.available():                   # the compiled kernels bind
+        assert {"conv", "max_pool", "avg_pool"} <= set(bound_kinds(model, {"x": x}))
+        assert program._direct
+    for _ in range(3):                       # new values in the same places
+        x = rng.standard_normal((1, 1, 16, 16)).astype(np.float32)
+        got = model.predict({"x": x})["y"]
+        np.testing.assert_array_equal(got, unbound(model, {"x": x})["y"])
+        (want,) = session.run(None, {"x": x})
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # The caller keeps what it got: the next run does not write into it.
+    kept = got.copy()
+    model.predict({"x": x + 1})
+    np.testing.assert_array_equal(got, kept)
+    with pytest.raises(InvalidArgumentError):
+        model.predict({"x": x[..., :8]})     # a feed of another shape is still checked
+
+
+def lookup_model() -> bytes:
+    """Gather rows of a table by a fed index, then ReLU: every step binds (the small feed
+    and output through the program's own buffers)."""
+    table = np.random.default_rng(6).standard_normal((VOCAB, WIDTH)).astype(np.float32)
+    n = helper.make_node
+    graph = helper.make_graph(
+        [n("Gather", ["table", "ids"], ["rows"], axis=0), n("Relu", ["rows"], ["y"])],
+        "lookup", [helper.make_tensor_value_info("ids", TensorProto.INT64, [3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, WIDTH])],
+        [_const("table", table)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]
+                             ).SerializeToString()
+
+
+def test_a_failing_step_of_a_direct_run_names_its_node_and_leaves_nothing_behind() -> None:
+    model = load_model(lookup_model(), backend="cpu", threads=1)
+    good = {"ids": np.array([0, 4, VOCAB - 1], np.int64)}
+    want = model.predict(good)["y"]
+    fast = model._fast_path(good)
+    assert fast is not None and fast[0][1]._direct
+    with pytest.raises(InvalidArgumentError, match="out of range") as failure:
+        model.predict({"ids": np.array([0, VOCAB + 2, 1], np.int64)})
+    assert any("(gather)" in note for note in getattr(failure.value, "__notes__", ()))
+    np.testing.assert_array_equal(model.predict(good)["y"], want)
+    np.testing.assert_array_equal(want, np.maximum(unbound(model, good)["y"], 0))

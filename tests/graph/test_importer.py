@@ -530,6 +530,7 @@ def test_every_keel_op_that_onnx_has_is_mapped() -> None:
             mapped |= ops
     mapped |= {op for op, _ in ML_DIRECT.values()} | set(ML_CONVERTED.values())
     mapped.add(Op.QGEMM)            # com.microsoft's QGemm (importers/onnx_ms.py)
+    mapped.add(Op.QLINEAR_GLOBAL_AVG_POOL)   # com.microsoft's QLinearGlobalAveragePool
     assert set(ML_DIRECT) | set(ML_CONVERTED) <= set(ML_TABLE.op_types())
     assert set(Op) - KEEL_ONLY <= mapped
 

@@ -559,7 +559,8 @@ class _LayoutCalls(_Int8Calls):
         super().__init__(session, 0)
         for name, symbol in (("transpose", "keel_qtranspose_u8"),
                              ("depthwise", "keel_qdepthwise_nhwc_u8s8"),
-                             ("pointwise", "keel_qpointwise_nhwc_u8s8")):
+                             ("pointwise", "keel_qpointwise_nhwc_u8s8"),
+                             ("global_average", "keel_qglobal_avgpool_u8")):
             setattr(self, name, self._caller(symbol))
 
 
@@ -613,3 +614,25 @@ def test_layout_change_matches_numpy(layout_on_arm: _LayoutCalls) -> None:
     x = _q8(np.random.default_rng(15), np.uint8, 2, 35, 6, 7)     # partial 32-row strips
     got = layout_on_arm.run(qlayout.to_nhwc(x, threads=2))
     np.testing.assert_array_equal(got, x.transpose(0, 2, 3, 1))
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_integer_global_average_pool_matches_the_reference(layout_on_arm: _LayoutCalls,
+                                                           layout: str) -> None:
+    from keel.backends.base import DeviceKind, KernelContext
+    from keel.backends.cpu.kernels import load as load_cpu
+    from keel.backends.plan import NodePlan
+
+    rng = np.random.default_rng(16)
+    x = _q8(rng, np.int8, 3, 37, 5, 7)                  # a partial vector of channels
+    stored = x if layout == "nchw" else np.ascontiguousarray(x.transpose(0, 2, 3, 1)).reshape(
+        x.shape)
+    params = [np.array(0.07, np.float32), np.array(-6, np.int8), np.array(0.02, np.float32),
+              np.array(11, np.int8)]
+    ctx = KernelContext(np, "cpu", DeviceKind.CPU, 2,
+                        plan=NodePlan(variant="int8", layout=f"{layout}->nchw", threads=2))
+    y = np.asarray(load_cpu().get(Op.QLINEAR_GLOBAL_AVG_POOL, "int8").fn(
+        ctx, [stored, *params], {}, None)[0])
+    assert {symbol for symbol, _ in layout_on_arm.calls} == {"keel_qglobal_avgpool_u8"}
+    got = layout_on_arm.run(y)
+    np.testing.assert_array_equal(got, REF.run(Op.QLINEAR_GLOBAL_AVG_POOL, [x, *params])[0])

@@ -61,7 +61,7 @@ CONVS = [
     (np.int8, np.uint8, True, 1, 6, 5, 7, 70, 1, 1, 0, 1, 1),          # weight zero points
     (np.int8, np.int8, False, 1, 6, 5, 7, 70, 1, 1, 0, 1, 1),          # C, M, pixels past tiles
     (np.uint8, np.int8, False, 3, 64, 4, 4, 32, 1, 1, 0, 1, 1),        # whole tiles
-    (np.uint8, np.int8, False, 1, 600, 3, 5, 400, 1, 1, 0, 1, 1),      # large: matrix product
+    (np.uint8, np.int8, False, 1, 760, 3, 5, 720, 1, 1, 0, 1, 1),      # large: matrix product
     (np.uint8, np.int8, False, 2, 20, 6, 7, 8, 1, 1, 0, 1, 1),         # 8 channels: one half
     (np.int8, np.int8, False, 1, 36, 5, 8, 16, 1, 1, 0, 1, 1),         # 16, int8 out
     (np.uint8, np.int8, False, 2, 24, 5, 5, 48, 1, 1, 0, 1, 1),        # 32 + 16 channels
@@ -192,3 +192,35 @@ def test_layout_changes_round_trip(layout_path: int, shape: tuple[int, ...]) -> 
     cl = qlayout.to_nhwc(x, threads=2)
     np.testing.assert_array_equal(cl, x.transpose(0, 2, 3, 1))
     np.testing.assert_array_equal(qlayout.to_nchw(cl, threads=2), x)
+
+
+# (x dtype, N, C, H, W, x scale, y scale): 7x7 planes (MobileNetV2's), channels past a
+# 256-channel task, a plane wider than a vector, and a multiplier that saturates
+POOLS = [(np.uint8, 3, 40, 7, 7, 0.02, 0.013), (np.int8, 2, 300, 5, 3, 0.5, 0.03),
+         (np.uint8, 1, 5, 17, 19, 0.001, 0.0007), (np.int8, 4, 33, 2, 2, 0.9, 0.001)]
+
+
+@pytest.mark.parametrize("layout", ["nchw->nchw", "nhwc->nchw"])
+@pytest.mark.parametrize("case", POOLS, ids=lambda c: "x".join(str(v) for v in c[1:5]))
+def test_global_average_pool_matches_the_reference(layout_path: int, case: tuple[Any, ...],
+                                                   layout: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The integer global average pool reading NCHW or a chain's channels-last bytes
+    (served in place: no layout change), at 1, 2 and 3 threads, gives the reference's
+    bytes (onnxruntime's arithmetic; tests/graph/test_qlinear_global_avg_pool.py compares
+    with onnxruntime itself)."""
+    dtype, n, c, h, w, x_scale, y_scale = case
+    x = _q(dtype, n, c, h, w)
+    zp = np.array(9 if dtype is np.uint8 else -4, dtype)
+    inputs = [x, np.float32(x_scale), zp, np.float32(y_scale), np.array(120, dtype) // 2]
+    want = REFERENCE.get(Op.QLINEAR_GLOBAL_AVG_POOL, "default").fn(
+        KernelContext(np, "reference", DeviceKind.CPU), inputs, {}, None)[0]
+    assert want.shape == (n, c, 1, 1)
+    monkeypatch.setattr(qlayout, "_transpose", _no_layout_change)
+    kv = CPU.get(Op.QLINEAR_GLOBAL_AVG_POOL, "int8")
+    for threads in (1, 2, 3):
+        plan = NodePlan(variant="int8", layout=layout, threads=threads)
+        ctx = KernelContext(np, "cpu", DeviceKind.CPU, threads, plan=plan)
+        stored = [_stored(x, layout.split("->")[0]), *inputs[1:]]
+        got = np.asarray(kv.fn(ctx, stored, {}, None)[0])
+        np.testing.assert_array_equal(got, want)

@@ -211,7 +211,8 @@ class CpuBackend(Backend):
         if spin is not None:
             notes.append(f"keel threads: up to {self.threads}, one pool in C shared by the "
                          f"native kernels; idle workers spin {spin} us before sleeping "
-                         "(KEEL_SPIN_US)")
+                         f"(KEEL_SPIN_US), {pool.idle_spin_us()} us once a model run has "
+                         "ended (KEEL_IDLE_SPIN_US)")
         notes.append(f"threads: {self.threads_reason}")
         hardware = self._hardware
         return {

@@ -471,8 +471,33 @@ def _conv_variant(variant: str) -> Callable[[KernelContext, Inputs, Attrs, Out],
     return kernel
 
 
+def _bind_conv(variant: str, ctx: KernelContext, inputs: Inputs, attrs: Attrs,
+               out: Sequence[Any]) -> Callable[[], Any] | None:
+    """The node's prepared native computation (:class:`_Ready`) bound for one program
+    step: what the kernel prepares on its first run and then finds by its arrays on
+    every run, called directly; None where the native implicit GEMM does not serve
+    these arrays (the kernel then runs as usual)."""
+    state = ctx.prepacked
+    x, w = inputs[0], inputs[1]
+    b = optional_input(inputs, 2)
+    z = inputs[3] if len(inputs) > 3 else None
+    if (state.__class__ is not _State or ctx.xp is not np or len(out) != 1
+            or type(x) is not np.ndarray or type(out[0]) is not np.ndarray):
+        return None
+    y = out[0]
+    plan = _lookup(Op.CONV, variant, ctx.backend, x, w, b, z, attrs, ctx.plan)
+    if (plan.variant != "native" or plan.dtype is DType.FLOAT16 or y.shape != plan.geo.out_shape
+            or x.dtype != np.float32 or y.dtype != np.float32 or not native_gemm.available()):
+        return None
+    ready = _prepare_native(plan, variant, x, w, b, z, y, attrs, state)
+    if ready is None:
+        return None
+    return functools.partial(ready.run, x, y, ctx.threads or 1)
+
+
 for _name, _rule in RULES.items():
     TABLE.kernel(Op.CONV, variant=_name, dtypes=DTYPES[Op.CONV], supports_out=True,
+                 bind=functools.partial(_bind_conv, _name),
                  description=_rule.summary, prepack=_prepack, rule=_rule,
                  priority=_rule.priority, simd=(), measured=_rule.measured,
                  requires=REQUIRES.get(_name),

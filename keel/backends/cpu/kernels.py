@@ -22,7 +22,8 @@ FAMILIES = (
 
 
 # Families registering ops of other families of schemas (keel.ops.schemas.FAMILY_OPS).
-EXTRA_OPS = {"qlinear": ("qgemm", "qlinear_add", "qlinear_conv", "qlinear_matmul")}
+EXTRA_OPS = {"qlinear": ("qgemm", "qlinear_add", "qlinear_conv", "qlinear_global_avg_pool",
+                         "qlinear_matmul")}
 
 
 @functools.lru_cache(maxsize=1)

@@ -258,6 +258,8 @@ def choose_variant(op: Op, input_types: Sequence[TensorType | None], attrs: Mapp
         name, why = "int8", int8_reason(op)
     elif op is Op.QLINEAR_ADD and "int8" in variants:
         name, why = "int8", QADD_REASON
+    elif op is Op.QLINEAR_GLOBAL_AVG_POOL and "int8" in variants:
+        name, why = "int8", QGAP_REASON
     elif op in CONV_OPS and len(variants) > 1:
         name, why = _choose_conv(op, input_types, attrs, variants, dtype)
     elif op in CONV_OPS and variants["default"].meta.get("dispatcher"):
@@ -289,6 +291,15 @@ QADD_REASON = ("qlinear_add: the native 8-bit kernel, onnxruntime's QLinearAdd i
 # it runs about 10 elements per nanosecond (ResNet-20's 32x64x8x8 join, 131,072
 # elements, in ~13 us on one thread), so this is ~3 us per thread, a few dispatches.
 QADD_MIN_ELEMENTS_PER_THREAD = 32_768
+
+QGAP_REASON = ("qlinear_global_avg_pool: the native 8-bit kernel, onnxruntime's "
+               "QLinearGlobalAveragePool in one pass (integer sums, its float32 "
+               "requantization), reading NCHW or a channels-last chain's bytes")
+# A QLinearGlobalAveragePool splits its (image, 256-channel block) tasks over threads only
+# where each thread reads at least this many bytes, as QLinearAdd's pass: one pass over
+# the bytes, MobileNetV2's channels-last 32x1280x7x7 (2 M bytes) in 60-66 us on one thread
+# and 33-36 us on two (the kernel alone, measured under load), so this is ~1 us a thread.
+QGAP_MIN_ELEMENTS_PER_THREAD = QADD_MIN_ELEMENTS_PER_THREAD
 
 # An int8 MaxPool (cpu/pooling.py's ``int8`` variant, qgemm.c) splits its planes over
 # threads only where each gets at least this many input elements: ResNet-18's 3x3 stride-2
@@ -400,9 +411,15 @@ INT8_LAYOUT_REASON = ("int8 channels-last chain of {nodes} nodes ({depthwise} de
 # vectorized in the store); larger ones on qgemm.c's matrix product, since each tile of
 # pixels streams all the panels again. Measured at batch 32, one thread (ms, panels /
 # matrix product): 16->96 at 112x112 6.6 / 17.3; 24->144 at 56x56 2.9 / 7.8; 144->24 at
-# 56x56 2.7 / 3.2; 96->576 at 14x14 1.6 / 2.4; 576->160 at 7x7 (90 KiB) 0.49 / 0.51;
-# 960->320 at 7x7 (300 KiB) 1.46 / 1.20; 320->1280 at 7x7 (400 KiB) 2.3 / 1.8.
-INT8_POINTWISE_PANEL_MAX_WEIGHT_BYTES = 192 * 1024
+# 56x56 2.7 / 3.2; 96->576 at 14x14 1.6 / 2.4; 576->160 at 7x7 (90 KiB) 0.49 / 0.51.
+# Since the panels compute the pixel rows past their last whole tile as a tile (a C loop
+# took them, a third of a 7x7 layer's time at batch 32), the kernels alone, alternating,
+# median ratios of 9 (range), 1 and 2 threads, measured under load: 160->960 at 7x7
+# 0.71 (0.70-0.72) and 0.72 (0.69-0.76); 960->160 0.77 (0.75-0.81) and 0.80; 960->320
+# (300 KiB) 0.92 (0.91-0.93) and 0.91 (0.89-0.94); 320->1280 (400 KiB, MobileNetV2's last)
+# 0.82 (0.81-0.83) and 0.81 (0.73-0.85); 512->1024 (512 KiB) 0.85 (0.80-0.90) and 0.82;
+# larger ones (1 and 1.6 MiB) 0.80-0.90 in medians too noisy to rely on (0.3-1.9).
+INT8_POINTWISE_PANEL_MAX_WEIGHT_BYTES = 512 * 1024
 
 
 def int8_pointwise_panels(weight_bytes: int) -> bool:
@@ -436,13 +453,19 @@ def int8_depthwise_planes(pieces: int, threads: int, plane_bytes: int) -> bool:
 _LAYOUT_ROLES = {("nchw", "nhwc"): "starts it, its result written channels-last",
                  ("nhwc", "nhwc"): "inside it",
                  ("nhwc", "nchw"): "ends it, its result written NCHW"}
+_POOL_ROLE = ("ends it, the global average pool reading its channels-last bytes in place: "
+              "the (N, C, 1, 1) result is the same bytes in either layout")
 
 
 def _layout_kind(node: Any, types: Mapping[str, TensorType | None]) -> str | None:
     """What a node placed on the int8 kernels can be in a channels-last chain:
     ``pointwise``/``depthwise`` (reads and writes it), ``other`` (a convolution that
-    can only start one), ``add`` (elementwise, both operands in its layout), or None."""
+    can only start one), ``add`` (elementwise, both operands in its layout), ``pool`` (a
+    QLinearGlobalAveragePool: reads either layout, and its (N, C, 1, 1) result is the same
+    bytes in both, so it can only end one), or None."""
     shapes = [_static(types.get(i)) if i else None for i in node.inputs]
+    if node.op is Op.QLINEAR_GLOBAL_AVG_POOL:
+        return "pool" if shapes[0] is not None and len(shapes[0]) == 4 else None
     if node.op is Op.QLINEAR_ADD:
         a, b = shapes[0], shapes[3] if len(shapes) > 3 else None
         return "add" if a is not None and len(a) == 4 and a == b else None
@@ -471,7 +494,8 @@ def int8_layouts(graph: Any, types: Mapping[str, TensorType | None],
     writes). ``variants[i]`` is node i's variant on this backend (None: elsewhere).
 
     A value is kept channels-last when an int8 convolution or join writes it, every
-    reader is a 1x1 or depthwise convolution or a join, it is no graph output, a join's
+    reader is a 1x1 or depthwise convolution, a join or a global average pool (which
+    ends the chain), it is no graph output, a join's
     operands share a layout (its result channels-last only where they are), and its
     chain holds a depthwise convolution."""
     nodes = graph.nodes
@@ -488,10 +512,13 @@ def int8_layouts(graph: Any, types: Mapping[str, TensorType | None],
         n = nodes[i]
         if kinds[i] in ("pointwise", "depthwise"):
             return n.inputs[0] == name and name not in n.inputs[1:]
+        if kinds[i] == "pool":
+            return n.inputs[0] == name
         return kinds[i] == "add" and name in (n.inputs[0], n.inputs[3])
 
     nhwc = {name for name, i in producer.items()
-            if kinds[i] is not None and name == nodes[i].outputs[0] and name not in outputs
+            if kinds[i] not in (None, "pool") and name == nodes[i].outputs[0]
+            and name not in outputs
             and readers.get(name) and all(reads_nhwc(r, name) for r in readers[name])}
     changed = True
     while changed:   # a join reads one layout; it writes NCHW unless it reads channels-last
@@ -534,8 +561,9 @@ def _chains(nodes: Sequence[Any], kinds: Sequence[str | None], nhwc: set[str],
         for i in chain:
             src = "nhwc" if nodes[i].inputs[0] in nhwc else "nchw"
             dst = "nhwc" if nodes[i].outputs[0] in nhwc else "nchw"
+            role = _POOL_ROLE if kinds[i] == "pool" else _LAYOUT_ROLES[(src, dst)]
             decided[i] = (f"{src}->{dst}", INT8_LAYOUT_REASON.format(
-                nodes=len(chain), depthwise=depthwise, this=_LAYOUT_ROLES[(src, dst)]))
+                nodes=len(chain), depthwise=depthwise, this=role))
     return decided
 
 

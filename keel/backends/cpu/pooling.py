@@ -535,8 +535,32 @@ def global_avg_pool_native(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out
     return [y]
 
 
-_register_native(Op.MAX_POOL, max_pool, "1-D/2-D windows (Y only: Indices run the NumPy kernel)")
-_register_native(Op.AVG_POOL, avg_pool, "1-D/2-D windows")
+def _bind_window(op: Op, ctx: KernelContext, inputs: Inputs, attrs: Attrs,
+                 out: Sequence[Any]) -> Any:
+    """The compiled window call of MaxPool (Y only) or AveragePool bound for one program
+    step, as the kernel binds it on its first run; None where the compiled kernels do
+    not serve these arrays (the kernel then runs as usual)."""
+    x = inputs[0]
+    if (ctx.xp is not np or type(x) is not np.ndarray or len(out) != 1
+            or type(out[0]) is not np.ndarray):
+        return None
+    y = out[0]
+    win, plan, _, compiled = _prepare(op, x, attrs)
+    geo = _native(np, compiled)
+    if (geo is None or y.shape != (plan.batch, plan.channels, *plan.out)
+            or x.dtype != np.float32 or y.dtype != np.float32
+            or not x.flags.c_contiguous or not y.flags.c_contiguous):
+        return None
+    if op is Op.MAX_POOL:
+        return nw.bind_max_pool(x, y, geo, ctx.threads or 1)
+    counts = nw.avg_counts(win, bool(attrs["count_include_pad"]))
+    return nw.bind_avg_pool(x, y, geo, counts, ctx.threads or 1)
+
+
+_register_native(Op.MAX_POOL, max_pool, "1-D/2-D windows (Y only: Indices run the NumPy kernel)",
+                 functools.partial(_bind_window, Op.MAX_POOL))
+_register_native(Op.AVG_POOL, avg_pool, "1-D/2-D windows",
+                 functools.partial(_bind_window, Op.AVG_POOL))
 _register_native(Op.GLOBAL_MAX_POOL, global_max_pool, "any rank")
 _register_native(Op.GLOBAL_AVG_POOL, global_avg_pool_native, "any rank",
                  _bind_global_avg_pool_native)

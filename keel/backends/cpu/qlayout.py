@@ -40,8 +40,8 @@ from keel.native.pool import parts
 from keel.ops.schemas.quantization import QUANT_RANGES, ConvGeometry
 
 __all__ = ["NCHW", "NHWC", "ChannelsLastPack", "QuantConv", "available", "channels_last", "conv",
-           "conv_kind", "in_graph_layout", "layouts", "pack", "scratch", "to_nchw", "to_nhwc",
-           "weight_kind", "without_layout"]
+           "conv_kind", "global_average_pool", "in_graph_layout", "layouts", "pack", "scratch",
+           "to_nchw", "to_nhwc", "weight_kind", "without_layout"]
 
 LIBRARY = "qlayout"
 _T = TypeVar("_T")
@@ -57,6 +57,7 @@ class _Functions:
     transpose: Any
     depthwise: Any
     pointwise: Any
+    global_average: Any
 
     @classmethod
     @functools.lru_cache(maxsize=4)
@@ -67,7 +68,9 @@ class _Functions:
                    f("keel_qdepthwise_nhwc_u8s8",
                      [_P, _I, _I, _P, _P, _P, _P, _P, _P, _I, _I], _I),
                    f("keel_qpointwise_nhwc_u8s8",
-                     [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I], _I))
+                     [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I], _I),
+                   f("keel_qglobal_avgpool_u8",
+                     [_P, _I, _I, _I, _I, _I, ctypes.c_float, _P, _P, _I], _I))
 
 
 def _load() -> _Functions | None:
@@ -407,6 +410,41 @@ def conv(src: str, dst: str, kind: str, x: np.ndarray, q: QuantConv | None,
         if y_n is not y:
             y[...] = y_n
     return y
+
+
+# ---- QLinearGlobalAveragePool ------------------------------------------------------------
+_GAP_BLOCK = 256       # qlayout.c's GAP_CB: channels per task
+
+
+def global_average_pool(x: np.ndarray, nhwc: bool, scale: float, x_zero_point: int,
+                        y_zero_point: int, y: np.ndarray, threads: int = 1) -> None:
+    """``y`` (N, C, 1, 1) = onnxruntime's QLinearGlobalAveragePool of the contiguous 8-bit
+    ``x`` in its graph shape (N, C, H, W), its bytes NCHW or (``nhwc``) channels-last;
+    ``scale`` the float32 multiplier (``qlinear_global_scale``). Needs the native kernel
+    (:func:`available`)."""
+    fns = _load()
+    if fns is None:
+        raise RuntimeError(f"native layout kernels unavailable: {native.status().reason}")
+    n, c = int(x.shape[0]), int(x.shape[1])
+    hw = int(x.size // max(1, n * c))
+    lo, hi = QUANT_RANGES[_dtype_of(y)]
+    params = _gap_params(x_zero_point, y_zero_point, lo, hi)
+    tasks = n * -(-c // _GAP_BLOCK)
+    count = parts(tasks, max(1, threads), max(1, planner_rules().QGAP_MIN_ELEMENTS_PER_THREAD
+                                               // max(1, hw * min(c, _GAP_BLOCK))))
+    _check(fns.global_average(_ptr(x), int(x.dtype == np.int8), int(nhwc), n, c, hw,
+                              scale, _ptr(params), _ptr(y), count))
+
+
+@functools.lru_cache(maxsize=64)
+def _gap_params(x_zero_point: int, y_zero_point: int, lo: int, hi: int) -> np.ndarray:
+    return np.array([x_zero_point, y_zero_point, lo, hi], dtype=np.int64)
+
+
+def _dtype_of(a: np.ndarray) -> Any:
+    from keel.dtypes import DType
+
+    return DType.from_numpy(a.dtype)
 
 
 def _ptr(a: np.ndarray | None) -> int | None:

@@ -32,6 +32,7 @@ from keel.ops.schemas.quantization import (
     matmul_shape,
     qgemm_scales,
     qgemm_shape,
+    qlinear_global_scale,
 )
 
 __all__: list[str] = []
@@ -320,6 +321,34 @@ def qlinear_add(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> l
     native_qgemm.qlinear_add(np.ascontiguousarray(a), np.ascontiguousarray(b), constants,
                              int(y_zp.reshape(())), attrs["activation"] == "relu", y,
                              _threads(ctx))
+    return _deliver(y, out)
+
+
+# ---- QLinearGlobalAveragePool -------------------------------------------------------------------
+def _gap_served(x: Any, x_s: Any, x_zp: Any, y_s: Any, y_zp: Any) -> bool:
+    return (qlayout.available() and x.ndim >= 3 and _eight_bit(x, x_zp, y_zp)
+            and x_zp.dtype == x.dtype and all(_scalar(p) for p in (x_s, x_zp, y_s, y_zp))
+            and x_s.dtype == _FLOAT32 and y_s.dtype == _FLOAT32)
+
+
+@TABLE.kernel(Op.QLINEAR_GLOBAL_AVG_POOL, variant="int8", dtypes=("uint8", "int8"),
+              supports_out=True, shapes="8-bit x, float32 scales per tensor", **_META)
+def qlinear_global_avg_pool(ctx: KernelContext, inputs: Inputs, attrs: Attrs,
+                            out: Out) -> list[Any]:
+    """One native pass (``qlayout.c``), reading NCHW or, where the node's plan reads a
+    channels-last chain, its NHWC bytes (the (N, C, 1, 1) result is the same bytes in
+    either layout); other cases the NumPy kernel."""
+    x, x_s, x_zp, y_s, y_zp = inputs
+    src, _ = qlayout.layouts(ctx)
+    if not _gap_served(x, x_s, x_zp, y_s, y_zp):
+        if src == qlayout.NHWC:
+            x = qlayout.to_nchw(qlayout.channels_last(x), _threads(ctx))
+        return list(quantization.qlinear_global_avg_pool(ctx, [x, *inputs[1:]], attrs, out))
+    y = _out(out, (*x.shape[:2], *(1,) * (x.ndim - 2)), y_zp.dtype)
+    size = int(np.prod(x.shape[2:]))
+    qlayout.global_average_pool(np.ascontiguousarray(x), src == qlayout.NHWC,
+                                float(qlinear_global_scale(x_s, y_s, size)),
+                                int(x_zp.reshape(())), int(y_zp.reshape(())), y, _threads(ctx))
     return _deliver(y, out)
 
 

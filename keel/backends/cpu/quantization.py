@@ -22,6 +22,7 @@ from keel.backends.base import Attrs, Inputs, KernelContext, Out, optional_input
 from keel.backends.cpu.kernels import TABLE
 from keel.backends.reference.quantization import (
     qlinear_add_sum,
+    qlinear_global_average,
     quantize_to_float,
     requantized,
 )
@@ -238,6 +239,17 @@ def qlinear_add(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> l
     if attrs["activation"] == "relu":
         xp.maximum(q, float(y_zp.reshape(())), out=q)
     return [_deliver(xp, q, _dtype(y_zp), out)]
+
+
+@TABLE.kernel(Op.QLINEAR_GLOBAL_AVG_POOL, dtypes=_QLINEAR, supports_out=True)
+def qlinear_global_avg_pool(ctx: KernelContext, inputs: Inputs, attrs: Attrs,
+                            out: Out) -> list[Any]:
+    """onnxruntime's QLinearGlobalAveragePool (the reference's ``qlinear_global_average``)."""
+    y = qlinear_global_average(*inputs)
+    if out is not None:
+        out[0][...] = y
+        return [out[0]]
+    return [y]
 
 
 def _im2col_conv(xp: Any, x: Any, w: Any, geo: ConvGeometry) -> Any:

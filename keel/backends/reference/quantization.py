@@ -43,10 +43,12 @@ from keel.ops.schemas.quantization import (
     matmul_shape,
     param_layout,
     qgemm_scales,
+    qlinear_global_scale,
     quantize_output_dtype,
 )
 
-__all__ = ["conv_float64", "qlinear_add_constants", "qlinear_add_sum", "quantize_to_float"]
+__all__ = ["conv_float64", "qlinear_add_constants", "qlinear_add_sum", "qlinear_global_average",
+           "quantize_to_float"]
 
 
 _QLINEAR = frozenset({DType.UINT8, DType.INT8})
@@ -221,6 +223,43 @@ def qlinear_add(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> l
     if attrs["activation"] == "relu":
         q = np.maximum(q, float(y_zp.reshape(())))
     return [_saturate(q, _dtype(y_zp))]
+
+
+@TABLE.kernel(Op.QLINEAR_GLOBAL_AVG_POOL, dtypes=_QLINEAR)
+def qlinear_global_avg_pool(ctx: KernelContext, inputs: Inputs, attrs: Attrs,
+                            out: Out) -> list[Any]:
+    """onnxruntime's QLinearGlobalAveragePool (NCHW): see :func:`qlinear_global_average`."""
+    return [qlinear_global_average(*inputs)]
+
+
+def qlinear_global_average(x: Any, x_s: Any, x_zp: Any, y_s: Any, y_zp: Any) -> Any:
+    """onnxruntime's QLinearGlobalAveragePool of the NCHW 8-bit ``x`` (MLAS's x86-64 form):
+    per plane, the integer sum less size * x's zero point (int32, wrapping as its vector
+    adds do), times :func:`qlinear_global_scale` in float32, clamped to y's range less its
+    zero point as vmaxps/vminps clamp (NaN gives the lower bound), rounded half to even,
+    plus y's zero point. Shape (N, C, 1, ...). Checks its operands first."""
+    op = Op.QLINEAR_GLOBAL_AVG_POOL
+    _check_pair(op, x, x_zp, "x")
+    _require(op, "y_zero_point", _dtype(y_zp), _QLINEAR)
+    for what, p in (("x", x_s), ("x", x_zp), ("y", y_s), ("y", y_zp)):
+        if p.size != 1:
+            raise InvalidArgumentError(f"{op.value}: {what}'s scale and zero point must be "
+                                       f"per tensor, got shape {p.shape}")
+    if x.ndim < 3:
+        raise InvalidArgumentError(f"{op.value}: x must be (N, C, spatial...), got {x.shape}")
+    n, c = x.shape[:2]
+    size = int(np.prod(x.shape[2:]))
+    zp_in, zp_out = int(np.asarray(x_zp).reshape(())), int(np.asarray(y_zp).reshape(()))
+    lo, hi = QUANT_RANGES[_dtype(np.asarray(y_zp))]
+    acc = x.reshape(n, c, size).sum(axis=-1, dtype=np.int64) - zp_in * size
+    acc = ((acc + 2**31) % 2**32 - 2**31).astype(np.int32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        v = acc.astype(np.float32) * qlinear_global_scale(x_s, y_s, size)
+    low, high = np.float32(lo - zp_out), np.float32(hi - zp_out)
+    v = np.where(v > low, v, low)
+    v = np.where(v < high, v, high)
+    y = np.rint(v).astype(np.int32) + zp_out
+    return y.astype(np.asarray(y_zp).dtype).reshape(n, c, *(1,) * (x.ndim - 2))
 
 
 def qlinear_add_constants(a_scale: Any, b_scale: Any, y_scale: Any, a_zero_point: Any,

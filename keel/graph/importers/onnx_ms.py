@@ -6,8 +6,11 @@ these beside ai.onnx's QLinearConv and QLinearMatMul:
 * QGemm becomes keel's QGEMM (same inputs and attributes): an int8 kernel;
 * DynamicQuantizeMatMul becomes DynamicQuantizeLinear → MatMulInteger, scaled
   by ``a_scale * b_scale`` in float32, plus the bias, as onnxruntime computes it;
-* the elementwise and pooling ones (QLinearAdd, QLinearMul, QLinearSigmoid,
-  QLinearLeakyRelu, QLinearGlobalAveragePool, QLinearConcat, QLinearAveragePool)
+* QLinearGlobalAveragePool (NCHW, both zero points given) becomes keel's
+  QLINEAR_GLOBAL_AVG_POOL: onnxruntime's integer arithmetic, its bytes;
+* the other elementwise and pooling ones (QLinearAdd, QLinearMul, QLinearSigmoid,
+  QLinearLeakyRelu, QLinearConcat, QLinearAveragePool, a QLinearGlobalAveragePool
+  without zero points)
   become DequantizeLinear → the float op → QuantizeLinear: the values between
   nodes stay 8-bit, and a result may differ from onnxruntime's integer
   arithmetic by one quantization step where it sits on a rounding boundary.
@@ -71,6 +74,9 @@ MS_TABLE.register("QLinearLeakyRelu", 1, _unary(Op.LEAKY_RELU, "alpha"))
 def _global_average_pool(ctx: ImportContext, n: OnnxNode) -> None:
     if n.attrs.get("channels_last", 0):
         raise ctx.unsupported("channels_last=1 (keel reads NCHW)")
+    if all(n.input(i) for i in range(5)):
+        ctx.emit(Op.QLINEAR_GLOBAL_AVG_POOL, [n.input(i) for i in range(5)], n.outputs)
+        return
     _float_op(ctx, n, Op.GLOBAL_AVG_POOL, [(0, 1, 2)], (3, 4))
 
 

@@ -109,7 +109,7 @@ def _p(fn: Pass, *needs: set[Op]) -> GraphPass:
 # fuse_qdq first: constant folding would turn its integer weights back into float ones.
 BASIC = (_p(fuse_qdq, {Op.DEQUANTIZE_LINEAR},
             {Op.CONV, Op.GEMM, Op.MATMUL, Op.ADD, Op.MAX_POOL, Op.FLATTEN, Op.RESHAPE,
-             Op.TRANSPOSE, Op.SQUEEZE, Op.EXPAND_DIMS}),
+             Op.TRANSPOSE, Op.SQUEEZE, Op.EXPAND_DIMS, Op.GLOBAL_AVG_POOL}),
          _p(fold_constants), _p(fold_shapes, {Op.SHAPE, Op.SIZE}),
          _p(remove_identity, {Op.IDENTITY, Op.CAST}), _p(eliminate_dead))
 LAYOUT = (_p(cancel_transposes, {Op.TRANSPOSE}), _p(remove_identity, {Op.IDENTITY, Op.CAST}))

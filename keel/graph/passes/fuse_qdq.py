@@ -28,7 +28,10 @@ output share one 8-bit type and a Relu is taken only where it changes nothing;
 otherwise the join runs as written. And
 ``DQ(x_q) ─ MaxPool (or Flatten, Reshape, Transpose, Squeeze, Unsqueeze) ─ Q``
 with Q's scale and zero point those of the DQ becomes that op on ``x_q`` itself
-(the same bits, see ``_try_on_integers``).
+(the same bits, see ``_try_on_integers``). ``DQ(x_q) ─ GlobalAveragePool ─ Q`` becomes
+one QLINEAR_GLOBAL_AVG_POOL, as onnxruntime fuses it: integer sums requantized in float32
+(its arithmetic, which can differ from the float nodes by one step on a rounding
+boundary), so the classifier's input of an int8 CNN never leaves 8 bits.
 
 Only patterns with per-tensor activation parameters, constant integer weights
 (per tensor or per output channel) and no fused epilogue are taken; anything
@@ -39,6 +42,7 @@ step where a value sits on a rounding boundary.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,12 +52,13 @@ from keel.graph.ir import Graph, Node
 from keel.graph.passes._rewrite import Rewriter
 from keel.ops.registry import Op
 from keel.ops.schema import get_schema
-from keel.ops.schemas.quantization import QUANT_RANGES
+from keel.ops.schemas.quantization import QUANT_RANGES, qlinear_global_scale
 
 __all__ = ["fuse_qdq"]
 
 _EIGHT_BITS = (np.dtype(np.uint8), np.dtype(np.int8))
 _BIAS_LIMIT = float(1 << 30)    # |int32 bias| kept below, with room for the products
+_GLOBAL_AVERAGE_MAX_SIZE = 1 << 24    # onnxruntime's QLinearGlobalAveragePool takes fewer
 # ops whose every output value is one of the input's (a positive scale keeps MaxPool's order)
 _VALUE_PRESERVING = frozenset({Op.MAX_POOL, Op.FLATTEN, Op.RESHAPE, Op.TRANSPOSE, Op.SQUEEZE,
                                Op.EXPAND_DIMS})
@@ -81,6 +86,8 @@ def fuse_qdq(graph: Graph) -> Graph:
             _try(rw, node)
         elif node.op is Op.ADD:
             _try_add(rw, node)
+        elif node.op is Op.GLOBAL_AVG_POOL:
+            _try_global_average(rw, node)
         elif node.op in _VALUE_PRESERVING:
             _try_on_integers(rw, node)
     return rw.apply()
@@ -184,6 +191,32 @@ def _try_add(rw: Rewriter, node: Node) -> None:
     attrs = get_schema(Op.QLINEAR_ADD).normalize_attrs({})
     rw.replace([node, *tail], [Node(node.name, Op.QLINEAR_ADD, inputs, [q.outputs[0]], attrs,
                                     node.origin)])
+
+
+def _try_global_average(rw: Rewriter, node: Node) -> None:
+    """DQ → GlobalAveragePool → Q as one QLINEAR_GLOBAL_AVG_POOL where onnxruntime fuses
+    it (x and y of one 8-bit type) and its kernel takes the parameters: a static plane of
+    fewer than 2^24 values and x_scale / (y_scale * size) in [2^-32, 256)."""
+    x = _activation(rw, node.input(0))
+    if x is None or len(node.outputs) != 1:
+        return
+    tail, q = _quantized_output(rw, node)
+    t = rw.graph.type_of(x.value)
+    plane = [] if t is None or t.shape is None else list(t.shape[2:])
+    sizes = [d for d in plane if isinstance(d, int)]
+    if q is None or not plane or len(sizes) != len(plane):
+        return
+    y_type = rw.graph.constant(q.input(2)).dtype  # type: ignore[union-attr]
+    if _integer_type(rw, x) != y_type:
+        return
+    size = math.prod(sizes)
+    g = rw.graph
+    scale = qlinear_global_scale(g.constant(x.scale), g.constant(q.input(1)), size)
+    if not (size < _GLOBAL_AVERAGE_MAX_SIZE and 2.0 ** -32 <= float(scale) < 256.0):
+        return
+    inputs = [x.value, x.scale, _zero_point(rw, x, ()), q.input(1), q.input(2)]
+    rw.replace([node, *tail], [Node(node.name, Op.QLINEAR_GLOBAL_AVG_POOL, inputs,
+                                    [q.outputs[0]], {}, node.origin)])
 
 
 def _try_on_integers(rw: Rewriter, node: Node) -> None:

@@ -274,6 +274,43 @@ static inline __m256i requant32(__m512i vlo, __m512i vhi, const __m512 *m, __m51
     return _mm256_permute4x64_epi64(b, 0xD8);   /* (0 1)(4 5)(2 3)(6 7) -> (0 1)(2 3)(4 5)(6 7) */
 }
 
+/* Two sets of accumulators (a: low and high of one pixel or row, b: of another)
+ * requantized as requant32 does it, on 512-bit vectors, and packed to bytes: 128-bit
+ * lane L then holds a's lane L as 8 bytes, then b's. requant_pair (two depthwise pixels,
+ * lane-ordered) puts A's 32 channels then B's in order: qwords 2L (A) and 2L + 1 (B);
+ * half the packs of requant32 and one permute for both pixels, the same bytes. */
+static inline __m512i requant_packed(const __m512i *a, const __m512i *b, const __m512 *m,
+                                     __m512 hi, __m512i zp16, __m512i lo16, int is_signed_out)
+{
+    __m512i w[4];
+    const __m512i acc[4] = {a[0], a[1], b[0], b[1]};
+    for (int h = 0; h < 4; h++)
+        w[h] = _mm512_cvtps_epi32(
+            _mm512_min_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[h]), m[h & 1]), hi));
+    __m512i pa = _mm512_max_epi16(_mm512_adds_epi16(_mm512_packs_epi32(w[0], w[1]), zp16), lo16);
+    __m512i pb = _mm512_max_epi16(_mm512_adds_epi16(_mm512_packs_epi32(w[2], w[3]), zp16), lo16);
+    return is_signed_out ? _mm512_packs_epi16(pa, pb) : _mm512_packus_epi16(pa, pb);
+}
+
+static inline __m512i requant_pair(const __m512i *a, const __m512i *b, const __m512 *m,
+                                   __m512 hi, __m512i zp16, __m512i lo16, int is_signed_out)
+{
+    return _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7),
+                                    requant_packed(a, b, m, hi, zp16, lo16, is_signed_out));
+}
+
+/* A block's 32 requantized bytes at o: whole, or the first nc through a buffer. */
+static inline void store_block(uint8_t *o, __m256i bytes, int64_t nc)
+{
+    if (nc == CL) {
+        _mm256_storeu_si256((__m256i *)(void *)o, bytes);
+        return;
+    }
+    uint8_t tail[CL];     /* a partial block through a buffer, as pw_tile's */
+    _mm256_storeu_si256((__m256i *)(void *)tail, bytes);
+    memcpy(o, tail, (size_t)nc);
+}
+
 /* A view of widened int16 input for the kernel below: element (row r, tap row ky,
  * column x) of a block's channel c0 lies at src + r * ostep + ky * rstride + x * ld. */
 typedef struct {
@@ -309,9 +346,35 @@ static inline void block_avx512(const dwcl_job *j, const dw_view *v, int64_t b,
     const __m512 hi = _mm512_set1_ps((float)(j->hi - j->zp));
     const __m256i zp16 = _mm256_set1_epi16((int16_t)j->zp);
     const __m256i lo16 = _mm256_set1_epi16((int16_t)j->lo);
+    const __m512i zp16x2 = _mm512_set1_epi16((int16_t)j->zp);
+    const __m512i lo16x2 = _mm512_set1_epi16((int16_t)j->lo);
     const int is_signed_out = j->lo < 0;
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t ox = 0; ox < ow; ox++) {
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t ox = 0;
+        /* two pixels at a time: four independent sums, one requantization for both */
+        for (; ox + 2 <= ow; ox += 2) {
+            __m512i va[2] = {blo, bhi}, vb[2] = {blo, bhi};
+            const int64_t at = r * ostep + ox * step;
+            for (int64_t p = 0; p < npairs; p++) {
+                const int odd = 2 * p + 1 < ntaps;
+                __m512i a = _mm512_loadu_si512((const void *)(base[2 * p] + at));
+                __m512i e = odd ? _mm512_loadu_si512((const void *)(base[2 * p + 1] + at))
+                                : _mm512_setzero_si512();
+                __m512i a2 = _mm512_loadu_si512((const void *)(base[2 * p] + at + step));
+                __m512i e2 = odd ? _mm512_loadu_si512((const void *)(base[2 * p + 1] + at + step))
+                                 : _mm512_setzero_si512();
+                va[0] = _mm512_dpwssd_epi32(va[0], _mm512_unpacklo_epi16(a, e), pairs[2 * p]);
+                va[1] = _mm512_dpwssd_epi32(va[1], _mm512_unpackhi_epi16(a, e), pairs[2 * p + 1]);
+                vb[0] = _mm512_dpwssd_epi32(vb[0], _mm512_unpacklo_epi16(a2, e2), pairs[2 * p]);
+                vb[1] = _mm512_dpwssd_epi32(vb[1], _mm512_unpackhi_epi16(a2, e2),
+                                            pairs[2 * p + 1]);
+            }
+            uint8_t *o = out + r * out_row + ox * c;
+            __m512i bytes = requant_pair(va, vb, mult, hi, zp16x2, lo16x2, is_signed_out);
+            store_block(o, _mm512_castsi512_si256(bytes), nc);
+            store_block(o + c, _mm512_extracti64x4_epi64(bytes, 1), nc);
+        }
+        for (; ox < ow; ox++) {
             __m512i vlo = blo, vhi = bhi;
             const int64_t at = r * ostep + ox * step;
             for (int64_t p = 0; p < npairs; p++) {
@@ -322,16 +385,10 @@ static inline void block_avx512(const dwcl_job *j, const dw_view *v, int64_t b,
                 vlo = _mm512_dpwssd_epi32(vlo, _mm512_unpacklo_epi16(a, e), pairs[2 * p]);
                 vhi = _mm512_dpwssd_epi32(vhi, _mm512_unpackhi_epi16(a, e), pairs[2 * p + 1]);
             }
-            uint8_t *o = out + r * out_row + ox * c;
-            __m256i bytes = requant32(vlo, vhi, mult, hi, zp16, lo16, is_signed_out);
-            if (nc == CL) {
-                _mm256_storeu_si256((__m256i *)(void *)o, bytes);
-                continue;
-            }
-            uint8_t tail[CL];     /* a partial block through a buffer, as pw_tile's */
-            _mm256_storeu_si256((__m256i *)(void *)tail, bytes);
-            memcpy(o, tail, (size_t)nc);
+            store_block(out + r * out_row + ox * c,
+                        requant32(vlo, vhi, mult, hi, zp16, lo16, is_signed_out), nc);
         }
+    }
 }
 
 /* block_avx512 with a 3x3 kernel's nine taps a constant (its pairs then stay in
@@ -535,14 +592,7 @@ static inline uint32_t load32(const uint8_t *p)
 static inline __m512i requant_rows(const __m512i *a, const __m512i *b, const __m512 *m,
                                    __m512 hi, __m512i zp16, __m512i lo16, int is_signed_out)
 {
-    __m512i w[4];
-    const __m512i acc[4] = {a[0], a[1], b[0], b[1]};
-    for (int h = 0; h < 4; h++)
-        w[h] = _mm512_cvtps_epi32(
-            _mm512_min_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[h]), m[h & 1]), hi));
-    __m512i pa = _mm512_max_epi16(_mm512_adds_epi16(_mm512_packs_epi32(w[0], w[1]), zp16), lo16);
-    __m512i pb = _mm512_max_epi16(_mm512_adds_epi16(_mm512_packs_epi32(w[2], w[3]), zp16), lo16);
-    __m512i bytes = is_signed_out ? _mm512_packs_epi16(pa, pb) : _mm512_packus_epi16(pa, pb);
+    __m512i bytes = requant_packed(a, b, m, hi, zp16, lo16, is_signed_out);
     /* 128-bit lane L holds dwords: A's channels 4L.., A's 16 + 4L.., B's 4L.., B's 16 + 4L.. */
     const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     return _mm512_permutexvar_epi32(order, bytes);
@@ -686,6 +736,28 @@ static inline void pw_prefetch(const pw_job *j, int64_t t, int64_t end)
 #endif
 }
 
+#if LAYOUT_AVX512
+/* The last `rows` (< MR) pixel rows from r0 as a whole tile: copied into MR rows (the
+ * rest zeros), computed by pw_tile into a tile of outputs, their valid rows copied out.
+ * A row-at-a-time C loop took them before: at 7x7, batch 32 (1568 pixels, 8 past the
+ * last whole tile) a 160 -> 960 layer ran 1.29x the time per image of batch 24 (whole
+ * tiles only), measured under load. Returns -1 where no buffer could be had (the
+ * caller then takes the rows one at a time). */
+static int pw_last_tile(const pw_job *j, int64_t r0, int64_t rows, int64_t blocks)
+{
+    uint8_t *xb = calloc((size_t)(MR * j->c + MR * j->m + NT), 1);
+    if (!xb) return -1;
+    uint8_t *yb = xb + MR * j->c;
+    memcpy(xb, j->x + r0 * j->c, (size_t)(rows * j->c));
+    pw_job jt = *j;
+    jt.x = xb, jt.p = MR, jt.y = yb;
+    for (int64_t b = 0; b < blocks; b++) pw_tile(&jt, 0, b);
+    memcpy(j->y + r0 * j->m, yb, (size_t)(rows * j->m));
+    free(xb);
+    return 0;
+}
+#endif
+
 static void pw_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
 {
     const pw_job *j = ctx;
@@ -694,6 +766,9 @@ static void pw_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
     for (int64_t t = lo; t < hi; t++) {
         int64_t r0 = t * MR, rows = j->p - r0 < MR ? j->p - r0 : MR;
         pw_prefetch(j, t + PREFETCH_TILES, hi);
+#if LAYOUT_AVX512
+        if (rows < MR && pw_last_tile(j, r0, rows, blocks) == 0) continue;
+#endif
         for (int64_t b = 0; b < blocks; b++) {
 #if LAYOUT_AVX512
             if (rows == MR) {
@@ -719,4 +794,89 @@ int64_t keel_qpointwise_nhwc_u8s8(const uint8_t *x, int64_t is_signed, int64_t p
     pw_job j = {x, p, c, m, (c + 3) / 4, is_signed, w, bias, mult, (double)quant[0],
                 (double)quant[1], (double)quant[2], y};
     return run_parts(pw_task, &j, (p + MR - 1) / MR, parts, 1);
+}
+
+/* ---- QLinearGlobalAveragePool ------------------------------------------------------------
+ * onnxruntime's integer global average (its MLAS arithmetic on x86-64): per image and
+ * channel, acc = the sum of the plane's hw 8-bit values minus hw * x zero point, in int32
+ * (wrapping, as its vector adds do), then y = round_half_even(clamp((float)acc * scale,
+ * lo - y zero point, hi - y zero point)) + y zero point, scale the float32
+ * x_scale / (y_scale * hw). The clamps are written as vmaxps/vminps compute them (NaN
+ * gives the lower bound). x is NCHW (a channel's values contiguous) or NHWC (a pixel's
+ * channels contiguous); y is (N, C). Tasks: (image, block of GAP_CB channels). */
+
+#define GAP_CB 256
+
+typedef struct {
+    const uint8_t *x;
+    int64_t is_signed, nhwc, c, hw, blocks;
+    uint32_t bias;
+    float scale, lo, hi;
+    int32_t zp;
+    uint8_t *y;
+} gap_job;
+
+
+static void gap_sums_nchw(const gap_job *j, const uint8_t *x, int64_t nc, uint32_t *acc)
+{
+    for (int64_t k = 0; k < nc; k++, x += j->hw) {
+        uint32_t s = 0;
+        if (j->is_signed) {
+            const int8_t *v = (const int8_t *)(const void *)x;
+            for (int64_t i = 0; i < j->hw; i++) s += (uint32_t)(int32_t)v[i];
+        } else {
+            for (int64_t i = 0; i < j->hw; i++) s += x[i];
+        }
+        acc[k] = s;
+    }
+}
+
+static void gap_sums_nhwc(const gap_job *j, const uint8_t *x, int64_t nc, uint32_t *acc)
+{
+    memset(acc, 0, (size_t)nc * sizeof *acc);
+    for (int64_t p = 0; p < j->hw; p++, x += j->c) {
+        if (j->is_signed) {
+            const int8_t *v = (const int8_t *)(const void *)x;
+            for (int64_t k = 0; k < nc; k++) acc[k] += (uint32_t)(int32_t)v[k];
+        } else {
+            for (int64_t k = 0; k < nc; k++) acc[k] += x[k];
+        }
+    }
+}
+
+static void gap_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
+{
+    const gap_job *j = ctx;
+    uint32_t acc[GAP_CB];
+    (void)scratch;
+    for (int64_t t = lo; t < hi; t++) {
+        int64_t n = t / j->blocks, c0 = (t % j->blocks) * GAP_CB;
+        int64_t nc = j->c - c0 < GAP_CB ? j->c - c0 : GAP_CB;
+        if (j->nhwc)
+            gap_sums_nhwc(j, j->x + n * j->hw * j->c + c0, nc, acc);
+        else
+            gap_sums_nchw(j, j->x + (n * j->c + c0) * j->hw, nc, acc);
+        uint8_t *y = j->y + n * j->c + c0;
+        for (int64_t k = 0; k < nc; k++) {
+            float v = (float)(int32_t)(acc[k] + j->bias) * j->scale;
+            v = v > j->lo ? v : j->lo;
+            v = v < j->hi ? v : j->hi;
+            y[k] = (uint8_t)((int32_t)nearbyintf(v) + j->zp);
+        }
+    }
+}
+
+/* y[N][C] = onnxruntime's QLinearGlobalAveragePool of the 8-bit x (is_signed: int8) with
+ * hw values per channel, NCHW or (nhwc) channels-last; params = {x zero point, y zero
+ * point, lo, hi} (y's type's bounds), scale as above. */
+int64_t keel_qglobal_avgpool_u8(const uint8_t *x, int64_t is_signed, int64_t nhwc, int64_t n,
+                                int64_t c, int64_t hw, float scale, const int64_t *params,
+                                uint8_t *y, int64_t parts)
+{
+    if (n <= 0 || c <= 0) return 0;
+    int32_t zp = (int32_t)params[1];
+    gap_job j = {x, is_signed, nhwc, c, hw, (c + GAP_CB - 1) / GAP_CB,
+                 (uint32_t)0 - (uint32_t)params[0] * (uint32_t)hw, scale,
+                 (float)(params[2] - zp), (float)(params[3] - zp), zp, y};
+    return run_parts(gap_task, &j, n * j.blocks, parts, 1);
 }

@@ -60,7 +60,7 @@ FAMILY_OPS: dict[str, tuple[str, ...]] = {
     "pooling": ("avg_pool", "global_avg_pool", "global_max_pool", "lp_pool", "max_pool"),
     "quantization": (
         "dequantize_linear", "dynamic_quantize_linear", "qgemm", "qlinear_add",
-        "qlinear_conv", "qlinear_matmul", "quantize_linear",
+        "qlinear_conv", "qlinear_global_avg_pool", "qlinear_matmul", "quantize_linear",
     ),
     "recurrent": ("gru", "lstm", "rnn"),
     "reduction": (

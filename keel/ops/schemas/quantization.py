@@ -43,6 +43,7 @@ __all__ = [
     "matmul_param_shape",
     "matmul_shape",
     "param_layout",
+    "qlinear_global_scale",
     "quantize_output_dtype",
 ]
 
@@ -384,6 +385,31 @@ def _infer_qlinear_add(types: Sequence[TensorType | None], attrs: Mapping[str, A
     return [TensorType(yzp.dtype, broadcast_shapes(a.shape, b.shape))]
 
 
+def qlinear_global_scale(x_scale: Any, y_scale: Any, size: int) -> np.float32:
+    """onnxruntime's QLinearGlobalAveragePool multiplier, float32 throughout:
+    x_scale / (y_scale * size)."""
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        return np.float32(np.float32(np.asarray(x_scale).reshape(())) / (
+            np.float32(np.asarray(y_scale).reshape(())) * np.float32(size)))
+
+
+def _infer_qlinear_global_avg_pool(types: Sequence[TensorType | None], attrs: Mapping[str, Any],
+                                   values: Sequence[np.ndarray | None]
+                                   ) -> list[TensorType | None]:
+    x, yzp = types[0], types[4]
+    for name, t in (("x", x), ("y_zero_point", yzp)):
+        if t is not None:
+            _require(Op.QLINEAR_GLOBAL_AVG_POOL, name, t.dtype, _QLINEAR_DTYPES)
+    if yzp is None:
+        return [None]
+    if x is None or x.shape is None:
+        return [TensorType(yzp.dtype, None)]
+    if len(x.shape) < 3:
+        raise InvalidArgumentError(f"qlinear_global_avg_pool: x must be (N, C, spatial...), "
+                                   f"got shape {tuple(x.shape)}")
+    return [TensorType(yzp.dtype, (*x.shape[:2], *(1,) * (len(x.shape) - 2)))]
+
+
 def qgemm_output_dtype(y_scale: TensorType | None, y_zero_point: TensorType | None) -> DType:
     """QGemm's output type: y_zero_point's (uint8 without one) when y_scale is given,
     else float32."""
@@ -494,4 +520,14 @@ register_schema(OpSchema(
         "onnxruntime computes it on x86-64 (float32 scale ratios and fused multiply-adds), "
         "which can differ from DequantizeLinear, Add and QuantizeLinear by one step on a "
         "rounding boundary.",
+))
+register_schema(OpSchema(
+    Op.QLINEAR_GLOBAL_AVG_POOL, 5, 5,
+    infer=_infer_qlinear_global_avg_pool,
+    doc="onnxruntime's com.microsoft QLinearGlobalAveragePool (NCHW): inputs x, x_scale, "
+        "x_zero_point, y_scale, y_zero_point, all per tensor. Computed as onnxruntime "
+        "computes it: each plane's integer sum less its size times x's zero point, times the "
+        "float32 x_scale / (y_scale * size), clamped, rounded half to even, plus y's zero "
+        "point; which can differ from DequantizeLinear, GlobalAveragePool and QuantizeLinear "
+        "by one step on a rounding boundary.",
 ))

@@ -50,7 +50,7 @@ def test_every_pass_with_the_work_keeps_sixteen_threads_evenly_busy(model: str, 
     assert all(row.splits for row in rows if row.op is Op.CONV)
 
 
-@pytest.mark.parametrize(("model", "batch", "piped"), [("resnet18", 32, 7), ("resnet18", 1, 4)])
+@pytest.mark.parametrize(("model", "batch", "piped"), [("resnet18", 32, 10), ("resnet18", 1, 4)])
 def test_winograd_convs_run_as_evenly_split_pipelines(model: str, batch: int, piped: int,
                                                       server: Any) -> None:
     """At 16 threads the suite's Winograd convs with tiles for every thread run as the

@@ -199,10 +199,8 @@ def conv_call_variant(case: ConvCase, threads: int = 1) -> tuple[str, str]:
     """The conv variant for ``case`` on ``threads`` threads when no placement decided one
     (a direct kernel call on shapes known only now): the same rules as :func:`plan`."""
     tier = native_gemm.available()
-    deciding = deciding_case(case)
-    variant, why = _pick_cached(deciding, tier)
+    variant, why = _pick_cached(deciding_case(case), tier)
     native = next((r for r in available_rules(tier) if r.variant == "native"), None)
-    variant, why = filter_bound_conv(deciding, variant, why, native)
     return threaded_conv(case, variant, why, threads, native)
 
 
@@ -1165,20 +1163,6 @@ def _on_keel_threads(request: PlanRequest, variants: Mapping[str, KernelVariant]
     return threaded_conv(case, variant, why, request.threads or 1, rule_in_force(native))
 
 
-def _filter_bound(request: PlanRequest, variants: Mapping[str, KernelVariant],
-                  variant: str, why: str) -> tuple[str, str]:
-    """The native conv where the rules chose a Winograd bound by its filters (see
-    filter_bound_conv), and why; else ``variant`` and ``why``."""
-    native = variants.get("native")
-    if variant != "winograd" or native is None:
-        return variant, why
-    case = _conv_case(request.op, request.input_types, request.attrs, request.dtype)
-    if case is None:
-        return variant, why
-    return filter_bound_conv(case, variant, why, rule_in_force(native),
-                             caches(request.profile))
-
-
 def threaded_conv(case: ConvCase, variant: str, why: str, threads: int,
                   native: ConvRule | None) -> tuple[str, str]:
     """``native`` (the native conv's rule in force, None without the tier) instead of
@@ -1201,80 +1185,6 @@ def threaded_conv(case: ConvCase, variant: str, why: str, threads: int,
         "Xeon, ResNet-18's strided im2col and pointwise convs did not get faster from 1 "
         f"to 16 threads); the rules on one thread: {why}")
 
-
-
-# ---- Winograd where its filters bound it ------------------------------------------------
-# Winograd's products read the transformed filters U (16 floats for each input and output
-# channel, 16/9 the filters' 9) once per call and multiply them by the transformed tiles
-# V (16 floats for each input channel and tile). Where U does not fit the L2 of the
-# machine planned for (caches()) it comes from beyond it on every call (inside a model,
-# from memory: ResNet-18's weights are 45 MB); where it is also more bytes than V (fewer
-# tiles than output channels: each U byte read serves few tiles), the products are bound
-# by reading it, and the native implicit GEMM, which reads the filters themselves (9/16
-# of U) and no V or P, moves fewer bytes for 2.25x the multiplies. The rule sees the
-# case the conv rules decide on: with batch invariance one image's, so a layer chosen
-# native at batch 1 runs native at every batch (its tiles there outweigh U, and
-# Winograd would be a little faster); without it, the batch's tiles. Measured inside
-# ResNet-18 (model.enable_profiling(), the same process, Winograd and native loaded side
-# by side, alternating, per-repetition ratios, 2-core AMD EPYC (Zen 5, 1 MiB L2) under
-# load): see WEIGHT_BOUND_MEASURED.
-WEIGHT_BOUND_MEASURED = (
-    "measured inside ResNet-18 on the 2-core AMD EPYC (Zen 5) under load, Winograd and "
-    "native alternating in one process: native / Winograd time on its 256-channel "
-    "14x14 and 512-channel 7x7 3x3 layers at batch 1 0.49-0.95 each, 0.67-0.70 the six "
-    "together on one thread and 0.68 on two (the model 0.88-0.93); at batch 32, where "
-    "batch invariance keeps the batch-1 choice, 0.90-1.37 each, 1.09 together (the "
-    "model within 5 %)")
-
-
-@dataclass(frozen=True)
-class FilterBytes:
-    """The bytes a Winograd and a native conv move past the L2 for one call, and
-    whether the Winograd products are bound by reading their filters."""
-
-    u: int              # Winograd's transformed filters
-    v: int              # its transformed tiles (one pass's)
-    winograd: int       # U, and V and P written and read through the shared cache
-    native: int         # the filters, the input and the output
-    l2: int
-    bound: bool
-
-    def describe(self) -> str:
-        kib = 1 << 10
-        return (f"Winograd moves {self.winograd // kib} KiB (its transformed filters "
-                f"{self.u // kib} KiB, {'beyond' if self.u > self.l2 else 'within'} the "
-                f"{self.l2 // kib} KiB L2, {'more' if self.u > self.v else 'fewer'} than "
-                f"the {self.v // kib} KiB of transformed tiles they multiply), native "
-                f"{self.native // kib} KiB (filters, input and output)")
-
-
-def filter_bytes(case: ConvCase, sizes: Caches | None = None) -> FilterBytes:
-    """The bytes a Winograd and a native conv of ``case`` move, for the caches of
-    ``sizes`` (None: this machine's): see WEIGHT_BOUND_MEASURED."""
-    l2 = (sizes or caches()).l2
-    c, m, item = case.in_channels, case.out_channels, 4
-    oh, ow = case.out_spatial[0], case.out_spatial[-1]
-    tiles = case.batch * -(-oh // 2) * -(-ow // 2)
-    u, v, p = 16 * m * c * item, 16 * c * tiles * item, 16 * m * tiles * item
-    pixels_in = case.batch * case.out_pixels * math.prod(case.strides)
-    native = 9 * m * c * item + (c * pixels_in + m * case.batch_pixels) * item
-    winograd = u + 2 * (v + p)
-    return FilterBytes(u, v, winograd, native, l2,
-                       u > l2 and u > v and native < winograd)
-
-
-def filter_bound_conv(case: ConvCase, variant: str, why: str, native: ConvRule | None,
-                      sizes: Caches | None = None) -> tuple[str, str]:
-    """``native`` instead of Winograd where the Winograd products of ``case`` are bound
-    by reading their filters (filter_bytes), and why; else ``variant`` and ``why``."""
-    if variant != "winograd" or native is None or native.cannot_serve(case) is not None:
-        return variant, why
-    moved = filter_bytes(case, sizes)
-    if not moved.bound:
-        return variant, f"{why}; Winograd kept, its filters do not bind it: {moved.describe()}"
-    return "native", (f"{case.describe()}: native, not Winograd: its filters bound it; "
-                      f"{moved.describe()}; {WEIGHT_BOUND_MEASURED}; the rules without "
-                      f"it: {why}")
 
 # ---- the node plan ---------------------------------------------------------------------
 # Plans made, by request: the op-level path (Backend.run) asks for every call.
@@ -1335,7 +1245,6 @@ def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:
     else:
         variant, why = choose_variant(request.op, request.input_types, request.attrs, table)
         variant, why = _on_keel_threads(request, variants, variant, why)
-        variant, why = _filter_bound(request, variants, variant, why)
     options: list[tuple[str, Any]] = []
     dispatched = _dispatched(request.op, request, table) if variant == "default" else None
     if dispatched is not None:

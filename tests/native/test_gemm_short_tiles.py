@@ -67,6 +67,7 @@ def test_short_columns_are_bitwise_those_of_a_whole_panel(n: int, threads: int) 
     w, x, bias = rand(rng, 37, 160), rand(rng, 160, 64), rand(rng, 37)
     res = rand(rng, 37, 64)
     wp = ng.pack(w, left=True)
+    assert wp is not None
     wide = np.empty((37, 64), np.float32)
     whole = ng.prepare(wp, x, wide, bias=bias, bias_rows=True, residual=res, clip=(-1.0, 2.0))
     assert whole is not None

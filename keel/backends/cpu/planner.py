@@ -1841,11 +1841,12 @@ def _winograd_scratch(n: int, c: int, m: int, th: int, tw: int, itemsize: int) -
 # threads and the caches. It is made on the bytes each form moves past the L2:
 # - a block's V (16 C floats a tile) is kept within PIPELINE_L2_SHARE of the L2
 #   (caches()) and its P (16 floats a tile and output channel of a product block) within
-#   PIPELINE_P_SHARE: the tile rows a block holds and the output channels a product block
-#   computes (whole GEMM row panels) are the largest that fit, fewer rows where the
-#   blocks would not split evenly over the threads. Measured on the 2-core AMD EPYC
-#   (Zen 5, 1 MiB L2), one thread, 64 -> 64 channels on 56x56 against the passes: batch
-#   1, blocks of 4 tile rows 0.93x, of 8 0.90x; batch 8, 0.83x and 0.80x;
+#   PIPELINE_P_SHARE: the tiles a block holds (PIPELINE_VECTOR, below) and the output
+#   channels a product block computes (whole GEMM row panels) are the largest that fit,
+#   fewer tiles where the blocks would not split evenly over the threads. Measured on
+#   the 2-core AMD EPYC (Zen 5, 1 MiB L2), one thread, 64 -> 64 channels on 56x56
+#   against the passes: batch 1, blocks of 4 tile rows 0.93x, of 8 0.90x; batch 8,
+#   0.83x and 0.80x;
 #   128 -> 128 on 28x28 at batch 8: 0.78-0.85x (at batch 1, 1.04x: its 196 tiles in
 #   two blocks, as good as one);
 # - the transformed filters U (64 M C bytes) stay in a thread's L2 across its blocks
@@ -1875,11 +1876,15 @@ class WinogradPipeline:
     reason: str
 
 
-# The pipeline's blocks are whole vectors of PIPELINE_VECTOR tiles wherever the tiles and
-# the threads allow (winograd.c pads a block's columns of V to whole vectors of 16 for the
-# products: a block of 56 tiles costs the products of 64). Measured on the 2-core AMD EPYC,
-# one thread, 128 -> 128 on 28x28 at batch 1: blocks of 4 tile rows (56 tiles, padded to
-# 64) against blocks of 64 tiles: see docs/performance.md.
+# The pipeline's blocks are any run of tiles (winograd.c), sized in tiles: where U stays
+# in each thread's L2 (more blocks cost no more bytes), whole vectors of PIPELINE_VECTOR
+# tiles wherever the tiles and the threads allow, since winograd.c pads a block's columns
+# of V to whole vectors of 16 for the products (a block of 56 tiles costs the products of
+# 64); where every block reads U again, the fewest blocks that split evenly. Measured
+# under load on the 2-core AMD EPYC, one thread (docs/performance.md): 128 -> 128 on
+# 28x28 at batch 1, blocks of 64 tiles against the former 4 tile rows (56 tiles),
+# 1.005-1.02x; ResNet-18 b1 1.01x, b32 0.99x: no change at one thread; the gain is that
+# fewer tile rows than threads no longer rule the pipeline out.
 PIPELINE_VECTOR = 16
 
 

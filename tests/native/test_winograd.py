@@ -204,9 +204,10 @@ def _forced(monkeypatch: pytest.MonkeyPatch, pipe: Any) -> None:
                                            ((3, 9, 7, 7), 17)])
 def test_the_pipeline_gives_the_passes_bits_for_any_block_and_threads(
         x_shape: tuple[int, ...], m: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Blocks of any tile rows (within an image, across images, the whole batch), product
-    blocks of any output channels, on 1, 2, 3, 4 and 16 threads: bitwise the passes'
-    result, which matches the reference."""
+    """Blocks of any tiles (whole vectors of 16, counts that are not a multiple of a tile
+    row, starting and ending inside tile rows and spanning images, the whole batch),
+    product blocks of any output channels, on 1, 2, 3, 4 and 16 threads: bitwise the
+    passes' result, which matches the reference."""
     rng = np.random.default_rng(9)
     x, w, b = _rand(rng, *x_shape), _rand(rng, m, x_shape[1], 3, 3), _rand(rng, m)
     z = _rand(rng, x_shape[0], m, *x_shape[2:])
@@ -216,16 +217,19 @@ def test_the_pipeline_gives_the_passes_bits_for_any_block_and_threads(
     want = _reference([x, w, b, z], {"pads": (1, 1, 1, 1), "activation": act[0],
                                      "activation_params": act[1]})
     np.testing.assert_allclose(passes, want, rtol=1e-4, atol=1e-4)
-    all_rows = x_shape[0] * -(-x_shape[2] // 2)
-    for rows in sorted({1, 2, 3, all_rows // 2 + 1, all_rows}):
-        blocks = -(-all_rows // rows)
+    tw = -(-x_shape[3] // 2)
+    tiles = x_shape[0] * -(-x_shape[2] // 2) * tw
+    sizes = {1, 5, 16, 17, 32, tw + 1, 2 * tw - 3, 48, tiles // 2 + 1, tiles - 1, tiles}
+    for block in sorted(t for t in sizes if 0 < t <= tiles):
+        blocks = -(-tiles // block)
         for panels in (1, 3, 64):
             for threads in (1, 2, 3, 4, 16):
                 parts = min(threads, blocks)
-                _forced(monkeypatch, cpu_planner.WinogradPipeline(rows, panels, blocks, parts,
-                                                                  "forced"))
+                _forced(monkeypatch, cpu_planner.WinogradPipeline(block, panels, blocks,
+                                                                  parts, "forced"))
                 got = _native(x, w, b, z, (1, 1, 1, 1), act, threads=threads)
-                np.testing.assert_array_equal(got, passes, err_msg=f"{rows} {panels} {threads}")
+                np.testing.assert_array_equal(got, passes,
+                                              err_msg=f"{block} {panels} {threads}")
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 4, 16])
@@ -236,7 +240,7 @@ def test_as_planned_any_threads_give_the_same_bits(threads: int) -> None:
     x, w, b = _rand(rng, 4, 32, 28, 28), _rand(rng, 48, 32, 3, 3), _rand(rng, 48)
     z = _rand(rng, 4, 48, 28, 28)
     one = _native(x, w, b, z, (1, 1, 1, 1), ("relu", ()), threads=1)
-    assert cpu_planner.winograd_pipeline(4, 32, 48, (28, 28), threads).rows > 0
+    assert cpu_planner.winograd_pipeline(4, 32, 48, (28, 28), threads).tiles > 0
     np.testing.assert_array_equal(_native(x, w, b, z, (1, 1, 1, 1), ("relu", ()),
                                           threads=threads), one)
     np.testing.assert_allclose(one, _reference([x, w, b, z], {"pads": (1, 1, 1, 1),
@@ -250,29 +254,43 @@ def test_the_pipeline_is_sized_to_the_l2_and_split_evenly() -> None:
     for sizes in (small, large):
         for threads in (1, 2, 16):
             pipe = cpu_planner.winograd_pipeline(32, 64, 64, (56, 56), threads, sizes)
-            assert pipe.rows > 0, pipe.reason
-            v = 16 * 64 * pipe.rows * 28 * 4                  # a block's V, float32
-            p = 16 * pipe.panels * 8 * pipe.rows * 28 * 4     # its P of a product block
+            assert pipe.tiles > 0, pipe.reason
+            assert pipe.tiles % cpu_planner.PIPELINE_VECTOR == 0     # whole vectors
+            v = 16 * 64 * pipe.tiles * 4                      # a block's V, float32
+            p = 16 * pipe.panels * 8 * pipe.tiles * 4         # its P of a product block
             assert v <= sizes.l2 * cpu_planner.PIPELINE_L2_SHARE
             assert p <= sizes.l2 * cpu_planner.PIPELINE_P_SHARE or pipe.panels == 1
-            assert pipe.blocks == -(-32 * 28 // pipe.rows)
+            assert pipe.blocks == -(-32 * 28 * 28 // pipe.tiles)
             assert pipe.parts == min(threads, pipe.blocks)
             assert -(-pipe.blocks // pipe.parts) * pipe.parts <= \
                 cpu_planner.EVEN_SPLIT * pipe.blocks
             assert "per-thread pipeline" in pipe.reason and sizes.source in pipe.reason
-    assert (cpu_planner.winograd_pipeline(32, 64, 64, (56, 56), 1, small).rows
-            < cpu_planner.winograd_pipeline(32, 64, 64, (56, 56), 1, large).rows)
+            assert f"of {pipe.tiles} tiles" in pipe.reason
+    assert (cpu_planner.winograd_pipeline(32, 64, 64, (56, 56), 1, small).tiles
+            < cpu_planner.winograd_pipeline(32, 64, 64, (56, 56), 1, large).tiles)
+
+
+def test_blocks_are_whole_vectors_of_tiles_where_the_total_allows() -> None:
+    """128 -> 128 on 28x28 (14 tiles a tile row) at batch 1: blocks of whole vectors of
+    tiles, only the last one partial; on 16 threads its 196 tiles still split evenly
+    (in blocks that cannot all be whole vectors), and the bytes each form moves decide."""
+    sizes = cpu_planner.Caches(1 << 20, 32 << 20, "test")
+    one = cpu_planner.winograd_pipeline(1, 128, 128, (28, 28), 1, sizes)
+    assert one.tiles == 64 and one.blocks == 4 and "the last block 4" in one.reason
+    many = cpu_planner.winograd_pipeline(1, 128, 128, (28, 28), 16, sizes)
+    assert "16 block(s) of 13 tiles (padded to 16) in 16 piece(s)" in many.reason
+    assert many.tiles == 0 and "read again by every block" in many.reason
 
 
 def test_the_passes_stay_where_the_filters_outweigh_the_tiles() -> None:
     """ResNet-18's 512-channel layer (U of 16 MiB, 16 tiles an image) at batch 32: each
     block would read U again, which the passes read once a chunk; and where there are
-    fewer tile rows than threads the passes split by planes."""
+    fewer tiles than threads the passes split by planes."""
     sizes = cpu_planner.Caches(1 << 20, 32 << 20, "test")
     deep = cpu_planner.winograd_pipeline(32, 512, 512, (7, 7), 1, sizes)
-    assert deep.rows == 0 and deep.reason.startswith("pass by pass") and "U " in deep.reason
-    few = cpu_planner.winograd_pipeline(1, 128, 128, (28, 28), 16, sizes)
-    assert few.rows == 0 and "14 tile row(s) for 16 threads" in few.reason
+    assert deep.tiles == 0 and deep.reason.startswith("pass by pass") and "U " in deep.reason
+    few = cpu_planner.winograd_pipeline(1, 16, 16, (6, 6), 16, sizes)
+    assert few.tiles == 0 and "9 tile(s) for 16 threads" in few.reason
 
 
 def _conv_model(n: int, c: int, m: int, side: int) -> bytes:

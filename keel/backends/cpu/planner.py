@@ -1738,9 +1738,9 @@ def winograd_form(geo: ConvGeometry, itemsize: int, sizes: Caches | None = None,
     if itemsize == 4 and native_gemm.available() and geo.rank == 2:
         pipe = winograd_pipeline(geo.batch, c, m, (oh, ow), max(1, threads), sizes)
         why = f"{why}; on {max(1, threads)} thread(s) {pipe.reason}"
-        if pipe.rows:           # each thread's block of V and P, in the pool's scratch
+        if pipe.tiles:          # each thread's block of V and P, in the pool's scratch
             mr = (_grid(_HERE) or _TILES["scalar"])[0]
-            ld = -(-pipe.rows * tw // 16) * 16
+            ld = -(-pipe.tiles // PIPELINE_VECTOR) * PIPELINE_VECTOR
             scratch = pipe.parts * 16 * ld * (c + pipe.panels * mr) * itemsize
     return ConvForm("", why, chunk, scratch)
 
@@ -1841,11 +1841,12 @@ def _winograd_scratch(n: int, c: int, m: int, th: int, tw: int, itemsize: int) -
 # threads and the caches. It is made on the bytes each form moves past the L2:
 # - a block's V (16 C floats a tile) is kept within PIPELINE_L2_SHARE of the L2
 #   (caches()) and its P (16 floats a tile and output channel of a product block) within
-#   PIPELINE_P_SHARE: the tile rows a block holds and the output channels a product block
-#   computes (whole GEMM row panels) are the largest that fit, fewer rows where the
-#   blocks would not split evenly over the threads. Measured on the 2-core AMD EPYC
-#   (Zen 5, 1 MiB L2), one thread, 64 -> 64 channels on 56x56 against the passes: batch
-#   1, blocks of 4 tile rows 0.93x, of 8 0.90x; batch 8, 0.83x and 0.80x;
+#   PIPELINE_P_SHARE: the tiles a block holds (PIPELINE_VECTOR, below) and the output
+#   channels a product block computes (whole GEMM row panels) are the largest that fit,
+#   fewer tiles where the blocks would not split evenly over the threads. Measured on
+#   the 2-core AMD EPYC (Zen 5, 1 MiB L2), one thread, 64 -> 64 channels on 56x56
+#   against the passes: batch 1, blocks of 4 tile rows 0.93x, of 8 0.90x; batch 8,
+#   0.83x and 0.80x;
 #   128 -> 128 on 28x28 at batch 8: 0.78-0.85x (at batch 1, 1.04x: its 196 tiles in
 #   two blocks, as good as one);
 # - the transformed filters U (64 M C bytes) stay in a thread's L2 across its blocks
@@ -1864,15 +1865,27 @@ PIPELINE_P_SHARE = 0.25
 
 @dataclass(frozen=True)
 class WinogradPipeline:
-    """How a Winograd conv runs: ``rows`` tile rows a block (0: pass by pass), the
-    GEMM row ``panels`` of output channels a product block, the ``blocks``, the
-    ``parts`` they split into, and why."""
+    """How a Winograd conv runs: ``tiles`` a block (0: pass by pass; a block is any run of
+    consecutive tiles, across tile rows and images), the GEMM row ``panels`` of output
+    channels a product block, the ``blocks``, the ``parts`` they split into, and why."""
 
-    rows: int
+    tiles: int
     panels: int
     blocks: int
     parts: int
     reason: str
+
+
+# The pipeline's blocks are any run of tiles (winograd.c), sized in tiles: where U stays
+# in each thread's L2 (more blocks cost no more bytes), whole vectors of PIPELINE_VECTOR
+# tiles wherever the tiles and the threads allow, since winograd.c pads a block's columns
+# of V to whole vectors of 16 for the products (a block of 56 tiles costs the products of
+# 64); where every block reads U again, the fewest blocks that split evenly. Measured
+# under load on the 2-core AMD EPYC, one thread (docs/performance.md): 128 -> 128 on
+# 28x28 at batch 1, blocks of 64 tiles against the former 4 tile rows (56 tiles),
+# 1.005-1.02x; ResNet-18 b1 1.01x, b32 0.99x: no change at one thread; the gain is that
+# fewer tile rows than threads no longer rule the pipeline out.
+PIPELINE_VECTOR = 16
 
 
 @functools.lru_cache(maxsize=512)
@@ -1884,31 +1897,30 @@ def winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], thre
     sizes = sizes or caches()
     mr, nr = _grid(grid) or _TILES["scalar"]
     th, tw = -(-out_hw[0] // 2), -(-out_hw[1] // 2)
-    all_rows, tiles = images * th, images * th * tw
+    tiles = images * th * tw
     budget = int(sizes.l2 * PIPELINE_L2_SHARE)
     u_bytes = 64 * m * c
-    row_bytes = 64 * tw                          # a tile row's V or P, per channel
-    rows = min(all_rows, budget // (row_bytes * c))
-    rows = _even_rows(all_rows, rows, threads)
-    if rows < 1:
-        return WinogradPipeline(0, 0, 0, 0, "pass by pass: a tile row of V does not fit "
+    held = u_bytes <= budget
+    block = _even_tiles(tiles, min(tiles, budget // (64 * c)), threads, held)
+    if block < 1:
+        return WinogradPipeline(0, 0, 0, 0, "pass by pass: a tile of V does not fit "
                                 f"{PIPELINE_L2_SHARE:g} of the L2 ({sizes.l2 >> 10} KiB)"
-                                if threads == 1 or all_rows >= threads else
-                                f"pass by pass: {all_rows} tile row(s) for {threads} threads")
+                                if threads == 1 or tiles >= threads else
+                                f"pass by pass: {tiles} tile(s) for {threads} threads")
+    cols = -(-block // PIPELINE_VECTOR) * PIPELINE_VECTOR
     all_panels = -(-m // mr)
-    fit = max(1, min(all_panels, int(sizes.l2 * PIPELINE_P_SHARE) // (row_bytes * rows * mr)))
+    fit = max(1, min(all_panels, int(sizes.l2 * PIPELINE_P_SHARE) // (64 * cols * mr)))
     panels = -(-all_panels // -(-all_panels // fit))     # as even as whole panels allow
-    blocks = -(-all_rows // rows)
+    blocks = -(-tiles // block)
     flops = 32 * m * c * tiles
     parts = max(1, min(threads, blocks, flops // MIN_FLOPS_PER_THREAD))
-    held = u_bytes <= budget
     moved = (min(parts, blocks) if held else blocks) * u_bytes
     chunk = max(1, min(images, sizes.with_llc(WINOGRAD_CHUNK_BYTES)
                        // max(1, 16 * th * tw * max(c, m) * 4)))
     chunks = -(-images // chunk)
     spans = min(threads, max(1, -(-chunk * th * tw // nr)))
     passes = chunks * spans * u_bytes + 2 * 64 * (c + m) * tiles
-    what = (f"{blocks} block(s) of {rows} tile row(s) ({rows * tw} tiles) in {parts} "
+    what = (f"{blocks} block(s) of {block} tiles ({_vectors(block, tiles)}) in {parts} "
             f"piece(s), products {min(m, panels * mr)} output channel(s) at a time, V "
             f"within {PIPELINE_L2_SHARE:g} and P {PIPELINE_P_SHARE:g} of the L2 "
             f"({sizes.l2 >> 10} KiB, {sizes.source})")
@@ -1919,18 +1931,32 @@ def winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], thre
     if moved > passes:
         return WinogradPipeline(0, 0, 0, 0, f"pass by pass: the per-thread pipeline "
                                 f"({what}) would move {bytes_why}")
-    return WinogradPipeline(rows, panels, blocks, parts,
+    return WinogradPipeline(block, panels, blocks, parts,
                             f"per-thread pipeline: {what}; it moves {bytes_why}")
 
 
-def _even_rows(all_rows: int, rows: int, threads: int) -> int:
-    """The most tile rows a block (at most ``rows``) whose blocks split evenly over
-    ``threads`` (EVEN_SPLIT; any split on one thread); 0 if none does."""
-    for r in range(rows, 0, -1):
-        blocks = -(-all_rows // r)
+def _vectors(block: int, tiles: int) -> str:
+    """How a block of ``block`` of ``tiles`` tiles fills the products' vectors."""
+    if block % PIPELINE_VECTOR == 0:
+        last = tiles % block
+        return (f"{block // PIPELINE_VECTOR} whole vector(s) of {PIPELINE_VECTOR}"
+                + (f", the last block {last}" if last else ""))
+    return f"padded to {-(-block // PIPELINE_VECTOR) * PIPELINE_VECTOR}"
+
+
+def _even_tiles(tiles: int, most: int, threads: int, vectors: bool) -> int:
+    """The most tiles a block (at most ``most``) whose blocks split evenly over
+    ``threads`` (EVEN_SPLIT; any split on one thread): the whole ``tiles`` in one block
+    where it fits, else (``vectors``: where U stays in each thread's L2, so that more
+    blocks cost no more bytes) whole vectors of PIPELINE_VECTOR tiles, else any count
+    (where every block reads U again, the fewest blocks); 0 if none splits evenly."""
+    whole = range(most // PIPELINE_VECTOR * PIPELINE_VECTOR if vectors else 0, 0,
+                  -PIPELINE_VECTOR)
+    for t in ((tiles,) if most >= tiles else ()) + tuple(whole) + tuple(range(most, 0, -1)):
+        blocks = -(-tiles // t)
         if threads <= 1 or (blocks >= threads
                             and -(-blocks // threads) * threads <= EVEN_SPLIT * blocks):
-            return r
+            return t
     return 0
 
 
@@ -2027,8 +2053,8 @@ def _winograd_splits(geo: ConvGeometry, chunk: int, threads: int, grid: Any,
     out = geo.window.out_spatial
     c, m = geo.in_channels, geo.out_channels
     pipe = winograd_pipeline(geo.batch, c, m, (out[0], out[1]), threads, sizes, grid)
-    if pipe.rows:
-        return (Split(f"pipeline blocks of {pipe.rows} tile row(s)", pipe.blocks, pipe.parts,
+    if pipe.tiles:
+        return (Split(f"pipeline blocks of {pipe.tiles} tiles", pipe.blocks, pipe.parts,
                       32 * m * c * geo.batch * -(-out[0] // 2) * -(-out[1] // 2),
                       MIN_FLOPS_PER_THREAD),)
     k = min(chunk, geo.batch)

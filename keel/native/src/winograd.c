@@ -130,15 +130,19 @@ static inline void row_transform(const float *s, const wgeom *g, int64_t r, int6
 }
 
 /* V's rows for one channel of one image (plane x): the sixteen transformed values of tile
- * t (this image's tile (ty, tx) is t = t0 + ty * tw + tx) at vc[k * stride_k + t], for the
- * tile rows [ty_lo, ty_hi). */
-static void input_plane(const float *x, const wgeom *g, float *vc, int64_t stride_k,
-                        int64_t t0, float *s, int64_t ty_lo, int64_t ty_hi)
+ * t (this image's tile u = ty * tw + tx is t = t0 + u) at vc[k * stride_k + t], for the
+ * image's tiles [u_lo, u_hi), which may start and end inside a tile row. Each tile's
+ * values are the same wherever the range starts (the lanes are independent). */
+static void input_tiles(const float *x, const wgeom *g, float *vc, int64_t stride_k,
+                        int64_t t0, float *s, int64_t u_lo, int64_t u_hi)
 {
+    int64_t ty_lo = u_lo / g->tw, ty_hi = (u_hi - 1) / g->tw + 1;
     split_plane(x, g, s, 2 * ty_lo, 2 * ty_hi + 2);
     for (int64_t ty = ty_lo; ty < ty_hi; ty++) {
         int64_t t = t0 + ty * g->tw;
-        for (int64_t tx = 0; tx < g->tw; tx += VW) {
+        int64_t xa = ty == ty_lo ? u_lo - ty * g->tw : 0;
+        int64_t xe = u_hi - ty * g->tw < g->tw ? u_hi - ty * g->tw : g->tw;
+        for (int64_t tx = xa; tx < xe; tx += VW) {
             vf d[4][4];
             for (int r = 0; r < 4; r++) row_transform(s, g, 2 * ty + r, tx, d[r]);
             vf out[16];
@@ -148,7 +152,7 @@ static void input_plane(const float *x, const wgeom *g, float *vc, int64_t strid
                 out[8 + j] = d[2][j] - d[1][j];
                 out[12 + j] = d[1][j] - d[3][j];
             }
-            int64_t n = g->tw - tx < VW ? g->tw - tx : VW;
+            int64_t n = xe - tx < VW ? xe - tx : VW;
             if (n == VW) {
                 for (int k = 0; k < 16; k++) vstore(vc + k * stride_k + t + tx, out[k]);
             } else {
@@ -156,6 +160,13 @@ static void input_plane(const float *x, const wgeom *g, float *vc, int64_t strid
             }
         }
     }
+}
+
+/* input_tiles for the whole tile rows [ty_lo, ty_hi). */
+static void input_plane(const float *x, const wgeom *g, float *vc, int64_t stride_k,
+                        int64_t t0, float *s, int64_t ty_lo, int64_t ty_hi)
+{
+    input_tiles(x, g, vc, stride_k, t0, s, ty_lo * g->tw, ty_hi * g->tw);
 }
 
 /* ---- output transform ----------------------------------------------------------------- */
@@ -170,19 +181,23 @@ typedef struct {
 static inline float bias_of(const wepilogue *e, int64_t m) { return e->bias ? e->bias[m] : 0.0f; }
 
 /* Y's plane (OH, OW) for one output channel of one image, whose bias is b, from its
- * products: the sixteen values of tile t (this image's tile (ty, tx) is t = t0 + ty * tw
- * + tx) at pc[k * stride_k + t]; the output rows of tile rows [ty_lo, ty_hi); z is the
- * residual's plane or NULL. */
-static void output_plane(const float *pc, int64_t stride_k, int64_t t0, float b, const wgeom *g,
-                         float *y, const wepilogue *e, const float *z, float *s, int64_t ty_lo,
-                         int64_t ty_hi)
+ * products: the sixteen values of tile t (this image's tile u = ty * tw + tx is t = t0 +
+ * u) at pc[k * stride_k + t]; the outputs of the image's tiles [u_lo, u_hi), which may
+ * start and end inside a tile row; z is the residual's plane or NULL. Each output value
+ * is computed the same way wherever the range starts. */
+static void output_tiles(const float *pc, int64_t stride_k, int64_t t0, float b, const wgeom *g,
+                         float *y, const wepilogue *e, const float *z, float *s, int64_t u_lo,
+                         int64_t u_hi)
 {
     float *r0 = s, *r1 = s + 2 * g->twp;
+    int64_t ty_lo = u_lo / g->tw, ty_hi = (u_hi - 1) / g->tw + 1;
     for (int64_t ty = ty_lo; ty < ty_hi; ty++) {
         const float *pt = pc + (t0 + ty * g->tw);
-        for (int64_t tx = 0; tx < g->tw; tx += VW) {
+        int64_t xa = ty == ty_lo ? u_lo - ty * g->tw : 0;
+        int64_t xe = u_hi - ty * g->tw < g->tw ? u_hi - ty * g->tw : g->tw;
+        for (int64_t tx = xa; tx < xe; tx += VW) {
             vf q[16];
-            int64_t n = g->tw - tx < VW ? g->tw - tx : VW;
+            int64_t n = xe - tx < VW ? xe - tx : VW;
             if (n == VW) {
                 for (int k = 0; k < 16; k++) q[k] = vload(pt + k * stride_k + tx);
             } else {
@@ -197,21 +212,29 @@ static void output_plane(const float *pc, int64_t stride_k, int64_t t0, float b,
             for (int r = 0; r < 2; r++) {
                 vf left = a[r][0] + a[r][1] + a[r][2], right = a[r][1] - a[r][2] - a[r][3];
                 float *row = (r ? r1 : r0) + 2 * tx;
-                for (int l = 0; l < VW; l++) {
-                    row[2 * l] = left[l];
-                    row[2 * l + 1] = right[l];
+                if (n == VW) {
+                    for (int l = 0; l < VW; l++) {
+                        row[2 * l] = left[l];
+                        row[2 * l + 1] = right[l];
+                    }
+                } else {   /* only the range's lanes: the rows end at 2 twp floats */
+                    for (int64_t l = 0; l < n; l++) {
+                        row[2 * l] = left[l];
+                        row[2 * l + 1] = right[l];
+                    }
                 }
             }
         }
+        int64_t oe = 2 * xe < g->ow ? 2 * xe : g->ow;
         for (int r = 0; r < 2; r++) {
             int64_t oy = 2 * ty + r;
             if (oy >= g->oh) break;
             const float *src = r ? r1 : r0;
             float *dst = y + oy * g->ow;
             const float *zr = z ? z + oy * g->ow : NULL;
-            int64_t ox = 0;
+            int64_t ox = 2 * xa;
             vf vb = vsplat(b), lo = vsplat(e->lo), hi = vsplat(e->hi);
-            for (; ox + VW <= g->ow; ox += VW) {
+            for (; ox + VW <= oe; ox += VW) {
                 vf v = vload(src + ox) + vb;
                 if (zr) v += vload(zr + ox);
                 if (e->clip) { /* NaN stays NaN: both comparisons are false for it */
@@ -220,7 +243,7 @@ static void output_plane(const float *pc, int64_t stride_k, int64_t t0, float b,
                 }
                 vstore(dst + ox, v);
             }
-            for (; ox < g->ow; ox++) {
+            for (; ox < oe; ox++) {
                 float v = src[ox] + b;
                 if (zr) v += zr[ox];
                 if (e->clip) {
@@ -231,6 +254,14 @@ static void output_plane(const float *pc, int64_t stride_k, int64_t t0, float b,
             }
         }
     }
+}
+
+/* output_tiles for the whole tile rows [ty_lo, ty_hi). */
+static void output_plane(const float *pc, int64_t stride_k, int64_t t0, float b, const wgeom *g,
+                         float *y, const wepilogue *e, const float *z, float *s, int64_t ty_lo,
+                         int64_t ty_hi)
+{
+    output_tiles(pc, stride_k, t0, b, g, y, e, z, s, ty_lo * g->tw, ty_hi * g->tw);
 }
 
 /* ---- exported kernels ----------------------------------------------------------------- */
@@ -374,8 +405,9 @@ int64_t keel_winograd_output_f32(const float *p, float *y, const int64_t *geomet
  * transform into V (16, C, n), the sixteen products P = U V a block of output channels
  * at a time (gemm.c's keel_gemm_block_f32, whose address Python hands in with the
  * prepared call of U), and the output transform of those channels, with the epilogue.
- * A block is `rows` consecutive tile rows over the images (n = their tiles); threads take
- * whole blocks. V and P of a block stay in the thread's cache between the passes
+ * A block is `tiles` consecutive tiles over the images (tile t = (image, ty, tx), tx
+ * fastest), starting and ending anywhere in a tile row, so that blocks can be whole
+ * vectors of tiles; threads take whole blocks. V and P of a block stay in the thread's cache between the passes
  * (the cpu planner sizes them to its L2: planner.winograd_pipeline), nothing is shared
  * but X, U and Y, and one dispatch runs the whole conv. Each tile is transformed as in
  * the passes above and each element of P is computed as the full product computes it
@@ -389,10 +421,11 @@ typedef void (*block_product)(const void *call, float *work, int64_t batch, int6
                               int64_t r_hi, const float *b, int64_t ldb, int64_t b_bs, float *c,
                               int64_t ldc, int64_t c_bs, int64_t n);
 
-/* The pipeline's sizes, from an int64 array: tile rows per block, row panels of output
+/* The pipeline's sizes, from an int64 array: tiles per block (any count: a block may
+ * start and end inside a tile row or span images), row panels of output
  * channels per channel block, the GEMM's rows of a row panel (MR), floats of the GEMM's
  * workspace. */
-enum { F_ROWS, F_PANELS, F_MR, F_WORK, F_LEN };
+enum { F_TILES, F_PANELS, F_MR, F_WORK, F_LEN };
 
 typedef struct {
     const float *x;
@@ -402,8 +435,8 @@ typedef struct {
     wepilogue e;
     const void *call;
     block_product product;
-    int64_t rows, panels, mr, work; /* the sizes above */
-    int64_t all_rows;                /* images x th */
+    int64_t tiles, panels, mr, work; /* the sizes above */
+    int64_t all_tiles;                /* images x th x tw */
     int64_t ld;                      /* floats per row of the block's V and P */
 } fused_job;
 
@@ -416,13 +449,57 @@ static int64_t fused_floats(const fused_job *j, int64_t transform)
     return up16(j->work) + 16 * j->g->c * j->ld + 16 * mb * j->ld + up16(transform);
 }
 
-/* Block q: the input transform of its tile rows (a run per image), then channel block by
+/* fn(j, s, image i, the image's tiles [u_lo, u_hi), their first column in the block) for
+ * each image the block's tiles [t_lo, t_hi) cover. */
+typedef void (*span_fn)(const fused_job *j, float *s, int64_t i, int64_t u_lo, int64_t u_hi,
+                        int64_t col, int64_t m0, int64_t m1, float *buf);
+
+static void each_image_span(span_fn fn, const fused_job *j, float *s, int64_t t_lo,
+                            int64_t t_hi, int64_t m0, int64_t m1, float *buf)
+{
+    int64_t tiles = j->g->th * j->g->tw;
+    for (int64_t t = t_lo; t < t_hi;) {
+        int64_t i = t / tiles, u_lo = t - i * tiles;
+        int64_t u_hi = t_hi - i * tiles < tiles ? t_hi - i * tiles : tiles;
+        fn(j, s, i, u_lo, u_hi, t - t_lo, m0, m1, buf);
+        t = i * tiles + u_hi;
+    }
+}
+
+/* The input transform of image i's tiles [u_lo, u_hi), every channel, into the block's V. */
+static void fused_input(const fused_job *j, float *s, int64_t i, int64_t u_lo, int64_t u_hi,
+                        int64_t col, int64_t m0, int64_t m1, float *v)
+{
+    (void)m0, (void)m1;
+    const wgeom *g = j->g;
+    int64_t in_plane = g->h * g->w;
+    for (int64_t c = 0; c < g->c; c++)
+        input_tiles(j->x + (i * g->c + c) * in_plane, g, v + c * j->ld, g->c * j->ld,
+                    col - u_lo, s, u_lo, u_hi);
+}
+
+/* The output transform of image i's tiles [u_lo, u_hi), output channels [m0, m1), from the
+ * block's P. */
+static void fused_output(const fused_job *j, float *s, int64_t i, int64_t u_lo, int64_t u_hi,
+                         int64_t col, int64_t m0, int64_t m1, float *p)
+{
+    const wgeom *g = j->g;
+    int64_t out_plane = g->oh * g->ow, mb = j->panels * j->mr;
+    for (int64_t m = m0; m < m1; m++) {
+        int64_t o = (i * j->m + m) * out_plane;
+        output_tiles(p + (m - m0) * j->ld, mb * j->ld, col - u_lo, bias_of(&j->e, m), g,
+                     j->y + o, &j->e, j->e.z ? j->e.z + o : NULL, s, u_lo, u_hi);
+    }
+}
+
+/* Block q: the input transform of its tiles (a span per image), then channel block by
  * channel block the products and the output transform. */
 static void fused_block(const fused_job *j, float *scratch, int64_t q)
 {
     const wgeom *g = j->g;
-    int64_t r_lo = q * j->rows, r_hi = r_lo + j->rows < j->all_rows ? r_lo + j->rows : j->all_rows;
-    int64_t n = (r_hi - r_lo) * g->tw, ld = j->ld, mb = j->panels * j->mr;
+    int64_t t_lo = q * j->tiles,
+            t_hi = t_lo + j->tiles < j->all_tiles ? t_lo + j->tiles : j->all_tiles;
+    int64_t n = t_hi - t_lo, ld = j->ld, mb = j->panels * j->mr;
     float *work = scratch, *v = work + up16(j->work), *p = v + 16 * g->c * ld,
           *s = p + 16 * mb * ld;
     /* The products run on whole vectors of columns: a partial one costs the GEMM a trip
@@ -433,30 +510,13 @@ static void fused_block(const fused_job *j, float *scratch, int64_t q)
     if (cols > n)
         for (int64_t row = 0; row < 16 * g->c; row++)
             memset(v + row * ld + n, 0, (size_t)(cols - n) * sizeof(float));
-    int64_t in_plane = g->h * g->w, out_plane = g->oh * g->ow;
-    for (int64_t r = r_lo; r < r_hi;) {     /* tile rows [a, b) of image i */
-        int64_t i = r / g->th, a = r % g->th, b = r_hi - i * g->th < g->th ? r_hi - i * g->th : g->th;
-        for (int64_t c = 0; c < g->c; c++)
-            input_plane(j->x + (i * g->c + c) * in_plane, g, v + c * ld, g->c * ld,
-                        (i * g->th - r_lo) * g->tw, s, a, b);
-        r = i * g->th + b;
-    }
+    each_image_span(fused_input, j, s, t_lo, t_hi, 0, 0, v);
     int64_t all_panels = (j->m + j->mr - 1) / j->mr;
     for (int64_t p0 = 0; p0 < all_panels; p0 += j->panels) {
         int64_t p1 = p0 + j->panels < all_panels ? p0 + j->panels : all_panels;
         int64_t m0 = p0 * j->mr, m1 = p1 * j->mr < j->m ? p1 * j->mr : j->m;
         j->product(j->call, work, 16, p0, p1, v, ld, g->c * ld, p, ld, mb * ld, cols);
-        for (int64_t r = r_lo; r < r_hi;) {
-            int64_t i = r / g->th, a = r % g->th,
-                    b = r_hi - i * g->th < g->th ? r_hi - i * g->th : g->th;
-            for (int64_t m = m0; m < m1; m++) {
-                int64_t o = (i * j->m + m) * out_plane;
-                output_plane(p + (m - m0) * ld, mb * ld, (i * g->th - r_lo) * g->tw,
-                             bias_of(&j->e, m), g, j->y + o, &j->e, j->e.z ? j->e.z + o : NULL,
-                             s, a, b);
-            }
-            r = i * g->th + b;
-        }
+        each_image_span(fused_output, j, s, t_lo, t_hi, m0, m1, p);
     }
 }
 
@@ -466,8 +526,8 @@ static void fused_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
 }
 
 /* Y (images, M, OH, OW) = clip(conv(X, W) + bias + Z, lo, hi) as keel_winograd_input_f32,
- * the products and keel_winograd_output_f32 give it, each block of `sizes[F_ROWS]` tile
- * rows through all three on one thread, the blocks in `parts` chunks on keel's threads.
+ * the products and keel_winograd_output_f32 give it, each block of `sizes[F_TILES]`
+ * tiles through all three on one thread, the blocks in `parts` chunks on keel's threads.
  * `call` is the prepared product of the packed U (16 products, M x C, gemm.c's
  * keel_gemm_args) and `product` gemm.c's keel_gemm_block_f32. Returns 0, or -1 for an
  * unserved geometry or sizes, or no scratch. */
@@ -478,14 +538,13 @@ int64_t keel_winograd_fused_f32(const float *x, float *y, const int64_t *geometr
 {
     wgeom g;
     if (wgeom_init(&g, geometry) != 0 || m < 1 || images < 1 || !call || !product) return -1;
-    if (sizes[F_ROWS] < 1 || sizes[F_PANELS] < 1 || sizes[F_MR] < 1 || sizes[F_WORK] < 0)
+    if (sizes[F_TILES] < 1 || sizes[F_PANELS] < 1 || sizes[F_MR] < 1 || sizes[F_WORK] < 0)
         return -1;
     fused_job j = {x, y, &g, m,
                    {bias, z, clip ? clip[0] : 0.0f, clip ? clip[1] : 0.0f, clip != NULL},
-                   call, product, sizes[F_ROWS], sizes[F_PANELS], sizes[F_MR], sizes[F_WORK],
-                   images * g.th, 0};
-    int64_t rows = j.rows < j.all_rows ? j.rows : j.all_rows;
-    j.ld = up16(rows * g.tw);
-    int64_t blocks = (j.all_rows + j.rows - 1) / j.rows;
+                   call, product, sizes[F_TILES], sizes[F_PANELS], sizes[F_MR], sizes[F_WORK],
+                   images * g.th * g.tw, 0};
+    j.ld = up16(j.tiles < j.all_tiles ? j.tiles : j.all_tiles);
+    int64_t blocks = (j.all_tiles + j.tiles - 1) / j.tiles;
     return run_parts(fused_task, &j, blocks, parts, fused_floats(&j, keel_winograd_scratch(geometry)));
 }

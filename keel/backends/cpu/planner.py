@@ -1728,7 +1728,7 @@ def winograd_form(geo: ConvGeometry, itemsize: int, sizes: Caches | None = None,
     per_image = 16 * th * tw * max(c, m) * itemsize
     sizes = sizes or caches()
     budget = sizes.with_llc(WINOGRAD_CHUNK_BYTES)
-    chunk = max(1, min(geo.batch, budget // max(per_image, 1)))
+    chunk = _winograd_chunk(geo.batch, per_image, sizes)
     scaled = "" if budget == WINOGRAD_CHUNK_BYTES else (
         f" ({WINOGRAD_CHUNK_BYTES >> 20} MiB measured with a 32 MiB last-level cache, "
         f"scaled by rule to the caches of {sizes.source})")
@@ -1743,6 +1743,12 @@ def winograd_form(geo: ConvGeometry, itemsize: int, sizes: Caches | None = None,
             ld = -(-pipe.tiles // PIPELINE_VECTOR) * PIPELINE_VECTOR
             scratch = pipe.parts * 16 * ld * (c + pipe.panels * mr) * itemsize
     return ConvForm("", why, chunk, scratch)
+
+
+def _winograd_chunk(images: int, per_image: int, sizes: Caches) -> int:
+    """Images per chunk of the Winograd passes: as many as keep their transformed tiles
+    (``per_image`` bytes an image) within WINOGRAD_CHUNK_BYTES, scaled to ``sizes``."""
+    return max(1, min(images, sizes.with_llc(WINOGRAD_CHUNK_BYTES) // max(per_image, 1)))
 
 
 # Winograd's compiled transforms (winograd.c) split a chunk's planes over threads while
@@ -1915,8 +1921,7 @@ def winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], thre
     flops = 32 * m * c * tiles
     parts = max(1, min(threads, blocks, flops // MIN_FLOPS_PER_THREAD))
     moved = (min(parts, blocks) if held else blocks) * u_bytes
-    chunk = max(1, min(images, sizes.with_llc(WINOGRAD_CHUNK_BYTES)
-                       // max(1, 16 * th * tw * max(c, m) * 4)))
+    chunk = _winograd_chunk(images, 16 * th * tw * max(c, m) * 4, sizes)
     chunks = -(-images // chunk)
     spans = min(threads, max(1, -(-chunk * th * tw // nr)))
     passes = chunks * spans * u_bytes + 2 * 64 * (c + m) * tiles

@@ -36,6 +36,7 @@ from keel.backends.base import KernelContext
 from keel.backends.cpu import native_qgemm, workspace
 from keel.backends.cpu.native_gemm import planner_rules
 from keel.backends.plan import NodePlan
+from keel.dtypes import DType
 from keel.native.pool import parts
 from keel.ops.schemas.quantization import QUANT_RANGES, ConvGeometry
 
@@ -289,8 +290,6 @@ def _pointwise(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> bool:
     pm = q.packed.pointwise
     if pm is None:
         return False
-    from keel.dtypes import DType
-
     native_qgemm.matmul(x_cl.reshape(-1, x_cl.shape[-1]), q.x_zero_point, pm, q.bias,
                         q.multiplier, DType.from_numpy(y_cl.dtype), q.y_zero_point,
                         y_cl.reshape(-1, y_cl.shape[-1]), q.threads)
@@ -303,8 +302,6 @@ def _panel_product(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> bool:
 
 
 def _panel_call(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> _NativeCall | None:
-    from keel.dtypes import DType
-
     fns, panels, sums = _load(), q.packed.panels, q.packed.col_sums
     if fns is None or panels is None or sums is None:
         return None
@@ -351,8 +348,6 @@ def _depthwise_call(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> _Native
     fns, taps = _load(), q.packed.taps
     if fns is None or taps is None or not q.packed.taps_fit:
         return None
-    from keel.dtypes import DType
-
     geo = q.geo
     n, h, w, c = (int(d) for d in x_cl.shape)
     (oh, ow), (kh, kw) = geo.out_spatial, geo.kernel
@@ -427,7 +422,7 @@ def global_average_pool(x: np.ndarray, nhwc: bool, scale: float, x_zero_point: i
         raise RuntimeError(f"native layout kernels unavailable: {native.status().reason}")
     n, c = int(x.shape[0]), int(x.shape[1])
     hw = int(x.size // max(1, n * c))
-    lo, hi = QUANT_RANGES[_dtype_of(y)]
+    lo, hi = QUANT_RANGES[DType.from_numpy(y.dtype)]
     params = _gap_params(x_zero_point, y_zero_point, lo, hi)
     tasks = n * -(-c // _GAP_BLOCK)
     count = parts(tasks, max(1, threads), max(1, planner_rules().QGAP_MIN_ELEMENTS_PER_THREAD
@@ -439,12 +434,6 @@ def global_average_pool(x: np.ndarray, nhwc: bool, scale: float, x_zero_point: i
 @functools.lru_cache(maxsize=64)
 def _gap_params(x_zero_point: int, y_zero_point: int, lo: int, hi: int) -> np.ndarray:
     return np.array([x_zero_point, y_zero_point, lo, hi], dtype=np.int64)
-
-
-def _dtype_of(a: np.ndarray) -> Any:
-    from keel.dtypes import DType
-
-    return DType.from_numpy(a.dtype)
 
 
 def _ptr(a: np.ndarray | None) -> int | None:

@@ -69,7 +69,14 @@ CONVS = [
     (np.uint8, np.int8, True, 1, 40, 7, 9, 40, 3, 1, 1, 1, 40),        # 32 channels + 8
     (np.int8, np.int8, True, 2, 5, 11, 10, 5, 5, 1, 2, 2, 5),          # 5x5, dilated
     (np.uint8, np.uint8, False, 1, 3, 13, 13, 16, 3, 2, 1, 1, 1),      # other: NCHW kernel
-    (np.uint8, np.int8, False, 1, 8, 6, 6, 8, 1, 2, 0, 1, 1),          # 1x1 stride 2: other
+    (np.uint8, np.int8, False, 1, 8, 6, 6, 8, 1, 2, 0, 1, 1),          # 1x1 stride 2: dense
+    (np.uint8, np.int8, False, 2, 16, 9, 9, 40, 3, 1, 1, 1, 1),        # dense 3x3: 32 + 8
+    (np.int8, np.int8, False, 1, 64, 7, 7, 64, 3, 1, 1, 1, 1),         # dense, int8 x
+    (np.uint8, np.int8, False, 3, 32, 8, 8, 72, 3, 2, 1, 1, 1),        # dense 3x3 stride 2
+    (np.uint8, np.int8, False, 1, 12, 11, 11, 16, 7, 2, 3, 1, 1),      # dense 7x7: 16 channels
+    (np.int8, np.int8, False, 2, 20, 10, 9, 24, 3, 1, 2, 2, 1),        # dense, dilated
+    (np.uint8, np.uint8, True, 1, 8, 6, 6, 40, 3, 1, 1, 1, 1),         # dense, w zero points
+    (np.uint8, np.int8, False, 2, 128, 5, 5, 96, 1, 2, 0, 1, 1),       # 1x1 stride 2, wide
 ]
 
 
@@ -105,9 +112,10 @@ def test_channels_last_conv_matches_the_reference(layout_path: int, case: tuple[
     want = REFERENCE.get(Op.QLINEAR_CONV, "default").fn(
         KernelContext(np, "reference", DeviceKind.CPU), inputs, attrs, None)[0]
     src, dst = layout.split("->")
-    if layout == "nhwc->nhwc" and qlayout.conv_kind(_geo(inputs, attrs),
-                                                    inputs[3].shape) != "other":
-        # served channels-last: no layout change at all (the NCHW fallback would make one)
+    kind = qlayout.conv_kind(_geo(inputs, attrs), inputs[3].shape)
+    if layout == "nhwc->nhwc" and kind != "other" and not (kind == "dense" and case[2]):
+        # served channels-last: no layout change at all (the NCHW fallback would make one;
+        # dense weights with zero points take it)
         monkeypatch.setattr(qlayout, "_transpose", _no_layout_change)
     stored = [_stored(inputs[0], src), *inputs[1:]]
     for threads, prepack in ((1, False), (2, True), (3, True)):
@@ -224,3 +232,34 @@ def test_global_average_pool_matches_the_reference(layout_path: int, case: tuple
         stored = [_stored(x, layout.split("->")[0]), *inputs[1:]]
         got = np.asarray(kv.fn(ctx, stored, {}, None)[0])
         np.testing.assert_array_equal(got, want)
+
+
+# (x dtype, N, C, H, W, kernel, stride, pad, dilation): ResNet-18's 3x3 stride-2 pool,
+# channels past a 64-byte vector, a window in the padding on both sides, a dilated one
+MAX_POOLS = [(np.uint8, 2, 64, 11, 12, 3, 2, 1, 1), (np.int8, 1, 70, 6, 5, 3, 1, 1, 1),
+             (np.uint8, 3, 5, 9, 9, 2, 2, 0, 1), (np.int8, 2, 130, 7, 7, 3, 2, 2, 2)]
+
+
+@pytest.mark.parametrize("layout", [*LAYOUTS, "nchw->nchw"])
+@pytest.mark.parametrize("case", MAX_POOLS, ids=lambda c: "x".join(str(v) for v in c[1:]))
+def test_max_pool_in_either_layout_matches_the_reference(layout_path: int,
+                                                         case: tuple[Any, ...], layout: str,
+                                                         monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """The 8-bit MaxPool between any two layouts gives the reference's bytes at 1, 2 and 3
+    threads; inside a chain (nhwc->nhwc) with no layout change."""
+    dtype, n, c, h, w, k, s, p, d = case
+    x = _q(dtype, n, c, h, w)
+    attrs = get_schema(Op.MAX_POOL).normalize_attrs(
+        {"kernel_shape": [k, k], "strides": [s, s], "pads": [p] * 4, "dilations": [d, d]})
+    want = REFERENCE.get(Op.MAX_POOL, "default").fn(
+        KernelContext(np, "reference", DeviceKind.CPU), [x], attrs, None)[0]
+    src, dst = layout.split("->")
+    if layout == "nhwc->nhwc":
+        monkeypatch.setattr(qlayout, "_transpose", _no_layout_change)
+    kv = CPU.get(Op.MAX_POOL, "int8")
+    for threads in (1, 2, 3):
+        plan = NodePlan(variant="int8", layout=layout, threads=threads)
+        ctx = KernelContext(np, "cpu", DeviceKind.CPU, threads, plan=plan)
+        got = np.asarray(kv.fn(ctx, [_stored(x, src)], attrs, [np.empty_like(want)])[0])
+        np.testing.assert_array_equal(_read(got, dst), want)

@@ -20,6 +20,7 @@ runs the call bound on its first run (:class:`_PoolRun`): LeNet's pools take
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import threading
@@ -242,6 +243,18 @@ def max_pool_int8(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) ->
     x = inputs[0]
     win = _prepare(Op.MAX_POOL, x, attrs)[0]
     geometry = _int8_geometry(x, win, out)
+    from keel.backends.cpu import qlayout
+
+    src, dst = qlayout.layouts(ctx)
+    if (src, dst) != (qlayout.NCHW, qlayout.NCHW) and out is not None:
+        plain = dataclasses.replace(ctx, plan=qlayout.without_layout(ctx.plan))
+
+        def nchw(xn: np.ndarray, yn: np.ndarray) -> None:
+            max_pool_int8(plain, [xn, *inputs[1:]], attrs, [yn])
+
+        qlayout.max_pool(src, dst, np.ascontiguousarray(x), geometry, out[0],
+                         ctx.threads or 1, nchw)
+        return [out[0]]
     if geometry is None:
         return list(max_pool(ctx, inputs, attrs, out))
     from keel.backends.cpu import native_qgemm

@@ -12,9 +12,13 @@ nodes of its chain read it. Inside the chain
   whose (N*H*W, M) result is channels-last already;
 - a depthwise convolution runs on ``keel_qdepthwise_nhwc_u8s8``, the channels in the
   vector lanes;
-- a QLinearAdd is elementwise: the same bytes in any layout.
+- any other convolution with one group (3x3, a strided 1x1, ...) is an indirect product
+  on the pointwise panels, ``keel_qconv_nhwc_u8s8``: each output pixel's taps read the
+  input pixels' channel rows in place (a row of x's zero point for the padding);
+- a QLinearAdd is elementwise: the same bytes in any layout;
+- an 8-bit MaxPool is a byte-wise max of whole channel rows (``keel_qmaxpool_nhwc_8``).
 
-Any other convolution may start a chain (its NCHW result transposed once), and a node
+A convolution these do not take may start a chain (its NCHW result transposed once), and a node
 whose output leaves the chain writes NCHW. What the channels-last kernels do not take
 runs the node's NCHW kernel between two layout changes, so every result equals the
 reference kernels' bit for bit.
@@ -41,7 +45,8 @@ from keel.native.pool import parts
 from keel.ops.schemas.quantization import QUANT_RANGES, ConvGeometry
 
 __all__ = ["NCHW", "NHWC", "ChannelsLastPack", "QuantConv", "available", "channels_last", "conv",
-           "conv_kind", "global_average_pool", "in_graph_layout", "layouts", "pack", "scratch",
+           "conv_kind", "global_average_pool", "in_graph_layout", "layouts", "max_pool", "pack",
+           "scratch",
            "to_nchw", "to_nhwc", "weight_kind", "without_layout"]
 
 LIBRARY = "qlayout"
@@ -59,6 +64,8 @@ class _Functions:
     depthwise: Any
     pointwise: Any
     global_average: Any
+    dense: Any
+    max_pool: Any
 
     @classmethod
     @functools.lru_cache(maxsize=4)
@@ -71,7 +78,9 @@ class _Functions:
                    f("keel_qpointwise_nhwc_u8s8",
                      [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I], _I),
                    f("keel_qglobal_avgpool_u8",
-                     [_P, _I, _I, _I, _I, _I, ctypes.c_float, _P, _P, _I], _I))
+                     [_P, _I, _I, _I, _I, _I, ctypes.c_float, _P, _P, _I], _I),
+                   f("keel_qconv_nhwc_u8s8", [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _I], _I),
+                   f("keel_qmaxpool_nhwc_8", [_P, _I, _P, _P, _I], _I))
 
 
 def _load() -> _Functions | None:
@@ -95,23 +104,27 @@ def layouts(ctx: KernelContext) -> tuple[str, str]:
 
 
 def weight_kind(weight_shape: tuple[int, ...], group: int) -> str:
-    """``pointwise``, ``depthwise`` or ``other``: the channels-last form a QLinearConv's
-    weights (M, C/group, kh, kw) are packed for."""
+    """``pointwise``, ``depthwise``, ``dense`` or ``other``: the channels-last form a
+    QLinearConv's weights (M, C/group, kh, kw) are packed for (a 1x1 convolution's
+    panels serve it strided as well)."""
     m = int(weight_shape[0])
     if group == 1 and all(int(k) == 1 for k in weight_shape[2:]):
         return "pointwise"
     if group == m and len(weight_shape) == 4 and int(weight_shape[1]) == 1:
         return "depthwise"
+    if group == 1 and len(weight_shape) == 4 and int(weight_shape[1]) % 4 == 0:
+        return "dense"
     return "other"
 
 
 def conv_kind(geo: ConvGeometry, weight_shape: tuple[int, ...]) -> str:
-    """``pointwise`` (1x1, stride 1, no padding, one group), ``depthwise`` or ``other``:
-    which channels-last kernel takes a 2-D QLinearConv of geometry ``geo``."""
+    """``pointwise`` (1x1, stride 1, no padding, one group), ``depthwise``, ``dense`` (one
+    group, C a multiple of 4: the indirect product) or ``other``: which channels-last
+    kernel takes a 2-D QLinearConv of geometry ``geo``."""
     kind = weight_kind(weight_shape, geo.group)
     if kind == "pointwise" and (any(s != 1 for s in geo.strides) or any(geo.pads_begin)
                                 or any(geo.pads_end)):
-        return "other"
+        return "dense" if int(weight_shape[1]) % 4 == 0 else "other"
     return kind
 
 
@@ -207,6 +220,23 @@ class ChannelsLastPack:
 _TILE_COLUMNS = 32     # qlayout.c's NT: output channels per pointwise panel
 
 
+def _symmetric(zero_points: np.ndarray, dtype: np.dtype) -> bool:
+    """Whether the weights' zero points are all 0 as signed bytes (the panels' form)."""
+    return not np.any(zero_points.astype(np.int16) - (128 if dtype == np.uint8 else 0))
+
+
+def _panels(conv: native_qgemm.PackedConv, w2: np.ndarray) -> ChannelsLastPack:
+    """The (M, K) weights w2 as the panels [M/32][K/4][32][4] (signed) and column sums."""
+    m, c = w2.shape
+    signed = w2.astype(np.int16) - (128 if w2.dtype == np.uint8 else 0)
+    mp, cp = -(-m // _TILE_COLUMNS) * _TILE_COLUMNS, -(-c // 4) * 4
+    padded = np.zeros((mp, cp), np.int8)
+    padded[:m, :c] = signed
+    panels = padded.reshape(mp // _TILE_COLUMNS, _TILE_COLUMNS, cp // 4, 4).transpose(0, 2, 1, 3)
+    return ChannelsLastPack(conv, panels=np.ascontiguousarray(panels),
+                            col_sums=signed.sum(axis=1, dtype=np.int64))
+
+
 def pack(w: np.ndarray, w_zero_point: np.ndarray, kind: str) -> ChannelsLastPack:
     """Pack a QLinearConv's 8-bit weights (M, C/g, kh, kw) once for ``kind``."""
     conv = native_qgemm.pack_conv(w, w_zero_point)
@@ -214,19 +244,14 @@ def pack(w: np.ndarray, w_zero_point: np.ndarray, kind: str) -> ChannelsLastPack
     zp = np.broadcast_to(np.asarray(w_zero_point).reshape(-1), (m,))
     if kind == "pointwise":
         w2 = np.asarray(w).reshape(m, -1)
-        signed = w2.astype(np.int16) - (128 if w2.dtype == np.uint8 else 0)
-        if np.any(zp.astype(np.int16) - (128 if w2.dtype == np.uint8 else 0)) or \
-                not planner_rules().int8_pointwise_panels(w2.size):
+        if not _symmetric(zp, w2.dtype) or not planner_rules().int8_pointwise_panels(w2.size):
             return ChannelsLastPack(conv, pointwise=native_qgemm.pack_matmul(
                 np.ascontiguousarray(w2.T), zp))
-        c = w2.shape[1]
-        mp, cp = -(-m // _TILE_COLUMNS) * _TILE_COLUMNS, -(-c // 4) * 4
-        padded = np.zeros((mp, cp), np.int8)
-        padded[:m, :c] = signed
-        panels = padded.reshape(mp // _TILE_COLUMNS, _TILE_COLUMNS, cp // 4, 4).transpose(
-            0, 2, 1, 3)
-        return ChannelsLastPack(conv, panels=np.ascontiguousarray(panels),
-                                col_sums=signed.sum(axis=1, dtype=np.int64))
+        return _panels(conv, w2)
+    if kind == "dense":
+        # k = tap * C + channel: a tap's C channels contiguous, as an input pixel's row
+        w2 = np.asarray(w).reshape(m, int(w.shape[1]), -1).transpose(0, 2, 1).reshape(m, -1)
+        return _panels(conv, w2) if _symmetric(zp, w2.dtype) else ChannelsLastPack(conv)
     if kind == "depthwise":
         taps = np.asarray(w).reshape(m, -1).astype(np.int32) - zp.astype(np.int32)[:, None]
         return ChannelsLastPack(conv, taps=np.ascontiguousarray(taps.T),
@@ -308,6 +333,26 @@ def _panel_call(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> _NativeCall
     c, m = int(x_cl.shape[-1]), int(y_cl.shape[-1])
     pixels = int(x_cl.size // max(1, c))
     signed = x_cl.dtype == np.int8
+    folded = _panel_operands(q, signed, y_cl.dtype)
+    if folded is None:
+        return None
+    bias, mult, quant = folded
+    tiles = -(-pixels // 12)
+    count = parts(tiles, max(1, q.threads),
+                  max(1, planner_rules().MIN_FLOPS_PER_THREAD // max(1, 24 * c * m)))
+    return _NativeCall(fns.pointwise, (int(signed), pixels, c, m, _ptr(panels), _ptr(bias),
+                                       _ptr(mult), _ptr(quant)), (count,),
+                       (panels, bias, mult, quant))
+
+
+def _panel_operands(q: QuantConv, signed: bool, y_dtype: np.dtype
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The panels' bias (x's zero point, + 128 for signed x, folded in over every column
+    sum) and multipliers, padded to whole blocks, and {y zero point, lo, hi}; None where
+    the folded bias could overflow the int32 sums."""
+    panels, sums = q.packed.panels, q.packed.col_sums
+    assert panels is not None and sums is not None
+    m = int(sums.shape[0])
     folded = -(q.x_zero_point + (128 if signed else 0)) * sums
     if q.bias is not None:
         folded = folded + q.bias.astype(np.int64)
@@ -316,14 +361,35 @@ def _panel_call(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> _NativeCall
     mp = panels.shape[0] * _TILE_COLUMNS
     bias, mult = np.zeros(mp, np.int32), np.zeros(mp, np.float64)
     bias[:m], mult[:m] = folded, q.multiplier
-    lo, hi = QUANT_RANGES[DType.from_numpy(y_cl.dtype)]
-    quant = np.array([q.y_zero_point, lo, hi], dtype=np.int64)
-    tiles = -(-pixels // 12)
+    lo, hi = QUANT_RANGES[DType.from_numpy(y_dtype)]
+    return bias, mult, np.array([q.y_zero_point, lo, hi], dtype=np.int64)
+
+
+def _dense(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> bool:
+    return _call(q, "dense", x_cl, y_cl, _dense_call)
+
+
+def _dense_call(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> _NativeCall | None:
+    """``keel_qconv_nhwc_u8s8``: the indirect product over the output pixels' taps."""
+    fns, panels = _load(), q.packed.panels
+    n, h, w, c = (int(d) for d in x_cl.shape)
+    if fns is None or panels is None or c % 4:
+        return None
+    signed = x_cl.dtype == np.int8
+    operands = _panel_operands(q, signed, y_cl.dtype)
+    if operands is None:
+        return None
+    bias, mult, quant = operands
+    geo, m = q.geo, int(y_cl.shape[-1])
+    (oh, ow), (kh, kw) = geo.out_spatial, geo.kernel
+    geometry = np.array([n, c, h, w, oh, ow, kh, kw, *geo.strides, *geo.dilations,
+                         geo.pads_begin[0], geo.pads_begin[1]], dtype=np.int64)
+    tiles = -(-(n * oh * ow) // 12)
     count = parts(tiles, max(1, q.threads),
-                  max(1, planner_rules().MIN_FLOPS_PER_THREAD // max(1, 24 * c * m)))
-    return _NativeCall(fns.pointwise, (int(signed), pixels, c, m, _ptr(panels), _ptr(bias),
-                                       _ptr(mult), _ptr(quant)), (count,),
-                       (panels, bias, mult, quant))
+                  max(1, planner_rules().MIN_FLOPS_PER_THREAD // max(1, 24 * kh * kw * c * m)))
+    return _NativeCall(fns.dense, (int(signed), q.x_zero_point, _ptr(geometry), m,
+                                   _ptr(panels), _ptr(bias), _ptr(mult), _ptr(quant)),
+                       (count,), (panels, bias, mult, quant, geometry))
 
 
 # qlayout.c's depthwise channel block: 32 channels as int16 in one 512-bit register.
@@ -369,7 +435,7 @@ def _depthwise_call(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> _Native
 
 
 _CHANNELS_LAST: dict[str, Callable[[QuantConv, np.ndarray, np.ndarray], bool]] = {
-    "pointwise": _pointwise, "depthwise": _depthwise}
+    "pointwise": _pointwise, "depthwise": _depthwise, "dense": _dense}
 
 
 def scratch(key: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
@@ -405,6 +471,44 @@ def conv(src: str, dst: str, kind: str, x: np.ndarray, q: QuantConv | None,
         if y_n is not y:
             y[...] = y_n
     return y
+
+
+# ---- MaxPool ---------------------------------------------------------------------------------
+def max_pool(src: str, dst: str, x: np.ndarray, geometry: tuple[int, ...] | None,
+             y: np.ndarray, threads: int, nchw: Callable[[np.ndarray, np.ndarray], None]
+             ) -> None:
+    """``y`` = the 2-D window max of the 8-bit ``x``, both in their graph shapes, their
+    bytes in ``src`` and ``dst`` order; ``geometry`` as
+    :func:`keel.backends.cpu.native_qgemm.max_pool`'s (None: a pool the native kernels do
+    not take); ``nchw`` the NCHW kernel (x into y), which runs between layout changes
+    where x is NCHW or the native kernel cannot run."""
+    fns = _load()
+    n, c, oh, ow = (int(d) for d in y.shape)
+    if src == NCHW or fns is None or geometry is None:
+        x_n = x if src == NCHW else to_nchw(channels_last(x), threads,
+                                            scratch("x", x.shape, x.dtype))
+        if dst == NCHW:
+            nchw(x_n, y)
+            return
+        y_n = scratch("y", y.shape, y.dtype)
+        nchw(x_n, y_n)
+        to_nhwc(y_n, threads, y.reshape(n, oh, ow, c))
+        return
+    y_cl = y.reshape(n, oh, ow, c) if dst == NHWC else scratch("y", (n, oh, ow, c), y.dtype)
+    count = parts(n * oh, max(1, threads),
+                  -(-planner_rules().QMAXPOOL_MIN_ELEMENTS_PER_THREAD // max(1, 4 * ow * c)))
+    rc = fns.max_pool(_ptr(x), int(x.dtype == np.int8), _ptr(_geometry(geometry)), _ptr(y_cl),
+                      count)
+    if rc == -2:
+        raise ValueError(f"channels-last int8 max pool: geometry {geometry} not taken")
+    _check(rc)
+    if dst == NCHW:
+        to_nchw(y_cl, threads, y)
+
+
+@functools.lru_cache(maxsize=64)
+def _geometry(geometry: tuple[int, ...]) -> np.ndarray:
+    return np.array(geometry, dtype=np.int64)
 
 
 # ---- QLinearGlobalAveragePool ------------------------------------------------------------

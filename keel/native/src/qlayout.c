@@ -164,14 +164,19 @@ typedef struct {
 } dwcl_job;
 
 /* The input pixel under tap (ky, kx) of output (oy, ox), or the padding's zero row. */
+static const uint8_t *pixel_at(const int64_t *g, const uint8_t *x, const uint8_t *zero_row,
+                               int64_t n, int64_t oy, int64_t ox, int64_t ky, int64_t kx)
+{
+    int64_t iy = oy * g[G_SH] + ky * g[G_DH] - g[G_PT];
+    int64_t ix = ox * g[G_SW] + kx * g[G_DW] - g[G_PL];
+    if (iy < 0 || iy >= g[G_H] || ix < 0 || ix >= g[G_W]) return zero_row;
+    return x + ((n * g[G_H] + iy) * g[G_W] + ix) * g[G_C];
+}
+
 static const uint8_t *tap_pixel(const dwcl_job *j, int64_t n, int64_t oy, int64_t ox,
                                 int64_t ky, int64_t kx)
 {
-    const int64_t *g = j->g;
-    int64_t iy = oy * g[G_SH] + ky * g[G_DH] - g[G_PT];
-    int64_t ix = ox * g[G_SW] + kx * g[G_DW] - g[G_PL];
-    if (iy < 0 || iy >= g[G_H] || ix < 0 || ix >= g[G_W]) return j->zero_row;
-    return j->x + ((n * g[G_H] + iy) * g[G_W] + ix) * g[G_C];
+    return pixel_at(j->g, j->x, j->zero_row, n, oy, ox, ky, kx);
 }
 
 static void requant_portable(const dwcl_job *j, const int32_t *acc, int64_t c0, int64_t nc,
@@ -794,6 +799,242 @@ int64_t keel_qpointwise_nhwc_u8s8(const uint8_t *x, int64_t is_signed, int64_t p
     pw_job j = {x, p, c, m, (c + 3) / 4, is_signed, w, bias, mult, (double)quant[0],
                 (double)quant[1], (double)quant[2], y};
     return run_parts(pw_task, &j, (p + MR - 1) / MR, parts, 1);
+}
+
+/* ---- dense convolution, NHWC in and out: an indirect product ------------------------------
+ * A convolution with one group is the product of each output pixel's taps x C input
+ * bytes with the weights [M/32][taps * C/4][32][4] (k = tap * C + channel, zero points
+ * 0), on the pointwise panels' tile: MR output pixels by 32 output channels in
+ * registers. Nothing is copied: a tile first lists, for every tap, the address of each of
+ * its pixels' input rows (the C channel bytes of the pixel under that tap, read in place
+ * from the NHWC x, or a row of x's zero point where the tap falls in the padding, which
+ * the bias's fold of x's zero point cancels), then reads four channels of each row per
+ * broadcast. Only real output pixels are computed; C is a multiple of 4. */
+
+typedef struct {
+    pw_job pw;                 /* x unused; p = N * OH * OW; c = C; cq = taps * C / 4 */
+    int64_t g[G_SIZE];
+    int64_t ntaps;
+    const uint8_t *x;
+    const uint8_t *zero_row;   /* C bytes of x's zero point */
+} ic_job;
+
+/* rows[t * MR + i]: tile pixel i's input row under tap t (pixels past P: the zero row). */
+static void ic_rows(const ic_job *j, int64_t r0, const uint8_t **rows)
+{
+    const int64_t *g = j->g;
+    int64_t kw = g[G_KW], plane = g[G_OH] * g[G_OW];
+    for (int64_t i = 0; i < MR; i++) {
+        int64_t r = r0 + i, n = r / plane, oy = r % plane / g[G_OW], ox = r % g[G_OW];
+        for (int64_t t = 0; t < j->ntaps; t++)
+            rows[t * MR + i] = r < j->pw.p ? pixel_at(g, j->x, j->zero_row, n, oy, ox, t / kw,
+                                                      t % kw)
+                                           : j->zero_row;
+    }
+}
+
+/* One pixel's outputs of block b (the portable path): plain int32 sums. */
+static void ic_pixel(const ic_job *j, const uint8_t *const *rows, int64_t i, int64_t b,
+                     uint8_t *out)
+{
+    const pw_job *pw = &j->pw;
+    int64_t col0 = b * NT, ncols = pw->m - col0 < NT ? pw->m - col0 : NT, cq = pw->c / 4;
+    const int8_t *w = pw->w + b * pw->cq * NT * 4;
+    int32_t acc[NT] = {0};
+    for (int64_t t = 0; t < j->ntaps; t++) {
+        const uint8_t *row = rows[t * MR + i];
+        for (int64_t q = 0; q < cq; q++) {
+            const int8_t *wq = w + (t * cq + q) * NT * 4;
+            for (int e = 0; e < 4; e++) {
+                int32_t v = (int32_t)(row[4 * q + e] ^ (pw->flip ? 0x80u : 0u));
+                for (int64_t k = 0; k < ncols; k++) acc[k] += v * wq[k * 4 + e];
+            }
+        }
+    }
+    pw_store_portable(pw, acc, col0, ncols, out);
+}
+
+#if LAYOUT_AVX512
+/* The tile's MR pixels by block b (halves = 1: at most 16 channels) into out (MR rows of
+ * M bytes), their input rows listed in rows. */
+static inline __attribute__((always_inline)) void
+ic_tile_halves(const ic_job *j, const uint8_t *const *rows, int64_t b, uint8_t *out,
+               const int halves)
+{
+    const pw_job *pw = &j->pw;
+    const int64_t col0 = b * NT, ncols = pw->m - col0 < NT ? pw->m - col0 : NT;
+    const __m512i b0 = _mm512_loadu_si512((const void *)(pw->bias + col0));
+    const __m512i b1 = _mm512_loadu_si512((const void *)(pw->bias + col0 + 16));
+#define IC_INIT(i) __m512i a##i##0 = b0, a##i##1 = b1
+#define IC_ROW(i) do { \
+        __m512i v = _mm512_set1_epi32((int32_t)(load32(p##i + 4 * q) ^ flip)); \
+        a##i##0 = _mm512_dpbusd_epi32(a##i##0, v, w0); \
+        if (halves == 2) a##i##1 = _mm512_dpbusd_epi32(a##i##1, v, w1); \
+    } while (0)
+    IC_INIT(0); IC_INIT(1); IC_INIT(2); IC_INIT(3); IC_INIT(4); IC_INIT(5);
+    IC_INIT(6); IC_INIT(7); IC_INIT(8); IC_INIT(9); IC_INIT(10); IC_INIT(11);
+    const uint32_t flip = pw->flip ? 0x80808080u : 0u;
+    const int64_t cq = pw->c / 4;
+    const int8_t *w = pw->w + b * pw->cq * NT * 4;
+    for (int64_t t = 0; t < j->ntaps; t++, w += cq * NT * 4) {
+        const uint8_t *const *r = rows + t * MR;
+        const uint8_t *p0 = r[0], *p1 = r[1], *p2 = r[2], *p3 = r[3], *p4 = r[4], *p5 = r[5],
+                      *p6 = r[6], *p7 = r[7], *p8 = r[8], *p9 = r[9], *p10 = r[10], *p11 = r[11];
+        for (int64_t q = 0; q < cq; q++) {
+            __m512i w0 = _mm512_loadu_si512((const void *)(w + q * NT * 4));
+            __m512i w1 = halves == 2 ? _mm512_loadu_si512((const void *)(w + q * NT * 4 + 64))
+                                     : w0;
+            IC_ROW(0); IC_ROW(1); IC_ROW(2); IC_ROW(3); IC_ROW(4); IC_ROW(5);
+            IC_ROW(6); IC_ROW(7); IC_ROW(8); IC_ROW(9); IC_ROW(10); IC_ROW(11);
+        }
+    }
+#undef IC_ROW
+#undef IC_INIT
+    const __m512i acc[MR][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}, {a40, a41},
+                                {a50, a51}, {a60, a61}, {a70, a71}, {a80, a81}, {a90, a91},
+                                {a100, a101}, {a110, a111}};
+    const __m512 m[2] = {floats16(pw->mult + col0), floats16(pw->mult + col0 + 16)};
+    const __m512 hi = _mm512_set1_ps((float)(pw->hi - pw->zp));
+    const __m512i zp16 = _mm512_set1_epi16((int16_t)pw->zp);
+    const __m512i lo16 = _mm512_set1_epi16((int16_t)pw->lo);
+    const int is_signed_out = pw->lo < 0, only_block = col0 == 0 && ncols == pw->m;
+    for (int i = 0; i < MR; i += 2) {
+        __m512i bytes = requant_rows(acc[i], acc[i + 1], m, hi, zp16, lo16, is_signed_out);
+        pw_store_row(pw, _mm512_castsi512_si256(bytes), i, ncols, only_block,
+                     out + i * pw->m + col0);
+        pw_store_row(pw, _mm512_extracti64x4_epi64(bytes, 1), i + 1, ncols, only_block,
+                     out + (i + 1) * pw->m + col0);
+    }
+}
+#endif
+
+static void ic_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
+{
+    const ic_job *j = ctx;
+    const pw_job *pw = &j->pw;
+    const uint8_t **rows = (const uint8_t **)(void *)scratch;
+    uint8_t *last = (uint8_t *)(void *)(rows + j->ntaps * MR);   /* MR rows of M bytes */
+    int64_t blocks = (pw->m + NT - 1) / NT;
+    for (int64_t t = lo; t < hi; t++) {
+        int64_t r0 = t * MR, count = pw->p - r0 < MR ? pw->p - r0 : MR;
+        uint8_t *out = count == MR ? pw->y + r0 * pw->m : last;
+        ic_rows(j, r0, rows);
+        for (int64_t b = 0; b < blocks; b++) {
+#if LAYOUT_AVX512
+            if (pw->m - b * NT <= 16)
+                ic_tile_halves(j, rows, b, out, 1);
+            else
+                ic_tile_halves(j, rows, b, out, 2);
+#else
+            for (int64_t i = 0; i < count; i++) ic_pixel(j, rows, i, b, out + i * pw->m + b * NT);
+#endif
+        }
+        if (count < MR) memcpy(pw->y + r0 * pw->m, last, (size_t)(count * pw->m));
+    }
+}
+
+/* y (NHWC, 8-bit) = the requantized 2-D convolution (one group) of the NHWC 8-bit x
+ * (is_signed: int8) with zero point xz; geometry = {N, C, H, W, OH, OW, KH, KW, SH, SW,
+ * DH, DW, pad top, pad left}; w the packed weights [M/32][KH * KW * C/4][32][4] (zero
+ * points 0); bias[M padded to 32] int32 with x's zero point folded in over every tap (x's
+ * zero point + 128 for signed x); mult[M padded to 32]; quant = {y zero point, lo, hi}.
+ * Tasks: tiles of MR output pixels. 0, -1 (no memory) or -2 (C not a multiple of 4). */
+int64_t keel_qconv_nhwc_u8s8(const uint8_t *x, int64_t is_signed, int64_t xz,
+                             const int64_t *geometry, int64_t m, const int8_t *w,
+                             const int32_t *bias, const double *mult, const int64_t *quant,
+                             uint8_t *y, int64_t parts)
+{
+    ic_job j;
+    memcpy(j.g, geometry, sizeof j.g);
+    const int64_t *g = j.g, c = g[G_C];
+    int64_t p = g[G_N] * g[G_OH] * g[G_OW];
+    if (p <= 0 || m <= 0) return 0;
+    if (c <= 0 || c % 4) return -2;
+    j.ntaps = g[G_KH] * g[G_KW];
+    j.x = x;
+    pw_job pw = {x, p, c, m, j.ntaps * c / 4, is_signed, w, bias, mult, (double)quant[0],
+                 (double)quant[1], (double)quant[2], y};
+    j.pw = pw;
+    uint8_t *zero_row = malloc((size_t)c);
+    if (!zero_row) return -1;
+    memset(zero_row, (int)(xz & 0xFF), (size_t)c);
+    j.zero_row = zero_row;
+    int64_t floats = (j.ntaps * MR * (int64_t)sizeof(void *) + MR * m + 3) / 4 + 16;
+    int64_t rc = run_parts(ic_task, &j, (p + MR - 1) / MR, parts, floats);
+    free(zero_row);
+    return rc;
+}
+
+/* ---- int8 MaxPool, NHWC in and out ------------------------------------------------------
+ * Each output pixel's C bytes are the byte-wise max of the whole channel rows of the input
+ * pixels under its window (taps in the padding never chosen); geometry as
+ * keel_qmaxpool_8's: N, C, H, W, OH, OW, KH, KW, SH, SW, PT, PL, DH, DW. Tasks: output
+ * rows (image, oy). */
+enum { M_N, M_C, M_H, M_W, M_OH, M_OW, M_KH, M_KW, M_SH, M_SW, M_PT, M_PL, M_DH, M_DW,
+       M_SIZE };
+
+typedef struct {
+    int64_t g[M_SIZE];
+    const uint8_t *x;
+    int64_t is_signed;
+    uint8_t *y;
+} mpcl_job;
+
+/* out[k] = max(out[k], row[k]) for k < c (the signed bytes' order where is_signed). */
+static void max_row(uint8_t *out, const uint8_t *row, int64_t c, int64_t is_signed)
+{
+    int64_t k = 0;
+#if LAYOUT_AVX512
+    for (; k < c; k += 64) {
+        __mmask64 mk = c - k >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (c - k)) - 1;
+        __m512i a = _mm512_maskz_loadu_epi8(mk, out + k), b = _mm512_maskz_loadu_epi8(mk, row + k);
+        _mm512_mask_storeu_epi8(out + k, mk, is_signed ? _mm512_max_epi8(a, b)
+                                                       : _mm512_max_epu8(a, b));
+    }
+#endif
+    if (is_signed) {
+        int8_t *o = (int8_t *)(void *)out;
+        const int8_t *r = (const int8_t *)(const void *)row;
+        for (; k < c; k++) o[k] = r[k] > o[k] ? r[k] : o[k];
+    } else {
+        for (; k < c; k++) out[k] = row[k] > out[k] ? row[k] : out[k];
+    }
+}
+
+static void mpcl_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
+{
+    const mpcl_job *j = ctx;
+    const int64_t *g = j->g, c = g[M_C];
+    (void)scratch;
+    for (int64_t t = lo; t < hi; t++) {
+        int64_t n = t / g[M_OH], oy = t % g[M_OH];
+        for (int64_t ox = 0; ox < g[M_OW]; ox++) {
+            uint8_t *out = j->y + ((n * g[M_OH] + oy) * g[M_OW] + ox) * c;
+            memset(out, j->is_signed ? 0x80 : 0, (size_t)c);
+            for (int64_t ky = 0; ky < g[M_KH]; ky++) {
+                int64_t iy = oy * g[M_SH] - g[M_PT] + ky * g[M_DH];
+                if (iy < 0 || iy >= g[M_H]) continue;
+                for (int64_t kx = 0; kx < g[M_KW]; kx++) {
+                    int64_t ix = ox * g[M_SW] - g[M_PL] + kx * g[M_DW];
+                    if (ix < 0 || ix >= g[M_W]) continue;
+                    max_row(out, j->x + ((n * g[M_H] + iy) * g[M_W] + ix) * c, c, j->is_signed);
+                }
+            }
+        }
+    }
+}
+
+/* y[N][OH][OW][C] = the max over each 2-D window of x[N][H][W][C] (uint8, or int8 where
+ * is_signed). 0, or -2 for a geometry it does not take. */
+int64_t keel_qmaxpool_nhwc_8(const uint8_t *x, int64_t is_signed, const int64_t *geometry,
+                             uint8_t *y, int64_t parts)
+{
+    mpcl_job j;
+    memcpy(j.g, geometry, sizeof j.g);
+    for (int i = 0; i < M_SIZE; i++)
+        if (j.g[i] < (i == M_PT || i == M_PL ? 0 : 1)) return i < M_OW && !j.g[i] ? 0 : -2;
+    j.x = x, j.is_signed = is_signed, j.y = y;
+    return run_parts(mpcl_task, &j, j.g[M_N] * j.g[M_OH], parts, 1);
 }
 
 /* ---- QLinearGlobalAveragePool ------------------------------------------------------------

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["BUILDERS", "OPSET", "lenet", "make_inputs", "mlp", "mobilenet_block",
-           "resnet_block", "transformer_encoder"]
+           "resnet_block", "resnet_stages", "transformer_encoder"]
 
 OPSET = 17
 _F32 = 1       # onnx.TensorProto.FLOAT
@@ -171,6 +171,32 @@ def resnet_block(channels: int = 16, size: int = 16, classes: int = 10, seed: in
     b.nodes.append(_node("Gemm", [pooled, b.weight("w", (classes, channels), channels),
                                   b.bias("b", classes)], ["logits"], transB=1))
     return b.model("resnet_block", [_value("x", _F32, ("batch", 3, size, size))],
+                   [_value("logits", _F32, ("batch", classes))])
+
+
+def _conv_bn(b: _Builder, x: str, c_in: int, c_out: int, k: int, stride: int = 1,
+             relu: bool = True) -> str:
+    w = b.weight("conv", (c_out, c_in, k, k), c_in * k * k)
+    y = _batch_norm(b, str(b.op("Conv", [x, w], pads=[k // 2] * 4, strides=[stride] * 2,
+                                kernel_shape=[k, k])), c_out)
+    return str(b.op("Relu", [y])) if relu else y
+
+
+def resnet_stages(channels: int = 16, size: int = 16, classes: int = 10, seed: int = 0) -> Any:
+    """A ResNet-18 in small: stem conv, a 3x3 stride-2 max pool, a basic block, a
+    downsampling block (3x3 stride 2 and a 1x1 stride-2 shortcut to twice the channels),
+    pool, Gemm."""
+    b = _Builder(seed)
+    x = str(b.op("MaxPool", [_conv_bn(b, "x", 3, channels, 3)], kernel_shape=[3, 3],
+                 strides=[2, 2], pads=[1, 1, 1, 1]))
+    for c_in, c_out, stride in ((channels, channels, 1), (channels, 2 * channels, 2)):
+        y = _conv_bn(b, _conv_bn(b, x, c_in, c_out, 3, stride), c_out, c_out, 3, relu=False)
+        short = x if stride == 1 else _conv_bn(b, x, c_in, c_out, 1, stride, relu=False)
+        x = str(b.op("Relu", [b.op("Add", [y, short])]))
+    pooled = b.op("Flatten", [b.op("GlobalAveragePool", [x])], axis=1)
+    b.nodes.append(_node("Gemm", [pooled, b.weight("w", (classes, 2 * channels), 2 * channels),
+                                  b.bias("b", classes)], ["logits"], transB=1))
+    return b.model("resnet_stages", [_value("x", _F32, ("batch", 3, size, size))],
                    [_value("logits", _F32, ("batch", classes))])
 
 

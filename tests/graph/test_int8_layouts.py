@@ -1,7 +1,7 @@
-"""int8 activations kept channels-last through pointwise/depthwise chains: the cpu
-planner's chains (each node's plan names its layout, with the reason), and results bit
-for bit those of the NCHW plan, at several thread counts, the reference backend's and
-onnxruntime's."""
+"""int8 activations kept channels-last through pointwise/depthwise chains and through
+ResNet's dense convolutions, max pool and joins: the cpu planner's chains (each node's plan
+names its layout, with the reason), and results bit for bit those of the NCHW plan, at
+several thread counts, the reference backend's and onnxruntime's."""
 
 from __future__ import annotations
 
@@ -20,17 +20,21 @@ from tests.graph.test_fuse_qdq import _folded_and_quantized
 ort = pytest.importorskip("onnxruntime")
 
 
-@pytest.fixture(scope="module")
-def int8_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
-    """Two MobileNet blocks (the second's residual join inside the chain), BatchNorm
-    folded, quantized by onnxruntime (QDQ, uint8 activations, int8 weights per channel)."""
-    proto = models.mobilenet_block(channels=40, expansion=3, size=12, blocks=2)
+@pytest.fixture(scope="module", params=["mobilenet", "resnet"])
+def int8_model(request: pytest.FixtureRequest,
+               tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """Two MobileNet blocks (the second's residual join inside the chain), or a small
+    ResNet (stem, max pool, a basic block, a downsampling one), BatchNorm folded,
+    quantized by onnxruntime (QDQ, uint8 activations, int8 weights per channel)."""
+    proto = (models.mobilenet_block(channels=40, expansion=3, size=12, blocks=2)
+             if request.param == "mobilenet" else models.resnet_stages(channels=32, size=20))
     return _folded_and_quantized(tmp_path_factory.mktemp("int8_layouts"), proto, "qdq"), proto
 
 
 def _layouts(model: Any) -> Counter[str]:
     return Counter(p.layout for p in model.plan.nodes
-                   if p.op in ("qlinear_conv", "qlinear_add", "qlinear_global_avg_pool"))
+                   if p.op in ("qlinear_conv", "qlinear_add", "qlinear_global_avg_pool",
+                               "max_pool"))
 
 
 def test_the_plan_keeps_the_blocks_channels_last(int8_model: tuple[Path, Any]) -> None:
@@ -38,6 +42,9 @@ def test_the_plan_keeps_the_blocks_channels_last(int8_model: tuple[Path, Any]) -
         pytest.skip("the int8 kernels need the native tier")
     model = keel.load_model(str(int8_model[0]), threads=1)
     layouts = _layouts(model)
+    if int8_model[1].graph.name == "resnet_stages":
+        _resnet_chain(model, layouts)
+        return
     # stem starts the chain; 2 x (expand, depthwise, project) and both joins inside; the
     # integer global average pool reads the last join's channels-last bytes and ends it
     assert layouts["nchw->nhwc"] >= 1 and layouts["nhwc->nhwc"] >= 3
@@ -47,6 +54,20 @@ def test_the_plan_keeps_the_blocks_channels_last(int8_model: tuple[Path, Any]) -
     inside = [p for p in model.plan.nodes if p.layout == "nhwc->nhwc"]
     assert inside[0].plan is not None and "depthwise" in inside[0].plan.reason("layout")
     assert "channels-last chain" in model.explain()
+
+
+def _resnet_chain(model: Any, layouts: Counter[str]) -> None:
+    """The stem stays NCHW, the max pool starts the chain (its result transposed), every
+    dense convolution and join is inside it and the global average pool ends it."""
+    ops = {p.op: p for p in model.plan.nodes}
+    assert ops["max_pool"].layout == "nchw->nhwc"
+    convs = [p.layout for p in model.plan.nodes if p.op == "qlinear_conv"]
+    assert convs == ["", *["nhwc->nhwc"] * 5]
+    assert [p.layout for p in model.plan.nodes if p.op == "qlinear_add"] == ["nhwc->nhwc"] * 2
+    assert ops["qlinear_global_avg_pool"].layout == "nhwc->nchw"
+    assert layouts["nhwc->nchw"] == 1 and layouts["nchw->nhwc"] == 1
+    reason = ops["max_pool"].plan.reason("layout")
+    assert "5 dense convolutions" in reason and "max pools" in reason
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])

@@ -419,11 +419,30 @@ def int8_conv_columns(out_width: int, out_channels: int, depth: int = 0) -> str:
 # pixel and a depthwise one vectorizes over channels with no per-plane setup; the layout
 # changes once at a chain's ends. A chain is only worth its layout changes where it holds
 # a depthwise convolution: 1x1 convolutions alone run as well in NCHW.
-INT8_LAYOUT_REASON = ("int8 channels-last chain of {nodes} nodes ({depthwise} depthwise "
-                      "convolutions): 1x1 convolutions run as one product over all pixels, "
-                      "depthwise ones with the channels in the vector lanes, residual joins "
-                      "elementwise; the layout changes only at the chain's ends "
-                      "(this node: {this})")
+INT8_LAYOUT_REASON = ("int8 channels-last chain of {nodes} nodes ({depthwise} depthwise, "
+                      "{dense} dense convolutions): 1x1 convolutions run as one product over "
+                      "all pixels, depthwise ones with the channels in the vector lanes, "
+                      "dense ones as an indirect product reading each tap's pixel rows in "
+                      "place, residual joins elementwise, max pools over whole channel rows; "
+                      "the layout changes only at the chain's ends (this node: {this})")
+# A dense int8 convolution (one group, not a stride-1 unpadded 1x1) runs channels-last as
+# qlayout.c's indirect product: each tile of 12 output pixels lists its taps' input rows,
+# then runs the pointwise panels over taps x C. The list is paid per tile and 32 output
+# channels, so narrow convolutions lose to the NCHW direct kernel. The kernels alone at
+# batch 32, one thread, alternating, median of 20 (NHWC time over NCHW, measured under
+# load): ResNet-18's 64->64 3x3 at 56x56 0.95, 64->128 3x3 stride 2 0.76, 1x1 stride 2
+# 0.74, 128->128 at 28x28 0.88, 256->256 at 14x14 0.85, 256->512 1x1 stride 2 0.65,
+# 512->512 at 7x7 0.89; ResNet-20's 32->32 at 16x16 1.01, 16->32 3x3 stride 2 0.84, 64->64
+# at 8x8 0.87, but 16->16 at 32x32 1.75, 32->16 1.40 and 8->32 1.46. So a dense
+# convolution joins a chain only with at least these channels in and out; else it stays
+# NCHW (and may start or end a chain).
+INT8_DENSE_MIN_INPUT_CHANNELS = 16
+INT8_DENSE_MIN_OUTPUT_CHANNELS = 32
+# An int8 MaxPool whose input a convolution outside any chain writes (ResNet-18's stem)
+# starts the chain itself: the NCHW pool then the transpose of its 4x smaller result.
+# ResNet-18's 3x3 stride-2 pool of 32x64x112x112 at one thread (measured under load): NCHW
+# pool with its result transposed 3.5-4.3 ms, against the stem's result transposed (4.3-5.0)
+# and the channels-last pool (4.1).
 # A channels-last 1x1 convolution whose weights (C x M bytes) are at most this size runs on
 # qlayout.c's panels (12 pixels by 32 output channels in registers, the requantization
 # vectorized in the store); larger ones on qgemm.c's matrix product, since each tile of
@@ -477,13 +496,17 @@ _POOL_ROLE = ("ends it, the global average pool reading its channels-last bytes 
 
 def _layout_kind(node: Any, types: Mapping[str, TensorType | None]) -> str | None:
     """What a node placed on the int8 kernels can be in a channels-last chain:
-    ``pointwise``/``depthwise`` (reads and writes it), ``other`` (a convolution that
-    can only start one), ``add`` (elementwise, both operands in its layout), ``pool`` (a
-    QLinearGlobalAveragePool: reads either layout, and its (N, C, 1, 1) result is the same
-    bytes in both, so it can only end one), or None."""
+    ``pointwise``/``depthwise``/``dense`` (reads and writes it), ``other`` (a convolution
+    that can only start one), ``add`` (elementwise, both operands in its layout),
+    ``maxpool`` (reads and writes it), ``pool`` (a QLinearGlobalAveragePool: reads either
+    layout, and its (N, C, 1, 1) result is the same bytes in both, so it can only end one),
+    or None."""
     shapes = [_static(types.get(i)) if i else None for i in node.inputs]
     if node.op is Op.QLINEAR_GLOBAL_AVG_POOL:
         return "pool" if shapes[0] is not None and len(shapes[0]) == 4 else None
+    if node.op is Op.MAX_POOL:
+        single = len([o for o in node.outputs if o]) == 1
+        return "maxpool" if single and shapes[0] is not None and len(shapes[0]) == 4 else None
     if node.op is Op.QLINEAR_ADD:
         a, b = shapes[0], shapes[3] if len(shapes) > 3 else None
         return "add" if a is not None and len(a) == 4 and a == b else None
@@ -496,7 +519,11 @@ def _layout_kind(node: Any, types: Mapping[str, TensorType | None]) -> str | Non
     from keel.backends.cpu import qlayout
     from keel.ops.schemas.quantization import conv_geometry as qlinear_geometry
 
-    return qlayout.conv_kind(qlinear_geometry(x, w, node.attrs), w)
+    kind = qlayout.conv_kind(qlinear_geometry(x, w, node.attrs), w)
+    if kind == "dense" and (w[1] < INT8_DENSE_MIN_INPUT_CHANNELS
+                            or w[0] < INT8_DENSE_MIN_OUTPUT_CHANNELS):
+        return "other"
+    return kind
 
 
 def _static(t: TensorType | None) -> tuple[int, ...] | None:
@@ -511,11 +538,12 @@ def int8_layouts(graph: Any, types: Mapping[str, TensorType | None],
     ``"nchw->nhwc"``, ``"nhwc->nhwc"`` or ``"nhwc->nchw"`` (what the node reads and
     writes). ``variants[i]`` is node i's variant on this backend (None: elsewhere).
 
-    A value is kept channels-last when an int8 convolution or join writes it, every
-    reader is a 1x1 or depthwise convolution, a join or a global average pool (which
-    ends the chain), it is no graph output, a join's
-    operands share a layout (its result channels-last only where they are), and its
-    chain holds a depthwise convolution."""
+    A value is kept channels-last when an int8 convolution, join or max pool writes it,
+    every reader is a 1x1, depthwise or dense convolution (one wide enough for the
+    indirect product), a max pool (unless a convolution outside any chain writes the
+    value), a join or a global average pool (which ends the chain), it is no graph output,
+    a join's operands share a layout (its result channels-last only where they are), and
+    its chain holds a depthwise or dense convolution."""
     nodes = graph.nodes
     kinds = [(_layout_kind(n, types) if variants[i] == "int8" else None)
              for i, n in enumerate(nodes)]
@@ -528,8 +556,10 @@ def int8_layouts(graph: Any, types: Mapping[str, TensorType | None],
 
     def reads_nhwc(i: int, name: str) -> bool:
         n = nodes[i]
-        if kinds[i] in ("pointwise", "depthwise"):
+        if kinds[i] in ("pointwise", "depthwise", "dense"):
             return n.inputs[0] == name and name not in n.inputs[1:]
+        if kinds[i] == "maxpool":
+            return n.inputs[0] == name and kinds[producer[name]] != "other"
         if kinds[i] == "pool":
             return n.inputs[0] == name
         return kinds[i] == "add" and name in (n.inputs[0], n.inputs[3])
@@ -555,7 +585,7 @@ def _chains(nodes: Sequence[Any], kinds: Sequence[str | None], nhwc: set[str],
             producer: Mapping[str, int], readers: Mapping[str, list[int]]
             ) -> dict[int, tuple[str, str]]:
     """The layouts of the chains (nodes joined by channels-last values) that hold a
-    depthwise convolution."""
+    depthwise or dense convolution."""
     parent = list(range(len(nodes)))
 
     def root(i: int) -> int:
@@ -574,14 +604,15 @@ def _chains(nodes: Sequence[Any], kinds: Sequence[str | None], nhwc: set[str],
     decided: dict[int, tuple[str, str]] = {}
     for chain in members.values():
         depthwise = sum(kinds[i] == "depthwise" for i in chain)
-        if not depthwise:
+        dense = sum(kinds[i] == "dense" for i in chain)
+        if not depthwise and not dense:
             continue
         for i in chain:
             src = "nhwc" if nodes[i].inputs[0] in nhwc else "nchw"
             dst = "nhwc" if nodes[i].outputs[0] in nhwc else "nchw"
             role = _POOL_ROLE if kinds[i] == "pool" else _LAYOUT_ROLES[(src, dst)]
             decided[i] = (f"{src}->{dst}", INT8_LAYOUT_REASON.format(
-                nodes=len(chain), depthwise=depthwise, this=role))
+                nodes=len(chain), depthwise=depthwise, dense=dense, this=role))
     return decided
 
 

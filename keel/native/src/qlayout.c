@@ -816,21 +816,43 @@ typedef struct {
     int64_t g[G_SIZE];
     int64_t ntaps;
     const uint8_t *x;
+    const int32_t *offsets;    /* [OH * OW][taps]: the input row's offset in its image, or -1 */
     const uint8_t *zero_row;   /* C bytes of x's zero point */
 } ic_job;
 
 /* rows[t * MR + i]: tile pixel i's input row under tap t (pixels past P: the zero row). */
 static void ic_rows(const ic_job *j, int64_t r0, const uint8_t **rows)
 {
-    const int64_t *g = j->g;
-    int64_t kw = g[G_KW], plane = g[G_OH] * g[G_OW];
+    const int64_t *g = j->g, ntaps = j->ntaps;
+    const int64_t plane = g[G_OH] * g[G_OW], image = g[G_H] * g[G_W] * g[G_C];
+    int64_t n = r0 / plane, pix = r0 % plane;
     for (int64_t i = 0; i < MR; i++) {
-        int64_t r = r0 + i, n = r / plane, oy = r % plane / g[G_OW], ox = r % g[G_OW];
-        for (int64_t t = 0; t < j->ntaps; t++)
-            rows[t * MR + i] = r < j->pw.p ? pixel_at(g, j->x, j->zero_row, n, oy, ox, t / kw,
-                                                      t % kw)
-                                           : j->zero_row;
+        if (r0 + i >= j->pw.p) {
+            for (int64_t t = 0; t < ntaps; t++) rows[t * MR + i] = j->zero_row;
+            continue;
+        }
+        const uint8_t *base = j->x + n * image;
+        const int32_t *o = j->offsets + pix * ntaps;
+        for (int64_t t = 0; t < ntaps; t++) rows[t * MR + i] = o[t] < 0 ? j->zero_row : base + o[t];
+        if (++pix == plane) pix = 0, n++;
     }
+}
+
+/* The offsets table: per output pixel of an image and tap, its input row's byte offset
+ * within the image, or -1 where the tap falls in the padding. */
+static int32_t *ic_offsets(const int64_t *g, int64_t ntaps)
+{
+    int32_t *o = malloc((size_t)(g[G_OH] * g[G_OW] * ntaps) * sizeof *o);
+    if (!o) return NULL;
+    const uint8_t *origin = (const uint8_t *)(uintptr_t)64, *none = NULL;
+    int32_t *at = o;
+    for (int64_t oy = 0; oy < g[G_OH]; oy++)
+        for (int64_t ox = 0; ox < g[G_OW]; ox++)
+            for (int64_t t = 0; t < ntaps; t++) {
+                const uint8_t *p = pixel_at(g, origin, none, 0, oy, ox, t / g[G_KW], t % g[G_KW]);
+                *at++ = p == none ? -1 : (int32_t)(p - origin);
+            }
+    return o;
 }
 
 /* One pixel's outputs of block b (the portable path): plain int32 sums. */
@@ -859,7 +881,7 @@ static void ic_pixel(const ic_job *j, const uint8_t *const *rows, int64_t i, int
  * M bytes), their input rows listed in rows. */
 static inline __attribute__((always_inline)) void
 ic_tile_halves(const ic_job *j, const uint8_t *const *rows, int64_t b, uint8_t *out,
-               const int halves)
+               const int halves, const int flip)
 {
     const pw_job *pw = &j->pw;
     const int64_t col0 = b * NT, ncols = pw->m - col0 < NT ? pw->m - col0 : NT;
@@ -867,13 +889,14 @@ ic_tile_halves(const ic_job *j, const uint8_t *const *rows, int64_t b, uint8_t *
     const __m512i b1 = _mm512_loadu_si512((const void *)(pw->bias + col0 + 16));
 #define IC_INIT(i) __m512i a##i##0 = b0, a##i##1 = b1
 #define IC_ROW(i) do { \
-        __m512i v = _mm512_set1_epi32((int32_t)(load32(p##i + 4 * q) ^ flip)); \
+        __m512i v = _mm512_set1_epi32((int32_t)load32(p##i + 4 * q)); \
+        if (flip) v = _mm512_xor_si512(v, top); \
         a##i##0 = _mm512_dpbusd_epi32(a##i##0, v, w0); \
         if (halves == 2) a##i##1 = _mm512_dpbusd_epi32(a##i##1, v, w1); \
     } while (0)
     IC_INIT(0); IC_INIT(1); IC_INIT(2); IC_INIT(3); IC_INIT(4); IC_INIT(5);
     IC_INIT(6); IC_INIT(7); IC_INIT(8); IC_INIT(9); IC_INIT(10); IC_INIT(11);
-    const uint32_t flip = pw->flip ? 0x80808080u : 0u;
+    const __m512i top = _mm512_set1_epi8((char)0x80);
     const int64_t cq = pw->c / 4;
     const int8_t *w = pw->w + b * pw->cq * NT * 4;
     for (int64_t t = 0; t < j->ntaps; t++, w += cq * NT * 4) {
@@ -908,6 +931,21 @@ ic_tile_halves(const ic_job *j, const uint8_t *const *rows, int64_t b, uint8_t *
 }
 #endif
 
+#if LAYOUT_AVX512
+/* ic_tile_halves with the block's width and x's signedness constants. */
+static void ic_tile(const ic_job *j, const uint8_t *const *rows, int64_t b, uint8_t *out)
+{
+    int narrow = j->pw.m - b * NT <= 16;
+    if (j->pw.flip) {
+        if (narrow) ic_tile_halves(j, rows, b, out, 1, 1);
+        else ic_tile_halves(j, rows, b, out, 2, 1);
+    } else {
+        if (narrow) ic_tile_halves(j, rows, b, out, 1, 0);
+        else ic_tile_halves(j, rows, b, out, 2, 0);
+    }
+}
+#endif
+
 static void ic_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
 {
     const ic_job *j = ctx;
@@ -921,10 +959,7 @@ static void ic_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
         ic_rows(j, r0, rows);
         for (int64_t b = 0; b < blocks; b++) {
 #if LAYOUT_AVX512
-            if (pw->m - b * NT <= 16)
-                ic_tile_halves(j, rows, b, out, 1);
-            else
-                ic_tile_halves(j, rows, b, out, 2);
+            ic_tile(j, rows, b, out);
 #else
             for (int64_t i = 0; i < count; i++) ic_pixel(j, rows, i, b, out + i * pw->m + b * NT);
 #endif
@@ -956,11 +991,15 @@ int64_t keel_qconv_nhwc_u8s8(const uint8_t *x, int64_t is_signed, int64_t xz,
                  (double)quant[1], (double)quant[2], y};
     j.pw = pw;
     uint8_t *zero_row = malloc((size_t)c);
-    if (!zero_row) return -1;
-    memset(zero_row, (int)(xz & 0xFF), (size_t)c);
-    j.zero_row = zero_row;
-    int64_t floats = (j.ntaps * MR * (int64_t)sizeof(void *) + MR * m + 3) / 4 + 16;
-    int64_t rc = run_parts(ic_task, &j, (p + MR - 1) / MR, parts, floats);
+    int32_t *offsets = ic_offsets(g, j.ntaps);
+    int64_t rc = -1;
+    if (zero_row && offsets) {
+        memset(zero_row, (int)(xz & 0xFF), (size_t)c);
+        j.zero_row = zero_row, j.offsets = offsets;
+        int64_t floats = (j.ntaps * MR * (int64_t)sizeof(void *) + MR * m + 3) / 4 + 16;
+        rc = run_parts(ic_task, &j, (p + MR - 1) / MR, parts, floats);
+    }
+    free(offsets);
     free(zero_row);
     return rc;
 }
@@ -983,43 +1022,65 @@ typedef struct {
 /* out[k] = max(out[k], row[k]) for k < c (the signed bytes' order where is_signed). */
 static void max_row(uint8_t *out, const uint8_t *row, int64_t c, int64_t is_signed)
 {
-    int64_t k = 0;
-#if LAYOUT_AVX512
-    for (; k < c; k += 64) {
-        __mmask64 mk = c - k >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (c - k)) - 1;
-        __m512i a = _mm512_maskz_loadu_epi8(mk, out + k), b = _mm512_maskz_loadu_epi8(mk, row + k);
-        _mm512_mask_storeu_epi8(out + k, mk, is_signed ? _mm512_max_epi8(a, b)
-                                                       : _mm512_max_epu8(a, b));
-    }
-#endif
     if (is_signed) {
         int8_t *o = (int8_t *)(void *)out;
         const int8_t *r = (const int8_t *)(const void *)row;
-        for (; k < c; k++) o[k] = r[k] > o[k] ? r[k] : o[k];
+        for (int64_t k = 0; k < c; k++) o[k] = r[k] > o[k] ? r[k] : o[k];
     } else {
-        for (; k < c; k++) out[k] = row[k] > out[k] ? row[k] : out[k];
+        for (int64_t k = 0; k < c; k++) out[k] = row[k] > out[k] ? row[k] : out[k];
     }
+}
+
+/* Output pixel out's C bytes: the max of the rows at src[0 .. count), 64 channels a time
+ * held in a register (AVX-512), or row by row into out. */
+static void max_rows(const mpcl_job *j, const uint8_t *const *src, int64_t count, uint8_t *out)
+{
+    int64_t c = j->g[M_C];
+#if LAYOUT_AVX512
+    const __m512i lowest = _mm512_set1_epi8(j->is_signed ? (char)-128 : 0);
+    int64_t k = 0;
+    for (; k + 64 <= c; k += 64) {      /* whole vectors: plain loads (masked ones are slow) */
+        __m512i v = lowest;
+        for (int64_t t = 0; t < count; t++) {
+            __m512i r = _mm512_loadu_si512((const void *)(src[t] + k));
+            v = j->is_signed ? _mm512_max_epi8(v, r) : _mm512_max_epu8(v, r);
+        }
+        _mm512_storeu_si512((void *)(out + k), v);
+    }
+    if (k < c) {
+        __mmask64 mk = ((__mmask64)1 << (c - k)) - 1;
+        __m512i v = lowest;
+        for (int64_t t = 0; t < count; t++) {
+            __m512i r = _mm512_maskz_loadu_epi8(mk, src[t] + k);
+            v = j->is_signed ? _mm512_max_epi8(v, r) : _mm512_max_epu8(v, r);
+        }
+        _mm512_mask_storeu_epi8(out + k, mk, v);
+    }
+#else
+    memset(out, j->is_signed ? 0x80 : 0, (size_t)c);
+    for (int64_t t = 0; t < count; t++) max_row(out, src[t], c, j->is_signed);
+#endif
 }
 
 static void mpcl_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
 {
     const mpcl_job *j = ctx;
     const int64_t *g = j->g, c = g[M_C];
-    (void)scratch;
+    const uint8_t **src = (const uint8_t **)(void *)scratch;   /* the window's rows */
     for (int64_t t = lo; t < hi; t++) {
         int64_t n = t / g[M_OH], oy = t % g[M_OH];
         for (int64_t ox = 0; ox < g[M_OW]; ox++) {
-            uint8_t *out = j->y + ((n * g[M_OH] + oy) * g[M_OW] + ox) * c;
-            memset(out, j->is_signed ? 0x80 : 0, (size_t)c);
+            int64_t count = 0;
             for (int64_t ky = 0; ky < g[M_KH]; ky++) {
                 int64_t iy = oy * g[M_SH] - g[M_PT] + ky * g[M_DH];
                 if (iy < 0 || iy >= g[M_H]) continue;
                 for (int64_t kx = 0; kx < g[M_KW]; kx++) {
                     int64_t ix = ox * g[M_SW] - g[M_PL] + kx * g[M_DW];
-                    if (ix < 0 || ix >= g[M_W]) continue;
-                    max_row(out, j->x + ((n * g[M_H] + iy) * g[M_W] + ix) * c, c, j->is_signed);
+                    if (ix >= 0 && ix < g[M_W])
+                        src[count++] = j->x + ((n * g[M_H] + iy) * g[M_W] + ix) * c;
                 }
             }
+            max_rows(j, src, count, j->y + ((n * g[M_OH] + oy) * g[M_OW] + ox) * c);
         }
     }
 }
@@ -1034,7 +1095,8 @@ int64_t keel_qmaxpool_nhwc_8(const uint8_t *x, int64_t is_signed, const int64_t 
     for (int i = 0; i < M_SIZE; i++)
         if (j.g[i] < (i == M_PT || i == M_PL ? 0 : 1)) return i < M_OW && !j.g[i] ? 0 : -2;
     j.x = x, j.is_signed = is_signed, j.y = y;
-    return run_parts(mpcl_task, &j, j.g[M_N] * j.g[M_OH], parts, 1);
+    int64_t floats = j.g[M_KH] * j.g[M_KW] * (int64_t)sizeof(void *) / 4 + 16;
+    return run_parts(mpcl_task, &j, j.g[M_N] * j.g[M_OH], parts, floats);
 }
 
 /* ---- QLinearGlobalAveragePool ------------------------------------------------------------

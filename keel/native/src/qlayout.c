@@ -973,7 +973,8 @@ static void ic_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
  * DH, DW, pad top, pad left}; w the packed weights [M/32][KH * KW * C/4][32][4] (zero
  * points 0); bias[M padded to 32] int32 with x's zero point folded in over every tap (x's
  * zero point + 128 for signed x); mult[M padded to 32]; quant = {y zero point, lo, hi}.
- * Tasks: tiles of MR output pixels. 0, -1 (no memory) or -2 (C not a multiple of 4). */
+ * Tasks: tiles of MR output pixels. 0, -1 (no memory) or -2 (C not a multiple of 4, or an
+ * image past 2 GiB). */
 int64_t keel_qconv_nhwc_u8s8(const uint8_t *x, int64_t is_signed, int64_t xz,
                              const int64_t *geometry, int64_t m, const int8_t *w,
                              const int32_t *bias, const double *mult, const int64_t *quant,
@@ -984,7 +985,7 @@ int64_t keel_qconv_nhwc_u8s8(const uint8_t *x, int64_t is_signed, int64_t xz,
     const int64_t *g = j.g, c = g[G_C];
     int64_t p = g[G_N] * g[G_OH] * g[G_OW];
     if (p <= 0 || m <= 0) return 0;
-    if (c <= 0 || c % 4) return -2;
+    if (c <= 0 || c % 4 || g[G_H] * g[G_W] * c > INT32_MAX) return -2;   /* int32 offsets */
     j.ntaps = g[G_KH] * g[G_KW];
     j.x = x;
     pw_job pw = {x, p, c, m, j.ntaps * c / 4, is_signed, w, bias, mult, (double)quant[0],

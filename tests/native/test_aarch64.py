@@ -560,7 +560,9 @@ class _LayoutCalls(_Int8Calls):
         for name, symbol in (("transpose", "keel_qtranspose_u8"),
                              ("depthwise", "keel_qdepthwise_nhwc_u8s8"),
                              ("pointwise", "keel_qpointwise_nhwc_u8s8"),
-                             ("global_average", "keel_qglobal_avgpool_u8")):
+                             ("global_average", "keel_qglobal_avgpool_u8"),
+                             ("dense", "keel_qconv_nhwc_u8s8"),
+                             ("max_pool", "keel_qmaxpool_nhwc_8")):
             setattr(self, name, self._caller(symbol))
 
 
@@ -575,14 +577,19 @@ def layout_on_arm(arm: Arm, int8_on_arm: _Int8Calls,
     yield calls
 
 
-# (N, C, H, W, M, k, stride, pad, group): a depthwise layer and a 1x1 convolution on
-# the channels-last panels, with partial channel blocks and pixels past whole tiles
-LAYOUT_CONVS = [(2, 40, 7, 9, 40, 3, 2, 1, 40), (1, 36, 5, 5, 70, 1, 1, 0, 1)]
+# (N, C, H, W, M, k, stride, pad, group): a depthwise layer, a 1x1 convolution on the
+# channels-last panels and a dense 3x3 one on their indirect product, with partial
+# channel blocks and pixels past whole tiles
+LAYOUT_CONVS = [(2, 40, 7, 9, 40, 3, 2, 1, 40), (1, 36, 5, 5, 70, 1, 1, 0, 1),
+                (2, 16, 7, 6, 40, 3, 2, 1, 1)]
+LAYOUT_SYMBOLS = ["keel_qdepthwise_nhwc_u8s8", "keel_qpointwise_nhwc_u8s8",
+                  "keel_qconv_nhwc_u8s8"]
 
 
-@pytest.mark.parametrize("case", LAYOUT_CONVS, ids=["depthwise", "pointwise"])
+@pytest.mark.parametrize(("case", "symbol"), list(zip(LAYOUT_CONVS, LAYOUT_SYMBOLS, strict=True)),
+                         ids=["depthwise", "pointwise", "dense"])
 def test_channels_last_int8_convolutions_match_the_reference(
-        layout_on_arm: _LayoutCalls, case: tuple[int, ...]) -> None:
+        layout_on_arm: _LayoutCalls, case: tuple[int, ...], symbol: str) -> None:
     from keel.backends.base import DeviceKind, KernelContext
     from keel.backends.cpu.kernels import load as load_cpu
     from keel.backends.plan import NodePlan
@@ -601,11 +608,31 @@ def test_channels_last_int8_convolutions_match_the_reference(
     ctx = KernelContext(np, "cpu", DeviceKind.CPU, 2,
                         plan=NodePlan(variant="int8", layout="nhwc->nhwc", threads=2))
     y = np.asarray(load_cpu().get(Op.QLINEAR_CONV, "int8").fn(ctx, inputs, attrs, None)[0])
-    assert {symbol for symbol, _ in layout_on_arm.calls} == {
-        "keel_qdepthwise_nhwc_u8s8" if g > 1 else "keel_qpointwise_nhwc_u8s8"}
+    assert {called for called, _ in layout_on_arm.calls} == {symbol}
     got = layout_on_arm.run(y)
     want = REF.run(Op.QLINEAR_CONV, [x, *inputs[1:]], attrs=attrs)[0]
     np.testing.assert_array_equal(got.reshape(n, *want.shape[2:], m).transpose(0, 3, 1, 2), want)
+
+
+def test_channels_last_max_pool_matches_the_reference(layout_on_arm: _LayoutCalls) -> None:
+    from keel.backends.base import DeviceKind, KernelContext
+    from keel.backends.cpu.kernels import load as load_cpu
+    from keel.backends.plan import NodePlan
+    from keel.ops.schema import get_schema
+
+    x = _q8(np.random.default_rng(17), np.int8, 2, 70, 7, 6)     # past a 64-byte vector
+    attrs = get_schema(Op.MAX_POOL).normalize_attrs(
+        {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]})
+    want = REF.run(Op.MAX_POOL, [x], attrs=attrs)[0]
+    ctx = KernelContext(np, "cpu", DeviceKind.CPU, 2,
+                        plan=NodePlan(variant="int8", layout="nhwc->nhwc", threads=2))
+    stored = np.ascontiguousarray(x.transpose(0, 2, 3, 1)).reshape(x.shape)
+    y = np.asarray(load_cpu().get(Op.MAX_POOL, "int8").fn(ctx, [stored], attrs,
+                                                           [np.empty_like(want)])[0])
+    assert {called for called, _ in layout_on_arm.calls} == {"keel_qmaxpool_nhwc_8"}
+    got = layout_on_arm.run(y)
+    n, c, oh, ow = want.shape
+    np.testing.assert_array_equal(got.reshape(n, oh, ow, c).transpose(0, 3, 1, 2), want)
 
 
 def test_layout_change_matches_numpy(layout_on_arm: _LayoutCalls) -> None:

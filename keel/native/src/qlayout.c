@@ -1032,57 +1032,93 @@ static void max_row(uint8_t *out, const uint8_t *row, int64_t c, int64_t is_sign
     }
 }
 
-/* Output pixel out's C bytes: the max of the rows at src[0 .. count), 64 channels a time
- * held in a register (AVX-512), or row by row into out. */
-static void max_rows(const mpcl_job *j, const uint8_t *const *src, int64_t count, uint8_t *out)
-{
-    int64_t c = j->g[M_C];
+/* The valid taps of one output pixel: rows ky in [ky0, ky1), columns kx in [kx0, kx1),
+ * the first at x0; rs and cs the byte steps from one tap row (column) to the next. */
+typedef struct {
+    const uint8_t *x0;
+    int64_t rows, cols, rs, cs;
+} mp_window;
+
 #if LAYOUT_AVX512
-    const __m512i lowest = _mm512_set1_epi8(j->is_signed ? (char)-128 : 0);
+/* out's C bytes = the max over the window's rows, whole 64-byte runs in a register (plain
+ * loads: masked ones are slow), the tail under a mask; is_signed a constant where it is
+ * inlined. */
+static inline __attribute__((always_inline)) void
+max_window(const mp_window *w, int64_t c, int64_t is_signed, uint8_t *out)
+{
+    const __m512i lowest = _mm512_set1_epi8(is_signed ? (char)-128 : 0);
     int64_t k = 0;
-    for (; k + 64 <= c; k += 64) {      /* whole vectors: plain loads (masked ones are slow) */
+    for (; k + 64 <= c; k += 64) {
         __m512i v = lowest;
-        for (int64_t t = 0; t < count; t++) {
-            __m512i r = _mm512_loadu_si512((const void *)(src[t] + k));
-            v = j->is_signed ? _mm512_max_epi8(v, r) : _mm512_max_epu8(v, r);
-        }
+        const uint8_t *row = w->x0 + k;
+        for (int64_t ky = 0; ky < w->rows; ky++, row += w->rs)
+            for (int64_t kx = 0; kx < w->cols; kx++) {
+                __m512i r = _mm512_loadu_si512((const void *)(row + kx * w->cs));
+                v = is_signed ? _mm512_max_epi8(v, r) : _mm512_max_epu8(v, r);
+            }
         _mm512_storeu_si512((void *)(out + k), v);
     }
     if (k < c) {
         __mmask64 mk = ((__mmask64)1 << (c - k)) - 1;
         __m512i v = lowest;
-        for (int64_t t = 0; t < count; t++) {
-            __m512i r = _mm512_maskz_loadu_epi8(mk, src[t] + k);
-            v = j->is_signed ? _mm512_max_epi8(v, r) : _mm512_max_epu8(v, r);
-        }
+        const uint8_t *row = w->x0 + k;
+        for (int64_t ky = 0; ky < w->rows; ky++, row += w->rs)
+            for (int64_t kx = 0; kx < w->cols; kx++) {
+                __m512i r = _mm512_maskz_loadu_epi8(mk, row + kx * w->cs);
+                v = is_signed ? _mm512_max_epi8(v, r) : _mm512_max_epu8(v, r);
+            }
         _mm512_mask_storeu_epi8(out + k, mk, v);
     }
+}
 #else
-    memset(out, j->is_signed ? 0x80 : 0, (size_t)c);
-    for (int64_t t = 0; t < count; t++) max_row(out, src[t], c, j->is_signed);
+static inline void max_window(const mp_window *w, int64_t c, int64_t is_signed, uint8_t *out)
+{
+    memset(out, is_signed ? 0x80 : 0, (size_t)c);
+    const uint8_t *row = w->x0;
+    for (int64_t ky = 0; ky < w->rows; ky++, row += w->rs)
+        for (int64_t kx = 0; kx < w->cols; kx++) max_row(out, row + kx * w->cs, c, is_signed);
+}
 #endif
+
+/* The valid taps [*lo, *hi) of a window starting at input index at, k taps dil apart,
+ * over an extent of size. */
+static void valid_taps(int64_t at, int64_t k, int64_t dil, int64_t size, int64_t *lo,
+                       int64_t *hi)
+{
+    int64_t a = at < 0 ? (-at + dil - 1) / dil : 0, b = k;
+    while (b > a && at + (b - 1) * dil >= size) b--;
+    *lo = a, *hi = b > a ? b : a;
+}
+
+/* One output row (image n, row oy): its pixels' windows, is_signed a constant where it
+ * is inlined. */
+static inline __attribute__((always_inline)) void
+mpcl_row(const mpcl_job *j, int64_t n, int64_t oy, int64_t is_signed)
+{
+    const int64_t *g = j->g, c = g[M_C];
+    int64_t iy = oy * g[M_SH] - g[M_PT], ky0, ky1;
+    valid_taps(iy, g[M_KH], g[M_DH], g[M_H], &ky0, &ky1);
+    mp_window w = {NULL, ky1 - ky0, 0, g[M_DH] * g[M_W] * c, g[M_DW] * c};
+    const uint8_t *x = j->x + ((n * g[M_H] + iy + ky0 * g[M_DH]) * g[M_W]) * c;
+    uint8_t *out = j->y + (n * g[M_OH] + oy) * g[M_OW] * c;
+    for (int64_t ox = 0; ox < g[M_OW]; ox++, out += c) {
+        int64_t ix = ox * g[M_SW] - g[M_PL], kx0, kx1;
+        valid_taps(ix, g[M_KW], g[M_DW], g[M_W], &kx0, &kx1);
+        w.x0 = x + (ix + kx0 * g[M_DW]) * c, w.cols = kx1 - kx0;
+        max_window(&w, c, is_signed, out);
+    }
 }
 
 static void mpcl_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
 {
+    (void)scratch;
     const mpcl_job *j = ctx;
-    const int64_t *g = j->g, c = g[M_C];
-    const uint8_t **src = (const uint8_t **)(void *)scratch;   /* the window's rows */
     for (int64_t t = lo; t < hi; t++) {
-        int64_t n = t / g[M_OH], oy = t % g[M_OH];
-        for (int64_t ox = 0; ox < g[M_OW]; ox++) {
-            int64_t count = 0;
-            for (int64_t ky = 0; ky < g[M_KH]; ky++) {
-                int64_t iy = oy * g[M_SH] - g[M_PT] + ky * g[M_DH];
-                if (iy < 0 || iy >= g[M_H]) continue;
-                for (int64_t kx = 0; kx < g[M_KW]; kx++) {
-                    int64_t ix = ox * g[M_SW] - g[M_PL] + kx * g[M_DW];
-                    if (ix >= 0 && ix < g[M_W])
-                        src[count++] = j->x + ((n * g[M_H] + iy) * g[M_W] + ix) * c;
-                }
-            }
-            max_rows(j, src, count, j->y + ((n * g[M_OH] + oy) * g[M_OW] + ox) * c);
-        }
+        int64_t n = t / j->g[M_OH], oy = t % j->g[M_OH];
+        if (j->is_signed)
+            mpcl_row(j, n, oy, 1);
+        else
+            mpcl_row(j, n, oy, 0);
     }
 }
 
@@ -1096,8 +1132,7 @@ int64_t keel_qmaxpool_nhwc_8(const uint8_t *x, int64_t is_signed, const int64_t 
     for (int i = 0; i < M_SIZE; i++)
         if (j.g[i] < (i == M_PT || i == M_PL ? 0 : 1)) return i < M_OW && !j.g[i] ? 0 : -2;
     j.x = x, j.is_signed = is_signed, j.y = y;
-    int64_t floats = j.g[M_KH] * j.g[M_KW] * (int64_t)sizeof(void *) / 4 + 16;
-    return run_parts(mpcl_task, &j, j.g[M_N] * j.g[M_OH], parts, floats);
+    return run_parts(mpcl_task, &j, j.g[M_N] * j.g[M_OH], parts, 16);
 }
 
 /* ---- QLinearGlobalAveragePool ------------------------------------------------------------

@@ -396,11 +396,12 @@ def test_qlinear_add_gives_onnxruntimes_bytes(path: str, case: tuple[Any, ...],
             np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("types", [(np.int8, np.uint8, np.int8), (np.uint8, np.int8, np.uint8)],
-                         ids=["s8-u8-s8", "u8-s8-u8"])
+@pytest.mark.parametrize("types", [(np.int8, np.uint8, np.int8), (np.uint8, np.int8, np.uint8),
+                                   (np.int8, np.int8, np.uint8), (np.uint8, np.uint8, np.int8)],
+                         ids=["s8-u8-s8", "u8-s8-u8", "s8-s8-u8", "u8-u8-s8"])
 def test_mixed_type_qlinear_add_matches_the_reference(path: str, types: tuple[Any, ...]) -> None:
-    """Operands of two 8-bit types (keel's extension: onnxruntime's QLinearAdd takes one
-    type): the native pass computes the reference's form on every thread count."""
+    """Operands and result of two 8-bit types (keel's extension: onnxruntime's QLinearAdd
+    takes one type): the native pass computes the reference's form on every thread count."""
     for seed in range(3):
         inputs = _add_inputs(*types, (2, 9, 33), (2, 9, 33), (0.013, 0.007, 0.011), seed)
         want = _reference(Op.QLINEAR_ADD, inputs, {"activation": ""})

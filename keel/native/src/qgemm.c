@@ -1391,36 +1391,55 @@ static inline float qadd_one(const qadd_job *j, int64_t i)
 }
 
 #if QISA == 2
-/* The constants of qadd16, as vectors. A signed operand is read as unsigned bytes
- * (x ^ 0x80 = x + 128) less 128: the same integer, exactly. */
+/* The constants of qadd_lanes, as vectors. */
 typedef struct {
-    __m512 ra, rb, c, oa, ob, lo, hi;
-    __m128i fa, fb;
+    __m512 ra, rb, c, lo, hi;
 } qadd_vectors;
 
-static qadd_vectors qadd_setup(const qadd_job *j)
+static inline __m512 qadd_widen(__m128i x, int64_t is_signed)
 {
-    qadd_vectors v;
-    v.ra = _mm512_set1_ps(j->ra), v.rb = _mm512_set1_ps(j->rb), v.c = _mm512_set1_ps(j->c);
-    v.oa = _mm512_set1_ps(j->flags & 1 ? 128.0f : 0.0f);
-    v.ob = _mm512_set1_ps(j->flags & 2 ? 128.0f : 0.0f);
-    v.lo = _mm512_set1_ps(j->lo), v.hi = _mm512_set1_ps(j->hi);
-    v.fa = _mm_set1_epi8((char)(j->flags & 1 ? 0x80 : 0));
-    v.fb = _mm_set1_epi8((char)(j->flags & 2 ? 0x80 : 0));
-    return v;
+    return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(x) : _mm512_cvtepu8_epi32(x));
 }
 
-/* 16 outputs from 16 bytes of a and of b, qadd_one's steps on 16 lanes. */
-static inline __m128i qadd16(const qadd_vectors *v, __m128i a, __m128i b)
+/* 16 outputs (int32) from 16 bytes of a and of b, qadd_one's steps on 16 lanes, the
+ * signedness flags constants where inlined. The clamp comes before the rounding: the
+ * bounds are integers and rounding is monotone, so the bits are the same. */
+static inline __attribute__((always_inline)) __m512i
+qadd_lanes(const qadd_vectors *v, __m128i a, __m128i b, int64_t flags)
 {
-    __m512 fa = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_xor_si128(a, v->fa))),
-                              v->oa);
-    __m512 fb = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_xor_si128(b, v->fb))),
-                              v->ob);
-    __m512 t = _mm512_fmadd_ps(fa, v->ra, _mm512_fmadd_ps(fb, v->rb, v->c));
-    t = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 t = _mm512_fmadd_ps(qadd_widen(a, flags & 1), v->ra,
+                               _mm512_fmadd_ps(qadd_widen(b, flags & 2), v->rb, v->c));
     t = _mm512_min_ps(_mm512_max_ps(t, v->lo), v->hi);
-    return _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(t));
+    return _mm512_cvt_roundps_epi32(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+/* y[lo, hi): 64 bytes at a time, the four int32 results (in y's range) packed with
+ * saturation that never acts, their 4-byte groups put back in order; then 16 at a time
+ * under a mask. Returns where it stopped (hi). */
+static inline __attribute__((always_inline)) int64_t
+qadd_run(const qadd_job *j, int64_t i, int64_t hi, int64_t flags)
+{
+    const qadd_vectors v = {_mm512_set1_ps(j->ra), _mm512_set1_ps(j->rb), _mm512_set1_ps(j->c),
+                            _mm512_set1_ps(j->lo), _mm512_set1_ps(j->hi)};
+    const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    const uint8_t *a = j->a, *b = j->b;
+    for (; i + 64 <= hi; i += 64) {
+        __m512i r[4];
+        for (int q = 0; q < 4; q++)
+            r[q] = qadd_lanes(&v, _mm_loadu_si128((const __m128i *)(const void *)(a + i + 16 * q)),
+                              _mm_loadu_si128((const __m128i *)(const void *)(b + i + 16 * q)),
+                              flags);
+        __m512i w01 = _mm512_packs_epi32(r[0], r[1]), w23 = _mm512_packs_epi32(r[2], r[3]);
+        __m512i p = flags & 4 ? _mm512_packs_epi16(w01, w23) : _mm512_packus_epi16(w01, w23);
+        _mm512_storeu_si512((void *)(j->y + i), _mm512_permutexvar_epi32(order, p));
+    }
+    for (; i < hi; i += 16) {
+        __mmask16 k = hi - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (hi - i)) - 1);
+        __m512i r = qadd_lanes(&v, _mm_maskz_loadu_epi8(k, a + i), _mm_maskz_loadu_epi8(k, b + i),
+                               flags);
+        _mm_mask_storeu_epi8(j->y + i, k, _mm512_cvtepi32_epi8(r));
+    }
+    return hi;
 }
 #endif
 
@@ -1430,26 +1449,15 @@ static void qadd_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
     (void)scratch;
     int64_t i = lo;
 #if QISA == 2
-    qadd_vectors v = qadd_setup(j);
-    /* 64 bytes at a time: whole loads, and one whole store of the four results (the
-     * masked, memory form of the narrowing is slow on some cores) */
-    for (; i + 64 <= hi; i += 64) {
-        __m512i a = _mm512_loadu_si512((const void *)(j->a + i));
-        __m512i b = _mm512_loadu_si512((const void *)(j->b + i));
-        __m512i r = _mm512_castsi128_si512(qadd16(&v, _mm512_castsi512_si128(a),
-                                                  _mm512_castsi512_si128(b)));
-        r = _mm512_inserti32x4(r, qadd16(&v, _mm512_extracti32x4_epi32(a, 1),
-                                         _mm512_extracti32x4_epi32(b, 1)), 1);
-        r = _mm512_inserti32x4(r, qadd16(&v, _mm512_extracti32x4_epi32(a, 2),
-                                         _mm512_extracti32x4_epi32(b, 2)), 2);
-        r = _mm512_inserti32x4(r, qadd16(&v, _mm512_extracti32x4_epi32(a, 3),
-                                         _mm512_extracti32x4_epi32(b, 3)), 3);
-        _mm512_storeu_si512((void *)(j->y + i), r);
-    }
-    for (; i < hi; i += 16) {
-        __mmask16 k = hi - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (hi - i)) - 1);
-        _mm_mask_storeu_epi8(j->y + i, k, qadd16(&v, _mm_maskz_loadu_epi8(k, j->a + i),
-                                                 _mm_maskz_loadu_epi8(k, j->b + i)));
+    switch (j->flags & 7) {     /* one loop per signedness, the flags constants in it */
+    case 0: i = qadd_run(j, i, hi, 0); break;
+    case 1: i = qadd_run(j, i, hi, 1); break;
+    case 2: i = qadd_run(j, i, hi, 2); break;
+    case 3: i = qadd_run(j, i, hi, 3); break;
+    case 4: i = qadd_run(j, i, hi, 4); break;
+    case 5: i = qadd_run(j, i, hi, 5); break;
+    case 6: i = qadd_run(j, i, hi, 6); break;
+    default: i = qadd_run(j, i, hi, 7); break;
     }
 #endif
     for (; i < hi; i++) {

@@ -1965,6 +1965,24 @@ def _even_tiles(tiles: int, most: int, threads: int, vectors: bool) -> int:
     return 0
 
 
+# ---- the float MaxPool's kernel -----------------------------------------------------------
+# window.c's row kernel (keel_maxpool_rows_f32) takes a max pool with a stride of 2 across
+# and no dilation: each output row's max over its input rows column by column, read in
+# place, then over each window's columns from that one row (even lanes by a permute),
+# where the band kernel first copies every band of rows into its column phases.
+# ResNet-18's 3x3 stride-2 pool (64 x 112 x 112 at batch 1) measured under load on the
+# 2-core AMD EPYC (Zen 5): see docs/performance.md, "The float MaxPool by rows".
+MAX_POOL_ROWS_STRIDE = 2
+
+
+def max_pool_by_rows(kernel: tuple[int, ...], strides: tuple[int, ...],
+                     dilations: tuple[int, ...]) -> bool:
+    """Whether a 2-D float max pool runs on window.c's row kernel (which serves up to
+    three taps across)."""
+    return (len(kernel) == 2 and kernel[1] <= 3 and strides[1] == MAX_POOL_ROWS_STRIDE
+            and dilations == (1, 1))
+
+
 # ---- a conv's split over threads ---------------------------------------------------------
 # What each conv kernel's parallel passes split into on ``threads`` threads, as the kernels
 # compute it (the least work per thread above, the planned form and chunk): the pass split

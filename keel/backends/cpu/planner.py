@@ -1965,6 +1965,37 @@ def _even_tiles(tiles: int, most: int, threads: int, vectors: bool) -> int:
     return 0
 
 
+# ---- the masked conv's order over column panels --------------------------------------------
+# gemm.c's masked (KEEL_DIRECT) conv runs column panel by column panel, each over every row
+# panel of A (the packed filters) for the whole depth: where A is larger than the L2, it is
+# read from the shared cache (or memory) once per column panel. Grouped, each row panel
+# runs over a group of column panels before the next, A read once per group, while the
+# group's B (depth x panel columns) and one row panel of A stay in the L2. A group is taken
+# where A exceeds MASKED_GROUP_A_SHARE of the L2 and at least two column panels fit:
+# ResNet-18's 256 -> 512 3x3 stride-2 conv (A 4.5 MiB, two panels of B at 288 KiB each)
+# and its 128 -> 256 one (A 1.1 MiB, seven panels of 144 KiB: groups of four and three),
+# measured under load on the 2-core AMD EPYC (Zen 5): docs/performance.md, "The masked
+# conv by groups of column panels". The same sums in the same order either way.
+MASKED_GROUP_A_SHARE = 0.5
+MASKED_GROUP_MAX = 8       # gemm.c's DIRECT_GROUP_MAX
+
+
+def masked_panel_group(rows: int, depth: int, columns: int, panel: int, tile_rows: int,
+                       sizes: Caches | None = None) -> int:
+    """Column panels per group of a masked conv's product (``rows`` x ``depth`` filters
+    against ``columns`` output pixels an image in panels of ``panel`` columns, row panels
+    of ``tile_rows``): 1 runs it column panel by column panel."""
+    l2 = (sizes or caches()).l2
+    if rows * depth * 4 <= MASKED_GROUP_A_SHARE * l2:
+        return 1
+    panels = -(-columns // panel)
+    fit = (l2 - tile_rows * depth * 4) // max(1, depth * panel * 4)
+    most = min(panels, fit, MASKED_GROUP_MAX)
+    if most < 2:
+        return 1
+    return -(-panels // -(-panels // most))      # even groups: 7 panels by 4 + 3, not 6 + 1
+
+
 # ---- the float MaxPool's kernel -----------------------------------------------------------
 # window.c's row kernel (keel_maxpool_rows_f32) takes a max pool with a stride of 2 across
 # and no dilation: each output row's max over its input rows column by column, read in

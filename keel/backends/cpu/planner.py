@@ -1940,6 +1940,20 @@ def winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], thre
                             f"per-thread pipeline: {what}; it moves {bytes_why}")
 
 
+# Winograd's sixteen products of at most one vector of tiles (a 7 x 7 map at batch 1: 16
+# tiles, M and C of 512) run in gemm.c's tall tiles (24 rows of C over the one vector,
+# every lane used) instead of 8 x 32 tiles whose second vector is empty; the sums are the
+# same. The 512-channel 3x3 conv on 7x7 at batch 1 alone, one thread, measured under
+# load: docs/performance.md, "Winograd's products of one vector of tiles". On 49 tiles
+# (256 channels on 14x14: three whole vectors and one lane) tall tiles gained nothing.
+WINOGRAD_TALL_COLUMNS = 16
+
+
+def winograd_tall(columns: int) -> bool:
+    """Whether Winograd's products of ``columns`` columns (tiles) run in tall tiles."""
+    return columns <= WINOGRAD_TALL_COLUMNS
+
+
 def _vectors(block: int, tiles: int) -> str:
     """How a block of ``block`` of ``tiles`` tiles fills the products' vectors."""
     if block % PIPELINE_VECTOR == 0:

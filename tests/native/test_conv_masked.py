@@ -163,3 +163,47 @@ def test_through_the_prepared_kernel(attrs: dict[str, Any]) -> None:
         (got,) = kernel.fn(ctx, [x, w, b], full, [y])
         assert got is y
         np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-4)
+
+
+# ---- groups of column panels (the planner's masked_panel_group) ---------------------------
+GROUP_CASES = [
+    ((2, 5, 9, 7), (11, 5, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}),
+    ((2, 3, 15, 15), (19, 3, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}),
+    ((1, 8, 28, 28), (17, 8, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}),  # 7 panels
+    ((2, 3, 6, 11), (7, 3, 3, 3), {"pads": (1, 1, 1, 1)}),
+    ((2, 8, 16, 16), (12, 8, 1, 1), {"strides": (2, 2)}),
+    ((2, 6, 9, 9), (4, 3, 3, 3), {"pads": (1, 1, 1, 1), "group": 2}),
+]
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs", GROUP_CASES)
+@pytest.mark.parametrize("group", [2, 3, 8])
+def test_groups_of_column_panels_give_the_same_bits(
+        x_shape: tuple[int, ...], w_shape: tuple[int, ...], attrs: dict[str, Any],
+        group: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Row panel by row panel over groups of column panels: bitwise the column-panel
+    order's C (the same sums), with a residual and a clip, on 1 to 16 threads."""
+    rng = np.random.default_rng(group)
+    x, w, b = rand(rng, *x_shape), rand(rng, *w_shape), rand(rng, w_shape[0])
+    full = {**attrs, "activation": "clip", "activation_params": (-0.3, 0.4)}
+    plain = reference([x, w, b], attrs)
+    z = rand(rng, *plain.shape)
+    monkeypatch.setattr(cpu_planner, "masked_panel_group", lambda *a, **k: 1)
+    want = _masked(x, w, b, z, full)
+    np.testing.assert_allclose(want, np.clip(plain + z, -0.3, 0.4), rtol=1e-4, atol=1e-4)
+    monkeypatch.setattr(cpu_planner, "masked_panel_group", lambda *a, **k: group)
+    for threads in (1, 2, 3, 4, 16):
+        assert _masked(x, w, b, z, full, threads=threads).tobytes() == want.tobytes()
+
+
+def test_panel_groups_follow_the_filters_and_the_l2() -> None:
+    l2 = cpu_planner.Caches(1 << 20, 32 << 20, "a 1 MiB L2")
+    group = cpu_planner.masked_panel_group
+    # ResNet-18's stride-2 convs at batch 1 on 32-column panels and 8-row tiles.
+    assert group(512, 2304, 49, 32, 8, l2) == 2         # A 4.5 MiB: both panels at once
+    assert group(256, 1152, 196, 32, 8, l2) == 4        # A 1.1 MiB: 7 panels by 4 + 3
+    assert group(128, 576, 784, 32, 8, l2) == 1         # A in the L2
+    assert group(512, 256, 49, 32, 8, l2) == 1          # 1x1 downsample: A 512 KiB
+    assert group(512, 2304, 49, 32, 8, cpu_planner.Caches(16 << 20, 32 << 20, "")) == 1
+    assert group(512, 9216, 49, 32, 8, l2) == 1         # one panel of B fills the L2
+    assert group(64, 2304, 4096, 32, 8, cpu_planner.Caches(8 << 20, 32 << 20, "")) == 1

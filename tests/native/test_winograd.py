@@ -337,3 +337,33 @@ def test_a_model_gives_the_same_bits_on_any_threads_and_explains_its_form() -> N
         np.testing.assert_array_equal(y, results[1], err_msg=f"{threads} threads")
     want = load_model(model, backend="reference").predict({"x": x})["y"]
     np.testing.assert_allclose(results[1], want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(("x_shape", "m"), [((1, 48, 7, 7), 56), ((1, 16, 5, 8), 30),
+                                           ((2, 24, 7, 7), 33), ((1, 8, 3, 3), 9)])
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_products_of_one_vector_of_tiles_in_tall_tiles_give_the_same_bits(
+        x_shape: tuple[int, ...], m: int, pipeline: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner's winograd_tall (a 7 x 7 map at batch 1: 16 tiles) against the 8 x 32
+    tiles, pass by pass and as the pipeline, on 1 to 16 threads: the same bits."""
+    rng = np.random.default_rng(13)
+    x, w, b = _rand(rng, *x_shape), _rand(rng, m, x_shape[1], 3, 3), _rand(rng, m)
+    z = _rand(rng, x_shape[0], m, *x_shape[2:])
+    act = ("relu", ())
+    tiles = x_shape[0] * -(-x_shape[2] // 2) * -(-x_shape[3] // 2)
+    assert cpu_planner.winograd_tall(16) and not cpu_planner.winograd_tall(49)
+    pipe = cpu_planner.WinogradPipeline(min(tiles, 16), 2, -(-tiles // 16), 1, "forced")
+    _forced(monkeypatch, pipe if pipeline else _PASSES)
+    monkeypatch.setattr(cpu_planner, "winograd_tall", lambda columns: False)
+    want = _native(x, w, b, z, (1, 1, 1, 1), act)
+    np.testing.assert_allclose(want, _reference([x, w, b, z], {"pads": (1, 1, 1, 1),
+                                                               "activation": "relu"}),
+                               rtol=1e-4, atol=1e-4)
+    monkeypatch.setattr(cpu_planner, "winograd_tall", lambda columns: True)
+    for threads in (1, 2, 3, 4, 16):
+        if pipeline:
+            _forced(monkeypatch, cpu_planner.WinogradPipeline(
+                pipe.tiles, pipe.panels, pipe.blocks, min(threads, pipe.blocks), "forced"))
+        got = _native(x, w, b, z, (1, 1, 1, 1), act, threads=threads)
+        assert got.tobytes() == want.tobytes(), threads

@@ -709,13 +709,15 @@ def masked_layout(geo: ConvGeometry) -> NativeLayout | None:
 
 
 @functools.lru_cache(maxsize=256)
-def _masked_table(masked: Masked, width: int) -> Any:
+def _masked_table(masked: Masked, width: int, group: int) -> Any:
     """gemm.c's geometry table of ``masked`` for column panels of ``width``: the
     geometry, then per panel and tap the bits of the panel's columns whose tap lies
-    inside the plane (bit q: column q of the panel; a panel is at most 64 columns).
-    Made per panel width: a kernel built for another CPU has other panels."""
+    inside the plane (bit q: column q of the panel; a panel is at most 64 columns),
+    then the column panels of a group (the planner's ``masked_panel_group``; 1: column
+    panel by column panel). Made per panel width: a kernel built for another CPU has
+    other panels."""
     bits = _masked_bits(masked.taps, *masked.out, width)
-    table = np.concatenate([masked.geometry, bits])
+    table = np.concatenate([masked.geometry, bits, np.array([group], np.int64)])
     table.flags.writeable = False
     return table
 
@@ -964,7 +966,9 @@ def _masked_calls(layout: NativeLayout, masked: Masked, source: Any, x: Any, fil
     grid = native_gemm.geometry()
     if grid is None or grid[1] > 64:
         return None
-    table = _masked_table(masked, grid[1])
+    rows, depth = geo.out_channels // geo.group, cg * len(masked.taps)
+    group = native_gemm.planner_rules().masked_panel_group(rows, depth, p, grid[1], grid[0])
+    table = _masked_table(masked, grid[1], group)
     flat = source.reshape(-1)
 
     def operands(gi: int, target: Any, resid: Any) -> _Operands:

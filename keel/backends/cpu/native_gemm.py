@@ -516,6 +516,21 @@ def prepare(a: np.ndarray | Packed, b: np.ndarray | Packed | Rows, c: np.ndarray
                 (c.shape, c.strides, c.dtype))
 
 
+def with_tall(call: Call, tall: bool) -> Call:
+    """``call`` with gemm.c's tall tiles asked for (``tall``) or not, whatever
+    ``tall_tiles`` says of its rows and depth: for a caller whose own planner rule
+    knows the product's columns (Winograd's products of one vector of tiles). Tall
+    tiles sum each element of C as the 8 x 32 tiles do: the same bits either way."""
+    flags = int(call.values[_FLAGS_FROM_END])
+    flags = flags | _TALL if tall else flags & ~_TALL
+    values = (*call.values[:_FLAGS_FROM_END], flags, *call.values[_FLAGS_FROM_END + 1:])
+    return Call(call.f, values, call.batch, call.m, call.n, call.k, call.keep, call.c_layout)
+
+
+# Where the flags sit in a Call's values: before alpha, lo and hi (see prepare).
+_FLAGS_FROM_END = -4
+
+
 def _check_shapes(m: int, k: int, n: int, kb: int, c: np.ndarray,
                   columns: np.ndarray | None) -> None:
     """The operands chain and C (through its column map) holds the product."""

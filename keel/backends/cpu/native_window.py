@@ -59,6 +59,9 @@ class _Functions:
     global_avg: Any
     dwconv_mt: Any       # the *_mt entry points: (..., planes, parts), on keel's threads
     maxpool_mt: Any
+    maxpool_rows: Any    # keel_maxpool_rows_f32: stride 2 across, by output rows
+    maxpool_rows_mt: Any
+    maxpool_rows_scratch: Any
     avgpool_mt: Any
     global_max_mt: Any
     global_avg_mt: Any
@@ -89,6 +92,9 @@ def _load() -> _Functions | None:
         global_avg=f("keel_global_avgpool_f32", [_P, _P, _I, _I, _I], None),
         dwconv_mt=f("keel_dwconv2d_mt_f32", [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I], _I),
         maxpool_mt=f("keel_maxpool2d_mt_f32", [_P, _P, _P, _I, _I], _I),
+        maxpool_rows=f("keel_maxpool_rows_f32", [_P, _P, _P, _P, _I, _I], _I),
+        maxpool_rows_mt=f("keel_maxpool_rows_mt_f32", [_P, _P, _P, _I, _I], _I),
+        maxpool_rows_scratch=f("keel_maxpool_rows_scratch", [_P], _I),
         avgpool_mt=f("keel_avgpool2d_mt_f32", [_P, _P, _P, _P, _I, _I], _I),
         global_max_mt=f("keel_global_maxpool_mt_f32", [_P, _P, _I, _I, _I], _I),
         global_avg_mt=f("keel_global_avgpool_mt_f32", [_P, _P, _I, _I, _I], _I),
@@ -132,6 +138,13 @@ class WindowGeometry:
         if not self._scratch:
             self._scratch.append(int(fns.scratch(self.address)))
         return self._scratch[0]
+
+    def by_rows(self) -> bool:
+        """Whether its max pool runs on window.c's row kernel (the cpu planner's
+        ``max_pool_by_rows``) rather than the band copies."""
+        w = self.window
+        return w.rank == 2 and planner_rules().max_pool_by_rows(w.kernel, w.strides,
+                                                                 w.dilations)
 
 
 @functools.lru_cache(maxsize=512)
@@ -221,10 +234,19 @@ def _bind(planes: int, geo: WindowGeometry, fns: _Functions, threads: int, seria
 
 def bind_max_pool(x: np.ndarray, y: np.ndarray, geo: WindowGeometry, threads: int = 1
                   ) -> Bound:
-    """:func:`max_pool` of these arrays, ready to run again (C-contiguous float32)."""
+    """:func:`max_pool` of these arrays, ready to run again (C-contiguous float32): on
+    the row kernel where the planner takes it (:meth:`WindowGeometry.by_rows`), else
+    on the band copies."""
     fns = _functions()
-    return _bind(x.shape[0] * x.shape[1], geo, fns, threads, fns.maxpool, fns.maxpool_mt,
-                 (native.address(x), native.address(y), geo.address))
+    head = (native.address(x), native.address(y), geo.address)
+    planes = x.shape[0] * x.shape[1]
+    if not geo.by_rows():
+        return _bind(planes, geo, fns, threads, fns.maxpool, fns.maxpool_mt, head)
+    count = parts(planes, threads, geo.min_chunk)
+    if count <= 1:
+        buf, scratch = _SCRATCH.held(int(fns.maxpool_rows_scratch(geo.address)))
+        return Bound(fns.maxpool_rows, (*head, scratch, 0, planes), (geo, buf))
+    return Bound(fns.maxpool_rows_mt, (*head, planes, count), (geo,))
 
 
 def bind_avg_pool(x: np.ndarray, y: np.ndarray, geo: WindowGeometry, counts: np.ndarray,

@@ -1971,6 +1971,20 @@ def winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], thre
                             f"per-thread pipeline: {what}; it moves {bytes_why}")
 
 
+# Winograd's sixteen products of at most one vector of tiles (a 7 x 7 map at batch 1: 16
+# tiles, M and C of 512) run in gemm.c's tall tiles (24 rows of C over the one vector,
+# every lane used) instead of 8 x 32 tiles whose second vector is empty; the sums are the
+# same. The 512-channel 3x3 conv on 7x7 at batch 1 alone, one thread, measured under
+# load: docs/performance.md, "Winograd's products of one vector of tiles". On 49 tiles
+# (256 channels on 14x14: three whole vectors and one lane) tall tiles gained nothing.
+WINOGRAD_TALL_COLUMNS = 16
+
+
+def winograd_tall(columns: int) -> bool:
+    """Whether Winograd's products of ``columns`` columns (tiles) run in tall tiles."""
+    return columns <= WINOGRAD_TALL_COLUMNS
+
+
 def _vectors(block: int, tiles: int) -> str:
     """How a block of ``block`` of ``tiles`` tiles fills the products' vectors."""
     if block % PIPELINE_VECTOR == 0:
@@ -1994,6 +2008,55 @@ def _even_tiles(tiles: int, most: int, threads: int, vectors: bool) -> int:
                             and -(-blocks // threads) * threads <= EVEN_SPLIT * blocks):
             return t
     return 0
+
+
+# ---- the masked conv's order over column panels --------------------------------------------
+# gemm.c's masked (KEEL_DIRECT) conv runs column panel by column panel, each over every row
+# panel of A (the packed filters) for the whole depth: where A is larger than the L2, it is
+# read from the shared cache (or memory) once per column panel. Grouped, each row panel
+# runs over a group of column panels before the next, A read once per group, while the
+# group's B (depth x panel columns) and one row panel of A stay in the L2. A group is taken
+# where A exceeds MASKED_GROUP_A_SHARE of the L2 and at least two column panels fit:
+# ResNet-18's 256 -> 512 3x3 stride-2 conv (A 4.5 MiB, two panels of B at 288 KiB each)
+# and its 128 -> 256 one (A 1.1 MiB, seven panels of 144 KiB: groups of four and three),
+# measured under load on the 2-core AMD EPYC (Zen 5): docs/performance.md, "The masked
+# conv by groups of column panels". The same sums in the same order either way.
+MASKED_GROUP_A_SHARE = 0.5
+MASKED_GROUP_MAX = 8       # gemm.c's DIRECT_GROUP_MAX
+
+
+def masked_panel_group(rows: int, depth: int, columns: int, panel: int, tile_rows: int,
+                       sizes: Caches | None = None) -> int:
+    """Column panels per group of a masked conv's product (``rows`` x ``depth`` filters
+    against ``columns`` output pixels an image in panels of ``panel`` columns, row panels
+    of ``tile_rows``): 1 runs it column panel by column panel."""
+    l2 = (sizes or caches()).l2
+    if rows * depth * 4 <= MASKED_GROUP_A_SHARE * l2:
+        return 1
+    panels = -(-columns // panel)
+    fit = (l2 - tile_rows * depth * 4) // max(1, depth * panel * 4)
+    most = min(panels, fit, MASKED_GROUP_MAX)
+    if most < 2:
+        return 1
+    return -(-panels // -(-panels // most))      # even groups: 7 panels by 4 + 3, not 6 + 1
+
+
+# ---- the float MaxPool's kernel -----------------------------------------------------------
+# window.c's row kernel (keel_maxpool_rows_f32) takes a max pool with a stride of 2 across
+# and no dilation: each output row's max over its input rows column by column, read in
+# place, then over each window's columns from that one row (even lanes by a permute),
+# where the band kernel first copies every band of rows into its column phases.
+# ResNet-18's 3x3 stride-2 pool (64 x 112 x 112 at batch 1) measured under load on the
+# 2-core AMD EPYC (Zen 5): see docs/performance.md, "The float MaxPool by rows".
+MAX_POOL_ROWS_STRIDE = 2
+
+
+def max_pool_by_rows(kernel: tuple[int, ...], strides: tuple[int, ...],
+                     dilations: tuple[int, ...]) -> bool:
+    """Whether a 2-D float max pool runs on window.c's row kernel (which serves up to
+    three taps across)."""
+    return (len(kernel) == 2 and kernel[1] <= 3 and strides[1] == MAX_POOL_ROWS_STRIDE
+            and dilations == (1, 1))
 
 
 # ---- a conv's split over threads ---------------------------------------------------------

@@ -223,9 +223,11 @@ def native_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[in
     addr = native.address
     pipe = planner.winograd_pipeline(n, c, m, out_hw, threads)
     if pipe.tiles:
+        call = products.tall if planner.winograd_tall(min(pipe.tiles, n * tiles)) else (
+            products.call)
         _ok(fns.fused(addr(x), addr(y), addr(geo), m, None if bias is None else addr(bias),
                       None if z is None else addr(z), None if clip is None else addr(clip), n,
-                      products.call.args, fns.product,
+                      call.args, fns.product,
                       addr(_geometry(pipe.tiles, pipe.panels, fns.mr, fns.work)), pipe.parts))
         if name and name != "clip":
             finish(np, y, y, None, act)
@@ -247,6 +249,8 @@ def native_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[in
         call = native_gemm.prepare(products.u, v, p)
         if call is None:
             raise RuntimeError("native GEMM refused the Winograd products")
+        if planner.winograd_tall(t):
+            call = native_gemm.with_tall(call, True)
         # Panel-major: a thread's share of the sixteen products is the same tiles of each
         # (those of the images, or tile rows, it transformed: the pool gives each thread
         # the same chunk index).
@@ -268,6 +272,7 @@ class _Products:
 
     u: Any
     call: native_gemm.Call
+    tall: native_gemm.Call        # the same in tall tiles (planner.winograd_tall)
 
 
 def _products(xp: Any, arrays: tuple[Any, ...]) -> _Products:
@@ -278,7 +283,7 @@ def _products(xp: Any, arrays: tuple[Any, ...]) -> _Products:
                                np.zeros((16, m, columns), np.float32))
     if call is None:
         raise RuntimeError("native GEMM refused the Winograd products")
-    return _Products(u, call)
+    return _Products(u, call, native_gemm.with_tall(call, True))
 
 
 @functools.lru_cache(maxsize=256)

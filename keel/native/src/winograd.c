@@ -520,9 +520,16 @@ static void fused_block(const fused_job *j, float *scratch, int64_t q)
     }
 }
 
+/* Chunk [lo, hi) of the blocks runs blocks [B - hi, B - lo): keel's split gives the first
+ * chunks one block more, and the last block is the one that may be partial, so the
+ * chunk holding it is one of those (784 tiles in 7 blocks of 128 on two threads: 400 and
+ * 384 tiles, where the chunks in order took 512 and 272). Each block is computed alike
+ * wherever it runs: the same bits. */
 static void fused_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
 {
-    for (int64_t q = lo; q < hi; q++) fused_block(ctx, scratch, q);
+    const fused_job *j = ctx;
+    int64_t blocks = (j->all_tiles + j->tiles - 1) / j->tiles;
+    for (int64_t q = blocks - hi; q < blocks - lo; q++) fused_block(j, scratch, q);
 }
 
 /* Y (images, M, OH, OW) = clip(conv(X, W) + bias + Z, lo, hi) as keel_winograd_input_f32,

@@ -207,3 +207,35 @@ def test_panel_groups_follow_the_filters_and_the_l2() -> None:
     assert group(512, 2304, 49, 32, 8, cpu_planner.Caches(16 << 20, 32 << 20, "")) == 1
     assert group(512, 9216, 49, 32, 8, l2) == 1         # one panel of B fills the L2
     assert group(64, 2304, 4096, 32, 8, cpu_planner.Caches(8 << 20, 32 << 20, "")) == 1
+
+
+# ---- short last column panels (49 = 32 + 17 output pixels) --------------------------------
+SHORT_CASES = [
+    ((1, 16, 14, 14), (24, 16, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}),  # 32 + 17
+    ((1, 16, 14, 14), (19, 16, 1, 1), {"strides": (2, 2)}),                # 1x1 stride 2
+    ((2, 5, 7, 7), (9, 5, 3, 3), {"pads": (1, 1, 1, 1)}),                 # 49 columns, 9 rows
+    ((1, 4, 5, 3), (17, 4, 3, 3), {"pads": (1, 1, 1, 1)}),                # 15 columns
+]
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs", SHORT_CASES)
+def test_short_panels_give_the_gathered_bits(x_shape: tuple[int, ...],
+                                             w_shape: tuple[int, ...],
+                                             attrs: dict[str, Any]) -> None:
+    """A panel of fewer than 32 columns (masked moves from the registers with AVX-512)
+    sums and finishes each element as the gathered taps do: the same bits, with a bias,
+    a residual and a clip, on 1 to 16 threads."""
+    rng = np.random.default_rng(17)
+    x, w, b = rand(rng, *x_shape), rand(rng, *w_shape), rand(rng, w_shape[0])
+    full = {**attrs, "activation": "clip", "activation_params": (-0.3, 0.4)}
+    plain = reference([x, w, b], attrs)
+    z = rand(rng, *plain.shape)
+    geo = conv_geometry(Op.CONV, x.shape, w.shape, attrs)
+    gathered = conv_gemm.native_layout(geo, "gathered")
+    assert gathered.masked is None
+    want = np.empty(plain.shape, np.float32)
+    act = activation("clip", (-0.3, 0.4))
+    assert conv_gemm.native(np, gathered, x, w, b, z, want, act, None, 1)
+    np.testing.assert_allclose(want, np.clip(plain + z, -0.3, 0.4), rtol=1e-4, atol=1e-4)
+    for threads in (1, 2, 3, 16):
+        assert _masked(x, w, b, z, full, threads=threads).tobytes() == want.tobytes()

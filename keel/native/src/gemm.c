@@ -317,17 +317,21 @@ static inline __mmask16 part_lanes(int64_t cols, int j)
     return left >= VW ? (__mmask16)0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1u);
 }
 
+/* A short tile's accumulators from C's first t->cols columns (or zero), masked ... */
 static inline __attribute__((always_inline)) void
-tile_part_masked(int mr, int nv, int64_t kc, const float *a, const bsource *s,
-                 const target *t, const epilogue *e)
+part_load_masked(int mr, int nv, const target *t, vf acc[MAXR][NV])
 {
-    vf acc[MAXR][NV];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nv; j++)
             acc[i][j] = t->load_c ? (vf)_mm512_maskz_loadu_ps(part_lanes(t->cols, j),
                                                               t->c + i * t->ldc + j * VW)
                                   : (vf){0};
-    rank_updates(mr, nv, kc, a, s, acc);
+}
+
+/* ... and stored back to those columns, finished on the last depth block. */
+static inline __attribute__((always_inline)) void
+part_store_masked(int mr, int nv, const target *t, const epilogue *e, vf acc[MAXR][NV])
+{
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nv; j++) {
             __mmask16 k = part_lanes(t->cols, j);
@@ -343,6 +347,16 @@ tile_part_masked(int mr, int nv, int64_t kc, const float *a, const bsource *s,
             }
             if (k) _mm512_mask_storeu_ps(t->c + i * t->ldc + j * VW, k, (__m512)v);
         }
+}
+
+static inline __attribute__((always_inline)) void
+tile_part_masked(int mr, int nv, int64_t kc, const float *a, const bsource *s,
+                 const target *t, const epilogue *e)
+{
+    vf acc[MAXR][NV];
+    part_load_masked(mr, nv, t, acc);
+    rank_updates(mr, nv, kc, a, s, acc);
+    part_store_masked(mr, nv, t, e, acc);
 }
 #endif
 
@@ -1122,16 +1136,24 @@ direct_full(int mr, int nv, const float *a, const dpanel *d, const target *t,
             store(t->c + i * t->ldc + j * VW, finish(acc[i][j], e, t->i0 + i, t->jbase + j * VW));
 }
 
-/* A tile with fewer columns of C: through a buffer on the stack (part_begin). */
+/* A tile with fewer columns of C (a 7 x 7 output's 17-column last panel): with AVX-512
+ * by masked moves straight from the registers (part_load_masked), else through a buffer
+ * on the stack (part_begin); the same bits either way. */
 static inline __attribute__((always_inline)) void
 direct_part(int mr, int nv, const float *a, const dpanel *d, const target *t,
             const epilogue *e)
 {
-    float buf[MAXR][NR];
     vf acc[MAXR][NV];
+#if defined(__AVX512F__)
+    part_load_masked(mr, nv, t, acc);
+    direct_updates(mr, nv, a, d, acc);
+    part_store_masked(mr, nv, t, e, acc);
+#else
+    float buf[MAXR][NR];
     part_begin(mr, nv, t, buf, acc);
     direct_updates(mr, nv, a, d, acc);
     part_end(mr, nv, t, e, 1, buf, acc);
+#endif
 }
 
 typedef void (*dtile_fn)(const float *, const dpanel *, const target *, const epilogue *);

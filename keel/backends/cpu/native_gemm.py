@@ -76,11 +76,12 @@ __all__ = ["BandCall", "Call", "Packed", "Rows", "address", "available", "gemm",
            "pack", "pack_batch", "planner_rules", "prepare", "prepare_band", "strides_of"]
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-_ACCUMULATE, _CLIP, _STREAM, _DIRECT, _NT, _TALL = 1, 2, 4, 8, 16, 32
+_ACCUMULATE, _CLIP, _STREAM, _DIRECT, _NT, _TALL, _LANES = 1, 2, 4, 8, 16, 32, 64
 # keel_gemm_args of gemm.c: 23 int64 fields then alpha, lo, hi as doubles. One
 # packed argument block costs ~0.3 us; 30 separate ctypes arguments cost ~3 us.
 _ARGS = struct.Struct("<23q3d")
 _C_FIELD = 13           # where C's address sits in it
+_FLAGS_FIELD = 22       # and the flags
 # keel_conv_band_args of gemm.c: 21 int64 fields then lo, hi as doubles.
 _BAND_ARGS = struct.Struct("<21q2d")
 _BAND_X = 16            # where X's address sits in it
@@ -103,6 +104,7 @@ class _Functions:
     nr: int          # columns of a micro-tile (the panel width of a right operand)
     work: int        # floats of workspace one concurrent call needs
     tall: Callable[[int, int], bool]     # the cpu planner's tall-tile rule (m, k)
+    lanes: Callable[[int, int, int], bool]   # its lanes-tile rule (m, n, k)
 
 
 _loaded: dict[native.NativeLibrary, _Functions] = {}
@@ -139,7 +141,8 @@ def _load(lib: native.NativeLibrary) -> _Functions:
         band_rows=lib.function("keel_conv_band_rows_f32", [ctypes.c_char_p], _I64),
         band_work=lib.function("keel_conv_band_workspace_f32", [ctypes.c_char_p], _I64),
         mr=size("keel_gemm_mr_f32"), nr=size("keel_gemm_nr_f32"), kc=size("keel_gemm_kc_f32"),
-        work=size("keel_gemm_workspace_f32"), tall=planner_rules().tall_tiles)
+        work=size("keel_gemm_workspace_f32"), tall=planner_rules().tall_tiles,
+        lanes=planner_rules().lanes_tiles)
 
 
 @functools.cache
@@ -406,7 +409,8 @@ class Call:
         raw = (values[4] != 0 or values[5] != 0,
                values[8] != 0 or values[9] != 0 or values[11] != 0)
         return planner_rules().gemm_split(self.batch, self.m, self.n, self.k, threads,
-                                          (self.f.mr, self.f.nr), raw=raw)
+                                          (self.f.mr, self.f.nr), raw=raw,
+                                          lanes=bool(values[_FLAGS_FIELD] & _LANES))
 
     def bound(self, threads: int) -> Callable[[], Any]:
         """``run(threads)`` as a callable with no arguments, for the calling thread.
@@ -502,7 +506,7 @@ def prepare(a: np.ndarray | Packed, b: np.ndarray | Packed | Rows, c: np.ndarray
     flags = (_ACCUMULATE if accumulate else 0) | (_CLIP if clip is not None else 0) | (
         _STREAM if batch * k * n * 4 > planner_rules().STREAM_BYTES else 0) | (
         _DIRECT if masks is not None else 0) | (_NT if nt else 0) | (
-        _TALL if f.tall(m, k) else 0)
+        _TALL if f.tall(m, k) else 0) | (_LANES if f.lanes(m, n, k) else 0)
     lo, hi = clip if clip is not None else (0.0, 0.0)
     values = (m, n, k, *ra[:4], *rb[:4],
               native.address(b.offsets) if isinstance(b, Rows) else 0,

@@ -685,13 +685,14 @@ class GemmSplit:
 
 @functools.lru_cache(maxsize=4096)
 def gemm_split(batch: int, m: int, n: int, k: int, threads: int, grid: Grid = None,
-               sizes: Caches | None = None, raw: tuple[bool, bool] = (True, False)
-               ) -> GemmSplit:
+               sizes: Caches | None = None, raw: tuple[bool, bool] = (True, False),
+               lanes: bool = False) -> GemmSplit:
     """The tile grid of ``batch`` products of (m x k) @ (k x n) under a cap of
     ``threads`` (see the rule above). ``grid``: the kernel's micro-tile (None: the one
     loaded here); ``sizes``: the caches planned for (None: this machine's); ``raw``:
-    whether A and B are packed per call (a MatMul's activations; its weights are not).
-    Remembered per arguments: a call made again asks again."""
+    whether A and B are packed per call (a MatMul's activations; its weights are not);
+    ``lanes``: the product runs in lanes tiles (lanes_tiles), whose work is the columns
+    there are, not whole vectors. Remembered per arguments: a call made again asks again."""
     tile = grid or native_gemm.geometry() or _TILES["scalar"]
     sizes = sizes or caches()
     parts = gemm_threads(threads, 2 * batch * m * n * k)
@@ -700,7 +701,7 @@ def gemm_split(batch: int, m: int, n: int, k: int, threads: int, grid: Grid = No
         return GemmSplit(1, 1, batch, 1, "not split: one thread" if threads <= 1 else (
             f"not split: {flops:,} flops, under {MIN_FLOPS_PER_THREAD:,} for each of two "
             "threads"))
-    shape = _Product(batch, m, n, k, tile, native_gemm.depth_block(), raw)
+    shape = _Product(batch, m, n, k, tile, native_gemm.depth_block(), raw, lanes)
     return _best_split(shape, parts, sizes.l2, sizes.source)
 
 
@@ -713,14 +714,18 @@ class _Product:
     tile: tuple[int, int]
     kc: int                       # gemm.c's depth block
     raw: tuple[bool, bool]
+    lanes: bool = False
 
     @property
     def panels(self) -> tuple[int, int]:
         return -(-self.m // self.tile[0]), -(-self.n // self.tile[1])
 
     def vectors(self) -> tuple[int, ...]:
-        """The column vectors of each column panel (two a panel; a partial one fewer)."""
+        """The column vectors of each column panel (two a panel; a partial one fewer);
+        in lanes tiles its columns."""
         nr = self.tile[1]
+        if self.lanes:
+            return tuple(min(nr, self.n - j) for j in range(0, self.n, nr))
         vw = max(1, nr // 2)
         return tuple(-(-min(nr, self.n - j) // vw) for j in range(0, self.n, nr))
 
@@ -1551,6 +1556,34 @@ def tall_tiles(m: int, k: int) -> bool:
     """Whether a native product of ``m`` rows and depth ``k`` runs in tall tiles (where
     its operands fit them)."""
     return TALL_MIN_ROWS <= m <= TALL_ROWS or (m <= TALL_MAX_ROWS and k >= 2 * m)
+
+
+# ---- the native GEMM's lanes tiles ------------------------------------------------------
+# gemm.c runs a product of few columns with C's rows in the vector lanes (32 rows by up to
+# 12 columns a tile, the columns split as evenly as whole columns allow, AVX-512 builds
+# with 8-row panels only) when the prepared call carries KEEL_LANES and its operands fit
+# as tall tiles' do: a 1x1 conv on a 7x7 map at batch 1 (49 columns) computes 49
+# columns instead of the 64 of two 32-column panels or four 16-column vectors. Every
+# element is the same chain of operations as in the panels, so the choice may follow the
+# shape (and the batch) freely. Measured on the 2-core AMD EPYC (Zen 5), one thread,
+# thread CPU time, alternating, under load (us, panels or tall -> lanes, with bias and
+# clip): 49 columns 320x960 187 -> 133, 960x160 96 -> 77, 1280x320 238 -> 181, 160x960
+# 86 -> 61, 576x160 54 -> 41; 196 columns 576x96 115 -> 106, 96x576 102 -> 89, 384x64
+# 53 -> 50, 64x384 47 -> 40, 64x192 26 -> 22; 784 columns 32x192 54 -> 44, 32x144 38 ->
+# 34 but 192x32 59 -> 65 (depth below the rows: the transposes outweigh the waste);
+# 3136 columns 144x24 152 -> 173, 24x144 116 -> 115. So: up to LANES_MAX_COLUMNS
+# columns, or up to LANES_MAX_REDUCING_COLUMNS where the depth is at least the rows.
+LANES_MAX_COLUMNS = 256
+LANES_MAX_REDUCING_COLUMNS = 1024
+LANES_MIN_ROWS = 32
+
+
+def lanes_tiles(m: int, n: int, k: int) -> bool:
+    """Whether a native product of ``m`` rows, ``n`` columns and depth ``k`` runs in
+    lanes tiles (where its operands fit them)."""
+    if m < LANES_MIN_ROWS:
+        return False
+    return n <= LANES_MAX_COLUMNS or (n <= LANES_MAX_REDUCING_COLUMNS and k >= m)
 
 
 # ---- the depthwise conv's form ---------------------------------------------------------

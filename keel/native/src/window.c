@@ -46,6 +46,7 @@
 #include <immintrin.h>
 #endif
 
+#include "transpose.h"
 #include "vec.h"
 
 #define KV VW                /* floats per vector */
@@ -589,35 +590,6 @@ static int blocked_ok(const geom *g) {
 static int64_t blocked_floats(const geom *g) {
     blocked_dims d = blocked_size(g);
     return CB * d.hp * d.wp;
-}
-
-/* r[j] (row j = plane j, 16 columns) becomes column j. */
-static inline __attribute__((always_inline)) void transpose16(__m512 *r) {
-    __m512 t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
-        __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
-        r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
-        r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
-        r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
-        r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
-    }
-    /* r[4b + j], 128-bit group q: rows 4b..4b+3 of column 4q + j. */
-    for (int j = 0; j < 4; j++) {
-        __m512 u0 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88);
-        __m512 u1 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xDD);
-        __m512 u2 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
-        __m512 u3 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xDD);
-        t[j] = _mm512_shuffle_f32x4(u0, u2, 0x88);
-        t[4 + j] = _mm512_shuffle_f32x4(u1, u3, 0x88);
-        t[8 + j] = _mm512_shuffle_f32x4(u0, u2, 0xDD);
-        t[12 + j] = _mm512_shuffle_f32x4(u1, u3, 0xDD);
-    }
-    for (int i = 0; i < 16; i++) r[i] = t[i];
 }
 
 /* Planes [p0, p0 + cb) into buf's interior: pixel f of each plane to buf + dst[f]. */

@@ -679,6 +679,36 @@ static void blocked_any(const geom *g, const win_args *e, const float *buf,
     }
 }
 
+/* The lanes' weights of taps [0, taps) and their bias for planes [p0, p0 + cb) (channel
+ * of plane p: p mod C; lanes past cb zero). Up to 16 taps, each channel's taps are one
+ * masked load of its row of W, moved into lane l by a transpose of the block's rows: a
+ * division per plane and tap and 160 scalar loads a block cost more than the FMAs of a
+ * 7x7 layer. */
+static void blocked_weights(const geom *g, const win_args *e, int64_t p0, int64_t cb,
+                            __m512 *w, __m512 *bias) {
+    float lanes[CB] __attribute__((aligned(64)));
+    int64_t c0 = p0 % g->c, c = c0;
+    for (int64_t l = 0; l < CB; l++, c = c + 1 == g->c ? 0 : c + 1)
+        lanes[l] = l < cb && e->bias != NULL ? e->bias[c] : 0.0f;
+    *bias = _mm512_load_ps(lanes);
+    if (g->taps <= 16) {
+        __m512 r[16];
+        c = c0;
+        for (int64_t l = 0; l < CB; l++, c = c + 1 == g->c ? 0 : c + 1)
+            r[l] = l < cb ? _mm512_maskz_loadu_ps(first_lanes(g->taps), e->w + c * g->taps)
+                          : _mm512_setzero_ps();
+        transpose16(r);
+        for (int64_t t = 0; t < g->taps; t++) w[t] = r[t];
+        return;
+    }
+    for (int64_t t = 0; t < g->taps; t++) {
+        c = c0;
+        for (int64_t l = 0; l < CB; l++, c = c + 1 == g->c ? 0 : c + 1)
+            lanes[l] = l < cb ? e->w[c * g->taps + t] : 0.0f;
+        w[t] = _mm512_load_ps(lanes);
+    }
+}
+
 static void run_blocked(const float *x, float *y, const geom *g, const win_args *e,
                         float *scratch, int64_t lo, int64_t hi) {
     blocked_dims d = blocked_size(g);
@@ -700,16 +730,8 @@ static void run_blocked(const float *x, float *y, const geom *g, const win_args 
     memset(buf, 0, (size_t)(CB * d.hp * d.wp) * sizeof(float));
     for (int64_t p0 = lo; p0 < hi; p0 += CB) {
         int64_t cb = min64(CB, hi - p0);
-        __m512 w[BLOCKED_MAX_TAPS];
-        float lanes[CB] __attribute__((aligned(64)));
-        for (int64_t t = 0; t < g->taps; t++) {
-            for (int64_t l = 0; l < CB; l++)
-                lanes[l] = l < cb ? e->w[((p0 + l) % g->c) * g->taps + t] : 0.0f;
-            w[t] = _mm512_load_ps(lanes);
-        }
-        for (int64_t l = 0; l < CB; l++)
-            lanes[l] = l < cb && e->bias != NULL ? e->bias[(p0 + l) % g->c] : 0.0f;
-        __m512 bias = _mm512_load_ps(lanes);
+        __m512 w[BLOCKED_MAX_TAPS], bias;
+        blocked_weights(g, e, p0, cb, w, &bias);
         /* Planes past hi are prefetched only when they are this call's (never past the
          * arrays; another thread's planes are its own to fetch). */
         int ahead = hi - p0 > CB;

@@ -104,7 +104,7 @@ class _Functions:
     nr: int          # columns of a micro-tile (the panel width of a right operand)
     work: int        # floats of workspace one concurrent call needs
     tall: Callable[[int, int], bool]     # the cpu planner's tall-tile rule (m, k)
-    lanes: Callable[[int, int, int], bool]   # its lanes-tile rule (m, n, k)
+    lanes: Callable[[int, int, int, int], bool]   # its lanes-tile rule (batch, m, n, k)
 
 
 _loaded: dict[native.NativeLibrary, _Functions] = {}
@@ -506,7 +506,7 @@ def prepare(a: np.ndarray | Packed, b: np.ndarray | Packed | Rows, c: np.ndarray
     flags = (_ACCUMULATE if accumulate else 0) | (_CLIP if clip is not None else 0) | (
         _STREAM if batch * k * n * 4 > planner_rules().STREAM_BYTES else 0) | (
         _DIRECT if masks is not None else 0) | (_NT if nt else 0) | (
-        _TALL if f.tall(m, k) else 0) | (_LANES if f.lanes(m, n, k) else 0)
+        _TALL if f.tall(m, k) else 0) | (_LANES if f.lanes(batch, m, n, k) else 0)
     lo, hi = clip if clip is not None else (0.0, 0.0)
     values = (m, n, k, *ra[:4], *rb[:4],
               native.address(b.offsets) if isinstance(b, Rows) else 0,

@@ -1572,16 +1572,21 @@ def tall_tiles(m: int, k: int) -> bool:
 # 53 -> 50, 64x384 47 -> 40, 64x192 26 -> 22; 784 columns 32x192 54 -> 44, 32x144 38 ->
 # 34 but 192x32 59 -> 65 (depth below the rows: the transposes outweigh the waste);
 # 3136 columns 144x24 152 -> 173, 24x144 116 -> 115. So: up to LANES_MAX_COLUMNS
-# columns, or up to LANES_MAX_REDUCING_COLUMNS where the depth is at least the rows.
+# columns, or up to LANES_MAX_REDUCING_COLUMNS where the depth is at least the rows;
+# and only on a B in cache (not beyond STREAM_BYTES): a tile block of 32 rows reads all of
+# B again, and MobileNetV2 at batch 32 (its 14x14 and 28x28 1x1 convs one product per
+# image, B from memory) took 1.04-1.05x the time with them (200.6 -> 210.6 ms, 1 thread,
+# alternating, under load), 0.99x with the 7x7 ones alone (stacked: not lanes). At batch
+# 1 the model went from 5.93 to 5.42 ms (0.91x), bitwise the same outputs.
 LANES_MAX_COLUMNS = 256
 LANES_MAX_REDUCING_COLUMNS = 1024
 LANES_MIN_ROWS = 32
 
 
-def lanes_tiles(m: int, n: int, k: int) -> bool:
-    """Whether a native product of ``m`` rows, ``n`` columns and depth ``k`` runs in
-    lanes tiles (where its operands fit them)."""
-    if m < LANES_MIN_ROWS:
+def lanes_tiles(batch: int, m: int, n: int, k: int) -> bool:
+    """Whether ``batch`` native products of ``m`` rows, ``n`` columns and depth ``k`` run
+    in lanes tiles (where their operands fit them)."""
+    if m < LANES_MIN_ROWS or 4 * batch * k * n > STREAM_BYTES:
         return False
     return n <= LANES_MAX_COLUMNS or (n <= LANES_MAX_REDUCING_COLUMNS and k >= m)
 

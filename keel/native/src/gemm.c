@@ -1748,7 +1748,8 @@ int64_t keel_gemm_args_c_offset(void) { return (int64_t)offsetof(keel_gemm_args,
  * ldr + j] (the column mapped as C's), are added after alpha. flags:
  * KEEL_ACCUMULATE starts from the value C holds instead of zero (alpha then
  * scales it too: callers pass alpha = 1), KEEL_CLIP clips to [lo, hi] (NaN
- * stays NaN), KEEL_STREAM packs a raw B in long runs, and KEEL_DIRECT reads B's
+ * stays NaN), KEEL_STREAM packs a raw B in long runs, KEEL_TALL and KEEL_LANES run
+ * tall or lanes tiles where the operands fit them, and KEEL_DIRECT reads B's
  * taps straight from a convolution's source planes through lane masks: b_cols then
  * points to the conv's geometry and mask table instead of a column table (see
  * "a convolution's taps read in place" above).

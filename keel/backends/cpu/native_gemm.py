@@ -509,7 +509,8 @@ def prepare(a: np.ndarray | Packed, b: np.ndarray | Packed | Rows, c: np.ndarray
     flags = (_ACCUMULATE if accumulate else 0) | (_CLIP if clip is not None else 0) | (
         _STREAM if batch * k * n * 4 > planner_rules().STREAM_BYTES else 0) | (
         _DIRECT if masks is not None else 0) | (_NT if nt else 0) | (
-        _TALL if f.tall(m, k) else 0) | (_LANES if f.lanes(batch, m, n, k) else 0)
+        _TALL if f.tall(m, k) else 0) | (_LANES if _plain(ra, rb) and columns is None and (
+            masks is None and not accumulate and f.lanes(batch, m, n, k)) else 0)
     lo, hi = clip if clip is not None else (0.0, 0.0)
     values = (m, n, k, *ra[:4], *rb[:4],
               native.address(b.offsets) if isinstance(b, Rows) else 0,
@@ -521,6 +522,12 @@ def prepare(a: np.ndarray | Packed, b: np.ndarray | Packed | Rows, c: np.ndarray
               2 - bias_rows, *res, flags, alpha, lo, hi)
     return Call(f, values, batch, m, n, k, (b, bias, residual, columns, masks),
                 (c.shape, c.strides, c.dtype))
+
+
+def _plain(ra: tuple[int, ...], rb: tuple[int, ...]) -> bool:
+    """Whether A is packed and B raw with contiguous rows (a depth stride: no row
+    table): the operands gemm.c's tall and lanes tiles take."""
+    return ra[1] == ra[2] == 0 and rb[2] == 1 and rb[1] != 0
 
 
 def _check_shapes(m: int, k: int, n: int, kb: int, c: np.ndarray,

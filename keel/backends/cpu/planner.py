@@ -2056,11 +2056,12 @@ def chunk_split(name: str, units: int, threads: int, work: int, least: int) -> S
 
 def gemm_pass(name: str, batch: int, m: int, n: int, k: int, threads: int,
               grid: Any = _HERE, panel_major: bool = False, sizes: Caches | None = None,
-              raw: tuple[bool, bool] = (True, False)) -> Split:
+              raw: tuple[bool, bool] = (True, False), lanes: bool = False) -> Split:
     """The split of a native product (native_gemm.Call.run): ``gemm_split``'s tile grid
     for the caches of ``sizes`` (None: this machine's), the units its tiles; or, for
     ``panel_major`` products (Winograd's), whole column panels across the batch. At
-    least MIN_FLOPS_PER_THREAD flops a thread either way."""
+    least MIN_FLOPS_PER_THREAD flops a thread either way. ``lanes``: the product runs
+    in lanes tiles (a packed A, a plain raw B and lanes_tiles)."""
     tiles = _grid(grid) or _TILES["scalar"]
     flops = 2 * batch * m * n * k
     if panel_major:
@@ -2068,7 +2069,7 @@ def gemm_pass(name: str, batch: int, m: int, n: int, k: int, threads: int,
         units = batch * -(-n // tiles[1])
         return Split(f"{name} (column panels)", units, max(1, min(wanted, units)), flops,
                      MIN_FLOPS_PER_THREAD, product=True)
-    split = gemm_split(batch, m, n, k, threads, tiles, sizes, raw)
+    split = gemm_split(batch, m, n, k, threads, tiles, sizes, raw, lanes)
     return Split(f"{name} ({split.rows}x{split.cols} tiles a product)", split.pieces,
                  split.parts, flops, MIN_FLOPS_PER_THREAD, product=True)
 
@@ -2128,8 +2129,10 @@ def _native_splits(geo: ConvGeometry, layout: str, threads: int, grid: Any,
         flops = 2 * n * geo.out_channels * pixels * cg * taps
         return (Split("bands of output rows", units, max(1, min(threads, units)), flops,
                       MIN_FLOPS_PER_THREAD),)
+    # Only the direct form reads X as B in place, plain rows: lanes tiles take it.
+    lanes = layout == "direct" and lanes_tiles(batch, mg, columns, cg * taps)
     product = gemm_pass("products" if g > 1 else "product", batch, mg, columns, cg * taps,
-                        threads, grid, sizes=sizes, raw=(False, True))
+                        threads, grid, sizes=sizes, raw=(False, True), lanes=lanes)
     if not copied:
         return (product,)
     planes = n * geo.in_channels

@@ -413,7 +413,7 @@ class Call:
                values[8] != 0 or values[9] != 0 or values[11] != 0)
         return planner_rules().gemm_split(self.batch, self.m, self.n, self.k, threads,
                                           (self.f.mr, self.f.nr), raw=raw,
-                                          lanes=bool(values[_FLAGS_FIELD] & _LANES))
+                                          lanes=bool(int(values[_FLAGS_FIELD]) & _LANES))
 
     def bound(self, threads: int) -> Callable[[], Any]:
         """``run(threads)`` as a callable with no arguments, for the calling thread.

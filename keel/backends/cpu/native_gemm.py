@@ -48,8 +48,8 @@ tall tiles instead:
 every row of C over one 16-column vector at once, B read in place once with its rows
 fetched ahead into L2 (MobileNetV2's projections at batch 32, inside the model:
 16 x 32 x 12544 8.4 -> 5.1 ms, 24 x 144 x 3136 with the residual 14.3 -> 6.8 ms,
-96 x 576 x 196 with the residual 10.1 -> 7.9 ms). A product of few columns on a B in
-cache (the planner's ``lanes_tiles``: a 1x1 conv on 7x7 or 14x14 at batch 1) runs in
+96 x 576 x 196 with the residual 10.1 -> 7.9 ms). A product of few columns on a B that
+stays in L2 (the planner's ``lanes_tiles``: a 1x1 conv on 7x7 or 14x14 at batch 1) runs in
 lanes tiles instead, C's rows in the vector lanes, computing only the columns there are
 (320 x 960 x 49: 187 -> 133 us; docs/performance.md). All three give the same bits.
 

@@ -1573,20 +1573,22 @@ def tall_tiles(m: int, k: int) -> bool:
 # 34 but 192x32 59 -> 65 (depth below the rows: the transposes outweigh the waste);
 # 3136 columns 144x24 152 -> 173, 24x144 116 -> 115. So: up to LANES_MAX_COLUMNS
 # columns, or up to LANES_MAX_REDUCING_COLUMNS where the depth is at least the rows;
-# and only on a B in cache (not beyond STREAM_BYTES): a tile block of 32 rows reads all of
-# B again, and MobileNetV2 at batch 32 (its 14x14 and 28x28 1x1 convs one product per
-# image, B from memory) took 1.04-1.05x the time with them (200.6 -> 210.6 ms, 1 thread,
-# alternating, under load), 0.99x with the 7x7 ones alone (stacked: not lanes). At batch
-# 1 the model went from 5.93 to 5.42 ms (0.91x), bitwise the same outputs.
+# and only on a B that stays in L2 (LANES_MAX_B_BYTES over the batch): a block of 32 rows
+# reads all of B again. MobileNetV2 at batch 32 (its 14x14 and 28x28 1x1 convs one
+# product per image) took 1.04-1.05x the time with lanes up to 2 MiB of B (200.6 -> 210.6
+# ms, 1 thread, alternating, under load) and 1.017x (1 thread) / 1.024x (2 threads) with
+# its 64 -> 384 on 14x14 (1.6 MiB) alone in them. At batch 1 the model went from 5.93 to
+# 5.42 ms (0.91x), bitwise the same outputs.
 LANES_MAX_COLUMNS = 256
 LANES_MAX_REDUCING_COLUMNS = 1024
 LANES_MIN_ROWS = 32
+LANES_MAX_B_BYTES = 1 << 20
 
 
 def lanes_tiles(batch: int, m: int, n: int, k: int) -> bool:
     """Whether ``batch`` native products of ``m`` rows, ``n`` columns and depth ``k`` run
     in lanes tiles (where their operands fit them)."""
-    if m < LANES_MIN_ROWS or 4 * batch * k * n > STREAM_BYTES:
+    if m < LANES_MIN_ROWS or 4 * batch * k * n > LANES_MAX_B_BYTES:
         return False
     return n <= LANES_MAX_COLUMNS or (n <= LANES_MAX_REDUCING_COLUMNS and k >= m)
 

@@ -46,7 +46,6 @@ import functools
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import threading
@@ -610,6 +609,8 @@ class _Timeout(_BuildError):
 
 
 def _run_compiler(name: str, compiler: Compiler, args: Sequence[str]) -> None:
+    import subprocess
+
     timeout = _STATE.values().build_timeout_s
     try:
         done = run_tool([compiler.path, *args], timeout)

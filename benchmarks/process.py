@@ -16,10 +16,12 @@ from the ONNX file, and predicts once, then reports:
   figure ``benchmarks.run`` reported alone before).
 
 Two cases per file: the compiled-plan cache on (what every process after the
-first finds) and off. A warm-up run first fills the bytecode, native-kernel and
-plan caches. Baselines: a bare interpreter and one that imports NumPy. Medians
-over the runs; ``--save`` writes ``benchmarks/results/process-<stamp>.json`` with
-the machine's load average, which these wall-clock figures depend on.
+first finds) and off. The model files are first left to settle (the plan cache
+remembers a file's digest once it is 2 s old, as a deployed model is), and a
+warm-up run fills the bytecode, dataclass-code, native-kernel and plan caches.
+Baselines: a bare interpreter and one that imports NumPy. Medians over the runs;
+``--save`` writes ``benchmarks/results/process-<stamp>.json`` with the machine's
+load average, which these wall-clock figures depend on.
 """
 
 from __future__ import annotations

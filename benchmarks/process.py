@@ -105,7 +105,8 @@ def measure(models: list[str], runs: int, files: tuple[str, ...] = CASES,
         rows = []
         for name in models:
             paths = _model_files(name, folder)
-            _settle(paths.values())
+            if "on" in plan_cache:          # (the cache off reads no digest)
+                _settle(paths.values())
             spec = MODELS[name]
             for case in files:
                 for cache in plan_cache:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from keel import _dataclass_code
 from keel.dtypes import DType
 from keel.errors import (
     BackendSelectionError,
@@ -24,6 +25,8 @@ from keel.errors import (
 )
 
 __version__ = "0.1.0"
+
+_dataclass_code.install()       # keel's dataclasses compile their methods once per machine
 
 # public name -> module that defines it
 _LAZY = {

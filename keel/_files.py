@@ -106,16 +106,16 @@ def open_trusted(path: Path, root_ok: bool = False) -> int:
     return fd
 
 
-def write_atomically(target: Path, text: str) -> None:
-    """Write ``text`` to ``target`` so that a reader never sees half a file: beside it
-    first, then renamed over it. The temporary file is made with the usual permissions
-    (umask applies), not 0600."""
+def write_atomically(target: Path, data: str | bytes) -> None:
+    """Write ``data`` (text as UTF-8) to ``target`` so that a reader never sees half a file:
+    beside it first, then renamed over it. The temporary file is made with the usual
+    permissions (umask applies), not 0600."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data.encode() if isinstance(data, str) else data)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, target)

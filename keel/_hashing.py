@@ -10,6 +10,7 @@ libraries it checks). :func:`sha256` takes the built-in one below
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from typing import Protocol, cast
@@ -39,8 +40,10 @@ def sha256(data: bytes = b"", size: int | None = None) -> Digest:
     return hashlib.sha256(data)
 
 
+@functools.lru_cache(maxsize=1)
 def _builtin() -> Callable[[bytes], Digest] | None:
-    """Python's own SHA-256: in ``_sha2`` from Python 3.12, ``_sha256`` before."""
+    """Python's own SHA-256: in ``_sha2`` from Python 3.12, ``_sha256`` before (looked up
+    once: a module that is not there is searched for on every path entry each time)."""
     for name in ("_sha2", "_sha256"):
         try:
             module = importlib.import_module(name)

@@ -120,6 +120,7 @@ class Settings:
     lightweight_memory_threshold_gb: float | None = None
     allow_accelerator_experiments: bool | None = None
     plan_cache: bool = True               # KEEL_PLAN_CACHE: on (default) or off
+    code_cache: bool = True               # KEEL_CODE_CACHE: dataclass methods' code, kept
     hint: str | None = None               # KEEL_HINT: none | latency | throughput
     batch_invariant: bool = True          # KEEL_BATCH_INVARIANT: on (default) or off
     cuda_graphs: bool = True              # KEEL_CUDA_GRAPHS: record and replay gpu runs
@@ -153,6 +154,7 @@ class Settings:
             lightweight_memory_threshold_gb=_gib(env, "KEEL_LIGHTWEIGHT_MEMORY_THRESHOLD_GB"),
             allow_accelerator_experiments=_flag(env, "KEEL_ALLOW_ACCELERATOR_EXPERIMENTS"),
             plan_cache=_flag(env, "KEEL_PLAN_CACHE") is not False,
+            code_cache=_flag(env, "KEEL_CODE_CACHE") is not False,
             hint=_choice(env, "KEEL_HINT", HINTS),
             batch_invariant=_flag(env, "KEEL_BATCH_INVARIANT") is not False,
             cuda_graphs=_flag(env, "KEEL_CUDA_GRAPHS") is not False,

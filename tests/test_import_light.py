@@ -56,14 +56,18 @@ def test_keel_onnxruntime_imports_neither_onnxruntime_nor_onnx() -> None:
 # builds and tree models use threads of their own), kernel families of ops LeNet does not
 # have (the tables import a family on first use), the int8 kernels' module (a float model),
 # numpy.polynomial (erf's coefficients), calibration's sweep (selection and the cache key
-# read the record, keel.planning.calibration_record) and the edge/server target profiles.
+# read the record, keel.planning.calibration_record), the edge/server target profiles,
+# subprocess (its kernels built, a process starts no compiler and the probe no tool that is
+# not there) and, on Linux, psutil with socket (the probe reads /proc and sysfs, which is
+# what psutil reads there: ~8 ms of imports).
 NOT_FOR_A_KEEL_PREDICT = ("onnx", "google.protobuf", "keel.graph.importers.onnx", "asyncio",
                           "ssl", "hashlib", "yaml", "numpy.random", "importlib.metadata",
                           "ml_dtypes", "concurrent.futures", "logging",
                           "keel.backends.cpu.trees", "keel.backends.cpu.recurrent",
                           "keel.backends.reference.elementwise",
                           "keel.backends.cpu.native_qgemm", "numpy.polynomial",
-                          "keel.planning.calibration", "keel.planning.targets")
+                          "keel.planning.calibration", "keel.planning.targets", "subprocess",
+                          *(("psutil", "socket") if sys.platform.startswith("linux") else ()))
 # And what a model found in the compiled-plan cache skips besides (what every process after
 # the first finds): the graph passes (and the quantization schemas their QDQ pass reads),
 # backend selection, placement itself (the plan's records are in keel.planning.plans) with
@@ -93,6 +97,7 @@ def test_a_keel_file_predicts_without_the_modules_it_does_not_need(
     env = {**os.environ, "KEEL_PLAN_CACHE": plan_cache}    # the session's native builds
     watched = tuple(m for m in NOT_FOR_A_KEEL_PREDICT
                     if m != "importlib.metadata" or not _may_declare_backends())
+    _imported_after(code, (), {**env, "KEEL_PLAN_CACHE": "off"})   # kernels built, if not yet
     assert _imported_after(code, watched, env) == []
     if plan_cache == "on":                              # stored, now found
         assert _imported_after(code, watched + NOT_FOR_A_CACHED_PREDICT, env) == []

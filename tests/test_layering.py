@@ -13,6 +13,7 @@ ROOT = Path(keel.__file__).parent
 # Upstream first. The shared leaves come before every stage; modules of one stage may
 # import each other.
 STAGES = ["errors", "dtypes", "config", "inference_protocol", "_hashing", "_files", "_fork", "_gc",
+          "_dataclass_code",
           "hardware", "ops", "graph", "formats", "native", "backends", "planning",
           "execution", "tensors", "runtime", "onnx_backend", "torch_graph", "bench", "testing",
           "serving", "integrations", "onnxruntime", "cli", "__main__"]

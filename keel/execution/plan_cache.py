@@ -238,7 +238,8 @@ def _calibration_identity() -> Any:
 
 
 def _settings_identity() -> dict[str, Any]:
-    return {k: v for k, v in dataclasses.asdict(settings()).items() if k != "plan_cache"}
+    return {k: v for k, v in dataclasses.asdict(settings()).items()
+            if k not in ("plan_cache", "code_cache")}
 
 
 # ---- the folder --------------------------------------------------------------------------

@@ -4,7 +4,9 @@ Linux reads ``/proc/cpuinfo``, ``/sys/devices/system/cpu`` and the cgroup
 tree; macOS reads ``sysctl hw machdep.cpu``; Windows reads the registry,
 ``PROCESSOR_*`` environment variables and ``IsProcessorFeaturePresent``.
 psutil, when importable, supplies physical cores, frequencies and (on
-Windows) the affinity mask. Every field is a reading or ``None`` with a note.
+Windows) the affinity mask; on Linux it reads the same files as keel, so it is
+asked only where ``/proc/cpuinfo`` and sysfs give no core count. Every field is
+a reading or ``None`` with a note.
 """
 
 from __future__ import annotations
@@ -159,16 +161,16 @@ def probe_cpu(src: ProbeSources) -> CpuInfo:
     draft = _Cpu()
     system = src.platform.system
     draft.set("architecture", normalize_arch(src.platform.machine), "platform")
-    psutil, why_no_psutil = src.module("psutil")
-    if psutil is not None:
-        _psutil(psutil, draft)      # first: psutil is the preferred source where it answers
     if system == "Linux":
         _linux(src, draft)
-    elif system == "Darwin":
+    psutil, why_no_psutil = _psutil_module(src, draft, system)
+    if psutil is not None:
+        _psutil(psutil, draft)      # elsewhere first: the preferred source where it answers
+    if system == "Darwin":
         _darwin(src, draft)
     elif system == "Windows":
         _windows(src, draft)
-    else:
+    elif system != "Linux":
         draft.notes.add("cpu", f"no CPU reader for platform {system!r}")
     if psutil is None and system != "Linux":
         draft.notes.add("psutil", why_no_psutil)
@@ -415,6 +417,14 @@ def _windows(src: ProbeSources, draft: _Cpu) -> None:
 
 
 # --- psutil, affinity and the final record -------------------------------------
+
+
+def _psutil_module(src: ProbeSources, draft: _Cpu, system: str) -> tuple[Any, str]:
+    """psutil, where the probe asks it: not on Linux once /proc and sysfs answered (psutil
+    reads the same files there, and importing it is about 8 ms of a fresh process)."""
+    if system == "Linux" and draft.values.get("logical_cores"):
+        return None, "not needed: /proc/cpuinfo and sysfs answered"
+    return src.module("psutil")
 
 
 def _psutil(psutil: Any, draft: _Cpu) -> None:

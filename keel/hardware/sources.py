@@ -16,7 +16,6 @@ import importlib
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -145,6 +144,8 @@ def run_command(argv: Sequence[str], timeout: float = COMMAND_TIMEOUT_S) -> Comm
     exe = shutil.which(argv[0])
     if exe is None:
         return CommandResult(False, reason=f"{argv[0]} not found on PATH")
+    import subprocess  # (with signal, selectors, locale: ~3 ms) only when a tool is found
+
     try:
         done = subprocess.run(
             [exe, *argv[1:]], capture_output=True, text=True, timeout=timeout, check=False

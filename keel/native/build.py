@@ -26,8 +26,10 @@ for. Each build is recorded in a small file beside it (its size and SHA-256,
 written atomically after the library); before loading, keel opens the
 library, checks on the open file that it is a regular file of this user's,
 writable by no one else, of the recorded size and hash, and loads it right
-after. A damaged entry (a truncated ``.so``) is built
-again. The cache folder must be this user's and writable by no one else; if
+after (a library whose hash matched once is remembered with its device, inode,
+size and modification and change times, and not hashed again while they are all
+the same: any write changes its change time). A damaged entry (a truncated
+``.so``) is built again. The cache folder must be this user's and writable by no one else; if
 it is not, keel says why (``status().cache``) and builds in a private folder
 of its own under the temporary directory. A compile running longer than
 ``KEEL_BUILD_TIMEOUT`` seconds (default 120) is killed with every process it
@@ -46,7 +48,6 @@ import functools
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import threading
@@ -85,6 +86,10 @@ _PROBE_SOURCE = "int keel_native_probe(int x) { return x + 1; }\n"
 _POOL = "threads"         # the worker pool every kernel library shares
 _COMPILERS = "compilers.json"    # the compilers' --version answers (_remembered_version)
 _COMPILERS_MAX_BYTES = 65536
+_CHECKED = "checked.json"        # libraries whose hash matched, with their identity (_matches)
+_CHECKED_MAX = 256
+_CHECKED_MAX_BYTES = 1 << 20
+_SETTLE_NS = 2_000_000_000       # a file changed this recently is not remembered as checked
 
 
 @dataclass(frozen=True)
@@ -153,6 +158,7 @@ class _State:
         self.folder: Path | None = None       # the cache folder, checked (see cache_folder)
         self.cache = ""                       # where builds are cached, and why there
         self.origins: dict[str, str] = {}     # library -> "built", "cached" or "prebuilt"
+        self.checked_files: dict[str, Any] | None = None   # _CHECKED, read on first use
 
     def values(self) -> Settings:
         """The settings this state runs with: the process's, taken once."""
@@ -549,10 +555,51 @@ def _verified(folder: Path, key: str, root_ok: bool = False) -> Path | None:
     except Untrusted:
         return None
     try:
-        good = os.fstat(fd).st_size == size and _fd_sha256(fd) == sha
+        good = _matches(path, fd, size, sha)
     finally:
         os.close(fd)
     return path if good else None
+
+
+def _matches(path: Path, fd: int, size: int, sha: str) -> bool:
+    """Whether the open library has the recorded size and SHA-256. The hash is computed
+    unless this file was found good before with the same device, inode, size and
+    modification and change times (remembered in the cache folder, and only once the file
+    is older than ``_SETTLE_NS``: a rewrite in the same clock tick is never taken for it;
+    any later write changes its change time, which no user can set back)."""
+    info = os.fstat(fd)
+    if info.st_size != size:
+        return False
+    seen = [info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns, sha]
+    checked = _checked_files()
+    if checked.get(str(path)) == seen:
+        return True
+    started = time.time_ns()
+    if _fd_sha256(fd) != sha:
+        return False
+    if info.st_ctime_ns < started - _SETTLE_NS:
+        with _STATE.lock:                     # builds ahead check from several threads
+            kept = [(k, v) for k, v in checked.items() if k != str(path)]
+            checked.clear()
+            checked.update([*kept[-(_CHECKED_MAX - 1):], (str(path), seen)])
+            with contextlib.suppress(OSError, Untrusted):
+                _write_record(_cache_folder() / _CHECKED, checked)
+    return True
+
+
+def _checked_files() -> dict[str, Any]:
+    """The libraries found good before (``_CHECKED``), read once per process."""
+    state = _STATE
+    if state.checked_files is None:
+        state.checked_files = {}
+        try:
+            with os.fdopen(open_trusted(_cache_folder() / _CHECKED), "rb") as f:
+                found = json.loads(f.read(_CHECKED_MAX_BYTES))
+            if isinstance(found, dict):
+                state.checked_files = found
+        except (Untrusted, ValueError):
+            pass
+    return state.checked_files
 
 
 def _fd_sha256(fd: int) -> str:
@@ -610,6 +657,8 @@ class _Timeout(_BuildError):
 
 
 def _run_compiler(name: str, compiler: Compiler, args: Sequence[str]) -> None:
+    import subprocess
+
     timeout = _STATE.values().build_timeout_s
     try:
         done = run_tool([compiler.path, *args], timeout)

@@ -22,13 +22,15 @@ import contextlib
 import functools
 import os
 import shutil
-import signal
-import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from keel import config
 from keel.config import Settings
+
+if TYPE_CHECKING:
+    import subprocess
 
 __all__ = ["BASE_FLAGS", "Compiler", "compiler_version", "extra_flags", "find_compiler",
            "run_tool"]
@@ -96,6 +98,8 @@ def run_tool(cmd: Sequence[str], timeout: float) -> subprocess.CompletedProcess[
     Past ``timeout`` seconds the whole group is killed (the compiler and every process it
     started: none is left behind) and :class:`subprocess.TimeoutExpired` is raised.
     """
+    import subprocess  # a process whose kernels are cached starts none: not imported there
+
     own_group = hasattr(os, "killpg")
     proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             stdin=subprocess.DEVNULL, text=True, start_new_session=own_group)
@@ -109,6 +113,9 @@ def run_tool(cmd: Sequence[str], timeout: float) -> subprocess.CompletedProcess[
 
 def _kill_group(proc: subprocess.Popen[str], own_group: bool) -> None:
     """Kill ``proc`` and (with ``own_group``) every process of its group, then reap it."""
+    import signal
+    import subprocess
+
     if own_group:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
@@ -120,6 +127,8 @@ def _kill_group(proc: subprocess.Popen[str], own_group: bool) -> None:
 @functools.lru_cache(maxsize=8)
 def compiler_version(path: str) -> str | None:
     """The first line of ``path --version`` (None: no answer), asked once per process."""
+    import subprocess
+
     timeout = min(_VERSION_TIMEOUT_S, config.settings().build_timeout_s)
     try:
         done = run_tool([path, "--version"], timeout)

@@ -6,6 +6,7 @@ import dataclasses
 import os
 import platform
 from collections.abc import Mapping
+from typing import Any
 
 import pytest
 
@@ -19,6 +20,7 @@ from keel.hardware.cpu import (
     simd_level,
 )
 from keel.hardware.fakes import SPR_FLAGS, FakePsutil, fake_machine
+from keel.hardware.memory import probe_memory
 from keel.hardware.sources import MemoryFiles, PlatformInfo, ProbeSources
 
 ON_LINUX = platform.system() == "Linux"
@@ -203,12 +205,33 @@ def test_unknown_platform_is_explained_not_guessed() -> None:
     assert missing and all(any(n.startswith(f"{m}:") for n in cpu.notes) for m in missing)
 
 
-def test_psutil_is_preferred_for_physical_cores_and_frequencies() -> None:
+def _psutil_importer(asked: list[str]) -> Any:
     fake = FakePsutil(total=1, available=1, logical=224, physical=100,
                       freq=(1234.0, 800.0, 4100.0), affinity=None)
-    src = _with("x86-avx512-server", importer=lambda name: (fake, "") if name == "psutil"
-                else (None, "absent"))
+
+    def importer(name: str) -> tuple[Any, str]:
+        asked.append(name)
+        return (fake, "") if name == "psutil" else (None, "absent")
+
+    return importer
+
+
+def test_linux_reads_proc_and_sysfs_without_importing_psutil() -> None:
+    # psutil reads the same files on Linux; importing it is ~8 ms of a fresh process.
+    asked: list[str] = []
+    src = _with("x86-avx512-server", importer=_psutil_importer(asked))
     cpu = probe_cpu(src)
-    assert cpu.physical_cores == 100          # psutil's answer, not sysfs's 112
-    assert (cpu.max_frequency_mhz, cpu.current_frequency_mhz) == (4100.0, 1234.0)
+    assert cpu.physical_cores == 112 and cpu.logical_cores == 224   # sysfs, not psutil's 100
     assert cpu.base_frequency_mhz == 2000.0   # only cpufreq knows the base
+    assert probe_memory(src).source.startswith("/proc/meminfo")
+    assert "psutil" not in asked
+
+
+def test_psutil_answers_where_the_linux_files_cannot_be_read() -> None:
+    asked: list[str] = []
+    src = ProbeSources(files=MemoryFiles({}), platform=PlatformInfo("Linux", "x86_64"),
+                       importer=_psutil_importer(asked), affinity=lambda: frozenset())
+    cpu = probe_cpu(src)
+    assert (cpu.logical_cores, cpu.physical_cores) == (224, 100)
+    assert (cpu.max_frequency_mhz, cpu.current_frequency_mhz) == (4100.0, 1234.0)
+    assert probe_memory(src).source.startswith("psutil") and "psutil" in asked

@@ -42,10 +42,10 @@ print(json.dumps({"answer": answer, "path": None if lib is None else str(lib.pat
 """
 
 
-def _load_in_subprocess(src: Path, cache: Path, tmp: Path) -> dict:
+def _load_in_subprocess(src: Path, cache: Path, tmp: Path, loader: str = LOADER) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO), "KEEL_CACHE_DIR": str(cache),
            "TMPDIR": str(tmp), "KEEL_NATIVE": "auto"}
-    done = subprocess.run([sys.executable, "-c", LOADER, str(src)], env=env, timeout=300,
+    done = subprocess.run([sys.executable, "-c", loader, str(src)], env=env, timeout=300,
                           capture_output=True, text=True, check=False)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     result: dict = json.loads(done.stdout.strip().splitlines()[-1])
@@ -74,6 +74,25 @@ def test_a_library_not_matching_its_record_is_rebuilt(sources: Path, tmp_path: P
     second = _load_in_subprocess(sources, cache, tmp_path)
     assert second["answer"] == 42
     assert _matches_record(Path(second["path"]))
+
+
+def test_a_library_found_good_is_not_hashed_again_until_it_changes(
+        sources: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    settled = LOADER.replace("build.SOURCE_DIR = Path(sys.argv[1])",
+                             "build.SOURCE_DIR = Path(sys.argv[1]); build._SETTLE_NS = 0")
+    no_hashing = settled.replace("build._SETTLE_NS = 0", "build._fd_sha256 = None")
+    first = _load_in_subprocess(sources, cache, tmp_path, settled)    # built, hashed
+    assert first["answer"] == 42
+    checked = json.loads((cache / "native" / "checked.json").read_text())
+    assert first["path"] in checked                                   # remembered
+    assert _load_in_subprocess(sources, cache, tmp_path, no_hashing)["answer"] == 42
+    library = Path(first["path"])
+    data = bytearray(library.read_bytes())
+    data[len(data) // 2] ^= 0xFF                      # same size, a new change time
+    library.write_bytes(bytes(data))
+    second = _load_in_subprocess(sources, cache, tmp_path, settled)  # hashed: rebuilt
+    assert second["answer"] == 42 and _matches_record(Path(second["path"]))
 
 
 def _sha256(path: Path) -> str:

@@ -74,6 +74,17 @@ def _tall() -> Case:
     return Case(call, c, np.clip(w @ x, -1.0, 1.0), wp)
 
 
+def _lanes() -> Case:
+    """A 1x1 conv on a 7x7 map: 49 columns against 200 rows (a last block of 8 rows, one
+    row panel), a bias per row, a residual and a clip: gemm.c's lanes tiles (with AVX-512)."""
+    w, x, bias, r = _f(200, 150), _f(150, 49), _f(200), _f(200, 49)
+    c = np.empty((200, 49), np.float32)
+    wp = ng.pack(w, left=True)
+    assert ng.planner_rules().lanes_tiles(1, 200, 49, 150)
+    call = ng.prepare(wp, x, c, bias=bias, bias_rows=True, residual=r, clip=(-2.0, 2.0))
+    return Case(call, c, np.clip(w @ x + bias[:, None] + r, -2.0, 2.0), wp)
+
+
 def _one_row() -> Case:
     a, b = _f(1, 900), _f(900, 700)
     c = np.empty((1, 700), np.float32)
@@ -103,7 +114,7 @@ def _accumulate() -> Case:
 
 CASES: dict[str, Callable[[], Case]] = {
     "matmul": _matmul, "pointwise": _pointwise, "batched": _batched, "tall": _tall,
-    "one_row": _one_row, "accumulate": _accumulate, "deep": _deep}
+    "lanes": _lanes, "one_row": _one_row, "accumulate": _accumulate, "deep": _deep}
 
 
 def _run(call: ng.Call, c: np.ndarray, go: Callable[[], Any], start: np.ndarray) -> np.ndarray:
@@ -164,3 +175,26 @@ def test_a_grid_of_more_groups_than_panels_leaves_nothing_out() -> None:
     units = (mp + 3) * (np_ + 2)
     got = _run(call, c, lambda: call.f.tiles_mt(call.args, mp + 3, np_ + 2, units, 4), start)
     np.testing.assert_array_equal(got, first)
+
+
+@pytest.mark.parametrize("shape", [(200, 150, 49), (320, 960, 49), (40, 70, 13), (96, 576, 196),
+                                   (33, 5, 7), (64, 384, 784)])
+def test_lanes_tiles_give_the_bits_of_the_panels(shape: tuple[int, int, int]) -> None:
+    """C's rows in the lanes (KEEL_LANES) compute each element as the 8 x 32 panels and
+    the tall tiles do: the same bits, whichever the planner picks for a shape."""
+    m, k, n = shape
+    w, x, bias, r = _f(m, k), _f(k, n), _f(m), _f(m, n)
+    c = np.empty((m, n), np.float32)
+    wp = ng.pack(w, left=True)
+    call = ng.prepare(wp, x, c, bias=bias, bias_rows=True, residual=r, clip=(-3.0, 3.0))
+    assert call is not None
+    results = []
+    for flags in (64, 32, 0):          # lanes, tall, panels
+        values = list(call.values)
+        values[22] = values[22] & ~(64 | 32) | flags
+        ng.Call(call.f, tuple(values), 1, m, n, k, call.keep, call.c_layout).run(1)
+        results.append(c.copy())
+    np.testing.assert_allclose(results[0], np.clip(w @ x + bias[:, None] + r, -3, 3),
+                               rtol=2e-4, atol=2e-4)
+    for got in results[1:]:
+        np.testing.assert_array_equal(got, results[0])

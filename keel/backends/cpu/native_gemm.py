@@ -48,7 +48,10 @@ tall tiles instead:
 every row of C over one 16-column vector at once, B read in place once with its rows
 fetched ahead into L2 (MobileNetV2's projections at batch 32, inside the model:
 16 x 32 x 12544 8.4 -> 5.1 ms, 24 x 144 x 3136 with the residual 14.3 -> 6.8 ms,
-96 x 576 x 196 with the residual 10.1 -> 7.9 ms).
+96 x 576 x 196 with the residual 10.1 -> 7.9 ms). A product of few columns on a B that
+stays in L2 (the planner's ``lanes_tiles``: a 1x1 conv on 7x7 or 14x14 at batch 1) runs in
+lanes tiles instead, C's rows in the vector lanes, computing only the columns there are
+(320 x 960 x 49: 187 -> 133 us; docs/performance.md). All three give the same bits.
 
 With its Python side (a prepared call reused per node, ~1 us) the cpu MatMul /
 Gemm kernels with bias and ReLU take, in ms: 32x784x512 0.248 (NumPy + OpenBLAS
@@ -76,11 +79,12 @@ __all__ = ["BandCall", "Call", "Packed", "Rows", "address", "available", "gemm",
            "pack", "pack_batch", "planner_rules", "prepare", "prepare_band", "strides_of"]
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-_ACCUMULATE, _CLIP, _STREAM, _DIRECT, _NT, _TALL = 1, 2, 4, 8, 16, 32
+_ACCUMULATE, _CLIP, _STREAM, _DIRECT, _NT, _TALL, _LANES = 1, 2, 4, 8, 16, 32, 64
 # keel_gemm_args of gemm.c: 23 int64 fields then alpha, lo, hi as doubles. One
 # packed argument block costs ~0.3 us; 30 separate ctypes arguments cost ~3 us.
 _ARGS = struct.Struct("<23q3d")
 _C_FIELD = 13           # where C's address sits in it
+_FLAGS_FIELD = 22       # and the flags
 # keel_conv_band_args of gemm.c: 21 int64 fields then lo, hi as doubles.
 _BAND_ARGS = struct.Struct("<21q2d")
 _BAND_X = 16            # where X's address sits in it
@@ -103,6 +107,7 @@ class _Functions:
     nr: int          # columns of a micro-tile (the panel width of a right operand)
     work: int        # floats of workspace one concurrent call needs
     tall: Callable[[int, int], bool]     # the cpu planner's tall-tile rule (m, k)
+    lanes: Callable[[int, int, int, int], bool]   # its lanes-tile rule (batch, m, n, k)
 
 
 _loaded: dict[native.NativeLibrary, _Functions] = {}
@@ -139,7 +144,8 @@ def _load(lib: native.NativeLibrary) -> _Functions:
         band_rows=lib.function("keel_conv_band_rows_f32", [ctypes.c_char_p], _I64),
         band_work=lib.function("keel_conv_band_workspace_f32", [ctypes.c_char_p], _I64),
         mr=size("keel_gemm_mr_f32"), nr=size("keel_gemm_nr_f32"), kc=size("keel_gemm_kc_f32"),
-        work=size("keel_gemm_workspace_f32"), tall=planner_rules().tall_tiles)
+        work=size("keel_gemm_workspace_f32"), tall=planner_rules().tall_tiles,
+        lanes=planner_rules().lanes_tiles)
 
 
 @functools.cache
@@ -406,7 +412,8 @@ class Call:
         raw = (values[4] != 0 or values[5] != 0,
                values[8] != 0 or values[9] != 0 or values[11] != 0)
         return planner_rules().gemm_split(self.batch, self.m, self.n, self.k, threads,
-                                          (self.f.mr, self.f.nr), raw=raw)
+                                          (self.f.mr, self.f.nr), raw=raw,
+                                          lanes=bool(int(values[_FLAGS_FIELD]) & _LANES))
 
     def bound(self, threads: int) -> Callable[[], Any]:
         """``run(threads)`` as a callable with no arguments, for the calling thread.
@@ -502,7 +509,8 @@ def prepare(a: np.ndarray | Packed, b: np.ndarray | Packed | Rows, c: np.ndarray
     flags = (_ACCUMULATE if accumulate else 0) | (_CLIP if clip is not None else 0) | (
         _STREAM if batch * k * n * 4 > planner_rules().STREAM_BYTES else 0) | (
         _DIRECT if masks is not None else 0) | (_NT if nt else 0) | (
-        _TALL if f.tall(m, k) else 0)
+        _TALL if f.tall(m, k) else 0) | (_LANES if _plain(ra, rb) and columns is None and (
+            masks is None and not accumulate and f.lanes(batch, m, n, k)) else 0)
     lo, hi = clip if clip is not None else (0.0, 0.0)
     values = (m, n, k, *ra[:4], *rb[:4],
               native.address(b.offsets) if isinstance(b, Rows) else 0,
@@ -521,14 +529,15 @@ def with_tall(call: Call, tall: bool) -> Call:
     ``tall_tiles`` says of its rows and depth: for a caller whose own planner rule
     knows the product's columns (Winograd's products of one vector of tiles). Tall
     tiles sum each element of C as the 8 x 32 tiles do: the same bits either way."""
-    flags = int(call.values[_FLAGS_FROM_END])
+    flags = int(call.values[_FLAGS_FIELD])
     flags = flags | _TALL if tall else flags & ~_TALL
-    values = (*call.values[:_FLAGS_FROM_END], flags, *call.values[_FLAGS_FROM_END + 1:])
+    values = (*call.values[:_FLAGS_FIELD], flags, *call.values[_FLAGS_FIELD + 1:])
     return Call(call.f, values, call.batch, call.m, call.n, call.k, call.keep, call.c_layout)
 
-
-# Where the flags sit in a Call's values: before alpha, lo and hi (see prepare).
-_FLAGS_FROM_END = -4
+def _plain(ra: tuple[int, ...], rb: tuple[int, ...]) -> bool:
+    """Whether A is packed and B raw with contiguous rows (a depth stride: no row
+    table): the operands gemm.c's tall and lanes tiles take."""
+    return ra[1] == ra[2] == 0 and rb[2] == 1 and rb[1] != 0
 
 
 def _check_shapes(m: int, k: int, n: int, kb: int, c: np.ndarray,

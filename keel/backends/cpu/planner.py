@@ -716,13 +716,14 @@ class GemmSplit:
 
 @functools.lru_cache(maxsize=4096)
 def gemm_split(batch: int, m: int, n: int, k: int, threads: int, grid: Grid = None,
-               sizes: Caches | None = None, raw: tuple[bool, bool] = (True, False)
-               ) -> GemmSplit:
+               sizes: Caches | None = None, raw: tuple[bool, bool] = (True, False),
+               lanes: bool = False) -> GemmSplit:
     """The tile grid of ``batch`` products of (m x k) @ (k x n) under a cap of
     ``threads`` (see the rule above). ``grid``: the kernel's micro-tile (None: the one
     loaded here); ``sizes``: the caches planned for (None: this machine's); ``raw``:
-    whether A and B are packed per call (a MatMul's activations; its weights are not).
-    Remembered per arguments: a call made again asks again."""
+    whether A and B are packed per call (a MatMul's activations; its weights are not);
+    ``lanes``: the product runs in lanes tiles (lanes_tiles), whose work is the columns
+    there are, not whole vectors. Remembered per arguments: a call made again asks again."""
     tile = grid or native_gemm.geometry() or _TILES["scalar"]
     sizes = sizes or caches()
     parts = gemm_threads(threads, 2 * batch * m * n * k)
@@ -731,7 +732,7 @@ def gemm_split(batch: int, m: int, n: int, k: int, threads: int, grid: Grid = No
         return GemmSplit(1, 1, batch, 1, "not split: one thread" if threads <= 1 else (
             f"not split: {flops:,} flops, under {MIN_FLOPS_PER_THREAD:,} for each of two "
             "threads"))
-    shape = _Product(batch, m, n, k, tile, native_gemm.depth_block(), raw)
+    shape = _Product(batch, m, n, k, tile, native_gemm.depth_block(), raw, lanes)
     return _best_split(shape, parts, sizes.l2, sizes.source)
 
 
@@ -744,14 +745,18 @@ class _Product:
     tile: tuple[int, int]
     kc: int                       # gemm.c's depth block
     raw: tuple[bool, bool]
+    lanes: bool = False
 
     @property
     def panels(self) -> tuple[int, int]:
         return -(-self.m // self.tile[0]), -(-self.n // self.tile[1])
 
     def vectors(self) -> tuple[int, ...]:
-        """The column vectors of each column panel (two a panel; a partial one fewer)."""
+        """The column vectors of each column panel (two a panel; a partial one fewer);
+        in lanes tiles its columns."""
         nr = self.tile[1]
+        if self.lanes:
+            return tuple(min(nr, self.n - j) for j in range(0, self.n, nr))
         vw = max(1, nr // 2)
         return tuple(-(-min(nr, self.n - j) // vw) for j in range(0, self.n, nr))
 
@@ -1584,6 +1589,41 @@ def tall_tiles(m: int, k: int) -> bool:
     return TALL_MIN_ROWS <= m <= TALL_ROWS or (m <= TALL_MAX_ROWS and k >= 2 * m)
 
 
+# ---- the native GEMM's lanes tiles ------------------------------------------------------
+# gemm.c runs a product of few columns with C's rows in the vector lanes (32 rows by up to
+# 12 columns a tile, the columns split as evenly as whole columns allow, AVX-512 builds
+# with 8-row panels only) when the prepared call carries KEEL_LANES and its operands fit
+# as tall tiles' do: a 1x1 conv on a 7x7 map at batch 1 (49 columns) computes 49
+# columns instead of the 64 of two 32-column panels or four 16-column vectors. Every
+# element is the same chain of operations as in the panels, so the choice may follow the
+# shape (and the batch) freely. Measured on the 2-core AMD EPYC (Zen 5), one thread,
+# thread CPU time, alternating, under load (us, panels or tall -> lanes, with bias and
+# clip): 49 columns 320x960 187 -> 133, 960x160 96 -> 77, 1280x320 238 -> 181, 160x960
+# 86 -> 61, 576x160 54 -> 41; 196 columns 576x96 115 -> 106, 96x576 102 -> 89, 384x64
+# 53 -> 50, 64x384 47 -> 40, 64x192 26 -> 22; 784 columns 32x192 54 -> 44, 32x144 38 ->
+# 34 but 192x32 59 -> 65 (depth below the rows: the transposes outweigh the waste);
+# 3136 columns 144x24 152 -> 173, 24x144 116 -> 115. So: up to LANES_MAX_COLUMNS
+# columns, or up to LANES_MAX_REDUCING_COLUMNS where the depth is at least the rows;
+# and only on a B that stays in L2 (LANES_MAX_B_BYTES over the batch): a block of 32 rows
+# reads all of B again. MobileNetV2 at batch 32 (its 14x14 and 28x28 1x1 convs one
+# product per image) took 1.04-1.05x the time with lanes up to 2 MiB of B (200.6 -> 210.6
+# ms, 1 thread, alternating, under load) and 1.017x (1 thread) / 1.024x (2 threads) with
+# its 64 -> 384 on 14x14 (1.6 MiB) alone in them. At batch 1 the model went from 5.93 to
+# 5.42 ms (0.91x), bitwise the same outputs.
+LANES_MAX_COLUMNS = 256
+LANES_MAX_REDUCING_COLUMNS = 1024
+LANES_MIN_ROWS = 32
+LANES_MAX_B_BYTES = 1 << 20
+
+
+def lanes_tiles(batch: int, m: int, n: int, k: int) -> bool:
+    """Whether ``batch`` native products of ``m`` rows, ``n`` columns and depth ``k`` run
+    in lanes tiles (where their operands fit them)."""
+    if m < LANES_MIN_ROWS or 4 * batch * k * n > LANES_MAX_B_BYTES:
+        return False
+    return n <= LANES_MAX_COLUMNS or (n <= LANES_MAX_REDUCING_COLUMNS and k >= m)
+
+
 # ---- the depthwise conv's form ---------------------------------------------------------
 # The NumPy forms (depthwise.py's module docstring has the measurements, 1 thread,
 # MobileNetV2's 3x3 layers): channels_last serves 2-D depthwise convs with at least
@@ -2112,11 +2152,12 @@ def chunk_split(name: str, units: int, threads: int, work: int, least: int) -> S
 
 def gemm_pass(name: str, batch: int, m: int, n: int, k: int, threads: int,
               grid: Any = _HERE, panel_major: bool = False, sizes: Caches | None = None,
-              raw: tuple[bool, bool] = (True, False)) -> Split:
+              raw: tuple[bool, bool] = (True, False), lanes: bool = False) -> Split:
     """The split of a native product (native_gemm.Call.run): ``gemm_split``'s tile grid
     for the caches of ``sizes`` (None: this machine's), the units its tiles; or, for
     ``panel_major`` products (Winograd's), whole column panels across the batch. At
-    least MIN_FLOPS_PER_THREAD flops a thread either way."""
+    least MIN_FLOPS_PER_THREAD flops a thread either way. ``lanes``: the product runs
+    in lanes tiles (a packed A, a plain raw B and lanes_tiles)."""
     tiles = _grid(grid) or _TILES["scalar"]
     flops = 2 * batch * m * n * k
     if panel_major:
@@ -2124,7 +2165,7 @@ def gemm_pass(name: str, batch: int, m: int, n: int, k: int, threads: int,
         units = batch * -(-n // tiles[1])
         return Split(f"{name} (column panels)", units, max(1, min(wanted, units)), flops,
                      MIN_FLOPS_PER_THREAD, product=True)
-    split = gemm_split(batch, m, n, k, threads, tiles, sizes, raw)
+    split = gemm_split(batch, m, n, k, threads, tiles, sizes, raw, lanes)
     return Split(f"{name} ({split.rows}x{split.cols} tiles a product)", split.pieces,
                  split.parts, flops, MIN_FLOPS_PER_THREAD, product=True)
 
@@ -2184,8 +2225,10 @@ def _native_splits(geo: ConvGeometry, layout: str, threads: int, grid: Any,
         flops = 2 * n * geo.out_channels * pixels * cg * taps
         return (Split("bands of output rows", units, max(1, min(threads, units)), flops,
                       MIN_FLOPS_PER_THREAD),)
+    # Only the direct form reads X as B in place, plain rows: lanes tiles take it.
+    lanes = layout == "direct" and lanes_tiles(batch, mg, columns, cg * taps)
     product = gemm_pass("products" if g > 1 else "product", batch, mg, columns, cg * taps,
-                        threads, grid, sizes=sizes, raw=(False, True))
+                        threads, grid, sizes=sizes, raw=(False, True), lanes=lanes)
     if not copied:
         return (product,)
     planes = n * geo.in_channels

@@ -118,6 +118,8 @@ typedef int32_t vi __attribute__((vector_size(VW * 4)));
 #define KEEL_NT 16        /* flags: C's final stores bypass the cache (see store_final) */
 #define KEEL_TALL 32      /* flags: run in tall tiles where they fit (the cpu planner's
                              choice, keel.backends.cpu.planner.tall_tiles) */
+#define KEEL_LANES 64     /* flags: run in lanes tiles where they fit (the cpu planner's
+                             choice, keel.backends.cpu.planner.lanes_tiles) */
 
 static inline vf load(const float *p) { return *(const vfu *)p; }
 static inline void store(float *p, vf v) { *(vfu *)p = v; }
@@ -1412,6 +1414,137 @@ static void tall(const problem *g, const epilogue *e, int64_t i_lo, int64_t i_hi
 }
 #endif
 
+/* ---- narrow products with C's rows in the lanes (KEEL_LANES) ------------------------ */
+
+/* A product of few columns (a 1x1 conv on a small map at batch 1: 49 or 196 pixels)
+ * fills 32-column panels and 16-column vectors of C's columns poorly: 49 columns compute
+ * 64. With KEEL_LANES (the cpu planner's lanes_tiles) and the operands tall tiles take
+ * (a packed A, a raw B of contiguous rows, no tables), it runs with C's rows in the
+ * lanes instead: a tile is 32 (or 16) rows of C by at most LANES_COLS columns, A's two
+ * 8-row panels joined into each 16-lane vector, one broadcast of B per column and
+ * step, the whole depth in registers; then each 16 x columns block is transposed in
+ * registers and stored by rows with masked moves. The columns of a range split into
+ * tiles as even as whole columns allow (49: 9, 10, 10, 10, 10), so no lane computes a
+ * column that is not there. Each element of C is the chain of fused multiply-adds of
+ * the other tiles, step after step, and the epilogue's operations in their order:
+ * bitwise the result of the panels (and of any split). */
+#if defined(__AVX512F__) && KEEL_GEMM_MR == 8
+#include "transpose.h"
+#define LANES_COLS 12
+/* Depth steps ahead that a tile fetches A's panels into L2 (0: none). Inside a model A
+ * (up to 1.2 MiB for 960 -> 320) comes from L3 or memory, two panels per vector, more
+ * streams than the hardware prefetcher follows well: MobileNetV2 at batch 1 (1 thread,
+ * thread CPU time, processes alternating, under load) 5.49-5.61 ms without, 5.17-5.42
+ * with 32 steps; 64 ran as 32, 128 as none. Where A is hot the fetches cost nothing
+ * measurable (320 x 960 x 49: 132 and 133 us). */
+#ifndef KEEL_LANES_AHEAD
+#define KEEL_LANES_AHEAD 32
+#endif
+
+/* A's 16 rows at depth step p: eight from row panel lo, eight from row panel hi. */
+static inline vf lanes_a(const float *lo, const float *hi, int64_t p)
+{
+    __m256 l = _mm256_loadu_ps(lo + p * 8), h = _mm256_loadu_ps(hi + p * 8);
+    return (vf)_mm512_insertf32x8(_mm512_castps256_ps512(l), h, 1);
+}
+
+/* The finished rows 16 v .. 16 v + 16 (those below `rows`) of a tile of w columns. */
+static inline __attribute__((always_inline)) void
+lanes_store(int w, int v, int rows, vf acc[LANES_COLS][2], const target *t,
+            const epilogue *e)
+{
+    __m512 r[16];
+    for (int j = 0; j < 16; j++) r[j] = j < w ? (__m512)acc[j][v] : _mm512_setzero_ps();
+    transpose16(r);
+    __mmask16 lane = (__mmask16)((1u << w) - 1u);
+    for (int l = 0; l < 16 && 16 * v + l < rows; l++) {
+        int64_t i = t->i0 + 16 * v + l;
+        vf x = (vf)r[l];
+        if (e->alpha != 1.0f) x *= e->alpha;
+        if (e->bias_kind == 1) x += e->bias[i];
+        else if (e->bias_kind == 2) x += masked_load(e->bias + t->jbase, lane);
+        if (e->res) x += masked_load(e->res + i * e->ldr + t->jbase, lane);
+        if (e->flags & KEEL_CLIP) x = clip(x, splat(e->lo), splat(e->hi));
+        _mm512_mask_storeu_ps(t->c + (16 * v + l) * t->ldc, lane, (__m512)x);
+    }
+}
+
+/* Rows [0, rows) of C from t->i0 (rows <= 16 nv), columns [0, w): a[2 v], a[2 v + 1]
+ * are the packed row panels of vector v, b points at the tile's first column of B. */
+static inline __attribute__((always_inline)) void
+lanes_tile(int w, int nv, int64_t k, const float *const *a, const float *b, int64_t bs,
+           int rows, const target *t, const epilogue *e)
+{
+    vf acc[LANES_COLS][2];
+    for (int j = 0; j < w; j++)
+        for (int v = 0; v < nv; v++) acc[j][v] = (vf){0};
+    for (int64_t p = 0; p < k; p++) {
+        vf av[2];
+#if KEEL_LANES_AHEAD > 0
+        if ((p & 1) == 0)
+            for (int q = 0; q < 2 * nv; q++)
+                __builtin_prefetch(a[q] + (p + KEEL_LANES_AHEAD) * 8, 0, 2);
+#endif
+        for (int v = 0; v < nv; v++) av[v] = lanes_a(a[2 * v], a[2 * v + 1], p);
+        const float *bp = b + p * bs;
+        for (int j = 0; j < w; j++) {
+            vf bv = splat(bp[j]);
+            for (int v = 0; v < nv; v++) acc[j][v] += bv * av[v];
+        }
+    }
+    for (int v = 0; v < nv; v++) lanes_store(w, v, rows, acc, t, e);
+}
+
+typedef void (*lanes_fn)(int, int64_t, const float *const *, const float *, int64_t, int,
+                         const target *, const epilogue *);
+#define LANES(W)                                                                               \
+    static void lanes_##W(int nv, int64_t k, const float *const *a, const float *b,           \
+                          int64_t bs, int rows, const target *t, const epilogue *e)           \
+    {                                                                                          \
+        if (nv == 2)                                                                           \
+            lanes_tile(W, 2, k, a, b, bs, rows, t, e);                                         \
+        else                                                                                   \
+            lanes_tile(W, 1, k, a, b, bs, rows, t, e);                                         \
+    }
+LANES(1) LANES(2) LANES(3) LANES(4) LANES(5) LANES(6) LANES(7) LANES(8) LANES(9) LANES(10)
+LANES(11) LANES(12)
+static const lanes_fn LANES_TILES[LANES_COLS] = {lanes_1, lanes_2, lanes_3,  lanes_4,
+                                                 lanes_5, lanes_6, lanes_7,  lanes_8,
+                                                 lanes_9, lanes_10, lanes_11, lanes_12};
+
+static int lanes_fit(const problem *g, const epilogue *e)
+{
+    return (e->flags & KEEL_LANES) && !(e->flags & (KEEL_DIRECT | KEEL_ACCUMULATE)) &&
+           g->a_rs == 0 && g->a_ks == 0 && g->b_cs == 1 && g->b_rs != 0 && !g->b_rows &&
+           !g->b_cols && !g->c_cols;
+}
+
+/* Row panels [i_lo, i_hi) x column panels [j_lo, j_hi) in lanes tiles: 32 rows at a
+ * time (A's block stays in L2) over every tile of the range's columns. */
+static void lanes_product(const problem *g, const epilogue *e, int64_t i_lo, int64_t i_hi,
+                          int64_t j_lo, int64_t j_hi)
+{
+    int64_t m = g->m, k = g->k, panels = (m + MR - 1) / MR;
+    int64_t r_lo = i_lo * MR, r_hi = i_hi * MR < m ? i_hi * MR : m;
+    int64_t c_lo = j_lo * NR, c_hi = j_hi * NR < g->n ? j_hi * NR : g->n;
+    if (r_lo >= r_hi || c_lo >= c_hi) return;
+    int64_t cols = c_hi - c_lo, tiles = (cols + LANES_COLS - 1) / LANES_COLS;
+    for (int64_t i0 = r_lo; i0 < r_hi; i0 += 32) {
+        int rows = (int)(r_hi - i0 < 32 ? r_hi - i0 : 32);
+        const float *a[4] = {g->a + i0 / MR * k * MR};
+        for (int q = 1; q < 4; q++) {
+            int64_t ip = i0 / MR + q;      /* a panel past A's end: its pair's (lanes unused) */
+            a[q] = ip < panels ? g->a + ip * k * MR : a[q - 1];
+        }
+        for (int64_t q = 0; q < tiles; q++) {
+            int64_t j0 = c_lo + q * cols / tiles, j1 = c_lo + (q + 1) * cols / tiles;
+            target t = {g->c + i0 * g->ldc + j0, g->ldc, j1 - j0, NULL, i0, j0, 0, 1};
+            LANES_TILES[j1 - j0 - 1](rows > 16 ? 2 : 1, k, a, g->b + j0, g->b_rs, rows, &t, e);
+        }
+    }
+}
+#endif
+
 /* Whether a product of a packed B runs its whole depth in one block: up to 2 * KC deep
  * (a column panel of B, 128 KiB with AVX-512, stays in L2 across the row panels) when
  * the row panels' A of the whole depth fits the A block of the workspace. One block
@@ -1442,6 +1575,12 @@ static void gemm_2d(const problem *g0, const epilogue *e, int64_t i_lo, int64_t 
         gemv(g, e, j_lo, j_hi);
         return;
     }
+#if defined(__AVX512F__) && KEEL_GEMM_MR == 8
+    if (lanes_fit(g, e)) {
+        lanes_product(g, e, i_lo, i_hi, j_lo, j_hi);
+        return;
+    }
+#endif
 #if defined(__AVX512F__)
     if (tall_fits(g, e)) {
         tall(g, e, i_lo, i_hi, j_lo, j_hi);
@@ -1703,7 +1842,8 @@ int64_t keel_gemm_args_c_offset(void) { return (int64_t)offsetof(keel_gemm_args,
  * ldr + j] (the column mapped as C's), are added after alpha. flags:
  * KEEL_ACCUMULATE starts from the value C holds instead of zero (alpha then
  * scales it too: callers pass alpha = 1), KEEL_CLIP clips to [lo, hi] (NaN
- * stays NaN), KEEL_STREAM packs a raw B in long runs, and KEEL_DIRECT reads B's
+ * stays NaN), KEEL_STREAM packs a raw B in long runs, KEEL_TALL and KEEL_LANES run
+ * tall or lanes tiles where the operands fit them, and KEEL_DIRECT reads B's
  * taps straight from a convolution's source planes through lane masks: b_cols then
  * points to the conv's geometry and mask table instead of a column table (see
  * "a convolution's taps read in place" above).

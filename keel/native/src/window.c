@@ -46,6 +46,7 @@
 #include <immintrin.h>
 #endif
 
+#include "transpose.h"
 #include "vec.h"
 
 #define KV VW                /* floats per vector */
@@ -591,35 +592,6 @@ static int64_t blocked_floats(const geom *g) {
     return CB * d.hp * d.wp;
 }
 
-/* r[j] (row j = plane j, 16 columns) becomes column j. */
-static inline __attribute__((always_inline)) void transpose16(__m512 *r) {
-    __m512 t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
-        __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
-        r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
-        r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
-        r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
-        r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
-    }
-    /* r[4b + j], 128-bit group q: rows 4b..4b+3 of column 4q + j. */
-    for (int j = 0; j < 4; j++) {
-        __m512 u0 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88);
-        __m512 u1 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xDD);
-        __m512 u2 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
-        __m512 u3 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xDD);
-        t[j] = _mm512_shuffle_f32x4(u0, u2, 0x88);
-        t[4 + j] = _mm512_shuffle_f32x4(u1, u3, 0x88);
-        t[8 + j] = _mm512_shuffle_f32x4(u0, u2, 0xDD);
-        t[12 + j] = _mm512_shuffle_f32x4(u1, u3, 0xDD);
-    }
-    for (int i = 0; i < 16; i++) r[i] = t[i];
-}
-
 /* Planes [p0, p0 + cb) into buf's interior: pixel f of each plane to buf + dst[f]. */
 static void blocked_in(const float *x, int64_t plane, int64_t cb, const int32_t *dst,
                        float *buf, int ahead) {
@@ -707,6 +679,36 @@ static void blocked_any(const geom *g, const win_args *e, const float *buf,
     }
 }
 
+/* The lanes' weights of taps [0, taps) and their bias for planes [p0, p0 + cb) (channel
+ * of plane p: p mod C; lanes past cb zero). Up to 16 taps, each channel's taps are one
+ * masked load of its row of W, moved into lane l by a transpose of the block's rows: a
+ * division per plane and tap and 160 scalar loads a block cost more than the FMAs of a
+ * 7x7 layer. */
+static void blocked_weights(const geom *g, const win_args *e, int64_t p0, int64_t cb,
+                            __m512 *w, __m512 *bias) {
+    float lanes[CB] __attribute__((aligned(64)));
+    int64_t c0 = p0 % g->c, c = c0;
+    for (int64_t l = 0; l < CB; l++, c = c + 1 == g->c ? 0 : c + 1)
+        lanes[l] = l < cb && e->bias != NULL ? e->bias[c] : 0.0f;
+    *bias = _mm512_load_ps(lanes);
+    if (g->taps <= 16) {
+        __m512 r[16];
+        c = c0;
+        for (int64_t l = 0; l < CB; l++, c = c + 1 == g->c ? 0 : c + 1)
+            r[l] = l < cb ? _mm512_maskz_loadu_ps(first_lanes(g->taps), e->w + c * g->taps)
+                          : _mm512_setzero_ps();
+        transpose16(r);
+        for (int64_t t = 0; t < g->taps; t++) w[t] = r[t];
+        return;
+    }
+    for (int64_t t = 0; t < g->taps; t++) {
+        c = c0;
+        for (int64_t l = 0; l < CB; l++, c = c + 1 == g->c ? 0 : c + 1)
+            lanes[l] = l < cb ? e->w[c * g->taps + t] : 0.0f;
+        w[t] = _mm512_load_ps(lanes);
+    }
+}
+
 static void run_blocked(const float *x, float *y, const geom *g, const win_args *e,
                         float *scratch, int64_t lo, int64_t hi) {
     blocked_dims d = blocked_size(g);
@@ -728,16 +730,8 @@ static void run_blocked(const float *x, float *y, const geom *g, const win_args 
     memset(buf, 0, (size_t)(CB * d.hp * d.wp) * sizeof(float));
     for (int64_t p0 = lo; p0 < hi; p0 += CB) {
         int64_t cb = min64(CB, hi - p0);
-        __m512 w[BLOCKED_MAX_TAPS];
-        float lanes[CB] __attribute__((aligned(64)));
-        for (int64_t t = 0; t < g->taps; t++) {
-            for (int64_t l = 0; l < CB; l++)
-                lanes[l] = l < cb ? e->w[((p0 + l) % g->c) * g->taps + t] : 0.0f;
-            w[t] = _mm512_load_ps(lanes);
-        }
-        for (int64_t l = 0; l < CB; l++)
-            lanes[l] = l < cb && e->bias != NULL ? e->bias[(p0 + l) % g->c] : 0.0f;
-        __m512 bias = _mm512_load_ps(lanes);
+        __m512 w[BLOCKED_MAX_TAPS], bias;
+        blocked_weights(g, e, p0, cb, w, &bias);
         /* Planes past hi are prefetched only when they are this call's (never past the
          * arrays; another thread's planes are its own to fetch). */
         int ahead = hi - p0 > CB;

@@ -1,6 +1,7 @@
 """The channel-blocked depthwise scheme of window.c (16 planes at a time, for small planes)
-against a float64 reference and against the plane-by-plane scheme, which it matches bitwise
-(each lane runs the plane path's chain of fused multiply-adds), for any thread split."""
+and its stride-2 rows (3x3 stride-2 convs read straight from X) against a float64
+reference and against the plane-by-plane scheme, which both match bitwise (each output
+runs the plane path's chain of fused multiply-adds), for any thread split."""
 
 from __future__ import annotations
 
@@ -66,22 +67,26 @@ CASES = [
 @pytest.mark.parametrize("fused", ["none", "bias_clip", "bias_residual_clip"])
 def test_blocked_matches_planes_bitwise_and_reference(case: tuple, fused: str) -> None:
     n, c, h, wd, k, s, d, p = case
-    win = _window(h, wd, k, s, d, p)
+    _check_scheme("blocked", n, c, _window(h, wd, k, s, d, p), fused)
+
+
+def _check_scheme(scheme: str, n: int, c: int, win: Window, fused: str) -> None:
+    """``scheme`` and "auto" against the plane scheme (bitwise) and the reference."""
     geo = nw.plan(c, win)
     assert geo is not None
-    x = RNG.standard_normal((n, c, h, wd)).astype(np.float32)
-    w = RNG.standard_normal((c, 1, *k)).astype(np.float32)
+    x = RNG.standard_normal((n, c, *win.in_spatial)).astype(np.float32)
+    w = RNG.standard_normal((c, 1, *win.kernel)).astype(np.float32)
     b = RNG.standard_normal(c).astype(np.float32) if fused != "none" else None
     z = (RNG.standard_normal((n, c, *win.out_spatial)).astype(np.float32)
          if fused == "bias_residual_clip" else None)
     clip = (0.0, 6.0) if fused != "none" else None
     ys = {}
-    for scheme in ("planes", "blocked", "auto"):
-        ys[scheme] = np.full((n, c, *win.out_spatial), np.nan, dtype=np.float32)
-        nw.depthwise_conv(x, w, b, z, ys[scheme], geo, clip, 1, scheme)
-    np.testing.assert_allclose(ys["blocked"], _reference(x, w, b, z, win, clip),
+    for name in ("planes", scheme, "auto"):
+        ys[name] = np.full((n, c, *win.out_spatial), np.nan, dtype=np.float32)
+        nw.depthwise_conv(x, w, b, z, ys[name], geo, clip, 1, name)
+    np.testing.assert_allclose(ys[scheme], _reference(x, w, b, z, win, clip),
                                rtol=1e-5, atol=1e-5)
-    assert np.array_equal(ys["blocked"], ys["planes"])
+    assert np.array_equal(ys[scheme], ys["planes"])
     assert np.array_equal(ys["auto"], ys["planes"])
 
 
@@ -138,3 +143,58 @@ def test_bind_scheme_is_the_calls_own() -> None:
                                rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="unknown depthwise scheme 'tiles'"):
         nw.bind_depthwise_conv(x, w, None, None, out["auto"], geo, None, 1, "tiles")
+
+
+STRIDED_CASES = [
+    # n, c, h, w: 3x3 stride 2 padded by one (MobileNet's downsampling depthwise layers)
+    (1, 3, 112, 112),       # rows of 56: four vectors, the last half used
+    (2, 5, 56, 56),
+    (1, 7, 28, 28),
+    (1, 17, 14, 14),        # rows of 7 ("auto" keeps the blocked or plane scheme)
+    (1, 4, 15, 33),         # odd sizes: the last window reads past X's end
+    (2, 3, 9, 130),         # 65 outputs a row: a second pass of vectors
+    (1, 2, 1, 2),
+    (1, 2, 3, 1),
+]
+
+
+@pytest.mark.parametrize("case", STRIDED_CASES, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("fused", ["none", "bias_clip", "bias_residual_clip"])
+def test_strided_matches_planes_bitwise_and_reference(case: tuple, fused: str) -> None:
+    n, c, h, wd = case
+    _check_scheme("strided", n, c, _window(h, wd, (3, 3), 2, 1, 1), fused)
+
+
+def test_strided_propagates_nan_and_inf_like_planes() -> None:
+    win = _window(30, 40, (3, 3), 2, 1, 1)
+    geo = nw.plan(6, win)
+    assert geo is not None
+    x = RNG.standard_normal((1, 6, 30, 40)).astype(np.float32)
+    x[0, 1, 0, 0] = np.nan                  # the first row and column: next to the padding
+    x[0, 2, 29, 39] = np.inf                # the last ones
+    x[0, 3, 7, 16] = -np.inf                # between two output vectors' columns
+    w = RNG.standard_normal((6, 1, 3, 3)).astype(np.float32)
+    w[5, 0, 0, 0] = np.inf                  # an infinite weight: 0 * inf in the padding
+    ys = {}
+    for scheme in ("planes", "strided"):
+        ys[scheme] = np.empty((1, 6, *win.out_spatial), dtype=np.float32)
+        nw.depthwise_conv(x, w, None, None, ys[scheme], geo, None, 1, scheme)
+    assert np.isnan(ys["strided"][0, 1, 0, 0]) and np.isnan(ys["strided"][0, 5, 0]).all()
+    assert not np.isnan(ys["strided"][0, 0]).any()
+    np.testing.assert_array_equal(ys["strided"], ys["planes"])
+
+
+@pytest.mark.parametrize("threads", [2, 3, 16])
+def test_strided_threads_bitwise_equal(threads: int) -> None:
+    win = _window(56, 56, (3, 3), 2, 1, 1)
+    n, c = 2, 37
+    geo = nw.plan(c, win)
+    assert geo is not None and n * c >= 2 * geo.min_chunk
+    x = RNG.standard_normal((n, c, 56, 56)).astype(np.float32)
+    w = RNG.standard_normal((c, 1, 3, 3)).astype(np.float32)
+    b = RNG.standard_normal(c).astype(np.float32)
+    y1 = np.empty((n, c, 28, 28), dtype=np.float32)
+    yt = np.empty_like(y1)
+    nw.depthwise_conv(x, w, b, None, y1, geo, (0.0, 6.0), 1, "strided")
+    nw.depthwise_conv(x, w, b, None, yt, geo, (0.0, 6.0), threads, "auto")
+    assert np.array_equal(y1, yt)

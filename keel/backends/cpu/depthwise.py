@@ -53,6 +53,12 @@ hand to BLAS. Four formulations (:func:`depthwise_layout`):
   1.291x -> 1.275x (313.6 -> 309.9 ms against 242.9), batch 1 1.437x -> 1.398x
   (10.92 -> 10.63 ms against 7.60); the 17 nodes at batch 1 1.66 -> 1.55 ms.
 
+  3x3 stride-2 convs padded by one may instead read X in place, the stride
+  phases split in registers (no band copy; the ``strided`` scheme, the plane
+  path's chain, the same bits): window.c picks it (``s2_wins``) for output
+  rows wider than half a vector, MobileNetV2's 112->56, 56->28 and 28->14
+  layers (265 -> 150, 83 -> 69, 38 -> 32 us at batch 1; docs/performance.md).
+
 The NumPy formulations, chosen by shape:
 
 * ``rows`` (2-D): for each kernel column ``kw`` a copy of the (stride-phase

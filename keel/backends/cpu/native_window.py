@@ -317,13 +317,15 @@ def depthwise_conv(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, z: np.nda
     ``w`` holds ``C * taps`` weights (C, 1, *kernel); ``b`` (C,) and ``z`` (like
     ``y``) may be None, and so may ``clip`` (low, high). All C-contiguous float32.
     ``scheme`` forces the C kernel's scheme (for tests and measurements): "planes"
-    (plane by plane), "blocked" (16 planes at a time where the geometry allows), or
-    "auto" (the measured choice of window.c, ``blocked_wins``).
+    (plane by plane), "blocked" (16 planes at a time where the geometry allows),
+    "strided" (3x3 stride-2 convs padded by one read straight from ``x``, the stride
+    phases split in registers, where the geometry allows), or "auto" (the measured
+    choice of window.c, ``blocked_wins`` then ``s2_wins``).
     """
     bind_depthwise_conv(x, w, b, z, y, geo, clip, threads, scheme)()
 
 
-_SCHEMES = {"auto": 0, "planes": 1, "blocked": 2}
+_SCHEMES = {"auto": 0, "planes": 1, "blocked": 2, "strided": 3}
 
 
 _BOUNDS: dict[tuple[float, float], np.ndarray] = {}

@@ -1641,7 +1641,8 @@ PLANES_MIN_PIXELS = 3136
 DEPTHWISE_BLOCK_BYTES = 1 << 20
 DEPTHWISE_STREAM_BYTES = 16 << 20
 # The bound native call's scheme: "auto" leaves it to window.c's measured rule for each
-# thread's range of planes (blocked_wins), "planes" / "blocked" force one.
+# thread's range of planes (blocked_wins, then s2_wins), "planes" / "blocked" / "strided"
+# force one.
 DEPTHWISE_SCHEME = "auto"
 
 

@@ -27,6 +27,9 @@
  * - Small depthwise planes may instead run 16 channels at once, one vector lane per
  *   plane (run_blocked, AVX-512 only; blocked_wins says where it measured faster). Each
  *   lane runs the same chain of multiply-adds, so the values are bitwise the same.
+ * - 3x3 stride-2 depthwise convs padded by one (MobileNet's) may run with no band copy,
+ *   the stride phases split in registers (run_s2, AVX-512 only; s2_wins): the same chain
+ *   of multiply-adds, the same values.
  *
  * Every exported function takes the planes [lo, hi) of N * C to compute, so
  * callers split the work across threads; each plane is computed the same way
@@ -741,6 +744,108 @@ static void run_blocked(const float *x, float *y, const geom *g, const win_args 
 }
 #endif
 
+#if defined(__AVX512F__)
+/* 3x3 stride-2 depthwise convs with one padding row and column at the beginning
+ * (MobileNet's downsampling layers) run straight from X, no band copy: the even and
+ * odd input columns of an output vector are split in registers (a permute of two
+ * loads; the columns 2j - 1 from loads one column earlier), input rows and columns
+ * outside X are zero vectors (the copy's padding), and each output is the same chain
+ * as conv_rows (bias, then a multiply-add per tap in order, + Z, clip): the same bits. */
+static int s2_ok(const geom *g) {
+    return g->kh == 3 && g->kw == 3 && g->sh == 2 && g->sw == 2 && g->dh == 1 && g->dw == 1
+           && g->pt == 1 && g->pl == 1;
+}
+
+/* Where it runs by default (auto mode, where blocked_wins does not take the call).
+ * Alone, one thread, bias + ReLU6, the input written just before (µs, plane path ->
+ * this): batch 1 96 ch 112 -> 56 161 -> 115, 144 ch 56 -> 28 69 -> 54, 192 ch 28 -> 14
+ * 24 -> 19, but 576 ch 14 -> 7 17 (blocked) -> 29; batch 32 (from memory) 112 -> 56
+ * 10.5-11.4 -> 7.3 ms, 56 -> 28 4.0 -> 3.4, 28 -> 14 1.5 -> 0.9, 14 -> 7 1.9 -> 2.4. Rows
+ * of 7 fill under half a vector, and every lane costs its loads and permutes. */
+static int s2_wins(const geom *g) { return 2 * g->ow > KV; }
+
+/* Input row `row` (W columns) at the columns 2j - 1, 2j, 2j + 1 of outputs [j0, j0 + 16);
+ * prev: the odd columns of the outputs before (column 2j0 - 1 in its last lane), then
+ * this vector's. */
+static inline __attribute__((always_inline)) void s2_columns(
+        const float *row, int64_t w, int64_t j0, __m512 *prev, __m512 *col) {
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16,
+                                          14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    int64_t c = 2 * j0;
+    __m512 a = _mm512_maskz_loadu_ps(first_lanes(w - c), row + c);
+    __m512 b = _mm512_maskz_loadu_ps(first_lanes(w - c - 16), row + c + 16);
+    __m512 o = _mm512_permutex2var_ps(a, odd, b);
+    col[0] = _mm512_castsi512_ps(_mm512_alignr_epi32(_mm512_castps_si512(o),
+                                                     _mm512_castps_si512(*prev), 15));
+    col[1] = _mm512_permutex2var_ps(a, even, b);
+    col[2] = o;
+    *prev = o;
+}
+
+/* Output row i of one plane (x: the plane, wt: its nine weights splat). */
+static inline __attribute__((always_inline)) void s2_row(
+        const geom *g, const float *x, const __m512 *wt, __m512 bias, int64_t i,
+        const float *z, float *y, vf lo, vf hi, int nv, int has_z, int has_clip) {
+    /* The odd columns before each row's next vector: column -1 is padding. */
+    __m512 prev[3] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t j = 0; j < g->ow; j += nv * KV) {
+        __m512 s[KU];
+        for (int u = 0; u < nv; u++) s[u] = bias;
+        for (int64_t kh = 0; kh < 3; kh++) {
+            int64_t r = 2 * i - 1 + kh;
+            int inside = r >= 0 && r < g->h;
+            for (int u = 0; u < nv; u++) {
+                __m512 col[3] = {_mm512_setzero_ps(), _mm512_setzero_ps(),
+                                 _mm512_setzero_ps()};
+                if (inside) s2_columns(x + r * g->w, g->w, j + u * KV, &prev[kh], col);
+                for (int kw = 0; kw < 3; kw++)
+                    s[u] = _mm512_fmadd_ps(col[kw], wt[kh * 3 + kw], s[u]);
+            }
+        }
+        for (int u = 0; u < nv; u++) {
+            int64_t at = j + u * KV, n = g->ow - at;
+            if (n <= 0) break;
+            vf v = (vf)s[u];
+            if (has_z) v += load_n(z + at, n);
+            if (has_clip) v = vclip(v, lo, hi);
+            store_n(y + at, v, n);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void s2_planes(
+        const float *x, float *y, const geom *g, const win_args *e, int64_t lo, int64_t hi,
+        int has_z, int has_clip) {
+    int64_t in_plane = g->h * g->w, out_plane = g->oh * g->ow;
+    int nv = (int)min64(KU, (g->ow + KV - 1) / KV);
+    vf vlo = vsplat(has_clip ? e->clip[0] : 0.0f), vhi = vsplat(has_clip ? e->clip[1] : 0.0f);
+    for (int64_t p = lo; p < hi; p++) {
+        int64_t c = p % g->c;
+        __m512 wt[9];
+        for (int t = 0; t < 9; t++) wt[t] = _mm512_set1_ps(e->w[c * 9 + t]);
+        __m512 bias = _mm512_set1_ps(e->bias != NULL ? e->bias[c] : 0.0f);
+        for (int64_t i = 0; i < g->oh; i++) {
+            int64_t at = p * out_plane + i * g->ow;
+            const float *xp = x + p * in_plane, *zp = has_z ? e->z + at : NULL;
+            if (nv == 4) s2_row(g, xp, wt, bias, i, zp, y + at, vlo, vhi, 4, has_z, has_clip);
+            else if (nv == 3) s2_row(g, xp, wt, bias, i, zp, y + at, vlo, vhi, 3, has_z, has_clip);
+            else if (nv == 2) s2_row(g, xp, wt, bias, i, zp, y + at, vlo, vhi, 2, has_z, has_clip);
+            else s2_row(g, xp, wt, bias, i, zp, y + at, vlo, vhi, 1, has_z, has_clip);
+        }
+    }
+}
+
+static void run_s2(const float *x, float *y, const geom *g, const win_args *e, int64_t lo,
+                   int64_t hi) {
+    int hz = e->z != NULL, hc = e->clip != NULL;
+    if (hz && hc) s2_planes(x, y, g, e, lo, hi, 1, 1);
+    else if (hz) s2_planes(x, y, g, e, lo, hi, 1, 0);
+    else if (hc) s2_planes(x, y, g, e, lo, hi, 0, 1);
+    else s2_planes(x, y, g, e, lo, hi, 0, 0);
+}
+#endif
+
 static int64_t run_window(const float *x, float *y, const int64_t *geometry,
                           const win_args *e, float *scratch, int64_t lo, int64_t hi,
                           int64_t mode) {
@@ -752,6 +857,10 @@ static int64_t run_window(const float *x, float *y, const int64_t *geometry,
     if (e->op == WIN_CONV && blocked_ok(&g)
         && (mode == 2 || (mode == 0 && blocked_wins(&g, hi - lo)))) {
         run_blocked(x, y, &g, e, scratch, lo, hi);
+        return 0;
+    }
+    if (e->op == WIN_CONV && s2_ok(&g) && (mode == 3 || (mode == 0 && s2_wins(&g)))) {
+        run_s2(x, y, &g, e, lo, hi);
         return 0;
     }
 #endif
@@ -824,7 +933,8 @@ int64_t keel_dwconv2d_f32(const float *x, const float *w, const float *bias, con
 
 /* keel_dwconv2d_f32 with its scheme forced (for measurements and tests): mode 0 chooses
  * as keel_dwconv2d_f32, 1 runs planes one by one, 2 the channel blocks where they serve
- * the geometry (AVX-512, <= 25 taps, small planes), else planes. */
+ * the geometry (AVX-512, <= 25 taps, small planes), else planes, 3 the stride-2 rows
+ * where they serve it (AVX-512, 3x3, stride 2, pads 1 at the beginning), else planes. */
 int64_t keel_dwconv2d_mode_f32(const float *x, const float *w, const float *bias,
                                const float *z, float *y, const int64_t *geometry,
                                const float *clip, float *scratch, int64_t lo, int64_t hi,

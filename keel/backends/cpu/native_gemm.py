@@ -85,9 +85,11 @@ _ACCUMULATE, _CLIP, _STREAM, _DIRECT, _NT, _TALL, _LANES = 1, 2, 4, 8, 16, 32, 6
 _ARGS = struct.Struct("<23q3d")
 _C_FIELD = 13           # where C's address sits in it
 _FLAGS_FIELD = 22       # and the flags
+_RESIDUAL_FIELD = 19    # and the residual's
 # keel_conv_band_args of gemm.c: 21 int64 fields then lo, hi as doubles.
 _BAND_ARGS = struct.Struct("<21q2d")
 _BAND_X = 16            # where X's address sits in it
+_BAND_OUT = (17, 19)    # and Y's and the residual's
 # _load checks both layouts against gemm.c's own sizeof and offsetof.
 _F4 = np.dtype(np.float32)
 
@@ -405,6 +407,13 @@ class Call:
         return Call(self.f, values, self.batch, self.m, self.n, self.k, self.keep,
                     self.c_layout)
 
+    def moved(self, lo: int, hi: int, delta: int) -> Call:
+        """The same call with C's (and the residual's) address moved by ``delta`` where it
+        lies in ``[lo, hi)``: the output array it writes a view of moved, its layout kept."""
+        values = _moved(self.values, (_C_FIELD, _RESIDUAL_FIELD), lo, hi, delta)
+        return Call(self.f, values, self.batch, self.m, self.n, self.k, self.keep,
+                    self.c_layout)
+
     def split(self, threads: int) -> Any:
         """The cpu planner's tile grid of this call under a cap of ``threads``
         (:func:`keel.backends.cpu.planner.gemm_split`, for this machine's caches)."""
@@ -463,6 +472,16 @@ class Call:
         if split.parts <= 1:
             return None
         return f.tiles_mt, self.args, split.rows, split.cols, split.pieces, split.parts
+
+
+def _moved(values: tuple[Any, ...], fields: tuple[int, ...], lo: int, hi: int,
+           delta: int) -> tuple[Any, ...]:
+    """``values`` with the addresses at ``fields`` that lie in ``[lo, hi)`` moved by ``delta``."""
+    moved = list(values)
+    for i in fields:
+        if lo <= moved[i] < hi:
+            moved[i] += delta
+    return tuple(moved)
 
 
 def _checked(fn: Callable[..., int], *args: Any) -> None:
@@ -581,6 +600,12 @@ class BandCall:
         if x.shape != self.x_shape or x.dtype != _F4 or not x.flags.c_contiguous:
             return None
         values = (*self.values[:_BAND_X], native.address(x), *self.values[_BAND_X + 1:])
+        return BandCall(self.f, values, self.units, self.keep, self.x_shape)
+
+    def moved(self, lo: int, hi: int, delta: int) -> BandCall:
+        """The same call with Y's (and the residual's) address moved (see
+        :meth:`Call.moved`)."""
+        values = _moved(self.values, _BAND_OUT, lo, hi, delta)
         return BandCall(self.f, values, self.units, self.keep, self.x_shape)
 
     def _parts(self, threads: int) -> int:

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Callable
-from typing import Protocol, cast
+import os
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, cast
 
 __all__ = ["OPENSSL_FROM", "Digest", "sha256"]
 
@@ -51,3 +52,33 @@ def _builtin() -> Callable[[bytes], Digest] | None:
             continue
         return cast("Callable[[bytes], Digest]", module.sha256)
     return None
+
+
+# A file changed less than this before it was hashed is not remembered: a write in the
+# same clock tick could not be told apart (git's "racy" entries).
+SETTLE_NS = 2_000_000_000
+
+
+def file_identity(info: os.stat_result) -> list[int]:
+    """A file's device, inode, size and modification and change times: any write changes
+    the change time, which no user can set back."""
+    return [info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns]
+
+
+def known_digest(known: Mapping[str, Any], name: str, ident: list[int]) -> str | None:
+    """The digest remembered in ``known`` for the file ``name`` with identity ``ident``."""
+    seen = known.get(name)
+    if isinstance(seen, dict) and seen.get("stat") == ident and isinstance(seen.get("sha256"), str):
+        return str(seen["sha256"])
+    return None
+
+
+def remembering(known: Mapping[str, Any], name: str, ident: list[int], digest: str,
+                started_ns: int, limit: int) -> dict[str, Any] | None:
+    """``known`` with ``digest`` remembered for ``name`` (the oldest entries dropped past
+    ``limit``), or None when the file changed within :data:`SETTLE_NS` of ``started_ns``,
+    when hashing began."""
+    if ident[4] >= started_ns - SETTLE_NS:
+        return None
+    kept = [(k, v) for k, v in known.items() if k != name and isinstance(v, dict)]
+    return {**dict(kept[-(limit - 1):]), name: {"stat": ident, "sha256": digest}}

@@ -38,7 +38,8 @@ from typing import Any
 
 from keel._files import Untrusted as _Unusable
 from keel._files import open_trusted, private_folder, read_regular, trusted_folder
-from keel._hashing import sha256
+from keel._hashing import file_identity as _identity
+from keel._hashing import known_digest, remembering, sha256
 from keel.config import cache_dir, settings
 from keel.errors import InvalidArgumentError, KeelError
 from keel.execution.compiled import CompiledModel, EntryError, from_json, to_json
@@ -58,7 +59,6 @@ _NAME = re.compile(r"[0-9a-f]{64}\.keel")
 _TEMP_MAX_AGE_S = 3600.0      # a temporary file this old was left by a writer that died
 _DIGESTS = "digests.json"     # model files' digests, by path (see model_digest)
 _MAX_DIGESTS = 256
-_SETTLE_NS = 2_000_000_000
 
 
 @dataclass(frozen=True)
@@ -113,9 +113,8 @@ class ModelSource:
 
     A file's digest is remembered in the cache folder with the file's device,
     inode, size and modification and change times, and used again while they
-    are all unchanged. A file changed less than ``_SETTLE_NS`` before it was
-    hashed is not remembered: a write in the same clock tick could not be told
-    apart (git's "racy" entries).
+    are all unchanged (:func:`keel._hashing.remembering`: not a file changed in
+    the same clock tick as it was hashed).
     """
 
     def __init__(self, src: Any) -> None:
@@ -262,21 +261,20 @@ def _made_folder() -> Path:
 def _file_digest(source: ModelSource, path: Path, ident: list[int]) -> str | None:
     name = str(path.resolve())
     known = _digests()
-    seen = known.get(name)
-    if isinstance(seen, dict) and seen.get("stat") == ident and isinstance(seen.get("sha256"), str):
-        return str(seen["sha256"])
+    found = known_digest(known, name, ident)
+    if found is not None:
+        return found
     started = time.time_ns()
     data = source.data()
     if data is None:
         return None
     digest = sha256(data).hexdigest()
-    if source.unchanged() and ident[4] < started - _SETTLE_NS:
-        _remember_digest(known, name, ident, digest)
+    kept = remembering(known, name, ident, digest, started, _MAX_DIGESTS)
+    if kept is not None and source.unchanged():
+        with contextlib.suppress(_Unusable, OSError):
+            folder = _made_folder()
+            _replace_atomically(folder / _DIGESTS, lambda tmp: tmp.write_text(json.dumps(kept)))
     return digest
-
-
-def _identity(info: os.stat_result) -> list[int]:
-    return [info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns]
 
 
 def _digests() -> dict[str, Any]:
@@ -289,15 +287,6 @@ def _digests() -> dict[str, Any]:
     except (_Unusable, ValueError):
         return {}
     return known if isinstance(known, dict) else {}
-
-
-def _remember_digest(known: dict[str, Any], name: str, ident: list[int], digest: str) -> None:
-    known = {k: v for k, v in known.items() if k != name and isinstance(v, dict)}
-    kept = dict(list(known.items())[-(_MAX_DIGESTS - 1):])
-    kept[name] = {"stat": ident, "sha256": digest}
-    with contextlib.suppress(_Unusable, OSError):
-        folder = _made_folder()
-        _replace_atomically(folder / _DIGESTS, lambda tmp: tmp.write_text(json.dumps(kept)))
 
 
 # ---- lookup ------------------------------------------------------------------------------

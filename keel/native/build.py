@@ -60,7 +60,7 @@ from typing import Any
 from keel import config
 from keel._files import Untrusted, open_trusted, private_folder, user_temp_folder
 from keel._fork import renew_after_fork
-from keel._hashing import sha256
+from keel._hashing import file_identity, known_digest, remembering, sha256
 from keel.config import Settings
 from keel.errors import BackendSelectionError, InvalidArgumentError
 from keel.native.toolchain import (
@@ -89,7 +89,6 @@ _COMPILERS_MAX_BYTES = 65536
 _CHECKED = "checked.json"        # libraries whose hash matched, with their identity (_matches)
 _CHECKED_MAX = 256
 _CHECKED_MAX_BYTES = 1 << 20
-_SETTLE_NS = 2_000_000_000       # a file changed this recently is not remembered as checked
 
 
 @dataclass(frozen=True)
@@ -563,25 +562,23 @@ def _verified(folder: Path, key: str, root_ok: bool = False) -> Path | None:
 
 def _matches(path: Path, fd: int, size: int, sha: str) -> bool:
     """Whether the open library has the recorded size and SHA-256. The hash is computed
-    unless this file was found good before with the same device, inode, size and
-    modification and change times (remembered in the cache folder, and only once the file
-    is older than ``_SETTLE_NS``: a rewrite in the same clock tick is never taken for it;
-    any later write changes its change time, which no user can set back)."""
+    unless this file was found good before with the same identity (remembered in the
+    cache folder: :func:`keel._hashing.remembering`)."""
     info = os.fstat(fd)
     if info.st_size != size:
         return False
-    seen = [info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns, sha]
+    ident, name = file_identity(info), str(path)
     checked = _checked_files()
-    if checked.get(str(path)) == seen:
+    if known_digest(checked, name, ident) == sha:
         return True
     started = time.time_ns()
     if _fd_sha256(fd) != sha:
         return False
-    if info.st_ctime_ns < started - _SETTLE_NS:
+    kept = remembering(checked, name, ident, sha, started, _CHECKED_MAX)
+    if kept is not None:
         with _STATE.lock:                     # builds ahead check from several threads
-            kept = [(k, v) for k, v in checked.items() if k != str(path)]
             checked.clear()
-            checked.update([*kept[-(_CHECKED_MAX - 1):], (str(path), seen)])
+            checked.update(kept)
             with contextlib.suppress(OSError, Untrusted):
                 _write_record(_cache_folder() / _CHECKED, checked)
     return True

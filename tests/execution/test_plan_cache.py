@@ -14,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 import keel
-from keel import config
+from keel import _hashing, config
 from keel.cli import app
 from keel.errors import InvalidArgumentError
 from keel.execution import plan_cache
@@ -133,7 +133,7 @@ def test_another_machine_profile_is_a_miss(plans: Path, model_path: Path) -> Non
 
 def test_a_rewritten_model_file_is_keyed_by_its_new_bytes(
         plans: Path, model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(plan_cache, "_SETTLE_NS", 0)     # remember the digest at once
+    monkeypatch.setattr(_hashing, "SETTLE_NS", 0)     # remember the digest at once
     load_model(model_path)
     assert HIT in said(load_model(model_path))   # from the remembered digest
     other = resnet_block(channels=8, size=8, seed=5).SerializeToString()

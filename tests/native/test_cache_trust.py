@@ -79,9 +79,10 @@ def test_a_library_not_matching_its_record_is_rebuilt(sources: Path, tmp_path: P
 def test_a_library_found_good_is_not_hashed_again_until_it_changes(
         sources: Path, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
+    at_once = "import keel._hashing as h; h.SETTLE_NS = 0"
     settled = LOADER.replace("build.SOURCE_DIR = Path(sys.argv[1])",
-                             "build.SOURCE_DIR = Path(sys.argv[1]); build._SETTLE_NS = 0")
-    no_hashing = settled.replace("build._SETTLE_NS = 0", "build._fd_sha256 = None")
+                             f"build.SOURCE_DIR = Path(sys.argv[1]); {at_once}")
+    no_hashing = settled.replace(at_once, "build._fd_sha256 = None")
     first = _load_in_subprocess(sources, cache, tmp_path, settled)    # built, hashed
     assert first["answer"] == 42
     checked = json.loads((cache / "native" / "checked.json").read_text())

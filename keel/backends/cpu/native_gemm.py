@@ -543,15 +543,17 @@ def prepare(a: np.ndarray | Packed, b: np.ndarray | Packed | Rows, c: np.ndarray
                 (c.shape, c.strides, c.dtype))
 
 
-def with_tall(call: Call, tall: bool) -> Call:
-    """``call`` with gemm.c's tall tiles asked for (``tall``) or not, whatever
-    ``tall_tiles`` says of its rows and depth: for a caller whose own planner rule
-    knows the product's columns (Winograd's products of one vector of tiles). Tall
-    tiles sum each element of C as the 8 x 32 tiles do: the same bits either way."""
-    flags = int(call.values[_FLAGS_FIELD])
-    flags = flags | _TALL if tall else flags & ~_TALL
+def with_tiles(call: Call, tall: bool, lanes: bool) -> Call:
+    """``call`` with gemm.c's tall and lanes tiles asked for or not, whatever
+    ``tall_tiles`` and ``lanes_tiles`` say of the shape it was prepared with: for a caller
+    whose own planner rule knows the product's real columns (Winograd's products, whose
+    pipeline prepares one call for every block). Every tiling sums each element of C the
+    same way: the same bits either way."""
+    flags = int(call.values[_FLAGS_FIELD]) & ~(_TALL | _LANES)
+    flags |= (_TALL if tall else 0) | (_LANES if lanes else 0)
     values = (*call.values[:_FLAGS_FIELD], flags, *call.values[_FLAGS_FIELD + 1:])
     return Call(call.f, values, call.batch, call.m, call.n, call.k, call.keep, call.c_layout)
+
 
 def _plain(ra: tuple[int, ...], rb: tuple[int, ...]) -> bool:
     """Whether A is packed and B raw with contiguous rows (a depth stride: no row

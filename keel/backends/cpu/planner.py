@@ -2021,6 +2021,18 @@ def winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], thre
 WINOGRAD_TALL_COLUMNS = 16
 
 
+# The pipeline's products (and the passes' products of one vector of tiles) run in gemm.c's
+# lanes tiles (C's rows in the vector lanes, only the real columns computed) wherever the
+# build has them; where it does not, tall tiles (winograd_tall) or the 8 x 32 panels. The
+# pipeline prepares one call for all its blocks, so this rule, not lanes_tiles on a
+# stand-in shape, decides (the passes' other products are prepared on their real columns
+# and follow lanes_tiles). ResNet-18 on the
+# 2-core Zen 5, one thread, quiet, keel / onnxruntime in two alternating runs, lanes
+# against panels and tall tiles: batch 1 1.08-1.10 against 1.12-1.14, batch 32 1.08-1.13
+# against 1.11-1.15. Not measured on more cores.
+WINOGRAD_LANES = True
+
+
 def winograd_tall(columns: int) -> bool:
     """Whether Winograd's products of ``columns`` columns (tiles) run in tall tiles."""
     return columns <= WINOGRAD_TALL_COLUMNS

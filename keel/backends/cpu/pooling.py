@@ -247,9 +247,8 @@ def max_pool_int8(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) ->
 
     src, dst = qlayout.layouts(ctx)
     if (src, dst) != (qlayout.NCHW, qlayout.NCHW) and out is not None:
-        plain = dataclasses.replace(ctx, plan=qlayout.without_layout(ctx.plan))
-
         def nchw(xn: np.ndarray, yn: np.ndarray) -> None:
+            plain = dataclasses.replace(ctx, plan=qlayout.without_layout(ctx.plan))
             max_pool_int8(plain, [xn, *inputs[1:]], attrs, [yn])
 
         qlayout.max_pool(src, dst, np.ascontiguousarray(x), geometry, out[0],

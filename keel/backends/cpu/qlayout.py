@@ -41,6 +41,7 @@ from keel.backends.cpu import native_qgemm, workspace
 from keel.backends.cpu.native_gemm import planner_rules
 from keel.backends.plan import NodePlan
 from keel.dtypes import DType
+from keel.errors import InvalidArgumentError
 from keel.native.pool import parts
 from keel.ops.schemas.quantization import QUANT_RANGES, ConvGeometry
 
@@ -500,7 +501,7 @@ def max_pool(src: str, dst: str, x: np.ndarray, geometry: tuple[int, ...] | None
     rc = fns.max_pool(_ptr(x), int(x.dtype == np.int8), _ptr(_geometry(geometry)), _ptr(y_cl),
                       count)
     if rc == -2:
-        raise ValueError(f"channels-last int8 max pool: geometry {geometry} not taken")
+        raise InvalidArgumentError(f"channels-last int8 max pool: geometry {geometry} not taken")
     _check(rc)
     if dst == NCHW:
         to_nchw(y_cl, threads, y)

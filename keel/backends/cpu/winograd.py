@@ -250,7 +250,7 @@ def native_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[in
         if call is None:
             raise RuntimeError("native GEMM refused the Winograd products")
         if planner.winograd_tall(t):
-            call = native_gemm.with_tall(call, True)
+            call = native_gemm.with_tiles(call, tall=True, lanes=planner.WINOGRAD_LANES)
         # Panel-major: a thread's share of the sixteen products is the same tiles of each
         # (those of the images, or tile rows, it transformed: the pool gives each thread
         # the same chunk index).
@@ -283,7 +283,11 @@ def _products(xp: Any, arrays: tuple[Any, ...]) -> _Products:
                                np.zeros((16, m, columns), np.float32))
     if call is None:
         raise RuntimeError("native GEMM refused the Winograd products")
-    return _Products(u, call, native_gemm.with_tall(call, True))
+    # The tiles prepare chose for the stand-in columns are not the blocks': the planner's
+    # rules (WINOGRAD_LANES, winograd_tall) decide.
+    lanes = planner.WINOGRAD_LANES
+    return _Products(u, native_gemm.with_tiles(call, tall=False, lanes=lanes),
+                     native_gemm.with_tiles(call, tall=True, lanes=lanes))
 
 
 @functools.lru_cache(maxsize=256)

@@ -173,16 +173,18 @@ GROUP_CASES = [
     ((2, 3, 6, 11), (7, 3, 3, 3), {"pads": (1, 1, 1, 1)}),
     ((2, 8, 16, 16), (12, 8, 1, 1), {"strides": (2, 2)}),
     ((2, 6, 9, 9), (4, 3, 3, 3), {"pads": (1, 1, 1, 1), "group": 2}),
+    ((1, 4, 32, 32), (9, 4, 3, 3), {"pads": (1, 1, 1, 1)}),            # 32 panels
 ]
 
 
 @pytest.mark.parametrize("x_shape,w_shape,attrs", GROUP_CASES)
-@pytest.mark.parametrize("group", [2, 3, 8])
+@pytest.mark.parametrize("group", [2, 3, 8, 20])
 def test_groups_of_column_panels_give_the_same_bits(
         x_shape: tuple[int, ...], w_shape: tuple[int, ...], attrs: dict[str, Any],
         group: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Row panel by row panel over groups of column panels: bitwise the column-panel
-    order's C (the same sums), with a residual and a clip, on 1 to 16 threads."""
+    order's C (the same sums), with a residual and a clip, on 1 to 16 threads; a group
+    of more panels than the planner gives (20) runs whole, as any other."""
     rng = np.random.default_rng(group)
     x, w, b = rand(rng, *x_shape), rand(rng, *w_shape), rand(rng, w_shape[0])
     full = {**attrs, "activation": "clip", "activation_params": (-0.3, 0.4)}

@@ -2073,9 +2073,11 @@ def _even_tiles(tiles: int, most: int, threads: int, vectors: bool) -> int:
 # ResNet-18's 256 -> 512 3x3 stride-2 conv (A 4.5 MiB, two panels of B at 288 KiB each)
 # and its 128 -> 256 one (A 1.1 MiB, seven panels of 144 KiB: groups of four and three),
 # measured under load on the 2-core AMD EPYC (Zen 5): docs/performance.md, "The masked
-# conv by groups of column panels". The same sums in the same order either way.
+# conv by groups of column panels". The same sums in the same order either way. The
+# kernel takes a group of any size (it keeps no state per group); groups above
+# MASKED_GROUP_MAX panels were not measured, so none is planned.
 MASKED_GROUP_A_SHARE = 0.5
-MASKED_GROUP_MAX = 8       # gemm.c's DIRECT_GROUP_MAX
+MASKED_GROUP_MAX = 8
 
 
 def masked_panel_group(rows: int, depth: int, columns: int, panel: int, tile_rows: int,

@@ -1202,54 +1202,22 @@ static const dtile_fn DTILES[NV][MAXR] = {
 #endif
 };
 
-/* The most column panels a group holds (a group's masks are on the stack). */
-#define DIRECT_GROUP_MAX 8
-
-/* Column panels per group from the table (after the masks of every panel): 1 or less
- * runs column panel by column panel. */
+/* Column panels per group from the table (after the masks of every panel): the cpu
+ * planner's masked_panel_group, any count (the kernel keeps no per-group state); 1 or
+ * less runs column panel by column panel. */
 static int64_t direct_group(const problem *g, const int64_t *geo)
 {
     int64_t panels = (g->n + NR - 1) / NR;
     int64_t group = geo[4 + 3 * geo[0] + panels * geo[0]];
-    return group < DIRECT_GROUP_MAX ? group : DIRECT_GROUP_MAX;
+    return group > 1 ? group : 1;
 }
 
-/* Row panels [i_lo, i_hi) x column panels [j_lo, j_hi) in groups of `group` column
- * panels: every row panel over a group's panels, the whole depth each, before the next
- * row panel (A read once per group). */
-static void direct_conv_grouped(const problem *g, const epilogue *e, int64_t i_lo,
-                                int64_t i_hi, int64_t j_lo, int64_t j_hi, int64_t group)
-{
-    const int64_t *geo = g->b_cols;
-    dpanel d[DIRECT_GROUP_MAX];
-    int64_t taps = geo[0];
-    int load_c = (e->flags & KEEL_ACCUMULATE) != 0;
-    for (int64_t jg = j_lo; jg < j_hi; jg += group) {
-        int64_t je = jg + group < j_hi ? jg + group : j_hi;
-        for (int64_t jp = jg; jp < je; jp++) {
-            dpanel *q = &d[jp - jg];
-            q->taps = taps;
-            q->cs = geo[3];
-            q->channels = g->k / taps;
-            q->b = g->b + jp * NR;
-            direct_masks(q, geo, geo + 4 + 3 * taps + jp * taps);
-        }
-        for (int64_t ip = i_lo; ip < i_hi; ip++) {
-            int64_t i0 = ip * MR;
-            int mr = (int)(g->m - i0 < MR ? g->m - i0 : MR);
-            for (int64_t jp = jg; jp < je; jp++) {
-                int64_t j0 = jp * NR, cols = g->n - j0 < NR ? g->n - j0 : NR;
-                int nv = (int)((cols + VW - 1) / VW);
-                target t = target_of(g, i0, j0, cols, load_c, 1);
-                DTILES[nv - 1][mr - 1](g->a + ip * g->k * MR, &d[jp - jg], &t, e);
-            }
-        }
-    }
-}
-
-/* Row panels [i_lo, i_hi) x column panels [j_lo, j_hi) of a KEEL_DIRECT product: column
- * panel by column panel (its masks made once), every row panel over the whole depth, so
- * C is written once. */
+/* Row panels [i_lo, i_hi) x column panels [j_lo, j_hi) of a KEEL_DIRECT product, in
+ * groups of the table's column panels: every row panel over a group's panels, the whole
+ * depth each, before the next row panel, so C is written once and A read once per group
+ * (a group of one: column panel by column panel). A panel's masks are made from the
+ * table's bits once per column panel when the group is one, else per tile (T shifts of
+ * a word against T x MR x NR multiply-adds of the tile). */
 static void direct_conv(const problem *g, const epilogue *e, int64_t i_lo, int64_t i_hi,
                         int64_t j_lo, int64_t j_hi)
 {
@@ -1258,30 +1226,32 @@ static void direct_conv(const problem *g, const epilogue *e, int64_t i_lo, int64
     d.taps = geo[0];
     d.cs = geo[3];
     if (d.taps <= 0 || d.taps > DIRECT_MAX_TAPS) return; /* the caller serves none such */
-    int64_t group = direct_group(g, geo);
-    if (group > 1) {
-        direct_conv_grouped(g, e, i_lo, i_hi, j_lo, j_hi, group);
-        return;
-    }
     d.channels = g->k / d.taps;
+    const int64_t *bits = geo + 4 + 3 * d.taps;
+    int64_t group = direct_group(g, geo);
     int load_c = (e->flags & KEEL_ACCUMULATE) != 0;
     int64_t r_rows = (i_hi * MR < g->m ? i_hi * MR : g->m) - i_lo * MR;
-    for (int64_t jp = j_lo; jp < j_hi; jp++) {
-        int64_t j0 = jp * NR, cols = g->n - j0 < NR ? g->n - j0 : NR;
-        int nv = (int)((cols + VW - 1) / VW);
-        d.b = g->b + j0;
-        direct_masks(&d, geo, geo + 4 + 3 * d.taps + jp * d.taps);
-        if (e->res && jp + DIRECT_RES_AHEAD < j_hi) {
-            const float *r = e->res + (i_lo * MR) * e->ldr + j0 + DIRECT_RES_AHEAD * NR;
+    for (int64_t jg = j_lo; jg < j_hi; jg += group) {
+        int64_t je = jg + group < j_hi ? jg + group : j_hi;
+        for (int64_t jp = jg; jp < je; jp++) {
+            if (!e->res || jp + DIRECT_RES_AHEAD >= j_hi) continue;
+            const float *r = e->res + (i_lo * MR) * e->ldr + jp * NR + DIRECT_RES_AHEAD * NR;
             for (int64_t i = 0; i < r_rows; i++)
                 for (int64_t o = 0; o < NR; o += 64 / (int64_t)sizeof(float))
                     __builtin_prefetch(r + i * e->ldr + o, 0, DIRECT_RES_LOCALITY);
         }
+        if (je - jg == 1) direct_masks(&d, geo, bits + jg * d.taps);
         for (int64_t ip = i_lo; ip < i_hi; ip++) {
             int64_t i0 = ip * MR;
             int mr = (int)(g->m - i0 < MR ? g->m - i0 : MR);
-            target t = target_of(g, i0, j0, cols, load_c, 1);
-            DTILES[nv - 1][mr - 1](g->a + ip * g->k * MR, &d, &t, e);
+            for (int64_t jp = jg; jp < je; jp++) {
+                int64_t j0 = jp * NR, cols = g->n - j0 < NR ? g->n - j0 : NR;
+                int nv = (int)((cols + VW - 1) / VW);
+                if (je - jg > 1) direct_masks(&d, geo, bits + jp * d.taps);
+                d.b = g->b + j0;
+                target t = target_of(g, i0, j0, cols, load_c, 1);
+                DTILES[nv - 1][mr - 1](g->a + ip * g->k * MR, &d, &t, e);
+            }
         }
     }
 }

@@ -241,3 +241,63 @@ def test_short_panels_give_the_gathered_bits(x_shape: tuple[int, ...],
     np.testing.assert_allclose(want, np.clip(plain + z, -0.3, 0.4), rtol=1e-4, atol=1e-4)
     for threads in (1, 2, 3, 16):
         assert _masked(x, w, b, z, full, threads=threads).tobytes() == want.tobytes()
+
+
+# ---- lanes tiles (the planner's masked_lanes) ---------------------------------------------
+LANES_CASES = [
+    ((1, 16, 14, 14), (40, 16, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}),  # 49 pixels
+    ((2, 24, 14, 14), (48, 24, 1, 1), {"strides": (2, 2)}),               # 1x1 stride 2
+    ((1, 8, 28, 28), (33, 8, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}),   # 196, 33 rows
+    ((2, 12, 9, 7), (64, 6, 3, 3), {"pads": (1, 1, 1, 1), "group": 2}),   # 63 pixels, groups
+    ((1, 4, 5, 3), (70, 4, 3, 3), {"pads": (1, 1, 1, 1)}),                # 15 pixels, 70 rows
+    ((1, 3, 2, 2), (32, 3, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}),     # 1 pixel
+]
+
+
+def _lanes_flags(x: np.ndarray, w: np.ndarray, attrs: dict[str, Any]) -> list[bool]:
+    """Whether each prepared call of the masked conv carries KEEL_LANES."""
+    geo = conv_geometry(Op.CONV, x.shape, w.shape, attrs)
+    layout = conv_gemm.native_layout(geo, "masked")
+    y = np.empty((geo.batch, geo.out_channels, *geo.window.out_spatial), np.float32)
+    filters = conv_gemm.native_filters(np, geo, w, None)
+    source = conv_gemm.native_source(np, layout, x)
+    calls = conv_gemm.native_calls(layout, source, x, filters, None, y, activation("", ()))
+    assert calls is not None
+    return [bool(int(c.values[ng._FLAGS_FIELD]) & ng._LANES) for c in calls]
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs", LANES_CASES)
+def test_lanes_tiles_give_the_masked_tiles_bits(
+        x_shape: tuple[int, ...], w_shape: tuple[int, ...], attrs: dict[str, Any],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """C's rows in the vector lanes over the taps copied through the masks: bitwise the
+    masked tiles' C, with a bias, a residual and a clip (and with NaN in X), on 1, 2, 3
+    and 16 threads."""
+    rng = np.random.default_rng(5)
+    x, w, b = rand(rng, *x_shape), rand(rng, *w_shape), rand(rng, w_shape[0])
+    x.reshape(-1)[::97] = np.nan
+    full = {**attrs, "activation": "clip", "activation_params": (-0.3, 0.4)}
+    plain = reference([x, w, b], attrs)
+    z = rand(rng, *plain.shape)
+    monkeypatch.setattr(cpu_planner, "masked_lanes", lambda *a, **k: False)
+    assert not any(_lanes_flags(x, w, attrs))
+    want = _masked(x, w, b, z, full)
+    np.testing.assert_allclose(want, np.clip(plain + z, -0.3, 0.4), rtol=1e-4, atol=1e-4)
+    monkeypatch.setattr(cpu_planner, "masked_lanes", lambda *a, **k: True)
+    assert all(_lanes_flags(x, w, attrs))
+    for threads in (1, 2, 3, 16):
+        assert _masked(x, w, b, z, full, threads=threads).tobytes() == want.tobytes()
+
+
+def test_masked_lanes_follow_the_computed_pixels() -> None:
+    lanes = cpu_planner.masked_lanes
+    grid = (8, 32)
+    # ResNet-18's stride-2 convs at batch 1: 49 pixels (64 computed), 196 (224).
+    assert lanes(512, 49, 2304, grid) and lanes(512, 49, 256, grid)
+    assert lanes(256, 196, 1152, grid)
+    assert not lanes(256, 196, 128, grid)           # 1x1: depth below the rows
+    assert not lanes(128, 784, 576, grid)           # whole panels, B past the L2 share
+    # ResNet-20's convs: whole column panels, nothing to save.
+    assert not lanes(32, 256, 144, grid) and not lanes(64, 64, 576, grid)
+    assert not lanes(16, 49, 144, grid)             # too few rows for a lanes tile
+    assert not lanes(512, 49, 2304, None)

@@ -506,7 +506,9 @@ def prepare(a: np.ndarray | Packed, b: np.ndarray | Packed | Rows, c: np.ndarray
     masked mode (KEEL_DIRECT): B's taps are read straight from the convolution's
     source planes, each column panel's lanes masked by the table (int64: the conv
     geometry, then per column panel and tap the bits of the columns whose tap lies
-    inside the plane; see ``keel.backends.cpu.conv_gemm.Masked``).
+    inside the plane; see ``keel.backends.cpu.conv_gemm.Masked``), in lanes tiles where
+    the planner's ``masked_lanes`` takes the product and an image's taps fit the
+    workspace.
     """
     f = _functions()
     if f is None or c.dtype != _F4:
@@ -529,7 +531,9 @@ def prepare(a: np.ndarray | Packed, b: np.ndarray | Packed | Rows, c: np.ndarray
         _STREAM if batch * k * n * 4 > planner_rules().STREAM_BYTES else 0) | (
         _DIRECT if masks is not None else 0) | (_NT if nt else 0) | (
         _TALL if f.tall(m, k) else 0) | (_LANES if _plain(ra, rb) and columns is None and (
-            masks is None and not accumulate and f.lanes(batch, m, n, k)) else 0)
+            masks is None and not accumulate and f.lanes(batch, m, n, k)) else 0) | (
+        _LANES if masks is not None and not accumulate and k * n <= f.work
+        and planner_rules().masked_lanes(m, n, k) else 0)
     lo, hi = clip if clip is not None else (0.0, 0.0)
     values = (m, n, k, *ra[:4], *rb[:4],
               native.address(b.offsets) if isinstance(b, Rows) else 0,

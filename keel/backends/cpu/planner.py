@@ -1525,6 +1525,18 @@ def _masked_wins(geo: ConvGeometry, grid: Grid) -> bool:
     return unit or math.prod(win.out_spatial) < MASKED_STRIDED_BELOW
 
 
+def _masked_lanes_reason(geo: ConvGeometry, grid: Grid) -> str:
+    """", in lanes tiles: ..." where the masked conv's products run in lanes tiles."""
+    pixels = math.prod(geo.window.out_spatial)
+    rows, depth = geo.out_channels // geo.group, geo.in_channels // geo.group
+    depth *= math.prod(geo.window.kernel)
+    if grid is None or not masked_lanes(rows, pixels, depth, grid):
+        return ""
+    computed = -(-pixels // grid[1]) * grid[1]
+    return (f", in lanes tiles: {pixels} pixels an image, which {grid[1]}-column panels "
+            f"compute as {computed} (masked_lanes)")
+
+
 def wide_stacks(geo: ConvGeometry, grid: Any = _HERE) -> bool:
     """Stack a batch's images in one wide product when that makes fewer column panels."""
     grid = _grid(grid)
@@ -1555,7 +1567,8 @@ def native_form(geo: ConvGeometry, grid: Any = _HERE) -> tuple[str, str]:
         return "band", (f"band: depth {geo.in_channels * math.prod(win.kernel)} <= "
                         f"{BAND_MAX_DEPTH}, {pixels} output pixels >= {BAND_FROM}, strided")
     if _masked_wins(geo, grid):
-        return "masked", "masked: every tap reads a plane of the output's shape in place"
+        return "masked", "masked: every tap reads a plane of the output's shape in place" + (
+            _masked_lanes_reason(geo, grid))
     if _wide_wins(geo, grid):
         form = "wide-stacked" if wide_stacks(geo, grid) else "wide"
         return form, f"{form}: its column panels within {WIDE_MAX_EXTRA}x the gathered ones"
@@ -2096,6 +2109,36 @@ def masked_panel_group(rows: int, depth: int, columns: int, panel: int, tile_row
     return -(-panels // -(-panels // most))      # even groups: 7 panels by 4 + 3, not 6 + 1
 
 
+# ---- the masked conv in lanes tiles ------------------------------------------------------
+# gemm.c runs a masked conv's product with C's rows in the vector lanes (AVX-512 builds with
+# 8-row panels) when the prepared call carries KEEL_LANES: an image's B is first read
+# through the masks into the workspace (native_gemm.prepare asks only where it fits), then
+# the lanes tiles compute only the pixels there are. Bitwise the masked tiles' C, so the
+# choice may follow the shape and the batch. Measured on the 2-core AMD EPYC (Zen 5), one
+# thread, the conv alone with a clip, thread CPU time, tiles and lanes alternating in one
+# process, medians of 31 calls (7 at batch 32), the caches flushed between calls / not,
+# under load (us): on 7x7 (49 pixels, 64 computed) 256 -> 512 3x3 stride 2 1000 -> 665 /
+# 935 -> 598, at batch 32 0.71x / 0.70x; 256 -> 512 1x1 stride 2 180 -> 121 / 75 -> 60,
+# batch 32 0.87x / 0.83x; on 14x14 (196 pixels, 224 computed) 128 -> 256 3x3 stride 2
+# 0.90x / 0.91x (batch 32 0.88x / 0.89x), but 128 -> 256 1x1 stride 2 (depth 128 below
+# the 256 rows: the copy and the transposes weigh more) 1.30x / 0.98x (batch 32 1.15x /
+# 1.14x). Where the panels compute no extra pixel they lose: ResNet-20's 16 -> 32 3x3
+# stride 2 on 16x16 1.17x, 32 -> 32 on 16x16 1.18x, 64 -> 64 on 8x8 1.10x (batch 1, hot).
+# So: where lanes_tiles takes one image's product and the column panels compute at least
+# MASKED_LANES_WASTE times the pixels, or more than them at a depth of at least the rows.
+MASKED_LANES_WASTE = 1.25
+
+
+def masked_lanes(m: int, n: int, k: int, grid: Any = _HERE) -> bool:
+    """Whether a masked conv's product of ``m`` rows, ``n`` output pixels an image and
+    depth ``k`` runs in lanes tiles (``grid`` the native tile: its column panels)."""
+    grid = _grid(grid)
+    if grid is None or n <= 0 or not lanes_tiles(1, m, n, k):
+        return False
+    computed = -(-n // grid[1]) * grid[1] / n
+    return computed >= MASKED_LANES_WASTE or (computed > 1 and k >= m)
+
+
 # ---- the float MaxPool's kernel -----------------------------------------------------------
 # window.c's row kernel (keel_maxpool_rows_f32) takes a max pool with a stride of 2 across
 # and no dilation: each output row's max over its input rows column by column, read in
@@ -2240,8 +2283,10 @@ def _native_splits(geo: ConvGeometry, layout: str, threads: int, grid: Any,
         flops = 2 * n * geo.out_channels * pixels * cg * taps
         return (Split("bands of output rows", units, max(1, min(threads, units)), flops,
                       MIN_FLOPS_PER_THREAD),)
-    # Only the direct form reads X as B in place, plain rows: lanes tiles take it.
-    lanes = layout == "direct" and lanes_tiles(batch, mg, columns, cg * taps)
+    # Only the direct form reads X as B in place, plain rows: lanes tiles take it; the
+    # masked form copies each image's taps for them (masked_lanes).
+    lanes = layout == "direct" and lanes_tiles(batch, mg, columns, cg * taps) or (
+        layout == "masked" and masked_lanes(mg, columns, cg * taps, grid))
     product = gemm_pass("products" if g > 1 else "product", batch, mg, columns, cg * taps,
                         threads, grid, sizes=sizes, raw=(False, True), lanes=lanes)
     if not copied:

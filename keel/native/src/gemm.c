@@ -1515,6 +1515,73 @@ static void lanes_product(const problem *g, const epilogue *e, int64_t i_lo, int
 }
 #endif
 
+#if defined(__AVX512F__) && KEEL_GEMM_MR == 8
+/* ---- the masked conv in lanes tiles (AVX-512) ----------------------------------------- */
+
+/* A KEEL_DIRECT product with KEEL_LANES (the cpu planner's masked_lanes: few output
+ * pixels, a stride-2 conv on a 7x7 output at batch 1) runs with C's rows in the vector
+ * lanes, computing only the pixels there are (49, where the column panels compute 64):
+ * the columns [c_lo, c_hi) of B are first read through the panels' masks, as the masked
+ * tiles read them, into the workspace (row p, c_hi - c_lo floats), then the lanes tiles
+ * run over that plain B (32 rows of C a block, A's block in L2, every column tile of the
+ * range). Each element of C is the chain of fused multiply-adds of the masked tiles, the
+ * same products of the same taps (a tap outside the plane is 0 in both) in the same
+ * order, and the same epilogue: bitwise the masked tiles' C, for any split. */
+static int direct_lanes_fit(const problem *g, const epilogue *e)
+{
+    return (e->flags & KEEL_LANES) && !(e->flags & KEEL_ACCUMULATE) && g->b_cols[0] > 0 &&
+           g->b_cols[0] <= DIRECT_MAX_TAPS && g->k * g->n <= keel_gemm_workspace_f32();
+}
+
+/* B's rows over columns [c_lo, c_hi) (whole column panels [j_lo, j_hi) but the last
+ * one's end) into w, row p at w + p * (c_hi - c_lo): masked loads, stores masked to
+ * the columns there are. */
+static void direct_lanes_b(const problem *g, int64_t j_lo, int64_t j_hi, int64_t c_hi,
+                           float *w)
+{
+    const int64_t *geo = g->b_cols;
+    dpanel d;
+    d.taps = geo[0];
+    d.cs = geo[3];
+    d.channels = g->k / d.taps;
+    int64_t ws = c_hi - j_lo * NR;
+    for (int64_t jp = j_lo; jp < j_hi; jp++) {
+        int64_t j0 = jp * NR, cols = c_hi - j0 < NR ? c_hi - j0 : NR;
+        direct_masks(&d, geo, geo + 4 + 3 * d.taps + jp * d.taps);
+        float *out = w + (j0 - j_lo * NR);
+        const float *b = g->b + j0;
+        for (int64_t c = 0, p = 0; c < d.channels; c++, b += d.cs)
+            for (int64_t t = 0; t < d.taps; t++, p++)
+                for (int v = 0; v * VW < cols; v++)
+                    _mm512_mask_storeu_ps(out + p * ws + v * VW, part_lanes(cols, v),
+                                          (__m512)masked_load(b + d.off[t] + v * VW,
+                                                              d.mask[t][v]));
+    }
+}
+
+/* Row panels [i_lo, i_hi) x column panels [j_lo, j_hi) of a KEEL_DIRECT product in lanes
+ * tiles (direct_lanes_fit). */
+static void direct_lanes(const problem *g, const epilogue *e, int64_t i_lo, int64_t i_hi,
+                         int64_t j_lo, int64_t j_hi)
+{
+    int64_t c_lo = j_lo * NR, c_hi = j_hi * NR < g->n ? j_hi * NR : g->n;
+    if (c_lo >= c_hi || i_lo >= i_hi) return;
+    direct_lanes_b(g, j_lo, j_hi, c_hi, g->work);
+    /* The plain product of the copied columns, C and the residual from column c_lo. */
+    problem p = *g;
+    p.n = c_hi - c_lo;
+    p.b = g->work;
+    p.b_rs = p.n;
+    p.b_cs = 1;
+    p.b_rows = p.b_cols = NULL;
+    p.c = g->c + c_lo;
+    epilogue ep = *e;
+    if (e->res) ep.res = e->res + c_lo;
+    if (e->bias_kind == 2) ep.bias = e->bias + c_lo;
+    lanes_product(&p, &ep, i_lo, i_hi, 0, (p.n + NR - 1) / NR);
+}
+#endif
+
 /* Whether a product of a packed B runs its whole depth in one block: up to 2 * KC deep
  * (a column panel of B, 128 KiB with AVX-512, stays in L2 across the row panels) when
  * the row panels' A of the whole depth fits the A block of the workspace. One block
@@ -1538,6 +1605,12 @@ static void gemm_2d(const problem *g0, const epilogue *e, int64_t i_lo, int64_t 
     int a_raw = g->a_rs != 0 || g->a_ks != 0;
     float *wa = g->work, *wb = g->work + MC_PANELS * MR * KC;
     if (e->flags & KEEL_DIRECT) {
+#if defined(__AVX512F__) && KEEL_GEMM_MR == 8
+        if (direct_lanes_fit(g, e)) {
+            direct_lanes(g, e, i_lo, i_hi, j_lo, j_hi);
+            return;
+        }
+#endif
         direct_conv(g, e, i_lo, i_hi, j_lo, j_hi);
         return;
     }

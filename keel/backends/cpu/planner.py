@@ -2285,7 +2285,7 @@ def _native_splits(geo: ConvGeometry, layout: str, threads: int, grid: Any,
                       MIN_FLOPS_PER_THREAD),)
     # Only the direct form reads X as B in place, plain rows: lanes tiles take it; the
     # masked form copies each image's taps for them (masked_lanes).
-    lanes = layout == "direct" and lanes_tiles(batch, mg, columns, cg * taps) or (
+    lanes = (layout == "direct" and lanes_tiles(batch, mg, columns, cg * taps)) or (
         layout == "masked" and masked_lanes(mg, columns, cg * taps, grid))
     product = gemm_pass("products" if g > 1 else "product", batch, mg, columns, cg * taps,
                         threads, grid, sizes=sizes, raw=(False, True), lanes=lanes)

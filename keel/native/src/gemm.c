@@ -1217,7 +1217,7 @@ static int64_t direct_group(const problem *g, const int64_t *geo)
  * depth each, before the next row panel, so C is written once and A read once per group
  * (a group of one: column panel by column panel). A panel's masks are made from the
  * table's bits once per column panel when the group is one, else per tile (T shifts of
- * a word against T x MR x NR multiply-adds of the tile). */
+ * a word against the tile's C x T x MR x NR multiply-adds, C channels). */
 static void direct_conv(const problem *g, const epilogue *e, int64_t i_lo, int64_t i_hi,
                         int64_t j_lo, int64_t j_hi)
 {

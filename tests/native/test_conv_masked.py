@@ -302,3 +302,16 @@ def test_masked_lanes_follow_the_computed_pixels() -> None:
     assert not lanes(32, 256, 144, grid) and not lanes(64, 64, 576, grid)
     assert not lanes(16, 49, 144, grid)             # too few rows for a lanes tile
     assert not lanes(512, 49, 2304, None)
+
+
+def test_the_native_form_says_when_it_runs_in_lanes_tiles() -> None:
+    def why(x_shape: tuple[int, ...], w_shape: tuple[int, ...]) -> str:
+        attrs = {"pads": (1, 1, 1, 1), "strides": (2, 2)}
+        form, reason = cpu_planner.native_form(
+            conv_geometry(Op.CONV, x_shape, w_shape, attrs), (8, 32))
+        assert form == "masked"
+        return reason
+
+    assert "in lanes tiles: 49 pixels an image, which 32-column panels compute as 64" in why(
+        (1, 256, 14, 14), (512, 256, 3, 3))
+    assert "lanes" not in why((1, 64, 56, 56), (128, 64, 3, 3))

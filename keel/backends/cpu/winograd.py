@@ -228,7 +228,8 @@ def native_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[in
         _ok(fns.fused(addr(x), addr(y), addr(geo), m, None if bias is None else addr(bias),
                       None if z is None else addr(z), None if clip is None else addr(clip), n,
                       call.args, fns.product,
-                      addr(_geometry(pipe.tiles, pipe.panels, fns.mr, fns.work)), pipe.parts))
+                      addr(_geometry(pipe.tiles, pipe.panels, fns.mr, fns.work,
+                                          int(pipe.last_first))), pipe.parts))
         if name and name != "clip":
             finish(np, y, y, None, act)
         return True
@@ -293,8 +294,8 @@ def _products(xp: Any, arrays: tuple[Any, ...]) -> _Products:
 @functools.lru_cache(maxsize=256)
 def _geometry(*values: int) -> np.ndarray:
     """winograd.c's geometry array (C, H, W, OH, OW, PT, PL), or the pipeline's sizes
-    (tiles a block, row panels a product block, the GEMM's MR and workspace floats),
-    made once per shape."""
+    (tiles a block, row panels a product block, the GEMM's MR and workspace floats, the
+    blocks' order: planner.pipeline_order), made once per shape."""
     array = np.array(values, dtype=np.int64)
     array.setflags(write=False)
     return array

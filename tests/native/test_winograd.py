@@ -328,6 +328,45 @@ def test_either_block_order_gives_the_same_bits(threads: int,
         assert got.tobytes() == want.tobytes(), (threads, last_first, tiles)
 
 
+@pytest.mark.parametrize(("x_shape", "m"), [((1, 64, 6, 6), 64), ((2, 64, 5, 5), 56),
+                                           ((1, 96, 5, 9), 72)])
+def test_products_split_product_by_product_give_the_same_bits(
+        x_shape: tuple[int, ...], m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where U outweighs the tiles (winograd_by_product) the passes' products split
+    product by product (the GEMM's tile grid) and the transforms by planes: on 2, 3, 4
+    and 16 threads bitwise the result of one thread, which matches the reference."""
+    rng = np.random.default_rng(23)
+    x, w, b = _rand(rng, *x_shape), _rand(rng, m, x_shape[1], 3, 3), _rand(rng, m)
+    z = _rand(rng, x_shape[0], m, *x_shape[2:])
+    act = ("relu", ())
+    tiles = x_shape[0] * -(-x_shape[2] // 2) * -(-x_shape[3] // 2)
+    c = x_shape[1]
+    assert not cpu_planner.winograd_by_product(c, m, tiles, 1)
+    _forced(monkeypatch, _PASSES)
+    one = _native(x, w, b, z, (1, 1, 1, 1), act)
+    np.testing.assert_allclose(one, _reference([x, w, b, z], {"pads": (1, 1, 1, 1),
+                                                              "activation": "relu"}),
+                               rtol=1e-4, atol=1e-4)
+    for threads in (2, 3, 4, 16):
+        assert cpu_planner.winograd_by_product(c, m, tiles, threads)
+        assert not cpu_planner.winograd_by_rows(x_shape[0], c + m, x_shape[2:], threads,
+                                                filters=m * c)
+        got = _native(x, w, b, z, (1, 1, 1, 1), act, threads=threads)
+        assert got.tobytes() == one.tobytes(), threads
+
+
+def test_resnet18s_256_channel_products_split_by_product_on_two_threads() -> None:
+    """U of 4 MiB against 49 tiles: on two threads the passes, each thread half of U,
+    and the plan says so; on one thread the passes as before."""
+    sizes = cpu_planner.Caches(1 << 20, 32 << 20, "test")
+    assert cpu_planner.winograd_by_product(256, 256, 49, 2)
+    assert not cpu_planner.winograd_by_product(256, 256, 49, 1)
+    assert not cpu_planner.winograd_by_product(64, 64, 784, 2)    # the 64-channel layers
+    two = cpu_planner.winograd_pipeline(1, 256, 256, (14, 14), 2, sizes)
+    assert two.tiles == 0 and "the products split product by product" in two.reason
+    assert cpu_planner.winograd_pipeline(1, 256, 256, (14, 14), 1, sizes).tiles == 0
+
+
 def test_the_passes_stay_where_the_filters_outweigh_the_tiles() -> None:
     """ResNet-18's 512-channel layer (U of 16 MiB, 16 tiles an image) at batch 32: each
     block would read U again, which the passes read once a chunk; and where there are

@@ -244,7 +244,7 @@ def native_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[in
         xs, ys = x[n0:n0 + k], y[n0:n0 + k]
         zs = None if z is None else z[n0:n0 + k]
         # By tile rows, a thread transforms the tiles its share of the products reads.
-        by_rows = planner.winograd_by_rows(k, c + m, out_hw, threads)
+        by_rows = planner.winograd_by_rows(k, c + m, out_hw, threads, filters=m * c)
         _ok(fns.input(addr(xs), addr(v), addr(geo), k,
                       planner.winograd_parts(k, c, out_hw, False, threads, by_rows), by_rows))
         call = native_gemm.prepare(products.u, v, p)
@@ -254,8 +254,8 @@ def native_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[in
             call = native_gemm.with_tiles(call, tall=True, lanes=planner.WINOGRAD_LANES)
         # Panel-major: a thread's share of the sixteen products is the same tiles of each
         # (those of the images, or tile rows, it transformed: the pool gives each thread
-        # the same chunk index).
-        call.run(threads, panel_major=True)
+        # the same chunk index); product by product where U outweighs the tiles.
+        call.run(threads, panel_major=not planner.winograd_by_product(c, m, t, threads))
         _ok(fns.output(addr(p), addr(ys), addr(geo), m,
                        None if bias is None else addr(bias), None if zs is None else addr(zs),
                        None if clip is None else addr(clip), k,

@@ -14,9 +14,11 @@ dispatch costs about a microsecond, where waking a sleeping thread costs tens
 (see threads.c). When a model run ends the program parks the pool
 (:func:`parker`): its idle workers spin on for ``KEEL_IDLE_SPIN_US`` at most
 (default 50), then sleep, so a run that follows at once still finds them
-spinning and other work gets the core back soon after. One pool serves every
-kernel library; ``keel.native.build`` hands each library its address when it
-loads.
+spinning and other work gets the core back soon after. A spinning thread gives
+its core to any other runnable thread every few microseconds (:func:`set_yielding`),
+so that where the cores are shared a spinning worker does not hold the caller's. One
+pool serves every kernel library; ``keel.native.build`` hands each library its address
+when it loads.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from keel.config import settings
 from keel.native import build
 
 __all__ = ["chunks", "idle_spin_us", "parker", "parts", "pin", "pinned", "set_affinity",
-           "set_idle_spin_us", "set_spin_us", "shutdown", "spin_us", "workers"]
+           "set_idle_spin_us", "set_spin_us", "set_yielding", "shutdown", "spin_us",
+           "workers"]
 
 _I64 = ctypes.c_int64
 _pinned: frozenset[int] | None = None     # the CPUs keel's threads are kept on (None: any)
@@ -70,6 +73,16 @@ def set_affinity(on: bool) -> None:
     first. The same chunks either way, so the same results: for measuring what the
     affinity is worth. Call it only while no kernel runs."""
     fn = _function("keel_pool_set_affinity", [_I64])
+    if fn is not None:
+        fn(1 if on else 0)
+
+
+def set_yielding(on: bool) -> None:
+    """Whether spinning threads (idle workers, the caller waiting for a job's chunks) give
+    their core to other runnable threads every few microseconds (the default; see
+    threads.c's YIELD_SPINS) or spin on. The same chunks either way: for measuring what it
+    is worth. Call it only while no kernel runs."""
+    fn = _function("keel_pool_set_yielding", [_I64])
     if fn is not None:
         fn(1 if on else 0)
 

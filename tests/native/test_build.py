@@ -328,3 +328,33 @@ def test_each_chunk_goes_first_to_its_own_thread() -> None:
                 assert list(rows[:, 2]) == [0, 1, 2]
     finally:
         pool.set_affinity(True)
+
+
+def test_yielding_and_spinning_threads_run_the_same_chunks() -> None:
+    """Spinning threads yield their core every few microseconds (the default) or spin on:
+    the same chunks either way, every one of them run, on every thread the split asks for
+    (each chunk waits until all have started), and a GEMM gives the same bits."""
+    from keel.backends.cpu import native_gemm
+
+    check = _pool_check()
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((64, 300)).astype(np.float32)
+    b = rng.standard_normal((300, 200)).astype(np.float32)
+    products = []
+    try:
+        for on in (True, False):
+            pool.set_yielding(on)
+            out = np.full(12, -1, dtype=np.int64)
+            assert check(40, 4, 5000, out.ctypes.data) == 0
+            rows = out.reshape(-1, 3)
+            assert [tuple(r) for r in rows[:, :2]] == pool.chunks(40, 4)
+            assert sorted(rows[:, 2]) == [0, 1, 2, 3]
+            c = np.empty((64, 200), np.float32)
+            call = native_gemm.prepare(a, b, c)
+            assert call is not None
+            call.run(3)
+            products.append(c.copy())
+    finally:
+        pool.set_yielding(True)
+    assert products[0].tobytes() == products[1].tobytes()
+    np.testing.assert_allclose(products[0], a @ b, rtol=1e-4, atol=1e-3)

@@ -282,6 +282,91 @@ def test_blocks_are_whole_vectors_of_tiles_where_the_total_allows() -> None:
     assert many.tiles == 0 and "read again by every block" in many.reason
 
 
+def test_the_planner_orders_the_pipeline_blocks_for_the_busiest_thread() -> None:
+    """ResNet-18's 64-channel convs at batch 1 on two threads (784 tiles in 7 blocks of
+    128, the last 16): from the last the busiest thread takes 400 tiles, in order 512; the
+    choice is the plan's and its reason says so. Every count is keel's split of the
+    blocks (keel.native.pool.chunks), counted here independently."""
+    from keel.native import pool
+
+    def busiest(tiles: int, block: int, parts: int, last_first: bool) -> int:
+        blocks = -(-tiles // block)
+        sizes = [min(block, tiles - q * block) for q in range(blocks)]
+        return max(sum(sizes[blocks - hi:blocks - lo] if last_first else sizes[lo:hi])
+                   for lo, hi in pool.chunks(blocks, parts))
+
+    assert cpu_planner.pipeline_order(784, 128, 2) == (
+        True, "blocks from the last (the busiest thread 400 tiles, 512 in order)")
+    for tiles, block, parts in ((784, 128, 2), (784, 128, 3), (49, 32, 2), (196, 13, 16),
+                                (100, 7, 3), (64, 16, 4), (17, 16, 1)):
+        last_first, why = cpu_planner.pipeline_order(tiles, block, parts)
+        ours = busiest(tiles, block, parts, last_first)
+        assert ours <= busiest(tiles, block, parts, not last_first)
+        assert f"the busiest thread {ours} tiles" in why
+    sizes = cpu_planner.Caches(1 << 20, 32 << 20, "test")
+    pipe = cpu_planner.winograd_pipeline(1, 64, 64, (56, 56), 2, sizes)
+    assert pipe.tiles == 128 and pipe.parts == 2 and pipe.last_first
+    assert "blocks from the last (the busiest thread 400 tiles, 512 in order)" in pipe.reason
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 16])
+def test_either_block_order_gives_the_same_bits(threads: int,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pipeline's blocks in order and from the last (winograd.c runs the order the
+    plan passes): bitwise the same result, a partial last block included."""
+    rng = np.random.default_rng(21)
+    x, w, b = _rand(rng, 2, 24, 15, 15), _rand(rng, 20, 24, 3, 3), _rand(rng, 20)
+    z = _rand(rng, 2, 20, 15, 15)
+    act = ("clip", (-0.5, 0.6))
+    _forced(monkeypatch, _PASSES)
+    want = _native(x, w, b, z, (1, 1, 1, 1), act)
+    tiles = 2 * 8 * 8                                   # 128 tiles: blocks of 48, the last 32
+    for last_first in (False, True):
+        _forced(monkeypatch, cpu_planner.WinogradPipeline(
+            48, 2, 3, min(threads, 3), "forced", last_first))
+        got = _native(x, w, b, z, (1, 1, 1, 1), act, threads=threads)
+        assert got.tobytes() == want.tobytes(), (threads, last_first, tiles)
+
+
+@pytest.mark.parametrize(("x_shape", "m"), [((1, 64, 6, 6), 64), ((2, 64, 5, 5), 56),
+                                           ((1, 96, 5, 9), 72)])
+def test_products_split_product_by_product_give_the_same_bits(
+        x_shape: tuple[int, ...], m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where U outweighs the tiles (winograd_by_product) the passes' products split
+    product by product (the GEMM's tile grid) and the transforms by planes: on 2, 3, 4
+    and 16 threads bitwise the result of one thread, which matches the reference."""
+    rng = np.random.default_rng(23)
+    x, w, b = _rand(rng, *x_shape), _rand(rng, m, x_shape[1], 3, 3), _rand(rng, m)
+    z = _rand(rng, x_shape[0], m, *x_shape[2:])
+    act = ("relu", ())
+    tiles = x_shape[0] * -(-x_shape[2] // 2) * -(-x_shape[3] // 2)
+    c = x_shape[1]
+    assert not cpu_planner.winograd_by_product(c, m, tiles, 1)
+    _forced(monkeypatch, _PASSES)
+    one = _native(x, w, b, z, (1, 1, 1, 1), act)
+    np.testing.assert_allclose(one, _reference([x, w, b, z], {"pads": (1, 1, 1, 1),
+                                                              "activation": "relu"}),
+                               rtol=1e-4, atol=1e-4)
+    for threads in (2, 3, 4, 16):
+        assert cpu_planner.winograd_by_product(c, m, tiles, threads)
+        assert not cpu_planner.winograd_by_rows(x_shape[0], c + m, x_shape[2:], threads,
+                                                filters=m * c)
+        got = _native(x, w, b, z, (1, 1, 1, 1), act, threads=threads)
+        assert got.tobytes() == one.tobytes(), threads
+
+
+def test_resnet18s_256_channel_products_split_by_product_on_two_threads() -> None:
+    """U of 4 MiB against 49 tiles: on two threads the passes, each thread half of U,
+    and the plan says so; on one thread the passes as before."""
+    sizes = cpu_planner.Caches(1 << 20, 32 << 20, "test")
+    assert cpu_planner.winograd_by_product(256, 256, 49, 2)
+    assert not cpu_planner.winograd_by_product(256, 256, 49, 1)
+    assert not cpu_planner.winograd_by_product(64, 64, 784, 2)    # the 64-channel layers
+    two = cpu_planner.winograd_pipeline(1, 256, 256, (14, 14), 2, sizes)
+    assert two.tiles == 0 and "the products split product by product" in two.reason
+    assert cpu_planner.winograd_pipeline(1, 256, 256, (14, 14), 1, sizes).tiles == 0
+
+
 def test_the_passes_stay_where_the_filters_outweigh_the_tiles() -> None:
     """ResNet-18's 512-channel layer (U of 16 MiB, 16 tiles an image) at batch 32: each
     block would read U again, which the passes read once a chunk; and where there are

@@ -1883,15 +1883,17 @@ def winograd_transform_parts(planes: int, out_hw: tuple[int, int], output: bool,
 # rule is for many cores, where a thread's share is small (at 16 threads, ResNet-18's
 # 64-channel layers at batch 32: 0.4 MiB a thread).
 def winograd_by_rows(images: int, channels: int, out_hw: tuple[int, int], threads: int,
-                     sizes: Caches | None = None, grid: Any = _HERE) -> bool:
+                     sizes: Caches | None = None, grid: Any = _HERE, filters: int = 0) -> bool:
     """Whether a Winograd chunk of ``images`` splits its transforms by tile rows;
-    ``channels``: its input and output channels together."""
+    ``channels``: its input and output channels together; ``filters``: M x C (where the
+    products split product by product, winograd_by_product, by planes)."""
     th, tw = -(-out_hw[0] // 2), -(-out_hw[1] // 2)
     rows = images * th
     if not images < threads <= rows or -(-rows // threads) * threads > EVEN_SPLIT * rows:
         return False                 # whole images, or rows too few to split evenly
     tile = _grid(grid)
-    if tile is None or -(-rows * tw // tile[1]) < threads:
+    if tile is None or -(-rows * tw // tile[1]) < threads or _filters_outweigh(
+            filters, channels, rows * tw):
         return False                 # the products split by product, not by tiles
     share = 16 * rows * tw * channels * 4 // threads
     return share <= (sizes or caches()).l2
@@ -1958,13 +1960,16 @@ PIPELINE_P_SHARE = 0.25
 class WinogradPipeline:
     """How a Winograd conv runs: ``tiles`` a block (0: pass by pass; a block is any run of
     consecutive tiles, across tile rows and images), the GEMM row ``panels`` of output
-    channels a product block, the ``blocks``, the ``parts`` they split into, and why."""
+    channels a product block, the ``blocks``, the ``parts`` they split into, and why;
+    ``last_first``: chunk ``[lo, hi)`` of the blocks runs blocks ``[blocks - hi,
+    blocks - lo)`` (pipeline_order), else ``[lo, hi)``."""
 
     tiles: int
     panels: int
     blocks: int
     parts: int
     reason: str
+    last_first: bool = False
 
 
 # The pipeline's blocks are any run of tiles (winograd.c), sized in tiles: where U stays
@@ -2008,7 +2013,8 @@ def winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], thre
     moved = (min(parts, blocks) if held else blocks) * u_bytes
     chunk = _winograd_chunk(images, 16 * th * tw * max(c, m) * 4, sizes)
     chunks = -(-images // chunk)
-    spans = min(threads, max(1, -(-chunk * th * tw // nr)))
+    by_product = winograd_by_product(c, m, chunk * th * tw, threads)
+    spans = 1 if by_product else min(threads, max(1, -(-chunk * th * tw // nr)))
     passes = chunks * spans * u_bytes + 2 * 64 * (c + m) * tiles
     what = (f"{blocks} block(s) of {block} tiles ({_vectors(block, tiles)}) in {parts} "
             f"piece(s), products {min(m, panels * mr)} output channel(s) at a time, V "
@@ -2017,12 +2023,80 @@ def winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], thre
     bytes_why = (f"{moved >> 10} KiB past the L2 (U {u_bytes >> 10} KiB "
                  f"{'held in each thread' if held else 'read again by every block'}) "
                  f"against the passes' {passes >> 10} KiB (V and P through the shared cache, "
-                 f"U read by {spans} thread(s) a chunk of {chunk} image(s))")
+                 + (f"U read once a chunk of {chunk} image(s), the products split product "
+                    "by product)" if by_product else
+                    f"U read by {spans} thread(s) a chunk of {chunk} image(s))"))
     if moved > passes:
         return WinogradPipeline(0, 0, 0, 0, f"pass by pass: the per-thread pipeline "
                                 f"({what}) would move {bytes_why}")
+    last_first, order = pipeline_order(tiles, block, parts)
     return WinogradPipeline(block, panels, blocks, parts,
-                            f"per-thread pipeline: {what}; it moves {bytes_why}")
+                            f"per-thread pipeline: {what}; {order}; it moves {bytes_why}",
+                            last_first)
+
+
+# The pipeline's blocks over its chunks. keel's split (threads.c, keel.native.pool.chunks)
+# gives the first chunks one block more, and the last block is the one that may be
+# partial: taken in order, the partial block lands in a short chunk and a long chunk of
+# whole blocks sets the pace; from the last (chunk [lo, hi) runs blocks [B - hi, B - lo))
+# it lands in the first, long chunk. The order that leaves the busiest thread the fewest
+# tiles wins, counted here; on a tie the blocks go from the last, as every pipeline's do,
+# so that consecutive convs of one shape (ResNet's stages) give each thread the same tiles
+# and it finds the previous conv's outputs in its own cache. ResNet-18's 64-channel convs
+# at batch 1 on two threads (784 tiles in 7 blocks of 128, the last 16): in order 512 and
+# 272 tiles, the conv 512 / 392 = 1.31x an even share (the 1.5x, not 2x, its per-node
+# profile showed from the second thread); from the last 400 and 384. Each block is
+# computed alike wherever it runs: the same bits either way (tests/native/test_winograd.py).
+def pipeline_order(tiles: int, block: int, parts: int) -> tuple[bool, str]:
+    """Whether the pipeline's ``parts`` chunks of blocks of ``block`` of ``tiles`` tiles
+    take the blocks from the last, and why (the busiest chunk's tiles either way)."""
+    from keel.native import pool
+
+    blocks = -(-tiles // block)
+    sizes = [min(block, tiles - q * block) for q in range(blocks)]
+    chunks = pool.chunks(blocks, parts)
+
+    def busiest(last: bool) -> int:
+        return max(sum(sizes[blocks - hi:blocks - lo] if last else sizes[lo:hi])
+                   for lo, hi in chunks)
+
+    in_order, from_last = busiest(False), busiest(True)
+    if in_order < from_last:
+        return False, (f"blocks in order (the busiest thread {in_order} tiles, "
+                       f"{from_last} from the last)")
+    return True, (f"blocks from the last (the busiest thread {from_last} tiles, "
+                  f"{in_order} in order)")
+
+
+# The passes' sixteen products split over the threads either by column panels across the
+# sixteen (panel-major: a thread's share is the same tiles of every product, those it
+# transformed, so every thread reads the whole of U) or product by product (the GEMM's
+# tile grid, gemm_split: a thread's share is whole products, 1/threads of U, while V and
+# P cross between the threads' caches). Product by product where U (64 M C bytes)
+# outweighs the chunk's V and P (64 (C + M) bytes a tile): ResNet-18's 256-channel convs
+# on 14 x 14 at batch 1 (U 4 MiB against 1.6 MB), where on two threads the column panels
+# had each thread stream all 4 MiB of U from the shared cache (the conv gained 1.3-1.45x
+# from the second thread, onnxruntime's 1.9x). The 256 -> 256 conv + ReLU alone on 14 x 14
+# at batch 1, two threads, the forms alternating in one process, measured under load:
+# fastest of 120 calls 357 us product by product against 445 by column panels and 454 as
+# the per-thread pipeline (its two blocks each read U too); medians 642, 742 and 929 us;
+# again, the plan with the rule against the plan without it (the pipeline), 160 calls
+# each: fastest 424 against 520 us, medians 677 against 902. ResNet-18's 512-channel convs
+# at batch 32 (chunks of 8 images, 128 tiles: U 16 MiB against 8 MiB): fastest of 80
+# 31.7 against 32.7 ms, medians 54 against 63; at batch 1 their 16 tiles were one column
+# panel, split product by product already. One thread runs every product on itself
+# either way (the rule asks for two threads).
+# Each element of P is summed alike in any tile: the same bits.
+def winograd_by_product(c: int, m: int, tiles: int, threads: int) -> bool:
+    """Whether the passes' sixteen products of ``tiles`` tiles (C -> M channels) split
+    product by product on ``threads`` threads rather than by column panels across them."""
+    return threads > 1 and _filters_outweigh(m * c, c + m, tiles)
+
+
+def _filters_outweigh(filters: int, channels: int, tiles: int) -> bool:
+    """Whether U (``filters`` = M x C) outweighs V and P of ``tiles`` tiles (``channels``
+    = C + M): winograd_by_product."""
+    return filters > channels * tiles
 
 
 # Winograd's sixteen products of at most one vector of tiles (a 7 x 7 map at batch 1: 16
@@ -2262,12 +2336,15 @@ def _winograd_splits(geo: ConvGeometry, chunk: int, threads: int, grid: Any,
     for name, channels, output in (("input transform", c, False),
                                    ("output transform", m, True)):
         work = k * channels * winograd_plane_floats(hw, output, grid)
-        by_rows = winograd_by_rows(k, c + m, hw, threads, sizes, grid)
+        by_rows = winograd_by_rows(k, c + m, hw, threads, sizes, grid, m * c)
         units = k * -(-out[0] // 2) if by_rows else k * channels
         passes.append(Split(f"{name} {'tile rows' if by_rows else 'planes'}", units,
                             winograd_parts(k, channels, hw, output, threads, by_rows), work,
                             MIN_CHUNK_FLOATS))
-    products = gemm_pass("16 products", 16, m, tiles, c, threads, grid, panel_major=True)
+    products = gemm_pass("16 products", 16, m, tiles, c, threads, grid,
+                         panel_major=not winograd_by_product(c, m, tiles, threads),
+                         sizes=sizes, raw=(False, True),
+                         lanes=winograd_tall(tiles) and WINOGRAD_LANES)
     return passes[0], products, passes[1]
 
 

@@ -228,7 +228,8 @@ def native_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[in
         _ok(fns.fused(addr(x), addr(y), addr(geo), m, None if bias is None else addr(bias),
                       None if z is None else addr(z), None if clip is None else addr(clip), n,
                       call.args, fns.product,
-                      addr(_geometry(pipe.tiles, pipe.panels, fns.mr, fns.work)), pipe.parts))
+                      addr(_geometry(pipe.tiles, pipe.panels, fns.mr, fns.work,
+                                          int(pipe.last_first))), pipe.parts))
         if name and name != "clip":
             finish(np, y, y, None, act)
         return True
@@ -243,7 +244,7 @@ def native_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[in
         xs, ys = x[n0:n0 + k], y[n0:n0 + k]
         zs = None if z is None else z[n0:n0 + k]
         # By tile rows, a thread transforms the tiles its share of the products reads.
-        by_rows = planner.winograd_by_rows(k, c + m, out_hw, threads)
+        by_rows = planner.winograd_by_rows(k, c + m, out_hw, threads, filters=m * c)
         _ok(fns.input(addr(xs), addr(v), addr(geo), k,
                       planner.winograd_parts(k, c, out_hw, False, threads, by_rows), by_rows))
         call = native_gemm.prepare(products.u, v, p)
@@ -253,8 +254,8 @@ def native_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[in
             call = native_gemm.with_tiles(call, tall=True, lanes=planner.WINOGRAD_LANES)
         # Panel-major: a thread's share of the sixteen products is the same tiles of each
         # (those of the images, or tile rows, it transformed: the pool gives each thread
-        # the same chunk index).
-        call.run(threads, panel_major=True)
+        # the same chunk index); product by product where U outweighs the tiles.
+        call.run(threads, panel_major=not planner.winograd_by_product(c, m, t, threads))
         _ok(fns.output(addr(p), addr(ys), addr(geo), m,
                        None if bias is None else addr(bias), None if zs is None else addr(zs),
                        None if clip is None else addr(clip), k,
@@ -293,8 +294,8 @@ def _products(xp: Any, arrays: tuple[Any, ...]) -> _Products:
 @functools.lru_cache(maxsize=256)
 def _geometry(*values: int) -> np.ndarray:
     """winograd.c's geometry array (C, H, W, OH, OW, PT, PL), or the pipeline's sizes
-    (tiles a block, row panels a product block, the GEMM's MR and workspace floats),
-    made once per shape."""
+    (tiles a block, row panels a product block, the GEMM's MR and workspace floats, the
+    blocks' order: planner.pipeline_order), made once per shape."""
     array = np.array(values, dtype=np.int64)
     array.setflags(write=False)
     return array

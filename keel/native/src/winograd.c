@@ -424,8 +424,9 @@ typedef void (*block_product)(const void *call, float *work, int64_t batch, int6
 /* The pipeline's sizes, from an int64 array: tiles per block (any count: a block may
  * start and end inside a tile row or span images), row panels of output
  * channels per channel block, the GEMM's rows of a row panel (MR), floats of the GEMM's
- * workspace. */
-enum { F_TILES, F_PANELS, F_MR, F_WORK, F_LEN };
+ * workspace, and the blocks' order over the chunks (the cpu planner's choice,
+ * planner.winograd_pipeline: 0 in order, 1 from the last). */
+enum { F_TILES, F_PANELS, F_MR, F_WORK, F_LAST_FIRST, F_LEN };
 
 typedef struct {
     const float *x;
@@ -436,6 +437,7 @@ typedef struct {
     const void *call;
     block_product product;
     int64_t tiles, panels, mr, work; /* the sizes above */
+    int64_t last_first;               /* chunk [lo, hi) runs blocks [B - hi, B - lo) */
     int64_t all_tiles;                /* images x th x tw */
     int64_t ld;                      /* floats per row of the block's V and P */
 } fused_job;
@@ -520,21 +522,22 @@ static void fused_block(const fused_job *j, float *scratch, int64_t q)
     }
 }
 
-/* Chunk [lo, hi) of the blocks runs blocks [B - hi, B - lo): keel's split gives the first
- * chunks one block more, and the last block is the one that may be partial, so the
- * chunk holding it is one of those (784 tiles in 7 blocks of 128 on two threads: 400 and
- * 384 tiles, where the chunks in order took 512 and 272). Each block is computed alike
- * wherever it runs: the same bits. */
+/* Chunk [lo, hi) of the blocks runs blocks [lo, hi), or with last_first blocks
+ * [B - hi, B - lo): the planner decides which order keeps the busiest thread's tiles
+ * fewest (keel's split gives the first chunks one block more; the last block may be
+ * partial). Each block is computed alike wherever it runs: the same bits either way. */
 static void fused_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
 {
     const fused_job *j = ctx;
     int64_t blocks = (j->all_tiles + j->tiles - 1) / j->tiles;
-    for (int64_t q = blocks - hi; q < blocks - lo; q++) fused_block(j, scratch, q);
+    int64_t a = j->last_first ? blocks - hi : lo, b = j->last_first ? blocks - lo : hi;
+    for (int64_t q = a; q < b; q++) fused_block(j, scratch, q);
 }
 
 /* Y (images, M, OH, OW) = clip(conv(X, W) + bias + Z, lo, hi) as keel_winograd_input_f32,
  * the products and keel_winograd_output_f32 give it, each block of `sizes[F_TILES]`
- * tiles through all three on one thread, the blocks in `parts` chunks on keel's threads.
+ * tiles through all three on one thread, the blocks in `parts` chunks on keel's threads
+ * (in the order sizes[F_LAST_FIRST] gives).
  * `call` is the prepared product of the packed U (16 products, M x C, gemm.c's
  * keel_gemm_args) and `product` gemm.c's keel_gemm_block_f32. Returns 0, or -1 for an
  * unserved geometry or sizes, or no scratch. */
@@ -545,12 +548,13 @@ int64_t keel_winograd_fused_f32(const float *x, float *y, const int64_t *geometr
 {
     wgeom g;
     if (wgeom_init(&g, geometry) != 0 || m < 1 || images < 1 || !call || !product) return -1;
-    if (sizes[F_TILES] < 1 || sizes[F_PANELS] < 1 || sizes[F_MR] < 1 || sizes[F_WORK] < 0)
+    if (sizes[F_TILES] < 1 || sizes[F_PANELS] < 1 || sizes[F_MR] < 1 || sizes[F_WORK] < 0
+        || (sizes[F_LAST_FIRST] != 0 && sizes[F_LAST_FIRST] != 1))
         return -1;
     fused_job j = {x, y, &g, m,
                    {bias, z, clip ? clip[0] : 0.0f, clip ? clip[1] : 0.0f, clip != NULL},
                    call, product, sizes[F_TILES], sizes[F_PANELS], sizes[F_MR], sizes[F_WORK],
-                   images * g.th * g.tw, 0};
+                   sizes[F_LAST_FIRST], images * g.th * g.tw, 0};
     j.ld = up16(j.tiles < j.all_tiles ? j.tiles : j.all_tiles);
     int64_t blocks = (j.all_tiles + j.tiles - 1) / j.tiles;
     return run_parts(fused_task, &j, blocks, parts, fused_floats(&j, keel_winograd_scratch(geometry)));

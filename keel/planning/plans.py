@@ -205,7 +205,8 @@ class ExecutionPlan:
                 value = data[name]
                 shown = "-" if value in (None, "") else str(value)
                 lines.append(f"  {name}: {shown} ({n.plan.reason(name) or 'no reason given'})")
-            lines += [f"  {k}: {v}" for k, v in data["options"].items()]
+            lines += [f"  {k}: {v}" + (f" ({why})" if (why := n.plan.reason(k)) else "")
+                      for k, v in data["options"].items()]
         for path, sub in self.subplans.items():
             lines.append(f"subgraph {path}:")
             lines += [f"    {line}" for line in sub.node_plans().splitlines()]

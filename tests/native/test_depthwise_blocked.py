@@ -198,3 +198,71 @@ def test_strided_threads_bitwise_equal(threads: int) -> None:
     nw.depthwise_conv(x, w, b, None, y1, geo, (0.0, 6.0), 1, "strided")
     nw.depthwise_conv(x, w, b, None, yt, geo, (0.0, 6.0), threads, "auto")
     assert np.array_equal(y1, yt)
+
+
+# MobileNetV2's 3x3 depthwise layers (channels, input side, stride) and the scheme the
+# cpu planner gives each at (batch, threads): the measured rule (planner.depthwise_scheme).
+MOBILENET_LAYERS = [(32, 112, 1), (96, 112, 2), (144, 56, 1), (144, 56, 2), (192, 28, 1),
+                    (192, 28, 2), (384, 14, 1), (576, 14, 1), (576, 14, 2), (960, 7, 1)]
+MOBILENET_SCHEMES = {
+    (1, 1): ["planes", "strided", "planes", "strided", "blocked", "strided", "blocked",
+             "blocked", "blocked", "blocked"],
+    (1, 2): ["planes", "strided", "planes", "strided", "blocked", "strided", "blocked",
+             "blocked", "blocked", "blocked"],
+    (32, 1): ["planes", "strided", "planes", "strided", "blocked", "strided", "planes",
+              "planes", "planes", "blocked"],
+}
+
+
+@pytest.mark.parametrize("batch_threads", sorted(MOBILENET_SCHEMES))
+def test_planner_picks_the_measured_scheme(batch_threads: tuple[int, int]) -> None:
+    """The scheme of each MobileNetV2 layer is the planner's, with its reason."""
+    from keel.backends.cpu import planner
+
+    batch, threads = batch_threads
+    got = []
+    for c, side, s in MOBILENET_LAYERS:
+        geo = nw.plan(c, _window(side, side, (3, 3), s, 1, 1))
+        assert geo is not None
+        scheme, why = planner.depthwise_scheme(geo, batch * c, threads)
+        assert why.startswith(f"{scheme}: ")
+        got.append(scheme)
+    assert got == MOBILENET_SCHEMES[batch_threads]
+
+
+def test_explain_names_the_depthwise_scheme_and_why() -> None:
+    """A depthwise node's plan carries the scheme its call runs, and explain() says why."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    import keel
+
+    w = RNG.standard_normal((960, 1, 3, 3)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], group=960, pads=[1, 1, 1, 1],
+                          kernel_shape=[3, 3])], "dw",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 960, 7, 7])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 960, 7, 7])],
+        [onnx.numpy_helper.from_array(w, "w")])
+    model = keel.load_model(helper.make_model(graph).SerializeToString(), threads=2,
+                            backend="cpu")
+    plans = [n.plan for n in model.plan.nodes if n.plan is not None]
+    assert [p.option("depthwise_scheme") for p in plans] == ["blocked"]
+    assert "depthwise_scheme: blocked (blocked: 16 planes at once" in model.explain()
+
+
+@pytest.mark.parametrize("c, side, s", [(576, 14, 2), (96, 28, 2), (40, 7, 1)])
+def test_planned_scheme_bitwise_across_threads(c: int, side: int, s: int) -> None:
+    """The planner's scheme at 1, 2, 3 and 16 threads: the plane scheme's bits."""
+    win = _window(side, side, (3, 3), s, 1, 1)
+    geo = nw.plan(c, win)
+    assert geo is not None
+    x = RNG.standard_normal((2, c, side, side)).astype(np.float32)
+    w = RNG.standard_normal((c, 1, 3, 3)).astype(np.float32)
+    b = RNG.standard_normal(c).astype(np.float32)
+    want = np.empty((2, c, *win.out_spatial), dtype=np.float32)
+    nw.depthwise_conv(x, w, b, None, want, geo, (0.0, 6.0), 1, "planes")
+    for threads in (1, 2, 3, 16):
+        y = np.full_like(want, np.nan)
+        nw.depthwise_conv(x, w, b, None, y, geo, (0.0, 6.0), threads, "auto")
+        assert np.array_equal(y, want), threads

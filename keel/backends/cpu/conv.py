@@ -169,7 +169,8 @@ def _form(node_plan: NodePlan | None, variant: str, geo: ConvGeometry,
             node_plan.option("depthwise_scheme", planner.DEPTHWISE_SCHEME),
             bool(node_plan.option("stream_stores", False)),
             node_plan.option("depthwise_block"))
-    return planner.conv_form(variant, geo, itemsize)
+    threads = node_plan.threads if node_plan is not None and node_plan.threads else 1
+    return planner.conv_form(variant, geo, itemsize, threads=threads)
 
 
 def _planned(node_plan: NodePlan | None) -> str:

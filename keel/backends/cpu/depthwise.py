@@ -43,8 +43,8 @@ hand to BLAS. Four formulations (:func:`depthwise_layout`):
   NCHW with the residual and clip): no wide outputs past each row, no
   per-plane copy and emit. Each lane runs the plane path's chain of fused
   multiply-adds, so the values are bitwise the same whichever scheme runs a
-  plane (and any thread split). window.c picks it (``blocked_wins``) where it
-  measured faster inside MobileNetV2 (1 thread, blocked / plane time; numbers
+  plane (and any thread split). The cpu planner picks it (``depthwise_scheme``)
+  where it measured faster inside MobileNetV2 (1 thread, blocked / plane time; numbers
   there): batch 1, unit strides up to 28x28 (0.78-0.96) and 14->7 s2 (0.87);
   batch 32, 7x7 s1 (0.82-0.91) and 28x28 s1 (0.81-0.91). Alone the batch-32
   14x14 layers ran 0.93-1.03, in the model 1.07-1.27 (the 16 planes a block
@@ -55,7 +55,7 @@ hand to BLAS. Four formulations (:func:`depthwise_layout`):
 
   3x3 stride-2 convs padded by one may instead read X in place, the stride
   phases split in registers (no band copy; the ``strided`` scheme, the plane
-  path's chain, the same bits): window.c picks it (``s2_wins``) for output
+  path's chain, the same bits): the planner picks it for output
   rows wider than half a vector, MobileNetV2's 112->56, 56->28 and 28->14
   layers (265 -> 150, 83 -> 69, 38 -> 32 us at batch 1; docs/performance.md).
 
@@ -309,7 +309,7 @@ def _native(layout: DepthwiseLayout, x: Any, w: Any, b: Any, z: Any, y: Any, act
         np.ascontiguousarray(x), np.ascontiguousarray(w, dtype=f32),
         None if b is None else np.ascontiguousarray(b, dtype=f32),
         None if z is None else np.ascontiguousarray(z, dtype=f32),
-        target, layout.native, clip, threads)
+        target, layout.native, clip, threads, layout.scheme)
     if name and clip is None:         # activations other than relu / clip: one more pass
         finish(np, target, target, None, act)
     if not direct:

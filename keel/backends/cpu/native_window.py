@@ -38,12 +38,14 @@ __all__ = ["Bound", "WindowGeometry", "avg_counts", "avg_pool", "bind_avg_pool",
            "bind_depthwise_conv", "bind_global_avg_pool", "bind_global_max_pool",
            "bind_max_pool", "bind_phase_copy", "bind_strided_copy", "copy_strided",
            "depthwise_conv", "global_avg_pool", "global_max_pool", "max_pool",
-           "phase_geometry", "plan", "ready"]
+           "phase_geometry", "plan", "ready", "scheme_ok", "SCHEMES"]
 
 LIBRARY = "window"
 # Limits of window.c (MAX_TAPS, MAX_STRIDE).
 MAX_TAPS = 1024
 MAX_STRIDE = 16
+# The depthwise schemes, as keel_dwconv2d_mode_f32's mode.
+SCHEMES = {"planes": 1, "blocked": 2, "strided": 3}
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -51,8 +53,8 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 @dataclass(frozen=True)
 class _Functions:
     scratch: Any
-    dwconv: Any
     dwconv_mode: Any
+    dwconv_scheme_ok: Any   # keel_dwconv2d_scheme_ok: whether a scheme serves a geometry
     maxpool: Any
     avgpool: Any
     global_max: Any
@@ -83,9 +85,9 @@ def _load() -> _Functions | None:
     f = lib.function
     fns = _Functions(
         scratch=f("keel_window_scratch", [_P], _I),
-        dwconv=f("keel_dwconv2d_f32", [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I], _I),
         dwconv_mode=f("keel_dwconv2d_mode_f32", [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I],
                       _I),
+        dwconv_scheme_ok=f("keel_dwconv2d_scheme_ok", [_P, _I], _I),
         maxpool=f("keel_maxpool2d_f32", [_P, _P, _P, _P, _I, _I], _I),
         avgpool=f("keel_avgpool2d_f32", [_P, _P, _P, _P, _P, _I, _I], _I),
         global_max=f("keel_global_maxpool_f32", [_P, _P, _I, _I, _I], None),
@@ -263,17 +265,28 @@ def bind_depthwise_conv(x: np.ndarray, w: np.ndarray, b: np.ndarray | None,
                         clip: tuple[float, float] | None, threads: int = 1,
                         scheme: str = "auto") -> Bound:
     """:func:`depthwise_conv` of these arrays, ready to run again (C-contiguous float32);
-    ``scheme`` is the node plan's (the cpu planner's ``DEPTHWISE_SCHEME``)."""
+    ``scheme`` is the node plan's (the cpu planner's ``depthwise_scheme``; "auto" asks
+    that rule for these planes and threads)."""
     fns = _functions()
     addr = native.address
     bounds = None if clip is None else clip_bounds(clip)
     head = (addr(x), addr(w), None if b is None else addr(b), None if z is None else addr(z),
             addr(y), geo.address, None if bounds is None else addr(bounds))
-    if scheme not in _SCHEMES:
-        raise ValueError(f"unknown depthwise scheme {scheme!r}; allowed: {sorted(_SCHEMES)}")
-    mode = _SCHEMES[scheme]
-    return _bind(x.shape[0] * x.shape[1], geo, fns, threads, fns.dwconv_mode, fns.dwconv_mt,
-                 head, (mode,), (bounds,))
+    if scheme not in (*SCHEMES, "auto"):
+        raise ValueError(f"unknown depthwise scheme {scheme!r}; allowed: "
+                         f"{sorted((*SCHEMES, 'auto'))}")
+    planes = x.shape[0] * x.shape[1]
+    if scheme == "auto":
+        scheme = planner_rules().depthwise_scheme(geo, planes, threads)[0]
+    return _bind(planes, geo, fns, threads, fns.dwconv_mode, fns.dwconv_mt,
+                 head, (SCHEMES[scheme],), (bounds,))
+
+
+def scheme_ok(geo: WindowGeometry, scheme: str) -> bool:
+    """Whether the depthwise ``scheme`` serves ``geo`` in the loaded library (the blocked
+    and strided ones need AVX-512 and their geometries; "planes" serves every one)."""
+    fns = _load()
+    return fns is not None and fns.dwconv_scheme_ok(geo.address, SCHEMES[scheme]) == 1
 
 
 def _bind_global(x: np.ndarray, y: np.ndarray, threads: int, serial: Any, mt: Any) -> Bound:
@@ -319,13 +332,10 @@ def depthwise_conv(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, z: np.nda
     ``scheme`` forces the C kernel's scheme (for tests and measurements): "planes"
     (plane by plane), "blocked" (16 planes at a time where the geometry allows),
     "strided" (3x3 stride-2 convs padded by one read straight from ``x``, the stride
-    phases split in registers, where the geometry allows), or "auto" (the measured
-    choice of window.c, ``blocked_wins`` then ``s2_wins``).
+    phases split in registers, where the geometry allows), or "auto" (the cpu
+    planner's measured rule, ``depthwise_scheme``). Every scheme gives the same bits.
     """
     bind_depthwise_conv(x, w, b, z, y, geo, clip, threads, scheme)()
-
-
-_SCHEMES = {"auto": 0, "planes": 1, "blocked": 2, "strided": 3}
 
 
 _BOUNDS: dict[tuple[float, float], np.ndarray] = {}

@@ -45,6 +45,7 @@ from keel.backends.plan import (
 from keel.config import settings
 from keel.dtypes import DType
 from keel.errors import KeelError
+from keel.native.pool import parts
 from keel.ops.registry import Op
 from keel.ops.schemas.conv import ConvGeometry, conv2d_attrs, conv_geometry
 from keel.ops.schemas.pooling import pool_window
@@ -1289,6 +1290,8 @@ def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:
     form = _form(request, dispatched or variant, sizes)
     if form.layout and (dispatched or variant) == "depthwise":
         options.append(("depthwise_scheme", form.scheme))
+    scheme_reason = ((("depthwise_scheme", form.scheme_reason),) if form.scheme_reason
+                     else ())
     if form.stream_stores:
         options.append(("stream_stores", True))
     if form.block is not None:
@@ -1322,7 +1325,7 @@ def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:
                                                  "one chunk's phase-split image, column "
                                                  "matrix and product")}))
         + (() if blocking is None else ((blocking[0][0], blocking[1]),))
-        + ((("prepack", no_pack),) if no_pack else ()))
+        + ((("prepack", no_pack),) if no_pack else ()) + scheme_reason)
 
 
 # What each conv variant's planned scratch holds (the others: im2col's and pointwise's).
@@ -1653,10 +1656,71 @@ PLANES_MIN_PIXELS = 3136
 # stream, and only need blocks of images that bound their buffers.
 DEPTHWISE_BLOCK_BYTES = 1 << 20
 DEPTHWISE_STREAM_BYTES = 16 << 20
-# The bound native call's scheme: "auto" leaves it to window.c's measured rule for each
-# thread's range of planes (blocked_wins, then s2_wins), "planes" / "blocked" / "strided"
-# force one.
+# The bound native call's scheme: "auto" asks depthwise_scheme (below) for the call's
+# planes and threads when it is bound; a node plan names the scheme itself.
 DEPTHWISE_SCHEME = "auto"
+# The native depthwise call's scheme (window.c; every scheme gives the same bits, so the
+# choice may follow anything). "blocked" computes 16 planes at once, one vector lane a
+# plane; it measured faster on MobileNetV2's 3x3 layers inside the model (1 thread, bias
+# + ReLU6, time of blocked / planes):
+#   batch 1:  7x7 s1 0.78-0.80, 14->7 s2 0.87, 14x14 s1 0.94-0.96, 28x28 s1 0.95,
+#             28->14 s2 1.05, 56->28 s2 1.06;
+#   batch 32: 7x7 s1 0.82-0.90, 28x28 s1 0.81, 14x14 s1 1.07-1.27, 14->7 s2 1.26,
+#             28->14 s2 1.17, 56->28 s2 1.19.
+# Alone (the same arrays again and again) the batch-32 layers ran 0.72-0.93 but 576 ch
+# 14x14 (1.03) and 56->28 s2 (1.09): in the model, at batch, the 16 planes a block reads
+# and writes at once wait on memory where the plane path's compute is already tight (its
+# 16-wide rows of 14x14 planes waste little). So: unit strides, outputs up to
+# DEPTHWISE_BLOCKED_CACHED_PIXELS where a thread's planes stay in cache
+# (DEPTHWISE_BLOCKED_CACHED_BYTES of input and output, for the 1 MiB L2), else outputs
+# up to DEPTHWISE_BLOCKED_PIXELS and rows of DEPTHWISE_BLOCKED_ROWS columns up to
+# DEPTHWISE_BLOCKED_ROWS_PIXELS (the plane path's worst fit below the rows it computes
+# straight into Y, window.c's DIRECT_MIN_WIDTH = 32); strided outputs up to
+# DEPTHWISE_BLOCKED_PIXELS only in cache.
+DEPTHWISE_BLOCKED_CACHED_BYTES = 4 << 19
+DEPTHWISE_BLOCKED_CACHED_PIXELS = 784
+DEPTHWISE_BLOCKED_PIXELS = 64
+DEPTHWISE_BLOCKED_ROWS = (24, 31)
+DEPTHWISE_BLOCKED_ROWS_PIXELS = 1024
+# "strided" (3x3 stride-2 convs padded by one, read straight from X) where the blocked
+# scheme declines and output rows hold at least DEPTHWISE_STRIDED_MIN_WIDTH values (over
+# half a 16-lane vector). Alone, one thread, bias + ReLU6, the input written just before
+# (us, planes -> strided): batch 1 96 ch 112 -> 56 161 -> 115, 144 ch 56 -> 28 69 -> 54,
+# 192 ch 28 -> 14 24 -> 19, but 576 ch 14 -> 7 17 (blocked) -> 29; batch 32 (from memory)
+# 112 -> 56 10.5-11.4 -> 7.3 ms, 56 -> 28 4.0 -> 3.4, 28 -> 14 1.5 -> 0.9, 14 -> 7 1.9 ->
+# 2.4. Rows of 7 fill under half a vector, and every lane costs its loads and permutes.
+DEPTHWISE_STRIDED_MIN_WIDTH = 9
+
+
+def depthwise_scheme(geo: native_window.WindowGeometry, planes: int, threads: int,
+                     sizes: Caches | None = None) -> tuple[str, str]:
+    """The native depthwise call's scheme for ``planes`` (N * C) of ``geo`` split over
+    ``threads`` (as the call splits them), and why: "blocked", "strided" or "planes"."""
+    _, h, w, oh, ow, _, _, sh, sw = (int(v) for v in geo.array[:9])
+    share = -(-planes // max(1, parts(planes, threads, geo.min_chunk)))
+    out = oh * ow
+    limit = (sizes or caches()).with_l2(DEPTHWISE_BLOCKED_CACHED_BYTES)
+    cached = 4 * share * (h * w + out) <= limit
+    where = (f"{share} plane(s) a thread, {4 * share * (h * w + out) >> 10} KiB of input "
+             f"and output {'within' if cached else 'over'} {limit >> 10} KiB")
+    if (sh, sw) != (1, 1):
+        wins = cached and out <= DEPTHWISE_BLOCKED_PIXELS
+    elif cached:
+        wins = out <= DEPTHWISE_BLOCKED_CACHED_PIXELS
+    else:
+        low, high = DEPTHWISE_BLOCKED_ROWS
+        wins = out <= DEPTHWISE_BLOCKED_PIXELS or (
+            low <= ow <= high and out <= DEPTHWISE_BLOCKED_ROWS_PIXELS)
+    if wins and native_window.scheme_ok(geo, "blocked"):
+        return "blocked", (f"blocked: 16 planes at once, one a vector lane ({oh}x{ow} "
+                           f"outputs, {where}; MobileNetV2's small planes ran 0.78-0.96x "
+                           "the plane scheme's time)")
+    if ow >= DEPTHWISE_STRIDED_MIN_WIDTH and native_window.scheme_ok(geo, "strided"):
+        return "strided", (f"strided: the 3x3 stride-2 taps read straight from X, output "
+                           f"rows of {ow} >= {DEPTHWISE_STRIDED_MIN_WIDTH} (MobileNetV2's "
+                           "stride-2 layers ran 0.71-0.79x the plane scheme's time)")
+    why = "the blocked scheme serves no such geometry here" if wins else where
+    return "planes", f"planes: plane by plane ({oh}x{ow} outputs, {why})"
 
 
 def depthwise_numpy_form(geo: ConvGeometry) -> str:
@@ -1763,6 +1827,7 @@ class ConvForm:
     stream_stores: bool = False          # the native conv's output bypasses the cache
     block: tuple[int, int] | None = None  # a depthwise NumPy form's (images, channels)
     chunk_reason: str = ""               # why ``chunk`` ("": the layout's reason says)
+    scheme_reason: str = ""              # why ``scheme`` ("": not a native depthwise call)
 
 
 def im2col_form(geo: ConvGeometry, itemsize: int) -> ConvForm:
@@ -2493,9 +2558,11 @@ def conv_form(variant: str, geo: ConvGeometry, itemsize: int, grid: Any = _HERE,
         numpy_form = layout.rpartition("|")[2]
         block = depthwise_block(geo, numpy_form, sizes)
         budget = depthwise_budget(numpy_form, sizes)
+        scheme, scheme_why = _native_depthwise_scheme(geo, layout, threads, sizes)
         return ConvForm(layout, why, block[0], block=block, chunk_reason=(
             f"{block[0]} image(s) and {block[1]} channel(s) per block of the NumPy form "
-            f"{numpy_form}: its buffers within {budget >> 10} KiB"))
+            f"{numpy_form}: its buffers within {budget >> 10} KiB"), scheme=scheme,
+            scheme_reason=scheme_why)
     if variant == "im2col":
         return im2col_form(geo, itemsize)
     if variant == "pointwise":
@@ -2503,6 +2570,15 @@ def conv_form(variant: str, geo: ConvGeometry, itemsize: int, grid: Any = _HERE,
     if variant == "winograd":
         return winograd_form(geo, itemsize, sizes, threads)
     return ConvForm("", "the variant's only form")
+
+
+def _native_depthwise_scheme(geo: ConvGeometry, layout: str, threads: int,
+                             sizes: Caches | None) -> tuple[str, str]:
+    """The scheme of a depthwise ``layout``'s native call (depthwise_scheme), and why."""
+    compiled = native_window.plan(geo.in_channels, geo.window)
+    if not layout.startswith("native") or compiled is None:
+        return DEPTHWISE_SCHEME, "no native call"
+    return depthwise_scheme(compiled, geo.batch * geo.in_channels, threads, sizes)
 
 
 def im2col_layout(geo: ConvGeometry, itemsize: int) -> conv_gemm.Im2colLayout:

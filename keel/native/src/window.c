@@ -25,11 +25,13 @@
  *   when the loads that straddle them run.
  *
  * - Small depthwise planes may instead run 16 channels at once, one vector lane per
- *   plane (run_blocked, AVX-512 only; blocked_wins says where it measured faster). Each
- *   lane runs the same chain of multiply-adds, so the values are bitwise the same.
+ *   plane (run_blocked, AVX-512 only). Each lane runs the same chain of multiply-adds, so
+ *   the values are bitwise the same.
  * - 3x3 stride-2 depthwise convs padded by one (MobileNet's) may run with no band copy,
- *   the stride phases split in registers (run_s2, AVX-512 only; s2_wins): the same chain
- *   of multiply-adds, the same values.
+ *   the stride phases split in registers (run_s2, AVX-512 only): the same chain of
+ *   multiply-adds, the same values.
+ * - Which scheme a call runs is the caller's (the cpu planner's depthwise_scheme, which
+ *   measured where each wins); keel_dwconv2d_scheme_ok says which ones serve a geometry.
  *
  * Every exported function takes the planes [lo, hi) of N * C to compute, so
  * callers split the work across threads; each plane is computed the same way
@@ -553,28 +555,6 @@ static void emit_band(const geom *g, const win_args *e, const float *acc, float 
 /* Limits of the stack tables: input pixels per plane, padded pixels. */
 #define BLOCKED_MAX_IN 4096
 #define BLOCKED_MAX_PADDED 4096
-/* Where the blocked path runs by default (auto mode). Measured on MobileNetV2's 3x3
- * layers inside the model (1 thread, bias + ReLU6, time of blocked / planes):
- *   batch 1:  7x7 s1 0.78-0.80, 14->7 s2 0.87, 14x14 s1 0.94-0.96, 28x28 s1 0.95,
- *             28->14 s2 1.05, 56->28 s2 1.06;
- *   batch 32: 7x7 s1 0.82-0.90, 28x28 s1 0.81, 14x14 s1 1.07-1.27, 14->7 s2 1.26,
- *             28->14 s2 1.17, 56->28 s2 1.19.
- * Alone (the same arrays again and again) the batch-32 layers ran 0.72-0.93 but 576 ch
- * 14x14 (1.03) and 56->28 s2 (1.09): in the model, at batch, the 16 planes a block reads
- * and writes at once wait on memory where the plane path's compute is already tight (its
- * 16-wide rows of 14x14 planes waste little). So: unit strides, outputs up to 28x28 where a
- * call's planes stay in cache (BLOCKED_CACHED_FLOATS of input and output), else outputs up
- * to 8x8 and rows of 24-31 (the wide scheme's worst fit below the direct rows); strided
- * outputs up to 8x8 only in cache. */
-#define BLOCKED_CACHED_FLOATS (1 << 19)
-static int blocked_wins(const geom *g, int64_t planes) {
-    int64_t out = g->oh * g->ow;
-    int cached = planes * (g->h * g->w + out) <= BLOCKED_CACHED_FLOATS;
-    if (g->sh != 1 || g->sw != 1) return cached && out <= 64;
-    if (cached) return out <= 784;
-    return out <= 64 || (g->ow >= 24 && g->ow < DIRECT_MIN_WIDTH && out <= 1024);
-}
-
 typedef struct { int64_t hp, wp; } blocked_dims;
 
 static blocked_dims blocked_size(const geom *g) {
@@ -756,14 +736,6 @@ static int s2_ok(const geom *g) {
            && g->pt == 1 && g->pl == 1;
 }
 
-/* Where it runs by default (auto mode, where blocked_wins does not take the call).
- * Alone, one thread, bias + ReLU6, the input written just before (µs, plane path ->
- * this): batch 1 96 ch 112 -> 56 161 -> 115, 144 ch 56 -> 28 69 -> 54, 192 ch 28 -> 14
- * 24 -> 19, but 576 ch 14 -> 7 17 (blocked) -> 29; batch 32 (from memory) 112 -> 56
- * 10.5-11.4 -> 7.3 ms, 56 -> 28 4.0 -> 3.4, 28 -> 14 1.5 -> 0.9, 14 -> 7 1.9 -> 2.4. Rows
- * of 7 fill under half a vector, and every lane costs its loads and permutes. */
-static int s2_wins(const geom *g) { return 2 * g->ow > KV; }
-
 /* Input row `row` (W columns) at the columns 2j - 1, 2j, 2j + 1 of outputs [j0, j0 + 16);
  * prev: the odd columns of the outputs before (column 2j0 - 1 in its last lane), then
  * this vector's. */
@@ -846,23 +818,35 @@ static void run_s2(const float *x, float *y, const geom *g, const win_args *e, i
 }
 #endif
 
+/* The depthwise schemes a call may ask for (keel_dwconv2d_mode_f32's mode). */
+enum { SCHEME_PLANES = 1, SCHEME_BLOCKED = 2, SCHEME_STRIDED = 3 };
+
+/* Whether scheme `mode` serves geometry g in this build (the plane path serves all). */
+static int scheme_ok(const geom *g, int64_t mode) {
+#if defined(__AVX512F__)
+    if (mode == SCHEME_BLOCKED) return blocked_ok(g);
+    if (mode == SCHEME_STRIDED) return s2_ok(g);
+#endif
+    return mode == SCHEME_PLANES;
+}
+
 static int64_t run_window(const float *x, float *y, const int64_t *geometry,
                           const win_args *e, float *scratch, int64_t lo, int64_t hi,
                           int64_t mode) {
     geom g;
-    (void)mode;         /* the plane path is the only scheme without AVX-512 */
     int64_t off[MAX_TAPS];
     if (geom_init(&g, geometry) != 0) return -1;
 #if defined(__AVX512F__)
-    if (e->op == WIN_CONV && blocked_ok(&g)
-        && (mode == 2 || (mode == 0 && blocked_wins(&g, hi - lo)))) {
+    if (e->op == WIN_CONV && mode == SCHEME_BLOCKED && blocked_ok(&g)) {
         run_blocked(x, y, &g, e, scratch, lo, hi);
         return 0;
     }
-    if (e->op == WIN_CONV && s2_ok(&g) && (mode == 3 || (mode == 0 && s2_wins(&g)))) {
+    if (e->op == WIN_CONV && mode == SCHEME_STRIDED && s2_ok(&g)) {
         run_s2(x, y, &g, e, lo, hi);
         return 0;
     }
+#else
+    (void)mode;         /* the plane path is the only scheme without AVX-512 */
 #endif
     tap_offsets(&g, off);
     int64_t cf = copy_floats(&g, g.band), af = acc_floats(&g, g.band);
@@ -921,20 +905,21 @@ static int64_t run_window(const float *x, float *y, const int64_t *geometry,
 
 /* ---- exported kernels ----------------------------------------------------------------- */
 
-/* Y = clip(depthwise_conv(X, W) + B + Z) over planes [lo, hi) of N * C (multiplier 1).
+/* Y = clip(depthwise_conv(X, W) + B + Z) over planes [lo, hi) of N * C (multiplier 1),
+ * plane by plane (every build's scheme; keel_dwconv2d_mode_f32 takes the others).
  * W is (C, 1, KH, KW); B (C,) or NULL; Z like Y or NULL; clip = {low, high} or NULL.
  * Returns 0, or -1 for a geometry it does not serve (then nothing is written). */
 int64_t keel_dwconv2d_f32(const float *x, const float *w, const float *bias, const float *z,
                           float *y, const int64_t *geometry, const float *clip,
                           float *scratch, int64_t lo, int64_t hi) {
     win_args e = {WIN_CONV, w, bias, z, clip, NULL};
-    return run_window(x, y, geometry, &e, scratch, lo, hi, 0);
+    return run_window(x, y, geometry, &e, scratch, lo, hi, SCHEME_PLANES);
 }
 
-/* keel_dwconv2d_f32 with its scheme forced (for measurements and tests): mode 0 chooses
- * as keel_dwconv2d_f32, 1 runs planes one by one, 2 the channel blocks where they serve
- * the geometry (AVX-512, <= 25 taps, small planes), else planes, 3 the stride-2 rows
- * where they serve it (AVX-512, 3x3, stride 2, pads 1 at the beginning), else planes. */
+/* keel_dwconv2d_f32 by scheme `mode` (the cpu planner's depthwise_scheme): 1 the planes
+ * one by one, 2 the channel blocks (16 planes at a time), 3 the stride-2 rows straight
+ * from X; a scheme that does not serve the geometry (keel_dwconv2d_scheme_ok) runs as
+ * planes. Every scheme gives the same bits. */
 int64_t keel_dwconv2d_mode_f32(const float *x, const float *w, const float *bias,
                                const float *z, float *y, const int64_t *geometry,
                                const float *clip, float *scratch, int64_t lo, int64_t hi,
@@ -943,11 +928,19 @@ int64_t keel_dwconv2d_mode_f32(const float *x, const float *w, const float *bias
     return run_window(x, y, geometry, &e, scratch, lo, hi, mode);
 }
 
+/* 1 if depthwise scheme `mode` (as keel_dwconv2d_mode_f32 takes it) serves the geometry
+ * in this build, 0 if not, -1 for a geometry no scheme serves. */
+int64_t keel_dwconv2d_scheme_ok(const int64_t *geometry, int64_t mode) {
+    geom g;
+    if (geom_init(&g, geometry) != 0) return -1;
+    return scheme_ok(&g, mode);
+}
+
 /* Y = max over each window (padding never wins; NaN propagates) for planes [lo, hi). */
 int64_t keel_maxpool2d_f32(const float *x, float *y, const int64_t *geometry, float *scratch,
                            int64_t lo, int64_t hi) {
     win_args e = {WIN_MAX, NULL, NULL, NULL, NULL, NULL};
-    return run_window(x, y, geometry, &e, scratch, lo, hi, 0);
+    return run_window(x, y, geometry, &e, scratch, lo, hi, SCHEME_PLANES);
 }
 
 /* ---- max pooling by output rows: stride 2 across, dilation 1 ---------------------------
@@ -1101,7 +1094,7 @@ int64_t keel_maxpool_rows_f32(const float *x, float *y, const int64_t *geometry,
 int64_t keel_avgpool2d_f32(const float *x, float *y, const int64_t *geometry,
                            const float *count, float *scratch, int64_t lo, int64_t hi) {
     win_args e = {WIN_AVG, NULL, NULL, NULL, NULL, count};
-    return run_window(x, y, geometry, &e, scratch, lo, hi, 0);
+    return run_window(x, y, geometry, &e, scratch, lo, hi, SCHEME_PLANES);
 }
 
 /* y[p] = max of plane p (NaN if it holds one), for p in [lo, hi). */

@@ -80,7 +80,8 @@ class _Functions:
                      [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I], _I),
                    f("keel_qglobal_avgpool_u8",
                      [_P, _I, _I, _I, _I, _I, ctypes.c_float, _P, _P, _I], _I),
-                   f("keel_qconv_nhwc_u8s8", [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _I], _I),
+                   f("keel_qconv_nhwc_u8s8",
+                     [_P, _I, _P, _P, _P, _I, _P, _P, _P, _P, _P, _I], _I),
                    f("keel_qmaxpool_nhwc_8", [_P, _I, _P, _P, _I], _I))
 
 
@@ -371,10 +372,11 @@ def _dense(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> bool:
 
 
 def _dense_call(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> _NativeCall | None:
-    """``keel_qconv_nhwc_u8s8``: the indirect product over the output pixels' taps."""
+    """``keel_qconv_nhwc_u8s8``: the indirect product over the output pixels' taps, its
+    table of tap offsets and its row of x's zero point built here once, with the call."""
     fns, panels = _load(), q.packed.panels
     n, h, w, c = (int(d) for d in x_cl.shape)
-    if fns is None or panels is None or c % 4:
+    if fns is None or panels is None or c % 4 or h * w * c > np.iinfo(np.int32).max:
         return None
     signed = x_cl.dtype == np.int8
     operands = _panel_operands(q, signed, y_cl.dtype)
@@ -385,12 +387,30 @@ def _dense_call(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> _NativeCall
     (oh, ow), (kh, kw) = geo.out_spatial, geo.kernel
     geometry = np.array([n, c, h, w, oh, ow, kh, kw, *geo.strides, *geo.dilations,
                          geo.pads_begin[0], geo.pads_begin[1]], dtype=np.int64)
+    offsets = tap_offsets(geo, h, w, c)
+    zero_row = np.full(c, q.x_zero_point & 0xFF, dtype=np.uint8)
     tiles = -(-(n * oh * ow) // 12)
     count = parts(tiles, max(1, q.threads),
                   max(1, planner_rules().MIN_FLOPS_PER_THREAD // max(1, 24 * kh * kw * c * m)))
-    return _NativeCall(fns.dense, (int(signed), q.x_zero_point, _ptr(geometry), m,
+    return _NativeCall(fns.dense, (int(signed), _ptr(geometry), _ptr(offsets), _ptr(zero_row), m,
                                    _ptr(panels), _ptr(bias), _ptr(mult), _ptr(quant)),
-                       (count,), (panels, bias, mult, quant, geometry))
+                       (count,), (panels, bias, mult, quant, geometry, offsets, zero_row))
+
+
+def tap_offsets(geo: ConvGeometry, h: int, w: int, c: int) -> np.ndarray:
+    """The indirect product's table: for each output pixel (oy, ox) of an image and tap
+    (ky, kx), the byte offset of its input pixel's channel row within the NHWC image
+    (h x w x c bytes), or -1 where the tap falls in the padding; (OH * OW, KH * KW)
+    int32."""
+    (oh, ow), (kh, kw) = geo.out_spatial, geo.kernel
+    (sh, sw), (dh, dw) = geo.strides, geo.dilations
+    iy = (np.arange(oh)[:, None, None, None] * sh + np.arange(kh)[None, None, :, None] * dh
+          - geo.pads_begin[0])
+    ix = (np.arange(ow)[None, :, None, None] * sw + np.arange(kw)[None, None, None, :] * dw
+          - geo.pads_begin[1])
+    inside = (iy >= 0) & (iy < h) & (ix >= 0) & (ix < w)
+    offsets = np.where(inside, (iy * w + ix) * c, -1)
+    return np.ascontiguousarray(offsets.reshape(oh * ow, kh * kw), dtype=np.int32)
 
 
 # qlayout.c's depthwise channel block: 32 channels as int16 in one 512-bit register.

@@ -214,16 +214,14 @@ def _conv_constants(x: np.ndarray, xz: int, packed: PackedConv, geo: ConvGeometr
     if bias is not None:
         row = row + bias.astype(np.int64)
     (oh, ow), (kh, kw) = geo.out_spatial, geo.kernel
-    panel = _functions().panel
-    units = n * geo.group * -(-(oh * ow) // panel)
-    count = _threads(units, panel * packed.k * m // geo.group, threads)
+    split = planner_rules().int8_direct_split(n, geo.group, oh * ow, packed.k, m,
+                                              image_positions(h, w_, geo), threads)
     found = _ConvConstants(
         np.ascontiguousarray(row, dtype=np.int32),
         np.array([n, c, h, w_, m, oh, ow, kh, kw, *geo.strides, *geo.dilations,
                   geo.pads_begin[0], geo.pads_begin[1], geo.group], dtype=np.int64),
         np.ascontiguousarray(np.broadcast_to(multiplier.reshape(-1), (m,)), dtype=np.float64),
-        _quant(DType.from_numpy(y.dtype), y_zero_point), count,
-        planner_rules().int8_direct_chunk(n, image_positions(h, w_, geo), count))
+        _quant(DType.from_numpy(y.dtype), y_zero_point), split.parts, split.chunk)
     if len(packed.calls) >= _KEPT_CALLS:
         packed.calls.clear()
     packed.calls[key] = found

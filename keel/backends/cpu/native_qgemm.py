@@ -22,9 +22,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -42,6 +42,7 @@ LIBRARY = "qgemm"
 ISA_NAMES = {2: "avx512-vnni", 1: "avx-vnni", 0: "portable"}
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
+_T = TypeVar("_T")
 _KINDS = {DType.UINT8: 0, DType.INT8: 1, DType.FLOAT32: 2}
 _COLUMNS = {"padded": 0, "compact": 1, "rows": 2}      # qgemm.c's COLUMNS_*
 
@@ -313,10 +314,66 @@ class PackedMatmul:
     n: int
     zero_points: np.ndarray      # (N,) int32, shifted like the weights
     col_sums: np.ndarray         # (N,) int64: sum over k of the shifted weights
+    # the arrays matmul derives from a call's constants (_matmul_constants), and what a
+    # node's kernel derives from its other operands (keyed by the caller), by those values
+    calls: dict[tuple[Any, ...], Any] = field(default_factory=dict, repr=False)
 
     @property
     def nbytes(self) -> int:
         return int(self.panels.nbytes + self.zero_points.nbytes + self.col_sums.nbytes)
+
+    def remembered(self, key: tuple[Any, ...], make: Callable[[], _T]) -> _T:
+        """What ``make`` derives for ``key``, made once: a node calls with the same
+        constants run after run (at most _KEPT_CALLS sets kept)."""
+        found = self.calls.get(key)
+        if found is None:
+            if len(self.calls) >= _KEPT_CALLS:
+                self.calls.clear()
+            found = self.calls[key] = make()
+        return cast(_T, found)
+
+
+@dataclass(frozen=True)
+class _MatmulConstants:
+    """What matmul passes the kernel besides A, its row sums and y, for one set of a
+    node's constants: the addresses of the arrays kept here, and the parts."""
+
+    arrays: tuple[np.ndarray | None, ...]
+    bias: Any
+    zero_points: Any
+    mult: Any
+    quant: Any
+    count: int
+
+
+def _matmul_constants(packed: PackedMatmul, rows: int, az: int, bias: np.ndarray | None,
+                      multiplier: np.ndarray, out: DType, y_zero_point: int,
+                      threads: int) -> _MatmulConstants:
+    """matmul's constant arguments, made once per set of them (they took most of a small
+    product's call: LeNet's 32 x 400 x 120 QGemm about 20 of its 29 us)."""
+    key = ("matmul", rows, az, None if bias is None else (bias.dtype.char, bias.tobytes()),
+           multiplier.dtype.char, multiplier.shape, multiplier.tobytes(), out,
+           int(y_zero_point), threads)
+    return packed.remembered(key, lambda: _make_matmul_constants(
+        packed, rows, az, bias, multiplier, out, y_zero_point, threads))
+
+
+def _make_matmul_constants(packed: PackedMatmul, rows: int, az: int, bias: np.ndarray | None,
+                           multiplier: np.ndarray, out: DType, y_zero_point: int,
+                           threads: int) -> _MatmulConstants:
+    fns = _functions()
+    col = -az * packed.col_sums + packed.k * az * packed.zero_points.astype(np.int64)
+    if bias is not None:
+        col = col + bias.astype(np.int64)
+    bias_c = np.ascontiguousarray(col, dtype=np.int32)
+    zv = np.ascontiguousarray(-packed.zero_points) if np.any(packed.zero_points) else None
+    mult = np.ascontiguousarray(np.broadcast_to(multiplier.reshape(-1), (packed.n,)),
+                                dtype=np.float64)
+    quant = _quant(out, y_zero_point)
+    units = -(-packed.n // fns.panel) * -(-rows // 6)
+    count = _threads(units, 6 * fns.panel * packed.k, threads)
+    return _MatmulConstants((bias_c, zv, mult, quant), _ptr(bias_c), _ptr(zv), _ptr(mult),
+                            _ptr(quant), count)
 
 
 def pack_matmul(b: np.ndarray, b_zero_point: np.ndarray) -> PackedMatmul:
@@ -347,21 +404,13 @@ def matmul(a: np.ndarray, a_zero_point: int, packed: PackedMatmul, bias: np.ndar
     else:
         au = np.zeros((rows, packed.kp), dtype=np.uint8)
         au[:, :packed.k] = a.view(np.uint8) ^ np.uint8(0x80) if shift else a
-    col = -az * packed.col_sums + packed.k * az * packed.zero_points.astype(np.int64)
-    if bias is not None:
-        col = col + bias.astype(np.int64)
-    bias_c = np.ascontiguousarray(col, dtype=np.int32)
-    zv = sr = None
-    if np.any(packed.zero_points):
-        zv = np.ascontiguousarray(-packed.zero_points)
+    consts = _matmul_constants(packed, rows, az, bias, multiplier, out, y_zero_point, threads)
+    sr = None
+    if consts.zero_points is not None:
         sr = au.sum(axis=1, dtype=np.int64).astype(np.int32)
-    mult = np.ascontiguousarray(np.broadcast_to(multiplier.reshape(-1), (packed.n,)),
-                                dtype=np.float64)
-    units = -(-packed.n // fns.panel) * -(-rows // 6)
-    count = _threads(units, 6 * fns.panel * packed.k, threads)
-    rc = fns.matmul(_ptr(au), _ptr(packed.panels), rows, packed.n, packed.kp, _ptr(bias_c),
-                    _ptr(zv), _ptr(sr), _ptr(mult), 1, _ptr(_quant(out, y_zero_point)),
-                    _ptr(y), packed.n, count)
+    rc = fns.matmul(_ptr(au), _ptr(packed.panels), rows, packed.n, packed.kp, consts.bias,
+                    consts.zero_points, _ptr(sr), consts.mult, 1, consts.quant,
+                    _ptr(y), packed.n, consts.count)
     _check(rc)
 
 

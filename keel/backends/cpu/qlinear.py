@@ -243,32 +243,66 @@ def _qgemm_numpy(a: Any, a_zp: Any, b: Any, b_zp: Any, c: Any, mult: np.ndarray,
     return np.clip(requantized(acc, mult, y_zp), lo, hi).astype(out_dtype.numpy)
 
 
+@dataclasses.dataclass(frozen=True)
+class _QGemmCall:
+    """What a QGemm node derives from its operands' shapes and constant values: checked
+    once, then reused while they recur."""
+
+    shape: tuple[int, int]
+    out_dtype: DType
+    mult: np.ndarray
+    zp: int
+    bias: np.ndarray | None
+    native: bool            # the packed product serves (else the float64 form)
+    y_dtype: np.dtype
+
+
 @TABLE.kernel(Op.QGEMM, dtypes=("uint8", "int8"), supports_out=True, host_only=True,
               shapes="2-D, 8-bit", simd=())
 def qgemm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """QGemm: the int32-accumulating native product where it serves, else float64 BLAS."""
-    a, a_s, a_zp, b, b_s, b_zp, c, y_s, y_zp = _qgemm_params(inputs)
+    params = _qgemm_params(inputs)
+    a, a_s, a_zp, b, b_s, b_zp, c, y_s, y_zp = params
+    packed = ctx.prepacked
+    if isinstance(packed, native_qgemm.PackedMatmul):
+        # a node's operands but A are the same values run after run: derived once
+        key = ("qgemm", a.shape, b.shape, b.dtype.char, attrs["alpha"], attrs["trans_a"],
+               attrs["trans_b"], a.dtype.char, *(None if v is None else (
+                   v.dtype.char, v.shape, v.tobytes()) for v in (a_s, a_zp, b_s, b_zp, c, y_s,
+                                                                  y_zp)))
+        call = packed.remembered(key, lambda: _qgemm_call(ctx, params, attrs, packed))
+    else:
+        call = _qgemm_call(ctx, params, attrs, packed)
+        packed = _pack_qgemm(ctx, inputs, attrs) if call.native else None
+    if not call.native or not isinstance(packed, native_qgemm.PackedMatmul):
+        y = _qgemm_numpy(a, a_zp, b, b_zp, c, call.mult, call.out_dtype, call.zp, attrs)
+        return _deliver(y, out)
+    y = _out(out, call.shape, call.y_dtype)
+    native_qgemm.matmul(np.ascontiguousarray(a.T if attrs["trans_a"] else a),
+                        int(a_zp.reshape(())), packed, call.bias, call.mult, call.out_dtype,
+                        call.zp, y, _threads(ctx))
+    return _deliver(y, out)
+
+
+def _qgemm_call(ctx: KernelContext, params: tuple[Any, ...], attrs: Attrs,
+                packed: Any) -> _QGemmCall:
+    """QGemm's checks and its operands' derived values; native where the product is (or
+    can be) packed and a's zero point is one value."""
+    a, a_s, a_zp, b, b_s, b_zp, c, y_s, y_zp = params
     for what, value, zp in (("a", a, a_zp), ("b", b, b_zp)):
         quantization.check_pair(Op.QGEMM, value, zp, what)
     shape = qgemm_shape(a.shape, b.shape, attrs["trans_a"], attrs["trans_b"])
     out_dtype = _qgemm_out_dtype(y_s, y_zp)
     mult = qgemm_scales(attrs["alpha"], a_s, b_s, y_s)
     zp = 0 if y_zp is None else int(y_zp.reshape(()))
-    packed = ctx.prepacked
     n = int(shape[1])  # type: ignore[arg-type]
-    if c is not None and (c.size not in (1, n) or c.ndim > 2 or (c.ndim == 2 and c.shape[0] != 1)):
-        packed = None
-    elif not isinstance(packed, native_qgemm.PackedMatmul) and native_qgemm.available():
-        packed = _pack_qgemm(ctx, inputs, attrs)
-    if not isinstance(packed, native_qgemm.PackedMatmul) or not _scalar(a_zp):
-        y = _qgemm_numpy(a, a_zp, b, b_zp, c, mult, out_dtype, zp, attrs)
-        return _deliver(y, out)
-    y = _out(out, tuple(int(d) for d in shape), np.dtype(out_dtype.numpy))  # type: ignore[arg-type]
-    bias = None if c is None else np.broadcast_to(c.reshape(-1), (n,)).astype(np.int32)
-    native_qgemm.matmul(np.ascontiguousarray(a.T if attrs["trans_a"] else a),
-                        int(a_zp.reshape(())), packed, bias, mult, out_dtype, zp, y,
-                        _threads(ctx))
-    return _deliver(y, out)
+    native = (c is None or (c.size in (1, n) and c.ndim <= 2
+                            and (c.ndim != 2 or c.shape[0] == 1))) and _scalar(a_zp) and (
+        isinstance(packed, native_qgemm.PackedMatmul) or native_qgemm.available())
+    bias = None if c is None or not native else np.broadcast_to(
+        c.reshape(-1), (n,)).astype(np.int32)
+    return _QGemmCall((int(shape[0]), n), out_dtype, mult, zp, bias,  # type: ignore[arg-type]
+                      native, np.dtype(out_dtype.numpy))
 
 
 TABLE.kernel(Op.QGEMM, variant="int8", dtypes=("uint8", "int8"), supports_out=True,

@@ -205,6 +205,11 @@ class ChannelsLastPack:
         return int(self.conv.nbytes + extra + sum(
             a.nbytes for a in (self.panels, self.col_sums, self.taps) if a is not None))
 
+    def known(self, key: Any) -> Any:
+        """What :meth:`operands` made for ``key`` while it is the last key; else None."""
+        last = self.last[0] if self.last else None
+        return last[1] if last is not None and last[0] == key else None
+
     def operands(self, key: Any, make: Callable[[], _T]) -> _T:
         """What ``make`` derives for ``key`` (a call's input shape and its other operands'
         values), made once: a node calls with the same key run after run, so the last

@@ -291,9 +291,9 @@ def qgemm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[An
                attrs["trans_b"], a.dtype.char, *(None if v is None else (
                    v.dtype.char, v.shape, v.tobytes()) for v in (a_s, a_zp, b_s, b_zp, c, y_s,
                                                                   y_zp)))
-        call = packed.remembered(key, lambda: _qgemm_call(ctx, params, attrs, packed))
+        call = packed.remembered(key, lambda: _qgemm_call(params, attrs, packed))
     else:
-        call = _qgemm_call(ctx, params, attrs, packed)
+        call = _qgemm_call(params, attrs, packed)
         packed = _pack_qgemm(ctx, inputs, attrs) if call.native else None
     if not call.native or not isinstance(packed, native_qgemm.PackedMatmul):
         y = _qgemm_numpy(a, a_zp, b, b_zp, c, call.mult, call.out_dtype, call.zp, attrs)
@@ -305,8 +305,7 @@ def qgemm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[An
     return _deliver(y, out)
 
 
-def _qgemm_call(ctx: KernelContext, params: tuple[Any, ...], attrs: Attrs,
-                packed: Any) -> _QGemmCall:
+def _qgemm_call(params: tuple[Any, ...], attrs: Attrs, packed: Any) -> _QGemmCall:
     """QGemm's checks and its operands' derived values; native where the product is (or
     can be) packed and a's zero point is one value."""
     a, a_s, a_zp, b, b_s, b_zp, c, y_s, y_zp = params

@@ -366,9 +366,7 @@ def qlinear_add(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> l
         qlayout.to_nchw(qlayout.channels_last(cl), _threads(ctx), y)
         return _deliver(y, out)
     a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp = inputs
-    served = _add_served(a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp)
-    constants = served and _add_constants(*(float(s.reshape(())) for s in (a_s, b_s, y_s)),
-                                          *(int(z.reshape(())) for z in (a_zp, b_zp, y_zp)))
+    constants = _add_call(a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp)
     if not constants:
         return list(quantization.qlinear_add(ctx, inputs, attrs, out))
     y = _out(out, a.shape, y_zp.dtype)
@@ -376,6 +374,35 @@ def qlinear_add(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> l
                              int(y_zp.reshape(())), attrs["activation"] == "relu", y,
                              _threads(ctx))
     return _deliver(y, out)
+
+
+_ADD_CALLS: dict[tuple[Any, ...], tuple[float, float, float] | None] = {}
+_KEPT_ADD_CALLS = 256
+
+
+def _add_call(a: Any, a_s: Any, a_zp: Any, b: Any, b_s: Any, b_zp: Any, y_s: Any,
+              y_zp: Any) -> tuple[float, float, float] | None:
+    """The native pass's constants for these operands (None: the NumPy kernel serves
+    them), checked once per set of operand shapes, types and parameter values (a join
+    runs with the same ones every time; the checks took most of a small join's call)."""
+    params = (a_s, a_zp, b_s, b_zp, y_s, y_zp)
+    if not all(isinstance(v, np.ndarray) for v in (a, b, *params)):
+        return _add_checked(a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp)
+    key = (a.shape, b.shape, a.dtype.char, b.dtype.char,
+           *((p.dtype.char, p.shape, p.tobytes()) for p in params))
+    if key not in _ADD_CALLS:
+        if len(_ADD_CALLS) >= _KEPT_ADD_CALLS:
+            _ADD_CALLS.clear()
+        _ADD_CALLS[key] = _add_checked(a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp)
+    return _ADD_CALLS[key]
+
+
+def _add_checked(a: Any, a_s: Any, a_zp: Any, b: Any, b_s: Any, b_zp: Any, y_s: Any,
+                 y_zp: Any) -> tuple[float, float, float] | None:
+    if not _add_served(a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp):
+        return None
+    return _add_constants(*(float(s.reshape(())) for s in (a_s, b_s, y_s)),
+                          *(int(z.reshape(())) for z in (a_zp, b_zp, y_zp)))
 
 
 # ---- QLinearGlobalAveragePool -------------------------------------------------------------------

@@ -68,6 +68,10 @@ def _resnet_chain(model: Any, layouts: Counter[str]) -> None:
     assert layouts["nhwc->nchw"] == 1 and layouts["nchw->nhwc"] == 1
     reason = ops["max_pool"].plan.reason("layout")
     assert "5 dense convolutions" in reason and "max pools" in reason
+    # each channels-last kernel's split is stated with its layout (the planner's choice)
+    dense = [p for p in model.plan.nodes if p.op == "qlinear_conv" and p.layout]
+    assert all("the indirect product, on 1 of 1 thread(s)" in p.plan.reason("layout")
+               for p in dense)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])

@@ -254,6 +254,28 @@ def test_the_plan_states_the_int8_split(path: str) -> None:
     assert "batch 32: 4 chunk(s) of 8" in why and "2 near-equal runs" in why
 
 
+def test_the_stated_split_is_the_one_that_runs(path: str) -> None:
+    """A small convolution runs on fewer threads than its plan's (each thread gets at least
+    MIN_FLOPS_PER_THREAD): the plan states those threads and the chunk they stack, the
+    ones the kernel's prepared call passes (not the chunk of the plan's two threads)."""
+    cpu_planner.forget()
+    case = (np.uint8, np.int8, False, 4, 8, 8, 8, 8, 3, 1, 1, 1, 1)
+    inputs, attrs = _conv_inputs(case)
+    attrs = get_schema(Op.QLINEAR_CONV).normalize_attrs(attrs)
+    types = (TensorType(DType.UINT8, inputs[0].shape), None, None,
+             TensorType(DType.INT8, inputs[3].shape))
+    plan = cpu_planner.plan(PlanRequest(Op.QLINEAR_CONV, types, attrs, threads=2), CPU)
+    why = dict(plan.reasons)["threads"]
+    assert "1 of 2 thread(s) run it" in why and "batch 4: 1 chunk(s) of 4" in why
+    assert cpu_planner.int8_direct_chunk(4, 81, 2) == 2          # what the plan's 2 would stack
+    packed = native_qgemm.pack_conv(inputs[3], inputs[5])
+    geo = packed.geometry(inputs[0].shape, attrs)
+    y = np.empty((4, 8, 8, 8), np.uint8)
+    native_qgemm.conv2d(inputs[0], 7, packed, geo, inputs[8], np.full(8, 0.01), 100, y, 2)
+    (constants,) = packed.calls.values()
+    assert (constants.count, constants.chunk) == (1, 4)
+
+
 def test_a_shallow_convolution_computes_compact_columns_past_row_segments() -> None:
     """Columns of at most INT8_COMPACT_MAX_DEPTH bytes take compact columns at any width,
     with enough output channels, but for the row segments' 16 and 8; deeper ones keep the

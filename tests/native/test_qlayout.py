@@ -5,6 +5,7 @@ portable C paths, at one and two threads."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 
 from keel import native
 from keel.backends.base import DeviceKind, KernelContext
+from keel.backends.cpu import planner as cpu_planner
 from keel.backends.cpu import qlayout
 from keel.backends.cpu.kernels import load as load_cpu
 from keel.backends.plan import NodePlan
@@ -263,3 +265,31 @@ def test_max_pool_in_either_layout_matches_the_reference(layout_path: int,
         ctx = KernelContext(np, "cpu", DeviceKind.CPU, threads, plan=plan)
         got = np.asarray(kv.fn(ctx, [_stored(x, src)], attrs, [np.empty_like(want)])[0])
         np.testing.assert_array_equal(_read(got, dst), want)
+
+
+@pytest.mark.parametrize("case", [
+    (np.uint8, np.int8, False, 1, 16, 6, 6, 32, 3, 1, 1, 1, 1),       # dense, small: 1 thread
+    (np.uint8, np.int8, False, 4, 64, 14, 14, 64, 3, 1, 1, 1, 1),     # dense: 2 threads
+    (np.uint8, np.int8, False, 4, 64, 14, 14, 64, 1, 1, 0, 1, 1),     # 1x1 panels
+    (np.uint8, np.int8, False, 2, 64, 14, 14, 64, 3, 1, 1, 1, 64),    # depthwise
+], ids=["dense-small", "dense", "pointwise", "depthwise"])
+def test_the_stated_split_is_the_one_that_runs(layout_path: int, case: tuple[Any, ...]) -> None:
+    """The chain's layout reason states the threads the channels-last kernel runs on (the
+    planner's choice), and the prepared call passes that count."""
+    inputs, attrs = _inputs(case)
+    stored = [_stored(inputs[0], "nhwc"), *inputs[1:]]
+    kv = CPU.get(Op.QLINEAR_CONV, "int8")
+    assert kv.prepack is not None
+    ctx = KernelContext(np, "cpu", DeviceKind.CPU, 2,
+                        plan=NodePlan(variant="int8", layout="nhwc->nhwc", threads=2))
+    packed = kv.prepack(ctx, [a if i in (3, 4, 5) else None for i, a in enumerate(inputs)],
+                        attrs)
+    ctx = dataclasses.replace(ctx, prepacked=packed)
+    y = np.asarray(kv.fn(ctx, stored, attrs, None)[0])
+    kind = qlayout.conv_kind(_geo(inputs, attrs), inputs[3].shape)
+    why = cpu_planner.int8_layout_split_reason(kind, inputs[0].shape, inputs[3].shape, y.shape,
+                                               attrs, 2)
+    stated = re.search(r"on (\d+) of 2 thread", why)
+    (call,) = packed.last[0][1].calls.values()
+    assert stated is not None and call is not None and call.tail[-1] == int(stated.group(1))
+    assert int(stated.group(1)) == (1 if case[3] == 1 else 2)

@@ -167,7 +167,7 @@ class CpuBackend(Backend):
                      variants: Sequence[str | None]) -> dict[int, tuple[str, str]]:
         from keel.backends.cpu import planner
 
-        return planner.int8_layouts(graph, types, variants)
+        return planner.int8_layouts(graph, types, variants, self.threads)
 
     def _planner_state(self) -> Any:
         from keel.backends.cpu import planner

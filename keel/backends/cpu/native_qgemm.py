@@ -22,9 +22,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -35,13 +35,15 @@ from keel.errors import InvalidArgumentError
 from keel.native.pool import parts
 from keel.ops.schemas.quantization import QUANT_RANGES, ConvGeometry, conv_geometry
 
-__all__ = ["ISA_NAMES", "PackedConv", "PackedMatmul", "available", "conv2d", "dequantize", "isa",
-           "matmul", "max_pool", "pack_conv", "pack_matmul", "qlinear_add", "quantize"]
+__all__ = ["ISA_NAMES", "ConvCall", "PackedConv", "PackedMatmul", "available", "conv2d",
+           "conv2d_call", "dequantize", "isa", "matmul", "max_pool", "pack_conv", "pack_matmul",
+           "qlinear_add", "quantize"]
 
 LIBRARY = "qgemm"
 ISA_NAMES = {2: "avx512-vnni", 1: "avx-vnni", 0: "portable"}
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
+_T = TypeVar("_T")
 _KINDS = {DType.UINT8: 0, DType.INT8: 1, DType.FLOAT32: 2}
 _COLUMNS = {"padded": 0, "compact": 1, "rows": 2}      # qgemm.c's COLUMNS_*
 
@@ -157,6 +159,15 @@ class PackedConv:
     # not reused while the entry lives)
     geometries: dict[tuple[Any, ...], tuple[Mapping[str, Any], ConvGeometry]] = field(
         default_factory=dict, repr=False)
+    # a node's prepared conv2d calls (conv2d_call) by its caller's key, with what the
+    # caller keeps beside them
+    prepared: dict[tuple[Any, ...], Any] = field(default_factory=dict, repr=False)
+
+    def remember(self, key: tuple[Any, ...], value: Any) -> None:
+        """Keep ``value`` under ``key`` in :attr:`prepared` (at most _KEPT_CALLS)."""
+        if len(self.prepared) >= _KEPT_CALLS:
+            self.prepared.clear()
+        self.prepared[key] = value
 
     def geometry(self, x_shape: tuple[int, ...], attrs: Mapping[str, Any]) -> ConvGeometry:
         """conv_geometry for x of ``x_shape`` and these weights, resolved once per node
@@ -197,13 +208,13 @@ _KEPT_CALLS = 8     # sets of constants a PackedConv remembers (one per node, as
 
 
 def _conv_constants(x: np.ndarray, xz: int, packed: PackedConv, geo: ConvGeometry,
-                    bias: np.ndarray | None, multiplier: np.ndarray, y: np.ndarray,
+                    bias: np.ndarray | None, multiplier: np.ndarray, y_dtype: np.dtype,
                     y_zero_point: int, threads: int) -> _ConvConstants:
     """The kernel's constant arguments for this call, computed once per set of them: a
     node runs with the same ones every time, and computing them took as long as a small
     layer's products."""
     key = (x.shape, xz, geo, None if bias is None else bias.tobytes(), multiplier.tobytes(),
-           y.dtype.char, int(y_zero_point), threads)
+           y_dtype.char, int(y_zero_point), threads)
     found = packed.calls.get(key)
     if found is not None:
         return found
@@ -214,16 +225,14 @@ def _conv_constants(x: np.ndarray, xz: int, packed: PackedConv, geo: ConvGeometr
     if bias is not None:
         row = row + bias.astype(np.int64)
     (oh, ow), (kh, kw) = geo.out_spatial, geo.kernel
-    panel = _functions().panel
-    units = n * geo.group * -(-(oh * ow) // panel)
-    count = _threads(units, panel * packed.k * m // geo.group, threads)
+    split = planner_rules().int8_direct_split(n, geo.group, oh * ow, packed.k, m,
+                                              image_positions(h, w_, geo), threads)
     found = _ConvConstants(
         np.ascontiguousarray(row, dtype=np.int32),
         np.array([n, c, h, w_, m, oh, ow, kh, kw, *geo.strides, *geo.dilations,
                   geo.pads_begin[0], geo.pads_begin[1], geo.group], dtype=np.int64),
         np.ascontiguousarray(np.broadcast_to(multiplier.reshape(-1), (m,)), dtype=np.float64),
-        _quant(DType.from_numpy(y.dtype), y_zero_point), count,
-        planner_rules().int8_direct_chunk(n, image_positions(h, w_, geo), count))
+        _quant(DType.from_numpy(y_dtype), y_zero_point), split.parts, split.chunk)
     if len(packed.calls) >= _KEPT_CALLS:
         packed.calls.clear()
     packed.calls[key] = found
@@ -265,43 +274,68 @@ def conv2d(x: np.ndarray, x_zero_point: int, packed: PackedConv, geo: ConvGeomet
            bias: np.ndarray | None, multiplier: np.ndarray, y_zero_point: int, y: np.ndarray,
            threads: int = 1) -> None:
     """``y`` (N, M, OH, OW) = requantized convolution of the 8-bit NCHW ``x``."""
+    conv2d_call(x, x_zero_point, packed, geo, bias, multiplier, y_zero_point, y.dtype,
+                threads)(x, y)
+
+
+@dataclass(frozen=True)
+class ConvCall:
+    """conv2d's kernel calls for one node's shapes and constants, every argument but x's
+    and y's addresses derived once: ``fn(x, *head, y, *tail)`` for each kernel that may
+    take the geometry, in conv2d's order (a kernel's -2 passes to the next), the arrays
+    those addresses point into kept alive here."""
+
+    kernels: tuple[tuple[Any, tuple[Any, ...], tuple[Any, ...]], ...]
+    keep: tuple[Any, ...]
+
+    def __call__(self, x: np.ndarray, y: np.ndarray) -> None:
+        xc = x if x.flags.c_contiguous else np.ascontiguousarray(x)
+        xp, yp = _ptr(xc), _ptr(y)
+        for fn, head, tail in self.kernels:
+            rc = fn(xp, *head, yp, *tail)
+            if rc != -2:
+                _check(rc)
+                return
+        raise InvalidArgumentError(f"native int8 convolution: geometry of {x.shape} not taken")
+
+
+def conv2d_call(x: np.ndarray, x_zero_point: int, packed: PackedConv, geo: ConvGeometry,
+                bias: np.ndarray | None, multiplier: np.ndarray, y_zero_point: int,
+                y_dtype: np.dtype, threads: int = 1) -> ConvCall:
+    """conv2d's calls for x of this shape and type and these constants (a node prepares
+    them once: they took as long as a small layer's products)."""
     fns = _functions()
     c, m = int(x.shape[1]), packed.weights.shape[0]
     shift = _unsigned_shift(x.dtype)
     xz = int(x_zero_point) + shift
-    consts = _conv_constants(x, xz, packed, geo, bias, multiplier, y, y_zero_point, threads)
+    consts = _conv_constants(x, xz, packed, geo, bias, multiplier, np.dtype(y_dtype),
+                             y_zero_point, threads)
     bias_r, geometry, mult, quant, count = (consts.bias_r, consts.geometry, consts.mult,
                                             consts.quant, consts.count)
     (oh, ow), (kh, kw) = geo.out_spatial, geo.kernel
-    xc = np.ascontiguousarray(x)
+    kernels: list[tuple[Any, tuple[Any, ...], tuple[Any, ...]]] = []
+    keep: list[Any] = [consts]
     if packed.taps is not None and geo.group == c == m:
         raw = np.ascontiguousarray(bias, dtype=np.int32) if bias is not None else None
-        kernels = [fns.depthwise]
+        keep.append(raw)
+        head = (int(x.dtype == np.int8), int(x_zero_point), _ptr(packed.taps),
+                _ptr(packed.zero_points) if np.any(packed.zero_points) else None,
+                _ptr(geometry), _ptr(raw), _ptr(mult), _ptr(quant))
         if oh * ow <= planner_rules().INT8_DEPTHWISE_LANES_MAX_PIXELS:
-            kernels.insert(0, fns.depthwise_lanes)
-        for kernel in kernels:
-            rc = kernel(_ptr(xc), int(x.dtype == np.int8), int(x_zero_point),
-                        _ptr(packed.taps), _ptr(packed.zero_points) if np.any(
-                            packed.zero_points) else None, _ptr(geometry), _ptr(raw),
-                        _ptr(mult), _ptr(quant), _ptr(y), count)
-            if rc != -2:
-                _check(rc)
-                return
+            kernels.append((fns.depthwise_lanes, head, (count,)))
+        kernels.append((fns.depthwise, head, (count,)))
     if packed.direct is not None and geo.group == 1 and geo.dilations == (1, 1):
         c4 = packed.direct.shape[1] // (kh * kw)
         p_bias, p_geometry, p_mult, p_quant = consts.pointers
-        rules = planner_rules()
-        rc = fns.direct(_ptr(xc), shift, xz & 0xFF, _ptr(packed.direct), c4, p_geometry, p_bias,
-                        p_mult, p_quant, _ptr(y), consts.chunk, count,
-                        _COLUMNS[rules.int8_conv_columns(ow, m, packed.direct.shape[1])])
-        if rc != -2:
-            _check(rc)
-            return
+        columns = _COLUMNS[planner_rules().int8_conv_columns(ow, m, packed.direct.shape[1])]
+        kernels.append((fns.direct, (shift, xz & 0xFF, _ptr(packed.direct), c4, p_geometry,
+                                     p_bias, p_mult, p_quant), (consts.chunk, count, columns)))
     zr = -packed.zero_points
-    rc = fns.conv(_ptr(xc), shift, xz & 0xFF, _ptr(packed.weights), packed.kp,
-                  _ptr(geometry), _ptr(bias_r), _ptr(zr) if np.any(zr) else None,
-                  _ptr(mult), _ptr(quant), _ptr(y), count)
-    _check(rc)
+    keep.append(zr)
+    kernels.append((fns.conv, (shift, xz & 0xFF, _ptr(packed.weights), packed.kp,
+                               _ptr(geometry), _ptr(bias_r), _ptr(zr) if np.any(zr) else None,
+                               _ptr(mult), _ptr(quant)), (count,)))
+    return ConvCall(tuple(kernels), tuple(keep))
 
 
 # ---- matmul ------------------------------------------------------------------------------
@@ -315,10 +349,66 @@ class PackedMatmul:
     n: int
     zero_points: np.ndarray      # (N,) int32, shifted like the weights
     col_sums: np.ndarray         # (N,) int64: sum over k of the shifted weights
+    # the arrays matmul derives from a call's constants (_matmul_constants), and what a
+    # node's kernel derives from its other operands (keyed by the caller), by those values
+    calls: dict[tuple[Any, ...], Any] = field(default_factory=dict, repr=False)
 
     @property
     def nbytes(self) -> int:
         return int(self.panels.nbytes + self.zero_points.nbytes + self.col_sums.nbytes)
+
+    def remembered(self, key: tuple[Any, ...], make: Callable[[], _T]) -> _T:
+        """What ``make`` derives for ``key``, made once: a node calls with the same
+        constants run after run (at most _KEPT_CALLS sets kept)."""
+        found = self.calls.get(key)
+        if found is None:
+            if len(self.calls) >= _KEPT_CALLS:
+                self.calls.clear()
+            found = self.calls[key] = make()
+        return cast(_T, found)
+
+
+@dataclass(frozen=True)
+class _MatmulConstants:
+    """What matmul passes the kernel besides A, its row sums and y, for one set of a
+    node's constants: the addresses of the arrays kept here, and the parts."""
+
+    arrays: tuple[np.ndarray | None, ...]
+    bias: Any
+    zero_points: Any
+    mult: Any
+    quant: Any
+    count: int
+
+
+def _matmul_constants(packed: PackedMatmul, rows: int, az: int, bias: np.ndarray | None,
+                      multiplier: np.ndarray, out: DType, y_zero_point: int,
+                      threads: int) -> _MatmulConstants:
+    """matmul's constant arguments, made once per set of them (they took most of a small
+    product's call: LeNet's 32 x 400 x 120 QGemm about 20 of its 29 us)."""
+    key = ("matmul", rows, az, None if bias is None else (bias.dtype.char, bias.tobytes()),
+           multiplier.dtype.char, multiplier.shape, multiplier.tobytes(), out,
+           int(y_zero_point), threads)
+    return packed.remembered(key, lambda: _make_matmul_constants(
+        packed, rows, az, bias, multiplier, out, y_zero_point, threads))
+
+
+def _make_matmul_constants(packed: PackedMatmul, rows: int, az: int, bias: np.ndarray | None,
+                           multiplier: np.ndarray, out: DType, y_zero_point: int,
+                           threads: int) -> _MatmulConstants:
+    fns = _functions()
+    col = -az * packed.col_sums + packed.k * az * packed.zero_points.astype(np.int64)
+    if bias is not None:
+        col = col + bias.astype(np.int64)
+    bias_c = np.ascontiguousarray(col, dtype=np.int32)
+    zv = np.ascontiguousarray(-packed.zero_points) if np.any(packed.zero_points) else None
+    mult = np.ascontiguousarray(np.broadcast_to(multiplier.reshape(-1), (packed.n,)),
+                                dtype=np.float64)
+    quant = _quant(out, y_zero_point)
+    units = -(-packed.n // fns.panel) * -(-rows // 6)
+    count = _threads(units, 6 * fns.panel * packed.k, threads)
+    return _MatmulConstants((bias_c, zv, mult, quant), _ptr(bias_c), _ptr(zv), _ptr(mult),
+                            _ptr(quant), count)
 
 
 def pack_matmul(b: np.ndarray, b_zero_point: np.ndarray) -> PackedMatmul:
@@ -349,21 +439,13 @@ def matmul(a: np.ndarray, a_zero_point: int, packed: PackedMatmul, bias: np.ndar
     else:
         au = np.zeros((rows, packed.kp), dtype=np.uint8)
         au[:, :packed.k] = a.view(np.uint8) ^ np.uint8(0x80) if shift else a
-    col = -az * packed.col_sums + packed.k * az * packed.zero_points.astype(np.int64)
-    if bias is not None:
-        col = col + bias.astype(np.int64)
-    bias_c = np.ascontiguousarray(col, dtype=np.int32)
-    zv = sr = None
-    if np.any(packed.zero_points):
-        zv = np.ascontiguousarray(-packed.zero_points)
+    consts = _matmul_constants(packed, rows, az, bias, multiplier, out, y_zero_point, threads)
+    sr = None
+    if consts.zero_points is not None:
         sr = au.sum(axis=1, dtype=np.int64).astype(np.int32)
-    mult = np.ascontiguousarray(np.broadcast_to(multiplier.reshape(-1), (packed.n,)),
-                                dtype=np.float64)
-    units = -(-packed.n // fns.panel) * -(-rows // 6)
-    count = _threads(units, 6 * fns.panel * packed.k, threads)
-    rc = fns.matmul(_ptr(au), _ptr(packed.panels), rows, packed.n, packed.kp, _ptr(bias_c),
-                    _ptr(zv), _ptr(sr), _ptr(mult), 1, _ptr(_quant(out, y_zero_point)),
-                    _ptr(y), packed.n, count)
+    rc = fns.matmul(_ptr(au), _ptr(packed.panels), rows, packed.n, packed.kp, consts.bias,
+                    consts.zero_points, _ptr(sr), consts.mult, 1, consts.quant,
+                    _ptr(y), packed.n, consts.count)
     _check(rc)
 
 

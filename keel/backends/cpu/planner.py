@@ -488,6 +488,136 @@ def int8_depthwise_planes(pieces: int, threads: int, plane_bytes: int) -> bool:
     return pieces >= threads and plane_bytes <= caches().with_l2(INT8_DEPTHWISE_PLANE_MAX_BYTES)
 
 
+# ---- int8: the threads each int8 kernel call runs on ------------------------------------------
+# An int8 kernel splits a call's tasks over the node's threads only while each thread gets
+# at least the least work worth one (MIN_FLOPS_PER_THREAD for the products: a dispatch to a
+# spinning worker costs about a microsecond, and 400,000 flops take the VNNI tile about
+# 1 us; MIN_CHUNK_TAPS for the depthwise sums; the elements minimums above for the passes
+# over bytes), so a small call (LeNet's layers, a 7x7 map at batch 1) runs on fewer threads
+# than the plan's. The kernels' prepared calls ask these functions once per call's shapes,
+# and the plans' reasons ask the same ones, so what explain() states is what runs.
+INT8_DIRECT_PANEL = 64         # qgemm.c's NB: output positions per block of the direct kernel
+INT8_TILE_PIXELS = 12          # qlayout.c's MR: output pixels per tile of the panels
+INT8_DEPTHWISE_LANES = 32      # qlayout.c's CL: channels per depthwise block
+INT8_TRANSPOSE_STRIP = 32      # qlayout.c's transpose task: 32 rows of a strip
+INT8_GAP_BLOCK = 256           # qlayout.c's GAP_CB: channels per global-pool task
+
+
+@dataclass(frozen=True)
+class Int8Split:
+    """How one int8 kernel call splits: ``parts`` chunks of its tasks (the threads that run
+    it), and for the direct convolution ``chunk`` images per stacked layout, for the
+    channels-last depthwise kernel ``planes`` (tasks are (image, channel block) planes,
+    not output rows)."""
+
+    parts: int
+    tasks: int
+    chunk: int = 0
+    planes: bool = False
+
+
+def _int8_parts(tasks: int, threads: int | None, least: int) -> int:
+    from keel.native.pool import parts
+
+    return parts(tasks, max(1, threads or 1), max(1, least))
+
+
+def int8_direct_split(batch: int, group: int, out_pixels: int, depth: int, out_channels: int,
+                      image_positions: int, threads: int) -> Int8Split:
+    """The NCHW int8 convolution's split (qgemm.c: direct, im2col and depthwise kernels):
+    its blocks of INT8_DIRECT_PANEL output positions per image and group, ``depth`` = C/g x
+    KH x KW bytes each, as many parts as give each thread MIN_FLOPS_PER_THREAD; the direct
+    kernel's chunk of stacked images (int8_direct_chunk) follows those parts, not the
+    plan's threads."""
+    units = batch * group * -(-out_pixels // INT8_DIRECT_PANEL)
+    unit_flops = 2 * (INT8_DIRECT_PANEL * depth * out_channels // max(1, group))
+    count = _int8_parts(units, threads, MIN_FLOPS_PER_THREAD // max(1, unit_flops))
+    return Int8Split(count, units, int8_direct_chunk(batch, image_positions, count))
+
+
+def int8_panel_split(pixels: int, depth: int, out_channels: int, threads: int) -> Int8Split:
+    """The channels-last int8 panels' split (qlayout.c's 1x1 panels, depth = C, and the
+    indirect product, depth = KH x KW x C): tiles of INT8_TILE_PIXELS output pixels by
+    every output channel, as many parts as give each thread MIN_FLOPS_PER_THREAD."""
+    tiles = -(-pixels // INT8_TILE_PIXELS)
+    tile_flops = 2 * INT8_TILE_PIXELS * depth * out_channels
+    return Int8Split(_int8_parts(tiles, threads, MIN_FLOPS_PER_THREAD // max(1, tile_flops)),
+                     tiles)
+
+
+def int8_depthwise_split(batch: int, channels: int, out_h: int, out_w: int, taps: int,
+                         plane_bytes: int, threads: int, lanes: bool) -> Int8Split:
+    """The channels-last int8 depthwise kernel's split: by (image, 32-channel block)
+    planes where int8_depthwise_planes says so (``lanes``: the build has the kernel's
+    AVX-512 path), else by output rows; as many parts as give each thread MIN_CHUNK_TAPS
+    output values x taps."""
+    blocks = -(-channels // INT8_DEPTHWISE_LANES)
+    planes = lanes and int8_depthwise_planes(batch * blocks, max(1, threads), plane_bytes)
+    tasks, per_task = ((batch * blocks, out_h * out_w * INT8_DEPTHWISE_LANES) if planes
+                       else (batch * out_h, out_w * channels))
+    count = _int8_parts(tasks, threads, MIN_CHUNK_TAPS // max(1, per_task * taps))
+    return Int8Split(count, tasks, planes=planes)
+
+
+def int8_transpose_parts(batch: int, rows: int, cols: int, threads: int) -> int:
+    """The int8 layout change's parts (strips of INT8_TRANSPOSE_STRIP rows per image), each
+    thread moving at least QADD_MIN_ELEMENTS_PER_THREAD bytes (one pass over bytes, as a
+    QLinearAdd)."""
+    return _int8_parts(batch * -(-rows // INT8_TRANSPOSE_STRIP), threads,
+                       QADD_MIN_ELEMENTS_PER_THREAD // max(1, INT8_TRANSPOSE_STRIP * cols))
+
+
+def int8_max_pool_parts(out_rows: int, out_w: int, channels: int, threads: int) -> int:
+    """The channels-last int8 MaxPool's parts (output rows), each thread reading at least
+    QMAXPOOL_MIN_ELEMENTS_PER_THREAD input bytes (counted as 4 per output value: a 3x3
+    stride-2 window's share)."""
+    least = -(-QMAXPOOL_MIN_ELEMENTS_PER_THREAD // max(1, 4 * out_w * channels))
+    return _int8_parts(out_rows, threads, least)
+
+
+def int8_global_pool_parts(batch: int, channels: int, pixels: int, threads: int) -> int:
+    """The integer global average pool's parts ((image, INT8_GAP_BLOCK-channel block)
+    tasks), each thread reading at least QGAP_MIN_ELEMENTS_PER_THREAD bytes."""
+    return _int8_parts(batch * -(-channels // INT8_GAP_BLOCK), threads,
+                       QGAP_MIN_ELEMENTS_PER_THREAD // max(1, pixels * min(channels,
+                                                                           INT8_GAP_BLOCK)))
+
+
+def int8_layout_split_reason(kind: str, x: Sequence[int], w: Sequence[int],
+                             y: Sequence[int], attrs: Mapping[str, Any],
+                             threads: int | None) -> str:
+    """How a channels-last int8 node's kernel splits over ``threads`` (its static input,
+    weight and output shapes, graph order; "" where not known): the same functions its
+    prepared call asks."""
+    if not threads or len(x) != 4 or len(y) != 4:
+        return ""
+    n, c, _, wd = (int(d) for d in x)
+    oh, ow = int(y[2]), int(y[3])
+    if kind == "maxpool":
+        count = int8_max_pool_parts(n * oh, ow, c, threads)
+        return (f"its kernel on {count} of {threads} thread(s): {n * oh} output rows, each "
+                f"thread reading at least QMAXPOOL_MIN_ELEMENTS_PER_THREAD = "
+                f"{QMAXPOOL_MIN_ELEMENTS_PER_THREAD:,} bytes")
+    if kind not in ("pointwise", "dense", "depthwise") or len(w) != 4:
+        return ""
+    m, taps = int(w[0]), int(w[2]) * int(w[3])
+    if kind == "depthwise":
+        from keel.backends.cpu import qlayout
+        from keel.ops.schemas.quantization import conv_geometry as qconv_geometry
+
+        geo = qconv_geometry(x, w, attrs)
+        split = int8_depthwise_split(n, c, oh, ow, taps, qlayout.plane_bytes(geo, wd), threads,
+                                     qlayout.lanes_available())
+        unit = "(image, 32-channel block) planes" if split.planes else "output rows"
+        return (f"its kernel on {split.parts} of {threads} thread(s): {split.tasks} {unit}, "
+                f"at least MIN_CHUNK_TAPS = {MIN_CHUNK_TAPS:,} output values x taps a thread")
+    split = int8_panel_split(n * oh * ow, taps * c, m, threads)
+    where = "the 1x1 panels (symmetric weights)" if kind == "pointwise" else "the indirect product"
+    return (f"its kernel, {where}, on {split.parts} of {threads} thread(s): {split.tasks} tiles "
+            f"of {INT8_TILE_PIXELS} pixels, at least MIN_FLOPS_PER_THREAD = "
+            f"{MIN_FLOPS_PER_THREAD:,} flops a thread")
+
+
 _LAYOUT_ROLES = {("nchw", "nhwc"): "starts it, its result written channels-last",
                  ("nhwc", "nhwc"): "inside it",
                  ("nhwc", "nchw"): "ends it, its result written NCHW"}
@@ -534,10 +664,13 @@ def _static(t: TensorType | None) -> tuple[int, ...] | None:
 
 
 def int8_layouts(graph: Any, types: Mapping[str, TensorType | None],
-                 variants: Sequence[str | None]) -> dict[int, tuple[str, str]]:
+                 variants: Sequence[str | None], threads: int | None = None
+                 ) -> dict[int, tuple[str, str]]:
     """The channels-last chains of int8 nodes: {node index: (layout, reason)} with layout
     ``"nchw->nhwc"``, ``"nhwc->nhwc"`` or ``"nhwc->nchw"`` (what the node reads and
-    writes). ``variants[i]`` is node i's variant on this backend (None: elsewhere).
+    writes). ``variants[i]`` is node i's variant on this backend (None: elsewhere); with
+    ``threads`` (the backend's), a node whose channels-last kernel runs says how that
+    kernel splits over them (int8_layout_split_reason).
 
     A value is kept channels-last when an int8 convolution, join or max pool writes it,
     every reader is a 1x1, depthwise or dense convolution (one wide enough for the
@@ -579,7 +712,26 @@ def int8_layouts(graph: Any, types: Mapping[str, TensorType | None],
             if not operands <= nhwc and (operands & nhwc or n.outputs[0] in nhwc):
                 nhwc -= {*operands, n.outputs[0]}
                 changed = True
-    return _chains(nodes, kinds, nhwc, producer, readers)
+    decided = _chains(nodes, kinds, nhwc, producer, readers)
+    for i, (layout, why) in decided.items():
+        split = _int8_node_split(nodes[i], kinds[i], layout, types, threads)
+        if split:
+            decided[i] = (layout, f"{why}; {split}")
+    return decided
+
+
+def _int8_node_split(node: Any, kind: str | None, layout: str,
+                     types: Mapping[str, TensorType | None], threads: int | None) -> str:
+    """How a chain node's channels-last kernel splits ("" where its NCHW kernel runs, or
+    the shapes are not known)."""
+    if kind not in ("pointwise", "dense", "depthwise", "maxpool") or (
+            kind == "maxpool" and not layout.startswith("nhwc")):
+        return ""
+    x, y = _static(types.get(node.inputs[0])), _static(types.get(node.outputs[0]))
+    w = _static(types.get(node.inputs[3])) if kind != "maxpool" else (0, 0, 0, 0)
+    if x is None or y is None or w is None:
+        return ""
+    return int8_layout_split_reason(kind, x, w, y, node.attrs, threads)
 
 
 def _chains(nodes: Sequence[Any], kinds: Sequence[str | None], nhwc: set[str],
@@ -1346,14 +1498,14 @@ def _conv_split_reason(request: PlanRequest, variant: str, form: ConvForm) -> st
 
 
 def int8_conv_split_reason(request: PlanRequest, layout: str | None = None) -> str:
-    """How an int8 QLinearConv's direct kernel splits over its threads ("" for other
-    nodes, grouped or dilated ones, channels-last ones (``layout``), unknown shapes or one
-    thread): its chunks of stacked images (int8_direct_chunk) and their blocks of 64
-    columns in near-equal runs, one a thread."""
+    """How an int8 QLinearConv's NCHW kernel splits over its threads ("" for other nodes,
+    channels-last ones (``layout``; a chain's layout reason gives their kernel's split),
+    unknown shapes or one thread): int8_direct_split, as the kernel's prepared call asks
+    it, so the threads and chunk stated are the ones that run."""
     shapes = request.static_shapes()
     if (request.op is not Op.QLINEAR_CONV or not request.threads or request.threads < 2
             or shapes is None or len(shapes) < 4 or shapes[0] is None or shapes[3] is None
-            or len(shapes[0]) != 4):
+            or len(shapes[0]) != 4 or len(shapes[3]) != 4):
         return ""
     from keel.backends.cpu import native_qgemm  # int8 models only
     from keel.ops.schemas.quantization import conv_geometry as qconv_geometry
@@ -1362,17 +1514,24 @@ def int8_conv_split_reason(request: PlanRequest, layout: str | None = None) -> s
         geo = qconv_geometry(shapes[0], shapes[3], request.attrs)
     except KeelError:
         return ""
-    if geo.group != 1 or geo.dilations != (1, 1) or (layout and "nhwc" in layout):
+    if layout and "nhwc" in layout:
         return ""
     n, _, h, w = shapes[0]
-    positions = native_qgemm.image_positions(h, w, geo)
-    chunk = int8_direct_chunk(n, positions, request.threads)
-    chunks = -(-n // chunk)
-    return (f"int8 direct convolution (NCHW): the batch's images stacked in chunks of about "
+    m, depth = int(shapes[3][0]), math.prod(int(d) for d in shapes[3][1:])
+    (oh, ow), positions = geo.out_spatial, native_qgemm.image_positions(h, w, geo)
+    split = int8_direct_split(n, geo.group, oh * ow, depth, m, positions, request.threads)
+    runs = (f"int8 convolution (NCHW, where the node's layout is NCHW): {split.parts} of "
+            f"{request.threads} thread(s) run it ({split.tasks} blocks of {INT8_DIRECT_PANEL} "
+            f"output positions, at least MIN_FLOPS_PER_THREAD = {MIN_FLOPS_PER_THREAD:,} flops "
+            "a thread)")
+    if geo.group != 1 or geo.dilations != (1, 1):
+        return runs
+    chunks = -(-n // split.chunk)
+    return (f"{runs}; the direct kernel stacks the batch's images in chunks of about "
             f"INT8_DIRECT_CHUNK_POSITIONS = {INT8_DIRECT_CHUNK_POSITIONS} positions (about "
             f"{positions} an image), as many as divide a thread's share where they can, so "
-            f"no chunk is built twice (batch {n}: {chunks} chunk(s) of {chunk}); the chunks' "
-            f"blocks of 64 columns in {request.threads} near-equal runs")
+            f"no chunk is built twice (batch {n}: {chunks} chunk(s) of {split.chunk}); the "
+            f"chunks' blocks of 64 columns in {split.parts} near-equal runs")
 
 
 def _static_geometry(request: PlanRequest) -> ConvGeometry | None:

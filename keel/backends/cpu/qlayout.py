@@ -42,7 +42,6 @@ from keel.backends.cpu.native_gemm import planner_rules
 from keel.backends.plan import NodePlan
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError
-from keel.native.pool import parts
 from keel.ops.schemas.quantization import QUANT_RANGES, ConvGeometry
 
 __all__ = ["NCHW", "NHWC", "ChannelsLastPack", "QuantConv", "available", "channels_last", "conv",
@@ -80,7 +79,8 @@ class _Functions:
                      [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I], _I),
                    f("keel_qglobal_avgpool_u8",
                      [_P, _I, _I, _I, _I, _I, ctypes.c_float, _P, _P, _I], _I),
-                   f("keel_qconv_nhwc_u8s8", [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _I], _I),
+                   f("keel_qconv_nhwc_u8s8",
+                     [_P, _I, _P, _P, _P, _I, _P, _P, _P, _P, _P, _I], _I),
                    f("keel_qmaxpool_nhwc_8", [_P, _I, _P, _P, _I], _I))
 
 
@@ -156,8 +156,7 @@ def _transpose(x: np.ndarray, n: int, rows: int, cols: int, y: np.ndarray, threa
     if fns is None:
         y.reshape(n, cols, rows)[...] = x.reshape(n, rows, cols).transpose(0, 2, 1)
         return
-    count = parts(n * -(-rows // 32), max(1, threads),
-                  max(1, planner_rules().QADD_MIN_ELEMENTS_PER_THREAD // max(1, 32 * cols)))
+    count = planner_rules().int8_transpose_parts(n, rows, cols, threads)
     _check(fns.transpose(_ptr(x), n, rows, cols, _ptr(y), count))
 
 
@@ -205,6 +204,11 @@ class ChannelsLastPack:
         extra = self.pointwise.nbytes if self.pointwise is not None else 0
         return int(self.conv.nbytes + extra + sum(
             a.nbytes for a in (self.panels, self.col_sums, self.taps) if a is not None))
+
+    def known(self, key: Any) -> Any:
+        """What :meth:`operands` made for ``key`` while it is the last key; else None."""
+        last = self.last[0] if self.last else None
+        return last[1] if last is not None and last[0] == key else None
 
     def operands(self, key: Any, make: Callable[[], _T]) -> _T:
         """What ``make`` derives for ``key`` (a call's input shape and its other operands'
@@ -338,9 +342,7 @@ def _panel_call(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> _NativeCall
     if folded is None:
         return None
     bias, mult, quant = folded
-    tiles = -(-pixels // 12)
-    count = parts(tiles, max(1, q.threads),
-                  max(1, planner_rules().MIN_FLOPS_PER_THREAD // max(1, 24 * c * m)))
+    count = planner_rules().int8_panel_split(pixels, c, m, q.threads).parts
     return _NativeCall(fns.pointwise, (int(signed), pixels, c, m, _ptr(panels), _ptr(bias),
                                        _ptr(mult), _ptr(quant)), (count,),
                        (panels, bias, mult, quant))
@@ -371,10 +373,11 @@ def _dense(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> bool:
 
 
 def _dense_call(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> _NativeCall | None:
-    """``keel_qconv_nhwc_u8s8``: the indirect product over the output pixels' taps."""
+    """``keel_qconv_nhwc_u8s8``: the indirect product over the output pixels' taps, its
+    table of tap offsets and its row of x's zero point built here once, with the call."""
     fns, panels = _load(), q.packed.panels
     n, h, w, c = (int(d) for d in x_cl.shape)
-    if fns is None or panels is None or c % 4:
+    if fns is None or panels is None or c % 4 or h * w * c > np.iinfo(np.int32).max:
         return None
     signed = x_cl.dtype == np.int8
     operands = _panel_operands(q, signed, y_cl.dtype)
@@ -385,19 +388,42 @@ def _dense_call(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> _NativeCall
     (oh, ow), (kh, kw) = geo.out_spatial, geo.kernel
     geometry = np.array([n, c, h, w, oh, ow, kh, kw, *geo.strides, *geo.dilations,
                          geo.pads_begin[0], geo.pads_begin[1]], dtype=np.int64)
-    tiles = -(-(n * oh * ow) // 12)
-    count = parts(tiles, max(1, q.threads),
-                  max(1, planner_rules().MIN_FLOPS_PER_THREAD // max(1, 24 * kh * kw * c * m)))
-    return _NativeCall(fns.dense, (int(signed), q.x_zero_point, _ptr(geometry), m,
+    offsets = tap_offsets(geo, h, w, c)
+    zero_row = np.full(c, q.x_zero_point & 0xFF, dtype=np.uint8)
+    count = planner_rules().int8_panel_split(n * oh * ow, kh * kw * c, m, q.threads).parts
+    return _NativeCall(fns.dense, (int(signed), _ptr(geometry), _ptr(offsets), _ptr(zero_row), m,
                                    _ptr(panels), _ptr(bias), _ptr(mult), _ptr(quant)),
-                       (count,), (panels, bias, mult, quant, geometry))
+                       (count,), (panels, bias, mult, quant, geometry, offsets, zero_row))
+
+
+def tap_offsets(geo: ConvGeometry, h: int, w: int, c: int) -> np.ndarray:
+    """The indirect product's table: for each output pixel (oy, ox) of an image and tap
+    (ky, kx), the byte offset of its input pixel's channel row within the NHWC image
+    (h x w x c bytes), or -1 where the tap falls in the padding; (OH * OW, KH * KW)
+    int32."""
+    (oh, ow), (kh, kw) = geo.out_spatial, geo.kernel
+    (sh, sw), (dh, dw) = geo.strides, geo.dilations
+    iy = (np.arange(oh)[:, None, None, None] * sh + np.arange(kh)[None, None, :, None] * dh
+          - geo.pads_begin[0])
+    ix = (np.arange(ow)[None, :, None, None] * sw + np.arange(kw)[None, None, None, :] * dw
+          - geo.pads_begin[1])
+    inside = (iy >= 0) & (iy < h) & (ix >= 0) & (ix < w)
+    offsets = np.where(inside, (iy * w + ix) * c, -1)
+    return np.ascontiguousarray(offsets.reshape(oh * ow, kh * kw), dtype=np.int32)
 
 
 # qlayout.c's depthwise channel block: 32 channels as int16 in one 512-bit register.
 _LANES = 32
 
 
-def _plane_bytes(geo: ConvGeometry, w: int) -> int:
+def lanes_available() -> bool:
+    """Whether the loaded ``qlayout.c`` has its AVX-512 paths (the depthwise kernel's
+    plane split among them)."""
+    fns = _load()
+    return fns is not None and fns.isa > 0
+
+
+def plane_bytes(geo: ConvGeometry, w: int) -> int:
     """Bytes of one 32-channel block's input plane widened to int16, padding included
     (what the depthwise kernel keeps whole in cache when it splits the work by planes)."""
     (oh, ow), (kh, kw) = geo.out_spatial, geo.kernel
@@ -423,16 +449,12 @@ def _depthwise_call(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> _Native
     lo, hi = QUANT_RANGES[DType.from_numpy(y_cl.dtype)]
     quant = np.array([q.y_zero_point, lo, hi], dtype=np.int64)
     bias = None if q.bias is None else np.ascontiguousarray(q.bias, dtype=np.int32)
-    blocks = -(-c // _LANES)
-    planes = fns.isa > 0 and planner_rules().int8_depthwise_planes(
-        n * blocks, max(1, q.threads), _plane_bytes(geo, w))
-    tasks, per_task = (n * blocks, oh * ow * _LANES) if planes else (n * oh, ow * c)
-    count = parts(tasks, max(1, q.threads), max(1, planner_rules().MIN_CHUNK_TAPS
-                                                // max(1, per_task * kh * kw)))
+    split = planner_rules().int8_depthwise_split(n, c, oh, ow, kh * kw, plane_bytes(geo, w),
+                                                 q.threads, fns.isa > 0)
     mult = q.multiplier
     return _NativeCall(fns.depthwise, (int(x_cl.dtype == np.int8), q.x_zero_point, _ptr(taps),
                                        _ptr(bias), _ptr(geometry), _ptr(mult), _ptr(quant)),
-                       (int(planes), count), (taps, bias, geometry, mult, quant))
+                       (int(split.planes), split.parts), (taps, bias, geometry, mult, quant))
 
 
 _CHANNELS_LAST: dict[str, Callable[[QuantConv, np.ndarray, np.ndarray], bool]] = {
@@ -496,8 +518,7 @@ def max_pool(src: str, dst: str, x: np.ndarray, geometry: tuple[int, ...] | None
         to_nhwc(y_n, threads, y.reshape(n, oh, ow, c))
         return
     y_cl = y.reshape(n, oh, ow, c) if dst == NHWC else scratch("y", (n, oh, ow, c), y.dtype)
-    count = parts(n * oh, max(1, threads),
-                  -(-planner_rules().QMAXPOOL_MIN_ELEMENTS_PER_THREAD // max(1, 4 * ow * c)))
+    count = planner_rules().int8_max_pool_parts(n * oh, ow, c, threads)
     rc = fns.max_pool(_ptr(x), int(x.dtype == np.int8), _ptr(_geometry(geometry)), _ptr(y_cl),
                       count)
     if rc == -2:
@@ -513,9 +534,6 @@ def _geometry(geometry: tuple[int, ...]) -> np.ndarray:
 
 
 # ---- QLinearGlobalAveragePool ------------------------------------------------------------
-_GAP_BLOCK = 256       # qlayout.c's GAP_CB: channels per task
-
-
 def global_average_pool(x: np.ndarray, nhwc: bool, scale: float, x_zero_point: int,
                         y_zero_point: int, y: np.ndarray, threads: int = 1) -> None:
     """``y`` (N, C, 1, 1) = onnxruntime's QLinearGlobalAveragePool of the contiguous 8-bit
@@ -529,9 +547,7 @@ def global_average_pool(x: np.ndarray, nhwc: bool, scale: float, x_zero_point: i
     hw = int(x.size // max(1, n * c))
     lo, hi = QUANT_RANGES[DType.from_numpy(y.dtype)]
     params = _gap_params(x_zero_point, y_zero_point, lo, hi)
-    tasks = n * -(-c // _GAP_BLOCK)
-    count = parts(tasks, max(1, threads), max(1, planner_rules().QGAP_MIN_ELEMENTS_PER_THREAD
-                                               // max(1, hw * min(c, _GAP_BLOCK))))
+    count = planner_rules().int8_global_pool_parts(n, c, hw, threads)
     _check(fns.global_average(_ptr(x), int(x.dtype == np.int8), int(nhwc), n, c, hw,
                               scale, _ptr(params), _ptr(y), count))
 

@@ -108,17 +108,20 @@ def qlinear_conv(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> 
         return _conv_nchw(ctx, inputs, attrs, out)
     x, x_s, x_zp, w, w_s, w_zp, y_s, y_zp = inputs[:8]
     bias = optional_input(inputs, 8)
-    q = None
-    if _served(x, x_s, x_zp, w, w_s, w_zp, y_s, y_zp, bias):
-        packed = ctx.prepacked
+    threads = _threads(ctx)
+    # a node's operands but x are the same values run after run: checked and derived once
+    key = (x.shape, x.dtype, y_zp.dtype, threads, *(
+        None if a is None else (a.dtype.char, a.shape, a.tobytes())
+        for a in (x_s, x_zp, w_s, w_zp, y_s, y_zp, bias)))
+    packed = ctx.prepacked
+    q = packed.known(key) if isinstance(packed, qlayout.ChannelsLastPack) else None
+    if q is None and _served(x, x_s, x_zp, w, w_s, w_zp, y_s, y_zp, bias):
         if not isinstance(packed, qlayout.ChannelsLastPack):
             packed = qlayout.pack(w, w_zp, _conv_kind(w.shape, attrs))
-        threads = _threads(ctx)
-        # a node's operands are the same values run after run: derived once
-        key = (x.shape, x.dtype, y_zp.dtype, threads, *(
-            a.tobytes() for a in (x_s, x_zp, w_s, y_s, y_zp, bias) if a is not None))
-        q = packed.operands(key, lambda: _quant_conv(packed, x, x_s, x_zp, w, w_s, y_s, y_zp,
-                                                     bias, attrs, threads))
+        made = packed
+        q = made.operands(key, lambda: _quant_conv(made, x, x_s, x_zp, w, w_s, y_s, y_zp,
+                                                   bias, attrs, threads))
+    if q is not None:
         geo = q.geo
     else:
         geo = conv_geometry(x.shape, w.shape, attrs)
@@ -153,19 +156,37 @@ def _served(x: Any, x_s: Any, x_zp: Any, w: Any, w_s: Any, w_zp: Any, y_s: Any, 
 def _conv_nchw(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     x, x_s, x_zp, w, w_s, w_zp, y_s, y_zp = inputs[:8]
     bias = optional_input(inputs, 8)
-    if not _served(x, x_s, x_zp, w, w_s, w_zp, y_s, y_zp, bias):
-        return list(quantization.qlinear_conv(ctx, inputs, attrs, out))
     packed = ctx.prepacked
     if isinstance(packed, qlayout.ChannelsLastPack):
         packed = packed.conv
+    threads = _threads(ctx)
+    key = None
+    if isinstance(packed, native_qgemm.PackedConv) and isinstance(x, np.ndarray):
+        # a node's operands but x are the same values run after run: its checks, geometry
+        # and native call made once, reused while x's shape and type and their values recur
+        key = ("nchw", x.shape, x.dtype.char, id(attrs), threads, *(
+            None if a is None else (a.dtype.char, a.shape, a.tobytes())
+            for a in (x_s, x_zp, w_s, w_zp, y_s, y_zp, bias)))
+        found = packed.prepared.get(key)
+        if found is not None and found[0] is attrs:
+            y = _out(out, found[1], y_zp.dtype)
+            found[2](x, y)
+            return _deliver(y, out)
+    if not _served(x, x_s, x_zp, w, w_s, w_zp, y_s, y_zp, bias):
+        return list(quantization.qlinear_conv(ctx, inputs, attrs, out))
     if not isinstance(packed, native_qgemm.PackedConv):
         packed = native_qgemm.pack_conv(w, w_zp)
     geo = packed.geometry(x.shape, attrs)
     m = int(w.shape[0])
-    y = _out(out, (x.shape[0], m, *geo.out_spatial), y_zp.dtype)
-    native_qgemm.conv2d(x, int(x_zp.reshape(())), packed, geo, bias,
-                        _multiplier(x_s.reshape(()), w_s.reshape(-1), y_s.reshape(())),
-                        int(y_zp.reshape(())), y, _threads(ctx))
+    shape = (x.shape[0], m, *geo.out_spatial)
+    y = _out(out, shape, y_zp.dtype)
+    call = native_qgemm.conv2d_call(
+        x, int(x_zp.reshape(())), packed, geo, bias,
+        _multiplier(x_s.reshape(()), w_s.reshape(-1), y_s.reshape(())), int(y_zp.reshape(())),
+        y.dtype, threads)
+    if key is not None:
+        packed.remember(key, (attrs, shape, call))
+    call(x, y)
     return _deliver(y, out)
 
 
@@ -243,32 +264,65 @@ def _qgemm_numpy(a: Any, a_zp: Any, b: Any, b_zp: Any, c: Any, mult: np.ndarray,
     return np.clip(requantized(acc, mult, y_zp), lo, hi).astype(out_dtype.numpy)
 
 
+@dataclasses.dataclass(frozen=True)
+class _QGemmCall:
+    """What a QGemm node derives from its operands' shapes and constant values: checked
+    once, then reused while they recur."""
+
+    shape: tuple[int, int]
+    out_dtype: DType
+    mult: np.ndarray
+    zp: int
+    bias: np.ndarray | None
+    native: bool            # the packed product serves (else the float64 form)
+    y_dtype: np.dtype
+
+
 @TABLE.kernel(Op.QGEMM, dtypes=("uint8", "int8"), supports_out=True, host_only=True,
               shapes="2-D, 8-bit", simd=())
 def qgemm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """QGemm: the int32-accumulating native product where it serves, else float64 BLAS."""
-    a, a_s, a_zp, b, b_s, b_zp, c, y_s, y_zp = _qgemm_params(inputs)
+    params = _qgemm_params(inputs)
+    a, a_s, a_zp, b, b_s, b_zp, c, y_s, y_zp = params
+    packed = ctx.prepacked
+    if isinstance(packed, native_qgemm.PackedMatmul):
+        # a node's operands but A are the same values run after run: derived once
+        key = ("qgemm", a.shape, b.shape, b.dtype.char, attrs["alpha"], attrs["trans_a"],
+               attrs["trans_b"], a.dtype.char, *(None if v is None else (
+                   v.dtype.char, v.shape, v.tobytes()) for v in (a_s, a_zp, b_s, b_zp, c, y_s,
+                                                                  y_zp)))
+        call = packed.remembered(key, lambda: _qgemm_call(params, attrs, packed))
+    else:
+        call = _qgemm_call(params, attrs, packed)
+        packed = _pack_qgemm(ctx, inputs, attrs) if call.native else None
+    if not call.native or not isinstance(packed, native_qgemm.PackedMatmul):
+        y = _qgemm_numpy(a, a_zp, b, b_zp, c, call.mult, call.out_dtype, call.zp, attrs)
+        return _deliver(y, out)
+    y = _out(out, call.shape, call.y_dtype)
+    native_qgemm.matmul(np.ascontiguousarray(a.T if attrs["trans_a"] else a),
+                        int(a_zp.reshape(())), packed, call.bias, call.mult, call.out_dtype,
+                        call.zp, y, _threads(ctx))
+    return _deliver(y, out)
+
+
+def _qgemm_call(params: tuple[Any, ...], attrs: Attrs, packed: Any) -> _QGemmCall:
+    """QGemm's checks and its operands' derived values; native where the product is (or
+    can be) packed and a's zero point is one value."""
+    a, a_s, a_zp, b, b_s, b_zp, c, y_s, y_zp = params
     for what, value, zp in (("a", a, a_zp), ("b", b, b_zp)):
         quantization.check_pair(Op.QGEMM, value, zp, what)
     shape = qgemm_shape(a.shape, b.shape, attrs["trans_a"], attrs["trans_b"])
     out_dtype = _qgemm_out_dtype(y_s, y_zp)
     mult = qgemm_scales(attrs["alpha"], a_s, b_s, y_s)
     zp = 0 if y_zp is None else int(y_zp.reshape(()))
-    packed = ctx.prepacked
     n = int(shape[1])  # type: ignore[arg-type]
-    if c is not None and (c.size not in (1, n) or c.ndim > 2 or (c.ndim == 2 and c.shape[0] != 1)):
-        packed = None
-    elif not isinstance(packed, native_qgemm.PackedMatmul) and native_qgemm.available():
-        packed = _pack_qgemm(ctx, inputs, attrs)
-    if not isinstance(packed, native_qgemm.PackedMatmul) or not _scalar(a_zp):
-        y = _qgemm_numpy(a, a_zp, b, b_zp, c, mult, out_dtype, zp, attrs)
-        return _deliver(y, out)
-    y = _out(out, tuple(int(d) for d in shape), np.dtype(out_dtype.numpy))  # type: ignore[arg-type]
-    bias = None if c is None else np.broadcast_to(c.reshape(-1), (n,)).astype(np.int32)
-    native_qgemm.matmul(np.ascontiguousarray(a.T if attrs["trans_a"] else a),
-                        int(a_zp.reshape(())), packed, bias, mult, out_dtype, zp, y,
-                        _threads(ctx))
-    return _deliver(y, out)
+    native = (c is None or (c.size in (1, n) and c.ndim <= 2
+                            and (c.ndim != 2 or c.shape[0] == 1))) and _scalar(a_zp) and (
+        isinstance(packed, native_qgemm.PackedMatmul) or native_qgemm.available())
+    bias = None if c is None or not native else np.broadcast_to(
+        c.reshape(-1), (n,)).astype(np.int32)
+    return _QGemmCall((int(shape[0]), n), out_dtype, mult, zp, bias,  # type: ignore[arg-type]
+                      native, np.dtype(out_dtype.numpy))
 
 
 TABLE.kernel(Op.QGEMM, variant="int8", dtypes=("uint8", "int8"), supports_out=True,
@@ -312,9 +366,7 @@ def qlinear_add(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> l
         qlayout.to_nchw(qlayout.channels_last(cl), _threads(ctx), y)
         return _deliver(y, out)
     a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp = inputs
-    served = _add_served(a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp)
-    constants = served and _add_constants(*(float(s.reshape(())) for s in (a_s, b_s, y_s)),
-                                          *(int(z.reshape(())) for z in (a_zp, b_zp, y_zp)))
+    constants = _add_call(a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp)
     if not constants:
         return list(quantization.qlinear_add(ctx, inputs, attrs, out))
     y = _out(out, a.shape, y_zp.dtype)
@@ -322,6 +374,35 @@ def qlinear_add(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> l
                              int(y_zp.reshape(())), attrs["activation"] == "relu", y,
                              _threads(ctx))
     return _deliver(y, out)
+
+
+_ADD_CALLS: dict[tuple[Any, ...], tuple[float, float, float] | None] = {}
+_KEPT_ADD_CALLS = 256
+
+
+def _add_call(a: Any, a_s: Any, a_zp: Any, b: Any, b_s: Any, b_zp: Any, y_s: Any,
+              y_zp: Any) -> tuple[float, float, float] | None:
+    """The native pass's constants for these operands (None: the NumPy kernel serves
+    them), checked once per set of operand shapes, types and parameter values (a join
+    runs with the same ones every time; the checks took most of a small join's call)."""
+    params = (a_s, a_zp, b_s, b_zp, y_s, y_zp)
+    if not all(isinstance(v, np.ndarray) for v in (a, b, *params)):
+        return _add_checked(a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp)
+    key = (a.shape, b.shape, a.dtype.char, b.dtype.char,
+           *((p.dtype.char, p.shape, p.tobytes()) for p in params))
+    if key not in _ADD_CALLS:
+        if len(_ADD_CALLS) >= _KEPT_ADD_CALLS:
+            _ADD_CALLS.clear()
+        _ADD_CALLS[key] = _add_checked(a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp)
+    return _ADD_CALLS[key]
+
+
+def _add_checked(a: Any, a_s: Any, a_zp: Any, b: Any, b_s: Any, b_zp: Any, y_s: Any,
+                 y_zp: Any) -> tuple[float, float, float] | None:
+    if not _add_served(a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp):
+        return None
+    return _add_constants(*(float(s.reshape(())) for s in (a_s, b_s, y_s)),
+                          *(int(z.reshape(())) for z in (a_zp, b_zp, y_zp)))
 
 
 # ---- QLinearGlobalAveragePool -------------------------------------------------------------------

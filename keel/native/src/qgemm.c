@@ -303,6 +303,21 @@ static void store_row(const int32_t *v, int64_t n, const double *mult, double m,
 }
 
 #if QISA == 2
+/* Four vectors of int32 results, each lane within the 8-bit output's range, as their 64
+ * bytes in order: saturating packs to int16 and to bytes (int8 or uint8; they never act)
+ * and one permutation, since 128-bit lane L of the packs holds lanes 4L..4L+3 of each
+ * vector (dword 4L + k is vector k's). One store where a narrowing store per 16 lanes
+ * cost two operations each. */
+static inline __attribute__((always_inline)) __m512i
+pack_bytes(__m512i a, __m512i b, __m512i c, __m512i d, int is_signed)
+{
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11,
+                                            15);
+    __m512i ab = _mm512_packs_epi32(a, b), cd = _mm512_packs_epi32(c, d);
+    return _mm512_permutexvar_epi32(order, is_signed ? _mm512_packs_epi16(ab, cd)
+                                                     : _mm512_packus_epi16(ab, cd));
+}
+
 /* Rows [0, mr) of a convolution's tile (bias and multiplier per row, no other
  * corrections, 8-bit output) requantized into out[MR][NB]: store_row's results on all
  * 64 columns, for the caller to copy the valid runs from. The same bits in fewer steps:
@@ -318,10 +333,6 @@ static void requant_tile(const int32_t *acc, int64_t mr, int64_t i0, const requa
     __m512 lo = _mm512_set1_ps((float)(q->lo - q->yzp));
     __m512 hi = _mm512_set1_ps((float)(q->hi - q->yzp));
     __m512i zp = _mm512_set1_epi32((int32_t)q->yzp);
-    /* 128-bit lane L of the packs holds columns 4L..4L+3 of each vector: dword 4L + k is
-     * vector k's */
-    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11,
-                                            15);
     for (int64_t i = 0; i < mr; i++) {
         __m512i bias = _mm512_set1_epi32(q->bias_r ? q->bias_r[i0 + i] : 0);
         __m512 m = _mm512_set1_ps((float)q->mult[i0 + i]);
@@ -334,10 +345,8 @@ static void requant_tile(const int32_t *acc, int64_t mr, int64_t i0, const requa
             r[k] = _mm512_add_epi32(
                 _mm512_cvt_roundps_epi32(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), zp);
         }
-        __m512i ab = _mm512_packs_epi32(r[0], r[1]), cd = _mm512_packs_epi32(r[2], r[3]);
-        __m512i bytes = q->kind == KIND_S8 ? _mm512_packs_epi16(ab, cd)
-                                           : _mm512_packus_epi16(ab, cd);
-        _mm512_storeu_si512((void *)(out + i * NB), _mm512_permutexvar_epi32(order, bytes));
+        _mm512_storeu_si512((void *)(out + i * NB),
+                            pack_bytes(r[0], r[1], r[2], r[3], q->kind == KIND_S8));
     }
 }
 #endif
@@ -1421,7 +1430,6 @@ qadd_run(const qadd_job *j, int64_t i, int64_t hi, int64_t flags)
 {
     const qadd_vectors v = {_mm512_set1_ps(j->ra), _mm512_set1_ps(j->rb), _mm512_set1_ps(j->c),
                             _mm512_set1_ps(j->lo), _mm512_set1_ps(j->hi)};
-    const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
     const uint8_t *a = j->a, *b = j->b;
     for (; i + 64 <= hi; i += 64) {
         __m512i r[4];
@@ -1429,9 +1437,8 @@ qadd_run(const qadd_job *j, int64_t i, int64_t hi, int64_t flags)
             r[q] = qadd_lanes(&v, _mm_loadu_si128((const __m128i *)(const void *)(a + i + 16 * q)),
                               _mm_loadu_si128((const __m128i *)(const void *)(b + i + 16 * q)),
                               flags);
-        __m512i w01 = _mm512_packs_epi32(r[0], r[1]), w23 = _mm512_packs_epi32(r[2], r[3]);
-        __m512i p = flags & 4 ? _mm512_packs_epi16(w01, w23) : _mm512_packus_epi16(w01, w23);
-        _mm512_storeu_si512((void *)(j->y + i), _mm512_permutexvar_epi32(order, p));
+        _mm512_storeu_si512((void *)(j->y + i),
+                            pack_bytes(r[0], r[1], r[2], r[3], (flags & 4) != 0));
     }
     for (; i < hi; i += 16) {
         __mmask16 k = hi - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (hi - i)) - 1);
@@ -1533,9 +1540,7 @@ static inline qvi quantize_lanes(const quantize_consts *c, qvf x)
 /* y[0, 64) = the bytes of four vectors of y - lo, plus lo */
 static inline void quantize_store(uint8_t *y, qvi a, qvi b, qvi c, qvi d, int8_t lo)
 {
-    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    __m512i bytes = _mm512_packus_epi16(_mm512_packs_epi32(a, b), _mm512_packs_epi32(c, d));
-    _mm512_storeu_si512((void *)y, _mm512_add_epi8(_mm512_permutexvar_epi32(order, bytes),
+    _mm512_storeu_si512((void *)y, _mm512_add_epi8(pack_bytes(a, b, c, d, 0),
                                                    _mm512_set1_epi8(lo)));
 }
 #elif QISA == 1

@@ -620,6 +620,26 @@ static inline void pw_store_row(const pw_job *j, __m256i bytes, int64_t i, int64
     memcpy(out, tail, (size_t)ncols);
 }
 
+/* A tile's MR rows of accumulators (acc[i]: row i's channels col0 .. col0 + 31, the bias
+ * added) requantized two rows at a time and stored: row i's ncols bytes at out + i * M
+ * (out: row 0's column col0). The pointwise panels' and the indirect product's store. */
+static inline __attribute__((always_inline)) void
+pw_store_tile(const pw_job *j, const __m512i acc[MR][2], int64_t col0, int64_t ncols,
+              uint8_t *out)
+{
+    const __m512 m[2] = {floats16(j->mult + col0), floats16(j->mult + col0 + 16)};
+    const __m512 hi = _mm512_set1_ps((float)(j->hi - j->zp));
+    const __m512i zp16 = _mm512_set1_epi16((int16_t)j->zp);
+    const __m512i lo16 = _mm512_set1_epi16((int16_t)j->lo);
+    const int is_signed_out = j->lo < 0, only_block = col0 == 0 && ncols == j->m;
+    for (int i = 0; i < MR; i += 2) {
+        __m512i bytes = requant_rows(acc[i], acc[i + 1], m, hi, zp16, lo16, is_signed_out);
+        pw_store_row(j, _mm512_castsi512_si256(bytes), i, ncols, only_block, out + i * j->m);
+        pw_store_row(j, _mm512_extracti64x4_epi64(bytes, 1), i + 1, ncols, only_block,
+                     out + (i + 1) * j->m);
+    }
+}
+
 /* Rows [r0, r0 + MR) (all within x) by the NT channels of block b; halves = 1 where the
  * block holds at most 16 channels (only the low accumulators are computed). */
 static inline __attribute__((always_inline)) void pw_tile_halves(const pw_job *j, int64_t r0, int64_t b, const int halves)
@@ -679,18 +699,7 @@ static inline __attribute__((always_inline)) void pw_tile_halves(const pw_job *j
 #undef PW_ROWS
 #undef PW_ROW
 #undef PW_INIT
-    const __m512 m[2] = {floats16(j->mult + col0), floats16(j->mult + col0 + 16)};
-    const __m512 hi = _mm512_set1_ps((float)(j->hi - j->zp));
-    const __m512i zp16 = _mm512_set1_epi16((int16_t)j->zp);
-    const __m512i lo16 = _mm512_set1_epi16((int16_t)j->lo);
-    const int is_signed_out = j->lo < 0, only_block = col0 == 0 && ncols == j->m;
-    uint8_t *out = j->y + r0 * j->m + col0;
-    for (int i = 0; i < MR; i += 2) {
-        __m512i bytes = requant_rows(acc[i], acc[i + 1], m, hi, zp16, lo16, is_signed_out);
-        pw_store_row(j, _mm512_castsi512_si256(bytes), i, ncols, only_block, out + i * j->m);
-        pw_store_row(j, _mm512_extracti64x4_epi64(bytes, 1), i + 1, ncols, only_block,
-                     out + (i + 1) * j->m);
-    }
+    pw_store_tile(j, acc, col0, ncols, j->y + r0 * j->m + col0);
 }
 
 /* pw_tile_halves with the block's width a constant: the products of the high half
@@ -838,23 +847,6 @@ static void ic_rows(const ic_job *j, int64_t r0, const uint8_t **rows)
     }
 }
 
-/* The offsets table: per output pixel of an image and tap, its input row's byte offset
- * within the image, or -1 where the tap falls in the padding. */
-static int32_t *ic_offsets(const int64_t *g, int64_t ntaps)
-{
-    int32_t *o = malloc((size_t)(g[G_OH] * g[G_OW] * ntaps) * sizeof *o);
-    if (!o) return NULL;
-    const uint8_t *origin = (const uint8_t *)(uintptr_t)64, *none = NULL;
-    int32_t *at = o;
-    for (int64_t oy = 0; oy < g[G_OH]; oy++)
-        for (int64_t ox = 0; ox < g[G_OW]; ox++)
-            for (int64_t t = 0; t < ntaps; t++) {
-                const uint8_t *p = pixel_at(g, origin, none, 0, oy, ox, t / g[G_KW], t % g[G_KW]);
-                *at++ = p == none ? -1 : (int32_t)(p - origin);
-            }
-    return o;
-}
-
 /* One pixel's outputs of block b (the portable path): plain int32 sums. */
 static void ic_pixel(const ic_job *j, const uint8_t *const *rows, int64_t i, int64_t b,
                      uint8_t *out)
@@ -916,18 +908,7 @@ ic_tile_halves(const ic_job *j, const uint8_t *const *rows, int64_t b, uint8_t *
     const __m512i acc[MR][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}, {a40, a41},
                                 {a50, a51}, {a60, a61}, {a70, a71}, {a80, a81}, {a90, a91},
                                 {a100, a101}, {a110, a111}};
-    const __m512 m[2] = {floats16(pw->mult + col0), floats16(pw->mult + col0 + 16)};
-    const __m512 hi = _mm512_set1_ps((float)(pw->hi - pw->zp));
-    const __m512i zp16 = _mm512_set1_epi16((int16_t)pw->zp);
-    const __m512i lo16 = _mm512_set1_epi16((int16_t)pw->lo);
-    const int is_signed_out = pw->lo < 0, only_block = col0 == 0 && ncols == pw->m;
-    for (int i = 0; i < MR; i += 2) {
-        __m512i bytes = requant_rows(acc[i], acc[i + 1], m, hi, zp16, lo16, is_signed_out);
-        pw_store_row(pw, _mm512_castsi512_si256(bytes), i, ncols, only_block,
-                     out + i * pw->m + col0);
-        pw_store_row(pw, _mm512_extracti64x4_epi64(bytes, 1), i + 1, ncols, only_block,
-                     out + (i + 1) * pw->m + col0);
-    }
+    pw_store_tile(pw, acc, col0, ncols, out + col0);
 }
 #endif
 
@@ -969,16 +950,19 @@ static void ic_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
 }
 
 /* y (NHWC, 8-bit) = the requantized 2-D convolution (one group) of the NHWC 8-bit x
- * (is_signed: int8) with zero point xz; geometry = {N, C, H, W, OH, OW, KH, KW, SH, SW,
- * DH, DW, pad top, pad left}; w the packed weights [M/32][KH * KW * C/4][32][4] (zero
- * points 0); bias[M padded to 32] int32 with x's zero point folded in over every tap (x's
- * zero point + 128 for signed x); mult[M padded to 32]; quant = {y zero point, lo, hi}.
- * Tasks: tiles of MR output pixels. 0, -1 (no memory) or -2 (C not a multiple of 4, or an
- * image past 2 GiB). */
-int64_t keel_qconv_nhwc_u8s8(const uint8_t *x, int64_t is_signed, int64_t xz,
-                             const int64_t *geometry, int64_t m, const int8_t *w,
-                             const int32_t *bias, const double *mult, const int64_t *quant,
-                             uint8_t *y, int64_t parts)
+ * (is_signed: int8); geometry = {N, C, H, W, OH, OW, KH, KW, SH, SW, DH, DW, pad top,
+ * pad left}; offsets[OH * OW][KH * KW] each output pixel's taps' input row offsets within
+ * an image (bytes), -1 where the tap falls in the padding; zero_row: C bytes of x's zero
+ * point (both depend only on the geometry and the zero point: the caller builds them once
+ * with its prepared call); w the packed weights [M/32][KH * KW * C/4][32][4] (zero points
+ * 0); bias[M padded to 32] int32 with x's zero point folded in over every tap (x's zero
+ * point + 128 for signed x); mult[M padded to 32]; quant = {y zero point, lo, hi}. Tasks:
+ * tiles of MR output pixels. 0, -1 (no memory) or -2 (C not a multiple of 4, or an image
+ * past 2 GiB). */
+int64_t keel_qconv_nhwc_u8s8(const uint8_t *x, int64_t is_signed, const int64_t *geometry,
+                             const int32_t *offsets, const uint8_t *zero_row, int64_t m,
+                             const int8_t *w, const int32_t *bias, const double *mult,
+                             const int64_t *quant, uint8_t *y, int64_t parts)
 {
     ic_job j;
     memcpy(j.g, geometry, sizeof j.g);
@@ -991,18 +975,9 @@ int64_t keel_qconv_nhwc_u8s8(const uint8_t *x, int64_t is_signed, int64_t xz,
     pw_job pw = {x, p, c, m, j.ntaps * c / 4, is_signed, w, bias, mult, (double)quant[0],
                  (double)quant[1], (double)quant[2], y};
     j.pw = pw;
-    uint8_t *zero_row = malloc((size_t)c);
-    int32_t *offsets = ic_offsets(g, j.ntaps);
-    int64_t rc = -1;
-    if (zero_row && offsets) {
-        memset(zero_row, (int)(xz & 0xFF), (size_t)c);
-        j.zero_row = zero_row, j.offsets = offsets;
-        int64_t floats = (j.ntaps * MR * (int64_t)sizeof(void *) + MR * m + 3) / 4 + 16;
-        rc = run_parts(ic_task, &j, (p + MR - 1) / MR, parts, floats);
-    }
-    free(offsets);
-    free(zero_row);
-    return rc;
+    j.zero_row = zero_row, j.offsets = offsets;
+    int64_t floats = (j.ntaps * MR * (int64_t)sizeof(void *) + MR * m + 3) / 4 + 16;
+    return run_parts(ic_task, &j, (p + MR - 1) / MR, parts, floats);
 }
 
 /* ---- int8 MaxPool, NHWC in and out ------------------------------------------------------

@@ -12,7 +12,8 @@ runs: the split is the planner's, for the probe's cores and caches.
 
 A compiled Winograd conv runs either as one per-thread pipeline (each thread takes
 blocks of tiles through the input transform, the products and the output transform
-in its own cache: one pass, its blocks the units) or pass by pass; the table says which
+in its own cache: one pass, counted in tiles, the busiest thread's tiles its largest
+piece) or pass by pass; the table says which
 for each, and a line per model and batch counts them (the planner's
 winograd_pipeline, whose reason explain() gives).
 

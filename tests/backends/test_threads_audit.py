@@ -60,13 +60,31 @@ def test_winograd_convs_run_as_evenly_split_pipelines(model: str, batch: int, pi
     convs = [r for r in rows if r.variant == "winograd"]
     pipes = [r for r in convs if r.pipeline]
     assert convs and len(pipes) >= piped, threads_audit.winograd_line(rows)
-    for row in pipes:
+    for row in pipes:                    # counted in tiles: the last block may be short
         (split,) = row.splits
+        assert split.unit == "tile(s)" and split.largest
         assert split.pieces == SIXTEEN and split.spread(SIXTEEN) <= cpu_planner.EVEN_SPLIT
     for row in convs:
         assert not row.failed, row.line()
     line = threads_audit.winograd_line(rows)
     assert line is not None and f"{len(pipes)} of {len(convs)} Winograd" in line
+
+
+@pytest.mark.parametrize("threads", [2, 3, 4])
+def test_pipelines_are_judged_in_tiles_on_few_threads(threads: int, server: Any) -> None:
+    """The pipeline's pass counts tiles, so blocks even in number but not in tiles fail
+    (ResNet-18's 128-channel conv at batch 1 in blocks of 64 on two threads: 128 tiles
+    against 68); the planner's blocks pass on 2, 3 and 4 threads."""
+    tiles = 14 * 14
+    old = min(cpu_planner._busiest(tiles, 64, 2, last) for last in (False, True))
+    uneven = cpu_planner.Split("pipeline (4 blocks of 64)", tiles, 2, 1 << 30, 1,
+                               largest=old, unit="tile(s)")
+    row = threads_audit.Row("resnet18", 1, "x", Op.CONV, "winograd", "", (uneven,), 2)
+    assert row.failed and "1.31x the mean" in uneven.describe()
+    rows = threads_audit.audit("resnet18", 1, threads, server)
+    pipes = [r for r in rows if r.variant == "winograd" and r.pipeline]
+    assert any(r.splits[0].units == tiles for r in pipes), threads_audit.winograd_line(rows)
+    assert not any(r.failed for r in pipes), [r.line() for r in pipes if r.failed]
 
 
 def test_explain_gives_each_conv_its_split(server: Any) -> None:

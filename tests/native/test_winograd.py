@@ -309,6 +309,42 @@ def test_the_planner_orders_the_pipeline_blocks_for_the_busiest_thread() -> None
     assert "blocks from the last (the busiest thread 400 tiles, 512 in order)" in pipe.reason
 
 
+def test_pipeline_blocks_split_evenly_counted_in_tiles() -> None:
+    """128 -> 128 on 28 x 28 at batch 1 (196 tiles, U of 1 MiB not held in a 1 MiB L2):
+    on one thread blocks of 64; on two, blocks of 64 would leave one thread 128 tiles and
+    the other 68 (even in blocks, 1.31x an even share in tiles), so the planner takes
+    blocks of 48 (100 and 96 tiles), not of 49 (each padded to 64 product columns)."""
+    sizes = cpu_planner.Caches(1 << 20, 32 << 20, "test")
+    one = cpu_planner.winograd_pipeline(1, 128, 128, (28, 28), 1, sizes)
+    assert (one.tiles, one.blocks, one.busiest) == (64, 4, 196)
+    old_busiest = min(cpu_planner._busiest(196, 64, 2, last) for last in (False, True))
+    assert old_busiest == 128 and old_busiest * 2 > cpu_planner.EVEN_SPLIT * 196
+    two = cpu_planner.winograd_pipeline(1, 128, 128, (28, 28), 2, sizes)
+    assert (two.tiles, two.blocks, two.parts, two.busiest) == (48, 5, 2, 100), two.reason
+    assert "the busiest thread 100 tiles" in two.reason
+    for threads in (2, 3, 4, 16):
+        pipe = cpu_planner.winograd_pipeline(1, 128, 128, (28, 28), threads, sizes)
+        if pipe.tiles:
+            assert pipe.busiest * pipe.parts <= cpu_planner.EVEN_SPLIT * 196, threads
+
+
+@pytest.mark.parametrize("threads", [2, 3, 4])
+def test_the_planned_blocks_give_one_threads_bits(threads: int) -> None:
+    """The planner's blocks for 128 -> 128 on 28 x 28 at batch 1 differ with the threads
+    (64 tiles on one, 48 on two): each tile is computed alike in any block, so the result
+    is bitwise one thread's, which matches the reference."""
+    rng = np.random.default_rng(5)
+    x, w, b = _rand(rng, 1, 128, 28, 28), _rand(rng, 128, 128, 3, 3), _rand(rng, 128)
+    z = _rand(rng, 1, 128, 28, 28)
+    act = ("clip", (-0.5, 0.6))
+    one = _native(x, w, b, z, (1, 1, 1, 1), act, threads=1)
+    got = _native(x, w, b, z, (1, 1, 1, 1), act, threads=threads)
+    assert got.tobytes() == one.tobytes()
+    want = _reference([x, w, b, z], {"pads": (1, 1, 1, 1), "activation": act[0],
+                                     "activation_params": act[1]})
+    np.testing.assert_allclose(one, want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3, 16])
 def test_either_block_order_gives_the_same_bits(threads: int,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:

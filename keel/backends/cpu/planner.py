@@ -2186,7 +2186,8 @@ class WinogradPipeline:
     consecutive tiles, across tile rows and images), the GEMM row ``panels`` of output
     channels a product block, the ``blocks``, the ``parts`` they split into, and why;
     ``last_first``: chunk ``[lo, hi)`` of the blocks runs blocks ``[blocks - hi,
-    blocks - lo)`` (pipeline_order), else ``[lo, hi)``."""
+    blocks - lo)`` (pipeline_order), else ``[lo, hi)``; ``busiest``: the most tiles a
+    chunk runs."""
 
     tiles: int
     panels: int
@@ -2194,6 +2195,7 @@ class WinogradPipeline:
     parts: int
     reason: str
     last_first: bool = False
+    busiest: int = 0                 # the tiles of the busiest chunk, in the order planned
 
 
 # The pipeline's blocks are any run of tiles (winograd.c), sized in tiles: where U stays
@@ -2221,18 +2223,22 @@ def winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], thre
     budget = int(sizes.l2 * PIPELINE_L2_SHARE)
     u_bytes = 64 * m * c
     held = u_bytes <= budget
-    block = _even_tiles(tiles, min(tiles, budget // (64 * c)), threads, held)
+    flops = 32 * m * c * tiles
+    most = min(tiles, budget // (64 * c))
+    block = _even_tiles(tiles, most, threads, held,
+                        max(1, min(threads, flops // MIN_FLOPS_PER_THREAD)))
     if block < 1:
-        return WinogradPipeline(0, 0, 0, 0, "pass by pass: a tile of V does not fit "
-                                f"{PIPELINE_L2_SHARE:g} of the L2 ({sizes.l2 >> 10} KiB)"
-                                if threads == 1 or tiles >= threads else
-                                f"pass by pass: {tiles} tile(s) for {threads} threads")
+        return WinogradPipeline(0, 0, 0, 0, "pass by pass: " + (
+            f"a tile of V does not fit {PIPELINE_L2_SHARE:g} of the L2 "
+            f"({sizes.l2 >> 10} KiB)" if most < 1 else
+            f"{tiles} tile(s) for {threads} threads" if tiles < threads else
+            f"no block of at most {most} of its {tiles} tiles splits evenly over "
+            f"{threads} threads (EVEN_SPLIT)"))
     cols = -(-block // PIPELINE_VECTOR) * PIPELINE_VECTOR
     all_panels = -(-m // mr)
     fit = max(1, min(all_panels, int(sizes.l2 * PIPELINE_P_SHARE) // (64 * cols * mr)))
     panels = -(-all_panels // -(-all_panels // fit))     # as even as whole panels allow
     blocks = -(-tiles // block)
-    flops = 32 * m * c * tiles
     parts = max(1, min(threads, blocks, flops // MIN_FLOPS_PER_THREAD))
     moved = (min(parts, blocks) if held else blocks) * u_bytes
     chunk = _winograd_chunk(images, 16 * th * tw * max(c, m) * 4, sizes)
@@ -2256,7 +2262,7 @@ def winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], thre
     last_first, order = pipeline_order(tiles, block, parts)
     return WinogradPipeline(block, panels, blocks, parts,
                             f"per-thread pipeline: {what}; {order}; it moves {bytes_why}",
-                            last_first)
+                            last_first, _busiest(tiles, block, parts, last_first))
 
 
 # The pipeline's blocks over its chunks. keel's split (threads.c, keel.native.pool.chunks)
@@ -2274,22 +2280,38 @@ def winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], thre
 def pipeline_order(tiles: int, block: int, parts: int) -> tuple[bool, str]:
     """Whether the pipeline's ``parts`` chunks of blocks of ``block`` of ``tiles`` tiles
     take the blocks from the last, and why (the busiest chunk's tiles either way)."""
-    from keel.native import pool
-
-    blocks = -(-tiles // block)
-    sizes = [min(block, tiles - q * block) for q in range(blocks)]
-    chunks = pool.chunks(blocks, parts)
-
-    def busiest(last: bool) -> int:
-        return max(sum(sizes[blocks - hi:blocks - lo] if last else sizes[lo:hi])
-                   for lo, hi in chunks)
-
-    in_order, from_last = busiest(False), busiest(True)
+    in_order, from_last = (_busiest(tiles, block, parts, last) for last in (False, True))
     if in_order < from_last:
         return False, (f"blocks in order (the busiest thread {in_order} tiles, "
                        f"{from_last} from the last)")
     return True, (f"blocks from the last (the busiest thread {from_last} tiles, "
                   f"{in_order} in order)")
+
+
+def _busiest(tiles: int, block: int, parts: int, last_first: bool,
+             padded: int = 0) -> int:
+    """The most tiles one of keel's ``parts`` chunks (keel.native.pool.chunks) of the
+    blocks of ``block`` of ``tiles`` tiles runs, the blocks in order or from the last;
+    with ``padded``, the columns it computes, a whole block counting ``padded`` and the
+    last its tiles padded to whole vectors."""
+    blocks = -(-tiles // block)
+    full = padded or block
+    last = tiles - (blocks - 1) * block
+    if padded:
+        last = -(-last // PIPELINE_VECTOR) * PIPELINE_VECTOR
+
+    def run(a: int, b: int) -> int:                   # the tiles of blocks [a, b)
+        return (b - a) * full - (full - last if b == blocks and b > a else 0)
+
+    return max((run(blocks - hi, blocks - lo) if last_first else run(lo, hi))
+               for lo, hi in _chunks(blocks, parts))
+
+
+def _chunks(n: int, parts: int) -> list[tuple[int, int]]:
+    """keel's split of ``n`` items into ``parts`` chunks (keel.native.pool.chunks)."""
+    from keel.native import pool
+
+    return pool.chunks(n, parts)
 
 
 # The passes' sixteen products split over the threads either by column panels across the
@@ -2358,20 +2380,55 @@ def _vectors(block: int, tiles: int) -> str:
     return f"padded to {-(-block // PIPELINE_VECTOR) * PIPELINE_VECTOR}"
 
 
-def _even_tiles(tiles: int, most: int, threads: int, vectors: bool) -> int:
-    """The most tiles a block (at most ``most``) whose blocks split evenly over
-    ``threads`` (EVEN_SPLIT; any split on one thread): the whole ``tiles`` in one block
-    where it fits, else (``vectors``: where U stays in each thread's L2, so that more
-    blocks cost no more bytes) whole vectors of PIPELINE_VECTOR tiles, else any count
-    (where every block reads U again, the fewest blocks); 0 if none splits evenly."""
-    whole = range(most // PIPELINE_VECTOR * PIPELINE_VECTOR if vectors else 0, 0,
-                  -PIPELINE_VECTOR)
-    for t in ((tiles,) if most >= tiles else ()) + tuple(whole) + tuple(range(most, 0, -1)):
-        blocks = -(-tiles // t)
-        if threads <= 1 or (blocks >= threads
-                            and -(-blocks // threads) * threads <= EVEN_SPLIT * blocks):
-            return t
-    return 0
+# The pipeline's block on more than one thread: of the block sizes whose blocks split
+# evenly over the threads counted in tiles (the busiest chunk's tiles within EVEN_SPLIT of
+# an even share, in the better order: pipeline_order), the one whose busiest chunk costs
+# least, counted in product columns: each block's tiles padded to whole vectors of
+# PIPELINE_VECTOR (winograd.c computes the padded columns), plus, where U does not stay
+# in each thread's L2, PIPELINE_U_COLUMNS for each block (each reads U again); on a tie
+# the larger block. PIPELINE_U_COLUMNS estimates what reading U (64 M C bytes) costs
+# against a column of products (32 M C flops): 2 x the flop rate over the shared cache's
+# bandwidth, about 150 GFLOP/s against 40 GB/s a core, so 8 columns whatever the
+# channels. 128 -> 128 on 28 x 28 at batch 1 (196 tiles, U 1 MiB not held) on two
+# threads: blocks of 64 (the busiest thread 128 tiles, the other 68: 1.31x an even
+# share) become blocks of 48 (100 and 96 tiles); blocks of 49 (98 and 98, each padded
+# to 64 columns) cost more. Measured under load on the 2-core AMD EPYC (Zen 5), the conv
+# alone alternating in one process, fastest of 25 rounds of 200 calls against blocks of
+# 64: 48 0.975-0.98x, 49 1.06-1.11x (docs/performance.md, "Uneven pipelines").
+PIPELINE_U_COLUMNS = 8
+
+
+def _even_tiles(tiles: int, most: int, threads: int, vectors: bool, parts: int) -> int:
+    """The tiles a block (at most ``most``; ``vectors``: U stays in each thread's L2) on
+    ``threads`` threads, the kernel running ``parts`` chunks of blocks (the cap of the
+    work on ``threads``): on one thread the whole ``tiles`` where it fits, else whole
+    vectors of PIPELINE_VECTOR tiles where U stays (more blocks cost no more bytes),
+    else ``most``; on more, where U stays the largest whole vectors that split evenly
+    in tiles, else the evenly split block that costs the busiest chunk least
+    (PIPELINE_U_COLUMNS); 0 if none splits evenly."""
+    if threads <= 1:
+        whole = most // PIPELINE_VECTOR * PIPELINE_VECTOR
+        return tiles if most >= tiles else whole if vectors and whole else most
+    def even(t: int) -> bool:
+        return -(-tiles // t) >= threads and min(
+            _busiest(tiles, t, parts, last) for last in (False, True)) * parts <= (
+                EVEN_SPLIT * tiles)
+
+    if vectors:
+        for t in range(most // PIPELINE_VECTOR * PIPELINE_VECTOR, 0, -PIPELINE_VECTOR):
+            if even(t):
+                return t
+    best, cost = 0, 0
+    for t in range(min(most, tiles), 0, -1):
+        if not even(t):
+            continue
+        last = min((False, True), key=lambda order: _busiest(tiles, t, parts, order))
+        ran = max(hi - lo for lo, hi in _chunks(-(-tiles // t), parts))
+        columns = _busiest(tiles, t, parts, last, -(-t // PIPELINE_VECTOR) * PIPELINE_VECTOR)
+        here = columns + (0 if vectors else PIPELINE_U_COLUMNS * ran)
+        if not best or here < cost:
+            best, cost = t, here
+    return best
 
 
 # ---- the masked conv's order over column panels --------------------------------------------
@@ -2479,22 +2536,29 @@ class Split:
     work: int
     least: int
     product: bool = False            # a native GEMM's product (its split is the GEMM's)
+    largest: int = 0                 # the largest piece's units (0: as keel's chunks split)
+    unit: str = "unit(s)"            # what the units are
+
+    @property
+    def most(self) -> int:
+        """The units of the largest piece: ``largest``, else keel's even chunks'."""
+        return self.largest or -(-self.units // self.pieces)
 
     @property
     def balance(self) -> float:
         """The largest chunk over the mean (1.0: every chunk the same)."""
-        return -(-self.units // self.pieces) * self.pieces / self.units if self.units else 1.0
+        return self.most * self.pieces / self.units if self.units else 1.0
 
     def spread(self, threads: int) -> float:
         """The busiest of ``threads`` threads' work over an even share (1.0: all alike)."""
-        return -(-self.units // self.pieces) * threads / self.units if self.units else 1.0
+        return self.most * threads / self.units if self.units else 1.0
 
     def worth(self, threads: int) -> bool:
         """Whether the pass has the least work per thread for each of ``threads``."""
         return self.work >= threads * self.least
 
     def describe(self) -> str:
-        return (f"{self.name} {self.units} unit(s) in {self.pieces} piece(s), the largest "
+        return (f"{self.name} {self.units} {self.unit} in {self.pieces} piece(s), the largest "
                 f"{self.balance:.2f}x the mean")
 
 
@@ -2549,10 +2613,11 @@ def _winograd_splits(geo: ConvGeometry, chunk: int, threads: int, grid: Any,
     out = geo.window.out_spatial
     c, m = geo.in_channels, geo.out_channels
     pipe = winograd_pipeline(geo.batch, c, m, (out[0], out[1]), threads, sizes, grid)
-    if pipe.tiles:
-        return (Split(f"pipeline blocks of {pipe.tiles} tiles", pipe.blocks, pipe.parts,
-                      32 * m * c * geo.batch * -(-out[0] // 2) * -(-out[1] // 2),
-                      MIN_FLOPS_PER_THREAD),)
+    if pipe.tiles:                 # counted in tiles: the last block may be partial
+        tiles = geo.batch * -(-out[0] // 2) * -(-out[1] // 2)
+        return (Split(f"pipeline ({pipe.blocks} blocks of {pipe.tiles})", tiles,
+                      pipe.parts, 32 * m * c * tiles, MIN_FLOPS_PER_THREAD,
+                      largest=pipe.busiest, unit="tile(s)"),)
     k = min(chunk, geo.batch)
     tiles = k * -(-out[0] // 2) * -(-out[1] // 2)
     hw = (out[0], out[1])

@@ -131,6 +131,10 @@ def test_not_served(x_shape: tuple[int, ...], w_shape: tuple[int, ...],
     ((32, 16, 32, 32), (32, 16, 1, 1), {"strides": (2, 2)}, True),
     ((32, 16, 32, 32), (32, 16, 1, 1), {}, False),                   # X is B as it lies
     ((2, 3, 224, 224), (32, 3, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}, False),
+    # ResNet's stem: masked for one image (its phase image in cache), gathered for more
+    ((1, 3, 224, 224), (64, 3, 7, 7), {"pads": (3, 3, 3, 3), "strides": (2, 2)}, True),
+    ((2, 3, 224, 224), (64, 3, 7, 7), {"pads": (3, 3, 3, 3), "strides": (2, 2)}, False),
+    ((1, 16, 224, 224), (64, 16, 7, 7), {"pads": (3, 3, 3, 3), "strides": (2, 2)}, False),
 ])
 def test_choice(x_shape: tuple[int, ...], w_shape: tuple[int, ...], attrs: dict[str, Any],
                 chosen: bool) -> None:
@@ -315,3 +319,26 @@ def test_the_native_form_says_when_it_runs_in_lanes_tiles() -> None:
     assert "in lanes tiles: 49 pixels an image, which 32-column panels compute as 64" in why(
         (1, 256, 14, 14), (512, 256, 3, 3))
     assert "lanes" not in why((1, 64, 56, 56), (128, 64, 3, 3))
+
+
+def test_one_small_image_runs_masked_with_the_gathered_bits() -> None:
+    """A strided conv of one image of few channels with many output pixels (ResNet's
+    7x7 stride-2 stem, smaller) runs masked, says why, and gives the gathered form's
+    bits with a bias, a residual and a clip on 1 to 16 threads."""
+    attrs = {"pads": (3, 3, 3, 3), "strides": (2, 2)}
+    rng = np.random.default_rng(23)
+    x, w, b = rand(rng, 1, 3, 140, 132), rand(rng, 40, 3, 7, 7), rand(rng, 40)
+    geo = conv_geometry(Op.CONV, x.shape, w.shape, attrs)
+    form, why = cpu_planner.native_form(geo, (8, 32))
+    assert form == "masked"
+    assert "4620 output pixels of one image of 3 channel(s)" in why
+    plain = reference([x, w, b], attrs)
+    z = rand(rng, *plain.shape)
+    want = np.empty(plain.shape, np.float32)
+    act = activation("clip", (-0.3, 0.4))
+    assert conv_gemm.native(np, conv_gemm.native_layout(geo, "gathered"), x, w, b, z, want,
+                            act, None, 1)
+    np.testing.assert_allclose(want, np.clip(plain + z, -0.3, 0.4), rtol=1e-4, atol=1e-4)
+    full = {**attrs, "activation": "clip", "activation_params": (-0.3, 0.4)}
+    for threads in (1, 2, 3, 16):
+        assert _masked(x, w, b, z, full, threads=threads).tobytes() == want.tobytes()

@@ -1603,6 +1603,19 @@ BAND_PANEL = 32
 # stride 2 on 224x224 at batch 32: 1.64x the gathered time, 0.99x at batch 1; 3 -> 64
 # 7x7 stride 2: 1.04x at batch 1).
 MASKED_STRIDED_BELOW = 4096
+# ... except one image of at most MASKED_ONE_IMAGE_CHANNELS input channels (a network's
+# first layer), whose phase image is small and stays in cache: ResNet-18's 3 -> 64 7x7
+# stride-2 stem on 224x224 at batch 1, alone (bias and ReLU, the phase copy included,
+# the forms alternating in one process, medians of 41 calls, measured under load, a
+# load average of 1.4-3): 1.079-1.250 ms masked against 1.143-1.295 gathered on one
+# thread (0.94-0.97x, six runs), 0.94-0.97x on two; inside the model (one thread, keel
+# / onnxruntime per pass, 21 passes, processes alternating) 1.020 and 1.033 against
+# 1.059 and 1.042. At batch 32 it lost (49.3 against 42.2 ms, 1.17x), so one image only.
+# A kernel with Y's channels in the vector lanes (a zero-bordered band of X's rows, 64
+# channels by 6 pixels a tile, register transposes to NCHW) ran 0.97-1.01x the gathered
+# time on one thread, 1.00-1.03x on two, 0.98x at batch 32, and was not kept
+# (docs/performance.md, ResNet-18 at batch 1).
+MASKED_ONE_IMAGE_CHANNELS = 3
 # stacked: the images of a batch go side by side in one product when an image's last
 # column panel would be less than STACK_FILL full; for a 1x1 stride-1 conv, which
 # otherwise reads X in place row panel by row panel (stacking gathers it), less than
@@ -1684,7 +1697,11 @@ def _masked_wins(geo: ConvGeometry, grid: Grid) -> bool:
     if grid is None or conv_gemm.masked_layout(geo) is None or (
             geo.is_pointwise and not win.padded and unit):
         return False                # a 1x1 stride-1 conv reads X in place as it is
-    return unit or math.prod(win.out_spatial) < MASKED_STRIDED_BELOW
+    return unit or math.prod(win.out_spatial) < MASKED_STRIDED_BELOW or _one_small_image(geo)
+
+
+def _one_small_image(geo: ConvGeometry) -> bool:
+    return geo.batch == 1 and geo.group == 1 and geo.in_channels <= MASKED_ONE_IMAGE_CHANNELS
 
 
 def _masked_lanes_reason(geo: ConvGeometry, grid: Grid) -> str:
@@ -1729,8 +1746,11 @@ def native_form(geo: ConvGeometry, grid: Any = _HERE) -> tuple[str, str]:
         return "band", (f"band: depth {geo.in_channels * math.prod(win.kernel)} <= "
                         f"{BAND_MAX_DEPTH}, {pixels} output pixels >= {BAND_FROM}, strided")
     if _masked_wins(geo, grid):
+        strided = any(s != 1 for s in win.strides) and pixels >= MASKED_STRIDED_BELOW
         return "masked", "masked: every tap reads a plane of the output's shape in place" + (
-            _masked_lanes_reason(geo, grid))
+            f", {pixels} output pixels of one image of {geo.in_channels} channel(s) (<= "
+            f"{MASKED_ONE_IMAGE_CHANNELS}): its phase image stays in cache" if strided
+            else "") + _masked_lanes_reason(geo, grid)
     if _wide_wins(geo, grid):
         form = "wide-stacked" if wide_stacks(geo, grid) else "wide"
         return form, f"{form}: its column panels within {WIDE_MAX_EXTRA}x the gathered ones"

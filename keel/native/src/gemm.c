@@ -1124,6 +1124,13 @@ static inline vf masked_load(const float *p, lanemask m)
     __asm__("vmovups (%1), %0%{%2%}%{z%}" : "=v"(v) : "r"(p), "Yk"(m));
     return v;
 }
+/* An epilogue's masked read of the bias or the residual, through the intrinsic: the
+ * compiler knows it reads memory, so it is neither hoisted above the test of the
+ * pointer nor moved across a store (the asm above is for B's loops only). */
+static inline vf epilogue_load(const float *p, lanemask m)
+{
+    return (vf)_mm512_maskz_loadu_ps(m, p);
+}
 #elif defined(__AVX__)
 typedef vi lanemask;
 static inline vf masked_load(const float *p, lanemask m)
@@ -1278,7 +1285,7 @@ static int64_t direct_group(const problem *g, const int64_t *geo)
 {
     int64_t panels = (g->n + NR - 1) / NR;
     int64_t group = geo[4 + 3 * geo[0] + panels * geo[0]];
-    return group > 1 ? group : 1;
+    return group > 1 ? (group < panels ? group : panels) : 1;
 }
 
 /* Row panels [i_lo, i_hi) x column panels [j_lo, j_hi) of a KEEL_DIRECT product, in
@@ -1401,8 +1408,8 @@ tall_tile(int h, int full, int64_t k, const float *a, int64_t ps, const float *b
         vf v = acc[i];
         if (e->alpha != 1.0f) v *= e->alpha;
         if (e->bias_kind == 1) v += e->bias[t->i0 + i];
-        else if (e->bias_kind == 2) v += masked_load(e->bias + t->jbase, lane);
-        if (e->res) v += masked_load(e->res + (t->i0 + i) * e->ldr + t->jbase, lane);
+        else if (e->bias_kind == 2) v += epilogue_load(e->bias + t->jbase, lane);
+        if (e->res) v += epilogue_load(e->res + (t->i0 + i) * e->ldr + t->jbase, lane);
         if (e->flags & KEEL_CLIP) v = clip(v, splat(e->lo), splat(e->hi));
         _mm512_mask_storeu_ps(cp, lane, (__m512)v);
     }
@@ -1501,8 +1508,8 @@ lanes_store(int w, int v, int rows, vf acc[LANES_COLS][2], const target *t,
         vf x = (vf)r[l];
         if (e->alpha != 1.0f) x *= e->alpha;
         if (e->bias_kind == 1) x += e->bias[i];
-        else if (e->bias_kind == 2) x += masked_load(e->bias + t->jbase, lane);
-        if (e->res) x += masked_load(e->res + i * e->ldr + t->jbase, lane);
+        else if (e->bias_kind == 2) x += epilogue_load(e->bias + t->jbase, lane);
+        if (e->res) x += epilogue_load(e->res + i * e->ldr + t->jbase, lane);
         if (e->flags & KEEL_CLIP) x = clip(x, splat(e->lo), splat(e->hi));
         _mm512_mask_storeu_ps(t->c + (16 * v + l) * t->ldc, lane, (__m512)x);
     }
@@ -1598,8 +1605,11 @@ static void lanes_product(const problem *g, const epilogue *e, int64_t i_lo, int
  * order, and the same epilogue: bitwise the masked tiles' C, for any split. */
 static int direct_lanes_fit(const problem *g, const epilogue *e)
 {
-    return (e->flags & KEEL_LANES) && !(e->flags & KEEL_ACCUMULATE) && g->b_cols[0] > 0 &&
-           g->b_cols[0] <= DIRECT_MAX_TAPS && g->k * g->n <= keel_gemm_workspace_f32();
+    /* lanes_product writes plain columns of C and reads every one of B's k rows: no
+     * column map of C, and k whole taps of channels (direct_lanes_b writes those). */
+    return (e->flags & KEEL_LANES) && !(e->flags & KEEL_ACCUMULATE) && !g->c_cols &&
+           g->b_cols[0] > 0 && g->b_cols[0] <= DIRECT_MAX_TAPS && g->k % g->b_cols[0] == 0 &&
+           g->k * g->n <= keel_gemm_workspace_f32();
 }
 
 /* B's rows over columns [c_lo, c_hi) (whole column panels [j_lo, j_hi) but the last

@@ -10,6 +10,9 @@
  * floats (64-byte aligned), kept between calls. A kernel whose chunks compute
  * disjoint outputs with the same instructions wherever the chunk starts gives
  * bitwise the same result whichever thread runs which chunk.
+ * keel_parallel_capped(fn, ctx, n, parts, threads, scratch_floats) runs the same chunks
+ * on at most `threads` threads, which claim those past their own one at a time (every
+ * kernel library's pool entry: parallel.h).
  *
  * Why not Python threads: waking a Python worker through a queue costs ~22 us on
  * the 2-core development machine (a sleeping vCPU is woken through the

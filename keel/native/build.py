@@ -331,7 +331,7 @@ def _attach_pool(lib: NativeLibrary) -> None:
         pool = library(_POOL)
     except BackendSelectionError:
         pool = None
-    run = None if pool is None else pool.address("keel_parallel")
+    run = None if pool is None else pool.address("keel_parallel_capped")
     if run is not None:
         lib.function("keel_use_pool", [ctypes.c_void_p])(run)
 

@@ -76,7 +76,7 @@ class Session:
         self.script.call(pool, "keel_pool_set_spin_us", 0)
         for name, index in self.lib.items():
             if name != "threads":
-                self.script.call(index, "keel_use_pool", Symbol(pool, "keel_parallel"))
+                self.script.call(index, "keel_use_pool", Symbol(pool, "keel_parallel_capped"))
 
     def call(self, library: str, name: str, *ints: Any, floats: tuple[float, ...] = ()
              ) -> int:

@@ -166,6 +166,29 @@ def test_pool_workers_take_chunks_while_the_caller_runs_its_own() -> None:
     assert out[2::3].sum() >= 1 and pool.workers() >= 1
 
 
+@pytest.mark.parametrize(("n", "parts", "threads"), [(16, 8, 2), (9, 9, 3), (5, 8, 1),
+                                                     (40, 32, 16), (7, 3, 0)])
+def test_a_capped_split_runs_every_chunk_on_at_most_its_threads(n: int, parts: int,
+                                                                 threads: int) -> None:
+    """keel_parallel_capped: the same chunks as chunks(n, parts), each run once, only by
+    threads of the pool's ids below the cap (0: no cap, any of the pool's threads),
+    however many workers a wider split started before."""
+    lib = native.library("threads")
+    if lib is None:
+        pytest.skip(f"native tier unavailable: {native.status().reason}")
+    capped = lib.function("keel_pool_check_capped", [ctypes.c_int64] * 3 + [ctypes.c_void_p],
+                          ctypes.c_int64)
+    wide = np.full(3 * 4, -1, dtype=np.int64)
+    assert _pool_check()(8, 4, 5000, wide.ctypes.data) == 0      # three workers started
+    for _ in range(20):
+        out = np.full(3 * min(n, parts), -1, dtype=np.int64)
+        assert capped(n, parts, threads, out.ctypes.data) == 0
+        rows = out.reshape(-1, 3)
+        assert [tuple(r) for r in rows[:, :2]] == pool.chunks(n, parts)
+        assert rows[:, 2].min() >= 0
+        assert rows[:, 2].max() < (threads or pool.workers() + 1), rows
+
+
 def test_pool_serves_concurrent_callers_and_restarts_after_shutdown() -> None:
     check = _pool_check()
     results: list[np.ndarray] = []

@@ -345,23 +345,58 @@ def test_the_planned_blocks_give_one_threads_bits(threads: int) -> None:
     np.testing.assert_allclose(one, want, rtol=1e-4, atol=1e-4)
 
 
+_CLIP = ("clip", (-0.5, 0.6))
+
+
+def _passes_case(seed: int, monkeypatch: pytest.MonkeyPatch) -> tuple[np.ndarray, ...]:
+    """A 24 -> 20 conv on two 15 x 15 images (128 tiles) with its epilogue: the arrays
+    and the passes' result."""
+    rng = np.random.default_rng(seed)
+    x, w, b = _rand(rng, 2, 24, 15, 15), _rand(rng, 20, 24, 3, 3), _rand(rng, 20)
+    z = _rand(rng, 2, 20, 15, 15)
+    _forced(monkeypatch, _PASSES)
+    return x, w, b, z, _native(x, w, b, z, (1, 1, 1, 1), _CLIP)
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3, 16])
 def test_either_block_order_gives_the_same_bits(threads: int,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """The pipeline's blocks in order and from the last (winograd.c runs the order the
     plan passes): bitwise the same result, a partial last block included."""
-    rng = np.random.default_rng(21)
-    x, w, b = _rand(rng, 2, 24, 15, 15), _rand(rng, 20, 24, 3, 3), _rand(rng, 20)
-    z = _rand(rng, 2, 20, 15, 15)
-    act = ("clip", (-0.5, 0.6))
-    _forced(monkeypatch, _PASSES)
-    want = _native(x, w, b, z, (1, 1, 1, 1), act)
+    x, w, b, z, want = _passes_case(21, monkeypatch)
+    act = _CLIP
     tiles = 2 * 8 * 8                                   # 128 tiles: blocks of 48, the last 32
     for last_first in (False, True):
         _forced(monkeypatch, cpu_planner.WinogradPipeline(
             48, 2, 3, min(threads, 3), "forced", last_first))
         got = _native(x, w, b, z, (1, 1, 1, 1), act, threads=threads)
         assert got.tobytes() == want.tobytes(), (threads, last_first, tiles)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 16])
+def test_more_chunks_than_threads_give_the_same_bits(threads: int,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pipeline's blocks in more chunks than threads (claimed one at a time past each
+    thread's first, threads.c's keel_parallel_capped), in either order: bitwise the
+    passes' result, as the planner plans them at 1, 2 and 4 chunks a thread."""
+    x, w, b, z, want = _passes_case(23, monkeypatch)
+    act = _CLIP
+    blocks = 8                                          # 128 tiles in blocks of 16
+    for per_thread in (1, 2, 3, 4):
+        used = min(threads, blocks)
+        for last_first in (False, True):
+            _forced(monkeypatch, cpu_planner.WinogradPipeline(
+                16, 2, blocks, min(blocks, used * per_thread), "forced", last_first,
+                threads=used))
+            got = _native(x, w, b, z, (1, 1, 1, 1), act, threads=threads)
+            assert got.tobytes() == want.tobytes(), (threads, per_thread, last_first)
+    monkeypatch.undo()
+    for per_thread in (1, 2, 4):
+        pipe = cpu_planner.winograd_pipeline(1, 64, 64, (56, 56), threads,
+                                             per_thread=per_thread)
+        assert pipe.tiles and pipe.threads == min(threads, pipe.blocks)
+        assert pipe.parts == min(pipe.blocks, pipe.threads * per_thread)
+        assert ("claimed one at a time" in pipe.reason) == (pipe.parts > pipe.threads)
 
 
 @pytest.mark.parametrize(("x_shape", "m"), [((1, 64, 6, 6), 64), ((2, 64, 5, 5), 56),

@@ -2070,7 +2070,8 @@ def winograd_form(geo: ConvGeometry, itemsize: int, sizes: Caches | None = None,
         if pipe.tiles:          # each thread's block of V and P, in the pool's scratch
             mr = (_grid(_HERE) or _TILES["scalar"])[0]
             ld = -(-pipe.tiles // PIPELINE_VECTOR) * PIPELINE_VECTOR
-            scratch = pipe.parts * 16 * ld * (c + pipe.panels * mr) * itemsize
+            scratch = ((pipe.threads or pipe.parts) * 16 * ld * (c + pipe.panels * mr)
+                       * itemsize)
     return ConvForm("", why, chunk, scratch)
 
 
@@ -2216,6 +2217,7 @@ class WinogradPipeline:
     reason: str
     last_first: bool = False
     busiest: int = 0                 # the tiles of the busiest chunk, in the order planned
+    threads: int = 0                 # the threads that take the chunks (0: one a chunk)
 
 
 # The pipeline's blocks are any run of tiles (winograd.c), sized in tiles: where U stays
@@ -2229,13 +2231,26 @@ class WinogradPipeline:
 # fewer tile rows than threads no longer rule the pipeline out.
 PIPELINE_VECTOR = 16
 
+# The pipeline's chunks a thread (threads.c's keel_parallel_capped): with more than one,
+# its blocks split into that many chunks per thread, which the threads claim one at a
+# time past their own first (onnxruntime's pool splits its passes so), so that a thread
+# descheduled or slowed by other work holds up only a chunk, not its whole share. Every
+# block is computed alike on any thread, so the bits are the same for any count
+# (tests/native/test_winograd.py). Measured under load on the 2-core AMD EPYC, two
+# threads, 1, 2 and 4 chunks a thread alternating in one process (docs/performance.md,
+# "More chunks than threads"): medians within 1 % of one chunk a thread for 64 -> 64 on
+# 56x56 and 128 -> 128 on 28x28 at batch 1 and 8; unproven, so one it stays.
+PIPELINE_CHUNKS_PER_THREAD = 1
+
 
 @functools.lru_cache(maxsize=512)
 def winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], threads: int,
-                      sizes: Caches | None = None, grid: Any = _HERE) -> WinogradPipeline:
+                      sizes: Caches | None = None, grid: Any = _HERE,
+                      per_thread: int = PIPELINE_CHUNKS_PER_THREAD) -> WinogradPipeline:
     """Whether a compiled Winograd conv of ``images`` images (C -> M channels, output
     ``out_hw``) runs as the per-thread pipeline on ``threads`` threads, for the caches of
-    ``sizes`` (None: this machine's), and its blocks: see PIPELINE_L2_SHARE."""
+    ``sizes`` (None: this machine's), and its blocks, ``per_thread`` chunks of them a
+    thread (PIPELINE_CHUNKS_PER_THREAD): see PIPELINE_L2_SHARE."""
     sizes = sizes or caches()
     mr, nr = _grid(grid) or _TILES["scalar"]
     th, tw = -(-out_hw[0] // 2), -(-out_hw[1] // 2)
@@ -2279,10 +2294,15 @@ def winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], thre
     if moved > passes:
         return WinogradPipeline(0, 0, 0, 0, f"pass by pass: the per-thread pipeline "
                                 f"({what}) would move {bytes_why}")
-    last_first, order = pipeline_order(tiles, block, parts)
-    return WinogradPipeline(block, panels, blocks, parts,
-                            f"per-thread pipeline: {what}; {order}; it moves {bytes_why}",
-                            last_first, _busiest(tiles, block, parts, last_first))
+    chunks = min(blocks, parts * max(1, per_thread))
+    last_first, order = pipeline_order(tiles, block, chunks)
+    claimed = "" if chunks == parts else (
+        f"; the blocks in {chunks} chunks, {-(-chunks // parts)} a thread at most, claimed "
+        f"one at a time past each thread's first (PIPELINE_CHUNKS_PER_THREAD {per_thread})")
+    busiest = _busiest(tiles, block, chunks, last_first) * -(-chunks // parts)
+    return WinogradPipeline(block, panels, blocks, chunks,
+                            f"per-thread pipeline: {what}{claimed}; {order}; it moves "
+                            f"{bytes_why}", last_first, min(tiles, busiest), parts)
 
 
 # The pipeline's blocks over its chunks. keel's split (threads.c, keel.native.pool.chunks)
@@ -2636,7 +2656,7 @@ def _winograd_splits(geo: ConvGeometry, chunk: int, threads: int, grid: Any,
     if pipe.tiles:                 # counted in tiles: the last block may be partial
         tiles = geo.batch * -(-out[0] // 2) * -(-out[1] // 2)
         return (Split(f"pipeline ({pipe.blocks} blocks of {pipe.tiles})", tiles,
-                      pipe.parts, 32 * m * c * tiles, MIN_FLOPS_PER_THREAD,
+                      pipe.threads or pipe.parts, 32 * m * c * tiles, MIN_FLOPS_PER_THREAD,
                       largest=pipe.busiest, unit="tile(s)"),)
     k = min(chunk, geo.batch)
     tiles = k * -(-out[0] // 2) * -(-out[1] // 2)

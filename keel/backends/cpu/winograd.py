@@ -229,7 +229,8 @@ def native_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[in
                       None if z is None else addr(z), None if clip is None else addr(clip), n,
                       call.args, fns.product,
                       addr(_geometry(pipe.tiles, pipe.panels, fns.mr, fns.work,
-                                          int(pipe.last_first))), pipe.parts))
+                                          int(pipe.last_first), pipe.threads)),
+                      pipe.parts))
         if name and name != "clip":
             finish(np, y, y, None, act)
         return True
@@ -295,7 +296,8 @@ def _products(xp: Any, arrays: tuple[Any, ...]) -> _Products:
 def _geometry(*values: int) -> np.ndarray:
     """winograd.c's geometry array (C, H, W, OH, OW, PT, PL), or the pipeline's sizes
     (tiles a block, row panels a product block, the GEMM's MR and workspace floats, the
-    blocks' order: planner.pipeline_order), made once per shape."""
+    blocks' order: planner.pipeline_order, the threads: 0 for one a chunk), made once
+    per shape."""
     array = np.array(values, dtype=np.int64)
     array.setflags(write=False)
     return array

@@ -10,6 +10,9 @@
  * floats (64-byte aligned), kept between calls. A kernel whose chunks compute
  * disjoint outputs with the same instructions wherever the chunk starts gives
  * bitwise the same result whichever thread runs which chunk.
+ * keel_parallel_capped(fn, ctx, n, parts, threads, scratch_floats) runs the same chunks
+ * on at most `threads` threads, which claim those past their own one at a time (every
+ * kernel library's pool entry: parallel.h).
  *
  * Why not Python threads: waking a Python worker through a queue costs ~22 us on
  * the 2-core development machine (a sleeping vCPU is woken through the
@@ -136,8 +139,12 @@ static struct {
     pthread_t threads[MAX_WORKERS];
     job j;
     _Atomic int64_t spin_ns;
+    /* The threads of the live job may take chunks: those of id below it. Written before
+     * the job's ticket; a thread that reads it for a job already gone finds no chunk left
+     * to claim (the next job's value is written only once every chunk of this one ran). */
+    _Atomic int64_t cap;
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, ATOMIC_FLAG_INIT, 0, 0, 0, 0, 0,
-          0, 0, {0}, {0}, 200000};
+          0, 0, {0}, {0}, 200000, MAX_WORKERS + 1};
 
 #if defined(__linux__)
 /* The CPUs the workers run on (keel_pool_pin); `pinned` 0: wherever the process may. */
@@ -226,6 +233,7 @@ static void take_chunks(uint32_t epoch)
     float *scratch = NULL;
     uint64_t t = atomic_load_explicit(&pool.ticket, memory_order_acquire);
     if (epoch_of(t) != epoch) return;
+    if (pool_id >= atomic_load_explicit(&pool.cap, memory_order_relaxed)) return;
     int64_t parts = (int64_t)((t >> CHUNK_BITS) & MAX_PARTS);
     /* Chunks past the job's owned ones have their bits set from the start. */
     int64_t owned = parts < OWN_PARTS ? parts : OWN_PARTS;
@@ -341,21 +349,30 @@ static void after_fork_child(void)
 
 static void fork_init(void) { pthread_atfork(NULL, NULL, after_fork_child); }
 
-/* Run fn over [0, n) in `parts` chunks on up to `parts` threads (this one included).
- * Returns 0, or -1 when a thread could not get its scratch (chunks may be missing). */
-int64_t keel_parallel(keel_task fn, void *ctx, int64_t n, int64_t parts, int64_t scratch_floats)
+/* Run fn over [0, n) in `parts` chunks on at most `threads` threads (this one
+ * included; 0 or less: no cap, as keel_parallel), the chunks past the threads' own
+ * claimed from the ticket one at a time, so that a slow or descheduled thread holds only
+ * its chunk. Only the threads of the pool's ids below `threads` take chunks (workers
+ * started for a wider split wait it out), and the pool grows to threads - 1 workers.
+ * Each thread keeps its scratch across its chunks. Returns 0, or -1 when a thread could
+ * not get its scratch (chunks may be missing). */
+int64_t keel_parallel_capped(keel_task fn, void *ctx, int64_t n, int64_t parts, int64_t threads,
+                             int64_t scratch_floats)
 {
     if (n <= 0) return 0;
     if (parts > n) parts = n;
     if (parts > MAX_PARTS) parts = MAX_PARTS;
     if (parts < 1) parts = 1;
-    if (parts == 1 || atomic_flag_test_and_set_explicit(&pool.busy, memory_order_acquire))
+    int64_t cap = threads > 0 && threads < parts ? threads : MAX_WORKERS + 1;
+    int64_t width = cap < parts ? cap : parts; /* the threads the job can use */
+    if (width == 1 || atomic_flag_test_and_set_explicit(&pool.busy, memory_order_acquire))
         return run_inline(fn, ctx, n, parts, scratch_floats);
     pthread_once(&fork_once, fork_init);
-    grow((int)(parts - 1));
+    grow((int)(width - 1));
     int64_t owned = atomic_load_explicit(&affinity, memory_order_relaxed)
-                        ? (parts < OWN_PARTS ? parts : OWN_PARTS) : 0;
+                        ? (width < OWN_PARTS ? width : OWN_PARTS) : 0;
     pool.j = (job){fn, ctx, n, scratch_floats};
+    atomic_store_explicit(&pool.cap, cap, memory_order_relaxed);
     atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
     atomic_store_explicit(&pool.failed, 0, memory_order_relaxed);
     uint32_t epoch = epoch_of(atomic_load_explicit(&pool.ticket, memory_order_relaxed)) + 1;
@@ -380,6 +397,13 @@ int64_t keel_parallel(keel_task fn, void *ctx, int64_t n, int64_t parts, int64_t
     int failed = atomic_load(&pool.failed);
     atomic_flag_clear_explicit(&pool.busy, memory_order_release);
     return failed ? -1 : 0;
+}
+
+/* Run fn over [0, n) in `parts` chunks on up to `parts` threads (this one included).
+ * Returns 0, or -1 when a thread could not get its scratch (chunks may be missing). */
+int64_t keel_parallel(keel_task fn, void *ctx, int64_t n, int64_t parts, int64_t scratch_floats)
+{
+    return keel_parallel_capped(fn, ctx, n, parts, 0, scratch_floats);
 }
 
 /* Worker threads started so far. */
@@ -511,4 +535,12 @@ int64_t keel_pool_check(int64_t n, int64_t parts, int64_t wait_ms, int64_t *out)
                    0};
     int64_t rc = keel_parallel(check_task, &j, n, parts, 0);
     return rc != 0 ? rc : atomic_load(&j.timed_out) ? -2 : 0;
+}
+
+/* keel_pool_check's record (no waiting) of keel_parallel_capped's run of `parts` chunks
+ * on at most `threads` threads. */
+int64_t keel_pool_check_capped(int64_t n, int64_t parts, int64_t threads, int64_t *out)
+{
+    check_job j = {out, parts > n ? n : (parts < 1 ? 1 : parts), n, 0, pthread_self(), 0, 0};
+    return keel_parallel_capped(check_task, &j, n, parts, threads, 0);
 }

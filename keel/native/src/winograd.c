@@ -426,7 +426,7 @@ typedef void (*block_product)(const void *call, float *work, int64_t batch, int6
  * channels per channel block, the GEMM's rows of a row panel (MR), floats of the GEMM's
  * workspace, and the blocks' order over the chunks (the cpu planner's choice,
  * planner.winograd_pipeline: 0 in order, 1 from the last). */
-enum { F_TILES, F_PANELS, F_MR, F_WORK, F_LAST_FIRST, F_LEN };
+enum { F_TILES, F_PANELS, F_MR, F_WORK, F_LAST_FIRST, F_THREADS, F_LEN };
 
 typedef struct {
     const float *x;
@@ -537,7 +537,8 @@ static void fused_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
 /* Y (images, M, OH, OW) = clip(conv(X, W) + bias + Z, lo, hi) as keel_winograd_input_f32,
  * the products and keel_winograd_output_f32 give it, each block of `sizes[F_TILES]`
  * tiles through all three on one thread, the blocks in `parts` chunks on keel's threads
- * (in the order sizes[F_LAST_FIRST] gives).
+ * (in the order sizes[F_LAST_FIRST] gives), at most sizes[F_THREADS] of them (0: one a
+ * chunk; fewer threads than chunks take the chunks past their own one at a time).
  * `call` is the prepared product of the packed U (16 products, M x C, gemm.c's
  * keel_gemm_args) and `product` gemm.c's keel_gemm_block_f32. Returns 0, or -1 for an
  * unserved geometry or sizes, or no scratch. */
@@ -549,7 +550,7 @@ int64_t keel_winograd_fused_f32(const float *x, float *y, const int64_t *geometr
     wgeom g;
     if (wgeom_init(&g, geometry) != 0 || m < 1 || images < 1 || !call || !product) return -1;
     if (sizes[F_TILES] < 1 || sizes[F_PANELS] < 1 || sizes[F_MR] < 1 || sizes[F_WORK] < 0
-        || (sizes[F_LAST_FIRST] != 0 && sizes[F_LAST_FIRST] != 1))
+        || (sizes[F_LAST_FIRST] != 0 && sizes[F_LAST_FIRST] != 1) || sizes[F_THREADS] < 0)
         return -1;
     fused_job j = {x, y, &g, m,
                    {bias, z, clip ? clip[0] : 0.0f, clip ? clip[1] : 0.0f, clip != NULL},
@@ -557,5 +558,6 @@ int64_t keel_winograd_fused_f32(const float *x, float *y, const int64_t *geometr
                    sizes[F_LAST_FIRST], images * g.th * g.tw, 0};
     j.ld = up16(j.tiles < j.all_tiles ? j.tiles : j.all_tiles);
     int64_t blocks = (j.all_tiles + j.tiles - 1) / j.tiles;
-    return run_parts(fused_task, &j, blocks, parts, fused_floats(&j, keel_winograd_scratch(geometry)));
+    return run_parts_capped(fused_task, &j, blocks, parts, sizes[F_THREADS],
+                            fused_floats(&j, keel_winograd_scratch(geometry)));
 }

@@ -262,7 +262,8 @@ static uint32_t next_epoch(uint32_t seen)
         now = epoch_of(atomic_load_explicit(&pool.ticket, memory_order_acquire));
         if (now != seen) return now;
         if ((i & (YIELD_SPINS - 1)) == 0) {
-            if (atomic_load_explicit(&yielding, memory_order_relaxed)) sched_yield();
+            /* Not on the first pass: a job that follows at once is taken without a call. */
+            if (i != 0 && atomic_load_explicit(&yielding, memory_order_relaxed)) sched_yield();
             if (atomic_load_explicit(&park_epoch, memory_order_acquire) == seen) {
                 /* The run ended after the last job: spin on only until park_until. */
                 int64_t parked = atomic_load_explicit(&park_until, memory_order_relaxed);

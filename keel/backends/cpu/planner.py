@@ -439,6 +439,11 @@ INT8_LAYOUT_REASON = ("int8 channels-last chain of {nodes} nodes ({depthwise} de
 # NCHW (and may start or end a chain).
 INT8_DENSE_MIN_INPUT_CHANNELS = 16
 INT8_DENSE_MIN_OUTPUT_CHANNELS = 32
+# A join whose operands are NCHW (outside any chain) writes its value channels-last, so
+# starting the chain, where at least this many channels-last kernels read it: ResNet-20's
+# first downsampling block, whose 3x3 stride-2 convolution and 1x1 stride-2 shortcut would
+# each transpose the same 16x32x32 value. One reader transposes it either way.
+INT8_JOIN_START_READERS = 2
 # An int8 MaxPool whose input a convolution outside any chain writes (ResNet-18's stem)
 # starts the chain itself: the NCHW pool then the transpose of its 4x smaller result.
 # ResNet-18's 3x3 stride-2 pool of 32x64x112x112 at one thread (measured under load): NCHW
@@ -621,6 +626,8 @@ def int8_layout_split_reason(kind: str, x: Sequence[int], w: Sequence[int],
 _LAYOUT_ROLES = {("nchw", "nhwc"): "starts it, its result written channels-last",
                  ("nhwc", "nhwc"): "inside it",
                  ("nhwc", "nchw"): "ends it, its result written NCHW"}
+_JOIN_ROLE = ("starts it, its result written channels-last once for its {readers} readers "
+              "(each would otherwise transpose the same NCHW value)")
 _POOL_ROLE = ("ends it, the global average pool reading its channels-last bytes in place: "
               "the (N, C, 1, 1) result is the same bytes in either layout")
 
@@ -676,8 +683,9 @@ def int8_layouts(graph: Any, types: Mapping[str, TensorType | None],
     every reader is a 1x1, depthwise or dense convolution (one wide enough for the
     indirect product), a max pool (unless a convolution outside any chain writes the
     value), a join or a global average pool (which ends the chain), it is no graph output,
-    a join's operands share a layout (its result channels-last only where they are), and
-    its chain holds a depthwise or dense convolution."""
+    a join's operands share a layout (its result channels-last where they are, or where
+    they are NCHW and several channels-last kernels read it: the join then transposes it
+    once), and its chain holds a depthwise or dense convolution."""
     nodes = graph.nodes
     kinds = [(_layout_kind(n, types) if variants[i] == "int8" else None)
              for i, n in enumerate(nodes)]
@@ -704,13 +712,18 @@ def int8_layouts(graph: Any, types: Mapping[str, TensorType | None],
             and readers.get(name) and all(reads_nhwc(r, name) for r in readers[name])}
     changed = True
     while changed:   # a join reads one layout; it writes NCHW unless it reads channels-last
-        changed = False
+        changed = False  # or (reading NCHW) its value has several channels-last readers
         for i, n in enumerate(nodes):
             if kinds[i] != "add":
                 continue
             operands = {n.inputs[0], n.inputs[3]}
-            if not operands <= nhwc and (operands & nhwc or n.outputs[0] in nhwc):
-                nhwc -= {*operands, n.outputs[0]}
+            if operands <= nhwc:
+                continue
+            if operands & nhwc:      # one layout read: both NCHW, its value decided next
+                nhwc -= operands
+                changed = True
+            elif n.outputs[0] in nhwc and not _join_starts(n, nhwc, readers):
+                nhwc.discard(n.outputs[0])
                 changed = True
     decided = _chains(nodes, kinds, nhwc, producer, readers)
     for i, (layout, why) in decided.items():
@@ -718,6 +731,13 @@ def int8_layouts(graph: Any, types: Mapping[str, TensorType | None],
         if split:
             decided[i] = (layout, f"{why}; {split}")
     return decided
+
+
+def _join_starts(node: Any, nhwc: set[str], readers: Mapping[str, list[int]]) -> bool:
+    """Whether a join reading NCHW operands writes its value channels-last: where at
+    least INT8_JOIN_START_READERS nodes read it channels-last, each would transpose it."""
+    out = node.outputs[0]
+    return out in nhwc and len(readers[out]) >= INT8_JOIN_START_READERS
 
 
 def _int8_node_split(node: Any, kind: str | None, layout: str,
@@ -764,6 +784,8 @@ def _chains(nodes: Sequence[Any], kinds: Sequence[str | None], nhwc: set[str],
             src = "nhwc" if nodes[i].inputs[0] in nhwc else "nchw"
             dst = "nhwc" if nodes[i].outputs[0] in nhwc else "nchw"
             role = _POOL_ROLE if kinds[i] == "pool" else _LAYOUT_ROLES[(src, dst)]
+            if kinds[i] == "add" and (src, dst) == ("nchw", "nhwc"):
+                role = _JOIN_ROLE.format(readers=len(readers[nodes[i].outputs[0]]))
             decided[i] = (f"{src}->{dst}", INT8_LAYOUT_REASON.format(
                 nodes=len(chain), depthwise=depthwise, dense=dense, this=role))
     return decided

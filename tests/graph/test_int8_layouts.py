@@ -95,6 +95,28 @@ def _narrow_resnet_chain(model: Any, layouts: Counter[str]) -> None:
     assert "once for its 2 readers" in model.explain()
 
 
+def test_a_chain_nodes_threads_reason_states_its_channels_last_split(
+        int8_model: tuple[Path, Any]) -> None:
+    """On two threads a convolution whose channels-last kernel runs states that kernel's
+    split (the one its layout reason gives); one whose NCHW kernel runs (outside a chain,
+    or a stem that only starts one) its NCHW kernel's."""
+    if not native_qgemm.available():
+        pytest.skip("the int8 kernels need the native tier")
+    model = keel.load_model(str(int8_model[0]), threads=2)
+    convs = [p for p in model.plan.nodes if p.op == "qlinear_conv" and p.plan is not None]
+    chained = [p for p in convs if "; its kernel" in p.plan.reason("layout")]
+    assert chained
+    for p in chained:
+        threads = p.plan.reason("threads")
+        assert "where the node's layout is NCHW" not in threads, p.name
+        assert f"the node runs channels-last ({p.layout}), its kernel" in threads, p.name
+        split = threads.split(f"({p.layout}), ", 1)[1]
+        assert p.plan.reason("layout").endswith(split), p.name
+    for p in convs:
+        if p not in chained:
+            assert "where the node's layout is NCHW" in p.plan.reason("threads"), p.name
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_channels_last_plan_gives_the_nchw_plans_bits(int8_model: tuple[Path, Any],
                                                       threads: int,

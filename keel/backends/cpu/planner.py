@@ -626,6 +626,8 @@ def int8_layout_split_reason(kind: str, x: Sequence[int], w: Sequence[int],
 _LAYOUT_ROLES = {("nchw", "nhwc"): "starts it, its result written channels-last",
                  ("nhwc", "nhwc"): "inside it",
                  ("nhwc", "nchw"): "ends it, its result written NCHW"}
+INT8_LAYOUT_THREADS_REASON = ("{threads} kernel thread(s): the backend's thread count; the "
+                              "node runs channels-last ({layout}), {split}")
 _JOIN_ROLE = ("starts it, its result written channels-last once for its {readers} readers "
               "(each would otherwise transpose the same NCHW value)")
 _POOL_ROLE = ("ends it, the global average pool reading its channels-last bytes in place: "
@@ -672,12 +674,14 @@ def _static(t: TensorType | None) -> tuple[int, ...] | None:
 
 def int8_layouts(graph: Any, types: Mapping[str, TensorType | None],
                  variants: Sequence[str | None], threads: int | None = None
-                 ) -> dict[int, tuple[str, str]]:
-    """The channels-last chains of int8 nodes: {node index: (layout, reason)} with layout
-    ``"nchw->nhwc"``, ``"nhwc->nhwc"`` or ``"nhwc->nchw"`` (what the node reads and
-    writes). ``variants[i]`` is node i's variant on this backend (None: elsewhere); with
-    ``threads`` (the backend's), a node whose channels-last kernel runs says how that
-    kernel splits over them (int8_layout_split_reason).
+                 ) -> dict[int, tuple[str, str, str]]:
+    """The channels-last chains of int8 nodes: {node index: (layout, reason, threads
+    reason)} with layout ``"nchw->nhwc"``, ``"nhwc->nhwc"`` or ``"nhwc->nchw"`` (what the
+    node reads and writes). ``variants[i]`` is node i's variant on this backend (None:
+    elsewhere); with ``threads`` (the backend's), a node whose channels-last kernel runs
+    says how that kernel splits over them (int8_layout_split_reason), in its layout
+    reason and as its threads reason (which otherwise states its NCHW kernel's split;
+    "" where that one runs).
 
     A value is kept channels-last when an int8 convolution, join or max pool writes it,
     every reader is a 1x1, depthwise or dense convolution (one wide enough for the
@@ -725,11 +729,12 @@ def int8_layouts(graph: Any, types: Mapping[str, TensorType | None],
             elif n.outputs[0] in nhwc and not _join_starts(n, nhwc, readers):
                 nhwc.discard(n.outputs[0])
                 changed = True
-    decided = _chains(nodes, kinds, nhwc, producer, readers)
-    for i, (layout, why) in decided.items():
+    decided: dict[int, tuple[str, str, str]] = {}
+    for i, (layout, why) in _chains(nodes, kinds, nhwc, producer, readers).items():
         split = _int8_node_split(nodes[i], kinds[i], layout, types, threads)
-        if split:
-            decided[i] = (layout, f"{why}; {split}")
+        decided[i] = (layout, f"{why}; {split}" if split else why,
+                      INT8_LAYOUT_THREADS_REASON.format(threads=threads, layout=layout,
+                                                        split=split) if split else "")
     return decided
 
 

@@ -503,10 +503,12 @@ class Backend(ABC):
         return self._plan_node(request)
 
     def plan_layouts(self, graph: Any, types: Mapping[str, TensorType | None],
-                     variants: Sequence[str | None]) -> dict[int, tuple[str, str]]:
+                     variants: Sequence[str | None]) -> dict[int, tuple[str, str, str]]:
         """Layouts decided over the whole graph (values kept in another layout between
-        this backend's nodes): {node index: (layout, reason)}; ``variants[i]`` is node
-        i's variant here, None where it runs elsewhere. None by default."""
+        this backend's nodes): {node index: (layout, reason, threads reason)}, the threads
+        reason the split the node's kernel runs in that layout ("": its plan's stands);
+        ``variants[i]`` is node i's variant here, None where it runs elsewhere. None by
+        default."""
         return {}
 
     # ---- availability and capabilities ---------------------------------

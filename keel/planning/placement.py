@@ -504,11 +504,14 @@ def _with_layouts(graph: Graph, types: Mapping[str, TensorType | None],
     placed = list(placements)
     for name in dict.fromkeys(p.backend for p in placements):
         variants = [p.variant if p.backend == name else None for p in placements]
-        for i, (layout, why) in registry.get(name).plan_layouts(graph, types,
-                                                                variants).items():
+        for i, (layout, why, threads_why) in registry.get(name).plan_layouts(
+                graph, types, variants).items():
             p = placed[i]
             if p.plan is not None:
-                placed[i] = dataclasses.replace(p, plan=p.plan.with_field("layout", layout, why))
+                plan = p.plan.with_field("layout", layout, why)
+                if threads_why:
+                    plan = plan.with_field("threads", plan.threads, threads_why)
+                placed[i] = dataclasses.replace(p, plan=plan)
     return placed
 
 

@@ -20,14 +20,19 @@ from tests.graph.test_fuse_qdq import _folded_and_quantized
 ort = pytest.importorskip("onnxruntime")
 
 
-@pytest.fixture(scope="module", params=["mobilenet", "resnet"])
+@pytest.fixture(scope="module", params=["mobilenet", "resnet", "resnet_narrow"])
 def int8_model(request: pytest.FixtureRequest,
                tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     """Two MobileNet blocks (the second's residual join inside the chain), or a small
-    ResNet (stem, max pool, a basic block, a downsampling one), BatchNorm folded,
-    quantized by onnxruntime (QDQ, uint8 activations, int8 weights per channel)."""
-    proto = (models.mobilenet_block(channels=40, expansion=3, size=12, blocks=2)
-             if request.param == "mobilenet" else models.resnet_stages(channels=32, size=20))
+    ResNet (stem, max pool, a basic block, a downsampling one), or one 16 channels wide
+    (ResNet-20's first downsampling: its basic block stays NCHW, the join before the
+    downsampling block starts the chain), BatchNorm folded, quantized by onnxruntime
+    (QDQ, uint8 activations, int8 weights per channel)."""
+    if request.param == "mobilenet":
+        proto = models.mobilenet_block(channels=40, expansion=3, size=12, blocks=2)
+    else:
+        proto = models.resnet_stages(channels=32 if request.param == "resnet" else 16, size=20)
+        proto.graph.name = request.param
     return _folded_and_quantized(tmp_path_factory.mktemp("int8_layouts"), proto, "qdq"), proto
 
 
@@ -42,8 +47,11 @@ def test_the_plan_keeps_the_blocks_channels_last(int8_model: tuple[Path, Any]) -
         pytest.skip("the int8 kernels need the native tier")
     model = keel.load_model(str(int8_model[0]), threads=1)
     layouts = _layouts(model)
-    if int8_model[1].graph.name == "resnet_stages":
+    if int8_model[1].graph.name == "resnet":
         _resnet_chain(model, layouts)
+        return
+    if int8_model[1].graph.name == "resnet_narrow":
+        _narrow_resnet_chain(model, layouts)
         return
     # stem starts the chain; 2 x (expand, depthwise, project) and both joins inside; the
     # integer global average pool reads the last join's channels-last bytes and ends it
@@ -72,6 +80,41 @@ def _resnet_chain(model: Any, layouts: Counter[str]) -> None:
     dense = [p for p in model.plan.nodes if p.op == "qlinear_conv" and p.layout]
     assert all("the indirect product, on 1 of 1 thread(s)" in p.plan.reason("layout")
                for p in dense)
+
+
+def _narrow_resnet_chain(model: Any, layouts: Counter[str]) -> None:
+    """The stem, max pool and 16-channel basic block stay NCHW; the join after it writes
+    its value channels-last once for both convolutions of the downsampling block that read
+    it (neither transposes it), and the global average pool ends the chain."""
+    nodes = list(model.plan.nodes)
+    assert [p.layout for p in nodes if p.op == "qlinear_conv"] == ["", "", "", *["nhwc->nhwc"] * 3]
+    assert [p.layout for p in nodes if p.op == "qlinear_add"] == ["nchw->nhwc", "nhwc->nhwc"]
+    assert layouts["nchw->nhwc"] == 1 and layouts["nhwc->nchw"] == 1
+    join = next(p for p in nodes if p.op == "qlinear_add")
+    assert "written channels-last once for its 2 readers" in join.plan.reason("layout")
+    assert "once for its 2 readers" in model.explain()
+
+
+def test_a_chain_nodes_threads_reason_states_its_channels_last_split(
+        int8_model: tuple[Path, Any]) -> None:
+    """On two threads a convolution whose channels-last kernel runs states that kernel's
+    split (the one its layout reason gives); one whose NCHW kernel runs (outside a chain,
+    or a stem that only starts one) its NCHW kernel's."""
+    if not native_qgemm.available():
+        pytest.skip("the int8 kernels need the native tier")
+    model = keel.load_model(str(int8_model[0]), threads=2)
+    convs = [p for p in model.plan.nodes if p.op == "qlinear_conv" and p.plan is not None]
+    chained = [p for p in convs if "; its kernel" in p.plan.reason("layout")]
+    assert chained
+    for p in chained:
+        threads = p.plan.reason("threads")
+        assert "where the node's layout is NCHW" not in threads, p.name
+        assert f"the node runs channels-last ({p.layout}), its kernel" in threads, p.name
+        split = threads.split(f"({p.layout}), ", 1)[1]
+        assert p.plan.reason("layout").endswith(split), p.name
+    for p in convs:
+        if p not in chained:
+            assert "where the node's layout is NCHW" in p.plan.reason("threads"), p.name
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])

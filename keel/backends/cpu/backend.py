@@ -164,7 +164,7 @@ class CpuBackend(Backend):
         return planner.plan(request, self.kernels)
 
     def plan_layouts(self, graph: Any, types: Mapping[str, TensorType | None],
-                     variants: Sequence[str | None]) -> dict[int, tuple[str, str]]:
+                     variants: Sequence[str | None]) -> dict[int, tuple[str, str, str]]:
         from keel.backends.cpu import planner
 
         return planner.int8_layouts(graph, types, variants, self.threads)

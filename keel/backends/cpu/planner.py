@@ -439,6 +439,11 @@ INT8_LAYOUT_REASON = ("int8 channels-last chain of {nodes} nodes ({depthwise} de
 # NCHW (and may start or end a chain).
 INT8_DENSE_MIN_INPUT_CHANNELS = 16
 INT8_DENSE_MIN_OUTPUT_CHANNELS = 32
+# A join whose operands are NCHW (outside any chain) writes its value channels-last, so
+# starting the chain, where at least this many channels-last kernels read it: ResNet-20's
+# first downsampling block, whose 3x3 stride-2 convolution and 1x1 stride-2 shortcut would
+# each transpose the same 16x32x32 value. One reader transposes it either way.
+INT8_JOIN_START_READERS = 2
 # An int8 MaxPool whose input a convolution outside any chain writes (ResNet-18's stem)
 # starts the chain itself: the NCHW pool then the transpose of its 4x smaller result.
 # ResNet-18's 3x3 stride-2 pool of 32x64x112x112 at one thread (measured under load): NCHW
@@ -621,6 +626,10 @@ def int8_layout_split_reason(kind: str, x: Sequence[int], w: Sequence[int],
 _LAYOUT_ROLES = {("nchw", "nhwc"): "starts it, its result written channels-last",
                  ("nhwc", "nhwc"): "inside it",
                  ("nhwc", "nchw"): "ends it, its result written NCHW"}
+INT8_LAYOUT_THREADS_REASON = ("{threads} kernel thread(s): the backend's thread count; the "
+                              "node runs channels-last ({layout}), {split}")
+_JOIN_ROLE = ("starts it, its result written channels-last once for its {readers} readers "
+              "(each would otherwise transpose the same NCHW value)")
 _POOL_ROLE = ("ends it, the global average pool reading its channels-last bytes in place: "
               "the (N, C, 1, 1) result is the same bytes in either layout")
 
@@ -665,19 +674,22 @@ def _static(t: TensorType | None) -> tuple[int, ...] | None:
 
 def int8_layouts(graph: Any, types: Mapping[str, TensorType | None],
                  variants: Sequence[str | None], threads: int | None = None
-                 ) -> dict[int, tuple[str, str]]:
-    """The channels-last chains of int8 nodes: {node index: (layout, reason)} with layout
-    ``"nchw->nhwc"``, ``"nhwc->nhwc"`` or ``"nhwc->nchw"`` (what the node reads and
-    writes). ``variants[i]`` is node i's variant on this backend (None: elsewhere); with
-    ``threads`` (the backend's), a node whose channels-last kernel runs says how that
-    kernel splits over them (int8_layout_split_reason).
+                 ) -> dict[int, tuple[str, str, str]]:
+    """The channels-last chains of int8 nodes: {node index: (layout, reason, threads
+    reason)} with layout ``"nchw->nhwc"``, ``"nhwc->nhwc"`` or ``"nhwc->nchw"`` (what the
+    node reads and writes). ``variants[i]`` is node i's variant on this backend (None:
+    elsewhere); with ``threads`` (the backend's), a node whose channels-last kernel runs
+    says how that kernel splits over them (int8_layout_split_reason), in its layout
+    reason and as its threads reason (which otherwise states its NCHW kernel's split;
+    "" where that one runs).
 
     A value is kept channels-last when an int8 convolution, join or max pool writes it,
     every reader is a 1x1, depthwise or dense convolution (one wide enough for the
     indirect product), a max pool (unless a convolution outside any chain writes the
     value), a join or a global average pool (which ends the chain), it is no graph output,
-    a join's operands share a layout (its result channels-last only where they are), and
-    its chain holds a depthwise or dense convolution."""
+    a join's operands share a layout (its result channels-last where they are, or where
+    they are NCHW and several channels-last kernels read it: the join then transposes it
+    once), and its chain holds a depthwise or dense convolution."""
     nodes = graph.nodes
     kinds = [(_layout_kind(n, types) if variants[i] == "int8" else None)
              for i, n in enumerate(nodes)]
@@ -704,20 +716,33 @@ def int8_layouts(graph: Any, types: Mapping[str, TensorType | None],
             and readers.get(name) and all(reads_nhwc(r, name) for r in readers[name])}
     changed = True
     while changed:   # a join reads one layout; it writes NCHW unless it reads channels-last
-        changed = False
+        changed = False  # or (reading NCHW) its value has several channels-last readers
         for i, n in enumerate(nodes):
             if kinds[i] != "add":
                 continue
             operands = {n.inputs[0], n.inputs[3]}
-            if not operands <= nhwc and (operands & nhwc or n.outputs[0] in nhwc):
-                nhwc -= {*operands, n.outputs[0]}
+            if operands <= nhwc:
+                continue
+            if operands & nhwc:      # one layout read: both NCHW, its value decided next
+                nhwc -= operands
                 changed = True
-    decided = _chains(nodes, kinds, nhwc, producer, readers)
-    for i, (layout, why) in decided.items():
+            elif n.outputs[0] in nhwc and not _join_starts(n, nhwc, readers):
+                nhwc.discard(n.outputs[0])
+                changed = True
+    decided: dict[int, tuple[str, str, str]] = {}
+    for i, (layout, why) in _chains(nodes, kinds, nhwc, producer, readers).items():
         split = _int8_node_split(nodes[i], kinds[i], layout, types, threads)
-        if split:
-            decided[i] = (layout, f"{why}; {split}")
+        decided[i] = (layout, f"{why}; {split}" if split else why,
+                      INT8_LAYOUT_THREADS_REASON.format(threads=threads, layout=layout,
+                                                        split=split) if split else "")
     return decided
+
+
+def _join_starts(node: Any, nhwc: set[str], readers: Mapping[str, list[int]]) -> bool:
+    """Whether a join reading NCHW operands writes its value channels-last: where at
+    least INT8_JOIN_START_READERS nodes read it channels-last, each would transpose it."""
+    out = node.outputs[0]
+    return out in nhwc and len(readers[out]) >= INT8_JOIN_START_READERS
 
 
 def _int8_node_split(node: Any, kind: str | None, layout: str,
@@ -764,6 +789,8 @@ def _chains(nodes: Sequence[Any], kinds: Sequence[str | None], nhwc: set[str],
             src = "nhwc" if nodes[i].inputs[0] in nhwc else "nchw"
             dst = "nhwc" if nodes[i].outputs[0] in nhwc else "nchw"
             role = _POOL_ROLE if kinds[i] == "pool" else _LAYOUT_ROLES[(src, dst)]
+            if kinds[i] == "add" and (src, dst) == ("nchw", "nhwc"):
+                role = _JOIN_ROLE.format(readers=len(readers[nodes[i].outputs[0]]))
             decided[i] = (f"{src}->{dst}", INT8_LAYOUT_REASON.format(
                 nodes=len(chain), depthwise=depthwise, dense=dense, this=role))
     return decided

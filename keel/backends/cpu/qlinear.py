@@ -357,13 +357,17 @@ def _add_constants(a_s: float, b_s: float, y_s: float, a_zp: int, b_zp: int,
               shapes="same-shaped 8-bit operands, float32 scales per tensor", **_META)
 def qlinear_add(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """One native pass over the bytes; broadcasting or other scales run the NumPy kernel.
-    Elementwise, so any layout; a join that ends a channels-last chain writes NCHW."""
+    Elementwise, so any layout; a join that ends a channels-last chain writes NCHW, one
+    that starts it (NCHW operands) writes channels-last."""
     src, dst = qlayout.layouts(ctx)
     if src != dst:
         y = _out(out, inputs[0].shape, inputs[7].dtype)
         plain = dataclasses.replace(ctx, plan=qlayout.without_layout(ctx.plan))
-        cl = qlinear_add(plain, inputs, attrs, [qlayout.scratch("y", y.shape, y.dtype)])[0]
-        qlayout.to_nchw(qlayout.channels_last(cl), _threads(ctx), y)
+        same = qlinear_add(plain, inputs, attrs, [qlayout.scratch("y", y.shape, y.dtype)])[0]
+        if dst == qlayout.NHWC:
+            qlayout.to_nhwc(same, _threads(ctx), qlayout.channels_last(y))
+        else:
+            qlayout.to_nchw(qlayout.channels_last(same), _threads(ctx), y)
         return _deliver(y, out)
     a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp = inputs
     constants = _add_call(a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp)

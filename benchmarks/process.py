@@ -141,10 +141,10 @@ def _settle(paths: Iterable[str]) -> None:
     """Wait until the files are older than the plan cache's settling time: it remembers a
     model file's digest only then (a write in the same clock tick could not be told apart),
     so every process before would hash the whole file again. A deployed model is older."""
-    from keel.execution.plan_cache import _SETTLE_NS
+    from keel._hashing import SETTLE_NS
 
     newest = max(os.stat(p).st_ctime_ns for p in paths)
-    wait = (newest + _SETTLE_NS - time.time_ns()) / 1e9
+    wait = (newest + SETTLE_NS - time.time_ns()) / 1e9
     if wait > 0:
         time.sleep(wait + 0.05)
 

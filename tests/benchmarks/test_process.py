@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import time
+from pathlib import Path
+
 import pytest
 
 from benchmarks import process
+from keel._hashing import SETTLE_NS
 
 
 def test_a_fresh_process_is_measured_from_its_first_statement_to_its_first_prediction(
@@ -22,6 +27,15 @@ def test_a_fresh_process_is_measured_from_its_first_statement_to_its_first_predi
     assert row["process_ms"] > row["first_predict_ms"] > 0 and row["cpu_ms"] > 0
     table = process.render(report)
     assert "| lenet | .keel | off |" in table and "(numpy only)" in table
+
+
+def test_a_fresh_model_file_is_left_to_settle_before_the_plan_cache_is_measured(
+        tmp_path: Path) -> None:
+    # The plan cache remembers a file's digest only once it is older than SETTLE_NS.
+    fresh = tmp_path / "model.keel"
+    fresh.write_bytes(b"x")
+    process._settle([str(fresh)])
+    assert time.time_ns() >= os.stat(fresh).st_ctime_ns + SETTLE_NS
 
 
 def test_unknown_models_are_refused() -> None:

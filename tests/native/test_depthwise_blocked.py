@@ -10,6 +10,7 @@ import pytest
 
 from keel import native
 from keel.backends.cpu import native_window as nw
+from keel.errors import InvalidArgumentError
 from keel.ops.schemas.conv import Window
 
 RNG = np.random.default_rng(23)
@@ -141,7 +142,7 @@ def test_bind_scheme_is_the_calls_own() -> None:
     assert np.array_equal(out["planes"], out["auto"])
     np.testing.assert_allclose(out["blocked"], _reference(x, w, None, None, win, None),
                                rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="unknown depthwise scheme 'tiles'"):
+    with pytest.raises(InvalidArgumentError, match="unknown depthwise scheme 'tiles'"):
         nw.bind_depthwise_conv(x, w, None, None, out["auto"], geo, None, 1, "tiles")
 
 

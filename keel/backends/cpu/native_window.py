@@ -31,6 +31,7 @@ import numpy as np
 
 from keel import native
 from keel.backends.cpu.native_gemm import planner_rules
+from keel.errors import InvalidArgumentError
 from keel.native.pool import parts
 from keel.ops.schemas.conv import Window
 
@@ -273,7 +274,7 @@ def bind_depthwise_conv(x: np.ndarray, w: np.ndarray, b: np.ndarray | None,
     head = (addr(x), addr(w), None if b is None else addr(b), None if z is None else addr(z),
             addr(y), geo.address, None if bounds is None else addr(bounds))
     if scheme not in (*SCHEMES, "auto"):
-        raise ValueError(f"unknown depthwise scheme {scheme!r}; allowed: "
+        raise InvalidArgumentError(f"unknown depthwise scheme {scheme!r}; allowed: "
                          f"{sorted((*SCHEMES, 'auto'))}")
     planes = x.shape[0] * x.shape[1]
     if scheme == "auto":

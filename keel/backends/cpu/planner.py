@@ -522,8 +522,6 @@ class Int8Split:
 
 
 def _int8_parts(tasks: int, threads: int | None, least: int) -> int:
-    from keel.native.pool import parts
-
     return parts(tasks, max(1, threads or 1), max(1, least))
 
 
@@ -742,7 +740,7 @@ def _join_starts(node: Any, nhwc: set[str], readers: Mapping[str, list[int]]) ->
     """Whether a join reading NCHW operands writes its value channels-last: where at
     least INT8_JOIN_START_READERS nodes read it channels-last, each would transpose it."""
     out = node.outputs[0]
-    return out in nhwc and len(readers[out]) >= INT8_JOIN_START_READERS
+    return out in nhwc and len(set(readers[out])) >= INT8_JOIN_START_READERS
 
 
 def _int8_node_split(node: Any, kind: str | None, layout: str,

@@ -394,11 +394,14 @@ def _add_call(a: Any, a_s: Any, a_zp: Any, b: Any, b_s: Any, b_zp: Any, y_s: Any
         return _add_checked(a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp)
     key = (a.shape, b.shape, a.dtype.char, b.dtype.char,
            *((p.dtype.char, p.shape, p.tobytes()) for p in params))
-    if key not in _ADD_CALLS:
-        if len(_ADD_CALLS) >= _KEPT_ADD_CALLS:
-            _ADD_CALLS.clear()
-        _ADD_CALLS[key] = _add_checked(a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp)
-    return _ADD_CALLS[key]
+    if key in _ADD_CALLS:
+        return _ADD_CALLS[key]
+    # Read back from a local: another thread may clear the shared memo meanwhile.
+    found = _add_checked(a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp)
+    if len(_ADD_CALLS) >= _KEPT_ADD_CALLS:
+        _ADD_CALLS.clear()
+    _ADD_CALLS[key] = found
+    return found
 
 
 def _add_checked(a: Any, a_s: Any, a_zp: Any, b: Any, b_s: Any, b_zp: Any, y_s: Any,

@@ -329,6 +329,29 @@ def test_qgemm_matches_the_reference(path: str, trans_a: bool, trans_b: bool, bi
             np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
+def test_a_qgemm_whose_b_zero_point_is_not_a_constant_is_not_run_on_a_pack_of_zeros(
+        path: str) -> None:
+    """B is a constant but its zero point an input: the prepack saw no zero point (packed
+    as 0), so a run with another one must not use that pack."""
+    m, k, n = 5, 40, 33
+    inputs: list[Any] = [_q(np.uint8, m, k), np.float32(0.05), np.array(128, np.uint8),
+                         _q(np.int8, k, n), _scales(n), np.array(3, np.int8), None,
+                         np.float32(0.3), np.array(-2, np.int8)]
+    attrs = get_schema(Op.QGEMM).normalize_attrs({"alpha": 1.0})
+    want = _reference(Op.QGEMM, inputs, attrs)
+    kv = CPU.get(Op.QGEMM, "int8")
+    const = [a if i in (3, 4) else None for i, a in enumerate(inputs)]
+    packed = kv.prepack(_ctx(1), const, attrs)
+    assert isinstance(packed, native_qgemm.PackedMatmul)
+    assert not packed.serves_zero_point(inputs[5])
+    ctx = KernelContext(np, "cpu", DeviceKind.CPU, 1, packed)
+    np.testing.assert_array_equal(np.asarray(kv.fn(ctx, inputs, attrs, None)[0]), want)
+    inputs[5] = np.array(0, np.int8)            # the packed zero point: the pack serves
+    assert packed.serves_zero_point(inputs[5])
+    np.testing.assert_array_equal(np.asarray(kv.fn(ctx, inputs, attrs, None)[0]),
+                                  _reference(Op.QGEMM, inputs, attrs))
+
+
 def test_unserved_cases_fall_back_to_the_numpy_kernel(path: str) -> None:
     """A 1-D convolution is outside the native kernel: the variant runs the default."""
     inputs = [_q(np.uint8, 1, 3, 10), np.float32(0.1), np.array(1, np.uint8),

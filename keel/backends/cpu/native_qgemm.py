@@ -349,6 +349,9 @@ class PackedMatmul:
     n: int
     zero_points: np.ndarray      # (N,) int32, shifted like the weights
     col_sums: np.ndarray         # (N,) int64: sum over k of the shifted weights
+    # B's zero points as packed, one per column (a node whose zero point is not a
+    # constant runs with another value: serves_zero_point says whether this pack holds)
+    source_zero_points: np.ndarray | None = field(default=None, repr=False)
     # the arrays matmul derives from a call's constants (_matmul_constants), and what a
     # node's kernel derives from its other operands (keyed by the caller), by those values
     calls: dict[tuple[Any, ...], Any] = field(default_factory=dict, repr=False)
@@ -356,6 +359,14 @@ class PackedMatmul:
     @property
     def nbytes(self) -> int:
         return int(self.panels.nbytes + self.zero_points.nbytes + self.col_sums.nbytes)
+
+    def serves_zero_point(self, b_zero_point: np.ndarray) -> bool:
+        """Whether B was packed with these zero point(s) (scalar or per column)."""
+        if self.source_zero_points is None:
+            return True
+        given = np.asarray(b_zero_point).reshape(-1)
+        return given.size in (1, self.n) and bool(np.array_equal(
+            np.broadcast_to(given, (self.n,)), self.source_zero_points))
 
     def remembered(self, key: tuple[Any, ...], make: Callable[[], _T]) -> _T:
         """What ``make`` derives for ``key``, made once: a node calls with the same
@@ -423,7 +434,7 @@ def pack_matmul(b: np.ndarray, b_zero_point: np.ndarray) -> PackedMatmul:
     panels = np.ascontiguousarray(
         padded.reshape(kp // 4, 4, np_ // panel, panel).transpose(2, 0, 3, 1))
     return PackedMatmul(panels, k, kp, n, np.ascontiguousarray(zs, dtype=np.int32),
-                        bs.sum(axis=0, dtype=np.int64))
+                        bs.sum(axis=0, dtype=np.int64), np.array(zp))
 
 
 def matmul(a: np.ndarray, a_zero_point: int, packed: PackedMatmul, bias: np.ndarray | None,

@@ -316,9 +316,11 @@ def _qgemm_call(params: tuple[Any, ...], attrs: Attrs, packed: Any) -> _QGemmCal
     mult = qgemm_scales(attrs["alpha"], a_s, b_s, y_s)
     zp = 0 if y_zp is None else int(y_zp.reshape(()))
     n = int(shape[1])  # type: ignore[arg-type]
+    # a pack made with other zero points for B (one that is not a constant) does not serve
     native = (c is None or (c.size in (1, n) and c.ndim <= 2
                             and (c.ndim != 2 or c.shape[0] == 1))) and _scalar(a_zp) and (
-        isinstance(packed, native_qgemm.PackedMatmul) or native_qgemm.available())
+        packed.serves_zero_point(b_zp) if isinstance(packed, native_qgemm.PackedMatmul)
+        else native_qgemm.available())
     bias = None if c is None or not native else np.broadcast_to(
         c.reshape(-1), (n,)).astype(np.int32)
     return _QGemmCall((int(shape[0]), n), out_dtype, mult, zp, bias,  # type: ignore[arg-type]

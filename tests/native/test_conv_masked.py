@@ -308,6 +308,18 @@ def test_masked_lanes_follow_the_computed_pixels() -> None:
     assert not lanes(512, 49, 2304, None)
 
 
+def test_masked_lanes_need_the_taps_copy_to_fit_the_workspace() -> None:
+    """The planner says lanes tiles only where the kernel can copy the taps (k x n
+    floats) into its workspace, so explain() names the form that runs."""
+    work = ng.workspace_floats()
+    if not work:
+        pytest.skip("the native tier is unavailable: no workspace to size")
+    k = -(-(work + 1) // 49)                        # the first depth past the workspace
+    assert cpu_planner.lanes_tiles(1, 512, 49, k)   # the lanes rule alone would take it
+    assert not cpu_planner.masked_lanes(512, 49, k, (8, 32))
+    assert cpu_planner.masked_lanes(512, 49, work // 49, (8, 32))
+
+
 def test_the_native_form_says_when_it_runs_in_lanes_tiles() -> None:
     def why(x_shape: tuple[int, ...], w_shape: tuple[int, ...]) -> str:
         attrs = {"pads": (1, 1, 1, 1), "strides": (2, 2)}

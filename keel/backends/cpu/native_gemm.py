@@ -197,6 +197,13 @@ def depth_block() -> int:
     return 512 if f is None else f.kc
 
 
+def workspace_floats() -> int:
+    """Floats of the packing workspace each call has (gemm.c's keel_gemm_workspace_f32);
+    0 where the tier is unavailable."""
+    f = _functions()
+    return 0 if f is None else f.work
+
+
 @dataclass(frozen=True, eq=False)
 class Packed:
     """A constant operand in the kernel's panel layout (see :func:`pack`)."""
@@ -532,7 +539,7 @@ def prepare(a: np.ndarray | Packed, b: np.ndarray | Packed | Rows, c: np.ndarray
         _DIRECT if masks is not None else 0) | (_NT if nt else 0) | (
         _TALL if f.tall(m, k) else 0) | (_LANES if _plain(ra, rb) and columns is None and (
             masks is None and not accumulate and f.lanes(batch, m, n, k)) else 0) | (
-        _LANES if masks is not None and not accumulate and k * n <= f.work
+        _LANES if masks is not None and not accumulate
         and planner_rules().masked_lanes(m, n, k) else 0)
     lo, hi = clip if clip is not None else (0.0, 0.0)
     values = (m, n, k, *ra[:4], *rb[:4],

@@ -2551,9 +2551,11 @@ MASKED_LANES_WASTE = 1.25
 
 def masked_lanes(m: int, n: int, k: int, grid: Any = _HERE) -> bool:
     """Whether a masked conv's product of ``m`` rows, ``n`` output pixels an image and
-    depth ``k`` runs in lanes tiles (``grid`` the native tile: its column panels)."""
+    depth ``k`` runs in lanes tiles (``grid`` the native tile: its column panels); the
+    taps' copy (k x n floats) must fit the call's workspace where the tier says its size."""
     grid = _grid(grid)
-    if grid is None or n <= 0 or not lanes_tiles(1, m, n, k):
+    work = native_gemm.workspace_floats()
+    if grid is None or n <= 0 or (work and k * n > work) or not lanes_tiles(1, m, n, k):
         return False
     computed = -(-n // grid[1]) * grid[1] / n
     return computed >= MASKED_LANES_WASTE or (computed > 1 and k >= m)

@@ -110,9 +110,8 @@ def qlinear_conv(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> 
     bias = optional_input(inputs, 8)
     threads = _threads(ctx)
     # a node's operands but x are the same values run after run: checked and derived once
-    key = (x.shape, x.dtype, y_zp.dtype, threads, *(
-        None if a is None else (a.dtype.char, a.shape, a.tobytes())
-        for a in (x_s, x_zp, w_s, w_zp, y_s, y_zp, bias)))
+    key = (x.shape, x.dtype, y_zp.dtype, threads,
+           *_values_key(x_s, x_zp, w_s, w_zp, y_s, y_zp, bias))
     packed = ctx.prepacked
     q = packed.known(key) if isinstance(packed, qlayout.ChannelsLastPack) else None
     if q is None and _served(x, x_s, x_zp, w, w_s, w_zp, y_s, y_zp, bias):
@@ -164,9 +163,8 @@ def _conv_nchw(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> li
     if isinstance(packed, native_qgemm.PackedConv) and isinstance(x, np.ndarray):
         # a node's operands but x are the same values run after run: its checks, geometry
         # and native call made once, reused while x's shape and type and their values recur
-        key = ("nchw", x.shape, x.dtype.char, id(attrs), threads, *(
-            None if a is None else (a.dtype.char, a.shape, a.tobytes())
-            for a in (x_s, x_zp, w_s, w_zp, y_s, y_zp, bias)))
+        key = ("nchw", x.shape, x.dtype.char, id(attrs), threads,
+               *_values_key(x_s, x_zp, w_s, w_zp, y_s, y_zp, bias))
         found = packed.prepared.get(key)
         if found is not None and found[0] is attrs:
             y = _out(out, found[1], y_zp.dtype)
@@ -288,9 +286,7 @@ def qgemm(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[An
     if isinstance(packed, native_qgemm.PackedMatmul):
         # a node's operands but A are the same values run after run: derived once
         key = ("qgemm", a.shape, b.shape, b.dtype.char, attrs["alpha"], attrs["trans_a"],
-               attrs["trans_b"], a.dtype.char, *(None if v is None else (
-                   v.dtype.char, v.shape, v.tobytes()) for v in (a_s, a_zp, b_s, b_zp, c, y_s,
-                                                                  y_zp)))
+               attrs["trans_b"], a.dtype.char, *_values_key(a_s, a_zp, b_s, b_zp, c, y_s, y_zp))
         call = packed.remembered(key, lambda: _qgemm_call(params, attrs, packed))
     else:
         call = _qgemm_call(params, attrs, packed)
@@ -382,6 +378,13 @@ def qlinear_add(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> l
     return _deliver(y, out)
 
 
+def _values_key(*operands: Any) -> tuple[Any, ...]:
+    """The operands' types, shapes and values as a memo key (None for one that is absent):
+    a node's operands but its data input are the same values run after run."""
+    return tuple(None if a is None else (v.dtype.char, v.shape, v.tobytes())
+                 for a in operands for v in (np.asarray(a),))
+
+
 _ADD_CALLS: dict[tuple[Any, ...], tuple[float, float, float] | None] = {}
 _KEPT_ADD_CALLS = 256
 
@@ -394,8 +397,7 @@ def _add_call(a: Any, a_s: Any, a_zp: Any, b: Any, b_s: Any, b_zp: Any, y_s: Any
     params = (a_s, a_zp, b_s, b_zp, y_s, y_zp)
     if not all(isinstance(v, np.ndarray) for v in (a, b, *params)):
         return _add_checked(a, a_s, a_zp, b, b_s, b_zp, y_s, y_zp)
-    key = (a.shape, b.shape, a.dtype.char, b.dtype.char,
-           *((p.dtype.char, p.shape, p.tobytes()) for p in params))
+    key = (a.shape, b.shape, a.dtype.char, b.dtype.char, *_values_key(*params))
     if key in _ADD_CALLS:
         return _ADD_CALLS[key]
     # Read back from a local: another thread may clear the shared memo meanwhile.

@@ -661,3 +661,20 @@ def test_requantization_is_onnxruntimes_float32_product(path: str, case: int) ->
                 _run(CPU, op, inputs, attrs, "int8"),
                 _run(CPU, op, inputs, attrs, "int8", 2, True)):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize(("library", "function", "names"), [
+    ("qgemm", "keel_qgemm_geometry", "INT8_QGEMM_SIZES"),
+    ("qlayout", "keel_qlayout_geometry", "INT8_QLAYOUT_SIZES")])
+def test_the_planners_int8_sizes_are_the_compiled_kernels(
+        library: str, function: str, names: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner's splits count tasks in the C kernels' sizes: the load checks each
+    against what the library reports, and one that differs fails it."""
+    lib = native.library(library)
+    if lib is None:
+        pytest.skip(f"native tier unavailable: {native.status().reason}")
+    native_qgemm.check_sizes(lib, function, getattr(cpu_planner, names))
+    name = getattr(cpu_planner, names)[-1]
+    monkeypatch.setattr(cpu_planner, name, getattr(cpu_planner, name) + 1)
+    with pytest.raises(native_qgemm.Int8SizesError, match=f"{name}.*change both sides"):
+        native_qgemm.check_sizes(lib, function, getattr(cpu_planner, names))

@@ -35,9 +35,9 @@ from keel.errors import InvalidArgumentError
 from keel.native.pool import parts
 from keel.ops.schemas.quantization import QUANT_RANGES, ConvGeometry, conv_geometry
 
-__all__ = ["ISA_NAMES", "ConvCall", "PackedConv", "PackedMatmul", "available", "conv2d",
-           "conv2d_call", "dequantize", "isa", "matmul", "max_pool", "pack_conv", "pack_matmul",
-           "qlinear_add", "quantize"]
+__all__ = ["ISA_NAMES", "ConvCall", "Int8SizesError", "PackedConv", "PackedMatmul", "available",
+           "check_sizes", "conv2d", "conv2d_call", "dequantize", "isa", "matmul", "max_pool",
+           "pack_conv", "pack_matmul", "qlinear_add", "quantize"]
 
 LIBRARY = "qgemm"
 ISA_NAMES = {2: "avx512-vnni", 1: "avx-vnni", 0: "portable"}
@@ -69,9 +69,28 @@ def _load() -> _Functions | None:
     return None if lib is None else _bind(lib)
 
 
+class Int8SizesError(RuntimeError):
+    """A compiled int8 kernel's sizes and the cpu planner's INT8_* values disagree."""
+
+
+def check_sizes(lib: native.NativeLibrary, function: str, names: tuple[str, ...]) -> None:
+    """Fail at load, before any call, where the sizes the C ``function`` reports (in the
+    order of ``names``) are not the cpu planner's ``names``: its splits count tasks in
+    them."""
+    sizes = np.zeros(len(names), dtype=np.int64)
+    count = int(lib.function(function, [_P, _I], _I)(_ptr(sizes), len(names)))
+    rules = planner_rules()
+    planned = [int(getattr(rules, name)) for name in names]
+    if count != len(names) or sizes.tolist() != planned:
+        raise Int8SizesError(
+            f"{function} reports {count} sizes {sizes.tolist()}; the cpu planner has "
+            f"{dict(zip(names, planned, strict=True))}: change both sides together")
+
+
 @functools.lru_cache(maxsize=4)
 def _bind(lib: native.NativeLibrary) -> _Functions:
     f = lib.function
+    check_sizes(lib, "keel_qgemm_geometry", planner_rules().INT8_QGEMM_SIZES)
     return _Functions(
         isa=int(f("keel_qgemm_isa", [], _I)()),
         panel=int(f("keel_qgemm_panel", [], _I)()),

@@ -486,8 +486,8 @@ INT8_DEPTHWISE_PLANE_MAX_BYTES = 1024 * 1024
 
 def int8_depthwise_planes(pieces: int, threads: int, plane_bytes: int) -> bool:
     """Whether the channels-last int8 depthwise kernel splits its work by (image,
-    32-channel block) planes, each widened once and kept in cache, rather than by output
-    rows: where every thread gets a plane and a plane fits a core's L2
+    INT8_DEPTHWISE_LANES-channel block) planes, each widened once and kept in cache, rather
+    than by output rows: where every thread gets a plane and a plane fits a core's L2
     (INT8_DEPTHWISE_PLANE_MAX_BYTES, measured against a 1 MiB L2, scaled to this
     machine's by :func:`caches`)."""
     return pieces >= threads and plane_bytes <= caches().with_l2(INT8_DEPTHWISE_PLANE_MAX_BYTES)
@@ -501,11 +501,22 @@ def int8_depthwise_planes(pieces: int, threads: int, plane_bytes: int) -> bool:
 # over bytes), so a small call (LeNet's layers, a 7x7 map at batch 1) runs on fewer threads
 # than the plan's. The kernels' prepared calls ask these functions once per call's shapes,
 # and the plans' reasons ask the same ones, so what explain() states is what runs.
+# The compiled kernels' sizes the splits count tasks in: not choices, the C code's geometry.
+# Each library reports its own at load (keel_qgemm_geometry, keel_qlayout_geometry) and
+# native_qgemm.check_sizes fails the load where one of these differs, so neither side
+# drifts alone; INT8_QGEMM_SIZES and INT8_QLAYOUT_SIZES name them in the order reported.
 INT8_DIRECT_PANEL = 64         # qgemm.c's NB: output positions per block of the direct kernel
-INT8_TILE_PIXELS = 12          # qlayout.c's MR: output pixels per tile of the panels
+#                                (and columns per weight panel of its matrix product)
+INT8_MATMUL_ROWS = 6           # qgemm.c's MR: rows per tile of its matrix product
+INT8_TRANSPOSE_STRIP = 32      # qlayout.c's TB: rows of a transpose strip
 INT8_DEPTHWISE_LANES = 32      # qlayout.c's CL: channels per depthwise block
-INT8_TRANSPOSE_STRIP = 32      # qlayout.c's transpose task: 32 rows of a strip
+INT8_DEPTHWISE_MAX_TAPS = 64   # qlayout.c's MAX_TAPS: the most taps its depthwise kernel takes
+INT8_TILE_PIXELS = 12          # qlayout.c's MR: output pixels per tile of the panels
+INT8_PANEL_COLUMNS = 32        # qlayout.c's NT: output channels per panel
 INT8_GAP_BLOCK = 256           # qlayout.c's GAP_CB: channels per global-pool task
+INT8_QGEMM_SIZES = ("INT8_DIRECT_PANEL", "INT8_MATMUL_ROWS")
+INT8_QLAYOUT_SIZES = ("INT8_TRANSPOSE_STRIP", "INT8_DEPTHWISE_LANES", "INT8_DEPTHWISE_MAX_TAPS",
+                      "INT8_TILE_PIXELS", "INT8_PANEL_COLUMNS", "INT8_GAP_BLOCK")
 
 
 @dataclass(frozen=True)
@@ -611,7 +622,8 @@ def int8_layout_split_reason(kind: str, x: Sequence[int], w: Sequence[int],
         geo = qconv_geometry(x, w, attrs)
         split = int8_depthwise_split(n, c, oh, ow, taps, qlayout.plane_bytes(geo, wd), threads,
                                      qlayout.lanes_available())
-        unit = "(image, 32-channel block) planes" if split.planes else "output rows"
+        unit = (f"(image, {INT8_DEPTHWISE_LANES}-channel block) planes" if split.planes
+                else "output rows")
         return (f"its kernel on {split.parts} of {threads} thread(s): {split.tasks} {unit}, "
                 f"at least MIN_CHUNK_TAPS = {MIN_CHUNK_TAPS:,} output values x taps a thread")
     split = int8_panel_split(n * oh * ow, taps * c, m, threads)

@@ -71,6 +71,7 @@ class _Functions:
     @functools.lru_cache(maxsize=4)
     def of(cls, lib: native.NativeLibrary) -> _Functions:
         f = lib.function
+        native_qgemm.check_sizes(lib, "keel_qlayout_geometry", planner_rules().INT8_QLAYOUT_SIZES)
         return cls(int(f("keel_qlayout_isa", [], _I)()),
                    f("keel_qtranspose_u8", [_P, _I, _I, _I, _P, _I], _I),
                    f("keel_qdepthwise_nhwc_u8s8",
@@ -222,9 +223,6 @@ class ChannelsLastPack:
         return made
 
 
-_TILE_COLUMNS = 32     # qlayout.c's NT: output channels per pointwise panel
-
-
 def _symmetric(zero_points: np.ndarray, dtype: np.dtype) -> bool:
     """Whether the weights' zero points are all 0 as signed bytes (the panels' form)."""
     return not np.any(zero_points.astype(np.int16) - (128 if dtype == np.uint8 else 0))
@@ -234,10 +232,11 @@ def _panels(conv: native_qgemm.PackedConv, w2: np.ndarray) -> ChannelsLastPack:
     """The (M, K) weights w2 as the panels [M/32][K/4][32][4] (signed) and column sums."""
     m, c = w2.shape
     signed = w2.astype(np.int16) - (128 if w2.dtype == np.uint8 else 0)
-    mp, cp = -(-m // _TILE_COLUMNS) * _TILE_COLUMNS, -(-c // 4) * 4
+    columns = planner_rules().INT8_PANEL_COLUMNS
+    mp, cp = -(-m // columns) * columns, -(-c // 4) * 4
     padded = np.zeros((mp, cp), np.int8)
     padded[:m, :c] = signed
-    panels = padded.reshape(mp // _TILE_COLUMNS, _TILE_COLUMNS, cp // 4, 4).transpose(0, 2, 1, 3)
+    panels = padded.reshape(mp // columns, columns, cp // 4, 4).transpose(0, 2, 1, 3)
     return ChannelsLastPack(conv, panels=np.ascontiguousarray(panels),
                             col_sums=signed.sum(axis=1, dtype=np.int64))
 
@@ -361,7 +360,7 @@ def _panel_operands(q: QuantConv, signed: bool, y_dtype: np.dtype
         folded = folded + q.bias.astype(np.int64)
     if np.abs(folded).max(initial=0) >= 2**31 - 2**30:
         return None
-    mp = panels.shape[0] * _TILE_COLUMNS
+    mp = panels.shape[0] * planner_rules().INT8_PANEL_COLUMNS
     bias, mult = np.zeros(mp, np.int32), np.zeros(mp, np.float64)
     bias[:m], mult[:m] = folded, q.multiplier
     lo, hi = QUANT_RANGES[DType.from_numpy(y_dtype)]
@@ -412,10 +411,6 @@ def tap_offsets(geo: ConvGeometry, h: int, w: int, c: int) -> np.ndarray:
     return np.ascontiguousarray(offsets.reshape(oh * ow, kh * kw), dtype=np.int32)
 
 
-# qlayout.c's depthwise channel block: 32 channels as int16 in one 512-bit register.
-_LANES = 32
-
-
 def lanes_available() -> bool:
     """Whether the loaded ``qlayout.c`` has its AVX-512 paths (the depthwise kernel's
     plane split among them)."""
@@ -430,7 +425,7 @@ def plane_bytes(geo: ConvGeometry, w: int) -> int:
     (sh, sw), (dh, dw) = geo.strides, geo.dilations
     hp = (oh - 1) * sh + (kh - 1) * dh + 1
     wp = max((ow - 1) * sw + (kw - 1) * dw + 1, w + geo.pads_begin[1])
-    return hp * wp * _LANES * 2
+    return hp * wp * planner_rules().INT8_DEPTHWISE_LANES * 2
 
 
 def _depthwise(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> bool:

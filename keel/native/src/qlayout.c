@@ -1194,3 +1194,17 @@ int64_t keel_qglobal_avgpool_u8(const uint8_t *x, int64_t is_signed, int64_t nhw
                  (float)(params[2] - zp), (float)(params[3] - zp), zp, y};
     return run_parts(gap_task, &j, n * j.blocks, parts, 1);
 }
+
+/* ---- the sizes the planner's splits count in --------------------------------------------
+ * keel.backends.cpu.qlayout reads them at load and checks the cpu planner's INT8_* values
+ * against them (a split counts tasks in these units), so neither side drifts alone. Writes
+ * at most n of: TB (rows of a transpose strip), CL (channels of a depthwise block),
+ * MAX_TAPS (the most taps the depthwise kernel takes), MR (output pixels of a panel tile),
+ * NT (output channels of a panel), GAP_CB (channels of a global-pool task); returns 6. */
+int64_t keel_qlayout_geometry(int64_t *out, int64_t n)
+{
+    const int64_t sizes[] = {TB, CL, MAX_TAPS, MR, NT, GAP_CB};
+    const int64_t count = (int64_t)(sizeof sizes / sizeof sizes[0]);
+    for (int64_t i = 0; i < n && i < count; i++) out[i] = sizes[i];
+    return count;
+}

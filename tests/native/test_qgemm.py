@@ -678,3 +678,39 @@ def test_the_planners_int8_sizes_are_the_compiled_kernels(
     monkeypatch.setattr(cpu_planner, name, getattr(cpu_planner, name) + 1)
     with pytest.raises(native_qgemm.Int8SizesError, match=f"{name}.*change both sides"):
         native_qgemm.check_sizes(lib, function, getattr(cpu_planner, names))
+
+
+@pytest.mark.parametrize(("rows", "parts"), [(4, 1), (64, 2)])
+def test_a_qgemm_plan_states_the_split_its_product_runs(path: str, rows: int,
+                                                         parts: int) -> None:
+    """The plan's threads reason names the parts qgemm.c's product runs on (a small one on
+    fewer threads than the plan's: each thread gets at least MIN_FLOPS_PER_THREAD), and the
+    packed product's call passes those parts."""
+    cpu_planner.forget()
+    a, b = _q(np.uint8, rows, 100), _q(np.int8, 100, 120)
+    f32, scalar = TensorType(DType.FLOAT32, ()), TensorType(DType.UINT8, ())
+    types = (TensorType(DType.UINT8, a.shape), f32, scalar, TensorType(DType.INT8, b.shape), f32,
+             TensorType(DType.INT8, ()))
+    attrs = get_schema(Op.QGEMM).normalize_attrs({})
+    plan = cpu_planner.plan(PlanRequest(Op.QGEMM, types, attrs, threads=2), CPU)
+    assert plan.variant == "int8"
+    assert f"int8 product: {parts} of 2 thread(s) run it" in plan.reason("threads")
+    packed = native_qgemm.pack_matmul(b, np.zeros((), np.int8))
+    y = np.empty((rows, 120), np.uint8)
+    native_qgemm.matmul(a, 3, packed, None, np.full(120, 0.001), DType.UINT8, 5, y, 2)
+    (constants,) = packed.calls.values()
+    assert constants.count == parts
+
+
+@pytest.mark.parametrize(("shape", "parts"), [((1, 8, 16, 16), 1), ((4, 32, 28, 28), 2)])
+def test_a_qlinear_add_plan_states_the_parts_its_pass_runs(path: str, shape: tuple[int, ...],
+                                                          parts: int) -> None:
+    cpu_planner.forget()
+    u8, f32 = TensorType(DType.UINT8, shape), TensorType(DType.FLOAT32, ())
+    zp = TensorType(DType.UINT8, ())
+    types = (u8, f32, zp, u8, f32, zp, f32, zp)
+    attrs = get_schema(Op.QLINEAR_ADD).normalize_attrs({})
+    plan = cpu_planner.plan(PlanRequest(Op.QLINEAR_ADD, types, attrs, threads=2), CPU)
+    assert plan.variant == "int8"
+    assert f"on {parts} of 2 thread(s)" in plan.reason("threads")
+    assert cpu_planner.int8_pass_parts(int(np.prod(shape)), 2) == parts

@@ -32,7 +32,6 @@ from keel import native
 from keel.backends.cpu.native_gemm import planner_rules
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError
-from keel.native.pool import parts
 from keel.ops.schemas.quantization import QUANT_RANGES, ConvGeometry, conv_geometry
 
 __all__ = ["ISA_NAMES", "ConvCall", "Int8SizesError", "PackedConv", "PackedMatmul", "available",
@@ -149,12 +148,6 @@ def _quant(out: DType, y_zero_point: int) -> np.ndarray:
         return np.array([0, 0, 0, _KINDS[out]], dtype=np.int64)
     lo, hi = QUANT_RANGES[out]
     return np.array([y_zero_point, lo, hi, _KINDS[out]], dtype=np.int64)
-
-
-def _threads(units: int, work_per_unit: int, threads: int) -> int:
-    rules = planner_rules()
-    return parts(units, max(1, threads), max(1, rules.MIN_FLOPS_PER_THREAD
-                                          // max(1, 2 * work_per_unit)))
 
 
 # ---- convolution -------------------------------------------------------------------------
@@ -426,7 +419,6 @@ def _matmul_constants(packed: PackedMatmul, rows: int, az: int, bias: np.ndarray
 def _make_matmul_constants(packed: PackedMatmul, rows: int, az: int, bias: np.ndarray | None,
                            multiplier: np.ndarray, out: DType, y_zero_point: int,
                            threads: int) -> _MatmulConstants:
-    fns = _functions()
     col = -az * packed.col_sums + packed.k * az * packed.zero_points.astype(np.int64)
     if bias is not None:
         col = col + bias.astype(np.int64)
@@ -435,8 +427,7 @@ def _make_matmul_constants(packed: PackedMatmul, rows: int, az: int, bias: np.nd
     mult = np.ascontiguousarray(np.broadcast_to(multiplier.reshape(-1), (packed.n,)),
                                 dtype=np.float64)
     quant = _quant(out, y_zero_point)
-    units = -(-packed.n // fns.panel) * -(-rows // 6)
-    count = _threads(units, 6 * fns.panel * packed.k, threads)
+    count = planner_rules().int8_matmul_split(rows, packed.k, packed.n, threads).parts
     return _MatmulConstants((bias_c, zv, mult, quant), _ptr(bias_c), _ptr(zv), _ptr(mult),
                             _ptr(quant), count)
 
@@ -511,7 +502,7 @@ def _add_arguments(constants: tuple[float, float, float], y_zero_point: int, rel
     lo, hi = QUANT_RANGES[DType.from_numpy(np.dtype(y_type))]
     c = np.asarray(constants, dtype=np.float32)
     b = np.array([max(lo, y_zero_point) if relu else lo, hi], dtype=np.int64)
-    count = parts(size, max(1, threads), planner_rules().QADD_MIN_ELEMENTS_PER_THREAD)
+    count = planner_rules().int8_pass_parts(size, threads)
     return _AddArguments((c, b), _ptr(c), _ptr(b), count)
 
 
@@ -521,7 +512,7 @@ def quantize(x: np.ndarray, scale: float, y_zero_point: int, y: np.ndarray,
     """``y`` (8-bit) = QuantizeLinear of the contiguous float32 ``x`` with one float32
     ``scale`` and zero point, as the NumPy kernel computes it."""
     lo, hi = QUANT_RANGES[DType.from_numpy(y.dtype)]
-    count = parts(x.size, max(1, threads), planner_rules().QADD_MIN_ELEMENTS_PER_THREAD)
+    count = planner_rules().int8_pass_parts(x.size, threads)
     _check(_functions().quantize(_ptr(x), x.size, scale, y_zero_point, lo, hi, _ptr(y), count))
 
 
@@ -529,7 +520,7 @@ def dequantize(x: np.ndarray, scale: float, x_zero_point: int, y: np.ndarray,
                threads: int = 1) -> None:
     """``y`` (float32) = DequantizeLinear of the contiguous 8-bit ``x`` with one float32
     ``scale`` and zero point, as the NumPy kernel computes it."""
-    count = parts(x.size, max(1, threads), planner_rules().QADD_MIN_ELEMENTS_PER_THREAD)
+    count = planner_rules().int8_pass_parts(x.size, threads)
     _check(_functions().dequantize(_ptr(x), x.size, scale, x_zero_point,
                                    int(x.dtype == np.int8), _ptr(y), count))
 
@@ -539,8 +530,8 @@ def max_pool(x: np.ndarray, geometry: tuple[int, ...], y: np.ndarray, threads: i
     """``y`` (N, C, OH, OW) = the 2-D window max of the contiguous 8-bit ``x`` (N, C, H, W),
     the padding never chosen; ``geometry``: N, C, H, W, OH, OW, KH, KW, SH, SW, PT, PL, DH,
     DW."""
-    count = parts(int(np.prod(geometry[:2])), max(1, threads),
-                  -(-planner_rules().QMAXPOOL_MIN_ELEMENTS_PER_THREAD // max(1, x[0, 0].size)))
+    count = planner_rules().int8_max_pool_plane_parts(int(np.prod(geometry[:2])),
+                                                      int(np.prod(geometry[2:4])), threads)
     rc = _functions().maxpool(_ptr(x), int(x.dtype == np.int8),
                               _ptr(np.array(geometry, dtype=np.int64)), _ptr(y), count)
     if rc == -2:

@@ -536,6 +536,43 @@ def _int8_parts(tasks: int, threads: int | None, least: int) -> int:
     return parts(tasks, max(1, threads or 1), max(1, least))
 
 
+def _int8_least_flops() -> int:
+    """The least flops worth a thread to the int8 products (the one place this section
+    reads MIN_FLOPS_PER_THREAD)."""
+    return MIN_FLOPS_PER_THREAD
+
+
+def _int8_least_taps() -> int:
+    """The least output values x taps worth a thread to the int8 depthwise sums (the one
+    place this section reads MIN_CHUNK_TAPS)."""
+    return MIN_CHUNK_TAPS
+
+
+def int8_matmul_split(rows: int, depth: int, columns: int, threads: int) -> Int8Split:
+    """qgemm.c's matrix product's split (QGemm, QLinearMatMul and a channels-last 1x1
+    convolution the panels do not take): tiles of INT8_MATMUL_ROWS rows by
+    INT8_DIRECT_PANEL columns, as many parts as give each thread the least flops worth
+    one."""
+    tiles = -(-columns // INT8_DIRECT_PANEL) * -(-rows // INT8_MATMUL_ROWS)
+    tile_flops = 2 * INT8_MATMUL_ROWS * INT8_DIRECT_PANEL * depth
+    return Int8Split(_int8_parts(tiles, threads, _int8_least_flops() // max(1, tile_flops)),
+                     tiles)
+
+
+def int8_pass_parts(elements: int, threads: int) -> int:
+    """The parts of a one-pass int8 kernel over ``elements`` (QLinearAdd, QuantizeLinear,
+    DequantizeLinear: qgemm.c), each thread taking at least QADD_MIN_ELEMENTS_PER_THREAD."""
+    return _int8_parts(elements, threads, QADD_MIN_ELEMENTS_PER_THREAD)
+
+
+def int8_max_pool_plane_parts(planes: int, plane_elements: int, threads: int) -> int:
+    """The NCHW int8 MaxPool's parts (qgemm.c: whole (image, channel) planes of
+    ``plane_elements`` input bytes each), each thread reading at least
+    QMAXPOOL_MIN_ELEMENTS_PER_THREAD bytes."""
+    return _int8_parts(planes, threads,
+                       -(-QMAXPOOL_MIN_ELEMENTS_PER_THREAD // max(1, plane_elements)))
+
+
 def int8_direct_split(batch: int, group: int, out_pixels: int, depth: int, out_channels: int,
                       image_positions: int, threads: int) -> Int8Split:
     """The NCHW int8 convolution's split (qgemm.c: direct, im2col and depthwise kernels):
@@ -545,7 +582,7 @@ def int8_direct_split(batch: int, group: int, out_pixels: int, depth: int, out_c
     plan's threads."""
     units = batch * group * -(-out_pixels // INT8_DIRECT_PANEL)
     unit_flops = 2 * (INT8_DIRECT_PANEL * depth * out_channels // max(1, group))
-    count = _int8_parts(units, threads, MIN_FLOPS_PER_THREAD // max(1, unit_flops))
+    count = _int8_parts(units, threads, _int8_least_flops() // max(1, unit_flops))
     return Int8Split(count, units, int8_direct_chunk(batch, image_positions, count))
 
 
@@ -555,7 +592,7 @@ def int8_panel_split(pixels: int, depth: int, out_channels: int, threads: int) -
     every output channel, as many parts as give each thread MIN_FLOPS_PER_THREAD."""
     tiles = -(-pixels // INT8_TILE_PIXELS)
     tile_flops = 2 * INT8_TILE_PIXELS * depth * out_channels
-    return Int8Split(_int8_parts(tiles, threads, MIN_FLOPS_PER_THREAD // max(1, tile_flops)),
+    return Int8Split(_int8_parts(tiles, threads, _int8_least_flops() // max(1, tile_flops)),
                      tiles)
 
 
@@ -569,7 +606,7 @@ def int8_depthwise_split(batch: int, channels: int, out_h: int, out_w: int, taps
     planes = lanes and int8_depthwise_planes(batch * blocks, max(1, threads), plane_bytes)
     tasks, per_task = ((batch * blocks, out_h * out_w * INT8_DEPTHWISE_LANES) if planes
                        else (batch * out_h, out_w * channels))
-    count = _int8_parts(tasks, threads, MIN_CHUNK_TAPS // max(1, per_task * taps))
+    count = _int8_parts(tasks, threads, _int8_least_taps() // max(1, per_task * taps))
     return Int8Split(count, tasks, planes=planes)
 
 
@@ -625,12 +662,12 @@ def int8_layout_split_reason(kind: str, x: Sequence[int], w: Sequence[int],
         unit = (f"(image, {INT8_DEPTHWISE_LANES}-channel block) planes" if split.planes
                 else "output rows")
         return (f"its kernel on {split.parts} of {threads} thread(s): {split.tasks} {unit}, "
-                f"at least MIN_CHUNK_TAPS = {MIN_CHUNK_TAPS:,} output values x taps a thread")
+                f"at least MIN_CHUNK_TAPS = {_int8_least_taps():,} output values x taps a thread")
     split = int8_panel_split(n * oh * ow, taps * c, m, threads)
     where = "the 1x1 panels (symmetric weights)" if kind == "pointwise" else "the indirect product"
     return (f"its kernel, {where}, on {split.parts} of {threads} thread(s): {split.tasks} tiles "
             f"of {INT8_TILE_PIXELS} pixels, at least MIN_FLOPS_PER_THREAD = "
-            f"{MIN_FLOPS_PER_THREAD:,} flops a thread")
+            f"{_int8_least_flops():,} flops a thread")
 
 
 _LAYOUT_ROLES = {("nchw", "nhwc"): "starts it, its result written channels-last",
@@ -1498,7 +1535,7 @@ def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:
     if sized is not None:
         threads, threads_why = sized
     split = _conv_split_reason(request, dispatched or variant, form) or (
-        int8_conv_split_reason(request, form.layout) if variant == "int8" else "")
+        int8_split_reason(request, form.layout) if variant == "int8" else "")
     if split:
         threads_why = f"{threads_why}; {split}"
     return NodePlan(
@@ -1534,6 +1571,76 @@ def _conv_split_reason(request: PlanRequest, variant: str, form: ConvForm) -> st
                                     grid, caches(request.profile)), request.threads)
 
 
+def int8_split_reason(request: PlanRequest, layout: str | None = None) -> str:
+    """How a node's int8 kernel splits over its threads, from the same functions its call
+    asks ("" for unknown shapes, one thread, or a node whose channels-last kernel runs:
+    its layout reason gives that split)."""
+    shapes = request.static_shapes()
+    if not request.threads or request.threads < 2 or not shapes or shapes[0] is None:
+        return ""
+    if request.op is Op.QLINEAR_CONV:
+        return int8_conv_split_reason(request, layout)
+    threads, x = request.threads, shapes[0]
+    if request.op in (Op.QLINEAR_MATMUL, Op.QGEMM):
+        product = _int8_product(request.op, shapes, request.attrs)
+        if product is None:
+            return ""
+        rows, depth, columns = product
+        split = int8_matmul_split(rows, depth, columns, threads)
+        return (f"int8 product: {split.parts} of {threads} thread(s) run it ({split.tasks} "
+                f"tiles of {INT8_MATMUL_ROWS} rows x {INT8_DIRECT_PANEL} columns, at least "
+                f"MIN_FLOPS_PER_THREAD = {_int8_least_flops():,} flops a thread)")
+    if request.op in (Op.QLINEAR_ADD, Op.QUANTIZE_LINEAR, Op.DEQUANTIZE_LINEAR):
+        other = shapes[3] if request.op is Op.QLINEAR_ADD and len(shapes) > 3 else x
+        scale = shapes[1] if len(shapes) > 1 else None
+        if other != x or scale is None or math.prod(scale) != 1:
+            return ""              # broadcast operands or scales per axis: the NumPy kernel
+        elements = math.prod(x)
+        return (f"one pass over {elements:,} elements on {int8_pass_parts(elements, threads)} "
+                f"of {threads} thread(s), at least QADD_MIN_ELEMENTS_PER_THREAD = "
+                f"{QADD_MIN_ELEMENTS_PER_THREAD:,} a thread")
+    if request.op is Op.MAX_POOL and len(x) == 4 and not (layout and "nhwc" in layout):
+        planes, plane = x[0] * x[1], x[2] * x[3]
+        return (f"int8 max pool (NCHW, where the node's layout is NCHW): "
+                f"{int8_max_pool_plane_parts(planes, plane, threads)} of {threads} thread(s) "
+                f"run its {planes} planes, each thread reading at least "
+                f"QMAXPOOL_MIN_ELEMENTS_PER_THREAD = {QMAXPOOL_MIN_ELEMENTS_PER_THREAD:,} bytes")
+    if request.op is Op.QLINEAR_GLOBAL_AVG_POOL and len(x) >= 3:
+        pixels = math.prod(x[2:])
+        count = int8_global_pool_parts(x[0], x[1], pixels, threads)
+        return (f"integer global average pool: {count} of {threads} thread(s) run its "
+                f"(image, {INT8_GAP_BLOCK}-channel block) tasks, each thread reading at "
+                f"least QGAP_MIN_ELEMENTS_PER_THREAD = {QGAP_MIN_ELEMENTS_PER_THREAD:,} bytes")
+    return ""
+
+
+def _int8_product(op: Op, shapes: Sequence[tuple[int, ...] | None],
+                  attrs: Mapping[str, Any]) -> tuple[int, int, int] | None:
+    """(rows, depth, columns) of a QLinearMatMul's (2-D B) or QGemm's int8 product."""
+    a, b = shapes[0], shapes[3] if len(shapes) > 3 else None
+    if a is None or b is None or len(b) != 2 or len(a) < 2:
+        return None
+    if op is Op.QLINEAR_MATMUL:
+        return math.prod(a[:-1]), a[-1], b[1]
+    if len(a) != 2:
+        return None
+    rows, depth = a[::-1] if attrs.get("trans_a") else a
+    columns = b[0] if attrs.get("trans_b") else b[1]
+    a_zp, c = shapes[2], shapes[6] if len(shapes) > 6 else None
+    if not int8_qgemm_serves(a_zp, c, columns):
+        return None
+    return rows, depth, columns
+
+
+def int8_qgemm_serves(a_zero_point: Sequence[int] | None, c: Sequence[int] | None,
+                      columns: int) -> bool:
+    """Whether a QGemm runs the int8 product (else qlinear.py's float64 form): A's zero
+    point one value, C absent or one bias per column (a scalar, (N,) or (1, N)), which
+    the product adds in int32."""
+    return (a_zero_point is None or math.prod(a_zero_point) == 1) and (c is None or (
+        math.prod(c) in (1, columns) and len(c) <= 2 and (len(c) != 2 or c[0] == 1)))
+
+
 def int8_conv_split_reason(request: PlanRequest, layout: str | None = None) -> str:
     """How an int8 QLinearConv's NCHW kernel splits over its threads ("" for other nodes,
     channels-last ones (``layout``; a chain's layout reason gives their kernel's split),
@@ -1559,7 +1666,7 @@ def int8_conv_split_reason(request: PlanRequest, layout: str | None = None) -> s
     split = int8_direct_split(n, geo.group, oh * ow, depth, m, positions, request.threads)
     runs = (f"int8 convolution (NCHW, where the node's layout is NCHW): {split.parts} of "
             f"{request.threads} thread(s) run it ({split.tasks} blocks of {INT8_DIRECT_PANEL} "
-            f"output positions, at least MIN_FLOPS_PER_THREAD = {MIN_FLOPS_PER_THREAD:,} flops "
+            f"output positions, at least MIN_FLOPS_PER_THREAD = {_int8_least_flops():,} flops "
             "a thread)")
     if geo.group != 1 or geo.dilations != (1, 1):
         return runs
@@ -1568,7 +1675,7 @@ def int8_conv_split_reason(request: PlanRequest, layout: str | None = None) -> s
             f"INT8_DIRECT_CHUNK_POSITIONS = {INT8_DIRECT_CHUNK_POSITIONS} positions (about "
             f"{positions} an image), as many as divide a thread's share where they can, so "
             f"no chunk is built twice (batch {n}: {chunks} chunk(s) of {split.chunk}); the "
-            f"chunks' blocks of 64 columns in {split.parts} near-equal runs")
+            f"chunks' blocks of {INT8_DIRECT_PANEL} columns in {split.parts} near-equal runs")
 
 
 def _static_geometry(request: PlanRequest) -> ConvGeometry | None:

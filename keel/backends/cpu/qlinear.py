@@ -23,6 +23,7 @@ import numpy as np
 from keel.backends.base import Attrs, Inputs, KernelContext, Out, optional_input
 from keel.backends.cpu import native_qgemm, qlayout, quantization
 from keel.backends.cpu.kernels import TABLE
+from keel.backends.cpu.native_gemm import planner_rules
 from keel.backends.reference.quantization import qlinear_add_constants, requantized
 from keel.dtypes import DType
 from keel.ops.registry import Op
@@ -313,8 +314,8 @@ def _qgemm_call(params: tuple[Any, ...], attrs: Attrs, packed: Any) -> _QGemmCal
     zp = 0 if y_zp is None else int(y_zp.reshape(()))
     n = int(shape[1])  # type: ignore[arg-type]
     # a pack made with other zero points for B (one that is not a constant) does not serve
-    native = (c is None or (c.size in (1, n) and c.ndim <= 2
-                            and (c.ndim != 2 or c.shape[0] == 1))) and _scalar(a_zp) and (
+    native = planner_rules().int8_qgemm_serves(
+        a_zp.shape, None if c is None else c.shape, n) and (
         packed.serves_zero_point(b_zp) if isinstance(packed, native_qgemm.PackedMatmul)
         else native_qgemm.available())
     bias = None if c is None or not native else np.broadcast_to(

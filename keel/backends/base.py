@@ -131,7 +131,14 @@ from typing import Any, ClassVar, Protocol, final
 
 import numpy as np
 
-from keel.backends.plan import Measured, NodePlan, PlanRequest, default_plan, request_types
+from keel.backends.plan import (
+    LayoutDecision,
+    Measured,
+    NodePlan,
+    PlanRequest,
+    default_plan,
+    request_types,
+)
 from keel.dtypes import NARROW, DType, as_dtype
 from keel.errors import (
     BackendSelectionError,
@@ -154,6 +161,7 @@ __all__ = [
     "KernelContext",
     "KernelTable",
     "KernelVariant",
+    "LayoutDecision",
     "Measured",
     "NodePlan",
     "PlanRequest",
@@ -503,12 +511,12 @@ class Backend(ABC):
         return self._plan_node(request)
 
     def plan_layouts(self, graph: Any, types: Mapping[str, TensorType | None],
-                     variants: Sequence[str | None]) -> dict[int, tuple[str, str, str]]:
+                     variants: Sequence[str | None]) -> dict[int, LayoutDecision]:
         """Layouts decided over the whole graph (values kept in another layout between
-        this backend's nodes): {node index: (layout, reason, threads reason)}, the threads
-        reason the split the node's kernel runs in that layout ("": its plan's stands);
-        ``variants[i]`` is node i's variant here, None where it runs elsewhere. None by
-        default."""
+        this backend's nodes): {node index: LayoutDecision}, its threads reason the split
+        the node's kernel runs in that layout ("": its plan's stands), its options the
+        plan's options that follow from it; ``variants[i]`` is node i's variant here,
+        None where it runs elsewhere. None by default."""
         return {}
 
     # ---- availability and capabilities ---------------------------------

@@ -28,8 +28,8 @@ from keel.ops.types import TensorType
 if TYPE_CHECKING:
     from keel.backends.base import KernelTable, KernelVariant
 
-__all__ = ["FIELDS", "Measured", "field_reasons", "NodePlan", "PlanRequest", "choose_by_priority",
-           "tier_unavailable"]
+__all__ = ["FIELDS", "LayoutDecision", "Measured", "field_reasons", "NodePlan", "PlanRequest",
+           "choose_by_priority", "tier_unavailable"]
 
 # The decided fields of a node plan, in the order reports show them.
 FIELDS = ("variant", "layout", "threads", "blas_threads", "chunk", "workspace_bytes",
@@ -77,6 +77,18 @@ class PlanRequest:
 
 
 @dataclass(frozen=True)
+class LayoutDecision:
+    """A node's layout decided over the whole graph (``Backend.plan_layouts``): the layout,
+    why, the threads reason of the kernel that runs in it ("": its plan's stands), and
+    options for its plan as (name, value, reason)."""
+
+    layout: str
+    reason: str
+    threads_reason: str = ""
+    options: tuple[tuple[str, Any, str], ...] = ()
+
+
+@dataclass(frozen=True)
 class NodePlan:
     """How one node runs on its backend, every field with the reason it was chosen.
 
@@ -101,6 +113,12 @@ class NodePlan:
     def reason(self, name: str) -> str:
         """The reason recorded for field ``name`` ("" when none)."""
         return next((why for f, why in self.reasons if f == name), "")
+
+    def with_option(self, name: str, value: Any, reason: str) -> NodePlan:
+        """This plan with option ``name`` set to ``value`` for ``reason``."""
+        options = (*((k, v) for k, v in self.options if k != name), (name, value))
+        reasons = (*((f, why) for f, why in self.reasons if f != name), (name, reason))
+        return dataclasses.replace(self, options=options, reasons=reasons)
 
     def with_field(self, name: str, value: Any, reason: str) -> NodePlan:
         """This plan with field ``name`` set to ``value`` for ``reason``."""

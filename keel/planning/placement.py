@@ -504,13 +504,14 @@ def _with_layouts(graph: Graph, types: Mapping[str, TensorType | None],
     placed = list(placements)
     for name in dict.fromkeys(p.backend for p in placements):
         variants = [p.variant if p.backend == name else None for p in placements]
-        for i, (layout, why, threads_why) in registry.get(name).plan_layouts(
-                graph, types, variants).items():
+        for i, decided in registry.get(name).plan_layouts(graph, types, variants).items():
             p = placed[i]
             if p.plan is not None:
-                plan = p.plan.with_field("layout", layout, why)
-                if threads_why:
-                    plan = plan.with_field("threads", plan.threads, threads_why)
+                plan = p.plan.with_field("layout", decided.layout, decided.reason)
+                if decided.threads_reason:
+                    plan = plan.with_field("threads", plan.threads, decided.threads_reason)
+                for option, value, why in decided.options:
+                    plan = plan.with_option(option, value, why)
                 placed[i] = dataclasses.replace(p, plan=plan)
     return placed
 

@@ -114,7 +114,7 @@ def test_channels_last_conv_matches_the_reference(layout_path: int, case: tuple[
     want = REFERENCE.get(Op.QLINEAR_CONV, "default").fn(
         KernelContext(np, "reference", DeviceKind.CPU), inputs, attrs, None)[0]
     src, dst = layout.split("->")
-    kind = qlayout.conv_kind(_geo(inputs, attrs), inputs[3].shape)
+    kind = qlayout.conv_kind(inputs[3].shape, attrs)
     if layout == "nhwc->nhwc" and kind != "other" and not (kind == "dense" and case[2]):
         # served channels-last: no layout change at all (the NCHW fallback would make one;
         # dense weights with zero points take it)
@@ -187,12 +187,6 @@ def test_operands_derived_once_follow_their_values(layout_path: int,
 
 def _no_layout_change(*args: Any) -> None:
     raise AssertionError("a channels-last chain node changed layouts")
-
-
-def _geo(inputs: list[Any], attrs: dict[str, Any]) -> Any:
-    from keel.ops.schemas.quantization import conv_geometry
-
-    return conv_geometry(inputs[0].shape, inputs[3].shape, attrs)
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 5, 7), (1, 70, 33, 3), (3, 1, 1, 1), (2, 49, 7, 7),
@@ -286,9 +280,8 @@ def test_the_stated_split_is_the_one_that_runs(layout_path: int, case: tuple[Any
                         attrs)
     ctx = dataclasses.replace(ctx, prepacked=packed)
     y = np.asarray(kv.fn(ctx, stored, attrs, None)[0])
-    kind = qlayout.conv_kind(_geo(inputs, attrs), inputs[3].shape)
-    why = cpu_planner.int8_layout_split_reason(kind, inputs[0].shape, inputs[3].shape, y.shape,
-                                               attrs, 2)
+    why = cpu_planner.int8_layout_split_reason(packed.kernel, inputs[0].shape, inputs[3].shape,
+                                               y.shape, attrs, 2)
     stated = re.search(r"on (\d+) of 2 thread", why)
     (call,) = packed.last[0][1].calls.values()
     assert stated is not None and call is not None and call.tail[-1] == int(stated.group(1))

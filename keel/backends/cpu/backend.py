@@ -19,6 +19,7 @@ from keel.backends.base import (
     DeviceKind,
     KernelTable,
     KernelVariant,
+    LayoutDecision,
     NodePlan,
     PlanRequest,
     ProgramScope,
@@ -164,7 +165,7 @@ class CpuBackend(Backend):
         return planner.plan(request, self.kernels)
 
     def plan_layouts(self, graph: Any, types: Mapping[str, TensorType | None],
-                     variants: Sequence[str | None]) -> dict[int, tuple[str, str, str]]:
+                     variants: Sequence[str | None]) -> dict[int, LayoutDecision]:
         from keel.backends.cpu import planner
 
         return planner.int8_layouts(graph, types, variants, self.threads)

@@ -333,7 +333,7 @@ def conv2d_call(x: np.ndarray, x_zero_point: int, packed: PackedConv, geo: ConvG
         head = (int(x.dtype == np.int8), int(x_zero_point), _ptr(packed.taps),
                 _ptr(packed.zero_points) if np.any(packed.zero_points) else None,
                 _ptr(geometry), _ptr(raw), _ptr(mult), _ptr(quant))
-        if oh * ow <= planner_rules().INT8_DEPTHWISE_LANES_MAX_PIXELS:
+        if planner_rules().int8_depthwise_lanes(oh * ow):
             kernels.append((fns.depthwise_lanes, head, (count,)))
         kernels.append((fns.depthwise, head, (count,)))
     if packed.direct is not None and geo.group == 1 and geo.dilations == (1, 1):

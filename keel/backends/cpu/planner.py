@@ -34,6 +34,7 @@ from keel.backends.cpu import (
 )
 from keel.backends.cpu.conv_rules import ConvCase, ConvRule, conv_case, pick
 from keel.backends.plan import (
+    LayoutDecision,
     NodePlan,
     PlanRequest,
     choose_by_priority,
@@ -313,6 +314,14 @@ QMAXPOOL_MIN_ELEMENTS_PER_THREAD = 65_536
 # plane (MobileNetV2's 14x14 and 7x7 layers ran ~5-50x slower than onnxruntime's).
 INT8_DEPTHWISE_LANES_MAX_PIXELS = 1024
 
+
+def int8_depthwise_lanes(out_pixels: int) -> bool:
+    """Whether an NCHW int8 depthwise convolution of ``out_pixels`` output pixels per plane
+    runs with the channels in the vector lanes (qgemm.c's qdepth_cl_task, where the build
+    has AVX-512 VNNI and it has at most INT8_LANES_MAX_TAPS taps) before the plane-wise
+    kernel."""
+    return out_pixels <= INT8_DEPTHWISE_LANES_MAX_PIXELS
+
 # The int8 direct convolution stacks this many padded positions' worth of images into one
 # layout (their padding shared), so a block of 64 positions may span images: on ResNet-20's
 # 8x8 maps one image alone is 80 positions, two blocks of 64 for 64 outputs.
@@ -493,6 +502,68 @@ def int8_depthwise_planes(pieces: int, threads: int, plane_bytes: int) -> bool:
     return pieces >= threads and plane_bytes <= caches().with_l2(INT8_DEPTHWISE_PLANE_MAX_BYTES)
 
 
+# ---- int8: the channels-last kernel a chain's convolution runs -------------------------------
+# A convolution in a channels-last chain runs one of qlayout.c's kernels, chosen by one rule
+# (int8_channels_last_kernel) from its kind and what its constants say:
+# - ``panels``: a 1x1 convolution (stride 1, no padding) whose weights are symmetric (zero
+#   points 0: the panels fold x's zero point into a bias over each column's sum), that
+#   bias within INT8_FOLD_MAX, and its weights within int8_pointwise_panels' size;
+# - ``matmul``: any other 1x1 convolution, on qgemm.c's product (zero points as it takes
+#   them), channels-last as well;
+# - ``indirect``: a dense convolution (C a multiple of 4) on the same terms as the panels,
+#   its input image's bytes addressed in int32;
+# - ``depthwise``: a depthwise one of at most INT8_DEPTHWISE_MAX_TAPS taps;
+# - ``nchw``: else the node's NCHW kernel. The planner, which sees the constant weights,
+#   then leaves the node out of the chain's inside (it may start one), rather than run it
+#   between two layout changes. Where the weights are not constants the choice is made
+#   with the same rule when they are packed (the reason says so).
+INT8_CHANNELS_LAST_KERNELS = ("panels", "matmul", "indirect", "depthwise", "nchw")
+# The panels' folded bias (x's zero point times a column's weight sum, plus the bias) must
+# stay this far inside int32, so the int32 sums over the products cannot overflow.
+INT8_FOLD_MAX = 2**31 - 2**30
+INT8_INDIRECT_MAX_IMAGE_BYTES = 2**31 - 1      # qlayout.c's int32 tap offsets
+
+
+@dataclass(frozen=True)
+class Int8ConvConstants:
+    """What is known of a QLinearConv's constant operands (None: not known, the operand
+    is not a constant): whether the weights' zero points are all 0, and whether the
+    panels' folded bias stays within INT8_FOLD_MAX (needs x's zero point and the bias)."""
+
+    symmetric: bool | None = None
+    fold_fits: bool | None = None
+
+
+def int8_channels_last_kernel(kind: str, weight_shape: Sequence[int],
+                              x_shape: Sequence[int] | None,
+                              constants: Int8ConvConstants) -> str | None:
+    """Which channels-last kernel a QLinearConv of ``kind`` (qlayout.conv_kind) runs (one
+    of INT8_CHANNELS_LAST_KERNELS, by the rule above); None where that depends on weights
+    not known (not constants)."""
+    if kind == "depthwise":
+        return "depthwise" if math.prod(weight_shape[2:]) <= INT8_DEPTHWISE_MAX_TAPS else "nchw"
+    if kind not in ("pointwise", "dense"):
+        return "nchw"
+    if constants.symmetric is None:
+        return None
+    fits = constants.symmetric and constants.fold_fits is not False
+    if kind == "pointwise":
+        weight_bytes = math.prod(int(d) for d in weight_shape)
+        return "panels" if fits and int8_pointwise_panels(weight_bytes) else "matmul"
+    image = None if x_shape is None else math.prod(int(d) for d in x_shape[1:])
+    small = image is None or image <= INT8_INDIRECT_MAX_IMAGE_BYTES
+    return "indirect" if fits and small else "nchw"
+
+
+_INT8_KERNEL_NAMES = {"panels": "the 1x1 panels (symmetric weights)",
+                      "matmul": "the matrix product (a 1x1 convolution the panels do not take)",
+                      "indirect": "the indirect product", "depthwise": "the depthwise kernel"}
+_INT8_UNKNOWN = {"pointwise": ("the 1x1 panels where its weights are symmetric, else the "
+                               "matrix product"),
+                 "dense": ("the indirect product where its weights are symmetric, else its "
+                           "NCHW kernel between layout changes")}
+
+
 # ---- int8: the threads each int8 kernel call runs on ------------------------------------------
 # An int8 kernel splits a call's tasks over the node's threads only while each thread gets
 # at least the least work worth one (MIN_FLOPS_PER_THREAD for the products: a dispatch to a
@@ -508,13 +579,14 @@ def int8_depthwise_planes(pieces: int, threads: int, plane_bytes: int) -> bool:
 INT8_DIRECT_PANEL = 64         # qgemm.c's NB: output positions per block of the direct kernel
 #                                (and columns per weight panel of its matrix product)
 INT8_MATMUL_ROWS = 6           # qgemm.c's MR: rows per tile of its matrix product
+INT8_LANES_MAX_TAPS = 64       # qgemm.c's DW_TAPS: the most taps its lanes depthwise takes
 INT8_TRANSPOSE_STRIP = 32      # qlayout.c's TB: rows of a transpose strip
 INT8_DEPTHWISE_LANES = 32      # qlayout.c's CL: channels per depthwise block
 INT8_DEPTHWISE_MAX_TAPS = 64   # qlayout.c's MAX_TAPS: the most taps its depthwise kernel takes
 INT8_TILE_PIXELS = 12          # qlayout.c's MR: output pixels per tile of the panels
 INT8_PANEL_COLUMNS = 32        # qlayout.c's NT: output channels per panel
 INT8_GAP_BLOCK = 256           # qlayout.c's GAP_CB: channels per global-pool task
-INT8_QGEMM_SIZES = ("INT8_DIRECT_PANEL", "INT8_MATMUL_ROWS")
+INT8_QGEMM_SIZES = ("INT8_DIRECT_PANEL", "INT8_MATMUL_ROWS", "INT8_LANES_MAX_TAPS")
 INT8_QLAYOUT_SIZES = ("INT8_TRANSPOSE_STRIP", "INT8_DEPTHWISE_LANES", "INT8_DEPTHWISE_MAX_TAPS",
                       "INT8_TILE_PIXELS", "INT8_PANEL_COLUMNS", "INT8_GAP_BLOCK")
 
@@ -634,25 +706,29 @@ def int8_global_pool_parts(batch: int, channels: int, pixels: int, threads: int)
                                                                            INT8_GAP_BLOCK)))
 
 
-def int8_layout_split_reason(kind: str, x: Sequence[int], w: Sequence[int],
+def int8_layout_split_reason(kernel: str | None, x: Sequence[int], w: Sequence[int],
                              y: Sequence[int], attrs: Mapping[str, Any],
-                             threads: int | None) -> str:
-    """How a channels-last int8 node's kernel splits over ``threads`` (its static input,
-    weight and output shapes, graph order; "" where not known): the same functions its
-    prepared call asks."""
+                             threads: int | None, kind: str = "") -> str:
+    """How a channels-last int8 node's ``kernel`` (int8_channels_last_kernel's, or
+    ``maxpool``; None: chosen when the weights of a ``kind`` convolution are packed) splits
+    over ``threads`` (its static input, weight and output shapes, graph order; "" where
+    not known): the same functions its prepared call asks."""
     if not threads or len(x) != 4 or len(y) != 4:
         return ""
     n, c, _, wd = (int(d) for d in x)
     oh, ow = int(y[2]), int(y[3])
-    if kind == "maxpool":
+    if kernel == "maxpool":
         count = int8_max_pool_parts(n * oh, ow, c, threads)
         return (f"its kernel on {count} of {threads} thread(s): {n * oh} output rows, each "
                 f"thread reading at least QMAXPOOL_MIN_ELEMENTS_PER_THREAD = "
                 f"{QMAXPOOL_MIN_ELEMENTS_PER_THREAD:,} bytes")
-    if kind not in ("pointwise", "dense", "depthwise") or len(w) != 4:
+    if kernel is None and kind in _INT8_UNKNOWN:
+        return (f"its kernel, {_INT8_UNKNOWN[kind]} (chosen when the weights are packed: they "
+                "are not constants)")
+    if kernel not in _INT8_KERNEL_NAMES or len(w) != 4:
         return ""
     m, taps = int(w[0]), int(w[2]) * int(w[3])
-    if kind == "depthwise":
+    if kernel == "depthwise":
         from keel.backends.cpu import qlayout
         from keel.ops.schemas.quantization import conv_geometry as qconv_geometry
 
@@ -663,10 +739,14 @@ def int8_layout_split_reason(kind: str, x: Sequence[int], w: Sequence[int],
                 else "output rows")
         return (f"its kernel on {split.parts} of {threads} thread(s): {split.tasks} {unit}, "
                 f"at least MIN_CHUNK_TAPS = {_int8_least_taps():,} output values x taps a thread")
-    split = int8_panel_split(n * oh * ow, taps * c, m, threads)
-    where = "the 1x1 panels (symmetric weights)" if kind == "pointwise" else "the indirect product"
-    return (f"its kernel, {where}, on {split.parts} of {threads} thread(s): {split.tasks} tiles "
-            f"of {INT8_TILE_PIXELS} pixels, at least MIN_FLOPS_PER_THREAD = "
+    if kernel == "matmul":
+        split = int8_matmul_split(n * oh * ow, c, m, threads)
+        unit = f"{INT8_MATMUL_ROWS} pixels x {INT8_DIRECT_PANEL} output channels"
+    else:
+        split = int8_panel_split(n * oh * ow, taps * c, m, threads)
+        unit = f"{INT8_TILE_PIXELS} pixels"
+    return (f"its kernel, {_INT8_KERNEL_NAMES[kernel]}, on {split.parts} of {threads} "
+            f"thread(s): {split.tasks} tiles of {unit}, at least MIN_FLOPS_PER_THREAD = "
             f"{_int8_least_flops():,} flops a thread")
 
 
@@ -681,36 +761,62 @@ _POOL_ROLE = ("ends it, the global average pool reading its channels-last bytes 
               "the (N, C, 1, 1) result is the same bytes in either layout")
 
 
-def _layout_kind(node: Any, types: Mapping[str, TensorType | None]) -> str | None:
-    """What a node placed on the int8 kernels can be in a channels-last chain:
-    ``pointwise``/``depthwise``/``dense`` (reads and writes it), ``other`` (a convolution
-    that can only start one), ``add`` (elementwise, both operands in its layout),
-    ``maxpool`` (reads and writes it), ``pool`` (a QLinearGlobalAveragePool: reads either
-    layout, and its (N, C, 1, 1) result is the same bytes in both, so it can only end one),
-    or None."""
+def _layout_kind(node: Any, types: Mapping[str, TensorType | None], graph: Any
+                 ) -> tuple[str | None, str | None]:
+    """What a node placed on the int8 kernels can be in a channels-last chain, and for a
+    convolution the channels-last kernel it runs (int8_channels_last_kernel; None where
+    its weights are not constants). The kinds: ``pointwise``/``depthwise``/``dense``
+    (reads and writes it), ``other`` (a convolution that can only start one: its NCHW
+    kernel runs), ``add`` (elementwise, both operands in its layout), ``maxpool`` (reads
+    and writes it), ``pool`` (a QLinearGlobalAveragePool: reads either layout, and its
+    (N, C, 1, 1) result is the same bytes in both, so it can only end one), or None."""
     shapes = [_static(types.get(i)) if i else None for i in node.inputs]
     if node.op is Op.QLINEAR_GLOBAL_AVG_POOL:
-        return "pool" if shapes[0] is not None and len(shapes[0]) == 4 else None
+        return ("pool" if shapes[0] is not None and len(shapes[0]) == 4 else None), None
     if node.op is Op.MAX_POOL:
         single = len([o for o in node.outputs if o]) == 1
-        return "maxpool" if single and shapes[0] is not None and len(shapes[0]) == 4 else None
+        return ("maxpool" if single and shapes[0] is not None and len(shapes[0]) == 4
+                else None), None
     if node.op is Op.QLINEAR_ADD:
         a, b = shapes[0], shapes[3] if len(shapes) > 3 else None
-        return "add" if a is not None and len(a) == 4 and a == b else None
+        return ("add" if a is not None and len(a) == 4 and a == b else None), None
     if node.op is not Op.QLINEAR_CONV or len(shapes) < 4:
-        return None
+        return None, None
     x, w = shapes[0], shapes[3]
     out = _static(types.get(node.outputs[0]))
     if x is None or w is None or out is None or len(x) != 4 or len(w) != 4:
-        return None
-    from keel.backends.cpu import qlayout
-    from keel.ops.schemas.quantization import conv_geometry as qlinear_geometry
+        return None, None
+    kind = _int8_conv_kind(w, node.attrs)
+    kernel = int8_channels_last_kernel(kind, w, x, _int8_conv_constants(node, graph))
+    return ("other" if kernel == "nchw" else kind), kernel
 
-    kind = qlayout.conv_kind(qlinear_geometry(x, w, node.attrs), w)
+
+def _int8_conv_kind(w: Sequence[int], attrs: Mapping[str, Any]) -> str:
+    """qlayout.conv_kind, a dense convolution narrower than INT8_DENSE_MIN_INPUT_CHANNELS
+    in or INT8_DENSE_MIN_OUTPUT_CHANNELS out counted as ``other``."""
+    from keel.backends.cpu import qlayout
+
+    kind = qlayout.conv_kind(w, attrs)
     if kind == "dense" and (w[1] < INT8_DENSE_MIN_INPUT_CHANNELS
                             or w[0] < INT8_DENSE_MIN_OUTPUT_CHANNELS):
         return "other"
     return kind
+
+
+def _int8_conv_constants(node: Any, graph: Any) -> Int8ConvConstants:
+    """What a QLinearConv node's constant operands (the graph's initializers) say."""
+    from keel.backends.cpu import qlayout
+
+    def constant(i: int) -> Any:
+        name = node.inputs[i] if len(node.inputs) > i else ""
+        return graph.constant(name) if name else None
+
+    w, w_zp, x_zp = constant(3), constant(5), constant(2)
+    if w is None or w_zp is None:
+        return Int8ConvConstants()
+    bias_absent = len(node.inputs) <= 8 or not node.inputs[8]
+    return qlayout.conv_constants(w, w_zp, x_zp, None if bias_absent else constant(8),
+                                  bias_known=bias_absent or constant(8) is not None)
 
 
 def _static(t: TensorType | None) -> tuple[int, ...] | None:
@@ -721,14 +827,15 @@ def _static(t: TensorType | None) -> tuple[int, ...] | None:
 
 def int8_layouts(graph: Any, types: Mapping[str, TensorType | None],
                  variants: Sequence[str | None], threads: int | None = None
-                 ) -> dict[int, tuple[str, str, str]]:
-    """The channels-last chains of int8 nodes: {node index: (layout, reason, threads
-    reason)} with layout ``"nchw->nhwc"``, ``"nhwc->nhwc"`` or ``"nhwc->nchw"`` (what the
-    node reads and writes). ``variants[i]`` is node i's variant on this backend (None:
-    elsewhere); with ``threads`` (the backend's), a node whose channels-last kernel runs
-    says how that kernel splits over them (int8_layout_split_reason), in its layout
-    reason and as its threads reason (which otherwise states its NCHW kernel's split;
-    "" where that one runs).
+                 ) -> dict[int, LayoutDecision]:
+    """The channels-last chains of int8 nodes: {node index: LayoutDecision} with layout
+    ``"nchw->nhwc"``, ``"nhwc->nhwc"`` or ``"nhwc->nchw"`` (what the node reads and
+    writes). ``variants[i]`` is node i's variant on this backend (None: elsewhere). A
+    convolution whose weights are constants gets its channels-last kernel as its plan's
+    ``int8_kernel`` option (int8_channels_last_kernel, decided here once: the kernel packs
+    for it and runs it); with ``threads`` (the backend's), a node whose channels-last
+    kernel is known says how it splits over them (int8_layout_split_reason), in its layout
+    reason and as its threads reason (which otherwise states its NCHW kernel's split).
 
     A value is kept channels-last when an int8 convolution, join or max pool writes it,
     every reader is a 1x1, depthwise or dense convolution (one wide enough for the
@@ -738,8 +845,9 @@ def int8_layouts(graph: Any, types: Mapping[str, TensorType | None],
     they are NCHW and several channels-last kernels read it: the join then transposes it
     once), and its chain holds a depthwise or dense convolution."""
     nodes = graph.nodes
-    kinds = [(_layout_kind(n, types) if variants[i] == "int8" else None)
+    found = [(_layout_kind(n, types, graph) if variants[i] == "int8" else (None, None))
              for i, n in enumerate(nodes)]
+    kinds = [kind for kind, _ in found]
     producer = {o: i for i, n in enumerate(nodes) for o in n.outputs if o}
     readers: dict[str, list[int]] = {}
     for i, n in enumerate(nodes):
@@ -776,12 +884,16 @@ def int8_layouts(graph: Any, types: Mapping[str, TensorType | None],
             elif n.outputs[0] in nhwc and not _join_starts(n, nhwc, readers):
                 nhwc.discard(n.outputs[0])
                 changed = True
-    decided: dict[int, tuple[str, str, str]] = {}
+    decided: dict[int, LayoutDecision] = {}
     for i, (layout, why) in _chains(nodes, kinds, nhwc, producer, readers).items():
-        split = _int8_node_split(nodes[i], kinds[i], layout, types, threads)
-        decided[i] = (layout, f"{why}; {split}" if split else why,
-                      INT8_LAYOUT_THREADS_REASON.format(threads=threads, layout=layout,
-                                                        split=split) if split else "")
+        kernel = found[i][1] if nodes[i].op is Op.QLINEAR_CONV else None
+        split = _int8_node_split(nodes[i], kinds[i], kernel, layout, types, threads)
+        decided[i] = LayoutDecision(
+            layout, f"{why}; {split}" if split else why,
+            INT8_LAYOUT_THREADS_REASON.format(threads=threads, layout=layout, split=split)
+            if split and (kernel is not None or kinds[i] == "maxpool") else "",
+            () if kernel is None else (("int8_kernel", kernel,
+                                        _int8_kernel_reason(kernel, nodes[i], types)),))
     return decided
 
 
@@ -792,7 +904,7 @@ def _join_starts(node: Any, nhwc: set[str], readers: Mapping[str, list[int]]) ->
     return out in nhwc and len(set(readers[out])) >= INT8_JOIN_START_READERS
 
 
-def _int8_node_split(node: Any, kind: str | None, layout: str,
+def _int8_node_split(node: Any, kind: str | None, kernel: str | None, layout: str,
                      types: Mapping[str, TensorType | None], threads: int | None) -> str:
     """How a chain node's channels-last kernel splits ("" where its NCHW kernel runs, or
     the shapes are not known)."""
@@ -803,7 +915,27 @@ def _int8_node_split(node: Any, kind: str | None, layout: str,
     w = _static(types.get(node.inputs[3])) if kind != "maxpool" else (0, 0, 0, 0)
     if x is None or y is None or w is None:
         return ""
-    return int8_layout_split_reason(kind, x, w, y, node.attrs, threads)
+    return int8_layout_split_reason("maxpool" if kind == "maxpool" else kernel, x, w, y,
+                                    node.attrs, threads, kind)
+
+
+_INT8_NCHW_WHY = {
+    "depthwise": f"more than INT8_DEPTHWISE_MAX_TAPS = {INT8_DEPTHWISE_MAX_TAPS} taps",
+    "dense": ("weight zero points not 0, or x's zero point folded over the weights past "
+              "INT8_FOLD_MAX"),
+    "pointwise": "", "other": ("no channels-last kernel takes its form (groups, C not a "
+                               "multiple of 4, or too narrow for the indirect product)")}
+
+
+def _int8_kernel_reason(kernel: str, node: Any, types: Mapping[str, TensorType | None]) -> str:
+    """Why a QLinearConv runs ``kernel`` (the int8_kernel option's reason)."""
+    if kernel != "nchw":
+        return (f"{_INT8_KERNEL_NAMES[kernel]}: int8_channels_last_kernel, from its constant "
+                "weights' zero points and sizes")
+    kind = _int8_conv_kind(_static(types.get(node.inputs[3])) or (), node.attrs)
+    return (f"its NCHW kernel ({_INT8_NCHW_WHY.get(kind) or _INT8_NCHW_WHY['other']}), "
+            "so it runs where it reads NCHW and at most starts a channels-last chain, its "
+            "result transposed")
 
 
 def _chains(nodes: Sequence[Any], kinds: Sequence[str | None], nhwc: set[str],
@@ -1669,6 +1801,12 @@ def int8_conv_split_reason(request: PlanRequest, layout: str | None = None) -> s
             f"output positions, at least MIN_FLOPS_PER_THREAD = {_int8_least_flops():,} flops "
             "a thread)")
     if geo.group != 1 or geo.dilations != (1, 1):
+        lanes = (native_qgemm.isa() == "avx512-vnni" and int8_depthwise_lanes(oh * ow)
+                 and math.prod(geo.kernel) <= INT8_LANES_MAX_TAPS)
+        if geo.group == m == shapes[0][1] and lanes:
+            return (f"{runs}; depthwise with the channels in the vector lanes ({oh * ow} "
+                    f"output pixels a plane, at most INT8_DEPTHWISE_LANES_MAX_PIXELS = "
+                    f"{INT8_DEPTHWISE_LANES_MAX_PIXELS})")
         return runs
     chunks = -(-n // split.chunk)
     return (f"{runs}; the direct kernel stacks the batch's images in chunks of about "

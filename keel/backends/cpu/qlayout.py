@@ -29,7 +29,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -106,9 +106,8 @@ def layouts(ctx: KernelContext) -> tuple[str, str]:
 
 
 def weight_kind(weight_shape: tuple[int, ...], group: int) -> str:
-    """``pointwise``, ``depthwise``, ``dense`` or ``other``: the channels-last form a
-    QLinearConv's weights (M, C/group, kh, kw) are packed for (a 1x1 convolution's
-    panels serve it strided as well)."""
+    """``pointwise``, ``depthwise``, ``dense`` or ``other``: the form a QLinearConv's
+    weights (M, C/group, kh, kw) take, before its strides and padding are counted."""
     m = int(weight_shape[0])
     if group == 1 and all(int(k) == 1 for k in weight_shape[2:]):
         return "pointwise"
@@ -119,15 +118,52 @@ def weight_kind(weight_shape: tuple[int, ...], group: int) -> str:
     return "other"
 
 
-def conv_kind(geo: ConvGeometry, weight_shape: tuple[int, ...]) -> str:
+def conv_kind(weight_shape: Sequence[int], attrs: Mapping[str, Any]) -> str:
     """``pointwise`` (1x1, stride 1, no padding, one group), ``depthwise``, ``dense`` (one
-    group, C a multiple of 4: the indirect product) or ``other``: which channels-last
-    kernel takes a 2-D QLinearConv of geometry ``geo``."""
-    kind = weight_kind(weight_shape, geo.group)
-    if kind == "pointwise" and (any(s != 1 for s in geo.strides) or any(geo.pads_begin)
-                                or any(geo.pads_end)):
-        return "dense" if int(weight_shape[1]) % 4 == 0 else "other"
+    group, C a multiple of 4: the indirect product) or ``other``: the kind of a 2-D
+    QLinearConv of these weights and (normalized) attributes, as the planner's
+    int8_channels_last_kernel takes it. A 1x1 kernel at stride 1 has no padding under
+    any auto_pad, so only explicit pads count."""
+    shape = tuple(int(d) for d in weight_shape)
+    kind = weight_kind(shape, int(attrs.get("group") or 1))
+    strided = any(int(v) != 1 for v in attrs.get("strides") or ())
+    if kind == "pointwise" and (strided or any(int(v) for v in attrs.get("pads") or ())):
+        return "dense" if shape[1] % 4 == 0 else "other"
     return kind
+
+
+def conv_constants(w: np.ndarray, w_zero_point: np.ndarray, x_zero_point: Any,
+                   bias: np.ndarray | None, bias_known: bool = True) -> Any:
+    """What a QLinearConv's operands say for the planner's int8_channels_last_kernel
+    (an ``Int8ConvConstants``): whether the weights are symmetric and, where x's zero
+    point and the bias are known (``x_zero_point`` not None, ``bias_known``), whether the
+    panels' folded bias fits."""
+    rules = planner_rules()
+    m = int(w.shape[0])
+    zp = np.broadcast_to(np.asarray(w_zero_point).reshape(-1), (m,))
+    symmetric = _symmetric(zp, np.asarray(w).dtype)
+    if not symmetric or x_zero_point is None or not bias_known:
+        return rules.Int8ConvConstants(symmetric)
+    sums = _signed_weights(np.asarray(w).reshape(m, -1)).sum(axis=1, dtype=np.int64)
+    xz = np.asarray(x_zero_point)
+    folded = _folded(sums, int(xz.reshape(-1)[0]), xz.dtype == np.int8, bias)
+    return rules.Int8ConvConstants(True, folded is not None)
+
+
+def channels_last_kernel(plan: NodePlan | None, w: np.ndarray, w_zero_point: np.ndarray,
+                         attrs: Mapping[str, Any], x_zero_point: Any = None,
+                         bias: np.ndarray | None = None, bias_known: bool = False,
+                         x_shape: Sequence[int] | None = None) -> str:
+    """The channels-last kernel a QLinearConv runs: its plan's ``int8_kernel`` (decided
+    from the graph's constant weights), else the planner's rule on these operands (the
+    weights were not constants when it planned)."""
+    decided = plan.option("int8_kernel") if plan is not None else None
+    if decided is not None:
+        return str(decided)
+    found = planner_rules().int8_channels_last_kernel(
+        conv_kind(w.shape, attrs), w.shape, x_shape,
+        conv_constants(w, w_zero_point, x_zero_point, bias, bias_known))
+    return "nchw" if found is None else str(found)
 
 
 def without_layout(plan: NodePlan | None) -> NodePlan | None:
@@ -187,17 +223,17 @@ def channels_last(a: np.ndarray) -> np.ndarray:
 # ---- packing -------------------------------------------------------------------------------
 @dataclass(frozen=True, eq=False)
 class ChannelsLastPack:
-    """A QLinearConv's weights for its channels-last kernel: a pointwise convolution's
-    panels [M/32][C/4][32][4] and column sums (symmetric weights the planner's
-    ``int8_pointwise_panels`` gives to them; else the matrix product's panels), or a
-    depthwise one's taps [kh * kw][C] less their zero points."""
+    """A QLinearConv's weights for its channels-last ``kernel``: the panels
+    [M/32][K/4][32][4] and column sums (``panels``, ``indirect``), the matrix product's
+    panels (``matmul``) or a depthwise convolution's taps [kh * kw][C] less their zero
+    points (``depthwise``); with ``nchw`` only the NCHW kernel's ``conv``."""
 
     conv: native_qgemm.PackedConv
+    kernel: str                      # the planner's int8_channels_last_kernel
     pointwise: native_qgemm.PackedMatmul | None = None
     panels: np.ndarray | None = None
     col_sums: np.ndarray | None = None
     taps: np.ndarray | None = None
-    taps_fit: bool = True            # every tap within int16 (the depthwise kernel's)
     last: list[tuple[Any, Any]] = dataclasses.field(default_factory=list, repr=False)
 
     @property
@@ -228,39 +264,57 @@ def _symmetric(zero_points: np.ndarray, dtype: np.dtype) -> bool:
     return not np.any(zero_points.astype(np.int16) - (128 if dtype == np.uint8 else 0))
 
 
-def _panels(conv: native_qgemm.PackedConv, w2: np.ndarray) -> ChannelsLastPack:
+def _signed_weights(w2: np.ndarray) -> np.ndarray:
+    """Symmetric weights as signed values (uint8 ones less 128), int16."""
+    return w2.astype(np.int16) - (128 if w2.dtype == np.uint8 else 0)
+
+
+def _folded(sums: np.ndarray, x_zero_point: int, signed: bool,
+            bias: np.ndarray | None) -> np.ndarray | None:
+    """The panels' bias: x's zero point (+ 128 for signed x) folded in over every column
+    sum, plus the bias; None where it passes the planner's INT8_FOLD_MAX (the int32 sums
+    could overflow)."""
+    folded = -(x_zero_point + (128 if signed else 0)) * sums
+    if bias is not None:
+        folded = folded + np.asarray(bias).astype(np.int64)
+    if np.abs(folded).max(initial=0) >= planner_rules().INT8_FOLD_MAX:
+        return None
+    return folded
+
+
+def _panels(conv: native_qgemm.PackedConv, w2: np.ndarray, kernel: str) -> ChannelsLastPack:
     """The (M, K) weights w2 as the panels [M/32][K/4][32][4] (signed) and column sums."""
     m, c = w2.shape
-    signed = w2.astype(np.int16) - (128 if w2.dtype == np.uint8 else 0)
+    signed = _signed_weights(w2)
     columns = planner_rules().INT8_PANEL_COLUMNS
     mp, cp = -(-m // columns) * columns, -(-c // 4) * 4
     padded = np.zeros((mp, cp), np.int8)
     padded[:m, :c] = signed
     panels = padded.reshape(mp // columns, columns, cp // 4, 4).transpose(0, 2, 1, 3)
-    return ChannelsLastPack(conv, panels=np.ascontiguousarray(panels),
+    return ChannelsLastPack(conv, kernel, panels=np.ascontiguousarray(panels),
                             col_sums=signed.sum(axis=1, dtype=np.int64))
 
 
-def pack(w: np.ndarray, w_zero_point: np.ndarray, kind: str) -> ChannelsLastPack:
-    """Pack a QLinearConv's 8-bit weights (M, C/g, kh, kw) once for ``kind``."""
+def pack(w: np.ndarray, w_zero_point: np.ndarray, kernel: str) -> ChannelsLastPack:
+    """Pack a QLinearConv's 8-bit weights (M, C/g, kh, kw) once for ``kernel`` (the
+    planner's int8_channels_last_kernel: see :func:`channels_last_kernel`)."""
     conv = native_qgemm.pack_conv(w, w_zero_point)
     m = int(w.shape[0])
     zp = np.broadcast_to(np.asarray(w_zero_point).reshape(-1), (m,))
-    if kind == "pointwise":
+    if kernel == "matmul":
         w2 = np.asarray(w).reshape(m, -1)
-        if not _symmetric(zp, w2.dtype) or not planner_rules().int8_pointwise_panels(w2.size):
-            return ChannelsLastPack(conv, pointwise=native_qgemm.pack_matmul(
-                np.ascontiguousarray(w2.T), zp))
-        return _panels(conv, w2)
-    if kind == "dense":
+        return ChannelsLastPack(conv, kernel, pointwise=native_qgemm.pack_matmul(
+            np.ascontiguousarray(w2.T), zp))
+    if kernel == "panels":
+        return _panels(conv, np.asarray(w).reshape(m, -1), kernel)
+    if kernel == "indirect":
         # k = tap * C + channel: a tap's C channels contiguous, as an input pixel's row
         w2 = np.asarray(w).reshape(m, int(w.shape[1]), -1).transpose(0, 2, 1).reshape(m, -1)
-        return _panels(conv, w2) if _symmetric(zp, w2.dtype) else ChannelsLastPack(conv)
-    if kind == "depthwise":
+        return _panels(conv, w2, kernel)
+    if kernel == "depthwise":
         taps = np.asarray(w).reshape(m, -1).astype(np.int32) - zp.astype(np.int32)[:, None]
-        return ChannelsLastPack(conv, taps=np.ascontiguousarray(taps.T),
-                                taps_fit=bool(np.abs(taps).max(initial=0) <= 32767))
-    return ChannelsLastPack(conv)
+        return ChannelsLastPack(conv, kernel, taps=np.ascontiguousarray(taps.T))
+    return ChannelsLastPack(conv, "nchw")
 
 
 # ---- the kernels ---------------------------------------------------------------------------
@@ -313,9 +367,8 @@ def _call(q: QuantConv, kind: str, x_cl: np.ndarray, y_cl: np.ndarray,
     return True
 
 
-def _pointwise(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> bool:
-    if q.packed.panels is not None and _panel_product(q, x_cl, y_cl):
-        return True
+def _matmul(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> bool:
+    """qgemm.c's product over every pixel: (N*H*W, C) @ (C, M), channels-last already."""
     pm = q.packed.pointwise
     if pm is None:
         return False
@@ -355,10 +408,8 @@ def _panel_operands(q: QuantConv, signed: bool, y_dtype: np.dtype
     panels, sums = q.packed.panels, q.packed.col_sums
     assert panels is not None and sums is not None
     m = int(sums.shape[0])
-    folded = -(q.x_zero_point + (128 if signed else 0)) * sums
-    if q.bias is not None:
-        folded = folded + q.bias.astype(np.int64)
-    if np.abs(folded).max(initial=0) >= 2**31 - 2**30:
+    folded = _folded(sums, q.x_zero_point, signed, q.bias)
+    if folded is None:
         return None
     mp = panels.shape[0] * planner_rules().INT8_PANEL_COLUMNS
     bias, mult = np.zeros(mp, np.int32), np.zeros(mp, np.float64)
@@ -376,7 +427,8 @@ def _dense_call(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> _NativeCall
     table of tap offsets and its row of x's zero point built here once, with the call."""
     fns, panels = _load(), q.packed.panels
     n, h, w, c = (int(d) for d in x_cl.shape)
-    if fns is None or panels is None or c % 4 or h * w * c > np.iinfo(np.int32).max:
+    if (fns is None or panels is None or c % 4
+            or h * w * c > planner_rules().INT8_INDIRECT_MAX_IMAGE_BYTES):
         return None
     signed = x_cl.dtype == np.int8
     operands = _panel_operands(q, signed, y_cl.dtype)
@@ -434,7 +486,7 @@ def _depthwise(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> bool:
 
 def _depthwise_call(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> _NativeCall | None:
     fns, taps = _load(), q.packed.taps
-    if fns is None or taps is None or not q.packed.taps_fit:
+    if fns is None or taps is None:
         return None
     geo = q.geo
     n, h, w, c = (int(d) for d in x_cl.shape)
@@ -453,7 +505,7 @@ def _depthwise_call(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> _Native
 
 
 _CHANNELS_LAST: dict[str, Callable[[QuantConv, np.ndarray, np.ndarray], bool]] = {
-    "pointwise": _pointwise, "depthwise": _depthwise, "dense": _dense}
+    "panels": _panel_product, "matmul": _matmul, "depthwise": _depthwise, "indirect": _dense}
 
 
 def scratch(key: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
@@ -461,15 +513,16 @@ def scratch(key: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     return workspace.empty(np, ("qlayout", key), shape, dtype)
 
 
-def conv(src: str, dst: str, kind: str, x: np.ndarray, q: QuantConv | None,
+def conv(src: str, dst: str, x: np.ndarray, q: QuantConv | None,
          y: np.ndarray, nchw: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray:
     """Run one QLinearConv between layouts: ``x`` and ``y`` in their graph shapes, their
-    bytes in ``src`` and ``dst`` order. The channels-last kernel of ``kind`` runs where
-    it serves ``q`` (None: it does not); otherwise ``nchw`` (the NCHW kernel: NCHW x into
+    bytes in ``src`` and ``dst`` order. ``q``'s channels-last kernel (its pack's) runs
+    (None: the native kernels do not take the operands); otherwise, or where it cannot
+    run (an operand known only now rules it out), ``nchw`` (the NCHW kernel: NCHW x into
     an NCHW buffer, returning its result) between layout changes. Returns ``y``."""
     threads = 1 if q is None else q.threads
     n, m, oh, ow = (int(d) for d in y.shape)
-    run = _CHANNELS_LAST.get(kind) if q is not None else None
+    run = _CHANNELS_LAST.get(q.packed.kernel) if q is not None else None
     if run is not None and q is not None:
         x_cl = channels_last(x) if src == NHWC else to_nhwc(
             x, threads, scratch("x", (x.shape[0], *x.shape[2:], x.shape[1]), x.dtype))

@@ -84,12 +84,11 @@ def _pack_conv(ctx: KernelContext, const: Sequence[Any], attrs: Attrs) -> Any:
     if not native_qgemm.available() or not _eight_bit(w, w_zp) or w.ndim != 4:
         return None
     if qlayout.layouts(ctx) != (qlayout.NCHW, qlayout.NCHW):
-        return qlayout.pack(w, w_zp, _conv_kind(w.shape, attrs))
+        bias = const[8] if len(const) > 8 else None
+        kernel = qlayout.channels_last_kernel(ctx.plan, w, w_zp, attrs, const[2], bias,
+                                              bias_known=bias is not None)
+        return qlayout.pack(w, w_zp, kernel)
     return native_qgemm.pack_conv(w, w_zp)
-
-
-def _conv_kind(w_shape: tuple[int, ...], attrs: Attrs) -> str:
-    return qlayout.weight_kind(w_shape, int(attrs["group"]))
 
 
 def _conv_served(x: Any, x_zp: Any, x_s: Any, y_s: Any, y_zp: Any, w: Any, w_zp: Any) -> bool:
@@ -117,7 +116,10 @@ def qlinear_conv(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> 
     q = packed.known(key) if isinstance(packed, qlayout.ChannelsLastPack) else None
     if q is None and _served(x, x_s, x_zp, w, w_s, w_zp, y_s, y_zp, bias):
         if not isinstance(packed, qlayout.ChannelsLastPack):
-            packed = qlayout.pack(w, w_zp, _conv_kind(w.shape, attrs))
+            # weights that are no constants: packed for the kernel the plan's rule gives
+            # these operands, every one of them known now
+            packed = qlayout.pack(w, w_zp, qlayout.channels_last_kernel(
+                ctx.plan, w, w_zp, attrs, x_zp, bias, bias_known=True, x_shape=x.shape))
         made = packed
         q = made.operands(key, lambda: _quant_conv(made, x, x_s, x_zp, w, w_s, y_s, y_zp,
                                                    bias, attrs, threads))
@@ -131,7 +133,7 @@ def qlinear_conv(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> 
         plain = dataclasses.replace(ctx, plan=qlayout.without_layout(ctx.plan))
         return np.asarray(_conv_nchw(plain, [xn, *inputs[1:]], attrs, [yn])[0])
 
-    qlayout.conv(src, dst, qlayout.conv_kind(geo, w.shape), x, q, y, nchw)
+    qlayout.conv(src, dst, x, q, y, nchw)
     return _deliver(y, out)
 
 

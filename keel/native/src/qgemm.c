@@ -1944,11 +1944,11 @@ int64_t keel_qmaxpool_8(const void *x, int64_t is_signed, const int64_t *geometr
 
 /* The sizes the planner's splits count in (keel.backends.cpu.native_qgemm checks the cpu
  * planner's INT8_* values against them at load). Writes at most n of: NB (output positions
- * of a direct-kernel block, columns of a matmul panel), MR (rows of a matmul tile);
- * returns 2. */
+ * of a direct-kernel block, columns of a matmul panel), MR (rows of a matmul tile),
+ * DW_TAPS (the most taps the lanes depthwise kernel takes); returns 3. */
 int64_t keel_qgemm_geometry(int64_t *out, int64_t n)
 {
-    const int64_t sizes[] = {NB, MR};
+    const int64_t sizes[] = {NB, MR, DW_TAPS};
     const int64_t count = (int64_t)(sizeof sizes / sizeof sizes[0]);
     for (int64_t i = 0; i < n && i < count; i++) out[i] = sizes[i];
     return count;

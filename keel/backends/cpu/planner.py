@@ -1894,12 +1894,24 @@ DEPTHWISE_BLOCKED_ROWS_PIXELS = 1024
 # 112 -> 56 10.5-11.4 -> 7.3 ms, 56 -> 28 4.0 -> 3.4, 28 -> 14 1.5 -> 0.9, 14 -> 7 1.9 ->
 # 2.4. Rows of 7 fill under half a vector, and every lane costs its loads and permutes.
 DEPTHWISE_STRIDED_MIN_WIDTH = 9
+# "flat" (stride 1, output rows as wide as the input's: 16 consecutive output pixels of a
+# plane at a time read straight from X, the taps outside X masked to zero; no copy, no
+# transposes) where a thread's planes do not stay in cache. Measured on a 2-core Intel
+# Xeon (AVX-512, 2 MiB L2), one thread, bias + ReLU6, under load: alone at batch 32
+# (ms, planes / blocked / flat) 32 ch 112x112 11.2 / - / 9.0, 144 ch 56x56 12.8 / 10.1
+# / 10.2, 192 ch 28x28 4.7 / 3.2 / 3.4, 384 ch 14x14 2.0 / 1.5 / 1.5, 576 ch 14x14 3.2 /
+# 2.5 / 2.4, 960 ch 7x7 1.9 / 1.2 / 1.1; MobileNetV2 at batch 32 (two models in one
+# process, alternating) 0.965-0.992 of the time with its stride-1 layers on flat, 0.993
+# on two threads. At batch 1 (in cache) it measured level with the schemes above inside
+# the model (14x14 and 56x56 level, 28x28 0.95 of blocked, 7x7 1.05-1.1 of blocked,
+# 112x112 1.06 of planes), so cached calls keep them.
 
 
 def depthwise_scheme(geo: native_window.WindowGeometry, planes: int, threads: int,
                      sizes: Caches | None = None) -> tuple[str, str]:
     """The native depthwise call's scheme for ``planes`` (N * C) of ``geo`` split over
-    ``threads`` (as the call splits them), and why: "blocked", "strided" or "planes"."""
+    ``threads`` (as the call splits them), and why: "flat", "blocked", "strided" or
+    "planes"."""
     _, h, w, oh, ow, _, _, sh, sw = (int(v) for v in geo.array[:9])
     share = -(-planes // max(1, parts(planes, threads, geo.min_chunk)))
     out = oh * ow
@@ -1907,6 +1919,11 @@ def depthwise_scheme(geo: native_window.WindowGeometry, planes: int, threads: in
     cached = 4 * share * (h * w + out) <= limit
     where = (f"{share} plane(s) a thread, {4 * share * (h * w + out) >> 10} KiB of input "
              f"and output {'within' if cached else 'over'} {limit >> 10} KiB")
+    if (sh, sw) == (1, 1) and not cached and native_window.scheme_ok(geo, "flat"):
+        return "flat", (f"flat: 16 output pixels at a time straight from X, the taps "
+                        f"outside it masked ({oh}x{ow} outputs, {where}; MobileNetV2's "
+                        "stride-1 layers at batch 32 ran the model in 0.97-0.99x the "
+                        "time of the blocked and plane schemes)")
     if (sh, sw) != (1, 1):
         wins = cached and out <= DEPTHWISE_BLOCKED_PIXELS
     elif cached:

@@ -208,6 +208,8 @@ FLAT_CASES = [
     (1, 33, 11, 8, (1, 3), 1, 1),       # padded rows: OH (13) above H
     (1, 16, 10, 10, (3, 3), 2, 2),      # dilated
     (1, 3, 1, 1, (3, 3), 1, 1),         # a plane of one pixel: only the edge masks
+    (1, 3, 40, 8, (3, 3), 1, 1),        # a period of one vector over a long plane
+    (2, 2, 30, 12, (3, 3), 1, 1),       # a period of three, shorter than a group
     (1, 2, 9, 130, (3, 3), 1, 1),       # a period of 65 vectors: served as planes
     (1, 3, 8, 8, (3, 3), 1, 0),         # 6x6 outputs of 8x8: rows narrower, as planes
 ]
@@ -268,10 +270,10 @@ def test_scheme_threads_bitwise_equal(scheme: str, side: int, stride: int,
 MOBILENET_LAYERS = [(32, 112, 1), (96, 112, 2), (144, 56, 1), (144, 56, 2), (192, 28, 1),
                     (192, 28, 2), (384, 14, 1), (576, 14, 1), (576, 14, 2), (960, 7, 1)]
 MOBILENET_SCHEMES = {
-    (1, 1): ["planes", "strided", "planes", "strided", "blocked", "strided", "blocked",
-             "blocked", "blocked", "blocked"],
-    (1, 2): ["planes", "strided", "planes", "strided", "blocked", "strided", "blocked",
-             "blocked", "blocked", "blocked"],
+    (1, 1): ["flat", "strided", "flat", "strided", "flat", "strided", "flat", "flat",
+             "blocked", "blocked"],
+    (1, 2): ["flat", "strided", "flat", "strided", "flat", "strided", "flat", "flat",
+             "blocked", "blocked"],
     (32, 1): ["flat", "strided", "flat", "strided", "flat", "strided", "flat", "flat",
               "planes", "flat"],
 }

@@ -63,8 +63,9 @@ hand to BLAS. Four formulations (:func:`depthwise_layout`):
   may also read X in place: 16 consecutive output pixels of a plane at a time, whatever
   rows they span, each tap one load at a fixed offset with the lanes whose tap falls
   outside X zeroed (the copy's padding); no copy, no transposes, no lanes wasted on row
-  ends, the plane path's chain, the same bits. The planner picks it where a thread's
-  planes do not stay in cache (MobileNetV2 at batch 32; docs/performance.md).
+  ends, the plane path's chain, the same bits. The planner picks it for every
+  stride-1 layer it serves but the smallest planes in cache (MobileNetV2's 7x7 layers at
+  batch 1 keep the blocked scheme; measurements in docs/performance.md).
 
 The NumPy formulations, chosen by shape:
 

@@ -838,7 +838,7 @@ static void run_s2(const float *x, float *y, const geom *g, const win_args *e, i
 #define FLAT_MAX_TAPS 25
 #define FLAT_MAX_PERIOD 64     /* vectors until 16v mod W repeats: W / gcd(W, 16) */
 #define FLAT_MAX_EDGE 64       /* vectors at the top and bottom with row masks */
-#define FLAT_KU 4              /* vectors computed together: independent FMA chains */
+#define FLAT_KU 8              /* vectors computed together: independent FMA chains */
 
 typedef struct {
     int64_t plane, vectors;    /* output pixels and vectors of a plane */
@@ -957,8 +957,7 @@ static inline __attribute__((always_inline)) void flat_planes(
         for (; v + FLAT_KU <= d->vb; v += FLAT_KU) {
             flat_vectors(xp, inner + q * kws, d->off, wt, taps, kws, full, bias, v, FLAT_KU,
                          plane, zp, yp, vlo, vhi, has_z, has_clip);
-            q += FLAT_KU;
-            if (q >= d->period) q -= d->period;
+            q = (q + FLAT_KU) % d->period;
         }
         for (; v < d->vb; v++) {
             flat_vectors(xp, inner + q * kws, d->off, wt, taps, kws, full, bias, v, 1, plane,
@@ -975,14 +974,14 @@ static void run_flat(const float *x, float *y, const geom *g, const win_args *e,
                      int64_t hi) {
     flat_dims d;
     flat_size(g, &d);
-    /* inner: the interior's column masks of vectors k (k < period: every vector v with
-     * v mod period == k), then FLAT_KU - 1 more so a group starting anywhere in the period
-     * reads on; edge: the top's masks, then the bottom's. */
+    /* inner: the interior's column masks of vectors k < period + FLAT_KU - 1 (they hold
+     * for every vector v with v mod period == k mod period), so a group starting anywhere
+     * in the period reads on; edge: the top's masks, then the bottom's. */
     __mmask16 inner[(FLAT_MAX_PERIOD + FLAT_KU) * FLAT_MAX_TAPS];
     __mmask16 edge[FLAT_MAX_EDGE * FLAT_MAX_TAPS];
     int64_t taps = g->taps, kws = g->kw;
     for (int64_t k = 0; k < d.period + FLAT_KU - 1; k++)
-        flat_masks(g, d.plane, k < d.period ? k : k - d.period, 0, inner + k * kws);
+        flat_masks(g, d.plane, k, 0, inner + k * kws);
     __mmask16 *em = edge;
     for (int64_t v = 0; v < d.va; v++, em += taps) flat_masks(g, d.plane, v, 1, em);
     for (int64_t v = d.vb; v < d.vectors; v++, em += taps) flat_masks(g, d.plane, v, 1, em);

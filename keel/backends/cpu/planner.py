@@ -1924,7 +1924,7 @@ def depthwise_scheme(geo: native_window.WindowGeometry, planes: int, threads: in
     if (sh, sw) == (1, 1) and not smallest and native_window.scheme_ok(geo, "flat"):
         return "flat", (f"flat: 16 output pixels at a time straight from X, the taps "
                         f"outside it zeroed ({oh}x{ow} outputs, {where}; MobileNetV2's "
-                        "stride-1 layers from 14x14 up ran 0.79-0.92x the time of the "
+                        "stride-1 layers from 14x14 up ran 0.71-0.87x the time of the "
                         "blocked and plane schemes inside the model)")
     if (sh, sw) != (1, 1):
         wins = cached and out <= DEPTHWISE_BLOCKED_PIXELS

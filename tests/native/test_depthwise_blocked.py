@@ -1,6 +1,7 @@
-"""The channel-blocked depthwise scheme of window.c (16 planes at a time, for small planes)
-and its stride-2 rows (3x3 stride-2 convs read straight from X) against a float64
-reference and against the plane-by-plane scheme, which both match bitwise (each output
+"""The channel-blocked depthwise scheme of window.c (16 planes at a time, for small planes),
+its stride-2 rows (3x3 stride-2 convs read straight from X) and its flat scheme (stride 1,
+16 consecutive output pixels read straight from X through masks) against a float64
+reference and against the plane-by-plane scheme, which all match bitwise (each output
 runs the plane path's chain of fused multiply-adds), for any thread split."""
 
 from __future__ import annotations
@@ -166,38 +167,101 @@ def test_strided_matches_planes_bitwise_and_reference(case: tuple, fused: str) -
     _check_scheme("strided", n, c, _window(h, wd, (3, 3), 2, 1, 1), fused)
 
 
-def test_strided_propagates_nan_and_inf_like_planes() -> None:
-    win = _window(30, 40, (3, 3), 2, 1, 1)
+def _with_specials(scheme: str, win: Window, specials: dict[tuple[int, int, int], float]
+                   ) -> dict[str, np.ndarray]:
+    """``scheme`` and the plane scheme on 6 channels of ``win`` whose X holds ``specials``
+    ({(channel, row, column): value}) and whose channel 5 has an infinite first weight
+    (0 * inf in the padding)."""
     geo = nw.plan(6, win)
     assert geo is not None
-    x = RNG.standard_normal((1, 6, 30, 40)).astype(np.float32)
-    x[0, 1, 0, 0] = np.nan                  # the first row and column: next to the padding
-    x[0, 2, 29, 39] = np.inf                # the last ones
-    x[0, 3, 7, 16] = -np.inf                # between two output vectors' columns
+    x = RNG.standard_normal((1, 6, *win.in_spatial)).astype(np.float32)
+    for (c, i, j), value in specials.items():
+        x[0, c, i, j] = value
     w = RNG.standard_normal((6, 1, 3, 3)).astype(np.float32)
-    w[5, 0, 0, 0] = np.inf                  # an infinite weight: 0 * inf in the padding
+    w[5, 0, 0, 0] = np.inf
     ys = {}
-    for scheme in ("planes", "strided"):
-        ys[scheme] = np.empty((1, 6, *win.out_spatial), dtype=np.float32)
-        nw.depthwise_conv(x, w, None, None, ys[scheme], geo, None, 1, scheme)
+    for name in ("planes", scheme):
+        ys[name] = np.empty((1, 6, *win.out_spatial), dtype=np.float32)
+        nw.depthwise_conv(x, w, None, None, ys[name], geo, None, 1, name)
+    np.testing.assert_array_equal(ys[scheme], ys["planes"])
+    return ys
+
+
+def test_strided_propagates_nan_and_inf_like_planes() -> None:
+    ys = _with_specials("strided", _window(30, 40, (3, 3), 2, 1, 1), {
+        (1, 0, 0): np.nan,          # the first row and column: next to the padding
+        (2, 29, 39): np.inf,        # the last ones
+        (3, 7, 16): -np.inf})       # between two output vectors' columns
     assert np.isnan(ys["strided"][0, 1, 0, 0]) and np.isnan(ys["strided"][0, 5, 0]).all()
     assert not np.isnan(ys["strided"][0, 0]).any()
-    np.testing.assert_array_equal(ys["strided"], ys["planes"])
+
+
+FLAT_CASES = [
+    # n, c, h, w, kernel, dilation, pad (stride 1; "flat" serves output rows of W values)
+    (1, 3, 112, 112, (3, 3), 1, 1),     # 16 vectors a row: rows never share a vector
+    (2, 5, 56, 56, (3, 3), 1, 1),
+    (1, 7, 28, 28, (3, 3), 1, 1),
+    (1, 17, 14, 14, (3, 3), 1, 1),      # vectors span rows: column masks inside vectors
+    (2, 17, 7, 7, (3, 3), 1, 1),
+    (1, 4, 15, 33, (3, 3), 1, 1),       # odd sizes: a period of 33 vectors
+    (2, 19, 6, 5, (5, 5), 1, 2),        # more taps, two padding columns
+    (1, 33, 11, 8, (1, 3), 1, 1),       # padded rows: OH (13) above H
+    (1, 16, 10, 10, (3, 3), 2, 2),      # dilated
+    (1, 3, 1, 1, (3, 3), 1, 1),         # a plane of one pixel: only the edge masks
+    (1, 3, 40, 8, (3, 3), 1, 1),        # a period of one vector over a long plane
+    (2, 2, 30, 12, (3, 3), 1, 1),       # a period of three, shorter than a group
+    (1, 2, 9, 130, (3, 3), 1, 1),       # a period of 65 vectors: served as planes
+    (1, 3, 8, 8, (3, 3), 1, 0),         # 6x6 outputs of 8x8: rows narrower, as planes
+]
+
+
+@pytest.mark.parametrize("case", FLAT_CASES, ids=lambda c: "x".join(map(str, c[:4]))
+                         + f"-k{c[4][0]}{c[4][1]}-d{c[5]}")
+@pytest.mark.parametrize("fused", ["none", "bias_clip", "bias_residual_clip"])
+def test_flat_matches_planes_bitwise_and_reference(case: tuple, fused: str) -> None:
+    n, c, h, wd, k, d, p = case
+    _check_scheme("flat", n, c, _window(h, wd, k, 1, d, p), fused)
+
+
+def test_flat_serves_only_unit_strides_and_full_rows() -> None:
+    def serves(h: int, w: int, s: int, p: int) -> bool:
+        geo = nw.plan(4, _window(h, w, (3, 3), s, 1, p))
+        assert geo is not None
+        return nw.scheme_ok(geo, "flat")
+
+    assert serves(14, 14, 1, 1) and serves(7, 9, 1, 1)
+    assert not serves(14, 14, 2, 1)          # strided
+    assert not serves(14, 14, 1, 0)          # output rows of 12 from rows of 14
+    assert not serves(9, 130, 1, 1)          # masks repeating every 65 vectors
+
+
+def test_flat_propagates_nan_and_inf_like_planes() -> None:
+    ys = _with_specials("flat", _window(14, 14, (3, 3), 1, 1, 1), {
+        (1, 0, 0): np.nan,          # the first row and column: next to the padding
+        (2, 13, 13): np.inf,        # the last ones
+        (3, 5, 13): -np.inf,        # a row's end, read by the next row's start
+        (4, 6, 0): np.nan})         # a row's start, read by the row before's end
+    assert np.isnan(ys["flat"][0, 1, 0, 0]) and np.isnan(ys["flat"][0, 5]).any()
+    assert not np.isnan(ys["flat"][0, 0]).any()
+    assert np.isfinite(ys["flat"][0, 3, 6, 0]) and np.isfinite(ys["flat"][0, 4, 5, 13])
 
 
 @pytest.mark.parametrize("threads", [2, 3, 16])
-def test_strided_threads_bitwise_equal(threads: int) -> None:
-    win = _window(56, 56, (3, 3), 2, 1, 1)
+@pytest.mark.parametrize("scheme, side, stride", [("strided", 56, 2), ("flat", 28, 1)])
+def test_scheme_threads_bitwise_equal(scheme: str, side: int, stride: int,
+                                      threads: int) -> None:
+    """A scheme split over threads gives the plane scheme's bits on one."""
+    win = _window(side, side, (3, 3), stride, 1, 1)
     n, c = 2, 37
     geo = nw.plan(c, win)
     assert geo is not None and n * c >= 2 * geo.min_chunk
-    x = RNG.standard_normal((n, c, 56, 56)).astype(np.float32)
+    x = RNG.standard_normal((n, c, side, side)).astype(np.float32)
     w = RNG.standard_normal((c, 1, 3, 3)).astype(np.float32)
     b = RNG.standard_normal(c).astype(np.float32)
-    y1 = np.empty((n, c, 28, 28), dtype=np.float32)
+    y1 = np.empty((n, c, *win.out_spatial), dtype=np.float32)
     yt = np.empty_like(y1)
-    nw.depthwise_conv(x, w, b, None, y1, geo, (0.0, 6.0), 1, "strided")
-    nw.depthwise_conv(x, w, b, None, yt, geo, (0.0, 6.0), threads, "auto")
+    nw.depthwise_conv(x, w, b, None, y1, geo, (0.0, 6.0), 1, "planes")
+    nw.depthwise_conv(x, w, b, None, yt, geo, (0.0, 6.0), threads, scheme)
     assert np.array_equal(y1, yt)
 
 
@@ -206,12 +270,12 @@ def test_strided_threads_bitwise_equal(threads: int) -> None:
 MOBILENET_LAYERS = [(32, 112, 1), (96, 112, 2), (144, 56, 1), (144, 56, 2), (192, 28, 1),
                     (192, 28, 2), (384, 14, 1), (576, 14, 1), (576, 14, 2), (960, 7, 1)]
 MOBILENET_SCHEMES = {
-    (1, 1): ["planes", "strided", "planes", "strided", "blocked", "strided", "blocked",
-             "blocked", "blocked", "blocked"],
-    (1, 2): ["planes", "strided", "planes", "strided", "blocked", "strided", "blocked",
-             "blocked", "blocked", "blocked"],
-    (32, 1): ["planes", "strided", "planes", "strided", "blocked", "strided", "planes",
-              "planes", "planes", "blocked"],
+    (1, 1): ["flat", "strided", "flat", "strided", "flat", "strided", "flat", "flat",
+             "blocked", "blocked"],
+    (1, 2): ["flat", "strided", "flat", "strided", "flat", "strided", "flat", "flat",
+             "blocked", "blocked"],
+    (32, 1): ["flat", "strided", "flat", "strided", "flat", "strided", "flat", "flat",
+              "planes", "flat"],
 }
 
 

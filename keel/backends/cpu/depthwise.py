@@ -59,6 +59,14 @@ hand to BLAS. Four formulations (:func:`depthwise_layout`):
   rows wider than half a vector, MobileNetV2's 112->56, 56->28 and 28->14
   layers (265 -> 150, 83 -> 69, 38 -> 32 us at batch 1; docs/performance.md).
 
+  Stride-1 layers whose output rows are as wide as the input's (the ``flat`` scheme)
+  may also read X in place: 16 consecutive output pixels of a plane at a time, whatever
+  rows they span, each tap one load at a fixed offset with the lanes whose tap falls
+  outside X zeroed (the copy's padding); no copy, no transposes, no lanes wasted on row
+  ends, the plane path's chain, the same bits. The planner picks it for every
+  stride-1 layer it serves but the smallest planes in cache (MobileNetV2's 7x7 layers at
+  batch 1 keep the blocked scheme; measurements in docs/performance.md).
+
 The NumPy formulations, chosen by shape:
 
 * ``rows`` (2-D): for each kernel column ``kw`` a copy of the (stride-phase

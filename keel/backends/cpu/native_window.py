@@ -46,7 +46,7 @@ LIBRARY = "window"
 MAX_TAPS = 1024
 MAX_STRIDE = 16
 # The depthwise schemes, as keel_dwconv2d_mode_f32's mode.
-SCHEMES = {"planes": 1, "blocked": 2, "strided": 3}
+SCHEMES = {"planes": 1, "blocked": 2, "strided": 3, "flat": 4}
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -284,8 +284,8 @@ def bind_depthwise_conv(x: np.ndarray, w: np.ndarray, b: np.ndarray | None,
 
 
 def scheme_ok(geo: WindowGeometry, scheme: str) -> bool:
-    """Whether the depthwise ``scheme`` serves ``geo`` in the loaded library (the blocked
-    and strided ones need AVX-512 and their geometries; "planes" serves every one)."""
+    """Whether the depthwise ``scheme`` serves ``geo`` in the loaded library (the blocked,
+    strided and flat ones need AVX-512 and their geometries; "planes" serves every one)."""
     fns = _load()
     return fns is not None and fns.dwconv_scheme_ok(geo.address, SCHEMES[scheme]) == 1
 
@@ -333,8 +333,10 @@ def depthwise_conv(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, z: np.nda
     ``scheme`` forces the C kernel's scheme (for tests and measurements): "planes"
     (plane by plane), "blocked" (16 planes at a time where the geometry allows),
     "strided" (3x3 stride-2 convs padded by one read straight from ``x``, the stride
-    phases split in registers, where the geometry allows), or "auto" (the cpu
-    planner's measured rule, ``depthwise_scheme``). Every scheme gives the same bits.
+    phases split in registers, where the geometry allows), "flat" (stride 1 with output
+    rows as wide as the input's: 16 consecutive output pixels at a time read straight
+    from ``x``, the taps outside it masked), or "auto" (the cpu planner's measured rule,
+    ``depthwise_scheme``). Every scheme gives the same bits.
     """
     bind_depthwise_conv(x, w, b, z, y, geo, clip, threads, scheme)()
 

@@ -2151,12 +2151,25 @@ DEPTHWISE_BLOCKED_ROWS_PIXELS = 1024
 # 112 -> 56 10.5-11.4 -> 7.3 ms, 56 -> 28 4.0 -> 3.4, 28 -> 14 1.5 -> 0.9, 14 -> 7 1.9 ->
 # 2.4. Rows of 7 fill under half a vector, and every lane costs its loads and permutes.
 DEPTHWISE_STRIDED_MIN_WIDTH = 9
+# "flat" (stride 1, output rows as wide as the input's: 16 consecutive output pixels of a
+# plane at a time read straight from X, the taps outside X zeroed; no copy, no
+# transposes, no lanes lost at row ends) for every stride-1 call it serves but the
+# smallest planes in cache (up to DEPTHWISE_BLOCKED_PIXELS outputs: 7x7), where the
+# blocked scheme keeps the lead. Measured on a 2-core Intel Xeon (AVX-512, 2 MiB L2), one
+# thread, bias + ReLU6, under load. Inside MobileNetV2 at batch 1 (two models in one
+# process, alternating, per-node medians of 30 passes, us, before -> flat): 32 ch 112x112
+# 252 -> 232 (planes before), 144 ch 56x56 293 -> 237 (planes), 192 ch 28x28 106 -> 76 and
+# 97 -> 72 (blocked), 384 ch 14x14 55 -> 44 (blocked), 576 ch 14x14 79 -> 64 (blocked);
+# the 7x7 layers alone 26 us blocked against 32 flat. Alone at batch 32 (ms, planes /
+# blocked / flat): 112x112 11.2 / - / 9.0, 56x56 12.8 / 10.1 / 10.2, 14x14 2.0 / 1.5 /
+# 1.5.
 
 
 def depthwise_scheme(geo: native_window.WindowGeometry, planes: int, threads: int,
                      sizes: Caches | None = None) -> tuple[str, str]:
     """The native depthwise call's scheme for ``planes`` (N * C) of ``geo`` split over
-    ``threads`` (as the call splits them), and why: "blocked", "strided" or "planes"."""
+    ``threads`` (as the call splits them), and why: "flat", "blocked", "strided" or
+    "planes"."""
     _, h, w, oh, ow, _, _, sh, sw = (int(v) for v in geo.array[:9])
     share = -(-planes // max(1, parts(planes, threads, geo.min_chunk)))
     out = oh * ow
@@ -2164,6 +2177,12 @@ def depthwise_scheme(geo: native_window.WindowGeometry, planes: int, threads: in
     cached = 4 * share * (h * w + out) <= limit
     where = (f"{share} plane(s) a thread, {4 * share * (h * w + out) >> 10} KiB of input "
              f"and output {'within' if cached else 'over'} {limit >> 10} KiB")
+    smallest = cached and out <= DEPTHWISE_BLOCKED_PIXELS
+    if (sh, sw) == (1, 1) and not smallest and native_window.scheme_ok(geo, "flat"):
+        return "flat", (f"flat: 16 output pixels at a time straight from X, the taps "
+                        f"outside it zeroed ({oh}x{ow} outputs, {where}; MobileNetV2's "
+                        "stride-1 layers from 14x14 up ran 0.71-0.87x the time of the "
+                        "blocked and plane schemes inside the model)")
     if (sh, sw) != (1, 1):
         wins = cached and out <= DEPTHWISE_BLOCKED_PIXELS
     elif cached:

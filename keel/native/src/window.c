@@ -30,6 +30,10 @@
  * - 3x3 stride-2 depthwise convs padded by one (MobileNet's) may run with no band copy,
  *   the stride phases split in registers (run_s2, AVX-512 only): the same chain of
  *   multiply-adds, the same values.
+ * - Stride-1 depthwise convs whose output rows are as wide as the input's may run with no
+ *   copy at all, 16 consecutive output pixels of a plane at a time, each tap a load from
+ *   X with the lanes outside X zeroed (run_flat, AVX-512 only): the same chain of
+ *   multiply-adds, the same values.
  * - Which scheme a call runs is the caller's (the cpu planner's depthwise_scheme, which
  *   measured where each wins); keel_dwconv2d_scheme_ok says which ones serve a geometry.
  *
@@ -818,14 +822,192 @@ static void run_s2(const float *x, float *y, const geom *g, const win_args *e, i
 }
 #endif
 
+#if defined(__AVX512F__)
+/* Stride-1 depthwise convs whose output rows are as wide as the input's (padded as
+ * "same" in width: MobileNet's) run straight from X, 16 consecutive output pixels of a
+ * plane at a time whatever rows they span: output pixel f reads input pixel f + off[t]
+ * for every tap t, a masked load whose mask drops the lanes whose tap falls outside X
+ * (they read as the copy's zero padding). No band copy, no wide outputs past each row,
+ * no emit pass, and small planes waste no lanes on row ends (a 14 x 14 plane is 13
+ * vectors, a 7 x 7 one 4). Each output is the same chain as conv_wide (bias, then a
+ * multiply-add per tap in order, + Z, clip): the same bits.
+ *
+ * The masks: a lane's column test depends only on its pixel modulo W, so the vectors
+ * whose rows all keep every tap inside X (the interior) take their masks from a table
+ * of the period of 16v mod W; the few vectors at the top and bottom have their own. */
+#define FLAT_MAX_TAPS 25
+#define FLAT_MAX_PERIOD 64     /* vectors until 16v mod W repeats: W / gcd(W, 16) */
+#define FLAT_MAX_EDGE 64       /* vectors at the top and bottom with row masks */
+#define FLAT_KU 8              /* vectors computed together: independent FMA chains */
+
+typedef struct {
+    int64_t plane, vectors;    /* output pixels and vectors of a plane */
+    int64_t period;            /* the interior masks repeat every `period` vectors */
+    int64_t va, vb;            /* the interior: vectors [va, vb) */
+    int64_t off[FLAT_MAX_TAPS];
+} flat_dims;
+
+static int64_t gcd64(int64_t a, int64_t b) {
+    while (b) { int64_t t = a % b; a = b; b = t; }
+    return a;
+}
+
+/* The interior [va, vb): every lane's row keeps every tap's row inside X, the whole
+ * vector lies inside the plane, and so do all its taps' 16 values (the interior's loads
+ * are not masked: a column past a row's end reads the next row, inside the plane). */
+static void flat_size(const geom *g, flat_dims *d) {
+    d->plane = g->oh * g->ow;
+    d->vectors = (d->plane + 15) / 16;
+    d->period = g->w / gcd64(g->w, 16);
+    int64_t lowest = 0, highest = 0;
+    for (int64_t kh = 0; kh < g->kh; kh++) {
+        for (int64_t kw = 0; kw < g->kw; kw++) {
+            int64_t o = (kh * g->dh - g->pt) * g->w + kw * g->dw - g->pl;
+            d->off[kh * g->kw + kw] = o;
+            lowest = min64(lowest, o);
+            highest = max64(highest, o);
+        }
+    }
+    int64_t last_row = g->h - 1 + g->pt - (g->kh - 1) * g->dh;    /* of an interior lane */
+    d->va = 0;
+    while (d->va < d->vectors && (16 * d->va / g->w < g->pt || 16 * d->va + lowest < 0))
+        d->va++;
+    d->vb = d->va;
+    while (d->vb < d->vectors && 16 * d->vb + 15 < d->plane
+           && (16 * d->vb + 15) / g->w <= last_row && 16 * d->vb + 15 + highest < g->h * g->w)
+        d->vb++;
+}
+
+static int flat_ok(const geom *g) {
+    if (g->sh != 1 || g->sw != 1 || g->ow != g->w || g->taps > FLAT_MAX_TAPS) return 0;
+    flat_dims d;
+    flat_size(g, &d);
+    return d.period <= FLAT_MAX_PERIOD && d.vectors - (d.vb - d.va) <= FLAT_MAX_EDGE;
+}
+
+/* The masks of vector v's taps, m[kh * KW + kw]: lane l keeps tap (kh, kw) where output
+ * pixel 16v + l is in the plane and its tap's row and column lie inside X. With `rows`
+ * 0 (an interior vector) only the columns are tested, and m holds one mask a kw. */
+static void flat_masks(const geom *g, int64_t plane, int64_t v, int rows, __mmask16 *m) {
+    int64_t row[16], col[16], i = 16 * v / g->w, j = 16 * v % g->w;
+    for (int l = 0; l < 16; l++) {
+        row[l] = 16 * v + l < plane ? i : -g->h - g->kh * g->dh;    /* past the plane */
+        col[l] = j;
+        if (++j == g->w) j = 0, i++;
+    }
+    for (int64_t kh = 0; kh < (rows ? g->kh : 1); kh++) {
+        for (int64_t kw = 0; kw < g->kw; kw++) {
+            unsigned bits = 0;
+            for (int l = 0; l < 16; l++) {
+                int64_t r = row[l] + kh * g->dh - g->pt, c = col[l] + kw * g->dw - g->pl;
+                bits |= (unsigned)((!rows || (r >= 0 && r < g->h)) && c >= 0 && c < g->w) << l;
+            }
+            m[kh * g->kw + kw] = (__mmask16)bits;
+        }
+    }
+}
+
+/* Vectors [v, v + nv) of one plane (x, z, y: the plane's; wt: its weights splat). The
+ * masks: m[u * taps + t] at the edges; in the interior (kws: the kernel's width) one a
+ * column, m[u * kws + t % kws], and none for column `full` (every lane inside X). */
+static inline __attribute__((always_inline)) void flat_vectors(
+        const float *x, const __mmask16 *m, const int64_t *off, const __m512 *wt,
+        int64_t taps, int64_t kws, int64_t full, __m512 bias, int64_t v, int nv,
+        int64_t plane, const float *z, float *y, vf lo, vf hi, int has_z, int has_clip) {
+    __m512 s[FLAT_KU];
+    const __m512i ident = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const float *p = x + 16 * v;
+    for (int u = 0; u < nv; u++) s[u] = bias;
+    for (int64_t t = 0; t < taps; t++) {
+        for (int u = 0; u < nv; u++) {
+            const float *at = p + 16 * u + off[t];
+            __m512 in = kws == 0 ? _mm512_maskz_loadu_ps(m[u * taps + t], at)
+                        : t % kws == full ? _mm512_loadu_ps(at)
+                        : _mm512_maskz_permutexvar_ps(m[u * kws + t % kws], ident,
+                                                      _mm512_loadu_ps(at));
+            s[u] = _mm512_fmadd_ps(in, wt[t], s[u]);
+        }
+    }
+    for (int u = 0; u < nv; u++) {
+        int64_t at = 16 * (v + u), n = plane - at;
+        vf r = (vf)s[u];
+        if (has_z) r += load_n(z + at, n);
+        if (has_clip) r = vclip(r, lo, hi);
+        store_n(y + at, r, n);
+    }
+}
+
+static inline __attribute__((always_inline)) void flat_planes(
+        const float *x, float *y, const geom *g, const win_args *e, const flat_dims *d,
+        const __mmask16 *inner, const __mmask16 *edge, int64_t taps, int64_t kws,
+        int64_t full, int64_t lo, int64_t hi, int has_z, int has_clip) {
+    int64_t in_plane = g->h * g->w, plane = d->plane;
+    vf vlo = vsplat(has_clip ? e->clip[0] : 0.0f), vhi = vsplat(has_clip ? e->clip[1] : 0.0f);
+    for (int64_t p = lo, c = lo % g->c; p < hi; p++, c = c + 1 == g->c ? 0 : c + 1) {
+        __m512 wt[FLAT_MAX_TAPS];
+        for (int64_t t = 0; t < taps; t++) wt[t] = _mm512_set1_ps(e->w[c * taps + t]);
+        __m512 bias = _mm512_set1_ps(e->bias != NULL ? e->bias[c] : 0.0f);
+        const float *xp = x + p * in_plane, *zp = has_z ? e->z + p * plane : NULL;
+        float *yp = y + p * plane;
+        const __mmask16 *em = edge;
+        for (int64_t v = 0; v < d->va; v++, em += taps)
+            flat_vectors(xp, em, d->off, wt, taps, 0, -1, bias, v, 1, plane, zp, yp, vlo,
+                         vhi, has_z, has_clip);
+        int64_t v = d->va, q = d->va % d->period;
+        for (; v + FLAT_KU <= d->vb; v += FLAT_KU) {
+            flat_vectors(xp, inner + q * kws, d->off, wt, taps, kws, full, bias, v, FLAT_KU,
+                         plane, zp, yp, vlo, vhi, has_z, has_clip);
+            q = (q + FLAT_KU) % d->period;
+        }
+        for (; v < d->vb; v++) {
+            flat_vectors(xp, inner + q * kws, d->off, wt, taps, kws, full, bias, v, 1, plane,
+                         zp, yp, vlo, vhi, has_z, has_clip);
+            if (++q == d->period) q = 0;
+        }
+        for (v = d->vb; v < d->vectors; v++, em += taps)
+            flat_vectors(xp, em, d->off, wt, taps, 0, -1, bias, v, 1, plane, zp, yp, vlo,
+                         vhi, has_z, has_clip);
+    }
+}
+
+static void run_flat(const float *x, float *y, const geom *g, const win_args *e, int64_t lo,
+                     int64_t hi) {
+    flat_dims d;
+    flat_size(g, &d);
+    /* inner: the interior's column masks of vectors k < period + FLAT_KU - 1 (they hold
+     * for every vector v with v mod period == k mod period), so a group starting anywhere
+     * in the period reads on; edge: the top's masks, then the bottom's. */
+    __mmask16 inner[(FLAT_MAX_PERIOD + FLAT_KU) * FLAT_MAX_TAPS];
+    __mmask16 edge[FLAT_MAX_EDGE * FLAT_MAX_TAPS];
+    int64_t taps = g->taps, kws = g->kw;
+    for (int64_t k = 0; k < d.period + FLAT_KU - 1; k++)
+        flat_masks(g, d.plane, k, 0, inner + k * kws);
+    __mmask16 *em = edge;
+    for (int64_t v = 0; v < d.va; v++, em += taps) flat_masks(g, d.plane, v, 1, em);
+    for (int64_t v = d.vb; v < d.vectors; v++, em += taps) flat_masks(g, d.plane, v, 1, em);
+    /* MobileNet's 3x3 padded by one: the middle column never leaves X. */
+    int centered = taps == 9 && kws == 3 && g->dw == 1 && g->pl == 1;
+    int hz = e->z != NULL, hc = e->clip != NULL;
+    if (centered) {
+        if (hz && hc) flat_planes(x, y, g, e, &d, inner, edge, 9, 3, 1, lo, hi, 1, 1);
+        else if (hz) flat_planes(x, y, g, e, &d, inner, edge, 9, 3, 1, lo, hi, 1, 0);
+        else if (hc) flat_planes(x, y, g, e, &d, inner, edge, 9, 3, 1, lo, hi, 0, 1);
+        else flat_planes(x, y, g, e, &d, inner, edge, 9, 3, 1, lo, hi, 0, 0);
+    } else {
+        flat_planes(x, y, g, e, &d, inner, edge, taps, kws, -1, lo, hi, hz, hc);
+    }
+}
+#endif
+
 /* The depthwise schemes a call may ask for (keel_dwconv2d_mode_f32's mode). */
-enum { SCHEME_PLANES = 1, SCHEME_BLOCKED = 2, SCHEME_STRIDED = 3 };
+enum { SCHEME_PLANES = 1, SCHEME_BLOCKED = 2, SCHEME_STRIDED = 3, SCHEME_FLAT = 4 };
 
 /* Whether scheme `mode` serves geometry g in this build (the plane path serves all). */
 static int scheme_ok(const geom *g, int64_t mode) {
 #if defined(__AVX512F__)
     if (mode == SCHEME_BLOCKED) return blocked_ok(g);
     if (mode == SCHEME_STRIDED) return s2_ok(g);
+    if (mode == SCHEME_FLAT) return flat_ok(g);
 #endif
     return mode == SCHEME_PLANES;
 }
@@ -843,6 +1025,10 @@ static int64_t run_window(const float *x, float *y, const int64_t *geometry,
     }
     if (e->op == WIN_CONV && mode == SCHEME_STRIDED && s2_ok(&g)) {
         run_s2(x, y, &g, e, lo, hi);
+        return 0;
+    }
+    if (e->op == WIN_CONV && mode == SCHEME_FLAT && flat_ok(&g)) {
+        run_flat(x, y, &g, e, lo, hi);
         return 0;
     }
 #else
@@ -918,7 +1104,7 @@ int64_t keel_dwconv2d_f32(const float *x, const float *w, const float *bias, con
 
 /* keel_dwconv2d_f32 by scheme `mode` (the cpu planner's depthwise_scheme): 1 the planes
  * one by one, 2 the channel blocks (16 planes at a time), 3 the stride-2 rows straight
- * from X; a scheme that does not serve the geometry (keel_dwconv2d_scheme_ok) runs as
+ * from X, 4 the stride-1 flat vectors straight from X; a scheme that does not serve the geometry (keel_dwconv2d_scheme_ok) runs as
  * planes. Every scheme gives the same bits. */
 int64_t keel_dwconv2d_mode_f32(const float *x, const float *w, const float *bias,
                                const float *z, float *y, const int64_t *geometry,

@@ -31,18 +31,9 @@
 
 #include "vec.h"
 
-/* The first n < VW lanes of v to p, and of p into a vector (the rest zero). A memcpy of
- * a variable length here compiled to `rep movs`, which cost a third of the input
- * transform on 56 x 56 planes (28 tiles a row: every other block is partial). */
-static inline void vstore_first(float *p, vf v, int64_t n)
-{
-#if defined(__AVX512F__)
-    _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), (__m512)v);
-#else
-    for (int64_t l = 0; l < n; l++) p[l] = v[l];
-#endif
-}
-
+/* The first n < VW lanes of p into a vector (the rest zero). A memcpy of a variable
+ * length here compiled to `rep movs`, which cost a third of the input transform on
+ * 56 x 56 planes (28 tiles a row: every other block is partial). */
 static inline vf vload_first(const float *p, int64_t n)
 {
 #if defined(__AVX512F__)
@@ -137,35 +128,55 @@ static inline void row_transform(const float *s, const wgeom *g, int64_t r, int6
     out[3] = o0 - o1;
 }
 
+/* The lanes [lo, hi) of v to p + lo. */
+static inline void vstore_lanes(float *p, vf v, int64_t lo, int64_t hi)
+{
+#if defined(__AVX512F__)
+    _mm512_mask_storeu_ps(p, (__mmask16)(((1u << hi) - 1) & ~((1u << lo) - 1)), (__m512)v);
+#else
+    for (int64_t l = lo; l < hi; l++) p[l] = v[l];
+#endif
+}
+
 /* V's rows for one channel of one image (plane x): the sixteen transformed values of tile
  * t (this image's tile u = ty * tw + tx is t = t0 + u) at vc[k * stride_k + t], for the
- * image's tiles [u_lo, u_hi), which may start and end inside a tile row. Each tile's
- * values are the same wherever the range starts (the lanes are independent). */
+ * image's tiles [u_lo, u_hi), which may start and end inside a tile row. A vector of
+ * tiles runs down the tile rows, so that the row transforms of padded rows 2 ty + 2 and
+ * 2 ty + 3 serve tile rows ty and ty + 1 (each row transformed once, not twice); only the
+ * range's lanes are stored. Each tile's values are the same wherever the range starts
+ * (the lanes are independent). */
 static void input_tiles(const float *x, const wgeom *g, float *vc, int64_t stride_k,
                         int64_t t0, float *s, int64_t u_lo, int64_t u_hi)
 {
     int64_t ty_lo = u_lo / g->tw, ty_hi = (u_hi - 1) / g->tw + 1;
     split_plane(x, g, s, 2 * ty_lo, 2 * ty_hi + 2);
-    for (int64_t ty = ty_lo; ty < ty_hi; ty++) {
-        int64_t t = t0 + ty * g->tw;
-        int64_t xa = ty == ty_lo ? u_lo - ty * g->tw : 0;
-        int64_t xe = u_hi - ty * g->tw < g->tw ? u_hi - ty * g->tw : g->tw;
-        for (int64_t tx = xa; tx < xe; tx += VW) {
-            vf d[4][4];
-            for (int r = 0; r < 4; r++) row_transform(s, g, 2 * ty + r, tx, d[r]);
-            vf out[16];
-            for (int j = 0; j < 4; j++) {
-                out[j] = d[0][j] - d[2][j];
-                out[4 + j] = d[1][j] + d[2][j];
-                out[8 + j] = d[2][j] - d[1][j];
-                out[12 + j] = d[1][j] - d[3][j];
+    int64_t x_first = ty_hi - ty_lo == 1 ? u_lo - ty_lo * g->tw : 0;
+    for (int64_t tx = x_first - x_first % VW; tx < g->tw; tx += VW) {
+        vf d[4][4];
+        row_transform(s, g, 2 * ty_lo, tx, d[0]);
+        row_transform(s, g, 2 * ty_lo + 1, tx, d[1]);
+        for (int64_t ty = ty_lo; ty < ty_hi; ty++) {
+            row_transform(s, g, 2 * ty + 2, tx, d[2]);
+            row_transform(s, g, 2 * ty + 3, tx, d[3]);
+            int64_t xa = ty == ty_lo ? u_lo - ty * g->tw : 0;
+            int64_t xe = u_hi - ty * g->tw < g->tw ? u_hi - ty * g->tw : g->tw;
+            int64_t lo = xa > tx ? xa - tx : 0, hi = xe - tx < VW ? xe - tx : VW;
+            if (lo < hi) {
+                vf out[16];
+                for (int j = 0; j < 4; j++) {
+                    out[j] = d[0][j] - d[2][j];
+                    out[4 + j] = d[1][j] + d[2][j];
+                    out[8 + j] = d[2][j] - d[1][j];
+                    out[12 + j] = d[1][j] - d[3][j];
+                }
+                float *dst = vc + t0 + ty * g->tw + tx;
+                if (lo == 0 && hi == VW) {
+                    for (int k = 0; k < 16; k++) vstore(dst + k * stride_k, out[k]);
+                } else {
+                    for (int k = 0; k < 16; k++) vstore_lanes(dst + k * stride_k, out[k], lo, hi);
+                }
             }
-            int64_t n = xe - tx < VW ? xe - tx : VW;
-            if (n == VW) {
-                for (int k = 0; k < 16; k++) vstore(vc + k * stride_k + t + tx, out[k]);
-            } else {
-                for (int k = 0; k < 16; k++) vstore_first(vc + k * stride_k + t + tx, out[k], n);
-            }
+            for (int j = 0; j < 4; j++) d[0][j] = d[2][j], d[1][j] = d[3][j];
         }
     }
 }

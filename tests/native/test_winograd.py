@@ -523,3 +523,39 @@ def test_products_of_one_vector_of_tiles_in_tall_tiles_give_the_same_bits(
                 pipe.tiles, pipe.panels, pipe.blocks, min(threads, pipe.blocks), "forced"))
         got = _native(x, w, b, z, (1, 1, 1, 1), act, threads=threads)
         assert got.tobytes() == want.tobytes(), threads
+
+
+@pytest.mark.parametrize(("x_shape", "m"), [((2, 24, 15, 15), 20), ((1, 64, 28, 28), 40),
+                                           ((1, 48, 7, 7), 56)])
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_products_in_lanes_tiles_or_panels_give_the_same_bits(
+        x_shape: tuple[int, ...], m: int, pipeline: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner's winograd_lanes (the vendor's faster form) in either answer, pass by
+    pass and as the pipeline, on 1 to 16 threads: the same bits as one thread in 8 x 32
+    panels, which match the reference."""
+    rng = np.random.default_rng(17)
+    x, w, b = _rand(rng, *x_shape), _rand(rng, m, x_shape[1], 3, 3), _rand(rng, m)
+    z = _rand(rng, x_shape[0], m, *x_shape[2:])
+    tiles = x_shape[0] * -(-x_shape[2] // 2) * -(-x_shape[3] // 2)
+    block = min(tiles, 48)
+    results = []
+    for lanes in (False, True):
+        monkeypatch.setattr(cpu_planner, "winograd_lanes", lambda lanes=lanes: (lanes, "forced"))
+        for threads in (1, 2, 3, 16):
+            pieces = min(threads, -(-tiles // block))
+            _forced(monkeypatch, cpu_planner.WinogradPipeline(
+                block, 2, -(-tiles // block), pieces, "forced") if pipeline else _PASSES)
+            results.append(_native(x, w.copy(), b, z, (1, 1, 1, 1), _CLIP, threads=threads))
+    np.testing.assert_allclose(results[0], np.clip(_reference(
+        [x, w, b], {"pads": (1, 1, 1, 1)}) + z, *_CLIP[1]), rtol=1e-4, atol=1e-4)
+    assert all(r.tobytes() == results[0].tobytes() for r in results[1:])
+
+
+def test_lanes_tiles_for_the_vendors_measured_faster() -> None:
+    """AMD's cores run Winograd's products in lanes tiles; Intel's and unknown ones in
+    8 x 32 panels, and the reason says which."""
+    assert cpu_planner.winograd_lanes("AMD")[0]
+    for vendor in ("Intel", None):
+        lanes, why = cpu_planner.winograd_lanes(vendor)
+        assert not lanes and "panels" in why

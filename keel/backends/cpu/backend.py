@@ -147,6 +147,13 @@ class CpuBackend(Backend):
         """The SIMD level plans assume: the given profile's, else this CPU's (probed)."""
         return _simd_level() if self._hardware is None else self._hardware.cpu.simd_level
 
+    @property
+    def vendor(self) -> str | None:
+        """The CPU vendor plans assume: the given profile's, else this CPU's (probed)."""
+        cpu = _probed_cpu() if self._hardware is None else self._hardware.cpu
+        vendor = getattr(cpu, "vendor", None)
+        return vendor if isinstance(vendor, str) else None
+
     def _check_available(self) -> Availability:
         return Availability(True, f"NumPy {np.__version__} is always available")
 

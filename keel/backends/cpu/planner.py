@@ -2583,7 +2583,8 @@ def winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], thre
     spans = 1 if by_product else min(threads, max(1, -(-chunk * th * tw // nr)))
     passes = chunks * spans * u_bytes + 2 * 64 * (c + m) * tiles
     what = (f"{blocks} block(s) of {block} tiles ({_vectors(block, tiles)}) in {parts} "
-            f"piece(s), products {min(m, panels * mr)} output channel(s) at a time, V "
+            f"piece(s), products {min(m, panels * mr)} output channel(s) at a time "
+            f"({winograd_lanes()[1]}), V "
             f"within {PIPELINE_L2_SHARE:g} and P {PIPELINE_P_SHARE:g} of the L2 "
             f"({sizes.l2 >> 10} KiB, {sizes.source})")
     bytes_why = (f"{moved >> 10} KiB past the L2 (U {u_bytes >> 10} KiB "
@@ -2696,15 +2697,45 @@ WINOGRAD_TALL_COLUMNS = 16
 
 
 # The pipeline's products (and the passes' products of one vector of tiles) run in gemm.c's
-# lanes tiles (C's rows in the vector lanes, only the real columns computed) wherever the
-# build has them; where it does not, tall tiles (winograd_tall) or the 8 x 32 panels. The
-# pipeline prepares one call for all its blocks, so this rule, not lanes_tiles on a
-# stand-in shape, decides (the passes' other products are prepared on their real columns
-# and follow lanes_tiles). ResNet-18 on the
-# 2-core Zen 5, one thread, quiet, keel / onnxruntime in two alternating runs, lanes
-# against panels and tall tiles: batch 1 1.08-1.10 against 1.12-1.14, batch 32 1.08-1.13
-# against 1.11-1.15. Not measured on more cores.
-WINOGRAD_LANES = True
+# lanes tiles (C's rows in the vector lanes, only the real columns computed) or in its 8 x
+# 32 panels (tall tiles for one vector: winograd_tall); the sums are the same either way
+# (tests/native/test_winograd.py), so the faster one for the CPU's vendor runs. The lanes
+# tiles join A's two row panels and transpose each 16-row block of C in registers: vector
+# shuffles, which on Intel's cores issue on the port that also holds the second 512-bit
+# FMA unit, and on AMD's Zen on shuffle units of their own. The pipeline prepares one
+# call for all its blocks, so this rule, not lanes_tiles on a stand-in shape, decides
+# (the passes' other products are prepared on their real columns and follow
+# lanes_tiles). Measured:
+# - AMD (2-core Zen 5, one thread, quiet), ResNet-18, keel / onnxruntime in two
+#   alternating runs, lanes against panels and tall tiles: batch 1 1.08-1.10 against
+#   1.12-1.14, batch 32 1.08-1.13 against 1.11-1.15.
+# - Intel (2-core Xeon with AVX-512 and AMX, KVM), each 3x3 conv + ReLU of ResNet-18
+#   alone, both forms alternating in one process, under load: panels took 0.84x the
+#   lanes' median time on 64 channels on 56 x 56 at batch 32 (0.71x on two threads),
+#   0.87x on 128 on 28 x 28, 0.92x on 256 on 14 x 14, 1.03x (fastest 0.93x) on 512 on
+#   7 x 7; at batch 1 0.84-0.88x (0.35x for 512 on 7 x 7, fastest 0.91x).
+# Other vendors take the panels, the form that needs no shuffles. Not measured on more
+# cores.
+WINOGRAD_LANES_VENDORS = frozenset({"AMD"})
+
+
+def winograd_lanes(vendor: Any = _HERE) -> tuple[bool, str]:
+    """Whether Winograd's products run in gemm.c's lanes tiles on a CPU of ``vendor``
+    (default: this machine's), and why."""
+    vendor = _this_vendor() if vendor is _HERE else vendor
+    if vendor in WINOGRAD_LANES_VENDORS:
+        return True, (f"products in lanes tiles: measured faster than 8 x 32 panels on "
+                      f"{vendor}'s cores (WINOGRAD_LANES_VENDORS)")
+    return False, (f"products in 8 x 32 panels: the lanes tiles' shuffles share a port "
+                   f"with the FMA units on {vendor or 'an unknown vendor'}'s cores "
+                   "(measured on Intel: 0.84-0.92x the lanes tiles' time)")
+
+
+@functools.cache
+def _this_vendor() -> str | None:
+    from keel.backends.cpu.backend import CpuBackend
+
+    return CpuBackend().vendor
 
 
 def winograd_tall(columns: int) -> bool:
@@ -2976,7 +3007,7 @@ def _winograd_splits(geo: ConvGeometry, chunk: int, threads: int, grid: Any,
     products = gemm_pass("16 products", 16, m, tiles, c, threads, grid,
                          panel_major=not winograd_by_product(c, m, tiles, threads),
                          sizes=sizes, raw=(False, True),
-                         lanes=winograd_tall(tiles) and WINOGRAD_LANES)
+                         lanes=winograd_tall(tiles) and winograd_lanes()[0])
     return passes[0], products, passes[1]
 
 

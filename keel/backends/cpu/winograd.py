@@ -252,7 +252,7 @@ def native_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[in
         if call is None:
             raise RuntimeError("native GEMM refused the Winograd products")
         if planner.winograd_tall(t):
-            call = native_gemm.with_tiles(call, tall=True, lanes=planner.WINOGRAD_LANES)
+            call = native_gemm.with_tiles(call, tall=True, lanes=planner.winograd_lanes()[0])
         # Panel-major: a thread's share of the sixteen products is the same tiles of each
         # (those of the images, or tile rows, it transformed: the pool gives each thread
         # the same chunk index); product by product where U outweighs the tiles.
@@ -286,8 +286,8 @@ def _products(xp: Any, arrays: tuple[Any, ...]) -> _Products:
     if call is None:
         raise RuntimeError("native GEMM refused the Winograd products")
     # The tiles prepare chose for the stand-in columns are not the blocks': the planner's
-    # rules (WINOGRAD_LANES, winograd_tall) decide.
-    lanes = planner.WINOGRAD_LANES
+    # rules (winograd_lanes, winograd_tall) decide.
+    lanes = planner.winograd_lanes()[0]
     return _Products(u, native_gemm.with_tiles(call, tall=False, lanes=lanes),
                      native_gemm.with_tiles(call, tall=True, lanes=lanes))
 

@@ -31,18 +31,9 @@
 
 #include "vec.h"
 
-/* The first n < VW lanes of v to p, and of p into a vector (the rest zero). A memcpy of
- * a variable length here compiled to `rep movs`, which cost a third of the input
- * transform on 56 x 56 planes (28 tiles a row: every other block is partial). */
-static inline void vstore_first(float *p, vf v, int64_t n)
-{
-#if defined(__AVX512F__)
-    _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), (__m512)v);
-#else
-    for (int64_t l = 0; l < n; l++) p[l] = v[l];
-#endif
-}
-
+/* The first n < VW lanes of p into a vector (the rest zero). A memcpy of a variable
+ * length here compiled to `rep movs`, which cost a third of the input transform on
+ * 56 x 56 planes (28 tiles a row: every other block is partial). */
 static inline vf vload_first(const float *p, int64_t n)
 {
 #if defined(__AVX512F__)
@@ -110,9 +101,17 @@ static void split_plane(const float *x, const wgeom *g, float *s, int64_t r_lo, 
             even[j] = src[2 * j];
             odd[j] = src[2 * j + 1];
         }
-        for (int64_t j = jb > ja ? jb : ja; j < g->half; j++) {
-            even[j] = 2 * j >= a && 2 * j < b ? src[2 * j] : 0.0f;
+        /* The last pair (if the row ends inside it), then zeros: the pairs past the
+           row were a loop of tests per float, a third of the input transform of a
+           56 x 56 plane (20 of its 48 pairs). */
+        int64_t j = jb > ja ? jb : ja;
+        for (; j < g->half && 2 * j < b; j++) {
+            even[j] = 2 * j >= a ? src[2 * j] : 0.0f;
             odd[j] = 2 * j + 1 >= a && 2 * j + 1 < b ? src[2 * j + 1] : 0.0f;
+        }
+        if (j < g->half) {
+            memset(even + j, 0, (size_t)(g->half - j) * sizeof(float));
+            memset(odd + j, 0, (size_t)(g->half - j) * sizeof(float));
         }
     }
 }
@@ -129,35 +128,55 @@ static inline void row_transform(const float *s, const wgeom *g, int64_t r, int6
     out[3] = o0 - o1;
 }
 
+/* The lanes [lo, hi) of v to p + lo. */
+static inline void vstore_lanes(float *p, vf v, int64_t lo, int64_t hi)
+{
+#if defined(__AVX512F__)
+    _mm512_mask_storeu_ps(p, (__mmask16)(((1u << hi) - 1) & ~((1u << lo) - 1)), (__m512)v);
+#else
+    for (int64_t l = lo; l < hi; l++) p[l] = v[l];
+#endif
+}
+
 /* V's rows for one channel of one image (plane x): the sixteen transformed values of tile
  * t (this image's tile u = ty * tw + tx is t = t0 + u) at vc[k * stride_k + t], for the
- * image's tiles [u_lo, u_hi), which may start and end inside a tile row. Each tile's
- * values are the same wherever the range starts (the lanes are independent). */
+ * image's tiles [u_lo, u_hi), which may start and end inside a tile row. A vector of
+ * tiles runs down the tile rows, so that the row transforms of padded rows 2 ty + 2 and
+ * 2 ty + 3 serve tile rows ty and ty + 1 (each row transformed once, not twice); only the
+ * range's lanes are stored. Each tile's values are the same wherever the range starts
+ * (the lanes are independent). */
 static void input_tiles(const float *x, const wgeom *g, float *vc, int64_t stride_k,
                         int64_t t0, float *s, int64_t u_lo, int64_t u_hi)
 {
     int64_t ty_lo = u_lo / g->tw, ty_hi = (u_hi - 1) / g->tw + 1;
     split_plane(x, g, s, 2 * ty_lo, 2 * ty_hi + 2);
-    for (int64_t ty = ty_lo; ty < ty_hi; ty++) {
-        int64_t t = t0 + ty * g->tw;
-        int64_t xa = ty == ty_lo ? u_lo - ty * g->tw : 0;
-        int64_t xe = u_hi - ty * g->tw < g->tw ? u_hi - ty * g->tw : g->tw;
-        for (int64_t tx = xa; tx < xe; tx += VW) {
-            vf d[4][4];
-            for (int r = 0; r < 4; r++) row_transform(s, g, 2 * ty + r, tx, d[r]);
-            vf out[16];
-            for (int j = 0; j < 4; j++) {
-                out[j] = d[0][j] - d[2][j];
-                out[4 + j] = d[1][j] + d[2][j];
-                out[8 + j] = d[2][j] - d[1][j];
-                out[12 + j] = d[1][j] - d[3][j];
+    int64_t x_first = ty_hi - ty_lo == 1 ? u_lo - ty_lo * g->tw : 0;
+    for (int64_t tx = x_first - x_first % VW; tx < g->tw; tx += VW) {
+        vf d[4][4];
+        row_transform(s, g, 2 * ty_lo, tx, d[0]);
+        row_transform(s, g, 2 * ty_lo + 1, tx, d[1]);
+        for (int64_t ty = ty_lo; ty < ty_hi; ty++) {
+            row_transform(s, g, 2 * ty + 2, tx, d[2]);
+            row_transform(s, g, 2 * ty + 3, tx, d[3]);
+            int64_t xa = ty == ty_lo ? u_lo - ty * g->tw : 0;
+            int64_t xe = u_hi - ty * g->tw < g->tw ? u_hi - ty * g->tw : g->tw;
+            int64_t lo = xa > tx ? xa - tx : 0, hi = xe - tx < VW ? xe - tx : VW;
+            if (lo < hi) {
+                vf out[16];
+                for (int j = 0; j < 4; j++) {
+                    out[j] = d[0][j] - d[2][j];
+                    out[4 + j] = d[1][j] + d[2][j];
+                    out[8 + j] = d[2][j] - d[1][j];
+                    out[12 + j] = d[1][j] - d[3][j];
+                }
+                float *dst = vc + t0 + ty * g->tw + tx;
+                if (lo == 0 && hi == VW) {
+                    for (int k = 0; k < 16; k++) vstore(dst + k * stride_k, out[k]);
+                } else {
+                    for (int k = 0; k < 16; k++) vstore_lanes(dst + k * stride_k, out[k], lo, hi);
+                }
             }
-            int64_t n = xe - tx < VW ? xe - tx : VW;
-            if (n == VW) {
-                for (int k = 0; k < 16; k++) vstore(vc + k * stride_k + t + tx, out[k]);
-            } else {
-                for (int k = 0; k < 16; k++) vstore_first(vc + k * stride_k + t + tx, out[k], n);
-            }
+            for (int j = 0; j < 4; j++) d[0][j] = d[2][j], d[1][j] = d[3][j];
         }
     }
 }
@@ -179,6 +198,25 @@ typedef struct {
 } wepilogue;
 
 static inline float bias_of(const wepilogue *e, int64_t m) { return e->bias ? e->bias[m] : 0.0f; }
+
+/* row[2 l] = left[l], row[2 l + 1] = right[l] for the VW lanes: with AVX-512 two
+ * permutes and two stores (the float by float stores were a third of the output
+ * transform's time). */
+static inline void interleave_store(float *row, vf left, vf right)
+{
+#if defined(__AVX512F__)
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30,
+                                         15, 31);
+    _mm512_storeu_ps(row, _mm512_permutex2var_ps((__m512)left, lo, (__m512)right));
+    _mm512_storeu_ps(row + 16, _mm512_permutex2var_ps((__m512)left, hi, (__m512)right));
+#else
+    for (int l = 0; l < VW; l++) {
+        row[2 * l] = left[l];
+        row[2 * l + 1] = right[l];
+    }
+#endif
+}
 
 /* Y's plane (OH, OW) for one output channel of one image, whose bias is b, from its
  * products: the sixteen values of tile t (this image's tile u = ty * tw + tx is t = t0 +
@@ -213,10 +251,7 @@ static void output_tiles(const float *pc, int64_t stride_k, int64_t t0, float b,
                 vf left = a[r][0] + a[r][1] + a[r][2], right = a[r][1] - a[r][2] - a[r][3];
                 float *row = (r ? r1 : r0) + 2 * tx;
                 if (n == VW) {
-                    for (int l = 0; l < VW; l++) {
-                        row[2 * l] = left[l];
-                        row[2 * l + 1] = right[l];
-                    }
+                    interleave_store(row, left, right);
                 } else {   /* only the range's lanes: the rows end at 2 twp floats */
                     for (int64_t l = 0; l < n; l++) {
                         row[2 * l] = left[l];
@@ -468,16 +503,33 @@ static void each_image_span(span_fn fn, const fused_job *j, float *s, int64_t t_
     }
 }
 
-/* The input transform of image i's tiles [u_lo, u_hi), every channel, into the block's V. */
+/* Fetch into the cache the rows of plane x that the tiles [u_lo, u_hi) read. */
+static void prefetch_tiles(const float *x, const wgeom *g, int64_t u_lo, int64_t u_hi)
+{
+    int64_t r0 = 2 * (u_lo / g->tw) - g->pt, r1 = 2 * ((u_hi - 1) / g->tw + 1) + 2 - g->pt;
+    r0 = r0 < 0 ? 0 : r0;
+    r1 = r1 > g->h ? g->h : r1;
+    const char *p = (const char *)(x + r0 * g->w), *end = (const char *)(x + r1 * g->w);
+    for (; p < end; p += 64) __builtin_prefetch(p, 0, 3);
+}
+
+/* The input transform of image i's tiles [u_lo, u_hi), every channel, into the block's V.
+ * A block's rows of one plane are a few KiB, each a page of its own: the hardware's
+ * stream prefetch does not start before the transform waits on them, so the next
+ * channel's rows are fetched while this one's are transformed. */
 static void fused_input(const fused_job *j, float *s, int64_t i, int64_t u_lo, int64_t u_hi,
                         int64_t col, int64_t m0, int64_t m1, float *v)
 {
     (void)m0, (void)m1;
     const wgeom *g = j->g;
     int64_t in_plane = g->h * g->w;
-    for (int64_t c = 0; c < g->c; c++)
-        input_tiles(j->x + (i * g->c + c) * in_plane, g, v + c * j->ld, g->c * j->ld,
-                    col - u_lo, s, u_lo, u_hi);
+    const float *x = j->x + i * g->c * in_plane;
+    prefetch_tiles(x, g, u_lo, u_hi);
+    for (int64_t c = 0; c < g->c; c++) {
+        if (c + 1 < g->c) prefetch_tiles(x + (c + 1) * in_plane, g, u_lo, u_hi);
+        input_tiles(x + c * in_plane, g, v + c * j->ld, g->c * j->ld, col - u_lo, s, u_lo,
+                    u_hi);
+    }
 }
 
 /* The output transform of image i's tiles [u_lo, u_hi), output channels [m0, m1), from the

@@ -134,8 +134,8 @@ def _quant(out: DType, y_zero_point: int) -> np.ndarray:
 
 def _threads(units: int, work_per_unit: int, threads: int) -> int:
     rules = planner_rules()
-    return parts(units, max(1, threads), max(1, rules.MIN_FLOPS_PER_THREAD
-                                          // max(1, 2 * work_per_unit)))
+    least = rules.least_work(rules.LeastWork.FLOPS, max(1, threads))
+    return parts(units, max(1, threads), max(1, least // max(1, 2 * work_per_unit)))
 
 
 # ---- convolution -------------------------------------------------------------------------

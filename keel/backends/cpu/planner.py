@@ -18,6 +18,7 @@ and overrides these rules (``PlanRequest.measured``).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import math
 from collections.abc import Mapping, Sequence
@@ -30,6 +31,7 @@ from keel.backends.cpu import (
     depthwise,
     native_gemm,
     native_window,
+    thread_costs,
     window,
 )
 from keel.backends.cpu.conv_rules import ConvCase, ConvRule, conv_case, pick
@@ -534,7 +536,7 @@ def int8_direct_split(batch: int, group: int, out_pixels: int, depth: int, out_c
     plan's threads."""
     units = batch * group * -(-out_pixels // INT8_DIRECT_PANEL)
     unit_flops = 2 * (INT8_DIRECT_PANEL * depth * out_channels // max(1, group))
-    count = _int8_parts(units, threads, MIN_FLOPS_PER_THREAD // max(1, unit_flops))
+    count = _int8_parts(units, threads, least_work(LeastWork.FLOPS, threads) // max(1, unit_flops))
     return Int8Split(count, units, int8_direct_chunk(batch, image_positions, count))
 
 
@@ -544,7 +546,8 @@ def int8_panel_split(pixels: int, depth: int, out_channels: int, threads: int) -
     every output channel, as many parts as give each thread MIN_FLOPS_PER_THREAD."""
     tiles = -(-pixels // INT8_TILE_PIXELS)
     tile_flops = 2 * INT8_TILE_PIXELS * depth * out_channels
-    return Int8Split(_int8_parts(tiles, threads, MIN_FLOPS_PER_THREAD // max(1, tile_flops)),
+    least = least_work(LeastWork.FLOPS, threads)
+    return Int8Split(_int8_parts(tiles, threads, least // max(1, tile_flops)),
                      tiles)
 
 
@@ -558,7 +561,8 @@ def int8_depthwise_split(batch: int, channels: int, out_h: int, out_w: int, taps
     planes = lanes and int8_depthwise_planes(batch * blocks, max(1, threads), plane_bytes)
     tasks, per_task = ((batch * blocks, out_h * out_w * INT8_DEPTHWISE_LANES) if planes
                        else (batch * out_h, out_w * channels))
-    count = _int8_parts(tasks, threads, MIN_CHUNK_TAPS // max(1, per_task * taps))
+    least = least_work(LeastWork.TAPS, threads)
+    count = _int8_parts(tasks, threads, least // max(1, per_task * taps))
     return Int8Split(count, tasks, planes=planes)
 
 
@@ -613,12 +617,13 @@ def int8_layout_split_reason(kind: str, x: Sequence[int], w: Sequence[int],
                                      qlayout.lanes_available())
         unit = "(image, 32-channel block) planes" if split.planes else "output rows"
         return (f"its kernel on {split.parts} of {threads} thread(s): {split.tasks} {unit}, "
-                f"at least MIN_CHUNK_TAPS = {MIN_CHUNK_TAPS:,} output values x taps a thread")
+                f"at least {least_work(LeastWork.TAPS, threads):,} output values x taps a thread "
+                f"(MIN_CHUNK_TAPS)")
     split = int8_panel_split(n * oh * ow, taps * c, m, threads)
     where = "the 1x1 panels (symmetric weights)" if kind == "pointwise" else "the indirect product"
     return (f"its kernel, {where}, on {split.parts} of {threads} thread(s): {split.tasks} tiles "
             f"of {INT8_TILE_PIXELS} pixels, at least MIN_FLOPS_PER_THREAD = "
-            f"{MIN_FLOPS_PER_THREAD:,} flops a thread")
+            f"{least_work(LeastWork.FLOPS, threads):,} flops a thread")
 
 
 _LAYOUT_ROLES = {("nchw", "nhwc"): "starts it, its result written channels-last",
@@ -823,7 +828,9 @@ def _dispatched(op: Op, request: PlanRequest, table: KernelTable) -> str | None:
 # - Winograd's compiled transforms, input or output floats.
 # A node's plan gives its thread count (for a MatMul or Gemm from its product's flops);
 # a kernel that runs several products or chunks per node splits each call by its own
-# work under that count, with these same limits.
+# work under that count, with these same limits. The values are this machine's
+# (2 cores); every split reads them through least_work (below), which derives them from
+# the running machine's measured thread costs where those are measured.
 MIN_FLOPS_PER_THREAD = 400_000
 MIN_CHUNK_TAPS = 50_000
 MIN_CHUNK_ELEMENTS = 8192
@@ -851,10 +858,121 @@ TREE_PARALLEL_PAIRS = 1 << 14
 TREE_SET_ASIDE = 4
 
 
+# ---- the least work, per machine ------------------------------------------------------
+# The values above were measured on the 2-core AMD EPYC (Zen 5). Each says: a split pays
+# once a thread's share takes longer than the dispatch that hands it out, by a margin. So
+# each is derived, by one rule, from this machine's thread costs where they are measured
+# (thread_costs: the pool's dispatch round trip at each thread count, and each family's
+# one-thread rate):
+#     least work(t threads) = factor x rate x dispatch(t)
+# with the factor chosen so that the 2-core machine's own measured costs give the
+# declared value back: factor = declared / (reference rate x reference dispatch), i.e.
+#     least work(t) = declared x (rate / reference rate) x (dispatch(t) / reference dispatch)
+# A machine whose cores run a kernel twice as fast, or whose pool takes twice as long to
+# get every thread into a job, asks twice the work of each thread; a dispatch that grows
+# with the thread count (waking 15 workers across a socket) asks more of wide splits.
+# The references: thread_costs.measure() on the 2-core AMD EPYC (Zen 5, AVX-512), 4 runs
+# of it in one process while other work ran (each point the median of 200 repeats; the
+# runs' medians: dispatch 0.72-0.75 us, GEMM 114-121 flops/ns, window 20-22 taps/ns,
+# GELU 1.90-1.96 elements/ns, copy 1.03-1.13, Winograd 4.2-4.3 floats/ns). Under heavier
+# load (4 runnable processes on the 2 cores) the dispatch took 7.0 us: a worker waits for
+# a time slice, and a measurement then asks more work of each thread, as it should there.
+THREAD_COST_REFERENCE_MACHINE = "the 2-core AMD EPYC (Zen 5, AVX-512)"
+THREAD_COST_REFERENCE_DISPATCH_US = 0.74
+THREAD_COST_REFERENCE_RATES = {
+    thread_costs.Family.GEMM: 118.0,         # flops a ns: 32x256 @ 256x256, B packed
+    thread_costs.Family.WINDOW: 21.0,        # taps a ns: 3x3 depthwise, 32 28x28 planes
+    thread_costs.Family.FASTMATH: 1.93,      # elements a ns: GELU of 16,384 floats
+    thread_costs.Family.COPY: 1.1,            # elements a ns: a 128x256 transpose
+    thread_costs.Family.WINOGRAD: 4.2,       # floats a ns: input transform, 64 14x14 planes
+}
+# A measurement off by more than this either way (a machine busy while it was taken, a
+# clock gone wrong) is held to it: the declared values are not wrong by more than that.
+THREAD_COST_SCALE_LIMIT = 16.0
+
+
+class LeastWork(enum.Enum):
+    """A least work a thread: its declared constant (read when asked: tests lower it)
+    and the family whose measured costs scale it."""
+
+    FLOPS = ("MIN_FLOPS_PER_THREAD", thread_costs.Family.GEMM)
+    TAPS = ("MIN_CHUNK_TAPS", thread_costs.Family.WINDOW)
+    ELEMENTS = ("MIN_CHUNK_ELEMENTS", thread_costs.Family.FASTMATH)
+    SKIP_NORM = ("MIN_SKIP_NORM_ELEMENTS", thread_costs.Family.FASTMATH)
+    FLOATS = ("MIN_CHUNK_FLOATS", thread_costs.Family.WINOGRAD)
+    COPY = ("MIN_COPY_ELEMENTS", thread_costs.Family.COPY)
+
+    @property
+    def declared(self) -> int:
+        return int(globals()[self.value[0]])
+
+    @property
+    def family(self) -> thread_costs.Family:
+        return self.value[1]
+
+
+def least_work(work: LeastWork, threads: int = 2) -> int:
+    """The least work worth each thread of a split over ``threads`` threads: the declared
+    value, scaled by this machine's measured thread costs where they are measured."""
+    costs = thread_costs.current().costs
+    if costs is None:
+        return work.declared
+    return max(1, round(work.declared * cost_scale(costs, work.family, threads)))
+
+
+def cost_scale(costs: thread_costs.ThreadCosts, family: thread_costs.Family,
+               threads: int) -> float:
+    """How many times the declared least work ``costs`` ask of a thread (the rule above)."""
+    scale = (costs.rate(family) / THREAD_COST_REFERENCE_RATES[family]
+             * costs.dispatch(threads) / THREAD_COST_REFERENCE_DISPATCH_US)
+    return min(THREAD_COST_SCALE_LIMIT, max(1 / THREAD_COST_SCALE_LIMIT, scale))
+
+
+def split_threads(work: LeastWork, threads: int, units: int) -> int:
+    """The most threads (up to ``threads``) whose every one gets the least work of a
+    split that wide out of ``units`` (1 or less: not split)."""
+    for count in range(threads, 1, -1):
+        if units // least_work(work, count) >= count:
+            return count
+    return min(threads, units // least_work(work, 2))
+
+
 def gemm_threads(threads: int, flops: int) -> int:
     """The threads a native product of ``flops`` splits over under a cap of ``threads``
     (1 or less: not split)."""
-    return min(threads, flops // MIN_FLOPS_PER_THREAD)
+    return split_threads(LeastWork.FLOPS, threads, flops)
+
+
+def least_work_table(threads: int) -> dict[str, Any]:
+    """The least work a thread of each kernel family, on 2 threads and on ``threads``, and
+    where it comes from, as plain data (``keel probe --thread-costs --json``)."""
+    source = thread_costs.current()
+    return {"source": source.reason,
+            "costs": None if source.costs is None else source.costs.to_dict(),
+            "least_work": {w.value[0]: {"unit": w.family.unit, "declared": w.declared,
+                                        "2 threads": least_work(w, 2),
+                                        f"{threads} threads": least_work(w, threads)}
+                           for w in LeastWork}}
+
+
+def thread_costs_note(threads: int) -> str:
+    """Where the least work a thread comes from, for the plan's notes."""
+    source = thread_costs.current()
+    costs = source.costs
+    if costs is None:
+        values = ", ".join(f"{w.value[0]} {w.declared:,} {w.family.unit}" for w in LeastWork)
+        return (f"least work a thread: declared, measured on {THREAD_COST_REFERENCE_MACHINE} "
+                f"({values}); {source.reason}")
+    spans = ", ".join(f"{s.median:.2f} us on {t} threads ({s.low:.2f}-{s.high:.2f})"
+                      for t, s in costs.dispatch_us)
+    wide = max(2, threads)
+    values = ", ".join(f"{w.value[0]} {least_work(w, 2):,}" + (
+        f" ({least_work(w, wide):,} at {wide})" if least_work(w, wide) != least_work(w, 2)
+        else "") + f" {w.family.unit}" for w in LeastWork)
+    return (f"least work a thread: {source.reason}: dispatch {spans}; one thread "
+            + ", ".join(f"{f.value} {s.median:,.2f} {f.unit}/ns" for f, s in costs.rates)
+            + f" -> least {values} a thread (declared x rate x dispatch, against "
+            f"{THREAD_COST_REFERENCE_MACHINE})")
 
 
 # ---- the native GEMM's split over threads ----------------------------------------------
@@ -908,7 +1026,7 @@ def gemm_split(batch: int, m: int, n: int, k: int, threads: int, grid: Grid = No
     if parts <= 1 or batch * m * n == 0:
         flops = 2 * batch * m * n * k
         return GemmSplit(1, 1, batch, 1, "not split: one thread" if threads <= 1 else (
-            f"not split: {flops:,} flops, under {MIN_FLOPS_PER_THREAD:,} for each of two "
+            f"not split: {flops:,} flops, under {least_work(LeastWork.FLOPS, 2):,} for each of two "
             "threads"))
     shape = _Product(batch, m, n, k, tile, native_gemm.depth_block(), raw, lanes)
     return _best_split(shape, parts, sizes.l2, sizes.source)
@@ -1058,7 +1176,7 @@ def _product_threads(request: PlanRequest, variant: str) -> tuple[int, str] | No
     flops = 2 * m * k * n
     chosen = max(1, gemm_threads(request.threads, flops))
     why = (f"{chosen} kernel thread(s) of {request.threads}: {flops:,} flops, at least "
-           f"{MIN_FLOPS_PER_THREAD:,} per thread")
+           f"{least_work(LeastWork.FLOPS, max(2, chosen)):,} per thread")
     if chosen > 1 and variant == "native":
         split = gemm_split(1, m, n, k, chosen, tile_grid(request.profile),
                            caches(request.profile), raw=(True, bool(request.low_memory)))
@@ -1087,7 +1205,7 @@ INTEROP_BUSY_SHARE = 0.5
 def _kernel_threads(work: float, planned: int, threads: int) -> int:
     """The threads a node's kernel keeps busy: its plan's (a product's already follow its
     flops), for the others no more than its work gives each at least MIN_CHUNK_ELEMENTS."""
-    return max(1, min(planned, threads, int(work // MIN_CHUNK_ELEMENTS)))
+    return max(1, min(planned, threads, int(work // least_work(LeastWork.ELEMENTS, threads))))
 
 
 def plan_branches(threads: int, branches: Sequence[Sequence[tuple[float, int]]]
@@ -1445,10 +1563,10 @@ def _cache_key(request: PlanRequest, table: KernelTable) -> tuple[Any, ...] | No
 
 
 def state() -> tuple[Any, ...]:
-    """The kernel tiers loaded here and whether choices keep batch invariance: every
-    plan depends on them."""
+    """The kernel tiers loaded here, whether choices keep batch invariance and the thread
+    costs the least work a thread comes from: every plan depends on them."""
     return (native_gemm.available(), native_window.ready(), tier_unavailable("native"),
-            batch_invariant())
+            batch_invariant(), thread_costs.current().token)
 
 
 def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:
@@ -1547,7 +1665,8 @@ def int8_conv_split_reason(request: PlanRequest, layout: str | None = None) -> s
     split = int8_direct_split(n, geo.group, oh * ow, depth, m, positions, request.threads)
     runs = (f"int8 convolution (NCHW, where the node's layout is NCHW): {split.parts} of "
             f"{request.threads} thread(s) run it ({split.tasks} blocks of {INT8_DIRECT_PANEL} "
-            f"output positions, at least MIN_FLOPS_PER_THREAD = {MIN_FLOPS_PER_THREAD:,} flops "
+            f"output positions, at least MIN_FLOPS_PER_THREAD = "
+            f"{least_work(LeastWork.FLOPS, request.threads or 2):,} flops "
             "a thread)")
     if geo.group != 1 or geo.dilations != (1, 1):
         return runs
@@ -1901,7 +2020,7 @@ def depthwise_scheme(geo: native_window.WindowGeometry, planes: int, threads: in
     """The native depthwise call's scheme for ``planes`` (N * C) of ``geo`` split over
     ``threads`` (as the call splits them), and why: "blocked", "strided" or "planes"."""
     _, h, w, oh, ow, _, _, sh, sw = (int(v) for v in geo.array[:9])
-    share = -(-planes // max(1, parts(planes, threads, geo.min_chunk)))
+    share = -(-planes // max(1, parts(planes, threads, geo.min_chunk_for(threads))))
     out = oh * ow
     limit = (sizes or caches()).with_l2(DEPTHWISE_BLOCKED_CACHED_BYTES)
     cached = 4 * share * (h * w + out) <= limit
@@ -2134,7 +2253,7 @@ def winograd_transform_parts(planes: int, out_hw: tuple[int, int], output: bool,
     """How many chunks a Winograd transform of ``planes`` planes splits into on up to
     ``threads`` threads (see winograd_plane_floats)."""
     per_plane = winograd_plane_floats(out_hw, output)
-    return max(1, min(threads, planes, planes * per_plane // MIN_CHUNK_FLOATS))
+    return max(1, min(threads, planes, planes * per_plane // least_work(LeastWork.FLOATS, threads)))
 
 
 # Winograd's transforms split by tile rows (every channel of each) where a chunk holds
@@ -2179,7 +2298,7 @@ def winograd_parts(images: int, channels: int, out_hw: tuple[int, int], output: 
     th = -(-out_hw[0] // 2)
     rows = images * th
     per_row = channels * winograd_plane_floats(out_hw, output) // th
-    return max(1, min(threads, rows, rows * per_row // MIN_CHUNK_FLOATS))
+    return max(1, min(threads, rows, rows * per_row // least_work(LeastWork.FLOATS, threads)))
 
 
 def _winograd_scratch(n: int, c: int, m: int, th: int, tw: int, itemsize: int) -> int:
@@ -2286,7 +2405,7 @@ def winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], thre
     flops = 32 * m * c * tiles
     most = min(tiles, budget // (64 * c))
     block = _even_tiles(tiles, most, threads, held,
-                        max(1, min(threads, flops // MIN_FLOPS_PER_THREAD)))
+                        max(1, gemm_threads(threads, flops)))
     if block < 1:
         return WinogradPipeline(0, 0, 0, 0, "pass by pass: " + (
             f"a tile of V does not fit {PIPELINE_L2_SHARE:g} of the L2 "
@@ -2299,7 +2418,7 @@ def winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], thre
     fit = max(1, min(all_panels, int(sizes.l2 * PIPELINE_P_SHARE) // (64 * cols * mr)))
     panels = -(-all_panels // -(-all_panels // fit))     # as even as whole panels allow
     blocks = -(-tiles // block)
-    parts = max(1, min(threads, blocks, flops // MIN_FLOPS_PER_THREAD))
+    parts = max(1, min(blocks, gemm_threads(threads, flops)))
     moved = (min(parts, blocks) if held else blocks) * u_bytes
     chunk = _winograd_chunk(images, 16 * th * tw * max(c, m) * 4, sizes)
     chunks = -(-images // chunk)
@@ -2651,10 +2770,10 @@ def gemm_pass(name: str, batch: int, m: int, n: int, k: int, threads: int,
         wanted = max(1, gemm_threads(threads, flops))
         units = batch * -(-n // tiles[1])
         return Split(f"{name} (column panels)", units, max(1, min(wanted, units)), flops,
-                     MIN_FLOPS_PER_THREAD, product=True)
+                     least_work(LeastWork.FLOPS, wanted), product=True)
     split = gemm_split(batch, m, n, k, threads, tiles, sizes, raw, lanes)
     return Split(f"{name} ({split.rows}x{split.cols} tiles a product)", split.pieces,
-                 split.parts, flops, MIN_FLOPS_PER_THREAD, product=True)
+                 split.parts, flops, least_work(LeastWork.FLOPS, split.parts), product=True)
 
 
 def conv_splits(variant: str, layout: str, chunk: int | None, geo: ConvGeometry,
@@ -2671,7 +2790,8 @@ def conv_splits(variant: str, layout: str, chunk: int | None, geo: ConvGeometry,
     if variant == "depthwise" and layout.startswith("native"):
         taps = math.prod(geo.window.out_spatial) * math.prod(geo.window.kernel)
         planes = geo.batch * geo.in_channels
-        return (chunk_split("planes", planes, threads, planes * taps, MIN_CHUNK_TAPS),)
+        return (chunk_split("planes", planes, threads, planes * taps,
+                            least_work(LeastWork.TAPS, threads)),)
     return ()
 
 
@@ -2683,7 +2803,8 @@ def _winograd_splits(geo: ConvGeometry, chunk: int, threads: int, grid: Any,
     if pipe.tiles:                 # counted in tiles: the last block may be partial
         tiles = geo.batch * -(-out[0] // 2) * -(-out[1] // 2)
         return (Split(f"pipeline ({pipe.blocks} blocks of {pipe.tiles})", tiles,
-                      pipe.threads or pipe.parts, 32 * m * c * tiles, MIN_FLOPS_PER_THREAD,
+                      pipe.threads or pipe.parts, 32 * m * c * tiles,
+                      least_work(LeastWork.FLOPS, threads),
                       largest=pipe.busiest, unit="tile(s)"),)
     k = min(chunk, geo.batch)
     tiles = k * -(-out[0] // 2) * -(-out[1] // 2)
@@ -2696,7 +2817,7 @@ def _winograd_splits(geo: ConvGeometry, chunk: int, threads: int, grid: Any,
         units = k * -(-out[0] // 2) if by_rows else k * channels
         passes.append(Split(f"{name} {'tile rows' if by_rows else 'planes'}", units,
                             winograd_parts(k, channels, hw, output, threads, by_rows), work,
-                            MIN_CHUNK_FLOATS))
+                            least_work(LeastWork.FLOATS, threads)))
     products = gemm_pass("16 products", 16, m, tiles, c, threads, grid,
                          panel_major=not winograd_by_product(c, m, tiles, threads),
                          sizes=sizes, raw=(False, True),
@@ -2715,7 +2836,7 @@ def _native_splits(geo: ConvGeometry, layout: str, threads: int, grid: Any,
         units = n * -(-win.out_spatial[0] // rows)
         flops = 2 * n * geo.out_channels * pixels * cg * taps
         return (Split("bands of output rows", units, max(1, min(threads, units)), flops,
-                      MIN_FLOPS_PER_THREAD),)
+                      least_work(LeastWork.FLOPS, threads)),)
     # Only the direct form reads X as B in place, plain rows: lanes tiles take it; the
     # masked form copies each image's taps for them (masked_lanes).
     lanes = (layout == "direct" and lanes_tiles(batch, mg, columns, cg * taps)) or (
@@ -2727,8 +2848,10 @@ def _native_splits(geo: ConvGeometry, layout: str, threads: int, grid: Any,
     planes = n * geo.in_channels
     work = planes * math.prod(win.in_spatial)
     if wide:                                # X into the wide buffer: one NumPy copy
-        return Split("copy into the wide buffer (NumPy)", 1, 1, work, MIN_COPY_ELEMENTS), product
-    return chunk_split("phase copy planes", planes, threads, work, MIN_CHUNK_FLOATS), product
+        return Split("copy into the wide buffer (NumPy)", 1, 1, work,
+                     least_work(LeastWork.COPY, threads)), product
+    return chunk_split("phase copy planes", planes, threads, work,
+                       least_work(LeastWork.FLOATS, threads)), product
 
 
 @functools.lru_cache(maxsize=512)
@@ -2777,10 +2900,9 @@ def _element_work(request: PlanRequest) -> tuple[int, int, str] | None:
     shapes = request.static_shapes() if request.op in _ELEMENT_THREADS_OPS else None
     if not shapes or shapes[0] is None:
         return None
-    least, name = ((MIN_COPY_ELEMENTS, "MIN_COPY_ELEMENTS") if request.op is Op.TRANSPOSE
-                   else (MIN_SKIP_NORM_ELEMENTS, "MIN_SKIP_NORM_ELEMENTS")
-                   if request.op is Op.SKIP_LAYER_NORM
-                   else (MIN_CHUNK_ELEMENTS, "MIN_CHUNK_ELEMENTS"))
+    work = (LeastWork.COPY if request.op is Op.TRANSPOSE else LeastWork.SKIP_NORM
+            if request.op is Op.SKIP_LAYER_NORM else LeastWork.ELEMENTS)
+    least, name = least_work(work, request.threads or 2), work.value[0]
     elements = math.prod(shapes[0])
     if request.op is Op.ATTENTION:             # the row kernel's work: scores x (d + dv)
         if len(shapes) < 3 or shapes[1] is None or shapes[2] is None:
@@ -2803,7 +2925,8 @@ def _pool_split(request: PlanRequest, threads: int) -> Split | None:
         if len(shapes[0]) < 3:
             return None
         planes = shapes[0][0] * shapes[0][1]
-        return chunk_split("planes", planes, threads, math.prod(shapes[0]), MIN_CHUNK_TAPS)
+        return chunk_split("planes", planes, threads, math.prod(shapes[0]),
+                           least_work(LeastWork.TAPS, threads))
     if len(shapes[0]) != 4:
         return None
     try:
@@ -2812,7 +2935,8 @@ def _pool_split(request: PlanRequest, threads: int) -> Split | None:
         return None
     planes = shapes[0][0] * shapes[0][1]
     taps = math.prod(win.out_spatial) * math.prod(win.kernel)
-    return chunk_split("planes", planes, threads, planes * taps, MIN_CHUNK_TAPS)
+    return chunk_split("planes", planes, threads, planes * taps,
+                       least_work(LeastWork.TAPS, threads))
 
 
 def split_reason(splits: Sequence[Split], threads: int) -> str:

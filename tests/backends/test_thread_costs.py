@@ -71,7 +71,7 @@ def test_off_gives_the_declared_values_and_the_splits_of_before(
         monkeypatch: pytest.MonkeyPatch) -> None:
     _mode(monkeypatch, "off")
     assert thread_costs.current().costs is None
-    for work in LeastWork:
+    for work in LeastWork.ALL:
         for threads in (1, 2, 3, 16):
             assert cpu_planner.least_work(work, threads) == work.declared
     least = cpu_planner.MIN_FLOPS_PER_THREAD
@@ -132,7 +132,7 @@ def test_a_measurement_here_is_sane_kept_and_read_back(monkeypatch: pytest.Monke
     for family, (lo, hi) in sane.items():
         assert lo < costs.rate(family) < hi, (family, costs.rate(family))
     assert costs.seconds < 5
-    for work in LeastWork:
+    for work in LeastWork.ALL:
         value = cpu_planner.least_work(work, 2)
         limit = cpu_planner.THREAD_COST_SCALE_LIMIT
         assert work.declared / limit - 1 <= value <= work.declared * limit + 1
@@ -170,7 +170,7 @@ def test_faster_cores_ask_more_work_and_the_scale_is_held(
     _mode(monkeypatch, "auto")
     thread_costs.save(_costs({2: REF_US}, rate_scale=3.0))
     thread_costs.forget()
-    for work in LeastWork:
+    for work in LeastWork.ALL:
         assert cpu_planner.least_work(work, 2) == round(3 * work.declared)
     thread_costs.save(_costs({2: 1000 * REF_US}))          # a clock gone wrong
     thread_costs.forget()

@@ -18,12 +18,11 @@ and overrides these rules (``PlanRequest.measured``).
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from keel.backends.base import KernelTable, KernelVariant
 from keel.backends.cpu import (
@@ -891,24 +890,36 @@ THREAD_COST_REFERENCE_RATES = {
 THREAD_COST_SCALE_LIMIT = 16.0
 
 
-class LeastWork(enum.Enum):
+@dataclass(frozen=True)
+class LeastWork:
     """A least work a thread: its declared constant (read when asked: tests lower it)
-    and the family whose measured costs scale it."""
+    and the family whose measured costs scale it. The kinds are its class attributes
+    (``LeastWork.FLOPS`` ..., all of them in ``LeastWork.ALL``): a plain class, as the
+    splits ask on every call and an enum's ``value`` costs half a microsecond."""
 
-    FLOPS = ("MIN_FLOPS_PER_THREAD", thread_costs.Family.GEMM)
-    TAPS = ("MIN_CHUNK_TAPS", thread_costs.Family.WINDOW)
-    ELEMENTS = ("MIN_CHUNK_ELEMENTS", thread_costs.Family.FASTMATH)
-    SKIP_NORM = ("MIN_SKIP_NORM_ELEMENTS", thread_costs.Family.FASTMATH)
-    FLOATS = ("MIN_CHUNK_FLOATS", thread_costs.Family.WINOGRAD)
-    COPY = ("MIN_COPY_ELEMENTS", thread_costs.Family.COPY)
+    constant: str
+    family: thread_costs.Family
+    FLOPS: ClassVar[LeastWork]
+    TAPS: ClassVar[LeastWork]
+    ELEMENTS: ClassVar[LeastWork]
+    SKIP_NORM: ClassVar[LeastWork]
+    FLOATS: ClassVar[LeastWork]
+    COPY: ClassVar[LeastWork]
+    ALL: ClassVar[tuple[LeastWork, ...]]
 
     @property
     def declared(self) -> int:
-        return int(globals()[self.value[0]])
+        return int(globals()[self.constant])
 
-    @property
-    def family(self) -> thread_costs.Family:
-        return self.value[1]
+
+LeastWork.FLOPS = LeastWork("MIN_FLOPS_PER_THREAD", thread_costs.Family.GEMM)
+LeastWork.TAPS = LeastWork("MIN_CHUNK_TAPS", thread_costs.Family.WINDOW)
+LeastWork.ELEMENTS = LeastWork("MIN_CHUNK_ELEMENTS", thread_costs.Family.FASTMATH)
+LeastWork.SKIP_NORM = LeastWork("MIN_SKIP_NORM_ELEMENTS", thread_costs.Family.FASTMATH)
+LeastWork.FLOATS = LeastWork("MIN_CHUNK_FLOATS", thread_costs.Family.WINOGRAD)
+LeastWork.COPY = LeastWork("MIN_COPY_ELEMENTS", thread_costs.Family.COPY)
+LeastWork.ALL = (LeastWork.FLOPS, LeastWork.TAPS, LeastWork.ELEMENTS, LeastWork.SKIP_NORM,
+                 LeastWork.FLOATS, LeastWork.COPY)
 
 
 def least_work(work: LeastWork, threads: int = 2) -> int:
@@ -931,10 +942,13 @@ def cost_scale(costs: thread_costs.ThreadCosts, family: thread_costs.Family,
 def split_threads(work: LeastWork, threads: int, units: int) -> int:
     """The most threads (up to ``threads``) whose every one gets the least work of a
     split that wide out of ``units`` (1 or less: not split)."""
-    for count in range(threads, 1, -1):
+    if thread_costs.current().costs is None:           # declared: the same for any width
+        return min(threads, units // work.declared)
+    most = min(threads, units // least_work(work, 2))   # a wider split asks no less
+    for count in range(most, 1, -1):
         if units // least_work(work, count) >= count:
             return count
-    return min(threads, units // least_work(work, 2))
+    return most
 
 
 def gemm_threads(threads: int, flops: int) -> int:
@@ -949,10 +963,10 @@ def least_work_table(threads: int) -> dict[str, Any]:
     source = thread_costs.current()
     return {"source": source.reason,
             "costs": None if source.costs is None else source.costs.to_dict(),
-            "least_work": {w.value[0]: {"unit": w.family.unit, "declared": w.declared,
+            "least_work": {w.constant: {"unit": w.family.unit, "declared": w.declared,
                                         "2 threads": least_work(w, 2),
                                         f"{threads} threads": least_work(w, threads)}
-                           for w in LeastWork}}
+                           for w in LeastWork.ALL}}
 
 
 def thread_costs_note(threads: int) -> str:
@@ -960,15 +974,15 @@ def thread_costs_note(threads: int) -> str:
     source = thread_costs.current()
     costs = source.costs
     if costs is None:
-        values = ", ".join(f"{w.value[0]} {w.declared:,} {w.family.unit}" for w in LeastWork)
+        values = ", ".join(f"{w.constant} {w.declared:,} {w.family.unit}" for w in LeastWork.ALL)
         return (f"least work a thread: declared, measured on {THREAD_COST_REFERENCE_MACHINE} "
                 f"({values}); {source.reason}")
     spans = ", ".join(f"{s.median:.2f} us on {t} threads ({s.low:.2f}-{s.high:.2f})"
                       for t, s in costs.dispatch_us)
     wide = max(2, threads)
-    values = ", ".join(f"{w.value[0]} {least_work(w, 2):,}" + (
+    values = ", ".join(f"{w.constant} {least_work(w, 2):,}" + (
         f" ({least_work(w, wide):,} at {wide})" if least_work(w, wide) != least_work(w, 2)
-        else "") + f" {w.family.unit}" for w in LeastWork)
+        else "") + f" {w.family.unit}" for w in LeastWork.ALL)
     return (f"least work a thread: {source.reason}: dispatch {spans}; one thread "
             + ", ".join(f"{f.value} {s.median:,.2f} {f.unit}/ns" for f, s in costs.rates)
             + f" -> least {values} a thread (declared x rate x dispatch, against "
@@ -2902,7 +2916,7 @@ def _element_work(request: PlanRequest) -> tuple[int, int, str] | None:
         return None
     work = (LeastWork.COPY if request.op is Op.TRANSPOSE else LeastWork.SKIP_NORM
             if request.op is Op.SKIP_LAYER_NORM else LeastWork.ELEMENTS)
-    least, name = least_work(work, request.threads or 2), work.value[0]
+    least, name = least_work(work, request.threads or 2), work.constant
     elements = math.prod(shapes[0])
     if request.op is Op.ATTENTION:             # the row kernel's work: scores x (d + dv)
         if len(shapes) < 3 or shapes[1] is None or shapes[2] is None:

@@ -109,12 +109,15 @@ class ThreadCosts:
     seconds: float
 
     def dispatch(self, threads: int) -> float:
-        """The median round trip of a split over ``threads`` threads: the nearest measured
-        count at or above it (the widest measured past them)."""
+        """The round trip of a split over ``threads`` threads: the median of the nearest
+        measured count at or above it (the widest measured past them), never less than a
+        narrower count's (a wider split costs no less: noise does not make it cheaper)."""
+        most = 0.0
         for count, sample in self.dispatch_us:
+            most = max(most, sample.median)
             if count >= threads:
-                return sample.median
-        return self.dispatch_us[-1][1].median
+                break
+        return most
 
     def rate(self, family: Family) -> float:
         return dict(self.rates)[family].median
@@ -322,6 +325,7 @@ class Source:
 
 
 _CURRENT: dict[tuple[str, Path], Source] = {}
+_LAST: tuple[Any, Source] = (None, Source(None, "not read yet"))    # (settings, source)
 _LOCK = threading.RLock()
 renew_after_fork(sys.modules[__name__], "_LOCK")         # free in a forked child
 
@@ -330,12 +334,16 @@ def forget() -> None:
     """Read (or measure) again on the next :func:`current` (tests, ``keel probe``)."""
     with _LOCK:
         _CURRENT.clear()
+        _remember(None, Source(None, "not read yet"))
 
 
 def current() -> Source:
     """This process's thread costs: read once, measured first where ``KEEL_THREAD_COSTS``
     asks (``auto``: more than 2 usable cores; ``on``: always)."""
     st = settings()
+    last = _LAST
+    if last[0] is st:                  # the splits ask on every call: no hashing then
+        return last[1]
     key = (st.thread_costs, st.cache_dir)
     found = _CURRENT.get(key)
     if found is None:
@@ -346,7 +354,14 @@ def current() -> Source:
                 # answer them (and any other thread) while the measurement runs.
                 _CURRENT[key] = Source(None, "being measured")
                 found = _CURRENT[key] = _find(st.thread_costs)
+    if found.reason != "being measured":
+        _remember(st, found)
     return found
+
+
+def _remember(st: Any, found: Source) -> None:
+    global _LAST
+    _LAST = (st, found)
 
 
 def refresh() -> Source:

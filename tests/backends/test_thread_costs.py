@@ -33,7 +33,6 @@ def _fresh_costs() -> Iterator[None]:
             path.unlink()
         thread_costs.forget()
         cpu_planner.forget()
-        cpu_planner.gemm_split.cache_clear()
 
     clear()
     yield

@@ -1024,7 +1024,6 @@ class GemmSplit:
     reason: str
 
 
-@functools.lru_cache(maxsize=4096)
 def gemm_split(batch: int, m: int, n: int, k: int, threads: int, grid: Grid = None,
                sizes: Caches | None = None, raw: tuple[bool, bool] = (True, False),
                lanes: bool = False) -> GemmSplit:
@@ -1033,7 +1032,16 @@ def gemm_split(batch: int, m: int, n: int, k: int, threads: int, grid: Grid = No
     loaded here); ``sizes``: the caches planned for (None: this machine's); ``raw``:
     whether A and B are packed per call (a MatMul's activations; its weights are not);
     ``lanes``: the product runs in lanes tiles (lanes_tiles), whose work is the columns
-    there are, not whole vectors. Remembered per arguments: a call made again asks again."""
+    there are, not whole vectors. Remembered per arguments and least work a thread (the
+    thread costs' token and the declared value): a call made again asks again."""
+    least = (thread_costs.current().token, MIN_FLOPS_PER_THREAD)
+    return _gemm_split(batch, m, n, k, threads, grid, sizes, raw, lanes, least)
+
+
+@functools.lru_cache(maxsize=4096)
+def _gemm_split(batch: int, m: int, n: int, k: int, threads: int, grid: Grid,
+                sizes: Caches | None, raw: tuple[bool, bool], lanes: bool,
+                least: tuple[str, int]) -> GemmSplit:
     tile = grid or native_gemm.geometry() or _TILES["scalar"]
     sizes = sizes or caches()
     parts = gemm_threads(threads, 2 * batch * m * n * k)

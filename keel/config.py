@@ -27,13 +27,17 @@ from keel.errors import InvalidArgumentError
 
 __all__ = [
     "BACKEND_NAMES", "DEFAULT_BUILD_TIMEOUT_S", "DEFAULT_IDLE_SPIN_US", "DEFAULT_SPIN_US",
-    "HINTS", "POLICY_FIELDS", "PRECISIONS", "Settings", "cache_dir", "format_bytes",
+    "HINTS", "POLICY_FIELDS", "PRECISIONS", "Settings", "THREAD_COSTS", "cache_dir",
+    "format_bytes",
     "format_limit", "parse_bytes", "reload_settings", "settings",
 ]
 
 BACKEND_NAMES = ("auto", "gpu", "cpu", "reference", "webgpu")
 PRECISIONS = ("auto", "fp32", "fp16", "bf16", "int8", "int16", "fp64")
 HINTS = ("none", "latency", "throughput")     # performance hints (planning.adaptive)
+# When keel measures this machine's thread costs (backends/cpu/thread_costs.py): on a
+# machine with more than 2 usable cores (auto), on any (on), never (off: declared values).
+THREAD_COSTS = ("auto", "on", "off")
 DEFAULT_SPIN_US = 200       # how long an idle native worker spins before it sleeps
 DEFAULT_IDLE_SPIN_US = 50   # how long it spins on once a model run has ended
 DEFAULT_BUILD_TIMEOUT_S = 120.0   # a native kernel compile running longer is stopped
@@ -128,6 +132,7 @@ class Settings:
     gpu_kernels: bool = True              # KEEL_GPU_KERNELS: the gpu backend's own kernels
     numa_pin: bool = True                 # KEEL_NUMA_PIN: keel's threads on one NUMA node
     interop: bool = True                  # KEEL_INTEROP: independent branches may run at once
+    thread_costs: str = "auto"            # KEEL_THREAD_COSTS: auto | on | off (thread_costs)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -162,6 +167,7 @@ class Settings:
             gpu_kernels=_flag(env, "KEEL_GPU_KERNELS") is not False,
             numa_pin=_flag(env, "KEEL_NUMA_PIN") is not False,
             interop=_flag(env, "KEEL_INTEROP") is not False,
+            thread_costs=_choice(env, "KEEL_THREAD_COSTS", THREAD_COSTS) or "auto",
         )
 
     def policy_overrides(self) -> dict[str, Any]:

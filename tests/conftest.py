@@ -37,6 +37,9 @@ def _isolated_keel_cache(_settings_follow_the_environment: None,
     monkeypatch.setenv("KEEL_CACHE_DIR", str(Path(tmp_path_factory.getbasetemp()) / "keel-cache"))
     monkeypatch.setenv("KEEL_CALIBRATION", "off")
     monkeypatch.setenv("KEEL_PLAN_CACHE", "off")
+    # The declared least work a thread, on any machine: a test of the measured values
+    # asks for them (KEEL_THREAD_COSTS=on).
+    monkeypatch.setenv("KEEL_THREAD_COSTS", "off")
     config.reload_settings()
 
 

@@ -111,6 +111,7 @@ def test_every_setting_is_read_into_settings() -> None:
         "KEEL_CFLAGS": "-fsanitize=address -DX='a b'", "KEEL_BATCH_INVARIANT": "off",
         "KEEL_CUDA_GRAPHS": "off", "KEEL_PLACEMENT_TRIALS": "off", "KEEL_GPU_KERNELS": "off",
         "KEEL_NUMA_PIN": "off", "KEEL_INTEROP": "no", "KEEL_CODE_CACHE": "off",
+        "KEEL_THREAD_COSTS": "On",
     }
     assert set(every) == _read_by_config()
     assert Settings.from_env(every) == Settings(
@@ -122,7 +123,7 @@ def test_every_setting_is_read_into_settings() -> None:
         plan_cache=False, hint="throughput", build_timeout_s=30.0,
         cflags=("-fsanitize=address", "-DX=a b"), batch_invariant=False,
         cuda_graphs=False, placement_trials=False, gpu_kernels=False, numa_pin=False,
-        interop=False, code_cache=False)
+        interop=False, code_cache=False, thread_costs="on")
 
 
 def test_unset_settings_take_their_defaults() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -23,10 +25,16 @@ def probe_command(
     as_yaml: bool = typer.Option(False, "--yaml", help="Print the profile as YAML."),
     webgpu: bool = typer.Option(False, "--webgpu", help="Also list the WebGPU adapters "
                                 "(starts the Vulkan/Metal/DX12 drivers: seconds)."),
+    costs: bool = typer.Option(False, "--thread-costs", help="Measure what a split over "
+                               "keel's threads costs here (under a second), keep it, and "
+                               "print it with the least work a thread it gives."),
 ) -> None:
     """Probe CPU, memory, GPUs and accelerators; every gap says why."""
     if as_json and as_yaml:
         raise InvalidArgumentError("--json and --yaml are exclusive; give one of them")
+    if costs:
+        _thread_costs(as_json)
+        return
     profile = probe(webgpu=True) if webgpu else probe()
     if as_json:
         typer.echo(profile.to_json())
@@ -34,6 +42,22 @@ def probe_command(
         typer.echo(profile.to_yaml(), nl=False)
     else:
         print_profile(Console(), profile)
+
+
+def _thread_costs(as_json: bool) -> None:
+    # Their own output: the profile's JSON stays a file `--hardware` reads back.
+    from keel.backends.cpu import planner, thread_costs
+    from keel.backends.cpu.backend import default_threads
+
+    try:
+        thread_costs.refresh()
+    except RuntimeError as exc:
+        raise InvalidArgumentError(f"cannot measure the thread costs here: {exc}") from None
+    threads = default_threads()
+    if as_json:
+        typer.echo(json.dumps(planner.least_work_table(threads), indent=2))
+    else:
+        typer.echo(planner.thread_costs_note(threads))
 
 
 def print_profile(console: Console, profile: HardwareProfile, notes: bool = True) -> None:

@@ -30,8 +30,8 @@ from typing import Any
 from keel.config import settings
 from keel.native import build
 
-__all__ = ["chunks", "idle_spin_us", "parker", "parts", "pin", "pinned", "set_affinity",
-           "set_idle_spin_us", "set_spin_us", "set_yielding", "shutdown", "spin_us",
+__all__ = ["chunks", "dispatch_times", "idle_spin_us", "parker", "parts", "pin", "pinned",
+           "set_affinity", "set_idle_spin_us", "set_spin_us", "set_yielding", "shutdown", "spin_us",
            "workers"]
 
 _I64 = ctypes.c_int64
@@ -156,3 +156,17 @@ def shutdown() -> None:
     lib = build.loaded("threads")
     if lib is not None:
         lib.function("keel_pool_stop", [])()
+
+
+def dispatch_times(threads: int, repeats: int) -> list[int] | None:
+    """The round trips, in nanoseconds, of ``repeats`` empty jobs split over ``threads``
+    threads of the pool (threads.c's keel_pool_time_dispatch: timed in C, after one
+    untimed job that starts the workers); None where the native tier is unavailable or
+    the workers could not all start. Call it while no kernel runs."""
+    fn = _function("keel_pool_time_dispatch", [_I64, _I64, ctypes.POINTER(_I64)], _I64)
+    if fn is None or threads < 2 or repeats < 1:
+        return None
+    out = (_I64 * repeats)()
+    if int(fn(threads, repeats, out)) != 0:
+        return None
+    return list(out)

@@ -133,8 +133,14 @@ class WindowGeometry:
 
     @property
     def min_chunk(self) -> int:
-        """The fewest planes worth a thread of their own."""
-        return max(1, planner_rules().MIN_CHUNK_TAPS // max(1, self.taps_per_plane))
+        """The fewest planes worth a thread of their own (in a split over 2 threads)."""
+        return self.min_chunk_for(2)
+
+    def min_chunk_for(self, threads: int) -> int:
+        """The fewest planes worth a thread of their own in a split over ``threads``."""
+        rules = planner_rules()
+        return max(1, rules.least_work(rules.LeastWork.TAPS, threads)
+                   // max(1, self.taps_per_plane))
 
     def scratch_floats(self, fns: _Functions) -> int:
         """Floats of scratch a thread needs for this window (asked of the library once)."""
@@ -228,7 +234,7 @@ def _bind(planes: int, geo: WindowGeometry, fns: _Functions, threads: int, seria
           keep: tuple[Any, ...] = ()) -> Bound:
     """``serial(*head, scratch, 0, planes, *tail)`` on this thread, or, when the planes
     are worth several threads, ``mt(*head, *tail, planes, parts)`` on keel's."""
-    count = parts(planes, threads, geo.min_chunk)
+    count = parts(planes, threads, geo.min_chunk_for(threads))
     if count <= 1:
         buf, scratch = _SCRATCH.held(geo.scratch_floats(fns))
         return Bound(serial, (*head, scratch, 0, planes, *tail), (geo, buf, *keep))
@@ -245,7 +251,7 @@ def bind_max_pool(x: np.ndarray, y: np.ndarray, geo: WindowGeometry, threads: in
     planes = x.shape[0] * x.shape[1]
     if not geo.by_rows():
         return _bind(planes, geo, fns, threads, fns.maxpool, fns.maxpool_mt, head)
-    count = parts(planes, threads, geo.min_chunk)
+    count = parts(planes, threads, geo.min_chunk_for(threads))
     if count <= 1:
         buf, scratch = _SCRATCH.held(int(fns.maxpool_rows_scratch(geo.address)))
         return Bound(fns.maxpool_rows, (*head, scratch, 0, planes), (geo, buf))
@@ -296,7 +302,9 @@ def _bind_global(x: np.ndarray, y: np.ndarray, threads: int, serial: Any, mt: An
     n, c = x.shape[:2]
     planes, size = n * c, math.prod(x.shape[2:])
     xa, ya = native.address(x), native.address(y)
-    count = parts(planes, threads, max(1, planner_rules().MIN_CHUNK_TAPS // max(1, size)))
+    rules = planner_rules()
+    count = parts(planes, threads,
+                  max(1, rules.least_work(rules.LeastWork.TAPS, threads) // max(1, size)))
     if count <= 1:
         return _Unchecked(serial, (xa, ya, size, 0, planes), ())
     return Bound(mt, (xa, ya, size, planes, count), ())
@@ -437,7 +445,9 @@ def bind_phase_copy(x: np.ndarray, image: np.ndarray, geometry: np.ndarray,
         return None
     planes = x.shape[0] * x.shape[1]
     per_plane = max(1, x.shape[2] * x.shape[3])
-    count = max(1, parts(planes, threads, max(1, planner_rules().MIN_CHUNK_FLOATS // per_plane)))
+    rules = planner_rules()
+    least = rules.least_work(rules.LeastWork.FLOATS, threads)
+    count = max(1, parts(planes, threads, max(1, least // per_plane)))
     return Bound(fns.phase_copy_mt, (native.address(x), native.address(image),
                                      native.address(geometry), planes, count), (geometry,))
 
@@ -457,17 +467,22 @@ def copy_strided(view: np.ndarray, dst: np.ndarray, threads: int) -> bool:
     return True
 
 
-def bind_strided_copy(view: np.ndarray, dst: np.ndarray, threads: int) -> Bound | None:
+def bind_strided_copy(view: np.ndarray, dst: np.ndarray, threads: int,
+                      chunks: int | None = None) -> Bound | None:
     """The copy of :func:`copy_strided`, ready to run again on the same arrays; None when
     not served: the kernels absent, too little work for a second thread (the planner's
-    MIN_COPY_ELEMENTS each), a ``dst`` that is not C-contiguous of the view's shape and
-    dtype, elements of another size than 1, 2, 4 or 8 bytes, or overlapping arrays."""
+    least copy work each), a ``dst`` that is not C-contiguous of the view's shape and
+    dtype, elements of another size than 1, 2, 4 or 8 bytes, or overlapping arrays.
+    ``chunks``: that many, 1 included (one thread's rate, as thread_costs measures it)."""
     fns = _load()
     elem = view.dtype.itemsize
     n = view.shape[-1] if view.ndim else 0
     rows = view.size // n if n else 0
-    count = parts(rows, threads, max(1, planner_rules().MIN_COPY_ELEMENTS // max(1, n)))
-    if (fns is None or count <= 1 or dst.shape != view.shape or dst.dtype != view.dtype
+    rules = planner_rules()
+    count = chunks or parts(rows, threads,
+                            max(1, rules.least_work(rules.LeastWork.COPY, threads) // max(1, n)))
+    if (fns is None or count < 1 or (chunks is None and count <= 1)
+            or dst.shape != view.shape or dst.dtype != view.dtype
             or not dst.flags.c_contiguous or view.ndim > COPY_MAX_RANK
             or elem not in (1, 2, 4, 8) or view.dtype.hasobject
             or any(s % elem for s in view.strides) or np.may_share_memory(view, dst)):

@@ -22,7 +22,7 @@ import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from keel.backends.base import KernelTable, KernelVariant
 from keel.backends.cpu import (
@@ -30,6 +30,7 @@ from keel.backends.cpu import (
     depthwise,
     native_gemm,
     native_window,
+    thread_costs,
     window,
 )
 from keel.backends.cpu.conv_rules import ConvCase, ConvRule, conv_case, pick
@@ -608,16 +609,16 @@ def _int8_parts(tasks: int, threads: int | None, least: int) -> int:
     return parts(tasks, max(1, threads or 1), max(1, least))
 
 
-def _int8_least_flops() -> int:
-    """The least flops worth a thread to the int8 products (the one place this section
-    reads MIN_FLOPS_PER_THREAD)."""
-    return MIN_FLOPS_PER_THREAD
+def _int8_least_flops(threads: int | None) -> int:
+    """The least flops worth a thread to the int8 products split over ``threads`` (the one
+    place this section reads the least work of MIN_FLOPS_PER_THREAD)."""
+    return least_work(LeastWork.FLOPS, max(1, threads or 1))
 
 
-def _int8_least_taps() -> int:
-    """The least output values x taps worth a thread to the int8 depthwise sums (the one
-    place this section reads MIN_CHUNK_TAPS)."""
-    return MIN_CHUNK_TAPS
+def _int8_least_taps(threads: int | None) -> int:
+    """The least output values x taps worth a thread to the int8 depthwise sums split over
+    ``threads`` (the one place this section reads the least work of MIN_CHUNK_TAPS)."""
+    return least_work(LeastWork.TAPS, max(1, threads or 1))
 
 
 def int8_matmul_split(rows: int, depth: int, columns: int, threads: int) -> Int8Split:
@@ -627,7 +628,7 @@ def int8_matmul_split(rows: int, depth: int, columns: int, threads: int) -> Int8
     one."""
     tiles = -(-columns // INT8_DIRECT_PANEL) * -(-rows // INT8_MATMUL_ROWS)
     tile_flops = 2 * INT8_MATMUL_ROWS * INT8_DIRECT_PANEL * depth
-    return Int8Split(_int8_parts(tiles, threads, _int8_least_flops() // max(1, tile_flops)),
+    return Int8Split(_int8_parts(tiles, threads, _int8_least_flops(threads) // max(1, tile_flops)),
                      tiles)
 
 
@@ -654,7 +655,7 @@ def int8_direct_split(batch: int, group: int, out_pixels: int, depth: int, out_c
     plan's threads."""
     units = batch * group * -(-out_pixels // INT8_DIRECT_PANEL)
     unit_flops = 2 * (INT8_DIRECT_PANEL * depth * out_channels // max(1, group))
-    count = _int8_parts(units, threads, _int8_least_flops() // max(1, unit_flops))
+    count = _int8_parts(units, threads, _int8_least_flops(threads) // max(1, unit_flops))
     return Int8Split(count, units, int8_direct_chunk(batch, image_positions, count))
 
 
@@ -664,7 +665,7 @@ def int8_panel_split(pixels: int, depth: int, out_channels: int, threads: int) -
     every output channel, as many parts as give each thread MIN_FLOPS_PER_THREAD."""
     tiles = -(-pixels // INT8_TILE_PIXELS)
     tile_flops = 2 * INT8_TILE_PIXELS * depth * out_channels
-    return Int8Split(_int8_parts(tiles, threads, _int8_least_flops() // max(1, tile_flops)),
+    return Int8Split(_int8_parts(tiles, threads, _int8_least_flops(threads) // max(1, tile_flops)),
                      tiles)
 
 
@@ -678,7 +679,7 @@ def int8_depthwise_split(batch: int, channels: int, out_h: int, out_w: int, taps
     planes = lanes and int8_depthwise_planes(batch * blocks, max(1, threads), plane_bytes)
     tasks, per_task = ((batch * blocks, out_h * out_w * INT8_DEPTHWISE_LANES) if planes
                        else (batch * out_h, out_w * channels))
-    count = _int8_parts(tasks, threads, _int8_least_taps() // max(1, per_task * taps))
+    count = _int8_parts(tasks, threads, _int8_least_taps(threads) // max(1, per_task * taps))
     return Int8Split(count, tasks, planes=planes)
 
 
@@ -738,7 +739,8 @@ def int8_layout_split_reason(kernel: str | None, x: Sequence[int], w: Sequence[i
         unit = (f"(image, {INT8_DEPTHWISE_LANES}-channel block) planes" if split.planes
                 else "output rows")
         return (f"its kernel on {split.parts} of {threads} thread(s): {split.tasks} {unit}, "
-                f"at least MIN_CHUNK_TAPS = {_int8_least_taps():,} output values x taps a thread")
+                f"at least MIN_CHUNK_TAPS = {_int8_least_taps(threads):,} output values x taps "
+                "a thread")
     if kernel == "matmul":
         split = int8_matmul_split(n * oh * ow, c, m, threads)
         unit = f"{INT8_MATMUL_ROWS} pixels x {INT8_DIRECT_PANEL} output channels"
@@ -747,7 +749,7 @@ def int8_layout_split_reason(kernel: str | None, x: Sequence[int], w: Sequence[i
         unit = f"{INT8_TILE_PIXELS} pixels"
     return (f"its kernel, {_INT8_KERNEL_NAMES[kernel]}, on {split.parts} of {threads} "
             f"thread(s): {split.tasks} tiles of {unit}, at least MIN_FLOPS_PER_THREAD = "
-            f"{_int8_least_flops():,} flops a thread")
+            f"{_int8_least_flops(threads):,} flops a thread")
 
 
 _LAYOUT_ROLES = {("nchw", "nhwc"): "starts it, its result written channels-last",
@@ -1004,7 +1006,9 @@ def _dispatched(op: Op, request: PlanRequest, table: KernelTable) -> str | None:
 # - Winograd's compiled transforms, input or output floats.
 # A node's plan gives its thread count (for a MatMul or Gemm from its product's flops);
 # a kernel that runs several products or chunks per node splits each call by its own
-# work under that count, with these same limits.
+# work under that count, with these same limits. The values are this machine's
+# (2 cores); every split reads them through least_work (below), which derives them from
+# the running machine's measured thread costs where those are measured.
 MIN_FLOPS_PER_THREAD = 400_000
 MIN_CHUNK_TAPS = 50_000
 MIN_CHUNK_ELEMENTS = 8192
@@ -1032,10 +1036,140 @@ TREE_PARALLEL_PAIRS = 1 << 14
 TREE_SET_ASIDE = 4
 
 
+# ---- the least work, per machine ------------------------------------------------------
+# The values above were measured on the 2-core AMD EPYC (Zen 5). Each says: a split pays
+# once a thread's share takes longer than the dispatch that hands it out, by a margin. So
+# each is derived, by one rule, from this machine's thread costs where they are measured
+# (thread_costs: the pool's dispatch round trip at each thread count, and each family's
+# one-thread rate):
+#     least work(t threads) = factor x rate x dispatch(t)
+# with the factor chosen so that the reference machine's measured costs give the
+# declared value back: factor = declared / (reference rate x reference dispatch), i.e.
+#     least work(t) = declared x (rate / reference rate) x (dispatch(t) / reference dispatch)
+# A machine whose cores run a kernel twice as fast, or whose pool takes twice as long to
+# get every thread into a job, asks twice the work of each thread; a dispatch that grows
+# with the thread count (waking 15 workers across a socket) asks more of wide splits.
+# The references: thread_costs.measure() on a 2-core Intel Xeon (KVM, AVX-512, AMX; 2 MiB
+# L2 a core), 4 runs of it in one process while other work ran (each point the median of
+# 200 repeats; the runs' medians: dispatch 0.72-0.84 us, GEMM 114-121 flops/ns, window
+# 19-22 taps/ns, GELU 1.90-1.97 elements/ns, copy 1.03-1.13, Winograd 4.2-4.3 floats/ns).
+# The declared values themselves were measured on the 2-core AMD EPYC above, whose costs
+# were not measured: the rule takes them as that 2-core Xeon's, a machine of the same
+# kind (two cores of one socket, AVX-512, a pool dispatch under a microsecond). Under
+# heavier load (4 runnable processes on the 2 cores) the dispatch took 7.0 us: a worker
+# waits for a time slice, and a measurement then asks more work of each thread, as it
+# should there.
+THREAD_COST_REFERENCE_MACHINE = "a 2-core AMD EPYC (Zen 5); costs measured on a 2-core Xeon"
+THREAD_COST_REFERENCE_DISPATCH_US = 0.74
+THREAD_COST_REFERENCE_RATES = {
+    thread_costs.Family.GEMM: 118.0,         # flops a ns: 32x256 @ 256x256, B packed
+    thread_costs.Family.WINDOW: 21.0,        # taps a ns: 3x3 depthwise, 32 28x28 planes
+    thread_costs.Family.FASTMATH: 1.93,      # elements a ns: GELU of 16,384 floats
+    thread_costs.Family.COPY: 1.1,            # elements a ns: a 128x256 transpose
+    thread_costs.Family.WINOGRAD: 4.2,       # floats a ns: input transform, 64 14x14 planes
+}
+# A measurement off by more than this either way (a machine busy while it was taken, a
+# clock gone wrong) is held to it: the declared values are not wrong by more than that.
+THREAD_COST_SCALE_LIMIT = 16.0
+
+
+@dataclass(frozen=True)
+class LeastWork:
+    """A least work a thread: its declared constant (read when asked: tests lower it)
+    and the family whose measured costs scale it. The kinds are its class attributes
+    (``LeastWork.FLOPS`` ..., all of them in ``LeastWork.ALL``): a plain class, as the
+    splits ask on every call and an enum's ``value`` costs half a microsecond."""
+
+    constant: str
+    family: thread_costs.Family
+    FLOPS: ClassVar[LeastWork]
+    TAPS: ClassVar[LeastWork]
+    ELEMENTS: ClassVar[LeastWork]
+    SKIP_NORM: ClassVar[LeastWork]
+    FLOATS: ClassVar[LeastWork]
+    COPY: ClassVar[LeastWork]
+    ALL: ClassVar[tuple[LeastWork, ...]]
+
+    @property
+    def declared(self) -> int:
+        return int(globals()[self.constant])
+
+
+LeastWork.FLOPS = LeastWork("MIN_FLOPS_PER_THREAD", thread_costs.Family.GEMM)
+LeastWork.TAPS = LeastWork("MIN_CHUNK_TAPS", thread_costs.Family.WINDOW)
+LeastWork.ELEMENTS = LeastWork("MIN_CHUNK_ELEMENTS", thread_costs.Family.FASTMATH)
+LeastWork.SKIP_NORM = LeastWork("MIN_SKIP_NORM_ELEMENTS", thread_costs.Family.FASTMATH)
+LeastWork.FLOATS = LeastWork("MIN_CHUNK_FLOATS", thread_costs.Family.WINOGRAD)
+LeastWork.COPY = LeastWork("MIN_COPY_ELEMENTS", thread_costs.Family.COPY)
+LeastWork.ALL = (LeastWork.FLOPS, LeastWork.TAPS, LeastWork.ELEMENTS, LeastWork.SKIP_NORM,
+                 LeastWork.FLOATS, LeastWork.COPY)
+
+
+def least_work(work: LeastWork, threads: int = 2) -> int:
+    """The least work worth each thread of a split over ``threads`` threads: the declared
+    value, scaled by this machine's measured thread costs where they are measured."""
+    costs = thread_costs.current().costs
+    if costs is None:
+        return work.declared
+    return max(1, round(work.declared * cost_scale(costs, work.family, threads)))
+
+
+def cost_scale(costs: thread_costs.ThreadCosts, family: thread_costs.Family,
+               threads: int) -> float:
+    """How many times the declared least work ``costs`` ask of a thread (the rule above)."""
+    scale = (costs.rate(family) / THREAD_COST_REFERENCE_RATES[family]
+             * costs.dispatch(threads) / THREAD_COST_REFERENCE_DISPATCH_US)
+    return min(THREAD_COST_SCALE_LIMIT, max(1 / THREAD_COST_SCALE_LIMIT, scale))
+
+
+def split_threads(work: LeastWork, threads: int, units: int) -> int:
+    """The most threads (up to ``threads``) whose every one gets the least work of a
+    split that wide out of ``units`` (1 or less: not split)."""
+    if thread_costs.current().costs is None:           # declared: the same for any width
+        return min(threads, units // work.declared)
+    most = min(threads, units // least_work(work, 2))   # a wider split asks no less
+    for count in range(most, 1, -1):
+        if units // least_work(work, count) >= count:
+            return count
+    return most
+
+
 def gemm_threads(threads: int, flops: int) -> int:
     """The threads a native product of ``flops`` splits over under a cap of ``threads``
     (1 or less: not split)."""
-    return min(threads, flops // MIN_FLOPS_PER_THREAD)
+    return split_threads(LeastWork.FLOPS, threads, flops)
+
+
+def least_work_table(threads: int) -> dict[str, Any]:
+    """The least work a thread of each kernel family, on 2 threads and on ``threads``, and
+    where it comes from, as plain data (``keel probe --thread-costs --json``)."""
+    source = thread_costs.current()
+    return {"source": source.reason,
+            "costs": None if source.costs is None else source.costs.to_dict(),
+            "least_work": {w.constant: {"unit": w.family.unit, "declared": w.declared,
+                                        "2 threads": least_work(w, 2),
+                                        f"{threads} threads": least_work(w, threads)}
+                           for w in LeastWork.ALL}}
+
+
+def thread_costs_note(threads: int) -> str:
+    """Where the least work a thread comes from, for the plan's notes."""
+    source = thread_costs.current()
+    costs = source.costs
+    if costs is None:
+        values = ", ".join(f"{w.constant} {w.declared:,} {w.family.unit}" for w in LeastWork.ALL)
+        return (f"least work a thread: declared, measured on {THREAD_COST_REFERENCE_MACHINE} "
+                f"({values}); {source.reason}")
+    spans = ", ".join(f"{s.median:.2f} us on {t} threads ({s.low:.2f}-{s.high:.2f})"
+                      for t, s in costs.dispatch_us)
+    wide = max(2, threads)
+    values = ", ".join(f"{w.constant} {least_work(w, 2):,}" + (
+        f" ({least_work(w, wide):,} at {wide})" if least_work(w, wide) != least_work(w, 2)
+        else "") + f" {w.family.unit}" for w in LeastWork.ALL)
+    return (f"least work a thread: {source.reason}: dispatch {spans}; one thread "
+            + ", ".join(f"{f.value} {s.median:,.2f} {f.unit}/ns" for f, s in costs.rates)
+            + f" -> least {values} a thread (declared x rate x dispatch, against "
+            f"{THREAD_COST_REFERENCE_MACHINE})")
 
 
 # ---- the native GEMM's split over threads ----------------------------------------------
@@ -1073,7 +1207,6 @@ class GemmSplit:
     reason: str
 
 
-@functools.lru_cache(maxsize=4096)
 def gemm_split(batch: int, m: int, n: int, k: int, threads: int, grid: Grid = None,
                sizes: Caches | None = None, raw: tuple[bool, bool] = (True, False),
                lanes: bool = False) -> GemmSplit:
@@ -1082,14 +1215,23 @@ def gemm_split(batch: int, m: int, n: int, k: int, threads: int, grid: Grid = No
     loaded here); ``sizes``: the caches planned for (None: this machine's); ``raw``:
     whether A and B are packed per call (a MatMul's activations; its weights are not);
     ``lanes``: the product runs in lanes tiles (lanes_tiles), whose work is the columns
-    there are, not whole vectors. Remembered per arguments: a call made again asks again."""
+    there are, not whole vectors. Remembered per arguments and least work a thread (the
+    thread costs' token and the declared value): a call made again asks again."""
+    least = (thread_costs.current().token, MIN_FLOPS_PER_THREAD)
+    return _gemm_split(batch, m, n, k, threads, grid, sizes, raw, lanes, least)
+
+
+@functools.lru_cache(maxsize=4096)
+def _gemm_split(batch: int, m: int, n: int, k: int, threads: int, grid: Grid,
+                sizes: Caches | None, raw: tuple[bool, bool], lanes: bool,
+                least: tuple[str, int]) -> GemmSplit:
     tile = grid or native_gemm.geometry() or _TILES["scalar"]
     sizes = sizes or caches()
     parts = gemm_threads(threads, 2 * batch * m * n * k)
     if parts <= 1 or batch * m * n == 0:
         flops = 2 * batch * m * n * k
         return GemmSplit(1, 1, batch, 1, "not split: one thread" if threads <= 1 else (
-            f"not split: {flops:,} flops, under {MIN_FLOPS_PER_THREAD:,} for each of two "
+            f"not split: {flops:,} flops, under {least_work(LeastWork.FLOPS, 2):,} for each of two "
             "threads"))
     shape = _Product(batch, m, n, k, tile, native_gemm.depth_block(), raw, lanes)
     return _best_split(shape, parts, sizes.l2, sizes.source)
@@ -1239,7 +1381,7 @@ def _product_threads(request: PlanRequest, variant: str) -> tuple[int, str] | No
     flops = 2 * m * k * n
     chosen = max(1, gemm_threads(request.threads, flops))
     why = (f"{chosen} kernel thread(s) of {request.threads}: {flops:,} flops, at least "
-           f"{MIN_FLOPS_PER_THREAD:,} per thread")
+           f"{least_work(LeastWork.FLOPS, max(2, chosen)):,} per thread")
     if chosen > 1 and variant == "native":
         split = gemm_split(1, m, n, k, chosen, tile_grid(request.profile),
                            caches(request.profile), raw=(True, bool(request.low_memory)))
@@ -1268,7 +1410,7 @@ INTEROP_BUSY_SHARE = 0.5
 def _kernel_threads(work: float, planned: int, threads: int) -> int:
     """The threads a node's kernel keeps busy: its plan's (a product's already follow its
     flops), for the others no more than its work gives each at least MIN_CHUNK_ELEMENTS."""
-    return max(1, min(planned, threads, int(work // MIN_CHUNK_ELEMENTS)))
+    return max(1, min(planned, threads, int(work // least_work(LeastWork.ELEMENTS, threads))))
 
 
 def plan_branches(threads: int, branches: Sequence[Sequence[tuple[float, int]]]
@@ -1626,10 +1768,10 @@ def _cache_key(request: PlanRequest, table: KernelTable) -> tuple[Any, ...] | No
 
 
 def state() -> tuple[Any, ...]:
-    """The kernel tiers loaded here and whether choices keep batch invariance: every
-    plan depends on them."""
+    """The kernel tiers loaded here, whether choices keep batch invariance and the thread
+    costs the least work a thread comes from: every plan depends on them."""
     return (native_gemm.available(), native_window.ready(), tier_unavailable("native"),
-            batch_invariant())
+            batch_invariant(), thread_costs.current().token)
 
 
 def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:
@@ -1721,7 +1863,7 @@ def int8_split_reason(request: PlanRequest, layout: str | None = None) -> str:
         split = int8_matmul_split(rows, depth, columns, threads)
         return (f"int8 product: {split.parts} of {threads} thread(s) run it ({split.tasks} "
                 f"tiles of {INT8_MATMUL_ROWS} rows x {INT8_DIRECT_PANEL} columns, at least "
-                f"MIN_FLOPS_PER_THREAD = {_int8_least_flops():,} flops a thread)")
+                f"MIN_FLOPS_PER_THREAD = {_int8_least_flops(threads):,} flops a thread)")
     if request.op in (Op.QLINEAR_ADD, Op.QUANTIZE_LINEAR, Op.DEQUANTIZE_LINEAR):
         other = shapes[3] if request.op is Op.QLINEAR_ADD and len(shapes) > 3 else x
         scale = shapes[1] if len(shapes) > 1 else None
@@ -1798,8 +1940,8 @@ def int8_conv_split_reason(request: PlanRequest, layout: str | None = None) -> s
     split = int8_direct_split(n, geo.group, oh * ow, depth, m, positions, request.threads)
     runs = (f"int8 convolution (NCHW, where the node's layout is NCHW): {split.parts} of "
             f"{request.threads} thread(s) run it ({split.tasks} blocks of {INT8_DIRECT_PANEL} "
-            f"output positions, at least MIN_FLOPS_PER_THREAD = {_int8_least_flops():,} flops "
-            "a thread)")
+            f"output positions, at least MIN_FLOPS_PER_THREAD = "
+            f"{_int8_least_flops(request.threads):,} flops a thread)")
     if geo.group != 1 or geo.dilations != (1, 1):
         lanes = (native_qgemm.isa() == "avx512-vnni" and int8_depthwise_lanes(oh * ow)
                  and math.prod(geo.kernel) <= INT8_LANES_MAX_TAPS)
@@ -2171,7 +2313,7 @@ def depthwise_scheme(geo: native_window.WindowGeometry, planes: int, threads: in
     ``threads`` (as the call splits them), and why: "flat", "blocked", "strided" or
     "planes"."""
     _, h, w, oh, ow, _, _, sh, sw = (int(v) for v in geo.array[:9])
-    share = -(-planes // max(1, parts(planes, threads, geo.min_chunk)))
+    share = -(-planes // max(1, parts(planes, threads, geo.min_chunk_for(threads))))
     out = oh * ow
     limit = (sizes or caches()).with_l2(DEPTHWISE_BLOCKED_CACHED_BYTES)
     cached = 4 * share * (h * w + out) <= limit
@@ -2410,7 +2552,7 @@ def winograd_transform_parts(planes: int, out_hw: tuple[int, int], output: bool,
     """How many chunks a Winograd transform of ``planes`` planes splits into on up to
     ``threads`` threads (see winograd_plane_floats)."""
     per_plane = winograd_plane_floats(out_hw, output)
-    return max(1, min(threads, planes, planes * per_plane // MIN_CHUNK_FLOATS))
+    return max(1, min(threads, planes, planes * per_plane // least_work(LeastWork.FLOATS, threads)))
 
 
 # Winograd's transforms split by tile rows (every channel of each) where a chunk holds
@@ -2455,7 +2597,7 @@ def winograd_parts(images: int, channels: int, out_hw: tuple[int, int], output: 
     th = -(-out_hw[0] // 2)
     rows = images * th
     per_row = channels * winograd_plane_floats(out_hw, output) // th
-    return max(1, min(threads, rows, rows * per_row // MIN_CHUNK_FLOATS))
+    return max(1, min(threads, rows, rows * per_row // least_work(LeastWork.FLOATS, threads)))
 
 
 def _winograd_scratch(n: int, c: int, m: int, th: int, tw: int, itemsize: int) -> int:
@@ -2562,7 +2704,7 @@ def winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], thre
     flops = 32 * m * c * tiles
     most = min(tiles, budget // (64 * c))
     block = _even_tiles(tiles, most, threads, held,
-                        max(1, min(threads, flops // MIN_FLOPS_PER_THREAD)))
+                        max(1, gemm_threads(threads, flops)))
     if block < 1:
         return WinogradPipeline(0, 0, 0, 0, "pass by pass: " + (
             f"a tile of V does not fit {PIPELINE_L2_SHARE:g} of the L2 "
@@ -2575,7 +2717,7 @@ def winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], thre
     fit = max(1, min(all_panels, int(sizes.l2 * PIPELINE_P_SHARE) // (64 * cols * mr)))
     panels = -(-all_panels // -(-all_panels // fit))     # as even as whole panels allow
     blocks = -(-tiles // block)
-    parts = max(1, min(threads, blocks, flops // MIN_FLOPS_PER_THREAD))
+    parts = max(1, min(blocks, gemm_threads(threads, flops)))
     moved = (min(parts, blocks) if held else blocks) * u_bytes
     chunk = _winograd_chunk(images, 16 * th * tw * max(c, m) * 4, sizes)
     chunks = -(-images // chunk)
@@ -2958,10 +3100,10 @@ def gemm_pass(name: str, batch: int, m: int, n: int, k: int, threads: int,
         wanted = max(1, gemm_threads(threads, flops))
         units = batch * -(-n // tiles[1])
         return Split(f"{name} (column panels)", units, max(1, min(wanted, units)), flops,
-                     MIN_FLOPS_PER_THREAD, product=True)
+                     least_work(LeastWork.FLOPS, wanted), product=True)
     split = gemm_split(batch, m, n, k, threads, tiles, sizes, raw, lanes)
     return Split(f"{name} ({split.rows}x{split.cols} tiles a product)", split.pieces,
-                 split.parts, flops, MIN_FLOPS_PER_THREAD, product=True)
+                 split.parts, flops, least_work(LeastWork.FLOPS, split.parts), product=True)
 
 
 def conv_splits(variant: str, layout: str, chunk: int | None, geo: ConvGeometry,
@@ -2978,7 +3120,8 @@ def conv_splits(variant: str, layout: str, chunk: int | None, geo: ConvGeometry,
     if variant == "depthwise" and layout.startswith("native"):
         taps = math.prod(geo.window.out_spatial) * math.prod(geo.window.kernel)
         planes = geo.batch * geo.in_channels
-        return (chunk_split("planes", planes, threads, planes * taps, MIN_CHUNK_TAPS),)
+        return (chunk_split("planes", planes, threads, planes * taps,
+                            least_work(LeastWork.TAPS, threads)),)
     return ()
 
 
@@ -2990,7 +3133,8 @@ def _winograd_splits(geo: ConvGeometry, chunk: int, threads: int, grid: Any,
     if pipe.tiles:                 # counted in tiles: the last block may be partial
         tiles = geo.batch * -(-out[0] // 2) * -(-out[1] // 2)
         return (Split(f"pipeline ({pipe.blocks} blocks of {pipe.tiles})", tiles,
-                      pipe.threads or pipe.parts, 32 * m * c * tiles, MIN_FLOPS_PER_THREAD,
+                      pipe.threads or pipe.parts, 32 * m * c * tiles,
+                      least_work(LeastWork.FLOPS, threads),
                       largest=pipe.busiest, unit="tile(s)"),)
     k = min(chunk, geo.batch)
     tiles = k * -(-out[0] // 2) * -(-out[1] // 2)
@@ -3003,7 +3147,7 @@ def _winograd_splits(geo: ConvGeometry, chunk: int, threads: int, grid: Any,
         units = k * -(-out[0] // 2) if by_rows else k * channels
         passes.append(Split(f"{name} {'tile rows' if by_rows else 'planes'}", units,
                             winograd_parts(k, channels, hw, output, threads, by_rows), work,
-                            MIN_CHUNK_FLOATS))
+                            least_work(LeastWork.FLOATS, threads)))
     products = gemm_pass("16 products", 16, m, tiles, c, threads, grid,
                          panel_major=not winograd_by_product(c, m, tiles, threads),
                          sizes=sizes, raw=(False, True),
@@ -3022,7 +3166,7 @@ def _native_splits(geo: ConvGeometry, layout: str, threads: int, grid: Any,
         units = n * -(-win.out_spatial[0] // rows)
         flops = 2 * n * geo.out_channels * pixels * cg * taps
         return (Split("bands of output rows", units, max(1, min(threads, units)), flops,
-                      MIN_FLOPS_PER_THREAD),)
+                      least_work(LeastWork.FLOPS, threads)),)
     # Only the direct form reads X as B in place, plain rows: lanes tiles take it; the
     # masked form copies each image's taps for them (masked_lanes).
     lanes = (layout == "direct" and lanes_tiles(batch, mg, columns, cg * taps)) or (
@@ -3034,8 +3178,10 @@ def _native_splits(geo: ConvGeometry, layout: str, threads: int, grid: Any,
     planes = n * geo.in_channels
     work = planes * math.prod(win.in_spatial)
     if wide:                                # X into the wide buffer: one NumPy copy
-        return Split("copy into the wide buffer (NumPy)", 1, 1, work, MIN_COPY_ELEMENTS), product
-    return chunk_split("phase copy planes", planes, threads, work, MIN_CHUNK_FLOATS), product
+        return Split("copy into the wide buffer (NumPy)", 1, 1, work,
+                     least_work(LeastWork.COPY, threads)), product
+    return chunk_split("phase copy planes", planes, threads, work,
+                       least_work(LeastWork.FLOATS, threads)), product
 
 
 @functools.lru_cache(maxsize=512)
@@ -3084,10 +3230,9 @@ def _element_work(request: PlanRequest) -> tuple[int, int, str] | None:
     shapes = request.static_shapes() if request.op in _ELEMENT_THREADS_OPS else None
     if not shapes or shapes[0] is None:
         return None
-    least, name = ((MIN_COPY_ELEMENTS, "MIN_COPY_ELEMENTS") if request.op is Op.TRANSPOSE
-                   else (MIN_SKIP_NORM_ELEMENTS, "MIN_SKIP_NORM_ELEMENTS")
-                   if request.op is Op.SKIP_LAYER_NORM
-                   else (MIN_CHUNK_ELEMENTS, "MIN_CHUNK_ELEMENTS"))
+    work = (LeastWork.COPY if request.op is Op.TRANSPOSE else LeastWork.SKIP_NORM
+            if request.op is Op.SKIP_LAYER_NORM else LeastWork.ELEMENTS)
+    least, name = least_work(work, request.threads or 2), work.constant
     elements = math.prod(shapes[0])
     if request.op is Op.ATTENTION:             # the row kernel's work: scores x (d + dv)
         if len(shapes) < 3 or shapes[1] is None or shapes[2] is None:
@@ -3110,7 +3255,8 @@ def _pool_split(request: PlanRequest, threads: int) -> Split | None:
         if len(shapes[0]) < 3:
             return None
         planes = shapes[0][0] * shapes[0][1]
-        return chunk_split("planes", planes, threads, math.prod(shapes[0]), MIN_CHUNK_TAPS)
+        return chunk_split("planes", planes, threads, math.prod(shapes[0]),
+                           least_work(LeastWork.TAPS, threads))
     if len(shapes[0]) != 4:
         return None
     try:
@@ -3119,7 +3265,8 @@ def _pool_split(request: PlanRequest, threads: int) -> Split | None:
         return None
     planes = shapes[0][0] * shapes[0][1]
     taps = math.prod(win.out_spatial) * math.prod(win.kernel)
-    return chunk_split("planes", planes, threads, planes * taps, MIN_CHUNK_TAPS)
+    return chunk_split("planes", planes, threads, planes * taps,
+                       least_work(LeastWork.TAPS, threads))
 
 
 def split_reason(splits: Sequence[Split], threads: int) -> str:

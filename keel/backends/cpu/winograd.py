@@ -24,7 +24,7 @@ import numpy as np
 from keel import native
 from keel.backends.cpu import native_gemm, planner, workspace
 from keel.backends.cpu.conv_epilogue import Activation, finish
-from keel.backends.cpu.native_window import clip_bounds
+from keel.backends.cpu.native_window import Bound, clip_bounds
 
 __all__ = ["TRANSFORM_G", "conv3x3", "native_conv3x3"]
 
@@ -307,3 +307,20 @@ def _ok(rc: int) -> None:
     if rc != 0:
         raise RuntimeError("native Winograd transform refused its geometry (or a worker "
                            "thread found no memory for its scratch)")
+
+
+def bound_input_transform(planes: int, hw: tuple[int, int]) -> Bound | None:
+    """The compiled input transform of one image of ``planes`` planes of ``hw`` pixels
+    (a 3x3 conv padded by one) on the calling thread, ready to run again: what
+    thread_costs times as the Winograd family's one-thread rate. None without the
+    native tier."""
+    fns = _functions()
+    if fns is None:
+        return None
+    h, w = hw
+    tiles = -(-h // 2) * -(-w // 2)
+    x = np.ones((1, planes, h, w), np.float32)
+    v = np.empty(16 * planes * tiles, np.float32)
+    geo = _geometry(planes, h, w, h, w, 1, 1)
+    return Bound(fns.input, (native.address(x), native.address(v), native.address(geo), 1, 1,
+                             0), (x, v, geo))

@@ -491,6 +491,56 @@ void keel_pool_stop(void)
     atomic_flag_clear_explicit(&pool.busy, memory_order_release);
 }
 
+/* ---- what a dispatch costs (keel.backends.cpu.thread_costs) -------------------------
+ * The round trip of `repeats` jobs of `threads` chunks on `threads` threads, each timed
+ * here (no ctypes call inside the clock), in nanoseconds into out[i]. Each chunk waits
+ * (up to a millisecond) until every chunk has started, so no thread finishes a job
+ * alone: a time is handing the chunks out, every thread in the job at once, and the
+ * caller seeing them done, the least a split over that many threads costs. One untimed
+ * job first starts or wakes the workers, so the times are those of spinning workers, as
+ * between the kernels of a model run. Call it while no other thread runs a job (a busy
+ * pool runs the job inline). A job whose chunks did not all meet within the wait (a
+ * thread descheduled: more threads than free cores) keeps its time, over a millisecond,
+ * for the caller's median to weigh. Returns 0, or -1 when fewer than threads - 1 workers
+ * could be started. */
+typedef struct {
+    _Atomic int64_t started;
+    int64_t parts;
+} meet_job;
+
+static void meet_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
+{
+    meet_job *j = ctx;
+    (void)scratch, (void)lo, (void)hi;
+    atomic_fetch_add(&j->started, 1);
+    int64_t until = now_ns() + 1000000;
+    for (unsigned i = 1; atomic_load(&j->started) < j->parts; i++) {
+        cpu_relax();
+        if ((i & (YIELD_SPINS - 1)) != 0) continue;
+        if (now_ns() > until) return;
+        /* As the pool's own waits do: a worker woken onto this core gets it. */
+        if (atomic_load_explicit(&yielding, memory_order_relaxed)) sched_yield();
+    }
+}
+
+static void meet(int64_t threads)
+{
+    meet_job j = {0, threads};
+    keel_parallel_capped(meet_task, &j, threads, threads, threads, 0);
+}
+
+int64_t keel_pool_time_dispatch(int64_t threads, int64_t repeats, int64_t *out)
+{
+    if (threads < 2) return -1;
+    meet(threads);
+    for (int64_t i = 0; i < repeats; i++) {
+        int64_t t0 = now_ns();
+        meet(threads);
+        out[i] = now_ns() - t0;
+    }
+    return pool.workers < threads - 1 ? -1 : 0;
+}
+
 /* ---- a self-check (tests) -------------------------------------------------------------
  * keel_parallel over [0, n) in `parts` chunks of a task that records, per chunk, its
  * bounds and which thread ran it: out[3c] = lo, out[3c + 1] = hi, out[3c + 2] = 0 on

@@ -1,0 +1,246 @@
+"""The least work a thread per machine (backends/cpu/thread_costs.py, the cpu planner's
+least_work): the declared values where nothing is measured, a real measurement of this
+machine within sane ranges, the derivation rule feeding the splits, the cache file
+(ignored with a reason when damaged or foreign), the plan's note, and results bitwise the
+same across thread counts under measured values."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from keel import config, native
+from keel.backends.cpu import fastmath, thread_costs
+from keel.backends.cpu import native_gemm as ng
+from keel.backends.cpu import planner as cpu_planner
+from keel.backends.cpu.backend import CpuBackend, default_threads
+from keel.errors import InvalidArgumentError
+from keel.native import pool
+
+LeastWork = cpu_planner.LeastWork
+Family = thread_costs.Family
+
+
+@pytest.fixture(autouse=True)
+def _fresh_costs() -> Iterator[None]:
+    """No thread costs kept or remembered from another test, before or after."""
+    def clear() -> None:
+        path = thread_costs.path_here()
+        if path.exists():
+            path.unlink()
+        thread_costs.forget()
+        cpu_planner.forget()
+
+    clear()
+    yield
+    clear()
+
+
+def _mode(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    monkeypatch.setenv("KEEL_THREAD_COSTS", mode)
+    config.reload_settings()
+    thread_costs.forget()
+
+
+def _needs_native() -> None:
+    if not native.available():
+        pytest.skip(f"native tier unavailable: {native.status().reason}")
+
+
+def _costs(dispatch: dict[int, float], rate_scale: float = 1.0) -> thread_costs.ThreadCosts:
+    """Costs as a machine would measure them: ``dispatch`` (us by threads) and every
+    family ``rate_scale`` times the reference rate."""
+    def sample(v: float) -> thread_costs.Sample:
+        return thread_costs.Sample(v, v, v, 9)
+
+    return thread_costs.ThreadCosts(
+        tuple((t, sample(us)) for t, us in sorted(dispatch.items())),
+        tuple((f, sample(cpu_planner.THREAD_COST_REFERENCE_RATES[f] * rate_scale))
+              for f in Family), "a test machine", max(dispatch), 0.1)
+
+
+REF_US = cpu_planner.THREAD_COST_REFERENCE_DISPATCH_US
+
+
+# ---- declared -------------------------------------------------------------------------
+def test_off_gives_the_declared_values_and_the_splits_of_before(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _mode(monkeypatch, "off")
+    assert thread_costs.current().costs is None
+    for work in LeastWork.ALL:
+        for threads in (1, 2, 3, 16):
+            assert cpu_planner.least_work(work, threads) == work.declared
+    least = cpu_planner.MIN_FLOPS_PER_THREAD
+    for threads in (1, 2, 3, 4, 16):
+        for flops in (0, least - 1, least, 2 * least - 1, 2 * least, 5 * least + 7, 99 * least):
+            assert cpu_planner.gemm_threads(threads, flops) == min(threads, flops // least)
+    note = cpu_planner.thread_costs_note(2)
+    assert note.startswith("least work a thread: declared") and "KEEL_THREAD_COSTS=off" in note
+
+
+def test_a_lowered_constant_still_lowers_the_least_work(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The kernels' split tests lower the constants: the declared value is read when asked.
+    monkeypatch.setattr(cpu_planner, "MIN_CHUNK_TAPS", 1)
+    assert cpu_planner.least_work(LeastWork.TAPS, 16) == 1
+
+
+def test_auto_measures_only_on_more_than_two_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    _needs_native()
+    _mode(monkeypatch, "auto")
+    source = thread_costs.current()
+    if default_threads() <= 2:
+        assert source.costs is None
+        assert f"{default_threads()} usable cores" in source.reason
+        assert not thread_costs.path_here().exists()
+    else:
+        assert source.costs is not None and thread_costs.path_here().exists()
+
+
+def test_a_bad_setting_is_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match="KEEL_THREAD_COSTS='sometimes'"):
+        config.Settings.from_env({"KEEL_THREAD_COSTS": "sometimes"})
+
+
+# ---- a real measurement ------------------------------------------------------------------
+def test_the_pool_times_its_dispatch() -> None:
+    _needs_native()
+    times = pool.dispatch_times(2, 20)
+    assert times is not None and len(times) == 20
+    assert all(0 < t < 1_000_000_000 for t in times)
+    assert pool.dispatch_times(1, 5) is None             # no split on one thread
+
+
+def test_a_measurement_here_is_sane_kept_and_read_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    _needs_native()
+    _mode(monkeypatch, "on")
+    source = thread_costs.current()
+    costs = source.costs
+    assert costs is not None, source.reason
+    assert "measured on this machine just now" in source.reason
+    assert [t for t, _ in costs.dispatch_us] == sorted(
+        {t for t in (2, 4, 8, default_threads()) if 2 <= t <= default_threads()})
+    for _, s in costs.dispatch_us:
+        assert 0.01 < s.low <= s.median <= s.high < 20_000 and s.count >= 9
+    sane = {Family.GEMM: (1, 10_000), Family.WINDOW: (0.1, 1_000),
+            Family.FASTMATH: (0.01, 100), Family.COPY: (0.01, 100),
+            Family.WINOGRAD: (0.01, 1_000)}
+    for family, (lo, hi) in sane.items():
+        assert lo < costs.rate(family) < hi, (family, costs.rate(family))
+    assert costs.seconds < 5
+    for work in LeastWork.ALL:
+        value = cpu_planner.least_work(work, 2)
+        limit = cpu_planner.THREAD_COST_SCALE_LIMIT
+        assert work.declared / limit - 1 <= value <= work.declared * limit + 1
+        assert value == max(1, round(work.declared * cpu_planner.cost_scale(
+            costs, work.family, 2)))
+    thread_costs.forget()                    # another process: read from the file
+    again = thread_costs.current()
+    assert again.costs == costs and again.reason.startswith("measured on this machine (loaded")
+    note = cpu_planner.thread_costs_note(2)
+    assert "dispatch" in note and "us on 2 threads" in note and "flops/ns" in note
+
+
+# ---- the rule, on given costs ------------------------------------------------------------
+def test_the_rule_scales_the_declared_value_and_feeds_the_splits(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _mode(monkeypatch, "auto")
+    # A pool twice as slow to dispatch on 2 threads, four times on 4, rates as here.
+    thread_costs.save(_costs({2: 2 * REF_US, 4: 4 * REF_US}))
+    thread_costs.forget()
+    least = cpu_planner.MIN_FLOPS_PER_THREAD
+    assert cpu_planner.least_work(LeastWork.FLOPS, 2) == 2 * least
+    assert cpu_planner.least_work(LeastWork.FLOPS, 3) == 4 * least   # the next point up
+    assert cpu_planner.least_work(LeastWork.FLOPS, 16) == 4 * least  # the widest measured
+    assert cpu_planner.gemm_threads(2, 3 * least) == 1               # declared: 2
+    assert cpu_planner.gemm_threads(4, 5 * least) == 2               # declared: 4
+    assert cpu_planner.gemm_threads(4, 16 * least) == 4
+    split = cpu_planner.gemm_split(1, 1, 512, 784, 2)
+    assert split.parts == 1 and f"under {2 * least:,}" in split.reason
+    table = cpu_planner.least_work_table(4)
+    assert table["least_work"]["MIN_FLOPS_PER_THREAD"]["4 threads"] == 4 * least
+
+
+def test_faster_cores_ask_more_work_and_the_scale_is_held(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _mode(monkeypatch, "auto")
+    thread_costs.save(_costs({2: REF_US}, rate_scale=3.0))
+    thread_costs.forget()
+    for work in LeastWork.ALL:
+        assert cpu_planner.least_work(work, 2) == round(3 * work.declared)
+    thread_costs.save(_costs({2: 1000 * REF_US}))          # a clock gone wrong
+    thread_costs.forget()
+    assert cpu_planner.least_work(LeastWork.TAPS, 2) == round(
+        cpu_planner.THREAD_COST_SCALE_LIMIT * cpu_planner.MIN_CHUNK_TAPS)
+
+
+def _write(text: str) -> None:
+    path = thread_costs.path_here()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    thread_costs.forget()
+
+
+def test_a_damaged_or_foreign_file_is_ignored_with_a_reason(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _mode(monkeypatch, "auto")
+    _write("{ not json")
+    assert thread_costs.load() == (None, thread_costs.load()[1])
+    assert "unreadable" in thread_costs.load()[1]
+    path = thread_costs.save(_costs({2: REF_US}))
+    good = json.loads(path.read_text())
+    cases = {"another machine": {**good, "fingerprint": {"cpu": "elsewhere"}},
+             "this is keel": {**good, "keel": "0.0.0"},
+             "not a keel thread-costs file": {**good, "format": "something"},
+             "damaged": {**good, "costs": {**good["costs"], "rates_per_ns": {}}}}
+    for why, data in cases.items():
+        _write(json.dumps(data))
+        costs, reason = thread_costs.load()
+        assert costs is None and why in reason and str(path) in reason
+        source = thread_costs.current()
+        if default_threads() <= 2:              # not measured again here: the reason says why
+            assert source.costs is None and why in source.reason
+    _write(json.dumps(good))
+    assert thread_costs.current().costs == _costs({2: REF_US})
+
+
+def test_the_plan_notes_say_where_the_least_work_comes_from(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _mode(monkeypatch, "auto")
+    notes = CpuBackend(threads=2).plan_notes()
+    assert any(n.startswith("least work a thread: ") for n in notes)
+    thread_costs.save(_costs({2: 2 * REF_US}))
+    thread_costs.forget()
+    note = next(n for n in CpuBackend(threads=2).plan_notes() if n.startswith("least work"))
+    assert "measured on this machine" in note
+    assert f"{2 * cpu_planner.MIN_FLOPS_PER_THREAD:,} flops" in note
+
+
+# ---- the same bits whatever the split -----------------------------------------------------
+def test_results_do_not_depend_on_the_split_under_measured_costs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _needs_native()
+    _mode(monkeypatch, "auto")
+    # A pool 16 times cheaper than here: the least work a sixteenth, so small calls split.
+    thread_costs.save(_costs({2: REF_US / 16}))
+    thread_costs.forget()
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((37, 300), dtype=np.float32)
+    b = rng.standard_normal((300, 129), dtype=np.float32)
+    x = rng.standard_normal(50_001, dtype=np.float32)
+    products, gelus = [], []
+    for threads in (1, 2, 3, 16):
+        c = np.empty((37, 129), np.float32)
+        assert ng.gemm(a, b, c, threads=threads)
+        products.append(c)
+        y = np.empty_like(x)
+        assert fastmath.unary("gelu", x, y, threads=threads)
+        gelus.append(y)
+    assert cpu_planner.gemm_threads(16, 2 * 37 * 300 * 129) > 2
+    for got in products[1:]:
+        np.testing.assert_array_equal(got, products[0])
+    for got in gelus[1:]:
+        np.testing.assert_array_equal(got, gelus[0])

@@ -15,6 +15,7 @@ from keel.backends.cpu import planner as cpu_planner
 from keel.backends.cpu.backend import CpuBackend
 from keel.backends.plan import NodePlan
 from keel.dtypes import DType
+from keel.hardware.fakes import fake_profile
 from keel.ops.registry import Op
 from keel.ops.schema import get_schema
 from keel.ops.types import TensorType
@@ -22,10 +23,11 @@ from keel.ops.types import TensorType
 F32 = DType.FLOAT32
 
 
-def _plan(op: Op, *shapes: tuple[int, ...], threads: int = 2, **attrs: Any) -> NodePlan:
+def _plan(op: Op, *shapes: tuple[int, ...], threads: int = 2, profile: Any = None,
+          **attrs: Any) -> NodePlan:
     backend = CpuBackend(threads=threads)
     full = dict(get_schema(op).normalize_attrs(attrs))
-    return backend.plan_node(op, [TensorType(F32, s) for s in shapes], full)
+    return backend.plan_node(op, [TensorType(F32, s) for s in shapes], full, profile=profile)
 
 
 @pytest.mark.parametrize(("a", "b", "want"), [((1, 784), (784, 512), 2), ((1, 16), (16, 16), 1),
@@ -62,9 +64,13 @@ def test_other_nodes_keep_the_backends_threads() -> None:
 ])
 def test_blocked_kernels_get_their_block_in_the_plan(
         op: Op, shapes: tuple[tuple[int, ...], ...], name: str) -> None:
-    plan = _plan(op, *shapes)
+    """Planned for a Xeon Gold 6230 (1 MiB L2, the L2 the blocks were measured on), the
+    block is the measured one, the size a kernel runs with when it has no plan (blocks
+    that scale with other caches: tests/backends/test_plan_caches.py)."""
+    plan = _plan(op, *shapes, profile=fake_profile("container-v1-2core-1gib"))
     assert plan.option(name) == cpu_planner.BLOCKS[name]
     assert plan.reason(name).startswith(f"{name} {cpu_planner.BLOCKS[name]}: ")
+    assert "Xeon(R) Gold 6230 CPU @ 2.10GHz: L2 1024 KiB" in plan.reason(name)
     assert plan.to_dict()["options"][name] == cpu_planner.BLOCKS[name]
     assert cpu_planner.block(plan, name) == cpu_planner.block(None, name)
 

@@ -645,10 +645,12 @@ int64_t keel_gemm_workspace_f32(void)
 }
 
 #if defined(__AVX__)
-/* Eight rows (rs floats apart) of eight depth steps each, transposed: dst[p * 8 + r] =
+/* Eight rows (rs floats apart) of eight depth steps each, transposed: dst[p * ds + r] =
  * src[r * rs + p]. Packing a raw A (a MatMul's activations) element by element took
- * 5 us of a 32 x 784 x 512 product's 113 (thread CPU time, the 2-core Zen 5). */
-static inline void transpose8(const float *src, int64_t rs, float *dst)
+ * 5 us of a 32 x 784 x 512 product's 113 (thread CPU time, the 2-core Zen 5); a
+ * transposed raw B (attention's Kᵀ, ds = NR) 12 us of 4 x 128 x 128 x 64's 60 (the
+ * 2-core Xeon, under load). */
+static inline void transpose8(const float *src, int64_t rs, float *dst, int64_t ds)
 {
     __m256 r0 = _mm256_loadu_ps(src), r1 = _mm256_loadu_ps(src + rs);
     __m256 r2 = _mm256_loadu_ps(src + 2 * rs), r3 = _mm256_loadu_ps(src + 3 * rs);
@@ -667,13 +669,13 @@ static inline void transpose8(const float *src, int64_t rs, float *dst)
     __m256 s6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
     __m256 s7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
     _mm256_storeu_ps(dst, _mm256_permute2f128_ps(s0, s4, 0x20));
-    _mm256_storeu_ps(dst + 8, _mm256_permute2f128_ps(s1, s5, 0x20));
-    _mm256_storeu_ps(dst + 16, _mm256_permute2f128_ps(s2, s6, 0x20));
-    _mm256_storeu_ps(dst + 24, _mm256_permute2f128_ps(s3, s7, 0x20));
-    _mm256_storeu_ps(dst + 32, _mm256_permute2f128_ps(s0, s4, 0x31));
-    _mm256_storeu_ps(dst + 40, _mm256_permute2f128_ps(s1, s5, 0x31));
-    _mm256_storeu_ps(dst + 48, _mm256_permute2f128_ps(s2, s6, 0x31));
-    _mm256_storeu_ps(dst + 56, _mm256_permute2f128_ps(s3, s7, 0x31));
+    _mm256_storeu_ps(dst + ds, _mm256_permute2f128_ps(s1, s5, 0x20));
+    _mm256_storeu_ps(dst + 2 * ds, _mm256_permute2f128_ps(s2, s6, 0x20));
+    _mm256_storeu_ps(dst + 3 * ds, _mm256_permute2f128_ps(s3, s7, 0x20));
+    _mm256_storeu_ps(dst + 4 * ds, _mm256_permute2f128_ps(s0, s4, 0x31));
+    _mm256_storeu_ps(dst + 5 * ds, _mm256_permute2f128_ps(s1, s5, 0x31));
+    _mm256_storeu_ps(dst + 6 * ds, _mm256_permute2f128_ps(s2, s6, 0x31));
+    _mm256_storeu_ps(dst + 7 * ds, _mm256_permute2f128_ps(s3, s7, 0x31));
 }
 #endif
 
@@ -698,12 +700,14 @@ static void pack_block(const float *src, int64_t rs, int64_t ks, const int64_t *
         return;
     }
 #if defined(__AVX__)
-    if (ks == 1 && width == 8 && w == 8) { /* eight whole rows along the depth */
-        const float *s0 = src + r0 * rs + p0;
-        int64_t p = 0;
-        for (; p + 8 <= kc; p += 8) transpose8(s0 + p, rs, dst + p * 8);
-        for (; p < kc; p++)
-            for (int r = 0; r < 8; r++) dst[p * 8 + r] = s0[r * rs + p];
+    if (ks == 1 && width % 8 == 0 && w == width) { /* whole rows along the depth */
+        for (int64_t r8 = 0; r8 < width; r8 += 8) {
+            const float *s0 = src + (r0 + r8) * rs + p0;
+            int64_t p = 0;
+            for (; p + 8 <= kc; p += 8) transpose8(s0 + p, rs, dst + p * width + r8, width);
+            for (; p < kc; p++)
+                for (int r = 0; r < 8; r++) dst[p * width + r8 + r] = s0[r * rs + p];
+        }
         return;
     }
 #endif

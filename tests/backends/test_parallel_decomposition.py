@@ -187,35 +187,71 @@ def test_attention_splits_over_heads_with_the_same_bits_on_every_thread_count(
     want = np.asarray(ReferenceBackend().run(Op.ATTENTION, inputs, attrs=attrs)[0])
     one = _attention(inputs, 1, **attrs)
     np.testing.assert_allclose(one, want, rtol=1e-5, atol=2e-6)
-    for threads in (2, 3, 4):
+    for threads in (2, 3, 4, 16):
         assert np.array_equal(_attention(inputs, threads, **attrs), one)
 
 
+@pytest.mark.parametrize("batch", [(2, 3), (1, 2)])
 @pytest.mark.parametrize("mask", ["", "additive", "bool", "causal"])
-def test_attention_takes_whole_heads_per_thread_with_the_bits_of_the_steps(mask: str) -> None:
-    """Each thread runs its heads through the products and the softmax in its own scratch
-    (gemm.c's keel_attention_f32): the same bits on 1, 2 and 3 threads, and those of the
-    products and softmax run step by step over blocks of heads."""
+def test_attention_takes_whole_heads_per_thread_with_the_bits_of_the_steps(
+        mask: str, batch: tuple[int, int]) -> None:
+    """Each thread runs its heads, or blocks of their query rows where the heads are
+    fewer than the threads, through the products and the softmax in its own scratch
+    (gemm.c's keel_attention_f32): the same bits on 1, 2, 3 and 16 threads, and those of
+    the products and softmax run step by step over blocks of heads."""
     from keel.backends.cpu import matmul
 
     rng = np.random.default_rng(5)
-    batch, s, t = (2, 3), 33, 70
+    s, t = 33, 70
     q, k, v = _rand(rng, *batch, s, 16), _rand(rng, *batch, t, 16), _rand(rng, *batch, t, 24)
     m = {"": None, "causal": None,
-         "additive": np.where(rng.random((2, 1, 1, t)) < 0.3, -1e4, 0).astype(np.float32),
-         "bool": rng.random((2, 3, s, t)) < 0.7}[mask]
+         "additive": np.where(rng.random((batch[0], 1, 1, t)) < 0.3, -1e4, 0).astype(
+             np.float32),
+         "bool": rng.random((*batch, s, t)) < 0.7}[mask]
     causal = mask == "causal"
-    q3, k3, v3 = (a.reshape(6, *a.shape[2:]) for a in (q, k, v))
-    steps = np.empty((6, s, 24), np.float32)
+    heads = batch[0] * batch[1]
+    q3, k3, v3 = (a.reshape(heads, *a.shape[2:]) for a in (q, k, v))
+    steps = np.empty((heads, s, 24), np.float32)
     matmul._attention_steps(q3, k3, v3, m, steps, batch, 0.25, causal, 65536, 2)
-    for threads in (1, 2, 3):
-        y = np.full((6, s, 24), np.nan, np.float32)
+    for threads in (1, 2, 3, 16):
+        y = np.full((heads, s, 24), np.nan, np.float32)
         assert matmul._attention_whole_heads(q3, k3, v3, m, y, batch, 0.25, causal, threads)
         assert np.array_equal(y, steps, equal_nan=True)
     want = np.asarray(ReferenceBackend().run(
         Op.ATTENTION, [q, k, v] if m is None else [q, k, v, m],
         attrs={"scale": 0.25, "is_causal": causal})[0])
     np.testing.assert_allclose(steps.reshape(want.shape), want, rtol=1e-5, atol=2e-6)
+
+
+def test_attention_cuts_rows_only_where_the_heads_are_fewer_than_the_threads() -> None:
+    rows = cpu_planner.tile_grid()[0] if cpu_planner.tile_grid() else 4
+    assert cpu_planner.attention_split(128, 128, 16) == (1, 16)     # BERT-mini, batch 32
+    assert cpu_planner.attention_split(4, 128, 2) == (1, 2)
+    assert cpu_planner.attention_split(4, 128, 16) == (4, 16)       # batch 1: 4 x 4 blocks
+    assert cpu_planner.attention_split(3, 128, 16) == (6, 16)
+    assert cpu_planner.attention_split(1, rows, 16) == (1, 1)       # one row panel
+    assert "query rows" in cpu_planner.attention_split_reason(4, 128, 16)
+    assert "query rows" not in cpu_planner.attention_split_reason(4, 128, 4)
+
+
+def test_a_bound_native_attention_gives_the_kernels_bits() -> None:
+    """A program step binds the native attention once (its calls prepared on the step's
+    arrays); each run gives the bits of the kernel's own call, on 1, 2 and 16 threads."""
+    rng = np.random.default_rng(6)
+    q, k, v = _rand(rng, 1, 3, 40, 16), _rand(rng, 1, 3, 40, 16), _rand(rng, 1, 3, 40, 8)
+    full = dict(get_schema(Op.ATTENTION).normalize_attrs({}))
+    attention = TABLE.get(Op.ATTENTION)
+    assert attention.bind is not None
+    for threads in (1, 2, 16):
+        want = _attention([q, k, v], threads)
+        y = np.full(want.shape, np.nan, np.float32)
+        ctx = KernelContext(np, "cpu", "cpu", threads, None)
+        run = attention.bind(ctx, [q, k, v], full, [y])
+        assert run is not None
+        for _ in range(2):
+            q[...] = _rand(rng, 1, 3, 40, 16)       # new values in the same arrays
+            run()
+            assert np.array_equal(y, _attention([q, k, v], threads))
 
 
 def test_attention_heads_per_block_grow_with_the_threads() -> None:

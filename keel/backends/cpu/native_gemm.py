@@ -691,7 +691,7 @@ def band_rows(channels: int, kernel: tuple[int, ...], out: tuple[int, ...]) -> i
     return int(f.band_rows(_BAND_ARGS.pack(*values)))
 
 
-# ---- fused attention, whole heads per thread (gemm.c's keel_attention_f32) -------------
+# ---- fused attention, whole heads or row blocks per thread (gemm.c's keel_attention_f32)
 _ATTENTION_ARGS = struct.Struct("<12q")
 
 
@@ -715,29 +715,57 @@ def _attention_functions(lib: native.NativeLibrary) -> _AttentionFunctions:
         scratch=lib.function("keel_attention_scratch_f32", [ctypes.c_char_p], _I64))
 
 
-def attention(qk: Call, pv: Call, s: int, t: int, mask: Any, layout: tuple[int, int, int, int],
-              causal: bool, softmax: tuple[int, int], threads: int) -> bool:
-    """softmax(scores + mask) V for every head, each head whole on one of up to ``threads``
-    threads (its scores in that thread's scratch). ``qk``: the prepared scale * Q Kᵀ of
-    every head (its C is rebound per thread), ``pv``: P V into Y, its A the scores;
-    ``mask`` a float32 array read at ``layout`` (fastmath.mask_layout) or None;
-    ``softmax`` (the address of fastmath's keel_softmax_f32, its mode). False when the
-    native tier is not loaded (nothing written)."""
+class AttentionCall:
+    """One prepared :func:`prepare_attention`: the kernel's arguments packed once, ready
+    to run again while the arrays it was prepared on live (a program step's bound
+    call)."""
+
+    __slots__ = ("args", "fns", "keep", "parts", "pv", "qk", "units")
+
+    def __init__(self, fns: _AttentionFunctions, qk: Call, pv: Call, args: bytes, units: int,
+                 parts: int, keep: object) -> None:
+        self.fns, self.qk, self.pv, self.args = fns, qk, pv, args
+        self.units, self.parts, self.keep = units, parts, keep
+
+    def run(self) -> None:
+        if self.parts > 1:
+            _checked(self.fns.mt, self.qk.args, self.pv.args, self.args, self.parts)
+            return
+        floats = int(self.fns.scratch(self.args))
+        held = getattr(_local, "attention", None)
+        if held is None or held.size < floats:
+            held = _local.attention = _aligned(floats)
+        self.fns.serial(self.qk.args, self.pv.args, self.args, native.address(held), 0,
+                        self.units)
+
+
+def prepare_attention(qk: Call, pv: Call, s: int, t: int, mask: Any,
+                      layout: tuple[int, int, int, int], causal: bool,
+                      softmax: tuple[int, int], split: tuple[int, int]) -> AttentionCall | None:
+    """softmax(scores + mask) V for every head, each head's rows in ``split`` = (row
+    blocks a head, parts) (the planner's attention_split): whole blocks of rows on one
+    of ``parts`` threads, their scores in that thread's scratch. ``qk``: the prepared
+    scale * Q Kᵀ of every head (its C is rebound per thread), ``pv``: P V into Y, its A
+    the scores; ``mask`` a float32 array read at ``layout`` (fastmath.mask_layout) or
+    None; ``softmax`` (the address of fastmath's keel_softmax_f32, its mode). None when
+    the native tier is not loaded."""
     lib = native.library("gemm")
     if lib is None:
-        return False
+        return None
     fns = _attention_functions(lib)
-    heads = qk.batch
+    heads, (blocks, parts) = qk.batch, split
     inner, mb, mh, ms = layout
     args = _ATTENTION_ARGS.pack(s, t, 0 if mask is None else native.address(mask), inner,
-                                mb, mh, ms, int(causal), softmax[0], softmax[1], heads, 0)
-    parts = max(1, min(threads, heads))
-    if parts > 1:
-        _checked(fns.mt, qk.args, pv.args, args, parts)
-        return True
-    floats = int(fns.scratch(args))
-    held = getattr(_local, "attention", None)
-    if held is None or held.size < floats:
-        held = _local.attention = _aligned(floats)
-    fns.serial(qk.args, pv.args, args, native.address(held), 0, heads)
+                                mb, mh, ms, int(causal), softmax[0], softmax[1], heads, blocks)
+    return AttentionCall(fns, qk, pv, args, heads * blocks, parts, mask)
+
+
+def attention(qk: Call, pv: Call, s: int, t: int, mask: Any, layout: tuple[int, int, int, int],
+              causal: bool, softmax: tuple[int, int], split: tuple[int, int]) -> bool:
+    """:func:`prepare_attention`'s call, run once. False when the native tier is not
+    loaded (nothing written)."""
+    call = prepare_attention(qk, pv, s, t, mask, layout, causal, softmax, split)
+    if call is None:
+        return False
+    call.run()
     return True

@@ -1603,6 +1603,32 @@ def attention_native(scores_per_head: int) -> bool:
     return scores_per_head >= ATTENTION_NATIVE_MIN_SCORES
 
 
+def attention_split(heads: int, queries: int, threads: int,
+                    grid: Any = None) -> tuple[int, int]:
+    """(row blocks a head, parts) of the native attention on ``threads`` threads: whole
+    heads where there are at least as many as threads; else each head's query rows cut
+    into blocks of whole row panels of the GEMM's tile (``grid``), enough for every
+    thread (BERT-mini at batch 1 has 4 heads for 16 threads). A block packs its head's
+    K and V again, so heads are cut no finer than the threads need. Any split gives the
+    same bits (gemm.c's keel_attention_f32)."""
+    threads, heads = max(1, threads), max(1, heads)
+    if heads >= threads:
+        return 1, threads
+    panels = -(-queries // (_grid(_HERE if grid is None else grid) or _TILES["scalar"])[0])
+    blocks = max(1, min(-(-threads // heads), panels))
+    return blocks, min(threads, heads * blocks)
+
+
+def attention_split_reason(heads: int, queries: int, threads: int, grid: Any = None) -> str:
+    """The native attention's split, for its plan's reasons."""
+    blocks, parts = attention_split(heads, queries, threads, grid)
+    if blocks == 1:
+        return f"attention split over batch x heads: {heads} head(s) in {parts} part(s)"
+    return (f"attention split over batch x heads x query rows: {heads} head(s) of "
+            f"{queries} rows, each in {blocks} row blocks, in {parts} part(s) (fewer heads "
+            f"than {threads} threads)")
+
+
 def attention_heads(block_elements: int, scores_per_head: int, heads: int,
                     threads: int) -> int:
     """Heads per block of the native attention: a block of ``block_elements`` scores
@@ -1809,7 +1835,8 @@ def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:
     if sized is not None:
         threads, threads_why = sized
     split = _conv_split_reason(request, dispatched or variant, form) or (
-        int8_split_reason(request, form.layout) if variant == "int8" else "")
+        int8_split_reason(request, form.layout) if variant == "int8" else "") or (
+        _attention_split_note(request, threads))
     if split:
         threads_why = f"{threads_why}; {split}"
     return NodePlan(
@@ -3213,7 +3240,7 @@ def node_splits(op: Op, input_types: Sequence[TensorType | None], attrs: Mapping
     if product is not None:
         m, k, n = product
         return (gemm_pass("product", 1, m, n, k, threads, grid, sizes=caches(profile)),)
-    pool = _pool_split(request, threads)
+    pool = _pool_split(request, threads) or _attention_pass(request, node_plan.threads or 1)
     if pool is not None:
         return (pool,)
     found = _element_work(request)
@@ -3222,6 +3249,37 @@ def node_splits(op: Op, input_types: Sequence[TensorType | None], attrs: Mapping
     elements, least, _ = found
     pieces = node_plan.threads or 1
     return (Split("elements", elements, max(1, min(pieces, elements)), elements, least),)
+
+
+def _native_heads(request: PlanRequest) -> tuple[int, int] | None:
+    """(heads, query rows a head) of a fused attention the native GEMM path runs (static
+    shapes, the same batch dimensions, heads past the row kernel's rule); else None."""
+    shapes = request.static_shapes() if request.op is Op.ATTENTION else None
+    if not shapes or len(shapes) < 3:
+        return None
+    q, k = shapes[0], shapes[1]
+    if (q is None or k is None or shapes[2] is None or len(q) < 3 or k[:-2] != q[:-2]
+            or attention_rows(q[-2], k[-2])):
+        return None
+    return math.prod(q[:-2]), q[-2]
+
+
+def _attention_split_note(request: PlanRequest, threads: int | None) -> str:
+    found = _native_heads(request)
+    return "" if found is None else attention_split_reason(*found, threads or 1)
+
+
+def _attention_pass(request: PlanRequest, threads: int) -> Split | None:
+    """The native attention's one pass (heads x row blocks, attention_split)."""
+    found = _native_heads(request)
+    if found is None:
+        return None
+    heads, queries = found
+    blocks, parts = attention_split(heads, queries, threads)
+    work = _element_work(request)
+    elements = work[0] if work is not None else heads * queries
+    return Split("heads x row blocks", heads * blocks, max(1, min(parts, heads * blocks)),
+                 elements, work[1] if work is not None else 1)
 
 
 def _element_work(request: PlanRequest) -> tuple[int, int, str] | None:

@@ -645,10 +645,12 @@ int64_t keel_gemm_workspace_f32(void)
 }
 
 #if defined(__AVX__)
-/* Eight rows (rs floats apart) of eight depth steps each, transposed: dst[p * 8 + r] =
+/* Eight rows (rs floats apart) of eight depth steps each, transposed: dst[p * ds + r] =
  * src[r * rs + p]. Packing a raw A (a MatMul's activations) element by element took
- * 5 us of a 32 x 784 x 512 product's 113 (thread CPU time, the 2-core Zen 5). */
-static inline void transpose8(const float *src, int64_t rs, float *dst)
+ * 5 us of a 32 x 784 x 512 product's 113 (thread CPU time, the 2-core Zen 5); a
+ * transposed raw B (attention's Kᵀ, ds = NR) 12 us of 4 x 128 x 128 x 64's 60 (the
+ * 2-core Xeon, under load). */
+static inline void transpose8(const float *src, int64_t rs, float *dst, int64_t ds)
 {
     __m256 r0 = _mm256_loadu_ps(src), r1 = _mm256_loadu_ps(src + rs);
     __m256 r2 = _mm256_loadu_ps(src + 2 * rs), r3 = _mm256_loadu_ps(src + 3 * rs);
@@ -667,13 +669,13 @@ static inline void transpose8(const float *src, int64_t rs, float *dst)
     __m256 s6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
     __m256 s7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
     _mm256_storeu_ps(dst, _mm256_permute2f128_ps(s0, s4, 0x20));
-    _mm256_storeu_ps(dst + 8, _mm256_permute2f128_ps(s1, s5, 0x20));
-    _mm256_storeu_ps(dst + 16, _mm256_permute2f128_ps(s2, s6, 0x20));
-    _mm256_storeu_ps(dst + 24, _mm256_permute2f128_ps(s3, s7, 0x20));
-    _mm256_storeu_ps(dst + 32, _mm256_permute2f128_ps(s0, s4, 0x31));
-    _mm256_storeu_ps(dst + 40, _mm256_permute2f128_ps(s1, s5, 0x31));
-    _mm256_storeu_ps(dst + 48, _mm256_permute2f128_ps(s2, s6, 0x31));
-    _mm256_storeu_ps(dst + 56, _mm256_permute2f128_ps(s3, s7, 0x31));
+    _mm256_storeu_ps(dst + ds, _mm256_permute2f128_ps(s1, s5, 0x20));
+    _mm256_storeu_ps(dst + 2 * ds, _mm256_permute2f128_ps(s2, s6, 0x20));
+    _mm256_storeu_ps(dst + 3 * ds, _mm256_permute2f128_ps(s3, s7, 0x20));
+    _mm256_storeu_ps(dst + 4 * ds, _mm256_permute2f128_ps(s0, s4, 0x31));
+    _mm256_storeu_ps(dst + 5 * ds, _mm256_permute2f128_ps(s1, s5, 0x31));
+    _mm256_storeu_ps(dst + 6 * ds, _mm256_permute2f128_ps(s2, s6, 0x31));
+    _mm256_storeu_ps(dst + 7 * ds, _mm256_permute2f128_ps(s3, s7, 0x31));
 }
 #endif
 
@@ -698,12 +700,14 @@ static void pack_block(const float *src, int64_t rs, int64_t ks, const int64_t *
         return;
     }
 #if defined(__AVX__)
-    if (ks == 1 && width == 8 && w == 8) { /* eight whole rows along the depth */
-        const float *s0 = src + r0 * rs + p0;
-        int64_t p = 0;
-        for (; p + 8 <= kc; p += 8) transpose8(s0 + p, rs, dst + p * 8);
-        for (; p < kc; p++)
-            for (int r = 0; r < 8; r++) dst[p * 8 + r] = s0[r * rs + p];
+    if (ks == 1 && width % 8 == 0 && w == width) { /* whole rows along the depth */
+        for (int64_t r8 = 0; r8 < width; r8 += 8) {
+            const float *s0 = src + (r0 + r8) * rs + p0;
+            int64_t p = 0;
+            for (; p + 8 <= kc; p += 8) transpose8(s0 + p, rs, dst + p * width + r8, width);
+            for (; p < kc; p++)
+                for (int r = 0; r < 8; r++) dst[p * width + r8 + r] = s0[r * rs + p];
+        }
         return;
     }
 #endif
@@ -2157,16 +2161,20 @@ int64_t keel_conv_band_mt_f32(const keel_conv_band_args *g, int64_t units, int64
     return run_parts(band_task, (void *)g, units, parts, keel_conv_band_workspace_f32(g));
 }
 
-/* ---- fused attention, whole heads per thread ------------------------------------------
+/* ---- fused attention, whole heads (or blocks of their rows) per thread -----------------
  *
- * softmax(scale * Q Kᵀ + mask) V for a batch of heads, each head taken whole by one
- * thread through every step: its scores (S x T) = scale * Q Kᵀ on the GEMM into the
- * thread's own scratch, the causal mask and the mask added, a row softmax (fastmath's
- * keel_softmax_f32, whose address Python hands in: the same rows as its own calls),
- * then Y = P V. The products are the prepared arguments `qk` and `pv` of every head
- * (product h is head h); their scores operand is rebound here to the thread's
- * scratch. A head is computed by the same instructions whatever the split: the same
- * bits on any thread count, and those of the products and softmax run step by step.
+ * softmax(scale * Q Kᵀ + mask) V for a batch of heads, each block of a head's query
+ * rows taken whole by one thread through every step: its scores = scale * Q Kᵀ on the
+ * GEMM into the thread's own scratch, the causal mask and the mask added, a row softmax
+ * (fastmath's keel_softmax_f32, whose address Python hands in: the same rows as its own
+ * calls), then Y = P V. A head's rows are cut into `blocks` blocks of whole row panels
+ * (the planner's choice: more than one only where the heads are fewer than the
+ * threads); unit u is block u % blocks of head u / blocks. The products are the
+ * prepared arguments `qk` and `pv` of every head (product h is head h); their scores
+ * operand is rebound here to the thread's scratch. A query row is computed by the same
+ * instructions whatever the split (the GEMM's rows do not depend on the panels run
+ * with them): the same bits on any thread count and any number of blocks, and those
+ * of the products and softmax run step by step.
  */
 typedef void (*keel_rows_fn)(const float *x, float *y, int64_t n, int64_t lo, int64_t hi,
                              int32_t mode);
@@ -2178,7 +2186,7 @@ typedef struct {
                                          element strides of outer heads, inner heads, rows */
     int64_t causal;                   /* 1: key j > query i is hidden */
     int64_t softmax, mode;            /* keel_softmax_f32's address and its mode */
-    int64_t heads, reserved;
+    int64_t heads, blocks;            /* blocks: row blocks a head (0 or 1: whole heads) */
 } keel_attention_args;
 
 int64_t keel_attention_args_size(void) { return (int64_t)sizeof(keel_attention_args); }
@@ -2197,40 +2205,49 @@ int64_t keel_attention_scratch_f32(const keel_attention_args *at)
     return attention_work() + at->s * at->t;
 }
 
-static void attention_head(const attention_job *j, float *work, float *scores, int64_t h)
+/* Row panels [p_lo, p_hi) of head h (rows [p_lo * MR, p_hi * MR) clipped to s). */
+static void attention_rows(const attention_job *j, float *work, float *scores, int64_t h,
+                           int64_t p_lo, int64_t p_hi)
 {
     const keel_attention_args *at = j->at;
-    int64_t s = at->s, t = at->t;
+    int64_t s = at->s, t = at->t, mp = (s + MR - 1) / MR;
+    int64_t r_lo = p_lo * MR, r_hi = p_hi * MR < s ? p_hi * MR : s;
     keel_gemm_args qk = *j->qk, pv = *j->pv;
     qk.c = (int64_t)(intptr_t)scores;
     qk.ldc = t;
     qk.c_bs = 0;
-    int64_t qp = (qk.n + NR - 1) / NR, vp = (pv.n + NR - 1) / NR;
-    keel_gemm_f32(&qk, work, 0, h * qp, (h + 1) * qp);
+    keel_gemm_f32(&qk, work, 1, h * mp + p_lo, h * mp + p_hi);
     if (at->causal)
-        for (int64_t i = 0; i < s; i++)
+        for (int64_t i = r_lo; i < r_hi; i++)
             for (int64_t c = i + 1; c < t; c++) scores[i * t + c] = -INFINITY;
     if (at->mask) {
         const float *m = FPTR(at->mask) + (h / at->inner) * at->mb + (h % at->inner) * at->mh;
-        for (int64_t i = 0; i < s; i++)
+        for (int64_t i = r_lo; i < r_hi; i++)
             for (int64_t c = 0; c < t; c++) scores[i * t + c] += m[i * at->ms + c];
     }
-    ((keel_rows_fn)(intptr_t)at->softmax)(scores, scores, t, 0, s, (int32_t)at->mode);
+    ((keel_rows_fn)(intptr_t)at->softmax)(scores, scores, t, r_lo, r_hi, (int32_t)at->mode);
     pv.a = (int64_t)(intptr_t)scores;
     pv.a_rs = t;
     pv.a_ks = 1;
     pv.a_bs = 0;
-    keel_gemm_f32(&pv, work, 0, h * vp, (h + 1) * vp);
+    keel_gemm_f32(&pv, work, 1, h * mp + p_lo, h * mp + p_hi);
 }
 
 static void attention_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
 {
-    for (int64_t h = lo; h < hi; h++)
-        attention_head(ctx, scratch, scratch + attention_work(), h);
+    const attention_job *j = ctx;
+    int64_t blocks = j->at->blocks > 1 ? j->at->blocks : 1;
+    int64_t mp = (j->at->s + MR - 1) / MR;
+    for (int64_t u = lo; u < hi; u++) {
+        int64_t b = u % blocks;       /* group b of the mp panels in `blocks` even groups */
+        int64_t p_lo = b * mp / blocks, p_hi = (b + 1) * mp / blocks;
+        if (p_lo < p_hi)
+            attention_rows(j, scratch, scratch + attention_work(), u / blocks, p_lo, p_hi);
+    }
 }
 
-/* Heads [lo, hi) on the calling thread, with `scratch` of keel_attention_scratch_f32
- * floats (64-byte aligned). */
+/* Units [lo, hi) (heads x row blocks, above) on the calling thread, with `scratch` of
+ * keel_attention_scratch_f32 floats (64-byte aligned). */
 void keel_attention_f32(const keel_gemm_args *qk, const keel_gemm_args *pv,
                         const keel_attention_args *at, float *scratch, int64_t lo, int64_t hi)
 {
@@ -2238,11 +2255,12 @@ void keel_attention_f32(const keel_gemm_args *qk, const keel_gemm_args *pv,
     attention_task(&j, scratch, lo, hi);
 }
 
-/* Every head in `parts` contiguous runs of whole heads on keel's worker threads, each
- * with its own scratch. Returns 0, or -1 when a scratch could not be allocated. */
+/* Every unit (heads x row blocks) in `parts` contiguous runs on keel's worker threads,
+ * each with its own scratch. Returns 0, or -1 when a scratch could not be allocated. */
 int64_t keel_attention_mt_f32(const keel_gemm_args *qk, const keel_gemm_args *pv,
                               const keel_attention_args *at, int64_t parts)
 {
     attention_job j = {qk, pv, at};
-    return run_parts(attention_task, &j, at->heads, parts, keel_attention_scratch_f32(at));
+    int64_t units = at->heads * (at->blocks > 1 ? at->blocks : 1);
+    return run_parts(attention_task, &j, units, parts, keel_attention_scratch_f32(at));
 }

@@ -99,3 +99,21 @@ def test_winograd_chunks_follow_the_last_level_cache() -> None:
     assert xeon.chunk == 4
     assert "scaled by rule to the caches of the profile's" in xeon.reason
     assert "Xeon(R) Platinum 8480+" in xeon.reason
+
+
+def test_winograd_products_follow_the_vendor_planned_for() -> None:
+    """A plan for a profile takes the form of its CPU's vendor (winograd_lanes), not this
+    machine's: an AMD profile's products in lanes tiles, an Intel one's in 8 x 32 panels,
+    on any machine."""
+    reasons = {}
+    for name in ("amd-sysfs-only", "x86-avx512-server"):
+        profile = fake_profile(name)
+        plan = CpuBackend(threads=1).plan_node(
+            Op.CONV, [TensorType(F32, (1, 64, 56, 56)), TensorType(F32, (64, 64, 3, 3)),
+                      TensorType(F32, (64,))],
+            {"pads": (1, 1, 1, 1), "strides": (1, 1), "dilations": (1, 1), "group": 1,
+             "kernel_shape": (3, 3)}, profile=profile)
+        assert plan.variant == "winograd"
+        reasons[profile.cpu.vendor] = plan.reason("layout")
+    assert "products in lanes tiles" in reasons["AMD"]
+    assert "products in 8 x 32 panels" in reasons["Intel"]

@@ -1700,7 +1700,8 @@ def _conv_split_reason(request: PlanRequest, variant: str, form: ConvForm) -> st
         return ""
     grid = tile_grid(request.profile)
     return split_reason(conv_splits(variant, form.layout, form.chunk, geo, request.threads,
-                                    grid, caches(request.profile)), request.threads)
+                                    grid, caches(request.profile),
+                                    cpu_vendor(request.profile)), request.threads)
 
 
 def int8_split_reason(request: PlanRequest, layout: str | None = None) -> str:
@@ -1857,9 +1858,10 @@ def _form(request: PlanRequest, variant: str, sizes: Caches) -> ConvForm:
     itemsize = 8 if request.dtype is DType.FLOAT64 else 4    # float16 computes in float32
     grid = tile_grid(request.profile) if variant == "native" else None
     threads = request.threads or 1
+    vendor = cpu_vendor(request.profile)
     if grid is None or grid == native_gemm.geometry():
-        return conv_form(variant, geo, itemsize, sizes=sizes, threads=threads)
-    form = conv_form(variant, geo, itemsize, grid, sizes, threads)
+        return conv_form(variant, geo, itemsize, sizes=sizes, threads=threads, vendor=vendor)
+    form = conv_form(variant, geo, itemsize, grid, sizes, threads, vendor)
     cpu = request.profile.cpu
     return dataclasses.replace(form, reason=(
         f"{form.reason}; planned for the profile's {cpu.brand or 'CPU'} ({cpu.simd_level}): "
@@ -2349,10 +2351,11 @@ WINOGRAD_CHUNK_BYTES = 4 * 2**20
 
 
 def winograd_form(geo: ConvGeometry, itemsize: int, sizes: Caches | None = None,
-                  threads: int = 1) -> ConvForm:
+                  threads: int = 1, vendor: Any = _HERE) -> ConvForm:
     """Images per chunk of a Winograd conv (its one form), for the caches of ``sizes``
     (None: this machine's); compiled, whether it runs as the per-thread pipeline on
-    ``threads`` threads (winograd_pipeline), which takes the whole batch at once."""
+    ``threads`` threads (winograd_pipeline) of a CPU of ``vendor``, which takes the whole
+    batch at once."""
     (oh, ow), c, m = geo.window.out_spatial, geo.in_channels, geo.out_channels
     th, tw = -(-oh // 2), -(-ow // 2)
     per_image = 16 * th * tw * max(c, m) * itemsize
@@ -2366,7 +2369,8 @@ def winograd_form(geo: ConvGeometry, itemsize: int, sizes: Caches | None = None,
            f"within {budget / 2**20:.3g} MiB{scaled}")
     scratch = _winograd_scratch(chunk, c, m, th, tw, itemsize)
     if itemsize == 4 and native_gemm.available() and geo.rank == 2:
-        pipe = winograd_pipeline(geo.batch, c, m, (oh, ow), max(1, threads), sizes)
+        pipe = winograd_pipeline(geo.batch, c, m, (oh, ow), max(1, threads), sizes,
+                                 vendor=vendor)
         why = f"{why}; on {max(1, threads)} thread(s) {pipe.reason}"
         if pipe.tiles:          # each thread's block of V and P, in the pool's scratch
             mr = (_grid(_HERE) or _TILES["scalar"])[0]
@@ -2547,11 +2551,13 @@ PIPELINE_CHUNKS_PER_THREAD = 1
 @functools.lru_cache(maxsize=512)
 def winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], threads: int,
                       sizes: Caches | None = None, grid: Any = _HERE,
-                      per_thread: int = PIPELINE_CHUNKS_PER_THREAD) -> WinogradPipeline:
+                      per_thread: int = PIPELINE_CHUNKS_PER_THREAD,
+                      vendor: Any = _HERE) -> WinogradPipeline:
     """Whether a compiled Winograd conv of ``images`` images (C -> M channels, output
     ``out_hw``) runs as the per-thread pipeline on ``threads`` threads, for the caches of
-    ``sizes`` (None: this machine's), and its blocks, ``per_thread`` chunks of them a
-    thread (PIPELINE_CHUNKS_PER_THREAD): see PIPELINE_L2_SHARE."""
+    ``sizes`` and a CPU of ``vendor`` (defaults: this machine's), and its blocks,
+    ``per_thread`` chunks of them a thread (PIPELINE_CHUNKS_PER_THREAD): see
+    PIPELINE_L2_SHARE."""
     sizes = sizes or caches()
     mr, nr = _grid(grid) or _TILES["scalar"]
     th, tw = -(-out_hw[0] // 2), -(-out_hw[1] // 2)
@@ -2584,7 +2590,7 @@ def winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], thre
     passes = chunks * spans * u_bytes + 2 * 64 * (c + m) * tiles
     what = (f"{blocks} block(s) of {block} tiles ({_vectors(block, tiles)}) in {parts} "
             f"piece(s), products {min(m, panels * mr)} output channel(s) at a time "
-            f"({winograd_lanes()[1]}), V "
+            f"({winograd_lanes(vendor)[1]}), V "
             f"within {PIPELINE_L2_SHARE:g} and P {PIPELINE_P_SHARE:g} of the L2 "
             f"({sizes.l2 >> 10} KiB, {sizes.source})")
     bytes_why = (f"{moved >> 10} KiB past the L2 (U {u_bytes >> 10} KiB "
@@ -2721,7 +2727,7 @@ WINOGRAD_LANES_VENDORS = frozenset({"AMD"})
 
 def winograd_lanes(vendor: Any = _HERE) -> tuple[bool, str]:
     """Whether Winograd's products run in gemm.c's lanes tiles on a CPU of ``vendor``
-    (default: this machine's), and why."""
+    (default: this machine's; cpu_vendor gives a profile's), and why."""
     vendor = _this_vendor() if vendor is _HERE else vendor
     if vendor in WINOGRAD_LANES_VENDORS:
         return True, (f"products in lanes tiles: measured faster than 8 x 32 panels on "
@@ -2729,6 +2735,14 @@ def winograd_lanes(vendor: Any = _HERE) -> tuple[bool, str]:
     return False, (f"products in 8 x 32 panels: the lanes tiles' shuffles share a port "
                    f"with the FMA units on {vendor or 'an unknown vendor'}'s cores "
                    "(measured on Intel: 0.84-0.92x the lanes tiles' time)")
+
+
+def cpu_vendor(profile: Any = None) -> str | None:
+    """The CPU vendor plans assume: ``profile``'s (None: this machine's)."""
+    if profile is None:
+        return _this_vendor()
+    vendor = getattr(profile.cpu, "vendor", None)
+    return vendor if isinstance(vendor, str) else None
 
 
 @functools.cache
@@ -2965,14 +2979,14 @@ def gemm_pass(name: str, batch: int, m: int, n: int, k: int, threads: int,
 
 
 def conv_splits(variant: str, layout: str, chunk: int | None, geo: ConvGeometry,
-                threads: int, grid: Any = _HERE, sizes: Caches | None = None
-                ) -> tuple[Split, ...]:
+                threads: int, grid: Any = _HERE, sizes: Caches | None = None,
+                vendor: Any = _HERE) -> tuple[Split, ...]:
     """The parallel passes of conv ``variant`` (planned ``layout`` and ``chunk``) on
-    ``threads`` threads, for the caches of ``sizes`` (None: this machine's); () for a
-    variant that runs on BLAS or NumPy (their threads are the program's BLAS threads, or
-    one)."""
+    ``threads`` threads, for the caches of ``sizes`` and a CPU of ``vendor`` (defaults:
+    this machine's); () for a variant that runs on BLAS or NumPy (their threads are the
+    program's BLAS threads, or one)."""
     if variant == "winograd" and geo.rank == 2:
-        return _winograd_splits(geo, chunk or geo.batch, threads, grid, sizes)
+        return _winograd_splits(geo, chunk or geo.batch, threads, grid, sizes, vendor)
     if variant == "native":
         return _native_splits(geo, layout, threads, grid, sizes)
     if variant == "depthwise" and layout.startswith("native"):
@@ -2983,10 +2997,11 @@ def conv_splits(variant: str, layout: str, chunk: int | None, geo: ConvGeometry,
 
 
 def _winograd_splits(geo: ConvGeometry, chunk: int, threads: int, grid: Any,
-                     sizes: Caches | None) -> tuple[Split, ...]:
+                     sizes: Caches | None, vendor: Any) -> tuple[Split, ...]:
     out = geo.window.out_spatial
     c, m = geo.in_channels, geo.out_channels
-    pipe = winograd_pipeline(geo.batch, c, m, (out[0], out[1]), threads, sizes, grid)
+    pipe = winograd_pipeline(geo.batch, c, m, (out[0], out[1]), threads, sizes, grid,
+                             vendor=vendor)
     if pipe.tiles:                 # counted in tiles: the last block may be partial
         tiles = geo.batch * -(-out[0] // 2) * -(-out[1] // 2)
         return (Split(f"pipeline ({pipe.blocks} blocks of {pipe.tiles})", tiles,
@@ -3007,7 +3022,7 @@ def _winograd_splits(geo: ConvGeometry, chunk: int, threads: int, grid: Any,
     products = gemm_pass("16 products", 16, m, tiles, c, threads, grid,
                          panel_major=not winograd_by_product(c, m, tiles, threads),
                          sizes=sizes, raw=(False, True),
-                         lanes=winograd_tall(tiles) and winograd_lanes()[0])
+                         lanes=winograd_tall(tiles) and winograd_lanes(vendor)[0])
     return passes[0], products, passes[1]
 
 
@@ -3062,7 +3077,7 @@ def node_splits(op: Op, input_types: Sequence[TensorType | None], attrs: Mapping
     if geo is not None:
         variant = node_plan.option("conv_variant") or node_plan.variant
         return conv_splits(variant, node_plan.layout, node_plan.chunk, geo, threads, grid,
-                           caches(profile))
+                           caches(profile), cpu_vendor(profile))
     product = _product(request)
     if product is not None:
         m, k, n = product
@@ -3142,10 +3157,12 @@ def split_reason(splits: Sequence[Split], threads: int) -> str:
 
 
 def conv_form(variant: str, geo: ConvGeometry, itemsize: int, grid: Any = _HERE,
-              sizes: Caches | None = None, threads: int = 1) -> ConvForm:
+              sizes: Caches | None = None, threads: int = 1, vendor: Any = _HERE
+              ) -> ConvForm:
     """The layout (form) of conv ``variant`` for ``geo`` computed in ``itemsize``-byte
     elements, and why ("" where the variant has one form); cache-bound sizes for the
-    caches of ``sizes`` (None: this machine's)."""
+    caches of ``sizes``, vendor rules for a CPU of ``vendor`` (defaults: this
+    machine's)."""
     if variant == "native":
         form, why = native_form(geo, grid)
         scratch = conv_gemm.native_scratch(conv_gemm.native_layout(geo, form), itemsize)
@@ -3166,7 +3183,7 @@ def conv_form(variant: str, geo: ConvGeometry, itemsize: int, grid: Any = _HERE,
     if variant == "pointwise":
         return pointwise_form(geo)
     if variant == "winograd":
-        return winograd_form(geo, itemsize, sizes, threads)
+        return winograd_form(geo, itemsize, sizes, threads, vendor)
     return ConvForm("", "the variant's only form")
 
 

@@ -1900,6 +1900,19 @@ MASKED_STRIDED_BELOW = 4096
 # time on one thread, 1.00-1.03x on two, 0.98x at batch 32, and was not kept
 # (docs/performance.md, ResNet-18 at batch 1).
 MASKED_ONE_IMAGE_CHANNELS = 3
+# ... and strided convs of one image take the masked form only on the vendors in
+# MASKED_STRIDED_VENDORS, or where it runs in lanes tiles (masked_lanes), which read the
+# taps through the masks once into a copy. The masked tiles load B through lane masks at
+# every step; on Intel's cores those loads wait where the gathered form's plain loads of
+# a packed panel do not. Measured on the 2-core Intel Xeon (KVM, AVX-512), one thread,
+# thread CPU time, each conv + ReLU alone, the two forms alternating in one process,
+# medians of 41 calls, under load (docs/performance.md, "ResNet-18 at batch 1 on an
+# Intel core"): gathered / masked 0.83x on the 3 -> 64 7x7 stem, 0.89-0.96x on 64 -> 128
+# 3x3 stride 2 on 56x56, 0.92x on the 1x1 stride-2 64 -> 128 and 128 -> 256; where the
+# masked form runs in lanes tiles it stays (256 -> 512 3x3 stride 2: the gathered form
+# took 1.44x). At batch 32 the gathered form took 1.02-1.04x the masked time on the 3x3
+# stride-2 convs, so one image only. AMD's Zen: the masked form measured faster (above).
+MASKED_STRIDED_VENDORS = frozenset({"AMD"})
 # stacked: the images of a batch go side by side in one product when an image's last
 # column panel would be less than STACK_FILL full; for a 1x1 stride-1 conv, which
 # otherwise reads X in place row panel by row panel (stacking gathers it), less than
@@ -1975,13 +1988,24 @@ def _band_wins(geo: ConvGeometry, grid: Grid) -> bool:
             and math.prod(win.out_spatial) >= BAND_FROM)
 
 
-def _masked_wins(geo: ConvGeometry, grid: Grid) -> bool:
+def _masked_wins(geo: ConvGeometry, grid: Grid, vendor: str | None) -> bool:
     win = geo.window
     unit = all(s == 1 for s in win.strides)
     if grid is None or conv_gemm.masked_layout(geo) is None or (
             geo.is_pointwise and not win.padded and unit):
         return False                # a 1x1 stride-1 conv reads X in place as it is
-    return unit or math.prod(win.out_spatial) < MASKED_STRIDED_BELOW or _one_small_image(geo)
+    if unit:
+        return True
+    if _masked_waits(geo, grid, vendor):
+        return False
+    return math.prod(win.out_spatial) < MASKED_STRIDED_BELOW or _one_small_image(geo)
+
+
+def _masked_waits(geo: ConvGeometry, grid: Grid, vendor: str | None) -> bool:
+    """Whether a strided conv's masked tiles would wait on their masked loads: one image
+    on a CPU outside MASKED_STRIDED_VENDORS, its product not in lanes tiles."""
+    return (geo.batch == 1 and vendor not in MASKED_STRIDED_VENDORS
+            and grid is not None and not _masked_lanes_reason(geo, grid))
 
 
 def _one_small_image(geo: ConvGeometry) -> bool:
@@ -2020,16 +2044,19 @@ def _wide_wins(geo: ConvGeometry, grid: Grid) -> bool:
             <= WIDE_MAX_EXTRA * gathered)
 
 
-def native_form(geo: ConvGeometry, grid: Any = _HERE) -> tuple[str, str]:
+def native_form(geo: ConvGeometry, grid: Any = _HERE, vendor: Any = _HERE
+                ) -> tuple[str, str]:
     """The form the native conv runs ``geo`` in (see conv_gemm.native_layout), and why;
-    ``grid`` the native tile planned for (default: the one loaded here)."""
+    ``grid`` the native tile and ``vendor`` the CPU's vendor planned for (defaults: this
+    machine's)."""
     grid = _grid(grid)
+    vendor = _this_vendor() if vendor is _HERE else vendor
     win = geo.window
     pixels = math.prod(win.out_spatial)
     if _band_wins(geo, grid):
         return "band", (f"band: depth {geo.in_channels * math.prod(win.kernel)} <= "
                         f"{BAND_MAX_DEPTH}, {pixels} output pixels >= {BAND_FROM}, strided")
-    if _masked_wins(geo, grid):
+    if _masked_wins(geo, grid, vendor):
         strided = any(s != 1 for s in win.strides) and pixels >= MASKED_STRIDED_BELOW
         return "masked", "masked: every tap reads a plane of the output's shape in place" + (
             f", {pixels} output pixels of one image of {geo.in_channels} channel(s) (<= "
@@ -2044,7 +2071,11 @@ def native_form(geo: ConvGeometry, grid: Any = _HERE) -> tuple[str, str]:
     if stacks(geo.batch, pixels, grid=grid):
         return "gathered-stacked", (f"gathered-stacked: {pixels} pixels fill an image's "
                                     f"column panels less than {STACK_FILL:.0%}")
-    return "gathered", "gathered: B gathered block by block from the (phase) image"
+    return "gathered", "gathered: B gathered block by block from the (phase) image" + (
+        f"; not masked: one image, whose masked tiles wait on their masked loads on "
+        f"{vendor or 'an unknown vendor'}'s cores (MASKED_STRIDED_VENDORS)"
+        if _masked_waits(geo, grid, vendor) and conv_gemm.masked_layout(geo) is not None
+        and (pixels < MASKED_STRIDED_BELOW or _one_small_image(geo)) else "")
 
 
 # ---- the native GEMM's tall tiles -------------------------------------------------------
@@ -3164,7 +3195,7 @@ def conv_form(variant: str, geo: ConvGeometry, itemsize: int, grid: Any = _HERE,
     caches of ``sizes``, vendor rules for a CPU of ``vendor`` (defaults: this
     machine's)."""
     if variant == "native":
-        form, why = native_form(geo, grid)
+        form, why = native_form(geo, grid, vendor)
         scratch = conv_gemm.native_scratch(conv_gemm.native_layout(geo, form), itemsize)
         return ConvForm(form, why, workspace_bytes=scratch,
                         stream_stores=stream_stores(geo, sizes))

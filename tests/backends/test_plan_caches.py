@@ -117,3 +117,16 @@ def test_winograd_products_follow_the_vendor_planned_for() -> None:
         reasons[profile.cpu.vendor] = plan.reason("layout")
     assert "products in lanes tiles" in reasons["AMD"]
     assert "products in 8 x 32 panels" in reasons["Intel"]
+
+
+def test_pipeline_blocks_in_panels_hold_at_most_the_measured_tiles() -> None:
+    """Where Winograd's products run in 8 x 32 panels (Intel) a pipeline block holds at
+    most PIPELINE_PANELS_MAX_TILES tiles however large the L2, and the reason says so;
+    the lanes tiles (AMD) keep the L2's limit."""
+    two_mib = planner.Caches(2 << 20, 32 << 20, "test")
+    intel = planner.winograd_pipeline(1, 64, 64, (56, 56), 1, two_mib, (8, 32),
+                                       vendor="Intel")
+    amd = planner.winograd_pipeline(1, 64, 64, (56, 56), 1, two_mib, (8, 32), vendor="AMD")
+    assert intel.tiles == planner.PIPELINE_PANELS_MAX_TILES < amd.tiles
+    assert "(PIPELINE_PANELS_MAX_TILES)" in intel.reason
+    assert "PIPELINE_PANELS_MAX_TILES" not in amd.reason

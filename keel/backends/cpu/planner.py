@@ -2535,6 +2535,14 @@ def _winograd_scratch(n: int, c: int, m: int, th: int, tw: int, itemsize: int) -
 # a U of 4 and 16 MiB), and where its blocks split evenly over the threads.
 PIPELINE_L2_SHARE = 0.5
 PIPELINE_P_SHARE = 0.25
+# Where the products run in 8 x 32 panels (winograd_lanes: Intel's cores), a block holds
+# at most PIPELINE_PANELS_MAX_TILES tiles, whatever the L2 would allow: on the 2-core
+# Intel Xeon (2 MiB L2, KVM), one thread, thread CPU time, 64 -> 64 on 56x56 + ReLU alone,
+# blocks of 128 tiles against the 256 the L2 share gives took 0.91x and 0.93x the time
+# at batch 1 (medians of 41, alternating call by call, under load) and 0.93x at batch 32
+# (9 calls). The lanes tiles (AMD, 1 MiB L2) were measured with blocks of at most 128
+# (the L2 share gives no more there from 64 channels up) and keep the L2's limit.
+PIPELINE_PANELS_MAX_TILES = 128
 
 
 @dataclass(frozen=True)
@@ -2598,6 +2606,9 @@ def winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], thre
     held = u_bytes <= budget
     flops = 32 * m * c * tiles
     most = min(tiles, budget // (64 * c))
+    capped = not winograd_lanes(vendor)[0] and most > PIPELINE_PANELS_MAX_TILES
+    if capped:
+        most = PIPELINE_PANELS_MAX_TILES
     block = _even_tiles(tiles, most, threads, held,
                         max(1, min(threads, flops // MIN_FLOPS_PER_THREAD)))
     if block < 1:
@@ -2621,7 +2632,9 @@ def winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], thre
     passes = chunks * spans * u_bytes + 2 * 64 * (c + m) * tiles
     what = (f"{blocks} block(s) of {block} tiles ({_vectors(block, tiles)}) in {parts} "
             f"piece(s), products {min(m, panels * mr)} output channel(s) at a time "
-            f"({winograd_lanes(vendor)[1]}), V "
+            f"({winograd_lanes(vendor)[1]}"
+            + (f"; blocks of at most {PIPELINE_PANELS_MAX_TILES} tiles in panels "
+               "(PIPELINE_PANELS_MAX_TILES)" if capped else "") + "), V "
             f"within {PIPELINE_L2_SHARE:g} and P {PIPELINE_P_SHARE:g} of the L2 "
             f"({sizes.l2 >> 10} KiB, {sizes.source})")
     bytes_why = (f"{moved >> 10} KiB past the L2 (U {u_bytes >> 10} KiB "

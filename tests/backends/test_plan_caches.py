@@ -99,3 +99,34 @@ def test_winograd_chunks_follow_the_last_level_cache() -> None:
     assert xeon.chunk == 4
     assert "scaled by rule to the caches of the profile's" in xeon.reason
     assert "Xeon(R) Platinum 8480+" in xeon.reason
+
+
+def test_winograd_products_follow_the_vendor_planned_for() -> None:
+    """A plan for a profile takes the form of its CPU's vendor (winograd_lanes), not this
+    machine's: an AMD profile's products in lanes tiles, an Intel one's in 8 x 32 panels,
+    on any machine."""
+    reasons = {}
+    for name in ("amd-sysfs-only", "x86-avx512-server"):
+        profile = fake_profile(name)
+        plan = CpuBackend(threads=1).plan_node(
+            Op.CONV, [TensorType(F32, (1, 64, 56, 56)), TensorType(F32, (64, 64, 3, 3)),
+                      TensorType(F32, (64,))],
+            {"pads": (1, 1, 1, 1), "strides": (1, 1), "dilations": (1, 1), "group": 1,
+             "kernel_shape": (3, 3)}, profile=profile)
+        assert plan.variant == "winograd"
+        reasons[profile.cpu.vendor] = plan.reason("layout")
+    assert "products in lanes tiles" in reasons["AMD"]
+    assert "products in 8 x 32 panels" in reasons["Intel"]
+
+
+def test_pipeline_blocks_in_panels_hold_at_most_the_measured_tiles() -> None:
+    """Where Winograd's products run in 8 x 32 panels (Intel) a pipeline block holds at
+    most PIPELINE_PANELS_MAX_TILES tiles however large the L2, and the reason says so;
+    the lanes tiles (AMD) keep the L2's limit."""
+    two_mib = planner.Caches(2 << 20, 32 << 20, "test")
+    intel = planner.winograd_pipeline(1, 64, 64, (56, 56), 1, two_mib, (8, 32),
+                                       vendor="Intel")
+    amd = planner.winograd_pipeline(1, 64, 64, (56, 56), 1, two_mib, (8, 32), vendor="AMD")
+    assert intel.tiles == planner.PIPELINE_PANELS_MAX_TILES < amd.tiles
+    assert "(PIPELINE_PANELS_MAX_TILES)" in intel.reason
+    assert "PIPELINE_PANELS_MAX_TILES" not in amd.reason

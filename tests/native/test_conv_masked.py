@@ -132,6 +132,7 @@ def test_not_served(x_shape: tuple[int, ...], w_shape: tuple[int, ...],
     ((32, 16, 32, 32), (32, 16, 1, 1), {}, False),                   # X is B as it lies
     ((2, 3, 224, 224), (32, 3, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}, False),
     # ResNet's stem: masked for one image (its phase image in cache), gathered for more
+    # (on AMD's cores: MASKED_STRIDED_VENDORS)
     ((1, 3, 224, 224), (64, 3, 7, 7), {"pads": (3, 3, 3, 3), "strides": (2, 2)}, True),
     ((2, 3, 224, 224), (64, 3, 7, 7), {"pads": (3, 3, 3, 3), "strides": (2, 2)}, False),
     ((1, 16, 224, 224), (64, 16, 7, 7), {"pads": (3, 3, 3, 3), "strides": (2, 2)}, False),
@@ -139,8 +140,31 @@ def test_not_served(x_shape: tuple[int, ...], w_shape: tuple[int, ...],
 def test_choice(x_shape: tuple[int, ...], w_shape: tuple[int, ...], attrs: dict[str, Any],
                 chosen: bool) -> None:
     geo = conv_geometry(Op.CONV, x_shape, w_shape, attrs)
-    assert (cpu_planner.native_form(geo)[0] == "masked") is chosen
-    assert (cpu_planner.native_layout(geo).masked is not None) is chosen
+    assert (cpu_planner.native_form(geo, vendor="AMD")[0] == "masked") is chosen
+    here = cpu_planner.native_form(geo)[0] == "masked"
+    assert (cpu_planner.native_layout(geo).masked is not None) is here
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs,form", [
+    ((1, 3, 224, 224), (64, 3, 7, 7), {"pads": (3, 3, 3, 3), "strides": (2, 2)}, "gathered"),
+    ((1, 64, 56, 56), (128, 64, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}, "gathered"),
+    ((1, 64, 56, 56), (128, 64, 1, 1), {"strides": (2, 2)}, "gathered"),
+    # in lanes tiles (masked_lanes): the masks are read once, into a copy
+    ((1, 256, 14, 14), (512, 256, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}, "masked"),
+    ((32, 64, 56, 56), (128, 64, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}, "masked"),
+    ((1, 16, 32, 32), (16, 16, 3, 3), {"pads": (1, 1, 1, 1)}, "masked"),
+])
+def test_strided_convs_of_one_image_leave_the_masked_tiles_on_intel(
+        x_shape: tuple[int, ...], w_shape: tuple[int, ...], attrs: dict[str, Any],
+        form: str) -> None:
+    """On a CPU outside MASKED_STRIDED_VENDORS a strided conv of one image takes the
+    gathered form unless its masked form runs in lanes tiles, and says why; batches and
+    unit strides keep the masked form."""
+    geo = conv_geometry(Op.CONV, x_shape, w_shape, attrs)
+    got, why = cpu_planner.native_form(geo, (8, 32), "Intel")
+    assert got == form
+    assert ("masked loads on Intel's cores" in why) is (form == "gathered")
+    assert cpu_planner.native_form(geo, (8, 32), "AMD")[0] == "masked"
 
 
 @pytest.mark.parametrize("attrs", [{"pads": (1, 1, 1, 1)},
@@ -324,7 +348,7 @@ def test_the_native_form_says_when_it_runs_in_lanes_tiles() -> None:
     def why(x_shape: tuple[int, ...], w_shape: tuple[int, ...]) -> str:
         attrs = {"pads": (1, 1, 1, 1), "strides": (2, 2)}
         form, reason = cpu_planner.native_form(
-            conv_geometry(Op.CONV, x_shape, w_shape, attrs), (8, 32))
+            conv_geometry(Op.CONV, x_shape, w_shape, attrs), (8, 32), "AMD")
         assert form == "masked"
         return reason
 
@@ -341,7 +365,7 @@ def test_one_small_image_runs_masked_with_the_gathered_bits() -> None:
     rng = np.random.default_rng(23)
     x, w, b = rand(rng, 1, 3, 140, 132), rand(rng, 40, 3, 7, 7), rand(rng, 40)
     geo = conv_geometry(Op.CONV, x.shape, w.shape, attrs)
-    form, why = cpu_planner.native_form(geo, (8, 32))
+    form, why = cpu_planner.native_form(geo, (8, 32), "AMD")
     assert form == "masked"
     assert "4620 output pixels of one image of 3 channel(s)" in why
     plain = reference([x, w, b], attrs)

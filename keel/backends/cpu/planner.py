@@ -1869,7 +1869,8 @@ def _conv_split_reason(request: PlanRequest, variant: str, form: ConvForm) -> st
         return ""
     grid = tile_grid(request.profile)
     return split_reason(conv_splits(variant, form.layout, form.chunk, geo, request.threads,
-                                    grid, caches(request.profile)), request.threads)
+                                    grid, caches(request.profile),
+                                    cpu_vendor(request.profile)), request.threads)
 
 
 def int8_split_reason(request: PlanRequest, layout: str | None = None) -> str:
@@ -2026,9 +2027,10 @@ def _form(request: PlanRequest, variant: str, sizes: Caches) -> ConvForm:
     itemsize = 8 if request.dtype is DType.FLOAT64 else 4    # float16 computes in float32
     grid = tile_grid(request.profile) if variant == "native" else None
     threads = request.threads or 1
+    vendor = cpu_vendor(request.profile)
     if grid is None or grid == native_gemm.geometry():
-        return conv_form(variant, geo, itemsize, sizes=sizes, threads=threads)
-    form = conv_form(variant, geo, itemsize, grid, sizes, threads)
+        return conv_form(variant, geo, itemsize, sizes=sizes, threads=threads, vendor=vendor)
+    form = conv_form(variant, geo, itemsize, grid, sizes, threads, vendor)
     cpu = request.profile.cpu
     return dataclasses.replace(form, reason=(
         f"{form.reason}; planned for the profile's {cpu.brand or 'CPU'} ({cpu.simd_level}): "
@@ -2067,6 +2069,19 @@ MASKED_STRIDED_BELOW = 4096
 # time on one thread, 1.00-1.03x on two, 0.98x at batch 32, and was not kept
 # (docs/performance.md, ResNet-18 at batch 1).
 MASKED_ONE_IMAGE_CHANNELS = 3
+# ... and strided convs of one image take the masked form only on the vendors in
+# MASKED_STRIDED_VENDORS, or where it runs in lanes tiles (masked_lanes), which read the
+# taps through the masks once into a copy. The masked tiles load B through lane masks at
+# every step; on Intel's cores those loads wait where the gathered form's plain loads of
+# a packed panel do not. Measured on the 2-core Intel Xeon (KVM, AVX-512), one thread,
+# thread CPU time, each conv + ReLU alone, the two forms alternating in one process,
+# medians of 41 calls, under load (docs/performance.md, "ResNet-18 at batch 1 on an
+# Intel core"): gathered / masked 0.83x on the 3 -> 64 7x7 stem, 0.89-0.96x on 64 -> 128
+# 3x3 stride 2 on 56x56, 0.92x on the 1x1 stride-2 64 -> 128 and 128 -> 256; where the
+# masked form runs in lanes tiles it stays (256 -> 512 3x3 stride 2: the gathered form
+# took 1.44x). At batch 32 the gathered form took 1.02-1.04x the masked time on the 3x3
+# stride-2 convs, so one image only. AMD's Zen: the masked form measured faster (above).
+MASKED_STRIDED_VENDORS = frozenset({"AMD"})
 # stacked: the images of a batch go side by side in one product when an image's last
 # column panel would be less than STACK_FILL full; for a 1x1 stride-1 conv, which
 # otherwise reads X in place row panel by row panel (stacking gathers it), less than
@@ -2142,13 +2157,24 @@ def _band_wins(geo: ConvGeometry, grid: Grid) -> bool:
             and math.prod(win.out_spatial) >= BAND_FROM)
 
 
-def _masked_wins(geo: ConvGeometry, grid: Grid) -> bool:
+def _masked_wins(geo: ConvGeometry, grid: Grid, vendor: str | None) -> bool:
     win = geo.window
     unit = all(s == 1 for s in win.strides)
     if grid is None or conv_gemm.masked_layout(geo) is None or (
             geo.is_pointwise and not win.padded and unit):
         return False                # a 1x1 stride-1 conv reads X in place as it is
-    return unit or math.prod(win.out_spatial) < MASKED_STRIDED_BELOW or _one_small_image(geo)
+    if unit:
+        return True
+    if _masked_waits(geo, grid, vendor):
+        return False
+    return math.prod(win.out_spatial) < MASKED_STRIDED_BELOW or _one_small_image(geo)
+
+
+def _masked_waits(geo: ConvGeometry, grid: Grid, vendor: str | None) -> bool:
+    """Whether a strided conv's masked tiles would wait on their masked loads: one image
+    on a CPU outside MASKED_STRIDED_VENDORS, its product not in lanes tiles."""
+    return (geo.batch == 1 and vendor not in MASKED_STRIDED_VENDORS
+            and grid is not None and not _masked_lanes_reason(geo, grid))
 
 
 def _one_small_image(geo: ConvGeometry) -> bool:
@@ -2187,16 +2213,19 @@ def _wide_wins(geo: ConvGeometry, grid: Grid) -> bool:
             <= WIDE_MAX_EXTRA * gathered)
 
 
-def native_form(geo: ConvGeometry, grid: Any = _HERE) -> tuple[str, str]:
+def native_form(geo: ConvGeometry, grid: Any = _HERE, vendor: Any = _HERE
+                ) -> tuple[str, str]:
     """The form the native conv runs ``geo`` in (see conv_gemm.native_layout), and why;
-    ``grid`` the native tile planned for (default: the one loaded here)."""
+    ``grid`` the native tile and ``vendor`` the CPU's vendor planned for (defaults: this
+    machine's)."""
     grid = _grid(grid)
+    vendor = _this_vendor() if vendor is _HERE else vendor
     win = geo.window
     pixels = math.prod(win.out_spatial)
     if _band_wins(geo, grid):
         return "band", (f"band: depth {geo.in_channels * math.prod(win.kernel)} <= "
                         f"{BAND_MAX_DEPTH}, {pixels} output pixels >= {BAND_FROM}, strided")
-    if _masked_wins(geo, grid):
+    if _masked_wins(geo, grid, vendor):
         strided = any(s != 1 for s in win.strides) and pixels >= MASKED_STRIDED_BELOW
         return "masked", "masked: every tap reads a plane of the output's shape in place" + (
             f", {pixels} output pixels of one image of {geo.in_channels} channel(s) (<= "
@@ -2211,7 +2240,11 @@ def native_form(geo: ConvGeometry, grid: Any = _HERE) -> tuple[str, str]:
     if stacks(geo.batch, pixels, grid=grid):
         return "gathered-stacked", (f"gathered-stacked: {pixels} pixels fill an image's "
                                     f"column panels less than {STACK_FILL:.0%}")
-    return "gathered", "gathered: B gathered block by block from the (phase) image"
+    return "gathered", "gathered: B gathered block by block from the (phase) image" + (
+        f"; not masked: one image, whose masked tiles wait on their masked loads on "
+        f"{vendor or 'an unknown vendor'}'s cores (MASKED_STRIDED_VENDORS)"
+        if _masked_waits(geo, grid, vendor) and conv_gemm.masked_layout(geo) is not None
+        and (pixels < MASKED_STRIDED_BELOW or _one_small_image(geo)) else "")
 
 
 # ---- the native GEMM's tall tiles -------------------------------------------------------
@@ -2518,10 +2551,11 @@ WINOGRAD_CHUNK_BYTES = 4 * 2**20
 
 
 def winograd_form(geo: ConvGeometry, itemsize: int, sizes: Caches | None = None,
-                  threads: int = 1) -> ConvForm:
+                  threads: int = 1, vendor: Any = _HERE) -> ConvForm:
     """Images per chunk of a Winograd conv (its one form), for the caches of ``sizes``
     (None: this machine's); compiled, whether it runs as the per-thread pipeline on
-    ``threads`` threads (winograd_pipeline), which takes the whole batch at once."""
+    ``threads`` threads (winograd_pipeline) of a CPU of ``vendor``, which takes the whole
+    batch at once."""
     (oh, ow), c, m = geo.window.out_spatial, geo.in_channels, geo.out_channels
     th, tw = -(-oh // 2), -(-ow // 2)
     per_image = 16 * th * tw * max(c, m) * itemsize
@@ -2535,7 +2569,8 @@ def winograd_form(geo: ConvGeometry, itemsize: int, sizes: Caches | None = None,
            f"within {budget / 2**20:.3g} MiB{scaled}")
     scratch = _winograd_scratch(chunk, c, m, th, tw, itemsize)
     if itemsize == 4 and native_gemm.available() and geo.rank == 2:
-        pipe = winograd_pipeline(geo.batch, c, m, (oh, ow), max(1, threads), sizes)
+        pipe = winograd_pipeline(geo.batch, c, m, (oh, ow), max(1, threads), sizes,
+                                 vendor=vendor)
         why = f"{why}; on {max(1, threads)} thread(s) {pipe.reason}"
         if pipe.tiles:          # each thread's block of V and P, in the pool's scratch
             mr = (_grid(_HERE) or _TILES["scalar"])[0]
@@ -2669,6 +2704,14 @@ def _winograd_scratch(n: int, c: int, m: int, th: int, tw: int, itemsize: int) -
 # a U of 4 and 16 MiB), and where its blocks split evenly over the threads.
 PIPELINE_L2_SHARE = 0.5
 PIPELINE_P_SHARE = 0.25
+# Where the products run in 8 x 32 panels (winograd_lanes: Intel's cores), a block holds
+# at most PIPELINE_PANELS_MAX_TILES tiles, whatever the L2 would allow: on the 2-core
+# Intel Xeon (2 MiB L2, KVM), one thread, thread CPU time, 64 -> 64 on 56x56 + ReLU alone,
+# blocks of 128 tiles against the 256 the L2 share gives took 0.91x and 0.93x the time
+# at batch 1 (medians of 41, alternating call by call, under load) and 0.93x at batch 32
+# (9 calls). The lanes tiles (AMD, 1 MiB L2) were measured with blocks of at most 128
+# (the L2 share gives no more there from 64 channels up) and keep the L2's limit.
+PIPELINE_PANELS_MAX_TILES = 128
 
 
 @dataclass(frozen=True)
@@ -2716,11 +2759,13 @@ PIPELINE_CHUNKS_PER_THREAD = 1
 @functools.lru_cache(maxsize=512)
 def winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], threads: int,
                       sizes: Caches | None = None, grid: Any = _HERE,
-                      per_thread: int = PIPELINE_CHUNKS_PER_THREAD) -> WinogradPipeline:
+                      per_thread: int = PIPELINE_CHUNKS_PER_THREAD,
+                      vendor: Any = _HERE) -> WinogradPipeline:
     """Whether a compiled Winograd conv of ``images`` images (C -> M channels, output
     ``out_hw``) runs as the per-thread pipeline on ``threads`` threads, for the caches of
-    ``sizes`` (None: this machine's), and its blocks, ``per_thread`` chunks of them a
-    thread (PIPELINE_CHUNKS_PER_THREAD): see PIPELINE_L2_SHARE."""
+    ``sizes`` and a CPU of ``vendor`` (defaults: this machine's), and its blocks,
+    ``per_thread`` chunks of them a thread (PIPELINE_CHUNKS_PER_THREAD): see
+    PIPELINE_L2_SHARE."""
     sizes = sizes or caches()
     mr, nr = _grid(grid) or _TILES["scalar"]
     th, tw = -(-out_hw[0] // 2), -(-out_hw[1] // 2)
@@ -2730,6 +2775,9 @@ def winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], thre
     held = u_bytes <= budget
     flops = 32 * m * c * tiles
     most = min(tiles, budget // (64 * c))
+    capped = not winograd_lanes(vendor)[0] and most > PIPELINE_PANELS_MAX_TILES
+    if capped:
+        most = PIPELINE_PANELS_MAX_TILES
     block = _even_tiles(tiles, most, threads, held,
                         max(1, gemm_threads(threads, flops)))
     if block < 1:
@@ -2753,7 +2801,9 @@ def winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], thre
     passes = chunks * spans * u_bytes + 2 * 64 * (c + m) * tiles
     what = (f"{blocks} block(s) of {block} tiles ({_vectors(block, tiles)}) in {parts} "
             f"piece(s), products {min(m, panels * mr)} output channel(s) at a time "
-            f"({winograd_lanes()[1]}), V "
+            f"({winograd_lanes(vendor)[1]}"
+            + (f"; blocks of at most {PIPELINE_PANELS_MAX_TILES} tiles in panels "
+               "(PIPELINE_PANELS_MAX_TILES)" if capped else "") + "), V "
             f"within {PIPELINE_L2_SHARE:g} and P {PIPELINE_P_SHARE:g} of the L2 "
             f"({sizes.l2 >> 10} KiB, {sizes.source})")
     bytes_why = (f"{moved >> 10} KiB past the L2 (U {u_bytes >> 10} KiB "
@@ -2890,7 +2940,7 @@ WINOGRAD_LANES_VENDORS = frozenset({"AMD"})
 
 def winograd_lanes(vendor: Any = _HERE) -> tuple[bool, str]:
     """Whether Winograd's products run in gemm.c's lanes tiles on a CPU of ``vendor``
-    (default: this machine's), and why."""
+    (default: this machine's; cpu_vendor gives a profile's), and why."""
     vendor = _this_vendor() if vendor is _HERE else vendor
     if vendor in WINOGRAD_LANES_VENDORS:
         return True, (f"products in lanes tiles: measured faster than 8 x 32 panels on "
@@ -2898,6 +2948,14 @@ def winograd_lanes(vendor: Any = _HERE) -> tuple[bool, str]:
     return False, (f"products in 8 x 32 panels: the lanes tiles' shuffles share a port "
                    f"with the FMA units on {vendor or 'an unknown vendor'}'s cores "
                    "(measured on Intel: 0.84-0.92x the lanes tiles' time)")
+
+
+def cpu_vendor(profile: Any = None) -> str | None:
+    """The CPU vendor plans assume: ``profile``'s (None: this machine's)."""
+    if profile is None:
+        return _this_vendor()
+    vendor = getattr(profile.cpu, "vendor", None)
+    return vendor if isinstance(vendor, str) else None
 
 
 @functools.cache
@@ -3134,14 +3192,14 @@ def gemm_pass(name: str, batch: int, m: int, n: int, k: int, threads: int,
 
 
 def conv_splits(variant: str, layout: str, chunk: int | None, geo: ConvGeometry,
-                threads: int, grid: Any = _HERE, sizes: Caches | None = None
-                ) -> tuple[Split, ...]:
+                threads: int, grid: Any = _HERE, sizes: Caches | None = None,
+                vendor: Any = _HERE) -> tuple[Split, ...]:
     """The parallel passes of conv ``variant`` (planned ``layout`` and ``chunk``) on
-    ``threads`` threads, for the caches of ``sizes`` (None: this machine's); () for a
-    variant that runs on BLAS or NumPy (their threads are the program's BLAS threads, or
-    one)."""
+    ``threads`` threads, for the caches of ``sizes`` and a CPU of ``vendor`` (defaults:
+    this machine's); () for a variant that runs on BLAS or NumPy (their threads are the
+    program's BLAS threads, or one)."""
     if variant == "winograd" and geo.rank == 2:
-        return _winograd_splits(geo, chunk or geo.batch, threads, grid, sizes)
+        return _winograd_splits(geo, chunk or geo.batch, threads, grid, sizes, vendor)
     if variant == "native":
         return _native_splits(geo, layout, threads, grid, sizes)
     if variant == "depthwise" and layout.startswith("native"):
@@ -3153,10 +3211,11 @@ def conv_splits(variant: str, layout: str, chunk: int | None, geo: ConvGeometry,
 
 
 def _winograd_splits(geo: ConvGeometry, chunk: int, threads: int, grid: Any,
-                     sizes: Caches | None) -> tuple[Split, ...]:
+                     sizes: Caches | None, vendor: Any) -> tuple[Split, ...]:
     out = geo.window.out_spatial
     c, m = geo.in_channels, geo.out_channels
-    pipe = winograd_pipeline(geo.batch, c, m, (out[0], out[1]), threads, sizes, grid)
+    pipe = winograd_pipeline(geo.batch, c, m, (out[0], out[1]), threads, sizes, grid,
+                             vendor=vendor)
     if pipe.tiles:                 # counted in tiles: the last block may be partial
         tiles = geo.batch * -(-out[0] // 2) * -(-out[1] // 2)
         return (Split(f"pipeline ({pipe.blocks} blocks of {pipe.tiles})", tiles,
@@ -3178,7 +3237,7 @@ def _winograd_splits(geo: ConvGeometry, chunk: int, threads: int, grid: Any,
     products = gemm_pass("16 products", 16, m, tiles, c, threads, grid,
                          panel_major=not winograd_by_product(c, m, tiles, threads),
                          sizes=sizes, raw=(False, True),
-                         lanes=winograd_tall(tiles) and winograd_lanes()[0])
+                         lanes=winograd_tall(tiles) and winograd_lanes(vendor)[0])
     return passes[0], products, passes[1]
 
 
@@ -3235,7 +3294,7 @@ def node_splits(op: Op, input_types: Sequence[TensorType | None], attrs: Mapping
     if geo is not None:
         variant = node_plan.option("conv_variant") or node_plan.variant
         return conv_splits(variant, node_plan.layout, node_plan.chunk, geo, threads, grid,
-                           caches(profile))
+                           caches(profile), cpu_vendor(profile))
     product = _product(request)
     if product is not None:
         m, k, n = product
@@ -3347,12 +3406,14 @@ def split_reason(splits: Sequence[Split], threads: int) -> str:
 
 
 def conv_form(variant: str, geo: ConvGeometry, itemsize: int, grid: Any = _HERE,
-              sizes: Caches | None = None, threads: int = 1) -> ConvForm:
+              sizes: Caches | None = None, threads: int = 1, vendor: Any = _HERE
+              ) -> ConvForm:
     """The layout (form) of conv ``variant`` for ``geo`` computed in ``itemsize``-byte
     elements, and why ("" where the variant has one form); cache-bound sizes for the
-    caches of ``sizes`` (None: this machine's)."""
+    caches of ``sizes``, vendor rules for a CPU of ``vendor`` (defaults: this
+    machine's)."""
     if variant == "native":
-        form, why = native_form(geo, grid)
+        form, why = native_form(geo, grid, vendor)
         scratch = conv_gemm.native_scratch(conv_gemm.native_layout(geo, form), itemsize)
         return ConvForm(form, why, workspace_bytes=scratch,
                         stream_stores=stream_stores(geo, sizes))
@@ -3371,7 +3432,7 @@ def conv_form(variant: str, geo: ConvGeometry, itemsize: int, grid: Any = _HERE,
     if variant == "pointwise":
         return pointwise_form(geo)
     if variant == "winograd":
-        return winograd_form(geo, itemsize, sizes, threads)
+        return winograd_form(geo, itemsize, sizes, threads, vendor)
     return ConvForm("", "the variant's only form")
 
 

@@ -99,12 +99,18 @@ def test_blocked_propagates_nan_like_planes() -> None:
     x = RNG.standard_normal((1, 21, 7, 7)).astype(np.float32)
     x[0, 3, 2, 4] = np.nan
     x[0, 20, 0, 0] = np.inf
+    x[0, 7, 6, 6] = np.nan          # the plane's last pixel: gathered, not transposed
+    z = RNG.standard_normal((1, 21, 7, 7)).astype(np.float32)
+    z[0, 9, 6, 6] = np.nan          # the residual's last pixel, added to a scattered one
+    z[0, 10, 6, 6] = -np.inf
     w = RNG.standard_normal((21, 1, 3, 3)).astype(np.float32)
     ys = {}
     for scheme in ("planes", "blocked"):
         ys[scheme] = np.empty((1, 21, 7, 7), dtype=np.float32)
-        nw.depthwise_conv(x, w, None, None, ys[scheme], geo, (0.0, 6.0), 1, scheme)
+        nw.depthwise_conv(x, w, None, z, ys[scheme], geo, (0.0, 6.0), 1, scheme)
     assert np.isnan(ys["blocked"][0, 3, 1:4, 3:6]).all()
+    assert np.isnan(ys["blocked"][0, 7, 5:, 5:]).all()
+    assert np.isnan(ys["blocked"][0, 9, 6, 6]) and ys["blocked"][0, 10, 6, 6] == 0.0
     assert not np.isnan(ys["blocked"][0, 2]).any()
     np.testing.assert_array_equal(ys["blocked"], ys["planes"])
 

@@ -560,6 +560,10 @@ static void emit_band(const geom *g, const win_args *e, const float *acc, float 
 /* Limits of the stack tables: input pixels per plane, padded pixels. */
 #define BLOCKED_MAX_IN 4096
 #define BLOCKED_MAX_PADDED 4096
+/* The last pixels of a plane, up to this many, move by gathers and scatters instead of a
+ * 16 x 16 transpose (64 shuffles for a few pixels: 7x7 planes end with one, 14x14 with
+ * four). */
+#define BLOCKED_GATHER_PIXELS 4
 typedef struct { int64_t hp, wp; } blocked_dims;
 
 static blocked_dims blocked_size(const geom *g) {
@@ -583,7 +587,17 @@ static int64_t blocked_floats(const geom *g) {
 /* Planes [p0, p0 + cb) into buf's interior: pixel f of each plane to buf + dst[f]. */
 static void blocked_in(const float *x, int64_t plane, int64_t cb, const int32_t *dst,
                        float *buf, int ahead) {
+    const __m512i across = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32((int32_t)plane));
     for (int64_t f0 = 0; f0 < plane; f0 += 16) {
+        if (plane - f0 <= BLOCKED_GATHER_PIXELS) {
+            /* A few pixels left: each one gather of the 16 planes' values. */
+            for (int64_t f = f0; f < plane; f++)
+                _mm512_storeu_ps(buf + dst[f], _mm512_mask_i32gather_ps(
+                    _mm512_setzero_ps(), first_lanes(cb), across, x + f, 4));
+            break;
+        }
         __mmask16 m = first_lanes(plane - f0);
         __m512 r[16];
         for (int l = 0; l < 16; l++) {
@@ -598,12 +612,14 @@ static void blocked_in(const float *x, int64_t plane, int64_t cb, const int32_t 
     }
 }
 
-/* Outputs [f0, f0 + 16) of the block: out[k] = bias + sum_t w[t] * buf[base[k] + off[t]]
- * (pixel-major, CB lanes), four independent chains at a time. */
+/* Outputs [f0, f0 + n) of the block, n rounded up to four: out[k] = bias + sum_t w[t] *
+ * buf[base[k] + off[t]] (pixel-major, CB lanes), four independent chains at a time; the
+ * rest of out is zero (lanes that are not stored). */
 static inline __attribute__((always_inline)) void blocked_compute(
         const float *buf, const int32_t *base, const int64_t *off, const __m512 *w,
-        int64_t taps, __m512 bias, __m512 *out) {
-    for (int q = 0; q < 16; q += 4) {
+        int64_t taps, __m512 bias, int64_t n, __m512 *out) {
+    for (int q = 0; q < 16; q++) out[q] = _mm512_setzero_ps();
+    for (int q = 0; q < n; q += 4) {
         __m512 s0 = bias, s1 = bias, s2 = bias, s3 = bias;
         const float *p0 = buf + base[q], *p1 = buf + base[q + 1];
         const float *p2 = buf + base[q + 2], *p3 = buf + base[q + 3];
@@ -625,6 +641,23 @@ static inline __attribute__((always_inline)) void blocked_compute(
 static inline __attribute__((always_inline)) void blocked_out(
         __m512 *r, __mmask16 m, int64_t plane, int64_t cb, const float *z, float *y, vf lo,
         vf hi, int has_z, int has_clip, int ahead) {
+    int64_t n = __builtin_popcount((unsigned)m);
+    if (n <= BLOCKED_GATHER_PIXELS) {
+        /* A few pixels: each one scatter to the cb planes (+ Z gathered the same way). */
+        const __m512i across = _mm512_mullo_epi32(
+            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+            _mm512_set1_epi32((int32_t)plane));
+        __mmask16 lanes = first_lanes(cb);
+        for (int64_t k = 0; k < n; k++) {
+            vf v = (vf)r[k];
+            if (has_z)
+                v += (vf)_mm512_mask_i32gather_ps(_mm512_setzero_ps(), lanes, across,
+                                                  z + k, 4);
+            if (has_clip) v = vclip(v, lo, hi);
+            _mm512_mask_i32scatter_ps(y + k, lanes, across, (__m512)v, 4);
+        }
+        return;
+    }
     transpose16(r);
     for (int64_t l = 0; l < cb; l++) {
         vf v = (vf)r[l];
@@ -647,7 +680,7 @@ static inline __attribute__((always_inline)) void blocked_block(
     vf lo = vsplat(has_clip ? e->clip[0] : 0.0f), hi = vsplat(has_clip ? e->clip[1] : 0.0f);
     for (int64_t f0 = 0; f0 < plane; f0 += 16) {
         __m512 r[16];
-        blocked_compute(buf, base + f0, off, w, taps, bias, r);
+        blocked_compute(buf, base + f0, off, w, taps, bias, min64(16, plane - f0), r);
         blocked_out(r, first_lanes(plane - f0), plane, cb, has_z ? z + f0 : NULL,
                     y + at + f0, lo, hi, has_z, has_clip, ahead);
     }

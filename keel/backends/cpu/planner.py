@@ -2148,8 +2148,9 @@ DEPTHWISE_BLOCKED_ROWS_PIXELS = 1024
 # row split once for the two output rows it feeds), and rows of at most 8 outputs two to
 # a vector. On a 2-core Intel Xeon (AVX-512, 2 MiB L2), one thread, bias + ReLU6, under
 # load, alone from C (fastest of 15 x 100-300 calls, us, planes / blocked / strided
-# before -> strided): batch 1 144 ch 56 -> 28 - / - / 66-72 -> 52, 192 ch 28 -> 14 - / -
-# / 22 -> 16, 576 ch 14 -> 7 38-54 / 26-28 / 31 (rows of 7, one a vector) -> 13-15;
+# before -> strided): batch 1 96 ch 112 -> 56 - / - / 219 -> 212 (its 4.8 MB input read
+# from L3), 144 ch 56 -> 28 - / - / 66-72 -> 52, 192 ch 28 -> 14 - / - / 22 -> 16-17,
+# 576 ch 14 -> 7 38-54 / 26-28 / 31 (rows of 7, one a vector) -> 13-15;
 # 18432 planes of 14 -> 7 (batch 32, from memory) 1.4 / 1.04 / 1.18 -> 0.67 ms. Inside
 # MobileNetV2 at batch 1 (two models in one process, alternating, per-node medians of 30
 # passes) the 14 -> 7 layer took 44.7 us blocked and 32.6 strided. (The plane scheme
@@ -2190,8 +2191,8 @@ def depthwise_scheme(geo: native_window.WindowGeometry, planes: int, threads: in
     if (sh, sw) != (1, 1) and native_window.scheme_ok(geo, "strided"):
         rows = "two output rows a vector" if ow <= 8 else "eight vectors at a time"
         return "strided", (f"strided: the 3x3 stride-2 taps read straight from X, {rows} "
-                           f"({oh}x{ow} outputs; MobileNetV2's stride-2 layers ran "
-                           "0.5-0.8x the time of the schemes before it)")
+                           f"({oh}x{ow} outputs; MobileNetV2's 56->28, 28->14 and 14->7 "
+                           "layers ran 0.5-0.8x the time of the schemes before it alone)")
     if (sh, sw) != (1, 1):
         wins = cached and out <= DEPTHWISE_BLOCKED_PIXELS
     elif cached:

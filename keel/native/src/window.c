@@ -828,7 +828,7 @@ static inline __attribute__((always_inline)) void s2_group(
             }
         }
     }
-    for (int k = 0; k < nr; k++) {
+    for (int k = 0; k < nr && i0 + k < g->oh; k++) {
         for (int u = 0; u < nv; u++) {
             int64_t at = (i0 + k) * g->ow + j + u * KV, n = g->ow - j - u * KV;
             if (n <= 0) break;
@@ -840,17 +840,15 @@ static inline __attribute__((always_inline)) void s2_group(
     }
 }
 
-/* One plane's outputs, nv vectors of a row at a time, S2_CHAINS / nv rows together. */
+/* One plane's outputs, nv vectors of a row at a time, S2_CHAINS / nv rows together (the
+ * last group's rows past OH read zero rows and are not stored: one body to compile). */
 static inline __attribute__((always_inline)) void s2_plane(
         const geom *g, const float *x, const __m512 *wt, __m512 bias, const float *z,
         float *y, vf lo, vf hi, int nv, int has_z, int has_clip) {
     const int nr = S2_CHAINS / nv;
     for (int64_t j = 0; j < g->ow; j += nv * KV) {
-        int64_t i = 0;
-        for (; i + nr <= g->oh; i += nr)
+        for (int64_t i = 0; i < g->oh; i += nr)
             s2_group(g, x, wt, bias, i, j, z, y, lo, hi, nr, nv, has_z, has_clip);
-        for (; i < g->oh; i++)
-            s2_group(g, x, wt, bias, i, j, z, y, lo, hi, 1, nv, has_z, has_clip);
     }
 }
 
@@ -945,18 +943,17 @@ static inline __attribute__((always_inline)) void s2_narrow_planes(
 
 static void run_s2(const float *x, float *y, const geom *g, const win_args *e, int64_t lo,
                    int64_t hi) {
+    /* MobileNet's epilogue (bias and clip, no residual) compiled on its own, the others
+     * testing theirs at run time: the unrolled groups are large, and four copies of them
+     * doubled the library's build time. */
     int hz = e->z != NULL, hc = e->clip != NULL;
     if (s2_pairs_ok(g)) {
-        if (hz && hc) s2_narrow_planes(x, y, g, e, lo, hi, 1, 1);
-        else if (hz) s2_narrow_planes(x, y, g, e, lo, hi, 1, 0);
-        else if (hc) s2_narrow_planes(x, y, g, e, lo, hi, 0, 1);
-        else s2_narrow_planes(x, y, g, e, lo, hi, 0, 0);
-        return;
+        if (!hz && hc) s2_narrow_planes(x, y, g, e, lo, hi, 0, 1);
+        else s2_narrow_planes(x, y, g, e, lo, hi, hz, hc);
+    } else {
+        if (!hz && hc) s2_planes(x, y, g, e, lo, hi, 0, 1);
+        else s2_planes(x, y, g, e, lo, hi, hz, hc);
     }
-    if (hz && hc) s2_planes(x, y, g, e, lo, hi, 1, 1);
-    else if (hz) s2_planes(x, y, g, e, lo, hi, 1, 0);
-    else if (hc) s2_planes(x, y, g, e, lo, hi, 0, 1);
-    else s2_planes(x, y, g, e, lo, hi, 0, 0);
 }
 #endif
 

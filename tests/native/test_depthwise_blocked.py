@@ -99,12 +99,18 @@ def test_blocked_propagates_nan_like_planes() -> None:
     x = RNG.standard_normal((1, 21, 7, 7)).astype(np.float32)
     x[0, 3, 2, 4] = np.nan
     x[0, 20, 0, 0] = np.inf
+    x[0, 7, 6, 6] = np.nan          # the plane's last pixel: gathered, not transposed
+    z = RNG.standard_normal((1, 21, 7, 7)).astype(np.float32)
+    z[0, 9, 6, 6] = np.nan          # the residual's last pixel, added to a scattered one
+    z[0, 10, 6, 6] = -np.inf
     w = RNG.standard_normal((21, 1, 3, 3)).astype(np.float32)
     ys = {}
     for scheme in ("planes", "blocked"):
         ys[scheme] = np.empty((1, 21, 7, 7), dtype=np.float32)
-        nw.depthwise_conv(x, w, None, None, ys[scheme], geo, (0.0, 6.0), 1, scheme)
+        nw.depthwise_conv(x, w, None, z, ys[scheme], geo, (0.0, 6.0), 1, scheme)
     assert np.isnan(ys["blocked"][0, 3, 1:4, 3:6]).all()
+    assert np.isnan(ys["blocked"][0, 7, 5:, 5:]).all()
+    assert np.isnan(ys["blocked"][0, 9, 6, 6]) and ys["blocked"][0, 10, 6, 6] == 0.0
     assert not np.isnan(ys["blocked"][0, 2]).any()
     np.testing.assert_array_equal(ys["blocked"], ys["planes"])
 
@@ -152,7 +158,10 @@ STRIDED_CASES = [
     (1, 3, 112, 112),       # rows of 56: four vectors, the last half used
     (2, 5, 56, 56),
     (1, 7, 28, 28),
-    (1, 17, 14, 14),        # rows of 7 ("auto" keeps the blocked or plane scheme)
+    (1, 17, 14, 14),        # rows of 7: two output rows a vector
+    (1, 5, 15, 16),         # rows of 8 from input rows of 16: a vector's two full halves
+    (2, 3, 13, 9),          # rows of 5, seven of them: the last pair holds one row
+    (1, 3, 9, 17),          # rows of 9 from 17: one row a vector again
     (1, 4, 15, 33),         # odd sizes: the last window reads past X's end
     (2, 3, 9, 130),         # 65 outputs a row: a second pass of vectors
     (1, 2, 1, 2),
@@ -193,6 +202,19 @@ def test_strided_propagates_nan_and_inf_like_planes() -> None:
         (2, 29, 39): np.inf,        # the last ones
         (3, 7, 16): -np.inf})       # between two output vectors' columns
     assert np.isnan(ys["strided"][0, 1, 0, 0]) and np.isnan(ys["strided"][0, 5, 0]).all()
+    assert not np.isnan(ys["strided"][0, 0]).any()
+
+
+def test_strided_two_rows_a_vector_propagate_nan_and_inf_like_planes() -> None:
+    ys = _with_specials("strided", _window(14, 14, (3, 3), 2, 1, 1), {
+        (1, 0, 0): np.nan,          # the first row and column: next to the padding
+        (2, 13, 13): np.inf,        # the last ones (read by no output: even size)
+        (3, 3, 13): -np.inf,        # a row's last column, beside the next row's first
+        (4, 4, 0): np.nan})         # a row's first column (column 2j of output j = 0)
+    assert np.isnan(ys["strided"][0, 1, 0, 0]) and np.isnan(ys["strided"][0, 5, 0]).all()
+    assert np.isnan(ys["strided"][0, 4, 2, 0]) and np.isnan(ys["strided"][0, 4]).sum() == 1
+    y3 = ys["strided"][0, 3]
+    assert np.isinf(y3[1:3, 6]).all() and np.isfinite(y3[:, :6]).all()
     assert not np.isnan(ys["strided"][0, 0]).any()
 
 
@@ -247,12 +269,13 @@ def test_flat_propagates_nan_and_inf_like_planes() -> None:
 
 
 @pytest.mark.parametrize("threads", [2, 3, 16])
-@pytest.mark.parametrize("scheme, side, stride", [("strided", 56, 2), ("flat", 28, 1)])
+@pytest.mark.parametrize("scheme, side, stride", [("strided", 56, 2), ("strided", 14, 2),
+                                                 ("flat", 28, 1)])
 def test_scheme_threads_bitwise_equal(scheme: str, side: int, stride: int,
                                       threads: int) -> None:
     """A scheme split over threads gives the plane scheme's bits on one."""
     win = _window(side, side, (3, 3), stride, 1, 1)
-    n, c = 2, 37
+    n, c = (2 if side >= 28 else 8), 37      # small planes: enough of them for two threads
     geo = nw.plan(c, win)
     assert geo is not None and n * c >= 2 * geo.min_chunk
     x = RNG.standard_normal((n, c, side, side)).astype(np.float32)
@@ -271,11 +294,11 @@ MOBILENET_LAYERS = [(32, 112, 1), (96, 112, 2), (144, 56, 1), (144, 56, 2), (192
                     (192, 28, 2), (384, 14, 1), (576, 14, 1), (576, 14, 2), (960, 7, 1)]
 MOBILENET_SCHEMES = {
     (1, 1): ["flat", "strided", "flat", "strided", "flat", "strided", "flat", "flat",
-             "blocked", "blocked"],
+             "strided", "blocked"],
     (1, 2): ["flat", "strided", "flat", "strided", "flat", "strided", "flat", "flat",
-             "blocked", "blocked"],
+             "strided", "blocked"],
     (32, 1): ["flat", "strided", "flat", "strided", "flat", "strided", "flat", "flat",
-              "planes", "flat"],
+              "strided", "flat"],
 }
 
 

@@ -55,9 +55,11 @@ hand to BLAS. Four formulations (:func:`depthwise_layout`):
 
   3x3 stride-2 convs padded by one may instead read X in place, the stride
   phases split in registers (no band copy; the ``strided`` scheme, the plane
-  path's chain, the same bits): the planner picks it for output
-  rows wider than half a vector, MobileNetV2's 112->56, 56->28 and 28->14
-  layers (265 -> 150, 83 -> 69, 38 -> 32 us at batch 1; docs/performance.md).
+  path's chain, the same bits), several output rows at a time (each input row split
+  once for the two output rows it feeds) and rows of at most 8 outputs two to a
+  vector: the planner picks it for every stride-2 layer it serves, MobileNetV2's four
+  (inside the model at batch 1 the 14->7 layer 44.7 us blocked, 32.6 strided;
+  docs/performance.md).
 
   Stride-1 layers whose output rows are as wide as the input's (the ``flat`` scheme)
   may also read X in place: 16 consecutive output pixels of a plane at a time, whatever

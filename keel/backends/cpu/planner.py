@@ -2345,14 +2345,19 @@ DEPTHWISE_BLOCKED_CACHED_PIXELS = 784
 DEPTHWISE_BLOCKED_PIXELS = 64
 DEPTHWISE_BLOCKED_ROWS = (24, 31)
 DEPTHWISE_BLOCKED_ROWS_PIXELS = 1024
-# "strided" (3x3 stride-2 convs padded by one, read straight from X) where the blocked
-# scheme declines and output rows hold at least DEPTHWISE_STRIDED_MIN_WIDTH values (over
-# half a 16-lane vector). Alone, one thread, bias + ReLU6, the input written just before
-# (us, planes -> strided): batch 1 96 ch 112 -> 56 161 -> 115, 144 ch 56 -> 28 69 -> 54,
-# 192 ch 28 -> 14 24 -> 19, but 576 ch 14 -> 7 17 (blocked) -> 29; batch 32 (from memory)
-# 112 -> 56 10.5-11.4 -> 7.3 ms, 56 -> 28 4.0 -> 3.4, 28 -> 14 1.5 -> 0.9, 14 -> 7 1.9 ->
-# 2.4. Rows of 7 fill under half a vector, and every lane costs its loads and permutes.
-DEPTHWISE_STRIDED_MIN_WIDTH = 9
+# "strided" (3x3 stride-2 convs padded by one, read straight from X) for every call it
+# serves. Its output rows run eight vectors at a time (several rows together, each input
+# row split once for the two output rows it feeds), and rows of at most 8 outputs two to
+# a vector. On a 2-core Intel Xeon (AVX-512, 2 MiB L2), one thread, bias + ReLU6, under
+# load, alone from C (fastest of 15 x 100-300 calls, us, planes / blocked / strided
+# before -> strided): batch 1 96 ch 112 -> 56 - / - / 219 -> 212 (its 4.8 MB input read
+# from L3), 144 ch 56 -> 28 - / - / 66-72 -> 52, 192 ch 28 -> 14 - / - / 22 -> 16-17,
+# 576 ch 14 -> 7 38-54 / 26-28 / 31 (rows of 7, one a vector) -> 13-15;
+# 18432 planes of 14 -> 7 (batch 32, from memory) 1.4 / 1.04 / 1.18 -> 0.67 ms. Inside
+# MobileNetV2 at batch 1 (two models in one process, alternating, per-node medians of 30
+# passes) the 14 -> 7 layer took 44.7 us blocked and 32.6 strided. (The plane scheme
+# before it at 112 -> 56, 56 -> 28, 28 -> 14: 161 -> 115, 69 -> 54, 24 -> 19 us alone on
+# the AMD EPYC machine, 10.5-11.4 -> 7.3, 4.0 -> 3.4, 1.5 -> 0.9 ms at batch 32.)
 # "flat" (stride 1, output rows as wide as the input's: 16 consecutive output pixels of a
 # plane at a time read straight from X, the taps outside X zeroed; no copy, no
 # transposes, no lanes lost at row ends) for every stride-1 call it serves but the
@@ -2385,6 +2390,11 @@ def depthwise_scheme(geo: native_window.WindowGeometry, planes: int, threads: in
                         f"outside it zeroed ({oh}x{ow} outputs, {where}; MobileNetV2's "
                         "stride-1 layers from 14x14 up ran 0.71-0.87x the time of the "
                         "blocked and plane schemes inside the model)")
+    if (sh, sw) != (1, 1) and native_window.scheme_ok(geo, "strided"):
+        rows = "two output rows a vector" if ow <= 8 else "eight vectors at a time"
+        return "strided", (f"strided: the 3x3 stride-2 taps read straight from X, {rows} "
+                           f"({oh}x{ow} outputs; MobileNetV2's 56->28, 28->14 and 14->7 "
+                           "layers ran 0.5-0.8x the time of the schemes before it alone)")
     if (sh, sw) != (1, 1):
         wins = cached and out <= DEPTHWISE_BLOCKED_PIXELS
     elif cached:
@@ -2397,10 +2407,6 @@ def depthwise_scheme(geo: native_window.WindowGeometry, planes: int, threads: in
         return "blocked", (f"blocked: 16 planes at once, one a vector lane ({oh}x{ow} "
                            f"outputs, {where}; MobileNetV2's small planes ran 0.78-0.96x "
                            "the plane scheme's time)")
-    if ow >= DEPTHWISE_STRIDED_MIN_WIDTH and native_window.scheme_ok(geo, "strided"):
-        return "strided", (f"strided: the 3x3 stride-2 taps read straight from X, output "
-                           f"rows of {ow} >= {DEPTHWISE_STRIDED_MIN_WIDTH} (MobileNetV2's "
-                           "stride-2 layers ran 0.71-0.79x the plane scheme's time)")
     why = "the blocked scheme serves no such geometry here" if wins else where
     return "planes", f"planes: plane by plane ({oh}x{ow} outputs, {why})"
 

@@ -28,8 +28,9 @@
  *   plane (run_blocked, AVX-512 only). Each lane runs the same chain of multiply-adds, so
  *   the values are bitwise the same.
  * - 3x3 stride-2 depthwise convs padded by one (MobileNet's) may run with no band copy,
- *   the stride phases split in registers (run_s2, AVX-512 only): the same chain of
- *   multiply-adds, the same values.
+ *   the stride phases split in registers, several output rows at a time, rows of at most
+ *   8 outputs two to a vector (run_s2, AVX-512 only): the same chain of multiply-adds,
+ *   the same values.
  * - Stride-1 depthwise convs whose output rows are as wide as the input's may run with no
  *   copy at all, 16 consecutive output pixels of a plane at a time, each tap a load from
  *   X with the lanes outside X zeroed (run_flat, AVX-512 only): the same chain of
@@ -559,6 +560,10 @@ static void emit_band(const geom *g, const win_args *e, const float *acc, float 
 /* Limits of the stack tables: input pixels per plane, padded pixels. */
 #define BLOCKED_MAX_IN 4096
 #define BLOCKED_MAX_PADDED 4096
+/* The last pixels of a plane, up to this many, move by gathers and scatters instead of a
+ * 16 x 16 transpose (64 shuffles for a few pixels: 7x7 planes end with one, 14x14 with
+ * four). */
+#define BLOCKED_GATHER_PIXELS 4
 typedef struct { int64_t hp, wp; } blocked_dims;
 
 static blocked_dims blocked_size(const geom *g) {
@@ -582,7 +587,17 @@ static int64_t blocked_floats(const geom *g) {
 /* Planes [p0, p0 + cb) into buf's interior: pixel f of each plane to buf + dst[f]. */
 static void blocked_in(const float *x, int64_t plane, int64_t cb, const int32_t *dst,
                        float *buf, int ahead) {
+    const __m512i across = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32((int32_t)plane));
     for (int64_t f0 = 0; f0 < plane; f0 += 16) {
+        if (plane - f0 <= BLOCKED_GATHER_PIXELS) {
+            /* A few pixels left: each one gather of the 16 planes' values. */
+            for (int64_t f = f0; f < plane; f++)
+                _mm512_storeu_ps(buf + dst[f], _mm512_mask_i32gather_ps(
+                    _mm512_setzero_ps(), first_lanes(cb), across, x + f, 4));
+            break;
+        }
         __mmask16 m = first_lanes(plane - f0);
         __m512 r[16];
         for (int l = 0; l < 16; l++) {
@@ -597,12 +612,14 @@ static void blocked_in(const float *x, int64_t plane, int64_t cb, const int32_t 
     }
 }
 
-/* Outputs [f0, f0 + 16) of the block: out[k] = bias + sum_t w[t] * buf[base[k] + off[t]]
- * (pixel-major, CB lanes), four independent chains at a time. */
+/* Outputs [f0, f0 + n) of the block, n rounded up to four: out[k] = bias + sum_t w[t] *
+ * buf[base[k] + off[t]] (pixel-major, CB lanes), four independent chains at a time; the
+ * rest of out is zero (lanes that are not stored). */
 static inline __attribute__((always_inline)) void blocked_compute(
         const float *buf, const int32_t *base, const int64_t *off, const __m512 *w,
-        int64_t taps, __m512 bias, __m512 *out) {
-    for (int q = 0; q < 16; q += 4) {
+        int64_t taps, __m512 bias, int64_t n, __m512 *out) {
+    for (int q = 0; q < 16; q++) out[q] = _mm512_setzero_ps();
+    for (int q = 0; q < n; q += 4) {
         __m512 s0 = bias, s1 = bias, s2 = bias, s3 = bias;
         const float *p0 = buf + base[q], *p1 = buf + base[q + 1];
         const float *p2 = buf + base[q + 2], *p3 = buf + base[q + 3];
@@ -624,6 +641,23 @@ static inline __attribute__((always_inline)) void blocked_compute(
 static inline __attribute__((always_inline)) void blocked_out(
         __m512 *r, __mmask16 m, int64_t plane, int64_t cb, const float *z, float *y, vf lo,
         vf hi, int has_z, int has_clip, int ahead) {
+    int64_t n = __builtin_popcount((unsigned)m);
+    if (n <= BLOCKED_GATHER_PIXELS) {
+        /* A few pixels: each one scatter to the cb planes (+ Z gathered the same way). */
+        const __m512i across = _mm512_mullo_epi32(
+            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+            _mm512_set1_epi32((int32_t)plane));
+        __mmask16 lanes = first_lanes(cb);
+        for (int64_t k = 0; k < n; k++) {
+            vf v = (vf)r[k];
+            if (has_z)
+                v += (vf)_mm512_mask_i32gather_ps(_mm512_setzero_ps(), lanes, across,
+                                                  z + k, 4);
+            if (has_clip) v = vclip(v, lo, hi);
+            _mm512_mask_i32scatter_ps(y + k, lanes, across, (__m512)v, 4);
+        }
+        return;
+    }
     transpose16(r);
     for (int64_t l = 0; l < cb; l++) {
         vf v = (vf)r[l];
@@ -646,7 +680,7 @@ static inline __attribute__((always_inline)) void blocked_block(
     vf lo = vsplat(has_clip ? e->clip[0] : 0.0f), hi = vsplat(has_clip ? e->clip[1] : 0.0f);
     for (int64_t f0 = 0; f0 < plane; f0 += 16) {
         __m512 r[16];
-        blocked_compute(buf, base + f0, off, w, taps, bias, r);
+        blocked_compute(buf, base + f0, off, w, taps, bias, min64(16, plane - f0), r);
         blocked_out(r, first_lanes(plane - f0), plane, cb, has_z ? z + f0 : NULL,
                     y + at + f0, lo, hi, has_z, has_clip, ahead);
     }
@@ -734,7 +768,12 @@ static void run_blocked(const float *x, float *y, const geom *g, const win_args 
  * odd input columns of an output vector are split in registers (a permute of two
  * loads; the columns 2j - 1 from loads one column earlier), input rows and columns
  * outside X are zero vectors (the copy's padding), and each output is the same chain
- * as conv_rows (bias, then a multiply-add per tap in order, + Z, clip): the same bits. */
+ * as conv_rows (bias, then a multiply-add per tap in order, + Z, clip): the same bits.
+ * Output rows run S2_CHAINS vectors at a time (S2_CHAINS / nv rows of nv vectors), each
+ * input row split once for both output rows it feeds: alone, one thread, that took
+ * 0.72-0.79x the time of one row at a time on 56 -> 28 and 28 -> 14 (2-core Intel Xeon). */
+#define S2_CHAINS 8       /* output vectors computed together: independent FMA chains */
+
 static int s2_ok(const geom *g) {
     return g->kh == 3 && g->kw == 3 && g->sh == 2 && g->sw == 2 && g->dh == 1 && g->dw == 1
            && g->pt == 1 && g->pl == 1;
@@ -759,34 +798,57 @@ static inline __attribute__((always_inline)) void s2_columns(
     *prev = o;
 }
 
-/* Output row i of one plane (x: the plane, wt: its nine weights splat). */
-static inline __attribute__((always_inline)) void s2_row(
-        const geom *g, const float *x, const __m512 *wt, __m512 bias, int64_t i,
-        const float *z, float *y, vf lo, vf hi, int nv, int has_z, int has_clip) {
-    /* The odd columns before each row's next vector: column -1 is padding. */
-    __m512 prev[3] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int64_t j = 0; j < g->ow; j += nv * KV) {
-        __m512 s[KU];
-        for (int u = 0; u < nv; u++) s[u] = bias;
-        for (int64_t kh = 0; kh < 3; kh++) {
-            int64_t r = 2 * i - 1 + kh;
-            int inside = r >= 0 && r < g->h;
-            for (int u = 0; u < nv; u++) {
-                __m512 col[3] = {_mm512_setzero_ps(), _mm512_setzero_ps(),
-                                 _mm512_setzero_ps()};
-                if (inside) s2_columns(x + r * g->w, g->w, j + u * KV, &prev[kh], col);
+/* Output rows [i0, i0 + nr) of one plane, the nv vectors of outputs from column j (x: the
+ * plane, wt: its nine weights splat; z, y: the plane's). The rows' nr * nv sums are
+ * independent chains, and each input row they read (2 i0 - 1 .. 2 i0 + 2 nr - 1) is
+ * loaded and split once for the one or two output rows that use it: an output row's taps
+ * still come in order (kh = 0, 1, 2, each kw = 0, 1, 2), so each output is the same chain. */
+static inline __attribute__((always_inline)) void s2_group(
+        const geom *g, const float *x, const __m512 *wt, __m512 bias, int64_t i0, int64_t j,
+        const float *z, float *y, vf lo, vf hi, int nr, int nv, int has_z, int has_clip) {
+    __m512 s[S2_CHAINS];
+    for (int k = 0; k < nr * nv; k++) s[k] = bias;
+#pragma GCC unroll 17
+    for (int rr = 0; rr < 2 * nr + 1; rr++) {
+        int64_t r = 2 * i0 - 1 + rr;
+        int inside = r >= 0 && r < g->h;
+        /* The odd column before the first vector: column -1 is padding. */
+        __m512 prev = inside && j > 0 ? _mm512_set1_ps(x[r * g->w + 2 * j - 1])
+                                      : _mm512_setzero_ps();
+#pragma GCC unroll 4
+        for (int u = 0; u < nv; u++) {
+            __m512 col[3] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+            if (inside) s2_columns(x + r * g->w, g->w, j + u * KV, &prev, col);
+#pragma GCC unroll 8
+            for (int k = 0; k < nr; k++) {
+                int kh = rr - 2 * k;
+                if (kh < 0 || kh > 2) continue;
                 for (int kw = 0; kw < 3; kw++)
-                    s[u] = _mm512_fmadd_ps(col[kw], wt[kh * 3 + kw], s[u]);
+                    s[k * nv + u] = _mm512_fmadd_ps(col[kw], wt[kh * 3 + kw], s[k * nv + u]);
             }
         }
+    }
+    for (int k = 0; k < nr && i0 + k < g->oh; k++) {
         for (int u = 0; u < nv; u++) {
-            int64_t at = j + u * KV, n = g->ow - at;
+            int64_t at = (i0 + k) * g->ow + j + u * KV, n = g->ow - j - u * KV;
             if (n <= 0) break;
-            vf v = (vf)s[u];
+            vf v = (vf)s[k * nv + u];
             if (has_z) v += load_n(z + at, n);
             if (has_clip) v = vclip(v, lo, hi);
             store_n(y + at, v, n);
         }
+    }
+}
+
+/* One plane's outputs, nv vectors of a row at a time, S2_CHAINS / nv rows together (the
+ * last group's rows past OH read zero rows and are not stored: one body to compile). */
+static inline __attribute__((always_inline)) void s2_plane(
+        const geom *g, const float *x, const __m512 *wt, __m512 bias, const float *z,
+        float *y, vf lo, vf hi, int nv, int has_z, int has_clip) {
+    const int nr = S2_CHAINS / nv;
+    for (int64_t j = 0; j < g->ow; j += nv * KV) {
+        for (int64_t i = 0; i < g->oh; i += nr)
+            s2_group(g, x, wt, bias, i, j, z, y, lo, hi, nr, nv, has_z, has_clip);
     }
 }
 
@@ -801,24 +863,97 @@ static inline __attribute__((always_inline)) void s2_planes(
         __m512 wt[9];
         for (int t = 0; t < 9; t++) wt[t] = _mm512_set1_ps(e->w[c * 9 + t]);
         __m512 bias = _mm512_set1_ps(e->bias != NULL ? e->bias[c] : 0.0f);
-        for (int64_t i = 0; i < g->oh; i++) {
-            int64_t at = p * out_plane + i * g->ow;
-            const float *xp = x + p * in_plane, *zp = has_z ? e->z + at : NULL;
-            if (nv == 4) s2_row(g, xp, wt, bias, i, zp, y + at, vlo, vhi, 4, has_z, has_clip);
-            else if (nv == 3) s2_row(g, xp, wt, bias, i, zp, y + at, vlo, vhi, 3, has_z, has_clip);
-            else if (nv == 2) s2_row(g, xp, wt, bias, i, zp, y + at, vlo, vhi, 2, has_z, has_clip);
-            else s2_row(g, xp, wt, bias, i, zp, y + at, vlo, vhi, 1, has_z, has_clip);
+        const float *xp = x + p * in_plane, *zp = has_z ? e->z + p * out_plane : NULL;
+        float *yp = y + p * out_plane;
+        if (nv == 4) s2_plane(g, xp, wt, bias, zp, yp, vlo, vhi, 4, has_z, has_clip);
+        else if (nv == 3) s2_plane(g, xp, wt, bias, zp, yp, vlo, vhi, 3, has_z, has_clip);
+        else if (nv == 2) s2_plane(g, xp, wt, bias, zp, yp, vlo, vhi, 2, has_z, has_clip);
+        else s2_plane(g, xp, wt, bias, zp, yp, vlo, vhi, 1, has_z, has_clip);
+    }
+}
+
+/* Narrow planes (output rows of at most 8, input rows of at most 16: MobileNet's 14 -> 7)
+ * put two output rows in a vector, row i in lanes 0-7 and row i + 1 in lanes 8-15, where
+ * a vector a row would leave half its lanes empty. Tap (kh, kw) is one permute of the
+ * two input rows 2i - 1 + kh and 2i + 1 + kh (each one masked load), lane 8k + j taking
+ * column 2j - 1 + kw of the second when k = 1; the lanes past a row or left of X are
+ * zeroed by the permute's mask, columns past X by the loads'. The sums are then moved
+ * together (lane 8k + j to k * OW + j, as Y holds the two rows) for + Z, the clip and one
+ * store: each output is the same chain as conv_rows, the same bits. */
+static int s2_pairs_ok(const geom *g) { return g->ow <= 8 && g->w <= 16; }
+
+static inline __attribute__((always_inline)) void s2_pairs(
+        const geom *g, const float *x, const __m512 *wt, __m512 bias, const float *z,
+        float *y, vf lo, vf hi, const __m512i *idx, const __mmask16 *m, __m512i pack,
+        int has_z, int has_clip) {
+    __mmask16 cols = first_lanes(g->w);
+    for (int64_t i = 0; i < g->oh; i += 2) {
+        __m512 rows[5];     /* input rows 2i - 1 .. 2i + 3, zero outside X */
+        for (int k = 0; k < 5; k++) {
+            int64_t r = 2 * i - 1 + k;
+            rows[k] = r >= 0 && r < g->h ? _mm512_maskz_loadu_ps(cols, x + r * g->w)
+                                         : _mm512_setzero_ps();
         }
+        __m512 s = bias;
+        for (int kh = 0; kh < 3; kh++)
+            for (int kw = 0; kw < 3; kw++)
+                s = _mm512_fmadd_ps(_mm512_maskz_permutex2var_ps(m[kw], rows[kh], idx[kw],
+                                                                 rows[kh + 2]),
+                                    wt[kh * 3 + kw], s);
+        int64_t n = min64(2, g->oh - i) * g->ow;
+        vf v = (vf)_mm512_permutexvar_ps(pack, s);
+        if (has_z) v += load_n(z + i * g->ow, n);
+        if (has_clip) v = vclip(v, lo, hi);
+        store_n(y + i * g->ow, v, n);
+    }
+}
+
+static inline __attribute__((always_inline)) void s2_narrow_planes(
+        const float *x, float *y, const geom *g, const win_args *e, int64_t lo, int64_t hi,
+        int has_z, int has_clip) {
+    int64_t in_plane = g->h * g->w, out_plane = g->oh * g->ow;
+    vf vlo = vsplat(has_clip ? e->clip[0] : 0.0f), vhi = vsplat(has_clip ? e->clip[1] : 0.0f);
+    /* idx[kw]: lane 8k + j reads column 2j - 1 + kw of row k (16 + that for k = 1); m[kw]
+     * keeps the lanes whose j is an output and whose column is not left of X. pack: lane
+     * k * OW + j takes lane 8k + j. */
+    int32_t lanes[16] __attribute__((aligned(64)));
+    __m512i idx[3];
+    __mmask16 m[3];
+    for (int kw = 0; kw < 3; kw++) {
+        unsigned bits = 0;
+        for (int l = 0; l < 16; l++) {
+            int j = l % 8, col = 2 * j - 1 + kw;
+            lanes[l] = (l / 8) * 16 + (col < 0 ? 0 : col);
+            bits |= (unsigned)(j < g->ow && col >= 0) << l;
+        }
+        idx[kw] = _mm512_load_si512(lanes);
+        m[kw] = (__mmask16)bits;
+    }
+    for (int l = 0; l < 16; l++)
+        lanes[l] = l < 2 * g->ow ? (int32_t)((l / g->ow) * 8 + l % g->ow) : 0;
+    __m512i pack = _mm512_load_si512(lanes);
+    for (int64_t p = lo, c = lo % g->c; p < hi; p++, c = c + 1 == g->c ? 0 : c + 1) {
+        __m512 wt[9];
+        for (int t = 0; t < 9; t++) wt[t] = _mm512_set1_ps(e->w[c * 9 + t]);
+        __m512 bias = _mm512_set1_ps(e->bias != NULL ? e->bias[c] : 0.0f);
+        s2_pairs(g, x + p * in_plane, wt, bias, has_z ? e->z + p * out_plane : NULL,
+                 y + p * out_plane, vlo, vhi, idx, m, pack, has_z, has_clip);
     }
 }
 
 static void run_s2(const float *x, float *y, const geom *g, const win_args *e, int64_t lo,
                    int64_t hi) {
+    /* MobileNet's epilogue (bias and clip, no residual) compiled on its own, the others
+     * testing theirs at run time: the unrolled groups are large, and four copies of them
+     * doubled the library's build time. */
     int hz = e->z != NULL, hc = e->clip != NULL;
-    if (hz && hc) s2_planes(x, y, g, e, lo, hi, 1, 1);
-    else if (hz) s2_planes(x, y, g, e, lo, hi, 1, 0);
-    else if (hc) s2_planes(x, y, g, e, lo, hi, 0, 1);
-    else s2_planes(x, y, g, e, lo, hi, 0, 0);
+    if (s2_pairs_ok(g)) {
+        if (!hz && hc) s2_narrow_planes(x, y, g, e, lo, hi, 0, 1);
+        else s2_narrow_planes(x, y, g, e, lo, hi, hz, hc);
+    } else {
+        if (!hz && hc) s2_planes(x, y, g, e, lo, hi, 0, 1);
+        else s2_planes(x, y, g, e, lo, hi, hz, hc);
+    }
 }
 #endif
 

@@ -156,3 +156,46 @@ def test_default_takes_1x1_natively_at_any_batch() -> None:
     assert choice(1, 7)[0] == "native"                    # 49 pixels
     conv = conv_case(Op.CONV, (1, 64, 7, 7), (384, 64, 1, 1), {}, "float64")
     assert conv is not None and pick(conv, rules)[0] == "pointwise"     # native: float32
+
+
+def _gathered(batch: int) -> tuple[ng.Rows, np.ndarray]:
+    """A gathered B of 16 taps x 5000 columns (rows of 50 pixels, 3 apart in the
+    buffer, as output rows in a phase image) over `batch` buffers of 20,000 floats,
+    and the same B as a dense (batch, 16, 5000) array."""
+    rng = np.random.default_rng(7)
+    data = _rand(rng, batch * 20000)
+    offsets = np.arange(16, dtype=np.int64) * 700
+    columns = np.arange(5000, dtype=np.int64) + (np.arange(5000) // 50) * 3
+    dense = np.stack([data[t * 20000 + offsets[:, None] + columns[None, :]]
+                      for t in range(batch)])
+    return ng.Rows(data, offsets, 5000, 20000, columns), dense
+
+
+@pytest.mark.parametrize("batch,streams", [(1, False), (2, True)])
+def test_gathered_taps_stream_by_the_span_they_read(batch: int, streams: bool,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gathered B streams by the bytes of the buffer span it reads (one buffer:
+    63 KB; two: 143 KB), not by its k x n taps (320 KB a product): with STREAM_BYTES
+    at 100 KB one product reads from cache, two stream. Either way the same bits and
+    the product of the dense taps."""
+    monkeypatch.setattr(cpu_planner, "MIN_FLOPS_PER_THREAD", 1)
+    b, dense = _gathered(batch)
+    a = _rand(np.random.default_rng(8), 70, 16)
+    packed = ng.pack(a, left=True)
+    assert packed is not None
+    outs = []
+    for limit in (100_000, 2**40):
+        monkeypatch.setattr(cpu_planner, "STREAM_BYTES", limit)
+        y = np.empty((batch, 70, 5000), np.float32)
+        call = ng.prepare(packed, b, y, clip=(-1.0, 2.0))
+        assert call is not None
+        stream = bool(int(call.values[ng._FLAGS_FIELD]) & ng._STREAM)
+        assert stream == (streams and limit == 100_000)
+        for threads in (1, 2):
+            call.run(threads)
+            outs.append(y.copy())
+    want = np.clip(np.einsum("mk,tkn->tmn", a.astype(np.float64), dense.astype(np.float64)),
+                   -1.0, 2.0)
+    np.testing.assert_allclose(outs[0], want, rtol=1e-4, atol=1e-4)
+    for out in outs[1:]:
+        np.testing.assert_array_equal(outs[0], out)

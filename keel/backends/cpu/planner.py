@@ -1549,7 +1549,8 @@ BLOCKS = {"epilogue_block": EPILOGUE_BLOCK_ELEMENTS,
 # - HOLD_BYTES: a fresh MatMul / Gemm output up to this size is computed into a kept
 #   buffer and copied (~0.3 us) rather than the prepared call retargeted (~3 us);
 # - STREAM_BYTES: a raw right operand of the native GEMM larger than this (all
-#   products together, about L2's size) comes from memory rather than cache, and
+#   products together, about L2's size; a conv's gathered taps by the span of the
+#   image they are read from, not their k x n) comes from memory rather than cache, and
 #   gemm.c packs it in long sequential runs (KEEL_STREAM; see its row_panels_first).
 ERF_BLOCK_ELEMENTS = 1 << 16
 HOLD_BYTES = 64 * 1024

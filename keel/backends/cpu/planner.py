@@ -1641,9 +1641,16 @@ def attention_heads(block_elements: int, scores_per_head: int, heads: int,
 
 def block(node_plan: NodePlan | None, name: str) -> int:
     """The block size ``name`` (see BLOCKS) a kernel runs with: its node plan's, else
-    (a call the planner did not see) the planner's own."""
-    size = BLOCKS[name]
+    (a call the planner did not see) the same rule's for this machine's caches."""
+    size = block_size(name, caches())
     return size if node_plan is None else int(node_plan.option(name, size))
+
+
+@functools.cache
+def block_size(name: str, sizes: Caches) -> int:
+    """The block size ``name`` (see BLOCKS) for the caches of ``sizes``: the measured
+    size scaled to its L2 (the one rule for a plan's option and a call without one)."""
+    return sizes.with_l2(BLOCKS[name])
 
 
 def _blocking(op: Op, sizes: Caches) -> tuple[tuple[str, int], str] | None:
@@ -1652,7 +1659,7 @@ def _blocking(op: Op, sizes: Caches) -> tuple[tuple[str, int], str] | None:
     name = _BLOCK_OF.get(op)
     if name is None:
         return None
-    size = sizes.with_l2(BLOCKS[name])
+    size = block_size(name, sizes)
     return (name, size), (f"{name} {size}: {_BLOCK_WHY[name]} ({BLOCKS[name]} measured for "
                           f"a 1 MiB L2, scaled by rule to the caches of {sizes.source})")
 

@@ -2763,17 +2763,24 @@ PIPELINE_VECTOR = 16
 PIPELINE_CHUNKS_PER_THREAD = 1
 
 
-@functools.lru_cache(maxsize=512)
 def winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], threads: int,
                       sizes: Caches | None = None, grid: Any = _HERE,
-                      per_thread: int = PIPELINE_CHUNKS_PER_THREAD,
+                      per_thread: int | None = None,
                       vendor: Any = _HERE) -> WinogradPipeline:
     """Whether a compiled Winograd conv of ``images`` images (C -> M channels, output
     ``out_hw``) runs as the per-thread pipeline on ``threads`` threads, for the caches of
     ``sizes`` and a CPU of ``vendor`` (defaults: this machine's), and its blocks,
-    ``per_thread`` chunks of them a thread (PIPELINE_CHUNKS_PER_THREAD): see
-    PIPELINE_L2_SHARE."""
-    sizes = sizes or caches()
+    ``per_thread`` chunks of them a thread (default: PIPELINE_CHUNKS_PER_THREAD, read at
+    each call so that setting it takes effect): see PIPELINE_L2_SHARE."""
+    chunks = PIPELINE_CHUNKS_PER_THREAD if per_thread is None else per_thread
+    return _winograd_pipeline(images, c, m, out_hw, threads, sizes or caches(), grid,
+                              chunks, vendor)
+
+
+@functools.lru_cache(maxsize=512)
+def _winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], threads: int,
+                       sizes: Caches, grid: Any, per_thread: int,
+                       vendor: Any) -> WinogradPipeline:
     mr, nr = _grid(grid) or _TILES["scalar"]
     th, tw = -(-out_hw[0] // 2), -(-out_hw[1] // 2)
     tiles = images * th * tw

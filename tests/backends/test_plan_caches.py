@@ -62,6 +62,17 @@ def test_this_machines_plan_uses_its_own_caches() -> None:
         assert f"this machine: L2 {l2 >> 10} KiB" in why
 
 
+@pytest.mark.parametrize("name", [None, "x86-avx512-server", "container-2core-1gib"])
+def test_a_call_without_a_plan_blocks_as_the_plan_would(
+        name: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # None: this machine's caches; a fake profile stands in for this machine's probe.
+    profile = None if name is None else fake_profile(name)
+    if profile is not None:
+        monkeypatch.setattr(planner, "_here", lambda: planner.caches(profile))
+    planned, _ = _layer_norm_block(profile)
+    assert planner.block(None, "row_block") == planned
+
+
 def test_the_non_temporal_threshold_follows_the_last_level_cache() -> None:
     from keel.ops.schemas.conv import conv_geometry
 

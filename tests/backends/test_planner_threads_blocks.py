@@ -65,14 +65,14 @@ def test_other_nodes_keep_the_backends_threads() -> None:
 def test_blocked_kernels_get_their_block_in_the_plan(
         op: Op, shapes: tuple[tuple[int, ...], ...], name: str) -> None:
     """Planned for a Xeon Gold 6230 (1 MiB L2, the L2 the blocks were measured on), the
-    block is the measured one, the size a kernel runs with when it has no plan (blocks
-    that scale with other caches: tests/backends/test_plan_caches.py)."""
+    block is the measured one, which the kernel runs with (blocks that scale with other
+    caches, and a call without a plan: tests/backends/test_plan_caches.py)."""
     plan = _plan(op, *shapes, profile=fake_profile("container-v1-2core-1gib"))
     assert plan.option(name) == cpu_planner.BLOCKS[name]
     assert plan.reason(name).startswith(f"{name} {cpu_planner.BLOCKS[name]}: ")
     assert "Xeon(R) Gold 6230 CPU @ 2.10GHz: L2 1024 KiB" in plan.reason(name)
     assert plan.to_dict()["options"][name] == cpu_planner.BLOCKS[name]
-    assert cpu_planner.block(plan, name) == cpu_planner.block(None, name)
+    assert cpu_planner.block(plan, name) == cpu_planner.BLOCKS[name]
 
 
 def test_the_matmul_kernel_splits_its_product_as_the_plan_says(

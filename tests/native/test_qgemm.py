@@ -680,6 +680,25 @@ def test_the_planners_int8_sizes_are_the_compiled_kernels(
         native_qgemm.check_sizes(lib, function, getattr(cpu_planner, names))
 
 
+def test_the_int8_arrays_follow_the_compiled_enum_orders(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """native_qgemm builds its kind, column, quant and geometry values in qgemm.c's enum
+    orders: the load checks them against keel_qgemm_layout, and one that differs fails it."""
+    lib = native.library("qgemm")
+    if lib is None:
+        pytest.skip(f"native tier unavailable: {native.status().reason}")
+    native_qgemm.check_layout(lib)
+    swapped = ("n", "c", "h", "w", "m", "oh", "ow", "kh", "kw", "sh", "sw", "pt", "pl", "dh",
+               "dw", "g")
+    monkeypatch.setattr(native_qgemm, "_CONV_GEOMETRY", swapped)
+    with pytest.raises(native_qgemm.Int8SizesError, match=r"keel_qgemm_layout.*change both"):
+        native_qgemm.check_layout(lib)
+    monkeypatch.undo()
+    monkeypatch.setattr(native_qgemm, "_COLUMNS", {"padded": 0, "rows": 1, "compact": 2})
+    with pytest.raises(native_qgemm.Int8SizesError, match=r"keel_qgemm_layout.*change both"):
+        native_qgemm.check_layout(lib)
+
+
 @pytest.mark.parametrize(("rows", "parts"), [(4, 1), (64, 2)])
 def test_a_qgemm_plan_states_the_split_its_product_runs(path: str, rows: int,
                                                          parts: int) -> None:

@@ -399,6 +399,16 @@ def test_more_chunks_than_threads_give_the_same_bits(threads: int,
         assert ("claimed one at a time" in pipe.reason) == (pipe.parts > pipe.threads)
 
 
+def test_the_chunks_a_thread_are_read_at_each_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Setting PIPELINE_CHUNKS_PER_THREAD changes the next plan (the cached plan is keyed
+    on it, not bound to its value at import)."""
+    one = cpu_planner.winograd_pipeline(1, 64, 64, (56, 56), 2)
+    monkeypatch.setattr(cpu_planner, "PIPELINE_CHUNKS_PER_THREAD", 2)
+    two = cpu_planner.winograd_pipeline(1, 64, 64, (56, 56), 2)
+    assert two == cpu_planner.winograd_pipeline(1, 64, 64, (56, 56), 2, per_thread=2)
+    assert one.tiles and two.parts > one.parts
+
+
 @pytest.mark.parametrize(("x_shape", "m"), [((1, 64, 6, 6), 64), ((2, 64, 5, 5), 56),
                                            ((1, 96, 5, 9), 72)])
 def test_products_split_product_by_product_give_the_same_bits(

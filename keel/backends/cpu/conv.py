@@ -347,8 +347,14 @@ class _Ready:
     def serves(self, variant: str, x: Any, w: Any, b: Any, z: Any, y: Any,
                attrs: Attrs) -> bool:
         """Whether this is the computation of these arrays (Y and Z are the key's)."""
+        return self.y_ref() is y and self.serves_inputs(variant, x, w, b, z, attrs)
+
+    def serves_inputs(self, variant: str, x: Any, w: Any, b: Any, z: Any,
+                      attrs: Attrs) -> bool:
+        """Whether this is the computation of these inputs, whatever its Y (what a run
+        moved to a new Y must check before the move)."""
         if (self.attrs is not attrs or self.w is not w or self.b is not b
-                or self.variant != variant or self.y_ref() is not y or self.z_ref() is not z):
+                or self.variant != variant or self.z_ref() is not z):
             return False
         if self.x_ref is not None:
             return self.x_ref() is x
@@ -504,10 +510,11 @@ def _run_moved(state: _State, variant: str, x: Any, w: Any, b: Any, z: Any, y: A
     fresh array every run); False when there is none or it does not serve these arrays."""
     key = (id(z), threading.get_ident())
     last = state.moving.get(key)
-    if last is None or type(y) is not np.ndarray:
+    if (last is None or type(y) is not np.ndarray
+            or not last.serves_inputs(variant, x, w, b, z, attrs)):
         return False
-    ready = last.moved(x, y, z)
-    if ready is None or not ready.serves(variant, x, w, b, z, y, attrs):
+    ready = last.moved(x, y, z)             # copies the calls: only for a run it serves
+    if ready is None:
         return False
     state.moving[key] = ready
     ready.run(x, y, threads)

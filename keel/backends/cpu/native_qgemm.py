@@ -43,8 +43,14 @@ ISA_NAMES = {2: "avx512-vnni", 1: "avx-vnni", 0: "portable"}
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _T = TypeVar("_T")
-_KINDS = {DType.UINT8: 0, DType.INT8: 1, DType.FLOAT32: 2}
-_COLUMNS = {"padded": 0, "compact": 1, "rows": 2}      # qgemm.c's COLUMNS_*
+# qgemm.c's enum orders, checked at load against keel_qgemm_layout (check_layout).
+_KINDS = {DType.UINT8: 0, DType.INT8: 1, DType.FLOAT32: 2}      # KIND_*
+_COLUMNS = {"padded": 0, "compact": 1, "rows": 2}                # COLUMNS_*
+_QUANT = ("yzp", "lo", "hi", "kind")                    # QUANT_*: _quant's
+_CONV_GEOMETRY = ("n", "c", "h", "w", "m", "oh", "ow", "kh", "kw", "sh", "sw", "dh", "dw",
+                  "pt", "pl", "g")                               # Q_*: _ConvConstants'
+_POOL_GEOMETRY = ("n", "c", "h", "w", "oh", "ow", "kh", "kw", "sh", "sw", "pt", "pl", "dh",
+                  "dw")                                          # P_*: max_pool's
 
 
 @dataclass(frozen=True)
@@ -69,7 +75,7 @@ def _load() -> _Functions | None:
 
 
 class Int8SizesError(RuntimeError):
-    """A compiled int8 kernel's sizes and the cpu planner's INT8_* values disagree."""
+    """A compiled int8 kernel's sizes or enum orders and the Python side's disagree."""
 
 
 def check_sizes(lib: native.NativeLibrary, function: str, names: tuple[str, ...]) -> None:
@@ -86,10 +92,37 @@ def check_sizes(lib: native.NativeLibrary, function: str, names: tuple[str, ...]
             f"{dict(zip(names, planned, strict=True))}: change both sides together")
 
 
+def _layout() -> dict[str, int]:
+    """The enum values this module builds its arrays with, by qgemm.c's names."""
+    kinds = {"KIND_U8": _KINDS[DType.UINT8], "KIND_S8": _KINDS[DType.INT8],
+             "KIND_F32": _KINDS[DType.FLOAT32]}
+    columns = {f"COLUMNS_{name.upper()}": value for name, value in _COLUMNS.items()}
+    slots = {f"{prefix}{name.upper()}": i
+             for prefix, names in (("QUANT_", _QUANT), ("Q_", _CONV_GEOMETRY),
+                                   ("P_", _POOL_GEOMETRY))
+             for i, name in enumerate((*names, "len"))}
+    return {**kinds, **columns, **slots}
+
+
+def check_layout(lib: native.NativeLibrary) -> None:
+    """Fail at load, before any call, where qgemm.c's enum values (keel_qgemm_layout, by
+    name) are not the ones this module builds its arrays with."""
+    want = _layout()
+    values = np.zeros(len(want) + 1, dtype=np.int64)
+    count = int(lib.function("keel_qgemm_layout", [_P, _I], _I)(_ptr(values), len(values)))
+    names = lib.function("keel_qgemm_layout_names", [], ctypes.c_char_p)().decode().split()
+    got = dict(zip(names, values[:count].tolist(), strict=False))
+    if count != len(names) or got != want:
+        raise Int8SizesError(
+            f"keel_qgemm_layout reports {got}; native_qgemm builds its arrays with {want}: "
+            "change both sides together")
+
+
 @functools.lru_cache(maxsize=4)
 def _bind(lib: native.NativeLibrary) -> _Functions:
     f = lib.function
     check_sizes(lib, "keel_qgemm_geometry", planner_rules().INT8_QGEMM_SIZES)
+    check_layout(lib)
     return _Functions(
         isa=int(f("keel_qgemm_isa", [], _I)()),
         panel=int(f("keel_qgemm_panel", [], _I)()),
@@ -143,11 +176,16 @@ def _unsigned_shift(dtype: np.dtype) -> int:
     return 128 if dtype == np.int8 else 0
 
 
+def _slots(names: tuple[str, ...], **values: int) -> np.ndarray:
+    """``values`` as the int64 array a kernel reads, in its enum order ``names``."""
+    return np.array([values[name] for name in names], dtype=np.int64)
+
+
 def _quant(out: DType, y_zero_point: int) -> np.ndarray:
     if out is DType.FLOAT32:
-        return np.array([0, 0, 0, _KINDS[out]], dtype=np.int64)
+        return _slots(_QUANT, yzp=0, lo=0, hi=0, kind=_KINDS[out])
     lo, hi = QUANT_RANGES[out]
-    return np.array([y_zero_point, lo, hi, _KINDS[out]], dtype=np.int64)
+    return _slots(_QUANT, yzp=y_zero_point, lo=lo, hi=hi, kind=_KINDS[out])
 
 
 # ---- convolution -------------------------------------------------------------------------
@@ -241,8 +279,9 @@ def _conv_constants(x: np.ndarray, xz: int, packed: PackedConv, geo: ConvGeometr
                                               image_positions(h, w_, geo), threads)
     found = _ConvConstants(
         np.ascontiguousarray(row, dtype=np.int32),
-        np.array([n, c, h, w_, m, oh, ow, kh, kw, *geo.strides, *geo.dilations,
-                  geo.pads_begin[0], geo.pads_begin[1], geo.group], dtype=np.int64),
+        _slots(_CONV_GEOMETRY, n=n, c=c, h=h, w=w_, m=m, oh=oh, ow=ow, kh=kh, kw=kw,
+               sh=geo.strides[0], sw=geo.strides[1], dh=geo.dilations[0],
+               dw=geo.dilations[1], pt=geo.pads_begin[0], pl=geo.pads_begin[1], g=geo.group),
         np.ascontiguousarray(np.broadcast_to(multiplier.reshape(-1), (m,)), dtype=np.float64),
         _quant(DType.from_numpy(y_dtype), y_zero_point), split.parts, split.chunk)
     if len(packed.calls) >= _KEPT_CALLS:

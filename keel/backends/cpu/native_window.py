@@ -231,12 +231,16 @@ class Bound:
 
 def _bind(planes: int, geo: WindowGeometry, fns: _Functions, threads: int, serial: Any,
           mt: Any, head: tuple[int | None, ...], tail: tuple[int, ...] = (),
-          keep: tuple[Any, ...] = ()) -> Bound:
+          keep: tuple[Any, ...] = (), scratch_of: Any = None) -> Bound:
     """``serial(*head, scratch, 0, planes, *tail)`` on this thread, or, when the planes
-    are worth several threads, ``mt(*head, *tail, planes, parts)`` on keel's."""
+    are worth several threads, ``mt(*head, *tail, planes, parts)`` on keel's.
+    ``scratch_of(geometry)``: the floats of scratch ``serial`` needs, where that is not
+    the window's own (keel_window_scratch)."""
     count = parts(planes, threads, geo.min_chunk_for(threads))
     if count <= 1:
-        buf, scratch = _SCRATCH.held(geo.scratch_floats(fns))
+        floats = (geo.scratch_floats(fns) if scratch_of is None
+                  else int(scratch_of(geo.address)))
+        buf, scratch = _SCRATCH.held(floats)
         return Bound(serial, (*head, scratch, 0, planes, *tail), (geo, buf, *keep))
     return Bound(mt, (*head, *tail, planes, count), (geo, *keep))
 
@@ -249,13 +253,10 @@ def bind_max_pool(x: np.ndarray, y: np.ndarray, geo: WindowGeometry, threads: in
     fns = _functions()
     head = (native.address(x), native.address(y), geo.address)
     planes = x.shape[0] * x.shape[1]
-    if not geo.by_rows():
-        return _bind(planes, geo, fns, threads, fns.maxpool, fns.maxpool_mt, head)
-    count = parts(planes, threads, geo.min_chunk_for(threads))
-    if count <= 1:
-        buf, scratch = _SCRATCH.held(int(fns.maxpool_rows_scratch(geo.address)))
-        return Bound(fns.maxpool_rows, (*head, scratch, 0, planes), (geo, buf))
-    return Bound(fns.maxpool_rows_mt, (*head, planes, count), (geo,))
+    if geo.by_rows():
+        return _bind(planes, geo, fns, threads, fns.maxpool_rows, fns.maxpool_rows_mt, head,
+                     scratch_of=fns.maxpool_rows_scratch)
+    return _bind(planes, geo, fns, threads, fns.maxpool, fns.maxpool_mt, head)
 
 
 def bind_avg_pool(x: np.ndarray, y: np.ndarray, geo: WindowGeometry, counts: np.ndarray,

@@ -1642,9 +1642,16 @@ def attention_heads(block_elements: int, scores_per_head: int, heads: int,
 
 def block(node_plan: NodePlan | None, name: str) -> int:
     """The block size ``name`` (see BLOCKS) a kernel runs with: its node plan's, else
-    (a call the planner did not see) the planner's own."""
-    size = BLOCKS[name]
+    (a call the planner did not see) the same rule's for this machine's caches."""
+    size = block_size(name, caches())
     return size if node_plan is None else int(node_plan.option(name, size))
+
+
+@functools.cache
+def block_size(name: str, sizes: Caches) -> int:
+    """The block size ``name`` (see BLOCKS) for the caches of ``sizes``: the measured
+    size scaled to its L2 (the one rule for a plan's option and a call without one)."""
+    return sizes.with_l2(BLOCKS[name])
 
 
 def _blocking(op: Op, sizes: Caches) -> tuple[tuple[str, int], str] | None:
@@ -1653,7 +1660,7 @@ def _blocking(op: Op, sizes: Caches) -> tuple[tuple[str, int], str] | None:
     name = _BLOCK_OF.get(op)
     if name is None:
         return None
-    size = sizes.with_l2(BLOCKS[name])
+    size = block_size(name, sizes)
     return (name, size), (f"{name} {size}: {_BLOCK_WHY[name]} ({BLOCKS[name]} measured for "
                           f"a 1 MiB L2, scaled by rule to the caches of {sizes.source})")
 
@@ -2763,17 +2770,24 @@ PIPELINE_VECTOR = 16
 PIPELINE_CHUNKS_PER_THREAD = 1
 
 
-@functools.lru_cache(maxsize=512)
 def winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], threads: int,
                       sizes: Caches | None = None, grid: Any = _HERE,
-                      per_thread: int = PIPELINE_CHUNKS_PER_THREAD,
+                      per_thread: int | None = None,
                       vendor: Any = _HERE) -> WinogradPipeline:
     """Whether a compiled Winograd conv of ``images`` images (C -> M channels, output
     ``out_hw``) runs as the per-thread pipeline on ``threads`` threads, for the caches of
     ``sizes`` and a CPU of ``vendor`` (defaults: this machine's), and its blocks,
-    ``per_thread`` chunks of them a thread (PIPELINE_CHUNKS_PER_THREAD): see
-    PIPELINE_L2_SHARE."""
-    sizes = sizes or caches()
+    ``per_thread`` chunks of them a thread (default: PIPELINE_CHUNKS_PER_THREAD, read at
+    each call so that setting it takes effect): see PIPELINE_L2_SHARE."""
+    chunks = PIPELINE_CHUNKS_PER_THREAD if per_thread is None else per_thread
+    return _winograd_pipeline(images, c, m, out_hw, threads, sizes or caches(), grid,
+                              chunks, vendor)
+
+
+@functools.lru_cache(maxsize=512)
+def _winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], threads: int,
+                       sizes: Caches, grid: Any, per_thread: int,
+                       vendor: Any) -> WinogradPipeline:
     mr, nr = _grid(grid) or _TILES["scalar"]
     th, tw = -(-out_hw[0] // 2), -(-out_hw[1] // 2)
     tiles = images * th * tw

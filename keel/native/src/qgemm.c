@@ -238,6 +238,11 @@ typedef struct {
 
 enum { KIND_U8, KIND_S8, KIND_F32 };
 
+/* A call's quant array: the output's zero point, range and kind, requant's last fields. */
+enum { QUANT_YZP, QUANT_LO, QUANT_HI, QUANT_KIND, QUANT_LEN };
+#define QUANT_FIELDS(quant) \
+    (quant)[QUANT_YZP], (quant)[QUANT_LO], (quant)[QUANT_HI], (quant)[QUANT_KIND]
+
 #if QISA == 2
 /* 16 of a row's multipliers (doubles holding float32 values) as floats. */
 static __m512 mult16(const double *mult, __mmask16 k)
@@ -413,7 +418,7 @@ int64_t keel_qmatmul_u8s8(const uint8_t *a, const uint8_t *panels, int64_t rows,
     if (rows <= 0 || n <= 0) return 0;
     qmatmul_job j = {a, panels, rows, n, kp, (rows + MR - 1) / MR,
                      {NULL, bias_c, NULL, zv, sr, mult, mult_per_col,
-                      quant[0], quant[1], quant[2], quant[3]},
+                      QUANT_FIELDS(quant)},
                      y, ldy};
     int64_t tasks = ((n + NB - 1) / NB) * j.row_tiles;
     return run_parts(qmatmul_task, &j, tasks, parts, tile_scratch_floats());
@@ -590,8 +595,7 @@ int64_t keel_qconv2d_u8s8(const uint8_t *x, int64_t flip, int64_t pad, const uin
     if (j.g[Q_N] <= 0 || pixels <= 0 || j.g[Q_G] <= 0) return 0;
     j.x = x, j.w = w, j.kp = kp, j.blocks = (pixels + NB - 1) / NB;
     j.flip = (uint8_t)flip, j.pad = (uint8_t)pad, j.want_sums = zr != NULL;
-    j.q = (requant){bias_r, NULL, zr, NULL, NULL, mult, 0, quant[0], quant[1], quant[2],
-                    quant[3]};
+    j.q = (requant){bias_r, NULL, zr, NULL, NULL, mult, 0, QUANT_FIELDS(quant)};
     j.y = y;
     int64_t scratch = MR * NB + NB + (kp * NB + 3) / 4;
     return run_parts(qconv_task, &j, j.g[Q_N] * j.g[Q_G] * j.blocks, parts, scratch);
@@ -1115,8 +1119,7 @@ int64_t keel_qconv2d_direct_u8s8(const uint8_t *x, int64_t flip, int64_t pad, co
         return -2;
     j.blocks = chunk_blocks(&j, j.chunk);
     j.flip = (uint8_t)flip, j.pad = (uint8_t)pad;
-    j.q = (requant){bias_r, NULL, NULL, NULL, NULL, mult, 0, quant[0], quant[1], quant[2],
-                    quant[3]};
+    j.q = (requant){bias_r, NULL, NULL, NULL, NULL, mult, 0, QUANT_FIELDS(quant)};
     j.y = y;
     int64_t chunks = (g[Q_N] + j.chunk - 1) / j.chunk;
     int64_t tasks = (chunks - 1) * j.blocks + chunk_blocks(&j, g[Q_N] - (chunks - 1) * j.chunk);
@@ -1353,8 +1356,7 @@ static void depth_setup(qdepth_job *j, const uint8_t *x, int64_t is_signed, int6
     if (j->hp < g[Q_H] + g[Q_PT]) j->hp = g[Q_H] + g[Q_PT];
     if (j->wp < g[Q_W] + g[Q_PL]) j->wp = g[Q_W] + g[Q_PL];
     j->x = x, j->w = w, j->wz = wz, j->xz = (int32_t)xz, j->is_signed = is_signed;
-    j->q = (requant){bias_r, NULL, NULL, NULL, NULL, mult, 0, quant[0], quant[1], quant[2],
-                     quant[3]};
+    j->q = (requant){bias_r, NULL, NULL, NULL, NULL, mult, 0, QUANT_FIELDS(quant)};
     j->y = y;
 }
 
@@ -1766,7 +1768,7 @@ int64_t keel_qdepthwise_cl_u8s8(const uint8_t *x, int64_t is_signed, int64_t xz,
     qdepth_job j;
     memcpy(j.g, geometry, sizeof j.g);
     if (j.g[Q_N] <= 0 || j.g[Q_OH] <= 0 || j.g[Q_OW] <= 0) return 0;
-    if (j.g[Q_G] != j.g[Q_C] || j.g[Q_M] != j.g[Q_C] || quant[3] == KIND_F32 ||
+    if (j.g[Q_G] != j.g[Q_C] || j.g[Q_M] != j.g[Q_C] || quant[QUANT_KIND] == KIND_F32 ||
         j.g[Q_KH] * j.g[Q_KW] > DW_TAPS)
         return -2;
     depth_setup(&j, x, is_signed, xz, w, wz, bias_r, mult, quant, y);
@@ -1953,3 +1955,28 @@ int64_t keel_qgemm_geometry(int64_t *out, int64_t n)
     for (int64_t i = 0; i < n && i < count; i++) out[i] = sizes[i];
     return count;
 }
+
+/* The enum values keel.backends.cpu.native_qgemm builds its arrays with (it checks them at
+ * load, as the sizes above), by name: KIND_*, COLUMNS_*, the quant array's slots
+ * (QUANT_*), the conv geometry's (Q_*) and the max pool geometry's (P_*), each with its
+ * length. keel_qgemm_layout writes at most n values and returns their count;
+ * keel_qgemm_layout_names, their names, each followed by a space. */
+#define QGEMM_LAYOUT(X) \
+    X(KIND_U8) X(KIND_S8) X(KIND_F32) X(COLUMNS_PADDED) X(COLUMNS_COMPACT) X(COLUMNS_ROWS) \
+    X(QUANT_YZP) X(QUANT_LO) X(QUANT_HI) X(QUANT_KIND) X(QUANT_LEN) \
+    X(Q_N) X(Q_C) X(Q_H) X(Q_W) X(Q_M) X(Q_OH) X(Q_OW) X(Q_KH) X(Q_KW) X(Q_SH) X(Q_SW) \
+    X(Q_DH) X(Q_DW) X(Q_PT) X(Q_PL) X(Q_G) X(Q_LEN) \
+    X(P_N) X(P_C) X(P_H) X(P_W) X(P_OH) X(P_OW) X(P_KH) X(P_KW) X(P_SH) X(P_SW) X(P_PT) \
+    X(P_PL) X(P_DH) X(P_DW) X(P_LEN)
+#define QGEMM_VALUE(e) e,
+#define QGEMM_NAME(e) #e " "
+
+int64_t keel_qgemm_layout(int64_t *out, int64_t n)
+{
+    const int64_t layout[] = {QGEMM_LAYOUT(QGEMM_VALUE)};
+    const int64_t count = (int64_t)(sizeof layout / sizeof layout[0]);
+    for (int64_t i = 0; i < n && i < count; i++) out[i] = layout[i];
+    return count;
+}
+
+const char *keel_qgemm_layout_names(void) { return QGEMM_LAYOUT(QGEMM_NAME); }

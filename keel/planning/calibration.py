@@ -52,6 +52,7 @@ from keel.backends.registry import BackendRegistry, default_registry
 from keel.config import cache_dir
 from keel.dtypes import DType, as_dtype
 from keel.errors import BackendSelectionError, InvalidArgumentError, KeelError
+from keel.hardware.fingerprint import _probe
 from keel.hardware.profile import HardwareProfile
 from keel.ops.registry import Op, OpGroup
 from keel.planning.calibration_record import (
@@ -59,7 +60,6 @@ from keel.planning.calibration_record import (
     Calibration,
     CalibrationStatus,
     Measurement,
-    _probe,
     calibration_path,
     calibration_status,
     default_calibration,

@@ -11,7 +11,6 @@ calibration in use) without the workloads and timing of a calibration run.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
@@ -24,10 +23,10 @@ from typing import Any
 from keel import config
 from keel._files import write_atomically
 from keel._fork import renew_after_fork
-from keel._hashing import sha256
 from keel.config import Settings, cache_dir
 from keel.dtypes import DType, as_dtype
 from keel.errors import InvalidArgumentError, KeelError
+from keel.hardware.fingerprint import fingerprint_id, hardware_fingerprint, machine_fingerprint
 from keel.hardware.profile import HardwareProfile
 from keel.ops.registry import Op, OpGroup
 
@@ -304,39 +303,6 @@ def find_crossover(points: Iterable[Measurement]) -> Measurement | None:
 
 
 # ---- the machine and the cache ----------------------------------------------------------
-
-def _probe() -> HardwareProfile:
-    from keel.hardware import probe
-
-    return probe()
-
-
-def hardware_fingerprint(profile: HardwareProfile | None = None) -> dict[str, Any]:
-    """What a calibration is valid for: CPU model and cores, GPU names, drivers, memory."""
-    prof = profile if profile is not None else _probe()
-    cpu = prof.cpu
-    return {"cpu": cpu.brand, "architecture": cpu.architecture,
-            "logical_cores": cpu.logical_cores, "usable_cores": cpu.usable_cores,
-            "gpus": [{"name": g.name, "driver": g.driver, "memory_bytes": g.total_memory_bytes}
-                     for g in prof.gpus]}
-
-
-def machine_fingerprint() -> dict[str, Any]:
-    """This machine's :func:`hardware_fingerprint`, probed once per process (a fresh copy
-    each call): the plan cache's key and the tuning cache's file both need it."""
-    return json.loads(_machine_json())
-
-
-@functools.lru_cache(maxsize=1)
-def _machine_json() -> str:
-    return json.dumps(hardware_fingerprint(), sort_keys=True)
-
-
-def fingerprint_id(fingerprint: Mapping[str, Any]) -> str:
-    """A short stable hash of a fingerprint (names the cache file)."""
-    text = json.dumps(fingerprint, sort_keys=True, separators=(",", ":"))
-    return sha256(text.encode()).hexdigest()[:16]
-
 
 def calibration_path(fingerprint: Mapping[str, Any], directory: Path | None = None,
                      gpu: str = "") -> Path:

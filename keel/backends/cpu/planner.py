@@ -2360,16 +2360,29 @@ DEPTHWISE_BLOCKED_ROWS_PIXELS = 1024
 # the AMD EPYC machine, 10.5-11.4 -> 7.3, 4.0 -> 3.4, 1.5 -> 0.9 ms at batch 32.)
 # "flat" (stride 1, output rows as wide as the input's: 16 consecutive output pixels of a
 # plane at a time read straight from X, the taps outside X zeroed; no copy, no
-# transposes, no lanes lost at row ends) for every stride-1 call it serves but the
-# smallest planes in cache (up to DEPTHWISE_BLOCKED_PIXELS outputs: 7x7), where the
-# blocked scheme keeps the lead. Measured on a 2-core Intel Xeon (AVX-512, 2 MiB L2), one
-# thread, bias + ReLU6, under load. Inside MobileNetV2 at batch 1 (two models in one
-# process, alternating, per-node medians of 30 passes, us, before -> flat): 32 ch 112x112
-# 252 -> 232 (planes before), 144 ch 56x56 293 -> 237 (planes), 192 ch 28x28 106 -> 76 and
-# 97 -> 72 (blocked), 384 ch 14x14 55 -> 44 (blocked), 576 ch 14x14 79 -> 64 (blocked);
-# the 7x7 layers alone 26 us blocked against 32 flat. Alone at batch 32 (ms, planes /
-# blocked / flat): 112x112 11.2 / - / 9.0, 56x56 12.8 / 10.1 / 10.2, 14x14 2.0 / 1.5 /
-# 1.5.
+# transposes, no lanes lost at row ends) for every stride-1 3x3 undilated conv padded by
+# one (FLAT_KERNEL: window.c's specialized path, the only one measured; other kernels
+# and dilations take its generic path, `t % kws` in the inner loop, and keep the rules
+# below) but the smallest planes in cache (up to DEPTHWISE_BLOCKED_PIXELS outputs: 7x7),
+# where the blocked scheme keeps the lead. Measured on a 2-core Intel Xeon (AVX-512,
+# 2 MiB L2), one thread, bias + ReLU6, under load. Inside MobileNetV2 at batch 1 (two
+# models in one process, alternating, per-node medians of 30 passes, us, before -> flat):
+# 32 ch 112x112 252 -> 232 (planes before), 144 ch 56x56 293 -> 237 (planes), 192 ch
+# 28x28 106 -> 76 and 97 -> 72 (blocked), 384 ch 14x14 55 -> 44 (blocked), 576 ch 14x14
+# 79 -> 64 (blocked): 0.72-0.92x (docs/performance.md's second run: 0.71-0.87x); the 7x7
+# layers alone 26 us blocked against 32 flat. Alone at batch 32 (ms, planes / blocked /
+# flat): 112x112 11.2 / - / 9.0, 56x56 12.8 / 10.1 / 10.2, 28x28 4.7 / 3.2 / 3.4, 14x14
+# 2.0 / 1.5 / 1.5 and 3.2 / 2.5 / 2.4, 7x7 1.9 / 1.2 / 1.1: 0.58-0.80x the plane scheme,
+# level with the blocked one (0.92-1.06x); the whole model at batch 32 with its stride-1
+# layers on flat took 0.965-0.992x the time before (docs/performance.md).
+FLAT_KERNEL = ((3, 3), (1, 1), (1, 1))      # kernel, dilations, leading pads
+
+
+def _flat_measured(geo: native_window.WindowGeometry) -> bool:
+    """Whether ``geo`` is the 3x3 undilated conv padded by one that the flat scheme was
+    measured on (FLAT_KERNEL)."""
+    kh, kw, _, _, dh, dw, pt, pl = (int(v) for v in geo.array[5:13])
+    return ((kh, kw), (dh, dw), (pt, pl)) == FLAT_KERNEL
 
 
 def depthwise_scheme(geo: native_window.WindowGeometry, planes: int, threads: int,
@@ -2385,11 +2398,14 @@ def depthwise_scheme(geo: native_window.WindowGeometry, planes: int, threads: in
     where = (f"{share} plane(s) a thread, {4 * share * (h * w + out) >> 10} KiB of input "
              f"and output {'within' if cached else 'over'} {limit >> 10} KiB")
     smallest = cached and out <= DEPTHWISE_BLOCKED_PIXELS
-    if (sh, sw) == (1, 1) and not smallest and native_window.scheme_ok(geo, "flat"):
+    if ((sh, sw) == (1, 1) and not smallest and _flat_measured(geo)
+            and native_window.scheme_ok(geo, "flat")):
         return "flat", (f"flat: 16 output pixels at a time straight from X, the taps "
                         f"outside it zeroed ({oh}x{ow} outputs, {where}; MobileNetV2's "
-                        "stride-1 layers from 14x14 up ran 0.71-0.87x the time of the "
-                        "blocked and plane schemes inside the model)")
+                        "3x3 stride-1 layers from 14x14 up ran 0.71-0.92x the time of the "
+                        "blocked and plane schemes inside the model at batch 1, and alone "
+                        "at batch 32 0.58-0.80x the plane scheme's, level with the blocked "
+                        "one's (0.92-1.06x))")
     if (sh, sw) != (1, 1) and native_window.scheme_ok(geo, "strided"):
         rows = "two output rows a vector" if ow <= 8 else "eight vectors at a time"
         return "strided", (f"strided: the 3x3 stride-2 taps read straight from X, {rows} "

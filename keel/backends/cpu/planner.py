@@ -2081,6 +2081,7 @@ MASKED_ONE_IMAGE_CHANNELS = 3
 # masked form runs in lanes tiles it stays (256 -> 512 3x3 stride 2: the gathered form
 # took 1.44x). At batch 32 the gathered form took 1.02-1.04x the masked time on the 3x3
 # stride-2 convs, so one image only. AMD's Zen: the masked form measured faster (above).
+# Other vendors keep Intel's choice, and their reason says it was not measured there.
 MASKED_STRIDED_VENDORS = frozenset({"AMD"})
 # stacked: the images of a batch go side by side in one product when an image's last
 # column panel would be less than STACK_FILL full; for a 1x1 stride-1 conv, which
@@ -2181,6 +2182,14 @@ def _one_small_image(geo: ConvGeometry) -> bool:
     return geo.batch == 1 and geo.group == 1 and geo.in_channels <= MASKED_ONE_IMAGE_CHANNELS
 
 
+def _masked_waits_reason(vendor: str | None) -> str:
+    """Why one image's strided conv is not masked on ``vendor``'s cores."""
+    if vendor == "Intel":
+        return "whose masked tiles wait on their masked loads on Intel's cores"
+    return (f"the masked form {unmeasured_vendor(vendor)}, and its masked loads waited on "
+            "Intel's")
+
+
 def _masked_lanes_reason(geo: ConvGeometry, grid: Grid) -> str:
     """", in lanes tiles: ..." where the masked conv's products run in lanes tiles."""
     pixels = math.prod(geo.window.out_spatial)
@@ -2241,8 +2250,7 @@ def native_form(geo: ConvGeometry, grid: Any = _HERE, vendor: Any = _HERE
         return "gathered-stacked", (f"gathered-stacked: {pixels} pixels fill an image's "
                                     f"column panels less than {STACK_FILL:.0%}")
     return "gathered", "gathered: B gathered block by block from the (phase) image" + (
-        f"; not masked: one image, whose masked tiles wait on their masked loads on "
-        f"{vendor or 'an unknown vendor'}'s cores (MASKED_STRIDED_VENDORS)"
+        f"; not masked: one image, {_masked_waits_reason(vendor)} (MASKED_STRIDED_VENDORS)"
         if _masked_waits(geo, grid, vendor) and conv_gemm.masked_layout(geo) is not None
         and (pixels < MASKED_STRIDED_BELOW or _one_small_image(geo)) else "")
 
@@ -2955,8 +2963,9 @@ WINOGRAD_TALL_COLUMNS = 16
 #   lanes' median time on 64 channels on 56 x 56 at batch 32 (0.71x on two threads),
 #   0.87x on 128 on 28 x 28, 0.92x on 256 on 14 x 14, 1.03x (fastest 0.93x) on 512 on
 #   7 x 7; at batch 1 0.84-0.88x (0.35x for 512 on 7 x 7, fastest 0.91x).
-# Other vendors take the panels, the form that needs no shuffles. Not measured on more
-# cores.
+# Other vendors take the panels, the form that needs no shuffles, and their reason says
+# it was not measured there (unmeasured_vendor; Hygon's Zen designs included). Not
+# measured on more cores.
 WINOGRAD_LANES_VENDORS = frozenset({"AMD"})
 
 
@@ -2967,9 +2976,22 @@ def winograd_lanes(vendor: Any = _HERE) -> tuple[bool, str]:
     if vendor in WINOGRAD_LANES_VENDORS:
         return True, (f"products in lanes tiles: measured faster than 8 x 32 panels on "
                       f"{vendor}'s cores (WINOGRAD_LANES_VENDORS)")
-    return False, (f"products in 8 x 32 panels: the lanes tiles' shuffles share a port "
-                   f"with the FMA units on {vendor or 'an unknown vendor'}'s cores "
-                   "(measured on Intel: 0.84-0.92x the lanes tiles' time)")
+    if vendor == "Intel":
+        return False, ("products in 8 x 32 panels: the lanes tiles' shuffles share a port "
+                       "with the FMA units on Intel's cores (measured: 0.84-0.92x the lanes "
+                       "tiles' time)")
+    return False, (f"products in 8 x 32 panels, the form that needs no shuffles: "
+                   f"{unmeasured_vendor(vendor)} (on Intel's the panels took 0.84-0.92x "
+                   "the lanes tiles' time)")
+
+
+def unmeasured_vendor(vendor: str | None) -> str:
+    """Says that the vendor rules' forms were not measured on ``vendor``'s cores (they
+    were on Intel's and AMD's): Hygon's derive from AMD's first Zen, not the Zen 4 and 5
+    cores measured, so they take the same default as any other vendor."""
+    zen = (" (derived from AMD's first Zen, not the Zen 4 and 5 measured)"
+           if vendor == "Hygon" else "")
+    return f"not measured on {vendor or 'an unknown vendor'}'s cores{zen}"
 
 
 def cpu_vendor(profile: Any = None) -> str | None:

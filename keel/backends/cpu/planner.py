@@ -817,8 +817,9 @@ def _int8_conv_constants(node: Any, graph: Any) -> Int8ConvConstants:
     if w is None or w_zp is None:
         return Int8ConvConstants()
     bias_absent = len(node.inputs) <= 8 or not node.inputs[8]
-    return qlayout.conv_constants(w, w_zp, x_zp, None if bias_absent else constant(8),
-                                  bias_known=bias_absent or constant(8) is not None)
+    bias = None if bias_absent else constant(8)
+    return qlayout.conv_constants(w, w_zp, x_zp, bias,
+                                  bias_known=qlayout.bias_known(bias_absent, bias))
 
 
 def _static(t: TensorType | None) -> tuple[int, ...] | None:
@@ -895,7 +896,8 @@ def int8_layouts(graph: Any, types: Mapping[str, TensorType | None],
             INT8_LAYOUT_THREADS_REASON.format(threads=threads, layout=layout, split=split)
             if split and (kernel is not None or kinds[i] == "maxpool") else "",
             () if kernel is None else (("int8_kernel", kernel,
-                                        _int8_kernel_reason(kernel, nodes[i], types)),))
+                                        _int8_kernel_reason(kernel, nodes[i], types,
+                                                            graph)),))
     return decided
 
 
@@ -929,11 +931,18 @@ _INT8_NCHW_WHY = {
                                "multiple of 4, or too narrow for the indirect product)")}
 
 
-def _int8_kernel_reason(kernel: str, node: Any, types: Mapping[str, TensorType | None]) -> str:
+def _int8_kernel_reason(kernel: str, node: Any, types: Mapping[str, TensorType | None],
+                        graph: Any) -> str:
     """Why a QLinearConv runs ``kernel`` (the int8_kernel option's reason)."""
     if kernel != "nchw":
-        return (f"{_INT8_KERNEL_NAMES[kernel]}: int8_channels_last_kernel, from its constant "
-                "weights' zero points and sizes")
+        why = (f"{_INT8_KERNEL_NAMES[kernel]}: int8_channels_last_kernel, from its constant "
+               "weights' zero points and sizes")
+        if kernel in ("panels", "indirect") and _int8_conv_constants(
+                node, graph).fold_fits is None:
+            why += ("; x's zero point or the bias is not a constant, so whether their folded "
+                    "bias stays within INT8_FOLD_MAX is decided when it is packed: where it "
+                    "does not, its NCHW kernel runs between the layout changes")
+        return why
     kind = _int8_conv_kind(_static(types.get(node.inputs[3])) or (), node.attrs)
     return (f"its NCHW kernel ({_INT8_NCHW_WHY.get(kind) or _INT8_NCHW_WHY['other']}), "
             "so it runs where it reads NCHW and at most starts a channels-last chain, its "

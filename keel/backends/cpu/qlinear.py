@@ -84,9 +84,12 @@ def _pack_conv(ctx: KernelContext, const: Sequence[Any], attrs: Attrs) -> Any:
     if not native_qgemm.available() or not _eight_bit(w, w_zp) or w.ndim != 4:
         return None
     if qlayout.layouts(ctx) != (qlayout.NCHW, qlayout.NCHW):
+        # a bias input left out (or named "") has no slot or a None one, like a bias that
+        # is no constant: only a missing slot is known to be absent here
         bias = const[8] if len(const) > 8 else None
-        kernel = qlayout.channels_last_kernel(ctx.plan, w, w_zp, attrs, const[2], bias,
-                                              bias_known=bias is not None)
+        kernel = qlayout.channels_last_kernel(
+            ctx.plan, w, w_zp, attrs, const[2], bias,
+            bias_known=qlayout.bias_known(len(const) <= 8, bias))
         return qlayout.pack(w, w_zp, kernel)
     return native_qgemm.pack_conv(w, w_zp)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -1884,45 +1884,80 @@ def _conv_split_reason(request: PlanRequest, variant: str, form: ConvForm) -> st
 
 def int8_split_reason(request: PlanRequest, layout: str | None = None) -> str:
     """How a node's int8 kernel splits over its threads, from the same functions its call
-    asks ("" for unknown shapes, one thread, or a node whose channels-last kernel runs:
-    its layout reason gives that split)."""
+    asks ("" for unknown shapes, one thread, a node its native kernel does not serve, or
+    one whose channels-last kernel runs: its layout reason gives that split)."""
     shapes = request.static_shapes()
     if not request.threads or request.threads < 2 or not shapes or shapes[0] is None:
         return ""
-    if request.op is Op.QLINEAR_CONV:
-        return int8_conv_split_reason(request, layout)
-    threads, x = request.threads, shapes[0]
-    if request.op in (Op.QLINEAR_MATMUL, Op.QGEMM):
-        product = _int8_product(request.op, shapes, request.attrs)
-        if product is None:
-            return ""
-        rows, depth, columns = product
-        split = int8_matmul_split(rows, depth, columns, threads)
-        return (f"int8 product: {split.parts} of {threads} thread(s) run it ({split.tasks} "
-                f"tiles of {INT8_MATMUL_ROWS} rows x {INT8_DIRECT_PANEL} columns, at least "
-                f"MIN_FLOPS_PER_THREAD = {_int8_least_flops(threads):,} flops a thread)")
-    if request.op in (Op.QLINEAR_ADD, Op.QUANTIZE_LINEAR, Op.DEQUANTIZE_LINEAR):
-        other = shapes[3] if request.op is Op.QLINEAR_ADD and len(shapes) > 3 else x
-        scale = shapes[1] if len(shapes) > 1 else None
-        if other != x or scale is None or math.prod(scale) != 1:
-            return ""              # broadcast operands or scales per axis: the NumPy kernel
-        elements = math.prod(x)
-        return (f"one pass over {elements:,} elements on {int8_pass_parts(elements, threads)} "
-                f"of {threads} thread(s), at least QADD_MIN_ELEMENTS_PER_THREAD = "
-                f"{QADD_MIN_ELEMENTS_PER_THREAD:,} a thread")
-    if request.op is Op.MAX_POOL and len(x) == 4 and not (layout and "nhwc" in layout):
-        planes, plane = x[0] * x[1], x[2] * x[3]
-        return (f"int8 max pool (NCHW, where the node's layout is NCHW): "
-                f"{int8_max_pool_plane_parts(planes, plane, threads)} of {threads} thread(s) "
-                f"run its {planes} planes, each thread reading at least "
-                f"QMAXPOOL_MIN_ELEMENTS_PER_THREAD = {QMAXPOOL_MIN_ELEMENTS_PER_THREAD:,} bytes")
-    if request.op is Op.QLINEAR_GLOBAL_AVG_POOL and len(x) >= 3:
-        pixels = math.prod(x[2:])
-        count = int8_global_pool_parts(x[0], x[1], pixels, threads)
-        return (f"integer global average pool: {count} of {threads} thread(s) run its "
-                f"(image, {INT8_GAP_BLOCK}-channel block) tasks, each thread reading at "
-                f"least QGAP_MIN_ELEMENTS_PER_THREAD = {QGAP_MIN_ELEMENTS_PER_THREAD:,} bytes")
-    return ""
+    reason = _INT8_SPLIT_REASONS.get(request.op)
+    return "" if reason is None else reason(request, shapes, layout)
+
+
+_Shapes = Sequence[tuple[int, ...] | None]
+
+
+def _int8_product_split_reason(request: PlanRequest, shapes: _Shapes, layout: str | None
+                               ) -> str:
+    product = _int8_product(request.op, shapes, request.attrs)
+    if product is None:
+        return ""
+    threads = int(request.threads or 1)
+    rows, depth, columns = product
+    split = int8_matmul_split(rows, depth, columns, threads)
+    return (f"int8 product: {split.parts} of {threads} thread(s) run it ({split.tasks} "
+            f"tiles of {INT8_MATMUL_ROWS} rows x {INT8_DIRECT_PANEL} columns, at least "
+            f"MIN_FLOPS_PER_THREAD = {_int8_least_flops(threads):,} flops a thread)")
+
+
+def _int8_pass_split_reason(request: PlanRequest, shapes: _Shapes, layout: str | None
+                            ) -> str:
+    from keel.backends.cpu import qlinear
+
+    operands = [None if t is None or shape is None else qlinear.Operand(t.dtype.numpy, shape)
+                for t, shape in zip(request.input_types, shapes, strict=True)]
+    if not qlinear.pass_served(request.op, operands, request.attrs):
+        return ""              # the NumPy kernel (broadcasts, scales per axis, other types)
+    threads, elements = int(request.threads or 1), math.prod(shapes[0] or ())
+    return (f"one pass over {elements:,} elements on {int8_pass_parts(elements, threads)} "
+            f"of {threads} thread(s), at least QADD_MIN_ELEMENTS_PER_THREAD = "
+            f"{QADD_MIN_ELEMENTS_PER_THREAD:,} a thread")
+
+
+def _int8_max_pool_split_reason(request: PlanRequest, shapes: _Shapes, layout: str | None
+                                ) -> str:
+    x, threads = shapes[0] or (), int(request.threads or 1)
+    if len(x) != 4 or (layout and "nhwc" in layout):
+        return ""
+    planes, plane = x[0] * x[1], x[2] * x[3]
+    return (f"int8 max pool (NCHW, where the node's layout is NCHW): "
+            f"{int8_max_pool_plane_parts(planes, plane, threads)} of {threads} thread(s) "
+            f"run its {planes} planes, each thread reading at least "
+            f"QMAXPOOL_MIN_ELEMENTS_PER_THREAD = {QMAXPOOL_MIN_ELEMENTS_PER_THREAD:,} bytes")
+
+
+def _int8_global_pool_split_reason(request: PlanRequest, shapes: _Shapes,
+                                   layout: str | None) -> str:
+    x, threads = shapes[0] or (), int(request.threads or 1)
+    if len(x) < 3:
+        return ""
+    count = int8_global_pool_parts(x[0], x[1], math.prod(x[2:]), threads)
+    return (f"integer global average pool: {count} of {threads} thread(s) run its "
+            f"(image, {INT8_GAP_BLOCK}-channel block) tasks, each thread reading at "
+            f"least QGAP_MIN_ELEMENTS_PER_THREAD = {QGAP_MIN_ELEMENTS_PER_THREAD:,} bytes")
+
+
+def _int8_conv_split_reason(request: PlanRequest, shapes: _Shapes, layout: str | None
+                            ) -> str:
+    return int8_conv_split_reason(request, layout)
+
+
+# int8_split_reason by op: each states the split its kernel's call asks for.
+_INT8_SPLIT_REASONS: dict[Op, Callable[[PlanRequest, _Shapes, str | None], str]] = {
+    Op.QLINEAR_CONV: _int8_conv_split_reason,
+    Op.QLINEAR_MATMUL: _int8_product_split_reason, Op.QGEMM: _int8_product_split_reason,
+    Op.QLINEAR_ADD: _int8_pass_split_reason, Op.QUANTIZE_LINEAR: _int8_pass_split_reason,
+    Op.DEQUANTIZE_LINEAR: _int8_pass_split_reason, Op.MAX_POOL: _int8_max_pool_split_reason,
+    Op.QLINEAR_GLOBAL_AVG_POOL: _int8_global_pool_split_reason}
 
 
 def _int8_product(op: Op, shapes: Sequence[tuple[int, ...] | None],

@@ -2426,7 +2426,11 @@ DEPTHWISE_BLOCKED_ROWS_PIXELS = 1024
 # flat): 112x112 11.2 / - / 9.0, 56x56 12.8 / 10.1 / 10.2, 28x28 4.7 / 3.2 / 3.4, 14x14
 # 2.0 / 1.5 / 1.5 and 3.2 / 2.5 / 2.4, 7x7 1.9 / 1.2 / 1.1: 0.58-0.80x the plane scheme,
 # level with the blocked one (0.92-1.06x); the whole model at batch 32 with its stride-1
-# layers on flat took 0.965-0.992x the time before (docs/performance.md).
+# layers on flat took 0.965-0.992x the time before (docs/performance.md). On the generic
+# path flat lost (batch 1, one thread, bias + ReLU6, the schemes alternating from
+# Python, 15 rounds of 20 calls, under load, median us planes / blocked / flat): 5x5
+# padded by two 144 ch 56x56 796 / 781 / 1183, 192 ch 28x28 158 / 119 / 265, 576 ch
+# 14x14 337 / 92 / 354; 3x3 dilated by two 407 / 440 / 446, 60 / 72 / 92, 72 / 52 / 272.
 FLAT_KERNEL = ((3, 3), (1, 1), (1, 1))      # kernel, dilations, leading pads
 
 

@@ -2413,9 +2413,9 @@ DEPTHWISE_BLOCKED_ROWS_PIXELS = 1024
 # "flat" (stride 1, output rows as wide as the input's: 16 consecutive output pixels of a
 # plane at a time read straight from X, the taps outside X zeroed; no copy, no
 # transposes, no lanes lost at row ends) for every stride-1 3x3 undilated conv padded by
-# one (FLAT_KERNEL: window.c's specialized path, the only one measured; other kernels
-# and dilations take its generic path, `t % kws` in the inner loop, and keep the rules
-# below) but the smallest planes in cache (up to DEPTHWISE_BLOCKED_PIXELS outputs: 7x7),
+# one (FLAT_KERNEL: window.c's specialized path; other kernels and dilations take its
+# generic path, `t % kws` in the inner loop, where flat lost (below), and keep the rules
+# that follow) but the smallest planes in cache (up to DEPTHWISE_BLOCKED_PIXELS outputs: 7x7),
 # where the blocked scheme keeps the lead. Measured on a 2-core Intel Xeon (AVX-512,
 # 2 MiB L2), one thread, bias + ReLU6, under load. Inside MobileNetV2 at batch 1 (two
 # models in one process, alternating, per-node medians of 30 passes, us, before -> flat):

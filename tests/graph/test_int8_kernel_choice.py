@@ -135,3 +135,28 @@ def test_weights_that_are_no_constants_leave_the_choice_to_the_pack(tmp_path: Pa
     weights = RNG.integers(-60, 60, (48, 32, 1, 1)).astype(np.int8)
     _agrees(path, {"x": RNG.integers(0, 256, (3, 32, 9, 9)).astype(np.uint8),
                    "pointwise_w": weights})
+
+
+def test_panels_on_a_bias_that_is_no_constant_say_the_fold_is_checked_when_packed(
+        tmp_path: Path) -> None:
+    """Symmetric 1x1 weights whose bias is a graph input: the panels are the plan's kernel,
+    and its reason says that whether the folded bias fits is decided when it is packed."""
+    if not native_qgemm.available():
+        pytest.skip("the int8 kernels need the native tier")
+    planner.forget()
+    path = _model(tmp_path, [("pointwise", 32, 48, 1, 1, 0, True),
+                             ("depthwise", 48, 48, 3, 48, 0, True)], c=32)
+    proto = onnx.load(str(path))
+    bias = next(t for t in proto.graph.initializer if t.name == "pointwise_b")
+    proto.graph.initializer.remove(bias)
+    proto.graph.input.append(helper.make_tensor_value_info("pointwise_b", TensorProto.INT32,
+                                                           [48]))
+    onnx.save(proto, str(path))
+    model = keel.load_model(str(path), threads=2)
+    first = _plans(model)["pointwise"]
+    assert first.plan.option("int8_kernel") == "panels"
+    assert "decided when it is packed" in first.plan.reason("int8_kernel")
+    assert "decided when it is packed" not in _plans(model)["depthwise"].plan.reason(
+        "int8_kernel")
+    _agrees(path, {"x": RNG.integers(0, 256, (3, 32, 9, 9)).astype(np.uint8),
+                   "pointwise_b": numpy_helper.to_array(bias)})

@@ -378,3 +378,14 @@ def test_one_small_image_runs_masked_with_the_gathered_bits() -> None:
     full = {**attrs, "activation": "clip", "activation_params": (-0.3, 0.4)}
     for threads in (1, 2, 3, 16):
         assert _masked(x, w, b, z, full, threads=threads).tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("vendor", ["Hygon", "ARM", None])
+def test_unmeasured_vendors_reason_says_so(vendor: str | None) -> None:
+    """Outside Intel and AMD a strided conv of one image keeps Intel's gathered form, and
+    the reason says the masked form was not measured there instead of claiming a wait."""
+    geo = conv_geometry(Op.CONV, (1, 64, 56, 56), (128, 64, 3, 3),
+                        {"pads": (1, 1, 1, 1), "strides": (2, 2)})
+    got, why = cpu_planner.native_form(geo, (8, 32), vendor)
+    assert got == "gathered"
+    assert "not measured on" in why and "masked loads on" not in why

@@ -354,3 +354,17 @@ def test_planned_scheme_bitwise_across_threads(c: int, side: int, s: int) -> Non
         y = np.full_like(want, np.nan)
         nw.depthwise_conv(x, w, b, None, y, geo, (0.0, 6.0), threads, "auto")
         assert np.array_equal(y, want), threads
+
+
+@pytest.mark.parametrize(("kernel", "dilation", "pad"), [((5, 5), 1, 2), ((3, 3), 2, 2)])
+def test_flat_scheme_only_on_the_measured_kernel(kernel: tuple[int, int], dilation: int,
+                                                 pad: int) -> None:
+    """The flat scheme serves other stride-1 kernels too (window.c's generic path), but
+    was measured only on 3x3 undilated convs padded by one: elsewhere the planner keeps
+    the blocked and plane rules."""
+    from keel.backends.cpu import planner
+
+    geo = nw.plan(192, _window(28, 28, kernel, 1, dilation, pad))
+    assert geo is not None and nw.scheme_ok(geo, "flat")
+    scheme, why = planner.depthwise_scheme(geo, 192, 1)
+    assert scheme != "flat" and why.startswith(f"{scheme}: ")

@@ -569,3 +569,12 @@ def test_lanes_tiles_for_the_vendors_measured_faster() -> None:
     for vendor in ("Intel", None):
         lanes, why = cpu_planner.winograd_lanes(vendor)
         assert not lanes and "panels" in why
+
+
+@pytest.mark.parametrize("vendor", ["Hygon", "ARM", None])
+def test_lanes_reason_claims_no_measurement_on_other_vendors(vendor: str | None) -> None:
+    """The panels' reason names the shared port only for Intel, where it was measured;
+    elsewhere (Hygon's Zen-derived cores included) it says it was not measured."""
+    assert "share a port" in cpu_planner.winograd_lanes("Intel")[1]
+    lanes, why = cpu_planner.winograd_lanes(vendor)
+    assert not lanes and "not measured on" in why and "share a port" not in why

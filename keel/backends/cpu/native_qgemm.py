@@ -31,7 +31,7 @@ import numpy as np
 from keel import native
 from keel.backends.cpu.native_gemm import planner_rules
 from keel.dtypes import DType
-from keel.errors import InvalidArgumentError
+from keel.errors import InvalidArgumentError, KeelError
 from keel.ops.schemas.quantization import QUANT_RANGES, ConvGeometry, conv_geometry
 
 __all__ = ["ISA_NAMES", "ConvCall", "Int8SizesError", "PackedConv", "PackedMatmul", "available",
@@ -74,8 +74,12 @@ def _load() -> _Functions | None:
     return None if lib is None else _bind(lib)
 
 
-class Int8SizesError(RuntimeError):
-    """A compiled int8 kernel's sizes or enum orders and the Python side's disagree."""
+class Int8SizesError(KeelError, RuntimeError):
+    """A compiled int8 kernel's sizes or enum orders and the Python side's disagree (a
+    build that does not match its planner: still a RuntimeError for callers that catch
+    one)."""
+
+    code = "INT8_SIZES"
 
 
 def check_sizes(lib: native.NativeLibrary, function: str, names: tuple[str, ...]) -> None:

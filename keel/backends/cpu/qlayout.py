@@ -132,6 +132,12 @@ def conv_kind(weight_shape: Sequence[int], attrs: Mapping[str, Any]) -> str:
     return kind
 
 
+def bias_known(absent: bool, bias: Any) -> bool:
+    """Whether a QLinearConv's bias is known when planned or packed: a missing one is (no
+    bias), a present one where it is a constant (``bias`` not None)."""
+    return absent or bias is not None
+
+
 def conv_constants(w: np.ndarray, w_zero_point: np.ndarray, x_zero_point: Any,
                    bias: np.ndarray | None, bias_known: bool = True) -> Any:
     """What a QLinearConv's operands say for the planner's int8_channels_last_kernel

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -49,7 +50,7 @@ def _eight_bit(*arrays: Any) -> bool:
 
 
 def _scalar(p: Any) -> bool:
-    return p is not None and p.size == 1
+    return p is not None and math.prod(p.shape) == 1
 
 
 def _multiplier(*scales: Any) -> np.ndarray:
@@ -84,9 +85,12 @@ def _pack_conv(ctx: KernelContext, const: Sequence[Any], attrs: Attrs) -> Any:
     if not native_qgemm.available() or not _eight_bit(w, w_zp) or w.ndim != 4:
         return None
     if qlayout.layouts(ctx) != (qlayout.NCHW, qlayout.NCHW):
+        # a bias input left out (or named "") has no slot or a None one, like a bias that
+        # is no constant: only a missing slot is known to be absent here
         bias = const[8] if len(const) > 8 else None
-        kernel = qlayout.channels_last_kernel(ctx.plan, w, w_zp, attrs, const[2], bias,
-                                              bias_known=bias is not None)
+        kernel = qlayout.channels_last_kernel(
+            ctx.plan, w, w_zp, attrs, const[2], bias,
+            bias_known=qlayout.bias_known(len(const) <= 8, bias))
         return qlayout.pack(w, w_zp, kernel)
     return native_qgemm.pack_conv(w, w_zp)
 
@@ -476,6 +480,41 @@ def _dequantize_served(x: Any, scale: Any, zp: Any, attrs: Attrs) -> bool:
     return (native_qgemm.available() and x.dtype in _EIGHT_BITS and _scalar(scale)
             and scale.dtype == np.float32 and (zp is None or (zp.dtype == x.dtype and _scalar(zp)))
             and attrs["output_dtype"] in (None, DType.FLOAT32))
+
+
+@dataclasses.dataclass(frozen=True)
+class Operand:
+    """An operand as the served checks read it, its dtype and shape (an array is one;
+    the cpu planner builds these from a node's static input types)."""
+
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
+
+
+def _add_served_of(ops: Sequence[Any], attrs: Attrs) -> bool:
+    return len(ops) == 8 and _add_served(*ops)
+
+
+def _quantize_served_of(ops: Sequence[Any], attrs: Attrs) -> bool:
+    return _quantize_served(ops[0], ops[1], ops[2] if len(ops) > 2 else None, attrs)
+
+
+def _dequantize_served_of(ops: Sequence[Any], attrs: Attrs) -> bool:
+    return _dequantize_served(ops[0], ops[1], ops[2] if len(ops) > 2 else None, attrs)
+
+
+# The one-pass kernels' checks by op: the kernels and the planner's split reasons ask these.
+PASS_SERVED: dict[Op, Callable[[Sequence[Any], Attrs], bool]] = {
+    Op.QLINEAR_ADD: _add_served_of, Op.QUANTIZE_LINEAR: _quantize_served_of,
+    Op.DEQUANTIZE_LINEAR: _dequantize_served_of}
+
+
+def pass_served(op: Op, operands: Sequence[Any], attrs: Attrs) -> bool:
+    """Whether ``op``'s native one-pass kernel serves these operands (arrays or
+    :class:`Operand`; None for an absent one) and attributes, else its NumPy kernel runs.
+    QLinearAdd also needs finite constants from its values (_add_constants)."""
+    served = PASS_SERVED.get(op)
+    return served is not None and len(operands) >= 2 and served(operands, attrs)
 
 
 @TABLE.kernel(Op.DEQUANTIZE_LINEAR, variant="int8", dtypes=("uint8", "int8"), supports_out=True,

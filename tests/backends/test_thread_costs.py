@@ -244,3 +244,18 @@ def test_results_do_not_depend_on_the_split_under_measured_costs(
         np.testing.assert_array_equal(got, products[0])
     for got in gelus[1:]:
         np.testing.assert_array_equal(got, gelus[0])
+
+
+def test_the_winograd_pipeline_is_planned_again_under_other_costs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Its pieces come from gemm_threads: remembered per thread costs, as gemm_split is.
+    _mode(monkeypatch, "auto")
+    sizes = cpu_planner.Caches(2 << 20, 32 << 20, "given")
+    args = (1, 64, 64, (14, 14), 2, sizes, (8, 32))
+    thread_costs.save(_costs({2: REF_US / 8}))            # cheap dispatch: split
+    thread_costs.forget()
+    cheap = cpu_planner.winograd_pipeline(*args)
+    thread_costs.save(_costs({2: 16 * REF_US}))           # dear dispatch: one piece
+    thread_costs.forget()
+    dear = cpu_planner.winograd_pipeline(*args)
+    assert (cheap.parts, dear.parts) == (2, 1), (cheap, dear)

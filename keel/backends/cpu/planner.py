@@ -20,9 +20,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, ParamSpec, TypeVar
 
 from keel.backends.base import KernelTable, KernelVariant
 from keel.backends.cpu import (
@@ -1219,6 +1219,26 @@ def gemm_split(batch: int, m: int, n: int, k: int, threads: int, grid: Grid = No
     thread costs' token and the declared value): a call made again asks again."""
     least = (thread_costs.current().token, MIN_FLOPS_PER_THREAD)
     return _gemm_split(batch, m, n, k, threads, grid, sizes, raw, lanes, least)
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _per_least_flops(plan: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``plan`` remembered per arguments and least work a thread (the thread costs'
+    token and the declared MIN_FLOPS_PER_THREAD), as gemm_split is: for a plan whose
+    split comes from gemm_threads."""
+    @functools.lru_cache(maxsize=512)
+    def remembered(least: tuple[str, int], *args: Any, **kwargs: Any) -> _R:
+        return plan(*args, **kwargs)
+
+    @functools.wraps(plan)
+    def ask(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        least = (thread_costs.current().token, MIN_FLOPS_PER_THREAD)
+        return remembered(least, *args, **kwargs)  # type: ignore[arg-type]  # hashable
+
+    return ask
 
 
 @functools.lru_cache(maxsize=4096)
@@ -2762,7 +2782,7 @@ PIPELINE_VECTOR = 16
 PIPELINE_CHUNKS_PER_THREAD = 1
 
 
-@functools.lru_cache(maxsize=512)
+@_per_least_flops
 def winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], threads: int,
                       sizes: Caches | None = None, grid: Any = _HERE,
                       per_thread: int = PIPELINE_CHUNKS_PER_THREAD,

@@ -7,9 +7,11 @@ same across thread counts under measured values."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -357,3 +359,20 @@ def test_a_measurement_that_fails_leaves_no_placeholder(
     source = thread_costs.current()
     assert source.costs is None and "no such device" in source.reason
     assert thread_costs.current() is source                    # kept: not measured again
+
+
+def test_a_reason_names_the_constant_only_for_its_declared_value(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _mode(monkeypatch, "auto")
+    least = cpu_planner.MIN_FLOPS_PER_THREAD
+    thread_costs.save(_costs({2: REF_US}))
+    thread_costs.forget()
+    assert cpu_planner.least_named(LeastWork.FLOPS, 2) == f"MIN_FLOPS_PER_THREAD = {least:,}"
+    thread_costs.save(_costs({2: 2 * REF_US}))
+    thread_costs.forget()
+    assert cpu_planner.least_named(LeastWork.FLOPS, 2) == (
+        f"least work (MIN_FLOPS_PER_THREAD, scaled to this machine's costs) = {2 * least:,}")
+    # No reason prints a derived least work under the constant's bare name.
+    pattern = re.compile("(" + "|".join(w.constant for w in LeastWork.ALL) + r") = \{")
+    for path in Path(cpu_planner.__file__).parent.glob("*.py"):
+        assert not pattern.search(path.read_text()), path

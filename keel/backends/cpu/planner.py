@@ -739,7 +739,7 @@ def int8_layout_split_reason(kernel: str | None, x: Sequence[int], w: Sequence[i
         unit = (f"(image, {INT8_DEPTHWISE_LANES}-channel block) planes" if split.planes
                 else "output rows")
         return (f"its kernel on {split.parts} of {threads} thread(s): {split.tasks} {unit}, "
-                f"at least MIN_CHUNK_TAPS = {_int8_least_taps(threads):,} output values x taps "
+                f"at least {least_named(LeastWork.TAPS, threads)} output values x taps "
                 "a thread")
     if kernel == "matmul":
         split = int8_matmul_split(n * oh * ow, c, m, threads)
@@ -748,8 +748,8 @@ def int8_layout_split_reason(kernel: str | None, x: Sequence[int], w: Sequence[i
         split = int8_panel_split(n * oh * ow, taps * c, m, threads)
         unit = f"{INT8_TILE_PIXELS} pixels"
     return (f"its kernel, {_INT8_KERNEL_NAMES[kernel]}, on {split.parts} of {threads} "
-            f"thread(s): {split.tasks} tiles of {unit}, at least MIN_FLOPS_PER_THREAD = "
-            f"{_int8_least_flops(threads):,} flops a thread")
+            f"thread(s): {split.tasks} tiles of {unit}, at least "
+            f"{least_named(LeastWork.FLOPS, threads)} flops a thread")
 
 
 _LAYOUT_ROLES = {("nchw", "nhwc"): "starts it, its result written channels-last",
@@ -1112,6 +1112,15 @@ def least_work(work: LeastWork, threads: int = 2) -> int:
     if costs is None:
         return work.declared
     return max(1, round(work.declared * cost_scale(costs, work.family, threads)))
+
+
+def least_named(work: LeastWork, threads: int | None) -> str:
+    """A reason's words for the least work of a split over ``threads``: the constant's
+    name with its value where it is the declared one, else what it was derived from."""
+    value = least_work(work, max(1, threads or 1))
+    if value == work.declared:
+        return f"{work.constant} = {value:,}"
+    return f"least work ({work.constant}, scaled to this machine's costs) = {value:,}"
 
 
 def cost_scale(costs: thread_costs.ThreadCosts, family: thread_costs.Family,
@@ -1911,7 +1920,7 @@ def int8_split_reason(request: PlanRequest, layout: str | None = None) -> str:
         split = int8_matmul_split(rows, depth, columns, threads)
         return (f"int8 product: {split.parts} of {threads} thread(s) run it ({split.tasks} "
                 f"tiles of {INT8_MATMUL_ROWS} rows x {INT8_DIRECT_PANEL} columns, at least "
-                f"MIN_FLOPS_PER_THREAD = {_int8_least_flops(threads):,} flops a thread)")
+                f"{least_named(LeastWork.FLOPS, threads)} flops a thread)")
     if request.op in (Op.QLINEAR_ADD, Op.QUANTIZE_LINEAR, Op.DEQUANTIZE_LINEAR):
         other = shapes[3] if request.op is Op.QLINEAR_ADD and len(shapes) > 3 else x
         scale = shapes[1] if len(shapes) > 1 else None
@@ -1988,8 +1997,8 @@ def int8_conv_split_reason(request: PlanRequest, layout: str | None = None) -> s
     split = int8_direct_split(n, geo.group, oh * ow, depth, m, positions, request.threads)
     runs = (f"int8 convolution (NCHW, where the node's layout is NCHW): {split.parts} of "
             f"{request.threads} thread(s) run it ({split.tasks} blocks of {INT8_DIRECT_PANEL} "
-            f"output positions, at least MIN_FLOPS_PER_THREAD = "
-            f"{_int8_least_flops(request.threads):,} flops a thread)")
+            f"output positions, at least {least_named(LeastWork.FLOPS, request.threads)} "
+            "flops a thread)")
     if geo.group != 1 or geo.dilations != (1, 1):
         lanes = (native_qgemm.isa() == "avx512-vnni" and int8_depthwise_lanes(oh * ow)
                  and math.prod(geo.kernel) <= INT8_LANES_MAX_TAPS)

@@ -134,6 +134,10 @@ def test_a_measurement_here_is_sane_kept_and_read_back(monkeypatch: pytest.Monke
             Family.WINOGRAD: (0.01, 1_000)}
     for family, (lo, hi) in sane.items():
         assert lo < costs.rate(family) < hi, (family, costs.rate(family))
+    if "Xeon" in costs.cpu and default_threads() <= 2:     # the reference rates' machine
+        for family in Family:                               # (within load's swing of them)
+            ratio = costs.rate(family) / cpu_planner.THREAD_COST_REFERENCE_RATES[family]
+            assert 0.5 < ratio < 2, (family, costs.rate(family))
     assert costs.seconds < 5
     for work in LeastWork.ALL:
         value = cpu_planner.least_work(work, 2)
@@ -293,13 +297,13 @@ def test_a_busy_pool_times_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(thread_costs, "BUSY_TRIES", 1)
     stop, worker = _pool_held_by_another_thread()
     try:
-        until = time.monotonic() + 5
+        until = time.monotonic() + 20
         busy = None
         while busy is None and time.monotonic() < until:     # until a job finds it held
             found = pool.dispatch_times(2, 50)
             busy = found if found is not None and found.busy else None
         refused = ""
-        while not refused and time.monotonic() < until + 5:
+        while not refused and time.monotonic() < until + 20:
             try:
                 thread_costs.measure(2)
             except thread_costs.PoolBusy as exc:
@@ -336,6 +340,8 @@ def test_a_contended_timing_is_used_by_this_process_only(
     assert "stalled" in thread_costs.contention([(2, quiet)], [30])
     assert "quartiles" in thread_costs.contention([(2, thread_costs.Sample(1, 0.7, 7, 200))],
                                                   [0])
+    assert "load average 5.0 on 2" in thread_costs.contention([(2, quiet)], [0], 5.0, 2)
+    assert thread_costs.contention([(2, quiet)], [0], 1.5, 2) == ""
     assert "on 4 threads against" in thread_costs.contention(
         [(2, quiet), (4, thread_costs.Sample(7, 6.9, 7.1, 200))], [0, 0])
     contended = _costs({2: 9 * REF_US})

@@ -1037,7 +1037,7 @@ TREE_SET_ASIDE = 4
 
 
 # ---- the least work, per machine ------------------------------------------------------
-# The values above were measured on the 2-core AMD EPYC (Zen 5). Each says: a split pays
+# The values above were measured on a 2-core AMD EPYC. Each says: a split pays
 # once a thread's share takes longer than the dispatch that hands it out, by a margin. So
 # each is derived, by one rule, from this machine's thread costs where they are measured
 # (thread_costs: the pool's dispatch round trip at each thread count, and each family's
@@ -1050,23 +1050,27 @@ TREE_SET_ASIDE = 4
 # get every thread into a job, asks twice the work of each thread; a dispatch that grows
 # with the thread count (waking 15 workers across a socket) asks more of wide splits.
 # The references: thread_costs.measure() on a 2-core Intel Xeon (KVM, AVX-512, AMX; 2 MiB
-# L2 a core), 4 runs of it in one process while other work ran (each point the median of
-# 200 repeats; the runs' medians: dispatch 0.72-0.84 us, GEMM 114-121 flops/ns, window
-# 19-22 taps/ns, GELU 1.90-1.97 elements/ns, copy 1.03-1.13, Winograd 4.2-4.3 floats/ns).
+# L2 a core). The rates: 12 runs of it in two processes with the current kernels (after
+# the Winograd transforms' speed-up), the machine loaded (load average 4.5-7 on its 2
+# cores), each point the median of up to 200 repeats; the medians of the runs (their
+# range): GEMM 147 flops/ns (140-163), window 20.5 taps/ns (18.3-22.2), GELU 1.91
+# elements/ns (1.73-2.04), copy 1.19 (1.03-1.21), Winograd 11.3 floats/ns (10.7-11.6).
+# The dispatch: 4 earlier runs, less loaded, 0.72-0.84 us (the 12 runs above, under that
+# load, gave 6.8-7.1 us: see below).
 # The declared values themselves were measured on the 2-core AMD EPYC above, whose costs
 # were not measured: the rule takes them as that 2-core Xeon's, a machine of the same
 # kind (two cores of one socket, AVX-512, a pool dispatch under a microsecond). Under
 # heavier load (4 runnable processes on the 2 cores) the dispatch took 7.0 us: a worker
 # waits for a time slice, and a measurement then asks more work of each thread, as it
 # should there.
-THREAD_COST_REFERENCE_MACHINE = "a 2-core AMD EPYC (Zen 5); costs measured on a 2-core Xeon"
+THREAD_COST_REFERENCE_MACHINE = "a 2-core AMD EPYC; costs measured on a 2-core Intel Xeon"
 THREAD_COST_REFERENCE_DISPATCH_US = 0.74
 THREAD_COST_REFERENCE_RATES = {
-    thread_costs.Family.GEMM: 118.0,         # flops a ns: 32x256 @ 256x256, B packed
-    thread_costs.Family.WINDOW: 21.0,        # taps a ns: 3x3 depthwise, 32 28x28 planes
-    thread_costs.Family.FASTMATH: 1.93,      # elements a ns: GELU of 16,384 floats
-    thread_costs.Family.COPY: 1.1,            # elements a ns: a 128x256 transpose
-    thread_costs.Family.WINOGRAD: 4.2,       # floats a ns: input transform, 64 14x14 planes
+    thread_costs.Family.GEMM: 147.0,         # flops a ns: 32x256 @ 256x256, B packed
+    thread_costs.Family.WINDOW: 20.5,        # taps a ns: 3x3 depthwise, 32 28x28 planes
+    thread_costs.Family.FASTMATH: 1.91,      # elements a ns: GELU of 16,384 floats
+    thread_costs.Family.COPY: 1.19,          # elements a ns: a 128x256 transpose
+    thread_costs.Family.WINOGRAD: 11.3,      # floats a ns: input transform, 64 14x14 planes
 }
 # A measurement off by more than this either way (a machine busy while it was taken, a
 # clock gone wrong) is held to it: the declared values are not wrong by more than that.

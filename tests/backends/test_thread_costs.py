@@ -382,3 +382,16 @@ def test_a_reason_names_the_constant_only_for_its_declared_value(
     pattern = re.compile("(" + "|".join(w.constant for w in LeastWork.ALL) + r") = \{")
     for path in Path(cpu_planner.__file__).parent.glob("*.py"):
         assert not pattern.search(path.read_text()), path
+
+
+def test_the_table_has_one_entry_a_width_and_the_cli_refuses_yaml() -> None:
+    from typer.testing import CliRunner
+
+    from keel.cli import app
+
+    assert list(cpu_planner.least_work_table(2)["least_work"]["MIN_CHUNK_TAPS"]) == [
+        "unit", "declared", "2 threads"]
+    assert list(cpu_planner.least_work_table(4)["least_work"]["MIN_CHUNK_TAPS"])[-2:] == [
+        "2 threads", "4 threads"]
+    result = CliRunner().invoke(app, ["probe", "--thread-costs", "--yaml"])
+    assert result.exit_code != 0 and "--yaml" in str(result.exception or result.output)

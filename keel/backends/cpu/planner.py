@@ -10,7 +10,7 @@ depthwise call runs. Kernel modules execute what the plan says; where a kernel
 runs without a plan (a direct call), it asks the functions here, so a plan and
 a plain run make the same choice.
 
-Evidence was measured on a 2-core AMD EPYC (Zen 4, AVX-512) with OpenBLAS
+Evidence was measured on a 2-core AMD EPYC (AVX-512) with OpenBLAS
 unless a rule says otherwise; ``keel tune`` measures on the running machine
 and overrides these rules (``PlanRequest.measured``).
 """
@@ -1160,8 +1160,8 @@ def least_work_table(threads: int) -> dict[str, Any]:
     return {"source": source.reason,
             "costs": None if source.costs is None else source.costs.to_dict(),
             "least_work": {w.constant: {"unit": w.family.unit, "declared": w.declared,
-                                        "2 threads": least_work(w, 2),
-                                        f"{threads} threads": least_work(w, threads)}
+                                        **{f"{t} threads": least_work(w, t)
+                                           for t in sorted({2, max(2, threads)})}}
                            for w in LeastWork.ALL}}
 
 

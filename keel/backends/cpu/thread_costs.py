@@ -3,7 +3,9 @@
 The cpu planner splits a kernel call over threads only while each thread gets the least
 work worth one (``planner.least_work``). Its declared values were measured on a 2-core
 machine; on another the dispatch to the pool and each kernel's speed differ. This module
-measures them here, in well under a second:
+measures them here, in well under a second once the kernels measured are built (the
+first time, a native build of each family they need not yet built: 10-30 s, each build
+printing its line, as any first use of them does):
 
 * the pool's dispatch round trip at 2, 4, 8 and all usable cores (at most those):
   threads.c's ``keel_pool_time_dispatch``, every thread in one job at once;

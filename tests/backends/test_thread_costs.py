@@ -395,3 +395,15 @@ def test_the_table_has_one_entry_a_width_and_the_cli_refuses_yaml() -> None:
         "2 threads", "4 threads"]
     result = CliRunner().invoke(app, ["probe", "--thread-costs", "--yaml"])
     assert result.exit_code != 0 and "--yaml" in str(result.exception or result.output)
+
+
+def test_every_family_splits_by_the_least_work_at_each_width(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A dispatch four times dearer on 4 threads: work for 2 threads at their least is
+    # split over 2, not left on one because 4 would each get too little.
+    _mode(monkeypatch, "auto")
+    thread_costs.save(_costs({2: REF_US, 4: 4 * REF_US}))
+    thread_costs.forget()
+    per_plane = cpu_planner.winograd_plane_floats((14, 14), False)
+    planes = 4 * cpu_planner.MIN_CHUNK_FLOATS // per_plane + 1
+    assert cpu_planner.winograd_transform_parts(planes, (14, 14), False, 4) == 2

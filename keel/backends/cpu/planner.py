@@ -1443,7 +1443,7 @@ INTEROP_BUSY_SHARE = 0.5
 def _kernel_threads(work: float, planned: int, threads: int) -> int:
     """The threads a node's kernel keeps busy: its plan's (a product's already follow its
     flops), for the others no more than its work gives each at least MIN_CHUNK_ELEMENTS."""
-    return max(1, min(planned, threads, int(work // least_work(LeastWork.ELEMENTS, threads))))
+    return max(1, min(planned, split_threads(LeastWork.ELEMENTS, threads, int(work))))
 
 
 def plan_branches(threads: int, branches: Sequence[Sequence[tuple[float, int]]]
@@ -2653,7 +2653,7 @@ def winograd_transform_parts(planes: int, out_hw: tuple[int, int], output: bool,
     """How many chunks a Winograd transform of ``planes`` planes splits into on up to
     ``threads`` threads (see winograd_plane_floats)."""
     per_plane = winograd_plane_floats(out_hw, output)
-    return max(1, min(threads, planes, planes * per_plane // least_work(LeastWork.FLOATS, threads)))
+    return max(1, min(planes, split_threads(LeastWork.FLOATS, threads, planes * per_plane)))
 
 
 # Winograd's transforms split by tile rows (every channel of each) where a chunk holds
@@ -2698,7 +2698,7 @@ def winograd_parts(images: int, channels: int, out_hw: tuple[int, int], output: 
     th = -(-out_hw[0] // 2)
     rows = images * th
     per_row = channels * winograd_plane_floats(out_hw, output) // th
-    return max(1, min(threads, rows, rows * per_row // least_work(LeastWork.FLOATS, threads)))
+    return max(1, min(rows, split_threads(LeastWork.FLOATS, threads, rows * per_row)))
 
 
 def _winograd_scratch(n: int, c: int, m: int, th: int, tw: int, itemsize: int) -> int:

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from keel.config import format_bytes
-from keel.errors import InvalidArgumentError
+from keel.errors import ExecutionError, InvalidArgumentError
 from keel.hardware import probe
 from keel.hardware.profile import CpuInfo, GpuInfo, HardwareProfile, MemoryInfo
 
@@ -26,13 +26,17 @@ def probe_command(
     webgpu: bool = typer.Option(False, "--webgpu", help="Also list the WebGPU adapters "
                                 "(starts the Vulkan/Metal/DX12 drivers: seconds)."),
     costs: bool = typer.Option(False, "--thread-costs", help="Measure what a split over "
-                               "keel's threads costs here (under a second), keep it, and "
+                               "keel's threads costs here (under a second once keel's "
+                               "native kernels are built; a first build takes 10-30 s and "
+                               "prints a line), keep it, and "
                                "print it with the least work a thread it gives."),
 ) -> None:
     """Probe CPU, memory, GPUs and accelerators; every gap says why."""
     if as_json and as_yaml:
         raise InvalidArgumentError("--json and --yaml are exclusive; give one of them")
     if costs:
+        if as_yaml:
+            raise InvalidArgumentError("--thread-costs prints text or --json, not --yaml")
         _thread_costs(as_json)
         return
     profile = probe(webgpu=True) if webgpu else probe()
@@ -52,7 +56,7 @@ def _thread_costs(as_json: bool) -> None:
     try:
         thread_costs.refresh()
     except RuntimeError as exc:
-        raise InvalidArgumentError(f"cannot measure the thread costs here: {exc}") from None
+        raise ExecutionError(f"cannot measure the thread costs here: {exc}") from None
     threads = default_threads()
     if as_json:
         typer.echo(json.dumps(planner.least_work_table(threads), indent=2))

@@ -25,14 +25,15 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from typing import Any
 
 from keel.config import settings
 from keel.native import build
 
-__all__ = ["chunks", "dispatch_times", "idle_spin_us", "parker", "parts", "pin", "pinned",
-           "set_affinity", "set_idle_spin_us", "set_spin_us", "set_yielding", "shutdown", "spin_us",
-           "workers"]
+__all__ = ["DispatchTimes", "chunks", "dispatch_times", "idle_spin_us", "parker", "parts", "pin",
+           "pinned", "set_affinity", "set_idle_spin_us", "set_spin_us", "set_yielding", "shutdown",
+           "spin_us", "workers"]
 
 _I64 = ctypes.c_int64
 _pinned: frozenset[int] | None = None     # the CPUs keel's threads are kept on (None: any)
@@ -158,15 +159,27 @@ def shutdown() -> None:
         lib.function("keel_pool_stop", [])()
 
 
-def dispatch_times(threads: int, repeats: int) -> list[int] | None:
-    """The round trips, in nanoseconds, of ``repeats`` empty jobs split over ``threads``
-    threads of the pool (threads.c's keel_pool_time_dispatch: timed in C, after one
-    untimed job that starts the workers); None where the native tier is unavailable or
-    the workers could not all start. Call it while no kernel runs."""
+@dataclass(frozen=True)
+class DispatchTimes:
+    """The round trips, in nanoseconds, of a timing's jobs, and how many of them had a
+    chunk whose wait timed out (a thread descheduled); ``busy``: the pool ran another
+    thread's job, so a job ran inline and nothing was timed (``times`` empty)."""
+
+    times: list[int]
+    stalled: int
+    busy: bool
+
+
+def dispatch_times(threads: int, repeats: int) -> DispatchTimes | None:
+    """The round trips of ``repeats`` empty jobs split over ``threads`` threads of the
+    pool (threads.c's keel_pool_time_dispatch: timed in C, after one untimed job that
+    starts the workers); None where the native tier is unavailable or the workers could
+    not all start."""
     fn = _function("keel_pool_time_dispatch", [_I64, _I64, ctypes.POINTER(_I64)], _I64)
     if fn is None or threads < 2 or repeats < 1:
         return None
     out = (_I64 * repeats)()
-    if int(fn(threads, repeats, out)) != 0:
-        return None
-    return list(out)
+    rc = int(fn(threads, repeats, out))
+    if rc == -2:
+        return DispatchTimes([], 0, True)
+    return None if rc < 0 else DispatchTimes(list(out), rc, False)

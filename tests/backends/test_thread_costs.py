@@ -7,7 +7,11 @@ same across thread counts under measured values."""
 from __future__ import annotations
 
 import json
+import re
+import threading
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -108,9 +112,9 @@ def test_a_bad_setting_is_refused() -> None:
 # ---- a real measurement ------------------------------------------------------------------
 def test_the_pool_times_its_dispatch() -> None:
     _needs_native()
-    times = pool.dispatch_times(2, 20)
-    assert times is not None and len(times) == 20
-    assert all(0 < t < 1_000_000_000 for t in times)
+    found = pool.dispatch_times(2, 20)
+    assert found is not None and not found.busy and len(found.times) == 20
+    assert all(0 < t < 1_000_000_000 for t in found.times) and 0 <= found.stalled <= 20
     assert pool.dispatch_times(1, 5) is None             # no split on one thread
 
 
@@ -130,6 +134,10 @@ def test_a_measurement_here_is_sane_kept_and_read_back(monkeypatch: pytest.Monke
             Family.WINOGRAD: (0.01, 1_000)}
     for family, (lo, hi) in sane.items():
         assert lo < costs.rate(family) < hi, (family, costs.rate(family))
+    if "Xeon" in costs.cpu and default_threads() <= 2:     # the reference rates' machine
+        for family in Family:                               # (within load's swing of them)
+            ratio = costs.rate(family) / cpu_planner.THREAD_COST_REFERENCE_RATES[family]
+            assert 0.5 < ratio < 2, (family, costs.rate(family))
     assert costs.seconds < 5
     for work in LeastWork.ALL:
         value = cpu_planner.least_work(work, 2)
@@ -137,6 +145,9 @@ def test_a_measurement_here_is_sane_kept_and_read_back(monkeypatch: pytest.Monke
         assert work.declared / limit - 1 <= value <= work.declared * limit + 1
         assert value == max(1, round(work.declared * cpu_planner.cost_scale(
             costs, work.family, 2)))
+    if costs.doubt:                          # a loaded machine: used here, not kept
+        assert "this process only" in source.reason and not thread_costs.path_here().exists()
+        return
     thread_costs.forget()                    # another process: read from the file
     again = thread_costs.current()
     assert again.costs == costs and again.reason.startswith("measured on this machine (loaded")
@@ -244,3 +255,155 @@ def test_results_do_not_depend_on_the_split_under_measured_costs(
         np.testing.assert_array_equal(got, products[0])
     for got in gelus[1:]:
         np.testing.assert_array_equal(got, gelus[0])
+
+
+def test_the_winograd_pipeline_is_planned_again_under_other_costs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Its pieces come from gemm_threads: remembered per thread costs, as gemm_split is.
+    _mode(monkeypatch, "auto")
+    sizes = cpu_planner.Caches(2 << 20, 32 << 20, "given")
+    args = (1, 64, 64, (14, 14), 2, sizes, (8, 32))
+    thread_costs.save(_costs({2: REF_US / 8}))            # cheap dispatch: split
+    thread_costs.forget()
+    cheap = cpu_planner.winograd_pipeline(*args)
+    thread_costs.save(_costs({2: 16 * REF_US}))           # dear dispatch: one piece
+    thread_costs.forget()
+    dear = cpu_planner.winograd_pipeline(*args)
+    assert (cheap.parts, dear.parts) == (2, 1), (cheap, dear)
+
+
+def _pool_held_by_another_thread() -> tuple[threading.Event, threading.Thread]:
+    """A thread running two-thread products on the pool until the event is set."""
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((256, 256), dtype=np.float32)
+    b = ng.pack(rng.standard_normal((256, 256), dtype=np.float32), left=False)
+    c = np.empty((256, 256), np.float32)
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            ng.gemm(a, b, c, threads=2)
+
+    worker = threading.Thread(target=loop)
+    worker.start()
+    return stop, worker
+
+
+def test_a_busy_pool_times_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Another thread's jobs on the pool: a timing job then runs inline (each chunk waiting
+    # out its millisecond); it says so instead of giving that as the dispatch.
+    _needs_native()
+    _mode(monkeypatch, "off")
+    monkeypatch.setattr(thread_costs, "BUSY_TRIES", 1)
+    stop, worker = _pool_held_by_another_thread()
+    try:
+        until = time.monotonic() + 20
+        busy = None
+        while busy is None and time.monotonic() < until:     # until a job finds it held
+            found = pool.dispatch_times(2, 50)
+            busy = found if found is not None and found.busy else None
+        refused = ""
+        while not refused and time.monotonic() < until + 20:
+            try:
+                thread_costs.measure(2)
+            except thread_costs.PoolBusy as exc:
+                refused = str(exc)
+    finally:
+        stop.set()
+        worker.join()
+    assert busy is not None and not busy.times and busy.stalled == 0
+    assert "another thread's job" in refused
+
+
+def test_a_busy_pool_is_measured_again_on_the_next_plan(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _mode(monkeypatch, "on")
+    tries = []
+
+    def busy(cores: int, cpu: str) -> thread_costs.ThreadCosts:
+        tries.append(cores)
+        raise thread_costs.PoolBusy("keel's pool was running another thread's job")
+
+    monkeypatch.setattr(thread_costs, "measure", busy)
+    source = thread_costs.current()
+    assert source.costs is None and source.again and "another thread's job" in source.reason
+    thread_costs.current()
+    assert len(tries) == 2 and not thread_costs.path_here().exists()
+
+
+def test_a_contended_timing_is_used_by_this_process_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _mode(monkeypatch, "on")
+    quiet = thread_costs.Sample(0.8, 0.7, 0.9, 200)
+    assert thread_costs.contention([(2, quiet), (4, thread_costs.Sample(1.2, 1, 1.4, 200))],
+                                   [0, 0]) == ""
+    assert "stalled" in thread_costs.contention([(2, quiet)], [30])
+    assert "quartiles" in thread_costs.contention([(2, thread_costs.Sample(1, 0.7, 7, 200))],
+                                                  [0])
+    assert "load average 5.0 on 2" in thread_costs.contention([(2, quiet)], [0], 5.0, 2)
+    assert thread_costs.contention([(2, quiet)], [0], 1.5, 2) == ""
+    assert "on 4 threads against" in thread_costs.contention(
+        [(2, quiet), (4, thread_costs.Sample(7, 6.9, 7.1, 200))], [0, 0])
+    contended = _costs({2: 9 * REF_US})
+    contended = thread_costs.ThreadCosts(contended.dispatch_us, contended.rates, "here", 2,
+                                         0.1, "8 of 200 jobs on 2 threads stalled")
+    monkeypatch.setattr(thread_costs, "measure", lambda cores, cpu: contended)
+    source = thread_costs.current()
+    assert source.costs == contended and "this process only" in source.reason
+    assert not thread_costs.path_here().exists()
+    assert "this process only" in cpu_planner.thread_costs_note(2)
+
+
+def test_a_measurement_that_fails_leaves_no_placeholder(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _mode(monkeypatch, "on")
+
+    def broken(cores: int, cpu: str) -> thread_costs.ThreadCosts:
+        raise OSError("no such device")
+
+    monkeypatch.setattr(thread_costs, "measure", broken)
+    source = thread_costs.current()
+    assert source.costs is None and "no such device" in source.reason
+    assert thread_costs.current() is source                    # kept: not measured again
+
+
+def test_a_reason_names_the_constant_only_for_its_declared_value(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _mode(monkeypatch, "auto")
+    least = cpu_planner.MIN_FLOPS_PER_THREAD
+    thread_costs.save(_costs({2: REF_US}))
+    thread_costs.forget()
+    assert cpu_planner.least_named(LeastWork.FLOPS, 2) == f"MIN_FLOPS_PER_THREAD = {least:,}"
+    thread_costs.save(_costs({2: 2 * REF_US}))
+    thread_costs.forget()
+    assert cpu_planner.least_named(LeastWork.FLOPS, 2) == (
+        f"least work (MIN_FLOPS_PER_THREAD, scaled to this machine's costs) = {2 * least:,}")
+    # No reason prints a derived least work under the constant's bare name.
+    pattern = re.compile("(" + "|".join(w.constant for w in LeastWork.ALL) + r") = \{")
+    for path in Path(cpu_planner.__file__).parent.glob("*.py"):
+        assert not pattern.search(path.read_text()), path
+
+
+def test_the_table_has_one_entry_a_width_and_the_cli_refuses_yaml() -> None:
+    from typer.testing import CliRunner
+
+    from keel.cli import app
+
+    assert list(cpu_planner.least_work_table(2)["least_work"]["MIN_CHUNK_TAPS"]) == [
+        "unit", "declared", "2 threads"]
+    assert list(cpu_planner.least_work_table(4)["least_work"]["MIN_CHUNK_TAPS"])[-2:] == [
+        "2 threads", "4 threads"]
+    result = CliRunner().invoke(app, ["probe", "--thread-costs", "--yaml"])
+    assert result.exit_code != 0 and "--yaml" in str(result.exception or result.output)
+
+
+def test_every_family_splits_by_the_least_work_at_each_width(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A dispatch four times dearer on 4 threads: work for 2 threads at their least is
+    # split over 2, not left on one because 4 would each get too little.
+    _mode(monkeypatch, "auto")
+    thread_costs.save(_costs({2: REF_US, 4: 4 * REF_US}))
+    thread_costs.forget()
+    per_plane = cpu_planner.winograd_plane_floats((14, 14), False)
+    planes = 4 * cpu_planner.MIN_CHUNK_FLOATS // per_plane + 1
+    assert cpu_planner.winograd_transform_parts(planes, (14, 14), False, 4) == 2

@@ -10,7 +10,7 @@ depthwise call runs. Kernel modules execute what the plan says; where a kernel
 runs without a plan (a direct call), it asks the functions here, so a plan and
 a plain run make the same choice.
 
-Evidence was measured on a 2-core AMD EPYC (Zen 4, AVX-512) with OpenBLAS
+Evidence was measured on a 2-core AMD EPYC (AVX-512) with OpenBLAS
 unless a rule says otherwise; ``keel tune`` measures on the running machine
 and overrides these rules (``PlanRequest.measured``).
 """
@@ -22,7 +22,7 @@ import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, ParamSpec, TypeVar
 
 from keel.backends.base import KernelTable, KernelVariant
 from keel.backends.cpu import (
@@ -739,7 +739,7 @@ def int8_layout_split_reason(kernel: str | None, x: Sequence[int], w: Sequence[i
         unit = (f"(image, {INT8_DEPTHWISE_LANES}-channel block) planes" if split.planes
                 else "output rows")
         return (f"its kernel on {split.parts} of {threads} thread(s): {split.tasks} {unit}, "
-                f"at least MIN_CHUNK_TAPS = {_int8_least_taps(threads):,} output values x taps "
+                f"at least {least_named(LeastWork.TAPS, threads)} output values x taps "
                 "a thread")
     if kernel == "matmul":
         split = int8_matmul_split(n * oh * ow, c, m, threads)
@@ -748,8 +748,8 @@ def int8_layout_split_reason(kernel: str | None, x: Sequence[int], w: Sequence[i
         split = int8_panel_split(n * oh * ow, taps * c, m, threads)
         unit = f"{INT8_TILE_PIXELS} pixels"
     return (f"its kernel, {_INT8_KERNEL_NAMES[kernel]}, on {split.parts} of {threads} "
-            f"thread(s): {split.tasks} tiles of {unit}, at least MIN_FLOPS_PER_THREAD = "
-            f"{_int8_least_flops(threads):,} flops a thread")
+            f"thread(s): {split.tasks} tiles of {unit}, at least "
+            f"{least_named(LeastWork.FLOPS, threads)} flops a thread")
 
 
 _LAYOUT_ROLES = {("nchw", "nhwc"): "starts it, its result written channels-last",
@@ -1046,7 +1046,7 @@ TREE_SET_ASIDE = 4
 
 
 # ---- the least work, per machine ------------------------------------------------------
-# The values above were measured on the 2-core AMD EPYC (Zen 5). Each says: a split pays
+# The values above were measured on a 2-core AMD EPYC. Each says: a split pays
 # once a thread's share takes longer than the dispatch that hands it out, by a margin. So
 # each is derived, by one rule, from this machine's thread costs where they are measured
 # (thread_costs: the pool's dispatch round trip at each thread count, and each family's
@@ -1059,23 +1059,27 @@ TREE_SET_ASIDE = 4
 # get every thread into a job, asks twice the work of each thread; a dispatch that grows
 # with the thread count (waking 15 workers across a socket) asks more of wide splits.
 # The references: thread_costs.measure() on a 2-core Intel Xeon (KVM, AVX-512, AMX; 2 MiB
-# L2 a core), 4 runs of it in one process while other work ran (each point the median of
-# 200 repeats; the runs' medians: dispatch 0.72-0.84 us, GEMM 114-121 flops/ns, window
-# 19-22 taps/ns, GELU 1.90-1.97 elements/ns, copy 1.03-1.13, Winograd 4.2-4.3 floats/ns).
+# L2 a core). The rates: 12 runs of it in two processes with the current kernels (after
+# the Winograd transforms' speed-up), the machine loaded (load average 4.5-7 on its 2
+# cores), each point the median of up to 200 repeats; the medians of the runs (their
+# range): GEMM 147 flops/ns (140-163), window 20.5 taps/ns (18.3-22.2), GELU 1.91
+# elements/ns (1.73-2.04), copy 1.19 (1.03-1.21), Winograd 11.3 floats/ns (10.7-11.6).
+# The dispatch: 4 earlier runs, less loaded, 0.72-0.84 us (the 12 runs above, under that
+# load, gave 6.8-7.1 us: see below).
 # The declared values themselves were measured on the 2-core AMD EPYC above, whose costs
 # were not measured: the rule takes them as that 2-core Xeon's, a machine of the same
 # kind (two cores of one socket, AVX-512, a pool dispatch under a microsecond). Under
 # heavier load (4 runnable processes on the 2 cores) the dispatch took 7.0 us: a worker
 # waits for a time slice, and a measurement then asks more work of each thread, as it
 # should there.
-THREAD_COST_REFERENCE_MACHINE = "a 2-core AMD EPYC (Zen 5); costs measured on a 2-core Xeon"
+THREAD_COST_REFERENCE_MACHINE = "a 2-core AMD EPYC; costs measured on a 2-core Intel Xeon"
 THREAD_COST_REFERENCE_DISPATCH_US = 0.74
 THREAD_COST_REFERENCE_RATES = {
-    thread_costs.Family.GEMM: 118.0,         # flops a ns: 32x256 @ 256x256, B packed
-    thread_costs.Family.WINDOW: 21.0,        # taps a ns: 3x3 depthwise, 32 28x28 planes
-    thread_costs.Family.FASTMATH: 1.93,      # elements a ns: GELU of 16,384 floats
-    thread_costs.Family.COPY: 1.1,            # elements a ns: a 128x256 transpose
-    thread_costs.Family.WINOGRAD: 4.2,       # floats a ns: input transform, 64 14x14 planes
+    thread_costs.Family.GEMM: 147.0,         # flops a ns: 32x256 @ 256x256, B packed
+    thread_costs.Family.WINDOW: 20.5,        # taps a ns: 3x3 depthwise, 32 28x28 planes
+    thread_costs.Family.FASTMATH: 1.91,      # elements a ns: GELU of 16,384 floats
+    thread_costs.Family.COPY: 1.19,          # elements a ns: a 128x256 transpose
+    thread_costs.Family.WINOGRAD: 11.3,      # floats a ns: input transform, 64 14x14 planes
 }
 # A measurement off by more than this either way (a machine busy while it was taken, a
 # clock gone wrong) is held to it: the declared values are not wrong by more than that.
@@ -1123,6 +1127,15 @@ def least_work(work: LeastWork, threads: int = 2) -> int:
     return max(1, round(work.declared * cost_scale(costs, work.family, threads)))
 
 
+def least_named(work: LeastWork, threads: int | None) -> str:
+    """A reason's words for the least work of a split over ``threads``: the constant's
+    name with its value where it is the declared one, else what it was derived from."""
+    value = least_work(work, max(1, threads or 1))
+    if value == work.declared:
+        return f"{work.constant} = {value:,}"
+    return f"least work ({work.constant}, scaled to this machine's costs) = {value:,}"
+
+
 def cost_scale(costs: thread_costs.ThreadCosts, family: thread_costs.Family,
                threads: int) -> float:
     """How many times the declared least work ``costs`` ask of a thread (the rule above)."""
@@ -1156,8 +1169,8 @@ def least_work_table(threads: int) -> dict[str, Any]:
     return {"source": source.reason,
             "costs": None if source.costs is None else source.costs.to_dict(),
             "least_work": {w.constant: {"unit": w.family.unit, "declared": w.declared,
-                                        "2 threads": least_work(w, 2),
-                                        f"{threads} threads": least_work(w, threads)}
+                                        **{f"{t} threads": least_work(w, t)
+                                           for t in sorted({2, max(2, threads)})}}
                            for w in LeastWork.ALL}}
 
 
@@ -1228,6 +1241,26 @@ def gemm_split(batch: int, m: int, n: int, k: int, threads: int, grid: Grid = No
     thread costs' token and the declared value): a call made again asks again."""
     least = (thread_costs.current().token, MIN_FLOPS_PER_THREAD)
     return _gemm_split(batch, m, n, k, threads, grid, sizes, raw, lanes, least)
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _per_least_flops(plan: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``plan`` remembered per arguments and least work a thread (the thread costs'
+    token and the declared MIN_FLOPS_PER_THREAD), as gemm_split is: for a plan whose
+    split comes from gemm_threads."""
+    @functools.lru_cache(maxsize=512)
+    def remembered(least: tuple[str, int], *args: Any, **kwargs: Any) -> _R:
+        return plan(*args, **kwargs)
+
+    @functools.wraps(plan)
+    def ask(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        least = (thread_costs.current().token, MIN_FLOPS_PER_THREAD)
+        return remembered(least, *args, **kwargs)  # type: ignore[arg-type]  # hashable
+
+    return ask
 
 
 @functools.lru_cache(maxsize=4096)
@@ -1419,7 +1452,7 @@ INTEROP_BUSY_SHARE = 0.5
 def _kernel_threads(work: float, planned: int, threads: int) -> int:
     """The threads a node's kernel keeps busy: its plan's (a product's already follow its
     flops), for the others no more than its work gives each at least MIN_CHUNK_ELEMENTS."""
-    return max(1, min(planned, threads, int(work // least_work(LeastWork.ELEMENTS, threads))))
+    return max(1, min(planned, split_threads(LeastWork.ELEMENTS, threads, int(work))))
 
 
 def plan_branches(threads: int, branches: Sequence[Sequence[tuple[float, int]]]
@@ -1914,7 +1947,7 @@ def _int8_product_split_reason(request: PlanRequest, shapes: _Shapes, layout: st
     split = int8_matmul_split(rows, depth, columns, threads)
     return (f"int8 product: {split.parts} of {threads} thread(s) run it ({split.tasks} "
             f"tiles of {INT8_MATMUL_ROWS} rows x {INT8_DIRECT_PANEL} columns, at least "
-            f"MIN_FLOPS_PER_THREAD = {_int8_least_flops(threads):,} flops a thread)")
+            f"{least_named(LeastWork.FLOPS, threads)} flops a thread)")
 
 
 def _int8_pass_split_reason(request: PlanRequest, shapes: _Shapes, layout: str | None
@@ -2020,8 +2053,8 @@ def int8_conv_split_reason(request: PlanRequest, layout: str | None = None) -> s
     split = int8_direct_split(n, geo.group, oh * ow, depth, m, positions, request.threads)
     runs = (f"int8 convolution (NCHW, where the node's layout is NCHW): {split.parts} of "
             f"{request.threads} thread(s) run it ({split.tasks} blocks of {INT8_DIRECT_PANEL} "
-            f"output positions, at least MIN_FLOPS_PER_THREAD = "
-            f"{_int8_least_flops(request.threads):,} flops a thread)")
+            f"output positions, at least {least_named(LeastWork.FLOPS, request.threads)} "
+            "flops a thread)")
     if geo.group != 1 or geo.dilations != (1, 1):
         lanes = (native_qgemm.isa() == "avx512-vnni" and int8_depthwise_lanes(oh * ow)
                  and math.prod(geo.kernel) <= INT8_LANES_MAX_TAPS)
@@ -2700,7 +2733,7 @@ def winograd_transform_parts(planes: int, out_hw: tuple[int, int], output: bool,
     """How many chunks a Winograd transform of ``planes`` planes splits into on up to
     ``threads`` threads (see winograd_plane_floats)."""
     per_plane = winograd_plane_floats(out_hw, output)
-    return max(1, min(threads, planes, planes * per_plane // least_work(LeastWork.FLOATS, threads)))
+    return max(1, min(planes, split_threads(LeastWork.FLOATS, threads, planes * per_plane)))
 
 
 # Winograd's transforms split by tile rows (every channel of each) where a chunk holds
@@ -2745,7 +2778,7 @@ def winograd_parts(images: int, channels: int, out_hw: tuple[int, int], output: 
     th = -(-out_hw[0] // 2)
     rows = images * th
     per_row = channels * winograd_plane_floats(out_hw, output) // th
-    return max(1, min(threads, rows, rows * per_row // least_work(LeastWork.FLOATS, threads)))
+    return max(1, min(rows, split_threads(LeastWork.FLOATS, threads, rows * per_row)))
 
 
 def _winograd_scratch(n: int, c: int, m: int, th: int, tw: int, itemsize: int) -> int:
@@ -2856,7 +2889,7 @@ def winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], thre
                               chunks, vendor)
 
 
-@functools.lru_cache(maxsize=512)
+@_per_least_flops
 def _winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], threads: int,
                        sizes: Caches, grid: Any, per_thread: int,
                        vendor: Any) -> WinogradPipeline:

@@ -3,7 +3,9 @@
 The cpu planner splits a kernel call over threads only while each thread gets the least
 work worth one (``planner.least_work``). Its declared values were measured on a 2-core
 machine; on another the dispatch to the pool and each kernel's speed differ. This module
-measures them here, in well under a second:
+measures them here, in well under a second once the kernels measured are built (the
+first time, a native build of each family they need not yet built: 10-30 s, each build
+printing its line, as any first use of them does):
 
 * the pool's dispatch round trip at 2, 4, 8 and all usable cores (at most those):
   threads.c's ``keel_pool_time_dispatch``, every thread in one job at once;
@@ -22,13 +24,15 @@ declared values decide).
 from __future__ import annotations
 
 import enum
+import itertools
 import json
+import os
 import statistics
 import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +43,7 @@ from keel._fork import renew_after_fork
 from keel._hashing import sha256
 from keel.config import cache_dir, settings
 
-__all__ = ["Family", "Sample", "Source", "ThreadCosts", "current", "forget", "load",
+__all__ = ["Family", "PoolBusy", "Sample", "Source", "ThreadCosts", "current", "forget", "load",
            "measure", "path_here", "refresh", "save"]
 
 FILE_FORMAT = "keel-thread-costs"
@@ -50,6 +54,19 @@ BUDGET_S = 0.4
 REPEATS = 200
 MIN_REPEATS = 9
 DISPATCH_POINTS = (2, 4, 8)        # thread counts timed, with all usable cores
+# A dispatch timing that shows contention is used by this process only, not kept: more
+# than this share of its jobs had a thread that did not join within a millisecond
+# (descheduled), its quartiles further apart than DOUBT_SPREAD times, or a point's median
+# over DOUBT_STEP times the next narrower point's (a wider split wakes at most twice the
+# threads: a step that large is the machine's other work, not the pool). Judgement
+# values, set from what the 2-core Xeon gave: quiet, quartiles within 1.5x and no
+# stalled job; under 4 runnable processes 0.76 -> 6.98 us and stalls.
+DOUBT_STALLED = 0.05
+DOUBT_SPREAD = 3.0
+DOUBT_STEP = 4.0
+# The tries at a dispatch timing while another thread holds the pool, a pause apart.
+BUSY_TRIES = 3
+BUSY_PAUSE_S = 0.005
 
 
 class Family(enum.Enum):
@@ -107,6 +124,8 @@ class ThreadCosts:
     cpu: str
     cores: int
     seconds: float
+    # Why the dispatch timing looks contended ("": it does not); not kept in the file.
+    doubt: str = field(default="", compare=False)
 
     def dispatch(self, threads: int) -> float:
         """The round trip of a split over ``threads`` threads: the median of the nearest
@@ -236,36 +255,76 @@ _KERNELS: Mapping[Family, Callable[[], _Kernel]] = {
 }
 
 
-def measure(cores: int, cpu: str = "this CPU", budget_s: float = BUDGET_S) -> ThreadCosts:
-    """Measure this machine's thread costs (``cores``: its usable cores, the widest
-    dispatch timed); ``seconds`` is the timing's, after the kernels are built and loaded.
-    Raises RuntimeError where the native tier cannot run them."""
+class PoolBusy(RuntimeError):
+    """Another thread held keel's pool through every try: nothing was timed."""
+
+
+def _dispatch(threads: int) -> tuple[Sample, int]:
+    """The dispatch round trip on ``threads`` threads, and its jobs that stalled."""
     from keel.native import pool
 
+    for attempt in range(BUSY_TRIES):
+        found = pool.dispatch_times(threads, REPEATS)
+        if found is None:
+            raise RuntimeError(f"keel's pool could not run {threads} threads")
+        if not found.busy:
+            return Sample.of([t / 1000 for t in found.times]), found.stalled
+        time.sleep(BUSY_PAUSE_S * (attempt + 1))
+    raise PoolBusy("keel's pool was running another thread's job through "
+                   f"{BUSY_TRIES} tries")
+
+
+def contention(dispatch: list[tuple[int, Sample]], stalled: list[int],
+               load: float = 0.0, cores: int = 1 << 30) -> str:
+    """Why a dispatch timing looks contended, or "" (DOUBT_STALLED, DOUBT_SPREAD,
+    DOUBT_STEP; ``load``: the 1-minute load average, over ``cores`` the usable cores: a
+    worker waits for a time slice, a steady 7 us on the 2-core Xeon against 0.74 quiet,
+    with quartiles as tight as quiet ones)."""
+    why = [f"load average {load:.1f} on {cores} usable cores"] if load > cores else []
+    for (threads, sample), count in zip(dispatch, stalled, strict=True):
+        if count > DOUBT_STALLED * sample.count:
+            why.append(f"{count} of {sample.count} jobs on {threads} threads stalled")
+        if sample.high > DOUBT_SPREAD * sample.low:
+            why.append(f"quartiles {sample.low:g}-{sample.high:g} us on {threads} threads")
+    for (narrow, a), (wide, b) in itertools.pairwise(dispatch):
+        if b.median > DOUBT_STEP * a.median:
+            why.append(f"{b.median:g} us on {wide} threads against {a.median:g} on {narrow}")
+    return "; ".join(why)
+
+
+def measure(cores: int, cpu: str = "this CPU", budget_s: float = BUDGET_S) -> ThreadCosts:
+    """Measure this machine's thread costs (``cores``: its usable cores, the widest
+    dispatch timed); ``seconds`` is the timing's, after the kernels are built and loaded;
+    ``doubt`` says why the dispatch looks contended. Raises PoolBusy while another thread
+    holds the pool, RuntimeError where the native tier cannot run them."""
     points = sorted({t for t in (*DISPATCH_POINTS, cores) if 2 <= t <= cores})
     if not points:
         raise RuntimeError(f"{cores} usable core: no split to measure")
     kernels = {family: build() for family, build in _KERNELS.items()}   # built, loaded
     start = time.perf_counter()
     share = budget_s / (len(points) + len(_KERNELS))
-    dispatch = []
-    for threads in points:
-        times = pool.dispatch_times(threads, REPEATS)
-        if times is None:
-            raise RuntimeError(f"keel's pool could not run {threads} threads")
-        dispatch.append((threads, Sample.of([t / 1000 for t in times])))
+    timed = [_dispatch(threads) for threads in points]
+    dispatch = [(threads, sample) for threads, (sample, _) in zip(points, timed, strict=True)]
     rates = []
     for family, kernel in kernels.items():
         took = _repeat(kernel.call, time.perf_counter() + share)
         rates.append((family, Sample.of([kernel.units / t for t in took])))
     return ThreadCosts(tuple(dispatch), tuple(rates), cpu, cores,
-                       round(time.perf_counter() - start, 3))
+                       round(time.perf_counter() - start, 3),
+                       contention(dispatch, [count for _, count in timed], _load(), cores))
+
+
+def _load() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:                    # not known here: not counted against the timing
+        return 0.0
 
 
 # ---- the cache ------------------------------------------------------------------------
 def path_here() -> Path:
     """Where this machine's thread costs are kept."""
-    from keel.planning.calibration_record import fingerprint_id, machine_fingerprint
+    from keel.hardware.fingerprint import fingerprint_id, machine_fingerprint
 
     fid = fingerprint_id(machine_fingerprint())
     return cache_dir() / "thread-costs" / f"thread-costs-{fid}.json"
@@ -274,7 +333,7 @@ def path_here() -> Path:
 def save(costs: ThreadCosts, path: Path | None = None) -> Path:
     """Write ``costs`` as this machine's (atomically: a reader never sees half a file)."""
     from keel import __version__
-    from keel.planning.calibration_record import machine_fingerprint
+    from keel.hardware.fingerprint import machine_fingerprint
 
     path = path or path_here()
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -288,7 +347,7 @@ def save(costs: ThreadCosts, path: Path | None = None) -> Path:
 def load(path: Path | None = None) -> tuple[ThreadCosts | None, str]:
     """The costs kept at ``path`` (default: this machine's file), or None and why not."""
     from keel import __version__
-    from keel.planning.calibration_record import machine_fingerprint
+    from keel.hardware.fingerprint import machine_fingerprint
 
     path = path or path_here()
     try:
@@ -318,6 +377,7 @@ class Source:
 
     costs: ThreadCosts | None
     reason: str
+    again: bool = False          # asked again on the next plan (the pool was busy)
 
     @property
     def token(self) -> str:
@@ -353,8 +413,13 @@ def current() -> Source:
                 # The kernels measured ask for their least work too: the declared values
                 # answer them (and any other thread) while the measurement runs.
                 _CURRENT[key] = Source(None, "being measured")
-                found = _CURRENT[key] = _find(st.thread_costs)
-    if found.reason != "being measured":
+                try:
+                    found = _find(st.thread_costs)
+                finally:
+                    _CURRENT.pop(key)          # nothing, if _find raised: asked again
+                if not found.again:
+                    _CURRENT[key] = found
+    if found.reason != "being measured" and not found.again:
         _remember(st, found)
     return found
 
@@ -370,9 +435,13 @@ def refresh() -> Source:
     the declared values). Raises RuntimeError where they cannot be measured."""
     cores, cpu = _machine()
     costs = measure(cores, cpu)
-    path = save(costs)
     forget()
-    return Source(costs, f"measured on this machine just now (kept in {path})")
+    found = _kept(costs)
+    st = settings()
+    if st.thread_costs != "off":         # this process plans with them, kept or not
+        with _LOCK:
+            _CURRENT[(st.thread_costs, st.cache_dir)] = found
+    return found
 
 
 def _find(mode: str) -> Source:
@@ -388,8 +457,19 @@ def _find(mode: str) -> Source:
                             f"measures them; {why})")
     try:
         costs = measure(cores, cpu)
-    except RuntimeError as exc:
-        return Source(None, f"not measured here: {exc}")
+    except PoolBusy as exc:
+        return Source(None, f"not measured yet: {exc}; measured on a later plan", True)
+    except Exception as exc:   # any failure: the declared values, and why
+        return Source(None, f"not measured here: {exc!r}")
+    return _kept(costs)
+
+
+def _kept(costs: ThreadCosts) -> Source:
+    """``costs`` as this process's, kept in this machine's file unless contended."""
+    if costs.doubt:
+        return Source(costs, "measured on this machine just now under contention, used by "
+                             f"this process only, not kept ({costs.doubt}); measured again "
+                             "by the next process")
     try:
         path = save(costs)
     except OSError as exc:

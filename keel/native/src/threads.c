@@ -335,6 +335,9 @@ static int64_t run_inline(keel_task fn, void *ctx, int64_t n, int64_t parts, int
 }
 
 static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
+/* Set on this thread when its last split found the pool busy and ran inline (read by the
+ * dispatch timing below, which must not time such a job). */
+static _Thread_local int found_busy;
 
 static void after_fork_child(void)
 {
@@ -366,8 +369,11 @@ int64_t keel_parallel_capped(keel_task fn, void *ctx, int64_t n, int64_t parts, 
     if (parts < 1) parts = 1;
     int64_t cap = threads > 0 && threads < parts ? threads : MAX_WORKERS + 1;
     int64_t width = cap < parts ? cap : parts; /* the threads the job can use */
-    if (width == 1 || atomic_flag_test_and_set_explicit(&pool.busy, memory_order_acquire))
+    if (width == 1) return run_inline(fn, ctx, n, parts, scratch_floats);
+    if (atomic_flag_test_and_set_explicit(&pool.busy, memory_order_acquire)) {
+        found_busy = 1;
         return run_inline(fn, ctx, n, parts, scratch_floats);
+    }
     pthread_once(&fork_once, fork_init);
     grow((int)(width - 1));
     int64_t owned = atomic_load_explicit(&affinity, memory_order_relaxed)
@@ -498,14 +504,16 @@ void keel_pool_stop(void)
  * alone: a time is handing the chunks out, every thread in the job at once, and the
  * caller seeing them done, the least a split over that many threads costs. One untimed
  * job first starts or wakes the workers, so the times are those of spinning workers, as
- * between the kernels of a model run. Call it while no other thread runs a job (a busy
- * pool runs the job inline). A job whose chunks did not all meet within the wait (a
- * thread descheduled: more threads than free cores) keeps its time, over a millisecond,
- * for the caller's median to weigh. Returns 0, or -1 when fewer than threads - 1 workers
- * could be started. */
+ * between the kernels of a model run. A job that ran inline (the pool busy with another
+ * thread's job: its chunks one after another on this thread, each waiting out its
+ * millisecond) measures nothing: the timing stops there and returns -2. A job whose
+ * chunks did not all meet within the wait (a thread descheduled: more threads than free
+ * cores) keeps its time, over a millisecond, and is counted. Returns the count of such
+ * jobs (0 or more), -1 when fewer than threads - 1 workers could be started, or -2. */
 typedef struct {
     _Atomic int64_t started;
     int64_t parts;
+    _Atomic int timed_out;
 } meet_job;
 
 static void meet_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
@@ -517,28 +525,39 @@ static void meet_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
     for (unsigned i = 1; atomic_load(&j->started) < j->parts; i++) {
         cpu_relax();
         if ((i & (YIELD_SPINS - 1)) != 0) continue;
-        if (now_ns() > until) return;
+        if (now_ns() > until) {
+            atomic_store(&j->timed_out, 1);
+            return;
+        }
         /* As the pool's own waits do: a worker woken onto this core gets it. */
         if (atomic_load_explicit(&yielding, memory_order_relaxed)) sched_yield();
     }
 }
 
-static void meet(int64_t threads)
+/* One job of `threads` meeting chunks: 0, 1 if a chunk's wait timed out, 2 if it ran
+ * inline (the pool busy). */
+static int meet(int64_t threads)
 {
-    meet_job j = {0, threads};
+    meet_job j = {0, threads, 0};
+    found_busy = 0;
     keel_parallel_capped(meet_task, &j, threads, threads, threads, 0);
+    return found_busy ? 2 : atomic_load(&j.timed_out);
 }
 
 int64_t keel_pool_time_dispatch(int64_t threads, int64_t repeats, int64_t *out)
 {
     if (threads < 2) return -1;
-    meet(threads);
+    if (meet(threads) == 2) return -2;
+    if (pool.workers < threads - 1) return -1;
+    int64_t stalled = 0;
     for (int64_t i = 0; i < repeats; i++) {
         int64_t t0 = now_ns();
-        meet(threads);
+        int met = meet(threads);
         out[i] = now_ns() - t0;
+        if (met == 2) return -2;
+        stalled += met;
     }
-    return pool.workers < threads - 1 ? -1 : 0;
+    return stalled;
 }
 
 /* ---- a self-check (tests) -------------------------------------------------------------

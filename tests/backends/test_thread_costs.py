@@ -134,10 +134,6 @@ def test_a_measurement_here_is_sane_kept_and_read_back(monkeypatch: pytest.Monke
             Family.WINOGRAD: (0.01, 1_000)}
     for family, (lo, hi) in sane.items():
         assert lo < costs.rate(family) < hi, (family, costs.rate(family))
-    if "Xeon" in costs.cpu and default_threads() <= 2:     # the reference rates' machine
-        for family in Family:                               # (within load's swing of them)
-            ratio = costs.rate(family) / cpu_planner.THREAD_COST_REFERENCE_RATES[family]
-            assert 0.5 < ratio < 2, (family, costs.rate(family))
     assert costs.seconds < 5
     for work in LeastWork.ALL:
         value = cpu_planner.least_work(work, 2)

@@ -131,11 +131,6 @@ class WindowGeometry:
     taps_per_plane: int          # output positions times kernel taps
     _scratch: list[int] = field(default_factory=list)     # floats, asked of C once
 
-    @property
-    def min_chunk(self) -> int:
-        """The fewest planes worth a thread of their own (in a split over 2 threads)."""
-        return self.min_chunk_for(2)
-
     def min_chunk_for(self, threads: int) -> int:
         """The fewest planes worth a thread of their own in a split over ``threads``."""
         rules = planner_rules()

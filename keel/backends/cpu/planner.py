@@ -2287,6 +2287,25 @@ def _masked_lanes_reason(geo: ConvGeometry, grid: Grid) -> str:
             f"compute as {computed} (masked_lanes)")
 
 
+def _direct_lanes_reason(geo: ConvGeometry, grid: Grid, vendor: str | None) -> str:
+    """", in lanes tiles: ..." where the direct form's products run in lanes tiles, or
+    why a product of the lanes tiles' shapes does not on a vendor outside LANES_VENDORS."""
+    pixels = math.prod(geo.window.out_spatial)
+    rows, depth = geo.out_channels // geo.group, geo.in_channels // geo.group
+    if grid is None or not _lanes_fit(geo.batch, rows, pixels, depth):
+        return ""
+    computed = -(-pixels // grid[1]) * grid[1]
+    shape = f"{pixels} pixels an image, which {grid[1]}-column panels compute as {computed}"
+    if lanes_tiles(geo.batch, rows, pixels, depth, vendor, grid):
+        return f", in lanes tiles: {shape} (lanes_tiles)"
+    why = (f"depth {depth} below the {rows} rows" if depth < rows
+           else f"over LANES_MAX_COLUMNS ({LANES_MAX_COLUMNS}) pixels")
+    port = "the lanes tiles' shuffles share a port with the FMA units"
+    return (f", not in lanes tiles: {shape}, under LANES_PANEL_WASTE ({LANES_PANEL_WASTE}x), "
+            f"{why}: " + (f"{port} on Intel's cores" if vendor == "Intel"
+                          else f"as on Intel's cores, where {port}; {unmeasured_vendor(vendor)}"))
+
+
 def wide_stacks(geo: ConvGeometry, grid: Any = _HERE) -> bool:
     """Stack a batch's images in one wide product when that makes fewer column panels."""
     grid = _grid(grid)
@@ -2330,7 +2349,8 @@ def native_form(geo: ConvGeometry, grid: Any = _HERE, vendor: Any = _HERE
         return form, f"{form}: its column panels within {WIDE_MAX_EXTRA}x the gathered ones"
     unit = all(s == 1 for s in win.strides)
     if geo.is_pointwise and unit and not stacks(geo.batch, pixels, POINTWISE_STACK_FILL, grid):
-        return "direct", "direct: a 1x1 stride-1 conv reads X in place"
+        return "direct", ("direct: a 1x1 stride-1 conv reads X in place"
+                          + _direct_lanes_reason(geo, grid, vendor))
     if stacks(geo.batch, pixels, grid=grid):
         return "gathered-stacked", (f"gathered-stacked: {pixels} pixels fill an image's "
                                     f"column panels less than {STACK_FILL:.0%}")
@@ -2386,11 +2406,54 @@ LANES_MAX_COLUMNS = 256
 LANES_MAX_REDUCING_COLUMNS = 1024
 LANES_MIN_ROWS = 32
 LANES_MAX_B_BYTES = 1 << 20
+# The lanes tiles' shuffles (A's two row panels joined each depth step, each 16-row
+# block of C transposed) issue on Intel's cores on the port that also holds the second
+# 512-bit FMA unit (winograd_lanes), so there the lanes tiles pay less. Measured on the
+# 2-core Intel Xeon (AVX-512, AMX; KVM), one thread, under load:
+# - each product alone, with a bias per row and a clip or a residual, panels / tall /
+#   lanes alternating in one process, fastest of 15 rounds of 100 calls, thread CPU time
+#   (us): 49 columns (32-column panels compute 64: 1.31x) 960x160 121 / 119 / 108,
+#   160x960 + residual 120 / 117 / 96, 320x960 234 / 229 / 189, 1280x320 314 / 322 /
+#   264, 160x576 63 / 63 / 53; 100 columns (1.28x) 256x128 39.4 / 38.3 / 37.9; 64 columns
+#   (1.0x) 256x128 22.3 / 24.5 / 28.1; 144 columns (1.11x) 256x128 48.4 / 48.9 / 54.3;
+#   196 columns (1.14x) 384x64 58.7 / 58.2 / 66.8, 576x96 125 / 129 / 137, 96x576 +
+#   residual 129 / 117 / 124, 64x384 + residual 56.0 / 54.6 / 53.2; 784 columns 32x192 +
+#   residual 69.4 / 61.0 / 72.2, 32x144 + residual 50.5 / 46.5 / 48.0.
+# - inside MobileNetV2 at batch 1 (two models in one process, this rule and lanes as on
+#   AMD, alternating, per-node medians of 80 profiled passes of 3 runs, us): the 14x14
+#   expansions 64 -> 384 88 -> 78 and 96 -> 576 168 -> 157 (panels), the 28x28
+#   projections 192 -> 32 80 -> 70 and 144 -> 32 66 -> 57 (tall tiles); but the 14x14
+#   projections 384 -> 64 (+ residual) and 192 -> 64 ran 1.05-1.10x slower in panels or
+#   tall tiles than in lanes (deep products: the transposes weigh little there).
+# So on vendors outside LANES_VENDORS (Intel's, and any not measured, as winograd_lanes)
+# the lanes tiles take a product of the shapes above (_lanes_fit) at a depth of at least
+# its rows up to LANES_MAX_COLUMNS columns, and otherwise only where the column panels
+# compute at least LANES_PANEL_WASTE times its columns (up to 124 columns with 32-column
+# panels); the rest run in panels, or in tall tiles where tall_tiles takes them. Not
+# measured on more cores.
+LANES_VENDORS = frozenset({"AMD"})
+LANES_PANEL_WASTE = 1.25
 
 
-def lanes_tiles(batch: int, m: int, n: int, k: int) -> bool:
+def lanes_tiles(batch: int, m: int, n: int, k: int, vendor: Any = _HERE,
+                grid: Any = _HERE) -> bool:
     """Whether ``batch`` native products of ``m`` rows, ``n`` columns and depth ``k`` run
-    in lanes tiles (where their operands fit them)."""
+    in lanes tiles (where their operands fit them) on a CPU of ``vendor`` with the native
+    tile ``grid`` (defaults: this machine's)."""
+    if not _lanes_fit(batch, m, n, k):
+        return False
+    vendor = _this_vendor() if vendor is _HERE else vendor
+    if vendor in LANES_VENDORS:
+        return True
+    if k >= m and n <= LANES_MAX_COLUMNS:
+        return True
+    grid = _grid(grid)
+    return grid is not None and -(-n // grid[1]) * grid[1] >= LANES_PANEL_WASTE * n
+
+
+def _lanes_fit(batch: int, m: int, n: int, k: int) -> bool:
+    """The shapes the lanes tiles were measured to pay on where their shuffles cost
+    little (AMD's Zen): the rows, the columns, and B within L2."""
     if m < LANES_MIN_ROWS or 4 * batch * k * n > LANES_MAX_B_BYTES:
         return False
     return n <= LANES_MAX_COLUMNS or (n <= LANES_MAX_REDUCING_COLUMNS and k >= m)
@@ -3218,7 +3281,8 @@ def masked_panel_group(rows: int, depth: int, columns: int, panel: int, tile_row
 # the 256 rows: the copy and the transposes weigh more) 1.30x / 0.98x (batch 32 1.15x /
 # 1.14x). Where the panels compute no extra pixel they lose: ResNet-20's 16 -> 32 3x3
 # stride 2 on 16x16 1.17x, 32 -> 32 on 16x16 1.18x, 64 -> 64 on 8x8 1.10x (batch 1, hot).
-# So: where lanes_tiles takes one image's product and the column panels compute at least
+# So: where _lanes_fit takes one image's product (lanes_tiles' shapes, vendor aside: the
+# masked form's own waste rule below decides) and the column panels compute at least
 # MASKED_LANES_WASTE times the pixels, or more than them at a depth of at least the rows.
 MASKED_LANES_WASTE = 1.25
 
@@ -3229,7 +3293,7 @@ def masked_lanes(m: int, n: int, k: int, grid: Any = _HERE) -> bool:
     taps' copy (k x n floats) must fit the call's workspace where the tier says its size."""
     grid = _grid(grid)
     work = native_gemm.workspace_floats()
-    if grid is None or n <= 0 or (work and k * n > work) or not lanes_tiles(1, m, n, k):
+    if grid is None or n <= 0 or (work and k * n > work) or not _lanes_fit(1, m, n, k):
         return False
     computed = -(-n // grid[1]) * grid[1] / n
     return computed >= MASKED_LANES_WASTE or (computed > 1 and k >= m)
@@ -3341,7 +3405,7 @@ def conv_splits(variant: str, layout: str, chunk: int | None, geo: ConvGeometry,
     if variant == "winograd" and geo.rank == 2:
         return _winograd_splits(geo, chunk or geo.batch, threads, grid, sizes, vendor)
     if variant == "native":
-        return _native_splits(geo, layout, threads, grid, sizes)
+        return _native_splits(geo, layout, threads, grid, sizes, vendor)
     if variant == "depthwise" and layout.startswith("native"):
         taps = math.prod(geo.window.out_spatial) * math.prod(geo.window.kernel)
         planes = geo.batch * geo.in_channels
@@ -3382,7 +3446,7 @@ def _winograd_splits(geo: ConvGeometry, chunk: int, threads: int, grid: Any,
 
 
 def _native_splits(geo: ConvGeometry, layout: str, threads: int, grid: Any,
-                   sizes: Caches | None) -> tuple[Split, ...]:
+                   sizes: Caches | None, vendor: Any = _HERE) -> tuple[Split, ...]:
     n, g, win = geo.batch, geo.group, geo.window
     pixels, taps = math.prod(win.out_spatial), math.prod(win.kernel)
     cg, mg = geo.in_channels // g, geo.out_channels // g
@@ -3395,7 +3459,7 @@ def _native_splits(geo: ConvGeometry, layout: str, threads: int, grid: Any,
                       least_work(LeastWork.FLOPS, threads)),)
     # Only the direct form reads X as B in place, plain rows: lanes tiles take it; the
     # masked form copies each image's taps for them (masked_lanes).
-    lanes = (layout == "direct" and lanes_tiles(batch, mg, columns, cg * taps)) or (
+    lanes = (layout == "direct" and lanes_tiles(batch, mg, columns, cg * taps, vendor, grid)) or (
         layout == "masked" and masked_lanes(mg, columns, cg * taps, grid))
     product = gemm_pass("products" if g > 1 else "product", batch, mg, columns, cg * taps,
                         threads, grid, sizes=sizes, raw=(False, True), lanes=lanes)

@@ -1,0 +1,78 @@
+"""The cpu planner's lanes-tile rule by vendor: AMD's cores take the shapes measured there;
+Intel's (and unmeasured vendors') take lanes tiles only for deep products or where the
+column panels waste many columns, and the direct 1x1 conv's reason says which ran and
+why. Every tiling gives the same bits (tests/native/test_gemm_tiles.py), so only the
+choice is checked here."""
+
+from __future__ import annotations
+
+import pytest
+
+from keel.backends.cpu import planner
+from keel.ops.registry import Op
+from keel.ops.schemas.conv import conv_geometry
+
+GRID = (8, 32)                          # gemm.c's AVX-512 tile: 8 rows x 2 vectors
+
+# (rows, columns, depth) of MobileNetV2's 1x1 convs at batch 1
+EXPAND_14 = (576, 196, 96)              # 96 -> 576 on 14x14: depth below the rows
+PROJECT_14 = (64, 196, 384)             # 384 -> 64 on 14x14: depth above the rows
+PROJECT_28 = (32, 784, 192)             # 192 -> 32 on 28x28: 784 columns
+EXPAND_7 = (960, 49, 160)               # 160 -> 960 on 7x7: panels compute 64 of 49
+
+
+def test_amd_keeps_the_shapes_measured_there() -> None:
+    for m, n, k in (EXPAND_14, PROJECT_14, PROJECT_28, EXPAND_7):
+        assert planner.lanes_tiles(1, m, n, k, "AMD", GRID)
+
+
+@pytest.mark.parametrize("vendor", ["Intel", "Hygon", None])
+def test_other_vendors_take_lanes_tiles_for_deep_or_narrow_products(
+        vendor: str | None) -> None:
+    assert not planner.lanes_tiles(1, *EXPAND_14, vendor, GRID)
+    assert not planner.lanes_tiles(1, *PROJECT_28, vendor, GRID)
+    assert planner.lanes_tiles(1, *PROJECT_14, vendor, GRID)
+    assert planner.lanes_tiles(1, *EXPAND_7, vendor, GRID)
+
+
+def test_the_shape_limits_hold_for_every_vendor() -> None:
+    """Below LANES_MIN_ROWS rows, or with B past LANES_MAX_B_BYTES, no vendor's products
+    run in lanes tiles (MobileNetV2's 1x1 convs at batch 32)."""
+    for vendor in ("AMD", "Intel"):
+        assert not planner.lanes_tiles(1, planner.LANES_MIN_ROWS - 1, 49, 960, vendor, GRID)
+        assert not planner.lanes_tiles(32, 576, 196, 96, vendor, GRID)
+
+
+def _reason(x: tuple[int, ...], w: tuple[int, ...], vendor: str | None) -> str:
+    form, why = planner.native_form(conv_geometry(Op.CONV, x, w, {}), GRID, vendor)
+    assert form == "direct"
+    return why
+
+
+def test_the_direct_form_says_whether_its_products_run_in_lanes_tiles() -> None:
+    expand = ((1, 96, 14, 14), (576, 96, 1, 1))
+    why = _reason(*expand, "Intel")
+    assert "not in lanes tiles: 196 pixels an image" in why
+    assert "depth 96 below the 576 rows" in why and "share a port" in why
+    assert "not measured" not in why
+    assert "in lanes tiles: 196 pixels" in _reason(*expand, "AMD")
+    assert "not measured on an unknown vendor's cores" in _reason(*expand, None)
+    project = ((1, 192, 28, 28), (32, 192, 1, 1))
+    assert "over LANES_MAX_COLUMNS (256) pixels" in _reason(*project, "Intel")
+    assert ", in lanes tiles: 49 pixels an image, which 32-column panels compute as 64" in (
+        _reason((1, 160, 7, 7), (960, 160, 1, 1), "Intel"))
+
+
+def test_the_split_counts_the_tiles_that_run() -> None:
+    """The conv's planned product split counts columns where lanes tiles run and vectors
+    where panels do, so the 4-thread split of the same conv follows the vendor (2 x 2
+    tiles in lanes, 4 x 1 in panels)."""
+    geo = conv_geometry(Op.CONV, (1, 96, 14, 14), (576, 96, 1, 1), {})
+    splits = {}
+    for vendor, lanes in (("AMD", True), ("Intel", False)):
+        got = planner.conv_splits("native", "direct", None, geo, 4, GRID, vendor=vendor)
+        want = planner.gemm_pass("product", 1, *EXPAND_14, 4, GRID, raw=(False, True),
+                                 lanes=lanes)
+        assert got == (want,)
+        splits[vendor] = got[0].name
+    assert splits["AMD"] != splits["Intel"]

@@ -45,41 +45,45 @@ def test_a_matmul_node_takes_threads_by_its_products_flops(
     assert ("split" in why) == (want > 1 and plan.variant == "native")
 
 
-@pytest.mark.parametrize(("a", "want"), [((1, 128), 2), ((8, 128), 2), ((9, 128), 1),
+@pytest.mark.parametrize(("a", "want"), [((1, 256), 2), ((4, 256), 2), ((9, 256), 2),
                                         ((1, 16), 1)])
 def test_a_product_of_one_row_panel_splits_by_the_floats_of_b_it_streams(
         a: tuple[int, int], want: int) -> None:
     """Up to the micro-tile's rows (8 for AVX-512) a product with a weight B is bound by
-    reading B, so its split counts B's floats (MIN_CHUNK_FLOATS a thread); with more rows,
-    its flops (MIN_FLOPS_PER_THREAD): a 9 x 128 @ 128 x 256 product (590k flops) stays on
-    one thread, the 8-row one of 32,768 floats of B splits."""
+    reading B, so its split counts B's floats (MIN_STREAM_FLOATS a thread): 1 and 4 rows
+    of a 256 x 256 B (65,536 floats; 131,072 and 524,288 flops, under two threads'
+    MIN_FLOPS_PER_THREAD) split; 9 rows count their flops alone (and split by them)."""
     if native_gemm.geometry() != (8, 32):
         pytest.skip("needs the native GEMM's AVX-512 tile (8 x 32)")
     b = (a[1], 256)
+    flops = 2 * a[0] * a[1] * 256
     plan = _plan(Op.MATMUL, a, b)
     assert plan.variant == "native" and plan.threads == want
     why = plan.reason("threads")
     streamed = a[0] <= 8
     assert ("so the product streams B" in why) == streamed
     if streamed:
-        assert (f"{a[1] * 256:,} floats of B, at least MIN_CHUNK_FLOATS = "
-                f"{cpu_planner.MIN_CHUNK_FLOATS:,} per thread") in why
-    assert ("by columns split" in why) == (want > 1)
+        assert (f"{a[1] * 256:,} floats of B, at least MIN_STREAM_FLOATS = "
+                f"{cpu_planner.MIN_STREAM_FLOATS:,} per thread") in why
+        assert (want > 1) == (a[1] * 256 >= 2 * cpu_planner.MIN_STREAM_FLOATS)
+    else:
+        assert want == min(2, flops // cpu_planner.MIN_FLOPS_PER_THREAD)
+    assert ("split" in why) == (want > 1)
 
 
 def test_the_gemm_split_counts_b_s_floats_only_where_b_is_packed_once() -> None:
     """At run time (gemm_split, asked again by the kernel): a B packed per call (an
     activation, ``raw``) is not streamed from a kept packing, so flops decide."""
     grid = (8, 32)
-    weight = cpu_planner.gemm_split(1, 1, 256, 128, 2, grid, raw=(True, False))
-    activation = cpu_planner.gemm_split(1, 1, 256, 128, 2, grid, raw=(True, True))
+    weight = cpu_planner.gemm_split(1, 1, 256, 256, 2, grid, raw=(True, False))
+    activation = cpu_planner.gemm_split(1, 1, 256, 256, 2, grid, raw=(True, True))
     assert (weight.rows, weight.cols, weight.parts) == (1, 2, 2)
     assert activation.parts == 1
-    assert activation.reason.startswith("not split: 65,536 flops, under ")
+    assert activation.reason.startswith("not split: 131,072 flops, under ")
     assert "floats of B" not in activation.reason
     small = cpu_planner.gemm_split(1, 1, 32, 16, 2, grid, raw=(True, False))
     assert small.parts == 1 and small.reason.endswith(
-        f"and 512 floats of B under {cpu_planner.MIN_CHUNK_FLOATS:,}")
+        f"and 512 floats of B under {cpu_planner.MIN_STREAM_FLOATS:,}")
 
 
 def test_a_gemm_node_counts_its_transposed_operands() -> None:

@@ -168,8 +168,8 @@ def test_the_rule_scales_the_declared_value_and_feeds_the_splits(
     # B packed per call (raw): its flops decide, not the floats of a kept B it streams.
     split = cpu_planner.gemm_split(1, 1, 512, 784, 2, raw=(True, True))
     assert split.parts == 1 and f"under {2 * least:,}" in split.reason
-    floats = cpu_planner.least_work(LeastWork.FLOATS, 2)
-    assert floats == 2 * cpu_planner.MIN_CHUNK_FLOATS
+    floats = cpu_planner.least_work(LeastWork.STREAM, 2)
+    assert floats == 2 * cpu_planner.MIN_STREAM_FLOATS
     # A kept B it streams: its floats against the scaled least work of a streaming pass.
     depth = 2 * floats // 256                        # 2 x least floats of a 256-column B
     assert cpu_planner.gemm_split(1, 1, 256, depth - 1, 2).parts == 1

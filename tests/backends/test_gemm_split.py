@@ -101,7 +101,7 @@ def test_every_thread_of_sixteen_gets_even_work(name: str, batch: int) -> None:
     sizes = planner.caches(SERVER)
     for op, a, b, attrs in _products(name, batch):
         m, k, n = _mkn(op, a, b, attrs)
-        threads = planner.gemm_threads(16, 2 * m * k * n)
+        threads = planner.product_threads(16, 1, m, n, k, AVX512_TILE[0], (True, False))
         split = planner.gemm_split(1, m, n, k, 16, AVX512_TILE, sizes)
         if threads < 2:
             assert split.parts == 1 and split.reason.startswith("not split")

@@ -38,11 +38,52 @@ def test_a_matmul_node_takes_threads_by_its_products_flops(
     flops = 2 * int(np.prod(a[:-1])) * a[-1] * b[-1]
     assert plan.threads == want
     why = plan.reason("threads")
-    assert why.startswith(
-        f"{want} kernel thread(s) of 2: {flops:,} flops, at least "
-        f"{cpu_planner.MIN_FLOPS_PER_THREAD:,} per thread")
+    assert why.startswith(f"{want} kernel thread(s) of 2: ")
+    assert (f"{flops:,} flops, at least {cpu_planner.MIN_FLOPS_PER_THREAD:,} per thread"
+            in why)
     # A split native product says how its tiles fall (gemm_split's grid, tested apart).
     assert ("split" in why) == (want > 1 and plan.variant == "native")
+
+
+@pytest.mark.parametrize(("a", "want"), [((1, 256), 2), ((4, 256), 2), ((9, 256), 2),
+                                        ((1, 16), 1)])
+def test_a_product_of_one_row_panel_splits_by_the_floats_of_b_it_streams(
+        a: tuple[int, int], want: int) -> None:
+    """Up to the micro-tile's rows (8 for AVX-512) a product with a weight B is bound by
+    reading B, so its split counts B's floats (MIN_STREAM_FLOATS a thread): 1 and 4 rows
+    of a 256 x 256 B (65,536 floats; 131,072 and 524,288 flops, under two threads'
+    MIN_FLOPS_PER_THREAD) split; 9 rows count their flops alone (and split by them)."""
+    if native_gemm.geometry() != (8, 32):
+        pytest.skip("needs the native GEMM's AVX-512 tile (8 x 32)")
+    b = (a[1], 256)
+    flops = 2 * a[0] * a[1] * 256
+    plan = _plan(Op.MATMUL, a, b)
+    assert plan.variant == "native" and plan.threads == want
+    why = plan.reason("threads")
+    streamed = a[0] <= 8
+    assert ("so the product streams B" in why) == streamed
+    if streamed:
+        assert (f"{a[1] * 256:,} floats of B, at least MIN_STREAM_FLOATS = "
+                f"{cpu_planner.MIN_STREAM_FLOATS:,} per thread") in why
+        assert (want > 1) == (a[1] * 256 >= 2 * cpu_planner.MIN_STREAM_FLOATS)
+    else:
+        assert want == min(2, flops // cpu_planner.MIN_FLOPS_PER_THREAD)
+    assert ("split" in why) == (want > 1)
+
+
+def test_the_gemm_split_counts_b_s_floats_only_where_b_is_packed_once() -> None:
+    """At run time (gemm_split, asked again by the kernel): a B packed per call (an
+    activation, ``raw``) is not streamed from a kept packing, so flops decide."""
+    grid = (8, 32)
+    weight = cpu_planner.gemm_split(1, 1, 256, 256, 2, grid, raw=(True, False))
+    activation = cpu_planner.gemm_split(1, 1, 256, 256, 2, grid, raw=(True, True))
+    assert (weight.rows, weight.cols, weight.parts) == (1, 2, 2)
+    assert activation.parts == 1
+    assert activation.reason.startswith("not split: 131,072 flops, under ")
+    assert "floats of B" not in activation.reason
+    small = cpu_planner.gemm_split(1, 1, 32, 16, 2, grid, raw=(True, False))
+    assert small.parts == 1 and small.reason.endswith(
+        f"and 512 floats of B under {cpu_planner.MIN_STREAM_FLOATS:,}")
 
 
 def test_a_gemm_node_counts_its_transposed_operands() -> None:
@@ -164,3 +205,26 @@ def test_attention_nodes_take_threads_by_their_scores(seq: int, want: int) -> No
     plan = _plan(Op.ATTENTION, q, q, q)
     assert plan.threads == want
     assert f"{4 * seq * seq * 128:,} elements" in plan.reason("threads")
+
+
+def test_a_block_at_batch_one_splits_its_weight_products_with_the_same_bits() -> None:
+    """The benchmarks' small block at sequence 1 (hidden 256, FFN 1024): each product
+    streams its weight B, so on two threads or more each splits by columns, and the
+    output has the same bits on every thread count; on one thread nothing splits."""
+    if not native_gemm.available():
+        pytest.skip("needs the native GEMM")
+    from benchmarks import zoo
+    from keel.execution.model import load_model
+
+    model = zoo.build("small_block")
+    x = np.random.default_rng(3).standard_normal((1, 1, 256)).astype(np.float32)
+    outs = {}
+    for threads in (1, 2, 3, 16):
+        loaded = load_model(model, backend="cpu", threads=threads)
+        outs[threads] = loaded.predict({"hidden_states": x})["out"]
+        streamed = [line for line in loaded.explain().splitlines()
+                    if "so the product streams B" in line]
+        assert len(streamed) == 6                   # Q, K, V, the output and the FFN's two
+        assert all(("by columns split" in line) == (threads > 1) for line in streamed)
+    for threads, out in outs.items():
+        assert np.array_equal(out, outs[1]), threads

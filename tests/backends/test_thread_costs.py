@@ -165,8 +165,15 @@ def test_the_rule_scales_the_declared_value_and_feeds_the_splits(
     assert cpu_planner.gemm_threads(2, 3 * least) == 1               # declared: 2
     assert cpu_planner.gemm_threads(4, 5 * least) == 2               # declared: 4
     assert cpu_planner.gemm_threads(4, 16 * least) == 4
-    split = cpu_planner.gemm_split(1, 1, 512, 784, 2)
+    # B packed per call (raw): its flops decide, not the floats of a kept B it streams.
+    split = cpu_planner.gemm_split(1, 1, 512, 784, 2, raw=(True, True))
     assert split.parts == 1 and f"under {2 * least:,}" in split.reason
+    floats = cpu_planner.least_work(LeastWork.STREAM, 2)
+    assert floats == 2 * cpu_planner.MIN_STREAM_FLOATS
+    # A kept B it streams: its floats against the scaled least work of a streaming pass.
+    depth = 2 * floats // 256                        # 2 x least floats of a 256-column B
+    assert cpu_planner.gemm_split(1, 1, 256, depth - 1, 2).parts == 1
+    assert cpu_planner.gemm_split(1, 1, 256, depth, 2).parts == 2
     table = cpu_planner.least_work_table(4)
     assert table["least_work"]["MIN_FLOPS_PER_THREAD"]["4 threads"] == 4 * least
 

@@ -1035,6 +1035,13 @@ MIN_CHUNK_FLOATS = 16384
 #   sixteen head transposes of 32,768 elements at batch 1 took 0.142 ms on one thread
 #   and 0.222 ms split in two (per-node profile); a 32,768-element copy takes 2.7 us.
 MIN_COPY_ELEMENTS = 65536
+# - a product of one row panel streaming its weight B (streams_b, below), floats of B: the
+#   least time a thread of MIN_CHUNK_FLOATS, at the rate such a product streams a B held
+#   in the L2 instead of the transforms' (derived; the rates measured on the 2-core Intel
+#   Xeon, native GEMM on one thread, medians of 20,000 calls, under load: 1x400x120
+#   19 floats/ns, 1x256x256 21, 1x512x256 24, 1x256x1024 25; the transforms' 11.3):
+#   16,384 x 21 / 11.3 = 30,450, rounded up to a power of two.
+MIN_STREAM_FLOATS = 32768
 # The tree-ensemble walk (cpu/trees.py): (row, tree) pairs walked at once, which bounds
 # the walk's scratch to a few tens of MiB; below TREE_PARALLEL_PAIRS pairs per thread one
 # thread walks them all (handing a block to another thread costs tens of microseconds, as
@@ -1101,6 +1108,7 @@ class LeastWork:
     SKIP_NORM: ClassVar[LeastWork]
     FLOATS: ClassVar[LeastWork]
     COPY: ClassVar[LeastWork]
+    STREAM: ClassVar[LeastWork]
     ALL: ClassVar[tuple[LeastWork, ...]]
 
     @property
@@ -1114,8 +1122,9 @@ LeastWork.ELEMENTS = LeastWork("MIN_CHUNK_ELEMENTS", thread_costs.Family.FASTMAT
 LeastWork.SKIP_NORM = LeastWork("MIN_SKIP_NORM_ELEMENTS", thread_costs.Family.FASTMATH)
 LeastWork.FLOATS = LeastWork("MIN_CHUNK_FLOATS", thread_costs.Family.WINOGRAD)
 LeastWork.COPY = LeastWork("MIN_COPY_ELEMENTS", thread_costs.Family.COPY)
+LeastWork.STREAM = LeastWork("MIN_STREAM_FLOATS", thread_costs.Family.WINOGRAD)
 LeastWork.ALL = (LeastWork.FLOPS, LeastWork.TAPS, LeastWork.ELEMENTS, LeastWork.SKIP_NORM,
-                 LeastWork.FLOATS, LeastWork.COPY)
+                 LeastWork.FLOATS, LeastWork.COPY, LeastWork.STREAM)
 
 
 def least_work(work: LeastWork, threads: int = 2) -> int:
@@ -1194,6 +1203,42 @@ def thread_costs_note(threads: int) -> str:
             f"{THREAD_COST_REFERENCE_MACHINE})")
 
 
+# A product of one row panel (M at most the micro-tile's rows: a model at batch 1) whose
+# B is a weight packed once does 2 x M flops for each float of B it reads: its time is
+# streaming B through the caches, not its flops, so its split counts B's floats against
+# MIN_STREAM_FLOATS (a streaming pass's least time a thread, scaled with the transforms'
+# measured costs) instead of its flops against the GEMM's. Measured on the 2-core Intel
+# Xeon (native GEMM, one thread, medians of 300 calls, under load): 1x256x256 3.1 us and
+# 1x256x1024 10.3 us with B in the L2 (about 21 floats/ns), 8.9-11 and 32-41 us with B
+# gone past the L2 (7-8 floats/ns): the least work is set for a B in the L2, the faster.
+# The split is by columns, the same share of every such B to the same thread run after
+# run (threads.c's owned chunks): where a model's weights overflow one core's L2 but each
+# thread's share fits its own, every core keeps its share there. small_block at batch 1
+# (3 MiB of weights, 2 MiB L2s) is that case: onnxruntime, which splits these products,
+# runs it 2.1-2.4x faster on two threads than on one (docs/performance.md).
+def streams_b(batch: int, m: int, rows: int, raw: tuple[bool, bool]) -> bool:
+    """Whether a native product streams its B (see above): one product of at most
+    ``rows`` rows (the micro-tile's) with B packed once (``raw[1]`` False)."""
+    return batch == 1 and m <= rows and not raw[1]
+
+
+def product_threads(threads: int, batch: int, m: int, n: int, k: int, rows: int,
+                    raw: tuple[bool, bool]) -> int:
+    """The threads a native product splits over under a cap of ``threads``: by its flops,
+    or where it streams B (:func:`streams_b`) by B's floats if they ask more."""
+    parts = gemm_threads(threads, 2 * batch * m * n * k)
+    if streams_b(batch, m, rows, raw):
+        parts = max(parts, split_threads(LeastWork.STREAM, threads, k * n))
+    return parts
+
+
+def product_work(threads: int, m: int, n: int, k: int) -> str:
+    """A reason's words for the B a product of ``m`` rows streams (:func:`streams_b`)."""
+    return (f"{m} row(s), so the product streams B (a weight; the kernel asks again for "
+            f"another B): {k * n:,} floats of B, at least "
+            f"{least_named(LeastWork.STREAM, max(2, threads))} per thread")
+
+
 # ---- the native GEMM's split over threads ----------------------------------------------
 # A split runs gemm.c's keel_gemm_tiles_f32: every product of a batch cut into a grid of
 # tiles, its row panels in R groups and its column panels in C groups (whole panels, as
@@ -1238,8 +1283,8 @@ def gemm_split(batch: int, m: int, n: int, k: int, threads: int, grid: Grid = No
     whether A and B are packed per call (a MatMul's activations; its weights are not);
     ``lanes``: the product runs in lanes tiles (lanes_tiles), whose work is the columns
     there are, not whole vectors. Remembered per arguments and least work a thread (the
-    thread costs' token and the declared value): a call made again asks again."""
-    least = (thread_costs.current().token, MIN_FLOPS_PER_THREAD)
+    thread costs' token and the declared values): a call made again asks again."""
+    least = (thread_costs.current().token, MIN_FLOPS_PER_THREAD, MIN_STREAM_FLOATS)
     return _gemm_split(batch, m, n, k, threads, grid, sizes, raw, lanes, least)
 
 
@@ -1266,15 +1311,17 @@ def _per_least_flops(plan: Callable[_P, _R]) -> Callable[_P, _R]:
 @functools.lru_cache(maxsize=4096)
 def _gemm_split(batch: int, m: int, n: int, k: int, threads: int, grid: Grid,
                 sizes: Caches | None, raw: tuple[bool, bool], lanes: bool,
-                least: tuple[str, int]) -> GemmSplit:
+                least: tuple[str, int, int]) -> GemmSplit:
     tile = grid or native_gemm.geometry() or _TILES["scalar"]
     sizes = sizes or caches()
-    parts = gemm_threads(threads, 2 * batch * m * n * k)
+    parts = product_threads(threads, batch, m, n, k, tile[0], raw)
     if parts <= 1 or batch * m * n == 0:
         flops = 2 * batch * m * n * k
+        streamed = (f", and {k * n:,} floats of B under {least_work(LeastWork.STREAM, 2):,}"
+                    if streams_b(batch, m, tile[0], raw) else "")
         return GemmSplit(1, 1, batch, 1, "not split: one thread" if threads <= 1 else (
             f"not split: {flops:,} flops, under {least_work(LeastWork.FLOPS, 2):,} for each of two "
-            "threads"))
+            f"threads{streamed}"))
     shape = _Product(batch, m, n, k, tile, native_gemm.depth_block(), raw, lanes)
     return _best_split(shape, parts, sizes.l2, sizes.source)
 
@@ -1421,12 +1468,16 @@ def _product_threads(request: PlanRequest, variant: str) -> tuple[int, str] | No
         return None
     m, k, n = product
     flops = 2 * m * k * n
-    chosen = max(1, gemm_threads(request.threads, flops))
-    why = (f"{chosen} kernel thread(s) of {request.threads}: {flops:,} flops, at least "
-           f"{least_work(LeastWork.FLOPS, max(2, chosen)):,} per thread")
+    raw, rows = (True, bool(request.low_memory)), (tile_grid(request.profile) or (0, 0))[0]
+    streamed = variant == "native" and streams_b(1, m, rows, raw)
+    chosen = max(1, product_threads(request.threads, 1, m, n, k, rows if streamed else 0, raw))
+    why = (f"{chosen} kernel thread(s) of {request.threads}: "
+           + (f"{product_work(chosen, m, n, k)}; " if streamed else "")
+           + f"{flops:,} flops, at least {least_work(LeastWork.FLOPS, max(2, chosen)):,} per "
+           "thread")
     if chosen > 1 and variant == "native":
         split = gemm_split(1, m, n, k, chosen, tile_grid(request.profile),
-                           caches(request.profile), raw=(True, bool(request.low_memory)))
+                           caches(request.profile), raw=raw)
         why += f"; {split.reason}"
     return chosen, why
 

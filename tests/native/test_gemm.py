@@ -243,6 +243,7 @@ def test_large_packed_operands_lie_on_huge_pages(monkeypatch: pytest.MonkeyPatch
         ys.append(y)
     np.testing.assert_array_equal(ys[0], ys[1])
     _close(ys[0], _ref(w, x), 1100)
+    assert any("huge pages" in note for note in CpuBackend(threads=1).plan_notes())
     if hasattr(mmap, "MADV_HUGEPAGE"):
         assert huge.address % (2 << 20) == 0
         held = _huge_pages_of(huge.address)

@@ -1636,6 +1636,13 @@ def huge_pages(size: int) -> bool:
     return size >= HUGE_PAGE_BYTES
 
 
+def huge_pages_note() -> str:
+    """The plan's note on where packed operands lie (huge_pages)."""
+    return (f"packed operands: those of at least {HUGE_PAGE_BYTES >> 20} MiB on fresh huge "
+            "pages, read at every pass from the shared cache or memory (huge_pages, "
+            "HUGE_PAGE_BYTES)")
+
+
 _BLOCK_OF = {Op.MATMUL: "epilogue_block", Op.GEMM: "epilogue_block",
              Op.ATTENTION: "attention_block",
              **{op: "row_block" for op in (Op.LAYER_NORM, Op.SKIP_LAYER_NORM,

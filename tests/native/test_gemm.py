@@ -7,7 +7,9 @@ float64 NumPy, the reference backend and onnxruntime."""
 from __future__ import annotations
 
 import itertools
+import mmap
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -203,6 +205,51 @@ def test_packed_left_operand_matches_raw_bitwise() -> None:
         assert ng.gemm(w, x, y2)
         np.testing.assert_array_equal(y1, y2)
         _close(y1, _ref(w, x), k)
+
+
+def _huge_pages_of(address: int) -> int | None:
+    """AnonHugePages (KiB) of the mapping that holds ``address``; None off Linux."""
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head = line.split()[0] if line else ""
+        if "-" in head and ":" not in head:
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return None
+
+
+def test_large_packed_operands_lie_on_huge_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A packed operand of at least the planner's HUGE_PAGE_BYTES starts on a 2 MiB
+    boundary of a mapping of its own, asked for as huge pages; a smaller one stays on
+    the heap. Either way the same values, so the same product, bit for bit."""
+    rng = np.random.default_rng(11)
+    w, x = _rand(rng, 640, 1100), _rand(rng, 1100, 40)      # A packed: 2.8 MB
+    assert cpu_planner.huge_pages(640 * 1100 * 4) and not cpu_planner.huge_pages(1 << 20)
+    huge = _pack(w, left=True)
+    ys = []
+    for packed in (huge, None):
+        if packed is None:
+            monkeypatch.setattr(cpu_planner, "HUGE_PAGE_BYTES", 2**62)
+            packed = _pack(w, left=True)
+            assert packed.address % 64 == 0
+        y = np.empty((640, 40), np.float32)
+        assert ng.gemm(packed, x, y)
+        ys.append(y)
+    np.testing.assert_array_equal(ys[0], ys[1])
+    _close(ys[0], _ref(w, x), 1100)
+    assert any("huge pages" in note for note in CpuBackend(threads=1).plan_notes())
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        assert huge.address % (2 << 20) == 0
+        held = _huge_pages_of(huge.address)
+        thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+        if held is not None and thp.exists() and "[never]" not in thp.read_text():
+            assert held >= 2048, "no huge page under a packed operand of 2.8 MB"
 
 
 @pytest.mark.parametrize(("m", "k", "rs"), [(16, 37, 37), (24, 8, 8), (19, 1030, 1030),

@@ -179,6 +179,7 @@ def test_gathered_taps_stream_by_the_span_they_read(batch: int, streams: bool,
     at 100 KB one product reads from cache, two stream. Either way the same bits and
     the product of the dense taps."""
     monkeypatch.setattr(cpu_planner, "MIN_FLOPS_PER_THREAD", 1)
+    monkeypatch.setattr(cpu_planner, "output_streams", lambda *_: False)  # tested below
     b, dense = _gathered(batch)
     a = _rand(np.random.default_rng(8), 70, 16)
     packed = ng.pack(a, left=True)
@@ -196,6 +197,43 @@ def test_gathered_taps_stream_by_the_span_they_read(batch: int, streams: bool,
             outs.append(y.copy())
     want = np.clip(np.einsum("mk,tkn->tmn", a.astype(np.float64), dense.astype(np.float64)),
                    -1.0, 2.0)
+    np.testing.assert_allclose(outs[0], want, rtol=1e-4, atol=1e-4)
+    for out in outs[1:]:
+        np.testing.assert_array_equal(outs[0], out)
+
+
+def test_gathered_taps_stream_for_an_output_larger_than_cache(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gathered taps of one image stream where the product's output is larger than
+    STREAM_BYTES (the planner's output_streams; here 1 MB against C's 1.4 MB and the
+    image's 63 KB), so that gemm.c writes C row panel by row panel: the same bits as
+    column panel by column panel, at 1 and 2 threads, and the product of the dense taps.
+    Two images stream only by the span of their taps."""
+    assert cpu_planner.output_streams(1, 3 << 20)
+    assert not cpu_planner.output_streams(2, 3 << 20)
+    monkeypatch.setattr(cpu_planner, "MIN_FLOPS_PER_THREAD", 1)
+    monkeypatch.setattr(cpu_planner, "STREAM_BYTES", 1_000_000)
+    b, dense = _gathered(1)
+    a = _rand(np.random.default_rng(9), 70, 16)
+    packed = ng.pack(a, left=True)
+    assert packed is not None
+    outs = []
+    rules = ((True, cpu_planner.output_streams), (False, lambda *_: False))
+    for streams, rule in rules:
+        monkeypatch.setattr(cpu_planner, "output_streams", rule)
+        y = np.empty((1, 70, 5000), np.float32)
+        call = ng.prepare(packed, b, y, bias=_rand(np.random.default_rng(3), 70),
+                          bias_rows=True, clip=(-1.0, 2.0))
+        assert call is not None
+        stream = bool(int(call.values[ng._FLAGS_FIELD]) & ng._STREAM)
+        assert stream == streams
+        for threads in (1, 2):
+            y.fill(np.nan)
+            call.run(threads)
+            outs.append(y.copy())
+    bias = _rand(np.random.default_rng(3), 70)
+    want = np.clip(np.einsum("mk,tkn->tmn", a.astype(np.float64), dense.astype(np.float64))
+                   + bias[:, None], -1.0, 2.0)
     np.testing.assert_allclose(outs[0], want, rtol=1e-4, atol=1e-4)
     for out in outs[1:]:
         np.testing.assert_array_equal(outs[0], out)

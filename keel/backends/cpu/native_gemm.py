@@ -63,8 +63,10 @@ Gemm kernels with bias and ReLU take, in ms: 32x784x512 0.248 (NumPy + OpenBLAS
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
+import mmap
 import struct
 import threading
 from collections.abc import Callable
@@ -93,6 +95,7 @@ _BAND_X = 16            # where X's address sits in it
 _BAND_OUT = (17, 19)    # and Y's and the residual's
 # _load checks both layouts against gemm.c's own sizeof and offsetof.
 _F4 = np.dtype(np.float32)
+_HUGE_PAGE = 2 << 20      # x86-64's huge page (2 MiB), where packed operands start
 
 
 @dataclass(frozen=True, eq=False)
@@ -303,10 +306,32 @@ def pack_batch(matrices: np.ndarray, left: bool) -> Packed | None:
 
 
 def _aligned(n: int) -> np.ndarray:
-    """``n`` float32 starting on a 64-byte boundary (a cache line, one AVX-512 vector)."""
+    """``n`` float32 starting on a 64-byte boundary (a cache line, one AVX-512 vector);
+    from fresh huge pages where the planner's ``huge_pages`` takes that size."""
+    if planner_rules().huge_pages(4 * n):
+        held = _huge(4 * n)
+        if held is not None:
+            return held
     raw = np.empty(n + 16, dtype=np.float32)
     skip = (-raw.ctypes.data % 64) // 4
     return raw[skip:skip + n]
+
+
+def _huge(size: int) -> np.ndarray | None:
+    """``size`` bytes of float32 on fresh anonymous memory, starting on a huge-page
+    boundary, asked for as huge pages before any page is touched (None where the
+    system cannot be asked). Memory from the heap may already hold small pages, which
+    asking later does not change; the array keeps its mapping alive."""
+    page = _HUGE_PAGE
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return None
+    whole = mmap.mmap(-1, size + page, flags=mmap.MAP_PRIVATE)
+    start = -ctypes.addressof(ctypes.c_char.from_buffer(whole)) % page
+    # Whole huge pages only (the tail stays on small ones); where the system has none,
+    # the mapping still serves.
+    with contextlib.suppress(OSError):
+        whole.madvise(mmap.MADV_HUGEPAGE, start, size // page * page)
+    return np.frombuffer(whole, dtype=np.float32, count=size // 4, offset=start)
 
 
 _local = threading.local()
@@ -536,7 +561,7 @@ def prepare(a: np.ndarray | Packed, b: np.ndarray | Packed | Rows, c: np.ndarray
                                              or (columns is not None and not bias_rows))):
         return None
     flags = (_ACCUMULATE if accumulate else 0) | (_CLIP if clip is not None else 0) | (
-        _STREAM if _b_bytes(b, batch, k, n) > planner_rules().STREAM_BYTES else 0) | (
+        _STREAM if _streams(b, batch, m, k, n) else 0) | (
         _DIRECT if masks is not None else 0) | (_NT if nt else 0) | (
         _TALL if f.tall(m, k) else 0) | (_LANES if _plain(ra, rb) and columns is None and (
             masks is None and not accumulate and f.lanes(batch, m, n, k)) else 0) | (
@@ -565,6 +590,17 @@ def with_tiles(call: Call, tall: bool, lanes: bool) -> Call:
     flags |= (_TALL if tall else 0) | (_LANES if lanes else 0)
     values = (*call.values[:_FLAGS_FIELD], flags, *call.values[_FLAGS_FIELD + 1:])
     return Call(call.f, values, call.batch, call.m, call.n, call.k, call.keep, call.c_layout)
+
+
+def _streams(b: np.ndarray | Packed | Rows, batch: int, m: int, k: int, n: int) -> bool:
+    """KEEL_STREAM: B comes from memory (its bytes above the planner's STREAM_BYTES), or
+    B is a conv's gathered taps and C, the conv's output, is larger than the cache
+    (the planner's ``output_streams``: gemm.c then writes C row panel by row panel)."""
+    rules = planner_rules()
+    if _b_bytes(b, batch, k, n) > rules.STREAM_BYTES:
+        return True
+    return isinstance(b, Rows) and b.columns is not None and rules.output_streams(
+        batch, 4 * batch * m * n)
 
 
 def _b_bytes(b: np.ndarray | Packed | Rows, batch: int, k: int, n: int) -> int:

@@ -1648,6 +1648,52 @@ BLOCKS = {"epilogue_block": EPILOGUE_BLOCK_ELEMENTS,
 ERF_BLOCK_ELEMENTS = 1 << 16
 HOLD_BYTES = 64 * 1024
 STREAM_BYTES = 2 * 2**20
+
+
+# A conv's product on gathered taps is flagged to stream (KEEL_STREAM) also where it
+# is one image whose output is larger than STREAM_BYTES, however small the image its
+# taps are read from: gemm.c then runs its taps of many columns row panel by row panel,
+# each tile writing 8 of C's rows in runs fetched ahead for writing, where column panel
+# by column panel every tile of a panel writes all of C's rows (64 planes at once for
+# ResNet-18's stem), each line of which comes from memory inside a model. Measured on
+# the 2-core Intel Xeon, one thread, thread CPU time, under load (docs/performance.md,
+# "ResNet-18 at batch 1 on an Intel core"): the stem inside ResNet-18 at batch 1
+# 1.75-1.88 ms against 2.23-2.41 column by column; alone with the caches flushed between
+# calls 1.75-1.77 against 1.85-1.90, alone in cache 1.59-1.63 against 1.53-1.56 (where
+# its output stays in cache, column panels win, but a model's conv writes a fresh
+# output). One image only: at batch 32 the rule would flag six gathered products of
+# MobileNetV2 (6-8 MB outputs), where the whole model took 0.998-1.012x the time with
+# them (within the noise, not a gain); ResNet-18's stem streams there by its image.
+def output_streams(batch: int, output_bytes: int) -> bool:
+    """Whether a conv's product on gathered taps streams for its output's sake: one
+    image, whose output (``output_bytes``) is larger than STREAM_BYTES."""
+    return batch == 1 and output_bytes > STREAM_BYTES
+
+
+# Packed operands of the native GEMM (filters, Winograd's transformed filters, a
+# MatMul's constant B) of at least HUGE_PAGE_BYTES lie on fresh memory asked for as huge
+# pages (native_gemm._huge). Inside a model they are read from the shared cache or
+# memory at every pass, and a 16 MiB operand on small pages takes 4096 TLB entries
+# against 8: ResNet-18's three 512-channel Winograd convs at batch 1 took 0.20-0.32 ms
+# more each in a model whose packed filters had landed on the heap's small pages than
+# in one whose had not (the same plan, two models alternating in one process, 40
+# passes, thread CPU time; which one got huge pages depended on where the allocator
+# placed them).
+HUGE_PAGE_BYTES = 2 * 2**20
+
+
+def huge_pages(size: int) -> bool:
+    """Whether a packed operand of ``size`` bytes goes on fresh huge pages."""
+    return size >= HUGE_PAGE_BYTES
+
+
+def huge_pages_note() -> str:
+    """The plan's note on where packed operands lie (huge_pages)."""
+    return (f"packed operands: those of at least {HUGE_PAGE_BYTES >> 20} MiB on fresh huge "
+            "pages, read at every pass from the shared cache or memory (huge_pages, "
+            "HUGE_PAGE_BYTES)")
+
+
 _BLOCK_OF = {Op.MATMUL: "epilogue_block", Op.GEMM: "epilogue_block",
              Op.ATTENTION: "attention_block",
              **{op: "row_block" for op in (Op.LAYER_NORM, Op.SKIP_LAYER_NORM,
@@ -2357,6 +2403,17 @@ def _direct_lanes_reason(geo: ConvGeometry, grid: Grid, vendor: str | None) -> s
                           else f"as on Intel's cores, where {port}; {unmeasured_vendor(vendor)}"))
 
 
+def _output_streams_reason(geo: ConvGeometry) -> str:
+    """"; its output ... streams" where output_streams flags the gathered product (one
+    group's output: a grouped conv runs a product per group)."""
+    size = 4 * geo.batch * geo.out_channels // geo.group * math.prod(geo.window.out_spatial)
+    if not output_streams(geo.batch, size):
+        return ""
+    return (f"; its output ({size / 2**20:.1f} MiB) > STREAM_BYTES ({STREAM_BYTES >> 20} MiB): "
+            "the product streams, and gemm.c writes taps of many columns row panel by row "
+            "panel (output_streams)")
+
+
 def wide_stacks(geo: ConvGeometry, grid: Any = _HERE) -> bool:
     """Stack a batch's images in one wide product when that makes fewer column panels."""
     grid = _grid(grid)
@@ -2404,8 +2461,10 @@ def native_form(geo: ConvGeometry, grid: Any = _HERE, vendor: Any = _HERE
                           + _direct_lanes_reason(geo, grid, vendor))
     if stacks(geo.batch, pixels, grid=grid):
         return "gathered-stacked", (f"gathered-stacked: {pixels} pixels fill an image's "
-                                    f"column panels less than {STACK_FILL:.0%}")
+                                    f"column panels less than {STACK_FILL:.0%}"
+                                    + _output_streams_reason(geo))
     return "gathered", "gathered: B gathered block by block from the (phase) image" + (
+        _output_streams_reason(geo)) + (
         f"; not masked: one image, {_masked_waits_reason(vendor)} (MASKED_STRIDED_VENDORS)"
         if _masked_waits(geo, grid, vendor) and conv_gemm.masked_layout(geo) is not None
         and (pixels < MASKED_STRIDED_BELOW or _one_small_image(geo)) else "")

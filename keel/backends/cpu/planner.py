@@ -1866,12 +1866,14 @@ def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:
     form = _form(request, dispatched or variant, sizes)
     if form.layout and (dispatched or variant) == "depthwise":
         options.append(("depthwise_scheme", form.scheme))
-    scheme_reason = ((("depthwise_scheme", form.scheme_reason),) if form.scheme_reason
-                     else ())
+    form_reasons = [("depthwise_scheme", form.scheme_reason)] if form.scheme_reason else []
     if form.stream_stores:
         options.append(("stream_stores", True))
     if form.block is not None:
         options.append(("depthwise_block", form.block))
+    if form.lanes is not None:
+        options.append(("winograd_lanes", form.lanes))
+        form_reasons.append(("winograd_lanes", form.lanes_reason))
     blocking = _blocking(request.op, sizes)
     if blocking is not None:
         options.append(blocking[0])                 # its reason is keyed by its name
@@ -1902,7 +1904,7 @@ def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:
                                                  "one chunk's phase-split image, column "
                                                  "matrix and product")}))
         + (() if blocking is None else ((blocking[0][0], blocking[1]),))
-        + ((("prepack", no_pack),) if no_pack else ()) + scheme_reason)
+        + ((("prepack", no_pack),) if no_pack else ()) + tuple(form_reasons))
 
 
 # What each conv variant's planned scratch holds (the others: im2col's and pointwise's).
@@ -2629,6 +2631,11 @@ class ConvForm:
     block: tuple[int, int] | None = None  # a depthwise NumPy form's (images, channels)
     chunk_reason: str = ""               # why ``chunk`` ("": the layout's reason says)
     scheme_reason: str = ""              # why ``scheme`` ("": not a native depthwise call)
+    # Winograd's compiled products in lanes tiles, else in panels (winograd_lanes; None:
+    # no compiled products), as the vendor planned for decides: the kernel runs what the
+    # plan says, whatever this machine's vendor.
+    lanes: bool | None = None
+    lanes_reason: str = ""
 
 
 def im2col_form(geo: ConvGeometry, itemsize: int) -> ConvForm:
@@ -2687,16 +2694,18 @@ def winograd_form(geo: ConvGeometry, itemsize: int, sizes: Caches | None = None,
     why = (f"{chunk} image(s) per chunk: {per_image} bytes of transformed tiles an image, "
            f"within {budget / 2**20:.3g} MiB{scaled}")
     scratch = _winograd_scratch(chunk, c, m, th, tw, itemsize)
-    if itemsize == 4 and native_gemm.available() and geo.rank == 2:
-        pipe = winograd_pipeline(geo.batch, c, m, (oh, ow), max(1, threads), sizes,
-                                 vendor=vendor)
-        why = f"{why}; on {max(1, threads)} thread(s) {pipe.reason}"
-        if pipe.tiles:          # each thread's block of V and P, in the pool's scratch
-            mr = (_grid(_HERE) or _TILES["scalar"])[0]
-            ld = -(-pipe.tiles // PIPELINE_VECTOR) * PIPELINE_VECTOR
-            scratch = ((pipe.threads or pipe.parts) * 16 * ld * (c + pipe.panels * mr)
-                       * itemsize)
-    return ConvForm("", why, chunk, scratch)
+    if not (itemsize == 4 and native_gemm.available() and geo.rank == 2):
+        return ConvForm("", why, chunk, scratch)
+    lanes, lanes_why = winograd_lanes(vendor)
+    pipe = winograd_pipeline(geo.batch, c, m, (oh, ow), max(1, threads), sizes,
+                             vendor=vendor)
+    why = f"{why}; on {max(1, threads)} thread(s) {pipe.reason}"
+    if pipe.tiles:          # each thread's block of V and P, in the pool's scratch
+        mr = (_grid(_HERE) or _TILES["scalar"])[0]
+        ld = -(-pipe.tiles // PIPELINE_VECTOR) * PIPELINE_VECTOR
+        scratch = ((pipe.threads or pipe.parts) * 16 * ld * (c + pipe.panels * mr)
+                   * itemsize)
+    return ConvForm("", why, chunk, scratch, lanes=lanes, lanes_reason=lanes_why)
 
 
 def _winograd_chunk(images: int, per_image: int, sizes: Caches) -> int:
@@ -2878,21 +2887,26 @@ PIPELINE_CHUNKS_PER_THREAD = 1
 def winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], threads: int,
                       sizes: Caches | None = None, grid: Any = _HERE,
                       per_thread: int | None = None,
-                      vendor: Any = _HERE) -> WinogradPipeline:
+                      vendor: Any = _HERE, lanes: bool | None = None) -> WinogradPipeline:
     """Whether a compiled Winograd conv of ``images`` images (C -> M channels, output
     ``out_hw``) runs as the per-thread pipeline on ``threads`` threads, for the caches of
     ``sizes`` and a CPU of ``vendor`` (defaults: this machine's), and its blocks,
     ``per_thread`` chunks of them a thread (default: PIPELINE_CHUNKS_PER_THREAD, read at
-    each call so that setting it takes effect): see PIPELINE_L2_SHARE."""
+    each call so that setting it takes effect): see PIPELINE_L2_SHARE. ``lanes``: the
+    products' tiles as a plan's ``winograd_lanes`` option gives them (None: the rule for
+    ``vendor``)."""
     chunks = PIPELINE_CHUNKS_PER_THREAD if per_thread is None else per_thread
+    products = winograd_lanes(vendor) if lanes is None else (
+        lanes, f"products in {'lanes tiles' if lanes else '8 x 32 panels'}, as planned "
+        "(winograd_lanes)")
     return _winograd_pipeline(images, c, m, out_hw, threads, sizes or caches(), grid,
-                              chunks, vendor)
+                              chunks, products)
 
 
 @_per_least_flops
 def _winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], threads: int,
                        sizes: Caches, grid: Any, per_thread: int,
-                       vendor: Any) -> WinogradPipeline:
+                       products: tuple[bool, str]) -> WinogradPipeline:
     mr, nr = _grid(grid) or _TILES["scalar"]
     th, tw = -(-out_hw[0] // 2), -(-out_hw[1] // 2)
     tiles = images * th * tw
@@ -2901,7 +2915,7 @@ def _winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], thr
     held = u_bytes <= budget
     flops = 32 * m * c * tiles
     most = min(tiles, budget // (64 * c))
-    capped = not winograd_lanes(vendor)[0] and most > PIPELINE_PANELS_MAX_TILES
+    capped = not products[0] and most > PIPELINE_PANELS_MAX_TILES
     if capped:
         most = PIPELINE_PANELS_MAX_TILES
     block = _even_tiles(tiles, most, threads, held,
@@ -2927,7 +2941,7 @@ def _winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], thr
     passes = chunks * spans * u_bytes + 2 * 64 * (c + m) * tiles
     what = (f"{blocks} block(s) of {block} tiles ({_vectors(block, tiles)}) in {parts} "
             f"piece(s), products {min(m, panels * mr)} output channel(s) at a time "
-            f"({winograd_lanes(vendor)[1]}"
+            f"({products[1]}"
             + (f"; blocks of at most {PIPELINE_PANELS_MAX_TILES} tiles in panels "
                "(PIPELINE_PANELS_MAX_TILES)" if capped else "") + "), V "
             f"within {PIPELINE_L2_SHARE:g} and P {PIPELINE_P_SHARE:g} of the L2 "

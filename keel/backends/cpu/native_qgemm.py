@@ -297,8 +297,8 @@ def _conv_constants(x: np.ndarray, xz: int, packed: PackedConv, geo: ConvGeometr
     found = _ConvConstants(
         np.ascontiguousarray(row, dtype=np.int32),
         slots(_CONV_GEOMETRY, n=n, c=c, h=h, w=w_, m=m, oh=oh, ow=ow, kh=kh, kw=kw,
-               sh=geo.strides[0], sw=geo.strides[1], dh=geo.dilations[0],
-               dw=geo.dilations[1], pt=geo.pads_begin[0], pl=geo.pads_begin[1], g=geo.group),
+              sh=geo.strides[0], sw=geo.strides[1], dh=geo.dilations[0],
+              dw=geo.dilations[1], pt=geo.pads_begin[0], pl=geo.pads_begin[1], g=geo.group),
         np.ascontiguousarray(np.broadcast_to(multiplier.reshape(-1), (m,)), dtype=np.float64),
         _quant(DType.from_numpy(y_dtype), y_zero_point), split.parts, split.chunk)
     if len(packed.calls) >= _KEPT_CALLS:

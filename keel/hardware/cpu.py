@@ -11,6 +11,7 @@ a reading or ``None`` with a note.
 
 from __future__ import annotations
 
+import functools
 import math
 import platform
 import re
@@ -37,6 +38,7 @@ __all__ = [
     "probe_cpu",
     "simd_from_flags",
     "simd_level",
+    "this_cpu",
 ]
 
 #: /proc/cpuinfo ``flags`` name -> keel's feature name (gcc ``-m`` spelling).
@@ -176,6 +178,17 @@ def probe_cpu(src: ProbeSources) -> CpuInfo:
         draft.notes.add("psutil", why_no_psutil)
     _usable(src, draft, psutil)
     return _finish(draft, system)
+
+
+@functools.lru_cache(maxsize=1)
+def this_cpu() -> CpuInfo | None:
+    """This machine's CPU as :func:`probe_cpu` reads it (cgroup quotas and the affinity
+    mask honoured), probed once per process; None where the probe fails. Only the CPU is
+    read: a full ``probe()`` would also ask for GPUs, which a CPU planner has no use for."""
+    try:
+        return probe_cpu(ProbeSources.real())
+    except Exception:  # a failing probe: callers fall back to os
+        return None
 
 
 # --- Linux ------------------------------------------------------------------

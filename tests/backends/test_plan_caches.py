@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import pytest
 
 import keel
@@ -133,6 +136,62 @@ def test_winograd_products_follow_the_vendor_planned_for() -> None:
         reasons[profile.cpu.vendor] = plan.reason("layout")
     assert "products in lanes tiles" in reasons["AMD"]
     assert "products in 8 x 32 panels" in reasons["Intel"]
+
+
+def _winograd_model() -> Any:
+    """One 64 -> 64 3x3 conv on 56x56 (ResNet-18's first Winograd layers), bias, ReLU."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(3)
+    w = numpy_helper.from_array(rng.standard_normal((64, 64, 3, 3)).astype(np.float32) / 24,
+                                "w")
+    b = numpy_helper.from_array(rng.standard_normal(64).astype(np.float32), "b")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1],
+                          kernel_shape=[3, 3]),
+         helper.make_node("Relu", ["c"], ["y"])], "winograd",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64, 56, 56])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64, 56, 56])], [w, b])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize(("name", "lanes"), [("amd-sysfs-only", True),
+                                             ("x86-avx512-server", False)])
+def test_the_winograd_run_follows_the_vendor_planned_for(
+        name: str, lanes: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model planned for another machine's profile carries its vendor's Winograd tiles as
+    the plan's winograd_lanes option, explain() names them, and the kernel runs them here
+    whatever this machine's vendor, with the reference backend's result."""
+    from keel.backends.cpu import native_gemm, winograd
+
+    if winograd._functions() is None:    # the NumPy Winograd runs no products in tiles
+        pytest.skip("native tier unavailable")
+    model = keel.load_model(_winograd_model(), backend="cpu", hardware=fake_profile(name),
+                            threads=1)      # one thread: the pipeline, its tiles the plan's
+    convs = [n.plan for n in model.plan.nodes if n.plan is not None
+             and n.plan.option("conv_variant", n.plan.variant) == "winograd"]
+    assert len(convs) == 1 and convs[0].option("winograd_lanes") is lanes
+    form = "products in lanes tiles" if lanes else "products in 8 x 32 panels"
+    assert form in convs[0].reason("winograd_lanes") and form in model.explain()
+    x = np.random.default_rng(4).standard_normal((1, 64, 56, 56)).astype(np.float32)
+    model.run(None, {"x": x})             # packs the filters in every tiling once
+    ran: list[bool] = []
+    tiled, with_tiles = winograd._Products.tiled, native_gemm.with_tiles
+
+    def spy_tiled(self: Any, tall: bool, lanes: bool) -> Any:
+        ran.append(lanes)
+        return tiled(self, tall, lanes)
+
+    def spy_with_tiles(call: Any, tall: bool, lanes: bool) -> Any:
+        ran.append(lanes)
+        return with_tiles(call, tall, lanes)
+
+    monkeypatch.setattr(winograd._Products, "tiled", spy_tiled)
+    monkeypatch.setattr(native_gemm, "with_tiles", spy_with_tiles)
+    got = model.run(None, {"x": x})[0]
+    assert ran and set(ran) == {lanes}
+    want = keel.load_model(_winograd_model(), backend="reference").run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_pipeline_blocks_in_panels_hold_at_most_the_measured_tiles() -> None:

@@ -410,3 +410,87 @@ def test_every_family_splits_by_the_least_work_at_each_width(
     per_plane = cpu_planner.winograd_plane_floats((14, 14), False)
     planes = 4 * cpu_planner.MIN_CHUNK_FLOATS // per_plane + 1
     assert cpu_planner.winograd_transform_parts(planes, (14, 14), False, 4) == 2
+
+
+# ---- every split asks the least work of its own width ------------------------------------
+def _wider_costs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Costs where a split over 2 threads asks the declared least work and one over 4 (or
+    3: the next point measured) four times it."""
+    _mode(monkeypatch, "auto")
+    thread_costs.save(_costs({2: REF_US, 4: 4 * REF_US}))
+    thread_costs.forget()
+
+
+def _full_width(work: LeastWork, items: int, per_item: int) -> int:
+    """What the splits gave when they asked the least work of all 4 threads."""
+    return pool.parts(items, 4, max(1, cpu_planner.least_work(work, 4) // per_item))
+
+
+@pytest.mark.parametrize(("work", "items", "per_item"), [
+    (LeastWork.FLOPS, 12, cpu_planner.MIN_FLOPS_PER_THREAD // 4),
+    (LeastWork.TAPS, 172, 576),
+    (LeastWork.COPY, 512, 384),
+    (LeastWork.FLOATS, 12, cpu_planner.MIN_CHUNK_FLOATS // 4),
+    (LeastWork.ELEMENTS, 6, 4096)])
+def test_split_parts_takes_the_widest_split_its_work_pays_for(
+        work: LeastWork, items: int, per_item: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Work for 2 threads at their least, not for 4 at theirs: 2 chunks on 4 threads (the
+    full-width least work left it on one); declared, the same count as pool.parts."""
+    assert cpu_planner.split_parts(work, 4, items, per_item) == pool.parts(
+        items, 4, max(1, work.declared // per_item))
+    _wider_costs(monkeypatch)
+    assert _full_width(work, items, per_item) == 1
+    assert cpu_planner.split_parts(work, 4, items, per_item) == 2
+    assert cpu_planner.split_parts(work, 4, 16 * items, per_item) == 4  # pays for 4 there
+    assert cpu_planner.split_parts(work, 4, 0, per_item) == 0
+    assert cpu_planner.chunk_split("planes", items, 4, items * per_item, work).pieces == 2
+
+
+def test_the_int8_splits_ask_the_least_work_of_their_width(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The int8 products (qgemm.c's matrix product and direct conv, qlayout.c's panels)
+    and the channels-last depthwise sums: 12 tasks of a quarter of the least work each."""
+    flops_task = cpu_planner.MIN_FLOPS_PER_THREAD // 4 - 160     # 99,840: whole tiles
+    _wider_costs(monkeypatch)
+    assert _full_width(LeastWork.FLOPS, 12, flops_task) == 1
+    rows, panel = cpu_planner.INT8_MATMUL_ROWS, cpu_planner.INT8_DIRECT_PANEL
+    assert 2 * rows * panel * 130 == flops_task
+    assert cpu_planner.int8_matmul_split(4 * rows, 130, 3 * panel, 4).parts == 2
+    assert cpu_planner.int8_direct_split(12, 1, panel, 780, 1, panel, 4).parts == 2
+    pixels = cpu_planner.INT8_TILE_PIXELS
+    assert 2 * pixels * 130 * 32 == flops_task
+    assert cpu_planner.int8_panel_split(12 * pixels, 130, 32, 4).parts == 2
+    # 12 output rows of 25 pixels x 50 channels x 10 taps: a quarter of MIN_CHUNK_TAPS.
+    assert _full_width(LeastWork.TAPS, 12, 12_500) == 1
+    assert cpu_planner.int8_depthwise_split(1, 50, 12, 25, 10, 1, 4, False).parts == 2
+
+
+def test_the_window_copy_and_row_kernels_ask_the_least_work_of_their_width(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bound calls of window.c (a depthwise window's planes, a global pool's, the
+    strided copy), fastmath.c's row attention and a Transpose node's threads."""
+    _needs_native()
+    from keel.backends.cpu import native_window as nw
+    from keel.backends.cpu.backend import CpuBackend as Backend
+    from keel.dtypes import DType
+    from keel.ops.registry import Op
+    from keel.ops.schemas.conv import Window
+    from keel.ops.types import TensorType
+
+    _wider_costs(monkeypatch)
+    geo = nw.plan(172, Window((8, 8), (3, 3), (1, 1), (1, 1), (1, 1), (1, 1), (8, 8)))
+    assert geo is not None and geo.taps_per_plane == 576
+    assert geo.parts(172, 4) == 2
+    x = np.ones((1, 30, 50, 100), np.float32)              # 3 x MIN_CHUNK_TAPS
+    assert _full_width(LeastWork.TAPS, 30, 5000) == 1
+    assert nw.bind_global_max_pool(x, np.empty((1, 30, 1, 1), np.float32), 4).args[-1] == 2
+    a = np.ones((384, 512), np.float32)                     # 3 x MIN_COPY_ELEMENTS
+    call = nw.bind_strided_copy(a.T, np.empty((512, 384), np.float32), 4)
+    assert call is not None and call.args[-1] == 2
+    attention = fastmath.row_attention((6, 16, 8), (6, 16, 8), (6, 16, 8), None, 1.0, False,
+                                       threads=4)          # 6 heads of 4,096 elements
+    assert attention is not None and attention.parts == 2
+    plan = Backend(threads=4).plan_node(
+        Op.TRANSPOSE, [TensorType(DType.FLOAT32, (384, 512))], {"perm": (1, 0)})
+    assert plan.threads == 2
+    assert f"at least {cpu_planner.MIN_COPY_ELEMENTS:,} per thread" in plan.reason("threads")

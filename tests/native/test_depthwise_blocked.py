@@ -121,7 +121,7 @@ def test_blocked_threads_bitwise_equal(scheme: str) -> None:
     win = _window(7, 7, (3, 3), 1, 1, 1)
     c = 250
     geo = nw.plan(c, win)
-    assert geo is not None and 4 * c >= 2 * geo.min_chunk_for(2)
+    assert geo is not None and geo.parts(4 * c, 2) == 2
     x = RNG.standard_normal((4, c, 7, 7)).astype(np.float32)
     w = RNG.standard_normal((c, 1, 3, 3)).astype(np.float32)
     b = RNG.standard_normal(c).astype(np.float32)
@@ -277,7 +277,7 @@ def test_scheme_threads_bitwise_equal(scheme: str, side: int, stride: int,
     win = _window(side, side, (3, 3), stride, 1, 1)
     n, c = (2 if side >= 28 else 8), 37      # small planes: enough of them for two threads
     geo = nw.plan(c, win)
-    assert geo is not None and n * c >= 2 * geo.min_chunk_for(2)
+    assert geo is not None and geo.parts(n * c, 2) == 2
     x = RNG.standard_normal((n, c, side, side)).astype(np.float32)
     w = RNG.standard_normal((c, 1, 3, 3)).astype(np.float32)
     b = RNG.standard_normal(c).astype(np.float32)

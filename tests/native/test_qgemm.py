@@ -701,6 +701,41 @@ def test_the_int8_arrays_follow_the_compiled_enum_orders(
         native_qgemm.check_layout(lib)
 
 
+@pytest.mark.parametrize(("name", "swapped"), [
+    ("_CONV_GEOMETRY", ("n", "c", "h", "w", "oh", "ow", "kh", "kw", "sh", "sw", "pt", "pl",
+                        "dh", "dw")),
+    ("_POOL_GEOMETRY", ("n", "c", "h", "w", "oh", "ow", "kh", "kw", "sh", "sw", "dh", "dw",
+                        "pt", "pl")),
+    ("_QUANT", ("lo", "yzp", "hi")), ("_GAP", ("yzp", "xzp", "lo", "hi"))])
+def test_the_channels_last_arrays_follow_qlayouts_enum_orders(
+        name: str, swapped: tuple[str, ...], monkeypatch: pytest.MonkeyPatch) -> None:
+    """qlayout builds its geometry, max pool, quant and global pool arrays in qlayout.c's
+    enum orders: the load checks them against keel_qlayout_layout, and an order that
+    differs fails it with a typed error."""
+    from keel.backends.cpu import qlayout
+
+    lib = native.library("qlayout")
+    if lib is None:
+        pytest.skip(f"native tier unavailable: {native.status().reason}")
+    native_qgemm.check_enums(lib, "keel_qlayout_layout", qlayout._layout(), "qlayout")
+    monkeypatch.setattr(qlayout, name, swapped)
+    with pytest.raises(native_qgemm.Int8SizesError,
+                       match=r"keel_qlayout_layout reports .*qlayout builds .*change both"):
+        native_qgemm.check_enums(lib, "keel_qlayout_layout", qlayout._layout(), "qlayout")
+
+
+def test_the_int8_max_pool_geometry_is_built_by_name() -> None:
+    """The int8 max pool's sizes are named once (PoolGeometry) and laid out in each
+    kernel's checked order: qgemm.c's P_* and qlayout.c's M_* hold each size where its
+    name says."""
+    from keel.backends.cpu import qlayout
+
+    sizes = dict(zip(native_qgemm._POOL_GEOMETRY, range(1, 15), strict=True))
+    geometry = native_qgemm.PoolGeometry(**sizes)
+    for order in (native_qgemm._POOL_GEOMETRY, qlayout._POOL_GEOMETRY, tuple(sorted(sizes))):
+        assert geometry.array(order).tolist() == [sizes[name] for name in order]
+
+
 @pytest.mark.parametrize(("rows", "parts"), [(4, 1), (64, 2)])
 def test_a_qgemm_plan_states_the_split_its_product_runs(path: str, rows: int,
                                                          parts: int) -> None:

@@ -51,12 +51,12 @@ def _reference(inputs: list[Any], attrs: dict[str, Any]) -> np.ndarray:
 
 def _native(x: np.ndarray, w: np.ndarray, b: Any, z: Any, pads: tuple[int, ...],
             act: tuple[str, tuple[float, ...]], threads: int = 1,
-            chunk: int | None = None) -> np.ndarray:
+            chunk: int | None = None, lanes: bool | None = None) -> np.ndarray:
     geo = conv_geometry(Op.CONV, x.shape, w.shape, {"pads": pads})
     out_hw = geo.window.out_spatial
     y = np.empty((x.shape[0], w.shape[0], *out_hw), np.float32)
     assert winograd.native_conv3x3(x, w, (pads[0], pads[1]), (out_hw[0], out_hw[1]), y, b, z,
-                                   activation(*act), None, threads, chunk)
+                                   activation(*act), None, threads, chunk, lanes)
     return y
 
 
@@ -541,7 +541,7 @@ def test_products_of_one_vector_of_tiles_in_tall_tiles_give_the_same_bits(
 def test_products_in_lanes_tiles_or_panels_give_the_same_bits(
         x_shape: tuple[int, ...], m: int, pipeline: bool,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The planner's winograd_lanes (the vendor's faster form) in either answer, pass by
+    """Either answer of the plan's winograd_lanes (the vendor's faster form), pass by
     pass and as the pipeline, on 1 to 16 threads: the same bits as one thread in 8 x 32
     panels, which match the reference."""
     rng = np.random.default_rng(17)
@@ -551,12 +551,12 @@ def test_products_in_lanes_tiles_or_panels_give_the_same_bits(
     block = min(tiles, 48)
     results = []
     for lanes in (False, True):
-        monkeypatch.setattr(cpu_planner, "winograd_lanes", lambda lanes=lanes: (lanes, "forced"))
         for threads in (1, 2, 3, 16):
             pieces = min(threads, -(-tiles // block))
             _forced(monkeypatch, cpu_planner.WinogradPipeline(
                 block, 2, -(-tiles // block), pieces, "forced") if pipeline else _PASSES)
-            results.append(_native(x, w.copy(), b, z, (1, 1, 1, 1), _CLIP, threads=threads))
+            results.append(_native(x, w.copy(), b, z, (1, 1, 1, 1), _CLIP, threads=threads,
+                                   lanes=lanes))
     np.testing.assert_allclose(results[0], np.clip(_reference(
         [x, w, b], {"pads": (1, 1, 1, 1)}) + z, *_CLIP[1]), rtol=1e-4, atol=1e-4)
     assert all(r.tobytes() == results[0].tobytes() for r in results[1:])

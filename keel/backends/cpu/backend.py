@@ -441,18 +441,10 @@ def default_threads() -> int:
     return max(1, os.cpu_count() or 1)
 
 
-@functools.lru_cache(maxsize=1)
 def _probed_cpu() -> Any:
-    # The hardware probe's CPU reading honours cgroup quotas as well as the
-    # affinity mask. Only the CPU source is read: a full probe() would also
-    # query GPUs, which the cpu backend has no use for.
-    try:
-        from keel.hardware.cpu import probe_cpu
-        from keel.hardware.sources import ProbeSources
+    from keel.hardware.cpu import this_cpu
 
-        return probe_cpu(ProbeSources.real())
-    except Exception:  # no probe, or a failing one: callers fall back to os
-        return None
+    return this_cpu()
 
 
 def _memory_limit() -> int | None:

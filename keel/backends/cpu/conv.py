@@ -118,17 +118,19 @@ def _check_dtype_set(op: Op, dtypes: tuple[Any, ...]) -> DType:
 
 
 # ---- the variants --------------------------------------------------------------------
-def _winograd(xp: Any, layout: tuple[ConvGeometry, int | None], x: Any, w: Any, b: Any,
-              z: Any, y: Any, act: Activation, packed: Any = None, threads: int = 1) -> None:
+def _winograd(xp: Any, layout: tuple[ConvGeometry, int | None, bool | None], x: Any, w: Any,
+              b: Any, z: Any, y: Any, act: Activation, packed: Any = None,
+              threads: int = 1) -> None:
     """F(2x2, 3x3), in chunks of the planned images: the transforms compiled (bias, z and
-    a clip in the output transform) where the native tier serves the arrays; else in
-    NumPy, the bias in the transform, z and the activation in the last copy."""
-    geo, chunk = layout
+    a clip in the output transform; the products in the planned tiles) where the native
+    tier serves the arrays; else in NumPy, the bias in the transform, z and the
+    activation in the last copy."""
+    geo, chunk, lanes = layout
     win = geo.window
     pads, out_hw = (win.pads_begin[0], win.pads_begin[1]), (win.out_spatial[0],
                                                            win.out_spatial[1])
     if xp is not np or not winograd.native_conv3x3(x, w, pads, out_hw, y, b, z, act, packed,
-                                                   threads, chunk):
+                                                   threads, chunk, lanes):
         winograd.conv3x3(xp, x, w, pads, out_hw, y, b, z, act, packed, chunk)
 
 
@@ -153,7 +155,7 @@ def _layout(variant: str, geo: ConvGeometry, has_bias: bool, form: planner.ConvF
     if variant == "native":
         return conv_gemm.native_layout(geo, form.layout, form.stream_stores)
     if variant == "winograd":
-        return geo, form.chunk
+        return geo, form.chunk, form.lanes
     return geo
 
 
@@ -168,7 +170,7 @@ def _form(node_plan: NodePlan | None, variant: str, geo: ConvGeometry,
             node_plan.workspace_bytes,
             node_plan.option("depthwise_scheme", planner.DEPTHWISE_SCHEME),
             bool(node_plan.option("stream_stores", False)),
-            node_plan.option("depthwise_block"))
+            node_plan.option("depthwise_block"), lanes=node_plan.option("winograd_lanes"))
     threads = node_plan.threads if node_plan is not None and node_plan.threads else 1
     return planner.conv_form(variant, geo, itemsize, threads=threads)
 

@@ -58,7 +58,6 @@ import numpy as np
 
 from keel import native
 from keel.backends.cpu import planner
-from keel.native.pool import parts
 
 __all__ = [
     "ACTIVATION_KINDS",
@@ -184,9 +183,7 @@ def _call(n: int, per_item: int, threads: int | None, serial: Callable[..., None
           mt: Callable[..., int], head: tuple[Any, ...], tail: tuple[Any, ...] = ()) -> Call:
     """``serial(*head, 0, n, *tail)`` over the n items on this thread, or, when they are
     worth several threads, ``mt(*head, *tail, n, parts)`` on keel's: bound, not run."""
-    count = parts(n, max(1, threads or 1),
-                  max(1, planner.least_work(planner.LeastWork.ELEMENTS, threads or 1)
-                         // max(1, per_item)))
+    count = planner.split_parts(planner.LeastWork.ELEMENTS, threads or 1, n, per_item)
     if count <= 1:
         return functools.partial(serial, *head, 0, n, *tail)
     return functools.partial(_checked, mt, (*head, *tail, n, count))
@@ -431,9 +428,8 @@ def row_attention(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...],
     heads, s, d = q
     t, dv = k[1], v[2]
     inner, mb, mh, ms = (1, 0, 0, 0) if mask is None else mask
-    count = parts(heads, max(1, threads or 1),
-                  max(1, planner.least_work(planner.LeastWork.ELEMENTS, threads or 1)
-                         // max(1, s * t * (d + dv))))
+    count = planner.split_parts(planner.LeastWork.ELEMENTS, threads or 1, heads,
+                                s * t * (d + dv))
     return RowAttention(fns.attend_rows, fns.attend_rows_mt, heads,
                         (inner, s, t, d, dv, mb, mh, ms, scale, int(causal)), count,
                         t > _ATTEND_STACK)

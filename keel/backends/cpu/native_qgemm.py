@@ -20,9 +20,10 @@ their zero points), which leaves every difference ``v - zero_point`` as it was.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
@@ -96,30 +97,42 @@ def check_sizes(lib: native.NativeLibrary, function: str, names: tuple[str, ...]
             f"{dict(zip(names, planned, strict=True))}: change both sides together")
 
 
+def slot_values(arrays: Sequence[tuple[str, tuple[str, ...], str]]) -> dict[str, int]:
+    """The C enum values of ``arrays`` built in their slots' orders, by the C names: each
+    (prefix, slot names, its length's name), as ``PREFIX_NAME`` = its index."""
+    return {f"{prefix}{name.upper()}": i for prefix, names, length in arrays
+            for i, name in enumerate((*names, length))}
+
+
 def _layout() -> dict[str, int]:
     """The enum values this module builds its arrays with, by qgemm.c's names."""
     kinds = {"KIND_U8": _KINDS[DType.UINT8], "KIND_S8": _KINDS[DType.INT8],
              "KIND_F32": _KINDS[DType.FLOAT32]}
     columns = {f"COLUMNS_{name.upper()}": value for name, value in _COLUMNS.items()}
-    slots = {f"{prefix}{name.upper()}": i
-             for prefix, names in (("QUANT_", _QUANT), ("Q_", _CONV_GEOMETRY),
-                                   ("P_", _POOL_GEOMETRY))
-             for i, name in enumerate((*names, "len"))}
-    return {**kinds, **columns, **slots}
+    return {**kinds, **columns, **slot_values((("QUANT_", _QUANT, "len"),
+                                               ("Q_", _CONV_GEOMETRY, "len"),
+                                               ("P_", _POOL_GEOMETRY, "len")))}
+
+
+def check_enums(lib: native.NativeLibrary, function: str, want: Mapping[str, int],
+                module: str) -> None:
+    """Fail at load, before any call, where the C enum values ``function`` reports (its
+    ``_names`` companion names them) are not ``want``, those ``module`` builds its arrays
+    with."""
+    values = np.zeros(len(want) + 1, dtype=np.int64)
+    count = int(lib.function(function, [_P, _I], _I)(_ptr(values), len(values)))
+    names = lib.function(f"{function}_names", [], ctypes.c_char_p)().decode().split()
+    got = dict(zip(names, values[:count].tolist(), strict=False))
+    if count != len(names) or got != dict(want):
+        raise Int8SizesError(
+            f"{function} reports {got}; {module} builds its arrays with {dict(want)}: "
+            "change both sides together")
 
 
 def check_layout(lib: native.NativeLibrary) -> None:
-    """Fail at load, before any call, where qgemm.c's enum values (keel_qgemm_layout, by
-    name) are not the ones this module builds its arrays with."""
-    want = _layout()
-    values = np.zeros(len(want) + 1, dtype=np.int64)
-    count = int(lib.function("keel_qgemm_layout", [_P, _I], _I)(_ptr(values), len(values)))
-    names = lib.function("keel_qgemm_layout_names", [], ctypes.c_char_p)().decode().split()
-    got = dict(zip(names, values[:count].tolist(), strict=False))
-    if count != len(names) or got != want:
-        raise Int8SizesError(
-            f"keel_qgemm_layout reports {got}; native_qgemm builds its arrays with {want}: "
-            "change both sides together")
+    """Fail at load where qgemm.c's enum values (keel_qgemm_layout, by name) are not the
+    ones this module builds its arrays with."""
+    check_enums(lib, "keel_qgemm_layout", _layout(), "native_qgemm")
 
 
 @functools.lru_cache(maxsize=4)
@@ -180,16 +193,16 @@ def _unsigned_shift(dtype: np.dtype) -> int:
     return 128 if dtype == np.int8 else 0
 
 
-def _slots(names: tuple[str, ...], **values: int) -> np.ndarray:
+def slots(names: tuple[str, ...], **values: int) -> np.ndarray:
     """``values`` as the int64 array a kernel reads, in its enum order ``names``."""
     return np.array([values[name] for name in names], dtype=np.int64)
 
 
 def _quant(out: DType, y_zero_point: int) -> np.ndarray:
     if out is DType.FLOAT32:
-        return _slots(_QUANT, yzp=0, lo=0, hi=0, kind=_KINDS[out])
+        return slots(_QUANT, yzp=0, lo=0, hi=0, kind=_KINDS[out])
     lo, hi = QUANT_RANGES[out]
-    return _slots(_QUANT, yzp=y_zero_point, lo=lo, hi=hi, kind=_KINDS[out])
+    return slots(_QUANT, yzp=y_zero_point, lo=lo, hi=hi, kind=_KINDS[out])
 
 
 # ---- convolution -------------------------------------------------------------------------
@@ -283,9 +296,9 @@ def _conv_constants(x: np.ndarray, xz: int, packed: PackedConv, geo: ConvGeometr
                                               image_positions(h, w_, geo), threads)
     found = _ConvConstants(
         np.ascontiguousarray(row, dtype=np.int32),
-        _slots(_CONV_GEOMETRY, n=n, c=c, h=h, w=w_, m=m, oh=oh, ow=ow, kh=kh, kw=kw,
-               sh=geo.strides[0], sw=geo.strides[1], dh=geo.dilations[0],
-               dw=geo.dilations[1], pt=geo.pads_begin[0], pl=geo.pads_begin[1], g=geo.group),
+        slots(_CONV_GEOMETRY, n=n, c=c, h=h, w=w_, m=m, oh=oh, ow=ow, kh=kh, kw=kw,
+              sh=geo.strides[0], sw=geo.strides[1], dh=geo.dilations[0],
+              dw=geo.dilations[1], pt=geo.pads_begin[0], pl=geo.pads_begin[1], g=geo.group),
         np.ascontiguousarray(np.broadcast_to(multiplier.reshape(-1), (m,)), dtype=np.float64),
         _quant(DType.from_numpy(y_dtype), y_zero_point), split.parts, split.chunk)
     if len(packed.calls) >= _KEPT_CALLS:
@@ -569,17 +582,47 @@ def dequantize(x: np.ndarray, scale: float, x_zero_point: int, y: np.ndarray,
 
 
 # ---- MaxPool on the integers -----------------------------------------------------------------
-def max_pool(x: np.ndarray, geometry: tuple[int, ...], y: np.ndarray, threads: int = 1) -> None:
+@dataclass(frozen=True)
+class PoolGeometry:
+    """An int8 max pool's sizes, by name: qgemm.c's (P_*) and qlayout.c's (M_*) arrays are
+    built from the names in their checked enum orders (:meth:`array`), so no order is
+    written twice."""
+
+    n: int
+    c: int
+    h: int
+    w: int
+    oh: int
+    ow: int
+    kh: int
+    kw: int
+    sh: int
+    sw: int
+    pt: int
+    pl: int
+    dh: int
+    dw: int
+
+    def array(self, order: tuple[str, ...] = _POOL_GEOMETRY) -> np.ndarray:
+        """The int64 array of these sizes in ``order`` (a kernel's enum order)."""
+        return slots(order, **dataclasses.asdict(self))
+
+
+def max_pool(x: np.ndarray, geometry: PoolGeometry, y: np.ndarray, threads: int = 1) -> None:
     """``y`` (N, C, OH, OW) = the 2-D window max of the contiguous 8-bit ``x`` (N, C, H, W),
-    the padding never chosen; ``geometry``: N, C, H, W, OH, OW, KH, KW, SH, SW, PT, PL, DH,
-    DW."""
-    count = planner_rules().int8_max_pool_plane_parts(int(np.prod(geometry[:2])),
-                                                      int(np.prod(geometry[2:4])), threads)
-    rc = _functions().maxpool(_ptr(x), int(x.dtype == np.int8),
-                              _ptr(np.array(geometry, dtype=np.int64)), _ptr(y), count)
+    the padding never chosen."""
+    g = geometry
+    count = planner_rules().int8_max_pool_plane_parts(g.n * g.c, g.h * g.w, threads)
+    rc = _functions().maxpool(_ptr(x), int(x.dtype == np.int8), _ptr(_pool_array(geometry)),
+                              _ptr(y), count)
     if rc == -2:
         raise InvalidArgumentError(f"native int8 max pool: geometry {geometry} not taken")
     _check(rc)
+
+
+@functools.lru_cache(maxsize=64)
+def _pool_array(geometry: PoolGeometry) -> np.ndarray:
+    return geometry.array()
 
 
 def _check(rc: int) -> None:

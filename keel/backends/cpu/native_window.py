@@ -32,7 +32,6 @@ import numpy as np
 from keel import native
 from keel.backends.cpu.native_gemm import planner_rules
 from keel.errors import InvalidArgumentError
-from keel.native.pool import parts
 from keel.ops.schemas.conv import Window
 
 __all__ = ["Bound", "WindowGeometry", "avg_counts", "avg_pool", "bind_avg_pool", "clip_bounds",
@@ -131,11 +130,11 @@ class WindowGeometry:
     taps_per_plane: int          # output positions times kernel taps
     _scratch: list[int] = field(default_factory=list)     # floats, asked of C once
 
-    def min_chunk_for(self, threads: int) -> int:
-        """The fewest planes worth a thread of their own in a split over ``threads``."""
+    def parts(self, planes: int, threads: int) -> int:
+        """The chunks ``planes`` planes of this window split into on up to ``threads``
+        threads, each the least work of a split that wide (the planner's split_parts)."""
         rules = planner_rules()
-        return max(1, rules.least_work(rules.LeastWork.TAPS, threads)
-                   // max(1, self.taps_per_plane))
+        return rules.split_parts(rules.LeastWork.TAPS, threads, planes, self.taps_per_plane)
 
     def scratch_floats(self, fns: _Functions) -> int:
         """Floats of scratch a thread needs for this window (asked of the library once)."""
@@ -231,7 +230,7 @@ def _bind(planes: int, geo: WindowGeometry, fns: _Functions, threads: int, seria
     are worth several threads, ``mt(*head, *tail, planes, parts)`` on keel's.
     ``scratch_of(geometry)``: the floats of scratch ``serial`` needs, where that is not
     the window's own (keel_window_scratch)."""
-    count = parts(planes, threads, geo.min_chunk_for(threads))
+    count = geo.parts(planes, threads)
     if count <= 1:
         floats = (geo.scratch_floats(fns) if scratch_of is None
                   else int(scratch_of(geo.address)))
@@ -299,8 +298,7 @@ def _bind_global(x: np.ndarray, y: np.ndarray, threads: int, serial: Any, mt: An
     planes, size = n * c, math.prod(x.shape[2:])
     xa, ya = native.address(x), native.address(y)
     rules = planner_rules()
-    count = parts(planes, threads,
-                  max(1, rules.least_work(rules.LeastWork.TAPS, threads) // max(1, size)))
+    count = rules.split_parts(rules.LeastWork.TAPS, threads, planes, size)
     if count <= 1:
         return _Unchecked(serial, (xa, ya, size, 0, planes), ())
     return Bound(mt, (xa, ya, size, planes, count), ())
@@ -442,8 +440,7 @@ def bind_phase_copy(x: np.ndarray, image: np.ndarray, geometry: np.ndarray,
     planes = x.shape[0] * x.shape[1]
     per_plane = max(1, x.shape[2] * x.shape[3])
     rules = planner_rules()
-    least = rules.least_work(rules.LeastWork.FLOATS, threads)
-    count = max(1, parts(planes, threads, max(1, least // per_plane)))
+    count = max(1, rules.split_parts(rules.LeastWork.FLOATS, threads, planes, per_plane))
     return Bound(fns.phase_copy_mt, (native.address(x), native.address(image),
                                      native.address(geometry), planes, count), (geometry,))
 
@@ -475,8 +472,7 @@ def bind_strided_copy(view: np.ndarray, dst: np.ndarray, threads: int,
     n = view.shape[-1] if view.ndim else 0
     rows = view.size // n if n else 0
     rules = planner_rules()
-    count = chunks or parts(rows, threads,
-                            max(1, rules.least_work(rules.LeastWork.COPY, threads) // max(1, n)))
+    count = chunks or rules.split_parts(rules.LeastWork.COPY, threads, rows, n)
     if (fns is None or count < 1 or (chunks is None and count <= 1)
             or dst.shape != view.shape or dst.dtype != view.dtype
             or not dst.flags.c_contiguous or view.ndim > COPY_MAX_RANK

@@ -606,19 +606,15 @@ class Int8Split:
 
 
 def _int8_parts(tasks: int, threads: int | None, least: int) -> int:
+    """Parts of ``tasks`` each at least ``least`` of them: for the passes over bytes, whose
+    least work (QADD_MIN_ELEMENTS_PER_THREAD ...) is no measured family's."""
     return parts(tasks, max(1, threads or 1), max(1, least))
 
 
-def _int8_least_flops(threads: int | None) -> int:
-    """The least flops worth a thread to the int8 products split over ``threads`` (the one
-    place this section reads the least work of MIN_FLOPS_PER_THREAD)."""
-    return least_work(LeastWork.FLOPS, max(1, threads or 1))
-
-
-def _int8_least_taps(threads: int | None) -> int:
-    """The least output values x taps worth a thread to the int8 depthwise sums split over
-    ``threads`` (the one place this section reads the least work of MIN_CHUNK_TAPS)."""
-    return least_work(LeastWork.TAPS, max(1, threads or 1))
+def _int8_split(work: LeastWork, tasks: int, threads: int | None, per_task: int) -> int:
+    """Parts of ``tasks`` of ``per_task`` work each for the int8 products (FLOPS) and
+    depthwise sums (TAPS): the least work of a split that wide (split_parts)."""
+    return split_parts(work, max(1, threads or 1), tasks, per_task)
 
 
 def int8_matmul_split(rows: int, depth: int, columns: int, threads: int) -> Int8Split:
@@ -628,8 +624,7 @@ def int8_matmul_split(rows: int, depth: int, columns: int, threads: int) -> Int8
     one."""
     tiles = -(-columns // INT8_DIRECT_PANEL) * -(-rows // INT8_MATMUL_ROWS)
     tile_flops = 2 * INT8_MATMUL_ROWS * INT8_DIRECT_PANEL * depth
-    return Int8Split(_int8_parts(tiles, threads, _int8_least_flops(threads) // max(1, tile_flops)),
-                     tiles)
+    return Int8Split(_int8_split(LeastWork.FLOPS, tiles, threads, tile_flops), tiles)
 
 
 def int8_pass_parts(elements: int, threads: int) -> int:
@@ -655,7 +650,7 @@ def int8_direct_split(batch: int, group: int, out_pixels: int, depth: int, out_c
     plan's threads."""
     units = batch * group * -(-out_pixels // INT8_DIRECT_PANEL)
     unit_flops = 2 * (INT8_DIRECT_PANEL * depth * out_channels // max(1, group))
-    count = _int8_parts(units, threads, _int8_least_flops(threads) // max(1, unit_flops))
+    count = _int8_split(LeastWork.FLOPS, units, threads, unit_flops)
     return Int8Split(count, units, int8_direct_chunk(batch, image_positions, count))
 
 
@@ -665,8 +660,7 @@ def int8_panel_split(pixels: int, depth: int, out_channels: int, threads: int) -
     every output channel, as many parts as give each thread MIN_FLOPS_PER_THREAD."""
     tiles = -(-pixels // INT8_TILE_PIXELS)
     tile_flops = 2 * INT8_TILE_PIXELS * depth * out_channels
-    return Int8Split(_int8_parts(tiles, threads, _int8_least_flops(threads) // max(1, tile_flops)),
-                     tiles)
+    return Int8Split(_int8_split(LeastWork.FLOPS, tiles, threads, tile_flops), tiles)
 
 
 def int8_depthwise_split(batch: int, channels: int, out_h: int, out_w: int, taps: int,
@@ -679,7 +673,7 @@ def int8_depthwise_split(batch: int, channels: int, out_h: int, out_w: int, taps
     planes = lanes and int8_depthwise_planes(batch * blocks, max(1, threads), plane_bytes)
     tasks, per_task = ((batch * blocks, out_h * out_w * INT8_DEPTHWISE_LANES) if planes
                        else (batch * out_h, out_w * channels))
-    count = _int8_parts(tasks, threads, _int8_least_taps(threads) // max(1, per_task * taps))
+    count = _int8_split(LeastWork.TAPS, tasks, threads, per_task * taps)
     return Int8Split(count, tasks, planes=planes)
 
 
@@ -1165,6 +1159,20 @@ def split_threads(work: LeastWork, threads: int, units: int) -> int:
     return most
 
 
+def split_parts(work: LeastWork, threads: int, items: int, per_item: int = 1) -> int:
+    """How many chunks ``items`` items of ``per_item`` work each split into on up to
+    ``threads`` threads (keel.native.pool.parts: whole items a chunk, 0 for no items):
+    the most whose every chunk gets the least work of a split that wide, the rule
+    split_threads applies to work alone."""
+    per = max(1, per_item)
+    count = parts(items, max(1, threads), max(1, least_work(work, 2) // per))
+    if thread_costs.current().costs is None:           # declared: the same for any width
+        return count
+    while count > 1 and parts(items, count, max(1, least_work(work, count) // per)) < count:
+        count -= 1                                     # a narrower split asks no more
+    return count
+
+
 def gemm_threads(threads: int, flops: int) -> int:
     """The threads a native product of ``flops`` splits over under a cap of ``threads``
     (1 or less: not split)."""
@@ -1452,11 +1460,11 @@ def _element_threads(request: PlanRequest) -> tuple[int, str] | None:
     found = _element_work(request)
     if request.threads is None or found is None:
         return None
-    elements, least, name = found
-    chosen = max(1, min(request.threads, elements // least))
+    elements, work = found
+    chosen = max(1, split_threads(work, request.threads, elements))
     return chosen, (f"{chosen} kernel thread(s) of {request.threads}: {elements:,} "
                     f"elements{' copied' if request.op is Op.TRANSPOSE else ''}, at least "
-                    f"{least:,} per thread ({name})")
+                    f"{least_work(work, max(2, chosen)):,} per thread ({work.constant})")
 
 
 def _product_threads(request: PlanRequest, variant: str) -> tuple[int, str] | None:
@@ -1963,12 +1971,14 @@ def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:
     form = _form(request, dispatched or variant, sizes)
     if form.layout and (dispatched or variant) == "depthwise":
         options.append(("depthwise_scheme", form.scheme))
-    scheme_reason = ((("depthwise_scheme", form.scheme_reason),) if form.scheme_reason
-                     else ())
+    form_reasons = [("depthwise_scheme", form.scheme_reason)] if form.scheme_reason else []
     if form.stream_stores:
         options.append(("stream_stores", True))
     if form.block is not None:
         options.append(("depthwise_block", form.block))
+    if form.lanes is not None:
+        options.append(("winograd_lanes", form.lanes))
+        form_reasons.append(("winograd_lanes", form.lanes_reason))
     blocking = _blocking(request.op, sizes)
     if blocking is not None:
         options.append(blocking[0])                 # its reason is keyed by its name
@@ -1999,7 +2009,7 @@ def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:
                                                  "one chunk's phase-split image, column "
                                                  "matrix and product")}))
         + (() if blocking is None else ((blocking[0][0], blocking[1]),))
-        + ((("prepack", no_pack),) if no_pack else ()) + scheme_reason)
+        + ((("prepack", no_pack),) if no_pack else ()) + tuple(form_reasons))
 
 
 # What each conv variant's planned scratch holds (the others: im2col's and pointwise's).
@@ -2661,7 +2671,7 @@ def depthwise_scheme(geo: native_window.WindowGeometry, planes: int, threads: in
     ``threads`` (as the call splits them), and why: "flat", "blocked", "strided" or
     "planes"."""
     _, h, w, oh, ow, _, _, sh, sw = (int(v) for v in geo.array[:9])
-    share = -(-planes // max(1, parts(planes, threads, geo.min_chunk_for(threads))))
+    share = -(-planes // max(1, geo.parts(planes, threads)))
     out = oh * ow
     limit = (sizes or caches()).with_l2(DEPTHWISE_BLOCKED_CACHED_BYTES)
     cached = 4 * share * (h * w + out) <= limit
@@ -2802,6 +2812,11 @@ class ConvForm:
     block: tuple[int, int] | None = None  # a depthwise NumPy form's (images, channels)
     chunk_reason: str = ""               # why ``chunk`` ("": the layout's reason says)
     scheme_reason: str = ""              # why ``scheme`` ("": not a native depthwise call)
+    # Winograd's compiled products in lanes tiles, else in panels (winograd_lanes; None:
+    # no compiled products), as the vendor planned for decides: the kernel runs what the
+    # plan says, whatever this machine's vendor.
+    lanes: bool | None = None
+    lanes_reason: str = ""
 
 
 def im2col_form(geo: ConvGeometry, itemsize: int) -> ConvForm:
@@ -2860,16 +2875,18 @@ def winograd_form(geo: ConvGeometry, itemsize: int, sizes: Caches | None = None,
     why = (f"{chunk} image(s) per chunk: {per_image} bytes of transformed tiles an image, "
            f"within {budget / 2**20:.3g} MiB{scaled}")
     scratch = _winograd_scratch(chunk, c, m, th, tw, itemsize)
-    if itemsize == 4 and native_gemm.available() and geo.rank == 2:
-        pipe = winograd_pipeline(geo.batch, c, m, (oh, ow), max(1, threads), sizes,
-                                 vendor=vendor)
-        why = f"{why}; on {max(1, threads)} thread(s) {pipe.reason}"
-        if pipe.tiles:          # each thread's block of V and P, in the pool's scratch
-            mr = (_grid(_HERE) or _TILES["scalar"])[0]
-            ld = -(-pipe.tiles // PIPELINE_VECTOR) * PIPELINE_VECTOR
-            scratch = ((pipe.threads or pipe.parts) * 16 * ld * (c + pipe.panels * mr)
-                       * itemsize)
-    return ConvForm("", why, chunk, scratch)
+    if not (itemsize == 4 and native_gemm.available() and geo.rank == 2):
+        return ConvForm("", why, chunk, scratch)
+    lanes, lanes_why = winograd_lanes(vendor)
+    pipe = winograd_pipeline(geo.batch, c, m, (oh, ow), max(1, threads), sizes,
+                             vendor=vendor)
+    why = f"{why}; on {max(1, threads)} thread(s) {pipe.reason}"
+    if pipe.tiles:          # each thread's block of V and P, in the pool's scratch
+        mr = (_grid(_HERE) or _TILES["scalar"])[0]
+        ld = -(-pipe.tiles // PIPELINE_VECTOR) * PIPELINE_VECTOR
+        scratch = ((pipe.threads or pipe.parts) * 16 * ld * (c + pipe.panels * mr)
+                   * itemsize)
+    return ConvForm("", why, chunk, scratch, lanes=lanes, lanes_reason=lanes_why)
 
 
 def _winograd_chunk(images: int, per_image: int, sizes: Caches) -> int:
@@ -3051,21 +3068,26 @@ PIPELINE_CHUNKS_PER_THREAD = 1
 def winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], threads: int,
                       sizes: Caches | None = None, grid: Any = _HERE,
                       per_thread: int | None = None,
-                      vendor: Any = _HERE) -> WinogradPipeline:
+                      vendor: Any = _HERE, lanes: bool | None = None) -> WinogradPipeline:
     """Whether a compiled Winograd conv of ``images`` images (C -> M channels, output
     ``out_hw``) runs as the per-thread pipeline on ``threads`` threads, for the caches of
     ``sizes`` and a CPU of ``vendor`` (defaults: this machine's), and its blocks,
     ``per_thread`` chunks of them a thread (default: PIPELINE_CHUNKS_PER_THREAD, read at
-    each call so that setting it takes effect): see PIPELINE_L2_SHARE."""
+    each call so that setting it takes effect): see PIPELINE_L2_SHARE. ``lanes``: the
+    products' tiles as a plan's ``winograd_lanes`` option gives them (None: the rule for
+    ``vendor``)."""
     chunks = PIPELINE_CHUNKS_PER_THREAD if per_thread is None else per_thread
+    products = winograd_lanes(vendor) if lanes is None else (
+        lanes, f"products in {'lanes tiles' if lanes else '8 x 32 panels'}, as planned "
+        "(winograd_lanes)")
     return _winograd_pipeline(images, c, m, out_hw, threads, sizes or caches(), grid,
-                              chunks, vendor)
+                              chunks, products)
 
 
 @_per_least_flops
 def _winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], threads: int,
                        sizes: Caches, grid: Any, per_thread: int,
-                       vendor: Any) -> WinogradPipeline:
+                       products: tuple[bool, str]) -> WinogradPipeline:
     mr, nr = _grid(grid) or _TILES["scalar"]
     th, tw = -(-out_hw[0] // 2), -(-out_hw[1] // 2)
     tiles = images * th * tw
@@ -3074,7 +3096,7 @@ def _winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], thr
     held = u_bytes <= budget
     flops = 32 * m * c * tiles
     most = min(tiles, budget // (64 * c))
-    capped = not winograd_lanes(vendor)[0] and most > PIPELINE_PANELS_MAX_TILES
+    capped = not products[0] and most > PIPELINE_PANELS_MAX_TILES
     if capped:
         most = PIPELINE_PANELS_MAX_TILES
     block = _even_tiles(tiles, most, threads, held,
@@ -3100,7 +3122,7 @@ def _winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], thr
     passes = chunks * spans * u_bytes + 2 * 64 * (c + m) * tiles
     what = (f"{blocks} block(s) of {block} tiles ({_vectors(block, tiles)}) in {parts} "
             f"piece(s), products {min(m, panels * mr)} output channel(s) at a time "
-            f"({winograd_lanes(vendor)[1]}"
+            f"({products[1]}"
             + (f"; blocks of at most {PIPELINE_PANELS_MAX_TILES} tiles in panels "
                "(PIPELINE_PANELS_MAX_TILES)" if capped else "") + "), V "
             f"within {PIPELINE_L2_SHARE:g} and P {PIPELINE_P_SHARE:g} of the L2 "
@@ -3477,12 +3499,11 @@ class Split:
                 f"{self.balance:.2f}x the mean")
 
 
-def chunk_split(name: str, units: int, threads: int, work: int, least: int) -> Split:
+def chunk_split(name: str, units: int, threads: int, work: int, kind: LeastWork) -> Split:
     """A pass of ``units`` items and ``work`` work split as keel.native.pool.parts does,
-    each chunk at least ``least`` work."""
-    per_unit = max(1, work // max(1, units))
-    pieces = max(1, min(threads, units, units // max(1, least // per_unit)))
-    return Split(name, units, pieces, work, least)
+    each chunk at least the least work of ``kind`` of a split that wide (split_parts)."""
+    pieces = max(1, split_parts(kind, threads, units, work // max(1, units)))
+    return Split(name, units, pieces, work, least_work(kind, threads))
 
 
 def gemm_pass(name: str, batch: int, m: int, n: int, k: int, threads: int,
@@ -3519,8 +3540,7 @@ def conv_splits(variant: str, layout: str, chunk: int | None, geo: ConvGeometry,
     if variant == "depthwise" and layout.startswith("native"):
         taps = math.prod(geo.window.out_spatial) * math.prod(geo.window.kernel)
         planes = geo.batch * geo.in_channels
-        return (chunk_split("planes", planes, threads, planes * taps,
-                            least_work(LeastWork.TAPS, threads)),)
+        return (chunk_split("planes", planes, threads, planes * taps, LeastWork.TAPS),)
     return ()
 
 
@@ -3580,8 +3600,7 @@ def _native_splits(geo: ConvGeometry, layout: str, threads: int, grid: Any,
     if wide:                                # X into the wide buffer: one NumPy copy
         return Split("copy into the wide buffer (NumPy)", 1, 1, work,
                      least_work(LeastWork.COPY, threads)), product
-    return chunk_split("phase copy planes", planes, threads, work,
-                       least_work(LeastWork.FLOATS, threads)), product
+    return chunk_split("phase copy planes", planes, threads, work, LeastWork.FLOATS), product
 
 
 @functools.lru_cache(maxsize=512)
@@ -3619,9 +3638,10 @@ def node_splits(op: Op, input_types: Sequence[TensorType | None], attrs: Mapping
     found = _element_work(request)
     if found is None:
         return ()
-    elements, least, _ = found
+    elements, work = found
     pieces = node_plan.threads or 1
-    return (Split("elements", elements, max(1, min(pieces, elements)), elements, least),)
+    return (Split("elements", elements, max(1, min(pieces, elements)), elements,
+                  least_work(work, threads or 2)),)
 
 
 def _native_heads(request: PlanRequest) -> tuple[int, int] | None:
@@ -3652,25 +3672,24 @@ def _attention_pass(request: PlanRequest, threads: int) -> Split | None:
     work = _element_work(request)
     elements = work[0] if work is not None else heads * queries
     return Split("heads x row blocks", heads * blocks, max(1, min(parts, heads * blocks)),
-                 elements, work[1] if work is not None else 1)
+                 elements, 1 if work is None else least_work(work[1], request.threads or 2))
 
 
-def _element_work(request: PlanRequest) -> tuple[int, int, str] | None:
-    """A row or copy kernel's work in elements, its least work per thread and that
-    limit's name; None for other nodes or shapes not known."""
+def _element_work(request: PlanRequest) -> tuple[int, LeastWork] | None:
+    """A row or copy kernel's work in elements and the kind of its least work per thread;
+    None for other nodes or shapes not known."""
     shapes = request.static_shapes() if request.op in _ELEMENT_THREADS_OPS else None
     if not shapes or shapes[0] is None:
         return None
     work = (LeastWork.COPY if request.op is Op.TRANSPOSE else LeastWork.SKIP_NORM
             if request.op is Op.SKIP_LAYER_NORM else LeastWork.ELEMENTS)
-    least, name = least_work(work, request.threads or 2), work.constant
     elements = math.prod(shapes[0])
     if request.op is Op.ATTENTION:             # the row kernel's work: scores x (d + dv)
         if len(shapes) < 3 or shapes[1] is None or shapes[2] is None:
             return None
         q, k, v = shapes[0], shapes[1], shapes[2]
         elements = math.prod(q[:-1]) * k[-2] * (q[-1] + v[-1])
-    return elements, least, name
+    return elements, work
 
 
 _POOL_SPLIT_OPS = frozenset({Op.MAX_POOL, Op.AVG_POOL, Op.GLOBAL_AVG_POOL, Op.GLOBAL_MAX_POOL})
@@ -3686,8 +3705,7 @@ def _pool_split(request: PlanRequest, threads: int) -> Split | None:
         if len(shapes[0]) < 3:
             return None
         planes = shapes[0][0] * shapes[0][1]
-        return chunk_split("planes", planes, threads, math.prod(shapes[0]),
-                           least_work(LeastWork.TAPS, threads))
+        return chunk_split("planes", planes, threads, math.prod(shapes[0]), LeastWork.TAPS)
     if len(shapes[0]) != 4:
         return None
     try:
@@ -3696,8 +3714,7 @@ def _pool_split(request: PlanRequest, threads: int) -> Split | None:
         return None
     planes = shapes[0][0] * shapes[0][1]
     taps = math.prod(win.out_spatial) * math.prod(win.kernel)
-    return chunk_split("planes", planes, threads, planes * taps,
-                       least_work(LeastWork.TAPS, threads))
+    return chunk_split("planes", planes, threads, planes * taps, LeastWork.TAPS)
 
 
 def split_reason(splits: Sequence[Split], threads: int) -> str:

@@ -27,7 +27,7 @@ import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -40,6 +40,9 @@ from keel.dtypes import DType
 from keel.ops.registry import Op
 from keel.ops.schemas.conv import Window
 from keel.ops.schemas.pooling import DTYPES, check_pool_input, pool_window
+
+if TYPE_CHECKING:
+    from keel.backends.cpu.native_qgemm import PoolGeometry
 
 __all__: list[str] = []
 
@@ -222,16 +225,20 @@ def max_pool(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list
 
 
 # ---- 8-bit max pool: the native integer kernel ---------------------------------------------
-def _int8_geometry(x: Any, win: Window, out: Out) -> tuple[int, ...] | None:
-    """qgemm.c's max pool geometry for this call, or None where it does not serve it
-    (Indices asked for, not a 2-D pool of NumPy arrays, the tier not built)."""
+def _int8_geometry(x: Any, win: Window, out: Out) -> PoolGeometry | None:
+    """The native max pool's geometry for this call (its sizes by name), or None where it
+    does not serve it (Indices asked for, not a 2-D pool of NumPy arrays, the tier not
+    built)."""
     from keel.backends.cpu import native_qgemm
 
     if (out is None or len(out) != 1 or not isinstance(x, np.ndarray) or win.rank != 2
             or not native_qgemm.available()):
         return None
-    return (*x.shape, *win.out_spatial, *win.kernel, *win.strides, *win.pads_begin,
-            *win.dilations)
+    (oh, ow), (kh, kw), (sh, sw) = win.out_spatial, win.kernel, win.strides
+    n, c, h, w = (int(d) for d in x.shape)
+    return native_qgemm.PoolGeometry(n=n, c=c, h=h, w=w, oh=oh, ow=ow, kh=kh, kw=kw, sh=sh,
+                                     sw=sw, pt=win.pads_begin[0], pl=win.pads_begin[1],
+                                     dh=win.dilations[0], dw=win.dilations[1])
 
 
 @TABLE.kernel(Op.MAX_POOL, variant="int8", dtypes=(DType.UINT8, DType.INT8), supports_out=True,

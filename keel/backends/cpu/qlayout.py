@@ -53,6 +53,20 @@ LIBRARY = "qlayout"
 _T = TypeVar("_T")
 NCHW, NHWC = "nchw", "nhwc"
 _P, _I = ctypes.c_void_p, ctypes.c_int64
+# The slots of qlayout.c's arrays, in its enum orders (checked at load: _check_layout).
+_CONV_GEOMETRY = ("n", "c", "h", "w", "oh", "ow", "kh", "kw", "sh", "sw", "dh", "dw", "pt",
+                  "pl")                        # G_*: the depthwise and indirect kernels'
+_POOL_GEOMETRY = ("n", "c", "h", "w", "oh", "ow", "kh", "kw", "sh", "sw", "pt", "pl", "dh",
+                  "dw")                        # M_*: the channels-last max pool's
+_QUANT = ("yzp", "lo", "hi")                   # QL_*: {y zero point, lo, hi}
+_GAP = ("xzp", "yzp", "lo", "hi")              # GAP_*: the global pool's params
+
+
+def _layout() -> dict[str, int]:
+    """The enum values this module builds qlayout.c's arrays with, by its names."""
+    return native_qgemm.slot_values((("G_", _CONV_GEOMETRY, "size"),
+                                     ("M_", _POOL_GEOMETRY, "size"),
+                                     ("QL_", _QUANT, "len"), ("GAP_", _GAP, "len")))
 
 
 @dataclass(frozen=True)
@@ -72,6 +86,7 @@ class _Functions:
     def of(cls, lib: native.NativeLibrary) -> _Functions:
         f = lib.function
         native_qgemm.check_sizes(lib, "keel_qlayout_geometry", planner_rules().INT8_QLAYOUT_SIZES)
+        native_qgemm.check_enums(lib, "keel_qlayout_layout", _layout(), "qlayout")
         return cls(int(f("keel_qlayout_isa", [], _I)()),
                    f("keel_qtranspose_u8", [_P, _I, _I, _I, _P, _I], _I),
                    f("keel_qdepthwise_nhwc_u8s8",
@@ -421,7 +436,7 @@ def _panel_operands(q: QuantConv, signed: bool, y_dtype: np.dtype
     bias, mult = np.zeros(mp, np.int32), np.zeros(mp, np.float64)
     bias[:m], mult[:m] = folded, q.multiplier
     lo, hi = QUANT_RANGES[DType.from_numpy(y_dtype)]
-    return bias, mult, np.array([q.y_zero_point, lo, hi], dtype=np.int64)
+    return bias, mult, native_qgemm.slots(_QUANT, yzp=q.y_zero_point, lo=lo, hi=hi)
 
 
 def _dense(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> bool:
@@ -443,14 +458,22 @@ def _dense_call(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> _NativeCall
     bias, mult, quant = operands
     geo, m = q.geo, int(y_cl.shape[-1])
     (oh, ow), (kh, kw) = geo.out_spatial, geo.kernel
-    geometry = np.array([n, c, h, w, oh, ow, kh, kw, *geo.strides, *geo.dilations,
-                         geo.pads_begin[0], geo.pads_begin[1]], dtype=np.int64)
+    geometry = _conv_geometry(geo, n, c, h, w)
     offsets = tap_offsets(geo, h, w, c)
     zero_row = np.full(c, q.x_zero_point & 0xFF, dtype=np.uint8)
     count = planner_rules().int8_panel_split(n * oh * ow, kh * kw * c, m, q.threads).parts
     return _NativeCall(fns.dense, (int(signed), _ptr(geometry), _ptr(offsets), _ptr(zero_row), m,
                                    _ptr(panels), _ptr(bias), _ptr(mult), _ptr(quant)),
                        (count,), (panels, bias, mult, quant, geometry, offsets, zero_row))
+
+
+def _conv_geometry(geo: ConvGeometry, n: int, c: int, h: int, w: int) -> np.ndarray:
+    """qlayout.c's geometry (G_*) of ``geo`` over NHWC x of (n, h, w, c)."""
+    (oh, ow), (kh, kw) = geo.out_spatial, geo.kernel
+    return native_qgemm.slots(_CONV_GEOMETRY, n=n, c=c, h=h, w=w, oh=oh, ow=ow, kh=kh, kw=kw,
+                              sh=geo.strides[0], sw=geo.strides[1], dh=geo.dilations[0],
+                              dw=geo.dilations[1], pt=geo.pads_begin[0],
+                              pl=geo.pads_begin[1])
 
 
 def tap_offsets(geo: ConvGeometry, h: int, w: int, c: int) -> np.ndarray:
@@ -497,10 +520,9 @@ def _depthwise_call(q: QuantConv, x_cl: np.ndarray, y_cl: np.ndarray) -> _Native
     geo = q.geo
     n, h, w, c = (int(d) for d in x_cl.shape)
     (oh, ow), (kh, kw) = geo.out_spatial, geo.kernel
-    geometry = np.array([n, c, h, w, oh, ow, kh, kw, *geo.strides, *geo.dilations,
-                         geo.pads_begin[0], geo.pads_begin[1]], dtype=np.int64)
+    geometry = _conv_geometry(geo, n, c, h, w)
     lo, hi = QUANT_RANGES[DType.from_numpy(y_cl.dtype)]
-    quant = np.array([q.y_zero_point, lo, hi], dtype=np.int64)
+    quant = native_qgemm.slots(_QUANT, yzp=q.y_zero_point, lo=lo, hi=hi)
     bias = None if q.bias is None else np.ascontiguousarray(q.bias, dtype=np.int32)
     split = planner_rules().int8_depthwise_split(n, c, oh, ow, kh * kw, plane_bytes(geo, w),
                                                  q.threads, fns.isa > 0)
@@ -551,7 +573,7 @@ def conv(src: str, dst: str, x: np.ndarray, q: QuantConv | None,
 
 
 # ---- MaxPool ---------------------------------------------------------------------------------
-def max_pool(src: str, dst: str, x: np.ndarray, geometry: tuple[int, ...] | None,
+def max_pool(src: str, dst: str, x: np.ndarray, geometry: native_qgemm.PoolGeometry | None,
              y: np.ndarray, threads: int, nchw: Callable[[np.ndarray, np.ndarray], None]
              ) -> None:
     """``y`` = the 2-D window max of the 8-bit ``x``, both in their graph shapes, their
@@ -573,8 +595,8 @@ def max_pool(src: str, dst: str, x: np.ndarray, geometry: tuple[int, ...] | None
         return
     y_cl = y.reshape(n, oh, ow, c) if dst == NHWC else scratch("y", (n, oh, ow, c), y.dtype)
     count = planner_rules().int8_max_pool_parts(n * oh, ow, c, threads)
-    rc = fns.max_pool(_ptr(x), int(x.dtype == np.int8), _ptr(_geometry(geometry)), _ptr(y_cl),
-                      count)
+    rc = fns.max_pool(_ptr(x), int(x.dtype == np.int8), _ptr(_pool_geometry(geometry)),
+                      _ptr(y_cl), count)
     if rc == -2:
         raise InvalidArgumentError(f"channels-last int8 max pool: geometry {geometry} not taken")
     _check(rc)
@@ -583,8 +605,8 @@ def max_pool(src: str, dst: str, x: np.ndarray, geometry: tuple[int, ...] | None
 
 
 @functools.lru_cache(maxsize=64)
-def _geometry(geometry: tuple[int, ...]) -> np.ndarray:
-    return np.array(geometry, dtype=np.int64)
+def _pool_geometry(geometry: native_qgemm.PoolGeometry) -> np.ndarray:
+    return geometry.array(_POOL_GEOMETRY)
 
 
 # ---- QLinearGlobalAveragePool ------------------------------------------------------------
@@ -608,7 +630,7 @@ def global_average_pool(x: np.ndarray, nhwc: bool, scale: float, x_zero_point: i
 
 @functools.lru_cache(maxsize=64)
 def _gap_params(x_zero_point: int, y_zero_point: int, lo: int, hi: int) -> np.ndarray:
-    return np.array([x_zero_point, y_zero_point, lo, hi], dtype=np.int64)
+    return native_qgemm.slots(_GAP, xzp=x_zero_point, yzp=y_zero_point, lo=lo, hi=hi)
 
 
 def _ptr(a: np.ndarray | None) -> int | None:

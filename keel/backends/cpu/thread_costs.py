@@ -478,7 +478,8 @@ def _kept(costs: ThreadCosts) -> Source:
 
 
 def _machine() -> tuple[int, str]:
-    from keel.backends.cpu.backend import _probed_cpu, default_threads
+    from keel.backends.cpu.backend import default_threads
+    from keel.hardware.cpu import this_cpu
 
-    cpu = _probed_cpu()
+    cpu = this_cpu()
     return default_threads(), str(getattr(cpu, "brand", None) or "this CPU")

@@ -202,11 +202,14 @@ def _contiguous_f32(*arrays: Any) -> bool:
 
 def native_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[int, int],
                    y: Any, bias: Any = None, z: Any = None, act: Activation = ("", ()),
-                   packed: Any = None, threads: int = 1, chunk: int | None = None) -> bool:
+                   packed: Any = None, threads: int = 1, chunk: int | None = None,
+                   lanes: bool | None = None) -> bool:
     """:func:`conv3x3` with the transforms compiled and the sixteen products on keel's
-    packed GEMM, split over ``threads``, ``chunk`` images at a time (None: all); False
-    when not served (nothing written):
-    the native tier unavailable, or arrays that are not C-contiguous float32."""
+    packed GEMM, split over ``threads``, ``chunk`` images at a time (None: all), the
+    products in lanes tiles or in panels as ``lanes`` says (its plan's
+    ``winograd_lanes``; None, a call the planner did not see: the rule for this
+    machine's vendor); False when not served (nothing written): the native tier
+    unavailable, or arrays that are not C-contiguous float32."""
     fns = _functions()
     if fns is None or not _contiguous_f32(x, w, y, bias, z) or (
             z is not None and z.shape != y.shape):
@@ -221,10 +224,10 @@ def native_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[in
     name, params = act
     clip = clip_bounds((params[0], params[1])) if name == "clip" else None
     addr = native.address
-    pipe = planner.winograd_pipeline(n, c, m, out_hw, threads)
+    lanes = planner.winograd_lanes()[0] if lanes is None else lanes
+    pipe = planner.winograd_pipeline(n, c, m, out_hw, threads, lanes=lanes)
     if pipe.tiles:
-        call = products.tall if planner.winograd_tall(min(pipe.tiles, n * tiles)) else (
-            products.call)
+        call = products.tiled(planner.winograd_tall(min(pipe.tiles, n * tiles)), lanes)
         _ok(fns.fused(addr(x), addr(y), addr(geo), m, None if bias is None else addr(bias),
                       None if z is None else addr(z), None if clip is None else addr(clip), n,
                       call.args, fns.product,
@@ -252,7 +255,7 @@ def native_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[in
         if call is None:
             raise RuntimeError("native GEMM refused the Winograd products")
         if planner.winograd_tall(t):
-            call = native_gemm.with_tiles(call, tall=True, lanes=planner.winograd_lanes()[0])
+            call = native_gemm.with_tiles(call, tall=True, lanes=lanes)
         # Panel-major: a thread's share of the sixteen products is the same tiles of each
         # (those of the images, or tile rows, it transformed: the pool gives each thread
         # the same chunk index); product by product where U outweighs the tiles.
@@ -270,11 +273,15 @@ def native_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[in
 class _Products:
     """The packed U and the prepared call of its sixteen products, whose B and C each
     pipeline block rebinds to its own scratch (the call holds U's address, so they
-    live together)."""
+    live together), in each tiling the planner may ask for."""
 
     u: Any
-    call: native_gemm.Call
-    tall: native_gemm.Call        # the same in tall tiles (planner.winograd_tall)
+    calls: dict[tuple[bool, bool], native_gemm.Call]   # by (tall, lanes)
+
+    def tiled(self, tall: bool, lanes: bool) -> native_gemm.Call:
+        """The call in tall tiles or not (planner.winograd_tall), in lanes tiles or in
+        panels (the plan's winograd_lanes)."""
+        return self.calls[tall, lanes]
 
 
 def _products(xp: Any, arrays: tuple[Any, ...]) -> _Products:
@@ -285,11 +292,10 @@ def _products(xp: Any, arrays: tuple[Any, ...]) -> _Products:
                                np.zeros((16, m, columns), np.float32))
     if call is None:
         raise RuntimeError("native GEMM refused the Winograd products")
-    # The tiles prepare chose for the stand-in columns are not the blocks': the planner's
-    # rules (winograd_lanes, winograd_tall) decide.
-    lanes = planner.winograd_lanes()[0]
-    return _Products(u, native_gemm.with_tiles(call, tall=False, lanes=lanes),
-                     native_gemm.with_tiles(call, tall=True, lanes=lanes))
+    # The tiles prepare chose for the stand-in columns are not the blocks': the plan
+    # (winograd_lanes) and the planner's winograd_tall decide, call by call.
+    return _Products(u, {(tall, lanes): native_gemm.with_tiles(call, tall, lanes)
+                         for tall in (False, True) for lanes in (False, True)})
 
 
 @functools.lru_cache(maxsize=256)

@@ -42,6 +42,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "enums.h"
 #include "parallel.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__) && \
@@ -1959,8 +1960,7 @@ int64_t keel_qgemm_geometry(int64_t *out, int64_t n)
 /* The enum values keel.backends.cpu.native_qgemm builds its arrays with (it checks them at
  * load, as the sizes above), by name: KIND_*, COLUMNS_*, the quant array's slots
  * (QUANT_*), the conv geometry's (Q_*) and the max pool geometry's (P_*), each with its
- * length. keel_qgemm_layout writes at most n values and returns their count;
- * keel_qgemm_layout_names, their names, each followed by a space. */
+ * length (keel_qgemm_layout and keel_qgemm_layout_names: see enums.h). */
 #define QGEMM_LAYOUT(X) \
     X(KIND_U8) X(KIND_S8) X(KIND_F32) X(COLUMNS_PADDED) X(COLUMNS_COMPACT) X(COLUMNS_ROWS) \
     X(QUANT_YZP) X(QUANT_LO) X(QUANT_HI) X(QUANT_KIND) X(QUANT_LEN) \
@@ -1968,15 +1968,5 @@ int64_t keel_qgemm_geometry(int64_t *out, int64_t n)
     X(Q_DH) X(Q_DW) X(Q_PT) X(Q_PL) X(Q_G) X(Q_LEN) \
     X(P_N) X(P_C) X(P_H) X(P_W) X(P_OH) X(P_OW) X(P_KH) X(P_KW) X(P_SH) X(P_SW) X(P_PT) \
     X(P_PL) X(P_DH) X(P_DW) X(P_LEN)
-#define QGEMM_VALUE(e) e,
-#define QGEMM_NAME(e) #e " "
 
-int64_t keel_qgemm_layout(int64_t *out, int64_t n)
-{
-    const int64_t layout[] = {QGEMM_LAYOUT(QGEMM_VALUE)};
-    const int64_t count = (int64_t)(sizeof layout / sizeof layout[0]);
-    for (int64_t i = 0; i < n && i < count; i++) out[i] = layout[i];
-    return count;
-}
-
-const char *keel_qgemm_layout_names(void) { return QGEMM_LAYOUT(QGEMM_NAME); }
+KEEL_ENUM_EXPORT(keel_qgemm_layout, QGEMM_LAYOUT)

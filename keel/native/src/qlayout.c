@@ -25,6 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "enums.h"
 #include "parallel.h"
 
 #if defined(__AVX512BW__) && defined(__AVX512F__) && defined(__AVX512VNNI__) && \
@@ -140,6 +141,8 @@ int64_t keel_qtranspose_u8(const uint8_t *x, int64_t n, int64_t rows, int64_t co
 
 enum { G_N, G_C, G_H, G_W, G_OH, G_OW, G_KH, G_KW, G_SH, G_SW, G_DH, G_DW, G_PT, G_PL,
        G_SIZE };
+/* The quant array of the depthwise, panel and indirect kernels: {y zero point, lo, hi}. */
+enum { QL_YZP, QL_LO, QL_HI, QL_LEN };
 
 #define CL 32
 #define MAX_TAPS 64
@@ -515,7 +518,8 @@ int64_t keel_qdepthwise_nhwc_u8s8(const uint8_t *x, int64_t is_signed, int64_t x
     }
     memset(zero_row, (int)(uint8_t)xz, (size_t)(blocks * CL));
     j.x = x, j.is_signed = is_signed, j.xz = (int32_t)xz, j.taps = taps, j.bias = bias;
-    j.mult = mult, j.zp = (double)quant[0], j.lo = (double)quant[1], j.hi = (double)quant[2];
+    j.mult = mult, j.zp = (double)quant[QL_YZP], j.lo = (double)quant[QL_LO],
+    j.hi = (double)quant[QL_HI];
     j.zero_row = zero_row, j.lane_bias = lanes, j.pairs = lanes + blocks * 32, j.y = y;
     j.lane_mult = lane_mult;
     int64_t scratch = 1, tasks = j.g[G_N] * j.g[G_OH];
@@ -805,8 +809,8 @@ int64_t keel_qpointwise_nhwc_u8s8(const uint8_t *x, int64_t is_signed, int64_t p
                                   int64_t parts)
 {
     if (p <= 0 || m <= 0) return 0;
-    pw_job j = {x, p, c, m, (c + 3) / 4, is_signed, w, bias, mult, (double)quant[0],
-                (double)quant[1], (double)quant[2], y};
+    pw_job j = {x, p, c, m, (c + 3) / 4, is_signed, w, bias, mult, (double)quant[QL_YZP],
+                (double)quant[QL_LO], (double)quant[QL_HI], y};
     return run_parts(pw_task, &j, (p + MR - 1) / MR, parts, 1);
 }
 
@@ -972,8 +976,8 @@ int64_t keel_qconv_nhwc_u8s8(const uint8_t *x, int64_t is_signed, const int64_t 
     if (c <= 0 || c % 4 || g[G_H] * g[G_W] * c > INT32_MAX) return -2;   /* int32 offsets */
     j.ntaps = g[G_KH] * g[G_KW];
     j.x = x;
-    pw_job pw = {x, p, c, m, j.ntaps * c / 4, is_signed, w, bias, mult, (double)quant[0],
-                 (double)quant[1], (double)quant[2], y};
+    pw_job pw = {x, p, c, m, j.ntaps * c / 4, is_signed, w, bias, mult,
+                 (double)quant[QL_YZP], (double)quant[QL_LO], (double)quant[QL_HI], y};
     j.pw = pw;
     j.zero_row = zero_row, j.offsets = offsets;
     int64_t floats = (j.ntaps * MR * (int64_t)sizeof(void *) + MR * m + 3) / 4 + 16;
@@ -1120,6 +1124,8 @@ int64_t keel_qmaxpool_nhwc_8(const uint8_t *x, int64_t is_signed, const int64_t 
  * channels contiguous); y is (N, C). Tasks: (image, block of GAP_CB channels). */
 
 #define GAP_CB 256
+/* The global pool's params: {x zero point, y zero point, lo, hi}. */
+enum { GAP_XZP, GAP_YZP, GAP_LO, GAP_HI, GAP_LEN };
 
 typedef struct {
     const uint8_t *x;
@@ -1188,10 +1194,10 @@ int64_t keel_qglobal_avgpool_u8(const uint8_t *x, int64_t is_signed, int64_t nhw
                                 uint8_t *y, int64_t parts)
 {
     if (n <= 0 || c <= 0) return 0;
-    int32_t zp = (int32_t)params[1];
+    int32_t zp = (int32_t)params[GAP_YZP];
     gap_job j = {x, is_signed, nhwc, c, hw, (c + GAP_CB - 1) / GAP_CB,
-                 (uint32_t)0 - (uint32_t)params[0] * (uint32_t)hw, scale,
-                 (float)(params[2] - zp), (float)(params[3] - zp), zp, y};
+                 (uint32_t)0 - (uint32_t)params[GAP_XZP] * (uint32_t)hw, scale,
+                 (float)(params[GAP_LO] - zp), (float)(params[GAP_HI] - zp), zp, y};
     return run_parts(gap_task, &j, n * j.blocks, parts, 1);
 }
 
@@ -1208,3 +1214,17 @@ int64_t keel_qlayout_geometry(int64_t *out, int64_t n)
     for (int64_t i = 0; i < n && i < count; i++) out[i] = sizes[i];
     return count;
 }
+
+/* The enum values keel.backends.cpu.qlayout builds its arrays with (it checks them at load,
+ * as the sizes above), by name: the depthwise and indirect geometry's slots (G_*), the
+ * max pool geometry's (M_*), the quant array's (QL_*) and the global pool's params'
+ * (GAP_*), each with its length (keel_qlayout_layout and keel_qlayout_layout_names: see
+ * enums.h). */
+#define QLAYOUT_LAYOUT(X) \
+    X(G_N) X(G_C) X(G_H) X(G_W) X(G_OH) X(G_OW) X(G_KH) X(G_KW) X(G_SH) X(G_SW) X(G_DH) \
+    X(G_DW) X(G_PT) X(G_PL) X(G_SIZE) \
+    X(M_N) X(M_C) X(M_H) X(M_W) X(M_OH) X(M_OW) X(M_KH) X(M_KW) X(M_SH) X(M_SW) X(M_PT) \
+    X(M_PL) X(M_DH) X(M_DW) X(M_SIZE) \
+    X(QL_YZP) X(QL_LO) X(QL_HI) X(QL_LEN) X(GAP_XZP) X(GAP_YZP) X(GAP_LO) X(GAP_HI) X(GAP_LEN)
+
+KEEL_ENUM_EXPORT(keel_qlayout_layout, QLAYOUT_LAYOUT)

@@ -93,6 +93,10 @@ PHASE_CASES = [
     ((2, 4, 12, 12), (5, 4, 3, 3), {"pads": (1, 1, 1, 1), "strides": (3, 3)}, "masked"),
     ((2, 3, 13, 13), (8, 3, 7, 7), {"pads": (3, 3, 3, 3), "strides": (2, 2)}, "gathered"),
     ((2, 6, 10, 11), (4, 6, 3, 3), {"pads": (0, 1, 2, 1), "strides": (2, 2)}, "gathered"),
+    # stride-2 rows of 16 or more: whole vectors of the permuted copy and a partial one
+    ((2, 3, 34, 70), (4, 3, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}, "masked"),
+    ((2, 3, 33, 67), (4, 3, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}, "gathered"),
+    ((1, 4, 64, 64), (8, 4, 1, 1), {"strides": (2, 2)}, "masked"),
 ]
 
 

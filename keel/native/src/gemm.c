@@ -455,11 +455,12 @@ static int runs_of(const int64_t *map, int64_t cols, run *r)
 static inline void copy(float *restrict dst, const float *restrict src, int64_t len)
 {
 #if defined(__AVX512F__)
-    /* Masked moves: one or two instructions for any length up to 32, no tail loop. */
-    for (; len >= 16; len -= 16, dst += 16, src += 16)
-        _mm512_storeu_ps(dst, _mm512_loadu_ps(src));
-    if (len > 0) {
-        __mmask16 keep = (__mmask16)((1u << len) - 1u);
+    /* Masked moves, a vector at a time, the last one partial. Every move is masked: gcc
+       turned a loop of whole-vector moves into a call to memcpy per 64 bytes (the
+       gathered panels of ResNet-20's 16 -> 32 3x3 stride-2 conv at batch 1, runs of 16
+       floats: 2,304 calls a conv, about a sixth of its time). */
+    for (; len > 0; len -= 16, dst += 16, src += 16) {
+        __mmask16 keep = (__mmask16)(len >= 16 ? 0xffffu : (1u << len) - 1u);
         _mm512_mask_storeu_ps(dst, keep, _mm512_maskz_loadu_ps(keep, src));
     }
 #else

@@ -403,8 +403,8 @@ class Program:
         """
         run = self._direct_run
         if (run is not None and self._bound_version == self._pool.version
-                and self._bound_on == _get_ident() and len(arrays) == len(self._input_slots)):
-            return run(arrays)
+                and self._bound_on == _get_ident()):
+            return run(arrays)                  # its strict zip checks the count
         if self._bound_version != self._pool.version:
             self._bind()
         values = self._values

@@ -641,6 +641,11 @@ class Model:
         made stay there (copied once on the device, never through the host).
         """
         try:
+            if output_device is None and self._half is None:
+                # A signature already run, first: no other call between here and the run.
+                result = self._run_remembered(feeds)
+                if result is not None:
+                    return result
             return self._predict(feeds, output_device)
         except (ExecutionError, MemoryLimitError) as exc:
             if not self._falls_back(exc):
@@ -661,12 +666,9 @@ class Model:
                                      f"({exc.message})")
         if output_device is not None:
             return self._predict_on_device(feeds, output_device)
-        fast = self._fast_path(feeds)
-        if fast is not None:
-            (last, program, _), ordered = fast
-            with self._lock:
-                self._last = last
-                return program.execute(ordered)
+        result = self._run_remembered(feeds)
+        if result is not None:
+            return result
         residency = _residency(feeds)
         arrays, shapes = self._validate(feeds)
         with self._lock:
@@ -732,6 +734,17 @@ class Model:
         # Not remembered for the fast path: each run is counted, so that a signature that
         # recurs gets its own plan.
         return program.run(arrays, profiler=self._profiler)
+
+    def _run_remembered(self, feeds: Any) -> dict[str, np.ndarray] | None:
+        """The run of the program remembered for ``feeds``' signature (:meth:`_fast_path`);
+        None when there is none."""
+        fast = self._fast_path(feeds)
+        if fast is None:
+            return None
+        (last, program, _), ordered = fast
+        with self._lock:
+            self._last = last
+            return program.execute(ordered)
 
     def _fast_path(self, feeds: Any) -> tuple[_Fast, Sequence[np.ndarray]] | None:
         """The remembered program and its ordered feeds when ``feeds`` match a signature

@@ -289,7 +289,7 @@ def test_bound_convolutions_and_pools_compute_what_their_kernels_do(threads: int
     program = fast[0][1]
     if native.available():                   # the compiled kernels bind
         assert {"conv", "max_pool", "avg_pool"} <= set(bound_kinds(model, {"x": x}))
-        assert program._direct
+        assert program._direct and program._direct_run is not None   # one function
     for _ in range(3):                       # new values in the same places
         x = rng.standard_normal((1, 1, 16, 16)).astype(np.float32)
         got = model.predict({"x": x})["y"]
@@ -323,7 +323,7 @@ def test_a_failing_step_of_a_direct_run_names_its_node_and_leaves_nothing_behind
     good = {"ids": np.array([0, 4, VOCAB - 1], np.int64)}
     want = model.predict(good)["y"]
     fast = model._fast_path(good)
-    assert fast is not None and fast[0][1]._direct
+    assert fast is not None and fast[0][1]._direct and fast[0][1]._direct_run is not None
     with pytest.raises(InvalidArgumentError, match="out of range") as failure:
         model.predict({"ids": np.array([0, VOCAB + 2, 1], np.int64)})
     assert any("(gather)" in note for note in getattr(failure.value, "__notes__", ()))

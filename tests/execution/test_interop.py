@@ -266,22 +266,27 @@ def test_a_failing_branch_keeps_no_reference_to_the_feeds(
 
 def test_a_sixteen_core_profile_runs_small_products_at_once(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """On 16 threads a 1024-wide Gemm at batch 1 splits over 5 (its flops), so two heads of
-    five leave most threads idle: the plan runs them at once; on 2 threads they fill both."""
+    """On 16 threads a 384-wide Gemm at batch 1 streams its 147,456 floats of B over 4
+    threads, so two heads of such products leave most threads idle: the plan runs them at
+    once. 1024-wide ones stream their B over all 16, and on 2 threads (a 1 GiB container:
+    B read raw, split by flops) they fill both: in order."""
     from keel.hardware.fakes import fake_profile
 
     monkeypatch.delenv("KEEL_THREADS", raising=False)
-    model = two_heads(1, width=1024, depth=5)
-    inputs = feeds(model)
-    plans = {}
-    for name, profile in (("sixteen", fake_profile("nvidia-no-driver")),
-                          ("two", fake_profile("container-2core-1gib"))):
+    sixteen, two = fake_profile("nvidia-no-driver"), fake_profile("container-2core-1gib")
+
+    def plan(model: onnx.ModelProto, profile: Any) -> tuple[Any, dict[str, np.ndarray]]:
         loaded = load_model(model.SerializeToString(), backend="cpu", hardware=profile)
-        plans[name] = (loaded, loaded.predict(inputs))
-    (sixteen, got), (two, expected) = plans["sixteen"], plans["two"]
-    region, = sixteen.plan.regions
+        return loaded, loaded.predict(feeds(model))
+
+    narrow = two_heads(1, width=384, depth=40)
+    (at_once, got), (_, expected) = plan(narrow, sixteen), plan(narrow, two)
+    region, = at_once.plan.regions
     assert region.concurrent and "at once on 2 threads" in region.reason
-    assert "31% of the 16 threads busy" in region.reason
-    assert not two.plan.regions[0].concurrent and "already" in two.plan.regions[0].reason
+    assert "25% of the 16 threads busy" in region.reason
+    wide = two_heads(1, width=1024, depth=5)
+    for profile in (sixteen, two):
+        in_order, = plan(wide, profile)[0].plan.regions
+        assert not in_order.concurrent and "already" in in_order.reason
     for name, value in expected.items():
         assert np.array_equal(got[name], value)

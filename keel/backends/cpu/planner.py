@@ -1510,7 +1510,8 @@ INTEROP_BUSY_SHARE = 0.5
 
 def _kernel_threads(work: float, planned: int, threads: int) -> int:
     """The threads a node's kernel keeps busy: its plan's (a product's already follow its
-    flops), for the others no more than its work gives each at least MIN_CHUNK_ELEMENTS."""
+    flops, or the floats of a B it streams), for the others no more than its work gives
+    each at least MIN_CHUNK_ELEMENTS."""
     return max(1, min(planned, split_threads(LeastWork.ELEMENTS, threads, int(work))))
 
 

@@ -33,8 +33,9 @@ def _held(state: Any, weights: list[np.ndarray], seen: set[int]) -> int:
         return 0
     seen.add(id(state))
     if isinstance(state, np.ndarray):
-        own = state if state.base is None else state.base
-        if not isinstance(own, np.ndarray) or any(np.shares_memory(own, w) for w in weights):
+        # A packed copy may lie on its own mapping (huge pages): its base is no array.
+        own = state.base if isinstance(state.base, np.ndarray) else state
+        if any(np.shares_memory(own, w) for w in weights):
             return 0
         return int(own.nbytes)
     if dataclasses.is_dataclass(state) and not isinstance(state, type):

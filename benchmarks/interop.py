@@ -11,7 +11,11 @@ in-order time (below 1.0 the branches at once are faster). The models, built her
 onnx.helper (the tests build the same ones):
 
 * ``two_heads``: a Gemm trunk, then two heads of three 512-wide Gemm + Relu and a
-  Softmax each (a model with two outputs), at batch 1 and 32;
+  Softmax each (a model with two outputs), at batch 1 and 32; at batch 1 each product
+  streams its weight over the threads (the cpu planner's ``streams_b``), so the heads
+  fill two threads already;
+* ``narrow_heads_b1``: the same with 128-wide Gemms, whose products stay on one thread
+  each: the case where branches at once could fill the threads;
 * ``inception``: a stem conv, then four branches (1x1; 1x1 then 3x3; 1x1 then 5x5;
   3x3 max pool then 1x1) joined by a Concat, 32 channels at 16x16 and 28x28, batch 1.
 
@@ -111,6 +115,7 @@ def inception(batch: int = 1, channels: int = 32, size: int = 16, seed: int = 0
 CASES: dict[str, Callable[[], onnx.ModelProto]] = {
     "two_heads_b1": lambda: two_heads(1),
     "two_heads_b32": lambda: two_heads(32),
+    "narrow_heads_b1": lambda: two_heads(1, width=128),
     "inception_16_b1": lambda: inception(1, 32, 16),
     "inception_28_b1": lambda: inception(1, 32, 28),
 }

@@ -680,6 +680,25 @@ static inline void transpose8(const float *src, int64_t rs, float *dst, int64_t 
 }
 #endif
 
+/* dst[0 .. len) = src[0 .. len), dst[len .. width) = 0: one depth step of a narrow panel. */
+static inline void copy_padded(float *restrict dst, const float *restrict src, int64_t len,
+                               int64_t width)
+{
+#if defined(__AVX512F__)
+    /* Masked moves, the zeros from the masked load: gcc turned memcpy plus a loop of
+       zeros into a libc memcpy call per depth step (gemm_2d's narrow panels). */
+    for (int64_t q = 0; q < width; q += 16) {
+        int64_t have = len - q, room = width - q;
+        __mmask16 keep = (__mmask16)(have >= 16 ? 0xffffu : have > 0 ? (1u << have) - 1u : 0u);
+        __mmask16 fill = (__mmask16)(room >= 16 ? 0xffffu : (1u << room) - 1u);
+        _mm512_mask_storeu_ps(dst + q, fill, _mm512_maskz_loadu_ps(keep, src + q));
+    }
+#else
+    memcpy(dst, src, (size_t)len * sizeof(float));
+    for (int64_t r = len; r < width; r++) dst[r] = 0.0f;
+#endif
+}
+
 /* Rows [r0, r0 + w) of the operand, depth [p0, p0 + kc), as a kc x width panel
  * block at dst (rows past w zero): element (r, p) is at src[r * rs + p * ks], or,
  * with a row table, at src[r + rows[p]] (rs == 1). */
@@ -695,8 +714,7 @@ static void pack_block(const float *src, int64_t rs, int64_t ks, const int64_t *
                 for (int j = 0; j < NV; j++) store(d + j * VW, load(s + j * VW));
                 continue;
             }
-            memcpy(d, s, (size_t)w * sizeof(float));
-            for (int64_t r = w; r < width; r++) d[r] = 0.0f;
+            copy_padded(d, s, w, width);
         }
         return;
     }

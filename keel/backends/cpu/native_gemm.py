@@ -138,6 +138,12 @@ def _load(lib: native.NativeLibrary) -> _Functions:
                   size("keel_gemm_args_size"), size("keel_gemm_args_c_offset"))
     _check_layout("keel_conv_band_args", _BAND_ARGS, _BAND_X, "X",
                   size("keel_conv_band_args_size"), size("keel_conv_band_args_x_offset"))
+    taps_from = size("keel_gemm_rows_first_taps_f32")
+    if taps_from != planner_rules().ROWS_FIRST_TAPS_FROM:
+        raise ArgsLayoutError(
+            f"gemm.c runs taps row panel by row panel from {taps_from} columns, the cpu "
+            f"planner's ROWS_FIRST_TAPS_FROM is {planner_rules().ROWS_FIRST_TAPS_FROM}: "
+            "change both together")
     return _Functions(
         gemm=lib.function("keel_gemm_f32", [ctypes.c_char_p, _PTR, _I64, _I64, _I64]),
         gemm_mt=lib.function("keel_gemm_mt_f32", [ctypes.c_char_p, _I64, _I64, _I64], _I64),
@@ -528,12 +534,19 @@ def prepare(a: np.ndarray | Packed, b: np.ndarray | Packed | Rows, c: np.ndarray
             residual: np.ndarray | None = None, alpha: float = 1.0,
             clip: tuple[float, float] | None = None, accumulate: bool = False,
             columns: np.ndarray | None = None, masks: np.ndarray | None = None,
-            nt: bool = False) -> Call | None:
+            nt: bool = False, lanes: bool | None = None,
+            output_streams: bool = False) -> Call | None:
     """The :class:`Call` computing :func:`gemm`'s product; None when not served.
 
     ``nt``: C's final values are stored past the cache where they are whole aligned
     vectors (for a C much larger than the cache, read from memory by whoever reads
     it next; the kernel fences before it returns).
+
+    ``lanes``: the product runs in lanes tiles where its operands fit them, or not, as
+    the caller's plan says (the planner's native_tiles, for the vendor planned for);
+    None: the planner's ``lanes_tiles`` for this machine. ``output_streams``: a
+    conv's gathered taps stream for its output's sake (the planner's output_streams,
+    which counts the conv's images: gemm.c then writes C row panel by row panel).
 
     ``masks`` (with a :class:`Rows` right operand and no ``columns``) runs gemm.c's
     masked mode (KEEL_DIRECT): B's taps are read straight from the convolution's
@@ -560,11 +573,14 @@ def prepare(a: np.ndarray | Packed, b: np.ndarray | Packed | Rows, c: np.ndarray
     if res is None or (bias is not None and (bias.shape != ((m,) if bias_rows else (n,))
                                              or (columns is not None and not bias_rows))):
         return None
+    streams = output_streams and isinstance(b, Rows) and b.columns is not None
+    lanes = f.lanes(batch, m, n, k) if lanes is None else lanes
     flags = (_ACCUMULATE if accumulate else 0) | (_CLIP if clip is not None else 0) | (
-        _STREAM if _streams(b, batch, m, k, n) else 0) | (
+        _STREAM if streams or _b_bytes(b, batch, k, n) > planner_rules().STREAM_BYTES
+        else 0) | (
         _DIRECT if masks is not None else 0) | (_NT if nt else 0) | (
         _TALL if f.tall(m, k) else 0) | (_LANES if _plain(ra, rb) and columns is None and (
-            masks is None and not accumulate and f.lanes(batch, m, n, k)) else 0) | (
+            masks is None and not accumulate and lanes) else 0) | (
         _LANES if masks is not None and not accumulate
         and planner_rules().masked_lanes(m, n, k) else 0)
     lo, hi = clip if clip is not None else (0.0, 0.0)
@@ -590,17 +606,6 @@ def with_tiles(call: Call, tall: bool, lanes: bool) -> Call:
     flags |= (_TALL if tall else 0) | (_LANES if lanes else 0)
     values = (*call.values[:_FLAGS_FIELD], flags, *call.values[_FLAGS_FIELD + 1:])
     return Call(call.f, values, call.batch, call.m, call.n, call.k, call.keep, call.c_layout)
-
-
-def _streams(b: np.ndarray | Packed | Rows, batch: int, m: int, k: int, n: int) -> bool:
-    """KEEL_STREAM: B comes from memory (its bytes above the planner's STREAM_BYTES), or
-    B is a conv's gathered taps and C, the conv's output, is larger than the cache
-    (the planner's ``output_streams``: gemm.c then writes C row panel by row panel)."""
-    rules = planner_rules()
-    if _b_bytes(b, batch, k, n) > rules.STREAM_BYTES:
-        return True
-    return isinstance(b, Rows) and b.columns is not None and rules.output_streams(
-        batch, 4 * batch * m * n)
 
 
 def _b_bytes(b: np.ndarray | Packed | Rows, batch: int, k: int, n: int) -> int:

@@ -1669,13 +1669,23 @@ STREAM_BYTES = 2 * 2**20
 # 1.75-1.88 ms against 2.23-2.41 column by column; alone with the caches flushed between
 # calls 1.75-1.77 against 1.85-1.90, alone in cache 1.59-1.63 against 1.53-1.56 (where
 # its output stays in cache, column panels win, but a model's conv writes a fresh
-# output). One image only: at batch 32 the rule would flag six gathered products of
-# MobileNetV2 (6-8 MB outputs), where the whole model took 0.998-1.012x the time with
-# them (within the noise, not a gain); ResNet-18's stem streams there by its image.
-def output_streams(batch: int, output_bytes: int) -> bool:
+# output). One image only, counted in the conv's images (a gathered-stacked product holds
+# all of a batch's images in one product of batch 1): at batch 32 the rule would flag six
+# gathered products of MobileNetV2 (6-8 MB outputs), where the whole model took
+# 0.998-1.012x the time with them (within the noise, not a gain); ResNet-18's stem streams
+# there by its image. And only products of at least ROWS_FIRST_TAPS_FROM columns (gemm.c's
+# constant of that name, checked against it at load): below it gemm.c runs taps column
+# panel by column panel whatever the flag says, which then changes only how B is packed
+# (not measured).
+ROWS_FIRST_TAPS_FROM = 4096
+
+
+def output_streams(images: int, columns: int, output_bytes: int) -> bool:
     """Whether a conv's product on gathered taps streams for its output's sake: one
-    image, whose output (``output_bytes``) is larger than STREAM_BYTES."""
-    return batch == 1 and output_bytes > STREAM_BYTES
+    image (of the conv, not of the GEMM), at least ROWS_FIRST_TAPS_FROM columns, and an
+    output (``output_bytes``) larger than STREAM_BYTES."""
+    return (images == 1 and columns >= ROWS_FIRST_TAPS_FROM
+            and output_bytes > STREAM_BYTES)
 
 
 # Packed operands of the native GEMM (filters, Winograd's transformed filters, a
@@ -1979,6 +1989,10 @@ def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:
     if form.lanes is not None:
         options.append(("winograd_lanes", form.lanes))
         form_reasons.append(("winograd_lanes", form.lanes_reason))
+    if form.gemm_lanes is not None:
+        options.append(("gemm_lanes", form.gemm_lanes))     # the layout's reason says
+    if form.output_streams:
+        options.append(("output_streams", True))
     blocking = _blocking(request.op, sizes)
     if blocking is not None:
         options.append(blocking[0])                 # its reason is keyed by its name
@@ -2416,12 +2430,38 @@ def _direct_lanes_reason(geo: ConvGeometry, grid: Grid, vendor: str | None) -> s
 def _output_streams_reason(geo: ConvGeometry) -> str:
     """"; its output ... streams" where output_streams flags the gathered product (one
     group's output: a grouped conv runs a product per group)."""
-    size = 4 * geo.batch * geo.out_channels // geo.group * math.prod(geo.window.out_spatial)
-    if not output_streams(geo.batch, size):
+    if not _gathered_output_streams(geo):
         return ""
+    size = 4 * geo.batch * geo.out_channels // geo.group * math.prod(geo.window.out_spatial)
     return (f"; its output ({size / 2**20:.1f} MiB) > STREAM_BYTES ({STREAM_BYTES >> 20} MiB): "
             "the product streams, and gemm.c writes taps of many columns row panel by row "
             "panel (output_streams)")
+
+
+def _gathered_output_streams(geo: ConvGeometry) -> bool:
+    """output_streams for the product of a gathered conv (one group's output)."""
+    pixels = math.prod(geo.window.out_spatial)
+    return output_streams(geo.batch, pixels,
+                          4 * geo.batch * geo.out_channels // geo.group * pixels)
+
+
+def native_tiles(geo: ConvGeometry, form: str, grid: Any = _HERE, vendor: Any = _HERE
+                 ) -> tuple[bool | None, bool]:
+    """How the native conv's products in ``form`` run, as native_form's reason says:
+    in lanes tiles or not (the direct form's lanes_tiles for ``vendor``; None for the
+    other forms, whose operands the lanes tiles do not take or whose rule knows no
+    vendor) and whether its gathered taps stream for its output's sake
+    (output_streams). The kernel runs what the plan says, whatever this machine's vendor."""
+    grid = _grid(grid)
+    vendor = _this_vendor() if vendor is _HERE else vendor
+    lanes = None
+    if form == "direct":
+        pixels = math.prod(geo.window.out_spatial)
+        lanes = grid is not None and lanes_tiles(
+            geo.batch, geo.out_channels // geo.group, pixels, geo.in_channels // geo.group,
+            vendor, grid)
+    streams = form in ("gathered", "gathered-stacked") and _gathered_output_streams(geo)
+    return lanes, streams
 
 
 def wide_stacks(geo: ConvGeometry, grid: Any = _HERE) -> bool:
@@ -2775,7 +2815,9 @@ def depthwise_layout(geo: ConvGeometry, form: str | None = None,
 
 def native_layout(geo: ConvGeometry) -> conv_gemm.NativeLayout:
     """``geo``'s native conv layout in the planned form."""
-    return conv_gemm.native_layout(geo, native_form(geo)[0], stream_stores(geo))
+    form = native_form(geo)[0]
+    lanes, streams = native_tiles(geo, form)
+    return conv_gemm.native_layout(geo, form, stream_stores(geo), lanes, streams)
 
 
 # ---- the NumPy im2col and pointwise layouts --------------------------------------------
@@ -2817,6 +2859,10 @@ class ConvForm:
     # plan says, whatever this machine's vendor.
     lanes: bool | None = None
     lanes_reason: str = ""
+    # The native conv's products in lanes tiles or not (native_tiles; None: the kernel's
+    # rule for the shapes it sees) and its gathered taps streamed for its output's sake.
+    gemm_lanes: bool | None = None
+    output_streams: bool = False
 
 
 def im2col_form(geo: ConvGeometry, itemsize: int) -> ConvForm:
@@ -3746,8 +3792,10 @@ def conv_form(variant: str, geo: ConvGeometry, itemsize: int, grid: Any = _HERE,
     if variant == "native":
         form, why = native_form(geo, grid, vendor)
         scratch = conv_gemm.native_scratch(conv_gemm.native_layout(geo, form), itemsize)
+        lanes, streams = native_tiles(geo, form, grid, vendor)
         return ConvForm(form, why, workspace_bytes=scratch,
-                        stream_stores=stream_stores(geo, sizes))
+                        stream_stores=stream_stores(geo, sizes), gemm_lanes=lanes,
+                        output_streams=streams)
     if variant == "depthwise":
         layout, why = depthwise_form(geo)
         numpy_form = layout.rpartition("|")[2]

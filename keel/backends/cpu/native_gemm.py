@@ -71,6 +71,7 @@ import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -95,7 +96,8 @@ _BAND_X = 16            # where X's address sits in it
 _BAND_OUT = (17, 19)    # and Y's and the residual's
 # _load checks both layouts against gemm.c's own sizeof and offsetof.
 _F4 = np.dtype(np.float32)
-_HUGE_PAGE = 2 << 20      # x86-64's huge page (2 MiB), where packed operands start
+_THP = Path("/sys/kernel/mm/transparent_hugepage")
+_ASSUMED_HUGE_PAGE = 2 << 20   # x86-64's huge page, where the system does not say its own
 
 
 @dataclass(frozen=True, eq=False)
@@ -277,7 +279,7 @@ def pack(matrix: np.ndarray, left: bool) -> Packed | None:
     else:
         rows, depth, rs, ks = matrix.shape[1], matrix.shape[0], st[1], st[0]
     panels = -(-rows // width)
-    data = _aligned(panels * depth * width)
+    data = _aligned(panels * depth * width, huge=True)
     if data.size:
         f.pack(native.address(matrix), rows, depth, rs, ks, width, native.address(data),
                0, panels)
@@ -300,7 +302,7 @@ def pack_batch(matrices: np.ndarray, left: bool) -> Packed | None:
     parts = [pack(m, left) for m in matrices]
     size = parts[0].data.size if parts[0] is not None else 0
     stride = -(-size // 16) * 16           # each product's panels start on a cache line
-    data = _aligned(stride * len(parts))
+    data = _aligned(stride * len(parts), huge=True)
     for t, p in enumerate(parts):
         assert p is not None
         data[t * stride:t * stride + size] = p.data
@@ -311,10 +313,11 @@ def pack_batch(matrices: np.ndarray, left: bool) -> Packed | None:
                   stride)
 
 
-def _aligned(n: int) -> np.ndarray:
+def _aligned(n: int, huge: bool = False) -> np.ndarray:
     """``n`` float32 starting on a 64-byte boundary (a cache line, one AVX-512 vector);
-    from fresh huge pages where the planner's ``huge_pages`` takes that size."""
-    if planner_rules().huge_pages(4 * n):
+    ``huge`` (a packed operand, read at every pass): from fresh huge pages where the
+    planner's ``huge_pages`` takes that size and the system can be asked."""
+    if huge and planner_rules().huge_pages(4 * n):
         held = _huge(4 * n)
         if held is not None:
             return held
@@ -323,20 +326,68 @@ def _aligned(n: int) -> np.ndarray:
     return raw[skip:skip + n]
 
 
+@dataclass(frozen=True)
+class HugePages:
+    """What this machine does with memory asked for as huge pages: whether it can be
+    asked (MADV_HUGEPAGE), the transparent huge pages mode (None: not said), and the
+    page size (``page_said``: read from the system, else x86-64's 2 MiB assumed)."""
+
+    advisable: bool
+    mode: str | None
+    page: int
+    page_said: bool
+
+    @property
+    def granted(self) -> bool:
+        """Whether advised memory may get huge pages here."""
+        return self.advisable and self.mode != "never"
+
+
+@functools.cache
+def huge_pages_here() -> HugePages:
+    """This machine's :class:`HugePages` (read once)."""
+    try:
+        enabled = (_THP / "enabled").read_text()
+        mode: str | None = enabled[enabled.index("[") + 1:enabled.index("]")]
+    except (OSError, ValueError):
+        mode = None
+    try:
+        page, said = int((_THP / "hpage_pmd_size").read_text()), True
+    except (OSError, ValueError):
+        page, said = _ASSUMED_HUGE_PAGE, False
+    return HugePages(hasattr(mmap, "MADV_HUGEPAGE"), mode, page, said)
+
+
 def _huge(size: int) -> np.ndarray | None:
     """``size`` bytes of float32 on fresh anonymous memory, starting on a huge-page
-    boundary, asked for as huge pages before any page is touched (None where the
-    system cannot be asked). Memory from the heap may already hold small pages, which
-    asking later does not change; the array keeps its mapping alive."""
-    page = _HUGE_PAGE
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
+    boundary, its whole huge pages asked for as huge pages before any page is touched
+    (None where the system cannot be asked or gives no mapping). Memory from the heap
+    may already hold small pages, which asking later does not change; the array keeps
+    its mapping alive.
+
+    The mapping is ``size`` (to a small page) plus the slack that aligns it; the slack
+    and the tail past the last whole huge page are marked as no huge pages, so that
+    under THP "always" a touched tail does not take a whole huge page."""
+    here = huge_pages_here()
+    if not here.granted:
         return None
-    whole = mmap.mmap(-1, size + page, flags=mmap.MAP_PRIVATE)
+    page, small = here.page, mmap.PAGESIZE
+    length = -(-size // small) * small + page - small
+    try:
+        whole = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE)
+    except OSError:
+        return None
     start = -ctypes.addressof(ctypes.c_char.from_buffer(whole)) % page
-    # Whole huge pages only (the tail stays on small ones); where the system has none,
-    # the mapping still serves.
+    body = size // page * page
+    # Where the system refuses the advice, the mapping still serves.
     with contextlib.suppress(OSError):
-        whole.madvise(mmap.MADV_HUGEPAGE, start, size // page * page)
+        if body:
+            whole.madvise(mmap.MADV_HUGEPAGE, start, body)
+        if hasattr(mmap, "MADV_NOHUGEPAGE"):
+            if start:
+                whole.madvise(mmap.MADV_NOHUGEPAGE, 0, start)
+            if start + body < length:
+                whole.madvise(mmap.MADV_NOHUGEPAGE, start + body, length - start - body)
     return np.frombuffer(whole, dtype=np.float32, count=size // 4, offset=start)
 
 

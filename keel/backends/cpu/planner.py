@@ -1706,9 +1706,27 @@ def huge_pages(size: int) -> bool:
 
 
 def huge_pages_note() -> str:
-    """The plan's note on where packed operands lie (huge_pages)."""
-    return (f"packed operands: those of at least {HUGE_PAGE_BYTES >> 20} MiB on fresh huge "
-            "pages, read at every pass from the shared cache or memory (huge_pages, "
+    """The plan's note on where packed operands lie (huge_pages), as this machine can
+    place them: no native tier (nothing packed), no way to ask (MADV_HUGEPAGE), or
+    transparent huge pages off ("never") leave them on the heap's small pages."""
+    least = f"those of at least {HUGE_PAGE_BYTES >> 20} MiB"
+    if not native_gemm.available():
+        return "packed operands: none (no native tier here) (huge_pages)"
+    here = native_gemm.huge_pages_here()
+    if not here.advisable:
+        return (f"packed operands: on the heap's small pages; {least} would go on huge "
+                "pages, but this system cannot be asked for them (no MADV_HUGEPAGE) "
+                "(huge_pages, HUGE_PAGE_BYTES)")
+    if here.mode == "never":
+        return (f"packed operands: on the heap's small pages; {least} would go on huge "
+                "pages, but transparent huge pages are 'never' here "
+                "(/sys/kernel/mm/transparent_hugepage/enabled) (huge_pages, HUGE_PAGE_BYTES)")
+    unit = f"{here.page >> 20} MiB" if here.page % 2**20 == 0 else f"{here.page >> 10} KiB"
+    size = (f"{unit} huge pages (hpage_pmd_size)" if here.page_said
+            else f"huge pages (assumed {here.page >> 20} MiB: the system does not say)")
+    mode = f"transparent huge pages '{here.mode}'" if here.mode else "its mode not said"
+    return (f"packed operands: {least} on fresh memory asked for as {size} ({mode}), "
+            "read at every pass from the shared cache or memory (huge_pages, "
             "HUGE_PAGE_BYTES)")
 
 

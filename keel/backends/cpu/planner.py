@@ -1325,8 +1325,9 @@ def _gemm_split(batch: int, m: int, n: int, k: int, threads: int, grid: Grid,
     parts = product_threads(threads, batch, m, n, k, tile[0], raw)
     if parts <= 1 or batch * m * n == 0:
         flops = 2 * batch * m * n * k
-        streamed = (f", and {k * n:,} floats of B under {least_work(LeastWork.STREAM, 2):,}"
-                    if streams_b(batch, m, tile[0], raw) else "")
+        # A split needs twice the least work: each of two threads gets it.
+        streamed = (f", and {k * n:,} floats of B, under {least_work(LeastWork.STREAM, 2):,} "
+                    "for each of two threads" if streams_b(batch, m, tile[0], raw) else "")
         return GemmSplit(1, 1, batch, 1, "not split: one thread" if threads <= 1 else (
             f"not split: {flops:,} flops, under {least_work(LeastWork.FLOPS, 2):,} for each of two "
             f"threads{streamed}"))
@@ -1467,6 +1468,13 @@ def _element_threads(request: PlanRequest) -> tuple[int, str] | None:
                     f"{least_work(work, max(2, chosen)):,} per thread ({work.constant})")
 
 
+def _product_raw(request: PlanRequest) -> tuple[bool, bool]:
+    """A MatMul's or Gemm's (A, B) packed per call: A always (an activation), B where it
+    is not a constant of the graph (MatMul(x, Relu(z))) or in low-memory mode (no packed
+    copy kept)."""
+    return True, bool(request.low_memory) or not request.constant(1)
+
+
 def _product_threads(request: PlanRequest, variant: str) -> tuple[int, str] | None:
     """A MatMul or Gemm node's kernel threads from its product's flops, and why (with
     the native GEMM's tile grid where ``variant`` runs it); None where the node runs no
@@ -1476,13 +1484,15 @@ def _product_threads(request: PlanRequest, variant: str) -> tuple[int, str] | No
         return None
     m, k, n = product
     flops = 2 * m * k * n
-    raw, rows = (True, bool(request.low_memory)), (tile_grid(request.profile) or (0, 0))[0]
+    raw, rows = _product_raw(request), (tile_grid(request.profile) or (0, 0))[0]
     streamed = variant == "native" and streams_b(1, m, rows, raw)
     chosen = max(1, product_threads(request.threads, 1, m, n, k, rows if streamed else 0, raw))
+    by_flops = max(1, gemm_threads(request.threads, flops))
     why = (f"{chosen} kernel thread(s) of {request.threads}: "
            + (f"{product_work(chosen, m, n, k)}; " if streamed else "")
            + f"{flops:,} flops, at least {least_work(LeastWork.FLOPS, max(2, chosen)):,} per "
-           "thread")
+           "thread" + (f" (the flops alone: {by_flops} thread(s))" if by_flops < chosen
+                       else ""))
     if chosen > 1 and variant == "native":
         split = gemm_split(1, m, n, k, chosen, tile_grid(request.profile),
                            caches(request.profile), raw=raw)
@@ -1968,6 +1978,7 @@ def _cache_key(request: PlanRequest, table: KernelTable) -> tuple[Any, ...] | No
                                             profile.cpu.l3_cache_bytes)
     key = (table, request.op, request.input_types, tuple(request.attrs.items()),
            request.threads, request.precision, request.measured, machine, request.low_memory,
+           request.constants,
            state())
     try:
         hash(key)
@@ -3680,12 +3691,16 @@ def _native_shape(geo: ConvGeometry, form: str) -> tuple[bool, bool, int, int, b
 
 
 def node_splits(op: Op, input_types: Sequence[TensorType | None], attrs: Mapping[str, Any],
-                node_plan: NodePlan, threads: int, profile: Any = None) -> tuple[Split, ...]:
+                node_plan: NodePlan, threads: int, profile: Any = None,
+                constants: tuple[bool, ...] | None = None, low_memory: str = ""
+                ) -> tuple[Split, ...]:
     """The parallel passes of a node planned as ``node_plan`` on ``threads`` threads (for
-    the CPU of ``profile``): a conv's (conv_splits), a MatMul's or Gemm's one product,
-    a pooling window's planes, a row or copy kernel's elements; () for a node whose
-    kernel none of these describes."""
-    request = PlanRequest(op, tuple(input_types), dict(attrs), threads, profile)
+    the CPU of ``profile``): a conv's (conv_splits), a MatMul's or Gemm's one product
+    (its B packed per call where it is not among the ``constants`` or in ``low_memory``
+    mode), a pooling window's planes, a row or copy kernel's elements; () for a node
+    whose kernel none of these describes."""
+    request = PlanRequest(op, tuple(input_types), dict(attrs), threads, profile,
+                          low_memory=low_memory, constants=constants)
     grid = tile_grid(profile)
     geo = _static_geometry(request)
     if geo is not None:
@@ -3695,7 +3710,8 @@ def node_splits(op: Op, input_types: Sequence[TensorType | None], attrs: Mapping
     product = _product(request)
     if product is not None:
         m, k, n = product
-        return (gemm_pass("product", 1, m, n, k, threads, grid, sizes=caches(profile)),)
+        return (gemm_pass("product", 1, m, n, k, threads, grid, sizes=caches(profile),
+                          raw=_product_raw(request)),)
     pool = _pool_split(request, threads) or _attention_pass(request, node_plan.threads or 1)
     if pool is not None:
         return (pool,)

@@ -52,7 +52,10 @@ fetched ahead into L2 (MobileNetV2's projections at batch 32, inside the model:
 96 x 576 x 196 with the residual 10.1 -> 7.9 ms). A product of few columns on a B that
 stays in L2 (the planner's ``lanes_tiles``: a 1x1 conv on 7x7 or 14x14 at batch 1) runs in
 lanes tiles instead, C's rows in the vector lanes, computing only the columns there are
-(320 x 960 x 49: 187 -> 133 us; docs/performance.md). All three give the same bits.
+(320 x 960 x 49: 187 -> 133 us on AMD's Zen; docs/performance.md). On vendors outside the
+planner's ``LANES_VENDORS`` (Intel's, whose shuffles share a port with an FMA unit) it
+takes fewer shapes: deep products, or where the column panels waste many columns; a
+conv's plan decides it for the vendor planned for (``gemm_lanes``). All three give the same bits.
 
 With its Python side (a prepared call reused per node, ~1 us) the cpu MatMul /
 Gemm kernels with bias and ReLU take, in ms: 32x784x512 0.248 (NumPy + OpenBLAS

@@ -2617,9 +2617,12 @@ LANES_MAX_B_BYTES = 1 << 20
 # So on vendors outside LANES_VENDORS (Intel's, and any not measured, as winograd_lanes)
 # the lanes tiles take a product of the shapes above (_lanes_fit) at a depth of at least
 # its rows up to LANES_MAX_COLUMNS columns, and otherwise only where the column panels
-# compute at least LANES_PANEL_WASTE times its columns (up to 124 columns with 32-column
-# panels); the rest run in panels, or in tall tiles where tall_tiles takes them. Not
-# measured on more cores.
+# compute at least LANES_PANEL_WASTE times its columns (up to 102 columns with 32-column
+# panels: 102 of 128); the rest run in panels, or in tall tiles where tall_tiles takes
+# them. Not measured on more cores. A gap: the depth rule was measured inside the model
+# on the 64-row projections only; 96 x 576 with the residual on 196 columns takes lanes
+# tiles by it, where alone it ran 124 us against tall tiles' 117 (and panels' 129), and
+# inside the model lanes and tall tiles were not compared for it.
 LANES_VENDORS = frozenset({"AMD"})
 LANES_PANEL_WASTE = 1.25
 

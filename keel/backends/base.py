@@ -494,7 +494,8 @@ class Backend(ABC):
     def plan_node(self, op: Op | str, input_types: Sequence[TensorType | None],
                   attrs: Mapping[str, Any] | None = None, *, threads: int | None = None,
                   profile: Any = None, precision: str = "",
-                  measured: Measured | None = None, low_memory: str = "") -> NodePlan:
+                  measured: Measured | None = None, low_memory: str = "",
+                  constants: tuple[bool, ...] | None = None) -> NodePlan:
         """What this backend's planner decides for one node, each field with its reason.
 
         ``input_types`` are the node's input types (None for an absent input),
@@ -503,11 +504,12 @@ class Backend(ABC):
         profile planned for, ``precision`` the precision placement decided and
         ``measured`` a choice measured on this machine (a tuning cache hit),
         which overrides the declared rules where this backend has that variant;
-        ``low_memory`` why the machine is planned in low-memory mode ("" when not).
+        ``low_memory`` why the machine is planned in low-memory mode ("" when not);
+        ``constants`` which inputs are constants of the graph (None: not said).
         """
         request = PlanRequest(to_op(op), tuple(input_types), dict(attrs or {}),
                               self.threads if threads is None else threads, profile,
-                              precision, measured, low_memory)
+                              precision, measured, low_memory, constants)
         return self._plan_node(request)
 
     def plan_layouts(self, graph: Any, types: Mapping[str, TensorType | None],

@@ -57,6 +57,13 @@ class PlanRequest:
     precision: str = ""              # the precision placement decided ("" when unknown)
     measured: Measured | None = None  # a tuning override (keel.planning.tuning), if any
     low_memory: str = ""             # why the machine is planned in low-memory mode ("": not)
+    # Which inputs are constants of the graph (a weight), one flag an input; None: not said.
+    constants: tuple[bool, ...] | None = None
+
+    def constant(self, index: int) -> bool:
+        """Whether input ``index`` is a constant of the graph (True where not said)."""
+        return self.constants is None or (index < len(self.constants)
+                                          and self.constants[index])
 
     @property
     def dtype(self) -> DType | None:

@@ -426,7 +426,9 @@ def _node_plan(ctx: _Context, node: Node, backend: Backend, precision: str) -> N
     measured, note = _measured(ctx, node, backend, input_types)
     plan = backend.plan_node(node.op, input_types, node.attrs, profile=ctx.profile,
                              precision=precision, measured=measured,
-                             low_memory=ctx.low_memory)
+                             low_memory=ctx.low_memory,
+                             constants=tuple(bool(i) and ctx.graph.is_constant(i)
+                                             for i in node.inputs))
     if plan.variant not in backend.kernels.variants(node.op):
         raise UnsupportedOperationError(
             node.op.value, backend.name,

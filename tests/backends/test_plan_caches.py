@@ -15,6 +15,7 @@ from keel.hardware.cpu import cache_sizes
 from keel.hardware.fakes import fake_machine, fake_profile
 from keel.ops.registry import Op
 from keel.ops.types import TensorType
+from tests.native._conv_support import prepared_flags
 
 F32 = DType.FLOAT32
 
@@ -191,6 +192,47 @@ def test_the_winograd_run_follows_the_vendor_planned_for(
     got = model.run(None, {"x": x})[0]
     assert ran and set(ran) == {lanes}
     want = keel.load_model(_winograd_model(), backend="reference").run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def _expansion_model() -> Any:
+    """MobileNetV2's 96 -> 576 1x1 conv on 14x14 at batch 1 (the direct form; its
+    products in lanes tiles on AMD's cores, in panels on Intel's)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.random.default_rng(5).standard_normal((576, 96, 1, 1)).astype(np.float32) / 10
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"])], "expansion",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 96, 14, 14])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 576, 14, 14])],
+        [numpy_helper.from_array(w, "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize(("name", "lanes"), [("amd-sysfs-only", True),
+                                             ("x86-avx512-server", False)])
+def test_the_direct_conv_runs_the_tiles_of_the_vendor_planned_for(
+        name: str, lanes: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model planned for another machine's profile carries its vendor's lanes-tile
+    choice for the direct conv as the plan's gemm_lanes option, explain() says it, and
+    the prepared call carries it here whatever this machine's vendor, with the reference
+    backend's result."""
+    from keel.backends.cpu import native_gemm
+
+    if not native_gemm.available():
+        pytest.skip("native tier unavailable")
+    model = keel.load_model(_expansion_model(), backend="cpu", hardware=fake_profile(name),
+                            threads=1)
+    convs = [n.plan for n in model.plan.nodes if n.plan is not None]
+    assert len(convs) == 1 and convs[0].layout == "direct"
+    assert convs[0].option("gemm_lanes") is lanes
+    said = "not in lanes tiles: 196 pixels" not in model.explain()
+    assert said is lanes and ("in lanes tiles: 196 pixels" in model.explain())
+    ran = prepared_flags(monkeypatch, native_gemm._LANES)
+    x = np.random.default_rng(6).standard_normal((1, 96, 14, 14)).astype(np.float32)
+    got = model.run(None, {"x": x})[0]
+    assert ran and set(ran) == {lanes}
+    want = keel.load_model(_expansion_model(), backend="reference").run(None, {"x": x})[0]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 

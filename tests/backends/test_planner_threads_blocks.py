@@ -66,9 +66,47 @@ def test_a_product_of_one_row_panel_splits_by_the_floats_of_b_it_streams(
         assert (f"{a[1] * 256:,} floats of B, at least MIN_STREAM_FLOATS = "
                 f"{cpu_planner.MIN_STREAM_FLOATS:,} per thread") in why
         assert (want > 1) == (a[1] * 256 >= 2 * cpu_planner.MIN_STREAM_FLOATS)
+        # More threads than the flops alone ask for: the reason says so.
+        by_flops = max(1, min(2, flops // cpu_planner.MIN_FLOPS_PER_THREAD))
+        assert (f"(the flops alone: {by_flops} thread(s))" in why) == (by_flops < want)
     else:
         assert want == min(2, flops // cpu_planner.MIN_FLOPS_PER_THREAD)
     assert ("split" in why) == (want > 1)
+
+
+def test_a_product_whose_b_is_computed_per_call_does_not_stream_it() -> None:
+    """MatMul(x, Relu(z)): B is packed at every call, not a weight streamed from a kept
+    packing, so the plan neither says it streams B nor splits by B's floats (1 x 256 x
+    256: 131,072 flops, one thread), and its pass (node_splits) is not split; the same
+    product with a constant B splits by B's floats."""
+    if native_gemm.geometry() != (8, 32):
+        pytest.skip("needs the native GEMM's AVX-512 tile (8 x 32)")
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["z"], ["r"]), helper.make_node("MatMul", ["x", "r"], ["y"])],
+        "per_call_b",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 256]),
+         helper.make_tensor_value_info("z", TensorProto.FLOAT, [256, 256])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 256])])
+    from keel.execution.model import load_model
+
+    loaded = load_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]),
+                        backend="cpu", threads=2)
+    plans = [n.plan for n in loaded.plan.nodes if n.op == Op.MATMUL.value]
+    assert len(plans) == 1 and plans[0] is not None and plans[0].threads == 1
+    assert "streams B" not in plans[0].reason("threads")
+    assert "streams B" not in loaded.explain()
+    types = [TensorType(F32, (1, 256)), TensorType(F32, (256, 256))]
+    for constants, pieces in (((False, False), 1), ((False, True), 2)):
+        plan = CpuBackend(threads=2).plan_node(Op.MATMUL, types, {}, constants=constants)
+        assert plan.threads == pieces
+        split = cpu_planner.node_splits(Op.MATMUL, types, {}, plan, 2, constants=constants)
+        assert len(split) == 1 and split[0].pieces == pieces
+    rng = np.random.default_rng(5)
+    x, z = (rng.standard_normal(s).astype(np.float32) for s in ((1, 256), (256, 256)))
+    got = loaded.predict({"x": x, "z": z})["y"]
+    np.testing.assert_allclose(got, x @ np.maximum(z, 0), rtol=1e-4, atol=1e-4)
 
 
 def test_the_gemm_split_counts_b_s_floats_only_where_b_is_packed_once() -> None:
@@ -81,9 +119,13 @@ def test_the_gemm_split_counts_b_s_floats_only_where_b_is_packed_once() -> None:
     assert activation.parts == 1
     assert activation.reason.startswith("not split: 131,072 flops, under ")
     assert "floats of B" not in activation.reason
-    small = cpu_planner.gemm_split(1, 1, 32, 16, 2, grid, raw=(True, False))
+    # B's floats at least the least work of one thread, but under two threads' worth.
+    least = cpu_planner.least_work(cpu_planner.LeastWork.STREAM, 2)
+    k = least // 256 + 1
+    assert least <= 256 * k < 2 * least
+    small = cpu_planner.gemm_split(1, 1, 256, k, 2, grid, raw=(True, False))
     assert small.parts == 1 and small.reason.endswith(
-        f"and 512 floats of B under {cpu_planner.MIN_STREAM_FLOATS:,}")
+        f"and {256 * k:,} floats of B, under {least:,} for each of two threads")
 
 
 def test_a_gemm_node_counts_its_transposed_operands() -> None:

@@ -40,3 +40,21 @@ def check_against_reference(run: ConvRun, x_shape: tuple[int, ...], w_shape: tup
             expect = expect + res
         expect = np.maximum(expect, 0) if act == "relu" else np.clip(expect, lo, hi)
         np.testing.assert_allclose(run(x, w, bias, res, full), expect, rtol=1e-4, atol=1e-4)
+
+
+def prepared_flags(monkeypatch: Any, flag: int) -> list[bool]:
+    """Whether each GEMM call prepared from now on (native_gemm.prepare, spied on through
+    ``monkeypatch``) carries ``flag`` (one of native_gemm's KEEL_* bits)."""
+    from keel.backends.cpu import native_gemm
+
+    carried: list[bool] = []
+    prepare = native_gemm.prepare
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        call = prepare(*args, **kwargs)
+        if call is not None:
+            carried.append(bool(int(call.values[native_gemm._FLAGS_FIELD]) & flag))
+        return call
+
+    monkeypatch.setattr(native_gemm, "prepare", spy)
+    return carried

@@ -21,6 +21,7 @@ from keel.backends.cpu.conv_rules import conv_case, pick
 from keel.backends.reference.backend import ReferenceBackend
 from keel.ops.registry import Op
 from keel.ops.schemas.conv import conv_geometry
+from tests.native._conv_support import prepared_flags
 
 
 @pytest.fixture(autouse=True)
@@ -179,7 +180,6 @@ def test_gathered_taps_stream_by_the_span_they_read(batch: int, streams: bool,
     at 100 KB one product reads from cache, two stream. Either way the same bits and
     the product of the dense taps."""
     monkeypatch.setattr(cpu_planner, "MIN_FLOPS_PER_THREAD", 1)
-    monkeypatch.setattr(cpu_planner, "output_streams", lambda *_: False)  # tested below
     b, dense = _gathered(batch)
     a = _rand(np.random.default_rng(8), 70, 16)
     packed = ng.pack(a, left=True)
@@ -204,13 +204,14 @@ def test_gathered_taps_stream_by_the_span_they_read(batch: int, streams: bool,
 
 def test_gathered_taps_stream_for_an_output_larger_than_cache(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Gathered taps of one image stream where the product's output is larger than
-    STREAM_BYTES (the planner's output_streams; here 1 MB against C's 1.4 MB and the
-    image's 63 KB), so that gemm.c writes C row panel by row panel: the same bits as
-    column panel by column panel, at 1 and 2 threads, and the product of the dense taps.
-    Two images stream only by the span of their taps."""
-    assert cpu_planner.output_streams(1, 3 << 20)
-    assert not cpu_planner.output_streams(2, 3 << 20)
+    """Gathered taps of one image stream where the plan says so (the planner's
+    output_streams: one image of the conv, at least ROWS_FIRST_TAPS_FROM columns, an
+    output larger than STREAM_BYTES; here 1 MB against C's 1.4 MB and the image's
+    63 KB), so that gemm.c writes C row panel by row panel: the same bits as column
+    panel by column panel, at 1 and 2 threads, and the product of the dense taps."""
+    assert cpu_planner.output_streams(1, 5000, 3 << 20)
+    assert not cpu_planner.output_streams(2, 5000, 3 << 20)
+    assert not cpu_planner.output_streams(1, cpu_planner.ROWS_FIRST_TAPS_FROM - 1, 3 << 20)
     monkeypatch.setattr(cpu_planner, "MIN_FLOPS_PER_THREAD", 1)
     monkeypatch.setattr(cpu_planner, "STREAM_BYTES", 1_000_000)
     b, dense = _gathered(1)
@@ -218,12 +219,10 @@ def test_gathered_taps_stream_for_an_output_larger_than_cache(
     packed = ng.pack(a, left=True)
     assert packed is not None
     outs = []
-    rules = ((True, cpu_planner.output_streams), (False, lambda *_: False))
-    for streams, rule in rules:
-        monkeypatch.setattr(cpu_planner, "output_streams", rule)
+    for streams in (True, False):
         y = np.empty((1, 70, 5000), np.float32)
         call = ng.prepare(packed, b, y, bias=_rand(np.random.default_rng(3), 70),
-                          bias_rows=True, clip=(-1.0, 2.0))
+                          bias_rows=True, clip=(-1.0, 2.0), output_streams=streams)
         assert call is not None
         stream = bool(int(call.values[ng._FLAGS_FIELD]) & ng._STREAM)
         assert stream == streams
@@ -237,3 +236,57 @@ def test_gathered_taps_stream_for_an_output_larger_than_cache(
     np.testing.assert_allclose(outs[0], want, rtol=1e-4, atol=1e-4)
     for out in outs[1:]:
         np.testing.assert_array_equal(outs[0], out)
+
+
+def _conv_model(x_shape: tuple[int, ...], w_shape: tuple[int, ...],
+                attrs: dict[str, Any]) -> Any:
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = _rand(np.random.default_rng(11), *w_shape) * np.float32(0.1)
+    out = conv_geometry(Op.CONV, x_shape, w_shape, attrs)
+    y_shape = (x_shape[0], w_shape[0], *out.window.out_spatial)
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], **attrs)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, list(y_shape))],
+        [numpy_helper.from_array(w, "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+STEM = ((1, 3, 224, 224), (64, 3, 7, 7),
+        {"strides": [2, 2], "pads": [3, 3, 3, 3], "kernel_shape": [7, 7]})
+STACKED = ((32, 320, 7, 7), (1280, 320, 1, 1), {})     # 1568 columns of 32 images
+
+
+@pytest.mark.parametrize("conv,streams", [(STEM, True), (STACKED, False)])
+def test_the_plan_decides_which_gathered_outputs_stream(
+        conv: tuple[Any, ...], streams: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner marks a gathered conv's taps to stream for its output by the conv's
+    images, not the GEMM's batch: ResNet-18's stem at batch 1 streams (its output
+    3.1 MiB, 12544 columns); a 1x1 conv whose 32 images are stacked in one product of
+    batch 1 (7.7 MiB of output) does not. The prepared call carries what the plan and
+    explain() say, and the result is the reference's."""
+    import keel
+
+    model = _conv_model(*conv)
+    loaded = keel.load_model(model, backend="cpu", threads=1)
+    plans = [n.plan for n in loaded.plan.nodes if n.plan is not None]
+    assert len(plans) == 1 and bool(plans[0].option("output_streams", False)) is streams
+    assert ("(output_streams)" in loaded.explain()) is streams
+    flags = prepared_flags(monkeypatch, ng._STREAM)
+    x = _rand(np.random.default_rng(12), *conv[0])
+    got = loaded.run(None, {"x": x})[0]
+    assert flags and set(flags) == {streams}
+    want = keel.load_model(model, backend="reference").run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_gathered_outputs_of_few_columns_do_not_stream() -> None:
+    """One image of fewer than ROWS_FIRST_TAPS_FROM output pixels is not marked, however
+    large its output (gemm.c runs such taps column panel by column panel anyway): a
+    64 -> 512 3x3 conv on 56x56 (3136 pixels, 6.1 MiB of output); on 112x112 it is."""
+    for side, streams in ((56, False), (112, True)):
+        geo = conv_geometry(Op.CONV, (1, 64, side, side), (512, 64, 3, 3),
+                            {"pads": [1, 1, 1, 1]})
+        assert cpu_planner.native_tiles(geo, "gathered")[1] is streams
+        assert ("(output_streams)" in cpu_planner._output_streams_reason(geo)) is streams

@@ -153,7 +153,8 @@ def _layout(variant: str, geo: ConvGeometry, has_bias: bool, form: planner.ConvF
         return depthwise.depthwise_layout(geo, form.layout, form.block, form.reason,
                                           form.scheme)
     if variant == "native":
-        return conv_gemm.native_layout(geo, form.layout, form.stream_stores)
+        return conv_gemm.native_layout(geo, form.layout, form.stream_stores, form.gemm_lanes,
+                                       form.output_streams)
     if variant == "winograd":
         return geo, form.chunk, form.lanes
     return geo
@@ -170,7 +171,9 @@ def _form(node_plan: NodePlan | None, variant: str, geo: ConvGeometry,
             node_plan.workspace_bytes,
             node_plan.option("depthwise_scheme", planner.DEPTHWISE_SCHEME),
             bool(node_plan.option("stream_stores", False)),
-            node_plan.option("depthwise_block"), lanes=node_plan.option("winograd_lanes"))
+            node_plan.option("depthwise_block"), lanes=node_plan.option("winograd_lanes"),
+            gemm_lanes=node_plan.option("gemm_lanes"),
+            output_streams=bool(node_plan.option("output_streams", False)))
     threads = node_plan.threads if node_plan is not None and node_plan.threads else 1
     return planner.conv_form(variant, geo, itemsize, threads=threads)
 

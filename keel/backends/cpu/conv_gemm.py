@@ -455,6 +455,8 @@ class NativeLayout:
     masked: Masked | None = None      # taps read in place through lane masks (see Masked)
     band: bool = False                # by bands of output rows from X itself
     nt: bool = False                  # Y's final stores bypass the cache (as planned)
+    lanes: bool | None = None         # products in lanes tiles (as planned; None: the rule)
+    streams: bool = False             # gathered taps stream for the output (as planned)
 
     @property
     def stacked(self) -> bool:
@@ -519,17 +521,24 @@ class Masked:
 MASKED_MAX_TAPS = 64
 
 
-def native_layout(geo: ConvGeometry, form: str, stream_stores: bool = False) -> NativeLayout:
+def native_layout(geo: ConvGeometry, form: str, stream_stores: bool = False,
+                  lanes: bool | None = None, output_streams: bool = False) -> NativeLayout:
     """``geo`` on the native GEMM in ``form`` (pure; callers cache it per signature).
 
     The cpu planner decides the form (``keel.backends.cpu.planner.native_form``):
     ``band``, ``masked``, ``wide`` / ``wide-stacked``, ``direct`` (a 1x1 stride-1
     conv reading X in place) or ``gathered`` / ``gathered-stacked``. A form
     that does not serve ``geo`` runs gathered, unstacked. ``stream_stores``: Y's
-    final stores bypass the cache (where no activation pass rereads Y).
+    final stores bypass the cache (where no activation pass rereads Y); ``lanes``: the
+    products run in gemm.c's lanes tiles or not (None: lanes_tiles for this machine);
+    ``output_streams``: gathered taps stream for the output's sake (the planner's
+    native_tiles decides both).
     """
     layout = _native_layout(geo, form)
-    return dataclasses.replace(layout, nt=True) if stream_stores else layout
+    if stream_stores or lanes is not None or output_streams:
+        layout = dataclasses.replace(layout, nt=stream_stores, lanes=lanes,
+                                     streams=output_streams)
+    return layout
 
 
 def _native_layout(geo: ConvGeometry, form: str) -> NativeLayout:
@@ -925,7 +934,8 @@ def _group_calls(layout: NativeLayout, filters: Any, z: Any, y: Any, act: Activa
             gi, y3[:, rows], None if res is None else res[:, rows])
         call = native_gemm.prepare(wp, b, target, bias=bias, bias_rows=True, residual=resid,
                                    accumulate=accumulate, clip=clip, columns=columns,
-                                   masks=masks, nt=nt)
+                                   masks=masks, nt=nt, lanes=layout.lanes,
+                                   output_streams=layout.streams)
         if call is None:
             return None
         calls.append(call)

@@ -52,7 +52,10 @@ fetched ahead into L2 (MobileNetV2's projections at batch 32, inside the model:
 96 x 576 x 196 with the residual 10.1 -> 7.9 ms). A product of few columns on a B that
 stays in L2 (the planner's ``lanes_tiles``: a 1x1 conv on 7x7 or 14x14 at batch 1) runs in
 lanes tiles instead, C's rows in the vector lanes, computing only the columns there are
-(320 x 960 x 49: 187 -> 133 us; docs/performance.md). All three give the same bits.
+(320 x 960 x 49: 187 -> 133 us on AMD's Zen; docs/performance.md). On vendors outside the
+planner's ``LANES_VENDORS`` (Intel's, whose shuffles share a port with an FMA unit) it
+takes fewer shapes: deep products, or where the column panels waste many columns; a
+conv's plan decides it for the vendor planned for (``gemm_lanes``). All three give the same bits.
 
 With its Python side (a prepared call reused per node, ~1 us) the cpu MatMul /
 Gemm kernels with bias and ReLU take, in ms: 32x784x512 0.248 (NumPy + OpenBLAS
@@ -71,6 +74,7 @@ import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -95,7 +99,8 @@ _BAND_X = 16            # where X's address sits in it
 _BAND_OUT = (17, 19)    # and Y's and the residual's
 # _load checks both layouts against gemm.c's own sizeof and offsetof.
 _F4 = np.dtype(np.float32)
-_HUGE_PAGE = 2 << 20      # x86-64's huge page (2 MiB), where packed operands start
+_THP = Path("/sys/kernel/mm/transparent_hugepage")
+_ASSUMED_HUGE_PAGE = 2 << 20   # x86-64's huge page, where the system does not say its own
 
 
 @dataclass(frozen=True, eq=False)
@@ -138,6 +143,12 @@ def _load(lib: native.NativeLibrary) -> _Functions:
                   size("keel_gemm_args_size"), size("keel_gemm_args_c_offset"))
     _check_layout("keel_conv_band_args", _BAND_ARGS, _BAND_X, "X",
                   size("keel_conv_band_args_size"), size("keel_conv_band_args_x_offset"))
+    taps_from = size("keel_gemm_rows_first_taps_f32")
+    if taps_from != planner_rules().ROWS_FIRST_TAPS_FROM:
+        raise ArgsLayoutError(
+            f"gemm.c runs taps row panel by row panel from {taps_from} columns, the cpu "
+            f"planner's ROWS_FIRST_TAPS_FROM is {planner_rules().ROWS_FIRST_TAPS_FROM}: "
+            "change both together")
     return _Functions(
         gemm=lib.function("keel_gemm_f32", [ctypes.c_char_p, _PTR, _I64, _I64, _I64]),
         gemm_mt=lib.function("keel_gemm_mt_f32", [ctypes.c_char_p, _I64, _I64, _I64], _I64),
@@ -271,7 +282,7 @@ def pack(matrix: np.ndarray, left: bool) -> Packed | None:
     else:
         rows, depth, rs, ks = matrix.shape[1], matrix.shape[0], st[1], st[0]
     panels = -(-rows // width)
-    data = _aligned(panels * depth * width)
+    data = _aligned(panels * depth * width, huge=True)
     if data.size:
         f.pack(native.address(matrix), rows, depth, rs, ks, width, native.address(data),
                0, panels)
@@ -294,7 +305,7 @@ def pack_batch(matrices: np.ndarray, left: bool) -> Packed | None:
     parts = [pack(m, left) for m in matrices]
     size = parts[0].data.size if parts[0] is not None else 0
     stride = -(-size // 16) * 16           # each product's panels start on a cache line
-    data = _aligned(stride * len(parts))
+    data = _aligned(stride * len(parts), huge=True)
     for t, p in enumerate(parts):
         assert p is not None
         data[t * stride:t * stride + size] = p.data
@@ -305,10 +316,11 @@ def pack_batch(matrices: np.ndarray, left: bool) -> Packed | None:
                   stride)
 
 
-def _aligned(n: int) -> np.ndarray:
+def _aligned(n: int, huge: bool = False) -> np.ndarray:
     """``n`` float32 starting on a 64-byte boundary (a cache line, one AVX-512 vector);
-    from fresh huge pages where the planner's ``huge_pages`` takes that size."""
-    if planner_rules().huge_pages(4 * n):
+    ``huge`` (a packed operand, read at every pass): from fresh huge pages where the
+    planner's ``huge_pages`` takes that size and the system can be asked."""
+    if huge and planner_rules().huge_pages(4 * n):
         held = _huge(4 * n)
         if held is not None:
             return held
@@ -317,20 +329,68 @@ def _aligned(n: int) -> np.ndarray:
     return raw[skip:skip + n]
 
 
+@dataclass(frozen=True)
+class HugePages:
+    """What this machine does with memory asked for as huge pages: whether it can be
+    asked (MADV_HUGEPAGE), the transparent huge pages mode (None: not said), and the
+    page size (``page_said``: read from the system, else x86-64's 2 MiB assumed)."""
+
+    advisable: bool
+    mode: str | None
+    page: int
+    page_said: bool
+
+    @property
+    def granted(self) -> bool:
+        """Whether advised memory may get huge pages here."""
+        return self.advisable and self.mode != "never"
+
+
+@functools.cache
+def huge_pages_here() -> HugePages:
+    """This machine's :class:`HugePages` (read once)."""
+    try:
+        enabled = (_THP / "enabled").read_text()
+        mode: str | None = enabled[enabled.index("[") + 1:enabled.index("]")]
+    except (OSError, ValueError):
+        mode = None
+    try:
+        page, said = int((_THP / "hpage_pmd_size").read_text()), True
+    except (OSError, ValueError):
+        page, said = _ASSUMED_HUGE_PAGE, False
+    return HugePages(hasattr(mmap, "MADV_HUGEPAGE"), mode, page, said)
+
+
 def _huge(size: int) -> np.ndarray | None:
     """``size`` bytes of float32 on fresh anonymous memory, starting on a huge-page
-    boundary, asked for as huge pages before any page is touched (None where the
-    system cannot be asked). Memory from the heap may already hold small pages, which
-    asking later does not change; the array keeps its mapping alive."""
-    page = _HUGE_PAGE
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
+    boundary, its whole huge pages asked for as huge pages before any page is touched
+    (None where the system cannot be asked or gives no mapping). Memory from the heap
+    may already hold small pages, which asking later does not change; the array keeps
+    its mapping alive.
+
+    The mapping is ``size`` (to a small page) plus the slack that aligns it; the slack
+    and the tail past the last whole huge page are marked as no huge pages, so that
+    under THP "always" a touched tail does not take a whole huge page."""
+    here = huge_pages_here()
+    if not here.granted:
         return None
-    whole = mmap.mmap(-1, size + page, flags=mmap.MAP_PRIVATE)
+    page, small = here.page, mmap.PAGESIZE
+    length = -(-size // small) * small + page - small
+    try:
+        whole = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE)
+    except OSError:
+        return None
     start = -ctypes.addressof(ctypes.c_char.from_buffer(whole)) % page
-    # Whole huge pages only (the tail stays on small ones); where the system has none,
-    # the mapping still serves.
+    body = size // page * page
+    # Where the system refuses the advice, the mapping still serves.
     with contextlib.suppress(OSError):
-        whole.madvise(mmap.MADV_HUGEPAGE, start, size // page * page)
+        if body:
+            whole.madvise(mmap.MADV_HUGEPAGE, start, body)
+        if hasattr(mmap, "MADV_NOHUGEPAGE"):
+            if start:
+                whole.madvise(mmap.MADV_NOHUGEPAGE, 0, start)
+            if start + body < length:
+                whole.madvise(mmap.MADV_NOHUGEPAGE, start + body, length - start - body)
     return np.frombuffer(whole, dtype=np.float32, count=size // 4, offset=start)
 
 
@@ -528,12 +588,19 @@ def prepare(a: np.ndarray | Packed, b: np.ndarray | Packed | Rows, c: np.ndarray
             residual: np.ndarray | None = None, alpha: float = 1.0,
             clip: tuple[float, float] | None = None, accumulate: bool = False,
             columns: np.ndarray | None = None, masks: np.ndarray | None = None,
-            nt: bool = False) -> Call | None:
+            nt: bool = False, lanes: bool | None = None,
+            output_streams: bool = False) -> Call | None:
     """The :class:`Call` computing :func:`gemm`'s product; None when not served.
 
     ``nt``: C's final values are stored past the cache where they are whole aligned
     vectors (for a C much larger than the cache, read from memory by whoever reads
     it next; the kernel fences before it returns).
+
+    ``lanes``: the product runs in lanes tiles where its operands fit them, or not, as
+    the caller's plan says (the planner's native_tiles, for the vendor planned for);
+    None: the planner's ``lanes_tiles`` for this machine. ``output_streams``: a
+    conv's gathered taps stream for its output's sake (the planner's output_streams,
+    which counts the conv's images: gemm.c then writes C row panel by row panel).
 
     ``masks`` (with a :class:`Rows` right operand and no ``columns``) runs gemm.c's
     masked mode (KEEL_DIRECT): B's taps are read straight from the convolution's
@@ -560,11 +627,14 @@ def prepare(a: np.ndarray | Packed, b: np.ndarray | Packed | Rows, c: np.ndarray
     if res is None or (bias is not None and (bias.shape != ((m,) if bias_rows else (n,))
                                              or (columns is not None and not bias_rows))):
         return None
+    streams = output_streams and isinstance(b, Rows) and b.columns is not None
+    lanes = f.lanes(batch, m, n, k) if lanes is None else lanes
     flags = (_ACCUMULATE if accumulate else 0) | (_CLIP if clip is not None else 0) | (
-        _STREAM if _streams(b, batch, m, k, n) else 0) | (
+        _STREAM if streams or _b_bytes(b, batch, k, n) > planner_rules().STREAM_BYTES
+        else 0) | (
         _DIRECT if masks is not None else 0) | (_NT if nt else 0) | (
         _TALL if f.tall(m, k) else 0) | (_LANES if _plain(ra, rb) and columns is None and (
-            masks is None and not accumulate and f.lanes(batch, m, n, k)) else 0) | (
+            masks is None and not accumulate and lanes) else 0) | (
         _LANES if masks is not None and not accumulate
         and planner_rules().masked_lanes(m, n, k) else 0)
     lo, hi = clip if clip is not None else (0.0, 0.0)
@@ -590,17 +660,6 @@ def with_tiles(call: Call, tall: bool, lanes: bool) -> Call:
     flags |= (_TALL if tall else 0) | (_LANES if lanes else 0)
     values = (*call.values[:_FLAGS_FIELD], flags, *call.values[_FLAGS_FIELD + 1:])
     return Call(call.f, values, call.batch, call.m, call.n, call.k, call.keep, call.c_layout)
-
-
-def _streams(b: np.ndarray | Packed | Rows, batch: int, m: int, k: int, n: int) -> bool:
-    """KEEL_STREAM: B comes from memory (its bytes above the planner's STREAM_BYTES), or
-    B is a conv's gathered taps and C, the conv's output, is larger than the cache
-    (the planner's ``output_streams``: gemm.c then writes C row panel by row panel)."""
-    rules = planner_rules()
-    if _b_bytes(b, batch, k, n) > rules.STREAM_BYTES:
-        return True
-    return isinstance(b, Rows) and b.columns is not None and rules.output_streams(
-        batch, 4 * batch * m * n)
 
 
 def _b_bytes(b: np.ndarray | Packed | Rows, batch: int, k: int, n: int) -> int:

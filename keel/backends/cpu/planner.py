@@ -1325,8 +1325,9 @@ def _gemm_split(batch: int, m: int, n: int, k: int, threads: int, grid: Grid,
     parts = product_threads(threads, batch, m, n, k, tile[0], raw)
     if parts <= 1 or batch * m * n == 0:
         flops = 2 * batch * m * n * k
-        streamed = (f", and {k * n:,} floats of B under {least_work(LeastWork.STREAM, 2):,}"
-                    if streams_b(batch, m, tile[0], raw) else "")
+        # A split needs twice the least work: each of two threads gets it.
+        streamed = (f", and {k * n:,} floats of B, under {least_work(LeastWork.STREAM, 2):,} "
+                    "for each of two threads" if streams_b(batch, m, tile[0], raw) else "")
         return GemmSplit(1, 1, batch, 1, "not split: one thread" if threads <= 1 else (
             f"not split: {flops:,} flops, under {least_work(LeastWork.FLOPS, 2):,} for each of two "
             f"threads{streamed}"))
@@ -1467,6 +1468,13 @@ def _element_threads(request: PlanRequest) -> tuple[int, str] | None:
                     f"{least_work(work, max(2, chosen)):,} per thread ({work.constant})")
 
 
+def _product_raw(request: PlanRequest) -> tuple[bool, bool]:
+    """A MatMul's or Gemm's (A, B) packed per call: A always (an activation), B where it
+    is not a constant of the graph (MatMul(x, Relu(z))) or in low-memory mode (no packed
+    copy kept)."""
+    return True, bool(request.low_memory) or not request.constant(1)
+
+
 def _product_threads(request: PlanRequest, variant: str) -> tuple[int, str] | None:
     """A MatMul or Gemm node's kernel threads from its product's flops, and why (with
     the native GEMM's tile grid where ``variant`` runs it); None where the node runs no
@@ -1476,13 +1484,15 @@ def _product_threads(request: PlanRequest, variant: str) -> tuple[int, str] | No
         return None
     m, k, n = product
     flops = 2 * m * k * n
-    raw, rows = (True, bool(request.low_memory)), (tile_grid(request.profile) or (0, 0))[0]
+    raw, rows = _product_raw(request), (tile_grid(request.profile) or (0, 0))[0]
     streamed = variant == "native" and streams_b(1, m, rows, raw)
     chosen = max(1, product_threads(request.threads, 1, m, n, k, rows if streamed else 0, raw))
+    by_flops = max(1, gemm_threads(request.threads, flops))
     why = (f"{chosen} kernel thread(s) of {request.threads}: "
            + (f"{product_work(chosen, m, n, k)}; " if streamed else "")
            + f"{flops:,} flops, at least {least_work(LeastWork.FLOPS, max(2, chosen)):,} per "
-           "thread")
+           "thread" + (f" (the flops alone: {by_flops} thread(s))" if by_flops < chosen
+                       else ""))
     if chosen > 1 and variant == "native":
         split = gemm_split(1, m, n, k, chosen, tile_grid(request.profile),
                            caches(request.profile), raw=raw)
@@ -1670,13 +1680,23 @@ STREAM_BYTES = 2 * 2**20
 # 1.75-1.88 ms against 2.23-2.41 column by column; alone with the caches flushed between
 # calls 1.75-1.77 against 1.85-1.90, alone in cache 1.59-1.63 against 1.53-1.56 (where
 # its output stays in cache, column panels win, but a model's conv writes a fresh
-# output). One image only: at batch 32 the rule would flag six gathered products of
-# MobileNetV2 (6-8 MB outputs), where the whole model took 0.998-1.012x the time with
-# them (within the noise, not a gain); ResNet-18's stem streams there by its image.
-def output_streams(batch: int, output_bytes: int) -> bool:
+# output). One image only, counted in the conv's images (a gathered-stacked product holds
+# all of a batch's images in one product of batch 1): at batch 32 the rule would flag six
+# gathered products of MobileNetV2 (6-8 MB outputs), where the whole model took
+# 0.998-1.012x the time with them (within the noise, not a gain); ResNet-18's stem streams
+# there by its image. And only products of at least ROWS_FIRST_TAPS_FROM columns (gemm.c's
+# constant of that name, checked against it at load): below it gemm.c runs taps column
+# panel by column panel whatever the flag says, which then changes only how B is packed
+# (not measured).
+ROWS_FIRST_TAPS_FROM = 4096
+
+
+def output_streams(images: int, columns: int, output_bytes: int) -> bool:
     """Whether a conv's product on gathered taps streams for its output's sake: one
-    image, whose output (``output_bytes``) is larger than STREAM_BYTES."""
-    return batch == 1 and output_bytes > STREAM_BYTES
+    image (of the conv, not of the GEMM), at least ROWS_FIRST_TAPS_FROM columns, and an
+    output (``output_bytes``) larger than STREAM_BYTES."""
+    return (images == 1 and columns >= ROWS_FIRST_TAPS_FROM
+            and output_bytes > STREAM_BYTES)
 
 
 # Packed operands of the native GEMM (filters, Winograd's transformed filters, a
@@ -1697,9 +1717,27 @@ def huge_pages(size: int) -> bool:
 
 
 def huge_pages_note() -> str:
-    """The plan's note on where packed operands lie (huge_pages)."""
-    return (f"packed operands: those of at least {HUGE_PAGE_BYTES >> 20} MiB on fresh huge "
-            "pages, read at every pass from the shared cache or memory (huge_pages, "
+    """The plan's note on where packed operands lie (huge_pages), as this machine can
+    place them: no native tier (nothing packed), no way to ask (MADV_HUGEPAGE), or
+    transparent huge pages off ("never") leave them on the heap's small pages."""
+    least = f"those of at least {HUGE_PAGE_BYTES >> 20} MiB"
+    if not native_gemm.available():
+        return "packed operands: none (no native tier here) (huge_pages)"
+    here = native_gemm.huge_pages_here()
+    if not here.advisable:
+        return (f"packed operands: on the heap's small pages; {least} would go on huge "
+                "pages, but this system cannot be asked for them (no MADV_HUGEPAGE) "
+                "(huge_pages, HUGE_PAGE_BYTES)")
+    if here.mode == "never":
+        return (f"packed operands: on the heap's small pages; {least} would go on huge "
+                "pages, but transparent huge pages are 'never' here "
+                "(/sys/kernel/mm/transparent_hugepage/enabled) (huge_pages, HUGE_PAGE_BYTES)")
+    unit = f"{here.page >> 20} MiB" if here.page % 2**20 == 0 else f"{here.page >> 10} KiB"
+    size = (f"{unit} huge pages (hpage_pmd_size)" if here.page_said
+            else f"huge pages (assumed {here.page >> 20} MiB: the system does not say)")
+    mode = f"transparent huge pages '{here.mode}'" if here.mode else "its mode not said"
+    return (f"packed operands: {least} on fresh memory asked for as {size} ({mode}), "
+            "read at every pass from the shared cache or memory (huge_pages, "
             "HUGE_PAGE_BYTES)")
 
 
@@ -1941,6 +1979,7 @@ def _cache_key(request: PlanRequest, table: KernelTable) -> tuple[Any, ...] | No
                                             profile.cpu.l3_cache_bytes)
     key = (table, request.op, request.input_types, tuple(request.attrs.items()),
            request.threads, request.precision, request.measured, machine, request.low_memory,
+           request.constants,
            state())
     try:
         hash(key)
@@ -1980,6 +2019,10 @@ def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:
     if form.lanes is not None:
         options.append(("winograd_lanes", form.lanes))
         form_reasons.append(("winograd_lanes", form.lanes_reason))
+    if form.gemm_lanes is not None:
+        options.append(("gemm_lanes", form.gemm_lanes))     # the layout's reason says
+    if form.output_streams:
+        options.append(("output_streams", True))
     blocking = _blocking(request.op, sizes)
     if blocking is not None:
         options.append(blocking[0])                 # its reason is keyed by its name
@@ -2417,12 +2460,38 @@ def _direct_lanes_reason(geo: ConvGeometry, grid: Grid, vendor: str | None) -> s
 def _output_streams_reason(geo: ConvGeometry) -> str:
     """"; its output ... streams" where output_streams flags the gathered product (one
     group's output: a grouped conv runs a product per group)."""
-    size = 4 * geo.batch * geo.out_channels // geo.group * math.prod(geo.window.out_spatial)
-    if not output_streams(geo.batch, size):
+    if not _gathered_output_streams(geo):
         return ""
+    size = 4 * geo.batch * geo.out_channels // geo.group * math.prod(geo.window.out_spatial)
     return (f"; its output ({size / 2**20:.1f} MiB) > STREAM_BYTES ({STREAM_BYTES >> 20} MiB): "
             "the product streams, and gemm.c writes taps of many columns row panel by row "
             "panel (output_streams)")
+
+
+def _gathered_output_streams(geo: ConvGeometry) -> bool:
+    """output_streams for the product of a gathered conv (one group's output)."""
+    pixels = math.prod(geo.window.out_spatial)
+    return output_streams(geo.batch, pixels,
+                          4 * geo.batch * geo.out_channels // geo.group * pixels)
+
+
+def native_tiles(geo: ConvGeometry, form: str, grid: Any = _HERE, vendor: Any = _HERE
+                 ) -> tuple[bool | None, bool]:
+    """How the native conv's products in ``form`` run, as native_form's reason says:
+    in lanes tiles or not (the direct form's lanes_tiles for ``vendor``; None for the
+    other forms, whose operands the lanes tiles do not take or whose rule knows no
+    vendor) and whether its gathered taps stream for its output's sake
+    (output_streams). The kernel runs what the plan says, whatever this machine's vendor."""
+    grid = _grid(grid)
+    vendor = _this_vendor() if vendor is _HERE else vendor
+    lanes = None
+    if form == "direct":
+        pixels = math.prod(geo.window.out_spatial)
+        lanes = grid is not None and lanes_tiles(
+            geo.batch, geo.out_channels // geo.group, pixels, geo.in_channels // geo.group,
+            vendor, grid)
+    streams = form in ("gathered", "gathered-stacked") and _gathered_output_streams(geo)
+    return lanes, streams
 
 
 def wide_stacks(geo: ConvGeometry, grid: Any = _HERE) -> bool:
@@ -2549,9 +2618,12 @@ LANES_MAX_B_BYTES = 1 << 20
 # So on vendors outside LANES_VENDORS (Intel's, and any not measured, as winograd_lanes)
 # the lanes tiles take a product of the shapes above (_lanes_fit) at a depth of at least
 # its rows up to LANES_MAX_COLUMNS columns, and otherwise only where the column panels
-# compute at least LANES_PANEL_WASTE times its columns (up to 124 columns with 32-column
-# panels); the rest run in panels, or in tall tiles where tall_tiles takes them. Not
-# measured on more cores.
+# compute at least LANES_PANEL_WASTE times its columns (up to 102 columns with 32-column
+# panels: 102 of 128); the rest run in panels, or in tall tiles where tall_tiles takes
+# them. Not measured on more cores. A gap: the depth rule was measured inside the model
+# on the 64-row projections only; 96 x 576 with the residual on 196 columns takes lanes
+# tiles by it, where alone it ran 124 us against tall tiles' 117 (and panels' 129), and
+# inside the model lanes and tall tiles were not compared for it.
 LANES_VENDORS = frozenset({"AMD"})
 LANES_PANEL_WASTE = 1.25
 
@@ -2776,7 +2848,9 @@ def depthwise_layout(geo: ConvGeometry, form: str | None = None,
 
 def native_layout(geo: ConvGeometry) -> conv_gemm.NativeLayout:
     """``geo``'s native conv layout in the planned form."""
-    return conv_gemm.native_layout(geo, native_form(geo)[0], stream_stores(geo))
+    form = native_form(geo)[0]
+    lanes, streams = native_tiles(geo, form)
+    return conv_gemm.native_layout(geo, form, stream_stores(geo), lanes, streams)
 
 
 # ---- the NumPy im2col and pointwise layouts --------------------------------------------
@@ -2818,6 +2892,10 @@ class ConvForm:
     # plan says, whatever this machine's vendor.
     lanes: bool | None = None
     lanes_reason: str = ""
+    # The native conv's products in lanes tiles or not (native_tiles; None: the kernel's
+    # rule for the shapes it sees) and its gathered taps streamed for its output's sake.
+    gemm_lanes: bool | None = None
+    output_streams: bool = False
 
 
 def im2col_form(geo: ConvGeometry, itemsize: int) -> ConvForm:
@@ -3617,12 +3695,16 @@ def _native_shape(geo: ConvGeometry, form: str) -> tuple[bool, bool, int, int, b
 
 
 def node_splits(op: Op, input_types: Sequence[TensorType | None], attrs: Mapping[str, Any],
-                node_plan: NodePlan, threads: int, profile: Any = None) -> tuple[Split, ...]:
+                node_plan: NodePlan, threads: int, profile: Any = None,
+                constants: tuple[bool, ...] | None = None, low_memory: str = ""
+                ) -> tuple[Split, ...]:
     """The parallel passes of a node planned as ``node_plan`` on ``threads`` threads (for
-    the CPU of ``profile``): a conv's (conv_splits), a MatMul's or Gemm's one product,
-    a pooling window's planes, a row or copy kernel's elements; () for a node whose
-    kernel none of these describes."""
-    request = PlanRequest(op, tuple(input_types), dict(attrs), threads, profile)
+    the CPU of ``profile``): a conv's (conv_splits), a MatMul's or Gemm's one product
+    (its B packed per call where it is not among the ``constants`` or in ``low_memory``
+    mode), a pooling window's planes, a row or copy kernel's elements; () for a node
+    whose kernel none of these describes."""
+    request = PlanRequest(op, tuple(input_types), dict(attrs), threads, profile,
+                          low_memory=low_memory, constants=constants)
     grid = tile_grid(profile)
     geo = _static_geometry(request)
     if geo is not None:
@@ -3632,7 +3714,8 @@ def node_splits(op: Op, input_types: Sequence[TensorType | None], attrs: Mapping
     product = _product(request)
     if product is not None:
         m, k, n = product
-        return (gemm_pass("product", 1, m, n, k, threads, grid, sizes=caches(profile)),)
+        return (gemm_pass("product", 1, m, n, k, threads, grid, sizes=caches(profile),
+                          raw=_product_raw(request)),)
     pool = _pool_split(request, threads) or _attention_pass(request, node_plan.threads or 1)
     if pool is not None:
         return (pool,)
@@ -3747,8 +3830,10 @@ def conv_form(variant: str, geo: ConvGeometry, itemsize: int, grid: Any = _HERE,
     if variant == "native":
         form, why = native_form(geo, grid, vendor)
         scratch = conv_gemm.native_scratch(conv_gemm.native_layout(geo, form), itemsize)
+        lanes, streams = native_tiles(geo, form, grid, vendor)
         return ConvForm(form, why, workspace_bytes=scratch,
-                        stream_stores=stream_stores(geo, sizes))
+                        stream_stores=stream_stores(geo, sizes), gemm_lanes=lanes,
+                        output_streams=streams)
     if variant == "depthwise":
         layout, why = depthwise_form(geo)
         numpy_form = layout.rpartition("|")[2]

@@ -638,6 +638,9 @@ static const tile_fn TILES[NV][MAXR] = {
 int64_t keel_gemm_mr_f32(void) { return MR; }
 int64_t keel_gemm_nr_f32(void) { return NR; }
 int64_t keel_gemm_kc_f32(void) { return KC; }
+/* The columns from which a conv's streamed taps run row panel by row panel (the cpu
+   planner's output_streams asks for them; native_gemm checks it at load). */
+int64_t keel_gemm_rows_first_taps_f32(void) { return ROWS_FIRST_TAPS_FROM; }
 int64_t keel_gemm_workspace_f32(void)
 {
     int64_t b = NC_PANELS * NR * KC > RF_FLOATS + NR * KC ? NC_PANELS * NR * KC

@@ -55,7 +55,9 @@ lanes tiles instead, C's rows in the vector lanes, computing only the columns th
 (320 x 960 x 49: 187 -> 133 us on AMD's Zen; docs/performance.md). On vendors outside the
 planner's ``LANES_VENDORS`` (Intel's, whose shuffles share a port with an FMA unit) it
 takes fewer shapes: deep products, or where the column panels waste many columns; a
-conv's plan decides it for the vendor planned for (``gemm_lanes``). All three give the same bits.
+conv's plan decides it for the vendor planned for (``gemm_lanes``). The lanes tiles take
+a packed A only (a conv's weights): a MatMul's or Gemm's A is an activation, so their
+products never run in them, whatever the vendor. All three give the same bits.
 
 With its Python side (a prepared call reused per node, ~1 us) the cpu MatMul /
 Gemm kernels with bias and ReLU take, in ms: 32x784x512 0.248 (NumPy + OpenBLAS

@@ -247,3 +247,48 @@ def test_pipeline_blocks_in_panels_hold_at_most_the_measured_tiles() -> None:
     assert intel.tiles == planner.PIPELINE_PANELS_MAX_TILES < amd.tiles
     assert "(PIPELINE_PANELS_MAX_TILES)" in intel.reason
     assert "PIPELINE_PANELS_MAX_TILES" not in amd.reason
+
+
+def _product_model(op: str) -> Any:
+    """A MatMul (its B a constant) or Gemm (both operands inputs) of MobileNetV2's
+    96 -> 576 expansion's product shape, 576 rows x 196 columns of depth 96: lanes_tiles
+    takes it on AMD's cores and not on Intel's."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    b = np.random.default_rng(7).standard_normal((96, 196)).astype(np.float32) / 10
+    inputs = [helper.make_tensor_value_info("a", TensorProto.FLOAT, [576, 96])]
+    if op == "Gemm":
+        inputs.append(helper.make_tensor_value_info("b", TensorProto.FLOAT, [96, 196]))
+    graph = helper.make_graph(
+        [helper.make_node(op, ["a", "b"], ["y"])], "product", inputs,
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [576, 196])],
+        [] if op == "Gemm" else [numpy_helper.from_array(b, "b")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), b
+
+
+@pytest.mark.parametrize("op", ["MatMul", "Gemm"])
+@pytest.mark.parametrize("name", ["amd-sysfs-only", "x86-avx512-server"])
+def test_matmul_and_gemm_run_no_lanes_tiles_on_any_vendor(
+        name: str, op: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gemm.c's lanes tiles take a packed A only (a conv's weights); a MatMul's or
+    Gemm's A is an activation, so its products run outside them on every vendor: the
+    plan carries no gemm_lanes option nor says lanes tiles, and the prepared call runs
+    without them here, a shape lanes_tiles takes on AMD's cores planned for either."""
+    from keel.backends.cpu import native_gemm
+
+    if not native_gemm.available():
+        pytest.skip("native tier unavailable")
+    assert planner.lanes_tiles(1, 576, 196, 96, "AMD", (8, 32))
+    assert not planner.lanes_tiles(1, 576, 196, 96, "Intel", (8, 32))
+    onnx_model, b = _product_model(op)
+    model = keel.load_model(onnx_model, backend="cpu", hardware=fake_profile(name),
+                            threads=1)
+    plans = [n.plan for n in model.plan.nodes if n.plan is not None]
+    assert len(plans) == 1 and plans[0].option("gemm_lanes") is None
+    assert "lanes tiles" not in model.explain()
+    ran = prepared_flags(monkeypatch, native_gemm._LANES)
+    a = np.random.default_rng(8).standard_normal((576, 96)).astype(np.float32)
+    feeds = {"a": a, "b": b} if op == "Gemm" else {"a": a}
+    got = model.run(None, feeds)[0]
+    assert ran and set(ran) == {False}
+    np.testing.assert_allclose(got, a.astype(np.float64) @ b, rtol=1e-4, atol=1e-4)

@@ -264,6 +264,32 @@ def test_large_packed_operands_lie_on_huge_pages(monkeypatch: pytest.MonkeyPatch
             assert "nh" in tail and "hg" not in tail
 
 
+def test_a_packed_batch_asks_huge_pages_for_the_kept_operand_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """pack_batch packs each matrix into a temporary and copies it into the kept
+    operand: only the kept one is asked for on huge pages (each temporary alone is past
+    HUGE_PAGE_BYTES), with each matrix's panels as pack gives them."""
+    rng = np.random.default_rng(12)
+    batch = np.stack([_rand(rng, 640, 1100) for _ in range(3)])     # 2.8 MB packed each
+    assert cpu_planner.huge_pages(640 * 1100 * 4)
+    asked: list[bool] = []
+    aligned = ng._aligned
+
+    def spy(n: int, huge: bool = False) -> np.ndarray:
+        asked.append(huge)
+        return aligned(n, huge)
+
+    monkeypatch.setattr(ng, "_aligned", spy)
+    packed = ng.pack_batch(batch, left=True)
+    assert packed is not None and asked == [False, False, False, True]
+    for t, matrix in enumerate(batch):
+        alone = ng.pack(matrix, left=True)
+        assert alone is not None
+        size = alone.data.size
+        start = t * packed.batch_stride
+        np.testing.assert_array_equal(packed.data[start:start + size], alone.data)
+
+
 @pytest.mark.parametrize(("m", "k", "rs"), [(16, 37, 37), (24, 8, 8), (19, 1030, 1030),
                                            (8, 13, 40), (3, 20, 20)])
 def test_a_left_operand_of_rows_packs_to_its_panel_layout(m: int, k: int, rs: int) -> None:

@@ -55,7 +55,9 @@ lanes tiles instead, C's rows in the vector lanes, computing only the columns th
 (320 x 960 x 49: 187 -> 133 us on AMD's Zen; docs/performance.md). On vendors outside the
 planner's ``LANES_VENDORS`` (Intel's, whose shuffles share a port with an FMA unit) it
 takes fewer shapes: deep products, or where the column panels waste many columns; a
-conv's plan decides it for the vendor planned for (``gemm_lanes``). All three give the same bits.
+conv's plan decides it for the vendor planned for (``gemm_lanes``). The lanes tiles take
+a packed A only (a conv's weights): a MatMul's or Gemm's A is an activation, so their
+products never run in them, whatever the vendor. All three give the same bits.
 
 With its Python side (a prepared call reused per node, ~1 us) the cpu MatMul /
 Gemm kernels with bias and ReLU take, in ms: 32x784x512 0.248 (NumPy + OpenBLAS
@@ -267,6 +269,12 @@ def strides_of(a: np.ndarray) -> tuple[int, ...] | None:
 def pack(matrix: np.ndarray, left: bool) -> Packed | None:
     """``matrix`` (float32, any strides) packed as the left operand A (M, K) or the
     right operand B (K, N); None when the native tier is unavailable."""
+    return _pack(matrix, left, huge=True)
+
+
+def _pack(matrix: np.ndarray, left: bool, huge: bool) -> Packed | None:
+    """:func:`pack`, its panels on huge pages where ``huge`` (a kept operand) and the
+    planner's ``huge_pages`` take their size; a temporary one stays off them."""
     f = _functions()
     if f is None:
         return None
@@ -282,7 +290,7 @@ def pack(matrix: np.ndarray, left: bool) -> Packed | None:
     else:
         rows, depth, rs, ks = matrix.shape[1], matrix.shape[0], st[1], st[0]
     panels = -(-rows // width)
-    data = _aligned(panels * depth * width, huge=True)
+    data = _aligned(panels * depth * width, huge=huge)
     if data.size:
         f.pack(native.address(matrix), rows, depth, rs, ks, width, native.address(data),
                0, panels)
@@ -302,7 +310,7 @@ def pack_batch(matrices: np.ndarray, left: bool) -> Packed | None:
                          f"{matrices.dtype}{matrices.shape}")
     if len(matrices) == 0:
         raise ValueError("pack_batch takes at least one matrix")
-    parts = [pack(m, left) for m in matrices]
+    parts = [_pack(m, left, huge=False) for m in matrices]     # copied into ``data``
     size = parts[0].data.size if parts[0] is not None else 0
     stride = -(-size // 16) * 16           # each product's panels start on a cache line
     data = _aligned(stride * len(parts), huge=True)

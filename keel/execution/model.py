@@ -646,6 +646,7 @@ class Model:
                 result = self._run_remembered(feeds)
                 if result is not None:
                     return result
+                return self._predict(feeds, None, remembered=False)
             return self._predict(feeds, output_device)
         except (ExecutionError, MemoryLimitError) as exc:
             if not self._falls_back(exc):
@@ -654,8 +655,11 @@ class Model:
                           "now on", RuntimeWarning, stacklevel=2)
         return self._predict(feeds, output_device)
 
-    def _predict(self, feeds: Mapping[str, Any], output_device: str | None
-                 ) -> dict[str, np.ndarray]:
+    def _predict(self, feeds: Mapping[str, Any], output_device: str | None, *,
+                 remembered: bool = True) -> dict[str, np.ndarray]:
+        """One run; ``remembered`` False: the caller found no program remembered for
+        ``feeds``' signature just now (:meth:`_run_remembered`), so it is not looked for
+        again."""
         half = self._half
         if half is not None:
             try:
@@ -666,7 +670,7 @@ class Model:
                                      f"({exc.message})")
         if output_device is not None:
             return self._predict_on_device(feeds, output_device)
-        result = self._run_remembered(feeds)
+        result = self._run_remembered(feeds) if remembered else None
         if result is not None:
             return result
         residency = _residency(feeds)

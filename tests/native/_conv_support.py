@@ -42,6 +42,35 @@ def check_against_reference(run: ConvRun, x_shape: tuple[int, ...], w_shape: tup
         np.testing.assert_allclose(run(x, w, bias, res, full), expect, rtol=1e-4, atol=1e-4)
 
 
+def run_layout(layout: Any, x: np.ndarray, w: np.ndarray, b: Any, z: Any,
+               attrs: dict[str, Any], threads: int = 1,
+               y: np.ndarray | None = None) -> np.ndarray:
+    """``layout`` (a conv_gemm.NativeLayout) run by conv_gemm.native into ``y`` (made when
+    None) under the activation ``attrs`` name; it must be served."""
+    from keel.backends.cpu import conv_gemm
+    from keel.backends.cpu.conv_epilogue import activation
+
+    geo = layout.geo
+    if y is None:
+        y = np.empty((x.shape[0], geo.out_channels, *geo.window.out_spatial), np.float32)
+    act = activation(attrs.get("activation", ""), attrs.get("activation_params", ()))
+    assert conv_gemm.native(np, layout, x, w, b, z, y, act, None, threads)
+    return y
+
+
+def check_residual_in_place(run: Callable[..., np.ndarray], x_shape: tuple[int, ...],
+                            w_shape: tuple[int, ...], attrs: dict[str, Any]) -> None:
+    """Z is Y itself: ``run(x, w, b, z, attrs, y=y)`` adds the product to what Y holds."""
+    rng = np.random.default_rng(3)
+    x, w, b = rand(rng, *x_shape), rand(rng, *w_shape), rand(rng, w_shape[0])
+    plain = reference([x, w, b], attrs)
+    y = rand(rng, *plain.shape)
+    expect = plain + y
+    got = run(x, w, b, y, attrs, y=y)
+    assert got is y
+    np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-4)
+
+
 def prepared_flags(monkeypatch: Any, flag: int) -> list[bool]:
     """Whether each GEMM call prepared from now on (native_gemm.prepare, spied on through
     ``monkeypatch``) carries ``flag`` (one of native_gemm's KEEL_* bits)."""

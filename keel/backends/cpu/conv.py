@@ -443,6 +443,8 @@ def _prepare_native(plan: _Plan, variant: str, x: Any, w: Any, b: Any, z: Any, y
                     attrs: Attrs, packed: _State) -> _Ready | None:
     """The prepared native computation of these arrays; None when not served."""
     layout = plan.layout
+    if layout.images:
+        return None                     # image by image: conv_gemm keeps its own steps
     geo = layout.geo
     filters = workspace.form(np, packed, ("native", geo.group), (w, b),
                              lambda xp_, a: conv_gemm.native_filters(xp_, geo, a[0], a[1]))

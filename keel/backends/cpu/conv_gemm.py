@@ -439,6 +439,9 @@ class NativeLayout:
     N * P columns (``stack_cols``: where each reads in the source, ``stack_out``:
     where it goes in Y), so that a small image fills the kernel's column panels
     (7x7 = 49 pixels would fill two 32-column panels to 77 %, 32 images 98 %).
+    ``images``: the ``gathered-images`` form, a batch run image by image, each image's
+    phase copy and then its products (``geo`` and the phase image are one image's, so
+    the products read a phase image the copy has just left in cache).
     """
 
     geo: ConvGeometry
@@ -457,6 +460,7 @@ class NativeLayout:
     nt: bool = False                  # Y's final stores bypass the cache (as planned)
     lanes: bool | None = None         # products in lanes tiles (as planned; None: the rule)
     streams: bool = False             # gathered taps stream for the output (as planned)
+    images: int = 0                   # by image: this many, one at a time (geo: one image's)
 
     @property
     def stacked(self) -> bool:
@@ -527,7 +531,8 @@ def native_layout(geo: ConvGeometry, form: str, stream_stores: bool = False,
 
     The cpu planner decides the form (``keel.backends.cpu.planner.native_form``):
     ``band``, ``masked``, ``wide`` / ``wide-stacked``, ``direct`` (a 1x1 stride-1
-    conv reading X in place) or ``gathered`` / ``gathered-stacked``. A form
+    conv reading X in place), ``gathered`` / ``gathered-stacked`` or ``gathered-images``
+    (gathered, image by image: see :class:`NativeLayout`). A form
     that does not serve ``geo`` runs gathered, unstacked. ``stream_stores``: Y's
     final stores bypass the cache (where no activation pass rereads Y); ``lanes``: the
     products run in gemm.c's lanes tiles or not (None: lanes_tiles for this machine);
@@ -543,6 +548,10 @@ def native_layout(geo: ConvGeometry, form: str, stream_stores: bool = False,
 
 def _native_layout(geo: ConvGeometry, form: str) -> NativeLayout:
     win = geo.window
+    if form == "gathered-images" and geo.batch > 1 and (win.padded or any(
+            s != 1 for s in win.strides)):
+        one = _native_layout(dataclasses.replace(geo, batch=1), "gathered")
+        return dataclasses.replace(one, images=geo.batch)
     found = (band_layout(geo) if form == "band" else masked_layout(geo) if form == "masked"
              else _wide_layout(geo, form == "wide-stacked")
              if form.startswith("wide") and wide_serves(geo) else None)
@@ -801,6 +810,8 @@ def native(xp: Any, layout: NativeLayout, x: Any, w: Any, b: Any, z: Any, y: Any
         return False
     filters = workspace.form(xp, packed, ("native", layout.geo.group), (w, b),
                              lambda xp_, a: native_filters(xp_, layout.geo, a[0], a[1]))
+    if layout.images:
+        return _native_images(layout, x, filters, z, y, act, packed, threads)
     source = native_source(xp, layout, x, threads)
     calls = None
     if isinstance(packed, workspace.Packed):
@@ -823,6 +834,61 @@ def native(xp: Any, layout: NativeLayout, x: Any, w: Any, b: Any, z: Any, y: Any
     if act[0] not in ("", "clip"):
         finish(xp, y, y, None, act)
     return True
+
+
+# One image's steps of the gathered-images form: its phase copy, then its products.
+_ImageStep = tuple[Callable[[], None], list[native_gemm.Call] | list[native_gemm.BandCall]]
+
+
+def _native_images(layout: NativeLayout, x: Any, filters: Any, z: Any, y: Any,
+                   act: Activation, packed: Any, threads: int) -> bool:
+    """The gathered-images form: each image's phase copy into one image's phase image,
+    then that image's products, so they read the copy from cache (prepared once per set
+    of arrays, as :func:`native` keeps its calls); False when not served (nothing
+    written)."""
+    if x.shape[0] != layout.images or not x.flags.c_contiguous:
+        return False
+    image = workspace.filled(np, ("native_phases", layout), phase_image_shape(layout),
+                             x.dtype, 0.0)
+    calls = None
+    if isinstance(packed, workspace.Packed):
+        calls = packed.get(("native_image_calls", threads), (), dict)
+    key = (id(x), id(y), id(z), id(image), id(filters))
+    hit = None if calls is None else calls.get(key)
+    if hit is not None and hit[1] is filters and all(
+            ref() is a for ref, a in zip(hit[0], (x, y, z, image), strict=True)):
+        steps = hit[2]
+    else:
+        steps = _image_steps(layout, image, x, filters, z, y, act, threads)
+        if steps is None:
+            return False
+        if calls is not None:
+            if len(calls) >= 8:
+                calls.clear()
+            calls[key] = (tuple(_ref(a) for a in (x, y, z, image)), filters, steps)
+    for copy, products in steps:
+        copy()
+        for call in products:
+            call.run(threads)
+    if act[0] not in ("", "clip"):
+        finish(np, y, y, None, act)
+    return True
+
+
+def _image_steps(layout: NativeLayout, image: Any, x: Any, filters: Any, z: Any, y: Any,
+                 act: Activation, threads: int) -> list[_ImageStep] | None:
+    """Per image: the copy of its phases into ``image`` and its products reading them;
+    None when one is not served."""
+    steps: list[_ImageStep] = []
+    for i in range(layout.images):
+        xi, yi = x[i:i + 1], y[i:i + 1]
+        copy = bind_phase_copy(layout, xi, image, threads)
+        ready = native_calls(layout, image, xi, filters,
+                             None if z is None else z[i:i + 1], yi, act)
+        if copy is None or ready is None:
+            return None
+        steps.append((copy, ready))
+    return steps
 
 
 class _Dead:

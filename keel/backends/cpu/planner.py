@@ -2319,6 +2319,22 @@ MASKED_ONE_IMAGE_CHANNELS = 3
 # stride-2 convs, so one image only. AMD's Zen: the masked form measured faster (above).
 # Other vendors keep Intel's choice, and their reason says it was not measured there.
 MASKED_STRIDED_VENDORS = frozenset({"AMD"})
+# gathered-images: on the same vendors' cores (outside MASKED_STRIDED_VENDORS) a batch's
+# strided conv that the masked rule would take (below MASKED_STRIDED_BELOW output pixels;
+# ResNet-18's stem, gathered at batch 32, keeps its form) runs image by image on the
+# gathered form, each image's phase copy and then
+# its product, which reads the copy from cache (the masked form copies the whole batch's
+# phases first, then its masked tiles read them back from memory), where one image's
+# product is at least BY_IMAGE_MIN_FLOPS (a few native calls per image) and does not run
+# in lanes tiles (masked_lanes). Measured on the 2-core Intel Xeon (KVM, AVX-512), one
+# thread, batch 32, each conv + bias + ReLU + GlobalAveragePool alone, thread CPU time,
+# medians of 7 calls, the two forms in alternating processes, two rounds, under load
+# (docs/performance.md, "Stride-2 convs of a batch image by image"): ResNet-18's 64 -> 128
+# 3x3 stride 2 on 56x56 41.8 -> 32.5-33.4 ms, its 1x1 10.4-11.0 -> 7.9-8.4, the 128 -> 256
+# 1x1 6.9-7.4 -> 5.4-5.6 (12.8 MFLOP an image each); the 128 -> 256 3x3 (lanes tiles at
+# one image) 32.2-34.8 against 32.4-33.5, the 256 -> 512 ones 1.03-1.18x; ResNet-20's
+# stride-2 convs (2.4 MFLOP an image at most) 1.06-1.6x.
+BY_IMAGE_MIN_FLOPS = 8_000_000
 # stacked: the images of a batch go side by side in one product when an image's last
 # column panel would be less than STACK_FILL full; for a 1x1 stride-1 conv, which
 # otherwise reads X in place row panel by row panel (stacking gathers it), less than
@@ -2405,6 +2421,25 @@ def _masked_wins(geo: ConvGeometry, grid: Grid, vendor: str | None) -> bool:
     if _masked_waits(geo, grid, vendor):
         return False
     return math.prod(win.out_spatial) < MASKED_STRIDED_BELOW or _one_small_image(geo)
+
+
+def _by_image_wins(geo: ConvGeometry, grid: Grid, vendor: str | None) -> bool:
+    """Whether a batch's strided conv runs gathered image by image (BY_IMAGE_MIN_FLOPS)."""
+    win = geo.window
+    if (grid is None or geo.batch < 2 or geo.group != 1 or win.rank != 2
+            or vendor in MASKED_STRIDED_VENDORS or all(s == 1 for s in win.strides)):
+        return False
+    one = dataclasses.replace(geo, batch=1)
+    return (math.prod(win.out_spatial) < MASKED_STRIDED_BELOW and conv_gemm.masked_layout(geo)
+            is not None and _image_flops(geo) >= BY_IMAGE_MIN_FLOPS
+            and not _masked_lanes_reason(one, grid))
+
+
+def _image_flops(geo: ConvGeometry) -> int:
+    """The multiply-adds (two flops each) of one image of a dense conv."""
+    win = geo.window
+    return 2 * geo.out_channels * math.prod(win.out_spatial) * geo.in_channels * math.prod(
+        win.kernel) // geo.group
 
 
 def _masked_waits(geo: ConvGeometry, grid: Grid, vendor: str | None) -> bool:
@@ -2526,6 +2561,12 @@ def native_form(geo: ConvGeometry, grid: Any = _HERE, vendor: Any = _HERE
     if _band_wins(geo, grid):
         return "band", (f"band: depth {geo.in_channels * math.prod(win.kernel)} <= "
                         f"{BAND_MAX_DEPTH}, {pixels} output pixels >= {BAND_FROM}, strided")
+    if _by_image_wins(geo, grid, vendor):
+        return "gathered-images", (
+            f"gathered-images: image by image, each image's phase copy then its product, "
+            f"which reads it from cache ({_image_flops(geo) / 1e6:.1f} MFLOP an image >= "
+            f"BY_IMAGE_MIN_FLOPS {BY_IMAGE_MIN_FLOPS / 1e6:.0f}); not masked: a batch of "
+            f"{geo.batch}, {_masked_waits_reason(vendor)} (MASKED_STRIDED_VENDORS)")
     if _masked_wins(geo, grid, vendor):
         strided = any(s != 1 for s in win.strides) and pixels >= MASKED_STRIDED_BELOW
         return "masked", "masked: every tap reads a plane of the output's shape in place" + (
@@ -3674,7 +3715,8 @@ def _native_splits(geo: ConvGeometry, layout: str, threads: int, grid: Any,
                         threads, grid, sizes=sizes, raw=(False, True), lanes=lanes)
     if not copied:
         return (product,)
-    planes = n * geo.in_channels
+    # By image (gathered-images): each image's planes, then its product, n times over.
+    planes = geo.in_channels if batch == 1 and layout == "gathered-images" else n * geo.in_channels
     work = planes * math.prod(win.in_spatial)
     if wide:                                # X into the wide buffer: one NumPy copy
         return Split("copy into the wide buffer (NumPy)", 1, 1, work,
@@ -3689,6 +3731,8 @@ def _native_shape(geo: ConvGeometry, form: str) -> tuple[bool, bool, int, int, b
     found = conv_gemm.native_layout(geo, form)
     pixels = math.prod(geo.window.out_spatial)
     batch, columns = (1, geo.batch * pixels) if found.stacked else (geo.batch, pixels)
+    if found.images:
+        batch = 1                       # each image's product on its own
     if found.wide is not None:
         batch, columns = (1 if found.wide.stacked else geo.batch), found.wide.columns
     return found.band, found.copied, batch, columns, found.wide is not None

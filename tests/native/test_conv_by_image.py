@@ -1,0 +1,163 @@
+"""The gathered-images form of the native conv (conv_gemm.NativeLayout.images): a batch's
+strided conv run image by image, each image's phase copy into one image's phase image and
+then its products. Checked against the reference backend (pads, strides, odd sizes, a
+1x1 stride-2 conv, bias / residual / clip / ReLU, a residual that is Y itself), through the
+conv kernel's prepared path, bitwise equal at 1, 2, 3 and 16 threads and to the gathered
+form of each image alone; and where the cpu planner takes it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import keel.backends.cpu.conv  # noqa: F401  (registers the conv kernels on TABLE)
+from keel import native
+from keel.backends.base import KernelContext
+from keel.backends.cpu import conv_gemm
+from keel.backends.cpu import native_gemm as ng
+from keel.backends.cpu import planner as cpu_planner
+from keel.backends.cpu.conv_epilogue import activation
+from keel.backends.cpu.kernels import TABLE
+from keel.ops.registry import Op
+from keel.ops.schemas.conv import conv_geometry
+from tests.native._conv_support import (
+    check_against_reference,
+    check_residual_in_place,
+    rand,
+    reference,
+    run_layout,
+)
+
+
+@pytest.fixture(autouse=True)
+def _native_tier() -> None:
+    if not ng.available():
+        pytest.skip(f"native tier unavailable: {native.status().reason}")
+
+
+CASES = [
+    # X, W, attrs
+    ((3, 16, 16, 16), (32, 16, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}),
+    ((2, 5, 9, 7), (11, 5, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}),  # odd sizes
+    ((2, 3, 16, 16), (7, 3, 3, 3), {"pads": (0, 0, 1, 1), "strides": (2, 2)}),
+    ((3, 8, 16, 16), (12, 8, 1, 1), {"strides": (2, 2)}),                # 1x1 stride 2
+    ((2, 4, 12, 12), (5, 4, 3, 3), {"pads": (1, 1, 1, 1), "strides": (3, 3)}),
+    ((2, 6, 10, 10), (9, 6, 3, 3), {"pads": (1, 1, 1, 1)}),              # padded stride 1
+]
+
+
+def _by_image(x: np.ndarray, w: np.ndarray, b: Any, z: Any, attrs: dict[str, Any],
+              threads: int = 1, y: np.ndarray | None = None) -> np.ndarray:
+    geo = conv_geometry(Op.CONV, x.shape, w.shape, attrs)
+    layout = conv_gemm.native_layout(geo, "gathered-images")
+    assert layout.images == geo.batch and layout.geo.batch == 1
+    return run_layout(layout, x, w, b, z, attrs, threads, y)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs", CASES)
+@pytest.mark.parametrize("act,params", [("", ()), ("relu", ()), ("clip", (-0.3, 0.4))])
+def test_matches_the_reference(x_shape: tuple[int, ...], w_shape: tuple[int, ...],
+                               attrs: dict[str, Any], act: str,
+                               params: tuple[float, ...]) -> None:
+    check_against_reference(_by_image, x_shape, w_shape, attrs, act, params)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs", CASES[:4])
+def test_residual_in_place(x_shape: tuple[int, ...], w_shape: tuple[int, ...],
+                           attrs: dict[str, Any]) -> None:
+    """Z is Y itself: each image's products add to what Y holds."""
+    check_residual_in_place(_by_image, x_shape, w_shape, attrs)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs", CASES[:4])
+def test_bitwise_equal_across_threads_and_to_each_image_alone(
+        x_shape: tuple[int, ...], w_shape: tuple[int, ...], attrs: dict[str, Any]) -> None:
+    """The same bits at 1, 2, 3 and 16 threads, and as the gathered form of one image
+    (what a batch of one runs), and as the masked form of the batch."""
+    rng = np.random.default_rng(11)
+    x, w, b = rand(rng, *x_shape), rand(rng, *w_shape), rand(rng, w_shape[0])
+    z = rand(rng, *reference([x, w, b], attrs).shape)
+    one = _by_image(x, w, b, z, attrs, threads=1)
+    for threads in (2, 3, 16):
+        assert np.array_equal(_by_image(x, w, b, z, attrs, threads=threads), one)
+    geo1 = conv_geometry(Op.CONV, (1, *x_shape[1:]), w_shape, attrs)
+    act = activation("", ())
+    for i in range(x_shape[0]):
+        y = np.empty((1, *one.shape[1:]), np.float32)
+        layout = conv_gemm.native_layout(geo1, "gathered")
+        assert conv_gemm.native(np, layout, x[i:i + 1], w, b, z[i:i + 1], y, act, None, 2)
+        assert np.array_equal(y, one[i:i + 1])
+    geo = conv_geometry(Op.CONV, x_shape, w_shape, attrs)
+    masked = conv_gemm.native_layout(geo, "masked")
+    if masked.masked is not None:
+        y = np.empty_like(one)
+        assert conv_gemm.native(np, masked, x, w, b, z, y, act, None, 2)
+        assert np.array_equal(y, one)
+
+
+def test_through_the_prepared_kernel() -> None:
+    """The conv node's steady state: the steps kept in the prepack state, a new X each run
+    copied image by image, the same Y."""
+    rng = np.random.default_rng(9)
+    w, b = rand(rng, 16, 8, 3, 3), rand(rng, 16)
+    w.setflags(write=False)
+    b.setflags(write=False)
+    attrs = {"pads": (1, 1, 1, 1), "strides": (2, 2)}
+    full = {"group": 1, "dilations": (1, 1), **attrs, "activation": "relu",
+            "activation_params": ()}
+    kernel = TABLE.get(Op.CONV, "native")
+    assert kernel.prepack is not None
+    state = kernel.prepack(KernelContext(np, "cpu", "cpu", 1, None), [None, w, b], full)
+    ctx = KernelContext(np, "cpu", "cpu", 1, state)
+    geo = conv_geometry(Op.CONV, (3, 8, 12, 12), w.shape, attrs)
+    layout = conv_gemm.native_layout(geo, "gathered-images")
+    act = activation("relu", ())
+    y = None
+    for _ in range(3):
+        x = rand(rng, 3, 8, 12, 12)
+        expect = np.maximum(reference([x, w, b], attrs), 0)
+        if y is None:
+            y = np.empty(expect.shape, np.float32)
+        assert conv_gemm.native(np, layout, x, w, b, None, y, act, ctx.prepacked, 2)
+        np.testing.assert_allclose(y, expect, rtol=1e-4, atol=1e-4)
+
+
+RESNET_S2 = [
+    # (X, W, attrs): ResNet-18's stride-2 convs at batch 32, ResNet-20's
+    ((32, 64, 56, 56), (128, 64, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}),
+    ((32, 64, 56, 56), (128, 64, 1, 1), {"strides": (2, 2)}),
+    ((32, 128, 28, 28), (256, 128, 1, 1), {"strides": (2, 2)}),
+    ((32, 128, 28, 28), (256, 128, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}),
+    ((32, 256, 14, 14), (512, 256, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}),
+    ((32, 256, 14, 14), (512, 256, 1, 1), {"strides": (2, 2)}),
+    ((32, 16, 32, 32), (32, 16, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}),
+    ((32, 32, 16, 16), (64, 32, 1, 1), {"strides": (2, 2)}),
+]
+
+
+@pytest.mark.parametrize("case,form", zip(RESNET_S2, [
+    "gathered-images", "gathered-images", "gathered-images",
+    "masked", "masked", "masked",        # in lanes tiles at one image (masked_lanes)
+    "masked", "masked",                  # 2.4 and 0.3 MFLOP an image < BY_IMAGE_MIN_FLOPS
+], strict=True))
+def test_where_the_planner_takes_it(case: tuple[Any, ...], form: str) -> None:
+    """On a CPU outside MASKED_STRIDED_VENDORS: a batch's strided conv of enough work an
+    image whose one-image product would not run in lanes tiles, with its reason; AMD's
+    cores keep the masked form, and one image the gathered form."""
+    geo = conv_geometry(Op.CONV, *case)
+    got, why = cpu_planner.native_form(geo, (8, 32), "Intel")
+    assert got == form
+    assert ("image by image" in why and "BY_IMAGE_MIN_FLOPS" in why) is (form != "masked")
+    assert cpu_planner.native_form(geo, (8, 32), "AMD")[0] == "masked"
+    one = conv_geometry(Op.CONV, (1, *case[0][1:]), *case[1:])
+    assert cpu_planner.native_form(one, (8, 32), "Intel")[0] != "gathered-images"
+
+
+def test_not_where_the_masked_rule_would_not_take_the_batch() -> None:
+    """ResNet-18's stem at batch 32 (12544 output pixels, over MASKED_STRIDED_BELOW) keeps
+    the gathered form of the whole batch."""
+    geo = conv_geometry(Op.CONV, (32, 3, 224, 224), (64, 3, 7, 7),
+                        {"pads": (3, 3, 3, 3), "strides": (2, 2)})
+    assert cpu_planner.native_form(geo, (8, 32), "Intel")[0] == "gathered"

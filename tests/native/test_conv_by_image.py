@@ -161,3 +161,19 @@ def test_not_where_the_masked_rule_would_not_take_the_batch() -> None:
     geo = conv_geometry(Op.CONV, (32, 3, 224, 224), (64, 3, 7, 7),
                         {"pads": (3, 3, 3, 3), "strides": (2, 2)})
     assert cpu_planner.native_form(geo, (8, 32), "Intel")[0] == "gathered"
+
+
+def test_not_served_where_y_overlaps_x() -> None:
+    """An image's Y could overwrite X of an image not yet copied: not served, nothing
+    written."""
+    rng = np.random.default_rng(2)
+    w, b = rand(rng, 8, 8, 1, 1), rand(rng, 8)
+    attrs = {"strides": (2, 2)}
+    buf = rand(rng, 3 * 8 * 16 * 16)
+    x = buf.reshape(3, 8, 16, 16)
+    y = buf[: 3 * 8 * 8 * 8].reshape(3, 8, 8, 8)
+    before = buf.copy()
+    geo = conv_geometry(Op.CONV, x.shape, w.shape, attrs)
+    layout = conv_gemm.native_layout(geo, "gathered-images")
+    assert not conv_gemm.native(np, layout, x, w, b, None, y, activation("", ()), None, 1)
+    assert np.array_equal(buf, before)

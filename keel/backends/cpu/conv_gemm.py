@@ -846,8 +846,8 @@ def _native_images(layout: NativeLayout, x: Any, filters: Any, z: Any, y: Any,
     then that image's products, so they read the copy from cache (prepared once per set
     of arrays, as :func:`native` keeps its calls); False when not served (nothing
     written)."""
-    if x.shape[0] != layout.images or not x.flags.c_contiguous:
-        return False
+    if x.shape[0] != layout.images or not x.flags.c_contiguous or np.may_share_memory(x, y):
+        return False                     # image i's Y could overwrite a later image's X
     image = workspace.filled(np, ("native_phases", layout), phase_image_shape(layout),
                              x.dtype, 0.0)
     calls = None

@@ -330,7 +330,7 @@ class _Ready:
                  "x_ref", "x_shape", "y_address", "y_layout", "y_ref", "z_ref")
 
     def __init__(self, variant: str, attrs: Attrs, x: Any, w: Any, b: Any, z: Any, y: Any,
-                 act: Activation, calls: Sequence[conv_gemm.NativeCall],
+                 act: Activation, calls: Sequence[native_gemm.Call | native_gemm.BandCall],
                  fills: tuple[tuple[Any, Any], ...] | None, rebind: bool = False,
                  layout: conv_gemm.NativeLayout | None = None, source: Any = None) -> None:
         self.variant, self.attrs, self.w, self.b = variant, attrs, w, b
@@ -386,10 +386,9 @@ class _Ready:
         if self.rebind and native_gemm.address(x) != self.x_address:
             calls = []
             for call in self.calls:
-                again = None if isinstance(call, native_gemm.Call) else call.with_x(x)
+                again = call.with_x(x) if isinstance(call, native_gemm.BandCall) else None
                 if again is None:       # serves() checked X: not reached
-                    raise ValueError("a conv reading X in place needs a C-contiguous "
-                                     "float32 X")
+                    raise ValueError("a band conv's X must be a C-contiguous float32 array")
                 calls.append(again)
             self.calls, self.x_address, self.threads = tuple(calls), native_gemm.address(x), 0
         if self.fills is not None and not self._copy_phases(x, threads):
@@ -444,7 +443,9 @@ def _prepare_native(plan: _Plan, variant: str, x: Any, w: Any, b: Any, z: Any, y
                     attrs: Attrs, packed: _State) -> _Ready | None:
     """The prepared native computation of these arrays; None when not served."""
     layout = plan.layout
-    filters = conv_gemm.layout_filters(np, layout, packed, w, b)
+    geo = layout.geo
+    filters = workspace.form(np, packed, ("native", geo.group), (w, b),
+                             lambda xp_, a: conv_gemm.native_filters(xp_, geo, a[0], a[1]))
     if z is not None and z is not y and np.may_share_memory(z, y):
         return None                     # the kernel would add a copy of Z made now
     source = conv_gemm.native_source(np, layout, x)
@@ -457,7 +458,7 @@ def _prepare_native(plan: _Plan, variant: str, x: Any, w: Any, b: Any, z: Any, y
     if layout.copied:
         fills = tuple(_fill(source, f, dst, src, x.shape[2:])
                       for f, (dst, src) in enumerate(layout.fills))
-    return _Ready(variant, attrs, x, w, b, z, y, plan.act, calls, fills, layout.reads_x,
+    return _Ready(variant, attrs, x, w, b, z, y, plan.act, calls, fills, layout.band,
                   layout if layout.copied else None, source if layout.copied else None)
 
 

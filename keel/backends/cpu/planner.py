@@ -2378,48 +2378,6 @@ def _grid(grid: Any) -> Grid:
     return native_gemm.geometry() if grid is _HERE else grid
 
 
-# blocked: a 3x3 stride-1 conv padded by one (conv_gemm.blocked_serves) of at least
-# BLOCKED_MIN_CHANNELS input channels runs as a direct conv with 16 output channels in
-# each vector (native_blocked, blocked.c): filters loaded whole and X's values
-# broadcast, where the masked tiles load X's taps through lane masks across cache lines.
-# The same bits as the masked form. Measured on the 2-core Intel Xeon (AVX-512), one
-# thread, under load (docs/performance.md, "The channel-blocked 3 x 3 conv"): each conv
-# with bias, residual and ReLU alone, hot, the two forms' prepared calls alternating,
-# 0.80x the masked time (16 -> 16 on 32 x 32, batch 32), 0.69-0.89x (32 -> 32 on 16 x 16),
-# 0.82-0.84x (64 -> 64 on 8 x 8); inside ResNet-20 at batch 32 0.90x the masked convs'
-# CPU samples (perf), the whole model 0.97-0.99x. Fewer input channels (the 3 -> 16
-# stem) and other vendors' cores were not measured; AMD's keep the masked form.
-BLOCKED_MIN_CHANNELS = 16
-BLOCKED_VENDORS = frozenset({"Intel"})
-
-
-def _blocked_wins(geo: ConvGeometry, grid: Grid, vendor: str | None) -> bool:
-    return (grid == _TILES["avx512"] and vendor in BLOCKED_VENDORS
-            and geo.in_channels >= BLOCKED_MIN_CHANNELS and conv_gemm.blocked_serves(geo))
-
-
-def blocked_oc_tile(out_channels: int) -> int:
-    """Blocks of 16 output channels a register tile of the blocked conv: two (2 x 8
-    pixels, 16 accumulators, two filter loads for eight broadcasts) where the blocks pair
-    up, else one (1 x 16 pixels). Measured as BLOCKED_VENDORS says, at batch 32: 32 -> 32
-    on 16 x 16 2 x 8 1,018 us against 1 x 16 1,136 and 2 x 16 1,992 (spilled registers);
-    64 -> 64 on 8 x 8 2 x 8 956 against 4 x 4 998 and 2 x 4 1,123; 16 -> 16 (one block)
-    1 x 16 1,193 against 1 x 8 1,270."""
-    return 2 if out_channels % 32 == 0 else 1
-
-
-def blocked_parts(geo: ConvGeometry, threads: int) -> int:
-    """Chunks of the blocked conv's units (bands of output rows, images after one
-    another) on up to ``threads`` threads: the least flops of a split that wide each."""
-    units = geo.batch * (geo.window.out_spatial[0] // conv_gemm.blocked_rows(geo))
-    return max(1, split_parts(LeastWork.FLOPS, threads, units, _blocked_flops(geo) // units))
-
-
-def _blocked_flops(geo: ConvGeometry) -> int:
-    return 2 * geo.batch * geo.out_channels * math.prod(geo.window.out_spatial) * (
-        geo.in_channels * 9)
-
-
 def stacks(batch: int, pixels: int, fill: float = STACK_FILL, grid: Any = _HERE) -> bool:
     """Whether a batch's images go side by side in one native product: an image's
     column panels would be less than ``fill`` full."""
@@ -2565,11 +2523,6 @@ def native_form(geo: ConvGeometry, grid: Any = _HERE, vendor: Any = _HERE
     vendor = _this_vendor() if vendor is _HERE else vendor
     win = geo.window
     pixels = math.prod(win.out_spatial)
-    if _blocked_wins(geo, grid, vendor):
-        return "blocked", (
-            f"blocked: a 3x3 stride-1 conv of {geo.in_channels} >= {BLOCKED_MIN_CHANNELS} "
-            f"input channels on {vendor}'s cores (BLOCKED_VENDORS), 16 output channels a "
-            f"vector, {blocked_oc_tile(geo.out_channels)} block(s) a tile")
     if _band_wins(geo, grid):
         return "band", (f"band: depth {geo.in_channels * math.prod(win.kernel)} <= "
                         f"{BAND_MAX_DEPTH}, {pixels} output pixels >= {BAND_FROM}, strided")
@@ -3706,10 +3659,6 @@ def _native_splits(geo: ConvGeometry, layout: str, threads: int, grid: Any,
     n, g, win = geo.batch, geo.group, geo.window
     pixels, taps = math.prod(win.out_spatial), math.prod(win.kernel)
     cg, mg = geo.in_channels // g, geo.out_channels // g
-    if layout == "blocked" and conv_gemm.blocked_serves(geo):
-        units = n * (win.out_spatial[0] // conv_gemm.blocked_rows(geo))
-        return (Split("bands of output rows", units, blocked_parts(geo, threads),
-                      _blocked_flops(geo), least_work(LeastWork.FLOPS, threads)),)
     band, copied, batch, columns, wide = _native_shape(geo, layout)
     if band:
         rows = native_gemm.band_rows(geo.in_channels, win.kernel, win.out_spatial) or 1

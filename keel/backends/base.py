@@ -592,6 +592,12 @@ class Backend(ABC):
         backend: its thread count and where it came from). Default: nothing."""
         return ()
 
+    def staging(self) -> tuple[int, int]:
+        """(feed bytes, graph output bytes) up to which a fixed-shape host program copies
+        a feed into (an output out of) a buffer of its own so that this backend's steps
+        on it bind (``KernelVariant.bind``). Default: nothing staged."""
+        return 0, 0
+
     def plan_branches(self, branches: Sequence[Sequence[tuple[float, int]]]
                       ) -> tuple[int, str]:
         """How many lanes a region of independent ``branches`` of this backend's nodes runs

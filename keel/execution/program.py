@@ -88,12 +88,9 @@ _SKIP = 7        # a step a recorded run leaves out (its feed copy is staged bef
 _BOUND = 8       # a call its kernel bound once for the arrays it always runs on
 _HELD = 9        # a bound call writing a small graph output into a buffer copied out
 
-# Feeds (and graph outputs) of at most this many bytes are copied into (out of) buffers of
-# the program's own, so that the steps reading (writing) them bind like the steps on arena
-# bytes. Measured on the 2-core EPYC (AVX-512) development machine, one thread: copying
-# 1 KB costs 0.4 us and 16 KB about 1 us, while binding saved 1-15 us a step on the small
-# block and the decode step (docs/performance.md, "Small shapes and decode steps").
-_STAGE_BYTES = 16384
+# Feeds (and graph outputs) up to the size the steps' backend says (Backend.staging) are
+# copied into (out of) buffers of the program's own, so that the steps reading (writing)
+# them bind like the steps on arena bytes.
 _THREADS_BOUND = 4          # threads a program keeps bound steps for; more and it starts afresh
 
 # Ops a shape-generic program may remember results of (deterministic, cheap to key), and
@@ -940,16 +937,20 @@ class Program:
         if self.dynamic or self.shape_generic or any(
                 b.device.value != HOST for b in self._backends.values()):
             return ()
-        read = {i for st in self._steps if st.variant is not None
-                and st.variant.bind is not None for i in st.inputs}
+        limit: dict[int, int] = {}          # slot: the most bytes a backend reading it stages
+        for st in self._steps:
+            if st.variant is not None and st.variant.bind is not None:
+                most = self._backends[st.backend].staging()[0]
+                for i in st.inputs:
+                    limit[i] = max(limit.get(i, 0), most)
         staged = []
         for name, t in self._input_types.items():
             slot = self._slots[name]
-            if slot not in read or not t.is_tensor or not t.is_static \
+            if slot not in limit or not t.is_tensor or not t.is_static \
                     or np.dtype(t.dtype.numpy).kind not in "biuf":
                 continue
             shape = _static_shape(t)
-            if math.prod(shape) * np.dtype(t.dtype.numpy).itemsize <= _STAGE_BYTES:
+            if math.prod(shape) * np.dtype(t.dtype.numpy).itemsize <= limit[slot]:
                 staged.append((slot, np.empty(shape, t.dtype.numpy)))
         return tuple(staged)
 
@@ -1025,7 +1026,8 @@ class Program:
                    dtype: Any) -> tuple[Callable[[], object], Any] | None:
         """(bound call, the buffer it writes) for a step making one small graph output:
         each run copies the buffer out (the caller keeps what it gets)."""
-        if math.prod(shape) * np.dtype(dtype).itemsize > _STAGE_BYTES:
+        if math.prod(shape) * np.dtype(dtype).itemsize > \
+                self._backends[step.backend].staging()[1]:
             return None
         held = np.empty(shape, dtype)
         bound = self._bound_call(step, [held])

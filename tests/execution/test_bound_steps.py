@@ -4,6 +4,7 @@ again when the arena moves, and keeps the kernels' checks on data."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import warnings
@@ -329,3 +330,109 @@ def test_a_failing_step_of_a_direct_run_names_its_node_and_leaves_nothing_behind
     assert any("(gather)" in note for note in getattr(failure.value, "__notes__", ()))
     np.testing.assert_array_equal(model.predict(good)["y"], want)
     np.testing.assert_array_equal(want, np.maximum(unbound(model, good)["y"], 0))
+
+
+def linear_norm(rows: int, width: int = 256) -> bytes:
+    """x (rows, width) @ W + b, then LayerNorm: the feed is read by the product and the
+    graph output written by the LayerNorm."""
+    rng = np.random.default_rng(rows)
+    n = helper.make_node
+    graph = helper.make_graph(
+        [n("MatMul", ["x", "w"], ["p"]), n("Add", ["p", "b"], ["h"]),
+         n("LayerNormalization", ["h", "g", "beta"], ["y"], axis=-1)],
+        "linear_norm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, width])],
+        [_const("w", (rng.standard_normal((width, width)) / 16).astype(np.float32)),
+         _const("b", rng.standard_normal(width).astype(np.float32)),
+         _const("g", rng.standard_normal(width).astype(np.float32)),
+         _const("beta", rng.standard_normal(width).astype(np.float32))])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]
+                             ).SerializeToString()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_feeds_and_outputs_up_to_the_planners_sizes_are_staged_and_every_step_binds(
+        threads: int) -> None:
+    """A batch-32 row block (32 KiB feed and output) runs as one function of its feed,
+    bitwise what the kernels compute; a feed over STAGE_FEED_BYTES and an output over
+    HOLD_BYTES are not copied, and the steps on them run their kernels."""
+    from keel import native
+    from keel.backends.cpu import planner
+
+    ort = pytest.importorskip("onnxruntime")
+    width = 256
+    big = planner.STAGE_FEED_BYTES // (4 * width) + 1       # rows: just over the sizes
+    for rows, staged in ((32, True), (big, False)):
+        onnx_model = linear_norm(rows, width)
+        model = load_model(onnx_model, backend="cpu", threads=threads)
+        session = ort.InferenceSession(onnx_model, providers=["CPUExecutionProvider"])
+        rng = np.random.default_rng(rows)
+        x = rng.standard_normal((rows, width)).astype(np.float32)
+        model.predict({"x": x})
+        program = model._fast_path({"x": x})[0][1]
+        kinds = [hot[0] for hot in program._hot]    # the product's, the LayerNorm's
+        if native.available():
+            assert kinds == ([program_module._BOUND, program_module._HELD] if staged
+                             else [program_module._VIEW1, program_module._FRESH1])
+            assert (program._direct_run is not None) is staged
+        got = []
+        for _ in range(3):                   # new values in the same places
+            x = rng.standard_normal((rows, width)).astype(np.float32)
+            got.append(model.predict({"x": x})["y"])
+            np.testing.assert_array_equal(got[-1], unbound(model, {"x": x})["y"])
+            (want,) = session.run(None, {"x": x})
+            np.testing.assert_allclose(got[-1], want, rtol=1e-4, atol=1e-4)
+        assert not any(np.shares_memory(a, b) for a, b in itertools.pairwise(got))
+
+
+def linear_gelu(rows: int, width: int = 64, hidden: int = 256) -> bytes:
+    """x @ W + b, then the Erf form of GELU as exported, then a second product: the
+    GELU fuses into the first product's epilogue, run after its native call."""
+    rng = np.random.default_rng(hidden)
+    n = helper.make_node
+    graph = helper.make_graph(
+        [n("MatMul", ["x", "w"], ["p"]), n("Add", ["p", "b"], ["h"]),
+         n("Div", ["h", "root2"], ["half"]), n("Erf", ["half"], ["e"]),
+         n("Add", ["e", "one"], ["e1"]), n("Mul", ["h", "e1"], ["he"]),
+         n("Mul", ["he", "halfc"], ["g"]), n("MatMul", ["g", "w2"], ["y"])],
+        "linear_gelu", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, width])],
+        [_const("w", (rng.standard_normal((width, hidden)) / 8).astype(np.float32)),
+         _const("b", rng.standard_normal(hidden).astype(np.float32)),
+         _const("w2", (rng.standard_normal((hidden, width)) / 16).astype(np.float32)),
+         _const("root2", np.array([math.sqrt(2.0)], np.float32)),
+         _const("one", np.array([1.0], np.float32)),
+         _const("halfc", np.array([0.5], np.float32))])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]
+                             ).SerializeToString()
+
+
+@pytest.mark.parametrize("rows", [1, 32])
+def test_a_products_fused_gelu_binds_after_its_call_bitwise_at_every_thread_count(
+        rows: int) -> None:
+    """The product's bound step is its native call and then the bound GELU pass, with
+    no Python between them; it computes bitwise what the kernel computes, and the same
+    bits on 1, 2, 3 and 16 threads."""
+    from keel import native
+    from keel.backends.cpu import matmul
+
+    ort = pytest.importorskip("onnxruntime")
+    onnx_model = linear_gelu(rows)
+    session = ort.InferenceSession(onnx_model, providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(rows).standard_normal((rows, 64)).astype(np.float32)
+    results = []
+    for threads in (1, 2, 3, 16):
+        model = load_model(onnx_model, backend="cpu", threads=threads)
+        model.predict({"x": x})
+        program = model._fast_path({"x": x})[0][1]
+        first = next(hot for step, hot in zip(program._steps, program._hot, strict=True)
+                     if step.attrs.get("activation") == "gelu")
+        if native.available():
+            assert first[0] == program_module._BOUND
+            assert getattr(first[1], "func", None) is matmul._in_turn
+        results.append(model.predict({"x": x})["y"])
+        np.testing.assert_array_equal(results[-1], unbound(model, {"x": x})["y"])
+    for got in results[1:]:
+        np.testing.assert_array_equal(got, results[0])
+    (want,) = session.run(None, {"x": x})
+    np.testing.assert_allclose(results[0], want, rtol=1e-4, atol=1e-4)

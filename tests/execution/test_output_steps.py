@@ -11,13 +11,14 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from keel import native
-from keel.backends.cpu import conv
+from keel.backends.cpu import conv, planner
 from keel.execution.model import load_model
 
 
 def conv_model(channels: int, out: int, size: int, **attrs: Any) -> bytes:
-    """ReLU, then one Conv whose output (over 16 KB: a fresh array) is the graph's output
-    (the ReLU puts the conv's X in the arena: a feed read in place is prepared per array)."""
+    """ReLU, then one Conv whose output (over the planner's HOLD_BYTES, 64 KiB, at batch
+    8: a fresh array) is the graph's output (the ReLU puts the conv's X in the arena: a
+    feed read in place is prepared per array)."""
     rng = np.random.default_rng(out)
     kernel = attrs.pop("kernel", 1)
     group = attrs.get("group", 1)
@@ -27,7 +28,7 @@ def conv_model(channels: int, out: int, size: int, **attrs: Any) -> bytes:
              helper.make_node("Conv", ["r", "w", "b"], ["y"], **attrs)]
     graph = helper.make_graph(
         nodes, "conv",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, channels, size, size])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, channels, size, size])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
         [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]
@@ -64,6 +65,7 @@ def test_a_conv_making_the_graph_output_hands_out_arrays_the_caller_keeps(
     got = [model.predict({"x": x})["y"] for x in feeds]
     for x, y in zip(feeds, got, strict=True):
         np.testing.assert_allclose(y, reference.predict({"x": x})["y"], rtol=1e-4, atol=1e-4)
+    assert got[0].nbytes > planner.HOLD_BYTES     # not held: a fresh array each run
     # Every run handed out its own array, and no later run wrote into an earlier one.
     assert len({id(y) for y in got}) == len(got)
     for i, y in enumerate(got):

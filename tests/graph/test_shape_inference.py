@@ -95,3 +95,23 @@ def test_overridable_initializers_are_not_constant_values() -> None:
     g = import_onnx(m)
     state = propagate(g)
     assert "shape" not in state.values
+
+
+@pytest.mark.parametrize("declared, target, expected", [
+    (["N", "S", 4, 8], [0, -1, 32], ("N", "S", 32)),     # heads merged: S is left over
+    (["N", "S", 32], [0, -1, 4, 8], ("N", "S", 4, 8)),   # split into heads
+    (["N", "S", 4, 8], [0, -1, 16], None),               # 2 * S: not one symbol
+    (["N", "S", "T"], [0, -1], None),                    # S * T: two symbols left over
+    (["N", 3, 4], [0, -1], ("N", 12)),                   # every symbol cancels
+])
+def test_a_reshape_minus_one_takes_the_one_symbol_left_over(
+        declared: list[str | int], target: list[int],
+        expected: tuple[str | int, ...] | None) -> None:
+    nodes = [helper.make_node("Reshape", ["x", "shape"], ["y"])]
+    m = model(nodes, [vi("x", declared)], [vi("y", None)],
+              [init("shape", np.array(target, np.int64))])
+    shape = infer_graph_types(import_onnx(m))["y"].shape
+    if expected is None:
+        assert shape is not None and shape[1] is None
+    else:
+        assert shape == expected

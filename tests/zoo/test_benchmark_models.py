@@ -32,6 +32,21 @@ def test_small_block_matches_onnxruntime(sequence: int) -> None:
     assert rel_l2(ours[0], theirs[0]) <= 1e-4
 
 
+def test_the_small_blocks_residual_layer_norms_fuse_at_any_sequence() -> None:
+    """Its heads are split and merged by Reshapes with -1 on a symbolic sequence: the
+    inferred sequence lets each residual Add + LayerNorm fuse, at batch 32 as at 1."""
+    model = keel.load_model(bench_zoo.build("small_block"), backend="cpu")
+    for batch in (1, 32):
+        x = np.random.default_rng(batch).standard_normal((batch, 1, 256)).astype(np.float32)
+        ours = model.predict({"hidden_states": x})["out"]
+        theirs = ort.InferenceSession(bench_zoo.build("small_block"),
+                                      providers=["CPUExecutionProvider"]).run(None, {
+                                          "hidden_states": x})[0]
+        assert rel_l2(ours, theirs) <= 1e-4
+        ops = [str(node.op) for node in model.plan.nodes]
+        assert ops.count("skip_layer_norm") == 2 and "layer_norm" not in ops
+
+
 def test_a_decode_steps_shape_arithmetic_is_folded_into_its_plan(
         zoo: Callable[[str], Path]) -> None:
     path = str(zoo("gpt2_decoder"))

@@ -126,7 +126,13 @@ class CpuBackend(Backend):
         return f"{threads} threads: {self._threads_reason}"
 
     def plan_notes(self) -> tuple[str, ...]:
-        from keel.backends.cpu.planner import Caches, caches, huge_pages_note, thread_costs_note
+        from keel.backends.cpu.planner import (
+            Caches,
+            caches,
+            huge_pages_note,
+            staging_note,
+            thread_costs_note,
+        )
 
         cpus, numa = self.numa
         sizes = caches(self._hardware)
@@ -134,7 +140,12 @@ class CpuBackend(Backend):
                   if sizes.source == Caches().source else f"block sizes: scaled to {sizes.source}")
         return (f"cpu backend, {self.threads_reason}",
                 *((f"NUMA: {numa}",) if cpus is not None or "NUMA nodes" in numa else ()),
-                blocks, thread_costs_note(self.threads), huge_pages_note())
+                blocks, thread_costs_note(self.threads), huge_pages_note(), staging_note())
+
+    def staging(self) -> tuple[int, int]:
+        from keel.backends.cpu.planner import staging
+
+        return staging()
 
     def plan_branches(self, branches: Sequence[Sequence[tuple[float, int]]]
                       ) -> tuple[int, str]:

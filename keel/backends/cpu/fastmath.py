@@ -67,6 +67,7 @@ __all__ = [
     "activation_inplace",
     "attend_rows",
     "available",
+    "bound_activation_inplace",
     "bias_activation_inplace",
     "bound_attend_rows",
     "bound_layer_norm",
@@ -239,11 +240,17 @@ def activation_inplace(name: str, params: tuple[float, ...], y: Any,
     in place; True when done natively. The activations served (gelu, gelu_tanh,
     sigmoid, silu) take no parameters; the rest (relu, clip, ...) are single NumPy
     passes already and return False."""
+    return _ran(bound_activation_inplace(name, params, y, threads))
+
+
+def bound_activation_inplace(name: str, params: tuple[float, ...], y: Any,
+                             threads: int | None = 1) -> Call | None:
+    """:func:`activation_inplace` bound to ``y`` (see :func:`bound_unary`)."""
     found = _EPILOGUE.get(name)
     if found is None or params:
-        return False
+        return None
     kind, alpha = found
-    return unary(kind, y, y, alpha, threads)
+    return bound_unary(kind, y, y, alpha, threads)
 
 
 def bias_activation_inplace(name: str, params: tuple[float, ...], y: Any, bias: Any,

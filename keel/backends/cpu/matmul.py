@@ -374,10 +374,30 @@ def _bind_product(kernel: Any) -> Any:
         split = _split(ctx)
         # The call packs into this thread's workspace: programs run bound calls only on
         # the thread that bound them.
-        if run.rest is None and run.after is None and run.threads == split:
-            return run.go                            # the C call itself
+        if run.rest is None and run.threads == split:
+            if run.after is None:
+                return run.go                        # the C call itself
+            activation = _bound_activation(attrs, y, ctx.threads or 1)
+            if activation is not None:               # the C call, then the native pass
+                return functools.partial(_in_turn, run.go, activation)
         return functools.partial(run.into, y, ctx.threads or 1, split)
     return bind
+
+
+def _bound_activation(attrs: Attrs, y: Any, threads: int) -> Callable[[], object] | None:
+    """The fused activation a native product runs after its call (``_NativeRun.after``),
+    bound to ``y``: the same native pass, its checks made once; None when NumPy runs it."""
+    name = attrs.get("activation")
+    params = attrs.get("activation_params", ())
+    if not name:
+        return None
+    return fastmath.bound_activation_inplace(
+        name, params if isinstance(params, tuple) else tuple(params), y, threads)
+
+
+def _in_turn(first: Callable[[], object], second: Callable[[], object]) -> None:
+    first()
+    second()
 
 
 def _bind_blas(ctx: KernelContext, inputs: Inputs, attrs: Attrs,

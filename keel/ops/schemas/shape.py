@@ -261,17 +261,23 @@ def _resolve_reshape(
 
 
 def _cancel_symbols(shape: Shape, rest: Shape, what: str) -> Dim:
-    """The -1 dim when the same symbolic dims appear on both sides ([b, 3, 4] → [b, -1])."""
+    """The -1 dim when the symbolic dims of the other side cancel: the same ones on both
+    sides ([b, 3, 4] → [b, -1]: 12), or one left over whose sizes cancel too ([b, s, 4,
+    64] → [b, -1, 256]: s)."""
     if None in shape or None in rest:
         return None
-    if Counter(d for d in shape if isinstance(d, str)) != Counter(
-            d for d in rest if isinstance(d, str)):
+    left = Counter(d for d in shape if isinstance(d, str))
+    right = Counter(d for d in rest if isinstance(d, str))
+    if right - left:
         return None
     num = _product([d for d in shape if isinstance(d, int)], what)
     den = _product([d for d in rest if isinstance(d, int)], what)
     if num is None or not den or num % den:
         return None
-    return num // den
+    over = list((left - right).elements())
+    if not over:
+        return num // den
+    return over[0] if len(over) == 1 and num == den else None
 
 
 def expand_dims_dims(op: str, shape: Shape, axes: Sequence[int]) -> Shape:

@@ -14,11 +14,11 @@ dispatch costs about a microsecond, where waking a sleeping thread costs tens
 (see threads.c). When a model run ends the program parks the pool
 (:func:`parker`): its idle workers spin on for ``KEEL_IDLE_SPIN_US`` at most
 (default 50), then sleep, so a run that follows at once still finds them
-spinning and other work gets the core back soon after. A spinning thread gives
-its core to any other runnable thread every few microseconds (:func:`set_yielding`),
-so that where the cores are shared a spinning worker does not hold the caller's. One
-pool serves every kernel library; ``keel.native.build`` hands each library its address
-when it loads.
+spinning and other work gets the core back soon after. A spinning thread may give
+its core away every few microseconds (:func:`set_yield`, as the cpu planner decides:
+``planner.pool_yield``), so that where the cores are shared a spinning worker does not
+hold the caller's. One pool serves every kernel library; ``keel.native.build`` hands
+each library its address when it loads.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from keel.config import settings
 from keel.native import build
 
 __all__ = ["DispatchTimes", "chunks", "dispatch_times", "idle_spin_us", "parker", "parts", "pin",
-           "pinned", "set_affinity", "set_idle_spin_us", "set_spin_us", "set_yielding", "shutdown",
-           "spin_us", "workers"]
+           "pinned", "set_affinity", "set_idle_spin_us", "set_spin_us", "set_yield", "shutdown",
+           "spin_us", "workers", "yielding"]
 
 _I64 = ctypes.c_int64
 _pinned: frozenset[int] | None = None     # the CPUs keel's threads are kept on (None: any)
@@ -78,14 +78,23 @@ def set_affinity(on: bool) -> None:
         fn(1 if on else 0)
 
 
-def set_yielding(on: bool) -> None:
-    """Whether spinning threads (idle workers, the caller waiting for a job's chunks) give
-    their core to other runnable threads every few microseconds (the default; see
-    threads.c's YIELD_SPINS) or spin on. The same chunks either way: for measuring what it
-    is worth. Call it only while no kernel runs."""
-    fn = _function("keel_pool_set_yielding", [_I64])
+def set_yield(spins: int, shared: bool) -> None:
+    """How spinning threads (idle workers, the caller waiting for a job's chunks) give
+    their core away: every ``spins`` spins, rounded up to a power of two (0: never; the
+    caller still does every 4,096), and with ``shared`` only where another of the pool's
+    threads last ran on the same CPU (threads.c). The cpu planner decides it
+    (``planner.pool_yield``); the same chunks whatever it is, so the same results."""
+    fn = _function("keel_pool_set_yield", [_I64, _I64])
     if fn is not None:
-        fn(1 if on else 0)
+        fn(max(0, int(spins)), 1 if shared else 0)
+
+
+def yielding() -> tuple[int, bool] | None:
+    """The pool's yield as set (:func:`set_yield`): (spins, shared); None when the native
+    tier is unavailable."""
+    spins = _function("keel_pool_yield_spins", [], _I64)
+    shared = _function("keel_pool_yield_shared", [], _I64)
+    return None if spins is None or shared is None else (int(spins()), bool(shared()))
 
 
 def pin(cpus: Collection[int] | None) -> bool:

@@ -354,19 +354,23 @@ def test_each_chunk_goes_first_to_its_own_thread() -> None:
 
 
 def test_yielding_and_spinning_threads_run_the_same_chunks() -> None:
-    """Spinning threads yield their core every few microseconds (the default) or spin on:
-    the same chunks either way, every one of them run, on every thread the split asks for
-    (each chunk waits until all have started), and a GEMM gives the same bits."""
+    """Spinning threads yield their core every few spins to any thread, only to keel's
+    own threads on their CPU, or spin on: the same chunks every way, every one of them
+    run, on every thread the split asks for (each chunk waits until all have started),
+    and a GEMM gives the same bits."""
     from keel.backends.cpu import native_gemm
+    from keel.backends.cpu.planner import pool_yield
 
     check = _pool_check()
     rng = np.random.default_rng(3)
     a = rng.standard_normal((64, 300)).astype(np.float32)
     b = rng.standard_normal((300, 200)).astype(np.float32)
     products = []
+    ways = ((256, False), (1, True), (200, True), (0, False))
     try:
-        for on in (True, False):
-            pool.set_yielding(on)
+        for spins, shared in ways:
+            pool.set_yield(spins, shared)
+            assert pool.yielding() == (256 if spins == 200 else spins, shared)
             out = np.full(12, -1, dtype=np.int64)
             assert check(40, 4, 5000, out.ctypes.data) == 0
             rows = out.reshape(-1, 3)
@@ -378,6 +382,7 @@ def test_yielding_and_spinning_threads_run_the_same_chunks() -> None:
             call.run(3)
             products.append(c.copy())
     finally:
-        pool.set_yielding(True)
-    assert products[0].tobytes() == products[1].tobytes()
+        way = pool_yield()
+        pool.set_yield(way.spins, way.shared)
+    assert all(p.tobytes() == products[0].tobytes() for p in products)
     np.testing.assert_allclose(products[0], a @ b, rtol=1e-4, atol=1e-3)

@@ -106,16 +106,20 @@ class CpuBackend(Backend):
 
     def pin_threads(self) -> None:
         """Keep keel's threads on the NUMA node the plan chose, where that node's CPUs are
-        this process's (a plan for another machine's profile pins nothing here)."""
+        this process's (a plan for another machine's profile pins nothing here), and have
+        them yield as the planner decides (``planner.pool_yield``)."""
         if self._pin_checked:
             return
         self._pin_checked = True
+        from keel.backends.cpu.planner import pool_yield
+        from keel.native import pool
+
+        way = pool_yield()
+        pool.set_yield(way.spins, way.shared)
         cpus, _ = self.numa
         usable = _usable_cpus()
         if cpus is None or usable is None or not cpus <= usable:
             return
-        from keel.native import pool
-
         if pool.pinned() != cpus:
             pool.pin(cpus)
 
@@ -130,6 +134,7 @@ class CpuBackend(Backend):
             Caches,
             caches,
             huge_pages_note,
+            pool_yield,
             staging_note,
             thread_costs_note,
         )
@@ -140,7 +145,8 @@ class CpuBackend(Backend):
                   if sizes.source == Caches().source else f"block sizes: scaled to {sizes.source}")
         return (f"cpu backend, {self.threads_reason}",
                 *((f"NUMA: {numa}",) if cpus is not None or "NUMA nodes" in numa else ()),
-                blocks, thread_costs_note(self.threads), huge_pages_note(), staging_note())
+                blocks, thread_costs_note(self.threads), f"keel threads: {pool_yield().reason}",
+                huge_pages_note(), staging_note())
 
     def staging(self) -> tuple[int, int]:
         from keel.backends.cpu.planner import staging

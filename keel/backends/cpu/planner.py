@@ -1247,6 +1247,53 @@ def product_work(threads: int, m: int, n: int, k: int) -> str:
             f"{least_named(LeastWork.STREAM, max(2, threads))} per thread")
 
 
+# ---- threads: how the pool's spinning threads give way ------------------------------------
+# keel's idle workers spin for the next job, and a caller spins for its job's last chunks
+# (threads.c). Where other work shares the cores, a spinning thread may give its core away
+# (sched_yield) every POOL_YIELD_SPINS spins. To any thread (what the pool did before): a
+# worker on a core another process runs loses it for a scheduler slice each time and
+# misses the run's jobs. Only where another of keel's threads last ran on its CPU
+# (POOL_YIELD_SHARED): a worker on the caller's core still hands it back at once (the
+# case the yield was made for: the caller otherwise waits out the worker's slice), and a
+# worker on a core shared with other work spins on and takes its jobs, as onnxruntime's
+# workers do. Measured on the 2-core Intel Xeon under load (load average 1-3.6, other
+# processes on the cores), one process, the two ways alternating block by block, medians
+# of 400 runs (fastest in brackets), two threads at batch 1, us: ResNet-20 694 (548)
+# against 667 (465), 734 (650) against 561 (468); MobileNetV2 7,614 against 6,704, 10,098
+# against 7,238; small_block 197 (133) against 196 (57); the MLP and LeNet within 3 %
+# (docs/performance.md, "Spinning threads yield to keel's own threads").
+# POOL_YIELD_SPINS: 2.7 us of spinning on that Xeon (a pause 10.4 ns, measured), the
+# interval the pool had; with the yield kept to a shared CPU, 64 to 4,096 spins measured
+# alike there (ResNet-20 at batch 1, under load 5), so it stays a declared value.
+POOL_YIELD_SPINS = 256
+POOL_YIELD_SHARED = True
+
+
+@dataclass(frozen=True)
+class PoolYield:
+    """How keel's spinning threads give their core away (keel.native.pool.set_yield):
+    every ``spins`` spins (0: never), with ``shared`` only where another of keel's
+    threads last ran on the same CPU; ``reason`` says why."""
+
+    spins: int
+    shared: bool
+    reason: str
+
+
+def pool_yield() -> PoolYield:
+    """The pool's yield, decided once for the process (the pool is one for every model)."""
+    if not POOL_YIELD_SHARED:
+        return PoolYield(POOL_YIELD_SPINS, False,
+                         f"spinning threads give their core to any thread every "
+                         f"{POOL_YIELD_SPINS} spins (POOL_YIELD_SPINS)")
+    return PoolYield(POOL_YIELD_SPINS, True,
+                     f"spinning threads give their core away every {POOL_YIELD_SPINS} spins "
+                     "(POOL_YIELD_SPINS) only where another of keel's threads last ran on "
+                     "the same CPU (POOL_YIELD_SHARED): a worker on a core shared with "
+                     "other work keeps spinning for its jobs, one on the caller's core "
+                     "hands it back")
+
+
 # ---- the native GEMM's split over threads ----------------------------------------------
 # A split runs gemm.c's keel_gemm_tiles_f32: every product of a batch cut into a grid of
 # tiles, its row panels in R groups and its column panels in C groups (whole panels, as

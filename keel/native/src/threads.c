@@ -162,16 +162,26 @@ static _Atomic uint32_t park_epoch = UINT32_MAX;
 static _Atomic int64_t idle_spin_ns = 0;
 
 /* A spinning thread (a worker waiting for the next job, the caller waiting for a job's
- * last chunks) gives its core to any other runnable thread every YIELD_SPINS spins
- * (sched_yield: a few hundred nanoseconds where none is waiting). Without it, where the
- * cores are shared with other work, a worker spinning on the caller's core (the other
- * one busy) held it until the scheduler's slice ended, and the caller waiting on a
- * descheduled worker spun 4096 times between yields: on the 2-core development VM with
- * another process busy, a 32 x 288 x 256 product on two threads took 1.5x its time on
- * one. keel_pool_set_yielding turns it off, for measuring what it is worth. */
-#define YIELD_SPINS 256
+ * last chunks) may give its core to other runnable threads (sched_yield: a few hundred
+ * nanoseconds where none is waiting) every yield_spins spins, as keel's planner decides
+ * (keel_pool_set_yield; until then every 256, to any thread). Where the cores are shared
+ * with other work, a worker spinning on the caller's core (the other one busy) holds it
+ * until the scheduler's slice ends, and a caller waiting on a descheduled worker there
+ * delays it: the yield gives the core back. But a worker that yields on a core where
+ * another process runs loses that core for a whole slice and misses the jobs meanwhile;
+ * so with yield_shared a thread yields only where another of the pool's threads last ran
+ * on its CPU (the only threads its spinning can delay), and otherwise spins on, as
+ * onnxruntime's workers do. The caller waiting on a job's chunks yields every LONG_SPINS
+ * spins in any case (with yield_spins 0 too), so that it never spins for long on a
+ * worker descheduled where it could not tell. The clock and the end of a run are checked
+ * every CHECK_SPINS spins. */
+#define CHECK_SPINS 256
 #define LONG_SPINS 4096
-static _Atomic int yielding = 1;
+static _Atomic int64_t yield_spins = 256; /* a power of two; 0: never (but LONG_SPINS) */
+static _Atomic int yield_shared = 0;
+/* The CPU each pool thread last ran on, as it last looked (id 0: the caller; -1: a worker
+ * asleep). Read only with yield_shared. */
+static _Atomic int thread_cpu[MAX_WORKERS + 1];
 
 /* This thread's id in the pool: 0 for a calling thread, i + 1 for worker i. */
 static _Thread_local int64_t pool_id = 0;
@@ -252,18 +262,39 @@ static void take_chunks(uint32_t epoch)
         if (claim_own(epoch, c)) run_chunk(parts, c, &scratch);
 }
 
+/* Whether another of the first `count` pool threads than this one last ran on `cpu`. */
+static int shares_cpu(int cpu, int64_t count)
+{
+    for (int64_t id = 0; id < count; id++)
+        if (id != pool_id && atomic_load_explicit(&thread_cpu[id], memory_order_relaxed) == cpu)
+            return 1;
+    return 0;
+}
+
+/* Whether a thread that has spun `spins` times gives its core away now, the pool's first
+ * `count` threads being those its spinning may delay. */
+static int should_yield(uint64_t spins, int64_t count)
+{
+    uint64_t every = (uint64_t)atomic_load_explicit(&yield_spins, memory_order_relaxed);
+    if (every == 0 || (spins & (every - 1)) != 0) return 0;
+    if (!atomic_load_explicit(&yield_shared, memory_order_relaxed)) return 1;
+    int cpu = sched_getcpu();
+    atomic_store_explicit(&thread_cpu[pool_id], cpu, memory_order_relaxed);
+    return shares_cpu(cpu, count);
+}
+
 /* The epoch of a job newer than `seen`, spinning a while and then sleeping for one. */
 static uint32_t next_epoch(uint32_t seen)
 {
     uint32_t now = epoch_of(atomic_load_explicit(&pool.ticket, memory_order_acquire));
     if (now != seen) return now;
     int64_t until = now_ns() + spin_ns();
-    for (unsigned i = 0; !atomic_load_explicit(&pool.stop, memory_order_relaxed); i++) {
+    for (uint64_t i = 0; !atomic_load_explicit(&pool.stop, memory_order_relaxed); i++) {
         now = epoch_of(atomic_load_explicit(&pool.ticket, memory_order_acquire));
         if (now != seen) return now;
-        if ((i & (YIELD_SPINS - 1)) == 0) {
-            /* Not on the first pass: a job that follows at once is taken without a call. */
-            if (i != 0 && atomic_load_explicit(&yielding, memory_order_relaxed)) sched_yield();
+        /* Not on the first pass: a job that follows at once is taken without a call. */
+        if (i != 0 && should_yield(i, pool.workers + 1)) sched_yield();
+        if ((i & (CHECK_SPINS - 1)) == 0) {
             if (atomic_load_explicit(&park_epoch, memory_order_acquire) == seen) {
                 /* The run ended after the last job: spin on only until park_until. */
                 int64_t parked = atomic_load_explicit(&park_until, memory_order_relaxed);
@@ -273,12 +304,14 @@ static uint32_t next_epoch(uint32_t seen)
         }
         cpu_relax();
     }
+    atomic_store_explicit(&thread_cpu[pool_id], -1, memory_order_relaxed);
     pthread_mutex_lock(&pool.lock);
     atomic_fetch_add(&pool.sleepers, 1);
     while ((now = epoch_of(atomic_load(&pool.ticket))) == seen && !atomic_load(&pool.stop))
         pthread_cond_wait(&pool.wake, &pool.lock);
     atomic_fetch_sub(&pool.sleepers, 1);
     pthread_mutex_unlock(&pool.lock);
+    atomic_store_explicit(&thread_cpu[pool_id], sched_getcpu(), memory_order_relaxed);
     return now;
 }
 
@@ -289,6 +322,7 @@ static void *worker(void *arg)
 {
     uint32_t seen = (uint32_t)(uintptr_t)arg;
     pool_id = atomic_fetch_add(&next_id, 1) + 1;
+    atomic_store_explicit(&thread_cpu[pool_id], sched_getcpu(), memory_order_relaxed);
 #if defined(__linux__)
     pthread_setname_np(pthread_self(), "keel-worker"); /* what top -H and debuggers show */
 #endif
@@ -379,6 +413,8 @@ int64_t keel_parallel_capped(keel_task fn, void *ctx, int64_t n, int64_t parts, 
     int64_t owned = atomic_load_explicit(&affinity, memory_order_relaxed)
                         ? (width < OWN_PARTS ? width : OWN_PARTS) : 0;
     pool.j = (job){fn, ctx, n, scratch_floats};
+    if (atomic_load_explicit(&yield_shared, memory_order_relaxed))
+        atomic_store_explicit(&thread_cpu[0], sched_getcpu(), memory_order_relaxed);
     atomic_store_explicit(&pool.cap, cap, memory_order_relaxed);
     atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
     atomic_store_explicit(&pool.failed, 0, memory_order_relaxed);
@@ -395,11 +431,9 @@ int64_t keel_parallel_capped(keel_task fn, void *ctx, int64_t n, int64_t parts, 
         pthread_mutex_unlock(&pool.lock);
     }
     take_chunks(epoch);
-    unsigned every = atomic_load_explicit(&yielding, memory_order_relaxed) ? YIELD_SPINS
-                                                                           : LONG_SPINS;
-    for (unsigned i = 1; atomic_load_explicit(&pool.done, memory_order_acquire) < parts; i++) {
+    for (uint64_t i = 1; atomic_load_explicit(&pool.done, memory_order_acquire) < parts; i++) {
         cpu_relax();
-        if ((i & (every - 1)) == 0) sched_yield();
+        if ((i & (LONG_SPINS - 1)) == 0 || should_yield(i, width)) sched_yield();
     }
     int failed = atomic_load(&pool.failed);
     atomic_flag_clear_explicit(&pool.busy, memory_order_release);
@@ -443,9 +477,23 @@ void keel_pool_park(void)
                           memory_order_release);
 }
 
-/* Whether spinning threads yield their core every YIELD_SPINS spins (1, the default) or
- * only the caller, every LONG_SPINS (0: as before; for measuring what it is worth). */
-void keel_pool_set_yielding(int64_t on) { atomic_store(&yielding, on != 0); }
+/* How spinning threads give their core away (keel's planner decides: planner.pool_yield):
+ * every `spins` spins, rounded up to a power of two (0 or less: never, but the caller every
+ * LONG_SPINS), and with
+ * `shared` only where another of the pool's threads last ran on the same CPU. Any time: a
+ * spinning thread reads them at its next spin (the caller's CPU is known from its next job). */
+void keel_pool_set_yield(int64_t spins, int64_t shared)
+{
+    int64_t every = 0;
+    if (spins > 0)
+        for (every = 1; every < spins && every < ((int64_t)1 << 40); every <<= 1) {}
+    atomic_store(&yield_spins, every);
+    atomic_store(&yield_shared, shared != 0);
+}
+
+/* The yield interval in spins and whether it is only for a shared CPU, as set. */
+int64_t keel_pool_yield_spins(void) { return atomic_load(&yield_spins); }
+int64_t keel_pool_yield_shared(void) { return atomic_load(&yield_shared); }
 
 /* Whether each owned chunk goes first to its owner (1, the default) or every chunk to
  * whichever thread claims it first (0): the same chunks either way, so the same results;
@@ -522,15 +570,15 @@ static void meet_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
     (void)scratch, (void)lo, (void)hi;
     atomic_fetch_add(&j->started, 1);
     int64_t until = now_ns() + 1000000;
-    for (unsigned i = 1; atomic_load(&j->started) < j->parts; i++) {
+    for (uint64_t i = 1; atomic_load(&j->started) < j->parts; i++) {
         cpu_relax();
-        if ((i & (YIELD_SPINS - 1)) != 0) continue;
+        /* As the pool's own waits do: a worker woken onto this core gets it. */
+        if (should_yield(i, j->parts)) sched_yield();
+        if ((i & (CHECK_SPINS - 1)) != 0) continue;
         if (now_ns() > until) {
             atomic_store(&j->timed_out, 1);
             return;
         }
-        /* As the pool's own waits do: a worker woken onto this core gets it. */
-        if (atomic_load_explicit(&yielding, memory_order_relaxed)) sched_yield();
     }
 }
 

@@ -436,3 +436,63 @@ def test_a_products_fused_gelu_binds_after_its_call_bitwise_at_every_thread_coun
         np.testing.assert_array_equal(got, results[0])
     (want,) = session.run(None, {"x": x})
     np.testing.assert_allclose(results[0], want, rtol=1e-4, atol=1e-4)
+
+
+def conv_residual(side: int, channels: int = 16) -> bytes:
+    """One 3x3 conv whose Add takes a second graph input, then ReLU: the single-node
+    model a first benchmark often is. The feed residual is read by the conv's epilogue
+    (never written: it is the caller's array)."""
+    rng = np.random.default_rng(side)
+    n = helper.make_node
+    shape = [1, channels, side, side]
+    graph = helper.make_graph(
+        [n("Conv", ["x", "w", "b"], ["c"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+         n("Add", ["c", "r"], ["a"]), n("Relu", ["a"], ["y"])],
+        "conv_residual", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape),
+                          helper.make_tensor_value_info("r", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)],
+        [_const("w", (rng.standard_normal((channels, channels, 3, 3)) / 12
+                      ).astype(np.float32)),
+         _const("b", rng.standard_normal(channels).astype(np.float32))])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]
+                             ).SerializeToString()
+
+
+@pytest.mark.parametrize("side", [32, 64])
+def test_a_conv_with_a_feed_residual_fuses_and_runs_bound_bitwise_at_every_thread_count(
+        side: int) -> None:
+    """The Add of a feed and the ReLU fuse into the conv (one step). At 32x32 (64 KiB
+    feeds and output) the run is one function of the feeds; at 64x64 the output is over
+    HOLD_BYTES and the conv's prepared call moves to each new output. Either way: the
+    kernel's bits, the same on 1, 2, 3 and 16 threads, onnxruntime's values, the feeds
+    untouched and every output a new array."""
+    from keel import native
+
+    ort = pytest.importorskip("onnxruntime")
+    onnx_model = conv_residual(side)
+    session = ort.InferenceSession(onnx_model, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(side)
+    shape = (1, 16, side, side)
+    runs = [{k: rng.standard_normal(shape).astype(np.float32) for k in ("x", "r")}
+            for _ in range(3)]
+    results: dict[int, list[np.ndarray]] = {}
+    for threads in (1, 2, 3, 16):
+        model = load_model(onnx_model, backend="cpu", threads=threads)
+        model.predict(runs[0])
+        program = model._fast_path(runs[0])[0][1]
+        assert [step.op for step in program._steps] == ["conv"]
+        if native.available() and side == 32:
+            assert program._direct_run is not None
+        got = results[threads] = []
+        for inputs in runs:
+            kept = {k: v.copy() for k, v in inputs.items()}
+            got.append(model.predict(inputs)["y"])
+            for k, v in inputs.items():
+                np.testing.assert_array_equal(v, kept[k])
+            np.testing.assert_array_equal(got[-1], unbound(model, inputs)["y"])
+            (want,) = session.run(None, inputs)
+            np.testing.assert_allclose(got[-1], want, rtol=1e-4, atol=1e-4)
+        assert not any(np.shares_memory(a, b) for a, b in itertools.pairwise(got))
+    for threads in (2, 3, 16):
+        for a, b in zip(results[1], results[threads], strict=True):
+            np.testing.assert_array_equal(a, b)

@@ -209,6 +209,35 @@ def test_gemm_writes_each_fresh_output_bitwise_like_the_full_path(n: int) -> Non
     assert len({id(o) for o in outs}) == 4
 
 
+def test_a_fresh_output_where_the_last_one_lay_keeps_the_bound_call() -> None:
+    """A model's output is a new array every run, and the allocator often gives it the
+    bytes the last one freed: the conv's and the product's calls bound for that address
+    are kept (nothing moved or bound again), an output elsewhere gets its calls moved,
+    and every result is bitwise the full path's."""
+    attrs = get_schema(Op.CONV).normalize_attrs({"kernel_shape": (3, 3), "pads": (1, 1, 1, 1),
+                                                 "activation": "relu"})
+    x, w, b, z = _f(1, 16, 16, 16), _frozen(_f(16, 16, 3, 3)), _frozen(_f(16)), _f(1, 16, 16, 16)
+    conv_state = _state(Op.CONV, "native", [None, w, b], attrs)
+    conv_places = np.empty((2, 1, 16, 16, 16), np.float32)
+    a, gw, gc = _f(4, 30), _frozen(_f(5000, 30)), _frozen(_f(5000))     # retargeted, not held
+    gemm_state = _state(Op.GEMM, "native", [None, gw, gc], GEMM_ATTRS)
+    gemm_places = np.empty((2, 4, 5000), np.float32)
+    conv_goes, gemm_goes = [], []
+    for where in (0, 0, 1, 1, 0):
+        x[...], z[...], a[...] = _f(1, 16, 16, 16), _f(1, 16, 16, 16), _f(4, 30)
+        y = conv_places[where].view()                  # a new array, in a known place
+        _conv(conv_state, [x, w, b, z], attrs, y)
+        np.testing.assert_array_equal(y, _conv_full([x, w, b, z], attrs, y.shape))
+        conv_goes.append(next(iter(conv_state.moving.values())).go)
+        y = gemm_places[where].view()
+        assert cpu_matmul.gemm(_ctx(gemm_state), [a, gw, gc], GEMM_ATTRS, [y])[0] is y
+        np.testing.assert_array_equal(y, _gemm_full([a, gw, gc], GEMM_ATTRS))
+        gemm_goes.append(next(iter(gemm_state.calls.values())).go)
+    for goes in (conv_goes, gemm_goes):
+        assert goes[1] is goes[0] and goes[3] is goes[2]
+        assert goes[2] is not goes[1] and goes[4] is not goes[3]
+
+
 def test_gemm_other_arrays_recompute() -> None:
     a, w, c = _f(3, 12), _frozen(_f(7, 12)), _frozen(_f(7))
     state = _state(Op.GEMM, "native", [None, w, c], GEMM_ATTRS)

@@ -377,9 +377,13 @@ class _Ready:
             return None
         lo, delta = self.y_address, native_gemm.address(y) - self.y_address
         again = copy.copy(self)
-        again.calls = tuple(call.moved(lo, lo + y.nbytes, delta) for call in self.calls)
-        again.y_ref, again.y_address = weakref.ref(y), lo + delta
-        again.threads, again.go = 0, ()
+        again.y_ref = weakref.ref(y)
+        if delta:
+            again.calls = tuple(call.moved(lo, lo + y.nbytes, delta) for call in self.calls)
+            again.y_address = lo + delta
+            again.threads, again.go = 0, ()
+        # else: a new array in the old one's place (the allocator hands a freed output's
+        # bytes to the next one of its size): the calls and their bound forms stand.
         return again
 
     def run(self, x: Any, y: Any, threads: int) -> None:

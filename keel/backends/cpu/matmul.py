@@ -564,7 +564,12 @@ class _NativeRun:
             return None if prepared is None else _NativeRun(a, y, attrs, *prepared, hold=hold)
         call = hit.call.retarget(y if y.ndim == 2 else y.reshape(-1, y.shape[-1] if y.ndim
                                                                   else 1))
-        return None if call is None else _NativeRun(a, y, attrs, call, hit.rest, hit.after)
+        if call is None:
+            return None
+        run = _NativeRun(a, y, attrs, call, hit.rest, hit.after)
+        if call is hit.call:                # Y where the last one was: its bound call stands
+            run.go, run.threads = hit.go, hit.threads
+        return run
 
     def into(self, y: Any, threads: int, split: int) -> bool:
         """Compute into ``y`` (Y itself, or any C-contiguous float32 array of Y's shape

@@ -501,10 +501,15 @@ class Call:
     def retarget(self, c: np.ndarray) -> Call | None:
         """The same call writing into ``c`` instead (None unless ``c`` has the shape,
         strides and dtype of the C it was prepared for): a model's outputs are fresh
-        arrays every run, its other buffers the same ones."""
+        arrays every run, its other buffers the same ones. This call itself where ``c``
+        lies where its C did (the allocator often hands a freed output's bytes to the
+        next one of its size)."""
         if (c.shape, c.strides, c.dtype) != self.c_layout:
             return None
-        values = (*self.values[:_C_FIELD], native.address(c), *self.values[_C_FIELD + 1:])
+        address = native.address(c)
+        if address == self.values[_C_FIELD]:
+            return self         # a new array in the old one's place: the same call
+        values = (*self.values[:_C_FIELD], address, *self.values[_C_FIELD + 1:])
         return Call(self.f, values, self.batch, self.m, self.n, self.k, self.keep,
                     self.c_layout)
 

@@ -110,9 +110,10 @@ serve the case (the kernel then runs as usual). The executor binds a step only
 when all of its inputs and outputs stay put between runs, binds again when they
 move (a larger arena), calls a thunk only on the thread that bound it (a bound
 call may hold that thread's state, such as the GEMM's packing workspace; another
-thread binds its own), calls it under ``np.errstate(all="ignore")``, and
-never binds for profiling, observing or the op-level ``run``. A bind must not
-raise for a case it cannot serve (it returns ``None``), and it must not compute
+thread binds its own), calls it under ``np.errstate(all="ignore")`` (a profiled
+run times each bound call alone), and never binds for observing,
+``intermediates`` or the op-level ``run``. A bind must not raise for a case it
+cannot serve (it returns ``None``), and it must not compute
 anything the kernel would not (it may prepare the kernel's own kept state).
 """
 

@@ -195,18 +195,69 @@ def test_the_winograd_run_follows_the_vendor_planned_for(
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
+def _one_conv(name: str, w: np.ndarray, x_shape: list[int], y_shape: list[int],
+              **attrs: Any) -> Any:
+    """A model of one bias-free Conv of the constant ``w``."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], **attrs)], name,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, y_shape)],
+        [numpy_helper.from_array(w, "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _passes_model() -> Any:
+    """A 512 -> 256 3x3 conv on 12x12 at batch 2: run pass by pass on one thread for any
+    L2 (U, 8 MiB, is read again by every pipeline block), its chunks' 36 or 72 tiles in
+    lanes tiles by Intel's rule (32-column panels compute 1.78x or 1.33x them) and in
+    panels by AMD's (B over the lanes tiles' LANES_MAX_B_BYTES)."""
+    w = np.random.default_rng(8).standard_normal((256, 512, 3, 3)).astype(np.float32) / 64
+    return _one_conv("passes", w, [2, 512, 12, 12], [2, 256, 12, 12], pads=[1, 1, 1, 1],
+                     kernel_shape=[3, 3])
+
+
+@pytest.mark.parametrize(("name", "lanes"), [("amd-sysfs-only", False),
+                                             ("x86-avx512-server", True)])
+def test_the_winograd_passes_run_the_tiles_of_the_vendor_planned_for(
+        name: str, lanes: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Winograd conv run pass by pass carries its chunks' lanes-tile choice for the
+    vendor planned for as the plan's winograd_pass_lanes option, explain() says why, and
+    every product call the passes run carries it here whatever this machine's vendor,
+    with the reference backend's result."""
+    from keel.backends.cpu import native_gemm, winograd
+
+    if winograd._functions() is None:    # the NumPy Winograd runs no products in tiles
+        pytest.skip("native tier unavailable")
+    model = keel.load_model(_passes_model(), backend="cpu", hardware=fake_profile(name),
+                            threads=1)
+    convs = [n.plan for n in model.plan.nodes if n.plan is not None
+             and n.plan.option("conv_variant", n.plan.variant) == "winograd"]
+    assert len(convs) == 1 and convs[0].option("winograd_pass_lanes") is lanes
+    why = convs[0].reason("winograd_pass_lanes")
+    assert why.startswith("run pass by pass") and why in model.explain()
+    assert ("in lanes tiles" if lanes else "in 8 x 32 panels") in why
+    ran: list[bool] = []
+    run = native_gemm.Call.run
+
+    def spy(call: Any, threads: int, panel_major: bool = False) -> None:
+        ran.append(bool(int(call.values[native_gemm._FLAGS_FIELD]) & native_gemm._LANES))
+        run(call, threads, panel_major)
+
+    monkeypatch.setattr(native_gemm.Call, "run", spy)
+    x = np.random.default_rng(9).standard_normal((2, 512, 12, 12)).astype(np.float32)
+    got = model.run(None, {"x": x})[0]
+    assert ran and set(ran) == {lanes}        # no call: the pipeline ran, not the passes
+    want = keel.load_model(_passes_model(), backend="reference").run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
+
+
 def _expansion_model() -> Any:
     """MobileNetV2's 96 -> 576 1x1 conv on 14x14 at batch 1 (the direct form; its
     products in lanes tiles on AMD's cores, in panels on Intel's)."""
-    from onnx import TensorProto, helper, numpy_helper
-
     w = np.random.default_rng(5).standard_normal((576, 96, 1, 1)).astype(np.float32) / 10
-    graph = helper.make_graph(
-        [helper.make_node("Conv", ["x", "w"], ["y"])], "expansion",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 96, 14, 14])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 576, 14, 14])],
-        [numpy_helper.from_array(w, "w")])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return _one_conv("expansion", w, [1, 96, 14, 14], [1, 576, 14, 14])
 
 
 @pytest.mark.parametrize(("name", "lanes"), [("amd-sysfs-only", True),

@@ -107,12 +107,9 @@ def feeds(seed: int, past: int = PAST) -> dict[str, np.ndarray]:
 
 
 def unbound(model: Model, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The same run step by step through the kernels (a profiled run binds nothing)."""
-    model.enable_profiling()
-    try:
-        return model.predict(inputs)
-    finally:
-        model._profiler = None
+    """The same run step by step through the kernels (``intermediates`` binds nothing)."""
+    values = model.intermediates(inputs)
+    return {info.name: values[info.name] for info in model.outputs}
 
 
 def bound_kinds(model: Model, inputs: dict[str, np.ndarray]) -> list[str]:
@@ -144,6 +141,42 @@ def test_bound_steps_compute_bitwise_what_the_kernels_compute(model: Model) -> N
         want = unbound(model, inputs)
         for name in ("out", "present"):
             np.testing.assert_array_equal(got[name], want[name])
+
+
+def test_a_profiled_run_times_the_bound_steps_the_steady_run_executes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Profiling runs the steps as the steady run does (bound calls where they bound,
+    never the general path for those), gives every step a time, and computes bitwise the
+    unprofiled result."""
+    model = load_model(decode_step(), backend="cpu", threads=1)
+    inputs = feeds(10)
+    want = model.predict(inputs)
+    fast = model._fast_path(inputs)
+    assert fast is not None
+    (_, program, _), _ = fast
+    bound = {step.name for step, hot in zip(program._steps, program._hot, strict=True)
+             if hot[0] == program_module._BOUND}
+    assert bound
+    general: list[str] = []
+    run_general = program_module.Program._general
+
+    def spy(self: program_module.Program, step: program_module._Step,
+            outputs: object) -> None:
+        general.append(step.name)
+        run_general(self, step, outputs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(program_module.Program, "_general", spy)
+    model.enable_profiling()
+    for _ in range(2):
+        got = model.predict(inputs)
+        for name in ("out", "present"):
+            np.testing.assert_array_equal(got[name], want[name])
+    profiler = model.profiler
+    assert profiler is not None and len(profiler.runs) == 2
+    names = [name for name, _, _ in program.steps]
+    assert [e.name for e in profiler.events] == names * 2
+    assert all(e.duration_ns > 0 for e in profiler.events)
+    assert not bound & set(general)       # the general path ran no bound step
 
 
 def test_bound_steps_match_onnxruntime(model: Model) -> None:

@@ -4,11 +4,12 @@ count to it and says so; the native pool's workers follow the pin."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from keel import config, load_model
@@ -101,9 +102,23 @@ def test_explain_says_where_the_threads_run() -> None:
     assert pinned is None or pinned <= frozenset(os.sched_getaffinity(0))
 
 
-def _worker_cpus() -> list[str]:
+# The pin check runs in a process of its own: a test that resets the native tier with a
+# cache of its own (native.reset) loads a second threads library into its process, whose
+# workers (named keel-worker too) no pin of this one moves.
+_PIN_CHECK = """
+import json, os
+from pathlib import Path
+
+import numpy as np
+
+from keel import load_model, native
+from keel.native import pool
+from keel.testing.models import make_inputs, mlp
+
+
+def worker_cpus():
     lists = []
-    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+    for task in Path("/proc/self/task").iterdir():
         if (task / "comm").read_text().strip() == "keel-worker":
             status = (task / "status").read_text()
             lists += [line.split(":", 1)[1].strip() for line in status.splitlines()
@@ -111,29 +126,45 @@ def _worker_cpus() -> list[str]:
     return lists
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or not Path("/proc/self/task").exists(),
-                    reason="reads thread affinity from Linux's /proc")
-def test_pinning_moves_the_native_workers_and_back() -> None:
-    from keel import native
-    from keel.native import pool
-
-    if not native.available():
-        pytest.skip("native kernels are off or unbuilt (KEEL_NATIVE=off)")
+report = {"available": native.available()}
+if report["available"]:
     usable = sorted(os.sched_getaffinity(0))
     proto = mlp(in_features=256, hidden=(256,), classes=4)
     model = load_model(proto.SerializeToString(), backend="cpu", threads=2)
     feeds = make_inputs(proto, batch=64)
-    expected = model.predict(feeds)                      # starts the workers
-    if pool.workers() == 0:
-        pytest.skip("no native worker started (one usable CPU)")
+    expected = model.predict(feeds)                    # starts the workers
+    report.update(usable=usable, workers=pool.workers())
     try:
-        assert pool.pin({usable[0]})
-        assert pool.pinned() == frozenset({usable[0]})
-        assert set(_worker_cpus()) == {str(usable[0])}
-        again = model.predict(feeds)                     # the same results, pinned
-        assert all(np.array_equal(again[k], expected[k]) for k in expected)
+        report.update(pin=pool.pin({usable[0]}), pinned=sorted(pool.pinned() or ()),
+                      pinned_cpus=worker_cpus())
+        again = model.predict(feeds)                   # the same results, pinned
+        report["same"] = all(np.array_equal(again[k], expected[k]) for k in expected)
     finally:
-        assert pool.pin(None)
-    assert pool.pinned() is None
-    if len(usable) > 1:
-        assert str(usable[0]) not in _worker_cpus()
+        report["unpin"] = pool.pin(None)
+    report.update(unpinned=pool.pinned() is None, unpinned_cpus=worker_cpus())
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or not Path("/proc/self/task").exists(),
+                    reason="reads thread affinity from Linux's /proc")
+def test_pinning_moves_the_native_workers_and_back() -> None:
+    root = Path(__file__).resolve().parents[2]        # this checkout's keel, not another's
+    done = subprocess.run([sys.executable, "-c", _PIN_CHECK], cwd=root, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    if not report["available"]:
+        pytest.skip("native kernels are off or unbuilt (KEEL_NATIVE=off)")
+    if report["workers"] == 0:
+        pytest.skip("no native worker started (one usable CPU)")
+    first = report["usable"][0]
+    assert report["pin"] and report["pinned"] == [first]
+    # Every worker moved, each one named already (grow names it, not the worker itself).
+    assert len(report["pinned_cpus"]) == report["workers"]
+    assert set(report["pinned_cpus"]) == {str(first)}
+    assert report["same"]
+    assert report["unpin"] and report["unpinned"]
+    assert len(report["unpinned_cpus"]) == report["workers"]
+    if len(report["usable"]) > 1:
+        assert str(first) not in report["unpinned_cpus"]

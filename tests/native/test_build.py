@@ -356,8 +356,10 @@ def test_each_chunk_goes_first_to_its_own_thread() -> None:
 def test_yielding_and_spinning_threads_run_the_same_chunks() -> None:
     """Spinning threads yield their core every few spins to any thread, only to keel's
     own threads on their CPU, or spin on: the same chunks every way, every one of them
-    run, on every thread the split asks for (each chunk waits until all have started),
-    and a GEMM gives the same bits."""
+    run, on as many threads as the split asks for (each chunk waits until all have
+    started), and a GEMM gives the same bits. Which threads: any of the pool's, not only
+    the chunks' owners: a worker left from a wider split earlier in the process takes an
+    owned chunk its owner has not claimed yet (an owner descheduled under load)."""
     from keel.backends.cpu import native_gemm
     from keel.backends.cpu.planner import pool_yield
 
@@ -375,7 +377,8 @@ def test_yielding_and_spinning_threads_run_the_same_chunks() -> None:
             assert check(40, 4, 5000, out.ctypes.data) == 0
             rows = out.reshape(-1, 3)
             assert [tuple(r) for r in rows[:, :2]] == pool.chunks(40, 4)
-            assert sorted(rows[:, 2]) == [0, 1, 2, 3]
+            ran_on = set(rows[:, 2].tolist())
+            assert len(ran_on) == 4 and ran_on <= set(range(pool.workers() + 1))
             c = np.empty((64, 200), np.float32)
             call = native_gemm.prepare(a, b, c)
             assert call is not None

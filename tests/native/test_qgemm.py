@@ -684,8 +684,9 @@ def test_the_planners_int8_sizes_are_the_compiled_kernels(
 
 def test_the_int8_arrays_follow_the_compiled_enum_orders(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """native_qgemm builds its kind, column, quant and geometry values in qgemm.c's enum
-    orders: the load checks them against keel_qgemm_layout, and one that differs fails it."""
+    """native_qgemm builds its kind, column, quant, geometry and QLinearAdd values in
+    qgemm.c's enum orders: the load checks them against keel_qgemm_layout, and one that
+    differs fails it."""
     lib = native.library("qgemm")
     if lib is None:
         pytest.skip(f"native tier unavailable: {native.status().reason}")
@@ -699,6 +700,12 @@ def test_the_int8_arrays_follow_the_compiled_enum_orders(
     monkeypatch.setattr(native_qgemm, "_COLUMNS", {"padded": 0, "rows": 1, "compact": 2})
     with pytest.raises(native_qgemm.Int8SizesError, match=r"keel_qgemm_layout.*change both"):
         native_qgemm.check_layout(lib)
+    for name, swapped in (("_ADD", ("rb", "ra", "c")), ("_ADD_BOUND", ("hi", "lo"))):
+        monkeypatch.undo()          # QLinearAdd's constants and bounds, by name too
+        monkeypatch.setattr(native_qgemm, name, swapped)
+        with pytest.raises(native_qgemm.Int8SizesError,
+                           match=r"keel_qgemm_layout.*ADD_.*change both"):
+            native_qgemm.check_layout(lib)
 
 
 @pytest.mark.parametrize(("name", "swapped"), [

@@ -52,6 +52,8 @@ _CONV_GEOMETRY = ("n", "c", "h", "w", "m", "oh", "ow", "kh", "kw", "sh", "sw", "
                   "pt", "pl", "g")                               # Q_*: _ConvConstants'
 _POOL_GEOMETRY = ("n", "c", "h", "w", "oh", "ow", "kh", "kw", "sh", "sw", "pt", "pl", "dh",
                   "dw")                                          # P_*: max_pool's
+_ADD = ("ra", "rb", "c")                                 # ADD_*: qlinear_add's constants
+_ADD_BOUND = ("lo", "hi")                                # ADD_BOUND_*: and its bounds
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,9 @@ def _layout() -> dict[str, int]:
     columns = {f"COLUMNS_{name.upper()}": value for name, value in _COLUMNS.items()}
     return {**kinds, **columns, **slot_values((("QUANT_", _QUANT, "len"),
                                                ("Q_", _CONV_GEOMETRY, "len"),
-                                               ("P_", _POOL_GEOMETRY, "len")))}
+                                               ("P_", _POOL_GEOMETRY, "len"),
+                                               ("ADD_", _ADD, "len"),
+                                               ("ADD_BOUND_", _ADD_BOUND, "len")))}
 
 
 def check_enums(lib: native.NativeLibrary, function: str, want: Mapping[str, int],
@@ -193,9 +197,10 @@ def _unsigned_shift(dtype: np.dtype) -> int:
     return 128 if dtype == np.int8 else 0
 
 
-def slots(names: tuple[str, ...], **values: int) -> np.ndarray:
-    """``values`` as the int64 array a kernel reads, in its enum order ``names``."""
-    return np.array([values[name] for name in names], dtype=np.int64)
+def slots(names: tuple[str, ...], dtype: Any = np.int64, **values: float) -> np.ndarray:
+    """``values`` as the array (int64 unless ``dtype``) a kernel reads, in its enum order
+    ``names``."""
+    return np.array([values[name] for name in names], dtype=dtype)
 
 
 def _quant(out: DType, y_zero_point: int) -> np.ndarray:
@@ -556,8 +561,9 @@ def _add_arguments(constants: tuple[float, float, float], y_zero_point: int, rel
     """qlinear_add's constant arguments, made once per set of them (a residual join runs
     with the same ones every time; making them took a third of a small join's call)."""
     lo, hi = QUANT_RANGES[DType.from_numpy(np.dtype(y_type))]
-    c = np.asarray(constants, dtype=np.float32)
-    b = np.array([max(lo, y_zero_point) if relu else lo, hi], dtype=np.int64)
+    ra, rb, zero_points = constants
+    c = slots(_ADD, np.float32, ra=ra, rb=rb, c=zero_points)
+    b = slots(_ADD_BOUND, lo=max(lo, y_zero_point) if relu else lo, hi=hi)
     count = planner_rules().int8_pass_parts(size, threads)
     return _AddArguments((c, b), _ptr(c), _ptr(b), count)
 

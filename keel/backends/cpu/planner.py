@@ -2095,6 +2095,9 @@ def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:
     if form.lanes is not None:
         options.append(("winograd_lanes", form.lanes))
         form_reasons.append(("winograd_lanes", form.lanes_reason))
+    if form.pass_lanes is not None:
+        options.append(("winograd_pass_lanes", form.pass_lanes))
+        form_reasons.append(("winograd_pass_lanes", form.pass_lanes_reason))
     if form.gemm_lanes is not None:
         options.append(("gemm_lanes", form.gemm_lanes))     # the layout's reason says
     if form.output_streams:
@@ -3009,6 +3012,10 @@ class ConvForm:
     # plan says, whatever this machine's vendor.
     lanes: bool | None = None
     lanes_reason: str = ""
+    # Run pass by pass, the products of a chunk wider than one vector in lanes tiles or
+    # not (winograd_pass_lanes, for the chunk's tiles and the vendor planned for).
+    pass_lanes: bool | None = None
+    pass_lanes_reason: str = ""
     # The native conv's products in lanes tiles or not (native_tiles; None: the kernel's
     # rule for the shapes it sees) and its gathered taps streamed for its output's sake.
     gemm_lanes: bool | None = None
@@ -3074,6 +3081,7 @@ def winograd_form(geo: ConvGeometry, itemsize: int, sizes: Caches | None = None,
     if not (itemsize == 4 and native_gemm.available() and geo.rank == 2):
         return ConvForm("", why, chunk, scratch)
     lanes, lanes_why = winograd_lanes(vendor)
+    passes, passes_why = winograd_pass_lanes(c, m, chunk * th * tw, vendor)
     pipe = winograd_pipeline(geo.batch, c, m, (oh, ow), max(1, threads), sizes,
                              vendor=vendor)
     why = f"{why}; on {max(1, threads)} thread(s) {pipe.reason}"
@@ -3082,7 +3090,10 @@ def winograd_form(geo: ConvGeometry, itemsize: int, sizes: Caches | None = None,
         ld = -(-pipe.tiles // PIPELINE_VECTOR) * PIPELINE_VECTOR
         scratch = ((pipe.threads or pipe.parts) * 16 * ld * (c + pipe.panels * mr)
                    * itemsize)
-    return ConvForm("", why, chunk, scratch, lanes=lanes, lanes_reason=lanes_why)
+    return ConvForm("", why, chunk, scratch, lanes=lanes, lanes_reason=lanes_why,
+                    pass_lanes=passes, pass_lanes_reason=(
+                        "where run pass by pass (on these threads the pipeline runs), "
+                        if pipe.tiles else "run pass by pass, ") + passes_why)
 
 
 def _winograd_chunk(images: int, per_image: int, sizes: Caches) -> int:
@@ -3440,8 +3451,8 @@ WINOGRAD_TALL_COLUMNS = 16
 # shuffles, which on Intel's cores issue on the port that also holds the second 512-bit
 # FMA unit, and on AMD's Zen on shuffle units of their own. The pipeline prepares one
 # call for all its blocks, so this rule, not lanes_tiles on a stand-in shape, decides
-# (the passes' other products are prepared on their real columns and follow
-# lanes_tiles). Measured:
+# (the passes' wider products follow winograd_pass_lanes, on a chunk's real tiles).
+# Measured:
 # - AMD (2-core Zen 5, one thread, quiet), ResNet-18, keel / onnxruntime in two
 #   alternating runs, lanes against panels and tall tiles: batch 1 1.08-1.10 against
 #   1.12-1.14, batch 32 1.08-1.13 against 1.11-1.15.
@@ -3470,6 +3481,52 @@ def winograd_lanes(vendor: Any = _HERE) -> tuple[bool, str]:
     return False, (f"products in 8 x 32 panels, the form that needs no shuffles: "
                    f"{unmeasured_vendor(vendor)} (on Intel's the panels took 0.84-0.92x "
                    "the lanes tiles' time)")
+
+
+# The passes' products (a Winograd conv run pass by pass, not as the pipeline) are
+# prepared on a chunk's real tiles, so their tiles are decided on those columns: a chunk
+# of at most one vector of tiles runs in tall tiles, lanes or not as winograd_lanes says;
+# a wider one in lanes tiles or 8 x 32 panels as this rule says, for the vendor planned
+# for. Measured on the 2-core Intel Xeon (AVX-512, AMX; KVM), the sixteen products of
+# one chunk alone (C = M channels, T tiles), panels and lanes alternating in one process,
+# 31-41 rounds, wall-time medians under load, panels' time / lanes':
+# where 32-column panels compute 1.31x the tiles or more, lanes won: 256 x 49 1.12 (one
+# and two threads), 128 x 49 1.07, 64 x 49 1.10, 512 x 49 1.09, 64 x 36 (1.78x) 1.25;
+# at 1.28-1.31x they tied: 256 x 98 1.00 (1.01 on two threads), 128 x 100 1.02, 32 x 100
+# 0.97; where the panels waste little, panels won: 128 x 196 (1.14x) 1.00, 128 x 64 0.81,
+# 64 x 128 0.79 (two threads 0.79), 32 x 64 0.81, 16 x 256 0.64. Before, the kernel left
+# the choice to lanes_tiles for this machine's vendor, which took the lanes tiles for
+# 64 x 128 and 32 x 64 (its depth clause, measured on 1x1 convs) and left 512 x 49 in
+# panels (its B over LANES_MAX_B_BYTES). So outside WINOGRAD_LANES_VENDORS the passes'
+# products take the lanes tiles where the panels compute at least LANES_PANEL_WASTE times
+# the chunk's tiles; on AMD's cores, not re-measured for the passes, they keep what ran
+# there before: lanes tiles wherever lanes_tiles' shapes fit them (_lanes_fit).
+def winograd_pass_lanes(c: int, m: int, tiles: int, vendor: Any = _HERE,
+                        grid: Any = _HERE) -> tuple[bool, str]:
+    """Whether the sixteen products of a Winograd chunk of ``tiles`` tiles (C -> M
+    channels), run pass by pass, take gemm.c's lanes tiles on a CPU of ``vendor`` with the
+    native tile ``grid`` (defaults: this machine's), and why."""
+    if winograd_tall(tiles):
+        lanes = winograd_lanes(vendor)[0]
+        return lanes, (f"passes' products of {tiles} tile(s) in tall tiles"
+                       f"{', lanes' if lanes else ', not lanes'} as winograd_lanes says")
+    vendor = _this_vendor() if vendor is _HERE else vendor
+    shape = f"passes' products of {tiles} tiles a chunk"
+    if vendor in WINOGRAD_LANES_VENDORS:
+        fit = _lanes_fit(16, m, tiles, c)
+        return fit, (f"{shape} {'in lanes tiles' if fit else 'in 8 x 32 panels'}: on "
+                     f"{vendor}'s cores wherever the lanes tiles' shapes fit them "
+                     "(_lanes_fit; not re-measured for the passes)")
+    width = (_grid(grid) or _TILES["scalar"])[1]
+    computed = -(-tiles // width) * width
+    lanes = computed >= LANES_PANEL_WASTE * tiles
+    return lanes, (f"{shape} {'in lanes tiles' if lanes else 'in 8 x 32 panels'}: "
+                   f"{width}-column panels compute {computed / tiles:.2f}x them "
+                   f"({'at least' if lanes else 'under'} LANES_PANEL_WASTE, "
+                   f"{LANES_PANEL_WASTE}x; measured on Intel's cores: the lanes tiles "
+                   "1.07-1.25x faster on 36 and 49 tiles, tied on 98-100, panels 1.2-1.5x "
+                   "faster without waste)"
+                   + ("" if vendor == "Intel" else f"; {unmeasured_vendor(vendor)}"))
 
 
 def unmeasured_vendor(vendor: str | None) -> str:
@@ -3767,7 +3824,7 @@ def _winograd_splits(geo: ConvGeometry, chunk: int, threads: int, grid: Any,
     products = gemm_pass("16 products", 16, m, tiles, c, threads, grid,
                          panel_major=not winograd_by_product(c, m, tiles, threads),
                          sizes=sizes, raw=(False, True),
-                         lanes=winograd_tall(tiles) and winograd_lanes(vendor)[0])
+                         lanes=winograd_pass_lanes(c, m, tiles, vendor, grid)[0])
     return passes[0], products, passes[1]
 
 

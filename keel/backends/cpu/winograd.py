@@ -203,12 +203,14 @@ def _contiguous_f32(*arrays: Any) -> bool:
 def native_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[int, int],
                    y: Any, bias: Any = None, z: Any = None, act: Activation = ("", ()),
                    packed: Any = None, threads: int = 1, chunk: int | None = None,
-                   lanes: bool | None = None) -> bool:
+                   lanes: bool | None = None, pass_lanes: bool | None = None) -> bool:
     """:func:`conv3x3` with the transforms compiled and the sixteen products on keel's
     packed GEMM, split over ``threads``, ``chunk`` images at a time (None: all), the
     products in lanes tiles or in panels as ``lanes`` says (its plan's
-    ``winograd_lanes``; None, a call the planner did not see: the rule for this
-    machine's vendor); False when not served (nothing written): the native tier
+    ``winograd_lanes``: the pipeline's, and the passes' products in tall tiles) and, run
+    pass by pass, a chunk's wider products as ``pass_lanes`` says (its plan's
+    ``winograd_pass_lanes``); None, a call the planner did not see: the rules for this
+    machine's vendor. False when not served (nothing written): the native tier
     unavailable, or arrays that are not C-contiguous float32."""
     fns = _functions()
     if fns is None or not _contiguous_f32(x, w, y, bias, z) or (
@@ -254,8 +256,13 @@ def native_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[in
         call = native_gemm.prepare(products.u, v, p)
         if call is None:
             raise RuntimeError("native GEMM refused the Winograd products")
-        if planner.winograd_tall(t):
-            call = native_gemm.with_tiles(call, tall=True, lanes=lanes)
+        # The lanes tiles the plan gives (not prepare's rule for this machine's vendor);
+        # tall tiles for one vector of tiles, or where tall_tiles takes U's shape.
+        one_vector = planner.winograd_tall(t)
+        if pass_lanes is None:
+            pass_lanes = planner.winograd_pass_lanes(c, m, t)[0]
+        call = native_gemm.with_tiles(call, one_vector or planner.tall_tiles(m, c),
+                                      lanes if one_vector else pass_lanes)
         # Panel-major: a thread's share of the sixteen products is the same tiles of each
         # (those of the images, or tile rows, it transformed: the pool gives each thread
         # the same chunk index); product by product where U outweighs the tiles.

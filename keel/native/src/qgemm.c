@@ -1476,15 +1476,21 @@ static void qadd_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
     }
 }
 
-/* y[n] = QLinearAdd(a[n], b[n]) for same-shaped 8-bit a and b. constants = {ra, rb, c}
- * (qadd_job's); bounds = {y's lo, hi} (lo raised to y's zero point for a fused ReLU);
- * flags as qadd_job's. The n elements split into `parts` contiguous runs, one per thread. */
+/* The slots of keel_qadd_u8's constants (ADD_*: ra, rb, c, qadd_job's) and bounds
+ * (ADD_BOUND_*: y's lo and hi) arrays, exported with the layout below. */
+enum { ADD_RA, ADD_RB, ADD_C, ADD_LEN };
+enum { ADD_BOUND_LO, ADD_BOUND_HI, ADD_BOUND_LEN };
+
+/* y[n] = QLinearAdd(a[n], b[n]) for same-shaped 8-bit a and b. constants: ADD_* (ra, rb
+ * and c); bounds: ADD_BOUND_* (y's lo, raised to y's zero point for a fused ReLU, and
+ * hi); flags as qadd_job's. The n elements split into `parts` contiguous runs, one per
+ * thread. */
 int64_t keel_qadd_u8(const uint8_t *a, const uint8_t *b, int64_t n, const float *constants,
                      const int64_t *bounds, int64_t flags, uint8_t *y, int64_t parts)
 {
     if (n <= 0) return 0;
-    qadd_job j = {a, b, constants[0], constants[1], constants[2], (float)bounds[0],
-                  (float)bounds[1], flags, y};
+    qadd_job j = {a, b, constants[ADD_RA], constants[ADD_RB], constants[ADD_C],
+                  (float)bounds[ADD_BOUND_LO], (float)bounds[ADD_BOUND_HI], flags, y};
     return run_parts(qadd_task, &j, n, parts, 1);
 }
 
@@ -1959,14 +1965,16 @@ int64_t keel_qgemm_geometry(int64_t *out, int64_t n)
 
 /* The enum values keel.backends.cpu.native_qgemm builds its arrays with (it checks them at
  * load, as the sizes above), by name: KIND_*, COLUMNS_*, the quant array's slots
- * (QUANT_*), the conv geometry's (Q_*) and the max pool geometry's (P_*), each with its
- * length (keel_qgemm_layout and keel_qgemm_layout_names: see enums.h). */
+ * (QUANT_*), the conv geometry's (Q_*), the max pool geometry's (P_*) and QLinearAdd's
+ * constants (ADD_*) and bounds (ADD_BOUND_*), each with its length (keel_qgemm_layout and
+ * keel_qgemm_layout_names: see enums.h). */
 #define QGEMM_LAYOUT(X) \
     X(KIND_U8) X(KIND_S8) X(KIND_F32) X(COLUMNS_PADDED) X(COLUMNS_COMPACT) X(COLUMNS_ROWS) \
     X(QUANT_YZP) X(QUANT_LO) X(QUANT_HI) X(QUANT_KIND) X(QUANT_LEN) \
     X(Q_N) X(Q_C) X(Q_H) X(Q_W) X(Q_M) X(Q_OH) X(Q_OW) X(Q_KH) X(Q_KW) X(Q_SH) X(Q_SW) \
     X(Q_DH) X(Q_DW) X(Q_PT) X(Q_PL) X(Q_G) X(Q_LEN) \
     X(P_N) X(P_C) X(P_H) X(P_W) X(P_OH) X(P_OW) X(P_KH) X(P_KW) X(P_SH) X(P_SW) X(P_PT) \
-    X(P_PL) X(P_DH) X(P_DW) X(P_LEN)
+    X(P_PL) X(P_DH) X(P_DW) X(P_LEN) \
+    X(ADD_RA) X(ADD_RB) X(ADD_C) X(ADD_LEN) X(ADD_BOUND_LO) X(ADD_BOUND_HI) X(ADD_BOUND_LEN)
 
 KEEL_ENUM_EXPORT(keel_qgemm_layout, QGEMM_LAYOUT)

@@ -323,9 +323,6 @@ static void *worker(void *arg)
     uint32_t seen = (uint32_t)(uintptr_t)arg;
     pool_id = atomic_fetch_add(&next_id, 1) + 1;
     atomic_store_explicit(&thread_cpu[pool_id], sched_getcpu(), memory_order_relaxed);
-#if defined(__linux__)
-    pthread_setname_np(pthread_self(), "keel-worker"); /* what top -H and debuggers show */
-#endif
     for (;;) {
         seen = next_epoch(seen);
         if (atomic_load(&pool.stop)) return NULL;
@@ -350,6 +347,12 @@ static void grow(int want)
         int rc = pthread_create(&pool.threads[pool.workers], &attr, worker, (void *)seen);
         pthread_attr_destroy(&attr);
         if (rc != 0) break;
+#if defined(__linux__)
+        /* Named here, not by the worker: what top -H, debuggers and keel's tests read of
+         * a worker is there when grow returns, even if it has not run yet (under load a
+         * worker the caller's job did without could still show the caller's name). */
+        pthread_setname_np(pool.threads[pool.workers], "keel-worker");
+#endif
         pool.workers++;
     }
     pthread_mutex_unlock(&pool.lock);

@@ -958,10 +958,22 @@ class Program:
         self._threads.clear()                 # every thread binds again to the new views
         self._lanes_hot.clear()
         self._compile_hot()
+        kept = self._staged_bound()
+        if len(kept) != len(self._staged):    # a bind declined: its feed is not copied
+            self._staged = kept
+            self._direct = self._plan_direct()
+
+    def _staged_bound(self) -> tuple[tuple[int, Any], ...]:
+        """The staged feeds that some bound (or held) step reads: a step whose bind
+        declined runs its kernel on the feed itself, so copying the feed gains nothing."""
+        read = {i for step, hot in zip(self._steps, self._hot, strict=True)
+                if hot[0] in (_BOUND, _HELD) for i in step.inputs}
+        return tuple((slot, buf) for slot, buf in self._staged if slot in read)
 
     def _stage_buffers(self) -> tuple[tuple[int, Any], ...]:
         """A buffer of the program's own for each small feed that a step able to bind
-        reads (host programs of fixed shapes only)."""
+        reads (host programs of fixed shapes only); those no step binds to are dropped
+        once the steps are bound (:meth:`_staged_bound`)."""
         if self.dynamic or self.shape_generic or any(
                 b.device.value != HOST for b in self._backends.values()):
             return ()

@@ -529,3 +529,50 @@ def test_a_conv_with_a_feed_residual_fuses_and_runs_bound_bitwise_at_every_threa
     for threads in (2, 3, 16):
         for a, b in zip(results[1], results[threads], strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+def layer_norm_model(dtype: type) -> tuple[bytes, dict[str, np.ndarray]]:
+    """One LayerNorm of a small fed row block: its bind serves float32 and declines
+    float64 (the kernel then runs on the feed as it is)."""
+    rng = np.random.default_rng(9)
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    graph = helper.make_graph(
+        [helper.make_node("LayerNormalization", ["x", "g", "beta"], ["y"], axis=-1)],
+        "layer_norm", [helper.make_tensor_value_info("x", elem, [4, WIDTH])],
+        [helper.make_tensor_value_info("y", elem, [4, WIDTH])],
+        [_const("g", rng.standard_normal(WIDTH).astype(dtype)),
+         _const("beta", rng.standard_normal(WIDTH).astype(dtype))])
+    onnx_model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return onnx_model.SerializeToString(), {"x": rng.standard_normal((4, WIDTH)).astype(dtype)}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_feed_is_staged_only_where_a_step_bound_to_it(dtype: type) -> None:
+    """A small feed is copied into the program's own buffer only where the step reading
+    it bound (float32 LayerNorm); where the bind declines (float64) the feed is read as
+    it is, and either way the results are what the kernel computes unbound."""
+    from keel import native
+
+    onnx_model, feeds = layer_norm_model(dtype)
+    model = load_model(onnx_model, backend="cpu", threads=1)
+    model.predict(feeds)
+    program = model._fast_path(feeds)[0][1]
+    (kind,) = [hot[0] for hot in program._hot]
+    binds = dtype is np.float32 and native.available()
+    assert kind == (program_module._HELD if binds else program_module._FRESH1)
+    assert [slot for slot, _ in program._staged] == ([program._slots["x"]] if binds else [])
+    rng = np.random.default_rng(10)
+    for _ in range(3):                        # new values in the same places
+        x = rng.standard_normal((4, WIDTH)).astype(dtype)
+        got = model.predict({"x": x})["y"]
+        np.testing.assert_array_equal(got, unbound(model, {"x": x})["y"])
+        mean = x.mean(-1, keepdims=True)
+        want = (x - mean) / np.sqrt(x.var(-1, keepdims=True) + 1e-5) * \
+            model_constant(onnx_model, "g") + model_constant(onnx_model, "beta")
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def model_constant(onnx_model: bytes, name: str) -> np.ndarray:
+    from onnx import load_from_string
+    (init,) = [i for i in load_from_string(onnx_model).graph.initializer if i.name == name]
+    return numpy_helper.to_array(init)

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks import zoo
+from keel.execution.program import _exit_scopes
 
 __all__ = ["measure"]
 
@@ -35,7 +36,8 @@ _RUNS = 5            # runs a pass of each side's per-node timing, and of whole 
 
 
 def _program(model: Any) -> Any:
-    """The program a model's last signature runs (benchmarks/gpu.py reads it the same way)."""
+    """The program of the model's first compiled signature, the only one where a pass
+    feeds one shape (benchmarks/gpu.py reads it the same way)."""
     return next(p.program for p in model._cache.values() if p.program is not None)
 
 
@@ -54,11 +56,15 @@ def _keel_pass(model: Any, feeds: Mapping[str, np.ndarray], times: list[list[int
     for _ in range(_RUNS):
         model.predict(feeds)               # bound on this thread, workers spinning
         program._load_feeds(feeds)
-        for i, call in enumerate(calls):
-            t0 = clock()
-            call()
-            times[i].append(clock() - t0)
-        program._release()
+        scopes = program._enter_scopes()   # the run's own: quiet FP state, BLAS thread cap
+        try:
+            for i, call in enumerate(calls):
+                t0 = clock()
+                call()
+                times[i].append(clock() - t0)
+        finally:
+            _exit_scopes(scopes)
+            program._release()
 
 
 def _whole(run: Callable[[], object], out: list[int]) -> None:

@@ -1706,7 +1706,14 @@ BLOCKS = {"epilogue_block": EPILOGUE_BLOCK_ELEMENTS,
 # - ERF_BLOCK_ELEMENTS: NumPy's erf runs in blocks that stay in cache (its ~30-45
 #   passes over a block cost far less than over one large array);
 # - HOLD_BYTES: a fresh MatMul / Gemm output up to this size is computed into a kept
-#   buffer and copied (~0.3 us) rather than the prepared call retargeted (~3 us);
+#   buffer and copied (~0.3 us) rather than the prepared call retargeted (~3 us); that
+#   was measured for products' outputs only. staging() applies it to every graph output
+#   of a bound step (see STAGE_FEED_BYTES), where not holding means the step runs its
+#   kernel's full path each run (binding saved 12-25 us a step) against a copy of at
+#   most ~2 us (64 KiB, by the copy times there): reasonable, not measured per op. And
+#   since it was measured, a prepared call moved to an output at the same address costs
+#   nothing, so a product whose fresh output lands where the last one was (the caller
+#   dropped it) would lose no more than the copy by not being held; not re-measured;
 # - STREAM_BYTES: a raw right operand of the native GEMM larger than this (all
 #   products together, about L2's size; a conv's gathered taps by the span of the
 #   image they are read from, not their k x n) comes from memory rather than cache, and
@@ -1797,9 +1804,10 @@ def huge_pages_note() -> str:
 # small_block's three batch-32 query/key/value products (32 KiB feed), 19 us on its
 # residual Add and 25 us on the MLP's first batch-32 Gemm (100 KiB feed). So a feed up
 # to STAGE_FEED_BYTES (its copy under half the least saving of one step) is staged. An
-# output is held up to HOLD_BYTES, the rule for a product's fresh output: past it a
-# native product or conv moves its prepared call to the new array (~3 us) for less
-# than the copy.
+# output is held up to HOLD_BYTES, the size measured for a product's fresh output (see
+# there) and applied to every step's graph output without its own measurement: past it
+# a native product or conv moves its prepared call to the new array (~3 us; nothing at
+# the same address) and other steps run their kernels unbound.
 STAGE_FEED_BYTES = 256 * 1024
 
 
@@ -3501,6 +3509,11 @@ def winograd_lanes(vendor: Any = _HERE) -> tuple[bool, str]:
 # products take the lanes tiles where the panels compute at least LANES_PANEL_WASTE times
 # the chunk's tiles; on AMD's cores, not re-measured for the passes, they keep what ran
 # there before: lanes tiles wherever lanes_tiles' shapes fit them (_lanes_fit).
+# LANES_PANEL_WASTE (1.25x) is lanes_tiles' value, reused, not measured for the passes:
+# here lanes won on 49 tiles (1.31x) and 36 (1.78x), tied on 100 tiles (1.28x) and 98
+# (1.31x, as 49), and panels won or tied from 1.14x down. No chunk between
+# 1.14x and 1.28x was measured, so any value there decides the measured shapes alike;
+# a chunk wasting 1.25-1.28x takes lanes tiles where its measured neighbours tie.
 def winograd_pass_lanes(c: int, m: int, tiles: int, vendor: Any = _HERE,
                         grid: Any = _HERE) -> tuple[bool, str]:
     """Whether the sixteen products of a Winograd chunk of ``tiles`` tiles (C -> M

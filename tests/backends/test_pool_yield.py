@@ -30,10 +30,16 @@ def _needs_native() -> None:
         pytest.skip(f"native tier unavailable: {native.status().reason}")
 
 
-def test_the_planner_yields_only_where_keel_shares_a_cpu() -> None:
+def test_a_compiled_program_leaves_the_pool_yielding_as_the_planner_says() -> None:
+    """Compiling a program hands the planner's yield to the pool (whatever it was set
+    to before), and the reason names the setting it states."""
+    _needs_native()
+    pool.set_yield(0, False)
+    model = load_model(resnet_stages(), backend="cpu", threads=2)
+    model.predict(make_inputs(resnet_stages(), 1))
     way = cpu_planner.pool_yield()
-    assert (way.spins, way.shared) == (cpu_planner.POOL_YIELD_SPINS, True)
-    assert "POOL_YIELD_SHARED" in way.reason and f"{way.spins} spins" in way.reason
+    assert pool.yielding() == (way.spins, way.shared)
+    assert f"{way.spins} spins" in way.reason and "POOL_YIELD_SHARED" in way.reason
 
 
 def test_a_yield_to_any_thread_says_so(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -482,6 +482,9 @@ class Backend(ABC):
     def _capability_details(self) -> dict[str, Any]:
         return {}
 
+    def _staging(self) -> tuple[int, int]:
+        return 0, 0
+
     def _plan_node(self, request: PlanRequest) -> NodePlan:
         return default_plan(request, self.kernels, self.threads)
 
@@ -593,11 +596,12 @@ class Backend(ABC):
         backend: its thread count and where it came from). Default: nothing."""
         return ()
 
+    @final
     def staging(self) -> tuple[int, int]:
         """(feed bytes, graph output bytes) up to which a fixed-shape host program copies
         a feed into (an output out of) a buffer of its own so that this backend's steps
         on it bind (``KernelVariant.bind``). Default: nothing staged."""
-        return 0, 0
+        return self._staging()
 
     def plan_branches(self, branches: Sequence[Sequence[tuple[float, int]]]
                       ) -> tuple[int, str]:

@@ -177,3 +177,21 @@ def test_not_served_where_y_overlaps_x() -> None:
     layout = conv_gemm.native_layout(geo, "gathered-images")
     assert not conv_gemm.native(np, layout, x, w, b, None, y, activation("", ()), None, 1)
     assert np.array_equal(buf, before)
+
+
+def test_not_served_where_y_overlaps_z() -> None:
+    """Z partly in Y's memory: image i's Y could overwrite Z of image i + 1 before that
+    image reads it; not served, nothing written."""
+    rng = np.random.default_rng(3)
+    w, b = rand(rng, 8, 8, 3, 3), rand(rng, 8)
+    attrs = {"pads": (1, 1, 1, 1), "strides": (2, 2)}
+    x = rand(rng, 2, 8, 16, 16)
+    buf = rand(rng, 3 * 8 * 8 * 8)
+    z = buf[: 2 * 8 * 8 * 8].reshape(2, 8, 8, 8)
+    y = buf[8 * 8 * 8:].reshape(2, 8, 8, 8)
+    before = buf.copy()
+    geo = conv_geometry(Op.CONV, x.shape, w.shape, attrs)
+    layout = conv_gemm.native_layout(geo, "gathered-images")
+    assert not conv_gemm.native(np, layout, x, w, b, z, y, activation("", ()), None, 1)
+    assert np.array_equal(buf, before)
+

@@ -796,6 +796,11 @@ def native_filters(xp: Any, geo: ConvGeometry, w: Any, b: Any) -> Any:
                  for i in range(g))
 
 
+def _same(z: Any, y: Any) -> bool:
+    """``z`` is ``y``'s memory read the same way (the kernel then adds to what Y holds)."""
+    return z is y or (z.strides == y.strides and native_gemm.address(z) == native_gemm.address(y))
+
+
 def native(xp: Any, layout: NativeLayout, x: Any, w: Any, b: Any, z: Any, y: Any,
            act: Activation, packed: Any = None, threads: int = 1) -> bool:
     """y = act(conv(x, w) + b + z) on the native GEMM; False when not served (float32
@@ -848,6 +853,8 @@ def _native_images(layout: NativeLayout, x: Any, filters: Any, z: Any, y: Any,
     written)."""
     if x.shape[0] != layout.images or not x.flags.c_contiguous or np.may_share_memory(x, y):
         return False                     # image i's Y could overwrite a later image's X
+    if z is not None and not _same(z, y) and np.may_share_memory(z, y):
+        return False                     # ... or a later image's Z
     image = workspace.filled(np, ("native_phases", layout), phase_image_shape(layout),
                              x.dtype, 0.0)
     calls = None
@@ -1117,7 +1124,7 @@ def _native_residual(z: Any, y: Any, n: int, m: int, p: int) -> tuple[Any, bool]
     (the kernel then adds to what Y holds)."""
     if z is None:
         return None, False
-    if z is y or (z.strides == y.strides and native_gemm.address(z) == native_gemm.address(y)):
+    if _same(z, y):
         return None, True
     if np.may_share_memory(z, y) or z.dtype != np.float32:
         z = np.array(z, dtype=np.float32)

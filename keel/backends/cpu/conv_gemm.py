@@ -796,6 +796,20 @@ def native_filters(xp: Any, geo: ConvGeometry, w: Any, b: Any) -> Any:
                  for i in range(g))
 
 
+# How many sets of prepared calls a node keeps for each form: a memo's size, not a choice
+# of how it runs. A node sees one set of arrays per batch shape (and thread count) a
+# model runs at, so a few cover a model served at a handful of shapes; past this many
+# it empties the memo and prepares again, bitwise the same.
+_CALLS_KEPT = 8
+
+
+def _kept(calls: dict[Any, Any], key: Any, entry: Any) -> None:
+    """``entry`` kept at ``key``, the memo emptied first when full."""
+    if len(calls) >= _CALLS_KEPT:
+        calls.clear()
+    calls[key] = entry
+
+
 def _same(z: Any, y: Any) -> bool:
     """``z`` is ``y``'s memory read the same way (the kernel then adds to what Y holds)."""
     return z is y or (z.strides == y.strides and native_gemm.address(z) == native_gemm.address(y))
@@ -831,9 +845,7 @@ def native(xp: Any, layout: NativeLayout, x: Any, w: Any, b: Any, z: Any, y: Any
         if ready is None:
             return False
         if calls is not None:
-            if len(calls) >= 8:
-                calls.clear()
-            calls[key] = (tuple(_ref(a) for a in (source, y, z)), filters, ready)
+            _kept(calls, key, (tuple(_ref(a) for a in (source, y, z)), filters, ready))
     for call in ready:
         call.run(threads)
     if act[0] not in ("", "clip"):
@@ -870,9 +882,7 @@ def _native_images(layout: NativeLayout, x: Any, filters: Any, z: Any, y: Any,
         if steps is None:
             return False
         if calls is not None:
-            if len(calls) >= 8:
-                calls.clear()
-            calls[key] = (tuple(_ref(a) for a in (x, y, z, image)), filters, steps)
+            _kept(calls, key, (tuple(_ref(a) for a in (x, y, z, image)), filters, steps))
     for copy, products in steps:
         copy()
         for call in products:

@@ -815,6 +815,16 @@ def _same(z: Any, y: Any) -> bool:
     return z is y or (z.strides == y.strides and native_gemm.address(z) == native_gemm.address(y))
 
 
+def residual_in_place(z: Any, y: Any) -> bool:
+    """Whether prepared calls read Z where it lies, and so see each run's values; False
+    where :func:`_native_residual` adds a copy made when they are prepared (Z shares
+    Y's memory without being Y, is not float32 or not C-contiguous): such calls are
+    not kept."""
+    if z is None or _same(z, y):
+        return True
+    return z.dtype == np.float32 and z.flags.c_contiguous and not np.may_share_memory(z, y)
+
+
 def native(xp: Any, layout: NativeLayout, x: Any, w: Any, b: Any, z: Any, y: Any,
            act: Activation, packed: Any = None, threads: int = 1) -> bool:
     """y = act(conv(x, w) + b + z) on the native GEMM; False when not served (float32
@@ -833,7 +843,7 @@ def native(xp: Any, layout: NativeLayout, x: Any, w: Any, b: Any, z: Any, y: Any
         return _native_images(layout, x, filters, z, y, act, packed, threads)
     source = native_source(xp, layout, x, threads)
     calls = None
-    if isinstance(packed, workspace.Packed):
+    if isinstance(packed, workspace.Packed) and residual_in_place(z, y):
         calls = packed.get(("native_calls",), (w, b), dict)
     key = (id(source), id(y), id(z), id(filters))
     hit = None if calls is None else calls.get(key)
@@ -870,7 +880,7 @@ def _native_images(layout: NativeLayout, x: Any, filters: Any, z: Any, y: Any,
     image = workspace.filled(np, ("native_phases", layout), phase_image_shape(layout),
                              x.dtype, 0.0)
     calls = None
-    if isinstance(packed, workspace.Packed):
+    if isinstance(packed, workspace.Packed) and residual_in_place(z, y):
         calls = packed.get(("native_image_calls", threads), (), dict)
     key = (id(x), id(y), id(z), id(image), id(filters))
     hit = None if calls is None else calls.get(key)

@@ -25,6 +25,7 @@ from keel.ops.schemas.conv import conv_geometry
 from tests.native._conv_support import (
     check_against_reference,
     check_residual_in_place,
+    prepared_state,
     rand,
     reference,
     run_layout,
@@ -203,14 +204,8 @@ def test_a_copied_residual_is_not_kept_for_later_runs(form: str, strided: bool) 
     calls holding that copy must not be kept, or later runs would add the first Z."""
     rng = np.random.default_rng(4)
     w, b = rand(rng, 8, 8, 3, 3), rand(rng, 8)
-    w.setflags(write=False)
-    b.setflags(write=False)
     attrs = {"pads": (1, 1, 1, 1), "strides": (2, 2)}
-    full = {"group": 1, "dilations": (1, 1), **attrs, "activation": "",
-            "activation_params": ()}
-    kernel = TABLE.get(Op.CONV, "native")
-    assert kernel.prepack is not None
-    state = kernel.prepack(KernelContext(np, "cpu", "cpu", 1, None), [None, w, b], full)
+    state = prepared_state(w, b, attrs)
     x = rand(rng, 1, 8, 16, 16)
     layout = conv_gemm.native_layout(conv_geometry(Op.CONV, x.shape, w.shape, attrs), form)
     buf = np.empty(8 * 8 * 8 + 4, np.float32)

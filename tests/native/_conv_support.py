@@ -8,6 +8,9 @@ from typing import Any
 
 import numpy as np
 
+import keel.backends.cpu.conv  # noqa: F401  (registers the conv kernels on TABLE)
+from keel.backends.base import KernelContext
+from keel.backends.cpu.kernels import TABLE
 from keel.backends.reference.backend import ReferenceBackend
 from keel.ops.registry import Op
 
@@ -17,6 +20,19 @@ ConvRun = Callable[[np.ndarray, np.ndarray, Any, Any, dict[str, Any]], np.ndarra
 
 def rand(rng: np.random.Generator, *shape: int) -> np.ndarray:
     return rng.standard_normal(shape).astype(np.float32)
+
+
+def prepared_state(w: np.ndarray, b: np.ndarray, attrs: dict[str, Any], act: str = "",
+                   params: tuple[float, ...] = ()) -> Any:
+    """The native conv node's prepack state for these (now read-only) weights, as a
+    model's node holds it."""
+    w.setflags(write=False)
+    b.setflags(write=False)
+    full = {"group": 1, "dilations": (1, 1), **attrs, "activation": act,
+            "activation_params": params}
+    kernel = TABLE.get(Op.CONV, "native")
+    assert kernel.prepack is not None
+    return kernel.prepack(KernelContext(np, "cpu", "cpu", 1, None), [None, w, b], full)
 
 
 def reference(inputs: list[Any], attrs: dict[str, Any]) -> np.ndarray:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -389,3 +390,27 @@ def test_yielding_and_spinning_threads_run_the_same_chunks() -> None:
         pool.set_yield(way.spins, way.shared)
     assert all(p.tobytes() == products[0].tobytes() for p in products)
     np.testing.assert_allclose(products[0], a @ b, rtol=1e-4, atol=1e-3)
+
+
+def test_the_pool_names_linux_only_calls_only_on_linux(tmp_path: Path) -> None:
+    """threads.c as preprocessed for another system (``__linux__`` not defined) calls no
+    Linux-only function: sched_getcpu, the affinity and name calls stay behind its
+    guard, so the pool builds off Linux."""
+    compiler, _ = find_compiler()
+    if compiler is None:
+        pytest.skip("no C compiler here")
+    source = Path(native.__file__).parent / "src" / "threads.c"
+    text = subprocess.run(
+        [compiler.path, "-E", "-U__linux__", "-U__linux", "-Ulinux", "-U__gnu_linux__",
+         str(source)], capture_output=True, text=True, check=True).stdout
+    own, mine = [], False
+    for line in text.splitlines():         # the lines of threads.c itself, headers left out
+        if line.startswith("# "):
+            mine = line.split('"')[1] == str(source) if '"' in line else mine
+        elif mine:
+            own.append(line)
+    body = "\n".join(own)
+    assert "keel_parallel_capped" in body
+    for linux_only in ("sched_getcpu", "pthread_setaffinity_np", "pthread_setname_np",
+                       "sched_getaffinity"):
+        assert linux_only not in body

@@ -25,6 +25,7 @@ from keel.ops.schemas.conv import conv_geometry
 from tests.native._conv_support import (
     check_against_reference,
     check_residual_in_place,
+    prepared_state,
     rand,
     reference,
     run_layout,
@@ -177,3 +178,48 @@ def test_not_served_where_y_overlaps_x() -> None:
     layout = conv_gemm.native_layout(geo, "gathered-images")
     assert not conv_gemm.native(np, layout, x, w, b, None, y, activation("", ()), None, 1)
     assert np.array_equal(buf, before)
+
+
+def test_not_served_where_y_overlaps_z() -> None:
+    """Z partly in Y's memory: image i's Y could overwrite Z of image i + 1 before that
+    image reads it; not served, nothing written."""
+    rng = np.random.default_rng(3)
+    w, b = rand(rng, 8, 8, 3, 3), rand(rng, 8)
+    attrs = {"pads": (1, 1, 1, 1), "strides": (2, 2)}
+    x = rand(rng, 2, 8, 16, 16)
+    buf = rand(rng, 3 * 8 * 8 * 8)
+    z = buf[: 2 * 8 * 8 * 8].reshape(2, 8, 8, 8)
+    y = buf[8 * 8 * 8:].reshape(2, 8, 8, 8)
+    before = buf.copy()
+    geo = conv_geometry(Op.CONV, x.shape, w.shape, attrs)
+    layout = conv_gemm.native_layout(geo, "gathered-images")
+    assert not conv_gemm.native(np, layout, x, w, b, z, y, activation("", ()), None, 1)
+    assert np.array_equal(buf, before)
+
+
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("form", ["gathered-images", "gathered"])
+def test_a_copied_residual_is_not_kept_for_later_runs(form: str, strided: bool) -> None:
+    """Z a few floats off Y (or a strided view) is copied when the calls are prepared;
+    calls holding that copy must not be kept, or later runs would add the first Z."""
+    rng = np.random.default_rng(4)
+    w, b = rand(rng, 8, 8, 3, 3), rand(rng, 8)
+    attrs = {"pads": (1, 1, 1, 1), "strides": (2, 2)}
+    state = prepared_state(w, b, attrs)
+    x = rand(rng, 1, 8, 16, 16)
+    layout = conv_gemm.native_layout(conv_geometry(Op.CONV, x.shape, w.shape, attrs), form)
+    buf = np.empty(8 * 8 * 8 + 4, np.float32)
+    y, z = buf[:-4].reshape(1, 8, 8, 8), buf[4:].reshape(1, 8, 8, 8)
+    if strided:
+        buf = np.empty((1, 8, 8, 16), np.float32)
+        y, z = np.empty((1, 8, 8, 8), np.float32), buf[..., ::2]
+    for _ in range(3):
+        x[...], buf[...] = rand(rng, *x.shape), rand(rng, *buf.shape)
+        expect = reference([x, w, b], attrs) + z
+        before = buf.copy()
+        served = conv_gemm.native(np, layout, x, w, b, z, y, activation("", ()), state, 1)
+        if served:
+            np.testing.assert_allclose(y, expect, rtol=1e-4, atol=1e-4)
+        else:                           # image by image declines a Z overlapping Y
+            assert form == "gathered-images" and not strided
+            assert np.array_equal(buf, before)

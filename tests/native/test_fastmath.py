@@ -5,6 +5,7 @@ taking the native path."""
 
 from __future__ import annotations
 
+import gc
 import math
 from collections.abc import Callable, Iterator
 
@@ -707,3 +708,26 @@ def test_row_attention_binds_once_and_follows_its_arrays() -> None:
     wide = np.zeros((4, 1, 1, 40), np.float32)[..., ::2]
     assert fastmath.bound_attend_rows(q, k, v, wide.reshape(4, 1, 1, 20), y, 0.25,
                                       False) is None
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_bound_layer_norm_without_beta_owns_the_zeros_it_made(threads: int) -> None:
+    """No beta: the call takes a zero row from a small cache; its bound form (on one
+    thread or split) must keep it alive once rows of other widths evicted it and the
+    freed bytes are reused."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((256, 384)).astype(np.float32)
+    gamma = rng.standard_normal(384).astype(np.float32)
+    y = np.empty_like(x)
+    go = fastmath.bound_layer_norm(x, gamma, None, y, 1e-5, threads=threads)
+    assert go is not None
+    for width in range(1, 17):              # other widths' zero rows evict this one's
+        row = np.ones((1, width), np.float32)
+        fastmath.bound_layer_norm(row, row[0], None, np.empty_like(row), 1e-5)
+    gc.collect()
+    junk = [np.full(384, 1e6, np.float32) for _ in range(4000)]     # reuses freed rows
+    go()
+    del junk
+    d = x.astype(np.float64) - x.mean(axis=1, keepdims=True, dtype=np.float64)
+    want = d / np.sqrt((d * d).mean(axis=1, keepdims=True) + 1e-5) * gamma
+    np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4)

@@ -6,6 +6,7 @@ run) is served too."""
 
 from __future__ import annotations
 
+import gc
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -250,6 +251,29 @@ def test_gemm_other_arrays_recompute() -> None:
         want = np.maximum(inputs[0].astype(np.float64) @ inputs[1].T.astype(np.float64)
                           + inputs[2], 0)
         np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_bound_split_gemm_outlives_the_call_the_node_dropped() -> None:
+    """A scalar C becomes a bias row that only the prepared call owns; the bound form of
+    a call split over threads must keep it alive after the node drops that call (here:
+    replaced by the call for another output), even once its bytes could be reused."""
+    attrs = {**GEMM_ATTRS, "activation": ""}
+    a, w, c = _f(16, 512), _frozen(_f(512, 512)), _frozen(np.array([3.0], np.float32))
+    state = _state(Op.GEMM, "native", [None, w, c], attrs)
+    ctx = _ctx(state, threads=2)
+    y = np.empty((16, 512), np.float32)
+    go = CPU.get(Op.GEMM, "native").bind(ctx, [a, w, c], attrs, [y])
+    assert go is not None
+    go()
+    first = y.copy()
+    cpu_matmul.gemm(ctx, [a, w, c], attrs, [np.empty((16, 512), np.float32)])
+    gc.collect()
+    junk = [np.full(512, -1e6, np.float32) for _ in range(4000)]    # reuses freed rows
+    go()
+    del junk
+    np.testing.assert_array_equal(y, first)
+    want = a.astype(np.float64) @ w.T.astype(np.float64) + 3.0
+    np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-3)
 
 
 def test_gemm_output_overlapping_a_is_computed_like_before() -> None:

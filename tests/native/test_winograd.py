@@ -199,6 +199,26 @@ def _forced(monkeypatch: pytest.MonkeyPatch, pipe: Any) -> None:
     monkeypatch.setattr(cpu_planner, "winograd_pipeline", lambda *a, **k: pipe)
 
 
+def test_each_chunk_takes_the_pass_lanes_of_its_own_tiles(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run pass by pass with no plan's pass_lanes, each chunk asks the planner for its own
+    tile count: a short last chunk is not given the first chunk's decision."""
+    asked: list[int] = []
+    real = cpu_planner.winograd_pass_lanes
+
+    def recorded(c: int, m: int, tiles: int, *rest: Any) -> tuple[bool, str]:
+        asked.append(tiles)
+        return real(c, m, tiles, *rest)
+
+    monkeypatch.setattr(cpu_planner, "winograd_pass_lanes", recorded)
+    _forced(monkeypatch, _PASSES)
+    rng = np.random.default_rng(13)
+    x, w, b = _rand(rng, 5, 8, 12, 12), _rand(rng, 6, 8, 3, 3), _rand(rng, 6)
+    got = _native(x, w, b, None, (1, 1, 1, 1), ("relu", ()), chunk=2)
+    assert asked == [2 * 36, 2 * 36, 36]
+    np.testing.assert_array_equal(got, _native(x, w, b, None, (1, 1, 1, 1), ("relu", ())))
+
+
 @pytest.mark.parametrize(("x_shape", "m"), [((2, 24, 15, 15), 20), ((3, 16, 9, 40), 33),
                                            ((1, 64, 56, 56), 64), ((2, 40, 30, 29), 24),
                                            ((3, 9, 7, 7), 17)])

@@ -453,7 +453,7 @@ def _prepare_native(plan: _Plan, variant: str, x: Any, w: Any, b: Any, z: Any, y
     geo = layout.geo
     filters = workspace.form(np, packed, ("native", geo.group), (w, b),
                              lambda xp_, a: conv_gemm.native_filters(xp_, geo, a[0], a[1]))
-    if z is not None and z is not y and np.may_share_memory(z, y):
+    if not conv_gemm.residual_in_place(z, y):
         return None                     # the kernel would add a copy of Z made now
     source = conv_gemm.native_source(np, layout, x)
     if not layout.copied and source is not x:

@@ -796,6 +796,35 @@ def native_filters(xp: Any, geo: ConvGeometry, w: Any, b: Any) -> Any:
                  for i in range(g))
 
 
+# How many sets of prepared calls a node keeps for each form: a memo's size, not a choice
+# of how it runs. A node sees one set of arrays per batch shape (and thread count) a
+# model runs at, so a few cover a model served at a handful of shapes; past this many
+# it empties the memo and prepares again, bitwise the same.
+_CALLS_KEPT = 8
+
+
+def _kept(calls: dict[Any, Any], key: Any, entry: Any) -> None:
+    """``entry`` kept at ``key``, the memo emptied first when full."""
+    if len(calls) >= _CALLS_KEPT:
+        calls.clear()
+    calls[key] = entry
+
+
+def _same(z: Any, y: Any) -> bool:
+    """``z`` is ``y``'s memory read the same way (the kernel then adds to what Y holds)."""
+    return z is y or (z.strides == y.strides and native_gemm.address(z) == native_gemm.address(y))
+
+
+def residual_in_place(z: Any, y: Any) -> bool:
+    """Whether prepared calls read Z where it lies, and so see each run's values; False
+    where :func:`_native_residual` adds a copy made when they are prepared (Z shares
+    Y's memory without being Y, is not float32 or not C-contiguous): such calls are
+    not kept."""
+    if z is None or _same(z, y):
+        return True
+    return z.dtype == np.float32 and z.flags.c_contiguous and not np.may_share_memory(z, y)
+
+
 def native(xp: Any, layout: NativeLayout, x: Any, w: Any, b: Any, z: Any, y: Any,
            act: Activation, packed: Any = None, threads: int = 1) -> bool:
     """y = act(conv(x, w) + b + z) on the native GEMM; False when not served (float32
@@ -814,7 +843,7 @@ def native(xp: Any, layout: NativeLayout, x: Any, w: Any, b: Any, z: Any, y: Any
         return _native_images(layout, x, filters, z, y, act, packed, threads)
     source = native_source(xp, layout, x, threads)
     calls = None
-    if isinstance(packed, workspace.Packed):
+    if isinstance(packed, workspace.Packed) and residual_in_place(z, y):
         calls = packed.get(("native_calls",), (w, b), dict)
     key = (id(source), id(y), id(z), id(filters))
     hit = None if calls is None else calls.get(key)
@@ -826,9 +855,7 @@ def native(xp: Any, layout: NativeLayout, x: Any, w: Any, b: Any, z: Any, y: Any
         if ready is None:
             return False
         if calls is not None:
-            if len(calls) >= 8:
-                calls.clear()
-            calls[key] = (tuple(_ref(a) for a in (source, y, z)), filters, ready)
+            _kept(calls, key, (tuple(_ref(a) for a in (source, y, z)), filters, ready))
     for call in ready:
         call.run(threads)
     if act[0] not in ("", "clip"):
@@ -848,10 +875,12 @@ def _native_images(layout: NativeLayout, x: Any, filters: Any, z: Any, y: Any,
     written)."""
     if x.shape[0] != layout.images or not x.flags.c_contiguous or np.may_share_memory(x, y):
         return False                     # image i's Y could overwrite a later image's X
+    if z is not None and not _same(z, y) and np.may_share_memory(z, y):
+        return False                     # ... or a later image's Z
     image = workspace.filled(np, ("native_phases", layout), phase_image_shape(layout),
                              x.dtype, 0.0)
     calls = None
-    if isinstance(packed, workspace.Packed):
+    if isinstance(packed, workspace.Packed) and residual_in_place(z, y):
         calls = packed.get(("native_image_calls", threads), (), dict)
     key = (id(x), id(y), id(z), id(image), id(filters))
     hit = None if calls is None else calls.get(key)
@@ -863,9 +892,7 @@ def _native_images(layout: NativeLayout, x: Any, filters: Any, z: Any, y: Any,
         if steps is None:
             return False
         if calls is not None:
-            if len(calls) >= 8:
-                calls.clear()
-            calls[key] = (tuple(_ref(a) for a in (x, y, z, image)), filters, steps)
+            _kept(calls, key, (tuple(_ref(a) for a in (x, y, z, image)), filters, steps))
     for copy, products in steps:
         copy()
         for call in products:
@@ -1117,7 +1144,7 @@ def _native_residual(z: Any, y: Any, n: int, m: int, p: int) -> tuple[Any, bool]
     (the kernel then adds to what Y holds)."""
     if z is None:
         return None, False
-    if z is y or (z.strides == y.strides and native_gemm.address(z) == native_gemm.address(y)):
+    if _same(z, y):
         return None, True
     if np.may_share_memory(z, y) or z.dtype != np.float32:
         z = np.array(z, dtype=np.float32)

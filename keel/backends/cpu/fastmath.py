@@ -181,13 +181,18 @@ Call = Callable[[], None]     # a kernel call with its arrays bound (see bound_*
 
 
 def _call(n: int, per_item: int, threads: int | None, serial: Callable[..., None],
-          mt: Callable[..., int], head: tuple[Any, ...], tail: tuple[Any, ...] = ()) -> Call:
+          mt: Callable[..., int], head: tuple[Any, ...], tail: tuple[Any, ...] = (),
+          keep: tuple[Any, ...] = ()) -> Call:
     """``serial(*head, 0, n, *tail)`` over the n items on this thread, or, when they are
-    worth several threads, ``mt(*head, *tail, n, parts)`` on keel's: bound, not run."""
+    worth several threads, ``mt(*head, *tail, n, parts)`` on keel's: bound, not run.
+    ``keep``: arrays made here that the addresses point into (the call owns them)."""
     count = planner.split_parts(planner.LeastWork.ELEMENTS, threads or 1, n, per_item)
     if count <= 1:
-        return functools.partial(serial, *head, 0, n, *tail)
-    return functools.partial(_checked, mt, (*head, *tail, n, count))
+        bound = functools.partial(serial, *head, 0, n, *tail)
+    else:
+        bound = functools.partial(_checked, mt, (*head, *tail, n, count))
+    bound.keep = keep      # type: ignore[attr-defined]
+    return bound
 
 
 def _checked(mt: Callable[..., int], args: tuple[Any, ...]) -> None:
@@ -301,7 +306,7 @@ def bound_layer_norm(x: Any, gamma: Any, beta: Any | None, y: Any, epsilon: floa
         return None
     args = (_address(x), _address(gamma), _address(beta), _address(y), _address(mean),
             _address(inv_std), k, epsilon)
-    return _call(rows, k, threads, fns.layer_norm, fns.layer_norm_mt, args)
+    return _call(rows, k, threads, fns.layer_norm, fns.layer_norm_mt, args, keep=(beta,))
 
 
 def skip_layer_norm(x: Any, skip: Any, gamma: Any, beta: Any | None, y: Any, epsilon: float,
@@ -332,7 +337,8 @@ def bound_skip_layer_norm(x: Any, skip: Any, gamma: Any, beta: Any | None, y: An
         return None
     args = (_address(x), _address(skip), period, _address(gamma), _address(beta), _address(y),
             _address(total), k, epsilon)
-    return _call(rows, k, threads, fns.skip_layer_norm, fns.skip_layer_norm_mt, args)
+    return _call(rows, k, threads, fns.skip_layer_norm, fns.skip_layer_norm_mt, args,
+                 keep=(beta,))
 
 
 def _skip_fits(x: np.ndarray, skip: np.ndarray, y: np.ndarray, total: np.ndarray | None) -> bool:
@@ -411,14 +417,14 @@ class RowAttention:
         holds the arrays, and the scratch row it needs)."""
         head = tuple(_address(a) for a in (q, k, v, mask, y))
         if self.parts > 1:
-            return functools.partial(_checked, self.mt, (*head, *self.tail, self.heads,
-                                                         self.parts))
+            return functools.partial(_holding, (q, k, v, mask, y), _checked, self.mt,
+                                     (*head, *self.tail, self.heads, self.parts))
         scratch = np.empty(self.tail[2], np.float32) if self.scratch else None
         return functools.partial(_holding, (q, k, v, mask, y, scratch), self.serial, *head,
                                  _address(scratch), *self.tail, 0, self.heads)
 
 
-def _holding(arrays: tuple[Any, ...], fn: Callable[..., int], *args: Any) -> None:
+def _holding(arrays: tuple[Any, ...], fn: Callable[..., object], *args: Any) -> None:
     """``fn(*args)``, ``arrays`` (what the arguments point into) kept alive with the call."""
     fn(*args)
 

@@ -543,11 +543,10 @@ class Call:
         f = self.f
         split = self._split(threads)
         if split is not None:
-            return functools.partial(_checked, *split)
+            return _holding(functools.partial(_checked, *split), self)
         once = functools.partial(f.gemm, self.args, _work(f), 0, 0,
                                  self.batch * -(-self.n // f.nr))
-        once.keep = (self, _local.work)      # type: ignore[attr-defined]
-        return once
+        return _holding(once, self, _local.work)
 
     def run(self, threads: int, panel_major: bool = False) -> None:
         """Compute, split over up to ``threads`` threads when the product is big enough.
@@ -588,6 +587,14 @@ def _moved(values: tuple[Any, ...], fields: tuple[int, ...], lo: int, hi: int,
         if lo <= moved[i] < hi:
             moved[i] += delta
     return tuple(moved)
+
+
+def _holding(bound: functools.partial[Any], *owners: object) -> functools.partial[Any]:
+    """``bound`` keeping ``owners`` alive: its arguments are raw addresses, and the
+    call's ``keep`` is the only owner of arrays made when it was prepared (a scalar
+    bias broadcast to a row, a copied residual), whoever else drops the call."""
+    bound.keep = owners      # type: ignore[attr-defined]
+    return bound
 
 
 def _checked(fn: Callable[..., int], *args: Any) -> None:
@@ -752,10 +759,10 @@ class BandCall:
         """``run(threads)`` as a callable with no arguments (see :meth:`Call.bound`)."""
         f, parts = self.f, self._parts(threads)
         if parts > 1:
-            return functools.partial(_checked, f.band_mt, self.args, self.units, parts)
+            return _holding(functools.partial(_checked, f.band_mt, self.args, self.units,
+                                              parts), self)
         once = functools.partial(f.band, self.args, _work(f), 0, self.units)
-        once.keep = (self, _local.work)      # type: ignore[attr-defined]
-        return once
+        return _holding(once, self, _local.work)
 
     def run(self, threads: int) -> None:
         """Compute, the bands split over up to ``threads`` threads."""

@@ -258,11 +258,12 @@ def native_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[in
             raise RuntimeError("native GEMM refused the Winograd products")
         # The lanes tiles the plan gives (not prepare's rule for this machine's vendor);
         # tall tiles for one vector of tiles, or where tall_tiles takes U's shape.
+        # Each chunk's own: a short last chunk may take other tiles than the first.
         one_vector = planner.winograd_tall(t)
-        if pass_lanes is None:
-            pass_lanes = planner.winograd_pass_lanes(c, m, t)[0]
+        chunk_lanes = (planner.winograd_pass_lanes(c, m, t)[0] if pass_lanes is None
+                       else pass_lanes)
         call = native_gemm.with_tiles(call, one_vector or planner.tall_tiles(m, c),
-                                      lanes if one_vector else pass_lanes)
+                                      lanes if one_vector else chunk_lanes)
         # Panel-major: a thread's share of the sixteen products is the same tiles of each
         # (those of the images, or tile rows, it transformed: the pool gives each thread
         # the same chunk index); product by product where U outweighs the tiles.

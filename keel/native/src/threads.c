@@ -135,7 +135,9 @@ static struct {
     _Atomic int failed;      /* a thread could not get its scratch */
     _Atomic int sleepers;    /* workers waiting on `wake` */
     _Atomic int stop;
-    int workers;
+    /* Started workers: written by grow (under `lock`), keel_pool_stop and a forked
+     * child, read by spinning workers without the lock (next_epoch), hence atomic. */
+    _Atomic int workers;
     pthread_t threads[MAX_WORKERS];
     job j;
     _Atomic int64_t spin_ns;
@@ -180,8 +182,26 @@ static _Atomic int64_t idle_spin_ns = 0;
 static _Atomic int64_t yield_spins = 256; /* a power of two; 0: never (but LONG_SPINS) */
 static _Atomic int yield_shared = 0;
 /* The CPU each pool thread last ran on, as it last looked (id 0: the caller; -1: a worker
- * asleep). Read only with yield_shared. */
+ * asleep, not started, or a CPU unknown). Read only with yield_shared; all -1 from the
+ * pool's first job (forget_cpus) and after keel_pool_stop. */
 static _Atomic int thread_cpu[MAX_WORKERS + 1];
+
+static void forget_cpus(void)
+{
+    for (int i = 0; i <= MAX_WORKERS; i++)
+        atomic_store_explicit(&thread_cpu[i], -1, memory_order_relaxed);
+}
+
+/* The CPU this thread runs on; -1 where that is not known (off Linux), which shares a
+ * CPU with no thread. */
+static int current_cpu(void)
+{
+#if defined(__linux__)
+    return sched_getcpu();
+#else
+    return -1;
+#endif
+}
 
 /* This thread's id in the pool: 0 for a calling thread, i + 1 for worker i. */
 static _Thread_local int64_t pool_id = 0;
@@ -262,9 +282,11 @@ static void take_chunks(uint32_t epoch)
         if (claim_own(epoch, c)) run_chunk(parts, c, &scratch);
 }
 
-/* Whether another of the first `count` pool threads than this one last ran on `cpu`. */
+/* Whether another of the first `count` pool threads than this one last ran on `cpu`
+ * (never for a CPU not known, -1). */
 static int shares_cpu(int cpu, int64_t count)
 {
+    if (cpu < 0) return 0;
     for (int64_t id = 0; id < count; id++)
         if (id != pool_id && atomic_load_explicit(&thread_cpu[id], memory_order_relaxed) == cpu)
             return 1;
@@ -278,7 +300,7 @@ static int should_yield(uint64_t spins, int64_t count)
     uint64_t every = (uint64_t)atomic_load_explicit(&yield_spins, memory_order_relaxed);
     if (every == 0 || (spins & (every - 1)) != 0) return 0;
     if (!atomic_load_explicit(&yield_shared, memory_order_relaxed)) return 1;
-    int cpu = sched_getcpu();
+    int cpu = current_cpu();
     atomic_store_explicit(&thread_cpu[pool_id], cpu, memory_order_relaxed);
     return shares_cpu(cpu, count);
 }
@@ -293,7 +315,7 @@ static uint32_t next_epoch(uint32_t seen)
         now = epoch_of(atomic_load_explicit(&pool.ticket, memory_order_acquire));
         if (now != seen) return now;
         /* Not on the first pass: a job that follows at once is taken without a call. */
-        if (i != 0 && should_yield(i, pool.workers + 1)) sched_yield();
+        if (i != 0 && should_yield(i, atomic_load_explicit(&pool.workers, memory_order_relaxed) + 1)) sched_yield();
         if ((i & (CHECK_SPINS - 1)) == 0) {
             if (atomic_load_explicit(&park_epoch, memory_order_acquire) == seen) {
                 /* The run ended after the last job: spin on only until park_until. */
@@ -311,7 +333,7 @@ static uint32_t next_epoch(uint32_t seen)
         pthread_cond_wait(&pool.wake, &pool.lock);
     atomic_fetch_sub(&pool.sleepers, 1);
     pthread_mutex_unlock(&pool.lock);
-    atomic_store_explicit(&thread_cpu[pool_id], sched_getcpu(), memory_order_relaxed);
+    atomic_store_explicit(&thread_cpu[pool_id], current_cpu(), memory_order_relaxed);
     return now;
 }
 
@@ -322,7 +344,7 @@ static void *worker(void *arg)
 {
     uint32_t seen = (uint32_t)(uintptr_t)arg;
     pool_id = atomic_fetch_add(&next_id, 1) + 1;
-    atomic_store_explicit(&thread_cpu[pool_id], sched_getcpu(), memory_order_relaxed);
+    atomic_store_explicit(&thread_cpu[pool_id], current_cpu(), memory_order_relaxed);
     for (;;) {
         seen = next_epoch(seen);
         if (atomic_load(&pool.stop)) return NULL;
@@ -371,7 +393,7 @@ static int64_t run_inline(keel_task fn, void *ctx, int64_t n, int64_t parts, int
     return 0;
 }
 
-static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
+static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
 /* Set on this thread when its last split found the pool busy and ran inline (read by the
  * dispatch timing below, which must not time such a job). */
 static _Thread_local int found_busy;
@@ -386,9 +408,16 @@ static void after_fork_child(void)
     atomic_store(&next_id, 0);
     atomic_store(&pool.sleepers, 0);
     atomic_store(&pool.stop, 0);
+    forget_cpus();
 }
 
-static void fork_init(void) { pthread_atfork(NULL, NULL, after_fork_child); }
+/* Before the pool's first job: no thread's CPU known yet, and a forked child that
+ * starts over. */
+static void pool_init(void)
+{
+    forget_cpus();
+    pthread_atfork(NULL, NULL, after_fork_child);
+}
 
 /* Run fn over [0, n) in `parts` chunks on at most `threads` threads (this one
  * included; 0 or less: no cap, as keel_parallel), the chunks past the threads' own
@@ -411,13 +440,13 @@ int64_t keel_parallel_capped(keel_task fn, void *ctx, int64_t n, int64_t parts, 
         found_busy = 1;
         return run_inline(fn, ctx, n, parts, scratch_floats);
     }
-    pthread_once(&fork_once, fork_init);
+    pthread_once(&pool_once, pool_init);
     grow((int)(width - 1));
     int64_t owned = atomic_load_explicit(&affinity, memory_order_relaxed)
                         ? (width < OWN_PARTS ? width : OWN_PARTS) : 0;
     pool.j = (job){fn, ctx, n, scratch_floats};
     if (atomic_load_explicit(&yield_shared, memory_order_relaxed))
-        atomic_store_explicit(&thread_cpu[0], sched_getcpu(), memory_order_relaxed);
+        atomic_store_explicit(&thread_cpu[0], current_cpu(), memory_order_relaxed);
     atomic_store_explicit(&pool.cap, cap, memory_order_relaxed);
     atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
     atomic_store_explicit(&pool.failed, 0, memory_order_relaxed);
@@ -451,7 +480,7 @@ int64_t keel_parallel(keel_task fn, void *ctx, int64_t n, int64_t parts, int64_t
 }
 
 /* Worker threads started so far. */
-int64_t keel_pool_workers(void) { return pool.workers; }
+int64_t keel_pool_workers(void) { return atomic_load(&pool.workers); }
 
 /* How long an idle worker spins before it sleeps, in microseconds (as keel set it). */
 int64_t keel_pool_spin_us(void) { return spin_ns() / 1000; }
@@ -543,6 +572,7 @@ void keel_pool_stop(void)
     pthread_mutex_unlock(&pool.lock);
     for (int i = 0; i < count; i++) pthread_join(pool.threads[i], NULL);
     pool.workers = 0;
+    forget_cpus();
     atomic_store(&next_id, 0);
     atomic_store(&pool.stop, 0);
     atomic_flag_clear_explicit(&pool.busy, memory_order_release);

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -343,3 +344,89 @@ def test_matmul_and_gemm_run_no_lanes_tiles_on_any_vendor(
     got = model.run(None, feeds)[0]
     assert ran and set(ran) == {False}
     np.testing.assert_allclose(got, a.astype(np.float64) @ b, rtol=1e-4, atol=1e-4)
+
+
+def _pipeline_model() -> Any:
+    """A 256 -> 256 3x3 conv on 14x14 at batch 1: on one thread, the per-thread pipeline
+    (one block of 49 tiles) for a 2 MiB L2, pass by pass for a 512 KiB one (U, 2.25 MiB,
+    read again by each of its blocks)."""
+    w = np.random.default_rng(10).standard_normal((256, 256, 3, 3)).astype(np.float32) / 48
+    return _one_conv("pipeline", w, [1, 256, 14, 14], [1, 256, 14, 14], pads=[1, 1, 1, 1],
+                     kernel_shape=[3, 3])
+
+
+def _ran_pipelines(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """What each compiled Winograd call runs: the pipeline's (tiles, panels, from the
+    last, threads, chunks) as its C entry point receives them, or () for the passes."""
+    import ctypes
+
+    from keel.backends.cpu import winograd
+
+    real = winograd._functions()
+    assert real is not None
+    ran: list[tuple[int, ...]] = []
+
+    def fused(*args: Any) -> Any:
+        sizes = (ctypes.c_int64 * 6).from_address(args[10])
+        ran.append((sizes[0], sizes[1], sizes[4], sizes[5], args[11]))
+        return real.fused(*args)
+
+    def passes(*args: Any) -> Any:
+        ran.append(())
+        return real.input(*args)
+
+    spied = dataclasses.replace(real, fused=fused, input=passes)
+    monkeypatch.setattr(winograd, "_functions", lambda: spied)
+    return ran
+
+
+def test_the_plan_states_the_winograd_pipeline_and_the_kernel_runs_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planned for two profiles of other L2 sizes, one Winograd conv's plan states the
+    pipeline for one and pass by pass for the other (winograd_pipeline, its reason in
+    explain()), and here, whatever this machine's caches, the kernel runs what its plan
+    states, on 1, 2, 3 and 16 threads: bitwise one result, the reference backend's."""
+    from keel.backends.cpu import winograd
+
+    if winograd._functions() is None:    # the NumPy Winograd has no pipeline
+        pytest.skip("native tier unavailable")
+    x = np.random.default_rng(11).standard_normal((1, 256, 14, 14)).astype(np.float32)
+    want = keel.load_model(_pipeline_model(), backend="reference").run(None, {"x": x})[0]
+    ran = _ran_pipelines(monkeypatch)
+    results, stated = [], {}
+    for name in ("x86-avx512-server", "container-2core-1gib"):
+        for threads in (1, 2, 3, 16):
+            model = keel.load_model(_pipeline_model(), backend="cpu",
+                                    hardware=fake_profile(name), threads=threads)
+            convs = [n.plan for n in model.plan.nodes if n.plan is not None
+                     and n.plan.option("conv_variant", n.plan.variant) == "winograd"]
+            assert len(convs) == 1
+            option = convs[0].option("winograd_pipeline")
+            assert option is not None and option[:2] == (1, threads)
+            why = convs[0].reason("winograd_pipeline")
+            assert why.startswith(f"on {threads} thread(s) ") and why in model.explain()
+            pipe = planner.planned_pipeline(option, 1, threads)
+            assert pipe is not None
+            stated[name, threads] = pipe.tiles
+            ran.clear()
+            results.append(model.run(None, {"x": x})[0])
+            assert ran == [(pipe.tiles, pipe.panels, int(pipe.last_first), pipe.threads,
+                            pipe.parts) if pipe.tiles else ()]
+            assert ("per-thread pipeline: " if pipe.tiles else "pass by pass: ") in why
+    assert stated["x86-avx512-server", 1] == 49 and stated["container-2core-1gib", 1] == 0
+    np.testing.assert_allclose(results[0], want, rtol=1e-4, atol=1e-4)
+    for got in results[1:]:
+        np.testing.assert_array_equal(got, results[0])
+
+
+def test_a_plan_for_another_batch_or_threads_leaves_the_pipeline_to_the_rule() -> None:
+    """A plan's pipeline is stated for its batch and threads: a call of another (one the
+    planner did not see) takes the run-time rule."""
+    pipe = planner.winograd_pipeline(1, 256, 256, (14, 14), 1,
+                                     planner.caches(fake_profile("x86-avx512-server")))
+    option = planner.pipeline_option(pipe, 1, 1)
+    assert planner.planned_pipeline(option, 1, 1) == dataclasses.replace(
+        pipe, reason="as planned (winograd_pipeline)")
+    assert planner.planned_pipeline(option, 2, 1) is None
+    assert planner.planned_pipeline(option, 1, 2) is None
+    assert planner.planned_pipeline(None, 1, 1) is None

@@ -118,19 +118,21 @@ def _check_dtype_set(op: Op, dtypes: tuple[Any, ...]) -> DType:
 
 
 # ---- the variants --------------------------------------------------------------------
-def _winograd(xp: Any, layout: tuple[ConvGeometry, int | None, bool | None, bool | None],
+def _winograd(xp: Any, layout: tuple[ConvGeometry, int | None, bool | None, bool | None,
+                                      tuple[int, ...] | None],
               x: Any, w: Any, b: Any, z: Any, y: Any, act: Activation, packed: Any = None,
               threads: int = 1) -> None:
     """F(2x2, 3x3), in chunks of the planned images: the transforms compiled (bias, z and
     a clip in the output transform; the products in the planned tiles) where the native
     tier serves the arrays; else in NumPy, the bias in the transform, z and the
     activation in the last copy."""
-    geo, chunk, lanes, pass_lanes = layout
+    geo, chunk, lanes, pass_lanes, pipeline = layout
     win = geo.window
     pads, out_hw = (win.pads_begin[0], win.pads_begin[1]), (win.out_spatial[0],
                                                            win.out_spatial[1])
     if xp is not np or not winograd.native_conv3x3(x, w, pads, out_hw, y, b, z, act, packed,
-                                                   threads, chunk, lanes, pass_lanes):
+                                                   threads, chunk, lanes, pass_lanes,
+                                                   pipeline):
         winograd.conv3x3(xp, x, w, pads, out_hw, y, b, z, act, packed, chunk)
 
 
@@ -156,7 +158,7 @@ def _layout(variant: str, geo: ConvGeometry, has_bias: bool, form: planner.ConvF
         return conv_gemm.native_layout(geo, form.layout, form.stream_stores, form.gemm_lanes,
                                        form.output_streams)
     if variant == "winograd":
-        return geo, form.chunk, form.lanes, form.pass_lanes
+        return geo, form.chunk, form.lanes, form.pass_lanes, form.pipeline
     return geo
 
 
@@ -173,6 +175,7 @@ def _form(node_plan: NodePlan | None, variant: str, geo: ConvGeometry,
             bool(node_plan.option("stream_stores", False)),
             node_plan.option("depthwise_block"), lanes=node_plan.option("winograd_lanes"),
             pass_lanes=node_plan.option("winograd_pass_lanes"),
+            pipeline=node_plan.option("winograd_pipeline"),
             gemm_lanes=node_plan.option("gemm_lanes"),
             output_streams=bool(node_plan.option("output_streams", False)))
     threads = node_plan.threads if node_plan is not None and node_plan.threads else 1

@@ -2106,6 +2106,9 @@ def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:
     if form.pass_lanes is not None:
         options.append(("winograd_pass_lanes", form.pass_lanes))
         form_reasons.append(("winograd_pass_lanes", form.pass_lanes_reason))
+    if form.pipeline is not None:
+        options.append(("winograd_pipeline", form.pipeline))
+        form_reasons.append(("winograd_pipeline", form.pipeline_reason))
     if form.gemm_lanes is not None:
         options.append(("gemm_lanes", form.gemm_lanes))     # the layout's reason says
     if form.output_streams:
@@ -3024,6 +3027,10 @@ class ConvForm:
     # not (winograd_pass_lanes, for the chunk's tiles and the vendor planned for).
     pass_lanes: bool | None = None
     pass_lanes_reason: str = ""
+    # Compiled, the per-thread pipeline or pass by pass for the caches, threads and vendor
+    # planned for (winograd_pipeline, pipeline_option's plain data): the kernel runs it.
+    pipeline: tuple[int, ...] | None = None
+    pipeline_reason: str = ""
     # The native conv's products in lanes tiles or not (native_tiles; None: the kernel's
     # rule for the shapes it sees) and its gathered taps streamed for its output's sake.
     gemm_lanes: bool | None = None
@@ -3101,7 +3108,28 @@ def winograd_form(geo: ConvGeometry, itemsize: int, sizes: Caches | None = None,
     return ConvForm("", why, chunk, scratch, lanes=lanes, lanes_reason=lanes_why,
                     pass_lanes=passes, pass_lanes_reason=(
                         "where run pass by pass (on these threads the pipeline runs), "
-                        if pipe.tiles else "run pass by pass, ") + passes_why)
+                        if pipe.tiles else "run pass by pass, ") + passes_why,
+                    pipeline=pipeline_option(pipe, geo.batch, max(1, threads)),
+                    pipeline_reason=f"on {max(1, threads)} thread(s) {pipe.reason}")
+
+
+def pipeline_option(pipe: WinogradPipeline, images: int, threads: int) -> tuple[int, ...]:
+    """``pipe``, planned for ``images`` images on ``threads`` threads, as a plan's
+    ``winograd_pipeline`` option: plain integers, so that a saved plan keeps it."""
+    return (images, threads, pipe.tiles, pipe.panels, pipe.blocks, pipe.parts,
+            int(pipe.last_first), pipe.busiest, pipe.threads)
+
+
+def planned_pipeline(option: tuple[int, ...] | None, images: int,
+                     threads: int) -> WinogradPipeline | None:
+    """The pipeline a plan's ``winograd_pipeline`` option states for a call of ``images``
+    images on ``threads`` threads; None where the plan has none or stated it for another
+    batch or thread count (a call the planner did not see)."""
+    if option is None or tuple(option[:2]) != (images, threads):
+        return None
+    tiles, panels, blocks, parts, last_first, busiest, pool = option[2:]
+    return WinogradPipeline(tiles, panels, blocks, parts, "as planned (winograd_pipeline)",
+                            bool(last_first), busiest, pool)
 
 
 def _winograd_chunk(images: int, per_image: int, sizes: Caches) -> int:

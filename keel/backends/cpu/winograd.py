@@ -203,15 +203,18 @@ def _contiguous_f32(*arrays: Any) -> bool:
 def native_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[int, int],
                    y: Any, bias: Any = None, z: Any = None, act: Activation = ("", ()),
                    packed: Any = None, threads: int = 1, chunk: int | None = None,
-                   lanes: bool | None = None, pass_lanes: bool | None = None) -> bool:
+                   lanes: bool | None = None, pass_lanes: bool | None = None,
+                   pipeline: tuple[int, ...] | None = None) -> bool:
     """:func:`conv3x3` with the transforms compiled and the sixteen products on keel's
     packed GEMM, split over ``threads``, ``chunk`` images at a time (None: all), the
     products in lanes tiles or in panels as ``lanes`` says (its plan's
     ``winograd_lanes``: the pipeline's, and the passes' products in tall tiles) and, run
     pass by pass, a chunk's wider products as ``pass_lanes`` says (its plan's
-    ``winograd_pass_lanes``); None, a call the planner did not see: the rules for this
-    machine's vendor. False when not served (nothing written): the native tier
-    unavailable, or arrays that are not C-contiguous float32."""
+    ``winograd_pass_lanes``), as the per-thread pipeline or pass by pass as ``pipeline``
+    says (its plan's ``winograd_pipeline``, for the profile planned for); None, a call
+    the planner did not see: the rules for this machine's vendor and caches. False when
+    not served (nothing written): the native tier unavailable, or arrays that are not
+    C-contiguous float32."""
     fns = _functions()
     if fns is None or not _contiguous_f32(x, w, y, bias, z) or (
             z is not None and z.shape != y.shape):
@@ -227,7 +230,8 @@ def native_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[in
     clip = clip_bounds((params[0], params[1])) if name == "clip" else None
     addr = native.address
     lanes = planner.winograd_lanes()[0] if lanes is None else lanes
-    pipe = planner.winograd_pipeline(n, c, m, out_hw, threads, lanes=lanes)
+    pipe = (planner.planned_pipeline(pipeline, n, threads)
+            or planner.winograd_pipeline(n, c, m, out_hw, threads, lanes=lanes))
     if pipe.tiles:
         call = products.tiled(planner.winograd_tall(min(pipe.tiles, n * tiles)), lanes)
         _ok(fns.fused(addr(x), addr(y), addr(geo), m, None if bias is None else addr(bias),

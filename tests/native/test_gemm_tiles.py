@@ -2,7 +2,9 @@
 tiles, any division of them over threads and the planner's grid on 1 to 16 threads give
 bitwise the same C, equal to NumPy's product within float32 rounding, through each of the
 kernel's paths (packed and raw operands, a batch of products, tall tiles, one row, a
-residual, accumulation)."""
+residual, accumulation). A packed B fetched ahead by the first row panel (the cpu planner's
+fetch_rows, in the call's flags) gives the bits of the same call without it, the fetches
+running past the array's end; a model's weight products match the reference backend."""
 
 from __future__ import annotations
 
@@ -11,9 +13,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
 from keel import native
 from keel.backends.cpu import native_gemm as ng
+from keel.backends.cpu import planner as cpu_planner
+from keel.execution.model import load_model
 
 RNG = np.random.default_rng(11)
 THREADS = (1, 2, 3, 4, 8, 16)
@@ -198,3 +203,79 @@ def test_lanes_tiles_give_the_bits_of_the_panels(shape: tuple[int, int, int]) ->
                                rtol=2e-4, atol=2e-4)
     for got in results[1:]:
         np.testing.assert_array_equal(got, results[0])
+
+
+# ---- a packed B fetched ahead (gemm.c's column_panel) ----------------------------------
+
+def _fetching(call: ng.Call, rows: int) -> ng.Call:
+    """``call`` with ``rows`` fetched ahead instead of the planner's."""
+    field = ng._FLAGS_FIELD
+    flags = int(call.values[field]) & ((1 << ng._FETCH_SHIFT) - 1) | rows << ng._FETCH_SHIFT
+    values = (*call.values[:field], flags, *call.values[field + 1:])
+    return ng.Call(call.f, values, call.batch, call.m, call.n, call.k, call.keep,
+                   call.c_layout)
+
+
+# (m, k, n): whole and partial row and column panels, a depth of one row, depths past
+# one and two blocks of the kernel (KC 512), and a product of many row panels.
+SHAPES = [(32, 784, 512), (32, 256, 10), (9, 1, 33), (24, 40, 100), (8, 1100, 64),
+          (70, 300, 200), (3, 2000, 40)]
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_a_packed_b_fetched_ahead_gives_the_same_bits(m: int, k: int, n: int) -> None:
+    a, b, bias = _f(m, k), _f(k, n), _f(n)
+    c = np.empty((m, n), np.float32)
+    call = ng.prepare(a, ng.pack(b, left=False), c, bias=bias, clip=(0.0, np.inf))
+    assert call is not None
+    planned = cpu_planner.fetch_rows(4 * call.f.nr)
+    assert int(call.values[ng._FLAGS_FIELD]) >> ng._FETCH_SHIFT == planned > 0
+    want = np.maximum(a.astype(np.float64) @ b.astype(np.float64) + bias, 0)
+    results = []
+    for rows in (0, 1, planned, 64, 4096):
+        for threads in (1, 2, 3, 16):
+            c[...] = np.nan
+            _fetching(call, rows).run(threads)
+            results.append(c.copy())
+    np.testing.assert_allclose(results[0], want, rtol=1e-4, atol=1e-4)
+    for r in results[1:]:
+        assert np.array_equal(r, results[0])
+
+
+def test_a_raw_b_carries_no_fetch() -> None:
+    a, b = _f(16, 64), _f(64, 48)
+    c = np.empty((16, 48), np.float32)
+    call = ng.prepare(a, b, c)
+    assert call is not None
+    assert int(call.values[ng._FLAGS_FIELD]) >> ng._FETCH_SHIFT == 0
+
+
+def test_fetch_rows_cover_the_planned_bytes() -> None:
+    assert cpu_planner.fetch_rows(128) * 128 == cpu_planner.FETCH_AHEAD_BYTES
+    assert cpu_planner.fetch_rows(4 * cpu_planner.FETCH_AHEAD_BYTES) == 1
+
+
+def _mlp() -> bytes:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 300])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 40])
+    inits = [numpy_helper.from_array(_f(300, 200), "w1"), numpy_helper.from_array(_f(200), "b1"),
+             numpy_helper.from_array(_f(40, 200), "w2"), numpy_helper.from_array(_f(40), "b2")]
+    nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["h"]),
+             helper.make_node("Relu", ["h"], ["r"]),
+             helper.make_node("Gemm", ["r", "w2", "b2"], ["y"], transB=1)]
+    graph = helper.make_graph(nodes, "fetch", [x], [y], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model.SerializeToString()
+
+
+def test_a_models_weight_products_match_the_reference_on_every_thread_count() -> None:
+    model, x = _mlp(), {"x": _f(32, 300)}
+    want = load_model(model, backend="reference").predict(x)["y"]
+    got = {t: load_model(model, backend="cpu", threads=t) for t in (1, 2, 3, 16)}
+    outs = [m.predict(x)["y"] for m in got.values()]
+    np.testing.assert_allclose(outs[0], want, rtol=1e-4, atol=1e-3)
+    for out in outs[1:]:
+        assert np.array_equal(out, outs[0])
+    assert "fetch_rows, FETCH_AHEAD_BYTES" in got[1].explain()
+

@@ -133,6 +133,7 @@ class CpuBackend(Backend):
         from keel.backends.cpu.planner import (
             Caches,
             caches,
+            fetch_note,
             huge_pages_note,
             pool_yield,
             staging_note,
@@ -146,7 +147,7 @@ class CpuBackend(Backend):
         return (f"cpu backend, {self.threads_reason}",
                 *((f"NUMA: {numa}",) if cpus is not None or "NUMA nodes" in numa else ()),
                 blocks, thread_costs_note(self.threads), f"keel threads: {pool_yield().reason}",
-                huge_pages_note(), staging_note())
+                huge_pages_note(), fetch_note(), staging_note())
 
     def _staging(self) -> tuple[int, int]:
         from keel.backends.cpu.planner import staging

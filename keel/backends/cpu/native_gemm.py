@@ -89,6 +89,7 @@ __all__ = ["BandCall", "Call", "Packed", "Rows", "address", "available", "gemm",
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ACCUMULATE, _CLIP, _STREAM, _DIRECT, _NT, _TALL, _LANES = 1, 2, 4, 8, 16, 32, 64
+_FETCH_SHIFT = 8        # flags >> 8: rows of a packed B fetched ahead (gemm.c's column_panel)
 # keel_gemm_args of gemm.c: 23 int64 fields then alpha, lo, hi as doubles. One
 # packed argument block costs ~0.3 us; 30 separate ctypes arguments cost ~3 us.
 _ARGS = struct.Struct("<23q3d")
@@ -656,7 +657,8 @@ def prepare(a: np.ndarray | Packed, b: np.ndarray | Packed | Rows, c: np.ndarray
         _TALL if f.tall(m, k) else 0) | (_LANES if _plain(ra, rb) and columns is None and (
             masks is None and not accumulate and lanes) else 0) | (
         _LANES if masks is not None and not accumulate
-        and planner_rules().masked_lanes(m, n, k) else 0)
+        and planner_rules().masked_lanes(m, n, k) else 0) | (
+        planner_rules().fetch_rows(4 * f.nr) << _FETCH_SHIFT if isinstance(b, Packed) else 0)
     lo, hi = clip if clip is not None else (0.0, 0.0)
     values = (m, n, k, *ra[:4], *rb[:4],
               native.address(b.offsets) if isinstance(b, Rows) else 0,

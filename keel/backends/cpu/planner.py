@@ -1723,6 +1723,41 @@ HOLD_BYTES = 64 * 1024
 STREAM_BYTES = 2 * 2**20
 
 
+# A product of the native GEMM on a packed B (a MatMul's or Gemm's constant weights)
+# runs column panel by column panel, every row panel against the panel while it stays in
+# L2 (up to 2 * KC deep: 128 KiB with AVX-512), so a weight is read from beyond the L2
+# once a pass however many rows there are. The first row panel of each column panel reads
+# it line after line at one 64-byte line every four cycles, and the hardware's
+# prefetchers stop at every 4 KiB page: it fetches the rows FETCH_AHEAD_BYTES ahead
+# itself (fetch_rows, gemm.c's KEEL_FETCH_SHIFT). Measured on the 2-core Intel Xeon, one
+# thread, six products of 32 rows cycled (their weights 4.7 MiB together, so each comes
+# from L3 as in a model), alternating, 300-400 rounds, medians under load (us, without ->
+# with): 32x784x512 208 -> 181, 32x256x1024 136 -> 115, 32x1024x256 142 -> 124, 32x512x256
+# 74 -> 66; 8x784x512 87 -> 67, 24x512x512 118 -> 103, 128x784x512 681 -> 655,
+# 256x256x1024 873 -> 857. With each product's weights left in L2 (the call run twice)
+# it still gains (32x784x512 174 -> 160, 32x256x1024 106 -> 98, 32x512x256 47 -> 47), so
+# the rule does not depend on the cache sizes: every packed B fetches. 512 B to 2 KiB
+# ahead gave the same times, 3 KiB 1.05x and 4 or 8 KiB 1.10x the 2 KiB time; fetching in
+# every row panel, not only the first, 1.01x the first alone. What the cache sizes
+# would decide instead, the order of the loops, was measured too: depth blocks of 128
+# (a 16 KiB block of B in L1 across the row panels) took 1.04x the time of one deep block.
+FETCH_AHEAD_BYTES = 1024
+
+
+def fetch_rows(row_bytes: int) -> int:
+    """Rows ahead of the one it multiplies that the native GEMM's first row panel
+    fetches of a packed B whose rows (one column panel's) are ``row_bytes`` long."""
+    return max(1, FETCH_AHEAD_BYTES // row_bytes)
+
+
+def fetch_note() -> str:
+    """The plan's note on the native GEMM's fetching of packed weights (fetch_rows)."""
+    return (f"packed weights: the first row panel of each column panel fetches B's rows "
+            f"{FETCH_AHEAD_BYTES} bytes ahead (the hardware's prefetchers stop at every "
+            "4 KiB page), for B in L2 and beyond alike: measured, it gained in both "
+            "(fetch_rows, FETCH_AHEAD_BYTES)")
+
+
 # A conv's product on gathered taps is flagged to stream (KEEL_STREAM) also where it
 # is one image whose output is larger than STREAM_BYTES, however small the image its
 # taps are read from: gemm.c then runs its taps of many columns row panel by row panel,

@@ -120,6 +120,9 @@ typedef int32_t vi __attribute__((vector_size(VW * 4)));
                              choice, keel.backends.cpu.planner.tall_tiles) */
 #define KEEL_LANES 64     /* flags: run in lanes tiles where they fit (the cpu planner's
                              choice, keel.backends.cpu.planner.lanes_tiles) */
+#define KEEL_FETCH_SHIFT 8 /* flags >> 8: rows of a packed B the first row panel of a
+                              column panel fetches ahead (the cpu planner's fetch_rows;
+                              see column_panel) */
 
 static inline vf load(const float *p) { return *(const vfu *)p; }
 static inline void store(float *p, vf v) { *(vfu *)p = v; }
@@ -216,6 +219,7 @@ typedef struct {
     const float *b;
     int64_t bs;
     const int64_t *rows;
+    int64_t ahead; /* 0, or floats past row p whose lines are fetched as row p is read */
 } bsource;
 
 /* acc += a[p][i] * b_p[j] for one step p. */
@@ -243,6 +247,12 @@ rank_updates(int mr, int nv, int64_t kc, const float *restrict a, const bsource 
 {
     if (s->rows)
         for (int64_t p = 0; p < kc; p++) rank1(mr, nv, a + p * MR, s->b + s->rows[p], acc);
+    else if (s->ahead)
+        for (int64_t p = 0; p < kc; p++) {
+            const float *f = s->b + p * s->bs + s->ahead;
+            for (int j = 0; j < nv * VW; j += 16) __builtin_prefetch(f + j, 0, 3); /* lines */
+            rank1(mr, nv, a + p * MR, s->b + p * s->bs, acc);
+        }
     else
         for (int64_t p = 0; p < kc; p++) rank1(mr, nv, a + p * MR, s->b + p * s->bs, acc);
 }
@@ -329,7 +339,7 @@ tile_full(int mr, int nv, int64_t kc, const float *a, const bsource *s, const ta
         tile_full_body(mr, nv, kc, a, s, t, e);
         return;
     }
-    const bsource strided = {s->b, s->bs, NULL};
+    const bsource strided = {s->b, s->bs, NULL, s->ahead};
     tile_full_body(mr, nv, kc, a, &strided, t, e);
 }
 
@@ -863,11 +873,18 @@ static void column_panel(const problem *g, const epilogue *e, int64_t jp, int64_
             pack_block(g->b + j0 * g->b_cs, g->b_cs, g->b_rs, NULL, 0, cols, NR, k0, kc, wb);
         s = (bsource){wb, NR, NULL};
     }
+    /* The first row panel reads the packed panel from L2 or beyond (a model's weights
+       together overflow the L2), line after line: the hardware's prefetchers stop at
+       every 4 KiB page, so it fetches its rows a few ahead itself (KEEL_FETCH_SHIFT);
+       the later row panels find them in cache. Past the panel's end it fetches the next
+       panel's first rows (packed right after it); a prefetch past the array cannot fault. */
+    int64_t ahead = b_raw || g->b_cols ? 0 : (e->flags >> KEEL_FETCH_SHIFT) * NR;
     for (int64_t ip = ib; ip < ie; ip++) {
         int64_t i0 = ip * MR;
         int mr = (int)(m - i0 < MR ? m - i0 : MR);
         const float *aa = wa ? wa + (ip - ib) * g->a_ps : g->a + ip * k * MR + k0 * MR;
         target t = target_of(g, i0, j0, cols, load_c, last);
+        s.ahead = ip == ib ? ahead : 0;
         TILES[nv - 1][mr - 1](kc, aa, &s, &t, e);
     }
 }

@@ -1752,6 +1752,8 @@ def fetch_rows(row_bytes: int) -> int:
 
 def fetch_note() -> str:
     """The plan's note on the native GEMM's fetching of packed weights (fetch_rows)."""
+    if not native_gemm.available():
+        return "packed weights: none (no native tier here) (fetch_rows)"
     return (f"packed weights: the first row panel of each column panel fetches B's rows "
             f"{FETCH_AHEAD_BYTES} bytes ahead (the hardware's prefetchers stop at every "
             "4 KiB page), for B in L2 and beyond alike: measured, it gained in both "

@@ -2552,15 +2552,15 @@ def by_image_step(geo: ConvGeometry, threads: int, grid: Any = _HERE,
     win = geo.window
     pixels, depth = math.prod(win.out_spatial), geo.in_channels * math.prod(win.kernel)
     one = gemm_split(1, geo.out_channels, pixels, depth, threads, grid, sizes, (False, True))
-    sizes = sizes or caches()
-    image = conv_gemm.native_scratch(
-        conv_gemm.native_layout(dataclasses.replace(geo, batch=1), "gathered"), 4)
     if threads < 2 or one.parts < 2:
-        return 1, "an image a step: one thread"
+        return 1, "an image a step: one thread" + ("" if threads < 2 else f" ({one.reason})")
     if one.rows < 2:
         return 1, (f"an image a step: its product splits over {one.parts} threads by "
                    f"columns ({one.rows}x{one.cols} tiles), each thread packing its own "
                    "panels (by_image_step)")
+    sizes = sizes or caches()
+    image = conv_gemm.native_scratch(           # one image's phase copy, float32
+        conv_gemm.native_layout(dataclasses.replace(geo, batch=1), "gathered"), 4)
     if image > BY_IMAGE_L2_SHARE * sizes.l2:
         return 1, (f"an image a step: an image's phase copy ({image >> 10} KiB) over "
                    f"{BY_IMAGE_L2_SHARE} of the {sizes.l2 >> 10} KiB L2 (BY_IMAGE_L2_SHARE)")

@@ -223,3 +223,87 @@ def test_a_copied_residual_is_not_kept_for_later_runs(form: str, strided: bool) 
         else:                           # image by image declines a Z overlapping Y
             assert form == "gathered-images" and not strided
             assert np.array_equal(buf, before)
+
+
+def _by_steps(step: int) -> Any:
+    """The gathered-images form run ``step`` images a step (their products stacked)."""
+    def run(x: np.ndarray, w: np.ndarray, b: Any, z: Any, attrs: dict[str, Any],
+            threads: int = 1, y: np.ndarray | None = None) -> np.ndarray:
+        geo = conv_geometry(Op.CONV, x.shape, w.shape, attrs)
+        layout = conv_gemm.native_layout(geo, "gathered-images", step=step)
+        assert layout.step == min(step, geo.batch) and layout.geo.batch == layout.step
+        return run_layout(layout, x, w, b, z, attrs, threads, y)
+    return run
+
+
+@pytest.mark.parametrize("step", [2, 3])
+@pytest.mark.parametrize("x_shape,w_shape,attrs", CASES[:4])
+def test_steps_of_images_match_the_reference(step: int, x_shape: tuple[int, ...],
+                                             w_shape: tuple[int, ...],
+                                             attrs: dict[str, Any]) -> None:
+    """k images a step, the last step shorter where k does not divide the batch."""
+    check_against_reference(_by_steps(step), x_shape, w_shape, attrs, "relu", ())
+    check_residual_in_place(_by_steps(step), x_shape, w_shape, attrs)
+
+
+# ResNet-18's 64 -> 128 convs beside each other and its 128 -> 256 1x1, at a batch no step
+# of 2, 3 or 16 divides (the last step shorter).
+RESNET_BATCH = 17
+
+
+@pytest.mark.parametrize("case", [RESNET_S2[0], RESNET_S2[2]])
+def test_planned_steps_give_the_same_bits_on_every_thread_count(case: tuple[Any, ...]) -> None:
+    """The step the planner gives each thread count (1, 2, 3, 16), run on that many
+    threads: every result the same bits, and the reference backend's values."""
+    x_shape, w_shape, attrs = (RESNET_BATCH, *case[0][1:]), case[1], case[2]
+    rng = np.random.default_rng(5)
+    x, w, b = rand(rng, *x_shape), rand(rng, *w_shape), rand(rng, w_shape[0])
+    z = rand(rng, *reference([x, w, b], attrs).shape)
+    geo = conv_geometry(Op.CONV, x_shape, w_shape, attrs)
+    results, steps = [], set()
+    for threads in (1, 2, 3, 16):
+        step = cpu_planner.by_image_step(geo, threads, (8, 32))[0]
+        steps.add(step)
+        results.append(_by_steps(step)(x, w, b, z, attrs, threads))
+    assert len(steps) > 1                       # the thread counts ran different steps
+    for got in results[1:]:
+        assert np.array_equal(got, results[0])
+    np.testing.assert_allclose(results[0], reference([x, w, b], attrs) + z, rtol=1e-4,
+                               atol=1e-4)
+
+
+@pytest.mark.parametrize("case", RESNET_S2[:3])
+def test_whole_images_per_thread_where_an_image_would_split_its_rows(
+        case: tuple[Any, ...]) -> None:
+    """One thread, or threads that split an image's product by columns only, take an
+    image a step; where one image's grid splits its rows too (16 threads on ResNet-18's
+    stride-2 convs), a step takes as many images as threads, and says why."""
+    geo = conv_geometry(Op.CONV, *case)
+    pixels = geo.window.out_spatial[0] * geo.window.out_spatial[1]
+    depth = geo.in_channels * geo.window.kernel[0] * geo.window.kernel[1]
+    assert cpu_planner.by_image_step(geo, 1, (8, 32))[0] == 1
+    for threads in (2, 3, 4, 16):
+        one, stacked = (cpu_planner.gemm_split(1, geo.out_channels, k * pixels, depth,
+                                               threads, (8, 32), raw=(False, True))
+                        for k in (1, threads))
+        step, why = cpu_planner.by_image_step(geo, threads, (8, 32))
+        assert step == (threads if one.rows > 1 and stacked.rows < one.rows else 1)
+        assert ("whole images per thread" in why) is (step > 1)
+    assert cpu_planner.by_image_step(geo, 2, (8, 32))[0] == 1       # ResNet-18 on two
+    assert cpu_planner.by_image_step(geo, 16, (8, 32))[0] == 16
+    few = conv_geometry(Op.CONV, (5, *case[0][1:]), *case[1:])
+    assert cpu_planner.by_image_step(few, 16, (8, 32))[0] in (1, 5)  # never past the batch
+
+
+def test_the_plan_states_the_step() -> None:
+    """The node's plan carries the step as its chunk, with the reason, for its threads,
+    and the split it states is the stacked product's."""
+    geo = conv_geometry(Op.CONV, *RESNET_S2[0])
+    form = cpu_planner.conv_form("native", geo, 4, (8, 32), threads=16, vendor="Intel")
+    assert form.layout == "gathered-images" and form.chunk == 16
+    assert "whole images per thread" in form.chunk_reason
+    splits = cpu_planner.conv_splits("native", form.layout, form.chunk, geo, 16, (8, 32),
+                                     vendor="Intel")
+    assert "1x16 tiles" in splits[-1].name and splits[0].units == 16 * geo.in_channels
+    two = cpu_planner.conv_form("native", geo, 4, (8, 32), threads=2, vendor="Intel")
+    assert two.chunk == 1 and "by columns" in two.chunk_reason

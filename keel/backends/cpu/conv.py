@@ -156,7 +156,7 @@ def _layout(variant: str, geo: ConvGeometry, has_bias: bool, form: planner.ConvF
                                           form.scheme)
     if variant == "native":
         return conv_gemm.native_layout(geo, form.layout, form.stream_stores, form.gemm_lanes,
-                                       form.output_streams)
+                                       form.output_streams, form.chunk or 1)
     if variant == "winograd":
         return geo, form.chunk, form.lanes, form.pass_lanes, form.pipeline
     return geo

@@ -441,7 +441,10 @@ class NativeLayout:
     (7x7 = 49 pixels would fill two 32-column panels to 77 %, 32 images 98 %).
     ``images``: the ``gathered-images`` form, a batch run image by image, each image's
     phase copy and then its products (``geo`` and the phase image are one image's, so
-    the products read a phase image the copy has just left in cache).
+    the products read a phase image the copy has just left in cache); or, planned with
+    a ``step`` of k > 1 images (whole images per thread), k images at a time, their
+    phases copied together and their products stacked in one (``geo`` then k images'
+    in the gathered-stacked layout: k threads' column panels, about an image each).
     """
 
     geo: ConvGeometry
@@ -460,7 +463,8 @@ class NativeLayout:
     nt: bool = False                  # Y's final stores bypass the cache (as planned)
     lanes: bool | None = None         # products in lanes tiles (as planned; None: the rule)
     streams: bool = False             # gathered taps stream for the output (as planned)
-    images: int = 0                   # by image: this many, one at a time (geo: one image's)
+    images: int = 0                   # by image: this many, ``step`` at a time (geo: a step's)
+    step: int = 1                     # by image: images a step (stacked when more than one)
 
     @property
     def stacked(self) -> bool:
@@ -526,7 +530,8 @@ MASKED_MAX_TAPS = 64
 
 
 def native_layout(geo: ConvGeometry, form: str, stream_stores: bool = False,
-                  lanes: bool | None = None, output_streams: bool = False) -> NativeLayout:
+                  lanes: bool | None = None, output_streams: bool = False,
+                  step: int = 1) -> NativeLayout:
     """``geo`` on the native GEMM in ``form`` (pure; callers cache it per signature).
 
     The cpu planner decides the form (``keel.backends.cpu.planner.native_form``):
@@ -537,21 +542,24 @@ def native_layout(geo: ConvGeometry, form: str, stream_stores: bool = False,
     final stores bypass the cache (where no activation pass rereads Y); ``lanes``: the
     products run in gemm.c's lanes tiles or not (None: lanes_tiles for this machine);
     ``output_streams``: gathered taps stream for the output's sake (the planner's
-    native_tiles decides both).
+    native_tiles decides both); ``step``: the gathered-images form's images a step (the
+    planner's by_image_step).
     """
-    layout = _native_layout(geo, form)
+    layout = _native_layout(geo, form, step)
     if stream_stores or lanes is not None or output_streams:
         layout = dataclasses.replace(layout, nt=stream_stores, lanes=lanes,
                                      streams=output_streams)
     return layout
 
 
-def _native_layout(geo: ConvGeometry, form: str) -> NativeLayout:
+def _native_layout(geo: ConvGeometry, form: str, step: int = 1) -> NativeLayout:
     win = geo.window
     if form == "gathered-images" and geo.batch > 1 and (win.padded or any(
             s != 1 for s in win.strides)):
-        one = _native_layout(dataclasses.replace(geo, batch=1), "gathered")
-        return dataclasses.replace(one, images=geo.batch)
+        step = max(1, min(step, geo.batch))
+        one = _native_layout(dataclasses.replace(geo, batch=step),
+                             "gathered-stacked" if step > 1 else "gathered")
+        return dataclasses.replace(one, images=geo.batch, step=step)
     found = (band_layout(geo) if form == "band" else masked_layout(geo) if form == "masked"
              else _wide_layout(geo, form == "wide-stacked")
              if form.startswith("wide") and wide_serves(geo) else None)
@@ -863,14 +871,14 @@ def native(xp: Any, layout: NativeLayout, x: Any, w: Any, b: Any, z: Any, y: Any
     return True
 
 
-# One image's steps of the gathered-images form: its phase copy, then its products.
+# One step of the gathered-images form: its images' phase copy, then their products.
 _ImageStep = tuple[Callable[[], None], list[native_gemm.Call] | list[native_gemm.BandCall]]
 
 
 def _native_images(layout: NativeLayout, x: Any, filters: Any, z: Any, y: Any,
                    act: Activation, packed: Any, threads: int) -> bool:
-    """The gathered-images form: each image's phase copy into one image's phase image,
-    then that image's products, so they read the copy from cache (prepared once per set
+    """The gathered-images form: each step's phase copy into one step's phase image,
+    then that step's products, so they read the copy from cache (prepared once per set
     of arrays, as :func:`native` keeps its calls); False when not served (nothing
     written)."""
     if x.shape[0] != layout.images or not x.flags.c_contiguous or np.may_share_memory(x, y):
@@ -881,7 +889,7 @@ def _native_images(layout: NativeLayout, x: Any, filters: Any, z: Any, y: Any,
                              x.dtype, 0.0)
     calls = None
     if isinstance(packed, workspace.Packed) and residual_in_place(z, y):
-        calls = packed.get(("native_image_calls", threads), (), dict)
+        calls = packed.get(("native_image_calls", threads, layout.step), (), dict)
     key = (id(x), id(y), id(z), id(image), id(filters))
     hit = None if calls is None else calls.get(key)
     if hit is not None and hit[1] is filters and all(
@@ -904,18 +912,35 @@ def _native_images(layout: NativeLayout, x: Any, filters: Any, z: Any, y: Any,
 
 def _image_steps(layout: NativeLayout, image: Any, x: Any, filters: Any, z: Any, y: Any,
                  act: Activation, threads: int) -> list[_ImageStep] | None:
-    """Per image: the copy of its phases into ``image`` and its products reading them;
-    None when one is not served."""
+    """Per step of images: the copy of their phases into ``image`` and their products
+    reading them; None when one is not served. A last step of fewer images has a layout
+    (and phase image) of its own."""
     steps: list[_ImageStep] = []
-    for i in range(layout.images):
-        xi, yi = x[i:i + 1], y[i:i + 1]
-        copy = bind_phase_copy(layout, xi, image, threads)
-        ready = native_calls(layout, image, xi, filters,
-                             None if z is None else z[i:i + 1], yi, act)
+    for i in range(0, layout.images, layout.step):
+        k = min(layout.step, layout.images - i)
+        part, buffer = layout, image
+        if k != layout.step:
+            part = _tail_layout(layout, k)
+            buffer = workspace.filled(np, ("native_phases", part), phase_image_shape(part),
+                                      x.dtype, 0.0)
+        xi, yi = x[i:i + k], y[i:i + k]
+        copy = bind_phase_copy(part, xi, buffer, threads)
+        ready = native_calls(part, buffer, xi, filters,
+                             None if z is None else z[i:i + k], yi, act)
         if copy is None or ready is None:
             return None
         steps.append((copy, ready))
     return steps
+
+
+@functools.lru_cache(maxsize=64)
+def _tail_layout(layout: NativeLayout, images: int) -> NativeLayout:
+    """The gathered-images layout of a last step of ``images`` (fewer than its step),
+    its products run as the plan says the others' do."""
+    geo = dataclasses.replace(layout.geo, batch=images)
+    tail = _native_layout(geo, "gathered-stacked" if images > 1 else "gathered")
+    return dataclasses.replace(tail, nt=layout.nt, lanes=layout.lanes, streams=layout.streams,
+                               images=layout.images, step=layout.step)
 
 
 class _Dead:

@@ -2466,6 +2466,24 @@ MASKED_STRIDED_VENDORS = frozenset({"AMD"})
 # one image) 32.2-34.8 against 32.4-33.5, the 256 -> 512 ones 1.03-1.18x; ResNet-20's
 # stride-2 convs (2.4 MFLOP an image at most) 1.06-1.6x.
 BY_IMAGE_MIN_FLOPS = 8_000_000
+# ... and, on more threads, whole images per thread (by_image_step). An image's product
+# split over the threads in tiles of rows (gemm_split's grid: rows as well as columns
+# where its column panels alone would split unevenly, as ResNet-18's 64 -> 128 convs'
+# 25 panels of 784 pixels would over 16 threads, an 8 x 2 grid there) has every one of
+# a column group's threads gather and pack the same B panels, each thread's share of a
+# step is small (7 MFLOP of the 115 an image on 16 threads) against the step's two
+# dispatches, and the next image waits on the busiest thread. So where that grid splits
+# an image's rows, a step takes min(threads, batch) images instead, their phases copied
+# together and their products stacked in one, where that product's grid splits fewer
+# rows (B's panels packed by fewer threads): ResNet-18's 64 -> 128 convs on 16 threads
+# split 1 x 16 (an image's columns a thread, its panels packed once), its 128 -> 256
+# 1x1 4 x 4 against one image's 16 x 1. Derived from gemm_split's grid (its balance and
+# operand reads), not measured: no machine of more than two cores was at hand. On two
+# threads no conv of ResNet-18 changes (the 64 -> 128 ones split 1 x 2 by columns, the
+# 128 -> 256 1x1 2 x 1 for one image and for two stacked). Where a
+# thread's image (its phase copy) would not fit BY_IMAGE_L2_SHARE of its L2 (the rest
+# for the packed panels and A's rows), threads share an image's panels as before.
+BY_IMAGE_L2_SHARE = 0.5
 # stacked: the images of a batch go side by side in one product when an image's last
 # column panel would be less than STACK_FILL full; for a 1x1 stride-1 conv, which
 # otherwise reads X in place row panel by row panel (stacking gathers it), less than
@@ -2564,6 +2582,43 @@ def _by_image_wins(geo: ConvGeometry, grid: Grid, vendor: str | None) -> bool:
     return (math.prod(win.out_spatial) < MASKED_STRIDED_BELOW and conv_gemm.masked_layout(geo)
             is not None and _image_flops(geo) >= BY_IMAGE_MIN_FLOPS
             and not _masked_lanes_reason(one, grid))
+
+
+def by_image_step(geo: ConvGeometry, threads: int, grid: Any = _HERE,
+                  sizes: Caches | None = None) -> tuple[int, str]:
+    """The gathered-images form's images a step on ``threads`` threads (1: threads share
+    each image's product; k: k images' products stacked, whole images per thread), and
+    why (BY_IMAGE_L2_SHARE)."""
+    grid = _grid(grid)
+    win = geo.window
+    pixels, depth = math.prod(win.out_spatial), geo.in_channels * math.prod(win.kernel)
+    one = gemm_split(1, geo.out_channels, pixels, depth, threads, grid, sizes, (False, True))
+    if threads < 2 or one.parts < 2:
+        return 1, "an image a step: one thread" + ("" if threads < 2 else f" ({one.reason})")
+    if one.rows < 2:
+        return 1, (f"an image a step: its product splits over {one.parts} threads by "
+                   f"columns ({one.rows}x{one.cols} tiles), each thread packing its own "
+                   "panels (by_image_step)")
+    sizes = sizes or caches()
+    image = conv_gemm.native_scratch(           # one image's phase copy, float32
+        conv_gemm.native_layout(dataclasses.replace(geo, batch=1), "gathered"), 4)
+    if image > BY_IMAGE_L2_SHARE * sizes.l2:
+        return 1, (f"an image a step: an image's phase copy ({image >> 10} KiB) over "
+                   f"{BY_IMAGE_L2_SHARE} of the {sizes.l2 >> 10} KiB L2 (BY_IMAGE_L2_SHARE)")
+    step = min(threads, geo.batch)
+    stacked = gemm_split(1, geo.out_channels, step * pixels, depth, threads, grid, sizes,
+                         (False, True))
+    if stacked.rows >= one.rows:
+        return 1, (f"an image a step: its product splits over {one.parts} threads in "
+                   f"{one.rows}x{one.cols} tiles, and {step} images' stacked in "
+                   f"{stacked.rows}x{stacked.cols}: B's panels packed as often "
+                   "(by_image_step)")
+    return step, (f"{step} images a step, whole images per thread: one image's product "
+                  f"over {one.parts} threads would split its rows too ({one.rows}x{one.cols} "
+                  f"tiles, each B panel packed by {one.rows} threads), {step} images' "
+                  f"stacked in one split {stacked.rows}x{stacked.cols}; their phase copies "
+                  f"({image >> 10} KiB an image) within {BY_IMAGE_L2_SHARE} of the "
+                  f"{sizes.l2 >> 10} KiB L2 (by_image_step)")
 
 
 def _image_flops(geo: ConvGeometry) -> int:
@@ -3871,7 +3926,7 @@ def conv_splits(variant: str, layout: str, chunk: int | None, geo: ConvGeometry,
     if variant == "winograd" and geo.rank == 2:
         return _winograd_splits(geo, chunk or geo.batch, threads, grid, sizes, vendor)
     if variant == "native":
-        return _native_splits(geo, layout, threads, grid, sizes, vendor)
+        return _native_splits(geo, layout, threads, grid, sizes, vendor, chunk or 1)
     if variant == "depthwise" and layout.startswith("native"):
         taps = math.prod(geo.window.out_spatial) * math.prod(geo.window.kernel)
         planes = geo.batch * geo.in_channels
@@ -3911,11 +3966,12 @@ def _winograd_splits(geo: ConvGeometry, chunk: int, threads: int, grid: Any,
 
 
 def _native_splits(geo: ConvGeometry, layout: str, threads: int, grid: Any,
-                   sizes: Caches | None, vendor: Any = _HERE) -> tuple[Split, ...]:
+                   sizes: Caches | None, vendor: Any = _HERE, step: int = 1
+                   ) -> tuple[Split, ...]:
     n, g, win = geo.batch, geo.group, geo.window
     pixels, taps = math.prod(win.out_spatial), math.prod(win.kernel)
     cg, mg = geo.in_channels // g, geo.out_channels // g
-    band, copied, batch, columns, wide = _native_shape(geo, layout)
+    band, copied, batch, columns, wide = _native_shape(geo, layout, step)
     if band:
         rows = native_gemm.band_rows(geo.in_channels, win.kernel, win.out_spatial) or 1
         units = n * -(-win.out_spatial[0] // rows)
@@ -3930,8 +3986,8 @@ def _native_splits(geo: ConvGeometry, layout: str, threads: int, grid: Any,
                         threads, grid, sizes=sizes, raw=(False, True), lanes=lanes)
     if not copied:
         return (product,)
-    # By image (gathered-images): each image's planes, then its product, n times over.
-    planes = geo.in_channels if batch == 1 and layout == "gathered-images" else n * geo.in_channels
+    # By image (gathered-images): each step's planes, then its product, over the batch.
+    planes = (min(step, n) if layout == "gathered-images" else n) * geo.in_channels
     work = planes * math.prod(win.in_spatial)
     if wide:                                # X into the wide buffer: one NumPy copy
         return Split("copy into the wide buffer (NumPy)", 1, 1, work,
@@ -3940,14 +3996,16 @@ def _native_splits(geo: ConvGeometry, layout: str, threads: int, grid: Any,
 
 
 @functools.lru_cache(maxsize=512)
-def _native_shape(geo: ConvGeometry, form: str) -> tuple[bool, bool, int, int, bool]:
-    """What the split of ``geo``'s native conv in ``form`` follows: (by bands, X copied
-    first, the products per group, their columns, through the wide buffer)."""
-    found = conv_gemm.native_layout(geo, form)
+def _native_shape(geo: ConvGeometry, form: str, step: int = 1
+                  ) -> tuple[bool, bool, int, int, bool]:
+    """What the split of ``geo``'s native conv in ``form`` (``step`` images a step by
+    image) follows: (by bands, X copied first, the products per group, their columns,
+    through the wide buffer)."""
+    found = conv_gemm.native_layout(geo, form, step=step)
     pixels = math.prod(geo.window.out_spatial)
     batch, columns = (1, geo.batch * pixels) if found.stacked else (geo.batch, pixels)
     if found.images:
-        batch = 1                       # each image's product on its own
+        batch, columns = 1, found.step * pixels     # each step's product on its own
     if found.wide is not None:
         batch, columns = (1 if found.wide.stacked else geo.batch), found.wide.columns
     return found.band, found.copied, batch, columns, found.wide is not None
@@ -4088,11 +4146,14 @@ def conv_form(variant: str, geo: ConvGeometry, itemsize: int, grid: Any = _HERE,
     machine's)."""
     if variant == "native":
         form, why = native_form(geo, grid, vendor)
-        scratch = conv_gemm.native_scratch(conv_gemm.native_layout(geo, form), itemsize)
+        step, step_why = (by_image_step(geo, threads, grid, sizes)
+                          if form == "gathered-images" else (None, ""))
+        scratch = conv_gemm.native_scratch(conv_gemm.native_layout(geo, form, step=step or 1),
+                                           itemsize)
         lanes, streams = native_tiles(geo, form, grid, vendor)
-        return ConvForm(form, why, workspace_bytes=scratch,
+        return ConvForm(form, why, step, workspace_bytes=scratch,
                         stream_stores=stream_stores(geo, sizes), gemm_lanes=lanes,
-                        output_streams=streams)
+                        output_streams=streams, chunk_reason=step_why)
     if variant == "depthwise":
         layout, why = depthwise_form(geo)
         numpy_form = layout.rpartition("|")[2]

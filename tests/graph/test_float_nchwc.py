@@ -99,6 +99,16 @@ def _output_inside() -> bytes:
     return g.model(g.conv("c4", g.conv("c3", a)))
 
 
+def _residual_only() -> bytes:
+    """c1's result is c2's X and c3's residual; c3 reads a max pool of the input and
+    writes a graph output, as does c2."""
+    g = _Graph(16, 16)
+    a = g.conv("c1", "x")
+    g.outputs.append(g.conv("c2", a))
+    pooled = g.node("MaxPool", "x", kernel_shape=[3, 3], pads=[1, 1, 1, 1])
+    return g.model(g.conv("c3", pooled, residual=a))
+
+
 def _layouts(model: Any) -> dict[str, str]:
     return {p.name: p.layout for p in model.plan.nodes if p.op == "conv"}
 
@@ -192,6 +202,19 @@ def test_a_graph_output_inside_a_chain_is_written_nchw() -> None:
     assert layouts["c3"] == "nchw->nchwc16" and layouts["c4"] == "nchwc16->nchw"
     c2 = next(p.plan for p in model.plan.nodes if p.name == "c2")
     assert c2 is not None and "graph output" in c2.reason("layout")
+    _check_results(blob)
+
+
+def test_a_conv_reading_only_its_residual_blocked() -> None:
+    blob = _residual_only()
+    model = _load(blob, 2)
+    model.predict(_feeds(blob))
+    assert _layouts(model) == {"c1": "nchw->nchwc16", "c2": "nchwc16->nchw",
+                               "c3": "nchw->nchw"}
+    c3 = next(p.plan for p in model.plan.nodes if p.name == "c3")
+    assert c3 is not None and c3.option("residual_layout") == "nchwc16"
+    assert "reads only its residual blocked" in c3.reason("layout")
+    assert "bands of output rows" in c3.reason("threads")
     _check_results(blob)
 
 

@@ -553,7 +553,7 @@ def native_layout(geo: ConvGeometry, form: str, stream_stores: bool = False,
     and Y in the layouts the form names and its residual blocked where
     ``blocked_residual``.
     """
-    if native_blocked.NCHWC in form or form == "nchw->nchw":
+    if form in native_blocked.REGION_LAYOUTS:
         src, _, dst = form.partition("->")
         return NativeLayout(geo, False, False, (), (), math.prod(geo.window.in_spatial), None,
                             None, blocked=True, sides=native_blocked.Sides(

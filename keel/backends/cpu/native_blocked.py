@@ -22,8 +22,8 @@ import numpy as np
 from keel import native
 from keel.backends.cpu import native_gemm
 
-__all__ = ["NCHWC", "NCHW_SIDES", "BlockedCall", "Sides", "available", "pack_filters",
-           "prepare", "to_blocked", "to_nchw"]
+__all__ = ["NCHWC", "NCHW_SIDES", "REGION_LAYOUTS", "BlockedCall", "Sides", "available",
+           "pack_filters", "prepare", "to_blocked", "to_nchw"]
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 # keel_conv_blocked_args of blocked.c: 13 int64 fields then lo, hi as doubles.
@@ -34,6 +34,10 @@ _CLIP, _X_BLOCKED, _Y_BLOCKED, _R_BLOCKED = 2, 4, 8, 16
 _F4 = np.dtype(np.float32)
 LANES = 16              # output channels a block (one AVX-512 vector)
 NCHWC = "nchwc16"       # the blocked layout's name in a plan's layout
+# The layouts of a float NCHWc region's convs (X's -> Y's; "nchw->nchw": only the
+# residual is blocked), as the cpu planner's float_layouts writes them.
+REGION_LAYOUTS = frozenset({f"nchw->{NCHWC}", f"{NCHWC}->{NCHWC}", f"{NCHWC}->nchw",
+                            "nchw->nchw"})
 
 
 @dataclass(frozen=True, eq=False)

@@ -1101,7 +1101,8 @@ def _leaves(nodes: Sequence[Any], name: str, readers: Mapping[str, list[int]],
         return f"{name} is a graph output"
     for r in readers.get(name, ()):
         if not reads_blocked(r, name):
-            return f"{name} is read by {nodes[r].name} ({nodes[r].op.value}), which reads NCHW"
+            node = nodes[r]
+            return f"{name} is read by {node.name} ({node.op.value}), which reads NCHW"
     return f"{name} has no reader"
 
 
@@ -4050,7 +4051,7 @@ def _native_splits(geo: ConvGeometry, layout: str, threads: int, grid: Any,
     n, g, win = geo.batch, geo.group, geo.window
     pixels, taps = math.prod(win.out_spatial), math.prod(win.kernel)
     cg, mg = geo.in_channels // g, geo.out_channels // g
-    if NCHWC in layout and conv_gemm.blocked_serves(geo):
+    if layout in native_blocked.REGION_LAYOUTS and conv_gemm.blocked_serves(geo):
         units = n * (win.out_spatial[0] // conv_gemm.blocked_rows(geo))
         return (Split("bands of output rows", units, blocked_parts(geo, threads),
                       _blocked_flops(geo), least_work(LeastWork.FLOPS, threads)),)

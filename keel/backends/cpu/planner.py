@@ -1102,7 +1102,10 @@ def _leaves(nodes: Sequence[Any], name: str, readers: Mapping[str, list[int]],
     for r in readers.get(name, ()):
         if not reads_blocked(r, name):
             node = nodes[r]
-            return f"{name} is read by {node.name} ({node.op.value}), which reads NCHW"
+            why = ("not a blockable conv (blocked_conv: 3x3 stride 1 padded by one, 16 or "
+                   "more input channels in whole blocks of 16, on the native variant)"
+                   if node.op is Op.CONV else "not a conv")
+            return f"{name} is read by {node.name} ({node.op.value}: {why}), which reads NCHW"
     return f"{name} has no reader"
 
 

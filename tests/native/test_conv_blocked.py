@@ -14,10 +14,14 @@ import numpy as np
 import pytest
 
 from keel import native
+from keel.backends.base import DeviceKind, KernelContext
 from keel.backends.cpu import conv_gemm, native_blocked
 from keel.backends.cpu import planner as cpu_planner
 from keel.backends.cpu.conv_epilogue import activation
+from keel.backends.cpu.kernels import load as load_cpu
+from keel.backends.plan import NodePlan
 from keel.ops.registry import Op
+from keel.ops.schema import get_schema
 from keel.ops.schemas.conv import conv_geometry
 from tests.native._conv_support import check_against_reference, rand, reference
 
@@ -187,3 +191,26 @@ def test_the_split_is_the_planners(threads: int) -> None:
     call = native_blocked.prepare(x, filters, y, 1, 1,
                                   lambda t: cpu_planner.blocked_parts(geo, t))
     assert call is not None and call.parts(threads) == split.pieces
+
+
+@pytest.mark.parametrize("layout", ["nchwc16->nchwc16", "nchw->nchwc16", "nchwc16->nchw"])
+def test_a_region_conv_the_kernel_does_not_serve_runs_between_layout_changes(
+        layout: str) -> None:
+    """Rows of 12 pixels are not whole 8-pixel tiles: the conv node planned inside a
+    region runs the NCHW im2col between layout changes, reading and writing the layouts
+    its plan names (and its blocked residual)."""
+    rng = np.random.default_rng(8)
+    x, w, b = rand(rng, 2, 16, 12, 12), rand(rng, 16, 16, 3, 3), rand(rng, 16)
+    z = rand(rng, 2, 16, 12, 12)
+    attrs = {**PADDED, "activation": "relu"}
+    src, _, dst = layout.partition("->")
+    plan = NodePlan(variant="native", layout=layout, threads=2,
+                    options=(("residual_layout", "nchwc16"),))
+    ctx = KernelContext(np, "cpu", DeviceKind.CPU, threads=2, plan=plan)
+    kernel = load_cpu().get(Op.CONV, "native")
+    norm = get_schema(Op.CONV).normalize_attrs(attrs)
+    xs = native_blocked.to_blocked(x) if src == "nchwc16" else x
+    (y,) = kernel.fn(ctx, [xs, w, b, native_blocked.to_blocked(z)], norm, None)
+    got = native_blocked.to_nchw(np.asarray(y)) if dst == "nchwc16" else np.asarray(y)
+    np.testing.assert_allclose(got, np.maximum(reference([x, w, b], PADDED) + z, 0),
+                               rtol=1e-4, atol=1e-4)

@@ -502,7 +502,7 @@ def _with_layouts(graph: Graph, types: Mapping[str, TensorType | None],
                   registry: BackendRegistry, placements: list[NodePlacement],
                   ) -> list[NodePlacement]:
     """Every node plan with its backend's whole-graph layout decision, where it made one
-    (the cpu planner's int8 channels-last chains)."""
+    (the cpu planner's int8 channels-last chains and float NCHWc regions)."""
     placed = list(placements)
     for name in dict.fromkeys(p.backend for p in placements):
         variants = [p.variant if p.backend == name else None for p in placements]

@@ -728,6 +728,6 @@ def test_argument_structs_agree_with_gemm_c() -> None:
 
 def test_a_mismatched_argument_struct_fails_at_load() -> None:
     with pytest.raises(ng.ArgsLayoutError, match=r"keel_gemm_args is 216 bytes.*'<23q3d'"):
-        ng._check_layout("keel_gemm_args", ng._ARGS, ng._C_FIELD, "C", 216, 104)
+        ng.check_layout("keel_gemm_args", ng._ARGS, ng._C_FIELD, "C", 216, 104)
     with pytest.raises(ng.ArgsLayoutError, match=r"C's address at byte 112.*at byte 104"):
-        ng._check_layout("keel_gemm_args", ng._ARGS, ng._C_FIELD, "C", 208, 112)
+        ng.check_layout("keel_gemm_args", ng._ARGS, ng._C_FIELD, "C", 208, 112)

@@ -193,7 +193,8 @@ class CpuBackend(Backend):
                      variants: Sequence[str | None]) -> dict[int, LayoutDecision]:
         from keel.backends.cpu import planner
 
-        return planner.int8_layouts(graph, types, variants, self.threads)
+        return {**planner.int8_layouts(graph, types, variants, self.threads),
+                **planner.float_layouts(graph, types, variants, self.threads)}
 
     def _planner_state(self) -> Any:
         from keel.backends.cpu import planner

@@ -63,6 +63,7 @@ from keel.backends.cpu import (
     conv_epilogue,
     conv_gemm,
     depthwise,
+    native_blocked,
     native_gemm,
     planner,
     winograd,
@@ -156,7 +157,9 @@ def _layout(variant: str, geo: ConvGeometry, has_bias: bool, form: planner.ConvF
                                           form.scheme)
     if variant == "native":
         return conv_gemm.native_layout(geo, form.layout, form.stream_stores, form.gemm_lanes,
-                                       form.output_streams, form.chunk or 1)
+                                       form.output_streams,
+                                       blocked_residual=form.blocked_residual,
+                                       step=form.chunk or 1)
     if variant == "winograd":
         return geo, form.chunk, form.lanes, form.pass_lanes, form.pipeline
     return geo
@@ -177,7 +180,8 @@ def _form(node_plan: NodePlan | None, variant: str, geo: ConvGeometry,
             pass_lanes=node_plan.option("winograd_pass_lanes"),
             pipeline=node_plan.option("winograd_pipeline"),
             gemm_lanes=node_plan.option("gemm_lanes"),
-            output_streams=bool(node_plan.option("output_streams", False)))
+            output_streams=bool(node_plan.option("output_streams", False)),
+            blocked_residual=node_plan.option("residual_layout") == planner.NCHWC)
     threads = node_plan.threads if node_plan is not None and node_plan.threads else 1
     return planner.conv_form(variant, geo, itemsize, threads=threads)
 
@@ -289,10 +293,17 @@ def _run(ctx: KernelContext, op: Op, variant: str, x: Any, w: Any, b: Any, z: An
     elif plan.variant != "native":
         _IMPLS[plan.variant](xp, plan.layout, x, w, b, z, y, plan.act, packed)
     elif not _native(xp, plan, variant, x, w, b, z, y, attrs, out, packed, ctx.threads or 1):
-        # Not served here (the gpu backend, the native tier gone): the NumPy im2col.
+        # Not served here (the gpu backend, the native tier gone): the NumPy im2col,
+        # between layout changes where the plan keeps a side channel-blocked.
+        sides = plan.layout.sides
+        x, z = (native_blocked.to_nchw(a) if a is not None and blocked else a
+                for a, blocked in ((x, sides.x), (z, sides.residual)))
         fallback = _lookup(op, "im2col", ctx.backend, x, w, b, z, attrs)
+        result = np.empty_like(y) if sides.y else y
         with ThreadCap(ctx.threads or 1) if xp is np else contextlib.nullcontext():
-            _IMPLS["im2col"](xp, fallback.layout, x, w, b, z, y, plan.act, packed)
+            _IMPLS["im2col"](xp, fallback.layout, x, w, b, z, result, plan.act, packed)
+        if sides.y:
+            native_blocked.to_blocked(result, y)
     if out is not None and out[0] is not None and out[0] is not y:
         out[0][...] = y
         return [out[0]]
@@ -334,7 +345,7 @@ class _Ready:
                  "x_ref", "x_shape", "y_address", "y_layout", "y_ref", "z_ref")
 
     def __init__(self, variant: str, attrs: Attrs, x: Any, w: Any, b: Any, z: Any, y: Any,
-                 act: Activation, calls: Sequence[native_gemm.Call | native_gemm.BandCall],
+                 act: Activation, calls: Sequence[conv_gemm.NativeCall],
                  fills: tuple[tuple[Any, Any], ...] | None, rebind: bool = False,
                  layout: conv_gemm.NativeLayout | None = None, source: Any = None) -> None:
         self.variant, self.attrs, self.w, self.b = variant, attrs, w, b
@@ -394,9 +405,10 @@ class _Ready:
         if self.rebind and native_gemm.address(x) != self.x_address:
             calls = []
             for call in self.calls:
-                again = call.with_x(x) if isinstance(call, native_gemm.BandCall) else None
+                again = None if isinstance(call, native_gemm.Call) else call.with_x(x)
                 if again is None:       # serves() checked X: not reached
-                    raise ValueError("a band conv's X must be a C-contiguous float32 array")
+                    raise ValueError("a conv reading X in place needs a C-contiguous "
+                                     "float32 X")
                 calls.append(again)
             self.calls, self.x_address, self.threads = tuple(calls), native_gemm.address(x), 0
         if self.fills is not None and not self._copy_phases(x, threads):
@@ -451,11 +463,9 @@ def _prepare_native(plan: _Plan, variant: str, x: Any, w: Any, b: Any, z: Any, y
                     attrs: Attrs, packed: _State) -> _Ready | None:
     """The prepared native computation of these arrays; None when not served."""
     layout = plan.layout
-    if layout.images:
-        return None                     # image by image: conv_gemm keeps its own steps
-    geo = layout.geo
-    filters = workspace.form(np, packed, ("native", geo.group), (w, b),
-                             lambda xp_, a: conv_gemm.native_filters(xp_, geo, a[0], a[1]))
+    if layout.images or (layout.blocked and not conv_gemm.blocked_serves(layout.geo)):
+        return None     # image by image (conv_gemm keeps its own steps), or not served
+    filters = conv_gemm.layout_filters(np, layout, packed, w, b)
     if not conv_gemm.residual_in_place(z, y):
         return None                     # the kernel would add a copy of Z made now
     source = conv_gemm.native_source(np, layout, x)
@@ -468,7 +478,7 @@ def _prepare_native(plan: _Plan, variant: str, x: Any, w: Any, b: Any, z: Any, y
     if layout.copied:
         fills = tuple(_fill(source, f, dst, src, x.shape[2:])
                       for f, (dst, src) in enumerate(layout.fills))
-    return _Ready(variant, attrs, x, w, b, z, y, plan.act, calls, fills, layout.band,
+    return _Ready(variant, attrs, x, w, b, z, y, plan.act, calls, fills, layout.reads_x,
                   layout if layout.copied else None, source if layout.copied else None)
 
 

@@ -79,13 +79,14 @@ from typing import Any
 
 import numpy as np
 
-from keel.backends.cpu import native_gemm, native_window, workspace
+from keel.backends.cpu import native_blocked, native_gemm, native_window, workspace
 from keel.backends.cpu import window as wnd
 from keel.backends.cpu.conv_epilogue import Activation, finish
 from keel.ops.schemas.conv import ConvGeometry
 
-__all__ = ["Im2colLayout", "NativeLayout", "PointwiseLayout", "Wide", "bind_phase_copy",
-           "im2col", "im2col_layout", "native", "native_calls", "native_filters", "native_layout",
+__all__ = ["Im2colLayout", "NativeCall", "NativeLayout", "PointwiseLayout", "Wide",
+           "bind_phase_copy", "blocked_rows", "blocked_serves", "im2col", "im2col_layout",
+           "layout_filters", "native", "native_calls", "native_filters", "native_layout",
            "native_source", "pointwise", "pointwise_layout", "wide_serves"]
 
 # How an im2col conv is laid out (compact or wide columns, images stacked, images per
@@ -460,6 +461,8 @@ class NativeLayout:
     wide: Wide | None = None          # the indirect "wide" layout (see Wide)
     masked: Masked | None = None      # taps read in place through lane masks (see Masked)
     band: bool = False                # by bands of output rows from X itself
+    blocked: bool = False             # channel-blocked direct 3x3 (native_blocked)
+    sides: native_blocked.Sides = native_blocked.NCHW_SIDES  # its blocked X, Y, residual
     nt: bool = False                  # Y's final stores bypass the cache (as planned)
     lanes: bool | None = None         # products in lanes tiles (as planned; None: the rule)
     streams: bool = False             # gathered taps stream for the output (as planned)
@@ -469,6 +472,12 @@ class NativeLayout:
     @property
     def stacked(self) -> bool:
         return self.stack_cols is not None
+
+    @property
+    def reads_x(self) -> bool:
+        """Whether the kernel reads X where it lies and takes each run's X (band and
+        blocked forms)."""
+        return self.band or self.blocked
 
 
 @dataclass(frozen=True, eq=False)
@@ -531,7 +540,7 @@ MASKED_MAX_TAPS = 64
 
 def native_layout(geo: ConvGeometry, form: str, stream_stores: bool = False,
                   lanes: bool | None = None, output_streams: bool = False,
-                  step: int = 1) -> NativeLayout:
+                  blocked_residual: bool = False, step: int = 1) -> NativeLayout:
     """``geo`` on the native GEMM in ``form`` (pure; callers cache it per signature).
 
     The cpu planner decides the form (``keel.backends.cpu.planner.native_form``):
@@ -543,8 +552,18 @@ def native_layout(geo: ConvGeometry, form: str, stream_stores: bool = False,
     products run in gemm.c's lanes tiles or not (None: lanes_tiles for this machine);
     ``output_streams``: gathered taps stream for the output's sake (the planner's
     native_tiles decides both); ``step``: the gathered-images form's images a step (the
-    planner's by_image_step).
+    planner's by_image_step). A form naming ``nchwc16`` (``"nchw->nchwc16"``,
+    ``"nchwc16->nchwc16"``, ``"nchwc16->nchw"``, ``"nchw->nchw"``: the planner's
+    float_layouts) is the channel-blocked direct conv inside a float NCHWc region, its X
+    and Y in the layouts the form names and its residual blocked where
+    ``blocked_residual``.
     """
+    if form in native_blocked.REGION_LAYOUTS:
+        src, _, dst = form.partition("->")
+        return NativeLayout(geo, False, False, (), (), math.prod(geo.window.in_spatial), None,
+                            None, blocked=True, sides=native_blocked.Sides(
+                                src == native_blocked.NCHWC, dst == native_blocked.NCHWC,
+                                blocked_residual))
     layout = _native_layout(geo, form, step)
     if stream_stores or lanes is not None or output_streams:
         layout = dataclasses.replace(layout, nt=stream_stores, lanes=lanes,
@@ -597,6 +616,26 @@ def _native_layout(geo: ConvGeometry, form: str, step: int = 1) -> NativeLayout:
     rows.flags.writeable = False
     cols.flags.writeable = False
     return NativeLayout(geo, False, copied, q, fills, plane, rows, cols, stack_cols, stack_out)
+
+
+def blocked_serves(geo: ConvGeometry) -> bool:
+    """Whether the channel-blocked direct conv (native_blocked) computes ``geo``: a dense
+    2-D 3x3 stride-1 conv padded by one on every side, output channels in whole blocks of
+    16, rows of whole 8-pixel tiles and bands of whole 16-pixel runs."""
+    win = geo.window
+    h, w = win.out_spatial if win.rank == 2 else (0, 0)
+    return (win.rank == 2 and geo.group == 1 and tuple(win.kernel) == (3, 3)
+            and all(s == 1 for s in win.strides) and all(d == 1 for d in win.dilations)
+            and all(p == 1 for p in (*win.pads_begin, *win.pads_end))
+            and geo.out_channels % native_blocked.LANES == 0 and w % 8 == 0
+            and (w % 16 == 0 or h % 2 == 0))
+
+
+def blocked_rows(geo: ConvGeometry) -> int:
+    """Output rows a unit of the blocked conv: the fewest whose pixels are a whole
+    number of 16-pixel transposes."""
+    w = geo.window.out_spatial[1]
+    return 1 if w % 16 == 0 else 2
 
 
 def wide_serves(geo: ConvGeometry) -> bool:
@@ -794,6 +833,17 @@ def _grid(axes: Sequence[Sequence[int]]) -> Any:
     return total.reshape(-1)
 
 
+def layout_filters(xp: Any, layout: NativeLayout, packed: Any, w: Any, b: Any) -> Any:
+    """The node's filters as ``layout``'s kernel reads them (packed once per node)."""
+    geo = layout.geo
+    if layout.blocked:
+        return workspace.form(xp, packed, ("blocked",), (w, b), lambda xp_, a: (
+            native_blocked.pack_filters(a[0]),
+            None if a[1] is None else np.ascontiguousarray(a[1], dtype=np.float32)))
+    return workspace.form(xp, packed, ("native", geo.group), (w, b),
+                          lambda xp_, a: native_filters(xp_, geo, a[0], a[1]))
+
+
 def native_filters(xp: Any, geo: ConvGeometry, w: Any, b: Any) -> Any:
     """Per group: W (Mg, Cg * taps) packed as the left operand, and its bias (or None)."""
     g = geo.group
@@ -843,10 +893,9 @@ def native(xp: Any, layout: NativeLayout, x: Any, w: Any, b: Any, z: Any, y: Any
     and write (a steady-state call then skips ~5 us of argument checks per group).
     """
     if xp is not np or x.dtype != np.float32 or y.dtype != np.float32 \
-            or not native_gemm.available():
+            or not native_gemm.available() or (layout.blocked and not blocked_serves(layout.geo)):
         return False
-    filters = workspace.form(xp, packed, ("native", layout.geo.group), (w, b),
-                             lambda xp_, a: native_filters(xp_, layout.geo, a[0], a[1]))
+    filters = layout_filters(xp, layout, packed, w, b)
     if layout.images:
         return _native_images(layout, x, filters, z, y, act, packed, threads)
     source = native_source(xp, layout, x, threads)
@@ -872,7 +921,7 @@ def native(xp: Any, layout: NativeLayout, x: Any, w: Any, b: Any, z: Any, y: Any
 
 
 # One step of the gathered-images form: its images' phase copy, then their products.
-_ImageStep = tuple[Callable[[], None], list[native_gemm.Call] | list[native_gemm.BandCall]]
+_ImageStep = tuple[Callable[[], None], Sequence["NativeCall"]]
 
 
 def _native_images(layout: NativeLayout, x: Any, filters: Any, z: Any, y: Any,
@@ -1027,6 +1076,9 @@ def _wide_view(xp: Any, layout: NativeLayout, wide: Wide, dtype: Any) -> Any:
                    (0, wide.image, wide.channel, wide.row, 1))
 
 
+# A prepared kernel call of a native layout.
+NativeCall = native_gemm.Call | native_gemm.BandCall | native_blocked.BlockedCall
+
 # One group's GEMM operands: (B, C, residual, column map, lane masks), given the group
 # index and its slices of C and the residual.
 _Operands = tuple[Any, Any, Any, Any, Any]
@@ -1108,11 +1160,13 @@ def _masked_calls(layout: NativeLayout, masked: Masked, source: Any, x: Any, fil
 
 def native_calls(layout: NativeLayout, source: Any, x: Any, filters: Any, z: Any, y: Any,
                   act: Activation
-                  ) -> list[native_gemm.Call] | list[native_gemm.BandCall] | None:
+                  ) -> Sequence[NativeCall] | None:
     """The kernel calls computing every group; None when one is not served."""
     geo = layout.geo
     if layout.band:
         return _band_calls(layout, source, x, filters, z, y, act)
+    if layout.blocked:
+        return _blocked_calls(layout, source, x, filters, z, y, act)
     if layout.wide is not None:
         return _wide_calls(layout, layout.wide, source, x, filters, z, y, act)
     if layout.masked is not None:
@@ -1151,6 +1205,23 @@ def _band_calls(layout: NativeLayout, source: Any, x: Any, filters: Any, z: Any,
     call = native_gemm.prepare_band(x, wp, y, win.kernel, win.strides, win.dilations,
                                     win.pads_begin, bias=bias, residual=z, clip=clip,
                                     nt=layout.nt and act[0] in ("", "clip"))
+    return None if call is None else [call]
+
+
+def _blocked_calls(layout: NativeLayout, source: Any, x: Any, filters: Any, z: Any, y: Any,
+                   act: Activation) -> list[native_blocked.BlockedCall] | None:
+    """The kernel call of the blocked form (X read where it lies); None when not served."""
+    if source is not x or (z is not None and not _same(z, y) and (
+            z.dtype != np.float32 or not z.flags.c_contiguous or np.may_share_memory(z, y))):
+        return None
+    rules = native_gemm.planner_rules()
+    geo = layout.geo
+    packed, bias = filters
+    clip = (act[1][0], act[1][1]) if act[0] == "clip" else None
+    call = native_blocked.prepare(
+        x, packed, y, rules.blocked_oc_tile(geo.out_channels), blocked_rows(geo),
+        functools.partial(rules.blocked_parts, geo), bias=bias, residual=z, clip=clip,
+        sides=layout.sides)
     return None if call is None else [call]
 
 

@@ -84,8 +84,9 @@ import numpy as np
 
 from keel import native
 
-__all__ = ["BandCall", "Call", "Packed", "Rows", "address", "available", "gemm", "geometry",
-           "pack", "pack_batch", "planner_rules", "prepare", "prepare_band", "strides_of"]
+__all__ = ["BandCall", "Call", "Packed", "Rows", "address", "available", "check_layout",
+           "checked", "conv_epilogue_served", "gemm", "geometry", "moved_addresses", "pack",
+           "pack_batch", "planner_rules", "prepare", "prepare_band", "strides_of"]
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ACCUMULATE, _CLIP, _STREAM, _DIRECT, _NT, _TALL, _LANES = 1, 2, 4, 8, 16, 32, 64
@@ -142,9 +143,9 @@ def _load(lib: native.NativeLibrary) -> _Functions:
     def size(symbol: str) -> int:
         return int(lib.function(symbol, [], _I64)())
 
-    _check_layout("keel_gemm_args", _ARGS, _C_FIELD, "C",
+    check_layout("keel_gemm_args", _ARGS, _C_FIELD, "C",
                   size("keel_gemm_args_size"), size("keel_gemm_args_c_offset"))
-    _check_layout("keel_conv_band_args", _BAND_ARGS, _BAND_X, "X",
+    check_layout("keel_conv_band_args", _BAND_ARGS, _BAND_X, "X",
                   size("keel_conv_band_args_size"), size("keel_conv_band_args_x_offset"))
     taps_from = size("keel_gemm_rows_first_taps_f32")
     if taps_from != planner_rules().ROWS_FIRST_TAPS_FROM:
@@ -181,14 +182,14 @@ class ArgsLayoutError(RuntimeError):
     """gemm.c's argument struct and the layout this module packs it in disagree."""
 
 
-def _check_layout(name: str, packer: struct.Struct, field: int, what: str, size: int,
+def check_layout(name: str, packer: struct.Struct, field: int, what: str, size: int,
                   offset: int) -> None:
     """Fail at load, before any call, when the C struct ``name`` (``size`` bytes, the
     rebound address ``what`` at byte ``offset``) is not the one ``packer`` writes."""
     if packer.size != size or 8 * field != offset:
         raise ArgsLayoutError(
-            f"gemm.c's {name} is {size} bytes with {what}'s address at byte {offset}; "
-            f"native_gemm.py packs {packer.format!r} ({packer.size} bytes) with it at byte "
+            f"the C struct {name} is {size} bytes with {what}'s address at byte {offset}; "
+            f"keel packs {packer.format!r} ({packer.size} bytes) with it at byte "
             f"{8 * field}: change both sides together")
 
 
@@ -517,7 +518,7 @@ class Call:
     def moved(self, lo: int, hi: int, delta: int) -> Call:
         """The same call with C's (and the residual's) address moved by ``delta`` where it
         lies in ``[lo, hi)``: the output array it writes a view of moved, its layout kept."""
-        values = _moved(self.values, (_C_FIELD, _RESIDUAL_FIELD), lo, hi, delta)
+        values = moved_addresses(self.values, (_C_FIELD, _RESIDUAL_FIELD), lo, hi, delta)
         return Call(self.f, values, self.batch, self.m, self.n, self.k, self.keep,
                     self.c_layout)
 
@@ -544,7 +545,7 @@ class Call:
         f = self.f
         split = self._split(threads)
         if split is not None:
-            return _holding(functools.partial(_checked, *split), self)
+            return _holding(functools.partial(checked, *split), self)
         once = functools.partial(f.gemm, self.args, _work(f), 0, 0,
                                  self.batch * -(-self.n // f.nr))
         return _holding(once, self, _local.work)
@@ -561,7 +562,7 @@ class Call:
             # Column panels: any split gives the same result, so one call does them all.
             f.gemm(self.args, _work(f), 0, 0, self.batch * -(-self.n // f.nr))
         else:
-            _checked(*split)
+            checked(*split)
 
     def _split(self, threads: int, panel_major: bool = False) -> tuple[Any, ...] | None:
         """The ``*_mt`` kernel and its arguments of a call split over threads; None for
@@ -580,7 +581,7 @@ class Call:
         return f.tiles_mt, self.args, split.rows, split.cols, split.pieces, split.parts
 
 
-def _moved(values: tuple[Any, ...], fields: tuple[int, ...], lo: int, hi: int,
+def moved_addresses(values: tuple[Any, ...], fields: tuple[int, ...], lo: int, hi: int,
            delta: int) -> tuple[Any, ...]:
     """``values`` with the addresses at ``fields`` that lie in ``[lo, hi)`` moved by ``delta``."""
     moved = list(values)
@@ -598,7 +599,7 @@ def _holding(bound: functools.partial[Any], *owners: object) -> functools.partia
     return bound
 
 
-def _checked(fn: Callable[..., int], *args: Any) -> None:
+def checked(fn: Callable[..., int], *args: Any) -> None:
     """Run a ``*_mt`` kernel; its -1 means a worker could not allocate its workspace."""
     if fn(*args) != 0:
         raise MemoryError("native kernel: no memory for a worker thread's workspace")
@@ -751,7 +752,7 @@ class BandCall:
     def moved(self, lo: int, hi: int, delta: int) -> BandCall:
         """The same call with Y's (and the residual's) address moved (see
         :meth:`Call.moved`)."""
-        values = _moved(self.values, _BAND_OUT, lo, hi, delta)
+        values = moved_addresses(self.values, _BAND_OUT, lo, hi, delta)
         return BandCall(self.f, values, self.units, self.keep, self.x_shape)
 
     def _parts(self, threads: int) -> int:
@@ -761,7 +762,7 @@ class BandCall:
         """``run(threads)`` as a callable with no arguments (see :meth:`Call.bound`)."""
         f, parts = self.f, self._parts(threads)
         if parts > 1:
-            return _holding(functools.partial(_checked, f.band_mt, self.args, self.units,
+            return _holding(functools.partial(checked, f.band_mt, self.args, self.units,
                                               parts), self)
         once = functools.partial(f.band, self.args, _work(f), 0, self.units)
         return _holding(once, self, _local.work)
@@ -793,12 +794,7 @@ def prepare_band(x: np.ndarray, a: Packed, y: np.ndarray, kernel: tuple[int, ...
     if y.shape[0] != n or a.rows != m or a.depth != c * kernel[0] * kernel[1]:
         raise ValueError(f"conv band shapes do not chain: X {x.shape}, Y {y.shape}, "
                          f"filter {a.rows}x{a.depth}")
-    if residual is not None and (residual.shape != y.shape or residual.dtype != _F4
-                                 or not residual.flags.c_contiguous
-                                 or np.may_share_memory(residual, y)):
-        return None
-    if bias is not None and (bias.shape != (m,) or bias.dtype != _F4
-                             or not bias.flags.c_contiguous):
+    if not conv_epilogue_served(y, bias, residual):
         return None
     lo, hi = clip if clip is not None else (0.0, 0.0)
     values = (n, c, h, w, m, oh, ow, *kernel, *strides, *dilations, *pads, a.address,
@@ -811,6 +807,18 @@ def prepare_band(x: np.ndarray, a: Packed, y: np.ndarray, kernel: tuple[int, ...
         return None
     units = n * -(-oh // int(f.band_rows(args)))
     return BandCall(f, values, units, (a, bias, residual), tuple(x.shape))
+
+
+def conv_epilogue_served(y: np.ndarray, bias: np.ndarray | None,
+                         residual: np.ndarray | None) -> bool:
+    """Whether a conv kernel writing Y (N, M, ...) can read ``bias`` (M,) and ``residual``
+    (shaped like Y) as they are: C-contiguous float32, the residual not overlapping Y."""
+    if residual is not None and (residual.shape != y.shape or residual.dtype != _F4
+                                 or not residual.flags.c_contiguous
+                                 or np.may_share_memory(residual, y)):
+        return False
+    return bias is None or (bias.shape == (y.shape[1],) and bias.dtype == _F4
+                            and bias.flags.c_contiguous)
 
 
 def band_rows(channels: int, kernel: tuple[int, ...], out: tuple[int, ...]) -> int | None:
@@ -862,7 +870,7 @@ class AttentionCall:
 
     def run(self) -> None:
         if self.parts > 1:
-            _checked(self.fns.mt, self.qk.args, self.pv.args, self.args, self.parts)
+            checked(self.fns.mt, self.qk.args, self.pv.args, self.args, self.parts)
             return
         floats = int(self.fns.scratch(self.args))
         held = getattr(_local, "attention", None)

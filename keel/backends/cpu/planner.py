@@ -28,6 +28,7 @@ from keel.backends.base import KernelTable, KernelVariant
 from keel.backends.cpu import (
     conv_gemm,
     depthwise,
+    native_blocked,
     native_gemm,
     native_window,
     thread_costs,
@@ -845,11 +846,7 @@ def int8_layouts(graph: Any, types: Mapping[str, TensorType | None],
     found = [(_layout_kind(n, types, graph) if variants[i] == "int8" else (None, None))
              for i, n in enumerate(nodes)]
     kinds = [kind for kind, _ in found]
-    producer = {o: i for i, n in enumerate(nodes) for o in n.outputs if o}
-    readers: dict[str, list[int]] = {}
-    for i, n in enumerate(nodes):
-        for name in n.present_inputs():
-            readers.setdefault(name, []).append(i)
+    producer, readers = _links(nodes)
     outputs = set(graph.output_names)
 
     def reads_nhwc(i: int, name: str) -> bool:
@@ -943,11 +940,22 @@ def _int8_kernel_reason(kernel: str, node: Any, types: Mapping[str, TensorType |
             "result transposed")
 
 
-def _chains(nodes: Sequence[Any], kinds: Sequence[str | None], nhwc: set[str],
-            producer: Mapping[str, int], readers: Mapping[str, list[int]]
-            ) -> dict[int, tuple[str, str]]:
-    """The layouts of the chains (nodes joined by channels-last values) that hold a
-    depthwise or dense convolution."""
+def _links(nodes: Sequence[Any]) -> tuple[dict[str, int], dict[str, list[int]]]:
+    """Which node writes each value, and which nodes read it (graph order)."""
+    producer = {o: i for i, n in enumerate(nodes) for o in n.outputs if o}
+    readers: dict[str, list[int]] = {}
+    for i, n in enumerate(nodes):
+        for name in n.present_inputs():
+            readers.setdefault(name, []).append(i)
+    return producer, readers
+
+
+def _chain_members(nodes: Sequence[Any], kinds: Sequence[str | None], kept: set[str],
+                   producer: Mapping[str, int], readers: Mapping[str, list[int]]
+                   ) -> list[list[int]]:
+    """The chains of a layout pass: the nodes of a kind (not None) joined by the values
+    ``kept`` in its layout, each chain's nodes in graph order (the int8 channels-last
+    chains and the float NCHWc regions)."""
     parent = list(range(len(nodes)))
 
     def root(i: int) -> int:
@@ -956,15 +964,24 @@ def _chains(nodes: Sequence[Any], kinds: Sequence[str | None], nhwc: set[str],
             i = parent[i]
         return i
 
-    for name in nhwc:
+    for name in kept:
         for r in readers[name]:
             parent[root(r)] = root(producer[name])
     members: dict[int, list[int]] = {}
     for i, n in enumerate(nodes):
-        if kinds[i] is not None and (n.outputs[0] in nhwc or n.inputs[0] in nhwc):
+        if kinds[i] is not None and (n.outputs[0] in kept or any(
+                name in kept for name in n.present_inputs())):
             members.setdefault(root(i), []).append(i)
+    return list(members.values())
+
+
+def _chains(nodes: Sequence[Any], kinds: Sequence[str | None], nhwc: set[str],
+            producer: Mapping[str, int], readers: Mapping[str, list[int]]
+            ) -> dict[int, tuple[str, str]]:
+    """The layouts of the chains (nodes joined by channels-last values) that hold a
+    depthwise or dense convolution."""
     decided: dict[int, tuple[str, str]] = {}
-    for chain in members.values():
+    for chain in _chain_members(nodes, kinds, nhwc, producer, readers):
         depthwise = sum(kinds[i] == "depthwise" for i in chain)
         dense = sum(kinds[i] == "dense" for i in chain)
         if not depthwise and not dense:
@@ -978,6 +995,118 @@ def _chains(nodes: Sequence[Any], kinds: Sequence[str | None], nhwc: set[str],
             decided[i] = (f"{src}->{dst}", INT8_LAYOUT_REASON.format(
                 nodes=len(chain), depthwise=depthwise, dense=dense, this=role))
     return decided
+
+
+NCHWC = native_blocked.NCHWC
+_FLOAT_LAYOUT_ROLES = {
+    ("nchw", NCHWC): "starts it: reads X in NCHW where it lies, its result written blocked",
+    (NCHWC, NCHWC): "inside it",
+    (NCHWC, "nchw"): "ends it, its result written NCHW ({why})",
+    ("nchw", "nchw"): "reads only its residual blocked, its X and result NCHW ({why})"}
+FLOAT_LAYOUT_REASON = (
+    "float NCHWc region of {nodes} 3x3 conv(s) (planner.float_layouts): each runs the "
+    "channel-blocked direct conv (16 output channels a vector, filters [M/16][C][9][16], "
+    "each input value broadcast once for three taps), the values between them kept "
+    "[N][C/16][H][W][16] so that no conv inside transposes its result into NCHW (a lone "
+    "blocked conv's transposes were 10 % of its time: docs/performance.md); a residual is "
+    "read in the layout its producer wrote (this node: {this})")
+FLOAT_LAYOUT_THREADS_REASON = ("{threads} kernel thread(s): the backend's thread count; the "
+                               "node runs channel-blocked ({layout}), {split}")
+
+
+def float_layouts(graph: Any, types: Mapping[str, TensorType | None],
+                  variants: Sequence[str | None], threads: int | None = None
+                  ) -> dict[int, LayoutDecision]:
+    """The float NCHWc regions: {node index: LayoutDecision} with layout
+    ``"nchw->nchwc16"``, ``"nchwc16->nchwc16"``, ``"nchwc16->nchw"`` (or ``"nchw->nchw"``
+    for a conv reading only its residual blocked) and the option ``residual_layout``.
+    ``variants[i]`` is node i's variant here (None: elsewhere).
+
+    A conv is blockable where it runs on the native variant and blocked_conv serves its
+    static shapes. A value is kept blocked when a blockable conv writes it (its first
+    output), it is no graph output, and every reader is a blockable conv reading it as
+    X or as its residual; anything else (a strided or 1x1 conv, a pool, a graph output,
+    a conv of fewer than 16 or not a multiple of 16 channels) reads NCHW, so the conv
+    writing it ends the region. The chains are found as the int8 pass's
+    (_chain_members)."""
+    nodes = graph.nodes
+    geos = [_blockable(n, types) if variants[i] == "native" else None
+            for i, n in enumerate(nodes)]
+    kinds = [None if g is None else "conv" for g in geos]
+    producer, readers = _links(nodes)
+    outputs = set(graph.output_names)
+
+    def reads_blocked(i: int, name: str) -> bool:
+        n = nodes[i]
+        return kinds[i] is not None and name not in n.inputs[1:3] and (
+            name == n.inputs[0] or (len(n.inputs) > 3 and name == n.inputs[3]))
+
+    blocked = {name for name, i in producer.items()
+               if kinds[i] is not None and name == nodes[i].outputs[0]
+               and name not in outputs and readers.get(name)
+               and all(reads_blocked(r, name) for r in readers[name])}
+    decided: dict[int, LayoutDecision] = {}
+    for chain in _chain_members(nodes, kinds, blocked, producer, readers):
+        for i in chain:
+            geo = geos[i]
+            assert geo is not None                     # chains hold blockable convs only
+            leaves = _leaves(nodes, nodes[i].outputs[0], readers, outputs, reads_blocked)
+            decided[i] = _float_decision(nodes[i], geo, blocked, leaves, len(chain), threads)
+    return decided
+
+
+def _blockable(node: Any, types: Mapping[str, TensorType | None]) -> ConvGeometry | None:
+    """A float conv node's geometry where blocked_conv serves it; None otherwise."""
+    if node.op is not Op.CONV or len(node.inputs) < 2:
+        return None
+    x, w = (types.get(name) for name in node.inputs[:2])
+    if x is None or x.dtype is not DType.FLOAT32:
+        return None
+    request = PlanRequest(node.op, (x, w), dict(node.attrs), None, None)
+    geo = _static_geometry(request)
+    return geo if geo is not None and blocked_conv(geo) else None
+
+
+def _float_decision(n: Any, geo: ConvGeometry, blocked: set[str], leaves: str, size: int,
+                    threads: int | None) -> LayoutDecision:
+    """One region conv's layout, why (``leaves``: why its result is NCHW, where it is),
+    its split and its residual's layout."""
+    src = NCHWC if n.inputs[0] in blocked else "nchw"
+    dst = NCHWC if n.outputs[0] in blocked else "nchw"
+    residual = n.inputs[3] if len(n.inputs) > 3 and n.inputs[3] else ""
+    layout = f"{src}->{dst}"
+    role = _FLOAT_LAYOUT_ROLES[(src, dst)].format(why=leaves)
+    split = split_reason(conv_splits("native", layout, None, geo, threads), threads) \
+        if threads and threads > 1 else ""
+    why = FLOAT_LAYOUT_REASON.format(nodes=size, this=role)
+    options: tuple[tuple[str, Any, str], ...] = ()
+    if residual:
+        where = NCHWC if residual in blocked else "nchw"
+        options = (("residual_layout", where,
+                    "the residual as its producer wrote it: " + (
+                        "blocked, inside the region" if where == NCHWC else
+                        "NCHW, written outside the region, transposed 16 x 16 as it is "
+                        "added")),)
+    return LayoutDecision(
+        layout, f"{why}; {split}" if split else why,
+        FLOAT_LAYOUT_THREADS_REASON.format(threads=threads, layout=layout, split=split)
+        if split else "", options)
+
+
+def _leaves(nodes: Sequence[Any], name: str, readers: Mapping[str, list[int]],
+            outputs: set[str], reads_blocked: Callable[[int, str], bool]) -> str:
+    """Why a value is not kept blocked: a graph output, or the first reader that reads
+    NCHW."""
+    if name in outputs:
+        return f"{name} is a graph output"
+    for r in readers.get(name, ()):
+        if not reads_blocked(r, name):
+            node = nodes[r]
+            why = ("not a blockable conv (blocked_conv: 3x3 stride 1 padded by one, 16 or "
+                   "more input channels in whole blocks of 16, on the native variant)"
+                   if node.op is Op.CONV else "not a conv")
+            return f"{name} is read by {node.name} ({node.op.value}: {why}), which reads NCHW"
+    return f"{name} has no reader"
 
 
 def int8_reason(op: Op) -> str:
@@ -2543,6 +2672,55 @@ def _grid(grid: Any) -> Grid:
     return native_gemm.geometry() if grid is _HERE else grid
 
 
+# The channel-blocked direct 3x3 conv (native_blocked, blocked.c: 16 output channels in
+# each vector, filters loaded whole and X's values broadcast, where the masked tiles load
+# X's taps through lane masks across cache lines; the masked form's bits) runs only
+# inside a float NCHWc region (float_layouts), where the values between its convs stay
+# blocked. Measured on the 2-core Intel Xeon (AVX-512), one thread, under load
+# (docs/performance.md, "The channel-blocked 3 x 3 conv"): each conv alone, hot, 0.69-0.89x
+# the masked time, but a lone blocked conv writing NCHW moved ResNet-20 only 0.97-0.99x
+# (the transposes into NCHW were 10 % of its samples); the region's gain is in
+# docs/performance.md, "A float NCHWc region". A conv of fewer than BLOCKED_MIN_CHANNELS
+# input channels (the 3 -> 16 stem) and other vendors' cores were not measured, and keep
+# their forms.
+BLOCKED_MIN_CHANNELS = 16
+BLOCKED_VENDORS = frozenset({"Intel"})
+
+
+def blocked_conv(geo: ConvGeometry, grid: Any = _HERE, vendor: Any = _HERE) -> bool:
+    """Whether a float conv may run channel-blocked inside an NCHWc region: served by
+    the blocked kernel (conv_gemm.blocked_serves), at least BLOCKED_MIN_CHANNELS input
+    channels in whole blocks of 16, on an AVX-512 core of BLOCKED_VENDORS (defaults:
+    this machine's)."""
+    grid = _grid(grid)
+    vendor = _this_vendor() if vendor is _HERE else vendor
+    return (grid == _TILES["avx512"] and vendor in BLOCKED_VENDORS
+            and geo.in_channels >= BLOCKED_MIN_CHANNELS
+            and geo.in_channels % native_blocked.LANES == 0 and conv_gemm.blocked_serves(geo))
+
+
+def blocked_oc_tile(out_channels: int) -> int:
+    """Blocks of 16 output channels a register tile of the blocked conv: two (2 x 8
+    pixels, 16 accumulators, two filter loads for eight broadcasts) where the blocks pair
+    up, else one (1 x 16 pixels). Measured as BLOCKED_VENDORS says, at batch 32: 32 -> 32
+    on 16 x 16 2 x 8 1,018 us against 1 x 16 1,136 and 2 x 16 1,992 (spilled registers);
+    64 -> 64 on 8 x 8 2 x 8 956 against 4 x 4 998 and 2 x 4 1,123; 16 -> 16 (one block)
+    1 x 16 1,193 against 1 x 8 1,270."""
+    return 2 if out_channels % 32 == 0 else 1
+
+
+def blocked_parts(geo: ConvGeometry, threads: int) -> int:
+    """Chunks of the blocked conv's units (bands of output rows, images after one
+    another) on up to ``threads`` threads: the least flops of a split that wide each."""
+    units = geo.batch * (geo.window.out_spatial[0] // conv_gemm.blocked_rows(geo))
+    return max(1, split_parts(LeastWork.FLOPS, threads, units, _blocked_flops(geo) // units))
+
+
+def _blocked_flops(geo: ConvGeometry) -> int:
+    return 2 * geo.batch * geo.out_channels * math.prod(geo.window.out_spatial) * (
+        geo.in_channels * 9)
+
+
 def stacks(batch: int, pixels: int, fill: float = STACK_FILL, grid: Any = _HERE) -> bool:
     """Whether a batch's images go side by side in one native product: an image's
     column panels would be less than ``fill`` full."""
@@ -3131,6 +3309,8 @@ class ConvForm:
     # rule for the shapes it sees) and its gathered taps streamed for its output's sake.
     gemm_lanes: bool | None = None
     output_streams: bool = False
+    # Inside a float NCHWc region, whether the residual is read blocked (residual_layout).
+    blocked_residual: bool = False
 
 
 def im2col_form(geo: ConvGeometry, itemsize: int) -> ConvForm:
@@ -3971,6 +4151,10 @@ def _native_splits(geo: ConvGeometry, layout: str, threads: int, grid: Any,
     n, g, win = geo.batch, geo.group, geo.window
     pixels, taps = math.prod(win.out_spatial), math.prod(win.kernel)
     cg, mg = geo.in_channels // g, geo.out_channels // g
+    if layout in native_blocked.REGION_LAYOUTS and conv_gemm.blocked_serves(geo):
+        units = n * (win.out_spatial[0] // conv_gemm.blocked_rows(geo))
+        return (Split("bands of output rows", units, blocked_parts(geo, threads),
+                      _blocked_flops(geo), least_work(LeastWork.FLOPS, threads)),)
     band, copied, batch, columns, wide = _native_shape(geo, layout, step)
     if band:
         rows = native_gemm.band_rows(geo.in_channels, win.kernel, win.out_spatial) or 1

@@ -195,12 +195,17 @@ def without_layout(plan: NodePlan | None) -> NodePlan | None:
 def in_graph_layout(values: dict[str, Any], nodes: Sequence[Any],
                     placements: Sequence[Any]) -> dict[str, Any]:
     """``values`` (a run's values by name) with every channels-last one (the output of a
-    node whose plan's layout ends in ``nhwc``) put back in its graph's NCHW order;
+    node whose plan's layout ends in ``nhwc``) and every channel-blocked one (a float
+    NCHWc region's, ``nchwc16``) put back in its graph's NCHW order;
     ``placements`` are the plan's, node for node."""
+    from keel.backends.cpu import native_blocked
+
     out = dict(values)
     for node, placed in zip(nodes, placements, strict=True):
         name = node.outputs[0] if node.outputs else ""
-        if placed.layout.endswith("->" + NHWC) and name in out:
+        if placed.layout.endswith("->" + native_blocked.NCHWC) and name in out:
+            out[name] = native_blocked.to_nchw(np.asarray(out[name]))
+        elif placed.layout.endswith("->" + NHWC) and name in out:
             v = np.asarray(out[name])
             n, c, h, w = v.shape
             out[name] = np.ascontiguousarray(v.reshape(n, h, w, c).transpose(0, 3, 1, 2))

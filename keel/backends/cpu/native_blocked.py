@@ -1,0 +1,210 @@
+"""The channel-blocked direct 3x3 conv (blocked.c) through ctypes: Y = clip(conv(X, W)
++ bias + R) for a stride-1 3x3 conv with one pixel of padding on every side, the output
+channels in the vector lanes (the filters packed as [M / 16][C][9][16]). X, Y and R are
+each NCHW or channel-blocked: an (N, C, H, W) array whose bytes are ordered
+[N][C / 16][H][W][16] (the cpu planner's float NCHWc region, ``planner.float_layouts``;
+:func:`to_blocked` and :func:`to_nchw` change between the two). Each element of Y is the
+masked and gathered conv tiles' chain of fused multiply-adds, so the form gives their
+bits in either layout."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import struct
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from keel import native
+from keel.backends.cpu import native_gemm
+
+__all__ = ["NCHWC", "NCHW_SIDES", "REGION_LAYOUTS", "BlockedCall", "Sides", "available",
+           "pack_filters", "prepare", "to_blocked", "to_nchw"]
+
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+# keel_conv_blocked_args of blocked.c: 13 int64 fields then lo, hi as doubles.
+_ARGS = struct.Struct("<13q2d")
+_X = 8                  # where X's address sits in it
+_OUT = (9, 11)          # and Y's and the residual's
+_CLIP, _X_BLOCKED, _Y_BLOCKED, _R_BLOCKED = 2, 4, 8, 16
+_F4 = np.dtype(np.float32)
+LANES = 16              # output channels a block (one AVX-512 vector)
+NCHWC = "nchwc16"       # the blocked layout's name in a plan's layout
+# The layouts of a float NCHWc region's convs (X's -> Y's; "nchw->nchw": only the
+# residual is blocked), as the cpu planner's float_layouts writes them.
+REGION_LAYOUTS = frozenset({f"nchw->{NCHWC}", f"{NCHWC}->{NCHWC}", f"{NCHWC}->nchw",
+                            "nchw->nchw"})
+
+
+@dataclass(frozen=True, eq=False)
+class _Functions:
+    serial: Callable[..., None]
+    mt: Callable[..., int]
+    work: Callable[..., int]
+
+
+_local = threading.local()
+
+
+def _functions() -> _Functions | None:
+    """blocked.c's functions; None without the native tier or an AVX-512 build."""
+    lib = native.library("blocked")
+    return None if lib is None else _load(lib)
+
+
+@functools.lru_cache(maxsize=4)
+def _load(lib: native.NativeLibrary) -> _Functions | None:
+    def size(symbol: str) -> int:
+        return int(lib.function(symbol, [], _I64)())
+
+    native_gemm.check_layout("keel_conv_blocked_args", _ARGS, _X, "X",
+                             size("keel_conv_blocked_args_size"),
+                             size("keel_conv_blocked_args_x_offset"))
+    if size("keel_conv_blocked_lanes_f32") != LANES:
+        return None                              # not an AVX-512 build
+    return _Functions(
+        serial=lib.function("keel_conv_blocked_f32", [ctypes.c_char_p, _PTR, _I64, _I64]),
+        mt=lib.function("keel_conv_blocked_mt_f32", [ctypes.c_char_p, _I64, _I64], _I64),
+        work=lib.function("keel_conv_blocked_workspace_f32", [ctypes.c_char_p], _I64))
+
+
+def available() -> bool:
+    """True when blocked.c is built for AVX-512 and loaded here."""
+    return _functions() is not None
+
+
+@dataclass(frozen=True)
+class Sides:
+    """Which of a conv's X, Y and residual are channel-blocked (the plan's layout)."""
+
+    x: bool = False
+    y: bool = False
+    residual: bool = False
+
+    @property
+    def flags(self) -> int:
+        return (_X_BLOCKED * self.x) | (_Y_BLOCKED * self.y) | (_R_BLOCKED * self.residual)
+
+
+NCHW_SIDES = Sides()
+
+
+def to_blocked(a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """An NCHW (N, C, H, W) array's values as a blocked one of the same shape (C a
+    multiple of 16): its bytes ordered [N][C / 16][H][W][16]."""
+    n, c, h, w = a.shape
+    out = np.empty(a.shape, a.dtype) if out is None else out
+    out.reshape(n, c // LANES, h, w, LANES)[...] = a.reshape(
+        n, c // LANES, LANES, h, w).transpose(0, 1, 3, 4, 2)
+    return out
+
+
+def to_nchw(a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """A blocked array's values (see :func:`to_blocked`) in NCHW order."""
+    n, c, h, w = a.shape
+    out = np.empty(a.shape, a.dtype) if out is None else out
+    out.reshape(n, c // LANES, LANES, h, w)[...] = np.ascontiguousarray(a).reshape(
+        n, c // LANES, h, w, LANES).transpose(0, 1, 4, 2, 3)
+    return out
+
+
+def pack_filters(w: np.ndarray) -> np.ndarray:
+    """W (M, C, 3, 3), M a multiple of 16, as [M / 16][C][9][16] float32."""
+    m, c = w.shape[:2]
+    blocks = w.astype(np.float32, copy=False).reshape(m // LANES, LANES, c, 9)
+    return np.ascontiguousarray(blocks.transpose(0, 2, 3, 1))
+
+
+def _scratch(floats: int) -> int:
+    """The address of this thread's scratch of at least ``floats`` floats (64-byte aligned)."""
+    held = getattr(_local, "scratch", None)
+    if held is None or held.size < floats:
+        raw = np.empty(floats + 16, _F4)
+        start = (-raw.ctypes.data % 64) // 4
+        held = _local.scratch = raw[start:start + floats]
+    return int(held.ctypes.data)
+
+
+class BlockedCall:
+    """One prepared blocked conv. X is read where it lies (C-contiguous NCHW), so
+    :meth:`with_x` rebinds the call to another X of the same shape; ``parts`` gives the
+    chunks of its units (bands of output rows) on a number of threads (the planner's
+    split)."""
+
+    __slots__ = ("args", "f", "keep", "parts", "units", "values", "x_shape")
+
+    def __init__(self, f: _Functions, values: tuple[Any, ...], units: int,
+                 parts: Callable[[int], int], keep: tuple[object, ...],
+                 x_shape: tuple[int, ...]) -> None:
+        self.f, self.values, self.args = f, values, _ARGS.pack(*values)
+        self.units, self.parts, self.keep, self.x_shape = units, parts, keep, x_shape
+
+    def _again(self, values: tuple[Any, ...]) -> BlockedCall:
+        return BlockedCall(self.f, values, self.units, self.parts, self.keep, self.x_shape)
+
+    def with_x(self, x: np.ndarray) -> BlockedCall | None:
+        """The same call reading ``x`` (None unless it is a C-contiguous float32 array of
+        the shape it was prepared for)."""
+        if x.shape != self.x_shape or x.dtype != _F4 or not x.flags.c_contiguous:
+            return None
+        return self._again((*self.values[:_X], native.address(x), *self.values[_X + 1:]))
+
+    def moved(self, lo: int, hi: int, delta: int) -> BlockedCall:
+        """The same call with Y's (and the residual's) address moved (see
+        native_gemm.Call.moved)."""
+        return self._again(native_gemm.moved_addresses(self.values, _OUT, lo, hi, delta))
+
+    def bound(self, threads: int) -> Callable[[], Any]:
+        """``run(threads)`` as a callable with no arguments."""
+        parts = self.parts(threads)
+        if parts > 1:
+            split = functools.partial(native_gemm.checked, self.f.mt, self.args, self.units,
+                                      parts)
+            split.keep = self                   # type: ignore[attr-defined]
+            return split
+        once = functools.partial(self.f.serial, self.args,
+                                 _scratch(int(self.f.work(self.args))), 0, self.units)
+        once.keep = (self, _local.scratch)      # type: ignore[attr-defined]
+        return once
+
+    def run(self, threads: int) -> None:
+        """Compute, the units split over up to ``threads`` threads."""
+        self.bound(threads)()
+
+
+def prepare(x: np.ndarray, filters: np.ndarray, y: np.ndarray, oc_tile: int, rows: int,
+            parts: Callable[[int], int], *, bias: np.ndarray | None = None,
+            residual: np.ndarray | None = None,
+            clip: tuple[float, float] | None = None, sides: Sides = NCHW_SIDES
+            ) -> BlockedCall | None:
+    """The :class:`BlockedCall` of a 3x3 stride-1 conv padded by one of X (N, C, H, W)
+    into Y (N, M, H, W), both C-contiguous float32, ``filters`` from
+    :func:`pack_filters`; ``oc_tile`` blocks of 16 channels a register tile, ``rows``
+    output rows a unit, ``parts(threads)`` the chunks of the units, ``sides`` which of
+    X, Y and the residual are blocked (all the planner's). The residual may be Y itself
+    where both have one layout. None when not served."""
+    f = _functions()
+    if f is None or x.dtype != _F4 or y.dtype != _F4 or x.ndim != 4 or y.ndim != 4 or not (
+            x.flags.c_contiguous and y.flags.c_contiguous) or np.may_share_memory(x, y):
+        return None
+    n, c, h, w = x.shape
+    m = y.shape[1]
+    if (y.shape != (n, m, h, w) or filters.shape != (m // LANES, c, 9, LANES)
+            or c < 1 or m % (LANES * oc_tile) or h % rows or rows * w % LANES or w % 8
+            or oc_tile not in (1, 2) or (sides.x and c % LANES)):
+        return None
+    in_place = (residual is not None and residual.strides == y.strides
+                and native.address(residual) == native.address(y) and sides.residual == sides.y)
+    if not native_gemm.conv_epilogue_served(y, bias, None if in_place else residual):
+        return None
+    lo, hi = clip if clip is not None else (0.0, 0.0)
+    values = (n, c, h, w, m, oc_tile, rows, native.address(filters), native.address(x),
+              native.address(y), 0 if bias is None else native.address(bias),
+              0 if residual is None else native.address(residual),
+              (_CLIP if clip is not None else 0) | sides.flags, lo, hi)
+    return BlockedCall(f, values, n * (h // rows), parts, (filters, bias, residual),
+                       tuple(x.shape))

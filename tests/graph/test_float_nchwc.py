@@ -1,0 +1,241 @@
+"""Float NCHWc regions: 3x3 stride-1 convs whose values stay channel-blocked
+([N][C/16][H][W][16]) between them (the cpu planner's float_layouts). Each conv's plan
+names its layout with the reason, a value leaves the region where something other than a
+blocked conv reads it or it is a graph output, narrow or ragged channels decline; results
+are the same bits on 1, 2, 3 and 16 threads and as the plan without the region, and match
+the reference backend and onnxruntime."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import keel
+from keel.backends.cpu import native_blocked, planner
+from keel.ops.registry import Op
+from keel.ops.schemas.conv import conv_geometry
+
+ort = pytest.importorskip("onnxruntime")
+onnx = pytest.importorskip("onnx")
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _blocked_here() -> None:
+    geo = conv_geometry(Op.CONV, (1, 16, 16, 16), (16, 16, 3, 3), {"pads": (1, 1, 1, 1)})
+    if not native_blocked.available() or not planner.blocked_conv(geo):
+        pytest.skip("the blocked conv is planned on AVX-512 Intel cores only")
+
+
+class _Graph:
+    """A float model of 3x3 convs (padded by one, with a bias), named by what they read."""
+
+    def __init__(self, channels: int, size: int) -> None:
+        self.rng = np.random.default_rng(3)
+        self.channels, self.size = channels, size
+        self.nodes: list[Any] = []
+        self.weights: list[Any] = []
+        self.outputs: list[str] = []
+
+    def conv(self, name: str, x: str, relu: bool = True, residual: str = "") -> str:
+        c = self.channels
+        w = (self.rng.standard_normal((c, c, 3, 3)) * np.sqrt(2 / (9 * c))).astype(np.float32)
+        b = (0.1 * self.rng.standard_normal(c)).astype(np.float32)
+        self.weights += [numpy_helper.from_array(w, f"{name}_w"),
+                         numpy_helper.from_array(b, f"{name}_b")]
+        out = f"{name}_conv"
+        self.nodes.append(helper.make_node("Conv", [x, f"{name}_w", f"{name}_b"], [out],
+                                           name=name, pads=[1, 1, 1, 1], kernel_shape=[3, 3]))
+        if residual:
+            self.nodes.append(helper.make_node("Add", [out, residual], [f"{name}_add"]))
+            out = f"{name}_add"
+        if relu:
+            self.nodes.append(helper.make_node("Relu", [out], [f"{name}_y"]))
+            out = f"{name}_y"
+        return out
+
+    def node(self, op: str, x: str, **attrs: Any) -> str:
+        out = f"{op.lower()}_{len(self.nodes)}"
+        self.nodes.append(helper.make_node(op, [x], [out], **attrs))
+        return out
+
+    def model(self, last: str) -> bytes:
+        shape = ["N", self.channels, self.size, self.size]
+        outputs = [helper.make_tensor_value_info(o, TensorProto.FLOAT, None)
+                   for o in [*self.outputs, last]]
+        graph = helper.make_graph(self.nodes, "nchwc",
+                                  [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                 shape)],
+                                  outputs, self.weights)
+        proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        proto.ir_version = 8
+        return bytes(proto.SerializeToString())
+
+
+def _blocks(channels: int = 32, size: int = 16) -> tuple[bytes, str]:
+    """Two basic blocks (identity residuals) and a global average pool."""
+    g = _Graph(channels, size)
+    a = g.conv("c1", "x")
+    b = g.conv("c2", g.conv("c2a", a), residual=a)
+    c = g.conv("c3", g.conv("c3a", b), residual=b)
+    return g.model(g.node("GlobalAveragePool", c)), "region"
+
+
+def _broken() -> bytes:
+    """A max pool between two pairs of convs: two regions."""
+    g = _Graph(16, 16)
+    a = g.conv("c2", g.conv("c1", "x"))
+    pooled = g.node("MaxPool", a, kernel_shape=[3, 3], pads=[1, 1, 1, 1])
+    return g.model(g.conv("c4", g.conv("c3", pooled), residual=pooled))
+
+
+def _output_inside() -> bytes:
+    """c2's result is a graph output as well as c3's input."""
+    g = _Graph(16, 16)
+    a = g.conv("c2", g.conv("c1", "x"))
+    g.outputs.append(a)
+    return g.model(g.conv("c4", g.conv("c3", a)))
+
+
+def _residual_only() -> bytes:
+    """c1's result is c2's X and c3's residual; c3 reads a max pool of the input and
+    writes a graph output, as does c2."""
+    g = _Graph(16, 16)
+    a = g.conv("c1", "x")
+    g.outputs.append(g.conv("c2", a))
+    pooled = g.node("MaxPool", "x", kernel_shape=[3, 3], pads=[1, 1, 1, 1])
+    return g.model(g.conv("c3", pooled, residual=a))
+
+
+def _layouts(model: Any) -> dict[str, str]:
+    return {p.name: p.layout for p in model.plan.nodes if p.op == "conv"}
+
+
+def _load(blob: bytes, threads: int = 1) -> Any:
+    return keel.load_model(blob, backend="cpu", threads=threads, plan_cache=False)
+
+
+def _feeds(blob: bytes, batch: int = 2) -> dict[str, np.ndarray]:
+    value = onnx.load_from_string(blob).graph.input[0]
+    size = [batch, *(d.dim_value for d in value.type.tensor_type.shape.dim[1:])]
+    return {value.name: np.random.default_rng(5).standard_normal(size).astype(np.float32)}
+
+
+def _check_results(blob: bytes, batch: int = 2, intermediates: bool = True) -> None:
+    """Bitwise the same on 1, 2, 3 and 16 threads; onnxruntime's and (``intermediates``)
+    the reference backend's every value to tolerance, blocked ones given back in NCHW."""
+    feeds = _feeds(blob, batch)
+    runs = [_load(blob, t).predict(feeds) for t in (1, 2, 3, 16)]
+    for run in runs[1:]:
+        for name, value in run.items():
+            assert np.array_equal(np.asarray(value), np.asarray(runs[0][name])), name
+    sess = ort.InferenceSession(blob, providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    for name, want in zip(names, sess.run(None, feeds), strict=True):
+        np.testing.assert_allclose(np.asarray(runs[0][name]), want, rtol=1e-4, atol=1e-4)
+    if not intermediates:
+        return
+    reference = keel.load_model(blob, backend="reference").intermediates(feeds)
+    for name, value in _load(blob, 2).intermediates(feeds).items():
+        if name in reference:
+            np.testing.assert_allclose(value, reference[name], rtol=1e-4, atol=1e-4,
+                                       err_msg=name)
+
+
+def test_a_region_of_two_blocks() -> None:
+    blob, _ = _blocks()
+    model = _load(blob, 2)
+    model.predict(_feeds(blob))
+    layouts = _layouts(model)
+    assert list(layouts.values()) == ["nchw->nchwc16", *["nchwc16->nchwc16"] * 3,
+                                      "nchwc16->nchw"]
+    plans = {p.name: p.plan for p in model.plan.nodes if p.op == "conv"}
+    first = plans["c1"]
+    assert first is not None and "float NCHWc region of 5" in first.reason("layout")
+    assert "starts it" in first.reason("layout")
+    last = plans["c3"]
+    assert last is not None and "GlobalAveragePool" in last.reason("layout")
+    assert last.option("residual_layout") == "nchwc16"
+    assert "channel-blocked" in last.reason("threads")
+    assert "nchwc16->nchwc16" in str(model.explain())
+    _check_results(blob)
+
+
+def test_the_same_bits_as_the_plan_without_the_region(monkeypatch: pytest.MonkeyPatch
+                                                      ) -> None:
+    """The blocked tiles sum each element in the masked form's order: the region changes
+    the layout, not the values."""
+    blob, _ = _blocks(channels=16, size=32)
+    feeds = _feeds(blob, 3)
+    region = _load(blob, 2)
+    got = region.predict(feeds)
+    assert "nchwc16->nchwc16" in _layouts(region).values()
+    monkeypatch.setattr(planner, "BLOCKED_VENDORS", frozenset())
+    plain = _load(blob, 2)
+    want = plain.predict(feeds)
+    assert not any("nchwc16" in v for v in _layouts(plain).values())
+    for name, value in want.items():
+        assert np.array_equal(np.asarray(got[name]), np.asarray(value))
+
+
+def test_a_max_pool_breaks_the_region() -> None:
+    blob = _broken()
+    model = _load(blob, 2)
+    model.predict(_feeds(blob))
+    assert _layouts(model) == {"c1": "nchw->nchwc16", "c2": "nchwc16->nchw",
+                               "c3": "nchw->nchwc16", "c4": "nchwc16->nchw"}
+    c2 = next(p.plan for p in model.plan.nodes if p.name == "c2")
+    assert c2 is not None and "MaxPool" in c2.reason("layout")
+    c4 = next(p.plan for p in model.plan.nodes if p.name == "c4")
+    assert c4 is not None and c4.option("residual_layout") == "nchw"
+    _check_results(blob)
+
+
+def test_a_graph_output_inside_a_chain_is_written_nchw() -> None:
+    blob = _output_inside()
+    model = _load(blob, 2)
+    model.predict(_feeds(blob))
+    layouts = _layouts(model)
+    assert layouts["c1"] == "nchw->nchwc16" and layouts["c2"] == "nchwc16->nchw"
+    assert layouts["c3"] == "nchw->nchwc16" and layouts["c4"] == "nchwc16->nchw"
+    c2 = next(p.plan for p in model.plan.nodes if p.name == "c2")
+    assert c2 is not None and "graph output" in c2.reason("layout")
+    _check_results(blob)
+
+
+def test_a_conv_reading_only_its_residual_blocked() -> None:
+    blob = _residual_only()
+    model = _load(blob, 2)
+    model.predict(_feeds(blob))
+    assert _layouts(model) == {"c1": "nchw->nchwc16", "c2": "nchwc16->nchw",
+                               "c3": "nchw->nchw"}
+    c3 = next(p.plan for p in model.plan.nodes if p.name == "c3")
+    assert c3 is not None and c3.option("residual_layout") == "nchwc16"
+    assert "reads only its residual blocked" in c3.reason("layout")
+    assert "bands of output rows" in c3.reason("threads")
+    _check_results(blob)
+
+
+@pytest.mark.parametrize("channels", [8, 24])
+def test_channels_not_a_multiple_of_16_decline(channels: int) -> None:
+    blob, _ = _blocks(channels=channels)
+    model = _load(blob, 2)
+    model.predict(_feeds(blob))
+    assert not any("nchwc16" in v for v in _layouts(model).values())
+    _check_results(blob)
+
+
+def test_resnet20_keeps_each_stage_blocked() -> None:
+    """ResNet-20 (benchmarks' model): each stage's stride-1 convs form one region, the
+    stride-2 and 1x1 convs and the pool read NCHW. A downsampling block's second conv
+    stays outside: its result is the 1x1 shortcut conv's residual (the Add fused there)."""
+    zoo = pytest.importorskip("benchmarks.zoo")
+    blob = zoo.resnet20().SerializeToString()
+    model = _load(blob, 2)
+    model.predict(_feeds(blob, 1))
+    layouts = list(_layouts(model).values())
+    assert layouts.count("nchwc16->nchwc16") == 8
+    assert layouts.count("nchwc16->nchw") == 3 and layouts.count("nchw->nchwc16") == 3
+    _check_results(blob, 2, intermediates=False)

@@ -1,0 +1,216 @@
+"""The channel-blocked direct 3x3 conv (native_blocked, blocked.c): 16 output channels a
+vector, X read in place, the border's zeros multiplied as a padded copy would give them,
+X, Y and the residual each NCHW or blocked ([N][C/16][H][W][16]). Checked against the
+reference backend (bias / residual / ReLU / clip, NaN and inf), for the masked form's
+bits in every combination of layouts, for the same bits on 1, 2, 3 and 16 threads, and
+for the cpu planner's rule (blocked_conv) and split."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+import pytest
+
+from keel import native
+from keel.backends.base import DeviceKind, KernelContext
+from keel.backends.cpu import conv_gemm, native_blocked
+from keel.backends.cpu import planner as cpu_planner
+from keel.backends.cpu.conv_epilogue import activation
+from keel.backends.cpu.kernels import load as load_cpu
+from keel.backends.plan import NodePlan
+from keel.ops.registry import Op
+from keel.ops.schema import get_schema
+from keel.ops.schemas.conv import conv_geometry
+from tests.native._conv_support import check_against_reference, rand, reference
+
+
+@pytest.fixture(autouse=True)
+def _blocked_kernel() -> None:
+    if not native_blocked.available():
+        pytest.skip(f"blocked conv unavailable (AVX-512 builds only): {native.status().reason}")
+
+
+PADDED = {"pads": (1, 1, 1, 1)}
+CASES = [
+    # X, W: rows of 8, 16, 24 and 32 pixels (bands of 2 rows on rows of 8 and 24), one
+    # and two blocks a tile, a single input channel
+    ((2, 16, 32, 32), (16, 16, 3, 3)),
+    ((1, 32, 16, 16), (32, 32, 3, 3)),
+    ((3, 64, 8, 8), (64, 64, 3, 3)),
+    ((2, 5, 8, 24), (48, 5, 3, 3)),
+    ((1, 1, 4, 8), (16, 1, 3, 3)),
+    ((2, 3, 2, 40), (32, 3, 3, 3)),
+]
+
+
+def _blocked(x: np.ndarray, w: np.ndarray, b: Any, z: Any, attrs: dict[str, Any],
+             threads: int = 1, sides: native_blocked.Sides = native_blocked.NCHW_SIDES
+             ) -> np.ndarray:
+    """The blocked conv of NCHW arrays, X, Y and Z moved into the layouts of ``sides``
+    for the kernel and Y's result given back in NCHW."""
+    geo = conv_geometry(Op.CONV, x.shape, w.shape, attrs)
+    form = (f"{'nchwc16' if sides.x else 'nchw'}->{'nchwc16' if sides.y else 'nchw'}")
+    layout = conv_gemm.native_layout(geo, form, blocked_residual=sides.residual)
+    assert layout.blocked and layout.sides == sides
+    y = np.empty((geo.batch, geo.out_channels, *geo.window.out_spatial), np.float32)
+    act = activation(attrs.get("activation", ""), attrs.get("activation_params", ()))
+    x = native_blocked.to_blocked(x) if sides.x else x
+    z = native_blocked.to_blocked(z) if sides.residual and z is not None else z
+    assert conv_gemm.native(np, layout, x, w, b, z, y, act, None, threads)
+    return native_blocked.to_nchw(y) if sides.y else y
+
+
+EVERY_SIDES = [native_blocked.Sides(*flags) for flags in itertools.product((False, True),
+                                                                           repeat=3)]
+
+
+def _masked(x: np.ndarray, w: np.ndarray, b: Any, z: Any, attrs: dict[str, Any]
+            ) -> np.ndarray:
+    geo = conv_geometry(Op.CONV, x.shape, w.shape, attrs)
+    y = np.empty((geo.batch, geo.out_channels, *geo.window.out_spatial), np.float32)
+    act = activation(attrs.get("activation", ""), attrs.get("activation_params", ()))
+    assert conv_gemm.native(np, conv_gemm.native_layout(geo, "masked"), x, w, b, z, y, act,
+                            None, 1)
+    return y
+
+
+@pytest.mark.parametrize("x_shape,w_shape", CASES)
+@pytest.mark.parametrize("act,params", [("", ()), ("relu", ()), ("clip", (-0.3, 0.4))])
+def test_blocked_matches_the_reference(x_shape: tuple[int, ...], w_shape: tuple[int, ...],
+                                       act: str, params: tuple[float, ...]) -> None:
+    check_against_reference(_blocked, x_shape, w_shape, PADDED, act, params)
+
+
+@pytest.mark.parametrize("x_shape,w_shape", CASES)
+def test_the_masked_forms_bits_on_every_thread_count(x_shape: tuple[int, ...],
+                                                     w_shape: tuple[int, ...]) -> None:
+    """Each element is the masked tiles' chain of multiply-adds (c, kh, kw from 0, then
+    bias, residual, clip): the same bits in every layout of X, Y and the residual (X
+    blocked only with whole blocks of channels), whatever the split over threads."""
+    rng = np.random.default_rng(4)
+    x, w, b = rand(rng, *x_shape), rand(rng, *w_shape), rand(rng, w_shape[0])
+    z = rand(rng, x_shape[0], w_shape[0], *x_shape[2:])
+    attrs = {**PADDED, "activation": "clip", "activation_params": (-0.5, 0.5)}
+    masked = _masked(x, w, b, z, attrs)
+    for sides in EVERY_SIDES:
+        if sides.x and x_shape[1] % 16:
+            continue
+        for threads in (1, 2, 3, 16):
+            assert np.array_equal(_blocked(x, w, b, z, attrs, threads, sides), masked), sides
+
+
+@pytest.mark.parametrize("sides", [s for s in EVERY_SIDES if s.y == s.residual])
+def test_a_residual_in_y_itself(sides: native_blocked.Sides) -> None:
+    """Y may be its residual's own array where both have one layout (the arena's reuse):
+    each element's residual is read before it is written."""
+    rng = np.random.default_rng(6)
+    x, w, b = rand(rng, 2, 32, 8, 16), rand(rng, 32, 32, 3, 3), rand(rng, 32)
+    z = rand(rng, 2, 32, 8, 16)
+    want = _masked(x, w, b, z, PADDED)
+    geo = conv_geometry(Op.CONV, x.shape, w.shape, PADDED)
+    form = f"{'nchwc16' if sides.x else 'nchw'}->{'nchwc16' if sides.y else 'nchw'}"
+    layout = conv_gemm.native_layout(geo, form, blocked_residual=sides.residual)
+    y = native_blocked.to_blocked(z) if sides.y else z.copy()
+    xs = native_blocked.to_blocked(x) if sides.x else x
+    assert conv_gemm.native(np, layout, xs, w, b, y, y, activation("", ()), None, 2)
+    assert np.array_equal(native_blocked.to_nchw(y) if sides.y else y, want)
+
+
+def test_the_layout_changes_round_trip() -> None:
+    rng = np.random.default_rng(7)
+    x = rand(rng, 2, 32, 3, 5)
+    blocked = native_blocked.to_blocked(x)
+    assert blocked.shape == x.shape
+    assert blocked.reshape(2, 2, 3, 5, 16)[1, 0, 2, 4, 7] == x[1, 7, 2, 4]
+    assert np.array_equal(native_blocked.to_nchw(blocked), x)
+
+
+def test_nan_and_inf_propagate_like_the_reference() -> None:
+    """An inf filter tap times the border's zeros is NaN, as in a zero-padded conv."""
+    rng = np.random.default_rng(5)
+    x, w, b = rand(rng, 2, 3, 4, 8), rand(rng, 16, 3, 3, 3), rand(rng, 16)
+    x[0, 1, 0, 0] = np.nan
+    x[1, 2, 3, 7] = np.inf
+    w[3, 0, 0, 0] = np.inf           # reads the row above and the pixel left of the image
+    w[7, 2, 2, 2] = -np.inf          # the row below and the pixel right of it
+    np.testing.assert_allclose(_blocked(x, w, b, None, PADDED), reference([x, w, b], PADDED),
+                               rtol=1e-4, atol=1e-4, equal_nan=True)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs", [
+    ((1, 16, 16, 16), (32, 16, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}),
+    ((1, 16, 16, 16), (16, 16, 3, 3), {}),                          # unpadded
+    ((1, 16, 16, 16), (16, 16, 3, 3), {"pads": (1, 1, 1, 1), "dilations": (2, 2)}),
+    ((1, 16, 16, 16), (20, 16, 3, 3), PADDED),                      # not whole blocks
+    ((1, 16, 12, 12), (16, 16, 3, 3), PADDED),                      # rows of 12 pixels
+    ((1, 16, 7, 8), (16, 16, 3, 3), PADDED),                        # odd rows of 8
+    ((1, 16, 16, 16), (16, 16, 5, 5), {"pads": (2, 2, 2, 2)}),
+    ((1, 16, 16, 16), (16, 8, 3, 3), {"pads": (1, 1, 1, 1), "group": 2}),
+])
+def test_not_served(x_shape: tuple[int, ...], w_shape: tuple[int, ...],
+                    attrs: dict[str, Any]) -> None:
+    geo = conv_geometry(Op.CONV, x_shape, w_shape, attrs)
+    assert not conv_gemm.blocked_serves(geo)
+    assert not cpu_planner.blocked_conv(geo, (8, 32), "Intel")
+    layout = conv_gemm.native_layout(geo, "nchwc16->nchwc16")
+    y = np.empty(geo.out_shape, np.float32)
+    x = np.zeros(x_shape, np.float32)
+    assert not conv_gemm.native(np, layout, x, np.zeros(w_shape, np.float32), None, None, y,
+                                activation("", ()), None, 1)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,grid,vendor,chosen", [
+    ((1, 16, 32, 32), (16, 16, 3, 3), (8, 32), "Intel", True),
+    ((32, 32, 16, 16), (32, 32, 3, 3), (8, 32), "Intel", True),
+    ((1, 64, 8, 8), (64, 64, 3, 3), (8, 32), "Intel", True),
+    ((1, 3, 32, 32), (16, 3, 3, 3), (8, 32), "Intel", False),      # a stem: not measured
+    ((1, 24, 32, 32), (16, 24, 3, 3), (8, 32), "Intel", False),    # not whole blocks in
+    ((1, 16, 32, 32), (16, 16, 3, 3), (8, 32), "AMD", False),      # masked measured there
+    ((1, 16, 32, 32), (16, 16, 3, 3), (6, 16), "Intel", False),    # no AVX-512 kernel
+])
+def test_the_planners_rule(x_shape: tuple[int, ...], w_shape: tuple[int, ...],
+                           grid: tuple[int, int], vendor: str, chosen: bool) -> None:
+    geo = conv_geometry(Op.CONV, x_shape, w_shape, PADDED)
+    assert cpu_planner.blocked_conv(geo, grid, vendor) is chosen
+    assert cpu_planner.native_form(geo, grid, vendor)[0] != "blocked"  # only in a region
+
+
+@pytest.mark.parametrize("threads", [1, 2, 16])
+def test_the_split_is_the_planners(threads: int) -> None:
+    """The call chunks its bands as the plan's split says (whole bands, images after one
+    another), the least flops of a split that wide each."""
+    geo = conv_geometry(Op.CONV, (2, 16, 32, 32), (16, 16, 3, 3), PADDED)
+    (split,) = cpu_planner.conv_splits("native", "nchwc16->nchwc16", None, geo, threads)
+    assert split.units == 2 * 32
+    assert split.pieces == cpu_planner.blocked_parts(geo, threads) <= threads
+    x = np.zeros((2, 16, 32, 32), np.float32)
+    y = np.empty_like(x)
+    filters = native_blocked.pack_filters(np.zeros((16, 16, 3, 3), np.float32))
+    call = native_blocked.prepare(x, filters, y, 1, 1,
+                                  lambda t: cpu_planner.blocked_parts(geo, t))
+    assert call is not None and call.parts(threads) == split.pieces
+
+
+@pytest.mark.parametrize("layout", ["nchwc16->nchwc16", "nchw->nchwc16", "nchwc16->nchw"])
+def test_a_region_conv_the_kernel_does_not_serve_runs_between_layout_changes(
+        layout: str) -> None:
+    """Rows of 12 pixels are not whole 8-pixel tiles: the conv node planned inside a
+    region runs the NCHW im2col between layout changes, reading and writing the layouts
+    its plan names (and its blocked residual)."""
+    rng = np.random.default_rng(8)
+    x, w, b = rand(rng, 2, 16, 12, 12), rand(rng, 16, 16, 3, 3), rand(rng, 16)
+    z = rand(rng, 2, 16, 12, 12)
+    attrs = {**PADDED, "activation": "relu"}
+    src, _, dst = layout.partition("->")
+    plan = NodePlan(variant="native", layout=layout, threads=2,
+                    options=(("residual_layout", "nchwc16"),))
+    ctx = KernelContext(np, "cpu", DeviceKind.CPU, threads=2, plan=plan)
+    kernel = load_cpu().get(Op.CONV, "native")
+    norm = get_schema(Op.CONV).normalize_attrs(attrs)
+    xs = native_blocked.to_blocked(x) if src == "nchwc16" else x
+    (y,) = kernel.fn(ctx, [xs, w, b, native_blocked.to_blocked(z)], norm, None)
+    got = native_blocked.to_nchw(np.asarray(y)) if dst == "nchwc16" else np.asarray(y)
+    np.testing.assert_allclose(got, np.maximum(reference([x, w, b], PADDED) + z, 0),
+                               rtol=1e-4, atol=1e-4)

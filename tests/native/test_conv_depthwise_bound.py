@@ -1,4 +1,5 @@
-"""A model's depthwise conv node binds its native call once; later runs stay exact."""
+"""A model's depthwise conv node runs as a bound program step (its native call, bound
+once); later runs stay exact, and a form the step cannot bind runs as before."""
 
 from __future__ import annotations
 
@@ -6,35 +7,70 @@ import numpy as np
 import pytest
 
 from keel import load_model, native
+from keel.execution import program as program_module
 from keel.testing.models import mobilenet_block
 
 
-def test_bound_depthwise_runs_match_fresh_runs_on_new_values(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    from keel.backends.cpu import depthwise
+def _depthwise_kinds(model: object, feeds: dict[str, np.ndarray]) -> list[int]:
+    """How the program runs each depthwise conv step (program._BOUND: its bound call)."""
+    fast = model._fast_path(feeds)            # type: ignore[attr-defined]
+    assert fast is not None
+    program = fast[0][1]
+    return [hot[0] for step, hot in zip(program._steps, program._hot, strict=True)
+            if step.variant is not None and step.variant.name == "depthwise"]
 
-    bound_runs = []
-    real = depthwise.NodeRun.run
 
-    def counted(self: depthwise.NodeRun, *args: object) -> None:
-        bound_runs.append(1)
-        real(self, *args)  # type: ignore[arg-type]
+def _feeds(model: object, count: int) -> list[dict[str, np.ndarray]]:
+    info = model.inputs[0]                    # type: ignore[attr-defined]
+    shape = [d if isinstance(d, int) else 1 for d in info.shape]
+    rng = np.random.default_rng(0)
+    return [{info.name: rng.standard_normal(shape).astype(np.float32)} for _ in range(count)]
 
-    monkeypatch.setattr(depthwise.NodeRun, "run", counted)
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_bound_depthwise_steps_match_the_kernel_and_the_reference(threads: int) -> None:
     if not native.available():
         pytest.skip(f"native tier unavailable: {native.status().reason}")
-    proto = mobilenet_block()
-    steady = load_model(proto, backend="cpu", threads=1)
-    name = steady.inputs[0].name
-    shape = [d if isinstance(d, int) else 2 for d in steady.inputs[0].shape]
-    rng = np.random.default_rng(0)
-    feeds = [rng.standard_normal(shape).astype(np.float32) for _ in range(3)]
-    steady.predict({name: feeds[0]})                      # binds the calls
+    proto = mobilenet_block(size=16, blocks=2)
+    steady = load_model(proto, backend="cpu", threads=threads)
+    reference = load_model(proto, backend="reference")
+    feeds = _feeds(steady, 4)
+    steady.predict(feeds[0])                              # binds the steps
+    kinds = _depthwise_kinds(steady, feeds[0])
+    assert kinds and set(kinds) == {program_module._BOUND}
     for x in feeds[1:]:
-        got = steady.predict({name: x})
-        fresh = load_model(proto, backend="cpu", threads=1).predict({name: x})
-        for key in fresh:
-            assert got[key].tobytes() == fresh[key].tobytes()
-    variants = {n.variant for n in steady.plan.nodes if n.op == "conv"}
-    assert "depthwise" in variants
-    assert len(bound_runs) == 2                           # the runs after the first
+        got = steady.predict(x)
+        kernel = steady.intermediates(x)                  # the kernels, nothing bound
+        want = reference.predict(x)
+        for key in want:
+            assert got[key].tobytes() == kernel[key].tobytes()
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-4)
+
+
+def test_bound_depthwise_steps_give_the_same_bits_on_every_thread_count() -> None:
+    if not native.available():
+        pytest.skip(f"native tier unavailable: {native.status().reason}")
+    proto = mobilenet_block(size=20, blocks=2, channels=24)
+    x = _feeds(load_model(proto, backend="cpu", threads=1), 1)[0]
+    outs = []
+    for threads in (1, 2, 3, 16):
+        model = load_model(proto, backend="cpu", threads=threads)
+        model.predict(x)
+        assert set(_depthwise_kinds(model, x)) == {program_module._BOUND}
+        outs.append(model.predict(x)["logits"].tobytes())
+    assert len(set(outs)) == 1
+
+
+def test_a_depthwise_conv_whose_activation_needs_its_own_pass_is_not_bound() -> None:
+    """HardSwish is applied after the kernel, in a pass of its own: the step keeps the
+    general path, and computes what the reference does."""
+    if not native.available():
+        pytest.skip(f"native tier unavailable: {native.status().reason}")
+    proto = mobilenet_block(size=16, activation="hardswish")
+    model = load_model(proto, backend="cpu", threads=1)
+    x = _feeds(model, 1)[0]
+    model.predict(x)
+    kinds = _depthwise_kinds(model, x)
+    assert kinds and program_module._BOUND not in kinds
+    want = load_model(proto, backend="reference").predict(x)
+    np.testing.assert_allclose(model.predict(x)["logits"], want["logits"], rtol=1e-4, atol=1e-4)

@@ -538,10 +538,11 @@ def _run_moved(state: _State, variant: str, x: Any, w: Any, b: Any, z: Any, y: A
 
 def _bind_conv(variant: str, ctx: KernelContext, inputs: Inputs, attrs: Attrs,
                out: Sequence[Any]) -> Callable[[], Any] | None:
-    """The node's prepared native computation (:class:`_Ready`) bound for one program
-    step: what the kernel prepares on its first run and then finds by its arrays on
-    every run, called directly; None where the native implicit GEMM does not serve
-    these arrays (the kernel then runs as usual)."""
+    """The node's prepared native computation (:class:`_Ready`, or the depthwise form's
+    native call) bound for one program step: what the kernel prepares on its first run
+    and then finds by its arrays on every run, called directly; None where neither the
+    native implicit GEMM nor the native depthwise kernel serves these arrays (the kernel
+    then runs as usual)."""
     state = ctx.prepacked
     x, w = inputs[0], inputs[1]
     b = optional_input(inputs, 2)
@@ -551,6 +552,8 @@ def _bind_conv(variant: str, ctx: KernelContext, inputs: Inputs, attrs: Attrs,
         return None
     y = out[0]
     plan = _lookup(Op.CONV, variant, ctx.backend, x, w, b, z, attrs, ctx.plan)
+    if plan.variant == "depthwise" and y.shape == plan.geo.out_shape:
+        return depthwise.bind(plan.layout, x, w, b, z, y, plan.act, ctx.threads or 1)
     if (plan.variant != "native" or plan.dtype is DType.FLOAT16 or y.shape != plan.geo.out_shape
             or x.dtype != np.float32 or y.dtype != np.float32 or not native_gemm.available()):
         return None

@@ -552,15 +552,30 @@ def _bind_conv(variant: str, ctx: KernelContext, inputs: Inputs, attrs: Attrs,
         return None
     y = out[0]
     plan = _lookup(Op.CONV, variant, ctx.backend, x, w, b, z, attrs, ctx.plan)
-    if plan.variant == "depthwise" and y.shape == plan.geo.out_shape:
+    if y.shape != plan.geo.out_shape:
+        return None
+    if plan.variant == "depthwise":
         return depthwise.bind(plan.layout, x, w, b, z, y, plan.act, ctx.threads or 1)
-    if (plan.variant != "native" or plan.dtype is DType.FLOAT16 or y.shape != plan.geo.out_shape
+    if plan.variant == "winograd":
+        return _bind_winograd(plan, x, w, b, z, y, state, ctx.threads or 1)
+    if (plan.variant != "native" or plan.dtype is DType.FLOAT16
             or x.dtype != np.float32 or y.dtype != np.float32 or not native_gemm.available()):
         return None
     ready = _prepare_native(plan, variant, x, w, b, z, y, attrs, state)
     if ready is None:
         return None
     return functools.partial(ready.run, x, y, ctx.threads or 1)
+
+
+def _bind_winograd(plan: _Plan, x: Any, w: Any, b: Any, z: Any, y: Any, state: _State,
+                   threads: int) -> Callable[[], Any] | None:
+    """The Winograd form's fused native call bound to these arrays (as :func:`_winograd`
+    runs it); None where it runs otherwise."""
+    geo, _, lanes, _, pipeline = plan.layout
+    win = geo.window
+    return winograd.bind_conv3x3(x, w, (win.pads_begin[0], win.pads_begin[1]),
+                                 (win.out_spatial[0], win.out_spatial[1]), y, b, z, plan.act,
+                                 state, threads, lanes, pipeline)
 
 
 for _name, _rule in RULES.items():

@@ -1516,7 +1516,10 @@ static void tall(const problem *g, const epilogue *e, int64_t i_lo, int64_t i_hi
  * load (a load average of 9-12): one thread (thread CPU time) 1.020 against 1.028 in
  * four pairs and 0.988 against 1.004 in three more; two threads (wall) 0.72-0.79
  * against 0.75-0.78 in three pairs. Alone, hot, one thread: 320 -> 1280 on 7x7 270-285
- * against 284-287 us, 576 -> 96 on 14x14 135-139 against 144-150. */
+ * against 284-287 us, 576 -> 96 on 14x14 135-139 against 144-150. Per node inside the
+ * model on two threads (benchmarks/pernode, fastest of 40 passes, keel / onnxruntime):
+ * 384 -> 64 + residual 56.5 / 37 -> 42.3 / 41, 576 -> 96 + residual 101.8 / 72 ->
+ * 81.1 / 76, 384 -> 96 71.0 / 50 -> 59.2 / 54 (docs/performance.md). */
 #ifndef KEEL_LANES_AHEAD
 #define KEEL_LANES_AHEAD 32
 #endif

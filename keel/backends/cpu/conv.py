@@ -548,10 +548,11 @@ def _run_moved(state: _State, variant: str, x: Any, w: Any, b: Any, z: Any, y: A
 
 def _bind_conv(variant: str, ctx: KernelContext, inputs: Inputs, attrs: Attrs,
                out: Sequence[Any]) -> Callable[[], Any] | None:
-    """The node's prepared native computation (:class:`_Ready`) bound for one program
-    step: what the kernel prepares on its first run and then finds by its arrays on
-    every run, called directly; None where the native implicit GEMM does not serve
-    these arrays (the kernel then runs as usual)."""
+    """The node's prepared native computation (:class:`_Ready`, or the depthwise form's
+    native call) bound for one program step: what the kernel prepares on its first run
+    and then finds by its arrays on every run, called directly; None where neither the
+    native implicit GEMM nor the native depthwise kernel serves these arrays (the kernel
+    then runs as usual)."""
     state = ctx.prepacked
     x, w = inputs[0], inputs[1]
     b = optional_input(inputs, 2)
@@ -561,13 +562,30 @@ def _bind_conv(variant: str, ctx: KernelContext, inputs: Inputs, attrs: Attrs,
         return None
     y = out[0]
     plan = _lookup(Op.CONV, variant, ctx.backend, x, w, b, z, attrs, ctx.plan)
-    if (plan.variant != "native" or plan.dtype is DType.FLOAT16 or y.shape != plan.geo.out_shape
+    if y.shape != plan.geo.out_shape:
+        return None
+    if plan.variant == "depthwise":
+        return depthwise.bind(plan.layout, x, w, b, z, y, plan.act, ctx.threads or 1)
+    if plan.variant == "winograd":
+        return _bind_winograd(plan, x, w, b, z, y, state, ctx.threads or 1)
+    if (plan.variant != "native" or plan.dtype is DType.FLOAT16
             or x.dtype != np.float32 or y.dtype != np.float32 or not native_gemm.available()):
         return None
     ready = _prepare_native(plan, variant, x, w, b, z, y, attrs, state)
     if ready is None:
         return None
     return functools.partial(ready.run, x, y, ctx.threads or 1)
+
+
+def _bind_winograd(plan: _Plan, x: Any, w: Any, b: Any, z: Any, y: Any, state: _State,
+                   threads: int) -> Callable[[], Any] | None:
+    """The Winograd form's fused native call bound to these arrays (as :func:`_winograd`
+    runs it); None where it runs otherwise."""
+    geo, _, lanes, _, pipeline = plan.layout
+    win = geo.window
+    return winograd.bind_conv3x3(x, w, (win.pads_begin[0], win.pads_begin[1]),
+                                 (win.out_spatial[0], win.out_spatial[1]), y, b, z, plan.act,
+                                 state, threads, lanes, pipeline)
 
 
 for _name, _rule in RULES.items():

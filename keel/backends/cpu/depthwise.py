@@ -292,6 +292,31 @@ def _bindable(arrays: tuple[Any, ...]) -> bool:
     return all(a is None or (a.dtype == np.float32 and a.flags.c_contiguous) for a in arrays)
 
 
+def bind(layout: DepthwiseLayout, x: Any, w: Any, b: Any, z: Any, y: Any, act: Activation,
+         threads: int) -> native_window.Bound | None:
+    """The native form's call bound to these arrays, for a program step to call directly
+    (the general path's plan lookup and checks, 3-4 us a call, skipped); None where the
+    form is not native or the kernel would run on a copy or need a second pass."""
+    if (layout.form != "native" or type(x) is not np.ndarray or x.dtype != np.float32
+            or not native_window.ready()):
+        return None
+    return _bound(layout, x, w, b, z, y, act, threads)
+
+
+def _bound(layout: DepthwiseLayout, x: Any, w: Any, b: Any, z: Any, y: Any, act: Activation,
+           threads: int) -> native_window.Bound | None:
+    """The native kernel bound to these arrays (None: it would read copies of them, or
+    the activation needs a pass of its own)."""
+    assert layout.native is not None
+    name, params = act
+    clip = (float(params[0]), float(params[1])) if name == "clip" else None
+    if not ((clip is not None or not name) and _bindable((x, w, b, z, y)) and (
+            z is None or z is y or not np.may_share_memory(z, y))):
+        return None
+    return native_window.bind_depthwise_conv(x, w, b, z, y, layout.native, clip, threads,
+                                             layout.scheme)
+
+
 def _native(layout: DepthwiseLayout, x: Any, w: Any, b: Any, z: Any, y: Any, act: Activation,
             threads: int) -> None:
     assert layout.native is not None
@@ -303,11 +328,9 @@ def _native(layout: DepthwiseLayout, x: Any, w: Any, b: Any, z: Any, y: Any, act
     f32 = np.float32
     name, params = act
     clip = (float(params[0]), float(params[1])) if name == "clip" else None
-    if (clip is not None or not name) and _bindable((x, w, b, z, y)) and (
-            z is None or z is y or not np.may_share_memory(z, y)):
-        ready = _Prepared(layout, x, w, b, z, y, act, threads,
-                          native_window.bind_depthwise_conv(x, w, b, z, y, layout.native,
-                                                            clip, threads, layout.scheme))
+    call = _bound(layout, x, w, b, z, y, act, threads)
+    if call is not None:
+        ready = _Prepared(layout, x, w, b, z, y, act, threads, call)
         if len(_PREPARED) >= _PREPARED_LIMIT:
             _PREPARED.clear()
         _PREPARED[key] = ready

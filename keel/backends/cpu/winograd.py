@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -219,27 +220,19 @@ def native_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[in
     if fns is None or not _contiguous_f32(x, w, y, bias, z) or (
             z is not None and z.shape != y.shape):
         return False
-    n, c, h, wd = x.shape
+    n, c = x.shape[:2]
     m = w.shape[0]
     oh, ow = out_hw
     th, tw = -(-oh // 2), -(-ow // 2)
     tiles = th * tw
-    products = workspace.form(np, packed, "winograd_native_products", (w,), _products)
-    geo = _geometry(c, h, wd, oh, ow, *pads_begin)
-    name, params = act
-    clip = clip_bounds((params[0], params[1])) if name == "clip" else None
+    products, geo, clip = _operands(x, w, pads_begin, out_hw, act, packed)
+    name = act[0]
     addr = native.address
     lanes = planner.winograd_lanes()[0] if lanes is None else lanes
-    pipe = (planner.planned_pipeline(pipeline, n, threads)
-            or planner.winograd_pipeline(n, c, m, out_hw, threads, lanes=lanes))
-    if pipe.tiles:
-        call = products.tiled(planner.winograd_tall(min(pipe.tiles, n * tiles)), lanes)
-        _ok(fns.fused(addr(x), addr(y), addr(geo), m, None if bias is None else addr(bias),
-                      None if z is None else addr(z), None if clip is None else addr(clip), n,
-                      call.args, fns.product,
-                      addr(_geometry(pipe.tiles, pipe.panels, fns.mr, fns.work,
-                                          int(pipe.last_first), pipe.threads)),
-                      pipe.parts))
+    fused = _fused(fns, x, y, bias, z, clip, geo, products, m, threads, out_hw, lanes,
+                   pipeline)
+    if fused is not None:
+        _ok(fns.fused(*fused[0]))
         if name and name != "clip":
             finish(np, y, y, None, act)
         return True
@@ -279,6 +272,68 @@ def native_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[in
     if name and name != "clip":
         finish(np, y, y, None, act)
     return True
+
+
+def bind_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[int, int],
+                 y: Any, bias: Any, z: Any, act: Activation, packed: Any, threads: int,
+                 lanes: bool | None, pipeline: tuple[int, ...] | None
+                 ) -> Callable[[], None] | None:
+    """:func:`native_conv3x3` of these arrays as a call of no arguments, for a program
+    step (the plan lookup, checks and argument conversions of each call made once: the
+    same C call, so the same bits); None where it would not run as the per-thread
+    pipeline with its activation in the kernel (the step then runs as usual). The call
+    keeps what its addresses point into but X, W, Y, the bias and Z: run it only while
+    they live."""
+    fns = _functions()
+    if fns is None or act[0] not in ("", "clip") or not _contiguous_f32(x, w, y, bias, z) or (
+            z is not None and z.shape != y.shape):
+        return None
+    products, geo, clip = _operands(x, w, pads_begin, out_hw, act, packed)
+    lanes = planner.winograd_lanes()[0] if lanes is None else lanes
+    fused = _fused(fns, x, y, bias, z, clip, geo, products, w.shape[0], threads, out_hw,
+                   lanes, pipeline)
+    if fused is None:
+        return None
+    run = functools.partial(_run_fused, fns.fused, fused[0])
+    run.keep = (products, *fused[1])        # type: ignore[attr-defined]
+    return run
+
+
+def _run_fused(fn: Callable[..., int], args: tuple[Any, ...]) -> None:
+    _ok(fn(*args))
+
+
+def _operands(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[int, int],
+              act: Activation, packed: Any) -> tuple[_Products, Any, Any]:
+    """The node's packed products, the transforms' geometry and the clip's bounds (None
+    without a clip)."""
+    products = workspace.form(np, packed, "winograd_native_products", (w,), _products)
+    geo = _geometry(x.shape[1], x.shape[2], x.shape[3], out_hw[0], out_hw[1], *pads_begin)
+    name, params = act
+    clip = clip_bounds((params[0], params[1])) if name == "clip" else None
+    return products, geo, clip
+
+
+def _fused(fns: _Functions, x: Any, y: Any, bias: Any, z: Any, clip: Any, geo: Any,
+           products: _Products, m: int, threads: int, out_hw: tuple[int, int], lanes: bool,
+           pipeline: tuple[int, ...] | None) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
+    """keel_winograd_fused_f32's arguments for these arrays and what their addresses point
+    into, where the conv runs as the per-thread pipeline; None where it runs pass by pass."""
+    n, c = x.shape[:2]
+    oh, ow = out_hw
+    pipe = (planner.planned_pipeline(pipeline, n, threads)
+            or planner.winograd_pipeline(n, c, m, out_hw, threads, lanes=lanes))
+    if not pipe.tiles:
+        return None
+    tiles = -(-oh // 2) * -(-ow // 2)
+    call = products.tiled(planner.winograd_tall(min(pipe.tiles, n * tiles)), lanes)
+    sizes = _geometry(pipe.tiles, pipe.panels, fns.mr, fns.work, int(pipe.last_first),
+                      pipe.threads)
+    addr = native.address
+    args = (addr(x), addr(y), addr(geo), m, None if bias is None else addr(bias),
+            None if z is None else addr(z), None if clip is None else addr(clip), n,
+            call.args, fns.product, addr(sizes), pipe.parts)
+    return args, (call, geo, sizes, clip)
 
 
 @dataclass(frozen=True)

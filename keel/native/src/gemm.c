@@ -1525,7 +1525,18 @@ static void tall(const problem *g, const epilogue *e, int64_t i_lo, int64_t i_hi
  * streams than the hardware prefetcher follows well: MobileNetV2 at batch 1 (1 thread,
  * thread CPU time, processes alternating, under load) 5.49-5.61 ms without, 5.17-5.42
  * with 32 steps; 64 ran as 32, 128 as none. Where A is hot the fetches cost nothing
- * measurable (320 x 960 x 49: 132 and 133 us). */
+ * measurable (320 x 960 x 49: 132 and 133 us). B's rows of the tile, a row apart (784
+ * bytes on a 14x14 map), are fetched into L1 as far ahead: on two threads a tile's B is
+ * partly the other core's (the depthwise conv before it splits by channels), and its
+ * strided rows came in one miss at a time. MobileNetV2 at batch 1 on the 2-core Xeon,
+ * keel / onnxruntime in one process, processes alternating, medians of 30 under heavy
+ * load (a load average of 9-12): one thread (thread CPU time) 1.020 against 1.028 in
+ * four pairs and 0.988 against 1.004 in three more; two threads (wall) 0.72-0.79
+ * against 0.75-0.78 in three pairs. Alone, hot, one thread: 320 -> 1280 on 7x7 270-285
+ * against 284-287 us, 576 -> 96 on 14x14 135-139 against 144-150. Per node inside the
+ * model on two threads (benchmarks/pernode, fastest of 40 passes, keel / onnxruntime):
+ * 384 -> 64 + residual 56.5 / 37 -> 42.3 / 41, 576 -> 96 + residual 101.8 / 72 ->
+ * 81.1 / 76, 384 -> 96 71.0 / 50 -> 59.2 / 54 (docs/performance.md). */
 #ifndef KEEL_LANES_AHEAD
 #define KEEL_LANES_AHEAD 32
 #endif
@@ -1573,6 +1584,8 @@ lanes_tile(int w, int nv, int64_t k, const float *const *a, const float *b, int6
         if ((p & 1) == 0)
             for (int q = 0; q < 2 * nv; q++)
                 __builtin_prefetch(a[q] + (p + KEEL_LANES_AHEAD) * 8, 0, 2);
+        __builtin_prefetch(b + (p + KEEL_LANES_AHEAD) * bs, 0, 3);
+        __builtin_prefetch(b + (p + KEEL_LANES_AHEAD) * bs + w - 1, 0, 3);
 #endif
         for (int v = 0; v < nv; v++) av[v] = lanes_a(a[2 * v], a[2 * v + 1], p);
         const float *bp = b + p * bs;

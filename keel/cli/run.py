@@ -50,8 +50,9 @@ def run(
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Run MODEL once and summarise its outputs (shape, dtype, range), latency and plan."""
-    loaded = load_model(model, backend=backend, precision=precision, memory_limit=memory_limit)
+    _check_counts(batch, seed)          # bad options fail before the model loads or compiles
     feeds = load_inputs(inputs)
+    loaded = load_model(model, backend=backend, precision=precision, memory_limit=memory_limit)
     feeds = complete_feeds(loaded, feeds, random, batch, seed, parse_dims(dims))
     start = time.perf_counter()
     outputs = loaded.predict(feeds)
@@ -81,6 +82,13 @@ def load_inputs(specs: Sequence[str]) -> dict[str, np.ndarray]:
     return feeds
 
 
+def _check_counts(batch: int, seed: int) -> None:
+    if batch < 0:
+        raise InvalidArgumentError(f"--batch must be 0 or more, got {batch}")
+    if seed < 0:
+        raise InvalidArgumentError(f"--seed must be 0 or more, got {seed}")
+
+
 def random_feeds(infos: Sequence[TensorInfo], batch: int = 1, seed: int = 0,
                  vocab: int | None = None, dims: Mapping[str, int] | None = None,
                  limit: int | None = None) -> dict[str, np.ndarray]:
@@ -90,10 +98,7 @@ def random_feeds(infos: Sequence[TensorInfo], batch: int = 1, seed: int = 0,
     Inputs that would not fit in ``limit`` bytes (default: the memory available on this
     machine) are a :class:`MemoryLimitError` before anything is allocated.
     """
-    if batch < 0:
-        raise InvalidArgumentError(f"--batch must be 0 or more, got {batch}")
-    if seed < 0:
-        raise InvalidArgumentError(f"--seed must be 0 or more, got {seed}")
+    _check_counts(batch, seed)
     shapes = {info.name: concrete_shape(info.shape, batch, dims) for info in infos}
     _check_fits(infos, shapes, batch, limit)
     rng = np.random.default_rng(seed)

@@ -142,6 +142,16 @@ def test_run_rejects_negative_batch_and_seed(capsys: pytest.CaptureFixture[str],
     assert err.startswith("keel: error:") and message in err
 
 
+def test_run_rejects_bad_counts_before_loading(capsys: pytest.CaptureFixture[str],
+                                               tmp_path: Path) -> None:
+    # The options are checked before the model is read (or native kernels compiled):
+    # a model that does not exist is not reached.
+    code, _, err = cli(capsys, "run", str(tmp_path / "absent.onnx"), "--random",
+                       "--seed", "-1")
+    assert code == 2
+    assert err.strip() == "keel: error: [INVALID_ARGUMENT] --seed must be 0 or more, got -1"
+
+
 def test_run_output_dir_that_is_a_file_is_one_line_error(capsys: pytest.CaptureFixture[str],
                                                          model_path: Path) -> None:
     code, _, err = cli(capsys, "run", str(model_path), "--random", "--output-dir",

@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, ParamSpec, TypeVar
 
+from keel.backends import planner_constants
 from keel.backends.base import KernelTable, KernelVariant
 from keel.backends.cpu import (
     conv_gemm,
@@ -2073,10 +2074,11 @@ def _cache_key(request: PlanRequest, table: KernelTable) -> tuple[Any, ...] | No
 
 
 def state() -> tuple[Any, ...]:
-    """The kernel tiers loaded here, whether choices keep batch invariance and the thread
-    costs the least work a thread comes from: every plan depends on them."""
+    """The kernel tiers loaded here, whether choices keep batch invariance, the thread
+    costs the least work a thread comes from and the planner's constants
+    (:mod:`keel.backends.planner_constants`): every plan depends on them."""
     return (native_gemm.available(), native_window.ready(), tier_unavailable("native"),
-            batch_invariant(), thread_costs.current().token)
+            batch_invariant(), thread_costs.current().token, planner_constants.current())
 
 
 def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:

@@ -513,9 +513,10 @@ def test_a_model_gives_the_same_bits_on_any_threads_and_explains_its_form() -> N
         for plan in convs:
             assert plan is not None and "winograd" in (plan.variant,
                                                        plan.option("conv_variant"))
-            why = plan.reason("layout")
+            why = plan.reason("winograd_pipeline")        # stated there only
             form = "per-thread pipeline" if "per-thread pipeline:" in why else "pass by pass"
             assert f"on {threads} thread(s) {form}" in why
+            assert "pipeline" not in plan.reason("layout") + plan.reason("chunk")
             forms.add(form)
         results[threads] = loaded.predict({"x": x})["y"]
     assert "per-thread pipeline" in forms

@@ -3101,7 +3101,6 @@ def winograd_form(geo: ConvGeometry, itemsize: int, sizes: Caches | None = None,
     passes, passes_why = winograd_pass_lanes(c, m, chunk * th * tw, vendor)
     pipe = winograd_pipeline(geo.batch, c, m, (oh, ow), max(1, threads), sizes,
                              vendor=vendor)
-    why = f"{why}; on {max(1, threads)} thread(s) {pipe.reason}"
     if pipe.tiles:          # each thread's block of V and P, in the pool's scratch
         mr = (_grid(_HERE) or _TILES["scalar"])[0]
         ld = -(-pipe.tiles // PIPELINE_VECTOR) * PIPELINE_VECTOR

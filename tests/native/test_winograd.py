@@ -12,7 +12,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from keel import native
 from keel.backends.cpu import native_gemm as ng
 from keel.backends.cpu import planner as cpu_planner
 from keel.backends.cpu import winograd
@@ -21,11 +20,7 @@ from keel.backends.reference.backend import ReferenceBackend
 from keel.ops.registry import Op
 from keel.ops.schemas.conv import conv_geometry
 
-
-@pytest.fixture(autouse=True)
-def _native_tier() -> None:
-    if winograd._functions() is None:
-        pytest.skip(f"native tier unavailable: {native.status().reason}")
+pytestmark = pytest.mark.usefixtures("native_winograd_tier")
 
 
 CASES = [

@@ -34,6 +34,11 @@ Optional hooks, with defaults that suit a NumPy backend:
   (:mod:`keel.backends.plan`). The default picks the highest-priority variant;
   a backend with decisions of its own keeps them in one ``planner`` module.
   ``_planner_state()`` returns what else its plans depend on (loaded tiers).
+* ``_plan_notes()``, ``_plan_branches(branches)``, ``_staging()`` — its planner's
+  decisions for a whole plan, behind the final ``plan_notes``, ``plan_branches``
+  and ``staging``: the notes a plan's reasons carry, how many independent branches
+  run at once, the bytes up to which feeds and outputs are staged (defaults: none,
+  in order, nothing).
 
 Planners decide, kernels execute: ``plan_node`` is asked once per node when a
 model is placed, and the executor hands the plan to the kernel as
@@ -485,6 +490,13 @@ class Backend(ABC):
     def _staging(self) -> tuple[int, int]:
         return 0, 0
 
+    def _plan_notes(self) -> Sequence[str]:
+        return ()
+
+    def _plan_branches(self, branches: Sequence[Sequence[tuple[float, int]]]
+                       ) -> tuple[int, str]:
+        return 1, f"in order: the {self.name} backend runs one node at a time"
+
     def _plan_node(self, request: PlanRequest) -> NodePlan:
         return default_plan(request, self.kernels, self.threads)
 
@@ -591,10 +603,11 @@ class Backend(ABC):
         op's group and dtype, ``(crossover bytes or None, source)``, or None."""
         return None
 
+    @final
     def plan_notes(self) -> tuple[str, ...]:
         """What this backend decided for every node it runs, for a plan's reasons (the cpu
         backend: its thread count and where it came from). Default: nothing."""
-        return ()
+        return tuple(self._plan_notes())
 
     @final
     def staging(self) -> tuple[int, int]:
@@ -603,12 +616,13 @@ class Backend(ABC):
         on it bind (``KernelVariant.bind``). Default: nothing staged."""
         return self._staging()
 
+    @final
     def plan_branches(self, branches: Sequence[Sequence[tuple[float, int]]]
                       ) -> tuple[int, str]:
         """How many lanes a region of independent ``branches`` of this backend's nodes runs
         in at once (1: in order), and why; each branch is its nodes' (estimated work, kernel
         threads). Default: in order."""
-        return 1, f"in order: the {self.name} backend runs one node at a time"
+        return self._plan_branches(branches)
 
     @final
     def execution_scope(self, op: Op | None = None) -> AbstractContextManager[Any]:

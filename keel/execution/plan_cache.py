@@ -10,8 +10,9 @@ The entry's name is its key: a SHA-256 over the model's bytes and everything
 else the result depends on: the load options, the machine
 (:func:`~keel.planning.calibration.hardware_fingerprint`, or the profile the
 caller gave), keel's version and a stamp of its source files, the native
-kernels' status, the calibration in use, the backends registered and keel's
-settings. Change any of them and the model is planned again.
+kernels' status, the calibration in use, the backends registered, keel's
+settings and the cpu planner's constants as they are in this process
+(:mod:`keel.backends.planner_constants`). Change any of them and the model is planned again.
 
 Trust: the folder (``cache_dir()/plans``) and every entry must belong to the
 current user and be writable by no one else, or the cache is not used (an
@@ -168,7 +169,7 @@ def cache_key(digest: str, options: Mapping[str, Any], hardware: Any = None,
              "options": dict(options), "backends": dict(backends or {}),
              "machine": _machine(hardware), "keel": _keel_identity(),
              "native": _native_identity(), "calibration": _calibration_identity(),
-             "settings": _settings_identity()}
+             "settings": _settings_identity(), "planner": _planner_identity()}
     text = json.dumps(parts, sort_keys=True, default=str, separators=(",", ":"))
     return sha256(text.encode()).hexdigest()
 
@@ -214,6 +215,13 @@ def _stamp_lines(folder: str, relative: str, lines: list[str]) -> None:
         elif entry.name.endswith((".py", ".c", ".h", ".yaml")):
             info = entry.stat()
             lines.append(f"{relative}{entry.name}|{info.st_size}|{info.st_mtime_ns}\n")
+
+
+def _planner_identity() -> str:
+    # A planner constant changed in this process (the source stamp sees only edits).
+    from keel.backends import planner_constants
+
+    return planner_constants.refresh()
 
 
 def _native_identity() -> dict[str, Any]:

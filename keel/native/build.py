@@ -211,7 +211,7 @@ def library(name: str) -> NativeLibrary | None:
         if not source.is_file():
             raise InvalidArgumentError(f"no native source {source.name} in {SOURCE_DIR}")
         try:
-            lib = NativeLibrary(name, _build(name, source, state.compiler, state.flags))
+            lib = _mapped(name, source, state.compiler, state.flags)
         except (OSError, _BuildError) as exc:
             state.failed[name] = str(exc)
             if required:
@@ -223,6 +223,30 @@ def library(name: str) -> NativeLibrary | None:
         else:
             _attach_pool(lib)
         return lib
+
+
+# Every library this process mapped, by file name (which carries its build key), and the
+# worker pool: a loaded library stays mapped (reset() cannot unload it), so the same build
+# in another cache folder is not mapped a second time, and no other build of threads.c is
+# mapped after the first: a second pool would run the kernels loaded after it on workers
+# that pin(), the yield and the spin settings sent to the first never reach.
+_MAPPED: dict[str, NativeLibrary] = {}
+_PROCESS_POOL: list[NativeLibrary] = []
+
+
+def _mapped(name: str, source: Path, compiler: Compiler, flags: tuple[str, ...]
+            ) -> NativeLibrary:
+    """``name``'s library built by ``compiler`` with ``flags``, mapped once per process
+    (the worker pool: the first one mapped, whatever its build)."""
+    if name == _POOL and _PROCESS_POOL:
+        return _PROCESS_POOL[0]
+    path = _build(name, source, compiler, flags)
+    lib = _MAPPED.get(path.name)
+    if lib is None:
+        lib = _MAPPED[path.name] = NativeLibrary(name, path)
+    if name == _POOL:
+        _PROCESS_POOL.append(lib)
+    return lib
 
 
 def loaded(name: str) -> NativeLibrary | None:
@@ -345,7 +369,9 @@ def _configure_pool(pool: NativeLibrary, spin_us: int, idle_spin_us: int) -> Non
 
 def reset() -> None:
     """Forget what was found and loaded, and take the current settings (tests: after
-    ``keel.config.reload_settings()`` with a changed ``KEEL_NATIVE`` / ``KEEL_CC``)."""
+    ``keel.config.reload_settings()`` with a changed ``KEEL_NATIVE`` / ``KEEL_CC``). The
+    libraries stay mapped: loading one of the same build again takes the mapped one, and
+    the worker pool stays the process's one (see ``_mapped``)."""
     global _STATE
     _STATE = _State()
 

@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from keel.backends import planner_constants
 from keel.backends.base import Backend, DeviceKind
 from keel.backends.plan import Measured, NodePlan
 from keel.backends.registry import BackendRegistry
@@ -95,6 +96,7 @@ def place(
         from keel.config import settings
 
         strict = settings().strict
+    planner_constants.refresh()     # a planner constant changed since the last plan counts
     ctx = _Context(graph, types, registry, profile, policy, precision, [], strict=strict,
                    low_memory=low_memory_mode(profile, policy))
     reasons: list[str] = _low_memory_reasons(graph, ctx.low_memory)

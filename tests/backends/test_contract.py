@@ -240,3 +240,19 @@ def test_keel_threads_setting_is_the_cpu_default(monkeypatch: pytest.MonkeyPatch
     finally:
         monkeypatch.delenv("KEEL_THREADS")
         config.settings.cache_clear()
+
+
+def test_plan_wide_decisions_are_final_methods_over_hooks() -> None:
+    """plan_notes, plan_branches and staging are the contract's final methods; a backend
+    says its planner's decisions through _plan_notes, _plan_branches and _staging."""
+    for name in ("plan_notes", "plan_branches", "staging"):
+        assert getattr(getattr(Backend, name), "__final__", False), name
+        assert name not in vars(CpuBackend), name
+    plain = make_backend("plain", ops=(Op.ADD,))()
+    assert plain.plan_notes() == () and plain.staging() == (0, 0)
+    assert plain.plan_branches([[(1e9, 1)], [(1e9, 1)]]) == (
+        1, "in order: the plain backend runs one node at a time")
+    cpu = CpuBackend(threads=2)
+    assert cpu.plan_notes()[0] == f"cpu backend, {cpu.threads_reason}"
+    lanes, why = cpu.plan_branches([[(1e9, 1)], [(1e9, 1)]])
+    assert lanes == 2 and why

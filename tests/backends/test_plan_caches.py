@@ -135,7 +135,7 @@ def test_winograd_products_follow_the_vendor_planned_for() -> None:
             {"pads": (1, 1, 1, 1), "strides": (1, 1), "dilations": (1, 1), "group": 1,
              "kernel_shape": (3, 3)}, profile=profile)
         assert plan.variant == "winograd"
-        reasons[profile.cpu.vendor] = plan.reason("layout")
+        reasons[profile.cpu.vendor] = plan.reason("winograd_pipeline")
     assert "products in lanes tiles" in reasons["AMD"]
     assert "products in 8 x 32 panels" in reasons["Intel"]
 

@@ -111,7 +111,7 @@ def test_the_plan_counts_the_scratch_its_conv_kernel_holds(
     assert model.plan.peak_bytes >= (memory["weight_bytes"] + memory["workspace_bytes"]
                                      + memory["output_bytes"])
     model.predict({"x": np.ones((batch, c, side, side), np.float32)})
-    if "per-thread pipeline:" in model.plan.nodes[0].plan.reason("layout"):
+    if "per-thread pipeline:" in model.plan.nodes[0].plan.reason("winograd_pipeline"):
         assert workspace.held_bytes() == 0    # its blocks live in the pool threads' scratch
         return
     assert 0 < workspace.held_bytes() <= memory["workspace_bytes"]

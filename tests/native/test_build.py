@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -188,6 +190,46 @@ def test_a_capped_split_runs_every_chunk_on_at_most_its_threads(n: int, parts: i
         assert [tuple(r) for r in rows[:, :2]] == pool.chunks(n, parts)
         assert rows[:, 2].min() >= 0
         assert rows[:, 2].max() < (threads or pool.workers() + 1), rows
+
+
+# The pool's workers started, then the tier reset onto another cache folder (as the tests
+# that rebuild do): what is loaded after it runs on the pool mapped first.
+ONE_POOL = """
+import ctypes, json, os, sys
+import numpy as np
+from keel import config, native
+from keel.native import pool
+first = native.library("threads")
+check = first.function("keel_pool_check", [ctypes.c_int64] * 3 + [ctypes.c_void_p],
+                       ctypes.c_int64)
+check(10, 2, 5000, np.full(6, -1, dtype=np.int64).ctypes.data)
+started = pool.workers()
+os.environ["KEEL_CACHE_DIR"] = sys.argv[1]
+config.reload_settings()
+native.reset()
+again = native.library("threads")
+with open("/proc/self/maps") as maps:
+    mapped = sorted({line.split()[-1] for line in maps if "/threads-" in line})
+print(json.dumps({"same": again is first, "started": started, "workers": pool.workers(),
+                  "mapped": mapped}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps")
+def test_a_reset_onto_another_cache_keeps_the_one_worker_pool(tmp_path: Path) -> None:
+    """One copy of threads.c per process: a second, loaded from another cache folder
+    after native.reset(), started a second pool whose workers pin() moved while the
+    kernels loaded before ran on the first's."""
+    if native.library("threads") is None:
+        pytest.skip(f"native tier unavailable: {native.status().reason}")
+    done = subprocess.run([sys.executable, "-c", ONE_POOL, str(tmp_path / "cache")],
+                          env={**os.environ, "KEEL_NATIVE": "auto",
+                               "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+                          timeout=300,
+                          capture_output=True, text=True, check=True)
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["started"] >= 1 and found["workers"] == found["started"]
+    assert found["same"] and len(found["mapped"]) == 1, found
 
 
 def test_pool_serves_concurrent_callers_and_restarts_after_shutdown() -> None:

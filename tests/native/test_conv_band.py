@@ -8,7 +8,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from keel import native
 from keel.backends.base import KernelContext, NodePlan
 from keel.backends.cpu import conv_gemm
 from keel.backends.cpu import native_gemm as ng
@@ -19,11 +18,7 @@ from keel.ops.registry import Op
 from keel.ops.schemas.conv import conv_geometry
 from tests.native._conv_support import check_against_reference, rand, reference
 
-
-@pytest.fixture(autouse=True)
-def _native_tier() -> None:
-    if not ng.available():
-        pytest.skip(f"native tier unavailable: {native.status().reason}")
+pytestmark = pytest.mark.usefixtures("native_gemm_tier")
 
 
 CASES = [

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 import keel.backends.cpu.conv  # noqa: F401  (registers the conv kernels on TABLE)
-from keel import native
 from keel.backends.base import KernelContext
 from keel.backends.cpu import conv_gemm
 from keel.backends.cpu import native_gemm as ng
@@ -30,11 +29,7 @@ from tests.native._conv_support import (
     run_layout,
 )
 
-
-@pytest.fixture(autouse=True)
-def _native_tier() -> None:
-    if not ng.available():
-        pytest.skip(f"native tier unavailable: {native.status().reason}")
+pytestmark = pytest.mark.usefixtures("native_gemm_tier")
 
 
 CASES = [

@@ -12,20 +12,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from keel import native
 from keel.backends.cpu import conv_gemm
-from keel.backends.cpu import native_gemm as ng
 from keel.backends.cpu import planner as cpu_planner
 from keel.backends.cpu.conv_epilogue import activation
 from keel.backends.reference.backend import ReferenceBackend
 from keel.ops.registry import Op
 from keel.ops.schemas.conv import conv_geometry
 
-
-@pytest.fixture(autouse=True)
-def _native_tier() -> None:
-    if not ng.available():
-        pytest.skip(f"native tier unavailable: {native.status().reason}")
+pytestmark = pytest.mark.usefixtures("native_gemm_tier")
 
 
 CASES = [

@@ -9,7 +9,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from keel import native
 from keel.backends.cpu import native_window as nw
 from keel.errors import InvalidArgumentError
 from keel.ops.schemas.conv import Window
@@ -17,10 +16,7 @@ from keel.ops.schemas.conv import Window
 RNG = np.random.default_rng(23)
 
 
-@pytest.fixture(autouse=True)
-def _native_tier() -> None:
-    if not nw.ready():
-        pytest.skip(f"native tier unavailable: {native.status().reason}")
+pytestmark = pytest.mark.usefixtures("native_window_tier")
 
 
 def _window(h: int, w: int, k: tuple[int, int], s: int, d: int, p: int) -> Window:

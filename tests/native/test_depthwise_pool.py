@@ -28,10 +28,7 @@ REFERENCE = load_reference()
 RNG = np.random.default_rng(11)
 
 
-@pytest.fixture(autouse=True)
-def _native_tier() -> None:
-    if not nw.ready():
-        pytest.skip(f"native tier unavailable: {native.status().reason}")
+pytestmark = pytest.mark.usefixtures("native_window_tier")
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import gc
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -26,11 +26,7 @@ from keel.ops.schema import get_schema
 Ref = Callable[[np.ndarray], np.ndarray]
 
 
-@pytest.fixture(autouse=True)
-def _native_tier() -> Iterator[None]:
-    if not native.available():
-        pytest.skip(f"native tier unavailable: {native.status().reason}")
-    yield
+pytestmark = pytest.mark.usefixtures("native_tier")
 
 
 @pytest.fixture

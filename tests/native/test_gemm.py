@@ -28,12 +28,7 @@ from keel.execution.model import load_model
 from keel.ops.registry import Op
 from keel.ops.schema import get_schema
 
-
-@pytest.fixture(autouse=True)
-def _native_tier() -> Iterator[None]:
-    if not ng.available():
-        pytest.skip(f"native tier unavailable: {native.status().reason}")
-    yield
+pytestmark = pytest.mark.usefixtures("native_gemm_tier")
 
 
 @pytest.fixture

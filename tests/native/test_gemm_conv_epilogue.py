@@ -9,16 +9,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from keel import native
 from keel.backends.cpu import native_gemm as ng
 
 RNG = np.random.default_rng(29)
 
 
-@pytest.fixture(autouse=True)
-def _native_tier() -> None:
-    if not ng.available():
-        pytest.skip(f"native tier unavailable: {native.status().reason}")
+pytestmark = pytest.mark.usefixtures("native_gemm_tier")
 
 
 def _operands(m: int, k: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

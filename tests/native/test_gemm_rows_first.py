@@ -6,13 +6,11 @@ NumPy and the reference backend; any thread split gives bitwise the same result.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
-from keel import native
 from keel.backends.cpu import conv_gemm
 from keel.backends.cpu import native_gemm as ng
 from keel.backends.cpu import planner as cpu_planner
@@ -23,12 +21,7 @@ from keel.ops.registry import Op
 from keel.ops.schemas.conv import conv_geometry
 from tests.native._conv_support import prepared_flags
 
-
-@pytest.fixture(autouse=True)
-def _native_tier() -> Iterator[None]:
-    if not ng.available():
-        pytest.skip(f"native tier unavailable: {native.status().reason}")
-    yield
+pytestmark = pytest.mark.usefixtures("native_gemm_tier")
 
 
 def _rand(rng: np.random.Generator, *shape: int) -> np.ndarray:

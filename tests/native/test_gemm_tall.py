@@ -7,21 +7,13 @@ the packed-B tiles give bitwise the same C."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 
-from keel import native
 from keel.backends.cpu import native_gemm as ng
 from keel.backends.cpu import planner as cpu_planner
 
-
-@pytest.fixture(autouse=True)
-def _native_tier() -> Iterator[None]:
-    if not ng.available():
-        pytest.skip(f"native tier unavailable: {native.status().reason}")
-    yield
+pytestmark = pytest.mark.usefixtures("native_gemm_tier")
 
 
 def _rand(rng: np.random.Generator, *shape: int) -> np.ndarray:

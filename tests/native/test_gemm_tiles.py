@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from keel import native
 from keel.backends.cpu import native_gemm as ng
 from keel.backends.cpu import planner as cpu_planner
 from keel.execution.model import load_model
@@ -24,10 +23,7 @@ RNG = np.random.default_rng(11)
 THREADS = (1, 2, 3, 4, 8, 16)
 
 
-@pytest.fixture(autouse=True)
-def _native_tier() -> None:
-    if not ng.available():
-        pytest.skip(f"native tier unavailable: {native.status().reason}")
+pytestmark = pytest.mark.usefixtures("native_gemm_tier")
 
 
 def _f(*shape: int) -> np.ndarray:

@@ -10,7 +10,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from keel import native
 from keel.backends.base import DeviceKind, KernelContext
 from keel.backends.cpu import native_window as nw
 from keel.backends.cpu import planner as cpu_planner
@@ -23,10 +22,7 @@ from keel.ops.schemas.pooling import pool_window
 REFERENCE = load_reference()
 
 
-@pytest.fixture(autouse=True)
-def _native_tier() -> None:
-    if not nw.ready():
-        pytest.skip(f"native tier unavailable: {native.status().reason}")
+pytestmark = pytest.mark.usefixtures("native_window_tier")
 
 
 # (N, C, H, W), kernel, strides, pads (top, left, bottom, right), ceil mode

@@ -16,11 +16,8 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
-from keel import native
 from keel.backends.base import DeviceKind, KernelContext
 from keel.backends.cpu import matmul as cpu_matmul
-from keel.backends.cpu import native_gemm as ng
-from keel.backends.cpu import native_window as nw
 from keel.backends.cpu import planner as cpu_planner
 from keel.backends.cpu import pooling
 from keel.backends.cpu.backend import CpuBackend
@@ -33,10 +30,7 @@ CPU = load_cpu()
 RNG = np.random.default_rng(23)
 
 
-@pytest.fixture(autouse=True)
-def _native_tier() -> None:
-    if not (ng.available() and nw.ready()):
-        pytest.skip(f"native tier unavailable: {native.status().reason}")
+pytestmark = pytest.mark.usefixtures("native_gemm_tier", "native_window_tier")
 
 
 def _f(*shape: int) -> np.ndarray:

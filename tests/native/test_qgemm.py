@@ -4,6 +4,7 @@ and compiler can build and run it)."""
 
 from __future__ import annotations
 
+import enum
 import platform
 from collections.abc import Iterator
 from pathlib import Path
@@ -706,6 +707,12 @@ def test_the_int8_arrays_follow_the_compiled_enum_orders(
         with pytest.raises(native_qgemm.Int8SizesError,
                            match=r"keel_qgemm_layout.*ADD_.*change both"):
             native_qgemm.check_layout(lib)
+    monkeypatch.undo()              # and keel_qadd_u8's flags, by name
+    monkeypatch.setattr(native_qgemm, "AddFlag",
+                        enum.IntFlag("AddFlag", {"A_S8": 2, "B_S8": 1, "Y_S8": 4}))
+    with pytest.raises(native_qgemm.Int8SizesError,
+                       match=r"keel_qgemm_layout.*ADD_FLAG_.*change both"):
+        native_qgemm.check_layout(lib)
 
 
 @pytest.mark.parametrize(("name", "swapped"), [

@@ -9,7 +9,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from keel import native
 from keel.backends.base import DeviceKind, KernelContext
 from keel.backends.cpu import depthwise, pooling
 from keel.backends.cpu import native_window as nw
@@ -25,10 +24,7 @@ REFERENCE = load_reference()
 RNG = np.random.default_rng(23)
 
 
-@pytest.fixture(autouse=True)
-def _native_tier() -> None:
-    if not nw.ready():
-        pytest.skip(f"native tier unavailable: {native.status().reason}")
+pytestmark = pytest.mark.usefixtures("native_window_tier")
 
 
 def _f(*shape: int) -> np.ndarray:

@@ -12,7 +12,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from keel import native
 from keel.backends.cpu import native_gemm as ng
 from keel.backends.cpu import planner as cpu_planner
 from keel.backends.cpu import winograd
@@ -21,11 +20,7 @@ from keel.backends.reference.backend import ReferenceBackend
 from keel.ops.registry import Op
 from keel.ops.schemas.conv import conv_geometry
 
-
-@pytest.fixture(autouse=True)
-def _native_tier() -> None:
-    if winograd._functions() is None:
-        pytest.skip(f"native tier unavailable: {native.status().reason}")
+pytestmark = pytest.mark.usefixtures("native_winograd_tier")
 
 
 CASES = [
@@ -513,9 +508,10 @@ def test_a_model_gives_the_same_bits_on_any_threads_and_explains_its_form() -> N
         for plan in convs:
             assert plan is not None and "winograd" in (plan.variant,
                                                        plan.option("conv_variant"))
-            why = plan.reason("layout")
+            why = plan.reason("winograd_pipeline")        # stated there only
             form = "per-thread pipeline" if "per-thread pipeline:" in why else "pass by pass"
             assert f"on {threads} thread(s) {form}" in why
+            assert "pipeline" not in plan.reason("layout") + plan.reason("chunk")
             forms.add(form)
         results[threads] = loaded.predict({"x": x})["y"]
     assert "per-thread pipeline" in forms

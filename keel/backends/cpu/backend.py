@@ -129,7 +129,7 @@ class CpuBackend(Backend):
         threads = self.threads
         return f"{threads} threads: {self._threads_reason}"
 
-    def plan_notes(self) -> tuple[str, ...]:
+    def _plan_notes(self) -> tuple[str, ...]:
         from keel.backends.cpu.planner import (
             Caches,
             caches,
@@ -154,8 +154,8 @@ class CpuBackend(Backend):
 
         return staging()
 
-    def plan_branches(self, branches: Sequence[Sequence[tuple[float, int]]]
-                      ) -> tuple[int, str]:
+    def _plan_branches(self, branches: Sequence[Sequence[tuple[float, int]]]
+                       ) -> tuple[int, str]:
         from keel.backends.cpu.planner import plan_branches
 
         return plan_branches(self.threads, branches)

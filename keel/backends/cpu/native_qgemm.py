@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import enum
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -54,6 +55,15 @@ _POOL_GEOMETRY = ("n", "c", "h", "w", "oh", "ow", "kh", "kw", "sh", "sw", "pt", 
                   "dw")                                          # P_*: max_pool's
 _ADD = ("ra", "rb", "c")                                 # ADD_*: qlinear_add's constants
 _ADD_BOUND = ("lo", "hi")                                # ADD_BOUND_*: and its bounds
+
+
+class AddFlag(enum.IntFlag):
+    """keel_qadd_u8's ``flags`` (qgemm.c's ADD_FLAG_*, checked at load by name): which of
+    QLinearAdd's operands are int8, the others uint8."""
+
+    A_S8 = 1
+    B_S8 = 2
+    Y_S8 = 4
 
 
 @dataclass(frozen=True)
@@ -115,7 +125,8 @@ def _layout() -> dict[str, int]:
                                                ("Q_", _CONV_GEOMETRY, "len"),
                                                ("P_", _POOL_GEOMETRY, "len"),
                                                ("ADD_", _ADD, "len"),
-                                               ("ADD_BOUND_", _ADD_BOUND, "len")))}
+                                               ("ADD_BOUND_", _ADD_BOUND, "len"))),
+            **{f"ADD_FLAG_{flag.name}": int(flag) for flag in AddFlag}}
 
 
 def check_enums(lib: native.NativeLibrary, function: str, want: Mapping[str, int],
@@ -537,11 +548,21 @@ def qlinear_add(a: np.ndarray, b: np.ndarray, constants: tuple[float, float, flo
     """``y`` = onnxruntime's QLinearAdd of same-shaped contiguous 8-bit ``a`` and ``b``:
     ``constants`` the finite float32 ra, rb and c of the reference's
     ``qlinear_add_constants``; a fused ReLU clamps at ``y_zero_point``."""
-    flags = int(a.dtype == np.int8) | int(b.dtype == np.int8) << 1 | int(y.dtype == np.int8) << 2
+    flags = _add_flags(a.dtype, b.dtype, y.dtype)
     args = _add_arguments(constants, y_zero_point, relu, y.dtype.char, a.size, threads)
     rc = _functions().add(_ptr(a), _ptr(b), a.size, args.constants, args.bounds, flags,
                           _ptr(y), args.count)
     _check(rc)
+
+
+@functools.lru_cache(maxsize=8)
+def _add_flags(a: np.dtype, b: np.dtype, y: np.dtype) -> int:
+    """keel_qadd_u8's flags for operands of these 8-bit types (a plain int for the call)."""
+    flags = AddFlag(0)
+    for dtype, flag in ((a, AddFlag.A_S8), (b, AddFlag.B_S8), (y, AddFlag.Y_S8)):
+        if dtype == np.int8:
+            flags |= flag
+    return int(flags)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, ParamSpec, TypeVar
 
+from keel.backends import planner_constants
 from keel.backends.base import KernelTable, KernelVariant
 from keel.backends.cpu import (
     conv_gemm,
@@ -2243,10 +2244,11 @@ def _cache_key(request: PlanRequest, table: KernelTable) -> tuple[Any, ...] | No
 
 
 def state() -> tuple[Any, ...]:
-    """The kernel tiers loaded here, whether choices keep batch invariance and the thread
-    costs the least work a thread comes from: every plan depends on them."""
+    """The kernel tiers loaded here, whether choices keep batch invariance, the thread
+    costs the least work a thread comes from and the planner's constants
+    (:mod:`keel.backends.planner_constants`): every plan depends on them."""
     return (native_gemm.available(), native_window.ready(), tier_unavailable("native"),
-            batch_invariant(), thread_costs.current().token)
+            batch_invariant(), thread_costs.current().token, planner_constants.current())
 
 
 def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:
@@ -3375,7 +3377,6 @@ def winograd_form(geo: ConvGeometry, itemsize: int, sizes: Caches | None = None,
     passes, passes_why = winograd_pass_lanes(c, m, chunk * th * tw, vendor)
     pipe = winograd_pipeline(geo.batch, c, m, (oh, ow), max(1, threads), sizes,
                              vendor=vendor)
-    why = f"{why}; on {max(1, threads)} thread(s) {pipe.reason}"
     if pipe.tiles:          # each thread's block of V and P, in the pool's scratch
         mr = (_grid(_HERE) or _TILES["scalar"])[0]
         ld = -(-pipe.tiles // PIPELINE_VECTOR) * PIPELINE_VECTOR

@@ -199,7 +199,7 @@ class WebGpuBackend(Backend):
         return planner.auto_blocked(adapter, None if found is None else planner.Measured(*found),
                                     props.nbytes)
 
-    def plan_notes(self) -> tuple[str, ...]:
+    def _plan_notes(self) -> tuple[str, ...]:
         if not self.is_available():
             return ()
         return (f"webgpu runs on adapter {self._device.info.label()}",)

@@ -1386,7 +1386,9 @@ int64_t keel_qdepthwise_u8s8(const uint8_t *x, int64_t is_signed, int64_t xz, co
  * reference backend): onnxruntime's x86-64 vector kernel, bit for bit. A fused ReLU raises
  * the lower bound to y's zero point. The constants are finite (the caller's check). */
 
-/* flags: bit 0 a is int8, bit 1 b is int8, bit 2 y is int8. */
+/* keel_qadd_u8's flags: the operands that are int8 (the others uint8). */
+enum { ADD_FLAG_A_S8 = 1, ADD_FLAG_B_S8 = 2, ADD_FLAG_Y_S8 = 4 };
+
 typedef struct {
     const uint8_t *a, *b;
     float ra, rb, c, lo, hi;
@@ -1396,8 +1398,8 @@ typedef struct {
 
 static inline float qadd_one(const qadd_job *j, int64_t i)
 {
-    float va = j->flags & 1 ? (float)(int8_t)j->a[i] : (float)j->a[i];
-    float vb = j->flags & 2 ? (float)(int8_t)j->b[i] : (float)j->b[i];
+    float va = j->flags & ADD_FLAG_A_S8 ? (float)(int8_t)j->a[i] : (float)j->a[i];
+    float vb = j->flags & ADD_FLAG_B_S8 ? (float)(int8_t)j->b[i] : (float)j->b[i];
     float t = nearbyintf(__builtin_fmaf(va, j->ra, __builtin_fmaf(vb, j->rb, j->c)));
     return t < j->lo ? j->lo : t > j->hi ? j->hi : t;
 }
@@ -1419,8 +1421,9 @@ static inline __m512 qadd_widen(__m128i x, int64_t is_signed)
 static inline __attribute__((always_inline)) __m512i
 qadd_lanes(const qadd_vectors *v, __m128i a, __m128i b, int64_t flags)
 {
-    __m512 t = _mm512_fmadd_ps(qadd_widen(a, flags & 1), v->ra,
-                               _mm512_fmadd_ps(qadd_widen(b, flags & 2), v->rb, v->c));
+    __m512 t = _mm512_fmadd_ps(qadd_widen(a, flags & ADD_FLAG_A_S8), v->ra,
+                               _mm512_fmadd_ps(qadd_widen(b, flags & ADD_FLAG_B_S8), v->rb,
+                                               v->c));
     t = _mm512_min_ps(_mm512_max_ps(t, v->lo), v->hi);
     return _mm512_cvt_roundps_epi32(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
@@ -1441,7 +1444,7 @@ qadd_run(const qadd_job *j, int64_t i, int64_t hi, int64_t flags)
                               _mm_loadu_si128((const __m128i *)(const void *)(b + i + 16 * q)),
                               flags);
         _mm512_storeu_si512((void *)(j->y + i),
-                            pack_bytes(r[0], r[1], r[2], r[3], (flags & 4) != 0));
+                            pack_bytes(r[0], r[1], r[2], r[3], (flags & ADD_FLAG_Y_S8) != 0));
     }
     for (; i < hi; i += 16) {
         __mmask16 k = hi - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (hi - i)) - 1);
@@ -1459,7 +1462,8 @@ static void qadd_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
     (void)scratch;
     int64_t i = lo;
 #if QISA == 2
-    switch (j->flags & 7) {     /* one loop per signedness, the flags constants in it */
+    /* one loop per signedness (each case a set of ADD_FLAG_* bits), the flags constants in it */
+    switch (j->flags & (ADD_FLAG_A_S8 | ADD_FLAG_B_S8 | ADD_FLAG_Y_S8)) {
     case 0: i = qadd_run(j, i, hi, 0); break;
     case 1: i = qadd_run(j, i, hi, 1); break;
     case 2: i = qadd_run(j, i, hi, 2); break;
@@ -1472,7 +1476,7 @@ static void qadd_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
 #endif
     for (; i < hi; i++) {
         int32_t t = (int32_t)qadd_one(j, i);
-        j->y[i] = (uint8_t)(j->flags & 4 ? (uint8_t)(int8_t)t : (uint8_t)t);
+        j->y[i] = (uint8_t)(j->flags & ADD_FLAG_Y_S8 ? (uint8_t)(int8_t)t : (uint8_t)t);
     }
 }
 
@@ -1483,7 +1487,7 @@ enum { ADD_BOUND_LO, ADD_BOUND_HI, ADD_BOUND_LEN };
 
 /* y[n] = QLinearAdd(a[n], b[n]) for same-shaped 8-bit a and b. constants: ADD_* (ra, rb
  * and c); bounds: ADD_BOUND_* (y's lo, raised to y's zero point for a fused ReLU, and
- * hi); flags as qadd_job's. The n elements split into `parts` contiguous runs, one per
+ * hi); flags: ADD_FLAG_*. The n elements split into `parts` contiguous runs, one per
  * thread. */
 int64_t keel_qadd_u8(const uint8_t *a, const uint8_t *b, int64_t n, const float *constants,
                      const int64_t *bounds, int64_t flags, uint8_t *y, int64_t parts)
@@ -1966,8 +1970,8 @@ int64_t keel_qgemm_geometry(int64_t *out, int64_t n)
 /* The enum values keel.backends.cpu.native_qgemm builds its arrays with (it checks them at
  * load, as the sizes above), by name: KIND_*, COLUMNS_*, the quant array's slots
  * (QUANT_*), the conv geometry's (Q_*), the max pool geometry's (P_*) and QLinearAdd's
- * constants (ADD_*) and bounds (ADD_BOUND_*), each with its length (keel_qgemm_layout and
- * keel_qgemm_layout_names: see enums.h). */
+ * constants (ADD_*), bounds (ADD_BOUND_*) and flags (ADD_FLAG_*), each array with its
+ * length (keel_qgemm_layout and keel_qgemm_layout_names: see enums.h). */
 #define QGEMM_LAYOUT(X) \
     X(KIND_U8) X(KIND_S8) X(KIND_F32) X(COLUMNS_PADDED) X(COLUMNS_COMPACT) X(COLUMNS_ROWS) \
     X(QUANT_YZP) X(QUANT_LO) X(QUANT_HI) X(QUANT_KIND) X(QUANT_LEN) \
@@ -1975,6 +1979,7 @@ int64_t keel_qgemm_geometry(int64_t *out, int64_t n)
     X(Q_DH) X(Q_DW) X(Q_PT) X(Q_PL) X(Q_G) X(Q_LEN) \
     X(P_N) X(P_C) X(P_H) X(P_W) X(P_OH) X(P_OW) X(P_KH) X(P_KW) X(P_SH) X(P_SW) X(P_PT) \
     X(P_PL) X(P_DH) X(P_DW) X(P_LEN) \
-    X(ADD_RA) X(ADD_RB) X(ADD_C) X(ADD_LEN) X(ADD_BOUND_LO) X(ADD_BOUND_HI) X(ADD_BOUND_LEN)
+    X(ADD_RA) X(ADD_RB) X(ADD_C) X(ADD_LEN) X(ADD_BOUND_LO) X(ADD_BOUND_HI) X(ADD_BOUND_LEN) \
+    X(ADD_FLAG_A_S8) X(ADD_FLAG_B_S8) X(ADD_FLAG_Y_S8)
 
 KEEL_ENUM_EXPORT(keel_qgemm_layout, QGEMM_LAYOUT)

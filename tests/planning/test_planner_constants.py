@@ -1,0 +1,64 @@
+"""A planner constant changed in a running process gives fresh plans: the node plans kept
+by request, the op-level path's and the compiled-plan cache are keyed by the planner's
+constants (:mod:`keel.backends.planner_constants`), not only by the graph and profile."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from keel import config
+from keel.backends import planner_constants
+from keel.backends.cpu import planner
+from keel.execution.model import Model, load_model
+from keel.testing.models import mlp
+
+# The mlp's first two products: one thread at the declared least work a thread (16,384
+# flops each, under MIN_FLOPS_PER_THREAD), two once it is lowered under their work.
+LOWERED_FLOPS = 1000
+
+
+def _gemm_threads(model: Model) -> list[int]:
+    return [n["plan"]["threads"] for n in model.plan.to_dict()["nodes"] if n["op"] == "gemm"]
+
+
+def test_a_model_loaded_after_a_constant_changed_is_planned_afresh(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    model = mlp().SerializeToString()
+    before = _gemm_threads(load_model(model, threads=2))
+    monkeypatch.setattr(planner, "MIN_FLOPS_PER_THREAD", LOWERED_FLOPS)
+    after = _gemm_threads(load_model(model, threads=2))
+    planner.forget()
+    fresh = _gemm_threads(load_model(model, threads=2))
+    assert before[:2] == [1, 1]
+    assert after == fresh
+    assert after[:2] == [2, 2]
+
+
+def test_the_compiled_plan_cache_misses_after_a_constant_changed(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("KEEL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("KEEL_PLAN_CACHE", "on")
+    config.reload_settings()
+    path = tmp_path / "mlp.onnx"
+    path.write_bytes(mlp().SerializeToString())
+    stored = load_model(path, threads=2)
+    assert _gemm_threads(load_model(path, threads=2)) == _gemm_threads(stored)
+    monkeypatch.setattr(planner, "MIN_FLOPS_PER_THREAD", LOWERED_FLOPS)
+    again = load_model(path, threads=2)
+    assert not any(r.startswith("compiled plan loaded from cache") for r in again.plan.reasons)
+    assert _gemm_threads(again)[:2] == [2, 2]
+
+
+def test_the_fingerprint_follows_the_constants_and_is_kept(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    first = planner_constants.refresh()
+    assert planner_constants.current() == first == planner_constants.measure()
+    monkeypatch.setitem(planner.BLOCKS, "epilogue_block", 1)
+    assert planner_constants.current() == first              # kept until refreshed
+    assert planner_constants.refresh() != first
+    monkeypatch.undo()
+    assert planner_constants.refresh() == first
+    planner.forget()                                        # the kept plans do not count
+    assert planner_constants.measure() == first

@@ -6,9 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from keel import load_model, native
+from keel import load_model
 from keel.execution import program as program_module
 from keel.testing.models import mobilenet_block, resnet_block
+
+pytestmark = pytest.mark.usefixtures("native_tier")
 
 
 def _kinds(model: object, feeds: dict[str, np.ndarray], variant: str = "depthwise"
@@ -40,8 +42,6 @@ _BOUND_CASES = {
 @pytest.mark.parametrize("variant", sorted(_BOUND_CASES))
 def test_bound_conv_steps_match_the_kernel_and_the_reference(variant: str, threads: int
                                                              ) -> None:
-    if not native.available():
-        pytest.skip(f"native tier unavailable: {native.status().reason}")
     make, count = _BOUND_CASES[variant]
     proto = make()
     steady = load_model(proto, backend="cpu", threads=threads)
@@ -60,8 +60,6 @@ def test_bound_conv_steps_match_the_kernel_and_the_reference(variant: str, threa
 
 
 def test_bound_depthwise_steps_give_the_same_bits_on_every_thread_count() -> None:
-    if not native.available():
-        pytest.skip(f"native tier unavailable: {native.status().reason}")
     proto = mobilenet_block(size=20, blocks=2, channels=24)
     x = _feeds(load_model(proto, backend="cpu", threads=1), 1)[0]
     outs = []
@@ -76,8 +74,6 @@ def test_bound_depthwise_steps_give_the_same_bits_on_every_thread_count() -> Non
 def test_a_depthwise_conv_whose_activation_needs_its_own_pass_is_not_bound() -> None:
     """HardSwish is applied after the kernel, in a pass of its own: the step keeps the
     general path, and computes what the reference does."""
-    if not native.available():
-        pytest.skip(f"native tier unavailable: {native.status().reason}")
     proto = mobilenet_block(size=16, activation="hardswish")
     model = load_model(proto, backend="cpu", threads=1)
     x = _feeds(model, 1)[0]
@@ -91,8 +87,6 @@ def test_a_depthwise_conv_whose_activation_needs_its_own_pass_is_not_bound() -> 
 def test_bound_winograd_steps_give_the_same_bits_on_every_thread_count() -> None:
     """256 channels on 14 x 14 run pass by pass on two threads or more (unbound there)
     and as the bound pipeline on one: the same bits either way."""
-    if not native.available():
-        pytest.skip(f"native tier unavailable: {native.status().reason}")
     outs = {}
     for channels, size in ((64, 32), (256, 14)):
         proto = resnet_block(channels=channels, size=size)

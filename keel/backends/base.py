@@ -482,8 +482,8 @@ class Backend(ABC):
     def _capability_details(self) -> dict[str, Any]:
         return {}
 
-    def _staging(self) -> tuple[int, int, int | None]:
-        return 0, 0, None
+    def _staging(self) -> tuple[int, int]:
+        return 0, 0
 
     def _plan_node(self, request: PlanRequest) -> NodePlan:
         return default_plan(request, self.kernels, self.threads)
@@ -597,12 +597,10 @@ class Backend(ABC):
         return ()
 
     @final
-    def staging(self) -> tuple[int, int, int | None]:
+    def staging(self) -> tuple[int, int]:
         """(feed bytes, graph output bytes) up to which a fixed-shape host program copies
         a feed into (an output out of) a buffer of its own so that this backend's steps
-        on it bind (``KernelVariant.bind``), and the least bytes of a feed whose bound steps
-        can be pointed at the caller's array each run (a ``fed`` attribute) that is read
-        there instead of copied (None: every feed copied). Default: nothing staged."""
+        on it bind (``KernelVariant.bind``). Default: nothing staged."""
         return self._staging()
 
     def plan_branches(self, branches: Sequence[Sequence[tuple[float, int]]]

@@ -284,7 +284,6 @@ class Program:
         self._direct = False             # runs go straight to the bound calls (_plan_direct)
         # The steady run as one function (_plan_direct_run), where _direct allows it.
         self._direct_run: Callable[[Sequence[Any]], dict[str, Any]] | None = None
-        self.feeds_in_place: tuple[str, ...] = ()    # feeds the direct run reads in place
         # Steps that may split over keel's native workers: the run's end parks them.
         self._parks = any(st.ctx is not None and (getattr(st.ctx, "threads", 1) or 1) > 1
                           and backends[st.backend].device.value == HOST for st in steps)
@@ -462,7 +461,6 @@ class Program:
         direct = (self._capture_decided and self._calls is not None and self._schedule is None
                   and self._replay is None and _FP_STATE is not None
                   and self._scoped in ((), (_quiet,)))
-        self.feeds_in_place = ()
         self._direct_run = self._plan_direct_run() if direct else None
         return direct
 
@@ -482,34 +480,8 @@ class Program:
             if how != _AS_IS or device != HOST or slot not in held:
                 return None
             outs.append((name, held[slot]))
-        fed = self._fed_in_place()
-        self.feeds_in_place = tuple(name for name, slot in self._slots.items()
-                                    if slot in fed and name in self._input_types)
-        return _direct_runner(self, tuple((staged[slot], fed.get(slot, ()),
-                                           _layout(staged[slot]))
-                                          for slot in self._input_slots),
+        return _direct_runner(self, tuple(staged[slot] for slot in self._input_slots),
                               tuple(hot[1] for hot in self._hot), tuple(outs))
-
-    def _fed_in_place(self) -> dict[int, tuple[Any, ...]]:
-        """The staged feeds the direct run reads where the caller's array lies, each with
-        the ``fed`` handles of the bound calls reading it: where the steps' backend says
-        so (``Backend.staging``) and every step reading the feed is a bound call taking it
-        as its first input (the left operand of a native product) through a handle that
-        reads exactly the staged buffer. Any other feed stays copied."""
-        staged = dict(self._staged)
-        feds: dict[int, list[Any]] = {slot: [] for slot in staged}
-        for step, hot in zip(self._steps, self._hot, strict=True):
-            fed = getattr(hot[1], "fed", None) if hot[0] in (_BOUND, _HELD) else None
-            for pos, slot in enumerate(step.inputs):
-                if slot not in feds:
-                    continue
-                least = self._backends[step.backend].staging()[2]
-                if (pos == 0 and fed is not None and fed.reads == _address(staged[slot])
-                        and least is not None and staged[slot].nbytes >= least):
-                    feds[slot].append(fed)
-                else:
-                    del feds[slot]          # a step that cannot take it in place: copied
-        return {slot: tuple(f) for slot, f in feds.items() if f}
 
     def _run_hot(self, outputs: Mapping[str, Any] | None, *,
                  device: bool = False) -> dict[str, Any]:
@@ -1169,7 +1141,7 @@ def _nothing(values: list[Any]) -> Sequence[Any]:
     return ()
 
 
-def _direct_runner(program: Program, buffers: tuple[tuple[Any, tuple[Any, ...], Any], ...],
+def _direct_runner(program: Program, buffers: tuple[Any, ...],
                    calls: tuple[Callable[[], object], ...], outputs: tuple[tuple[str, Any], ...]
                    ) -> Callable[[Sequence[Any]], dict[str, Any]]:
     """``program``'s steady run (:meth:`Program._plan_direct_run`) with everything it
@@ -1180,18 +1152,8 @@ def _direct_runner(program: Program, buffers: tuple[tuple[Any, tuple[Any, ...], 
     owner = weakref.ref(program)        # the program holds this function: no cycle
     state, made = _FP_STATE, _Quiet._made        # _Quiet's work, without its calls
 
-    pointed = tuple(fed for _, feds, _ in buffers for fed in feds)
-
     def run(arrays: Sequence[Any]) -> dict[str, Any]:
-        for (buf, feds, layout), array in zip(buffers, arrays, strict=True):
-            if feds and array.__class__ is np.ndarray:
-                face = array.__array_interface__     # one call: layout and address
-                address = face["data"][0]
-                if face["strides"] is None and (face["shape"], face["typestr"]) == layout \
-                        and not address % buf.itemsize:
-                    for fed in feds:              # read in place: pointed back after
-                        fed.point(address)
-                    continue
+        for buf, array in zip(buffers, arrays, strict=True):
             np.copyto(buf, array)
         token = None
         if scoped:
@@ -1209,19 +1171,11 @@ def _direct_runner(program: Program, buffers: tuple[tuple[Any, tuple[Any, ...], 
         except Exception as exc:
             raise _alive(owner)._failed(i, exc) from exc
         finally:
-            for fed in pointed:       # no call keeps the caller's address past its run
-                fed.home()
             if token is not None:
                 state.reset(token)
             if parks:
                 _alive(owner)._park_workers()
     return run
-
-
-def _layout(a: Any) -> tuple[tuple[int, ...], str]:
-    """(shape, type string) of a C-contiguous host array, as its interface states them."""
-    face = a.__array_interface__
-    return face["shape"], face["typestr"]
 
 
 def _alive(owner: weakref.ref[Program]) -> Program:

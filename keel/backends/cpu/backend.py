@@ -149,7 +149,7 @@ class CpuBackend(Backend):
                 blocks, thread_costs_note(self.threads), f"keel threads: {pool_yield().reason}",
                 huge_pages_note(), fetch_note(), staging_note())
 
-    def _staging(self) -> tuple[int, int, int | None]:
+    def _staging(self) -> tuple[int, int]:
         from keel.backends.cpu.planner import staging
 
         return staging()

@@ -375,14 +375,11 @@ def _bind_product(kernel: Any) -> Any:
         # The call packs into this thread's workspace: programs run bound calls only on
         # the thread that bound them.
         if run.rest is None and run.threads == split:
-            go = run.call.fed(split)     # the C call itself, A pointed where a program feeds
             if run.after is None:
-                return go
+                return run.go                        # the C call itself
             activation = _bound_activation(attrs, y, ctx.threads or 1)
             if activation is not None:               # the C call, then the native pass
-                both = functools.partial(_in_turn, go, activation)
-                both.fed = go.fed                    # type: ignore[attr-defined]
-                return both
+                return functools.partial(_in_turn, run.go, activation)
         return functools.partial(run.into, y, ctx.threads or 1, split)
     return bind
 

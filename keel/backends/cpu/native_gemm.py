@@ -93,8 +93,7 @@ _FETCH_SHIFT = 8        # flags >> 8: rows of a packed B fetched ahead (gemm.c's
 # keel_gemm_args of gemm.c: 23 int64 fields then alpha, lo, hi as doubles. One
 # packed argument block costs ~0.3 us; 30 separate ctypes arguments cost ~3 us.
 _ARGS = struct.Struct("<23q3d")
-_A_FIELD = 3            # where A's address sits in it
-_C_FIELD = 13           # and C's
+_C_FIELD = 13           # where C's address sits in it
 _FLAGS_FIELD = 22       # and the flags
 _RESIDUAL_FIELD = 19    # and the residual's
 # keel_conv_band_args of gemm.c: 21 int64 fields then lo, hi as doubles.
@@ -550,22 +549,6 @@ class Call:
                                  self.batch * -(-self.n // f.nr))
         return _holding(once, self, _local.work)
 
-    def fed(self, threads: int) -> Callable[[], Any]:
-        """``bound(threads)`` reading A from an argument block of its own, which its
-        ``fed`` attribute (a :class:`Fed`) points at another array of A's layout before
-        a run and back at A after it: a feed read where the caller's array lies instead
-        of copied into A. The same C call on the same values: bitwise the same result."""
-        args = ctypes.create_string_buffer(self.args, len(self.args))
-        f = self.f
-        split = self._split(threads)
-        if split is not None:
-            go = _holding(functools.partial(_checked, split[0], args, *split[2:]), self)
-        else:
-            go = _holding(functools.partial(f.gemm, args, _work(f), 0, 0,
-                                            self.batch * -(-self.n // f.nr)), self, _local.work)
-        go.fed = Fed(args, int(self.values[_A_FIELD]))      # type: ignore[attr-defined]
-        return go
-
     def run(self, threads: int, panel_major: bool = False) -> None:
         """Compute, split over up to ``threads`` threads when the product is big enough.
 
@@ -595,27 +578,6 @@ class Call:
         if split.parts <= 1:
             return None
         return f.tiles_mt, self.args, split.rows, split.cols, split.pieces, split.parts
-
-
-class Fed:
-    """Where a :meth:`Call.fed` call reads A: ``point(address)`` before a run (an array of
-    the layout A was prepared with, alive through the run), ``home()`` after it, so that
-    the call never keeps a caller's address past the run it was given for."""
-
-    __slots__ = ("_args", "reads")
-
-    def __init__(self, args: Any, reads: int) -> None:
-        self._args, self.reads = args, reads      # reads: A's address, as prepared
-
-    def point(self, address: int) -> None:
-        _ADDRESS.pack_into(self._args, _A_OFFSET, address)
-
-    def home(self) -> None:
-        _ADDRESS.pack_into(self._args, _A_OFFSET, self.reads)
-
-
-_ADDRESS = struct.Struct("<q")
-_A_OFFSET = _A_FIELD * _ADDRESS.size
 
 
 def _moved(values: tuple[Any, ...], fields: tuple[int, ...], lo: int, hi: int,

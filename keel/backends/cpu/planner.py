@@ -1850,23 +1850,12 @@ def huge_pages_note() -> str:
 # a native product or conv moves its prepared call to the new array (~3 us; nothing at
 # the same address) and other steps run their kernels unbound.
 STAGE_FEED_BYTES = 256 * 1024
-# A staged feed of at least FEED_IN_PLACE_BYTES that only bound native products read,
-# as their left operand, is not copied: each run points their calls at the caller's
-# array (C-contiguous, of the planned layout; any other is copied as before) and back at
-# the buffer after it. Measured on the 2-core Intel Xeon development VM, one thread,
-# under load (alternating passes, medians): inside the MLP at batch 32 the 100 KiB copy
-# cost 11-14 us, not its 2.4 us alone (after 2 MiB of weights both arrays come from L3);
-# reading the caller's layout and address and pointing the call there and back costs
-# about 1 us, so a feed whose copy costs less (32 KiB: 1.0 us alone) stays copied (the
-# MLP at batch 1, 3 KiB: 46.7 us copied against 50.3 us read in place).
-FEED_IN_PLACE_BYTES = 64 * 1024
 
 
-def staging() -> tuple[int, int, int | None]:
+def staging() -> tuple[int, int]:
     """(bytes, feed; bytes, graph output) up to which a fixed-shape host program copies
-    a feed into (an output out of) a buffer of its own, so the steps on it bind; and the
-    least bytes of a feed its bound products read where it lies instead of a copy."""
-    return STAGE_FEED_BYTES, HOLD_BYTES, FEED_IN_PLACE_BYTES
+    a feed into (an output out of) a buffer of its own, so the steps on it bind."""
+    return STAGE_FEED_BYTES, HOLD_BYTES
 
 
 def staging_note() -> str:
@@ -1874,11 +1863,7 @@ def staging_note() -> str:
     return (f"feeds up to {STAGE_FEED_BYTES >> 10} KiB and graph outputs up to "
             f"{HOLD_BYTES >> 10} KiB copied into (out of) buffers of the program's own, so "
             "the steps on them run bound: measured, the copy costs less than half what "
-            f"binding saves one step; a feed from {FEED_IN_PLACE_BYTES >> 10} KiB that only "
-            "native products read, as their left operand, is read where the caller's "
-            "array lies instead (its copy came from L3 after the weights: 11-14 us in the "
-            "MLP at batch 32; pointing the calls costs about 1 us) (staging, "
-            "STAGE_FEED_BYTES, HOLD_BYTES, FEED_IN_PLACE_BYTES)")
+            "binding saves one step (staging, STAGE_FEED_BYTES, HOLD_BYTES)")
 
 
 _BLOCK_OF = {Op.MATMUL: "epilogue_block", Op.GEMM: "epilogue_block",

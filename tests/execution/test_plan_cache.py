@@ -153,10 +153,13 @@ def _truncate(path: Path) -> None:
 
 
 def _flip(offset: float) -> Any:
-    """Invert 8 bytes at ``offset`` (a byte offset, or a fraction of the file when < 1)."""
+    """Invert 8 bytes at ``offset`` (a byte offset, or a fraction of the file when < 1:
+    the first 8 bytes from there with no zero, inside the weights)."""
     def flip(path: Path) -> None:
         data = bytearray(path.read_bytes())
         at = int(len(data) * offset) if offset < 1 else int(offset)
+        while offset < 1 and not all(data[at:at + 8]):    # past the zeros aligning the
+            at += 8                                       # weights, which no one reads
         data[at:at + 8] = bytes(b ^ 0xFF for b in data[at:at + 8])
         path.write_bytes(bytes(data))
     return flip

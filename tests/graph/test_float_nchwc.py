@@ -218,6 +218,33 @@ def test_a_conv_reading_only_its_residual_blocked() -> None:
     _check_results(blob)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_an_empty_batch_runs_through_a_region(threads: int) -> None:
+    blob, _ = _blocks()
+    model = _load(blob, threads)
+    out = model.predict(_feeds(blob, 0))
+    assert "nchwc16->nchwc16" in _layouts(model).values()
+    (value,) = out.values()
+    assert np.asarray(value).shape == (0, 32, 1, 1)
+    _check_results(blob, 3)                 # and a batch after it
+
+
+def test_no_region_where_the_blocked_kernel_is_not_loaded(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """Without blocked.c (a build that failed, or not for AVX-512) the planner keeps the
+    NCHW forms rather than planning a region its kernel cannot run."""
+    blob, _ = _blocks()
+    monkeypatch.setattr(native_blocked, "_functions", lambda: None)
+    planner.forget()
+    model = _load(blob, 2)
+    assert not any("nchwc16" in v for v in _layouts(model).values())
+    feeds = _feeds(blob)
+    sess = ort.InferenceSession(blob, providers=["CPUExecutionProvider"])
+    (want,) = sess.run(None, feeds)
+    (got,) = model.predict(feeds).values()
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("channels", [8, 24])
 def test_channels_not_a_multiple_of_16_decline(channels: int) -> None:
     blob, _ = _blocks(channels=channels)

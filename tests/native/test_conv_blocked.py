@@ -15,7 +15,7 @@ import pytest
 
 from keel import native
 from keel.backends.base import DeviceKind, KernelContext
-from keel.backends.cpu import conv_gemm, native_blocked
+from keel.backends.cpu import conv_gemm, native_blocked, native_gemm, native_qgemm
 from keel.backends.cpu import planner as cpu_planner
 from keel.backends.cpu.conv_epilogue import activation
 from keel.backends.cpu.kernels import load as load_cpu
@@ -174,7 +174,8 @@ def test_the_planners_rule(x_shape: tuple[int, ...], w_shape: tuple[int, ...],
                            grid: tuple[int, int], vendor: str, chosen: bool) -> None:
     geo = conv_geometry(Op.CONV, x_shape, w_shape, PADDED)
     assert cpu_planner.blocked_conv(geo, grid, vendor) is chosen
-    assert cpu_planner.native_form(geo, grid, vendor)[0] != "blocked"  # only in a region
+    # only in a region: a conv planned alone keeps an NCHW form
+    assert cpu_planner.native_form(geo, grid, vendor)[0] not in native_blocked.REGION_LAYOUTS
 
 
 @pytest.mark.parametrize("threads", [1, 2, 16])
@@ -214,3 +215,14 @@ def test_a_region_conv_the_kernel_does_not_serve_runs_between_layout_changes(
     got = native_blocked.to_nchw(np.asarray(y)) if dst == "nchwc16" else np.asarray(y)
     np.testing.assert_allclose(got, np.maximum(reference([x, w, b], PADDED) + z, 0),
                                rtol=1e-4, atol=1e-4)
+
+
+def test_the_flags_are_checked_by_name_at_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    lib = native.library("blocked")
+    assert lib is not None
+    native_qgemm.check_enums(lib, "keel_conv_blocked_flags", native_blocked._FLAGS,
+                             "native_blocked", native_gemm.ArgsLayoutError)
+    swapped = {**native_blocked._FLAGS, "BLOCKED_X": 8, "BLOCKED_Y": 4}
+    with pytest.raises(native_gemm.ArgsLayoutError, match="keel_conv_blocked_flags"):
+        native_qgemm.check_enums(lib, "keel_conv_blocked_flags", swapped, "native_blocked",
+                                 native_gemm.ArgsLayoutError)

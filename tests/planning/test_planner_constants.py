@@ -4,6 +4,9 @@ constants (:mod:`keel.backends.planner_constants`), not only by the graph and pr
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -62,3 +65,22 @@ def test_the_fingerprint_follows_the_constants_and_is_kept(
     assert planner_constants.refresh() == first
     planner.forget()                                        # the kept plans do not count
     assert planner_constants.measure() == first
+
+
+def test_the_fingerprint_is_the_same_in_every_process() -> None:
+    """The compiled-plan cache on disk is found again by a new process: the fingerprint
+    does not follow the string hash seed (the planner's sets of names and ops)."""
+    code = "from keel.backends import planner_constants as p; print(p.measure())"
+    prints = {subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                             text=True, env={**os.environ, "PYTHONHASHSEED": seed}
+                             ).stdout.strip() for seed in ("1", "2", "3")}
+    assert len(prints) == 1 and len(prints.pop()) == 64
+
+
+def test_sets_and_enums_are_written_in_one_order() -> None:
+    from keel.ops.registry import Op
+
+    one = planner_constants._canonical(frozenset({"b", "a", Op.CONV}))
+    assert one == planner_constants._canonical(frozenset({Op.CONV, "a", "b"}))
+    assert one is not None and "Op.CONV" in one
+    assert planner_constants._canonical({"f": lambda: 0}) is None   # code, not data

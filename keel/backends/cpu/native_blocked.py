@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from keel import native
-from keel.backends.cpu import native_gemm
+from keel.backends.cpu import native_gemm, native_qgemm
 
 __all__ = ["NCHWC", "NCHW_SIDES", "REGION_LAYOUTS", "BlockedCall", "Sides", "available",
            "pack_filters", "prepare", "to_blocked", "to_nchw"]
@@ -30,7 +30,9 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGS = struct.Struct("<13q2d")
 _X = 8                  # where X's address sits in it
 _OUT = (9, 11)          # and Y's and the residual's
-_CLIP, _X_BLOCKED, _Y_BLOCKED, _R_BLOCKED = 2, 4, 8, 16
+_CLIP, _X_BLOCKED, _Y_BLOCKED, _R_BLOCKED = 2, 4, 8, 16     # blocked.c's BLOCKED_* flags
+_FLAGS = {"BLOCKED_CLIP": _CLIP, "BLOCKED_X": _X_BLOCKED, "BLOCKED_Y": _Y_BLOCKED,
+          "BLOCKED_R": _R_BLOCKED}                          # checked by name at load
 _F4 = np.dtype(np.float32)
 LANES = 16              # output channels a block (one AVX-512 vector)
 NCHWC = "nchwc16"       # the blocked layout's name in a plan's layout
@@ -64,6 +66,8 @@ def _load(lib: native.NativeLibrary) -> _Functions | None:
     native_gemm.check_layout("keel_conv_blocked_args", _ARGS, _X, "X",
                              size("keel_conv_blocked_args_size"),
                              size("keel_conv_blocked_args_x_offset"))
+    native_qgemm.check_enums(lib, "keel_conv_blocked_flags", _FLAGS, "native_blocked",
+                             native_gemm.ArgsLayoutError)
     if size("keel_conv_blocked_lanes_f32") != LANES:
         return None                              # not an AVX-512 build
     return _Functions(

@@ -2247,7 +2247,8 @@ def state() -> tuple[Any, ...]:
     """The kernel tiers loaded here, whether choices keep batch invariance, the thread
     costs the least work a thread comes from and the planner's constants
     (:mod:`keel.backends.planner_constants`): every plan depends on them."""
-    return (native_gemm.available(), native_window.ready(), tier_unavailable("native"),
+    return (native_gemm.available(), native_window.ready(), native_blocked.available(),
+            tier_unavailable("native"),
             batch_invariant(), thread_costs.current().token, planner_constants.current())
 
 
@@ -2693,10 +2694,11 @@ def blocked_conv(geo: ConvGeometry, grid: Any = _HERE, vendor: Any = _HERE) -> b
     """Whether a float conv may run channel-blocked inside an NCHWc region: served by
     the blocked kernel (conv_gemm.blocked_serves), at least BLOCKED_MIN_CHANNELS input
     channels in whole blocks of 16, on an AVX-512 core of BLOCKED_VENDORS (defaults:
-    this machine's)."""
+    this machine's), where the blocked kernel (blocked.c) is loaded."""
     grid = _grid(grid)
     vendor = _this_vendor() if vendor is _HERE else vendor
     return (grid == _TILES["avx512"] and vendor in BLOCKED_VENDORS
+            and native_blocked.available()
             and geo.in_channels >= BLOCKED_MIN_CHANNELS
             and geo.in_channels % native_blocked.LANES == 0 and conv_gemm.blocked_serves(geo))
 
@@ -2715,6 +2717,8 @@ def blocked_parts(geo: ConvGeometry, threads: int) -> int:
     """Chunks of the blocked conv's units (bands of output rows, images after one
     another) on up to ``threads`` threads: the least flops of a split that wide each."""
     units = geo.batch * (geo.window.out_spatial[0] // conv_gemm.blocked_rows(geo))
+    if units == 0:                      # an empty batch: nothing to split
+        return 1
     return max(1, split_parts(LeastWork.FLOPS, threads, units, _blocked_flops(geo) // units))
 
 

@@ -33,6 +33,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "enums.h"
 #include "parallel.h"
 
 typedef struct {
@@ -52,6 +53,10 @@ typedef struct {
 #define BLOCKED_X 4              /* X is [n][c / 16][h][w][16] (else NCHW) */
 #define BLOCKED_Y 8              /* Y is [n][m / 16][h][w][16] */
 #define BLOCKED_R 16             /* R is [n][m / 16][h][w][16] */
+
+/* The flags by name, checked at load (keel.backends.cpu.native_blocked). */
+#define BLOCKED_FLAGS(X) X(BLOCKED_CLIP) X(BLOCKED_X) X(BLOCKED_Y) X(BLOCKED_R)
+KEEL_ENUM_EXPORT(keel_conv_blocked_flags, BLOCKED_FLAGS)
 
 int64_t keel_conv_blocked_args_size(void) { return (int64_t)sizeof(keel_conv_blocked_args); }
 int64_t keel_conv_blocked_args_x_offset(void)

@@ -2596,7 +2596,9 @@ MASKED_STRIDED_VENDORS = frozenset({"AMD"})
 # 3x3 stride 2 on 56x56 41.8 -> 32.5-33.4 ms, its 1x1 10.4-11.0 -> 7.9-8.4, the 128 -> 256
 # 1x1 6.9-7.4 -> 5.4-5.6 (12.8 MFLOP an image each); the 128 -> 256 3x3 (lanes tiles at
 # one image) 32.2-34.8 against 32.4-33.5, the 256 -> 512 ones 1.03-1.18x; ResNet-20's
-# stride-2 convs (2.4 MFLOP an image at most) 1.06-1.6x.
+# stride-2 convs (2.4 MFLOP an image at most) 1.06-1.6x. ResNet-18's stem at batch 32 by
+# image (each product streaming its output, output_streams) alone 0.972-0.977x, inside the
+# model 54.1-55.4 ms against 53.8-59.1 (within the noise): it keeps the gathered form.
 BY_IMAGE_MIN_FLOPS = 8_000_000
 # ... and, on more threads, whole images per thread (by_image_step). An image's product
 # split over the threads in tiles of rows (gemm_split's grid: rows as well as columns

@@ -8,15 +8,16 @@ the plan cache's source stamp, but a constant changed in a running process (a te
 ``monkeypatch``, a script comparing thresholds) does not: without this fingerprint in
 their keys, a model loaded after the change ran the plan made before it.
 
-The fingerprint is a SHA-256 over a canonical text of every UPPER_CASE global of the
-planner modules that is plain data (numbers, strings, enums, and tuples, lists, sets,
-dicts and dataclasses of them; functions and other objects printed by address are code,
-which the source stamp covers). Sets are written with their members sorted and enums by
-name, never by ``repr``: a set's ``repr`` follows the process's string hash seed, and
-the compiled-plan cache on disk must find the same key in every process. It is computed
-once and kept (:func:`current`); :func:`refresh` computes it again, once per model
-planned (``placement.place``) and per plan-cache lookup, so reading it on every op-level
-call costs one global read.
+The fingerprint is two checksums (zlib's CRC-32 and Adler-32) and the length of a
+canonical text of every UPPER_CASE global of the planner modules (numbers, strings, enums,
+and tuples, lists, sets, dicts and dataclasses of them; functions and other objects
+printed by address are code, which the source stamp covers, written as a placeholder).
+Sets are written with their members sorted and enums by name, never by ``repr``: a set's
+``repr`` follows the process's string hash seed, and the compiled-plan cache on disk must
+find the same key in every process. It is computed once and kept (:func:`current`);
+:func:`refresh` computes it again, once per model planned (``placement.place``) and per
+plan-cache lookup (about 0.4 ms on the 2-core Xeon: texts of values that cannot change
+in place are kept), so reading it on every op-level call costs one global read.
 
 The gpu and webgpu planners are not covered: they are imported only with their backends,
 and a key must not depend on what a process happened to import.
@@ -28,7 +29,7 @@ import dataclasses
 import enum
 import importlib
 import re
-from hashlib import sha256
+import zlib
 from typing import Any
 
 __all__ = ["current", "measure", "refresh"]
@@ -39,62 +40,81 @@ _CONSTANT = re.compile(r"^_?[A-Z][A-Z0-9_]*$")
 _CACHES = frozenset({"keel.backends.cpu.planner._PLANS"})   # kept plans, not their data
 _ADDRESS = " at 0x"                                          # how objects without data print
 
+_CODE = "<code>"                                             # such an object's text
+
 _kept: str | None = None
+# Texts of constants that cannot change in place (numbers, strings, enums, tuples and
+# frozen sets and dataclasses of them), kept with the value they were written from: a
+# fingerprint rewrites only those rebound since (a test's monkeypatch) and the mutable
+# ones (dicts, lists, sets), so a model's load does not pay for every constant's text.
+_TEXTS: dict[str, tuple[Any, str]] = {}
+# ... and of frozen dataclass records inside the mutable ones (RULES' ConvRules), by
+# identity, the record kept with its text so that its id is not reused.
+_RECORDS: dict[int, tuple[Any, str]] = {}
 
 
 def measure() -> str:
     """The fingerprint of the planner modules' constants as they are now."""
-    digest = sha256()
+    lines = []
     for name in PLANNER_MODULES:
         module = importlib.import_module(name)
         for key, value in sorted(vars(module).items()):
-            if not _CONSTANT.match(key) or f"{name}.{key}" in _CACHES:
-                continue
-            text = _canonical(value)
-            if text is not None:
-                digest.update(f"{name}.{key}={text}\n".encode())
-    return digest.hexdigest()
+            qualified = f"{name}.{key}"
+            if _CONSTANT.match(key) and qualified not in _CACHES:
+                lines.append(f"{qualified}={_text(qualified, value)}\n")
+    data = "".join(lines).encode()
+    # two checksums and the length (zlib: hashlib's OpenSSL is not loaded for a .keel run)
+    return f"{zlib.crc32(data):08x}{zlib.adler32(data):08x}{len(data):x}"
 
 
-def _canonical(value: Any) -> str | None:
-    """``value`` as text the same in every process (None: not plain data)."""
+def _text(qualified: str, value: Any) -> str:
+    kept = _TEXTS.get(qualified)
+    if kept is not None and kept[0] is value:
+        return kept[1]
+    text = _canonical(value)
+    if _frozen(value):
+        _TEXTS[qualified] = (value, text)
+    return text
+
+
+def _canonical(value: Any) -> str:
+    """``value`` as text the same in every process: sets sorted, enums by name; an object
+    printed by address (a function: code, which the source stamp covers) as _CODE."""
     if isinstance(value, enum.Enum):
         return f"{type(value).__qualname__}.{value.name}"
     if isinstance(value, (set, frozenset)):
-        return _joined("set", value, ordered=True)
+        return "set(" + ",".join(sorted(_canonical(m) for m in value)) + ")"
     if isinstance(value, (tuple, list)):
-        return _joined(type(value).__name__, value, ordered=False)
+        return f"{type(value).__name__}(" + ",".join(_canonical(m) for m in value) + ")"
     if isinstance(value, dict):
-        keys = _texts(value.keys())
-        values = _texts(value.values())
-        if keys is None or values is None:
-            return None
-        pairs = sorted(zip(keys, values, strict=True))
+        pairs = sorted((_canonical(k), _canonical(v)) for k, v in value.items())
         return "dict{" + ",".join(f"{k}:{v}" for k, v in pairs) + "}"
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        kept = _RECORDS.get(id(value))
+        if kept is not None and kept[0] is value:
+            return kept[1]
         fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-        inner = _canonical(fields)
-        return None if inner is None else f"{type(value).__qualname__}{inner}"
+        text = f"{type(value).__qualname__}{_canonical(fields)}"
+        if _frozen(value):
+            _RECORDS[id(value)] = (value, text)
+        return text
+    if callable(value) and not isinstance(value, type):
+        return _CODE                    # a function, builtin or not
     text = repr(value)
-    return None if _ADDRESS in text else text
+    return _CODE if _ADDRESS in text else text
 
 
-def _texts(members: Any) -> list[str] | None:
-    """Each member's canonical text (None where one is not plain data)."""
-    texts: list[str] = []
-    for member in members:
-        text = _canonical(member)
-        if text is None:
-            return None
-        texts.append(text)
-    return texts
-
-
-def _joined(kind: str, members: Any, ordered: bool) -> str | None:
-    texts = _texts(members)
-    if texts is None:
-        return None
-    return f"{kind}(" + ",".join(sorted(texts) if ordered else texts) + ")"
+def _frozen(value: Any) -> bool:
+    """Whether ``value`` cannot change in place (so its text can be kept with it)."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes, enum.Enum)):
+        return True
+    if isinstance(value, (tuple, frozenset)):
+        return all(_frozen(m) for m in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        params = getattr(value, "__dataclass_params__", None)
+        return bool(getattr(params, "frozen", False)) and all(
+            _frozen(getattr(value, f.name)) for f in dataclasses.fields(value))
+    return callable(value)              # code: its text is _CODE whatever it does
 
 
 def current() -> str:

@@ -194,7 +194,8 @@ class CpuBackend(Backend):
         from keel.backends.cpu import planner
 
         return {**planner.int8_layouts(graph, types, variants, self.threads),
-                **planner.float_layouts(graph, types, variants, self.threads)}
+                **planner.float_layouts(graph, types, variants, self.threads,
+                                        self._hardware)}
 
     def _planner_state(self) -> Any:
         from keel.backends.cpu import planner

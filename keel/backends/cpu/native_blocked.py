@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from keel import native
-from keel.backends.cpu import native_gemm, native_qgemm
+from keel.backends.cpu import native_gemm
 
 __all__ = ["NCHWC", "NCHW_SIDES", "REGION_LAYOUTS", "BlockedCall", "Sides", "available",
            "pack_filters", "prepare", "to_blocked", "to_nchw"]
@@ -66,8 +66,7 @@ def _load(lib: native.NativeLibrary) -> _Functions | None:
     native_gemm.check_layout("keel_conv_blocked_args", _ARGS, _X, "X",
                              size("keel_conv_blocked_args_size"),
                              size("keel_conv_blocked_args_x_offset"))
-    native_qgemm.check_enums(lib, "keel_conv_blocked_flags", _FLAGS, "native_blocked",
-                             native_gemm.ArgsLayoutError)
+    native_gemm.check_enums(lib, "keel_conv_blocked_flags", _FLAGS, "native_blocked")
     if size("keel_conv_blocked_lanes_f32") != LANES:
         return None                              # not an AVX-512 build
     return _Functions(
@@ -134,10 +133,10 @@ def _scratch(floats: int) -> int:
 
 
 class BlockedCall:
-    """One prepared blocked conv. X is read where it lies (C-contiguous NCHW), so
-    :meth:`with_x` rebinds the call to another X of the same shape; ``parts`` gives the
-    chunks of its units (bands of output rows) on a number of threads (the planner's
-    split)."""
+    """One prepared blocked conv. X is read where it lies (C-contiguous, NCHW or blocked
+    as its layout says), so :meth:`with_x` rebinds the call to another X of the same
+    shape; ``parts`` gives the chunks of its units (bands of output rows) on a number of
+    threads (the planner's split)."""
 
     __slots__ = ("args", "f", "keep", "parts", "units", "values", "x_shape")
 

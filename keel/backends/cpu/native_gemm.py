@@ -74,7 +74,7 @@ import functools
 import mmap
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -191,6 +191,21 @@ def check_layout(name: str, packer: struct.Struct, field: int, what: str, size: 
             f"the C struct {name} is {size} bytes with {what}'s address at byte {offset}; "
             f"keel packs {packer.format!r} ({packer.size} bytes) with it at byte "
             f"{8 * field}: change both sides together")
+
+
+def check_enums(lib: native.NativeLibrary, function: str, want: Mapping[str, int],
+                module: str, error: type[Exception] = ArgsLayoutError) -> None:
+    """Fail at load, before any call, where the C enum values ``function`` reports (its
+    ``_names`` companion names them: enums.h's KEEL_ENUM_EXPORT) are not ``want``, those
+    ``module`` builds its arrays with."""
+    values = np.zeros(len(want) + 1, dtype=np.int64)
+    count = int(lib.function(function, [ctypes.c_void_p, ctypes.c_int64], ctypes.c_int64)(
+        values.ctypes.data, len(values)))
+    names = lib.function(f"{function}_names", [], ctypes.c_char_p)().decode().split()
+    got = dict(zip(names, values[:count].tolist(), strict=False))
+    if count != len(names) or got != dict(want):
+        raise error(f"{function} reports {got}; {module} builds its arrays with "
+                    f"{dict(want)}: change both sides together")
 
 
 def address(a: np.ndarray) -> int:

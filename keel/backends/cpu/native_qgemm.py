@@ -31,6 +31,7 @@ from typing import Any, TypeVar, cast
 import numpy as np
 
 from keel import native
+from keel.backends.cpu import native_gemm
 from keel.backends.cpu.native_gemm import planner_rules
 from keel.dtypes import DType
 from keel.errors import InvalidArgumentError, KeelError
@@ -130,18 +131,9 @@ def _layout() -> dict[str, int]:
 
 
 def check_enums(lib: native.NativeLibrary, function: str, want: Mapping[str, int],
-                module: str, error: type[Exception] | None = None) -> None:
-    """Fail at load, before any call, where the C enum values ``function`` reports (its
-    ``_names`` companion names them) are not ``want``, those ``module`` builds its arrays
-    with (``error``, by default :class:`Int8SizesError`)."""
-    values = np.zeros(len(want) + 1, dtype=np.int64)
-    count = int(lib.function(function, [_P, _I], _I)(_ptr(values), len(values)))
-    names = lib.function(f"{function}_names", [], ctypes.c_char_p)().decode().split()
-    got = dict(zip(names, values[:count].tolist(), strict=False))
-    if count != len(names) or got != dict(want):
-        raise (error or Int8SizesError)(
-            f"{function} reports {got}; {module} builds its arrays with {dict(want)}: "
-            "change both sides together")
+                module: str) -> None:
+    """native_gemm.check_enums, failing with :class:`Int8SizesError`."""
+    native_gemm.check_enums(lib, function, want, module, Int8SizesError)
 
 
 def check_layout(lib: native.NativeLibrary) -> None:

@@ -1016,8 +1016,8 @@ FLOAT_LAYOUT_THREADS_REASON = ("{threads} kernel thread(s): the backend's thread
 
 
 def float_layouts(graph: Any, types: Mapping[str, TensorType | None],
-                  variants: Sequence[str | None], threads: int | None = None
-                  ) -> dict[int, LayoutDecision]:
+                  variants: Sequence[str | None], threads: int | None = None,
+                  profile: Any = None) -> dict[int, LayoutDecision]:
     """The float NCHWc regions: {node index: LayoutDecision} with layout
     ``"nchw->nchwc16"``, ``"nchwc16->nchwc16"``, ``"nchwc16->nchw"`` (or ``"nchw->nchw"``
     for a conv reading only its residual blocked) and the option ``residual_layout``.
@@ -1029,9 +1029,11 @@ def float_layouts(graph: Any, types: Mapping[str, TensorType | None],
     X or as its residual; anything else (a strided or 1x1 conv, a pool, a graph output,
     a conv of fewer than 16 or not a multiple of 16 channels) reads NCHW, so the conv
     writing it ends the region. The chains are found as the int8 pass's
-    (_chain_members)."""
+    (_chain_members). ``profile``: the hardware planned for (None: this machine), whose
+    tile grid and vendor blocked_conv reads."""
     nodes = graph.nodes
-    geos = [_blockable(n, types) if variants[i] == "native" else None
+    grid, vendor = tile_grid(profile), cpu_vendor(profile)
+    geos = [_blockable(n, types, grid, vendor) if variants[i] == "native" else None
             for i, n in enumerate(nodes)]
     kinds = [None if g is None else "conv" for g in geos]
     producer, readers = _links(nodes)
@@ -1056,7 +1058,8 @@ def float_layouts(graph: Any, types: Mapping[str, TensorType | None],
     return decided
 
 
-def _blockable(node: Any, types: Mapping[str, TensorType | None]) -> ConvGeometry | None:
+def _blockable(node: Any, types: Mapping[str, TensorType | None], grid: Grid,
+               vendor: str | None) -> ConvGeometry | None:
     """A float conv node's geometry where blocked_conv serves it; None otherwise."""
     if node.op is not Op.CONV or len(node.inputs) < 2:
         return None
@@ -1065,7 +1068,7 @@ def _blockable(node: Any, types: Mapping[str, TensorType | None]) -> ConvGeometr
         return None
     request = PlanRequest(node.op, (x, w), dict(node.attrs), None, None)
     geo = _static_geometry(request)
-    return geo if geo is not None and blocked_conv(geo) else None
+    return geo if geo is not None and blocked_conv(geo, grid, vendor) else None
 
 
 def _float_decision(n: Any, geo: ConvGeometry, blocked: set[str], leaves: str, size: int,
@@ -2247,8 +2250,7 @@ def state() -> tuple[Any, ...]:
     """The kernel tiers loaded here, whether choices keep batch invariance, the thread
     costs the least work a thread comes from and the planner's constants
     (:mod:`keel.backends.planner_constants`): every plan depends on them."""
-    return (native_gemm.available(), native_window.ready(), native_blocked.available(),
-            tier_unavailable("native"),
+    return (native_gemm.available(), native_window.ready(), tier_unavailable("native"),
             batch_invariant(), thread_costs.current().token, planner_constants.current())
 
 
@@ -2779,6 +2781,8 @@ def by_image_step(geo: ConvGeometry, threads: int, grid: Any = _HERE,
     win = geo.window
     pixels, depth = math.prod(win.out_spatial), geo.in_channels * math.prod(win.kernel)
     one = gemm_split(1, geo.out_channels, pixels, depth, threads, grid, sizes, (False, True))
+    if geo.batch < 2:
+        return 1, "an image a step: a batch of one image or none"
     if threads < 2 or one.parts < 2:
         return 1, "an image a step: one thread" + ("" if threads < 2 else f" ({one.reason})")
     if one.rows < 2:
@@ -2935,7 +2939,8 @@ def native_form(geo: ConvGeometry, grid: Any = _HERE, vendor: Any = _HERE
                         f"{BAND_MAX_DEPTH}, {pixels} output pixels >= {BAND_FROM}, strided")
     if _by_image_wins(geo, grid, vendor):
         return "gathered-images", (
-            f"gathered-images: image by image, each image's phase copy then its product, "
+            f"gathered-images: step by step (the chunk's images a step), each step's phase "
+            f"copy then its product, "
             f"which reads it from cache ({_image_flops(geo) / 1e6:.1f} MFLOP an image >= "
             f"BY_IMAGE_MIN_FLOPS {BY_IMAGE_MIN_FLOPS / 1e6:.0f}); not masked: a batch of "
             f"{geo.batch}, {_masked_waits_reason(vendor)} (MASKED_STRIDED_VENDORS)")

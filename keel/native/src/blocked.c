@@ -114,7 +114,7 @@ static const float ZEROS[18 * 16 + 16];
  * broadcast once and multiplied into the outputs q - 2 .. q as their taps kw = 2 .. 0,
  * so every output still sums its taps in the order kh, kw: 16 loads for 48
  * multiply-adds on a tile of 2 x 8 (a load of the filters and a broadcast for every tap
- * and pixel took 30). A tile at the row's left (right) end multiplies zeros for the
+ * and pixel took 30 loads for them). A tile at the row's left (right) end multiplies zeros for the
  * pixel before (after) the row, as a zero border would give, and reads nothing there:
  * X is read where it lies. */
 static inline __attribute__((always_inline)) void

@@ -144,7 +144,7 @@ def test_where_the_planner_takes_it(case: tuple[Any, ...], form: str) -> None:
     geo = conv_geometry(Op.CONV, *case)
     got, why = cpu_planner.native_form(geo, (8, 32), "Intel")
     assert got == form
-    assert ("image by image" in why and "BY_IMAGE_MIN_FLOPS" in why) is (form != "masked")
+    assert ("step by step" in why and "BY_IMAGE_MIN_FLOPS" in why) is (form != "masked")
     assert cpu_planner.native_form(geo, (8, 32), "AMD")[0] == "masked"
     one = conv_geometry(Op.CONV, (1, *case[0][1:]), *case[1:])
     assert cpu_planner.native_form(one, (8, 32), "Intel")[0] != "gathered-images"

@@ -516,6 +516,8 @@ def _with_layouts(graph: Graph, types: Mapping[str, TensorType | None],
                     plan = plan.with_field("threads", plan.threads, decided.threads_reason)
                 for option, value, why in decided.options:
                     plan = plan.with_option(option, value, why)
+                for field, value, why in decided.fields:
+                    plan = plan.with_field(field, value, why)
                 placed[i] = dataclasses.replace(p, plan=plan)
     return placed
 

@@ -160,6 +160,11 @@ def test_a_region_of_two_blocks() -> None:
     assert last.option("residual_layout") == "nchwc16"
     assert "channel-blocked" in last.reason("threads")
     assert "nchwc16->nchwc16" in str(model.explain())
+    # the blocked kernel's variant and scratch, not the NCHW form's it replaced: one
+    # register tile's sums (2 blocks of 16 channels x 16 pixels) on each of 2 threads
+    assert "blocked.c" in first.reason("variant")
+    assert first.workspace_bytes == 2 * 4 * (2 * 16 * 1 * 16)
+    assert "2 thread(s)" in first.reason("workspace_bytes")
     _check_results(blob)
 
 

@@ -1094,7 +1094,21 @@ def _float_decision(n: Any, geo: ConvGeometry, blocked: set[str], leaves: str, s
     return LayoutDecision(
         layout, f"{why}; {split}" if split else why,
         FLOAT_LAYOUT_THREADS_REASON.format(threads=threads, layout=layout, split=split)
-        if split else "", options)
+        if split else "", options, _blocked_fields(geo, threads or 1))
+
+
+def _blocked_fields(geo: ConvGeometry, threads: int) -> tuple[tuple[str, Any, str], ...]:
+    """A region conv's variant and scratch as the blocked kernel runs it (its plan was
+    made for the NCHW form it replaces)."""
+    tile, rows = blocked_oc_tile(geo.out_channels), conv_gemm.blocked_rows(geo)
+    width, parts = geo.window.out_spatial[1], blocked_parts(geo, threads)
+    floats = tile * native_blocked.LANES * rows * width
+    return (("variant", "native",
+             "native: the channel-blocked direct 3x3 conv (blocked.c), X read where it "
+             "lies, inside a float NCHWc region (the layout says why)"),
+            ("workspace_bytes", 4 * floats * parts,
+             f"a thread's sums of one register tile's band ({tile} x 16 channels x {rows} "
+             f"row(s) x {width} pixels) on each of {parts} thread(s); X is read in place"))
 
 
 def _leaves(nodes: Sequence[Any], name: str, readers: Mapping[str, list[int]],

@@ -11,7 +11,7 @@ import warnings
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import GraphProto, TensorProto, helper, numpy_helper
 
 from keel.backends.cpu import fastmath
 from keel.errors import InvalidArgumentError
@@ -20,6 +20,12 @@ from keel.execution.model import Model, load_model
 
 HEADS, DIM, PAST, VOCAB = 2, 8, 5, 11
 WIDTH = HEADS * DIM
+
+
+def _serialized(graph: GraphProto) -> bytes:
+    """``graph`` as an opset-17 model's bytes."""
+    return bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]
+                                   ).SerializeToString())
 
 
 def _const(name: str, value: np.ndarray) -> TensorProto:
@@ -266,8 +272,7 @@ def conv_pool_head() -> bytes:
          n("GlobalAveragePool", ["r"], ["p"]), n("Flatten", ["p"], ["y"])], "head",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8, 7, 7])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [_const("w", HEAD_W)])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]
-                             ).SerializeToString()
+    return _serialized(graph)
 
 
 def test_a_bound_global_average_pool_computes_what_its_kernel_does() -> None:
@@ -302,8 +307,7 @@ def small_cnn() -> bytes:
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 16, 16])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
         [_const("w", CONV_W), _const("b", CONV_B), _const("w2", CONV2_W)])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]
-                             ).SerializeToString()
+    return _serialized(graph)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -348,8 +352,7 @@ def lookup_model() -> bytes:
         "lookup", [helper.make_tensor_value_info("ids", TensorProto.INT64, [3])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, WIDTH])],
         [_const("table", table)])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]
-                             ).SerializeToString()
+    return _serialized(graph)
 
 
 def test_a_failing_step_of_a_direct_run_names_its_node_and_leaves_nothing_behind() -> None:
@@ -379,8 +382,7 @@ def linear_norm(rows: int, width: int = 256) -> bytes:
          _const("b", rng.standard_normal(width).astype(np.float32)),
          _const("g", rng.standard_normal(width).astype(np.float32)),
          _const("beta", rng.standard_normal(width).astype(np.float32))])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]
-                             ).SerializeToString()
+    return _serialized(graph)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -436,8 +438,7 @@ def linear_gelu(rows: int, width: int = 64, hidden: int = 256) -> bytes:
          _const("root2", np.array([math.sqrt(2.0)], np.float32)),
          _const("one", np.array([1.0], np.float32)),
          _const("halfc", np.array([0.5], np.float32))])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]
-                             ).SerializeToString()
+    return _serialized(graph)
 
 
 @pytest.mark.parametrize("rows", [1, 32])
@@ -487,8 +488,7 @@ def conv_residual(side: int, channels: int = 16) -> bytes:
         [_const("w", (rng.standard_normal((channels, channels, 3, 3)) / 12
                       ).astype(np.float32)),
          _const("b", rng.standard_normal(channels).astype(np.float32))])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]
-                             ).SerializeToString()
+    return _serialized(graph)
 
 
 @pytest.mark.parametrize("side", [32, 64])

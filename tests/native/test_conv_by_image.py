@@ -256,7 +256,7 @@ def test_planned_steps_give_the_same_bits_on_every_thread_count(case: tuple[Any,
     geo = conv_geometry(Op.CONV, x_shape, w_shape, attrs)
     results, steps = [], set()
     for threads in (1, 2, 3, 16):
-        step = cpu_planner.by_image_step(geo, threads, (8, 32))[0]
+        step = cpu_planner.by_image_step(geo, threads, (8, 32), L2_2MIB)[0]
         steps.add(step)
         results.append(_by_steps(step)(x, w, b, z, attrs, threads))
     assert len(steps) > 1                       # the thread counts ran different steps
@@ -264,6 +264,21 @@ def test_planned_steps_give_the_same_bits_on_every_thread_count(case: tuple[Any,
         assert np.array_equal(got, results[0])
     np.testing.assert_allclose(results[0], reference([x, w, b], attrs) + z, rtol=1e-4,
                                atol=1e-4)
+
+
+# The caches these tests plan for (the steps depend on an image's phase copy fitting
+# BY_IMAGE_L2_SHARE of the L2): a 2 MiB L2, whatever this machine's.
+L2_2MIB = cpu_planner.Caches(l2=2 << 20, llc=32 << 20, source="a 2 MiB L2 (the test's)")
+
+
+def test_an_image_over_the_l2_share_keeps_one_image_a_step() -> None:
+    """ResNet-18's 64 -> 128 3x3 conv (an 841 KiB phase copy an image) on 16 threads: whole
+    images per thread with a 2 MiB L2, one image a step with a 1 MiB one."""
+    geo = conv_geometry(Op.CONV, *RESNET_S2[0])
+    assert cpu_planner.by_image_step(geo, 16, (8, 32), L2_2MIB)[0] == 16
+    small = cpu_planner.Caches(l2=1 << 20, llc=32 << 20, source="a 1 MiB L2 (the test's)")
+    step, why = cpu_planner.by_image_step(geo, 16, (8, 32), small)
+    assert step == 1 and "BY_IMAGE_L2_SHARE" in why
 
 
 @pytest.mark.parametrize("case", RESNET_S2[:3])
@@ -275,29 +290,31 @@ def test_whole_images_per_thread_where_an_image_would_split_its_rows(
     geo = conv_geometry(Op.CONV, *case)
     pixels = geo.window.out_spatial[0] * geo.window.out_spatial[1]
     depth = geo.in_channels * geo.window.kernel[0] * geo.window.kernel[1]
-    assert cpu_planner.by_image_step(geo, 1, (8, 32))[0] == 1
+    assert cpu_planner.by_image_step(geo, 1, (8, 32), L2_2MIB)[0] == 1
     for threads in (2, 3, 4, 16):
         one, stacked = (cpu_planner.gemm_split(1, geo.out_channels, k * pixels, depth,
-                                               threads, (8, 32), raw=(False, True))
+                                               threads, (8, 32), L2_2MIB, raw=(False, True))
                         for k in (1, threads))
-        step, why = cpu_planner.by_image_step(geo, threads, (8, 32))
+        step, why = cpu_planner.by_image_step(geo, threads, (8, 32), L2_2MIB)
         assert step == (threads if one.rows > 1 and stacked.rows < one.rows else 1)
         assert ("whole images per thread" in why) is (step > 1)
-    assert cpu_planner.by_image_step(geo, 2, (8, 32))[0] == 1       # ResNet-18 on two
-    assert cpu_planner.by_image_step(geo, 16, (8, 32))[0] == 16
+    assert cpu_planner.by_image_step(geo, 2, (8, 32), L2_2MIB)[0] == 1       # ResNet-18 on two
+    assert cpu_planner.by_image_step(geo, 16, (8, 32), L2_2MIB)[0] == 16
     few = conv_geometry(Op.CONV, (5, *case[0][1:]), *case[1:])
-    assert cpu_planner.by_image_step(few, 16, (8, 32))[0] in (1, 5)  # never past the batch
+    assert cpu_planner.by_image_step(few, 16, (8, 32), L2_2MIB)[0] in (1, 5)  # never past the batch
 
 
 def test_the_plan_states_the_step() -> None:
     """The node's plan carries the step as its chunk, with the reason, for its threads,
     and the split it states is the stacked product's."""
     geo = conv_geometry(Op.CONV, *RESNET_S2[0])
-    form = cpu_planner.conv_form("native", geo, 4, (8, 32), threads=16, vendor="Intel")
+    form = cpu_planner.conv_form("native", geo, 4, (8, 32), L2_2MIB, threads=16,
+                                 vendor="Intel")
     assert form.layout == "gathered-images" and form.chunk == 16
     assert "whole images per thread" in form.chunk_reason
     splits = cpu_planner.conv_splits("native", form.layout, form.chunk, geo, 16, (8, 32),
-                                     vendor="Intel")
+                                     L2_2MIB, vendor="Intel")
     assert "1x16 tiles" in splits[-1].name and splits[0].units == 16 * geo.in_channels
-    two = cpu_planner.conv_form("native", geo, 4, (8, 32), threads=2, vendor="Intel")
+    two = cpu_planner.conv_form("native", geo, 4, (8, 32), L2_2MIB, threads=2,
+                                vendor="Intel")
     assert two.chunk == 1 and "by columns" in two.chunk_reason

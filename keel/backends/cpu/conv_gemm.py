@@ -868,17 +868,12 @@ def _kept(calls: dict[Any, Any], key: Any, entry: Any) -> None:
     calls[key] = entry
 
 
-def _same(z: Any, y: Any) -> bool:
-    """``z`` is ``y``'s memory read the same way (the kernel then adds to what Y holds)."""
-    return z is y or (z.strides == y.strides and native_gemm.address(z) == native_gemm.address(y))
-
-
 def residual_in_place(z: Any, y: Any) -> bool:
     """Whether prepared calls read Z where it lies, and so see each run's values; False
     where :func:`_native_residual` adds a copy made when they are prepared (Z shares
     Y's memory without being Y, is not float32 or not C-contiguous): such calls are
     not kept."""
-    if z is None or _same(z, y):
+    if z is None or native_gemm.same_memory(z, y):
         return True
     return z.dtype == np.float32 and z.flags.c_contiguous and not np.may_share_memory(z, y)
 
@@ -932,7 +927,7 @@ def _native_images(layout: NativeLayout, x: Any, filters: Any, z: Any, y: Any,
     written)."""
     if x.shape[0] != layout.images or not x.flags.c_contiguous or np.may_share_memory(x, y):
         return False                     # image i's Y could overwrite a later image's X
-    if z is not None and not _same(z, y) and np.may_share_memory(z, y):
+    if z is not None and not native_gemm.same_memory(z, y) and np.may_share_memory(z, y):
         return False                     # ... or a later image's Z
     image = workspace.filled(np, ("native_phases", layout), phase_image_shape(layout),
                              x.dtype, 0.0)
@@ -1211,8 +1206,7 @@ def _band_calls(layout: NativeLayout, source: Any, x: Any, filters: Any, z: Any,
 def _blocked_calls(layout: NativeLayout, source: Any, x: Any, filters: Any, z: Any, y: Any,
                    act: Activation) -> list[native_blocked.BlockedCall] | None:
     """The kernel call of the blocked form (X read where it lies); None when not served."""
-    if source is not x or (z is not None and not _same(z, y) and (
-            z.dtype != np.float32 or not z.flags.c_contiguous or np.may_share_memory(z, y))):
+    if source is not x or not residual_in_place(z, y):
         return None
     rules = native_gemm.planner_rules()
     geo = layout.geo
@@ -1240,7 +1234,7 @@ def _native_residual(z: Any, y: Any, n: int, m: int, p: int) -> tuple[Any, bool]
     (the kernel then adds to what Y holds)."""
     if z is None:
         return None, False
-    if _same(z, y):
+    if native_gemm.same_memory(z, y):
         return None, True
     if np.may_share_memory(z, y) or z.dtype != np.float32:
         z = np.array(z, dtype=np.float32)

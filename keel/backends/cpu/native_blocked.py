@@ -165,14 +165,11 @@ class BlockedCall:
         """``run(threads)`` as a callable with no arguments."""
         parts = self.parts(threads)
         if parts > 1:
-            split = functools.partial(native_gemm.checked, self.f.mt, self.args, self.units,
-                                      parts)
-            split.keep = self                   # type: ignore[attr-defined]
-            return split
+            return native_gemm.holding(functools.partial(
+                native_gemm.checked, self.f.mt, self.args, self.units, parts), self)
         once = functools.partial(self.f.serial, self.args,
                                  _scratch(int(self.f.work(self.args))), 0, self.units)
-        once.keep = (self, _local.scratch)      # type: ignore[attr-defined]
-        return once
+        return native_gemm.holding(once, self, _local.scratch)
 
     def run(self, threads: int) -> None:
         """Compute, the units split over up to ``threads`` threads."""
@@ -200,8 +197,8 @@ def prepare(x: np.ndarray, filters: np.ndarray, y: np.ndarray, oc_tile: int, row
             or c < 1 or m % (LANES * oc_tile) or h % rows or rows * w % LANES or w % 8
             or oc_tile not in (1, 2) or (sides.x and c % LANES)):
         return None
-    in_place = (residual is not None and residual.strides == y.strides
-                and native.address(residual) == native.address(y) and sides.residual == sides.y)
+    in_place = (residual is not None and native_gemm.same_memory(residual, y)
+                and sides.residual == sides.y)
     if not native_gemm.conv_epilogue_served(y, bias, None if in_place else residual):
         return None
     lo, hi = clip if clip is not None else (0.0, 0.0)

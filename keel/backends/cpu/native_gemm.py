@@ -84,8 +84,9 @@ import numpy as np
 
 from keel import native
 
-__all__ = ["BandCall", "Call", "Packed", "Rows", "address", "available", "check_layout",
-           "checked", "conv_epilogue_served", "gemm", "geometry", "moved_addresses", "pack",
+__all__ = ["BandCall", "Call", "Packed", "Rows", "address", "available", "check_enums",
+           "check_layout", "checked", "conv_epilogue_served", "gemm", "geometry", "holding",
+           "moved_addresses", "same_memory", "pack",
            "pack_batch", "planner_rules", "prepare", "prepare_band", "strides_of"]
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
@@ -206,6 +207,11 @@ def check_enums(lib: native.NativeLibrary, function: str, want: Mapping[str, int
     if count != len(names) or got != dict(want):
         raise error(f"{function} reports {got}; {module} builds its arrays with "
                     f"{dict(want)}: change both sides together")
+
+
+def same_memory(z: Any, y: Any) -> bool:
+    """``z`` is ``y``'s memory read the same way (a kernel then adds to what Y holds)."""
+    return z is y or (z.strides == y.strides and address(z) == address(y))
 
 
 def address(a: np.ndarray) -> int:
@@ -560,10 +566,10 @@ class Call:
         f = self.f
         split = self._split(threads)
         if split is not None:
-            return _holding(functools.partial(checked, *split), self)
+            return holding(functools.partial(checked, *split), self)
         once = functools.partial(f.gemm, self.args, _work(f), 0, 0,
                                  self.batch * -(-self.n // f.nr))
-        return _holding(once, self, _local.work)
+        return holding(once, self, _local.work)
 
     def run(self, threads: int, panel_major: bool = False) -> None:
         """Compute, split over up to ``threads`` threads when the product is big enough.
@@ -606,7 +612,7 @@ def moved_addresses(values: tuple[Any, ...], fields: tuple[int, ...], lo: int, h
     return tuple(moved)
 
 
-def _holding(bound: functools.partial[Any], *owners: object) -> functools.partial[Any]:
+def holding(bound: functools.partial[Any], *owners: object) -> functools.partial[Any]:
     """``bound`` keeping ``owners`` alive: its arguments are raw addresses, and the
     call's ``keep`` is the only owner of arrays made when it was prepared (a scalar
     bias broadcast to a row, a copied residual), whoever else drops the call."""
@@ -777,10 +783,10 @@ class BandCall:
         """``run(threads)`` as a callable with no arguments (see :meth:`Call.bound`)."""
         f, parts = self.f, self._parts(threads)
         if parts > 1:
-            return _holding(functools.partial(checked, f.band_mt, self.args, self.units,
+            return holding(functools.partial(checked, f.band_mt, self.args, self.units,
                                               parts), self)
         once = functools.partial(f.band, self.args, _work(f), 0, self.units)
-        return _holding(once, self, _local.work)
+        return holding(once, self, _local.work)
 
     def run(self, threads: int) -> None:
         """Compute, the bands split over up to ``threads`` threads."""

@@ -1121,7 +1121,9 @@ def _leaves(nodes: Sequence[Any], name: str, readers: Mapping[str, list[int]],
         if not reads_blocked(r, name):
             node = nodes[r]
             why = ("not a blockable conv (blocked_conv: 3x3 stride 1 padded by one, 16 or "
-                   "more input channels in whole blocks of 16, on the native variant)"
+                   "more input channels and output channels in whole blocks of 16, output "
+                   "rows of whole 8-pixel tiles, an AVX-512 core of BLOCKED_VENDORS, on the "
+                   "native variant)"
                    if node.op is Op.CONV else "not a conv")
             return f"{name} is read by {node.name} ({node.op.value}: {why}), which reads NCHW"
     return f"{name} has no reader"
@@ -1884,7 +1886,8 @@ STREAM_BYTES = 2 * 2**20
 # 256x256x1024 873 -> 857. With each product's weights left in L2 (the call run twice)
 # it still gains (32x784x512 174 -> 160, 32x256x1024 106 -> 98, 32x512x256 47 -> 47); 25
 # minutes later, the shared L3 faster, the six took 0.94x (from L3) and 0.98x (in L2). So
-# the rule does not depend on the cache sizes: every packed B fetches. 512 B to 2 KiB
+# on that machine the rule does not depend on the cache sizes, and every packed B fetches
+# (one machine's measurement, applied to every machine: not measured elsewhere). 512 B to 2 KiB
 # ahead gave the same times, 3 KiB 1.05x and 4 or 8 KiB 1.10x the 2 KiB time; fetching in
 # every row panel, not only the first, 1.01x the first alone. What the cache sizes
 # would decide instead, the order of the loops, was measured too: depth blocks of 128
@@ -1907,8 +1910,9 @@ def fetch_note() -> str:
         return "packed weights: none (no native tier here) (fetch_rows)"
     return (f"packed weights: the first row panel of each column panel fetches B's rows "
             f"{FETCH_AHEAD_BYTES} bytes ahead (the hardware's prefetchers stop at every "
-            "4 KiB page), for B in L2 and beyond alike: measured, it gained in both "
-            "(fetch_rows, FETCH_AHEAD_BYTES)")
+            "4 KiB page), for B in L2 and beyond alike: measured on a 2-core Intel Xeon, "
+            "it gained in both; not measured on other machines (fetch_rows, "
+            "FETCH_AHEAD_BYTES)")
 
 
 # A conv's product on gathered taps is flagged to stream (KEEL_STREAM) also where it
@@ -2222,9 +2226,11 @@ _PLANS_LIMIT = 1024
 
 
 def forget() -> None:
-    """Drop the plans kept by request: for code that changes the planner's data (tests
-    that lower a threshold), so no plan made under other data is reused."""
+    """Drop the plans kept by request and take the planner's constants again: for code
+    that changes the planner's data (tests that lower a threshold), so no plan made
+    under other data is reused, the op-level path's included."""
     _PLANS.clear()
+    planner_constants.refresh()
 
 
 def plan(request: PlanRequest, table: KernelTable) -> NodePlan:
@@ -2734,15 +2740,16 @@ def blocked_oc_tile(out_channels: int) -> int:
 def blocked_parts(geo: ConvGeometry, threads: int) -> int:
     """Chunks of the blocked conv's units (bands of output rows, images after one
     another) on up to ``threads`` threads: the least flops of a split that wide each."""
-    units = geo.batch * (geo.window.out_spatial[0] // conv_gemm.blocked_rows(geo))
+    units = _blocked_units(geo)
     if units == 0:                      # an empty batch: nothing to split
         return 1
-    return max(1, split_parts(LeastWork.FLOPS, threads, units, _blocked_flops(geo) // units))
+    work = geo.batch * _image_flops(geo) // units
+    return max(1, split_parts(LeastWork.FLOPS, threads, units, work))
 
 
-def _blocked_flops(geo: ConvGeometry) -> int:
-    return 2 * geo.batch * geo.out_channels * math.prod(geo.window.out_spatial) * (
-        geo.in_channels * 9)
+def _blocked_units(geo: ConvGeometry) -> int:
+    """The blocked conv's units: bands of output rows, images after one another."""
+    return geo.batch * (geo.window.out_spatial[0] // conv_gemm.blocked_rows(geo))
 
 
 def stacks(batch: int, pixels: int, fill: float = STACK_FILL, grid: Any = _HERE) -> bool:
@@ -2822,7 +2829,8 @@ def by_image_step(geo: ConvGeometry, threads: int, grid: Any = _HERE,
                   f"tiles, each B panel packed by {one.rows} threads), {step} images' "
                   f"stacked in one split {stacked.rows}x{stacked.cols}; their phase copies "
                   f"({image >> 10} KiB an image) within {BY_IMAGE_L2_SHARE} of the "
-                  f"{sizes.l2 >> 10} KiB L2 (by_image_step)")
+                  f"{sizes.l2 >> 10} KiB L2 (by_image_step: derived from gemm_split's grid, "
+                  "not measured on more than two cores)")
 
 
 def _image_flops(geo: ConvGeometry) -> int:
@@ -3866,7 +3874,8 @@ def winograd_pass_lanes(c: int, m: int, tiles: int, vendor: Any = _HERE,
     return lanes, (f"{shape} {'in lanes tiles' if lanes else 'in 8 x 32 panels'}: "
                    f"{width}-column panels compute {computed / tiles:.2f}x them "
                    f"({'at least' if lanes else 'under'} LANES_PANEL_WASTE, "
-                   f"{LANES_PANEL_WASTE}x; measured on Intel's cores: the lanes tiles "
+                   f"{LANES_PANEL_WASTE}x, lanes_tiles' bound, not re-measured for the "
+                   "passes; measured on a 2-core Intel Xeon: the lanes tiles "
                    "1.07-1.25x faster on 36 and 49 tiles, tied on 98-100, panels 1.2-1.5x "
                    "faster without waste)"
                    + ("" if vendor == "Intel" else f"; {unmeasured_vendor(vendor)}"))
@@ -4178,9 +4187,9 @@ def _native_splits(geo: ConvGeometry, layout: str, threads: int, grid: Any,
     pixels, taps = math.prod(win.out_spatial), math.prod(win.kernel)
     cg, mg = geo.in_channels // g, geo.out_channels // g
     if layout in native_blocked.REGION_LAYOUTS and conv_gemm.blocked_serves(geo):
-        units = n * (win.out_spatial[0] // conv_gemm.blocked_rows(geo))
+        units = _blocked_units(geo)
         return (Split("bands of output rows", units, blocked_parts(geo, threads),
-                      _blocked_flops(geo), least_work(LeastWork.FLOPS, threads)),)
+                      n * _image_flops(geo), least_work(LeastWork.FLOPS, threads)),)
     band, copied, batch, columns, wide = _native_shape(geo, layout, step)
     if band:
         rows = native_gemm.band_rows(geo.in_channels, win.kernel, win.out_spatial) or 1

@@ -285,6 +285,16 @@ def test_the_pipeline_is_sized_to_the_l2_and_split_evenly() -> None:
             < cpu_planner.winograd_pipeline(32, 64, 64, (56, 56), 1, large).tiles)
 
 
+def test_an_empty_batch_runs_pass_by_pass_and_says_why() -> None:
+    """At batch 0 there are no tiles: the reason says so, not that a tile does not fit
+    the L2 (64 channels' tile of V fits any L2 here)."""
+    sizes = cpu_planner.Caches(2 << 20, 32 << 20, "test")
+    for threads in (1, 2):
+        pipe = cpu_planner.winograd_pipeline(0, 64, 64, (56, 56), threads, sizes)
+        assert pipe.tiles == 0 and "no tiles (an empty batch)" in pipe.reason
+        assert "does not fit" not in pipe.reason
+
+
 def test_blocks_are_whole_vectors_of_tiles_where_the_total_allows() -> None:
     """128 -> 128 on 28x28 (14 tiles a tile row) at batch 1: blocks of whole vectors of
     tiles, only the last one partial; on 16 threads its 196 tiles still split evenly

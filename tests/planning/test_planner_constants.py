@@ -97,3 +97,21 @@ def test_a_rebound_or_changed_constant_is_written_again(monkeypatch: pytest.Monk
     assert planner_constants.refresh() == first
     monkeypatch.setitem(planner.BLOCKS, "epilogue_block", 3)       # a dict, changed in place
     assert planner_constants.refresh() != first
+
+
+def _epilogue_blocks(model: Model) -> set[int]:
+    return {n.plan.option("epilogue_block") for n in model.plan.nodes
+            if n.plan is not None and n.plan.option("epilogue_block") is not None}
+
+
+def test_a_changed_block_size_reaches_the_next_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """BLOCKS is read for each plan (block_size keeps nothing): a model loaded after an
+    entry changed, and a call without a plan, block by the new size."""
+    model = mlp().SerializeToString()
+    sizes = planner.caches()
+    before = _epilogue_blocks(load_model(model, threads=1))
+    assert before == {planner.block_size("epilogue_block", sizes)}
+    monkeypatch.setitem(planner.BLOCKS, "epilogue_block", 2 * planner.BLOCKS["epilogue_block"])
+    after = _epilogue_blocks(load_model(model, threads=1))
+    assert after == {sizes.with_l2(planner.BLOCKS["epilogue_block"])} != before
+    assert planner.block(None, "epilogue_block") in after

@@ -2109,10 +2109,10 @@ def block(node_plan: NodePlan | None, name: str) -> int:
     return size if node_plan is None else int(node_plan.option(name, size))
 
 
-@functools.cache
 def block_size(name: str, sizes: Caches) -> int:
     """The block size ``name`` (see BLOCKS) for the caches of ``sizes``: the measured
-    size scaled to its L2 (the one rule for a plan's option and a call without one)."""
+    size scaled to its L2 (the one rule for a plan's option and a call without one).
+    Not kept: BLOCKS is read at each call, so a changed entry reaches the next plan."""
     return sizes.with_l2(BLOCKS[name])
 
 
@@ -3656,6 +3656,7 @@ def _winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], thr
                         max(1, gemm_threads(threads, flops)))
     if block < 1:
         return WinogradPipeline(0, 0, 0, 0, "pass by pass: " + (
+            "no tiles (an empty batch)" if tiles < 1 else
             f"a tile of V does not fit {PIPELINE_L2_SHARE:g} of the L2 "
             f"({sizes.l2 >> 10} KiB)" if most < 1 else
             f"{tiles} tile(s) for {threads} threads" if tiles < threads else

@@ -721,6 +721,16 @@ def test_argument_structs_agree_with_gemm_c() -> None:
     assert size("keel_conv_band_args_x_offset") == 8 * ng._BAND_X
 
 
+def test_the_flags_are_checked_by_name_at_load() -> None:
+    """gemm.c's flags, the fetch-ahead shift among them, are native_gemm's by name."""
+    lib = native.library("gemm")
+    assert lib is not None
+    ng.check_enums(lib, "keel_gemm_flags", ng._FLAGS, "native_gemm")
+    moved = {**ng._FLAGS, "KEEL_FETCH_SHIFT": ng._FETCH_SHIFT + 1}
+    with pytest.raises(ng.ArgsLayoutError, match=r"keel_gemm_flags.*KEEL_FETCH_SHIFT"):
+        ng.check_enums(lib, "keel_gemm_flags", moved, "native_gemm")
+
+
 def test_a_mismatched_argument_struct_fails_at_load() -> None:
     with pytest.raises(ng.ArgsLayoutError, match=r"keel_gemm_args is 216 bytes.*'<23q3d'"):
         ng.check_layout("keel_gemm_args", ng._ARGS, ng._C_FIELD, "C", 216, 104)

@@ -92,6 +92,10 @@ __all__ = ["BandCall", "Call", "Packed", "Rows", "address", "available", "check_
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ACCUMULATE, _CLIP, _STREAM, _DIRECT, _NT, _TALL, _LANES = 1, 2, 4, 8, 16, 32, 64
 _FETCH_SHIFT = 8        # flags >> 8: rows of a packed B fetched ahead (gemm.c's column_panel)
+# gemm.c's flags by name (its GEMM_FLAGS), checked at load (check_enums)
+_FLAGS = {"KEEL_ACCUMULATE": _ACCUMULATE, "KEEL_CLIP": _CLIP, "KEEL_STREAM": _STREAM,
+          "KEEL_DIRECT": _DIRECT, "KEEL_NT": _NT, "KEEL_TALL": _TALL, "KEEL_LANES": _LANES,
+          "KEEL_FETCH_SHIFT": _FETCH_SHIFT}
 # keel_gemm_args of gemm.c: 23 int64 fields then alpha, lo, hi as doubles. One
 # packed argument block costs ~0.3 us; 30 separate ctypes arguments cost ~3 us.
 _ARGS = struct.Struct("<23q3d")
@@ -148,6 +152,7 @@ def _load(lib: native.NativeLibrary) -> _Functions:
                   size("keel_gemm_args_size"), size("keel_gemm_args_c_offset"))
     check_layout("keel_conv_band_args", _BAND_ARGS, _BAND_X, "X",
                   size("keel_conv_band_args_size"), size("keel_conv_band_args_x_offset"))
+    check_enums(lib, "keel_gemm_flags", _FLAGS, "native_gemm")
     taps_from = size("keel_gemm_rows_first_taps_f32")
     if taps_from != planner_rules().ROWS_FIRST_TAPS_FROM:
         raise ArgsLayoutError(

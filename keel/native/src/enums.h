@@ -3,7 +3,7 @@
  * KEEL_ENUM_EXPORT(function, LIST), LIST an X-macro list of enum constants, defines
  * function(out, n), which writes at most n of their values and returns their count, and
  * function_names(), their names, each followed by a space. The Python side checks them
- * by name at load (keel.backends.cpu.native_qgemm.check_enums), so an order changed on
+ * by name at load (keel.backends.cpu.native_gemm.check_enums), so an order changed on
  * one side alone fails the load instead of reading the wrong slots.
  */
 #ifndef KEEL_ENUMS_H

@@ -42,6 +42,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "enums.h"
+
 #if defined(__AVX__) || defined(__SSE2__)
 #include <immintrin.h>
 #elif defined(__ARM_NEON)
@@ -1140,6 +1142,11 @@ static void row_panels_first(const problem *g, const epilogue *e, int64_t jc, in
  * 1615 (1.02 alone; inside the model, where X comes from memory, 1545-2040 -> 1544-1705
  * us). The whole model: 30.2 -> 27.5 ms (onnxruntime 22.4). */
 #define KEEL_DIRECT 8
+/* The flags by name, checked at load (keel.backends.cpu.native_gemm). */
+#define GEMM_FLAGS(X)                                                                 \
+    X(KEEL_ACCUMULATE) X(KEEL_CLIP) X(KEEL_STREAM) X(KEEL_DIRECT) X(KEEL_NT) X(KEEL_TALL) \
+    X(KEEL_LANES) X(KEEL_FETCH_SHIFT)
+KEEL_ENUM_EXPORT(keel_gemm_flags, GEMM_FLAGS)
 #define DIRECT_MAX_TAPS 64
 /* The residual's rows of the column panel DIRECT_RES_AHEAD panels on are fetched into
  * L2 (locality 1): one short run per row, a plane apart, which the hardware prefetcher

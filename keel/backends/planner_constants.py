@@ -15,9 +15,11 @@ printed by address are code, which the source stamp covers, written as a placeho
 Sets are written with their members sorted and enums by name, never by ``repr``: a set's
 ``repr`` follows the process's string hash seed, and the compiled-plan cache on disk must
 find the same key in every process. It is computed once and kept (:func:`current`);
-:func:`refresh` computes it again, once per model planned (``placement.place``) and per
-plan-cache lookup (about 0.4 ms on the 2-core Xeon: texts of values that cannot change
-in place are kept), so reading it on every op-level call costs one global read.
+:func:`refresh` computes it again (about 0.4 ms on the 2-core Xeon: texts of values that
+cannot change in place are kept) once per :func:`once` scope: a model's load (its
+plan-cache key and, on a miss, its placement) or a placement (``placement.place``, its
+If / Loop bodies' placements inside it). Reading it on every op-level call costs one
+global read.
 
 The gpu and webgpu planners are not covered: they are imported only with their backends,
 and a key must not depend on what a process happened to import.
@@ -25,14 +27,17 @@ and a key must not depend on what a process happened to import.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import importlib
 import re
+import threading
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["current", "measure", "refresh"]
+__all__ = ["current", "measure", "once", "refresh"]
 
 PLANNER_MODULES = ("keel.backends.plan", "keel.backends.cpu.planner",
                    "keel.backends.cpu.conv_rules")
@@ -125,9 +130,33 @@ def current() -> str:
     return _kept
 
 
+# This thread's once() scopes: how deep, and whether refresh() measured inside them.
+_scope = threading.local()
+
+
 def refresh() -> str:
     """Compute the fingerprint again and keep it: at the start of each model's planning,
-    so a constant changed since the last one gives fresh plans."""
+    so a constant changed since the last one gives fresh plans. Inside a :func:`once`
+    scope, only the first call measures; the others give what it kept."""
     global _kept
+    if getattr(_scope, "measured", False):
+        return current()
     _kept = measure()
+    _scope.measured = getattr(_scope, "depth", 0) > 0
     return _kept
+
+
+@contextlib.contextmanager
+def once() -> Iterator[None]:
+    """A scope in which :func:`refresh` measures the constants once (on this thread): the
+    steps of one load or placement see the same constants, so measuring them again
+    between its steps would cost 0.4 ms each for nothing. Scopes nest; the outermost
+    ends it."""
+    depth = getattr(_scope, "depth", 0)
+    _scope.depth = depth + 1
+    try:
+        yield
+    finally:
+        _scope.depth = depth
+        if depth == 0:
+            _scope.measured = False

@@ -41,6 +41,7 @@ import numpy as np
 from keel._files import check_path, safe_file_name
 from keel._fork import renew_after_fork, reset_after_fork
 from keel._gc import pausing
+from keel.backends import planner_constants
 from keel.backends.base import Backend, DeviceKind
 from keel.backends.gpu.io import as_device_array, is_device_array
 from keel.backends.registry import BackendRegistry, default_registry
@@ -188,6 +189,14 @@ def load_model(
     extra: dict[str, Any] = {"registry": registry, "hardware": hardware, "policy": policy,
                              "enable_profiling": enable_profiling}
     use_cache = env.plan_cache if plan_cache is None else bool(plan_cache)
+    with planner_constants.once():  # the cache key's constants are the placement's
+        return _loaded(src, options, extra, use_cache)
+
+
+def _loaded(src: Any, options: dict[str, Any], extra: dict[str, Any], use_cache: bool
+            ) -> Model:
+    """The model of ``src``: its compiled plan from the cache where ``use_cache`` finds
+    it, else read and planned (and stored)."""
     slot = _cache_lookup(src, options, extra) if use_cache else None
     if slot is not None and slot.found.compiled is not None:
         compiled = slot.found.compiled

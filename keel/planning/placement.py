@@ -92,6 +92,13 @@ def place(
     ``strict`` (default: ``KEEL_STRICT``) turns a fallback down the priority
     chain into an ``UnsupportedOperationError`` naming the node.
     """
+    with planner_constants.once():  # measured once for the graph and its subgraphs' plans
+        return _place(graph, types, registry, profile, policy, backend, precision, strict)
+
+
+def _place(graph: Graph, types: Mapping[str, TensorType | None], registry: BackendRegistry,
+           profile: Any, policy: Any, backend: str, precision: str, strict: bool | None
+           ) -> ExecutionPlan:
     if strict is None:
         from keel.config import settings
 

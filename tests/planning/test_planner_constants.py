@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from keel import config
@@ -115,3 +116,48 @@ def test_a_changed_block_size_reaches_the_next_plan(monkeypatch: pytest.MonkeyPa
     after = _epilogue_blocks(load_model(model, threads=1))
     assert after == {sizes.with_l2(planner.BLOCKS["epilogue_block"])} != before
     assert planner.block(None, "epilogue_block") in after
+
+
+def _if_model() -> bytes:
+    """y = If(c): x * 2 else -x, two bodies placed beside the graph."""
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])
+    two = helper.make_tensor("two", TensorProto.FLOAT, [1], [2.0])
+    then = helper.make_graph([helper.make_node("Mul", ["x", "two"], ["t"])], "then", [],
+                             [helper.make_tensor_value_info("t", TensorProto.FLOAT, [2])],
+                             [two])
+    other = helper.make_graph([helper.make_node("Neg", ["x"], ["n"])], "else", [],
+                              [helper.make_tensor_value_info("n", TensorProto.FLOAT, [2])])
+    graph = helper.make_graph(
+        [helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other)], "g",
+        [helper.make_tensor_value_info("c", TensorProto.BOOL, []), x],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    return bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+                 .SerializeToString())
+
+
+def test_a_load_measures_the_constants_once(monkeypatch: pytest.MonkeyPatch,
+                                            tmp_path: Path) -> None:
+    """A load that misses the compiled-plan cache measures the constants once, for its
+    key, its placement and its If bodies' placements; a new shape placed later, once."""
+    monkeypatch.setenv("KEEL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("KEEL_PLAN_CACHE", "on")
+    config.reload_settings()
+    measured = planner_constants.measure
+    calls: list[str] = []
+
+    def counted() -> str:
+        calls.append(measured())
+        return calls[-1]
+
+    monkeypatch.setattr(planner_constants, "measure", counted)
+    path = tmp_path / "if.onnx"
+    path.write_bytes(_if_model())
+    model = load_model(path)
+    assert any(r.startswith("subgraphs: 2 planned") for r in model.plan.reasons)
+    assert len(calls) == 1
+    model.predict({"c": np.array(True), "x": np.ones((2,), np.float32)})
+    assert len(calls) == 1
+    planner.forget()                                        # an explicit refresh measures
+    assert len(calls) == 2

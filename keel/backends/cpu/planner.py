@@ -1881,8 +1881,9 @@ STREAM_BYTES = 2 * 2**20
 # itself (fetch_rows, gemm.c's KEEL_FETCH_SHIFT). Measured on the 2-core Intel Xeon, one
 # thread, six products of 32 rows cycled (their weights 4.7 MiB together, so each comes
 # from L3 as in a model), alternating, 300-400 rounds, medians under load (us, without ->
-# with): 32x784x512 208 -> 181, 32x256x1024 136 -> 115, 32x1024x256 142 -> 124, 32x512x256
-# 74 -> 66; 8x784x512 87 -> 67, 24x512x512 118 -> 103, 128x784x512 681 -> 655,
+# with; five of the six recorded, as docs/performance.md gives them): 32x784x512 208 ->
+# 181, 32x256x1024 136 -> 115, 32x1024x256 142 -> 124, 32x512x256 74 -> 66, 32x256x768
+# 105 -> 90; 8x784x512 87 -> 67, 24x512x512 118 -> 103, 128x784x512 681 -> 655,
 # 256x256x1024 873 -> 857. With each product's weights left in L2 (the call run twice)
 # it still gains (32x784x512 174 -> 160, 32x256x1024 106 -> 98, 32x512x256 47 -> 47); 25
 # minutes later, the shared L3 faster, the six took 0.94x (from L3) and 0.98x (in L2). So

@@ -119,21 +119,38 @@ def _check_dtype_set(op: Op, dtypes: tuple[Any, ...]) -> DType:
 
 
 # ---- the variants --------------------------------------------------------------------
-def _winograd(xp: Any, layout: tuple[ConvGeometry, int | None, bool | None, bool | None,
-                                      tuple[int, ...] | None],
-              x: Any, w: Any, b: Any, z: Any, y: Any, act: Activation, packed: Any = None,
-              threads: int = 1) -> None:
+@dataclass(frozen=True)
+class WinogradLayout:
+    """What a Winograd conv runs from, as its plan's form gives it (planner.winograd_form;
+    None: a call the planner did not see, the rules for this machine): ``chunk`` images
+    at a time pass by pass, the products' tiles (``lanes``: the pipeline's and the tall
+    ones, ``pass_lanes``: a chunk's wider products) and the ``pipeline`` option."""
+
+    geo: ConvGeometry
+    chunk: int | None
+    lanes: bool | None
+    pass_lanes: bool | None
+    pipeline: tuple[int, ...] | None
+
+    @property
+    def pads(self) -> tuple[int, int]:
+        return self.geo.window.pads_begin[0], self.geo.window.pads_begin[1]
+
+    @property
+    def out_hw(self) -> tuple[int, int]:
+        return self.geo.window.out_spatial[0], self.geo.window.out_spatial[1]
+
+
+def _winograd(xp: Any, layout: WinogradLayout, x: Any, w: Any, b: Any, z: Any, y: Any,
+              act: Activation, packed: Any = None, threads: int = 1) -> None:
     """F(2x2, 3x3), in chunks of the planned images: the transforms compiled (bias, z and
     a clip in the output transform; the products in the planned tiles) where the native
     tier serves the arrays; else in NumPy, the bias in the transform, z and the
     activation in the last copy."""
-    geo, chunk, lanes, pass_lanes, pipeline = layout
-    win = geo.window
-    pads, out_hw = (win.pads_begin[0], win.pads_begin[1]), (win.out_spatial[0],
-                                                           win.out_spatial[1])
+    pads, out_hw, chunk = layout.pads, layout.out_hw, layout.chunk
     if xp is not np or not winograd.native_conv3x3(x, w, pads, out_hw, y, b, z, act, packed,
-                                                   threads, chunk, lanes, pass_lanes,
-                                                   pipeline):
+                                                   threads, chunk, layout.lanes,
+                                                   layout.pass_lanes, layout.pipeline):
         winograd.conv3x3(xp, x, w, pads, out_hw, y, b, z, act, packed, chunk)
 
 
@@ -161,7 +178,7 @@ def _layout(variant: str, geo: ConvGeometry, has_bias: bool, form: planner.ConvF
                                        blocked_residual=form.blocked_residual,
                                        step=form.chunk or 1)
     if variant == "winograd":
-        return geo, form.chunk, form.lanes, form.pass_lanes, form.pipeline
+        return WinogradLayout(geo, form.chunk, form.lanes, form.pass_lanes, form.pipeline)
     return geo
 
 
@@ -581,11 +598,9 @@ def _bind_winograd(plan: _Plan, x: Any, w: Any, b: Any, z: Any, y: Any, state: _
                    threads: int) -> Callable[[], Any] | None:
     """The Winograd form's fused native call bound to these arrays (as :func:`_winograd`
     runs it); None where it runs otherwise."""
-    geo, _, lanes, _, pipeline = plan.layout
-    win = geo.window
-    return winograd.bind_conv3x3(x, w, (win.pads_begin[0], win.pads_begin[1]),
-                                 (win.out_spatial[0], win.out_spatial[1]), y, b, z, plan.act,
-                                 state, threads, lanes, pipeline)
+    layout: WinogradLayout = plan.layout
+    return winograd.bind_conv3x3(x, w, layout.pads, layout.out_hw, y, b, z, plan.act,
+                                 state, threads, layout.lanes, layout.pipeline)
 
 
 for _name, _rule in RULES.items():

@@ -5,6 +5,7 @@ several thread counts, the reference backend's and onnxruntime's."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ import pytest
 
 import keel
 from keel.backends.cpu import native_qgemm, planner
+from keel.hardware.fakes import fake_profile
 from keel.testing import models
 from tests.graph.test_fuse_qdq import _folded_and_quantized
 
@@ -115,6 +117,31 @@ def test_a_chain_nodes_threads_reason_states_its_channels_last_split(
     for p in convs:
         if p not in chained:
             assert "where the node's layout is NCHW" in p.plan.reason("threads"), p.name
+
+
+def _depthwise_splits(path: Path, profile: Any) -> list[str]:
+    """The split each channels-last depthwise convolution's layout reason states (the
+    1x1 panels' reasons name their kernel: "its kernel, the 1x1 panels")."""
+    model = keel.load_model(str(path), threads=2, hardware=profile, plan_cache=False)
+    reasons = [p.plan.reason("layout") for p in model.plan.nodes
+               if p.op == "qlinear_conv" and p.plan is not None]
+    return [r.rsplit("; ", 1)[-1] for r in reasons if "; its kernel on " in r]
+
+
+@pytest.mark.parametrize("int8_model", ["mobilenet"], indirect=True)
+def test_a_plan_for_a_profile_splits_as_that_cpu_would(int8_model: tuple[Path, Any]) -> None:
+    """The channels-last depthwise kernel splits by planes only with qlayout.c's AVX-512
+    paths: a plan for a stated profile reads its CPU's features, not this machine's."""
+    if not native_qgemm.available():
+        pytest.skip("the int8 kernels need the native tier")
+    path = int8_model[0]
+    server = fake_profile("x86-avx512-server")
+    simd = tuple(f for f in server.cpu.simd if not f.startswith("avx512"))
+    avx2 = dataclasses.replace(server, cpu=dataclasses.replace(server.cpu, simd=simd))
+    assert planner.int8_lanes(server) and not planner.int8_lanes(avx2)
+    with_lanes, without = (_depthwise_splits(path, p) for p in (server, avx2))
+    assert with_lanes and all("(image, 32-channel block) planes" in s for s in with_lanes)
+    assert without and all("output rows" in s for s in without)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])

@@ -193,7 +193,7 @@ class CpuBackend(Backend):
                      variants: Sequence[str | None]) -> dict[int, LayoutDecision]:
         from keel.backends.cpu import planner
 
-        return {**planner.int8_layouts(graph, types, variants, self.threads),
+        return {**planner.int8_layouts(graph, types, variants, self.threads, self._hardware),
                 **planner.float_layouts(graph, types, variants, self.threads,
                                         self._hardware)}
 

@@ -477,12 +477,12 @@ INT8_JOIN_START_READERS = 2
 INT8_POINTWISE_PANEL_MAX_WEIGHT_BYTES = 512 * 1024
 
 
-def int8_pointwise_panels(weight_bytes: int) -> bool:
+def int8_pointwise_panels(weight_bytes: int, sizes: Caches | None = None) -> bool:
     """Whether a channels-last int8 1x1 convolution with symmetric weights runs on
     qlayout.c's panels rather than the matrix product: its weights at most
-    INT8_POINTWISE_PANEL_MAX_WEIGHT_BYTES, measured against a 1 MiB L2 and scaled to this
-    machine's (:func:`caches`)."""
-    return weight_bytes <= caches().with_l2(INT8_POINTWISE_PANEL_MAX_WEIGHT_BYTES)
+    INT8_POINTWISE_PANEL_MAX_WEIGHT_BYTES, measured against a 1 MiB L2 and scaled to the
+    L2 of ``sizes`` (None: this machine's, :func:`caches`)."""
+    return weight_bytes <= (sizes or caches()).with_l2(INT8_POINTWISE_PANEL_MAX_WEIGHT_BYTES)
 
 # A channels-last depthwise convolution whose input plane, for one block of 32 channels
 # widened to int16 with its padding, is at most this size (a core's L2) splits its work by
@@ -496,13 +496,31 @@ def int8_pointwise_panels(weight_bytes: int) -> bool:
 INT8_DEPTHWISE_PLANE_MAX_BYTES = 1024 * 1024
 
 
-def int8_depthwise_planes(pieces: int, threads: int, plane_bytes: int) -> bool:
+def int8_depthwise_planes(pieces: int, threads: int, plane_bytes: int,
+                          sizes: Caches | None = None) -> bool:
     """Whether the channels-last int8 depthwise kernel splits its work by (image,
     INT8_DEPTHWISE_LANES-channel block) planes, each widened once and kept in cache, rather
     than by output rows: where every thread gets a plane and a plane fits a core's L2
-    (INT8_DEPTHWISE_PLANE_MAX_BYTES, measured against a 1 MiB L2, scaled to this
-    machine's by :func:`caches`)."""
-    return pieces >= threads and plane_bytes <= caches().with_l2(INT8_DEPTHWISE_PLANE_MAX_BYTES)
+    (INT8_DEPTHWISE_PLANE_MAX_BYTES, measured against a 1 MiB L2, scaled to the L2 of
+    ``sizes``; None: this machine's, :func:`caches`)."""
+    return pieces >= threads and plane_bytes <= (sizes or caches()).with_l2(
+        INT8_DEPTHWISE_PLANE_MAX_BYTES)
+
+
+# qlayout.c compiles its AVX-512 paths (the depthwise kernel's plane split among them)
+# where the CPU has these features (its LAYOUT_AVX512): a plan for a profile reads them
+# from the profile's CPU, as a plan for this machine asks the loaded library.
+INT8_LANES_FEATURES = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512vnni"})
+
+
+def int8_lanes(profile: Any = None) -> bool:
+    """Whether the channels-last int8 kernels run their AVX-512 paths on ``profile``'s CPU
+    (None: whether the loaded qlayout.c has them)."""
+    if profile is None:
+        from keel.backends.cpu import qlayout
+
+        return qlayout.lanes_available()
+    return INT8_LANES_FEATURES.issubset(profile.cpu.simd)
 
 
 # ---- int8: the channels-last kernel a chain's convolution runs -------------------------------
@@ -539,10 +557,11 @@ class Int8ConvConstants:
 
 def int8_channels_last_kernel(kind: str, weight_shape: Sequence[int],
                               x_shape: Sequence[int] | None,
-                              constants: Int8ConvConstants) -> str | None:
+                              constants: Int8ConvConstants,
+                              sizes: Caches | None = None) -> str | None:
     """Which channels-last kernel a QLinearConv of ``kind`` (qlayout.conv_kind) runs (one
-    of INT8_CHANNELS_LAST_KERNELS, by the rule above); None where that depends on weights
-    not known (not constants)."""
+    of INT8_CHANNELS_LAST_KERNELS, by the rule above, for the caches of ``sizes``; None:
+    this machine's); None where that depends on weights not known (not constants)."""
     if kind == "depthwise":
         return "depthwise" if math.prod(weight_shape[2:]) <= INT8_DEPTHWISE_MAX_TAPS else "nchw"
     if kind not in ("pointwise", "dense"):
@@ -552,7 +571,7 @@ def int8_channels_last_kernel(kind: str, weight_shape: Sequence[int],
     fits = constants.symmetric and constants.fold_fits is not False
     if kind == "pointwise":
         weight_bytes = math.prod(int(d) for d in weight_shape)
-        return "panels" if fits and int8_pointwise_panels(weight_bytes) else "matmul"
+        return "panels" if fits and int8_pointwise_panels(weight_bytes, sizes) else "matmul"
     image = None if x_shape is None else math.prod(int(d) for d in x_shape[1:])
     small = image is None or image <= INT8_INDIRECT_MAX_IMAGE_BYTES
     return "indirect" if fits and small else "nchw"
@@ -666,13 +685,15 @@ def int8_panel_split(pixels: int, depth: int, out_channels: int, threads: int) -
 
 
 def int8_depthwise_split(batch: int, channels: int, out_h: int, out_w: int, taps: int,
-                         plane_bytes: int, threads: int, lanes: bool) -> Int8Split:
+                         plane_bytes: int, threads: int, lanes: bool,
+                         sizes: Caches | None = None) -> Int8Split:
     """The channels-last int8 depthwise kernel's split: by (image, 32-channel block)
-    planes where int8_depthwise_planes says so (``lanes``: the build has the kernel's
-    AVX-512 path), else by output rows; as many parts as give each thread MIN_CHUNK_TAPS
-    output values x taps."""
+    planes where int8_depthwise_planes says so for the caches of ``sizes`` (``lanes``:
+    the build has the kernel's AVX-512 path), else by output rows; as many parts as give
+    each thread MIN_CHUNK_TAPS output values x taps."""
     blocks = -(-channels // INT8_DEPTHWISE_LANES)
-    planes = lanes and int8_depthwise_planes(batch * blocks, max(1, threads), plane_bytes)
+    planes = lanes and int8_depthwise_planes(batch * blocks, max(1, threads), plane_bytes,
+                                             sizes)
     tasks, per_task = ((batch * blocks, out_h * out_w * INT8_DEPTHWISE_LANES) if planes
                        else (batch * out_h, out_w * channels))
     count = _int8_split(LeastWork.TAPS, tasks, threads, per_task * taps)
@@ -705,11 +726,12 @@ def int8_global_pool_parts(batch: int, channels: int, pixels: int, threads: int)
 
 def int8_layout_split_reason(kernel: str | None, x: Sequence[int], w: Sequence[int],
                              y: Sequence[int], attrs: Mapping[str, Any],
-                             threads: int | None, kind: str = "") -> str:
+                             threads: int | None, kind: str = "", profile: Any = None) -> str:
     """How a channels-last int8 node's ``kernel`` (int8_channels_last_kernel's, or
     ``maxpool``; None: chosen when the weights of a ``kind`` convolution are packed) splits
     over ``threads`` (its static input, weight and output shapes, graph order; "" where
-    not known): the same functions its prepared call asks."""
+    not known) on ``profile``'s CPU (None: this machine): the same functions its prepared
+    call asks."""
     if not threads or len(x) != 4 or len(y) != 4:
         return ""
     n, c, _, wd = (int(d) for d in x)
@@ -731,7 +753,7 @@ def int8_layout_split_reason(kernel: str | None, x: Sequence[int], w: Sequence[i
 
         geo = qconv_geometry(x, w, attrs)
         split = int8_depthwise_split(n, c, oh, ow, taps, qlayout.plane_bytes(geo, wd), threads,
-                                     qlayout.lanes_available())
+                                     int8_lanes(profile), caches(profile))
         unit = (f"(image, {INT8_DEPTHWISE_LANES}-channel block) planes" if split.planes
                 else "output rows")
         return (f"its kernel on {split.parts} of {threads} thread(s): {split.tasks} {unit}, "
@@ -759,8 +781,8 @@ _POOL_ROLE = ("ends it, the global average pool reading its channels-last bytes 
               "the (N, C, 1, 1) result is the same bytes in either layout")
 
 
-def _layout_kind(node: Any, types: Mapping[str, TensorType | None], graph: Any
-                 ) -> tuple[str | None, str | None]:
+def _layout_kind(node: Any, types: Mapping[str, TensorType | None], graph: Any,
+                 sizes: Caches) -> tuple[str | None, str | None]:
     """What a node placed on the int8 kernels can be in a channels-last chain, and for a
     convolution the channels-last kernel it runs (int8_channels_last_kernel; None where
     its weights are not constants). The kinds: ``pointwise``/``depthwise``/``dense``
@@ -785,7 +807,7 @@ def _layout_kind(node: Any, types: Mapping[str, TensorType | None], graph: Any
     if x is None or w is None or out is None or len(x) != 4 or len(w) != 4:
         return None, None
     kind = _int8_conv_kind(w, node.attrs)
-    kernel = int8_channels_last_kernel(kind, w, x, _int8_conv_constants(node, graph))
+    kernel = int8_channels_last_kernel(kind, w, x, _int8_conv_constants(node, graph), sizes)
     return ("other" if kernel == "nchw" else kind), kernel
 
 
@@ -825,8 +847,8 @@ def _static(t: TensorType | None) -> tuple[int, ...] | None:
 
 
 def int8_layouts(graph: Any, types: Mapping[str, TensorType | None],
-                 variants: Sequence[str | None], threads: int | None = None
-                 ) -> dict[int, LayoutDecision]:
+                 variants: Sequence[str | None], threads: int | None = None,
+                 profile: Any = None) -> dict[int, LayoutDecision]:
     """The channels-last chains of int8 nodes: {node index: LayoutDecision} with layout
     ``"nchw->nhwc"``, ``"nhwc->nhwc"`` or ``"nhwc->nchw"`` (what the node reads and
     writes). ``variants[i]`` is node i's variant on this backend (None: elsewhere). A
@@ -842,9 +864,12 @@ def int8_layouts(graph: Any, types: Mapping[str, TensorType | None],
     value), a join or a global average pool (which ends the chain), it is no graph output,
     a join's operands share a layout (its result channels-last where they are, or where
     they are NCHW and several channels-last kernels read it: the join then transposes it
-    once), and its chain holds a depthwise or dense convolution."""
+    once), and its chain holds a depthwise or dense convolution. ``profile``: the
+    hardware planned for (None: this machine), whose caches and AVX-512 features the
+    kernels' choices and splits read."""
     nodes = graph.nodes
-    found = [(_layout_kind(n, types, graph) if variants[i] == "int8" else (None, None))
+    sizes = caches(profile)
+    found = [(_layout_kind(n, types, graph, sizes) if variants[i] == "int8" else (None, None))
              for i, n in enumerate(nodes)]
     kinds = [kind for kind, _ in found]
     producer, readers = _links(nodes)
@@ -882,7 +907,7 @@ def int8_layouts(graph: Any, types: Mapping[str, TensorType | None],
     decided: dict[int, LayoutDecision] = {}
     for i, (layout, why) in _chains(nodes, kinds, nhwc, producer, readers).items():
         kernel = found[i][1] if nodes[i].op is Op.QLINEAR_CONV else None
-        split = _int8_node_split(nodes[i], kinds[i], kernel, layout, types, threads)
+        split = _int8_node_split(nodes[i], kinds[i], kernel, layout, types, threads, profile)
         decided[i] = LayoutDecision(
             layout, f"{why}; {split}" if split else why,
             INT8_LAYOUT_THREADS_REASON.format(threads=threads, layout=layout, split=split)
@@ -901,7 +926,8 @@ def _join_starts(node: Any, nhwc: set[str], readers: Mapping[str, list[int]]) ->
 
 
 def _int8_node_split(node: Any, kind: str | None, kernel: str | None, layout: str,
-                     types: Mapping[str, TensorType | None], threads: int | None) -> str:
+                     types: Mapping[str, TensorType | None], threads: int | None,
+                     profile: Any) -> str:
     """How a chain node's channels-last kernel splits ("" where its NCHW kernel runs, or
     the shapes are not known)."""
     if kind not in ("pointwise", "dense", "depthwise", "maxpool") or (
@@ -912,7 +938,7 @@ def _int8_node_split(node: Any, kind: str | None, kernel: str | None, layout: st
     if x is None or y is None or w is None:
         return ""
     return int8_layout_split_reason("maxpool" if kind == "maxpool" else kernel, x, w, y,
-                                    node.attrs, threads, kind)
+                                    node.attrs, threads, kind, profile)
 
 
 _INT8_NCHW_WHY = {

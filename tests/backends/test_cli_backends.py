@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-import json
-
 from typer.testing import CliRunner
 
 from keel.backends.registry import builtin_registry
 from keel.cli import app
 from keel.cli.backends import backends_report
 from keel.ops.registry import Op
+from keel.testing.cli import printed_json
 from tests.backends.fakes import spy_registry
 
 
 def test_json_lists_every_backend_with_reasons_and_coverage() -> None:
     result = CliRunner().invoke(app, ["backends", "--json"])
     assert result.exit_code == 0, result.output
-    data = json.loads(result.output)
+    data = printed_json(result)
     names = [b["name"] for b in data["backends"]]
     assert {"gpu", "cpu", "reference"} <= set(names)
     assert data["known_ops"] == len(Op)

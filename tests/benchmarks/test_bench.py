@@ -16,6 +16,7 @@ from benchmarks import run as suite
 from keel.bench import BenchConfig, bench_model, peak_rss_delta, random_feeds, settle
 from keel.errors import InvalidArgumentError
 from keel.execution.model import load_model
+from keel.testing.cli import printed_json
 from keel.testing.models import mlp
 
 pytest.importorskip("onnxruntime", reason="the side-by-side bench compares with onnxruntime")
@@ -137,7 +138,7 @@ def test_keel_bench_cli_prints_json(tmp_path: Path) -> None:
     out = CliRunner().invoke(app, ["bench", str(path), "--vs", "onnxruntime", "--batch", "1",
                                    "--passes", "1", "--json"])
     assert out.exit_code == 0, out.output
-    report = json.loads(out.stdout)         # a first native build's line goes to stderr
+    report = printed_json(out)
     assert {m["runtime"] for m in report["measurements"]} == {"keel:cpu", "onnxruntime"}
 
 

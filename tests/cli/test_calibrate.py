@@ -23,6 +23,7 @@ from keel.planning.calibration import (
     load,
     reset_default_calibration,
 )
+from keel.testing.cli import printed_json
 from tests.planning.calibration_fakes import FakeClock, costed_registry, fake_profile
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,7 +88,7 @@ def test_json_to_a_chosen_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) 
     result = runner.invoke(app, ["calibrate", "--groups", "elementwise", "--dtypes",
                                  "float32", "--dtypes", "float64", "--json", "-o", str(target)])
     assert result.exit_code == 0, result.output
-    data = json.loads(result.output)
+    data = printed_json(result)
     assert data["saved_to"] == str(target)
     assert data["crossover_bytes"] == {"elementwise/float32": 100_000,
                                        "elementwise/float64": 100_000}
@@ -126,7 +127,7 @@ def test_show_says_which_calibration_selection_uses(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("KEEL_CALIBRATION", str(other))    # measured on the fake machine
     config.reload_settings()
     shown = runner.invoke(app, ["calibrate", "--show", "--json"])
-    data = json.loads(shown.output)
+    data = printed_json(shown)
     assert data["calibration"] is None and data["path"] == str(other)
     assert "was measured on a different machine" in data["reason"]
 

@@ -19,6 +19,7 @@ from keel import config
 from keel.cli import SUBCOMMANDS, app, main
 from keel.hardware import HardwareProfile
 from keel.hardware.fakes import fake_profile
+from keel.testing.cli import printed_json
 
 ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()
@@ -59,7 +60,7 @@ def test_subcommands_are_registered() -> None:
 def test_probe_json_round_trips_into_the_profile(h100: HardwareProfile) -> None:
     result = runner.invoke(app, ["probe", "--json"])
     assert result.exit_code == 0, result.output
-    assert HardwareProfile.from_json(result.output) == h100
+    assert HardwareProfile.from_json(result.stdout) == h100
 
 
 def test_probe_yaml_round_trips_into_the_profile(h100: HardwareProfile) -> None:
@@ -112,7 +113,7 @@ def test_plan_of_this_machine_prints_every_selection() -> None:
 def test_plan_json_has_choices_fallbacks_and_reasons(h100: HardwareProfile) -> None:
     result = runner.invoke(app, ["plan", "--json"])
     assert result.exit_code == 0, result.output
-    data = json.loads(result.output)
+    data = printed_json(result)
     assert data["target"] == "server" and data["llama_cpp"]["choice"] == "gpu"
     assert data["llama_cpp"]["fallbacks"] == ["cpu"]
     assert data["python_runtime"]["fallbacks"] == ["lightweight"]
@@ -124,7 +125,7 @@ def test_plan_for_a_saved_profile_of_another_machine(tmp_path: Path) -> None:
     saved.write_text(fake_profile("nvidia-h100-nvml").to_json())
     result = runner.invoke(app, ["plan", "--hardware", str(saved), "--json"])
     assert result.exit_code == 0, result.output
-    data = json.loads(result.output)
+    data = printed_json(result)
     assert data["host"] == "dgx-h100-01" and data["engine"]["choice"] == "gpu"
     assert "not checked" in data["engine"]["reason"]
 
@@ -133,7 +134,7 @@ def test_plan_with_a_policy_file(tmp_path: Path, h100: HardwareProfile) -> None:
     policy = tmp_path / "policy.yaml"
     policy.write_text("prefer_gpu: false\n")
     result = runner.invoke(app, ["plan", "--policy", str(policy), "--json"])
-    data = json.loads(result.output)
+    data = printed_json(result)
     assert data["llama_cpp"]["choice"] == "cpu" and data["engine"]["choice"] == "cpu"
     assert data["policy"]["prefer_gpu"] is False
 
@@ -173,8 +174,8 @@ def _real_model(tmp_path: Path) -> Path:
 def test_drop_writes_a_deterministic_manifest(tmp_path: Path) -> None:
     model = _real_model(tmp_path)
     args = ["drop", str(model), "--profile", "edge", "--out", str(tmp_path / "art"), "--json"]
-    first = json.loads(runner.invoke(app, args).output)
-    second = json.loads(runner.invoke(app, args).output)
+    first = printed_json(runner.invoke(app, args))
+    second = printed_json(runner.invoke(app, args))
     assert first["drop_id"] == second["drop_id"] and first["created"] and not second["created"]
     drop_dir = tmp_path / "art" / "edge" / first["drop_id"]
     manifest = yaml.safe_load((drop_dir / "manifest.yaml").read_text())

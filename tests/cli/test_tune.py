@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from keel.cli import SUBCOMMANDS, app
 from keel.config import cache_dir
+from keel.testing.cli import printed_json
 from keel.testing.models import resnet_block
 
 runner = CliRunner(env={"COLUMNS": "120"})
@@ -35,7 +36,7 @@ def test_json_lists_each_case_then_reads_them_back_from_the_cache(model_file: Pa
     result = runner.invoke(app, ["tune", str(model_file), "--budget", "2", "--threads", "1",
                                  "--json"])
     assert result.exit_code == 0, result.output
-    report = json.loads(result.stdout)
+    report = printed_json(result)
     assert set(report) == {"model", "threads", "cache", "budget_s", "elapsed_s",
                            "nothing_to_tune", "message", "cases"}
     assert report["threads"] == 1 and not report["nothing_to_tune"]
@@ -66,7 +67,7 @@ def test_an_input_shape_is_tuned_as_given(model_file: Path) -> None:
     result = runner.invoke(app, ["tune", str(model_file), "--budget", "1", "--json",
                                  "--input-shape", "x=3x3x8x8"])
     assert result.exit_code == 0, result.output
-    cases = json.loads(result.stdout)["cases"]
+    cases = printed_json(result)["cases"]
     assert any(c["case"].startswith("conv float32 (3x3x8x8") for c in cases)
 
 
@@ -93,5 +94,5 @@ def test_a_model_with_nothing_to_tune_says_so(tmp_path: Path) -> None:
     result = runner.invoke(app, ["tune", str(path)])
     assert result.exit_code == 0, result.output
     assert "nothing to tune: no node of 'relu' has more than one kernel variant" in result.stdout
-    data = json.loads(runner.invoke(app, ["tune", str(path), "--json"]).stdout)
+    data = printed_json(runner.invoke(app, ["tune", str(path), "--json"]))
     assert data["nothing_to_tune"] and data["cases"] == []

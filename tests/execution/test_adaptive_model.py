@@ -16,6 +16,7 @@ from keel.cli import app
 from keel.errors import InvalidArgumentError, MemoryLimitError
 from keel.execution.model import load_model
 from keel.planning.policy import RuntimePolicy
+from keel.testing.cli import printed_json
 from keel.testing.models import make_inputs, mlp
 
 BACKENDS = ("reference", "cpu")
@@ -201,7 +202,7 @@ def test_keel_plan_shows_the_hint_and_the_adaptive_plan(tmp_path: Any, proto: An
     runner = CliRunner()
     result = runner.invoke(app, ["plan", str(path), "--hint", "throughput", "--json"])
     assert result.exit_code == 0, result.output
-    data = json.loads(result.output)
+    data = printed_json(result)
     adaptive = data["model"]["adaptive"]
     assert adaptive["hint"] == "throughput"
     assert adaptive["telemetry"]["source"] in ("static", "nvml")

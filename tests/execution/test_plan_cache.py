@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import stat
 from pathlib import Path
@@ -20,6 +19,7 @@ from keel.errors import InvalidArgumentError
 from keel.execution import plan_cache
 from keel.execution.model import Model, load_model
 from keel.graph.importers.onnx import import_onnx
+from keel.testing.cli import printed_json
 from keel.testing.models import (
     lenet,
     make_inputs,
@@ -299,16 +299,16 @@ def test_keel_cache_lists_and_clears(plans: Path, model_path: Path) -> None:
     load_model(model_path)
     listed = runner.invoke(app, ["cache", "list", "--json"])
     assert listed.exit_code == 0, listed.output
-    report = json.loads(listed.output)
+    report = printed_json(listed)
     (entry,) = report["entries"]
     assert entry["model"] == "resnet_block" and entry["key"] == _entries(plans)[0].stem
     assert entry["size_bytes"] == report["total_bytes"] > 0
     table = runner.invoke(app, ["cache"])
     assert "resnet_block" in table.output and entry["key"][:12] in table.output
     cleared = runner.invoke(app, ["cache", "clear", "--json"])
-    assert json.loads(cleared.output)["removed"] == 1
-    assert _entries(plans) == [] and json.loads(
-        runner.invoke(app, ["cache", "list", "--json"]).output)["entries"] == []
+    assert printed_json(cleared)["removed"] == 1
+    assert _entries(plans) == [] and printed_json(
+        runner.invoke(app, ["cache", "list", "--json"]))["entries"] == []
     assert said(load_model(model_path)).startswith(STORED)
 
 

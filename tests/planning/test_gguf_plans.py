@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +21,7 @@ from keel.planning.gguf import (
     read_gguf,
 )
 from keel.planning.policy import RuntimePolicy
+from keel.testing.cli import printed_json
 from keel.testing.gguf_files import block_bytes, write_gguf
 
 pytest.importorskip("gguf", reason="the gguf package (keel-runtime[gguf]) reads GGUF files")
@@ -179,7 +179,7 @@ def test_keel_plan_on_a_gguf_prints_the_flags_and_the_runtime_row(gguf_file: Pat
     result = runner.invoke(app, ["plan", str(gguf_file), "--hardware", str(hardware),
                                  "--context", "1024", "--json"])
     assert result.exit_code == 0, result.output
-    data = json.loads(result.output)
+    data = printed_json(result)
     assert data["llama_cpp"]["flags"][:4] == ["-ngl", str(LAYERS + 1), "-c", "1024"]
     row = data["runtime"]["llama_cpp"]
     assert row["choice"] == "gpu" and row["reason"].startswith(f"-ngl {LAYERS + 1} -c 1024")

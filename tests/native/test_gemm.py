@@ -721,6 +721,25 @@ def test_argument_structs_agree_with_gemm_c() -> None:
     assert size("keel_conv_band_args_x_offset") == 8 * ng._BAND_X
 
 
+def test_each_thread_keeps_its_own_aligned_scratch_by_use() -> None:
+    """thread_scratch (the GEMM's packing workspace, attention's scores): kept per thread
+    and use, 64-byte aligned, replaced by a larger one only where a call needs more."""
+    import threading
+
+    mine = ng.thread_scratch("test-scratch", 100)
+    assert mine.size >= 100 and mine.ctypes.data % 64 == 0
+    assert ng.thread_scratch("test-scratch", 60) is mine
+    assert ng.thread_scratch("test-other", 100) is not mine
+    theirs: list[np.ndarray] = []
+    worker = threading.Thread(target=lambda: theirs.append(ng.thread_scratch("test-scratch",
+                                                                              100)))
+    worker.start()
+    worker.join()
+    assert theirs[0] is not mine and not np.shares_memory(theirs[0], mine)
+    grown = ng.thread_scratch("test-scratch", 1000)
+    assert grown.size >= 1000 and grown.ctypes.data % 64 == 0 and grown is not mine
+
+
 def test_the_flags_are_checked_by_name_at_load() -> None:
     """gemm.c's flags, the fetch-ahead shift among them, are native_gemm's by name."""
     lib = native.library("gemm")

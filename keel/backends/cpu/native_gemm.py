@@ -87,7 +87,8 @@ from keel import native
 __all__ = ["BandCall", "Call", "Packed", "Rows", "address", "available", "check_enums",
            "check_layout", "checked", "conv_epilogue_served", "gemm", "geometry", "holding",
            "moved_addresses", "same_memory", "pack",
-           "pack_batch", "planner_rules", "prepare", "prepare_band", "strides_of"]
+           "pack_batch", "planner_rules", "prepare", "prepare_band", "strides_of",
+           "thread_scratch"]
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ACCUMULATE, _CLIP, _STREAM, _DIRECT, _NT, _TALL, _LANES = 1, 2, 4, 8, 16, 32, 64
@@ -430,15 +431,25 @@ def _huge(size: int) -> np.ndarray | None:
     return np.frombuffer(whole, dtype=np.float32, count=size // 4, offset=start)
 
 
+# Each thread's scratch buffers by use (thread_scratch): no two threads share one.
 _local = threading.local()
+
+
+def thread_scratch(use: str, floats: int) -> np.ndarray:
+    """This thread's scratch for ``use`` (``work``: the GEMM's packing workspace;
+    ``attention``: a serial attention call's scores): at least ``floats`` float32, 64-byte
+    aligned, kept for the thread's next call and replaced by a larger one where a call
+    needs more (a bound call holds the one it was bound to)."""
+    held: np.ndarray | None = getattr(_local, use, None)
+    if held is None or held.size < floats:
+        held = _aligned(floats)
+        setattr(_local, use, held)
+    return held
 
 
 def _work(f: _Functions) -> int:
     """The address of this thread's packing workspace (f.work floats, ~200 KiB)."""
-    held = getattr(_local, "work", None)
-    if held is None or held.size < f.work:
-        held = _local.work = _aligned(f.work)
-    return int(native.address(held))
+    return int(native.address(thread_scratch("work", f.work)))
 
 
 def _misaligned(strides: tuple[int, ...]) -> bool:
@@ -572,9 +583,10 @@ class Call:
         split = self._split(threads)
         if split is not None:
             return holding(functools.partial(checked, *split), self)
-        once = functools.partial(f.gemm, self.args, _work(f), 0, 0,
+        work = thread_scratch("work", f.work)
+        once = functools.partial(f.gemm, self.args, int(native.address(work)), 0, 0,
                                  self.batch * -(-self.n // f.nr))
-        return holding(once, self, _local.work)
+        return holding(once, self, work)
 
     def run(self, threads: int, panel_major: bool = False) -> None:
         """Compute, split over up to ``threads`` threads when the product is big enough.
@@ -790,8 +802,9 @@ class BandCall:
         if parts > 1:
             return holding(functools.partial(checked, f.band_mt, self.args, self.units,
                                               parts), self)
-        once = functools.partial(f.band, self.args, _work(f), 0, self.units)
-        return holding(once, self, _local.work)
+        work = thread_scratch("work", f.work)
+        once = functools.partial(f.band, self.args, int(native.address(work)), 0, self.units)
+        return holding(once, self, work)
 
     def run(self, threads: int) -> None:
         """Compute, the bands split over up to ``threads`` threads."""
@@ -898,10 +911,7 @@ class AttentionCall:
         if self.parts > 1:
             checked(self.fns.mt, self.qk.args, self.pv.args, self.args, self.parts)
             return
-        floats = int(self.fns.scratch(self.args))
-        held = getattr(_local, "attention", None)
-        if held is None or held.size < floats:
-            held = _local.attention = _aligned(floats)
+        held = thread_scratch("attention", int(self.fns.scratch(self.args)))
         self.fns.serial(self.qk.args, self.pv.args, self.args, native.address(held), 0,
                         self.units)
 

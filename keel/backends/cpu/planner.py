@@ -2132,15 +2132,21 @@ def attention_heads(block_elements: int, scores_per_head: int, heads: int,
 def block(node_plan: NodePlan | None, name: str) -> int:
     """The block size ``name`` (see BLOCKS) a kernel runs with: its node plan's, else
     (a call the planner did not see) the same rule's for this machine's caches."""
-    size = block_size(name, caches())
-    return size if node_plan is None else int(node_plan.option(name, size))
+    planned = None if node_plan is None else node_plan.option(name)
+    return block_size(name, caches()) if planned is None else int(planned)
 
 
 def block_size(name: str, sizes: Caches) -> int:
     """The block size ``name`` (see BLOCKS) for the caches of ``sizes``: the measured
     size scaled to its L2 (the one rule for a plan's option and a call without one).
-    Not kept: BLOCKS is read at each call, so a changed entry reaches the next plan."""
-    return sizes.with_l2(BLOCKS[name])
+    BLOCKS is read at each call (the scaling is kept by value), so a changed entry
+    reaches the next plan."""
+    return _l2_scaled(BLOCKS[name], sizes)
+
+
+@functools.cache
+def _l2_scaled(measured: int, sizes: Caches) -> int:
+    return sizes.with_l2(measured)
 
 
 def _blocking(op: Op, sizes: Caches) -> tuple[tuple[str, int], str] | None:

@@ -152,5 +152,5 @@ def test_three_taps_at_once_give_the_bits_of_one_tap_at_a_time(
              "activation_params": (0.0, 6.0)}
     one_by_one = {**split, "pads": (1, 0, 1, 1)}
     expect = _band(padded, w, b, None, one_by_one)
-    for threads in (1, 2, 3):
+    for threads in (1, 2, 3, 16):
         np.testing.assert_array_equal(_band(x, w, b, None, split, threads=threads), expect)

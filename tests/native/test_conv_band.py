@@ -134,3 +134,23 @@ def test_through_the_prepared_kernel_with_a_new_x_each_run() -> None:
         assert got is y
         np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-4)
     assert any(getattr(r, "rebind", False) for r in state.ready.values())
+
+
+@pytest.mark.parametrize("x_shape", [(1, 3, 9, 7), (2, 3, 20, 20), (1, 2, 11, 33),
+                                     (1, 3, 6, 64), (1, 3, 12, 70)])
+def test_three_taps_at_once_give_the_bits_of_one_tap_at_a_time(
+        x_shape: tuple[int, ...]) -> None:
+    """A stride-2 3-wide kernel padded by one on the left builds a kernel row's three taps
+    from one split of X's row (band_row3); X with that padding column written out (pads
+    0 on the left) takes them one at a time (band_row): the same B, the same bits."""
+    rng = np.random.default_rng(3)
+    x, w, b = rand(rng, *x_shape), rand(rng, 16, x_shape[1], 3, 3), rand(rng, 16)
+    x[0, 0, 1, -1] = np.nan
+    padded = np.zeros((*x_shape[:3], x_shape[3] + 1), np.float32)
+    padded[..., 1:] = x
+    split = {"pads": (1, 1, 1, 1), "strides": (2, 2), "activation": "clip",
+             "activation_params": (0.0, 6.0)}
+    one_by_one = {**split, "pads": (1, 0, 1, 1)}
+    expect = _band(padded, w, b, None, one_by_one)
+    for threads in (1, 2, 3, 16):
+        np.testing.assert_array_equal(_band(x, w, b, None, split, threads=threads), expect)

@@ -1819,7 +1819,8 @@ static void gemm_2d(const problem *g0, const epilogue *e, int64_t i_lo, int64_t 
  * each) is built from X's rows in a buffer that stays in L1/L2, then the usual tiles run
  * over it and store Y's NCHW rows with the epilogue. No padded or phase-split copy of X
  * and no gathered panels: a stride-2 tap row is two masked loads and a permute per 16
- * pixels. Measured on MobileNetV2's 3 -> 32 3x3 stride-2 conv on 224x224 at batch 32
+ * pixels (a 3-wide kernel row padded by one: its three taps from one split, band_row3).
+ * Measured on MobileNetV2's 3 -> 32 3x3 stride-2 conv on 224x224 at batch 32
  * (1 thread, inside the model, interleaved medians): 18.3 ms through the zero-bordered
  * phase copy (6.6 ms of it) and gathered panels, 12.0 ms by bands with Y's stores past
  * the cache (KEEL_NT; 16.1 -> 12.2 ms alone with them). At batch 1 (alone) 0.35 ms:
@@ -1925,16 +1926,79 @@ static void band_row(float *restrict dst, const float *row, int64_t w, int64_t o
     }
 }
 
+#if defined(__AVX512F__)
+/* The three taps of a stride-2 row padded by one on the left, at once: d0[ox] =
+ * row[2 ox - 1], d1[ox] = row[2 ox], d2[ox] = row[2 ox + 1] (0 outside [0, w)), for ox
+ * in [0, ow) and, as band_row writes, zeros up to ow rounded up to a vector. Each pair
+ * of X's vectors is loaded once and split into its even and odd elements; the odd ones
+ * shifted a lane are kx = 0's. The values band_row gives the three taps one by one (a
+ * copy: the same bits), for a third of its loads and loop: building MobileNetV2's stem
+ * bands took 29 % of the conv's time (perf, the 2-core Intel Xeon). */
+static void band_row3(float *restrict d0, float *restrict d1, float *restrict d2,
+                      const float *row, int64_t w, int64_t ow)
+{
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6,
+                                          4, 2, 0);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    __m512 prev = _mm512_setzero_ps();   /* lane 15: row[2 ox - 1] of the next vector */
+    for (int64_t ox = 0; ox < ow; ox += VW) {
+        int64_t count = ow - ox < VW ? ow - ox : VW, first = 2 * ox;
+        __mmask16 keep = count == VW ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1u);
+        __m512 a, b;
+        if (count == VW && first + 2 * VW <= w) {
+            a = _mm512_loadu_ps(row + first);
+            b = _mm512_loadu_ps(row + first + VW);
+        } else {
+            int64_t need = 2 * count;
+            a = _mm512_maskz_loadu_ps(band_lanes(first, w, need < VW ? need : VW), row + first);
+            b = _mm512_maskz_loadu_ps(band_lanes(first + VW, w, need - VW), row + first + VW);
+        }
+        __m512 ev = _mm512_permutex2var_ps(a, even, b), od = _mm512_permutex2var_ps(a, odd, b);
+        __m512 left = _mm512_castsi512_ps(
+            _mm512_alignr_epi32(_mm512_castps_si512(od), _mm512_castps_si512(prev), 15));
+        _mm512_storeu_ps(d0 + ox, _mm512_maskz_mov_ps(keep, left));
+        _mm512_storeu_ps(d1 + ox, ev);
+        _mm512_storeu_ps(d2 + ox, od);
+        prev = od;
+    }
+}
+#endif
+
+/* Whether band_row3 builds a channel's three taps of a kernel row (stride 2, three taps
+ * one apart, padded by one on the left). */
+static int band_three(const keel_conv_band_args *g)
+{
+#if defined(__AVX512F__)
+    return g->sw == 2 && g->kw == 3 && g->dw == 1 && g->pw == 1;
+#else
+    (void)g;
+    return 0;
+#endif
+}
+
 /* The band's B: row p = (c, ky, kx), its columns the output pixels of rows oy0 ..
  * oy0 + rows, at buf + p * ldb. */
 static void band_fill(const keel_conv_band_args *g, const float *x, int64_t oy0, int64_t rows,
                       int64_t ldb, float *buf)
 {
+    int three = band_three(g);
     for (int64_t c = 0, p = 0; c < g->c; c++)
-        for (int64_t ky = 0; ky < g->kh; ky++)
+        for (int64_t ky = 0; ky < g->kh; ky++) {
+            for (int64_t r = 0; three && r < rows; r++) {
+                int64_t iy = (oy0 + r) * g->sh + ky * g->dh - g->ph;
+                float *d = buf + p * ldb + r * g->ow;
+                if (iy < 0 || iy >= g->h) {
+                    for (int64_t kx = 0; kx < 3; kx++)
+                        memset(d + kx * ldb, 0, (size_t)g->ow * sizeof(float));
+                    continue;
+                }
+#if defined(__AVX512F__)
+                band_row3(d, d + ldb, d + 2 * ldb, x + (c * g->h + iy) * g->w, g->w, g->ow);
+#endif
+            }
             for (int64_t kx = 0; kx < g->kw; kx++, p++) {
                 float *d = buf + p * ldb;
-                for (int64_t r = 0; r < rows; r++) {
+                for (int64_t r = 0; !three && r < rows; r++) {
                     int64_t iy = (oy0 + r) * g->sh + ky * g->dh - g->ph;
                     float *dr = d + r * g->ow;
                     if (iy < 0 || iy >= g->h)
@@ -1946,6 +2010,7 @@ static void band_fill(const keel_conv_band_args *g, const float *x, int64_t oy0,
                 /* Zeros past the band's columns: the last tile's unused lanes read them. */
                 for (int64_t j = rows * g->ow; j < ldb; j++) d[j] = 0.0f;
             }
+        }
 }
 
 /* Units [u_lo, u_hi) of batch * bands, image-major (bands of keel_conv_band_rows_f32

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import mmap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -726,18 +726,26 @@ def test_each_thread_keeps_its_own_aligned_scratch_by_use() -> None:
     and use, 64-byte aligned, replaced by a larger one only where a call needs more."""
     import threading
 
-    mine = ng.thread_scratch("test-scratch", 100)
-    assert mine.size >= 100 and mine.ctypes.data % 64 == 0
-    assert ng.thread_scratch("test-scratch", 60) is mine
-    assert ng.thread_scratch("test-other", 100) is not mine
-    theirs: list[np.ndarray] = []
-    worker = threading.Thread(target=lambda: theirs.append(ng.thread_scratch("test-scratch",
-                                                                              100)))
-    worker.start()
-    worker.join()
-    assert theirs[0] is not mine and not np.shares_memory(theirs[0], mine)
-    grown = ng.thread_scratch("test-scratch", 1000)
-    assert grown.size >= 1000 and grown.ctypes.data % 64 == 0 and grown is not mine
+    def on_a_new_thread(check: Callable[[], np.ndarray]) -> np.ndarray:
+        kept: list[np.ndarray] = []
+        worker = threading.Thread(target=lambda: kept.append(check()))
+        worker.start()
+        worker.join()
+        assert kept, "the check failed on its thread"
+        return kept[0]
+
+    def mine() -> np.ndarray:
+        first = ng.thread_scratch(ng.Scratch.WORK, 100)
+        assert first.size >= 100 and first.ctypes.data % 64 == 0
+        assert ng.thread_scratch(ng.Scratch.WORK, 60) is first
+        assert ng.thread_scratch(ng.Scratch.ATTENTION, 100) is not first
+        grown = ng.thread_scratch(ng.Scratch.WORK, first.size + 1000)
+        assert grown.ctypes.data % 64 == 0 and grown is not first
+        assert ng.thread_scratch(ng.Scratch.WORK, 100) is grown
+        return grown
+
+    one, other = on_a_new_thread(mine), on_a_new_thread(mine)
+    assert not np.shares_memory(one, other)
 
 
 def test_the_flags_are_checked_by_name_at_load() -> None:

@@ -4,6 +4,7 @@ constants (:mod:`keel.backends.planner_constants`), not only by the graph and pr
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -106,8 +107,9 @@ def _epilogue_blocks(model: Model) -> set[int]:
 
 
 def test_a_changed_block_size_reaches_the_next_plan(monkeypatch: pytest.MonkeyPatch) -> None:
-    """BLOCKS is read for each plan (block_size keeps nothing): a model loaded after an
-    entry changed, and a call without a plan, block by the new size."""
+    """BLOCKS is read for each plan (block_size keeps only the L2 scaling, by value): a
+    model loaded after an entry changed, and a call without a plan, block by the new
+    size."""
     model = mlp().SerializeToString()
     sizes = planner.caches()
     before = _epilogue_blocks(load_model(model, threads=1))
@@ -116,6 +118,20 @@ def test_a_changed_block_size_reaches_the_next_plan(monkeypatch: pytest.MonkeyPa
     after = _epilogue_blocks(load_model(model, threads=1))
     assert after == {sizes.with_l2(planner.BLOCKS["epilogue_block"])} != before
     assert planner.block(None, "epilogue_block") in after
+
+
+def test_forget_rescales_the_blocks_for_changed_cache_constants(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """block_size keeps the L2 scaling by value; planner.forget() drops it, so a changed
+    EVIDENCE_RANGE reaches the next block size."""
+    sizes = dataclasses.replace(planner.caches(), l2=4 << 20)
+    planner.block_size("epilogue_block", sizes)
+    monkeypatch.setattr(planner, "EVIDENCE_RANGE", 2)
+    planner.forget()
+    assert planner.block_size("epilogue_block", sizes) == sizes.with_l2(
+        planner.BLOCKS["epilogue_block"])
+    monkeypatch.undo()
+    planner.forget()
 
 
 def _if_model() -> bytes:
@@ -140,7 +156,7 @@ def _if_model() -> bytes:
 def test_a_load_measures_the_constants_once(monkeypatch: pytest.MonkeyPatch,
                                             tmp_path: Path) -> None:
     """A load that misses the compiled-plan cache measures the constants once, for its
-    key, its placement and its If bodies' placements; a new shape placed later, once."""
+    key, its placement and its If bodies' placements."""
     monkeypatch.setenv("KEEL_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("KEEL_PLAN_CACHE", "on")
     config.reload_settings()

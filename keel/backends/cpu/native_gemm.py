@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import enum
 import functools
 import mmap
 import struct
@@ -431,25 +432,32 @@ def _huge(size: int) -> np.ndarray | None:
     return np.frombuffer(whole, dtype=np.float32, count=size // 4, offset=start)
 
 
+class Scratch(enum.Enum):
+    """What a thread's scratch buffer is for (thread_scratch keeps one of each)."""
+    WORK = "the GEMM's packing workspace"
+    ATTENTION = "a serial attention call's scores"
+
+
 # Each thread's scratch buffers by use (thread_scratch): no two threads share one.
 _local = threading.local()
 
 
-def thread_scratch(use: str, floats: int) -> np.ndarray:
-    """This thread's scratch for ``use`` (``work``: the GEMM's packing workspace;
-    ``attention``: a serial attention call's scores): at least ``floats`` float32, 64-byte
-    aligned, kept for the thread's next call and replaced by a larger one where a call
-    needs more (a bound call holds the one it was bound to)."""
-    held: np.ndarray | None = getattr(_local, use, None)
+def thread_scratch(use: Scratch, floats: int) -> np.ndarray:
+    """This thread's scratch for ``use``: at least ``floats`` float32, 64-byte aligned,
+    kept for the thread's next call and replaced by a larger one where a call needs more
+    (a bound call holds the one it was bound to)."""
+    held_by_use: dict[Scratch, np.ndarray] | None = getattr(_local, "held", None)
+    if held_by_use is None:
+        held_by_use = _local.held = {}
+    held = held_by_use.get(use)
     if held is None or held.size < floats:
-        held = _aligned(floats)
-        setattr(_local, use, held)
+        held = held_by_use[use] = _aligned(floats)
     return held
 
 
 def _work(f: _Functions) -> int:
     """The address of this thread's packing workspace (f.work floats, ~200 KiB)."""
-    return int(native.address(thread_scratch("work", f.work)))
+    return int(native.address(thread_scratch(Scratch.WORK, f.work)))
 
 
 def _misaligned(strides: tuple[int, ...]) -> bool:
@@ -583,7 +591,7 @@ class Call:
         split = self._split(threads)
         if split is not None:
             return holding(functools.partial(checked, *split), self)
-        work = thread_scratch("work", f.work)
+        work = thread_scratch(Scratch.WORK, f.work)
         once = functools.partial(f.gemm, self.args, int(native.address(work)), 0, 0,
                                  self.batch * -(-self.n // f.nr))
         return holding(once, self, work)
@@ -802,7 +810,7 @@ class BandCall:
         if parts > 1:
             return holding(functools.partial(checked, f.band_mt, self.args, self.units,
                                               parts), self)
-        work = thread_scratch("work", f.work)
+        work = thread_scratch(Scratch.WORK, f.work)
         once = functools.partial(f.band, self.args, int(native.address(work)), 0, self.units)
         return holding(once, self, work)
 
@@ -911,7 +919,7 @@ class AttentionCall:
         if self.parts > 1:
             checked(self.fns.mt, self.qk.args, self.pv.args, self.args, self.parts)
             return
-        held = thread_scratch("attention", int(self.fns.scratch(self.args)))
+        held = thread_scratch(Scratch.ATTENTION, int(self.fns.scratch(self.args)))
         self.fns.serial(self.qk.args, self.pv.args, self.args, native.address(held), 0,
                         self.units)
 

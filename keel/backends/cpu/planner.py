@@ -2261,8 +2261,10 @@ _PLANS_LIMIT = 1024
 def forget() -> None:
     """Drop the plans kept by request and take the planner's constants again: for code
     that changes the planner's data (tests that lower a threshold), so no plan made
-    under other data is reused, the op-level path's included."""
+    under other data is reused, the op-level path's included. Inside a load's
+    ``planner_constants.once`` scope the constants stay those the load measured."""
     _PLANS.clear()
+    _l2_scaled.cache_clear()            # reads EVIDENCE_RANGE and MEASURED_L2_BYTES
     planner_constants.refresh()
 
 
@@ -3689,7 +3691,7 @@ def _winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], thr
                         max(1, gemm_threads(threads, flops)))
     if block < 1:
         return WinogradPipeline(0, 0, 0, 0, "pass by pass: " + (
-            "no tiles (an empty batch)" if tiles < 1 else
+            "no tiles" if tiles < 1 else
             f"a tile of V does not fit {PIPELINE_L2_SHARE:g} of the L2 "
             f"({sizes.l2 >> 10} KiB)" if most < 1 else
             f"{tiles} tile(s) for {threads} threads" if tiles < threads else

@@ -390,7 +390,7 @@ def _reading_a(call: functools.partial[Any], native: native_gemm.Call, split: in
     """``call`` with ``reading()`` attached: the same step as a call whose A moves
     (:meth:`native_gemm.Call.bound_reading`; its ``point(array)`` moves it), or None
     where it cannot. A program reads a feed in place through it (the cpu planner's
-    ``feed_in_place``)."""
+    ``FEED_IN_PLACE_BYTES``)."""
     def reading() -> functools.partial[Any] | None:
         go = native.bound_reading(split)
         if go is None or activation is None:

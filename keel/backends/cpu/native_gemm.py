@@ -97,9 +97,9 @@ _FETCH_SHIFT = 8        # flags >> 8: rows of a packed B fetched ahead (gemm.c's
 _ARGS = struct.Struct("<23q3d")
 _A_FIELD = 3            # where A's address sits in it
 _C_FIELD = 13           # and C's
-_ADDRESS = struct.Struct("<q")   # one address written into a call's arguments
 _FLAGS_FIELD = 22       # and the flags
 _RESIDUAL_FIELD = 19    # and the residual's
+_ADDRESS = struct.Struct("<q")   # one address written into a call's arguments
 # keel_conv_band_args of gemm.c: 21 int64 fields then lo, hi as doubles.
 _BAND_ARGS = struct.Struct("<21q2d")
 _BAND_X = 16            # where X's address sits in it
@@ -640,7 +640,8 @@ def joined(calls: Sequence[Callable[[], object]]) -> tuple[Callable[[], object],
     """``calls`` with each run of consecutive bound products (:meth:`Call.bound`, their
     ``entry``) made one call of keel_gemm_calls_f32: they run one after another in C,
     not through the interpreter, whose code and data a product's weights push out of the
-    cache (the cpu planner's ``join_calls``). The same C calls: bitwise the same results."""
+    cache (the cpu planner's ``JOIN_CALLS``). The same C calls: bitwise the same results;
+    a joined call names the first of its steps when it fails."""
     f = _functions()
     if f is None:
         return tuple(calls)

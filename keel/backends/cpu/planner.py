@@ -2032,8 +2032,7 @@ def staging_note() -> str:
             "binding saves one step (staging, STAGE_FEED_BYTES, HOLD_BYTES); a feed of at "
             f"least {FEED_IN_PLACE_BYTES >> 10} KiB that only native products read, as A, "
             "is read where the caller has it instead: measured on a 2-core Intel Xeon, "
-            "the copy costs more than moving the products' A (feed_in_place, "
-            "FEED_IN_PLACE_BYTES)")
+            "the copy costs more than moving the products' A (FEED_IN_PLACE_BYTES)")
 
 
 # A steady run's consecutive bound native products (a chain of MatMul / Gemm nodes) go to
@@ -2052,10 +2051,10 @@ JOIN_CALLS = True
 def join_note() -> str:
     """The plan's note on the bound products a steady run calls as one."""
     if not JOIN_CALLS:
-        return "bound native products: called one by one (join_calls, JOIN_CALLS off)"
+        return "bound native products: called one by one (JOIN_CALLS off)"
     return ("bound native products: a steady run calls consecutive ones as one native "
             "call, not through the interpreter, whose code a product's weights push out "
-            "of the cache: measured on a 2-core Intel Xeon (join_calls, JOIN_CALLS)")
+            "of the cache: measured on a 2-core Intel Xeon (JOIN_CALLS)")
 
 
 _BLOCK_OF = {Op.MATMUL: "epilogue_block", Op.GEMM: "epilogue_block",

@@ -87,7 +87,8 @@ def test_the_planner_reads_the_benchmark_mlps_feed_in_place_at_batch_32_only() -
 @pytest.mark.parametrize("rows", [1, 32])
 def test_a_feed_read_in_place_computes_the_kernels_bits_on_every_thread_count(rows: int) -> None:
     """Whatever array the caller passes, in whatever order of calls, the run computes
-    bitwise what the kernels compute, and the same bits on 1, 2, 3 and 16 threads."""
+    bitwise what the kernels compute, and the native products the same bits on 1, 2, 3
+    and 16 threads."""
     ort = pytest.importorskip("onnxruntime")
     onnx_model = mlp()
     session = ort.InferenceSession(onnx_model, providers=["CPUExecutionProvider"])
@@ -106,9 +107,10 @@ def test_a_feed_read_in_place_computes_the_kernels_bits_on_every_thread_count(ro
             assert [slot for slot, _, _ in program._moving] == (
                 [program._input_slots[0]] if in_place else [])
         results.append(got)
-    for got in results[1:]:
-        for a, b in zip(got, results[0], strict=True):
-            np.testing.assert_array_equal(a, b)
+    if native.available():        # BLAS (the NumPy path) sums differently on more threads
+        for got in results[1:]:
+            for a, b in zip(got, results[0], strict=True):
+                np.testing.assert_array_equal(a, b)
     x = callers_arrays(rows, 2)[0]
     (want,) = session.run(None, {"x": x})
     np.testing.assert_allclose(results[0][-1], want, rtol=1e-4, atol=1e-4)

@@ -34,11 +34,13 @@ Optional hooks, with defaults that suit a NumPy backend:
   (:mod:`keel.backends.plan`). The default picks the highest-priority variant;
   a backend with decisions of its own keeps them in one ``planner`` module.
   ``_planner_state()`` returns what else its plans depend on (loaded tiers).
-* ``_plan_notes()``, ``_plan_branches(branches)``, ``_staging()`` — its planner's
-  decisions for a whole plan, behind the final ``plan_notes``, ``plan_branches``
-  and ``staging``: the notes a plan's reasons carry, how many independent branches
-  run at once, the bytes up to which feeds and outputs are staged (defaults: none,
-  in order, nothing).
+* ``_plan_notes()``, ``_plan_branches(branches)``, ``_staging()``,
+  ``_feed_in_place()``, ``_joined(calls)`` — its planner's decisions for a whole plan,
+  behind the final ``plan_notes``, ``plan_branches``, ``staging``, ``feed_in_place``
+  and ``joined``: the notes a plan's reasons carry, how many independent branches run
+  at once, the bytes up to which feeds and outputs are staged, from which a staged feed
+  is read in place, and which consecutive bound calls run as one (defaults: none, in
+  order, nothing, never, none).
 
 Planners decide, kernels execute: ``plan_node`` is asked once per node when a
 model is placed, and the executor hands the plan to the kernel as
@@ -490,6 +492,13 @@ class Backend(ABC):
     def _staging(self) -> tuple[int, int]:
         return 0, 0
 
+    def _feed_in_place(self) -> int:
+        return 0
+
+    def _joined(self, calls: tuple[Callable[[], object], ...]
+                ) -> tuple[Callable[[], object], ...]:
+        return calls
+
     def _plan_notes(self) -> Sequence[str]:
         return ()
 
@@ -615,6 +624,21 @@ class Backend(ABC):
         a feed into (an output out of) a buffer of its own so that this backend's steps
         on it bind (``KernelVariant.bind``). Default: nothing staged."""
         return self._staging()
+
+    @final
+    def feed_in_place(self) -> int:
+        """Bytes from which a staged feed that this backend's bound steps read only as
+        an input they can move (a bound call's ``reading()``) is read where the caller
+        has it, not copied into its buffer; 0: never (the default)."""
+        return self._feed_in_place()
+
+    @final
+    def joined(self, calls: tuple[Callable[[], object], ...]
+               ) -> tuple[Callable[[], object], ...]:
+        """A steady run's bound calls of this backend's steps, in order, with runs of
+        consecutive calls made one call where the backend can (the same work, in the same
+        order). Default: as they are."""
+        return self._joined(calls)
 
     @final
     def plan_branches(self, branches: Sequence[Sequence[tuple[float, int]]]

@@ -272,12 +272,15 @@ class Program:
                                 and s != self._none_slot)
         self._bound: dict[str, int] = {}          # device -> id of the arena bound
         self._staged: tuple[tuple[int, Any], ...] = ()   # small feeds: (slot, own buffer)
+        # Staged feeds the bound steps read where the caller has them (_feeds_in_place):
+        # (slot, its buffer, each reading call's ``point``), as compiled for _hot's thread.
+        self._moving: tuple[tuple[int, Any, tuple[Callable[[Any], None], ...]], ...] = ()
         self._bound_version = -1
         self._hot: list[_HotStep] = []
         self._calls: tuple[Callable[[], object], ...] | None = None
         # Bound calls may hold the binding thread's state (a GEMM's packing workspace):
         # the steps as compiled on each thread that ran them, and the thread of _hot.
-        self._threads: dict[int, tuple[list[_HotStep], Any]] = {}
+        self._threads: dict[int, tuple[list[_HotStep], Any, Any]] = {}
         self._bound_on = 0
         self._lanes_hot: dict[tuple[int, tuple[int, int]], list[tuple[int, _HotStep]]] = {}
         self._capture_decided = False
@@ -436,6 +439,7 @@ class Program:
         for slot, buf in self._staged:
             np.copyto(buf, values[slot])
             values[slot] = buf
+        self._point_at_buffers()
         if self._direct and self._bound_on == _get_ident():
             return self._run_direct()
         return self._run_hot(None)
@@ -467,8 +471,9 @@ class Program:
     def _plan_direct_run(self) -> Callable[[Sequence[Any]], dict[str, Any]] | None:
         """The whole steady run as one function of the ordered feeds, where nothing but
         copies surrounds the bound calls: every feed staged (copied into the buffer its
-        steps are bound to), no optional input, and every output a held step's buffer
-        handed out as a copy (what ``_collect`` hands out as it is). The slots are left
+        steps are bound to, or read in place: ``_feeds_in_place``), no optional input,
+        and every output a held step's buffer handed out as a copy (what ``_collect``
+        hands out as it is). The slots are left
         alone: the bound calls read and write their buffers, not the slots. None
         otherwise."""
         held = {slot: buf for kind, _, buf, slot, _, _, _ in self._hot if kind == _HELD}
@@ -480,8 +485,22 @@ class Program:
             if how != _AS_IS or device != HOST or slot not in held:
                 return None
             outs.append((name, held[slot]))
-        return _direct_runner(self, tuple(staged[slot] for slot in self._input_slots),
-                              tuple(hot[1] for hot in self._hot), tuple(outs))
+        points = {slot: moving for slot, _, moving in self._moving}
+        calls = self._joined(tuple(hot[1] for hot in self._hot))
+        # Calls that run C code only read no NumPy floating-point state: none to set.
+        quiet = bool(self._scoped) and not all(getattr(c, "native", False) for c in calls)
+        return _direct_runner(self, tuple((staged[slot], points.get(slot, ()))
+                                          for slot in self._input_slots),
+                              calls, tuple(outs), quiet)
+
+    def _joined(self, calls: tuple[Callable[[], object], ...]
+                ) -> tuple[Callable[[], object], ...]:
+        """The steady run's calls as its backend joins them (``Backend.joined``), where
+        every step runs on one backend."""
+        backends = {step.backend for step in self._steps}
+        if len(backends) != 1:
+            return calls
+        return self._backends[backends.pop()].joined(calls)
 
     def _run_hot(self, outputs: Mapping[str, Any] | None, *,
                  device: bool = False) -> dict[str, Any]:
@@ -907,6 +926,14 @@ class Program:
         for slot, buf in self._staged:
             np.copyto(buf, self._values[slot])
             self._values[slot] = buf
+        self._point_at_buffers()
+
+    def _point_at_buffers(self) -> None:
+        """The calls reading a feed in place read its buffer (where this run copied it):
+        the steady run (:func:`_direct_runner`) may have moved them to a caller's array."""
+        for _, buf, points in self._moving:
+            for point in points:
+                point(buf)
 
     def _release(self) -> None:
         # Drop references to feeds, outputs and kernel-allocated values; keep views.
@@ -1000,13 +1027,15 @@ class Program:
         if kept is None:
             self._compile_hot()
         else:
-            (self._hot, self._calls), self._bound_on = kept, _get_ident()
+            (self._hot, self._calls, self._moving), self._bound_on = kept, _get_ident()
+            self._point_at_buffers()         # this thread's last steady run moved them
             self._direct = self._plan_direct()
 
     def _compile_hot(self) -> None:
         """Each step as the tuple ``_loop`` unpacks (rebuilt when the views move), and the
         calls alone where every step is bound; kept for the thread binding them."""
-        self._hot = hot = [self._hot_step(step) for step in self._steps]
+        hot = [self._hot_step(step) for step in self._steps]
+        self._hot, self._moving = hot, self._feeds_in_place(hot)
         calls: list[Callable[[], object]] | None = []
         for kind, fn, held, slot, _, _, _ in hot:
             if kind == _BOUND and calls is not None:
@@ -1019,8 +1048,33 @@ class Program:
         if len(self._threads) >= _THREADS_BOUND:
             self._threads.clear()
         self._bound_on = _get_ident()
-        self._threads[self._bound_on] = (hot, self._calls)
+        self._threads[self._bound_on] = (hot, self._calls, self._moving)
         self._direct = self._plan_direct()
+
+    def _feeds_in_place(self, hot: list[_HotStep]
+                        ) -> tuple[tuple[int, Any, tuple[Callable[[Any], None], ...]], ...]:
+        """The staged feeds that the steady run reads where the caller has them: those of
+        at least the bytes every reading step's backend says (``Backend.feed_in_place``;
+        the cpu planner's rule and reason), read only as the first input of bound calls
+        that can move it (a ``reading()`` of theirs). Those steps in ``hot`` become the
+        moving calls, still reading the feed's buffer until a run moves them."""
+        moving = []
+        for slot, buf in self._staged:
+            readers = [i for i, st in enumerate(self._steps) if slot in st.inputs]
+            least = min((self._backends[self._steps[i].backend].feed_in_place()
+                         for i in readers), default=0)
+            if not least or buf.nbytes < least or any(
+                    hot[i][0] not in (_BOUND, _HELD) or self._steps[i].inputs.count(slot) != 1
+                    or self._steps[i].inputs[0] != slot for i in readers):
+                continue
+            found = [getattr(hot[i][1], "reading", _none)() for i in readers]
+            calls = [call for call in found if call is not None]
+            if len(calls) != len(readers):
+                continue
+            for i, call in zip(readers, calls, strict=True):
+                hot[i] = (hot[i][0], call, *hot[i][2:])
+            moving.append((slot, buf, tuple(call.point for call in calls)))
+        return tuple(moving)
 
     def _hot_step(self, step: _Step) -> _HotStep:
         if step.kind != "kernel":
@@ -1141,35 +1195,63 @@ def _nothing(values: list[Any]) -> Sequence[Any]:
     return ()
 
 
-def _direct_runner(program: Program, buffers: tuple[Any, ...],
-                   calls: tuple[Callable[[], object], ...], outputs: tuple[tuple[str, Any], ...]
-                   ) -> Callable[[Sequence[Any]], dict[str, Any]]:
+def _none() -> None:
+    return None
+
+
+def _direct_runner(program: Program,
+                   feeds: tuple[tuple[Any, tuple[Callable[[Any], None], ...]], ...],
+                   calls: tuple[Callable[[], object], ...], outputs: tuple[tuple[str, Any], ...],
+                   quiet: bool) -> Callable[[Sequence[Any]], dict[str, Any]]:
     """``program``'s steady run (:meth:`Program._plan_direct_run`) with everything it
     touches bound as locals: a run is a few bytecodes around the calls, which matters at
-    batch 1, where the calls themselves take 20-150 us."""
-    scoped = bool(program._scoped)
+    batch 1, where the calls themselves take 20-150 us. ``feeds``: each feed's buffer and
+    the ``point`` of every call that reads it in place (none: it is copied into the
+    buffer); a feed not C-contiguous and aligned is copied and read there. ``quiet``:
+    the calls run under the quiet FP state (where some of them run NumPy).
+
+    After a product that passes a model's weights through the L2, the interpreter's own
+    code and data come back from L3: each Python operation between and after the calls
+    costs microseconds (measured on the 2-core Intel Xeon, after the MLP's batch-32
+    products: an empty ctypes call 2.7 us instead of 0.5, a 1 KiB NumPy copy 6.8 us
+    instead of 0.8; medians). So a run does as little as it can around them."""
+    name, held = outputs[0] if len(outputs) == 1 else ("", None)
+    firsts, first = [], 0               # the step each call begins with (a joined call: parts)
+    for call in calls:
+        firsts.append(first)
+        first += getattr(call, "parts", 1)
     parks = program._parks
     owner = weakref.ref(program)        # the program holds this function: no cycle
     state, made = _FP_STATE, _Quiet._made        # _Quiet's work, without its calls
 
     def run(arrays: Sequence[Any]) -> dict[str, Any]:
-        for buf, array in zip(buffers, arrays, strict=True):
-            np.copyto(buf, array)
+        for (buf, points), array in zip(feeds, arrays, strict=True):
+            if not points:
+                np.copyto(buf, array)
+                continue
+            flags = array.flags
+            if not (flags.c_contiguous and flags.aligned):
+                np.copyto(buf, array)
+                array = buf
+            for point in points:
+                point(array)
         token = None
-        if scoped:
+        if quiet:
             current = state.get()
-            quiet = made.get(current)
-            token = state.set(_Quiet.ignoring(current) if quiet is None else quiet)
+            ignoring = made.get(current)
+            token = state.set(_Quiet.ignoring(current) if ignoring is None else ignoring)
         i = 0
         try:
             for i, call in enumerate(calls):          # noqa: B007 - i names a failing step
                 call()
+            if held is not None:
+                return {name: held.copy()}
             return {name: buf.copy() for name, buf in outputs}
         except KeelError as exc:
-            _note(exc, _alive(owner)._steps[i])
+            _note(exc, _alive(owner)._steps[firsts[i]])
             raise
         except Exception as exc:
-            raise _alive(owner)._failed(i, exc) from exc
+            raise _alive(owner)._failed(firsts[i], exc) from exc
         finally:
             if token is not None:
                 state.reset(token)

@@ -135,6 +135,7 @@ class CpuBackend(Backend):
             caches,
             fetch_note,
             huge_pages_note,
+            join_note,
             pool_yield,
             staging_note,
             thread_costs_note,
@@ -147,12 +148,24 @@ class CpuBackend(Backend):
         return (f"cpu backend, {self.threads_reason}",
                 *((f"NUMA: {numa}",) if cpus is not None or "NUMA nodes" in numa else ()),
                 blocks, thread_costs_note(self.threads), f"keel threads: {pool_yield().reason}",
-                huge_pages_note(), fetch_note(), staging_note())
+                huge_pages_note(), fetch_note(), staging_note(), join_note())
 
     def _staging(self) -> tuple[int, int]:
         from keel.backends.cpu.planner import staging
 
         return staging()
+
+    def _feed_in_place(self) -> int:
+        from keel.backends.cpu.planner import FEED_IN_PLACE_BYTES
+
+        return FEED_IN_PLACE_BYTES
+
+    def _joined(self, calls: tuple[Callable[[], object], ...]
+                ) -> tuple[Callable[[], object], ...]:
+        from keel.backends.cpu import native_gemm
+        from keel.backends.cpu.planner import JOIN_CALLS
+
+        return native_gemm.joined(calls) if JOIN_CALLS else calls
 
     def _plan_branches(self, branches: Sequence[Sequence[tuple[float, int]]]
                        ) -> tuple[int, str]:

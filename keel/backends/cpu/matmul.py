@@ -375,13 +375,31 @@ def _bind_product(kernel: Any) -> Any:
         # The call packs into this thread's workspace: programs run bound calls only on
         # the thread that bound them.
         if run.rest is None and run.threads == split:
-            if run.after is None:
-                return run.go                        # the C call itself
+            if run.after is None:                    # the C call itself
+                return _reading_a(run.go, run.call, split, None)
             activation = _bound_activation(attrs, y, ctx.threads or 1)
             if activation is not None:               # the C call, then the native pass
-                return functools.partial(_in_turn, run.go, activation)
+                return _reading_a(functools.partial(_in_turn, run.go, activation), run.call,
+                                  split, activation)
         return functools.partial(run.into, y, ctx.threads or 1, split)
     return bind
+
+
+def _reading_a(call: functools.partial[Any], native: native_gemm.Call, split: int,
+               activation: Callable[[], object] | None) -> functools.partial[Any]:
+    """``call`` with ``reading()`` attached: the same step as a call whose A moves
+    (:meth:`native_gemm.Call.bound_reading`; its ``point(array)`` moves it), or None
+    where it cannot. A program reads a feed in place through it (the cpu planner's
+    ``FEED_IN_PLACE_BYTES``)."""
+    def reading() -> functools.partial[Any] | None:
+        go = native.bound_reading(split)
+        if go is None or activation is None:
+            return go
+        moving = functools.partial(_in_turn, go, activation)
+        moving.point = go.point                     # type: ignore[attr-defined]
+        return moving
+    call.reading = reading                          # type: ignore[attr-defined]
+    return call
 
 
 def _bound_activation(attrs: Attrs, y: Any, threads: int) -> Callable[[], object] | None:

@@ -75,7 +75,7 @@ import functools
 import mmap
 import struct
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -101,9 +101,11 @@ _FLAGS = {"KEEL_ACCUMULATE": _ACCUMULATE, "KEEL_CLIP": _CLIP, "KEEL_STREAM": _ST
 # keel_gemm_args of gemm.c: 23 int64 fields then alpha, lo, hi as doubles. One
 # packed argument block costs ~0.3 us; 30 separate ctypes arguments cost ~3 us.
 _ARGS = struct.Struct("<23q3d")
-_C_FIELD = 13           # where C's address sits in it
+_A_FIELD = 3            # where A's address sits in it
+_C_FIELD = 13           # and C's
 _FLAGS_FIELD = 22       # and the flags
 _RESIDUAL_FIELD = 19    # and the residual's
+_ADDRESS = struct.Struct("<q")   # one address written into a call's arguments
 # keel_conv_band_args of gemm.c: 21 int64 fields then lo, hi as doubles.
 _BAND_ARGS = struct.Struct("<21q2d")
 _BAND_X = 16            # where X's address sits in it
@@ -119,6 +121,7 @@ class _Functions:
     gemm: Callable[..., None]
     gemm_mt: Callable[..., int]
     tiles_mt: Callable[..., int]     # keel_gemm_tiles_mt_f32: a grid of tiles on the pool
+    calls: Callable[..., int]        # keel_gemm_calls_f32: bound calls one after another
     pack: Callable[..., None]
     band: Callable[..., None]        # keel_conv_band_f32 and its helpers (prepare_band)
     band_mt: Callable[..., int]
@@ -152,6 +155,8 @@ def _load(lib: native.NativeLibrary) -> _Functions:
 
     check_layout("keel_gemm_args", _ARGS, _C_FIELD, "C",
                   size("keel_gemm_args_size"), size("keel_gemm_args_c_offset"))
+    check_layout("keel_gemm_args", _ARGS, _A_FIELD, "A",
+                  size("keel_gemm_args_size"), size("keel_gemm_args_a_offset"))
     check_layout("keel_conv_band_args", _BAND_ARGS, _BAND_X, "X",
                   size("keel_conv_band_args_size"), size("keel_conv_band_args_x_offset"))
     check_enums(lib, "keel_gemm_flags", _FLAGS, "native_gemm")
@@ -166,6 +171,7 @@ def _load(lib: native.NativeLibrary) -> _Functions:
         gemm_mt=lib.function("keel_gemm_mt_f32", [ctypes.c_char_p, _I64, _I64, _I64], _I64),
         tiles_mt=lib.function("keel_gemm_tiles_mt_f32",
                               [ctypes.c_char_p, _I64, _I64, _I64, _I64], _I64),
+        calls=lib.function("keel_gemm_calls_f32", [_PTR, _I64], _I64),
         pack=lib.function("keel_gemm_pack_f32",
                           [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _I64]),
         band=lib.function("keel_conv_band_f32", [ctypes.c_char_p, _PTR, _I64, _I64]),
@@ -587,14 +593,40 @@ class Call:
         The callable keeps the call (and the workspace) alive; run it only on this
         thread, while the call's A and C live.
         """
+        return self._bound(threads, self.args)
+
+    def bound_reading(self, threads: int) -> functools.partial[Any] | None:
+        """:meth:`bound` on arguments of its own, whose A its ``point(array)`` moves: the
+        call then reads A from ``array`` (C-contiguous, aligned, A's shape and dtype),
+        until the next ``point``. For an A that is a model's feed, read where the caller
+        has it instead of copied into a buffer the call is bound to (a pass over it
+        saved). None where A is a packed operand (its layout is not an array's)."""
+        if self.values[_A_FIELD + 1] == 0 and self.values[_A_FIELD + 2] == 0:
+            return None
+        args = ctypes.create_string_buffer(self.args, len(self.args))
+        call = self._bound(threads, args)
+        call.point = functools.partial(_point, args)    # type: ignore[attr-defined]
+        return call
+
+    def _bound(self, threads: int, args: Any) -> functools.partial[Any]:
+        """The call on ``args``, marked ``native``: it runs C code only, so NumPy's
+        floating-point state means nothing to it (a program whose bound calls are all
+        such runs them without setting it)."""
         f = self.f
         split = self._split(threads)
+        at = ctypes.cast(args, ctypes.c_void_p).value or 0  # the bytes' own buffer, held
         if split is not None:
-            return holding(functools.partial(checked, *split), self)
-        work = thread_scratch(Scratch.WORK, f.work)
-        once = functools.partial(f.gemm, self.args, int(native.address(work)), 0, 0,
-                                 self.batch * -(-self.n // f.nr))
-        return holding(once, self, work)
+            call = holding(functools.partial(checked, split[0], args, *split[2:]), self, args)
+            call.entry = (_TILES_ENTRY, at, *split[2:])  # type: ignore[attr-defined]
+        else:
+            units = self.batch * -(-self.n // f.nr)
+            work = thread_scratch(Scratch.WORK, f.work)
+            at_work = int(native.address(work))
+            call = holding(functools.partial(f.gemm, args, at_work, 0, 0, units),
+                           self, work, args)
+            call.entry = (_GEMM_ENTRY, at, at_work, 0, 0, units)  # type: ignore[attr-defined]
+        call.native = True                               # type: ignore[attr-defined]
+        return call
 
     def run(self, threads: int, panel_major: bool = False) -> None:
         """Compute, split over up to ``threads`` threads when the product is big enough.
@@ -625,6 +657,50 @@ class Call:
         if split.parts <= 1:
             return None
         return f.tiles_mt, self.args, split.rows, split.cols, split.pieces, split.parts
+
+
+_GEMM_ENTRY, _TILES_ENTRY = 0, 1      # keel_gemm_calls_f32's kinds of entry
+
+
+def joined(calls: Sequence[Callable[[], object]]) -> tuple[Callable[[], object], ...]:
+    """``calls`` with each run of consecutive bound products (:meth:`Call.bound`, their
+    ``entry``) made one call of keel_gemm_calls_f32: they run one after another in C,
+    not through the interpreter, whose code and data a product's weights push out of the
+    cache (the cpu planner's ``JOIN_CALLS``). The same C calls: bitwise the same results;
+    a joined call names the first of its steps when it fails."""
+    f = _functions()
+    if f is None:
+        return tuple(calls)
+    out: list[Callable[[], object]] = []
+    run: list[Callable[[], object]] = []
+    for call in (*calls, None):
+        if call is not None and getattr(call, "entry", None) is not None:
+            run.append(call)
+            continue
+        out.extend(run if len(run) < 2 else (_joined_call(f, run),))
+        run = []
+        if call is not None:
+            out.append(call)
+    return tuple(out)
+
+
+def _joined_call(f: _Functions, calls: list[Callable[[], object]]) -> functools.partial[Any]:
+    entries = np.array([c.entry for c in calls], dtype=np.int64)  # type: ignore[attr-defined]
+    call = holding(functools.partial(_run_joined, f.calls,
+                                     int(entries.ctypes.data), len(calls)), entries, *calls)
+    call.native = True                                   # type: ignore[attr-defined]
+    call.parts = len(calls)                              # type: ignore[attr-defined]
+    return call
+
+
+def _run_joined(calls: Callable[..., int], entries: int, n: int) -> None:
+    if calls(entries, n) >= 0:
+        raise MemoryError("native kernel: no memory for a worker thread's workspace")
+
+
+def _point(args: Any, array: np.ndarray) -> None:
+    """A :meth:`Call.bound_reading` call's A moved to ``array``."""
+    _ADDRESS.pack_into(args, 8 * _A_FIELD, native.address(array))
 
 
 def moved_addresses(values: tuple[Any, ...], fields: tuple[int, ...], lo: int, hi: int,

@@ -2036,12 +2036,52 @@ def staging() -> tuple[int, int]:
     return STAGE_FEED_BYTES, HOLD_BYTES
 
 
+# A staged feed of at least FEED_IN_PLACE_BYTES whose every reader is a bound native
+# product taking it as A is read where the caller has it: each run moves those calls' A
+# to the caller's array (its address looked up and written into the call's arguments),
+# and the product packs A from there as it packed it from the buffer. The copy it saves
+# reads the feed from L3 (a model's weights passed through L2 since the last run) and
+# writes the buffer. Measured on the 2-core Intel Xeon development VM, one thread, under
+# load (load 6-7), alternating blocks of 40 runs in one process: the MLP at batch 32
+# (100 KiB feed), its products joined (JOIN_CALLS), in place / copied 0.99, 0.98, 1.00
+# (e.g. 274.9 against 278.1 us, medians of 30 blocks' medians). Moving A costs 0.9 us
+# (hot, under load), what copying 3-32 KiB costs (0.98 us for 3 KiB here, 1.0 us for
+# 32 KiB when STAGE_FEED_BYTES was measured): from 64 KiB the copy costs at least twice
+# as much; below it the copy is kept (at batch 1 a moved call was 1.01-1.12x slower).
+FEED_IN_PLACE_BYTES = 64 * 1024
+
+
 def staging_note() -> str:
     """The plan's note on the feeds and outputs staged for bound steps."""
     return (f"feeds up to {STAGE_FEED_BYTES >> 10} KiB and graph outputs up to "
             f"{HOLD_BYTES >> 10} KiB copied into (out of) buffers of the program's own, so "
             "the steps on them run bound: measured, the copy costs less than half what "
-            "binding saves one step (staging, STAGE_FEED_BYTES, HOLD_BYTES)")
+            "binding saves one step (staging, STAGE_FEED_BYTES, HOLD_BYTES); a feed of at "
+            f"least {FEED_IN_PLACE_BYTES >> 10} KiB that only native products read, as A, "
+            "is read where the caller has it instead: measured on a 2-core Intel Xeon, "
+            "the copy costs more than moving the products' A (FEED_IN_PLACE_BYTES)")
+
+
+# A steady run's consecutive bound native products (a chain of MatMul / Gemm nodes) go to
+# C as one call (native_gemm.joined): after a product that passes a model's weights
+# through the L2, every Python operation before the next call pays for the interpreter's
+# code and data coming back from L3 (an empty ctypes call right after the MLP's first
+# two batch-32 products: 2.7 us median against 0.5). Measured on the 2-core Intel Xeon
+# development VM, under load (load 6-7), alternating blocks of runs in one process, the
+# feed read in place either way, time against onnxruntime's: the MLP batch 32 one
+# thread 0.971 -> 0.944, batch 1 0.826 -> 0.780, batch 32 two threads 0.987 -> 0.969;
+# LeNet batch 1 two threads 0.868 -> 0.808 (its three Gemms), batch 32 0.786 -> 0.794
+# (noise: its convs take 98 % of the run).
+JOIN_CALLS = True
+
+
+def join_note() -> str:
+    """The plan's note on the bound products a steady run calls as one."""
+    if not JOIN_CALLS:
+        return "bound native products: called one by one (JOIN_CALLS off)"
+    return ("bound native products: a steady run calls consecutive ones as one native "
+            "call, not through the interpreter, whose code a product's weights push out "
+            "of the cache: measured on a 2-core Intel Xeon (JOIN_CALLS)")
 
 
 _BLOCK_OF = {Op.MATMUL: "epilogue_block", Op.GEMM: "epilogue_block",

@@ -168,6 +168,24 @@ def test_a_region_of_two_blocks() -> None:
     _check_results(blob)
 
 
+def test_one_image_of_few_bands_splits_its_output_channels_too() -> None:
+    """64 channels on 8 x 8 at batch 1 are 4 bands of two rows: on 16 threads each
+    conv's two register tiles of output channels are split units too (8 chunks, where
+    bands alone gave 4), the same bits on 1, 2, 3 and 16 threads."""
+    blob, _ = _blocks(channels=64, size=8)
+    model = _load(blob, 16)
+    model.predict(_feeds(blob, 1))
+    plans = [p.plan for p in model.plan.nodes if p.op == "conv"]
+    assert plans and all(p is not None and p.layout in native_blocked.REGION_LAYOUTS
+                         for p in plans)
+    for plan in plans:
+        assert plan is not None
+        assert "4 band(s) of output rows x 2 group(s) of 1 register tile(s)" in plan.reason(
+            "threads")
+        assert "split into 8 piece(s)" in plan.reason("threads")
+    _check_results(blob, batch=1, intermediates=False)
+
+
 def test_the_same_bits_as_the_plan_without_the_region(monkeypatch: pytest.MonkeyPatch
                                                       ) -> None:
     """The blocked tiles sum each element in the masked form's order: the region changes

@@ -1214,8 +1214,8 @@ def _blocked_calls(layout: NativeLayout, source: Any, x: Any, filters: Any, z: A
     clip = (act[1][0], act[1][1]) if act[0] == "clip" else None
     call = native_blocked.prepare(
         x, packed, y, rules.blocked_oc_tile(geo.out_channels), blocked_rows(geo),
-        functools.partial(rules.blocked_parts, geo), bias=bias, residual=z, clip=clip,
-        sides=layout.sides)
+        lambda threads: rules.blocked_split(geo, threads).pair, bias=bias, residual=z,
+        clip=clip, sides=layout.sides)
     return None if call is None else [call]
 
 

@@ -21,15 +21,17 @@ import numpy as np
 
 from keel import native
 from keel.backends.cpu import native_gemm
+from keel.errors import InvalidArgumentError
 
 __all__ = ["NCHWC", "NCHW_SIDES", "REGION_LAYOUTS", "BlockedCall", "Sides", "available",
-           "pack_filters", "prepare", "to_blocked", "to_nchw"]
+           "Split", "pack_filters", "prepare", "to_blocked", "to_nchw"]
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-# keel_conv_blocked_args of blocked.c: 13 int64 fields then lo, hi as doubles.
-_ARGS = struct.Struct("<13q2d")
-_X = 8                  # where X's address sits in it
-_OUT = (9, 11)          # and Y's and the residual's
+# keel_conv_blocked_args of blocked.c: 14 int64 fields then lo, hi as doubles.
+_ARGS = struct.Struct("<14q2d")
+_GROUPS = 7             # where the channel groups sit in it
+_X = 9                  # X's address
+_OUT = (10, 12)         # and Y's and the residual's
 _CLIP, _X_BLOCKED, _Y_BLOCKED, _R_BLOCKED = 2, 4, 8, 16     # blocked.c's BLOCKED_* flags
 _FLAGS = {"BLOCKED_CLIP": _CLIP, "BLOCKED_X": _X_BLOCKED, "BLOCKED_Y": _Y_BLOCKED,
           "BLOCKED_R": _R_BLOCKED}                          # checked by name at load
@@ -132,22 +134,28 @@ def _scratch(floats: int) -> int:
     return int(held.ctypes.data)
 
 
+Split = Callable[[int], tuple[int, int]]
+"""Threads -> (groups of output channels, chunks of the units): the planner's grid."""
+
+
 class BlockedCall:
     """One prepared blocked conv. X is read where it lies (C-contiguous, NCHW or blocked
     as its layout says), so :meth:`with_x` rebinds the call to another X of the same
-    shape; ``parts`` gives the chunks of its units (bands of output rows) on a number of
-    threads (the planner's split)."""
+    shape; ``split`` gives, for a number of threads, the groups its output channels are
+    cut into (whole register tiles each) and the chunks of its units (bands of output
+    rows of one channel group of one image): the planner's grid. ``bands`` is the bands of
+    all images, ``tiles`` the register tiles of output channels."""
 
-    __slots__ = ("args", "f", "keep", "parts", "units", "values", "x_shape")
+    __slots__ = ("bands", "f", "keep", "split", "tiles", "values", "x_shape")
 
-    def __init__(self, f: _Functions, values: tuple[Any, ...], units: int,
-                 parts: Callable[[int], int], keep: tuple[object, ...],
-                 x_shape: tuple[int, ...]) -> None:
-        self.f, self.values, self.args = f, values, _ARGS.pack(*values)
-        self.units, self.parts, self.keep, self.x_shape = units, parts, keep, x_shape
+    def __init__(self, f: _Functions, values: tuple[Any, ...], bands: int, tiles: int,
+                 split: Split, keep: tuple[object, ...], x_shape: tuple[int, ...]) -> None:
+        self.f, self.values, self.bands, self.tiles = f, values, bands, tiles
+        self.split, self.keep, self.x_shape = split, keep, x_shape
 
     def _again(self, values: tuple[Any, ...]) -> BlockedCall:
-        return BlockedCall(self.f, values, self.units, self.parts, self.keep, self.x_shape)
+        return BlockedCall(self.f, values, self.bands, self.tiles, self.split, self.keep,
+                           self.x_shape)
 
     def with_x(self, x: np.ndarray) -> BlockedCall | None:
         """The same call reading ``x`` (None unless it is a C-contiguous float32 array of
@@ -162,13 +170,20 @@ class BlockedCall:
         return self._again(native_gemm.moved_addresses(self.values, _OUT, lo, hi, delta))
 
     def bound(self, threads: int) -> Callable[[], Any]:
-        """``run(threads)`` as a callable with no arguments."""
-        parts = self.parts(threads)
+        """``run(threads)`` as a callable with no arguments (InvalidArgumentError when
+        the split's channel groups are not whole register tiles)."""
+        groups, parts = self.split(threads)
+        if groups < 1 or self.tiles % groups:
+            raise InvalidArgumentError(
+                f"blocked conv: {groups} channel group(s) of {self.tiles} register tiles; "
+                "the groups must divide the tiles")
+        values = (*self.values[:_GROUPS], groups, *self.values[_GROUPS + 1:])
+        args, units = _ARGS.pack(*values), self.bands * groups
         if parts > 1:
             return native_gemm.holding(functools.partial(
-                native_gemm.checked, self.f.mt, self.args, self.units, parts), self)
-        once = functools.partial(self.f.serial, self.args,
-                                 _scratch(int(self.f.work(self.args))), 0, self.units)
+                native_gemm.checked, self.f.mt, args, units, parts), self)
+        once = functools.partial(self.f.serial, args, _scratch(int(self.f.work(args))), 0,
+                                 units)
         return native_gemm.holding(once, self, _local.scratch)
 
     def run(self, threads: int) -> None:
@@ -177,14 +192,15 @@ class BlockedCall:
 
 
 def prepare(x: np.ndarray, filters: np.ndarray, y: np.ndarray, oc_tile: int, rows: int,
-            parts: Callable[[int], int], *, bias: np.ndarray | None = None,
+            split: Split, *, bias: np.ndarray | None = None,
             residual: np.ndarray | None = None,
             clip: tuple[float, float] | None = None, sides: Sides = NCHW_SIDES
             ) -> BlockedCall | None:
     """The :class:`BlockedCall` of a 3x3 stride-1 conv padded by one of X (N, C, H, W)
     into Y (N, M, H, W), both C-contiguous float32, ``filters`` from
     :func:`pack_filters`; ``oc_tile`` blocks of 16 channels a register tile, ``rows``
-    output rows a unit, ``parts(threads)`` the chunks of the units, ``sides`` which of
+    output rows a unit, ``split(threads)`` the channel groups and the chunks of the
+    units (see :class:`BlockedCall`), ``sides`` which of
     X, Y and the residual are blocked (all the planner's). The residual may be Y itself
     where both have one layout. None when not served."""
     f = _functions()
@@ -202,9 +218,9 @@ def prepare(x: np.ndarray, filters: np.ndarray, y: np.ndarray, oc_tile: int, row
     if not native_gemm.conv_epilogue_served(y, bias, None if in_place else residual):
         return None
     lo, hi = clip if clip is not None else (0.0, 0.0)
-    values = (n, c, h, w, m, oc_tile, rows, native.address(filters), native.address(x),
+    values = (n, c, h, w, m, oc_tile, rows, 1, native.address(filters), native.address(x),
               native.address(y), 0 if bias is None else native.address(bias),
               0 if residual is None else native.address(residual),
               (_CLIP if clip is not None else 0) | sides.flags, lo, hi)
-    return BlockedCall(f, values, n * (h // rows), parts, (filters, bias, residual),
-                       tuple(x.shape))
+    return BlockedCall(f, values, n * (h // rows), m // (LANES * oc_tile), split,
+                       (filters, bias, residual), tuple(x.shape))

@@ -1080,8 +1080,8 @@ def _float_decision(n: Any, geo: ConvGeometry, blocked: set[str], leaves: str, s
     residual = n.inputs[3] if len(n.inputs) > 3 and n.inputs[3] else ""
     layout = f"{src}->{dst}"
     role = _FLOAT_LAYOUT_ROLES[(src, dst)].format(why=leaves)
-    split = split_reason(conv_splits("native", layout, None, geo, threads), threads) \
-        if threads and threads > 1 else ""
+    split = (split_reason(conv_splits("native", layout, None, geo, threads), threads)
+             + f"; {blocked_split(geo, threads).reason}") if threads and threads > 1 else ""
     why = FLOAT_LAYOUT_REASON.format(nodes=size, this=role)
     options: tuple[tuple[str, Any, str], ...] = ()
     if residual:
@@ -2737,18 +2737,64 @@ def blocked_oc_tile(out_channels: int) -> int:
     return 2 if out_channels % 32 == 0 else 1
 
 
+@dataclass(frozen=True)
+class BlockedSplit:
+    """How the blocked conv splits over threads: its output channels in ``groups`` equal
+    groups of whole register tiles, its units (a band of output rows of one group of one
+    image) in ``parts`` chunks of consecutive units, and why."""
+
+    groups: int
+    units: int
+    parts: int
+    reason: str
+
+    @property
+    def pair(self) -> tuple[int, int]:
+        """(groups, parts): what the kernel call asks (native_blocked.Split)."""
+        return self.groups, self.parts
+
+
+def blocked_split(geo: ConvGeometry, threads: int) -> BlockedSplit:
+    """The grid of bands x channel groups of the blocked conv on up to ``threads``
+    threads, derived from the products' split (gemm_split): for each number of groups
+    that divides the register tiles, the chunks whose every one gets the least flops of
+    a split that wide (split_parts); the least work on the busiest thread wins, grids
+    within SPLIT_BALANCE_SLACK of it counting as equal, then the fewest groups (an
+    image's X is read by the threads of every group, as a product's B by every row
+    group). Bands alone where they are as even: on one or two threads the bands-only
+    split measured before channel groups existed."""
+    return _blocked_split(geo, threads, (thread_costs.current().token, MIN_FLOPS_PER_THREAD))
+
+
+@functools.lru_cache(maxsize=1024)
+def _blocked_split(geo: ConvGeometry, threads: int, least: tuple[str, int]) -> BlockedSplit:
+    bands = _blocked_units(geo)
+    tiles = geo.out_channels // (native_blocked.LANES * blocked_oc_tile(geo.out_channels))
+    if bands == 0:                      # an empty batch: nothing to split
+        return BlockedSplit(1, 0, 1, "not split: an empty batch")
+    flops = geo.batch * _image_flops(geo)
+    found = []
+    for groups in (g for g in range(1, tiles + 1) if tiles % g == 0):
+        units = bands * groups
+        parts = max(1, split_parts(LeastWork.FLOPS, threads, units, flops // units))
+        found.append((-(-units // parts) * flops // units, groups, units, parts))
+    least_span = min(f[0] for f in found)
+    span, groups, units, parts = min(
+        f for f in found if f[0] <= least_span * (1 + SPLIT_BALANCE_SLACK))
+    return BlockedSplit(groups, units, parts, (
+        f"the grid: {bands} band(s) of output rows x {groups} group(s) of {tiles // groups} "
+        f"register tile(s) of output channels, the busiest thread {span:,} of {flops:,} "
+        "flops (blocked_split: the least busiest work, then the fewest groups, as the "
+        "products' split; derived, not measured on more than two cores)"))
+
+
 def blocked_parts(geo: ConvGeometry, threads: int) -> int:
-    """Chunks of the blocked conv's units (bands of output rows, images after one
-    another) on up to ``threads`` threads: the least flops of a split that wide each."""
-    units = _blocked_units(geo)
-    if units == 0:                      # an empty batch: nothing to split
-        return 1
-    work = geo.batch * _image_flops(geo) // units
-    return max(1, split_parts(LeastWork.FLOPS, threads, units, work))
+    """Chunks of the blocked conv's units on up to ``threads`` threads (blocked_split)."""
+    return blocked_split(geo, threads).parts
 
 
 def _blocked_units(geo: ConvGeometry) -> int:
-    """The blocked conv's units: bands of output rows, images after one another."""
+    """The blocked conv's bands of output rows, images after one another."""
     return geo.batch * (geo.window.out_spatial[0] // conv_gemm.blocked_rows(geo))
 
 
@@ -4187,9 +4233,9 @@ def _native_splits(geo: ConvGeometry, layout: str, threads: int, grid: Any,
     pixels, taps = math.prod(win.out_spatial), math.prod(win.kernel)
     cg, mg = geo.in_channels // g, geo.out_channels // g
     if layout in native_blocked.REGION_LAYOUTS and conv_gemm.blocked_serves(geo):
-        units = _blocked_units(geo)
-        return (Split("bands of output rows", units, blocked_parts(geo, threads),
-                      n * _image_flops(geo), least_work(LeastWork.FLOPS, threads)),)
+        split = blocked_split(geo, threads)
+        return (Split(f"bands of output rows x {split.groups} channel group(s)", split.units,
+                      split.parts, n * _image_flops(geo), least_work(LeastWork.FLOPS, threads)),)
     band, copied, batch, columns, wide = _native_shape(geo, layout, step)
     if band:
         rows = native_gemm.band_rows(geo.in_channels, win.kernel, win.out_spatial) or 1

@@ -24,7 +24,8 @@
  * (gemm.c, the depth p = c * 9 + kh * 3 + kw), so bitwise their Y in any layout, for
  * any split over threads (the border's zeros are multiplied as a zero-bordered copy
  * would give them: an infinite filter tap gives NaN there, as in the reference). A unit
- * is one band of one image.
+ * is one band of one group of output channels (`groups` equal groups of whole register
+ * tiles: the planner's grid of bands x channel groups) of one image.
  *
  * AVX-512 builds only: elsewhere keel_conv_blocked_lanes_f32 says 0 and the cpu planner
  * does not plan the form.
@@ -40,6 +41,7 @@ typedef struct {
     int64_t n, c, h, w, m;   /* X (n, c, h, w), Y (n, m, h, w); m a multiple of 16 */
     int64_t oc_tile;         /* blocks of 16 output channels a register tile: 1 or 2 */
     int64_t rows;            /* output rows a unit (rows * w a multiple of 16, h too) */
+    int64_t groups;          /* groups of output channels: whole register tiles each */
     const float *filters;    /* [m / 16][c][9][16] */
     const float *x;
     float *y;
@@ -252,15 +254,18 @@ static void band_store(const keel_conv_blocked_args *g, const float *buf, int64_
     }
 }
 
-/* Units [lo, hi): unit u is band u % bands of image u / bands. */
+/* Units [lo, hi): unit u is band u % bands of channel group u / bands % groups of image
+ * u / (bands * groups); a run of one group's bands takes each register tile's filters
+ * through all its bands. */
 void keel_conv_blocked_f32(const keel_conv_blocked_args *g, float *scratch, int64_t lo,
                            int64_t hi)
 {
-    int64_t bands = g->h / g->rows;
+    int64_t bands = g->h / g->rows, per = g->m / 16 / g->groups;
     for (int64_t u = lo; u < hi;) {
-        int64_t image = u / bands, end = (image + 1) * bands < hi ? (image + 1) * bands : hi;
+        int64_t run = u / bands, end = (run + 1) * bands < hi ? (run + 1) * bands : hi;
+        int64_t image = run / g->groups, first = run % g->groups * per;
         const float *x = g->x + image * g->c * g->h * g->w;
-        for (int64_t ob0 = 0; ob0 < g->m / 16; ob0 += g->oc_tile)
+        for (int64_t ob0 = first; ob0 < first + per; ob0 += g->oc_tile)
             for (int64_t b = u; b < end; b++) {
                 int64_t y0 = b % bands * g->rows;
                 band_sums(g, x, y0, ob0, scratch);

@@ -1,9 +1,10 @@
-"""The channel-blocked direct 3x3 conv (native_blocked, blocked.c): 16 output channels a
-vector, X read in place, the border's zeros multiplied as a padded copy would give them,
-X, Y and the residual each NCHW or blocked ([N][C/16][H][W][16]). Checked against the
-reference backend (bias / residual / ReLU / clip, NaN and inf), for the masked form's
-bits in every combination of layouts, for the same bits on 1, 2, 3 and 16 threads, and
-for the cpu planner's rule (blocked_conv) and split."""
+"""The channel-blocked direct conv (native_blocked, blocked.c; 3x3 padded by one or 1x1,
+stride 1 or 2): 16 output channels a vector, X read in place, the border's zeros
+multiplied as a padded copy would give them, X, Y and the residual each NCHW or blocked
+([N][C/16][H][W][16]). Checked against the reference backend (bias / residual / ReLU /
+clip, NaN and inf), for the masked form's bits (3x3 stride 1) or one result (strided and
+1x1) in every combination of layouts and on 1, 2, 3 and 16 threads, and for the cpu
+planner's rule (blocked_conv) and split."""
 
 from __future__ import annotations
 
@@ -97,12 +98,56 @@ def test_the_masked_forms_bits_on_every_thread_count(x_shape: tuple[int, ...],
     x, w, b = rand(rng, *x_shape), rand(rng, *w_shape), rand(rng, w_shape[0])
     z = rand(rng, x_shape[0], w_shape[0], *x_shape[2:])
     attrs = {**PADDED, "activation": "clip", "activation_params": (-0.5, 0.5)}
-    masked = _masked(x, w, b, z, attrs)
+    _the_same_bits_everywhere(x, w, b, z, attrs, _masked(x, w, b, z, attrs))
+
+
+def _the_same_bits_everywhere(x: np.ndarray, w: np.ndarray, b: np.ndarray, z: np.ndarray,
+                              attrs: dict[str, Any], want: np.ndarray) -> None:
+    """The blocked conv gives ``want`` in every layout of X, Y and the residual (X
+    blocked only with whole blocks of channels) on 1, 2, 3 and 16 threads."""
     for sides in EVERY_SIDES:
-        if sides.x and x_shape[1] % 16:
+        if sides.x and x.shape[1] % 16:
             continue
         for threads in (1, 2, 3, 16):
-            assert np.array_equal(_blocked(x, w, b, z, attrs, threads, sides), masked), sides
+            assert np.array_equal(_blocked(x, w, b, z, attrs, threads, sides), want), sides
+
+
+S2 = {"pads": (1, 1, 1, 1), "strides": (2, 2)}
+STRIDED = [
+    # X, W, attrs: ResNet's downsampling 3x3 and 1x1 convs (16 x 16 and 8 x 8 out), odd
+    # input sizes (the last row and column's taps read the border), 1x1 at stride 1
+    ((2, 16, 32, 32), (32, 16, 3, 3), S2),
+    ((1, 32, 16, 16), (64, 32, 3, 3), S2),
+    ((2, 5, 15, 31), (16, 5, 3, 3), S2),
+    ((2, 16, 32, 32), (32, 16, 1, 1), {"strides": (2, 2)}),
+    ((1, 32, 16, 16), (64, 32, 1, 1), {"strides": (2, 2)}),
+    ((1, 3, 15, 15), (16, 3, 1, 1), {"strides": (2, 2)}),
+    ((2, 16, 8, 16), (48, 16, 1, 1), {}),
+]
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs", STRIDED)
+@pytest.mark.parametrize("act,params", [("", ()), ("relu", ()), ("clip", (-0.3, 0.4))])
+def test_strided_and_1x1_match_the_reference(x_shape: tuple[int, ...],
+                                             w_shape: tuple[int, ...],
+                                             attrs: dict[str, Any], act: str,
+                                             params: tuple[float, ...]) -> None:
+    geo = conv_geometry(Op.CONV, x_shape, w_shape, attrs)
+    assert conv_gemm.blocked_serves(geo)
+    check_against_reference(_blocked, x_shape, w_shape, attrs, act, params)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs", STRIDED)
+def test_strided_and_1x1_the_same_bits_in_every_layout_and_split(
+        x_shape: tuple[int, ...], w_shape: tuple[int, ...], attrs: dict[str, Any]) -> None:
+    """Each element is one chain (c, kh, kw from 0, then bias, residual, clip) whatever
+    the layouts of X, Y and the residual and the split over threads."""
+    rng = np.random.default_rng(10)
+    x, w, b = rand(rng, *x_shape), rand(rng, *w_shape), rand(rng, w_shape[0])
+    geo = conv_geometry(Op.CONV, x_shape, w_shape, attrs)
+    z = rand(rng, *geo.out_shape)
+    attrs = {**attrs, "activation": "clip", "activation_params": (-0.5, 0.5)}
+    _the_same_bits_everywhere(x, w, b, z, attrs, _blocked(x, w, b, z, attrs))
 
 
 @pytest.mark.parametrize("sides", [s for s in EVERY_SIDES if s.y == s.residual])
@@ -144,7 +189,9 @@ def test_nan_and_inf_propagate_like_the_reference() -> None:
 
 
 @pytest.mark.parametrize("x_shape,w_shape,attrs", [
-    ((1, 16, 16, 16), (32, 16, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}),
+    ((1, 16, 24, 24), (32, 16, 3, 3), {"pads": (1, 1, 1, 1), "strides": (3, 3)}),
+    ((1, 16, 16, 16), (32, 16, 1, 1), {"pads": (1, 1, 1, 1)}),     # a padded 1x1
+    ((1, 16, 16, 16), (32, 16, 1, 1), {"strides": (2, 1)}),
     ((1, 16, 16, 16), (16, 16, 3, 3), {}),                          # unpadded
     ((1, 16, 16, 16), (16, 16, 3, 3), {"pads": (1, 1, 1, 1), "dilations": (2, 2)}),
     ((1, 16, 16, 16), (20, 16, 3, 3), PADDED),                      # not whole blocks

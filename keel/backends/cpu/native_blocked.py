@@ -1,6 +1,7 @@
-"""The channel-blocked direct 3x3 conv (blocked.c) through ctypes: Y = clip(conv(X, W)
-+ bias + R) for a stride-1 3x3 conv with one pixel of padding on every side, the output
-channels in the vector lanes (the filters packed as [M / 16][C][9][16]). X, Y and R are
+"""The channel-blocked direct conv (blocked.c) through ctypes: Y = clip(conv(X, W) + bias
++ R) for a 3x3 conv with one pixel of padding on every side or an unpadded 1x1 conv, at
+stride 1 or 2, the output channels in the vector lanes (the filters packed as
+[M / 16][C][K * K][16]). X, Y and R are
 each NCHW or channel-blocked: an (N, C, H, W) array whose bytes are ordered
 [N][C / 16][H][W][16] (the cpu planner's float NCHWc region, ``planner.float_layouts``;
 :func:`to_blocked` and :func:`to_nchw` change between the two). Each element of Y is the
@@ -27,11 +28,11 @@ __all__ = ["NCHWC", "NCHW_SIDES", "REGION_LAYOUTS", "BlockedCall", "Sides", "ava
            "Split", "pack_filters", "prepare", "to_blocked", "to_nchw"]
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-# keel_conv_blocked_args of blocked.c: 14 int64 fields then lo, hi as doubles.
-_ARGS = struct.Struct("<14q2d")
-_GROUPS = 7             # where the channel groups sit in it
-_X = 9                  # X's address
-_OUT = (10, 12)         # and Y's and the residual's
+# keel_conv_blocked_args of blocked.c: 18 int64 fields then lo, hi as doubles.
+_ARGS = struct.Struct("<18q2d")
+_GROUPS = 11            # where the channel groups sit in it
+_X = 13                 # X's address
+_OUT = (14, 16)         # and Y's and the residual's
 _CLIP, _X_BLOCKED, _Y_BLOCKED, _R_BLOCKED = 2, 4, 8, 16     # blocked.c's BLOCKED_* flags
 _FLAGS = {"BLOCKED_CLIP": _CLIP, "BLOCKED_X": _X_BLOCKED, "BLOCKED_Y": _Y_BLOCKED,
           "BLOCKED_R": _R_BLOCKED}                          # checked by name at load
@@ -118,9 +119,9 @@ def to_nchw(a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
 
 
 def pack_filters(w: np.ndarray) -> np.ndarray:
-    """W (M, C, 3, 3), M a multiple of 16, as [M / 16][C][9][16] float32."""
+    """W (M, C, K, K), M a multiple of 16, as [M / 16][C][K * K][16] float32."""
     m, c = w.shape[:2]
-    blocks = w.astype(np.float32, copy=False).reshape(m // LANES, LANES, c, 9)
+    blocks = w.astype(np.float32, copy=False).reshape(m // LANES, LANES, c, -1)
     return np.ascontiguousarray(blocks.transpose(0, 2, 3, 1))
 
 
@@ -192,25 +193,29 @@ class BlockedCall:
 
 
 def prepare(x: np.ndarray, filters: np.ndarray, y: np.ndarray, oc_tile: int, rows: int,
-            split: Split, *, bias: np.ndarray | None = None,
+            split: Split, *, stride: int = 1, bias: np.ndarray | None = None,
             residual: np.ndarray | None = None,
             clip: tuple[float, float] | None = None, sides: Sides = NCHW_SIDES
             ) -> BlockedCall | None:
-    """The :class:`BlockedCall` of a 3x3 stride-1 conv padded by one of X (N, C, H, W)
-    into Y (N, M, H, W), both C-contiguous float32, ``filters`` from
-    :func:`pack_filters`; ``oc_tile`` blocks of 16 channels a register tile, ``rows``
-    output rows a unit, ``split(threads)`` the channel groups and the chunks of the
-    units (see :class:`BlockedCall`), ``sides`` which of
-    X, Y and the residual are blocked (all the planner's). The residual may be Y itself
+    """The :class:`BlockedCall` of a conv of X (N, C, H, W) into Y (N, M, OH, OW), both
+    C-contiguous float32, ``filters`` from :func:`pack_filters`: 3x3 padded by one or 1x1
+    unpadded (the filters say which), at ``stride`` 1 or 2; ``oc_tile`` blocks of 16
+    channels a register tile, ``rows`` output rows a unit, ``split(threads)`` the channel
+    groups and the chunks of the units (see :class:`BlockedCall`), ``sides`` which of X,
+    Y and the residual are blocked (all the planner's). The residual may be Y itself
     where both have one layout. None when not served."""
     f = _functions()
     if f is None or x.dtype != _F4 or y.dtype != _F4 or x.ndim != 4 or y.ndim != 4 or not (
             x.flags.c_contiguous and y.flags.c_contiguous) or np.may_share_memory(x, y):
         return None
     n, c, h, w = x.shape
-    m = y.shape[1]
-    if (y.shape != (n, m, h, w) or filters.shape != (m // LANES, c, 9, LANES)
-            or c < 1 or m % (LANES * oc_tile) or h % rows or rows * w % LANES or w % 8
+    m, taps = y.shape[1], filters.shape[2] if filters.ndim == 4 else 0
+    kernel = {9: 3, 1: 1}.get(taps, 0)
+    oh, ow = ((h + 2 - kernel) // stride + 1, (w + 2 - kernel) // stride + 1) if kernel == 3 \
+        else ((h - 1) // stride + 1, (w - 1) // stride + 1)
+    if (kernel == 0 or stride not in (1, 2) or y.shape != (n, m, oh, ow)
+            or filters.shape != (m // LANES, c, taps, LANES)
+            or c < 1 or m % (LANES * oc_tile) or oh % rows or rows * ow % LANES or ow % 8
             or oc_tile not in (1, 2) or (sides.x and c % LANES)):
         return None
     in_place = (residual is not None and native_gemm.same_memory(residual, y)
@@ -218,9 +223,10 @@ def prepare(x: np.ndarray, filters: np.ndarray, y: np.ndarray, oc_tile: int, row
     if not native_gemm.conv_epilogue_served(y, bias, None if in_place else residual):
         return None
     lo, hi = clip if clip is not None else (0.0, 0.0)
-    values = (n, c, h, w, m, oc_tile, rows, 1, native.address(filters), native.address(x),
+    values = (n, c, h, w, m, oh, ow, kernel, stride, oc_tile, rows, 1,
+              native.address(filters), native.address(x),
               native.address(y), 0 if bias is None else native.address(bias),
               0 if residual is None else native.address(residual),
               (_CLIP if clip is not None else 0) | sides.flags, lo, hi)
-    return BlockedCall(f, values, n * (h // rows), m // (LANES * oc_tile), split,
+    return BlockedCall(f, values, n * (oh // rows), m // (LANES * oc_tile), split,
                        (filters, bias, residual), tuple(x.shape))

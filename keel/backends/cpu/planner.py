@@ -1005,9 +1005,10 @@ _FLOAT_LAYOUT_ROLES = {
     (NCHWC, "nchw"): "ends it, its result written NCHW ({why})",
     ("nchw", "nchw"): "reads only its residual blocked, its X and result NCHW ({why})"}
 FLOAT_LAYOUT_REASON = (
-    "float NCHWc region of {nodes} 3x3 conv(s) (planner.float_layouts): each runs the "
-    "channel-blocked direct conv (16 output channels a vector, filters [M/16][C][9][16], "
-    "each input value broadcast once for three taps), the values between them kept "
+    "float NCHWc region of {nodes} conv(s) (planner.float_layouts): each runs the "
+    "channel-blocked direct conv (3x3 or 1x1, stride 1 or 2; 16 output channels a vector, "
+    "filters [M/16][C][K*K][16], each input value broadcast once for the taps that read "
+    "it), the values between them kept "
     "[N][C/16][H][W][16] so that no conv inside transposes its result into NCHW (a lone "
     "blocked conv's transposes were 10 % of its time: docs/performance.md); a residual is "
     "read in the layout its producer wrote (this node: {this})")
@@ -1026,11 +1027,12 @@ def float_layouts(graph: Any, types: Mapping[str, TensorType | None],
     A conv is blockable where it runs on the native variant and blocked_conv serves its
     static shapes. A value is kept blocked when a blockable conv writes it (its first
     output), it is no graph output, and every reader is a blockable conv reading it as
-    X or as its residual; anything else (a strided or 1x1 conv, a pool, a graph output,
-    a conv of fewer than 16 or not a multiple of 16 channels) reads NCHW, so the conv
-    writing it ends the region. The chains are found as the int8 pass's
-    (_chain_members). ``profile``: the hardware planned for (None: this machine), whose
-    tile grid and vendor blocked_conv reads."""
+    X or as its residual; anything else (a pool, a graph output, a conv of another
+    kernel or stride, of fewer than 16 or not a multiple of 16 channels, of output rows
+    that are not whole 8-pixel tiles) reads NCHW, so the conv writing it ends the
+    region. The chains are found as the int8 pass's (_chain_members). ``profile``: the
+    hardware planned for (None: this machine), whose tile grid and vendor blocked_conv
+    reads."""
     nodes = graph.nodes
     grid, vendor = tile_grid(profile), cpu_vendor(profile)
     geos = [_blockable(n, types, grid, vendor) if variants[i] == "native" else None
@@ -1104,7 +1106,7 @@ def _blocked_fields(geo: ConvGeometry, threads: int) -> tuple[tuple[str, Any, st
     width, parts = geo.window.out_spatial[1], blocked_parts(geo, threads)
     floats = tile * native_blocked.LANES * rows * width
     return (("variant", "native",
-             "native: the channel-blocked direct 3x3 conv (blocked.c), X read where it "
+             "native: the channel-blocked direct conv (blocked.c), X read where it "
              "lies, inside a float NCHWc region (the layout says why)"),
             ("workspace_bytes", 4 * floats * parts,
              f"a thread's sums of one register tile's band ({tile} x 16 channels x {rows} "
@@ -1120,10 +1122,10 @@ def _leaves(nodes: Sequence[Any], name: str, readers: Mapping[str, list[int]],
     for r in readers.get(name, ()):
         if not reads_blocked(r, name):
             node = nodes[r]
-            why = ("not a blockable conv (blocked_conv: 3x3 stride 1 padded by one, 16 or "
-                   "more input channels and output channels in whole blocks of 16, output "
-                   "rows of whole 8-pixel tiles, an AVX-512 core of BLOCKED_VENDORS, on the "
-                   "native variant)"
+            why = ("not a blockable conv (blocked_conv: 3x3 padded by one or 1x1 unpadded, "
+                   "stride 1 or 2, 16 or more input channels and output channels in whole "
+                   "blocks of 16, output rows of whole 8-pixel tiles, an AVX-512 core of "
+                   "BLOCKED_VENDORS, on the native variant)"
                    if node.op is Op.CONV else "not a conv")
             return f"{name} is read by {node.name} ({node.op.value}: {why}), which reads NCHW"
     return f"{name} has no reader"
@@ -2699,15 +2701,19 @@ def _grid(grid: Any) -> Grid:
     return native_gemm.geometry() if grid is _HERE else grid
 
 
-# The channel-blocked direct 3x3 conv (native_blocked, blocked.c: 16 output channels in
+# The channel-blocked direct conv (native_blocked, blocked.c: 16 output channels in
 # each vector, filters loaded whole and X's values broadcast, where the masked tiles load
 # X's taps through lane masks across cache lines; the masked form's bits) runs only
 # inside a float NCHWc region (float_layouts), where the values between its convs stay
 # blocked. Measured on the 2-core Intel Xeon (AVX-512), one thread, under load
-# (docs/performance.md, "The channel-blocked 3 x 3 conv"): each conv alone, hot, 0.69-0.89x
-# the masked time, but a lone blocked conv writing NCHW moved ResNet-20 only 0.97-0.99x
-# (the transposes into NCHW were 10 % of its samples); the region's gain is in
-# docs/performance.md, "A float NCHWc region". A conv of fewer than BLOCKED_MIN_CHANNELS
+# (docs/performance.md, "The channel-blocked 3 x 3 conv"): each 3x3 stride-1 conv alone,
+# hot, 0.69-0.89x the masked time, but a lone blocked conv writing NCHW moved ResNet-20
+# only 0.97-0.99x (the transposes into NCHW were 10 % of its samples); the region's gain
+# is in docs/performance.md, "A float NCHWc region". ResNet-20's stride-2 3x3 and 1x1
+# shortcut convs alone (docs/performance.md, "Strided and 1 x 1 convs in the region"):
+# 0.38-0.81x the gathered or masked form's time at batch 1 and 32 (fastest of 15
+# rounds), inside the model 0.5-0.85x per node, one region against three 0.78-0.94x, so
+# a stage's downsampling block joins the region. A conv of fewer than BLOCKED_MIN_CHANNELS
 # input channels (the 3 -> 16 stem) and other vendors' cores were not measured, and keep
 # their forms.
 BLOCKED_MIN_CHANNELS = 16
@@ -2716,7 +2722,8 @@ BLOCKED_VENDORS = frozenset({"Intel"})
 
 def blocked_conv(geo: ConvGeometry, grid: Any = _HERE, vendor: Any = _HERE) -> bool:
     """Whether a float conv may run channel-blocked inside an NCHWc region: served by
-    the blocked kernel (conv_gemm.blocked_serves), at least BLOCKED_MIN_CHANNELS input
+    the blocked kernel (conv_gemm.blocked_serves: 3x3 padded by one or 1x1 unpadded,
+    stride 1 or 2), at least BLOCKED_MIN_CHANNELS input
     channels in whole blocks of 16, on an AVX-512 core of BLOCKED_VENDORS (defaults:
     this machine's), where the blocked kernel (blocked.c) is loaded."""
     grid = _grid(grid)

@@ -34,20 +34,27 @@ class _Graph:
 
     def __init__(self, channels: int, size: int) -> None:
         self.rng = np.random.default_rng(3)
-        self.channels, self.size = channels, size
+        self.channels = self.inputs = channels
+        self.size = size
         self.nodes: list[Any] = []
         self.weights: list[Any] = []
         self.outputs: list[str] = []
 
-    def conv(self, name: str, x: str, relu: bool = True, residual: str = "") -> str:
-        c = self.channels
-        w = (self.rng.standard_normal((c, c, 3, 3)) * np.sqrt(2 / (9 * c))).astype(np.float32)
-        b = (0.1 * self.rng.standard_normal(c)).astype(np.float32)
+    def conv(self, name: str, x: str, relu: bool = True, residual: str = "",
+             in_channels: int = 0, strides: tuple[int, int] | list[int] = (1, 1),
+             kernel: int = 3) -> str:
+        c, m = in_channels or self.channels, self.channels
+        w = (self.rng.standard_normal((m, c, kernel, kernel))
+             * np.sqrt(2 / (kernel * kernel * c))).astype(np.float32)
+        b = (0.1 * self.rng.standard_normal(m)).astype(np.float32)
         self.weights += [numpy_helper.from_array(w, f"{name}_w"),
                          numpy_helper.from_array(b, f"{name}_b")]
         out = f"{name}_conv"
+        pad = kernel // 2
         self.nodes.append(helper.make_node("Conv", [x, f"{name}_w", f"{name}_b"], [out],
-                                           name=name, pads=[1, 1, 1, 1], kernel_shape=[3, 3]))
+                                           name=name, pads=[pad] * 4,
+                                           kernel_shape=[kernel, kernel],
+                                           strides=list(strides)))
         if residual:
             self.nodes.append(helper.make_node("Add", [out, residual], [f"{name}_add"]))
             out = f"{name}_add"
@@ -56,13 +63,26 @@ class _Graph:
             out = f"{name}_y"
         return out
 
+    def down(self, name: str, x: str) -> str:
+        """A downsampling block to twice the channels at half the size: a stride-2 3x3 conv
+        and a 3x3 conv, added to a stride-2 1x1 shortcut of ``x``, then ReLU."""
+        c = self.channels
+        self.channels = 2 * c
+        inner = self.conv(f"{name}a", x, in_channels=c, strides=[2, 2])
+        main = self.conv(f"{name}b", inner, relu=False)
+        shortcut = self.conv(f"{name}s", x, relu=False, in_channels=c, strides=[2, 2],
+                             kernel=1)
+        added = f"{name}_sum"
+        self.nodes.append(helper.make_node("Add", [main, shortcut], [added]))
+        return self.node("Relu", added)
+
     def node(self, op: str, x: str, **attrs: Any) -> str:
         out = f"{op.lower()}_{len(self.nodes)}"
         self.nodes.append(helper.make_node(op, [x], [out], **attrs))
         return out
 
     def model(self, last: str) -> bytes:
-        shape = ["N", self.channels, self.size, self.size]
+        shape = ["N", self.inputs, self.size, self.size]
         outputs = [helper.make_tensor_value_info(o, TensorProto.FLOAT, None)
                    for o in [*self.outputs, last]]
         graph = helper.make_graph(self.nodes, "nchwc",
@@ -274,6 +294,25 @@ def test_channels_not_a_multiple_of_16_decline(channels: int) -> None:
     model = _load(blob, 2)
     model.predict(_feeds(blob))
     assert not any("nchwc16" in v for v in _layouts(model).values())
+    _check_results(blob)
+
+
+def test_a_downsampling_block_joins_the_region() -> None:
+    """A stride-2 3x3 conv, its block's second conv and the 1x1 stride-2 shortcut (the
+    block's Add and ReLU fused into it, the second conv's result its blocked residual)
+    run blocked between two stride-1 blocks: one region, every value the reference's."""
+    g = _Graph(16, 16)
+    a = g.conv("c1", "x")
+    b = g.down("d", g.conv("c2", a, residual=a))
+    blob = g.model(g.conv("c4", g.conv("c3", b), residual=b))
+    model = _load(blob, 2)
+    model.predict(_feeds(blob))
+    layouts = _layouts(model)
+    assert layouts["c1"] == "nchw->nchwc16" and layouts["c4"] == "nchwc16->nchw"
+    assert all(layouts[n] == "nchwc16->nchwc16" for n in ("c2", "da", "db", "ds", "c3"))
+    shortcut = next(p.plan for p in model.plan.nodes if p.name == "ds")
+    assert shortcut is not None and shortcut.option("residual_layout") == "nchwc16"
+    assert "region of 7 conv(s)" in shortcut.reason("layout")
     _check_results(blob)
 
 

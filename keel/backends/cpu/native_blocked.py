@@ -139,7 +139,7 @@ Split = Callable[[int], tuple[int, int]]
 """Threads -> (groups of output channels, chunks of the units): the planner's grid."""
 
 
-class BlockedCall:
+class BlockedCall(native_gemm.XCall):
     """One prepared blocked conv. X is read where it lies (C-contiguous, NCHW or blocked
     as its layout says), so :meth:`with_x` rebinds the call to another X of the same
     shape; ``split`` gives, for a number of threads, the groups its output channels are
@@ -147,28 +147,18 @@ class BlockedCall:
     rows of one channel group of one image): the planner's grid. ``bands`` is the bands of
     all images, ``tiles`` the register tiles of output channels."""
 
-    __slots__ = ("bands", "f", "keep", "split", "tiles", "values", "x_shape")
+    __slots__ = ("bands", "f", "split", "tiles")
+    _X = _X             # the module's field indices above
+    _OUT = _OUT
 
     def __init__(self, f: _Functions, values: tuple[Any, ...], bands: int, tiles: int,
                  split: Split, keep: tuple[object, ...], x_shape: tuple[int, ...]) -> None:
-        self.f, self.values, self.bands, self.tiles = f, values, bands, tiles
-        self.split, self.keep, self.x_shape = split, keep, x_shape
+        super().__init__(values, keep, x_shape)
+        self.f, self.bands, self.tiles, self.split = f, bands, tiles, split
 
     def _again(self, values: tuple[Any, ...]) -> BlockedCall:
         return BlockedCall(self.f, values, self.bands, self.tiles, self.split, self.keep,
                            self.x_shape)
-
-    def with_x(self, x: np.ndarray) -> BlockedCall | None:
-        """The same call reading ``x`` (None unless it is a C-contiguous float32 array of
-        the shape it was prepared for)."""
-        if x.shape != self.x_shape or x.dtype != _F4 or not x.flags.c_contiguous:
-            return None
-        return self._again((*self.values[:_X], native.address(x), *self.values[_X + 1:]))
-
-    def moved(self, lo: int, hi: int, delta: int) -> BlockedCall:
-        """The same call with Y's (and the residual's) address moved (see
-        native_gemm.Call.moved)."""
-        return self._again(native_gemm.moved_addresses(self.values, _OUT, lo, hi, delta))
 
     def bound(self, threads: int) -> Callable[[], Any]:
         """``run(threads)`` as a callable with no arguments (InvalidArgumentError when
@@ -178,18 +168,9 @@ class BlockedCall:
             raise InvalidArgumentError(
                 f"blocked conv: {groups} channel group(s) of {self.tiles} register tiles; "
                 "the groups must divide the tiles")
-        values = (*self.values[:_GROUPS], groups, *self.values[_GROUPS + 1:])
-        args, units = _ARGS.pack(*values), self.bands * groups
-        if parts > 1:
-            return native_gemm.holding(functools.partial(
-                native_gemm.checked, self.f.mt, args, units, parts), self)
-        once = functools.partial(self.f.serial, args, _scratch(int(self.f.work(args))), 0,
-                                 units)
-        return native_gemm.holding(once, self, _local.scratch)
-
-    def run(self, threads: int) -> None:
-        """Compute, the units split over up to ``threads`` threads."""
-        self.bound(threads)()
+        args = _ARGS.pack(*self.values[:_GROUPS], groups, *self.values[_GROUPS + 1:])
+        return self._units(self.f.mt, self.f.serial, args, self.bands * groups, parts,
+                           lambda: (_scratch(int(self.f.work(args))), _local.scratch))
 
 
 def prepare(x: np.ndarray, filters: np.ndarray, y: np.ndarray, oc_tile: int, rows: int,

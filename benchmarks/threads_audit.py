@@ -36,7 +36,7 @@ import onnx
 
 from benchmarks.zoo import DEFAULT_MODELS, MODELS, build
 from keel import load_model
-from keel.backends.cpu import planner
+from keel.backends.cpu import native_blocked, planner
 from keel.backends.cpu.backend import CpuBackend
 from keel.graph.shape_inference import propagate
 from keel.hardware.fakes import fake_profile
@@ -111,10 +111,14 @@ def audit(name: str, batch: int, threads: int, profile: HardwareProfile) -> list
     graph = model.graph
     types = propagate(graph, {k: v.shape for k, v in feeds.items()}).types
     backend = CpuBackend(threads=threads, hardware=profile)
+    # a float NCHWc region's convs are planned with the graph (planner.float_layouts)
+    regions = {p.name: p.plan for p in model.plan.nodes if p.plan is not None
+               and p.plan.layout in native_blocked.REGION_LAYOUTS}
     rows = []
     for node in graph.nodes:
         inputs = [types.get(i) if i else None for i in node.inputs]
-        plan = backend.plan_node(node.op, inputs, node.attrs, threads=threads, profile=profile)
+        plan = regions.get(node.name) or backend.plan_node(
+            node.op, inputs, node.attrs, threads=threads, profile=profile)
         splits = planner.node_splits(node.op, inputs, node.attrs, plan, threads, profile)
         rows.append(Row(name, batch, node.name, node.op, plan.variant, plan.layout, splits,
                         threads))

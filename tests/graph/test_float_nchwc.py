@@ -37,20 +37,27 @@ class _Graph:
 
     def __init__(self, channels: int, size: int) -> None:
         self.rng = np.random.default_rng(3)
-        self.channels, self.size = channels, size
+        self.channels = self.inputs = channels
+        self.size = size
         self.nodes: list[Any] = []
         self.weights: list[Any] = []
         self.outputs: list[str] = []
 
-    def conv(self, name: str, x: str, relu: bool = True, residual: str = "") -> str:
-        c = self.channels
-        w = (self.rng.standard_normal((c, c, 3, 3)) * np.sqrt(2 / (9 * c))).astype(np.float32)
-        b = (0.1 * self.rng.standard_normal(c)).astype(np.float32)
+    def conv(self, name: str, x: str, relu: bool = True, residual: str = "",
+             in_channels: int = 0, strides: tuple[int, int] | list[int] = (1, 1),
+             kernel: int = 3) -> str:
+        c, m = in_channels or self.channels, self.channels
+        w = (self.rng.standard_normal((m, c, kernel, kernel))
+             * np.sqrt(2 / (kernel * kernel * c))).astype(np.float32)
+        b = (0.1 * self.rng.standard_normal(m)).astype(np.float32)
         self.weights += [numpy_helper.from_array(w, f"{name}_w"),
                          numpy_helper.from_array(b, f"{name}_b")]
         out = f"{name}_conv"
+        pad = kernel // 2
         self.nodes.append(helper.make_node("Conv", [x, f"{name}_w", f"{name}_b"], [out],
-                                           name=name, pads=[1, 1, 1, 1], kernel_shape=[3, 3]))
+                                           name=name, pads=[pad] * 4,
+                                           kernel_shape=[kernel, kernel],
+                                           strides=list(strides)))
         if residual:
             self.nodes.append(helper.make_node("Add", [out, residual], [f"{name}_add"]))
             out = f"{name}_add"
@@ -59,13 +66,26 @@ class _Graph:
             out = f"{name}_y"
         return out
 
+    def down(self, name: str, x: str) -> str:
+        """A downsampling block to twice the channels at half the size: a stride-2 3x3 conv
+        and a 3x3 conv, added to a stride-2 1x1 shortcut of ``x``, then ReLU."""
+        c = self.channels
+        self.channels = 2 * c
+        inner = self.conv(f"{name}a", x, in_channels=c, strides=[2, 2])
+        main = self.conv(f"{name}b", inner, relu=False)
+        shortcut = self.conv(f"{name}s", x, relu=False, in_channels=c, strides=[2, 2],
+                             kernel=1)
+        added = f"{name}_sum"
+        self.nodes.append(helper.make_node("Add", [main, shortcut], [added]))
+        return self.node("Relu", added)
+
     def node(self, op: str, x: str, **attrs: Any) -> str:
         out = f"{op.lower()}_{len(self.nodes)}"
         self.nodes.append(helper.make_node(op, [x], [out], **attrs))
         return out
 
     def model(self, last: str) -> bytes:
-        shape = ["N", self.channels, self.size, self.size]
+        shape = ["N", self.inputs, self.size, self.size]
         outputs = [helper.make_tensor_value_info(o, TensorProto.FLOAT, None)
                    for o in [*self.outputs, last]]
         graph = helper.make_graph(self.nodes, "nchwc",
@@ -182,6 +202,24 @@ def test_a_region_of_two_blocks() -> None:
     _check_results(blob)
 
 
+def test_one_image_of_few_bands_splits_its_output_channels_too() -> None:
+    """64 channels on 8 x 8 at batch 1 are 4 bands of two rows: on 16 threads each
+    conv's two register tiles of output channels are split units too (8 chunks, where
+    bands alone gave 4), the same bits on 1, 2, 3 and 16 threads."""
+    blob, _ = _blocks(channels=64, size=8)
+    model = _load(blob, 16)
+    model.predict(_feeds(blob, 1))
+    plans = [p.plan for p in model.plan.nodes if p.op == "conv"]
+    assert plans and all(p is not None and p.layout in native_blocked.REGION_LAYOUTS
+                         for p in plans)
+    for plan in plans:
+        assert plan is not None
+        assert "4 band(s) of output rows x 2 group(s) of 1 register tile(s)" in plan.reason(
+            "threads")
+        assert "split into 8 piece(s)" in plan.reason("threads")
+    _check_results(blob, batch=1, intermediates=False)
+
+
 def test_the_same_bits_as_the_plan_without_the_region(monkeypatch: pytest.MonkeyPatch
                                                       ) -> None:
     """The blocked tiles sum each element in the masked form's order: the region changes
@@ -271,15 +309,41 @@ def test_channels_not_a_multiple_of_16_decline(channels: int, stated: Any) -> No
     _check_results(blob)
 
 
-def test_resnet20_keeps_each_stage_blocked() -> None:
-    """ResNet-20 (benchmarks' model): each stage's stride-1 convs form one region, the
-    stride-2 and 1x1 convs and the pool read NCHW. A downsampling block's second conv
-    stays outside: its result is the 1x1 shortcut conv's residual (the Add fused there)."""
+def test_a_downsampling_block_joins_the_region() -> None:
+    """A stride-2 3x3 conv, its block's second conv and the 1x1 stride-2 shortcut (the
+    block's Add and ReLU fused into it, the second conv's result its blocked residual)
+    run blocked between two stride-1 blocks: one region, every value the reference's."""
+    g = _Graph(16, 16)
+    a = g.conv("c1", "x")
+    b = g.down("d", g.conv("c2", a, residual=a))
+    blob = g.model(g.conv("c4", g.conv("c3", b), residual=b))
+    model = _load(blob, 2)
+    model.predict(_feeds(blob))
+    layouts = _layouts(model)
+    assert layouts["c1"] == "nchw->nchwc16" and layouts["c4"] == "nchwc16->nchw"
+    assert all(layouts[n] == "nchwc16->nchwc16" for n in ("c2", "da", "db", "ds", "c3"))
+    shortcut = next(p.plan for p in model.plan.nodes if p.name == "ds")
+    assert shortcut is not None and shortcut.option("residual_layout") == "nchwc16"
+    assert "region of 7 conv(s)" in shortcut.reason("layout")
+    _check_results(blob)
+
+
+def test_resnet20_is_one_region_from_its_first_blockable_conv() -> None:
+    """ResNet-20 (benchmarks' model): every conv after the 3 -> 16 stem, the stride-2 3x3
+    and 1x1 shortcut convs (the block's Add fused there, its second conv's result read
+    blocked as the residual) included, is one region; the conv before the global average
+    pool ends it."""
     zoo = pytest.importorskip("benchmarks.zoo")
     blob = zoo.resnet20().SerializeToString()
     model = _load(blob, 2)
     model.predict(_feeds(blob, 1))
-    layouts = list(_layouts(model).values())
-    assert layouts.count("nchwc16->nchwc16") == 8
-    assert layouts.count("nchwc16->nchw") == 3 and layouts.count("nchw->nchwc16") == 3
+    layouts = _layouts(model)
+    assert list(layouts.values()) == ["masked", "nchw->nchwc16", *["nchwc16->nchwc16"] * 18,
+                                      "nchwc16->nchw"]
+    plans = {p.name: p.plan for p in model.plan.nodes if p.op == "conv"}
+    shortcut = plans["Conv_187"]        # 1x1 stride 2, the block's Add and ReLU fused
+    assert shortcut is not None and shortcut.option("residual_layout") == "nchwc16"
+    assert "float NCHWc region of 20 conv(s)" in shortcut.reason("layout")
+    last = plans["Conv_235"]
+    assert last is not None and "GlobalAveragePool" in last.reason("layout")
     _check_results(blob, 2, intermediates=False)

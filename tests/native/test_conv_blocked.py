@@ -1,9 +1,10 @@
-"""The channel-blocked direct 3x3 conv (native_blocked, blocked.c): 16 output channels a
-vector, X read in place, the border's zeros multiplied as a padded copy would give them,
-X, Y and the residual each NCHW or blocked ([N][C/16][H][W][16]). Checked against the
-reference backend (bias / residual / ReLU / clip, NaN and inf), for the masked form's
-bits in every combination of layouts, for the same bits on 1, 2, 3 and 16 threads, and
-for the cpu planner's rule (blocked_conv) and split."""
+"""The channel-blocked direct conv (native_blocked, blocked.c; 3x3 padded by one or 1x1,
+stride 1 or 2): 16 output channels a vector, X read in place, the border's zeros
+multiplied as a padded copy would give them, X, Y and the residual each NCHW or blocked
+([N][C/16][H][W][16]). Checked against the reference backend (bias / residual / ReLU /
+clip, NaN and inf), for the masked form's bits (3x3 stride 1) or one result (strided and
+1x1) in every combination of layouts and on 1, 2, 3 and 16 threads, and for the cpu
+planner's rule (blocked_conv) and split."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from keel.backends.cpu import planner as cpu_planner
 from keel.backends.cpu.conv_epilogue import activation
 from keel.backends.cpu.kernels import load as load_cpu
 from keel.backends.plan import NodePlan
+from keel.errors import InvalidArgumentError
 from keel.ops.registry import Op
 from keel.ops.schema import get_schema
 from keel.ops.schemas.conv import conv_geometry
@@ -42,6 +44,9 @@ CASES = [
     ((2, 5, 8, 24), (48, 5, 3, 3)),
     ((1, 1, 4, 8), (16, 1, 3, 3)),
     ((2, 3, 2, 40), (32, 3, 3, 3)),
+    # one image of 4 bands: the split cuts the output channels too (2 and 4 groups)
+    ((1, 64, 8, 8), (64, 64, 3, 3)),
+    ((1, 32, 8, 8), (128, 32, 3, 3)),
 ]
 
 
@@ -93,12 +98,56 @@ def test_the_masked_forms_bits_on_every_thread_count(x_shape: tuple[int, ...],
     x, w, b = rand(rng, *x_shape), rand(rng, *w_shape), rand(rng, w_shape[0])
     z = rand(rng, x_shape[0], w_shape[0], *x_shape[2:])
     attrs = {**PADDED, "activation": "clip", "activation_params": (-0.5, 0.5)}
-    masked = _masked(x, w, b, z, attrs)
+    _the_same_bits_everywhere(x, w, b, z, attrs, _masked(x, w, b, z, attrs))
+
+
+def _the_same_bits_everywhere(x: np.ndarray, w: np.ndarray, b: np.ndarray, z: np.ndarray,
+                              attrs: dict[str, Any], want: np.ndarray) -> None:
+    """The blocked conv gives ``want`` in every layout of X, Y and the residual (X
+    blocked only with whole blocks of channels) on 1, 2, 3 and 16 threads."""
     for sides in EVERY_SIDES:
-        if sides.x and x_shape[1] % 16:
+        if sides.x and x.shape[1] % 16:
             continue
         for threads in (1, 2, 3, 16):
-            assert np.array_equal(_blocked(x, w, b, z, attrs, threads, sides), masked), sides
+            assert np.array_equal(_blocked(x, w, b, z, attrs, threads, sides), want), sides
+
+
+S2 = {"pads": (1, 1, 1, 1), "strides": (2, 2)}
+STRIDED = [
+    # X, W, attrs: ResNet's downsampling 3x3 and 1x1 convs (16 x 16 and 8 x 8 out), odd
+    # input sizes (the last row and column's taps read the border), 1x1 at stride 1
+    ((2, 16, 32, 32), (32, 16, 3, 3), S2),
+    ((1, 32, 16, 16), (64, 32, 3, 3), S2),
+    ((2, 5, 15, 31), (16, 5, 3, 3), S2),
+    ((2, 16, 32, 32), (32, 16, 1, 1), {"strides": (2, 2)}),
+    ((1, 32, 16, 16), (64, 32, 1, 1), {"strides": (2, 2)}),
+    ((1, 3, 15, 15), (16, 3, 1, 1), {"strides": (2, 2)}),
+    ((2, 16, 8, 16), (48, 16, 1, 1), {}),
+]
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs", STRIDED)
+@pytest.mark.parametrize("act,params", [("", ()), ("relu", ()), ("clip", (-0.3, 0.4))])
+def test_strided_and_1x1_match_the_reference(x_shape: tuple[int, ...],
+                                             w_shape: tuple[int, ...],
+                                             attrs: dict[str, Any], act: str,
+                                             params: tuple[float, ...]) -> None:
+    geo = conv_geometry(Op.CONV, x_shape, w_shape, attrs)
+    assert conv_gemm.blocked_serves(geo)
+    check_against_reference(_blocked, x_shape, w_shape, attrs, act, params)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs", STRIDED)
+def test_strided_and_1x1_the_same_bits_in_every_layout_and_split(
+        x_shape: tuple[int, ...], w_shape: tuple[int, ...], attrs: dict[str, Any]) -> None:
+    """Each element is one chain (c, kh, kw from 0, then bias, residual, clip) whatever
+    the layouts of X, Y and the residual and the split over threads."""
+    rng = np.random.default_rng(10)
+    x, w, b = rand(rng, *x_shape), rand(rng, *w_shape), rand(rng, w_shape[0])
+    geo = conv_geometry(Op.CONV, x_shape, w_shape, attrs)
+    z = rand(rng, *geo.out_shape)
+    attrs = {**attrs, "activation": "clip", "activation_params": (-0.5, 0.5)}
+    _the_same_bits_everywhere(x, w, b, z, attrs, _blocked(x, w, b, z, attrs))
 
 
 @pytest.mark.parametrize("sides", [s for s in EVERY_SIDES if s.y == s.residual])
@@ -140,7 +189,9 @@ def test_nan_and_inf_propagate_like_the_reference() -> None:
 
 
 @pytest.mark.parametrize("x_shape,w_shape,attrs", [
-    ((1, 16, 16, 16), (32, 16, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}),
+    ((1, 16, 24, 24), (32, 16, 3, 3), {"pads": (1, 1, 1, 1), "strides": (3, 3)}),
+    ((1, 16, 16, 16), (32, 16, 1, 1), {"pads": (1, 1, 1, 1)}),     # a padded 1x1
+    ((1, 16, 16, 16), (32, 16, 1, 1), {"strides": (2, 1)}),
     ((1, 16, 16, 16), (16, 16, 3, 3), {}),                          # unpadded
     ((1, 16, 16, 16), (16, 16, 3, 3), {"pads": (1, 1, 1, 1), "dilations": (2, 2)}),
     ((1, 16, 16, 16), (20, 16, 3, 3), PADDED),                      # not whole blocks
@@ -180,8 +231,8 @@ def test_the_planners_rule(x_shape: tuple[int, ...], w_shape: tuple[int, ...],
 
 @pytest.mark.parametrize("threads", [1, 2, 16])
 def test_the_split_is_the_planners(threads: int) -> None:
-    """The call chunks its bands as the plan's split says (whole bands, images after one
-    another), the least flops of a split that wide each."""
+    """The call chunks its units as the plan's split says (whole bands of one channel
+    group, images after one another), the least flops of a split that wide each."""
     geo = conv_geometry(Op.CONV, (2, 16, 32, 32), (16, 16, 3, 3), PADDED)
     (split,) = cpu_planner.conv_splits("native", "nchwc16->nchwc16", None, geo, threads)
     assert split.units == 2 * 32
@@ -190,8 +241,57 @@ def test_the_split_is_the_planners(threads: int) -> None:
     y = np.empty_like(x)
     filters = native_blocked.pack_filters(np.zeros((16, 16, 3, 3), np.float32))
     call = native_blocked.prepare(x, filters, y, 1, 1,
-                                  lambda t: cpu_planner.blocked_parts(geo, t))
-    assert call is not None and call.parts(threads) == split.pieces
+                                  lambda t: cpu_planner.blocked_split(geo, t).pair)
+    assert call is not None and call.split(threads) == (1, split.pieces)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,threads,grid", [
+    # (groups, chunks): bands alone on one and two threads, as before channel groups
+    ((1, 64, 8, 8), (64, 64, 3, 3), 2, (1, 2)),
+    ((1, 64, 8, 8), (64, 64, 3, 3), 3, (2, 3)),       # 8 units in 3: 3 of 8, not 2 of 4
+    ((1, 64, 8, 8), (64, 64, 3, 3), 16, (2, 8)),      # both register tiles, every band
+    ((1, 32, 8, 8), (128, 32, 3, 3), 16, (4, 16)),    # 4 tiles x 4 bands
+    ((32, 64, 8, 8), (64, 64, 3, 3), 16, (1, 16)),    # 128 bands are enough
+    ((1, 32, 16, 16), (32, 32, 3, 3), 16, (1, 16)),
+])
+def test_the_planner_cuts_output_channels_where_bands_are_too_few(
+        x_shape: tuple[int, ...], w_shape: tuple[int, ...], threads: int,
+        grid: tuple[int, int]) -> None:
+    """blocked_split's grid: the least work on the busiest thread, then the fewest
+    channel groups; the plan's split counts the grid's units."""
+    geo = conv_geometry(Op.CONV, x_shape, w_shape, PADDED)
+    split = cpu_planner.blocked_split(geo, threads)
+    assert split.pair == grid
+    assert f"x {grid[0]} group(s)" in split.reason
+    (plan,) = cpu_planner.conv_splits("native", "nchwc16->nchwc16", None, geo, threads)
+    assert (plan.units, plan.pieces) == (split.units, split.parts)
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_every_grid_gives_the_same_bits(groups: int) -> None:
+    """Any channel groups (whole register tiles) and chunks: the bits of one thread."""
+    rng = np.random.default_rng(9)
+    x, w, b = rand(rng, 2, 32, 8, 8), rand(rng, 128, 32, 3, 3), rand(rng, 128)
+    z = rand(rng, 2, 128, 8, 8)
+    want = _masked(x, w, b, z, PADDED)
+    filters = native_blocked.pack_filters(w)
+    for parts in (1, 2, 3, 5, 2 * 4 * groups):
+        y = np.full((2, 128, 8, 8), np.nan, np.float32)
+        call = native_blocked.prepare(x, filters, y, 2, 2, lambda t, p=parts: (groups, p),
+                                      bias=b, residual=z)
+        assert call is not None
+        call.run(parts)
+        assert np.array_equal(y, want), (groups, parts)
+
+
+def test_groups_that_are_not_whole_tiles_are_refused() -> None:
+    x = np.zeros((1, 16, 8, 8), np.float32)
+    y = np.empty((1, 64, 8, 8), np.float32)
+    filters = native_blocked.pack_filters(np.zeros((64, 16, 3, 3), np.float32))
+    call = native_blocked.prepare(x, filters, y, 2, 2, lambda t: (3, 1))
+    assert call is not None
+    with pytest.raises(InvalidArgumentError, match=r"3 channel group\(s\) of 2 register tiles"):
+        call.run(1)
 
 
 @pytest.mark.parametrize("layout", ["nchwc16->nchwc16", "nchw->nchwc16", "nchwc16->nchw"])

@@ -461,7 +461,7 @@ class NativeLayout:
     wide: Wide | None = None          # the indirect "wide" layout (see Wide)
     masked: Masked | None = None      # taps read in place through lane masks (see Masked)
     band: bool = False                # by bands of output rows from X itself
-    blocked: bool = False             # channel-blocked direct 3x3 (native_blocked)
+    blocked: bool = False             # channel-blocked direct conv (native_blocked)
     sides: native_blocked.Sides = native_blocked.NCHW_SIDES  # its blocked X, Y, residual
     nt: bool = False                  # Y's final stores bypass the cache (as planned)
     lanes: bool | None = None         # products in lanes tiles (as planned; None: the rule)
@@ -620,13 +620,15 @@ def _native_layout(geo: ConvGeometry, form: str, step: int = 1) -> NativeLayout:
 
 def blocked_serves(geo: ConvGeometry) -> bool:
     """Whether the channel-blocked direct conv (native_blocked) computes ``geo``: a dense
-    2-D 3x3 stride-1 conv padded by one on every side, output channels in whole blocks of
-    16, rows of whole 8-pixel tiles and bands of whole 16-pixel runs."""
+    2-D 3x3 conv padded by one on every side or an unpadded 1x1 conv, at stride 1 or 2
+    (the same both ways), output channels in whole blocks of 16, output rows of whole
+    8-pixel tiles and bands of whole 16-pixel runs."""
     win = geo.window
     h, w = win.out_spatial if win.rank == 2 else (0, 0)
-    return (win.rank == 2 and geo.group == 1 and tuple(win.kernel) == (3, 3)
-            and all(s == 1 for s in win.strides) and all(d == 1 for d in win.dilations)
-            and all(p == 1 for p in (*win.pads_begin, *win.pads_end))
+    pad = {(3, 3): 1, (1, 1): 0}.get((win.kernel[0], win.kernel[-1]), -1)
+    return (win.rank == 2 and geo.group == 1 and pad >= 0
+            and tuple(win.strides) in ((1, 1), (2, 2)) and all(d == 1 for d in win.dilations)
+            and all(p == pad for p in (*win.pads_begin, *win.pads_end))
             and geo.out_channels % native_blocked.LANES == 0 and w % 8 == 0
             and (w % 16 == 0 or h % 2 == 0))
 
@@ -1214,8 +1216,8 @@ def _blocked_calls(layout: NativeLayout, source: Any, x: Any, filters: Any, z: A
     clip = (act[1][0], act[1][1]) if act[0] == "clip" else None
     call = native_blocked.prepare(
         x, packed, y, rules.blocked_oc_tile(geo.out_channels), blocked_rows(geo),
-        functools.partial(rules.blocked_parts, geo), bias=bias, residual=z, clip=clip,
-        sides=layout.sides)
+        lambda threads: rules.blocked_split(geo, threads).pair,
+        stride=geo.window.strides[0], bias=bias, residual=z, clip=clip, sides=layout.sides)
     return None if call is None else [call]
 
 

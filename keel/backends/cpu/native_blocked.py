@@ -1,6 +1,7 @@
-"""The channel-blocked direct 3x3 conv (blocked.c) through ctypes: Y = clip(conv(X, W)
-+ bias + R) for a stride-1 3x3 conv with one pixel of padding on every side, the output
-channels in the vector lanes (the filters packed as [M / 16][C][9][16]). X, Y and R are
+"""The channel-blocked direct conv (blocked.c) through ctypes: Y = clip(conv(X, W) + bias
++ R) for a 3x3 conv with one pixel of padding on every side or an unpadded 1x1 conv, at
+stride 1 or 2, the output channels in the vector lanes (the filters packed as
+[M / 16][C][K * K][16]). X, Y and R are
 each NCHW or channel-blocked: an (N, C, H, W) array whose bytes are ordered
 [N][C / 16][H][W][16] (the cpu planner's float NCHWc region, ``planner.float_layouts``;
 :func:`to_blocked` and :func:`to_nchw` change between the two). Each element of Y is the
@@ -12,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import struct
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,15 +21,17 @@ import numpy as np
 
 from keel import native
 from keel.backends.cpu import native_gemm
+from keel.errors import InvalidArgumentError
 
 __all__ = ["NCHWC", "NCHW_SIDES", "REGION_LAYOUTS", "BlockedCall", "Sides", "available",
-           "pack_filters", "prepare", "to_blocked", "to_nchw"]
+           "Split", "pack_filters", "prepare", "to_blocked", "to_nchw"]
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-# keel_conv_blocked_args of blocked.c: 13 int64 fields then lo, hi as doubles.
-_ARGS = struct.Struct("<13q2d")
-_X = 8                  # where X's address sits in it
-_OUT = (9, 11)          # and Y's and the residual's
+# keel_conv_blocked_args of blocked.c: 18 int64 fields then lo, hi as doubles.
+_ARGS = struct.Struct("<18q2d")
+_GROUPS = 11            # where the channel groups sit in it
+_X = 13                 # X's address
+_OUT = (14, 16)         # and Y's and the residual's
 _CLIP, _X_BLOCKED, _Y_BLOCKED, _R_BLOCKED = 2, 4, 8, 16     # blocked.c's BLOCKED_* flags
 _FLAGS = {"BLOCKED_CLIP": _CLIP, "BLOCKED_X": _X_BLOCKED, "BLOCKED_Y": _Y_BLOCKED,
           "BLOCKED_R": _R_BLOCKED}                          # checked by name at load
@@ -47,9 +49,6 @@ class _Functions:
     serial: Callable[..., None]
     mt: Callable[..., int]
     work: Callable[..., int]
-
-
-_local = threading.local()
 
 
 def _functions() -> _Functions | None:
@@ -116,85 +115,74 @@ def to_nchw(a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
 
 
 def pack_filters(w: np.ndarray) -> np.ndarray:
-    """W (M, C, 3, 3), M a multiple of 16, as [M / 16][C][9][16] float32."""
+    """W (M, C, K, K), M a multiple of 16, as [M / 16][C][K * K][16] float32."""
     m, c = w.shape[:2]
-    blocks = w.astype(np.float32, copy=False).reshape(m // LANES, LANES, c, 9)
+    blocks = w.astype(np.float32, copy=False).reshape(m // LANES, LANES, c, -1)
     return np.ascontiguousarray(blocks.transpose(0, 2, 3, 1))
 
 
-def _scratch(floats: int) -> int:
-    """The address of this thread's scratch of at least ``floats`` floats (64-byte aligned)."""
-    held = getattr(_local, "scratch", None)
-    if held is None or held.size < floats:
-        raw = np.empty(floats + 16, _F4)
-        start = (-raw.ctypes.data % 64) // 4
-        held = _local.scratch = raw[start:start + floats]
-    return int(held.ctypes.data)
+Split = Callable[[int], tuple[int, int]]
+"""Threads -> (groups of output channels, chunks of the units): the planner's grid."""
 
 
-class BlockedCall:
+class BlockedCall(native_gemm.XCall):
     """One prepared blocked conv. X is read where it lies (C-contiguous, NCHW or blocked
     as its layout says), so :meth:`with_x` rebinds the call to another X of the same
-    shape; ``parts`` gives the chunks of its units (bands of output rows) on a number of
-    threads (the planner's split)."""
+    shape; ``split`` gives, for a number of threads, the groups its output channels are
+    cut into (whole register tiles each) and the chunks of its units (bands of output
+    rows of one channel group of one image): the planner's grid. ``bands`` is the bands of
+    all images, ``tiles`` the register tiles of output channels."""
 
-    __slots__ = ("args", "f", "keep", "parts", "units", "values", "x_shape")
+    __slots__ = ("bands", "f", "split", "tiles")
+    _X = _X             # the module's field indices above
+    _OUT = _OUT
 
-    def __init__(self, f: _Functions, values: tuple[Any, ...], units: int,
-                 parts: Callable[[int], int], keep: tuple[object, ...],
-                 x_shape: tuple[int, ...]) -> None:
-        self.f, self.values, self.args = f, values, _ARGS.pack(*values)
-        self.units, self.parts, self.keep, self.x_shape = units, parts, keep, x_shape
+    def __init__(self, f: _Functions, values: tuple[Any, ...], bands: int, tiles: int,
+                 split: Split, keep: tuple[object, ...], x_shape: tuple[int, ...]) -> None:
+        super().__init__(values, keep, x_shape)
+        self.f, self.bands, self.tiles, self.split = f, bands, tiles, split
 
     def _again(self, values: tuple[Any, ...]) -> BlockedCall:
-        return BlockedCall(self.f, values, self.units, self.parts, self.keep, self.x_shape)
-
-    def with_x(self, x: np.ndarray) -> BlockedCall | None:
-        """The same call reading ``x`` (None unless it is a C-contiguous float32 array of
-        the shape it was prepared for)."""
-        if x.shape != self.x_shape or x.dtype != _F4 or not x.flags.c_contiguous:
-            return None
-        return self._again((*self.values[:_X], native.address(x), *self.values[_X + 1:]))
-
-    def moved(self, lo: int, hi: int, delta: int) -> BlockedCall:
-        """The same call with Y's (and the residual's) address moved (see
-        native_gemm.Call.moved)."""
-        return self._again(native_gemm.moved_addresses(self.values, _OUT, lo, hi, delta))
+        return BlockedCall(self.f, values, self.bands, self.tiles, self.split, self.keep,
+                           self.x_shape)
 
     def bound(self, threads: int) -> Callable[[], Any]:
-        """``run(threads)`` as a callable with no arguments."""
-        parts = self.parts(threads)
-        if parts > 1:
-            return native_gemm.holding(functools.partial(
-                native_gemm.checked, self.f.mt, self.args, self.units, parts), self)
-        once = functools.partial(self.f.serial, self.args,
-                                 _scratch(int(self.f.work(self.args))), 0, self.units)
-        return native_gemm.holding(once, self, _local.scratch)
-
-    def run(self, threads: int) -> None:
-        """Compute, the units split over up to ``threads`` threads."""
-        self.bound(threads)()
+        """``run(threads)`` as a callable with no arguments (InvalidArgumentError when
+        the split's channel groups are not whole register tiles)."""
+        groups, parts = self.split(threads)
+        if groups < 1 or self.tiles % groups:
+            raise InvalidArgumentError(
+                f"blocked conv: {groups} channel group(s) of {self.tiles} register tiles; "
+                "the groups must divide the tiles")
+        args = _ARGS.pack(*self.values[:_GROUPS], groups, *self.values[_GROUPS + 1:])
+        return self._units(self.f.mt, self.f.serial, args, self.bands * groups, parts,
+                           int(self.f.work(args)))
 
 
 def prepare(x: np.ndarray, filters: np.ndarray, y: np.ndarray, oc_tile: int, rows: int,
-            parts: Callable[[int], int], *, bias: np.ndarray | None = None,
+            split: Split, *, stride: int = 1, bias: np.ndarray | None = None,
             residual: np.ndarray | None = None,
             clip: tuple[float, float] | None = None, sides: Sides = NCHW_SIDES
             ) -> BlockedCall | None:
-    """The :class:`BlockedCall` of a 3x3 stride-1 conv padded by one of X (N, C, H, W)
-    into Y (N, M, H, W), both C-contiguous float32, ``filters`` from
-    :func:`pack_filters`; ``oc_tile`` blocks of 16 channels a register tile, ``rows``
-    output rows a unit, ``parts(threads)`` the chunks of the units, ``sides`` which of
-    X, Y and the residual are blocked (all the planner's). The residual may be Y itself
+    """The :class:`BlockedCall` of a conv of X (N, C, H, W) into Y (N, M, OH, OW), both
+    C-contiguous float32, ``filters`` from :func:`pack_filters`: 3x3 padded by one or 1x1
+    unpadded (the filters say which), at ``stride`` 1 or 2; ``oc_tile`` blocks of 16
+    channels a register tile, ``rows`` output rows a unit, ``split(threads)`` the channel
+    groups and the chunks of the units (see :class:`BlockedCall`), ``sides`` which of X,
+    Y and the residual are blocked (all the planner's). The residual may be Y itself
     where both have one layout. None when not served."""
     f = _functions()
     if f is None or x.dtype != _F4 or y.dtype != _F4 or x.ndim != 4 or y.ndim != 4 or not (
             x.flags.c_contiguous and y.flags.c_contiguous) or np.may_share_memory(x, y):
         return None
     n, c, h, w = x.shape
-    m = y.shape[1]
-    if (y.shape != (n, m, h, w) or filters.shape != (m // LANES, c, 9, LANES)
-            or c < 1 or m % (LANES * oc_tile) or h % rows or rows * w % LANES or w % 8
+    m, taps = y.shape[1], filters.shape[2] if filters.ndim == 4 else 0
+    kernel = {9: 3, 1: 1}.get(taps, 0)
+    oh, ow = ((h + 2 - kernel) // stride + 1, (w + 2 - kernel) // stride + 1) if kernel == 3 \
+        else ((h - 1) // stride + 1, (w - 1) // stride + 1)
+    if (kernel == 0 or stride not in (1, 2) or y.shape != (n, m, oh, ow)
+            or filters.shape != (m // LANES, c, taps, LANES)
+            or c < 1 or m % (LANES * oc_tile) or oh % rows or rows * ow % LANES or ow % 8
             or oc_tile not in (1, 2) or (sides.x and c % LANES)):
         return None
     in_place = (residual is not None and native_gemm.same_memory(residual, y)
@@ -202,9 +190,10 @@ def prepare(x: np.ndarray, filters: np.ndarray, y: np.ndarray, oc_tile: int, row
     if not native_gemm.conv_epilogue_served(y, bias, None if in_place else residual):
         return None
     lo, hi = clip if clip is not None else (0.0, 0.0)
-    values = (n, c, h, w, m, oc_tile, rows, native.address(filters), native.address(x),
+    values = (n, c, h, w, m, oh, ow, kernel, stride, oc_tile, rows, 1,
+              native.address(filters), native.address(x),
               native.address(y), 0 if bias is None else native.address(bias),
               0 if residual is None else native.address(residual),
               (_CLIP if clip is not None else 0) | sides.flags, lo, hi)
-    return BlockedCall(f, values, n * (h // rows), parts, (filters, bias, residual),
-                       tuple(x.shape))
+    return BlockedCall(f, values, n * (oh // rows), m // (LANES * oc_tile), split,
+                       (filters, bias, residual), tuple(x.shape))

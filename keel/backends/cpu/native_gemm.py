@@ -75,19 +75,20 @@ import functools
 import mmap
 import struct
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, ClassVar, TypeVar, final
 
 import numpy as np
 
 from keel import native
 
-__all__ = ["BandCall", "Call", "Packed", "Rows", "address", "available", "check_enums",
-           "check_layout", "checked", "conv_epilogue_served", "gemm", "geometry", "holding",
-           "moved_addresses", "same_memory", "pack",
+__all__ = ["BandCall", "Call", "Packed", "Rows", "Scratch", "XCall", "address", "available",
+           "check_enums", "check_layout", "checked", "conv_epilogue_served", "gemm",
+           "geometry", "holding", "moved_addresses", "same_memory", "pack",
            "pack_batch", "planner_rules", "prepare", "prepare_band", "strides_of",
            "thread_scratch"]
 
@@ -440,7 +441,7 @@ def _huge(size: int) -> np.ndarray | None:
 
 class Scratch(enum.Enum):
     """What a thread's scratch buffer is for (thread_scratch keeps one of each)."""
-    WORK = "the GEMM's packing workspace"
+    WORK = "a serial native call's workspace (the GEMM's packing, a band or blocked conv's)"
     ATTENTION = "a serial attention call's scores"
 
 
@@ -850,49 +851,87 @@ def _residual(r: np.ndarray | None, c: np.ndarray) -> tuple[int, int, int] | Non
 
 
 
-class BandCall:
+_XC = TypeVar("_XC", bound="XCall")
+
+
+class XCall(ABC):
+    """A prepared native conv call that reads X where it lies (C-contiguous, as it was
+    prepared) and splits its units over threads: :class:`BandCall` and
+    native_blocked.BlockedCall. ``values`` are its argument struct's fields, X's address
+    at ``_X`` and Y's and the residual's at ``_OUT``; a subclass remakes itself from
+    changed values (``_again``) and binds its run (``bound``)."""
+
+    __slots__ = ("keep", "values", "x_shape")
+    _X: ClassVar[int]
+    _OUT: ClassVar[tuple[int, ...]]
+
+    def __init__(self, values: tuple[Any, ...], keep: tuple[object, ...],
+                 x_shape: tuple[int, ...]) -> None:
+        self.values, self.keep, self.x_shape = values, keep, x_shape
+
+    @abstractmethod
+    def _again(self: _XC, values: tuple[Any, ...]) -> _XC:
+        """The same call with ``values``."""
+
+    @abstractmethod
+    def bound(self, threads: int) -> Callable[[], Any]:
+        """``run(threads)`` as a callable with no arguments (see :meth:`Call.bound`)."""
+
+    @final
+    def with_x(self: _XC, x: np.ndarray) -> _XC | None:
+        """The same call reading ``x`` (None unless it is a C-contiguous float32 array of
+        the shape it was prepared for)."""
+        if x.shape != self.x_shape or x.dtype != _F4 or not x.flags.c_contiguous:
+            return None
+        i = self._X
+        return self._again((*self.values[:i], native.address(x), *self.values[i + 1:]))
+
+    @final
+    def moved(self: _XC, lo: int, hi: int, delta: int) -> _XC:
+        """The same call with Y's (and the residual's) address moved (see
+        :meth:`Call.moved`)."""
+        return self._again(moved_addresses(self.values, self._OUT, lo, hi, delta))
+
+    @final
+    def run(self, threads: int) -> None:
+        """Compute, the units split over up to ``threads`` threads."""
+        self.bound(threads)()
+
+    def _units(self, mt: Callable[..., int], serial: Callable[..., None], args: bytes,
+               units: int, parts: int, floats: int) -> Callable[[], Any]:
+        """``units`` units of the call ``args`` in ``parts`` chunks on keel's threads
+        (``mt``, each worker with its own scratch), or on this thread (``serial``) with
+        this thread's workspace of at least ``floats`` floats, held by the call."""
+        if parts > 1:
+            return holding(functools.partial(checked, mt, args, units, parts), self)
+        work = thread_scratch(Scratch.WORK, floats)
+        return holding(functools.partial(serial, args, int(native.address(work)), 0, units),
+                       self, work)
+
+
+class BandCall(XCall):
     """One prepared shallow convolution by bands of output rows (gemm.c's
     keel_conv_band_f32): Y = clip(conv(X, W) + bias + R) for a dense 2-D conv whose
     filter is packed as the GEMM's left operand. X is read where it lies (C-contiguous
     NCHW), so :meth:`with_x` rebinds the call to another X of the same shape."""
 
-    __slots__ = ("args", "f", "keep", "units", "values", "x_shape")
+    __slots__ = ("args", "f", "units")
+    _X = _BAND_X
+    _OUT = _BAND_OUT
 
     def __init__(self, f: _Functions, values: tuple[Any, ...], units: int,
                  keep: tuple[object, ...], x_shape: tuple[int, ...]) -> None:
-        self.f, self.values, self.args = f, values, _BAND_ARGS.pack(*values)
-        self.units, self.keep, self.x_shape = units, keep, x_shape
+        super().__init__(values, keep, x_shape)
+        self.f, self.args, self.units = f, _BAND_ARGS.pack(*values), units
 
-    def with_x(self, x: np.ndarray) -> BandCall | None:
-        """The same call reading ``x`` (None unless it is a C-contiguous float32 array of
-        the shape it was prepared for)."""
-        if x.shape != self.x_shape or x.dtype != _F4 or not x.flags.c_contiguous:
-            return None
-        values = (*self.values[:_BAND_X], native.address(x), *self.values[_BAND_X + 1:])
+    def _again(self, values: tuple[Any, ...]) -> BandCall:
         return BandCall(self.f, values, self.units, self.keep, self.x_shape)
-
-    def moved(self, lo: int, hi: int, delta: int) -> BandCall:
-        """The same call with Y's (and the residual's) address moved (see
-        :meth:`Call.moved`)."""
-        values = moved_addresses(self.values, _BAND_OUT, lo, hi, delta)
-        return BandCall(self.f, values, self.units, self.keep, self.x_shape)
-
-    def _parts(self, threads: int) -> int:
-        return max(1, min(threads, self.units))
 
     def bound(self, threads: int) -> Callable[[], Any]:
-        """``run(threads)`` as a callable with no arguments (see :meth:`Call.bound`)."""
-        f, parts = self.f, self._parts(threads)
-        if parts > 1:
-            return holding(functools.partial(checked, f.band_mt, self.args, self.units,
-                                              parts), self)
-        work = thread_scratch(Scratch.WORK, f.work)
-        once = functools.partial(f.band, self.args, int(native.address(work)), 0, self.units)
-        return holding(once, self, work)
-
-    def run(self, threads: int) -> None:
-        """Compute, the bands split over up to ``threads`` threads."""
-        self.bound(threads)()
+        """``run(threads)`` as a callable with no arguments (see :meth:`Call.bound`): the
+        bands split over up to ``threads`` threads."""
+        return self._units(self.f.band_mt, self.f.band, self.args, self.units,
+                           max(1, min(threads, self.units)), self.f.work)
 
 
 def prepare_band(x: np.ndarray, a: Packed, y: np.ndarray, kernel: tuple[int, ...],

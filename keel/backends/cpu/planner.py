@@ -1031,9 +1031,10 @@ _FLOAT_LAYOUT_ROLES = {
     (NCHWC, "nchw"): "ends it, its result written NCHW ({why})",
     ("nchw", "nchw"): "reads only its residual blocked, its X and result NCHW ({why})"}
 FLOAT_LAYOUT_REASON = (
-    "float NCHWc region of {nodes} 3x3 conv(s) (planner.float_layouts): each runs the "
-    "channel-blocked direct conv (16 output channels a vector, filters [M/16][C][9][16], "
-    "each input value broadcast once for three taps), the values between them kept "
+    "float NCHWc region of {nodes} conv(s) (planner.float_layouts): each runs the "
+    "channel-blocked direct conv (3x3 or 1x1, stride 1 or 2; 16 output channels a vector, "
+    "filters [M/16][C][K*K][16], each input value broadcast once for the taps that read "
+    "it), the values between them kept "
     "[N][C/16][H][W][16] so that no conv inside transposes its result into NCHW (a lone "
     "blocked conv's transposes were 10 % of its time: docs/performance.md); a residual is "
     "read in the layout its producer wrote (this node: {this})")
@@ -1052,11 +1053,12 @@ def float_layouts(graph: Any, types: Mapping[str, TensorType | None],
     A conv is blockable where it runs on the native variant and blocked_conv serves its
     static shapes. A value is kept blocked when a blockable conv writes it (its first
     output), it is no graph output, and every reader is a blockable conv reading it as
-    X or as its residual; anything else (a strided or 1x1 conv, a pool, a graph output,
-    a conv of fewer than 16 or not a multiple of 16 channels) reads NCHW, so the conv
-    writing it ends the region. The chains are found as the int8 pass's
-    (_chain_members). ``profile``: the hardware planned for (None: this machine), whose
-    tile grid and vendor blocked_conv reads."""
+    X or as its residual; anything else (a pool, a graph output, a conv of another
+    kernel or stride, of fewer than 16 or not a multiple of 16 channels, of output rows
+    that are not whole 8-pixel tiles) reads NCHW, so the conv writing it ends the
+    region. The chains are found as the int8 pass's (_chain_members). ``profile``: the
+    hardware planned for (None: this machine), whose tile grid and vendor blocked_conv
+    reads."""
     nodes = graph.nodes
     grid, vendor = tile_grid(profile), cpu_vendor(profile)
     geos = [_blockable(n, types, grid, vendor) if variants[i] == "native" else None
@@ -1106,8 +1108,8 @@ def _float_decision(n: Any, geo: ConvGeometry, blocked: set[str], leaves: str, s
     residual = n.inputs[3] if len(n.inputs) > 3 and n.inputs[3] else ""
     layout = f"{src}->{dst}"
     role = _FLOAT_LAYOUT_ROLES[(src, dst)].format(why=leaves)
-    split = split_reason(conv_splits("native", layout, None, geo, threads), threads) \
-        if threads and threads > 1 else ""
+    split = (split_reason(conv_splits("native", layout, None, geo, threads), threads)
+             + f"; {blocked_split(geo, threads).reason}") if threads and threads > 1 else ""
     why = FLOAT_LAYOUT_REASON.format(nodes=size, this=role)
     options: tuple[tuple[str, Any, str], ...] = ()
     if residual:
@@ -1130,7 +1132,7 @@ def _blocked_fields(geo: ConvGeometry, threads: int) -> tuple[tuple[str, Any, st
     width, parts = geo.window.out_spatial[1], blocked_parts(geo, threads)
     floats = tile * native_blocked.LANES * rows * width
     return (("variant", "native",
-             "native: the channel-blocked direct 3x3 conv (blocked.c), X read where it "
+             "native: the channel-blocked direct conv (blocked.c), X read where it "
              "lies, inside a float NCHWc region (the layout says why)"),
             ("workspace_bytes", 4 * floats * parts,
              f"a thread's sums of one register tile's band ({tile} x 16 channels x {rows} "
@@ -1146,10 +1148,10 @@ def _leaves(nodes: Sequence[Any], name: str, readers: Mapping[str, list[int]],
     for r in readers.get(name, ()):
         if not reads_blocked(r, name):
             node = nodes[r]
-            why = ("not a blockable conv (blocked_conv: 3x3 stride 1 padded by one, 16 or "
-                   "more input channels and output channels in whole blocks of 16, output "
-                   "rows of whole 8-pixel tiles, an AVX-512 core of BLOCKED_VENDORS, on the "
-                   "native variant)"
+            why = ("not a blockable conv (blocked_conv: 3x3 padded by one or 1x1 unpadded, "
+                   "stride 1 or 2, 16 or more input channels and output channels in whole "
+                   "blocks of 16, output rows of whole 8-pixel tiles, an AVX-512 core of "
+                   "BLOCKED_VENDORS, on the native variant)"
                    if node.op is Op.CONV else "not a conv")
             return f"{name} is read by {node.name} ({node.op.value}: {why}), which reads NCHW"
     return f"{name} has no reader"
@@ -2774,15 +2776,19 @@ def _grid(grid: Any) -> Grid:
     return native_gemm.geometry() if grid is _HERE else grid
 
 
-# The channel-blocked direct 3x3 conv (native_blocked, blocked.c: 16 output channels in
+# The channel-blocked direct conv (native_blocked, blocked.c: 16 output channels in
 # each vector, filters loaded whole and X's values broadcast, where the masked tiles load
 # X's taps through lane masks across cache lines; the masked form's bits) runs only
 # inside a float NCHWc region (float_layouts), where the values between its convs stay
 # blocked. Measured on the 2-core Intel Xeon (AVX-512), one thread, under load
-# (docs/performance.md, "The channel-blocked 3 x 3 conv"): each conv alone, hot, 0.69-0.89x
-# the masked time, but a lone blocked conv writing NCHW moved ResNet-20 only 0.97-0.99x
-# (the transposes into NCHW were 10 % of its samples); the region's gain is in
-# docs/performance.md, "A float NCHWc region". A conv of fewer than BLOCKED_MIN_CHANNELS
+# (docs/performance.md, "The channel-blocked 3 x 3 conv"): each 3x3 stride-1 conv alone,
+# hot, 0.69-0.89x the masked time, but a lone blocked conv writing NCHW moved ResNet-20
+# only 0.97-0.99x (the transposes into NCHW were 10 % of its samples); the region's gain
+# is in docs/performance.md, "A float NCHWc region". ResNet-20's stride-2 3x3 and 1x1
+# shortcut convs alone (docs/performance.md, "Strided and 1 x 1 convs in the region"):
+# 0.38-0.81x the gathered or masked form's time at batch 1 and 32 (fastest of 15
+# rounds), inside the model 0.5-0.85x per node, one region against three 0.78-0.94x, so
+# a stage's downsampling block joins the region. A conv of fewer than BLOCKED_MIN_CHANNELS
 # input channels (the 3 -> 16 stem) and other vendors' cores were not measured, and keep
 # their forms.
 BLOCKED_MIN_CHANNELS = 16
@@ -2791,7 +2797,8 @@ BLOCKED_VENDORS = frozenset({"Intel"})
 
 def blocked_conv(geo: ConvGeometry, grid: Any = _HERE, vendor: Any = _HERE) -> bool:
     """Whether a float conv may run channel-blocked inside an NCHWc region: served by
-    the blocked kernel (conv_gemm.blocked_serves), at least BLOCKED_MIN_CHANNELS input
+    the blocked kernel (conv_gemm.blocked_serves: 3x3 padded by one or 1x1 unpadded,
+    stride 1 or 2), at least BLOCKED_MIN_CHANNELS input
     channels in whole blocks of 16, on an AVX-512 core of BLOCKED_VENDORS (defaults:
     this machine's), where the blocked kernel (blocked.c) is loaded."""
     grid = _grid(grid)
@@ -2812,18 +2819,64 @@ def blocked_oc_tile(out_channels: int) -> int:
     return 2 if out_channels % 32 == 0 else 1
 
 
+@dataclass(frozen=True)
+class BlockedSplit:
+    """How the blocked conv splits over threads: its output channels in ``groups`` equal
+    groups of whole register tiles, its units (a band of output rows of one group of one
+    image) in ``parts`` chunks of consecutive units, and why."""
+
+    groups: int
+    units: int
+    parts: int
+    reason: str
+
+    @property
+    def pair(self) -> tuple[int, int]:
+        """(groups, parts): what the kernel call asks (native_blocked.Split)."""
+        return self.groups, self.parts
+
+
+def blocked_split(geo: ConvGeometry, threads: int) -> BlockedSplit:
+    """The grid of bands x channel groups of the blocked conv on up to ``threads``
+    threads, derived from the products' split (gemm_split): for each number of groups
+    that divides the register tiles, the chunks whose every one gets the least flops of
+    a split that wide (split_parts); the least work on the busiest thread wins, grids
+    within SPLIT_BALANCE_SLACK of it counting as equal, then the fewest groups (an
+    image's X is read by the threads of every group, as a product's B by every row
+    group). Bands alone where they are as even: on one or two threads the bands-only
+    split measured before channel groups existed."""
+    return _blocked_split(geo, threads, (thread_costs.current().token, MIN_FLOPS_PER_THREAD))
+
+
+@functools.lru_cache(maxsize=1024)
+def _blocked_split(geo: ConvGeometry, threads: int, least: tuple[str, int]) -> BlockedSplit:
+    bands = _blocked_units(geo)
+    tiles = geo.out_channels // (native_blocked.LANES * blocked_oc_tile(geo.out_channels))
+    if bands == 0:                      # an empty batch: nothing to split
+        return BlockedSplit(1, 0, 1, "not split: an empty batch")
+    flops = geo.batch * _image_flops(geo)
+    found = []
+    for groups in (g for g in range(1, tiles + 1) if tiles % g == 0):
+        units = bands * groups
+        parts = max(1, split_parts(LeastWork.FLOPS, threads, units, flops // units))
+        found.append((-(-units // parts) * flops // units, groups, units, parts))
+    least_span = min(f[0] for f in found)
+    span, groups, units, parts = min(
+        f for f in found if f[0] <= least_span * (1 + SPLIT_BALANCE_SLACK))
+    return BlockedSplit(groups, units, parts, (
+        f"the grid: {bands} band(s) of output rows x {groups} group(s) of {tiles // groups} "
+        f"register tile(s) of output channels, the busiest thread {span:,} of {flops:,} "
+        "flops (blocked_split: the least busiest work, then the fewest groups, as the "
+        "products' split; derived, not measured on more than two cores)"))
+
+
 def blocked_parts(geo: ConvGeometry, threads: int) -> int:
-    """Chunks of the blocked conv's units (bands of output rows, images after one
-    another) on up to ``threads`` threads: the least flops of a split that wide each."""
-    units = _blocked_units(geo)
-    if units == 0:                      # an empty batch: nothing to split
-        return 1
-    work = geo.batch * _image_flops(geo) // units
-    return max(1, split_parts(LeastWork.FLOPS, threads, units, work))
+    """Chunks of the blocked conv's units on up to ``threads`` threads (blocked_split)."""
+    return blocked_split(geo, threads).parts
 
 
 def _blocked_units(geo: ConvGeometry) -> int:
-    """The blocked conv's units: bands of output rows, images after one another."""
+    """The blocked conv's bands of output rows, images after one another."""
     return geo.batch * (geo.window.out_spatial[0] // conv_gemm.blocked_rows(geo))
 
 
@@ -4263,9 +4316,9 @@ def _native_splits(geo: ConvGeometry, layout: str, threads: int, grid: Any,
     pixels, taps = math.prod(win.out_spatial), math.prod(win.kernel)
     cg, mg = geo.in_channels // g, geo.out_channels // g
     if layout in native_blocked.REGION_LAYOUTS and conv_gemm.blocked_serves(geo):
-        units = _blocked_units(geo)
-        return (Split("bands of output rows", units, blocked_parts(geo, threads),
-                      n * _image_flops(geo), least_work(LeastWork.FLOPS, threads)),)
+        split = blocked_split(geo, threads)
+        return (Split(f"bands of output rows x {split.groups} channel group(s)", split.units,
+                      split.parts, n * _image_flops(geo), least_work(LeastWork.FLOPS, threads)),)
     band, copied, batch, columns, wide = _native_shape(geo, layout, step)
     if band:
         rows = native_gemm.band_rows(geo.in_channels, win.kernel, win.out_spatial) or 1

@@ -1,30 +1,35 @@
-/* A direct 3x3 stride-1 convolution with the output channels in the vector lanes.
+/* A direct 3x3 or 1x1 convolution, stride 1 or 2, with the output channels in the vector
+ * lanes.
  *
- *   Y[n][m][y][x] = clip(sum over c, kh, kw of W[m][c][kh][kw] * Xpad[n][c][y + kh][x + kw]
+ *   Y[n][m][y][x] = clip(sum over c, kh, kw of
+ *                        W[m][c][kh][kw] * Xpad[n][c][S * y + kh][S * x + kw]
  *                        + bias[m] + R[n][m][y][x], lo, hi)
  *
- * for one pixel of zero padding on every side (ResNet's 3x3 convs). X, Y and R are each
+ * for stride S, a 3x3 kernel with one pixel of zero padding on every side or a 1x1 kernel
+ * with none (ResNet's convs and its downsampling shortcuts). X, Y and R are each
  * NCHW or channel-blocked, [N][C / 16][H][W][16] (flags BLOCKED_X, BLOCKED_Y, BLOCKED_R:
  * the cpu planner's float NCHWc region, whose values stay blocked between its convs).
- * The filters are packed once as [M / 16][C][9][16]: sixteen output channels, one
+ * The filters are packed once as [M / 16][C][K * K][16]: sixteen output channels, one
  * vector, a tap. A register tile is oc_tile blocks of 16 channels by a run of pixels of
  * one output row; per channel and kernel row it loads the tile's filter vectors once
- * and broadcasts each input value of the row once, for three taps (tile() below), none
+ * and broadcasts each input value the row's taps read once, for every tap that reads it
+ * (three at stride 1, one or two at stride 2; tile() below), none
  * of them through lane masks (gemm.c's masked conv loads its taps through masks across
  * cache lines). X is read where it lies in either layout (a pixel's value of a channel
  * is 1 float from the next pixel's in NCHW, 16 in the blocked layout): rows above and
  * below the image read a row of zeros, the pixels left and right of a row are zeros in
- * registers. A band of `rows` output rows (rows * W a multiple of 16) is stored in a
+ * registers. A band of `rows` output rows (rows * OW a multiple of 16) is stored in a
  * buffer as [pixel][16 channels], then written to Y with the epilogue: whole vectors
  * where Y is blocked, transposed sixteen pixels at a time into NCHW rows where it is
  * not (an R in the other layout than Y's is transposed the same way as it is read).
  *
  * Each element of Y is the sum over c, kh, kw in that order from 0 by fused
  * multiply-adds, then + bias, + R, clip: the masked and gathered conv tiles' chain
- * (gemm.c, the depth p = c * 9 + kh * 3 + kw), so bitwise their Y in any layout, for
- * any split over threads (the border's zeros are multiplied as a zero-bordered copy
+ * (gemm.c, the depth p = (c * K + kh) * K + kw), so bitwise their Y (3x3 stride 1) in
+ * any layout, for any split over threads (the border's zeros are multiplied as a zero-bordered copy
  * would give them: an infinite filter tap gives NaN there, as in the reference). A unit
- * is one band of one image.
+ * is one band of one group of output channels (`groups` equal groups of whole register
+ * tiles: the planner's grid of bands x channel groups) of one image.
  *
  * AVX-512 builds only: elsewhere keel_conv_blocked_lanes_f32 says 0 and the cpu planner
  * does not plan the form.
@@ -37,10 +42,13 @@
 #include "parallel.h"
 
 typedef struct {
-    int64_t n, c, h, w, m;   /* X (n, c, h, w), Y (n, m, h, w); m a multiple of 16 */
+    int64_t n, c, h, w, m;   /* X (n, c, h, w), Y (n, m, oh, ow); m a multiple of 16 */
+    int64_t oh, ow;          /* ow a multiple of 8 */
+    int64_t kernel, stride;  /* 3 (padded by one) or 1 (unpadded); 1 or 2 */
     int64_t oc_tile;         /* blocks of 16 output channels a register tile: 1 or 2 */
-    int64_t rows;            /* output rows a unit (rows * w a multiple of 16, h too) */
-    const float *filters;    /* [m / 16][c][9][16] */
+    int64_t rows;            /* output rows a unit (rows * ow a multiple of 16, oh too) */
+    int64_t groups;          /* groups of output channels: whole register tiles each */
+    const float *filters;    /* [m / 16][c][kernel * kernel][16] */
     const float *x;
     float *y;
     const float *bias;       /* m, or NULL */
@@ -67,7 +75,7 @@ int64_t keel_conv_blocked_args_x_offset(void)
 /* Floats of one thread's scratch: one band's sums of a register tile's blocks. */
 int64_t keel_conv_blocked_workspace_f32(const keel_conv_blocked_args *g)
 {
-    return g->oc_tile * 16 * g->rows * g->w;
+    return g->oc_tile * 16 * g->rows * g->ow;
 }
 
 #if defined(__AVX512F__)
@@ -104,44 +112,52 @@ typedef struct {
     int64_t gsize;
 } taps;
 
-/* A row of zeros as wide as a tile and its border pixels, 16 floats a pixel. */
-static const float ZEROS[18 * 16 + 16];
+/* A row of zeros as wide as a tile's input pixels (33 at stride 2) and a pixel before
+ * it, 16 floats a pixel. */
+static const float ZEROS[34 * 16 + 16];
 
-/* A tile's sums over every channel and tap into buf (pixel p of block o at
- * buf + o * bstride + p * 16); wp: the filters of the tile's first block, wobs floats
- * to the next. Per channel and kernel row kh the tile's filter vectors of the three taps
- * are loaded once and each input pixel q of the row (the tile's first pixel - 1 + q) is
- * broadcast once and multiplied into the outputs q - 2 .. q as their taps kw = 2 .. 0,
- * so every output still sums its taps in the order kh, kw: 16 loads for 48
- * multiply-adds on a tile of 2 x 8 (a load of the filters and a broadcast for every tap
- * and pixel took 30 loads for them). A tile at the row's left (right) end multiplies zeros for the
- * pixel before (after) the row, as a zero border would give, and reads nothing there:
- * X is read where it lies. */
+/* A tile's sums over every channel and tap of a K x K kernel at stride S into buf (pixel p
+ * of block o at buf + o * bstride + p * 16); wp: the filters of the tile's first block,
+ * wobs floats to the next. Per channel and kernel row kh the tile's filter vectors of
+ * the row's taps are loaded once and each input pixel q of the row that a tap reads (the
+ * tile's first pixel's column S * x0 - K / 2, + q) is broadcast once and multiplied into
+ * every output p whose tap kw = q - S * p reads it (an output's taps come in rising q,
+ * so every output still sums its taps in the order kh, kw): at stride 1, 16
+ * loads for 48 multiply-adds on a tile of 2 x 8 (a load of the filters and a broadcast
+ * for every tap and pixel took 30 loads for them). A 3x3 tile at the row's left (right)
+ * end multiplies zeros for the pixel before (after) the row, as a zero border would
+ * give, and reads nothing there: X is read where it lies. */
 static inline __attribute__((always_inline)) void
-tile(int ob, int np, int left, int right, int ps, const taps *t, const float *restrict wp,
-     int64_t wobs, int64_t c, float *restrict buf, int64_t bstride)
+tile(int K, int S, int ob, int np, int left, int right, int ps, const taps *t,
+     const float *restrict wp, int64_t wobs, int64_t c, float *restrict buf, int64_t bstride)
 {
     vf acc[2][16];
+    int last = S * (np - 1) + K - 1;    /* the last input pixel a tap reads */
     for (int o = 0; o < ob; o++)
         for (int p = 0; p < np; p++) acc[o][p] = (vf){0};
     for (int64_t ic = 0; ic < c; ic++)
-        for (int kh = 0; kh < 3; kh++) {
+        for (int kh = 0; kh < K; kh++) {
             int64_t g = ic / t->gsize, ci = ic - g * t->gsize;
-            const float *xx = t->row[kh] + g * t->gs[kh] + ci * t->cs[kh] - ps;
-            const float *ww = wp + ic * 144 + kh * 48;
+            const float *xx = t->row[kh] + g * t->gs[kh] + ci * t->cs[kh] - K / 2 * ps;
+            const float *ww = wp + (ic * K + kh) * K * 16;
             vf wv[3][2];
 #pragma GCC unroll 3
-            for (int kw = 0; kw < 3; kw++)
+            for (int kw = 0; kw < K; kw++)
 #pragma GCC unroll 2
                 for (int o = 0; o < ob; o++) wv[kw][o] = load(ww + kw * 16 + o * wobs);
-#pragma GCC unroll 18
-            for (int q = 0; q < np + 2; q++) {
-                int outside = (q == 0 && left) || (q == np + 1 && right);
+#pragma GCC unroll 34
+            for (int q = 0; q <= last; q++) {
+                int read = 0;
+#pragma GCC unroll 3
+                for (int kw = 0; kw < K; kw++)
+                    read |= q >= kw && (q - kw) % S == 0 && (q - kw) / S < np;
+                if (!read) continue;
+                int outside = K == 3 && ((q == 0 && left) || (q == last && right));
                 vf xv = outside ? (vf){0} : splat(xx[q * ps]);
 #pragma GCC unroll 3
-                for (int kw = 0; kw < 3; kw++) {
-                    int p = q - kw;
-                    if (p < 0 || p >= np) continue;
+                for (int kw = 0; kw < K; kw++) {
+                    int d = q - kw, p = d / S;
+                    if (d < 0 || d % S || p >= np) continue;
 #pragma GCC unroll 2
                     for (int o = 0; o < ob; o++) acc[o][p] += wv[kw][o] * xv;
                 }
@@ -153,55 +169,71 @@ tile(int ob, int np, int left, int right, int ps, const taps *t, const float *re
 
 typedef void (*tile_fn)(const taps *, const float *, int64_t, int64_t, float *, int64_t);
 
-#define TILE(OB, NP, L, R, PS)                                                             \
-    static void tile_##OB##_##NP##_##L##R##_##PS(const taps *t, const float *wp,           \
-                                                 int64_t wobs, int64_t c, float *buf,      \
-                                                 int64_t bstride)                          \
+#define TILE(K, S, OB, NP, L, R, PS)                                                       \
+    static void tile_##K##S##_##OB##_##NP##_##L##R##_##PS(                                 \
+        const taps *t, const float *wp, int64_t wobs, int64_t c, float *buf,               \
+        int64_t bstride)                                                                   \
     {                                                                                      \
-        tile(OB, NP, L, R, PS, t, wp, wobs, c, buf, bstride);                              \
+        tile(K, S, OB, NP, L, R, PS, t, wp, wobs, c, buf, bstride);                        \
     }
-#define TILES(OB, NP, PS)                                                                  \
-    TILE(OB, NP, 0, 0, PS) TILE(OB, NP, 1, 0, PS) TILE(OB, NP, 0, 1, PS) TILE(OB, NP, 1, 1, PS)
-TILES(1, 8, 1)
-TILES(1, 16, 1)
-TILES(2, 8, 1)
-TILES(1, 8, 16)
-TILES(1, 16, 16)
-TILES(2, 8, 16)
-#define EDGES(OB, NP, PS)                                                                  \
-    {tile_##OB##_##NP##_00_##PS, tile_##OB##_##NP##_10_##PS, tile_##OB##_##NP##_01_##PS,   \
-     tile_##OB##_##NP##_11_##PS}
-/* By X's layout (NCHW, blocked), shape (1 x 8, 1 x 16, 2 x 8), then left + 2 * right. */
-static const tile_fn TILE_FNS[2][3][4] = {
-    {EDGES(1, 8, 1), EDGES(1, 16, 1), EDGES(2, 8, 1)},
-    {EDGES(1, 8, 16), EDGES(1, 16, 16), EDGES(2, 8, 16)}};
+#define TILES3(S, OB, NP, PS)                                                              \
+    TILE(3, S, OB, NP, 0, 0, PS) TILE(3, S, OB, NP, 1, 0, PS) TILE(3, S, OB, NP, 0, 1, PS)  \
+    TILE(3, S, OB, NP, 1, 1, PS)
+#define SHAPES3(S, PS) TILES3(S, 1, 8, PS) TILES3(S, 1, 16, PS) TILES3(S, 2, 8, PS)
+#define SHAPES1(S, PS)                                                                     \
+    TILE(1, S, 1, 8, 0, 0, PS) TILE(1, S, 1, 16, 0, 0, PS) TILE(1, S, 2, 8, 0, 0, PS)
+SHAPES3(1, 1)
+SHAPES3(1, 16)
+SHAPES3(2, 1)
+SHAPES3(2, 16)
+SHAPES1(1, 1)
+SHAPES1(1, 16)
+SHAPES1(2, 1)
+SHAPES1(2, 16)
+#define EDGES3(S, OB, NP, PS)                                                              \
+    {tile_3##S##_##OB##_##NP##_00_##PS, tile_3##S##_##OB##_##NP##_10_##PS,                 \
+     tile_3##S##_##OB##_##NP##_01_##PS, tile_3##S##_##OB##_##NP##_11_##PS}
+#define EDGES1(S, OB, NP, PS) /* a 1x1 tile reads no border */                             \
+    {tile_1##S##_##OB##_##NP##_00_##PS, tile_1##S##_##OB##_##NP##_00_##PS,                 \
+     tile_1##S##_##OB##_##NP##_00_##PS, tile_1##S##_##OB##_##NP##_00_##PS}
+#define LAYOUTS(E, S)                                                                      \
+    {{E(S, 1, 8, 1), E(S, 1, 16, 1), E(S, 2, 8, 1)},                                       \
+     {E(S, 1, 8, 16), E(S, 1, 16, 16), E(S, 2, 8, 16)}}
+/* By kernel and stride (3x3 stride 1 and 2, 1x1 stride 1 and 2), X's layout (NCHW,
+ * blocked), shape (1 x 8, 1 x 16, 2 x 8), then left + 2 * right. */
+static const tile_fn TILE_FNS[4][2][3][4] = {LAYOUTS(EDGES3, 1), LAYOUTS(EDGES3, 2),
+                                             LAYOUTS(EDGES1, 1), LAYOUTS(EDGES1, 2)};
 
 /* One band's tiles of blocks [ob0, ob0 + oc_tile) of image x from output row y0. */
 static void band_sums(const keel_conv_blocked_args *g, const float *x, int64_t y0,
                       int64_t ob0, float *buf)
 {
-    int64_t w = g->w, c = g->c, band = g->rows * w, plane = g->h * w;
+    int64_t ow = g->ow, c = g->c, band = g->rows * ow, plane = g->h * g->w;
+    int K = (int)g->kernel, S = (int)g->stride;
     int blocked = (g->flags & BLOCKED_X) != 0;
     int64_t ps = blocked ? 16 : 1;
-    const float *wp = g->filters + ob0 * c * 144;
+    const float *wp = g->filters + ob0 * c * K * K * 16;
+    const tile_fn(*fns)[4] = TILE_FNS[(K == 1) * 2 + (S == 2)][blocked];
     for (int64_t r = 0; r < g->rows; r++) {
         taps t;
         t.gsize = blocked ? 16 : c;
-        for (int kh = 0; kh < 3; kh++) {
-            int64_t yr = y0 + r - 1 + kh;
+        for (int kh = 0; kh < K; kh++) {
+            int64_t yr = S * (y0 + r) - K / 2 + kh;
             int inside = yr >= 0 && yr < g->h;
-            t.row[kh] = inside ? x + yr * w * ps : ZEROS + 16;
+            t.row[kh] = inside ? x + yr * g->w * ps : ZEROS + 16;
             t.cs[kh] = inside ? (blocked ? 1 : plane) : 0;
             t.gs[kh] = inside && blocked ? plane * 16 : 0;
         }
         const float *row[3] = {t.row[0], t.row[1], t.row[2]};
-        for (int64_t x0 = 0; x0 < w;) {
-            int np = g->oc_tile == 2 || x0 + 16 > w ? 8 : 16;
+        for (int64_t x0 = 0; x0 < ow;) {
+            int np = g->oc_tile == 2 || x0 + 16 > ow ? 8 : 16;
             int shape = g->oc_tile == 2 ? 2 : np == 16;
-            int edges = (x0 == 0) + 2 * (x0 + np == w);
-            for (int kh = 0; kh < 3; kh++) t.row[kh] = row[kh] + (t.cs[kh] ? x0 * ps : 0);
-            TILE_FNS[blocked][shape][edges](&t, wp, c * 144, c, buf + (r * w + x0) * 16,
-                                            band * 16);
+            /* the tile's first and last taps' columns outside the row */
+            int edges = (S * x0 - K / 2 < 0) + 2 * (S * (x0 + np - 1) + K / 2 >= g->w);
+            for (int kh = 0; kh < K; kh++)
+                t.row[kh] = row[kh] + (t.cs[kh] ? S * x0 * ps : 0);
+            fns[shape][edges](&t, wp, c * K * K * 16, c, buf + (r * ow + x0) * 16,
+                              band * 16);
             x0 += np;
         }
     }
@@ -221,7 +253,7 @@ static inline void load_transposed(const float *at, int64_t step, __m512 *r)
 static void band_store(const keel_conv_blocked_args *g, const float *buf, int64_t image,
                        int64_t at, int64_t ob0)
 {
-    int64_t band = g->rows * g->w, plane = g->h * g->w, blocks = g->m / 16;
+    int64_t band = g->rows * g->ow, plane = g->oh * g->ow, blocks = g->m / 16;
     int clipped = (g->flags & BLOCKED_CLIP) != 0, y_blocked = (g->flags & BLOCKED_Y) != 0;
     int r_blocked = (g->flags & BLOCKED_R) != 0;
     vf lo = splat((float)g->lo), hi = splat((float)g->hi);
@@ -252,19 +284,22 @@ static void band_store(const keel_conv_blocked_args *g, const float *buf, int64_
     }
 }
 
-/* Units [lo, hi): unit u is band u % bands of image u / bands. */
+/* Units [lo, hi): unit u is band u % bands of channel group u / bands % groups of image
+ * u / (bands * groups); a run of one group's bands takes each register tile's filters
+ * through all its bands. */
 void keel_conv_blocked_f32(const keel_conv_blocked_args *g, float *scratch, int64_t lo,
                            int64_t hi)
 {
-    int64_t bands = g->h / g->rows;
+    int64_t bands = g->oh / g->rows, per = g->m / 16 / g->groups;
     for (int64_t u = lo; u < hi;) {
-        int64_t image = u / bands, end = (image + 1) * bands < hi ? (image + 1) * bands : hi;
+        int64_t run = u / bands, end = (run + 1) * bands < hi ? (run + 1) * bands : hi;
+        int64_t image = run / g->groups, first = run % g->groups * per;
         const float *x = g->x + image * g->c * g->h * g->w;
-        for (int64_t ob0 = 0; ob0 < g->m / 16; ob0 += g->oc_tile)
+        for (int64_t ob0 = first; ob0 < first + per; ob0 += g->oc_tile)
             for (int64_t b = u; b < end; b++) {
                 int64_t y0 = b % bands * g->rows;
                 band_sums(g, x, y0, ob0, scratch);
-                band_store(g, scratch, image, y0 * g->w, ob0);
+                band_store(g, scratch, image, y0 * g->ow, ob0);
             }
         u = end;
     }

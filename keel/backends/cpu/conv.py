@@ -579,13 +579,13 @@ def _bind_conv(variant: str, ctx: KernelContext, inputs: Inputs, attrs: Attrs,
 
 def _bind_winograd(plan: _Plan, x: Any, w: Any, b: Any, z: Any, y: Any, state: _State,
                    threads: int) -> Callable[[], Any] | None:
-    """The Winograd form's fused native call bound to these arrays (as :func:`_winograd`
-    runs it); None where it runs otherwise."""
-    geo, _, lanes, _, pipeline = plan.layout
+    """The Winograd form's native calls bound to these arrays (as :func:`_winograd`
+    runs them: the per-thread pipeline, or pass by pass); None where it runs otherwise."""
+    geo, chunk, lanes, pass_lanes, pipeline = plan.layout
     win = geo.window
     return winograd.bind_conv3x3(x, w, (win.pads_begin[0], win.pads_begin[1]),
                                  (win.out_spatial[0], win.out_spatial[1]), y, b, z, plan.act,
-                                 state, threads, lanes, pipeline)
+                                 state, threads, lanes, pipeline, chunk, pass_lanes)
 
 
 for _name, _rule in RULES.items():

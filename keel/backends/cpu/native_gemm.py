@@ -553,8 +553,9 @@ class Call:
                                           (self.f.mr, self.f.nr), raw=raw,
                                           lanes=bool(int(values[_FLAGS_FIELD]) & _LANES))
 
-    def bound(self, threads: int) -> Callable[[], Any]:
-        """``run(threads)`` as a callable with no arguments, for the calling thread.
+    def bound(self, threads: int, panel_major: bool = False) -> Callable[[], Any]:
+        """``run(threads, panel_major)`` as a callable with no arguments, for the calling
+        thread.
 
         The C function with its arguments converted once (the split included, and
         on one thread this thread's packing workspace): ~1 us less per call than
@@ -564,7 +565,7 @@ class Call:
         thread, while the call's A and C live.
         """
         f = self.f
-        split = self._split(threads)
+        split = self._split(threads, panel_major)
         if split is not None:
             return holding(functools.partial(checked, *split), self)
         once = functools.partial(f.gemm, self.args, _work(f), 0, 0,

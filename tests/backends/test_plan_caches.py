@@ -240,13 +240,13 @@ def test_the_winograd_passes_run_the_tiles_of_the_vendor_planned_for(
     assert why.startswith("run pass by pass") and why in model.explain()
     assert ("in lanes tiles" if lanes else "in 8 x 32 panels") in why
     ran: list[bool] = []
-    run = native_gemm.Call.run
+    bound = native_gemm.Call.bound
 
-    def spy(call: Any, threads: int, panel_major: bool = False) -> None:
+    def spy(call: Any, threads: int, panel_major: bool = False) -> Any:
         ran.append(bool(int(call.values[native_gemm._FLAGS_FIELD]) & native_gemm._LANES))
-        run(call, threads, panel_major)
+        return bound(call, threads, panel_major)
 
-    monkeypatch.setattr(native_gemm.Call, "run", spy)
+    monkeypatch.setattr(native_gemm.Call, "bound", spy)
     x = np.random.default_rng(9).standard_normal((2, 512, 12, 12)).astype(np.float32)
     got = model.run(None, {"x": x})[0]
     assert ran and set(ran) == {lanes}        # no call: the pipeline ran, not the passes

@@ -604,3 +604,38 @@ def test_lanes_reason_claims_no_measurement_on_other_vendors(vendor: str | None)
     assert "share a port" in cpu_planner.winograd_lanes("Intel")[1]
     lanes, why = cpu_planner.winograd_lanes(vendor)
     assert not lanes and "not measured on" in why and "share a port" not in why
+
+
+@pytest.mark.parametrize("threads", [2, 3, 16])
+def test_convs_run_pass_by_pass_bind_as_steps_with_the_kernels_bits(threads: int) -> None:
+    """A conv planned pass by pass on several threads (U of 128 x 128 filters
+    outweighs 16 tiles: the products in tall tiles, as ResNet-18's 512-channel layer's)
+    binds as a program step, as the per-thread pipeline does: its transforms and
+    products with their arguments converted once. Bound runs give bitwise what the
+    kernels give run step by step, and the bits of one thread (the pipeline)."""
+    from keel import load_model
+    from keel.execution import program as program_module
+
+    model = _conv_model(1, 128, 128, 7)
+    rng = np.random.default_rng(14)
+    loaded = load_model(model, backend="cpu", threads=threads, plan_cache=False)
+    plans = [n.plan for n in loaded.plan.nodes if n.op == "conv"]
+    assert all(p is not None and "pass by pass" in p.reason("winograd_pipeline")
+               for p in plans)
+    x = _rand(rng, 1, 128, 7, 7)
+    loaded.predict({"x": x})
+    fast = loaded._fast_path({"x": x})
+    assert fast is not None
+    program = fast[0][1]
+    bound = (program_module._BOUND, program_module._HELD)    # _HELD: the graph output's
+    kinds = [step.op for step, hot in zip(program._steps, program._hot, strict=True)
+             if hot[0] in bound]
+    assert kinds.count("conv") == 2
+    for seed in (15, 16):
+        x = _rand(np.random.default_rng(seed), 1, 128, 7, 7)
+        got = loaded.predict({"x": x})["y"]
+        np.testing.assert_array_equal(got, loaded.intermediates({"x": x})["y"])
+        one = load_model(model, backend="cpu", threads=1, plan_cache=False)
+        assert got.tobytes() == one.predict({"x": x})["y"].tobytes()
+        want = load_model(model, backend="reference").predict({"x": x})["y"]
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

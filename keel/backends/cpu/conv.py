@@ -596,11 +596,12 @@ def _bind_conv(variant: str, ctx: KernelContext, inputs: Inputs, attrs: Attrs,
 
 def _bind_winograd(plan: _Plan, x: Any, w: Any, b: Any, z: Any, y: Any, state: _State,
                    threads: int) -> Callable[[], Any] | None:
-    """The Winograd form's fused native call bound to these arrays (as :func:`_winograd`
-    runs it); None where it runs otherwise."""
+    """The Winograd form's native calls bound to these arrays (as :func:`_winograd`
+    runs them: the per-thread pipeline, or pass by pass); None where it runs otherwise."""
     layout: WinogradLayout = plan.layout
     return winograd.bind_conv3x3(x, w, layout.pads, layout.out_hw, y, b, z, plan.act,
-                                 state, threads, layout.lanes, layout.pipeline)
+                                 state, threads, layout.lanes, layout.pipeline,
+                                 layout.chunk, layout.pass_lanes)
 
 
 for _name, _rule in RULES.items():

@@ -584,8 +584,9 @@ class Call:
                                           (self.f.mr, self.f.nr), raw=raw,
                                           lanes=bool(int(values[_FLAGS_FIELD]) & _LANES))
 
-    def bound(self, threads: int) -> Callable[[], Any]:
-        """``run(threads)`` as a callable with no arguments, for the calling thread.
+    def bound(self, threads: int, panel_major: bool = False) -> Callable[[], Any]:
+        """``run(threads, panel_major)`` as a callable with no arguments, for the calling
+        thread.
 
         The C function with its arguments converted once (the split included, and
         on one thread this thread's packing workspace): ~1 us less per call than
@@ -594,7 +595,7 @@ class Call:
         The callable keeps the call (and the workspace) alive; run it only on this
         thread, while the call's A and C live.
         """
-        return self._bound(threads, self.args)
+        return self._bound(threads, self.args, panel_major)
 
     def bound_reading(self, threads: int) -> functools.partial[Any] | None:
         """:meth:`bound` on arguments of its own, whose A its ``point(array)`` moves: the
@@ -609,12 +610,13 @@ class Call:
         call.point = functools.partial(_point, args)    # type: ignore[attr-defined]
         return call
 
-    def _bound(self, threads: int, args: Any) -> functools.partial[Any]:
+    def _bound(self, threads: int, args: Any, panel_major: bool = False
+               ) -> functools.partial[Any]:
         """The call on ``args``, marked ``native``: it runs C code only, so NumPy's
         floating-point state means nothing to it (a program whose bound calls are all
         such runs them without setting it)."""
         f = self.f
-        split = self._split(threads)
+        split = self._split(threads, panel_major)
         at = ctypes.cast(args, ctypes.c_void_p).value or 0  # the bytes' own buffer, held
         if split is not None:
             call = holding(functools.partial(checked, split[0], args, *split[2:]), self, args)

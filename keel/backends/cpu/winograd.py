@@ -220,36 +220,53 @@ def native_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[in
     if fns is None or not _contiguous_f32(x, w, y, bias, z) or (
             z is not None and z.shape != y.shape):
         return False
-    n, c = x.shape[:2]
     m = w.shape[0]
-    oh, ow = out_hw
-    th, tw = -(-oh // 2), -(-ow // 2)
-    tiles = th * tw
     products, geo, clip = _operands(x, w, pads_begin, out_hw, act, packed)
     name = act[0]
-    addr = native.address
     lanes = planner.winograd_lanes()[0] if lanes is None else lanes
     fused = _fused(fns, x, y, bias, z, clip, geo, products, m, threads, out_hw, lanes,
                    pipeline)
     if fused is not None:
         _ok(fns.fused(*fused[0]))
-        if name and name != "clip":
-            finish(np, y, y, None, act)
-        return True
+    else:
+        _run_passes(_passes(fns, x, y, bias, z, clip, geo, products, m, threads, out_hw,
+                            chunk, lanes, pass_lanes))
+    if name and name != "clip":
+        finish(np, y, y, None, act)
+    return True
+
+
+# One chunk of images pass by pass: its input transform, its sixteen products and its
+# output transform, each a call of no arguments.
+_Pass = tuple[Callable[[], int], Callable[[], Any], Callable[[], int]]
+
+
+def _passes(fns: _Functions, x: Any, y: Any, bias: Any, z: Any, clip: Any, geo: Any,
+            products: _Products, m: int, threads: int, out_hw: tuple[int, int],
+            chunk: int | None, lanes: bool, pass_lanes: bool | None) -> list[_Pass]:
+    """The conv pass by pass, ``chunk`` images at a time (None: all), as calls with their
+    arguments converted once: the input transform of a chunk over every thread into V,
+    the sixteen products into P, the output transform (bias, Z and the clip) into Y.
+    V and P are this thread's workspace; the calls keep them, U, the geometry and the
+    clip alive, not X, Y, the bias or Z."""
+    n, c = x.shape[:2]
+    tiles = -(-out_hw[0] // 2) * -(-out_hw[1] // 2)
     chunk = n if chunk is None else max(1, min(n, chunk))
     v_all = workspace.empty(np, "winograd_native_v", (16 * c * chunk * tiles,), np.float32)
     p_all = workspace.empty(np, "winograd_native_p", (16 * m * chunk * tiles,), np.float32)
+    addr = native.address
+    passes: list[_Pass] = []
     for n0 in range(0, n, chunk):
         k = min(chunk, n - n0)
         t = k * tiles
         v = v_all[:16 * c * t].reshape(16, c, t)
         p = p_all[:16 * m * t].reshape(16, m, t)
-        xs, ys = x[n0:n0 + k], y[n0:n0 + k]
         zs = None if z is None else z[n0:n0 + k]
         # By tile rows, a thread transforms the tiles its share of the products reads.
         by_rows = planner.winograd_by_rows(k, c + m, out_hw, threads, filters=m * c)
-        _ok(fns.input(addr(xs), addr(v), addr(geo), k,
-                      planner.winograd_parts(k, c, out_hw, False, threads, by_rows), by_rows))
+        transform_in = functools.partial(
+            fns.input, addr(x[n0:n0 + k]), addr(v), addr(geo), k,
+            planner.winograd_parts(k, c, out_hw, False, threads, by_rows), by_rows)
         call = native_gemm.prepare(products.u, v, p)
         if call is None:
             raise RuntimeError("native GEMM refused the Winograd products")
@@ -264,26 +281,38 @@ def native_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[in
         # Panel-major: a thread's share of the sixteen products is the same tiles of each
         # (those of the images, or tile rows, it transformed: the pool gives each thread
         # the same chunk index); product by product where U outweighs the tiles.
-        call.run(threads, panel_major=not planner.winograd_by_product(c, m, t, threads))
-        _ok(fns.output(addr(p), addr(ys), addr(geo), m,
-                       None if bias is None else addr(bias), None if zs is None else addr(zs),
-                       None if clip is None else addr(clip), k,
-                       planner.winograd_parts(k, m, out_hw, True, threads, by_rows), by_rows))
-    if name and name != "clip":
-        finish(np, y, y, None, act)
-    return True
+        product = call.bound(threads,
+                             panel_major=not planner.winograd_by_product(c, m, t, threads))
+        transform_out = functools.partial(
+            fns.output, addr(p), addr(y[n0:n0 + k]), addr(geo), m,
+            None if bias is None else addr(bias), None if zs is None else addr(zs),
+            None if clip is None else addr(clip), k,
+            planner.winograd_parts(k, m, out_hw, True, threads, by_rows), by_rows)
+        passes.append((native_gemm.holding(transform_in, v_all, geo), product,
+                       native_gemm.holding(transform_out, p_all, geo, clip, products)))
+    return passes
+
+
+def _run_passes(passes: list[_Pass]) -> None:
+    for transform_in, product, transform_out in passes:
+        _ok(transform_in())
+        product()
+        _ok(transform_out())
 
 
 def bind_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[int, int],
                  y: Any, bias: Any, z: Any, act: Activation, packed: Any, threads: int,
-                 lanes: bool | None, pipeline: tuple[int, ...] | None
+                 lanes: bool | None, pipeline: tuple[int, ...] | None,
+                 chunk: int | None = None, pass_lanes: bool | None = None
                  ) -> Callable[[], None] | None:
     """:func:`native_conv3x3` of these arrays as a call of no arguments, for a program
     step (the plan lookup, checks and argument conversions of each call made once: the
-    same C call, so the same bits); None where it would not run as the per-thread
-    pipeline with its activation in the kernel (the step then runs as usual). The call
-    keeps what its addresses point into but X, W, Y, the bias and Z: run it only while
-    they live."""
+    same C calls, so the same bits): the per-thread pipeline, or pass by pass ``chunk``
+    images at a time with the chunks' wider products as ``pass_lanes`` says (the plan's
+    chunk and ``winograd_pass_lanes``); None where its activation is not the kernel's
+    (the step then runs as usual). The call keeps what its addresses point into but X,
+    W, Y, the bias and Z (V and P are this thread's workspace: run it on this thread),
+    and runs only while they live."""
     fns = _functions()
     if fns is None or act[0] not in ("", "clip") or not _contiguous_f32(x, w, y, bias, z) or (
             z is not None and z.shape != y.shape):
@@ -293,7 +322,9 @@ def bind_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[int,
     fused = _fused(fns, x, y, bias, z, clip, geo, products, w.shape[0], threads, out_hw,
                    lanes, pipeline)
     if fused is None:
-        return None
+        return functools.partial(_run_passes, _passes(
+            fns, x, y, bias, z, clip, geo, products, w.shape[0], threads, out_hw, chunk,
+            lanes, pass_lanes))
     run = functools.partial(_run_fused, fns.fused, fused[0])
     run.keep = (products, *fused[1])        # type: ignore[attr-defined]
     return run

@@ -139,6 +139,23 @@ def test_runs_off_the_steady_path_read_the_feeds_buffer(tmp_path: Path) -> None:
     np.testing.assert_array_equal(model.predict({"x": x.copy()})["y"], want)
 
 
+def test_a_run_after_the_arena_grew_reads_the_feeds_buffer() -> None:
+    """A larger batch grows the shared arena; the next run of the steady program binds
+    again (off the steady path) and must read the feed as copied, not the array its
+    last steady run was pointed at."""
+    model = load_model(mlp(), backend="cpu", threads=1)
+    first, second = (callers_arrays(32, seed)[0] for seed in (4, 5))
+    for _ in range(2):
+        model.predict({"x": first})                 # the steady run, pointed at `first`
+    pool = program_of(model, first)._pool
+    grown = pool.version
+    model.predict({"x": callers_arrays(400, 6)[0]})
+    assert pool.version != grown, "the larger batch should have replaced the arena"
+    want = unbound(model, second)
+    assert not np.array_equal(want, unbound(model, first))
+    np.testing.assert_array_equal(model.predict({"x": second})["y"], want)
+
+
 def test_a_thread_coming_back_reads_the_feed_it_is_given() -> None:
     """Each thread's calls read in place what its own last steady run gave them; a run
     on a thread coming back after another thread's runs reads the feed it is given."""

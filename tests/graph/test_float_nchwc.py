@@ -309,6 +309,19 @@ def test_channels_not_a_multiple_of_16_decline(channels: int, stated: Any) -> No
     _check_results(blob)
 
 
+def test_pointwise_stride_1_convs_stay_out_of_a_region() -> None:
+    """1x1 stride-1 convs between 3x3 ones (as in a bottleneck) keep their NCHW forms:
+    blocked they ran slower, so the 3x3 convs on either side are regions of their own."""
+    g = _Graph(32, 16)
+    a = g.conv("c1", g.conv("c0", "x"))
+    b = g.conv("p2", g.conv("p1", a, kernel=1), kernel=1)
+    blob = g.model(g.conv("c4", g.conv("c3", b)))
+    layouts = _layouts(_load(blob))
+    assert not any("nchwc16" in layouts[name] for name in ("p1", "p2"))
+    assert layouts["c0"] == "nchw->nchwc16" and layouts["c4"] == "nchwc16->nchw"
+    _check_results(blob, intermediates=False)
+
+
 def test_a_downsampling_block_joins_the_region() -> None:
     """A stride-2 3x3 conv, its block's second conv and the 1x1 stride-2 shortcut (the
     block's Add and ReLU fused into it, the second conv's result its blocked residual)

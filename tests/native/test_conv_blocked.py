@@ -248,6 +248,7 @@ def test_the_split_is_the_planners(threads: int) -> None:
 @pytest.mark.parametrize("x_shape,w_shape,threads,grid", [
     # (groups, chunks): bands alone on one and two threads, as before channel groups
     ((1, 64, 8, 8), (64, 64, 3, 3), 2, (1, 2)),
+    ((1, 64, 65, 16), (64, 64, 3, 3), 2, (1, 2)),     # 33 of 65 bands: within the slack
     ((1, 64, 8, 8), (64, 64, 3, 3), 3, (2, 3)),       # 8 units in 3: 3 of 8, not 2 of 4
     ((1, 64, 8, 8), (64, 64, 3, 3), 16, (2, 8)),      # both register tiles, every band
     ((1, 32, 8, 8), (128, 32, 3, 3), 16, (4, 16)),    # 4 tiles x 4 bands

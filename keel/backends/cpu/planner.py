@@ -2081,6 +2081,8 @@ def join_note() -> str:
     """The plan's note on the bound products a steady run calls as one."""
     if not JOIN_CALLS:
         return "bound native products: called one by one (JOIN_CALLS off)"
+    if not native_gemm.available():
+        return "bound products: called one by one (no native GEMM library loaded)"
     return ("bound native products: a steady run calls consecutive ones as one native "
             "call, not through the interpreter, whose code a product's weights push out "
             "of the cache: measured on a 2-core Intel Xeon (JOIN_CALLS)")
@@ -2788,7 +2790,9 @@ def _grid(grid: Any) -> Grid:
 # shortcut convs alone (docs/performance.md, "Strided and 1 x 1 convs in the region"):
 # 0.38-0.81x the gathered or masked form's time at batch 1 and 32 (fastest of 15
 # rounds), inside the model 0.5-0.85x per node, one region against three 0.78-0.94x, so
-# a stage's downsampling block joins the region. A conv of fewer than BLOCKED_MIN_CHANNELS
+# a stage's downsampling block joins the region. A 1x1 stride-1 conv stays out (the
+# kernel computes it, but MobileNetV2's 32 -> 16 and 16 -> 96 on 112 x 112 ran 1.4-1.7x
+# their direct time blocked, one thread, under load). A conv of fewer than BLOCKED_MIN_CHANNELS
 # input channels (the 3 -> 16 stem) and other vendors' cores were not measured, and keep
 # their forms.
 BLOCKED_MIN_CHANNELS = 16
@@ -2798,7 +2802,8 @@ BLOCKED_VENDORS = frozenset({"Intel"})
 def blocked_conv(geo: ConvGeometry, grid: Any = _HERE, vendor: Any = _HERE) -> bool:
     """Whether a float conv may run channel-blocked inside an NCHWc region: served by
     the blocked kernel (conv_gemm.blocked_serves: 3x3 padded by one or 1x1 unpadded,
-    stride 1 or 2), at least BLOCKED_MIN_CHANNELS input
+    stride 1 or 2) and not a 1x1 stride-1 conv (measured slower), at least
+    BLOCKED_MIN_CHANNELS input
     channels in whole blocks of 16, on an AVX-512 core of BLOCKED_VENDORS (defaults:
     this machine's), where the blocked kernel (blocked.c) is loaded."""
     grid = _grid(grid)
@@ -2806,7 +2811,8 @@ def blocked_conv(geo: ConvGeometry, grid: Any = _HERE, vendor: Any = _HERE) -> b
     return (grid == _TILES["avx512"] and vendor in BLOCKED_VENDORS
             and native_blocked.available()
             and geo.in_channels >= BLOCKED_MIN_CHANNELS
-            and geo.in_channels % native_blocked.LANES == 0 and conv_gemm.blocked_serves(geo))
+            and geo.in_channels % native_blocked.LANES == 0 and conv_gemm.blocked_serves(geo)
+            and not (geo.is_pointwise and tuple(geo.window.strides) == (1, 1)))
 
 
 def blocked_oc_tile(out_channels: int) -> int:
@@ -2862,7 +2868,8 @@ def _blocked_split(geo: ConvGeometry, threads: int, least: tuple[str, int]) -> B
         found.append((-(-units // parts) * flops // units, groups, units, parts))
     least_span = min(f[0] for f in found)
     span, groups, units, parts = min(
-        f for f in found if f[0] <= least_span * (1 + SPLIT_BALANCE_SLACK))
+        (f for f in found if f[0] <= least_span * (1 + SPLIT_BALANCE_SLACK)),
+        key=lambda f: f[1:])           # within the slack, the fewest groups
     return BlockedSplit(groups, units, parts, (
         f"the grid: {bands} band(s) of output rows x {groups} group(s) of {tiles // groups} "
         f"register tile(s) of output channels, the busiest thread {span:,} of {flops:,} "

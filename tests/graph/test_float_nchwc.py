@@ -360,3 +360,36 @@ def test_resnet20_is_one_region_from_its_first_blockable_conv() -> None:
     last = plans["Conv_235"]
     assert last is not None and "GlobalAveragePool" in last.reason("layout")
     _check_results(blob, 2, intermediates=False)
+
+
+def test_a_lone_stride_2_conv_runs_blocked_alone() -> None:
+    """A 3x3 stride-2 conv between two pools (no region can hold it) runs blocked alone,
+    X and Y NCHW, where its output rows are 16 pixels or more (28 here); at 7 (tail
+    tiles only, measured slower) it keeps its NCHW form. Every value the reference's."""
+    g = _Graph(16, 56)
+    wide = g.conv("w", g.node("MaxPool", "x", kernel_shape=[1, 1]), strides=[2, 2])
+    g.channels = 32
+    narrow = g.conv("n", g.node("MaxPool", wide, kernel_shape=[3, 3], strides=[2, 2],
+                                pads=[1, 1, 1, 1]), in_channels=16, strides=[2, 2])
+    blob = g.model(g.node("MaxPool", narrow, kernel_shape=[1, 1]))
+    model = _load(blob, 2)
+    model.predict(_feeds(blob))
+    layouts = _layouts(model)
+    assert layouts["w"] == "nchw->nchw" and "nchw" not in layouts["n"]
+    plan = next(p.plan for p in model.plan.nodes if p.name == "w")
+    assert plan is not None and "channel-blocked alone" in plan.reason("layout")
+    assert "28-pixel output rows" in plan.reason("layout")
+    _check_results(blob)
+
+
+def test_a_region_on_rows_that_are_not_whole_tiles() -> None:
+    """Rows of 14 pixels (a tile of 8 and a tail of 6, bands' last runs through lane
+    masks): a region of stride-1 convs, bitwise the same on every thread count."""
+    g = _Graph(32, 14)
+    a = g.conv("c1", "x")
+    blob = g.model(g.conv("c3", g.conv("c2", a), residual=a))
+    model = _load(blob, 2)
+    model.predict(_feeds(blob))
+    layouts = _layouts(model)
+    assert layouts["c1"] == "nchw->nchwc16" and layouts["c3"] == "nchwc16->nchw"
+    _check_results(blob)

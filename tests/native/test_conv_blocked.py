@@ -47,6 +47,13 @@ CASES = [
     # one image of 4 bands: the split cuts the output channels too (2 and 4 groups)
     ((1, 64, 8, 8), (64, 64, 3, 3)),
     ((1, 32, 8, 8), (128, 32, 3, 3)),
+    # rows that are not whole 8-pixel tiles (a tail tile of 1 to 7 pixels, a band's last
+    # run short of 16 through lane masks): 7, 14, 15 and 28 wide, two blocks a tile too
+    ((1, 32, 7, 7), (32, 32, 3, 3)),
+    ((2, 16, 14, 14), (16, 16, 3, 3)),
+    ((1, 16, 15, 15), (48, 16, 3, 3)),
+    ((1, 16, 6, 28), (32, 16, 3, 3)),
+    ((1, 3, 5, 3), (16, 3, 3, 3)),
 ]
 
 
@@ -123,6 +130,14 @@ STRIDED = [
     ((1, 32, 16, 16), (64, 32, 1, 1), {"strides": (2, 2)}),
     ((1, 3, 15, 15), (16, 3, 1, 1), {"strides": (2, 2)}),
     ((2, 16, 8, 16), (48, 16, 1, 1), {}),
+    # ResNet-18's downsampling rows (28, 14 and 7 pixels out) and 15 out of 29 and 30 in
+    ((1, 16, 56, 56), (32, 16, 3, 3), S2),
+    ((2, 32, 28, 28), (32, 32, 3, 3), S2),
+    ((1, 32, 14, 14), (64, 32, 3, 3), S2),
+    ((1, 16, 29, 30), (16, 16, 3, 3), S2),
+    ((1, 16, 56, 56), (32, 16, 1, 1), {"strides": (2, 2)}),
+    ((2, 32, 14, 14), (64, 32, 1, 1), {"strides": (2, 2)}),
+    ((1, 16, 29, 29), (16, 16, 1, 1), {"strides": (2, 2)}),
 ]
 
 
@@ -195,8 +210,6 @@ def test_nan_and_inf_propagate_like_the_reference() -> None:
     ((1, 16, 16, 16), (16, 16, 3, 3), {}),                          # unpadded
     ((1, 16, 16, 16), (16, 16, 3, 3), {"pads": (1, 1, 1, 1), "dilations": (2, 2)}),
     ((1, 16, 16, 16), (20, 16, 3, 3), PADDED),                      # not whole blocks
-    ((1, 16, 12, 12), (16, 16, 3, 3), PADDED),                      # rows of 12 pixels
-    ((1, 16, 7, 8), (16, 16, 3, 3), PADDED),                        # odd rows of 8
     ((1, 16, 16, 16), (16, 16, 5, 5), {"pads": (2, 2, 2, 2)}),
     ((1, 16, 16, 16), (16, 8, 3, 3), {"pads": (1, 1, 1, 1), "group": 2}),
 ])
@@ -298,13 +311,15 @@ def test_groups_that_are_not_whole_tiles_are_refused() -> None:
 @pytest.mark.parametrize("layout", ["nchwc16->nchwc16", "nchw->nchwc16", "nchwc16->nchw"])
 def test_a_region_conv_the_kernel_does_not_serve_runs_between_layout_changes(
         layout: str) -> None:
-    """Rows of 12 pixels are not whole 8-pixel tiles: the conv node planned inside a
-    region runs the NCHW im2col between layout changes, reading and writing the layouts
-    its plan names (and its blocked residual)."""
+    """A dilated conv is not served: the conv node planned inside a region runs the NCHW
+    im2col between layout changes, reading and writing the layouts its plan names (and
+    its blocked residual)."""
     rng = np.random.default_rng(8)
     x, w, b = rand(rng, 2, 16, 12, 12), rand(rng, 16, 16, 3, 3), rand(rng, 16)
     z = rand(rng, 2, 16, 12, 12)
-    attrs = {**PADDED, "activation": "relu"}
+    dilated = {"pads": (2, 2, 2, 2), "dilations": (2, 2)}
+    assert not conv_gemm.blocked_serves(conv_geometry(Op.CONV, x.shape, w.shape, dilated))
+    attrs = {**dilated, "activation": "relu"}
     src, _, dst = layout.partition("->")
     plan = NodePlan(variant="native", layout=layout, threads=2,
                     options=(("residual_layout", "nchwc16"),))
@@ -314,7 +329,7 @@ def test_a_region_conv_the_kernel_does_not_serve_runs_between_layout_changes(
     xs = native_blocked.to_blocked(x) if src == "nchwc16" else x
     (y,) = kernel.fn(ctx, [xs, w, b, native_blocked.to_blocked(z)], norm, None)
     got = native_blocked.to_nchw(np.asarray(y)) if dst == "nchwc16" else np.asarray(y)
-    np.testing.assert_allclose(got, np.maximum(reference([x, w, b], PADDED) + z, 0),
+    np.testing.assert_allclose(got, np.maximum(reference([x, w, b], dilated) + z, 0),
                                rtol=1e-4, atol=1e-4)
 
 

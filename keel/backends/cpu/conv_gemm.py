@@ -621,23 +621,23 @@ def _native_layout(geo: ConvGeometry, form: str, step: int = 1) -> NativeLayout:
 def blocked_serves(geo: ConvGeometry) -> bool:
     """Whether the channel-blocked direct conv (native_blocked) computes ``geo``: a dense
     2-D 3x3 conv padded by one on every side or an unpadded 1x1 conv, at stride 1 or 2
-    (the same both ways), output channels in whole blocks of 16, output rows of whole
-    8-pixel tiles and bands of whole 16-pixel runs."""
+    (the same both ways), output channels in whole blocks of 16 (output rows of any
+    width: a row's last 1 to 7 pixels are a tail tile, a band's last pixels short of 16
+    are written through lane masks)."""
     win = geo.window
-    h, w = win.out_spatial if win.rank == 2 else (0, 0)
     pad = {(3, 3): 1, (1, 1): 0}.get((win.kernel[0], win.kernel[-1]), -1)
     return (win.rank == 2 and geo.group == 1 and pad >= 0
             and tuple(win.strides) in ((1, 1), (2, 2)) and all(d == 1 for d in win.dilations)
             and all(p == pad for p in (*win.pads_begin, *win.pads_end))
-            and geo.out_channels % native_blocked.LANES == 0 and w % 8 == 0
-            and (w % 16 == 0 or h % 2 == 0))
+            and geo.out_channels % native_blocked.LANES == 0)
 
 
 def blocked_rows(geo: ConvGeometry) -> int:
-    """Output rows a unit of the blocked conv: the fewest whose pixels are a whole
-    number of 16-pixel transposes."""
-    w = geo.window.out_spatial[1]
-    return 1 if w % 16 == 0 else 2
+    """Output rows a unit of the blocked conv: two where a row is 8 pixels past whole
+    16-pixel transposes and the rows pair up (the band then is whole transposes), else
+    one (a short last run goes through lane masks)."""
+    h, w = geo.window.out_spatial
+    return 2 if w % 16 == 8 and h % 2 == 0 else 1
 
 
 def wide_serves(geo: ConvGeometry) -> bool:

@@ -182,7 +182,7 @@ def prepare(x: np.ndarray, filters: np.ndarray, y: np.ndarray, oc_tile: int, row
         else ((h - 1) // stride + 1, (w - 1) // stride + 1)
     if (kernel == 0 or stride not in (1, 2) or y.shape != (n, m, oh, ow)
             or filters.shape != (m // LANES, c, taps, LANES)
-            or c < 1 or m % (LANES * oc_tile) or oh % rows or rows * ow % LANES or ow % 8
+            or c < 1 or rows < 1 or m % (LANES * oc_tile) or oh % rows
             or oc_tile not in (1, 2) or (sides.x and c % LANES)):
         return None
     in_place = (residual is not None and native_gemm.same_memory(residual, y)

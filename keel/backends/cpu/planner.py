@@ -1054,9 +1054,10 @@ def float_layouts(graph: Any, types: Mapping[str, TensorType | None],
     static shapes. A value is kept blocked when a blockable conv writes it (its first
     output), it is no graph output, and every reader is a blockable conv reading it as
     X or as its residual; anything else (a pool, a graph output, a conv of another
-    kernel or stride, of fewer than 16 or not a multiple of 16 channels, of output rows
-    that are not whole 8-pixel tiles) reads NCHW, so the conv writing it ends the
-    region. The chains are found as the int8 pass's (_chain_members). ``profile``: the
+    kernel or stride, of fewer than 16 or not a multiple of 16 channels) reads NCHW, so
+    the conv writing it ends the region. The chains are found as the int8 pass's
+    (_chain_members). A blockable conv in no region runs blocked alone, X and Y NCHW,
+    where blocked_alone says (``"nchw->nchw"``). ``profile``: the
     hardware planned for (None: this machine), whose tile grid and vendor blocked_conv
     reads."""
     nodes = graph.nodes
@@ -1083,6 +1084,9 @@ def float_layouts(graph: Any, types: Mapping[str, TensorType | None],
             assert geo is not None                     # chains hold blockable convs only
             leaves = _leaves(nodes, nodes[i].outputs[0], readers, outputs, reads_blocked)
             decided[i] = _float_decision(nodes[i], geo, blocked, leaves, len(chain), threads)
+    for i, geo in enumerate(geos):
+        if geo is not None and i not in decided and blocked_alone(geo):
+            decided[i] = _lone_decision(geo, threads)
     return decided
 
 
@@ -1125,6 +1129,19 @@ def _float_decision(n: Any, geo: ConvGeometry, blocked: set[str], leaves: str, s
         if split else "", options, _blocked_fields(geo, threads or 1))
 
 
+def _lone_decision(geo: ConvGeometry, threads: int | None) -> LayoutDecision:
+    """A conv outside any region that runs channel-blocked alone (blocked_alone): X,
+    Y and any residual NCHW, the kernel transposing its sums into Y's rows."""
+    split = (split_reason(conv_splits("native", "nchw->nchw", None, geo, threads), threads)
+             + f"; {blocked_split(geo, threads).reason}") if threads and threads > 1 else ""
+    why = BLOCKED_ALONE_REASON.format(width=geo.window.out_spatial[1],
+                                      least=BLOCKED_ALONE_MIN_WIDTH)
+    return LayoutDecision(
+        "nchw->nchw", f"{why}; {split}" if split else why,
+        FLOAT_LAYOUT_THREADS_REASON.format(threads=threads, layout="nchw->nchw", split=split)
+        if split else "", (), _blocked_fields(geo, threads or 1))
+
+
 def _blocked_fields(geo: ConvGeometry, threads: int) -> tuple[tuple[str, Any, str], ...]:
     """A region conv's variant and scratch as the blocked kernel runs it (its plan was
     made for the NCHW form it replaces)."""
@@ -1150,8 +1167,8 @@ def _leaves(nodes: Sequence[Any], name: str, readers: Mapping[str, list[int]],
             node = nodes[r]
             why = ("not a blockable conv (blocked_conv: 3x3 padded by one or 1x1 unpadded, "
                    "stride 1 or 2, 16 or more input channels and output channels in whole "
-                   "blocks of 16, output rows of whole 8-pixel tiles, an AVX-512 core of "
-                   "BLOCKED_VENDORS, on the native variant)"
+                   "blocks of 16, not 1x1 at stride 1, an AVX-512 core of BLOCKED_VENDORS, "
+                   "on the native variant)"
                    if node.op is Op.CONV else "not a conv")
             return f"{name} is read by {node.name} ({node.op.value}: {why}), which reads NCHW"
     return f"{name} has no reader"
@@ -2813,6 +2830,32 @@ def blocked_conv(geo: ConvGeometry, grid: Any = _HERE, vendor: Any = _HERE) -> b
             and geo.in_channels >= BLOCKED_MIN_CHANNELS
             and geo.in_channels % native_blocked.LANES == 0 and conv_gemm.blocked_serves(geo)
             and not (geo.is_pointwise and tuple(geo.window.strides) == (1, 1)))
+
+
+# A 3x3 stride-2 conv outside any region runs channel-blocked alone (X and Y NCHW, the
+# sums transposed into Y's rows) where its output rows are at least BLOCKED_ALONE_MIN_WIDTH
+# pixels: whole 16-pixel tiles then do most of a row. Measured as BLOCKED_VENDORS says, one
+# process, alternating, under load (medians, blocked / the form planned before): ResNet-18's
+# 64 -> 128 on 56 x 56 (28 out) 0.72 at batch 1 and 0.69 at batch 32 on one thread; its
+# 128 -> 256 (14 out) 0.84 and 0.94; its 256 -> 512 (7 out, tail tiles only) 0.99 and 1.19;
+# the 1x1 stride-2 shortcuts 0.79-1.00 at batch 1 but 0.78-1.64 at batch 32, so they keep
+# their forms.
+BLOCKED_ALONE_MIN_WIDTH = 16
+BLOCKED_ALONE_REASON = (
+    "channel-blocked alone (planner.blocked_alone): a 3x3 stride-2 conv outside any float "
+    "NCHWc region, {width}-pixel output rows >= BLOCKED_ALONE_MIN_WIDTH {least}; X read "
+    "in NCHW where it lies, each input value broadcast once for the taps that read it, "
+    "the sums transposed 16 x 16 into Y's NCHW rows "
+    "(measured 0.69-0.72x the gathered form on ResNet-18's 64 -> 128, one thread, "
+    "Intel Xeon)")
+
+
+def blocked_alone(geo: ConvGeometry) -> bool:
+    """Whether a blockable conv (blocked_conv) outside any region runs blocked alone: 3x3
+    at stride 2 with output rows of at least BLOCKED_ALONE_MIN_WIDTH pixels."""
+    win = geo.window
+    return (tuple(win.kernel) == (3, 3) and tuple(win.strides) == (2, 2)
+            and win.out_spatial[1] >= BLOCKED_ALONE_MIN_WIDTH)
 
 
 def blocked_oc_tile(out_channels: int) -> int:

@@ -13,15 +13,16 @@
  * vector, a tap. A register tile is oc_tile blocks of 16 channels by a run of pixels of
  * one output row; per channel and kernel row it loads the tile's filter vectors once
  * and broadcasts each input value the row's taps read once, for every tap that reads it
- * (three at stride 1, one or two at stride 2; tile() below), none
+ * (three at stride 1, one or two at stride 2; tile() below; a row that is not whole
+ * 8-pixel tiles ends in a tile of its last 1 to 7 pixels, one block at a time), none
  * of them through lane masks (gemm.c's masked conv loads its taps through masks across
  * cache lines). X is read where it lies in either layout (a pixel's value of a channel
  * is 1 float from the next pixel's in NCHW, 16 in the blocked layout): rows above and
  * below the image read a row of zeros, the pixels left and right of a row are zeros in
- * registers. A band of `rows` output rows (rows * OW a multiple of 16) is stored in a
+ * registers. A band of `rows` output rows is stored in a
  * buffer as [pixel][16 channels], then written to Y with the epilogue: whole vectors
  * where Y is blocked, transposed sixteen pixels at a time into NCHW rows where it is
- * not (an R in the other layout than Y's is transposed the same way as it is read).
+ * not (a band's last run of fewer than 16 pixels through lane masks) (an R in the other layout than Y's is transposed the same way as it is read).
  *
  * Each element of Y is the sum over c, kh, kw in that order from 0 by fused
  * multiply-adds, then + bias, + R, clip: the masked and gathered conv tiles' chain
@@ -43,10 +44,10 @@
 
 typedef struct {
     int64_t n, c, h, w, m;   /* X (n, c, h, w), Y (n, m, oh, ow); m a multiple of 16 */
-    int64_t oh, ow;          /* ow a multiple of 8 */
+    int64_t oh, ow;
     int64_t kernel, stride;  /* 3 (padded by one) or 1 (unpadded); 1 or 2 */
     int64_t oc_tile;         /* blocks of 16 output channels a register tile: 1 or 2 */
-    int64_t rows;            /* output rows a unit (rows * ow a multiple of 16, oh too) */
+    int64_t rows;            /* output rows a unit (oh a multiple of it) */
     int64_t groups;          /* groups of output channels: whole register tiles each */
     const float *filters;    /* [m / 16][c][kernel * kernel][16] */
     const float *x;
@@ -103,13 +104,12 @@ static inline vf clip(vf v, vf lo, vf hi)
 
 /* Where a tile reads its three kernel rows: each row's first pixel (the tile's
  * column) in channel 0, the floats to the next channel of a group and to the next
- * group of `gsize` channels (NCHW: one group of every channel; blocked: groups of 16);
+ * group of channels (NCHW: one group of every channel; blocked: groups of 16);
  * a row above or below the image reads zeros (ZEROS, the same address for every
  * channel). */
 typedef struct {
     const float *row[3];
     int64_t cs[3], gs[3];
-    int64_t gsize;
 } taps;
 
 /* A row of zeros as wide as a tile's input pixels (33 at stride 2) and a pixel before
@@ -137,7 +137,9 @@ tile(int K, int S, int ob, int np, int left, int right, int ps, const taps *t,
         for (int p = 0; p < np; p++) acc[o][p] = (vf){0};
     for (int64_t ic = 0; ic < c; ic++)
         for (int kh = 0; kh < K; kh++) {
-            int64_t g = ic / t->gsize, ci = ic - g * t->gsize;
+            /* X's channel group and place in it: PS says the layout (a blocked X's
+             * groups are 16 channels, an NCHW one's a single group), so no division */
+            int64_t g = ps == 16 ? ic >> 4 : 0, ci = ps == 16 ? ic & 15 : ic;
             const float *xx = t->row[kh] + g * t->gs[kh] + ci * t->cs[kh] - K / 2 * ps;
             const float *ww = wp + (ic * K + kh) * K * 16;
             vf wv[3][2];
@@ -204,6 +206,29 @@ SHAPES1(2, 16)
 static const tile_fn TILE_FNS[4][2][3][4] = {LAYOUTS(EDGES3, 1), LAYOUTS(EDGES3, 2),
                                              LAYOUTS(EDGES1, 1), LAYOUTS(EDGES1, 2)};
 
+/* A row's last 1 to 7 pixels (an output row that is not whole 8-pixel tiles: ResNet-18's
+ * 28, 14 and 7), one block of 16 channels a tile. */
+#define TAIL3(S, NP, PS) TILES3(S, 1, NP, PS)
+#define TAIL1(S, NP, PS) TILE(1, S, 1, NP, 0, 0, PS)
+#define TAILS(T, S, PS)                                                                    \
+    T(S, 1, PS) T(S, 2, PS) T(S, 3, PS) T(S, 4, PS) T(S, 5, PS) T(S, 6, PS) T(S, 7, PS)
+TAILS(TAIL3, 1, 1)
+TAILS(TAIL3, 1, 16)
+TAILS(TAIL3, 2, 1)
+TAILS(TAIL3, 2, 16)
+TAILS(TAIL1, 1, 1)
+TAILS(TAIL1, 1, 16)
+TAILS(TAIL1, 2, 1)
+TAILS(TAIL1, 2, 16)
+#define TAIL_EDGES(E, S, PS)                                                               \
+    {E(S, 1, 1, PS), E(S, 1, 2, PS), E(S, 1, 3, PS), E(S, 1, 4, PS), E(S, 1, 5, PS),         \
+     E(S, 1, 6, PS), E(S, 1, 7, PS)}
+#define TAIL_LAYOUTS(E, S) {TAIL_EDGES(E, S, 1), TAIL_EDGES(E, S, 16)}
+/* As TILE_FNS, by the tail's pixels less one in place of the shape. */
+static const tile_fn TAIL_FNS[4][2][7][4] = {
+    TAIL_LAYOUTS(EDGES3, 1), TAIL_LAYOUTS(EDGES3, 2), TAIL_LAYOUTS(EDGES1, 1),
+    TAIL_LAYOUTS(EDGES1, 2)};
+
 /* One band's tiles of blocks [ob0, ob0 + oc_tile) of image x from output row y0. */
 static void band_sums(const keel_conv_blocked_args *g, const float *x, int64_t y0,
                       int64_t ob0, float *buf)
@@ -214,9 +239,9 @@ static void band_sums(const keel_conv_blocked_args *g, const float *x, int64_t y
     int64_t ps = blocked ? 16 : 1;
     const float *wp = g->filters + ob0 * c * K * K * 16;
     const tile_fn(*fns)[4] = TILE_FNS[(K == 1) * 2 + (S == 2)][blocked];
+    const tile_fn(*tails)[4] = TAIL_FNS[(K == 1) * 2 + (S == 2)][blocked];
     for (int64_t r = 0; r < g->rows; r++) {
         taps t;
-        t.gsize = blocked ? 16 : c;
         for (int kh = 0; kh < K; kh++) {
             int64_t yr = S * (y0 + r) - K / 2 + kh;
             int inside = yr >= 0 && yr < g->h;
@@ -226,30 +251,40 @@ static void band_sums(const keel_conv_blocked_args *g, const float *x, int64_t y
         }
         const float *row[3] = {t.row[0], t.row[1], t.row[2]};
         for (int64_t x0 = 0; x0 < ow;) {
-            int np = g->oc_tile == 2 || x0 + 16 > ow ? 8 : 16;
+            int64_t left = ow - x0;
+            int np = left < 8 ? (int)left : g->oc_tile == 2 || left < 16 ? 8 : 16;
             int shape = g->oc_tile == 2 ? 2 : np == 16;
             /* the tile's first and last taps' columns outside the row */
             int edges = (S * x0 - K / 2 < 0) + 2 * (S * (x0 + np - 1) + K / 2 >= g->w);
             for (int kh = 0; kh < K; kh++)
                 t.row[kh] = row[kh] + (t.cs[kh] ? S * x0 * ps : 0);
-            fns[shape][edges](&t, wp, c * K * K * 16, c, buf + (r * ow + x0) * 16,
-                              band * 16);
+            float *at = buf + (r * ow + x0) * 16;
+            if (np < 8) /* the row's tail: one block at a time */
+                for (int o = 0; o < g->oc_tile; o++)
+                    tails[np - 1][edges](&t, wp + o * c * K * K * 16, c * K * K * 16, c,
+                                         at + o * band * 16, band * 16);
+            else
+                fns[shape][edges](&t, wp, c * K * K * 16, c, at, band * 16);
             x0 += np;
         }
     }
 }
 
-/* Sixteen vectors of 16 floats from `at`, `step` floats apart, transposed: r[j] is the
- * j-th float of each (R's 16 channels of 16 pixels in the other layout than Y's). */
-static inline void load_transposed(const float *at, int64_t step, __m512 *r)
+/* `n` vectors of `lanes` floats from `at`, `step` floats apart (the rest zeros),
+ * transposed: r[j] is the j-th float of each (R's 16 channels of 16 pixels in the other
+ * layout than Y's; fewer at a band's last pixels). */
+static inline void load_transposed(const float *at, int64_t step, int n, __mmask16 lanes,
+                                   __m512 *r)
 {
-    for (int j = 0; j < 16; j++) r[j] = _mm512_loadu_ps(at + j * step);
+    for (int j = 0; j < 16; j++)
+        r[j] = j < n ? _mm512_maskz_loadu_ps(lanes, at + j * step) : _mm512_setzero_ps();
     transpose16(r);
 }
 
 /* The band's sums in buf into Y from pixel `at` of each plane of blocks
- * [ob0, ob0 + oc_tile), sixteen pixels at a time, with the epilogue: whole vectors
- * into a blocked Y, transposed into NCHW rows otherwise. */
+ * [ob0, ob0 + oc_tile), sixteen pixels at a time (the band's last run may be fewer, read
+ * and written through lane masks), with the epilogue: whole vectors into a blocked Y,
+ * transposed into NCHW rows otherwise. */
 static void band_store(const keel_conv_blocked_args *g, const float *buf, int64_t image,
                        int64_t at, int64_t ob0)
 {
@@ -263,22 +298,32 @@ static void band_store(const keel_conv_blocked_args *g, const float *buf, int64_
         int64_t bat = ((image * blocks + ob) * plane + at) * 16;
         int64_t nat = (image * g->m + ob * 16) * plane + at;
         for (int64_t p0 = 0; p0 < band; p0 += 16) {
+            int n = band - p0 < 16 ? (int)(band - p0) : 16;  /* pixels in this run */
+            __mmask16 run = (__mmask16)((1u << n) - 1);
             __m512 v[16], r[16];
             for (int j = 0; j < 16; j++)
-                v[j] = _mm512_loadu_ps(buf + (o * band + p0 + j) * 16);
+                v[j] = j < n ? _mm512_loadu_ps(buf + (o * band + p0 + j) * 16)
+                             : _mm512_setzero_ps();
             if (!y_blocked) transpose16(v);
-            if (g->res && r_blocked != y_blocked)
-                load_transposed(r_blocked ? g->res + bat + p0 * 16 : g->res + nat + p0,
-                                r_blocked ? 16 : plane, r);
-            for (int j = 0; j < 16; j++) {
-                /* j: a pixel of a blocked Y, a channel of an NCHW one */
+            if (g->res && r_blocked != y_blocked) {
+                if (r_blocked)       /* n pixels of 16 channels */
+                    load_transposed(g->res + bat + p0 * 16, 16, n, 0xffff, r);
+                else                 /* 16 channels of n pixels */
+                    load_transposed(g->res + nat + p0, plane, 16, run, r);
+            }
+            /* j: a pixel of a blocked Y (n of them), a channel of an NCHW one (its n
+             * pixels through the mask) */
+            for (int j = 0; j < (y_blocked ? n : 16); j++) {
                 int64_t to = y_blocked ? bat + (p0 + j) * 16 : nat + j * plane + p0;
+                __mmask16 lanes = y_blocked ? 0xffff : run;
                 vf s = (vf)v[j];
                 if (g->bias)
                     s += y_blocked ? load(g->bias + ob * 16) : splat(g->bias[ob * 16 + j]);
-                if (g->res) s += r_blocked == y_blocked ? load(g->res + to) : (vf)r[j];
+                if (g->res)
+                    s += r_blocked == y_blocked ? (vf)_mm512_maskz_loadu_ps(lanes, g->res + to)
+                                                : (vf)r[j];
                 if (clipped) s = clip(s, lo, hi);
-                store(g->y + to, s);
+                _mm512_mask_storeu_ps(g->y + to, lanes, (__m512)s);
             }
         }
     }

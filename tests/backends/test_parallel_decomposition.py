@@ -97,6 +97,8 @@ PHASE_CASES = [
     ((2, 3, 34, 70), (4, 3, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}, "masked"),
     ((2, 3, 33, 67), (4, 3, 3, 3), {"pads": (1, 1, 1, 1), "strides": (2, 2)}, "gathered"),
     ((1, 4, 64, 64), (8, 4, 1, 1), {"strides": (2, 2)}, "masked"),
+    # ResNet-18's stem at batch 1: 3 planes, copied in bands of rows on 2 threads or more
+    ((1, 3, 224, 224), (8, 3, 7, 7), {"pads": (3, 3, 3, 3), "strides": (2, 2)}, "gathered"),
 ]
 
 
@@ -115,12 +117,23 @@ def test_the_phase_copy_on_keels_threads_is_numpys_copy(
     want = np.zeros((len(layout.fills), *x_shape[:2], *layout.q), np.float32)
     for f, (dst, src) in enumerate(layout.fills):
         want[(f, slice(None), slice(None), *dst)] = x[(slice(None), slice(None), *src)]
-    for threads in (1, 2, 3):
+    for threads in (1, 2, 3, 16):
         got = np.zeros_like(want)
         copy = conv_gemm.bind_phase_copy(layout, x, got, threads)
         assert copy is not None
         copy()
         assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 16])
+def test_a_few_planes_are_copied_in_bands_of_rows_on_every_thread(threads: int) -> None:
+    """The stem's 3 planes alone split unevenly on 2 threads and leave 13 of 16 idle."""
+    bands, pieces = cpu_planner.phase_copy_split(3, 224, 224, threads)
+    assert pieces == threads if threads < 16 else pieces > 3     # 16: the least work decides
+    units = 3 * bands
+    assert -(-units // pieces) * pieces <= cpu_planner.EVEN_SPLIT * units
+    assert (bands > 1) == (threads != 3)
+    assert cpu_planner.phase_copy_split(64, 56, 56, threads)[0] == 1   # enough planes
 
 
 def test_the_phase_copy_refuses_what_it_cannot_copy() -> None:

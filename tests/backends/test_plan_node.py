@@ -193,3 +193,18 @@ def test_every_node_plan_shows_the_program_blas_decision(make: str, threads: int
     else:
         assert count in range(1, threads + 1)
         assert f"BLAS on {count} thread" in why
+
+
+@pytest.mark.parametrize(("threads", "pieces"), [(2, 2), (16, 16)])
+def test_a_float_max_pool_plan_says_how_its_planes_split(threads: int, pieces: int) -> None:
+    """ResNet-18's 3x3 stride-2 pool: its 64 planes over the threads, on the row kernel."""
+    attrs = {"kernel_shape": (3, 3), "strides": (2, 2), "pads": (1, 1, 1, 1)}
+    plan = CpuBackend(threads=threads).plan_node(Op.MAX_POOL, _types((1, 64, 112, 112)), attrs)
+    why = plan.reason("threads")
+    assert f"planes 64 unit(s) in {pieces} piece(s)" in why
+    assert "row kernel (max_pool_by_rows)" in why
+    one = CpuBackend(threads=1).plan_node(Op.MAX_POOL, _types((1, 64, 112, 112)), attrs)
+    assert "piece(s)" not in one.reason("threads")
+    wide = dict(attrs, strides=(1, 1))          # stride 1 across: the band copies
+    assert "band copies" in CpuBackend(threads=2).plan_node(
+        Op.MAX_POOL, _types((1, 64, 112, 112)), wide).reason("threads")

@@ -100,7 +100,7 @@ def _load() -> _Functions | None:
         avgpool_mt=f("keel_avgpool2d_mt_f32", [_P, _P, _P, _P, _I, _I], _I),
         global_max_mt=f("keel_global_maxpool_mt_f32", [_P, _P, _I, _I, _I], _I),
         global_avg_mt=f("keel_global_avgpool_mt_f32", [_P, _P, _I, _I, _I], _I),
-        phase_copy_mt=f("keel_phase_copy_mt_f32", [_P, _P, _P, _I, _I], _I),
+        phase_copy_mt=f("keel_phase_copy_mt_f32", [_P, _P, _P, _I, _I, _I], _I),
         strided_copy_mt=f("keel_strided_copy_mt", [_P, _P, _P, _I, _I], _I),
     )
     _loaded = (lib, fns)
@@ -429,7 +429,8 @@ def phase_geometry(fills: tuple[Fill, ...], in_spatial: tuple[int, ...],
 def bind_phase_copy(x: np.ndarray, image: np.ndarray, geometry: np.ndarray,
                     threads: int = 1) -> Bound | None:
     """The copies of ``geometry`` (:func:`phase_geometry`) from ``x`` (N, C, H, W) into
-    ``image`` (F, N, C, QH, QW), split by planes over keel's threads, ready to run again
+    ``image`` (F, N, C, QH, QW), split by planes and bands of their rows over keel's
+    threads as the cpu planner's ``phase_copy_split`` says, ready to run again
     (C-contiguous float32); None when the kernels cannot run them."""
     fns = _load()
     if (fns is None or x.dtype != np.float32 or image.dtype != np.float32 or x.ndim != 4
@@ -438,11 +439,10 @@ def bind_phase_copy(x: np.ndarray, image: np.ndarray, geometry: np.ndarray,
             or image.shape[3:] != tuple(geometry[3:5]) or x.shape[2:] != tuple(geometry[1:3])):
         return None
     planes = x.shape[0] * x.shape[1]
-    per_plane = max(1, x.shape[2] * x.shape[3])
-    rules = planner_rules()
-    count = max(1, rules.split_parts(rules.LeastWork.FLOATS, threads, planes, per_plane))
+    bands, count = planner_rules().phase_copy_split(planes, x.shape[2], x.shape[3], threads)
     return Bound(fns.phase_copy_mt, (native.address(x), native.address(image),
-                                     native.address(geometry), planes, count), (geometry,))
+                                     native.address(geometry), planes, bands, count),
+                 (geometry,))
 
 
 # window.c's COPY_MAX_RANK: the most dimensions keel_strided_copy_mt takes.

@@ -2418,7 +2418,7 @@ def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:
         threads, threads_why = sized
     split = _conv_split_reason(request, dispatched or variant, form) or (
         int8_split_reason(request, form.layout) if variant == "int8" else "") or (
-        _attention_split_note(request, threads))
+        _attention_split_note(request, threads)) or _pool_split_note(request, threads)
     if split:
         threads_why = f"{threads_why}; {split}"
     return NodePlan(
@@ -4290,6 +4290,26 @@ def chunk_split(name: str, units: int, threads: int, work: int, kind: LeastWork)
     return Split(name, units, pieces, work, least_work(kind, threads))
 
 
+def phase_copy_split(planes: int, rows: int, cols: int, threads: int) -> tuple[int, int]:
+    """(bands, pieces) of a native conv's phase copy of ``planes`` planes of ``rows`` x
+    ``cols`` floats on up to ``threads`` threads (window.c's keel_phase_copy_mt_f32):
+    whole planes where they alone keep the pieces within EVEN_SPLIT of an even share,
+    else each plane cut into the fewest bands of rows that do (a batch-1 stem's 3
+    planes on 16 threads: 16 bands a plane, 48 units), so a few planes never leave
+    threads idle. The pieces: as many as the copy's floats give the least work each
+    (split_parts), whatever the bands."""
+    if planes < 1 or rows < 1:
+        return 1, 1
+    plane = max(1, rows * cols)
+    pieces = max(1, split_parts(LeastWork.FLOATS, threads, planes * rows, cols))
+    for bands in range(1, rows + 1):
+        units = planes * bands
+        if units >= pieces and -(-units // pieces) * pieces <= EVEN_SPLIT * units:
+            break
+    units = planes * bands
+    return bands, max(1, split_parts(LeastWork.FLOATS, threads, units, plane // bands))
+
+
 def gemm_pass(name: str, batch: int, m: int, n: int, k: int, threads: int,
               grid: Any = _HERE, panel_major: bool = False, sizes: Caches | None = None,
               raw: tuple[bool, bool] = (True, False), lanes: bool = False) -> Split:
@@ -4390,7 +4410,10 @@ def _native_splits(geo: ConvGeometry, layout: str, threads: int, grid: Any,
     if wide:                                # X into the wide buffer: one NumPy copy
         return Split("copy into the wide buffer (NumPy)", 1, 1, work,
                      least_work(LeastWork.COPY, threads)), product
-    return chunk_split("phase copy planes", planes, threads, work, LeastWork.FLOATS), product
+    bands, pieces = phase_copy_split(planes, win.in_spatial[0], win.in_spatial[1], threads)
+    name = "phase copy planes" if bands == 1 else f"phase copy planes x {bands} bands of rows"
+    return Split(name, planes * bands, pieces, work, least_work(LeastWork.FLOATS, threads)
+                 ), product
 
 
 @functools.lru_cache(maxsize=512)
@@ -4514,6 +4537,25 @@ def _pool_split(request: PlanRequest, threads: int) -> Split | None:
     planes = shapes[0][0] * shapes[0][1]
     taps = math.prod(win.out_spatial) * math.prod(win.kernel)
     return chunk_split("planes", planes, threads, planes * taps, LeastWork.TAPS)
+
+
+def _pool_split_note(request: PlanRequest, threads: int | None) -> str:
+    """How a float32 pool's native window kernel splits its planes over ``threads`` (its
+    WindowGeometry.parts; for a MaxPool, which of window.c's kernels runs it); "" for
+    other nodes and dtypes, unknown shapes or one thread."""
+    if (threads or 1) < 2 or request.op not in (Op.MAX_POOL, Op.AVG_POOL) or (
+            request.dtype is not DType.FLOAT32):
+        return ""
+    split, shapes = _pool_split(request, threads or 1), request.static_shapes()
+    if split is None or not shapes or shapes[0] is None:
+        return ""
+    note = split_reason((split,), threads or 1)
+    if request.op is Op.MAX_POOL:          # _pool_split resolved this window already
+        win = pool_window(request.op, shapes[0], request.attrs)
+        rows = win.rank == 2 and max_pool_by_rows(win.kernel, win.strides, win.dilations)
+        note += ("; window.c's row kernel (max_pool_by_rows)" if rows
+                 else "; window.c's band copies")
+    return note
 
 
 def split_reason(splits: Sequence[Split], threads: int) -> str:

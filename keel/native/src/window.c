@@ -1600,12 +1600,16 @@ int64_t keel_global_maxpool_mt_f32(const float *x, float *y, int64_t size, int64
  * geometry: F, H, W, QH, QW, then per fill f eight values U0, V0, ROWS, COLS, R0, C0, SH,
  * SW: y[f][p][U0 + i][V0 + j] = x[p][R0 + i * SH][C0 + j * SW] for i < ROWS, j < COLS.
  * x is (planes, H, W), y is (F, planes, QH, QW), both C-contiguous; nothing else of y
- * is written. Planes [lo, hi) of `planes`: a copy, so any split gives the same bytes. */
+ * is written. Each plane's rows are cut into BANDS bands (the cpu planner's
+ * phase_copy_split: a batch-1 stem has 3 planes for 16 threads), unit u being band
+ * u % BANDS of plane u / BANDS, that band's share of every fill's rows. Units [lo, hi):
+ * a copy, so any split gives the same bytes. */
 typedef struct {
     const float *x;
     float *y;
     const int64_t *geometry;
     int64_t planes;
+    int64_t bands;
 } phase_job;
 
 /* t[i] = s[2 * i] for i < cols: a stride-2 phase's row. With AVX-512 two loads and one
@@ -1641,15 +1645,16 @@ static void copy_stride2(float *t, const float *s, int64_t cols) {
 
 static void phase_copy_planes(const phase_job *j, int64_t lo, int64_t hi) {
     const int64_t *g = j->geometry;
-    int64_t fills = g[0], h = g[1], w = g[2], qh = g[3], qw = g[4];
-    for (int64_t p = lo; p < hi; p++) {       /* every fill of a plane while it is in cache */
+    int64_t fills = g[0], h = g[1], w = g[2], qh = g[3], qw = g[4], bands = j->bands;
+    for (int64_t u = lo; u < hi; u++) {       /* every fill of a band while it is in cache */
+        int64_t p = u / bands, b = u % bands;
         for (int64_t f = 0; f < fills; f++) {
             const int64_t *d = g + 5 + 8 * f;
             int64_t u0 = d[0], v0 = d[1], rows = d[2], cols = d[3], r0 = d[4], c0 = d[5];
             int64_t sh = d[6], sw = d[7];
             const float *src = j->x + p * h * w + r0 * w + c0;
             float *dst = j->y + (f * j->planes + p) * qh * qw + u0 * qw + v0;
-            for (int64_t i = 0; i < rows; i++) {
+            for (int64_t i = rows * b / bands; i < rows * (b + 1) / bands; i++) {
                 const float *s = src + i * sh * w;
                 float *t = dst + i * qw;
                 if (sw == 1) {
@@ -1669,11 +1674,13 @@ static void phase_task(void *ctx, float *scratch, int64_t lo, int64_t hi) {
     phase_copy_planes(ctx, lo, hi);
 }
 
-/* The copies above over planes [0, planes) in `parts` chunks on keel's threads. */
+/* The copies above over planes [0, planes), each in `bands` bands of rows, in `parts`
+ * chunks of those units on keel's threads. */
 int64_t keel_phase_copy_mt_f32(const float *x, float *y, const int64_t *geometry,
-                               int64_t planes, int64_t parts) {
-    phase_job j = {x, y, geometry, planes};
-    return run_parts(phase_task, &j, planes, parts, 0);
+                               int64_t planes, int64_t bands, int64_t parts) {
+    if (bands < 1) return 1;
+    phase_job j = {x, y, geometry, planes, bands};
+    return run_parts(phase_task, &j, planes * bands, parts, 0);
 }
 
 /* A strided view copied into a C-contiguous array (a Transpose's materialization).

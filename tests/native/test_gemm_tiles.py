@@ -86,6 +86,21 @@ def _lanes() -> Case:
     return Case(call, c, np.clip(w @ x + bias[:, None] + r, -2.0, 2.0), wp)
 
 
+def _lanes_tail() -> Case:
+    """A 1x1 conv expanding on a 14x14 map: 196 columns (six whole column panels and 4
+    columns) against 70 rows (two blocks of 32 and 6 rows, a partial row panel), a bias
+    per row, a residual and a clip: the panels in 8 x 32 tiles, the last 4 columns in
+    lanes tiles (KEEL_LANES_TAIL, with AVX-512)."""
+    w, x, bias, r = _f(70, 48), _f(48, 196), _f(70), _f(70, 196)
+    c = np.empty((70, 196), np.float32)
+    wp = ng.pack(w, left=True)
+    assert ng.planner_rules().lanes_tail(70, 196, 48, (8, 32))
+    assert not ng.planner_rules().lanes_tiles(1, 70, 196, 48, "Intel", (8, 32))
+    call = ng.prepare(wp, x, c, bias=bias, bias_rows=True, residual=r, clip=(-2.0, 2.0),
+                      lanes=False)
+    return Case(call, c, np.clip(w @ x + bias[:, None] + r, -2.0, 2.0), wp)
+
+
 def _one_row() -> Case:
     a, b = _f(1, 900), _f(900, 700)
     c = np.empty((1, 700), np.float32)
@@ -115,7 +130,8 @@ def _accumulate() -> Case:
 
 CASES: dict[str, Callable[[], Case]] = {
     "matmul": _matmul, "pointwise": _pointwise, "batched": _batched, "tall": _tall,
-    "lanes": _lanes, "one_row": _one_row, "accumulate": _accumulate, "deep": _deep}
+    "lanes": _lanes, "lanes_tail": _lanes_tail, "one_row": _one_row,
+    "accumulate": _accumulate, "deep": _deep}
 
 
 def _run(call: ng.Call, c: np.ndarray, go: Callable[[], Any], start: np.ndarray) -> np.ndarray:
@@ -195,6 +211,41 @@ def test_lanes_tiles_give_the_bits_of_the_panels(shape: tuple[int, int, int]) ->
         values[22] = values[22] & ~(64 | 32) | flags
         ng.Call(call.f, tuple(values), 1, m, n, k, call.keep, call.c_layout).run(1)
         results.append(c.copy())
+    np.testing.assert_allclose(results[0], np.clip(w @ x + bias[:, None] + r, -3, 3),
+                               rtol=2e-4, atol=2e-4)
+    for got in results[1:]:
+        np.testing.assert_array_equal(got, results[0])
+
+
+# (m, k, n, batch): tails of 1 to 8 columns, rows in whole and partial blocks of 32 and
+# row panels of 8, depths past one and two of the kernel's blocks (KC 512), a batch.
+TAILS = [(96, 64, 196, 1), (576, 96, 196, 1), (33, 20, 33, 1), (40, 70, 72, 1),
+         (100, 600, 40, 1), (64, 1100, 70, 1), (48, 30, 101, 3), (35, 16, 8, 1)]
+
+
+@pytest.mark.parametrize("shape", TAILS)
+def test_a_lanes_tail_gives_the_bits_of_the_panels(shape: tuple[int, int, int, int]) -> None:
+    """The partly filled last column panel in lanes tiles (KEEL_LANES_TAIL) computes each
+    element as the 8 x 32 tiles do: the same bits with and without it, on every grid the
+    thread counts give."""
+    m, k, n, batch = shape
+    w, x, bias, r = _f(m, k), _f(batch, k, n), _f(m), _f(batch, m, n)
+    c = np.empty((batch, m, n), np.float32)
+    wp = ng.pack(w, left=True)
+    call = ng.prepare(wp, x if batch > 1 else x[0], c if batch > 1 else c[0], bias=bias,
+                      bias_rows=True, residual=r if batch > 1 else r[0], clip=(-3.0, 3.0),
+                      lanes=False)
+    assert call is not None
+    field = ng._FLAGS_FIELD
+    results = []
+    for tail in (ng._LANES_TAIL, 0):
+        flags = int(call.values[field]) & ~ng._LANES_TAIL | tail
+        values = (*call.values[:field], flags, *call.values[field + 1:])
+        with_tail = ng.Call(call.f, values, call.batch, m, n, k, call.keep, call.c_layout)
+        for threads in (1, 2, 3, 16):
+            c[...] = np.nan
+            with_tail.run(threads)
+            results.append(c.copy())
     np.testing.assert_allclose(results[0], np.clip(w @ x + bias[:, None] + r, -3, 3),
                                rtol=2e-4, atol=2e-4)
     for got in results[1:]:

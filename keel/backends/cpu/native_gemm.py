@@ -57,7 +57,9 @@ planner's ``LANES_VENDORS`` (Intel's, whose shuffles share a port with an FMA un
 takes fewer shapes: deep products, or where the column panels waste many columns; a
 conv's plan decides it for the vendor planned for (``gemm_lanes``). The lanes tiles take
 a packed A only (a conv's weights): a MatMul's or Gemm's A is an activation, so their
-products never run in them, whatever the vendor. All three give the same bits.
+products never run in them, whatever the vendor. A product in column panels whose last
+panel holds a few columns (196 = 6 x 32 + 4) runs that panel alone in lanes tiles where
+the planner's ``lanes_tail`` says so. All of these give the same bits.
 
 With its Python side (a prepared call reused per node, ~1 us) the cpu MatMul /
 Gemm kernels with bias and ReLU take, in ms: 32x784x512 0.248 (NumPy + OpenBLAS
@@ -94,11 +96,12 @@ __all__ = ["BandCall", "Call", "Packed", "Rows", "Scratch", "XCall", "address", 
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ACCUMULATE, _CLIP, _STREAM, _DIRECT, _NT, _TALL, _LANES = 1, 2, 4, 8, 16, 32, 64
+_LANES_TAIL = 128       # the partly filled last column panel in lanes tiles (lanes_tail)
 _FETCH_SHIFT = 8        # flags >> 8: rows of a packed B fetched ahead (gemm.c's column_panel)
 # gemm.c's flags by name (its GEMM_FLAGS), checked at load (check_enums)
 _FLAGS = {"KEEL_ACCUMULATE": _ACCUMULATE, "KEEL_CLIP": _CLIP, "KEEL_STREAM": _STREAM,
           "KEEL_DIRECT": _DIRECT, "KEEL_NT": _NT, "KEEL_TALL": _TALL, "KEEL_LANES": _LANES,
-          "KEEL_FETCH_SHIFT": _FETCH_SHIFT}
+          "KEEL_LANES_TAIL": _LANES_TAIL, "KEEL_FETCH_SHIFT": _FETCH_SHIFT}
 # keel_gemm_args of gemm.c: 23 int64 fields then alpha, lo, hi as doubles. One
 # packed argument block costs ~0.3 us; 30 separate ctypes arguments cost ~3 us.
 _ARGS = struct.Struct("<23q3d")
@@ -784,6 +787,8 @@ def prepare(a: np.ndarray | Packed, b: np.ndarray | Packed | Rows, c: np.ndarray
             masks is None and not accumulate and lanes) else 0) | (
         _LANES if masks is not None and not accumulate
         and planner_rules().masked_lanes(m, n, k) else 0) | (
+        _LANES_TAIL if _plain(ra, rb) and columns is None and masks is None
+        and not accumulate and planner_rules().lanes_tail(m, n, k) else 0) | (
         planner_rules().fetch_rows(4 * f.nr) << _FETCH_SHIFT if isinstance(b, Packed) else 0)
     lo, hi = clip if clip is not None else (0.0, 0.0)
     values = (m, n, k, *ra[:4], *rb[:4],
@@ -800,11 +805,12 @@ def prepare(a: np.ndarray | Packed, b: np.ndarray | Packed | Rows, c: np.ndarray
 
 def with_tiles(call: Call, tall: bool, lanes: bool) -> Call:
     """``call`` with gemm.c's tall and lanes tiles asked for or not, whatever
-    ``tall_tiles`` and ``lanes_tiles`` say of the shape it was prepared with: for a caller
+    ``tall_tiles``, ``lanes_tiles`` and ``lanes_tail`` say of the shape it was prepared
+    with (no lanes tail: its rule does not know the caller's columns): for a caller
     whose own planner rule knows the product's real columns (Winograd's products, whose
     pipeline prepares one call for every block). Every tiling sums each element of C the
     same way: the same bits either way."""
-    flags = int(call.values[_FLAGS_FIELD]) & ~(_TALL | _LANES)
+    flags = int(call.values[_FLAGS_FIELD]) & ~(_TALL | _LANES | _LANES_TAIL)
     flags |= (_TALL if tall else 0) | (_LANES if lanes else 0)
     values = (*call.values[:_FLAGS_FIELD], flags, *call.values[_FLAGS_FIELD + 1:])
     return Call(call.f, values, call.batch, call.m, call.n, call.k, call.keep, call.c_layout)

@@ -3068,6 +3068,21 @@ def _direct_lanes_reason(geo: ConvGeometry, grid: Grid, vendor: str | None) -> s
                           else f"as on Intel's cores, where {port}; {unmeasured_vendor(vendor)}"))
 
 
+def _lanes_tail_reason(geo: ConvGeometry, grid: Grid, vendor: str | None) -> str:
+    """"; its last ... columns in lanes tiles" where the direct form's products run in
+    column panels and lanes_tail takes their partly filled last panel."""
+    pixels = math.prod(geo.window.out_spatial)
+    rows, depth = geo.out_channels // geo.group, geo.in_channels // geo.group
+    if grid is None or lanes_tiles(geo.batch, rows, pixels, depth, vendor, grid) or (
+            not lanes_tail(rows, pixels, depth, grid)):
+        return ""
+    tail = pixels % grid[1]
+    return (f"; the last {tail} of its {pixels} pixels an image in lanes tiles, the full "
+            f"{grid[1]}-column panels in {grid[0]} x {grid[1]} tiles: that panel's "
+            f"{grid[1] // 2}-column vector computes {tail} (lanes_tail, "
+            f"<= LANES_TAIL_MAX_COLUMNS {LANES_TAIL_MAX_COLUMNS})")
+
+
 def _output_streams_reason(geo: ConvGeometry) -> str:
     """"; its output ... streams" where output_streams flags the gathered product (one
     group's output: a grouped conv runs a product per group)."""
@@ -3156,7 +3171,8 @@ def native_form(geo: ConvGeometry, grid: Any = _HERE, vendor: Any = _HERE
     unit = all(s == 1 for s in win.strides)
     if geo.is_pointwise and unit and not stacks(geo.batch, pixels, POINTWISE_STACK_FILL, grid):
         return "direct", ("direct: a 1x1 stride-1 conv reads X in place"
-                          + _direct_lanes_reason(geo, grid, vendor))
+                          + _direct_lanes_reason(geo, grid, vendor)
+                          + _lanes_tail_reason(geo, grid, vendor))
     if stacks(geo.batch, pixels, grid=grid):
         return "gathered-stacked", (f"gathered-stacked: {pixels} pixels fill an image's "
                                     f"column panels less than {STACK_FILL:.0%}"
@@ -3260,6 +3276,31 @@ def lanes_tiles(batch: int, m: int, n: int, k: int, vendor: Any = _HERE,
         return True
     grid = _grid(grid)
     return grid is not None and -(-n // grid[1]) * grid[1] >= LANES_PANEL_WASTE * n
+
+
+# A product in 8 x 32 tiles whose columns end in a partly filled panel (a 1x1 conv on
+# 14x14: 196 = 6 x 32 + 4) computes that panel in whole 16-column vectors, each depth
+# step eight broadcasts of A and one load of B for eight multiply-adds: its 4 columns
+# cost about half a full panel. With KEEL_LANES_TAIL gemm.c runs that panel alone in
+# lanes tiles (32 rows of C by its columns, A's rows in the lanes), the full panels as
+# before; the lanes tiles give the panels' bits. Taken where the tail is at most
+# LANES_TAIL_MAX_COLUMNS columns (half a 16-lane vector: the masked vector computes at
+# least twice the columns there are, derived) and C has the lanes tiles' rows. Measured
+# on the 2-core Intel Xeon (AVX-512; KVM) under load, MobileNetV2 at batch 1, its seven
+# 14x14 expansions inside the model (each step timed alone, old / new passes
+# alternating, medians / fastest, us, summed): one thread 948.6 / 812.7 -> 887.5 /
+# 763.0, two threads 944.2 / 590.8 -> 900.4 / 475.9; outputs bitwise the same
+# (docs/performance.md, "MobileNetV2's 14 x 14 expansions").
+LANES_TAIL_MAX_COLUMNS = 8
+
+
+def lanes_tail(m: int, n: int, k: int, grid: Any = _HERE) -> bool:
+    """Whether a product of ``m`` rows, ``n`` columns and depth ``k`` in column panels
+    (not in lanes tiles) runs its partly filled last column panel in lanes tiles."""
+    grid = _grid(grid)
+    if grid is None or tuple(grid) != (8, 32):   # gemm.c's lanes tiles: its AVX-512 build
+        return False
+    return 0 < n % grid[1] <= LANES_TAIL_MAX_COLUMNS and m >= LANES_MIN_ROWS and k > 0
 
 
 def _lanes_fit(batch: int, m: int, n: int, k: int) -> bool:

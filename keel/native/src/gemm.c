@@ -122,6 +122,8 @@ typedef int32_t vi __attribute__((vector_size(VW * 4)));
                              choice, keel.backends.cpu.planner.tall_tiles) */
 #define KEEL_LANES 64     /* flags: run in lanes tiles where they fit (the cpu planner's
                              choice, keel.backends.cpu.planner.lanes_tiles) */
+#define KEEL_LANES_TAIL 128 /* flags: the last column panel, partly filled, in lanes
+                              tiles (the cpu planner's lanes_tail) */
 #define KEEL_FETCH_SHIFT 8 /* flags >> 8: rows of a packed B the first row panel of a
                               column panel fetches ahead (the cpu planner's fetch_rows;
                               see column_panel) */
@@ -1145,7 +1147,7 @@ static void row_panels_first(const problem *g, const epilogue *e, int64_t jc, in
 /* The flags by name, checked at load (keel.backends.cpu.native_gemm). */
 #define GEMM_FLAGS(X)                                                                 \
     X(KEEL_ACCUMULATE) X(KEEL_CLIP) X(KEEL_STREAM) X(KEEL_DIRECT) X(KEEL_NT) X(KEEL_TALL) \
-    X(KEEL_LANES) X(KEEL_FETCH_SHIFT)
+    X(KEEL_LANES) X(KEEL_LANES_TAIL) X(KEEL_FETCH_SHIFT)
 KEEL_ENUM_EXPORT(keel_gemm_flags, GEMM_FLAGS)
 #define DIRECT_MAX_TAPS 64
 /* The residual's rows of the column panel DIRECT_RES_AHEAD panels on are fetched into
@@ -1628,6 +1630,16 @@ static int lanes_fit(const problem *g, const epilogue *e)
            !g->b_cols && !g->c_cols;
 }
 
+/* Whether the range's last column panel, the product's partial one, runs in lanes tiles
+ * while the full panels run in 8 x 32 tiles (KEEL_LANES_TAIL: the cpu planner's
+ * lanes_tail): the operands lanes tiles take, and the range ends at C's last column. */
+static int lanes_tail_fits(const problem *g, const epilogue *e, int64_t j_hi)
+{
+    return (e->flags & KEEL_LANES_TAIL) && !(e->flags & (KEEL_DIRECT | KEEL_ACCUMULATE)) &&
+           g->n % NR != 0 && j_hi * NR >= g->n && g->a_rs == 0 && g->a_ks == 0 &&
+           g->b_cs == 1 && g->b_rs != 0 && !g->b_rows && !g->b_cols && !g->c_cols;
+}
+
 /* Row panels [i_lo, i_hi) x column panels [j_lo, j_hi) in lanes tiles: 32 rows at a
  * time (A's block stays in L2) over every tile of the range's columns. */
 static void lanes_product(const problem *g, const epilogue *e, int64_t i_lo, int64_t i_hi,
@@ -1770,6 +1782,13 @@ static void gemm_2d(const problem *g0, const epilogue *e, int64_t i_lo, int64_t 
     if (tall_fits(g, e)) {
         tall(g, e, i_lo, i_hi, j_lo, j_hi);
         return;
+    }
+#endif
+#if defined(__AVX512F__) && KEEL_GEMM_MR == 8
+    if (lanes_tail_fits(g, e, j_hi)) {
+        int64_t last = g->n / NR; /* the last column panel, partly filled */
+        lanes_product(g, e, i_lo, i_hi, last, last + 1);
+        if (j_lo >= (j_hi = last)) return;
     }
 #endif
     /* Blocks of equal depth (288 = 144 + 144, not 256 + 32: a thin last block costs

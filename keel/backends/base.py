@@ -121,7 +121,10 @@ thread binds its own), calls it under ``np.errstate(all="ignore")`` (a profiled
 run times each bound call alone), and never binds for observing,
 ``intermediates`` or the op-level ``run``. A bind must not raise for a case it
 cannot serve (it returns ``None``), and it must not compute
-anything the kernel would not (it may prepare the kernel's own kept state).
+anything the kernel would not (it may prepare the kernel's own kept state). A
+thunk that the executor may do more with (join with its neighbours, run without
+NumPy's floating-point state, move the array it reads) is a
+:class:`keel.backends.bound.BoundCall`, whose typed fields say what.
 """
 
 from __future__ import annotations
@@ -628,7 +631,7 @@ class Backend(ABC):
     @final
     def feed_in_place(self) -> int:
         """Bytes from which a staged feed that this backend's bound steps read only as
-        an input they can move (a bound call's ``reading()``) is read where the caller
+        an input they can move (a bound call's ``reading``) is read where the caller
         has it, not copied into its buffer; 0: never (the default)."""
         return self._feed_in_place()
 

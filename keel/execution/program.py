@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from keel.backends.base import Backend, KernelContext, KernelVariant, ProgramScope
+from keel.backends.bound import BoundCall, PartFailed, bare
 from keel.backends.gpu.io import is_device_array
 from keel.backends.gpu.io import to_host as device_to_host
 from keel.config import format_bytes
@@ -488,7 +489,8 @@ class Program:
         points = {slot: moving for slot, _, moving in self._moving}
         calls = self._joined(tuple(hot[1] for hot in self._hot))
         # Calls that run C code only read no NumPy floating-point state: none to set.
-        quiet = bool(self._scoped) and not all(getattr(c, "native", False) for c in calls)
+        quiet = bool(self._scoped) and not all(
+            isinstance(c, BoundCall) and c.native for c in calls)
         return _direct_runner(self, tuple((staged[slot], points.get(slot, ()))
                                           for slot in self._input_slots),
                               calls, tuple(outs), quiet)
@@ -1039,9 +1041,9 @@ class Program:
         calls: list[Callable[[], object]] | None = []
         for kind, fn, held, slot, _, _, _ in hot:
             if kind == _BOUND and calls is not None:
-                calls.append(fn)
+                calls.append(bare(fn))           # hot holds fn itself
             elif kind == _HELD and calls is not None:
-                calls.append(functools.partial(_held_run, fn, held, self._values, slot))
+                calls.append(functools.partial(_held_run, bare(fn), held, self._values, slot))
             else:
                 calls = None
         self._calls = None if calls is None else tuple(calls)
@@ -1067,13 +1069,14 @@ class Program:
                     hot[i][0] not in (_BOUND, _HELD) or self._steps[i].inputs.count(slot) != 1
                     or self._steps[i].inputs[0] != slot for i in readers):
                 continue
-            found = [getattr(hot[i][1], "reading", _none)() for i in readers]
+            found = [_reading(hot[i][1], buf) for i in readers]
             calls = [call for call in found if call is not None]
-            if len(calls) != len(readers):
+            points = tuple(call.point for call in calls if call.point is not None)
+            if len(points) != len(readers):
                 continue
             for i, call in zip(readers, calls, strict=True):
                 hot[i] = (hot[i][0], call, *hot[i][2:])
-            moving.append((slot, buf, tuple(call.point for call in calls)))
+            moving.append((slot, buf, points))
         return tuple(moving)
 
     def _hot_step(self, step: _Step) -> _HotStep:
@@ -1195,8 +1198,19 @@ def _nothing(values: list[Any]) -> Sequence[Any]:
     return ()
 
 
-def _none() -> None:
-    return None
+def _reading(call: Any, buffer: Any) -> BoundCall[Any] | None:
+    """``call``'s step as a call that moves its first input, ``buffer`` (a
+    :class:`BoundCall`'s ``reading``), with its ``point``; None where it has none."""
+    if not isinstance(call, BoundCall) or call.reading is None:
+        return None
+    moving = call.reading(buffer)
+    return None if moving is None or moving.point is None else moving
+
+
+def _first_step(calls: Sequence[Callable[[], object]], i: int) -> int:
+    """The program step that call ``i`` of ``calls`` begins with (a joined call runs
+    several: its ``parts``)."""
+    return sum(c.parts if isinstance(c, BoundCall) else 1 for c in calls[:i])
 
 
 def _direct_runner(program: Program,
@@ -1210,16 +1224,12 @@ def _direct_runner(program: Program,
     buffer); a feed not C-contiguous and aligned is copied and read there. ``quiet``:
     the calls run under the quiet FP state (where some of them run NumPy).
 
-    After a product that passes a model's weights through the L2, the interpreter's own
-    code and data come back from L3: each Python operation between and after the calls
-    costs microseconds (measured on the 2-core Intel Xeon, after the MLP's batch-32
-    products: an empty ctypes call 2.7 us instead of 0.5, a 1 KiB NumPy copy 6.8 us
-    instead of 0.8; medians). So a run does as little as it can around them."""
+    After a product that passes a model's weights through the L2, each Python operation
+    between and after the calls costs microseconds (docs/performance.md, "Where the
+    MLP's run goes"), so a run does as little as it can around them: it calls each
+    bound call's function itself (:func:`bare`)."""
     name, held = outputs[0] if len(outputs) == 1 else ("", None)
-    firsts, first = [], 0               # the step each call begins with (a joined call: parts)
-    for call in calls:
-        firsts.append(first)
-        first += getattr(call, "parts", 1)
+    fns = tuple(bare(call) for call in calls)     # ``calls`` holds what they point into
     parks = program._parks
     owner = weakref.ref(program)        # the program holds this function: no cycle
     state, made = _FP_STATE, _Quiet._made        # _Quiet's work, without its calls
@@ -1242,16 +1252,19 @@ def _direct_runner(program: Program,
             token = state.set(_Quiet.ignoring(current) if ignoring is None else ignoring)
         i = 0
         try:
-            for i, call in enumerate(calls):          # noqa: B007 - i names a failing step
-                call()
+            for i, fn in enumerate(fns):          # noqa: B007 - i names a failing step
+                fn()
             if held is not None:
                 return {name: held.copy()}
             return {name: buf.copy() for name, buf in outputs}
         except KeelError as exc:
-            _note(exc, _alive(owner)._steps[firsts[i]])
+            _note(exc, _alive(owner)._steps[_first_step(calls, i)])
             raise
+        except PartFailed as exc:
+            raise _alive(owner)._failed(_first_step(calls, i) + exc.part,
+                                        exc.error) from exc.error
         except Exception as exc:
-            raise _alive(owner)._failed(firsts[i], exc) from exc
+            raise _alive(owner)._failed(_first_step(calls, i), exc) from exc
         finally:
             if token is not None:
                 state.reset(token)

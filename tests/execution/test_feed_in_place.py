@@ -11,15 +11,19 @@ from __future__ import annotations
 import gc
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from onnx import GraphProto, TensorProto, helper, numpy_helper
 
 from keel import native
+from keel.backends.bound import BoundCall
 from keel.backends.cpu import planner
+from keel.errors import ExecutionError
 from keel.execution import program as program_module
 from keel.execution.model import Model, load_model
+from keel.ops.registry import Op
 
 WIDTH, HIDDEN, CLASSES = 784, 128, 10
 
@@ -182,29 +186,53 @@ def test_a_feed_that_another_step_reads_is_copied() -> None:
     np.testing.assert_array_equal(got, unbound(model, x))
 
 
+def steady_calls(model: Model, x: np.ndarray) -> tuple[Any, ...] | None:
+    """The calls of the model's steady run for ``x`` (None: it has none)."""
+    run = program_of(model, x)._direct_run
+    if run is None:
+        return None
+    cells = dict(zip(run.__code__.co_freevars, run.__closure__ or (), strict=True))
+    return tuple(cells["calls"].cell_contents)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
-def test_consecutive_bound_products_run_as_one_native_call(threads: int) -> None:
+def test_consecutive_bound_products_run_as_one_native_call(
+        threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The three products are one call in the steady run (JOIN_CALLS), bitwise what the
     products called one by one compute; with JOIN_CALLS off they are three."""
     x = callers_arrays(32, 4)[0]
     calls = {}
     results = {}
     for join in (True, False):
-        keep = planner.JOIN_CALLS
-        planner.JOIN_CALLS = join
-        try:
-            model = load_model(mlp(), backend="cpu", threads=threads)
-            results[join] = [model.predict({"x": x})["y"] for _ in range(3)]
-            run = program_of(model, x)._direct_run
-        finally:
-            planner.JOIN_CALLS = keep
-        if run is not None:
-            cells = dict(zip(run.__code__.co_freevars, run.__closure__ or (), strict=True))
-            calls[join] = [getattr(c, "parts", 1) for c in cells["calls"].cell_contents]
+        monkeypatch.setattr(planner, "JOIN_CALLS", join)
+        model = load_model(mlp(), backend="cpu", threads=threads)
+        results[join] = [model.predict({"x": x})["y"] for _ in range(3)]
+        steady = steady_calls(model, x)
+        if steady is not None:
+            calls[join] = [c.parts if isinstance(c, BoundCall) else 1 for c in steady]
     if native.available():
         assert calls == {True: [3], False: [1, 1, 1]}
     for got, plain in zip(results[True], results[False], strict=True):
         np.testing.assert_array_equal(got, plain)
+
+
+@pytest.mark.skipif(not native.available(), reason="no native kernels: nothing joined")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("part", [0, 1, 2])
+def test_a_joined_call_names_the_product_that_failed(threads: int, part: int) -> None:
+    """A joined product whose entry is bad (a kind keel_gemm_calls_f32 does not know)
+    fails the run naming that product's node, not the first of the joined ones."""
+    x = callers_arrays(32, 6)[0]
+    model = load_model(mlp(), backend="cpu", threads=threads)
+    model.predict({"x": x})
+    steady = steady_calls(model, x)
+    assert steady is not None and len(steady) == 1 and steady[0].parts == 3
+    entries = steady[0].keep[0]          # the joined call's list, one row a product
+    entries[part, 0] = 7
+    with pytest.raises(ExecutionError, match="entry of kind 7") as failed:
+        model.predict({"x": x})
+    gemms = [node.name for node in model.graph.nodes if node.op == Op.GEMM]
+    assert failed.value.node == gemms[part]
 
 
 def test_explain_states_both_rules() -> None:

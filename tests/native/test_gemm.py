@@ -763,3 +763,30 @@ def test_a_mismatched_argument_struct_fails_at_load() -> None:
         ng.check_layout("keel_gemm_args", ng._ARGS, ng._C_FIELD, "C", 216, 104)
     with pytest.raises(ng.ArgsLayoutError, match=r"C's address at byte 112.*at byte 104"):
         ng.check_layout("keel_gemm_args", ng._ARGS, ng._C_FIELD, "C", 208, 112)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_call_reads_a_moved_a_only_where_its_a_is_the_buffer_named(threads: int) -> None:
+    """``bound_reading(threads, buffer)`` moves A only for a call whose A is ``buffer``:
+    for any other array (a copy of the feed, another operand) there is no moving call,
+    and a moving call pointed at another array computes that array's product, bitwise
+    what a call prepared on it computes."""
+    rng = np.random.default_rng(11)
+    a, b = _rand(rng, 64, 96), _rand(rng, 96, 80)
+    c = np.empty((64, 80), np.float32)
+    call = ng.prepare(a, b, c)
+    assert call is not None
+    assert call.bound_reading(threads, a.copy()) is None
+    assert call.bound_reading(threads, b) is None
+    moving = call.bound_reading(threads, a)
+    assert moving is not None and moving.point is not None
+    other = _rand(rng, 64, 96)
+    moving.point(other)
+    moving()
+    want = np.empty_like(c)
+    again = ng.prepare(other, b, want)
+    assert again is not None
+    again.run(threads)
+    np.testing.assert_array_equal(c, want)
+    packed = ng.prepare(_pack(a, True), b, c)       # A packed: not an array to move
+    assert packed is not None and packed.bound_reading(threads, a) is None

@@ -57,6 +57,7 @@ from typing import Any
 import numpy as np
 
 from keel import native
+from keel.backends.bound import BoundCall
 from keel.backends.cpu import planner
 
 __all__ = [
@@ -191,8 +192,7 @@ def _call(n: int, per_item: int, threads: int | None, serial: Callable[..., None
         bound = functools.partial(serial, *head, 0, n, *tail)
     else:
         bound = functools.partial(_checked, mt, (*head, *tail, n, count))
-    bound.keep = keep      # type: ignore[attr-defined]
-    return bound
+    return BoundCall(bound, keep=keep)
 
 
 def _checked(mt: Callable[..., int], args: tuple[Any, ...]) -> None:

@@ -19,6 +19,7 @@ float BLAS (float32 while every partial sum stays below 2**24, else float64).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import threading
@@ -30,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from keel.backends.base import Attrs, Inputs, KernelContext, Out, optional_input
+from keel.backends.bound import BoundCall, bare
 from keel.backends.cpu import fastmath, native_gemm, planner, workspace
 from keel.backends.cpu.backend import ThreadCap
 from keel.backends.cpu.conv_epilogue import activation as resolved_activation
@@ -379,27 +381,30 @@ def _bind_product(kernel: Any) -> Any:
                 return _reading_a(run.go, run.call, split, None)
             activation = _bound_activation(attrs, y, ctx.threads or 1)
             if activation is not None:               # the C call, then the native pass
-                return _reading_a(functools.partial(_in_turn, run.go, activation), run.call,
-                                  split, activation)
+                return _reading_a(_then(run.go, activation), run.call, split, activation)
         return functools.partial(run.into, y, ctx.threads or 1, split)
     return bind
 
 
-def _reading_a(call: functools.partial[Any], native: native_gemm.Call, split: int,
-               activation: Callable[[], object] | None) -> functools.partial[Any]:
-    """``call`` with ``reading()`` attached: the same step as a call whose A moves
+def _reading_a(call: BoundCall, native: native_gemm.Call, split: int,
+               activation: Callable[[], object] | None) -> BoundCall:
+    """``call`` with its ``reading``: the same step as a call whose A moves
     (:meth:`native_gemm.Call.bound_reading`; its ``point(array)`` moves it), or None
     where it cannot. A program reads a feed in place through it (the cpu planner's
     ``FEED_IN_PLACE_BYTES``)."""
-    def reading() -> functools.partial[Any] | None:
-        go = native.bound_reading(split)
+    def reading(buffer: Any) -> BoundCall | None:
+        go = native.bound_reading(split, buffer)
         if go is None or activation is None:
             return go
-        moving = functools.partial(_in_turn, go, activation)
-        moving.point = go.point                     # type: ignore[attr-defined]
-        return moving
-    call.reading = reading                          # type: ignore[attr-defined]
-    return call
+        return dataclasses.replace(_then(go, activation), point=go.point)
+    return dataclasses.replace(call, reading=reading)
+
+
+def _then(product: BoundCall, activation: Callable[[], object]) -> BoundCall:
+    """``product``, then ``activation``: one call of both functions themselves, holding
+    what each holds."""
+    return BoundCall(functools.partial(_in_turn, product.fn, bare(activation)),
+                     keep=(product, activation))
 
 
 def _bound_activation(attrs: Attrs, y: Any, threads: int) -> Callable[[], object] | None:

@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import enum
 import functools
 import mmap
@@ -87,6 +88,7 @@ from typing import Any, ClassVar, TypeVar, final
 import numpy as np
 
 from keel import native
+from keel.backends.bound import BoundCall, PartFailed
 
 __all__ = ["BandCall", "Call", "Packed", "Rows", "Scratch", "XCall", "address", "available",
            "check_enums", "check_layout", "checked", "conv_epilogue_served", "gemm",
@@ -587,7 +589,7 @@ class Call:
                                           (self.f.mr, self.f.nr), raw=raw,
                                           lanes=bool(int(values[_FLAGS_FIELD]) & _LANES))
 
-    def bound(self, threads: int, panel_major: bool = False) -> Callable[[], Any]:
+    def bound(self, threads: int, panel_major: bool = False) -> BoundCall:
         """``run(threads, panel_major)`` as a callable with no arguments, for the calling
         thread.
 
@@ -600,21 +602,22 @@ class Call:
         """
         return self._bound(threads, self.args, panel_major)
 
-    def bound_reading(self, threads: int) -> functools.partial[Any] | None:
+    def bound_reading(self, threads: int, a: np.ndarray) -> BoundCall | None:
         """:meth:`bound` on arguments of its own, whose A its ``point(array)`` moves: the
         call then reads A from ``array`` (C-contiguous, aligned, A's shape and dtype),
         until the next ``point``. For an A that is a model's feed, read where the caller
-        has it instead of copied into a buffer the call is bound to (a pass over it
-        saved). None where A is a packed operand (its layout is not an array's)."""
-        if self.values[_A_FIELD + 1] == 0 and self.values[_A_FIELD + 2] == 0:
+        has it instead of copied into the buffer ``a`` the call is bound to (a pass over
+        it saved). None where A is a packed operand (its layout is not an array's) or
+        not ``a`` (the call reads a copy of it, or another array: moving it would
+        point the call at the wrong data)."""
+        packed = self.values[_A_FIELD + 1] == 0 and self.values[_A_FIELD + 2] == 0
+        if packed or self.values[_A_FIELD] != native.address(a):
             return None
         args = ctypes.create_string_buffer(self.args, len(self.args))
-        call = self._bound(threads, args)
-        call.point = functools.partial(_point, args)    # type: ignore[attr-defined]
-        return call
+        return dataclasses.replace(self._bound(threads, args),
+                                   point=functools.partial(_point, args))
 
-    def _bound(self, threads: int, args: Any, panel_major: bool = False
-               ) -> functools.partial[Any]:
+    def _bound(self, threads: int, args: Any, panel_major: bool = False) -> BoundCall:
         """The call on ``args``, marked ``native``: it runs C code only, so NumPy's
         floating-point state means nothing to it (a program whose bound calls are all
         such runs them without setting it)."""
@@ -622,17 +625,15 @@ class Call:
         split = self._split(threads, panel_major)
         at = ctypes.cast(args, ctypes.c_void_p).value or 0  # the bytes' own buffer, held
         if split is not None:
-            call = holding(functools.partial(checked, split[0], args, *split[2:]), self, args)
-            call.entry = (_TILES_ENTRY, at, *split[2:])  # type: ignore[attr-defined]
-        else:
-            units = self.batch * -(-self.n // f.nr)
-            work = thread_scratch(Scratch.WORK, f.work)
-            at_work = int(native.address(work))
-            call = holding(functools.partial(f.gemm, args, at_work, 0, 0, units),
-                           self, work, args)
-            call.entry = (_GEMM_ENTRY, at, at_work, 0, 0, units)  # type: ignore[attr-defined]
-        call.native = True                               # type: ignore[attr-defined]
-        return call
+            return BoundCall(functools.partial(checked, split[0], args, *split[2:]),
+                             keep=(self, args), native=True,
+                             entry=(_TILES_ENTRY, at, *split[2:]))
+        units = self.batch * -(-self.n // f.nr)
+        work = thread_scratch(Scratch.WORK, f.work)
+        at_work = int(native.address(work))
+        return BoundCall(functools.partial(f.gemm, args, at_work, 0, 0, units),
+                         keep=(self, work, args), native=True,
+                         entry=(_GEMM_ENTRY, at, at_work, 0, 0, units))
 
     def run(self, threads: int, panel_major: bool = False) -> None:
         """Compute, split over up to ``threads`` threads when the product is big enough.
@@ -673,14 +674,14 @@ def joined(calls: Sequence[Callable[[], object]]) -> tuple[Callable[[], object],
     ``entry``) made one call of keel_gemm_calls_f32: they run one after another in C,
     not through the interpreter, whose code and data a product's weights push out of the
     cache (the cpu planner's ``JOIN_CALLS``). The same C calls: bitwise the same results;
-    a joined call names the first of its steps when it fails."""
+    a joined call that fails raises :class:`PartFailed` naming the step that failed."""
     f = _functions()
     if f is None:
         return tuple(calls)
     out: list[Callable[[], object]] = []
-    run: list[Callable[[], object]] = []
+    run: list[BoundCall[Any]] = []
     for call in (*calls, None):
-        if call is not None and getattr(call, "entry", None) is not None:
+        if isinstance(call, BoundCall) and call.entry is not None:
             run.append(call)
             continue
         out.extend(run if len(run) < 2 else (_joined_call(f, run),))
@@ -690,18 +691,24 @@ def joined(calls: Sequence[Callable[[], object]]) -> tuple[Callable[[], object],
     return tuple(out)
 
 
-def _joined_call(f: _Functions, calls: list[Callable[[], object]]) -> functools.partial[Any]:
-    entries = np.array([c.entry for c in calls], dtype=np.int64)  # type: ignore[attr-defined]
-    call = holding(functools.partial(_run_joined, f.calls,
-                                     int(entries.ctypes.data), len(calls)), entries, *calls)
-    call.native = True                                   # type: ignore[attr-defined]
-    call.parts = len(calls)                              # type: ignore[attr-defined]
-    return call
+def _joined_call(f: _Functions, calls: list[BoundCall]) -> BoundCall:
+    entries = np.array([c.entry for c in calls], dtype=np.int64)
+    return BoundCall(functools.partial(_run_joined, f.calls, int(entries.ctypes.data),
+                                       len(calls), entries),
+                     keep=(entries, *calls), native=True, parts=len(calls))
 
 
-def _run_joined(calls: Callable[..., int], entries: int, n: int) -> None:
-    if calls(entries, n) >= 0:
-        raise MemoryError("native kernel: no memory for a worker thread's workspace")
+def _run_joined(calls: Callable[..., int], at: int, n: int, entries: np.ndarray) -> None:
+    """keel_gemm_calls_f32 over the ``n`` rows of ``entries`` (at address ``at``); the
+    index it returns on a failure is the step that failed (:class:`PartFailed`)."""
+    failed = calls(at, n)
+    if failed >= 0:
+        kind = int(entries[failed, 0])
+        raise PartFailed(failed, MemoryError(
+            "native kernel: no memory for a worker thread's workspace")
+            if kind in (_GEMM_ENTRY, _TILES_ENTRY) else
+            ValueError(f"a joined product's entry of kind {kind}; the kinds are "
+                       f"{_GEMM_ENTRY} and {_TILES_ENTRY}"))
 
 
 def _point(args: Any, array: np.ndarray) -> None:
@@ -719,12 +726,11 @@ def moved_addresses(values: tuple[Any, ...], fields: tuple[int, ...], lo: int, h
     return tuple(moved)
 
 
-def holding(bound: functools.partial[Any], *owners: object) -> functools.partial[Any]:
+def holding(bound: Callable[[], object], *owners: object) -> BoundCall:
     """``bound`` keeping ``owners`` alive: its arguments are raw addresses, and the
     call's ``keep`` is the only owner of arrays made when it was prepared (a scalar
     bias broadcast to a row, a copied residual), whoever else drops the call."""
-    bound.keep = owners      # type: ignore[attr-defined]
-    return bound
+    return BoundCall(bound, keep=owners)
 
 
 def checked(fn: Callable[..., int], *args: Any) -> None:

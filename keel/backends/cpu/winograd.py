@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from keel import native
+from keel.backends.bound import BoundCall
 from keel.backends.cpu import native_gemm, planner, workspace
 from keel.backends.cpu.conv_epilogue import Activation, finish
 from keel.backends.cpu.native_window import Bound, clip_bounds
@@ -325,9 +326,8 @@ def bind_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[int,
         return functools.partial(_run_passes, _passes(
             fns, x, y, bias, z, clip, geo, products, w.shape[0], threads, out_hw, chunk,
             lanes, pass_lanes))
-    run = functools.partial(_run_fused, fns.fused, fused[0])
-    run.keep = (products, *fused[1])        # type: ignore[attr-defined]
-    return run
+    return BoundCall(functools.partial(_run_fused, fns.fused, fused[0]),
+                     keep=(products, *fused[1]))
 
 
 def _run_fused(fn: Callable[..., int], args: tuple[Any, ...]) -> None:

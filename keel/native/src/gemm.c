@@ -2294,19 +2294,20 @@ int64_t keel_gemm_tiles_mt_f32(const keel_gemm_args *g, int64_t rows, int64_t co
 }
 
 /* Bound products of a run one after another, without a return to the caller between
- * them: n entries of 6 words, a kind (0: keel_gemm_f32, 1: keel_gemm_tiles_mt_f32) and
- * that function's five arguments. After a product that passes a model's weights through
- * the L2, the caller's interpreter finds its own code and data in L3 (measured on a
- * 2-core Intel Xeon: an empty call from Python 2.7 us instead of 0.5 us). Returns the
- * index of the first call that failed (-1 from keel_gemm_tiles_mt_f32: no workspace),
- * else -1. */
+ * them (after a product that passes a model's weights through the L2, the caller's
+ * interpreter finds its own code and data in L3: docs/performance.md, "Where the MLP's
+ * run goes"): n entries of 6 words, a kind (0: keel_gemm_f32, 1: keel_gemm_tiles_mt_f32)
+ * and that function's five arguments. Returns the index of the first entry that failed
+ * (-1 from keel_gemm_tiles_mt_f32: no workspace; or a kind of neither, not run), else
+ * -1. */
 int64_t keel_gemm_calls_f32(const int64_t *list, int64_t n)
 {
     for (int64_t i = 0; i < n; i++, list += 6) {
         const keel_gemm_args *g = (const keel_gemm_args *)(intptr_t)list[1];
         if (list[0] == 0)
             keel_gemm_f32(g, FPTR(list[2]), list[3], list[4], list[5]);
-        else if (keel_gemm_tiles_mt_f32(g, list[2], list[3], list[4], list[5]) != 0)
+        else if (list[0] != 1 || keel_gemm_tiles_mt_f32(g, list[2], list[3], list[4],
+                                                        list[5]) != 0)
             return i;
     }
     return -1;

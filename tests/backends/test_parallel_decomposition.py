@@ -136,6 +136,28 @@ def test_a_few_planes_are_copied_in_bands_of_rows_on_every_thread(threads: int) 
     assert cpu_planner.phase_copy_split(64, 56, 56, threads)[0] == 1   # enough planes
 
 
+@pytest.mark.parametrize("threads", [1, 2, 16])
+def test_a_strided_1d_conv_is_planned_and_runs(threads: int) -> None:
+    """A 1-D stride-2 conv (a speech encoder's second conv): its copy splits by planes
+    (window.c's phase copy takes 2-D planes only), and it runs as the reference does."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    import keel
+
+    rng = np.random.default_rng(5)
+    w = numpy_helper.from_array(_rand(rng, 32, 32, 3), "w")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1], strides=[2])], "conv1d",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 32, 300])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [w])
+    blob = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]
+                             ).SerializeToString()
+    x = {"x": _rand(rng, 2, 32, 300)}
+    got = keel.load_model(blob, backend="cpu", threads=threads, plan_cache=False).predict(x)
+    want = keel.load_model(blob, backend="reference").predict(x)
+    np.testing.assert_allclose(got["y"], want["y"], rtol=1e-4, atol=1e-4)
+
+
 def test_the_phase_copy_refuses_what_it_cannot_copy() -> None:
     geo = conv_geometry(Op.CONV, (2, 4, 8, 8), (4, 4, 3, 3),
                         {"pads": (1, 1, 1, 1), "strides": (2, 2)})

@@ -1143,14 +1143,14 @@ def _lone_decision(geo: ConvGeometry, threads: int | None) -> LayoutDecision:
 
 
 def _blocked_fields(geo: ConvGeometry, threads: int) -> tuple[tuple[str, Any, str], ...]:
-    """A region conv's variant and scratch as the blocked kernel runs it (its plan was
-    made for the NCHW form it replaces)."""
+    """A blocked conv's variant and scratch as the blocked kernel runs it, in a region or
+    alone (its plan was made for the NCHW form it replaces)."""
     tile, rows = blocked_oc_tile(geo.out_channels), conv_gemm.blocked_rows(geo)
     width, parts = geo.window.out_spatial[1], blocked_parts(geo, threads)
     floats = tile * native_blocked.LANES * rows * width
     return (("variant", "native",
              "native: the channel-blocked direct conv (blocked.c), X read where it "
-             "lies, inside a float NCHWc region (the layout says why)"),
+             "lies, inside a float NCHWc region or alone (the layout says why)"),
             ("workspace_bytes", 4 * floats * parts,
              f"a thread's sums of one register tile's band ({tile} x 16 channels x {rows} "
              f"row(s) x {width} pixels) on each of {parts} thread(s); X is read in place"))
@@ -2846,8 +2846,9 @@ BLOCKED_ALONE_REASON = (
     "NCHWc region, {width}-pixel output rows >= BLOCKED_ALONE_MIN_WIDTH {least}; X read "
     "in NCHW where it lies, each input value broadcast once for the taps that read it, "
     "the sums transposed 16 x 16 into Y's NCHW rows "
-    "(measured 0.69-0.72x the gathered form on ResNet-18's 64 -> 128, one thread, "
-    "Intel Xeon)")
+    "(measured on ResNet-18's 64 -> 128 alone, one thread, batch 1 and 32, on a 2-core "
+    "Intel Xeon: 0.69-0.72x the gathered form planned before; other shapes and thread "
+    "counts follow from it, not measured)")
 
 
 def blocked_alone(geo: ConvGeometry) -> bool:
@@ -4451,6 +4452,8 @@ def _native_splits(geo: ConvGeometry, layout: str, threads: int, grid: Any,
     if wide:                                # X into the wide buffer: one NumPy copy
         return Split("copy into the wide buffer (NumPy)", 1, 1, work,
                      least_work(LeastWork.COPY, threads)), product
+    if win.rank != 2:                       # window.c's phase copy takes 2-D planes only
+        return chunk_split("phase copy planes", planes, threads, work, LeastWork.FLOATS), product
     bands, pieces = phase_copy_split(planes, win.in_spatial[0], win.in_spatial[1], threads)
     name = "phase copy planes" if bands == 1 else f"phase copy planes x {bands} bands of rows"
     return Split(name, planes * bands, pieces, work, least_work(LeastWork.FLOATS, threads)

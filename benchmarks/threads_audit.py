@@ -111,7 +111,8 @@ def audit(name: str, batch: int, threads: int, profile: HardwareProfile) -> list
     graph = model.graph
     types = propagate(graph, {k: v.shape for k, v in feeds.items()}).types
     backend = CpuBackend(threads=threads, hardware=profile)
-    # a float NCHWc region's convs are planned with the graph (planner.float_layouts)
+    # a float NCHWc region's convs (and a lone blocked conv) are planned with the graph
+    # (planner.float_layouts)
     regions = {p.name: p.plan for p in model.plan.nodes if p.plan is not None
                and p.plan.layout in native_blocked.REGION_LAYOUTS}
     rows = []

@@ -554,7 +554,8 @@ def native_layout(geo: ConvGeometry, form: str, stream_stores: bool = False,
     native_tiles decides both); ``step``: the gathered-images form's images a step (the
     planner's by_image_step). A form naming ``nchwc16`` (``"nchw->nchwc16"``,
     ``"nchwc16->nchwc16"``, ``"nchwc16->nchw"``, ``"nchw->nchw"``: the planner's
-    float_layouts) is the channel-blocked direct conv inside a float NCHWc region, its X
+    float_layouts) is the channel-blocked direct conv inside a float NCHWc region (or
+    alone: planner.blocked_alone), its X
     and Y in the layouts the form names and its residual blocked where
     ``blocked_residual``.
     """

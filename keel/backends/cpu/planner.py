@@ -2795,29 +2795,30 @@ def _grid(grid: Any) -> Grid:
     return native_gemm.geometry() if grid is _HERE else grid
 
 
-# The channel-blocked direct conv (native_blocked, blocked.c: 16 output channels in
-# each vector, filters loaded whole and X's values broadcast, where the masked tiles load
-# X's taps through lane masks across cache lines; the masked form's bits) runs only
-# inside a float NCHWc region (float_layouts), where the values between its convs stay
-# blocked. Measured on the 2-core Intel Xeon (AVX-512), one thread, under load
-# (docs/performance.md, "The channel-blocked 3 x 3 conv"): each 3x3 stride-1 conv alone,
-# hot, 0.69-0.89x the masked time, but a lone blocked conv writing NCHW moved ResNet-20
-# only 0.97-0.99x (the transposes into NCHW were 10 % of its samples); the region's gain
-# is in docs/performance.md, "A float NCHWc region". ResNet-20's stride-2 3x3 and 1x1
-# shortcut convs alone (docs/performance.md, "Strided and 1 x 1 convs in the region"):
-# 0.38-0.81x the gathered or masked form's time at batch 1 and 32 (fastest of 15
-# rounds), inside the model 0.5-0.85x per node, one region against three 0.78-0.94x, so
-# a stage's downsampling block joins the region. A 1x1 stride-1 conv stays out (the
-# kernel computes it, but MobileNetV2's 32 -> 16 and 16 -> 96 on 112 x 112 ran 1.4-1.7x
-# their direct time blocked, one thread, under load). A conv of fewer than BLOCKED_MIN_CHANNELS
-# input channels (the 3 -> 16 stem) and other vendors' cores were not measured, and keep
-# their forms.
+# The channel-blocked direct conv (native_blocked, blocked.c: 16 output channels in each
+# vector, filters loaded whole and X's values broadcast, where the masked tiles load X's
+# taps through lane masks across cache lines; the masked form's bits) runs inside a
+# float NCHWc region (float_layouts), where the values between its convs stay blocked,
+# or alone where blocked_alone says (below). Measured on the 2-core Intel Xeon
+# (AVX-512), one thread, under load (docs/performance.md, "The channel-blocked 3 x 3
+# conv"): each 3x3 stride-1 conv alone, hot, 0.69-0.89x the masked time, but a lone
+# blocked conv writing NCHW moved ResNet-20 only 0.97-0.99x (the transposes into NCHW
+# were 10 % of its samples); the region's gain is in docs/performance.md, "A float NCHWc
+# region". ResNet-20's stride-2 3x3 and 1x1 shortcut convs alone (docs/performance.md,
+# "Strided and 1 x 1 convs in the region"): 0.38-0.81x the gathered or masked form's
+# time at batch 1 and 32 (fastest of 15 rounds), inside the model 0.5-0.85x per node,
+# one region against three 0.78-0.94x, so a stage's downsampling block joins the region.
+# A 1x1 stride-1 conv stays out (the kernel computes it, but MobileNetV2's 32 -> 16 and
+# 16 -> 96 on 112 x 112 ran 1.4-1.7x their direct time blocked, one thread, under load).
+# A conv of fewer than BLOCKED_MIN_CHANNELS input channels (the 3 -> 16 stem) and other
+# vendors' cores were not measured, and keep their forms.
 BLOCKED_MIN_CHANNELS = 16
 BLOCKED_VENDORS = frozenset({"Intel"})
 
 
 def blocked_conv(geo: ConvGeometry, grid: Any = _HERE, vendor: Any = _HERE) -> bool:
-    """Whether a float conv may run channel-blocked inside an NCHWc region: served by
+    """Whether a float conv may run channel-blocked, inside an NCHWc region or alone
+    (blocked_alone adds its own conditions): served by
     the blocked kernel (conv_gemm.blocked_serves: 3x3 padded by one or 1x1 unpadded,
     stride 1 or 2) and not a 1x1 stride-1 conv (measured slower), at least
     BLOCKED_MIN_CHANNELS input

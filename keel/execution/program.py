@@ -1261,8 +1261,11 @@ def _direct_runner(program: Program,
             _note(exc, _alive(owner)._steps[_first_step(calls, i)])
             raise
         except PartFailed as exc:
-            raise _alive(owner)._failed(_first_step(calls, i) + exc.part,
-                                        exc.error) from exc.error
+            step = _first_step(calls, i) + exc.part
+            if isinstance(exc.error, KeelError):
+                _note(exc.error, _alive(owner)._steps[step])
+                raise exc.error from exc.error.__cause__
+            raise _alive(owner)._failed(step, exc.error) from exc.error
         except Exception as exc:
             raise _alive(owner)._failed(_first_step(calls, i), exc) from exc
         finally:

@@ -2099,7 +2099,8 @@ def join_note() -> str:
     if not JOIN_CALLS:
         return "bound native products: called one by one (JOIN_CALLS off)"
     if not native_gemm.available():
-        return "bound products: called one by one (no native GEMM library loaded)"
+        return ("bound products: called one by one (no native GEMM library loaded: "
+                "JOIN_CALLS has no native calls to join)")
     return ("bound native products: a steady run calls consecutive ones as one native "
             "call, not through the interpreter, whose code a product's weights push out "
             "of the cache: measured on a 2-core Intel Xeon (JOIN_CALLS)")

@@ -123,14 +123,19 @@ def _frozen(value: Any) -> bool:
 
 
 def current() -> str:
-    """The fingerprint last computed (computed now the first time)."""
+    """The fingerprint last computed (computed now the first time); inside a
+    :func:`once` scope that measured, the one it measured, whatever other threads did
+    since."""
     global _kept
+    scoped: str | None = getattr(_scope, "kept", None)
+    if scoped is not None:
+        return scoped
     if _kept is None:
         _kept = measure()
     return _kept
 
 
-# This thread's once() scopes: how deep, and whether refresh() measured inside them.
+# This thread's once() scopes: how deep, and the fingerprint refresh() measured in them.
 _scope = threading.local()
 
 
@@ -139,11 +144,13 @@ def refresh() -> str:
     so a constant changed since the last one gives fresh plans. Inside a :func:`once`
     scope, only the first call measures; the others give what it kept."""
     global _kept
-    if getattr(_scope, "measured", False):
-        return current()
-    _kept = measure()
-    _scope.measured = getattr(_scope, "depth", 0) > 0
-    return _kept
+    scoped: str | None = getattr(_scope, "kept", None)
+    if scoped is not None:
+        return scoped
+    _kept = measured = measure()
+    if getattr(_scope, "depth", 0) > 0:
+        _scope.kept = measured
+    return measured
 
 
 @contextlib.contextmanager
@@ -159,4 +166,4 @@ def once() -> Iterator[None]:
     finally:
         _scope.depth = depth
         if depth == 0:
-            _scope.measured = False
+            _scope.kept = None

@@ -80,15 +80,17 @@ def test_the_split_counts_the_tiles_that_run() -> None:
 
 def test_a_partly_filled_last_panel_runs_in_lanes_tiles() -> None:
     """lanes_tail takes a tail of 1 to LANES_TAIL_MAX_COLUMNS columns past the whole
-    32-column panels, with at least LANES_MIN_ROWS rows, on the AVX-512 tile only; the
-    direct 1x1 conv's reason names it where its products run in panels."""
-    assert planner.lanes_tail(*EXPAND_14, GRID)                      # 196 = 6 x 32 + 4
-    assert planner.lanes_tail(576, 32 + planner.LANES_TAIL_MAX_COLUMNS, 96, GRID)
-    assert not planner.lanes_tail(576, 33 + planner.LANES_TAIL_MAX_COLUMNS, 96, GRID)
-    assert not planner.lanes_tail(576, 192, 96, GRID)                # whole panels
-    assert not planner.lanes_tail(*PROJECT_28, GRID)                 # 784: a tail of 16
-    assert not planner.lanes_tail(planner.LANES_MIN_ROWS - 1, 196, 96, GRID)
-    assert not planner.lanes_tail(*EXPAND_14, (6, 16))               # no lanes tiles there
+    32-column panels, with at least LANES_MIN_ROWS rows, on the AVX-512 tile of
+    LANES_TAIL_VENDORS' cores only; the direct 1x1 conv's reason names it where its
+    products run in panels."""
+    assert planner.lanes_tail(*EXPAND_14, GRID, "Intel")  # 196 = 6 x 32 + 4
+    assert planner.lanes_tail(576, 32 + planner.LANES_TAIL_MAX_COLUMNS, 96, GRID, "Intel")
+    assert not planner.lanes_tail(576, 33 + planner.LANES_TAIL_MAX_COLUMNS, 96, GRID, "Intel")
+    assert not planner.lanes_tail(576, 192, 96, GRID, "Intel")  # whole panels
+    assert not planner.lanes_tail(*PROJECT_28, GRID, "Intel")  # 784: a tail of 16
+    assert not planner.lanes_tail(planner.LANES_MIN_ROWS - 1, 196, 96, GRID, "Intel")
+    assert not planner.lanes_tail(*EXPAND_14, (6, 16), "Intel")  # no lanes tiles there
+    assert not planner.lanes_tail(*EXPAND_14, GRID, "AMD")  # not measured there
     expand = ((1, 96, 14, 14), (576, 96, 1, 1))
     assert "the last 4 of its 196 pixels an image in lanes tiles" in _reason(*expand, "Intel")
     assert "lanes_tail" not in _reason(*expand, "AMD")               # all in lanes tiles

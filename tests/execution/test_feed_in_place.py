@@ -82,12 +82,6 @@ def callers_arrays(rows: int, seed: int) -> list[np.ndarray]:
     return [x, np.asfortranarray(x), odd]
 
 
-def test_the_planner_reads_the_benchmark_mlps_feed_in_place_at_batch_32_only() -> None:
-    """The sizes the rule is stated for: 32 rows of 784 floats (100 KiB) are read in
-    place, one row (3 KiB) is copied."""
-    assert 32 * WIDTH * 4 >= planner.FEED_IN_PLACE_BYTES > WIDTH * 4
-
-
 @pytest.mark.parametrize("rows", [1, 32])
 def test_a_feed_read_in_place_computes_the_kernels_bits_on_every_thread_count(rows: int) -> None:
     """Whatever array the caller passes, in whatever order of calls, the run computes

@@ -94,7 +94,7 @@ def _lanes_tail() -> Case:
     w, x, bias, r = _f(70, 48), _f(48, 196), _f(70), _f(70, 196)
     c = np.empty((70, 196), np.float32)
     wp = ng.pack(w, left=True)
-    assert ng.planner_rules().lanes_tail(70, 196, 48, (8, 32))
+    assert ng.planner_rules().lanes_tail(70, 196, 48, (8, 32), "Intel")
     assert not ng.planner_rules().lanes_tiles(1, 70, 196, 48, "Intel", (8, 32))
     call = ng.prepare(wp, x, c, bias=bias, bias_rows=True, residual=r, clip=(-2.0, 2.0),
                       lanes=False)

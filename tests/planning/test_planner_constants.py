@@ -153,6 +153,25 @@ def _if_model() -> bytes:
                  .SerializeToString())
 
 
+def test_a_scope_keeps_its_fingerprint_whatever_another_thread_measures(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside once(), refresh() and current() give what the scope measured, though
+    another thread measured changed constants since (a load's key and placement agree)."""
+    import threading
+
+    with planner_constants.once():
+        mine = planner_constants.refresh()
+        monkeypatch.setitem(planner.BLOCKS, "epilogue_block",
+                            2 * planner.BLOCKS["epilogue_block"])
+        other: list[str] = []
+        worker = threading.Thread(target=lambda: other.append(planner_constants.refresh()))
+        worker.start()
+        worker.join()
+        assert other and other[0] != mine
+        assert planner_constants.refresh() == planner_constants.current() == mine
+    assert planner_constants.current() == other[0]
+
+
 def test_a_load_measures_the_constants_once(monkeypatch: pytest.MonkeyPatch,
                                             tmp_path: Path) -> None:
     """A load that misses the compiled-plan cache measures the constants once, for its

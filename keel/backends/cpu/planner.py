@@ -1112,8 +1112,6 @@ def _float_decision(n: Any, geo: ConvGeometry, blocked: set[str], leaves: str, s
     residual = n.inputs[3] if len(n.inputs) > 3 and n.inputs[3] else ""
     layout = f"{src}->{dst}"
     role = _FLOAT_LAYOUT_ROLES[(src, dst)].format(why=leaves)
-    split = (split_reason(conv_splits("native", layout, None, geo, threads), threads)
-             + f"; {blocked_split(geo, threads).reason}") if threads and threads > 1 else ""
     why = FLOAT_LAYOUT_REASON.format(nodes=size, this=role)
     options: tuple[tuple[str, Any, str], ...] = ()
     if residual:
@@ -1123,23 +1121,28 @@ def _float_decision(n: Any, geo: ConvGeometry, blocked: set[str], leaves: str, s
                         "blocked, inside the region" if where == NCHWC else
                         "NCHW, written outside the region, transposed 16 x 16 as it is "
                         "added")),)
-    return LayoutDecision(
-        layout, f"{why}; {split}" if split else why,
-        FLOAT_LAYOUT_THREADS_REASON.format(threads=threads, layout=layout, split=split)
-        if split else "", options, _blocked_fields(geo, threads or 1))
+    return _blocked_decision(geo, layout, why, threads, options)
 
 
 def _lone_decision(geo: ConvGeometry, threads: int | None) -> LayoutDecision:
     """A conv outside any region that runs channel-blocked alone (blocked_alone): X,
     Y and any residual NCHW, the kernel transposing its sums into Y's rows."""
-    split = (split_reason(conv_splits("native", "nchw->nchw", None, geo, threads), threads)
-             + f"; {blocked_split(geo, threads).reason}") if threads and threads > 1 else ""
     why = BLOCKED_ALONE_REASON.format(width=geo.window.out_spatial[1],
                                       least=BLOCKED_ALONE_MIN_WIDTH)
+    return _blocked_decision(geo, "nchw->nchw", why, threads, ())
+
+
+def _blocked_decision(geo: ConvGeometry, layout: str, why: str, threads: int | None,
+                      options: tuple[tuple[str, Any, str], ...]) -> LayoutDecision:
+    """A blocked conv's layout decision: ``why``, its split on more than one thread
+    (the conv's and blocked_split's grid), ``options``, and the blocked kernel's variant
+    and scratch."""
+    split = (split_reason(conv_splits("native", layout, None, geo, threads), threads)
+             + f"; {blocked_split(geo, threads).reason}") if threads and threads > 1 else ""
     return LayoutDecision(
-        "nchw->nchw", f"{why}; {split}" if split else why,
-        FLOAT_LAYOUT_THREADS_REASON.format(threads=threads, layout="nchw->nchw", split=split)
-        if split else "", (), _blocked_fields(geo, threads or 1))
+        layout, f"{why}; {split}" if split else why,
+        FLOAT_LAYOUT_THREADS_REASON.format(threads=threads, layout=layout, split=split)
+        if split else "", options, _blocked_fields(geo, threads or 1))
 
 
 def _blocked_fields(geo: ConvGeometry, threads: int) -> tuple[tuple[str, Any, str], ...]:
@@ -3077,13 +3080,14 @@ def _lanes_tail_reason(geo: ConvGeometry, grid: Grid, vendor: str | None) -> str
     pixels = math.prod(geo.window.out_spatial)
     rows, depth = geo.out_channels // geo.group, geo.in_channels // geo.group
     if grid is None or lanes_tiles(geo.batch, rows, pixels, depth, vendor, grid) or (
-            not lanes_tail(rows, pixels, depth, grid)):
+            not lanes_tail(rows, pixels, depth, grid, vendor)):
         return ""
     tail = pixels % grid[1]
     return (f"; the last {tail} of its {pixels} pixels an image in lanes tiles, the full "
             f"{grid[1]}-column panels in {grid[0]} x {grid[1]} tiles: that panel's "
             f"{grid[1] // 2}-column vector computes {tail} (lanes_tail, "
-            f"<= LANES_TAIL_MAX_COLUMNS {LANES_TAIL_MAX_COLUMNS})")
+            f"<= LANES_TAIL_MAX_COLUMNS {LANES_TAIL_MAX_COLUMNS}, on LANES_TAIL_VENDORS' "
+            "cores: measured on a 2-core Intel Xeon)")
 
 
 def _output_streams_reason(geo: ConvGeometry) -> str:
@@ -3293,15 +3297,19 @@ def lanes_tiles(batch: int, m: int, n: int, k: int, vendor: Any = _HERE,
 # 14x14 expansions inside the model (each step timed alone, old / new passes
 # alternating, medians / fastest, us, summed): one thread 948.6 / 812.7 -> 887.5 /
 # 763.0, two threads 944.2 / 590.8 -> 900.4 / 475.9; outputs bitwise the same
-# (docs/performance.md, "MobileNetV2's 14 x 14 expansions").
+# (docs/performance.md, "MobileNetV2's 14 x 14 expansions"). Other vendors' cores were
+# not measured (LANES_TAIL_VENDORS), and keep the vector panel.
 LANES_TAIL_MAX_COLUMNS = 8
+LANES_TAIL_VENDORS = frozenset({"Intel"})
 
 
-def lanes_tail(m: int, n: int, k: int, grid: Any = _HERE) -> bool:
+def lanes_tail(m: int, n: int, k: int, grid: Any = _HERE, vendor: Any = _HERE) -> bool:
     """Whether a product of ``m`` rows, ``n`` columns and depth ``k`` in column panels
-    (not in lanes tiles) runs its partly filled last column panel in lanes tiles."""
+    (not in lanes tiles) runs its partly filled last column panel in lanes tiles, on a
+    core of LANES_TAIL_VENDORS (defaults: this machine's)."""
     grid = _grid(grid)
-    if grid is None or tuple(grid) != (8, 32):   # gemm.c's lanes tiles: its AVX-512 build
+    vendor = _this_vendor() if vendor is _HERE else vendor
+    if grid is None or tuple(grid) != (8, 32) or vendor not in LANES_TAIL_VENDORS:
         return False
     return 0 < n % grid[1] <= LANES_TAIL_MAX_COLUMNS and m >= LANES_MIN_ROWS and k > 0
 
@@ -4589,14 +4597,14 @@ def _pool_split_note(request: PlanRequest, threads: int | None) -> str:
     """How a float32 pool's native window kernel splits its planes over ``threads`` (its
     WindowGeometry.parts; for a MaxPool, which of window.c's kernels runs it); "" for
     other nodes and dtypes, unknown shapes or one thread."""
-    if (threads or 1) < 2 or request.op not in (Op.MAX_POOL, Op.AVG_POOL) or (
+    if threads is None or threads < 2 or request.op not in (Op.MAX_POOL, Op.AVG_POOL) or (
             request.dtype is not DType.FLOAT32):
         return ""
-    split, shapes = _pool_split(request, threads or 1), request.static_shapes()
+    split, shapes = _pool_split(request, threads), request.static_shapes()
     if split is None or not shapes or shapes[0] is None:
         return ""
-    note = split_reason((split,), threads or 1)
-    if request.op is Op.MAX_POOL:          # _pool_split resolved this window already
+    note = split_reason((split,), threads)
+    if request.op is Op.MAX_POOL:
         win = pool_window(request.op, shapes[0], request.attrs)
         rows = win.rank == 2 and max_pool_by_rows(win.kernel, win.strides, win.dilations)
         note += ("; window.c's row kernel (max_pool_by_rows)" if rows

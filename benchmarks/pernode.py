@@ -2,6 +2,7 @@
 
     python -m benchmarks.pernode --model resnet20             # 40 passes
     python -m benchmarks.pernode --model mobilenetv2 --passes 15 --json
+    python -m benchmarks.pernode --model mobilenetv2 --kinds   # summed by kind of node
 
 Each pass runs, for one thread and then two, keel's steps one by one inside whole runs
 (each step's bound call timed alone, as the run calls it: the workers spin between the
@@ -10,7 +11,10 @@ per-node times, whole microseconds), then times whole runs of both (onnxruntime
 without profiling). Medians and the fastest of every node: the fastest is a node's time
 with the second core free, the median what the machine's other work leaves. keel's
 steps say how many threads the plan gives them; whether a step splits is in
-``explain()``. Speed is reported here, never asserted in a test.
+``explain()``. ``--kinds`` sums both sides' nodes by kind (a conv's kind from its own
+shapes: the stem, depthwise by kernel and stride, 1x1 expansions and projections by
+output map, other ops by name) and lists the kinds where keel loses most first. Speed is
+reported here, never asserted in a test.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import json
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +34,7 @@ import numpy as np
 from benchmarks import zoo
 from keel.execution.program import _exit_scopes
 
-__all__ = ["measure"]
+__all__ = ["by_kind", "conv_kind", "measure"]
 
 _RUNS = 5            # runs a pass of each side's per-node timing, and of whole runs x 2
 
@@ -88,14 +92,61 @@ def _ort(onnx_bytes: bytes, threads: int, profile_dir: str | None) -> Any:
     return ort.InferenceSession(onnx_bytes, opts, providers=["CPUExecutionProvider"])
 
 
-def _ort_nodes(path: str) -> dict[str, list[float]]:
-    """Microseconds of each node's kernel, every profiled run, from onnxruntime's trace."""
+def conv_kind(weight: Sequence[int], x: Sequence[int], y: Sequence[int]) -> str:
+    """A 2-D conv's kind from its weight (M, C / group, KH, KW), input and output shapes:
+    "stem" (a dense conv of the image's few channels), "depthwise KxK sS", "1x1 expansion
+    HxW" / "1x1 projection HxW" (more / fewer output channels), else "conv KxK sS"."""
+    m, per_group, kh, kw = (int(v) for v in weight)
+    c, stride = int(x[1]), max(1, int(x[2]) // max(1, int(y[2])))
+    if per_group == 1 and c == m > 1:
+        return f"depthwise {kh}x{kw} s{stride}"
+    if per_group == c <= 4:
+        return "stem"
+    if (kh, kw, stride) == (1, 1, 1) and per_group == c:
+        return f"1x1 {'expansion' if m > c else 'projection'} {y[2]}x{y[3]}"
+    return f"conv {kh}x{kw} s{stride}"
+
+
+def _graph_kinds(onnx_bytes: bytes) -> dict[str, str]:
+    """Each node's kind by its name (conv_kind for 2-D convs, else its op)."""
+    import onnx
+
+    model = onnx.shape_inference.infer_shapes(onnx.load_from_string(onnx_bytes))
+    shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim]
+              for v in (*model.graph.value_info, *model.graph.input, *model.graph.output)}
+    shapes.update({t.name: list(t.dims) for t in model.graph.initializer})
+    kinds = {}
+    for node in model.graph.node:
+        ins = [shapes.get(n, []) for n in node.input[:2]]
+        out = shapes.get(node.output[0], [])
+        convolves = node.op_type == "Conv" and all(len(s) == 4 for s in (*ins, out))
+        kinds[node.name] = conv_kind(ins[1], ins[0], out) if convolves else node.op_type
+    return kinds
+
+
+def _ort_kind(args: Mapping[str, Any]) -> str:
+    """An onnxruntime node's kind from its profiled shapes (fused nodes keep the conv's)."""
+    op = str(args.get("op_name", "?"))
+    shapes = [next(iter(s.values())) for s in args.get("input_type_shape", [])]
+    out = [next(iter(s.values())) for s in args.get("output_type_shape", [])]
+    if op in ("Conv", "FusedConv") and len(shapes) >= 2 and out and all(
+            len(s) == 4 for s in (shapes[0], shapes[1], out[0])):
+        return conv_kind(shapes[1], shapes[0], out[0])
+    return op
+
+
+def _ort_nodes(path: str) -> tuple[dict[str, list[float]], dict[str, str]]:
+    """Microseconds of each node's kernel, every profiled run, from onnxruntime's trace,
+    and each node's kind (_ort_kind)."""
     found: dict[str, list[float]] = {}
+    kinds: dict[str, str] = {}
     for event in json.loads(Path(path).read_text()):
         name = str(event.get("name", ""))
         if event.get("cat") == "Node" and name.endswith("_kernel_time"):
-            found.setdefault(name.removesuffix("_kernel_time"), []).append(float(event["dur"]))
-    return found
+            node = name.removesuffix("_kernel_time")
+            found.setdefault(node, []).append(float(event["dur"]))
+            kinds.setdefault(node, _ort_kind(event.get("args", {})))
+    return found, kinds
 
 
 def _summary(values: list[float]) -> dict[str, float]:
@@ -128,15 +179,48 @@ def measure(name: str, passes: int = 40) -> dict[str, Any]:
                 _whole(functools.partial(model.predict, feeds), whole[f"keel{t}"])
                 _whole(functools.partial(plain[t].run, None, feeds), whole[f"ort{t}"])
         ort_nodes = {t: _ort_nodes(profiled[t].end_profiling()) for t in keel}
+    kinds = _graph_kinds(onnx_bytes)
     return {
         "model": name, "batch": 1, "passes": passes,
         "whole_us": {k: _summary([v / 1000 for v in vs]) for k, vs in whole.items()},
-        "keel_steps": {t: [{"step": n, "threads": planned[t][i],
+        "keel_steps": {t: [{"step": n, "threads": planned[t][i], "kind": kinds.get(n, "other"),
                             **_summary([v / 1000 for v in steps[t][i]])}
                            for i, n in enumerate(names[t])] for t in keel},
-        "ort_nodes": {t: [{"node": n, **_summary(v)} for n, v in ort_nodes[t].items()]
-                      for t in keel},
+        "ort_nodes": {t: [{"node": n, "kind": ort_nodes[t][1][n], **_summary(v)}
+                          for n, v in ort_nodes[t][0].items()] for t in keel},
     }
+
+
+def by_kind(result: dict[str, Any], threads: int) -> list[dict[str, Any]]:
+    """Both sides' nodes summed by kind on ``threads`` threads (us, medians and fastest
+    summed, and how many nodes), the kinds where keel loses most (fastest) first."""
+    rows: dict[str, dict[str, Any]] = {}
+    for side, label in (("keel_steps", "keel"), ("ort_nodes", "ort")):
+        for node in result[side][threads]:
+            row = rows.setdefault(node["kind"], {"kind": node["kind"], "keel_nodes": 0,
+                                                 "ort_nodes": 0, "keel_median": 0.0,
+                                                 "keel_fastest": 0.0, "ort_median": 0.0,
+                                                 "ort_fastest": 0.0})
+            row[f"{label}_nodes"] += 1
+            row[f"{label}_median"] += node["median"]
+            row[f"{label}_fastest"] += node["fastest"]
+    return sorted(rows.values(), key=lambda r: r["ort_fastest"] - r["keel_fastest"])
+
+
+def _kinds_table(result: dict[str, Any]) -> str:
+    lines = [f"{result['model']} at batch 1 by kind of node, {result['passes']} passes (us "
+             "summed; keel / onnxruntime)"]
+    for t in (1, 2):
+        lines.append(f"  {t} thread(s)          nodes      median: keel    ort  ratio"
+                     "     fastest: keel    ort   diff  ratio")
+        for r in by_kind(result, t):
+            med = r["keel_median"] / r["ort_median"] if r["ort_median"] else float("nan")
+            fast = r["keel_fastest"] / r["ort_fastest"] if r["ort_fastest"] else float("nan")
+            lines.append(f"    {r['kind'][:22]:22s} {r['keel_nodes']:2d}/{r['ort_nodes']:2d}"
+                         f" {r['keel_median']:12.0f} {r['ort_median']:6.0f} {med:6.2f}"
+                         f" {r['keel_fastest']:14.0f} {r['ort_fastest']:6.0f}"
+                         f" {r['keel_fastest'] - r['ort_fastest']:6.0f} {fast:6.2f}")
+    return "\n".join(lines)
 
 
 def _table(result: dict[str, Any]) -> str:
@@ -160,9 +244,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="resnet20", choices=sorted(zoo.DEFAULT_MODELS))
     parser.add_argument("--passes", type=int, default=40)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--kinds", action="store_true", help="sums by kind of node")
     args = parser.parse_args(argv)
     result = measure(args.model, args.passes)
-    print(json.dumps(result, indent=1) if args.json else _table(result))
+    print(json.dumps(result, indent=1) if args.json
+          else _kinds_table(result) if args.kinds else _table(result))
 
 
 if __name__ == "__main__":

@@ -22,3 +22,29 @@ def test_every_step_and_node_is_timed_on_both_thread_counts() -> None:
         nodes = result["ort_nodes"][t]
         assert nodes and all(0 <= n["fastest"] <= n["median"] for n in nodes)
     assert "summed fastest" in pernode._table(result)
+
+
+@pytest.mark.parametrize(("weight", "x", "y", "kind"), [
+    ((32, 3, 3, 3), (1, 3, 224, 224), (1, 32, 112, 112), "stem"),
+    ((96, 1, 3, 3), (1, 96, 112, 112), (1, 96, 56, 56), "depthwise 3x3 s2"),
+    ((960, 1, 3, 3), (1, 960, 7, 7), (1, 960, 7, 7), "depthwise 3x3 s1"),
+    ((576, 96, 1, 1), (1, 96, 14, 14), (1, 576, 14, 14), "1x1 expansion 14x14"),
+    ((96, 576, 1, 1), (1, 576, 14, 14), (1, 96, 14, 14), "1x1 projection 14x14"),
+    ((128, 64, 1, 1), (1, 64, 56, 56), (1, 128, 28, 28), "conv 1x1 s2"),
+    ((64, 64, 3, 3), (1, 64, 56, 56), (1, 64, 56, 56), "conv 3x3 s1"),
+])
+def test_a_conv_kind_comes_from_its_shapes(weight: tuple[int, ...], x: tuple[int, ...],
+                                           y: tuple[int, ...], kind: str) -> None:
+    assert pernode.conv_kind(weight, x, y) == kind
+
+
+def test_both_sides_sum_to_the_same_kinds_of_conv() -> None:
+    result = pernode.measure("lenet", passes=1)
+    for t in (1, 2):
+        rows = {r["kind"]: r for r in pernode.by_kind(result, t)}
+        convs = {k: r for k, r in rows.items() if k == "stem" or k.startswith("conv")}
+        assert set(convs) == {"stem", "conv 5x5 s1"}
+        assert all(r["keel_nodes"] == r["ort_nodes"] == 1 for r in convs.values())
+        keel = sum(s["fastest"] for s in result["keel_steps"][t])
+        assert sum(r["keel_fastest"] for r in rows.values()) == pytest.approx(keel)
+    assert "1 thread(s)" in pernode._kinds_table(result)

@@ -3326,7 +3326,9 @@ LANES_TAIL_VENDORS = frozenset({"Intel"})
 def lanes_tail(m: int, n: int, k: int, grid: Any = _HERE, vendor: Any = _HERE) -> bool:
     """Whether a product of ``m`` rows, ``n`` columns and depth ``k`` in column panels
     (not in lanes tiles) runs its partly filled last column panel in lanes tiles, on a
-    core of LANES_TAIL_VENDORS (defaults: this machine's)."""
+    core of LANES_TAIL_VENDORS (defaults: this machine's). Lanes tiles read a packed A
+    and a raw B: a conv's products (the filter packed on the left), whose plan says so;
+    a MatMul's or Gemm's A is its activation, read raw, so theirs never take it."""
     grid = _grid(grid)
     vendor = _this_vendor() if vendor is _HERE else vendor
     if grid is None or tuple(grid) != (8, 32) or vendor not in LANES_TAIL_VENDORS:

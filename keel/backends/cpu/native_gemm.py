@@ -888,7 +888,7 @@ class XCall(ABC):
         """The same call with ``values``."""
 
     @abstractmethod
-    def bound(self, threads: int) -> Callable[[], Any]:
+    def bound(self, threads: int) -> BoundCall[Any]:
         """``run(threads)`` as a callable with no arguments (see :meth:`Call.bound`)."""
 
     @final
@@ -912,15 +912,17 @@ class XCall(ABC):
         self.bound(threads)()
 
     def _units(self, mt: Callable[..., int], serial: Callable[..., None], args: bytes,
-               units: int, parts: int, floats: int) -> Callable[[], Any]:
+               units: int, parts: int, floats: int) -> BoundCall[Any]:
         """``units`` units of the call ``args`` in ``parts`` chunks on keel's threads
         (``mt``, each worker with its own scratch), or on this thread (``serial``) with
-        this thread's workspace of at least ``floats`` floats, held by the call."""
+        this thread's workspace of at least ``floats`` floats, held by the call; marked
+        ``native``: C code only."""
         if parts > 1:
-            return holding(functools.partial(checked, mt, args, units, parts), self)
+            return BoundCall(functools.partial(checked, mt, args, units, parts), keep=(self,),
+                             native=True)
         work = thread_scratch(Scratch.WORK, floats)
-        return holding(functools.partial(serial, args, int(native.address(work)), 0, units),
-                       self, work)
+        return BoundCall(functools.partial(serial, args, int(native.address(work)), 0, units),
+                         keep=(self, work), native=True)
 
 
 class BandCall(XCall):
@@ -941,7 +943,7 @@ class BandCall(XCall):
     def _again(self, values: tuple[Any, ...]) -> BandCall:
         return BandCall(self.f, values, self.units, self.keep, self.x_shape)
 
-    def bound(self, threads: int) -> Callable[[], Any]:
+    def bound(self, threads: int) -> BoundCall[Any]:
         """``run(threads)`` as a callable with no arguments (see :meth:`Call.bound`): the
         bands split over up to ``threads`` threads."""
         return self._units(self.f.band_mt, self.f.band, self.args, self.units,

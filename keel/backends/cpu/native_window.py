@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from keel import native
+from keel.backends.bound import BoundCall
 from keel.backends.cpu.native_gemm import planner_rules
 from keel.errors import InvalidArgumentError
 from keel.ops.schemas.conv import Window
@@ -38,7 +39,7 @@ __all__ = ["Bound", "WindowGeometry", "avg_counts", "avg_pool", "bind_avg_pool",
            "bind_depthwise_conv", "bind_global_avg_pool", "bind_global_max_pool",
            "bind_max_pool", "bind_phase_copy", "bind_strided_copy", "copy_strided",
            "depthwise_conv", "global_avg_pool", "global_max_pool", "max_pool",
-           "phase_geometry", "plan", "ready", "scheme_ok", "SCHEMES"]
+           "phase_geometry", "plan", "ready", "scheme_ok", "SCHEMES", "step"]
 
 LIBRARY = "window"
 # Limits of window.c (MAX_TAPS, MAX_STRIDE).
@@ -221,6 +222,12 @@ class Bound:
     def __call__(self) -> None:
         if self.fn(*self.args) != 0:
             _check(1)
+
+
+def step(bound: Bound) -> BoundCall[None]:
+    """``bound`` as a program step marked ``native``: a window kernel's call runs C code
+    only, so NumPy's floating-point state means nothing to it."""
+    return BoundCall(bound, native=True)
 
 
 def _bind(planes: int, geo: WindowGeometry, fns: _Functions, threads: int, serial: Any,

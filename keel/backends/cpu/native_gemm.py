@@ -875,13 +875,15 @@ class XCall(ABC):
     at ``_X`` and Y's and the residual's at ``_OUT``; a subclass remakes itself from
     changed values (``_again``) and binds its run (``bound``)."""
 
-    __slots__ = ("keep", "values", "x_shape")
+    __slots__ = ("_last", "keep", "values", "x_shape")
     _X: ClassVar[int]
     _OUT: ClassVar[tuple[int, ...]]
 
     def __init__(self, values: tuple[Any, ...], keep: tuple[object, ...],
                  x_shape: tuple[int, ...]) -> None:
         self.values, self.keep, self.x_shape = values, keep, x_shape
+        # run()'s bound form: ((threads, the thread it was bound on), the call)
+        self._last: tuple[tuple[int, int], BoundCall[Any]] | None = None
 
     @abstractmethod
     def _again(self: _XC, values: tuple[Any, ...]) -> _XC:
@@ -908,8 +910,15 @@ class XCall(ABC):
 
     @final
     def run(self, threads: int) -> None:
-        """Compute, the units split over up to ``threads`` threads."""
-        self.bound(threads)()
+        """Compute, the units split over up to ``threads`` threads: bound on the first run
+        for a thread count and calling thread (a bound call on one thread uses that
+        thread's workspace), then called as bound, its arguments and split not made
+        again each run."""
+        key = (threads, threading.get_ident())
+        last = self._last
+        if last is None or last[0] != key:
+            last = self._last = (key, self.bound(threads))
+        last[1].fn()
 
     def _units(self, mt: Callable[..., int], serial: Callable[..., None], args: bytes,
                units: int, parts: int, floats: int) -> BoundCall[Any]:

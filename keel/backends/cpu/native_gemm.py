@@ -73,7 +73,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-import enum
 import functools
 import mmap
 import struct
@@ -89,12 +88,13 @@ import numpy as np
 
 from keel import native
 from keel.backends.bound import BoundCall, PartFailed
+from keel.backends.cpu import workspace
+from keel.backends.cpu.workspace import Scratch, thread_scratch
 
-__all__ = ["BandCall", "Call", "Packed", "Rows", "Scratch", "XCall", "address", "available",
+__all__ = ["BandCall", "Call", "Packed", "Rows", "XCall", "address", "available",
            "check_enums", "check_layout", "checked", "conv_epilogue_served", "gemm",
            "geometry", "holding", "moved_addresses", "same_memory", "pack",
-           "pack_batch", "planner_rules", "prepare", "prepare_band", "strides_of",
-           "thread_scratch"]
+           "pack_batch", "planner_rules", "prepare", "prepare_band", "strides_of"]
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ACCUMULATE, _CLIP, _STREAM, _DIRECT, _NT, _TALL, _LANES = 1, 2, 4, 8, 16, 32, 64
@@ -374,9 +374,7 @@ def _aligned(n: int, huge: bool = False) -> np.ndarray:
         held = _huge(4 * n)
         if held is not None:
             return held
-    raw = np.empty(n + 16, dtype=np.float32)
-    skip = (-raw.ctypes.data % 64) // 4
-    return raw[skip:skip + n]
+    return workspace.aligned(n)
 
 
 @dataclass(frozen=True)
@@ -442,29 +440,6 @@ def _huge(size: int) -> np.ndarray | None:
             if start + body < length:
                 whole.madvise(mmap.MADV_NOHUGEPAGE, start + body, length - start - body)
     return np.frombuffer(whole, dtype=np.float32, count=size // 4, offset=start)
-
-
-class Scratch(enum.Enum):
-    """What a thread's scratch buffer is for (thread_scratch keeps one of each)."""
-    WORK = "a serial native call's workspace (the GEMM's packing, a band or blocked conv's)"
-    ATTENTION = "a serial attention call's scores"
-
-
-# Each thread's scratch buffers by use (thread_scratch): no two threads share one.
-_local = threading.local()
-
-
-def thread_scratch(use: Scratch, floats: int) -> np.ndarray:
-    """This thread's scratch for ``use``: at least ``floats`` float32, 64-byte aligned,
-    kept for the thread's next call and replaced by a larger one where a call needs more
-    (a bound call holds the one it was bound to)."""
-    held_by_use: dict[Scratch, np.ndarray] | None = getattr(_local, "held", None)
-    if held_by_use is None:
-        held_by_use = _local.held = {}
-    held = held_by_use.get(use)
-    if held is None or held.size < floats:
-        held = held_by_use[use] = _aligned(floats)
-    return held
 
 
 def _work(f: _Functions) -> int:

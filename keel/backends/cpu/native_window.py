@@ -23,7 +23,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +30,9 @@ import numpy as np
 
 from keel import native
 from keel.backends.bound import BoundCall
+from keel.backends.cpu import workspace
 from keel.backends.cpu.native_gemm import planner_rules
+from keel.backends.cpu.workspace import Scratch
 from keel.errors import InvalidArgumentError
 from keel.ops.schemas.conv import Window
 
@@ -175,29 +176,6 @@ def plan(channels: int, win: Window) -> WindowGeometry | None:
                           oh * ow * math.prod(win2.kernel))
 
 
-class _Scratch(threading.local):
-    """This thread's scratch buffer (grown when a window needs more)."""
-
-    buf: np.ndarray | None = None
-    address: int = 0
-
-    def get(self, floats: int) -> int:
-        if self.buf is None or self.buf.size < floats:
-            self.buf = np.empty(max(floats, 1 << 14), dtype=np.float32)
-            self.address = int(self.buf.ctypes.data)
-        return self.address
-
-    def held(self, floats: int) -> tuple[np.ndarray, int]:
-        """This thread's buffer of at least ``floats`` and its address (a bound call
-        keeps the array, so a later, larger buffer never frees it under the call)."""
-        address = self.get(floats)
-        assert self.buf is not None
-        return self.buf, address
-
-
-_SCRATCH = _Scratch()
-
-
 def _check(rc: int) -> None:
     if rc != 0:
         raise RuntimeError("native window kernel refused its geometry (or a worker thread "
@@ -241,8 +219,11 @@ def _bind(planes: int, geo: WindowGeometry, fns: _Functions, threads: int, seria
     if count <= 1:
         floats = (geo.scratch_floats(fns) if scratch_of is None
                   else int(scratch_of(geo.address)))
-        buf, scratch = _SCRATCH.held(floats)
-        return Bound(serial, (*head, scratch, 0, planes, *tail), (geo, buf, *keep))
+        # This thread's buffer, at least 16K floats (small windows share one size); the
+        # call keeps it, so a later, larger buffer never frees it under the call.
+        buf = workspace.thread_scratch(Scratch.WINDOW, max(floats, 1 << 14))
+        return Bound(serial, (*head, int(buf.ctypes.data), 0, planes, *tail),
+                     (geo, buf, *keep))
     return Bound(mt, (*head, *tail, planes, count), (geo, *keep))
 
 

@@ -45,6 +45,18 @@ def _numeric(node: ast.expr) -> bool:
     return False
 
 
+def _named(target: ast.expr, value: ast.expr) -> list[tuple[str, ast.expr]]:
+    """(name, value) of each name ``target`` assigns, a tuple target's names paired with
+    the tuple value's elements (``A, B = 1, 2``)."""
+    if isinstance(target, ast.Name):
+        return [(target.id, value)]
+    if (isinstance(target, (ast.Tuple, ast.List)) and isinstance(value, (ast.Tuple, ast.List))
+            and len(target.elts) == len(value.elts)):
+        return [pair for t, v in zip(target.elts, value.elts, strict=True)
+                for pair in _named(t, v)]
+    return []
+
+
 def _python_findings(rel: str, source: str) -> set[str]:
     tree = ast.parse(source)
     found = set()
@@ -55,9 +67,9 @@ def _python_findings(rel: str, source: str) -> set[str]:
             targets, value = stmt.targets, stmt.value
         elif isinstance(stmt, ast.AnnAssign) and stmt.value is not None:
             targets, value = [stmt.target], stmt.value
-        if value is not None and _numeric(value):
-            found |= {f"{rel}:{t.id}" for t in targets
-                      if isinstance(t, ast.Name) and _CONSTANT.match(t.id)}
+        if value is not None:
+            found |= {f"{rel}:{name}" for t in targets for name, v in _named(t, value)
+                      if _CONSTANT.match(name) and _numeric(v)}
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _DECIDER.match(
                 node.name):
@@ -121,9 +133,11 @@ def test_the_scanner_finds_what_it_looks_for() -> None:
         "A = 4 * 2**20\nB: float = -0.75\nC = (1, 2)\nD = 'x'\nE = True\nlower = 3\n"
         "def _choose(geo): return 1\ndef band_wins(geo): return True\n"
         "def set_bind_scheme(s): pass\ndef build(geo):\n    F = 4\n    return F\n"
+        "G, _H, i = 0, 1 << 4, 2\nJ, K = 'x', 3\n(L, M), N = (1, 'y'), (2, 3)\n"
     )
     assert _python_findings("m.py", source) == {
-        "m.py:A", "m.py:B", "m.py:_choose()", "m.py:band_wins()", "m.py:set_bind_scheme()"}
+        "m.py:A", "m.py:B", "m.py:_choose()", "m.py:band_wins()", "m.py:set_bind_scheme()",
+        "m.py:G", "m.py:_H", "m.py:K", "m.py:L"}
     c_source = (
         "static int tall_serves(const problem *g, const epilogue *e)\n{\n"
         "static int blocked_wins(const geom *g, int64_t planes) {\n"

@@ -8,6 +8,7 @@ import itertools
 import math
 import threading
 import warnings
+from typing import Any
 
 import numpy as np
 import pytest
@@ -117,6 +118,14 @@ def unbound(model: Model, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray
     """The same run step by step through the kernels (``intermediates`` binds nothing)."""
     values = model.intermediates(inputs)
     return {info.name: values[info.name] for info in model.outputs}
+
+
+def steady_program(model: Model, inputs: dict[str, np.ndarray]) -> Any:
+    """The program a steady run of ``inputs``' shapes runs, after one run."""
+    model.predict(inputs)
+    fast = model._fast_path(inputs)
+    assert fast is not None
+    return fast[0][1]
 
 
 def bound_kinds(model: Model, inputs: dict[str, np.ndarray]) -> list[str]:
@@ -290,6 +299,47 @@ def test_a_bound_global_average_pool_computes_what_its_kernel_does() -> None:
         np.testing.assert_allclose(got, r.mean(axis=(2, 3)), rtol=1e-5, atol=1e-6)
 
 
+def c_calls_model(act: str) -> bytes:
+    """A 3x3 conv and ``act``, a 1x1 conv and ReLU, MaxPool and GlobalAveragePool."""
+    rng = np.random.default_rng(8)
+    n = helper.make_node
+    graph = helper.make_graph(
+        [n("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]), n(act, ["c1"], ["r1"]),
+         n("Conv", ["r1", "w2"], ["c2"]), n("Relu", ["c2"], ["r2"]),
+         n("MaxPool", ["r2"], ["m"], kernel_shape=[2, 2], strides=[2, 2]),
+         n("GlobalAveragePool", ["m"], ["y"])], "c_calls",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 16, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [_const("w1", rng.standard_normal((16, 16, 3, 3)).astype(np.float32)),
+         _const("w2", rng.standard_normal((32, 16, 1, 1)).astype(np.float32))])
+    return _serialized(graph)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("act", ["Relu", "LeakyRelu"])
+def test_steps_that_run_c_code_only_are_marked_native(act: str, threads: int) -> None:
+    """The convs' (blocked, Winograd or GEMM), the pools' and the window kernels' bound
+    calls run C code only and say so, so a run of nothing else sets no NumPy
+    floating-point state; a conv whose activation is a NumPy pass after its C call
+    (LeakyRelu) is not marked. Either way the bits of the unbound run."""
+    from keel import native
+    from keel.backends.bound import BoundCall
+
+    model = load_model(c_calls_model(act), backend="cpu", threads=threads)
+    rng = np.random.default_rng(10)
+    program = steady_program(model, {"x": rng.standard_normal((1, 16, 16, 16)).astype(
+        np.float32)})
+    if native.available():
+        marked = [isinstance(hot[1], BoundCall) and hot[1].native for hot in program._hot]
+        assert [step.op for step in program._steps] == [
+            "conv", "conv", "max_pool", "global_avg_pool"]
+        assert marked == [act == "Relu", True, True, True]
+    for _ in range(2):
+        x = rng.standard_normal((1, 16, 16, 16)).astype(np.float32)
+        np.testing.assert_array_equal(model.predict({"x": x})["y"],
+                                      unbound(model, {"x": x})["y"])
+
+
 CONV_W = np.random.default_rng(2).standard_normal((6, 1, 5, 5)).astype(np.float32)
 CONV_B = np.random.default_rng(3).standard_normal(6).astype(np.float32)
 CONV2_W = np.random.default_rng(4).standard_normal((8, 6, 3, 3)).astype(np.float32)
@@ -322,10 +372,7 @@ def test_bound_convolutions_and_pools_compute_what_their_kernels_do(threads: int
     session = ort.InferenceSession(small_cnn(), providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(5)
     x = rng.standard_normal((1, 1, 16, 16)).astype(np.float32)
-    model.predict({"x": x})
-    fast = model._fast_path({"x": x})
-    assert fast is not None
-    program = fast[0][1]
+    program = steady_program(model, {"x": x})
     if native.available():                   # the compiled kernels bind
         assert {"conv", "max_pool", "avg_pool"} <= set(bound_kinds(model, {"x": x}))
         assert program._direct and program._direct_run is not None   # one function

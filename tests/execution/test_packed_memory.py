@@ -123,7 +123,7 @@ def test_the_plan_counts_the_scratch_its_conv_kernel_holds(
 
         def run() -> None:
             model.predict({"x": np.ones((batch, c, side, side), np.float32)})
-            held.append(native_gemm.thread_scratch(native_gemm.Scratch.WORK, 0).nbytes)
+            held.append(workspace.thread_scratch(workspace.Scratch.WORK, 0).nbytes)
 
         worker = threading.Thread(target=run)
         worker.start()

@@ -202,6 +202,22 @@ def test_a_region_of_two_blocks() -> None:
     _check_results(blob)
 
 
+@pytest.mark.parametrize(("size", "rows"), [(8, 2), (16, 1)])
+def test_the_plan_gives_the_blocked_convs_rows_a_unit(size: int, rows: int) -> None:
+    """The planner's blocked_rows: 8-pixel rows pair into whole 16-pixel transposes, 16-pixel
+    rows are whole ones already; the variant's reason says which, the scratch counts them
+    and the kernel runs what the plan says."""
+    blob, _ = _blocks(32, size)
+    model = _load(blob, 1)
+    model.predict(_feeds(blob))
+    first = {p.name: p.plan for p in model.plan.nodes if p.op == "conv"}["c1"]
+    assert first is not None and "blocked.c" in first.reason("variant")
+    assert f"{rows} output row" in first.reason("variant")
+    assert "blocked_rows" in first.reason("variant")
+    assert first.workspace_bytes == 4 * (2 * 16 * rows * size)
+    _check_results(blob, intermediates=False)
+
+
 def test_one_image_of_few_bands_splits_its_output_channels_too() -> None:
     """64 channels on 8 x 8 at batch 1 are 4 bands of two rows: on 16 threads each
     conv's two register tiles of output channels are split units too (8 chunks, where

@@ -9,6 +9,7 @@ planner's rule (blocked_conv) and split."""
 from __future__ import annotations
 
 import itertools
+import threading
 from typing import Any
 
 import numpy as np
@@ -296,6 +297,34 @@ def test_every_grid_gives_the_same_bits(groups: int) -> None:
         assert call is not None
         call.run(parts)
         assert np.array_equal(y, want), (groups, parts)
+
+
+def test_an_unbound_run_binds_again_only_when_its_threads_or_thread_change() -> None:
+    """run() binds on its first run for a thread count and calling thread and calls that
+    from then on: the split is asked again only when either changes, not every run, and
+    every run gives the bits of the masked form."""
+    rng = np.random.default_rng(4)
+    x, w, b = rand(rng, 1, 32, 8, 8), rand(rng, 64, 32, 3, 3), rand(rng, 64)
+    want = _masked(x, w, b, None, PADDED)
+    asked: list[int] = []
+
+    def split(threads: int) -> tuple[int, int]:
+        asked.append(threads)
+        return (1, threads)
+
+    y = np.full((1, 64, 8, 8), np.nan, np.float32)
+    call = native_blocked.prepare(x, native_blocked.pack_filters(w), y, 2, 2, split, bias=b)
+    assert call is not None
+    for threads in (1, 1, 2, 2, 1):
+        y[...] = np.nan
+        call.run(threads)
+        assert np.array_equal(y, want), threads
+    assert asked == [1, 2, 1]
+    worker = threading.Thread(target=call.run, args=(1,))
+    worker.start()
+    worker.join()
+    assert asked == [1, 2, 1, 1]            # another thread binds to its own workspace
+    assert np.array_equal(y, want)
 
 
 def test_groups_that_are_not_whole_tiles_are_refused() -> None:

@@ -21,6 +21,7 @@ from keel.backends.cpu import conv as cpu_conv
 from keel.backends.cpu import matmul as cpu_matmul
 from keel.backends.cpu import native_gemm as ng
 from keel.backends.cpu import planner as cpu_planner
+from keel.backends.cpu import workspace
 from keel.backends.cpu.backend import CpuBackend
 from keel.backends.cpu.conv_rules import conv_case, pick
 from keel.backends.reference.backend import ReferenceBackend
@@ -735,13 +736,13 @@ def test_each_thread_keeps_its_own_aligned_scratch_by_use() -> None:
         return kept[0]
 
     def mine() -> np.ndarray:
-        first = ng.thread_scratch(ng.Scratch.WORK, 100)
+        first = workspace.thread_scratch(workspace.Scratch.WORK, 100)
         assert first.size >= 100 and first.ctypes.data % 64 == 0
-        assert ng.thread_scratch(ng.Scratch.WORK, 60) is first
-        assert ng.thread_scratch(ng.Scratch.ATTENTION, 100) is not first
-        grown = ng.thread_scratch(ng.Scratch.WORK, first.size + 1000)
+        assert workspace.thread_scratch(workspace.Scratch.WORK, 60) is first
+        assert workspace.thread_scratch(workspace.Scratch.ATTENTION, 100) is not first
+        grown = workspace.thread_scratch(workspace.Scratch.WORK, first.size + 1000)
         assert grown.ctypes.data % 64 == 0 and grown is not first
-        assert ng.thread_scratch(ng.Scratch.WORK, 100) is grown
+        assert workspace.thread_scratch(workspace.Scratch.WORK, 100) is grown
         return grown
 
     one, other = on_a_new_thread(mine), on_a_new_thread(mine)

@@ -228,6 +228,9 @@ def test_a_lanes_tail_gives_the_bits_of_the_panels(shape: tuple[int, int, int, i
     """The partly filled last column panel in lanes tiles (KEEL_LANES_TAIL) computes each
     element as the 8 x 32 tiles do: the same bits with and without it, on every grid the
     thread counts give."""
+    if ng.geometry() != (8, 32):
+        pytest.skip("lanes tiles are built only with AVX-512 8 x 32 tiles (gemm.c ignores "
+                    f"KEEL_LANES_TAIL elsewhere); this build's tile is {ng.geometry()}")
     m, k, n, batch = shape
     w, x, bias, r = _f(m, k), _f(batch, k, n), _f(m), _f(batch, m, n)
     c = np.empty((batch, m, n), np.float32)
@@ -250,6 +253,23 @@ def test_a_lanes_tail_gives_the_bits_of_the_panels(shape: tuple[int, int, int, i
                                rtol=2e-4, atol=2e-4)
     for got in results[1:]:
         np.testing.assert_array_equal(got, results[0])
+
+
+def test_a_matmuls_product_never_takes_the_lanes_tail() -> None:
+    """Lanes tiles read a packed A and a raw B (a conv's filter on the left): a MatMul's
+    product, its activation A raw and its weight B packed, keeps its partly filled last
+    panel in 8 x 32 tiles even where lanes_tail's shape holds, so its plan has no lanes
+    tail to state; the same shape as a conv's product takes it."""
+    m, k, n = 70, 48, 196
+    if not ng.planner_rules().lanes_tail(m, n, k):
+        pytest.skip("lanes_tail is planned on AVX-512 8 x 32 tiles of LANES_TAIL_VENDORS only")
+    a, b = _f(m, k), _f(k, n)
+    c = np.empty((m, n), np.float32)
+    matmul = ng.prepare(a, ng.pack(b, left=False), c)
+    conv = ng.prepare(ng.pack(a, left=True), b, c)
+    assert matmul is not None and conv is not None
+    assert not int(matmul.values[ng._FLAGS_FIELD]) & ng._LANES_TAIL
+    assert int(conv.values[ng._FLAGS_FIELD]) & ng._LANES_TAIL
 
 
 # ---- a packed B fetched ahead (gemm.c's column_panel) ----------------------------------

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from keel.backends.base import DeviceKind, KernelContext
-from keel.backends.cpu import depthwise, pooling
+from keel.backends.cpu import depthwise, pooling, workspace
 from keel.backends.cpu import native_window as nw
 from keel.backends.cpu import planner as cpu_planner
 from keel.backends.cpu.kernels import load as load_cpu
@@ -74,6 +74,30 @@ def test_depthwise_reuses_its_bound_call_with_new_values(stride: int, residual: 
         np.testing.assert_array_equal(y, _conv(fresh, attrs, np.empty_like(y)))
         np.testing.assert_allclose(y, _reference(Op.CONV, inputs, attrs), rtol=1e-5, atol=1e-5)
     assert _prepared_for(x) == 1
+
+
+def test_a_bound_window_call_on_one_thread_holds_that_threads_window_scratch() -> None:
+    """A window call bound for one thread runs on this thread's window scratch
+    (workspace.thread_scratch, as the GEMM's and the blocked conv's are) and keeps it:
+    a later, larger one does not free it under the call."""
+    x = np.random.default_rng(2).standard_normal((1, 4, 9, 9)).astype(np.float32)
+    y = np.empty((1, 4, 4, 4), np.float32)
+    win = Window((9, 9), (3, 3), (2, 2), (1, 1), (0, 0), (0, 0), (4, 4))
+    geo = nw.plan(4, win)
+    assert geo is not None
+    bound = nw.bind_max_pool(x, y, geo, threads=1)
+    held = workspace.thread_scratch(workspace.Scratch.WINDOW, 0)
+    assert any(kept is held for kept in bound.keep)
+    grown = workspace.thread_scratch(workspace.Scratch.WINDOW, held.size + 1)
+    assert grown is not held and any(kept is held for kept in bound.keep)
+    bound()
+    np.testing.assert_array_equal(y, _max_pool_3x3_stride_2(x))
+
+
+def _max_pool_3x3_stride_2(x: np.ndarray) -> np.ndarray:
+    """3x3 windows at stride 2 over (N, C, 9, 9), unpadded."""
+    windows = np.lib.stride_tricks.sliding_window_view(x, (3, 3), axis=(2, 3))
+    return windows[:, :, ::2, ::2].max(axis=(-1, -2))
 
 
 def test_depthwise_other_weights_or_activation_rebind() -> None:

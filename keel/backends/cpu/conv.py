@@ -59,6 +59,7 @@ from typing import Any
 import numpy as np
 
 from keel.backends.base import Attrs, Inputs, KernelContext, NodePlan, Out, optional_input
+from keel.backends.bound import BoundCall, bare
 from keel.backends.cpu import (
     conv_epilogue,
     conv_gemm,
@@ -591,7 +592,25 @@ def _bind_conv(variant: str, ctx: KernelContext, inputs: Inputs, attrs: Attrs,
     ready = _prepare_native(plan, variant, x, w, b, z, y, attrs, state)
     if ready is None:
         return None
-    return functools.partial(ready.run, x, y, ctx.threads or 1)
+    return _native_step(ready, ctx.threads or 1) or functools.partial(
+        ready.run, x, y, ctx.threads or 1)
+
+
+def _native_step(ready: _Ready, threads: int) -> BoundCall | None:
+    """``ready``'s run as a step marked ``native`` where it is its kernel calls alone (no
+    phase copy, no activation pass of NumPy's: C code only), its X bound (a step's X
+    stays put, so the run never rebinds it); None otherwise."""
+    if ready.fills is not None or ready.finish:
+        return None
+    bound = tuple(call.bound(threads) for call in ready.calls)
+    go = tuple(bare(call) for call in bound)
+    return BoundCall(go[0] if len(go) == 1 else functools.partial(_each, go),
+                     keep=(ready, *bound), native=True)
+
+
+def _each(calls: tuple[Callable[[], Any], ...]) -> None:
+    for call in calls:
+        call()
 
 
 def _bind_winograd(plan: _Plan, x: Any, w: Any, b: Any, z: Any, y: Any, state: _State,

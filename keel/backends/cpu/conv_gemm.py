@@ -85,7 +85,7 @@ from keel.backends.cpu.conv_epilogue import Activation, finish
 from keel.ops.schemas.conv import ConvGeometry
 
 __all__ = ["Im2colLayout", "NativeCall", "NativeLayout", "PointwiseLayout", "Wide",
-           "bind_phase_copy", "blocked_rows", "blocked_serves", "im2col", "im2col_layout",
+           "bind_phase_copy", "blocked_serves", "im2col", "im2col_layout",
            "layout_filters", "native", "native_calls", "native_filters", "native_layout",
            "native_source", "pointwise", "pointwise_layout", "wide_serves"]
 
@@ -631,14 +631,6 @@ def blocked_serves(geo: ConvGeometry) -> bool:
             and tuple(win.strides) in ((1, 1), (2, 2)) and all(d == 1 for d in win.dilations)
             and all(p == pad for p in (*win.pads_begin, *win.pads_end))
             and geo.out_channels % native_blocked.LANES == 0)
-
-
-def blocked_rows(geo: ConvGeometry) -> int:
-    """Output rows a unit of the blocked conv: two where a row is 8 pixels past whole
-    16-pixel transposes and the rows pair up (the band then is whole transposes), else
-    one (a short last run goes through lane masks)."""
-    h, w = geo.window.out_spatial
-    return 2 if w % 16 == 8 and h % 2 == 0 else 1
 
 
 def wide_serves(geo: ConvGeometry) -> bool:
@@ -1216,7 +1208,7 @@ def _blocked_calls(layout: NativeLayout, source: Any, x: Any, filters: Any, z: A
     packed, bias = filters
     clip = (act[1][0], act[1][1]) if act[0] == "clip" else None
     call = native_blocked.prepare(
-        x, packed, y, rules.blocked_oc_tile(geo.out_channels), blocked_rows(geo),
+        x, packed, y, rules.blocked_oc_tile(geo.out_channels), rules.blocked_rows(geo),
         lambda threads: rules.blocked_split(geo, threads).pair,
         stride=geo.window.strides[0], bias=bias, residual=z, clip=clip, sides=layout.sides)
     return None if call is None else [call]

@@ -108,6 +108,7 @@ from typing import Any
 import numpy as np
 
 from keel import native
+from keel.backends.bound import BoundCall
 from keel.backends.cpu import native_window, workspace
 from keel.backends.cpu import window as wnd
 from keel.backends.cpu.conv_epilogue import Activation, finish
@@ -293,14 +294,15 @@ def _bindable(arrays: tuple[Any, ...]) -> bool:
 
 
 def bind(layout: DepthwiseLayout, x: Any, w: Any, b: Any, z: Any, y: Any, act: Activation,
-         threads: int) -> native_window.Bound | None:
+         threads: int) -> BoundCall[None] | None:
     """The native form's call bound to these arrays, for a program step to call directly
     (the general path's plan lookup and checks, 3-4 us a call, skipped); None where the
     form is not native or the kernel would run on a copy or need a second pass."""
     if (layout.form != "native" or type(x) is not np.ndarray or x.dtype != np.float32
             or not native_window.ready()):
         return None
-    return _bound(layout, x, w, b, z, y, act, threads)
+    bound = _bound(layout, x, w, b, z, y, act, threads)
+    return None if bound is None else native_window.step(bound)
 
 
 def _bound(layout: DepthwiseLayout, x: Any, w: Any, b: Any, z: Any, y: Any, act: Activation,

@@ -192,7 +192,7 @@ def _call(n: int, per_item: int, threads: int | None, serial: Callable[..., None
         bound = functools.partial(serial, *head, 0, n, *tail)
     else:
         bound = functools.partial(_checked, mt, (*head, *tail, n, count))
-    return BoundCall(bound, keep=keep)
+    return BoundCall(bound, keep=keep, native=True)     # C code only
 
 
 def _checked(mt: Callable[..., int], args: tuple[Any, ...]) -> None:

@@ -73,7 +73,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-import enum
 import functools
 import mmap
 import struct
@@ -89,12 +88,13 @@ import numpy as np
 
 from keel import native
 from keel.backends.bound import BoundCall, PartFailed
+from keel.backends.cpu import workspace
+from keel.backends.cpu.workspace import Scratch, thread_scratch
 
-__all__ = ["BandCall", "Call", "Packed", "Rows", "Scratch", "XCall", "address", "available",
+__all__ = ["BandCall", "Call", "Packed", "Rows", "XCall", "address", "available",
            "check_enums", "check_layout", "checked", "conv_epilogue_served", "gemm",
            "geometry", "holding", "moved_addresses", "same_memory", "pack",
-           "pack_batch", "planner_rules", "prepare", "prepare_band", "strides_of",
-           "thread_scratch"]
+           "pack_batch", "planner_rules", "prepare", "prepare_band", "strides_of"]
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ACCUMULATE, _CLIP, _STREAM, _DIRECT, _NT, _TALL, _LANES = 1, 2, 4, 8, 16, 32, 64
@@ -374,9 +374,7 @@ def _aligned(n: int, huge: bool = False) -> np.ndarray:
         held = _huge(4 * n)
         if held is not None:
             return held
-    raw = np.empty(n + 16, dtype=np.float32)
-    skip = (-raw.ctypes.data % 64) // 4
-    return raw[skip:skip + n]
+    return workspace.aligned(n)
 
 
 @dataclass(frozen=True)
@@ -442,29 +440,6 @@ def _huge(size: int) -> np.ndarray | None:
             if start + body < length:
                 whole.madvise(mmap.MADV_NOHUGEPAGE, start + body, length - start - body)
     return np.frombuffer(whole, dtype=np.float32, count=size // 4, offset=start)
-
-
-class Scratch(enum.Enum):
-    """What a thread's scratch buffer is for (thread_scratch keeps one of each)."""
-    WORK = "a serial native call's workspace (the GEMM's packing, a band or blocked conv's)"
-    ATTENTION = "a serial attention call's scores"
-
-
-# Each thread's scratch buffers by use (thread_scratch): no two threads share one.
-_local = threading.local()
-
-
-def thread_scratch(use: Scratch, floats: int) -> np.ndarray:
-    """This thread's scratch for ``use``: at least ``floats`` float32, 64-byte aligned,
-    kept for the thread's next call and replaced by a larger one where a call needs more
-    (a bound call holds the one it was bound to)."""
-    held_by_use: dict[Scratch, np.ndarray] | None = getattr(_local, "held", None)
-    if held_by_use is None:
-        held_by_use = _local.held = {}
-    held = held_by_use.get(use)
-    if held is None or held.size < floats:
-        held = held_by_use[use] = _aligned(floats)
-    return held
 
 
 def _work(f: _Functions) -> int:
@@ -875,20 +850,22 @@ class XCall(ABC):
     at ``_X`` and Y's and the residual's at ``_OUT``; a subclass remakes itself from
     changed values (``_again``) and binds its run (``bound``)."""
 
-    __slots__ = ("keep", "values", "x_shape")
+    __slots__ = ("_last", "keep", "values", "x_shape")
     _X: ClassVar[int]
     _OUT: ClassVar[tuple[int, ...]]
 
     def __init__(self, values: tuple[Any, ...], keep: tuple[object, ...],
                  x_shape: tuple[int, ...]) -> None:
         self.values, self.keep, self.x_shape = values, keep, x_shape
+        # run()'s bound form: ((threads, the thread it was bound on), the call)
+        self._last: tuple[tuple[int, int], BoundCall[Any]] | None = None
 
     @abstractmethod
     def _again(self: _XC, values: tuple[Any, ...]) -> _XC:
         """The same call with ``values``."""
 
     @abstractmethod
-    def bound(self, threads: int) -> Callable[[], Any]:
+    def bound(self, threads: int) -> BoundCall[Any]:
         """``run(threads)`` as a callable with no arguments (see :meth:`Call.bound`)."""
 
     @final
@@ -908,19 +885,28 @@ class XCall(ABC):
 
     @final
     def run(self, threads: int) -> None:
-        """Compute, the units split over up to ``threads`` threads."""
-        self.bound(threads)()
+        """Compute, the units split over up to ``threads`` threads: bound on the first run
+        for a thread count and calling thread (a bound call on one thread uses that
+        thread's workspace), then called as bound, its arguments and split not made
+        again each run."""
+        key = (threads, threading.get_ident())
+        last = self._last
+        if last is None or last[0] != key:
+            last = self._last = (key, self.bound(threads))
+        last[1].fn()
 
     def _units(self, mt: Callable[..., int], serial: Callable[..., None], args: bytes,
-               units: int, parts: int, floats: int) -> Callable[[], Any]:
+               units: int, parts: int, floats: int) -> BoundCall[Any]:
         """``units`` units of the call ``args`` in ``parts`` chunks on keel's threads
         (``mt``, each worker with its own scratch), or on this thread (``serial``) with
-        this thread's workspace of at least ``floats`` floats, held by the call."""
+        this thread's workspace of at least ``floats`` floats, held by the call; marked
+        ``native``: C code only."""
         if parts > 1:
-            return holding(functools.partial(checked, mt, args, units, parts), self)
+            return BoundCall(functools.partial(checked, mt, args, units, parts), keep=(self,),
+                             native=True)
         work = thread_scratch(Scratch.WORK, floats)
-        return holding(functools.partial(serial, args, int(native.address(work)), 0, units),
-                       self, work)
+        return BoundCall(functools.partial(serial, args, int(native.address(work)), 0, units),
+                         keep=(self, work), native=True)
 
 
 class BandCall(XCall):
@@ -941,7 +927,7 @@ class BandCall(XCall):
     def _again(self, values: tuple[Any, ...]) -> BandCall:
         return BandCall(self.f, values, self.units, self.keep, self.x_shape)
 
-    def bound(self, threads: int) -> Callable[[], Any]:
+    def bound(self, threads: int) -> BoundCall[Any]:
         """``run(threads)`` as a callable with no arguments (see :meth:`Call.bound`): the
         bands split over up to ``threads`` threads."""
         return self._units(self.f.band_mt, self.f.band, self.args, self.units,

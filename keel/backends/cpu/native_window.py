@@ -23,14 +23,16 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from keel import native
+from keel.backends.bound import BoundCall
+from keel.backends.cpu import workspace
 from keel.backends.cpu.native_gemm import planner_rules
+from keel.backends.cpu.workspace import Scratch
 from keel.errors import InvalidArgumentError
 from keel.ops.schemas.conv import Window
 
@@ -38,7 +40,7 @@ __all__ = ["Bound", "WindowGeometry", "avg_counts", "avg_pool", "bind_avg_pool",
            "bind_depthwise_conv", "bind_global_avg_pool", "bind_global_max_pool",
            "bind_max_pool", "bind_phase_copy", "bind_strided_copy", "copy_strided",
            "depthwise_conv", "global_avg_pool", "global_max_pool", "max_pool",
-           "phase_geometry", "plan", "ready", "scheme_ok", "SCHEMES"]
+           "phase_geometry", "plan", "ready", "scheme_ok", "SCHEMES", "step"]
 
 LIBRARY = "window"
 # Limits of window.c (MAX_TAPS, MAX_STRIDE).
@@ -174,29 +176,6 @@ def plan(channels: int, win: Window) -> WindowGeometry | None:
                           oh * ow * math.prod(win2.kernel))
 
 
-class _Scratch(threading.local):
-    """This thread's scratch buffer (grown when a window needs more)."""
-
-    buf: np.ndarray | None = None
-    address: int = 0
-
-    def get(self, floats: int) -> int:
-        if self.buf is None or self.buf.size < floats:
-            self.buf = np.empty(max(floats, 1 << 14), dtype=np.float32)
-            self.address = int(self.buf.ctypes.data)
-        return self.address
-
-    def held(self, floats: int) -> tuple[np.ndarray, int]:
-        """This thread's buffer of at least ``floats`` and its address (a bound call
-        keeps the array, so a later, larger buffer never frees it under the call)."""
-        address = self.get(floats)
-        assert self.buf is not None
-        return self.buf, address
-
-
-_SCRATCH = _Scratch()
-
-
 def _check(rc: int) -> None:
     if rc != 0:
         raise RuntimeError("native window kernel refused its geometry (or a worker thread "
@@ -223,6 +202,12 @@ class Bound:
             _check(1)
 
 
+def step(bound: Bound) -> BoundCall[None]:
+    """``bound`` as a program step marked ``native``: a window kernel's call runs C code
+    only, so NumPy's floating-point state means nothing to it."""
+    return BoundCall(bound, native=True)
+
+
 def _bind(planes: int, geo: WindowGeometry, fns: _Functions, threads: int, serial: Any,
           mt: Any, head: tuple[int | None, ...], tail: tuple[int, ...] = (),
           keep: tuple[Any, ...] = (), scratch_of: Any = None) -> Bound:
@@ -234,8 +219,11 @@ def _bind(planes: int, geo: WindowGeometry, fns: _Functions, threads: int, seria
     if count <= 1:
         floats = (geo.scratch_floats(fns) if scratch_of is None
                   else int(scratch_of(geo.address)))
-        buf, scratch = _SCRATCH.held(floats)
-        return Bound(serial, (*head, scratch, 0, planes, *tail), (geo, buf, *keep))
+        # This thread's buffer, at least 16K floats (small windows share one size); the
+        # call keeps it, so a later, larger buffer never frees it under the call.
+        buf = workspace.thread_scratch(Scratch.WINDOW, max(floats, 1 << 14))
+        return Bound(serial, (*head, int(buf.ctypes.data), 0, planes, *tail),
+                     (geo, buf, *keep))
     return Bound(mt, (*head, *tail, planes, count), (geo, *keep))
 
 

@@ -1148,12 +1148,13 @@ def _blocked_decision(geo: ConvGeometry, layout: str, why: str, threads: int | N
 def _blocked_fields(geo: ConvGeometry, threads: int) -> tuple[tuple[str, Any, str], ...]:
     """A blocked conv's variant and scratch as the blocked kernel runs it, in a region or
     alone (its plan was made for the NCHW form it replaces)."""
-    tile, rows = blocked_oc_tile(geo.out_channels), conv_gemm.blocked_rows(geo)
+    tile, rows = blocked_oc_tile(geo.out_channels), blocked_rows(geo)
     width, parts = geo.window.out_spatial[1], blocked_parts(geo, threads)
     floats = tile * native_blocked.LANES * rows * width
     return (("variant", "native",
              "native: the channel-blocked direct conv (blocked.c), X read where it "
-             "lies, inside a float NCHWc region or alone (the layout says why)"),
+             "lies, inside a float NCHWc region or alone (the layout says why); "
+             + _blocked_rows_reason(geo)),
             ("workspace_bytes", 4 * floats * parts,
              f"a thread's sums of one register tile's band ({tile} x 16 channels x {rows} "
              f"row(s) x {width} pixels) on each of {parts} thread(s); X is read in place"))
@@ -2874,6 +2875,25 @@ def blocked_oc_tile(out_channels: int) -> int:
     return 2 if out_channels % 32 == 0 else 1
 
 
+def blocked_rows(geo: ConvGeometry) -> int:
+    """Output rows a unit of the blocked conv (a band the kernel sums, then writes sixteen
+    pixels a transpose): two where a row is 8 pixels past whole 16-pixel transposes and
+    the rows pair up (the band then is whole transposes), else one (a short last run goes
+    through lane masks). Derived from the kernel's 16-pixel transposes, not measured."""
+    h, w = geo.window.out_spatial
+    return 2 if w % 16 == 8 and h % 2 == 0 else 1
+
+
+def _blocked_rows_reason(geo: ConvGeometry) -> str:
+    """Why :func:`blocked_rows` gives a blocked conv's rows a unit."""
+    h, w = geo.window.out_spatial
+    if blocked_rows(geo) == 2:
+        return (f"2 output rows a unit (blocked_rows: {w}-pixel rows are 8 past whole "
+                "16-pixel transposes and pair up, so a band is whole transposes)")
+    return (f"1 output row a unit (blocked_rows: {w}-pixel rows by {h} do not pair into "
+            "whole 16-pixel transposes; a short last run goes through lane masks)")
+
+
 @dataclass(frozen=True)
 class BlockedSplit:
     """How the blocked conv splits over threads: its output channels in ``groups`` equal
@@ -2933,7 +2953,7 @@ def blocked_parts(geo: ConvGeometry, threads: int) -> int:
 
 def _blocked_units(geo: ConvGeometry) -> int:
     """The blocked conv's bands of output rows, images after one another."""
-    return geo.batch * (geo.window.out_spatial[0] // conv_gemm.blocked_rows(geo))
+    return geo.batch * (geo.window.out_spatial[0] // blocked_rows(geo))
 
 
 def stacks(batch: int, pixels: int, fill: float = STACK_FILL, grid: Any = _HERE) -> bool:
@@ -3306,7 +3326,9 @@ LANES_TAIL_VENDORS = frozenset({"Intel"})
 def lanes_tail(m: int, n: int, k: int, grid: Any = _HERE, vendor: Any = _HERE) -> bool:
     """Whether a product of ``m`` rows, ``n`` columns and depth ``k`` in column panels
     (not in lanes tiles) runs its partly filled last column panel in lanes tiles, on a
-    core of LANES_TAIL_VENDORS (defaults: this machine's)."""
+    core of LANES_TAIL_VENDORS (defaults: this machine's). Lanes tiles read a packed A
+    and a raw B: a conv's products (the filter packed on the left), whose plan says so;
+    a MatMul's or Gemm's A is its activation, read raw, so theirs never take it."""
     grid = _grid(grid)
     vendor = _this_vendor() if vendor is _HERE else vendor
     if grid is None or tuple(grid) != (8, 32) or vendor not in LANES_TAIL_VENDORS:

@@ -535,7 +535,7 @@ def _bind_global_avg_pool_native(ctx: KernelContext, inputs: Inputs, attrs: Attr
             or not x.flags.c_contiguous or not y.flags.c_contiguous or x.size == 0
             or y.shape != (*x.shape[:2], *([1] * (x.ndim - 2)))):
         return None
-    return nw.bind_global_avg_pool(x, y, ctx.threads or 1)
+    return nw.step(nw.bind_global_avg_pool(x, y, ctx.threads or 1))
 
 
 def global_avg_pool_native(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out
@@ -571,9 +571,9 @@ def _bind_window(op: Op, ctx: KernelContext, inputs: Inputs, attrs: Attrs,
             or not x.flags.c_contiguous or not y.flags.c_contiguous):
         return None
     if op is Op.MAX_POOL:
-        return nw.bind_max_pool(x, y, geo, ctx.threads or 1)
+        return nw.step(nw.bind_max_pool(x, y, geo, ctx.threads or 1))
     counts = nw.avg_counts(win, bool(attrs["count_include_pad"]))
-    return nw.bind_avg_pool(x, y, geo, counts, ctx.threads or 1)
+    return nw.step(nw.bind_avg_pool(x, y, geo, counts, ctx.threads or 1))
 
 
 _register_native(Op.MAX_POOL, max_pool, "1-D/2-D windows (Y only: Indices run the NumPy kernel)",

@@ -313,7 +313,7 @@ def bind_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[int,
     chunk and ``winograd_pass_lanes``); None where its activation is not the kernel's
     (the step then runs as usual). The call keeps what its addresses point into but X,
     W, Y, the bias and Z (V and P are this thread's workspace: run it on this thread),
-    and runs only while they live."""
+    and runs only while they live; it runs C code only (marked ``native``)."""
     fns = _functions()
     if fns is None or act[0] not in ("", "clip") or not _contiguous_f32(x, w, y, bias, z) or (
             z is not None and z.shape != y.shape):
@@ -323,11 +323,11 @@ def bind_conv3x3(x: Any, w: Any, pads_begin: tuple[int, int], out_hw: tuple[int,
     fused = _fused(fns, x, y, bias, z, clip, geo, products, w.shape[0], threads, out_hw,
                    lanes, pipeline)
     if fused is None:
-        return functools.partial(_run_passes, _passes(
+        return BoundCall(functools.partial(_run_passes, _passes(
             fns, x, y, bias, z, clip, geo, products, w.shape[0], threads, out_hw, chunk,
-            lanes, pass_lanes))
+            lanes, pass_lanes)), native=True)
     return BoundCall(functools.partial(_run_fused, fns.fused, fused[0]),
-                     keep=(products, *fused[1]))
+                     keep=(products, *fused[1]), native=True)
 
 
 def _run_fused(fn: Callable[..., int], args: tuple[Any, ...]) -> None:

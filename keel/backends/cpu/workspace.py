@@ -14,6 +14,7 @@ used buffers go first.
 
 from __future__ import annotations
 
+import enum
 import sys
 import threading
 import weakref
@@ -25,8 +26,9 @@ import numpy as np
 
 from keel._fork import renew_after_fork
 
-__all__ = ["LIMIT_BYTES", "Packed", "bound", "clear", "derived", "derived_from", "empty",
-           "filled", "form", "held_bytes", "is_frozen"]
+__all__ = ["LIMIT_BYTES", "Packed", "Scratch", "aligned", "bound", "clear", "derived",
+           "derived_from", "empty", "filled", "form", "held_bytes", "is_frozen",
+           "thread_scratch"]
 
 LIMIT_BYTES = 256 * 2**20
 
@@ -98,6 +100,34 @@ def held_bytes() -> int:
 def clear() -> None:
     """Drop this thread's buffers."""
     _cache().clear()
+
+
+# ---- native calls' per-thread scratch (outside the cache: a bound call holds its own) ---
+class Scratch(enum.Enum):
+    """What a thread's scratch buffer is for (thread_scratch keeps one of each)."""
+    WORK = "a serial native call's workspace (the GEMM's packing, a band or blocked conv's)"
+    ATTENTION = "a serial attention call's scores"
+    WINDOW = "a serial window kernel's (pooling, depthwise conv) rows"
+
+
+def aligned(n: int) -> np.ndarray:
+    """``n`` float32 starting on a 64-byte boundary (a cache line, one AVX-512 vector)."""
+    raw = np.empty(n + 16, dtype=np.float32)
+    skip = (-raw.ctypes.data % 64) // 4
+    return raw[skip:skip + n]
+
+
+def thread_scratch(use: Scratch, floats: int) -> np.ndarray:
+    """This thread's scratch for ``use``: at least ``floats`` float32, 64-byte aligned,
+    kept for the thread's next call and replaced by a larger one where a call needs more
+    (a bound call holds the one it was bound to). No two threads share one."""
+    held_by_use: dict[Scratch, np.ndarray] | None = getattr(_local, "scratch", None)
+    if held_by_use is None:
+        held_by_use = _local.scratch = {}
+    held = held_by_use.get(use)
+    if held is None or held.size < floats:
+        held = held_by_use[use] = aligned(floats)
+    return held
 
 
 

@@ -19,16 +19,18 @@
  * cache lines). X is read where it lies in either layout (a pixel's value of a channel
  * is 1 float from the next pixel's in NCHW, 16 in the blocked layout): rows above and
  * below the image read a row of zeros, the pixels left and right of a row are zeros in
- * registers. A band of `rows` output rows is stored in a
- * buffer as [pixel][16 channels], then written to Y with the epilogue: whole vectors
- * where Y is blocked, transposed sixteen pixels at a time into NCHW rows where it is
- * not (a band's last run of fewer than 16 pixels through lane masks) (an R in the other layout than Y's is transposed the same way as it is read).
+ * registers. A band of `rows` output rows is stored in a buffer as [pixel][16
+ * channels], then written to Y with the epilogue: whole vectors where Y is blocked,
+ * transposed sixteen pixels at a time into NCHW rows where it is not (a band's last run
+ * of fewer than 16 pixels through lane masks); an R in the other layout than Y's is
+ * transposed the same way as it is read.
  *
  * Each element of Y is the sum over c, kh, kw in that order from 0 by fused
  * multiply-adds, then + bias, + R, clip: the masked and gathered conv tiles' chain
  * (gemm.c, the depth p = (c * K + kh) * K + kw), so bitwise their Y (3x3 stride 1) in
- * any layout, for any split over threads (the border's zeros are multiplied as a zero-bordered copy
- * would give them: an infinite filter tap gives NaN there, as in the reference). A unit
+ * any layout, for any split over threads (the border's zeros are multiplied as a
+ * zero-bordered copy would give them: an infinite filter tap gives NaN there, as in the
+ * reference). A unit
  * is one band of one group of output channels (`groups` equal groups of whole register
  * tiles: the planner's grid of bands x channel groups) of one image.
  *

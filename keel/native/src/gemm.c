@@ -1623,11 +1623,17 @@ static const lanes_fn LANES_TILES[LANES_COLS] = {lanes_1, lanes_2, lanes_3,  lan
                                                  lanes_5, lanes_6, lanes_7,  lanes_8,
                                                  lanes_9, lanes_10, lanes_11, lanes_12};
 
+/* Whether lanes tiles take the product's operands: a packed A, B's rows contiguous and
+ * unmapped, C's columns plain, no accumulation into C and not a masked conv. */
+static int lanes_operands(const problem *g, const epilogue *e)
+{
+    return !(e->flags & (KEEL_DIRECT | KEEL_ACCUMULATE)) && g->a_rs == 0 && g->a_ks == 0 &&
+           g->b_cs == 1 && g->b_rs != 0 && !g->b_rows && !g->b_cols && !g->c_cols;
+}
+
 static int lanes_fit(const problem *g, const epilogue *e)
 {
-    return (e->flags & KEEL_LANES) && !(e->flags & (KEEL_DIRECT | KEEL_ACCUMULATE)) &&
-           g->a_rs == 0 && g->a_ks == 0 && g->b_cs == 1 && g->b_rs != 0 && !g->b_rows &&
-           !g->b_cols && !g->c_cols;
+    return (e->flags & KEEL_LANES) && lanes_operands(g, e);
 }
 
 /* Whether the range's last column panel, the product's partial one, runs in lanes tiles
@@ -1635,9 +1641,8 @@ static int lanes_fit(const problem *g, const epilogue *e)
  * lanes_tail): the operands lanes tiles take, and the range ends at C's last column. */
 static int lanes_tail_fits(const problem *g, const epilogue *e, int64_t j_hi)
 {
-    return (e->flags & KEEL_LANES_TAIL) && !(e->flags & (KEEL_DIRECT | KEEL_ACCUMULATE)) &&
-           g->n % NR != 0 && j_hi * NR >= g->n && g->a_rs == 0 && g->a_ks == 0 &&
-           g->b_cs == 1 && g->b_rs != 0 && !g->b_rows && !g->b_cols && !g->c_cols;
+    return (e->flags & KEEL_LANES_TAIL) && g->n % NR != 0 && j_hi * NR >= g->n &&
+           lanes_operands(g, e);
 }
 
 /* Row panels [i_lo, i_hi) x column panels [j_lo, j_hi) in lanes tiles: 32 rows at a

@@ -1239,8 +1239,8 @@ int64_t keel_dwconv2d_f32(const float *x, const float *w, const float *bias, con
 
 /* keel_dwconv2d_f32 by scheme `mode` (the cpu planner's depthwise_scheme): 1 the planes
  * one by one, 2 the channel blocks (16 planes at a time), 3 the stride-2 rows straight
- * from X, 4 the stride-1 flat vectors straight from X; a scheme that does not serve the geometry (keel_dwconv2d_scheme_ok) runs as
- * planes. Every scheme gives the same bits. */
+ * from X, 4 the stride-1 flat vectors straight from X; a scheme that does not serve the
+ * geometry (keel_dwconv2d_scheme_ok) runs as planes. Every scheme gives the same bits. */
 int64_t keel_dwconv2d_mode_f32(const float *x, const float *w, const float *bias,
                                const float *z, float *y, const int64_t *geometry,
                                const float *clip, float *scratch, int64_t lo, int64_t hi,
@@ -1600,10 +1600,10 @@ int64_t keel_global_maxpool_mt_f32(const float *x, float *y, int64_t size, int64
  * geometry: F, H, W, QH, QW, then per fill f eight values U0, V0, ROWS, COLS, R0, C0, SH,
  * SW: y[f][p][U0 + i][V0 + j] = x[p][R0 + i * SH][C0 + j * SW] for i < ROWS, j < COLS.
  * x is (planes, H, W), y is (F, planes, QH, QW), both C-contiguous; nothing else of y
- * is written. Each plane's rows are cut into BANDS bands (the cpu planner's
- * phase_copy_split: a batch-1 stem has 3 planes for 16 threads), unit u being band
- * u % BANDS of plane u / BANDS, that band's share of every fill's rows. Units [lo, hi):
- * a copy, so any split gives the same bytes. */
+ * is written. Each fill's ROWS rows of a plane are cut into BANDS bands (the cpu
+ * planner's phase_copy_split: a batch-1 stem has 3 planes for 16 threads), unit u being
+ * band u % BANDS of plane u / BANDS: that band of every fill's rows (rows of y, fill by
+ * fill; not of x). Units [lo, hi): a copy, so any split gives the same bytes. */
 typedef struct {
     const float *x;
     float *y;
@@ -1674,8 +1674,8 @@ static void phase_task(void *ctx, float *scratch, int64_t lo, int64_t hi) {
     phase_copy_planes(ctx, lo, hi);
 }
 
-/* The copies above over planes [0, planes), each in `bands` bands of rows, in `parts`
- * chunks of those units on keel's threads. */
+/* The copies above over planes [0, planes), each fill's rows of a plane in `bands`
+ * bands, in `parts` chunks of those units on keel's threads. */
 int64_t keel_phase_copy_mt_f32(const float *x, float *y, const int64_t *geometry,
                                int64_t planes, int64_t bands, int64_t parts) {
     if (bands < 1) return 1;

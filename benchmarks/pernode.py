@@ -1,7 +1,8 @@
-"""Per node at batch 1, one thread against two: keel and onnxruntime in one process.
+"""Per node, one thread against two: keel and onnxruntime in one process.
 
-    python -m benchmarks.pernode --model resnet20             # 40 passes
+    python -m benchmarks.pernode --model resnet20             # batch 1, 40 passes
     python -m benchmarks.pernode --model mobilenetv2 --passes 15 --json
+    python -m benchmarks.pernode --model resnet18 --batch 32 --passes 3
 
 Each pass runs, for one thread and then two, keel's steps one by one inside whole runs
 (each step's bound call timed alone, as the run calls it: the workers spin between the
@@ -102,12 +103,12 @@ def _summary(values: list[float]) -> dict[str, float]:
     return {"median": round(statistics.median(values), 2), "fastest": round(min(values), 2)}
 
 
-def measure(name: str, passes: int = 40) -> dict[str, Any]:
-    """Per-node and whole-run times (us) of zoo model ``name`` at batch 1 on 1 and 2 threads."""
+def measure(name: str, passes: int = 40, batch: int = 1) -> dict[str, Any]:
+    """Per-node and whole-run times (us) of zoo model ``name`` on 1 and 2 threads."""
     from keel.execution.model import load_model
 
     onnx_bytes = zoo.build(name)
-    feeds = zoo.MODELS[name].make_feeds(1)
+    feeds = zoo.MODELS[name].make_feeds(batch)
     keel = {t: load_model(onnx_bytes, backend="cpu", threads=t) for t in (1, 2)}
     for model in keel.values():
         for _ in range(3):
@@ -129,7 +130,7 @@ def measure(name: str, passes: int = 40) -> dict[str, Any]:
                 _whole(functools.partial(plain[t].run, None, feeds), whole[f"ort{t}"])
         ort_nodes = {t: _ort_nodes(profiled[t].end_profiling()) for t in keel}
     return {
-        "model": name, "batch": 1, "passes": passes,
+        "model": name, "batch": batch, "passes": passes,
         "whole_us": {k: _summary([v / 1000 for v in vs]) for k, vs in whole.items()},
         "keel_steps": {t: [{"step": n, "threads": planned[t][i],
                             **_summary([v / 1000 for v in steps[t][i]])}
@@ -140,7 +141,8 @@ def measure(name: str, passes: int = 40) -> dict[str, Any]:
 
 
 def _table(result: dict[str, Any]) -> str:
-    lines = [f"{result['model']} at batch 1, {result['passes']} passes (us, median / fastest)"]
+    lines = [f"{result['model']} at batch {result['batch']}, {result['passes']} passes"
+             " (us, median / fastest)"]
     for key, s in result["whole_us"].items():
         lines.append(f"  whole run {key:6s} {s['median']:10.1f} / {s['fastest']:.1f}")
     for side, rows, label in (("keel", result["keel_steps"], "step"),
@@ -159,9 +161,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="resnet20", choices=sorted(zoo.DEFAULT_MODELS))
     parser.add_argument("--passes", type=int, default=40)
+    parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    result = measure(args.model, args.passes)
+    result = measure(args.model, args.passes, args.batch)
     print(json.dumps(result, indent=1) if args.json else _table(result))
 
 

@@ -1,8 +1,9 @@
-"""Per node at batch 1, one thread against two: keel and onnxruntime in one process.
+"""Per node, one thread against two: keel and onnxruntime in one process.
 
-    python -m benchmarks.pernode --model resnet20             # 40 passes
+    python -m benchmarks.pernode --model resnet20             # batch 1, 40 passes
     python -m benchmarks.pernode --model mobilenetv2 --passes 15 --json
     python -m benchmarks.pernode --model mobilenetv2 --kinds   # summed by kind of node
+    python -m benchmarks.pernode --model resnet18 --batch 32 --passes 3
 
 Each pass runs, for one thread and then two, keel's steps one by one inside whole runs
 (each step's bound call timed alone, as the run calls it: the workers spin between the
@@ -153,12 +154,12 @@ def _summary(values: list[float]) -> dict[str, float]:
     return {"median": round(statistics.median(values), 2), "fastest": round(min(values), 2)}
 
 
-def measure(name: str, passes: int = 40) -> dict[str, Any]:
-    """Per-node and whole-run times (us) of zoo model ``name`` at batch 1 on 1 and 2 threads."""
+def measure(name: str, passes: int = 40, batch: int = 1) -> dict[str, Any]:
+    """Per-node and whole-run times (us) of zoo model ``name`` on 1 and 2 threads."""
     from keel.execution.model import load_model
 
     onnx_bytes = zoo.build(name)
-    feeds = zoo.MODELS[name].make_feeds(1)
+    feeds = zoo.MODELS[name].make_feeds(batch)
     keel = {t: load_model(onnx_bytes, backend="cpu", threads=t) for t in (1, 2)}
     for model in keel.values():
         for _ in range(3):
@@ -181,7 +182,7 @@ def measure(name: str, passes: int = 40) -> dict[str, Any]:
         ort_nodes = {t: _ort_nodes(profiled[t].end_profiling()) for t in keel}
     kinds = _graph_kinds(onnx_bytes)
     return {
-        "model": name, "batch": 1, "passes": passes,
+        "model": name, "batch": batch, "passes": passes,
         "whole_us": {k: _summary([v / 1000 for v in vs]) for k, vs in whole.items()},
         "keel_steps": {t: [{"step": n, "threads": planned[t][i], "kind": kinds.get(n, "other"),
                             **_summary([v / 1000 for v in steps[t][i]])}
@@ -208,8 +209,8 @@ def by_kind(result: dict[str, Any], threads: int) -> list[dict[str, Any]]:
 
 
 def _kinds_table(result: dict[str, Any]) -> str:
-    lines = [f"{result['model']} at batch 1 by kind of node, {result['passes']} passes (us "
-             "summed; keel / onnxruntime)"]
+    lines = [f"{result['model']} at batch {result['batch']} by kind of node, "
+             f"{result['passes']} passes (us summed; keel / onnxruntime)"]
     for t in (1, 2):
         lines.append(f"  {t} thread(s)          nodes      median: keel    ort  ratio"
                      "     fastest: keel    ort   diff  ratio")
@@ -224,7 +225,8 @@ def _kinds_table(result: dict[str, Any]) -> str:
 
 
 def _table(result: dict[str, Any]) -> str:
-    lines = [f"{result['model']} at batch 1, {result['passes']} passes (us, median / fastest)"]
+    lines = [f"{result['model']} at batch {result['batch']}, {result['passes']} passes"
+             " (us, median / fastest)"]
     for key, s in result["whole_us"].items():
         lines.append(f"  whole run {key:6s} {s['median']:10.1f} / {s['fastest']:.1f}")
     for side, rows, label in (("keel", result["keel_steps"], "step"),
@@ -243,10 +245,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="resnet20", choices=sorted(zoo.DEFAULT_MODELS))
     parser.add_argument("--passes", type=int, default=40)
+    parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--kinds", action="store_true", help="sums by kind of node")
     args = parser.parse_args(argv)
-    result = measure(args.model, args.passes)
+    result = measure(args.model, args.passes, args.batch)
     print(json.dumps(result, indent=1) if args.json
           else _kinds_table(result) if args.kinds else _table(result))
 

@@ -2840,21 +2840,23 @@ def blocked_conv(geo: ConvGeometry, grid: Any = _HERE, vendor: Any = _HERE) -> b
 
 # A 3x3 stride-2 conv outside any region runs channel-blocked alone (X and Y NCHW, the
 # sums transposed into Y's rows) where its output rows are at least BLOCKED_ALONE_MIN_WIDTH
-# pixels: whole 16-pixel tiles then do most of a row. Measured as BLOCKED_VENDORS says, one
-# process, alternating, under load (medians, blocked / the form planned before): ResNet-18's
-# 64 -> 128 on 56 x 56 (28 out) 0.72 at batch 1 and 0.69 at batch 32 on one thread; its
-# 128 -> 256 (14 out) 0.84 and 0.94; its 256 -> 512 (7 out, tail tiles only) 0.99 and 1.19;
-# the 1x1 stride-2 shortcuts 0.79-1.00 at batch 1 but 0.78-1.64 at batch 32, so they keep
-# their forms.
-BLOCKED_ALONE_MIN_WIDTH = 16
+# pixels: a whole 8-pixel tile then does most of a row, its tail the rest with both
+# blocks of the register tile. Measured as BLOCKED_VENDORS says, one process, alternating,
+# under load (blocked / the form planned before): ResNet-18's 64 -> 128 on 56 x 56 (28
+# out) 0.72 at batch 1 and 0.69 at batch 32 on one thread (medians, the conv alone); its
+# 128 -> 256 (14 out) inside the model 0.80-0.89 at batch 1 and 0.79-0.84 at batch 32 on
+# one thread, 0.94 at batch 1 on two (fastest of 18-60 runs); its 256 -> 512 (7 out, a
+# tail tile only) 1.00-1.03 at batch 1 and 32 in the model; the 1x1 stride-2 shortcuts
+# 0.93-1.18 in the model, so they keep their forms.
+BLOCKED_ALONE_MIN_WIDTH = 14
 BLOCKED_ALONE_REASON = (
     "channel-blocked alone (planner.blocked_alone): a 3x3 stride-2 conv outside any float "
     "NCHWc region, {width}-pixel output rows >= BLOCKED_ALONE_MIN_WIDTH {least}; X read "
     "in NCHW where it lies, each input value broadcast once for the taps that read it, "
     "the sums transposed 16 x 16 into Y's NCHW rows "
-    "(measured on ResNet-18's 64 -> 128 alone, one thread, batch 1 and 32, on a 2-core "
-    "Intel Xeon: 0.69-0.72x the gathered form planned before; other shapes and thread "
-    "counts follow from it, not measured)")
+    "(measured on ResNet-18's 64 -> 128 and 128 -> 256, one thread, batch 1 and 32, on a "
+    "2-core Intel Xeon: 0.69-0.89x the gathered or masked form planned before, 7-pixel "
+    "rows no faster; other shapes and thread counts follow from it, not measured)")
 
 
 def blocked_alone(geo: ConvGeometry) -> bool:

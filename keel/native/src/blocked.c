@@ -14,7 +14,7 @@
  * one output row; per channel and kernel row it loads the tile's filter vectors once
  * and broadcasts each input value the row's taps read once, for every tap that reads it
  * (three at stride 1, one or two at stride 2; tile() below; a row that is not whole
- * 8-pixel tiles ends in a tile of its last 1 to 7 pixels, one block at a time), none
+ * 8-pixel tiles ends in a tile of its last 1 to 7 pixels and the tile's blocks), none
  * of them through lane masks (gemm.c's masked conv loads its taps through masks across
  * cache lines). X is read where it lies in either layout (a pixel's value of a channel
  * is 1 float from the next pixel's in NCHW, 16 in the blocked layout): rows above and
@@ -209,9 +209,11 @@ static const tile_fn TILE_FNS[4][2][3][4] = {LAYOUTS(EDGES3, 1), LAYOUTS(EDGES3,
                                              LAYOUTS(EDGES1, 1), LAYOUTS(EDGES1, 2)};
 
 /* A row's last 1 to 7 pixels (an output row that is not whole 8-pixel tiles: ResNet-18's
- * 28, 14 and 7), one block of 16 channels a tile. */
-#define TAIL3(S, NP, PS) TILES3(S, 1, NP, PS)
-#define TAIL1(S, NP, PS) TILE(1, S, 1, NP, 0, 0, PS)
+ * 28, 14 and 7), the register tile's one or two blocks of 16 channels: two blocks keep
+ * 2 x NP sums in flight and load each input value once for both (one block a tile left
+ * a 7-pixel row 7 chains of multiply-adds and twice the broadcasts). */
+#define TAIL3(S, NP, PS) TILES3(S, 1, NP, PS) TILES3(S, 2, NP, PS)
+#define TAIL1(S, NP, PS) TILE(1, S, 1, NP, 0, 0, PS) TILE(1, S, 2, NP, 0, 0, PS)
 #define TAILS(T, S, PS)                                                                    \
     T(S, 1, PS) T(S, 2, PS) T(S, 3, PS) T(S, 4, PS) T(S, 5, PS) T(S, 6, PS) T(S, 7, PS)
 TAILS(TAIL3, 1, 1)
@@ -222,12 +224,15 @@ TAILS(TAIL1, 1, 1)
 TAILS(TAIL1, 1, 16)
 TAILS(TAIL1, 2, 1)
 TAILS(TAIL1, 2, 16)
-#define TAIL_EDGES(E, S, PS)                                                               \
-    {E(S, 1, 1, PS), E(S, 1, 2, PS), E(S, 1, 3, PS), E(S, 1, 4, PS), E(S, 1, 5, PS),         \
-     E(S, 1, 6, PS), E(S, 1, 7, PS)}
-#define TAIL_LAYOUTS(E, S) {TAIL_EDGES(E, S, 1), TAIL_EDGES(E, S, 16)}
-/* As TILE_FNS, by the tail's pixels less one in place of the shape. */
-static const tile_fn TAIL_FNS[4][2][7][4] = {
+#define TAIL_EDGES(E, S, OB, PS)                                                           \
+    {E(S, OB, 1, PS), E(S, OB, 2, PS), E(S, OB, 3, PS), E(S, OB, 4, PS), E(S, OB, 5, PS),    \
+     E(S, OB, 6, PS), E(S, OB, 7, PS)}
+#define TAIL_LAYOUTS(E, S)                                                                 \
+    {{TAIL_EDGES(E, S, 1, 1), TAIL_EDGES(E, S, 2, 1)},                                     \
+     {TAIL_EDGES(E, S, 1, 16), TAIL_EDGES(E, S, 2, 16)}}
+/* As TILE_FNS, by the blocks a tile less one and the tail's pixels less one in place of
+ * the shape. */
+static const tile_fn TAIL_FNS[4][2][2][7][4] = {
     TAIL_LAYOUTS(EDGES3, 1), TAIL_LAYOUTS(EDGES3, 2), TAIL_LAYOUTS(EDGES1, 1),
     TAIL_LAYOUTS(EDGES1, 2)};
 
@@ -241,7 +246,7 @@ static void band_sums(const keel_conv_blocked_args *g, const float *x, int64_t y
     int64_t ps = blocked ? 16 : 1;
     const float *wp = g->filters + ob0 * c * K * K * 16;
     const tile_fn(*fns)[4] = TILE_FNS[(K == 1) * 2 + (S == 2)][blocked];
-    const tile_fn(*tails)[4] = TAIL_FNS[(K == 1) * 2 + (S == 2)][blocked];
+    const tile_fn(*tails)[4] = TAIL_FNS[(K == 1) * 2 + (S == 2)][blocked][g->oc_tile - 1];
     for (int64_t r = 0; r < g->rows; r++) {
         taps t;
         for (int kh = 0; kh < K; kh++) {
@@ -261,10 +266,8 @@ static void band_sums(const keel_conv_blocked_args *g, const float *x, int64_t y
             for (int kh = 0; kh < K; kh++)
                 t.row[kh] = row[kh] + (t.cs[kh] ? S * x0 * ps : 0);
             float *at = buf + (r * ow + x0) * 16;
-            if (np < 8) /* the row's tail: one block at a time */
-                for (int o = 0; o < g->oc_tile; o++)
-                    tails[np - 1][edges](&t, wp + o * c * K * K * 16, c * K * K * 16, c,
-                                         at + o * band * 16, band * 16);
+            if (np < 8) /* the row's tail: the tile's blocks together */
+                tails[np - 1][edges](&t, wp, c * K * K * 16, c, at, band * 16);
             else
                 fns[shape][edges](&t, wp, c * K * K * 16, c, at, band * 16);
             x0 += np;

@@ -92,19 +92,39 @@ def _ort(onnx_bytes: bytes, threads: int, profile_dir: str | None) -> Any:
     return ort.InferenceSession(onnx_bytes, opts, providers=["CPUExecutionProvider"])
 
 
+def _stride(x: int, y: int, k: int) -> int:
+    """A conv's stride along one axis from its input and output lengths and kernel: the
+    smallest that gives y from x with at most k - 1 pads in all (floor division of the
+    lengths read an odd map's stride 2, 7 -> 4, as 1). A symbolic length (0 once read
+    from the graph, a name in a profile) gives 0: the kind then says "s?"."""
+    if x <= 0 or y <= 0:
+        return 0
+    reach = range(x - k, x)                     # x + pads - k, the last window's start
+    return next((s for s in range(1, x + 1)
+                 if reach.start <= (y - 1) * s + s - 1 and (y - 1) * s < reach.stop), 0)
+
+
 def conv_kind(weight: Sequence[int], x: Sequence[int], y: Sequence[int]) -> str:
     """A 2-D conv's kind from its weight (M, C / group, KH, KW), input and output shapes:
     "stem" (a dense conv of the image's few channels), "depthwise KxK sS", "1x1 expansion
-    HxW" / "1x1 projection HxW" (more / fewer output channels), else "conv KxK sS"."""
+    HxW" / "1x1 projection HxW" / "1x1 mixing HxW" (more / fewer / as many output
+    channels), else "conv KxK sS" ("s?" where a map's length is symbolic)."""
     m, per_group, kh, kw = (int(v) for v in weight)
-    c, stride = int(x[1]), max(1, int(x[2]) // max(1, int(y[2])))
+    c, stride = int(x[1]), _stride(_length(x[2]), _length(y[2]), kh)
+    strided = f"s{stride}" if stride else "s?"
     if per_group == 1 and c == m > 1:
-        return f"depthwise {kh}x{kw} s{stride}"
+        return f"depthwise {kh}x{kw} {strided}"
     if per_group == c <= 4:
         return "stem"
     if (kh, kw, stride) == (1, 1, 1) and per_group == c:
-        return f"1x1 {'expansion' if m > c else 'projection'} {y[2]}x{y[3]}"
-    return f"conv {kh}x{kw} s{stride}"
+        role = "expansion" if m > c else "projection" if m < c else "mixing"
+        return f"1x1 {role} {y[2]}x{y[3]}"
+    return f"conv {kh}x{kw} {strided}"
+
+
+def _length(dim: object) -> int:
+    """A map's length, 0 where it is symbolic (a name, or onnx's 0 for an unknown dim)."""
+    return dim if isinstance(dim, int) else int(dim) if str(dim).isdigit() else 0
 
 
 def _graph_kinds(onnx_bytes: bytes) -> dict[str, str]:

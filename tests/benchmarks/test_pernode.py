@@ -32,6 +32,11 @@ def test_every_step_and_node_is_timed_on_both_thread_counts() -> None:
     ((96, 576, 1, 1), (1, 576, 14, 14), (1, 96, 14, 14), "1x1 projection 14x14"),
     ((128, 64, 1, 1), (1, 64, 56, 56), (1, 128, 28, 28), "conv 1x1 s2"),
     ((64, 64, 3, 3), (1, 64, 56, 56), (1, 64, 56, 56), "conv 3x3 s1"),
+    ((64, 64, 1, 1), (1, 64, 56, 56), (1, 64, 56, 56), "1x1 mixing 56x56"),
+    ((960, 1, 3, 3), (1, 960, 7, 7), (1, 960, 4, 4), "depthwise 3x3 s2"),
+    ((256, 128, 1, 1), (1, 128, 7, 7), (1, 256, 4, 4), "conv 1x1 s2"),
+    ((16, 6, 5, 5), (1, 6, 14, 14), (1, 16, 10, 10), "conv 5x5 s1"),
+    ((64, 64, 3, 3), (1, 64, "h", "w"), (1, 64, "h2", "w2"), "conv 3x3 s?"),
 ])
 def test_a_conv_kind_comes_from_its_shapes(weight: tuple[int, ...], x: tuple[int, ...],
                                            y: tuple[int, ...], kind: str) -> None:

@@ -227,6 +227,14 @@ def by_kind(result: dict[str, Any], threads: int) -> list[dict[str, Any]]:
     return sorted(rows.values(), key=lambda r: r["ort_fastest"] - r["keel_fastest"])
 
 
+def _ratio(row: Mapping[str, Any], stat: str) -> str:
+    """keel's sum over onnxruntime's, "-" for a kind only one side has (0.00 would read
+    as a node keel runs in no time)."""
+    if not (row["keel_nodes"] and row["ort_nodes"] and row[f"ort_{stat}"]):
+        return f"{'-':>6s}"
+    return f"{row[f'keel_{stat}'] / row[f'ort_{stat}']:6.2f}"
+
+
 def _kinds_table(result: dict[str, Any]) -> str:
     lines = [f"{result['model']} at batch 1 by kind of node, {result['passes']} passes (us "
              "summed; keel / onnxruntime)"]
@@ -234,12 +242,12 @@ def _kinds_table(result: dict[str, Any]) -> str:
         lines.append(f"  {t} thread(s)          nodes      median: keel    ort  ratio"
                      "     fastest: keel    ort   diff  ratio")
         for r in by_kind(result, t):
-            med = r["keel_median"] / r["ort_median"] if r["ort_median"] else float("nan")
-            fast = r["keel_fastest"] / r["ort_fastest"] if r["ort_fastest"] else float("nan")
             lines.append(f"    {r['kind'][:22]:22s} {r['keel_nodes']:2d}/{r['ort_nodes']:2d}"
-                         f" {r['keel_median']:12.0f} {r['ort_median']:6.0f} {med:6.2f}"
+                         f" {r['keel_median']:12.0f} {r['ort_median']:6.0f}"
+                         f" {_ratio(r, 'median')}"
                          f" {r['keel_fastest']:14.0f} {r['ort_fastest']:6.0f}"
-                         f" {r['keel_fastest'] - r['ort_fastest']:6.0f} {fast:6.2f}")
+                         f" {r['keel_fastest'] - r['ort_fastest']:6.0f}"
+                         f" {_ratio(r, 'fastest')}")
     return "\n".join(lines)
 
 

@@ -4,6 +4,8 @@ never asserted)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from benchmarks import pernode
@@ -53,3 +55,18 @@ def test_both_sides_sum_to_the_same_kinds_of_conv() -> None:
         keel = sum(s["fastest"] for s in result["keel_steps"][t])
         assert sum(r["keel_fastest"] for r in rows.values()) == pytest.approx(keel)
     assert "1 thread(s)" in pernode._kinds_table(result)
+
+
+def test_a_kind_only_one_side_has_shows_no_ratio() -> None:
+    def node(kind: str) -> dict[str, Any]:
+        return {"kind": kind, "median": 6.0, "fastest": 4.0}
+
+    result = {"model": "m", "passes": 1,
+              "keel_steps": {t: [node("stem")] for t in (1, 2)},
+              "ort_nodes": {t: [node("stem"), node("ReorderOutput")] for t in (1, 2)}}
+    lines = pernode._kinds_table(result).splitlines()
+    reorder = [line.split() for line in lines if "ReorderOutput" in line]
+    stem = [line.split() for line in lines if "stem" in line]
+    assert len(reorder) == 2 and all(r[-1] == r[5] == "-" for r in reorder)
+    assert all(s[-1] == s[5] == "1.00" for s in stem)
+

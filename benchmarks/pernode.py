@@ -271,12 +271,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="resnet20", choices=sorted(zoo.DEFAULT_MODELS))
     parser.add_argument("--passes", type=int, default=40)
-    parser.add_argument("--json", action="store_true")
-    parser.add_argument("--kinds", action="store_true", help="sums by kind of node")
+    shown = parser.add_mutually_exclusive_group()
+    shown.add_argument("--json", action="store_true")
+    shown.add_argument("--kinds", action="store_true", help="sums by kind of node")
     args = parser.parse_args(argv)
     result = measure(args.model, args.passes)
-    print(json.dumps(result, indent=1) if args.json
-          else _kinds_table(result) if args.kinds else _table(result))
+    if args.json:
+        print(json.dumps(result, indent=1))
+    elif args.kinds:
+        print(_kinds_table(result))
+    else:
+        print(_table(result))
 
 
 if __name__ == "__main__":

@@ -70,3 +70,8 @@ def test_a_kind_only_one_side_has_shows_no_ratio() -> None:
     assert len(reorder) == 2 and all(r[-1] == r[5] == "-" for r in reorder)
     assert all(s[-1] == s[5] == "1.00" for s in stem)
 
+
+
+def test_json_and_kinds_cannot_be_asked_together() -> None:
+    with pytest.raises(SystemExit):
+        pernode.main(["--model", "lenet", "--passes", "0", "--json", "--kinds"])

@@ -93,19 +93,39 @@ def _ort(onnx_bytes: bytes, threads: int, profile_dir: str | None) -> Any:
     return ort.InferenceSession(onnx_bytes, opts, providers=["CPUExecutionProvider"])
 
 
+def _stride(x: int, y: int, k: int) -> int:
+    """A conv's stride along one axis from its input and output lengths and kernel: the
+    smallest that gives y from x with at most k - 1 pads in all (floor division of the
+    lengths read an odd map's stride 2, 7 -> 4, as 1). A symbolic length (0 once read
+    from the graph, a name in a profile) gives 0: the kind then says "s?"."""
+    if x <= 0 or y <= 0:
+        return 0
+    reach = range(x - k, x)                     # x + pads - k, the last window's start
+    return next((s for s in range(1, x + 1)
+                 if reach.start <= (y - 1) * s + s - 1 and (y - 1) * s < reach.stop), 0)
+
+
 def conv_kind(weight: Sequence[int], x: Sequence[int], y: Sequence[int]) -> str:
     """A 2-D conv's kind from its weight (M, C / group, KH, KW), input and output shapes:
     "stem" (a dense conv of the image's few channels), "depthwise KxK sS", "1x1 expansion
-    HxW" / "1x1 projection HxW" (more / fewer output channels), else "conv KxK sS"."""
+    HxW" / "1x1 projection HxW" / "1x1 mixing HxW" (more / fewer / as many output
+    channels), else "conv KxK sS" ("s?" where a map's length is symbolic)."""
     m, per_group, kh, kw = (int(v) for v in weight)
-    c, stride = int(x[1]), max(1, int(x[2]) // max(1, int(y[2])))
+    c, stride = int(x[1]), _stride(_length(x[2]), _length(y[2]), kh)
+    strided = f"s{stride}" if stride else "s?"
     if per_group == 1 and c == m > 1:
-        return f"depthwise {kh}x{kw} s{stride}"
+        return f"depthwise {kh}x{kw} {strided}"
     if per_group == c <= 4:
         return "stem"
     if (kh, kw, stride) == (1, 1, 1) and per_group == c:
-        return f"1x1 {'expansion' if m > c else 'projection'} {y[2]}x{y[3]}"
-    return f"conv {kh}x{kw} s{stride}"
+        role = "expansion" if m > c else "projection" if m < c else "mixing"
+        return f"1x1 {role} {y[2]}x{y[3]}"
+    return f"conv {kh}x{kw} {strided}"
+
+
+def _length(dim: object) -> int:
+    """A map's length, 0 where it is symbolic (a name, or onnx's 0 for an unknown dim)."""
+    return dim if isinstance(dim, int) else int(dim) if str(dim).isdigit() else 0
 
 
 def _graph_kinds(onnx_bytes: bytes) -> dict[str, str]:
@@ -208,6 +228,14 @@ def by_kind(result: dict[str, Any], threads: int) -> list[dict[str, Any]]:
     return sorted(rows.values(), key=lambda r: r["ort_fastest"] - r["keel_fastest"])
 
 
+def _ratio(row: Mapping[str, Any], stat: str) -> str:
+    """keel's sum over onnxruntime's, "-" for a kind only one side has (0.00 would read
+    as a node keel runs in no time)."""
+    if not (row["keel_nodes"] and row["ort_nodes"] and row[f"ort_{stat}"]):
+        return f"{'-':>6s}"
+    return f"{row[f'keel_{stat}'] / row[f'ort_{stat}']:6.2f}"
+
+
 def _kinds_table(result: dict[str, Any]) -> str:
     lines = [f"{result['model']} at batch {result['batch']} by kind of node, "
              f"{result['passes']} passes (us summed; keel / onnxruntime)"]
@@ -215,12 +243,12 @@ def _kinds_table(result: dict[str, Any]) -> str:
         lines.append(f"  {t} thread(s)          nodes      median: keel    ort  ratio"
                      "     fastest: keel    ort   diff  ratio")
         for r in by_kind(result, t):
-            med = r["keel_median"] / r["ort_median"] if r["ort_median"] else float("nan")
-            fast = r["keel_fastest"] / r["ort_fastest"] if r["ort_fastest"] else float("nan")
             lines.append(f"    {r['kind'][:22]:22s} {r['keel_nodes']:2d}/{r['ort_nodes']:2d}"
-                         f" {r['keel_median']:12.0f} {r['ort_median']:6.0f} {med:6.2f}"
+                         f" {r['keel_median']:12.0f} {r['ort_median']:6.0f}"
+                         f" {_ratio(r, 'median')}"
                          f" {r['keel_fastest']:14.0f} {r['ort_fastest']:6.0f}"
-                         f" {r['keel_fastest'] - r['ort_fastest']:6.0f} {fast:6.2f}")
+                         f" {r['keel_fastest'] - r['ort_fastest']:6.0f}"
+                         f" {_ratio(r, 'fastest')}")
     return "\n".join(lines)
 
 
@@ -246,12 +274,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="resnet20", choices=sorted(zoo.DEFAULT_MODELS))
     parser.add_argument("--passes", type=int, default=40)
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--json", action="store_true")
-    parser.add_argument("--kinds", action="store_true", help="sums by kind of node")
+    shown = parser.add_mutually_exclusive_group()
+    shown.add_argument("--json", action="store_true")
+    shown.add_argument("--kinds", action="store_true", help="sums by kind of node")
     args = parser.parse_args(argv)
     result = measure(args.model, args.passes, args.batch)
-    print(json.dumps(result, indent=1) if args.json
-          else _kinds_table(result) if args.kinds else _table(result))
+    if args.json:
+        print(json.dumps(result, indent=1))
+    elif args.kinds:
+        print(_kinds_table(result))
+    else:
+        print(_table(result))
 
 
 if __name__ == "__main__":

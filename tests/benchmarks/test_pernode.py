@@ -4,6 +4,10 @@ never asserted)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 from benchmarks import pernode
@@ -11,8 +15,13 @@ from benchmarks import pernode
 pytest.importorskip("onnxruntime")
 
 
-def test_every_step_and_node_is_timed_on_both_thread_counts() -> None:
-    result = pernode.measure("lenet", passes=1)
+@pytest.fixture(scope="module")
+def lenet() -> dict[str, Any]:
+    return pernode.measure("lenet", passes=1)
+
+
+def test_every_step_and_node_is_timed_on_both_thread_counts(lenet: dict[str, Any]) -> None:
+    result = lenet
     assert set(result["whole_us"]) == {"keel1", "keel2", "ort1", "ort2"}
     for t in (1, 2):
         steps = result["keel_steps"][t]
@@ -32,14 +41,19 @@ def test_every_step_and_node_is_timed_on_both_thread_counts() -> None:
     ((96, 576, 1, 1), (1, 576, 14, 14), (1, 96, 14, 14), "1x1 projection 14x14"),
     ((128, 64, 1, 1), (1, 64, 56, 56), (1, 128, 28, 28), "conv 1x1 s2"),
     ((64, 64, 3, 3), (1, 64, 56, 56), (1, 64, 56, 56), "conv 3x3 s1"),
+    ((64, 64, 1, 1), (1, 64, 56, 56), (1, 64, 56, 56), "1x1 mixing 56x56"),
+    ((960, 1, 3, 3), (1, 960, 7, 7), (1, 960, 4, 4), "depthwise 3x3 s2"),
+    ((256, 128, 1, 1), (1, 128, 7, 7), (1, 256, 4, 4), "conv 1x1 s2"),
+    ((16, 6, 5, 5), (1, 6, 14, 14), (1, 16, 10, 10), "conv 5x5 s1"),
+    ((64, 64, 3, 3), (1, 64, "h", "w"), (1, 64, "h2", "w2"), "conv 3x3 s?"),
 ])
 def test_a_conv_kind_comes_from_its_shapes(weight: tuple[int, ...], x: tuple[int, ...],
                                            y: tuple[int, ...], kind: str) -> None:
     assert pernode.conv_kind(weight, x, y) == kind
 
 
-def test_both_sides_sum_to_the_same_kinds_of_conv() -> None:
-    result = pernode.measure("lenet", passes=1)
+def test_both_sides_sum_to_the_same_kinds_of_conv(lenet: dict[str, Any]) -> None:
+    result = lenet
     for t in (1, 2):
         rows = {r["kind"]: r for r in pernode.by_kind(result, t)}
         convs = {k: r for k, r in rows.items() if k == "stem" or k.startswith("conv")}
@@ -47,4 +61,73 @@ def test_both_sides_sum_to_the_same_kinds_of_conv() -> None:
         assert all(r["keel_nodes"] == r["ort_nodes"] == 1 for r in convs.values())
         keel = sum(s["fastest"] for s in result["keel_steps"][t])
         assert sum(r["keel_fastest"] for r in rows.values()) == pytest.approx(keel)
+        ort = sum(n["fastest"] for n in result["ort_nodes"][t])
+        assert sum(r["ort_fastest"] for r in rows.values()) == pytest.approx(ort)
     assert "1 thread(s)" in pernode._kinds_table(result)
+
+
+def _event(node: str, op: str, ins: list[list[int]], out: list[int], dur: int) -> dict[str, Any]:
+    """One node's kernel time as onnxruntime 1.x writes it to its profile."""
+    return {"cat": "Node", "name": f"{node}_kernel_time", "dur": dur,
+            "args": {"op_name": op, "input_type_shape": [{"float": s} for s in ins],
+                     "output_type_shape": [{"float": out}]}}
+
+
+def test_onnxruntime_nodes_take_the_kind_of_the_conv_they_run(tmp_path: Path) -> None:
+    # Shapes as onnxruntime's own MobileNetV2 profile reports them: NCHWc convs (the
+    # 144 -> 24 projection with its channels padded to 32 and the residual as a fourth
+    # input), a FusedConv, and a node that is no conv.
+    events = [
+        _event("clip_25_nchwc", "Conv", [[1, 32, 112, 112], [32, 1, 3, 3], [32]],
+               [1, 32, 112, 112], 90),
+        _event("clip_60_nchwc", "Conv", [[1, 96, 112, 112], [96, 1, 3, 3], [96]],
+               [1, 96, 56, 56], 70),
+        _event("clip_47_nchwc", "Conv", [[1, 16, 112, 112], [96, 16, 1, 1], [96]],
+               [1, 96, 112, 112], 300),
+        _event("bn_104_nchwc", "Conv",
+               [[1, 144, 56, 56], [32, 144, 1, 1], [32], [1, 32, 56, 56]], [1, 32, 56, 56], 120),
+        _event("relu_7", "FusedConv", [[1, 64, 14, 14], [384, 64, 1, 1], [384]],
+               [1, 384, 14, 14], 50),
+        _event("clip_60_nchwc", "Conv", [[1, 96, 112, 112], [96, 1, 3, 3], [96]],
+               [1, 96, 56, 56], 60),
+        _event("flatten", "Flatten", [[1, 1280, 1, 1]], [1, 1280], 3),
+        {"cat": "Session", "name": "model_run", "dur": 700, "args": {}},
+    ]
+    trace = tmp_path / "profile.json"
+    trace.write_text(json.dumps(events))
+    times, kinds = pernode._ort_nodes(str(trace))
+    assert kinds == {"clip_25_nchwc": "depthwise 3x3 s1", "clip_60_nchwc": "depthwise 3x3 s2",
+                     "clip_47_nchwc": "1x1 expansion 112x112",
+                     "bn_104_nchwc": "1x1 projection 56x56", "relu_7": "1x1 expansion 14x14",
+                     "flatten": "Flatten"}
+    assert times["clip_60_nchwc"] == [70.0, 60.0]
+
+
+def test_mobilenetv2_convs_are_the_same_kinds_on_both_sides() -> None:
+    result = pernode.measure("mobilenetv2", passes=1)
+    for t in (1, 2):
+        rows = pernode.by_kind(result, t)
+        convs = [r for r in rows if r["kind"] == "stem" or r["kind"].startswith(("1x1", "depth"))]
+        assert sum(r["keel_nodes"] for r in convs) == 52
+        assert all(r["keel_nodes"] == r["ort_nodes"] for r in convs), convs
+        ort = sum(n["fastest"] for n in result["ort_nodes"][t])
+        assert sum(r["ort_fastest"] for r in rows) == pytest.approx(ort)
+
+
+def test_a_kind_only_one_side_has_shows_no_ratio() -> None:
+    def node(kind: str) -> dict[str, Any]:
+        return {"kind": kind, "median": 6.0, "fastest": 4.0}
+
+    result = {"model": "m", "passes": 1,
+              "keel_steps": {t: [node("stem")] for t in (1, 2)},
+              "ort_nodes": {t: [node("stem"), node("ReorderOutput")] for t in (1, 2)}}
+    lines = pernode._kinds_table(result).splitlines()
+    reorder = [line.split() for line in lines if "ReorderOutput" in line]
+    stem = [line.split() for line in lines if "stem" in line]
+    assert len(reorder) == 2 and all(r[-1] == r[5] == "-" for r in reorder)
+    assert all(s[-1] == s[5] == "1.00" for s in stem)
+
+
+def test_json_and_kinds_cannot_be_asked_together() -> None:
+    with pytest.raises(SystemExit):
+        pernode.main(["--model", "lenet", "--passes", "0", "--json", "--kinds"])

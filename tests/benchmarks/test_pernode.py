@@ -118,7 +118,7 @@ def test_a_kind_only_one_side_has_shows_no_ratio() -> None:
     def node(kind: str) -> dict[str, Any]:
         return {"kind": kind, "median": 6.0, "fastest": 4.0}
 
-    result = {"model": "m", "passes": 1,
+    result = {"model": "m", "batch": 1, "passes": 1,
               "keel_steps": {t: [node("stem")] for t in (1, 2)},
               "ort_nodes": {t: [node("stem"), node("ReorderOutput")] for t in (1, 2)}}
     lines = pernode._kinds_table(result).splitlines()

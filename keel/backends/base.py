@@ -35,13 +35,12 @@ Optional hooks, with defaults that suit a NumPy backend:
   a backend with decisions of its own keeps them in one ``planner`` module.
   ``_planner_state()`` returns what else its plans depend on (loaded tiers).
 * ``_plan_notes()``, ``_plan_branches(branches)``, ``_staging()``,
-  ``_feed_in_place()``, ``_joined(calls)``, ``_wakes_workers()`` — its planner's
-  decisions for a whole plan, behind the final ``plan_notes``, ``plan_branches``,
-  ``staging``, ``feed_in_place``, ``joined`` and ``wakes_workers``: the notes a plan's
-  reasons carry, how many independent branches run at once, the bytes up to which feeds
-  and outputs are staged, from which a staged feed is read in place, which consecutive
-  bound calls run as one, and whether a run wakes keel's workers as it begins
-  (defaults: none, in order, nothing, never, none, no).
+  ``_feed_in_place()``, ``_joined(calls)`` — its planner's decisions for a whole plan,
+  behind the final ``plan_notes``, ``plan_branches``, ``staging``, ``feed_in_place``
+  and ``joined``: the notes a plan's reasons carry, how many independent branches run
+  at once, the bytes up to which feeds and outputs are staged, from which a staged feed
+  is read in place, and which consecutive bound calls run as one (defaults: none, in
+  order, nothing, never, none).
 
 Planners decide, kernels execute: ``plan_node`` is asked once per node when a
 model is placed, and the executor hands the plan to the kernel as
@@ -499,9 +498,6 @@ class Backend(ABC):
     def _feed_in_place(self) -> int:
         return 0
 
-    def _wakes_workers(self) -> bool:
-        return False
-
     def _joined(self, calls: tuple[Callable[[], object], ...]
                 ) -> tuple[Callable[[], object], ...]:
         return calls
@@ -638,13 +634,6 @@ class Backend(ABC):
         an input they can move (a bound call's ``reading``) is read where the caller
         has it, not copied into its buffer; 0: never (the default)."""
         return self._feed_in_place()
-
-    @final
-    def wakes_workers(self) -> bool:
-        """Whether a run whose steps split over keel's native workers wakes them as it
-        begins (``keel.native.pool.waker``), so that they spin for its first split.
-        Default: no."""
-        return self._wakes_workers()
 
     @final
     def joined(self, calls: tuple[Callable[[], object], ...]

@@ -289,13 +289,9 @@ class Program:
         # The steady run as one function (_plan_direct_run), where _direct allows it.
         self._direct_run: Callable[[Sequence[Any]], dict[str, Any]] | None = None
         # Steps that may split over keel's native workers: the run's end parks them.
-        split = [st for st in steps if st.ctx is not None
-                 and (getattr(st.ctx, "threads", 1) or 1) > 1
-                 and backends[st.backend].device.value == HOST]
-        self._parks = bool(split)
+        self._parks = any(st.ctx is not None and (getattr(st.ctx, "threads", 1) or 1) > 1
+                          and backends[st.backend].device.value == HOST for st in steps)
         self._park: Callable[[], None] | None = None
-        # ... and its start wakes them where their backend's planner says so.
-        self._wake = _waker(split, backends)
         self._compile_hot()
         self._handout = self._plan_handout()
         self._constant_ids = frozenset(id(v) for v in constants.values())   # held: ids stay
@@ -371,8 +367,6 @@ class Program:
         the run wrote (not copied to the host; the next run overwrites them), the
         others as host arrays.
         """
-        if self._wake is not None:
-            self._wake()
         self._bind()
         self._load_feeds(feeds)
         if device_outputs:
@@ -436,8 +430,6 @@ class Program:
         if (run is not None and self._bound_version == self._pool.version
                 and self._bound_on == _get_ident()):
             return run(arrays)                  # its strict zip checks the count
-        if self._wake is not None:
-            self._wake()
         if self._bound_version != self._pool.version:
             self._bind()
         values = self._values
@@ -1238,13 +1230,11 @@ def _direct_runner(program: Program,
     bound call's function itself (:func:`bare`)."""
     name, held = outputs[0] if len(outputs) == 1 else ("", None)
     fns = tuple(bare(call) for call in calls)     # ``calls`` holds what they point into
-    parks, wake = program._parks, program._wake
+    parks = program._parks
     owner = weakref.ref(program)        # the program holds this function: no cycle
     state, made = _FP_STATE, _Quiet._made        # _Quiet's work, without its calls
 
     def run(arrays: Sequence[Any]) -> dict[str, Any]:
-        if wake is not None:
-            wake()
         for (buf, points), array in zip(feeds, arrays, strict=True):
             if not points:
                 np.copyto(buf, array)
@@ -1284,17 +1274,6 @@ def _direct_runner(program: Program,
             if parks:
                 _alive(owner)._park_workers()
     return run
-
-
-def _waker(split: Sequence[_Step], backends: Mapping[str, Any]) -> Callable[[], None] | None:
-    """The pool's wake (``keel.native.pool.waker``) a run calls as it begins, where a step
-    of ``split`` (those that may split over keel's workers) has a backend whose planner
-    says so (``wakes_workers``); None otherwise or where the native tier is unavailable."""
-    if not any(backends[st.backend].wakes_workers() for st in split):
-        return None
-    from keel.native import pool
-
-    return pool.waker()
 
 
 def _alive(owner: weakref.ref[Program]) -> Program:

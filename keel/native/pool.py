@@ -33,7 +33,7 @@ from keel.native import build
 
 __all__ = ["DispatchTimes", "chunks", "dispatch_times", "idle_spin_us", "parker", "parts", "pin",
            "pinned", "set_affinity", "set_idle_spin_us", "set_spin_us", "set_yield", "shutdown",
-           "spin_us", "waker", "workers", "yielding"]
+           "spin_us", "workers", "yielding"]
 
 _I64 = ctypes.c_int64
 _pinned: frozenset[int] | None = None     # the CPUs keel's threads are kept on (None: any)
@@ -144,14 +144,6 @@ def parker() -> Callable[[], None] | None:
     pool is loaded in this process (then no worker spins)."""
     lib = build.loaded("threads")
     return None if lib is None else lib.function("keel_pool_park", [])
-
-
-def waker() -> Callable[[], None] | None:
-    """The pool's ``keel_pool_wake``, called when a model run begins (where the cpu
-    planner says so: ``planner.pool_wake``): sleeping workers wake and every worker spins
-    for the run's first split. None where no pool is loaded in this process."""
-    lib = build.loaded("threads")
-    return None if lib is None else lib.function("keel_pool_wake", [])
 
 
 def idle_spin_us() -> int | None:

@@ -1,6 +1,5 @@
 """The end of a model run parks keel's idle workers (``keel_pool_park``): they spin on
-for ``KEEL_IDLE_SPIN_US`` at most, then sleep, however long ``KEEL_SPIN_US`` is; the
-start of a run wakes them (``keel_pool_wake``) where the cpu planner says so."""
+for ``KEEL_IDLE_SPIN_US`` at most, then sleep, however long ``KEEL_SPIN_US`` is."""
 
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from keel import config, native
-from keel.backends.cpu import planner
 from keel.backends.cpu.backend import CpuBackend
 from keel.errors import InvalidArgumentError
 from keel.execution.model import load_model
@@ -89,28 +87,6 @@ def test_a_worker_spins_until_parked_then_sleeps(long_spin: None) -> None:
     assert pool.workers() >= 1
 
 
-def _any_running(within_s: float) -> bool:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        if "R" in _worker_states():
-            return True
-        time.sleep(0.005)
-    return False
-
-
-def test_a_wake_sends_sleeping_workers_back_to_spinning(long_spin: None) -> None:
-    _dispatch()
-    park, wake = pool.parker(), pool.waker()
-    assert park is not None and wake is not None
-    park()
-    assert _all_asleep(within_s=5.0), _worker_states()
-    wake()                                  # no job: the worker wakes only to spin
-    assert _any_running(within_s=5.0), _worker_states()
-    park()                                  # the next run's end parks them again
-    assert _all_asleep(within_s=5.0), _worker_states()
-    _dispatch()
-
-
 def product_model() -> bytes:
     rng = np.random.default_rng(0)
     w = numpy_helper.from_array(rng.standard_normal((256, 256)).astype(np.float32), "w")
@@ -131,29 +107,6 @@ def test_a_model_run_on_two_threads_parks_the_workers_when_it_ends(long_spin: No
         np.testing.assert_array_equal(got, want)         # bitwise, as across thread counts
     assert pool.workers() >= 1, "the 2-thread product did not use keel's pool"
     assert _all_asleep(within_s=5.0), _worker_states()
-
-
-def _program(model: object) -> object:
-    return next(p.program for p in model._cache.values()  # type: ignore[attr-defined]
-                if p.program is not None)
-
-
-@pytest.mark.parametrize(("threads", "on", "wakes"), [(2, True, True), (2, False, False),
-                                                      (1, True, False)])
-def test_a_run_wakes_the_workers_as_the_planner_says(monkeypatch: pytest.MonkeyPatch,
-                                                     threads: int, on: bool,
-                                                     wakes: bool) -> None:
-    if native.library("threads") is None:
-        pytest.skip(f"native tier unavailable: {native.status().reason}")
-    monkeypatch.setattr(planner, "POOL_WAKE", on)
-    model = load_model(product_model(), backend="cpu", threads=threads)
-    x = np.random.default_rng(1).standard_normal((64, 256)).astype(np.float32)
-    want = load_model(product_model(), backend="cpu", threads=1).predict({"x": x})["y"]
-    for _ in range(3):
-        np.testing.assert_array_equal(model.predict({"x": x})["y"], want)
-    assert (_program(model)._wake is not None) == wakes  # type: ignore[attr-defined]
-    assert planner.pool_wake(threads).on == wakes
-    assert planner.pool_wake(threads).reason in model.explain()
 
 
 @pytest.fixture

@@ -136,7 +136,6 @@ class CpuBackend(Backend):
             fetch_note,
             huge_pages_note,
             join_note,
-            pool_wake,
             pool_yield,
             staging_note,
             thread_costs_note,
@@ -149,18 +148,12 @@ class CpuBackend(Backend):
         return (f"cpu backend, {self.threads_reason}",
                 *((f"NUMA: {numa}",) if cpus is not None or "NUMA nodes" in numa else ()),
                 blocks, thread_costs_note(self.threads), f"keel threads: {pool_yield().reason}",
-                f"keel threads: {pool_wake(self.threads).reason}",
                 huge_pages_note(), fetch_note(), staging_note(), join_note())
 
     def _staging(self) -> tuple[int, int]:
         from keel.backends.cpu.planner import staging
 
         return staging()
-
-    def _wakes_workers(self) -> bool:
-        from keel.backends.cpu.planner import pool_wake
-
-        return pool_wake(self.threads).on
 
     def _feed_in_place(self) -> int:
         from keel.backends.cpu.planner import FEED_IN_PLACE_BYTES

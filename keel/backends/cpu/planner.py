@@ -1491,37 +1491,6 @@ def pool_yield() -> PoolYield:
                      "hands it back")
 
 
-# ---- threads: waking the pool's workers when a run begins -------------------------------
-# When a run ends its workers spin on for KEEL_IDLE_SPIN_US, then sleep (keel_pool_park),
-# and while the caller runs serial steps they spin for KEEL_SPIN_US at most. The run's
-# first split then wakes them (a futex wake) or finds them spinning on a core another
-# process took, and the caller does the chunks alone until they come. With POOL_WAKE a
-# run calls keel_pool_wake as it begins: sleeping workers wake and every worker spins the
-# whole KEEL_SPIN_US from then, so they are spinning when the first split comes (what
-# onnxruntime's pool does: its workers spin before they block, and a run wakes them
-# ahead of its parallel work). Only for programs whose steps split over the pool.
-POOL_WAKE = True
-
-
-@dataclass(frozen=True)
-class PoolWake:
-    """Whether a run wakes keel's workers as it begins (keel.native.pool.waker), and why."""
-
-    on: bool
-    reason: str
-
-
-def pool_wake(threads: int) -> PoolWake:
-    """Whether a run of a program planned for ``threads`` threads wakes the pool's workers
-    as it begins."""
-    if threads < 2:
-        return PoolWake(False, "one thread: no worker to wake when a run begins")
-    if not POOL_WAKE:
-        return PoolWake(False, "a run's first split wakes the workers (POOL_WAKE off)")
-    return PoolWake(True, "a run wakes the workers as it begins, so that they spin for its "
-                          "first split instead of being woken by it (POOL_WAKE)")
-
-
 # ---- the native GEMM's split over threads ----------------------------------------------
 # A split runs gemm.c's keel_gemm_tiles_f32: every product of a batch cut into a grid of
 # tiles, its row panels in R groups and its column panels in C groups (whole panels, as

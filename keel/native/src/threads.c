@@ -162,8 +162,6 @@ static int pinned = 0;
 static _Atomic int64_t park_until = 0;
 static _Atomic uint32_t park_epoch = UINT32_MAX;
 static _Atomic int64_t idle_spin_ns = 0;
-/* Calls of keel_pool_wake so far: a worker that sees it move spins the whole spin again. */
-static _Atomic uint32_t wake_calls = 0;
 
 /* A spinning thread (a worker waiting for the next job, the caller waiting for a job's
  * last chunks) may give its core to other runnable threads (sched_yield: a few hundred
@@ -307,22 +305,18 @@ static int should_yield(uint64_t spins, int64_t count)
     return shares_cpu(cpu, count);
 }
 
-/* Spin for a job newer than `seen` until `until` (cut to park_until once the run ends)
- * or a wake (keel_pool_wake) newer than `*calls`: its epoch, or `seen` when none came. */
-static uint32_t spin_for(uint32_t seen, int64_t until, uint32_t *calls)
+/* The epoch of a job newer than `seen`, spinning a while and then sleeping for one. */
+static uint32_t next_epoch(uint32_t seen)
 {
+    uint32_t now = epoch_of(atomic_load_explicit(&pool.ticket, memory_order_acquire));
+    if (now != seen) return now;
+    int64_t until = now_ns() + spin_ns();
     for (uint64_t i = 0; !atomic_load_explicit(&pool.stop, memory_order_relaxed); i++) {
-        uint32_t now = epoch_of(atomic_load_explicit(&pool.ticket, memory_order_acquire));
+        now = epoch_of(atomic_load_explicit(&pool.ticket, memory_order_acquire));
         if (now != seen) return now;
         /* Not on the first pass: a job that follows at once is taken without a call. */
         if (i != 0 && should_yield(i, atomic_load_explicit(&pool.workers, memory_order_relaxed) + 1)) sched_yield();
         if ((i & (CHECK_SPINS - 1)) == 0) {
-            uint32_t called = atomic_load_explicit(&wake_calls, memory_order_acquire);
-            if (called != *calls) {
-                /* A run began: spin the whole spin again from here, for its first job. */
-                *calls = called;
-                until = now_ns() + spin_ns();
-            }
             if (atomic_load_explicit(&park_epoch, memory_order_acquire) == seen) {
                 /* The run ended after the last job: spin on only until park_until. */
                 int64_t parked = atomic_load_explicit(&park_until, memory_order_relaxed);
@@ -332,33 +326,15 @@ static uint32_t spin_for(uint32_t seen, int64_t until, uint32_t *calls)
         }
         cpu_relax();
     }
-    return seen;
-}
-
-/* The epoch of a job newer than `seen`, spinning a while and then sleeping for one; a
- * wake (keel_pool_wake) sends a sleeping worker back to spinning. */
-static uint32_t next_epoch(uint32_t seen)
-{
-    uint32_t now = epoch_of(atomic_load_explicit(&pool.ticket, memory_order_acquire));
-    if (now != seen) return now;
-    uint32_t calls = atomic_load_explicit(&wake_calls, memory_order_acquire);
-    int64_t until = now_ns() + spin_ns();
-    for (;;) {
-        now = spin_for(seen, until, &calls);
-        if (now != seen || atomic_load(&pool.stop)) return now;
-        atomic_store_explicit(&thread_cpu[pool_id], -1, memory_order_relaxed);
-        pthread_mutex_lock(&pool.lock);
-        atomic_fetch_add(&pool.sleepers, 1);
-        while ((now = epoch_of(atomic_load(&pool.ticket))) == seen && !atomic_load(&pool.stop)
-               && atomic_load(&wake_calls) == calls)
-            pthread_cond_wait(&pool.wake, &pool.lock);
-        atomic_fetch_sub(&pool.sleepers, 1);
-        pthread_mutex_unlock(&pool.lock);
-        atomic_store_explicit(&thread_cpu[pool_id], current_cpu(), memory_order_relaxed);
-        if (now != seen || atomic_load(&pool.stop)) return now;
-        calls = atomic_load_explicit(&wake_calls, memory_order_acquire);
-        until = now_ns() + spin_ns();
-    }
+    atomic_store_explicit(&thread_cpu[pool_id], -1, memory_order_relaxed);
+    pthread_mutex_lock(&pool.lock);
+    atomic_fetch_add(&pool.sleepers, 1);
+    while ((now = epoch_of(atomic_load(&pool.ticket))) == seen && !atomic_load(&pool.stop))
+        pthread_cond_wait(&pool.wake, &pool.lock);
+    atomic_fetch_sub(&pool.sleepers, 1);
+    pthread_mutex_unlock(&pool.lock);
+    atomic_store_explicit(&thread_cpu[pool_id], current_cpu(), memory_order_relaxed);
+    return now;
 }
 
 /* arg: the epoch before the job the worker was started for (so it takes part in that one). */
@@ -531,23 +507,6 @@ void keel_pool_park(void)
     atomic_store_explicit(&park_epoch,
                           epoch_of(atomic_load_explicit(&pool.ticket, memory_order_relaxed)),
                           memory_order_release);
-}
-
-/* A run begins (as keel's planner decides: planner.pool_wake): workers asleep wake and
- * spin, and those spinning spin the whole spin again from now, so that they are spinning
- * when the run's first split comes instead of being woken by it (the futex wake and the
- * scheduler's delay, paid while the caller runs the run's first steps). The run's end
- * (keel_pool_park) no longer cuts the spin. Costs two atomic stores; a futex wake only
- * where a worker sleeps. */
-void keel_pool_wake(void)
-{
-    atomic_store_explicit(&park_epoch, UINT32_MAX, memory_order_relaxed);
-    atomic_fetch_add(&wake_calls, 1); /* ordered before the read of sleepers */
-    if (atomic_load(&pool.sleepers) > 0) {
-        pthread_mutex_lock(&pool.lock);
-        pthread_cond_broadcast(&pool.wake);
-        pthread_mutex_unlock(&pool.lock);
-    }
 }
 
 /* How spinning threads give their core away (keel's planner decides: planner.pool_yield):

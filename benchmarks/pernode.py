@@ -269,11 +269,18 @@ def _table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="resnet20", choices=sorted(zoo.DEFAULT_MODELS))
-    parser.add_argument("--passes", type=int, default=40)
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--passes", type=_at_least_one, default=40)
+    parser.add_argument("--batch", type=_at_least_one, default=1)
     shown = parser.add_mutually_exclusive_group()
     shown.add_argument("--json", action="store_true")
     shown.add_argument("--kinds", action="store_true", help="sums by kind of node")

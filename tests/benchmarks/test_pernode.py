@@ -131,3 +131,9 @@ def test_a_kind_only_one_side_has_shows_no_ratio() -> None:
 def test_json_and_kinds_cannot_be_asked_together() -> None:
     with pytest.raises(SystemExit):
         pernode.main(["--model", "lenet", "--passes", "0", "--json", "--kinds"])
+
+
+@pytest.mark.parametrize("flag", ["--batch", "--passes"])
+def test_a_batch_or_passes_below_one_is_refused(flag: str) -> None:
+    with pytest.raises(SystemExit):
+        pernode.main(["--model", "lenet", flag, "0"])

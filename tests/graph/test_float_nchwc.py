@@ -401,6 +401,22 @@ def test_a_lone_stride_2_conv_runs_blocked_alone() -> None:
     _check_results(blob)
 
 
+def test_a_one_block_conv_keeps_sixteen_pixel_rows_alone() -> None:
+    """14-pixel rows run blocked alone only where the register tile holds two blocks of
+    output channels (the width measured with a two-block tail): 16 output channels (one
+    block) on 14-pixel rows keep their NCHW form, 32 run blocked."""
+    for channels, blocked in ((16, False), (32, True)):
+        g = _Graph(16, 28)
+        g.channels = channels
+        conv = g.conv("m", g.node("MaxPool", "x", kernel_shape=[1, 1]), in_channels=16,
+                      strides=[2, 2])
+        blob = g.model(g.node("MaxPool", conv, kernel_shape=[1, 1]))
+        model = _load(blob, 2)
+        model.predict(_feeds(blob))
+        assert (_layouts(model)["m"] == "nchw->nchw") is blocked
+        _check_results(blob)
+
+
 def test_a_region_on_rows_that_are_not_whole_tiles() -> None:
     """Rows of 14 pixels (a tile of 8 and a tail of 6, bands' last runs through lane
     masks): a region of stride-1 convs, bitwise the same on every thread count."""

@@ -1128,7 +1128,7 @@ def _lone_decision(geo: ConvGeometry, threads: int | None) -> LayoutDecision:
     """A conv outside any region that runs channel-blocked alone (blocked_alone): X,
     Y and any residual NCHW, the kernel transposing its sums into Y's rows."""
     why = BLOCKED_ALONE_REASON.format(width=geo.window.out_spatial[1],
-                                      least=BLOCKED_ALONE_MIN_WIDTH)
+                                      least=blocked_alone_width(geo.out_channels))
     return _blocked_decision(geo, "nchw->nchw", why, threads, ())
 
 
@@ -2847,24 +2847,37 @@ def blocked_conv(geo: ConvGeometry, grid: Any = _HERE, vendor: Any = _HERE) -> b
 # 128 -> 256 (14 out) inside the model 0.80-0.89 at batch 1 and 0.79-0.84 at batch 32 on
 # one thread, 0.94 at batch 1 on two (fastest of 18-60 runs); its 256 -> 512 (7 out, a
 # tail tile only) 1.00-1.03 at batch 1 and 32 in the model; the 1x1 stride-2 shortcuts
-# 0.93-1.18 in the model, so they keep their forms.
+# 0.88-1.21 in the model (fastest), so they keep their forms. The 14-pixel rows were
+# measured with two blocks a tile (out channels a multiple of 32, blocked_oc_tile); a
+# one-block conv's tail runs one block, as every row did when 16 pixels was the least
+# measured to pay, so it keeps BLOCKED_ALONE_ONE_BLOCK_MIN_WIDTH.
 BLOCKED_ALONE_MIN_WIDTH = 14
+BLOCKED_ALONE_ONE_BLOCK_MIN_WIDTH = 16
 BLOCKED_ALONE_REASON = (
     "channel-blocked alone (planner.blocked_alone): a 3x3 stride-2 conv outside any float "
-    "NCHWc region, {width}-pixel output rows >= BLOCKED_ALONE_MIN_WIDTH {least}; X read "
+    "NCHWc region, {width}-pixel output rows >= {least} (blocked_alone_width); X read "
     "in NCHW where it lies, each input value broadcast once for the taps that read it, "
     "the sums transposed 16 x 16 into Y's NCHW rows "
-    "(measured on ResNet-18's 64 -> 128 and 128 -> 256, one thread, batch 1 and 32, on a "
-    "2-core Intel Xeon: 0.69-0.89x the gathered or masked form planned before, 7-pixel "
-    "rows no faster; other shapes and thread counts follow from it, not measured)")
+    "(measured on ResNet-18's 64 -> 128, alone, and 128 -> 256, in the model, at batch 1 "
+    "and 32 on one thread and the latter at batch 1 on two, on a 2-core Intel Xeon: "
+    "0.69-0.72x (medians) and 0.79-0.94x (fastest) the gathered or masked form planned "
+    "before, 7-pixel rows no faster; other shapes follow from it, not measured)")
 
 
 def blocked_alone(geo: ConvGeometry) -> bool:
     """Whether a blockable conv (blocked_conv) outside any region runs blocked alone: 3x3
-    at stride 2 with output rows of at least BLOCKED_ALONE_MIN_WIDTH pixels."""
+    at stride 2 with output rows of at least blocked_alone_width pixels."""
     win = geo.window
     return (tuple(win.kernel) == (3, 3) and tuple(win.strides) == (2, 2)
-            and win.out_spatial[1] >= BLOCKED_ALONE_MIN_WIDTH)
+            and win.out_spatial[1] >= blocked_alone_width(geo.out_channels))
+
+
+def blocked_alone_width(out_channels: int) -> int:
+    """The least output row a lone blocked conv takes: BLOCKED_ALONE_MIN_WIDTH where its
+    register tile holds two blocks (the width measured with a two-block tail), else
+    BLOCKED_ALONE_ONE_BLOCK_MIN_WIDTH."""
+    return (BLOCKED_ALONE_MIN_WIDTH if blocked_oc_tile(out_channels) == 2
+            else BLOCKED_ALONE_ONE_BLOCK_MIN_WIDTH)
 
 
 def blocked_oc_tile(out_channels: int) -> int:

@@ -111,10 +111,11 @@ def audit(name: str, batch: int, threads: int, profile: HardwareProfile) -> list
     graph = model.graph
     types = propagate(graph, {k: v.shape for k, v in feeds.items()}).types
     backend = CpuBackend(threads=threads, hardware=profile)
-    # a float NCHWc region's convs (and a lone blocked conv) are planned with the graph
-    # (planner.float_layouts)
-    regions = {p.name: p.plan for p in model.plan.nodes if p.plan is not None
-               and p.plan.layout in native_blocked.REGION_LAYOUTS}
+    # a float NCHWc region's convs (and a lone blocked conv) and a conv pooled in its
+    # pool's step are planned with the graph (planner.float_layouts, pool_in_conv)
+    regions = {p.name: p.plan for p in model.plan.nodes if p.plan is not None and (
+        p.plan.layout in native_blocked.REGION_LAYOUTS or p.plan.option("pool_in_conv")
+        or p.plan.option("pooled_by"))}
     rows = []
     for node in graph.nodes:
         inputs = [types.get(i) if i else None for i in node.inputs]

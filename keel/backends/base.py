@@ -134,6 +134,7 @@ import dataclasses
 import enum
 import importlib
 import operator
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -177,6 +178,8 @@ __all__ = [
     "NodePlan",
     "PlanRequest",
     "ProgramScope",
+    "every_value",
+    "every_value_wanted",
     "Prepack",
     "VariantChooser",
     "dtype_of",
@@ -906,6 +909,27 @@ def _takes(held: frozenset[DType], kernel: KernelVariant, dt: DType) -> bool:
 Inputs = Sequence[Any]
 Attrs = Mapping[str, Any]
 Out = Sequence[Any] | None
+
+
+_EVERY_VALUE = threading.local()
+
+
+@contextlib.contextmanager
+def every_value() -> Any:
+    """A run on this thread in which every value is kept or watched (a program's general
+    path: ``keep_all``, ``observe``): a step that would leave its output to a later
+    step's call (cpu's conv_pool: a conv pooled in its pool's step) computes it."""
+    before = getattr(_EVERY_VALUE, "on", False)
+    _EVERY_VALUE.on = True
+    try:
+        yield
+    finally:
+        _EVERY_VALUE.on = before
+
+
+def every_value_wanted() -> bool:
+    """Whether this thread runs inside :func:`every_value`."""
+    return bool(getattr(_EVERY_VALUE, "on", False))
 
 
 def optional_input(inputs: Inputs, i: int) -> Any:

@@ -85,12 +85,13 @@ class PlanRequest:
 
 @dataclass(frozen=True)
 class LayoutDecision:
-    """A node's layout decided over the whole graph (``Backend.plan_layouts``): the layout,
-    why, the threads reason of the kernel that runs in it ("": its plan's stands),
-    options for its plan as (name, value, reason), and other fields of its plan the
-    layout changes as (field, value, reason): a different kernel's scratch, say."""
+    """A node's layout decided over the whole graph (``Backend.plan_layouts``): the layout
+    (None: the node plan's own stands, only options or fields decided), why, the threads
+    reason of the kernel that runs in it ("": its plan's stands), options for its plan
+    as (name, value, reason), and other fields of its plan the layout changes as (field,
+    value, reason): a different kernel's scratch, say."""
 
-    layout: str
+    layout: str | None      # None: the node plan's own layout stands
     reason: str
     threads_reason: str = ""
     options: tuple[tuple[str, Any, str], ...] = ()

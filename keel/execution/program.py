@@ -48,7 +48,13 @@ from typing import Any
 
 import numpy as np
 
-from keel.backends.base import Backend, KernelContext, KernelVariant, ProgramScope
+from keel.backends.base import (
+    Backend,
+    KernelContext,
+    KernelVariant,
+    ProgramScope,
+    every_value,
+)
 from keel.backends.bound import BoundCall, PartFailed, bare
 from keel.backends.gpu.io import is_device_array
 from keel.backends.gpu.io import to_host as device_to_host
@@ -384,12 +390,13 @@ class Program:
         start = time.perf_counter_ns()
         scopes = self._enter_scopes()
         try:
-            for index, step in enumerate(self._steps):
-                self._run_step(step, outputs, profiler)
-                if keep_all:
-                    kept.update(self._snapshot(step, names))
-                if watch is not None:
-                    self._notify(watch.get(index, ()))
+            with every_value():         # every value kept or watched: each step writes its own
+                for index, step in enumerate(self._steps):
+                    self._run_step(step, outputs, profiler)
+                    if keep_all:
+                        kept.update(self._snapshot(step, names))
+                    if watch is not None:
+                        self._notify(watch.get(index, ()))
         finally:
             _exit_scopes(scopes)
         if profiler is not None:

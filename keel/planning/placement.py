@@ -518,7 +518,8 @@ def _with_layouts(graph: Graph, types: Mapping[str, TensorType | None],
         for i, decided in registry.get(name).plan_layouts(graph, types, variants).items():
             p = placed[i]
             if p.plan is not None:
-                plan = p.plan.with_field("layout", decided.layout, decided.reason)
+                plan = p.plan if decided.layout is None else p.plan.with_field(
+                    "layout", decided.layout, decided.reason)
                 if decided.threads_reason:
                     plan = plan.with_field("threads", plan.threads, decided.threads_reason)
                 for option, value, why in decided.options:

@@ -206,9 +206,12 @@ class CpuBackend(Backend):
                      variants: Sequence[str | None]) -> dict[int, LayoutDecision]:
         from keel.backends.cpu import planner
 
-        return {**planner.int8_layouts(graph, types, variants, self.threads, self._hardware),
-                **planner.float_layouts(graph, types, variants, self.threads,
-                                        self._hardware)}
+        decided = {**planner.int8_layouts(graph, types, variants, self.threads,
+                                          self._hardware),
+                   **planner.float_layouts(graph, types, variants, self.threads,
+                                           self._hardware)}
+        return {**decided, **planner.pool_in_conv(graph, types, variants, self.threads,
+                                                  self._hardware, tuple(decided))}
 
     def _planner_state(self) -> Any:
         from keel.backends.cpu import planner

@@ -63,6 +63,7 @@ from keel.backends.bound import BoundCall, bare
 from keel.backends.cpu import (
     conv_epilogue,
     conv_gemm,
+    conv_pool,
     depthwise,
     native_blocked,
     native_gemm,
@@ -529,6 +530,9 @@ def _conv_variant(variant: str) -> Callable[[KernelContext, Inputs, Attrs, Out],
     def kernel(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
         state = ctx.prepacked
         z = inputs[3] if len(inputs) > 3 else None
+        if (out is not None and ctx.plan is not None and ctx.plan.option("pooled_by")
+                and _handed_over(ctx, variant, inputs, attrs, out[0])):
+            return [out[0]]
         if out is not None and state.__class__ is _State:
             # The steady state of a model's node: its prepared native computation.
             y = out[0]
@@ -545,6 +549,25 @@ def _conv_variant(variant: str) -> Callable[[KernelContext, Inputs, Attrs, Out],
                     z, attrs, out)
     kernel.__doc__ = RULES[variant].summary if variant in RULES else "dispatching conv"
     return kernel
+
+
+def _handed_over(ctx: KernelContext, variant: str, inputs: Inputs, attrs: Attrs, y: Any
+                 ) -> bool:
+    """Whether the pool the planner pools this conv with takes it over this run
+    (conv_pool.hand_over): the conv then computes nothing."""
+    x, w = inputs[0], inputs[1]
+    b, z = optional_input(inputs, 2), inputs[3] if len(inputs) > 3 else None
+    if (ctx.prepacked.__class__ is not _State or type(x) is not np.ndarray
+            or type(y) is not np.ndarray):
+        return False
+
+    def band_of() -> native_gemm.BandCall | None:
+        plan = _lookup(Op.CONV, variant, ctx.backend, x, w, b, z, attrs, ctx.plan)
+        if plan.variant != "native" or y.shape != plan.geo.out_shape:
+            return None
+        return _pooled_band(plan, x, w, b, z, y, ctx.prepacked)
+
+    return conv_pool.hand_over(x, y, band_of)
 
 
 def _run_moved(state: _State, variant: str, x: Any, w: Any, b: Any, z: Any, y: Any,
@@ -592,6 +615,10 @@ def _bind_conv(variant: str, ctx: KernelContext, inputs: Inputs, attrs: Attrs,
     ready = _prepare_native(plan, variant, x, w, b, z, y, attrs, state)
     if ready is None:
         return None
+    if ctx.plan is not None and ctx.plan.option("pooled_by") is not None:
+        call = functools.partial(ready.run, x, y, ctx.threads or 1)
+        return conv_pool.ConvStep(call, x, y, functools.partial(_pooled_band, plan, x, w, b,
+                                                                z, y, state))
     return _native_step(ready, ctx.threads or 1) or functools.partial(
         ready.run, x, y, ctx.threads or 1)
 
@@ -611,6 +638,24 @@ def _native_step(ready: _Ready, threads: int) -> BoundCall | None:
 def _each(calls: tuple[Callable[[], Any], ...]) -> None:
     for call in calls:
         call()
+
+
+def _pooled_band(plan: _Plan, x: Any, w: Any, b: Any, z: Any, y: Any, state: _State
+                 ) -> native_gemm.BandCall | None:
+    """The conv as a band conv (gemm.c's keel_conv_band_f32: the same sums, so the same
+    bits as any native form), for the max pool that the planner pools it with
+    (conv_pool); None where the band conv does not serve it."""
+    layout = plan.layout
+    if not isinstance(layout, conv_gemm.NativeLayout):
+        return None
+    win = layout.geo.window
+    if (z is not None or plan.act[0] not in ("", "clip") or layout.blocked
+            or layout.geo.group != 1 or win.rank != 2):
+        return None
+    ((wp, bias),) = conv_gemm.layout_filters(np, layout, state, w, b)
+    clip = (plan.act[1][0], plan.act[1][1]) if plan.act[0] == "clip" else None
+    return native_gemm.prepare_band(x, wp, y, win.kernel, win.strides, win.dilations,
+                                    win.pads_begin, bias=bias, clip=clip)
 
 
 def _bind_winograd(plan: _Plan, x: Any, w: Any, b: Any, z: Any, y: Any, state: _State,

@@ -116,6 +116,8 @@ _ADDRESS = struct.Struct("<q")   # one address written into a call's arguments
 _BAND_ARGS = struct.Struct("<21q2d")
 _BAND_X = 16            # where X's address sits in it
 _BAND_OUT = (17, 19)    # and Y's and the residual's
+# keel_conv_pool_args of gemm.c: 12 int64 fields (checked against its sizeof at load).
+_POOL_ARGS = struct.Struct("<12q")
 # _load checks both layouts against gemm.c's own sizeof and offsetof.
 _F4 = np.dtype(np.float32)
 _THP = Path("/sys/kernel/mm/transparent_hugepage")
@@ -133,6 +135,9 @@ class _Functions:
     band_mt: Callable[..., int]
     band_rows: Callable[..., int]
     band_work: Callable[..., int]
+    pooled: Callable[..., None]      # keel_conv_pool_f32 and its helpers (prepare_pooled)
+    pooled_mt: Callable[..., int]
+    pooled_work: Callable[..., int]
     mr: int          # rows of a micro-tile (the panel width of a left operand)
     kc: int          # depth of a block (B's packed block, A's panel block)
     nr: int          # columns of a micro-tile (the panel width of a right operand)
@@ -166,6 +171,9 @@ def _load(lib: native.NativeLibrary) -> _Functions:
     check_layout("keel_conv_band_args", _BAND_ARGS, _BAND_X, "X",
                   size("keel_conv_band_args_size"), size("keel_conv_band_args_x_offset"))
     check_enums(lib, "keel_gemm_flags", _FLAGS, "native_gemm")
+    if size("keel_conv_pool_args_size") != _POOL_ARGS.size:
+        raise ArgsLayoutError(f"keel_conv_pool_args is {size('keel_conv_pool_args_size')} "
+                              f"bytes in gemm.c, {_POOL_ARGS.size} here: change both together")
     taps_from = size("keel_gemm_rows_first_taps_f32")
     if taps_from != planner_rules().ROWS_FIRST_TAPS_FROM:
         raise ArgsLayoutError(
@@ -184,6 +192,12 @@ def _load(lib: native.NativeLibrary) -> _Functions:
         band_mt=lib.function("keel_conv_band_mt_f32", [ctypes.c_char_p, _I64, _I64], _I64),
         band_rows=lib.function("keel_conv_band_rows_f32", [ctypes.c_char_p], _I64),
         band_work=lib.function("keel_conv_band_workspace_f32", [ctypes.c_char_p], _I64),
+        pooled=lib.function("keel_conv_pool_f32",
+                            [ctypes.c_char_p, ctypes.c_char_p, _PTR, _I64, _I64]),
+        pooled_mt=lib.function("keel_conv_pool_mt_f32",
+                               [ctypes.c_char_p, ctypes.c_char_p, _I64, _I64], _I64),
+        pooled_work=lib.function("keel_conv_pool_workspace_f32",
+                                 [ctypes.c_char_p, ctypes.c_char_p], _I64),
         mr=size("keel_gemm_mr_f32"), nr=size("keel_gemm_nr_f32"), kc=size("keel_gemm_kc_f32"),
         work=size("keel_gemm_workspace_f32"), tall=planner_rules().tall_tiles,
         lanes=planner_rules().lanes_tiles)
@@ -1069,3 +1083,78 @@ def attention(qk: Call, pv: Call, s: int, t: int, mask: Any, layout: tuple[int, 
         return False
     call.run()
     return True
+
+
+@dataclass(frozen=True)
+class PoolSplit:
+    """How a conv pooled while its rows are in cache runs (the cpu planner's
+    ``pool_in_conv_split``): ``bands`` bands of pooled rows an image (the units are
+    images x bands), ``step`` pooled rows a step (the buffer holds the conv rows they
+    read), ``fill`` conv rows a band of B."""
+
+    bands: int
+    step: int
+    fill: int
+
+
+@dataclass(frozen=True)
+class RowPool:
+    """The max pool a conv's rows go through (window.c's keel_maxpool_part_f32): its
+    address, its window geometry's address (kept alive by ``keep``), its scratch floats,
+    and the window's rows: kernel, stride, top padding."""
+
+    function: int
+    geometry: int
+    scratch: int
+    kh: int
+    sh: int
+    pt: int
+    keep: object
+
+
+class PooledCall:
+    """A band conv (:class:`BandCall`, its Y never stored) pooled band by band into the
+    pooled Y while its rows are in cache (gemm.c's keel_conv_pool_f32)."""
+
+    __slots__ = ("args", "band", "f", "keep", "pool_args", "units")
+
+    def __init__(self, f: _Functions, band: BandCall, pool_args: bytes, units: int,
+                 keep: tuple[object, ...]) -> None:
+        self.f, self.band, self.pool_args, self.units, self.keep = f, band, pool_args, units, keep
+        # The conv's arguments, X's address rewritten in place for each new X (point_x).
+        self.args = ctypes.create_string_buffer(band.args, len(band.args))
+
+    def point_x(self, x: np.ndarray) -> bool:
+        """Read ``x`` from now on (a bound call sees it too); False (nothing changed)
+        unless it is a C-contiguous float32 array of the shape prepared for."""
+        if x.shape != self.band.x_shape or x.dtype != _F4 or not x.flags.c_contiguous:
+            return False
+        _ADDRESS.pack_into(self.args, _BAND_X * 8, native.address(x))
+        return True
+
+    def bound(self, threads: int) -> Callable[[], Any]:
+        """The call as a callable with no arguments, its units over up to ``threads``
+        threads."""
+        parts = max(1, min(threads, self.units))
+        if parts > 1:
+            return holding(functools.partial(checked, self.f.pooled_mt, self.args,
+                                             self.pool_args, self.units, parts), self)
+        work = thread_scratch(Scratch.WORK, int(self.f.pooled_work(self.args, self.pool_args)))
+        return holding(functools.partial(self.f.pooled, self.args, self.pool_args,
+                                         int(native.address(work)), 0, self.units), self, work)
+
+
+def prepare_pooled(band: BandCall, y: np.ndarray, pool: RowPool, split: PoolSplit
+                   ) -> PooledCall | None:
+    """``band``'s conv pooled by ``pool`` into ``y`` (N, M, PH, PW), C-contiguous float32;
+    None where not served (a residual, Y's stores past the cache, another Y)."""
+    f = _functions()
+    n, m = band.values[0], band.values[4]
+    if (f is None or band.values[19] or band.values[20] & _NT or y.dtype != _F4
+            or not y.flags.c_contiguous or y.ndim != 4 or y.shape[:2] != (n, m)
+            or min(split.bands, split.step, split.fill) < 1):
+        return None
+    ph, pw = y.shape[2:]
+    args = _POOL_ARGS.pack(pool.function, pool.geometry, native.address(y), ph, pw, pool.kh,
+                           pool.sh, pool.pt, split.bands, split.step, split.fill, pool.scratch)
+    return PooledCall(f, band, args, n * split.bands, (y, pool.keep))

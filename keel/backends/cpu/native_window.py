@@ -66,6 +66,7 @@ class _Functions:
     maxpool_rows: Any    # keel_maxpool_rows_f32: stride 2 across, by output rows
     maxpool_rows_mt: Any
     maxpool_rows_scratch: Any
+    maxpool_part: Any    # keel_maxpool_part_f32: output rows from part of X (a conv's rows)
     avgpool_mt: Any
     global_max_mt: Any
     global_avg_mt: Any
@@ -99,6 +100,7 @@ def _load() -> _Functions | None:
         maxpool_rows=f("keel_maxpool_rows_f32", [_P, _P, _P, _P, _I, _I], _I),
         maxpool_rows_mt=f("keel_maxpool_rows_mt_f32", [_P, _P, _P, _I, _I], _I),
         maxpool_rows_scratch=f("keel_maxpool_rows_scratch", [_P], _I),
+        maxpool_part=f("keel_maxpool_part_f32", [_P, _I, _I, _P, _P, _P, _I, _I, _I], _I),
         avgpool_mt=f("keel_avgpool2d_mt_f32", [_P, _P, _P, _P, _I, _I], _I),
         global_max_mt=f("keel_global_maxpool_mt_f32", [_P, _P, _I, _I, _I], _I),
         global_avg_mt=f("keel_global_avgpool_mt_f32", [_P, _P, _I, _I, _I], _I),
@@ -239,6 +241,19 @@ def bind_max_pool(x: np.ndarray, y: np.ndarray, geo: WindowGeometry, threads: in
         return _bind(planes, geo, fns, threads, fns.maxpool_rows, fns.maxpool_rows_mt, head,
                      scratch_of=fns.maxpool_rows_scratch)
     return _bind(planes, geo, fns, threads, fns.maxpool, fns.maxpool_mt, head)
+
+
+def row_pool(geo: WindowGeometry) -> tuple[int, int] | None:
+    """(the address of window.c's keel_maxpool_part_f32, the floats of scratch it needs)
+    for a max pool of ``geo`` on the row kernel, which a native conv calls on its own
+    rows (gemm.c's keel_conv_pool_f32); None where the row kernel does not serve ``geo``."""
+    fns = _load()
+    if fns is None or not geo.by_rows():
+        return None
+    floats = int(fns.maxpool_rows_scratch(geo.address))
+    if floats < 0:
+        return None
+    return int(ctypes.cast(fns.maxpool_part, ctypes.c_void_p).value or 0), floats
 
 
 def bind_avg_pool(x: np.ndarray, y: np.ndarray, geo: WindowGeometry, counts: np.ndarray,

@@ -1090,6 +1090,153 @@ def float_layouts(graph: Any, types: Mapping[str, TensorType | None],
     return decided
 
 
+# ---- a conv pooled while its rows are in cache ----------------------------------------
+# pool_in_conv: a float conv whose only reader is the max pool right after it, the conv
+# shallow (a network's first layer: at most POOL_IN_CONV_MAX_DEPTH input channels x taps,
+# strided, at least BAND_FROM output pixels an image: the shapes of the one measured;
+# LeNet's small convs and stride-1 convs were not) and the pool on window.c's row
+# kernel (max_pool_by_rows: stride 2 across, at most three taps across, dilation 1; any
+# rows, row stride and padding), runs as one native call
+# (gemm.c's keel_conv_pool_f32, conv_pool.py): per band of pooled rows the conv's rows,
+# computed as the band conv computes them, go into a buffer of the thread's and are
+# pooled from there, so the conv's output (ResNet-18's stem: 3.1 MiB an image) is never
+# written out and read back. Bitwise the conv then the pool. Measured on ResNet-18's
+# stem (3 -> 64 7x7 stride 2, bias and ReLU, then MaxPool 3x3 stride 2 pad 1) on the
+# 2-core Intel Xeon (KVM, AVX-512), alone against keel's two steps (the gathered conv
+# and the row pool), alternating in one process, under load (a load average of 5):
+# fastest of 100 at batch 1, one thread, 1.92-2.02 ms against 2.04-2.24 ms (0.90-0.95x);
+# two threads 0.86-0.91x; batch 32 0.90-0.95x on one and two threads. In the model:
+# docs/performance.md, "ResNet-18's stem pooled in cache".
+POOL_IN_CONV = True
+POOL_IN_CONV_MAX_DEPTH = 147
+# Pooled rows a step: the buffer then holds the conv rows they read ((step - 1) * stride
+# + kernel rows: 17 of ResNet-18's stem, 476 KiB with 64 channels of 112 columns, beside
+# the band's B in the L2). Measured as above: 4, 6, 8 and 12 within the noise of each
+# other (0.90-0.98x), 16 0.98x.
+POOL_IN_CONV_STEP = 8
+# Conv rows a band of B at most: the count filling the GEMM's column panels best
+# (ResNet-18's stem: 2 rows of 112 columns, seven whole 32-column panels; one row left
+# half a panel empty). Derived.
+POOL_IN_CONV_FILL_MAX = 4
+POOL_IN_CONV_REASON = (
+    "pooled in the conv (planner.pool_in_conv): {conv} computes its rows into a buffer "
+    "of each thread's, {fill} row(s) a band of its taps, and this max pool pools them "
+    "from there {step} pooled row(s) a step, so the conv's {mib:.1f} MiB output is never "
+    "written out and read back (the conv's step does nothing; bitwise the conv then the "
+    "pool)")
+POOLED_BY_REASON = ("pooled while its rows are in cache by {pool}, which runs this conv "
+                    "(planner.pool_in_conv)")
+
+
+def pool_in_conv(graph: Any, types: Mapping[str, TensorType | None],
+                 variants: Sequence[str | None], threads: int | None = None,
+                 profile: Any = None, taken: Sequence[int] = ()
+                 ) -> dict[int, LayoutDecision]:
+    """The convs pooled while their rows are in cache: {node index: LayoutDecision}, the
+    conv's with the option ``pooled_by`` (the pool's name; its layout its own), the
+    pool's with layout ``"pooled"``, both with the option ``pool_in_conv`` (a
+    native_gemm.PoolSplit's fields). ``variants[i]``: node i's variant here (None: elsewhere);
+    ``taken``: nodes another layout pass decided (left as they are)."""
+    if not POOL_IN_CONV:
+        return {}
+    nodes = graph.nodes
+    producer, readers = _links(nodes)
+    outputs = set(graph.output_names)
+    grid = tile_grid(profile)
+    decided: dict[int, LayoutDecision] = {}
+    for i, node in enumerate(nodes):
+        conv = i - 1
+        if (node.op is not Op.MAX_POOL or i == 0 or variants[i] != "native"
+                or variants[conv] != "native" or len([o for o in node.outputs if o]) != 1
+                or conv in taken or i in taken):
+            continue
+        x = node.inputs[0]
+        if producer.get(x) != conv or readers.get(x) != [i] or x in outputs:
+            continue
+        geo = _poolable_conv(nodes[conv], types, grid)
+        pool = _row_pool(node, types)
+        if geo is None or pool is None or geo.out_shape[2:] != pool.in_spatial:
+            continue
+        split = pool_in_conv_split(geo.batch, pool.out_spatial[0], geo.window.out_spatial[1],
+                                   threads or 1, grid)
+        mib = math.prod(geo.out_shape) * 4 / 2**20
+        decided[i] = LayoutDecision(
+            "pooled", POOL_IN_CONV_REASON.format(conv=nodes[conv].name, fill=split.fill,
+                                                 step=split.step, mib=mib),
+            threads_reason=(f"{threads or 1} kernel thread(s): the backend's thread count; "
+                            f"the conv and the pool run as one call, "
+                            f"{min(threads or 1, geo.batch * split.bands)} piece(s) of "
+                            f"images x bands of pooled rows (pool_in_conv)"),
+            options=(("pool_in_conv", dataclasses.astuple(split),
+                      _pooled_split_reason(split, geo.batch, threads or 1)),))
+        decided[conv] = LayoutDecision(None, "", options=(
+            ("pooled_by", node.name, POOLED_BY_REASON.format(pool=node.name)),
+            decided[i].options[0]))
+    return decided
+
+
+def _poolable_conv(node: Any, types: Mapping[str, TensorType | None], grid: Grid
+                   ) -> ConvGeometry | None:
+    """A float conv's geometry where pool_in_conv serves it: 2-D, one group, no
+    residual, at most POOL_IN_CONV_MAX_DEPTH deep, strided and of at least BAND_FROM
+    output pixels an image (a network's first layer on a large image, as the stem
+    measured), float32, the native tile known."""
+    if node.op is not Op.CONV or len(node.inputs) < 2 or grid is None or (
+            len(node.inputs) > 3 and node.inputs[3]):
+        return None
+    x, w = (types.get(name) for name in node.inputs[:2])
+    out = types.get(node.outputs[0])
+    if x is None or x.dtype is not DType.FLOAT32 or out is None or (
+            out.dtype is not DType.FLOAT32):
+        return None
+    geo = _static_geometry(PlanRequest(node.op, (x, w), dict(node.attrs), None, None))
+    if (geo is None or geo.group != 1 or geo.window.rank != 2
+            or all(s == 1 for s in geo.window.strides)
+            or math.prod(geo.window.out_spatial) < BAND_FROM):
+        return None
+    return geo if geo.in_channels * math.prod(geo.window.kernel) <= POOL_IN_CONV_MAX_DEPTH \
+        else None
+
+
+def _row_pool(node: Any, types: Mapping[str, TensorType | None]) -> Any:
+    """A float32 max pool's window where window.c's row kernel serves it; else None."""
+    x, y = types.get(node.inputs[0]), types.get(node.outputs[0])
+    if (x is None or y is None or x.dtype is not DType.FLOAT32 or y.dtype is not DType.FLOAT32
+            or x.shape is None or len(x.shape) != 4
+            or not all(isinstance(d, int) for d in x.shape)):
+        return None
+    try:
+        win = pool_window(Op.MAX_POOL, [int(d) for d in x.shape if isinstance(d, int)],
+                          dict(node.attrs))
+    except KeelError:
+        return None
+    ok = win.rank == 2 and max_pool_by_rows(win.kernel, win.strides, win.dilations)
+    return win if ok else None
+
+
+def pool_in_conv_split(batch: int, pooled_rows: int, width: int, threads: int,
+                       grid: Grid) -> native_gemm.PoolSplit:
+    """How pool_in_conv's call runs: bands of pooled rows an image, so that images x
+    bands divide evenly over the threads (threads / gcd(batch, threads), at most a band
+    a pooled row); POOL_IN_CONV_STEP pooled rows a step; conv rows a band of B that fill
+    the GEMM's column panels best."""
+    bands = max(1, min(pooled_rows, threads // math.gcd(max(batch, 1), threads)))
+    panel = 32 if grid is None else grid[1]
+    fill = max(range(1, POOL_IN_CONV_FILL_MAX + 1),
+               key=lambda r: (r * width / (-(-r * width // panel) * panel), -r))
+    return native_gemm.PoolSplit(bands, POOL_IN_CONV_STEP, fill)
+
+
+def _pooled_split_reason(split: native_gemm.PoolSplit, batch: int, threads: int) -> str:
+    units = max(batch, 0) * split.bands
+    extra = "" if split.bands == 1 else (
+        f"; a band's first conv row, shared with the band before it, is computed by both "
+        f"({split.bands - 1} extra row(s) an image)")
+    return (f"{split.bands} band(s) of pooled rows an image, {units} unit(s) (images x "
+            f"bands) over up to {threads} thread(s): threads / gcd(batch, threads) bands, so "
+            f"the units divide evenly{extra}")
+
+
 def _blockable(node: Any, types: Mapping[str, TensorType | None], grid: Grid,
                vendor: str | None) -> ConvGeometry | None:
     """A float conv node's geometry where blocked_conv serves it; None otherwise."""
@@ -4534,6 +4681,9 @@ def node_splits(op: Op, input_types: Sequence[TensorType | None], attrs: Mapping
     whose kernel none of these describes."""
     request = PlanRequest(op, tuple(input_types), dict(attrs), threads, profile,
                           low_memory=low_memory, constants=constants)
+    pooled = _pooled_splits(request, node_plan, threads)
+    if pooled is not None:
+        return pooled
     grid = tile_grid(profile)
     geo = _static_geometry(request)
     if geo is not None:
@@ -4555,6 +4705,19 @@ def node_splits(op: Op, input_types: Sequence[TensorType | None], attrs: Mapping
     pieces = node_plan.threads or 1
     return (Split("elements", elements, max(1, min(pieces, elements)), elements,
                   least_work(work, threads or 2)),)
+
+
+def _pooled_splits(request: PlanRequest, node_plan: NodePlan, threads: int
+                   ) -> tuple[Split, ...] | None:
+    """A conv pooled in its pool's step (pool_in_conv) and that pool: the one call over
+    images x bands (the pool's step runs it); None for other nodes."""
+    split = node_plan.option("pool_in_conv")
+    shapes = request.static_shapes()
+    if split is None or not shapes or shapes[0] is None:
+        return None
+    units = shapes[0][0] * split[0]
+    return (Split("conv and pool", units, max(1, min(threads, units)), units, 1,
+                  unit="image band(s)"),)
 
 
 def _native_heads(request: PlanRequest) -> tuple[int, int] | None:

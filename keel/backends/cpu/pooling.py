@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from keel.backends.base import Attrs, Inputs, KernelContext, Out
+from keel.backends.cpu import conv_pool, native_gemm, workspace
 from keel.backends.cpu import native_window as nw
 from keel.backends.cpu import window as wnd
-from keel.backends.cpu import workspace
 from keel.backends.cpu.kernels import TABLE
 from keel.dtypes import DType
 from keel.ops.registry import Op
@@ -571,7 +571,11 @@ def _bind_window(op: Op, ctx: KernelContext, inputs: Inputs, attrs: Attrs,
             or not x.flags.c_contiguous or not y.flags.c_contiguous):
         return None
     if op is Op.MAX_POOL:
-        return nw.step(nw.bind_max_pool(x, y, geo, ctx.threads or 1))
+        pool = nw.bind_max_pool(x, y, geo, ctx.threads or 1)
+        split = None if ctx.plan is None else ctx.plan.option("pool_in_conv")
+        waits = None if split is None else conv_pool.waiting(
+            pool, x, y, geo, native_gemm.PoolSplit(*split), ctx.threads or 1)
+        return nw.step(pool) if waits is None else waits
     counts = nw.avg_counts(win, bool(attrs["count_include_pad"]))
     return nw.step(nw.bind_avg_pool(x, y, geo, counts, ctx.threads or 1))
 

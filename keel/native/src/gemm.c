@@ -2041,35 +2041,143 @@ static void band_fill(const keel_conv_band_args *g, const float *x, int64_t oy0,
  * rows; the last one of an image may be shorter). Every element of Y is the same sum
  * in the same order whatever the split: bitwise the same Y for any thread count.
  * `work`: keel_conv_band_workspace_f32(g) floats. */
+/* The tiles of a built band (`cols` columns of B at work, ldb apart) into y: output
+ * channel i's columns at y + i * ldy; `jbase` the band's first column in its image's
+ * plane (the epilogue's index). */
+static void band_tiles(const keel_conv_band_args *g, const float *work, int64_t ldb,
+                       int64_t cols, float *y, int64_t ldy, int64_t jbase, const epilogue *e)
+{
+    int64_t k = g->c * g->kh * g->kw, m = g->m;
+    const float *a = FPTR(g->a);
+    for (int64_t j0 = 0; j0 < cols; j0 += NR) {
+        int64_t width = cols - j0 < NR ? cols - j0 : NR;
+        int nv = (int)((width + VW - 1) / VW);
+        bsource s = {work + j0, ldb, NULL};
+        for (int64_t i0 = 0; i0 < m; i0 += MR) {
+            int mr = (int)(m - i0 < MR ? m - i0 : MR);
+            target tg = {y + i0 * ldy + j0, ldy, width, NULL, i0, jbase + j0, 0, 1};
+            TILES[nv - 1][mr - 1](k, a + i0 * k, &s, &tg, e);
+        }
+    }
+}
+
 void keel_conv_band_f32(const keel_conv_band_args *g, float *work, int64_t u_lo, int64_t u_hi)
 {
     int64_t rows = keel_conv_band_rows_f32(g), bands = (g->oh + rows - 1) / rows;
-    int64_t k = g->c * g->kh * g->kw, m = g->m, plane = g->oh * g->ow;
+    int64_t m = g->m, plane = g->oh * g->ow;
     int64_t ldb = band_ldb(g, rows);
-    const float *a = FPTR(g->a);
     for (int64_t u = u_lo; u < u_hi; u++) {
         int64_t t = u / bands, oy0 = (u % bands) * rows;
-        int64_t r = g->oh - oy0 < rows ? g->oh - oy0 : rows, cols = r * g->ow;
+        int64_t r = g->oh - oy0 < rows ? g->oh - oy0 : rows;
         band_fill(g, FPTR(g->x) + t * g->c * g->h * g->w, oy0, r, ldb, work);
         epilogue e = {FPTR(g->bias), g->bias ? 1 : 0,
                       g->res ? FPTR(g->res) + t * m * plane : NULL, plane, 1.0f,
                       (float)g->lo, (float)g->hi, g->flags & (KEEL_CLIP | KEEL_NT)};
-        float *y = FPTR(g->y) + t * m * plane + oy0 * g->ow;
-        for (int64_t j0 = 0; j0 < cols; j0 += NR) {
-            int64_t width = cols - j0 < NR ? cols - j0 : NR;
-            int nv = (int)((width + VW - 1) / VW);
-            bsource s = {work + j0, ldb, NULL};
-            for (int64_t i0 = 0; i0 < m; i0 += MR) {
-                int mr = (int)(m - i0 < MR ? m - i0 : MR);
-                target tg = {y + i0 * plane + j0, plane, width, NULL, i0, oy0 * g->ow + j0,
-                             0, 1};
-                TILES[nv - 1][mr - 1](k, a + i0 * k, &s, &tg, &e);
-            }
-        }
+        band_tiles(g, work, ldb, r * g->ow, FPTR(g->y) + t * m * plane + oy0 * g->ow, plane,
+                   oy0 * g->ow, &e);
     }
 #if defined(__SSE2__)
     if (g->flags & KEEL_NT) _mm_sfence();
 #endif
+}
+
+/* ---- a shallow conv pooled while its rows are in cache (keel_conv_pool_f32) ---------- */
+
+/* The band conv above (no residual, Y never stored whole) followed by a max pool of its
+ * output: per band of pooled rows of one image, the conv rows they read are computed
+ * `fill` rows at a time into a buffer of the thread's (every output channel's rows
+ * [lo, hi) of the conv), then pooled from there into the pooled Y by window.c's
+ * keel_maxpool_part_f32 (its address handed in, as the attention's softmax is), then
+ * the rows the next step's windows no longer read are dropped. ResNet-18's stem: its
+ * 3.1 MiB output at batch 1 never leaves L2. A band's first conv row, shared with the
+ * band before it, is computed by both (the same sum: the same bits). Every element is
+ * the band conv's and the row pool's: bitwise the conv then the pool, on any split. */
+typedef struct {
+    int64_t pool;       /* keel_maxpool_part_f32's address */
+    int64_t geometry;   /* its window geometry (window.c's) over the conv's output */
+    int64_t y;          /* the pooled Y (N, M, PH, PW), contiguous */
+    int64_t ph, pw;     /* pooled rows and columns */
+    int64_t kh, sh, pt; /* the pool window's rows, row stride and top padding */
+    int64_t bands;      /* bands of pooled rows an image: units are images x bands */
+    int64_t step;       /* pooled rows a step: the buffer holds the conv rows they read */
+    int64_t fill;       /* conv rows a band of B */
+    int64_t scratch;    /* floats of the pool's own scratch */
+} keel_conv_pool_args;
+
+typedef int64_t (*pool_part_fn)(const float *, int64_t, int64_t, float *, const int64_t *,
+                                float *, int64_t, int64_t, int64_t);
+
+int64_t keel_conv_pool_args_size(void) { return (int64_t)sizeof(keel_conv_pool_args); }
+
+static int64_t round_vw(int64_t floats) { return (floats + VW - 1) / VW * VW; }
+
+/* Conv rows the buffer holds: the most that `step` pooled rows read. */
+static int64_t pool_rows_held(const keel_conv_pool_args *p)
+{
+    return (p->step - 1) * p->sh + p->kh;
+}
+
+int64_t keel_conv_pool_workspace_f32(const keel_conv_band_args *g, const keel_conv_pool_args *p)
+{
+    return round_vw(g->c * g->kh * g->kw * band_ldb(g, p->fill)) +
+           round_vw(g->m * pool_rows_held(p) * g->ow) + round_vw(p->scratch);
+}
+
+/* Drop the buffer's rows below `lo` (it holds rows [*blo, *bhi) of every channel, `held`
+ * rows apart). */
+static void pool_drop(float *buf, int64_t m, int64_t held, int64_t ow, int64_t lo,
+                      int64_t *blo, int64_t *bhi)
+{
+    if (lo >= *bhi) {
+        *blo = *bhi = lo;
+        return;
+    }
+    if (lo <= *blo) return;
+    for (int64_t i = 0; i < m; i++)
+        memmove(buf + i * held * ow, buf + (i * held + lo - *blo) * ow,
+                (size_t)((*bhi - lo) * ow) * sizeof(float));
+    *blo = lo;
+}
+
+/* Pooled rows [r0, r1) of image t. */
+static void conv_pool_band(const keel_conv_band_args *g, const keel_conv_pool_args *p,
+                           float *work, int64_t t, int64_t r0, int64_t r1)
+{
+    int64_t k = g->c * g->kh * g->kw, m = g->m, held = pool_rows_held(p);
+    int64_t ldb = band_ldb(g, p->fill);
+    float *buf = work + round_vw(k * ldb), *scratch = buf + round_vw(m * held * g->ow);
+    const float *x = FPTR(g->x) + t * g->c * g->h * g->w;
+    float *y = FPTR(p->y) + t * m * p->ph * p->pw;
+    epilogue e = {FPTR(g->bias), g->bias ? 1 : 0, NULL, 0, 1.0f, (float)g->lo, (float)g->hi,
+                  g->flags & KEEL_CLIP};
+    pool_part_fn pool = (pool_part_fn)(intptr_t)p->pool;
+    int64_t blo = 0, bhi = 0;
+    for (int64_t a = r0; a < r1; a += p->step) {
+        int64_t b = a + p->step < r1 ? a + p->step : r1;
+        int64_t lo = a * p->sh - p->pt, hi = (b - 1) * p->sh - p->pt + p->kh;
+        lo = lo < 0 ? 0 : lo;
+        hi = hi > g->oh ? g->oh : hi;
+        pool_drop(buf, m, held, g->ow, lo, &blo, &bhi);
+        for (; bhi < hi; ) {
+            int64_t r = hi - bhi < p->fill ? hi - bhi : p->fill;
+            band_fill(g, x, bhi, r, ldb, work);
+            band_tiles(g, work, ldb, r * g->ow, buf + (bhi - blo) * g->ow, held * g->ow,
+                       bhi * g->ow, &e);
+            bhi += r;
+        }
+        pool(buf, blo, held, y, FPTR(p->geometry), scratch, m, a, b);
+    }
+}
+
+/* Units [u_lo, u_hi) of images x bands (image-major; band j of an image its pooled rows
+ * [j * PH / bands, (j + 1) * PH / bands)). `work`: keel_conv_pool_workspace_f32 floats. */
+void keel_conv_pool_f32(const keel_conv_band_args *g, const keel_conv_pool_args *p,
+                        float *work, int64_t u_lo, int64_t u_hi)
+{
+    for (int64_t u = u_lo; u < u_hi; u++) {
+        int64_t t = u / p->bands, j = u % p->bands;
+        conv_pool_band(g, p, work, t, j * p->ph / p->bands, (j + 1) * p->ph / p->bands);
+    }
 }
 
 /* The arguments of keel_gemm_f32: every field 8 bytes (addresses as integers), so
@@ -2328,6 +2436,26 @@ static void band_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
 int64_t keel_conv_band_mt_f32(const keel_conv_band_args *g, int64_t units, int64_t parts)
 {
     return run_parts(band_task, (void *)g, units, parts, keel_conv_band_workspace_f32(g));
+}
+
+typedef struct {
+    const keel_conv_band_args *g;
+    const keel_conv_pool_args *p;
+} conv_pool_job;
+
+static void conv_pool_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
+{
+    const conv_pool_job *j = ctx;
+    keel_conv_pool_f32(j->g, j->p, scratch, lo, hi);
+}
+
+/* keel_conv_pool_f32 over units [0, units) in `parts` chunks on keel's worker threads
+ * (each with its own buffers). Returns 0, or -1 when a buffer could not be had. */
+int64_t keel_conv_pool_mt_f32(const keel_conv_band_args *g, const keel_conv_pool_args *p,
+                              int64_t units, int64_t parts)
+{
+    conv_pool_job j = {g, p};
+    return run_parts(conv_pool_task, &j, units, parts, keel_conv_pool_workspace_f32(g, p));
 }
 
 /* ---- fused attention, whole heads (or blocks of their rows) per thread -----------------

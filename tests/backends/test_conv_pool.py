@@ -1,0 +1,187 @@
+"""A network's first conv pooled while its rows are in cache (planner.pool_in_conv,
+conv_pool, gemm.c's keel_conv_pool_f32): where the rule applies, what explain() says,
+and the fused plan's results bitwise the unfused plan's on 1, 2, 3 and 16 threads, at
+batch 1 and 2, and close to the reference backend."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from keel import native
+from keel.backends.cpu import conv_pool, native_gemm, native_window
+from keel.backends.cpu import planner as cpu_planner
+from keel.execution.model import load_model
+
+
+@pytest.fixture(autouse=True)
+def _native_tier() -> None:
+    if not (native_gemm.available() and native_window.ready()):
+        pytest.skip(f"native tier unavailable: {native.status().reason}")
+
+
+def _stem(batch: int, channels: int = 3, size: int = 128, pool: dict[str, Any] | None = None,
+          second_reader: bool = False, seed: int = 0) -> bytes:
+    """Conv (channels -> 64, 7x7 stride 2 pad 3, bias) + ReLU + MaxPool (3x3 stride 2 pad
+    1 unless ``pool``), as ResNet-18 begins, then the pool's output doubled;
+    ``second_reader``: the conv's output is a graph output too."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((64, channels, 7, 7)) * 0.1).astype(np.float32)
+    b = rng.standard_normal(64).astype(np.float32)
+    window = pool or {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[7, 7],
+                              strides=[2, 2], pads=[3, 3, 3, 3]),
+             helper.make_node("Relu", ["c"], ["r"]),
+             helper.make_node("MaxPool", ["r"], ["p"], **window),
+             # y = p + p (exact): the pool's output is no graph output, as in a network,
+             # so its step binds whatever its size.
+             helper.make_node("Add", ["p", "p"], ["y"])]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
+    if second_reader:
+        outputs.append(helper.make_tensor_value_info("r", TensorProto.FLOAT, None))
+    graph = helper.make_graph(
+        nodes, "stem", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                      [batch, channels, size, size])],
+        outputs, [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return model.SerializeToString()
+
+
+def _load(onnx: bytes, threads: int, fused: bool, monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setattr(cpu_planner, "POOL_IN_CONV", fused)
+    return load_model(onnx, backend="cpu", threads=threads, plan_cache=False)
+
+
+def _pool_steps(model: Any) -> list[conv_pool.PoolStep]:
+    program = next(p.program for p in model._cache.values() if p.program is not None)
+    found: list[conv_pool.PoolStep] = []
+    # The bound calls of a steady run, else the steps' entries (a step reading a large
+    # feed runs unbound); a graph output's step is held: its call wrapped.
+    calls = program._calls or [c for hot in program._hot for c in hot if callable(c)]
+    for call in calls:
+        parts = (call, *getattr(call, "args", ()))
+        found += [c for c in parts if isinstance(c, conv_pool.PoolStep)]
+    return found
+
+
+def _bits(a: Any) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(a, dtype=np.float32)).view(np.uint32)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("size", [128, 131, 150])  # 150: a feed over STAGE_FEED_BYTES
+def test_the_fused_plan_gives_the_unfused_bits_on_any_thread_count(
+        batch: int, size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    onnx = _stem(batch, size=size)
+    x = np.random.default_rng(1).standard_normal((batch, 3, size, size)).astype(np.float32)
+    x[0, 0, 5, 7] = np.nan                      # NaN reaches the pool: it keeps it
+    want = _load(onnx, 1, False, monkeypatch).predict({"x": x})["y"]
+    ref = load_model(onnx, backend="reference").predict({"x": x})["y"]
+    np.testing.assert_allclose(np.asarray(want), np.asarray(ref), rtol=1e-4, atol=1e-4)
+    assert np.isnan(np.asarray(want)).any()
+    for threads in (1, 2, 3, 16):
+        model = _load(onnx, threads, True, monkeypatch)
+        for _ in range(3):                      # the first runs bind, the last is steady
+            got = model.predict({"x": x})["y"]
+        steps = _pool_steps(model)
+        assert len(steps) == 1 and steps[0].fused is not None      # it did run fused
+        assert np.array_equal(_bits(got), _bits(want)), threads
+        x2 = x + 1.0                            # another X: the call follows it
+        assert np.array_equal(
+            _bits(model.predict({"x": x2})["y"]),
+            _bits(_load(onnx, 1, False, monkeypatch).predict({"x": x2})["y"]))
+
+
+def test_explain_states_the_fusion_and_its_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _load(_stem(1), 16, True, monkeypatch)
+    model.predict({"x": np.zeros((1, 3, 128, 128), np.float32)})
+    text = model.explain()
+    assert "pooled_by: MaxPool" in text
+    assert "layout: pooled (pooled in the conv (planner.pool_in_conv)" in text
+    assert "pool_in_conv: [16, 8, 1]" in text        # 16 bands; 64 columns: whole panels
+    small = _load(_stem(1, size=100), 16, True, monkeypatch)   # 2,500 conv pixels
+    assert "pool_in_conv" not in small.explain()
+    off = _load(_stem(1), 16, False, monkeypatch)
+    off.predict({"x": np.zeros((1, 3, 128, 128), np.float32)})
+    assert "pool_in_conv" not in off.explain() and not _pool_steps(off)
+
+
+@pytest.mark.parametrize(("why", "onnx"), [
+    ("the conv's output is read elsewhere too", lambda: _stem(1, second_reader=True)),
+    ("deeper than POOL_IN_CONV_MAX_DEPTH", lambda: _stem(1, channels=4)),
+    ("a pool of stride 1 across", lambda: _stem(
+        1, pool={"kernel_shape": [3, 3], "strides": [2, 1], "pads": [1, 1, 1, 1]})),
+    ("a pool of four taps across", lambda: _stem(
+        1, pool={"kernel_shape": [4, 4], "strides": [2, 2]})),
+])
+def test_the_rule_leaves_what_it_does_not_serve(why: str, onnx: Any,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _load(onnx(), 2, True, monkeypatch)
+    assert "pool_in_conv" not in model.explain(), why
+
+
+def test_a_2x2_pool_is_served_and_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    onnx = _stem(2, pool={"kernel_shape": [2, 2], "strides": [2, 2]})
+    x = np.random.default_rng(2).standard_normal((2, 3, 128, 128)).astype(np.float32)
+    want = _load(onnx, 1, False, monkeypatch).predict({"x": x})["y"]
+    model = _load(onnx, 2, True, monkeypatch)
+    for _ in range(2):
+        got = model.predict({"x": x})["y"]
+    assert _pool_steps(model) and np.array_equal(_bits(got), _bits(want))
+
+
+def test_the_split_divides_images_x_bands_over_the_threads() -> None:
+    grid = (8, 32)
+    split = cpu_planner.pool_in_conv_split
+    assert split(1, 56, 112, 1, grid) == native_gemm.PoolSplit(1, 8, 2)
+    assert split(1, 56, 112, 2, grid).bands == 2
+    assert split(1, 56, 112, 16, grid).bands == 16
+    assert split(32, 56, 112, 16, grid).bands == 1     # whole images a thread
+    assert split(3, 56, 112, 2, grid).bands == 2       # 6 units over 2 threads
+    assert split(1, 3, 112, 16, grid).bands == 3       # no band without a pooled row
+    assert split(1, 56, 100, 1, grid).fill == 4        # 400 columns: 12.5 panels of 32
+
+
+def test_the_row_pool_refuses_rows_it_is_not_given() -> None:
+    from keel.ops.schemas.conv import Window
+
+    geo = native_window.plan(2, Window((8, 8), (3, 3), (2, 2), (1, 1), (1, 1), (1, 1),
+                                       (4, 4)))
+    assert geo is not None
+    part = native_window._load().maxpool_part
+    x = np.arange(2 * 8 * 8, dtype=np.float32).reshape(2, 8, 8)
+    y = np.full((2, 4, 4), -1.0, np.float32)
+    scratch = np.empty(1024, np.float32)
+    args = (geo.address, scratch.ctypes.data, 2)
+    # Output rows 1-2 read input rows 1-5; rows 2-7 held: refused, nothing written.
+    assert part(x[:, 2:].copy().ctypes.data, 2, 6, y.ctypes.data, *args, 1, 3) == -1
+    assert (y == -1.0).all()
+    held = x[:, 1:6].copy()
+    assert part(held.ctypes.data, 1, 5, y.ctypes.data, *args, 1, 3) == 0
+    want = np.full((2, 4, 4), -1.0, np.float32)
+    for oy in (1, 2):
+        for ox in range(4):
+            want[:, oy, ox] = x[:, 2 * oy - 1:2 * oy + 2,
+                                max(2 * ox - 1, 0):2 * ox + 2].max(axis=(1, 2))
+    assert np.array_equal(y, want)
+
+
+@pytest.mark.parametrize("size", [128, 150])
+def test_a_run_keeping_every_value_computes_the_conv_s_own(
+        size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After steady runs (the pool step waiting for its conv), intermediates() runs every
+    step unbound: the conv writes its output and the pool reads it."""
+    onnx = _stem(1, size=size)
+    x = np.random.default_rng(3).standard_normal((1, 3, size, size)).astype(np.float32)
+    want = _load(onnx, 1, False, monkeypatch).intermediates({"x": x})
+    model = _load(onnx, 2, True, monkeypatch)
+    for _ in range(3):
+        model.predict({"x": x})
+    assert _pool_steps(model)[0].fused is not None
+    got = model.intermediates({"x": x})
+    for name in ("r", "p", "y"):
+        assert np.array_equal(_bits(got[name]), _bits(want[name])), name
+    assert np.array_equal(_bits(model.predict({"x": x})["y"]), _bits(want["y"]))

@@ -264,50 +264,6 @@ def test_flat_propagates_nan_and_inf_like_planes() -> None:
     assert np.isfinite(ys["flat"][0, 3, 6, 0]) and np.isfinite(ys["flat"][0, 4, 5, 13])
 
 
-# Flat cases split over threads by rows: every plane's vectors cut where the chunks end
-# (mid-vector: a vector's planes on two threads; rows sharing vectors; a long period).
-FLAT_ROWS_CASES = [(1, 3, 112, 112, (3, 3), 1, 1), (2, 5, 56, 56, (3, 3), 1, 1),
-                   (1, 17, 28, 28, (3, 3), 1, 1), (1, 4, 45, 33, (3, 3), 1, 1),
-                   (2, 19, 30, 25, (5, 5), 1, 2)]
-
-
-@pytest.mark.parametrize("threads", [1, 2, 3, 16])
-@pytest.mark.parametrize("case", FLAT_ROWS_CASES, ids=lambda c: "x".join(map(str, c[:4])))
-@pytest.mark.parametrize("fused", ["bias_clip", "bias_residual_clip"])
-def test_flat_rows_threads_give_the_planes_bits(case: tuple, fused: str, threads: int
-                                                ) -> None:
-    """The flat scheme by rows (each chunk the same vectors of every plane) on any number
-    of threads gives the plane scheme's bits on one thread."""
-    n, c, h, wd, k, d, p = case
-    win = _window(h, wd, k, 1, d, p)
-    geo = nw.plan(c, win)
-    assert geo is not None and nw.scheme_ok(geo, "flat-rows")
-    x = RNG.standard_normal((n, c, h, wd)).astype(np.float32)
-    w = RNG.standard_normal((c, 1, *k)).astype(np.float32)
-    b = RNG.standard_normal(c).astype(np.float32)
-    z = (RNG.standard_normal((n, c, *win.out_spatial)).astype(np.float32)
-         if fused == "bias_residual_clip" else None)
-    y1 = np.full((n, c, *win.out_spatial), np.nan, dtype=np.float32)
-    yt = np.full_like(y1, np.nan)
-    nw.depthwise_conv(x, w, b, z, y1, geo, (0.0, 6.0), 1, "planes")
-    nw.depthwise_conv(x, w, b, z, yt, geo, (0.0, 6.0), threads, "flat-rows")
-    assert np.array_equal(y1, yt)
-    np.testing.assert_allclose(yt, _reference(x, w, b, z, win, (0.0, 6.0)),
-                               rtol=1e-5, atol=1e-5)
-
-
-def test_flat_rows_split_where_the_planes_split() -> None:
-    """The planner runs a split flat conv by rows, with its reason, and one thread by
-    planes (one thread's call is unchanged)."""
-    from keel.backends.cpu import planner
-
-    geo = nw.plan(32, _window(112, 112, (3, 3), 1, 1, 1))
-    assert geo is not None and geo.parts(32, 2) == 2
-    scheme, why = planner.depthwise_scheme(geo, 32, 2)
-    assert scheme == "flat-rows" and "the same bands of rows of every plane" in why
-    assert planner.depthwise_scheme(geo, 32, 1)[0] == "flat"
-
-
 @pytest.mark.parametrize("threads", [2, 3, 16])
 @pytest.mark.parametrize("scheme, side, stride", [("strided", 56, 2), ("strided", 14, 2),
                                                  ("flat", 28, 1)])
@@ -335,8 +291,8 @@ MOBILENET_LAYERS = [(32, 112, 1), (96, 112, 2), (144, 56, 1), (144, 56, 2), (192
 MOBILENET_SCHEMES = {
     (1, 1): ["flat", "strided", "flat", "strided", "flat", "strided", "flat", "flat",
              "strided", "blocked"],
-    (1, 2): ["flat-rows", "strided", "flat-rows", "strided", "flat-rows", "strided",
-             "flat-rows", "flat-rows", "strided", "blocked"],
+    (1, 2): ["flat", "strided", "flat", "strided", "flat", "strided", "flat", "flat",
+             "strided", "blocked"],
     (32, 1): ["flat", "strided", "flat", "strided", "flat", "strided", "flat", "flat",
               "strided", "flat"],
 }

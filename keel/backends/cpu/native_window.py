@@ -47,7 +47,7 @@ LIBRARY = "window"
 MAX_TAPS = 1024
 MAX_STRIDE = 16
 # The depthwise schemes, as keel_dwconv2d_mode_f32's mode.
-SCHEMES = {"planes": 1, "blocked": 2, "strided": 3, "flat": 4, "flat-rows": 5}
+SCHEMES = {"planes": 1, "blocked": 2, "strided": 3, "flat": 4}
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 

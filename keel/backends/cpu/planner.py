@@ -3425,17 +3425,6 @@ DEPTHWISE_BLOCKED_ROWS_PIXELS = 1024
 FLAT_KERNEL = ((3, 3), (1, 1), (1, 1))      # kernel, dilations, leading pads
 
 
-# Why a split flat depthwise conv runs by rows (window.c's flat scheme over bands of
-# vectors of every plane) rather than by planes: the convs around it split by rows too
-# (a band conv by bands of output rows, a 1x1 conv's product by columns, which are
-# pixels), and the pool gives a job's chunk c to thread c first, so by rows each thread
-# reads the rows it wrote itself; by planes every thread's planes hold the rows all the
-# others read next (MobileNetV2's stem, 112x112 depthwise conv, 32 -> 16 and 16 -> 96
-# convs at batch 1 on two threads). The same outputs by the same chain: the same bits.
-FLAT_ROWS_WHY = ("by planes, the 1x1 convs around it, split by pixels, would read most "
-                 "of their rows from the other threads' caches")
-
-
 def _flat_measured(geo: native_window.WindowGeometry) -> bool:
     """Whether ``geo`` is the 3x3 undilated conv padded by one that the flat scheme was
     measured on (FLAT_KERNEL)."""
@@ -3458,9 +3447,6 @@ def depthwise_scheme(geo: native_window.WindowGeometry, planes: int, threads: in
     smallest = cached and out <= DEPTHWISE_BLOCKED_PIXELS
     if ((sh, sw) == (1, 1) and not smallest and _flat_measured(geo)
             and native_window.scheme_ok(geo, "flat")):
-        if geo.parts(planes, threads) > 1:
-            return "flat-rows", (f"flat-rows: the flat scheme, each thread the same bands of "
-                                 f"rows of every plane ({oh}x{ow} outputs; {FLAT_ROWS_WHY})")
         return "flat", (f"flat: 16 output pixels at a time straight from X, the taps "
                         f"outside it zeroed ({oh}x{ow} outputs, {where}; MobileNetV2's "
                         "3x3 stride-1 layers from 14x14 up ran 0.71-0.92x the time of the "
@@ -4434,10 +4420,7 @@ def conv_splits(variant: str, layout: str, chunk: int | None, geo: ConvGeometry,
     if variant == "depthwise" and layout.startswith("native"):
         taps = math.prod(geo.window.out_spatial) * math.prod(geo.window.kernel)
         planes = geo.batch * geo.in_channels
-        split = chunk_split("planes", planes, threads, planes * taps, LeastWork.TAPS)
-        if _native_depthwise_scheme(geo, layout, threads, sizes)[0] == "flat-rows":
-            split = dataclasses.replace(split, name="the same rows of every plane,")
-        return (split,)
+        return (chunk_split("planes", planes, threads, planes * taps, LeastWork.TAPS),)
     return ()
 
 

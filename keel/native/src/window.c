@@ -450,7 +450,6 @@ typedef struct {
     win_op op;
     const float *w, *bias, *z, *clip;   /* conv */
     const float *count;                 /* avg */
-    int64_t planes;                     /* N * C: the flat scheme by rows' units */
 } win_args;
 
 /* y[r][i] = clip(bias + sum_t w[t] * buf[r * qw + i + off[t]] + z[r][i]) for i < ow:
@@ -1076,62 +1075,38 @@ static inline __attribute__((always_inline)) void flat_vectors(
 static inline __attribute__((always_inline)) void flat_planes(
         const float *x, float *y, const geom *g, const win_args *e, const flat_dims *d,
         const __mmask16 *inner, const __mmask16 *edge, int64_t taps, int64_t kws,
-        int64_t full, int64_t lo, int64_t hi, int64_t v0, int64_t v1, int has_z,
-        int has_clip) {
+        int64_t full, int64_t lo, int64_t hi, int has_z, int has_clip) {
     int64_t in_plane = g->h * g->w, plane = d->plane;
     vf vlo = vsplat(has_clip ? e->clip[0] : 0.0f), vhi = vsplat(has_clip ? e->clip[1] : 0.0f);
-    int64_t top = min64(d->va, v1), inner_lo = max64(d->va, v0), inner_hi = min64(d->vb, v1);
     for (int64_t p = lo, c = lo % g->c; p < hi; p++, c = c + 1 == g->c ? 0 : c + 1) {
         __m512 wt[FLAT_MAX_TAPS];
         for (int64_t t = 0; t < taps; t++) wt[t] = _mm512_set1_ps(e->w[c * taps + t]);
         __m512 bias = _mm512_set1_ps(e->bias != NULL ? e->bias[c] : 0.0f);
         const float *xp = x + p * in_plane, *zp = has_z ? e->z + p * plane : NULL;
         float *yp = y + p * plane;
-        /* edge: the top's masks (vector v at v), then the bottom's (at va + v - vb). */
-        for (int64_t v = v0; v < top; v++)
-            flat_vectors(xp, edge + v * taps, d->off, wt, taps, 0, -1, bias, v, 1, plane, zp,
-                         yp, vlo, vhi, has_z, has_clip);
-        int64_t v = inner_lo, q = inner_lo % d->period;
-        for (; v + FLAT_KU <= inner_hi; v += FLAT_KU) {
+        const __mmask16 *em = edge;
+        for (int64_t v = 0; v < d->va; v++, em += taps)
+            flat_vectors(xp, em, d->off, wt, taps, 0, -1, bias, v, 1, plane, zp, yp, vlo,
+                         vhi, has_z, has_clip);
+        int64_t v = d->va, q = d->va % d->period;
+        for (; v + FLAT_KU <= d->vb; v += FLAT_KU) {
             flat_vectors(xp, inner + q * kws, d->off, wt, taps, kws, full, bias, v, FLAT_KU,
                          plane, zp, yp, vlo, vhi, has_z, has_clip);
             q = (q + FLAT_KU) % d->period;
         }
-        for (; v < inner_hi; v++) {
+        for (; v < d->vb; v++) {
             flat_vectors(xp, inner + q * kws, d->off, wt, taps, kws, full, bias, v, 1, plane,
                          zp, yp, vlo, vhi, has_z, has_clip);
             if (++q == d->period) q = 0;
         }
-        for (v = max64(d->vb, v0); v < v1; v++)
-            flat_vectors(xp, edge + (d->va + v - d->vb) * taps, d->off, wt, taps, 0, -1, bias,
-                         v, 1, plane, zp, yp, vlo, vhi, has_z, has_clip);
+        for (v = d->vb; v < d->vectors; v++, em += taps)
+            flat_vectors(xp, em, d->off, wt, taps, 0, -1, bias, v, 1, plane, zp, yp, vlo,
+                         vhi, has_z, has_clip);
     }
 }
 
-/* Vectors [v0, v1) of planes [lo, hi), with the masks run_flat built. */
-static void flat_span(const float *x, float *y, const geom *g, const win_args *e,
-                      const flat_dims *d, const __mmask16 *inner, const __mmask16 *edge,
-                      int64_t lo, int64_t hi, int64_t v0, int64_t v1) {
-    /* MobileNet's 3x3 padded by one: the middle column never leaves X. */
-    int centered = g->taps == 9 && g->kw == 3 && g->dw == 1 && g->pl == 1;
-    int hz = e->z != NULL, hc = e->clip != NULL;
-    if (centered) {
-        if (hz && hc) flat_planes(x, y, g, e, d, inner, edge, 9, 3, 1, lo, hi, v0, v1, 1, 1);
-        else if (hz) flat_planes(x, y, g, e, d, inner, edge, 9, 3, 1, lo, hi, v0, v1, 1, 0);
-        else if (hc) flat_planes(x, y, g, e, d, inner, edge, 9, 3, 1, lo, hi, v0, v1, 0, 1);
-        else flat_planes(x, y, g, e, d, inner, edge, 9, 3, 1, lo, hi, v0, v1, 0, 0);
-    } else {
-        flat_planes(x, y, g, e, d, inner, edge, g->taps, g->kw, -1, lo, hi, v0, v1, hz, hc);
-    }
-}
-
-/* Planes [lo, hi) whole; or, `by_rows`, units [lo, hi) of e->planes times the vectors of
- * a plane, vector-major (unit u: vector u / planes of plane u % planes), so that a
- * contiguous chunk is the same bands of rows of every plane (the cpu planner's
- * "flat-rows": the rows the thread of the same chunk wrote in the conv before and reads
- * in the 1x1 conv after, where those split by rows). */
 static void run_flat(const float *x, float *y, const geom *g, const win_args *e, int64_t lo,
-                     int64_t hi, int by_rows) {
+                     int64_t hi) {
     flat_dims d;
     flat_size(g, &d);
     /* inner: the interior's column masks of vectors k < period + FLAT_KU - 1 (they hold
@@ -1145,31 +1120,29 @@ static void run_flat(const float *x, float *y, const geom *g, const win_args *e,
     __mmask16 *em = edge;
     for (int64_t v = 0; v < d.va; v++, em += taps) flat_masks(g, d.plane, v, 1, em);
     for (int64_t v = d.vb; v < d.vectors; v++, em += taps) flat_masks(g, d.plane, v, 1, em);
-    if (!by_rows) {
-        flat_span(x, y, g, e, &d, inner, edge, lo, hi, 0, d.vectors);
-        return;
+    /* MobileNet's 3x3 padded by one: the middle column never leaves X. */
+    int centered = taps == 9 && kws == 3 && g->dw == 1 && g->pl == 1;
+    int hz = e->z != NULL, hc = e->clip != NULL;
+    if (centered) {
+        if (hz && hc) flat_planes(x, y, g, e, &d, inner, edge, 9, 3, 1, lo, hi, 1, 1);
+        else if (hz) flat_planes(x, y, g, e, &d, inner, edge, 9, 3, 1, lo, hi, 1, 0);
+        else if (hc) flat_planes(x, y, g, e, &d, inner, edge, 9, 3, 1, lo, hi, 0, 1);
+        else flat_planes(x, y, g, e, &d, inner, edge, 9, 3, 1, lo, hi, 0, 0);
+    } else {
+        flat_planes(x, y, g, e, &d, inner, edge, taps, kws, -1, lo, hi, hz, hc);
     }
-    int64_t n = e->planes, first = lo / n, last = (hi - 1) / n;
-    if (first == last) {                        /* within one vector of every plane */
-        flat_span(x, y, g, e, &d, inner, edge, lo % n, (hi - 1) % n + 1, first, first + 1);
-        return;
-    }
-    flat_span(x, y, g, e, &d, inner, edge, lo % n, n, first, first + 1);   /* its tail */
-    if (last > first + 1) flat_span(x, y, g, e, &d, inner, edge, 0, n, first + 1, last);
-    flat_span(x, y, g, e, &d, inner, edge, 0, (hi - 1) % n + 1, last, last + 1);
 }
 #endif
 
 /* The depthwise schemes a call may ask for (keel_dwconv2d_mode_f32's mode). */
-enum { SCHEME_PLANES = 1, SCHEME_BLOCKED = 2, SCHEME_STRIDED = 3, SCHEME_FLAT = 4,
-       SCHEME_FLAT_ROWS = 5 };
+enum { SCHEME_PLANES = 1, SCHEME_BLOCKED = 2, SCHEME_STRIDED = 3, SCHEME_FLAT = 4 };
 
 /* Whether scheme `mode` serves geometry g in this build (the plane path serves all). */
 static int scheme_ok(const geom *g, int64_t mode) {
 #if defined(__AVX512F__)
     if (mode == SCHEME_BLOCKED) return blocked_ok(g);
     if (mode == SCHEME_STRIDED) return s2_ok(g);
-    if (mode == SCHEME_FLAT || mode == SCHEME_FLAT_ROWS) return flat_ok(g);
+    if (mode == SCHEME_FLAT) return flat_ok(g);
 #endif
     return mode == SCHEME_PLANES;
 }
@@ -1189,8 +1162,8 @@ static int64_t run_window(const float *x, float *y, const int64_t *geometry,
         run_s2(x, y, &g, e, lo, hi);
         return 0;
     }
-    if (e->op == WIN_CONV && (mode == SCHEME_FLAT || mode == SCHEME_FLAT_ROWS) && flat_ok(&g)) {
-        run_flat(x, y, &g, e, lo, hi, mode == SCHEME_FLAT_ROWS && e->planes > 0);
+    if (e->op == WIN_CONV && mode == SCHEME_FLAT && flat_ok(&g)) {
+        run_flat(x, y, &g, e, lo, hi);
         return 0;
     }
 #else
@@ -1260,7 +1233,7 @@ static int64_t run_window(const float *x, float *y, const int64_t *geometry,
 int64_t keel_dwconv2d_f32(const float *x, const float *w, const float *bias, const float *z,
                           float *y, const int64_t *geometry, const float *clip,
                           float *scratch, int64_t lo, int64_t hi) {
-    win_args e = {WIN_CONV, w, bias, z, clip, NULL, 0};
+    win_args e = {WIN_CONV, w, bias, z, clip, NULL};
     return run_window(x, y, geometry, &e, scratch, lo, hi, SCHEME_PLANES);
 }
 
@@ -1272,7 +1245,7 @@ int64_t keel_dwconv2d_mode_f32(const float *x, const float *w, const float *bias
                                const float *z, float *y, const int64_t *geometry,
                                const float *clip, float *scratch, int64_t lo, int64_t hi,
                                int64_t mode) {
-    win_args e = {WIN_CONV, w, bias, z, clip, NULL, 0};
+    win_args e = {WIN_CONV, w, bias, z, clip, NULL};
     return run_window(x, y, geometry, &e, scratch, lo, hi, mode);
 }
 
@@ -1552,16 +1525,7 @@ static int64_t window_mt(window_job *j, int64_t planes, int64_t parts) {
 int64_t keel_dwconv2d_mt_f32(const float *x, const float *w, const float *bias,
                              const float *z, float *y, const int64_t *geometry,
                              const float *clip, int64_t mode, int64_t planes, int64_t parts) {
-    window_job j = {x, y, geometry, {WIN_CONV, w, bias, z, clip, NULL, 0}, mode, 0};
-#if defined(__AVX512F__)
-    geom g;
-    if (mode == SCHEME_FLAT_ROWS && geom_init(&g, geometry) == 0 && flat_ok(&g)) {
-        flat_dims d;            /* units: every plane's vectors, vector-major (run_flat) */
-        flat_size(&g, &d);
-        j.e.planes = planes;
-        return window_mt(&j, planes * d.vectors, parts);
-    }
-#endif
+    window_job j = {x, y, geometry, {WIN_CONV, w, bias, z, clip, NULL}, mode, 0};
     return window_mt(&j, planes, parts);
 }
 

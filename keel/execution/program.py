@@ -589,7 +589,9 @@ class Program:
             for i, (kind, fn, ctx, attrs, get, slots, out) in items:
                 if kind == _BOUND:
                     fn()
-                elif kind == _HELD and outputs is None:
+                elif kind == _HELD:
+                    # Run as bound even where the caller gives the outputs: the call may
+                    # finish work an earlier bound step handed to it (conv_pool).
                     fn()
                     values[attrs] = ctx.copy()
                 elif kind == _VIEW1:

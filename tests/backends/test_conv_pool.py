@@ -185,3 +185,31 @@ def test_a_run_keeping_every_value_computes_the_conv_s_own(
     for name in ("r", "p", "y"):
         assert np.array_equal(_bits(got[name]), _bits(want[name])), name
     assert np.array_equal(_bits(model.predict({"x": x})["y"]), _bits(want["y"]))
+
+
+@pytest.mark.parametrize("how", [{"hint": "throughput"}, {"memory_limit": "1MB"}])
+def test_a_pooled_graph_output_given_to_the_caller_is_the_unfused_one(
+        how: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool's output a small graph output (its step held) and the run writing into
+    arrays the model gives (streams of a throughput hint, chunks of a memory limit): the
+    held pool still runs the fused call the conv's step handed it."""
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((2, 3, 7, 7)) * 0.1).astype(np.float32)
+    b = rng.standard_normal(2).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[7, 7],
+                          strides=[2, 2], pads=[3, 3, 3, 3]),
+         helper.make_node("Relu", ["c"], ["r"]),
+         helper.make_node("MaxPool", ["r"], ["p"], kernel_shape=[2, 2], strides=[2, 2])],
+        "stem", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 131, 131])],
+        [helper.make_tensor_value_info("p", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    onnx = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    blob = onnx.SerializeToString()
+    x = rng.standard_normal((8, 3, 131, 131)).astype(np.float32)
+    want = _bits(_load(blob, 2, False, monkeypatch).predict({"x": x})["p"])
+    monkeypatch.setattr(cpu_planner, "POOL_IN_CONV", True)
+    fused = load_model(blob, backend="cpu", threads=2, plan_cache=False, **how)
+    for _ in range(3):
+        assert np.array_equal(_bits(fused.predict({"x": x})["p"]), want)
+    assert "pooled_by" in str(fused.explain()), "the plan did not pool in the conv"

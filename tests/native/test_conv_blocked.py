@@ -8,8 +8,10 @@ planner's rule (blocked_conv) and split."""
 
 from __future__ import annotations
 
+import gc
 import itertools
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -325,6 +327,31 @@ def test_an_unbound_run_binds_again_only_when_its_threads_or_thread_change() -> 
     worker.join()
     assert asked == [1, 2, 1, 1]            # another thread binds to its own workspace
     assert np.array_equal(y, want)
+
+
+def test_a_run_call_frees_its_operands_without_the_cyclic_collector() -> None:
+    """What run() keeps of its bound form does not keep the call: with the cyclic
+    collector off, dropping the call frees its residual (and filters and bias) at once,
+    on one thread (this thread's workspace) and on two."""
+    rng = np.random.default_rng(6)
+    x, w, b = rand(rng, 1, 32, 8, 8), rand(rng, 64, 32, 3, 3), rand(rng, 64)
+    y = np.empty((1, 64, 8, 8), np.float32)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for threads in (1, 2):
+            z = rand(rng, 1, 64, 8, 8)
+            call = native_blocked.prepare(x, native_blocked.pack_filters(w), y, 2, 2,
+                                          lambda t: (1, t), bias=b, residual=z)
+            assert call is not None
+            call.run(threads)
+            assert np.array_equal(y, _masked(x, w, b, z, PADDED))
+            held = weakref.ref(z)
+            del call, z
+            assert held() is None, threads
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def test_groups_that_are_not_whole_tiles_are_refused() -> None:

@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 
 from keel import native
-from keel.backends.bound import BoundCall
 from keel.backends.cpu import native_gemm
 from keel.errors import InvalidArgumentError
 
@@ -147,9 +146,9 @@ class BlockedCall(native_gemm.XCall):
         return BlockedCall(self.f, values, self.bands, self.tiles, self.split, self.keep,
                            self.x_shape)
 
-    def bound(self, threads: int) -> BoundCall[Any]:
-        """``run(threads)`` as a callable with no arguments (InvalidArgumentError when
-        the split's channel groups are not whole register tiles)."""
+    def _bind(self, threads: int) -> tuple[Callable[[], Any], tuple[object, ...]]:
+        """The split's grid (InvalidArgumentError when its channel groups are not whole
+        register tiles)."""
         groups, parts = self.split(threads)
         if groups < 1 or self.tiles % groups:
             raise InvalidArgumentError(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,6 +145,10 @@ class BlockedCall(native_gemm.XCall):
     def _again(self, values: tuple[Any, ...]) -> BlockedCall:
         return BlockedCall(self.f, values, self.bands, self.tiles, self.split, self.keep,
                            self.x_shape)
+
+    def _split_reads(self) -> Hashable:
+        """The planner's split reads its thread costs (they change on a measurement)."""
+        return native_gemm.planner_rules().split_reads()
 
     def _bind(self, threads: int) -> tuple[Callable[[], Any], tuple[object, ...]]:
         """The split's grid (InvalidArgumentError when its channel groups are not whole

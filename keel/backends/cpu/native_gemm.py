@@ -78,7 +78,7 @@ import mmap
 import struct
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -857,10 +857,10 @@ class XCall(ABC):
     def __init__(self, values: tuple[Any, ...], keep: tuple[object, ...],
                  x_shape: tuple[int, ...]) -> None:
         self.values, self.keep, self.x_shape = values, keep, x_shape
-        # run()'s bound form: ((threads, the thread it was bound on), its function, the
-        # workspace it writes). Not a BoundCall: that keeps this call, and a cycle would
-        # hold the operands until the cyclic GC runs.
-        self._last: tuple[tuple[int, int], Callable[[], Any],
+        # run()'s bound form: ((threads, the thread it was bound on, what the split reads
+        # beyond them), its function, the workspace it writes). Not a BoundCall: that
+        # keeps this call, and a cycle would hold the operands until the cyclic GC runs.
+        self._last: tuple[tuple[int, int, Hashable], Callable[[], Any],
                           tuple[object, ...]] | None = None
 
     @abstractmethod
@@ -871,6 +871,11 @@ class XCall(ABC):
     def _bind(self, threads: int) -> tuple[Callable[[], Any], tuple[object, ...]]:
         """``run(threads)`` as a function of no arguments and the workspace it writes
         (what it points into beyond ``keep``)."""
+
+    def _split_reads(self) -> Hashable:
+        """What the split of :meth:`_bind` reads beyond the thread count (run binds
+        again when it changes): nothing here."""
+        return None
 
     @final
     def bound(self, threads: int) -> BoundCall[Any]:
@@ -899,9 +904,10 @@ class XCall(ABC):
     def run(self, threads: int) -> None:
         """Compute, the units split over up to ``threads`` threads: bound on the first run
         for a thread count and calling thread (a bound call on one thread uses that
-        thread's workspace), then called as bound, its arguments and split not made
+        thread's workspace, and bound again where what its split reads changes: the
+        planner's thread costs), then called as bound, its arguments and split not made
         again each run."""
-        key = (threads, threading.get_ident())
+        key = (threads, threading.get_ident(), self._split_reads())
         last = self._last
         if last is None or last[0] != key:
             last = self._last = (key, *self._bind(threads))

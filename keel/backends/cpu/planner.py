@@ -2922,7 +2922,14 @@ def blocked_split(geo: ConvGeometry, threads: int) -> BlockedSplit:
     image's X is read by the threads of every group, as a product's B by every row
     group). Bands alone where they are as even: on one or two threads the bands-only
     split measured before channel groups existed."""
-    return _blocked_split(geo, threads, (thread_costs.current().token, MIN_FLOPS_PER_THREAD))
+    return _blocked_split(geo, threads, split_reads())
+
+
+def split_reads() -> tuple[str, int]:
+    """What blocked_split reads beyond a conv and its threads: this process's thread
+    costs (they change where they are measured, refreshed or forgotten) and the least
+    flops a thread. A prepared blocked call binds its split again when they change."""
+    return thread_costs.current().token, MIN_FLOPS_PER_THREAD
 
 
 @functools.lru_cache(maxsize=1024)

@@ -338,6 +338,18 @@ def test_steps_that_run_c_code_only_are_marked_native(act: str, threads: int) ->
         x = rng.standard_normal((1, 16, 16, 16)).astype(np.float32)
         np.testing.assert_array_equal(model.predict({"x": x})["y"],
                                       unbound(model, {"x": x})["y"])
+    if program_module._FP_STATE is not None:
+        assert program._direct_run is not None          # the steady run, one function
+        # The steady run quiets NumPy's state by the ignoring state it remembers for the
+        # state it finds (_Quiet._made): a state it never found before gets one on a run
+        # that sets it, and none on a run of C calls only.
+        with np.errstate(over="warn", under="ignore", divide="warn", invalid="warn"):
+            found = program_module._FP_STATE.get()
+            model.predict({"x": x})
+        sets = found in program_module._Quiet._made
+        assert sets is not all(isinstance(hot[1], BoundCall) and hot[1].native
+                               for hot in program._hot)
+        assert sets is (act != "Relu" or not native.available())
 
 
 CONV_W = np.random.default_rng(2).standard_normal((6, 1, 5, 5)).astype(np.float32)

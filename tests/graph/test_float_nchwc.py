@@ -202,8 +202,11 @@ def test_a_region_of_two_blocks() -> None:
     _check_results(blob)
 
 
-@pytest.mark.parametrize(("size", "rows"), [(8, 2), (16, 1)])
-def test_the_plan_gives_the_blocked_convs_rows_a_unit(size: int, rows: int) -> None:
+@pytest.mark.parametrize(("size", "rows", "why"), [
+    (8, 2, "8-pixel rows are 8 past whole 16-pixel transposes and pair up"),
+    (16, 1, "a 16-pixel row is whole 16-pixel transposes already")])
+def test_the_plan_gives_the_blocked_convs_rows_a_unit(size: int, rows: int, why: str
+                                                      ) -> None:
     """The planner's blocked_rows: 8-pixel rows pair into whole 16-pixel transposes, 16-pixel
     rows are whole ones already; the variant's reason says which, the scratch counts them
     and the kernel runs what the plan says."""
@@ -213,7 +216,8 @@ def test_the_plan_gives_the_blocked_convs_rows_a_unit(size: int, rows: int) -> N
     first = {p.name: p.plan for p in model.plan.nodes if p.op == "conv"}["c1"]
     assert first is not None and "blocked.c" in first.reason("variant")
     assert f"{rows} output row" in first.reason("variant")
-    assert "blocked_rows" in first.reason("variant")
+    assert f"blocked_rows: {why}" in first.reason("variant")
+    assert "lane masks" not in first.reason("variant")
     assert first.workspace_bytes == 4 * (2 * 16 * rows * size)
     _check_results(blob, intermediates=False)
 

@@ -8,16 +8,18 @@ planner's rule (blocked_conv) and split."""
 
 from __future__ import annotations
 
+import gc
 import itertools
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
 import pytest
 
-from keel import native
+from keel import config, native
 from keel.backends.base import DeviceKind, KernelContext
-from keel.backends.cpu import conv_gemm, native_blocked, native_gemm
+from keel.backends.cpu import conv_gemm, native_blocked, native_gemm, thread_costs
 from keel.backends.cpu import planner as cpu_planner
 from keel.backends.cpu.conv_epilogue import activation
 from keel.backends.cpu.kernels import load as load_cpu
@@ -336,6 +338,81 @@ def test_an_unbound_run_binds_again_only_when_its_threads_or_thread_change() -> 
     worker.join()
     assert asked == [1, 2, 1, 1]            # another thread binds to its own workspace
     assert np.array_equal(y, want)
+
+
+def test_a_run_call_frees_its_operands_without_the_cyclic_collector() -> None:
+    """What run() keeps of its bound form does not keep the call: with the cyclic
+    collector off, dropping the call frees its residual (and filters and bias) at once,
+    on one thread (this thread's workspace) and on two."""
+    rng = np.random.default_rng(6)
+    x, w, b = rand(rng, 1, 32, 8, 8), rand(rng, 64, 32, 3, 3), rand(rng, 64)
+    y = np.empty((1, 64, 8, 8), np.float32)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for threads in (1, 2):
+            z = rand(rng, 1, 64, 8, 8)
+            call = native_blocked.prepare(x, native_blocked.pack_filters(w), y, 2, 2,
+                                          lambda t: (1, t), bias=b, residual=z)
+            assert call is not None
+            call.run(threads)
+            assert np.array_equal(y, _masked(x, w, b, z, PADDED))
+            held = weakref.ref(z)
+            del call, z
+            assert held() is None, threads
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def test_an_unbound_run_binds_again_when_the_thread_costs_change(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner's split reads this process's thread costs: once they change (measured,
+    refreshed or forgotten), run() asks the split again for the same threads and thread
+    and runs the new grid, with the same bits."""
+    def clear() -> None:
+        if thread_costs.path_here().exists():
+            thread_costs.path_here().unlink()
+        thread_costs.forget()
+        cpu_planner.forget()
+
+    monkeypatch.setenv("KEEL_THREAD_COSTS", "auto")
+    config.reload_settings()
+    clear()
+    try:
+        geo = conv_geometry(Op.CONV, (1, 64, 8, 8), (64, 64, 3, 3), PADDED)
+        rng = np.random.default_rng(5)
+        x, w = rand(rng, 1, 64, 8, 8), rand(rng, 64, 64, 3, 3)
+        want = _masked(x, w, None, None, PADDED)
+        grids: list[tuple[int, int]] = []
+
+        def split(threads: int) -> tuple[int, int]:
+            grids.append(cpu_planner.blocked_split(geo, threads).pair)
+            return grids[-1]
+
+        y = np.full((1, 64, 8, 8), np.nan, np.float32)
+        call = native_blocked.prepare(x, native_blocked.pack_filters(w), y, 2, 2, split)
+        assert call is not None
+        call.run(2)
+        call.run(2)
+        assert grids == [(1, 2)]                    # the declared costs: 2 chunks
+        # A pool 16 times slower to dispatch on 2 threads: 16 times the least flops, more
+        # than the conv's 4.7 million, so one chunk.
+        dispatch = cpu_planner.THREAD_COST_REFERENCE_DISPATCH_US * 16
+        thread_costs.save(thread_costs.ThreadCosts(
+            ((2, thread_costs.Sample(dispatch, dispatch, dispatch, 9)),),
+            tuple((f, thread_costs.Sample(rate, rate, rate, 9))
+                  for f, rate in cpu_planner.THREAD_COST_REFERENCE_RATES.items()),
+            "a test machine", 2, 0.1))
+        thread_costs.forget()
+        y[...] = np.nan
+        call.run(2)
+        assert grids == [(1, 2), (1, 1)]
+        assert np.array_equal(y, want)
+    finally:
+        monkeypatch.undo()
+        config.reload_settings()
+        clear()
 
 
 def test_groups_that_are_not_whole_tiles_are_refused() -> None:

@@ -13,14 +13,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from keel import native
-from keel.backends.bound import BoundCall
 from keel.backends.cpu import native_gemm
 from keel.errors import InvalidArgumentError
 
@@ -147,9 +146,13 @@ class BlockedCall(native_gemm.XCall):
         return BlockedCall(self.f, values, self.bands, self.tiles, self.split, self.keep,
                            self.x_shape)
 
-    def bound(self, threads: int) -> BoundCall[Any]:
-        """``run(threads)`` as a callable with no arguments (InvalidArgumentError when
-        the split's channel groups are not whole register tiles)."""
+    def _split_reads(self) -> Hashable:
+        """The planner's split reads its thread costs (they change on a measurement)."""
+        return native_gemm.planner_rules().split_reads()
+
+    def _bind(self, threads: int) -> tuple[Callable[[], Any], tuple[object, ...]]:
+        """The split's grid (InvalidArgumentError when its channel groups are not whole
+        register tiles)."""
         groups, parts = self.split(threads)
         if groups < 1 or self.tiles % groups:
             raise InvalidArgumentError(

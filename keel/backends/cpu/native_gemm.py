@@ -78,7 +78,7 @@ import mmap
 import struct
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -871,16 +871,33 @@ class XCall(ABC):
     def __init__(self, values: tuple[Any, ...], keep: tuple[object, ...],
                  x_shape: tuple[int, ...]) -> None:
         self.values, self.keep, self.x_shape = values, keep, x_shape
-        # run()'s bound form: ((threads, the thread it was bound on), the call)
-        self._last: tuple[tuple[int, int], BoundCall[Any]] | None = None
+        # run()'s bound form: ((threads, the thread it was bound on, what the split reads
+        # beyond them), its function, the workspace it writes). Not a BoundCall: that
+        # keeps this call, and a cycle would hold the operands until the cyclic GC runs.
+        self._last: tuple[tuple[int, int, Hashable], Callable[[], Any],
+                          tuple[object, ...]] | None = None
 
     @abstractmethod
     def _again(self: _XC, values: tuple[Any, ...]) -> _XC:
         """The same call with ``values``."""
 
     @abstractmethod
+    def _bind(self, threads: int) -> tuple[Callable[[], Any], tuple[object, ...]]:
+        """``run(threads)`` as a function of no arguments and the workspace it writes
+        (what it points into beyond ``keep``)."""
+
+    def _split_reads(self) -> Hashable:
+        """What the split of :meth:`_bind` reads beyond the thread count (run binds
+        again when it changes): nothing here."""
+        return None
+
+    @final
     def bound(self, threads: int) -> BoundCall[Any]:
-        """``run(threads)`` as a callable with no arguments (see :meth:`Call.bound`)."""
+        """``run(threads)`` as a callable with no arguments (see :meth:`Call.bound`),
+        keeping this call (and so its operands) and its workspace; marked ``native``: C
+        code only."""
+        fn, work = self._bind(threads)
+        return BoundCall(fn, keep=(self, *work), native=True)
 
     @final
     def with_x(self: _XC, x: np.ndarray) -> _XC | None:
@@ -901,26 +918,26 @@ class XCall(ABC):
     def run(self, threads: int) -> None:
         """Compute, the units split over up to ``threads`` threads: bound on the first run
         for a thread count and calling thread (a bound call on one thread uses that
-        thread's workspace), then called as bound, its arguments and split not made
+        thread's workspace, and bound again where what its split reads changes: the
+        planner's thread costs), then called as bound, its arguments and split not made
         again each run."""
-        key = (threads, threading.get_ident())
+        key = (threads, threading.get_ident(), self._split_reads())
         last = self._last
         if last is None or last[0] != key:
-            last = self._last = (key, self.bound(threads))
-        last[1].fn()
+            last = self._last = (key, *self._bind(threads))
+        last[1]()
 
-    def _units(self, mt: Callable[..., int], serial: Callable[..., None], args: bytes,
-               units: int, parts: int, floats: int) -> BoundCall[Any]:
+    @staticmethod
+    def _units(mt: Callable[..., int], serial: Callable[..., None], args: bytes,
+               units: int, parts: int, floats: int
+               ) -> tuple[Callable[[], Any], tuple[object, ...]]:
         """``units`` units of the call ``args`` in ``parts`` chunks on keel's threads
         (``mt``, each worker with its own scratch), or on this thread (``serial``) with
-        this thread's workspace of at least ``floats`` floats, held by the call; marked
-        ``native``: C code only."""
+        this thread's workspace of at least ``floats`` floats, returned with it."""
         if parts > 1:
-            return BoundCall(functools.partial(checked, mt, args, units, parts), keep=(self,),
-                             native=True)
+            return functools.partial(checked, mt, args, units, parts), ()
         work = thread_scratch(Scratch.WORK, floats)
-        return BoundCall(functools.partial(serial, args, int(native.address(work)), 0, units),
-                         keep=(self, work), native=True)
+        return functools.partial(serial, args, int(native.address(work)), 0, units), (work,)
 
 
 class BandCall(XCall):
@@ -941,9 +958,8 @@ class BandCall(XCall):
     def _again(self, values: tuple[Any, ...]) -> BandCall:
         return BandCall(self.f, values, self.units, self.keep, self.x_shape)
 
-    def bound(self, threads: int) -> BoundCall[Any]:
-        """``run(threads)`` as a callable with no arguments (see :meth:`Call.bound`): the
-        bands split over up to ``threads`` threads."""
+    def _bind(self, threads: int) -> tuple[Callable[[], Any], tuple[object, ...]]:
+        """The bands split over up to ``threads`` threads."""
         return self._units(self.f.band_mt, self.f.band, self.args, self.units,
                            max(1, min(threads, self.units)), self.f.work)
 

@@ -3040,8 +3040,9 @@ def blocked_oc_tile(out_channels: int) -> int:
 def blocked_rows(geo: ConvGeometry) -> int:
     """Output rows a unit of the blocked conv (a band the kernel sums, then writes sixteen
     pixels a transpose): two where a row is 8 pixels past whole 16-pixel transposes and
-    the rows pair up (the band then is whole transposes), else one (a short last run goes
-    through lane masks). Derived from the kernel's 16-pixel transposes, not measured."""
+    the rows pair up (the band then is whole transposes), else one (a row of whole
+    transposes already, or one whose short last run goes through lane masks). Derived
+    from the kernel's 16-pixel transposes, not measured."""
     h, w = geo.window.out_spatial
     return 2 if w % 16 == 8 and h % 2 == 0 else 1
 
@@ -3052,6 +3053,9 @@ def _blocked_rows_reason(geo: ConvGeometry) -> str:
     if blocked_rows(geo) == 2:
         return (f"2 output rows a unit (blocked_rows: {w}-pixel rows are 8 past whole "
                 "16-pixel transposes and pair up, so a band is whole transposes)")
+    if w % 16 == 0:
+        return (f"1 output row a unit (blocked_rows: a {w}-pixel row is whole 16-pixel "
+                "transposes already)")
     return (f"1 output row a unit (blocked_rows: {w}-pixel rows by {h} do not pair into "
             "whole 16-pixel transposes; a short last run goes through lane masks)")
 
@@ -3082,7 +3086,14 @@ def blocked_split(geo: ConvGeometry, threads: int) -> BlockedSplit:
     image's X is read by the threads of every group, as a product's B by every row
     group). Bands alone where they are as even: on one or two threads the bands-only
     split measured before channel groups existed."""
-    return _blocked_split(geo, threads, (thread_costs.current().token, MIN_FLOPS_PER_THREAD))
+    return _blocked_split(geo, threads, split_reads())
+
+
+def split_reads() -> tuple[str, int]:
+    """What blocked_split reads beyond a conv and its threads: this process's thread
+    costs (they change where they are measured, refreshed or forgotten) and the least
+    flops a thread. A prepared blocked call binds its split again when they change."""
+    return thread_costs.current().token, MIN_FLOPS_PER_THREAD
 
 
 @functools.lru_cache(maxsize=1024)

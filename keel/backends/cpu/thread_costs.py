@@ -24,6 +24,7 @@ declared values decide).
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import json
 import os
@@ -157,9 +158,10 @@ class ThreadCosts:
         return cls(dispatch, rates, str(data["cpu"]), int(data["cores"]),
                    float(data["seconds"]))
 
-    @property
+    @functools.cached_property
     def token(self) -> str:
-        """A short hash of the numbers: plans made under other costs are not reused."""
+        """A short hash of the numbers: plans made under other costs are not reused.
+        Hashed once (the splits ask for it on every call)."""
         text = json.dumps(self.to_dict(), sort_keys=True)
         return sha256(text.encode()).hexdigest()[:16]
 

@@ -85,7 +85,7 @@ from keel.backends.cpu.conv_epilogue import Activation, finish
 from keel.ops.schemas.conv import ConvGeometry
 
 __all__ = ["Im2colLayout", "NativeCall", "NativeLayout", "PointwiseLayout", "Wide",
-           "bind_phase_copy", "blocked_serves", "im2col", "im2col_layout",
+           "bind_phase_copy", "blocked_serves", "strided_serves", "im2col", "im2col_layout",
            "layout_filters", "native", "native_calls", "native_filters", "native_layout",
            "native_source", "pointwise", "pointwise_layout", "wide_serves"]
 
@@ -588,6 +588,8 @@ def _native_layout(geo: ConvGeometry, form: str, step: int = 1) -> NativeLayout:
     unit = all(s == 1 for s in win.strides)
     if form == "direct" and geo.is_pointwise and unit:
         return NativeLayout(geo, True, False, (), (), math.prod(win.in_spatial), None, None)
+    if form == "gathered-strided" and strided_serves(geo):
+        return _strided_layout(geo)
     copied = win.padded or not unit
     q = tuple(-(-(i + b + e) // s) for i, b, e, s in
               zip(win.in_spatial, win.pads_begin, win.pads_end, win.strides, strict=True))
@@ -617,6 +619,30 @@ def _native_layout(geo: ConvGeometry, form: str, step: int = 1) -> NativeLayout:
     rows.flags.writeable = False
     cols.flags.writeable = False
     return NativeLayout(geo, False, copied, q, fills, plane, rows, cols, stack_cols, stack_out)
+
+
+def strided_serves(geo: ConvGeometry) -> bool:
+    """Whether the gathered-strided form runs ``geo``: an unpadded 1x1 conv at stride 2,
+    whose output rows gemm.c's packing reads from X itself as every other float."""
+    win = geo.window
+    return (geo.is_pointwise and not win.padded and all(s == 2 for s in win.strides)
+            and all(d == 1 for d in win.dilations))
+
+
+def _strided_layout(geo: ConvGeometry) -> NativeLayout:
+    """An unpadded 1x1 stride-2 conv gathered from X itself, no phase copy: input channel
+    c is B's row at ``c * plane`` and output pixel (oy, ox) the column at ``2 * oy * W +
+    2 * ox`` (gemm.c packs a row's even floats with one permute)."""
+    win = geo.window
+    plane = math.prod(win.in_spatial)
+    steps = [math.prod(win.in_spatial[d + 1:]) for d in range(win.rank)]
+    cg = geo.in_channels // geo.group
+    rows = np.arange(cg, dtype=np.int64) * plane
+    cols = _grid([[o * s * st for o in range(oo)] for oo, s, st in
+                  zip(win.out_spatial, win.strides, steps, strict=True)])
+    rows.flags.writeable = False
+    cols.flags.writeable = False
+    return NativeLayout(geo, False, False, tuple(win.in_spatial), (), plane, rows, cols)
 
 
 def blocked_serves(geo: ConvGeometry) -> bool:

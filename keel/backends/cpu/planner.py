@@ -3340,6 +3340,28 @@ def _wide_wins(geo: ConvGeometry, grid: Grid) -> bool:
             <= WIDE_MAX_EXTRA * gathered)
 
 
+# gathered-strided: an unpadded 1x1 stride-2 conv whose output rows are at least this
+# many pixels packs its B straight from X (gemm.c pack_pairs: a row's every other float,
+# two loads and one permute per 16 columns), with no phase copy of X first. Measured on
+# the 2-core Intel Xeon (KVM, AVX-512), ResNet-18's shortcuts in the model, new against
+# the phase copy + gathered / gathered-images forms in one process, alternating passes,
+# under load (median / fastest, us): batch 1, one thread, 64 -> 128 on 28x28 260 / 220 ->
+# 201 / 166, 128 -> 256 on 14x14 200 / 172 -> 171 / 149; two threads 244 / 148 -> 218 /
+# 118 and 180 / 124 -> 158 / 102. The 7-wide 256 -> 512 lost alone (batch 1 150 / 110 ->
+# 157 / 120 us, batch 32 9.9 / 7.7 -> 12.5 / 12.2 ms): it keeps the masked form, whose
+# lanes tiles compute 49 pixels as 49 where 32-column panels compute 64. One image only:
+# at batch 32 (4 passes, heavy load) the form read 44.3 / 16.0 -> 50.2 / 17.2 ms (28x28)
+# and 31.8 / 9.8 -> 33.7 / 13.8 ms (14x14) against gathered-images, whose per-image phase
+# copy leaves the product's B in cache; a batch keeps that form.
+STRIDED_GATHER_MIN_WIDTH = 14
+
+
+def _strided_gather_wins(geo: ConvGeometry) -> bool:
+    """Whether a conv runs gathered-strided (STRIDED_GATHER_MIN_WIDTH)."""
+    return (geo.batch == 1 and conv_gemm.strided_serves(geo)
+            and geo.window.out_spatial[-1] >= STRIDED_GATHER_MIN_WIDTH)
+
+
 def native_form(geo: ConvGeometry, grid: Any = _HERE, vendor: Any = _HERE
                 ) -> tuple[str, str]:
     """The form the native conv runs ``geo`` in (see conv_gemm.native_layout), and why;
@@ -3349,6 +3371,12 @@ def native_form(geo: ConvGeometry, grid: Any = _HERE, vendor: Any = _HERE
     vendor = _this_vendor() if vendor is _HERE else vendor
     win = geo.window
     pixels = math.prod(win.out_spatial)
+    if _strided_gather_wins(geo):
+        return "gathered-strided", (
+            f"gathered-strided: one image's unpadded 1x1 stride-2 conv of output rows of "
+            f"{win.out_spatial[-1]} >= STRIDED_GATHER_MIN_WIDTH {STRIDED_GATHER_MIN_WIDTH} "
+            f"pixels, its B packed from X itself (a row's every other float, one permute), "
+            f"no phase copy")
     if _band_wins(geo, grid):
         return "band", (f"band: depth {geo.in_channels * math.prod(win.kernel)} <= "
                         f"{BAND_MAX_DEPTH}, {pixels} output pixels >= {BAND_FROM}, strided")

@@ -756,6 +756,54 @@ static void pack_block(const float *src, int64_t rs, int64_t ks, const int64_t *
         for (int64_t p = 0; p < kc; p++) dst[p * width + r] = 0.0f;
 }
 
+#if defined(__AVX512F__)
+/* The runs of a tile's mapped columns whose offsets step by two (tile columns j .. j +
+ * len read offsets o, o + 2, ...: an unpadded stride-2 conv's output rows read from X
+ * itself); 0 where a column is not read or the runs average under two columns. */
+static int pair_runs_of(const int64_t *map, int64_t cols, run *r)
+{
+    int count = 0;
+    for (int64_t j = 0; j < cols;) {
+        if (map[j] < 0) return 0;
+        int64_t start = j;
+        while (j + 1 < cols && map[j + 1] == map[j] + 2) j++;
+        j++;
+        r[count++] = (run){start, j - start, map[start]};
+    }
+    /* Consecutive offsets (a phase image's rows) make runs of one here: runs_of's. */
+    return 2 * count <= cols ? count : 0;
+}
+
+/* pack_gathered's rows for runs that step by two: each 16 columns are the even floats
+ * of 32 consecutive ones, two masked loads and one two-register permute (an element
+ * copy a column otherwise: runs_of finds runs of one). */
+static void pack_pairs(const float *src, const int64_t *rows, const run *r, int runs,
+                       int64_t cols, int64_t p0, int64_t kc, float *dst)
+{
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                           28, 30);
+    for (int64_t p = 0; p < kc; p++) {
+        const float *s = src + rows[p0 + p];
+        float *d = dst + p * NR;
+        for (int q = 0; q < runs; q++) {
+            const float *from = s + r[q].o;
+            float *to = d + r[q].j;
+            for (int64_t i = 0; i < r[q].len; i += 16) {
+                int64_t n = r[q].len - i < 16 ? r[q].len - i : 16; /* columns this move */
+                int64_t span = 2 * n - 1;                          /* floats read */
+                __mmask16 lo = (__mmask16)(span >= 16 ? 0xffffu : (1u << span) - 1u);
+                __mmask16 hi = (__mmask16)(span <= 16 ? 0u : (1u << (span - 16)) - 1u);
+                __m512 a = _mm512_maskz_loadu_ps(lo, from + 2 * i);
+                __m512 b = _mm512_maskz_loadu_ps(hi, from + 2 * i + 16);
+                __mmask16 keep = (__mmask16)(n >= 16 ? 0xffffu : (1u << n) - 1u);
+                _mm512_mask_storeu_ps(to + i, keep, _mm512_permutex2var_ps(a, even, b));
+            }
+        }
+        for (int64_t j = cols; j < NR; j++) d[j] = 0.0f;
+    }
+}
+#endif
+
 /* Columns [0, cols) of B (element (p, j) at src[rows[p] + map[j]]), depth [p0, p0 + kc),
  * as a kc x NR block at dst: the runs of consecutive offsets are found once, then
  * copied for every p. */
@@ -763,6 +811,13 @@ static void pack_gathered(const float *src, const int64_t *rows, const int64_t *
                           int64_t cols, int64_t p0, int64_t kc, float *dst)
 {
     run r[NR];
+#if defined(__AVX512F__)
+    int pairs = pair_runs_of(map, cols, r);
+    if (pairs) {
+        pack_pairs(src, rows, r, pairs, cols, p0, kc, dst);
+        return;
+    }
+#endif
     int runs = runs_of(map, cols, r);
     if (runs == 1 && r[0].len == NR) {
         for (int64_t p = 0; p < kc; p++) {

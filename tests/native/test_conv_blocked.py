@@ -179,6 +179,49 @@ def test_strided_and_1x1_the_same_bits_in_every_layout_and_split(
     _the_same_bits_everywhere(x, w, b, z, attrs, _blocked(x, w, b, z, attrs))
 
 
+@pytest.mark.parametrize("x_shape,m", [
+    ((1, 16, 56, 56), 32), ((2, 32, 28, 28), 32), ((1, 16, 55, 55), 32),   # 28, 14, 28 out
+    ((1, 16, 27, 27), 64)])
+@pytest.mark.parametrize("x_blocked", [False, True])
+def test_wide_tiles_give_the_bits_of_the_narrow_ones(x_shape: tuple[int, ...], m: int,
+                                                     x_blocked: bool) -> None:
+    """2 x 14-pixel tiles sum each output's taps in the order 8-pixel tiles and their
+    tail do, so the bits are theirs (odd inputs: the right column's taps in the image)."""
+    rng = np.random.default_rng(12)
+    x, w = rand(rng, *x_shape), rand(rng, m, x_shape[1], 3, 3)
+    geo = conv_geometry(Op.CONV, x.shape, w.shape, S2)
+    assert cpu_planner.blocked_wide(geo)
+    x = native_blocked.to_blocked(x) if x_blocked else x
+    got = []
+    for wide in (False, True):
+        y = np.empty(geo.out_shape, np.float32)
+        call = native_blocked.prepare(x, native_blocked.pack_filters(w), y, 2, 1,
+                                      lambda threads: (1, threads), stride=2,
+                                      bias=rand(np.random.default_rng(3), m),
+                                      sides=native_blocked.Sides(x=x_blocked), wide=wide)
+        assert call is not None
+        call.run(1)
+        got.append(y)
+    assert np.array_equal(*got)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs,wide", [
+    ((1, 64, 56, 56), (128, 64, 3, 3), S2, True),      # 28-pixel rows
+    ((1, 128, 28, 28), (256, 128, 3, 3), S2, True),    # 14
+    ((1, 256, 14, 14), (512, 256, 3, 3), S2, False),   # 7: one tail tile a row already
+    ((1, 16, 64, 64), (32, 16, 3, 3), S2, False),      # 32: whole 8-pixel tiles
+    ((1, 16, 56, 56), (16, 16, 3, 3), S2, False),      # one block a tile
+    ((1, 16, 28, 28), (32, 16, 3, 3), PADDED, False),  # stride 1
+    ((1, 16, 56, 56), (32, 16, 1, 1), {"strides": (2, 2)}, False),
+])
+def test_the_planners_wide_tile_rule(x_shape: tuple[int, ...], w_shape: tuple[int, ...],
+                                     attrs: dict[str, Any], wide: bool) -> None:
+    geo = conv_geometry(Op.CONV, x_shape, w_shape, attrs)
+    assert cpu_planner.blocked_wide(geo) is wide
+    variant = dict((k, why) for k, _, why in cpu_planner._blocked_fields(geo, 1))["variant"]
+    assert ("2 x 14-pixel register tiles" in variant) is wide
+
+
 @pytest.mark.parametrize("sides", [s for s in EVERY_SIDES if s.y == s.residual])
 def test_a_residual_in_y_itself(sides: native_blocked.Sides) -> None:
     """Y may be its residual's own array where both have one layout (the arena's reuse):

@@ -1236,7 +1236,8 @@ def _blocked_calls(layout: NativeLayout, source: Any, x: Any, filters: Any, z: A
     call = native_blocked.prepare(
         x, packed, y, rules.blocked_oc_tile(geo.out_channels), rules.blocked_rows(geo),
         lambda threads: rules.blocked_split(geo, threads).pair,
-        stride=geo.window.strides[0], bias=bias, residual=z, clip=clip, sides=layout.sides)
+        stride=geo.window.strides[0], bias=bias, residual=z, clip=clip, sides=layout.sides,
+        wide=rules.blocked_wide(geo))
     return None if call is None else [call]
 
 

@@ -27,8 +27,8 @@ __all__ = ["NCHWC", "NCHW_SIDES", "REGION_LAYOUTS", "BlockedCall", "Sides", "ava
            "Split", "pack_filters", "prepare", "to_blocked", "to_nchw"]
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-# keel_conv_blocked_args of blocked.c: 18 int64 fields then lo, hi as doubles.
-_ARGS = struct.Struct("<18q2d")
+# keel_conv_blocked_args of blocked.c: 19 int64 fields then lo, hi as doubles.
+_ARGS = struct.Struct("<19q2d")
 _GROUPS = 11            # where the channel groups sit in it
 _X = 13                 # X's address
 _OUT = (14, 16)         # and Y's and the residual's
@@ -36,6 +36,7 @@ _CLIP, _X_BLOCKED, _Y_BLOCKED, _R_BLOCKED = 2, 4, 8, 16     # blocked.c's BLOCKE
 _FLAGS = {"BLOCKED_CLIP": _CLIP, "BLOCKED_X": _X_BLOCKED, "BLOCKED_Y": _Y_BLOCKED,
           "BLOCKED_R": _R_BLOCKED}                          # checked by name at load
 _F4 = np.dtype(np.float32)
+WIDE = 14               # pixels of the 2 x 14 register tiles blocked.c runs when told
 LANES = 16              # output channels a block (one AVX-512 vector)
 NCHWC = "nchwc16"       # the blocked layout's name in a plan's layout
 # The layouts of a float NCHWc region's convs (X's -> Y's; "nchw->nchw": only the
@@ -166,15 +167,17 @@ class BlockedCall(native_gemm.XCall):
 def prepare(x: np.ndarray, filters: np.ndarray, y: np.ndarray, oc_tile: int, rows: int,
             split: Split, *, stride: int = 1, bias: np.ndarray | None = None,
             residual: np.ndarray | None = None,
-            clip: tuple[float, float] | None = None, sides: Sides = NCHW_SIDES
-            ) -> BlockedCall | None:
+            clip: tuple[float, float] | None = None, sides: Sides = NCHW_SIDES,
+            wide: bool = False) -> BlockedCall | None:
     """The :class:`BlockedCall` of a conv of X (N, C, H, W) into Y (N, M, OH, OW), both
     C-contiguous float32, ``filters`` from :func:`pack_filters`: 3x3 padded by one or 1x1
     unpadded (the filters say which), at ``stride`` 1 or 2; ``oc_tile`` blocks of 16
     channels a register tile, ``rows`` output rows a unit, ``split(threads)`` the channel
     groups and the chunks of the units (see :class:`BlockedCall`), ``sides`` which of X,
-    Y and the residual are blocked (all the planner's). The residual may be Y itself
-    where both have one layout. None when not served."""
+    Y and the residual are blocked, ``wide`` whether its register tiles are 2 x 14
+    pixels (a 3x3 stride-2 conv of two blocks a tile, rows a multiple of 14 pixels; all
+    the planner's). The residual may be Y itself where both have one layout. None when
+    not served."""
     f = _functions()
     if f is None or x.dtype != _F4 or y.dtype != _F4 or x.ndim != 4 or y.ndim != 4 or not (
             x.flags.c_contiguous and y.flags.c_contiguous) or np.may_share_memory(x, y):
@@ -187,7 +190,8 @@ def prepare(x: np.ndarray, filters: np.ndarray, y: np.ndarray, oc_tile: int, row
     if (kernel == 0 or stride not in (1, 2) or y.shape != (n, m, oh, ow)
             or filters.shape != (m // LANES, c, taps, LANES)
             or c < 1 or rows < 1 or m % (LANES * oc_tile) or oh % rows
-            or oc_tile not in (1, 2) or (sides.x and c % LANES)):
+            or oc_tile not in (1, 2) or (sides.x and c % LANES)
+            or (wide and (kernel, stride, oc_tile, ow % WIDE) != (3, 2, 2, 0))):
         return None
     in_place = (residual is not None and native_gemm.same_memory(residual, y)
                 and sides.residual == sides.y)
@@ -198,6 +202,6 @@ def prepare(x: np.ndarray, filters: np.ndarray, y: np.ndarray, oc_tile: int, row
               native.address(filters), native.address(x),
               native.address(y), 0 if bias is None else native.address(bias),
               0 if residual is None else native.address(residual),
-              (_CLIP if clip is not None else 0) | sides.flags, lo, hi)
+              (_CLIP if clip is not None else 0) | sides.flags, WIDE if wide else 0, lo, hi)
     return BlockedCall(f, values, n * (oh // rows), m // (LANES * oc_tile), split,
                        (filters, bias, residual), tuple(x.shape))

@@ -1301,7 +1301,7 @@ def _blocked_fields(geo: ConvGeometry, threads: int) -> tuple[tuple[str, Any, st
     return (("variant", "native",
              "native: the channel-blocked direct conv (blocked.c), X read where it "
              "lies, inside a float NCHWc region or alone (the layout says why); "
-             + _blocked_rows_reason(geo)),
+             + _blocked_rows_reason(geo) + "; " + _blocked_tiles_reason(geo)),
             ("workspace_bytes", 4 * floats * parts,
              f"a thread's sums of one register tile's band ({tile} x 16 channels x {rows} "
              f"row(s) x {width} pixels) on each of {parts} thread(s); X is read in place"))
@@ -3045,6 +3045,33 @@ def blocked_rows(geo: ConvGeometry) -> int:
     from the kernel's 16-pixel transposes, not measured."""
     h, w = geo.window.out_spatial
     return 2 if w % 16 == 8 and h % 2 == 0 else 1
+
+
+def blocked_wide(geo: ConvGeometry) -> bool:
+    """Whether the blocked conv runs 2 x 14-pixel register tiles: 3x3 at stride 2 with
+    two blocks a tile (blocked_oc_tile) and output rows a multiple of 14 pixels but not
+    of 8 (a row of 8-pixel tiles would end in a 4- or 6-pixel tail that costs about as
+    much as a whole tile). Same sums in the same order, so the same bits. Measured as
+    BLOCKED_VENDORS says, one thread, the conv alone at batch 1, one process, alternating
+    (14-pixel / 8-pixel tiles, median and fastest of ~2,400 runs each, under load):
+    ResNet-18's 64 -> 128 on 56 x 56 (28 out) 0.89 / 0.89, 128 -> 256 on 28 x 28 (14
+    out) 0.89 / 0.88; 12 + 8 + 8 pixels gave the 28 the same 0.90 and nothing for the 14,
+    7 + 7 pixels 1.00."""
+    w = geo.window.out_spatial[1]
+    return (tuple(geo.window.kernel) == (3, 3) and tuple(geo.window.strides) == (2, 2)
+            and blocked_oc_tile(geo.out_channels) == 2
+            and w % native_blocked.WIDE == 0 and w % 8 != 0)
+
+
+def _blocked_tiles_reason(geo: ConvGeometry) -> str:
+    """Why the blocked conv's register tiles are as wide as they are (blocked_wide)."""
+    w = geo.window.out_spatial[1]
+    if blocked_wide(geo):
+        return (f"2 x {native_blocked.WIDE}-pixel register tiles (blocked_wide: "
+                f"{w}-pixel rows at stride 2 would end in a tail tile as costly as a whole "
+                "one; measured 0.88-0.89x the 8-pixel tiles on ResNet-18's 28- and "
+                "14-wide stride-2 convs, one thread)")
+    return "8- or 16-pixel register tiles and a row's last 1-7 pixels in one tail tile"
 
 
 def _blocked_rows_reason(geo: ConvGeometry) -> str:

@@ -14,7 +14,9 @@
  * one output row; per channel and kernel row it loads the tile's filter vectors once
  * and broadcasts each input value the row's taps read once, for every tap that reads it
  * (three at stride 1, one or two at stride 2; tile() below; a row that is not whole
- * 8-pixel tiles ends in a tile of its last 1 to 7 pixels and the tile's blocks), none
+ * 8-pixel tiles ends in a tile of its last 1 to 7 pixels and the tile's blocks; a
+ * 3x3 stride-2 conv of two blocks a tile whose rows are 14 or 28 pixels may be told
+ * (`wide`) to run 2 x 14 tiles instead, fewer tiles a row for the same sums), none
  * of them through lane masks (gemm.c's masked conv loads its taps through masks across
  * cache lines). X is read where it lies in either layout (a pixel's value of a channel
  * is 1 float from the next pixel's in NCHW, 16 in the blocked layout): rows above and
@@ -57,6 +59,8 @@ typedef struct {
     const float *bias;       /* m, or NULL */
     const float *res;        /* shaped like Y, or NULL */
     int64_t flags;           /* BLOCKED_CLIP, BLOCKED_X, BLOCKED_Y, BLOCKED_R */
+    int64_t wide;            /* 0, or 14: 2 x 14-pixel tiles (3x3 stride 2, oc_tile 2,
+                                ow a multiple of 14) */
     double lo, hi;
 } keel_conv_blocked_args;
 
@@ -236,6 +240,12 @@ static const tile_fn TAIL_FNS[4][2][2][7][4] = {
     TAIL_LAYOUTS(EDGES3, 1), TAIL_LAYOUTS(EDGES3, 2), TAIL_LAYOUTS(EDGES1, 1),
     TAIL_LAYOUTS(EDGES1, 2)};
 
+/* Two blocks by 14 pixels of a 3x3 stride-2 tile (`wide`): 28 sums, so fewer filter
+ * loads and tile starts a row than 8 + 6 or 8 + 8 + 8 + 4 pixels. */
+TILES3(2, 2, 14, 1)
+TILES3(2, 2, 14, 16)
+static const tile_fn WIDE_FNS[2][4] = {EDGES3(2, 2, 14, 1), EDGES3(2, 2, 14, 16)};
+
 /* One band's tiles of blocks [ob0, ob0 + oc_tile) of image x from output row y0. */
 static void band_sums(const keel_conv_blocked_args *g, const float *x, int64_t y0,
                       int64_t ob0, float *buf)
@@ -259,14 +269,17 @@ static void band_sums(const keel_conv_blocked_args *g, const float *x, int64_t y
         const float *row[3] = {t.row[0], t.row[1], t.row[2]};
         for (int64_t x0 = 0; x0 < ow;) {
             int64_t left = ow - x0;
-            int np = left < 8 ? (int)left : g->oc_tile == 2 || left < 16 ? 8 : 16;
+            int np = g->wide ? 14
+                     : left < 8 ? (int)left : g->oc_tile == 2 || left < 16 ? 8 : 16;
             int shape = g->oc_tile == 2 ? 2 : np == 16;
             /* the tile's first and last taps' columns outside the row */
             int edges = (S * x0 - K / 2 < 0) + 2 * (S * (x0 + np - 1) + K / 2 >= g->w);
             for (int kh = 0; kh < K; kh++)
                 t.row[kh] = row[kh] + (t.cs[kh] ? S * x0 * ps : 0);
             float *at = buf + (r * ow + x0) * 16;
-            if (np < 8) /* the row's tail: the tile's blocks together */
+            if (g->wide)
+                WIDE_FNS[blocked][edges](&t, wp, c * K * K * 16, c, at, band * 16);
+            else if (np < 8) /* the row's tail: the tile's blocks together */
                 tails[np - 1][edges](&t, wp, c * K * K * 16, c, at, band * 16);
             else
                 fns[shape][edges](&t, wp, c * K * K * 16, c, at, band * 16);

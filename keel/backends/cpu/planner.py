@@ -3379,13 +3379,19 @@ def _wide_wins(geo: ConvGeometry, grid: Grid) -> bool:
 # lanes tiles compute 49 pixels as 49 where 32-column panels compute 64. One image only:
 # at batch 32 (4 passes, heavy load) the form read 44.3 / 16.0 -> 50.2 / 17.2 ms (28x28)
 # and 31.8 / 9.8 -> 33.7 / 13.8 ms (14x14) against gathered-images, whose per-image phase
-# copy leaves the product's B in cache; a batch keeps that form.
+# copy leaves the product's B in cache; a batch keeps that form. AVX-512 tiles only
+# (pack_pairs is AVX-512 code: elsewhere a map stepping by two packs column by column,
+# measured 1.15-1.23x the phase copy on an AVX2 build of the same Xeon) and on the vendors
+# it was measured on (STRIDED_GATHER_VENDORS).
 STRIDED_GATHER_MIN_WIDTH = 14
+STRIDED_GATHER_VENDORS = frozenset({"Intel"})
 
 
-def _strided_gather_wins(geo: ConvGeometry) -> bool:
-    """Whether a conv runs gathered-strided (STRIDED_GATHER_MIN_WIDTH)."""
-    return (geo.batch == 1 and conv_gemm.strided_serves(geo)
+def _strided_gather_wins(geo: ConvGeometry, grid: Grid, vendor: str | None) -> bool:
+    """Whether a conv runs gathered-strided (STRIDED_GATHER_MIN_WIDTH, on AVX-512 tiles
+    of STRIDED_GATHER_VENDORS' cores)."""
+    return (grid == _TILES["avx512"] and vendor in STRIDED_GATHER_VENDORS
+            and geo.batch == 1 and conv_gemm.strided_serves(geo)
             and geo.window.out_spatial[-1] >= STRIDED_GATHER_MIN_WIDTH)
 
 
@@ -3398,7 +3404,7 @@ def native_form(geo: ConvGeometry, grid: Any = _HERE, vendor: Any = _HERE
     vendor = _this_vendor() if vendor is _HERE else vendor
     win = geo.window
     pixels = math.prod(win.out_spatial)
-    if _strided_gather_wins(geo):
+    if _strided_gather_wins(geo, grid, vendor):
         return "gathered-strided", (
             f"gathered-strided: one image's unpadded 1x1 stride-2 conv of output rows of "
             f"{win.out_spatial[-1]} >= STRIDED_GATHER_MIN_WIDTH {STRIDED_GATHER_MIN_WIDTH} "

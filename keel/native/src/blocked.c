@@ -267,9 +267,11 @@ static void band_sums(const keel_conv_blocked_args *g, const float *x, int64_t y
             t.gs[kh] = inside && blocked ? plane * 16 : 0;
         }
         const float *row[3] = {t.row[0], t.row[1], t.row[2]};
+        /* the wide tiles only where they fit the row (the caller's promise, checked) */
+        int wide = g->wide == 14 && K == 3 && S == 2 && g->oc_tile == 2 && ow % 14 == 0;
         for (int64_t x0 = 0; x0 < ow;) {
             int64_t left = ow - x0;
-            int np = g->wide ? 14
+            int np = wide ? 14
                      : left < 8 ? (int)left : g->oc_tile == 2 || left < 16 ? 8 : 16;
             int shape = g->oc_tile == 2 ? 2 : np == 16;
             /* the tile's first and last taps' columns outside the row */
@@ -277,7 +279,7 @@ static void band_sums(const keel_conv_blocked_args *g, const float *x, int64_t y
             for (int kh = 0; kh < K; kh++)
                 t.row[kh] = row[kh] + (t.cs[kh] ? S * x0 * ps : 0);
             float *at = buf + (r * ow + x0) * 16;
-            if (g->wide)
+            if (wide)
                 WIDE_FNS[blocked][edges](&t, wp, c * K * K * 16, c, at, band * 16);
             else if (np < 8) /* the row's tail: the tile's blocks together */
                 tails[np - 1][edges](&t, wp, c * K * K * 16, c, at, band * 16);

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import onnx as onnx_lib
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -213,3 +214,20 @@ def test_a_pooled_graph_output_given_to_the_caller_is_the_unfused_one(
     for _ in range(3):
         assert np.array_equal(_bits(fused.predict({"x": x})["p"]), want)
     assert "pooled_by" in str(fused.explain()), "the plan did not pool in the conv"
+
+
+def test_a_conv_whose_fused_activation_the_band_conv_lacks_is_not_pooled(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fused LeakyRelu (no band conv epilogue): the plan keeps conv and pool apart, as
+    the run does, and says nothing of pooling."""
+    model = onnx_lib.load_from_string(_stem(1))
+    for node in model.graph.node:
+        if node.op_type == "Relu":
+            node.op_type = "LeakyRelu"
+            node.attribute.append(helper.make_attribute("alpha", 0.1))
+    blob = model.SerializeToString()
+    fused = _load(blob, 2, True, monkeypatch)
+    assert "pool_in_conv" not in str(fused.explain())
+    x = np.random.default_rng(2).standard_normal((1, 3, 128, 128)).astype(np.float32)
+    want = _bits(_load(blob, 2, False, monkeypatch).predict({"x": x})["y"])
+    assert np.array_equal(_bits(fused.predict({"x": x})["y"]), want)

@@ -128,12 +128,21 @@ def test_a_kind_only_one_side_has_shows_no_ratio() -> None:
     assert all(s[-1] == s[5] == "1.00" for s in stem)
 
 
-def test_json_and_kinds_cannot_be_asked_together() -> None:
+def test_json_and_kinds_cannot_be_asked_together(monkeypatch: pytest.MonkeyPatch) -> None:
+    def measured(*args: Any) -> dict[str, Any]:
+        raise AssertionError("measured: the arguments were taken")
+
+    monkeypatch.setattr(pernode, "measure", measured)
     with pytest.raises(SystemExit):
-        pernode.main(["--model", "lenet", "--passes", "0", "--json", "--kinds"])
+        pernode.main(["--model", "lenet", "--passes", "1", "--json", "--kinds"])
 
 
 @pytest.mark.parametrize("flag", ["--batch", "--passes"])
-def test_a_batch_or_passes_below_one_is_refused(flag: str) -> None:
+def test_a_batch_or_passes_below_one_is_refused(flag: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    def measured(*args: Any) -> dict[str, Any]:
+        raise AssertionError("measured: the arguments were taken")
+
+    monkeypatch.setattr(pernode, "measure", measured)
     with pytest.raises(SystemExit):
         pernode.main(["--model", "lenet", flag, "0"])

@@ -40,8 +40,8 @@ class PoolStep:
     """A max pool's bound step that its conv may hand its X to: then the conv and the
     pool as one call, else the pool's own call."""
 
-    __slots__ = ("__weakref__", "call", "fused", "geo", "pending", "pool", "split",
-                 "threads", "x_at", "x_ref", "y")
+    __slots__ = ("__weakref__", "call", "fused", "geo", "pending", "pool", "refused",
+                 "split", "threads", "x_at", "x_ref", "y")
 
     def __init__(self, pool: Callable[[], Any], x: np.ndarray, y: np.ndarray,
                  geo: native_window.WindowGeometry, split: native_gemm.PoolSplit,
@@ -50,7 +50,7 @@ class PoolStep:
         self.x_ref = weakref.ref(x)
         self.call: native_gemm.PooledCall | None = None
         self.fused: Callable[[], Any] | None = None     # the call bound
-        self.x_at, self.pending = 0, False
+        self.x_at, self.pending, self.refused = 0, False, False
 
     def __call__(self) -> None:
         if self.pending and self.fused is not None:
@@ -63,10 +63,13 @@ class PoolStep:
         """Whether this step computes the conv of ``x`` with its pool this run (the conv
         then does nothing)."""
         self.pending = False
+        if self.refused:
+            return False
         at = int(x.ctypes.data)
         if self.call is None:
             self.call = self._prepared(band_of)
-            if self.call is None:
+            if self.call is None:       # not served: the conv computes itself from now on
+                self.refused = True
                 return False
             self.fused, self.x_at = self.call.bound(self.threads), 0
         if at != self.x_at:             # another X (a feed read where the caller has it)
@@ -93,7 +96,7 @@ class PoolStep:
 # The pool steps waiting for a conv, by (the conv's Y: the pool's X, its address, the
 # binding thread). A memo, emptied when full; a step held by no program is gone.
 _WAITING: dict[tuple[int, int, int], weakref.ref[PoolStep]] = {}
-_WAITING_KEPT = 64
+_WAITING_KEPT = 64      # derived: far more programs x threads than a process binds at once
 
 
 def _key(y: np.ndarray) -> tuple[int, int, int]:

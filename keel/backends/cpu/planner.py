@@ -27,6 +27,7 @@ from typing import Any, ClassVar, ParamSpec, TypeVar
 from keel.backends import planner_constants
 from keel.backends.base import KernelTable, KernelVariant
 from keel.backends.cpu import (
+    conv_epilogue,
     conv_gemm,
     depthwise,
     native_blocked,
@@ -1168,7 +1169,8 @@ def pool_in_conv(graph: Any, types: Mapping[str, TensorType | None],
                             f"{min(threads or 1, geo.batch * split.bands)} piece(s) of "
                             f"images x bands of pooled rows (pool_in_conv)"),
             options=(("pool_in_conv", dataclasses.astuple(split),
-                      _pooled_split_reason(split, geo.batch, threads or 1)),))
+                      _pooled_split_reason(split, geo.batch, threads or 1,
+                                           max(0, pool.kernel[0] - pool.strides[0]))),))
         decided[conv] = LayoutDecision(None, "", options=(
             ("pooled_by", node.name, POOLED_BY_REASON.format(pool=node.name)),
             decided[i].options[0]))
@@ -1178,11 +1180,16 @@ def pool_in_conv(graph: Any, types: Mapping[str, TensorType | None],
 def _poolable_conv(node: Any, types: Mapping[str, TensorType | None], grid: Grid
                    ) -> ConvGeometry | None:
     """A float conv's geometry where pool_in_conv serves it: 2-D, one group, no
-    residual, at most POOL_IN_CONV_MAX_DEPTH deep, strided and of at least BAND_FROM
-    output pixels an image (a network's first layer on a large image, as the stem
-    measured), float32, the native tile known."""
+    residual, no fused activation but ReLU or a clip (the band conv's epilogue), at most
+    POOL_IN_CONV_MAX_DEPTH deep, strided and of at least BAND_FROM output pixels an image
+    (a network's first layer on a large image, as the stem measured), float32, the
+    native tile known."""
     if node.op is not Op.CONV or len(node.inputs) < 2 or grid is None or (
             len(node.inputs) > 3 and node.inputs[3]):
+        return None
+    act = conv_epilogue.activation(node.attrs.get("activation", ""),
+                                   node.attrs.get("activation_params", ()))
+    if act[0] not in ("", "clip"):
         return None
     x, w = (types.get(name) for name in node.inputs[:2])
     out = types.get(node.outputs[0])
@@ -1227,11 +1234,14 @@ def pool_in_conv_split(batch: int, pooled_rows: int, width: int, threads: int,
     return native_gemm.PoolSplit(bands, POOL_IN_CONV_STEP, fill)
 
 
-def _pooled_split_reason(split: native_gemm.PoolSplit, batch: int, threads: int) -> str:
+def _pooled_split_reason(split: native_gemm.PoolSplit, batch: int, threads: int,
+                         shared: int) -> str:
+    """``shared``: the conv rows two neighbouring bands' windows both read (the pool
+    window's rows less its row stride, at least 0)."""
     units = max(batch, 0) * split.bands
-    extra = "" if split.bands == 1 else (
-        f"; a band's first conv row, shared with the band before it, is computed by both "
-        f"({split.bands - 1} extra row(s) an image)")
+    extra = "" if split.bands == 1 or shared == 0 else (
+        f"; a band's first {shared} conv row(s), shared with the band before it, are "
+        f"computed by both ({(split.bands - 1) * shared} extra row(s) an image)")
     return (f"{split.bands} band(s) of pooled rows an image, {units} unit(s) (images x "
             f"bands) over up to {threads} thread(s): threads / gcd(batch, threads) bands, so "
             f"the units divide evenly{extra}")
@@ -2988,8 +2998,10 @@ def blocked_conv(geo: ConvGeometry, grid: Any = _HERE, vendor: Any = _HERE) -> b
 # A 3x3 stride-2 conv outside any region runs channel-blocked alone (X and Y NCHW, the
 # sums transposed into Y's rows) where its output rows are at least BLOCKED_ALONE_MIN_WIDTH
 # pixels: a whole 8-pixel tile then does most of a row, its tail the rest with both
-# blocks of the register tile. Measured as BLOCKED_VENDORS says, one process, alternating,
-# under load (blocked / the form planned before): ResNet-18's 64 -> 128 on 56 x 56 (28
+# blocks of the register tile (28- and 14-wide two-block rows run blocked_wide's 2 x 14
+# tiles since; the figures below were measured before those). Measured as
+# BLOCKED_VENDORS says, one process, alternating, under load (blocked / the form
+# planned before): ResNet-18's 64 -> 128 on 56 x 56 (28
 # out) 0.72 at batch 1 and 0.69 at batch 32 on one thread (medians, the conv alone); its
 # 128 -> 256 (14 out) inside the model 0.80-0.89 at batch 1 and 0.79-0.84 at batch 32 on
 # one thread, 0.94 at batch 1 on two (fastest of 18-60 runs); its 256 -> 512 (7 out, a
@@ -3119,7 +3131,8 @@ def blocked_split(geo: ConvGeometry, threads: int) -> BlockedSplit:
 def split_reads() -> tuple[str, int]:
     """What blocked_split reads beyond a conv and its threads: this process's thread
     costs (they change where they are measured, refreshed or forgotten) and the least
-    flops a thread. A prepared blocked call binds its split again when they change."""
+    flops a thread. A blocked call's run() binds its split again when they change; a
+    program's bound step keeps the split it was bound with."""
     return thread_costs.current().token, MIN_FLOPS_PER_THREAD
 
 

@@ -2092,10 +2092,6 @@ static void band_fill(const keel_conv_band_args *g, const float *x, int64_t oy0,
         }
 }
 
-/* Units [u_lo, u_hi) of batch * bands, image-major (bands of keel_conv_band_rows_f32
- * rows; the last one of an image may be shorter). Every element of Y is the same sum
- * in the same order whatever the split: bitwise the same Y for any thread count.
- * `work`: keel_conv_band_workspace_f32(g) floats. */
 /* The tiles of a built band (`cols` columns of B at work, ldb apart) into y: output
  * channel i's columns at y + i * ldy; `jbase` the band's first column in its image's
  * plane (the epilogue's index). */
@@ -2116,6 +2112,10 @@ static void band_tiles(const keel_conv_band_args *g, const float *work, int64_t 
     }
 }
 
+/* Units [u_lo, u_hi) of batch * bands, image-major (bands of keel_conv_band_rows_f32
+ * rows; the last one of an image may be shorter). Every element of Y is the same sum
+ * in the same order whatever the split: bitwise the same Y for any thread count.
+ * `work`: keel_conv_band_workspace_f32(g) floats. */
 void keel_conv_band_f32(const keel_conv_band_args *g, float *work, int64_t u_lo, int64_t u_hi)
 {
     int64_t rows = keel_conv_band_rows_f32(g), bands = (g->oh + rows - 1) / rows;

@@ -1421,6 +1421,7 @@ int64_t keel_maxpool_part_f32(const float *x, int64_t row0, int64_t rows, float 
                               int64_t oy_lo, int64_t oy_hi) {
     geom g;
     if (geom_init(&g, geometry) != 0 || !rows_ok(&g)) return -1;
+    if (oy_lo < 0 || oy_hi > g.oh) return -1;
     if (oy_lo < oy_hi && (max64(oy_lo * g.sh - g.pt, 0) < row0
                           || min64((oy_hi - 1) * g.sh - g.pt + g.kh, g.h) > row0 + rows))
         return -1;

@@ -73,11 +73,9 @@ class PoolStep:
                 return False
             self.fused, self.x_at = self.call.bound(self.threads), 0
         if at != self.x_at:             # another X (a feed read where the caller has it)
-            if not self.call.point_x(x):
+            if np.may_share_memory(x, self.y) or not self.call.point_x(x):
                 return False
             self.x_at = at
-        if np.may_share_memory(x, self.y):
-            return False
         self.pending = True
         return True
 
@@ -118,12 +116,14 @@ def waiting(pool: Callable[[], Any], x: np.ndarray, y: np.ndarray,
     return step
 
 
-def hand_over(x: np.ndarray, y: np.ndarray, band_of: BandOf) -> bool:
+def hand_over(x: np.ndarray, y: np.ndarray, band_of: BandOf,
+              key: tuple[int, int, int] | None = None) -> bool:
     """Whether a pool step waits for this conv's ``y`` and takes the conv of ``x`` (made
-    by ``band_of`` once) this run: then the conv computes nothing."""
+    by ``band_of`` once) this run: then the conv computes nothing. ``key``: ``y``'s key
+    in the waiting steps where the caller keeps it (a bound step on its thread)."""
     if every_value_wanted():
         return False                # the run keeps or watches the conv's output
-    ref = _WAITING.get(_key(y))
+    ref = _WAITING.get(_key(y) if key is None else key)
     step = None if ref is None else ref()
     return step is not None and step.x_ref() is y and step.take(x, band_of)
 
@@ -131,12 +131,13 @@ def hand_over(x: np.ndarray, y: np.ndarray, band_of: BandOf) -> bool:
 class ConvStep:
     """A pooled conv's bound step: it hands X over to its pool's step, or computes."""
 
-    __slots__ = ("band_of", "call", "x", "y")
+    __slots__ = ("band_of", "call", "key", "x", "y")
 
     def __init__(self, call: Callable[[], Any], x: np.ndarray, y: np.ndarray,
                  band_of: BandOf) -> None:
         self.call, self.x, self.y, self.band_of = call, x, y, band_of
+        self.key = _key(y)      # bound on the thread that runs it: its key stays put
 
     def __call__(self) -> None:
-        if not hand_over(self.x, self.y, self.band_of):
+        if not hand_over(self.x, self.y, self.band_of, self.key):
             self.call()

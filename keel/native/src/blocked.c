@@ -257,6 +257,8 @@ static void band_sums(const keel_conv_blocked_args *g, const float *x, int64_t y
     const float *wp = g->filters + ob0 * c * K * K * 16;
     const tile_fn(*fns)[4] = TILE_FNS[(K == 1) * 2 + (S == 2)][blocked];
     const tile_fn(*tails)[4] = TAIL_FNS[(K == 1) * 2 + (S == 2)][blocked][g->oc_tile - 1];
+    /* the wide tiles only where they fit the row (the caller's promise, checked) */
+    int wide = g->wide == 14 && K == 3 && S == 2 && g->oc_tile == 2 && ow % 14 == 0;
     for (int64_t r = 0; r < g->rows; r++) {
         taps t;
         for (int kh = 0; kh < K; kh++) {
@@ -267,8 +269,6 @@ static void band_sums(const keel_conv_blocked_args *g, const float *x, int64_t y
             t.gs[kh] = inside && blocked ? plane * 16 : 0;
         }
         const float *row[3] = {t.row[0], t.row[1], t.row[2]};
-        /* the wide tiles only where they fit the row (the caller's promise, checked) */
-        int wide = g->wide == 14 && K == 3 && S == 2 && g->oc_tile == 2 && ow % 14 == 0;
         for (int64_t x0 = 0; x0 < ow;) {
             int64_t left = ow - x0;
             int np = wide ? 14

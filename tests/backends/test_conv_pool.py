@@ -25,16 +25,17 @@ def _native_tier() -> None:
 
 
 def _stem(batch: int, channels: int = 3, size: int = 128, pool: dict[str, Any] | None = None,
-          second_reader: bool = False, seed: int = 0) -> bytes:
-    """Conv (channels -> 64, 7x7 stride 2 pad 3, bias) + ReLU + MaxPool (3x3 stride 2 pad
-    1 unless ``pool``), as ResNet-18 begins, then the pool's output doubled;
-    ``second_reader``: the conv's output is a graph output too."""
+          second_reader: bool = False, seed: int = 0, conv: dict[str, Any] | None = None
+          ) -> bytes:
+    """Conv (channels -> 64, 7x7 stride 2 pad 3 unless ``conv``, bias) + ReLU + MaxPool
+    (3x3 stride 2 pad 1 unless ``pool``), as ResNet-18 begins, then the pool's output
+    doubled; ``second_reader``: the conv's output is a graph output too."""
     rng = np.random.default_rng(seed)
-    w = (rng.standard_normal((64, channels, 7, 7)) * 0.1).astype(np.float32)
+    attrs = conv or {"kernel_shape": [7, 7], "strides": [2, 2], "pads": [3, 3, 3, 3]}
+    w = (rng.standard_normal((64, channels, *attrs["kernel_shape"])) * 0.1).astype(np.float32)
     b = rng.standard_normal(64).astype(np.float32)
     window = pool or {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}
-    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[7, 7],
-                              strides=[2, 2], pads=[3, 3, 3, 3]),
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], **attrs),
              helper.make_node("Relu", ["c"], ["r"]),
              helper.make_node("MaxPool", ["r"], ["p"], **window),
              # y = p + p (exact): the pool's output is no graph output, as in a network,
@@ -96,13 +97,36 @@ def test_the_fused_plan_gives_the_unfused_bits_on_any_thread_count(
             _bits(_load(onnx, 1, False, monkeypatch).predict({"x": x2})["y"]))
 
 
+@pytest.mark.parametrize("conv", [
+    # Taps of another phase layout: a dilated kernel (its taps two rows apart fall in
+    # one phase), strides unequal across, pads unequal.
+    {"kernel_shape": [5, 5], "strides": [2, 2], "pads": [4, 4, 4, 4], "dilations": [2, 2]},
+    {"kernel_shape": [3, 5], "strides": [2, 1], "pads": [1, 2, 0, 1]},
+    {"kernel_shape": [4, 4], "strides": [2, 2], "pads": [0, 3, 2, 1]},
+])
+def test_other_conv_geometries_give_the_unfused_bits(conv: dict[str, Any],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    onnx = _stem(2, size=130, conv=conv)
+    x = np.random.default_rng(3).standard_normal((2, 3, 130, 130)).astype(np.float32)
+    want = _load(onnx, 1, False, monkeypatch).predict({"x": x})["y"]
+    ref = load_model(onnx, backend="reference").predict({"x": x})["y"]
+    np.testing.assert_allclose(np.asarray(want), np.asarray(ref), rtol=1e-4, atol=1e-4)
+    for threads in (1, 3):
+        model = _load(onnx, threads, True, monkeypatch)
+        for _ in range(2):
+            got = model.predict({"x": x})["y"]
+        steps = _pool_steps(model)
+        assert len(steps) == 1 and steps[0].fused is not None, conv
+        assert np.array_equal(_bits(got), _bits(want)), (conv, threads)
+
+
 def test_explain_states_the_fusion_and_its_split(monkeypatch: pytest.MonkeyPatch) -> None:
     model = _load(_stem(1), 16, True, monkeypatch)
     model.predict({"x": np.zeros((1, 3, 128, 128), np.float32)})
     text = model.explain()
     assert "pooled_by: MaxPool" in text
     assert "layout: pooled (pooled in the conv (planner.pool_in_conv)" in text
-    assert "pool_in_conv: [16, 8, 1]" in text        # 16 bands; 64 columns: whole panels
+    assert "pool_in_conv: [16, 8, 17]" in text       # 16 bands; a step's 17 conv rows
     small = _load(_stem(1, size=100), 16, True, monkeypatch)   # 2,500 conv pixels
     assert "pool_in_conv" not in small.explain()
     off = _load(_stem(1), 16, False, monkeypatch)
@@ -135,15 +159,18 @@ def test_a_2x2_pool_is_served_and_exact(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_the_split_divides_images_x_bands_over_the_threads() -> None:
-    grid = (8, 32)
-    split = cpu_planner.pool_in_conv_split
-    assert split(1, 56, 112, 1, grid) == native_gemm.PoolSplit(1, 8, 2)
-    assert split(1, 56, 112, 2, grid).bands == 2
-    assert split(1, 56, 112, 16, grid).bands == 16
-    assert split(32, 56, 112, 16, grid).bands == 1     # whole images a thread
-    assert split(3, 56, 112, 2, grid).bands == 2       # 6 units over 2 threads
-    assert split(1, 3, 112, 16, grid).bands == 3       # no band without a pooled row
-    assert split(1, 56, 100, 1, grid).fill == 4        # 400 columns: 12.5 panels of 32
+    def split(batch: int, rows: int, threads: int, kernel: int = 3, stride: int = 2
+              ) -> native_gemm.PoolSplit:
+        return cpu_planner.pool_in_conv_split(batch, rows, threads, kernel, stride)
+
+    # 8 pooled rows a step of a 3-row stride-2 window read 17 conv rows: one phase image.
+    assert split(1, 56, 1) == native_gemm.PoolSplit(1, 8, 17)
+    assert split(1, 56, 2).bands == 2
+    assert split(1, 56, 16).bands == 16
+    assert split(32, 56, 16).bands == 1                 # whole images a thread
+    assert split(3, 56, 2).bands == 2                   # 6 units over 2 threads
+    assert split(1, 3, 16).bands == 3                   # no band without a pooled row
+    assert split(1, 56, 1, kernel=2).fill == 16         # a 2x2 window reads 16 rows a step
 
 
 def test_the_row_pool_refuses_rows_it_is_not_given() -> None:

@@ -1106,7 +1106,7 @@ class PoolSplit:
     """How a conv pooled while its rows are in cache runs (the cpu planner's
     ``pool_in_conv_split``): ``bands`` bands of pooled rows an image (the units are
     images x bands), ``step`` pooled rows a step (the buffer holds the conv rows they
-    read), ``fill`` conv rows a band of B."""
+    read), ``fill`` conv rows a phase image of their taps at most."""
 
     bands: int
     step: int

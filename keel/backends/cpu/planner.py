@@ -1099,34 +1099,33 @@ def float_layouts(graph: Any, types: Mapping[str, TensorType | None],
 # kernel (max_pool_by_rows: stride 2 across, at most three taps across, dilation 1; any
 # rows, row stride and padding), runs as one native call
 # (gemm.c's keel_conv_pool_f32, conv_pool.py): per band of pooled rows the conv's rows,
-# computed as the band conv computes them, go into a buffer of the thread's and are
-# pooled from there, so the conv's output (ResNet-18's stem: 3.1 MiB an image) is never
+# their taps gathered as the gathered form gathers them (from a phase image of the X
+# rows a step reads: the fill below), go into a buffer of the thread's and are pooled
+# from there, so the conv's output (ResNet-18's stem: 3.1 MiB an image) is never
 # written out and read back. Bitwise the conv then the pool. Measured on ResNet-18's
 # stem (3 -> 64 7x7 stride 2, bias and ReLU, then MaxPool 3x3 stride 2 pad 1) on the
 # 2-core Intel Xeon (KVM, AVX-512), alone against keel's two steps (the gathered conv
 # and the row pool), alternating in one process, under load (a load average of 5):
 # fastest of 100 at batch 1, one thread, 1.92-2.02 ms against 2.04-2.24 ms (0.90-0.95x);
 # two threads 0.86-0.91x; batch 32 0.90-0.95x on one and two threads. In the model:
-# docs/performance.md, "ResNet-18's stem pooled in cache". Other vendors and AVX2 builds
-# follow from it, not measured: the rule removes a 3.1 MiB write and read-back, which no
-# cache hierarchy does for free.
+# docs/performance.md, "ResNet-18's stem pooled in cache". (Measured then with the taps
+# built band by band as the band conv builds them; gathering them took the call to
+# 0.94x of that at batch 1 and 0.90-0.96x at batch 32, alone: gemm.c.) Other vendors
+# and AVX2 builds follow from it, not measured: the rule removes a 3.1 MiB write and
+# read-back, which no cache hierarchy does for free.
 POOL_IN_CONV = True
 POOL_IN_CONV_MAX_DEPTH = 147
 # Pooled rows a step: the buffer then holds the conv rows they read ((step - 1) * stride
 # + kernel rows: 17 of ResNet-18's stem, 476 KiB with 64 channels of 112 columns, beside
-# the band's B in the L2). Measured as above: 4, 6, 8 and 12 within the noise of each
-# other (0.90-0.98x), 16 0.98x.
+# the phase image in the L2). Measured as above (with the band's B): 4, 6, 8 and 12
+# within the noise of each other (0.90-0.98x), 16 0.98x.
 POOL_IN_CONV_STEP = 8
-# Conv rows a band of B at most: the count filling the GEMM's column panels best
-# (ResNet-18's stem: 2 rows of 112 columns, seven whole 32-column panels; one row left
-# half a panel empty). Derived.
-POOL_IN_CONV_FILL_MAX = 4
 POOL_IN_CONV_REASON = (
     "pooled in the conv (planner.pool_in_conv): {conv} computes its rows into a buffer "
-    "of each thread's, {fill} row(s) a band of its taps, and this max pool pools them "
-    "from there {step} pooled row(s) a step, so the conv's {mib:.1f} MiB output is never "
-    "written out and read back (the conv's step does nothing; bitwise the conv then the "
-    "pool)")
+    "of each thread's, its taps gathered from a phase image of up to {fill} row(s)' inputs, "
+    "and this max pool pools them from there {step} pooled row(s) a step, so the conv's "
+    "{mib:.1f} MiB output is never written out and read back (the conv's step does "
+    "nothing; bitwise the conv then the pool)")
 POOLED_BY_REASON = ("pooled while its rows are in cache by {pool}, which runs this conv "
                     "(planner.pool_in_conv)")
 
@@ -1160,8 +1159,8 @@ def pool_in_conv(graph: Any, types: Mapping[str, TensorType | None],
         pool = _row_pool(node, types)
         if geo is None or pool is None or geo.out_shape[2:] != pool.in_spatial:
             continue
-        split = pool_in_conv_split(geo.batch, pool.out_spatial[0], geo.window.out_spatial[1],
-                                   threads or 1, grid)
+        split = pool_in_conv_split(geo.batch, pool.out_spatial[0], threads or 1,
+                                   pool.kernel[0], pool.strides[0])
         mib = math.prod(geo.out_shape) * 4 / 2**20
         decided[i] = LayoutDecision(
             "pooled", POOL_IN_CONV_REASON.format(conv=nodes[conv].name, fill=split.fill,
@@ -1223,17 +1222,17 @@ def _row_pool(node: Any, types: Mapping[str, TensorType | None]) -> Any:
     return win if ok else None
 
 
-def pool_in_conv_split(batch: int, pooled_rows: int, width: int, threads: int,
-                       grid: Grid) -> native_gemm.PoolSplit:
+def pool_in_conv_split(batch: int, pooled_rows: int, threads: int, window_rows: int,
+                       window_stride: int) -> native_gemm.PoolSplit:
     """How pool_in_conv's call runs: bands of pooled rows an image, so that images x
     bands divide evenly over the threads (threads / gcd(batch, threads), at most a band
-    a pooled row); POOL_IN_CONV_STEP pooled rows a step; conv rows a band of B that fill
-    the GEMM's column panels best."""
+    a pooled row); POOL_IN_CONV_STEP pooled rows a step; conv rows a phase image: all
+    that a step's pool windows read (derived: one phase image a step, so its extra rows,
+    the taps' reach below a step's last conv row, are copied once a step; 4, 8 and all
+    17 of ResNet-18's stem measured alike, gemm.c)."""
     bands = max(1, min(pooled_rows, threads // math.gcd(max(batch, 1), threads)))
-    panel = 32 if grid is None else grid[1]
-    fill = max(range(1, POOL_IN_CONV_FILL_MAX + 1),
-               key=lambda r: (r * width / (-(-r * width // panel) * panel), -r))
-    return native_gemm.PoolSplit(bands, POOL_IN_CONV_STEP, fill)
+    return native_gemm.PoolSplit(bands, POOL_IN_CONV_STEP,
+                                 (POOL_IN_CONV_STEP - 1) * window_stride + window_rows)
 
 
 def _pooled_split_reason(split: native_gemm.PoolSplit, batch: int, threads: int,

@@ -33,7 +33,7 @@ from keel.ops.registry import Op
 from tests.native.cross.runner import HARNESS, Buffer, Script, Symbol
 from tests.native.test_fastmath import KERNELS, _ulps
 
-ARGS = "23q3d"           # keel_gemm_args, as native_gemm.py packs it
+ARGS = "24q3d"           # keel_gemm_args, as native_gemm.py packs it
 ACCUMULATE, CLIP = 1, 2
 REF = ReferenceBackend()
 
@@ -97,7 +97,7 @@ def _gemm_args(m: int, n: int, k: int, a: tuple[Buffer, int, int, int],
                b_rows: Buffer | None = None, b_cols: Buffer | None = None) -> list[Any]:
     """keel_gemm_args's fields: A and B as (address, strides..., batch step), C as
     (address, row stride, batch step)."""
-    return [m, n, k, *a, *b, b_rows, b_cols, *c, None, *bias, None, 0, 0, flags,
+    return [m, n, k, *a, *b, b_rows, b_cols, *c, None, *bias, None, 0, 0, flags, None,
             alpha, *clip]
 
 
@@ -106,7 +106,7 @@ def test_the_neon_build_packs_the_argument_layout_python_writes(arm: Arm) -> Non
     # VW = 4 floats per NEON vector: 6 x 8 tiles (without NEON, gemm.c's scalar
     # fallback has 4 rows).
     assert (g["keel_gemm_mr_f32"], g["keel_gemm_nr_f32"]) == (6, 8)
-    assert g["keel_gemm_args_size"] == struct.calcsize("<" + ARGS) == 208
+    assert g["keel_gemm_args_size"] == struct.calcsize("<" + ARGS) == 216
     assert g["keel_gemm_args_c_offset"] == 13 * 8
     assert g["keel_conv_band_args_size"] == struct.calcsize("<21q2d")
     assert g["keel_gemm_workspace_f32"] > 0

@@ -716,7 +716,7 @@ def test_argument_structs_agree_with_gemm_c() -> None:
     def size(symbol: str) -> int:
         return int(lib.function(symbol, [], ng._I64)())
 
-    assert size("keel_gemm_args_size") == ng._ARGS.size == 26 * 8
+    assert size("keel_gemm_args_size") == ng._ARGS.size == 27 * 8
     assert size("keel_gemm_args_c_offset") == 8 * ng._C_FIELD
     assert size("keel_conv_band_args_size") == ng._BAND_ARGS.size == 23 * 8
     assert size("keel_conv_band_args_x_offset") == 8 * ng._BAND_X
@@ -760,10 +760,10 @@ def test_the_flags_are_checked_by_name_at_load() -> None:
 
 
 def test_a_mismatched_argument_struct_fails_at_load() -> None:
-    with pytest.raises(ng.ArgsLayoutError, match=r"keel_gemm_args is 216 bytes.*'<23q3d'"):
-        ng.check_layout("keel_gemm_args", ng._ARGS, ng._C_FIELD, "C", 216, 104)
+    with pytest.raises(ng.ArgsLayoutError, match=r"keel_gemm_args is 224 bytes.*'<24q3d'"):
+        ng.check_layout("keel_gemm_args", ng._ARGS, ng._C_FIELD, "C", 224, 104)
     with pytest.raises(ng.ArgsLayoutError, match=r"C's address at byte 112.*at byte 104"):
-        ng.check_layout("keel_gemm_args", ng._ARGS, ng._C_FIELD, "C", 208, 112)
+        ng.check_layout("keel_gemm_args", ng._ARGS, ng._C_FIELD, "C", 216, 112)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

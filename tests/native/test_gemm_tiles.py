@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from keel import native
 from keel.backends.cpu import native_gemm as ng
 from keel.backends.cpu import planner as cpu_planner
 from keel.execution.model import load_model
@@ -215,6 +216,53 @@ def test_lanes_tiles_give_the_bits_of_the_panels(shape: tuple[int, int, int]) ->
                                rtol=2e-4, atol=2e-4)
     for got in results[1:]:
         np.testing.assert_array_equal(got, results[0])
+
+
+@pytest.mark.parametrize("shape", [(200, 150, 49), (40, 70, 13), (96, 576, 196),
+                                   (33, 5, 7), (1280, 320, 49), (24, 100, 30)])
+def test_lanes_tiles_give_the_same_bits_with_a_in_16_row_panels(
+        shape: tuple[int, int, int]) -> None:
+    """Lanes tiles reading A from its 16-row copy (the planner's lanes_a16) compute each
+    element as they do from the 8-row panels, on every grid and division of the rows
+    (a range starting inside a pair of panels reads the 8-row ones), with an odd count of
+    row panels (the last pair half zeros) and a partial last block of rows."""
+    if ng.geometry() != (8, 32):
+        pytest.skip("lanes tiles are built only with AVX-512 8 x 32 tiles; this build's "
+                    f"tile is {ng.geometry()}")
+    m, k, n = shape
+    w, x, bias, r = _f(m, k), _f(k, n), _f(m), _f(m, n)
+    c = np.empty((m, n), np.float32)
+    wp = ng.pack(w, left=True)
+    assert wp is not None
+    call = ng.prepare(wp, x, c, bias=bias, bias_rows=True, residual=r, clip=(-3.0, 3.0),
+                      lanes=True)
+    assert call is not None
+    wide = ng._lanes_a16(wp)
+    field = ng._FLAGS_FIELD + 1                 # where the 16-row copy's address sits
+    calls = [ng.Call(call.f, (*call.values[:field], a16, *call.values[field + 1:]),
+                     1, m, n, k, (*call.keep, wide), call.c_layout)
+             for a16 in (native.address(wide), 0)]
+    want = np.clip(w @ x + bias[:, None] + r, -3, 3)
+    mp = -(-m // 8)
+    results = []
+    for each in calls:
+        for threads in (1, 2, 3, 16):
+            c[...] = np.nan
+            each.run(threads)
+            results.append(c.copy())
+        for rows in sorted({1, 2, 3, mp}):
+            c[...] = np.nan
+            each.f.tiles_mt(each.args, rows, 1, rows, rows)
+            results.append(c.copy())
+    np.testing.assert_allclose(results[0], want, rtol=2e-4, atol=2e-4)
+    for got in results[1:]:
+        np.testing.assert_array_equal(got, results[0])
+    # The kernel reads the copy: a zeroed one leaves only the epilogue's terms.
+    zeros = np.zeros_like(wide)
+    c[...] = np.nan
+    ng.Call(call.f, (*call.values[:field], native.address(zeros), *call.values[field + 1:]),
+            1, m, n, k, (*call.keep, zeros), call.c_layout).run(1)
+    np.testing.assert_array_equal(c, np.clip(bias[:, None] + r, -3, 3))
 
 
 # (m, k, n, batch): tails of 1 to 8 columns, rows in whole and partial blocks of 32 and

@@ -59,7 +59,10 @@ conv's plan decides it for the vendor planned for (``gemm_lanes``). The lanes ti
 a packed A only (a conv's weights): a MatMul's or Gemm's A is an activation, so their
 products never run in them, whatever the vendor. A product in column panels whose last
 panel holds a few columns (196 = 6 x 32 + 4) runs that panel alone in lanes tiles where
-the planner's ``lanes_tail`` says so. All of these give the same bits.
+the planner's ``lanes_tail`` says so. Where a product runs wholly in lanes tiles, its
+packed A is also laid out in 16-row panels when the call is prepared (the planner's
+``lanes_a16``, on Intel's cores: one load a vector instead of joining two 8-row panels
+with an insert that takes an FMA unit's port). All of these give the same bits.
 
 With its Python side (a prepared call reused per node, ~1 us) the cpu MatMul /
 Gemm kernels with bias and ReLU take, in ms: 32x784x512 0.248 (NumPy + OpenBLAS
@@ -77,6 +80,7 @@ import functools
 import mmap
 import struct
 import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -104,9 +108,9 @@ _FETCH_SHIFT = 8        # flags >> 8: rows of a packed B fetched ahead (gemm.c's
 _FLAGS = {"KEEL_ACCUMULATE": _ACCUMULATE, "KEEL_CLIP": _CLIP, "KEEL_STREAM": _STREAM,
           "KEEL_DIRECT": _DIRECT, "KEEL_NT": _NT, "KEEL_TALL": _TALL, "KEEL_LANES": _LANES,
           "KEEL_LANES_TAIL": _LANES_TAIL, "KEEL_FETCH_SHIFT": _FETCH_SHIFT}
-# keel_gemm_args of gemm.c: 23 int64 fields then alpha, lo, hi as doubles. One
+# keel_gemm_args of gemm.c: 24 int64 fields then alpha, lo, hi as doubles. One
 # packed argument block costs ~0.3 us; 30 separate ctypes arguments cost ~3 us.
-_ARGS = struct.Struct("<23q3d")
+_ARGS = struct.Struct("<24q3d")
 _A_FIELD = 3            # where A's address sits in it
 _C_FIELD = 13           # and C's
 _FLAGS_FIELD = 22       # and the flags
@@ -378,6 +382,31 @@ def pack_batch(matrices: np.ndarray, left: bool) -> Packed | None:
     assert first is not None
     return Packed(data, native.address(data), left, first.rows, first.depth, first.width,
                   stride)
+
+
+# Each packed A's 16-row copy (lanes_a16), made once however many calls read it.
+_A16: weakref.WeakKeyDictionary[Packed, np.ndarray] = weakref.WeakKeyDictionary()
+
+
+def _lanes_a16(a: Packed) -> np.ndarray:
+    """``a``'s 8-row panels again as 16-row ones (pair q: row panels 2q and 2q + 1
+    side by side at each depth step, a last odd panel beside zeros): gemm.c's lanes
+    tiles then load a vector of 16 rows where they joined two panels with an insert
+    (the planner's ``lanes_a16``). The same values in the same lanes: the same bits."""
+    held = _A16.get(a)
+    if held is not None:
+        return held
+    panels, k, w = -(-a.rows // a.width), a.depth, a.width
+    src = a.data[:panels * k * w].reshape(panels, k, w)
+    pairs = -(-panels // 2)
+    out = _aligned(pairs * k * 2 * w, huge=True)
+    view = out.reshape(pairs, k, 2 * w)
+    view[:, :, :w] = src[0::2]
+    view[:, :, w:] = 0.0
+    view[:panels // 2, :, w:] = src[1::2]
+    out.flags.writeable = False
+    _A16[a] = out
+    return out
 
 
 def _aligned(n: int, huge: bool = False) -> np.ndarray:
@@ -786,6 +815,9 @@ def prepare(a: np.ndarray | Packed, b: np.ndarray | Packed | Rows, c: np.ndarray
         and not accumulate and planner_rules().lanes_tail(m, n, k) else 0) | (
         planner_rules().fetch_rows(4 * f.nr) << _FETCH_SHIFT if isinstance(b, Packed) else 0)
     lo, hi = clip if clip is not None else (0.0, 0.0)
+    a16 = _lanes_a16(a) if (flags & _LANES and masks is None and isinstance(a, Packed)
+                            and a.batch_stride == 0 and a.width == 8 and a.data.size
+                            and planner_rules().lanes_a16()) else None
     values = (m, n, k, *ra[:4], *rb[:4],
               native.address(b.offsets) if isinstance(b, Rows) else 0,
               native.address(masks) if masks is not None else
@@ -793,8 +825,9 @@ def prepare(a: np.ndarray | Packed, b: np.ndarray | Packed | Rows, c: np.ndarray
               native.address(c), cs[-2] >> 2, cs[0] >> 2 if c.ndim == 3 else 0,
               0 if columns is None else native.address(columns),
               0 if bias is None else native.address(bias),
-              2 - bias_rows, *res, flags, alpha, lo, hi)
-    return Call(f, values, batch, m, n, k, (b, bias, residual, columns, masks),
+              2 - bias_rows, *res, flags, 0 if a16 is None else native.address(a16),
+              alpha, lo, hi)
+    return Call(f, values, batch, m, n, k, (b, bias, residual, columns, masks, a16),
                 (c.shape, c.strides, c.dtype))
 
 

@@ -873,6 +873,7 @@ typedef struct {
     const int64_t *c_cols;
     float *work;
     int64_t a_ps; /* floats per row panel of A packed in work: MR * (KC, or the depth) */
+    const float *a16; /* NULL, or packed A again in 16-row panels for the lanes tiles */
 } problem;
 
 /* Where the tile at row i0, column panel starting at j0 (cols columns) goes. */
@@ -1634,10 +1635,14 @@ lanes_store(int w, int v, int rows, vf acc[LANES_COLS][2], const target *t,
 }
 
 /* Rows [0, rows) of C from t->i0 (rows <= 16 nv), columns [0, w): a[2 v], a[2 v + 1]
- * are the packed row panels of vector v, b points at the tile's first column of B. */
+ * are the packed row panels of vector v, b points at the tile's first column of B.
+ * With `wide` A is in 16-row panels instead (the cpu planner's lanes_a16): a[v] is
+ * vector v's, one load a step where two 8-row panels take an insert to join, and the
+ * insert issues on the port of the second FMA unit on Intel's cores. The same values
+ * in the same lanes: the same bits. */
 static inline __attribute__((always_inline)) void
-lanes_tile(int w, int nv, int64_t k, const float *const *a, const float *b, int64_t bs,
-           int rows, const target *t, const epilogue *e)
+lanes_tile(int w, int nv, int wide, int64_t k, const float *const *a, const float *b,
+           int64_t bs, int rows, const target *t, const epilogue *e)
 {
     vf acc[LANES_COLS][2];
     for (int j = 0; j < w; j++)
@@ -1645,13 +1650,17 @@ lanes_tile(int w, int nv, int64_t k, const float *const *a, const float *b, int6
     for (int64_t p = 0; p < k; p++) {
         vf av[2];
 #if KEEL_LANES_AHEAD > 0
-        if ((p & 1) == 0)
+        if (wide)
+            for (int q = 0; q < nv; q++)
+                __builtin_prefetch(a[q] + (p + KEEL_LANES_AHEAD) * 16, 0, 2);
+        else if ((p & 1) == 0)
             for (int q = 0; q < 2 * nv; q++)
                 __builtin_prefetch(a[q] + (p + KEEL_LANES_AHEAD) * 8, 0, 2);
         __builtin_prefetch(b + (p + KEEL_LANES_AHEAD) * bs, 0, 3);
         __builtin_prefetch(b + (p + KEEL_LANES_AHEAD) * bs + w - 1, 0, 3);
 #endif
-        for (int v = 0; v < nv; v++) av[v] = lanes_a(a[2 * v], a[2 * v + 1], p);
+        for (int v = 0; v < nv; v++)
+            av[v] = wide ? (vf)_mm512_loadu_ps(a[v] + p * 16) : lanes_a(a[2 * v], a[2 * v + 1], p);
         const float *bp = b + p * bs;
         for (int j = 0; j < w; j++) {
             vf bv = splat(bp[j]);
@@ -1663,20 +1672,23 @@ lanes_tile(int w, int nv, int64_t k, const float *const *a, const float *b, int6
 
 typedef void (*lanes_fn)(int, int64_t, const float *const *, const float *, int64_t, int,
                          const target *, const epilogue *);
-#define LANES(W)                                                                               \
-    static void lanes_##W(int nv, int64_t k, const float *const *a, const float *b,           \
-                          int64_t bs, int rows, const target *t, const epilogue *e)           \
+#define LANES(W, WIDE, NAME)                                                                   \
+    static void NAME##W(int nv, int64_t k, const float *const *a, const float *b,             \
+                        int64_t bs, int rows, const target *t, const epilogue *e)             \
     {                                                                                          \
         if (nv == 2)                                                                           \
-            lanes_tile(W, 2, k, a, b, bs, rows, t, e);                                         \
+            lanes_tile(W, 2, WIDE, k, a, b, bs, rows, t, e);                                   \
         else                                                                                   \
-            lanes_tile(W, 1, k, a, b, bs, rows, t, e);                                         \
+            lanes_tile(W, 1, WIDE, k, a, b, bs, rows, t, e);                                   \
     }
-LANES(1) LANES(2) LANES(3) LANES(4) LANES(5) LANES(6) LANES(7) LANES(8) LANES(9) LANES(10)
-LANES(11) LANES(12)
-static const lanes_fn LANES_TILES[LANES_COLS] = {lanes_1, lanes_2, lanes_3,  lanes_4,
-                                                 lanes_5, lanes_6, lanes_7,  lanes_8,
-                                                 lanes_9, lanes_10, lanes_11, lanes_12};
+#define LANES_BOTH(W) LANES(W, 0, lanes_) LANES(W, 1, lanes16_)
+LANES_BOTH(1) LANES_BOTH(2) LANES_BOTH(3) LANES_BOTH(4) LANES_BOTH(5) LANES_BOTH(6)
+LANES_BOTH(7) LANES_BOTH(8) LANES_BOTH(9) LANES_BOTH(10) LANES_BOTH(11) LANES_BOTH(12)
+static const lanes_fn LANES_TILES[2][LANES_COLS] = {
+    {lanes_1, lanes_2, lanes_3, lanes_4, lanes_5, lanes_6, lanes_7, lanes_8, lanes_9, lanes_10,
+     lanes_11, lanes_12},
+    {lanes16_1, lanes16_2, lanes16_3, lanes16_4, lanes16_5, lanes16_6, lanes16_7, lanes16_8,
+     lanes16_9, lanes16_10, lanes16_11, lanes16_12}};
 
 /* Whether lanes tiles take the product's operands: a packed A, B's rows contiguous and
  * unmapped, C's columns plain, no accumulation into C and not a masked conv. */
@@ -1701,15 +1713,18 @@ static int lanes_tail_fits(const problem *g, const epilogue *e, int64_t j_hi)
 }
 
 /* Row panels [i_lo, i_hi) x column panels [j_lo, j_hi) in lanes tiles: 32 rows at a
- * time (A's block stays in L2) over every tile of the range's columns. */
+ * time (A's block stays in L2) over every tile of the range's columns. `a16`: NULL, or A
+ * again in 16-row panels (row panels 2 q and 2 q + 1 of A in pair q, k * 16 floats a
+ * pair), read where the range starts on a pair. */
 static void lanes_product(const problem *g, const epilogue *e, int64_t i_lo, int64_t i_hi,
-                          int64_t j_lo, int64_t j_hi)
+                          int64_t j_lo, int64_t j_hi, const float *a16)
 {
     int64_t m = g->m, k = g->k, panels = (m + MR - 1) / MR;
     int64_t r_lo = i_lo * MR, r_hi = i_hi * MR < m ? i_hi * MR : m;
     int64_t c_lo = j_lo * NR, c_hi = j_hi * NR < g->n ? j_hi * NR : g->n;
     if (r_lo >= r_hi || c_lo >= c_hi) return;
     int64_t cols = c_hi - c_lo, tiles = (cols + LANES_COLS - 1) / LANES_COLS;
+    int wide = a16 != NULL && r_lo % 16 == 0;
     for (int64_t i0 = r_lo; i0 < r_hi; i0 += 32) {
         int rows = (int)(r_hi - i0 < 32 ? r_hi - i0 : 32);
         const float *a[4] = {g->a + i0 / MR * k * MR};
@@ -1717,10 +1732,15 @@ static void lanes_product(const problem *g, const epilogue *e, int64_t i_lo, int
             int64_t ip = i0 / MR + q;      /* a panel past A's end: its pair's (lanes unused) */
             a[q] = ip < panels ? g->a + ip * k * MR : a[q - 1];
         }
+        if (wide) {                        /* a pair past A's end is never read (nv 1) */
+            a[0] = a16 + i0 / 16 * k * 16;
+            a[1] = a[0] + k * 16;
+        }
         for (int64_t q = 0; q < tiles; q++) {
             int64_t j0 = c_lo + q * cols / tiles, j1 = c_lo + (q + 1) * cols / tiles;
             target t = {g->c + i0 * g->ldc + j0, g->ldc, j1 - j0, NULL, i0, j0, 0, 1};
-            LANES_TILES[j1 - j0 - 1](rows > 16 ? 2 : 1, k, a, g->b + j0, g->b_rs, rows, &t, e);
+            LANES_TILES[wide][j1 - j0 - 1](rows > 16 ? 2 : 1, k, a, g->b + j0, g->b_rs, rows,
+                                           &t, e);
         }
     }
 }
@@ -1792,7 +1812,7 @@ static void direct_lanes(const problem *g, const epilogue *e, int64_t i_lo, int6
     epilogue ep = *e;
     if (e->res) ep.res = e->res + c_lo;
     if (e->bias_kind == 2) ep.bias = e->bias + c_lo;
-    lanes_product(&p, &ep, i_lo, i_hi, 0, (p.n + NR - 1) / NR);
+    lanes_product(&p, &ep, i_lo, i_hi, 0, (p.n + NR - 1) / NR, NULL);
 }
 #endif
 
@@ -1834,7 +1854,7 @@ static void gemm_2d(const problem *g0, const epilogue *e, int64_t i_lo, int64_t 
     }
 #if defined(__AVX512F__) && KEEL_GEMM_MR == 8
     if (lanes_fit(g, e)) {
-        lanes_product(g, e, i_lo, i_hi, j_lo, j_hi);
+        lanes_product(g, e, i_lo, i_hi, j_lo, j_hi, g->a16);
         return;
     }
 #endif
@@ -1847,7 +1867,7 @@ static void gemm_2d(const problem *g0, const epilogue *e, int64_t i_lo, int64_t 
 #if defined(__AVX512F__) && KEEL_GEMM_MR == 8
     if (lanes_tail_fits(g, e, j_hi)) {
         int64_t last = g->n / NR; /* the last column panel, partly filled */
-        lanes_product(g, e, i_lo, i_hi, last, last + 1);
+        lanes_product(g, e, i_lo, i_hi, last, last + 1, NULL);
         if (j_lo >= (j_hi = last)) return;
     }
 #endif
@@ -2337,7 +2357,7 @@ void keel_conv_pool_f32(const keel_conv_band_args *g, const keel_conv_pool_args 
 }
 
 /* The arguments of keel_gemm_f32: every field 8 bytes (addresses as integers), so
- * Python fills it with one struct.pack('<23q3d'). */
+ * Python fills it with one struct.pack('<24q3d'). */
 typedef struct {
     int64_t m, n, k;
     int64_t a, a_rs, a_ks, a_bs;     /* A: address and element strides (row, depth, batch) */
@@ -2349,6 +2369,7 @@ typedef struct {
     int64_t bias, bias_kind;         /* bias: address (0: none); 1 per row, 2 per column */
     int64_t res, ldr, r_bs;          /* R: address (0: none), row stride, batch stride */
     int64_t flags;                   /* KEEL_ACCUMULATE | KEEL_CLIP */
+    int64_t a16;                     /* 0, or a shared packed A again in 16-row panels */
     double alpha, lo, hi;
 } keel_gemm_args;
 
@@ -2457,7 +2478,8 @@ static void gemm_tile(const keel_gemm_args *g, float *work, int64_t t, int64_t i
                  g->ldc,
                  IPTR(g->c_cols),
                  work,
-                 MR * KC};
+                 MR * KC,
+                 FPTR(g->a16)};
     epilogue e = {FPTR(g->bias),    g->bias ? g->bias_kind : 0,
                   g->res ? FPTR(g->res) + t * g->r_bs : NULL,
                   g->ldr,           (float)g->alpha,

@@ -341,6 +341,13 @@ def _read_graph(src: Any) -> tuple[Graph, str]:
         f"{type(src).__name__}")
 
 
+def _order_notes(graph: Graph) -> list[str]:
+    """The graph passes' moves of nodes out of the imported order, with their reasons."""
+    from keel.graph.passes.order_shared_reads import ORDER_KEY
+
+    return [f"node order: {line}" for line in graph.metadata.get(ORDER_KEY, "").splitlines()]
+
+
 def _optimize(graph: Graph, level: str) -> Graph:
     """The graph passes, imported when a model is optimized (not one from the plan cache)."""
     from keel.graph.passes import optimize
@@ -500,6 +507,7 @@ class Model:
         ]
         if self._half_reason:
             head.append(self._half_reason)
+        head += _order_notes(self.graph)
         adaptive = self.adaptive_plan
         if adaptive is not None:
             head.append(_describe_adaptive(adaptive))

@@ -343,9 +343,10 @@ def test_pointwise_stride_1_convs_stay_out_of_a_region() -> None:
 
 
 def test_a_downsampling_block_joins_the_region() -> None:
-    """A stride-2 3x3 conv, its block's second conv and the 1x1 stride-2 shortcut (the
-    block's Add and ReLU fused into it, the second conv's result its blocked residual)
-    run blocked between two stride-1 blocks: one region, every value the reference's."""
+    """A stride-2 3x3 conv, the 1x1 stride-2 shortcut (moved beside it: both read the
+    block's input) and the block's second conv (the Add and ReLU fused into it, the
+    shortcut's result its blocked residual) run blocked between two stride-1 blocks: one
+    region, every value the reference's."""
     g = _Graph(16, 16)
     a = g.conv("c1", "x")
     b = g.down("d", g.conv("c2", a, residual=a))
@@ -355,17 +356,18 @@ def test_a_downsampling_block_joins_the_region() -> None:
     layouts = _layouts(model)
     assert layouts["c1"] == "nchw->nchwc16" and layouts["c4"] == "nchwc16->nchw"
     assert all(layouts[n] == "nchwc16->nchwc16" for n in ("c2", "da", "db", "ds", "c3"))
-    shortcut = next(p.plan for p in model.plan.nodes if p.name == "ds")
-    assert shortcut is not None and shortcut.option("residual_layout") == "nchwc16"
-    assert "region of 7 conv(s)" in shortcut.reason("layout")
+    assert [p.name for p in model.plan.nodes if p.name.startswith("d")] == ["da", "ds", "db"]
+    second = next(p.plan for p in model.plan.nodes if p.name == "db")
+    assert second is not None and second.option("residual_layout") == "nchwc16"
+    assert "region of 7 conv(s)" in second.reason("layout")
     _check_results(blob)
 
 
 def test_resnet20_is_one_region_from_its_first_blockable_conv() -> None:
     """ResNet-20 (benchmarks' model): every conv after the 3 -> 16 stem, the stride-2 3x3
-    and 1x1 shortcut convs (the block's Add fused there, its second conv's result read
-    blocked as the residual) included, is one region; the conv before the global average
-    pool ends it."""
+    and 1x1 shortcut convs (the shortcut moved beside the stride-2 conv, the block's Add
+    fused into its second conv, which reads the shortcut's result blocked as the residual)
+    included, is one region; the conv before the global average pool ends it."""
     zoo = pytest.importorskip("benchmarks.zoo")
     blob = zoo.resnet20().SerializeToString()
     model = _load(blob, 2)
@@ -374,9 +376,9 @@ def test_resnet20_is_one_region_from_its_first_blockable_conv() -> None:
     assert list(layouts.values()) == ["masked", "nchw->nchwc16", *["nchwc16->nchwc16"] * 18,
                                       "nchwc16->nchw"]
     plans = {p.name: p.plan for p in model.plan.nodes if p.op == "conv"}
-    shortcut = plans["Conv_187"]        # 1x1 stride 2, the block's Add and ReLU fused
-    assert shortcut is not None and shortcut.option("residual_layout") == "nchwc16"
-    assert "float NCHWc region of 20 conv(s)" in shortcut.reason("layout")
+    second = plans["Conv_178"]          # the block's second 3x3, its Add and ReLU fused
+    assert second is not None and second.option("residual_layout") == "nchwc16"
+    assert "float NCHWc region of 20 conv(s)" in second.reason("layout")
     last = plans["Conv_235"]
     assert last is not None and "GlobalAveragePool" in last.reason("layout")
     _check_results(blob, 2, intermediates=False)

@@ -30,7 +30,7 @@ PASSES: dict[str, Callable[[Graph], Graph]] = {
     "fuse_matmul_add": P.fuse_matmul_add, "fuse_layer_norm": P.fuse_layer_norm,
     "fuse_gelu": P.fuse_gelu, "fuse_attention": P.fuse_attention,
     "fuse_residual": P.fuse_residual, "cancel_transposes": P.cancel_transposes,
-    "fuse_skip_layer_norm": P.fuse_skip_layer_norm,
+    "fuse_skip_layer_norm": P.fuse_skip_layer_norm, "order_shared_reads": P.order_shared_reads,
 }
 
 
@@ -456,6 +456,100 @@ def test_fuse_residual_moves_the_skip_into_conv() -> None:
     _, out = apply(P.fuse_residual, m)
     assert ops(out) == [Op.RELU, Op.CONV]
     assert out.nodes[1].inputs == ["r", "w", "", "x"] and out.nodes[1].outputs == ["y"]
+
+
+def _downsample_block() -> onnx.ModelProto:
+    """A ResNet downsampling block as exported: conv1 -> relu -> conv2, then the 1x1
+    stride-2 shortcut, both added."""
+    r = rng(4)
+
+    def w(*shape: int) -> np.ndarray:
+        return r.standard_normal(shape).astype(np.float32)
+    nodes = [helper.make_node("Relu", ["x"], ["r"]),
+             helper.make_node("Conv", ["r", "w1"], ["c1"], pads=[1, 1, 1, 1], strides=[2, 2]),
+             helper.make_node("Relu", ["c1"], ["h"]),
+             helper.make_node("Conv", ["h", "w2"], ["c2"], pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["r", "ws"], ["s"], strides=[2, 2]),
+             helper.make_node("Add", ["c2", "s"], ["y"])]
+    return model(nodes, [vi("x", ["N", 2, 8, 8])], [vi("y", ["N", 4, 4, 4])],
+                 [init("w1", w(4, 2, 3, 3)), init("w2", w(4, 4, 3, 3)),
+                  init("ws", w(4, 2, 1, 1))])
+
+
+def test_order_shared_reads_runs_the_shortcut_beside_the_first_conv() -> None:
+    _, out = apply(P.order_shared_reads, _downsample_block())
+    assert [n.outputs[0] for n in out.nodes] == ["r", "c1", "h", "s", "c2", "y"]
+    assert out.metadata["keel.node_order"].startswith("Conv_")
+    assert "both read r" in out.metadata["keel.node_order"]
+    again = P.order_shared_reads(out)
+    assert snapshot(again) == snapshot(out), "a second run moved something"
+
+
+def test_after_ordering_the_residual_joins_the_second_conv() -> None:
+    out = optimize(import_onnx(_downsample_block()), "extended")
+    convs = [n for n in out.nodes if n.op is Op.CONV]
+    assert [c.inputs[0] for c in convs] == ["r", "r", "h"]
+    assert convs[2].inputs[3] == "s" and convs[2].outputs == ["y"]
+
+
+def test_explain_says_why_a_node_moved() -> None:
+    from keel.execution.model import load_model
+
+    m = load_model(_downsample_block().SerializeToString(), backend="cpu", plan_cache=False)
+    feeds = {"x": rng(9).standard_normal((1, 2, 8, 8)).astype(np.float32)}
+    m.predict(feeds)
+    lines = [ln for ln in m.explain().splitlines() if ln.startswith("node order: ")]
+    assert len(lines) == 1 and "both read r" in lines[0] and "does not grow" in lines[0]
+
+
+def test_order_shared_reads_keeps_the_order_where_the_peak_would_grow() -> None:
+    # Each branch is pooled at once: moved, the wide shortcut would be held across conv2,
+    # the two wide maps alive together where they never were.
+    r = rng(7)
+    nodes = [helper.make_node("Relu", ["x"], ["r"]),
+             helper.make_node("Conv", ["r", "w1"], ["c1"], pads=[1, 1, 1, 1], strides=[2, 2]),
+             helper.make_node("Relu", ["c1"], ["h"]),
+             helper.make_node("Conv", ["h", "w2"], ["c2"], pads=[1, 1, 1, 1]),
+             helper.make_node("GlobalAveragePool", ["c2"], ["p"]),
+             helper.make_node("Conv", ["r", "ws"], ["s"], strides=[2, 2]),
+             helper.make_node("GlobalAveragePool", ["s"], ["q"]),
+             helper.make_node("Add", ["p", "q"], ["y"])]
+    m = model(nodes, [vi("x", ["N", 2, 8, 8])], [vi("y", ["N", 64, 1, 1])],
+              [init(n, r.standard_normal(shape).astype(np.float32)) for n, shape in
+               (("w1", (4, 2, 3, 3)), ("w2", (64, 4, 3, 3)), ("ws", (64, 2, 1, 1)))])
+    g, out = apply(P.order_shared_reads, m)
+    assert snapshot(out) == snapshot(g) and "keel.node_order" not in out.metadata
+
+
+def test_order_shared_reads_waits_for_every_input() -> None:
+    # The Gemm reads r and g; g is made after the first reader's chain ends (h has two
+    # readers), so the Gemm cannot move there.
+    r = rng(6)
+    nodes = [helper.make_node("Relu", ["x"], ["r"]),
+             helper.make_node("MatMul", ["r", "w"], ["a"]),
+             helper.make_node("Relu", ["a"], ["h"]),
+             helper.make_node("Sigmoid", ["h"], ["g"]),
+             helper.make_node("Gemm", ["r", "w", "g"], ["s"]),
+             helper.make_node("MatMul", ["s", "w"], ["m"]),
+             helper.make_node("Add", ["m", "h"], ["y"])]
+    m = model(nodes, [vi("x", ["N", 8])], [vi("y", ["N", 8])],
+              [init("w", r.standard_normal((8, 8)).astype(np.float32))])
+    g, out = apply(P.order_shared_reads, m)
+    assert snapshot(out) == snapshot(g)
+
+
+def test_readers_already_in_a_row_keep_their_order() -> None:
+    # Three projections of x, each with its activation: the third stays after the second.
+    r = rng(8)
+    nodes = [helper.make_node("Relu", ["x"], ["r"])]
+    for k in "qkv":
+        nodes += [helper.make_node("MatMul", ["r", f"w{k}"], [f"{k}0"]),
+                  helper.make_node("Relu", [f"{k}0"], [k])]
+    nodes += [helper.make_node("Sum", ["q", "k", "v"], ["y"])]
+    m = model(nodes, [vi("x", ["N", 8])], [vi("y", ["N", 8])],
+              [init(f"w{k}", r.standard_normal((8, 8)).astype(np.float32)) for k in "qkv"])
+    g, out = apply(P.order_shared_reads, m)
+    assert snapshot(out) == snapshot(g)
 
 
 def test_broadcast_add_after_conv_is_not_a_residual() -> None:

@@ -8,8 +8,8 @@ input alone, and it keeps the names of graph inputs and outputs. The levels:
   folding, shape-subgraph folding, Identity/Dropout removal, dead-code
   elimination (repeated while they change something);
 * ``extended`` — basic, then fusions: Conv+BatchNorm, LayerNorm, GELU,
-  attention, MatMul+Add, Conv+residual Add, residual Add+LayerNorm, activations
-  into Conv/Gemm/MatMul epilogues;
+  attention, MatMul+Add, readers of a shared value ordered together, Conv+residual
+  Add, residual Add+LayerNorm, activations into Conv/Gemm/MatMul epilogues;
 * ``all`` (default) — extended with layout work first (composing Transpose
   chains).
 
@@ -43,6 +43,7 @@ from keel.graph.passes.fuse_matmul_add import fuse_matmul_add
 from keel.graph.passes.fuse_qdq import fuse_qdq
 from keel.graph.passes.fuse_residual import fuse_residual
 from keel.graph.passes.fuse_skip_layer_norm import fuse_skip_layer_norm
+from keel.graph.passes.order_shared_reads import order_shared_reads
 from keel.graph.passes.remove_identity import remove_identity
 from keel.ops.registry import Op
 
@@ -115,12 +116,15 @@ BASIC = (_p(fuse_qdq, {Op.DEQUANTIZE_LINEAR},
 LAYOUT = (_p(cancel_transposes, {Op.TRANSPOSE}), _p(remove_identity, {Op.IDENTITY, Op.CAST}))
 # Order matters: attention before MatMul+Add (its mask Add is no bias); the
 # residual Add before activations (act(conv + z), not act(conv) + z); bias Adds
-# into MatMul epilogues before a residual Add joins its LayerNorm.
+# into MatMul epilogues before a residual Add joins its LayerNorm; shared reads ordered
+# before the residual Add picks its conv (a shortcut moved beside the block's first conv
+# leaves the Add to the second).
 FUSIONS = (_p(fuse_conv_bn, {Op.CONV}, {Op.BATCH_NORM}),
            _p(fuse_layer_norm, {Op.SUB}, {Op.MEAN}),
            _p(fuse_gelu, {Op.ERF, Op.TANH}),
            _p(fuse_attention, {Op.SOFTMAX}, {Op.MATMUL}),
            _p(fuse_matmul_add, {Op.MATMUL}, {Op.ADD}),
+           _p(order_shared_reads, {Op.CONV, Op.GEMM, Op.MATMUL}),
            _p(fuse_residual, {Op.CONV}, {Op.ADD}),
            _p(fuse_skip_layer_norm, {Op.LAYER_NORM}, {Op.ADD}),
            _p(fuse_activation, {Op.CONV, Op.GEMM, Op.MATMUL}),

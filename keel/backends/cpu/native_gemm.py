@@ -94,7 +94,8 @@ from keel.backends.cpu.workspace import Scratch, thread_scratch
 __all__ = ["BandCall", "Call", "Packed", "Rows", "XCall", "address", "available",
            "check_enums", "check_layout", "checked", "conv_epilogue_served", "gemm",
            "geometry", "holding", "moved_addresses", "same_memory", "pack",
-           "pack_batch", "planner_rules", "prepare", "prepare_band", "strides_of"]
+           "pack_batch", "planner_rules", "prepare", "prepare_band", "strides_of",
+           "units_call"]
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ACCUMULATE, _CLIP, _STREAM, _DIRECT, _NT, _TALL, _LANES = 1, 2, 4, 8, 16, 32, 64
@@ -927,17 +928,18 @@ class XCall(ABC):
             last = self._last = (key, *self._bind(threads))
         last[1]()
 
-    @staticmethod
-    def _units(mt: Callable[..., int], serial: Callable[..., None], args: bytes,
+
+def units_call(mt: Callable[..., int], serial: Callable[..., Any], args: tuple[object, ...],
                units: int, parts: int, floats: int
                ) -> tuple[Callable[[], Any], tuple[object, ...]]:
-        """``units`` units of the call ``args`` in ``parts`` chunks on keel's threads
-        (``mt``, each worker with its own scratch), or on this thread (``serial``) with
-        this thread's workspace of at least ``floats`` floats, returned with it."""
-        if parts > 1:
-            return functools.partial(checked, mt, args, units, parts), ()
-        work = thread_scratch(Scratch.WORK, floats)
-        return functools.partial(serial, args, int(native.address(work)), 0, units), (work,)
+    """``units`` units of the call of argument blocks ``args`` in ``parts`` chunks on
+    keel's threads (``mt``, each worker with its own scratch), or on this thread
+    (``serial``) with this thread's workspace of at least ``floats`` floats, returned with
+    it."""
+    if parts > 1:
+        return functools.partial(checked, mt, *args, units, parts), ()
+    work = thread_scratch(Scratch.WORK, floats)
+    return functools.partial(serial, *args, int(native.address(work)), 0, units), (work,)
 
 
 class BandCall(XCall):
@@ -960,8 +962,8 @@ class BandCall(XCall):
 
     def _bind(self, threads: int) -> tuple[Callable[[], Any], tuple[object, ...]]:
         """The bands split over up to ``threads`` threads."""
-        return self._units(self.f.band_mt, self.f.band, self.args, self.units,
-                           max(1, min(threads, self.units)), self.f.work)
+        return units_call(self.f.band_mt, self.f.band, (self.args,), self.units,
+                          max(1, min(threads, self.units)), self.f.work)
 
 
 def prepare_band(x: np.ndarray, a: Packed, y: np.ndarray, kernel: tuple[int, ...],
@@ -1151,13 +1153,10 @@ class PooledCall:
     def bound(self, threads: int) -> Callable[[], Any]:
         """The call as a callable with no arguments, its units over up to ``threads``
         threads."""
-        parts = max(1, min(threads, self.units))
-        if parts > 1:
-            return holding(functools.partial(checked, self.f.pooled_mt, self.args,
-                                             self.pool_args, self.units, parts), self)
-        work = thread_scratch(Scratch.WORK, int(self.f.pooled_work(self.args, self.pool_args)))
-        return holding(functools.partial(self.f.pooled, self.args, self.pool_args,
-                                         int(native.address(work)), 0, self.units), self, work)
+        call, work = units_call(self.f.pooled_mt, self.f.pooled, (self.args, self.pool_args),
+                                self.units, max(1, min(threads, self.units)),
+                                int(self.f.pooled_work(self.args, self.pool_args)))
+        return holding(call, self, *work)
 
 
 def prepare_pooled(band: BandCall, y: np.ndarray, pool: RowPool, split: PoolSplit

@@ -231,3 +231,36 @@ def test_a_conv_whose_fused_activation_the_band_conv_lacks_is_not_pooled(
     x = np.random.default_rng(2).standard_normal((1, 3, 128, 128)).astype(np.float32)
     want = _bits(_load(blob, 2, False, monkeypatch).predict({"x": x})["y"])
     assert np.array_equal(_bits(fused.predict({"x": x})["y"]), want)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_pool_refusing_its_rows_raises(threads: int) -> None:
+    """gemm.c's keel_conv_pool_f32 reports a pool that refused the conv rows it was handed
+    (its window and the rows held disagree; prepare_pooled never makes such a call): a
+    typed error, on one thread and split."""
+    from keel.errors import ExecutionError
+    from keel.ops.schemas.conv import Window
+
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((1, 3, 32, 32)).astype(np.float32)
+    packed = native_gemm.pack(rng.standard_normal((16, 3 * 3 * 3)).astype(np.float32), True)
+    assert packed is not None
+    conv = np.empty((1, 16, 16, 16), np.float32)
+    band = native_gemm.prepare_band(x, packed, conv, (3, 3), (2, 2), (1, 1), (1, 1))
+    geo = native_window.plan(16, Window((16, 16), (3, 3), (2, 2), (1, 1), (1, 1), (1, 1),
+                                        (8, 8)))
+    pool = native_window.row_pool(geo) if geo is not None else None
+    assert band is not None and geo is not None and pool is not None
+    y = np.full((1, 16, 8, 8), 7.0, np.float32)
+    split = native_gemm.PoolSplit(2, 2, 4)
+
+    def call(kh: int) -> Any:
+        rows = native_gemm.RowPool(pool[0], geo.address, pool[1], kh, 2, 1, geo)
+        prepared = native_gemm.prepare_pooled(band, y, rows, split)
+        assert prepared is not None
+        return prepared.bound(threads)
+
+    with pytest.raises(ExecutionError, match="refused the conv rows"):
+        call(2)()                           # the buffer holds 2-row windows: too few rows
+    call(3)()                               # the window's own rows: served
+    assert not (y == 7.0).any()

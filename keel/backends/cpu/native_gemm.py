@@ -90,6 +90,7 @@ from keel import native
 from keel.backends.bound import BoundCall, PartFailed
 from keel.backends.cpu import workspace
 from keel.backends.cpu.workspace import Scratch, thread_scratch
+from keel.errors import ExecutionError
 
 __all__ = ["BandCall", "Call", "Packed", "Rows", "XCall", "address", "available",
            "check_enums", "check_layout", "checked", "conv_epilogue_served", "gemm",
@@ -194,7 +195,7 @@ def _load(lib: native.NativeLibrary) -> _Functions:
         band_rows=lib.function("keel_conv_band_rows_f32", [ctypes.c_char_p], _I64),
         band_work=lib.function("keel_conv_band_workspace_f32", [ctypes.c_char_p], _I64),
         pooled=lib.function("keel_conv_pool_f32",
-                            [ctypes.c_char_p, ctypes.c_char_p, _PTR, _I64, _I64]),
+                            [ctypes.c_char_p, ctypes.c_char_p, _PTR, _I64, _I64], _I64),
         pooled_mt=lib.function("keel_conv_pool_mt_f32",
                                [ctypes.c_char_p, ctypes.c_char_p, _I64, _I64], _I64),
         pooled_work=lib.function("keel_conv_pool_workspace_f32",
@@ -723,9 +724,22 @@ def holding(bound: Callable[[], object], *owners: object) -> BoundCall:
     return BoundCall(bound, keep=owners)
 
 
+# What keel_conv_pool_f32 (and its _mt form) return where the pool refused the rows it was
+# handed (gemm.c's KEEL_POOL_REFUSED): a prepared call whose pool geometry and buffer rows
+# disagree, which prepare_pooled never makes.
+_POOL_REFUSED = -2
+
+
 def checked(fn: Callable[..., int], *args: Any) -> None:
-    """Run a ``*_mt`` kernel; its -1 means a worker could not allocate its workspace."""
-    if fn(*args) != 0:
+    """Run a ``*_mt`` kernel (or a serial one that reports): its -1 means a worker could
+    not allocate its workspace; gemm.c's KEEL_POOL_REFUSED that a pooled conv's pool
+    refused its rows (ExecutionError: its output is incomplete)."""
+    rc = fn(*args)
+    if rc == _POOL_REFUSED:
+        raise ExecutionError("native conv + max pool: the pool refused the conv rows it was "
+                             "handed (its window and the prepared rows disagree); the pooled "
+                             "output is incomplete")
+    if rc != 0:
         raise MemoryError("native kernel: no memory for a worker thread's workspace")
 
 
@@ -930,16 +944,19 @@ class XCall(ABC):
 
 
 def units_call(mt: Callable[..., int], serial: Callable[..., Any], args: tuple[object, ...],
-               units: int, parts: int, floats: int
+               units: int, parts: int, floats: int, *, serial_reports: bool = False
                ) -> tuple[Callable[[], Any], tuple[object, ...]]:
     """``units`` units of the call of argument blocks ``args`` in ``parts`` chunks on
     keel's threads (``mt``, each worker with its own scratch), or on this thread
     (``serial``) with this thread's workspace of at least ``floats`` floats, returned with
-    it."""
+    it. ``serial_reports``: the serial call returns a code too (:func:`checked`)."""
     if parts > 1:
         return functools.partial(checked, mt, *args, units, parts), ()
     work = thread_scratch(Scratch.WORK, floats)
-    return functools.partial(serial, *args, int(native.address(work)), 0, units), (work,)
+    tail = (int(native.address(work)), 0, units)
+    if serial_reports:
+        return functools.partial(checked, serial, *args, *tail), (work,)
+    return functools.partial(serial, *args, *tail), (work,)
 
 
 class BandCall(XCall):
@@ -1155,7 +1172,8 @@ class PooledCall:
         threads."""
         call, work = units_call(self.f.pooled_mt, self.f.pooled, (self.args, self.pool_args),
                                 self.units, max(1, min(threads, self.units)),
-                                int(self.f.pooled_work(self.args, self.pool_args)))
+                                int(self.f.pooled_work(self.args, self.pool_args)),
+                                serial_reports=True)
         return holding(call, self, *work)
 
 

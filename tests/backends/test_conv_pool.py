@@ -5,6 +5,7 @@ batch 1 and 2, and close to the reference backend."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -264,3 +265,70 @@ def test_a_pool_refusing_its_rows_raises(threads: int) -> None:
         call(2)()                           # the buffer holds 2-row windows: too few rows
     call(3)()                               # the window's own rows: served
     assert not (y == 7.0).any()
+
+
+def _conv_output(model: Any) -> np.ndarray:
+    """The conv's output array (the arena view its pool reads), which a fused run never
+    writes."""
+    program = next(p.program for p in model._cache.values() if p.program is not None)
+    pool = next(st for st in program._steps if st.op == "max_pool")
+    return program._values[pool.inputs[0]]
+
+
+def test_a_pool_stays_paired_with_its_conv_while_others_bind(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another program binding its pooled conv on many threads after this one (more
+    pairings than any memo kept) leaves this one's conv (unbound: it reads a large feed
+    where the caller has it, as a network's first conv does) handing over to its pool:
+    its output still never written."""
+    size = 150
+    x = np.random.default_rng(5).standard_normal((1, 3, size, size)).astype(np.float32)
+    model = _load(_stem(1, size=size), 1, True, monkeypatch)
+    want = _bits(_load(_stem(1, size=size), 1, False, monkeypatch).predict({"x": x})["y"])
+    for _ in range(3):
+        model.predict({"x": x})
+    other = _load(_stem(1, seed=7), 1, True, monkeypatch)
+    small = x[..., :128, :128].copy()
+    other.predict({"x": small})
+    done, bound, turn = threading.Event(), threading.Semaphore(0), threading.Lock()
+
+    def bind_and_stay() -> None:            # binds the other's steps anew on its thread
+        with turn:
+            other.predict({"x": small})
+        bound.release()
+        done.wait()
+
+    threads = [threading.Thread(target=bind_and_stay) for _ in range(65)]
+    for thread in threads:                  # all alive at once: 65 distinct threads
+        thread.start()
+    for _ in threads:
+        bound.acquire()
+    done.set()
+    for thread in threads:
+        thread.join()
+    conv = _conv_output(model)
+    conv.fill(-1.0)                         # a value no conv + ReLU writes
+    assert np.array_equal(_bits(model.predict({"x": x})["y"]), want)
+    assert (conv == -1.0).all(), "the conv computed its own output: the pairing was lost"
+
+
+def test_a_run_cut_short_between_conv_and_pool_leaves_nothing_handed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The conv's step handed X over and the run stopped before the pool's step; the next
+    run's conv computes its own output (its X of an array type the fused call does not
+    take): the pool then runs its own call, not the fused one on the earlier X."""
+    onnx = _stem(1, size=150)               # a feed read where the caller has it
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((1, 3, 150, 150)).astype(np.float32)
+    model = _load(onnx, 1, True, monkeypatch)
+    for _ in range(3):
+        model.predict({"x": x})
+    conv = _conv_output(model)
+    assert conv_pool.hand_over(x, conv, lambda: None)   # as the conv's step does; then cut
+    other = (x + 1.0).view(_Array)
+    want = _bits(_load(onnx, 1, False, monkeypatch).predict({"x": other})["y"])
+    assert np.array_equal(_bits(model.predict({"x": other})["y"]), want)
+
+
+class _Array(np.ndarray):
+    """An ndarray subclass: a feed the fused call does not take as it is."""

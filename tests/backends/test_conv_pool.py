@@ -111,6 +111,35 @@ def test_explain_states_the_fusion_and_its_split(monkeypatch: pytest.MonkeyPatch
     assert "pool_in_conv" not in off.explain() and not _pool_steps(off)
 
 
+def test_the_conv_s_threads_line_states_the_pooled_call_s_split(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The conv runs inside its pool's call: its threads line says that call's split (16
+    pieces of images x bands), as the pool's does, not the split it would run alone."""
+    text = str(_load(_stem(1), 16, True, monkeypatch).explain())
+    conv = text[text.index("Conv_0 (conv on cpu):"):text.index("MaxPool_2 (max_pool on cpu):")]
+    (threads,) = [line for line in conv.splitlines() if line.strip().startswith("threads:")]
+    assert "one call (MaxPool_2's), 16 piece(s) of images x bands" in threads
+    assert "phase copy" not in threads and "product" not in threads
+
+
+def test_int8_precision_on_a_float_model_neither_plans_nor_runs_the_pooled_call(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With precision="int8" the conv's filter is dequantized at run time (no constant
+    for the pooled call to pack): the plan says nothing of pooling, and the steady run
+    computes the conv's own output, as the plan says."""
+    monkeypatch.setattr(cpu_planner, "POOL_IN_CONV", True)
+    model = load_model(_stem(1), backend="cpu", threads=2, plan_cache=False,
+                       precision="int8")
+    x = np.random.default_rng(8).standard_normal((1, 3, 128, 128)).astype(np.float32)
+    for _ in range(3):
+        model.predict({"x": x})
+    assert "pool_in_conv" not in str(model.explain()) and not _pool_steps(model)
+    conv = _conv_output(model)
+    conv.fill(-1.0)
+    model.predict({"x": x})
+    assert not (conv == -1.0).all()         # the conv wrote its output
+
+
 @pytest.mark.parametrize(("why", "onnx"), [
     ("the conv's output is read elsewhere too", lambda: _stem(1, second_reader=True)),
     ("deeper than POOL_IN_CONV_MAX_DEPTH", lambda: _stem(1, channels=4)),

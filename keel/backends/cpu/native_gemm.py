@@ -910,9 +910,13 @@ class XCall(ABC):
     def bound(self, threads: int) -> BoundCall[Any]:
         """``run(threads)`` as a callable with no arguments (see :meth:`Call.bound`),
         keeping this call (and so its operands) and its workspace; marked ``native``: C
-        code only."""
+        code only. Where the split reads more than the threads (the planner's thread
+        costs), it is asked again when that changes, as :meth:`run` does."""
+        reads = self._split_reads()
         fn, work = self._bind(threads)
-        return BoundCall(fn, keep=(self, *work), native=True)
+        if reads is None:
+            return BoundCall(fn, keep=(self, *work), native=True)
+        return BoundCall(_Resplit(self, threads, reads, fn, work), keep=(self,), native=True)
 
     @final
     def with_x(self: _XC, x: np.ndarray) -> _XC | None:
@@ -941,6 +945,26 @@ class XCall(ABC):
         if last is None or last[0] != key:
             last = self._last = (key, *self._bind(threads))
         last[1]()
+
+
+class _Resplit:
+    """An :class:`XCall` bound for ``threads`` whose split reads the planner's thread
+    costs: bound again when they change (measured, refreshed, or measured only after the
+    program bound: ``thread_costs``' ``again``), so a program's step follows them as an
+    unbound run does. The split changes the speed only, never the bits."""
+
+    __slots__ = ("call", "fn", "reads", "threads", "work")
+
+    def __init__(self, call: XCall, threads: int, reads: Hashable, fn: Callable[[], Any],
+                 work: tuple[object, ...]) -> None:
+        self.call, self.threads, self.reads, self.fn, self.work = call, threads, reads, fn, work
+
+    def __call__(self) -> None:
+        reads = self.call._split_reads()
+        if reads != self.reads:
+            self.fn, self.work = self.call._bind(self.threads)
+            self.reads = reads
+        self.fn()
 
 
 def units_call(mt: Callable[..., int], serial: Callable[..., Any], args: tuple[object, ...],

@@ -3137,8 +3137,8 @@ def blocked_split(geo: ConvGeometry, threads: int) -> BlockedSplit:
 def split_reads() -> tuple[str, int]:
     """What blocked_split reads beyond a conv and its threads: this process's thread
     costs (they change where they are measured, refreshed or forgotten) and the least
-    flops a thread. A blocked call's run() binds its split again when they change; a
-    program's bound step keeps the split it was bound with."""
+    flops a thread. A blocked call binds its split again when they change, run() and a
+    program's bound step alike."""
     return thread_costs.current().token, MIN_FLOPS_PER_THREAD
 
 

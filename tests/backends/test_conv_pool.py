@@ -5,6 +5,7 @@ batch 1 and 2, and close to the reference backend."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -134,6 +135,35 @@ def test_explain_states_the_fusion_and_its_split(monkeypatch: pytest.MonkeyPatch
     assert "pool_in_conv" not in off.explain() and not _pool_steps(off)
 
 
+def test_the_conv_s_threads_line_states_the_pooled_call_s_split(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The conv runs inside its pool's call: its threads line says that call's split (16
+    pieces of images x bands), as the pool's does, not the split it would run alone."""
+    text = str(_load(_stem(1), 16, True, monkeypatch).explain())
+    conv = text[text.index("Conv_0 (conv on cpu):"):text.index("MaxPool_2 (max_pool on cpu):")]
+    (threads,) = [line for line in conv.splitlines() if line.strip().startswith("threads:")]
+    assert "one call (MaxPool_2's), 16 piece(s) of images x bands" in threads
+    assert "phase copy" not in threads and "product" not in threads
+
+
+def test_int8_precision_on_a_float_model_neither_plans_nor_runs_the_pooled_call(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With precision="int8" the conv's filter is dequantized at run time (no constant
+    for the pooled call to pack): the plan says nothing of pooling, and the steady run
+    computes the conv's own output, as the plan says."""
+    monkeypatch.setattr(cpu_planner, "POOL_IN_CONV", True)
+    model = load_model(_stem(1), backend="cpu", threads=2, plan_cache=False,
+                       precision="int8")
+    x = np.random.default_rng(8).standard_normal((1, 3, 128, 128)).astype(np.float32)
+    for _ in range(3):
+        model.predict({"x": x})
+    assert "pool_in_conv" not in str(model.explain()) and not _pool_steps(model)
+    conv = _conv_output(model)
+    conv.fill(-1.0)
+    model.predict({"x": x})
+    assert not (conv == -1.0).all()         # the conv wrote its output
+
+
 @pytest.mark.parametrize(("why", "onnx"), [
     ("the conv's output is read elsewhere too", lambda: _stem(1, second_reader=True)),
     ("deeper than POOL_IN_CONV_MAX_DEPTH", lambda: _stem(1, channels=4)),
@@ -258,3 +288,103 @@ def test_a_conv_whose_fused_activation_the_band_conv_lacks_is_not_pooled(
     x = np.random.default_rng(2).standard_normal((1, 3, 128, 128)).astype(np.float32)
     want = _bits(_load(blob, 2, False, monkeypatch).predict({"x": x})["y"])
     assert np.array_equal(_bits(fused.predict({"x": x})["y"]), want)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_pool_refusing_its_rows_raises(threads: int) -> None:
+    """gemm.c's keel_conv_pool_f32 reports a pool that refused the conv rows it was handed
+    (its window and the rows held disagree; prepare_pooled never makes such a call): a
+    typed error, on one thread and split."""
+    from keel.errors import ExecutionError
+    from keel.ops.schemas.conv import Window
+
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((1, 3, 32, 32)).astype(np.float32)
+    packed = native_gemm.pack(rng.standard_normal((16, 3 * 3 * 3)).astype(np.float32), True)
+    assert packed is not None
+    conv = np.empty((1, 16, 16, 16), np.float32)
+    band = native_gemm.prepare_band(x, packed, conv, (3, 3), (2, 2), (1, 1), (1, 1))
+    geo = native_window.plan(16, Window((16, 16), (3, 3), (2, 2), (1, 1), (1, 1), (1, 1),
+                                        (8, 8)))
+    pool = native_window.row_pool(geo) if geo is not None else None
+    assert band is not None and geo is not None and pool is not None
+    y = np.full((1, 16, 8, 8), 7.0, np.float32)
+    split = native_gemm.PoolSplit(2, 2, 4)
+
+    def call(kh: int) -> Any:
+        rows = native_gemm.RowPool(pool[0], geo.address, pool[1], kh, 2, 1, geo)
+        prepared = native_gemm.prepare_pooled(band, y, rows, split)
+        assert prepared is not None
+        return prepared.bound(threads)
+
+    with pytest.raises(ExecutionError, match="refused the conv rows"):
+        call(2)()                           # the buffer holds 2-row windows: too few rows
+    call(3)()                               # the window's own rows: served
+    assert not (y == 7.0).any()
+
+
+def _conv_output(model: Any) -> np.ndarray:
+    """The conv's output array (the arena view its pool reads), which a fused run never
+    writes."""
+    program = next(p.program for p in model._cache.values() if p.program is not None)
+    pool = next(st for st in program._steps if st.op == "max_pool")
+    return program._values[pool.inputs[0]]
+
+
+def test_a_pool_stays_paired_with_its_conv_while_others_bind(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another program binding its pooled conv on many threads after this one (more
+    pairings than any memo kept) leaves this one's conv (unbound: it reads a large feed
+    where the caller has it, as a network's first conv does) handing over to its pool:
+    its output still never written."""
+    size = 150
+    x = np.random.default_rng(5).standard_normal((1, 3, size, size)).astype(np.float32)
+    model = _load(_stem(1, size=size), 1, True, monkeypatch)
+    want = _bits(_load(_stem(1, size=size), 1, False, monkeypatch).predict({"x": x})["y"])
+    for _ in range(3):
+        model.predict({"x": x})
+    other = _load(_stem(1, seed=7), 1, True, monkeypatch)
+    small = x[..., :128, :128].copy()
+    other.predict({"x": small})
+    done, bound, turn = threading.Event(), threading.Semaphore(0), threading.Lock()
+
+    def bind_and_stay() -> None:            # binds the other's steps anew on its thread
+        with turn:
+            other.predict({"x": small})
+        bound.release()
+        done.wait()
+
+    threads = [threading.Thread(target=bind_and_stay) for _ in range(65)]
+    for thread in threads:                  # all alive at once: 65 distinct threads
+        thread.start()
+    for _ in threads:
+        bound.acquire()
+    done.set()
+    for thread in threads:
+        thread.join()
+    conv = _conv_output(model)
+    conv.fill(-1.0)                         # a value no conv + ReLU writes
+    assert np.array_equal(_bits(model.predict({"x": x})["y"]), want)
+    assert (conv == -1.0).all(), "the conv computed its own output: the pairing was lost"
+
+
+def test_a_run_cut_short_between_conv_and_pool_leaves_nothing_handed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The conv's step handed X over and the run stopped before the pool's step; the next
+    run's conv computes its own output (its X of an array type the fused call does not
+    take): the pool then runs its own call, not the fused one on the earlier X."""
+    onnx = _stem(1, size=150)               # a feed read where the caller has it
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((1, 3, 150, 150)).astype(np.float32)
+    model = _load(onnx, 1, True, monkeypatch)
+    for _ in range(3):
+        model.predict({"x": x})
+    conv = _conv_output(model)
+    assert conv_pool.hand_over(x, conv, lambda: None)   # as the conv's step does; then cut
+    other = (x + 1.0).view(_Array)
+    want = _bits(_load(onnx, 1, False, monkeypatch).predict({"x": other})["y"])
+    assert np.array_equal(_bits(model.predict({"x": other})["y"]), want)
+
+
+class _Array(np.ndarray):
+    """An ndarray subclass: a feed the fused call does not take as it is."""

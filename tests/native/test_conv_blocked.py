@@ -8,6 +8,7 @@ planner's rule (blocked_conv) and split."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import threading
@@ -408,11 +409,13 @@ def test_a_run_call_frees_its_operands_without_the_cyclic_collector() -> None:
             gc.enable()
 
 
-def test_an_unbound_run_binds_again_when_the_thread_costs_change(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("bound", [False, True])
+def test_a_run_binds_again_when_the_thread_costs_change(
+        bound: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The planner's split reads this process's thread costs: once they change (measured,
-    refreshed or forgotten), run() asks the split again for the same threads and thread
-    and runs the new grid, with the same bits."""
+    refreshed or forgotten), run() -- and the call bound for a program's step -- asks the
+    split again for the same threads and thread and runs the new grid, with the same
+    bits."""
     def clear() -> None:
         if thread_costs.path_here().exists():
             thread_costs.path_here().unlink()
@@ -436,8 +439,9 @@ def test_an_unbound_run_binds_again_when_the_thread_costs_change(
         y = np.full((1, 64, 8, 8), np.nan, np.float32)
         call = native_blocked.prepare(x, native_blocked.pack_filters(w), y, 2, 2, split)
         assert call is not None
-        call.run(2)
-        call.run(2)
+        go = call.bound(2) if bound else functools.partial(call.run, 2)
+        go()
+        go()
         assert grids == [(1, 2)]                    # the declared costs: 2 chunks
         # A pool 16 times slower to dispatch on 2 threads: 16 times the least flops, more
         # than the conv's 4.7 million, so one chunk.
@@ -449,7 +453,7 @@ def test_an_unbound_run_binds_again_when_the_thread_costs_change(
             "a test machine", 2, 0.1))
         thread_costs.forget()
         y[...] = np.nan
-        call.run(2)
+        go()
         assert grids == [(1, 2), (1, 1)]
         assert np.array_equal(y, want)
     finally:

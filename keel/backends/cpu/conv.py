@@ -557,11 +557,10 @@ def _handed_over(ctx: KernelContext, variant: str, inputs: Inputs, attrs: Attrs,
     (conv_pool.hand_over): the conv then computes nothing."""
     x, w = inputs[0], inputs[1]
     b, z = optional_input(inputs, 2), inputs[3] if len(inputs) > 3 else None
-    if (ctx.prepacked.__class__ is not _State or type(x) is not np.ndarray
-            or type(y) is not np.ndarray):
-        return False
 
     def band_of() -> native_gemm.BandCall | None:
+        if ctx.prepacked.__class__ is not _State:
+            return None
         plan = _lookup(Op.CONV, variant, ctx.backend, x, w, b, z, attrs, ctx.plan)
         if plan.variant != "native" or y.shape != plan.geo.out_shape:
             return None

@@ -12,11 +12,19 @@ conv's then the pool's, bit for bit. Where no pool step waits for the conv's Y (
 runs unbound, its bind declined, another program), the conv computes as usual and the
 pool after it.
 
+The two steps meet through the conv's Y, the pool's X: one array of the program's (an
+arena view) that both are handed. When the pool's step binds it is linked to that array
+for the binding thread (:class:`_Link`, made by whichever of the two steps binds first;
+the link lives exactly as long as the array), and a bound conv step holds its link from
+its own bind. An unbound conv, which no bind reaches, finds the link by its Y each run.
+Each run the conv's step tells the pool's step afresh whether it handed X over, so a run
+cut short between the two leaves nothing for the next.
+
 The pool's step runs right after the conv's (the planner's rule asks for the pool to be
 the next node), so nothing writes where X lies between the two; the pooled Y must not
-overlap X (checked each run). A run that keeps or watches every value (the program's
-general path, ``every_value``) runs every step unbound: the conv then computes its own
-output and the pool reads it.
+overlap X (checked when X moves). A run that keeps or watches every value (the
+program's general path, ``every_value``) runs every step unbound: the conv then computes
+its own output and the pool reads it.
 """
 
 from __future__ import annotations
@@ -40,104 +48,123 @@ class PoolStep:
     """A max pool's bound step that its conv may hand its X to: then the conv and the
     pool as one call, else the pool's own call."""
 
-    __slots__ = ("__weakref__", "call", "fused", "geo", "pending", "pool", "refused",
-                 "split", "threads", "x_at", "x_ref", "y")
+    __slots__ = ("__weakref__", "call", "fused", "geo", "handed", "pool", "refused", "row",
+                 "split", "threads", "x_at", "y")
 
-    def __init__(self, pool: Callable[[], Any], x: np.ndarray, y: np.ndarray,
-                 geo: native_window.WindowGeometry, split: native_gemm.PoolSplit,
-                 threads: int) -> None:
+    def __init__(self, pool: Callable[[], Any], y: np.ndarray,
+                 geo: native_window.WindowGeometry, row: tuple[int, int],
+                 split: native_gemm.PoolSplit, threads: int) -> None:
         self.pool, self.y, self.geo, self.split, self.threads = pool, y, geo, split, threads
-        self.x_ref = weakref.ref(x)
+        self.row = row                                  # native_window.row_pool(geo)
         self.call: native_gemm.PooledCall | None = None
         self.fused: Callable[[], Any] | None = None     # the call bound
-        self.x_at, self.pending, self.refused = 0, False, False
+        self.handed: Callable[[], Any] | None = None    # this run's: the conv handed X over
+        self.x_at, self.refused = 0, False
 
     def __call__(self) -> None:
-        if self.pending and self.fused is not None:
-            self.pending = False
-            self.fused()
+        fused, self.handed = self.handed, None
+        if fused is not None:
+            fused()
         else:
             self.pool()
 
-    def take(self, x: np.ndarray, band_of: BandOf) -> bool:
+    def take(self, x: Any, band_of: BandOf) -> bool:
         """Whether this step computes the conv of ``x`` with its pool this run (the conv
-        then does nothing)."""
-        self.pending = False
-        if self.refused:
-            return False
-        at = int(x.ctypes.data)
+        then does nothing); called by the conv's step every run, so what it hands over
+        is this run's alone."""
+        self.handed = None
+        if self.refused or every_value_wanted() or type(x) is not np.ndarray:
+            return False                # a run that keeps or watches the conv's output
         if self.call is None:
             self.call = self._prepared(band_of)
             if self.call is None:       # not served: the conv computes itself from now on
                 self.refused = True
                 return False
             self.fused, self.x_at = self.call.bound(self.threads), 0
+        at = int(x.ctypes.data)
         if at != self.x_at:             # another X (a feed read where the caller has it)
             if np.may_share_memory(x, self.y) or not self.call.point_x(x):
                 return False
             self.x_at = at
-        self.pending = True
+        self.handed = self.fused
         return True
 
     def _prepared(self, band_of: BandOf) -> native_gemm.PooledCall | None:
         band = band_of()
-        pool = native_window.row_pool(self.geo)
-        if band is None or pool is None:
+        if band is None:
             return None
-        function, scratch = pool
+        function, scratch = self.row
         kh, sh, pt = (int(self.geo.array[i]) for i in (5, 7, 11))
         return native_gemm.prepare_pooled(
             band, self.y, native_gemm.RowPool(function, self.geo.address, scratch, kh, sh, pt,
                                               self.geo), self.split)
 
 
-# The pool steps waiting for a conv, by (the conv's Y: the pool's X, its address, the
-# binding thread). A memo, emptied when full; a step held by no program is gone.
-_WAITING: dict[tuple[int, int, int], weakref.ref[PoolStep]] = {}
-_WAITING_KEPT = 64      # derived: far more programs x threads than a process binds at once
+class _Link:
+    """Where a conv's step finds the pool step waiting for its Y on one thread."""
+
+    __slots__ = ("step",)
+
+    def __init__(self) -> None:
+        self.step: weakref.ref[PoolStep] | None = None
+
+    def waiting(self) -> PoolStep | None:
+        return None if self.step is None else self.step()
 
 
-def _key(y: np.ndarray) -> tuple[int, int, int]:
-    return id(y), int(y.ctypes.data), threading.get_ident()
+# The links by the array the two steps share (its id: an entry is dropped when the array
+# goes, so the id is never another array's) and the binding thread.
+_LINKS: dict[int, dict[int, _Link]] = {}
+
+
+def _link(y: np.ndarray) -> _Link:
+    """The link of ``y`` on this thread, made where there is none."""
+    by_thread = _LINKS.get(id(y))
+    if by_thread is None:
+        by_thread = _LINKS[id(y)] = {}
+        weakref.finalize(y, _LINKS.pop, id(y), None)
+    return by_thread.setdefault(threading.get_ident(), _Link())
+
+
+def _found(y: Any) -> PoolStep | None:
+    """The pool step waiting for ``y`` on this thread, if any."""
+    by_thread = _LINKS.get(id(y))
+    link = None if by_thread is None else by_thread.get(threading.get_ident())
+    return None if link is None else link.waiting()
 
 
 def waiting(pool: Callable[[], Any], x: np.ndarray, y: np.ndarray,
             geo: native_window.WindowGeometry, split: native_gemm.PoolSplit,
             threads: int) -> PoolStep | None:
     """The pool of ``x`` into ``y`` as a step its conv may hand its X to (``pool``: the
-    pool's own bound call); None where ``y`` is not the pooled shape of ``geo``."""
-    if y.shape[2:] != tuple(int(v) for v in geo.array[3:5]) or native_window.row_pool(
-            geo) is None:
+    pool's own bound call), linked to ``x`` on this thread; None where ``y`` is not the
+    pooled shape of ``geo`` or the row kernel does not serve it."""
+    row = native_window.row_pool(geo)
+    if y.shape[2:] != tuple(int(v) for v in geo.array[3:5]) or row is None:
         return None
-    step = PoolStep(pool, x, y, geo, split, threads)
-    if len(_WAITING) >= _WAITING_KEPT:
-        _WAITING.clear()
-    _WAITING[_key(x)] = weakref.ref(step)
+    step = PoolStep(pool, y, geo, row, split, threads)
+    _link(x).step = weakref.ref(step)
     return step
 
 
-def hand_over(x: np.ndarray, y: np.ndarray, band_of: BandOf,
-              key: tuple[int, int, int] | None = None) -> bool:
+def hand_over(x: Any, y: Any, band_of: BandOf) -> bool:
     """Whether a pool step waits for this conv's ``y`` and takes the conv of ``x`` (made
-    by ``band_of`` once) this run: then the conv computes nothing. ``key``: ``y``'s key
-    in the waiting steps where the caller keeps it (a bound step on its thread)."""
-    if every_value_wanted():
-        return False                # the run keeps or watches the conv's output
-    ref = _WAITING.get(_key(y) if key is None else key)
-    step = None if ref is None else ref()
-    return step is not None and step.x_ref() is y and step.take(x, band_of)
+    by ``band_of`` once) this run: then the conv computes nothing."""
+    step = _found(y)
+    return step is not None and step.take(x, band_of)
 
 
 class ConvStep:
     """A pooled conv's bound step: it hands X over to its pool's step, or computes."""
 
-    __slots__ = ("band_of", "call", "key", "x", "y")
+    __slots__ = ("band_of", "call", "link", "x")
 
     def __init__(self, call: Callable[[], Any], x: np.ndarray, y: np.ndarray,
                  band_of: BandOf) -> None:
-        self.call, self.x, self.y, self.band_of = call, x, y, band_of
-        self.key = _key(y)      # bound on the thread that runs it: its key stays put
+        self.call, self.x, self.band_of = call, x, band_of
+        self.link = _link(y)        # bound on the thread that runs it: the pool's link
 
     def __call__(self) -> None:
-        if not hand_over(self.x, self.y, self.band_of, self.key):
+        step = self.link.waiting()
+        if step is None or not step.take(self.x, self.band_of):
             self.call()

@@ -160,8 +160,8 @@ class BlockedCall(native_gemm.XCall):
                 f"blocked conv: {groups} channel group(s) of {self.tiles} register tiles; "
                 "the groups must divide the tiles")
         args = _ARGS.pack(*self.values[:_GROUPS], groups, *self.values[_GROUPS + 1:])
-        return self._units(self.f.mt, self.f.serial, args, self.bands * groups, parts,
-                           int(self.f.work(args)))
+        return native_gemm.units_call(self.f.mt, self.f.serial, (args,), self.bands * groups,
+                                      parts, int(self.f.work(args)))
 
 
 def prepare(x: np.ndarray, filters: np.ndarray, y: np.ndarray, oc_tile: int, rows: int,

@@ -94,11 +94,13 @@ from keel import native
 from keel.backends.bound import BoundCall, PartFailed
 from keel.backends.cpu import workspace
 from keel.backends.cpu.workspace import Scratch, thread_scratch
+from keel.errors import ExecutionError
 
 __all__ = ["BandCall", "Call", "Packed", "Rows", "XCall", "address", "available",
            "check_enums", "check_layout", "checked", "conv_epilogue_served", "gemm",
            "geometry", "holding", "moved_addresses", "same_memory", "pack",
-           "pack_batch", "planner_rules", "prepare", "prepare_band", "strides_of"]
+           "pack_batch", "planner_rules", "prepare", "prepare_band", "strides_of",
+           "units_call"]
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ACCUMULATE, _CLIP, _STREAM, _DIRECT, _NT, _TALL, _LANES = 1, 2, 4, 8, 16, 32, 64
@@ -197,7 +199,7 @@ def _load(lib: native.NativeLibrary) -> _Functions:
         band_rows=lib.function("keel_conv_band_rows_f32", [ctypes.c_char_p], _I64),
         band_work=lib.function("keel_conv_band_workspace_f32", [ctypes.c_char_p], _I64),
         pooled=lib.function("keel_conv_pool_f32",
-                            [ctypes.c_char_p, ctypes.c_char_p, _PTR, _I64, _I64]),
+                            [ctypes.c_char_p, ctypes.c_char_p, _PTR, _I64, _I64], _I64),
         pooled_mt=lib.function("keel_conv_pool_mt_f32",
                                [ctypes.c_char_p, ctypes.c_char_p, _I64, _I64], _I64),
         pooled_work=lib.function("keel_conv_pool_workspace_f32",
@@ -751,9 +753,22 @@ def holding(bound: Callable[[], object], *owners: object) -> BoundCall:
     return BoundCall(bound, keep=owners)
 
 
+# What keel_conv_pool_f32 (and its _mt form) return where the pool refused the rows it was
+# handed (gemm.c's KEEL_POOL_REFUSED): a prepared call whose pool geometry and buffer rows
+# disagree, which prepare_pooled never makes.
+_POOL_REFUSED = -2
+
+
 def checked(fn: Callable[..., int], *args: Any) -> None:
-    """Run a ``*_mt`` kernel; its -1 means a worker could not allocate its workspace."""
-    if fn(*args) != 0:
+    """Run a ``*_mt`` kernel (or a serial one that reports): its -1 means a worker could
+    not allocate its workspace; gemm.c's KEEL_POOL_REFUSED that a pooled conv's pool
+    refused its rows (ExecutionError: its output is incomplete)."""
+    rc = fn(*args)
+    if rc == _POOL_REFUSED:
+        raise ExecutionError("native conv + max pool: the pool refused the conv rows it was "
+                             "handed (its window and the prepared rows disagree); the pooled "
+                             "output is incomplete")
+    if rc != 0:
         raise MemoryError("native kernel: no memory for a worker thread's workspace")
 
 
@@ -928,9 +943,13 @@ class XCall(ABC):
     def bound(self, threads: int) -> BoundCall[Any]:
         """``run(threads)`` as a callable with no arguments (see :meth:`Call.bound`),
         keeping this call (and so its operands) and its workspace; marked ``native``: C
-        code only."""
+        code only. Where the split reads more than the threads (the planner's thread
+        costs), it is asked again when that changes, as :meth:`run` does."""
+        reads = self._split_reads()
         fn, work = self._bind(threads)
-        return BoundCall(fn, keep=(self, *work), native=True)
+        if reads is None:
+            return BoundCall(fn, keep=(self, *work), native=True)
+        return BoundCall(_Resplit(self, threads, reads, fn, work), keep=(self,), native=True)
 
     @final
     def with_x(self: _XC, x: np.ndarray) -> _XC | None:
@@ -960,17 +979,41 @@ class XCall(ABC):
             last = self._last = (key, *self._bind(threads))
         last[1]()
 
-    @staticmethod
-    def _units(mt: Callable[..., int], serial: Callable[..., None], args: bytes,
-               units: int, parts: int, floats: int
+
+class _Resplit:
+    """An :class:`XCall` bound for ``threads`` whose split reads the planner's thread
+    costs: bound again when they change (measured, refreshed, or measured only after the
+    program bound: ``thread_costs``' ``again``), so a program's step follows them as an
+    unbound run does. The split changes the speed only, never the bits."""
+
+    __slots__ = ("call", "fn", "reads", "threads", "work")
+
+    def __init__(self, call: XCall, threads: int, reads: Hashable, fn: Callable[[], Any],
+                 work: tuple[object, ...]) -> None:
+        self.call, self.threads, self.reads, self.fn, self.work = call, threads, reads, fn, work
+
+    def __call__(self) -> None:
+        reads = self.call._split_reads()
+        if reads != self.reads:
+            self.fn, self.work = self.call._bind(self.threads)
+            self.reads = reads
+        self.fn()
+
+
+def units_call(mt: Callable[..., int], serial: Callable[..., Any], args: tuple[object, ...],
+               units: int, parts: int, floats: int, *, serial_reports: bool = False
                ) -> tuple[Callable[[], Any], tuple[object, ...]]:
-        """``units`` units of the call ``args`` in ``parts`` chunks on keel's threads
-        (``mt``, each worker with its own scratch), or on this thread (``serial``) with
-        this thread's workspace of at least ``floats`` floats, returned with it."""
-        if parts > 1:
-            return functools.partial(checked, mt, args, units, parts), ()
-        work = thread_scratch(Scratch.WORK, floats)
-        return functools.partial(serial, args, int(native.address(work)), 0, units), (work,)
+    """``units`` units of the call of argument blocks ``args`` in ``parts`` chunks on
+    keel's threads (``mt``, each worker with its own scratch), or on this thread
+    (``serial``) with this thread's workspace of at least ``floats`` floats, returned with
+    it. ``serial_reports``: the serial call returns a code too (:func:`checked`)."""
+    if parts > 1:
+        return functools.partial(checked, mt, *args, units, parts), ()
+    work = thread_scratch(Scratch.WORK, floats)
+    tail = (int(native.address(work)), 0, units)
+    if serial_reports:
+        return functools.partial(checked, serial, *args, *tail), (work,)
+    return functools.partial(serial, *args, *tail), (work,)
 
 
 class BandCall(XCall):
@@ -993,8 +1036,8 @@ class BandCall(XCall):
 
     def _bind(self, threads: int) -> tuple[Callable[[], Any], tuple[object, ...]]:
         """The bands split over up to ``threads`` threads."""
-        return self._units(self.f.band_mt, self.f.band, self.args, self.units,
-                           max(1, min(threads, self.units)), self.f.work)
+        return units_call(self.f.band_mt, self.f.band, (self.args,), self.units,
+                          max(1, min(threads, self.units)), self.f.work)
 
 
 def prepare_band(x: np.ndarray, a: Packed, y: np.ndarray, kernel: tuple[int, ...],
@@ -1184,13 +1227,11 @@ class PooledCall:
     def bound(self, threads: int) -> Callable[[], Any]:
         """The call as a callable with no arguments, its units over up to ``threads``
         threads."""
-        parts = max(1, min(threads, self.units))
-        if parts > 1:
-            return holding(functools.partial(checked, self.f.pooled_mt, self.args,
-                                             self.pool_args, self.units, parts), self)
-        work = thread_scratch(Scratch.WORK, int(self.f.pooled_work(self.args, self.pool_args)))
-        return holding(functools.partial(self.f.pooled, self.args, self.pool_args,
-                                         int(native.address(work)), 0, self.units), self, work)
+        call, work = units_call(self.f.pooled_mt, self.f.pooled, (self.args, self.pool_args),
+                                self.units, max(1, min(threads, self.units)),
+                                int(self.f.pooled_work(self.args, self.pool_args)),
+                                serial_reports=True)
+        return holding(call, self, *work)
 
 
 def prepare_pooled(band: BandCall, y: np.ndarray, pool: RowPool, split: PoolSplit

@@ -1155,38 +1155,42 @@ def pool_in_conv(graph: Any, types: Mapping[str, TensorType | None],
         x = node.inputs[0]
         if producer.get(x) != conv or readers.get(x) != [i] or x in outputs:
             continue
-        geo = _poolable_conv(nodes[conv], types, grid)
+        geo = _poolable_conv(nodes[conv], types, grid, graph.initializers)
         pool = _row_pool(node, types)
         if geo is None or pool is None or geo.out_shape[2:] != pool.in_spatial:
             continue
         split = pool_in_conv_split(geo.batch, pool.out_spatial[0], threads or 1,
                                    pool.kernel[0], pool.strides[0])
         mib = math.prod(geo.out_shape) * 4 / 2**20
+        one_call = (f"{threads or 1} kernel thread(s): the backend's thread count; the conv "
+                    f"and the pool run as one call ({node.name}'s), "
+                    f"{min(threads or 1, geo.batch * split.bands)} piece(s) of images x bands "
+                    f"of pooled rows (pool_in_conv)")
         decided[i] = LayoutDecision(
             "pooled", POOL_IN_CONV_REASON.format(conv=nodes[conv].name, fill=split.fill,
                                                  step=split.step, mib=mib),
-            threads_reason=(f"{threads or 1} kernel thread(s): the backend's thread count; "
-                            f"the conv and the pool run as one call, "
-                            f"{min(threads or 1, geo.batch * split.bands)} piece(s) of "
-                            f"images x bands of pooled rows (pool_in_conv)"),
+            threads_reason=one_call,
             options=(("pool_in_conv", dataclasses.astuple(split),
                       _pooled_split_reason(split, geo.batch, threads or 1,
                                            max(0, pool.kernel[0] - pool.strides[0]))),))
-        decided[conv] = LayoutDecision(None, "", options=(
+        decided[conv] = LayoutDecision(None, "", threads_reason=one_call, options=(
             ("pooled_by", node.name, POOLED_BY_REASON.format(pool=node.name)),
             decided[i].options[0]))
     return decided
 
 
-def _poolable_conv(node: Any, types: Mapping[str, TensorType | None], grid: Grid
-                   ) -> ConvGeometry | None:
+def _poolable_conv(node: Any, types: Mapping[str, TensorType | None], grid: Grid,
+                   constants: Mapping[str, Any]) -> ConvGeometry | None:
     """A float conv's geometry where pool_in_conv serves it: 2-D, one group, no
     residual, no fused activation but ReLU or a clip (the band conv's epilogue), at most
     POOL_IN_CONV_MAX_DEPTH deep, strided and of at least BAND_FROM output pixels an image
     (a network's first layer on a large image, as the stem measured), float32, the
-    native tile known."""
+    native tile known, its filter and bias ``constants`` (the pooled call packs them
+    once: a filter made at run time, as int8 precision's dequantized one, is not
+    served)."""
     if node.op is not Op.CONV or len(node.inputs) < 2 or grid is None or (
-            len(node.inputs) > 3 and node.inputs[3]):
+            len(node.inputs) > 3 and node.inputs[3]) or any(
+            name not in constants for name in node.inputs[1:3] if name):
         return None
     act = conv_epilogue.activation(node.attrs.get("activation", ""),
                                    node.attrs.get("activation_params", ()))
@@ -3132,8 +3136,8 @@ def blocked_split(geo: ConvGeometry, threads: int) -> BlockedSplit:
 def split_reads() -> tuple[str, int]:
     """What blocked_split reads beyond a conv and its threads: this process's thread
     costs (they change where they are measured, refreshed or forgotten) and the least
-    flops a thread. A blocked call's run() binds its split again when they change; a
-    program's bound step keeps the split it was bound with."""
+    flops a thread. A blocked call binds its split again when they change, run() and a
+    program's bound step alike."""
     return thread_costs.current().token, MIN_FLOPS_PER_THREAD
 
 

@@ -2317,9 +2317,15 @@ static void pool_drop(float *buf, int64_t m, int64_t held, int64_t ow, int64_t l
     *blo = lo;
 }
 
-/* Pooled rows [r0, r1) of image t. */
-static void conv_pool_band(const keel_conv_band_args *g, const keel_conv_pool_args *p,
-                           float *work, int64_t t, int64_t r0, int64_t r1)
+/* What keel_conv_pool_f32 (and its _mt form) returns where the pool refused the rows it
+ * was handed: its geometry and the buffer's rows (kh, sh, pt, step) disagree. Python
+ * prepares them from one window (native_gemm.prepare_pooled), so it is a broken
+ * invariant, reported rather than left as unwritten output. */
+#define KEEL_POOL_REFUSED (-2)
+
+/* Pooled rows [r0, r1) of image t: 0, or KEEL_POOL_REFUSED. */
+static int64_t conv_pool_band(const keel_conv_band_args *g, const keel_conv_pool_args *p,
+                              float *work, int64_t t, int64_t r0, int64_t r1)
 {
     int64_t m = g->m, held = pool_rows_held(p);
     float *buf = work + pool_taps_floats(g, p), *scratch = buf + round_vw(m * held * g->ow);
@@ -2341,19 +2347,25 @@ static void conv_pool_band(const keel_conv_band_args *g, const keel_conv_pool_ar
                            &e);
             bhi += r;
         }
-        pool(buf, blo, held, y, FPTR(p->geometry), scratch, m, a, b);
+        if (pool(buf, blo, held, y, FPTR(p->geometry), scratch, m, a, b) != 0)
+            return KEEL_POOL_REFUSED;
     }
+    return 0;
 }
 
 /* Units [u_lo, u_hi) of images x bands (image-major; band j of an image its pooled rows
- * [j * PH / bands, (j + 1) * PH / bands)). `work`: keel_conv_pool_workspace_f32 floats. */
-void keel_conv_pool_f32(const keel_conv_band_args *g, const keel_conv_pool_args *p,
-                        float *work, int64_t u_lo, int64_t u_hi)
+ * [j * PH / bands, (j + 1) * PH / bands)). `work`: keel_conv_pool_workspace_f32 floats.
+ * 0, or KEEL_POOL_REFUSED at the first band the pool refused. */
+int64_t keel_conv_pool_f32(const keel_conv_band_args *g, const keel_conv_pool_args *p,
+                           float *work, int64_t u_lo, int64_t u_hi)
 {
     for (int64_t u = u_lo; u < u_hi; u++) {
         int64_t t = u / p->bands, j = u % p->bands;
-        conv_pool_band(g, p, work, t, j * p->ph / p->bands, (j + 1) * p->ph / p->bands);
+        int64_t rc = conv_pool_band(g, p, work, t, j * p->ph / p->bands,
+                                    (j + 1) * p->ph / p->bands);
+        if (rc != 0) return rc;
     }
+    return 0;
 }
 
 /* The arguments of keel_gemm_f32: every field 8 bytes (addresses as integers), so
@@ -2619,21 +2631,25 @@ int64_t keel_conv_band_mt_f32(const keel_conv_band_args *g, int64_t units, int64
 typedef struct {
     const keel_conv_band_args *g;
     const keel_conv_pool_args *p;
+    int64_t refused;    /* KEEL_POOL_REFUSED where a part's pool refused its rows */
 } conv_pool_job;
 
 static void conv_pool_task(void *ctx, float *scratch, int64_t lo, int64_t hi)
 {
-    const conv_pool_job *j = ctx;
-    keel_conv_pool_f32(j->g, j->p, scratch, lo, hi);
+    conv_pool_job *j = ctx;
+    if (keel_conv_pool_f32(j->g, j->p, scratch, lo, hi) != 0)
+        __atomic_store_n(&j->refused, KEEL_POOL_REFUSED, __ATOMIC_RELAXED);
 }
 
 /* keel_conv_pool_f32 over units [0, units) in `parts` chunks on keel's worker threads
- * (each with its own buffers). Returns 0, or -1 when a buffer could not be had. */
+ * (each with its own buffers). Returns 0, -1 when a buffer could not be had, or
+ * KEEL_POOL_REFUSED. */
 int64_t keel_conv_pool_mt_f32(const keel_conv_band_args *g, const keel_conv_pool_args *p,
                               int64_t units, int64_t parts)
 {
-    conv_pool_job j = {g, p};
-    return run_parts(conv_pool_task, &j, units, parts, keel_conv_pool_workspace_f32(g, p));
+    conv_pool_job j = {g, p, 0};
+    int64_t rc = run_parts(conv_pool_task, &j, units, parts, keel_conv_pool_workspace_f32(g, p));
+    return rc != 0 ? rc : j.refused;
 }
 
 /* ---- fused attention, whole heads (or blocks of their rows) per thread -----------------

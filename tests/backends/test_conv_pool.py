@@ -26,11 +26,13 @@ def _native_tier() -> None:
 
 
 def _stem(batch: int, channels: int = 3, size: int = 128, pool: dict[str, Any] | None = None,
-          second_reader: bool = False, seed: int = 0, conv: dict[str, Any] | None = None
-          ) -> bytes:
+          second_reader: bool = False, seed: int = 0, conv: dict[str, Any] | None = None,
+          overridable: tuple[str, ...] = (), width: int | None = None) -> bytes:
     """Conv (channels -> 64, 7x7 stride 2 pad 3 unless ``conv``, bias) + ReLU + MaxPool
     (3x3 stride 2 pad 1 unless ``pool``), as ResNet-18 begins, then the pool's output
-    doubled; ``second_reader``: the conv's output is a graph output too."""
+    doubled; ``second_reader``: the conv's output is a graph output too; ``overridable``:
+    initializers listed as graph inputs too (as IR-3 exports list every one); ``width``:
+    the image's width where it is not ``size``."""
     rng = np.random.default_rng(seed)
     attrs = conv or {"kernel_shape": [7, 7], "strides": [2, 2], "pads": [3, 3, 3, 3]}
     w = (rng.standard_normal((64, channels, *attrs["kernel_shape"])) * 0.1).astype(np.float32)
@@ -45,10 +47,13 @@ def _stem(batch: int, channels: int = 3, size: int = 128, pool: dict[str, Any] |
     outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
     if second_reader:
         outputs.append(helper.make_tensor_value_info("r", TensorProto.FLOAT, None))
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                            [batch, channels, size, width or size])]
+    inputs += [helper.make_tensor_value_info(name, TensorProto.FLOAT, list(value.shape))
+               for name, value in (("w", w), ("b", b)) if name in overridable]
     graph = helper.make_graph(
-        nodes, "stem", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
-                                                      [batch, channels, size, size])],
-        outputs, [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+        nodes, "stem", inputs, outputs,
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     return model.SerializeToString()
 
@@ -171,6 +176,10 @@ def test_int8_precision_on_a_float_model_neither_plans_nor_runs_the_pooled_call(
         1, pool={"kernel_shape": [3, 3], "strides": [2, 1], "pads": [1, 1, 1, 1]})),
     ("a pool of four taps across", lambda: _stem(
         1, pool={"kernel_shape": [4, 4], "strides": [2, 2]})),
+    # An initializer listed as a graph input too: the caller may feed another filter or
+    # bias, which the pooled call (packing them once) would not see.
+    ("a filter the caller may override", lambda: _stem(1, overridable=("w",))),
+    ("a bias the caller may override", lambda: _stem(1, overridable=("b",))),
 ])
 def test_the_rule_leaves_what_it_does_not_serve(why: str, onnx: Any,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1155,7 +1155,7 @@ def pool_in_conv(graph: Any, types: Mapping[str, TensorType | None],
         x = node.inputs[0]
         if producer.get(x) != conv or readers.get(x) != [i] or x in outputs:
             continue
-        geo = _poolable_conv(nodes[conv], types, grid, graph.initializers)
+        geo = _poolable_conv(nodes[conv], types, grid, graph.is_constant)
         pool = _row_pool(node, types)
         if geo is None or pool is None or geo.out_shape[2:] != pool.in_spatial:
             continue
@@ -1180,17 +1180,18 @@ def pool_in_conv(graph: Any, types: Mapping[str, TensorType | None],
 
 
 def _poolable_conv(node: Any, types: Mapping[str, TensorType | None], grid: Grid,
-                   constants: Mapping[str, Any]) -> ConvGeometry | None:
+                   constant: Callable[[str], bool]) -> ConvGeometry | None:
     """A float conv's geometry where pool_in_conv serves it: 2-D, one group, no
     residual, no fused activation but ReLU or a clip (the band conv's epilogue), at most
     POOL_IN_CONV_MAX_DEPTH deep, strided and of at least BAND_FROM output pixels an image
     (a network's first layer on a large image, as the stem measured), float32, the
-    native tile known, its filter and bias ``constants`` (the pooled call packs them
-    once: a filter made at run time, as int8 precision's dequantized one, is not
+    native tile known, its filter and bias ``constant`` (the graph's own test: the pooled
+    call packs them once, so a filter made at run time, as int8 precision's dequantized
+    one, or an initializer the caller may override, listed as a graph input too, is not
     served)."""
     if node.op is not Op.CONV or len(node.inputs) < 2 or grid is None or (
             len(node.inputs) > 3 and node.inputs[3]) or any(
-            name not in constants for name in node.inputs[1:3] if name):
+            not constant(name) for name in node.inputs[1:3] if name):
         return None
     act = conv_epilogue.activation(node.attrs.get("activation", ""),
                                    node.attrs.get("activation_params", ()))

@@ -224,10 +224,13 @@ def test_the_row_pool_refuses_rows_it_is_not_given() -> None:
     scratch = np.empty(1024, np.float32)
     args = (geo.address, scratch.ctypes.data, 2)
     # Output rows 1-2 read input rows 1-5; rows 2-7 held: refused, nothing written.
-    assert part(x[:, 2:].copy().ctypes.data, 2, 6, y.ctypes.data, *args, 1, 3) == -1
-    assert (y == -1.0).all()
+    assert part(x[:, 2:].copy().ctypes.data, 2, 6, 6, y.ctypes.data, *args, 1, 3) == -1
+    # Rows 1-4 written in a buffer of 5 rows a plane: row 5 is not there, refused.
     held = x[:, 1:6].copy()
-    assert part(held.ctypes.data, 1, 5, y.ctypes.data, *args, 1, 3) == 0
+    assert part(held.ctypes.data, 1, 4, 5, y.ctypes.data, *args, 1, 3) == -1
+    assert part(held.ctypes.data, 1, 5, 4, y.ctypes.data, *args, 1, 3) == -1  # stride < rows
+    assert (y == -1.0).all()
+    assert part(held.ctypes.data, 1, 5, 5, y.ctypes.data, *args, 1, 3) == 0
     want = np.full((2, 4, 4), -1.0, np.float32)
     for oy in (1, 2):
         for ox in range(4):
@@ -330,6 +333,39 @@ def test_a_pool_refusing_its_rows_raises(threads: int) -> None:
         call(2)()                           # the buffer holds 2-row windows: too few rows
     call(3)()                               # the window's own rows: served
     assert not (y == 7.0).any()
+
+
+def test_a_pool_reading_a_conv_row_not_computed_in_its_call_is_refused() -> None:
+    """The pool's window reads a conv row the call did not compute, though the buffer has
+    room for it (a 2-row window held where the geometry's is 3 rows, one pooled row): the
+    call is refused, where it pooled the row an earlier call left in the buffer."""
+    from keel.errors import ExecutionError
+    from keel.ops.schemas.conv import Window
+
+    rng = np.random.default_rng(4)
+    x = np.empty((1, 3, 4, 4), np.float32)
+    packed = native_gemm.pack(rng.standard_normal((16, 27)).astype(np.float32), True)
+    conv = np.empty((1, 16, 2, 2), np.float32)
+    assert packed is not None
+    band = native_gemm.prepare_band(x, packed, conv, (3, 3), (2, 2), (1, 1), (1, 1))
+    geo = native_window.plan(16, Window((2, 2), (3, 3), (2, 2), (1, 1), (1, 1), (1, 1),
+                                        (1, 1)))
+    pool = native_window.row_pool(geo) if geo is not None else None
+    assert band is not None and geo is not None and pool is not None
+
+    def run(kh: int) -> np.ndarray:
+        y = np.full((1, 16, 1, 1), 7.0, np.float32)
+        rows = native_gemm.RowPool(pool[0], geo.address, pool[1], kh, 2, 1, geo)
+        prepared = native_gemm.prepare_pooled(band, y, rows, native_gemm.PoolSplit(1, 1, 4))
+        assert prepared is not None
+        prepared.bound(1)()
+        return y
+
+    x[:] = 100.0 + rng.random(x.shape, dtype=np.float32)
+    run(3)                                  # leaves both conv rows in the buffer
+    x[:] = rng.standard_normal(x.shape).astype(np.float32) * 0.01
+    with pytest.raises(ExecutionError, match="refused the conv rows"):
+        run(2)                              # computes conv row 0 only; the window reads 1
 
 
 def _conv_output(model: Any) -> np.ndarray:

@@ -2188,8 +2188,8 @@ typedef struct {
     int64_t scratch;    /* floats of the pool's own scratch */
 } keel_conv_pool_args;
 
-typedef int64_t (*pool_part_fn)(const float *, int64_t, int64_t, float *, const int64_t *,
-                                float *, int64_t, int64_t, int64_t);
+typedef int64_t (*pool_part_fn)(const float *, int64_t, int64_t, int64_t, float *,
+                                const int64_t *, float *, int64_t, int64_t, int64_t);
 
 int64_t keel_conv_pool_args_size(void) { return (int64_t)sizeof(keel_conv_pool_args); }
 
@@ -2318,9 +2318,12 @@ static void pool_drop(float *buf, int64_t m, int64_t held, int64_t ow, int64_t l
 }
 
 /* What keel_conv_pool_f32 (and its _mt form) returns where the pool refused the rows it
- * was handed: its geometry and the buffer's rows (kh, sh, pt, step) disagree. Python
- * prepares them from one window (native_gemm.prepare_pooled), so it is a broken
- * invariant, reported rather than left as unwritten output. */
+ * was handed: a step's pooled rows, by the pool's own geometry, read a conv row outside
+ * the rows computed for them ([blo, bhi): the window's rows, row stride and top padding
+ * held here (kh, sh, pt) disagree with the geometry's), or the geometry is one the row
+ * kernel does not serve. Python prepares both from one window
+ * (native_gemm.prepare_pooled), so it is a broken invariant, reported rather than
+ * pooled from rows not computed or left as unwritten output. */
 #define KEEL_POOL_REFUSED (-2)
 
 /* Pooled rows [r0, r1) of image t: 0, or KEEL_POOL_REFUSED. */
@@ -2347,7 +2350,9 @@ static int64_t conv_pool_band(const keel_conv_band_args *g, const keel_conv_pool
                            &e);
             bhi += r;
         }
-        if (pool(buf, blo, held, y, FPTR(p->geometry), scratch, m, a, b) != 0)
+        /* The rows computed, [blo, bhi), `held` rows apart: a window reaching past them
+         * is refused, not read from a row an earlier step left in the buffer. */
+        if (pool(buf, blo, bhi - blo, held, y, FPTR(p->geometry), scratch, m, a, b) != 0)
             return KEEL_POOL_REFUSED;
     }
     return 0;

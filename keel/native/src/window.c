@@ -1395,10 +1395,10 @@ static void pool_row(const float *x, const geom *g, int64_t r0, int64_t r1, floa
 
 /* Output rows [oy_lo, oy_hi) of `planes` planes whose input rows [row0, row0 + rows) x
  * holds (plane p at x + p * rows * w; its output plane at y + p * oh * ow). */
-static void pool_planes(const float *x, int64_t row0, int64_t rows, float *y, const geom *g,
+static void pool_planes(const float *x, int64_t row0, int64_t stride, float *y, const geom *g,
                         float *scratch, int64_t planes, int64_t oy_lo, int64_t oy_hi) {
     for (int64_t p = 0; p < planes; p++) {
-        const float *xp = x + p * rows * g->w;
+        const float *xp = x + p * stride * g->w;
         float *yp = y + p * g->oh * g->ow;
         for (int64_t oy = oy_lo; oy < oy_hi; oy++) {
             int64_t r = oy * g->sh - g->pt;
@@ -1420,22 +1420,23 @@ int64_t keel_maxpool_rows_f32(const float *x, float *y, const int64_t *geometry,
 }
 
 /* Output rows [oy_lo, oy_hi) of `planes` planes from part of X: x holds rows [row0, row0
- * + rows) of every plane (plane p at x + p * rows * w), y every output row (plane p at
+ * + rows) of every plane, written ones (plane p at x + p * stride * w, stride >= rows: a
+ * buffer's capacity may exceed the rows written in it), y every output row (plane p at
  * y + p * oh * ow). For a kernel that pools a conv's rows while they are in cache
  * (gemm.c's keel_conv_pool_f32, which calls it through its address). The row loop of
  * keel_maxpool_rows_f32 (pool_planes) on the same input rows: bitwise its values. -1 for
- * a geometry it does not serve or an output row whose input rows x does not hold
- * (nothing written). */
-int64_t keel_maxpool_part_f32(const float *x, int64_t row0, int64_t rows, float *y,
-                              const int64_t *geometry, float *scratch, int64_t planes,
-                              int64_t oy_lo, int64_t oy_hi) {
+ * a geometry it does not serve or an output row reading an input row outside [row0,
+ * row0 + rows) (nothing written). */
+int64_t keel_maxpool_part_f32(const float *x, int64_t row0, int64_t rows, int64_t stride,
+                              float *y, const int64_t *geometry, float *scratch,
+                              int64_t planes, int64_t oy_lo, int64_t oy_hi) {
     geom g;
     if (geom_init(&g, geometry) != 0 || !rows_ok(&g)) return -1;
-    if (oy_lo < 0 || oy_hi > g.oh) return -1;
+    if (oy_lo < 0 || oy_hi > g.oh || rows < 0 || stride < rows) return -1;
     if (oy_lo < oy_hi && (max64(oy_lo * g.sh - g.pt, 0) < row0
                           || min64((oy_hi - 1) * g.sh - g.pt + g.kh, g.h) > row0 + rows))
         return -1;
-    pool_planes(x, row0, rows, y, &g, scratch, planes, oy_lo, oy_hi);
+    pool_planes(x, row0, stride, y, &g, scratch, planes, oy_lo, oy_hi);
     return 0;
 }
 

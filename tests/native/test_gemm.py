@@ -6,6 +6,7 @@ float64 NumPy, the reference backend and onnxruntime."""
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import mmap
 from collections.abc import Callable, Iterator
@@ -764,6 +765,19 @@ def test_a_mismatched_argument_struct_fails_at_load() -> None:
         ng.check_layout("keel_gemm_args", ng._ARGS, ng._C_FIELD, "C", 224, 104)
     with pytest.raises(ng.ArgsLayoutError, match=r"C's address at byte 112.*at byte 104"):
         ng.check_layout("keel_gemm_args", ng._ARGS, ng._C_FIELD, "C", 216, 112)
+
+
+def test_the_pool_s_refusal_code_is_checked_against_gemm_c_at_load(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """native_gemm's _POOL_REFUSED is gemm.c's KEEL_POOL_REFUSED (its getter's value);
+    another value fails the load."""
+    lib = native.library("gemm")
+    assert lib is not None
+    assert lib.function("keel_conv_pool_refused", [], ctypes.c_int64)() == ng._POOL_REFUSED
+    ng._load(lib)
+    monkeypatch.setattr(ng, "_POOL_REFUSED", ng._POOL_REFUSED - 1)
+    with pytest.raises(ng.ArgsLayoutError, match="KEEL_POOL_REFUSED is -2"):
+        ng._load(lib)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -141,7 +141,7 @@ class _Functions:
     band_mt: Callable[..., int]
     band_rows: Callable[..., int]
     band_work: Callable[..., int]
-    pooled: Callable[..., None]      # keel_conv_pool_f32 and its helpers (prepare_pooled)
+    pooled: Callable[..., int]       # keel_conv_pool_f32 and its helpers (prepare_pooled)
     pooled_mt: Callable[..., int]
     pooled_work: Callable[..., int]
     mr: int          # rows of a micro-tile (the panel width of a left operand)
@@ -180,6 +180,10 @@ def _load(lib: native.NativeLibrary) -> _Functions:
     if size("keel_conv_pool_args_size") != _POOL_ARGS.size:
         raise ArgsLayoutError(f"keel_conv_pool_args is {size('keel_conv_pool_args_size')} "
                               f"bytes in gemm.c, {_POOL_ARGS.size} here: change both together")
+    if size("keel_conv_pool_refused") != _POOL_REFUSED:
+        raise ArgsLayoutError(f"gemm.c's KEEL_POOL_REFUSED is {size('keel_conv_pool_refused')}"
+                              f", native_gemm's _POOL_REFUSED {_POOL_REFUSED}: change both "
+                              "together")
     taps_from = size("keel_gemm_rows_first_taps_f32")
     if taps_from != planner_rules().ROWS_FIRST_TAPS_FROM:
         raise ArgsLayoutError(
@@ -754,8 +758,8 @@ def holding(bound: Callable[[], object], *owners: object) -> BoundCall:
 
 
 # What keel_conv_pool_f32 (and its _mt form) return where the pool refused the rows it was
-# handed (gemm.c's KEEL_POOL_REFUSED): a prepared call whose pool geometry and buffer rows
-# disagree, which prepare_pooled never makes.
+# handed (gemm.c's KEEL_POOL_REFUSED, checked at load): a prepared call whose pool window
+# reads conv rows the call did not compute, which prepare_pooled never makes.
 _POOL_REFUSED = -2
 
 
@@ -766,8 +770,8 @@ def checked(fn: Callable[..., int], *args: Any) -> None:
     rc = fn(*args)
     if rc == _POOL_REFUSED:
         raise ExecutionError("native conv + max pool: the pool refused the conv rows it was "
-                             "handed (its window and the prepared rows disagree); the pooled "
-                             "output is incomplete")
+                             "handed (its window reads conv rows the call did not compute); the "
+                             "pooled output is incomplete")
     if rc != 0:
         raise MemoryError("native kernel: no memory for a worker thread's workspace")
 

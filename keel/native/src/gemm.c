@@ -2326,6 +2326,9 @@ static void pool_drop(float *buf, int64_t m, int64_t held, int64_t ow, int64_t l
  * pooled from rows not computed or left as unwritten output. */
 #define KEEL_POOL_REFUSED (-2)
 
+/* KEEL_POOL_REFUSED, for native_gemm to check its own copy against at load. */
+int64_t keel_conv_pool_refused(void) { return KEEL_POOL_REFUSED; }
+
 /* Pooled rows [r0, r1) of image t: 0, or KEEL_POOL_REFUSED. */
 static int64_t conv_pool_band(const keel_conv_band_args *g, const keel_conv_pool_args *p,
                               float *work, int64_t t, int64_t r0, int64_t r1)

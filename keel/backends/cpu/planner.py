@@ -1234,7 +1234,8 @@ def pool_in_conv_split(batch: int, pooled_rows: int, threads: int, window_rows: 
     a pooled row); POOL_IN_CONV_STEP pooled rows a step; conv rows a phase image: all
     that a step's pool windows read (derived: one phase image a step, so its extra rows,
     the taps' reach below a step's last conv row, are copied once a step; 4, 8 and all
-    17 of ResNet-18's stem measured alike, gemm.c)."""
+    17 of ResNet-18's stem measured alike, docs/performance.md "ResNet-18's stem pooled
+    in cache")."""
     bands = max(1, min(pooled_rows, threads // math.gcd(max(batch, 1), threads)))
     return native_gemm.PoolSplit(bands, POOL_IN_CONV_STEP,
                                  (POOL_IN_CONV_STEP - 1) * window_stride + window_rows)

@@ -2270,8 +2270,8 @@ static void gather_fill(const keel_conv_band_args *g, const float *x, int64_t oy
 
 /* Conv rows [oy0, oy0 + rows) into y (output channel i's rows at y + i * ldy) from taps
  * gathered out of their phase image: a column panel inside one output row reads its
- * taps in place through the row table, one across two rows is packed (pack_gathered)
- * first. The same tiles over the same A and the same values of B as band_tiles: the
+ * taps in place through the row table, one across output rows (up to NR of them, where
+ * a row is one column wide) is packed (pack_gathered) first. The same tiles over the same A and the same values of B as band_tiles: the
  * same bits. */
 static void pool_conv_rows(const keel_conv_band_args *g, const keel_conv_pool_args *p,
                            const float *x, int64_t oy0, int64_t rows, float *work,

@@ -126,6 +126,60 @@ def test_other_conv_geometries_give_the_unfused_bits(conv: dict[str, Any],
         assert np.array_equal(_bits(got), _bits(want)), (conv, threads)
 
 
+_POOL3 = {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}
+
+
+def _shaped_stem(batch: int, channels: int, m: int, h: int, w: int, conv: dict[str, Any],
+                 seed: int = 0) -> bytes:
+    """A conv (channels -> m, ``conv``'s attributes, bias) + ReLU + a 3x3 stride-2 max
+    pool + the pool's output doubled, on an h x w image."""
+    rng = np.random.default_rng(seed)
+    filters = (rng.standard_normal((m, channels, *conv["kernel_shape"])) * 0.1)
+    bias = rng.standard_normal(m)
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], **conv),
+             helper.make_node("Relu", ["c"], ["r"]),
+             helper.make_node("MaxPool", ["r"], ["p"], **_POOL3),
+             helper.make_node("Add", ["p", "p"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "stem", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                      [batch, channels, h, w])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(filters.astype(np.float32), "w"),
+         numpy_helper.from_array(bias.astype(np.float32), "b")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]
+                             ).SerializeToString()
+
+
+_K3 = {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}
+_K7 = {"kernel_shape": [7, 7], "strides": [2, 2], "pads": [3, 3, 3, 3]}
+
+
+@pytest.mark.parametrize(("why", "shape", "conv"), [
+    # 12 conv columns a row: a 32-column panel spans three output rows (packed).
+    ("a panel across more than two rows", (1, 3, 64, 1000, 23), _K7),
+    ("a conv one column wide (pack_pairs' pairs)", (1, 3, 8, 18000, 2), _K3),
+    ("a conv of row stride 1", (1, 1, 9, 240, 131),
+     {"kernel_shape": [7, 7], "strides": [1, 2], "pads": [3, 3, 3, 3], "dilations": [3, 1]}),
+    ("13 output channels (not a multiple of the tile's 8 rows)", (3, 3, 13, 451, 37), _K3),
+    ("one output channel", (1, 3, 1, 200, 200), _K7),
+    ("two conv columns a row", (1, 2, 20, 8400, 3), _K3),
+])
+def test_narrow_and_odd_convs_give_the_unfused_bits(
+        why: str, shape: tuple[int, int, int, int, int], conv: dict[str, Any],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    batch, channels, m, h, w = shape
+    onnx = _shaped_stem(batch, channels, m, h, w, conv)
+    x = np.random.default_rng(5).standard_normal((batch, channels, h, w)).astype(np.float32)
+    want = _bits(_load(onnx, 1, False, monkeypatch).predict({"x": x})["y"])
+    for threads in (1, 2, 3, 16):
+        model = _load(onnx, threads, True, monkeypatch)
+        for _ in range(2):
+            got = model.predict({"x": x})["y"]
+        steps = _pool_steps(model)
+        assert len(steps) == 1 and steps[0].fused is not None, (why, threads)
+        assert np.array_equal(_bits(got), want), (why, threads)
+
+
 def test_explain_states_the_fusion_and_its_split(monkeypatch: pytest.MonkeyPatch) -> None:
     model = _load(_stem(1), 16, True, monkeypatch)
     model.predict({"x": np.zeros((1, 3, 128, 128), np.float32)})

@@ -230,6 +230,47 @@ def test_cpu_backend_caps_blas_threads_only_while_running() -> None:
     assert after == before == for_ufunc
 
 
+def test_a_thread_pool_imported_after_the_first_cap_is_capped(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module imported after keel first capped the pools, loading a library with an
+    OpenMP pool as it imports (as torch loads libgomp): the next run caps that pool too
+    and restores it after. The library is a copy of the system's libgomp under a new
+    name, so it is loaded anew, whatever this process loaded before."""
+    import ctypes.util
+    import importlib
+    import shutil
+    from pathlib import Path
+
+    from threadpoolctl import threadpool_info
+
+    name = ctypes.util.find_library("gomp")
+    places = ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64", "/usr/lib64",
+              "/usr/lib")
+    system = next((Path(p, name) for p in places if name and Path(p, name).exists()), None)
+    if system is None:
+        pytest.skip("no system libgomp to load")
+    copy = tmp_path / "libgomp-keel-test.so.1"
+    shutil.copy(system, copy)
+    cpu = CpuBackend(threads=1)
+    with cpu.execution_scope():
+        pass                                    # keel's first cap in this test, at least
+    (tmp_path / "keel_test_loads_gomp.py").write_text(
+        f"import ctypes\nLIB = ctypes.CDLL({str(copy)!r}, ctypes.RTLD_GLOBAL)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.import_module("keel_test_loads_gomp")
+
+    def threads() -> int:
+        (n,) = [lib["num_threads"] for lib in threadpool_info()
+                if lib["filepath"] == str(copy)]
+        return int(n)
+
+    before = threads()
+    cap = CpuBackend(threads=before + 1)
+    with cap.execution_scope():
+        inside = threads()
+    assert (inside, threads()) == (before + 1, before)
+
+
 def test_keel_threads_setting_is_the_cpu_default(monkeypatch: pytest.MonkeyPatch) -> None:
     from keel import config
 

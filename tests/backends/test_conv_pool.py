@@ -17,6 +17,7 @@ from keel import native
 from keel.backends.cpu import conv_pool, native_gemm, native_window
 from keel.backends.cpu import planner as cpu_planner
 from keel.execution.model import load_model
+from keel.ops.registry import Op
 
 
 @pytest.fixture(autouse=True)
@@ -178,6 +179,34 @@ def test_narrow_and_odd_convs_give_the_unfused_bits(
         steps = _pool_steps(model)
         assert len(steps) == 1 and steps[0].fused is not None, (why, threads)
         assert np.array_equal(_bits(got), want), (why, threads)
+
+
+def test_a_wide_image_s_phase_image_is_capped_to_the_l2_and_exact(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An image wide enough that a step's 17 conv rows' phase image and the rows held
+    outgrow the L2 the plan is sized for: fewer rows a phase image, explain() says so,
+    and the bits are the unfused plan's. ResNet-18's stem keeps all 17."""
+    l2 = cpu_planner.caches().l2
+    # 8 channels x 17 rows x ow held, 48 bytes a phase column of 3 channels x 4 phases.
+    ow = l2 // (8 * 17 * 4 + 48 * 20) + 64
+    onnx = _shaped_stem(1, 3, 8, 72, 2 * ow, _K7)
+    x = np.random.default_rng(6).standard_normal((1, 3, 72, 2 * ow)).astype(np.float32)
+    want = _bits(_load(onnx, 1, False, monkeypatch).predict({"x": x})["y"])
+    for threads in (1, 2):
+        model = _load(onnx, threads, True, monkeypatch)
+        for _ in range(2):
+            got = model.predict({"x": x})["y"]
+        text = str(model.explain())
+        fills = {int(s.split("pool_in_conv: [")[1].split("]")[0].split(",")[2])
+                 for s in text.splitlines() if "pool_in_conv: [" in s}
+        (fill,) = fills                     # the conv's line and the pool's agree
+        assert 1 <= fill < 17 and f"a phase image of {fill} of a step's 17 conv rows" in text
+        assert f"the {l2 >> 10} KiB L2" in text
+        assert _pool_steps(model)[0].fused is not None
+        assert np.array_equal(_bits(got), want), threads
+    stem = cpu_planner.conv_geometry(Op.CONV, [1, 3, 224, 224], [64, 3, 7, 7], _K7)
+    for size in (1 << 20, l2):
+        assert cpu_planner.pool_fill(stem, 17, size) == 17
 
 
 def test_explain_states_the_fusion_and_its_split(monkeypatch: pytest.MonkeyPatch) -> None:

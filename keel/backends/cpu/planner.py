@@ -1159,8 +1159,9 @@ def pool_in_conv(graph: Any, types: Mapping[str, TensorType | None],
         pool = _row_pool(node, types)
         if geo is None or pool is None or geo.out_shape[2:] != pool.in_spatial:
             continue
+        l2 = caches(profile).l2
         split = pool_in_conv_split(geo.batch, pool.out_spatial[0], threads or 1,
-                                   pool.kernel[0], pool.strides[0])
+                                   pool.kernel[0], pool.strides[0], conv=geo, l2=l2)
         mib = math.prod(geo.out_shape) * 4 / 2**20
         one_call = (f"{threads or 1} kernel thread(s): the backend's thread count; the conv "
                     f"and the pool run as one call ({node.name}'s), "
@@ -1172,7 +1173,9 @@ def pool_in_conv(graph: Any, types: Mapping[str, TensorType | None],
             threads_reason=one_call,
             options=(("pool_in_conv", dataclasses.astuple(split),
                       _pooled_split_reason(split, geo.batch, threads or 1,
-                                           max(0, pool.kernel[0] - pool.strides[0]))),))
+                                           max(0, pool.kernel[0] - pool.strides[0]))
+                      + _pool_fill_reason(split, geo, pool.kernel[0], pool.strides[0],
+                                          l2)),))
         decided[conv] = LayoutDecision(None, "", threads_reason=one_call, options=(
             ("pooled_by", node.name, POOLED_BY_REASON.format(pool=node.name)),
             decided[i].options[0]))
@@ -1228,17 +1231,48 @@ def _row_pool(node: Any, types: Mapping[str, TensorType | None]) -> Any:
 
 
 def pool_in_conv_split(batch: int, pooled_rows: int, threads: int, window_rows: int,
-                       window_stride: int) -> native_gemm.PoolSplit:
+                       window_stride: int, conv: ConvGeometry | None = None,
+                       l2: int | None = None) -> native_gemm.PoolSplit:
     """How pool_in_conv's call runs: bands of pooled rows an image, so that images x
     bands divide evenly over the threads (threads / gcd(batch, threads), at most a band
     a pooled row); POOL_IN_CONV_STEP pooled rows a step; conv rows a phase image: all
     that a step's pool windows read (derived: one phase image a step, so its extra rows,
     the taps' reach below a step's last conv row, are copied once a step; 4, 8 and all
     17 of ResNet-18's stem measured alike, docs/performance.md "ResNet-18's stem pooled
-    in cache")."""
+    in cache"), fewer where ``conv``'s phase image of that many rows would not fit an
+    ``l2``-byte L2 beside the conv rows held (:func:`pool_fill`)."""
     bands = max(1, min(pooled_rows, threads // math.gcd(max(batch, 1), threads)))
-    return native_gemm.PoolSplit(bands, POOL_IN_CONV_STEP,
-                                 (POOL_IN_CONV_STEP - 1) * window_stride + window_rows)
+    rows = (POOL_IN_CONV_STEP - 1) * window_stride + window_rows
+    fill = rows if conv is None or l2 is None else pool_fill(conv, rows, l2)
+    return native_gemm.PoolSplit(bands, POOL_IN_CONV_STEP, fill)
+
+
+def pool_fill(conv: ConvGeometry, rows: int, l2: int) -> int:
+    """Conv rows a phase image of pool_in_conv's call: ``rows`` (a step's, the rows the
+    thread's buffer holds), fewer where the phase image of that many rows and that
+    buffer would outgrow the ``l2`` bytes of L2 the plan is sized for, at least one
+    (derived: a step's tiles read the phase image and write the buffer over and over;
+    an image too wide for both in L2 streams them. gemm.c's gather_floats: every phase
+    and input channel, the rows and the taps' reach below them, ow plus the taps' reach
+    across). ResNet-18's stem keeps all 17: 476 KiB of rows and 108 KiB of image."""
+    win = conv.window
+    (sh, sw), (kh, kw), (dh, dw) = win.strides, win.kernel, win.dilations
+    ow = win.out_spatial[1]
+    reach = (kh - 1) * dh // sh
+    row_bytes = sh * sw * conv.in_channels * (ow + (kw - 1) * dw // sw) * 4
+    room = l2 - conv.out_channels * rows * ow * 4
+    return max(1, min(rows, room // row_bytes - reach))
+
+
+def _pool_fill_reason(split: native_gemm.PoolSplit, conv: ConvGeometry, window_rows: int,
+                      window_stride: int, l2: int) -> str:
+    """The fill's clause of pool_in_conv's reason where pool_fill capped it."""
+    rows = (split.step - 1) * window_stride + window_rows
+    if split.fill >= rows:
+        return ""
+    return (f"; a phase image of {split.fill} of a step's {rows} conv rows: more, beside "
+            f"the conv rows held, would outgrow the {l2 >> 10} KiB L2 the plan is sized for "
+            "(derived, planner.pool_fill)")
 
 
 def _pooled_split_reason(split: native_gemm.PoolSplit, batch: int, threads: int,

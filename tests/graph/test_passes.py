@@ -458,7 +458,7 @@ def test_fuse_residual_moves_the_skip_into_conv() -> None:
     assert out.nodes[1].inputs == ["r", "w", "", "x"] and out.nodes[1].outputs == ["y"]
 
 
-def _downsample_block() -> onnx.ModelProto:
+def _downsample_block(batch: int | str = "N") -> onnx.ModelProto:
     """A ResNet downsampling block as exported: conv1 -> relu -> conv2, then the 1x1
     stride-2 shortcut, both added."""
     r = rng(4)
@@ -471,7 +471,7 @@ def _downsample_block() -> onnx.ModelProto:
              helper.make_node("Conv", ["h", "w2"], ["c2"], pads=[1, 1, 1, 1]),
              helper.make_node("Conv", ["r", "ws"], ["s"], strides=[2, 2]),
              helper.make_node("Add", ["c2", "s"], ["y"])]
-    return model(nodes, [vi("x", ["N", 2, 8, 8])], [vi("y", ["N", 4, 4, 4])],
+    return model(nodes, [vi("x", [batch, 2, 8, 8])], [vi("y", [batch, 4, 4, 4])],
                  [init("w1", w(4, 2, 3, 3)), init("w2", w(4, 4, 3, 3)),
                   init("ws", w(4, 2, 1, 1))])
 
@@ -503,6 +503,12 @@ def test_explain_says_why_a_node_moved() -> None:
     assert "can find it still in cache" in lines[0]
     assert "after Relu_2, the end of Conv_1" in lines[0]
     assert "0 KiB" not in lines[0] and "for any value of the symbolic dimensions" in lines[0]
+
+
+def test_a_move_names_the_whole_size_of_a_fixed_shape() -> None:
+    _, out = apply(P.order_shared_reads, _downsample_block(batch=2))
+    note = out.metadata["keel.node_order"]
+    assert "both read r (1.0 KiB)" in note and "an image" not in note
 
 
 def _batch_grown_peak() -> onnx.ModelProto:

@@ -14,7 +14,7 @@ cost). It lands after the earlier reader's chain of sole consumers (its activati
 bias, fused into it later), so that reader keeps its place once fused.
 
 Memory: the passes run before the batch is known, so a tensor's size is a sum of
-products of symbolic dimensions (``N × 196 KiB``), and a move is taken only when no
+products of symbolic dimensions (``N × 196.0 KiB``), and a move is taken only when no
 node's step holds more live bytes than it did, for every value of those dimensions.
 Moving node ``n`` from position ``i`` to ``t`` changes what is live only at the steps
 between: each node ``m`` there now also holds ``n``'s outputs, and no longer holds the
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from keel.config import format_bytes
 from keel.errors import KeelError
 from keel.graph.ir import Graph, Node
 from keel.graph.shape_inference import infer_graph_types
@@ -103,17 +104,10 @@ def _within(a: Size, b: Size) -> bool:
 
 
 def _text(s: Size | None) -> str:
-    """A size as read: ``3.1 MiB``, ``N × 196 KiB``."""
+    """A size as read: ``3.1 MiB``, ``N × 196.0 KiB``."""
     if not s:
         return "size unknown"
-    return " + ".join(" × ".join([*k, _bytes_text(v)]) for k, v in sorted(s.items()))
-
-
-def _bytes_text(n: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            return f"{n / (1 << shift):.3g} {unit}"
-    return f"{n} B"
+    return " + ".join(" × ".join([*k, format_bytes(v)]) for k, v in sorted(s.items()))
 
 
 class _Links:

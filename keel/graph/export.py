@@ -81,7 +81,9 @@ def to_onnx(graph: Graph, *, custom_domain: bool = False) -> Any:
         opsets.append(onnx.helper.make_opsetid(KEEL_DOMAIN, 1))
     model = onnx.helper.make_model(g, opset_imports=opsets, producer_name="keel",
                                    ir_version=EXPORT_IR_VERSION)
-    meta = {k: v for k, v in graph.metadata.items() if not k.startswith("onnx.")}
+    # keel.node_order records what this load's passes moved; a reload makes its own.
+    meta = {k: v for k, v in graph.metadata.items()
+            if not k.startswith("onnx.") and k != "keel.node_order"}
     if w.used_keel_domain:
         meta["keel.custom_domain"] = KEEL_DOMAIN
     onnx.helper.set_model_props(model, meta)

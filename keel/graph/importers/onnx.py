@@ -398,10 +398,12 @@ class _Importer:
             meta["onnx.graph_name"] = str(self.g.name)
         if self.g.doc_string:
             meta["onnx.graph_doc_string"] = str(self.g.doc_string)
-        for prop in m.metadata_props:
-            meta[str(prop.key)] = str(prop.value)
+        # keel.node_order records what one load's passes moved, never this load's.
+        props = {str(p.key): str(p.value) for p in m.metadata_props
+                 if str(p.key) != "keel.node_order"}
+        meta.update(props)
         # Which entries are the model's own metadata_props (onnxruntime's custom_metadata_map).
-        meta["onnx.metadata_props"] = json.dumps([str(p.key) for p in m.metadata_props])
+        meta["onnx.metadata_props"] = json.dumps(list(props))
         return meta
 
 

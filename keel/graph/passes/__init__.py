@@ -43,7 +43,7 @@ from keel.graph.passes.fuse_matmul_add import fuse_matmul_add
 from keel.graph.passes.fuse_qdq import fuse_qdq
 from keel.graph.passes.fuse_residual import fuse_residual
 from keel.graph.passes.fuse_skip_layer_norm import fuse_skip_layer_norm
-from keel.graph.passes.order_shared_reads import order_shared_reads
+from keel.graph.passes.order_shared_reads import ORDER_KEY, order_shared_reads
 from keel.graph.passes.remove_identity import remove_identity
 from keel.ops.registry import Op
 
@@ -156,6 +156,11 @@ def optimize_with_report(graph: Graph, level: str = "all") -> OptimizeReport:
     """Like :func:`optimize`, also recording what each pass did."""
     report = OptimizeReport(graph, level)
     current = graph
+    if level != "none" and ORDER_KEY in graph.metadata:
+        # The record of moved nodes speaks of this optimization only: a graph optimized
+        # before (and saved with its record) starts afresh.
+        current = graph.copy()
+        del current.metadata[ORDER_KEY]
     version = 0                         # bumped by every change to the graph
     clean: dict[str, int] = {}          # pass -> version it last ran on and left alone
     for stage in passes_for(level):
@@ -187,7 +192,9 @@ def optimize_with_report(graph: Graph, level: str = "all") -> OptimizeReport:
 def _optimize_subgraphs(graph: Graph, level: str) -> Graph:
     """``graph`` with each subgraph optimized at ``level`` as the graph it runs as: its
     formal inputs as declared, its captures as inputs typed as the enclosing graph
-    types them (a subgraph with a capture of unknown type is left as it is)."""
+    types them (a subgraph with a capture of unknown type is left as it is). Nodes a
+    body's passes moved are recorded in ``graph``'s ``keel.node_order``, each line
+    naming the body."""
     from keel.errors import KeelError
     from keel.graph.shape_inference import propagate
     from keel.graph.subgraphs import captured_inputs, captures, executable, subgraphs
@@ -199,6 +206,7 @@ def _optimize_subgraphs(graph: Graph, level: str) -> Graph:
     except KeelError:
         return graph
     g = graph.copy()
+    moves: list[str] = []
     for node in g.nodes:
         names = captures(node)
         cap_types = [types.get(i) for i in captured_inputs(node)]
@@ -206,9 +214,13 @@ def _optimize_subgraphs(graph: Graph, level: str) -> Graph:
             continue
         for attr, body in subgraphs(node):
             better = optimize(executable(body, names, cap_types), level)
+            moves.extend(f"in {node.name}'s {attr}: {line}"
+                         for line in better.metadata.get(ORDER_KEY, "").splitlines())
             node.attrs[attr] = Graph(body.name, better.nodes, list(body.inputs),
                                      better.outputs, better.initializers,
                                      better.value_types, body.opset, body.metadata)
+    if moves:
+        g.metadata[ORDER_KEY] = "\n".join([*g.metadata.get(ORDER_KEY, "").splitlines(), *moves])
     return g
 
 

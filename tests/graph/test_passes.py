@@ -600,18 +600,15 @@ def _repeated_blocks(count: int) -> onnx.ModelProto:
                  [init("w", np.ones((8, 8), np.float32))])
 
 
-def test_order_shared_reads_grows_linearly_with_the_graph() -> None:
-    # 3,600 nodes, 600 moves: 0.12 s here; the pass that rebuilt its links and both
-    # peaks for each candidate took 13.9 s. The bound leaves a wide margin for a loaded
-    # machine and still fails the quadratic pass.
-    import time
-
+def test_order_shared_reads_moves_every_block_of_a_long_graph() -> None:
+    # 3,600 nodes, 600 moves: each move updates the positions it shifts, and the later
+    # blocks' checks see the earlier blocks' moves (speed: docs/graph.md, not a test).
     g = import_onnx(_repeated_blocks(600))
-    start = time.perf_counter()
     out = P.order_shared_reads(g)
-    seconds = time.perf_counter() - start
     assert out.metadata["keel.node_order"].count("\n") == 599
-    assert seconds < 3.0, seconds
+    order = [n.outputs[0] for n in out.nodes]
+    for k in (0, 299, 599):
+        assert order.index(f"s{k}") == order.index(f"b{k}") + 1
 
 
 def test_the_record_of_moves_is_this_loads_only() -> None:

@@ -220,28 +220,29 @@ def test_lanes_tiles_give_the_bits_of_the_panels(shape: tuple[int, int, int]) ->
 
 @pytest.mark.parametrize("shape", [(200, 150, 49), (40, 70, 13), (96, 576, 196),
                                    (33, 5, 7), (1280, 320, 49), (24, 100, 30)])
-def test_lanes_tiles_give_the_same_bits_with_a_in_16_row_panels(
+def test_lanes_tiles_give_the_same_bits_with_a_in_16_row_panels_only(
         shape: tuple[int, int, int]) -> None:
-    """Lanes tiles reading A from its 16-row copy (the planner's lanes_a16) compute each
-    element as they do from the 8-row panels, on every grid and division of the rows
-    (a range starting inside a pair of panels reads the 8-row ones), with an odd count of
-    row panels (the last pair half zeros) and a partial last block of rows."""
+    """Lanes tiles reading A packed in 16-row panels only (pack_a16, the planner's
+    lanes_a16) compute each element as they do from 8-row panels, on every grid and
+    division of the rows (a range starting inside a pair of panels reads its halves),
+    with an odd count of row panels (the last pair half zeros) and a partial last block
+    of rows; a call the 16-row panels do not serve reads 8-row ones made from them."""
     if ng.geometry() != (8, 32):
         pytest.skip("lanes tiles are built only with AVX-512 8 x 32 tiles; this build's "
                     f"tile is {ng.geometry()}")
     m, k, n = shape
     w, x, bias, r = _f(m, k), _f(k, n), _f(m), _f(m, n)
     c = np.empty((m, n), np.float32)
-    wp = ng.pack(w, left=True)
-    assert wp is not None
-    call = ng.prepare(wp, x, c, bias=bias, bias_rows=True, residual=r, clip=(-3.0, 3.0),
-                      lanes=True)
-    assert call is not None
-    wide = ng._lanes_a16(wp)
-    field = ng._FLAGS_FIELD + 1                 # where the 16-row copy's address sits
-    calls = [ng.Call(call.f, (*call.values[:field], a16, *call.values[field + 1:]),
-                     1, m, n, k, (*call.keep, wide), call.c_layout)
-             for a16 in (native.address(wide), 0)]
+    eight, wide = ng.pack(w, left=True), ng.pack_a16(w)
+    assert eight is not None and wide is not None
+    assert wide.width == 16 and wide.nbytes == 4 * -(-m // 16) * 16 * k
+    calls = [ng.prepare(a, x, c, bias=bias, bias_rows=True, residual=r, clip=(-3.0, 3.0),
+                        lanes=lanes) for a, lanes in ((wide, True), (eight, True),
+                                                       (wide, False))]
+    assert all(call is not None for call in calls)
+    field = ng._FLAGS_FIELD + 1                 # where the 16-row panels' address sits
+    assert calls[0].values[field] == calls[0].values[ng._A_FIELD] == wide.address
+    assert calls[2].values[field] == 0 and calls[2].values[ng._A_FIELD] != wide.address
     want = np.clip(w @ x + bias[:, None] + r, -3, 3)
     mp = -(-m // 8)
     results = []
@@ -257,11 +258,13 @@ def test_lanes_tiles_give_the_same_bits_with_a_in_16_row_panels(
     np.testing.assert_allclose(results[0], want, rtol=2e-4, atol=2e-4)
     for got in results[1:]:
         np.testing.assert_array_equal(got, results[0])
-    # The kernel reads the copy: a zeroed one leaves only the epilogue's terms.
-    zeros = np.zeros_like(wide)
+    # The kernel reads the 16-row panels: zeroed ones leave only the epilogue's terms.
+    zeros = np.zeros_like(wide.data)
+    values = list(calls[0].values)
+    values[ng._A_FIELD] = values[field] = native.address(zeros)
     c[...] = np.nan
-    ng.Call(call.f, (*call.values[:field], native.address(zeros), *call.values[field + 1:]),
-            1, m, n, k, (*call.keep, zeros), call.c_layout).run(1)
+    ng.Call(calls[0].f, tuple(values), 1, m, n, k, (*calls[0].keep, zeros),
+            calls[0].c_layout).run(1)
     np.testing.assert_array_equal(c, np.clip(bias[:, None] + r, -3, 3))
 
 

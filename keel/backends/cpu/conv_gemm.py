@@ -861,18 +861,28 @@ def layout_filters(xp: Any, layout: NativeLayout, packed: Any, w: Any, b: Any) -
         return workspace.form(xp, packed, ("blocked",), (w, b), lambda xp_, a: (
             native_blocked.pack_filters(a[0]),
             None if a[1] is None else np.ascontiguousarray(a[1], dtype=np.float32)))
-    return workspace.form(xp, packed, ("native", geo.group), (w, b),
-                          lambda xp_, a: native_filters(xp_, geo, a[0], a[1]))
+    a16 = layout_a16(layout)
+    return workspace.form(xp, packed, ("native", geo.group, a16), (w, b),
+                          lambda xp_, a: native_filters(xp_, geo, a[0], a[1], a16))
 
 
-def native_filters(xp: Any, geo: ConvGeometry, w: Any, b: Any) -> Any:
-    """Per group: W (Mg, Cg * taps) packed as the left operand, and its bias (or None)."""
+def layout_a16(layout: NativeLayout) -> bool:
+    """Whether ``layout``'s filters are packed in 16-row panels only: its products run
+    wholly in lanes tiles as planned (the direct form's lanes_tiles) and the planner's
+    lanes_a16 reads A that way on this machine. One packing is held either way."""
+    return (layout.direct and layout.lanes is True
+            and native_gemm.planner_rules().lanes_a16())
+
+
+def native_filters(xp: Any, geo: ConvGeometry, w: Any, b: Any, a16: bool = False) -> Any:
+    """Per group: W (Mg, Cg * taps) packed as the left operand (in 16-row panels only
+    where ``a16``: :func:`layout_a16`), and its bias (or None)."""
     g = geo.group
     mg = geo.out_channels // g
     w3 = w.reshape(g, mg, -1).astype(np.float32, copy=False)
     bias = None if b is None else np.ascontiguousarray(b.reshape(g, mg), dtype=np.float32)
-    return tuple((native_gemm.pack(w3[i], left=True), None if bias is None else bias[i])
-                 for i in range(g))
+    return tuple((native_gemm.pack_a16(w3[i]) if a16 else native_gemm.pack(w3[i], left=True),
+                  None if bias is None else bias[i]) for i in range(g))
 
 
 # How many sets of prepared calls a node keeps for each form: a memo's size, not a choice

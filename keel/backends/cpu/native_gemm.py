@@ -59,10 +59,11 @@ conv's plan decides it for the vendor planned for (``gemm_lanes``). The lanes ti
 a packed A only (a conv's weights): a MatMul's or Gemm's A is an activation, so their
 products never run in them, whatever the vendor. A product in column panels whose last
 panel holds a few columns (196 = 6 x 32 + 4) runs that panel alone in lanes tiles where
-the planner's ``lanes_tail`` says so. Where a product runs wholly in lanes tiles, its
-packed A is also laid out in 16-row panels when the call is prepared (the planner's
+the planner's ``lanes_tail`` says so. Where a conv's products run wholly in lanes tiles,
+its filters are packed in 16-row panels only (:func:`pack_a16`, the planner's
 ``lanes_a16``, on Intel's cores: one load a vector instead of joining two 8-row panels
-with an insert that takes an FMA unit's port). All of these give the same bits.
+with an insert that takes an FMA unit's port); a call such a pack does not serve gets
+its 8-row panels, made once. All of these give the same bits.
 
 With its Python side (a prepared call reused per node, ~1 us) the cpu MatMul /
 Gemm kernels with bias and ReLU take, in ms: 32x784x512 0.248 (NumPy + OpenBLAS
@@ -150,6 +151,7 @@ class _Functions:
     work: int        # floats of workspace one concurrent call needs
     tall: Callable[[int, int], bool]     # the cpu planner's tall-tile rule (m, k)
     lanes: Callable[[int, int, int, int], bool]   # its lanes-tile rule (batch, m, n, k)
+    lanes_built: bool    # gemm.c built with lanes tiles (AVX-512, 8-row panels)
 
 
 _loaded: dict[native.NativeLibrary, _Functions] = {}
@@ -210,7 +212,7 @@ def _load(lib: native.NativeLibrary) -> _Functions:
                                  [ctypes.c_char_p, ctypes.c_char_p], _I64),
         mr=size("keel_gemm_mr_f32"), nr=size("keel_gemm_nr_f32"), kc=size("keel_gemm_kc_f32"),
         work=size("keel_gemm_workspace_f32"), tall=planner_rules().tall_tiles,
-        lanes=planner_rules().lanes_tiles)
+        lanes=planner_rules().lanes_tiles, lanes_built=size("keel_gemm_lanes_built_f32") == 1)
 
 
 @functools.cache
@@ -296,7 +298,7 @@ class Packed:
     left: bool            # the left operand A (M, K); else the right one B (K, N)
     rows: int             # M for a left operand, N for a right one
     depth: int            # K
-    width: int            # the panel width it was packed for (MR or NR)
+    width: int            # the panel width it was packed for (MR or NR; 2 MR: pack_a16)
     batch_stride: int = 0     # floats from one product's panels to the next (pack_batch)
 
     @property
@@ -390,29 +392,52 @@ def pack_batch(matrices: np.ndarray, left: bool) -> Packed | None:
                   stride)
 
 
-# Each packed A's 16-row copy (lanes_a16), made once however many calls read it.
-_A16: weakref.WeakKeyDictionary[Packed, np.ndarray] = weakref.WeakKeyDictionary()
+def pack_a16(matrix: np.ndarray) -> Packed | None:
+    """``matrix`` (M, K) packed as the left operand in 16-row panels only (pair q: row
+    panels 2q and 2q + 1 side by side at each depth step, a last odd panel beside
+    zeros), for a product its plan runs wholly in lanes tiles (the planner's
+    ``lanes_a16``): gemm.c's lanes tiles load a vector of 16 rows where they joined two
+    panels with an insert. The same values in the same lanes: the same bits. A build
+    without lanes tiles gets :func:`pack`'s 8-row panels; None when the native tier is
+    unavailable."""
+    f = _functions()
+    if f is None or not f.lanes_built or matrix.dtype != _F4 or matrix.ndim != 2 or (
+            not matrix.size):
+        return pack(matrix, left=True)
+    # Written straight from the matrix: no 8-row panels made on the way, whose freed
+    # memory the allocator would keep.
+    (m, k), w = matrix.shape, 2 * f.mr
+    whole, part = divmod(m, w)
+    out = _aligned(-(-m // w) * k * w, huge=True)
+    view = out.reshape(-1, k, w)
+    view[:whole] = matrix[:whole * w].reshape(whole, w, k).transpose(0, 2, 1)
+    if part:
+        view[whole, :, :part] = matrix[whole * w:].T
+        view[whole, :, part:] = 0.0
+    out.flags.writeable = False
+    return Packed(out, native.address(out), True, m, k, w)
 
 
-def _lanes_a16(a: Packed) -> np.ndarray:
-    """``a``'s 8-row panels again as 16-row ones (pair q: row panels 2q and 2q + 1
-    side by side at each depth step, a last odd panel beside zeros): gemm.c's lanes
-    tiles then load a vector of 16 rows where they joined two panels with an insert
-    (the planner's ``lanes_a16``). The same values in the same lanes: the same bits."""
-    held = _A16.get(a)
+# The 8-row panels of each 16-row pack that a call it does not serve reads, made once.
+_EIGHT_ROWS: weakref.WeakKeyDictionary[Packed, Packed] = weakref.WeakKeyDictionary()
+
+
+def _eight_rows(a: Packed) -> Packed:
+    """:func:`pack_a16`'s ``a`` again in 8-row panels, for a call whose product does
+    not run wholly in lanes tiles (the same values: the same bits)."""
+    held = _EIGHT_ROWS.get(a)
     if held is not None:
         return held
-    panels, k, w = -(-a.rows // a.width), a.depth, a.width
-    src = a.data[:panels * k * w].reshape(panels, k, w)
-    pairs = -(-panels // 2)
-    out = _aligned(pairs * k * 2 * w, huge=True)
-    view = out.reshape(pairs, k, 2 * w)
-    view[:, :, :w] = src[0::2]
-    view[:, :, w:] = 0.0
-    view[:panels // 2, :, w:] = src[1::2]
+    w = a.width // 2
+    panels, k = -(-a.rows // w), a.depth
+    src = a.data.reshape(-1, k, a.width)
+    out = _aligned(panels * k * w, huge=True)
+    view = out.reshape(panels, k, w)
+    view[0::2] = src[:, :, :w]
+    view[1::2] = src[:panels // 2, :, w:]
     out.flags.writeable = False
-    _A16[a] = out
-    return out
+    held = _EIGHT_ROWS[a] = Packed(out, native.address(out), True, a.rows, k, w)
+    return held
 
 
 def _aligned(n: int, huge: bool = False) -> np.ndarray:
@@ -806,7 +831,11 @@ def prepare(a: np.ndarray | Packed, b: np.ndarray | Packed | Rows, c: np.ndarray
     f = _functions()
     if f is None or c.dtype != _F4:
         return None
-    ra, rb = _operand(a, True, f), _operand(b, False, f)
+    wide = (a if isinstance(a, Packed) and a.left and a.width == 2 * f.mr
+            and a.batch_stride == 0 else None)           # A in 16-row panels only
+    ra = (_operand(a, True, f) if wide is None
+          else (wide.address, 0, 0, 0, wide.rows, wide.depth))
+    rb = _operand(b, False, f)
     cs = c.strides
     if ra is None or rb is None or cs[-1] != 4 or _misaligned(cs) or (
             masks is not None and (not isinstance(b, Rows) or b.columns is not None
@@ -834,9 +863,12 @@ def prepare(a: np.ndarray | Packed, b: np.ndarray | Packed | Rows, c: np.ndarray
         and not accumulate and planner_rules().lanes_tail(m, n, k) else 0) | (
         planner_rules().fetch_rows(4 * f.nr) << _FETCH_SHIFT if isinstance(b, Packed) else 0)
     lo, hi = clip if clip is not None else (0.0, 0.0)
-    a16 = _lanes_a16(a) if (flags & _LANES and masks is None and isinstance(a, Packed)
-                            and a.batch_stride == 0 and a.width == 8 and a.data.size
-                            and planner_rules().lanes_a16()) else None
+    # A in 16-row panels only serves a product gemm.c runs wholly in lanes tiles (the
+    # conditions of its lanes_fit; one row would run as a gemv); any other reads 8 rows.
+    if wide is not None and not (flags & _LANES and masks is None and m > 1
+                                 and f.lanes_built):
+        a, wide = _eight_rows(wide), None
+        ra = (a.address, 0, 0, 0, a.rows, a.depth)
     values = (m, n, k, *ra[:4], *rb[:4],
               native.address(b.offsets) if isinstance(b, Rows) else 0,
               native.address(masks) if masks is not None else
@@ -844,9 +876,10 @@ def prepare(a: np.ndarray | Packed, b: np.ndarray | Packed | Rows, c: np.ndarray
               native.address(c), cs[-2] >> 2, cs[0] >> 2 if c.ndim == 3 else 0,
               0 if columns is None else native.address(columns),
               0 if bias is None else native.address(bias),
-              2 - bias_rows, *res, flags, 0 if a16 is None else native.address(a16),
-              alpha, lo, hi)
-    return Call(f, values, batch, m, n, k, (b, bias, residual, columns, masks, a16),
+              2 - bias_rows, *res, flags, 0 if wide is None else wide.address, alpha,
+              lo, hi)
+    return Call(f, values, batch, m, n, k, (b, bias, residual, columns, masks,
+                                            a if isinstance(a, Packed) else None),
                 (c.shape, c.strides, c.dtype))
 
 

@@ -3340,8 +3340,9 @@ def _direct_lanes_reason(geo: ConvGeometry, grid: Grid, vendor: str | None) -> s
     shape = f"{pixels} pixels an image, which {grid[1]}-column panels compute as {computed}"
     if lanes_tiles(geo.batch, rows, pixels, depth, vendor, grid):
         wide = ("; A in 16-row panels, one load a vector where two 8-row ones take an "
-                "insert on the port of an FMA unit (lanes_a16, LANES_A16_VENDORS: measured "
-                "on a 2-core Intel Xeon)") if lanes_a16(vendor) else ""
+                "insert on the port of an FMA unit, its filters packed that way only "
+                "(lanes_a16, LANES_A16_VENDORS: measured on a 2-core Intel Xeon)"
+                ) if lanes_a16(vendor) else ""
         return f", in lanes tiles: {shape} (lanes_tiles){wide}"
     why = (f"depth {depth} below the {rows} rows" if depth < rows
            else f"over LANES_MAX_COLUMNS ({LANES_MAX_COLUMNS}) pixels")
@@ -3598,23 +3599,26 @@ def lanes_tiles(batch: int, m: int, n: int, k: int, vendor: Any = _HERE,
 
 # The lanes tiles join each 16-lane vector of A from two 8-row panels, an insert every
 # depth step for every 16 rows, which on Intel's cores issues on the port of the second
-# FMA unit: 26 operations there for a 32 x 12 tile's 24 multiply-adds. Where a conv's
-# products run in lanes tiles, A is also packed in 16-row panels when the call is
-# prepared (one load a vector; A held twice), on LANES_A16_VENDORS' cores. The same
-# values in the same lanes: the same bits. Measured on the 2-core Intel Xeon (AVX-512;
-# KVM) under load: MobileNetV2's lanes-tiled 1x1 convs alone (one thread, both layouts
-# alternating in one process, medians of 600 calls, us) 576 -> 96 + residual on 14x14
-# 127.2 -> 119.9, 384 -> 64 + residual 59.9 -> 56.3, 384 -> 96 87.1 -> 81.8, 160 -> 960
-# on 7x7 99.8 -> 93.7, 960 -> 160 + residual 89.4 -> 84.3, 960 -> 320 175.8 -> 166.5,
-# 320 -> 1280 259.2 -> 244.4 (0.939-0.947); in the model: docs/performance.md
-# ("MobileNetV2's 1 x 1 convs on 14 x 14 and 7 x 7 alone"). AMD's Zen runs shuffles on
-# units of their own (LANES_VENDORS): unmeasured there, so not taken.
+# FMA unit: 26 operations there for a 32 x 12 tile's 24 multiply-adds. Where the direct
+# conv's plan runs its products in lanes tiles, its filters are packed in 16-row panels
+# only (one load a vector; held once: conv_gemm.layout_filters), on LANES_A16_VENDORS'
+# cores; a call they do not serve (one that would not run wholly in lanes tiles) reads
+# 8-row panels made from them on first need. The same values in the same lanes: the
+# same bits. Splits starting on an odd 8-row panel read the 16-row panels' halves.
+# Measured on the 2-core Intel Xeon (AVX-512; KVM) under load: MobileNetV2's lanes-tiled
+# 1x1 convs alone (one thread, both layouts alternating in one process, medians of 600
+# calls, us) 576 -> 96 + residual on 14x14 127.2 -> 119.9, 384 -> 64 + residual 59.9 ->
+# 56.3, 384 -> 96 87.1 -> 81.8, 160 -> 960 on 7x7 99.8 -> 93.7, 960 -> 160 + residual
+# 89.4 -> 84.3, 960 -> 320 175.8 -> 166.5, 320 -> 1280 259.2 -> 244.4 (0.939-0.947); in
+# the model: docs/performance.md ("MobileNetV2's 1 x 1 convs on 14 x 14 and 7 x 7
+# alone"). AMD's Zen runs shuffles on units of their own (LANES_VENDORS): unmeasured
+# there, so not taken.
 LANES_A16_VENDORS = frozenset({"Intel"})
 
 
 def lanes_a16(vendor: Any = _HERE) -> bool:
-    """Whether products in lanes tiles read A from 16-row panels packed beside its 8-row
-    ones, on a CPU of ``vendor`` (default: this machine's)."""
+    """Whether products in lanes tiles read A packed in 16-row panels (instead of its
+    8-row ones), on a CPU of ``vendor`` (default: this machine's)."""
     vendor = _this_vendor() if vendor is _HERE else vendor
     return vendor in LANES_A16_VENDORS
 

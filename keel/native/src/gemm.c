@@ -873,7 +873,7 @@ typedef struct {
     const int64_t *c_cols;
     float *work;
     int64_t a_ps; /* floats per row panel of A packed in work: MR * (KC, or the depth) */
-    const float *a16; /* NULL, or packed A again in 16-row panels for the lanes tiles */
+    const float *a16; /* NULL, or A (the same address) packed in 16-row panels only */
 } problem;
 
 /* Where the tile at row i0, column panel starting at j0 (cols columns) goes. */
@@ -1606,10 +1606,11 @@ static void tall(const problem *g, const epilogue *e, int64_t i_lo, int64_t i_hi
 #define KEEL_LANES_AHEAD 32
 #endif
 
-/* A's 16 rows at depth step p: eight from row panel lo, eight from row panel hi. */
-static inline vf lanes_a(const float *lo, const float *hi, int64_t p)
+/* A's 16 rows at depth step p: eight from row panel lo, eight from row panel hi, each
+ * `step` floats a depth step (8: 8-row panels; 16: halves of 16-row panels). */
+static inline vf lanes_a(const float *lo, const float *hi, int64_t p, int step)
 {
-    __m256 l = _mm256_loadu_ps(lo + p * 8), h = _mm256_loadu_ps(hi + p * 8);
+    __m256 l = _mm256_loadu_ps(lo + p * step), h = _mm256_loadu_ps(hi + p * step);
     return (vf)_mm512_insertf32x8(_mm512_castps256_ps512(l), h, 1);
 }
 
@@ -1636,31 +1637,36 @@ lanes_store(int w, int v, int rows, vf acc[LANES_COLS][2], const target *t,
 
 /* Rows [0, rows) of C from t->i0 (rows <= 16 nv), columns [0, w): a[2 v], a[2 v + 1]
  * are the packed row panels of vector v, b points at the tile's first column of B.
- * With `wide` A is in 16-row panels instead (the cpu planner's lanes_a16): a[v] is
- * vector v's, one load a step where two 8-row panels take an insert to join, and the
- * insert issues on the port of the second FMA unit on Intel's cores. The same values
- * in the same lanes: the same bits. */
+ * `mode` says how A is packed (the cpu planner's lanes_a16): LANES_A8, in 8-row panels;
+ * LANES_A16, in 16-row panels, a[v] vector v's: one load a step where two 8-row panels
+ * take an insert to join, which issues on the port of the second FMA unit on Intel's
+ * cores; LANES_A16_HALVES, in 16-row panels read from a half (a tile starting on an
+ * odd 8-row panel): a[2 v], a[2 v + 1] are 8-row halves, 16 floats a step apart. The
+ * same values in the same lanes: the same bits. */
+enum { LANES_A8, LANES_A16, LANES_A16_HALVES };
 static inline __attribute__((always_inline)) void
-lanes_tile(int w, int nv, int wide, int64_t k, const float *const *a, const float *b,
+lanes_tile(int w, int nv, int mode, int64_t k, const float *const *a, const float *b,
            int64_t bs, int rows, const target *t, const epilogue *e)
 {
+    int step = mode == LANES_A8 ? 8 : 16;
     vf acc[LANES_COLS][2];
     for (int j = 0; j < w; j++)
         for (int v = 0; v < nv; v++) acc[j][v] = (vf){0};
     for (int64_t p = 0; p < k; p++) {
         vf av[2];
 #if KEEL_LANES_AHEAD > 0
-        if (wide)
+        if (mode == LANES_A16)
             for (int q = 0; q < nv; q++)
                 __builtin_prefetch(a[q] + (p + KEEL_LANES_AHEAD) * 16, 0, 2);
-        else if ((p & 1) == 0)
+        else if ((p & 1) == 0 || mode == LANES_A16_HALVES)
             for (int q = 0; q < 2 * nv; q++)
-                __builtin_prefetch(a[q] + (p + KEEL_LANES_AHEAD) * 8, 0, 2);
+                __builtin_prefetch(a[q] + (p + KEEL_LANES_AHEAD) * step, 0, 2);
         __builtin_prefetch(b + (p + KEEL_LANES_AHEAD) * bs, 0, 3);
         __builtin_prefetch(b + (p + KEEL_LANES_AHEAD) * bs + w - 1, 0, 3);
 #endif
         for (int v = 0; v < nv; v++)
-            av[v] = wide ? (vf)_mm512_loadu_ps(a[v] + p * 16) : lanes_a(a[2 * v], a[2 * v + 1], p);
+            av[v] = mode == LANES_A16 ? (vf)_mm512_loadu_ps(a[v] + p * 16)
+                                      : lanes_a(a[2 * v], a[2 * v + 1], p, step);
         const float *bp = b + p * bs;
         for (int j = 0; j < w; j++) {
             vf bv = splat(bp[j]);
@@ -1672,23 +1678,26 @@ lanes_tile(int w, int nv, int wide, int64_t k, const float *const *a, const floa
 
 typedef void (*lanes_fn)(int, int64_t, const float *const *, const float *, int64_t, int,
                          const target *, const epilogue *);
-#define LANES(W, WIDE, NAME)                                                                   \
+#define LANES(W, MODE, NAME)                                                                   \
     static void NAME##W(int nv, int64_t k, const float *const *a, const float *b,             \
                         int64_t bs, int rows, const target *t, const epilogue *e)             \
     {                                                                                          \
         if (nv == 2)                                                                           \
-            lanes_tile(W, 2, WIDE, k, a, b, bs, rows, t, e);                                   \
+            lanes_tile(W, 2, MODE, k, a, b, bs, rows, t, e);                                   \
         else                                                                                   \
-            lanes_tile(W, 1, WIDE, k, a, b, bs, rows, t, e);                                   \
+            lanes_tile(W, 1, MODE, k, a, b, bs, rows, t, e);                                   \
     }
-#define LANES_BOTH(W) LANES(W, 0, lanes_) LANES(W, 1, lanes16_)
-LANES_BOTH(1) LANES_BOTH(2) LANES_BOTH(3) LANES_BOTH(4) LANES_BOTH(5) LANES_BOTH(6)
-LANES_BOTH(7) LANES_BOTH(8) LANES_BOTH(9) LANES_BOTH(10) LANES_BOTH(11) LANES_BOTH(12)
-static const lanes_fn LANES_TILES[2][LANES_COLS] = {
+#define LANES_ALL(W) \
+    LANES(W, LANES_A8, lanes_) LANES(W, LANES_A16, lanes16_) LANES(W, LANES_A16_HALVES, halves_)
+LANES_ALL(1) LANES_ALL(2) LANES_ALL(3) LANES_ALL(4) LANES_ALL(5) LANES_ALL(6) LANES_ALL(7)
+LANES_ALL(8) LANES_ALL(9) LANES_ALL(10) LANES_ALL(11) LANES_ALL(12)
+static const lanes_fn LANES_TILES[3][LANES_COLS] = {
     {lanes_1, lanes_2, lanes_3, lanes_4, lanes_5, lanes_6, lanes_7, lanes_8, lanes_9, lanes_10,
      lanes_11, lanes_12},
     {lanes16_1, lanes16_2, lanes16_3, lanes16_4, lanes16_5, lanes16_6, lanes16_7, lanes16_8,
-     lanes16_9, lanes16_10, lanes16_11, lanes16_12}};
+     lanes16_9, lanes16_10, lanes16_11, lanes16_12},
+    {halves_1, halves_2, halves_3, halves_4, halves_5, halves_6, halves_7, halves_8, halves_9,
+     halves_10, halves_11, halves_12}};
 
 /* Whether lanes tiles take the product's operands: a packed A, B's rows contiguous and
  * unmapped, C's columns plain, no accumulation into C and not a masked conv. */
@@ -1713,9 +1722,10 @@ static int lanes_tail_fits(const problem *g, const epilogue *e, int64_t j_hi)
 }
 
 /* Row panels [i_lo, i_hi) x column panels [j_lo, j_hi) in lanes tiles: 32 rows at a
- * time (A's block stays in L2) over every tile of the range's columns. `a16`: NULL, or A
- * again in 16-row panels (row panels 2 q and 2 q + 1 of A in pair q, k * 16 floats a
- * pair), read where the range starts on a pair. */
+ * time (A's block stays in L2) over every tile of the range's columns. `a16`: NULL (A in
+ * 8-row panels), or A packed in 16-row panels only (row panels 2 q and 2 q + 1 of A side
+ * by side in pair q, k * 16 floats a pair), read from its halves where the range starts
+ * on an odd 8-row panel (a split's row group). */
 static void lanes_product(const problem *g, const epilogue *e, int64_t i_lo, int64_t i_hi,
                           int64_t j_lo, int64_t j_hi, const float *a16)
 {
@@ -1724,22 +1734,24 @@ static void lanes_product(const problem *g, const epilogue *e, int64_t i_lo, int
     int64_t c_lo = j_lo * NR, c_hi = j_hi * NR < g->n ? j_hi * NR : g->n;
     if (r_lo >= r_hi || c_lo >= c_hi) return;
     int64_t cols = c_hi - c_lo, tiles = (cols + LANES_COLS - 1) / LANES_COLS;
-    int wide = a16 != NULL && r_lo % 16 == 0;
+    int mode = a16 == NULL ? LANES_A8 : r_lo % 16 == 0 ? LANES_A16 : LANES_A16_HALVES;
     for (int64_t i0 = r_lo; i0 < r_hi; i0 += 32) {
         int rows = (int)(r_hi - i0 < 32 ? r_hi - i0 : 32);
-        const float *a[4] = {g->a + i0 / MR * k * MR};
-        for (int q = 1; q < 4; q++) {
+        const float *a[4];
+        for (int q = 0; q < 4; q++) {
             int64_t ip = i0 / MR + q;      /* a panel past A's end: its pair's (lanes unused) */
-            a[q] = ip < panels ? g->a + ip * k * MR : a[q - 1];
+            a[q] = q > 0 && ip >= panels ? a[q - 1]
+                   : mode == LANES_A8    ? g->a + ip * k * MR
+                                         : a16 + ip / 2 * k * 16 + ip % 2 * 8;
         }
-        if (wide) {                        /* a pair past A's end is never read (nv 1) */
+        if (mode == LANES_A16) {           /* a pair past A's end is never read (nv 1) */
             a[0] = a16 + i0 / 16 * k * 16;
             a[1] = a[0] + k * 16;
         }
         for (int64_t q = 0; q < tiles; q++) {
             int64_t j0 = c_lo + q * cols / tiles, j1 = c_lo + (q + 1) * cols / tiles;
             target t = {g->c + i0 * g->ldc + j0, g->ldc, j1 - j0, NULL, i0, j0, 0, 1};
-            LANES_TILES[wide][j1 - j0 - 1](rows > 16 ? 2 : 1, k, a, g->b + j0, g->b_rs, rows,
+            LANES_TILES[mode][j1 - j0 - 1](rows > 16 ? 2 : 1, k, a, g->b + j0, g->b_rs, rows,
                                            &t, e);
         }
     }
@@ -1848,13 +1860,21 @@ static void gemm_2d(const problem *g0, const epilogue *e, int64_t i_lo, int64_t 
         direct_conv(g, e, i_lo, i_hi, j_lo, j_hi);
         return;
     }
+#if defined(__AVX512F__) && KEEL_GEMM_MR == 8
+    /* A held in 16-row panels only: every part of the product runs in lanes tiles (the
+       caller prepares it so only where lanes_fit holds and a gemv would not serve). */
+    if (g->a16 != NULL) {
+        lanes_product(g, e, i_lo, i_hi, j_lo, j_hi, g->a16);
+        return;
+    }
+#endif
     if (gemv_serves(g) && i_lo == 0 && i_hi == 1) {
         gemv(g, e, j_lo, j_hi);
         return;
     }
 #if defined(__AVX512F__) && KEEL_GEMM_MR == 8
     if (lanes_fit(g, e)) {
-        lanes_product(g, e, i_lo, i_hi, j_lo, j_hi, g->a16);
+        lanes_product(g, e, i_lo, i_hi, j_lo, j_hi, NULL);
         return;
     }
 #endif
@@ -2389,13 +2409,24 @@ typedef struct {
     int64_t bias, bias_kind;         /* bias: address (0: none); 1 per row, 2 per column */
     int64_t res, ldr, r_bs;          /* R: address (0: none), row stride, batch stride */
     int64_t flags;                   /* KEEL_ACCUMULATE | KEEL_CLIP */
-    int64_t a16;                     /* 0, or a shared packed A again in 16-row panels */
+    int64_t a16;                     /* 0, or A's address: A packed in 16-row panels only */
     double alpha, lo, hi;
 } keel_gemm_args;
 
 /* The layout Python packs keel_gemm_args in, checked when native_gemm.py loads this
  * library: the struct's size and the byte offsets of C's and A's addresses (the fields a
  * prepared call rebinds). */
+/* 1 where the lanes tiles are built (AVX-512, 8-row panels): only then does a product
+ * read an A packed in 16-row panels only (keel_gemm_args' a16). */
+int64_t keel_gemm_lanes_built_f32(void)
+{
+#if defined(__AVX512F__) && KEEL_GEMM_MR == 8
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 int64_t keel_gemm_args_size(void) { return (int64_t)sizeof(keel_gemm_args); }
 int64_t keel_gemm_args_c_offset(void) { return (int64_t)offsetof(keel_gemm_args, c); }
 int64_t keel_gemm_args_a_offset(void) { return (int64_t)offsetof(keel_gemm_args, a); }

@@ -1,0 +1,110 @@
+"""A conv whose products run wholly in lanes tiles with A in 16-row panels (the planner's
+lanes_a16) holds its filters packed once, in those panels only, on every path that runs
+it: bound and unbound runs at 1, 2, 3 and 16 threads, the same bits as the 8-row panels,
+and the memory plan's packed-weight bytes cover what it holds."""
+
+from __future__ import annotations
+
+import gc
+import types
+from typing import Any
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from keel import native
+from keel.backends.cpu import native_gemm
+from keel.backends.cpu import planner as cpu_planner
+from keel.execution.model import load_model
+
+
+@pytest.fixture(autouse=True)
+def _lanes_built() -> None:
+    if not native_gemm.available():
+        pytest.skip(f"native tier unavailable: {native.status().reason}")
+    if native_gemm.geometry() != (8, 32):
+        pytest.skip("lanes tiles are built only with AVX-512 8 x 32 tiles; this build's "
+                    f"tile is {native_gemm.geometry()}")
+
+
+def _projection(rows: int, depth: int, side: int, seed: int = 0) -> tuple[bytes, np.ndarray]:
+    """A 1x1 conv (depth -> rows channels, bias) on side x side, then y = conv + x's first
+    rows channels (MobileNetV2's 14x14 projection with its residual), and its filters."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((rows, depth, 1, 1)) * 0.1).astype(np.float32)
+    b = rng.standard_normal(rows).astype(np.float32)
+    z = rng.standard_normal((1, rows, side, side)).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"]),
+             helper.make_node("Add", ["c", "z"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "projection",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, depth, side, side]),
+         helper.make_tensor_value_info("z", TensorProto.FLOAT, [1, rows, side, side])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    del z
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return model.SerializeToString(), w.reshape(rows, depth)
+
+
+def _reachable_arrays(root: object) -> list[np.ndarray]:
+    """Every array ``root`` holds (the memory under each, once), modules, classes and
+    functions not followed."""
+    seen: set[int] = set()
+    found: dict[int, np.ndarray] = {}
+    stack: list[Any] = [root]
+    while stack:
+        o = stack.pop()
+        if id(o) in seen or isinstance(o, (types.ModuleType, type, types.FunctionType,
+                                           types.BuiltinFunctionType)):
+            continue
+        seen.add(id(o))
+        if isinstance(o, np.ndarray):
+            base = o
+            while isinstance(base.base, np.ndarray):
+                base = base.base
+            found[id(base)] = base
+        stack.extend(gc.get_referents(o))
+    return list(found.values())
+
+
+def _packings(model: Any, w: np.ndarray) -> list[np.ndarray]:
+    """The arrays ``model`` holds that hold every one of ``w``'s values (random normals:
+    a copy of ``w`` laid out again), the initializer read from the model's bytes left
+    out."""
+    return [a for a in _reachable_arrays(model)
+            if a.dtype == np.float32 and a.size >= w.size and not isinstance(a.base, bytes)
+            and np.isin(w, a).all()]
+
+
+def _bits(a: Any) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(a, dtype=np.float32)).view(np.uint32)
+
+
+@pytest.mark.parametrize("rows", [64, 72])        # 72: an odd count of 8-row panels
+def test_a_lanes_a16_conv_holds_its_filters_packed_once(
+        rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    onnx, w = _projection(rows, 384, 14)
+    rng = np.random.default_rng(1)
+    feeds = {"x": rng.standard_normal((1, 384, 14, 14)).astype(np.float32),
+             "z": rng.standard_normal((1, rows, 14, 14)).astype(np.float32)}
+    monkeypatch.setattr(cpu_planner, "LANES_A16_VENDORS", frozenset())
+    eight = load_model(onnx, backend="cpu", threads=1, plan_cache=False)
+    want = eight.predict(feeds)["y"]
+    ref = load_model(onnx, backend="reference").predict(feeds)["y"]
+    np.testing.assert_allclose(np.asarray(want), np.asarray(ref), rtol=1e-4, atol=1e-4)
+    assert [a.nbytes for a in _packings(eight, w)] == [4 * -(-rows // 8) * 8 * 384 + 64]
+    monkeypatch.setattr(cpu_planner, "LANES_A16_VENDORS", frozenset({"Intel", "AMD", None}))
+    for threads in (1, 2, 3, 16):
+        model = load_model(onnx, backend="cpu", threads=threads, plan_cache=False)
+        assert "its filters packed that way only (lanes_a16" in model.explain()
+        for _ in range(3):                      # the first runs bind, the last is steady
+            got = model.predict(feeds)["y"]
+        assert np.array_equal(_bits(got), _bits(want)), threads
+        held = _packings(model, w)
+        # One packing, in 16-row panels (a last odd 8-row panel beside zeros), within
+        # the memory plan's packed-weight bytes.
+        assert [a.nbytes for a in held] == [4 * -(-rows // 16) * 16 * 384 + 64], threads
+        plan = model.plan.memory_plan
+        assert plan is not None and sum(a.nbytes for a in held) <= plan.prepacked_bytes

@@ -206,8 +206,12 @@ def test_a_wide_image_s_phase_image_is_capped_to_the_l2_and_exact(
         assert _pool_steps(model)[0].fused is not None
         assert np.array_equal(_bits(got), want), threads
     stem = cpu_planner.conv_geometry(Op.CONV, [1, 3, 224, 224], [64, 3, 7, 7], _K7)
-    for size in (1 << 20, l2):
-        assert cpu_planner.pool_fill(stem, 17, size) == 17
+    # 476 KiB of rows held: all 17 from 1 MiB; 512 KiB leaves room for 3 rows' image
+    # (6 phase rows of 5,520 bytes less the taps' reach of 3); below 476 KiB nothing
+    # fits beside the rows and a cap would only gather the reach again: all 17.
+    fills = {size: cpu_planner.pool_fill(stem, 17, size)
+             for size in (2 << 20, 1 << 20, 512 << 10, 256 << 10)}
+    assert fills == {2 << 20: 17, 1 << 20: 17, 512 << 10: 3, 256 << 10: 17}
 
 
 def test_explain_states_the_fusion_and_its_split(monkeypatch: pytest.MonkeyPatch) -> None:

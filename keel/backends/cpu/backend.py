@@ -406,10 +406,9 @@ def _pools() -> tuple[Any, ...]:
     (threadpoolctl) takes about a millisecond, so it is done again only where a module
     was imported since the last scan: a library with a pool comes with an import (torch's
     libgomp, imported after keel's first cap, was never capped while the scan was done
-    once a process). The check is one len() of sys.modules: a cap and its restore took
-    0.370 against 0.358 us where no pool changes, 0.967 against 0.933 us where OpenBLAS's
-    is set (medians of 30 alternating samples, the 2-core Intel Xeon under load). A
-    library loaded through ctypes alone is seen at the next import."""
+    once a process). The check is one len() of sys.modules, a few percent of a cap and
+    its restore (docs/performance.md). A library loaded through ctypes alone is seen at
+    the next import."""
     scan = _scanned
     if scan.modules != len(sys.modules):
         _rescan(scan)
@@ -425,10 +424,13 @@ def _controller() -> Any:
 def _rescan(scan: _Scan) -> None:
     from threadpoolctl import ThreadpoolController
 
+    # The count before the scan: a module imported while it runs (another thread's) may
+    # load a pool the scan missed, and must leave the count stale so the next cap scans.
+    modules = len(sys.modules)
     controller = ThreadpoolController()
     pools = tuple(_direct(lib) for lib in controller.lib_controllers)
     # The pools before the count: a reader that sees the new count sees these pools.
-    scan.controller, scan.pools, scan.modules = controller, pools, len(sys.modules)
+    scan.controller, scan.pools, scan.modules = controller, pools, modules
 
 
 def _native_available() -> bool:

@@ -1250,18 +1250,22 @@ def pool_in_conv_split(batch: int, pooled_rows: int, threads: int, window_rows: 
 def pool_fill(conv: ConvGeometry, rows: int, l2: int) -> int:
     """Conv rows a phase image of pool_in_conv's call: ``rows`` (a step's, the rows the
     thread's buffer holds), fewer where the phase image of that many rows and that
-    buffer would outgrow the ``l2`` bytes of L2 the plan is sized for, at least one
-    (derived: a step's tiles read the phase image and write the buffer over and over;
-    an image too wide for both in L2 streams them. gemm.c's gather_floats: every phase
-    and input channel, the rows and the taps' reach below them, ow plus the taps' reach
-    across). ResNet-18's stem keeps all 17: 476 KiB of rows and 108 KiB of image."""
+    buffer would outgrow the ``l2`` bytes of L2 the plan is sized for (derived: a step's
+    tiles read the phase image and write the buffer over and over; an image too wide
+    for both in L2 streams them. gemm.c's gather_floats: every phase and input channel,
+    the rows and the taps' reach below them, ow plus the taps' reach across). Where not
+    even one row's image fits beside the buffer, the buffer alone outgrows the L2 and a
+    cap would save nothing but gather the taps' reach again each fill: all ``rows``.
+    ResNet-18's stem (476 KiB of rows, 108 KiB of image for 17) keeps all 17 from a
+    1 MiB L2 (measured), 3 with 512 KiB (derived, unmeasured) and 17 below 476 KiB."""
     win = conv.window
     (sh, sw), (kh, kw), (dh, dw) = win.strides, win.kernel, win.dilations
     ow = win.out_spatial[1]
     reach = (kh - 1) * dh // sh
     row_bytes = sh * sw * conv.in_channels * (ow + (kw - 1) * dw // sw) * 4
     room = l2 - conv.out_channels * rows * ow * 4
-    return max(1, min(rows, room // row_bytes - reach))
+    fits = room // row_bytes - reach
+    return rows if fits < 1 else min(rows, fits)
 
 
 def _pool_fill_reason(split: native_gemm.PoolSplit, conv: ConvGeometry, window_rows: int,

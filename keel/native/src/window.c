@@ -1393,8 +1393,8 @@ static void pool_row(const float *x, const geom *g, int64_t r0, int64_t r1, floa
 }
 #endif
 
-/* Output rows [oy_lo, oy_hi) of `planes` planes whose input rows [row0, row0 + rows) x
- * holds (plane p at x + p * rows * w; its output plane at y + p * oh * ow). */
+/* Output rows [oy_lo, oy_hi) of `planes` planes whose input rows from row0 on x holds
+ * (plane p at x + p * stride * w; its output plane at y + p * oh * ow). */
 static void pool_planes(const float *x, int64_t row0, int64_t stride, float *y, const geom *g,
                         float *scratch, int64_t planes, int64_t oy_lo, int64_t oy_hi) {
     for (int64_t p = 0; p < planes; p++) {

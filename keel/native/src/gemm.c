@@ -2571,22 +2571,32 @@ void keel_gemm_tiles_f32(const keel_gemm_args *g, float *work, int64_t rows, int
  * the calling thread with `work`: a caller's own block of columns through the products
  * inside its own parallel task (Winograd's per-thread pipeline, winograd.c). B and C are
  * the caller's, in its cache: nothing streams. Each element is computed as keel_gemm_f32
- * computes it in the whole product. */
+ * computes it in the whole product, from 8-row panels or 16-row ones (a16). */
 void keel_gemm_block_f32(const keel_gemm_args *g, float *work, int64_t batch, int64_t r_lo,
                          int64_t r_hi, const float *b, int64_t ldb, int64_t b_bs, float *c,
                          int64_t ldc, int64_t c_bs, int64_t n)
 {
     keel_gemm_args a = *g;
+    int64_t mp = (g->m + MR - 1) / MR, hi = r_hi < mp ? r_hi : mp;
     int64_t i0 = r_lo * MR, i1 = r_hi * MR < g->m ? r_hi * MR : g->m;
     if (i0 >= i1 || n < 1 || g->a_rs != 0 || g->a_ks != 0) return;
-    a.m = i1 - i0;
-    a.a = g->a + i0 * g->k * (int64_t)sizeof(float);
     a.n = n;
     a.b = (int64_t)(intptr_t)b, a.b_rs = ldb, a.b_cs = 1, a.b_bs = b_bs;
     a.b_rows = 0, a.b_cols = 0;
     a.c = (int64_t)(intptr_t)c, a.ldc = ldc, a.c_bs = c_bs, a.c_cols = 0;
     a.bias = 0, a.bias_kind = 0, a.res = 0;
     a.flags &= ~(int64_t)(KEEL_STREAM | KEEL_NT | KEEL_ACCUMULATE | KEEL_CLIP | KEEL_DIRECT);
+    if (g->a16 != 0) {
+        /* A packed in 16-row panels only (a16, A's own address): a block starting on an
+           odd row panel starts inside a pair, which only A's own panel numbering reads
+           (lanes_product's halves), so the block keeps A's rows and C's address is taken
+           back by i0 rows, the rows below the block never written. */
+        a.c -= i0 * ldc * (int64_t)sizeof(float);
+        for (int64_t t = 0; t < batch; t++) keel_gemm_f32(&a, work, 1, t * mp + r_lo, t * mp + hi);
+        return;
+    }
+    a.m = i1 - i0;
+    a.a = g->a + i0 * g->k * (int64_t)sizeof(float);
     keel_gemm_f32(&a, work, 0, 0, batch * ((n + NR - 1) / NR));
 }
 

@@ -1,7 +1,8 @@
 """A conv whose products run wholly in lanes tiles with A in 16-row panels (the planner's
 lanes_a16) holds its filters packed once, in those panels only, on every path that runs
 it: bound and unbound runs at 1, 2, 3 and 16 threads, the same bits as the 8-row panels,
-and the memory plan's packed-weight bytes cover what it holds."""
+its prepared calls reading that pack as 16-row panels (the model's own prepare, no field
+written by hand), and the memory plan's packed-weight bytes cover what it holds."""
 
 from __future__ import annotations
 
@@ -48,25 +49,37 @@ def _projection(rows: int, depth: int, side: int, seed: int = 0) -> tuple[bytes,
     return model.SerializeToString(), w.reshape(rows, depth)
 
 
-def _reachable_arrays(root: object) -> list[np.ndarray]:
-    """Every array ``root`` holds (the memory under each, once), modules, classes and
-    functions not followed."""
-    seen: set[int] = set()
-    found: dict[int, np.ndarray] = {}
+def _reachable(root: object) -> list[Any]:
+    """Every object ``root`` holds, once, modules, classes and functions not followed."""
+    seen: dict[int, Any] = {}
     stack: list[Any] = [root]
     while stack:
         o = stack.pop()
         if id(o) in seen or isinstance(o, (types.ModuleType, type, types.FunctionType,
                                            types.BuiltinFunctionType)):
             continue
-        seen.add(id(o))
+        seen[id(o)] = o
+        stack.extend(gc.get_referents(o))
+    return list(seen.values())
+
+
+def _reachable_arrays(root: object) -> list[np.ndarray]:
+    """Every array ``root`` holds (the memory under each, once)."""
+    found: dict[int, np.ndarray] = {}
+    for o in _reachable(root):
         if isinstance(o, np.ndarray):
             base = o
             while isinstance(base.base, np.ndarray):
                 base = base.base
             found[id(base)] = base
-        stack.extend(gc.get_referents(o))
     return list(found.values())
+
+
+def _a16_fields(model: Any) -> list[tuple[int, int]]:
+    """(A's address, the 16-row panels' address: keel_gemm_args' a16) of each GEMM call
+    ``model`` holds prepared."""
+    return [(int(o.values[native_gemm._A_FIELD]), int(o.values[native_gemm._FLAGS_FIELD + 1]))
+            for o in _reachable(model) if isinstance(o, native_gemm.Call)]
 
 
 def _packings(model: Any, w: np.ndarray) -> list[np.ndarray]:
@@ -95,6 +108,7 @@ def test_a_lanes_a16_conv_holds_its_filters_packed_once(
     ref = load_model(onnx, backend="reference").predict(feeds)["y"]
     np.testing.assert_allclose(np.asarray(want), np.asarray(ref), rtol=1e-4, atol=1e-4)
     assert [a.nbytes for a in _packings(eight, w)] == [4 * -(-rows // 8) * 8 * 384 + 64]
+    assert {a16 for _, a16 in _a16_fields(eight)} == {0}
     monkeypatch.setattr(cpu_planner, "LANES_A16_VENDORS", frozenset({"Intel", "AMD", None}))
     for threads in (1, 2, 3, 16):
         model = load_model(onnx, backend="cpu", threads=threads, plan_cache=False)
@@ -106,5 +120,9 @@ def test_a_lanes_a16_conv_holds_its_filters_packed_once(
         # One packing, in 16-row panels (a last odd 8-row panel beside zeros), within
         # the memory plan's packed-weight bytes.
         assert [a.nbytes for a in held] == [4 * -(-rows // 16) * 16 * 384 + 64], threads
+        # The conv's prepared calls read them as such: each one's a16 is its A, that pack.
+        fields = _a16_fields(model)
+        assert fields and all(a == a16 and held[0].ctypes.data <= a
+                              < held[0].ctypes.data + held[0].nbytes for a, a16 in fields)
         plan = model.plan.memory_plan
         assert plan is not None and sum(a.nbytes for a in held) <= plan.prepacked_bytes

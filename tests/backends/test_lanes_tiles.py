@@ -43,8 +43,9 @@ def test_the_shape_limits_hold_for_every_vendor() -> None:
         assert not planner.lanes_tiles(32, 576, 196, 96, vendor, GRID)
 
 
-def _reason(x: tuple[int, ...], w: tuple[int, ...], vendor: str | None) -> str:
-    form, why = planner.native_form(conv_geometry(Op.CONV, x, w, {}), GRID, vendor)
+def _reason(x: tuple[int, ...], w: tuple[int, ...], vendor: str | None,
+            grid: tuple[int, int] = GRID) -> str:
+    form, why = planner.native_form(conv_geometry(Op.CONV, x, w, {}), grid, vendor)
     assert form == "direct"
     return why
 
@@ -61,6 +62,22 @@ def test_the_direct_form_says_whether_its_products_run_in_lanes_tiles() -> None:
     assert "over LANES_MAX_COLUMNS (256) pixels" in _reason(*project, "Intel")
     assert ", in lanes tiles: 49 pixels an image, which 32-column panels compute as 64" in (
         _reason((1, 160, 7, 7), (960, 160, 1, 1), "Intel"))
+
+
+def test_a_in_16_row_panels_is_said_only_for_intel_s_8_x_32_tiles() -> None:
+    """lanes_a16: gemm.c reads 16-row panels with its AVX-512 8 x 32 tiles only, so a
+    build with another tile (6 x 16 with AVX2, 4 x 8 scalar) is not told it does, though
+    its products of the lanes tiles' shapes are planned in them; AMD's cores were not
+    measured."""
+    project = ((1, 384, 14, 14), (64, 384, 1, 1))
+    said = "; A in 16-row panels, one load a vector"
+    assert said in _reason(*project, "Intel")
+    assert planner.lanes_a16(GRID, "Intel")
+    for vendor, grid in (("Intel", (6, 16)), ("Intel", (4, 8)), ("AMD", GRID)):
+        why = _reason(*project, vendor, grid)
+        assert ", in lanes tiles: 196 pixels an image" in why, (vendor, grid)
+        assert said not in why, (vendor, grid)
+        assert not planner.lanes_a16(grid, vendor)
 
 
 def test_the_split_counts_the_tiles_that_run() -> None:

@@ -8,6 +8,7 @@ running past the array's end; a model's weight products match the reference back
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -266,6 +267,43 @@ def test_lanes_tiles_give_the_same_bits_with_a_in_16_row_panels_only(
     ng.Call(calls[0].f, tuple(values), 1, m, n, k, (*calls[0].keep, zeros),
             calls[0].c_layout).run(1)
     np.testing.assert_array_equal(c, np.clip(bias[:, None] + r, -3, 3))
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_block_of_rows_reads_a_in_16_row_panels_from_its_own_rows(batch: int) -> None:
+    """gemm.c's keel_gemm_block_f32 (row panels [r_lo, r_hi) of a prepared call against
+    the caller's B, Winograd's entry) on an A packed in 16-row panels only gives each
+    block the bits of the same block of 8-row panels: a block starting on an odd panel,
+    inside a pair, too, and the last, partial, pair."""
+    if ng.geometry() != (8, 32):
+        pytest.skip("lanes tiles are built only with AVX-512 8 x 32 tiles; this build's "
+                    f"tile is {ng.geometry()}")
+    lib = native.library("gemm")
+    assert lib is not None
+    i8 = ctypes.c_int64
+    block = lib.function("keel_gemm_block_f32", [ctypes.c_char_p, ctypes.c_void_p] + [i8] * 3
+                         + [ctypes.c_void_p, i8, i8, ctypes.c_void_p, i8, i8, i8], None)
+    m, k, n = 72, 20, 13                    # nine row panels: the last pair half zeros
+    w, x = _f(m, k), _f(batch, k, n)
+    eight, wide = ng.pack(w, left=True), ng.pack_a16(w)
+    calls = [ng.prepare(a, x[0], np.empty((m, n), np.float32), lanes=True)
+             for a in (eight, wide)]
+    assert all(call is not None for call in calls)
+    assert calls[1].values[ng._FLAGS_FIELD + 1] == wide.address
+    work = ng._work(calls[0].f)
+    mp = m // 8
+    for r_lo in range(mp):
+        for r_hi in range(r_lo + 1, mp + 1):
+            rows = 8 * (r_hi - r_lo)
+            got = []
+            for call in calls:
+                c = np.full((batch, rows, n), np.nan, np.float32)
+                block(call.args, work, batch, r_lo, r_hi, native.address(x), n, k * n,
+                      native.address(c), n, rows * n, n)
+                got.append(c)
+            want = np.einsum("mk,bkn->bmn", w[8 * r_lo:8 * r_hi], x)
+            np.testing.assert_allclose(got[0], want, rtol=2e-4, atol=2e-4)
+            np.testing.assert_array_equal(got[1], got[0], err_msg=f"rows {r_lo}..{r_hi}")
 
 
 # (m, k, n, batch): tails of 1 to 8 columns, rows in whole and partial blocks of 32 and

@@ -3346,7 +3346,7 @@ def _direct_lanes_reason(geo: ConvGeometry, grid: Grid, vendor: str | None) -> s
         wide = ("; A in 16-row panels, one load a vector where two 8-row ones take an "
                 "insert on the port of an FMA unit, its filters packed that way only "
                 "(lanes_a16, LANES_A16_VENDORS: measured on a 2-core Intel Xeon)"
-                ) if lanes_a16(vendor) else ""
+                ) if lanes_a16(grid, vendor) else ""
         return f", in lanes tiles: {shape} (lanes_tiles){wide}"
     why = (f"depth {depth} below the {rows} rows" if depth < rows
            else f"over LANES_MAX_COLUMNS ({LANES_MAX_COLUMNS}) pixels")
@@ -3606,9 +3606,10 @@ def lanes_tiles(batch: int, m: int, n: int, k: int, vendor: Any = _HERE,
 # FMA unit: 26 operations there for a 32 x 12 tile's 24 multiply-adds. Where the direct
 # conv's plan runs its products in lanes tiles, its filters are packed in 16-row panels
 # only (one load a vector; held once: conv_gemm.layout_filters), on LANES_A16_VENDORS'
-# cores; a call they do not serve (one that would not run wholly in lanes tiles) reads
-# 8-row panels made from them on first need. The same values in the same lanes: the
-# same bits. Splits starting on an odd 8-row panel read the 16-row panels' halves.
+# cores with gemm.c's 8 x 32 tiles (its only build with lanes tiles); a call they do not
+# serve (one that would not run wholly in lanes tiles) reads 8-row panels made from them
+# on first need. The same values in the same lanes: the same bits. Splits starting on
+# an odd 8-row panel read the 16-row panels' halves.
 # Measured on the 2-core Intel Xeon (AVX-512; KVM) under load: MobileNetV2's lanes-tiled
 # 1x1 convs alone (one thread, both layouts alternating in one process, medians of 600
 # calls, us) 576 -> 96 + residual on 14x14 127.2 -> 119.9, 384 -> 64 + residual 59.9 ->
@@ -3620,11 +3621,14 @@ def lanes_tiles(batch: int, m: int, n: int, k: int, vendor: Any = _HERE,
 LANES_A16_VENDORS = frozenset({"Intel"})
 
 
-def lanes_a16(vendor: Any = _HERE) -> bool:
+def lanes_a16(grid: Any = _HERE, vendor: Any = _HERE) -> bool:
     """Whether products in lanes tiles read A packed in 16-row panels (instead of its
-    8-row ones), on a CPU of ``vendor`` (default: this machine's)."""
+    8-row ones), with the native tile ``grid`` on a CPU of ``vendor`` (defaults: this
+    machine's). gemm.c builds the lanes tiles, and reads 16-row panels, with its 8 x 32
+    tiles (AVX-512) only: another grid (6 x 16 with AVX2, 4 x 8 scalar) never does."""
+    grid = _grid(grid)
     vendor = _this_vendor() if vendor is _HERE else vendor
-    return vendor in LANES_A16_VENDORS
+    return grid is not None and tuple(grid) == (8, 32) and vendor in LANES_A16_VENDORS
 
 
 # A product in 8 x 32 tiles whose columns end in a partly filled panel (a 1x1 conv on

@@ -1574,8 +1574,9 @@ static void tall(const problem *g, const epilogue *e, int64_t i_lo, int64_t i_hi
  * fills 32-column panels and 16-column vectors of C's columns poorly: 49 columns compute
  * 64. With KEEL_LANES (the cpu planner's lanes_tiles) and the operands tall tiles take
  * (a packed A, a raw B of contiguous rows, no tables), it runs with C's rows in the
- * lanes instead: a tile is 32 (or 16) rows of C by at most LANES_COLS columns, A's two
- * 8-row panels joined into each 16-lane vector, one broadcast of B per column and
+ * lanes instead: a tile is 32 (or 16) rows of C by at most LANES_COLS columns, each
+ * 16-lane vector of A loaded from a 16-row panel (the cpu planner's lanes_a16) or
+ * joined from two 8-row ones (lanes_tile's modes), one broadcast of B per column and
  * step, the whole depth in registers; then each 16 x columns block is transposed in
  * registers and stored by rows with masked moves. The columns of a range split into
  * tiles as even as whole columns allow (49: 9, 10, 10, 10, 10), so no lane computes a
@@ -1585,23 +1586,24 @@ static void tall(const problem *g, const epilogue *e, int64_t i_lo, int64_t i_hi
 #if defined(__AVX512F__) && KEEL_GEMM_MR == 8
 #include "transpose.h"
 #define LANES_COLS 12
-/* Depth steps ahead that a tile fetches A's panels into L2 (0: none). Inside a model A
- * (up to 1.2 MiB for 960 -> 320) comes from L3 or memory, two panels per vector, more
- * streams than the hardware prefetcher follows well: MobileNetV2 at batch 1 (1 thread,
- * thread CPU time, processes alternating, under load) 5.49-5.61 ms without, 5.17-5.42
- * with 32 steps; 64 ran as 32, 128 as none. Where A is hot the fetches cost nothing
- * measurable (320 x 960 x 49: 132 and 133 us). B's rows of the tile, a row apart (784
- * bytes on a 14x14 map), are fetched into L1 as far ahead: on two threads a tile's B is
- * partly the other core's (the depthwise conv before it splits by channels), and its
- * strided rows came in one miss at a time. MobileNetV2 at batch 1 on the 2-core Xeon,
- * keel / onnxruntime in one process, processes alternating, medians of 30 under heavy
- * load (a load average of 9-12): one thread (thread CPU time) 1.020 against 1.028 in
- * four pairs and 0.988 against 1.004 in three more; two threads (wall) 0.72-0.79
- * against 0.75-0.78 in three pairs. Alone, hot, one thread: 320 -> 1280 on 7x7 270-285
- * against 284-287 us, 576 -> 96 on 14x14 135-139 against 144-150. Per node inside the
- * model on two threads (benchmarks/pernode, fastest of 40 passes, keel / onnxruntime):
- * 384 -> 64 + residual 56.5 / 37 -> 42.3 / 41, 576 -> 96 + residual 101.8 / 72 ->
- * 81.1 / 76, 384 -> 96 71.0 / 50 -> 59.2 / 54 (docs/performance.md). */
+/* Depth steps ahead that a tile fetches A's panels into L2 (0: none). Inside a model A (up
+ * to 1.2 MiB for 960 -> 320) comes from L3 or memory, two 8-row panels per vector (one
+ * 16-row panel with the planner's lanes_a16, which came later and kept this distance,
+ * measured with two), more streams than the hardware prefetcher follows well: MobileNetV2
+ * at batch 1 (1 thread, thread CPU time, processes alternating, under load) 5.49-5.61 ms
+ * without, 5.17-5.42 with 32 steps; 64 ran as 32, 128 as none. Where A is hot the fetches
+ * cost nothing measurable (320 x 960 x 49: 132 and 133 us). B's rows of the tile, a row
+ * apart (784 bytes on a 14x14 map), are fetched into L1 as far ahead: on two threads a
+ * tile's B is partly the other core's (the depthwise conv before it splits by channels),
+ * and its strided rows came in one miss at a time. MobileNetV2 at batch 1 on the 2-core
+ * Xeon, keel / onnxruntime in one process, processes alternating, medians of 30 under
+ * heavy load (a load average of 9-12): one thread (thread CPU time) 1.020 against 1.028 in
+ * four pairs and 0.988 against 1.004 in three more; two threads (wall) 0.72-0.79 against
+ * 0.75-0.78 in three pairs. Alone, hot, one thread: 320 -> 1280 on 7x7 270-285 against
+ * 284-287 us, 576 -> 96 on 14x14 135-139 against 144-150. Per node inside the model on two
+ * threads (benchmarks/pernode, fastest of 40 passes, keel / onnxruntime): 384 -> 64 +
+ * residual 56.5 / 37 -> 42.3 / 41, 576 -> 96 + residual 101.8 / 72 -> 81.1 / 76, 384 -> 96
+ * 71.0 / 50 -> 59.2 / 54 (docs/performance.md). */
 #ifndef KEEL_LANES_AHEAD
 #define KEEL_LANES_AHEAD 32
 #endif
@@ -2571,22 +2573,32 @@ void keel_gemm_tiles_f32(const keel_gemm_args *g, float *work, int64_t rows, int
  * the calling thread with `work`: a caller's own block of columns through the products
  * inside its own parallel task (Winograd's per-thread pipeline, winograd.c). B and C are
  * the caller's, in its cache: nothing streams. Each element is computed as keel_gemm_f32
- * computes it in the whole product. */
+ * computes it in the whole product, from 8-row panels or 16-row ones (a16). */
 void keel_gemm_block_f32(const keel_gemm_args *g, float *work, int64_t batch, int64_t r_lo,
                          int64_t r_hi, const float *b, int64_t ldb, int64_t b_bs, float *c,
                          int64_t ldc, int64_t c_bs, int64_t n)
 {
     keel_gemm_args a = *g;
+    int64_t mp = (g->m + MR - 1) / MR, hi = r_hi < mp ? r_hi : mp;
     int64_t i0 = r_lo * MR, i1 = r_hi * MR < g->m ? r_hi * MR : g->m;
     if (i0 >= i1 || n < 1 || g->a_rs != 0 || g->a_ks != 0) return;
-    a.m = i1 - i0;
-    a.a = g->a + i0 * g->k * (int64_t)sizeof(float);
     a.n = n;
     a.b = (int64_t)(intptr_t)b, a.b_rs = ldb, a.b_cs = 1, a.b_bs = b_bs;
     a.b_rows = 0, a.b_cols = 0;
     a.c = (int64_t)(intptr_t)c, a.ldc = ldc, a.c_bs = c_bs, a.c_cols = 0;
     a.bias = 0, a.bias_kind = 0, a.res = 0;
     a.flags &= ~(int64_t)(KEEL_STREAM | KEEL_NT | KEEL_ACCUMULATE | KEEL_CLIP | KEEL_DIRECT);
+    if (g->a16 != 0) {
+        /* A packed in 16-row panels only (a16, A's own address): a block starting on an
+           odd row panel starts inside a pair, which only A's own panel numbering reads
+           (lanes_product's halves), so the block keeps A's rows and C's address is taken
+           back by i0 rows, the rows below the block never written. */
+        a.c -= i0 * ldc * (int64_t)sizeof(float);
+        for (int64_t t = 0; t < batch; t++) keel_gemm_f32(&a, work, 1, t * mp + r_lo, t * mp + hi);
+        return;
+    }
+    a.m = i1 - i0;
+    a.a = g->a + i0 * g->k * (int64_t)sizeof(float);
     keel_gemm_f32(&a, work, 0, 0, batch * ((n + NR - 1) / NR));
 }
 

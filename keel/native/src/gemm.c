@@ -2293,8 +2293,8 @@ static void gather_fill(const keel_conv_band_args *g, const float *x, int64_t oy
 /* Conv rows [oy0, oy0 + rows) into y (output channel i's rows at y + i * ldy) from taps
  * gathered out of their phase image: a column panel inside one output row reads its
  * taps in place through the row table, one across output rows (up to NR of them, where
- * a row is one column wide) is packed (pack_gathered) first. The same tiles over the same A and the same values of B as band_tiles: the
- * same bits. */
+ * a row is one column wide) is packed (pack_gathered) first. The same tiles over the
+ * same A and the same values of B as band_tiles: the same bits. */
 static void pool_conv_rows(const keel_conv_band_args *g, const keel_conv_pool_args *p,
                            const float *x, int64_t oy0, int64_t rows, float *work,
                            float *y, int64_t ldy, const epilogue *e)
@@ -2415,9 +2415,6 @@ typedef struct {
     double alpha, lo, hi;
 } keel_gemm_args;
 
-/* The layout Python packs keel_gemm_args in, checked when native_gemm.py loads this
- * library: the struct's size and the byte offsets of C's and A's addresses (the fields a
- * prepared call rebinds). */
 /* 1 where the lanes tiles are built (AVX-512, 8-row panels): only then does a product
  * read an A packed in 16-row panels only (keel_gemm_args' a16). */
 int64_t keel_gemm_lanes_built_f32(void)
@@ -2429,6 +2426,9 @@ int64_t keel_gemm_lanes_built_f32(void)
 #endif
 }
 
+/* The layout Python packs keel_gemm_args in, checked when native_gemm.py loads this
+ * library: the struct's size and the byte offsets of C's and A's addresses (the fields a
+ * prepared call rebinds). */
 int64_t keel_gemm_args_size(void) { return (int64_t)sizeof(keel_gemm_args); }
 int64_t keel_gemm_args_c_offset(void) { return (int64_t)offsetof(keel_gemm_args, c); }
 int64_t keel_gemm_args_a_offset(void) { return (int64_t)offsetof(keel_gemm_args, a); }

@@ -501,7 +501,7 @@ def test_explain_says_why_a_node_moved() -> None:
     lines = [ln for ln in m.explain().splitlines() if ln.startswith("node order: ")]
     assert len(lines) == 1 and "both read r (N × 512 B)" in lines[0]
     assert "can find it still in cache" in lines[0]
-    assert "after Relu_2, the end of Conv_1" in lines[0]
+    assert "after Conv_1's chain (up to Relu_2, fused into it later" in lines[0]
     assert "0 KiB" not in lines[0] and "for any value of the symbolic dimensions" in lines[0]
 
 

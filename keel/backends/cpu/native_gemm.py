@@ -138,11 +138,11 @@ class _Functions:
     tiles_mt: Callable[..., int]     # keel_gemm_tiles_mt_f32: a grid of tiles on the pool
     calls: Callable[..., int]        # keel_gemm_calls_f32: bound calls one after another
     pack: Callable[..., None]
-    band: Callable[..., None]        # keel_conv_band_f32 and its helpers (prepare_band)
+    band: Callable[..., None]        # keel_conv_band_f32, its _mt form, rows and workspace
     band_mt: Callable[..., int]
     band_rows: Callable[..., int]
     band_work: Callable[..., int]
-    pooled: Callable[..., int]       # keel_conv_pool_f32 and its helpers (prepare_pooled)
+    pooled: Callable[..., int]       # keel_conv_pool_f32, its _mt form and workspace
     pooled_mt: Callable[..., int]
     pooled_work: Callable[..., int]
     mr: int          # rows of a micro-tile (the panel width of a left operand)

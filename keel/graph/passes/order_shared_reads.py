@@ -162,8 +162,9 @@ def _move(g: Graph, i: int, sizes: Mapping[str, Size | None], links: _Links) -> 
         g.nodes.insert(target, g.nodes.pop(i))
         links.moved(g, target, i)
         last = g.nodes[target - 1].name
-        where = f"after {last}, the end of {g.nodes[reader].name}'s chain" \
-            if last != g.nodes[reader].name else f"right after {last}"
+        first = g.nodes[reader].name
+        where = (f"after {first}'s chain (up to {last}, fused into it later where an "
+                 "activation or bias)") if last != first else f"right after {last}"
         return (f"{n.name} runs {where}: both read {value} ({_text(sizes.get(value))}), "
                 "moved so the second read can find it still in cache; no step holds more "
                 f"live bytes for any value of the symbolic dimensions (its output, "

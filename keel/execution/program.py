@@ -997,9 +997,30 @@ class Program:
         self._lanes_hot.clear()
         self._compile_hot()
         kept = self._staged_bound()
-        if len(kept) != len(self._staged):    # a bind declined: its feed is not copied
+        moving = {slot for slot, _, _ in self._moving} if self._may_run_direct(kept) else set()
+        copied = self._staged_copies()
+        unread = {slot for slot, buf in kept
+                  if slot not in moving and buf.nbytes > copied.get(slot, 0)}
+        # staged only to be read in place by a direct run, and a reader cannot or the run
+        # is not direct (it would copy the feed each run): the feed's steps unbound
+        if unread:
+            self._staged = tuple((slot, buf) for slot, buf in kept if slot not in unread)
+            self._threads.clear()
+            self._compile_hot()
+        elif len(kept) != len(self._staged):  # a bind declined: its feed is not copied
             self._staged = kept
             self._direct = self._plan_direct()
+
+    def _may_run_direct(self, staged: tuple[tuple[int, Any], ...]) -> bool:
+        """Whether the steps as compiled allow the direct run (:meth:`_plan_direct_run`)
+        with these feeds ``staged``: every step bound, every feed staged, no optional
+        input, every output a held buffer."""
+        held = {slot for kind, _, _, slot, _, _, _ in self._hot if kind == _HELD}
+        ours = {slot for slot, _ in staged}
+        return (self._calls is not None and not self._optional
+                and all(slot in ours for slot in self._input_slots)
+                and all(how == _AS_IS and device == HOST and slot in held
+                        for _, slot, how, device in self._handout))
 
     def _staged_bound(self) -> tuple[tuple[int, Any], ...]:
         """The staged feeds that some bound (or held) step reads: a step whose bind
@@ -1015,12 +1036,12 @@ class Program:
         if self.dynamic or self.shape_generic or any(
                 b.device.value != HOST for b in self._backends.values()):
             return ()
-        limit: dict[int, int] = {}          # slot: the most bytes a backend reading it stages
-        for st in self._steps:
+        limit = self._staged_copies()
+        for st in self._steps:      # or gives a buffer so that its steps read it in place
             if st.variant is not None and st.variant.bind is not None:
-                most = self._backends[st.backend].staging()[0]
+                most = self._backends[st.backend].feed_in_place()[1]
                 for i in st.inputs:
-                    limit[i] = max(limit.get(i, 0), most)
+                    limit[i] = max(limit[i], most)
         staged = []
         for name, t in self._input_types.items():
             slot = self._slots[name]
@@ -1031,6 +1052,18 @@ class Program:
             if math.prod(shape) * np.dtype(t.dtype.numpy).itemsize <= limit[slot]:
                 staged.append((slot, np.empty(shape, t.dtype.numpy)))
         return tuple(staged)
+
+    def _staged_copies(self) -> dict[int, int]:
+        """Each slot that a step able to bind reads: the most bytes of it that the
+        backends of its readers copy into a buffer (``Backend.staging``); a larger feed
+        is staged only to be read in place (``Backend.feed_in_place``)."""
+        limit: dict[int, int] = {}
+        for st in self._steps:
+            if st.variant is not None and st.variant.bind is not None:
+                most = self._backends[st.backend].staging()[0]
+                for i in st.inputs:
+                    limit[i] = max(limit.get(i, 0), most)
+        return limit
 
     def _on_this_thread(self) -> None:
         """Take the steps as compiled on this thread (bound anew on a thread new here)."""
@@ -1072,7 +1105,7 @@ class Program:
         moving = []
         for slot, buf in self._staged:
             readers = [i for i, st in enumerate(self._steps) if slot in st.inputs]
-            least = min((self._backends[self._steps[i].backend].feed_in_place()
+            least = min((self._backends[self._steps[i].backend].feed_in_place()[0]
                          for i in readers), default=0)
             if not least or buf.nbytes < least or any(
                     hot[i][0] not in (_BOUND, _HELD) or self._steps[i].inputs.count(slot) != 1
@@ -1230,7 +1263,8 @@ def _direct_runner(program: Program,
     touches bound as locals: a run is a few bytecodes around the calls, which matters at
     batch 1, where the calls themselves take 20-150 us. ``feeds``: each feed's buffer and
     the ``point`` of every call that reads it in place (none: it is copied into the
-    buffer); a feed not C-contiguous and aligned is copied and read there. ``quiet``:
+    buffer); a feed not C-contiguous and aligned, or not of its buffer's dtype and
+    shape, is copied and read there. ``quiet``:
     the calls run under the quiet FP state (where some of them run NumPy).
 
     After a product that passes a model's weights through the L2, each Python operation
@@ -1249,7 +1283,8 @@ def _direct_runner(program: Program,
                 np.copyto(buf, array)
                 continue
             flags = array.flags
-            if not (flags.c_contiguous and flags.aligned):
+            if not (flags.c_contiguous and flags.aligned) or array.dtype != buf.dtype \
+                    or array.shape != buf.shape:
                 np.copyto(buf, array)
                 array = buf
             for point in points:

@@ -12,6 +12,7 @@ array is never written.
 from __future__ import annotations
 
 import gc
+import weakref
 
 import numpy as np
 import pytest
@@ -146,11 +147,13 @@ def test_a_first_conv_reads_the_feed_in_place_and_computes_the_unstaged_bits(
         assert _run(model, changed) == want[1]
         changed[...] = _image(2)                            # same array, new values
         assert _run(model, changed) == want[2]
-        for seed in (0, 1, 2):                              # a new array each run
-            x = _image(seed)
-            assert _run(model, x) == want[seed]
-            del x
+        for seed in (0, 1, 2):      # a new array each run, a view of a larger one
+            base = np.concatenate([_image(seed + 1, 3), _image(seed)])
+            assert _run(model, base[3:]) == want[seed]
+            gone = weakref.ref(base)
+            del base
             gc.collect()
+            assert gone() is None, "the program keeps the caller's array alive"
 
 
 @pytest.mark.parametrize("pooled", [False, True])

@@ -172,11 +172,14 @@ class ConvStep:
         self.link = _link(y) if link is None else link
 
     def __call__(self) -> None:
+        # The array ``point`` gave is this run's alone: the step lets go of it (the pool's
+        # call keeps only its address), so a caller's array is not kept alive after it.
+        x, self.x = self.x, self.buffer
         step = self.link.waiting()
-        if step is not None and step.take(self.x, self.band_of):
+        if step is not None and step.take(x, self.band_of):
             return
-        if self.x is not self.buffer:
-            np.copyto(self.buffer, self.x)      # a same-dtype copy: no floating point
+        if x is not self.buffer:
+            np.copyto(self.buffer, x)           # a same-dtype copy: no floating point
         self.call()
 
     def reading(self, buffer: Any) -> ConvStep | None:
@@ -187,6 +190,6 @@ class ConvStep:
         return ConvStep(self.call, self.buffer, self.y, self.band_of, self.link)
 
     def point(self, x: np.ndarray) -> None:
-        """Read ``x`` from the next run on (a C-contiguous aligned array of X's shape
-        and dtype, as a steady run gives it)."""
+        """Read ``x`` in the next run (a C-contiguous aligned array of X's shape and
+        dtype, as a steady run gives it each run); the buffer again after it."""
         self.x = x

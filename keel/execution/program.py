@@ -444,10 +444,7 @@ class Program:
             values[slot] = value
         for slot, default in self._optional.values():
             values[slot] = default
-        for slot, buf in self._staged:
-            np.copyto(buf, values[slot])
-            values[slot] = buf
-        self._point_at_buffers()
+        self._take_staged()
         if self._direct and self._bound_on == _get_ident():
             return self._run_direct()
         return self._run_hot(None)
@@ -470,11 +467,16 @@ class Program:
         step bound, no region run at once, no device recording, and no scope but the
         quiet FP state (NumPy 2's context variable) to enter. Decided after the first
         run (which decides the recording)."""
-        direct = (self._capture_decided and self._calls is not None and self._schedule is None
-                  and self._replay is None and _FP_STATE is not None
-                  and self._scoped in ((), (_quiet,)))
+        direct = (self._capture_decided and self._calls is not None and self._replay is None
+                  and self._runs_may_be_direct())
         self._direct_run = self._plan_direct_run() if direct else None
         return direct
+
+    def _runs_may_be_direct(self) -> bool:
+        """What a direct run needs besides bound steps, known when compiled: no region
+        run at once and no scope but the quiet FP state (NumPy 2's context variable)."""
+        return (self._schedule is None and _FP_STATE is not None
+                and self._scoped in ((), (_quiet,)))
 
     def _plan_direct_run(self) -> Callable[[Sequence[Any]], dict[str, Any]] | None:
         """The whole steady run as one function of the ordered feeds, where nothing but
@@ -934,10 +936,24 @@ class Program:
             value = self._values[slot]
             if type(value) is not np.ndarray and is_device_array(value):
                 self._values[slot] = device_to_host(value)
+        self._take_staged()
+
+    def _take_staged(self) -> None:
+        """This run's staged feeds: one read in place (``_moving``) stays where the caller
+        has it, its calls pointed there, if they can read it (as the steady run does, so
+        that no path copies it: ``run(outputs=...)``, a run on another thread); any
+        other is copied into its buffer, the calls reading the buffer."""
+        values, moving = self._values, {slot: points for slot, _, points in self._moving}
         for slot, buf in self._staged:
-            np.copyto(buf, self._values[slot])
-            self._values[slot] = buf
-        self._point_at_buffers()
+            value, points = values[slot], moving.get(slot, ())
+            if points and _readable_in_place(value, buf):
+                for point in points:
+                    point(value)
+                continue
+            np.copyto(buf, value)
+            values[slot] = buf
+            for point in points:
+                point(buf)
 
     def _point_at_buffers(self) -> None:
         """The calls reading a feed in place read its buffer (where this run copied it):
@@ -1012,12 +1028,13 @@ class Program:
             self._direct = self._plan_direct()
 
     def _may_run_direct(self, staged: tuple[tuple[int, Any], ...]) -> bool:
-        """Whether the steps as compiled allow the direct run (:meth:`_plan_direct_run`)
-        with these feeds ``staged``: every step bound, every feed staged, no optional
+        """Whether the steps as compiled allow the direct run (:meth:`_plan_direct` and
+        :meth:`_plan_direct_run`) with these feeds ``staged``: every step bound, nothing
+        else in the way (:meth:`_runs_may_be_direct`), every feed staged, no optional
         input, every output a held buffer."""
         held = {slot for kind, _, _, slot, _, _, _ in self._hot if kind == _HELD}
         ours = {slot for slot, _ in staged}
-        return (self._calls is not None and not self._optional
+        return (self._calls is not None and self._runs_may_be_direct() and not self._optional
                 and all(slot in ours for slot in self._input_slots)
                 and all(how == _AS_IS and device == HOST and slot in held
                         for _, slot, how, device in self._handout))
@@ -1325,6 +1342,16 @@ def _alive(owner: weakref.ref[Program]) -> Program:
     program = owner()
     assert program is not None
     return program
+
+
+def _readable_in_place(value: Any, buf: np.ndarray) -> bool:
+    """Whether calls bound to ``buf`` may read ``value`` instead: a C-contiguous aligned
+    array of its dtype and shape."""
+    if type(value) is not np.ndarray:
+        return False
+    flags = value.flags
+    return bool(flags.c_contiguous and flags.aligned and value.dtype == buf.dtype
+                and value.shape == buf.shape)
 
 
 def _held_run(call: Callable[[], object], held: Any, values: list[Any], slot: int) -> None:

@@ -209,3 +209,43 @@ def test_explain_states_the_rule() -> None:
     model = load_model(_stem(False), backend="cpu", threads=1)
     text = model.explain()
     assert "FEED_IN_PLACE_MOST_BYTES" in text and "a band conv's X" in text
+
+
+@pytest.mark.parametrize("pooled", [False, True])
+def test_a_run_that_cannot_be_direct_does_not_stage_the_feed(
+        pooled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without NumPy 2's FP context variable (NumPy 1.x) no run is direct: the execute
+    path would copy the feed each run, so it gets no buffer, as with the rule off."""
+    monkeypatch.setattr(program_module, "_FP_STATE", None)
+    onnx = _stem(pooled)
+    off = _load(onnx, 1, False, monkeypatch)
+    model = _load(onnx, 1, True, monkeypatch)
+    for seed in (0, 1, 1, 2):
+        assert _run(model, _image(seed)) == _run(off, _image(seed))
+    program = _program(model, _image(0))
+    assert program._direct_run is None
+    assert program._staged == () and program._moving == ()
+
+
+@pytest.mark.parametrize("pooled", [False, True])
+def test_a_run_into_given_outputs_reads_the_feed_in_place(
+        pooled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Program.run(outputs=...)`` (memory-limited chunks, throughput streams) points
+    the calls at the caller's array as the steady run does: the feed's buffer is not
+    written, and an array they cannot read (Fortran order) is copied there."""
+    onnx = _stem(pooled)
+    off = _load(onnx, 1, False, monkeypatch)
+    model = _load(onnx, 2, True, monkeypatch)
+    for _ in range(2):
+        model.predict({"x": _image(0)})
+    program = _program(model, _image(0))
+    ((slot, buf, _),) = program._moving
+    for seed in (1, 2):
+        want = _run(off, _image(seed))
+        out = {"y": np.empty((1, 64 if pooled else 32, 1, 1), np.float32)}
+        buf[...] = np.nan
+        program.run({"x": _image(seed)}, outputs=out)
+        assert out["y"].tobytes() == want and np.isnan(buf).all()
+        program.run({"x": np.asfortranarray(_image(seed))}, outputs=out)
+        assert out["y"].tobytes() == want and np.array_equal(buf, _image(seed))
+        assert _run(model, _image(seed)) == want        # the steady run points anew

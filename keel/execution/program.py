@@ -1023,7 +1023,8 @@ class Program:
             self._staged = tuple((slot, buf) for slot, buf in kept if slot not in unread)
             self._threads.clear()
             self._compile_hot()
-        elif len(kept) != len(self._staged):  # a bind declined: its feed is not copied
+            kept = self._staged_bound()     # a step bound only with the dropped feed
+        if len(kept) != len(self._staged):  # a bind declined: its feed is not copied
             self._staged = kept
             self._direct = self._plan_direct()
 

@@ -239,7 +239,7 @@ def test_a_run_into_given_outputs_reads_the_feed_in_place(
     for _ in range(2):
         model.predict({"x": _image(0)})
     program = _program(model, _image(0))
-    ((slot, buf, _),) = program._moving
+    ((_, buf, _),) = program._moving
     for seed in (1, 2):
         want = _run(off, _image(seed))
         out = {"y": np.empty((1, 64 if pooled else 32, 1, 1), np.float32)}
@@ -249,3 +249,31 @@ def test_a_run_into_given_outputs_reads_the_feed_in_place(
         program.run({"x": np.asfortranarray(_image(seed))}, outputs=out)
         assert out["y"].tobytes() == want and np.array_equal(buf, _image(seed))
         assert _run(model, _image(seed)) == want        # the steady run points anew
+
+
+def test_a_small_feed_read_only_with_a_dropped_feed_is_not_staged(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``x + s`` then the conv: the large feed ``x`` is dropped (its reader, the Add,
+    cannot move it), and the Add, bound no more, was the only bound step reading the
+    small feed ``s``: it is not staged either (copying it gains nothing)."""
+    n = helper.make_node
+    w = (np.random.default_rng(1).standard_normal((32, 3, 3, 3)) * 0.1).astype(np.float32)
+    nodes = [n("Add", ["x", "s"], ["a"]),
+             n("Conv", ["a", "w"], ["c"], kernel_shape=[3, 3], strides=[2, 2], pads=[1] * 4),
+             n("GlobalAveragePool", ["c"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, SIZE, SIZE]),
+                     helper.make_tensor_value_info("s", TensorProto.FLOAT, [1, 3, SIZE, 1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(w, "w")])
+    onnx = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]
+                             ).SerializeToString()
+    feeds = {"x": _image(0), "s": _image(1)[..., :1].copy()}
+    want = _load(onnx, 1, False, monkeypatch).predict(feeds)["y"]
+    model = _load(onnx, 1, True, monkeypatch)
+    for _ in range(3):
+        got = model.predict(feeds)["y"]
+    assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
+    fast = model._fast_path(feeds)
+    assert fast is not None
+    assert fast[0][1]._staged == ()

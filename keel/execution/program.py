@@ -278,7 +278,8 @@ class Program:
                                 if s not in views and s not in constants
                                 and s != self._none_slot)
         self._bound: dict[str, int] = {}          # device -> id of the arena bound
-        self._staged: tuple[tuple[int, Any], ...] = ()   # small feeds: (slot, own buffer)
+        # feeds copied into (or read in place instead of) a buffer: (slot, own buffer)
+        self._staged: tuple[tuple[int, Any], ...] = ()
         # Staged feeds the bound steps read where the caller has them (_feeds_in_place):
         # (slot, its buffer, each reading call's ``point``), as compiled for _hot's thread.
         self._moving: tuple[tuple[int, Any, tuple[Callable[[Any], None], ...]], ...] = ()
@@ -1048,9 +1049,12 @@ class Program:
         return tuple((slot, buf) for slot, buf in self._staged if slot in read)
 
     def _stage_buffers(self) -> tuple[tuple[int, Any], ...]:
-        """A buffer of the program's own for each small feed that a step able to bind
-        reads (host programs of fixed shapes only); those no step binds to are dropped
-        once the steps are bound (:meth:`_staged_bound`)."""
+        """A buffer of the program's own for each feed that a step able to bind reads
+        (host programs of fixed shapes only): a feed its readers' backends copy
+        (``Backend.staging``), or a larger one they may read in place
+        (``Backend.feed_in_place``). Those no step binds to are dropped once the steps
+        are bound (:meth:`_staged_bound`), and so is a larger one that some reader cannot
+        read in place or whose run cannot be direct (:meth:`_bind_views`)."""
         if self.dynamic or self.shape_generic or any(
                 b.device.value != HOST for b in self._backends.values()):
             return ()
@@ -1192,7 +1196,7 @@ class Program:
 
     def _bound_call(self, step: _Step, out: list[Any]) -> Callable[[], object] | None:
         """The step's kernel bound to its arrays, where every one of them stays put from
-        run to run (arena views, weights, small feeds' buffers) and the variant binds
+        run to run (arena views, weights, staged feeds' buffers) and the variant binds
         (``KernelVariant.bind``)."""
         bind = None if step.variant is None else step.variant.bind
         if bind is None or step.ctx is None or \

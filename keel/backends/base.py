@@ -498,8 +498,8 @@ class Backend(ABC):
     def _staging(self) -> tuple[int, int]:
         return 0, 0
 
-    def _feed_in_place(self) -> int:
-        return 0
+    def _feed_in_place(self) -> tuple[int, int]:
+        return 0, 0
 
     def _joined(self, calls: tuple[Callable[[], object], ...]
                 ) -> tuple[Callable[[], object], ...]:
@@ -632,10 +632,12 @@ class Backend(ABC):
         return self._staging()
 
     @final
-    def feed_in_place(self) -> int:
-        """Bytes from which a staged feed that this backend's bound steps read only as
-        an input they can move (a bound call's ``reading``) is read where the caller
-        has it, not copied into its buffer; 0: never (the default)."""
+    def feed_in_place(self) -> tuple[int, int]:
+        """(least, most) bytes: from ``least`` a staged feed that this backend's bound
+        steps read only as an input they can move (a bound call's ``reading``) is read
+        where the caller has it, not copied into its buffer; a feed too large to stage
+        (``staging``) but of at most ``most`` bytes is given a buffer all the same where
+        every step reading it then reads it so. (0, 0): never (the default)."""
         return self._feed_in_place()
 
     @final

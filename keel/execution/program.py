@@ -278,7 +278,8 @@ class Program:
                                 if s not in views and s not in constants
                                 and s != self._none_slot)
         self._bound: dict[str, int] = {}          # device -> id of the arena bound
-        self._staged: tuple[tuple[int, Any], ...] = ()   # small feeds: (slot, own buffer)
+        # feeds copied into (or read in place instead of) a buffer: (slot, own buffer)
+        self._staged: tuple[tuple[int, Any], ...] = ()
         # Staged feeds the bound steps read where the caller has them (_feeds_in_place):
         # (slot, its buffer, each reading call's ``point``), as compiled for _hot's thread.
         self._moving: tuple[tuple[int, Any, tuple[Callable[[Any], None], ...]], ...] = ()
@@ -444,10 +445,7 @@ class Program:
             values[slot] = value
         for slot, default in self._optional.values():
             values[slot] = default
-        for slot, buf in self._staged:
-            np.copyto(buf, values[slot])
-            values[slot] = buf
-        self._point_at_buffers()
+        self._take_staged()
         if self._direct and self._bound_on == _get_ident():
             return self._run_direct()
         return self._run_hot(None)
@@ -470,11 +468,16 @@ class Program:
         step bound, no region run at once, no device recording, and no scope but the
         quiet FP state (NumPy 2's context variable) to enter. Decided after the first
         run (which decides the recording)."""
-        direct = (self._capture_decided and self._calls is not None and self._schedule is None
-                  and self._replay is None and _FP_STATE is not None
-                  and self._scoped in ((), (_quiet,)))
+        direct = (self._capture_decided and self._calls is not None and self._replay is None
+                  and self._runs_may_be_direct())
         self._direct_run = self._plan_direct_run() if direct else None
         return direct
+
+    def _runs_may_be_direct(self) -> bool:
+        """What a direct run needs besides bound steps, known when compiled: no region
+        run at once and no scope but the quiet FP state (NumPy 2's context variable)."""
+        return (self._schedule is None and _FP_STATE is not None
+                and self._scoped in ((), (_quiet,)))
 
     def _plan_direct_run(self) -> Callable[[Sequence[Any]], dict[str, Any]] | None:
         """The whole steady run as one function of the ordered feeds, where nothing but
@@ -934,10 +937,26 @@ class Program:
             value = self._values[slot]
             if type(value) is not np.ndarray and is_device_array(value):
                 self._values[slot] = device_to_host(value)
+        self._take_staged()
+
+    def _take_staged(self) -> None:
+        """This run's staged feeds: one read in place (``_moving``) stays where the caller
+        has it, its calls pointed there, if they can read it (as the steady run does, so
+        that no path copies it: ``run(outputs=...)``, a run on another thread); any
+        other is copied into its buffer, the calls reading the buffer."""
+        if self._moving and self._bound_on != _get_ident():
+            self._on_this_thread()      # this thread's calls, not the last thread's
+        values, moving = self._values, {slot: points for slot, _, points in self._moving}
         for slot, buf in self._staged:
-            np.copyto(buf, self._values[slot])
-            self._values[slot] = buf
-        self._point_at_buffers()
+            value, points = values[slot], moving.get(slot, ())
+            if points and _readable_in_place(value, buf):
+                for point in points:
+                    point(value)
+                continue
+            np.copyto(buf, value)
+            values[slot] = buf
+            for point in points:
+                point(buf)
 
     def _point_at_buffers(self) -> None:
         """The calls reading a feed in place read its buffer (where this run copied it):
@@ -997,9 +1016,32 @@ class Program:
         self._lanes_hot.clear()
         self._compile_hot()
         kept = self._staged_bound()
-        if len(kept) != len(self._staged):    # a bind declined: its feed is not copied
+        moving = {slot for slot, _, _ in self._moving} if self._may_run_direct(kept) else set()
+        copied = self._staged_copies()
+        unread = {slot for slot, buf in kept
+                  if slot not in moving and buf.nbytes > copied.get(slot, 0)}
+        # staged only to be read in place by a direct run, and a reader cannot or the run
+        # is not direct (it would copy the feed each run): the feed's steps unbound
+        if unread:
+            self._staged = tuple((slot, buf) for slot, buf in kept if slot not in unread)
+            self._threads.clear()
+            self._compile_hot()
+            kept = self._staged_bound()     # a step bound only with the dropped feed
+        if len(kept) != len(self._staged):  # a bind declined: its feed is not copied
             self._staged = kept
             self._direct = self._plan_direct()
+
+    def _may_run_direct(self, staged: tuple[tuple[int, Any], ...]) -> bool:
+        """Whether the steps as compiled allow the direct run (:meth:`_plan_direct` and
+        :meth:`_plan_direct_run`) with these feeds ``staged``: every step bound, nothing
+        else in the way (:meth:`_runs_may_be_direct`), every feed staged, no optional
+        input, every output a held buffer."""
+        held = {slot for kind, _, _, slot, _, _, _ in self._hot if kind == _HELD}
+        ours = {slot for slot, _ in staged}
+        return (self._calls is not None and self._runs_may_be_direct() and not self._optional
+                and all(slot in ours for slot in self._input_slots)
+                and all(how == _AS_IS and device == HOST and slot in held
+                        for _, slot, how, device in self._handout))
 
     def _staged_bound(self) -> tuple[tuple[int, Any], ...]:
         """The staged feeds that some bound (or held) step reads: a step whose bind
@@ -1009,18 +1051,21 @@ class Program:
         return tuple((slot, buf) for slot, buf in self._staged if slot in read)
 
     def _stage_buffers(self) -> tuple[tuple[int, Any], ...]:
-        """A buffer of the program's own for each small feed that a step able to bind
-        reads (host programs of fixed shapes only); those no step binds to are dropped
-        once the steps are bound (:meth:`_staged_bound`)."""
+        """A buffer of the program's own for each feed that a step able to bind reads
+        (host programs of fixed shapes only): a feed its readers' backends copy
+        (``Backend.staging``), or a larger one they may read in place
+        (``Backend.feed_in_place``). Those no step binds to are dropped once the steps
+        are bound (:meth:`_staged_bound`), and so is a larger one that some reader cannot
+        read in place or whose run cannot be direct (:meth:`_bind_views`)."""
         if self.dynamic or self.shape_generic or any(
                 b.device.value != HOST for b in self._backends.values()):
             return ()
-        limit: dict[int, int] = {}          # slot: the most bytes a backend reading it stages
-        for st in self._steps:
+        limit = self._staged_copies()
+        for st in self._steps:      # or gives a buffer so that its steps read it in place
             if st.variant is not None and st.variant.bind is not None:
-                most = self._backends[st.backend].staging()[0]
+                most = self._backends[st.backend].feed_in_place()[1]
                 for i in st.inputs:
-                    limit[i] = max(limit.get(i, 0), most)
+                    limit[i] = max(limit[i], most)
         staged = []
         for name, t in self._input_types.items():
             slot = self._slots[name]
@@ -1031,6 +1076,18 @@ class Program:
             if math.prod(shape) * np.dtype(t.dtype.numpy).itemsize <= limit[slot]:
                 staged.append((slot, np.empty(shape, t.dtype.numpy)))
         return tuple(staged)
+
+    def _staged_copies(self) -> dict[int, int]:
+        """Each slot that a step able to bind reads: the most bytes of it that the
+        backends of its readers copy into a buffer (``Backend.staging``); a larger feed
+        is staged only to be read in place (``Backend.feed_in_place``)."""
+        limit: dict[int, int] = {}
+        for st in self._steps:
+            if st.variant is not None and st.variant.bind is not None:
+                most = self._backends[st.backend].staging()[0]
+                for i in st.inputs:
+                    limit[i] = max(limit.get(i, 0), most)
+        return limit
 
     def _on_this_thread(self) -> None:
         """Take the steps as compiled on this thread (bound anew on a thread new here)."""
@@ -1072,7 +1129,7 @@ class Program:
         moving = []
         for slot, buf in self._staged:
             readers = [i for i, st in enumerate(self._steps) if slot in st.inputs]
-            least = min((self._backends[self._steps[i].backend].feed_in_place()
+            least = min((self._backends[self._steps[i].backend].feed_in_place()[0]
                          for i in readers), default=0)
             if not least or buf.nbytes < least or any(
                     hot[i][0] not in (_BOUND, _HELD) or self._steps[i].inputs.count(slot) != 1
@@ -1141,7 +1198,7 @@ class Program:
 
     def _bound_call(self, step: _Step, out: list[Any]) -> Callable[[], object] | None:
         """The step's kernel bound to its arrays, where every one of them stays put from
-        run to run (arena views, weights, small feeds' buffers) and the variant binds
+        run to run (arena views, weights, staged feeds' buffers) and the variant binds
         (``KernelVariant.bind``)."""
         bind = None if step.variant is None else step.variant.bind
         if bind is None or step.ctx is None or \
@@ -1230,7 +1287,8 @@ def _direct_runner(program: Program,
     touches bound as locals: a run is a few bytecodes around the calls, which matters at
     batch 1, where the calls themselves take 20-150 us. ``feeds``: each feed's buffer and
     the ``point`` of every call that reads it in place (none: it is copied into the
-    buffer); a feed not C-contiguous and aligned is copied and read there. ``quiet``:
+    buffer); a feed not C-contiguous and aligned, or not of its buffer's dtype and
+    shape, is copied and read there. ``quiet``:
     the calls run under the quiet FP state (where some of them run NumPy).
 
     After a product that passes a model's weights through the L2, each Python operation
@@ -1249,7 +1307,8 @@ def _direct_runner(program: Program,
                 np.copyto(buf, array)
                 continue
             flags = array.flags
-            if not (flags.c_contiguous and flags.aligned):
+            if not (flags.c_contiguous and flags.aligned) or array.dtype != buf.dtype \
+                    or array.shape != buf.shape:
                 np.copyto(buf, array)
                 array = buf
             for point in points:
@@ -1290,6 +1349,16 @@ def _alive(owner: weakref.ref[Program]) -> Program:
     program = owner()
     assert program is not None
     return program
+
+
+def _readable_in_place(value: Any, buf: np.ndarray) -> bool:
+    """Whether calls bound to ``buf`` may read ``value`` instead: a C-contiguous aligned
+    array of its dtype and shape."""
+    if type(value) is not np.ndarray:
+        return False
+    flags = value.flags
+    return bool(flags.c_contiguous and flags.aligned and value.dtype == buf.dtype
+                and value.shape == buf.shape)
 
 
 def _held_run(call: Callable[[], object], held: Any, values: list[Any], slot: int) -> None:

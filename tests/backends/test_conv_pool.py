@@ -71,6 +71,7 @@ def _pool_steps(model: Any) -> list[conv_pool.PoolStep]:
     # feed runs unbound); a graph output's step is held: its call wrapped.
     calls = program._calls or [c for hot in program._hot for c in hot if callable(c)]
     for call in calls:
+        call = getattr(call, "fn", call)           # a BoundCall's function
         parts = (call, *getattr(call, "args", ()))
         found += [c for c in parts if isinstance(c, conv_pool.PoolStep)]
     return found

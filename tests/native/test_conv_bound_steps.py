@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 
 from keel import load_model
+from keel.backends.bound import BoundCall
+from keel.backends.cpu import native_window
 from keel.execution import program as program_module
-from keel.testing.models import mobilenet_block, resnet_block
+from keel.testing.models import mobilenet_block, resnet_block, resnet_stages
 
 pytestmark = pytest.mark.usefixtures("native_tier")
 
@@ -100,3 +102,24 @@ def test_bound_winograd_steps_give_the_same_bits_on_every_thread_count() -> None
                 assert set(kinds) == {program_module._BOUND}
             outs.setdefault(channels, set()).add(model.predict(x)["logits"].tobytes())
     assert all(len(bits) == 1 for bits in outs.values())
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_conv_copying_phases_in_the_window_kernels_is_a_native_step(threads: int) -> None:
+    """A 7-wide stride-2 conv and its 1x1 shortcut copy X into a phase image first; where
+    the window kernels make that copy, the bound step is the copy then the GEMM, C code
+    only, marked ``native``, and computes the kernels' bits."""
+    proto = resnet_stages(channels=128, size=14)
+    model = load_model(proto, backend="cpu", threads=threads)
+    feeds = _feeds(model, 3)
+    model.predict(feeds[0])
+    program = model._fast_path(feeds[0])[0][1]     # type: ignore[attr-defined,index]
+    phased = [hot[1] for step, hot in zip(program._steps, program._hot, strict=True)
+              if step.op == "conv"
+              and any(isinstance(k, native_window.Bound) for k in getattr(hot[1], "keep", ()))]
+    assert len(phased) == 2
+    assert all(isinstance(c, BoundCall) and c.native for c in phased)
+    for x in feeds[1:]:
+        got, kernel = model.predict(x), model.intermediates(x)
+        for key in got:
+            assert got[key].tobytes() == kernel[key].tobytes()

@@ -156,10 +156,10 @@ class CpuBackend(Backend):
 
         return staging()
 
-    def _feed_in_place(self) -> int:
-        from keel.backends.cpu.planner import FEED_IN_PLACE_BYTES
+    def _feed_in_place(self) -> tuple[int, int]:
+        from keel.backends.cpu.planner import FEED_IN_PLACE_BYTES, FEED_IN_PLACE_MOST_BYTES
 
-        return FEED_IN_PLACE_BYTES
+        return FEED_IN_PLACE_BYTES, FEED_IN_PLACE_MOST_BYTES
 
     def _joined(self, calls: tuple[Callable[[], object], ...]
                 ) -> tuple[Callable[[], object], ...]:

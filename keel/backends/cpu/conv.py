@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import itertools
 import math
@@ -616,22 +617,66 @@ def _bind_conv(variant: str, ctx: KernelContext, inputs: Inputs, attrs: Attrs,
         return None
     if ctx.plan is not None and ctx.plan.option("pooled_by") is not None:
         call = functools.partial(ready.run, x, y, ctx.threads or 1)
-        return conv_pool.ConvStep(call, x, y, functools.partial(_pooled_band, plan, x, w, b,
+        step = conv_pool.ConvStep(call, x, y, functools.partial(_pooled_band, plan, x, w, b,
                                                                 z, y, state))
-    return _native_step(ready, ctx.threads or 1) or functools.partial(
+        # C only where the conv's own run is (the pool's fused call is C either way)
+        native = _c_only(ready, x, ctx.threads or 1)
+        return BoundCall(step, native=native,
+                         reading=functools.partial(_conv_step_reading, step, native))
+    return _native_step(ready, x, ctx.threads or 1) or functools.partial(
         ready.run, x, y, ctx.threads or 1)
 
 
-def _native_step(ready: _Ready, threads: int) -> BoundCall | None:
-    """``ready``'s run as a step marked ``native`` where it is its kernel calls alone (no
-    phase copy, no activation pass of NumPy's: C code only), its X bound (a step's X
-    stays put, so the run never rebinds it); None otherwise."""
-    if ready.fills is not None or ready.finish:
+def _c_only(ready: _Ready, x: Any, threads: int) -> bool:
+    """Whether ``ready``'s run of ``x`` is C code only: its kernel calls, after X's copy
+    into the phase image on keel's threads where it has one (no copy or activation pass
+    of NumPy's)."""
+    return not ready.finish and (ready.fills is None or (
+        ready.layout is not None
+        and conv_gemm.bind_phase_copy(ready.layout, x, ready.source, threads) is not None))
+
+
+def _native_step(ready: _Ready, x: Any, threads: int) -> BoundCall | None:
+    """``ready``'s run as a step marked ``native`` where it is its kernel calls alone,
+    after X's copy into the phase image where it has one, on keel's threads (the window
+    kernels' copy, as :meth:`_Ready.run` makes it): C code only, no copy or activation
+    pass of NumPy's. Its X bound (a step's X stays put, so the run never rebinds it);
+    None otherwise."""
+    if ready.finish:
         return None
+    copy: tuple[Callable[[], Any], ...] = ()
+    if ready.fills is not None:
+        phases = None if ready.layout is None else conv_gemm.bind_phase_copy(
+            ready.layout, x, ready.source, threads)
+        if phases is None:
+            return None         # the copy is NumPy's
+        copy = (phases,)
     bound = tuple(call.bound(threads) for call in ready.calls)
-    go = tuple(bare(call) for call in bound)
+    go = (*copy, *(bare(call) for call in bound))
+    reading = None
+    if not copy and len(ready.calls) == 1 and isinstance(ready.calls[0], native_gemm.BandCall):
+        reading = functools.partial(_band_reading, ready, ready.calls[0], threads)
     return BoundCall(go[0] if len(go) == 1 else functools.partial(_each, go),
-                     keep=(ready, *bound), native=True)
+                     keep=(ready, *copy, *bound), native=True, reading=reading)
+
+
+def _conv_step_reading(step: conv_pool.ConvStep, native: bool, buffer: Any
+                       ) -> BoundCall | None:
+    """A pooled conv's step as one whose X its ``point`` moves (a feed read where the
+    caller has it: the cpu planner's ``FEED_IN_PLACE_MOST_BYTES``); None where the
+    step does not read ``buffer``."""
+    moving = step.reading(buffer)
+    return None if moving is None else BoundCall(moving, native=native, point=moving.point)
+
+
+def _band_reading(ready: _Ready, band: native_gemm.BandCall, threads: int, buffer: Any
+                  ) -> BoundCall | None:
+    """The band conv's step as a call whose X its ``point`` moves (a feed read where the
+    caller has it: the cpu planner's ``FEED_IN_PLACE_MOST_BYTES``); None where the conv
+    does not read ``buffer`` itself."""
+    moving = band.bound_reading(threads, buffer)
+    return None if moving is None else dataclasses.replace(
+        moving, keep=(ready, *moving.keep))
 
 
 def _each(calls: tuple[Callable[[], Any], ...]) -> None:

@@ -3,8 +3,9 @@
 Where the cpu planner pools a conv while its rows are in cache (``planner.pool_in_conv``:
 the conv's plan carries the option ``pooled_by``, the pool's ``pool_in_conv`` with its
 split), the pool's bound step (:class:`PoolStep`, made when the program binds its steps)
-waits for its conv: each run the conv's step, bound or not (a large feed is read where
-the caller has it, so a network's first conv runs unbound), hands its X over
+waits for its conv: each run the conv's step, bound or not (a feed too large to stage
+and read by another step too leaves a network's first conv unbound; else its bound step
+reads the feed where the caller has it: :meth:`ConvStep.reading`), hands its X over
 (:func:`hand_over`) instead of computing, and the pool's step then runs gemm.c's
 keel_conv_pool_f32, which computes the conv's rows into a buffer of the thread's and
 pools them from there: the conv's output is never written out. Its results are the
@@ -155,16 +156,40 @@ def hand_over(x: Any, y: Any, band_of: BandOf) -> bool:
 
 
 class ConvStep:
-    """A pooled conv's bound step: it hands X over to its pool's step, or computes."""
+    """A pooled conv's bound step: it hands X over to its pool's step, or computes.
 
-    __slots__ = ("band_of", "call", "link", "x")
+    ``call`` computes the conv of ``buffer``, the array the step was bound to. A step
+    reading a feed in place (:meth:`reading`) hands over whatever array its ``point``
+    gave it (the pool's call checks it and moves its X there); where the pool does not
+    take it, the array is copied into ``buffer`` and ``call`` computes from there."""
+
+    __slots__ = ("band_of", "buffer", "call", "link", "x", "y")
 
     def __init__(self, call: Callable[[], Any], x: np.ndarray, y: np.ndarray,
-                 band_of: BandOf) -> None:
-        self.call, self.x, self.band_of = call, x, band_of
-        self.link = _link(y)        # bound on the thread that runs it: the pool's link
+                 band_of: BandOf, link: _Link | None = None) -> None:
+        self.call, self.x, self.buffer, self.y, self.band_of = call, x, x, y, band_of
+        # bound on the thread that runs it: the pool's link
+        self.link = _link(y) if link is None else link
 
     def __call__(self) -> None:
+        # The array ``point`` gave is this run's alone: the step lets go of it (the pool's
+        # call keeps only its address), so a caller's array is not kept alive after it.
+        x, self.x = self.x, self.buffer
         step = self.link.waiting()
-        if step is None or not step.take(self.x, self.band_of):
-            self.call()
+        if step is not None and step.take(x, self.band_of):
+            return
+        if x is not self.buffer:
+            np.copyto(self.buffer, x)           # a same-dtype copy: no floating point
+        self.call()
+
+    def reading(self, buffer: Any) -> ConvStep | None:
+        """This step as one of its own whose X its :meth:`point` moves, where it reads
+        ``buffer``; else None."""
+        if buffer is not self.buffer:
+            return None
+        return ConvStep(self.call, self.buffer, self.y, self.band_of, self.link)
+
+    def point(self, x: np.ndarray) -> None:
+        """Read ``x`` in the next run (a C-contiguous aligned array of X's shape and
+        dtype, as a steady run gives it each run); the buffer again after it."""
+        self.x = x

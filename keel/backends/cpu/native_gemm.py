@@ -765,6 +765,11 @@ def _point(args: Any, array: np.ndarray) -> None:
     _ADDRESS.pack_into(args, 8 * _A_FIELD, native.address(array))
 
 
+def _point_x(args: Any, array: np.ndarray) -> None:
+    """A :meth:`BandCall.bound_reading` call's X moved to ``array``."""
+    _ADDRESS.pack_into(args, 8 * _BAND_X, native.address(array))
+
+
 def moved_addresses(values: tuple[Any, ...], fields: tuple[int, ...], lo: int, hi: int,
            delta: int) -> tuple[Any, ...]:
     """``values`` with the addresses at ``fields`` that lie in ``[lo, hi)`` moved by ``delta``."""
@@ -1073,8 +1078,23 @@ class BandCall(XCall):
 
     def _bind(self, threads: int) -> tuple[Callable[[], Any], tuple[object, ...]]:
         """The bands split over up to ``threads`` threads."""
-        return units_call(self.f.band_mt, self.f.band, (self.args,), self.units,
+        return self._bind_on(self.args, threads)
+
+    def _bind_on(self, args: Any, threads: int) -> tuple[Callable[[], Any], tuple[object, ...]]:
+        return units_call(self.f.band_mt, self.f.band, (args,), self.units,
                           max(1, min(threads, self.units)), self.f.work)
+
+    def bound_reading(self, threads: int, x: np.ndarray) -> BoundCall | None:
+        """:meth:`bound` on arguments of its own, whose X its ``point(array)`` moves (as
+        :meth:`Call.bound_reading` moves A): the call then reads X from ``array``, which
+        the caller gives C-contiguous, aligned, of X's shape and float32, until the next
+        ``point``. None where the call does not read ``x`` itself."""
+        if self.values[_BAND_X] != native.address(x) or x.shape != self.x_shape:
+            return None
+        args = ctypes.create_string_buffer(self.args, len(self.args))
+        fn, work = self._bind_on(args, threads)
+        return BoundCall(fn, keep=(self, args, *work), native=True,
+                         point=functools.partial(_point_x, args))
 
 
 def prepare_band(x: np.ndarray, a: Packed, y: np.ndarray, kernel: tuple[int, ...],

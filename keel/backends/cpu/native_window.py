@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -205,9 +206,10 @@ class Bound:
             _check(1)
 
 
-def step(bound: Bound) -> BoundCall[None]:
-    """``bound`` as a program step marked ``native``: a window kernel's call runs C code
-    only, so NumPy's floating-point state means nothing to it."""
+def step(bound: Callable[[], None]) -> BoundCall[None]:
+    """``bound`` (a window kernel's call, or a step running such calls only) as a
+    program step marked ``native``: it runs C code only, so NumPy's floating-point
+    state means nothing to it."""
     return BoundCall(bound, native=True)
 
 

@@ -2275,6 +2275,24 @@ def staging() -> tuple[int, int]:
 # as much; below it the copy is kept (at batch 1 a moved call was 1.01-1.12x slower).
 FEED_IN_PLACE_BYTES = 64 * 1024
 
+# A feed over STAGE_FEED_BYTES, up to FEED_IN_PLACE_MOST_BYTES, is given a buffer of the
+# program's too where every step reading it is a bound native call that reads it in place
+# (the rule above: a product's A, a band conv's X, the X of a conv pooled in cache,
+# conv_pool), and where the run can then be direct (the program's rule: every step bound,
+# no region run at once, no scope but NumPy 2's FP context variable): its steps then
+# bind, and no run copies it (the direct run, Program.run with outputs given, a run on
+# another thread all point the calls at the caller's array); the buffer is read only
+# where the caller's array cannot be (not C-contiguous and aligned, another dtype or
+# shape). Where a reader cannot read it in place or the run cannot be direct, the feed
+# is not staged (its steps run unbound, as before), since a copy of it each run costs
+# more than binding saves (STAGE_FEED_BYTES). This is
+# what lets a network whose first conv reads a 3x224x224 image at batch 1 (588 KiB) run
+# every step bound and C only (MobileNetV2). Up to 1 MiB: batch 1 of such images;
+# derived, not measured beyond it: at batch 32 (18.8 MiB) a first conv takes
+# milliseconds, so binding saves under 0.1 % of it, and the buffer held for the
+# fallback copy grows with the batch.
+FEED_IN_PLACE_MOST_BYTES = 1024 * 1024
+
 
 def staging_note() -> str:
     """The plan's note on the feeds and outputs staged for bound steps."""
@@ -2284,7 +2302,13 @@ def staging_note() -> str:
             "binding saves one step (staging, STAGE_FEED_BYTES, HOLD_BYTES); a feed of at "
             f"least {FEED_IN_PLACE_BYTES >> 10} KiB that only native products read, as A, "
             "is read where the caller has it instead: measured on a 2-core Intel Xeon, "
-            "the copy costs more than moving the products' A (FEED_IN_PLACE_BYTES)")
+            "the copy costs more than moving the products' A (FEED_IN_PLACE_BYTES); a "
+            f"feed of up to {FEED_IN_PLACE_MOST_BYTES >> 10} KiB over the staged size is "
+            "given a buffer too where every step reading it reads it in place (a "
+            "product's A, a band conv's X, a pooled conv's X) and the run can be direct "
+            "(every step bound), so those steps bind and a run copies the feed only where "
+            "the caller's array is not C-contiguous, aligned and of its dtype "
+            "(FEED_IN_PLACE_MOST_BYTES)")
 
 
 # A steady run's consecutive bound native products (a chain of MatMul / Gemm nodes) go to

@@ -575,7 +575,8 @@ def _bind_window(op: Op, ctx: KernelContext, inputs: Inputs, attrs: Attrs,
         split = None if ctx.plan is None else ctx.plan.option("pool_in_conv")
         waits = None if split is None else conv_pool.waiting(
             pool, x, y, geo, native_gemm.PoolSplit(*split), ctx.threads or 1)
-        return nw.step(pool) if waits is None else waits
+        # a waiting step runs the pool's call or the fused conv + pool's: C code only
+        return nw.step(pool if waits is None else waits)
     counts = nw.avg_counts(win, bool(attrs["count_include_pad"]))
     return nw.step(nw.bind_avg_pool(x, y, geo, counts, ctx.threads or 1))
 

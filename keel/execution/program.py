@@ -400,6 +400,9 @@ class Program:
                         self._notify(watch.get(index, ()))
         finally:
             _exit_scopes(scopes)
+            # The general kernels read the values, not the bound steps a feed read in
+            # place was pointed for: point those back, so none keeps the caller's array.
+            self._point_at_buffers()
         if profiler is not None:
             profiler.runs.append(ProfileEvent("model_run", self.graph_name, "", start,
                                               time.perf_counter_ns() - start))

@@ -106,6 +106,17 @@ def _callers_arrays(seed: int) -> list[np.ndarray]:
     return [x, np.asfortranarray(x), wide[..., ::2], odd]
 
 
+def _settled(pooled: bool, threads: int, monkeypatch: pytest.MonkeyPatch
+             ) -> tuple[Model, Model, program_module.Program]:
+    """The stem with the rule off, with it on after two runs, and the latter's program."""
+    onnx = _stem(pooled)
+    off = _load(onnx, 1, False, monkeypatch)
+    model = _load(onnx, threads, True, monkeypatch)
+    for _ in range(2):
+        model.predict({"x": _image(0)})
+    return off, model, _program(model, _image(0))
+
+
 def _run(model: Model, x: np.ndarray) -> bytes:
     """The run's output bits; the caller's array is left as it was."""
     before = x.copy()
@@ -233,12 +244,7 @@ def test_a_run_into_given_outputs_reads_the_feed_in_place(
     """``Program.run(outputs=...)`` (memory-limited chunks, throughput streams) points
     the calls at the caller's array as the steady run does: the feed's buffer is not
     written, and an array they cannot read (Fortran order) is copied there."""
-    onnx = _stem(pooled)
-    off = _load(onnx, 1, False, monkeypatch)
-    model = _load(onnx, 2, True, monkeypatch)
-    for _ in range(2):
-        model.predict({"x": _image(0)})
-    program = _program(model, _image(0))
+    off, model, program = _settled(pooled, 2, monkeypatch)
     ((_, buf, _),) = program._moving
     for seed in (1, 2):
         want = _run(off, _image(seed))
@@ -249,6 +255,23 @@ def test_a_run_into_given_outputs_reads_the_feed_in_place(
         program.run({"x": np.asfortranarray(_image(seed))}, outputs=out)
         assert out["y"].tobytes() == want and np.array_equal(buf, _image(seed))
         assert _run(model, _image(seed)) == want        # the steady run points anew
+
+
+@pytest.mark.parametrize("pooled", [False, True])
+def test_a_keep_all_or_observed_run_lets_go_of_the_caller_s_array(
+        pooled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """keep_all and observe run the general kernels, not the bound steps the feed's
+    calls were pointed for: the calls are pointed back after the run, so the program
+    keeps no reference to the caller's array (the fused stem's step held it)."""
+    off, _, program = _settled(pooled, 1, monkeypatch)
+    want = _run(off, _image(3))
+    for how in ({"keep_all": True}, {"observe": {"x": lambda value: None}}):
+        x = _image(3)
+        gone = weakref.ref(x)
+        assert program.run({"x": x}, **how)["y"].tobytes() == want
+        del x
+        gc.collect()
+        assert gone() is None, how
 
 
 def test_a_small_feed_read_only_with_a_dropped_feed_is_not_staged(

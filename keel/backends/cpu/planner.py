@@ -2283,10 +2283,10 @@ FEED_IN_PLACE_BYTES = 64 * 1024
 # bind, and no run copies it (the direct run, Program.run with outputs given, a run on
 # another thread all point the calls at the caller's array); the buffer is read only
 # where the caller's array cannot be (not C-contiguous and aligned, another dtype or
-# shape). Where a reader cannot read it in place or the run cannot be direct, the feed
-# is not staged (its steps run unbound, as before), since a copy of it each run costs
-# more than binding saves (STAGE_FEED_BYTES). This is
-# what lets a network whose first conv reads a 3x224x224 image at batch 1 (588 KiB) run
+# shape). Where a reader cannot read it in place or the run cannot be direct (judged on
+# the program's first compile), the feed is not staged (its steps run unbound, as
+# before), since a copy of it each run costs more than binding saves (STAGE_FEED_BYTES).
+# This is what lets a network whose first conv reads a 3x224x224 image at batch 1 (588 KiB) run
 # every step bound and C only (MobileNetV2). Up to 1 MiB: batch 1 of such images;
 # derived, not measured beyond it: at batch 32 (18.8 MiB) a first conv takes
 # milliseconds, so binding saves under 0.1 % of it, and the buffer held for the

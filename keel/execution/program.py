@@ -947,6 +947,8 @@ class Program:
         has it, its calls pointed there, if they can read it (as the steady run does, so
         that no path copies it: ``run(outputs=...)``, a run on another thread); any
         other is copied into its buffer, the calls reading the buffer."""
+        if not self._staged:        # most programs: nothing to take, every run
+            return
         if self._moving and self._bound_on != _get_ident():
             self._on_this_thread()      # this thread's calls, not the last thread's
         values, moving = self._values, {slot: points for slot, _, points in self._moving}

@@ -1,21 +1,22 @@
-"""Per node, one thread against two: keel and onnxruntime in one process.
+"""Per node, one thread against two (or any counts): keel and onnxruntime in one process.
 
     python -m benchmarks.pernode --model resnet20             # batch 1, 40 passes
+    python -m benchmarks.pernode --model resnet18 --batch 32 --threads 16 --passes 2
     python -m benchmarks.pernode --model mobilenetv2 --passes 15 --json
     python -m benchmarks.pernode --model mobilenetv2 --kinds   # summed by kind of node
     python -m benchmarks.pernode --model resnet18 --batch 32 --passes 3
 
-Each pass runs, for one thread and then two, keel's steps one by one inside whole runs
-(each step's bound call timed alone, as the run calls it: the workers spin between the
-steps as they do in a run) and onnxruntime's session with its profiling on (its own
-per-node times, whole microseconds), then times whole runs of both (onnxruntime
-without profiling). Medians and the fastest of every node: the fastest is a node's time
-with the second core free, the median what the machine's other work leaves. keel's
-steps say how many threads the plan gives them; whether a step splits is in
-``explain()``. ``--kinds`` sums both sides' nodes by kind (a conv's kind from its own
-shapes: the stem, depthwise by kernel and stride, 1x1 expansions and projections by
-output map, other ops by name) and lists the kinds where keel loses most first. Speed is
-reported here, never asserted in a test.
+Each pass runs, for each thread count (``--threads``; one and two by default), keel's
+steps one by one inside whole runs (each step's bound call timed alone, as the run calls
+it: the workers spin between the steps as they do in a run) and onnxruntime's session
+with its profiling on (its own per-node times, whole microseconds), then times whole
+runs of both (onnxruntime without profiling). Medians and the fastest of every node: the
+fastest is a node's time with the second core free, the median what the machine's other
+work leaves. keel's steps say how many threads the plan gives them; whether a step
+splits is in ``explain()``. ``--kinds`` sums both sides' nodes by kind (a conv's kind
+from its own shapes: the stem, depthwise by kernel and stride, 1x1 expansions and
+projections by output map, other ops by name) and lists the kinds where keel loses most
+first. Speed is reported here, never asserted in a test.
 """
 
 from __future__ import annotations
@@ -174,13 +175,14 @@ def _summary(values: list[float]) -> dict[str, float]:
     return {"median": round(statistics.median(values), 2), "fastest": round(min(values), 2)}
 
 
-def measure(name: str, passes: int = 40, batch: int = 1) -> dict[str, Any]:
-    """Per-node and whole-run times (us) of zoo model ``name`` on 1 and 2 threads."""
+def measure(name: str, passes: int = 40, batch: int = 1,
+            threads: Sequence[int] = (1, 2)) -> dict[str, Any]:
+    """Per-node and whole-run times (us) of zoo model ``name`` on each of ``threads``."""
     from keel.execution.model import load_model
 
     onnx_bytes = zoo.build(name)
     feeds = zoo.MODELS[name].make_feeds(batch)
-    keel = {t: load_model(onnx_bytes, backend="cpu", threads=t) for t in (1, 2)}
+    keel = {t: load_model(onnx_bytes, backend="cpu", threads=t) for t in threads}
     for model in keel.values():
         for _ in range(3):
             model.predict(feeds)
@@ -202,7 +204,7 @@ def measure(name: str, passes: int = 40, batch: int = 1) -> dict[str, Any]:
         ort_nodes = {t: _ort_nodes(profiled[t].end_profiling()) for t in keel}
     kinds = _graph_kinds(onnx_bytes)
     return {
-        "model": name, "batch": batch, "passes": passes,
+        "model": name, "batch": batch, "passes": passes, "threads": list(keel),
         "whole_us": {k: _summary([v / 1000 for v in vs]) for k, vs in whole.items()},
         "keel_steps": {t: [{"step": n, "threads": planned[t][i], "kind": kinds.get(n, "other"),
                             **_summary([v / 1000 for v in steps[t][i]])}
@@ -239,7 +241,7 @@ def _ratio(row: Mapping[str, Any], stat: str) -> str:
 def _kinds_table(result: dict[str, Any]) -> str:
     lines = [f"{result['model']} at batch {result['batch']} by kind of node, "
              f"{result['passes']} passes (us summed; keel / onnxruntime)"]
-    for t in (1, 2):
+    for t in result["keel_steps"]:
         lines.append(f"  {t} thread(s)          nodes      median: keel    ort  ratio"
                      "     fastest: keel    ort   diff  ratio")
         for r in by_kind(result, t):
@@ -259,13 +261,15 @@ def _table(result: dict[str, Any]) -> str:
         lines.append(f"  whole run {key:6s} {s['median']:10.1f} / {s['fastest']:.1f}")
     for side, rows, label in (("keel", result["keel_steps"], "step"),
                               ("onnxruntime", result["ort_nodes"], "node")):
-        lines.append(f"  {side}: {label}, 1 thread -> 2 threads")
-        for one, two in zip(rows[1], rows[2], strict=False):
-            lines.append(f"    {one[label][:40]:40s} {one['median']:8.1f} -> {two['median']:8.1f}"
-                         f"   fastest {one['fastest']:8.1f} -> {two['fastest']:8.1f}")
+        counts = list(result["keel_steps"])
+        lines.append(f"  {side}: {label}, " + " -> ".join(f"{t} thread(s)" for t in counts))
+        for same in zip(*(rows[t] for t in counts), strict=False):
+            medians = " -> ".join(f"{r['median']:8.1f}" for r in same)
+            fastest = " -> ".join(f"{r['fastest']:8.1f}" for r in same)
+            lines.append(f"    {same[0][label][:40]:40s} {medians}   fastest {fastest}")
         for stat in ("median", "fastest"):
-            sums = [sum(r[stat] for r in rows[t]) for t in (1, 2)]
-            lines.append(f"    summed {stat}: {sums[0]:.1f} -> {sums[1]:.1f}")
+            sums = " -> ".join(f"{sum(r[stat] for r in rows[t]):.1f}" for t in counts)
+            lines.append(f"    summed {stat}: {sums}")
     return "\n".join(lines)
 
 
@@ -276,16 +280,28 @@ def _at_least_one(text: str) -> int:
     return value
 
 
+def _thread_counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(_at_least_one(part) for part in text.split(","))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"thread counts like 1,16, not {text!r}") from exc
+    if len(set(counts)) != len(counts):
+        raise argparse.ArgumentTypeError(f"each thread count once, not {text!r}")
+    return counts
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="resnet20", choices=sorted(zoo.DEFAULT_MODELS))
     parser.add_argument("--passes", type=_at_least_one, default=40)
     parser.add_argument("--batch", type=_at_least_one, default=1)
+    parser.add_argument("--threads", type=_thread_counts, default=(1, 2),
+                        help="comma-separated thread counts (default 1,2)")
     shown = parser.add_mutually_exclusive_group()
     shown.add_argument("--json", action="store_true")
     shown.add_argument("--kinds", action="store_true", help="sums by kind of node")
     args = parser.parse_args(argv)
-    result = measure(args.model, args.passes, args.batch)
+    result = measure(args.model, args.passes, args.batch, args.threads)
     if args.json:
         print(json.dumps(result, indent=1))
     elif args.kinds:

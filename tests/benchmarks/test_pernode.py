@@ -146,3 +146,18 @@ def test_a_batch_or_passes_below_one_is_refused(flag: str,
     monkeypatch.setattr(pernode, "measure", measured)
     with pytest.raises(SystemExit):
         pernode.main(["--model", "lenet", flag, "0"])
+
+
+def test_any_thread_counts_are_measured_and_shown() -> None:
+    result = pernode.measure("lenet", passes=1, threads=(3,))
+    assert result["threads"] == [3] and list(result["keel_steps"]) == [3]
+    assert list(result["ort_nodes"]) == [3] and set(result["whole_us"]) == {"keel3", "ort3"}
+    table = pernode._table(result)
+    assert "3 thread(s)" in table and "2 thread(s)" not in table
+    assert "  3 thread(s)" in pernode._kinds_table(result)
+
+
+@pytest.mark.parametrize("text", ["0", "1,,2", "a", "2,2"])
+def test_bad_thread_counts_are_refused(text: str) -> None:
+    with pytest.raises(SystemExit):
+        pernode.main(["--model", "lenet", "--threads", text])

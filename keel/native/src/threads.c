@@ -28,6 +28,11 @@
  * takes the caller 0.7-0.8 us, one to a sleeping worker 7.5-9 us (the futex
  * wake), and the woken worker comes too late for a small job's chunks.
  *
+ * A job takes the threads of the pool's ids below its width (its chunks, or its cap if
+ * fewer): the others are not woken for it and, spinning, pass it over without spinning
+ * on, so the workers a wider split started (keel measures the dispatch on every core
+ * once) sleep while a model of fewer threads runs, instead of spinning on every core.
+ *
  * One job runs at a time: a second caller (another Python thread) that finds the
  * pool busy runs its chunks itself, in order, on its own scratch. The pool is
  * rebuilt in a child after fork (its threads do not survive one).
@@ -110,43 +115,78 @@ typedef struct {
 } job;
 
 /* The ticket holds the job's epoch (high 32 bits), its chunk count (16) and the next
- * chunk to take (16). A thread runs a chunk only after claiming it by compare-and-swap
- * on the ticket of a live epoch, so a worker that wakes late never runs a finished job,
- * and the job's description is stable while any of its chunks can still be claimed. */
+ * chunk to take (16). A thread runs a chunk only after claiming it, the claim checked
+ * against the live epoch, so a worker that wakes late never runs a finished job, and the
+ * job's description is stable while any of its chunks can still be claimed. */
 #define CHUNK_BITS 16
 #define MAX_PARTS ((1 << CHUNK_BITS) - 1)
 /* Chunks [0, OWN_PARTS) of a job each have an owner: chunk c goes first to the thread
- * of id c (the calling thread 0, worker i the id i + 1), which claims it by setting
- * bit c of `own` (its high 32 bits: the job's epoch). The same thread so runs the same
+ * of id c (the calling thread 0, worker i the id i + 1), which claims it by writing the
+ * job's epoch into the chunk's claim (claims[c]). The same thread so runs the same
  * part of consecutive kernels that split the same way (the rows of a product, then of
  * its layer norm; the images of a phase copy, then of the conv), and finds that part's
- * data in its own cache. The ticket hands out the chunks from OWN_PARTS on; a thread
- * left without work takes any owned chunk not yet claimed, so a slow or sleeping owner
- * delays nothing. */
+ * data in its own cache. The ticket hands out the chunks from the owned ones on; a
+ * thread left without work takes any owned chunk not yet claimed, so a slow or sleeping
+ * owner delays nothing. */
 #define OWN_PARTS 32
 
+/* Where threads on other cores write, each its own cache line: a word that one thread
+ * writes while fifteen others poll the line it shares (the ticket, read by every
+ * spinning worker) makes each write a round of invalidations, and sixteen threads
+ * updating one word (a shared count of finished chunks, a shared claim mask) queue for
+ * the line one after another, a wait that grows with the threads (a dispatch measured
+ * 2.6 us on 2 threads, 6.4 us on 16, with every such word on one line). So the live job
+ * is one line the caller writes once a job; each owned chunk's claim is its own line;
+ * each thread counts the chunks it finished in its own line, and the caller sums them. */
+#define LINE 64
+
 static struct {
-    pthread_mutex_t lock; /* guards sleeping and waking, and starting workers */
-    pthread_cond_t wake;
-    atomic_flag busy;        /* a job is being run */
-    _Atomic uint64_t ticket; /* epoch | parts | next chunk */
-    _Atomic uint64_t own;    /* epoch | claimed owned chunks (one bit each) */
-    _Atomic int64_t done;    /* chunks of the live job finished */
-    _Atomic int failed;      /* a thread could not get its scratch */
-    _Atomic int sleepers;    /* workers waiting on `wake` */
-    _Atomic int stop;
-    /* Started workers: written by grow (under `lock`), keel_pool_stop and a forked
-     * child, read by spinning workers without the lock (next_epoch), hence atomic. */
-    _Atomic int workers;
-    pthread_t threads[MAX_WORKERS];
+    /* The live job, written by the caller once a job, polled by spinning workers. */
+    _Alignas(LINE) _Atomic uint64_t ticket; /* epoch | parts | next chunk */
     job j;
+    _Atomic int64_t width;  /* the threads of the job: those of id below it take chunks */
+    _Atomic int64_t owned;  /* chunks [0, owned) go first to their owners */
+    _Atomic int failed;     /* a thread could not get its scratch */
+    _Atomic int stop;
+    /* Read-mostly. Started workers: written by grow (under `lock`), keel_pool_stop and a
+     * forked child, read by spinning workers without the lock, hence atomic. */
+    _Alignas(LINE) _Atomic int workers;
     _Atomic int64_t spin_ns;
-    /* The threads of the live job may take chunks: those of id below it. Written before
-     * the job's ticket; a thread that reads it for a job already gone finds no chunk left
-     * to claim (the next job's value is written only once every chunk of this one ran). */
-    _Atomic int64_t cap;
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, ATOMIC_FLAG_INIT, 0, 0, 0, 0, 0,
-          0, 0, {0}, {0}, 200000, MAX_WORKERS + 1};
+    _Alignas(LINE) _Atomic int sleepers; /* workers asleep (each on its slot's `wake`) */
+    _Alignas(LINE) atomic_flag busy;     /* a job is being run */
+    _Alignas(LINE) pthread_mutex_t lock; /* guards sleeping and waking, and starting workers */
+    pthread_t threads[MAX_WORKERS];
+} pool = {.ticket = 0, .width = 0, .owned = 0, .failed = 0, .stop = 0, .workers = 0,
+          .spin_ns = 200000, .sleepers = 0, .busy = ATOMIC_FLAG_INIT,
+          .lock = PTHREAD_MUTEX_INITIALIZER};
+
+/* The epoch of the last job each owned chunk was claimed in. */
+static struct {
+    _Alignas(LINE) _Atomic uint32_t epoch;
+} claims[OWN_PARTS];
+
+/* Each pool thread's own line (id 0: the calling thread; i + 1: worker i): the chunks it
+ * ever finished (only it writes them; the caller of a job sums them over the job's
+ * threads), the CPU it last ran on as it last looked (-1: asleep, not started, or a CPU
+ * not known; read only with yield_shared), whether it sleeps, and the condition it
+ * sleeps on, so that a job wakes only the threads it has work for. */
+typedef struct {
+    _Alignas(LINE) _Atomic int64_t finished;
+    _Atomic int cpu;
+    _Atomic int asleep; /* written under pool.lock */
+    pthread_cond_t wake;
+} slot;
+static slot slots[MAX_WORKERS + 1];
+static pthread_once_t slots_once = PTHREAD_ONCE_INIT;
+
+static void init_slots(void)
+{
+    for (int i = 0; i <= MAX_WORKERS; i++) {
+        pthread_cond_init(&slots[i].wake, NULL);
+        atomic_store_explicit(&slots[i].asleep, 0, memory_order_relaxed);
+        atomic_store_explicit(&slots[i].cpu, -1, memory_order_relaxed);
+    }
+}
 
 #if defined(__linux__)
 /* The CPUs the workers run on (keel_pool_pin); `pinned` 0: wherever the process may. */
@@ -181,15 +221,12 @@ static _Atomic int64_t idle_spin_ns = 0;
 #define LONG_SPINS 4096
 static _Atomic int64_t yield_spins = 256; /* a power of two; 0: never (but LONG_SPINS) */
 static _Atomic int yield_shared = 0;
-/* The CPU each pool thread last ran on, as it last looked (id 0: the caller; -1: a worker
- * asleep, not started, or a CPU unknown). Read only with yield_shared; all -1 from the
- * pool's first job (forget_cpus) and after keel_pool_stop. */
-static _Atomic int thread_cpu[MAX_WORKERS + 1];
-
+/* Every slot's CPU not known: from the pool's first job (forget_cpus) and after
+ * keel_pool_stop. */
 static void forget_cpus(void)
 {
     for (int i = 0; i <= MAX_WORKERS; i++)
-        atomic_store_explicit(&thread_cpu[i], -1, memory_order_relaxed);
+        atomic_store_explicit(&slots[i].cpu, -1, memory_order_relaxed);
 }
 
 /* The CPU this thread runs on; -1 where that is not known (off Linux), which shares a
@@ -240,20 +277,27 @@ static void run_chunk(int64_t parts, int64_t c, float **scratch)
     } else {
         atomic_store(&pool.failed, 1);
     }
-    atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
+    /* Only this thread writes its count: a plain add, published to the caller's sum. */
+    atomic_store_explicit(&slots[pool_id].finished,
+                          atomic_load_explicit(&slots[pool_id].finished, memory_order_relaxed) + 1,
+                          memory_order_release);
 }
 
-/* Claim owned chunk c of the job of `epoch`: 0 when that job is gone or c is taken. */
+/* Claim owned chunk c of the job of `epoch`: 0 when that job is gone or c is taken. A
+ * claim moves the chunk's epoch forward only (a thread late for an older job cannot undo
+ * a newer claim), and holds only if the job is still live after it: a late thread's claim
+ * of a chunk the live job does not own leaves an older epoch there, which the live job's
+ * threads claim over, and runs nothing. */
 static int claim_own(uint32_t epoch, int64_t c)
 {
-    uint64_t bit = (uint64_t)1 << c;
-    uint64_t w = atomic_load_explicit(&pool.own, memory_order_acquire);
+    uint32_t seen = atomic_load_explicit(&claims[c].epoch, memory_order_acquire);
     for (;;) {
-        if (epoch_of(w) != epoch || (w & bit)) return 0;
-        if (atomic_compare_exchange_weak_explicit(&pool.own, &w, w | bit, memory_order_acq_rel,
-                                                  memory_order_acquire))
-            return 1;
+        if ((int32_t)(seen - epoch) >= 0) return 0;
+        if (atomic_compare_exchange_weak_explicit(&claims[c].epoch, &seen, epoch,
+                                                  memory_order_acq_rel, memory_order_acquire))
+            break;
     }
+    return epoch_of(atomic_load_explicit(&pool.ticket, memory_order_acquire)) == epoch;
 }
 
 /* Claim and run chunks of the job of `epoch` until none is left (or another job is live):
@@ -263,10 +307,10 @@ static void take_chunks(uint32_t epoch)
     float *scratch = NULL;
     uint64_t t = atomic_load_explicit(&pool.ticket, memory_order_acquire);
     if (epoch_of(t) != epoch) return;
-    if (pool_id >= atomic_load_explicit(&pool.cap, memory_order_relaxed)) return;
+    if (pool_id >= atomic_load_explicit(&pool.width, memory_order_relaxed)) return;
     int64_t parts = (int64_t)((t >> CHUNK_BITS) & MAX_PARTS);
-    /* Chunks past the job's owned ones have their bits set from the start. */
-    int64_t owned = parts < OWN_PARTS ? parts : OWN_PARTS;
+    /* Written before the ticket: this job's, while the job is live (claim_own checks). */
+    int64_t owned = atomic_load_explicit(&pool.owned, memory_order_relaxed);
     if (pool_id < owned && claim_own(epoch, pool_id)) run_chunk(parts, pool_id, &scratch);
     t = atomic_load_explicit(&pool.ticket, memory_order_acquire);
     for (;;) {
@@ -288,7 +332,7 @@ static int shares_cpu(int cpu, int64_t count)
 {
     if (cpu < 0) return 0;
     for (int64_t id = 0; id < count; id++)
-        if (id != pool_id && atomic_load_explicit(&thread_cpu[id], memory_order_relaxed) == cpu)
+        if (id != pool_id && atomic_load_explicit(&slots[id].cpu, memory_order_relaxed) == cpu)
             return 1;
     return 0;
 }
@@ -301,19 +345,37 @@ static int should_yield(uint64_t spins, int64_t count)
     if (every == 0 || (spins & (every - 1)) != 0) return 0;
     if (!atomic_load_explicit(&yield_shared, memory_order_relaxed)) return 1;
     int cpu = current_cpu();
-    atomic_store_explicit(&thread_cpu[pool_id], cpu, memory_order_relaxed);
+    atomic_store_explicit(&slots[pool_id].cpu, cpu, memory_order_relaxed);
     return shares_cpu(cpu, count);
 }
 
-/* The epoch of a job newer than `seen`, spinning a while and then sleeping for one. */
+/* Whether the live job has work for this worker: its id below the job's width. Read
+ * after the job's ticket, so the width is that job's (or a newer one's, whose ticket the
+ * worker then reads next). */
+static int wanted(void)
+{
+    return pool_id < atomic_load_explicit(&pool.width, memory_order_relaxed);
+}
+
+/* The epoch of a job newer than `seen` that has work for this worker, spinning a while
+ * and then sleeping for one. A job without work for it (a narrower split, or a model of
+ * fewer threads than the pool has workers) is passed over: it neither starts the spin
+ * again nor wakes the worker, so workers beyond the threads a process's models use go to
+ * sleep and stay asleep. */
 static uint32_t next_epoch(uint32_t seen)
 {
     uint32_t now = epoch_of(atomic_load_explicit(&pool.ticket, memory_order_acquire));
-    if (now != seen) return now;
+    if (now != seen) {
+        if (wanted()) return now;
+        seen = now;
+    }
     int64_t until = now_ns() + spin_ns();
     for (uint64_t i = 0; !atomic_load_explicit(&pool.stop, memory_order_relaxed); i++) {
         now = epoch_of(atomic_load_explicit(&pool.ticket, memory_order_acquire));
-        if (now != seen) return now;
+        if (now != seen) {
+            if (wanted()) return now;
+            seen = now;
+        }
         /* Not on the first pass: a job that follows at once is taken without a call. */
         if (i != 0 && should_yield(i, atomic_load_explicit(&pool.workers, memory_order_relaxed) + 1)) sched_yield();
         if ((i & (CHECK_SPINS - 1)) == 0) {
@@ -326,15 +388,47 @@ static uint32_t next_epoch(uint32_t seen)
         }
         cpu_relax();
     }
-    atomic_store_explicit(&thread_cpu[pool_id], -1, memory_order_relaxed);
+    atomic_store_explicit(&slots[pool_id].cpu, -1, memory_order_relaxed);
     pthread_mutex_lock(&pool.lock);
+    /* Asleep and counted before the ticket is read again: a caller that publishes a job
+     * after that read sees the count and signals this slot under the lock. */
+    atomic_store(&slots[pool_id].asleep, 1);
     atomic_fetch_add(&pool.sleepers, 1);
-    while ((now = epoch_of(atomic_load(&pool.ticket))) == seen && !atomic_load(&pool.stop))
-        pthread_cond_wait(&pool.wake, &pool.lock);
+    while (!atomic_load(&pool.stop)) {
+        now = epoch_of(atomic_load(&pool.ticket));
+        if (now != seen) {
+            if (wanted()) break;
+            seen = now;
+        }
+        pthread_cond_wait(&slots[pool_id].wake, &pool.lock);
+    }
     atomic_fetch_sub(&pool.sleepers, 1);
+    atomic_store(&slots[pool_id].asleep, 0);
     pthread_mutex_unlock(&pool.lock);
-    atomic_store_explicit(&thread_cpu[pool_id], current_cpu(), memory_order_relaxed);
+    atomic_store_explicit(&slots[pool_id].cpu, current_cpu(), memory_order_relaxed);
     return now;
+}
+
+/* Wake the sleeping workers a job of `width` threads has work for (called once its
+ * ticket is out, and only where some worker sleeps). */
+static void wake_for(int64_t width)
+{
+    pthread_mutex_lock(&pool.lock);
+    int64_t last = atomic_load_explicit(&pool.workers, memory_order_relaxed);
+    for (int64_t id = 1; id < width && id <= last; id++)
+        if (atomic_load_explicit(&slots[id].asleep, memory_order_relaxed))
+            pthread_cond_signal(&slots[id].wake);
+    pthread_mutex_unlock(&pool.lock);
+}
+
+/* The chunks the threads of ids below `width` have ever finished (the caller of a job
+ * subtracts the sum before it). */
+static int64_t finished_below(int64_t width)
+{
+    int64_t sum = 0;
+    for (int64_t id = 0; id < width; id++)
+        sum += atomic_load_explicit(&slots[id].finished, memory_order_acquire);
+    return sum;
 }
 
 /* arg: the epoch before the job the worker was started for (so it takes part in that one). */
@@ -344,7 +438,7 @@ static void *worker(void *arg)
 {
     uint32_t seen = (uint32_t)(uintptr_t)arg;
     pool_id = atomic_fetch_add(&next_id, 1) + 1;
-    atomic_store_explicit(&thread_cpu[pool_id], current_cpu(), memory_order_relaxed);
+    atomic_store_explicit(&slots[pool_id].cpu, current_cpu(), memory_order_relaxed);
     for (;;) {
         seen = next_epoch(seen);
         if (atomic_load(&pool.stop)) return NULL;
@@ -402,7 +496,7 @@ static void after_fork_child(void)
 {
     /* The workers did not come along: start over with none. */
     pthread_mutex_init(&pool.lock, NULL);
-    pthread_cond_init(&pool.wake, NULL);
+    init_slots();
     atomic_flag_clear(&pool.busy);
     pool.workers = 0;
     atomic_store(&next_id, 0);
@@ -415,6 +509,7 @@ static void after_fork_child(void)
  * starts over. */
 static void pool_init(void)
 {
+    pthread_once(&slots_once, init_slots);
     forget_cpus();
     pthread_atfork(NULL, NULL, after_fork_child);
 }
@@ -444,26 +539,24 @@ int64_t keel_parallel_capped(keel_task fn, void *ctx, int64_t n, int64_t parts, 
     grow((int)(width - 1));
     int64_t owned = atomic_load_explicit(&affinity, memory_order_relaxed)
                         ? (width < OWN_PARTS ? width : OWN_PARTS) : 0;
+    int64_t threads_in = width <= pool.workers ? width : pool.workers + 1; /* grow may fall short */
+    int64_t before = finished_below(threads_in);
     pool.j = (job){fn, ctx, n, scratch_floats};
     if (atomic_load_explicit(&yield_shared, memory_order_relaxed))
-        atomic_store_explicit(&thread_cpu[0], current_cpu(), memory_order_relaxed);
-    atomic_store_explicit(&pool.cap, cap, memory_order_relaxed);
-    atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
+        atomic_store_explicit(&slots[0].cpu, current_cpu(), memory_order_relaxed);
+    atomic_store_explicit(&pool.width, width, memory_order_relaxed);
+    atomic_store_explicit(&pool.owned, owned, memory_order_relaxed);
     atomic_store_explicit(&pool.failed, 0, memory_order_relaxed);
     uint32_t epoch = epoch_of(atomic_load_explicit(&pool.ticket, memory_order_relaxed)) + 1;
-    /* The owned chunks' claims first (a thread that sees the new ticket sees them), the
-     * bits of chunks that are not owned already set. */
-    uint64_t unowned = owned == OWN_PARTS ? 0 : (~(((uint64_t)1 << owned) - 1)) & 0xffffffffu;
-    atomic_store(&pool.own, ((uint64_t)epoch << 32) | unowned);
+    /* Claims compare epochs as a window (claim_own), so none may fall 2^31 jobs behind:
+     * a claim this job does not own is brought to the last epoch, one a job in turn. */
+    int64_t stale = epoch % OWN_PARTS;
+    if (stale >= owned) atomic_store_explicit(&claims[stale].epoch, epoch - 1, memory_order_relaxed);
     atomic_store(&pool.ticket,
                  ((uint64_t)epoch << 32) | ((uint64_t)parts << CHUNK_BITS) | (uint64_t)owned);
-    if (atomic_load(&pool.sleepers) > 0) {
-        pthread_mutex_lock(&pool.lock);
-        pthread_cond_broadcast(&pool.wake);
-        pthread_mutex_unlock(&pool.lock);
-    }
+    if (atomic_load(&pool.sleepers) > 0) wake_for(width);
     take_chunks(epoch);
-    for (uint64_t i = 1; atomic_load_explicit(&pool.done, memory_order_acquire) < parts; i++) {
+    for (uint64_t i = 1; finished_below(threads_in) - before < parts; i++) {
         cpu_relax();
         if ((i & (LONG_SPINS - 1)) == 0 || should_yield(i, width)) sched_yield();
     }
@@ -567,8 +660,8 @@ void keel_pool_stop(void)
     while (atomic_flag_test_and_set_explicit(&pool.busy, memory_order_acquire)) sched_yield();
     pthread_mutex_lock(&pool.lock);
     atomic_store(&pool.stop, 1);
-    pthread_cond_broadcast(&pool.wake);
     int count = pool.workers;
+    for (int id = 1; id <= count; id++) pthread_cond_signal(&slots[id].wake);
     pthread_mutex_unlock(&pool.lock);
     for (int i = 0; i < count; i++) pthread_join(pool.threads[i], NULL);
     pool.workers = 0;

@@ -95,7 +95,7 @@ def test_a_capped_job_runs_its_extra_chunks_on_its_threads_only(fresh_pool: None
         assert capped(parts * 3, parts, threads, out.ctypes.data) == 0
         rows = out.reshape(-1, 3)
         assert [tuple(r) for r in rows[:, :2]] == pool.chunks(parts * 3, parts)
-        assert 0 <= rows[:, 2].min() and rows[:, 2].max() < threads, rows
+        assert rows[:, 2].min() >= 0 and rows[:, 2].max() < threads, rows
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc (Linux)")

@@ -58,6 +58,14 @@
 #define cpu_relax() ((void)0)
 #endif
 
+/* A test build (tests/native/test_pool_race.py) defines KEEL_POOL_PAUSE(where) to stall a
+ * thread where a preemption opens a window between two threads' steps: 0, the caller
+ * between a job's shape and its ticket; 1, a thread between the ticket it read and the
+ * shape it reads next. Nothing in a normal build. */
+#ifndef KEEL_POOL_PAUSE
+#define KEEL_POOL_PAUSE(where) ((void)0)
+#endif
+
 #define MAX_WORKERS 255
 #define ALIGN 64
 
@@ -115,9 +123,12 @@ typedef struct {
 } job;
 
 /* The ticket holds the job's epoch (high 32 bits), its chunk count (16) and the next
- * chunk to take (16). A thread runs a chunk only after claiming it, the claim checked
- * against the live epoch, so a worker that wakes late never runs a finished job, and the
- * job's description is stable while any of its chunks can still be claimed. */
+ * chunk to take (16); the job's shape (pool.shape) its epoch, its width (16) and its
+ * owned chunks (16), written before the ticket. A thread takes part in the job of the
+ * ticket it read only where the shape it reads next is of the same epoch (else that job
+ * has ended and the next one is being set up), and runs a chunk only after claiming it
+ * for that epoch: so a worker that wakes late never runs a finished job, and the job's
+ * description is stable while any of its chunks can still be claimed. */
 #define CHUNK_BITS 16
 #define MAX_PARTS ((1 << CHUNK_BITS) - 1)
 /* Chunks [0, OWN_PARTS) of a job each have an owner: chunk c goes first to the thread
@@ -144,8 +155,9 @@ static struct {
     /* The live job, written by the caller once a job, polled by spinning workers. */
     _Alignas(LINE) _Atomic uint64_t ticket; /* epoch | parts | next chunk */
     job j;
-    _Atomic int64_t width;  /* the threads of the job: those of id below it take chunks */
-    _Atomic int64_t owned;  /* chunks [0, owned) go first to their owners */
+    /* epoch | width: the threads of the job, those of id below it taking chunks (16) |
+     * owned: chunks [0, owned) going first to their owners (16) */
+    _Atomic uint64_t shape;
     _Atomic int failed;     /* a thread could not get its scratch */
     _Atomic int stop;
     /* Read-mostly. Started workers: written by grow (under `lock`), keel_pool_stop and a
@@ -156,7 +168,7 @@ static struct {
     _Alignas(LINE) atomic_flag busy;     /* a job is being run */
     _Alignas(LINE) pthread_mutex_t lock; /* guards sleeping and waking, and starting workers */
     pthread_t threads[MAX_WORKERS];
-} pool = {.ticket = 0, .width = 0, .owned = 0, .failed = 0, .stop = 0, .workers = 0,
+} pool = {.ticket = 0, .shape = 0, .failed = 0, .stop = 0, .workers = 0,
           .spin_ns = 200000, .sleepers = 0, .busy = ATOMIC_FLAG_INIT,
           .lock = PTHREAD_MUTEX_INITIALIZER};
 
@@ -258,6 +270,9 @@ static int64_t spin_ns(void) { return pool.spin_ns; }
 
 static uint32_t epoch_of(uint64_t t) { return (uint32_t)(t >> 32); }
 
+/* The width of a job's shape word (pool.shape). */
+static int64_t shape_width(uint64_t shape) { return (int64_t)((shape >> CHUNK_BITS) & MAX_PARTS); }
+
 /* Chunk c of [0, n) in `parts` near-equal contiguous pieces (the first n % parts one longer). */
 static void chunk(int64_t n, int64_t parts, int64_t c, int64_t *lo, int64_t *hi)
 {
@@ -283,11 +298,11 @@ static void run_chunk(int64_t parts, int64_t c, float **scratch)
                           memory_order_release);
 }
 
-/* Claim owned chunk c of the job of `epoch`: 0 when that job is gone or c is taken. A
- * claim moves the chunk's epoch forward only (a thread late for an older job cannot undo
- * a newer claim), and holds only if the job is still live after it: a late thread's claim
- * of a chunk the live job does not own leaves an older epoch there, which the live job's
- * threads claim over, and runs nothing. */
+/* Claim owned chunk c of the job of `epoch`: 0 when c is taken (or that job is gone).
+ * The caller read the job's shape for `epoch`, so c is one of that job's owned chunks;
+ * every one is claimed before the job ends, so a thread late for the job finds its
+ * chunks taken. A claim moves the chunk's epoch forward only (a thread late for an older
+ * job cannot undo a newer claim); the check of the ticket after it is a second guard. */
 static int claim_own(uint32_t epoch, int64_t c)
 {
     uint32_t seen = atomic_load_explicit(&claims[c].epoch, memory_order_acquire);
@@ -307,10 +322,11 @@ static void take_chunks(uint32_t epoch)
     float *scratch = NULL;
     uint64_t t = atomic_load_explicit(&pool.ticket, memory_order_acquire);
     if (epoch_of(t) != epoch) return;
-    if (pool_id >= atomic_load_explicit(&pool.width, memory_order_relaxed)) return;
+    KEEL_POOL_PAUSE(1);
+    uint64_t shape = atomic_load_explicit(&pool.shape, memory_order_acquire);
+    if (epoch_of(shape) != epoch || pool_id >= shape_width(shape)) return;
     int64_t parts = (int64_t)((t >> CHUNK_BITS) & MAX_PARTS);
-    /* Written before the ticket: this job's, while the job is live (claim_own checks). */
-    int64_t owned = atomic_load_explicit(&pool.owned, memory_order_relaxed);
+    int64_t owned = (int64_t)(shape & MAX_PARTS);
     if (pool_id < owned && claim_own(epoch, pool_id)) run_chunk(parts, pool_id, &scratch);
     t = atomic_load_explicit(&pool.ticket, memory_order_acquire);
     for (;;) {
@@ -349,12 +365,12 @@ static int should_yield(uint64_t spins, int64_t count)
     return shares_cpu(cpu, count);
 }
 
-/* Whether the live job has work for this worker: its id below the job's width. Read
- * after the job's ticket, so the width is that job's (or a newer one's, whose ticket the
- * worker then reads next). */
-static int wanted(void)
+/* Whether the job of epoch `now` (the ticket's, just read) has work for this worker: its
+ * id below the job's width. A shape of a newer epoch means that job has ended: nothing. */
+static int wanted(uint32_t now)
 {
-    return pool_id < atomic_load_explicit(&pool.width, memory_order_relaxed);
+    uint64_t shape = atomic_load_explicit(&pool.shape, memory_order_acquire);
+    return epoch_of(shape) == now && pool_id < shape_width(shape);
 }
 
 /* The epoch of a job newer than `seen` that has work for this worker, spinning a while
@@ -366,14 +382,14 @@ static uint32_t next_epoch(uint32_t seen)
 {
     uint32_t now = epoch_of(atomic_load_explicit(&pool.ticket, memory_order_acquire));
     if (now != seen) {
-        if (wanted()) return now;
+        if (wanted(now)) return now;
         seen = now;
     }
     int64_t until = now_ns() + spin_ns();
     for (uint64_t i = 0; !atomic_load_explicit(&pool.stop, memory_order_relaxed); i++) {
         now = epoch_of(atomic_load_explicit(&pool.ticket, memory_order_acquire));
         if (now != seen) {
-            if (wanted()) return now;
+            if (wanted(now)) return now;
             seen = now;
         }
         /* Not on the first pass: a job that follows at once is taken without a call. */
@@ -397,7 +413,7 @@ static uint32_t next_epoch(uint32_t seen)
     while (!atomic_load(&pool.stop)) {
         now = epoch_of(atomic_load(&pool.ticket));
         if (now != seen) {
-            if (wanted()) break;
+            if (wanted(now)) break;
             seen = now;
         }
         pthread_cond_wait(&slots[pool_id].wake, &pool.lock);
@@ -544,10 +560,12 @@ int64_t keel_parallel_capped(keel_task fn, void *ctx, int64_t n, int64_t parts, 
     pool.j = (job){fn, ctx, n, scratch_floats};
     if (atomic_load_explicit(&yield_shared, memory_order_relaxed))
         atomic_store_explicit(&slots[0].cpu, current_cpu(), memory_order_relaxed);
-    atomic_store_explicit(&pool.width, width, memory_order_relaxed);
-    atomic_store_explicit(&pool.owned, owned, memory_order_relaxed);
     atomic_store_explicit(&pool.failed, 0, memory_order_relaxed);
     uint32_t epoch = epoch_of(atomic_load_explicit(&pool.ticket, memory_order_relaxed)) + 1;
+    atomic_store_explicit(&pool.shape,
+                          ((uint64_t)epoch << 32) | ((uint64_t)width << CHUNK_BITS) | (uint64_t)owned,
+                          memory_order_release);
+    KEEL_POOL_PAUSE(0);
     /* Claims compare epochs as a window (claim_own), so none may fall 2^31 jobs behind:
      * a claim this job does not own is brought to the last epoch, one a job in turn. */
     int64_t stale = epoch % OWN_PARTS;

@@ -3366,6 +3366,10 @@ def _direct_lanes_reason(geo: ConvGeometry, grid: Grid, vendor: str | None) -> s
         return ""
     computed = -(-pixels // grid[1]) * grid[1]
     shape = f"{pixels} pixels an image, which {grid[1]}-column panels compute as {computed}"
+    if not lanes_built(grid):
+        return (f", not in lanes tiles: {shape}; gemm.c builds them with its "
+                f"{LANES_GRID[0]} x {LANES_GRID[1]} tiles only (LANES_GRID), these are "
+                f"{grid[0]} x {grid[1]}")
     if lanes_tiles(geo.batch, rows, pixels, depth, vendor, grid):
         wide = ("; A in 16-row panels, one load a vector where two 8-row ones take an "
                 "insert on the port of an FMA unit, its filters packed that way only "
@@ -3607,22 +3611,33 @@ LANES_MAX_B_BYTES = 1 << 20
 # inside the model lanes and tall tiles were not compared for it.
 LANES_VENDORS = frozenset({"AMD"})
 LANES_PANEL_WASTE = 1.25
+# gemm.c builds its lanes tiles with its AVX-512 8 x 32 tiles only
+# (keel_gemm_lanes_built_f32): a build of another tile (6 x 16 with AVX2, 4 x 8 scalar)
+# has none, whatever the vendor. Read from gemm.c, not measured.
+LANES_GRID = (8, 32)
+
+
+def lanes_built(grid: Any = _HERE) -> bool:
+    """Whether gemm.c builds lanes tiles with the native tile ``grid`` (default: the
+    loaded kernel's; None: no native tier)."""
+    grid = _grid(grid)
+    return grid is not None and tuple(grid) == LANES_GRID
 
 
 def lanes_tiles(batch: int, m: int, n: int, k: int, vendor: Any = _HERE,
                 grid: Any = _HERE) -> bool:
     """Whether ``batch`` native products of ``m`` rows, ``n`` columns and depth ``k`` run
     in lanes tiles (where their operands fit them) on a CPU of ``vendor`` with the native
-    tile ``grid`` (defaults: this machine's)."""
-    if not _lanes_fit(batch, m, n, k):
+    tile ``grid`` (defaults: this machine's): never on a grid without them (LANES_GRID)."""
+    grid = _grid(grid)
+    if grid is None or not lanes_built(grid) or not _lanes_fit(batch, m, n, k):
         return False
     vendor = _this_vendor() if vendor is _HERE else vendor
     if vendor in LANES_VENDORS:
         return True
     if k >= m and n <= LANES_MAX_COLUMNS:
         return True
-    grid = _grid(grid)
-    return grid is not None and -(-n // grid[1]) * grid[1] >= LANES_PANEL_WASTE * n
+    return -(-n // grid[1]) * grid[1] >= LANES_PANEL_WASTE * n
 
 
 # The lanes tiles join each 16-lane vector of A from two 8-row panels, an insert every
@@ -3649,10 +3664,10 @@ def lanes_a16(grid: Any = _HERE, vendor: Any = _HERE) -> bool:
     """Whether products in lanes tiles read A packed in 16-row panels (instead of its
     8-row ones), with the native tile ``grid`` on a CPU of ``vendor`` (defaults: this
     machine's). gemm.c builds the lanes tiles, and reads 16-row panels, with its 8 x 32
-    tiles (AVX-512) only: another grid (6 x 16 with AVX2, 4 x 8 scalar) never does."""
-    grid = _grid(grid)
+    tiles (AVX-512) only (lanes_built): another grid (6 x 16 with AVX2, 4 x 8 scalar)
+    never does."""
     vendor = _this_vendor() if vendor is _HERE else vendor
-    return grid is not None and tuple(grid) == (8, 32) and vendor in LANES_A16_VENDORS
+    return lanes_built(grid) and vendor in LANES_A16_VENDORS
 
 
 # A product in 8 x 32 tiles whose columns end in a partly filled panel (a 1x1 conv on
@@ -3681,7 +3696,7 @@ def lanes_tail(m: int, n: int, k: int, grid: Any = _HERE, vendor: Any = _HERE) -
     a MatMul's or Gemm's A is its activation, read raw, so theirs never take it."""
     grid = _grid(grid)
     vendor = _this_vendor() if vendor is _HERE else vendor
-    if grid is None or tuple(grid) != (8, 32) or vendor not in LANES_TAIL_VENDORS:
+    if grid is None or not lanes_built(grid) or vendor not in LANES_TAIL_VENDORS:
         return False
     return 0 < n % grid[1] <= LANES_TAIL_MAX_COLUMNS and m >= LANES_MIN_ROWS and k > 0
 

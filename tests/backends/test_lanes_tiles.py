@@ -68,15 +68,21 @@ def test_a_in_16_row_panels_is_said_only_for_intel_s_8_x_32_tiles() -> None:
     """lanes_a16: gemm.c reads 16-row panels with its AVX-512 8 x 32 tiles only, so a
     build with another tile (6 x 16 with AVX2, 4 x 8 scalar) is not told it does (nor
     that its products run in lanes tiles: it has none); AMD's cores were not measured."""
-    project = ((1, 384, 14, 14), (64, 384, 1, 1))
-    said = "; A in 16-row panels, one load a vector"
-    assert said in _reason(*project, "Intel")
+    geo = conv_geometry(Op.CONV, (1, 384, 14, 14), (64, 384, 1, 1), {})
     assert planner.lanes_a16(GRID, "Intel")
-    assert ", in lanes tiles: 196 pixels an image" in _reason(*project, "AMD")
-    assert said not in _reason(*project, "AMD")
+    assert planner.native_tiles(geo, "direct", GRID, "Intel")[0] is True
+    a16, why = planner.native_a16(True, GRID, "Intel")
+    assert a16 and why.startswith("A in 16-row panels, one load a vector")
     for vendor, grid in (("Intel", (6, 16)), ("Intel", (4, 8)), ("AMD", GRID)):
-        assert said not in _reason(*project, vendor, grid), (vendor, grid)
-        assert not planner.lanes_a16(grid, vendor)
+        lanes = planner.native_tiles(geo, "direct", grid, vendor)[0]
+        assert lanes is (vendor == "AMD"), (vendor, grid)
+        a16, why = planner.native_a16(lanes, grid, vendor)
+        assert not a16 and not planner.lanes_a16(grid, vendor)
+        # Said where the products run in lanes tiles (AMD's 8 x 32), with why not.
+        assert why == ("" if not lanes else "A in 8-row panels, two joined each depth "
+                       "step: 16-row panels were measured on Intel's cores only (lanes_a16, "
+                       "LANES_A16_VENDORS): not measured on AMD's cores")
+    assert planner.native_a16(False, GRID, "Intel") == (False, "")
 
 
 @pytest.mark.parametrize("vendor", ["AMD", "Intel", None])

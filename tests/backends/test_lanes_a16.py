@@ -2,7 +2,9 @@
 lanes_a16) holds its filters packed once, in those panels only, on every path that runs
 it: bound and unbound runs at 1, 2, 3 and 16 threads, the same bits as the 8-row panels,
 its prepared calls reading that pack as 16-row panels (the model's own prepare, no field
-written by hand), and the memory plan's packed-weight bytes cover what it holds."""
+written by hand), and the memory plan's packed-weight bytes cover what it holds. The plan
+carries the choice (gemm_a16, the planner's native_a16): a plan made for another
+machine's profile packs, binds and says what that machine's vendor and tile decide."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from keel import native
 from keel.backends.cpu import native_gemm
 from keel.backends.cpu import planner as cpu_planner
 from keel.execution.model import load_model
+from keel.hardware.fakes import fake_profile
 
 
 @pytest.fixture(autouse=True)
@@ -126,3 +129,59 @@ def test_a_lanes_a16_conv_holds_its_filters_packed_once(
                               < held[0].ctypes.data + held[0].nbytes for a, a16 in fields)
         plan = model.plan.memory_plan
         assert plan is not None and sum(a.nbytes for a in held) <= plan.prepacked_bytes
+
+
+# (profile, products in lanes tiles, filters in 16-row panels): an Intel Xeon with
+# AVX-512 (8 x 32 tiles), an AMD Ryzen with AVX-512 (lanes tiles, 16-row panels not
+# measured there), an Intel Core and an AMD EPYC with AVX2 (6 x 16 tiles: no lanes tiles).
+PLANNED_FOR = [("x86-avx512-server", True, True), ("amd-sysfs-only", True, False),
+               ("windows-rtx4090", False, False), ("amd-rocm-server", False, False)]
+
+
+@pytest.mark.parametrize(("name", "lanes", "a16"), PLANNED_FOR)
+def test_the_plan_decides_the_16_row_panels_for_the_machine_planned_for(
+        name: str, lanes: bool, a16: bool) -> None:
+    """The plan carries the 16-row panels' choice (gemm_a16) made for the profile's vendor
+    and tile, whatever this machine's: the filters are packed as it says (one packing),
+    the prepared calls read A as it says, explain() says it with its reason, and the
+    outputs are bitwise the same at 1, 2, 3 and 16 threads and for every profile."""
+    rows = 72                                   # an odd count of 8-row panels
+    onnx, w = _projection(rows, 384, 14)
+    rng = np.random.default_rng(2)
+    feeds = {"x": rng.standard_normal((1, 384, 14, 14)).astype(np.float32),
+             "z": rng.standard_normal((1, rows, 14, 14)).astype(np.float32)}
+    ref = load_model(onnx, backend="reference").predict(feeds)["y"]
+    width = 16 if a16 else 8
+    want: np.ndarray | None = None
+    for threads in (1, 2, 3, 16):
+        model = load_model(onnx, backend="cpu", threads=threads, plan_cache=False,
+                           hardware=fake_profile(name))
+        (conv,) = [n.plan for n in model.plan.nodes if n.plan is not None]
+        assert conv.layout == "direct" and conv.option("gemm_lanes") is lanes
+        assert conv.option("gemm_a16") is (a16 if lanes else None)
+        said = model.explain()
+        assert ("gemm_a16: True (A in 16-row panels" in said) is a16
+        assert ("gemm_a16: False (A in 8-row panels" in said) is (lanes and not a16)
+        for _ in range(3):                      # the first runs bind, the last is steady
+            got = _bits(model.predict(feeds)["y"])
+        want = got if want is None else want
+        assert np.array_equal(got, want), (name, threads)
+        held = _packings(model, w)
+        assert [a.nbytes for a in held] == [4 * -(-rows // width) * width * 384 + 64]
+        fields = _a16_fields(model)
+        assert fields and all((a16_field == a) is a16 and (a16_field == 0) is not a16
+                              for a, a16_field in fields), (name, threads)
+    np.testing.assert_allclose(want.view(np.float32), np.asarray(ref), rtol=1e-4, atol=1e-4)
+
+
+def test_every_profile_gives_the_same_bits() -> None:
+    """16-row panels, 8-row panels, lanes tiles and column panels sum each element the
+    same way: the plans of every profile above give one result, bit for bit."""
+    onnx, _ = _projection(72, 384, 14)
+    rng = np.random.default_rng(3)
+    feeds = {"x": rng.standard_normal((1, 384, 14, 14)).astype(np.float32),
+             "z": rng.standard_normal((1, 72, 14, 14)).astype(np.float32)}
+    got = {name: _bits(load_model(onnx, backend="cpu", threads=2, plan_cache=False,
+                                  hardware=fake_profile(name)).predict(feeds)["y"]).tobytes()
+           for name, _, _ in PLANNED_FOR}
+    assert len(set(got.values())) == 1, sorted(got)

@@ -66,18 +66,43 @@ def test_the_direct_form_says_whether_its_products_run_in_lanes_tiles() -> None:
 
 def test_a_in_16_row_panels_is_said_only_for_intel_s_8_x_32_tiles() -> None:
     """lanes_a16: gemm.c reads 16-row panels with its AVX-512 8 x 32 tiles only, so a
-    build with another tile (6 x 16 with AVX2, 4 x 8 scalar) is not told it does, though
-    its products of the lanes tiles' shapes are planned in them; AMD's cores were not
-    measured."""
-    project = ((1, 384, 14, 14), (64, 384, 1, 1))
-    said = "; A in 16-row panels, one load a vector"
-    assert said in _reason(*project, "Intel")
+    build with another tile (6 x 16 with AVX2, 4 x 8 scalar) is not told it does (nor
+    that its products run in lanes tiles: it has none); AMD's cores were not measured."""
+    geo = conv_geometry(Op.CONV, (1, 384, 14, 14), (64, 384, 1, 1), {})
     assert planner.lanes_a16(GRID, "Intel")
+    assert planner.native_tiles(geo, "direct", GRID, "Intel")[0] is True
+    a16, why = planner.native_a16(True, GRID, "Intel")
+    assert a16 and why.startswith("A in 16-row panels, one load a vector")
     for vendor, grid in (("Intel", (6, 16)), ("Intel", (4, 8)), ("AMD", GRID)):
-        why = _reason(*project, vendor, grid)
-        assert ", in lanes tiles: 196 pixels an image" in why, (vendor, grid)
-        assert said not in why, (vendor, grid)
-        assert not planner.lanes_a16(grid, vendor)
+        lanes = planner.native_tiles(geo, "direct", grid, vendor)[0]
+        assert lanes is (vendor == "AMD"), (vendor, grid)
+        a16, why = planner.native_a16(lanes, grid, vendor)
+        assert not a16 and not planner.lanes_a16(grid, vendor)
+        # Said where the products run in lanes tiles (AMD's 8 x 32), with why not.
+        assert why == ("" if not lanes else "A in 8-row panels, two joined each depth "
+                       "step: 16-row panels were measured on Intel's cores only (lanes_a16, "
+                       "LANES_A16_VENDORS): not measured on AMD's cores")
+    assert planner.native_a16(False, GRID, "Intel") == (False, "")
+
+
+@pytest.mark.parametrize("vendor", ["AMD", "Intel", None])
+@pytest.mark.parametrize("grid", [(6, 16), (6, 8), (4, 8), None])
+def test_a_grid_without_lanes_tiles_never_runs_in_them(
+        vendor: str | None, grid: tuple[int, int] | None) -> None:
+    """gemm.c builds lanes tiles with its 8 x 32 tiles only (LANES_GRID): a plan for
+    another tile (an AVX2 AMD EPYC's 6 x 16 among them) is never told its products run
+    in them, whatever the vendor, nor its partly filled last panel; the direct form's
+    reason says why, where a product of the same shapes on 8 x 32 would."""
+    for m, n, k in (EXPAND_14, PROJECT_14, PROJECT_28, EXPAND_7):
+        assert not planner.lanes_tiles(1, m, n, k, vendor, grid), (m, n, k)
+        assert not planner.lanes_tail(m, n, k, grid, vendor), (m, n, k)
+    assert planner.lanes_tiles(1, *PROJECT_14, vendor, GRID)
+    if grid is None:
+        return
+    why = _reason((1, 384, 14, 14), (64, 384, 1, 1), vendor, grid)
+    assert ", not in lanes tiles: 196 pixels an image" in why
+    assert (f"gemm.c builds them with its 8 x 32 tiles only (LANES_GRID), these are "
+            f"{grid[0]} x {grid[1]}") in why
 
 
 def test_the_split_counts_the_tiles_that_run() -> None:

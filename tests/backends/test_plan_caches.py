@@ -262,13 +262,15 @@ def _expansion_model() -> Any:
 
 
 @pytest.mark.parametrize(("name", "lanes"), [("amd-sysfs-only", True),
-                                             ("x86-avx512-server", False)])
+                                             ("x86-avx512-server", False),
+                                             ("amd-rocm-server", False)])
 def test_the_direct_conv_runs_the_tiles_of_the_vendor_planned_for(
         name: str, lanes: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A model planned for another machine's profile carries its vendor's lanes-tile
     choice for the direct conv as the plan's gemm_lanes option, explain() says it, and
     the prepared call carries it here whatever this machine's vendor, with the reference
-    backend's result."""
+    backend's result. An AVX2 AMD EPYC's 6 x 16 tiles have no lanes tiles (LANES_GRID),
+    so the shape AMD's 8 x 32 build runs in them runs in panels there."""
     from keel.backends.cpu import native_gemm
 
     if not native_gemm.available():

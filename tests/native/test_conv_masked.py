@@ -332,7 +332,7 @@ def test_masked_lanes_need_the_taps_copy_to_fit_the_workspace() -> None:
     if not work:
         pytest.skip("the native tier is unavailable: no workspace to size")
     k = -(-(work + 1) // 49)                        # the first depth past the workspace
-    assert cpu_planner.lanes_tiles(1, 512, 49, k)   # the lanes rule alone would take it
+    assert cpu_planner.lanes_tiles(1, 512, 49, k, grid=(8, 32))  # the lanes rule would
     assert not cpu_planner.masked_lanes(512, 49, k, (8, 32))
     assert cpu_planner.masked_lanes(512, 49, work // 49, (8, 32))
 

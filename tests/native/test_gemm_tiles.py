@@ -83,7 +83,7 @@ def _lanes() -> Case:
     w, x, bias, r = _f(200, 150), _f(150, 49), _f(200), _f(200, 49)
     c = np.empty((200, 49), np.float32)
     wp = ng.pack(w, left=True)
-    assert ng.planner_rules().lanes_tiles(1, 200, 49, 150)
+    assert ng.planner_rules().lanes_tiles(1, 200, 49, 150, grid=(8, 32))
     call = ng.prepare(wp, x, c, bias=bias, bias_rows=True, residual=r, clip=(-2.0, 2.0))
     return Case(call, c, np.clip(w @ x + bias[:, None] + r, -2.0, 2.0), wp)
 

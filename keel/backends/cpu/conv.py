@@ -179,7 +179,7 @@ def _layout(variant: str, geo: ConvGeometry, has_bias: bool, form: planner.ConvF
         return conv_gemm.native_layout(geo, form.layout, form.stream_stores, form.gemm_lanes,
                                        form.output_streams,
                                        blocked_residual=form.blocked_residual,
-                                       step=form.chunk or 1)
+                                       step=form.chunk or 1, a16=form.gemm_a16)
     if variant == "winograd":
         return WinogradLayout(geo, form.chunk, form.lanes, form.pass_lanes, form.pipeline)
     return geo
@@ -201,6 +201,7 @@ def _form(node_plan: NodePlan | None, variant: str, geo: ConvGeometry,
             pipeline=node_plan.option("winograd_pipeline"),
             gemm_lanes=node_plan.option("gemm_lanes"),
             output_streams=bool(node_plan.option("output_streams", False)),
+            gemm_a16=bool(node_plan.option("gemm_a16", False)),
             blocked_residual=node_plan.option("residual_layout") == planner.NCHWC)
     threads = node_plan.threads if node_plan is not None and node_plan.threads else 1
     return planner.conv_form(variant, geo, itemsize, threads=threads)

@@ -465,6 +465,7 @@ class NativeLayout:
     sides: native_blocked.Sides = native_blocked.NCHW_SIDES  # its blocked X, Y, residual
     nt: bool = False                  # Y's final stores bypass the cache (as planned)
     lanes: bool | None = None         # products in lanes tiles (as planned; None: the rule)
+    a16: bool = False                 # filters in 16-row panels only (as planned: native_a16)
     streams: bool = False             # gathered taps stream for the output (as planned)
     images: int = 0                   # by image: this many, ``step`` at a time (geo: a step's)
     step: int = 1                     # by image: images a step (stacked when more than one)
@@ -540,7 +541,8 @@ MASKED_MAX_TAPS = 64
 
 def native_layout(geo: ConvGeometry, form: str, stream_stores: bool = False,
                   lanes: bool | None = None, output_streams: bool = False,
-                  blocked_residual: bool = False, step: int = 1) -> NativeLayout:
+                  blocked_residual: bool = False, step: int = 1, a16: bool = False
+                  ) -> NativeLayout:
     """``geo`` on the native GEMM in ``form`` (pure; callers cache it per signature).
 
     The cpu planner decides the form (``keel.backends.cpu.planner.native_form``):
@@ -552,7 +554,9 @@ def native_layout(geo: ConvGeometry, form: str, stream_stores: bool = False,
     products run in gemm.c's lanes tiles or not (None: lanes_tiles for this machine);
     ``output_streams``: gathered taps stream for the output's sake (the planner's
     native_tiles decides both); ``step``: the gathered-images form's images a step (the
-    planner's by_image_step). A form naming ``nchwc16`` (``"nchw->nchwc16"``,
+    planner's by_image_step); ``a16``: the filters are packed in 16-row panels only (the
+    planner's native_a16, where the products run in lanes tiles). A form naming
+    ``nchwc16`` (``"nchw->nchwc16"``,
     ``"nchwc16->nchwc16"``, ``"nchwc16->nchw"``, ``"nchw->nchw"``: the planner's
     float_layouts) is the channel-blocked direct conv inside a float NCHWc region (or
     alone: planner.blocked_alone), its X
@@ -566,9 +570,9 @@ def native_layout(geo: ConvGeometry, form: str, stream_stores: bool = False,
                                 src == native_blocked.NCHWC, dst == native_blocked.NCHWC,
                                 blocked_residual))
     layout = _native_layout(geo, form, step)
-    if stream_stores or lanes is not None or output_streams:
+    if stream_stores or lanes is not None or output_streams or a16:
         layout = dataclasses.replace(layout, nt=stream_stores, lanes=lanes,
-                                     streams=output_streams)
+                                     streams=output_streams, a16=a16)
     return layout
 
 
@@ -861,22 +865,15 @@ def layout_filters(xp: Any, layout: NativeLayout, packed: Any, w: Any, b: Any) -
         return workspace.form(xp, packed, ("blocked",), (w, b), lambda xp_, a: (
             native_blocked.pack_filters(a[0]),
             None if a[1] is None else np.ascontiguousarray(a[1], dtype=np.float32)))
-    a16 = layout_a16(layout)
+    a16 = layout.a16             # as planned (native_a16): one packing is held either way
     return workspace.form(xp, packed, ("native", geo.group, a16), (w, b),
                           lambda xp_, a: native_filters(xp_, geo, a[0], a[1], a16))
 
 
-def layout_a16(layout: NativeLayout) -> bool:
-    """Whether ``layout``'s filters are packed in 16-row panels only: its products run
-    wholly in lanes tiles as planned (the direct form's lanes_tiles) and the planner's
-    lanes_a16 reads A that way on this machine. One packing is held either way."""
-    return (layout.direct and layout.lanes is True
-            and native_gemm.planner_rules().lanes_a16())
-
-
 def native_filters(xp: Any, geo: ConvGeometry, w: Any, b: Any, a16: bool = False) -> Any:
     """Per group: W (Mg, Cg * taps) packed as the left operand (in 16-row panels only
-    where ``a16``: :func:`layout_a16`), and its bias (or None)."""
+    where ``a16``: the layout's, as the planner's native_a16 says), and its bias (or
+    None)."""
     g = geo.group
     mg = geo.out_channels // g
     w3 = w.reshape(g, mg, -1).astype(np.float32, copy=False)

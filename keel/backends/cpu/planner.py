@@ -2633,6 +2633,9 @@ def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:
         form_reasons.append(("winograd_pipeline", form.pipeline_reason))
     if form.gemm_lanes is not None:
         options.append(("gemm_lanes", form.gemm_lanes))     # the layout's reason says
+    if form.a16_reason:
+        options.append(("gemm_a16", form.gemm_a16))
+        form_reasons.append(("gemm_a16", form.a16_reason))
     if form.output_streams:
         options.append(("output_streams", True))
     blocking = _blocking(request.op, sizes)
@@ -3366,12 +3369,12 @@ def _direct_lanes_reason(geo: ConvGeometry, grid: Grid, vendor: str | None) -> s
         return ""
     computed = -(-pixels // grid[1]) * grid[1]
     shape = f"{pixels} pixels an image, which {grid[1]}-column panels compute as {computed}"
+    if not lanes_built(grid):
+        return (f", not in lanes tiles: {shape}; gemm.c builds them with its "
+                f"{LANES_GRID[0]} x {LANES_GRID[1]} tiles only (LANES_GRID), these are "
+                f"{grid[0]} x {grid[1]}")
     if lanes_tiles(geo.batch, rows, pixels, depth, vendor, grid):
-        wide = ("; A in 16-row panels, one load a vector where two 8-row ones take an "
-                "insert on the port of an FMA unit, its filters packed that way only "
-                "(lanes_a16, LANES_A16_VENDORS: measured on a 2-core Intel Xeon)"
-                ) if lanes_a16(grid, vendor) else ""
-        return f", in lanes tiles: {shape} (lanes_tiles){wide}"
+        return f", in lanes tiles: {shape} (lanes_tiles)"
     why = (f"depth {depth} below the {rows} rows" if depth < rows
            else f"over LANES_MAX_COLUMNS ({LANES_MAX_COLUMNS}) pixels")
     port = "the lanes tiles' shuffles share a port with the FMA units"
@@ -3431,6 +3434,26 @@ def native_tiles(geo: ConvGeometry, form: str, grid: Any = _HERE, vendor: Any = 
             vendor, grid)
     streams = form in ("gathered", "gathered-stacked") and _gathered_output_streams(geo)
     return lanes, streams
+
+
+def native_a16(lanes: bool | None, grid: Any = _HERE, vendor: Any = _HERE
+               ) -> tuple[bool, str]:
+    """Whether the native conv's filters are packed in 16-row panels only, and why: its
+    products run in lanes tiles as planned (``lanes``: native_tiles') and lanes_a16
+    takes the tile ``grid`` and ``vendor`` planned for (defaults: this machine's). The
+    plan carries it (gemm_a16): the filters are packed, and the calls read them, as it
+    says, whatever this machine's vendor. (False, "") where no product runs in lanes
+    tiles: 8-row panels, nothing to choose."""
+    if lanes is not True:
+        return False, ""
+    vendor = _this_vendor() if vendor is _HERE else vendor
+    if lanes_a16(grid, vendor):
+        return True, ("A in 16-row panels, one load a vector where two 8-row ones take an "
+                      "insert on the port of an FMA unit, its filters packed that way only "
+                      "(lanes_a16, LANES_A16_VENDORS: measured on a 2-core Intel Xeon)")
+    return False, ("A in 8-row panels, two joined each depth step: 16-row panels were "
+                   "measured on Intel's cores only (lanes_a16, LANES_A16_VENDORS): "
+                   f"{unmeasured_vendor(vendor)}")
 
 
 def wide_stacks(geo: ConvGeometry, grid: Any = _HERE) -> bool:
@@ -3607,30 +3630,42 @@ LANES_MAX_B_BYTES = 1 << 20
 # inside the model lanes and tall tiles were not compared for it.
 LANES_VENDORS = frozenset({"AMD"})
 LANES_PANEL_WASTE = 1.25
+# gemm.c builds its lanes tiles with its AVX-512 8 x 32 tiles only
+# (keel_gemm_lanes_built_f32): a build of another tile (6 x 16 with AVX2, 4 x 8 scalar)
+# has none, whatever the vendor. Read from gemm.c, not measured.
+LANES_GRID = (8, 32)
+
+
+def lanes_built(grid: Any = _HERE) -> bool:
+    """Whether gemm.c builds lanes tiles with the native tile ``grid`` (default: the
+    loaded kernel's; None: no native tier)."""
+    grid = _grid(grid)
+    return grid is not None and tuple(grid) == LANES_GRID
 
 
 def lanes_tiles(batch: int, m: int, n: int, k: int, vendor: Any = _HERE,
                 grid: Any = _HERE) -> bool:
     """Whether ``batch`` native products of ``m`` rows, ``n`` columns and depth ``k`` run
     in lanes tiles (where their operands fit them) on a CPU of ``vendor`` with the native
-    tile ``grid`` (defaults: this machine's)."""
-    if not _lanes_fit(batch, m, n, k):
+    tile ``grid`` (defaults: this machine's): never on a grid without them (LANES_GRID)."""
+    grid = _grid(grid)
+    if grid is None or not lanes_built(grid) or not _lanes_fit(batch, m, n, k):
         return False
     vendor = _this_vendor() if vendor is _HERE else vendor
     if vendor in LANES_VENDORS:
         return True
     if k >= m and n <= LANES_MAX_COLUMNS:
         return True
-    grid = _grid(grid)
-    return grid is not None and -(-n // grid[1]) * grid[1] >= LANES_PANEL_WASTE * n
+    return -(-n // grid[1]) * grid[1] >= LANES_PANEL_WASTE * n
 
 
 # The lanes tiles join each 16-lane vector of A from two 8-row panels, an insert every
 # depth step for every 16 rows, which on Intel's cores issues on the port of the second
 # FMA unit: 26 operations there for a 32 x 12 tile's 24 multiply-adds. Where the direct
 # conv's plan runs its products in lanes tiles, its filters are packed in 16-row panels
-# only (one load a vector; held once: conv_gemm.layout_filters), on LANES_A16_VENDORS'
-# cores with gemm.c's 8 x 32 tiles (its only build with lanes tiles); a call they do not
+# only (one load a vector; held once: conv_gemm.layout_filters; decided once, for the
+# plan's vendor and tile, by native_a16, and carried as the conv's gemm_a16 option), on
+# LANES_A16_VENDORS' cores with gemm.c's 8 x 32 tiles (LANES_GRID); a call they do not
 # serve (one that would not run wholly in lanes tiles) reads 8-row panels made from them
 # on first need. The same values in the same lanes: the same bits. Splits starting on
 # an odd 8-row panel read the 16-row panels' halves.
@@ -3649,10 +3684,10 @@ def lanes_a16(grid: Any = _HERE, vendor: Any = _HERE) -> bool:
     """Whether products in lanes tiles read A packed in 16-row panels (instead of its
     8-row ones), with the native tile ``grid`` on a CPU of ``vendor`` (defaults: this
     machine's). gemm.c builds the lanes tiles, and reads 16-row panels, with its 8 x 32
-    tiles (AVX-512) only: another grid (6 x 16 with AVX2, 4 x 8 scalar) never does."""
-    grid = _grid(grid)
+    tiles (AVX-512) only (lanes_built): another grid (6 x 16 with AVX2, 4 x 8 scalar)
+    never does."""
     vendor = _this_vendor() if vendor is _HERE else vendor
-    return grid is not None and tuple(grid) == (8, 32) and vendor in LANES_A16_VENDORS
+    return lanes_built(grid) and vendor in LANES_A16_VENDORS
 
 
 # A product in 8 x 32 tiles whose columns end in a partly filled panel (a 1x1 conv on
@@ -3681,7 +3716,7 @@ def lanes_tail(m: int, n: int, k: int, grid: Any = _HERE, vendor: Any = _HERE) -
     a MatMul's or Gemm's A is its activation, read raw, so theirs never take it."""
     grid = _grid(grid)
     vendor = _this_vendor() if vendor is _HERE else vendor
-    if grid is None or tuple(grid) != (8, 32) or vendor not in LANES_TAIL_VENDORS:
+    if grid is None or not lanes_built(grid) or vendor not in LANES_TAIL_VENDORS:
         return False
     return 0 < n % grid[1] <= LANES_TAIL_MAX_COLUMNS and m >= LANES_MIN_ROWS and k > 0
 
@@ -3892,7 +3927,8 @@ def native_layout(geo: ConvGeometry) -> conv_gemm.NativeLayout:
     """``geo``'s native conv layout in the planned form."""
     form = native_form(geo)[0]
     lanes, streams = native_tiles(geo, form)
-    return conv_gemm.native_layout(geo, form, stream_stores(geo), lanes, streams)
+    return conv_gemm.native_layout(geo, form, stream_stores(geo), lanes, streams,
+                                   a16=native_a16(lanes)[0])
 
 
 # ---- the NumPy im2col and pointwise layouts --------------------------------------------
@@ -3946,6 +3982,10 @@ class ConvForm:
     # rule for the shapes it sees) and its gathered taps streamed for its output's sake.
     gemm_lanes: bool | None = None
     output_streams: bool = False
+    # Where those products run in lanes tiles, the filters packed in 16-row panels only,
+    # and why (native_a16, for the grid and vendor planned for): packed and read so.
+    gemm_a16: bool = False
+    a16_reason: str = ""
     # Inside a float NCHWc region, whether the residual is read blocked (residual_layout).
     blocked_residual: bool = False
 
@@ -5033,9 +5073,11 @@ def conv_form(variant: str, geo: ConvGeometry, itemsize: int, grid: Any = _HERE,
         scratch = conv_gemm.native_scratch(conv_gemm.native_layout(geo, form, step=step or 1),
                                            itemsize)
         lanes, streams = native_tiles(geo, form, grid, vendor)
+        a16, a16_why = native_a16(lanes, grid, vendor)
         return ConvForm(form, why, step, workspace_bytes=scratch,
                         stream_stores=stream_stores(geo, sizes), gemm_lanes=lanes,
-                        output_streams=streams, chunk_reason=step_why)
+                        output_streams=streams, chunk_reason=step_why, gemm_a16=a16,
+                        a16_reason=a16_why)
     if variant == "depthwise":
         layout, why = depthwise_form(geo)
         numpy_form = layout.rpartition("|")[2]

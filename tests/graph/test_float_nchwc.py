@@ -423,6 +423,31 @@ def test_a_one_block_conv_keeps_sixteen_pixel_rows_alone() -> None:
         _check_results(blob)
 
 
+def test_a_batch_on_many_threads_runs_seven_pixel_rows_blocked_alone() -> None:
+    """On BLOCKED_ALONE_MANY_THREADS threads or more a batch's 3x3 stride-2 conv with
+    7-pixel output rows runs blocked alone too (measured on 16 cores); on fewer threads,
+    or one image, it keeps its NCHW form. Bitwise the same on 1, 2, 3 and 16 threads."""
+    many = planner.BLOCKED_ALONE_MANY_THREADS
+    geo = conv_geometry(Op.CONV, (2, 32, 14, 14), (32, 32, 3, 3),
+                        {"strides": (2, 2), "pads": (1, 1, 1, 1)})
+    assert planner.blocked_alone(geo, many)
+    assert not planner.blocked_alone(geo, many - 1)
+    assert not planner.blocked_alone(conv_geometry(
+        Op.CONV, (1, 32, 14, 14), (32, 32, 3, 3), {"strides": (2, 2), "pads": (1, 1, 1, 1)}),
+        many)
+    g = _Graph(32, 14)
+    narrow = g.conv("n", g.node("MaxPool", "x", kernel_shape=[1, 1]), strides=[2, 2])
+    blob = g.model(g.node("MaxPool", narrow, kernel_shape=[1, 1]))
+    for threads, blocked in ((2, False), (many, True)):
+        model = _load(blob, threads)
+        model.predict(_feeds(blob))
+        assert (_layouts(model)["n"] == "nchw->nchw") is blocked
+        plan = next(p.plan for p in model.plan.nodes if p.name == "n")
+        assert plan is not None
+        assert ("BLOCKED_ALONE_MANY_THREADS" in plan.reason("layout")) is blocked
+    _check_results(blob)
+
+
 def test_a_region_on_rows_that_are_not_whole_tiles() -> None:
     """Rows of 14 pixels (a tile of 8 and a tail of 6, bands' last runs through lane
     masks): a region of stride-1 convs, bitwise the same on every thread count."""

@@ -115,3 +115,36 @@ def test_a_batch_keeps_its_form(x_shape: tuple[int, ...], w_shape: tuple[int, ..
     """ResNet-18's shortcuts at batch 32 copy each image's phase before its product."""
     geo = conv_geometry(Op.CONV, x_shape, w_shape, S2)
     assert cpu_planner.native_form(geo, (8, 32), "Intel")[0] == "gathered-images"
+
+
+@pytest.mark.parametrize("x_shape,w_shape", [((32, 64, 56, 56), (128, 64, 1, 1)),
+                                             ((32, 128, 28, 28), (256, 128, 1, 1))])
+def test_a_batch_on_many_threads_packs_from_x(x_shape: tuple[int, ...],
+                                              w_shape: tuple[int, ...]) -> None:
+    """On STRIDED_GATHER_BATCH_THREADS threads or more a batch packs B from X too (its
+    phase copy a pass of its own there: measured on 16 cores); on fewer it keeps
+    gathered-images, and 7-wide rows keep the masked form on any."""
+    geo = conv_geometry(Op.CONV, x_shape, w_shape, S2)
+    many = cpu_planner.STRIDED_GATHER_BATCH_THREADS
+    form, why = cpu_planner.native_form(geo, (8, 32), "Intel", many)
+    assert form == "gathered-strided" and "STRIDED_GATHER_BATCH_THREADS" in why
+    assert cpu_planner.native_form(geo, (8, 32), "Intel", many - 1)[0] == "gathered-images"
+    assert cpu_planner.native_form(geo, (8, 32), "AMD", many)[0] != "gathered-strided"
+    narrow = conv_geometry(Op.CONV, (32, 256, 14, 14), (512, 256, 1, 1), S2)
+    assert cpu_planner.native_form(narrow, (8, 32), "Intel", many)[0] == "masked"
+
+
+@pytest.mark.parametrize("x_shape,w_shape", [CASES[1], CASES[2], ((4, 16, 28, 28), (32, 16, 1, 1))])
+def test_a_batch_packed_from_x_has_the_bits_of_its_images_phase_copied(
+        x_shape: tuple[int, ...], w_shape: tuple[int, ...]) -> None:
+    """The form a batch ran in before on many threads (each image's phase copied, then its
+    product) and the one it runs in now give the same bits, on 16 threads and on 2."""
+    rng = np.random.default_rng(9)
+    x, w = support.rand(rng, *x_shape), support.rand(rng, *w_shape)
+    b = support.rand(rng, w_shape[0])
+    z = support.rand(rng, *support.reference([x, w, b], S2).shape)
+    geo = conv_geometry(Op.CONV, x_shape, w_shape, S2)
+    for threads in (2, 16):
+        images = conv_gemm.native_layout(geo, "gathered-images", step=1)
+        assert np.array_equal(_strided(x, w, b, z, S2, threads=threads),
+                              support.run_layout(images, x, w, b, z, S2, threads))

@@ -1086,7 +1086,7 @@ def float_layouts(graph: Any, types: Mapping[str, TensorType | None],
             leaves = _leaves(nodes, nodes[i].outputs[0], readers, outputs, reads_blocked)
             decided[i] = _float_decision(nodes[i], geo, blocked, leaves, len(chain), threads)
     for i, geo in enumerate(geos):
-        if geo is not None and i not in decided and blocked_alone(geo):
+        if geo is not None and i not in decided and blocked_alone(geo, threads):
             decided[i] = _lone_decision(geo, threads)
     return decided
 
@@ -1329,8 +1329,13 @@ def _float_decision(n: Any, geo: ConvGeometry, blocked: set[str], leaves: str, s
 def _lone_decision(geo: ConvGeometry, threads: int | None) -> LayoutDecision:
     """A conv outside any region that runs channel-blocked alone (blocked_alone): X,
     Y and any residual NCHW, the kernel transposing its sums into Y's rows."""
-    why = BLOCKED_ALONE_REASON.format(width=geo.window.out_spatial[1],
-                                      least=blocked_alone_width(geo.out_channels))
+    least = blocked_alone_width(geo.out_channels, geo.batch, threads)
+    why = BLOCKED_ALONE_REASON.format(width=geo.window.out_spatial[1], least=least)
+    if least == BLOCKED_ALONE_MANY_MIN_WIDTH:
+        why += (f"; a batch of {geo.batch} on {threads} threads >= BLOCKED_ALONE_MANY_THREADS "
+                f"{BLOCKED_ALONE_MANY_THREADS} takes rows of {least} pixels too (measured "
+                f"on ResNet-18's 256 -> 512 at batch 32 on a 16-core Intel Xeon: 0.77x the "
+                f"masked form)")
     return _blocked_decision(geo, "nchw->nchw", why, threads, ())
 
 
@@ -3084,6 +3089,15 @@ def blocked_conv(geo: ConvGeometry, grid: Any = _HERE, vendor: Any = _HERE) -> b
 # measured to pay, so it keeps BLOCKED_ALONE_ONE_BLOCK_MIN_WIDTH.
 BLOCKED_ALONE_MIN_WIDTH = 14
 BLOCKED_ALONE_ONE_BLOCK_MIN_WIDTH = 16
+# On many threads a batch's 7-pixel rows run blocked alone too (blocked_alone_width):
+# ResNet-18's 256 -> 512 (7 out) at batch 32 on the 16 threads of a 16-core Intel Xeon
+# (an H200 machine's host), in the model, every variant in one process, 5 alternating
+# passes (benchmarks/results/cpu16-s2-ab-20261128T064434Z.txt): blocked 4435 / 3456 us
+# (median / fastest) against the masked form's 5769 / 4687 (0.77 / 0.74), the same
+# bits. On one and two threads it was 1.00-1.03 (above); between 2 and 16 threads and at
+# batch 1 on many it was not measured, so the 2-thread rule stands there.
+BLOCKED_ALONE_MANY_THREADS = 16
+BLOCKED_ALONE_MANY_MIN_WIDTH = 7
 BLOCKED_ALONE_REASON = (
     "channel-blocked alone (planner.blocked_alone): a 3x3 stride-2 conv outside any float "
     "NCHWc region, {width}-pixel output rows >= {least} (blocked_alone_width); X read "
@@ -3095,18 +3109,22 @@ BLOCKED_ALONE_REASON = (
     "before, 7-pixel rows no faster; other shapes follow from it, not measured)")
 
 
-def blocked_alone(geo: ConvGeometry) -> bool:
+def blocked_alone(geo: ConvGeometry, threads: int | None = 1) -> bool:
     """Whether a blockable conv (blocked_conv) outside any region runs blocked alone: 3x3
     at stride 2 with output rows of at least blocked_alone_width pixels."""
     win = geo.window
     return (tuple(win.kernel) == (3, 3) and tuple(win.strides) == (2, 2)
-            and win.out_spatial[1] >= blocked_alone_width(geo.out_channels))
+            and win.out_spatial[1] >= blocked_alone_width(geo.out_channels, geo.batch,
+                                                          threads))
 
 
-def blocked_alone_width(out_channels: int) -> int:
+def blocked_alone_width(out_channels: int, batch: int = 1, threads: int | None = 1) -> int:
     """The least output row a lone blocked conv takes: BLOCKED_ALONE_MIN_WIDTH where its
     register tile holds two blocks (the width measured with a two-block tail), else
-    BLOCKED_ALONE_ONE_BLOCK_MIN_WIDTH."""
+    BLOCKED_ALONE_ONE_BLOCK_MIN_WIDTH; BLOCKED_ALONE_MANY_MIN_WIDTH for a batch on
+    BLOCKED_ALONE_MANY_THREADS or more."""
+    if batch > 1 and (threads or 1) >= BLOCKED_ALONE_MANY_THREADS:
+        return BLOCKED_ALONE_MANY_MIN_WIDTH
     return (BLOCKED_ALONE_MIN_WIDTH if blocked_oc_tile(out_channels) == 2
             else BLOCKED_ALONE_ONE_BLOCK_MIN_WIDTH)
 
@@ -3494,31 +3512,48 @@ def _wide_wins(geo: ConvGeometry, grid: Grid) -> bool:
 # it was measured on (STRIDED_GATHER_VENDORS).
 STRIDED_GATHER_MIN_WIDTH = 14
 STRIDED_GATHER_VENDORS = frozenset({"Intel"})
+# A batch runs gathered-strided too on STRIDED_GATHER_BATCH_THREADS threads or more:
+# ResNet-18's shortcuts at batch 32 on the 16 threads of a 16-core Intel Xeon (an H200
+# machine's host), in the model, every variant in one process, 5 alternating passes
+# (benchmarks/results/cpu16-s2-ab-20261128T064434Z.txt; median / fastest, us): 64 -> 128
+# (28 x 28 out) 1039 / 837 against gathered-images' 1277 / 1067 (0.81 / 0.78), 128 -> 256
+# (14 x 14) 789 / 603 against 2033 / 1601 (0.39 / 0.38), the same bits: there the phase
+# copy is a pass of its own over every image, split thin (an image a step) or its B read
+# back from memory (16 images a step). On one or two threads a batch keeps
+# gathered-images (above); between 2 and 16 threads it was not measured.
+STRIDED_GATHER_BATCH_THREADS = 16
 
 
-def _strided_gather_wins(geo: ConvGeometry, grid: Grid, vendor: str | None) -> bool:
+def _strided_gather_wins(geo: ConvGeometry, grid: Grid, vendor: str | None,
+                         threads: int) -> bool:
     """Whether a conv runs gathered-strided (STRIDED_GATHER_MIN_WIDTH, on AVX-512 tiles
-    of STRIDED_GATHER_VENDORS' cores)."""
+    of STRIDED_GATHER_VENDORS' cores; one image, or a batch on
+    STRIDED_GATHER_BATCH_THREADS threads or more)."""
     return (grid == _TILES["avx512"] and vendor in STRIDED_GATHER_VENDORS
-            and geo.batch == 1 and conv_gemm.strided_serves(geo)
+            and (geo.batch == 1 or threads >= STRIDED_GATHER_BATCH_THREADS)
+            and conv_gemm.strided_serves(geo)
             and geo.window.out_spatial[-1] >= STRIDED_GATHER_MIN_WIDTH)
 
 
-def native_form(geo: ConvGeometry, grid: Any = _HERE, vendor: Any = _HERE
-                ) -> tuple[str, str]:
-    """The form the native conv runs ``geo`` in (see conv_gemm.native_layout), and why;
-    ``grid`` the native tile and ``vendor`` the CPU's vendor planned for (defaults: this
-    machine's)."""
+def native_form(geo: ConvGeometry, grid: Any = _HERE, vendor: Any = _HERE,
+                threads: int = 1) -> tuple[str, str]:
+    """The form the native conv runs ``geo`` in on ``threads`` threads (see
+    conv_gemm.native_layout), and why; ``grid`` the native tile and ``vendor`` the CPU's
+    vendor planned for (defaults: this machine's)."""
     grid = _grid(grid)
     vendor = _this_vendor() if vendor is _HERE else vendor
     win = geo.window
     pixels = math.prod(win.out_spatial)
-    if _strided_gather_wins(geo, grid, vendor):
+    if _strided_gather_wins(geo, grid, vendor, threads):
+        many = (f" (a batch of {geo.batch} on {threads} threads >= "
+                f"STRIDED_GATHER_BATCH_THREADS {STRIDED_GATHER_BATCH_THREADS}: measured "
+                f"0.39-0.81x gathered-images on ResNet-18's shortcuts at batch 32 on a "
+                f"16-core Intel Xeon)") if geo.batch > 1 else ""
         return "gathered-strided", (
-            f"gathered-strided: one image's unpadded 1x1 stride-2 conv of output rows of "
+            f"gathered-strided: an unpadded 1x1 stride-2 conv of output rows of "
             f"{win.out_spatial[-1]} >= STRIDED_GATHER_MIN_WIDTH {STRIDED_GATHER_MIN_WIDTH} "
             f"pixels, its B packed from X itself (a row's every other float, one permute), "
-            f"no phase copy")
+            f"no phase copy{many}")
     if _band_wins(geo, grid):
         return "band", (f"band: depth {geo.in_channels * math.prod(win.kernel)} <= "
                         f"{BAND_MAX_DEPTH}, {pixels} output pixels >= {BAND_FROM}, strided")
@@ -5067,7 +5102,7 @@ def conv_form(variant: str, geo: ConvGeometry, itemsize: int, grid: Any = _HERE,
     caches of ``sizes``, vendor rules for a CPU of ``vendor`` (defaults: this
     machine's)."""
     if variant == "native":
-        form, why = native_form(geo, grid, vendor)
+        form, why = native_form(geo, grid, vendor, threads)
         step, step_why = (by_image_step(geo, threads, grid, sizes)
                           if form == "gathered-images" else (None, ""))
         scratch = conv_gemm.native_scratch(conv_gemm.native_layout(geo, form, step=step or 1),

@@ -1894,12 +1894,15 @@ def _product(request: PlanRequest) -> tuple[int, int, int] | None:
 
 
 # Row and copy kernels whose node plan takes threads from its elements (the first input's;
-# fused attention's: its scores times (d + dv), what its row kernel splits by):
+# fused attention's: its scores times (d + dv), what its row kernel splits by; a Gather's:
+# the elements it copies, its output's):
 # a node below its kernel's least work per thread keeps one thread, as the kernel's own
 # split would, and the plan says so (a tiny program, e.g. a block at sequence 1, then
 # plans no split at all).
 _ELEMENT_THREADS_OPS = frozenset({Op.LAYER_NORM, Op.SKIP_LAYER_NORM, Op.SOFTMAX, Op.GELU,
-                                  Op.TRANSPOSE, Op.ATTENTION})
+                                  Op.TRANSPOSE, Op.ATTENTION, Op.GATHER})
+# The copy kernels among them: their least work is a copy's (MIN_COPY_ELEMENTS).
+_COPY_OPS = frozenset({Op.TRANSPOSE, Op.GATHER})
 
 
 def _element_threads(request: PlanRequest) -> tuple[int, str] | None:
@@ -1911,7 +1914,7 @@ def _element_threads(request: PlanRequest) -> tuple[int, str] | None:
     elements, work = found
     chosen = max(1, split_threads(work, request.threads, elements))
     return chosen, (f"{chosen} kernel thread(s) of {request.threads}: {elements:,} "
-                    f"elements{' copied' if request.op is Op.TRANSPOSE else ''}, at least "
+                    f"elements{' copied' if request.op in _COPY_OPS else ''}, at least "
                     f"{least_work(work, max(2, chosen)):,} per thread ({work.constant})")
 
 
@@ -4945,9 +4948,14 @@ def _element_work(request: PlanRequest) -> tuple[int, LeastWork] | None:
     shapes = request.static_shapes() if request.op in _ELEMENT_THREADS_OPS else None
     if not shapes or shapes[0] is None:
         return None
-    work = (LeastWork.COPY if request.op is Op.TRANSPOSE else LeastWork.SKIP_NORM
+    work = (LeastWork.COPY if request.op in _COPY_OPS else LeastWork.SKIP_NORM
             if request.op is Op.SKIP_LAYER_NORM else LeastWork.ELEMENTS)
     elements = math.prod(shapes[0])
+    if request.op is Op.GATHER:                # the rows copied: the output's elements
+        if len(shapes) < 2 or shapes[1] is None or not shapes[0]:
+            return None
+        axis = request.attrs.get("axis", 0) % len(shapes[0])
+        elements = elements // max(1, shapes[0][axis]) * math.prod(shapes[1])
     if request.op is Op.ATTENTION:             # the row kernel's work: scores x (d + dv)
         if len(shapes) < 3 or shapes[1] is None or shapes[2] is None:
             return None

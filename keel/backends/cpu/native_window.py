@@ -307,7 +307,8 @@ def _bind_global(x: np.ndarray, y: np.ndarray, threads: int, serial: Any, mt: An
     planes, size = n * c, math.prod(x.shape[2:])
     xa, ya = native.address(x), native.address(y)
     rules = planner_rules()
-    count = rules.split_parts(rules.LeastWork.TAPS, threads, planes, size)
+    count = rules.split_parts(rules.LeastWork.TAPS, threads, planes,
+                              size * rules.GLOBAL_POOL_TAPS_PER_ELEMENT)
     if count <= 1:
         return _Unchecked(serial, (xa, ya, size, 0, planes), ())
     return Bound(mt, (xa, ya, size, planes, count), ())

@@ -1414,6 +1414,16 @@ def _dispatched(op: Op, request: PlanRequest, table: KernelTable) -> str | None:
 # the running machine's measured thread costs where those are measured.
 MIN_FLOPS_PER_THREAD = 400_000
 MIN_CHUNK_TAPS = 50_000
+# - a global pool (window.c's row kernel: each input element read once, summed in 16
+#   lanes), window taps counted per element it reads: its element costs more than a
+#   depthwise tap, which reads one loaded element for nine taps. Measured on the 2-core
+#   Intel Xeon, one thread, fastest of 1,000 calls, under load (load 9-10): a 32x512x7x7
+#   GlobalAveragePool (ResNet-18 at batch 32) 8.2 elements/ns, 1x1280x7x7 12.7, against
+#   the window family's 20.2 taps/ns (thread_costs, the same machine): 1.6-2.5 taps an
+#   element, 2 taken. On the 16-core Xeon the pool read its 802,816 elements in 4
+#   pieces in 123 us, 1.6 elements/ns a thread, where taps counted 1 an element
+#   predicted 17 us a piece: counting 1 left it on fewer threads than its work fills.
+GLOBAL_POOL_TAPS_PER_ELEMENT = 2
 MIN_CHUNK_ELEMENTS = 8192
 # A SkipLayerNorm node (two reads, up to two writes an element) splits only where each
 # thread gets this many elements. Its bound native call, rows of 256, alternating
@@ -4977,7 +4987,8 @@ def _pool_split(request: PlanRequest, threads: int) -> Split | None:
         if len(shapes[0]) < 3:
             return None
         planes = shapes[0][0] * shapes[0][1]
-        return chunk_split("planes", planes, threads, math.prod(shapes[0]), LeastWork.TAPS)
+        return chunk_split("planes", planes, threads,
+                           math.prod(shapes[0]) * GLOBAL_POOL_TAPS_PER_ELEMENT, LeastWork.TAPS)
     if len(shapes[0]) != 4:
         return None
     try:

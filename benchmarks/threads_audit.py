@@ -2,10 +2,13 @@
 
     python -m benchmarks.threads_audit                   # 16 threads, batches 1 and 32
     python -m benchmarks.threads_audit --threads 64 --models resnet18 --all
+    python -m benchmarks.threads_audit --profile probe.json --thread-costs costs.json
 
 Plans every node of the suite's models (benchmarks/zoo.py) with keel's cpu planner for
 a probed 16-core server (the ``amd-sysfs-only`` fake: a 16-core Ryzen 9 7950X, 1 MiB
-L2 a core, 32 MiB L3; or ``--profile`` a saved ``keel probe --json``) and, for each
+L2 a core, 32 MiB L3; or ``--profile`` a saved ``keel probe --json``; with
+``--thread-costs`` that machine's measured thread costs, from which the least work a
+thread is derived as there, else this machine's or the declared values) and, for each
 node, the parallel passes its kernel runs (keel.backends.cpu.planner.node_splits): the
 work units of each, how many pieces they split into and how even those are. Nothing
 runs: the split is the planner's, for the probe's cores and caches.
@@ -30,13 +33,14 @@ import argparse
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import onnx
 
 from benchmarks.zoo import DEFAULT_MODELS, MODELS, build
 from keel import load_model
-from keel.backends.cpu import native_blocked, planner
+from keel.backends.cpu import native_blocked, planner, thread_costs
 from keel.backends.cpu.backend import CpuBackend
 from keel.graph.shape_inference import propagate
 from keel.hardware.fakes import fake_profile
@@ -152,7 +156,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="a profile saved by `keel probe --json` (default: a 16-core server)")
     p.add_argument("--all", action="store_true",
                    help="list every node, not only the failing and idle ones")
+    p.add_argument("--thread-costs", default=None,
+                   help="that machine's measured thread costs (`keel probe --thread-costs "
+                        "--json`, or its kept file): the least work a thread derived from "
+                        "them, not from this machine's or the declared values")
     args = p.parse_args(argv)
+    if args.thread_costs is not None:
+        path = Path(args.thread_costs)
+        thread_costs.adopt(thread_costs.read_costs(path), f"read from {path}")
+    print(f"least work a thread: {thread_costs.current().reason}", file=sys.stderr)
     profile = (fake_profile(SERVER) if args.profile is None
                else HardwareProfile.load(args.profile))
     failed = 0

@@ -410,3 +410,25 @@ def test_a_stride_2_conv_model_gives_the_same_bits_on_any_thread_count() -> None
     assert np.array_equal(runs[1], runs[2]) and np.array_equal(runs[1], runs[3])
     want = load_model(model, backend="reference").predict({"x": x})["y"]
     np.testing.assert_allclose(runs[1], want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_global_pool_counts_each_element_it_reads_as_window_taps() -> None:
+    """A global pool's element costs more than a depthwise tap
+    (GLOBAL_POOL_TAPS_PER_ELEMENT): a pool whose elements alone would not give two
+    threads the least taps each splits in two, the plan and the bound call alike, with
+    the bits of one thread."""
+    least = cpu_planner.least_work(cpu_planner.LeastWork.TAPS, 2)
+    planes = -(-least // 49)
+    assert planes * 49 < 2 * least <= planes * 49 * cpu_planner.GLOBAL_POOL_TAPS_PER_ELEMENT
+    x = np.random.default_rng(6).standard_normal((1, planes, 7, 7)).astype(np.float32)
+    ys = [np.empty((1, planes, 1, 1), np.float32) for _ in range(2)]
+    one, two = (native_window.bind_global_avg_pool(x, y, t)
+                for y, t in zip(ys, (1, 2), strict=True))
+    assert type(two) is native_window.Bound and two.args[-1] == 2
+    one()
+    two()
+    assert ys[0].tobytes() == ys[1].tobytes()
+    plan = CpuBackend(threads=2).plan_node(Op.GLOBAL_AVG_POOL, [TensorType(F32, x.shape)], {})
+    (split,) = cpu_planner.node_splits(Op.GLOBAL_AVG_POOL, [TensorType(F32, x.shape)], {},
+                                       plan, 2)
+    assert split.pieces == 2

@@ -5,6 +5,7 @@ planner's split of a pass is the one its kernel makes."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -159,3 +160,30 @@ def test_the_product_split_is_the_native_gemms(x: tuple[int, ...], w: tuple[int,
         assert (1 if split is None else split[-1]) == product.pieces
         if split is not None:
             assert split[-2] == product.units
+
+
+def test_the_audit_derives_the_least_work_from_another_machines_costs(
+        tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """--thread-costs: the 16-core Xeon's measured costs (a 6.4 us dispatch on 16
+    threads) ask more copy work of each thread than declared, so BERT-mini's head
+    transposes at batch 32 split into fewer pieces than the threads."""
+    from keel.backends.cpu import thread_costs
+
+    costs = {"dispatch_us": {str(t): [us, us, us, 200] for t, us in
+                             ((2, 2.63), (4, 3.27), (8, 4.64), (16, 6.42))},
+             "rates_per_ns": {name: [rate, rate, rate, 200] for name, rate in
+                              (("gemm", 71.7), ("window", 11.7), ("fastmath", 0.92),
+                               ("copy", 0.70), ("winograd", 4.18))},
+             "cpu": "a 16-core Xeon", "cores": SIXTEEN, "seconds": 0.04}
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"costs": costs}))
+    try:
+        assert threads_audit.main(["--models", "bert_mini", "--batches", "32", "--all",
+                                   "--thread-costs", str(path)]) == 0
+    finally:
+        thread_costs.forget()
+    out, err = capsys.readouterr()
+    assert f"read from {path}" in err
+    transposes = [line for line in out.splitlines() if "Transpose_" in line]
+    assert transposes and all("split into 4 piece(s)" in line for line in transposes)
+    assert "Gather_4" in out and "little work" in out.split("Gather_4")[1].splitlines()[0]

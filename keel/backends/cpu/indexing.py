@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from keel.backends.base import Attrs, Inputs, KernelContext, Out
+from keel.backends.cpu import native_window
 from keel.backends.cpu.kernels import TABLE
 from keel.backends.cpu.shape import destination, emit
 from keel.errors import InvalidArgumentError, UnsupportedOperationError
@@ -77,15 +78,35 @@ def slice_(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[A
     return [view.copy()] if out is None else emit(ctx.xp, view, out)
 
 
+def _native_gather(x: Any, indices: Any, dst: Any, axis: int,
+                   threads: int) -> Callable[[], None] | None:
+    """window.c's row copy of ``take(x, indices, axis)`` into ``dst`` (split over the
+    node's ``threads`` as the planner's least copy work allows), an index out of range
+    raising check_indices' error with nothing written; None where it does not serve."""
+    call = native_window.bind_gather(x, indices, dst, axis, threads)
+    if call is None:
+        return None
+
+    def gather() -> None:
+        if call() != 0:            # the C side checks every index before it writes
+            check_indices("gather", indices, x.shape[axis], f"axis {axis}")
+            raise RuntimeError("native gather refused indices that check_indices accepts")
+    return gather
+
+
 def _bind_gather(ctx: KernelContext, inputs: Inputs, attrs: Attrs,
                  out: Sequence[Any]) -> Callable[[], object] | None:
     """Gather for one program step (``KernelVariant.bind``): the indices still checked
-    on every call (they are data), the rest once."""
+    on every call (they are data), the rest once; window.c's split row copy where it
+    serves, else NumPy's take."""
     (x, indices), dst = inputs, out[0]
     axis = normalize_axis(attrs["axis"], x.ndim, what="gather axis")
     shape = tuple(x.shape[:axis]) + tuple(indices.shape) + tuple(x.shape[axis + 1:])
     if not _is_numpy(ctx.xp) or dst.shape != shape or dst.dtype != x.dtype:
         return None
+    native = _native_gather(x, indices, dst, axis, ctx.threads or 1)
+    if native is not None:
+        return native
     size, what = x.shape[axis], f"axis {axis}"
 
     def gather() -> None:
@@ -96,13 +117,18 @@ def _bind_gather(ctx: KernelContext, inputs: Inputs, attrs: Attrs,
 
 @TABLE.kernel(Op.GATHER, supports_out=True, bind=_bind_gather)
 def gather(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
-    """``take`` along ``axis``, straight into ``out`` when given."""
+    """``take`` along ``axis``, straight into ``out`` when given (window.c's split row
+    copy where it serves)."""
     xp, (x, indices) = ctx.xp, inputs
     axis = normalize_axis(attrs["axis"], x.ndim, what="gather axis")
-    check_indices("gather", indices, x.shape[axis], f"axis {axis}")
     shape = tuple(x.shape[:axis]) + tuple(indices.shape) + tuple(x.shape[axis + 1:])
     dst = destination(xp, shape, x.dtype, out)
-    _take(xp, x, indices, axis, out=dst)
+    native = _native_gather(x, indices, dst, axis, ctx.threads or 1) if _is_numpy(xp) else None
+    if native is not None:
+        native()
+    else:
+        check_indices("gather", indices, x.shape[axis], f"axis {axis}")
+        _take(xp, x, indices, axis, out=dst)
     return [dst]
 
 

@@ -39,7 +39,8 @@ from keel.ops.schemas.conv import Window
 
 __all__ = ["Bound", "WindowGeometry", "avg_counts", "avg_pool", "bind_avg_pool", "clip_bounds",
            "bind_depthwise_conv", "bind_global_avg_pool", "bind_global_max_pool",
-           "bind_max_pool", "bind_phase_copy", "bind_strided_copy", "copy_strided",
+           "bind_gather", "bind_max_pool", "bind_phase_copy", "bind_strided_copy",
+           "copy_strided",
            "depthwise_conv", "global_avg_pool", "global_max_pool", "max_pool",
            "phase_geometry", "plan", "ready", "scheme_ok", "SCHEMES", "step"]
 
@@ -73,6 +74,7 @@ class _Functions:
     global_avg_mt: Any
     phase_copy_mt: Any   # keel_phase_copy_mt_f32: stride-phase copies of planes
     strided_copy_mt: Any  # keel_strided_copy_mt: a strided view into a C-contiguous array
+    gather_rows_mt: Any  # keel_gather_rows_mt: a Gather's rows, indices checked first
 
 
 _loaded: tuple[native.NativeLibrary, _Functions] | None = None
@@ -108,6 +110,7 @@ def _load() -> _Functions | None:
         global_avg_mt=f("keel_global_avgpool_mt_f32", [_P, _P, _I, _I, _I], _I),
         phase_copy_mt=f("keel_phase_copy_mt_f32", [_P, _P, _P, _I, _I, _I], _I),
         strided_copy_mt=f("keel_strided_copy_mt", [_P, _P, _P, _I, _I], _I),
+        gather_rows_mt=f("keel_gather_rows_mt", [_P, _P, _P, _I, _I, _I, _I, _I, _I], _I),
     )
     _loaded = (lib, fns)
     return fns
@@ -304,7 +307,8 @@ def _bind_global(x: np.ndarray, y: np.ndarray, threads: int, serial: Any, mt: An
     planes, size = n * c, math.prod(x.shape[2:])
     xa, ya = native.address(x), native.address(y)
     rules = planner_rules()
-    count = rules.split_parts(rules.LeastWork.TAPS, threads, planes, size)
+    count = rules.split_parts(rules.LeastWork.TAPS, threads, planes,
+                              size * rules.GLOBAL_POOL_TAPS_PER_ELEMENT)
     if count <= 1:
         return _Unchecked(serial, (xa, ya, size, 0, planes), ())
     return Bound(mt, (xa, ya, size, planes, count), ())
@@ -489,3 +493,31 @@ def bind_strided_copy(view: np.ndarray, dst: np.ndarray, threads: int,
                         dtype=np.int64)
     return Bound(fns.strided_copy_mt, (native.address(view), native.address(dst),
                                        native.address(geometry), rows, count), (geometry,))
+
+
+def bind_gather(x: np.ndarray, indices: np.ndarray, dst: np.ndarray, axis: int,
+                threads: int) -> Callable[[], int] | None:
+    """``dst[...] = take(x, indices, axis)`` as window.c's row copy, split by rows (one
+    index's slice each) over up to ``threads`` threads as the planner's least copy work
+    allows, ready to run again on the same arrays: it returns 0, or 1 (nothing written)
+    when an index lies outside ``[-size, size)``.
+    None when not served: the kernels absent, arrays not C-contiguous, indices other
+    than native int32 or int64, ``dst`` not of the gather's shape and dtype, or an
+    output sharing memory with an input."""
+    fns = _load()
+    shape = x.shape[:axis] + indices.shape + x.shape[axis + 1:]
+    if (fns is None or not 0 <= axis < x.ndim or x.dtype.hasobject
+            or not x.flags.c_contiguous or not dst.flags.c_contiguous
+            or not indices.flags.c_contiguous or indices.dtype.kind != "i"
+            or indices.dtype.itemsize not in (4, 8) or not indices.dtype.isnative
+            or dst.shape != shape or dst.dtype != x.dtype
+            or np.may_share_memory(dst, x) or np.may_share_memory(dst, indices)):
+        return None
+    outer, inner = math.prod(x.shape[:axis]), math.prod(x.shape[axis + 1:])
+    rows = outer * indices.size
+    rules = planner_rules()
+    count = max(1, rules.split_parts(rules.LeastWork.COPY, threads, rows, inner))
+    return functools.partial(
+        fns.gather_rows_mt, native.address(x), native.address(dst), native.address(indices),
+        indices.dtype.itemsize, outer, indices.size, x.shape[axis], inner * x.dtype.itemsize,
+        count)

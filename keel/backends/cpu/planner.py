@@ -1419,6 +1419,16 @@ def _dispatched(op: Op, request: PlanRequest, table: KernelTable) -> str | None:
 # the running machine's measured thread costs where those are measured.
 MIN_FLOPS_PER_THREAD = 400_000
 MIN_CHUNK_TAPS = 50_000
+# - a global pool (window.c's row kernel: each input element read once, summed in 16
+#   lanes), window taps counted per element it reads: its element costs more than a
+#   depthwise tap, which reads one loaded element for nine taps. Measured on the 2-core
+#   Intel Xeon, one thread, fastest of 1,000 calls, under load (load 9-10): a 32x512x7x7
+#   GlobalAveragePool (ResNet-18 at batch 32) 8.2 elements/ns, 1x1280x7x7 12.7, against
+#   the window family's 20.2 taps/ns (thread_costs, the same machine): 1.6-2.5 taps an
+#   element, 2 taken. On the 16-core Xeon the pool read its 802,816 elements in 4
+#   pieces in 123 us, 1.6 elements/ns a thread, where taps counted 1 an element
+#   predicted 17 us a piece: counting 1 left it on fewer threads than its work fills.
+GLOBAL_POOL_TAPS_PER_ELEMENT = 2
 MIN_CHUNK_ELEMENTS = 8192
 # A SkipLayerNorm node (two reads, up to two writes an element) splits only where each
 # thread gets this many elements. Its bound native call, rows of 256, alternating
@@ -1899,12 +1909,15 @@ def _product(request: PlanRequest) -> tuple[int, int, int] | None:
 
 
 # Row and copy kernels whose node plan takes threads from its elements (the first input's;
-# fused attention's: its scores times (d + dv), what its row kernel splits by):
+# fused attention's: its scores times (d + dv), what its row kernel splits by; a Gather's:
+# the elements it copies, its output's):
 # a node below its kernel's least work per thread keeps one thread, as the kernel's own
 # split would, and the plan says so (a tiny program, e.g. a block at sequence 1, then
 # plans no split at all).
 _ELEMENT_THREADS_OPS = frozenset({Op.LAYER_NORM, Op.SKIP_LAYER_NORM, Op.SOFTMAX, Op.GELU,
-                                  Op.TRANSPOSE, Op.ATTENTION})
+                                  Op.TRANSPOSE, Op.ATTENTION, Op.GATHER})
+# The copy kernels among them: their least work is a copy's (MIN_COPY_ELEMENTS).
+_COPY_OPS = frozenset({Op.TRANSPOSE, Op.GATHER})
 
 
 def _element_threads(request: PlanRequest) -> tuple[int, str] | None:
@@ -1916,7 +1929,7 @@ def _element_threads(request: PlanRequest) -> tuple[int, str] | None:
     elements, work = found
     chosen = max(1, split_threads(work, request.threads, elements))
     return chosen, (f"{chosen} kernel thread(s) of {request.threads}: {elements:,} "
-                    f"elements{' copied' if request.op is Op.TRANSPOSE else ''}, at least "
+                    f"elements{' copied' if request.op in _COPY_OPS else ''}, at least "
                     f"{least_work(work, max(2, chosen)):,} per thread ({work.constant})")
 
 
@@ -5020,9 +5033,14 @@ def _element_work(request: PlanRequest) -> tuple[int, LeastWork] | None:
     shapes = request.static_shapes() if request.op in _ELEMENT_THREADS_OPS else None
     if not shapes or shapes[0] is None:
         return None
-    work = (LeastWork.COPY if request.op is Op.TRANSPOSE else LeastWork.SKIP_NORM
+    work = (LeastWork.COPY if request.op in _COPY_OPS else LeastWork.SKIP_NORM
             if request.op is Op.SKIP_LAYER_NORM else LeastWork.ELEMENTS)
     elements = math.prod(shapes[0])
+    if request.op is Op.GATHER:                # the rows copied: the output's elements
+        if len(shapes) < 2 or shapes[1] is None or not shapes[0]:
+            return None
+        axis = request.attrs.get("axis", 0) % len(shapes[0])
+        elements = elements // max(1, shapes[0][axis]) * math.prod(shapes[1])
     if request.op is Op.ATTENTION:             # the row kernel's work: scores x (d + dv)
         if len(shapes) < 3 or shapes[1] is None or shapes[2] is None:
             return None
@@ -5044,7 +5062,8 @@ def _pool_split(request: PlanRequest, threads: int) -> Split | None:
         if len(shapes[0]) < 3:
             return None
         planes = shapes[0][0] * shapes[0][1]
-        return chunk_split("planes", planes, threads, math.prod(shapes[0]), LeastWork.TAPS)
+        return chunk_split("planes", planes, threads,
+                           math.prod(shapes[0]) * GLOBAL_POOL_TAPS_PER_ELEMENT, LeastWork.TAPS)
     if len(shapes[0]) != 4:
         return None
     try:

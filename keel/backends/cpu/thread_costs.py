@@ -446,6 +446,28 @@ def refresh() -> Source:
     return found
 
 
+def adopt(costs: ThreadCosts, reason: str) -> Source:
+    """Plan this process with ``costs`` (another machine's, read from a file: the
+    parallelism audit of benchmarks/threads_audit.py) until :func:`forget`."""
+    found = Source(costs, reason)
+    st = settings()
+    with _LOCK:
+        _CURRENT[(st.thread_costs, st.cache_dir)] = found
+        _remember(st, found)
+    return found
+
+
+def read_costs(path: Path) -> ThreadCosts:
+    """The costs in ``path``: a kept thread-costs file or ``keel probe --thread-costs
+    --json``'s output (both hold them under "costs"). Raises ValueError where it holds
+    none."""
+    data = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        return ThreadCosts.from_dict(data["costs"])
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"{path}: no thread costs in it ({exc!r})") from exc
+
+
 def _find(mode: str) -> Source:
     if mode == "off":
         return Source(None, "KEEL_THREAD_COSTS=off")

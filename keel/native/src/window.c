@@ -1771,3 +1771,51 @@ int64_t keel_strided_copy_mt(const void *x, void *y, const int64_t *geometry, in
     strided_job j = {x, y, geometry};
     return run_parts(strided_task, &j, rows, parts, 0);
 }
+
+/* A Gather along one axis (an embedding lookup: axis 0 of a table): for each of `outer`
+ * leading indices and each of `count` indices i, y's next `inner` bytes are x's at
+ * [o][indices[i]], an index below 0 counting from the end of the axis's `size` entries.
+ * Rows (o, i) [lo, hi): a copy, so any split gives the same bytes. */
+typedef struct {
+    const char *x;
+    char *y;
+    const void *indices;
+    int64_t index_bytes, count, size, inner;
+} gather_job;
+
+static inline int64_t raw_index(const void *indices, int64_t index_bytes, int64_t i) {
+    return index_bytes == 8 ? ((const int64_t *)indices)[i] : ((const int32_t *)indices)[i];
+}
+
+static inline int64_t gather_index(const gather_job *j, int64_t i) {
+    int64_t k = raw_index(j->indices, j->index_bytes, i);
+    return k < 0 ? k + j->size : k;
+}
+
+static void gather_rows(const gather_job *j, int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; r++) {
+        int64_t o = r / j->count, k = gather_index(j, r % j->count);
+        memcpy(j->y + r * j->inner, j->x + (o * j->size + k) * j->inner, (size_t)j->inner);
+    }
+}
+
+static void gather_task(void *ctx, float *scratch, int64_t lo, int64_t hi) {
+    (void)scratch;
+    gather_rows(ctx, lo, hi);
+}
+
+/* The gather above over rows [0, outer x count) in `parts` chunks on keel's threads.
+ * Every index is checked first, so an index outside [-size, size) writes nothing and
+ * returns 1 (the caller names it); -1 for indices of another width than 4 or 8 bytes. */
+int64_t keel_gather_rows_mt(const void *x, void *y, const void *indices, int64_t index_bytes,
+                            int64_t outer, int64_t count, int64_t size, int64_t inner,
+                            int64_t parts) {
+    if ((index_bytes != 4 && index_bytes != 8) || inner < 0 || size < 0) return -1;
+    gather_job j = {x, y, indices, index_bytes, count, size, inner};
+    for (int64_t i = 0; i < count; i++) {
+        int64_t k = raw_index(indices, index_bytes, i);
+        if (k < -size || k >= size) return 1;
+    }
+    if (outer * count == 0) return 0;
+    return run_parts(gather_task, &j, outer * count, parts, 0);
+}

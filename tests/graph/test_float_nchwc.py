@@ -424,28 +424,32 @@ def test_a_one_block_conv_keeps_sixteen_pixel_rows_alone() -> None:
 
 
 def test_a_batch_on_many_threads_runs_seven_pixel_rows_blocked_alone() -> None:
-    """On BLOCKED_ALONE_MANY_THREADS threads or more a batch's 3x3 stride-2 conv with
-    7-pixel output rows runs blocked alone too (measured on 16 cores); on fewer threads,
-    or one image, it keeps its NCHW form. Bitwise the same on 1, 2, 3 and 16 threads."""
+    """A batch's 3x3 stride-2 conv with 7-pixel output rows whose product splits over
+    BLOCKED_ALONE_MANY_THREADS threads or more runs blocked alone too (measured on 16
+    cores); on fewer threads, one image, or a conv too small to split that far on a
+    16-thread cap, it keeps its NCHW form. Bitwise the same on 1, 2, 3 and 16 threads."""
     many = planner.BLOCKED_ALONE_MANY_THREADS
-    geo = conv_geometry(Op.CONV, (2, 32, 14, 14), (32, 32, 3, 3),
-                        {"strides": (2, 2), "pads": (1, 1, 1, 1)})
+    pads = {"strides": (2, 2), "pads": (1, 1, 1, 1)}
+    geo = conv_geometry(Op.CONV, (4, 128, 14, 14), (128, 128, 3, 3), pads)
+    assert planner.batch_on_many_threads(geo, many, many)       # 58 Mflops: every thread
     assert planner.blocked_alone(geo, many)
     assert not planner.blocked_alone(geo, many - 1)
-    assert not planner.blocked_alone(conv_geometry(
-        Op.CONV, (1, 32, 14, 14), (32, 32, 3, 3), {"strides": (2, 2), "pads": (1, 1, 1, 1)}),
-        many)
-    g = _Graph(32, 14)
+    one = conv_geometry(Op.CONV, (1, 128, 14, 14), (128, 128, 3, 3), pads)
+    assert not planner.blocked_alone(one, many)
+    small = conv_geometry(Op.CONV, (2, 8, 14, 14), (8, 8, 3, 3), pads)
+    assert not planner.batch_on_many_threads(small, many, many)
+    assert not planner.blocked_alone(small, many)
+    g = _Graph(128, 14)
     narrow = g.conv("n", g.node("MaxPool", "x", kernel_shape=[1, 1]), strides=[2, 2])
     blob = g.model(g.node("MaxPool", narrow, kernel_shape=[1, 1]))
     for threads, blocked in ((2, False), (many, True)):
         model = _load(blob, threads)
-        model.predict(_feeds(blob))
+        model.predict(_feeds(blob, 4))
         assert (_layouts(model)["n"] == "nchw->nchw") is blocked
         plan = next(p.plan for p in model.plan.nodes if p.name == "n")
         assert plan is not None
         assert ("BLOCKED_ALONE_MANY_THREADS" in plan.reason("layout")) is blocked
-    _check_results(blob)
+    _check_results(blob, batch=4)
 
 
 def test_a_region_on_rows_that_are_not_whole_tiles() -> None:

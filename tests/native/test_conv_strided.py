@@ -134,6 +134,15 @@ def test_a_batch_on_many_threads_packs_from_x(x_shape: tuple[int, ...],
     assert cpu_planner.native_form(narrow, (8, 32), "Intel", many)[0] == "masked"
 
 
+def test_a_batch_too_small_for_many_threads_keeps_its_form() -> None:
+    """A batch on a 16-thread cap whose product gets fewer threads for want of work is the
+    few-thread case the phase copy won: it keeps its form."""
+    geo = conv_geometry(Op.CONV, (2, 8, 28, 28), (8, 8, 1, 1), S2)
+    many = cpu_planner.STRIDED_GATHER_BATCH_THREADS
+    assert not cpu_planner.batch_on_many_threads(geo, many, many)
+    assert cpu_planner.native_form(geo, (8, 32), "Intel", many)[0] != "gathered-strided"
+
+
 @pytest.mark.parametrize("x_shape,w_shape", [CASES[1], CASES[2], ((4, 16, 28, 28), (32, 16, 1, 1))])
 def test_a_batch_packed_from_x_has_the_bits_of_its_images_phase_copied(
         x_shape: tuple[int, ...], w_shape: tuple[int, ...]) -> None:

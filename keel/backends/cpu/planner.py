@@ -1329,11 +1329,12 @@ def _float_decision(n: Any, geo: ConvGeometry, blocked: set[str], leaves: str, s
 def _lone_decision(geo: ConvGeometry, threads: int | None) -> LayoutDecision:
     """A conv outside any region that runs channel-blocked alone (blocked_alone): X,
     Y and any residual NCHW, the kernel transposing its sums into Y's rows."""
-    least = blocked_alone_width(geo.out_channels, geo.batch, threads)
+    least = blocked_alone_width(geo.out_channels, batch_on_many_threads(
+        geo, threads, BLOCKED_ALONE_MANY_THREADS))
     why = BLOCKED_ALONE_REASON.format(width=geo.window.out_spatial[1], least=least)
     if least == BLOCKED_ALONE_MANY_MIN_WIDTH:
-        why += (f"; a batch of {geo.batch} on {threads} threads >= BLOCKED_ALONE_MANY_THREADS "
-                f"{BLOCKED_ALONE_MANY_THREADS} takes rows of {least} pixels too (measured "
+        why += (f"; a batch of {geo.batch} split over {BLOCKED_ALONE_MANY_THREADS} threads or "
+                f"more (BLOCKED_ALONE_MANY_THREADS) takes rows of {least} pixels too (measured "
                 f"on ResNet-18's 256 -> 512 at batch 32 on a 16-core Intel Xeon: 0.77x the "
                 f"masked form)")
     return _blocked_decision(geo, "nchw->nchw", why, threads, ())
@@ -3127,16 +3128,24 @@ def blocked_alone(geo: ConvGeometry, threads: int | None = 1) -> bool:
     at stride 2 with output rows of at least blocked_alone_width pixels."""
     win = geo.window
     return (tuple(win.kernel) == (3, 3) and tuple(win.strides) == (2, 2)
-            and win.out_spatial[1] >= blocked_alone_width(geo.out_channels, geo.batch,
-                                                          threads))
+            and win.out_spatial[1] >= blocked_alone_width(
+                geo.out_channels, batch_on_many_threads(geo, threads, BLOCKED_ALONE_MANY_THREADS)))
 
 
-def blocked_alone_width(out_channels: int, batch: int = 1, threads: int | None = 1) -> int:
+def batch_on_many_threads(geo: ConvGeometry, threads: int | None, many: int) -> bool:
+    """Whether ``geo`` is a batch whose product splits over ``many`` threads or more on
+    ``threads`` (its flops under the least work a thread: gemm_threads), the case the
+    many-thread rules were measured in (a conv on a 16-thread cap that gets fewer threads
+    for want of work is the few-thread case)."""
+    return geo.batch > 1 and gemm_threads(threads or 1, geo.batch * _image_flops(geo)) >= many
+
+
+def blocked_alone_width(out_channels: int, many_threads: bool = False) -> int:
     """The least output row a lone blocked conv takes: BLOCKED_ALONE_MIN_WIDTH where its
     register tile holds two blocks (the width measured with a two-block tail), else
-    BLOCKED_ALONE_ONE_BLOCK_MIN_WIDTH; BLOCKED_ALONE_MANY_MIN_WIDTH for a batch on
-    BLOCKED_ALONE_MANY_THREADS or more."""
-    if batch > 1 and (threads or 1) >= BLOCKED_ALONE_MANY_THREADS:
+    BLOCKED_ALONE_ONE_BLOCK_MIN_WIDTH; BLOCKED_ALONE_MANY_MIN_WIDTH for a batch split
+    over BLOCKED_ALONE_MANY_THREADS or more (``many_threads``: batch_on_many_threads)."""
+    if many_threads:
         return BLOCKED_ALONE_MANY_MIN_WIDTH
     return (BLOCKED_ALONE_MIN_WIDTH if blocked_oc_tile(out_channels) == 2
             else BLOCKED_ALONE_ONE_BLOCK_MIN_WIDTH)
@@ -3540,10 +3549,11 @@ STRIDED_GATHER_BATCH_THREADS = 16
 def _strided_gather_wins(geo: ConvGeometry, grid: Grid, vendor: str | None,
                          threads: int) -> bool:
     """Whether a conv runs gathered-strided (STRIDED_GATHER_MIN_WIDTH, on AVX-512 tiles
-    of STRIDED_GATHER_VENDORS' cores; one image, or a batch on
-    STRIDED_GATHER_BATCH_THREADS threads or more)."""
+    of STRIDED_GATHER_VENDORS' cores; one image, or a batch split over
+    STRIDED_GATHER_BATCH_THREADS threads or more: batch_on_many_threads)."""
     return (grid == _TILES["avx512"] and vendor in STRIDED_GATHER_VENDORS
-            and (geo.batch == 1 or threads >= STRIDED_GATHER_BATCH_THREADS)
+            and (geo.batch == 1
+                 or batch_on_many_threads(geo, threads, STRIDED_GATHER_BATCH_THREADS))
             and conv_gemm.strided_serves(geo)
             and geo.window.out_spatial[-1] >= STRIDED_GATHER_MIN_WIDTH)
 
@@ -3558,8 +3568,8 @@ def native_form(geo: ConvGeometry, grid: Any = _HERE, vendor: Any = _HERE,
     win = geo.window
     pixels = math.prod(win.out_spatial)
     if _strided_gather_wins(geo, grid, vendor, threads):
-        many = (f" (a batch of {geo.batch} on {threads} threads >= "
-                f"STRIDED_GATHER_BATCH_THREADS {STRIDED_GATHER_BATCH_THREADS}: measured "
+        many = (f" (a batch of {geo.batch} split over STRIDED_GATHER_BATCH_THREADS "
+                f"{STRIDED_GATHER_BATCH_THREADS} threads or more: measured "
                 f"0.39-0.81x gathered-images on ResNet-18's shortcuts at batch 32 on a "
                 f"16-core Intel Xeon)") if geo.batch > 1 else ""
         return "gathered-strided", (

@@ -396,11 +396,11 @@ def pack_batch(matrices: np.ndarray, left: bool) -> Packed | None:
 def pack_a16(matrix: np.ndarray) -> Packed | None:
     """``matrix`` (M, K) packed as the left operand in 16-row panels only (pair q: row
     panels 2q and 2q + 1 side by side at each depth step, a last odd panel beside
-    zeros), for a product its plan runs wholly in lanes tiles (the planner's
-    ``lanes_a16``): gemm.c's lanes tiles load a vector of 16 rows where they joined two
-    panels with an insert. The same values in the same lanes: the same bits. A build
-    without lanes tiles gets :func:`pack`'s 8-row panels; None when the native tier is
-    unavailable."""
+    zeros), for a product its plan runs wholly in lanes tiles (the plan's ``gemm_a16``,
+    the planner's ``native_a16``): gemm.c's lanes tiles load a vector of 16 rows where
+    they joined two panels with an insert. The same values in the same lanes: the same
+    bits. A build without lanes tiles (running a plan made for one with them) gets
+    :func:`pack`'s 8-row panels at once; None when the native tier is unavailable."""
     f = _functions()
     if f is None or not f.lanes_built or matrix.dtype != _F4 or matrix.ndim != 2 or (
             not matrix.size):

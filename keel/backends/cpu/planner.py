@@ -4029,11 +4029,11 @@ WINOGRAD_CHUNK_BYTES = 4 * 2**20
 
 
 def winograd_form(geo: ConvGeometry, itemsize: int, sizes: Caches | None = None,
-                  threads: int = 1, vendor: Any = _HERE) -> ConvForm:
+                  threads: int = 1, vendor: Any = _HERE, grid: Any = _HERE) -> ConvForm:
     """Images per chunk of a Winograd conv (its one form), for the caches of ``sizes``
     (None: this machine's); compiled, whether it runs as the per-thread pipeline on
     ``threads`` threads (winograd_pipeline) of a CPU of ``vendor``, which takes the whole
-    batch at once."""
+    batch at once; its products' tiles for the native tile ``grid`` (winograd_lanes)."""
     (oh, ow), c, m = geo.window.out_spatial, geo.in_channels, geo.out_channels
     th, tw = -(-oh // 2), -(-ow // 2)
     per_image = 16 * th * tw * max(c, m) * itemsize
@@ -4048,9 +4048,9 @@ def winograd_form(geo: ConvGeometry, itemsize: int, sizes: Caches | None = None,
     scratch = _winograd_scratch(chunk, c, m, th, tw, itemsize)
     if not (itemsize == 4 and native_gemm.available() and geo.rank == 2):
         return ConvForm("", why, chunk, scratch)
-    lanes, lanes_why = winograd_lanes(vendor)
-    passes, passes_why = winograd_pass_lanes(c, m, chunk * th * tw, vendor)
-    pipe = winograd_pipeline(geo.batch, c, m, (oh, ow), max(1, threads), sizes,
+    lanes, lanes_why = winograd_lanes(vendor, grid)
+    passes, passes_why = winograd_pass_lanes(c, m, chunk * th * tw, vendor, grid)
+    pipe = winograd_pipeline(geo.batch, c, m, (oh, ow), max(1, threads), sizes, grid,
                              vendor=vendor)
     if pipe.tiles:          # each thread's block of V and P, in the pool's scratch
         mr = (_grid(_HERE) or _TILES["scalar"])[0]
@@ -4272,7 +4272,7 @@ def winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], thre
     products' tiles as a plan's ``winograd_lanes`` option gives them (None: the rule for
     ``vendor``)."""
     chunks = PIPELINE_CHUNKS_PER_THREAD if per_thread is None else per_thread
-    products = winograd_lanes(vendor) if lanes is None else (
+    products = winograd_lanes(vendor, grid) if lanes is None else (
         lanes, f"products in {'lanes tiles' if lanes else '8 x 32 panels'}, as planned "
         "(winograd_lanes)")
     return _winograd_pipeline(images, c, m, out_hw, threads, sizes or caches(), grid,
@@ -4456,10 +4456,13 @@ WINOGRAD_TALL_COLUMNS = 16
 WINOGRAD_LANES_VENDORS = frozenset({"AMD"})
 
 
-def winograd_lanes(vendor: Any = _HERE) -> tuple[bool, str]:
+def winograd_lanes(vendor: Any = _HERE, grid: Any = _HERE) -> tuple[bool, str]:
     """Whether Winograd's products run in gemm.c's lanes tiles on a CPU of ``vendor``
-    (default: this machine's; cpu_vendor gives a profile's), and why."""
+    with the native tile ``grid`` (defaults: this machine's; cpu_vendor gives a
+    profile's), and why: never on a grid without them (lanes_built)."""
     vendor = _this_vendor() if vendor is _HERE else vendor
+    if not lanes_built(grid):
+        return False, _no_lanes_reason("products", grid)
     if vendor in WINOGRAD_LANES_VENDORS:
         return True, (f"products in lanes tiles: measured faster than 8 x 32 panels on "
                       f"{vendor}'s cores (WINOGRAD_LANES_VENDORS)")
@@ -4500,8 +4503,10 @@ def winograd_pass_lanes(c: int, m: int, tiles: int, vendor: Any = _HERE,
     """Whether the sixteen products of a Winograd chunk of ``tiles`` tiles (C -> M
     channels), run pass by pass, take gemm.c's lanes tiles on a CPU of ``vendor`` with the
     native tile ``grid`` (defaults: this machine's), and why."""
+    if not lanes_built(grid):
+        return False, _no_lanes_reason(f"passes' products of {tiles} tile(s) a chunk", grid)
     if winograd_tall(tiles):
-        lanes = winograd_lanes(vendor)[0]
+        lanes = winograd_lanes(vendor, grid)[0]
         return lanes, (f"passes' products of {tiles} tile(s) in tall tiles"
                        f"{', lanes' if lanes else ', not lanes'} as winograd_lanes says")
     vendor = _this_vendor() if vendor is _HERE else vendor
@@ -4522,6 +4527,14 @@ def winograd_pass_lanes(c: int, m: int, tiles: int, vendor: Any = _HERE,
                    "1.07-1.25x faster on 36 and 49 tiles, tied on 98-100, panels 1.2-1.5x "
                    "faster without waste)"
                    + ("" if vendor == "Intel" else f"; {unmeasured_vendor(vendor)}"))
+
+
+def _no_lanes_reason(what: str, grid: Any) -> str:
+    """Why ``what`` runs in panels on a native tile ``grid`` without lanes tiles."""
+    grid = _grid(grid)
+    tile = "no native tier" if grid is None else f"these are {grid[0]} x {grid[1]}"
+    return (f"{what} in panels: gemm.c builds lanes tiles with its {LANES_GRID[0]} x "
+            f"{LANES_GRID[1]} tiles only (LANES_GRID), {tile}")
 
 
 def unmeasured_vendor(vendor: str | None) -> str:
@@ -4669,11 +4682,13 @@ MASKED_LANES_WASTE = 1.25
 
 def masked_lanes(m: int, n: int, k: int, grid: Any = _HERE) -> bool:
     """Whether a masked conv's product of ``m`` rows, ``n`` output pixels an image and
-    depth ``k`` runs in lanes tiles (``grid`` the native tile: its column panels); the
-    taps' copy (k x n floats) must fit the call's workspace where the tier says its size."""
+    depth ``k`` runs in lanes tiles (``grid`` the native tile: its column panels; never
+    on a grid without them, lanes_built); the taps' copy (k x n floats) must fit the
+    call's workspace where the tier says its size."""
     grid = _grid(grid)
     work = native_gemm.workspace_floats()
-    if grid is None or n <= 0 or (work and k * n > work) or not _lanes_fit(1, m, n, k):
+    if not lanes_built(grid) or n <= 0 or (work and k * n > work) or (
+            not _lanes_fit(1, m, n, k)):
         return False
     computed = -(-n // grid[1]) * grid[1] / n
     return computed >= MASKED_LANES_WASTE or (computed > 1 and k >= m)
@@ -5093,7 +5108,7 @@ def conv_form(variant: str, geo: ConvGeometry, itemsize: int, grid: Any = _HERE,
     if variant == "pointwise":
         return pointwise_form(geo)
     if variant == "winograd":
-        return winograd_form(geo, itemsize, sizes, threads, vendor)
+        return winograd_form(geo, itemsize, sizes, threads, vendor, grid)
     return ConvForm("", "the variant's only form")
 
 

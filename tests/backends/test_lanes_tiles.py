@@ -132,6 +132,20 @@ def test_no_form_runs_in_lanes_tiles_on_a_grid_without_them(
     assert not lanes and f"these are {grid[0]} x {grid[1]}" in why
 
 
+def test_the_planner_knows_which_builds_have_lanes_tiles() -> None:
+    """LANES_GRID mirrors gemm.c's keel_gemm_lanes_built_f32 (native_gemm checks the two
+    agree when it loads the kernel): this build's tile has lanes tiles exactly where
+    gemm.c says it built them."""
+    from keel.backends.cpu import native_gemm
+
+    if not native_gemm.available():
+        pytest.skip("native tier unavailable")
+    functions = native_gemm._functions()
+    assert functions is not None
+    built = planner.lanes_built((functions.mr, functions.nr))
+    assert functions.lanes_built is built is planner.lanes_built()
+
+
 def test_a_winograd_plan_takes_the_grid_planned_for() -> None:
     """winograd_form takes the plan's tile grid: the products of an AMD plan run in lanes
     tiles on 8 x 32 tiles, in panels on 6 x 16, compiled or pass by pass."""
@@ -178,3 +192,16 @@ def test_a_partly_filled_last_panel_runs_in_lanes_tiles() -> None:
     assert "the last 4 of its 196 pixels an image in lanes tiles" in _reason(*expand, "Intel")
     assert "lanes_tail" not in _reason(*expand, "AMD")               # all in lanes tiles
     assert "lanes_tail" not in _reason((1, 96, 16, 16), (576, 96, 1, 1), "Intel")
+
+
+def test_filters_in_16_row_panels_only_for_the_direct_conv_in_lanes_tiles() -> None:
+    """A layout with a16 (native_a16's 16-row panels) is a direct conv whose products run
+    in lanes tiles: native_layout refuses any other."""
+    from keel.backends.cpu import conv_gemm
+
+    geo = conv_geometry(Op.CONV, (1, 96, 14, 14), (576, 96, 1, 1), {})
+    assert conv_gemm.native_layout(geo, "direct", lanes=True, a16=True).a16
+    for form, lanes in (("direct", False), ("direct", None), ("gathered", True),
+                        ("masked", True)):
+        with pytest.raises(AssertionError):
+            conv_gemm.native_layout(geo, form, lanes=lanes, a16=True)

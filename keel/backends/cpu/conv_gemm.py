@@ -569,6 +569,9 @@ def native_layout(geo: ConvGeometry, form: str, stream_stores: bool = False,
                             None, blocked=True, sides=native_blocked.Sides(
                                 src == native_blocked.NCHWC, dst == native_blocked.NCHWC,
                                 blocked_residual))
+    # 16-row panels serve products run wholly in lanes tiles only: the direct form's, as
+    # the planner's native_a16 gives them (a masked call reads 8-row panels).
+    assert not a16 or (form == "direct" and lanes is True), (form, lanes)
     layout = _native_layout(geo, form, step)
     if stream_stores or lanes is not None or output_streams or a16:
         layout = dataclasses.replace(layout, nt=stream_stores, lanes=lanes,

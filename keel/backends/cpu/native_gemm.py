@@ -193,6 +193,13 @@ def _load(lib: native.NativeLibrary) -> _Functions:
             f"gemm.c runs taps row panel by row panel from {taps_from} columns, the cpu "
             f"planner's ROWS_FIRST_TAPS_FROM is {planner_rules().ROWS_FIRST_TAPS_FROM}: "
             "change both together")
+    grid, built = (size("keel_gemm_mr_f32"), size("keel_gemm_nr_f32")), size(
+        "keel_gemm_lanes_built_f32") == 1
+    if built != planner_rules().lanes_built(grid):
+        raise ArgsLayoutError(
+            f"gemm.c {'builds' if built else 'does not build'} lanes tiles with its "
+            f"{grid[0]} x {grid[1]} tiles, the cpu planner's LANES_GRID is "
+            f"{planner_rules().LANES_GRID}: change both together")
     return _Functions(
         gemm=lib.function("keel_gemm_f32", [ctypes.c_char_p, _PTR, _I64, _I64, _I64]),
         gemm_mt=lib.function("keel_gemm_mt_f32", [ctypes.c_char_p, _I64, _I64, _I64], _I64),
@@ -211,9 +218,9 @@ def _load(lib: native.NativeLibrary) -> _Functions:
                                [ctypes.c_char_p, ctypes.c_char_p, _I64, _I64], _I64),
         pooled_work=lib.function("keel_conv_pool_workspace_f32",
                                  [ctypes.c_char_p, ctypes.c_char_p], _I64),
-        mr=size("keel_gemm_mr_f32"), nr=size("keel_gemm_nr_f32"), kc=size("keel_gemm_kc_f32"),
+        mr=grid[0], nr=grid[1], kc=size("keel_gemm_kc_f32"),
         work=size("keel_gemm_workspace_f32"), tall=planner_rules().tall_tiles,
-        lanes=planner_rules().lanes_tiles, lanes_built=size("keel_gemm_lanes_built_f32") == 1)
+        lanes=planner_rules().lanes_tiles, lanes_built=built)
 
 
 @functools.cache

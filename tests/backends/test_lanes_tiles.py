@@ -105,6 +105,61 @@ def test_a_grid_without_lanes_tiles_never_runs_in_them(
             f"{grid[0]} x {grid[1]}") in why
 
 
+@pytest.mark.parametrize("vendor", ["AMD", "Intel", None])
+@pytest.mark.parametrize("grid", [(6, 16), (4, 8)])
+def test_no_form_runs_in_lanes_tiles_on_a_grid_without_them(
+        vendor: str | None, grid: tuple[int, int]) -> None:
+    """The masked conv (masked_lanes) and Winograd's products (winograd_lanes and
+    winograd_pass_lanes) follow LANES_GRID as the direct conv does: a plan for 6 x 16 or
+    4 x 8 tiles never says they run in lanes tiles, nor counts lanes tiles in its split,
+    where the same conv on 8 x 32 tiles takes them."""
+    masked = conv_geometry(Op.CONV, (1, 64, 7, 7), (64, 64, 3, 3), {"pads": [1, 1, 1, 1]})
+    assert planner.masked_lanes(64, 49, 576, GRID)
+    assert not planner.masked_lanes(64, 49, 576, grid)
+    assert "in lanes tiles" in planner.native_form(masked, GRID, vendor)[1]
+    assert "in lanes tiles" not in planner.native_form(masked, grid, vendor)[1]
+    split = planner.conv_splits("native", "masked", None, masked, 16, grid, vendor=vendor)
+    for lanes in (True, False):
+        want = planner.gemm_pass("product", 1, 64, 49, 576, 16, grid, raw=(False, True),
+                                 lanes=lanes)
+        assert (split == (want,)) is not lanes
+    assert planner.winograd_lanes("AMD", GRID)[0]
+    assert planner.winograd_pass_lanes(64, 64, 49, vendor, GRID)[0]
+    for tiles in (16, 49):                  # one vector (tall tiles), then wider
+        lanes, why = planner.winograd_pass_lanes(64, 64, tiles, vendor, grid)
+        assert not lanes and "LANES_GRID" in why
+    lanes, why = planner.winograd_lanes(vendor, grid)
+    assert not lanes and f"these are {grid[0]} x {grid[1]}" in why
+
+
+def test_the_planner_knows_which_builds_have_lanes_tiles() -> None:
+    """LANES_GRID mirrors gemm.c's keel_gemm_lanes_built_f32 (native_gemm checks the two
+    agree when it loads the kernel): this build's tile has lanes tiles exactly where
+    gemm.c says it built them."""
+    from keel.backends.cpu import native_gemm
+
+    if not native_gemm.available():
+        pytest.skip("native tier unavailable")
+    functions = native_gemm._functions()
+    assert functions is not None
+    built = planner.lanes_built((functions.mr, functions.nr))
+    assert functions.lanes_built is built is planner.lanes_built()
+
+
+def test_a_winograd_plan_takes_the_grid_planned_for() -> None:
+    """winograd_form takes the plan's tile grid: the products of an AMD plan run in lanes
+    tiles on 8 x 32 tiles, in panels on 6 x 16, compiled or pass by pass."""
+    from keel.backends.cpu import native_gemm
+
+    if not native_gemm.available():
+        pytest.skip("native tier unavailable")
+    geo = conv_geometry(Op.CONV, (1, 64, 56, 56), (64, 64, 3, 3), {"pads": [1, 1, 1, 1]})
+    eight = planner.conv_form("winograd", geo, 4, GRID, None, 1, "AMD")
+    six = planner.conv_form("winograd", geo, 4, (6, 16), None, 1, "AMD")
+    assert eight.lanes and not six.lanes and "LANES_GRID" in six.lanes_reason
+    assert not six.pass_lanes and "LANES_GRID" in six.pass_lanes_reason
+
+
 def test_the_split_counts_the_tiles_that_run() -> None:
     """The conv's planned product split counts columns where lanes tiles run and vectors
     where panels do, so the 4-thread split of the same conv follows the vendor (2 x 2
@@ -137,3 +192,16 @@ def test_a_partly_filled_last_panel_runs_in_lanes_tiles() -> None:
     assert "the last 4 of its 196 pixels an image in lanes tiles" in _reason(*expand, "Intel")
     assert "lanes_tail" not in _reason(*expand, "AMD")               # all in lanes tiles
     assert "lanes_tail" not in _reason((1, 96, 16, 16), (576, 96, 1, 1), "Intel")
+
+
+def test_filters_in_16_row_panels_only_for_the_direct_conv_in_lanes_tiles() -> None:
+    """A layout with a16 (native_a16's 16-row panels) is a direct conv whose products run
+    in lanes tiles: native_layout refuses any other."""
+    from keel.backends.cpu import conv_gemm
+
+    geo = conv_geometry(Op.CONV, (1, 96, 14, 14), (576, 96, 1, 1), {})
+    assert conv_gemm.native_layout(geo, "direct", lanes=True, a16=True).a16
+    for form, lanes in (("direct", False), ("direct", None), ("gathered", True),
+                        ("masked", True)):
+        with pytest.raises(AssertionError):
+            conv_gemm.native_layout(geo, form, lanes=lanes, a16=True)

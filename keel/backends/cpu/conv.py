@@ -179,7 +179,8 @@ def _layout(variant: str, geo: ConvGeometry, has_bias: bool, form: planner.ConvF
         return conv_gemm.native_layout(geo, form.layout, form.stream_stores, form.gemm_lanes,
                                        form.output_streams,
                                        blocked_residual=form.blocked_residual,
-                                       step=form.chunk or 1, a16=form.gemm_a16)
+                                       step=form.chunk or 1, a16=form.gemm_a16,
+                                       tail=form.gemm_tail)
     if variant == "winograd":
         return WinogradLayout(geo, form.chunk, form.lanes, form.pass_lanes, form.pipeline)
     return geo
@@ -202,6 +203,7 @@ def _form(node_plan: NodePlan | None, variant: str, geo: ConvGeometry,
             gemm_lanes=node_plan.option("gemm_lanes"),
             output_streams=bool(node_plan.option("output_streams", False)),
             gemm_a16=bool(node_plan.option("gemm_a16", False)),
+            gemm_tail=node_plan.option("gemm_lanes_tail"),
             blocked_residual=node_plan.option("residual_layout") == planner.NCHWC)
     threads = node_plan.threads if node_plan is not None and node_plan.threads else 1
     return planner.conv_form(variant, geo, itemsize, threads=threads)

@@ -466,6 +466,7 @@ class NativeLayout:
     nt: bool = False                  # Y's final stores bypass the cache (as planned)
     lanes: bool | None = None         # products in lanes tiles (as planned; None: the rule)
     a16: bool = False                 # filters in 16-row panels only (as planned: native_a16)
+    tail: bool | None = None          # lanes tails (as planned: native_lanes_tail; None: rule)
     streams: bool = False             # gathered taps stream for the output (as planned)
     images: int = 0                   # by image: this many, ``step`` at a time (geo: a step's)
     step: int = 1                     # by image: images a step (stacked when more than one)
@@ -541,8 +542,8 @@ MASKED_MAX_TAPS = 64
 
 def native_layout(geo: ConvGeometry, form: str, stream_stores: bool = False,
                   lanes: bool | None = None, output_streams: bool = False,
-                  blocked_residual: bool = False, step: int = 1, a16: bool = False
-                  ) -> NativeLayout:
+                  blocked_residual: bool = False, step: int = 1, a16: bool = False,
+                  tail: bool | None = None) -> NativeLayout:
     """``geo`` on the native GEMM in ``form`` (pure; callers cache it per signature).
 
     The cpu planner decides the form (``keel.backends.cpu.planner.native_form``):
@@ -551,7 +552,10 @@ def native_layout(geo: ConvGeometry, form: str, stream_stores: bool = False,
     (gathered, image by image: see :class:`NativeLayout`). A form
     that does not serve ``geo`` runs gathered, unstacked. ``stream_stores``: Y's
     final stores bypass the cache (where no activation pass rereads Y); ``lanes``: the
-    products run in gemm.c's lanes tiles or not (None: lanes_tiles for this machine);
+    products run in gemm.c's lanes tiles or not (None: lanes_tiles, or masked_lanes, for
+    this machine); ``tail``: a product's partly filled last column panel runs in lanes
+    tiles where its shape gives one, or not (the planner's native_lanes_tail; None: its
+    lanes_tail for this machine);
     ``output_streams``: gathered taps stream for the output's sake (the planner's
     native_tiles decides both); ``step``: the gathered-images form's images a step (the
     planner's by_image_step); ``a16``: the filters are packed in 16-row panels only (the
@@ -569,10 +573,15 @@ def native_layout(geo: ConvGeometry, form: str, stream_stores: bool = False,
                             None, blocked=True, sides=native_blocked.Sides(
                                 src == native_blocked.NCHWC, dst == native_blocked.NCHWC,
                                 blocked_residual))
+    # 16-row panels serve products run wholly in lanes tiles only: the direct form's, as
+    # the planner's native_a16 gives them (a masked call reads 8-row panels).
+    assert not a16 or (form == "direct" and lanes is True), (form, lanes)
     layout = _native_layout(geo, form, step)
-    if stream_stores or lanes is not None or output_streams or a16:
+    if form == "masked" and layout.masked is None:
+        lanes = None                        # ran gathered: masked_lanes was not its rule
+    if stream_stores or lanes is not None or output_streams or a16 or tail is not None:
         layout = dataclasses.replace(layout, nt=stream_stores, lanes=lanes,
-                                     streams=output_streams, a16=a16)
+                                     streams=output_streams, a16=a16, tail=tail)
     return layout
 
 
@@ -1012,7 +1021,7 @@ def _tail_layout(layout: NativeLayout, images: int) -> NativeLayout:
     geo = dataclasses.replace(layout.geo, batch=images)
     tail = _native_layout(geo, "gathered-stacked" if images > 1 else "gathered")
     return dataclasses.replace(tail, nt=layout.nt, lanes=layout.lanes, streams=layout.streams,
-                               images=layout.images, step=layout.step)
+                               images=layout.images, step=layout.step, tail=layout.tail)
 
 
 class _Dead:
@@ -1128,7 +1137,7 @@ def _group_calls(layout: NativeLayout, filters: Any, z: Any, y: Any, act: Activa
         call = native_gemm.prepare(wp, b, target, bias=bias, bias_rows=True, residual=resid,
                                    accumulate=accumulate, clip=clip, columns=columns,
                                    masks=masks, nt=nt, lanes=layout.lanes,
-                                   output_streams=layout.streams)
+                                   output_streams=layout.streams, tail=layout.tail)
         if call is None:
             return None
         calls.append(call)

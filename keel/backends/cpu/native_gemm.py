@@ -193,6 +193,13 @@ def _load(lib: native.NativeLibrary) -> _Functions:
             f"gemm.c runs taps row panel by row panel from {taps_from} columns, the cpu "
             f"planner's ROWS_FIRST_TAPS_FROM is {planner_rules().ROWS_FIRST_TAPS_FROM}: "
             "change both together")
+    grid, built = (size("keel_gemm_mr_f32"), size("keel_gemm_nr_f32")), size(
+        "keel_gemm_lanes_built_f32") == 1
+    if built != planner_rules().lanes_built(grid):
+        raise ArgsLayoutError(
+            f"gemm.c {'builds' if built else 'does not build'} lanes tiles with its "
+            f"{grid[0]} x {grid[1]} tiles, the cpu planner's LANES_GRID is "
+            f"{planner_rules().LANES_GRID}: change both together")
     return _Functions(
         gemm=lib.function("keel_gemm_f32", [ctypes.c_char_p, _PTR, _I64, _I64, _I64]),
         gemm_mt=lib.function("keel_gemm_mt_f32", [ctypes.c_char_p, _I64, _I64, _I64], _I64),
@@ -211,9 +218,9 @@ def _load(lib: native.NativeLibrary) -> _Functions:
                                [ctypes.c_char_p, ctypes.c_char_p, _I64, _I64], _I64),
         pooled_work=lib.function("keel_conv_pool_workspace_f32",
                                  [ctypes.c_char_p, ctypes.c_char_p], _I64),
-        mr=size("keel_gemm_mr_f32"), nr=size("keel_gemm_nr_f32"), kc=size("keel_gemm_kc_f32"),
+        mr=grid[0], nr=grid[1], kc=size("keel_gemm_kc_f32"),
         work=size("keel_gemm_workspace_f32"), tall=planner_rules().tall_tiles,
-        lanes=planner_rules().lanes_tiles, lanes_built=size("keel_gemm_lanes_built_f32") == 1)
+        lanes=planner_rules().lanes_tiles, lanes_built=built)
 
 
 @functools.cache
@@ -396,11 +403,11 @@ def pack_batch(matrices: np.ndarray, left: bool) -> Packed | None:
 def pack_a16(matrix: np.ndarray) -> Packed | None:
     """``matrix`` (M, K) packed as the left operand in 16-row panels only (pair q: row
     panels 2q and 2q + 1 side by side at each depth step, a last odd panel beside
-    zeros), for a product its plan runs wholly in lanes tiles (the planner's
-    ``lanes_a16``): gemm.c's lanes tiles load a vector of 16 rows where they joined two
-    panels with an insert. The same values in the same lanes: the same bits. A build
-    without lanes tiles gets :func:`pack`'s 8-row panels; None when the native tier is
-    unavailable."""
+    zeros), for a product its plan runs wholly in lanes tiles (the plan's ``gemm_a16``,
+    the planner's ``native_a16``): gemm.c's lanes tiles load a vector of 16 rows where
+    they joined two panels with an insert. The same values in the same lanes: the same
+    bits. A build without lanes tiles (running a plan made for one with them) gets
+    :func:`pack`'s 8-row panels at once; None when the native tier is unavailable."""
     f = _functions()
     if f is None or not f.lanes_built or matrix.dtype != _F4 or matrix.ndim != 2 or (
             not matrix.size):
@@ -813,7 +820,7 @@ def prepare(a: np.ndarray | Packed, b: np.ndarray | Packed | Rows, c: np.ndarray
             clip: tuple[float, float] | None = None, accumulate: bool = False,
             columns: np.ndarray | None = None, masks: np.ndarray | None = None,
             nt: bool = False, lanes: bool | None = None,
-            output_streams: bool = False) -> Call | None:
+            output_streams: bool = False, tail: bool | None = None) -> Call | None:
     """The :class:`Call` computing :func:`gemm`'s product; None when not served.
 
     ``nt``: C's final values are stored past the cache where they are whole aligned
@@ -821,8 +828,11 @@ def prepare(a: np.ndarray | Packed, b: np.ndarray | Packed | Rows, c: np.ndarray
     it next; the kernel fences before it returns).
 
     ``lanes``: the product runs in lanes tiles where its operands fit them, or not, as
-    the caller's plan says (the planner's native_tiles, for the vendor planned for);
-    None: the planner's ``lanes_tiles`` for this machine. ``output_streams``: a
+    the caller's plan says (the planner's native_tiles, for the vendor and tile planned
+    for: ``lanes_tiles``, or with ``masks`` ``masked_lanes``); None: those rules for
+    this machine. ``tail``: its partly filled last column panel runs in lanes tiles
+    where its shape gives one (``lanes_tail_fits``), or not, as the plan says (the
+    planner's native_lanes_tail); None: ``lanes_tail`` for this machine. ``output_streams``: a
     conv's gathered taps stream for its output's sake (the planner's output_streams,
     which counts the conv's images: gemm.c then writes C row panel by row panel).
 
@@ -831,8 +841,8 @@ def prepare(a: np.ndarray | Packed, b: np.ndarray | Packed | Rows, c: np.ndarray
     source planes, each column panel's lanes masked by the table (int64: the conv
     geometry, then per column panel and tap the bits of the columns whose tap lies
     inside the plane; see ``keel.backends.cpu.conv_gemm.Masked``), in lanes tiles where
-    the planner's ``masked_lanes`` takes the product and an image's taps fit the
-    workspace.
+    ``lanes`` (or the planner's ``masked_lanes``) takes the product and an image's taps
+    fit the workspace.
     """
     f = _functions()
     if f is None or c.dtype != _F4:
@@ -856,17 +866,17 @@ def prepare(a: np.ndarray | Packed, b: np.ndarray | Packed | Rows, c: np.ndarray
                                              or (columns is not None and not bias_rows))):
         return None
     streams = output_streams and isinstance(b, Rows) and b.columns is not None
-    lanes = f.lanes(batch, m, n, k) if lanes is None else lanes
+    in_lanes = f.lanes(batch, m, n, k) if lanes is None else lanes
     flags = (_ACCUMULATE if accumulate else 0) | (_CLIP if clip is not None else 0) | (
         _STREAM if streams or _b_bytes(b, batch, k, n) > planner_rules().STREAM_BYTES
         else 0) | (
         _DIRECT if masks is not None else 0) | (_NT if nt else 0) | (
         _TALL if f.tall(m, k) else 0) | (_LANES if _plain(ra, rb) and columns is None and (
-            masks is None and not accumulate and lanes) else 0) | (
-        _LANES if masks is not None and not accumulate
-        and planner_rules().masked_lanes(m, n, k) else 0) | (
+            masks is None and not accumulate and in_lanes) else 0) | (
+        _LANES if masks is not None and not accumulate and _masked_lanes(m, n, k, lanes, f)
+        else 0) | (
         _LANES_TAIL if _plain(ra, rb) and columns is None and masks is None
-        and not accumulate and planner_rules().lanes_tail(m, n, k) else 0) | (
+        and not accumulate and _lanes_tail(m, n, k, tail) else 0) | (
         planner_rules().fetch_rows(4 * f.nr) << _FETCH_SHIFT if isinstance(b, Packed) else 0)
     lo, hi = clip if clip is not None else (0.0, 0.0)
     # A in 16-row panels only serves a product gemm.c runs wholly in lanes tiles (the
@@ -915,6 +925,22 @@ def _b_bytes(b: np.ndarray | Packed | Rows, batch: int, k: int, n: int) -> int:
         span = int(b.offsets.max()) + int(b.columns.max()) + 1
         return 4 * ((batch - 1) * b.batch_stride + span)
     return 4 * batch * k * n
+
+
+def _masked_lanes(m: int, n: int, k: int, planned: bool | None, f: _Functions) -> bool:
+    """A masked product in lanes tiles: as its plan says (``planned``) where an image's
+    taps (k x n floats) fit the workspace; None: the planner's masked_lanes here."""
+    if planned is None:
+        return bool(planner_rules().masked_lanes(m, n, k))
+    return planned and not (f.work and k * n > f.work)
+
+
+def _lanes_tail(m: int, n: int, k: int, planned: bool | None) -> bool:
+    """A product's last column panel in lanes tiles: where its plan takes lanes tails
+    (``planned``) and its shape gives one; None: the planner's lanes_tail here."""
+    if planned is None:
+        return bool(planner_rules().lanes_tail(m, n, k))
+    return planned and bool(planner_rules().lanes_tail_fits(m, n, k))
 
 
 def _plain(ra: tuple[int, ...], rb: tuple[int, ...]) -> bool:

@@ -2655,6 +2655,9 @@ def _plan(request: PlanRequest, table: KernelTable) -> NodePlan:
     if form.a16_reason:
         options.append(("gemm_a16", form.gemm_a16))
         form_reasons.append(("gemm_a16", form.a16_reason))
+    if form.gemm_tail is not None:
+        options.append(("gemm_lanes_tail", form.gemm_tail))
+        form_reasons.append(("gemm_lanes_tail", form.tail_reason))
     if form.output_streams:
         options.append(("output_streams", True))
     blocking = _blocking(request.op, sizes)
@@ -3460,18 +3463,19 @@ def _gathered_output_streams(geo: ConvGeometry) -> bool:
 def native_tiles(geo: ConvGeometry, form: str, grid: Any = _HERE, vendor: Any = _HERE
                  ) -> tuple[bool | None, bool]:
     """How the native conv's products in ``form`` run, as native_form's reason says:
-    in lanes tiles or not (the direct form's lanes_tiles for ``vendor``; None for the
-    other forms, whose operands the lanes tiles do not take or whose rule knows no
-    vendor) and whether its gathered taps stream for its output's sake
+    in lanes tiles or not (the direct form's lanes_tiles for ``vendor``, the masked
+    form's masked_lanes; None for the other forms, whose operands the lanes tiles do not
+    take) and whether its gathered taps stream for its output's sake
     (output_streams). The kernel runs what the plan says, whatever this machine's vendor."""
     grid = _grid(grid)
     vendor = _this_vendor() if vendor is _HERE else vendor
     lanes = None
+    pixels = math.prod(geo.window.out_spatial)
+    rows, depth = geo.out_channels // geo.group, geo.in_channels // geo.group
     if form == "direct":
-        pixels = math.prod(geo.window.out_spatial)
-        lanes = grid is not None and lanes_tiles(
-            geo.batch, geo.out_channels // geo.group, pixels, geo.in_channels // geo.group,
-            vendor, grid)
+        lanes = grid is not None and lanes_tiles(geo.batch, rows, pixels, depth, vendor, grid)
+    elif form == "masked":                  # the taps of one image a product
+        lanes = masked_lanes(rows, pixels, depth * math.prod(geo.window.kernel), grid)
     streams = form in ("gathered", "gathered-stacked") and _gathered_output_streams(geo)
     return lanes, streams
 
@@ -3761,7 +3765,9 @@ def lanes_a16(grid: Any = _HERE, vendor: Any = _HERE) -> bool:
 # alternating, medians / fastest, us, summed): one thread 948.6 / 812.7 -> 887.5 /
 # 763.0, two threads 944.2 / 590.8 -> 900.4 / 475.9; outputs bitwise the same
 # (docs/performance.md, "MobileNetV2's 14 x 14 expansions"). Other vendors' cores were
-# not measured (LANES_TAIL_VENDORS), and keep the vector panel.
+# not measured (LANES_TAIL_VENDORS), and keep the vector panel. A conv's plan carries the
+# tile's and vendor's part (lanes_tails, through native_lanes_tail as gemm_lanes_tail);
+# each prepared call adds its own shape's (lanes_tail_fits).
 LANES_TAIL_MAX_COLUMNS = 8
 LANES_TAIL_VENDORS = frozenset({"Intel"})
 
@@ -3772,11 +3778,44 @@ def lanes_tail(m: int, n: int, k: int, grid: Any = _HERE, vendor: Any = _HERE) -
     core of LANES_TAIL_VENDORS (defaults: this machine's). Lanes tiles read a packed A
     and a raw B: a conv's products (the filter packed on the left), whose plan says so;
     a MatMul's or Gemm's A is its activation, read raw, so theirs never take it."""
+    return lanes_tails(grid, vendor) and lanes_tail_fits(m, n, k)
+
+
+def lanes_tails(grid: Any = _HERE, vendor: Any = _HERE) -> bool:
+    """Whether products with the native tile ``grid`` on a CPU of ``vendor`` (defaults:
+    this machine's) take lanes tails where their shapes do (lanes_tail_fits): the part of
+    lanes_tail a conv's plan carries (gemm_lanes_tail), for the machine planned for."""
+    vendor = _this_vendor() if vendor is _HERE else vendor
+    return lanes_built(grid) and vendor in LANES_TAIL_VENDORS
+
+
+def lanes_tail_fits(m: int, n: int, k: int) -> bool:
+    """Whether a product of ``m`` rows, ``n`` columns and depth ``k`` ends in a panel of
+    LANES_GRID's columns that lanes_tail takes (only that grid builds lanes tiles)."""
+    return 0 < n % LANES_GRID[1] <= LANES_TAIL_MAX_COLUMNS and m >= LANES_MIN_ROWS and k > 0
+
+
+def native_lanes_tail(form: str, grid: Any = _HERE, vendor: Any = _HERE
+                      ) -> tuple[bool | None, str]:
+    """Whether the native conv's products in ``form`` run a partly filled last column
+    panel in lanes tiles where their shapes give one (lanes_tails for the tile ``grid``
+    and ``vendor`` planned for; defaults: this machine's), and why; None for the forms
+    whose calls never take it (the masked form's taps, the band kernel). The plan carries
+    it (gemm_lanes_tail): the prepared calls run it, whatever this machine's vendor."""
+    if form in ("masked", "band"):
+        return None, ""
     grid = _grid(grid)
     vendor = _this_vendor() if vendor is _HERE else vendor
-    if grid is None or not lanes_built(grid) or vendor not in LANES_TAIL_VENDORS:
-        return False
-    return 0 < n % grid[1] <= LANES_TAIL_MAX_COLUMNS and m >= LANES_MIN_ROWS and k > 0
+    if lanes_tails(grid, vendor):
+        return True, (f"a product's last column panel of 1 to LANES_TAIL_MAX_COLUMNS "
+                      f"({LANES_TAIL_MAX_COLUMNS}) columns in lanes tiles, where it has "
+                      f"at least LANES_MIN_ROWS ({LANES_MIN_ROWS}) rows (lanes_tail, "
+                      "LANES_TAIL_VENDORS: measured on a 2-core Intel Xeon)")
+    if not lanes_built(grid):
+        return False, _no_lanes_reason("a product's last column panel", grid)
+    return False, ("a product's last column panel in its vector panel: lanes tails were "
+                   "measured on Intel's cores only (lanes_tail, LANES_TAIL_VENDORS): "
+                   f"{unmeasured_vendor(vendor)}")
 
 
 def _lanes_fit(batch: int, m: int, n: int, k: int) -> bool:
@@ -4044,6 +4083,11 @@ class ConvForm:
     # and why (native_a16, for the grid and vendor planned for): packed and read so.
     gemm_a16: bool = False
     a16_reason: str = ""
+    # A product's partly filled last column panel in lanes tiles where its shape gives
+    # one, and why (native_lanes_tail, for the grid and vendor planned for; None: the
+    # kernel's rule for this machine, or a form whose calls never take it).
+    gemm_tail: bool | None = None
+    tail_reason: str = ""
     # Inside a float NCHWc region, whether the residual is read blocked (residual_layout).
     blocked_residual: bool = False
 
@@ -4087,11 +4131,11 @@ WINOGRAD_CHUNK_BYTES = 4 * 2**20
 
 
 def winograd_form(geo: ConvGeometry, itemsize: int, sizes: Caches | None = None,
-                  threads: int = 1, vendor: Any = _HERE) -> ConvForm:
+                  threads: int = 1, vendor: Any = _HERE, grid: Any = _HERE) -> ConvForm:
     """Images per chunk of a Winograd conv (its one form), for the caches of ``sizes``
     (None: this machine's); compiled, whether it runs as the per-thread pipeline on
     ``threads`` threads (winograd_pipeline) of a CPU of ``vendor``, which takes the whole
-    batch at once."""
+    batch at once; its products' tiles for the native tile ``grid`` (winograd_lanes)."""
     (oh, ow), c, m = geo.window.out_spatial, geo.in_channels, geo.out_channels
     th, tw = -(-oh // 2), -(-ow // 2)
     per_image = 16 * th * tw * max(c, m) * itemsize
@@ -4106,9 +4150,9 @@ def winograd_form(geo: ConvGeometry, itemsize: int, sizes: Caches | None = None,
     scratch = _winograd_scratch(chunk, c, m, th, tw, itemsize)
     if not (itemsize == 4 and native_gemm.available() and geo.rank == 2):
         return ConvForm("", why, chunk, scratch)
-    lanes, lanes_why = winograd_lanes(vendor)
-    passes, passes_why = winograd_pass_lanes(c, m, chunk * th * tw, vendor)
-    pipe = winograd_pipeline(geo.batch, c, m, (oh, ow), max(1, threads), sizes,
+    lanes, lanes_why = winograd_lanes(vendor, grid)
+    passes, passes_why = winograd_pass_lanes(c, m, chunk * th * tw, vendor, grid)
+    pipe = winograd_pipeline(geo.batch, c, m, (oh, ow), max(1, threads), sizes, grid,
                              vendor=vendor)
     if pipe.tiles:          # each thread's block of V and P, in the pool's scratch
         mr = (_grid(_HERE) or _TILES["scalar"])[0]
@@ -4330,7 +4374,7 @@ def winograd_pipeline(images: int, c: int, m: int, out_hw: tuple[int, int], thre
     products' tiles as a plan's ``winograd_lanes`` option gives them (None: the rule for
     ``vendor``)."""
     chunks = PIPELINE_CHUNKS_PER_THREAD if per_thread is None else per_thread
-    products = winograd_lanes(vendor) if lanes is None else (
+    products = winograd_lanes(vendor, grid) if lanes is None else (
         lanes, f"products in {'lanes tiles' if lanes else '8 x 32 panels'}, as planned "
         "(winograd_lanes)")
     return _winograd_pipeline(images, c, m, out_hw, threads, sizes or caches(), grid,
@@ -4514,10 +4558,13 @@ WINOGRAD_TALL_COLUMNS = 16
 WINOGRAD_LANES_VENDORS = frozenset({"AMD"})
 
 
-def winograd_lanes(vendor: Any = _HERE) -> tuple[bool, str]:
+def winograd_lanes(vendor: Any = _HERE, grid: Any = _HERE) -> tuple[bool, str]:
     """Whether Winograd's products run in gemm.c's lanes tiles on a CPU of ``vendor``
-    (default: this machine's; cpu_vendor gives a profile's), and why."""
+    with the native tile ``grid`` (defaults: this machine's; cpu_vendor gives a
+    profile's), and why: never on a grid without them (lanes_built)."""
     vendor = _this_vendor() if vendor is _HERE else vendor
+    if not lanes_built(grid):
+        return False, _no_lanes_reason("products", grid)
     if vendor in WINOGRAD_LANES_VENDORS:
         return True, (f"products in lanes tiles: measured faster than 8 x 32 panels on "
                       f"{vendor}'s cores (WINOGRAD_LANES_VENDORS)")
@@ -4558,8 +4605,10 @@ def winograd_pass_lanes(c: int, m: int, tiles: int, vendor: Any = _HERE,
     """Whether the sixteen products of a Winograd chunk of ``tiles`` tiles (C -> M
     channels), run pass by pass, take gemm.c's lanes tiles on a CPU of ``vendor`` with the
     native tile ``grid`` (defaults: this machine's), and why."""
+    if not lanes_built(grid):
+        return False, _no_lanes_reason(f"passes' products of {tiles} tile(s) a chunk", grid)
     if winograd_tall(tiles):
-        lanes = winograd_lanes(vendor)[0]
+        lanes = winograd_lanes(vendor, grid)[0]
         return lanes, (f"passes' products of {tiles} tile(s) in tall tiles"
                        f"{', lanes' if lanes else ', not lanes'} as winograd_lanes says")
     vendor = _this_vendor() if vendor is _HERE else vendor
@@ -4580,6 +4629,14 @@ def winograd_pass_lanes(c: int, m: int, tiles: int, vendor: Any = _HERE,
                    "1.07-1.25x faster on 36 and 49 tiles, tied on 98-100, panels 1.2-1.5x "
                    "faster without waste)"
                    + ("" if vendor == "Intel" else f"; {unmeasured_vendor(vendor)}"))
+
+
+def _no_lanes_reason(what: str, grid: Any) -> str:
+    """Why ``what`` runs in panels on a native tile ``grid`` without lanes tiles."""
+    grid = _grid(grid)
+    tile = "no native tier" if grid is None else f"these are {grid[0]} x {grid[1]}"
+    return (f"{what} in panels: gemm.c builds lanes tiles with its {LANES_GRID[0]} x "
+            f"{LANES_GRID[1]} tiles only (LANES_GRID), {tile}")
 
 
 def unmeasured_vendor(vendor: str | None) -> str:
@@ -4727,11 +4784,13 @@ MASKED_LANES_WASTE = 1.25
 
 def masked_lanes(m: int, n: int, k: int, grid: Any = _HERE) -> bool:
     """Whether a masked conv's product of ``m`` rows, ``n`` output pixels an image and
-    depth ``k`` runs in lanes tiles (``grid`` the native tile: its column panels); the
-    taps' copy (k x n floats) must fit the call's workspace where the tier says its size."""
+    depth ``k`` runs in lanes tiles (``grid`` the native tile: its column panels; never
+    on a grid without them, lanes_built); the taps' copy (k x n floats) must fit the
+    call's workspace where the tier says its size."""
     grid = _grid(grid)
     work = native_gemm.workspace_floats()
-    if grid is None or n <= 0 or (work and k * n > work) or not _lanes_fit(1, m, n, k):
+    if not lanes_built(grid) or n <= 0 or (work and k * n > work) or (
+            not _lanes_fit(1, m, n, k)):
         return False
     computed = -(-n // grid[1]) * grid[1] / n
     return computed >= MASKED_LANES_WASTE or (computed > 1 and k >= m)
@@ -5137,11 +5196,12 @@ def conv_form(variant: str, geo: ConvGeometry, itemsize: int, grid: Any = _HERE,
         scratch = conv_gemm.native_scratch(conv_gemm.native_layout(geo, form, step=step or 1),
                                            itemsize)
         lanes, streams = native_tiles(geo, form, grid, vendor)
-        a16, a16_why = native_a16(lanes, grid, vendor)
+        a16, a16_why = native_a16(lanes if form == "direct" else None, grid, vendor)
+        tail, tail_why = native_lanes_tail(form, grid, vendor)
         return ConvForm(form, why, step, workspace_bytes=scratch,
                         stream_stores=stream_stores(geo, sizes), gemm_lanes=lanes,
                         output_streams=streams, chunk_reason=step_why, gemm_a16=a16,
-                        a16_reason=a16_why)
+                        a16_reason=a16_why, gemm_tail=tail, tail_reason=tail_why)
     if variant == "depthwise":
         layout, why = depthwise_form(geo)
         numpy_form = layout.rpartition("|")[2]
@@ -5157,7 +5217,7 @@ def conv_form(variant: str, geo: ConvGeometry, itemsize: int, grid: Any = _HERE,
     if variant == "pointwise":
         return pointwise_form(geo)
     if variant == "winograd":
-        return winograd_form(geo, itemsize, sizes, threads, vendor)
+        return winograd_form(geo, itemsize, sizes, threads, vendor, grid)
     return ConvForm("", "the variant's only form")
 
 

@@ -127,10 +127,35 @@ def test_the_plan_takes_a_gathers_threads_from_the_elements_it_copies() -> None:
         Op.GATHER, [table, TensorType(DType.INT64, (1, 8))], {"axis": 0})
     assert big.threads == 2 and small.threads == 1
     reason = dict(small.reasons)["threads"]
-    assert "2,048 elements copied" in reason and "MIN_COPY_ELEMENTS" in reason
-    splits = cpu_planner.node_splits(Op.GATHER, [table, TensorType(DType.INT64, (32, 128))],
-                                     {"axis": 0}, big, 2)
-    assert splits and splits[0].units == 32 * 128 * 256
+    assert "2,048 elements copied, 8 row(s) of 256" in reason and "MIN_COPY_ELEMENTS" in reason
+    (split,) = cpu_planner.node_splits(Op.GATHER, [table, TensorType(DType.INT64, (32, 128))],
+                                       {"axis": 0}, big, 2)
+    assert (split.units, split.pieces, split.work) == (32 * 128, 2, 32 * 128 * 256)
+
+
+@pytest.mark.parametrize(("shape", "index_shape", "axis", "rows"), [
+    ((2, 1 << 20), (1,), 0, 1),          # one row of a million elements: not cut
+    ((2, 1 << 20), (), 0, 1),
+    ((3, 1 << 19), (3,), 0, 3),          # three rows: 2 + 1 on two threads
+    ((1 << 20, 2), (1,), 1, 1 << 20),    # a million rows of one element
+    ((30522, 256), (32, 128), 0, 32 * 128),
+])
+@pytest.mark.parametrize("threads", [2, 3, 16])
+def test_the_plan_and_the_kernel_split_the_same_whole_rows(
+        shape: tuple[int, ...], index_shape: tuple[int, ...], axis: int, rows: int,
+        threads: int) -> None:
+    """The kernel copies whole rows (one index's slice each): the node plan's threads,
+    its split's pieces and the kernel's chunks are one number, the split's units rows."""
+    types = [TensorType(DType.FLOAT32, shape), TensorType(DType.INT64, index_shape)]
+    plan = CpuBackend(threads=threads).plan_node(Op.GATHER, types, {"axis": axis})
+    (split,) = cpu_planner.node_splits(Op.GATHER, types, {"axis": axis}, plan, threads)
+    x, indices = np.zeros(shape, np.float32), np.zeros(index_shape, np.int64)
+    out = np.empty(np.take(x, indices, axis=axis).shape, np.float32)
+    call = native_window.bind_gather(x, indices, out, axis, plan.threads or 1)
+    assert call is not None
+    assert split.units == rows and split.unit == "row(s)"
+    assert plan.threads == split.pieces == call.args[-1]
+    assert split.most * split.pieces >= split.units
 
 
 def test_a_gather_model_gives_the_same_bits_on_every_thread_count() -> None:

@@ -513,10 +513,9 @@ def bind_gather(x: np.ndarray, indices: np.ndarray, dst: np.ndarray, axis: int,
             or dst.shape != shape or dst.dtype != x.dtype
             or np.may_share_memory(dst, x) or np.may_share_memory(dst, indices)):
         return None
-    outer, inner = math.prod(x.shape[:axis]), math.prod(x.shape[axis + 1:])
-    rows = outer * indices.size
     rules = planner_rules()
-    count = max(1, rules.split_parts(rules.LeastWork.COPY, threads, rows, inner))
+    outer, inner = math.prod(x.shape[:axis]), math.prod(x.shape[axis + 1:])
+    count = rules.gather_parts(threads, *rules.gather_rows(x.shape, indices.size, axis))
     return functools.partial(
         fns.gather_rows_mt, native.address(x), native.address(dst), native.address(indices),
         indices.dtype.itemsize, outer, indices.size, x.shape[axis], inner * x.dtype.itemsize,

@@ -4,6 +4,7 @@ and an index out of range raises the typed error with nothing written."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -11,14 +12,14 @@ import pytest
 
 from keel import native
 from keel.backends.base import KernelContext
+from keel.backends.cpu import indexing, native_window
 from keel.backends.cpu import kernels as cpu_kernels
-from keel.backends.cpu import native_window
 from keel.backends.cpu import planner as cpu_planner
 from keel.backends.cpu.backend import CpuBackend
 from keel.backends.cpu.kernels import TABLE
 from keel.backends.reference.backend import ReferenceBackend
 from keel.dtypes import DType
-from keel.errors import InvalidArgumentError
+from keel.errors import ExecutionError, InvalidArgumentError
 from keel.ops.registry import Op
 from keel.ops.types import TensorType
 
@@ -183,3 +184,51 @@ def test_a_gather_model_gives_the_same_bits_on_every_thread_count() -> None:
             m.predict({"ids": ids})
         ids[0, 0] = 3
         want = load_model(model, backend="reference").predict({"ids": ids})["y"]
+
+
+def test_a_numpy_scalar_index_takes_numpys_path() -> None:
+    """A NumPy scalar has no buffer to hand the row copy: the kernel falls back to take."""
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    assert native_window.bind_gather(x, np.int64(1), np.empty(4, np.float32), 0, 2) is None
+    kernel = TABLE.get(Op.GATHER)
+    assert kernel.bind is not None
+    for index in (np.int64(1), np.int32(-2)):
+        (got,) = kernel.fn(_ctx(2), [x, index], {"axis": 0}, None)
+        assert np.array_equal(got, np.take(x, index, axis=0))
+        out = np.zeros(4, np.float32)
+        call = kernel.bind(_ctx(2), [x, index], {"axis": 0}, [out])
+        assert call is not None
+        call()
+        assert np.array_equal(out, np.take(x, index, axis=0))
+
+
+def test_a_read_only_output_is_refused_as_numpys_take_refuses_it() -> None:
+    table, indices = _embedding(np.random.default_rng(6), np.int64)
+    out = np.full((8, 128, 128), 7.0, np.float32)
+    out.flags.writeable = False
+    assert native_window.bind_gather(table, indices, out, 0, 2) is None
+    with pytest.raises(ValueError, match="read-only"):
+        np.take(table, indices, axis=0, out=out)
+    with pytest.raises(ValueError, match="read-only"):
+        TABLE.get(Op.GATHER).fn(_ctx(2), [table, indices], {"axis": 0}, [out])
+    assert (out == 7.0).all()
+
+
+def test_each_refusal_of_the_row_copy_raises_its_own_error() -> None:
+    """window.c's codes: 1 an index out of range, 2 its arguments refused (an index width
+    other than 4 or 8 bytes, here called on the real kernel), -1 no scratch memory."""
+    table, indices = _embedding(np.random.default_rng(7), np.int64)
+    call = native_window.bind_gather(table, indices, np.empty((8, 128, 128), np.float32), 0, 1)
+    assert isinstance(call, functools.partial)
+    args = list(call.args)
+    args[3] = 2                                   # index_bytes
+    assert call.func(*args) == 2
+    with pytest.raises(ExecutionError, match="refused its arguments"):
+        indexing.gather_failed(2, indices, 3000, 0)
+    with pytest.raises(MemoryError, match="scratch"):
+        indexing.gather_failed(-1, indices, 3000, 0)
+    with pytest.raises(ExecutionError, match="that check_indices accepts"):
+        indexing.gather_failed(1, indices, 3000, 0)
+    indices[0, 0] = 3000
+    with pytest.raises(InvalidArgumentError, match="index 3000 is out of range"):
+        indexing.gather_failed(1, indices, 3000, 0)

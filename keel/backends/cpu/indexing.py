@@ -17,7 +17,7 @@ from keel.backends.base import Attrs, Inputs, KernelContext, Out
 from keel.backends.cpu import native_window
 from keel.backends.cpu.kernels import TABLE
 from keel.backends.cpu.shape import destination, emit
-from keel.errors import InvalidArgumentError, UnsupportedOperationError
+from keel.errors import ExecutionError, InvalidArgumentError, UnsupportedOperationError
 from keel.ops.registry import Op
 from keel.ops.schemas.indexing import (
     REDUCTIONS,
@@ -88,10 +88,24 @@ def _native_gather(x: Any, indices: Any, dst: Any, axis: int,
         return None
 
     def gather() -> None:
-        if call() != 0:            # the C side checks every index before it writes
-            check_indices("gather", indices, x.shape[axis], f"axis {axis}")
-            raise RuntimeError("native gather refused indices that check_indices accepts")
+        rc = call()
+        if rc != 0:                # the C side checks every index before it writes
+            gather_failed(rc, indices, x.shape[axis], axis)
     return gather
+
+
+def gather_failed(rc: int, indices: Any, size: int, axis: int) -> None:
+    """Raise the error window.c's row copy returned ``rc`` for: 1, an index out of range
+    (check_indices' InvalidArgumentError naming it); -1, a worker thread without memory
+    for its scratch (MemoryError, as the other native kernels); anything else, or an
+    index error check_indices does not find, the kernel's fault (ExecutionError)."""
+    if rc == 1:
+        check_indices("gather", indices, size, f"axis {axis}")
+        raise ExecutionError(f"gather: the native row copy refused indices along axis {axis} "
+                             "that check_indices accepts")
+    if rc == -1:
+        raise MemoryError("native gather: no memory for a worker thread's scratch")
+    raise ExecutionError(f"gather: the native row copy refused its arguments (code {rc})")
 
 
 def _bind_gather(ctx: KernelContext, inputs: Inputs, attrs: Attrs,

@@ -232,3 +232,16 @@ def test_each_refusal_of_the_row_copy_raises_its_own_error() -> None:
     indices[0, 0] = 3000
     with pytest.raises(InvalidArgumentError, match="index 3000 is out of range"):
         indexing.gather_failed(1, indices, 3000, 0)
+
+
+def test_an_unbound_gather_copies_natively_only_from_one_threads_copy_work() -> None:
+    """A plain call binds the row copy each time, which costs more than take's copy of a
+    shape tensor: the planner keeps those below one thread's least copy work on take."""
+    least = cpu_planner.least_work(cpu_planner.LeastWork.COPY, 2)
+    assert not cpu_planner.gather_copies_unbound(1)
+    assert not cpu_planner.gather_copies_unbound(least - 1)
+    assert cpu_planner.gather_copies_unbound(least)
+    shape = np.array([1, 3, 224, 224], np.int64)
+    for threads in THREADS:
+        (got,) = TABLE.get(Op.GATHER).fn(_ctx(threads), [shape, np.array(-1)], {"axis": 0}, None)
+        assert got.shape == () and got == 224

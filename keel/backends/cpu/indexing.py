@@ -16,6 +16,7 @@ import numpy as np
 from keel.backends.base import Attrs, Inputs, KernelContext, Out
 from keel.backends.cpu import native_window
 from keel.backends.cpu.kernels import TABLE
+from keel.backends.cpu.native_gemm import planner_rules
 from keel.backends.cpu.shape import destination, emit
 from keel.errors import ExecutionError, InvalidArgumentError, UnsupportedOperationError
 from keel.ops.registry import Op
@@ -132,12 +133,14 @@ def _bind_gather(ctx: KernelContext, inputs: Inputs, attrs: Attrs,
 @TABLE.kernel(Op.GATHER, supports_out=True, bind=_bind_gather)
 def gather(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """``take`` along ``axis``, straight into ``out`` when given (window.c's split row
-    copy where it serves)."""
+    copy where it serves and the copy is worth binding for one call: the planner's
+    gather_copies_unbound)."""
     xp, (x, indices) = ctx.xp, inputs
     axis = normalize_axis(attrs["axis"], x.ndim, what="gather axis")
     shape = tuple(x.shape[:axis]) + tuple(indices.shape) + tuple(x.shape[axis + 1:])
     dst = destination(xp, shape, x.dtype, out)
-    native = _native_gather(x, indices, dst, axis, ctx.threads or 1) if _is_numpy(xp) else None
+    native = (_native_gather(x, indices, dst, axis, ctx.threads or 1)
+              if _is_numpy(xp) and planner_rules().gather_copies_unbound(dst.size) else None)
     if native is not None:
         native()
     else:

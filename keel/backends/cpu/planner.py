@@ -5053,6 +5053,17 @@ def gather_parts(threads: int, rows: int, per_row: int) -> int:
     return max(1, split_parts(LeastWork.COPY, threads, rows, per_row))
 
 
+def gather_copies_unbound(elements: int) -> bool:
+    """Whether a Gather called once, not bound into a program (the kernel's plain call:
+    a first run, a shape computation), runs window.c's row copy for ``elements`` output
+    elements: only with at least one thread's least copy work (MIN_COPY_ELEMENTS).
+    Such a call binds the copy each time (checks, addresses, its split: about 7 us on
+    the 2-core Xeon under load) where NumPy's take with its index check costs 2.7 us in
+    all for a shape tensor's one element, so below one thread's work (a single-thread
+    copy, nothing to split) take serves; a bound Gather binds once and keeps the copy."""
+    return elements >= least_work(LeastWork.COPY, 2)
+
+
 def _gather_rows(request: PlanRequest) -> tuple[int, int] | None:
     """A Gather node's (rows, elements a row) where both shapes are known, else None."""
     shapes = request.static_shapes() if request.op is Op.GATHER else None

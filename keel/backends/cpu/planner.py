@@ -5067,9 +5067,7 @@ def gather_copies_unbound(elements: int) -> bool:
 def _gather_rows(request: PlanRequest) -> tuple[int, int] | None:
     """A Gather node's (rows, elements a row) where both shapes are known, else None."""
     shapes = request.static_shapes() if request.op is Op.GATHER else None
-    if not shapes or len(shapes) < 2 or shapes[0] is None or shapes[1] is None:
-        return None
-    if not shapes[0]:
+    if not shapes or len(shapes) < 2 or not shapes[0] or shapes[1] is None:
         return None
     axis = request.attrs.get("axis", 0) % len(shapes[0])
     return gather_rows(shapes[0], math.prod(shapes[1]), axis)
@@ -5085,10 +5083,10 @@ def _element_work(request: PlanRequest) -> tuple[int, LeastWork] | None:
             if request.op is Op.SKIP_LAYER_NORM else LeastWork.ELEMENTS)
     elements = math.prod(shapes[0])
     if request.op is Op.GATHER:                # the rows copied: the output's elements
-        if len(shapes) < 2 or shapes[1] is None or not shapes[0]:
+        rows = _gather_rows(request)
+        if rows is None:
             return None
-        axis = request.attrs.get("axis", 0) % len(shapes[0])
-        elements = elements // max(1, shapes[0][axis]) * math.prod(shapes[1])
+        elements = rows[0] * rows[1]
     if request.op is Op.ATTENTION:             # the row kernel's work: scores x (d + dv)
         if len(shapes) < 3 or shapes[1] is None or shapes[2] is None:
             return None

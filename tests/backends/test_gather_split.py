@@ -4,6 +4,7 @@ and an index out of range raises the typed error with nothing written."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -11,14 +12,14 @@ import pytest
 
 from keel import native
 from keel.backends.base import KernelContext
+from keel.backends.cpu import indexing, native_window
 from keel.backends.cpu import kernels as cpu_kernels
-from keel.backends.cpu import native_window
 from keel.backends.cpu import planner as cpu_planner
 from keel.backends.cpu.backend import CpuBackend
 from keel.backends.cpu.kernels import TABLE
 from keel.backends.reference.backend import ReferenceBackend
 from keel.dtypes import DType
-from keel.errors import InvalidArgumentError
+from keel.errors import ExecutionError, InvalidArgumentError
 from keel.ops.registry import Op
 from keel.ops.types import TensorType
 
@@ -127,10 +128,35 @@ def test_the_plan_takes_a_gathers_threads_from_the_elements_it_copies() -> None:
         Op.GATHER, [table, TensorType(DType.INT64, (1, 8))], {"axis": 0})
     assert big.threads == 2 and small.threads == 1
     reason = dict(small.reasons)["threads"]
-    assert "2,048 elements copied" in reason and "MIN_COPY_ELEMENTS" in reason
-    splits = cpu_planner.node_splits(Op.GATHER, [table, TensorType(DType.INT64, (32, 128))],
-                                     {"axis": 0}, big, 2)
-    assert splits and splits[0].units == 32 * 128 * 256
+    assert "2,048 elements copied, 8 row(s) of 256" in reason and "MIN_COPY_ELEMENTS" in reason
+    (split,) = cpu_planner.node_splits(Op.GATHER, [table, TensorType(DType.INT64, (32, 128))],
+                                       {"axis": 0}, big, 2)
+    assert (split.units, split.pieces, split.work) == (32 * 128, 2, 32 * 128 * 256)
+
+
+@pytest.mark.parametrize(("shape", "index_shape", "axis", "rows"), [
+    ((2, 1 << 20), (1,), 0, 1),          # one row of a million elements: not cut
+    ((2, 1 << 20), (), 0, 1),
+    ((3, 1 << 19), (3,), 0, 3),          # three rows: 2 + 1 on two threads
+    ((1 << 20, 2), (1,), 1, 1 << 20),    # a million rows of one element
+    ((30522, 256), (32, 128), 0, 32 * 128),
+])
+@pytest.mark.parametrize("threads", [2, 3, 16])
+def test_the_plan_and_the_kernel_split_the_same_whole_rows(
+        shape: tuple[int, ...], index_shape: tuple[int, ...], axis: int, rows: int,
+        threads: int) -> None:
+    """The kernel copies whole rows (one index's slice each): the node plan's threads,
+    its split's pieces and the kernel's chunks are one number, the split's units rows."""
+    types = [TensorType(DType.FLOAT32, shape), TensorType(DType.INT64, index_shape)]
+    plan = CpuBackend(threads=threads).plan_node(Op.GATHER, types, {"axis": axis})
+    (split,) = cpu_planner.node_splits(Op.GATHER, types, {"axis": axis}, plan, threads)
+    x, indices = np.zeros(shape, np.float32), np.zeros(index_shape, np.int64)
+    out = np.empty(np.take(x, indices, axis=axis).shape, np.float32)
+    call = native_window.bind_gather(x, indices, out, axis, plan.threads or 1)
+    assert call is not None
+    assert split.units == rows and split.unit == "row(s)"
+    assert plan.threads == split.pieces == call.args[-1]
+    assert split.most * split.pieces >= split.units
 
 
 def test_a_gather_model_gives_the_same_bits_on_every_thread_count() -> None:
@@ -158,3 +184,64 @@ def test_a_gather_model_gives_the_same_bits_on_every_thread_count() -> None:
             m.predict({"ids": ids})
         ids[0, 0] = 3
         want = load_model(model, backend="reference").predict({"ids": ids})["y"]
+
+
+def test_a_numpy_scalar_index_takes_numpys_path() -> None:
+    """A NumPy scalar has no buffer to hand the row copy: the kernel falls back to take."""
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    assert native_window.bind_gather(x, np.int64(1), np.empty(4, np.float32), 0, 2) is None
+    kernel = TABLE.get(Op.GATHER)
+    assert kernel.bind is not None
+    for index in (np.int64(1), np.int32(-2)):
+        (got,) = kernel.fn(_ctx(2), [x, index], {"axis": 0}, None)
+        assert np.array_equal(got, np.take(x, index, axis=0))
+        out = np.zeros(4, np.float32)
+        call = kernel.bind(_ctx(2), [x, index], {"axis": 0}, [out])
+        assert call is not None
+        call()
+        assert np.array_equal(out, np.take(x, index, axis=0))
+
+
+def test_a_read_only_output_is_refused_as_numpys_take_refuses_it() -> None:
+    table, indices = _embedding(np.random.default_rng(6), np.int64)
+    out = np.full((8, 128, 128), 7.0, np.float32)
+    out.flags.writeable = False
+    assert native_window.bind_gather(table, indices, out, 0, 2) is None
+    with pytest.raises(ValueError, match="read-only"):
+        np.take(table, indices, axis=0, out=out)
+    with pytest.raises(ValueError, match="read-only"):
+        TABLE.get(Op.GATHER).fn(_ctx(2), [table, indices], {"axis": 0}, [out])
+    assert (out == 7.0).all()
+
+
+def test_each_refusal_of_the_row_copy_raises_its_own_error() -> None:
+    """window.c's codes: 1 an index out of range, 2 its arguments refused (an index width
+    other than 4 or 8 bytes, here called on the real kernel), -1 no scratch memory."""
+    table, indices = _embedding(np.random.default_rng(7), np.int64)
+    call = native_window.bind_gather(table, indices, np.empty((8, 128, 128), np.float32), 0, 1)
+    assert isinstance(call, functools.partial)
+    args = list(call.args)
+    args[3] = 2                                   # index_bytes
+    assert call.func(*args) == 2
+    with pytest.raises(ExecutionError, match="refused its arguments"):
+        indexing.gather_failed(2, indices, 3000, 0)
+    with pytest.raises(MemoryError, match="scratch"):
+        indexing.gather_failed(-1, indices, 3000, 0)
+    with pytest.raises(ExecutionError, match="that check_indices accepts"):
+        indexing.gather_failed(1, indices, 3000, 0)
+    indices[0, 0] = 3000
+    with pytest.raises(InvalidArgumentError, match="index 3000 is out of range"):
+        indexing.gather_failed(1, indices, 3000, 0)
+
+
+def test_an_unbound_gather_copies_natively_only_from_one_threads_copy_work() -> None:
+    """A plain call binds the row copy each time, which costs more than take's copy of a
+    shape tensor: the planner keeps those below one thread's least copy work on take."""
+    least = cpu_planner.least_work(cpu_planner.LeastWork.COPY, 2)
+    assert not cpu_planner.gather_copies_unbound(1)
+    assert not cpu_planner.gather_copies_unbound(least - 1)
+    assert cpu_planner.gather_copies_unbound(least)
+    shape = np.array([1, 3, 224, 224], np.int64)
+    for threads in THREADS:
+        (got,) = TABLE.get(Op.GATHER).fn(_ctx(threads), [shape, np.array(-1)], {"axis": 0}, None)
+        assert got.shape == () and got == 224

@@ -16,8 +16,9 @@ import numpy as np
 from keel.backends.base import Attrs, Inputs, KernelContext, Out
 from keel.backends.cpu import native_window
 from keel.backends.cpu.kernels import TABLE
+from keel.backends.cpu.native_gemm import planner_rules
 from keel.backends.cpu.shape import destination, emit
-from keel.errors import InvalidArgumentError, UnsupportedOperationError
+from keel.errors import ExecutionError, InvalidArgumentError, UnsupportedOperationError
 from keel.ops.registry import Op
 from keel.ops.schemas.indexing import (
     REDUCTIONS,
@@ -88,10 +89,24 @@ def _native_gather(x: Any, indices: Any, dst: Any, axis: int,
         return None
 
     def gather() -> None:
-        if call() != 0:            # the C side checks every index before it writes
-            check_indices("gather", indices, x.shape[axis], f"axis {axis}")
-            raise RuntimeError("native gather refused indices that check_indices accepts")
+        rc = call()
+        if rc != 0:                # the C side checks every index before it writes
+            gather_failed(rc, indices, x.shape[axis], axis)
     return gather
+
+
+def gather_failed(rc: int, indices: Any, size: int, axis: int) -> None:
+    """Raise the error window.c's row copy returned ``rc`` for: 1, an index out of range
+    (check_indices' InvalidArgumentError naming it); -1, a worker thread without memory
+    for its scratch (MemoryError, as the other native kernels); anything else, or an
+    index error check_indices does not find, the kernel's fault (ExecutionError)."""
+    if rc == 1:
+        check_indices("gather", indices, size, f"axis {axis}")
+        raise ExecutionError(f"gather: the native row copy refused indices along axis {axis} "
+                             "that check_indices accepts")
+    if rc == -1:
+        raise MemoryError("native gather: no memory for a worker thread's scratch")
+    raise ExecutionError(f"gather: the native row copy refused its arguments (code {rc})")
 
 
 def _bind_gather(ctx: KernelContext, inputs: Inputs, attrs: Attrs,
@@ -118,12 +133,14 @@ def _bind_gather(ctx: KernelContext, inputs: Inputs, attrs: Attrs,
 @TABLE.kernel(Op.GATHER, supports_out=True, bind=_bind_gather)
 def gather(ctx: KernelContext, inputs: Inputs, attrs: Attrs, out: Out) -> list[Any]:
     """``take`` along ``axis``, straight into ``out`` when given (window.c's split row
-    copy where it serves)."""
+    copy where it serves and the copy is worth binding for one call: the planner's
+    gather_copies_unbound)."""
     xp, (x, indices) = ctx.xp, inputs
     axis = normalize_axis(attrs["axis"], x.ndim, what="gather axis")
     shape = tuple(x.shape[:axis]) + tuple(indices.shape) + tuple(x.shape[axis + 1:])
     dst = destination(xp, shape, x.dtype, out)
-    native = _native_gather(x, indices, dst, axis, ctx.threads or 1) if _is_numpy(xp) else None
+    native = (_native_gather(x, indices, dst, axis, ctx.threads or 1)
+              if _is_numpy(xp) and planner_rules().gather_copies_unbound(dst.size) else None)
     if native is not None:
         native()
     else:

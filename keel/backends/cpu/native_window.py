@@ -499,24 +499,27 @@ def bind_gather(x: np.ndarray, indices: np.ndarray, dst: np.ndarray, axis: int,
                 threads: int) -> Callable[[], int] | None:
     """``dst[...] = take(x, indices, axis)`` as window.c's row copy, split by rows (one
     index's slice each) over up to ``threads`` threads as the planner's least copy work
-    allows, ready to run again on the same arrays: it returns 0, or 1 (nothing written)
-    when an index lies outside ``[-size, size)``.
-    None when not served: the kernels absent, arrays not C-contiguous, indices other
-    than native int32 or int64, ``dst`` not of the gather's shape and dtype, or an
-    output sharing memory with an input."""
+    allows, ready to run again on the same arrays: it returns 0, 1 (nothing written)
+    when an index lies outside ``[-size, size)``, or -1 where a worker found no memory
+    for its scratch (indexing.gather_failed names each).
+    None when not served: the kernels absent, any of the three not an ndarray (a NumPy
+    scalar has no buffer to pass), arrays not C-contiguous, a read-only ``dst`` (NumPy's
+    take refuses it), indices other than native int32 or int64, ``dst`` not of the
+    gather's shape and dtype, or an output sharing memory with an input."""
     fns = _load()
+    if fns is None or not all(isinstance(a, np.ndarray) for a in (x, indices, dst)):
+        return None
     shape = x.shape[:axis] + indices.shape + x.shape[axis + 1:]
-    if (fns is None or not 0 <= axis < x.ndim or x.dtype.hasobject
+    if (not 0 <= axis < x.ndim or x.dtype.hasobject or not dst.flags.writeable
             or not x.flags.c_contiguous or not dst.flags.c_contiguous
             or not indices.flags.c_contiguous or indices.dtype.kind != "i"
             or indices.dtype.itemsize not in (4, 8) or not indices.dtype.isnative
             or dst.shape != shape or dst.dtype != x.dtype
             or np.may_share_memory(dst, x) or np.may_share_memory(dst, indices)):
         return None
-    outer, inner = math.prod(x.shape[:axis]), math.prod(x.shape[axis + 1:])
-    rows = outer * indices.size
     rules = planner_rules()
-    count = max(1, rules.split_parts(rules.LeastWork.COPY, threads, rows, inner))
+    outer, inner = math.prod(x.shape[:axis]), math.prod(x.shape[axis + 1:])
+    count = rules.gather_parts(threads, *rules.gather_rows(x.shape, indices.size, axis))
     return functools.partial(
         fns.gather_rows_mt, native.address(x), native.address(dst), native.address(indices),
         indices.dtype.itemsize, outer, indices.size, x.shape[axis], inner * x.dtype.itemsize,

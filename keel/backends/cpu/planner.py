@@ -1928,6 +1928,13 @@ def _element_threads(request: PlanRequest) -> tuple[int, str] | None:
     if request.threads is None or found is None:
         return None
     elements, work = found
+    rows = _gather_rows(request)
+    if rows is not None:                       # whole rows, as the kernel splits them
+        chosen = gather_parts(request.threads, *rows)
+        return chosen, (f"{chosen} kernel thread(s) of {request.threads}: {elements:,} "
+                        f"elements copied, {rows[0]:,} row(s) of {rows[1]:,}, whole rows a "
+                        f"thread, at least {least_work(work, max(2, chosen)):,} per thread "
+                        f"({work.constant})")
     chosen = max(1, split_threads(work, request.threads, elements))
     return chosen, (f"{chosen} kernel thread(s) of {request.threads}: {elements:,} "
                     f"elements{' copied' if request.op in _COPY_OPS else ''}, at least "
@@ -4864,11 +4871,12 @@ class Split:
                 f"{self.balance:.2f}x the mean")
 
 
-def chunk_split(name: str, units: int, threads: int, work: int, kind: LeastWork) -> Split:
+def chunk_split(name: str, units: int, threads: int, work: int, kind: LeastWork,
+                unit: str = "unit(s)") -> Split:
     """A pass of ``units`` items and ``work`` work split as keel.native.pool.parts does,
     each chunk at least the least work of ``kind`` of a split that wide (split_parts)."""
     pieces = max(1, split_parts(kind, threads, units, work // max(1, units)))
-    return Split(name, units, pieces, work, least_work(kind, threads))
+    return Split(name, units, pieces, work, least_work(kind, threads), unit=unit)
 
 
 def phase_copy_split(planes: int, rows: int, cols: int, threads: int) -> tuple[int, int]:
@@ -5043,6 +5051,10 @@ def node_splits(op: Op, input_types: Sequence[TensorType | None], attrs: Mapping
     pool = _pool_split(request, threads) or _attention_pass(request, node_plan.threads or 1)
     if pool is not None:
         return (pool,)
+    rows = _gather_rows(request)
+    if rows is not None:                       # whole rows: the kernel's own rule
+        return (chunk_split("rows", rows[0], node_plan.threads or 1, rows[0] * rows[1],
+                            LeastWork.COPY, unit="row(s)"),)
     found = _element_work(request)
     if found is None:
         return ()
@@ -5096,6 +5108,40 @@ def _attention_pass(request: PlanRequest, threads: int) -> Split | None:
                  elements, 1 if work is None else least_work(work[1], request.threads or 2))
 
 
+def gather_rows(x_shape: Sequence[int], index_elements: int, axis: int) -> tuple[int, int]:
+    """(rows, elements a row) of a Gather along ``axis`` as window.c's row copy moves it:
+    one index's slice (the elements past ``axis``) a row, for every leading index."""
+    return math.prod(x_shape[:axis]) * index_elements, math.prod(x_shape[axis + 1:])
+
+
+def gather_parts(threads: int, rows: int, per_row: int) -> int:
+    """The chunks of whole rows a Gather's row copy of ``rows`` rows of ``per_row``
+    elements splits into on up to ``threads`` threads, each the least copy work of a
+    split that wide (split_parts): the node plan's threads and the kernel's split (it
+    cannot cut a row), so a single row of a million elements stays on one thread."""
+    return max(1, split_parts(LeastWork.COPY, threads, rows, per_row))
+
+
+def gather_copies_unbound(elements: int) -> bool:
+    """Whether a Gather called once, not bound into a program (the kernel's plain call:
+    a first run, a shape computation), runs window.c's row copy for ``elements`` output
+    elements: only with at least one thread's least copy work (MIN_COPY_ELEMENTS).
+    Such a call binds the copy each time (checks, addresses, its split: about 7 us on
+    the 2-core Xeon under load) where NumPy's take with its index check costs 2.7 us in
+    all for a shape tensor's one element, so below one thread's work (a single-thread
+    copy, nothing to split) take serves; a bound Gather binds once and keeps the copy."""
+    return elements >= least_work(LeastWork.COPY, 2)
+
+
+def _gather_rows(request: PlanRequest) -> tuple[int, int] | None:
+    """A Gather node's (rows, elements a row) where both shapes are known, else None."""
+    shapes = request.static_shapes() if request.op is Op.GATHER else None
+    if not shapes or len(shapes) < 2 or not shapes[0] or shapes[1] is None:
+        return None
+    axis = request.attrs.get("axis", 0) % len(shapes[0])
+    return gather_rows(shapes[0], math.prod(shapes[1]), axis)
+
+
 def _element_work(request: PlanRequest) -> tuple[int, LeastWork] | None:
     """A row or copy kernel's work in elements and the kind of its least work per thread;
     None for other nodes or shapes not known."""
@@ -5106,10 +5152,10 @@ def _element_work(request: PlanRequest) -> tuple[int, LeastWork] | None:
             if request.op is Op.SKIP_LAYER_NORM else LeastWork.ELEMENTS)
     elements = math.prod(shapes[0])
     if request.op is Op.GATHER:                # the rows copied: the output's elements
-        if len(shapes) < 2 or shapes[1] is None or not shapes[0]:
+        rows = _gather_rows(request)
+        if rows is None:
             return None
-        axis = request.attrs.get("axis", 0) % len(shapes[0])
-        elements = elements // max(1, shapes[0][axis]) * math.prod(shapes[1])
+        elements = rows[0] * rows[1]
     if request.op is Op.ATTENTION:             # the row kernel's work: scores x (d + dv)
         if len(shapes) < 3 or shapes[1] is None or shapes[2] is None:
             return None

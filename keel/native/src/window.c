@@ -1806,11 +1806,12 @@ static void gather_task(void *ctx, float *scratch, int64_t lo, int64_t hi) {
 
 /* The gather above over rows [0, outer x count) in `parts` chunks on keel's threads.
  * Every index is checked first, so an index outside [-size, size) writes nothing and
- * returns 1 (the caller names it); -1 for indices of another width than 4 or 8 bytes. */
+ * returns 1 (the caller names it); 2 for indices of another width than 4 or 8 bytes or
+ * a negative size, nothing written; -1 where a worker found no memory for its scratch. */
 int64_t keel_gather_rows_mt(const void *x, void *y, const void *indices, int64_t index_bytes,
                             int64_t outer, int64_t count, int64_t size, int64_t inner,
                             int64_t parts) {
-    if ((index_bytes != 4 && index_bytes != 8) || inner < 0 || size < 0) return -1;
+    if ((index_bytes != 4 && index_bytes != 8) || inner < 0 || size < 0) return 2;
     gather_job j = {x, y, indices, index_bytes, count, size, inner};
     for (int64_t i = 0; i < count; i++) {
         int64_t k = raw_index(indices, index_bytes, i);

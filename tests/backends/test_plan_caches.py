@@ -157,13 +157,16 @@ def _winograd_model() -> Any:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
-@pytest.mark.parametrize(("name", "lanes"), [("amd-sysfs-only", True),
-                                             ("x86-avx512-server", False)])
+@pytest.mark.parametrize(("name", "lanes", "form"), [
+    ("amd-sysfs-only", True, "products in lanes tiles"),
+    ("x86-avx512-server", False, "products in 8 x 32 panels"),
+    ("amd-rocm-server", False, "gemm.c builds lanes tiles with its 8 x 32 tiles only")])
 def test_the_winograd_run_follows_the_vendor_planned_for(
-        name: str, lanes: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A model planned for another machine's profile carries its vendor's Winograd tiles as
-    the plan's winograd_lanes option, explain() names them, and the kernel runs them here
-    whatever this machine's vendor, with the reference backend's result."""
+        name: str, lanes: bool, form: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model planned for another machine's profile carries its vendor's and tile's
+    Winograd tiles as the plan's winograd_lanes option (an AVX2 AMD server's 6 x 16 tiles
+    have no lanes tiles, whatever its vendor), explain() names them, and the kernel runs
+    them here whatever this machine's vendor, with the reference backend's result."""
     from keel.backends.cpu import native_gemm, winograd
 
     if winograd._functions() is None:    # the NumPy Winograd runs no products in tiles
@@ -173,7 +176,7 @@ def test_the_winograd_run_follows_the_vendor_planned_for(
     convs = [n.plan for n in model.plan.nodes if n.plan is not None
              and n.plan.option("conv_variant", n.plan.variant) == "winograd"]
     assert len(convs) == 1 and convs[0].option("winograd_lanes") is lanes
-    form = "products in lanes tiles" if lanes else "products in 8 x 32 panels"
+    assert lanes or convs[0].option("winograd_pass_lanes") is False
     assert form in convs[0].reason("winograd_lanes") and form in model.explain()
     x = np.random.default_rng(4).standard_normal((1, 64, 56, 56)).astype(np.float32)
     model.run(None, {"x": x})             # packs the filters in every tiling once
@@ -497,3 +500,51 @@ def test_the_masked_conv_runs_the_tiles_of_the_grid_planned_for(
     assert ("(masked_lanes)" in planned.explain()) is lanes
     assert ran and set(ran) == {lanes}
     np.testing.assert_array_equal(got, here)
+
+
+def test_a_masked_plan_in_lanes_tiles_packs_no_16_row_panels() -> None:
+    """The masked form's products in lanes tiles read 8-row panels: its layout as
+    planned packs no 16-row panels (native_a16 is the direct form's)."""
+    from keel.backends.cpu import native_gemm
+    from keel.ops.schemas.conv import conv_geometry
+
+    if not native_gemm.available():
+        pytest.skip("native tier unavailable")
+    geo = conv_geometry(Op.CONV, (1, 64, 7, 7), (64, 64, 3, 3), {"pads": [1, 1, 1, 1]})
+    form = planner.native_form(geo)[0]
+    layout = planner.native_layout(geo)
+    assert form == "masked" and layout.a16 is False
+    assert layout.lanes is planner.native_tiles(geo, form)[0]
+
+
+@pytest.mark.parametrize(("batch", "channels", "size", "stride", "kernel", "pads", "form"), [
+    (1, 32, 8, 1, 3, 0, "wide"), (2, 32, 8, 1, 3, 0, "gathered-stacked"),
+    (1, 32, 10, 1, 3, 0, "gathered"), (1, 64, 9, 1, 3, 1, "masked"),
+    (1, 64, 56, 2, 3, 1, "nchw->nchw")])
+def test_only_the_direct_form_plans_lanes_tails(
+        batch: int, channels: int, size: int, stride: int, kernel: int, pads: int,
+        form: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the direct form's products take lanes tails (the others read B through row
+    tables, column maps or masks; a channel-blocked conv, in a region or alone, runs no
+    GEMM): their plans carry no gemm_lanes_tail, explain() names none, and none of their
+    prepared calls takes one."""
+    from keel.backends.cpu import native_gemm
+
+    if not native_gemm.available():
+        pytest.skip("native tier unavailable")
+    out = (size + 2 * pads - kernel) // stride + 1
+    w = np.random.default_rng(10).standard_normal((64, channels, kernel, kernel))
+    model = keel.load_model(_one_conv(form, w.astype(np.float32) / 10,
+                                      [batch, channels, size, size], [batch, 64, out, out],
+                                      pads=[pads] * 4, strides=[stride] * 2,
+                                      kernel_shape=[kernel, kernel]),
+                            backend="cpu", threads=1)
+    convs = [n.plan for n in model.plan.nodes if n.plan is not None]
+    if form != convs[0].layout:
+        pytest.skip(f"planned here as {convs[0].layout!r}, not {form!r}")
+    assert convs[0].option("gemm_lanes_tail") is None
+    assert "gemm_lanes_tail" not in model.explain()
+    ran = prepared_flags(monkeypatch, native_gemm._LANES_TAIL)
+    x = np.random.default_rng(11).standard_normal((batch, channels, size, size))
+    model.run(None, {"x": x.astype(np.float32)})
+    assert not any(ran)

@@ -82,6 +82,7 @@ import numpy as np
 from keel.backends.cpu import native_blocked, native_gemm, native_window, workspace
 from keel.backends.cpu import window as wnd
 from keel.backends.cpu.conv_epilogue import Activation, finish
+from keel.errors import InvalidArgumentError
 from keel.ops.schemas.conv import ConvGeometry
 
 __all__ = ["Im2colLayout", "NativeCall", "NativeLayout", "PointwiseLayout", "Wide",
@@ -574,8 +575,13 @@ def native_layout(geo: ConvGeometry, form: str, stream_stores: bool = False,
                                 src == native_blocked.NCHWC, dst == native_blocked.NCHWC,
                                 blocked_residual))
     # 16-row panels serve products run wholly in lanes tiles only: the direct form's, as
-    # the planner's native_a16 gives them (a masked call reads 8-row panels).
-    assert not a16 or (form == "direct" and lanes is True), (form, lanes)
+    # the planner's native_a16 gives them (a masked call reads 8-row panels). A plan may
+    # come from a file, so one that says otherwise is refused, not run.
+    if a16 and not (form == "direct" and lanes is True):
+        raise InvalidArgumentError(
+            f"a native conv's plan packs its filters in 16-row panels (gemm_a16) for "
+            f"products in the {form!r} form with gemm_lanes {lanes!r}: only the direct "
+            "form's products in lanes tiles read them")
     layout = _native_layout(geo, form, step)
     if form == "masked" and layout.masked is None:
         lanes = None                        # ran gathered: masked_lanes was not its rule

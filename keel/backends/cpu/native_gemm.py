@@ -59,12 +59,15 @@ conv's plan decides it for the vendor planned for (``gemm_lanes``). The lanes ti
 a packed A only (a conv's weights): a MatMul's or Gemm's A is an activation, so their
 products never run in them, whatever the vendor. A product in column panels whose last
 panel holds a few columns (196 = 6 x 32 + 4) runs that panel alone in lanes tiles where
-the planner's ``lanes_tail`` says so. Where a conv's products run wholly in lanes tiles,
-its filters are packed in 16-row panels only where its plan says so (:func:`pack_a16`,
-the plan's ``gemm_a16``, the planner's ``native_a16`` for the vendor planned for, on
-Intel's cores: one load a vector instead of joining two 8-row panels with an insert that
-takes an FMA unit's port); a call reads A as it is packed, and one such a pack does not
-serve gets its 8-row panels, made once. All of these give the same bits.
+a conv's plan says so (``gemm_lanes_tail``: the planner's ``native_lanes_tail`` for the
+tile and vendor planned for, the direct form's products only) and the product's shape
+gives one (``lanes_tail_fits``); a call without a plan asks ``lanes_tail`` here. Where
+a conv's products run wholly in lanes tiles, its filters are packed in 16-row panels only
+where its plan says so (:func:`pack_a16`, the plan's ``gemm_a16``, the planner's
+``native_a16`` for the vendor planned for, on Intel's cores: one load a vector instead of
+joining two 8-row panels with an insert that takes an FMA unit's port); a call reads A
+as it is packed, and one such a pack does not serve gets its 8-row panels, made once.
+All of these give the same bits.
 
 With its Python side (a prepared call reused per node, ~1 us) the cpu MatMul /
 Gemm kernels with bias and ReLU take, in ms: 32x784x512 0.248 (NumPy + OpenBLAS

@@ -1344,7 +1344,8 @@ def _blocked_decision(geo: ConvGeometry, layout: str, why: str, threads: int | N
                       options: tuple[tuple[str, Any, str], ...]) -> LayoutDecision:
     """A blocked conv's layout decision: ``why``, its split on more than one thread
     (the conv's and blocked_split's grid), ``options``, and the blocked kernel's variant
-    and scratch."""
+    and scratch. Its NCHW form carries no gemm_lanes_tail for the blocked kernel to
+    ignore: blocked_conv takes no 1x1 stride-1 conv, the direct form's only."""
     split = (split_reason(conv_splits("native", layout, None, geo, threads), threads)
              + f"; {blocked_split(geo, threads).reason}") if threads and threads > 1 else ""
     return LayoutDecision(
@@ -2905,7 +2906,7 @@ def _form(request: PlanRequest, variant: str, sizes: Caches) -> ConvForm:
     except KeelError as exc:
         return ConvForm("", f"no layout: {exc}")
     itemsize = 8 if request.dtype is DType.FLOAT64 else 4    # float16 computes in float32
-    grid = tile_grid(request.profile) if variant == "native" else None
+    grid = tile_grid(request.profile) if variant in ("native", "winograd") else None
     threads = request.threads or 1
     vendor = cpu_vendor(request.profile)
     if grid is None or grid == native_gemm.geometry():
@@ -3807,9 +3808,11 @@ def native_lanes_tail(form: str, grid: Any = _HERE, vendor: Any = _HERE
     """Whether the native conv's products in ``form`` run a partly filled last column
     panel in lanes tiles where their shapes give one (lanes_tails for the tile ``grid``
     and ``vendor`` planned for; defaults: this machine's), and why; None for the forms
-    whose calls never take it (the masked form's taps, the band kernel). The plan carries
-    it (gemm_lanes_tail): the prepared calls run it, whatever this machine's vendor."""
-    if form in ("masked", "band"):
+    other than the direct one, whose calls never take it (B read through a row table,
+    columns through a column map, taps through masks, or the band kernel: lanes tails
+    read a raw B only). The plan carries it (gemm_lanes_tail): the prepared calls run it,
+    whatever this machine's vendor."""
+    if form != "direct":
         return None, ""
     grid = _grid(grid)
     vendor = _this_vendor() if vendor is _HERE else vendor
@@ -4031,8 +4034,8 @@ def native_layout(geo: ConvGeometry) -> conv_gemm.NativeLayout:
     """``geo``'s native conv layout in the planned form."""
     form = native_form(geo)[0]
     lanes, streams = native_tiles(geo, form)
-    return conv_gemm.native_layout(geo, form, stream_stores(geo), lanes, streams,
-                                   a16=native_a16(lanes)[0])
+    a16 = native_a16(lanes if form == "direct" else None)[0]   # the direct form's only
+    return conv_gemm.native_layout(geo, form, stream_stores(geo), lanes, streams, a16=a16)
 
 
 # ---- the NumPy im2col and pointwise layouts --------------------------------------------

@@ -76,6 +76,13 @@
 #define MR KEEL_GEMM_MR
 #define NV KEEL_GEMM_NV
 #define NR (NV * VW)
+/* The lanes tiles (below) are built with AVX-512's 8 x 32 tile only (the cpu planner's
+ * LANES_GRID): another tile (an 8 x 48 build, KEEL_GEMM_NV=3) runs its panels alone. */
+#if defined(__AVX512F__) && KEEL_GEMM_MR == 8 && KEEL_GEMM_NV == 2
+#define KEEL_LANES_BUILT 1
+#else
+#define KEEL_LANES_BUILT 0
+#endif
 /* Depth per block: each block after the first reloads the partial sums of C, so
  * fewer, deeper blocks win while a KC x NR block of B (64 KiB with AVX-512) stays
  * in L2 (measured at 32 x 784 x 512: 97 GFLOP/s with KC = 256, 102 with 512). */
@@ -1583,7 +1590,7 @@ static void tall(const problem *g, const epilogue *e, int64_t i_lo, int64_t i_hi
  * column that is not there. Each element of C is the chain of fused multiply-adds of
  * the other tiles, step after step, and the epilogue's operations in their order:
  * bitwise the result of the panels (and of any split). */
-#if defined(__AVX512F__) && KEEL_GEMM_MR == 8
+#if KEEL_LANES_BUILT
 #include "transpose.h"
 #define LANES_COLS 12
 /* Depth steps ahead that a tile fetches A's panels into L2 (0: none). Inside a model A (up
@@ -1760,7 +1767,7 @@ static void lanes_product(const problem *g, const epilogue *e, int64_t i_lo, int
 }
 #endif
 
-#if defined(__AVX512F__) && KEEL_GEMM_MR == 8
+#if KEEL_LANES_BUILT
 /* ---- the masked conv in lanes tiles (AVX-512) ----------------------------------------- */
 
 /* A KEEL_DIRECT product with KEEL_LANES (the cpu planner's masked_lanes: few output
@@ -1853,7 +1860,7 @@ static void gemm_2d(const problem *g0, const epilogue *e, int64_t i_lo, int64_t 
     int a_raw = g->a_rs != 0 || g->a_ks != 0;
     float *wa = g->work, *wb = g->work + MC_PANELS * MR * KC;
     if (e->flags & KEEL_DIRECT) {
-#if defined(__AVX512F__) && KEEL_GEMM_MR == 8
+#if KEEL_LANES_BUILT
         if (direct_lanes_fit(g, e)) {
             direct_lanes(g, e, i_lo, i_hi, j_lo, j_hi);
             return;
@@ -1862,7 +1869,7 @@ static void gemm_2d(const problem *g0, const epilogue *e, int64_t i_lo, int64_t 
         direct_conv(g, e, i_lo, i_hi, j_lo, j_hi);
         return;
     }
-#if defined(__AVX512F__) && KEEL_GEMM_MR == 8
+#if KEEL_LANES_BUILT
     /* A held in 16-row panels only: every part of the product runs in lanes tiles (the
        caller prepares it so only where lanes_fit holds and a gemv would not serve). */
     if (g->a16 != NULL) {
@@ -1874,7 +1881,7 @@ static void gemm_2d(const problem *g0, const epilogue *e, int64_t i_lo, int64_t 
         gemv(g, e, j_lo, j_hi);
         return;
     }
-#if defined(__AVX512F__) && KEEL_GEMM_MR == 8
+#if KEEL_LANES_BUILT
     if (lanes_fit(g, e)) {
         lanes_product(g, e, i_lo, i_hi, j_lo, j_hi, NULL);
         return;
@@ -1886,7 +1893,7 @@ static void gemm_2d(const problem *g0, const epilogue *e, int64_t i_lo, int64_t 
         return;
     }
 #endif
-#if defined(__AVX512F__) && KEEL_GEMM_MR == 8
+#if KEEL_LANES_BUILT
     if (lanes_tail_fits(g, e, j_hi)) {
         int64_t last = g->n / NR; /* the last column panel, partly filled */
         lanes_product(g, e, i_lo, i_hi, last, last + 1, NULL);
@@ -2415,11 +2422,11 @@ typedef struct {
     double alpha, lo, hi;
 } keel_gemm_args;
 
-/* 1 where the lanes tiles are built (AVX-512, 8-row panels): only then does a product
- * read an A packed in 16-row panels only (keel_gemm_args' a16). */
+/* 1 where the lanes tiles are built (KEEL_LANES_BUILT: AVX-512's 8 x 32 tile): only then
+ * does a product read an A packed in 16-row panels only (keel_gemm_args' a16). */
 int64_t keel_gemm_lanes_built_f32(void)
 {
-#if defined(__AVX512F__) && KEEL_GEMM_MR == 8
+#if KEEL_LANES_BUILT
     return 1;
 #else
     return 0;

@@ -9,11 +9,14 @@
 #    reads them on a machine of more than 2 cores);
 # 3. the benchmark suite at 1, 4 and 16 threads, batches 1 and 32, five models;
 # 4. per node at 16 threads against onnxruntime's own profile (benchmarks.pernode):
-#    ResNet-18, BERT-mini and MobileNetV2 at batch 32 and batch 1.
+#    ResNet-18, BERT-mini and MobileNetV2 at batch 32 and batch 1;
+# 5. keel alone, then onnxruntime alone (benchmarks.alone): the cells the suite resolves
+#    least well on a shared host (MobileNetV2 and ResNet-18 at batch 1 on 16 threads,
+#    ResNet-18 and BERT-mini at batch 32 on 4).
 # Steps run in that order, the most needed first. Each step's log and rc land in
 # OUTDIR, summary.txt lists them; a failing step does not stop the others. Each step has
 # a time limit (seconds; rc 124 when it ran out), so the whole check ends in under 9
-# minutes: T_BENCH (200), T_PERNODE (45 each). THREADS (1,4,16) and PN_THREADS (16) set
+# minutes: T_BENCH (200), T_PERNODE (45 each), T_ALONE (40 each). THREADS (1,4,16) and PN_THREADS (16) set
 # the thread counts, for a trial on a smaller machine.
 set -u
 out=${1:?usage: tools/cpu_scaling.sh OUTDIR}
@@ -51,6 +54,13 @@ for spec in resnet18:32:3 bert_mini:32:3 mobilenetv2:32:3 resnet18:1:10 mobilene
     IFS=: read -r model batch passes <<<"$spec"
     step "pernode_${model}_b$batch" "$tp" "$py" -m benchmarks.pernode --model "$model" \
         --batch "$batch" --threads "${PN_THREADS:-16}" --passes "$passes" --json
+done
+ta=${T_ALONE:-40}
+many=${PN_THREADS:-16}
+for spec in mobilenetv2:1:$many:100 resnet18:1:$many:60 resnet18:32:4:8 bert_mini:32:4:10; do
+    IFS=: read -r model batch threads runs <<<"$spec"
+    step "alone_${model}_b${batch}_t$threads" "$ta" "$py" -m benchmarks.alone --model "$model" \
+        --batch "$batch" --threads "$threads" --runs "$runs" --json
 done
 tail -n 12 "$out/bench.log" >>"$out/summary.txt" 2>/dev/null
 cat "$out/summary.txt"

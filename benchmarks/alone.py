@@ -122,19 +122,12 @@ def summary(result: dict[str, Any], widest: int = 6) -> str:
         + ", ".join(f"{r['step']} {r['median']:.0f} / {r['fastest']:.0f}" for r in rows)])
 
 
-def _at_least_one(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
-    return value
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="resnet20", choices=sorted(zoo.DEFAULT_MODELS))
-    parser.add_argument("--batch", type=_at_least_one, default=1)
-    parser.add_argument("--threads", type=_at_least_one, default=1)
-    parser.add_argument("--runs", type=_at_least_one, default=100,
+    parser.add_argument("--batch", type=pernode._at_least_one, default=1)
+    parser.add_argument("--threads", type=pernode._at_least_one, default=1)
+    parser.add_argument("--runs", type=pernode._at_least_one, default=100,
                         help="whole runs of each runtime (keel's steps: a fifth as many passes)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)

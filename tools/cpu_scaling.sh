@@ -20,23 +20,8 @@
 # the thread counts, for a trial on a smaller machine.
 set -u
 out=${1:?usage: tools/cpu_scaling.sh OUTDIR}
-root=$(cd "$(dirname "$0")/.." && pwd)
-mkdir -p "$out"
-out=$(cd "$out" && pwd)
-cd "$root" || exit 2
-export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-py=${PYTHON:-python3}
-
-step() {
-    local name=$1 limit=$2 start rc
-    shift 2
-    start=$(date +%s)
-    timeout -k 10 "$limit" "$@" >"$out/$name.log" 2>&1
-    rc=$?
-    echo "$name: rc=$rc, $(( $(date +%s) - start )) s" | tee -a "$out/summary.txt"
-}
-
-: >"$out/summary.txt"
+# shellcheck source=tools/check_steps.sh
+. "$(dirname "$0")/check_steps.sh"
 { git -C "$root" rev-parse --short HEAD 2>/dev/null; nproc
   lscpu | grep -E '^(Model name|Socket|Core|Thread|NUMA node|L1d|L2|L3)'
   cat /sys/fs/cgroup/cpu.max 2>/dev/null

@@ -20,23 +20,8 @@
 set -u
 out=${1:?usage: tools/gpu_check.sh OUTDIR [--cpu-scaling]}
 scaling=${2:-}
-root=$(cd "$(dirname "$0")/.." && pwd)
-mkdir -p "$out"
-out=$(cd "$out" && pwd)
-cd "$root" || exit 2
-export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-py=${PYTHON:-python3}
-
-step() {
-    local name=$1 limit=$2 start rc
-    shift 2
-    start=$(date +%s)
-    timeout -k 10 "$limit" "$@" >"$out/$name.log" 2>&1
-    rc=$?
-    echo "$name: rc=$rc, $(( $(date +%s) - start )) s" | tee -a "$out/summary.txt"
-}
-
-: >"$out/summary.txt"
+# shellcheck source=tools/check_steps.sh
+. "$(dirname "$0")/check_steps.sh"
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   nproc; } >>"$out/summary.txt" 2>&1
 step probe 60 "$py" -m keel probe --json

@@ -4,7 +4,6 @@ for ``KEEL_IDLE_SPIN_US`` at most, then sleep, however long ``KEEL_SPIN_US`` is.
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -18,29 +17,15 @@ from keel.backends.cpu.backend import CpuBackend
 from keel.errors import InvalidArgumentError
 from keel.execution.model import load_model
 from keel.native import pool
+from tests.native._pool_support import worker_states
 
 LONG_SPIN_US = 20_000_000          # 20 s: a worker left to KEEL_SPIN_US would spin on
-
-
-def _worker_states() -> list[str]:
-    """The scheduler state (R running, S sleeping...) of each keel-worker thread."""
-    states = []
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                if f.read().strip() != "keel-worker":
-                    continue
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                states.append(f.read().rsplit(")", 1)[1].split()[0])
-        except OSError:                  # the thread ended meanwhile
-            continue
-    return states
 
 
 def _all_asleep(within_s: float) -> bool:
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        states = _worker_states()
+        states = worker_states()
         if states and all(s in "SD" for s in states):
             return True
         time.sleep(0.005)
@@ -77,12 +62,12 @@ def _dispatch() -> None:
 def test_a_worker_spins_until_parked_then_sleeps(long_spin: None) -> None:
     _dispatch()
     time.sleep(0.1)
-    states = _worker_states()
+    states = worker_states()
     assert states and "R" in states         # spinning: never asleep under a 20 s spin
     park = pool.parker()
     assert park is not None
     park()
-    assert _all_asleep(within_s=5.0), _worker_states()
+    assert _all_asleep(within_s=5.0), worker_states()
     _dispatch()                              # a sleeping worker is woken for the next job
     assert pool.workers() >= 1
 
@@ -106,7 +91,7 @@ def test_a_model_run_on_two_threads_parks_the_workers_when_it_ends(long_spin: No
         got = model.predict({"x": x})["y"]
         np.testing.assert_array_equal(got, want)         # bitwise, as across thread counts
     assert pool.workers() >= 1, "the 2-thread product did not use keel's pool"
-    assert _all_asleep(within_s=5.0), _worker_states()
+    assert _all_asleep(within_s=5.0), worker_states()
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ a measurement on every core) started stay asleep while a narrower model runs."""
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -15,6 +14,7 @@ import pytest
 
 from keel import native
 from keel.native import pool
+from tests.native._pool_support import worker_states
 
 SPIN_US = 50_000          # 50 ms: long against a job, short against the test
 
@@ -33,27 +33,12 @@ def _check(n: int, parts: int, wait_ms: int = 0) -> np.ndarray:
     return out.reshape(-1, 3)
 
 
-def _states() -> list[str]:
-    """The scheduler state (R running, S sleeping...) of each keel-worker thread."""
-    states = []
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                if f.read().strip() != "keel-worker":
-                    continue
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                states.append(f.read().rsplit(")", 1)[1].split()[0])
-        except OSError:                  # the thread ended meanwhile
-            continue
-    return states
-
-
 def _asleep(count: int, within_s: float) -> list[str]:
     """The workers' states once at least ``count`` of them sleep (or the last look)."""
     deadline = time.monotonic() + within_s
-    states = _states()
+    states = worker_states()
     while time.monotonic() < deadline:
-        states = _states()
+        states = worker_states()
         if sum(s in "SD" for s in states) >= count:
             break
         time.sleep(0.002)
@@ -109,7 +94,7 @@ def test_workers_a_narrower_job_has_no_chunks_for_go_to_sleep(fresh_pool: None) 
     while time.monotonic() < end:
         rows = _check(20, 2, wait_ms=5000)             # both chunks at once: worker 1 runs
         assert sorted(rows[:, 2]) == [0, 1]
-    states = _states()
+    states = worker_states()
     assert sorted(states).count("R") <= 1 and sum(s in "SD" for s in states) >= 2, states
 
 
@@ -120,5 +105,5 @@ def test_a_job_wakes_only_the_workers_it_has_chunks_for(fresh_pool: None) -> Non
     assert states.count("S") + states.count("D") == 3, states     # all three asleep
     rows = _check(20, 2, wait_ms=5000)                 # worker 1 woken: it runs chunk 1
     assert sorted(rows[:, 2]) == [0, 1]
-    states = _states()                                 # worker 1 spins SPIN_US on
+    states = worker_states()                                 # worker 1 spins SPIN_US on
     assert sum(s in "SD" for s in states) >= 2, states

@@ -3718,15 +3718,14 @@ def lanes_tiles(batch: int, m: int, n: int, k: int, vendor: Any = _HERE,
     """Whether ``batch`` native products of ``m`` rows, ``n`` columns and depth ``k`` run
     in lanes tiles (where their operands fit them) on a CPU of ``vendor`` with the native
     tile ``grid`` (defaults: this machine's): never on a grid without them (LANES_GRID)."""
-    grid = _grid(grid)
-    if grid is None or not lanes_built(grid) or not _lanes_fit(batch, m, n, k):
+    if not lanes_built(grid) or not _lanes_fit(batch, m, n, k):
         return False
     vendor = _this_vendor() if vendor is _HERE else vendor
     if vendor in LANES_VENDORS:
         return True
     if k >= m and n <= LANES_MAX_COLUMNS:
         return True
-    return -(-n // grid[1]) * grid[1] >= LANES_PANEL_WASTE * n
+    return -(-n // LANES_GRID[1]) * LANES_GRID[1] >= LANES_PANEL_WASTE * n
 
 
 # The lanes tiles join each 16-lane vector of A from two 8-row panels, an insert every
